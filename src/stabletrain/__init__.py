@@ -1,0 +1,36 @@
+"""stabletrain: make PyTorch training stable, observable and debuggable."""
+
+__version__ = "0.1.0"
+
+from .accumulation import AccumulationWindow, as_sum_count
+from .clipping import GradClipper, grad_norms
+from .config import Config, ConfigError, load_config
+from .metrics import StepMetrics
+from .numerics import all_params_finite, first_nonfinite_grad, grad_total_norm, top_grad_norms
+from .precision import PrecisionPolicy
+from .schedule import LRSchedule
+from .seeding import seed_everything
+from .tasks import Task, resolve_task
+from .loop import Trainer
+
+__all__ = [
+    "__version__",
+    "AccumulationWindow",
+    "as_sum_count",
+    "GradClipper",
+    "grad_norms",
+    "Config",
+    "ConfigError",
+    "load_config",
+    "StepMetrics",
+    "all_params_finite",
+    "first_nonfinite_grad",
+    "grad_total_norm",
+    "top_grad_norms",
+    "PrecisionPolicy",
+    "LRSchedule",
+    "seed_everything",
+    "Task",
+    "resolve_task",
+    "Trainer",
+]

@@ -1,0 +1,127 @@
+"""Per-step training figures kept on the device and reduced on the host once per log interval.
+
+Each step writes a handful of scalars into preallocated device buffers (one row per step of the
+interval). :meth:`StepMetrics.reduce` does the interval's single host-device sync and returns plain
+Python numbers: the interval summary plus every step's row, so events carry exact step numbers.
+
+Keys of the summary (one line of ``metrics.jsonl``):
+
+=====================  ==========================================================================
+step                   last optimizer step of the interval (1-based count of steps taken)
+loss, loss_min,        mean / min / max over the interval of each step's unscaled per-item loss
+loss_max
+grad_norm,             mean / max of the pre-clip global grad norm over finite steps
+grad_norm_max
+grad_norm_post_clip    mean post-clip norm over finite steps
+clip_rate              fraction of steps where clipping fired
+lr                     learning rate after the interval's last step
+loss_scale             GradScaler scale (1.0 without a scaler)
+num_skipped            steps whose update was skipped in the interval (non-finite or overflow)
+num_nonfinite          steps with a non-finite loss or grad norm in the interval
+tokens_per_s,          throughput over the interval's wall time (tokens = items the loss counts)
+samples_per_s
+step_time_s            mean wall time per optimizer step
+peak_memory_mib        CUDA max allocated, or the process's peak RSS on CPU
+epoch, samples_seen,   data progress at the end of the interval
+tokens_seen
+top_grad_layers        the parameters with the largest share of the squared grad norm
+=====================  ==========================================================================
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["StepMetrics", "peak_memory_mib", "COLUMNS"]
+
+# Per-step buffer columns, in order.
+COLUMNS = ("loss", "grad_norm", "grad_norm_post_clip", "clipped", "applied", "finite", "lr", "loss_scale", "count")
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """Return the peak memory in MiB: CUDA max allocated on a GPU, else the process's peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB on Linux
+
+
+@dataclass
+class _Row:
+    step: int
+    values: dict[str, float]
+
+
+class StepMetrics:
+    """Device-side accumulators for one log interval of at most ``capacity`` steps."""
+
+    def __init__(self, capacity: int, num_params: int, device: torch.device) -> None:
+        self.capacity, self.device = capacity, device
+        self.buf = torch.zeros(capacity, len(COLUMNS), dtype=torch.float32, device=device)
+        self.param_sq = torch.zeros(num_params, dtype=torch.float32, device=device)
+        self.steps: list[int] = []
+        self.samples = 0
+
+    def update(self, step: int, *, loss: Tensor, grad_norm: Tensor, post_clip_norm: Tensor, clipped: Tensor,
+               applied: Tensor, finite: Tensor, lr: Tensor | float, loss_scale: Tensor, count: Tensor,
+               per_param_norms: Tensor, num_samples: int) -> None:
+        """Record one step into the device buffers (no sync)."""
+        i = len(self.steps)
+        assert i < self.capacity, "StepMetrics.reduce() must be called every `capacity` steps"
+        lr_t = lr if isinstance(lr, Tensor) else torch.tensor(lr)
+        row = torch.stack([t.detach().float().reshape(()).to(self.device) for t in
+                           (loss, grad_norm, post_clip_norm, clipped, applied, finite, lr_t, loss_scale, count)])
+        self.buf[i].copy_(row)
+        self.param_sq += torch.where(finite, per_param_norms.float() ** 2, 0.0)
+        self.steps.append(step)
+        self.samples += num_samples
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def reduce(self) -> tuple[dict[str, Any], list[_Row], list[float]]:
+        """Return (summary, per-step rows, per-parameter squared-norm sums) and reset. ONE host sync."""
+        n = len(self.steps)
+        if n == 0:
+            return {}, [], []
+        host = torch.cat([self.buf[:n].flatten(), self.param_sq]).tolist()  # the interval's one sync
+        table = [host[r * len(COLUMNS):(r + 1) * len(COLUMNS)] for r in range(n)]
+        param_sq = host[n * len(COLUMNS):]
+        rows = [_Row(step, dict(zip(COLUMNS, vals))) for step, vals in zip(self.steps, table)]
+        finite_rows = [r.values for r in rows if r.values["finite"] > 0.5]
+        losses = [r.values["loss"] for r in rows]
+        summary: dict[str, Any] = {
+            "step": self.steps[-1],
+            "loss": sum(losses) / n,
+            "loss_min": min(losses),
+            "loss_max": max(losses),
+            "grad_norm": (sum(r["grad_norm"] for r in finite_rows) / len(finite_rows)) if finite_rows else float("nan"),
+            "grad_norm_max": max((r["grad_norm"] for r in finite_rows), default=float("nan")),
+            "grad_norm_post_clip": (sum(r["grad_norm_post_clip"] for r in finite_rows) / len(finite_rows)) if finite_rows else float("nan"),
+            "clip_rate": sum(r.values["clipped"] for r in rows) / n,
+            "lr": rows[-1].values["lr"],
+            "loss_scale": rows[-1].values["loss_scale"],
+            "num_skipped": int(sum(1 for r in rows if r.values["applied"] < 0.5)),
+            "num_nonfinite": int(sum(1 for r in rows if r.values["finite"] < 0.5)),
+            "interval_tokens": sum(r.values["count"] for r in rows),
+            "interval_samples": self.samples,
+            "interval_steps": n,
+        }
+        self.buf.zero_()
+        self.param_sq.zero_()
+        self.steps, self.samples = [], 0
+        return summary, rows, param_sq
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"buf": self.buf.clone(), "param_sq": self.param_sq.clone(), "steps": list(self.steps), "samples": self.samples}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.buf.copy_(state["buf"])
+        self.param_sq.copy_(state["param_sq"])
+        self.steps, self.samples = list(state["steps"]), int(state["samples"])

@@ -1,0 +1,137 @@
+"""One precision policy: fp32, bf16 autocast (no scaler) or fp16 autocast with a GradScaler.
+
+The optimizer step never reads a flag on the host when the optimizer can skip on the device: fused
+AdamW/Adam/SGD take a ``found_inf`` tensor and leave parameters and state untouched when it is 1
+(the path GradScaler itself uses). Other optimizers cost one documented host sync per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["PrecisionPolicy", "resolve_precision", "resolve_device"]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_device(spec: str = "auto") -> torch.device:
+    """Return the torch device for a config value: ``auto`` is cuda when available, else cpu."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise ValueError(f"config key 'device': not a torch device, got {spec!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"config key 'device': {spec!r} asked for, but CUDA is not available on this machine; use device=cpu or auto")
+    return device
+
+
+def resolve_precision(mode: str, device: torch.device) -> str:
+    """Return the concrete precision (fp32, bf16, fp16) for ``mode`` on ``device``; refuse what can't run."""
+    if mode == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return "bf16"
+        return "fp32"
+    if mode == "fp16" and device.type != "cuda":
+        raise ValueError(
+            f"config key 'precision': fp16 needs a CUDA device (GradScaler and fp16 autocast), got precision=fp16 on {device.type}; "
+            "use precision=bf16 or fp32 on CPU"
+        )
+    if mode == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError("config key 'precision': bf16 is not supported by this GPU; use precision=fp16 (with a GradScaler) or fp32")
+    if mode not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"config key 'precision': expected auto, fp32, bf16 or fp16, got {mode!r}")
+    return mode
+
+
+class PrecisionPolicy:
+    """Autocast, loss scaling, unscaling and a skip-aware optimizer step for one precision mode.
+
+    Usage in a user's own loop::
+
+        policy = PrecisionPolicy("auto", device)
+        with policy.autocast():
+            loss = model(x).float().mean()
+        policy.backward(loss)
+        policy.unscale_(optimizer)                  # before measuring or clipping grads
+        norm = grad_total_norm(model.parameters())
+        applied = policy.step(optimizer, torch.isfinite(norm))   # device bool; no sync if fused
+    """
+
+    def __init__(self, mode: str = "auto", device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.mode = resolve_precision(mode, self.device)
+        self.dtype = _DTYPES.get(self.mode, torch.float32)
+        # Only fp16 needs a scaler: bf16 has fp32's exponent range, so small grads do not underflow.
+        self.scaler = torch.amp.GradScaler(self.device.type) if self.mode == "fp16" else None
+        self._warned_sync = False
+
+    @property
+    def autocast_enabled(self) -> bool:
+        return self.mode != "fp32"
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Return the autocast context for this mode (a no-op context in fp32)."""
+        if not self.autocast_enabled:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+    def backward(self, loss: Tensor) -> None:
+        """Backpropagate ``loss``, multiplied by the loss scale in fp16."""
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the grads by the loss scale in place (fp16 only), so norms and clipping see true values."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def loss_scale(self) -> Tensor:
+        """Return the current loss scale as a device tensor (1.0 without a scaler); no sync."""
+        if self.scaler is not None and self.scaler._scale is not None:  # _scale: the scaler's device tensor
+            return self.scaler._scale.detach().float().reshape(())
+        return torch.ones((), device=self.device)
+
+    def step(self, optimizer: torch.optim.Optimizer, finite: Tensor) -> Tensor:
+        """Step the optimizer unless ``finite`` (0-dim bool tensor) is False; return the applied flag.
+
+        In fp16 the GradScaler decides (it skips on overflow and backs off the scale). Otherwise a fused
+        optimizer skips on the device through ``found_inf``; any other optimizer needs one host sync
+        here, once per step (warned once).
+        """
+        if self.scaler is not None:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+            return finite
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            optimizer.grad_scale = None
+            optimizer.found_inf = (~finite).float()
+            try:
+                optimizer.step()
+            finally:
+                del optimizer.grad_scale, optimizer.found_inf
+            return finite
+        if not self._warned_sync:
+            warnings.warn(
+                f"{type(optimizer).__name__} cannot skip a step on the device; stabletrain reads the finiteness flag "
+                "on the host once per step (a sync). Use fused=True (AdamW, Adam, SGD) to avoid it.",
+                stacklevel=2,
+            )
+            self._warned_sync = True
+        if bool(finite):  # the one documented per-step sync for non-fused optimizers
+            optimizer.step()
+        return finite
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["mode"] != self.mode:
+            raise ValueError(f"precision state was saved with mode {state['mode']!r}, this policy is {self.mode!r}")
+        if self.scaler is not None and state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])

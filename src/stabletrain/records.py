@@ -1,0 +1,179 @@
+"""The run directory and its sinks: config, snapshot, metrics, events, TensorBoard.
+
+Everything a run knows lands here in plain formats (DESIGN.md, principle 5)::
+
+    RUN_DIR/config.yaml     the resolved config, every default written out
+    RUN_DIR/snapshot.json   code version, library versions, device, seed, data fingerprint
+    RUN_DIR/metrics.jsonl   one line per log interval (keys: see stabletrain.metrics)
+    RUN_DIR/events.jsonl    one line per event: {"step", "kind", "reason", ...}
+    RUN_DIR/tb/             TensorBoard event files
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from .config import Config, config_hash, config_to_dict
+
+__all__ = ["RunDir", "JsonlWriter", "read_jsonl", "build_snapshot", "git_info"]
+
+
+def _clean(value: Any) -> Any:
+    """Make a value JSON-safe: non-finite floats become the strings "nan", "inf", "-inf"."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+class JsonlWriter:
+    """Append JSON lines to a file, flushed after each line so a reader sees a run in progress."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fh = open(path, "a", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._fh.write(json.dumps(_clean(record), sort_keys=False) + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def read_jsonl(path: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """Return (records, problems) of a JSON-lines file; a malformed line is a problem naming file and line."""
+    records, problems = [], []
+    path = Path(path)
+    if not path.exists():
+        return records, problems
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as err:
+                problems.append(f"{path}:{lineno}: malformed JSON ({err.msg})")
+                continue
+            if not isinstance(rec, dict):
+                problems.append(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+                continue
+            records.append(rec)
+    return records, problems
+
+
+def git_info(path: Path) -> dict[str, Any]:
+    """Return the git commit, dirty flag and a hash of the dirty diff for the repo holding ``path``."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=path, capture_output=True, text=True, timeout=10, check=True).stdout
+
+    try:
+        commit = git("rev-parse", "HEAD").strip()
+        status = git("status", "--porcelain")
+        diff = git("diff", "HEAD") if status else ""
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+    return {"commit": commit, "dirty": bool(status),
+            "diff_sha256": hashlib.sha256(diff.encode()).hexdigest()[:16] if status else None}
+
+
+def build_snapshot(cfg: Config, device: torch.device, precision: str, data_fingerprint: str | None,
+                   extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Return what identifies a run: code, libraries, device, seed, data, config hash."""
+    from . import __version__
+
+    dev: dict[str, Any] = {"type": device.type, "cpu": platform.processor() or platform.machine(),
+                           "num_threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        dev.update(name=props.name, total_memory_mib=props.total_memory // 2**20, capability=f"{props.major}.{props.minor}")
+    snap = {
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": sys.argv,
+        "cwd": os.getcwd(),
+        "git": git_info(Path.cwd()),
+        "versions": {"python": platform.python_version(), "torch": torch.__version__, "stabletrain": __version__,
+                     "numpy": __import__("numpy").__version__},
+        "platform": platform.platform(),
+        "device": dev,
+        "precision": precision,
+        "seed": cfg.seed,
+        "deterministic": cfg.deterministic,
+        "data_fingerprint": data_fingerprint,
+        "config_hash": config_hash(cfg),
+    }
+    snap.update(extra or {})
+    return snap
+
+
+class RunDir:
+    """A run directory: creates it, writes config and snapshot, and owns the metric/event sinks.
+
+    Only the writing process (rank 0) should create one.
+    """
+
+    def __init__(self, path: str | Path, *, resume: bool = False, overwrite: bool = False) -> None:
+        self.path = Path(path)
+        if self.path.exists() and not resume and (self.path / "metrics.jsonl").exists() and not overwrite:
+            raise FileExistsError(
+                f"run directory {str(self.path)!r} already holds a run; resume it with --resume {self.path}, "
+                "pick another run.dir, or pass run.overwrite=true"
+            )
+        self.path.mkdir(parents=True, exist_ok=True)
+        if overwrite and not resume:
+            for name in ("metrics.jsonl", "events.jsonl"):
+                (self.path / name).unlink(missing_ok=True)
+        self.metrics = JsonlWriter(self.path / "metrics.jsonl")
+        self.events = JsonlWriter(self.path / "events.jsonl")
+
+    def write_config(self, cfg: Config) -> None:
+        with open(self.path / "config.yaml", "w", encoding="utf-8") as fh:
+            yaml.safe_dump(config_to_dict(cfg), fh, sort_keys=False)
+
+    def write_snapshot(self, snapshot: dict[str, Any]) -> None:
+        (self.path / "snapshot.json").write_text(json.dumps(_clean(snapshot), indent=2) + "\n", encoding="utf-8")
+
+    def event(self, step: int, kind: str, reason: str, **fields: Any) -> dict[str, Any]:
+        record = {"step": step, "kind": kind, "reason": reason, "time": round(time.time(), 3), **fields}
+        self.events.write(record)
+        return record
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.events.close()
+
+
+class TensorBoardSink:
+    """Write scalar metrics with TensorBoard's real ``SummaryWriter`` into ``RUN_DIR/tb``."""
+
+    def __init__(self, log_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def write(self, record: dict[str, Any]) -> None:
+        step = int(record["step"])
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                group = "val" if key.startswith("val_") else "train"
+                self.writer.add_scalar(f"{group}/{key}", value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()

@@ -1,0 +1,57 @@
+"""Seeding and RNG state of every generator a run draws from: python, numpy, torch CPU and CUDA."""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["seed_everything", "set_deterministic", "seed_worker", "rng_state", "set_rng_state"]
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python's ``random``, numpy and torch (CPU and every CUDA device)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def set_deterministic(enabled: bool) -> None:
+    """Turn torch's deterministic algorithms (and deterministic cuDNN/cuBLAS) on or off."""
+    if enabled:
+        # cuBLAS needs this workspace setting to be deterministic; set before the first CUDA matmul.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(enabled)
+    torch.backends.cudnn.deterministic = enabled
+    torch.backends.cudnn.benchmark = False
+
+
+def seed_worker(worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: seed python and numpy from the torch seed DataLoader gave this worker."""
+    worker_seed = torch.initial_seed() % 2**32
+    np.random.seed(worker_seed)
+    random.seed(worker_seed)
+
+
+def rng_state() -> dict[str, Any]:
+    """Return the state of every RNG (python, numpy, torch CPU, each CUDA device)."""
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore RNG states saved by :func:`rng_state`."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
