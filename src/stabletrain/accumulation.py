@@ -32,7 +32,10 @@ def as_sum_count(out: Any, num_samples: int) -> tuple[Tensor, Tensor]:
         loss_sum, count = out
         if not isinstance(loss_sum, Tensor) or loss_sum.dim() != 0:
             raise ValueError("task loss returned a pair whose first element is not a scalar tensor (the loss sum)")
-        count = torch.as_tensor(count, dtype=torch.float32, device=loss_sum.device).reshape(())
+        if isinstance(count, Tensor):
+            count = count.to(device=loss_sum.device, dtype=torch.float32).reshape(())
+        else:  # a host number: fill on the device rather than copy from host memory
+            count = torch.full((), float(count), dtype=torch.float32, device=loss_sum.device)
         return loss_sum.float(), count.float()
     raise ValueError(f"task loss returned {type(out).__name__}; return a scalar mean or a (sum, count) pair")
 

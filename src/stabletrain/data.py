@@ -92,10 +92,10 @@ class WindowStream:
     """
 
     def __init__(self, dataset: Dataset, order: EpochOrder, accum_steps: int, *,
-                 collate: Callable[[list[Any]], Any] | None = None, workers: int = 0) -> None:
+                 collate: Callable[[list[Any]], Any] | None = None, workers: int = 0, pin_memory: bool = False) -> None:
         self.dataset, self.order, self.accum_steps = dataset, order, accum_steps
         self.collate = collate or default_collate
-        self.workers = workers
+        self.workers, self.pin_memory = workers, pin_memory
         self.epoch, self.pos = 0, 0
         self._iter: Iterator[Any] | None = None
         self._batches: list[list[int]] = []
@@ -106,7 +106,7 @@ class WindowStream:
         g = torch.Generator().manual_seed(self.order.seed * 7919 + self.epoch)
         loader = DataLoader(self.dataset, batch_sampler=remaining, collate_fn=self.collate,
                             num_workers=self.workers, worker_init_fn=seed_worker if self.workers else None,
-                            generator=g, persistent_workers=False)
+                            generator=g, persistent_workers=False, pin_memory=self.pin_memory)
         self._iter = iter(loader)
 
     def next_window(self) -> Window:

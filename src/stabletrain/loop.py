@@ -94,7 +94,7 @@ class Trainer:
         self.window = AccumulationWindow(self.params)
         order = EpochOrder(len(self.task.train_data), cfg.train.batch_size, cfg.seed, cfg.data.shuffle)
         self.stream = WindowStream(self.task.train_data, order, cfg.accum.steps, collate=self.task.collate,
-                                   workers=cfg.data.workers)
+                                   workers=cfg.data.workers, pin_memory=self.device.type == "cuda")
         self.metrics = StepMetrics(cfg.log.every, len(self.params), self.device)
         self.step = 0  # optimizer steps taken (skipped ones included)
         self.samples_seen = 0
@@ -103,6 +103,8 @@ class Trainer:
         self._tb: TensorBoardSink | None = None
         self._bar: Any = None
         self.history: list[dict[str, Any]] = []  # every metrics record of this process
+        self._interval_start = time.perf_counter()
+        self._eval_seconds = 0.0
         if run_dir is not None:
             self.run = RunDir(run_dir, overwrite=cfg.run.overwrite)
             self.run.write_config(cfg)

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -135,10 +136,9 @@ class RunDir:
                 f"run directory {str(self.path)!r} already holds a run; resume it with --resume {self.path}, "
                 "pick another run.dir, or pass run.overwrite=true"
             )
+        if overwrite and not resume and (self.path / "config.yaml").exists():
+            shutil.rmtree(self.path)  # only a directory that holds a run (it has config.yaml) is replaced
         self.path.mkdir(parents=True, exist_ok=True)
-        if overwrite and not resume:
-            for name in ("metrics.jsonl", "events.jsonl"):
-                (self.path / name).unlink(missing_ok=True)
         self.metrics = JsonlWriter(self.path / "metrics.jsonl")
         self.events = JsonlWriter(self.path / "events.jsonl")
 

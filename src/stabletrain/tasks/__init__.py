@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +85,8 @@ def _import_factory(spec: str) -> Callable[..., Task]:
     if ":" not in spec:
         raise TaskError(f"config key 'task': expected a built-in task ({', '.join(BUILTIN_TASKS)}) or 'module:function', got {spec!r}")
     module_name, func_name = spec.split(":", 1)
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # like `python -m`: the user's project directory is importable
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:

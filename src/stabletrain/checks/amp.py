@@ -1,0 +1,81 @@
+"""``amp``: under autocast, which ops ran in low precision and which in fp32; the loss is fp32;
+a model cast wholesale with ``.half()`` is flagged."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..accumulation import as_sum_count
+from ..precision import PrecisionPolicy
+from . import CheckContext, CheckResult, fixed_batch, register
+
+_LOW = (torch.float16, torch.bfloat16)
+_MATMUL = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_dot_product", "convolution", "conv")
+
+
+class _DtypeRecorder(TorchDispatchMode):
+    """Count each aten op by the dtype of its floating output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.low: Counter[str] = Counter()
+        self.fp32: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        first = out[0] if isinstance(out, (tuple, list)) and out else out
+        if isinstance(first, torch.Tensor) and first.is_floating_point():
+            name = func.overloadpacket.__name__
+            if name not in ("_to_copy", "clone", "detach", "view", "t", "transpose", "expand", "_unsafe_view"):
+                (self.low if first.dtype in _LOW else self.fp32)[name] += 1
+        return out
+
+
+def _raw_dtype(task, model, batch, policy: PrecisionPolicy) -> torch.dtype:
+    """The dtype of the loss exactly as the task returns it under autocast (before stabletrain's .float())."""
+    with policy.autocast():
+        out = task.loss(model, batch)
+    return (out[0] if isinstance(out, (tuple, list)) else out).dtype
+
+
+@register("amp", order=30)
+def check_amp(ctx: CheckContext) -> CheckResult:
+    """Audit op dtypes under autocast, the loss dtype and the parameter dtypes."""
+    task = ctx.make_task()
+    device = ctx.device
+    model = task.model.to(device).train()
+    half_params = [n for n, p in model.named_parameters() if p.dtype in _LOW]
+    # Audit the configured low precision, or on fp32 the one this device would use (bf16 on CPU).
+    policy = PrecisionPolicy(ctx.cfg.precision, device)
+    audited = policy.mode
+    if not policy.autocast_enabled:
+        audited = "bf16" if device.type == "cpu" or torch.cuda.is_bf16_supported() else "fp16"
+        policy = PrecisionPolicy(audited, device)
+    _, batch = fixed_batch(task, ctx.cfg.train.batch_size, device)
+    recorder = _DtypeRecorder()
+    with policy.autocast(), recorder:
+        as_sum_count(task.loss(model, batch), ctx.cfg.train.batch_size)
+    low_matmuls = sum(v for k, v in recorder.low.items() if any(m in k for m in _MATMUL))
+    raw_dtype = _raw_dtype(task, model, batch, policy)
+    loss_fp32 = raw_dtype == torch.float32
+    passed = not half_params and loss_fp32 and low_matmuls > 0
+    details = [f"low precision ({audited}): " + ", ".join(f"{k} x{v}" for k, v in recorder.low.most_common(12)),
+               "fp32: " + ", ".join(f"{k} x{v}" for k, v in recorder.fp32.most_common(12))]
+    if half_params:
+        details.append(f"{len(half_params)} parameter(s) are stored in half precision (e.g. {half_params[0]}): the model was cast "
+                       "wholesale (.half()/.bfloat16()); keep fp32 weights and let autocast choose per op")
+    if not loss_fp32:
+        details.append(f"the task loss is {raw_dtype}: reduce it in fp32 (e.g. cross_entropy(logits.float(), y))")
+    if low_matmuls == 0:
+        details.append("no matmul/conv ran in low precision: autocast is not reaching the model's compute")
+    summary = (f"autocast {audited} on {device.type}: {sum(recorder.low.values())} ops low precision "
+               f"({low_matmuls} matmul/conv), {sum(recorder.fp32.values())} in fp32; loss {raw_dtype}; "
+               f"{len(half_params)} half-precision parameters")
+    return CheckResult("amp", passed, summary,
+                       numbers={"audited": audited, "configured": ctx.cfg.precision, "low_precision_ops": sum(recorder.low.values()),
+                                "low_precision_matmuls": low_matmuls, "fp32_ops": sum(recorder.fp32.values()),
+                                "loss_dtype": str(raw_dtype), "half_params": len(half_params)},
+                       details=details)

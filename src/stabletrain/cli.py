@@ -1,0 +1,158 @@
+"""The ``stabletrain`` command line: train, check, diagnose, report, compare.
+
+A user error (bad config key or value, missing file, unusable task) prints one line
+``stabletrain: error: ...`` and exits with code 2; a failed check exits with code 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+from pathlib import Path
+
+from .config import ConfigError, describe_keys, load_config
+
+__all__ = ["main"]
+
+
+def _keys_help() -> str:
+    rows = describe_keys()
+    width = max(len(k) for k, _, _ in rows)
+    lines = ["config keys (set in --config YAML or as dotted key=value overrides):", ""]
+    for key, default, help_text in rows:
+        wrapped = textwrap.wrap(help_text, 100 - width - 4) or [""]
+        lines.append(f"  {key:<{width}}  {wrapped[0]}")
+        lines.extend(f"  {'':<{width}}  {w}" for w in wrapped[1:])
+        lines.append(f"  {'':<{width}}  default: {default}")
+    return "\n".join(lines)
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="YAML config file; overrides on the command line win")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, e.g. optim.lr=3e-4 accum.steps=4")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stabletrain",
+        description="Make PyTorch training stable, observable and debuggable.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=textwrap.dedent("""\
+            examples:
+              stabletrain train                                   # the default task (byte-level GPT on stdlib sources)
+              stabletrain train --config my.yaml optim.lr=3e-4 accum.steps=4 precision=bf16
+              stabletrain train task=mypkg.mymodule:make_task     # your own model and data
+              stabletrain check                                   # the doctor, on the configured task
+              stabletrain report runs/gpt-20260101-120000         # an HTML report of a run
+            """),
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    train = sub.add_parser("train", help="train a task and write its run directory",
+                           formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_keys_help(),
+                           description="Train the configured task; write config, snapshot, metrics, events and TensorBoard logs.")
+    _add_config_args(train)
+    train.add_argument("--report", action="store_true", help="write RUN_DIR/report.html at the end of training")
+
+    check = sub.add_parser("check", help="run the doctor: sanity checks on the configured task",
+                           formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_keys_help(),
+                           description="Run sanity checks (default: all) on the configured task; exit 1 if any fails.")
+    check.add_argument("names", nargs="*", metavar="CHECK|key=value",
+                       help="checks to run (default: every default check); key=value items are config overrides")
+    check.add_argument("--config", metavar="FILE", help="YAML config file")
+    check.add_argument("--json", action="store_true", help="print the results as JSON")
+    check.add_argument("--list", action="store_true", help="list the available checks and exit")
+    check.add_argument("--compare", metavar="A,B,...", help="init check: compare these init schemes on one plot")
+    check.add_argument("--out-dir", metavar="DIR", default=".", help="where checks write files such as plots (default: .)")
+
+    report = sub.add_parser("report", help="write RUN_DIR/report.html from a run directory")
+    report.add_argument("run_dir", metavar="RUN_DIR")
+
+    compare = sub.add_parser("compare", help="compare runs: config differences and overlaid curves")
+    compare.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    compare.add_argument("--out", metavar="FILE", help="output HTML file (default: compare.html)")
+    return parser
+
+
+def _split_check_args(items: list[str]) -> tuple[list[str], list[str]]:
+    names = [i for i in items if "=" not in i]
+    overrides = [i for i in items if "=" in i]
+    return names, overrides
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .loop import Trainer, default_run_dir
+
+    cfg = load_config(args.config, args.overrides)
+    run_dir = Path(cfg.run.dir) if cfg.run.dir else default_run_dir(cfg)
+    trainer = Trainer(cfg, run_dir=run_dir)
+    record = trainer.fit()
+    shown = ", ".join(f"{k}={record[k]:.4g}" for k in ("loss", "val_loss", "grad_norm") if isinstance(record.get(k), float))
+    print(f"stabletrain: trained {trainer.step} steps; {shown}; run directory: {run_dir}")
+    if args.report:
+        from .report import write_report
+
+        print(f"stabletrain: report written to {write_report(run_dir)}")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from .checks import CHECKS, CheckContext, _load_builtin_checks, format_table, run_checks, to_json
+
+    _load_builtin_checks()
+    if args.list:
+        for name in CHECKS:
+            doc = (CHECKS[name].__doc__ or "").strip().splitlines()
+            print(f"{name:<12} {doc[0] if doc else ''}")
+        return 0
+    names, overrides = _split_check_args(args.names)
+    cfg = load_config(args.config, overrides)
+    options = {"compare": args.compare.split(",") if args.compare else None, "out_dir": args.out_dir}
+    results = run_checks(CheckContext(cfg, options=options), names or None)
+    print(to_json(results) if args.json else format_table(results))
+    return 0 if all(r.passed for r in results) else 1
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .report import write_report
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "metrics.jsonl").exists() and not (run_dir / "config.yaml").exists():
+        raise FileNotFoundError(f"run directory {str(run_dir)!r}: no metrics.jsonl or config.yaml there; is it a stabletrain run?")
+    print(f"stabletrain: report written to {write_report(run_dir)}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from .report import write_compare
+
+    for d in args.run_dirs:
+        if not (Path(d) / "metrics.jsonl").exists():
+            raise FileNotFoundError(f"run directory {d!r}: no metrics.jsonl there; is it a stabletrain run?")
+    print(f"stabletrain: comparison written to {write_compare(args.run_dirs, args.out)}")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "check": cmd_check, "report": cmd_report, "compare": cmd_compare}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return COMMANDS[args.command](args)
+    except (ConfigError, ValueError, TypeError, FileNotFoundError, FileExistsError) as err:
+        # User errors: one clear line, no traceback.
+        print(f"stabletrain: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("stabletrain: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

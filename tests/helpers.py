@@ -1,0 +1,86 @@
+"""Tiny tasks and models shared by the tests (CPU, fast, deterministic)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+from stabletrain import Task, load_config
+
+FAST = ["log.progress=false", "log.tensorboard=false"]
+
+
+def cfg(*overrides: str, task: str = "mlp"):
+    """A quick CPU config: the mlp task (or ``task``), no progress bar, no TensorBoard unless asked."""
+    return load_config(None, [f"task={task}", *FAST, *overrides])
+
+
+def regression_task(n: int = 64, dim: int = 4, dropout: float = 0.0, seed: int = 0) -> Task:
+    """y = x @ w + noise; a scalar-mean MSE loss."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim, generator=g)
+    y = x @ torch.randn(dim, 1, generator=g) + 0.1 * torch.randn(n, 1, generator=g)
+    layers: list[nn.Module] = [nn.Linear(dim, 16), nn.Tanh()]
+    if dropout:
+        layers.append(nn.Dropout(dropout))
+    layers.append(nn.Linear(16, 1))
+    model = nn.Sequential(*layers)
+    return Task(model=model, train_data=TensorDataset(x, y), loss=lambda m, b: F.mse_loss(m(b[0]), b[1]), name="regression")
+
+
+class VarLenSequences(Dataset):
+    """Sequences of lengths 1..max_len (padded, with a mask): per-token targets."""
+
+    def __init__(self, n: int = 64, max_len: int = 12, dim: int = 3, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.lengths = torch.randint(1, max_len + 1, (n,), generator=g)
+        self.x = torch.randn(n, max_len, dim, generator=g)
+        self.y = torch.randn(n, max_len, generator=g)
+        self.mask = (torch.arange(max_len)[None, :] < self.lengths[:, None]).float()
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i], self.mask[i]
+
+
+def varlen_loss(model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of per-token squared errors over real tokens, number of real tokens)."""
+    x, y, mask = batch
+    err = (model(x).squeeze(-1) - y) ** 2
+    return (err * mask).sum(), mask.sum()
+
+
+def varlen_task(seed: int = 0) -> Task:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+    return Task(model=model, train_data=VarLenSequences(seed=seed), loss=varlen_loss, name="varlen", count_unit="tokens")
+
+
+class PoisonAt(nn.Module):
+    """Wrap a model; multiply its output by ``value`` (e.g. nan or inf) on the listed forward calls."""
+
+    def __init__(self, inner: nn.Module, calls: set[int], value: float = float("nan")) -> None:
+        super().__init__()
+        self.inner, self.calls, self.value, self.n = inner, set(calls), value, 0
+
+    def forward(self, x):
+        out = self.inner(x)
+        self.n += 1
+        if self.n in self.calls:
+            out = out * self.value
+        return out
+
+
+def params_of(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def make_user_task(width: int = 16) -> Task:
+    """A user factory, importable as ``helpers:make_user_task`` (tests put tests/ on sys.path)."""
+    task = regression_task()
+    task.model = nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 1))
+    return task

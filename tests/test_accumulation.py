@@ -1,0 +1,97 @@
+"""Accumulation: k micro-batches give the same update as one big batch, tail and variable length included."""
+
+import pytest
+import torch
+from torch.utils.data import default_collate
+
+from helpers import cfg, regression_task, varlen_task
+from stabletrain import Trainer
+from stabletrain.accumulation import AccumulationWindow, as_sum_count
+
+RTOL = 1e-5  # fp32: only summation order differs
+
+
+def _grads(model):
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def _collate(task, idx):
+    return default_collate([task.train_data[i] for i in idx])
+
+
+def _big(task, idx):
+    task.model.zero_grad(set_to_none=True)
+    loss_sum, count = as_sum_count(task.loss(task.model, _collate(task, idx)), len(idx))
+    (loss_sum / count).backward()
+    return _grads(task.model)
+
+
+def _window(task, chunks):
+    task.model.zero_grad(set_to_none=True)
+    window = AccumulationWindow(list(task.model.parameters()))
+    for i, idx in enumerate(chunks):
+        loss_sum, count = as_sum_count(task.loss(task.model, _collate(task, idx)), len(idx))
+        window.normalize(loss_sum, count, last=i == len(chunks) - 1).backward()
+    return _grads(task.model), window
+
+
+def _naive(task, chunks):
+    task.model.zero_grad(set_to_none=True)
+    for idx in chunks:
+        loss_sum, count = as_sum_count(task.loss(task.model, _collate(task, idx)), len(idx))
+        (loss_sum / count / len(chunks)).backward()
+    return _grads(task.model)
+
+
+@pytest.mark.parametrize("make", [regression_task, varlen_task], ids=["mean-loss-tail", "varlen-sum-count"])
+def test_window_equals_big_batch_and_naive_differs(make):
+    torch.manual_seed(0)
+    task = make()
+    chunks = [list(range(0, 8)), list(range(8, 16)), list(range(16, 24)), list(range(24, 27))]  # short tail
+    everything = [i for c in chunks for i in c]
+    g_big = _big(task, everything)
+    g_acc, window = _window(task, chunks)
+    g_naive = _naive(task, chunks)
+    scale = g_big.abs().max()
+    assert torch.allclose(g_acc, g_big, rtol=0, atol=RTOL * scale), (g_acc - g_big).abs().max()
+    naive_err = (g_naive - g_big).abs().max()
+    assert naive_err > 100 * RTOL * scale, f"the naive mean-of-means should be visibly wrong here, err={naive_err}"
+    # The logged loss is the unscaled per-item mean of the whole window.
+    with torch.no_grad():
+        loss_sum, count = as_sum_count(task.loss(task.model, _collate(task, everything)), len(everything))
+    assert torch.allclose(window.mean_loss, loss_sum / count, rtol=1e-6)
+
+
+def test_as_sum_count_contract():
+    s, c = as_sum_count(torch.tensor(2.0), 4)
+    assert (s.item(), c.item()) == (8.0, 4.0)
+    s, c = as_sum_count((torch.tensor(6.0), 3), 99)
+    assert (s.item(), c.item()) == (6.0, 3.0)
+    with pytest.raises(ValueError, match="shape"):
+        as_sum_count(torch.ones(3), 3)
+    with pytest.raises(ValueError, match="scalar mean or a \\(sum, count\\)"):
+        as_sum_count("nope", 3)
+
+
+def _train(accum, batch, steps, n=60, make=regression_task):
+    torch.manual_seed(0)
+    task = make()
+    task.train_data = torch.utils.data.Subset(task.train_data, range(n))
+    c = cfg(f"accum.steps={accum}", f"train.batch_size={batch}", f"train.max_steps={steps}", "log.every=1",
+            "clip.max_norm=null", "optim.lr=0.01", "sched.warmup_steps=0")
+    trainer = Trainer(c, task=task)
+    trainer.fit()
+    return trainer
+
+
+@pytest.mark.parametrize("make", [regression_task, varlen_task], ids=["mean-loss", "varlen"])
+def test_trainer_accumulation_matches_big_batch_across_an_epoch_tail(make):
+    # 60 samples: batch 16 -> steps of 16,16,16,12; batch 4 x accum 4 -> windows of 4,4,4,3 micro-batches.
+    big = _train(1, 16, 6, make=make)
+    acc = _train(4, 4, 6, make=make)
+    assert big.stream.epoch == acc.stream.epoch == 1
+    for a, b in zip(big.model.parameters(), acc.model.parameters()):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6), (a - b).abs().max()
+    losses_big = [r["loss"] for r in big.history]
+    losses_acc = [r["loss"] for r in acc.history]
+    assert losses_acc == pytest.approx(losses_big, rel=1e-5)

@@ -1,0 +1,87 @@
+"""The fit loop: determinism, data progress, the built-in tasks and the task contract."""
+
+import pytest
+import torch
+
+from helpers import cfg, make_user_task
+from stabletrain import Trainer, resolve_task
+from stabletrain.metrics import StepMetrics
+from stabletrain.tasks import TaskError
+
+TIMING = {"tokens_per_s", "samples_per_s", "step_time_s", "peak_memory_mib"}
+
+
+def _metrics(*overrides):
+    trainer = Trainer(cfg("train.max_steps=24", "log.every=6", "eval.every=12", *overrides))
+    trainer.fit()
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in trainer.history], trainer
+
+
+def test_same_seed_same_metrics_and_parameters():
+    a, ta = _metrics("task_args.dropout=0.2", "accum.steps=2")
+    b, tb = _metrics("task_args.dropout=0.2", "accum.steps=2")
+    assert a == b
+    assert all(torch.equal(x, y) for x, y in zip(ta.model.parameters(), tb.model.parameters()))
+    c, _ = _metrics("task_args.dropout=0.2", "accum.steps=2", "seed=1")
+    assert c != a
+
+
+def test_data_progress_and_throughput_fields():
+    records, trainer = _metrics("train.batch_size=100", "task_args.num_samples=1000")
+    last = records[-1]
+    # 1000 samples / 100 per step = 10 steps per epoch; 24 steps = 2 epochs + 4 steps.
+    assert last["epoch"] == 2 and last["samples_seen"] == 2400 and last["tokens_seen"] == 2400
+    assert trainer.history[-1]["samples_per_s"] > 0 and trainer.history[-1]["peak_memory_mib"] > 0
+    assert "val_loss" in records[1] and "val_loss" not in records[0]
+
+
+def test_gpt_task_contract_and_data():
+    task = resolve_task("gpt", {"n_layer": 1, "n_embd": 32, "n_head": 2, "seq_len": 16, "max_bytes": 100_000})
+    x, y = task.train_data[3]
+    assert x.shape == y.shape == (16,) and torch.equal(x[1:], y[:-1])
+    assert task.count_unit == "tokens" and task.data_fingerprint.startswith("stdlib-py:")
+    again = resolve_task("gpt", {"n_layer": 1, "n_embd": 32, "n_head": 2, "seq_len": 16, "max_bytes": 100_000})
+    assert again.data_fingerprint == task.data_fingerprint and torch.equal(again.train_data[5][0], task.train_data[5][0])
+    assert task.model.head.weight is task.model.wte.weight  # tied embeddings
+    loss_sum, count = task.loss(task.model, (x[None], y[None]))
+    assert count == 16 and loss_sum.dtype == torch.float32
+    assert loss_sum.item() / 16 == pytest.approx(torch.log(torch.tensor(256.0)).item(), rel=0.05)
+
+
+def test_gpt_validation_loss_falls():
+    c = cfg("train.max_steps=40", "log.every=20", "eval.every=20", "eval.batches=4", "optim.lr=3e-3",
+            "task_args.n_layer=2", "task_args.n_embd=64", "task_args.seq_len=64", "task_args.max_bytes=400000",
+            task="gpt")
+    trainer = Trainer(c)
+    first = trainer.evaluate()["val_loss"]
+    trainer.fit()
+    assert trainer.history[-1]["val_loss"] < 0.7 * first
+
+
+def test_user_task_contract_errors():
+    with pytest.raises(TaskError, match="task_args.nope"):
+        resolve_task("helpers:make_user_task", {"nope": 1})
+    with pytest.raises(TaskError, match="has no callable 'missing'"):
+        resolve_task("helpers:missing")
+    with pytest.raises(TaskError, match="expected a built-in task"):
+        resolve_task("gtp")
+    task = resolve_task("helpers:make_user_task", {"width": 5})
+    assert task.model[0].out_features == 5 and task.name == "regression"
+
+
+def test_step_metrics_reduce_and_state_roundtrip():
+    m = StepMetrics(4, num_params=2, device=torch.device("cpu"))
+    t = torch.tensor
+    for i, (loss, norm, ok) in enumerate([(2.0, 1.0, True), (4.0, float("inf"), False), (3.0, 3.0, True)]):
+        m.update(i + 1, loss=t(loss), grad_norm=t(norm), post_clip_norm=t(min(norm, 2.0)), clipped=t(norm > 2.0 and ok),
+                 applied=t(ok), finite=t(ok), lr=t(0.1), loss_scale=t(1.0), count=t(8.0),
+                 per_param_norms=t([norm, 0.0]), num_samples=8)
+    clone = StepMetrics(4, 2, torch.device("cpu"))
+    clone.load_state_dict(m.state_dict())
+    summary, rows, param_sq = m.reduce()
+    assert summary["loss"] == 3.0 and summary["loss_min"] == 2.0 and summary["loss_max"] == 4.0
+    assert summary["grad_norm"] == 2.0 and summary["grad_norm_max"] == 3.0  # finite steps only
+    assert summary["num_skipped"] == 1 and summary["num_nonfinite"] == 1 and summary["clip_rate"] == pytest.approx(1 / 3)
+    assert [r.step for r in rows] == [1, 2, 3] and param_sq == [10.0, 0.0]
+    assert clone.reduce()[0] == summary
+    assert len(m) == 0
