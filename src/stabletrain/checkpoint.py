@@ -1,0 +1,652 @@
+"""Checkpoints that are never written from a bad state and never leave a run without a good one.
+
+Layout (DESIGN.md, "Run directory")::
+
+    RUN_DIR/checkpoints/
+        step_000100/state.pt    the whole state (``Trainer.state_dict()``); loads with torch.load(weights_only=True)
+        step_000100/meta.json   step, time, sha256 and size of state.pt, versions, and the caller's meta (config)
+        LAST_GOOD               one line: the name of the newest verified checkpoint directory
+
+One :meth:`CheckpointManager.save` (DESIGN.md, principle 4: nothing bad is persisted)::
+
+    check the model and optimizer state are finite    # one fused pass, one host read; else write nothing
+    write step_000100.tmp-<pid>/state.pt, meta.json   # each flushed and fsynced, then the directory
+    verify the temporary copy                         # sha256, loads with weights_only=True, finite
+    rename it to step_000100                          # an existing step_000100 is moved aside, deleted last
+    point LAST_GOOD at it                             # tmp file, fsync, os.replace, fsync of the directory
+    prune to the ``keep`` newest                      # never the one LAST_GOOD names
+
+A crash at any point leaves ``LAST_GOOD`` naming a complete, verified checkpoint; the debris
+(``*.tmp-<pid>``, ``*.replaced-<pid>``, ``*.trash-<pid>``) is cleaned up by the next save.
+
+Loading never executes code: every file goes through ``torch.load(weights_only=True)``, and a file
+that needs more (a pickled class or function) is refused with a message saying so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fnmatch
+import hashlib
+import json
+import math
+import os
+import pickle
+import re
+import shutil
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "CheckpointManager",
+    "CheckpointError",
+    "SaveResult",
+    "LoadedCheckpoint",
+    "first_nonfinite",
+    "load_state_file",
+    "diff_configs",
+    "format_config_diff",
+    "ConfigDiff",
+    "ABSENT",
+    "HARMLESS_KEYS",
+]
+
+FORMAT_VERSION = 1
+STATE_FILE = "state.pt"
+META_FILE = "meta.json"
+LAST_GOOD = "LAST_GOOD"
+
+_FINAL = re.compile(r"^step_(\d+)$")
+_DEBRIS = re.compile(r"^(step_\d+|LAST_GOOD)\.(tmp|replaced|trash)-(\d+)$")
+_CHUNK = 8 << 20  # bytes per read when hashing a file
+
+# Keys the manager writes into meta.json; the caller's meta may not use them.
+_RESERVED_META = ("format", "step", "time", "unix_time", "state_file", "state_sha256", "state_bytes", "versions")
+
+
+class CheckpointError(RuntimeError):
+    """No checkpoint could be written or loaded. ``path`` is the directory, ``problems`` what went wrong."""
+
+    def __init__(self, message: str, path: Path | None = None, problems: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.path = path
+        self.problems = list(problems)
+
+
+# ---------------------------------------------------------------------------------------------
+# Finiteness
+
+
+def _leaves(obj: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+    """Yield (dotted key path, leaf) of nested dicts, lists and tuples, in insertion order."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _leaves(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _leaves(v, f"{prefix}.{i}" if prefix else str(i))
+    else:
+        yield prefix, obj
+
+
+def first_nonfinite(state: dict[str, Any], scope: Sequence[str] | None = None) -> str | None:
+    """Return the dotted key path of the first NaN/Inf tensor or float in ``state``, or None if all are finite.
+
+    ``scope`` limits the check to these top-level keys (e.g. ``("model", "optimizer")``); None checks
+    everything. A scope key missing from ``state`` is a ValueError. Forces one host-device sync per
+    device holding tensors (fp64 ones apart), plus one more where a tensor's norm is not finite.
+    """
+    if scope is not None:
+        missing = [k for k in scope if k not in state]
+        if missing:
+            raise ValueError(f"the state has no key {missing[0]!r} to check for finiteness "
+                             f"(its keys: {', '.join(map(str, state))})")
+        items = ((k, state[k]) for k in scope)
+    else:
+        items = iter(state.items())
+    order: list[str] = []  # key paths of the checked leaves, in walk order
+    bad: list[int] = []
+    groups: dict[tuple[torch.device, torch.dtype], list[tuple[int, Tensor]]] = {}
+    for top, value in items:
+        for path, leaf in _leaves(value, str(top)):
+            if isinstance(leaf, float) and not math.isfinite(leaf):
+                bad.append(len(order))
+                order.append(path)
+            elif isinstance(leaf, Tensor) and leaf.numel() and (leaf.is_floating_point() or leaf.is_complex()):
+                t = leaf.detach()
+                t = torch.view_as_real(t) if t.is_complex() else t
+                acc = torch.float64 if t.dtype == torch.float64 else torch.float32  # norm dtype: never narrowing
+                groups.setdefault((t.device, acc), []).append((len(order), t))
+                order.append(path)
+    for (_, acc), pairs in groups.items():
+        tensors = [t for _, t in pairs]
+        # The L2 norm is one fused kernel and is finite whenever every element is, unless it overflows;
+        # so it can only flag too much, and the few tensors it flags are checked exactly.
+        norms = torch._foreach_norm(tensors, 2, dtype=acc)
+        flagged = [k for k, ok in enumerate(torch.isfinite(torch.stack(norms)).tolist()) if not ok]  # sync
+        if flagged:
+            exact = torch.stack([torch.isfinite(tensors[k]).all() for k in flagged]).tolist()  # sync, rare
+            bad.extend(pairs[k][0] for k, ok in zip(flagged, exact) if not ok)
+    return order[min(bad)] if bad else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+
+
+class _HashingWriter:
+    """A write-only file wrapper that hashes and counts what passes through (torch.save writes to it)."""
+
+    def __init__(self, fh: Any) -> None:
+        self.fh, self.sha, self.num_bytes = fh, hashlib.sha256(), 0
+
+    def write(self, data: Any) -> int:
+        self.sha.update(data)
+        n = self.fh.write(data)
+        self.num_bytes += n
+        return n
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry in ``path`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):  # filesystems that cannot sync a directory
+            raise
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, write: Callable[[Any], None]) -> None:
+    with open(path, "xb") as fh:
+        write(fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _sha256_of(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb", buffering=0) as fh:
+        buf = memoryview(bytearray(_CHUNK))
+        while n := fh.readinto(buf):
+            sha.update(buf[:n])
+    return sha.hexdigest()
+
+
+def _remove_tree(path: Path) -> None:
+    """Delete a directory: renamed to ``*.trash-<pid>`` first, so a crash never leaves half of it under its name."""
+    trash = path.with_name(f"{path.name}.trash-{os.getpid()}")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # saves are synchronous: our own debris is from an earlier, failed save
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def load_state_file(path: str | Path, map_location: Any = "cpu", *, mmap: bool = False) -> Any:
+    """Return ``torch.load(path, weights_only=True)``; a file that would need more is a CheckpointError.
+
+    Never executes code from the file. ``map_location="cpu"`` keeps device memory untouched (the
+    trainer's ``load_state_dict`` moves tensors where they belong).
+    """
+    path = Path(path)
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as err:
+        text = str(err)
+        if "Weights only load failed" not in text:
+            detail = f"not a readable checkpoint ({text.splitlines()[0]})"
+            raise CheckpointError(f"{path}: {detail}", path, [detail]) from None
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+        what = f"the global {found.group(1)}" if found else "an object other than tensors and plain containers"
+        detail = (f"refused: it pickles {what}, so loading it would execute code; stabletrain loads only tensors, "
+                  "numbers, strings and containers (torch.load(weights_only=True)). If you wrote this file and "
+                  "trust it, re-save its contents as plain tensors and containers")
+        raise CheckpointError(f"{path}: {detail}", path, [detail]) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# The manager
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What :meth:`CheckpointManager.save` did; ``kind``, ``reason`` and ``event_fields()`` make its event."""
+
+    step: int
+    path: Path | None  # the checkpoint directory; None when withheld
+    withheld: bool
+    reason: str  # one line: what was written, or why nothing was
+    num_bytes: int = 0  # size of state.pt
+    timings: dict[str, float] = field(default_factory=dict)  # check_s, write_s, verify_s, prune_s
+    pruned: tuple[Path, ...] = ()
+
+    @property
+    def kind(self) -> str:
+        return "checkpoint_withheld" if self.withheld else "checkpoint"
+
+    def event_fields(self) -> dict[str, Any]:
+        if self.withheld:
+            return {}
+        return {"path": str(self.path), "size_mib": round(self.num_bytes / 2**20, 3),
+                "seconds": round(sum(self.timings.values()), 4), "pruned": [p.name for p in self.pruned]}
+
+
+@dataclass
+class LoadedCheckpoint:
+    """A verified checkpoint: its state (CPU tensors by default), meta.json, directory and what was skipped."""
+
+    state: dict[str, Any]
+    meta: dict[str, Any]
+    path: Path
+    problems: list[str]  # one line per checkpoint (or LAST_GOOD) that was reported and skipped
+
+
+class CheckpointManager:
+    """Write, verify, prune and load the checkpoints in ``root`` (normally ``RUN_DIR/checkpoints``).
+
+    ``keep``: how many of the newest checkpoints to keep (the one ``LAST_GOOD`` names is always kept).
+    ``require_finite``: top-level state keys whose tensors must all be finite for a save (and a load)
+    to go ahead; None means every floating tensor. The default leaves out the metrics buffers, which
+    record a skipped step's NaN loss by design.
+    Only one process (rank 0) should write to a ``root``; loading from several is fine.
+    """
+
+    def __init__(self, root: str | Path, keep: int = 3, *,
+                 require_finite: Sequence[str] | None = ("model", "optimizer")) -> None:
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+            raise ValueError(f"keep: expected an integer >= 1 (how many checkpoints to keep), got {keep!r}")
+        self.root = Path(root)
+        self.keep = keep
+        self.require_finite = tuple(require_finite) if require_finite is not None else None
+
+    # -- saving -----------------------------------------------------------------------------
+
+    def save(self, state: dict[str, Any], step: int, meta: dict[str, Any] | None = None) -> SaveResult:
+        """Write ``state`` as the checkpoint of ``step`` unless it is non-finite; move LAST_GOOD; prune.
+
+        ``meta`` (JSON-able; e.g. ``{"config": config_to_dict(cfg), "config_hash": ...}``) goes into
+        meta.json beside the manager's own keys. Returns ``withheld=True`` (writing nothing) when a
+        tensor in ``require_finite`` is NaN/Inf; ``reason`` names its key path. Raises CheckpointError
+        when writing or verifying fails (disk full, bytes read back differ); the previous checkpoint
+        and LAST_GOOD are then untouched. Forces one host-device sync for the finiteness check, and
+        torch.save copies device tensors to the host.
+        """
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step: expected an integer >= 0, got {step!r}")
+        meta = dict(meta or {})
+        clash = [k for k in _RESERVED_META if k in meta]
+        if clash:
+            raise ValueError(f"meta: keys {', '.join(clash)} are written by the checkpoint manager; rename them")
+        t0 = time.perf_counter()
+        bad = first_nonfinite(state, self.require_finite)
+        timings = {"check_s": time.perf_counter() - t0}
+        if bad is not None:
+            good = self.latest_good()
+            return SaveResult(step, None, True, f"checkpoint at step {step} withheld: {bad} is not finite (NaN/Inf); "
+                              f"LAST_GOOD stays at {good.name if good else 'no checkpoint'}", timings=timings)
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.clean_debris()
+        name = _dir_name(step)
+        final, tmp = self.root / name, self.root / f"{name}.tmp-{os.getpid()}"
+        aside: Path | None = None
+        installed = False
+        try:
+            t0 = time.perf_counter()
+            tmp.mkdir()
+            writer: list[_HashingWriter] = []
+
+            def write_state(fh: Any) -> None:
+                writer.append(_HashingWriter(fh))
+                torch.save(state, writer[0])
+
+            _write_durably(tmp / STATE_FILE, write_state)
+            full_meta = {
+                "format": FORMAT_VERSION, "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "unix_time": round(time.time(), 3), "state_file": STATE_FILE,
+                "state_sha256": writer[0].sha.hexdigest(), "state_bytes": writer[0].num_bytes,
+                "versions": _versions(), **meta,
+            }
+            blob = (json.dumps(full_meta, indent=2, default=str) + "\n").encode()
+            _write_durably(tmp / META_FILE, lambda fh: fh.write(blob))
+            _fsync_dir(tmp)
+            timings["write_s"] = time.perf_counter() - t0
+
+            t0 = time.perf_counter()
+            problems = self.verify(tmp)
+            timings["verify_s"] = time.perf_counter() - t0
+            if problems:
+                raise CheckpointError(f"checkpoint {tmp} failed verification right after writing: {'; '.join(problems)} "
+                                      "(the disk returned different bytes?); nothing was replaced", tmp, problems)
+            if final.exists():  # a re-save of this step (e.g. after a rollback): keep the old one until LAST_GOOD moves
+                aside = final.with_name(f"{name}.replaced-{os.getpid()}")
+                if aside.exists():
+                    shutil.rmtree(aside)
+                os.replace(final, aside)
+            os.replace(tmp, final)
+            installed = True
+            _fsync_dir(self.root)
+            self._point_last_good(name)
+        except BaseException as err:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if aside is not None and aside.exists() and not final.exists():
+                os.replace(aside, final)  # put the previous checkpoint back under its name
+            if isinstance(err, OSError):
+                good = self.latest_good()
+                good_name = good.name if good else "no checkpoint"
+                if installed:
+                    raise CheckpointError(f"checkpoint {final} was written and verified, but LAST_GOOD could not be "
+                                          f"moved to it ({err}); LAST_GOOD still names {good_name}", final) from err
+                raise CheckpointError(f"writing checkpoint {final} failed: {err}; the previous checkpoint "
+                                      f"({good_name}) and LAST_GOOD are untouched", final) from err
+            raise
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+        t0 = time.perf_counter()
+        pruned = self.prune()
+        timings["prune_s"] = time.perf_counter() - t0
+        size = writer[0].num_bytes
+        return SaveResult(step, final, False, f"saved {name} ({size / 2**20:.1f} MiB, verified); LAST_GOOD -> {name}",
+                          num_bytes=size, timings=timings, pruned=tuple(pruned))
+
+    def _point_last_good(self, name: str) -> None:
+        tmp = self.root / f"{LAST_GOOD}.tmp-{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        _write_durably(tmp, lambda fh: fh.write(f"{name}\n".encode()))
+        os.replace(tmp, self.root / LAST_GOOD)
+        _fsync_dir(self.root)
+
+    def clean_debris(self) -> list[Path]:
+        """Remove what crashed writers left (``*.tmp-<pid>``, ``*.trash-<pid>``); return what was removed.
+
+        A ``step_N.replaced-<pid>`` (a crash during a re-save of step N) is renamed back to ``step_N``
+        when that name is missing, else removed. Debris of a live process is left alone.
+        """
+        removed = []
+        if not self.root.is_dir():
+            return removed
+        for entry in sorted(self.root.iterdir()):
+            m = _DEBRIS.match(entry.name)
+            if m is None or _pid_alive(int(m.group(3))):
+                continue
+            base = self.root / m.group(1)
+            if m.group(2) == "replaced" and not base.exists():
+                os.replace(entry, base)
+                _fsync_dir(self.root)
+                continue
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+            removed.append(entry)
+        return removed
+
+    def prune(self) -> list[Path]:
+        """Delete all but the ``keep`` newest checkpoints up to LAST_GOOD's step; return the deleted directories.
+
+        Never deletes the one LAST_GOOD names. Checkpoints newer than it (never marked good, e.g. from a
+        crash between rename and LAST_GOOD, or from before a rollback) are left alone and not counted;
+        :meth:`discard_after` removes them.
+        """
+        good = self.latest_good()
+        if good is None:
+            return []
+        limit = _step_of(good)
+        ranked = [d for d in self.checkpoints() if _step_of(d) <= limit]
+        removed = []
+        for d in ranked[self.keep:]:
+            if d != good:
+                _remove_tree(d)
+                removed.append(d)
+        if removed:
+            _fsync_dir(self.root)
+        return removed
+
+    def discard_after(self, step: int) -> list[Path]:
+        """Delete every checkpoint newer than ``step`` (a rollback); LAST_GOOD first moves to the newest that
+        verifies at or before ``step``. Raises CheckpointError, deleting nothing, when none verifies.
+        """
+        keep = [d for d in self.checkpoints() if _step_of(d) <= step]
+        target = next((d for d in keep if not self.verify(d)), None)
+        if target is None:
+            raise CheckpointError(f"no checkpoint at or before step {step} in {self.root} verifies; nothing discarded",
+                                  self.root)
+        self._point_last_good(target.name)
+        removed = [d for d in self.checkpoints() if _step_of(d) > step]
+        for d in removed:
+            _remove_tree(d)
+        _fsync_dir(self.root)
+        return removed
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def checkpoints(self) -> list[Path]:
+        """Return the checkpoint directories (``step_N``), newest (highest step) first. Verifies nothing."""
+        if not self.root.is_dir():
+            return []
+        found = [p for p in self.root.iterdir() if _FINAL.match(p.name) and p.is_dir()]
+        return sorted(found, key=_step_of, reverse=True)
+
+    def latest_good(self) -> Path | None:
+        """Return the directory LAST_GOOD names, or None (no LAST_GOOD, or it names no directory). Verifies nothing."""
+        name, _ = self._read_last_good()
+        return self.root / name if name is not None and (self.root / name).is_dir() else None
+
+    def _read_last_good(self) -> tuple[str | None, str | None]:
+        """Return (the name in LAST_GOOD, or None; a problem line, or None)."""
+        path = self.root / LAST_GOOD
+        try:
+            name = path.read_text(encoding="utf-8").strip()
+        except FileNotFoundError:
+            return None, f"{LAST_GOOD}: missing"
+        except (OSError, UnicodeDecodeError) as err:
+            return None, f"{LAST_GOOD}: unreadable ({err})"
+        if not _FINAL.match(name):
+            return None, f"{LAST_GOOD}: does not name a checkpoint directory (it holds {name[:80]!r})"
+        if not (self.root / name).is_dir():
+            replaced = sorted(self.root.glob(f"{name}.replaced-*"))
+            if replaced:  # a crash in the middle of a re-save of this step: the previous copy is still here
+                return replaced[0].relative_to(self.root).as_posix(), None
+            return None, f"{LAST_GOOD}: names {name}, which does not exist"
+        return name, None
+
+    def verify(self, path: str | Path) -> list[str]:
+        """Return the problems of checkpoint directory ``path``; empty when it is good.
+
+        Good means: meta.json readable, state.pt of the recorded size and sha256, loadable with
+        ``weights_only=True``, and the ``require_finite`` tensors finite. Reads the whole file twice
+        (hash, then a memory-mapped load).
+        """
+        try:
+            self._load_checked(Path(path), mmap=True)
+        except CheckpointError as err:
+            return err.problems or [str(err)]
+        return []
+
+    def _load_checked(self, path: Path, map_location: Any = "cpu", mmap: bool = False) -> tuple[Any, dict[str, Any]]:
+        def fail(problem: str) -> CheckpointError:
+            return CheckpointError(f"checkpoint {path}: {problem}", path, [f"{path.name}: {problem}"])
+
+        try:
+            meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise fail(f"{META_FILE} is missing (the write did not finish?)") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise fail(f"{META_FILE} is unreadable ({err})") from None
+        if not isinstance(meta, dict) or not {"state_sha256", "state_bytes", "step"} <= meta.keys():
+            raise fail(f"{META_FILE} lacks step, state_sha256 or state_bytes")
+        state_path = path / STATE_FILE
+        try:
+            size = state_path.stat().st_size
+        except FileNotFoundError:
+            raise fail(f"{STATE_FILE} is missing") from None
+        if size != meta["state_bytes"]:
+            raise fail(f"{STATE_FILE} is {size} bytes, {META_FILE} says {meta['state_bytes']} (truncated or overwritten)")
+        if _sha256_of(state_path) != meta["state_sha256"]:
+            raise fail(f"{STATE_FILE} does not match its sha256 in {META_FILE} (corrupted on disk or in transfer)")
+        try:
+            state = load_state_file(state_path, map_location, mmap=mmap)
+        except CheckpointError as err:
+            raise fail(f"{STATE_FILE} {err.problems[0]}") from None
+        except Exception as err:  # noqa: BLE001  (torch raises RuntimeError, EOFError, ... on bad archives)
+            raise fail(f"{STATE_FILE} cannot be loaded ({type(err).__name__}: {str(err).splitlines()[0]})") from None
+        if not isinstance(state, dict):
+            raise fail(f"{STATE_FILE} holds a {type(state).__name__}, expected a dict")
+        try:
+            bad = first_nonfinite(state, self.require_finite)
+        except ValueError as err:
+            raise fail(str(err)) from None
+        if bad is not None:
+            raise fail(f"{bad} is not finite (NaN/Inf)")
+        return state, meta
+
+    def load(self, path: str | Path | None = None, *, map_location: Any = "cpu",
+             on_problem: Callable[[str], None] | None = None) -> LoadedCheckpoint:
+        """Load and verify a checkpoint: ``path`` if given, else LAST_GOOD, falling back to older ones.
+
+        Each checkpoint skipped (truncated, corrupted, refused, non-finite) is reported to
+        ``on_problem`` and listed in the result's ``problems``. Checkpoints newer than LAST_GOOD were
+        never marked good and are not used. An explicit ``path`` that fails, or no checkpoint that
+        verifies, raises CheckpointError naming the directory and every problem.
+        """
+        problems: list[str] = []
+
+        def report(problem: str) -> None:
+            problems.append(problem)
+            if on_problem is not None:
+                on_problem(problem)
+
+        if path is not None:
+            path = Path(path)
+            state, meta = self._load_checked(path, map_location)
+            return LoadedCheckpoint(state, meta, path, problems)
+
+        all_dirs = self.checkpoints()
+        name, problem = self._read_last_good()
+        if problem is not None and (all_dirs or (self.root / LAST_GOOD).exists()):
+            report(problem + "; trying the newest checkpoints")
+        if name is not None:
+            good = self.root / name
+            limit = _step_of(good)
+            for d in all_dirs:
+                if _step_of(d) > limit:
+                    report(f"{d.name}: newer than LAST_GOOD ({name}); not used (written by a save that crashed "
+                           "before LAST_GOOD moved, or left from before a rollback)")
+            candidates = [good] + [d for d in all_dirs if _step_of(d) < limit]
+        else:
+            candidates = all_dirs
+        for d in candidates:
+            try:
+                state, meta = self._load_checked(d, map_location)
+            except CheckpointError as err:
+                report(err.problems[0] if err.problems else str(err))
+                continue
+            return LoadedCheckpoint(state, meta, d, problems)
+        if not candidates:
+            raise CheckpointError(f"no checkpoint in {self.root}" + (f" ({'; '.join(problems)})" if problems else ""),
+                                  self.root, problems)
+        raise CheckpointError(f"no checkpoint in {self.root} verifies:\n  " + "\n  ".join(problems)
+                              + "\nresume from another run directory or start a new run", self.root, problems)
+
+
+def _dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name.split(".", 1)[0].removeprefix("step_"))
+
+
+def _versions() -> dict[str, str]:
+    from . import __version__
+
+    return {"torch": torch.__version__, "stabletrain": __version__}
+
+
+# ---------------------------------------------------------------------------------------------
+# Config comparison for resume
+
+HARMLESS_KEYS = ("train.max_steps", "log.*", "ckpt.every", "ckpt.keep", "eval.every", "run.*")
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "<absent>"
+
+
+ABSENT = _Absent()
+
+
+class ConfigDiff(NamedTuple):
+    key: str  # dotted key
+    saved: Any  # value in the checkpoint's config, or ABSENT
+    current: Any  # value in the config of this run, or ABSENT
+
+
+def _flatten(cfg: Any, prefix: str = "") -> dict[str, Any]:
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        cfg = dataclasses.asdict(cfg)
+    out: dict[str, Any] = {}
+    for k, v in cfg.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))  # an empty section contributes no keys
+        else:
+            out[key] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def diff_configs(saved: Any, current: Any, harmless: Sequence[str] = HARMLESS_KEYS) -> list[ConfigDiff]:
+    """Return each dotted key whose value differs between two configs (Config objects or plain dicts).
+
+    Keys matching a ``harmless`` pattern (exact, ``fnmatch`` glob, or a section name) are ignored. A key
+    present on one side only has ``ABSENT`` on the other. Order: the saved config's keys, then new ones.
+    """
+    a, b = _flatten(saved), _flatten(current)
+
+    def is_harmless(key: str) -> bool:
+        return any(fnmatch.fnmatchcase(key, p) or key.startswith(p + ".") for p in harmless)
+
+    keys = list(a) + [k for k in b if k not in a]
+    return [ConfigDiff(k, a.get(k, ABSENT), b.get(k, ABSENT)) for k in keys
+            if not is_harmless(k) and (k not in a or k not in b or a[k] != b[k])]
+
+
+def format_config_diff(diffs: Sequence[ConfigDiff]) -> str:
+    """Return one line per differing key with both values (YAML-style), under a header; "" when none."""
+    if not diffs:
+        return ""
+
+    def show(v: Any) -> str:
+        return "(absent)" if v is ABSENT else json.dumps(v, default=str)
+
+    width = max(len(d.key) for d in diffs)
+    lines = [f"  {d.key:<{width}}  checkpoint: {show(d.saved)}  now: {show(d.current)}" for d in diffs]
+    noun = "key differs" if len(diffs) == 1 else "keys differ"
+    return f"{len(diffs)} config {noun} from the checkpoint's:\n" + "\n".join(lines)
