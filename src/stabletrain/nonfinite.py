@@ -1,0 +1,455 @@
+"""Locate the first non-finite value: the op, its module, forward or backward, origin or propagation.
+
+These are the replay tools (DESIGN.md, "detect cheaply, diagnose on replay"): every one of them
+reads values on the host after each op, so they cost a host-device sync per op and are meant for
+re-running the one step that went wrong, never for every step of a run.
+
+- :class:`NonFiniteLocator` watches every aten op of a forward/backward (a ``TorchDispatchMode``)
+  and names the module that ran it (``torch.utils.module_tracker.ModuleTracker``)::
+
+      with NonFiniteLocator(model) as loc:
+          loss = model(x).logsumexp(-1).mean()
+          loss.backward()
+      if loc.first is not None:
+          print(loc.first.describe())   # aten.log.default in forward of module 'layers.2' (origin: ...)
+
+- :func:`bisect_samples` finds the dataset indices that make a batch go bad.
+- :func:`anomaly_trace` replays under ``torch.autograd.detect_anomaly`` and returns the Python
+  stack of the forward call behind the first non-finite value.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import traceback
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.module_tracker import ModuleTracker
+
+__all__ = ["Bisection", "NonFiniteLocator", "NonFiniteOp", "anomaly_trace", "bisect_samples"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+# Frames of the replay machinery itself are left out of reported stacks.
+_OWN_FILES = {os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "diagnosis.py")}
+# Ops that only move a value from Python into a tensor: an inf they produce is a constant someone wrote.
+_CONSTANT_OPS = {"aten.lift_fresh.default", "aten.lift_fresh_copy.default", "aten.scalar_tensor.default"}
+# Ops returning uninitialized memory: whatever bits they hold (NaN included) are not values yet.
+_UNINITIALIZED_OPS = {"aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default",
+                      "aten.new_empty.default", "aten.new_empty_strided.default", "aten.empty_permuted.default"}
+_MUTATING: dict[Any, bool] = {}
+
+
+@dataclass
+class NonFiniteOp:
+    """One aten op whose floating output held a NaN or an Inf.
+
+    Attributes:
+        op: the aten overload, e.g. ``"aten.log.default"``.
+        direction: ``"forward"`` or ``"backward"`` (it ran inside the autograd engine).
+        module: the innermost module running it, in the model's ``named_modules()`` naming
+            (``""`` is the root model); None when no module was running (e.g. a loss computed
+            outside the model, or the optimizer).
+        origin: True when every floating input was finite (an intended ``-inf`` mask counts as
+            finite, see ``tolerate_masks``), so this op created the bad value; False when it only
+            propagated one it was given.
+        kind: ``"nan"``, ``"inf"`` or ``"nan+inf"`` (what the output held).
+        num_nonfinite: how many output elements are NaN or Inf; ``numel`` how many elements in all.
+        nonfinite_inputs: positions (among the op's tensor inputs) of the inputs that were not finite.
+        autograd_node: in backward, the autograd node running it (e.g. ``"SqrtBackward0"``).
+        op_index: how many aten ops the locator saw before this one.
+        stack: the Python stack that ran it (forward), or of the forward call that created its
+            autograd node (backward; only under ``torch.autograd.detect_anomaly``), else None.
+    """
+
+    op: str
+    direction: str
+    module: str | None
+    origin: bool
+    kind: str
+    num_nonfinite: int
+    numel: int
+    input_shapes: list[list[int]]
+    input_dtypes: list[str]
+    output_shapes: list[list[int]]
+    output_dtypes: list[str]
+    nonfinite_inputs: list[int] = field(default_factory=list)
+    autograd_node: str | None = None
+    op_index: int = 0
+    stack: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def where(self) -> str:
+        """Return e.g. ``"forward of module 'layers.2'"``."""
+        if self.module is None:
+            place = "outside any module"
+        elif self.module == "":
+            place = "of the root module"
+        else:
+            place = f"of module {self.module!r}"
+        node = f" ({self.autograd_node})" if self.autograd_node else ""
+        return f"{self.direction}{node} {place}"
+
+    def describe(self) -> str:
+        """Return one line: op, direction, module, origin or propagation, dtypes."""
+        how = "origin: inputs finite" if self.origin else "propagated: a non-finite input"
+        dtypes = ",".join(sorted(set(self.output_dtypes)))
+        return f"{self.op} in {self.where()} ({how}; {self.kind} in {self.num_nonfinite}/{self.numel} {dtypes} elements)"
+
+
+def _is_mutating(func: Any) -> bool:
+    """Return whether ``func`` writes into one of its inputs (its inputs must be checked before it runs)."""
+    known = _MUTATING.get(func)
+    if known is None:
+        known = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+        _MUTATING[func] = known
+    return known
+
+
+def _floating(tensors: list[Any]) -> list[Tensor]:
+    return [t for t in tensors if isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex())]
+
+
+def _all_finite(tensors: list[Tensor]) -> list[bool]:
+    """Return, per tensor, whether every element is finite (one host sync for all of them)."""
+    if not tensors:
+        return []
+    flags = [torch.isfinite(t).all() for t in tensors]
+    return torch.stack([f.to(flags[0].device) for f in flags]).tolist()
+
+
+def _is_user_frame(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    return not path.startswith(_TORCH_DIR) and path not in _OWN_FILES
+
+
+def _user_stack(limit: int = 12) -> str:
+    """Return the current Python stack without torch's and this module's frames (most recent last)."""
+    frames = [f for f in traceback.extract_stack() if _is_user_frame(f.filename)]
+    return "".join(traceback.format_list(frames[-limit:]))
+
+
+def _user_frames(entries: list[str], limit: int = 12) -> str:
+    """Keep the user's entries of a formatted stack (``'  File "x.py", line 3, in f\\n    code\\n'`` each)."""
+    kept = []
+    for entry in entries:
+        head = entry.strip().split('"')
+        if len(head) < 2 or _is_user_frame(head[1]):
+            kept.append(entry if entry.endswith("\n") else entry + "\n")
+    return "".join(kept[-limit:])
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, locator: NonFiniteLocator) -> None:
+        super().__init__()
+        self.locator = locator
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        loc = self.locator
+        if loc.first_origin is not None:  # done: cost nothing from here on
+            return func(*args, **kwargs)
+        loc.num_ops += 1
+        if str(func) in _UNINITIALIZED_OPS:
+            out = func(*args, **kwargs)
+            for t in _floating(tree_leaves(out)):
+                loc._remember(loc._uninitialized, t)
+            return out
+        inputs = _floating(tree_leaves((args, kwargs)))
+        before = _all_finite(inputs) if _is_mutating(func) else None  # an in-place op overwrites its inputs
+        out = func(*args, **kwargs)
+        outputs = _floating(tree_leaves(out))
+        if not outputs or all(_all_finite(outputs)):
+            return out
+        loc._record(func, args, kwargs, inputs, before, outputs)
+        return out
+
+
+class NonFiniteLocator:
+    """Context manager recording the first aten op whose output holds a NaN or Inf (forward or backward).
+
+    Attributes after (or during) the block:
+        first: the first op with a non-finite output (:class:`NonFiniteOp`), even if it only
+            propagated a non-finite input (a NaN in the batch or in a weight).
+        first_origin: the first op that created a non-finite value from finite inputs; usually
+            the same op as ``first``. Once it is found the locator stops checking.
+        num_ops: aten ops checked.
+
+    Args:
+        model: the model whose ``named_modules()`` names to report (the tracker's names are
+            rebased onto it). Call the model's own ``forward`` first inside the block.
+        capture_stack: record the Python stack of the first op (forward), or under
+            ``detect_anomaly`` the stack of the forward call that created the backward node.
+        tolerate_masks: treat ``-inf`` attention masks as intended: an op that writes an inf from
+            a Python constant (``full``, ``masked_fill``, ``where`` with ``float("-inf")``), a
+            model buffer that holds only ``-inf`` as its non-finite values, and ops computed only from
+            such tensors that add no NaN, are not reported. A NaN is always reported.
+
+    Works with autocast, on CPU and CUDA. Every op costs a host-device sync while it searches:
+    replay only. The ``module`` of an op in backward comes from ModuleTracker's backward hooks,
+    so it is the module whose backward was running.
+    """
+
+    def __init__(self, model: nn.Module | None = None, *, capture_stack: bool = True, tolerate_masks: bool = True) -> None:
+        self.model = model
+        self.capture_stack = capture_stack
+        self.tolerate_masks = tolerate_masks
+        self.first: NonFiniteOp | None = None
+        self.first_origin: NonFiniteOp | None = None
+        self.num_ops = 0
+        self._tolerated: dict[int, weakref.ref] = {}  # intended infs (masks)
+        self._uninitialized: dict[int, weakref.ref] = {}  # fresh torch.empty memory: garbage, not values
+        self._names = {name for name, _ in model.named_modules()} if model is not None else None
+        self._root = type(model).__name__ if model is not None else None
+        self._tracker = ModuleTracker()
+        self._mode = _Mode(self)
+
+    @property
+    def found(self) -> bool:
+        return self.first is not None
+
+    def __enter__(self) -> NonFiniteLocator:  # noqa: PYI034 (typing.Self needs Python 3.11)
+        if self.model is not None and self.tolerate_masks:
+            for buf in self.model.buffers():
+                if buf.is_floating_point() and not bool(torch.isfinite(buf).all()) and not bool(
+                        (torch.isnan(buf) | torch.isposinf(buf)).any()):
+                    self._tolerate(buf)
+        self._tracker.__enter__()
+        try:
+            self._mode.__enter__()
+        except BaseException:
+            self._tracker.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self._mode.__exit__(*exc)
+        finally:
+            self._tracker.__exit__(*exc)
+            self._tolerated.clear()
+            self._uninitialized.clear()
+
+    # -- internals ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _remember(registry: dict[int, weakref.ref], t: Tensor) -> None:
+        key = id(t)
+        registry[key] = weakref.ref(t, lambda _, key=key, d=registry: d.pop(key, None))
+
+    @staticmethod
+    def _holds(registry: dict[int, weakref.ref], t: Tensor) -> bool:
+        ref = registry.get(id(t))
+        return ref is not None and ref() is t
+
+    def _tolerate(self, t: Tensor) -> None:
+        self._remember(self._tolerated, t)
+
+    def _is_tolerated(self, t: Tensor) -> bool:
+        return self._holds(self._tolerated, t)
+
+    def _module(self) -> str | None:
+        """Return the innermost running module in the model's naming (None: no module is running)."""
+        names = [n for n in self._tracker.parents if n != "Global"]
+        if not names:
+            return None
+        name = max(names, key=lambda n: (n.count("."), n))
+        # The tracker names modules from the class name of the first module it saw (the root).
+        root, _, rest = name.partition(".")
+        rebased = (self._root is None or root == self._root) and (self._names is None or rest in self._names)
+        return rest if rebased else name
+
+    def _record(self, func: Any, args: Any, kwargs: Any, inputs: list[Tensor], before: list[bool] | None,
+                outputs: list[Tensor]) -> None:
+        finite_in = before if before is not None else _all_finite(inputs)
+        if str(func) in _CONSTANT_OPS:  # its input is a Python literal: a NaN/Inf written by hand starts here
+            finite_in = [True] * len(inputs)
+        # Garbage in fresh torch.empty memory that this op overwrites is not an input value.
+        bad_inputs = [i for i, ok in enumerate(finite_in) if not ok and not self._holds(self._uninitialized, inputs[i])]
+        # An intended inf (a mask) handed in counts as finite: an op turning it into NaN is the origin.
+        untolerated = [i for i in bad_inputs if not self._is_tolerated(inputs[i])]
+        has_nan = bool(torch.stack([torch.isnan(t).any().to(outputs[0].device) for t in outputs]).any())
+        if self.tolerate_masks and not has_nan and not untolerated:
+            from_constant = str(func) in _CONSTANT_OPS or any(
+                isinstance(a, float) and math.isinf(a) for a in tree_leaves((args, kwargs)))
+            if bad_inputs or from_constant:
+                for t in outputs:
+                    self._tolerate(t)
+                return
+        if _is_view(func) and str(func) not in _CONSTANT_OPS:
+            return  # a view of a bad tensor computes nothing: report the op that uses it
+        origin = not (untolerated if self.tolerate_masks else bad_inputs)
+        if self.first is not None and not origin:
+            return
+        num_bad = sum(int((~torch.isfinite(t)).sum()) for t in outputs)
+        has_inf = bool(torch.stack([torch.isinf(t).any().to(outputs[0].device) for t in outputs]).any())
+        backward = torch._C._current_graph_task_id() != -1
+        node = torch._C._current_autograd_node() if backward else None
+        stack = None
+        if self.capture_stack:
+            if backward:
+                tb = node.metadata.get("traceback_") if node is not None else None
+                stack = _user_frames(list(tb)) if tb else None
+            else:
+                stack = _user_stack()
+        rec = NonFiniteOp(
+            op=str(func), direction="backward" if backward else "forward", module=self._module(), origin=origin,
+            kind="nan+inf" if has_nan and has_inf else ("nan" if has_nan else "inf"), num_nonfinite=num_bad,
+            numel=sum(t.numel() for t in outputs), input_shapes=[list(t.shape) for t in inputs],
+            input_dtypes=[_dtype(t) for t in inputs], output_shapes=[list(t.shape) for t in outputs],
+            output_dtypes=[_dtype(t) for t in outputs], nonfinite_inputs=bad_inputs,
+            autograd_node=node.name() if node is not None else None, op_index=self.num_ops - 1, stack=stack)
+        if self.first is None:
+            self.first = rec
+        if origin:
+            self.first_origin = rec
+
+
+def _is_view(func: Any) -> bool:
+    return bool(getattr(func, "is_view", False)) or str(func) in ("aten.detach.default", "aten.alias.default")
+
+
+def _dtype(t: Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+# -- batch bisection ------------------------------------------------------------------------------
+
+
+@dataclass
+class Bisection:
+    """Which samples make a batch go bad.
+
+    Attributes:
+        samples: the indices that are bad on their own (sorted).
+        combinations: groups of indices that are bad together although no part of them found by
+            halving is (each reduced by dropping members while it stays bad); empty when every bad
+            group contains a sample bad on its own.
+        whole_bad: whether the full set of indices was bad at all.
+        num_evals: calls to ``is_bad`` made.
+        exhausted: True when ``max_evals`` stopped the search early (the lists may be incomplete).
+    """
+
+    samples: list[int]
+    combinations: list[list[int]]
+    whole_bad: bool
+    num_evals: int
+    exhausted: bool = False
+
+    def summary(self) -> str:
+        if not self.whole_bad:
+            return "the batch is not bad on replay: no samples to blame"
+        parts = []
+        if self.samples:
+            parts.append(f"bad on its own: sample{'s' if len(self.samples) > 1 else ''} {', '.join(map(str, self.samples))}")
+        for group in self.combinations:
+            parts.append(f"no single sample is bad, but samples {', '.join(map(str, group))} are bad together")
+        if not parts:
+            parts.append("no single sample or group could be isolated")
+        if self.exhausted:
+            parts.append("search stopped early (max_evals)")
+        return "; ".join(parts)
+
+
+def bisect_samples(is_bad: Callable[[list[int]], bool], indices: Sequence[int], *, max_evals: int = 200) -> Bisection:
+    """Return which of ``indices`` make ``is_bad`` true, by halving (group testing).
+
+    ``is_bad(subset)`` replays the step on that subset of dataset indices. A group that is bad while
+    both its halves are fine is reported as a combination, reduced to a 1-minimal group (no member
+    can be dropped). About ``2 k log2(n)`` calls for ``k`` bad samples among ``n``; results are
+    cached, so no subset is evaluated twice.
+    """
+    cache: dict[tuple[int, ...], bool] = {}
+    state = {"evals": 0, "exhausted": False}
+
+    def bad(subset: list[int]) -> bool:
+        key = tuple(subset)
+        if key not in cache:
+            if state["evals"] >= max_evals:
+                state["exhausted"] = True
+                return False
+            state["evals"] += 1
+            cache[key] = bool(is_bad(list(subset)))
+        return cache[key]
+
+    singles: list[int] = []
+    combos: list[list[int]] = []
+
+    def search(group: list[int]) -> None:  # precondition: bad(group)
+        if len(group) == 1:
+            singles.append(group[0])
+            return
+        mid = len(group) // 2
+        left, right = group[:mid], group[mid:]
+        left_bad, right_bad = bad(left), bad(right)
+        if left_bad:
+            search(left)
+        if right_bad:
+            search(right)
+        if not left_bad and not right_bad and not state["exhausted"]:
+            combos.append(minimize(group))
+
+    def minimize(group: list[int]) -> list[int]:
+        for i in list(group):
+            rest = [j for j in group if j != i]
+            if rest and bad(rest):
+                group = rest
+        return group
+
+    indices = list(indices)
+    whole = bool(indices) and bad(indices)
+    if whole:
+        search(indices)
+    return Bisection(sorted(set(singles)), combos, whole, state["evals"], state["exhausted"])
+
+
+# -- anomaly-mode replay -----------------------------------------------------------------------------
+
+
+def anomaly_trace(fn: Callable[[], Any], model: nn.Module | None = None) -> str | None:
+    """Run ``fn`` (a forward and backward) under anomaly mode; return the stack behind the first non-finite value.
+
+    Replay only: anomaly mode records a Python stack for every autograd node. The text names the
+    first non-finite op (found by :class:`NonFiniteLocator`, which also sees infs, which anomaly mode
+    does not check) and the forward call that created it, followed by anomaly mode's own report when
+    a backward function returned NaN. Returns None when everything stayed finite. Gradients that
+    ``fn`` accumulates are left in place.
+    """
+    anomaly_error = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        locator = NonFiniteLocator(model, capture_stack=True)
+        try:
+            with torch.autograd.detect_anomaly(check_nan=True), locator:
+                fn()
+        except RuntimeError as err:
+            if "returned nan values" not in str(err):
+                raise
+            anomaly_error = str(err)
+    parts = []
+    first = locator.first
+    if first is not None:
+        label = "forward call that created its autograd node" if first.direction == "backward" else "stack"
+        stack = first.stack or "  (not recorded)\n"
+        parts.append(f"first non-finite op: {first.describe()}\n{label}:\n{stack}")
+    if anomaly_error is not None:
+        text = f"anomaly mode: {anomaly_error}\n"
+        node = anomaly_error.split("'")[1] if anomaly_error.count("'") >= 2 else None
+        if first is None or first.autograd_node != node:  # a different op than the locator's: show its stack
+            forward = [str(w.message) for w in caught if "Traceback of forward call" in str(w.message)]
+            if forward:
+                body = forward[-1].split(" (Triggered internally at")[0].split("\n", 1)[-1]
+                entries = ["  File" + e for e in body.split("  File")[1:]]
+                text += f"forward call that created it:\n{_user_frames(entries)}"
+        parts.append(text)
+    return "\n".join(parts) if parts else None

@@ -1,0 +1,226 @@
+"""Replaying a bad step: stage, op, module, parameter, samples, update, and whether it reproduces."""
+
+from __future__ import annotations
+
+import json
+
+import faults
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.utils.data import TensorDataset, default_collate
+
+from stabletrain import Task
+from stabletrain.config import load_config
+from stabletrain.diagnosis import diagnose_step
+from stabletrain.loop import Trainer
+from stabletrain.precision import PrecisionPolicy
+
+FP32 = PrecisionPolicy("fp32", "cpu")
+
+
+def snapshot(model: nn.Module) -> dict[str, Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_unchanged(model: nn.Module, before: dict[str, Tensor]) -> None:
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def diagnose(model, x, indices=None, **kw):
+    indices = indices if indices is not None else list(range(100, 100 + len(x)))
+    d = diagnose_step(model, faults.regression_loss, [(indices, x)], precision=FP32, **kw)
+    json.dumps(d, allow_nan=False)  # JSON-safe: no NaN/Inf floats anywhere
+    return d
+
+
+@pytest.mark.parametrize("build, stage, op, direction, module", [
+    (faults.log_of_zero, "activations", "aten.log.default", "forward", "layers.2"),
+    (faults.sqrt_at_zero, "gradients", "aten.div.Tensor", "backward", "layers.1"),
+    (faults.zero_std, "activations", "aten.div.Tensor", "forward", "layers.1"),
+    (faults.fp16_overflow, "activations", "aten.addmm.default", "forward", "layers.1.fc"),
+], ids=["log-of-zero", "sqrt-at-zero", "zero-std", "fp16-overflow"])
+def test_planted_fault_diagnosis(build, stage, op, direction, module):
+    model, x = build()
+    before = snapshot(model)
+    d = diagnose(model, x, bisect=False)
+    assert (d["stage"], d["op"], d["direction"], d["module"], d["origin"]) == (stage, op, direction, module, True)
+    assert d["reproduces"] is True and d["replays_agree"] and len(d["replays"]) == 2
+    assert d["first_nonfinite_param"] == "layers.0.weight"
+    assert f"{op} in {direction}" in d["summary"] and f"'{module}'" in d["summary"] and "reproduces on replay" in d["summary"]
+    assert_unchanged(model, before)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_sqrt_fault_names_the_zero_sample_and_its_forward_line():
+    model, x = faults.sqrt_at_zero(zero_row=5)
+    d = diagnose(model, x, indices=[40, 41, 42, 43, 44, 45, 46, 47])
+    assert d["bad_samples"] == [45] and d["bad_sample_groups"] == []
+    assert d["autograd_node"] == "SqrtBackward0"
+    assert "x.pow(2).sum(-1, keepdim=True).sqrt()" in d["anomaly_trace"]
+    assert "at sample 45" in d["summary"]
+
+
+def test_zero_std_blames_every_sample_not_the_data():
+    model, x = faults.zero_std()
+    d = diagnose(model, x)
+    assert d["bad_samples"] == list(range(100, 108))
+    assert "every sample" in d["summary"]
+
+
+def nan_dataset_window(ds: TensorDataset, indices: list[list[int]]) -> list[tuple[list[int], object]]:
+    return [(i, default_collate([ds[j] for j in i])) for i in indices]
+
+
+@pytest.mark.parametrize("recollate", [True, False], ids=["dataset", "sliced"])
+def test_nan_sample_is_named_by_bisection(recollate):
+    ds = faults.dataset_with_nan(bad_index=37)
+    torch.manual_seed(0)
+    model = faults.Classifier()
+    window = nan_dataset_window(ds, [[3, 60, 5, 9, 22, 14, 1, 50], [8, 37, 12, 13, 40, 41, 42, 43]])  # 2 micro-batches
+    d = diagnose_step(model, faults.classification_loss, window, precision=FP32,
+                      dataset=ds if recollate else None)
+    assert d["stage"] == "inputs" and d["bad_samples"] == [37] and d["bad_input_samples"] == [37]
+    assert (d["op"], d["direction"], d["module"], d["origin"]) == ("aten.addmm.default", "forward", "body.0", False)
+    assert d["bisection"]["evaluations"] <= 1 + 2 * 4
+    assert d["num_micro_batches"] == 2 and d["num_samples"] == 16
+
+
+def test_lr_blowup_is_the_update_stage():
+    torch.manual_seed(0)
+    model = faults.Classifier()
+    ds = faults.dataset_with_nan()
+    ds.tensors[0][37, 3] = 0.5  # a clean dataset
+    window = nan_dataset_window(ds, [list(range(8)), list(range(8, 16))])
+    optimizer = torch.optim.AdamW([{"params": model.body.parameters()},
+                                   {"params": model.head.parameters(), "lr": 1e39}], lr=1e-3, fused=True)
+    opt_before = json.dumps(optimizer.state_dict()["param_groups"])
+    before = snapshot(model)
+    d = diagnose_step(model, faults.classification_loss, window, precision=FP32, optimizer_factory=lambda: optimizer)
+    json.dumps(d, allow_nan=False)
+    assert d["stage"] == "update" and d["op"] is None and d["first_nonfinite_param"] is None
+    assert d["nonfinite_params_after_update"] == ["head.weight", "head.bias"]
+    assert d["reproduces"] and d["bad_samples"] is None
+    assert "head.weight, head.bias non-finite" in d["summary"]
+    assert_unchanged(model, before)
+    assert optimizer.state == {} and json.dumps(optimizer.state_dict()["param_groups"]) == opt_before
+
+
+def test_clipping_before_the_update_is_applied():
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    x = torch.randn(8, 8) * 1e3  # grads ~1e6: lr * grad overflows fp32 unless clipped to norm 1
+    opt = lambda: torch.optim.SGD(model.parameters(), lr=1e37)
+    loss = lambda m, b: m(b).pow(2).mean()
+    unclipped = diagnose_step(model, loss, [(list(range(8)), x)], precision=FP32, optimizer_factory=opt)
+    clipped = diagnose_step(model, loss, [(list(range(8)), x)], precision=FP32, optimizer_factory=opt, max_norm=1.0)
+    assert unclipped["stage"] == "update" and clipped["stage"] == "none"
+
+
+def test_loss_stage_when_the_loss_function_goes_non_finite():
+    model = faults.Classifier()
+    d = diagnose_step(model, lambda m, b: (m(b).softmax(-1) * 0).log().mean(), [([0, 1], torch.randn(2, 8))],
+                      precision=FP32, bisect=False)
+    assert (d["stage"], d["op"], d["module"], d["direction"]) == ("loss", "aten.log.default", None, "forward")
+    assert "outside any module" in d["summary"]
+
+
+class CountGate(nn.Module):
+    """Divides by (2 - number of flagged samples): non-finite only when both flagged samples are present."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x / (2 - (x[:, :1] > 100).sum())
+
+
+def test_bad_only_in_combination():
+    torch.manual_seed(0)
+    model = faults.Stack(CountGate(), nn.Linear(8, 2))
+    x = torch.randn(8, 8)
+    x[2, 0] = x[5, 0] = 1000.0
+    d = diagnose(model, x, indices=list(range(20, 28)), anomaly=False)
+    assert (d["stage"], d["op"], d["module"]) == ("activations", "aten.div.Tensor", "layers.0")
+    assert d["bad_samples"] == [] and d["bad_sample_groups"] == [[22, 25]]
+    assert "only in combination: samples 22, 25" in d["summary"]
+
+
+class Flaky(nn.Module):
+    """A stand-in for a transient fault: NaN on the calls listed in ``bad_calls`` only."""
+
+    def __init__(self, bad_calls: set[int]) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.calls, self.bad_calls = 0, bad_calls
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        y = self.fc(x)
+        return y * float("nan") if self.calls in self.bad_calls else y
+
+
+def test_step_that_does_not_reproduce_is_called_out():
+    model = faults.Stack(Flaky(set()))
+    d = diagnose(model, torch.randn(4, 8), observed_loss=float("nan"))
+    assert d["stage"] == "none" and d["reproduces"] is False and d["matches_observed_loss"] is False
+    assert "did not reproduce" in d["summary"] and "hardware" in d["summary"]
+
+
+def test_replays_that_disagree_are_nondeterministic():
+    model = faults.Stack(Flaky({1}))
+    d = diagnose(model, torch.randn(4, 8), bisect=False, anomaly=False)
+    assert [r["stage"] for r in d["replays"]] == ["activations", "none"]
+    assert d["reproduces"] is False and d["replays_agree"] is False and "replays disagree" in d["summary"]
+
+
+def test_replays_restore_rng_so_dropout_matches_and_rng_is_left_as_found():
+    model, x = faults.sqrt_at_zero()
+    model.layers.insert(1, nn.Dropout(0.3))  # the L2 norm is now layers.2
+    torch.manual_seed(123)
+    d = diagnose(model, x, num_replays=3, bisect=False, anomaly=False)
+    assert d["module"] == "layers.2" and d["reproduces"]
+    assert len({r["loss_hex"] for r in d["replays"]}) == 1  # bitwise-equal losses under dropout
+    after = torch.rand(3)
+    torch.manual_seed(123)
+    assert torch.equal(after, torch.rand(3))
+
+
+def test_model_mode_and_existing_grads_are_restored():
+    model, x = faults.log_of_zero()
+    model.eval()
+    faults.regression_loss(model, torch.ones(2, 8)).backward()
+    grads = [p.grad for p in model.parameters()]
+    diagnose(model, x, bisect=False, anomaly=False)
+    assert not model.training
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+
+
+def test_num_replays_must_be_positive():
+    model, x = faults.log_of_zero()
+    with pytest.raises(ValueError, match="num_replays"):
+        diagnose(model, x, num_replays=0)
+
+
+def test_trainer_step_with_a_nan_sample_is_diagnosed_at_its_step():
+    """End to end with the built-in loop: the sentinel flags the step, the replay names the sample."""
+    bad_index = 37
+    ds = faults.dataset_with_nan(n=64, bad_index=bad_index)
+    torch.manual_seed(0)
+    task = Task(model=faults.Classifier(), train_data=ds, loss=faults.classification_loss, name="nan-sample")
+    cfg = load_config(None, ["device=cpu", "precision=fp32", "train.batch_size=4", "accum.steps=2", "log.progress=false",
+                             "log.tensorboard=false", "train.max_steps=8"])
+    trainer = Trainer(cfg, task=task)
+    for step in range(1, 9):
+        window = trainer.stream.next_window()
+        before, rng = snapshot(trainer.model), torch.get_rng_state()
+        if not bool(trainer.train_step(window)["finite"]):
+            break
+    else:
+        pytest.fail("the sentinel never fired")
+    assert any(bad_index in mb for mb in window.indices)
+    assert_unchanged(trainer.model, before)  # fused AdamW skipped the step on the device
+    torch.set_rng_state(rng)
+    d = diagnose_step(trainer.model, task.loss, list(zip(window.indices, window.batches)), precision=trainer.precision,
+                      optimizer_factory=lambda: trainer.optimizer, dataset=ds, max_norm=cfg.clip.max_norm)
+    assert (d["stage"], d["bad_samples"], d["module"], d["reproduces"]) == ("inputs", [bad_index], "body.0", True)
+    order = trainer.stream.order.micro_batches(0)
+    assert step == next(i for i, mb in enumerate(order) if bad_index in mb) // 2 + 1

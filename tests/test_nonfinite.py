@@ -1,0 +1,260 @@
+"""The first-non-finite locator, batch bisection, anomaly trace, and the ``nan`` doctor check."""
+
+from __future__ import annotations
+
+import faults
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from stabletrain.checks import CheckContext
+from stabletrain.checks.nan import check_nan
+from stabletrain.config import load_config
+from stabletrain.nonfinite import NonFiniteLocator, anomaly_trace, bisect_samples
+
+
+def locate(model: nn.Module, x: Tensor, **kw) -> NonFiniteLocator:
+    with NonFiniteLocator(model, **kw) as loc:
+        faults.regression_loss(model, x).backward()
+    return loc
+
+
+# -- planted faults: exact op, direction, module, origin ---------------------------------------------
+
+
+@pytest.mark.parametrize("build, op, direction, module, kind, dtype, node", [
+    (faults.log_of_zero, "aten.log.default", "forward", "layers.2", "inf", "float32", None),
+    (faults.sqrt_at_zero, "aten.div.Tensor", "backward", "layers.1", "nan", "float32", "SqrtBackward0"),
+    (faults.zero_std, "aten.div.Tensor", "forward", "layers.1", "nan", "float32", None),
+    (faults.fp16_overflow, "aten.addmm.default", "forward", "layers.1.fc", "inf", "float16", None),
+], ids=["log-of-zero", "sqrt-at-zero", "zero-std", "fp16-overflow"])
+def test_planted_fault_is_located_exactly(build, op, direction, module, kind, dtype, node):
+    model, x = build()
+    loc = locate(model, x)
+    first = loc.first
+    assert (first.op, first.direction, first.module, first.origin) == (op, direction, module, True)
+    assert (first.kind, first.output_dtypes, first.autograd_node) == (kind, [dtype], node)
+    assert loc.first_origin is first
+    assert module in dict(model.named_modules())
+
+
+def test_sqrt_at_zero_is_finite_in_forward():
+    model, x = faults.sqrt_at_zero()
+    with NonFiniteLocator(model) as loc:
+        loss = faults.regression_loss(model, x)
+    assert loc.first is None and torch.isfinite(loss)
+
+
+def test_fp16_overflow_under_autocast_on_cpu():
+    torch.manual_seed(0)
+    model = faults.Stack(nn.Linear(8, 16), nn.Linear(16, 16))
+    with torch.no_grad():
+        model.layers[1].weight.mul_(1e5)
+    with torch.autocast("cpu", dtype=torch.float16), NonFiniteLocator(model) as loc:
+        model(torch.randn(4, 8)).float().sum().backward()
+    first = loc.first
+    assert (first.op, first.direction, first.module, first.origin) == ("aten.addmm.default", "forward", "layers.1", True)
+    assert first.input_dtypes == ["float16"] * 3 and first.output_dtypes == ["float16"] and first.output_shapes == [[4, 16]]
+
+
+def test_bf16_autocast_locates_log_of_zero():
+    model, x = faults.log_of_zero()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loc = locate(model, x)
+    assert (loc.first.op, loc.first.module, loc.first.origin) == ("aten.log.default", "layers.2", True)
+    assert loc.first.input_dtypes == ["bfloat16"]
+
+
+def test_nan_weight_is_propagation_in_its_module():
+    model, x = faults.log_of_zero()
+    with torch.no_grad():
+        model.layers[0].weight[3, 1] = float("nan")
+    loc = locate(model, x)
+    assert (loc.first.op, loc.first.module, loc.first.direction) == ("aten.addmm.default", "layers.0", "forward")
+    assert loc.first.origin is False and loc.first.nonfinite_inputs == [2]  # (bias, input, weight.t())
+    assert loc.first_origin is None  # the NaN reaches log first and masks its -inf: nothing new is created
+
+
+def test_nan_input_then_a_later_origin():
+    class DropNaN(nn.Module):
+        def forward(self, x):
+            return torch.nan_to_num(x, nan=0.0)
+
+    model, x = faults.log_of_zero()
+    model.layers.insert(1, DropNaN())  # the log is now layers.3
+    x[0, 0] = float("nan")
+    loc = locate(model, x)
+    assert (loc.first.op, loc.first.module, loc.first.origin) == ("aten.addmm.default", "layers.0", False)
+    assert (loc.first_origin.op, loc.first_origin.module, loc.first_origin.origin) == ("aten.log.default", "layers.3", True)
+
+
+def test_loss_outside_the_model_has_no_module():
+    model = faults.Stack(nn.Linear(4, 3))
+    with NonFiniteLocator(model) as loc:
+        (model(torch.randn(2, 4)).softmax(-1) * 0).log().sum().backward()
+    assert (loc.first.op, loc.first.module, loc.first.direction) == ("aten.log.default", None, "forward")
+
+
+class MaskedAttention(nn.Module):
+    """Attention with the usual -inf masks: a buffer, masked_fill, where and full."""
+
+    def __init__(self, t: int = 5, fully_masked_row: bool = False) -> None:
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+        self.register_buffer("mask", torch.full((t, t), float("-inf")).triu(1))
+        self.fully_masked_row = fully_masked_row
+
+    def forward(self, x: Tensor) -> Tensor:
+        t = x.shape[1]
+        s = self.q(x) @ x.transpose(-1, -2)
+        causal = torch.ones(t, t, dtype=torch.bool).triu(1)
+        if self.fully_masked_row:
+            causal[0, 0] = True  # row 0 masks every key: softmax of all -inf is NaN
+        a = s.masked_fill(causal, float("-inf")).softmax(-1)
+        b = (s + self.mask[:t, :t]).softmax(-1)
+        c = torch.where(causal, float("-inf"), s).softmax(-1)
+        d = (s + torch.full((t, t), float("-inf")).triu(1)).softmax(-1)
+        return (a + b + c + d) @ x
+
+
+def test_intended_inf_masks_are_not_faults():
+    model = MaskedAttention()
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    with NonFiniteLocator(model) as loc:
+        model(x).sum().backward()
+    assert loc.first is None and loc.num_ops > 20
+    with NonFiniteLocator(model, tolerate_masks=False) as strict:
+        model(x).sum().backward()
+    assert strict.first is not None  # the masks themselves, when asked to be strict
+
+
+def test_fully_masked_row_is_an_origin():
+    model = MaskedAttention(fully_masked_row=True)
+    with NonFiniteLocator(model) as loc:
+        model(torch.randn(2, 5, 8)).sum().backward()
+    assert (loc.first.op, loc.first.module, loc.first.origin, loc.first.kind) == ("aten._softmax.default", "", True, "nan")
+
+
+def test_uninitialized_memory_is_not_a_fault():
+    """Dropout fills torch.empty_like memory with its mask: the garbage it starts with may hold NaN bits."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.Dropout(0.5), nn.Linear(64, 1))
+    for _ in range(10):
+        _ = torch.full((32, 64), float("nan"))  # freed at once: the next empty_like may get its memory
+        del _
+        loc = locate(model, torch.randn(32, 8))
+        assert loc.first is None
+
+
+def test_python_nan_constant_is_the_origin():
+    class Writes(nn.Module):
+        def forward(self, x):
+            x = x.clone()
+            x[0, 0] = float("nan")
+            return x
+
+    model = faults.Stack(nn.Linear(4, 4), Writes())
+    loc = locate(model, torch.randn(2, 4))
+    assert (loc.first.op, loc.first.module, loc.first.origin) == ("aten.lift_fresh.default", "layers.1", True)
+
+
+def test_forward_stack_points_at_the_line():
+    model, x = faults.log_of_zero()
+    loc = locate(model, x)
+    assert "return torch.log(F.relu(x))" in loc.first.stack
+    assert "torch/nn/modules" not in loc.first.stack.replace("\\", "/")  # torch's own frames are left out
+
+
+def test_locator_stops_after_the_origin_and_cleans_up():
+    model, x = faults.log_of_zero()
+    loc = locate(model, x)
+    seen = loc.num_ops
+    with loc:  # re-entering keeps the record and checks nothing more
+        faults.regression_loss(model, x).backward()
+    assert loc.num_ops == seen
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    assert _get_current_dispatch_mode() is None
+
+
+# -- bisection ---------------------------------------------------------------------------------------
+
+
+def test_bisect_single_bad_sample():
+    calls = []
+
+    def is_bad(subset):
+        calls.append(subset)
+        return 17 in subset
+
+    result = bisect_samples(is_bad, list(range(10, 42)))
+    assert result.samples == [17] and result.combinations == [] and result.whole_bad
+    assert result.num_evals == len(calls) <= 1 + 2 * 5
+
+
+def test_bisect_several_bad_samples():
+    result = bisect_samples(lambda s: bool({3, 29, 30} & set(s)), list(range(32)))
+    assert result.samples == [3, 29, 30] and result.combinations == []
+
+
+def test_bisect_only_bad_in_combination_says_so():
+    result = bisect_samples(lambda s: {4, 11} <= set(s), list(range(16)))
+    assert result.samples == [] and result.combinations == [[4, 11]]
+    assert "no single sample is bad" in result.summary()
+
+
+def test_bisect_nothing_bad_and_eval_budget():
+    result = bisect_samples(lambda s: False, list(range(8)))
+    assert not result.whole_bad and result.samples == [] and result.num_evals == 1
+    capped = bisect_samples(lambda s: True, list(range(64)), max_evals=5)
+    assert capped.exhausted and capped.num_evals == 5
+
+
+# -- anomaly trace -------------------------------------------------------------------------------------
+
+
+def test_anomaly_trace_names_the_forward_line_of_a_backward_fault():
+    model, x = faults.sqrt_at_zero()
+    text = anomaly_trace(lambda: faults.regression_loss(model, x).backward(), model)
+    assert "aten.div.Tensor in backward (SqrtBackward0) of module 'layers.1'" in text
+    assert "x.pow(2).sum(-1, keepdim=True).sqrt()" in text  # the forward line, from anomaly mode
+    assert "Function 'SqrtBackward0' returned nan values" in text
+    assert "torch/nn/modules/module.py" not in text
+
+
+def test_anomaly_trace_is_none_when_finite():
+    model = nn.Linear(3, 2)
+    assert anomaly_trace(lambda: model(torch.randn(2, 3)).sum().backward(), model) is None
+
+
+# -- the nan doctor check ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("task, args, planted", [
+    ("mlp", {"num_samples": 256}, "2"),
+    ("gpt", {"n_layer": 2, "n_embd": 32, "n_head": 2, "seq_len": 32, "max_bytes": 200000}, "blocks.1.attn.qkv"),
+])
+def test_nan_check_finds_the_planted_module(task, args, planted):
+    cfg = load_config(None, [f"task={task}", "device=cpu", "precision=fp32", "train.batch_size=4"])
+    cfg.task_args = args
+    result = check_nan(CheckContext(cfg))
+    assert result.passed, result.summary
+    assert result.numbers["planted_module"] == result.numbers["found_module"] == planted
+    assert (result.numbers["op"], result.numbers["direction"], result.numbers["origin"]) == ("aten.fill_.Scalar", "forward", True)
+    assert result.numbers["first_nonfinite_grad"] is not None
+
+
+def test_nan_check_fails_on_a_model_that_is_already_broken():
+    def factory():
+        from torch.utils.data import TensorDataset
+
+        from stabletrain import Task
+
+        model, _ = faults.log_of_zero()
+        data = TensorDataset(torch.randn(16, 8), torch.zeros(16, 4))
+        return Task(model=model, train_data=data, loss=lambda m, b: F.mse_loss(m(b[0]), b[1]))
+
+    cfg = load_config(None, ["device=cpu", "precision=fp32", "train.batch_size=4"])
+    result = check_nan(CheckContext(cfg, task_factory=factory))
+    assert not result.passed and "not finite before planting" in result.summary
+    assert result.numbers == {"op": "aten.log.default", "module": "layers.2"}
