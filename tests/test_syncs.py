@@ -30,7 +30,7 @@ class CountSyncs(TorchFunctionMode):
 
 
 def _boundary(where):
-    return "_log" in where or "evaluate" in where
+    return "_log" in where or "evaluate" in where or "_checkpoint" in where
 
 
 def test_syncs_happen_only_at_log_and_eval_boundaries(tmp_path):
@@ -41,11 +41,14 @@ def test_syncs_happen_only_at_log_and_eval_boundaries(tmp_path):
         trainer.fit()
     stray = [(s, f, w) for s, f, w in counter.calls if not _boundary(w)]
     assert not stray, f"syncs outside log/eval boundaries: {stray[:3]}"
-    steps = sorted({s for s, _, _ in counter.calls})
+    logged = [(s, w) for s, _, w in counter.calls if "_checkpoint" not in w]
+    steps = sorted({s for s, _ in logged})
     assert steps == [10, 20, 30, 40, 45]
-    per_step = {s: sum(1 for t, _, _ in counter.calls if t == s) for s in steps}
+    per_step = {s: sum(1 for t, _ in logged if t == s) for s in steps}
     # One sync per log interval; eval intervals (20, 40, and the end) add one more.
     assert per_step == {10: 1, 20: 2, 30: 1, 40: 2, 45: 2}
+    # Checkpoints (step 0 and the end; ckpt.every=100 > 45) check finiteness on the host.
+    assert sorted({s for s, _, w in counter.calls if "_checkpoint" in w}) == [0, 45]
 
 
 def test_the_counter_sees_a_planted_per_step_sync():

@@ -11,6 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+from .checkpoint import CheckpointError
 from .config import ConfigError, describe_keys, load_config
 
 __all__ = ["main"]
@@ -53,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_keys_help(),
                            description="Train the configured task; write config, snapshot, metrics, events and TensorBoard logs.")
     _add_config_args(train)
+    train.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its LAST_GOOD checkpoint (same as resume=RUN_DIR); "
+                       "its config.yaml is the base, and only harmless keys (train.max_steps, log.*, ckpt.*, eval.every) may change")
     train.add_argument("--report", action="store_true", help="write RUN_DIR/report.html at the end of training")
 
     check = sub.add_parser("check", help="run the doctor: sanity checks on the configured task",
@@ -65,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--list", action="store_true", help="list the available checks and exit")
     check.add_argument("--compare", metavar="A,B,...", help="init check: compare these init schemes on one plot")
     check.add_argument("--out-dir", metavar="DIR", default=".", help="where checks write files such as plots (default: .)")
+
+    diagnose = sub.add_parser("diagnose", help="replay a captured incident and name the first non-finite op, module, parameter and sample",
+                              description="Replay RUN_DIR/incidents/step_N under the precise tools; write diagnosis.json next to it.")
+    diagnose.add_argument("incident", metavar="INCIDENT_DIR", help="RUN_DIR/incidents/step_N (or RUN_DIR: its newest incident)")
+    diagnose.add_argument("--json", action="store_true", help="print the whole diagnosis as JSON")
+    diagnose.add_argument("--device", metavar="DEVICE", help="replay on this device (default: the run's)")
+    diagnose.add_argument("--no-bisect", action="store_true", help="skip the bisection over the batch's samples")
 
     report = sub.add_parser("report", help="write RUN_DIR/report.html from a run directory")
     report.add_argument("run_dir", metavar="RUN_DIR")
@@ -81,13 +91,40 @@ def _split_check_args(items: list[str]) -> tuple[list[str], list[str]]:
     return names, overrides
 
 
+def _resume_target(args: argparse.Namespace) -> str | None:
+    if args.resume:
+        return args.resume
+    for item in args.overrides:
+        if item.startswith("resume="):
+            return item.split("=", 1)[1] or None
+    return None
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    import yaml
+
     from .loop import Trainer, default_run_dir
 
-    cfg = load_config(args.config, args.overrides)
-    run_dir = Path(cfg.run.dir) if cfg.run.dir else default_run_dir(cfg)
-    trainer = Trainer(cfg, run_dir=run_dir)
+    resume = _resume_target(args)
+    if resume:
+        saved = Path(resume) / "config.yaml"
+        if not saved.exists():
+            raise FileNotFoundError(f"resume {resume!r}: no config.yaml there; is it a stabletrain run directory?")
+        base = yaml.safe_load(saved.read_text(encoding="utf-8")) or {}
+        cfg = load_config(args.config, [*args.overrides, f"resume={resume}", f"run.dir={resume}"], base=base)
+        run_dir = Path(resume)
+    else:
+        cfg = load_config(args.config, args.overrides)
+        run_dir = Path(cfg.run.dir) if cfg.run.dir else default_run_dir(cfg)
+    trainer = Trainer(cfg, run_dir=run_dir, resume=bool(resume))
     record = trainer.fit()
+    if trainer.stop_reason is not None and trainer._signal is not None:
+        print(f"stabletrain: {trainer.stop_reason}; checkpointed. Resume with: stabletrain train --resume {run_dir}")
+        return 0
+    if trainer.stop_reason is not None:
+        print(f"stabletrain: the run stopped early: {trainer.stop_reason}. See {run_dir / 'events.jsonl'} and "
+              f"{run_dir / 'incidents'}", file=sys.stderr)
+        return 1
     shown = ", ".join(f"{k}={record[k]:.4g}" for k in ("loss", "val_loss", "grad_norm") if isinstance(record.get(k), float))
     print(f"stabletrain: trained {trainer.step} steps; {shown}; run directory: {run_dir}")
     if args.report:
@@ -114,6 +151,33 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if all(r.passed for r in results) else 1
 
 
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    import json
+
+    from .incidents import BUNDLE_FILE, diagnose_incident
+
+    path = Path(args.incident)
+    if not (path / BUNDLE_FILE).exists() and (path / "incidents").is_dir():
+        found = sorted((path / "incidents").glob("step_*"))
+        if not found:
+            raise FileNotFoundError(f"run directory {str(path)!r}: no incidents captured")
+        path = found[-1]
+    result = diagnose_incident(path, device=args.device, bisect=not args.no_bisect)
+    if args.json:
+        print(json.dumps(result, indent=2, default=str))
+        return 0
+    print(f"incident: {path} (step {result['step']}, rank {result['rank']})")
+    for key in ("summary", "stage", "op", "direction", "module", "origin", "first_nonfinite_param",
+                "nonfinite_params_after_update", "bad_samples", "reproduces"):
+        if result.get(key) not in (None, [], ""):
+            print(f"  {key:<30} {result[key]}")
+    if result.get("anomaly_trace"):
+        print("  stack (replay under detect_anomaly):")
+        print("    " + "\n    ".join(str(result["anomaly_trace"]).splitlines()[-12:]))
+    print(f"  written to {path / 'diagnosis.json'}")
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from .report import write_report
 
@@ -134,7 +198,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "check": cmd_check, "report": cmd_report, "compare": cmd_compare}
+COMMANDS = {"train": cmd_train, "check": cmd_check, "diagnose": cmd_diagnose, "report": cmd_report, "compare": cmd_compare}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return COMMANDS[args.command](args)
-    except (ConfigError, ValueError, TypeError, FileNotFoundError, FileExistsError) as err:
+    except (ConfigError, ValueError, TypeError, FileNotFoundError, FileExistsError, CheckpointError) as err:
         # User errors: one clear line, no traceback.
         print(f"stabletrain: error: {err}", file=sys.stderr)
         return 2

@@ -88,6 +88,27 @@ class EvalConfig:
 
 
 @dataclass
+class CkptConfig:
+    every: int = _f(100, "steps between checkpoints (0 = only at the end and on SIGTERM/SIGINT); written only from a healthy state")
+    keep: int = _f(3, "how many newest checkpoints to keep (the one LAST_GOOD names is never deleted)")
+
+
+@dataclass
+class GuardConfig:
+    on_nonfinite: Literal["skip", "stop", "rollback"] = _f("skip", "a non-finite loss/grad norm/parameter: skip the step, stop cleanly, or roll back to the last good checkpoint and skip that data window")
+    on_spike: Literal["warn", "skip", "rollback"] = _f("warn", "a loss spike: record an event, skip the step (decided on the device), or roll back and skip the window")
+    spike_window: int = _f(50, "recent finite, non-spike losses the spike rule compares against")
+    spike_ratio: float = _f(2.0, "spike rule: loss > spike_ratio x median of the window ...")
+    spike_zscore: float = _f(6.0, "... and (loss - mean) / std of the window > spike_zscore (after spike_window/2 steps)")
+    max_consecutive_skips: int = _f(20, "stop the run after this many skipped steps in a row")
+    max_rollbacks: int = _f(3, "stop the run after this many rollbacks")
+    check_params: bool = _f(True, "check after every update that the parameters are finite (one fused pass, no sync)")
+    check_inputs: bool = _f(False, "check floating-point inputs of every micro-batch for NaN/Inf")
+    capture: bool = _f(True, "capture an incident bundle (RUN_DIR/incidents/step_N) for the first bad step of an interval")
+    diagnose: bool = _f(True, "diagnose a captured incident right away (replay under the precise tools)")
+
+
+@dataclass
 class RunConfig:
     dir: str | None = _f(None, "the run directory; default runs/<task>-<timestamp>")
     overwrite: bool = _f(False, "allow writing into a run directory that already holds a run")
@@ -112,6 +133,9 @@ class Config:
     log: LogConfig = _section(LogConfig, "metrics and sinks")
     eval: EvalConfig = _section(EvalConfig, "validation")
     run: RunConfig = _section(RunConfig, "run directory")
+    ckpt: CkptConfig = _section(CkptConfig, "checkpoints")
+    guard: GuardConfig = _section(GuardConfig, "NaN/Inf sentinel, loss-spike detection and what to do about them")
+    resume: str | None = _f(None, "a run directory to continue from its LAST_GOOD checkpoint (same as --resume)")
 
     def validate(self) -> "Config":
         """Check value ranges; raise ConfigError naming the dotted key and the value seen."""
@@ -133,6 +157,13 @@ class Config:
             ("log.top_layers", self.log.top_layers, self.log.top_layers >= 0, "an integer >= 0"),
             ("eval.every", self.eval.every, self.eval.every >= 0, "an integer >= 0"),
             ("eval.batches", self.eval.batches, self.eval.batches >= 0, "an integer >= 0"),
+            ("ckpt.every", self.ckpt.every, self.ckpt.every >= 0, "an integer >= 0"),
+            ("ckpt.keep", self.ckpt.keep, self.ckpt.keep >= 1, "an integer >= 1"),
+            ("guard.spike_window", self.guard.spike_window, self.guard.spike_window >= 4, "an integer >= 4"),
+            ("guard.spike_ratio", self.guard.spike_ratio, self.guard.spike_ratio > 1, "a number > 1"),
+            ("guard.spike_zscore", self.guard.spike_zscore, self.guard.spike_zscore > 0, "a number > 0"),
+            ("guard.max_consecutive_skips", self.guard.max_consecutive_skips, self.guard.max_consecutive_skips >= 1, "an integer >= 1"),
+            ("guard.max_rollbacks", self.guard.max_rollbacks, self.guard.max_rollbacks >= 0, "an integer >= 0"),
         ]
         for key, value, ok, want in checks:
             if not ok:
@@ -269,9 +300,10 @@ def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Load a Config from an optional YAML file and dotted overrides; validate it."""
-    data: dict[str, Any] = {}
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                base: dict[str, Any] | None = None) -> Config:
+    """Load a Config from ``base`` (plain dicts), then an optional YAML file, then dotted overrides; validate it."""
+    data: dict[str, Any] = dict(base or {})
     if path is not None:
         p = Path(path)
         try:

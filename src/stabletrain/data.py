@@ -97,6 +97,7 @@ class WindowStream:
         self.collate = collate or default_collate
         self.workers, self.pin_memory = workers, pin_memory
         self.epoch, self.pos = 0, 0
+        self.skip: set[tuple[int, int]] = set()  # (epoch, start) of windows never to train on (rollbacks)
         self._iter: Iterator[Any] | None = None
         self._batches: list[list[int]] = []
 
@@ -110,23 +111,29 @@ class WindowStream:
         self._iter = iter(loader)
 
     def next_window(self) -> Window:
-        """Return the next window, moving to the next epoch when this one is used up."""
-        if self._iter is None:
-            self._open()
-        if self.pos >= len(self._batches):
-            self.epoch, self.pos = self.epoch + 1, 0
-            self._open()
-        take = min(self.accum_steps, len(self._batches) - self.pos)
-        indices = self._batches[self.pos:self.pos + take]
-        assert self._iter is not None
-        batches = [next(self._iter) for _ in range(take)]
-        window = Window(self.epoch, self.pos, indices, batches)
-        self.pos += take
-        return window
+        """Return the next window, moving to the next epoch when this one is used up.
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "pos": self.pos}
+        Windows listed in :attr:`skip` are read past (a rollback's offending data is not seen again).
+        """
+        while True:
+            if self._iter is None:
+                self._open()
+            if self.pos >= len(self._batches):
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._open()
+            take = min(self.accum_steps, len(self._batches) - self.pos)
+            indices = self._batches[self.pos:self.pos + take]
+            assert self._iter is not None
+            batches = [next(self._iter) for _ in range(take)]
+            window = Window(self.epoch, self.pos, indices, batches)
+            self.pos += take
+            if (window.epoch, window.start) not in self.skip:
+                return window
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "pos": self.pos, "skip": sorted(self.skip)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+        self.skip = {(int(e), int(s)) for e, s in state.get("skip", [])}
         self._iter = None

@@ -6,17 +6,26 @@ One optimizer step (DESIGN.md, "the data's path")::
         with precision.autocast(): loss_sum, count = task.loss(model, batch)
         precision.backward(window.normalize(loss_sum, count, last))   # / items in the whole window
     precision.unscale_(optimizer)                 # true grads before measuring and clipping
-    norm, per_param = grad_norms(params)          # device tensors; non-finite norm = the sentinel
-    clipped = clipper.clip_(params, norm, finite) # a non-finite norm is never "clipped"
-    applied = precision.step(optimizer, finite)   # skipped on the device when not finite
+    norm, per_param = grad_norms(params)          # device tensors
+    ok, finite, spike = guard.observe(loss, norm) # the sentinel: non-finite norm or loss, loss spike
+    clipped = clipper.clip_(params, norm, ok)     # a non-finite norm is never "clipped"
+    applied = precision.step(optimizer, ok)       # skipped on the device when not ok
+    params_finite = guard.params_finite(params)   # cheap post-update check, one fused pass
     schedule.step(applied)                        # the LR schedule holds on a skipped step
     metrics.update(...)                           # device buffers; one sync per log interval
+
+At a log boundary the interval's rows come to the host once; the guard decides (continue, stop,
+rollback), the first bad step is captured into ``incidents/step_N`` and diagnosed, and at checkpoint
+boundaries a healthy state is checkpointed atomically.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -25,18 +34,34 @@ import torch
 from torch import Tensor, nn
 
 from .accumulation import AccumulationWindow, as_sum_count
+from .checkpoint import HARMLESS_KEYS, CheckpointManager, diff_configs
 from .clipping import GradClipper, grad_norms
-from .config import Config
+from .config import Config, config_hash, config_to_dict
 from .data import EpochOrder, Window, WindowStream, move_to
+from .guard import Guard, GuardDecision, inputs_finite
+from .incidents import diagnose_incident, write_bundle
 from .metrics import StepMetrics, peak_memory_mib
-from .numerics import top_grad_norms  # noqa: F401  (re-exported for users of the loop module)
 from .precision import PrecisionPolicy, resolve_device
 from .records import RunDir, TensorBoardSink, build_snapshot
 from .schedule import LRSchedule
 from .seeding import rng_state, seed_everything, set_deterministic, set_rng_state
 from .tasks import Task, resolve_task
 
-__all__ = ["Trainer", "build_optimizer", "unique_params", "default_run_dir"]
+__all__ = ["Trainer", "build_optimizer", "unique_params", "default_run_dir", "RESUME_HARMLESS_KEYS"]
+
+#: Config keys that may differ when resuming a run (they change neither the math nor the data).
+RESUME_HARMLESS_KEYS = HARMLESS_KEYS + ("resume", "data.workers", "guard.capture", "guard.diagnose")
+
+
+def clone_state(obj: Any) -> Any:
+    """Return a deep copy of a (nested) state dict; tensors are cloned on their device."""
+    if isinstance(obj, Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: clone_state(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(clone_state(v) for v in obj)
+    return copy.copy(obj)
 
 
 def unique_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -72,10 +97,13 @@ def default_run_dir(cfg: Config) -> Path:
 class Trainer:
     """Train ``task`` under ``cfg``: builds the policies, runs steps, writes the run directory.
 
-    ``run_dir=None`` trains without writing anything (useful for checks and tests).
+    ``run_dir=None`` trains without writing anything (checks and tests). ``resume=True`` continues the
+    run in ``run_dir`` from its LAST_GOOD checkpoint, refusing a config that differs in anything but
+    :data:`RESUME_HARMLESS_KEYS`.
     """
 
-    def __init__(self, cfg: Config, task: Task | None = None, run_dir: str | Path | None = None) -> None:
+    def __init__(self, cfg: Config, task: Task | None = None, run_dir: str | Path | None = None, *,
+                 resume: bool = False) -> None:
         self.cfg = cfg
         set_deterministic(cfg.deterministic)
         seed_everything(cfg.seed)
@@ -92,6 +120,7 @@ class Trainer:
                                    cfg.sched.min_lr_ratio)
         self.clipper = GradClipper(cfg.clip.max_norm)
         self.window = AccumulationWindow(self.params)
+        self.guard = Guard(cfg.guard, self.device)
         order = EpochOrder(len(self.task.train_data), cfg.train.batch_size, cfg.seed, cfg.data.shuffle)
         self.stream = WindowStream(self.task.train_data, order, cfg.accum.steps, collate=self.task.collate,
                                    workers=cfg.data.workers, pin_memory=self.device.type == "cuda")
@@ -100,16 +129,49 @@ class Trainer:
         self.samples_seen = 0
         self.tokens_seen = 0.0
         self.run: RunDir | None = None
+        self.ckpt: CheckpointManager | None = None
+        self.history: list[dict[str, Any]] = []  # every metrics record of this process
+        self.stop_reason: str | None = None  # set when the guard or a signal ends the run early
         self._tb: TensorBoardSink | None = None
         self._bar: Any = None
-        self.history: list[dict[str, Any]] = []  # every metrics record of this process
         self._interval_start = time.perf_counter()
         self._eval_seconds = 0.0
+        self._pending_eval: dict[str, float] = {}
+        self._positions: dict[int, tuple[int, int]] = {}  # step -> (epoch, start) of its window, this interval
+        self._snapshot: dict[str, Any] | None = None  # state at the start of the interval (incident replay)
+        self._signal: int | None = None
         if run_dir is not None:
-            self.run = RunDir(run_dir, overwrite=cfg.run.overwrite)
+            run_dir = Path(run_dir)
+            self.ckpt = CheckpointManager(run_dir / "checkpoints", keep=cfg.ckpt.keep)
+            if resume:
+                problems = self._resume_from(run_dir)
+            self.run = RunDir(run_dir, resume=resume, overwrite=cfg.run.overwrite)
             self.run.write_config(cfg)
-            self.run.write_snapshot(build_snapshot(cfg, self.device, self.precision.mode, self.task.data_fingerprint,
-                                                   {"task_info": self.task.info}))
+            if resume:
+                for problem in problems:
+                    self.run.event(self.step, "checkpoint_skipped", problem)
+                self.run.event(self.step, "resume", f"resumed from {self._resumed_from} at step {self.step}",
+                               path=str(self._resumed_from))
+            else:
+                self.run.write_snapshot(build_snapshot(cfg, self.device, self.precision.mode, self.task.data_fingerprint,
+                                                       {"task_info": self.task.info}))
+        elif resume:
+            raise ValueError("resume needs a run directory (--resume RUN_DIR)")
+
+    def _resume_from(self, run_dir: Path) -> list[str]:
+        problems: list[str] = []
+        if not (run_dir / "checkpoints").is_dir():
+            raise FileNotFoundError(f"resume {str(run_dir)!r}: no checkpoints/ there; is it a stabletrain run directory?")
+        assert self.ckpt is not None
+        loaded = self.ckpt.load(on_problem=problems.append)
+        diffs = diff_configs(loaded.meta.get("config", {}), config_to_dict(self.cfg), harmless=RESUME_HARMLESS_KEYS)
+        if diffs:
+            listed = "; ".join(f"{d.key}: checkpoint {d.saved!r}, now {d.current!r}" for d in diffs)
+            raise ValueError(f"resume {str(run_dir)!r}: {len(diffs)} config key(s) differ from the checkpoint's ({listed}); "
+                             f"only {', '.join(RESUME_HARMLESS_KEYS)} may change")
+        self.load_state_dict(loaded.state)
+        self._resumed_from = loaded.path
+        return problems
 
     # -- one optimizer step ---------------------------------------------------------------------
 
@@ -119,20 +181,27 @@ class Trainer:
         model.train()
         optimizer.zero_grad(set_to_none=True)
         self.window.begin()
+        inputs_ok = None
         for i, (indices, batch) in enumerate(zip(window.indices, window.batches)):
             last = i == len(window.indices) - 1
+            batch = move_to(batch, self.device)
+            if self.cfg.guard.check_inputs:
+                flag = inputs_finite(batch)
+                inputs_ok = flag if inputs_ok is None or flag is None else inputs_ok & flag
             with self._sync_context(last), self.precision.autocast():
-                loss_sum, count = as_sum_count(self.task.loss(model, move_to(batch, self.device)), len(indices))
+                loss_sum, count = as_sum_count(self.task.loss(model, batch), len(indices))
             self.precision.backward(self.window.normalize(loss_sum, count, last))
         self.precision.unscale_(optimizer)
         norm, per_param = grad_norms(self.params)
         loss = self.window.mean_loss
-        finite = torch.isfinite(norm) & torch.isfinite(loss)  # the sentinel: no extra pass over the grads
-        clipped = self.clipper.clip_(self.params, norm, finite)
-        applied = self.precision.step(optimizer, finite)
+        ok, finite, spike = self.guard.observe(loss, norm, inputs_ok)  # the sentinel: no extra pass over grads
+        clipped = self.clipper.clip_(self.params, norm, ok)
+        applied = self.precision.step(optimizer, ok)
+        params_finite = self.guard.params_finite(self.params) if self.cfg.guard.check_params else True
         self.schedule.step(applied)
         return {"loss": loss, "grad_norm": norm, "post_clip_norm": self.clipper.post_clip_norm(norm), "clipped": clipped,
-                "applied": applied, "finite": finite, "count": self.window.global_count, "per_param_norms": per_param}
+                "applied": applied, "finite": finite, "spike": spike, "params_finite": params_finite,
+                "count": self.window.global_count, "per_param_norms": per_param}
 
     def _sync_context(self, last: bool) -> contextlib.AbstractContextManager:
         """DDP's no_sync on all but the last micro-batch of a window; nothing on one process."""
@@ -142,32 +211,45 @@ class Trainer:
     # -- the fit loop ---------------------------------------------------------------------------
 
     def fit(self) -> dict[str, Any]:
-        """Train until ``train.max_steps``; return the last metrics record."""
+        """Train until ``train.max_steps`` (or a stop); return the last metrics record."""
         cfg = self.cfg
         self._open_sinks()
         self._interval_start = time.perf_counter()
         self._eval_seconds = 0.0
         last_record: dict[str, Any] = {}
+        restore = self._install_signal_handlers()
         try:
+            if self.ckpt is not None and self.ckpt.latest_good() is None:
+                self._checkpoint(healthy=True)  # step 0: rollback and resume always have a state to return to
+            self._snapshot = self._capture_point()
             while self.step < cfg.train.max_steps:
                 window = self.stream.next_window()
+                self._positions[self.step + 1] = (window.epoch, window.start)
                 out = self.train_step(window)
                 self.step += 1
                 self.samples_seen += window.num_samples
-                self.metrics.update(self.step, loss=out["loss"], grad_norm=out["grad_norm"],
-                                    post_clip_norm=out["post_clip_norm"], clipped=out["clipped"], applied=out["applied"],
-                                    finite=out["finite"], lr=self.schedule.lr(), loss_scale=self.precision.loss_scale(),
-                                    count=out["count"], per_param_norms=out["per_param_norms"],
-                                    num_samples=window.num_samples)
+                self.metrics.update(self.step, per_param_norms=out.pop("per_param_norms"), num_samples=window.num_samples,
+                                    lr=self.schedule.lr(), loss_scale=self.precision.loss_scale(), **out)
                 if self._bar is not None:
                     self._bar.update(1)
                 done = self.step >= cfg.train.max_steps
-                record: dict[str, Any] = {}
                 if done or (cfg.eval.every and self.step % cfg.eval.every == 0):
-                    record.update(self.evaluate())
-                if done or self.step % cfg.log.every == 0:
-                    last_record = self._log(record)
+                    self._pending_eval = self.evaluate()
+                ckpt_due = bool(cfg.ckpt.every) and self.step % cfg.ckpt.every == 0
+                if not (done or ckpt_due or self._signal or self.step % cfg.log.every == 0):
+                    continue
+                last_record, decision = self._log()
+                healthy = self._act(decision)
+                if self.stop_reason is not None:
+                    break
+                if done or ckpt_due or self._signal:
+                    self._checkpoint(healthy)
+                if self._signal:
+                    self.stop_reason = f"stopped by {signal.Signals(self._signal).name} at step {self.step}"
+                    break
+                self._snapshot = self._capture_point()
         finally:
+            restore()
             self._close_sinks()
         return last_record
 
@@ -194,16 +276,19 @@ class Trainer:
         self._eval_seconds += time.perf_counter() - t0
         return {"val_loss": loss_sum / max(count, 1.0)}
 
-    def _log(self, extra: dict[str, Any]) -> dict[str, Any]:
+    def _log(self) -> tuple[dict[str, Any], GuardDecision]:
         summary, rows, param_sq = self.metrics.reduce()  # the interval's one sync
         now = time.perf_counter()
         elapsed = max(now - self._interval_start - self._eval_seconds, 1e-9)
         self._interval_start, self._eval_seconds = now, 0.0
         self.tokens_seen += summary["interval_tokens"]
+        decision = self.guard.decide(rows)
         total_sq = sum(param_sq) or 1.0
         top = sorted(range(len(param_sq)), key=lambda i: -param_sq[i])[: self.cfg.log.top_layers]
         record = {
             **{k: v for k, v in summary.items() if not k.startswith("interval_")},
+            "num_incidents": self.guard.num_incidents,
+            "num_rollbacks": self.guard.num_rollbacks,
             "tokens_per_s": summary["interval_tokens"] / elapsed,
             "samples_per_s": summary["interval_samples"] / elapsed,
             "step_time_s": elapsed / summary["interval_steps"],
@@ -212,8 +297,9 @@ class Trainer:
             "samples_seen": self.samples_seen,
             "tokens_seen": self.tokens_seen,
             "top_grad_layers": [{"name": self.named_params[i][0], "share": param_sq[i] / total_sq} for i in top],
-            **extra,
+            **self._pending_eval,
         }
+        self._pending_eval = {}
         for row in rows:
             self._row_events(row.step, row.values)
         self.history.append(record)
@@ -227,18 +313,146 @@ class Trainer:
             if "val_loss" in record:
                 shown["val"] = f"{record['val_loss']:.4f}"
             self._bar.set_postfix(shown, refresh=True)
-        return record
+        return record, decision
 
     def _row_events(self, step: int, values: dict[str, float]) -> None:
         if self.run is None:
             return
         if values["finite"] < 0.5:
-            what = "loss" if not math.isfinite(values["loss"]) else "grad norm"
+            what = "loss" if not math.isfinite(values["loss"]) else "grad norm (or inputs)"
             self.run.event(step, "nonfinite", f"non-finite {what}: loss={values['loss']}, grad_norm={values['grad_norm']}",
                            loss=values["loss"], grad_norm=values["grad_norm"])
+        elif values["params_finite"] < 0.5:
+            self.run.event(step, "nonfinite", "parameters became non-finite in the update (loss and grad norm were finite)",
+                           loss=values["loss"], grad_norm=values["grad_norm"], after_update=True)
+        if values["spike"] > 0.5:
+            self.run.event(step, "spike", f"loss spike: {values['loss']:.4g} (rule: > {self.cfg.guard.spike_ratio:g}x the "
+                           f"median and z > {self.cfg.guard.spike_zscore:g} over the last {self.cfg.guard.spike_window} steps)",
+                           loss=values["loss"], action=self.cfg.guard.on_spike)
         if values["applied"] < 0.5:
-            reason = "fp16 overflow (GradScaler)" if self.precision.scaler is not None else "non-finite loss or grad norm"
+            if values["finite"] >= 0.5 and values["spike"] > 0.5:
+                reason = "loss spike (guard.on_spike=skip)"
+            elif self.precision.scaler is not None:
+                reason = "fp16 overflow (GradScaler)"
+            else:
+                reason = "non-finite loss or grad norm"
             self.run.event(step, "skip", f"optimizer step skipped: {reason}", loss_scale=values["loss_scale"])
+
+    # -- acting on what the guard saw -----------------------------------------------------------
+
+    def _act(self, decision: GuardDecision) -> bool:
+        """Capture and diagnose the first incident, then stop or roll back as decided; return healthy."""
+        if decision.first_incident is not None and self.cfg.guard.capture and self._snapshot is not None:
+            self._capture_incident(decision.first_incident, decision.after_update)
+        if decision.action == "stop":
+            self.stop_reason = decision.reason
+            if self.run is not None:
+                self.run.event(self.step, "stop", f"stopping: {decision.reason}")
+            return False
+        if decision.action == "rollback":
+            self._rollback(decision)
+            return True
+        return not decision.bad_steps or (self.guard.consecutive_skips == 0 and not decision.after_update)
+
+    def _capture_point(self) -> dict[str, Any] | None:
+        """The state at the start of an interval, kept in memory so an incident step can be replayed."""
+        return clone_state(self.state_dict()) if self.cfg.guard.capture else None
+
+    def _capture_incident(self, step: int, after_update: bool) -> None:
+        """Replay from the interval's start to just before ``step`` and write its incident bundle."""
+        assert self._snapshot is not None
+        current = clone_state(self.state_dict())
+        self.load_state_dict(self._snapshot)
+        while self.step < step - 1:
+            self.train_step(self.stream.next_window())
+            self.step += 1
+        rng = rng_state()
+        window = self.stream.next_window()
+        row_loss = next((r for r in self.history[-1:]), {})
+        bundle = {
+            "step": step, "rank": 0, "config": config_to_dict(self.cfg),
+            "window": {"epoch": window.epoch, "start": window.start, "indices": window.indices},
+            "rng": rng, "model": clone_state(self.model.state_dict()), "optimizer": clone_state(self.optimizer.state_dict()),
+            "schedule": self.schedule.state_dict(), "precision": self.precision.state_dict(),
+            "observed": {"after_update": after_update, "interval_loss": row_loss.get("loss")},
+        }
+        self.load_state_dict(current)
+        if self.run is None:
+            return
+        directory = self.run.path / "incidents" / f"step_{step:06d}"
+        write_bundle(directory, bundle)
+        fields: dict[str, Any] = {"path": str(directory), "after_update": after_update}
+        if self.cfg.guard.diagnose:
+            try:
+                diagnosis = diagnose_incident(directory, self.task, device=str(self.device))
+                fields["diagnosis"] = {k: diagnosis.get(k) for k in ("summary", "stage", "op", "direction", "module",
+                                                                     "origin", "first_nonfinite_param", "bad_samples",
+                                                                     "reproduces")}
+                print(f"stabletrain: incident at step {step}: {diagnosis.get('summary')}", flush=True)
+            except Exception as err:  # a diagnosis that fails must not take the run down with it
+                fields["diagnosis_error"] = f"{type(err).__name__}: {err}"
+        self.run.event(step, "incident", f"captured step {step} into {directory}", **fields)
+
+    def _rollback(self, decision: GuardDecision) -> None:
+        """Restore LAST_GOOD and never train on the windows of the offending steps again."""
+        bad = sorted(set(decision.bad_steps) | set(decision.spike_steps if self.cfg.guard.on_spike == "rollback" else []))
+        windows = {self._positions[s] for s in bad if s in self._positions}
+        if self.ckpt is None or self.ckpt.latest_good() is None:
+            self.stop_reason = f"{decision.reason}; no checkpoint to roll back to"
+            if self.run is not None:
+                self.run.event(self.step, "stop", f"stopping: {self.stop_reason}")
+            return
+        from_step = self.step
+        counters = (self.guard.num_rollbacks, self.guard.num_incidents, self.guard.num_spikes)
+        skip = self.stream.skip | windows
+        loaded = self.ckpt.load()
+        self.load_state_dict(loaded.state)
+        self.guard.num_rollbacks, self.guard.num_incidents, self.guard.num_spikes = counters
+        self.stream.skip = skip
+        if self.run is not None:
+            self.run.event(self.step, "rollback", f"{decision.reason}: rolled back from step {from_step} to {loaded.path.name}; "
+                           f"skipping data windows {sorted(windows)}", from_step=from_step, to_step=self.step,
+                           path=str(loaded.path), skipped_windows=sorted(windows))
+        if self._bar is not None:
+            self._bar.n = self.step
+            self._bar.refresh()
+
+    def _checkpoint(self, healthy: bool) -> None:
+        """Write a checkpoint from a healthy state (never from inside an incident); record the event."""
+        if self.ckpt is None or self.run is None:
+            return
+        if not healthy:
+            good = self.ckpt.latest_good()
+            self.run.event(self.step, "checkpoint_withheld", f"checkpoint at step {self.step} withheld: inside an incident; "
+                           f"LAST_GOOD stays at {good.name if good else 'none'}")
+            return
+        meta = {"config": config_to_dict(self.cfg), "config_hash": config_hash(self.cfg)}
+        try:
+            result = self.ckpt.save(self.state_dict(), self.step, meta)
+        except Exception as err:  # the previous checkpoint is intact; say so and keep training
+            self.run.event(self.step, "checkpoint_failed", f"checkpoint at step {self.step} failed: {err}")
+            return
+        self.run.event(self.step, result.kind, result.reason, **result.event_fields())
+
+    def _install_signal_handlers(self) -> Any:
+        """SIGTERM/SIGINT: finish the step, checkpoint, stop. A second signal interrupts at once."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+
+        def handler(signum: int, frame: Any) -> None:
+            if self._signal is not None:
+                raise KeyboardInterrupt  # second signal: leave now; checkpoints are written atomically
+            self._signal = signum
+
+        old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+        def restore() -> None:
+            for sig, h in old.items():
+                signal.signal(sig, h)
+
+        return restore
+
+    # -- sinks ----------------------------------------------------------------------------------
 
     def _open_sinks(self) -> None:
         if self.run is not None and self.cfg.log.tensorboard and self._tb is None:
@@ -269,6 +483,7 @@ class Trainer:
             "schedule": self.schedule.state_dict(),
             "precision": self.precision.state_dict(),
             "clipper": self.clipper.state_dict(),
+            "guard": self.guard.state_dict(),
             "metrics": self.metrics.state_dict(),
             "stream": self.stream.state_dict(),
             "rng": rng_state(),
@@ -281,6 +496,7 @@ class Trainer:
         self.schedule.load_state_dict(state["schedule"])  # after the optimizer: rewrites its lr tensors
         self.precision.load_state_dict(state["precision"])
         self.clipper.load_state_dict(state["clipper"])
+        self.guard.load_state_dict(state["guard"])
         self.metrics.load_state_dict(state["metrics"])
         self.stream.load_state_dict(state["stream"])
         set_rng_state(state["rng"])

@@ -16,8 +16,11 @@ grad_norm_post_clip    mean post-clip norm over finite steps
 clip_rate              fraction of steps where clipping fired
 lr                     learning rate after the interval's last step
 loss_scale             GradScaler scale (1.0 without a scaler)
-num_skipped            steps whose update was skipped in the interval (non-finite or overflow)
-num_nonfinite          steps with a non-finite loss or grad norm in the interval
+num_skipped            steps whose update was skipped in the interval (non-finite, overflow, spike)
+num_nonfinite          steps with a non-finite loss, grad norm or (after the update) parameter
+num_spikes             loss spikes in the interval (rule: stabletrain.guard)
+num_incidents,         incidents and rollbacks so far in the run (added by the loop)
+num_rollbacks
 tokens_per_s,          throughput over the interval's wall time (tokens = items the loss counts)
 samples_per_s
 step_time_s            mean wall time per optimizer step
@@ -41,7 +44,8 @@ from torch import Tensor
 __all__ = ["StepMetrics", "peak_memory_mib", "COLUMNS"]
 
 # Per-step buffer columns, in order.
-COLUMNS = ("loss", "grad_norm", "grad_norm_post_clip", "clipped", "applied", "finite", "lr", "loss_scale", "count")
+COLUMNS = ("loss", "grad_norm", "post_clip_norm", "clipped", "applied", "finite", "spike", "params_finite", "lr",
+           "loss_scale", "count")
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -68,19 +72,28 @@ class StepMetrics:
         self.steps: list[int] = []
         self.samples = 0
 
-    def update(self, step: int, *, loss: Tensor, grad_norm: Tensor, post_clip_norm: Tensor, clipped: Tensor,
-               applied: Tensor, finite: Tensor, lr: Tensor | float, loss_scale: Tensor, count: Tensor,
-               per_param_norms: Tensor, num_samples: int) -> None:
-        """Record one step into the device buffers (no sync)."""
+    def update(self, step: int, *, per_param_norms: Tensor, num_samples: int, **values: Tensor | float) -> None:
+        """Record one step into the device buffers (no sync).
+
+        ``values`` holds one 0-dim tensor (or number) per name in :data:`COLUMNS`; ``spike`` and
+        ``params_finite`` default to 0 and 1.
+        """
         i = len(self.steps)
         assert i < self.capacity, "StepMetrics.reduce() must be called every `capacity` steps"
-        lr_t = lr if isinstance(lr, Tensor) else torch.tensor(lr)
-        row = torch.stack([t.detach().float().reshape(()).to(self.device) for t in
-                           (loss, grad_norm, post_clip_norm, clipped, applied, finite, lr_t, loss_scale, count)])
+        values.setdefault("spike", 0.0)
+        values.setdefault("params_finite", 1.0)
+        unknown = set(values) - set(COLUMNS)
+        assert not unknown and len(values) == len(COLUMNS), f"StepMetrics.update: unknown {unknown}, need {COLUMNS}"
+        row = torch.stack([self._on_device(values[c]) for c in COLUMNS])
         self.buf[i].copy_(row)
-        self.param_sq += torch.where(finite, per_param_norms.float() ** 2, 0.0)
+        self.param_sq += torch.where(row[COLUMNS.index("finite")] > 0.5, per_param_norms.float() ** 2, 0.0)
         self.steps.append(step)
         self.samples += num_samples
+
+    def _on_device(self, v: Tensor | float) -> Tensor:
+        if isinstance(v, Tensor):
+            return v.detach().float().reshape(()).to(self.device)
+        return torch.full((), float(v), device=self.device)  # a fill, not a copy from host memory
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -103,12 +116,13 @@ class StepMetrics:
             "loss_max": max(losses),
             "grad_norm": (sum(r["grad_norm"] for r in finite_rows) / len(finite_rows)) if finite_rows else float("nan"),
             "grad_norm_max": max((r["grad_norm"] for r in finite_rows), default=float("nan")),
-            "grad_norm_post_clip": (sum(r["grad_norm_post_clip"] for r in finite_rows) / len(finite_rows)) if finite_rows else float("nan"),
+            "grad_norm_post_clip": (sum(r["post_clip_norm"] for r in finite_rows) / len(finite_rows)) if finite_rows else float("nan"),
             "clip_rate": sum(r.values["clipped"] for r in rows) / n,
             "lr": rows[-1].values["lr"],
             "loss_scale": rows[-1].values["loss_scale"],
             "num_skipped": int(sum(1 for r in rows if r.values["applied"] < 0.5)),
-            "num_nonfinite": int(sum(1 for r in rows if r.values["finite"] < 0.5)),
+            "num_nonfinite": int(sum(1 for r in rows if r.values["finite"] < 0.5 or r.values["params_finite"] < 0.5)),
+            "num_spikes": int(sum(1 for r in rows if r.values["spike"] > 0.5)),
             "interval_tokens": sum(r.values["count"] for r in rows),
             "interval_samples": self.samples,
             "interval_steps": n,
