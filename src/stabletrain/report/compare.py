@@ -1,0 +1,137 @@
+"""Compare runs: what differs in their configs, and their curves overlaid by step and by tokens seen.
+
+``write_compare([RUN_A, RUN_B, ...], out)`` writes one self-contained page (default ``./compare.html``)
+and each plot as ``<out stem>_plots/<metric>.png`` next to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .health import health_summary
+from .html import atomic_write, esc, figure, footer, page, problems_box, table, value_cell, write_plots
+from .plots import COMPARE_METRICS, COLORS, compare_plots
+from .rundata import RunData, flatten, load_run
+from .text import fmt_num, fmt_pct
+
+__all__ = ["write_compare", "render_compare", "config_diff", "run_labels"]
+
+# Snapshot fields worth comparing (code, libraries, device, data); the rest differ by nature (time, cwd).
+_SNAPSHOT_KEYS = ("git.commit", "git.dirty", "git.diff_sha256", "versions.", "platform", "device.", "precision",
+                  "data_fingerprint", "config_hash")
+_MISSING = object()
+
+
+def run_labels(runs: Sequence[RunData]) -> list[str]:
+    """Return a short unique label per run: the folder name, with parents added only where names clash."""
+    depth = 1
+    while True:
+        labels = ["/".join(run.path.resolve().parts[-depth:]) for run in runs]
+        if len(set(labels)) == len(labels) or depth > 8:
+            return labels if len(set(labels)) == len(labels) else [f"{label} [{i + 1}]" for i, label in enumerate(labels)]
+        depth += 1
+
+
+def config_diff(trees: Sequence[dict[str, Any]], only: Sequence[str] | None = None) -> list[tuple[str, list[Any]]]:
+    """Return ``[(dotted key, [value per tree])]`` for the keys whose values differ (a missing key differs).
+
+    ``only`` keeps keys equal to, or starting with, one of its prefixes (a prefix ends with ".").
+    """
+    flats = [flatten(t) for t in trees]
+    keys: dict[str, None] = {}
+    for flat in flats:
+        keys.update(dict.fromkeys(flat))
+    out = []
+    for key in keys:
+        if only is not None and not any(key == p or (p.endswith(".") and key.startswith(p)) for p in only):
+            continue
+        values = [flat.get(key, _MISSING) for flat in flats]
+        if any(v != values[0] for v in values[1:]):
+            out.append((key, values))
+    return out
+
+
+def write_compare(run_dirs: Sequence[str | Path], out: str | Path | None = None) -> Path:
+    """Write the comparison page of ``run_dirs`` to ``out`` (default ``./compare.html``); return its path.
+
+    Raises ValueError for fewer than two runs, and FileNotFoundError / ValueError for a folder that is
+    not a run directory. Malformed lines are listed on the page, never raised.
+    """
+    if len(run_dirs) < 2:
+        raise ValueError(f"compare needs at least two run directories, got {len(run_dirs)}")
+    runs = [load_run(d) for d in run_dirs]
+    out = Path(out) if out is not None else Path.cwd() / "compare.html"
+    labels = run_labels(runs)
+    plots = compare_plots(runs, labels)
+    folder = out.parent / f"{out.stem}_plots"
+    paths = write_plots(plots, folder, COMPARE_METRICS)
+    files = {k: str(Path(folder.name) / p.name) for k, p in paths.items()}
+    atomic_write(out, render_compare(runs, labels, plots, files).encode("utf-8"))
+    return out
+
+
+def render_compare(runs: Sequence[RunData], labels: Sequence[str], plots=None, files: dict[str, str] | None = None) -> str:
+    """Return the comparison page as HTML."""
+    plots = compare_plots(list(runs), list(labels)) if plots is None else plots
+    files = files or {}
+    swatch = [f'<span style="display:inline-block;width:11px;height:11px;border-radius:2px;background:{COLORS[i % len(COLORS)]};'
+              f'margin-right:6px;vertical-align:-1px"></span>' for i in range(len(runs))]
+    head = [f"{swatch[i]}<b>{esc(label)}</b>" for i, label in enumerate(labels)]
+
+    diff = config_diff([run.config for run in runs])
+    if diff:
+        config_html = table(["config key", *head], ([esc(k), *(_cell(v) for v in vals)] for k, vals in diff),
+                            ["key", *["val"] * len(runs)])
+    else:
+        config_html = '<p class="empty">The configs are identical.</p>'
+    snap_diff = config_diff([run.snapshot for run in runs], only=_SNAPSHOT_KEYS)
+    snap_html = (table(["snapshot key", *head], ([esc(k), *(_cell(v) for v in vals)] for k, vals in snap_diff),
+                       ["key", *["val"] * len(runs)]) if snap_diff
+                 else '<p class="empty">Same code version, libraries, device and data.</p>')
+
+    problems = [p for run in runs for p in run.problems]
+    runs_list = "".join(f"<li>{swatch[i]}<b>{esc(label)}</b> <code>{esc(run.path.resolve())}</code></li>"
+                        for i, (run, label) in enumerate(zip(runs, labels)))
+    body = [
+        f"<header><h1>Compare {len(runs)} runs</h1><ul class='sub'>{runs_list}</ul></header>",
+        problems_box(problems),
+        '<nav><a href="#config">Config differences</a><a href="#summary">Summary</a><a href="#curves">Curves</a></nav>',
+        f'<h2 id="config">Config keys that differ ({len(diff)})</h2>',
+        config_html,
+        '<h2 id="snapshot">Code, libraries, device and data that differ</h2>',
+        snap_html,
+        '<h2 id="summary">Summary</h2>',
+        _summary(runs, head),
+        '<h2 id="curves">Curves</h2><p class="detail">Left: by optimizer step. Right: by tokens seen (the items the '
+        "loss counts), which lines up runs with different batch sizes or accumulation.</p>",
+        (f'<div class="plots wide">{"".join(figure(p, files.get(p.name)) for p in plots)}</div>' if plots
+         else '<p class="empty">No metrics logged yet in any of the runs.</p>'),
+        footer(", ".join(f"<code>{esc(run.path.resolve())}</code>" for run in runs)),
+    ]
+    return page(f"compare {' vs '.join(labels)} — stabletrain", "\n".join(s for s in body if s))
+
+
+def _cell(value: Any) -> str:
+    return '<span class="empty">absent</span>' if value is _MISSING else value_cell(value)
+
+
+def _summary(runs: Sequence[RunData], head: Sequence[str]) -> str:
+    """One row per headline figure, one column per run."""
+    figures = [health_summary(run).figures for run in runs]
+    rows_spec = [
+        ("last step", lambda f: fmt_num(f.get("last_step"))),
+        ("first → last train loss", lambda f: f"{fmt_num(f.get('loss_first'))} → {fmt_num(f.get('loss_last'))}"
+         if "loss_first" in f else "—"),
+        ("last val loss", lambda f: fmt_num(f.get("val_last"))),
+        ("best val loss (step)", lambda f: f"{fmt_num(f['val_best'])} ({f['val_best_step']:,})" if "val_best" in f else "—"),
+        ("clip rate", lambda f: fmt_pct(f["clip_rate"]) if "clip_rate" in f else "—"),
+        ("skipped steps", lambda f: fmt_num(f.get("skipped_steps"))),
+        ("non-finite steps", lambda f: fmt_num(f.get("nonfinite_steps"))),
+        ("incidents", lambda f: fmt_num(len(f.get("incidents", [])))),
+        ("median tokens/s", lambda f: fmt_num(round(f["tokens_per_s_median"])) if "tokens_per_s_median" in f else "—"),
+        ("peak memory MiB", lambda f: fmt_num(round(f["peak_memory_mib"])) if "peak_memory_mib" in f else "—"),
+    ]
+    rows = [[esc(name), *(esc(fn(f)) for f in figures)] for name, fn in rows_spec]
+    return table(["", *head], rows, ["", *["num"] * len(runs)])

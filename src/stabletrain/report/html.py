@@ -1,0 +1,378 @@
+"""The run report: one self-contained HTML page (inline CSS, PNGs as data URIs, no JS, no network).
+
+``write_report(RUN_DIR)`` writes ``RUN_DIR/report.html`` and each plot as ``RUN_DIR/plots/<name>.png``.
+Both are written atomically (a temporary file, then a rename), so a reader never sees half a page,
+and the report can be rewritten while the run is still going.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import os
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from .health import Health, health_summary, incident_summary
+from .plots import RUN_PLOT_NAMES, Plot, run_plots
+from .rundata import Event, RunData, as_number, flatten, load_run
+from .text import fmt_num, fmt_pct
+
+__all__ = ["write_report", "render_report"]
+
+MAX_TIMELINE_ROWS = 400
+MAX_PROBLEMS = 200
+# Diagnosis fields shown first in the timeline (stabletrain.diagnosis); the rest fold away.
+_DIAGNOSIS_KEYS = ("stage", "op", "direction", "module", "first_nonfinite_param", "bad_samples", "reproduces", "precision")
+
+CSS = """
+:root { --fg:#1d2329; --muted:#65707b; --line:#e3e6ea; --bg:#f6f7f9; --ok:#2f9e44; --warn:#e8890c; --bad:#d6336c; }
+* { box-sizing: border-box; }
+body { margin:0; background:var(--bg); color:var(--fg);
+  font:14px/1.5 -apple-system, BlinkMacSystemFont, "Segoe UI", Roboto, "Helvetica Neue", Arial, sans-serif; }
+main { max-width:1240px; margin:0 auto; padding:24px 28px 48px; }
+h1 { font-size:22px; margin:0 0 2px; }
+h2 { font-size:17px; margin:32px 0 10px; padding-bottom:4px; border-bottom:1px solid var(--line); }
+code, .mono { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, "DejaVu Sans Mono", monospace; font-size:12.5px; }
+.sub { color:var(--muted); margin:0; }
+.card { background:#fff; border:1px solid var(--line); border-radius:8px; padding:14px 18px; }
+.badge { display:inline-block; padding:1px 9px; border-radius:10px; font-size:12px; font-weight:600; color:#fff;
+  vertical-align:middle; }
+.badge.ok { background:var(--ok); } .badge.warn { background:var(--warn); } .badge.bad { background:var(--bad); }
+.health { margin-top:18px; }
+.health h2 { margin-top:0; border:0; }
+.health ul { list-style:none; margin:0; padding:0; }
+.health li { padding:3px 0 3px 22px; position:relative; }
+.health li::before { content:""; position:absolute; left:4px; top:10px; width:9px; height:9px; border-radius:50%; }
+.health li.ok::before { background:var(--ok); } .health li.warn::before { background:var(--warn); }
+.health li.bad::before { background:var(--bad); }
+nav { margin:14px 0 0; color:var(--muted); }
+nav a { color:#1c6fd1; text-decoration:none; margin-right:14px; }
+.problems { border-left:4px solid var(--warn); margin-top:14px; }
+.problems h2 { margin:0 0 6px; border:0; font-size:15px; }
+.problems li { font-family: ui-monospace, Menlo, Consolas, monospace; font-size:12.5px; word-break:break-all; }
+.plots { display:grid; grid-template-columns:repeat(auto-fit, minmax(500px, 1fr)); gap:14px; }
+.plots.wide { grid-template-columns:1fr; }
+figure { margin:0; background:#fff; border:1px solid var(--line); border-radius:8px; padding:8px; }
+figure img { width:100%; height:auto; display:block; }
+figcaption { color:var(--muted); font-size:12px; padding:2px 4px 0; }
+table { border-collapse:collapse; width:100%; background:#fff; border:1px solid var(--line); border-radius:8px; overflow:hidden; }
+th, td { text-align:left; padding:5px 10px; border-bottom:1px solid var(--line); vertical-align:top; }
+th { background:#fafbfc; font-weight:600; font-size:12.5px; color:#3b444d; }
+tr:last-child td { border-bottom:0; }
+td.num { text-align:right; font-variant-numeric:tabular-nums; white-space:nowrap; }
+td.key { font-family: ui-monospace, Menlo, Consolas, monospace; font-size:12.5px; white-space:nowrap; }
+td.val { font-family: ui-monospace, Menlo, Consolas, monospace; font-size:12.5px; word-break:break-word; }
+.tables { display:grid; grid-template-columns:repeat(auto-fit, minmax(420px, 1fr)); gap:14px; align-items:start; }
+.kind { display:inline-block; padding:0 7px; border-radius:4px; font-size:12px; font-weight:600; background:#e9ecef;
+  color:#343a40; white-space:nowrap; }
+.kind.skip { background:#fff3bf; color:#8a5a00; } .kind.nonfinite { background:#ffe3e3; color:#a61e4d; }
+.kind.spike { background:#f3d9fa; color:#862e9c; } .kind.incident { background:#d6336c; color:#fff; }
+.kind.diagnosis { background:#ffdeeb; color:#a61e4d; } .kind.checkpoint { background:#d3f9d8; color:#2b8a3e; }
+.kind.checkpoint_withheld { background:#ffe8cc; color:#d9480f; } .kind.resume { background:#d0ebff; color:#1864ab; }
+.kind.init_overwritten { background:#fff0f6; color:#c2255c; } .kind.stop { background:#343a40; color:#fff; }
+.kind.rollback { background:#f4e4d7; color:#7a3e12; } .kind.checkpoint_failed { background:#ffe3e3; color:#c92a2a; }
+tr.superseded td { color:#9aa3ab; }
+.detail { color:var(--muted); font-size:12.5px; }
+td.kindcol { white-space:nowrap; }
+td.time { color:var(--muted); font-size:12.5px; white-space:nowrap; }
+.narrow { max-width:640px; }
+.empty { color:var(--muted); font-style:italic; }
+details summary { cursor:pointer; color:var(--muted); font-size:12.5px; }
+pre { background:#f6f8fa; border:1px solid var(--line); border-radius:6px; padding:8px; font-size:12px; max-height:320px;
+  overflow:auto; white-space:pre-wrap; word-break:break-word; }
+footer { margin-top:36px; color:var(--muted); font-size:12px; }
+"""
+
+_LEVEL_WORDS = {"ok": "healthy", "warn": "worth a look", "bad": "problems"}
+
+
+# -- shared page pieces (also used by compare) ----------------------------------------------------
+
+
+def esc(value: Any) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def page(title: str, body: str) -> str:
+    """Return a whole HTML document around ``body``."""
+    return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+            f'<meta name="viewport" content="width=device-width, initial-scale=1">\n<title>{esc(title)}</title>\n'
+            f'<style>{CSS}</style>\n</head>\n<body>\n<main>\n{body}\n</main>\n</body>\n</html>\n')
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence[str]], classes: Sequence[str] = (),
+          row_classes: Iterable[str] | None = None) -> str:
+    """Return a table; cells are HTML already (escape them first); ``classes`` are per-column td classes."""
+    head = "".join(f"<th>{h}</th>" for h in header)
+    body = []
+    row_classes = iter(row_classes) if row_classes is not None else None
+    for row in rows:
+        cls = next(row_classes) if row_classes is not None else ""
+        cells = "".join(f'<td class="{classes[i] if i < len(classes) else ""}">{c}</td>' for i, c in enumerate(row))
+        body.append(f'<tr class="{cls}">{cells}</tr>' if cls else f"<tr>{cells}</tr>")
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def figure(plot: Plot, src: str | None = None) -> str:
+    """Return a <figure> with the plot embedded as a base64 data URI (the page needs no other file)."""
+    data = base64.b64encode(plot.png).decode("ascii")
+    return (f'<figure id="plot-{esc(plot.name)}"><img src="data:image/png;base64,{data}" alt="{esc(plot.title)}">'
+            f"<figcaption>{esc(plot.title)}{f' — <code>{esc(src)}</code>' if src else ''}</figcaption></figure>")
+
+
+def problems_box(problems: Sequence[str]) -> str:
+    if not problems:
+        return ""
+    items = "".join(f"<li>{esc(p)}</li>" for p in problems[:MAX_PROBLEMS])
+    more = f"<p class='detail'>and {len(problems) - MAX_PROBLEMS} more</p>" if len(problems) > MAX_PROBLEMS else ""
+    return (f'<section class="card problems" id="problems"><h2>Data problems ({len(problems)})</h2>'
+            f"<p class='detail'>These lines or files could not be read and were left out; the rest of the page is "
+            f"drawn from what could be read.</p><ul>{items}</ul>{more}</section>")
+
+
+def value_cell(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return esc(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return esc(value)
+    return esc(json.dumps(value, default=str))
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private; a report is for sharing
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_plots(plots: Sequence[Plot], folder: Path, known: Iterable[str]) -> dict[str, Path]:
+    """Write each plot as ``folder/<name>.png``; remove stale PNGs of ``known`` names this report did not draw."""
+    paths = {}
+    for plot in plots:
+        paths[plot.name] = folder / f"{plot.name}.png"
+        atomic_write(paths[plot.name], plot.png)
+    for name in set(known) - set(paths):
+        (folder / f"{name}.png").unlink(missing_ok=True)
+    return paths
+
+
+def footer(source: str) -> str:
+    from .. import __version__
+
+    return (f"<footer>Written by stabletrain {esc(__version__)} on {esc(time.strftime('%Y-%m-%d %H:%M:%S'))} "
+            f"from {source}. The page reads only the run directory.</footer>")
+
+
+# -- the run report -------------------------------------------------------------------------------
+
+
+def write_report(run_dir: str | Path) -> Path:
+    """Write ``RUN_DIR/report.html`` and ``RUN_DIR/plots/*.png``; return the page's path.
+
+    Works on a run in progress, a resumed run and a run with incidents; malformed lines are listed
+    on the page under "Data problems". Raises FileNotFoundError / ValueError only when ``run_dir``
+    is not a run directory.
+    """
+    run = load_run(run_dir)
+    plots = run_plots(run)
+    paths = write_plots(plots, run.path / "plots", RUN_PLOT_NAMES)
+    out = run.path / "report.html"
+    atomic_write(out, render_report(run, plots, {k: str(p.relative_to(run.path)) for k, p in paths.items()}).encode("utf-8"))
+    return out
+
+
+def render_report(run: RunData, plots: Sequence[Plot] | None = None, files: dict[str, str] | None = None) -> str:
+    """Return the report page of ``run`` as HTML (``plots`` default to :func:`run_plots`)."""
+    plots = run_plots(run) if plots is None else plots
+    files = files or {}
+    health = health_summary(run)
+    sections = [
+        _header(run, health),
+        _health(health),
+        problems_box(run.problems),
+        '<nav><a href="#curves">Curves</a><a href="#events">Events</a><a href="#layers">Grad-norm layers</a>'
+        '<a href="#config">Config</a><a href="#snapshot">Snapshot</a></nav>',
+        '<h2 id="curves">Curves</h2>',
+        (f'<div class="plots">{"".join(figure(p, files.get(p.name)) for p in plots)}</div>' if plots
+         else '<p class="empty">No metrics logged yet: metrics.jsonl is empty or missing.</p>'),
+        f'<h2 id="events">Events ({sum(1 for e in run.events if not e.superseded)})</h2>',
+        _timeline(run),
+        '<h2 id="layers">Layers dominating the grad norm</h2>',
+        _top_layers(run),
+        '<div class="tables"><div><h2 id="config">Config</h2>',
+        _tree_table(run.config, "config.yaml"),
+        '</div><div><h2 id="snapshot">Snapshot</h2>',
+        _tree_table(run.snapshot, "snapshot.json"),
+        "</div></div>",
+        footer(f"<code>{esc(run.path.resolve())}</code>"),
+    ]
+    return page(f"{run.name} — stabletrain report", "\n".join(s for s in sections if s))
+
+
+def _header(run: RunData, health: Health) -> str:
+    snap = run.snapshot
+    device = snap.get("device") if isinstance(snap.get("device"), dict) else {}
+    git = snap.get("git") if isinstance(snap.get("git"), dict) else {}
+    facts = {"task": run.cfg("task"), "precision": snap.get("precision") or run.cfg("precision"),
+             "device": device.get("name") or device.get("type"), "started": snap.get("created"),
+             "commit": str(git.get("commit") or "")[:10] + (" (dirty)" if git.get("dirty") else "")}
+    shown = " · ".join(f"{label} <b>{esc(value)}</b>" for label, value in facts.items() if value)
+    level = health.level
+    return (f'<header><h1>{esc(run.name)} <span class="badge {level}">{_LEVEL_WORDS[level]}</span></h1>'
+            f'<p class="sub mono">{esc(run.path.resolve())}</p><p class="sub">{shown}</p></header>')
+
+
+def _health(health: Health) -> str:
+    items = "".join(f'<li class="{lvl}">{esc(text)}</li>' for lvl, text in health.sentences)
+    return f'<section class="card health" id="health"><h2>Health</h2><ul>{items}</ul></section>'
+
+
+# -- events timeline ------------------------------------------------------------------------------
+
+
+def _groups(events: Sequence[Event]) -> list[list[Event]]:
+    """Group events of the same kind and reason at consecutive steps (a burst of skips is one row)."""
+    open_groups: dict[tuple, list[Event]] = {}
+    groups: list[list[Event]] = []
+    for event in sorted(events, key=lambda e: e.step):
+        key = (event.kind, event.reason, event.superseded)
+        group = open_groups.get(key)
+        if event.kind in ("skip", "nonfinite") and group and event.step - group[-1].step <= 1:
+            group.append(event)
+            continue
+        open_groups[key] = [event]
+        groups.append(open_groups[key])
+    return groups
+
+
+def _timeline(run: RunData) -> str:
+    if not run.events:
+        return '<p class="empty">No events: events.jsonl is empty or missing (no skips, spikes, incidents or checkpoints).</p>'
+    groups = _groups(run.events)
+    rows, classes = [], []
+    for group in groups[:MAX_TIMELINE_ROWS]:
+        first, last = group[0], group[-1]
+        steps = f"{first.step:,}" if first.step == last.step else f"{first.step:,}–{last.step:,}"
+        count = f" ×{len(group)}" if len(group) > 1 else ""
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(first.time)) if first.time is not None else ""
+        what = esc(first.reason) + _details(first, run)
+        if first.superseded:
+            what += '<div class="detail">superseded: this stretch was replayed after a resume</div>'
+        rows.append([steps, f'<span class="kind {esc(first.kind)}">{esc(first.kind)}</span>{count}', what, when])
+        classes.append("superseded" if first.superseded else "")
+    more = ""
+    if len(groups) > MAX_TIMELINE_ROWS:
+        more = f'<p class="detail">and {len(groups) - MAX_TIMELINE_ROWS} more rows in events.jsonl</p>'
+    return table(["step", "kind", "what happened", "time"], rows, ["num", "kindcol", "", "time"], classes) + more
+
+
+def _details(event: Event, run: RunData) -> str:
+    """Return the kind-specific detail lines of an event, then any other fields plainly."""
+    extra = dict(event.extra)
+    lines = []
+    if event.kind == "skip" and "loss_scale" in extra:
+        lines.append(f"loss scale {esc(fmt_num(as_number(extra.pop('loss_scale'))))}")
+    elif event.kind == "nonfinite":
+        # The loop's reason already reads "loss=inf, grad_norm=nan"; say the values only when it does not.
+        parts = [f"{k.replace('_', ' ')} {esc(fmt_num(as_number(extra.pop(k))))}" for k in ("loss", "grad_norm")
+                 if k in extra and f"{k}=" not in event.reason]
+        extra = {k: v for k, v in extra.items() if k not in ("loss", "grad_norm")}
+        if parts:
+            lines.append(", ".join(parts))
+    elif event.kind in ("incident", "diagnosis"):
+        diagnosis = extra.pop("diagnosis", None)
+        summary = incident_summary(event, run) if event.kind == "incident" else extra.pop("summary", None)
+        if summary and summary != event.reason:
+            lines.append(f"<b>diagnosis:</b> {esc(summary)}")
+        if isinstance(diagnosis, dict):
+            rest = {k: v for k, v in diagnosis.items() if k != "summary" and v not in (None, [], {})}
+            ordered = {k: rest[k] for k in _DIAGNOSIS_KEYS if k in rest}  # the fields a person reads first
+            ordered.update(rest)
+            if ordered:
+                lines.append(_kv(ordered, inline=8))
+    elif event.kind == "init_overwritten" and isinstance(extra.get("params"), list):
+        params = extra.pop("params")
+        cells = []
+        for p in params[:12]:
+            if isinstance(p, dict):
+                cells.append(f"<code>{esc(p.get('name', '?'))}</code> std {esc(fmt_num(as_number(p.get('old_std'))))}"
+                             f" → {esc(fmt_num(as_number(p.get('new_std'))))}")
+        if len(params) > 12:
+            cells.append(f"and {len(params) - 12} more")
+        lines.append("<br>".join(cells))
+    if "path" in extra:
+        lines.append(f"<code>{esc(_relative(extra.pop('path'), run.path))}</code>")
+    extra = {k: v for k, v in extra.items() if v not in (None, "", [], {})}
+    if extra:
+        lines.append(_kv(extra))
+    return "".join(f'<div class="detail">{line}</div>' for line in lines)
+
+
+def _relative(path: Any, run_dir: Path) -> str:
+    """Return ``path`` relative to the run directory when it lies inside it (the run dir may have moved since)."""
+    try:
+        return str(Path(str(path)).resolve().relative_to(run_dir.resolve()))
+    except (ValueError, OSError):
+        return str(path)
+
+
+def _kv(mapping: dict[str, Any], inline: int = 12, width: int = 120) -> str:
+    """Return short fields inline ("key: value; ..."), and long or surplus ones in a collapsed <details> (no JS)."""
+    short, long = [], {}
+    for key, value in mapping.items():
+        text = value if isinstance(value, str) else json.dumps(value, default=str)
+        if len(text) <= width and len(short) < inline:
+            short.append(f"{esc(key)}: <code>{esc(text)}</code>")
+        else:
+            long[key] = value
+    out = "; ".join(short)
+    if long:
+        blob = json.dumps(long, indent=1, default=str)
+        if len(blob) > 20000:
+            blob = blob[:20000] + "\n…"
+        out += (f"<details><summary>{len(long)} more field{'s' if len(long) > 1 else ''}: {esc(', '.join(long))}</summary>"
+                f"<pre>{esc(blob)}</pre></details>")
+    return out
+
+
+# -- tables ---------------------------------------------------------------------------------------
+
+
+def _top_layers(run: RunData) -> str:
+    latest = next((r for r in reversed(run.metrics) if r.get("top_grad_layers")), None)
+    if latest is None:
+        return '<p class="empty">Not logged.</p>'
+    rows = []
+    for item in latest["top_grad_layers"]:
+        if isinstance(item, dict):
+            share = as_number(item.get("share"))
+            rows.append([f"<code>{esc(item.get('name', '?'))}</code>", fmt_pct(share) if share is not None else "—"])
+    caption = f'<p class="detail">Share of the squared grad norm in the interval ending at step {int(latest["step"]):,}.</p>'
+    return f'<div class="narrow">{caption}{table(["parameter", "share"], rows, ["", "num"])}</div>'
+
+
+def _tree_table(tree: dict[str, Any], source: str) -> str:
+    if not tree:
+        return f'<p class="empty">{esc(source)} is missing or could not be read.</p>'
+    flat = flatten(tree)
+    if isinstance(tree.get("command"), list):
+        flat["command"] = " ".join(map(str, tree["command"]))
+    return table(["key", "value"], ([esc(k), value_cell(v)] for k, v in flat.items()), ["key", "val"])

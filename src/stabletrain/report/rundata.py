@@ -1,0 +1,276 @@
+"""Read a run directory into plain Python data for the report: never a crash on a bad line.
+
+Reads only files (DESIGN.md, principle 5): ``config.yaml``, ``snapshot.json``, ``metrics.jsonl``,
+``events.jsonl``. A malformed line or a value of the wrong type becomes a *problem* naming the file
+and line (``"RUN/metrics.jsonl:12: ..."``); the rest of the run is still read.
+
+A resumed (or rolled back) run appends to the same files, so a step may be logged twice. The latest
+metrics record of a step wins, and an event written before a ``resume`` or ``rollback`` event for a
+step after the point training went back to is marked ``superseded`` (that stretch was trained again):
+it stays in the timeline but is not counted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..records import read_jsonl
+
+__all__ = ["RunData", "Event", "load_run", "as_number", "flatten", "KNOWN_METRIC_KEYS", "REPLAY_KINDS"]
+
+# Keys documented in stabletrain.metrics (plus val_loss and the derived interval length); any other
+# numeric key a later version adds is shown under "other metrics".
+KNOWN_METRIC_KEYS = frozenset({
+    "step", "loss", "loss_min", "loss_max", "grad_norm", "grad_norm_max", "grad_norm_post_clip", "clip_rate", "lr",
+    "loss_scale", "num_skipped", "num_nonfinite", "tokens_per_s", "samples_per_s", "step_time_s", "peak_memory_mib",
+    "epoch", "samples_seen", "tokens_seen", "top_grad_layers", "val_loss", "interval_steps",
+})
+
+# Events after which training continues from an earlier step: what was logged past that step is replayed.
+REPLAY_KINDS = ("resume", "rollback")
+
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def as_number(value: Any) -> float | None:
+    """Return ``value`` as a float ("nan"/"inf"/"-inf" strings included), or None if it is not a number."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str) and value.lower() in _NONFINITE:
+        return _NONFINITE[value.lower()]
+    return None
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Return a nested dict as ``{"dotted.key": leaf}``; an empty dict is kept as a leaf."""
+    if not isinstance(tree, dict) or (not tree and prefix):
+        return {prefix.rstrip("."): tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(flatten(value, f"{prefix}{key}."))
+    return out
+
+
+@dataclass
+class Event:
+    """One line of ``events.jsonl``; ``extra`` holds every field beyond step, kind, reason, time."""
+
+    step: int
+    kind: str
+    reason: str
+    time: float | None
+    extra: dict[str, Any]
+    superseded: bool = False
+
+
+@dataclass
+class RunData:
+    """What a run directory holds, cleaned: one metrics record per step (sorted), events in file order."""
+
+    path: Path
+    config: dict[str, Any] = field(default_factory=dict)
+    snapshot: dict[str, Any] = field(default_factory=dict)
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.path.name or str(self.path)
+
+    def cfg(self, dotted: str, default: Any = None) -> Any:
+        """Return a config value by dotted key, or ``default`` when absent."""
+        node: Any = self.config
+        for part in dotted.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return default
+            node = node[part]
+        return node
+
+    def series(self, key: str, x: str = "step") -> tuple[list[float], list[float]]:
+        """Return (x, y) over the records that have ``key`` (and ``x``); non-finite y values are kept."""
+        xs, ys = [], []
+        for rec in self.metrics:
+            if isinstance(rec.get(key), float) and isinstance(rec.get(x), (int, float)):
+                xs.append(float(rec[x]))
+                ys.append(rec[key])
+        return xs, ys
+
+    def counted_events(self, *kinds: str) -> list[Event]:
+        """Return the events of ``kinds`` that count (not superseded by a resume)."""
+        return [e for e in self.events if e.kind in kinds and not e.superseded]
+
+    def other_metric_keys(self) -> list[str]:
+        """Return the numeric metric keys this report does not know, in first-seen order."""
+        seen: dict[str, None] = {}
+        for rec in self.metrics:
+            for key, value in rec.items():
+                if key not in KNOWN_METRIC_KEYS and isinstance(value, float):
+                    seen[key] = None
+        return list(seen)
+
+
+def load_run(run_dir: str | Path) -> RunData:
+    """Read ``run_dir``; raise only when it is not a run directory at all.
+
+    Raises FileNotFoundError when the folder does not exist and ValueError when it holds none of
+    config.yaml, snapshot.json, metrics.jsonl, events.jsonl. Everything else is a ``problem``.
+    """
+    path = Path(run_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"run directory {str(path)!r} does not exist")
+    names = ("config.yaml", "snapshot.json", "metrics.jsonl", "events.jsonl")
+    if not any((path / n).exists() for n in names):
+        raise ValueError(f"{str(path)!r} is not a run directory: it holds none of {', '.join(names)}")
+    run = RunData(path=path)
+    run.config = _read_config(path / "config.yaml", run.problems)
+    run.snapshot = _read_snapshot(path / "snapshot.json", run.problems)
+    run.metrics = _read_metrics(path / "metrics.jsonl", run.problems)
+    run.events = _read_events(path / "events.jsonl", run.problems)
+    return run
+
+
+# -- readers ------------------------------------------------------------------------------------
+
+
+def _read_config(path: Path, problems: list[str]) -> dict[str, Any]:
+    if not path.exists():
+        problems.append(f"{path}: missing (the config is not shown)")
+        return {}
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8", errors="replace"))
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        problems.append(f"{where}: malformed YAML ({getattr(err, 'problem', None) or err})")
+        return {}
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        problems.append(f"{path}:1: expected a mapping, got {type(data).__name__}")
+        return {}
+    return data
+
+
+def _read_snapshot(path: Path, problems: list[str]) -> dict[str, Any]:
+    if not path.exists():
+        problems.append(f"{path}: missing (the snapshot is not shown)")
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8", errors="replace"))
+    except json.JSONDecodeError as err:
+        problems.append(f"{path}:{err.lineno}: malformed JSON ({err.msg})")
+        return {}
+    if not isinstance(data, dict):
+        problems.append(f"{path}:1: expected a JSON object, got {type(data).__name__}")
+        return {}
+    return data
+
+
+class _Lines:
+    """Line numbers of the records ``read_jsonl`` returns, worked out only when a problem needs one."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self._lines = path, None
+
+    def __getitem__(self, index: int) -> int:
+        if self._lines is None:
+            self._lines = []
+            with open(self.path, encoding="utf-8", errors="replace") as fh:
+                for lineno, line in enumerate(fh, 1):
+                    try:
+                        if line.strip() and isinstance(json.loads(line), dict):
+                            self._lines.append(lineno)
+                    except json.JSONDecodeError:
+                        pass
+        return self._lines[index]
+
+
+def _read_records(path: Path, problems: list[str]) -> tuple[list[dict[str, Any]], _Lines]:
+    records, found = read_jsonl(path)
+    if found and _ends_mid_line(path):
+        # A run in progress may be halfway through writing its last line: say so next to that problem.
+        with open(path, "rb") as fh:
+            last = sum(1 for _ in fh)
+        found = [p + " (the last line is incomplete: the run may still be writing it)" if p.startswith(f"{path}:{last}:")
+                 else p for p in found]
+    problems.extend(found)
+    return records, _Lines(path)
+
+
+def _ends_mid_line(path: Path) -> bool:
+    with open(path, "rb") as fh:
+        if fh.seek(0, 2) == 0:
+            return False
+        fh.seek(-1, 2)
+        return fh.read(1) != b"\n"
+
+
+_BAD_STEP = "'step' is missing or not an integer >= 0 (got {!r})"
+
+
+def _step_of(rec: dict[str, Any]) -> int | None:
+    step = rec.get("step")
+    if isinstance(step, bool):
+        return None
+    if isinstance(step, float) and step.is_integer():
+        step = int(step)
+    return step if isinstance(step, int) and step >= 0 else None
+
+
+def _read_metrics(path: Path, problems: list[str]) -> list[dict[str, Any]]:
+    records, lines = _read_records(path, problems)
+    by_step: dict[int, dict[str, Any]] = {}
+    for i, rec in enumerate(records):
+        step = _step_of(rec)
+        if step is None:
+            problems.append(f"{path}:{lines[i]}: {_BAD_STEP.format(rec.get('step'))}; line ignored")
+            continue
+        clean: dict[str, Any] = {"step": step}
+        for key, value in rec.items():
+            if key == "step":
+                continue
+            if key == "top_grad_layers":
+                clean[key] = value if isinstance(value, list) else []
+                continue
+            number = as_number(value)
+            if number is not None:
+                clean[key] = number
+            elif key in KNOWN_METRIC_KEYS:
+                problems.append(f"{path}:{lines[i]}: '{key}' is not a number (got {value!r}); value ignored")
+        by_step[step] = clean  # the latest record of a step wins (a resumed run re-logs steps)
+    metrics = [by_step[s] for s in sorted(by_step)]
+    previous = 0
+    for rec in metrics:
+        rec["interval_steps"] = float(rec["step"] - previous)  # every interval is as long, except maybe the last
+        previous = rec["step"]
+    return metrics
+
+
+def _read_events(path: Path, problems: list[str]) -> list[Event]:
+    records, lines = _read_records(path, problems)
+    events: list[Event] = []
+    for i, rec in enumerate(records):
+        step = _step_of(rec)
+        if step is None:
+            problems.append(f"{path}:{lines[i]}: {_BAD_STEP.format(rec.get('step'))}; event ignored")
+            continue
+        kind = rec.get("kind") if isinstance(rec.get("kind"), str) and rec.get("kind") else "unknown"
+        reason = rec.get("reason")
+        reason = reason if isinstance(reason, str) else ("" if reason is None else str(reason))
+        when = as_number(rec.get("time"))
+        extra = {k: v for k, v in rec.items() if k not in ("step", "kind", "reason", "time")}
+        if kind in REPLAY_KINDS:
+            for earlier in events:
+                if earlier.step > step:
+                    earlier.superseded = True  # trained again after the resume or rollback: the new line counts
+        events.append(Event(step, kind, reason, when if when is not None and math.isfinite(when) else None, extra))
+    return events

@@ -1,0 +1,54 @@
+"""Plain-text formatting shared by the report pages: numbers, percentages, step ranges."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+__all__ = ["fmt_num", "fmt_pct", "step_ranges", "fmt_ranges", "plural"]
+
+
+def fmt_num(x: float | int | None, digits: int = 4) -> str:
+    """Return ``x`` short and readable: ``2.297``, ``1.2e-04``, ``10,366``; "—" for None."""
+    if x is None:
+        return "—"
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, int) or (isinstance(x, float) and x.is_integer() and abs(x) < 1e15):
+        return f"{int(x):,}"
+    if abs(x) >= 10 ** digits:
+        return f"{x:,.0f}"
+    return f"{x:.{digits}g}"
+
+
+def fmt_pct(fraction: float) -> str:
+    """Return a fraction as a percentage: whole percent, one decimal near 0% and 100% (never a false 0% or 100%)."""
+    value = 100.0 * fraction
+    if 0 < value < 1 or 99 < value < 100:
+        return f"{value:.1f}%"
+    return f"{value:.0f}%"
+
+
+def step_ranges(steps: Iterable[int]) -> list[tuple[int, int]]:
+    """Return sorted unique steps as inclusive runs of consecutive steps: [12, 13, 20] -> [(12, 13), (20, 20)]."""
+    out: list[tuple[int, int]] = []
+    for step in sorted(set(steps)):
+        if out and step == out[-1][1] + 1:
+            out[-1] = (out[-1][0], step)
+        else:
+            out.append((step, step))
+    return out
+
+
+def fmt_ranges(steps: Iterable[int], limit: int = 8) -> str:
+    """Return steps as "812-813, 1,500" (at most ``limit`` ranges, then "and N more")."""
+    ranges = step_ranges(steps)
+    parts = [f"{a:,}" if a == b else f"{a:,}-{b:,}" for a, b in ranges[:limit]]
+    if len(ranges) > limit:
+        parts.append(f"and {len(ranges) - limit} more")
+    return ", ".join(parts)
+
+
+def plural(n: int, word: str, words: str | None = None) -> str:
+    """Return "1 step" / "2 steps"."""
+    return f"{n:,} {word if n == 1 else (words or word + 's')}"

@@ -1,0 +1,323 @@
+"""The run report and the comparison page, rendered from real short runs and checked against their files."""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from stabletrain import Trainer, load_config
+from stabletrain.records import read_jsonl
+from stabletrain.report import config_diff, health_summary, load_run, write_compare, write_report
+from stabletrain.report.compare import render_compare, run_labels
+from stabletrain.report.plots import COMPARE_METRICS, RUN_PLOT_NAMES
+from stabletrain.report.text import fmt_num, fmt_pct, fmt_ranges, step_ranges
+from stabletrain.tasks import resolve_task
+
+# Training steps (1-based) whose loss is made infinite: the loop then records real nonfinite and skip events.
+BAD_STEPS = (12, 13)
+BASE = ["task=mlp", "train.max_steps=40", "log.every=5", "eval.every=20", "log.progress=false", "log.tensorboard=false"]
+
+
+def make_run(path: Path, overrides: list[str] = (), bad_steps: tuple[int, ...] = ()) -> Path:
+    """Train the built-in mlp task for 40 steps into ``path``; the loss is inf on ``bad_steps``."""
+    cfg = load_config(None, [*BASE, *overrides])
+    task = resolve_task("mlp")
+    mean_loss, calls = task.loss, [0]
+
+    def loss(model, batch):
+        out = mean_loss(model, batch)
+        if model.training:  # one call per optimizer step (accum.steps=1); eval calls don't count
+            calls[0] += 1
+            if calls[0] in bad_steps:
+                out = out * math.inf
+        return out
+
+    task.loss = loss
+    Trainer(cfg, task=task, run_dir=path).fit()
+    return path
+
+
+def append_events(run_dir: Path, *events: dict) -> None:
+    with open(run_dir / "events.jsonl", "a", encoding="utf-8") as fh:
+        for e in events:
+            fh.write(json.dumps({"time": 1.7e9, **e}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory) -> Path:
+    """A real 40-step run: clipping fires on some steps (threshold 0.8), steps 12-13 are non-finite and skipped."""
+    return make_run(tmp_path_factory.mktemp("report") / "run", ["clip.max_norm=0.8"], BAD_STEPS)
+
+
+@pytest.fixture(scope="module")
+def other_run(tmp_path_factory) -> Path:
+    """A second real run with a different LR and batch size (so tokens seen differ per step)."""
+    return make_run(tmp_path_factory.mktemp("report") / "run_b", ["optim.lr=3e-3", "train.batch_size=32"])
+
+
+@pytest.fixture
+def run_copy(real_run, tmp_path) -> Path:
+    """A private copy of the real run that a test may add lines to."""
+    dst = tmp_path / "run"
+    shutil.copytree(real_run, dst, ignore=shutil.ignore_patterns("report.html", "plots"))
+    return dst
+
+
+def expected_figures(run_dir: Path) -> dict:
+    """The health figures, worked out straight from metrics.jsonl (no report code involved)."""
+    records, problems = read_jsonl(run_dir / "metrics.jsonl")
+    assert not problems
+    prev, clipped, steps = 0, 0.0, 0
+    for r in records:
+        clipped += r["clip_rate"] * (r["step"] - prev)
+        steps += r["step"] - prev
+        prev = r["step"]
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    return {
+        "clip_rate": clipped / steps, "clipped_steps": round(clipped), "steps": steps,
+        "skipped": sum(r["num_skipped"] for r in records), "nonfinite": sum(r["num_nonfinite"] for r in records),
+        "val": val, "best": min(val, key=lambda sv: sv[1]),
+        "loss_first": records[0]["loss"], "loss_last": records[-1]["loss"],
+    }
+
+
+# -- the run report -------------------------------------------------------------------------------
+
+
+def test_report_of_a_real_run_has_every_plot_and_true_health_figures(real_run):
+    out = write_report(real_run)
+    assert out == real_run / "report.html"
+    page = out.read_text(encoding="utf-8")
+
+    # Every plot is embedded in the page and written as a PNG file ("other_metrics" where the loop logs keys
+    # this report does not know, e.g. guard counters).
+    others = load_run(real_run).other_metric_keys()
+    expected_plots = [n for n in RUN_PLOT_NAMES if n != "other_metrics" or others]
+    for name in expected_plots:
+        assert f'id="plot-{name}"' in page
+        with Image.open(real_run / "plots" / f"{name}.png") as im:
+            assert im.format == "PNG" and im.width > 300 and im.height > 150
+    assert page.count('src="data:image/png;base64,') == len(expected_plots)
+    # Self-contained: nothing is fetched, nothing needs JS.
+    assert not re.search(r'(src|href)="(https?:)?//', page) and "<script" not in page and "@import" not in page
+
+    # The health summary states what metrics.jsonl says.
+    want = expected_figures(real_run)
+    assert want["skipped"] == 2 and want["nonfinite"] == 2 and 0 < want["clip_rate"] < 1  # the run did what we planned
+    assert (f"Clipping fired on {fmt_pct(want['clip_rate'])} of steps ({want['clipped_steps']} of {want['steps']}; "
+            "threshold 0.8).") in page
+    assert "2 steps skipped at 12-13 (non-finite loss or grad norm)." in page
+    assert "2 steps had a non-finite loss or grad norm (first at step 12)." in page
+    (s0, v0), (s1, v1) = want["val"][0], want["val"][-1]
+    trend = "fell" if v1 < v0 else "did not fall"
+    assert (f"validation loss {trend}: {fmt_num(v0)} at step {s0} → {fmt_num(v1)} at step {s1}, "
+            f"best {fmt_num(want['best'][1])} at step {want['best'][0]}") in page
+    assert "Reached step 40 of 40." in page
+
+    # Incidents and checkpoints, as events.jsonl records them.
+    events, problems = read_jsonl(real_run / "events.jsonl")
+    assert not problems
+    incidents = [e for e in events if e["kind"] == "incident"]
+    if incidents:
+        summary = incidents[0].get("diagnosis", {}).get("summary") or incidents[0]["reason"]
+        assert f"{len(incidents)} incident{'s' if len(incidents) > 1 else ''}: at step {incidents[0]['step']}, " in page
+        assert html.escape(summary.rstrip(".")) in page
+    else:
+        assert "No incidents." in page
+    checkpoints = [e for e in events if e["kind"] == "checkpoint"]
+    if checkpoints:
+        n = len(checkpoints)
+        assert f"{n} checkpoint{'s' if n > 1 else ''}, the last at step {checkpoints[-1]['step']}." in page
+    for kind in {e["kind"] for e in events}:
+        assert f'<span class="kind {kind}">{kind}</span>' in page
+
+    figures = health_summary(load_run(real_run)).figures
+    assert figures["clip_rate"] == pytest.approx(want["clip_rate"], abs=1e-12)
+    assert figures["skipped_steps"] == 2 and figures["skip_steps"] == list(BAD_STEPS)
+    assert figures["val_best"] == want["best"][1] and figures["loss_last"] == want["loss_last"]
+
+    # The real events of the run are in the timeline (a burst of skips is one row), config and snapshot as tables.
+    assert re.search(r"12–13</td><td[^>]*><span class=\"kind skip\">skip</span> ×2", page)
+    assert '<span class="kind nonfinite">nonfinite</span> ×2' in page
+    assert "<td class=\"key\">clip.max_norm</td><td class=\"val\">0.8</td>" in page
+    assert "<td class=\"key\">versions.torch</td>" in page and "Data problems" not in page
+
+
+def test_report_lists_every_kind_of_event(run_copy):
+    (run_copy / "events.jsonl").write_text("")  # only the events below (the loop's own are checked above)
+    append_events(
+        run_copy,
+        {"step": 0, "kind": "init_overwritten", "reason": "init changed after the fingerprint",
+         "params": [{"name": "0.weight", "old_std": 0.102, "new_std": 0.5}]},
+        {"step": 20, "kind": "checkpoint", "reason": "periodic", "path": "checkpoints/step_000020"},
+        {"step": 25, "kind": "spike", "reason": "loss 9.1 > 3.2 x running mean", "loss": 9.1},
+        {"step": 26, "kind": "incident", "reason": "non-finite grad norm", "path": "incidents/step_000026",
+         "diagnosis": {"summary": "first non-finite value in 2.weight grad after op aten::mm", "module": "2"}},
+        {"step": 26, "kind": "diagnosis", "reason": "replay finished", "first_op": "aten::mm"},
+        {"step": 30, "kind": "checkpoint_withheld", "reason": "inside an incident"},
+        {"step": 35, "kind": "lab_note", "reason": "something a later version logs", "value": 3},
+        {"step": 40, "kind": "stop", "reason": "max_steps reached"},
+    )
+    page = write_report(run_copy).read_text(encoding="utf-8")
+    h = health_summary(load_run(run_copy))
+    assert h.level == "bad" and h.figures["incidents"] == [(26, "first non-finite value in 2.weight grad after op aten::mm")]
+    assert "1 incident: at step 26, first non-finite value in 2.weight grad after op aten::mm." in page
+    assert "1 loss spike at step 25." in page
+    assert "1 checkpoint, the last at step 20; 1 withheld (inside an incident)." in page
+    assert "Initialization was overwritten at step 0 for 1 parameter (0.weight)." in page
+    assert "Stopped at step 40: max_steps reached." in page
+    for kind in ("init_overwritten", "checkpoint", "spike", "incident", "diagnosis", "checkpoint_withheld", "lab_note", "stop"):
+        assert f'<span class="kind {kind}">{kind}</span>' in page
+    assert "<code>checkpoints/step_000020</code>" in page and "<code>incidents/step_000026</code>" in page
+    assert "<code>0.weight</code> std 0.102 → 0.5" in page
+    assert "first_op: <code>aten::mm</code>" in page and "value: <code>3</code>" in page  # unknown fields listed plainly
+
+
+def test_report_of_a_resumed_run_keeps_the_latest_record_per_step(run_copy):
+    records, _ = read_jsonl(run_copy / "metrics.jsonl")
+    # The first process logged to step 40 and skipped 12-13; the run is resumed from the checkpoint at step 10,
+    # so steps 11-40 are trained (and logged) again, this time without a skip.
+    append_events(run_copy, {"step": 10, "kind": "resume", "reason": "resumed from checkpoints/step_000010"})
+    with open(run_copy / "metrics.jsonl", "a", encoding="utf-8") as fh:
+        for r in records[2:]:
+            fh.write(json.dumps({**r, "loss": 1.0 + r["step"] / 1000, "loss_max": 2.0, "num_skipped": 0, "num_nonfinite": 0,
+                                 "clip_rate": 1.0}) + "\n")
+    run = load_run(run_copy)
+    assert [r["step"] for r in run.metrics] == list(range(5, 41, 5))
+    assert run.metrics[-1]["loss"] == pytest.approx(1.04)
+    h = health_summary(run)
+    assert h.figures["skipped_steps"] == 0 and h.figures["skip_steps"] == []  # the old skips were replayed away
+    assert h.figures["clip_rate"] == pytest.approx((5 * records[0]["clip_rate"] + 5 * records[1]["clip_rate"] + 30) / 40)
+    page = write_report(run_copy).read_text(encoding="utf-8")
+    assert "Resumed once, at step 10." in page and "No steps skipped." in page
+    replayed = [e for e in run.events if e.step > 10]  # written by the first process, then trained again
+    assert {"skip", "nonfinite"} <= {e.kind for e in replayed} and all(e.superseded for e in replayed)
+    assert page.count("superseded: this stretch was replayed after a resume") >= 2
+
+
+def test_report_of_a_run_in_progress(real_run, tmp_path):
+    run_dir = tmp_path / "live"
+    run_dir.mkdir()
+    shutil.copy(real_run / "config.yaml", run_dir)
+    lines = (real_run / "metrics.jsonl").read_text().splitlines()
+    (run_dir / "metrics.jsonl").write_text(lines[0] + "\n" + lines[1] + "\n" + lines[2][:40])  # the writer is mid-line
+    page = write_report(run_dir).read_text(encoding="utf-8")
+    assert "Logged up to step 10 of 40 (still running, or stopped early)." in page
+    assert f"{run_dir / 'metrics.jsonl'}:3: malformed JSON" in page and "the run may still be writing it" in page
+    assert f"{run_dir / 'snapshot.json'}: missing" in page
+    assert "No events: events.jsonl is empty or missing" in page
+
+    just_started = tmp_path / "just_started"
+    just_started.mkdir()
+    shutil.copy(real_run / "config.yaml", just_started)
+    page = write_report(just_started).read_text(encoding="utf-8")
+    assert "No metrics logged yet" in page and "data:image/png" not in page
+
+
+def test_malformed_lines_are_reported_with_file_and_line_never_raised(run_copy):
+    with open(run_copy / "metrics.jsonl", "a", encoding="utf-8") as fh:
+        fh.write("{not json\n[1, 2]\n")
+        fh.write(json.dumps({"step": "late", "loss": 1.0}) + "\n")
+        fh.write(json.dumps({"step": 45, "loss": "oops", "grad_norm": 0.5}) + "\n")
+    append_events(run_copy, {"kind": "skip", "reason": "no step"})
+    (run_copy / "events.jsonl").open("a").write("\x00garbage\n")
+    (run_copy / "config.yaml").write_text("clip:\n  max_norm: [1,\n")
+    (run_copy / "snapshot.json").write_text('{"seed": 0,\n  "oops"\n}')
+    n_metrics = len((run_copy / "metrics.jsonl").read_text().splitlines()) - 4
+    n_events = len((run_copy / "events.jsonl").read_text().splitlines())
+
+    page = write_report(run_copy).read_text(encoding="utf-8")
+    m, e = run_copy / "metrics.jsonl", run_copy / "events.jsonl"
+    for where in (f"{m}:{n_metrics + 1}: malformed JSON", f"{m}:{n_metrics + 2}: expected a JSON object, got list",
+                  f"{m}:{n_metrics + 3}: &#x27;step&#x27; is missing", f"{m}:{n_metrics + 4}: &#x27;loss&#x27; is not a number",
+                  f"{e}:{n_events - 1}: &#x27;step&#x27; is missing", f"{e}:{n_events}: malformed JSON",
+                  f"{run_copy / 'config.yaml'}:3: malformed YAML", f"{run_copy / 'snapshot.json'}:3: malformed JSON"):
+        assert where in page, where
+    assert "Data problems (8)" in page and "8 problems reading the run&#x27;s files" in page
+    run = load_run(run_copy)
+    assert run.metrics[-1]["step"] == 45 and "loss" not in run.metrics[-1]  # the good values of the line are kept
+    assert all(f'id="plot-{n}"' in page for n in RUN_PLOT_NAMES if n != "other_metrics")
+
+
+def test_unknown_numeric_metric_keys_get_their_own_plot(run_copy):
+    records, _ = read_jsonl(run_copy / "metrics.jsonl")
+    lines = [json.dumps({**r, "num_widgets": i % 2, "loss_ema": r["loss"], "note": "text"}) for i, r in enumerate(records)]
+    (run_copy / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    others = load_run(run_copy).other_metric_keys()
+    assert {"num_widgets", "loss_ema"} <= set(others) and "note" not in others and "loss" not in others
+    page = write_report(run_copy).read_text(encoding="utf-8")
+    assert 'id="plot-other_metrics"' in page and (run_copy / "plots" / "other_metrics.png").is_file()
+
+
+def test_not_a_run_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        write_report(tmp_path / "nope")
+    with pytest.raises(ValueError, match="not a run directory"):
+        write_report(tmp_path)
+
+
+# -- compare --------------------------------------------------------------------------------------
+
+
+def test_compare_two_real_runs(real_run, other_run, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = write_compare([real_run, other_run])
+    assert out == tmp_path / "compare.html"
+    page = out.read_text(encoding="utf-8")
+
+    # The config keys that differ, and only those.
+    diff = dict(config_diff([load_run(real_run).config, load_run(other_run).config]))
+    assert diff == {"train.batch_size": [16, 32], "clip.max_norm": [0.8, 1.0], "optim.lr": [0.001, 0.003]}
+    assert "Config keys that differ (3)" in page
+    for key in diff:
+        assert f'<td class="key">{key}</td>' in page
+    assert '<td class="key">optim.lr</td><td class="val">0.001</td><td class="val">0.003</td>' in page
+    assert '<td class="key">seed</td>' not in page
+
+    # Every metric overlaid, by step and by tokens seen, embedded and as PNG files.
+    for key in COMPARE_METRICS:
+        assert f'id="plot-{key}"' in page
+        with Image.open(tmp_path / "compare_plots" / f"{key}.png") as im:
+            assert im.width > 2 * im.height  # two panels side by side
+    assert page.count('src="data:image/png;base64,') == len(COMPARE_METRICS)
+    assert "by tokens seen" in page and "<script" not in page
+    # The summary row states each run's skipped steps.
+    assert re.search(r"<td class=\"\">skipped steps</td><td class=\"num\">2</td><td class=\"num\">0</td>", page)
+
+    custom = write_compare([real_run, other_run], out=tmp_path / "sub" / "ab.html")
+    assert custom.is_file() and (tmp_path / "sub" / "ab_plots" / "loss.png").is_file()
+    with pytest.raises(ValueError, match="at least two"):
+        write_compare([real_run])
+
+
+def test_compare_labels_runs_with_the_same_folder_name(real_run, tmp_path):
+    twin = tmp_path / "elsewhere" / real_run.name
+    shutil.copytree(real_run, twin)
+    runs = [load_run(real_run), load_run(twin)]
+    labels = run_labels(runs)
+    assert labels == [f"{real_run.parent.name}/{real_run.name}", f"elsewhere/{real_run.name}"]
+    page = render_compare(runs, labels, plots=[])
+    assert f"<b>elsewhere/{real_run.name}</b>" in page and "The configs are identical." in page
+
+
+def test_config_diff_marks_missing_keys():
+    diff = config_diff([{"a": {"b": 1, "c": 2}}, {"a": {"b": 1}, "d": None}])
+    assert [k for k, _ in diff] == ["a.c", "d"]
+
+
+# -- text helpers ---------------------------------------------------------------------------------
+
+
+def test_text_helpers():
+    assert step_ranges([13, 12, 20, 12, 21, 30]) == [(12, 13), (20, 21), (30, 30)]
+    assert fmt_ranges([812, 813, 1500]) == "812-813, 1,500"
+    assert fmt_ranges(range(0, 40, 2), limit=2) == "0, 2, and 18 more"
+    assert (fmt_pct(0.37), fmt_pct(0.004), fmt_pct(0.996), fmt_pct(0.0), fmt_pct(1.0)) == ("37%", "0.4%", "99.6%", "0%", "100%")
+    assert [fmt_num(x) for x in (10366.1, 2.2971, math.nan, None, 40.0)] == ["10,366", "2.297", "nan", "—", "40"]

@@ -1,0 +1,219 @@
+"""Open the report and compare pages in real headless Chromium: they render, images load, no console errors.
+
+Chromium is driven over the DevTools protocol on a pipe (``--remote-debugging-pipe``: JSON messages
+ending in NUL on fds 3 and 4), so the test needs only the standard library. Skipped only where
+Debian's ``chromium`` is not installed (``.ci/run`` installs it).
+"""
+
+from __future__ import annotations
+
+import base64
+import fcntl
+import io
+import json
+import math
+import os
+import select
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from PIL import Image, ImageStat
+
+from stabletrain import Trainer, load_config
+from stabletrain.report import write_compare, write_report
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed "
+                                "(apt-get install chromium; .ci/run installs it)")
+
+IMAGES_LOADED = "Array.from(document.images).map(i => ({src: i.src.slice(0, 40), ok: i.complete && i.naturalWidth > 0}))"
+
+
+class DevToolsPipe:
+    """A headless Chromium and a minimal DevTools-protocol client over its pipe."""
+
+    def __init__(self, exe: str, profile: Path) -> None:
+        child_in, self._out = os.pipe()  # we write commands; chromium reads them on fd 3
+        self._in, child_out = os.pipe()  # chromium writes replies and events on fd 4
+
+        def place_fds() -> None:  # in the child: move the pipe ends to fds 3 and 4 (dup2 makes them inheritable)
+            r, w = fcntl.fcntl(child_in, fcntl.F_DUPFD, 10), fcntl.fcntl(child_out, fcntl.F_DUPFD, 10)
+            os.dup2(r, 3)
+            os.dup2(w, 4)
+
+        self.stderr = open(profile.parent / "chromium.log", "wb")
+        self.proc = subprocess.Popen(
+            [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             "--remote-debugging-pipe", f"--user-data-dir={profile}", "about:blank"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.stderr, preexec_fn=place_fds,
+            close_fds=False)  # our own pipe ends are close-on-exec, so only fds 3 and 4 reach chromium
+        os.close(child_in)
+        os.close(child_out)
+        self._buf, self._id, self.pending = b"", 0, []
+
+    def call(self, method: str, params: dict | None = None, session: str | None = None, timeout: float = 30) -> dict:
+        self._id += 1
+        msg = {"id": self._id, "method": method, "params": params or {}, **({"sessionId": session} if session else {})}
+        os.write(self._out, json.dumps(msg).encode() + b"\0")
+        while True:
+            reply = self._next(timeout)
+            if reply.get("id") == self._id:
+                if "error" in reply:
+                    raise RuntimeError(f"{method}: {reply['error']}")
+                return reply["result"]
+            self.pending.append(reply)
+
+    def wait_for(self, method: str, timeout: float = 30) -> dict:
+        for i, event in enumerate(self.pending):
+            if event.get("method") == method:
+                return self.pending.pop(i)
+        while True:
+            event = self._next(timeout)
+            if event.get("method") == method:
+                return event
+            self.pending.append(event)
+
+    def _next(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while b"\0" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self._in], [], [], left)[0]:
+                raise TimeoutError(f"chromium sent nothing for {timeout:.0f} s")
+            chunk = os.read(self._in, 1 << 20)
+            if not chunk:
+                raise RuntimeError(f"chromium exited (code {self.proc.poll()}); see {self.stderr.name}")
+            self._buf += chunk
+        message, self._buf = self._buf.split(b"\0", 1)
+        return json.loads(message)
+
+    def close(self) -> None:
+        try:
+            self.call("Browser.close", timeout=10)
+            self.proc.wait(timeout=10)
+        except (OSError, RuntimeError, TimeoutError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+        finally:
+            os.close(self._in)
+            os.close(self._out)
+            self.stderr.close()
+
+
+@dataclass
+class Rendered:
+    images: list[dict]
+    errors: list[str] = field(default_factory=list)
+    requests: list[str] = field(default_factory=list)
+    screenshot: Image.Image | None = None
+    text: str = ""
+
+
+def render(browser: DevToolsPipe, page: Path, width: int = 1280) -> Rendered:
+    """Load ``page`` in a fresh tab; return its images' state, console errors, requests and a full-page screenshot."""
+    target = browser.call("Target.createTarget", {"url": "about:blank"})["targetId"]
+    session = browser.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+    for domain in ("Runtime", "Log", "Network", "Page"):
+        browser.call(f"{domain}.enable", session=session)
+    browser.call("Emulation.setDeviceMetricsOverride", {"width": width, "height": 900, "deviceScaleFactor": 1, "mobile": False},
+                 session=session)
+    browser.pending.clear()
+    browser.call("Page.navigate", {"url": page.resolve().as_uri()}, session=session)
+    browser.wait_for("Page.loadEventFired")
+
+    def evaluate(expression: str):
+        reply = browser.call("Runtime.evaluate", {"expression": expression, "returnByValue": True}, session=session)
+        return reply["result"]["value"]
+
+    out = Rendered(images=evaluate(IMAGES_LOADED), text=evaluate("document.body.innerText"))
+    size = browser.call("Page.getLayoutMetrics", session=session)["cssContentSize"]
+    shot = browser.call("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True, "clip": {
+        "x": 0, "y": 0, "width": size["width"], "height": size["height"], "scale": 1}}, session=session)
+    out.screenshot = Image.open(io.BytesIO(base64.b64decode(shot["data"])))
+    for event in browser.pending:
+        method, params = event.get("method"), event.get("params", {})
+        if method == "Runtime.consoleAPICalled" and params.get("type") in ("error", "assert"):
+            out.errors.append("console: " + " ".join(str(a.get("value", a.get("description"))) for a in params.get("args", [])))
+        elif method == "Runtime.exceptionThrown":
+            out.errors.append("exception: " + params["exceptionDetails"].get("text", ""))
+        elif method == "Log.entryAdded" and params["entry"].get("level") == "error":
+            out.errors.append("log: " + params["entry"].get("text", ""))
+        elif method == "Network.loadingFailed":
+            out.errors.append("failed to load: " + params.get("errorText", ""))
+        elif method == "Network.requestWillBeSent":
+            out.requests.append(params["request"]["url"].split(":", 1)[0])
+    browser.call("Target.closeTarget", {"targetId": target})
+    return out
+
+
+def assert_not_blank(image: Image.Image) -> None:
+    gray = image.convert("L")
+    assert ImageStat.Stat(gray).stddev[0] > 10, "the screenshot is (nearly) one flat colour"
+    histogram = gray.histogram()
+    background = max(histogram) / sum(histogram)
+    assert background < 0.9, f"{background:.0%} of the screenshot is the background colour"
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    profile = tmp_path_factory.mktemp("chromium") / "profile"
+    b = DevToolsPipe(CHROMIUM, profile)
+    yield b
+    b.close()
+
+
+def train(path: Path, overrides: list[str], bad_steps: tuple[int, ...] = ()) -> Path:
+    """Train the built-in mlp task for 40 steps into ``path``; the loss is inf on ``bad_steps`` (skips, events)."""
+    base = ["task=mlp", "train.max_steps=40", "log.every=5", "eval.every=20", "log.progress=false", "log.tensorboard=false"]
+    trainer = Trainer(load_config(None, [*base, *overrides]), run_dir=path)
+    mean_loss, calls = trainer.task.loss, [0]
+
+    def loss(model, batch):
+        calls[0] += model.training  # one training call per optimizer step; eval calls don't count
+        return mean_loss(model, batch) * (math.inf if model.training and calls[0] in bad_steps else 1.0)
+
+    trainer.task.loss = loss
+    trainer.fit()
+    return path
+
+
+@pytest.fixture(scope="module")
+def pages(tmp_path_factory) -> dict[str, Path]:
+    """A real short run with two skipped steps, its report, and its comparison with a second run."""
+    root = tmp_path_factory.mktemp("pages")
+    runs = [train(root / "a", ["clip.max_norm=0.8"], bad_steps=(12, 13)), train(root / "b", ["optim.lr=3e-3"])]
+    return {"report": write_report(runs[0]), "compare": write_compare(runs, root / "compare.html")}
+
+
+@pytest.mark.parametrize("which, min_images, must_read", [
+    ("report", 7, ["Health", "Clipping fired on", "2 steps skipped at 12-13", "Events", "Config", "Snapshot"]),
+    ("compare", 10, ["Config keys that differ (2)", "optim.lr", "by tokens seen"]),
+])
+def test_page_renders_in_headless_chromium(browser, pages, which, min_images, must_read):
+    shown = render(browser, pages[which])
+    shown.screenshot.save(pages["report"].parent.parent / f"{which}.screenshot.png")  # to look at by eye
+    num_images = pages[which].read_text(encoding="utf-8").count("<img ")
+    assert num_images >= min_images
+    assert len(shown.images) == num_images and all(i["ok"] for i in shown.images), shown.images
+    assert shown.errors == []
+    assert set(shown.requests) <= {"file", "data"}, f"the page fetched {shown.requests}: it must be self-contained"
+    for text in must_read:
+        assert text in shown.text
+    assert shown.screenshot.height > 1500  # the whole page, not just the first screen
+    assert_not_blank(shown.screenshot)
+
+
+def test_the_checks_catch_a_broken_page(browser, tmp_path):
+    """The harness is not vacuous: a broken image and a console error are seen."""
+    page = tmp_path / "broken.html"
+    page.write_text('<!DOCTYPE html><html><body><p>broken</p><img src="data:image/png;base64,AAAA">'
+                    '<script>console.error("planted error")</script></body></html>')
+    shown = render(browser, page)
+    assert [i["ok"] for i in shown.images] == [False]
+    assert any("planted error" in e for e in shown.errors)
+    with pytest.raises(AssertionError):  # a nearly empty page
+        assert_not_blank(shown.screenshot)
