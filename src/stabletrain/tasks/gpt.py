@@ -10,7 +10,6 @@ paths and bytes used.
 from __future__ import annotations
 
 import hashlib
-import math
 import sysconfig
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
+from ..initialization import init_
 from . import Task
 
 __all__ = ["GPT", "ByteChunks", "stdlib_sources", "make_task"]
@@ -47,7 +47,7 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.dropout = n_head, dropout
         self.qkv = nn.Linear(n_embd, 3 * n_embd)
         self.proj = nn.Linear(n_embd, n_embd)
-        self.proj.residual_branch_out = True  # scaled at init, see init_gpt_
+        self.proj.residual_branch_out = True  # a residual branch's output: init_ scales it by 1/sqrt(2 * n_layer)
         self.resid_dropout = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -85,7 +85,8 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(n_embd)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         self.head.weight = self.wte.weight  # tied embeddings
-        init_gpt_(self, n_layer)
+        # GPT-2's init: N(0, 0.02) weights, zero biases, residual outputs scaled by 1/sqrt(2 * n_layer).
+        init_(self, "normal", std=0.02, num_residual_branches=2 * n_layer)
 
     def forward(self, idx: Tensor) -> Tensor:
         t = idx.shape[1]
@@ -96,18 +97,6 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
-
-
-def init_gpt_(model: nn.Module, n_layer: int, std: float = 0.02) -> None:
-    """GPT-2 init in place: N(0, 0.02) weights, zero biases, residual output projections scaled by 1/sqrt(2L)."""
-    for module in model.modules():
-        if isinstance(module, nn.Linear):
-            scale = 1 / math.sqrt(2 * n_layer) if getattr(module, "residual_branch_out", False) else 1.0
-            nn.init.normal_(module.weight, 0.0, std * scale)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, 0.0, std)
 
 
 def stdlib_sources(max_bytes: int, val_every: int = 20) -> tuple[bytes, bytes, str, int]:
@@ -134,6 +123,8 @@ def stdlib_sources(max_bytes: int, val_every: int = 20) -> tuple[bytes, bytes, s
         used += 1
         if total >= max_bytes:
             break
+    if not val and len(train) > 1:  # a small max_bytes may pick no held-out file: hold out the last one
+        val.append(train.pop())
     return b"".join(train), b"".join(val), digest.hexdigest(), used
 
 
@@ -141,7 +132,7 @@ class ByteChunks(Dataset):
     """Non-overlapping chunks of ``seq_len + 1`` bytes: sample i is (x, y) with y shifted by one."""
 
     def __init__(self, data: bytes, seq_len: int) -> None:
-        self.data = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self.data = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
         self.seq_len = seq_len
         self.n = max((len(self.data) - 1) // seq_len, 0)
 

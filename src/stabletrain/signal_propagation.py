@@ -1,0 +1,514 @@
+"""Signal propagation at step 0: does the signal survive the depth of the model, forward and backward?
+
+:func:`signal_report` runs one forward and one backward pass and records, for every leaf module in
+execution order, its output mean / std / abs-max, the std of the gradient with respect to its output,
+and its weight's std and gradient std. Each layer is compared with a *reference*: the same layer at
+the shallowest depth, found by dropping list indices from its name (``blocks.7.mlp.fc`` is compared
+with ``blocks.0.mlp.fc``; in an ``nn.Sequential`` every Linear with the first Linear, every ReLU
+with the first ReLU); a layer with no such counterpart is compared with the first layer of its class
+that has none either. Forward, the reference is the shallowest one; backward, the deepest (where the
+gradient arrives first). A normalization layer's output std is 1 by construction, so its forward
+verdict reads its *input* (for a pre-norm residual network, the residual stream).
+
+A layer is ``exploding`` when its std ratio to its reference is above ``SignalThresholds.explode`` (or not
+finite), ``vanishing`` when below ``1 / SignalThresholds.explode``, else ``ok``. The report names the first
+layer where the signal leaves that band, forward (scanning from the input) and backward (scanning
+from the loss), and by how much; after one optimizer step on a copy of the state it gives every
+parameter's update/weight ratio, and it recommends an init scheme from the activations it saw.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .accumulation import as_sum_count
+from .initialization import activation_name, is_norm, recommend_scheme
+
+__all__ = [
+    "SignalThresholds",
+    "LayerSignal",
+    "UpdateRatio",
+    "SignalReport",
+    "signal_report",
+    "format_report",
+    "format_updates",
+    "format_comparison",
+    "plot_signal",
+]
+
+OK, VANISHING, EXPLODING = "ok", "vanishing", "exploding"
+
+
+@dataclass(frozen=True)
+class SignalThresholds:
+    """When a layer's std ratio to its reference is flagged.
+
+    Attributes:
+        explode: a ratio above this is ``exploding``, below ``1 / explode`` is ``vanishing``.
+        update_high: an update/weight ratio above this after one step is marked ``large``.
+        update_low: an update/weight ratio below this is marked ``small``.
+    """
+
+    explode: float = 4.0
+    update_high: float = 1e-2
+    update_low: float = 1e-4
+
+    def __post_init__(self) -> None:
+        if not self.explode > 1:
+            raise ValueError(f"SignalThresholds.explode: expected a number > 1, got {self.explode!r}")
+
+    def verdict(self, ratio: float | None) -> str:
+        if ratio is None:
+            return OK
+        if not math.isfinite(ratio) or ratio > self.explode:
+            return EXPLODING
+        return VANISHING if ratio < 1 / self.explode else OK
+
+    def describe(self) -> str:
+        return (f"verdicts: exploding when a layer's std is more than {self.explode:g}x its reference's, vanishing "
+                f"when less than 1/{self.explode:g}; reference = the same layer at the shallowest depth (forward) "
+                "or the deepest (backward); norm layers are judged on their input")
+
+
+@dataclass
+class LayerSignal:
+    """One leaf-module call: its activation and gradient statistics, ratios and verdicts."""
+
+    index: int
+    name: str
+    kind: str
+    out_mean: float
+    out_std: float
+    out_absmax: float
+    in_std: float | None = None
+    grad_std: float | None = None  # std of d loss / d output
+    param_name: str | None = None  # the parameter the next two describe (the weight)
+    param_std: float | None = None
+    param_grad_std: float | None = None
+    activation: str | None = None  # set when the module is an activation
+    is_norm: bool = False
+    in_shape: tuple[int, ...] | None = None  # without the leading (batch) dimension
+    out_shape: tuple[int, ...] = ()
+    ref_forward: str = ""
+    ref_backward: str = ""
+    forward_ratio: float | None = None
+    backward_ratio: float | None = None
+    param_std_ratio: float | None = None
+    param_grad_ratio: float | None = None
+    forward: str = OK
+    backward: str = OK
+
+    @property
+    def signal_std(self) -> float:
+        """The forward std the verdict reads: the input for a normalization layer, else the output."""
+        return self.in_std if self.is_norm and self.in_std is not None else self.out_std
+
+    @property
+    def flagged(self) -> bool:
+        return self.forward != OK or self.backward != OK
+
+
+@dataclass
+class UpdateRatio:
+    """One parameter's ``||update|| / ||weight||`` after one optimizer step (None for a zero weight)."""
+
+    name: str
+    weight_rms: float
+    update_rms: float
+    ratio: float | None
+
+
+@dataclass
+class SignalReport:
+    """Per-layer signal statistics of one forward/backward pass, their verdicts and a summary."""
+
+    label: str
+    layers: list[LayerSignal]
+    thresholds: SignalThresholds
+    loss: float
+    updates: list[UpdateRatio] = field(default_factory=list)
+    optimizer: str = ""
+    recommended: str = "auto"
+    activations: dict[str, int] = field(default_factory=dict)  # activation name -> times seen
+
+    @property
+    def flagged(self) -> list[LayerSignal]:
+        return [layer for layer in self.layers if layer.flagged]
+
+    @property
+    def passed(self) -> bool:
+        return not self.flagged
+
+    @property
+    def first_forward(self) -> LayerSignal | None:
+        """The first layer from the input whose forward signal is flagged."""
+        return next((layer for layer in self.layers if layer.forward != OK), None)
+
+    @property
+    def first_backward(self) -> LayerSignal | None:
+        """The first layer from the loss whose gradient is flagged."""
+        return next((layer for layer in reversed(self.layers) if layer.backward != OK), None)
+
+    def summary(self, direction: str) -> str:
+        """Return one line: where the ``forward`` or ``backward`` signal first leaves the band, and by how much."""
+        first = self.first_forward if direction == "forward" else self.first_backward
+        if first is None:
+            return f"{direction}: ok"
+        attr = "forward_ratio" if direction == "forward" else "backward_ratio"
+        verdict = first.forward if direction == "forward" else first.backward
+        ratios = [(getattr(layer, attr), layer) for layer in self.layers if getattr(layer, attr) is not None]
+        extreme = max(ratios, key=lambda r: _log_ratio(r[0])) if verdict == EXPLODING else min(ratios, key=lambda r: _log_ratio(r[0]))
+        what = "std" if direction == "forward" else "grad std"
+        ref = first.ref_forward if direction == "forward" else first.ref_backward
+        value = first.signal_std if direction == "forward" else first.grad_std
+        verb = "explodes" if verdict == EXPLODING else "vanishes"
+        return (f"{direction}: {verb} at #{first.index} {first.name!r} ({first.kind}): {what} {value:.3g} = "
+                f"{_x(getattr(first, attr))} that of {ref!r}; most extreme {_x(extreme[0])} at #{extreme[1].index} "
+                f"{extreme[1].name!r}")
+
+    def advice(self) -> str:
+        """Return one line recommending an init scheme from the activations seen."""
+        seen = ", ".join(f"{n} x{c}" for n, c in self.activations.items()) or "no activation modules"
+        if self.passed:
+            line = f"init holds; the scheme for these activations would be init_(model, {self.recommended!r}) (saw {seen})"
+        else:
+            line = f"recommended init: init_(model, {self.recommended!r}) (saw {seen})"
+        if any(layer.is_norm and layer.forward == EXPLODING for layer in self.layers):
+            line += ("; the input of normalization layers grows with depth: mark the residual branches' output "
+                     "projections (residual_branch_out = True) so init_ scales them by 1/sqrt(number of branches)")
+        return line
+
+    def to_dict(self) -> dict[str, Any]:
+        first_f, first_b = self.first_forward, self.first_backward
+        return {
+            "label": self.label, "passed": self.passed, "loss": self.loss,
+            "thresholds": asdict(self.thresholds),
+            "first_forward": None if first_f is None else {"index": first_f.index, "name": first_f.name,
+                                                           "verdict": first_f.forward, "ratio": first_f.forward_ratio},
+            "first_backward": None if first_b is None else {"index": first_b.index, "name": first_b.name,
+                                                            "verdict": first_b.backward, "ratio": first_b.backward_ratio},
+            "summary": [self.summary("forward"), self.summary("backward")],
+            "recommended": self.recommended, "activations": dict(self.activations),
+            "layers": [asdict(layer) for layer in self.layers],
+            "optimizer": self.optimizer, "updates": [asdict(u) for u in self.updates],
+        }
+
+
+def _log_ratio(r: float) -> float:
+    if r is None or math.isnan(r):
+        return math.inf
+    return math.log(r) if r > 0 else -math.inf
+
+
+def _x(r: float | None) -> str:
+    return "-" if r is None else f"{r:.3g}x"
+
+
+# -- measuring ----------------------------------------------------------------------------------------
+
+
+def _first_tensor(x: Any) -> Tensor | None:
+    if isinstance(x, Tensor):
+        return x if x.is_floating_point() else None
+    if isinstance(x, (tuple, list)):
+        return next((t for t in map(_first_tensor, x) if t is not None), None)
+    if isinstance(x, dict):
+        return next((t for t in map(_first_tensor, x.values()) if t is not None), None)
+    return None
+
+
+def _std(x: Tensor) -> Tensor:
+    x = x.detach().float()
+    return x.std() if x.numel() > 1 else torch.zeros((), device=x.device)
+
+
+def _main_param(module: nn.Module) -> tuple[str, nn.Parameter] | None:
+    """Return the parameter that describes a layer: its ``weight``, else its largest own parameter."""
+    own = list(module.named_parameters(recurse=False))
+    if not own:
+        return None
+    for name, p in own:
+        if name == "weight":
+            return name, p
+    return max(own, key=lambda np_: np_[1].numel())
+
+
+def _group_key(layer: LayerSignal) -> tuple:
+    """Return (class, name with list indices as '*', input shape, output shape): a layer's counterparts."""
+    pattern = ".".join("*" if part.isdigit() else part for part in layer.name.split("#")[0].split("."))
+    return layer.kind, pattern, layer.in_shape, layer.out_shape
+
+
+def _assign_references(layers: list[LayerSignal], thresholds: SignalThresholds) -> None:
+    groups: dict[tuple, list[LayerSignal]] = {}
+    for layer in layers:
+        groups.setdefault(_group_key(layer), []).append(layer)
+    pooled: dict[tuple, list[LayerSignal]] = {}
+    for key, members in groups.items():  # a layer with no counterpart joins the others of its class and shapes
+        pooled.setdefault(key if len(members) > 1 else (key[0], None, key[2], key[3]), []).extend(members)
+    for members in pooled.values():
+        members.sort(key=lambda layer: layer.index)
+        fwd_ref = members[0]
+        with_grad = [m for m in members if m.grad_std is not None]
+        bwd_ref = with_grad[-1] if with_grad else None
+        for layer in members:
+            layer.ref_forward = fwd_ref.name
+            layer.forward_ratio = _ratio(layer.signal_std, fwd_ref.signal_std)
+            layer.param_std_ratio = _ratio(layer.param_std, fwd_ref.param_std)
+            if bwd_ref is not None and layer.grad_std is not None:
+                layer.ref_backward = bwd_ref.name
+                layer.backward_ratio = _ratio(layer.grad_std, bwd_ref.grad_std)
+                layer.param_grad_ratio = _ratio(layer.param_grad_std, bwd_ref.param_grad_std)
+            layer.forward = thresholds.verdict(layer.forward_ratio)
+            layer.backward = thresholds.verdict(layer.backward_ratio)
+
+
+def _ratio(value: float | None, ref: float | None) -> float | None:
+    if value is None or ref is None:
+        return None
+    if not (math.isfinite(value) and math.isfinite(ref)):
+        return math.inf
+    if ref == 0:
+        return None if value == 0 else math.inf
+    return value / ref
+
+
+def signal_report(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any], *, label: str = "",
+                  make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+                  thresholds: SignalThresholds = SignalThresholds()) -> SignalReport:
+    """Run one forward and backward of ``loss(model, batch)``; return the per-layer signal report.
+
+    ``loss`` returns a scalar mean or a ``(sum, count)`` pair (the task contract); the report
+    backpropagates the mean. Then one step of ``make_optimizer(params)`` (default: AdamW, lr 1e-3)
+    gives each parameter's update/weight ratio. The model runs in the mode it is in, and is left as
+    it was found: parameters, their ``.grad`` and buffers (BatchNorm statistics) are restored. Forces
+    one host-device sync for all the statistics (and one for the updates).
+    """
+    params = [p for p in _unique_params(model) if p.requires_grad]
+    saved_grads = [p.grad for p in params]
+    saved_buffers = [b.detach().clone() for b in model.buffers()]
+    try:
+        for p in params:
+            p.grad = None
+        layers, loss_value = _measure(model, batch, loss)
+        updates, opt_name = _update_ratios(model, params, make_optimizer)
+    finally:
+        for p, g in zip(params, saved_grads):
+            p.grad = g
+        with torch.no_grad():
+            for b, saved in zip(model.buffers(), saved_buffers):
+                b.copy_(saved)
+    _assign_references(layers, thresholds)
+    activations: dict[str, int] = {}
+    for layer in layers:
+        if layer.activation is not None:
+            activations[layer.kind] = activations.get(layer.kind, 0) + 1
+    recommended = recommend_scheme(layer.activation for layer in layers)
+    return SignalReport(label, layers, thresholds, loss_value, updates, opt_name, recommended, activations)
+
+
+def _measure(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any]) -> tuple[list[LayerSignal], float]:
+    """Run forward and backward with hooks on every leaf module; return the layers (no ratios yet) and the loss."""
+    leaves = [(n, m) for n, m in model.named_modules() if not list(m.children())]
+    calls: list[tuple[str, nn.Module, tuple | None, tuple]] = []  # name, module, input shape, output shape
+    stats: list[dict[str, Tensor]] = []
+    counts: dict[str, int] = {}
+
+    def on_forward(name: str) -> Callable:
+        def hook(module: nn.Module, inputs: tuple, output: Any) -> None:
+            out = _first_tensor(output)
+            if out is None or out.numel() == 0:
+                return
+            counts[name] = counts.get(name, 0) + 1
+            x = _first_tensor(inputs)
+            row = {"out": torch.stack([out.detach().float().mean(), _std(out), out.detach().float().abs().max()])}
+            if x is not None and x.numel() > 0:
+                row["in_std"] = _std(x)
+            if out.requires_grad:
+                def grad_hook(g: Tensor, row: dict = row) -> None:
+                    row["grad_std"] = _std(g)
+                out.register_hook(grad_hook)
+            call_name = name if counts[name] == 1 else f"{name}#{counts[name]}"
+            calls.append((call_name, module, None if x is None else tuple(x.shape[1:]), tuple(out.shape[1:])))
+            stats.append(row)
+        return hook
+
+    handles = [m.register_forward_hook(on_forward(n)) for n, m in leaves]
+    try:
+        loss_sum, count = as_sum_count(loss(model, batch), 1)
+        mean_loss = loss_sum / count
+        mean_loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+    if not calls:
+        raise ValueError("signal_report: no leaf module produced a floating-point tensor; is the model called in loss(model, batch)?")
+
+    mains = [_main_param(module) for _, module, _, _ in calls]
+    for main, row in zip(mains, stats):
+        if main is not None:
+            row["param_std"] = _std(main[1])
+            if main[1].grad is not None:
+                row["param_grad_std"] = _std(main[1].grad)
+    # One host-device sync for every statistic of every layer.
+    keys = [(i, k) for i, row in enumerate(stats) for k in row]
+    device = stats[0]["out"].device
+    flat = torch.cat([stats[i][k].reshape(-1).to(device) for i, k in keys] + [mean_loss.detach().reshape(1).to(device)])
+    values = iter(flat.cpu().tolist())
+    got: list[dict[str, Any]] = [{} for _ in stats]
+    for i, k in keys:
+        got[i][k] = [next(values) for _ in range(3)] if k == "out" else next(values)
+    loss_value = next(values)
+
+    layers = []
+    for i, ((name, module, in_shape, out_shape), main, row) in enumerate(zip(calls, mains, got)):
+        param_name = None if main is None else ".".join(filter(None, (name.split("#")[0], main[0])))
+        layers.append(LayerSignal(
+            index=i, name=name, kind=type(module).__name__, out_mean=row["out"][0], out_std=row["out"][1],
+            out_absmax=row["out"][2], in_std=row.get("in_std"), grad_std=row.get("grad_std"), param_name=param_name,
+            param_std=row.get("param_std"), param_grad_std=row.get("param_grad_std"), activation=activation_name(module),
+            is_norm=is_norm(module), in_shape=in_shape, out_shape=out_shape))
+    return layers, loss_value
+
+
+def _unique_params(model: nn.Module) -> list[nn.Parameter]:
+    seen: set[int] = set()
+    return [p for p in model.parameters() if not (id(p) in seen or seen.add(id(p)))]
+
+
+def _update_ratios(model: nn.Module, params: list[nn.Parameter],
+                   make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None
+                   ) -> tuple[list[UpdateRatio], str]:
+    """Take one optimizer step, measure ||update|| / ||weight|| per parameter, then undo the step."""
+    with_grad = [p for p in params if p.grad is not None]
+    if not with_grad:
+        return [], ""
+    optimizer = make_optimizer(with_grad) if make_optimizer is not None else torch.optim.AdamW(with_grad, lr=1e-3)
+    lr = optimizer.param_groups[0].get("lr")
+    opt_name = f"{type(optimizer).__name__}(lr={float(lr):.3g})" if lr is not None else type(optimizer).__name__
+    before = [p.detach().clone() for p in with_grad]
+    optimizer.step()
+    names = {id(p): n for n, p in model.named_parameters()}
+    with torch.no_grad():
+        rms = torch.stack([torch.stack([b.float().pow(2).mean().sqrt(), (p.detach().float() - b.float()).pow(2).mean().sqrt()])
+                           .to(before[0].device) for p, b in zip(with_grad, before)]).cpu().tolist()
+        for p, b in zip(with_grad, before):
+            p.copy_(b)
+    updates = [UpdateRatio(names.get(id(p), "?"), w, u, (u / w) if w > 0 else None) for p, (w, u) in zip(with_grad, rms)]
+    return updates, opt_name
+
+
+# -- output ---------------------------------------------------------------------------------------------
+
+
+def _g(v: float | None, width: int = 9) -> str:
+    return f"{'-':>{width}}" if v is None else f"{v:>{width}.3g}"
+
+
+def _xr(v: float | None, width: int = 8) -> str:
+    return f"{'-':>{width}}" if v is None else f"{v:>{width - 1}.3g}x"
+
+
+def format_report(report: SignalReport, updates: bool = True) -> list[str]:
+    """Return the report as text lines: thresholds, the per-layer table, the summary and the updates."""
+    width = max([len(layer.name) for layer in report.layers] + [5])
+    kind_w = max([len(layer.kind) for layer in report.layers] + [4])
+    header = (f"{'#':>3}  {'layer':<{width}}  {'type':<{kind_w}}  {'in std':>9}  {'out mean':>9}  {'out std':>9}  "
+              f"{'|out|max':>9}  {'fwd':>10}  {'grad std':>9}  {'bwd':>10}  {'w std':>9}  {'w grad':>9}  verdict")
+    lines = [report.thresholds.describe(), header]
+    for layer in report.layers:
+        verdict = OK if not layer.flagged else "/".join(
+            f"{d} {v}" for d, v in (("fwd", layer.forward), ("bwd", layer.backward)) if v != OK)
+        lines.append(f"{layer.index:>3}  {layer.name:<{width}}  {layer.kind:<{kind_w}}  {_g(layer.in_std)}  "
+                     f"{_g(layer.out_mean)}  {_g(layer.out_std)}  {_g(layer.out_absmax)}  {_xr(layer.forward_ratio, 10)}  "
+                     f"{_g(layer.grad_std)}  {_xr(layer.backward_ratio, 10)}  {_g(layer.param_std)}  "
+                     f"{_g(layer.param_grad_std)}  {verdict}")
+    lines += [report.summary("forward"), report.summary("backward"), report.advice()]
+    if updates and report.updates:
+        lines += format_updates(report)
+    return lines
+
+
+def format_updates(report: SignalReport) -> list[str]:
+    """Return the update/weight ratio of every parameter as text lines (zero weights on one line)."""
+    th = report.thresholds
+    title = (f"update/weight (rms) after one {report.optimizer} step, marked above {th.update_high:g} or below "
+             f"{th.update_low:g} (a first Adam step moves every weight by about lr):")
+    lines = [title]
+    measured = [u for u in report.updates if u.ratio is not None]
+    name_w = max([len(u.name) for u in measured] + [4])
+    for u in measured:
+        mark = " large" if u.ratio > th.update_high else " small" if u.ratio < th.update_low else ""
+        lines.append(f"  {u.name:<{name_w}}  {u.ratio:.3g}{mark}")
+    zero = [u for u in report.updates if u.ratio is None]
+    if zero:
+        names = ", ".join(u.name for u in zero[:6]) + (f" and {len(zero) - 6} more" if len(zero) > 6 else "")
+        lines.append(f"  zero at init (no ratio): {names}")
+    return lines
+
+
+def format_comparison(reports: list[SignalReport]) -> list[str]:
+    """Return one table of several runs of the same model: fwd and bwd ratio and verdict per layer per run."""
+    base = reports[0]
+    width = max([len(layer.name) for layer in base.layers] + [5])
+    kind_w = max([len(layer.kind) for layer in base.layers] + [4])
+    cell_w = 31
+    head = f"{'':>3}  {'':<{width}}  {'':<{kind_w}}  " + "  ".join(f"{r.label[:cell_w]:<{cell_w}}" for r in reports)
+    sub = f"{'#':>3}  {'layer':<{width}}  {'type':<{kind_w}}  " + "  ".join(
+        f"{'fwd':>10} {'bwd':>10} {'verdict':<9}" for _ in reports)
+    lines = [base.thresholds.describe(), head.rstrip(), sub.rstrip()]
+    for i, layer in enumerate(base.layers):
+        cells = []
+        for r in reports:
+            other = r.layers[i] if i < len(r.layers) and r.layers[i].name == layer.name else None
+            if other is None:
+                cells.append(f"{'-':>10} {'-':>10} {'':<9}")
+                continue
+            v = other.forward if other.forward != OK else other.backward
+            cells.append(f"{_xr(other.forward_ratio, 10)} {_xr(other.backward_ratio, 10)} {v:<9}")
+        lines.append(f"{layer.index:>3}  {layer.name:<{width}}  {layer.kind:<{kind_w}}  " + "  ".join(cells).rstrip())
+    for r in reports:
+        lines.append(f"{r.label}: {'PASS' if r.passed else 'FAIL'}; {r.summary('forward')}; {r.summary('backward')}")
+    return lines
+
+
+def plot_signal(reports: Iterable[SignalReport], path: str | Path) -> Path:
+    """Plot per-layer std by depth, forward and backward, one line per report, to a PNG at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    reports = list(reports)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, (ax_f, ax_b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in reports:
+        idx = [layer.index for layer in r.layers]
+        fwd = [layer.signal_std if layer.signal_std > 0 else math.nan for layer in r.layers]
+        bwd = [layer.grad_std if layer.grad_std else math.nan for layer in r.layers]
+        label = f"{r.label or 'model'} ({'ok' if r.passed else f'{len(r.flagged)} flagged'})"
+        ax_f.plot(idx, fwd, marker="o", markersize=3, label=label)
+        ax_b.plot(idx, bwd, marker="o", markersize=3, label=label)
+    for ax, title, ylabel in ((ax_f, "forward: activation std", "std of the layer's output (norms: input)"),
+                              (ax_b, "backward: gradient std", "std of d loss / d output")):
+        ax.set_yscale("log")
+        ax.set_xlabel("layer (execution order)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+    ax_f.legend(fontsize=8)
+    if reports:
+        fig.suptitle(f"signal propagation at step 0 (flagged outside {1 / reports[0].thresholds.explode:g}x.."
+                     f"{reports[0].thresholds.explode:g}x of the reference layer)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,162 @@
+"""init_ schemes (gain and fan mode from the following activation, residual scaling) and InitFingerprint."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from models_init import CustomInit, ResidualStack, single_thread  # noqa: F401  (fixture)
+from torch import nn
+
+from stabletrain.initialization import InitChange, InitFingerprint, activation_gain, init_, recommend_scheme
+from stabletrain.tasks import gpt as gpt_task
+from stabletrain.tasks.gpt import GPT
+from stabletrain.tasks.mlp import make_mlp
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _linears(model: nn.Module) -> list[nn.Linear]:
+    return [m for m in model.modules() if isinstance(m, nn.Linear)]
+
+
+def test_kaiming_reads_relu_after_each_layer_and_gain_one_for_the_output_layer():
+    torch.manual_seed(0)
+    model = make_mlp(32, 256, 4, 10, "relu")
+    decisions = init_(model, "kaiming")
+    linears = _linears(model)
+    assert [d.activation for d in decisions] == ["relu", "relu", "relu", "linear"]
+    assert [d.fan_mode for d in decisions] == ["fan_in"] * 4
+    expected = [math.sqrt(2 / 32), math.sqrt(2 / 256), math.sqrt(2 / 256), 1 / math.sqrt(256)]
+    for layer, d, want in zip(linears, decisions, expected):
+        assert d.std == pytest.approx(want, rel=1e-12)
+        assert layer.weight.std().item() == pytest.approx(want, rel=0.05)  # >= 2560 draws: ~1.4% sampling error
+        assert torch.count_nonzero(layer.bias).item() == 0
+
+
+def test_xavier_on_tanh_uses_gain_5_over_3_and_fan_avg():
+    torch.manual_seed(0)
+    model = make_mlp(64, 256, 3, 10, "tanh")
+    decisions = init_(model, "xavier")
+    assert [(d.activation, d.gain, d.fan_mode) for d in decisions] == [
+        ("tanh", 5 / 3, "fan_avg"), ("tanh", 5 / 3, "fan_avg"), ("linear", 1.0, "fan_avg")]
+    assert decisions[0].std == pytest.approx(5 / 3 * math.sqrt(2 / (64 + 256)), rel=1e-12)
+    assert _linears(model)[1].weight.std().item() == pytest.approx(5 / 3 * math.sqrt(2 / 512), rel=0.05)
+
+
+def test_auto_picks_xavier_before_tanh_and_kaiming_elsewhere():
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Dropout(0.1), nn.GELU(), nn.Linear(16, 4))
+    decisions = init_(model, "auto")
+    assert [(d.name, d.scheme, d.activation) for d in decisions] == [
+        ("0", "xavier", "tanh"), ("2", "kaiming", "gelu"), ("5", "kaiming", "linear")]  # Dropout is looked through
+    # GELU's second-moment gain: 1 / sqrt(E[gelu(z)^2]) with E[gelu(z)^2] = 0.42522 for z ~ N(0, 1).
+    assert decisions[1].gain == pytest.approx(1 / math.sqrt(0.42522), rel=1e-4)
+    assert activation_gain(nn.ReLU()) == pytest.approx(math.sqrt(2))
+    assert activation_gain(nn.LeakyReLU(0.2)) == pytest.approx(math.sqrt(2 / (1 + 0.2**2)))
+
+
+def test_residual_branch_outputs_are_scaled_by_one_over_sqrt_of_the_number_of_branches():
+    torch.manual_seed(0)
+    model = ResidualStack(width=128, depth=8)
+    decisions = {d.name: d for d in init_(model, "kaiming")}
+    assert decisions["blocks.3.out"].residual_scale == pytest.approx(1 / math.sqrt(8))
+    assert decisions["blocks.3.out"].std == pytest.approx(1 / math.sqrt(128) / math.sqrt(8))
+    assert decisions["blocks.3.fc"].residual_scale == 1.0
+    assert model.blocks[3].out.weight.std().item() == pytest.approx(1 / math.sqrt(128 * 8), rel=0.05)
+    # Naming the branches works without the marker attribute; num_residual_branches overrides the count.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    decisions = init_(plain, "kaiming", residual=["2"], num_residual_branches=4)
+    assert decisions[1].residual_scale == pytest.approx(0.5)
+
+
+def test_gpt_task_model_is_built_with_gpt2_init_bitwise(monkeypatch):
+    """GPT() through init_ draws exactly what GPT-2's init (the former init_gpt_) draws from the same seed."""
+
+    def gpt2_init_(model: nn.Module, n_layer: int, std: float = 0.02) -> None:
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                scale = 1 / math.sqrt(2 * n_layer) if getattr(module, "residual_branch_out", False) else 1.0
+                nn.init.normal_(module.weight, 0.0, std * scale)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, std)
+
+    torch.manual_seed(0)
+    model = GPT(256, 16, n_layer=3, n_head=2, n_embd=64)
+    monkeypatch.setattr(gpt_task, "init_", lambda m, *args, **kwargs: gpt2_init_(m, 3))
+    torch.manual_seed(0)
+    reference = GPT(256, 16, n_layer=3, n_head=2, n_embd=64)
+    for (name, a), b in zip(model.state_dict().items(), reference.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert model.head.weight is model.wte.weight  # still tied
+    assert torch.count_nonzero(model.blocks[1].mlp.fc.bias).item() == 0
+    assert model.blocks[1].mlp.fc.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert model.blocks[1].mlp.proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(2 * 3), rel=0.05)
+
+
+def test_init_errors_name_the_value():
+    model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="expected one of auto, xavier, kaiming, normal, got 'he'"):
+        init_(model, "he")
+    with pytest.raises(ValueError, match=r"residual=\['blocks.\*.proj'\]: no module name matches"):
+        init_(model, "kaiming", residual=["blocks.*.proj"])
+    with pytest.raises(ValueError, match="init std: expected a positive number, got -1"):
+        init_(model, "normal", std=-1)
+
+
+def test_recommend_scheme_from_activations():
+    assert recommend_scheme(["relu", "relu", None]) == "kaiming"
+    assert recommend_scheme(["tanh", "sigmoid"]) == "xavier"
+    assert recommend_scheme(["tanh", "gelu"]) == "auto"
+    assert recommend_scheme([None, "linear"]) == "auto"
+
+
+# -- the fingerprint ---------------------------------------------------------------------------------
+
+
+def test_reset_parameters_overwriting_a_custom_init_is_reported_by_name():
+    torch.manual_seed(0)
+    model = CustomInit(width=256)
+    fingerprint = InitFingerprint.take(model)
+    model.proj.reset_parameters()  # what a wrapper or a meta-device to_empty() path does behind the user's back
+    changes = fingerprint.compare(model)
+    assert [(c.name, c.why) for c in changes] == [("proj.weight", "values changed"), ("proj.bias", "values changed")]
+    assert changes[0].old_std == pytest.approx(0.02, rel=0.02)
+    # nn.Linear's reset_parameters: kaiming_uniform(a=sqrt(5)) -> U(-1/sqrt(fan_in), 1/sqrt(fan_in)), std 1/sqrt(3 * 256)
+    assert changes[0].new_std == pytest.approx(1 / math.sqrt(3 * 256), rel=0.02)
+    assert changes[1].old_std == 0.0
+    reason = InitFingerprint.describe(changes)
+    assert reason.startswith("2 parameter(s) changed between the model's init and the first step: proj.weight (std 0.02")
+    assert "reset_parameters()" in reason
+
+
+def test_fingerprint_ignores_wrapping_and_same_values_and_reports_new_and_missing():
+    torch.manual_seed(0)
+    model = CustomInit(width=8)
+    fingerprint = InitFingerprint.take(model)
+    wrapper = nn.Module()
+    wrapper.module = model  # DDP-style prefix "module."
+    assert fingerprint.compare(wrapper) == []
+    assert fingerprint.compare(model.double()) == []  # a cast changes the bytes, not the std
+    model.float()
+    model.extra = nn.Linear(2, 2)
+    changes = fingerprint.compare(model)
+    assert [(c.name, c.why, c.old_std) for c in changes] == [("extra.weight", "new", None), ("extra.bias", "new", None)]
+    assert InitChange("a", 1.0, None, "missing").as_dict() == {"name": "a", "old_std": 1.0, "new_std": None, "why": "missing"}
+
+
+def test_fingerprint_state_dict_round_trips_and_skips_meta_parameters():
+    torch.manual_seed(0)
+    model = CustomInit(width=8)
+    fingerprint = InitFingerprint.take(model)
+    restored = InitFingerprint({})
+    restored.load_state_dict(fingerprint.state_dict())
+    assert restored.params == fingerprint.params
+    with torch.no_grad():
+        model.proj.weight[0, 0] += 1e-3
+    assert [c.name for c in restored.compare(model)] == ["proj.weight"]
+    meta = CustomInit(width=8).to("meta")
+    assert InitFingerprint.take(meta).skipped == ["proj.weight", "proj.bias"]
