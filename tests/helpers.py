@@ -84,3 +84,30 @@ def make_user_task(width: int = 16) -> Task:
     task = regression_task()
     task.model = nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 1))
     return task
+
+
+def slow_mlp_task(sleep: float = 0.02, **kwargs) -> Task:
+    """The built-in mlp task whose loss sleeps ``sleep`` s per micro-batch (so a test can kill it mid-run)."""
+    import time
+
+    from stabletrain.tasks.mlp import make_task
+
+    task = make_task(**kwargs)
+    inner = task.loss
+
+    def loss(model, batch):
+        time.sleep(sleep)
+        return inner(model, batch)
+
+    task.loss = loss
+    return task
+
+
+def nan_sample_task(bad_index: int = 37, n: int = 64) -> Task:
+    """The regression task with one NaN input at dataset index ``bad_index``."""
+    task = regression_task(n=n)
+    x, y = task.train_data.tensors
+    x = x.clone()
+    x[bad_index, 1] = float("nan")
+    task.train_data = TensorDataset(x, y)
+    return task

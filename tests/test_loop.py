@@ -85,3 +85,16 @@ def test_step_metrics_reduce_and_state_roundtrip():
     assert [r.step for r in rows] == [1, 2, 3] and param_sq == [10.0, 0.0]
     assert clone.reduce()[0] == summary
     assert len(m) == 0
+
+
+def test_an_init_overwritten_before_the_first_step_is_an_event(tmp_path):
+    import json
+
+    trainer = Trainer(cfg("train.max_steps=2", "log.every=1"), run_dir=tmp_path / "run")
+    torch.nn.init.normal_(trainer.model[0].weight, std=5.0)  # a wrapper or callback re-initializing a layer
+    trainer.fit()
+    events = [json.loads(x) for x in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    overwritten = [e for e in events if e["kind"] == "init_overwritten"]
+    assert len(overwritten) == 1 and overwritten[0]["step"] == 0
+    assert [p["name"] for p in overwritten[0]["params"]] == ["0.weight"]
+    assert overwritten[0]["params"][0]["new_std"] == pytest.approx(5.0, rel=0.1)

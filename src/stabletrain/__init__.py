@@ -12,6 +12,13 @@ from .schedule import LRSchedule
 from .seeding import seed_everything
 from .tasks import Task, resolve_task
 from .loop import Trainer
+from .checkpoint import CheckpointError, CheckpointManager, diff_configs
+from .guard import Guard
+from .incidents import diagnose_incident
+from .initialization import InitChange, InitFingerprint, init_
+from .nonfinite import Bisection, NonFiniteLocator, NonFiniteOp, anomaly_trace, bisect_samples
+from .diagnosis import diagnose_step
+from .signal_propagation import SignalReport, SignalThresholds, plot_signal, signal_report
 
 __all__ = [
     "__version__",
@@ -33,4 +40,22 @@ __all__ = [
     "Task",
     "resolve_task",
     "Trainer",
+    "CheckpointError",
+    "CheckpointManager",
+    "diff_configs",
+    "Guard",
+    "diagnose_incident",
+    "InitChange",
+    "InitFingerprint",
+    "init_",
+    "Bisection",
+    "NonFiniteLocator",
+    "NonFiniteOp",
+    "anomaly_trace",
+    "bisect_samples",
+    "diagnose_step",
+    "SignalReport",
+    "SignalThresholds",
+    "plot_signal",
+    "signal_report",
 ]

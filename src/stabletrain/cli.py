@@ -130,7 +130,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.report:
         from .report import write_report
 
-        print(f"stabletrain: report written to {write_report(run_dir)}")
+        from .report import health_summary, load_run
+
+    print(f"stabletrain: report written to {write_report(run_dir)}")
+    print(health_summary(load_run(run_dir)).text)
     return 0
 
 
@@ -184,7 +187,10 @@ def cmd_report(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     if not (run_dir / "metrics.jsonl").exists() and not (run_dir / "config.yaml").exists():
         raise FileNotFoundError(f"run directory {str(run_dir)!r}: no metrics.jsonl or config.yaml there; is it a stabletrain run?")
+    from .report import health_summary, load_run
+
     print(f"stabletrain: report written to {write_report(run_dir)}")
+    print(health_summary(load_run(run_dir)).text)
     return 0
 
 
@@ -203,7 +209,14 @@ COMMANDS = {"train": cmd_train, "check": cmd_check, "diagnose": cmd_diagnose, "r
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # key=value overrides may come after options (argparse stops collecting positionals at an option).
+    args, extra = parser.parse_known_args(argv)
+    stray = [e for e in extra if "=" not in e or e.startswith("-")]
+    if stray or (extra and args.command not in ("train", "check")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        target = "overrides" if args.command == "train" else "names"
+        setattr(args, target, [*getattr(args, target), *extra])
     if args.command is None:
         parser.print_help()
         return 2

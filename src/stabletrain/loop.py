@@ -40,6 +40,7 @@ from .config import Config, config_hash, config_to_dict
 from .data import EpochOrder, Window, WindowStream, move_to
 from .guard import Guard, GuardDecision, inputs_finite
 from .incidents import diagnose_incident, write_bundle
+from .initialization import InitFingerprint
 from .metrics import StepMetrics, peak_memory_mib
 from .precision import PrecisionPolicy, resolve_device
 from .records import RunDir, TensorBoardSink, build_snapshot
@@ -108,6 +109,9 @@ class Trainer:
         set_deterministic(cfg.deterministic)
         seed_everything(cfg.seed)
         self.task = task if task is not None else resolve_task(cfg.task, cfg.task_args)
+        # Taken right after the user's init; compared before the first step (a reset_parameters(),
+        # meta-device materialization or wrapper that silently re-initializes is reported by name).
+        self.init_fingerprint = InitFingerprint.take(self.task.model) if not resume else None
         self.device = resolve_device(cfg.device)
         self.precision = PrecisionPolicy(cfg.precision, self.device)
         self.model = self.task.model.to(self.device)
@@ -219,6 +223,7 @@ class Trainer:
         last_record: dict[str, Any] = {}
         restore = self._install_signal_handlers()
         try:
+            self._check_init()
             if self.ckpt is not None and self.ckpt.latest_good() is None:
                 self._checkpoint(healthy=True)  # step 0: rollback and resume always have a state to return to
             self._snapshot = self._capture_point()
@@ -242,6 +247,9 @@ class Trainer:
                 healthy = self._act(decision)
                 if self.stop_reason is not None:
                     break
+                if decision.action == "rollback":  # back at LAST_GOOD: nothing new to checkpoint
+                    self._snapshot = self._capture_point()
+                    continue
                 if done or ckpt_due or self._signal:
                     self._checkpoint(healthy)
                 if self._signal:
@@ -353,6 +361,16 @@ class Trainer:
             self._rollback(decision)
             return True
         return not decision.bad_steps or (self.guard.consecutive_skips == 0 and not decision.after_update)
+
+    def _check_init(self) -> None:
+        """Report every parameter whose init changed between the task factory and the first step."""
+        if self.init_fingerprint is None or self.step > 0:
+            return
+        changes = self.init_fingerprint.compare(self.model)
+        self.init_fingerprint = None
+        if changes and self.run is not None:
+            self.run.event(self.step, "init_overwritten", InitFingerprint.describe(changes),
+                           params=[c.as_dict() for c in changes])
 
     def _capture_point(self) -> dict[str, Any] | None:
         """The state at the start of an interval, kept in memory so an incident step can be replayed."""
