@@ -128,13 +128,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     shown = ", ".join(f"{k}={record[k]:.4g}" for k in ("loss", "val_loss", "grad_norm") if isinstance(record.get(k), float))
     print(f"stabletrain: trained {trainer.step} steps; {shown}; run directory: {run_dir}")
     if args.report:
-        from .report import write_report
+        _write_report(run_dir)
+    return 0
 
-        from .report import health_summary, load_run
+
+def _write_report(run_dir: Path) -> None:
+    from .report import health_summary, load_run, write_report
 
     print(f"stabletrain: report written to {write_report(run_dir)}")
     print(health_summary(load_run(run_dir)).text)
-    return 0
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -182,15 +184,10 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from .report import write_report
-
     run_dir = Path(args.run_dir)
     if not (run_dir / "metrics.jsonl").exists() and not (run_dir / "config.yaml").exists():
         raise FileNotFoundError(f"run directory {str(run_dir)!r}: no metrics.jsonl or config.yaml there; is it a stabletrain run?")
-    from .report import health_summary, load_run
-
-    print(f"stabletrain: report written to {write_report(run_dir)}")
-    print(health_summary(load_run(run_dir)).text)
+    _write_report(run_dir)
     return 0
 
 
