@@ -29,3 +29,41 @@ def half_model_task():
     inner = task.loss
     task.loss = lambda m, b: inner(m, (b[0].to(torch.bfloat16), b[1].to(torch.bfloat16))).float()
     return task
+
+
+class CountingModel(nn.Module):
+    """A model whose output depends on a Python attribute that is not in its state_dict."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.calls = inner, 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.inner(x) * (1.0 + 0.01 * self.calls)
+
+
+def hidden_counter_task():
+    task = regression_task()
+    task.model = CountingModel(task.model)
+    return task
+
+
+class NoisyData(torch.utils.data.Dataset):
+    """Augmentation from an unseeded generator: no two runs see the same inputs."""
+
+    def __init__(self, inner):
+        self.inner, self.rng = inner, __import__("random").SystemRandom()
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, i):
+        x, y = self.inner[i]
+        return x + self.rng.random(), y
+
+
+def unseeded_noise_task():
+    task = regression_task()
+    task.train_data = NoisyData(task.train_data)
+    return task

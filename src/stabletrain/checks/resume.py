@@ -1,0 +1,216 @@
+"""``resume`` and ``determinism``: does a restored checkpoint reproduce the next steps exactly?
+
+``resume``: train N steps and checkpoint; continue M steps; restore the checkpoint in a fresh process
+and run the same M steps. Each step is traced (data order, RNG state, lr, loss scale, loss, optimizer
+state, parameters); the losses are shown side by side, with the max parameter difference, and the
+first component that differs is named. On CPU the two must be bitwise equal.
+
+``determinism``: the same config twice from scratch gives identical metrics and parameters.
+
+The fresh process is ``python -m stabletrain.checks.resume --probe ...``; it rebuilds the task from
+the config (a built-in task or ``module:function``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import Config, config_from_dict, config_to_dict
+from . import CheckContext, CheckResult, register
+
+__all__ = ["trace_steps", "first_divergence", "COMPONENTS"]
+
+N_STEPS, M_STEPS = 4, 3
+#: Trace fields in the order the state flows through a step, and the component each one belongs to.
+COMPONENTS = [("indices", "data order"), ("rng", "RNG"), ("lr", "LR scheduler"), ("loss_scale", "grad scaler"),
+              ("loss", "the forward pass (state outside the checkpoint: a model attribute not in its state_dict, "
+                       "or unseeded randomness in the data or model)"),
+              ("optimizer", "optimizer"), ("params", "model parameters")]
+
+
+def _digest(tensors: list[torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _rng_digest() -> str:
+    import random
+
+    import numpy as np
+
+    h = hashlib.sha256(torch.get_rng_state().numpy().tobytes())
+    h.update(repr(random.getstate()).encode())
+    h.update(np.random.get_state()[1].tobytes())
+    if torch.cuda.is_available():
+        for s in torch.cuda.get_rng_state_all():
+            h.update(s.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _hex(x: float) -> str:
+    return struct.pack(">d", x).hex()
+
+
+def trace_steps(trainer: Any, trace: list[dict[str, Any]], from_step: int = 0) -> None:
+    """Wrap ``trainer.train_step`` to append one record per step after ``from_step`` to ``trace`` (syncs)."""
+    original = trainer.train_step
+
+    def traced(window: Any) -> dict[str, Any]:
+        if trainer.step < from_step:
+            return original(window)
+        rec: dict[str, Any] = {"step": trainer.step + 1,
+                               "indices": hashlib.sha256(json.dumps(window.indices).encode()).hexdigest()[:16],
+                               "rng": _rng_digest(), "lr": float(trainer.schedule.lr()),
+                               "loss_scale": float(trainer.precision.loss_scale())}
+        out = original(window)
+        loss = float(out["loss"])
+        opt_tensors = [v for s in trainer.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        rec.update(loss=_hex(loss), loss_value=loss, optimizer=_digest(opt_tensors), params=_digest(trainer.params))
+        trace.append(rec)
+        return out
+
+    trainer.train_step = traced
+
+
+def first_divergence(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> tuple[int, str] | None:
+    """Return (step, component) of the first field that differs between two traces, or None."""
+    for ra, rb in zip(a, b):
+        for key, component in COMPONENTS:
+            if ra.get(key) != rb.get(key):
+                return ra["step"], component
+    if len(a) != len(b):
+        return (min(len(a), len(b)) + 1, "number of steps")
+    return None
+
+
+def _run_cfg(cfg: Config, run_dir: Path, steps: int, ckpt_every: int) -> Config:
+    data = config_to_dict(cfg)
+    data["train"]["max_steps"] = steps
+    data["ckpt"]["every"] = ckpt_every
+    data["log"].update(every=1, progress=False, tensorboard=False)
+    data["eval"]["every"] = 0
+    data["guard"]["diagnose"] = False
+    data["run"].update(dir=str(run_dir), overwrite=True)
+    data["resume"] = None
+    return config_from_dict(data)
+
+
+def _params(trainer: Any) -> list[torch.Tensor]:
+    return [p.detach().cpu().clone() for p in trainer.params]
+
+
+@register("resume", order=70)
+def check_resume(ctx: CheckContext) -> CheckResult:
+    """Checkpoint after N steps, continue M; restore in a fresh process and compare the M steps."""
+    from ..loop import Trainer
+
+    if ctx.task_factory is not None:
+        return CheckResult("resume", False, "the resume check rebuilds the task in a fresh process: name it in the config "
+                           "(a built-in task or module:function) rather than passing a Python factory")
+    with tempfile.TemporaryDirectory(prefix="stabletrain-resume-") as tmp:
+        run_dir = Path(tmp) / "run"
+        cfg = _run_cfg(ctx.cfg, run_dir, N_STEPS + M_STEPS, N_STEPS)
+        trainer = Trainer(cfg, run_dir=run_dir)
+        continuous: list[dict[str, Any]] = []
+        trace_steps(trainer, continuous, from_step=N_STEPS)
+        trainer.fit()
+        final = _params(trainer)
+        out_file = Path(tmp) / "probe.json"
+        state_file = Path(tmp) / "probe_params.pt"
+        proc = subprocess.run([sys.executable, "-m", "stabletrain.checks.resume", "--probe", str(run_dir),
+                               "--from-step", str(N_STEPS), "--out", str(out_file), "--params", str(state_file)],
+                              capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                  [os.getcwd(), os.environ.get("PYTHONPATH", "")])})
+        if proc.returncode != 0:
+            tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+            return CheckResult("resume", False, f"the fresh process could not resume: {tail}")
+        resumed = json.loads(out_file.read_text())
+        restored = torch.load(state_file, weights_only=True)
+    max_diff = max(float((a.double() - b.double()).abs().max()) for a, b in zip(final, restored))
+    divergence = first_divergence(continuous, resumed)
+    passed = divergence is None and max_diff == 0.0
+    details = [f"{'step':>6}  {'continuous loss':>18}  {'resumed loss':>18}  same"]
+    for a, b in zip(continuous, resumed):
+        details.append(f"{a['step']:>6}  {a['loss_value']:>18.10g}  {b['loss_value']:>18.10g}  {'yes' if a['loss'] == b['loss'] else 'NO'}")
+    if divergence:
+        step, component = divergence
+        details.append(f"first divergence at step {step}: {component}")
+        summary = f"resumed run diverges at step {step}: {component} differs; max |param diff| {max_diff:.3g}"
+    else:
+        summary = f"checkpoint at step {N_STEPS}, {M_STEPS} more steps in a fresh process: bitwise equal (max |param diff| {max_diff:g})"
+    return CheckResult("resume", passed, summary,
+                       numbers={"checkpoint_step": N_STEPS, "steps_compared": len(resumed), "max_param_diff": max_diff,
+                                "diverged_component": divergence[1] if divergence else None},
+                       details=details)
+
+
+@register("determinism", order=80)
+def check_determinism(ctx: CheckContext) -> CheckResult:
+    """Train the same config twice from scratch; compare every step and the final parameters bitwise."""
+    from ..loop import Trainer
+
+    traces, finals = [], []
+    for _ in range(2):
+        with tempfile.TemporaryDirectory(prefix="stabletrain-det-") as tmp:
+            cfg = _run_cfg(ctx.cfg, Path(tmp) / "run", N_STEPS + M_STEPS, 0)
+            trainer = Trainer(cfg, task=ctx.make_task() if ctx.task_factory else None)
+            trace: list[dict[str, Any]] = []
+            trace_steps(trainer, trace)
+            trainer.fit()
+            traces.append(trace)
+            finals.append(_params(trainer))
+    max_diff = max(float((a.double() - b.double()).abs().max()) for a, b in zip(*finals))
+    divergence = first_divergence(*traces)
+    passed = divergence is None and max_diff == 0.0
+    summary = (f"two runs of {N_STEPS + M_STEPS} steps from scratch: identical (losses, RNG, data order, parameters)" if passed
+               else f"two runs from scratch differ{f' first at step {divergence[0]} in {divergence[1]}' if divergence else ''}; "
+                    f"max |param diff| {max_diff:.3g}")
+    details = [] if passed else ["nondeterminism: set deterministic=true, check for unseeded RNG (e.g. in the dataset) "
+                                 "or nondeterministic kernels (scatter_add, index_add on CUDA)"]
+    return CheckResult("determinism", passed, summary,
+                       numbers={"steps": N_STEPS + M_STEPS, "max_param_diff": max_diff,
+                                "diverged_component": divergence[1] if divergence else None},
+                       details=details)
+
+
+def _probe(argv: list[str]) -> int:
+    """The fresh process of the resume check: restore step ``--from-step`` and trace the remaining steps."""
+    from ..checkpoint import CheckpointManager
+    from ..loop import Trainer
+
+    ap = argparse.ArgumentParser(prog="python -m stabletrain.checks.resume")
+    ap.add_argument("--probe", required=True, metavar="RUN_DIR")
+    ap.add_argument("--from-step", type=int, required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--params", required=True)
+    args = ap.parse_args(argv)
+    run_dir = Path(args.probe)
+    manager = CheckpointManager(run_dir / "checkpoints")
+    loaded = manager.load(run_dir / "checkpoints" / f"step_{args.from_step:06d}")
+    cfg = config_from_dict(loaded.meta["config"])
+    trainer = Trainer(cfg)  # no run dir: the probe writes nothing there
+    trainer.load_state_dict(loaded.state)
+    trace: list[dict[str, Any]] = []
+    trace_steps(trainer, trace)
+    trainer.fit()
+    Path(args.out).write_text(json.dumps(trace))
+    torch.save(_params(trainer), args.params)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_probe(sys.argv[1:]))
+

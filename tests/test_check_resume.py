@@ -1,0 +1,39 @@
+"""The doctor's resume and determinism checks pass on a sound task and name what breaks on a broken one."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).parent
+
+
+def check(*args):
+    env = {**os.environ, "PYTHONPATH": str(TESTS) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    res = subprocess.run([sys.executable, "-m", "stabletrain", "check", *args, "--json"], capture_output=True, text=True,
+                         env=env, timeout=600)
+    return res.returncode, {r["name"]: r for r in json.loads(res.stdout)}
+
+
+def test_resume_and_determinism_pass_bitwise_on_the_mlp_task_with_dropout():
+    rc, results = check("resume", "determinism", "task=mlp", "task_args.dropout=0.3", "accum.steps=3")
+    assert rc == 0
+    assert results["resume"]["numbers"]["max_param_diff"] == 0.0 and results["resume"]["numbers"]["steps_compared"] == 3
+    assert all(line.endswith("yes") for line in results["resume"]["details"][1:])
+    assert results["determinism"]["passed"]
+
+
+def test_resume_names_state_outside_the_checkpoint():
+    rc, results = check("resume", "task=broken_tasks:hidden_counter_task")
+    assert rc == 1
+    r = results["resume"]
+    assert "state outside the checkpoint" in r["numbers"]["diverged_component"]
+    assert r["numbers"]["max_param_diff"] > 0
+    assert any(line.endswith("NO") for line in r["details"])
+
+
+def test_determinism_catches_unseeded_randomness():
+    rc, results = check("determinism", "task=broken_tasks:unseeded_noise_task")
+    assert rc == 1
+    assert "unseeded randomness" in results["determinism"]["numbers"]["diverged_component"]

@@ -1,0 +1,159 @@
+"""The guard in the loop: planted faults end in the right events, incidents, stops, rollbacks and checkpoints."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import PoisonAt, cfg, nan_sample_task, regression_task
+from stabletrain import Trainer
+from stabletrain.checkpoint import CheckpointManager
+from stabletrain.config import GuardConfig
+from stabletrain.data import EpochOrder
+from stabletrain.guard import Guard
+
+TESTS = Path(__file__).parent
+BAD = 37  # the dataset index holding a NaN in nan_sample_task
+
+
+def _events(run_dir):
+    return [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
+
+
+def _step_of_sample(index, n=64, batch=8, seed=0):
+    batches = EpochOrder(n, batch, seed).micro_batches(0)
+    return next(i + 1 for i, b in enumerate(batches) if index in b)
+
+
+def _trainer(run_dir, *overrides, task=None):
+    torch.manual_seed(0)
+    c = cfg("train.batch_size=8", "train.max_steps=8", "log.every=2", "ckpt.every=2", *overrides)
+    return Trainer(c, task=task or nan_sample_task(BAD), run_dir=run_dir)
+
+
+def test_nan_sample_is_skipped_captured_and_diagnosed_down_to_the_dataset_index(tmp_path):
+    bad_step = _step_of_sample(BAD)
+    trainer = _trainer(tmp_path / "run")
+    trainer.fit()
+    assert trainer.step == 8 and trainer.stop_reason is None
+    events = _events(tmp_path / "run")
+    assert [e["step"] for e in events if e["kind"] == "skip"] == [bad_step]
+    incident = next(e for e in events if e["kind"] == "incident")
+    assert incident["step"] == bad_step
+    d = incident["diagnosis"]
+    assert d["bad_samples"] == [BAD] and d["stage"] == "inputs" and d["reproduces"] is True
+    assert d["module"] == "0" and d["op"] == "aten.addmm.default" and d["direction"] == "forward" and d["origin"] is False
+    bundle_dir = Path(incident["path"])
+    assert (bundle_dir / "bundle.pt").exists() and (bundle_dir / "diagnosis.json").exists()
+    # The same diagnosis from a fresh process, as a user runs it.
+    env = {**os.environ, "PYTHONPATH": str(TESTS) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    (tmp_path / "run" / "config.yaml").write_text((tmp_path / "run" / "config.yaml").read_text().replace(
+        "task: mlp", "task: helpers:nan_sample_task"))
+    bundle = torch.load(bundle_dir / "bundle.pt", weights_only=True)
+    bundle["config"]["task"] = "helpers:nan_sample_task"
+    torch.save(bundle, bundle_dir / "bundle.pt")
+    res = subprocess.run([sys.executable, "-m", "stabletrain", "diagnose", str(bundle_dir), "--json"], capture_output=True,
+                         text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr
+    fresh = json.loads(res.stdout)
+    assert fresh["step"] == bad_step and fresh["bad_samples"] == [BAD] and fresh["rank"] == 0
+    # Every checkpoint is finite; the skipped step left no trace in the parameters.
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_stop_policy_writes_no_checkpoint_after_the_incident_and_resume_continues_from_the_last_good(tmp_path):
+    bad_step = _step_of_sample(BAD)
+    run_dir = tmp_path / "run"
+    trainer = _trainer(run_dir, "guard.on_nonfinite=stop")
+    trainer.fit()
+    assert trainer.stop_reason and f"step {bad_step}" in trainer.stop_reason
+    saved = [e["step"] for e in _events(run_dir) if e["kind"] == "checkpoint"]
+    assert saved and max(saved) < bad_step
+    last_good = CheckpointManager(run_dir / "checkpoints").load().meta["step"]
+    assert last_good == max(saved)
+    resumed = Trainer(trainer.cfg, task=nan_sample_task(BAD), run_dir=run_dir, resume=True)
+    assert resumed.step == last_good
+    resumed.fit()  # the same data reproduces the same incident, and it stops again at the same step
+    assert resumed.stop_reason and f"step {bad_step}" in resumed.stop_reason
+    assert max(e["step"] for e in _events(run_dir) if e["kind"] == "checkpoint") == last_good
+
+
+def test_rollback_restores_last_good_and_skips_the_offending_window(tmp_path):
+    bad_step = _step_of_sample(BAD)
+    run_dir = tmp_path / "run"
+    trainer = _trainer(run_dir, "guard.on_nonfinite=rollback")
+    trainer.fit()
+    assert trainer.step == 8 and trainer.stop_reason is None
+    events = _events(run_dir)
+    rollback = next(e for e in events if e["kind"] == "rollback")
+    assert rollback["to_step"] < bad_step <= rollback["from_step"]
+    assert rollback["skipped_windows"] == [[0, bad_step - 1]]
+    assert (0, bad_step - 1) in trainer.stream.skip
+    # After the rollback, training never saw the NaN sample again and ended finite.
+    assert [e["step"] for e in events if e["kind"] == "skip"] == [bad_step]
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    assert trainer.history[-1]["num_rollbacks"] == 1
+
+
+def test_an_lr_that_breaks_the_parameters_in_the_update_is_caught_after_the_update(tmp_path):
+    run_dir = tmp_path / "run"
+    torch.manual_seed(0)
+    trainer = Trainer(cfg("optim.lr=1e39", "sched.warmup_steps=0", "train.max_steps=6", "log.every=2", "ckpt.every=2",
+                          "train.batch_size=8"), task=regression_task(), run_dir=run_dir)
+    trainer.fit()
+    events = _events(run_dir)
+    nonfinite = next(e for e in events if e["kind"] == "nonfinite")
+    assert nonfinite["step"] == 1 and nonfinite["after_update"] is True
+    assert "a skip cannot undo an applied update" in trainer.stop_reason
+    incident = next(e for e in events if e["kind"] == "incident")
+    assert incident["diagnosis"]["stage"] == "update"
+    # The LR itself is infinite in the optimizer state: not even the step-0 state is checkpointed.
+    assert not [e for e in events if e["kind"] == "checkpoint"]
+    withheld = [e for e in events if e["kind"] == "checkpoint_withheld"]
+    assert withheld and "lr" in withheld[0]["reason"]
+
+
+def test_spike_rule_events_and_on_device_skip(tmp_path):
+    torch.manual_seed(0)
+    task = regression_task(n=512)
+    task.model = PoisonAt(task.model, {30}, 40.0)  # one forward 40x off: a loss spike at step 30
+    run_dir = tmp_path / "run"
+    trainer = Trainer(cfg("train.batch_size=8", "train.max_steps=40", "log.every=10", "guard.on_spike=skip",
+                          "guard.spike_window=20", "optim.lr=0.003"), task=task, run_dir=run_dir)
+    trainer.fit()
+    events = _events(run_dir)
+    assert [e["step"] for e in events if e["kind"] == "spike"] == [30]
+    assert [e["step"] for e in events if e["kind"] == "skip"] == [30]
+    assert "spike" in next(e for e in events if e["kind"] == "skip")["reason"]
+    assert float(trainer.schedule.applied_steps) == 39
+    assert sum(r["num_spikes"] for r in trainer.history) == 1
+
+
+def test_consecutive_skips_stop_the_run_with_a_clear_reason(tmp_path):
+    torch.manual_seed(0)
+    task = regression_task()
+    task.model = PoisonAt(task.model, set(range(3, 100)))  # NaN from step 3 on: the run cannot recover
+    trainer = Trainer(cfg("train.batch_size=8", "train.max_steps=50", "log.every=5", "guard.max_consecutive_skips=6"),
+                      task=task, run_dir=tmp_path / "run")
+    trainer.fit()
+    assert trainer.step == 10 and "6 consecutive skipped steps" in trainer.stop_reason
+    assert next(e for e in _events(tmp_path / "run") if e["kind"] == "stop")["step"] == 10
+
+
+def test_guard_state_roundtrip_and_spike_rule_numbers():
+    g = Guard(GuardConfig(spike_window=8), torch.device("cpu"))
+    flags = [g.observe(torch.tensor(v), torch.tensor(1.0)) for v in [1.0, 1.1, 0.9, 1.0, 1.05, 0.95, 1.0]]
+    assert not any(bool(s) for _, _, s in flags)
+    ok, finite, spike = g.observe(torch.tensor(5.0), torch.tensor(1.0))
+    assert bool(spike) and bool(ok) and bool(finite)  # on_spike=warn: reported, not skipped
+    ok, finite, spike = g.observe(torch.tensor(1.0), torch.tensor(float("nan")))
+    assert not bool(ok) and not bool(finite) and not bool(spike)
+    clone = Guard(GuardConfig(spike_window=8), torch.device("cpu"))
+    clone.load_state_dict(g.state_dict())
+    assert torch.equal(clone.window.nan_to_num(-1), g.window.nan_to_num(-1)) and int(clone.num_seen) == 7
+    with pytest.raises(Exception):
+        Guard(GuardConfig(spike_window=8), torch.device("cpu")).load_state_dict({})
