@@ -176,9 +176,13 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
                 "nonfinite_params_after_update", "bad_samples", "reproduces"):
         if result.get(key) not in (None, [], ""):
             print(f"  {key:<30} {result[key]}")
-    if result.get("anomaly_trace"):
-        print("  stack (replay under detect_anomaly):")
-        print("    " + "\n    ".join(str(result["anomaly_trace"]).splitlines()[-12:]))
+    stack = (result.get("first_op") or {}).get("stack")
+    if stack:
+        print("  where the first non-finite op ran:")
+        print("    " + "\n    ".join(stack.rstrip().splitlines()[-6:]))
+    anomaly = [line for line in str(result.get("anomaly_trace") or "").splitlines() if line.startswith("anomaly mode")]
+    if anomaly:
+        print(f"  replay under detect_anomaly: {anomaly[0].removeprefix('anomaly mode: ')}")
     print(f"  written to {path / 'diagnosis.json'}")
     return 0
 
