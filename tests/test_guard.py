@@ -157,3 +157,25 @@ def test_guard_state_roundtrip_and_spike_rule_numbers():
     assert torch.equal(clone.window.nan_to_num(-1), g.window.nan_to_num(-1)) and int(clone.num_seen) == 7
     with pytest.raises(Exception):
         Guard(GuardConfig(spike_window=8), torch.device("cpu")).load_state_dict({})
+
+
+def test_check_inputs_catches_a_bad_input_the_loss_never_sees(tmp_path):
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    torch.manual_seed(0)
+    task = regression_task(n=64)
+    x, y = task.train_data.tensors
+    x = torch.cat([x, torch.zeros(64, 1)], dim=1)
+    x[BAD, 4] = float("inf")  # an unused feature: the loss stays finite
+    task.train_data = TensorDataset(x, y)
+    inner = task.model
+    task.model = nn.Sequential()
+    task.model.add_module("body", inner)
+    task.model.forward = lambda inp: inner(inp[:, :4])
+    bad_step = _step_of_sample(BAD)
+    for check, expected in (("false", []), ("true", [bad_step])):
+        trainer = Trainer(cfg("train.batch_size=8", "train.max_steps=8", "log.every=4", f"guard.check_inputs={check}",
+                              "guard.diagnose=false"), task=task, run_dir=tmp_path / check)
+        trainer.fit()
+        assert [e["step"] for e in _events(tmp_path / check) if e["kind"] == "skip"] == expected

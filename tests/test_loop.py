@@ -98,3 +98,10 @@ def test_an_init_overwritten_before_the_first_step_is_an_event(tmp_path):
     assert len(overwritten) == 1 and overwritten[0]["step"] == 0
     assert [p["name"] for p in overwritten[0]["params"]] == ["0.weight"]
     assert overwritten[0]["params"][0]["new_std"] == pytest.approx(5.0, rel=0.1)
+
+
+def test_dataloader_workers_are_seeded():
+    a, _ = _metrics("data.workers=2", "train.max_steps=12")
+    b, _ = _metrics("data.workers=2", "train.max_steps=12")
+    c, _ = _metrics("data.workers=0", "train.max_steps=12")
+    assert a == b == c  # the sample order is the host's, whatever the number of workers
