@@ -9,6 +9,10 @@ normalized by the running count: before micro-batch i's backward it rescales the
 so far by ``D_{i-1} / D_i`` and backpropagates ``loss_sum_i / D_i``. On the last micro-batch under
 DDP, ``D`` is the global count divided by the world size, so DDP's averaging lands on the exact
 global mean. All of it stays on the device.
+
+Under DDP the window's one all-reduce also carries the inputs-finite flag when the guard checks
+inputs, so every rank skips a step whose inputs were bad on any rank. A non-finite loss on one rank
+needs nothing extra: the summed loss is then non-finite on every rank.
 """
 
 from __future__ import annotations
@@ -57,25 +61,33 @@ class AccumulationWindow:
         self.count: Tensor | float = 0.0
         self._denominator: Tensor | None = None
         self.num_micro_batches = 0
+        self.inputs_ok: Tensor | None = None
 
     def _world(self) -> int:
         if dist.is_available() and dist.is_initialized():
             return dist.get_world_size(self.process_group)
         return 1
 
-    def normalize(self, loss_sum: Tensor, count: Tensor, last: bool) -> Tensor:
-        """Return the loss to backpropagate for this micro-batch; rescale grads accumulated so far in place."""
+    def normalize(self, loss_sum: Tensor, count: Tensor, last: bool, inputs_ok: Tensor | None = None) -> Tensor:
+        """Return the loss to backpropagate for this micro-batch; rescale grads accumulated so far in place.
+
+        ``inputs_ok`` (on the last micro-batch): whether this rank's inputs of the whole window were
+        finite; afterwards :attr:`inputs_ok` holds it for all ranks (None when not given).
+        """
         self.loss_sum = self.loss_sum + loss_sum.detach()
         self.count = self.count + count
         denominator = self.count
         world = self._world()
         if last and world > 1:
-            stats = torch.stack([self.loss_sum, self.count]).double()
+            parts = [self.loss_sum, self.count] + ([(~inputs_ok).float()] if inputs_ok is not None else [])
+            stats = torch.stack(parts).double()
             dist.all_reduce(stats, group=self.process_group)  # once per window, on the device
             self.global_loss_sum, self.global_count = stats[0].float(), stats[1].float()
+            self.inputs_ok = stats[2] == 0 if inputs_ok is not None else None
             denominator = self.global_count / world
         elif last:
             self.global_loss_sum, self.global_count = self.loss_sum, self.count
+            self.inputs_ok = inputs_ok
         if self._denominator is not None:
             grads = [p.grad for p in self.params if p.grad is not None]
             if grads:

@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
               stabletrain train                                   # the default task (byte-level GPT on stdlib sources)
               stabletrain train --config my.yaml optim.lr=3e-4 accum.steps=4 precision=bf16
               stabletrain train task=mypkg.mymodule:make_task     # your own model and data
+              stabletrain train dist.nproc=2                      # DDP on this machine (launches torchrun)
+              torchrun --nproc_per_node=2 -m stabletrain train    # the same, under your own torchrun
               stabletrain check                                   # the doctor, on the configured task
               stabletrain report runs/gpt-20260101-120000         # an HTML report of a run
             """),
@@ -103,7 +105,8 @@ def _resume_target(args: argparse.Namespace) -> str | None:
 def cmd_train(args: argparse.Namespace) -> int:
     import yaml
 
-    from .loop import Trainer, default_run_dir
+    from . import distributed
+    from .loop import default_run_dir
 
     resume = _resume_target(args)
     if resume:
@@ -116,8 +119,24 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(args.config, args.overrides)
         run_dir = Path(cfg.run.dir) if cfg.run.dir else default_run_dir(cfg)
-    trainer = Trainer(cfg, run_dir=run_dir, resume=bool(resume))
+    if cfg.dist.nproc > 1 and not distributed.under_torchrun():
+        # The ranks must agree on the run directory: name it here, once.
+        argv = list(getattr(args, "argv", None) or sys.argv[1:])
+        if not resume and not cfg.run.dir:
+            argv.append(f"run.dir={run_dir}")
+        return distributed.launch(cfg.dist.nproc, argv)
+    with distributed.process_group(cfg.dist.backend, cfg.dist.timeout_s, cfg.dist.nproc) as ctx:
+        return _train(args, cfg, run_dir, bool(resume), ctx)
+
+
+def _train(args: argparse.Namespace, cfg, run_dir: Path, resume: bool, ctx) -> int:
+    from .loop import Trainer
+
+    trainer = Trainer(cfg, run_dir=run_dir, resume=resume)
+    run_dir = trainer.run.path if trainer.run is not None else run_dir
     record = trainer.fit()
+    if not ctx.is_main:
+        return 1 if trainer.stop_reason is not None and trainer._signal is None else 0
     if trainer.stop_reason is not None and trainer._signal is not None:
         print(f"stabletrain: {trainer.stop_reason}; checkpointed. Resume with: stabletrain train --resume {run_dir}")
         return 0
@@ -205,6 +224,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rank_prefix() -> str:
+    import os
+
+    return f"rank {os.environ['RANK']}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ else ""
+
+
 COMMANDS = {"train": cmd_train, "check": cmd_check, "diagnose": cmd_diagnose, "report": cmd_report, "compare": cmd_compare}
 
 
@@ -221,11 +246,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    args.argv = list(argv) if argv is not None else sys.argv[1:]  # passed on to torchrun by dist.nproc
+    from .distributed import PeerLostError
+
     try:
         return COMMANDS[args.command](args)
+    except PeerLostError as err:  # a rank died or hung: one clear line per surviving rank, exit 1
+        print(f"stabletrain: error: {err}", file=sys.stderr, flush=True)
+        return 1
     except (ConfigError, ValueError, TypeError, FileNotFoundError, FileExistsError, CheckpointError) as err:
         # User errors: one clear line, no traceback.
-        print(f"stabletrain: error: {err}", file=sys.stderr)
+        print(f"stabletrain: error: {_rank_prefix()}{err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("stabletrain: interrupted", file=sys.stderr)

@@ -109,6 +109,13 @@ class GuardConfig:
 
 
 @dataclass
+class DistConfig:
+    nproc: int = _f(1, "processes to start on this machine: > 1 launches torchrun (--standalone) with this many; under torchrun it must be 1 or equal the world size")
+    backend: Literal["auto", "gloo", "nccl"] = _f("auto", "torch.distributed backend: auto = nccl on CUDA, gloo on CPU")
+    timeout_s: float = _f(120.0, "seconds a collective waits for the other ranks before the run fails with a clear message (a dead or hung rank); must exceed rank 0's longest pause alone: a checkpoint write or an incident diagnosis")
+
+
+@dataclass
 class RunConfig:
     dir: str | None = _f(None, "the run directory; default runs/<task>-<timestamp>")
     overwrite: bool = _f(False, "allow writing into a run directory that already holds a run")
@@ -135,6 +142,7 @@ class Config:
     run: RunConfig = _section(RunConfig, "run directory")
     ckpt: CkptConfig = _section(CkptConfig, "checkpoints")
     guard: GuardConfig = _section(GuardConfig, "NaN/Inf sentinel, loss-spike detection and what to do about them")
+    dist: DistConfig = _section(DistConfig, "distributed data parallel (DDP over torch.distributed, launched by torchrun); global batch = train.batch_size x accum.steps x world size")
     resume: str | None = _f(None, "a run directory to continue from its LAST_GOOD checkpoint (same as --resume)")
 
     def validate(self) -> "Config":
@@ -164,6 +172,8 @@ class Config:
             ("guard.spike_zscore", self.guard.spike_zscore, self.guard.spike_zscore > 0, "a number > 0"),
             ("guard.max_consecutive_skips", self.guard.max_consecutive_skips, self.guard.max_consecutive_skips >= 1, "an integer >= 1"),
             ("guard.max_rollbacks", self.guard.max_rollbacks, self.guard.max_rollbacks >= 0, "an integer >= 0"),
+            ("dist.nproc", self.dist.nproc, self.dist.nproc >= 1, "an integer >= 1"),
+            ("dist.timeout_s", self.dist.timeout_s, self.dist.timeout_s > 0, "a number > 0"),
         ]
         for key, value, ok, want in checks:
             if not ok:

@@ -69,6 +69,10 @@ class EpochOrder:
             out.append(chunk[lo:hi].tolist())
         return out
 
+    def global_size(self, b: int) -> int:
+        """Return how many samples global micro-batch ``b`` holds over all ranks (pure arithmetic, no order)."""
+        return min(self.global_batch, self.num_samples - b * self.global_batch)
+
 
 @dataclass
 class Window:
@@ -78,10 +82,15 @@ class Window:
     start: int  # index of the first micro-batch within the epoch
     indices: list[list[int]]
     batches: list[Any]
+    global_num_samples: int = -1  # samples of the window over all ranks (-1: this process's, world of one)
 
     @property
     def num_samples(self) -> int:
         return sum(len(i) for i in self.indices)
+
+    def __post_init__(self) -> None:
+        if self.global_num_samples < 0:
+            self.global_num_samples = self.num_samples
 
 
 class WindowStream:
@@ -104,7 +113,8 @@ class WindowStream:
     def _open(self) -> None:
         self._batches = self.order.micro_batches(self.epoch)
         remaining = self._batches[self.pos:]
-        g = torch.Generator().manual_seed(self.order.seed * 7919 + self.epoch)
+        # Each rank's workers draw their own streams (rank 0's are those of a single process).
+        g = torch.Generator().manual_seed(self.order.seed * 7919 + self.epoch + self.order.rank * 1_000_003)
         loader = DataLoader(self.dataset, batch_sampler=remaining, collate_fn=self.collate,
                             num_workers=self.workers, worker_init_fn=seed_worker if self.workers else None,
                             generator=g, persistent_workers=False, pin_memory=self.pin_memory)
@@ -125,7 +135,9 @@ class WindowStream:
             indices = self._batches[self.pos:self.pos + take]
             assert self._iter is not None
             batches = [next(self._iter) for _ in range(take)]
-            window = Window(self.epoch, self.pos, indices, batches)
+            total = (sum(self.order.global_size(self.pos + i) for i in range(take)) if self.order.world_size > 1
+                     else sum(len(i) for i in indices))
+            window = Window(self.epoch, self.pos, indices, batches, total)
             self.pos += take
             if (window.epoch, window.start) not in self.skip:
                 return window

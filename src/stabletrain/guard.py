@@ -10,6 +10,11 @@ After the update, :meth:`Guard.params_finite` checks the parameters in one fused
 what happened once per log interval (the rows of :class:`~stabletrain.metrics.StepMetrics`) and then
 acts: events, incident capture, stop or rollback (:meth:`Guard.decide`).
 
+Under DDP every input to these decisions is the same on every rank (the window's all-reduced loss,
+the norm of the all-reduced gradients, parameters kept in lockstep), so every rank skips, stops and
+rolls back together without a collective of its own; :mod:`stabletrain.distributed` says why a
+non-finite gradient on one rank is non-finite on all.
+
 Spike rule, stated: a step's loss is a spike when it exceeds ``spike_ratio`` times the median of the
 last ``spike_window`` finite non-spike losses AND its z-score against their mean and standard
 deviation exceeds ``spike_zscore``; the rule is armed once half the window is filled. Spikes are not

@@ -17,6 +17,11 @@ One optimizer step (DESIGN.md, "the data's path")::
 At a log boundary the interval's rows come to the host once; the guard decides (continue, stop,
 rollback), the first bad step is captured into ``incidents/step_N`` and diagnosed, and at checkpoint
 boundaries a healthy state is checkpointed atomically.
+
+Under DDP (``torchrun``; see :mod:`stabletrain.distributed`) the same loop runs on every rank: the
+model is wrapped in ``DistributedDataParallel``, each rank reads its shard of the data order, and
+every decision (skip, log, stop, rollback, checkpoint) is made from values that are the same on every
+rank. Only rank 0 writes the run directory; checkpoints hold every rank's RNG state and data position.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -38,6 +44,7 @@ from .checkpoint import HARMLESS_KEYS, CheckpointManager, diff_configs
 from .clipping import GradClipper, grad_norms
 from .config import Config, config_hash, config_to_dict
 from .data import EpochOrder, Window, WindowStream, move_to
+from .distributed import DistContext, PeerLostError, is_peer_failure, register_grad_flag
 from .guard import Guard, GuardDecision, inputs_finite
 from .incidents import diagnose_incident, write_bundle
 from .initialization import InitFingerprint
@@ -50,8 +57,9 @@ from .tasks import Task, resolve_task
 
 __all__ = ["Trainer", "build_optimizer", "unique_params", "default_run_dir", "RESUME_HARMLESS_KEYS"]
 
-#: Config keys that may differ when resuming a run (they change neither the math nor the data).
-RESUME_HARMLESS_KEYS = HARMLESS_KEYS + ("resume", "data.workers", "guard.capture", "guard.diagnose")
+#: Config keys that may differ when resuming a run (they change neither the math nor the data). The
+#: world size is checked on its own: a checkpoint resumes only under the world size that wrote it.
+RESUME_HARMLESS_KEYS = HARMLESS_KEYS + ("resume", "data.workers", "guard.capture", "guard.diagnose", "dist.*")
 
 
 def clone_state(obj: Any) -> Any:
@@ -100,7 +108,12 @@ class Trainer:
 
     ``run_dir=None`` trains without writing anything (checks and tests). ``resume=True`` continues the
     run in ``run_dir`` from its LAST_GOOD checkpoint, refusing a config that differs in anything but
-    :data:`RESUME_HARMLESS_KEYS`.
+    :data:`RESUME_HARMLESS_KEYS`, or another world size.
+
+    When the default process group is initialized with more than one rank (torchrun; see
+    :func:`stabletrain.distributed.process_group`) the model is trained with DDP: ``self.model`` is
+    the ``DistributedDataParallel`` wrapper and ``self.module`` the model itself (the two are the same
+    object on one process). Every rank must construct the Trainer and call :meth:`fit`.
     """
 
     def __init__(self, cfg: Config, task: Task | None = None, run_dir: str | Path | None = None, *,
@@ -112,23 +125,36 @@ class Trainer:
         # Taken right after the user's init; compared before the first step (a reset_parameters(),
         # meta-device materialization or wrapper that silently re-initializes is reported by name).
         self.init_fingerprint = InitFingerprint.take(self.task.model) if not resume else None
+        self.dist = DistContext.current()
         self.device = resolve_device(cfg.device)
+        if self.dist.enabled and self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())  # cuda:LOCAL_RANK (process_group set it)
         self.precision = PrecisionPolicy(cfg.precision, self.device)
-        self.model = self.task.model.to(self.device)
-        self.named_params = unique_params(self.model)
+        self.module = self.task.model.to(self.device)
+        self.model: nn.Module = self.module
+        self.named_params = unique_params(self.module)
         if not self.named_params:
             raise ValueError(f"task {cfg.task!r}: the model has no trainable parameters")
         self.params = [p for _, p in self.named_params]
+        self._grad_flag = None
+        if self.dist.enabled:
+            # DDP broadcasts rank 0's parameters and buffers; then each rank draws its own random stream
+            # (dropout), so the ranks' noise is not the same noise W times.
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.model = torch.nn.parallel.DistributedDataParallel(self.module, device_ids=ids)
+            self._grad_flag = register_grad_flag(self.model, self.device)
+            seed_everything(int(np.random.SeedSequence([cfg.seed, self.dist.rank]).generate_state(1)[0]))
         self.optimizer = build_optimizer(self.named_params, cfg, self.device)
         self.schedule = LRSchedule(self.optimizer, cfg.sched.warmup_steps, cfg.train.max_steps, cfg.sched.decay,
                                    cfg.sched.min_lr_ratio)
         self.clipper = GradClipper(cfg.clip.max_norm)
         self.window = AccumulationWindow(self.params)
         self.guard = Guard(cfg.guard, self.device)
-        order = EpochOrder(len(self.task.train_data), cfg.train.batch_size, cfg.seed, cfg.data.shuffle)
+        order = EpochOrder(len(self.task.train_data), cfg.train.batch_size, cfg.seed, cfg.data.shuffle,
+                           rank=self.dist.rank, world_size=self.dist.world)
         self.stream = WindowStream(self.task.train_data, order, cfg.accum.steps, collate=self.task.collate,
                                    workers=cfg.data.workers, pin_memory=self.device.type == "cuda")
-        self.metrics = StepMetrics(cfg.log.every, len(self.params), self.device)
+        self.metrics = StepMetrics(cfg.log.every, len(self.params), self.device, self.dist)
         self.step = 0  # optimizer steps taken (skipped ones included)
         self.samples_seen = 0
         self.tokens_seen = 0.0
@@ -143,36 +169,61 @@ class Trainer:
         self._pending_eval: dict[str, float] = {}
         self._positions: dict[int, tuple[int, int]] = {}  # step -> (epoch, start) of its window, this interval
         self._snapshot: dict[str, Any] | None = None  # state at the start of the interval (incident replay)
-        self._signal: int | None = None
+        self._signal: int | None = None  # set by the SIGTERM/SIGINT handler (this process)
+        self._agreed_signal: int | None = None  # DDP: the largest signal any rank had at the last log boundary
+        self._seen_on: dict[int, list[int]] = {}  # step -> ranks whose own values were non-finite (DDP), last interval
+        self._where = "setup"  # what the loop is doing, for a clear message when a peer is lost
         if run_dir is not None:
-            run_dir = Path(run_dir)
+            run_dir = Path(self.dist.on_main(lambda: str(run_dir)))  # every rank uses rank 0's directory
             self.ckpt = CheckpointManager(run_dir / "checkpoints", keep=cfg.ckpt.keep)
-            if resume:
-                problems = self._resume_from(run_dir)
-            self.run = RunDir(run_dir, resume=resume, overwrite=cfg.run.overwrite)
-            self.run.write_config(cfg)
-            if resume:
-                for problem in problems:
-                    self.run.event(self.step, "checkpoint_skipped", problem)
-                self.run.event(self.step, "resume", f"resumed from {self._resumed_from} at step {self.step}",
-                               path=str(self._resumed_from))
-            else:
-                self.run.write_snapshot(build_snapshot(cfg, self.device, self.precision.mode, self.task.data_fingerprint,
-                                                       {"task_info": self.task.info}))
+            problems = self._resume_from(run_dir) if resume else []
+            self.dist.on_main(lambda: self._open_run(run_dir, resume, problems))
         elif resume:
             raise ValueError("resume needs a run directory (--resume RUN_DIR)")
+
+    def _open_run(self, run_dir: Path, resume: bool, problems: list[str]) -> None:
+        """Create the run directory and write config, snapshot and resume events (rank 0 only)."""
+        cfg = self.cfg
+        self.run = RunDir(run_dir, resume=resume, overwrite=cfg.run.overwrite)
+        self.run.write_config(cfg)
+        if resume:
+            for problem in problems:
+                self.run.event(self.step, "checkpoint_skipped", problem)
+            self.run.event(self.step, "resume", f"resumed from {self._resumed_from} at step {self.step}",
+                           path=str(self._resumed_from))
+        else:
+            extra: dict[str, Any] = {"task_info": self.task.info}
+            if self.dist.enabled:
+                extra["world_size"] = self.dist.world
+            self.run.write_snapshot(build_snapshot(cfg, self.device, self.precision.mode, self.task.data_fingerprint, extra))
 
     def _resume_from(self, run_dir: Path) -> list[str]:
         problems: list[str] = []
         if not (run_dir / "checkpoints").is_dir():
             raise FileNotFoundError(f"resume {str(run_dir)!r}: no checkpoints/ there; is it a stabletrain run directory?")
         assert self.ckpt is not None
-        loaded = self.ckpt.load(on_problem=problems.append)
+        ckpt = self.ckpt
+
+        chosen = []
+
+        def choose() -> str:  # rank 0 picks the checkpoint (LAST_GOOD, or the newest that verifies)
+            chosen.append(ckpt.load(on_problem=problems.append))
+            return str(chosen[0].path)
+
+        path = self.dist.on_main(choose)
+        loaded = chosen[0] if chosen else ckpt.load(path)
         diffs = diff_configs(loaded.meta.get("config", {}), config_to_dict(self.cfg), harmless=RESUME_HARMLESS_KEYS)
         if diffs:
             listed = "; ".join(f"{d.key}: checkpoint {d.saved!r}, now {d.current!r}" for d in diffs)
             raise ValueError(f"resume {str(run_dir)!r}: {len(diffs)} config key(s) differ from the checkpoint's ({listed}); "
                              f"only {', '.join(RESUME_HARMLESS_KEYS)} may change")
+        saved_world = int(loaded.meta.get("world_size", 1))
+        if saved_world != self.dist.world:
+            raise ValueError(f"resume {str(run_dir)!r}: {loaded.path.name} was written by {saved_world} process(es) and this "
+                             f"run has {self.dist.world}; a checkpoint resumes only under the world size that wrote it (each "
+                             f"rank's RNG stream and data shard, and the global batch train.batch_size x accum.steps x "
+                             f"world size, depend on it): resume with dist.nproc={saved_world} "
+                             f"(or torchrun --nproc_per_node={saved_world})")
         self.load_state_dict(loaded.state)
         self._resumed_from = loaded.path
         return problems
@@ -185,6 +236,8 @@ class Trainer:
         model.train()
         optimizer.zero_grad(set_to_none=True)
         self.window.begin()
+        if self._grad_flag is not None:
+            self._grad_flag.reset()
         inputs_ok = None
         for i, (indices, batch) in enumerate(zip(window.indices, window.batches)):
             last = i == len(window.indices) - 1
@@ -194,18 +247,23 @@ class Trainer:
                 inputs_ok = flag if inputs_ok is None or flag is None else inputs_ok & flag
             with self._sync_context(last), self.precision.autocast():
                 loss_sum, count = as_sum_count(self.task.loss(model, batch), len(indices))
-            self.precision.backward(self.window.normalize(loss_sum, count, last))
+            self.precision.backward(self.window.normalize(loss_sum, count, last, inputs_ok if last else None))
         self.precision.unscale_(optimizer)
-        norm, per_param = grad_norms(self.params)
-        loss = self.window.mean_loss
-        ok, finite, spike = self.guard.observe(loss, norm, inputs_ok)  # the sentinel: no extra pass over grads
+        norm, per_param = grad_norms(self.params)  # DDP: of the all-reduced grads, the same on every rank
+        loss = self.window.mean_loss  # DDP: the global mean, so spike detection sees the global loss
+        # The sentinel: no extra pass over grads. DDP: the inputs flag is all ranks' (the window's all-reduce).
+        ok, finite, spike = self.guard.observe(loss, norm, self.window.inputs_ok)
         clipped = self.clipper.clip_(self.params, norm, ok)
         applied = self.precision.step(optimizer, ok)
         params_finite = self.guard.params_finite(self.params) if self.cfg.guard.check_params else True
         self.schedule.step(applied)
-        return {"loss": loss, "grad_norm": norm, "post_clip_norm": self.clipper.post_clip_norm(norm), "clipped": clipped,
-                "applied": applied, "finite": finite, "spike": spike, "params_finite": params_finite,
-                "count": self.window.global_count, "per_param_norms": per_param}
+        out = {"loss": loss, "grad_norm": norm, "post_clip_norm": self.clipper.post_clip_norm(norm), "clipped": clipped,
+               "applied": applied, "finite": finite, "spike": spike, "params_finite": params_finite,
+               "count": self.window.global_count, "per_param_norms": per_param}
+        if self._grad_flag is not None:  # DDP: did THIS rank see it (its own loss, inputs or pre-all-reduce grads)?
+            local = ~torch.isfinite(self.window.loss_sum) | self._grad_flag.bad
+            out["local_nonfinite"] = local if inputs_ok is None else local | ~inputs_ok
+        return out
 
     def _sync_context(self, last: bool) -> contextlib.AbstractContextManager:
         """DDP's no_sync on all but the last micro-batch of a window; nothing on one process."""
@@ -215,34 +273,57 @@ class Trainer:
     # -- the fit loop ---------------------------------------------------------------------------
 
     def fit(self) -> dict[str, Any]:
-        """Train until ``train.max_steps`` (or a stop); return the last metrics record."""
+        """Train until ``train.max_steps`` (or a stop); return the last metrics record.
+
+        Under DDP a SIGTERM/SIGINT is acted on at the next log boundary, where the ranks agree on it
+        (one rank may have seen it a step before another); a lost peer raises :class:`PeerLostError`.
+        """
+        try:
+            return self._fit()
+        except Exception as err:
+            if not (self.dist.enabled and is_peer_failure(err)):
+                raise
+            good = self.ckpt.latest_good() if self.ckpt is not None else None
+            run_dir = str(self.ckpt.root.parent) if self.ckpt is not None else None
+            raise PeerLostError(self.dist.rank, self._where, self.step, good.name if good else None,
+                                str(err) or type(err).__name__, run_dir) from err
+
+    def _fit(self) -> dict[str, Any]:
         cfg = self.cfg
         self._open_sinks()
         self._interval_start = time.perf_counter()
         self._eval_seconds = 0.0
         last_record: dict[str, Any] = {}
         restore = self._install_signal_handlers()
+        ckpt = self.ckpt
         try:
             self._check_init()
-            if self.ckpt is not None and self.ckpt.latest_good() is None:
+            self._where = "the step-0 checkpoint"
+            if ckpt is not None and self.dist.on_main(lambda: ckpt.latest_good() is None):
                 self._checkpoint(healthy=True)  # step 0: rollback and resume always have a state to return to
             self._snapshot = self._capture_point()
             while self.step < cfg.train.max_steps:
                 window = self.stream.next_window()
                 self._positions[self.step + 1] = (window.epoch, window.start)
+                self._where = "a training step (window or gradient all-reduce)"
                 out = self.train_step(window)
                 self.step += 1
-                self.samples_seen += window.num_samples
-                self.metrics.update(self.step, per_param_norms=out.pop("per_param_norms"), num_samples=window.num_samples,
-                                    lr=self.schedule.lr(), loss_scale=self.precision.loss_scale(), **out)
+                self.samples_seen += window.global_num_samples
+                self.metrics.update(self.step, per_param_norms=out.pop("per_param_norms"),
+                                    num_samples=window.global_num_samples, lr=self.schedule.lr(),
+                                    loss_scale=self.precision.loss_scale(), **out)
                 if self._bar is not None:
                     self._bar.update(1)
                 done = self.step >= cfg.train.max_steps
                 if done or (cfg.eval.every and self.step % cfg.eval.every == 0):
+                    self._where = "the validation reduce"
                     self._pending_eval = self.evaluate()
                 ckpt_due = bool(cfg.ckpt.every) and self.step % cfg.ckpt.every == 0
-                if not (done or ckpt_due or self._signal or self.step % cfg.log.every == 0):
+                # Under DDP a signal waits for the next log boundary, where every rank learns of it.
+                signalled = self._signal is not None and not self.dist.enabled
+                if not (done or ckpt_due or signalled or self.step % cfg.log.every == 0):
                     continue
+                self._where = "the log-interval reduce (or an incident replay or rollback)"
                 last_record, decision = self._log()
                 healthy = self._act(decision)
                 if self.stop_reason is not None:
@@ -250,10 +331,15 @@ class Trainer:
                 if decision.action == "rollback":  # back at LAST_GOOD: nothing new to checkpoint
                     self._snapshot = self._capture_point()
                     continue
-                if done or ckpt_due or self._signal:
+                # Under DDP only the signal the ranks agreed on in _log counts: a signal arriving since
+                # reached this rank alone, and acting on it here would leave the others waiting.
+                stop_signal = self._agreed_signal if self.dist.enabled else self._signal
+                if done or ckpt_due or stop_signal:
+                    self._where = "the checkpoint gather"
                     self._checkpoint(healthy)
-                if self._signal:
-                    self.stop_reason = f"stopped by {signal.Signals(self._signal).name} at step {self.step}"
+                if stop_signal:
+                    self._signal = stop_signal
+                    self.stop_reason = f"stopped by {signal.Signals(stop_signal).name} at step {self.step}"
                     break
                 self._snapshot = self._capture_point()
         finally:
@@ -272,20 +358,22 @@ class Trainer:
         batches = order.micro_batches(0)
         if self.cfg.eval.batches:
             batches = batches[: self.cfg.eval.batches]
+        batches = batches[self.dist.rank::self.dist.world]  # DDP: each rank its share of the same batches
         collate = self.task.collate or torch.utils.data.default_collate
         total = torch.zeros(2, device=self.device)
         for indices in batches:
             batch = move_to(collate([self.task.val_data[i] for i in indices]), self.device)
-            with self.precision.autocast():
-                loss_sum, count = as_sum_count(self.task.loss(self.model, batch), len(indices))
+            with self.precision.autocast():  # the model itself: a forward through DDP could broadcast buffers
+                loss_sum, count = as_sum_count(self.task.loss(self.module, batch), len(indices))
             total += torch.stack([loss_sum.detach(), count])
-        loss_sum, count = total.tolist()  # the eval pass's one sync
+        loss_sum, count = self.dist.all_reduce_(total).tolist()  # the eval pass's one sync (and one all-reduce)
         self.model.train()
         self._eval_seconds += time.perf_counter() - t0
         return {"val_loss": loss_sum / max(count, 1.0)}
 
     def _log(self) -> tuple[dict[str, Any], GuardDecision]:
-        summary, rows, param_sq = self.metrics.reduce()  # the interval's one sync
+        summary, rows, param_sq = self.metrics.reduce(self._signal or 0)  # the interval's one sync (DDP: one all-gather)
+        self._agreed_signal = summary["interval_signal"] or None  # DDP: every rank stops here if any was signalled
         now = time.perf_counter()
         elapsed = max(now - self._interval_start - self._eval_seconds, 1e-9)
         self._interval_start, self._eval_seconds = now, 0.0
@@ -307,9 +395,12 @@ class Trainer:
             "top_grad_layers": [{"name": self.named_params[i][0], "share": param_sq[i] / total_sq} for i in top],
             **self._pending_eval,
         }
+        if self.dist.enabled:
+            record["world_size"] = self.dist.world
         self._pending_eval = {}
         for row in rows:
-            self._row_events(row.step, row.values)
+            self._row_events(row.step, row.values, row.ranks)
+        self._seen_on = {row.step: row.ranks for row in rows}
         self.history.append(record)
         if self.run is not None:
             self.run.metrics.write(record)
@@ -323,13 +414,18 @@ class Trainer:
             self._bar.set_postfix(shown, refresh=True)
         return record, decision
 
-    def _row_events(self, step: int, values: dict[str, float]) -> None:
+    def _row_events(self, step: int, values: dict[str, float], ranks: list[int] | None = None) -> None:
         if self.run is None:
             return
         if values["finite"] < 0.5:
             what = "loss" if not math.isfinite(values["loss"]) else "grad norm (or inputs)"
-            self.run.event(step, "nonfinite", f"non-finite {what}: loss={values['loss']}, grad_norm={values['grad_norm']}",
-                           loss=values["loss"], grad_norm=values["grad_norm"])
+            where: dict[str, Any] = {}
+            seen = ""
+            if self.dist.enabled:
+                where["ranks"] = list(ranks or [])
+                seen = f" (seen on rank(s) {where['ranks']})" if ranks else " (on no rank's own values: after the all-reduce)"
+            self.run.event(step, "nonfinite", f"non-finite {what}{seen}: loss={values['loss']}, grad_norm={values['grad_norm']}",
+                           loss=values["loss"], grad_norm=values["grad_norm"], **where)
         elif values["params_finite"] < 0.5:
             self.run.event(step, "nonfinite", "parameters became non-finite in the update (loss and grad norm were finite)",
                            loss=values["loss"], grad_norm=values["grad_norm"], after_update=True)
@@ -351,7 +447,8 @@ class Trainer:
     def _act(self, decision: GuardDecision) -> bool:
         """Capture and diagnose the first incident, then stop or roll back as decided; return healthy."""
         if decision.first_incident is not None and self.cfg.guard.capture and self._snapshot is not None:
-            self._capture_incident(decision.first_incident, decision.after_update)
+            self._capture_incident(decision.first_incident, decision.after_update,
+                                   self._seen_on.get(decision.first_incident, []))
         if decision.action == "stop":
             self.stop_reason = decision.reason
             if self.run is not None:
@@ -366,7 +463,7 @@ class Trainer:
         """Report every parameter whose init changed between the task factory and the first step."""
         if self.init_fingerprint is None or self.step > 0:
             return
-        changes = self.init_fingerprint.compare(self.model)
+        changes = self.init_fingerprint.compare(self.module)
         self.init_fingerprint = None
         if changes and self.run is not None:
             self.run.event(self.step, "init_overwritten", InitFingerprint.describe(changes),
@@ -376,8 +473,15 @@ class Trainer:
         """The state at the start of an interval, kept in memory so an incident step can be replayed."""
         return clone_state(self.state_dict()) if self.cfg.guard.capture else None
 
-    def _capture_incident(self, step: int, after_update: bool) -> None:
-        """Replay from the interval's start to just before ``step`` and write its incident bundle."""
+    def _capture_incident(self, step: int, after_update: bool, ranks: list[int] | None = None) -> None:
+        """Replay from the interval's start to just before ``step`` and write its incident bundle.
+
+        Under DDP every rank replays (the replay's collectives need them all); the bundle holds the
+        window and RNG state of the rank that saw the bad value (``ranks``; rank 0 when none did, e.g.
+        a bad update), so its diagnosis replays on that rank's batch. Rank 0 writes it (the model and
+        optimizer state are the same on every rank): ``incidents/step_N`` for the first such rank,
+        ``incidents/step_N/rank_R`` for any other.
+        """
         assert self._snapshot is not None
         current = clone_state(self.state_dict())
         self.load_state_dict(self._snapshot)
@@ -386,36 +490,57 @@ class Trainer:
             self.step += 1
         rng = rng_state()
         window = self.stream.next_window()
-        row_loss = next((r for r in self.history[-1:]), {})
-        bundle = {
-            "step": step, "rank": 0, "config": config_to_dict(self.cfg),
-            "window": {"epoch": window.epoch, "start": window.start, "indices": window.indices},
-            "rng": rng, "model": clone_state(self.model.state_dict()), "optimizer": clone_state(self.optimizer.state_dict()),
-            "schedule": self.schedule.state_dict(), "precision": self.precision.state_dict(),
-            "observed": {"after_update": after_update, "interval_loss": row_loss.get("loss")},
-        }
+        mine = {"rank": self.dist.rank, "rng": rng, "window": {"epoch": window.epoch, "start": window.start,
+                                                               "indices": window.indices}}
+        per_rank = self.dist.gather_objects(mine)
+        model_state = clone_state(self.module.state_dict()) if self.run is not None else None
+        optimizer_state = clone_state(self.optimizer.state_dict()) if self.run is not None else None
+        schedule_state, precision_state = self.schedule.state_dict(), self.precision.state_dict()
         self.load_state_dict(current)
         if self.run is None:
             return
-        directory = self.run.path / "incidents" / f"step_{step:06d}"
-        write_bundle(directory, bundle)
-        fields: dict[str, Any] = {"path": str(directory), "after_update": after_update}
-        if self.cfg.guard.diagnose:
+        row_loss = next((r for r in self.history[-1:]), {})
+        seen = sorted(ranks or []) or [0]
+        incident_dir = self.run.path / "incidents" / f"step_{step:06d}"
+        fields: dict[str, Any] = {"path": str(incident_dir), "after_update": after_update}
+        if self.dist.enabled:
+            fields["ranks"] = sorted(ranks or [])
+        for n, r in enumerate(seen):
+            directory = incident_dir if n == 0 else incident_dir / f"rank_{r}"
+            write_bundle(directory, {
+                "step": step, "rank": r, "world_size": self.dist.world, "config": config_to_dict(self.cfg),
+                "window": per_rank[r]["window"], "rng": per_rank[r]["rng"], "model": model_state,
+                "optimizer": optimizer_state, "schedule": schedule_state, "precision": precision_state,
+                "observed": {"after_update": after_update, "interval_loss": row_loss.get("loss"), "ranks": sorted(ranks or [])},
+            })
+        if self.cfg.guard.diagnose:  # on the first rank that saw it, on that rank's batch
             try:
-                diagnosis = diagnose_incident(directory, self.task, device=str(self.device))
+                diagnosis = diagnose_incident(incident_dir, self.task, device=str(self.device))
                 fields["diagnosis"] = {k: diagnosis.get(k) for k in ("summary", "stage", "op", "direction", "module",
                                                                      "origin", "first_nonfinite_param", "bad_samples",
-                                                                     "reproduces")}
-                print(f"stabletrain: incident at step {step}: {diagnosis.get('summary')}", flush=True)
+                                                                     "reproduces", "rank")}
+                on_rank = f" (rank {seen[0]})" if self.dist.enabled else ""
+                print(f"stabletrain: incident at step {step}{on_rank}: {diagnosis.get('summary')}", flush=True)
             except Exception as err:  # a diagnosis that fails must not take the run down with it
                 fields["diagnosis_error"] = f"{type(err).__name__}: {err}"
-        self.run.event(step, "incident", f"captured step {step} into {directory}", **fields)
+        seen_note = f" (seen on rank(s) {sorted(ranks)})" if self.dist.enabled and ranks else ""
+        self.run.event(step, "incident", f"captured step {step}{seen_note} into {incident_dir}", **fields)
 
     def _rollback(self, decision: GuardDecision) -> None:
         """Restore LAST_GOOD and never train on the windows of the offending steps again."""
         bad = sorted(set(decision.bad_steps) | set(decision.spike_steps if self.cfg.guard.on_spike == "rollback" else []))
         windows = {self._positions[s] for s in bad if s in self._positions}
-        if self.ckpt is None or self.ckpt.latest_good() is None:
+        ckpt = self.ckpt
+        chosen: list[Any] = []
+
+        def choose() -> str | None:  # rank 0 picks the checkpoint; every rank loads that one
+            if ckpt is None or ckpt.latest_good() is None:
+                return None
+            chosen.append(ckpt.load())
+            return str(chosen[0].path)
+
+        good = self.dist.on_main(choose)
+        if ckpt is None or good is None:
             self.stop_reason = f"{decision.reason}; no checkpoint to roll back to"
             if self.run is not None:
                 self.run.event(self.step, "stop", f"stopping: {self.stop_reason}")
@@ -423,7 +548,7 @@ class Trainer:
         from_step = self.step
         counters = (self.guard.num_rollbacks, self.guard.num_incidents, self.guard.num_spikes)
         skip = self.stream.skip | windows
-        loaded = self.ckpt.load()
+        loaded = chosen[0] if chosen else ckpt.load(good)
         self.load_state_dict(loaded.state)
         self.guard.num_rollbacks, self.guard.num_incidents, self.guard.num_spikes = counters
         self.stream.skip = skip
@@ -436,17 +561,29 @@ class Trainer:
             self._bar.refresh()
 
     def _checkpoint(self, healthy: bool) -> None:
-        """Write a checkpoint from a healthy state (never from inside an incident); record the event."""
-        if self.ckpt is None or self.run is None:
+        """Write a checkpoint from a healthy state (never from inside an incident); record the event.
+
+        Under DDP every rank sends rank 0 its RNG state and data position (one all_gather_object);
+        rank 0 writes them all, with the world size, and only rank 0 writes.
+        """
+        if self.ckpt is None:
             return
         if not healthy:
-            good = self.ckpt.latest_good()
-            self.run.event(self.step, "checkpoint_withheld", f"checkpoint at step {self.step} withheld: inside an incident; "
-                           f"LAST_GOOD stays at {good.name if good else 'none'}")
+            if self.run is not None:
+                good = self.ckpt.latest_good()
+                self.run.event(self.step, "checkpoint_withheld", f"checkpoint at step {self.step} withheld: inside an "
+                               f"incident; LAST_GOOD stays at {good.name if good else 'none'}")
             return
+        state = self.state_dict()
         meta = {"config": config_to_dict(self.cfg), "config_hash": config_hash(self.cfg)}
+        if self.dist.enabled:
+            per_rank = self.dist.gather_objects({"rng": state["rng"], "stream": state["stream"]})
+            state["ranks"] = per_rank
+            state["world_size"] = meta["world_size"] = self.dist.world
+        if self.run is None:
+            return
         try:
-            result = self.ckpt.save(self.state_dict(), self.step, meta)
+            result = self.ckpt.save(state, self.step, meta)
         except Exception as err:  # the previous checkpoint is intact; say so and keep training
             self.run.event(self.step, "checkpoint_failed", f"checkpoint at step {self.step} failed: {err}")
             return
@@ -475,7 +612,7 @@ class Trainer:
     def _open_sinks(self) -> None:
         if self.run is not None and self.cfg.log.tensorboard and self._tb is None:
             self._tb = TensorBoardSink(self.run.path / "tb")
-        if self.cfg.log.progress and self._bar is None:
+        if self.cfg.log.progress and self._bar is None and self.dist.is_main:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=self.cfg.train.max_steps, initial=self.step, desc=self.task.name, unit="step",
@@ -494,9 +631,12 @@ class Trainer:
     # -- state ----------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything the next step depends on (model, optimizer, policies, data position, RNG, counters)."""
+        """Everything the next step depends on (model, optimizer, policies, data position, RNG, counters).
+
+        This rank's: under DDP a checkpoint adds every rank's RNG state and data position (``ranks``).
+        """
         return {
-            "model": self.model.state_dict(),
+            "model": self.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "schedule": self.schedule.state_dict(),
             "precision": self.precision.state_dict(),
@@ -509,7 +649,14 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
+        """Restore :meth:`state_dict` (or a checkpoint: this rank's RNG and data position from ``ranks``)."""
+        if "ranks" in state:
+            if len(state["ranks"]) != self.dist.world:
+                raise ValueError(f"the state holds {len(state['ranks'])} ranks' RNG states and this run has "
+                                 f"{self.dist.world} processes; resume under the world size that wrote it")
+            mine = state["ranks"][self.dist.rank]
+            state = {**state, "rng": mine["rng"], "stream": mine["stream"]}
+        self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])  # after the optimizer: rewrites its lr tensors
         self.precision.load_state_dict(state["precision"])

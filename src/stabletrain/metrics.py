@@ -28,14 +28,21 @@ peak_memory_mib        CUDA max allocated, or the process's peak RSS on CPU
 epoch, samples_seen,   data progress at the end of the interval
 tokens_seen
 top_grad_layers        the parameters with the largest share of the squared grad norm
+world_size             processes training together (DDP runs only); every figure above is global
 =====================  ==========================================================================
+
+Under DDP every column is already global when it is recorded (the window's loss and count are
+all-reduced once per step, the grad norm is that of the all-reduced gradients, the sample count comes
+from the global data order), so the interval needs one collective only: an all-gather of each
+rank's per-step "this rank saw a non-finite value" flag (and its pending signal), folded into the
+interval's one sync. Rows then carry ``ranks``: who saw it.
 """
 
 from __future__ import annotations
 
 import resource
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -60,23 +67,32 @@ def peak_memory_mib(device: torch.device) -> float:
 class _Row:
     step: int
     values: dict[str, float]
+    ranks: list[int] = field(default_factory=list)  # DDP: the ranks whose own values were non-finite
 
 
 class StepMetrics:
-    """Device-side accumulators for one log interval of at most ``capacity`` steps."""
+    """Device-side accumulators for one log interval of at most ``capacity`` steps.
 
-    def __init__(self, capacity: int, num_params: int, device: torch.device) -> None:
+    ``dist``: a :class:`~stabletrain.distributed.DistContext`; with more than one rank each rank also
+    records its local non-finite flag per step, gathered by :meth:`reduce`.
+    """
+
+    def __init__(self, capacity: int, num_params: int, device: torch.device, dist: Any = None) -> None:
         self.capacity, self.device = capacity, device
         self.buf = torch.zeros(capacity, len(COLUMNS), dtype=torch.float32, device=device)
         self.param_sq = torch.zeros(num_params, dtype=torch.float32, device=device)
         self.steps: list[int] = []
         self.samples = 0
+        self.dist = dist if dist is not None and dist.world > 1 else None
+        self.local_flags = torch.zeros(capacity + 1, device=device) if self.dist is not None else None
 
-    def update(self, step: int, *, per_param_norms: Tensor, num_samples: int, **values: Tensor | float) -> None:
+    def update(self, step: int, *, per_param_norms: Tensor, num_samples: int, local_nonfinite: Tensor | None = None,
+               **values: Tensor | float) -> None:
         """Record one step into the device buffers (no sync).
 
         ``values`` holds one 0-dim tensor (or number) per name in :data:`COLUMNS`; ``spike`` and
-        ``params_finite`` default to 0 and 1.
+        ``params_finite`` default to 0 and 1. ``num_samples``: the step's samples over all ranks.
+        ``local_nonfinite`` (DDP): whether this rank's own loss, inputs or gradients were non-finite.
         """
         i = len(self.steps)
         assert i < self.capacity, "StepMetrics.reduce() must be called every `capacity` steps"
@@ -87,6 +103,8 @@ class StepMetrics:
         row = torch.stack([self._on_device(values[c]) for c in COLUMNS])
         self.buf[i].copy_(row)
         self.param_sq += torch.where(row[COLUMNS.index("finite")] > 0.5, per_param_norms.float() ** 2, 0.0)
+        if self.local_flags is not None and local_nonfinite is not None:
+            self.local_flags[i] = local_nonfinite
         self.steps.append(step)
         self.samples += num_samples
 
@@ -98,15 +116,32 @@ class StepMetrics:
     def __len__(self) -> int:
         return len(self.steps)
 
-    def reduce(self) -> tuple[dict[str, Any], list[_Row], list[float]]:
-        """Return (summary, per-step rows, per-parameter squared-norm sums) and reset. ONE host sync."""
+    def reduce(self, signal: int = 0) -> tuple[dict[str, Any], list[_Row], list[float]]:
+        """Return (summary, per-step rows, per-parameter squared-norm sums) and reset. ONE host sync.
+
+        Under DDP also one all-gather (every rank must call this at the same step): each row's
+        ``ranks`` and the summary's ``interval_signal`` (the largest ``signal`` any rank passed) come from it.
+        """
         n = len(self.steps)
         if n == 0:
             return {}, [], []
-        host = torch.cat([self.buf[:n].flatten(), self.param_sq]).tolist()  # the interval's one sync
+        parts = [self.buf[:n].flatten(), self.param_sq]
+        if self.local_flags is not None:
+            self.local_flags[self.capacity] = float(signal)
+            parts.append(self.dist.all_gather(self.local_flags).flatten())
+        host = torch.cat(parts).tolist()  # the interval's one sync
         table = [host[r * len(COLUMNS):(r + 1) * len(COLUMNS)] for r in range(n)]
-        param_sq = host[n * len(COLUMNS):]
+        param_sq = host[n * len(COLUMNS):n * len(COLUMNS) + len(self.param_sq)]
         rows = [_Row(step, dict(zip(COLUMNS, vals))) for step, vals in zip(self.steps, table)]
+        interval_signal = signal
+        if self.local_flags is not None:
+            flags = host[n * len(COLUMNS) + len(self.param_sq):]
+            width = self.capacity + 1
+            per_rank = [flags[r * width:(r + 1) * width] for r in range(self.dist.world)]
+            for i, row in enumerate(rows):
+                row.ranks = [r for r in range(self.dist.world) if per_rank[r][i] > 0.5]
+            interval_signal = int(max(f[self.capacity] for f in per_rank))
+            self.local_flags.zero_()
         finite_rows = [r.values for r in rows if r.values["finite"] > 0.5]
         losses = [r.values["loss"] for r in rows]
         summary: dict[str, Any] = {
@@ -126,6 +161,7 @@ class StepMetrics:
             "interval_tokens": sum(r.values["count"] for r in rows),
             "interval_samples": self.samples,
             "interval_steps": n,
+            "interval_signal": interval_signal,
         }
         self.buf.zero_()
         self.param_sq.zero_()

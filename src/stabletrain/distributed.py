@@ -1,0 +1,265 @@
+"""Distributed data parallel: the process group, the torchrun launcher, and the few collectives the loop needs.
+
+The same loop runs on one process or on N under ``torchrun`` (DDP; gloo on CPU, NCCL on CUDA)::
+
+    torchrun --nproc_per_node=2 -m stabletrain train ...     # any torchrun setup, one or many machines
+    stabletrain train dist.nproc=2 ...                        # the same on this machine: launches torchrun
+
+Global batch = ``train.batch_size`` x ``accum.steps`` x world size. Where the ranks talk, and why:
+
+==========================  ======================================================================
+every optimizer step        the window's (loss sum, count[, inputs flag]) all-reduce (accumulation.py)
+                            and DDP's gradient all-reduce on the last micro-batch (no_sync before it)
+every log interval          one all-gather of each rank's per-step "saw a non-finite value" flags
+                            and pending signal (metrics.py); everything else is already global
+validation                  one all-reduce of the (loss sum, count) of each rank's share of batches
+checkpoint / incident       all_gather_object of each rank's RNG state and data position / window
+start, resume, rollback     rank 0 decides (run dir, checkpoint to load) and broadcasts the decision
+==========================  ======================================================================
+
+Every decision is the same on every rank because it is made from values that are identical on every
+rank: the all-reduced window loss, the grad norm of the all-reduced gradients, the parameters DDP
+keeps in lockstep. A non-finite gradient on one rank is non-finite on all after the all-reduce (a sum
+with NaN is NaN, Inf + finite is Inf), so every rank skips the step together.
+
+Only rank 0 writes the run directory. A collective that fails because a peer exited or hangs past
+``dist.timeout_s`` raises :class:`PeerLostError` with one clear line; checkpoints are atomic, so the
+last one written stays loadable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = [
+    "DistContext",
+    "LocalGradFlag",
+    "PeerLostError",
+    "is_peer_failure",
+    "launch",
+    "process_group",
+    "register_grad_flag",
+    "under_torchrun",
+]
+
+T = TypeVar("T")
+
+
+class PeerLostError(RuntimeError):
+    """A collective failed: another rank exited, crashed or did not answer within ``dist.timeout_s``."""
+
+    def __init__(self, rank: int, where: str, step: int, last_good: str | None, cause: str,
+                 run_dir: str | None = None) -> None:
+        self.rank, self.where, self.step, self.last_good, self.cause = rank, where, step, last_good, cause
+        saved = (f"no checkpoint was written after {last_good} (LAST_GOOD)" if last_good else "no checkpoint was written")
+        hint = f"; resume with: stabletrain train --resume {run_dir}" if run_dir and last_good else ""
+        super().__init__(f"rank {rank}: another rank exited or became unreachable during {where} after step {step}; "
+                         f"{saved}{hint} ({short_cause(cause)})")
+
+
+def short_cause(message: str) -> str:
+    """Return the gist of a gloo/NCCL error: its first line without source paths and boilerplate."""
+    import re
+
+    line = message.strip().splitlines()[0] if message.strip() else "no message"
+    line = re.sub(r"\[[^\]]*\.(cpp|cc|h|hpp):\d+\]\s*", "", line)
+    line = line.split(". This is typically caused by")[0]
+    line = re.sub(r"^Got the following error when running the callback:\s*", "", line)
+    return line[:200]
+
+
+_PEER_SIGNS = ("gloo", "nccl", "connection reset", "connection closed", "connection refused", "broken pipe",
+               "timed out", "by peer")
+
+
+def is_peer_failure(err: BaseException) -> bool:
+    """Return whether ``err`` is a collective failing for want of a peer (gloo/NCCL errors, timeouts)."""
+    if isinstance(err, dist.DistError):
+        return True
+    return isinstance(err, RuntimeError) and any(s in str(err).lower() for s in _PEER_SIGNS)
+
+
+def under_torchrun() -> bool:
+    """Return whether this process was started by torchrun (or another env:// launcher) with > 1 process."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+
+
+@dataclass
+class DistContext:
+    """This process's place in the run: rank, world size, and the few collectives the loop uses.
+
+    With ``world == 1`` every method is a plain local call (no collective, no overhead).
+    """
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    group: Any = None
+
+    @classmethod
+    def current(cls) -> DistContext:
+        """Return the context of the initialized default process group, or a world of one."""
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return cls(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+        return cls()
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def on_main(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on rank 0 only and return its result on every rank (an exception is raised on all).
+
+        One broadcast of a pickled object: for one-time decisions (run dir, checkpoint to load), never per step.
+        """
+        if self.world == 1:
+            return fn()
+        payload: list[Any] = [None]
+        error: BaseException | None = None
+        if self.rank == 0:
+            try:
+                payload = [("ok", fn())]
+            except Exception as err:  # every rank raises it, so none waits on a collective that never comes
+                error = err
+                payload = [("error", type(err), str(err))]
+        dist.broadcast_object_list(payload, src=0, group=self.group)
+        if payload[0][0] == "error":
+            if error is not None:
+                raise error
+            _, kind, message = payload[0]
+            try:
+                raise kind(message)
+            except TypeError:  # an exception type that needs more arguments than a message
+                raise RuntimeError(message) from None
+        return payload[0][1]
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Return every rank's ``obj`` (pickled), in rank order, on every rank. Syncs; not for the step path."""
+        if self.world == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def all_reduce_(self, tensor: Tensor) -> Tensor:
+        """Sum ``tensor`` over the ranks in place (on its device, no host sync of its own); return it."""
+        if self.world > 1:
+            dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def all_gather(self, tensor: Tensor) -> Tensor:
+        """Return the ranks' ``tensor``s stacked along a new first dimension (``[world, ...]``)."""
+        if self.world == 1:
+            return tensor.unsqueeze(0)
+        parts = [torch.empty_like(tensor) for _ in range(self.world)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.group)
+        return torch.stack(parts)
+
+
+def _backend(choice: str) -> str:
+    if choice != "auto":
+        if choice == "nccl" and not torch.cuda.is_available():
+            raise ValueError("config key 'dist.backend': nccl asked for, but CUDA is not available; use gloo or auto")
+        return choice
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+@contextlib.contextmanager
+def process_group(backend: str = "auto", timeout_s: float = 120.0, nproc: int = 1) -> Iterator[DistContext]:
+    """Initialize the default process group from torchrun's environment; destroy it on the way out.
+
+    Outside torchrun (no ``WORLD_SIZE`` > 1 in the environment) this yields a world of one and does
+    nothing. On CUDA each process uses ``cuda:LOCAL_RANK``. ``timeout_s`` bounds how long a collective
+    waits for a peer (a dead or hung rank then raises instead of hanging). ``nproc`` (``dist.nproc``)
+    must be 1 or the world size torchrun started.
+    """
+    if not under_torchrun() or (dist.is_initialized() and dist.get_world_size() > 1):
+        yield DistContext.current()
+        return
+    world = int(os.environ["WORLD_SIZE"])
+    if nproc not in (1, world):
+        raise ValueError(f"config key 'dist.nproc': {nproc}, but torchrun started {world} processes; "
+                         f"drop dist.nproc under torchrun or make them agree")
+    chosen = _backend(backend)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if chosen == "nccl":
+        torch.cuda.set_device(local_rank)
+        # A failed NCCL collective aborts the communicator (the watchdog then raises) instead of hanging.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    kwargs: dict[str, Any] = {"device_id": torch.device("cuda", local_rank)} if chosen == "nccl" else {}
+    dist.init_process_group(chosen, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    try:
+        yield DistContext.current()
+    finally:
+        with contextlib.suppress(Exception):  # a dead peer must not turn a clear error into a second one
+            dist.destroy_process_group()
+
+
+def launch(nproc: int, argv: list[str]) -> int:
+    """Run ``python -m torch.distributed.run --standalone --nproc_per_node NPROC -m stabletrain ARGV``; return its exit code.
+
+    SIGTERM and SIGINT are passed on to torchrun, which passes them to every rank (each checkpoints at
+    its next log boundary and exits).
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "stabletrain", *argv]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    proc = subprocess.Popen(cmd, env=env)
+
+    def forward(signum: int, frame: Any) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signum)
+
+    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return proc.wait()
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+class LocalGradFlag:
+    """Whether this rank's own gradients were non-finite before DDP's all-reduce mixed them (a device bool).
+
+    Set by the comm hook that :func:`register_grad_flag` installs; :meth:`reset` before each step.
+    Costs one ``isfinite().all()`` pass per gradient bucket on the device, no sync.
+    """
+
+    def __init__(self, device: torch.device, group: Any = None) -> None:
+        self.device, self.group = device, group
+        self.bad = torch.zeros((), dtype=torch.bool, device=device)
+
+    def reset(self) -> None:
+        self.bad = torch.zeros((), dtype=torch.bool, device=self.device)
+
+
+def _flag_then_allreduce(state, bucket):  # no annotations: DDP checks them, and they are strings here
+    """DDP comm hook: note whether this rank's bucket is finite, then DDP's default mean all-reduce."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    state.bad = state.bad | ~torch.isfinite(bucket.buffer()).all()
+    return allreduce_hook(state.group, bucket)
+
+
+def register_grad_flag(ddp_model: torch.nn.parallel.DistributedDataParallel, device: torch.device) -> LocalGradFlag:
+    """Install DDP's default all-reduce behind a hook that first records whether this rank's grads are finite."""
+    flag = LocalGradFlag(device)
+    ddp_model.register_comm_hook(flag, _flag_then_allreduce)
+    return flag

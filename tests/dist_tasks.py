@@ -1,0 +1,64 @@
+"""A torchrun worker for the distributed tests: train, then leave each rank's view of the run on disk.
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist_tasks.py OUT_DIR [--count-syncs] key=value ...
+
+Each rank writes ``OUT_DIR/rank_R.pt``: its final parameters, its metrics history and, with
+``--count-syncs``, every Tensor->host conversion it made (step, function, the calling frames).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from stabletrain import Trainer, load_config
+from stabletrain.distributed import process_group
+
+SYNCS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__,
+         torch.Tensor.__index__, torch.Tensor.numpy}
+
+
+class CountSyncs(TorchFunctionMode):
+    """Record (trainer step, function, calling frames) for each Tensor -> Python conversion (as test_syncs does)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        super().__init__()
+        self.trainer, self.calls = trainer, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in SYNCS:
+            stack = [f.name for f in traceback.extract_stack()[:-1]]
+            files = [f.filename for f in traceback.extract_stack()[-8:]]
+            if not any("torch/utils/data" in f for f in files):  # DataLoader's host-side base seed
+                self.calls.append((self.trainer.step, func.__name__, stack[-40:]))
+        return func(*args, **(kwargs or {}))
+
+
+def main(argv: list[str]) -> None:
+    out = Path(argv[0])
+    count = "--count-syncs" in argv
+    overrides = [a for a in argv[1:] if a != "--count-syncs"]
+    cfg = load_config(None, overrides)
+    with process_group(cfg.dist.backend, cfg.dist.timeout_s) as ctx:
+        trainer = Trainer(cfg, run_dir=cfg.run.dir)
+        counter = CountSyncs(trainer) if count else None
+        if counter is not None:
+            with counter:
+                trainer.fit()
+        else:
+            trainer.fit()
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save({"params": {k: v.detach().clone() for k, v in trainer.module.state_dict().items()},
+                    "history": trainer.history, "syncs": counter.calls if counter else None, "world": ctx.world,
+                    "step": trainer.step}, out / f"rank_{ctx.rank}.pt")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

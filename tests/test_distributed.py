@@ -1,0 +1,297 @@
+"""DDP on CPU (gloo, 2 processes under torchrun): exact equivalence, consistent skips, exact resume, clean failure.
+
+Every test starts real processes: ``stabletrain train dist.nproc=2`` (the launcher), ``torchrun -m
+stabletrain train``, or torchrun on the worker in ``dist_tasks.py`` (which leaves each rank's final
+parameters, history and host syncs on disk).
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import cfg
+
+from stabletrain import Trainer
+from stabletrain.checkpoint import CheckpointManager
+from stabletrain.data import EpochOrder
+from stabletrain.incidents import load_bundle
+
+TESTS = Path(__file__).parent
+FAST = ["log.progress=false", "log.tensorboard=false"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+
+
+def _env():
+    return {**os.environ, "PYTHONPATH": str(TESTS) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+
+
+def _run(cmd, timeout=240):
+    res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, f"{' '.join(map(str, cmd))}\nstdout:\n{res.stdout[-3000:]}\nstderr:\n{res.stderr[-3000:]}"
+    return res
+
+
+def _stabletrain(*args):
+    return [sys.executable, "-m", "stabletrain", "train", *FAST, *args]
+
+
+def _events(run_dir):
+    return [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
+
+
+def _steps_logged(run_dir):
+    path = run_dir / "metrics.jsonl"
+    lines = [x for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    try:
+        return json.loads(lines[-1])["step"] if lines else 0
+    except json.JSONDecodeError:
+        return 0
+
+
+def _wait_for_step(proc, run_dir, step, timeout=120):
+    t0 = time.time()
+    while _steps_logged(run_dir) < step:
+        assert proc.poll() is None, f"the run ended before step {step}: {proc.communicate()}"
+        assert time.time() - t0 < timeout, f"the run never reached step {step}"
+        time.sleep(0.01)
+
+
+def _children(pid):
+    """Return the pids of ``pid``'s descendants (from /proc: torchrun starts each rank in its own session)."""
+    parents = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parents.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
+def _rank_pids(pid):
+    """Return {rank: pid} of the workers below ``pid`` (read from each one's environment)."""
+    ranks = {}
+    for child in _children(pid):
+        try:
+            env = dict(kv.split("=", 1) for kv in (Path("/proc") / str(child) / "environ").read_text().split("\0") if "=" in kv)
+        except OSError:
+            continue
+        if "RANK" in env and "LOCAL_RANK" in env:
+            ranks[int(env["RANK"])] = child
+    return ranks
+
+
+def _alive(pid):
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+# -- equivalence -------------------------------------------------------------------------------
+
+# 2 ranks x 4 samples x accum 3 against 1 process x 8 samples x accum 3: the same 24 samples per step.
+# regression: 60 samples = 7 global micro-batches of 8 and a tail of 4 (2 per rank); windows 3, 3, 2.
+EQUIV = {"regression": ["task=helpers:regression_task", "task_args.n=60"], "varlen": ["task=helpers:varlen_task"]}
+COMMON = ["accum.steps=3", "train.max_steps=7", "log.every=1", "ckpt.every=0", "eval.every=0", "optim.lr=0.01",
+          "sched.warmup_steps=0", "clip.max_norm=0.5"]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ddp")
+    for name, task in EQUIV.items():
+        _run(_stabletrain(*task, *COMMON, "train.batch_size=4", "dist.nproc=2", f"run.dir={root / name}"))
+    return root
+
+
+@pytest.mark.parametrize("name", list(EQUIV))
+def test_ddp_with_accumulation_equals_one_process_on_the_same_samples(two_rank_runs, tmp_path, name):
+    single = Trainer(cfg(*EQUIV[name], *COMMON, "train.batch_size=8", task=EQUIV[name][0].split("=", 1)[1]),
+                     run_dir=tmp_path / "single")
+    single.fit()
+    run_dir = two_rank_runs / name
+    ddp = CheckpointManager(run_dir / "checkpoints").load()
+    assert ddp.meta["step"] == 7 and ddp.meta["world_size"] == 2
+    for key, value in single.module.state_dict().items():
+        assert torch.allclose(ddp.state["model"][key], value, rtol=0, atol=1e-6), (key, (ddp.state["model"][key] - value).abs().max())
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in single.history], rel=1e-5)
+    assert [r["samples_seen"] for r in records] == [r["samples_seen"] for r in single.history]  # global counts
+    assert [r["tokens_seen"] for r in records] == [r["tokens_seen"] for r in single.history]
+    assert all(r["world_size"] == 2 for r in records)
+
+
+def test_resuming_under_another_world_size_is_refused_naming_both(two_rank_runs):
+    run_dir = two_rank_runs / "regression"
+    res = subprocess.run([sys.executable, "-m", "stabletrain", "train", "--resume", str(run_dir), "dist.nproc=1",
+                          "train.max_steps=9"], env=_env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert "written by 2 process(es) and this run has 1" in res.stderr and "dist.nproc=2" in res.stderr
+
+
+# -- a NaN that only rank 1 sees -----------------------------------------------------------------
+
+
+def test_a_nan_only_rank_1_sees_skips_the_step_on_both_ranks_and_the_diagnosis_names_rank_1_and_the_sample(tmp_path):
+    # Step 3 (batch 4 per rank, accum 1) reads global micro-batch 2; rank 1 takes its second half.
+    bad = EpochOrder(64, 4, seed=0, shuffle=True, rank=1, world_size=2).micro_batches(0)[2][1]
+    assert bad not in EpochOrder(64, 4, seed=0, shuffle=True, rank=0, world_size=2).micro_batches(0)[2]
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    _run([*TORCHRUN, str(TESTS / "dist_tasks.py"), str(out), "task=helpers:nan_sample_task", f"task_args.bad_index={bad}",
+          "train.batch_size=4", "train.max_steps=6", "log.every=3", "ckpt.every=0", "eval.every=0", f"run.dir={run_dir}",
+          *FAST])
+    ranks = [torch.load(out / f"rank_{r}.pt", weights_only=False) for r in (0, 1)]
+    for key, value in ranks[0]["params"].items():  # both skipped the same step: still in lockstep
+        assert torch.equal(value, ranks[1]["params"][key]), key
+        assert torch.isfinite(value).all(), key
+    for r in ranks:
+        assert [h["num_skipped"] for h in r["history"]] == [1, 0]
+    events = _events(run_dir)
+    assert [e["step"] for e in events if e["kind"] == "skip"] == [3]
+    nonfinite = [e for e in events if e["kind"] == "nonfinite"]
+    assert len(nonfinite) == 1 and nonfinite[0]["step"] == 3 and nonfinite[0]["ranks"] == [1]
+    assert "seen on rank(s) [1]" in nonfinite[0]["reason"]
+    incident = [e for e in events if e["kind"] == "incident"][0]
+    assert incident["step"] == 3 and incident["ranks"] == [1]
+    assert incident["diagnosis"]["rank"] == 1
+    assert incident["diagnosis"]["bad_samples"] == [bad], incident["diagnosis"]
+    bundle = load_bundle(run_dir / "incidents" / "step_000003")
+    assert bundle["rank"] == 1 and bad in bundle["window"]["indices"][0]
+
+
+def test_a_rollback_happens_on_both_ranks_together_and_skips_the_window_everywhere(tmp_path):
+    bad = EpochOrder(64, 4, seed=0, shuffle=True, rank=1, world_size=2).micro_batches(0)[2][1]
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    _run([*TORCHRUN, str(TESTS / "dist_tasks.py"), str(out), "task=helpers:nan_sample_task", f"task_args.bad_index={bad}",
+          "train.batch_size=4", "train.max_steps=6", "log.every=3", "ckpt.every=2", "eval.every=0", "guard.on_nonfinite=rollback",
+          "guard.diagnose=false", f"run.dir={run_dir}", *FAST])
+    ranks = [torch.load(out / f"rank_{r}.pt", weights_only=False) for r in (0, 1)]
+    for key, value in ranks[0]["params"].items():
+        assert torch.equal(value, ranks[1]["params"][key]) and torch.isfinite(value).all(), key
+    assert [r["history"][-1]["num_rollbacks"] for r in ranks] == [1, 1]
+    rollback = [e for e in _events(run_dir) if e["kind"] == "rollback"]
+    assert len(rollback) == 1 and rollback[0]["to_step"] == 2 and rollback[0]["skipped_windows"] == [[0, 2]]
+
+
+# -- exact resume after SIGKILL ------------------------------------------------------------------
+
+# 192 samples, 8 per rank -> 12 global micro-batches per epoch; accum 5 -> windows 5, 5, 2: 15 steps
+# cross four epoch tails. Dropout makes each rank's RNG state matter.
+RESUME = ["task=helpers:slow_mlp_task", "task_args.num_samples=192", "task_args.dropout=0.2", "task_args.sleep=0.01",
+          "train.batch_size=8", "accum.steps=5", "train.max_steps=15", "log.every=1", "ckpt.every=2", "eval.every=5",
+          "dist.nproc=2"]
+
+
+def _final(run_dir):
+    loaded = CheckpointManager(run_dir / "checkpoints").load()
+    assert loaded.meta["step"] == 15, loaded.path
+    return loaded.state
+
+
+def test_a_2_rank_run_killed_with_sigkill_and_resumed_is_bitwise_equal(tmp_path):
+    reference = tmp_path / "reference"
+    _run(_stabletrain(*RESUME, f"run.dir={reference}"))
+    expected = _final(reference)
+
+    run_dir = tmp_path / "killed"
+    kill_at = random.Random("ddp-kill").randrange(3, 13)
+    proc = subprocess.Popen(_stabletrain(*RESUME, f"run.dir={run_dir}"), env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    _wait_for_step(proc, run_dir, kill_at)
+    for pid in [*_children(proc.pid), proc.pid]:  # the launcher, torchrun and both ranks, at once
+        os.kill(pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert CheckpointManager(run_dir / "checkpoints").load().meta["step"] < 15
+    _run([sys.executable, "-m", "stabletrain", "train", "--resume", str(run_dir)])  # dist.nproc=2 from config.yaml
+    got = _final(run_dir)
+    for name, value in expected["model"].items():
+        assert torch.equal(got["model"][name], value), name
+    for pid, state in expected["optimizer"]["state"].items():
+        for k, v in state.items():
+            assert torch.equal(got["optimizer"]["state"][pid][k], v), (pid, k)
+    assert got["stream"] == expected["stream"] and got["counters"] == expected["counters"]
+    assert got["world_size"] == 2 and len(got["ranks"]) == 2
+    for mine, theirs in zip(got["ranks"], expected["ranks"]):
+        assert torch.equal(mine["rng"]["torch"], theirs["rng"]["torch"]) and mine["rng"]["python"] == theirs["rng"]["python"]
+        assert mine["stream"] == theirs["stream"]
+    assert not torch.equal(got["ranks"][0]["rng"]["torch"], got["ranks"][1]["rng"]["torch"])  # each rank its own stream
+    assert sum(e["kind"] == "resume" for e in _events(run_dir)) == 1
+
+
+# -- failure is clean ----------------------------------------------------------------------------
+
+SLOW = ["task=helpers:slow_mlp_task", "task_args.num_samples=256", "task_args.sleep=0.05", "train.batch_size=8",
+        "train.max_steps=500", "log.every=1", "ckpt.every=2", "eval.every=0"]
+
+
+@pytest.mark.parametrize("how", ["sigkill", "hang"])
+def test_when_rank_1_dies_or_hangs_rank_0_exits_with_a_clear_line_in_bounded_time(tmp_path, how):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([*TORCHRUN, "-m", "stabletrain", "train", *FAST, *SLOW, "dist.timeout_s=5",
+                             f"run.dir={run_dir}"], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_step(proc, run_dir, 4)
+        pids = _rank_pids(proc.pid)
+        assert set(pids) == {0, 1}, pids
+        t0 = time.time()
+        os.kill(pids[1], signal.SIGKILL if how == "sigkill" else signal.SIGSTOP)
+        while _alive(pids[0]) and time.time() - t0 < 60:
+            time.sleep(0.05)
+        took = time.time() - t0
+        assert not _alive(pids[0]), "rank 0 still running 60 s after rank 1 went away"
+        assert took < (10 if how == "sigkill" else 5 + 15), took  # hang: dist.timeout_s=5 and a margin
+    finally:
+        for pid in _children(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert "stabletrain: error: rank 0: another rank exited or became unreachable" in err, (out, err[-3000:])
+    loaded = CheckpointManager(run_dir / "checkpoints").load()  # the last checkpoint is whole
+    assert loaded.meta["step"] >= 2 and not loaded.problems
+
+
+def test_sigterm_to_the_launcher_checkpoints_every_rank_at_the_same_log_boundary(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(_stabletrain(*SLOW, "log.every=3", "ckpt.every=0", "dist.nproc=2", f"run.dir={run_dir}"),
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_step(proc, run_dir, 3)
+    proc.send_signal(signal.SIGTERM)  # passed on to torchrun, which passes it to both ranks
+    out, err = proc.communicate(timeout=120)
+    assert "stabletrain: stopped by SIGTERM at step" in out, (out, err[-2000:])
+    loaded = CheckpointManager(run_dir / "checkpoints").load()
+    assert loaded.meta["step"] % 3 == 0 and loaded.meta["step"] == _steps_logged(run_dir) and len(loaded.state["ranks"]) == 2
+
+
+# -- the sync count per interval -----------------------------------------------------------------
+
+
+def test_each_rank_syncs_only_at_log_eval_and_checkpoint_boundaries(tmp_path):
+    out = tmp_path / "out"
+    _run([*TORCHRUN, str(TESTS / "dist_tasks.py"), str(out), "--count-syncs", "task=mlp", "task_args.num_samples=512",
+          "train.batch_size=8", "accum.steps=2", "train.max_steps=25", "log.every=5", "eval.every=10", "ckpt.every=0",
+          "clip.max_norm=0.5", f"run.dir={tmp_path / 'run'}", *FAST])
+    boundary = ("_log", "evaluate", "_checkpoint", "_check_init")
+    for rank in (0, 1):
+        calls = torch.load(out / f"rank_{rank}.pt", weights_only=False)["syncs"]
+        stray = [(s, f, w[-6:]) for s, f, w in calls if not any(b in w for b in boundary)
+                 and not (s == 0 and "on_main" in w)]  # step 0: rank 0 says whether to write the step-0 checkpoint
+        assert not stray, f"rank {rank}: syncs outside log/eval/checkpoint boundaries: {stray[:3]}"
+        logged = [s for s, _, w in calls if "_log" in w]
+        assert {s: logged.count(s) for s in set(logged)} == {5: 1, 10: 1, 15: 1, 20: 1, 25: 1}  # one per interval
+        evals = [s for s, _, w in calls if "evaluate" in w]
+        assert {s: evals.count(s) for s in set(evals)} == {10: 1, 20: 1, 25: 1}
