@@ -40,7 +40,7 @@ from .nonfinite import (
     anomaly_trace,
     bisect_samples,
 )
-from .numerics import first_nonfinite_grad
+from .numerics import first_nonfinite_grad, unique_params
 from .precision import PrecisionPolicy
 from .seeding import rng_state, set_rng_state
 
@@ -54,16 +54,6 @@ class _LocalWindow(AccumulationWindow):
 
     def _world(self) -> int:
         return 1
-
-
-def _named_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    seen: set[int] = set()
-    out = []
-    for name, p in model.named_parameters():
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            out.append((name, p))
-    return out
 
 
 def _json_float(x: float) -> float | str:
@@ -129,7 +119,7 @@ class _Replayer:
     def __init__(self, model: nn.Module, loss_fn: Callable[[nn.Module, Any], Any], precision: PrecisionPolicy,
                  device: torch.device) -> None:
         self.model, self.loss_fn, self.precision, self.device = model, loss_fn, precision, device
-        self.named_params = _named_params(model)
+        self.named_params = unique_params(model)
         self.params = [p for _, p in self.named_params]
         self.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         self.rng = rng_state()

@@ -70,7 +70,8 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
     task is rebuilt from the bundle's config, as ``stabletrain diagnose`` does in a fresh process.
     """
     from .diagnosis import diagnose_step
-    from .loop import build_optimizer, unique_params
+    from .loop import build_optimizer
+    from .numerics import unique_params
     from .schedule import LRSchedule
     from .seeding import set_rng_state
 

@@ -49,13 +49,14 @@ from .guard import Guard, GuardDecision, inputs_finite
 from .incidents import diagnose_incident, write_bundle
 from .initialization import InitFingerprint
 from .metrics import StepMetrics, peak_memory_mib
+from .numerics import unique_params
 from .precision import PrecisionPolicy, resolve_device
 from .records import RunDir, TensorBoardSink, build_snapshot
 from .schedule import LRSchedule
 from .seeding import rng_state, seed_everything, set_deterministic, set_rng_state
 from .tasks import Task, resolve_task
 
-__all__ = ["Trainer", "build_optimizer", "unique_params", "default_run_dir", "RESUME_HARMLESS_KEYS"]
+__all__ = ["Trainer", "build_optimizer", "default_run_dir", "RESUME_HARMLESS_KEYS"]
 
 #: Config keys that may differ when resuming a run (they change neither the math nor the data). The
 #: world size is checked on its own: a checkpoint resumes only under the world size that wrote it.
@@ -71,17 +72,6 @@ def clone_state(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(clone_state(v) for v in obj)
     return copy.copy(obj)
-
-
-def unique_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """Return the trainable (name, parameter) pairs, each parameter once (tied weights appear once)."""
-    seen: set[int] = set()
-    out = []
-    for name, p in model.named_parameters():
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            out.append((name, p))
-    return out
 
 
 def build_optimizer(named_params: list[tuple[str, nn.Parameter]], cfg: Config, device: torch.device) -> torch.optim.Optimizer:

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 __all__ = [
+    "unique_params",
     "grads_of",
     "grad_total_norm",
     "per_param_grad_norms",
@@ -20,6 +21,17 @@ __all__ = [
     "first_nonfinite_grad",
     "tensor_stats",
 ]
+
+
+def unique_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Return the trainable (name, parameter) pairs, each parameter once (tied weights appear once)."""
+    seen: set[int] = set()
+    out = []
+    for name, p in model.named_parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append((name, p))
+    return out
 
 
 def grads_of(params: Iterable[Tensor]) -> list[Tensor]:

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from .accumulation import as_sum_count
+from .numerics import unique_params
 from .initialization import activation_name, is_norm, recommend_scheme
 
 __all__ = [
@@ -291,7 +292,7 @@ def signal_report(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any],
     it was found: parameters, their ``.grad`` and buffers (BatchNorm statistics) are restored. Forces
     one host-device sync for all the statistics (and one for the updates).
     """
-    params = [p for p in _unique_params(model) if p.requires_grad]
+    params = [p for _, p in unique_params(model)]
     saved_grads = [p.grad for p in params]
     saved_buffers = [b.detach().clone() for b in model.buffers()]
     try:
@@ -376,11 +377,6 @@ def _measure(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any]
             param_std=row.get("param_std"), param_grad_std=row.get("param_grad_std"), activation=activation_name(module),
             is_norm=is_norm(module), in_shape=in_shape, out_shape=out_shape))
     return layers, loss_value
-
-
-def _unique_params(model: nn.Module) -> list[nn.Parameter]:
-    seen: set[int] = set()
-    return [p for p in model.parameters() if not (id(p) in seen or seen.add(id(p)))]
 
 
 def _update_ratios(model: nn.Module, params: list[nn.Parameter],

@@ -6,7 +6,7 @@ import torch
 
 from ..accumulation import AccumulationWindow, as_sum_count
 from ..clipping import grad_norms
-from ..loop import unique_params
+from ..numerics import unique_params
 from . import CheckContext, CheckResult, fixed_batch, register
 
 #: Equivalence tolerance in fp32: |g_accum - g_big| <= ATOL + RTOL * max|g_big| (summation order only).

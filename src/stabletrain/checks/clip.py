@@ -9,7 +9,7 @@ import torch
 
 from ..accumulation import as_sum_count
 from ..clipping import GradClipper, grad_norms
-from ..loop import unique_params
+from ..numerics import unique_params
 from . import CheckContext, CheckResult, fixed_batch, register
 
 REL_TOL = 1e-5

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..accumulation import as_sum_count
-from ..loop import unique_params
+from ..numerics import unique_params
 from ..precision import PrecisionPolicy
 from . import CheckContext, CheckResult, fixed_batch, register
 
