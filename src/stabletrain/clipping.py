@@ -21,9 +21,13 @@ def grad_norms(params: list[Tensor]) -> tuple[Tensor, Tensor]:
     if not grads:
         zero = torch.zeros((), device=params[0].device if params else "cpu")
         return zero, torch.zeros(len(params), device=zero.device)
-    norms = iter(torch._foreach_norm(grads))
-    device = grads[0].device
-    per = torch.stack([next(norms).float().to(device) if p.grad is not None else torch.zeros((), device=device) for p in params])
+    norms = torch._foreach_norm(grads)
+    if len(grads) == len(params):  # the common case: one stack, no per-parameter casts
+        per = torch.stack(norms).float()
+    else:
+        it, device = iter(norms), grads[0].device
+        per = torch.stack([next(it).float().to(device) if p.grad is not None else torch.zeros((), device=device)
+                           for p in params])
     return torch.linalg.vector_norm(per), per
 
 

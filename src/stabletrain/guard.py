@@ -97,10 +97,10 @@ class Guard:
         return ok, finite, spike
 
     @staticmethod
+    @torch.no_grad()
     def params_finite(params: list[Tensor]) -> Tensor:
         """Return a device bool: every parameter is finite. One fused norm pass over the parameters."""
-        norms = torch._foreach_norm([p.detach() for p in params])
-        return torch.isfinite(torch.stack([n.float() for n in norms])).all()
+        return torch.isfinite(torch.stack(torch._foreach_norm(params)).float()).all()
 
     def decide(self, rows: list[Any]) -> GuardDecision:
         """Read one interval's per-step rows (host values) and return what to do. Updates the counters."""

@@ -74,6 +74,21 @@ def clone_state(obj: Any) -> Any:
     return copy.copy(obj)
 
 
+def copy_state_into(dst: Any, src: Any) -> Any:
+    """Return a deep copy of ``src`` that reuses ``dst``'s tensors where shapes and dtypes match."""
+    if isinstance(src, Tensor):
+        if isinstance(dst, Tensor) and dst.shape == src.shape and dst.dtype == src.dtype and dst.device == src.device:
+            return dst.copy_(src.detach())
+        return src.detach().clone()
+    if isinstance(src, dict):
+        old = dst if isinstance(dst, dict) else {}
+        return {k: copy_state_into(old.get(k), v) for k, v in src.items()}
+    if isinstance(src, (list, tuple)):
+        old = list(dst) if isinstance(dst, (list, tuple)) and len(dst) == len(src) else [None] * len(src)
+        return type(src)(copy_state_into(o, v) for o, v in zip(old, src))
+    return copy.copy(src)
+
+
 def build_optimizer(named_params: list[tuple[str, nn.Parameter]], cfg: Config, device: torch.device) -> torch.optim.Optimizer:
     """Return fused AdamW with weight decay on matrices only (not biases, norms or other 1-D params).
 
@@ -223,7 +238,8 @@ class Trainer:
     def train_step(self, window: Window) -> dict[str, Tensor]:
         """Run one optimizer step on ``window``; return its figures as device tensors (no sync)."""
         model, optimizer = self.model, self.optimizer
-        model.train()
+        if not model.training:  # evaluate() switches back; a per-step .train() walks every module
+            model.train()
         optimizer.zero_grad(set_to_none=True)
         self.window.begin()
         if self._grad_flag is not None:
@@ -460,8 +476,15 @@ class Trainer:
                            params=[c.as_dict() for c in changes])
 
     def _capture_point(self) -> dict[str, Any] | None:
-        """The state at the start of an interval, kept in memory so an incident step can be replayed."""
-        return clone_state(self.state_dict()) if self.cfg.guard.capture else None
+        """The state at the start of an interval, kept in memory so an incident step can be replayed.
+
+        The previous snapshot's tensors are reused (copied into) when the shapes allow: no allocation
+        per interval. Also starts a new interval of window positions.
+        """
+        self._positions = {s: p for s, p in self._positions.items() if s > self.step}
+        if not self.cfg.guard.capture:
+            return None
+        return copy_state_into(self._snapshot, self.state_dict())
 
     def _capture_incident(self, step: int, after_update: bool, ranks: list[int] | None = None) -> None:
         """Replay from the interval's start to just before ``step`` and write its incident bundle.

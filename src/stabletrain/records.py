@@ -173,7 +173,7 @@ class TensorBoardSink:
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                 group = "val" if key.startswith("val_") else "train"
                 self.writer.add_scalar(f"{group}/{key}", value, step)
-        self.writer.flush()
+        # No flush per interval: the writer flushes every flush_secs and on close.
 
     def close(self) -> None:
         self.writer.close()

@@ -33,6 +33,8 @@ class LRSchedule:
         self.on_device = bool(optimizer.defaults.get("fused") or optimizer.defaults.get("capturable"))
         self.base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
         self.applied_steps = torch.zeros((), dtype=torch.float32, device=device)
+        # The whole schedule, once: each step is then one lookup instead of a dozen tiny kernels.
+        self._table = self.factor(torch.arange(max_steps + 1, dtype=torch.float32, device=device))
         for group, base in zip(optimizer.param_groups, self.base_lrs):
             group["initial_lr"] = base
             group["lr"] = torch.tensor(base, dtype=torch.float32, device=device) if self.on_device else base
@@ -52,7 +54,7 @@ class LRSchedule:
         return warm * cosine
 
     def _write(self) -> None:
-        f = self.factor(self.applied_steps)
+        f = self._table[self.applied_steps.long().clamp(max=self.max_steps)]
         for group, base in zip(self.optimizer.param_groups, self.base_lrs):
             if self.on_device:
                 group["lr"].copy_(f * base)
