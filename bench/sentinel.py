@@ -1,0 +1,235 @@
+"""What the NaN/Inf sentinel costs: always on, per incident, and against running under anomaly mode.
+
+(a) Steady-state overhead of the sentinel: the built-in loop with its defaults against the same loop
+    without the sentinel (``guard.check_params=false guard.capture=false`` and ``trainer.guard.observe``
+    replaced by a function returning constant ``ok=True, finite=True, spike=False`` device tensors).
+    Target: ratio <= 1.01 on gpt.
+(b) The cost of one incident in training steps: a gpt run whose training sample N carries a NaN loss
+    weight; the loop captures the bad step (replay from the interval's snapshot + bundle) and
+    ``diagnose_incident`` replays it under the precise tools; both are divided by the median step.
+(c) A short run under ``torch.autograd.detect_anomaly()`` against the plain run (what users do today
+    to find a NaN, for the whole job).
+
+Timing follows bench/overhead.py: each Trainer runs ``fit()`` in lockstep with a hand-written bare
+loop (one bare step beside each built-in step, its time taken off the built-in clock), so load from
+other processes on a shared machine hits both alike; each variant's time is normalized by the bare
+steps it ran beside, per log interval, and variants alternate round by round. The ratio of two
+variants is the ratio of their median normalized times. One-time setup and checkpoints are off the
+clock (as in bench/overhead.py); (c) also prints the whole-run wall ratio with setup included.
+
+    python bench/sentinel.py                  # (a), (b) and (c) on gpt, about 3-4 minutes on 2 CPU cores
+    python bench/sentinel.py --parts a --rounds 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import itertools
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from overhead import (  # bench/ is the script's directory
+    BareLoop,
+    load_average,
+    lockstep_round,
+    make_trainer,
+)
+from torch import Tensor, nn
+from torch.utils.data import Dataset
+
+from stabletrain import Trainer, load_config, resolve_task
+from stabletrain.data import EpochOrder
+from stabletrain.incidents import diagnose_incident
+
+
+def without_sentinel(trainer: Trainer) -> None:
+    """Replace the sentinel's per-step work by constants (the caller also sets check_params/capture off)."""
+    true = torch.ones((), dtype=torch.bool, device=trainer.device)
+    false = torch.zeros((), dtype=torch.bool, device=trainer.device)
+
+    def observe(loss: Tensor, grad_norm: Tensor, inputs_ok: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        return true, true, false
+
+    trainer.guard.observe = observe
+
+
+class Variant:
+    """One way to run the built-in loop: config overrides, a patch on the Trainer, a context around fit()."""
+
+    def __init__(self, name: str, overrides: list[str] = (), patch: Callable[[Trainer], None] | None = None,
+                 fit_context: Callable[[], Any] = contextlib.nullcontext) -> None:
+        self.name, self.overrides, self.patch, self.fit_context = name, list(overrides), patch, fit_context
+
+
+def compare(task: Any, base: list[str], variants: list[Variant], rounds: int, warmup: int, steps: int,
+            tmp: Path) -> dict[str, dict[str, Any]]:
+    """Run each variant once per round in lockstep with a bare loop; return per-variant normalized times."""
+    init = copy.deepcopy(task.model.state_dict())
+    out = {v.name: {"norm": [], "builtin": [], "bare": [], "fit_s": [], "bare_step": []} for v in variants}
+    for i in range(rounds):
+        order = variants if i % 2 == 0 else variants[::-1]  # neither variant always goes first
+        for v in order:
+            cfg = load_config(None, base + [f"train.max_steps={warmup + steps + 1}", "run.overwrite=true"] + v.overrides)
+            models = []
+            for _ in range(2):
+                model = copy.deepcopy(task.model)
+                model.load_state_dict(init)
+                models.append(model)
+            trainer = make_trainer(task, models[0], cfg, tmp / f"{v.name}{i}")
+            if v.patch is not None:
+                v.patch(trainer)
+            bare = BareLoop(task, models[1], cfg)
+            with v.fit_context():
+                r = lockstep_round(trainer, bare, warmup, steps,
+                                   bare_context=lambda: torch.autograd.set_detect_anomaly(False))
+            every = cfg.log.every
+            o = out[v.name]
+            o["norm"] += [b / a for b, a in zip(r["builtin"], r["bare"])]
+            o["builtin"] += [b / every for b in r["builtin"]]
+            o["bare"] += [a / every for a in r["bare"]]
+            o["bare_step"].append(sum(r["bare"]) / steps)
+            o["fit_s"].append(r["fit_s"])
+    return out
+
+
+def ratio_line(out: dict[str, dict[str, Any]], a: str, b: str) -> tuple[float, str]:
+    na, nb = statistics.median(out[a]["norm"]), statistics.median(out[b]["norm"])
+    sa, sb = statistics.median(out[a]["builtin"]), statistics.median(out[b]["builtin"])
+    return na / nb, (f"{a} {sa * 1e3:.2f} ms/step ({na:.3f}x bare), {b} {sb * 1e3:.2f} ms/step ({nb:.3f}x bare); "
+                     f"{len(out[a]['norm'])} log intervals each")
+
+
+# -- (a) ---------------------------------------------------------------------------------------
+
+
+def part_a(task: Any, rounds: int, warmup: int, steps: int, tmp: Path) -> float:
+    variants = [Variant("sentinel"),
+                Variant("without", ["guard.check_params=false", "guard.capture=false"], patch=without_sentinel)]
+    out = compare(task, ["task=gpt"], variants, rounds, warmup, steps, tmp)
+    ratio, detail = ratio_line(out, "sentinel", "without")
+    print(f"(a) {detail}")
+    print(f"sentinel overhead: ratio {ratio:.3f} (target <= 1.01)  [{load_average()}]", flush=True)
+    return statistics.median(out["sentinel"]["builtin"])
+
+
+# -- (b) ---------------------------------------------------------------------------------------
+
+
+class WeightedChunks(Dataset):
+    """gpt's byte chunks with a per-sample loss weight: 1.0, or NaN for the planted sample."""
+
+    def __init__(self, inner: Dataset, bad_index: int) -> None:
+        self.inner, self.bad_index = inner, bad_index
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor, Tensor]:
+        x, y = self.inner[i]
+        return x, y, torch.tensor(float("nan") if i == self.bad_index else 1.0)
+
+
+def weighted_lm_loss(model: nn.Module, batch: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, int]:
+    """gpt's summed next-byte loss with each sample's tokens weighted by the sample's weight."""
+    x, y, w = batch
+    per_token = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten(), reduction="none").view_as(y)
+    return (per_token.sum(1) * w).sum(), y.numel()
+
+
+def part_b(task: Any, step_s: float | None, tmp: Path, bad_step: int = 15, repeats: int = 3) -> None:
+    cfg = load_config(None, ["task=gpt", "train.max_steps=20", "run.overwrite=true", "guard.diagnose=false"])
+    order = EpochOrder(len(task.train_data), cfg.train.batch_size, cfg.seed, cfg.data.shuffle)
+    bad_index = order.micro_batches(0)[bad_step - 1][3]  # the 4th sample of step `bad_step`'s batch
+    nan_task = copy.copy(task)
+    nan_task.model = copy.deepcopy(task.model)
+    nan_task.train_data = WeightedChunks(task.train_data, bad_index)
+    nan_task.loss = weighted_lm_loss
+    nan_task.val_data = None
+    trainer = Trainer(cfg, task=nan_task, run_dir=tmp / "nan")
+    stamps: list[float] = []
+    capture_s: list[float] = []
+    inner_step, inner_capture = trainer.train_step, trainer._capture_incident
+
+    def train_step(window: Any) -> Any:
+        stamps.append(time.perf_counter())
+        return inner_step(window)
+
+    def capture(*args: Any, **kwargs: Any) -> None:
+        t0 = time.perf_counter()
+        inner_capture(*args, **kwargs)
+        capture_s.append(time.perf_counter() - t0)
+
+    trainer.train_step, trainer._capture_incident = train_step, capture
+    trainer.fit()
+    incident = tmp / "nan" / "incidents" / f"step_{bad_step:06d}"
+    if not (incident / "bundle.pt").exists():
+        raise RuntimeError(f"no incident captured at {incident}; events: {(tmp / 'nan' / 'events.jsonl').read_text()}")
+    run_step = statistics.median(b - a for a, b in itertools.pairwise(stamps[2:bad_step - 1]))
+    step = step_s if step_s is not None else run_step
+    times, diagnosis = [], {}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        diagnosis = diagnose_incident(incident, nan_task, device="cpu")
+        times.append(time.perf_counter() - t0)
+    diag = statistics.median(times)
+    found = diagnosis.get("bad_samples")
+    print(f"(b) planted NaN in training sample {bad_index} (step {bad_step}); diagnosis says: {diagnosis.get('summary')}")
+    print(f"    stage={diagnosis.get('stage')} op={diagnosis.get('op')} bad_samples={found} "
+          f"reproduces={diagnosis.get('reproduces')} -> {'correct' if found and bad_index in found else 'NOT the planted sample'}")
+    print(f"    median step {step * 1e3:.2f} ms ({'from (a)' if step_s is not None else 'from this run'}; "
+          f"this run's healthy steps {run_step * 1e3:.2f} ms)")
+    print(f"    capture (replay from the interval's snapshot + bundle write): {capture_s[0]:.2f} s = "
+          f"{capture_s[0] / step:.1f} steps")
+    print(f"diagnosis cost: {diag:.2f} s = {diag / step:.1f} median steps "
+          f"(median of {repeats}: {', '.join(f'{t:.2f}' for t in times)} s)  [{load_average()}]", flush=True)
+
+
+# -- (c) ---------------------------------------------------------------------------------------
+
+
+def part_c(task: Any, rounds: int, warmup: int, steps: int, tmp: Path) -> None:
+    variants = [Variant("plain"), Variant("anomaly", fit_context=torch.autograd.detect_anomaly)]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
+        out = compare(task, ["task=gpt"], variants, rounds, warmup, steps, tmp)
+    ratio, detail = ratio_line(out, "anomaly", "plain")
+    # Whole run, setup and checkpoints included, normalized by the bare steps it ran beside.
+    whole = [fa / ba for fa, ba in zip(out["anomaly"]["fit_s"], out["anomaly"]["bare_step"])]
+    whole_plain = [fp / bp for fp, bp in zip(out["plain"]["fit_s"], out["plain"]["bare_step"])]
+    print(f"(c) {detail}")
+    print(f"anomaly mode: ratio {ratio:.2f} per step against the plain run; whole {warmup + steps + 1}-step run "
+          f"(setup included) {statistics.median(whole) / statistics.median(whole_plain):.2f}  [{load_average()}]", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", default="abc", help="which of (a), (b), (c) to run")
+    ap.add_argument("--rounds", type=int, default=6, help="rounds of (a); (c) runs half as many")
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per round of (a), a multiple of log.every")
+    args = ap.parse_args()
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {load_average()}", flush=True)
+    cfg = load_config(None, ["task=gpt"])
+    task = resolve_task(cfg.task, cfg.task_args)
+    step_s = None
+    with tempfile.TemporaryDirectory() as tmp:
+        if "a" in args.parts:
+            step_s = part_a(task, args.rounds, args.warmup, args.steps, Path(tmp) / "a")
+        if "b" in args.parts:
+            part_b(task, step_s, Path(tmp) / "b")
+        if "c" in args.parts:
+            part_c(task, max(args.rounds // 2, 1), args.warmup, 20, Path(tmp) / "c")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
