@@ -122,6 +122,67 @@ def part_a(task: Any, rounds: int, warmup: int, steps: int, tmp: Path) -> float:
     return statistics.median(out["sentinel"]["builtin"])
 
 
+def part_a_paired(task: Any, blocks: int, warmup: int, tmp: Path) -> float:
+    """The same Trainer with the sentinel switched on and off from one log interval to the next.
+
+    Intervals run in ABBA blocks (on, off, off, on): neighbours see the same machine load and neither
+    mode always comes first. Each block gives one ratio (on time / off time over its four
+    intervals); the median over blocks isolates the sentinel: ``guard.observe``, the post-update
+    parameter check and the interval's incident snapshot. Returns the median step time with it on.
+    """
+    every = load_config(None, ["task=gpt"]).log.every
+    cfg = load_config(None, ["task=gpt", "log.progress=false", "run.overwrite=true",
+                             f"train.max_steps={warmup + 4 * blocks * every + every}"])
+    trainer = make_trainer(task, copy.deepcopy(task.model), cfg, tmp / "paired")
+    real_observe = trainer.guard.observe
+    without_sentinel(trainer)
+    const_observe = trainer.guard.observe
+    real_capture = trainer._capture_point
+    state: dict[str, Any] = {"k": 0, "kept": None, "last": None}
+    times: list[tuple[bool, float]] = []
+
+    def on_for(k: int) -> bool:
+        return k % 4 in (0, 3)
+
+    def set_mode(on: bool) -> None:
+        trainer.guard.observe = real_observe if on else const_observe
+        trainer.cfg.guard.check_params = trainer.cfg.guard.capture = on
+
+    def capture_point() -> Any:
+        on = on_for(state["k"])
+        if on:
+            trainer._snapshot = state["kept"]  # the snapshot's buffers live on across off intervals
+        snap = real_capture()
+        if on:
+            state["kept"] = snap
+        now = time.perf_counter()
+        if state["last"] is not None and trainer.step > warmup:
+            times.append((on, now - state["last"]))
+            state["k"] += 1
+        state["last"] = now
+        set_mode(on_for(state["k"]))
+        return snap
+
+    trainer._capture_point = capture_point
+    set_mode(True)
+    trainer.fit()
+    ratios = []
+    for i in range(0, len(times) - 3, 4):
+        block = times[i:i + 4]
+        on_t = sum(t for m, t in block if m)
+        off_t = sum(t for m, t in block if not m)
+        ratios.append(on_t / off_t)
+    on = [t for m, t in times if m]
+    off = [t for m, t in times if not m]
+    ratio = statistics.median(ratios)
+    q = statistics.quantiles(ratios, n=4)
+    print(f"(a) one run, sentinel on/off in {len(ratios)} ABBA blocks of log intervals; median step with sentinel "
+          f"{statistics.median(on) / every * 1e3:.2f} ms, without {statistics.median(off) / every * 1e3:.2f} ms")
+    print(f"sentinel overhead: ratio {ratio:.4f} (target <= 1.01); block ratios quartiles "
+          f"{q[0]:.4f} / {q[1]:.4f} / {q[2]:.4f}  [{load_average()}]", flush=True)
+    return statistics.median(on) / every
+
+
 # -- (b) ---------------------------------------------------------------------------------------
 
 
@@ -216,6 +277,8 @@ def main() -> None:
     ap.add_argument("--parts", default="abc", help="which of (a), (b), (c) to run")
     ap.add_argument("--rounds", type=int, default=6, help="rounds of (a); (c) runs half as many")
     ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--blocks", type=int, default=50, help="ABBA blocks of log intervals in (a)")
+    ap.add_argument("--lockstep", action="store_true", help="also run (a) as separate runs beside a bare loop")
     ap.add_argument("--steps", type=int, default=30, help="timed steps per round of (a), a multiple of log.every")
     args = ap.parse_args()
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {load_average()}", flush=True)
@@ -224,7 +287,9 @@ def main() -> None:
     step_s = None
     with tempfile.TemporaryDirectory() as tmp:
         if "a" in args.parts:
-            step_s = part_a(task, args.rounds, args.warmup, args.steps, Path(tmp) / "a")
+            step_s = part_a_paired(task, args.blocks, args.warmup, Path(tmp) / "a")
+            if args.lockstep:
+                part_a(task, args.rounds, args.warmup, args.steps, Path(tmp) / "a")
         if "b" in args.parts:
             part_b(task, step_s, Path(tmp) / "b")
         if "c" in args.parts:

@@ -102,7 +102,8 @@ def test_rollback_restores_last_good_and_skips_the_offending_window(tmp_path):
 def test_an_lr_that_breaks_the_parameters_in_the_update_is_caught_after_the_update(tmp_path):
     run_dir = tmp_path / "run"
     torch.manual_seed(0)
-    trainer = Trainer(cfg("optim.lr=1e39", "sched.warmup_steps=0", "train.max_steps=6", "log.every=2", "ckpt.every=2",
+    # 3.4e38 is just below float32's max: the lr is finite, the update overflows the parameters.
+    trainer = Trainer(cfg("optim.lr=3.4e38", "sched.warmup_steps=0", "train.max_steps=6", "log.every=2", "ckpt.every=2",
                           "train.batch_size=8"), task=regression_task(), run_dir=run_dir)
     trainer.fit()
     events = _events(run_dir)
@@ -111,10 +112,23 @@ def test_an_lr_that_breaks_the_parameters_in_the_update_is_caught_after_the_upda
     assert "a skip cannot undo an applied update" in trainer.stop_reason
     incident = next(e for e in events if e["kind"] == "incident")
     assert incident["diagnosis"]["stage"] == "update"
-    # The LR itself is infinite in the optimizer state: not even the step-0 state is checkpointed.
-    assert not [e for e in events if e["kind"] == "checkpoint"]
+    # The state after step 1 is never checkpointed: LAST_GOOD stays at step 0.
+    assert [e["step"] for e in events if e["kind"] == "checkpoint"] == [0]
+    assert CheckpointManager(run_dir / "checkpoints").load().meta["step"] == 0
+
+
+def test_no_good_state_means_no_capture_and_says_why(tmp_path):
+    run_dir = tmp_path / "run"
+    torch.manual_seed(0)
+    trainer = Trainer(cfg("optim.lr=1e39", "sched.warmup_steps=0", "train.max_steps=4", "log.every=2",
+                          "train.batch_size=8"), task=regression_task(), run_dir=run_dir)  # lr overflows to inf
+    trainer.fit()
+    events = _events(run_dir)
     withheld = [e for e in events if e["kind"] == "checkpoint_withheld"]
-    assert withheld and "lr" in withheld[0]["reason"]
+    assert withheld and "lr" in withheld[0]["reason"]  # not even the step-0 state is checkpointed
+    incident = next(e for e in events if e["kind"] == "incident")
+    assert "not captured: no good state to replay from" in incident["reason"]
+    assert not (run_dir / "incidents").exists()
 
 
 def test_spike_rule_events_and_on_device_skip(tmp_path):

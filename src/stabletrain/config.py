@@ -104,7 +104,8 @@ class GuardConfig:
     max_rollbacks: int = _f(3, "stop the run after this many rollbacks")
     check_params: bool = _f(True, "check after every update that the parameters are finite (one fused pass, no sync)")
     check_inputs: bool = _f(False, "check floating-point inputs of every micro-batch for NaN/Inf")
-    capture: bool = _f(True, "capture an incident bundle (RUN_DIR/incidents/step_N) for the first bad step of an interval")
+    capture: bool = _f(True, "capture an incident bundle (RUN_DIR/incidents/step_N) for the first bad step of an interval, by replaying from LAST_GOOD")
+    memory_snapshot: bool = _f(False, "also keep a copy of the state at every log interval in memory, so a capture replays at most log.every steps (costs a state copy per interval and the memory of model + optimizer)")
     diagnose: bool = _f(True, "diagnose a captured incident right away (replay under the precise tools)")
 
 

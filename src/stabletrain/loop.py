@@ -60,7 +60,8 @@ __all__ = ["Trainer", "build_optimizer", "default_run_dir", "RESUME_HARMLESS_KEY
 
 #: Config keys that may differ when resuming a run (they change neither the math nor the data). The
 #: world size is checked on its own: a checkpoint resumes only under the world size that wrote it.
-RESUME_HARMLESS_KEYS = HARMLESS_KEYS + ("resume", "data.workers", "guard.capture", "guard.diagnose", "dist.*")
+RESUME_HARMLESS_KEYS = HARMLESS_KEYS + ("resume", "data.workers", "guard.capture", "guard.memory_snapshot", "guard.diagnose",
+                                         "dist.*")
 
 
 def clone_state(obj: Any) -> Any:
@@ -452,7 +453,9 @@ class Trainer:
 
     def _act(self, decision: GuardDecision) -> bool:
         """Capture and diagnose the first incident, then stop or roll back as decided; return healthy."""
-        if decision.first_incident is not None and self.cfg.guard.capture and self._snapshot is not None:
+        # Every rank takes part (the replay has collectives): the condition is the same on all of them.
+        if decision.first_incident is not None and self.cfg.guard.capture \
+                and (self.ckpt is not None or self._snapshot is not None):
             self._capture_incident(decision.first_incident, decision.after_update,
                                    self._seen_on.get(decision.first_incident, []))
         if decision.action == "stop":
@@ -476,18 +479,36 @@ class Trainer:
                            params=[c.as_dict() for c in changes])
 
     def _capture_point(self) -> dict[str, Any] | None:
-        """The state at the start of an interval, kept in memory so an incident step can be replayed.
+        """Start a new interval; with ``guard.memory_snapshot`` keep the state at its start in memory.
 
-        The previous snapshot's tensors are reused (copied into) when the shapes allow: no allocation
-        per interval. Also starts a new interval of window positions.
+        Without it (the default) an incident is replayed from LAST_GOOD, so no per-interval copy of the
+        state is paid. The snapshot reuses the previous one's buffers: no allocation per interval.
         """
         self._positions = {s: p for s, p in self._positions.items() if s > self.step}
-        if not self.cfg.guard.capture:
+        if not (self.cfg.guard.capture and self.cfg.guard.memory_snapshot):
             return None
         return copy_state_into(self._snapshot, self.state_dict())
 
+    def _replay_source(self) -> dict[str, Any] | None:
+        """The newest state before the current interval's steps: the in-memory snapshot, else LAST_GOOD."""
+        if self._snapshot is not None:
+            return self._snapshot
+        ckpt = self.ckpt
+        chosen: list[Any] = []
+
+        def choose() -> str | None:  # rank 0 picks the checkpoint; every rank loads that one
+            if ckpt is None or ckpt.latest_good() is None:
+                return None
+            chosen.append(ckpt.load())
+            return str(chosen[0].path)
+
+        path = self.dist.on_main(choose)
+        if path is None or ckpt is None:
+            return None
+        return (chosen[0] if chosen else ckpt.load(path)).state
+
     def _capture_incident(self, step: int, after_update: bool, ranks: list[int] | None = None) -> None:
-        """Replay from the interval's start to just before ``step`` and write its incident bundle.
+        """Replay from LAST_GOOD (or the interval's snapshot) to just before ``step``; write its incident bundle.
 
         Under DDP every rank replays (the replay's collectives need them all); the bundle holds the
         window and RNG state of the rank that saw the bad value (``ranks``; rank 0 when none did, e.g.
@@ -495,9 +516,17 @@ class Trainer:
         optimizer state are the same on every rank): ``incidents/step_N`` for the first such rank,
         ``incidents/step_N/rank_R`` for any other.
         """
-        assert self._snapshot is not None
+        source = self._replay_source()
+        if source is None:
+            if self.run is not None:
+                self.run.event(step, "incident", f"step {step} not captured: no good state to replay from (no verified "
+                               "checkpoint yet; was the state non-finite from the start?)", after_update=after_update,
+                               ranks=sorted(ranks or []))
+            return
         current = clone_state(self.state_dict())
-        self.load_state_dict(self._snapshot)
+        skip = set(self.stream.skip)
+        self.load_state_dict(source)
+        self.stream.skip = skip  # windows a rollback skipped after that state was saved stay skipped
         while self.step < step - 1:
             self.train_step(self.stream.next_window())
             self.step += 1
