@@ -326,9 +326,10 @@ def per_item_costs(name: str, bare_step_s: float) -> None:
         ]
         per_interval = [
             ("_log: reduce sync + jsonl + TensorBoard + bar + events", full_log, fill_only, 1 / cfg.log.every),
-            ("snapshot: clone_state(state_dict()) for incident capture", lambda: clone_state(trainer.state_dict()), None,
-             1 / cfg.log.every),
         ]
+        if cfg.guard.memory_snapshot:  # off by default: an incident replays from LAST_GOOD instead
+            per_interval.append(("snapshot: state copy for incident capture (guard.memory_snapshot)",
+                                 lambda: clone_state(trainer.state_dict()), None, 1 / cfg.log.every))
         fns: dict[str, Callable[[], Any]] = {}
         for label, fn, base, _ in per_step + per_interval:
             fns[label] = fn
