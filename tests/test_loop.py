@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from helpers import cfg, make_user_task
+from helpers import cfg
 from stabletrain import Trainer, resolve_task
 from stabletrain.metrics import StepMetrics
 from stabletrain.tasks import TaskError

@@ -489,14 +489,15 @@ class Trainer:
             return None
         return copy_state_into(self._snapshot, self.state_dict())
 
-    def _replay_source(self) -> dict[str, Any] | None:
-        """The newest state before the current interval's steps: the in-memory snapshot, else LAST_GOOD."""
-        if self._snapshot is not None:
-            return self._snapshot
+    def _load_last_good(self) -> Any:
+        """Load LAST_GOOD (a LoadedCheckpoint) on every rank, or return None when there is none.
+
+        Rank 0 picks it (LAST_GOOD, or the newest that verifies); every rank then loads that one.
+        """
         ckpt = self.ckpt
         chosen: list[Any] = []
 
-        def choose() -> str | None:  # rank 0 picks the checkpoint; every rank loads that one
+        def choose() -> str | None:
             if ckpt is None or ckpt.latest_good() is None:
                 return None
             chosen.append(ckpt.load())
@@ -505,7 +506,14 @@ class Trainer:
         path = self.dist.on_main(choose)
         if path is None or ckpt is None:
             return None
-        return (chosen[0] if chosen else ckpt.load(path)).state
+        return chosen[0] if chosen else ckpt.load(path)
+
+    def _replay_source(self) -> dict[str, Any] | None:
+        """The newest state before the current interval's steps: the in-memory snapshot, else LAST_GOOD."""
+        if self._snapshot is not None:
+            return self._snapshot
+        loaded = self._load_last_good()
+        return loaded.state if loaded is not None else None
 
     def _capture_incident(self, step: int, after_update: bool, ranks: list[int] | None = None) -> None:
         """Replay from LAST_GOOD (or the interval's snapshot) to just before ``step``; write its incident bundle.
@@ -572,17 +580,8 @@ class Trainer:
         """Restore LAST_GOOD and never train on the windows of the offending steps again."""
         bad = sorted(set(decision.bad_steps) | set(decision.spike_steps if self.cfg.guard.on_spike == "rollback" else []))
         windows = {self._positions[s] for s in bad if s in self._positions}
-        ckpt = self.ckpt
-        chosen: list[Any] = []
-
-        def choose() -> str | None:  # rank 0 picks the checkpoint; every rank loads that one
-            if ckpt is None or ckpt.latest_good() is None:
-                return None
-            chosen.append(ckpt.load())
-            return str(chosen[0].path)
-
-        good = self.dist.on_main(choose)
-        if ckpt is None or good is None:
+        loaded = self._load_last_good()
+        if loaded is None:
             self.stop_reason = f"{decision.reason}; no checkpoint to roll back to"
             if self.run is not None:
                 self.run.event(self.step, "stop", f"stopping: {self.stop_reason}")
@@ -590,7 +589,6 @@ class Trainer:
         from_step = self.step
         counters = (self.guard.num_rollbacks, self.guard.num_incidents, self.guard.num_spikes)
         skip = self.stream.skip | windows
-        loaded = chosen[0] if chosen else ckpt.load(good)
         self.load_state_dict(loaded.state)
         self.guard.num_rollbacks, self.guard.num_incidents, self.guard.num_spikes = counters
         self.stream.skip = skip
