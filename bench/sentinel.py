@@ -249,7 +249,7 @@ def part_b(task: Any, step_s: float | None, tmp: Path, bad_step: int = 15, repea
           f"reproduces={diagnosis.get('reproduces')} -> {'correct' if found and bad_index in found else 'NOT the planted sample'}")
     print(f"    median step {step * 1e3:.2f} ms ({'from (a)' if step_s is not None else 'from this run'}; "
           f"this run's healthy steps {run_step * 1e3:.2f} ms)")
-    print(f"    capture (replay from the interval's snapshot + bundle write): {capture_s[0]:.2f} s = "
+    print(f"    capture (replay from LAST_GOOD or the in-memory snapshot, + bundle write): {capture_s[0]:.2f} s = "
           f"{capture_s[0] / step:.1f} steps")
     print(f"diagnosis cost: {diag:.2f} s = {diag / step:.1f} median steps "
           f"(median of {repeats}: {', '.join(f'{t:.2f}' for t in times)} s)  [{load_average()}]", flush=True)
