@@ -24,9 +24,14 @@ from stabletrain import Trainer, load_config, resolve_task
 STEPS = 200
 
 
+#: The boundaries where the loop syncs by design: the log interval, eval, checkpoints, the one-time init
+#: fingerprint comparison, and acting on an incident. Everything else must run without a sync.
+BOUNDARIES = ("_log", "evaluate", "_checkpoint", "_check_init", "_act")
+
+
 def arm_sync_guard(trainer: Trainer) -> None:
-    """Make any sync outside _log/evaluate raise, by arming the debug mode around every step."""
-    for name in ("_log", "evaluate"):
+    """Make any sync outside the loop's boundaries raise, by arming the debug mode everywhere else."""
+    for name in BOUNDARIES:
         original = getattr(trainer, name)
 
         def lifted(*args, _original=original, **kwargs):

@@ -91,8 +91,9 @@ class Guard:
         spike = armed & finite & (loss > self.cfg.spike_ratio * median) & (z > self.cfg.spike_zscore)
         ok = finite & ~spike if self.cfg.on_spike == "skip" else finite
         keep = finite & ~spike
-        slot = self.num_seen % self.cfg.spike_window
-        w.index_put_((slot.reshape(1),), torch.where(keep, loss.detach().float(), w[slot]).reshape(1))
+        # 1-element index tensors, never a 0-dim one: indexing with a 0-dim CUDA tensor reads it on the host.
+        slot = (self.num_seen % self.cfg.spike_window).reshape(1)
+        w.index_put_((slot,), torch.where(keep, loss.detach().float(), w.gather(0, slot)))
         self.num_seen += keep.long()
         return ok, finite, spike
 

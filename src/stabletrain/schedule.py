@@ -54,7 +54,8 @@ class LRSchedule:
         return warm * cosine
 
     def _write(self) -> None:
-        f = self._table[self.applied_steps.long().clamp(max=self.max_steps)]
+        # gather with a 1-element index: a 0-dim CUDA index tensor would be read on the host (a sync).
+        f = self._table.gather(0, self.applied_steps.long().clamp(max=self.max_steps).reshape(1)).reshape(())
         for group, base in zip(self.optimizer.param_groups, self.base_lrs):
             if self.on_device:
                 group["lr"].copy_(f * base)
