@@ -206,8 +206,16 @@ def process_group(backend: str = "auto", timeout_s: float = 120.0, nproc: int = 
     dist.init_process_group(chosen, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     try:
         yield DistContext.current()
-    finally:
+    except BaseException:
         with contextlib.suppress(Exception):  # a dead peer must not turn a clear error into a second one
+            dist.destroy_process_group()
+        raise
+    else:
+        # No rank tears its process group down while another still has a collective in flight: gloo's
+        # background thread would see the connection close and abort that process (std::terminate).
+        with contextlib.suppress(Exception):
+            dist.barrier()
+        with contextlib.suppress(Exception):
             dist.destroy_process_group()
 
 
