@@ -6,7 +6,7 @@ from .accumulation import AccumulationWindow, as_sum_count
 from .clipping import GradClipper, grad_norms
 from .config import Config, ConfigError, load_config
 from .metrics import StepMetrics
-from .numerics import all_params_finite, first_nonfinite_grad, grad_total_norm, top_grad_norms
+from .numerics import all_params_finite, first_nonfinite_grad, grad_total_norm
 from .precision import PrecisionPolicy
 from .schedule import LRSchedule
 from .seeding import seed_everything
@@ -33,7 +33,6 @@ __all__ = [
     "all_params_finite",
     "first_nonfinite_grad",
     "grad_total_norm",
-    "top_grad_norms",
     "PrecisionPolicy",
     "LRSchedule",
     "seed_everything",

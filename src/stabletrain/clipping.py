@@ -9,26 +9,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["grad_norms", "GradClipper"]
+from .numerics import grad_norms
 
-
-def grad_norms(params: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """Return (total L2 grad norm, per-parameter L2 grad norms) as fp32 device tensors (no sync).
-
-    Parameters without a grad count as zero. One fused ``_foreach_norm`` pass gives both.
-    """
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        zero = torch.zeros((), device=params[0].device if params else "cpu")
-        return zero, torch.zeros(len(params), device=zero.device)
-    norms = torch._foreach_norm(grads)
-    if len(grads) == len(params):  # the common case: one stack, no per-parameter casts
-        per = torch.stack(norms).float()
-    else:
-        it, device = iter(norms), grads[0].device
-        per = torch.stack([next(it).float().to(device) if p.grad is not None else torch.zeros((), device=device)
-                           for p in params])
-    return torch.linalg.vector_norm(per), per
+__all__ = ["grad_norms", "GradClipper"]  # grad_norms lives in numerics; re-exported here
 
 
 class GradClipper:

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from .config import GuardConfig
+from .numerics import all_params_finite
 
 __all__ = ["Guard", "GuardDecision", "inputs_finite"]
 
@@ -97,11 +98,7 @@ class Guard:
         self.num_seen += keep.long()
         return ok, finite, spike
 
-    @staticmethod
-    @torch.no_grad()
-    def params_finite(params: list[Tensor]) -> Tensor:
-        """Return a device bool: every parameter is finite. One fused norm pass over the parameters."""
-        return torch.isfinite(torch.stack(torch._foreach_norm(params)).float()).all()
+    params_finite = staticmethod(all_params_finite)  # the cheap post-update check
 
     def decide(self, rows: list[Any]) -> GuardDecision:
         """Read one interval's per-step rows (host values) and return what to do. Updates the counters."""
