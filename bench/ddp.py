@@ -8,9 +8,9 @@ process is the noisiest row: its OpenMP barriers stall whenever another process 
 ``Trainer.fit()`` (DDP, monitoring on: device metrics, the sentinel and its comm hook, the per-interval
 gather, metrics.jsonl, events.jsonl, TensorBoard) and, in lockstep beside each built-in step, one step
 of a hand-written DDP loop on its own copy of the model (nanoGPT-style: ``no_sync`` on all but the
-last micro-batch, mean loss / k, ``clip_grad_norm_``, fused AdamW, a DistributedSampler). The bare
-step runs before the built-in one on even steps and after it on odd ones, and its time is taken off
-the built-in clock, so load from other processes on this shared machine hits both alike.
+last micro-batch, mean loss / k, ``clip_grad_norm_``, fused AdamW, a DistributedSampler). A callback
+(``overhead.Lockstep``) runs the bare step in every ``on_step_end``, between two built-in steps, and its
+time is taken off the built-in clock, so load from other processes on this shared machine hits both alike.
 
 Timed: the task's steps after its warm-up; a multiple of log.every (10), so the built-in time holds
 its log intervals. Not timed: setup, the step-0 and final checkpoints. samples/s are global (all ranks).
@@ -19,6 +19,7 @@ metrics rows, clipping, schedule) is about constant, so it weighs more as DDP ha
 
     python bench/ddp.py                      # mlp and gpt, 1 and 2 processes; about 2-3 minutes on 2 cores
     python bench/ddp.py --tasks mlp --rounds 3
+    python bench/ddp.py --tasks mlp --quick  # smoke run: 1 round of 20 timed steps, not a measurement
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -86,10 +86,14 @@ class BareDDP:
 def worker(args: argparse.Namespace) -> None:
     """One process of a measurement (under torchrun for 2): write rank 0's timings as JSON."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    from overhead import Lockstep  # bench/ is the script's directory
+
     from stabletrain import Trainer, load_config, resolve_task
     from stabletrain.distributed import process_group
 
     name, task_args, global_batch, accum, warmup, steps = TASKS[args.task]
+    if args.steps:  # --quick
+        warmup, steps = 5, args.steps
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = load_config(None, [f"task={name}", *task_args, f"train.batch_size={global_batch // world}", f"accum.steps={accum}",
                              f"train.max_steps={warmup + steps + 1}", "log.every=10", "ckpt.every=0", "eval.every=0",
@@ -98,31 +102,10 @@ def worker(args: argparse.Namespace) -> None:
         task = resolve_task(cfg.task, cfg.task_args)
         task.val_data = None  # the bare loop has no validation
         bare = BareDDP(task, copy.deepcopy(task.model), cfg, ctx.rank, ctx.world)
-        trainer = Trainer(cfg, task=task, run_dir=Path(tmp) / "run")
-        entries: list[float] = []
-        bare_s: list[float] = []
-        excluded = [0.0]
-        inner = trainer.train_step
-
-        def timed_bare() -> None:
-            t0 = time.perf_counter()
-            bare.step()
-            dt = time.perf_counter() - t0
-            bare_s.append(dt)
-            excluded[0] += dt
-
-        def train_step(window: Any) -> Any:
-            n = len(entries)
-            entries.append(time.perf_counter() - excluded[0])
-            if n % 2 == 0:
-                timed_bare()
-            out = inner(window)
-            if n % 2 == 1:
-                timed_bare()
-            return out
-
-        trainer.train_step = train_step
+        clock = Lockstep({"bare": bare})  # one bare step in each on_step_end; checkpoints off the clock
+        trainer = Trainer(cfg, task=task, run_dir=Path(tmp) / "run", callbacks=[clock])
         trainer.fit()
+        entries, bare_s = clock.entries, clock.bare_s["bare"]
         if ctx.is_main:
             samples = global_batch * accum * steps
             built_in = entries[warmup + steps] - entries[warmup]
@@ -131,8 +114,8 @@ def worker(args: argparse.Namespace) -> None:
                                                   "samples": samples, "steps": steps}))
 
 
-def measure(task: str, nproc: int, out: Path, threads: int | None = None) -> dict[str, Any]:
-    me = [str(Path(__file__).resolve()), "--worker", "--task", task, "--out", str(out)]
+def measure(task: str, nproc: int, out: Path, threads: int | None = None, steps: int = 0) -> dict[str, Any]:
+    me = [str(Path(__file__).resolve()), "--worker", "--task", task, "--out", str(out), "--steps", str(steps)]
     if nproc == 1:
         cmd = [sys.executable, *me]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads or os.cpu_count() or 1)}
@@ -149,13 +132,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     parser.add_argument("--rounds", type=int, default=2, help="measurements per (task, world size); the median is shown")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 1 round of 20 timed steps (not a measurement)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--task", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
+    if args.quick:
+        args.rounds, quick_steps = 1, 20
+    else:
+        quick_steps = 0
     print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores, gloo; load average "
           f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"{'task':<5} {'procs':>5} {'global batch':>12} {'bare DDP samples/s':>19} {'stabletrain samples/s':>22} "
@@ -166,7 +155,8 @@ def main() -> None:
             rows = {}
             # 1 process with every core as threads, 1 process on one thread (the per-core baseline), 2 processes.
             for label, nproc, threads in (("1", 1, None), ("1x1t", 1, 1), ("2", 2, None)):
-                runs = [measure(task, nproc, Path(tmp) / f"{task}-{label}-{r}.json", threads) for r in range(args.rounds)]
+                runs = [measure(task, nproc, Path(tmp) / f"{task}-{label}-{r}.json", threads, quick_steps)
+                        for r in range(args.rounds)]
                 bare = statistics.median(r["samples"] / r["bare_s"] for r in runs)
                 ours = statistics.median(r["samples"] / r["built_in_s"] for r in runs)
                 over = statistics.median(r["built_in_s"] / r["bare_s"] - 1 for r in runs)

@@ -3,36 +3,44 @@
 Both train the same model from the same init on the same data with the same fused AdamW, the same
 LR schedule shape and global-norm clipping. The built-in loop runs ``Trainer.fit()`` with its default
 monitoring on: device-side metrics, the sentinel, the per-interval sync, metrics.jsonl, events.jsonl,
-TensorBoard, the progress bar, the in-memory incident snapshot per log interval and the default
-checkpoint cadence.
+TensorBoard, the progress bar and the default checkpoint cadence.
 
 What is timed. Each round builds a fresh Trainer and a fresh bare loop from the same init and runs
-them in lockstep, one bare step beside each built-in step (before it on even steps, after it on odd
-ones), so a burst of load from another process hits both alike; a round-level interleave on a
-shared 2-core machine swings the ratio by 2-4x. The ratio reported is the median, over every log
-interval of every round, of the built-in time over the bare time of the same interval.
+them in lockstep: a callback (:class:`Lockstep`, public hooks only) runs one bare step in every
+``on_step_end``, between two built-in steps, so a burst of load from another process hits both alike;
+a round-level interleave on a shared 2-core machine swings the ratio by 2-4x. The ratio reported is
+the median, over every log interval of every round, of the built-in time over the bare time of the
+same interval.
 
-* both variants run ``warmup + steps + 1`` optimizer steps; the clock covers the ``steps`` steps after
-  the warm-up, from the start of step ``warmup + 1`` to the start of step ``warmup + steps + 1``
-  (for the built-in loop: the entry of ``Trainer.train_step``, with the bare steps' time taken off;
-  each side's window holds the same number of data fetches). ``steps`` is a multiple of
-  ``log.every``, so the built-in time holds exactly ``steps / log.every`` log intervals: the
-  interval's one sync, jsonl/TensorBoard/progress writes, events and the snapshot clone for incident
-  capture are in it, amortized as they are in a real run.
+* both variants run ``warmup + steps + 1`` optimizer steps; the built-in clock is read at each
+  ``on_step_end`` with the bare steps' time taken off, and covers the ``steps`` steps after the
+  warm-up (from the end of step ``warmup + 1`` to the end of step ``warmup + steps + 1``; each side's
+  window holds the same number of data fetches). ``steps`` is a multiple of ``log.every``, so the
+  built-in time holds exactly ``steps / log.every`` log intervals: the interval's one sync and
+  jsonl/TensorBoard/progress writes and events are in it, amortized as they are in a real run.
 * one-time setup is not: Trainer construction (run dir, config, snapshot, git), the SummaryWriter,
   the step-0 checkpoint that ``fit()`` writes, the last step's final checkpoint and closing.
 * periodic checkpoints (``ckpt.every``, default 100 steps) stay on at their default cadence, but their
-  time is taken off the built-in clock (a short timed window holds too many or too few of them);
-  the median checkpoint (step 0 included) is shown amortized over ``ckpt.every`` on its own line.
-  Validation is off in both (the bare loop has none).
+  time is taken off the built-in clock (a short timed window holds too many or too few of them): a
+  checkpoint is the time from the callback's ``on_log`` (or ``on_fit_start`` for step 0) to its
+  ``on_checkpoint`` at the same boundary. The median checkpoint (step 0 included) is shown amortized
+  over ``ckpt.every`` on its own line. Validation is off in both (the bare loop has none).
+
+``--nonfused`` (on by default) adds a row for an optimizer that cannot skip a step on the device: the
+task's own factory returning ``AdamW(foreach=True)`` (not fused), so ``PrecisionPolicy.step`` reads the
+skip flag on the host every step (and ``LRSchedule``, whose lr is then a host float, reads the lr
+factor: a second read). Its rounds alternate with the fused default's on the first task;
+each runs beside the fused bare loop and (the non-fused rounds) also beside a bare loop with the same
+non-fused AdamW, which splits its cost into the optimizer's own kernels and what stabletrain adds.
 
 ``--items`` (on by default) then times each piece of the built-in per-step path in isolation on the
 task and prints its cost in microseconds and in percent of the bare step; ``--profile`` adds a
 cProfile of the built-in loop's steady state.
 
-    python bench/overhead.py                       # gpt and mlp, about 2-3 minutes on 2 CPU cores
+    python bench/overhead.py                       # gpt and mlp, about 3-4 minutes on 2 CPU cores
     python bench/overhead.py --tasks gpt --rounds 9 --steps 30
     python bench/overhead.py --no-items --profile
+    python bench/overhead.py --quick               # smoke run (smaller task, few rounds and steps), not a measurement
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -58,11 +67,21 @@ from torch.utils.data import DataLoader
 
 from stabletrain import Trainer, load_config, resolve_task
 from stabletrain.accumulation import as_sum_count
+from stabletrain.callbacks import Callback, FitState
 from stabletrain.data import move_to
-from stabletrain.loop import clone_state
+from stabletrain.metrics import peak_memory_mib
+from stabletrain.numerics import all_params_finite, grad_norms
+from stabletrain.precision import PrecisionPolicy
+from stabletrain.schedule import LRSchedule
 
 # (warm-up steps, timed steps, rounds) per task; timed steps are a multiple of log.every (10).
 DEFAULTS = {"gpt": (10, 30, 7), "mlp": (20, 200, 7)}
+QUICK = {"gpt": (5, 10, 2), "mlp": (5, 20, 2)}
+#: --quick also shrinks the task, so a smoke run of the whole script fits in about a minute.
+QUICK_ARGS = {"gpt": ["task_args.n_layer=1", "task_args.n_embd=64", "task_args.seq_len=32", "task_args.max_bytes=300000"],
+              "mlp": ["task_args.num_samples=1024"]}
+
+OptimizerFactory = Callable[[list[tuple[str, torch.nn.Parameter]]], torch.optim.Optimizer]
 
 
 def load_average() -> str:
@@ -72,20 +91,43 @@ def load_average() -> str:
         return "load average n/a"
 
 
+def param_groups(named_params: list[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on matrices only, as the built-in optimizers do."""
+    decay = [p for _, p in named_params if p.dim() >= 2]
+    no_decay = [p for _, p in named_params if p.dim() < 2]
+    return [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+            if g["params"]]
+
+
+def nonfused_adamw(cfg: Any) -> OptimizerFactory:
+    """A task optimizer factory: the config's AdamW, ``foreach=True`` and not fused (cannot skip on the device)."""
+    o = cfg.optim
+
+    def factory(named_params: list[tuple[str, torch.nn.Parameter]]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(param_groups(named_params, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2),
+                                 eps=o.eps, foreach=True, fused=False)
+
+    return factory
+
+
 # -- the two loops ------------------------------------------------------------------------------
 
 
 class BareLoop:
-    """A plain nanoGPT-style loop, one step per call: zero_grad, fetch, forward, backward, clip, step, schedule."""
+    """A plain nanoGPT-style loop, one step per call: zero_grad, fetch, forward, backward, clip, step, schedule.
 
-    def __init__(self, task: Any, model: torch.nn.Module, cfg: Any) -> None:
+    ``optimizer``: a factory over ``model.named_parameters()`` (default: the config's AdamW, fused).
+    """
+
+    def __init__(self, task: Any, model: torch.nn.Module, cfg: Any, optimizer: OptimizerFactory | None = None) -> None:
         self.task, self.model, self.cfg = task, model, cfg
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        decay = [p for p in self.params if p.dim() >= 2]
-        no_decay = [p for p in self.params if p.dim() < 2]
-        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.optim.weight_decay},
-                                      {"params": no_decay, "weight_decay": 0.0}],
-                                     lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps, fused=True)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        if optimizer is not None:
+            self.opt = optimizer(named)
+        else:
+            self.opt = torch.optim.AdamW(param_groups(named, cfg.optim.weight_decay), lr=cfg.optim.lr,
+                                         betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps, fused=True)
         warm, total, floor = cfg.sched.warmup_steps, cfg.train.max_steps, cfg.sched.min_lr_ratio
 
         def factor(n: int) -> float:
@@ -114,100 +156,138 @@ class BareLoop:
         self.sched.step()
 
 
-def make_trainer(task: Any, model: torch.nn.Module, cfg: Any, run_dir: Path | None) -> Trainer:
+def make_trainer(task: Any, model: torch.nn.Module, cfg: Any, run_dir: Path | None,
+                 optimizer: OptimizerFactory | None = None, callbacks: list[Callback] = ()) -> Trainer:
     run_task = copy.copy(task)
     run_task.model = model
     run_task.val_data = None  # validation is not part of the comparison (the bare loop has none)
-    return Trainer(cfg, task=run_task, run_dir=run_dir)
+    if optimizer is not None:
+        run_task.optimizer = optimizer
+    return Trainer(cfg, task=run_task, run_dir=run_dir, callbacks=callbacks)
+
+
+class Lockstep(Callback):
+    """Run one step of each bare loop beside every built-in step; keep both clocks, take checkpoints off.
+
+    ``entries[i]``: the built-in clock (wall time less every bare step and checkpoint so far) at the
+    ``on_step_end`` of the i-th step of this fit; ``bare_s[name][i]``: the bare step run right after it.
+    ``ckpt_s``: each checkpoint's time, from this callback's ``on_log`` (``on_fit_start`` for the step-0
+    checkpoint) to its ``on_checkpoint`` at the same boundary; appended last, so its ``on_log`` runs
+    after the sinks wrote and its ``on_checkpoint`` after the checkpoint event was written.
+    """
+
+    def __init__(self, bare: dict[str, BareLoop], bare_context: Callable[[], Any] = contextlib.nullcontext) -> None:
+        self.bare, self.bare_context = bare, bare_context
+        self.entries: list[float] = []
+        self.bare_s: dict[str, list[float]] = {name: [] for name in bare}
+        self.ckpt_s: list[float] = []
+        self.excluded = 0.0
+        self.mark = 0.0
+
+    def on_fit_start(self, state: FitState) -> None:
+        self.mark = time.perf_counter()
+
+    def on_step_end(self, state: FitState, out: dict[str, Any]) -> None:
+        self.entries.append(time.perf_counter() - self.excluded)
+        for name, loop in self.bare.items():
+            t0 = time.perf_counter()
+            with self.bare_context():
+                loop.step()
+            dt = time.perf_counter() - t0
+            self.bare_s[name].append(dt)
+            self.excluded += dt
+
+    def on_log(self, state: FitState, record: dict[str, Any], rows: list[Any]) -> None:
+        self.mark = time.perf_counter()
+
+    def on_checkpoint(self, state: FitState, info: dict[str, Any]) -> None:
+        dt = time.perf_counter() - self.mark
+        self.ckpt_s.append(dt)
+        self.excluded += dt  # periodic checkpoints are shown amortized on their own line
 
 
 def lockstep_round(trainer: Trainer, bare: BareLoop, warmup: int, steps: int,
-                   bare_context: Callable[[], Any] = contextlib.nullcontext) -> dict[str, Any]:
+                   bare_context: Callable[[], Any] = contextlib.nullcontext,
+                   others: dict[str, BareLoop] | None = None) -> dict[str, Any]:
     """Run ``trainer.fit()`` with one bare step beside each built-in step; return both steady-state times.
 
-    The bare step runs inside the wrapper around ``Trainer.train_step`` (before it on even steps, after
-    it on odd ones) and its time is taken off the built-in clock, so a burst of load from elsewhere
-    hits both variants alike. The built-in clock still holds everything ``fit()`` does between two
-    ``train_step`` calls (metrics, logging, the snapshot clone, the progress bar, the next window)
-    except checkpoints, whose time is returned separately (``ckpt``: the median checkpoint).
-    ``bare_context`` wraps each bare step (e.g. to keep anomaly mode off there). Returns per log
-    interval of the timed window the built-in and bare seconds, and ``fit_s``: the whole ``fit()``
-    (setup, checkpoints and closing included) without the bare steps.
+    The built-in clock holds everything ``fit()`` does between two steps' ``on_step_end`` (the step,
+    metrics, logging, the progress bar, the next window) except checkpoints, whose time is returned
+    separately (``ckpt``: the median checkpoint). ``bare_context`` wraps each bare step (e.g. to keep
+    anomaly mode off there); ``others``: more bare loops stepped beside each built-in step too. Returns
+    per log interval of the timed window the built-in and bare seconds (``others``: per name), and
+    ``fit_s``: the whole ``fit()`` (setup, checkpoints and closing included) without the bare steps.
     """
-    entries: list[float] = []  # built-in clock at each train_step entry
-    bare_s: list[float] = []
-    ckpt_s: list[float] = []
-    excluded = 0.0
-    inner_step, inner_ckpt = trainer.train_step, trainer._checkpoint
-
-    def run_bare() -> None:
-        nonlocal excluded
-        t0 = time.perf_counter()
-        with bare_context():
-            bare.step()
-        dt = time.perf_counter() - t0
-        bare_s.append(dt)
-        excluded += dt
-
-    def train_step(window: Any) -> Any:
-        entries.append(time.perf_counter() - excluded)
-        if len(entries) % 2:
-            run_bare()
-            return inner_step(window)
-        out = inner_step(window)
-        run_bare()
-        return out
-
-    def checkpoint(*args: Any, **kwargs: Any) -> None:
-        nonlocal excluded
-        t0 = time.perf_counter()
-        inner_ckpt(*args, **kwargs)
-        dt = time.perf_counter() - t0
-        ckpt_s.append(dt)
-        excluded += dt  # periodic checkpoints are shown amortized on their own line
-
-    trainer.train_step, trainer._checkpoint = train_step, checkpoint  # instance attributes: fit() calls these
+    clock = Lockstep({"bare": bare, **(others or {})}, bare_context)
+    trainer.callbacks.append(clock)  # after the built-in callbacks
     t0 = time.perf_counter()
     trainer.fit()
-    fit_s = time.perf_counter() - t0 - sum(bare_s)
+    fit_s = time.perf_counter() - t0 - sum(sum(v) for v in clock.bare_s.values())
     assert trainer.stop_reason is None, trainer.stop_reason
+    entries = clock.entries
     assert len(entries) >= warmup + steps + 1, f"fit ran {len(entries)} steps, expected {warmup + steps + 1}"
     every = trainer.cfg.log.every
-    starts = range(warmup, warmup + steps, every)  # one log interval each, its log and snapshot included
-    return {"builtin": [entries[k + every] - entries[k] for k in starts],
-            "bare": [sum(bare_s[k:k + every]) for k in starts],
-            "ckpt": statistics.median(ckpt_s) if ckpt_s else float("nan"), "fit_s": fit_s}
+    starts = range(warmup, warmup + steps, every)  # one log interval each, its log included
+    per_name = {name: [sum(v[k:k + every]) for k in starts] for name, v in clock.bare_s.items()}
+    return {"builtin": [entries[k + every] - entries[k] for k in starts], "bare": per_name.pop("bare"),
+            "others": per_name, "ckpt": statistics.median(clock.ckpt_s) if clock.ckpt_s else float("nan"),
+            "fit_s": fit_s}
 
 
-def measure(name: str, rounds: int, warmup: int, steps: int) -> dict[str, Any]:
+def fresh_models(task: Any, init: dict[str, Any], n: int) -> list[torch.nn.Module]:
+    models = []
+    for _ in range(n):
+        model = copy.deepcopy(task.model)
+        model.load_state_dict(init)
+        models.append(model)
+    return models
+
+
+def measure(name: str, rounds: int, warmup: int, steps: int, nonfused: bool = False,
+            overrides: list[str] = ()) -> dict[str, Any]:
+    """Lockstep rounds of the built-in loop beside the bare loop; with ``nonfused`` alternate with non-fused rounds."""
     # One-time imports (TensorBoard writer, tqdm) are process start-up, not per-step overhead.
     import torch.utils.tensorboard  # noqa: F401
     import tqdm.auto  # noqa: F401
 
-    cfg = load_config(None, [f"task={name}", f"train.max_steps={warmup + steps + 1}", "run.overwrite=true"])
+    cfg = load_config(None, [f"task={name}", *overrides, f"train.max_steps={warmup + steps + 1}", "run.overwrite=true"])
     if steps % cfg.log.every:
         raise ValueError(f"--steps ({steps}) must be a multiple of log.every ({cfg.log.every}) to hold whole log intervals")
     task = resolve_task(cfg.task, cfg.task_args)
     init = copy.deepcopy(task.model.state_dict())
     every = cfg.log.every
+    factory = nonfused_adamw(cfg)
     bare, built, ckpt, paired = [], [], [], []  # per log interval: seconds per step, and built-in / bare
-    with tempfile.TemporaryDirectory() as tmp:
+    nf: dict[str, list[float]] = {"vs_fused_bare": [], "vs_same_bare": [], "bare_vs_bare": [], "builtin": []}
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*cannot skip a step on the device")
         for i in range(rounds):
-            models = []
-            for _ in range(2):
-                model = copy.deepcopy(task.model)
-                model.load_state_dict(init)
-                models.append(model)
-            trainer = make_trainer(task, models[0], cfg, Path(tmp) / f"run{i}")  # seeds the process
-            r = lockstep_round(trainer, BareLoop(task, models[1], cfg), warmup, steps)
-            bare += [x / every for x in r["bare"]]
-            built += [x / every for x in r["builtin"]]
-            paired += [x / y for x, y in zip(r["builtin"], r["bare"])]
-            ckpt.append(r["ckpt"])
+            for variant in (("fused", "nonfused") if i % 2 == 0 else ("nonfused", "fused")) if nonfused else ("fused",):
+                if variant == "fused":
+                    model, bare_model = fresh_models(task, init, 2)
+                    trainer = make_trainer(task, model, cfg, Path(tmp) / f"run{i}")  # seeds the process
+                    r = lockstep_round(trainer, BareLoop(task, bare_model, cfg), warmup, steps)
+                    bare += [x / every for x in r["bare"]]
+                    built += [x / every for x in r["builtin"]]
+                    paired += [x / y for x, y in zip(r["builtin"], r["bare"])]
+                    ckpt.append(r["ckpt"])
+                    continue
+                model, bare_model, same_model = fresh_models(task, init, 3)
+                trainer = make_trainer(task, model, cfg, Path(tmp) / f"nonfused{i}", optimizer=factory)
+                r = lockstep_round(trainer, BareLoop(task, bare_model, cfg), warmup, steps,
+                                   others={"same": BareLoop(task, same_model, cfg, optimizer=factory)})
+                same = r["others"]["same"]
+                nf["vs_fused_bare"] += [x / y for x, y in zip(r["builtin"], r["bare"])]
+                nf["vs_same_bare"] += [x / y for x, y in zip(r["builtin"], same)]
+                nf["bare_vs_bare"] += [x / y for x, y in zip(same, r["bare"])]
+                nf["builtin"] += [x / every for x in r["builtin"]]
     b, s = statistics.median(bare), statistics.median(built)
-    return {"bare_ms": b * 1e3, "builtin_ms": s * 1e3, "ratio": statistics.median(paired), "ratio_of_medians": s / b,
-            "ckpt_s": statistics.median(ckpt), "ckpt_every": cfg.ckpt.every, "paired_all": paired,
-            "intervals": len(paired)}
+    out = {"bare_ms": b * 1e3, "builtin_ms": s * 1e3, "ratio": statistics.median(paired), "ratio_of_medians": s / b,
+           "ckpt_s": statistics.median(ckpt), "ckpt_every": cfg.ckpt.every, "paired_all": paired,
+           "intervals": len(paired)}
+    if nonfused:
+        out["nonfused"] = {k: statistics.median(v) for k, v in nf.items()} | {"intervals": len(nf["builtin"])}
+    return out
 
 
 # -- the built-in step's pieces, one by one -------------------------------------------------------
@@ -226,19 +306,15 @@ def time_items(items: dict[str, Callable[[], Any]], reps: int, rounds: int) -> d
     return {k: statistics.median(v) for k, v in results.items()}
 
 
-def per_item_costs(name: str, bare_step_s: float) -> None:
+def per_item_costs(name: str, bare_step_s: float, reps: int = 5, rounds: int = 25, overrides: list[str] = ()) -> None:
     """Time each piece of the built-in step (and each per-interval piece) in isolation on ``name``."""
-    from tqdm.auto import tqdm
-
-    from stabletrain.clipping import grad_norms
-
-    cfg = load_config(None, [f"task={name}", "train.max_steps=1000", "run.overwrite=true"])
+    cfg = load_config(None, [f"task={name}", *overrides, "train.max_steps=1000", "run.overwrite=true"])
     task = resolve_task(cfg.task, cfg.task_args)
     with tempfile.TemporaryDirectory() as tmp, open(os.devnull, "w") as devnull:
         trainer = make_trainer(task, task.model, cfg, Path(tmp) / "items")
-        trainer._open_sinks()
-        trainer._bar.close()
-        trainer._bar = tqdm(total=10**9, file=devnull)  # the call's cost, not the terminal's
+        state, fire = trainer.state, trainer.callbacks.fire
+        with contextlib.redirect_stderr(devnull):  # the progress bar draws to devnull: the call's cost, not the terminal's
+            fire("on_fit_start", state)
         for _ in range(3):
             out = trainer.train_step(trainer.stream.next_window())
         params, opt = trainer.params, trainer.optimizer
@@ -253,6 +329,18 @@ def per_item_costs(name: str, bare_step_s: float) -> None:
         lambda_sched = torch.optim.lr_scheduler.LambdaLR(lambda_opt, lambda n: 0.5 * (1 + math.cos(math.pi * min(n / 1e6, 1))))
         metrics = trainer.metrics
         values = {k: v for k, v in out.items() if k != "per_param_norms"}
+        # A non-fused optimizer over the same parameters, under its own policy: the skip flag is read on the host.
+        nonfused_opt = nonfused_adamw(cfg)(trainer.named_params)
+        nonfused_policy = PrecisionPolicy(trainer.precision.mode, trainer.device)
+        nonfused_sched = LRSchedule(nonfused_opt, cfg.sched.warmup_steps, cfg.train.max_steps, cfg.sched.decay,
+                                    cfg.sched.min_lr_ratio)  # its lr is a host float: one more read per step
+
+        def nonfused_step() -> None:
+            nonfused_sched.step(nonfused_policy.step(nonfused_opt, ok))
+
+        def nonfused_bare() -> None:
+            nonfused_opt.step()
+            lambda_sched.step()
 
         def metrics_update() -> None:
             if len(metrics) == metrics.capacity:
@@ -271,16 +359,28 @@ def per_item_costs(name: str, bare_step_s: float) -> None:
         def observe() -> None:
             trainer.guard.observe(loss, norm)
 
-        def full_log() -> None:
-            metrics.steps = []
-            for _ in range(cfg.log.every):
-                metrics_update()
-            trainer._log()
-
         def fill_only() -> None:
             metrics.steps = []
             for _ in range(cfg.log.every):
                 metrics_update()
+
+        def log_interval() -> None:
+            # What the loop does at a log boundary, through public pieces: the reduce (its one sync), the
+            # guard's decision, the record (as Trainer builds it) and on_log for the sinks.
+            fill_only()
+            summary, rows, param_sq = metrics.reduce(0)
+            trainer.guard.decide(rows)
+            total_sq = sum(param_sq) or 1.0
+            top = sorted(range(len(param_sq)), key=lambda i: -param_sq[i])[: cfg.log.top_layers]
+            elapsed = 0.1
+            record = {**{k: v for k, v in summary.items() if not k.startswith("interval_")},
+                      "num_incidents": trainer.guard.num_incidents, "num_rollbacks": trainer.guard.num_rollbacks,
+                      "tokens_per_s": summary["interval_tokens"] / elapsed,
+                      "samples_per_s": summary["interval_samples"] / elapsed,
+                      "step_time_s": elapsed / summary["interval_steps"], "peak_memory_mib": peak_memory_mib(trainer.device),
+                      "epoch": trainer.stream.epoch, "samples_seen": state.samples_seen, "tokens_seen": state.tokens_seen,
+                      "top_grad_layers": [{"name": trainer.named_params[i][0], "share": param_sq[i] / total_sq} for i in top]}
+            fire("on_log", state, record, rows)
 
         # (label, built-in callable, bare-loop counterpart or None, calls per step)
         bare = BareLoop(task, copy.deepcopy(trainer.model), cfg)
@@ -305,7 +405,6 @@ def per_item_costs(name: str, bare_step_s: float) -> None:
         per_step = [
             ("whole train_step (no fit loop around it) vs whole bare step",
              lambda: trainer.train_step(window), bare.step, 0),
-            ("model.train() every step", lambda: trainer.model.train(), None, 1),
             ("loss via window.begin/normalize/mean_loss vs loss_sum / count", one_micro_batch_window, bare_loss, 1),
             ("precision.step (found_inf, tensor lr) vs optimizer.step()", lambda: trainer.precision.step(opt, ok),
              lambda: bare_opt.step(), 1),
@@ -317,78 +416,98 @@ def per_item_costs(name: str, bare_step_s: float) -> None:
             ("clipper.clip_ (where + clip_grads_with_norm_) vs clip_grads_with_norm_",
              lambda: trainer.clipper.clip_(params, norm, ok), lambda: torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm), 1),
             ("clipper.post_clip_norm", lambda: trainer.clipper.post_clip_norm(norm), None, 1),
-            ("guard.params_finite (foreach_norm over params + stack)", lambda: trainer.guard.params_finite(params), None, 1),
-            ("schedule.step (device cos, lr tensor copy) vs LambdaLR.step", lambda: trainer.schedule.step(ok),
+            ("all_params_finite (post-update check: foreach_norm + stack)", lambda: all_params_finite(params), None, 1),
+            ("schedule.step (table gather, lr tensor copy) vs LambdaLR.step", lambda: trainer.schedule.step(ok),
              lambda: lambda_sched.step(), 1),
             ("precision.loss_scale() (a fresh ones tensor)", lambda: trainer.precision.loss_scale(), None, 1),
             ("metrics.update (stack 11 scalars, copy, param_sq)", metrics_update, None, 1),
-            ("progress bar update", lambda: trainer._bar.update(1), None, 1),
+            ("callbacks on_step_end (progress bar update)", lambda: fire("on_step_end", state, out), None, 1),
         ]
         per_interval = [
-            ("_log: reduce sync + jsonl + TensorBoard + bar + events", full_log, fill_only, 1 / cfg.log.every),
+            ("log interval: reduce sync + guard.decide + on_log (jsonl, TensorBoard, bar, events)", log_interval,
+             fill_only, 1 / cfg.log.every),
         ]
         if cfg.guard.memory_snapshot:  # off by default: an incident replays from LAST_GOOD instead
             per_interval.append(("snapshot: state copy for incident capture (guard.memory_snapshot)",
-                                 lambda: clone_state(trainer.state_dict()), None, 1 / cfg.log.every))
+                                 lambda: trainer.recorder.mark_interval_start(state), None, 1 / cfg.log.every))
+        # Not a piece of the default step: what an optimizer that cannot skip on the device pays instead.
+        aside = [("non-fused AdamW(foreach): precision.step + schedule.step (host reads) vs step() + LambdaLR",
+                  nonfused_step, nonfused_bare, 1)]
         fns: dict[str, Callable[[], Any]] = {}
-        for label, fn, base, _ in per_step + per_interval:
+        for label, fn, base, _ in per_step + per_interval + aside:
             fns[label] = fn
             if base is not None:
                 fns[label + " [bare]"] = base
-        with contextlib.redirect_stderr(io.StringIO()):
-            costs = time_items(fns, reps=5, rounds=25)
+        with contextlib.redirect_stderr(devnull), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            costs = time_items(fns, reps=reps, rounds=rounds)
         ckpt_s = []
         for _ in range(3):
             t0 = time.perf_counter()
-            trainer._checkpoint(True)
+            trainer.keeper.save(state, True)
             ckpt_s.append(time.perf_counter() - t0)
-        trainer._close_sinks()
-    epoch_s = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        trainer.stream._open()
-        epoch_s.append(time.perf_counter() - t0)
-    batches_per_epoch = trainer.stream.order.batches_per_epoch
+        with contextlib.redirect_stderr(devnull):
+            fire("on_fit_end", state, {})
+        trainer.run.close()
+        # A new epoch: load_state_dict drops the stream's loader, so next_window opens the epoch's order and
+        # DataLoader; the plain next_window (timed above) is taken off.
+        stream, epoch_s = trainer.stream, []
+        for _ in range(3):
+            at = stream.state_dict()
+            t0 = time.perf_counter()
+            stream.load_state_dict({**at, "pos": 0})
+            stream.next_window()
+            epoch_s.append(time.perf_counter() - t0)
+        batches_per_epoch = stream.order.batches_per_epoch
 
-    print(f"\nper-item cost of the built-in step on {name} (isolated, median of 25 interleaved blocks of 5 calls; "
-          f"bare step {bare_step_s * 1e3:.2f} ms):")
-    print(f"  {'item':<74} {'us/call':>9} {'bare':>8} {'extra us/step':>14} {'% of bare':>9}")
+    print(f"\nper-item cost of the built-in step on {name} (isolated, median of {rounds} interleaved blocks of {reps} "
+          f"calls; bare step {bare_step_s * 1e3:.2f} ms):")
+    print(f"  {'item':<88} {'us/call':>9} {'bare':>8} {'extra us/step':>14} {'% of bare':>9}")
     total = 0.0
-    for label, _, base, per in per_step + per_interval:
+
+    def row(label: str, base: Any, per: float) -> float:
         c = costs[label]
         b = costs.get(label + " [bare]", 0.0) if base is not None else 0.0
         extra = (c - b) * (per or 1)
-        total += extra if per else 0.0
         bare_col = f"{b * 1e6:8.1f}" if base is not None else f"{'':>8}"
-        print(f"  {label:<74} {c * 1e6:9.1f} {bare_col} {extra * 1e6:14.1f} {100 * extra / bare_step_s:8.2f}%")
-    print(f"  {'sum of the extras above (the first row excluded)':<74} {'':>9} {'':>8} {total * 1e6:14.1f} {100 * total / bare_step_s:8.2f}%")
+        print(f"  {label:<88} {c * 1e6:9.1f} {bare_col} {extra * 1e6:14.1f} {100 * extra / bare_step_s:8.2f}%")
+        return extra
+
+    for label, _, base, per in per_step + per_interval:
+        extra = row(label, base, per)
+        total += extra if per else 0.0
+    print(f"  {'sum of the extras above (the first row excluded)':<88} {'':>9} {'':>8} {total * 1e6:14.1f} "
+          f"{100 * total / bare_step_s:8.2f}%")
     ckpt = statistics.median(ckpt_s)
-    print(f"  {f'checkpoint (per ckpt.every={cfg.ckpt.every} steps)':<74} {ckpt * 1e6:9.0f} {'':>8} "
+    print(f"  {f'checkpoint (per ckpt.every={cfg.ckpt.every} steps)':<88} {ckpt * 1e6:9.0f} {'':>8} "
           f"{ckpt / cfg.ckpt.every * 1e6:14.1f} {100 * ckpt / cfg.ckpt.every / bare_step_s:8.2f}%")
-    ep = statistics.median(epoch_s)
-    print(f"  {f'new epoch: order + DataLoader (per {batches_per_epoch} steps)':<74} {ep * 1e6:9.0f} {'':>8} "
+    ep = max(statistics.median(epoch_s) - costs["data: stream.next_window vs DataLoader next"], 0.0)
+    print(f"  {f'new epoch: order + DataLoader (per {batches_per_epoch} steps)':<88} {ep * 1e6:9.0f} {'':>8} "
           f"{ep / batches_per_epoch * 1e6:14.1f} {100 * ep / batches_per_epoch / bare_step_s:8.2f}%")
+    for label, _, base, per in aside:
+        row(label, base, per)
 
 
-def profile_builtin(name: str, warmup: int, steps: int) -> None:
+class _Profile(Callback):
+    """cProfile the steps after ``warmup`` (from the end of step ``warmup`` to the end of ``warmup + steps``)."""
+
+    def __init__(self, prof: cProfile.Profile, warmup: int, steps: int) -> None:
+        self.prof, self.warmup, self.steps = prof, warmup, steps
+
+    def on_step_end(self, state: FitState, out: dict[str, Any]) -> None:
+        if state.step == self.warmup:
+            self.prof.enable()
+        elif state.step == self.warmup + self.steps:
+            self.prof.disable()
+
+
+def profile_builtin(name: str, warmup: int, steps: int, overrides: list[str] = ()) -> None:
     """cProfile the built-in loop (its steady state only) and print the top functions by own time."""
-    cfg = load_config(None, [f"task={name}", f"train.max_steps={warmup + steps + 1}", "run.overwrite=true"])
+    cfg = load_config(None, [f"task={name}", *overrides, f"train.max_steps={warmup + steps + 1}", "run.overwrite=true"])
     task = resolve_task(cfg.task, cfg.task_args)
     prof = cProfile.Profile()
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = make_trainer(task, task.model, cfg, Path(tmp) / "prof")
-        inner = trainer.train_step
-        count = [0]
-
-        def train_step(window: Any) -> Any:
-            count[0] += 1
-            if count[0] == warmup + 1:
-                prof.enable()
-            elif count[0] == warmup + steps + 1:
-                prof.disable()
-            return inner(window)
-
-        trainer.train_step = train_step
+        trainer = make_trainer(task, task.model, cfg, Path(tmp) / "prof", callbacks=[_Profile(prof, warmup, steps)])
         trainer.fit()
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
@@ -403,14 +522,23 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=0, help="untimed steps per round (default: gpt 10, mlp 20)")
     ap.add_argument("--steps", type=int, default=0, help="timed steps per round, a multiple of log.every (default: gpt 30, mlp 200)")
     ap.add_argument("--items", action=argparse.BooleanOptionalAction, default=True, help="per-item costs of the built-in step")
+    ap.add_argument("--nonfused", action=argparse.BooleanOptionalAction, default=True,
+                    help="on the first task, also rounds with a non-fused AdamW(foreach) from the task's optimizer factory")
     ap.add_argument("--profile", action="store_true", help="cProfile the built-in loop's steady state")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run: a smaller task, 2 rounds of few steps, few item blocks (not a measurement)")
     args = ap.parse_args()
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {load_average()}", flush=True)
+    names = args.tasks.split(",")
+
+    def quick_args(name: str) -> list[str]:
+        return QUICK_ARGS[name] if args.quick else []
+
     bare_ms: dict[str, float] = {}
-    for name in args.tasks.split(","):
-        warmup, steps, rounds = DEFAULTS[name]
+    for name in names:
+        warmup, steps, rounds = (QUICK if args.quick else DEFAULTS)[name]
         warmup, steps, rounds = args.warmup or warmup, args.steps or steps, args.rounds or rounds
-        r = measure(name, rounds, warmup, steps)
+        r = measure(name, rounds, warmup, steps, nonfused=args.nonfused and name == names[0], overrides=quick_args(name))
         bare_ms[name] = r["bare_ms"]
         target = "  (target <= 1.03)" if name == "gpt" else ""
         print(f"{name}: {rounds} lockstep rounds x {steps // 10} log intervals after {warmup} warm-up steps; "
@@ -423,11 +551,19 @@ def main() -> None:
         amortized = r["ratio"] + r["ckpt_s"] / r["ckpt_every"] / (r["bare_ms"] / 1e3)
         print(f"  with a checkpoint every {r['ckpt_every']} steps ({r['ckpt_s'] * 1e3:.0f} ms each) amortized: "
               f"ratio {amortized:.3f}  [{load_average()}]", flush=True)
+        if "nonfused" in r:
+            n = r["nonfused"]
+            print(f"  {name} non-fused optimizer (Task.optimizer -> AdamW(foreach=True): skip flag and lr read on the "
+                  f"host every step): built-in {n['builtin'] * 1e3:.2f} ms/step, step-time ratio vs the fused default "
+                  f"{n['vs_fused_bare'] / r['ratio']:.3f}", flush=True)
+            print(f"    of which the optimizer itself (bare foreach / bare fused) {n['bare_vs_bare']:.3f}; stabletrain's "
+                  f"overhead with it (built-in / bare foreach) {n['vs_same_bare']:.3f} vs {r['ratio']:.3f} fused  "
+                  f"(medians over {n['intervals']} intervals, rounds alternating with the fused ones)", flush=True)
     if args.items:
-        for name in args.tasks.split(","):
-            per_item_costs(name, bare_ms[name] / 1e3)
+        for name in names:
+            per_item_costs(name, bare_ms[name] / 1e3, *((2, 3) if args.quick else (5, 25)), overrides=quick_args(name))
     if args.profile:
-        profile_builtin(args.tasks.split(",")[0], 10, 30)
+        profile_builtin(names[0], *((5, 10) if args.quick else (10, 30)), overrides=quick_args(names[0]))
 
 
 if __name__ == "__main__":

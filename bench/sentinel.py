@@ -1,24 +1,30 @@
 """What the NaN/Inf sentinel costs: always on, per incident, and against running under anomaly mode.
 
-(a) Steady-state overhead of the sentinel: the built-in loop with its defaults against the same loop
-    without the sentinel (``guard.check_params=false guard.capture=false`` and ``trainer.guard.observe``
-    replaced by a function returning constant ``ok=True, finite=True, spike=False`` device tensors).
-    Target: ratio <= 1.01 on gpt.
+(a) Steady-state overhead of the sentinel: one gpt Trainer whose sentinel a callback switches on and
+    off from one log interval to the next (ABBA blocks). Off: ``trainer.guard.observe`` replaced by a
+    function returning constant ``ok=True, finite=True, spike=False`` device tensors, the step's
+    post-update parameter check off (``trainer.step_fn.check_params``) and ``guard.capture`` off.
+    Target: ratio <= 1.01 on gpt. ``--lockstep`` also runs it as separate runs (``guard.check_params=false
+    guard.capture=false`` + the constant observe) beside a bare loop.
 (b) The cost of one incident in training steps: a gpt run whose training sample N carries a NaN loss
-    weight; the loop captures the bad step (replay from the interval's snapshot + bundle) and
-    ``diagnose_incident`` replays it under the precise tools; both are divided by the median step.
+    weight; the loop captures the bad step (the recorder replays from LAST_GOOD, or from the interval's
+    in-memory snapshot with ``guard.memory_snapshot``, and writes the bundle; timed by a callback from
+    its ``on_log`` to its ``on_incident``) and ``diagnose_incident`` replays it under the precise tools;
+    both are divided by the median step.
 (c) A short run under ``torch.autograd.detect_anomaly()`` against the plain run (what users do today
     to find a NaN, for the whole job).
 
 Timing follows bench/overhead.py: each Trainer runs ``fit()`` in lockstep with a hand-written bare
-loop (one bare step beside each built-in step, its time taken off the built-in clock), so load from
-other processes on a shared machine hits both alike; each variant's time is normalized by the bare
-steps it ran beside, per log interval, and variants alternate round by round. The ratio of two
-variants is the ratio of their median normalized times. One-time setup and checkpoints are off the
-clock (as in bench/overhead.py); (c) also prints the whole-run wall ratio with setup included.
+loop (a callback runs one bare step beside each built-in step, its time taken off the built-in clock),
+so load from other processes on a shared machine hits both alike; each variant's time is normalized
+by the bare steps it ran beside, per log interval, and variants alternate round by round. The ratio
+of two variants is the ratio of their median normalized times. One-time setup and checkpoints are off
+the clock (as in bench/overhead.py); (c) also prints the whole-run wall ratio with setup included.
+Only public surface is used: callbacks, ``trainer.guard``, ``trainer.step_fn``, ``trainer.cfg``.
 
     python bench/sentinel.py                  # (a), (b) and (c) on gpt, about 3-4 minutes on 2 CPU cores
     python bench/sentinel.py --parts a --rounds 10
+    python bench/sentinel.py --quick          # smoke run (smaller gpt, few blocks), not a measurement
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from overhead import (  # bench/ is the script's directory
+    QUICK_ARGS,
     BareLoop,
     load_average,
     lockstep_round,
@@ -48,6 +55,7 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from stabletrain import Trainer, load_config, resolve_task
+from stabletrain.callbacks import Callback, FitState
 from stabletrain.data import EpochOrder
 from stabletrain.incidents import diagnose_incident
 
@@ -112,60 +120,77 @@ def ratio_line(out: dict[str, dict[str, Any]], a: str, b: str) -> tuple[float, s
 # -- (a) ---------------------------------------------------------------------------------------
 
 
-def part_a(task: Any, rounds: int, warmup: int, steps: int, tmp: Path) -> float:
+def part_a(task: Any, rounds: int, warmup: int, steps: int, tmp: Path, overrides: list[str] = ()) -> float:
     variants = [Variant("sentinel"),
                 Variant("without", ["guard.check_params=false", "guard.capture=false"], patch=without_sentinel)]
-    out = compare(task, ["task=gpt"], variants, rounds, warmup, steps, tmp)
+    out = compare(task, ["task=gpt", *overrides], variants, rounds, warmup, steps, tmp)
     ratio, detail = ratio_line(out, "sentinel", "without")
     print(f"(a) {detail}")
     print(f"sentinel overhead: ratio {ratio:.3f} (target <= 1.01)  [{load_average()}]", flush=True)
     return statistics.median(out["sentinel"]["builtin"])
 
 
-def part_a_paired(task: Any, blocks: int, warmup: int, tmp: Path) -> float:
+class SentinelToggle(Callback):
+    """Switch the sentinel on and off from one log interval to the next and time each interval.
+
+    Appended after the built-in callbacks: its ``on_log`` runs after the sinks wrote, so an interval is
+    timed from one ``on_log`` to the next (its steps and its log), and the mode it sets holds for the
+    next interval's steps. Checkpoints (from this ``on_log`` to ``on_checkpoint`` at the same boundary)
+    are taken off the clock, as in bench/overhead.py.
+    """
+
+    def __init__(self, trainer: Trainer, warmup: int) -> None:
+        self.trainer, self.warmup = trainer, warmup
+        self.real_observe = trainer.guard.observe
+        without_sentinel(trainer)
+        self.const_observe = trainer.guard.observe
+        self.k, self.last, self.mark, self.excluded = 0, 0.0, 0.0, 0.0
+        self.times: list[tuple[bool, float]] = []
+
+    @staticmethod
+    def on_for(k: int) -> bool:
+        return k % 4 in (0, 3)  # ABBA: on, off, off, on
+
+    def set_mode(self, on: bool) -> None:
+        t = self.trainer
+        t.guard.observe = self.real_observe if on else self.const_observe
+        t.step_fn.check_params = on  # the step's post-update parameter check (guard.check_params at build time)
+        t.cfg.guard.capture = on  # read at each boundary (the in-memory snapshot when guard.memory_snapshot is on)
+
+    def on_fit_start(self, state: FitState) -> None:
+        self.set_mode(True)
+        self.last = self.mark = time.perf_counter()
+
+    def on_log(self, state: FitState, record: dict[str, Any], rows: list[Any]) -> None:
+        self.mark = time.perf_counter()
+        now = self.mark - self.excluded
+        if state.step > self.warmup:
+            self.times.append((self.on_for(self.k), now - self.last))
+            self.k += 1
+        self.last = now
+        self.set_mode(self.on_for(self.k))
+
+    def on_checkpoint(self, state: FitState, info: dict[str, Any]) -> None:
+        self.excluded += time.perf_counter() - self.mark
+
+
+def part_a_paired(task: Any, blocks: int, warmup: int, tmp: Path, overrides: list[str] = ()) -> float:
     """The same Trainer with the sentinel switched on and off from one log interval to the next.
 
     Intervals run in ABBA blocks (on, off, off, on): neighbours see the same machine load and neither
     mode always comes first. Each block gives one ratio (on time / off time over its four
     intervals); the median over blocks isolates the sentinel: ``guard.observe``, the post-update
-    parameter check and the interval's incident snapshot. Returns the median step time with it on.
+    parameter check (and, with ``guard.memory_snapshot``, the interval's incident snapshot). Returns
+    the median step time with it on.
     """
-    every = load_config(None, ["task=gpt"]).log.every
-    cfg = load_config(None, ["task=gpt", "log.progress=false", "run.overwrite=true",
+    every = load_config(None, ["task=gpt", *overrides]).log.every
+    cfg = load_config(None, ["task=gpt", *overrides, "log.progress=false", "run.overwrite=true",
                              f"train.max_steps={warmup + 4 * blocks * every + every}"])
     trainer = make_trainer(task, copy.deepcopy(task.model), cfg, tmp / "paired")
-    real_observe = trainer.guard.observe
-    without_sentinel(trainer)
-    const_observe = trainer.guard.observe
-    real_capture = trainer._capture_point
-    state: dict[str, Any] = {"k": 0, "kept": None, "last": None}
-    times: list[tuple[bool, float]] = []
-
-    def on_for(k: int) -> bool:
-        return k % 4 in (0, 3)
-
-    def set_mode(on: bool) -> None:
-        trainer.guard.observe = real_observe if on else const_observe
-        trainer.cfg.guard.check_params = trainer.cfg.guard.capture = on
-
-    def capture_point() -> Any:
-        on = on_for(state["k"])
-        if on:
-            trainer._snapshot = state["kept"]  # the snapshot's buffers live on across off intervals
-        snap = real_capture()
-        if on:
-            state["kept"] = snap
-        now = time.perf_counter()
-        if state["last"] is not None and trainer.step > warmup:
-            times.append((on, now - state["last"]))
-            state["k"] += 1
-        state["last"] = now
-        set_mode(on_for(state["k"]))
-        return snap
-
-    trainer._capture_point = capture_point
-    set_mode(True)
+    toggle = SentinelToggle(trainer, warmup)
+    trainer.callbacks.append(toggle)
     trainer.fit()
+    times = toggle.times
     ratios = []
     for i in range(0, len(times) - 3, 4):
         block = times[i:i + 4]
@@ -175,7 +200,7 @@ def part_a_paired(task: Any, blocks: int, warmup: int, tmp: Path) -> float:
     on = [t for m, t in times if m]
     off = [t for m, t in times if not m]
     ratio = statistics.median(ratios)
-    q = statistics.quantiles(ratios, n=4)
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratio] * 3
     print(f"(a) one run, sentinel on/off in {len(ratios)} ABBA blocks of log intervals; median step with sentinel "
           f"{statistics.median(on) / every * 1e3:.2f} ms, without {statistics.median(off) / every * 1e3:.2f} ms")
     print(f"sentinel overhead: ratio {ratio:.4f} (target <= 1.01); block ratios quartiles "
@@ -207,8 +232,33 @@ def weighted_lm_loss(model: nn.Module, batch: tuple[Tensor, Tensor, Tensor]) -> 
     return (per_token.sum(1) * w).sum(), y.numel()
 
 
-def part_b(task: Any, step_s: float | None, tmp: Path, bad_step: int = 15, repeats: int = 3) -> None:
-    cfg = load_config(None, ["task=gpt", "train.max_steps=20", "run.overwrite=true", "guard.diagnose=false"])
+class IncidentClock(Callback):
+    """Stamp each step's end, and time the incident capture: from this ``on_log`` to its ``on_incident``.
+
+    Appended after the built-in callbacks, so between the two hooks at a boundary runs only the
+    built-in ``on_incident``: the recorder's capture (replay + bundle; diagnosis off in this run).
+    """
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+        self.capture_s: list[float] = []
+        self.infos: list[dict[str, Any]] = []
+        self.mark = 0.0
+
+    def on_step_end(self, state: FitState, out: dict[str, Any]) -> None:
+        self.stamps.append(time.perf_counter())
+
+    def on_log(self, state: FitState, record: dict[str, Any], rows: list[Any]) -> None:
+        self.mark = time.perf_counter()
+
+    def on_incident(self, state: FitState, info: dict[str, Any]) -> None:
+        self.capture_s.append(time.perf_counter() - self.mark)
+        self.infos.append(dict(info))
+
+
+def part_b(task: Any, step_s: float | None, tmp: Path, bad_step: int = 15, repeats: int = 3,
+           overrides: list[str] = ()) -> None:
+    cfg = load_config(None, ["task=gpt", *overrides, "train.max_steps=20", "run.overwrite=true", "guard.diagnose=false"])
     order = EpochOrder(len(task.train_data), cfg.train.batch_size, cfg.seed, cfg.data.shuffle)
     bad_index = order.micro_batches(0)[bad_step - 1][3]  # the 4th sample of step `bad_step`'s batch
     nan_task = copy.copy(task)
@@ -216,25 +266,13 @@ def part_b(task: Any, step_s: float | None, tmp: Path, bad_step: int = 15, repea
     nan_task.train_data = WeightedChunks(task.train_data, bad_index)
     nan_task.loss = weighted_lm_loss
     nan_task.val_data = None
-    trainer = Trainer(cfg, task=nan_task, run_dir=tmp / "nan")
-    stamps: list[float] = []
-    capture_s: list[float] = []
-    inner_step, inner_capture = trainer.train_step, trainer._capture_incident
-
-    def train_step(window: Any) -> Any:
-        stamps.append(time.perf_counter())
-        return inner_step(window)
-
-    def capture(*args: Any, **kwargs: Any) -> None:
-        t0 = time.perf_counter()
-        inner_capture(*args, **kwargs)
-        capture_s.append(time.perf_counter() - t0)
-
-    trainer.train_step, trainer._capture_incident = train_step, capture
+    clock = IncidentClock()
+    trainer = Trainer(cfg, task=nan_task, run_dir=tmp / "nan", callbacks=[clock])
     trainer.fit()
     incident = tmp / "nan" / "incidents" / f"step_{bad_step:06d}"
-    if not (incident / "bundle.pt").exists():
+    if not (incident / "bundle.pt").exists() or not clock.capture_s:
         raise RuntimeError(f"no incident captured at {incident}; events: {(tmp / 'nan' / 'events.jsonl').read_text()}")
+    stamps = clock.stamps
     run_step = statistics.median(b - a for a, b in itertools.pairwise(stamps[2:bad_step - 1]))
     step = step_s if step_s is not None else run_step
     times, diagnosis = [], {}
@@ -249,8 +287,8 @@ def part_b(task: Any, step_s: float | None, tmp: Path, bad_step: int = 15, repea
           f"reproduces={diagnosis.get('reproduces')} -> {'correct' if found and bad_index in found else 'NOT the planted sample'}")
     print(f"    median step {step * 1e3:.2f} ms ({'from (a)' if step_s is not None else 'from this run'}; "
           f"this run's healthy steps {run_step * 1e3:.2f} ms)")
-    print(f"    capture (replay from LAST_GOOD or the in-memory snapshot, + bundle write): {capture_s[0]:.2f} s = "
-          f"{capture_s[0] / step:.1f} steps")
+    print(f"    capture (replay from LAST_GOOD or the in-memory snapshot, + bundle write): {clock.capture_s[0]:.2f} s = "
+          f"{clock.capture_s[0] / step:.1f} steps")
     print(f"diagnosis cost: {diag:.2f} s = {diag / step:.1f} median steps "
           f"(median of {repeats}: {', '.join(f'{t:.2f}' for t in times)} s)  [{load_average()}]", flush=True)
 
@@ -258,11 +296,11 @@ def part_b(task: Any, step_s: float | None, tmp: Path, bad_step: int = 15, repea
 # -- (c) ---------------------------------------------------------------------------------------
 
 
-def part_c(task: Any, rounds: int, warmup: int, steps: int, tmp: Path) -> None:
+def part_c(task: Any, rounds: int, warmup: int, steps: int, tmp: Path, overrides: list[str] = ()) -> None:
     variants = [Variant("plain"), Variant("anomaly", fit_context=torch.autograd.detect_anomaly)]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
-        out = compare(task, ["task=gpt"], variants, rounds, warmup, steps, tmp)
+        out = compare(task, ["task=gpt", *overrides], variants, rounds, warmup, steps, tmp)
     ratio, detail = ratio_line(out, "anomaly", "plain")
     # Whole run, setup and checkpoints included, normalized by the bare steps it ran beside.
     whole = [fa / ba for fa, ba in zip(out["anomaly"]["fit_s"], out["anomaly"]["bare_step"])]
@@ -280,20 +318,25 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=50, help="ABBA blocks of log intervals in (a)")
     ap.add_argument("--lockstep", action="store_true", help="also run (a) as separate runs beside a bare loop")
     ap.add_argument("--steps", type=int, default=30, help="timed steps per round of (a), a multiple of log.every")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run: a smaller gpt, 2 ABBA blocks, 1 round of (c), 1 diagnosis (not a measurement)")
     args = ap.parse_args()
+    overrides = QUICK_ARGS["gpt"] if args.quick else []
+    if args.quick:
+        args.rounds, args.warmup, args.blocks, args.steps = 2, 5, 2, 10
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {load_average()}", flush=True)
-    cfg = load_config(None, ["task=gpt"])
+    cfg = load_config(None, ["task=gpt", *overrides])
     task = resolve_task(cfg.task, cfg.task_args)
     step_s = None
     with tempfile.TemporaryDirectory() as tmp:
         if "a" in args.parts:
-            step_s = part_a_paired(task, args.blocks, args.warmup, Path(tmp) / "a")
+            step_s = part_a_paired(task, args.blocks, args.warmup, Path(tmp) / "a", overrides)
             if args.lockstep:
-                part_a(task, args.rounds, args.warmup, args.steps, Path(tmp) / "a")
+                part_a(task, args.rounds, args.warmup, args.steps, Path(tmp) / "a", overrides)
         if "b" in args.parts:
-            part_b(task, step_s, Path(tmp) / "b")
+            part_b(task, step_s, Path(tmp) / "b", repeats=1 if args.quick else 3, overrides=overrides)
         if "c" in args.parts:
-            part_c(task, max(args.rounds // 2, 1), args.warmup, 20, Path(tmp) / "c")
+            part_c(task, max(args.rounds // 2, 1), args.warmup, 10 if args.quick else 20, Path(tmp) / "c", overrides)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,14 @@ class HalfLinear(nn.Module):
         return self.fc(x.half()).float()
 
 
+class MaskedLog2(nn.Module):
+    """``where(x > 2, log2(x), 2x)``: at x = 0 log2 gives -inf that the where masks out of the output, but
+    the masked branch still gets a zero gradient, and Log2Backward0's 0 / (0 ln 2) is NaN."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.where(x > 2, torch.log2(x), 2 * x)
+
+
 def _batch(n: int = 8, dim: int = 8, seed: int = 0) -> Tensor:
     return torch.randn(n, dim, generator=torch.Generator().manual_seed(seed))
 
@@ -83,6 +91,18 @@ def zero_std() -> tuple[nn.Module, Tensor]:
         model.layers[0].weight.zero_()
         model.layers[0].bias.fill_(0.5)
     return model, _batch()
+
+
+def masked_log2(zero_row: int = 5) -> tuple[nn.Module, Tensor]:
+    """Fault at ``layers.1`` (forward aten.log2, masked; NaN in backward at Log2Backward0): inputs in [0, 4),
+    sample ``zero_row`` all zeros; ``layers.0`` is an identity Linear so that the inputs have a gradient."""
+    torch.manual_seed(0)
+    x = torch.rand(8, 8, generator=torch.Generator().manual_seed(0)) * 4
+    x[zero_row] = 0.0
+    model = Stack(nn.Linear(8, 8, bias=False), MaskedLog2(), nn.Linear(8, 4))
+    with torch.no_grad():
+        model.layers[0].weight.copy_(torch.eye(8))
+    return model, x
 
 
 def fp16_overflow() -> tuple[nn.Module, Tensor]:

@@ -111,3 +111,73 @@ def nan_sample_task(bad_index: int = 37, n: int = 64) -> Task:
     x[bad_index, 1] = float("nan")
     task.train_data = TensorDataset(x, y)
     return task
+
+
+from stabletrain.callbacks import Callback  # noqa: E402  (below the tasks: the callbacks used by tests)
+
+
+class HookLog(Callback):
+    """Record every hook as (hook, step); its state (a counter of steps seen) round-trips through checkpoints."""
+
+    instances: list["HookLog"] = []
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+        self.steps_seen = 0
+        HookLog.instances.append(self)
+
+    def on_fit_start(self, state):
+        self.calls.append(("fit_start", state.step))
+
+    def on_step_end(self, state, out):
+        self.steps_seen += 1
+        self.calls.append(("step_end", state.step))
+
+    def on_log(self, state, record, rows):
+        self.calls.append(("log", record["step"]))
+
+    def on_incident(self, state, info):
+        self.calls.append(("incident", info["step"]))
+
+    def on_checkpoint(self, state, info):
+        self.calls.append(("checkpoint:" + info["kind"], info["step"]))
+
+    def on_resume(self, state, info):
+        self.calls.append(("resume", info["step"]))
+
+    def on_rollback(self, state, info):
+        self.calls.append(("rollback", info["to_step"]))
+
+    def on_stop(self, state, reason):
+        self.calls.append(("stop", state.step))
+
+    def on_fit_end(self, state, record):
+        self.calls.append(("fit_end", state.step))
+
+    def state_dict(self):
+        return {"steps_seen": self.steps_seen}
+
+    def load_state_dict(self, state):
+        self.steps_seen = int(state["steps_seen"])
+
+
+class SignalAtStep(Callback):
+    """Send this process SIGTERM ``count`` times at the end of step ``step`` (env STABLETRAIN_TEST_SIGNAL="step:count").
+
+    Deterministic: the handler runs before the hook returns, so the first signal lands after exactly that
+    step, and a second one arrives while the run is still inside it (not a sleep hoping to hit a step).
+    """
+
+    def __init__(self) -> None:
+        import os
+
+        step, count = os.environ.get("STABLETRAIN_TEST_SIGNAL", "3:1").split(":")
+        self.step, self.count = int(step), int(count)
+
+    def on_step_end(self, state, out):
+        import os
+        import signal
+
+        if state.step == self.step:
+            for _ in range(self.count):
+                os.kill(os.getpid(), signal.SIGTERM)

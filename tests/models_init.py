@@ -71,3 +71,66 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+class RNNModel(nn.Module):
+    """pytorch/examples word_language_model's model: encoder, a recurrent module, and a decoder.
+
+    As in the example: one Dropout module used twice (on the embedding and on the RNN's output), the
+    sequence dimension first, an optionally tied decoder, and its own ``init_weights`` (encoder and
+    decoder uniform in [-0.1, 0.1], decoder bias 0; the LSTM keeps PyTorch's default init).
+    """
+
+    def __init__(self, rnn_type: str = "LSTM", ntoken: int = 100, ninp: int = 32, nhid: int = 32, nlayers: int = 2,
+                 dropout: float = 0.2, tie_weights: bool = False) -> None:
+        super().__init__()
+        self.ntoken, self.rnn_type, self.nhid, self.nlayers = ntoken, rnn_type, nhid, nlayers
+        self.drop = nn.Dropout(dropout)
+        self.encoder = nn.Embedding(ntoken, ninp)
+        self.rnn = getattr(nn, rnn_type)(ninp, nhid, nlayers, dropout=dropout)
+        self.decoder = nn.Linear(nhid, ntoken)
+        if tie_weights:
+            if nhid != ninp:
+                raise ValueError("When using the tied flag, nhid must be equal to emsize")
+            self.decoder.weight = self.encoder.weight
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        initrange = 0.1
+        nn.init.uniform_(self.encoder.weight, -initrange, initrange)
+        nn.init.zeros_(self.decoder.bias)
+        nn.init.uniform_(self.decoder.weight, -initrange, initrange)
+
+    def forward(self, input: Tensor, hidden):
+        emb = self.drop(self.encoder(input))
+        output, hidden = self.rnn(emb, hidden)
+        output = self.drop(output)
+        decoded = self.decoder(output).view(-1, self.ntoken)
+        return F.log_softmax(decoded, dim=1), hidden
+
+    def init_hidden(self, bsz: int):
+        weight = next(self.parameters())
+        if self.rnn_type == "LSTM":
+            return (weight.new_zeros(self.nlayers, bsz, self.nhid), weight.new_zeros(self.nlayers, bsz, self.nhid))
+        return weight.new_zeros(self.nlayers, bsz, self.nhid)
+
+
+def lm_batch(ntoken: int = 100, seq_len: int = 35, num: int = 20, seed: int = 1) -> Tensor:
+    """Return a fixed (num, seq_len + 1) batch of random token ids."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, ntoken, (num, seq_len + 1), generator=g)
+
+
+def lm_loss(model: RNNModel, batch: Tensor):
+    """word_language_model's loss on a (batch, seq_len + 1) tensor of token ids, as (sum, count) over tokens."""
+    data, target = batch[:, :-1].t(), batch[:, 1:].t()  # the example's layout: sequence first
+    output, _ = model(data, model.init_hidden(data.shape[1]))
+    return F.nll_loss(output, target.reshape(-1), reduction="sum"), target.numel()
+
+
+def make_lm_task(tie_weights: bool = False, rnn_type: str = "LSTM"):
+    """word_language_model as a stabletrain task: 64 random sequences of 36 tokens, ``lm_loss``."""
+    from stabletrain.tasks import Task
+
+    model = RNNModel(rnn_type, ntoken=100, ninp=32, nhid=32, nlayers=2, dropout=0.2, tie_weights=tie_weights)
+    return Task(model=model, train_data=list(lm_batch(num=64)), loss=lm_loss, count_unit="tokens")

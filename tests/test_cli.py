@@ -54,7 +54,7 @@ def test_tensorboard_files_hold_the_scalars(tmp_path):
 @pytest.mark.parametrize("args, needle", [
     (["train", "optim.lrr=1"], "unknown config key 'optim.lrr'"),
     (["train", "task=mlp", "train.batch_size=zero"], "config key 'train.batch_size': expected an integer, got 'zero'"),
-    (["train", "task=mlp", "precision=fp16"], "fp16 needs a CUDA device"),
+    (["train", "task=mlp", "device=cuda"], "CUDA is not available on this machine"),
     (["train", "task=nosuchmodule:make"], "cannot import module 'nosuchmodule'"),
     (["train", "task=mlp", "task_args.wdith=3"], "unknown config key 'task_args.wdith'"),
     (["train", "--config", "/nonexistent.yaml"], "config file '/nonexistent.yaml': cannot read it"),
@@ -98,3 +98,75 @@ def test_amp_check_flags_a_half_model():
     result = json.loads(res.stdout)[0]
     assert result["numbers"]["half_params"] > 0
     assert any("cast wholesale" in d for d in result["details"])
+
+
+# -- task_args are checked and listed; every subcommand describes itself ------------------------------
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("task_args.depth=abc", "config key 'task_args.depth': expected an integer, got 'abc'"),
+    ("task_args.dropout=high", "config key 'task_args.dropout': expected a number, got 'high'"),
+    ("task_args.activation=swish", "config key 'task_args.activation': expected one of relu, tanh, gelu, got 'swish'"),
+])
+def test_builtin_task_args_are_type_checked_like_config_keys(override, needle, tmp_path):
+    # Before: "'<' not supported between instances of 'str' and 'int'" from inside make_mlp.
+    res = run("train", "task=mlp", override, "log.progress=false", f"run.dir={tmp_path / 'r'}")
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip() == f"stabletrain: error: {needle}"
+
+
+def test_task_args_are_converted_to_the_factory_types():
+    from stabletrain.tasks import TaskError, resolve_task, task_arguments
+
+    task = resolve_task("mlp", {"depth": 2.0, "width": 8, "num_samples": 64})  # an integral float is an integer
+    assert [m.out_features for m in task.model if hasattr(m, "out_features")] == [8, 10]
+    with pytest.raises(TaskError, match=r"^config key 'task_args.depth': expected an integer, got 2.5$"):
+        resolve_task("mlp", {"depth": 2.5})
+    with pytest.raises(TaskError, match=r"^config key 'task_args.n_layer': expected an integer, got True$"):
+        resolve_task("gpt", {"n_layer": True})
+    # A user factory is checked by its annotations, or by its defaults' types where it has none.
+    args = {a.name: a for a in task_arguments("helpers:make_user_task")}
+    assert all(a.annotation is not None for a in args.values())
+
+
+def test_tasks_lists_every_builtin_argument_with_type_default_and_meaning(capsys):
+    from stabletrain.cli import main
+    from stabletrain.tasks import BUILTIN_TASKS, task_arguments
+
+    assert main(["tasks"]) == 0
+    sections = capsys.readouterr().out.strip().split("\n\n")
+    assert sections[0].startswith("task=gpt: The default task: a byte-level GPT on the standard library's sources.")
+    assert len(sections) == len(BUILTIN_TASKS)
+    for spec, section in zip(BUILTIN_TASKS, sections):
+        head, *rows = section.splitlines()
+        assert head.startswith(f"task={spec}: ")
+        args = task_arguments(spec)
+        assert len(rows) == len(args)
+        for arg, row in zip(args, rows):
+            assert row.split()[0] == f"task_args.{arg.name}" and arg.help and row.endswith(arg.help)
+            assert f"  {arg.type_text}  " in row and f"  {arg.default}  " in row
+    assert "  task_args.activation   relu | tanh | gelu  relu  the activation between the Linear layers." in sections[1]
+    assert main(["tasks", "mlp"]) == 0 and capsys.readouterr().out.startswith("task=mlp: ")
+
+
+def _help(capsys, *args: str) -> str:
+    from stabletrain.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([*args, "--help"])
+    assert exit_.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_check_report_and_compare_help_say_what_they_do_and_write(capsys):
+    from stabletrain.checks import CHECKS
+
+    lines = _help(capsys, "check").splitlines()
+    for name, fn in CHECKS.items():  # every check, with the first line of its docstring
+        first = fn.__doc__.strip().splitlines()[0].replace("``", "")
+        assert any(line.split()[:1] == [name] and first in line for line in lines), name
+    out = " ".join(_help(capsys, "report").split())
+    assert "Write RUN_DIR/report.html" in out and "RUN_DIR/plots/NAME.png" in out
+    out = " ".join(_help(capsys, "compare").split())
+    assert "Write one self-contained HTML page comparing two or more runs" in out and "default: the first run's directory, RUN_DIR/compare.html" in out
+    assert "task_args.NAME=VALUE" in " ".join(_help(capsys, "tasks").split())

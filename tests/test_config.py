@@ -1,9 +1,31 @@
 """Config: YAML + dotted overrides, every default written out, errors naming the dotted key and value."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import yaml
 
-from stabletrain.config import Config, ConfigError, config_from_dict, config_to_dict, describe_keys, load_config
+import stabletrain
+from stabletrain.config import (
+    ABSENT,
+    RESUME_SAFE_KEYS,
+    AccumConfig,
+    Config,
+    ConfigError,
+    OptimConfig,
+    TrainConfig,
+    config_from_dict,
+    config_to_dict,
+    describe_keys,
+    diff_configs,
+    flatten_config,
+    format_config_diff,
+    load_config,
+    resume_refusal_message,
+    resume_safe_text,
+)
 
 
 def test_defaults_and_overrides(tmp_path):
@@ -62,3 +84,120 @@ def test_every_key_is_described():
                 "clip.max_norm", "optim.lr", "optim.weight_decay", "sched.warmup_steps", "log.every", "eval.every", "run.dir"]:
         assert key in keys
     assert all(help_text for _, _, help_text in rows)
+
+
+def test_a_yaml_file_reads_exponent_numbers_as_floats(tmp_path):
+    # PyYAML (YAML 1.1) reads 3e-4 as the string "3e-4"; the command line reads it as a number, so does a file.
+    path = tmp_path / "my.yaml"
+    path.write_text("optim:\n  lr: 3e-4\n  eps: 1E-6\ntask_args:\n  scale: -2e3\n  name: 1e\n")
+    cfg = load_config(path)
+    assert cfg.optim.lr == 3e-4 and isinstance(cfg.optim.lr, float) and cfg.optim.eps == 1e-6
+    assert cfg.task_args == {"scale": -2000.0, "name": "1e"}
+    assert load_config(None, ["optim.lr=3e-4"]).optim.lr == cfg.optim.lr
+    path.write_text("optim:\n  lr: '3e-4'\n")  # quoted: a string, said so
+    with pytest.raises(ConfigError, match="config key 'optim.lr': expected a number, got '3e-4'"):
+        load_config(path)
+
+
+def test_a_yaml_syntax_error_names_the_file_line_and_column(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("seed: 1\noptim:\n  lr: [1, 2\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(bad)
+    message = str(err.value)
+    assert message.startswith(f"config file {str(bad)!r}: not valid YAML at line 4, column 1: ")
+    assert "\n" not in message
+    with pytest.raises(ConfigError, match=r"override 'optim.lr=\[1,': not valid YAML at line 1, column 4"):
+        load_config(None, ["optim.lr=[1,"])
+
+
+@pytest.mark.parametrize("cfg, message", [
+    (lambda: Config(accum=AccumConfig(steps=0)), "config key 'accum.steps': expected an integer >= 1, got 0"),
+    (lambda: Config(optim=OptimConfig(lr="x")), "config key 'optim.lr': expected a number, got 'x'"),
+    (lambda: Config(train=TrainConfig(batch_size=2.5)), "config key 'train.batch_size': expected an integer, got 2.5"),
+    (lambda: Config(precision="fp8"), "config key 'precision': expected one of auto, fp32, bf16, fp16, got 'fp8'"),
+    (lambda: Config(optim={"lr": 1.0}), "config key 'optim': expected a section (OptimConfig), got {'lr': 1.0}"),
+    (lambda: Config(callbacks="mod:Cls"), "config key 'callbacks': expected a list"),
+    (lambda: Config(callbacks=["mod:Cls", 3]), "config key 'callbacks[1]': expected a string, got 3"),
+])
+def test_validate_checks_a_config_built_in_python(cfg, message):
+    with pytest.raises(ConfigError) as err:
+        cfg().validate()
+    assert message in str(err.value)
+
+
+def test_validate_normalizes_and_returns_the_config():
+    cfg = Config(optim=OptimConfig(lr=1), callbacks=("a.b:C",))
+    assert cfg.validate() is cfg
+    assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float) and cfg.callbacks == ["a.b:C"]
+    assert Config().validate() == Config()
+
+
+def test_optimizer_keys():
+    cfg = load_config(None, ["optim.name=sgd", "optim.lr=20", "optim.momentum=0.9", "optim.nesterov=true"])
+    assert (cfg.optim.name, cfg.optim.lr, cfg.optim.momentum, cfg.optim.nesterov) == ("sgd", 20.0, 0.9, True)
+    assert load_config(None, []).optim.name == "adamw"
+    for overrides, message in [
+        (["optim.name=lion"], "config key 'optim.name': expected one of adamw, adam, sgd, got 'lion'"),
+        (["optim.name=sgd", "optim.nesterov=true"], "config key 'optim.nesterov': Nesterov momentum needs optim.momentum > 0"),
+        (["optim.momentum=0.9"], "config key 'optim.momentum': applies to optim.name=sgd only"),
+        (["optim.name=sgd", "optim.momentum=1.5"], "config key 'optim.momentum': expected a number in [0, 1), got 1.5"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            load_config(None, overrides)
+        assert message in str(err.value), overrides
+
+
+def test_callbacks_key():
+    cfg = load_config(None, ["callbacks=[mypkg.cbs:LogGrads, other:Cb]"])
+    assert cfg.callbacks == ["mypkg.cbs:LogGrads", "other:Cb"] and Config().callbacks == []
+    with pytest.raises(ConfigError, match=r"config key 'callbacks\[0\]': expected 'module:Class'.*got 'LogGrads'"):
+        load_config(None, ["callbacks=[LogGrads]"])
+
+
+# -- flatten, diff and the resume-safe keys --------------------------------------------------------
+
+
+def test_flatten_config():
+    flat = flatten_config(Config(task_args={"depth": 3}, callbacks=["a:B"]))
+    assert list(flat)[:3] == ["task", "task_args.depth", "seed"]
+    assert flat["optim.lr"] == 1e-3 and flat["callbacks"] == ["a:B"] and "train" not in flat
+    assert flatten_config({"a": {}, "b": {"c": (1, 2)}}) == {"b.c": [1, 2]}  # an empty section has no keys ...
+    assert flatten_config({"a": {}, "b": {"c": 1}}, keep_empty=True) == {"a": {}, "b.c": 1}  # ... unless shown
+    assert flatten_config({}) == {}
+
+
+def test_diff_configs_lists_differing_keys_and_ignores_resume_safe_ones():
+    saved = load_config(None, ["task=gpt", "task_args.n_layer=2"])
+    current = load_config(None, ["task=gpt", "optim.lr=3e-4", "train.max_steps=900", "log.every=5",
+                                 "eval.every=7", "run.dir=elsewhere", "task_args.n_head=2", "callbacks=[a:B]"])
+    diffs = diff_configs(config_to_dict(saved), current)  # plain dicts and Config objects both work
+    assert [(d.key, d.saved, d.current) for d in diffs] == [
+        ("task_args.n_layer", 2, ABSENT), ("optim.lr", 1e-3, 3e-4), ("task_args.n_head", ABSENT, 2)]
+    text = format_config_diff(diffs)
+    assert text.splitlines()[0] == "3 config keys differ from the checkpoint's:"
+    assert text.splitlines()[2] == "  optim.lr           checkpoint: 0.001  now: 0.0003"
+    assert text.splitlines()[3] == "  task_args.n_head   checkpoint: (absent)  now: 2"
+    assert diff_configs(saved, saved) == [] and format_config_diff([]) == ""
+    assert diff_configs(saved, current, safe=("optim", "task_args.*", "callbacks")) == [
+        ("train.max_steps", 300, 900), ("log.every", 10, 5), ("eval.every", 100, 7), ("run.dir", None, "elsewhere")]
+    assert stabletrain.diff_configs is diff_configs
+
+
+def test_help_readme_and_refusal_print_the_same_resume_safe_keys():
+    listed = resume_safe_text()
+    assert listed == ", ".join(RESUME_SAFE_KEYS) and "train.max_steps" in listed and "callbacks" in listed
+
+    def words(text: str) -> str:
+        return " ".join(text.split())  # help and README wrap lines
+
+    help_text = subprocess.run([sys.executable, "-m", "stabletrain", "train", "--help"], capture_output=True, text=True,
+                               timeout=120, check=True).stdout
+    assert f"only these keys may change on resume: {listed}" in words(help_text)
+    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    assert f"only these keys may change on resume: {resume_safe_text(code=True)}" in words(readme)
+    diffs = diff_configs(Config(), load_config(None, ["optim.lr=0.5", "accum.steps=2"]))
+    message = resume_refusal_message("runs/a", diffs)
+    assert message.startswith("resume 'runs/a': 2 config keys differ from the checkpoint's "
+                              "(accum.steps: checkpoint 1, now 2; optim.lr: checkpoint 0.001, now 0.5); ")
+    assert f"only these keys may change on resume: {listed}." in message and "\n" not in message

@@ -62,6 +62,21 @@ def test_sqrt_fault_names_the_zero_sample_and_its_forward_line():
     assert "at sample 45" in d["summary"]
 
 
+def test_masked_inf_says_it_never_reached_the_output_and_where_backward_made_it_nan():
+    model, x = faults.masked_log2(zero_row=5)
+    d = diagnose(model, x, indices=list(range(40, 48)))
+    assert (d["stage"], d["op"], d["direction"], d["module"], d["kind"]) == (
+        "activations", "aten.log2.default", "forward", "layers.1", "inf")
+    assert (d["masked_in_forward"], d["backward_node"], d["backward_op"]) == (True, "Log2Backward0", "aten.div.Tensor")
+    assert d["first_nonfinite_param"] == "layers.0.weight" and d["bad_samples"] == [45]
+    assert ("aten.log2.default in forward of module 'layers.1' (origin: inputs finite); this inf was masked out in "
+            "forward (it never reached the output of module 'layers.1') and became NaN only in backward, at aten.div.Tensor "
+            "in Log2Backward0") in d["summary"]
+    unmasked = diagnose(*faults.log_of_zero(), bisect=False, anomaly=False)
+    assert (unmasked["masked_in_forward"], unmasked["backward_node"]) == (False, None)
+    assert "masked" not in unmasked["summary"]
+
+
 def test_zero_std_blames_every_sample_not_the_data():
     model, x = faults.zero_std()
     d = diagnose(model, x)

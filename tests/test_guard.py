@@ -169,7 +169,7 @@ def test_guard_state_roundtrip_and_spike_rule_numbers():
     clone = Guard(GuardConfig(spike_window=8), torch.device("cpu"))
     clone.load_state_dict(g.state_dict())
     assert torch.equal(clone.window.nan_to_num(-1), g.window.nan_to_num(-1)) and int(clone.num_seen) == 7
-    with pytest.raises(Exception):
+    with pytest.raises(KeyError, match="window"):
         Guard(GuardConfig(spike_window=8), torch.device("cpu")).load_state_dict({})
 
 

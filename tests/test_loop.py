@@ -5,7 +5,6 @@ import torch
 
 from helpers import cfg
 from stabletrain import Trainer, resolve_task
-from stabletrain.metrics import StepMetrics
 from stabletrain.tasks import TaskError
 
 TIMING = {"tokens_per_s", "samples_per_s", "step_time_s", "peak_memory_mib"}
@@ -69,24 +68,6 @@ def test_user_task_contract_errors():
     assert task.model[0].out_features == 5 and task.name == "regression"
 
 
-def test_step_metrics_reduce_and_state_roundtrip():
-    m = StepMetrics(4, num_params=2, device=torch.device("cpu"))
-    t = torch.tensor
-    for i, (loss, norm, ok) in enumerate([(2.0, 1.0, True), (4.0, float("inf"), False), (3.0, 3.0, True)]):
-        m.update(i + 1, loss=t(loss), grad_norm=t(norm), post_clip_norm=t(min(norm, 2.0)), clipped=t(norm > 2.0 and ok),
-                 applied=t(ok), finite=t(ok), lr=t(0.1), loss_scale=t(1.0), count=t(8.0),
-                 per_param_norms=t([norm, 0.0]), num_samples=8)
-    clone = StepMetrics(4, 2, torch.device("cpu"))
-    clone.load_state_dict(m.state_dict())
-    summary, rows, param_sq = m.reduce()
-    assert summary["loss"] == 3.0 and summary["loss_min"] == 2.0 and summary["loss_max"] == 4.0
-    assert summary["grad_norm"] == 2.0 and summary["grad_norm_max"] == 3.0  # finite steps only
-    assert summary["num_skipped"] == 1 and summary["num_nonfinite"] == 1 and summary["clip_rate"] == pytest.approx(1 / 3)
-    assert [r.step for r in rows] == [1, 2, 3] and param_sq == [10.0, 0.0]
-    assert clone.reduce()[0] == summary
-    assert len(m) == 0
-
-
 def test_an_init_overwritten_before_the_first_step_is_an_event(tmp_path):
     import json
 
@@ -105,3 +86,24 @@ def test_dataloader_workers_are_seeded():
     b, _ = _metrics("data.workers=2", "train.max_steps=12")
     c, _ = _metrics("data.workers=0", "train.max_steps=12")
     assert a == b == c  # the sample order is the host's, whatever the number of workers
+
+
+def test_a_crash_in_the_users_loss_is_recorded_with_the_users_file_and_line(tmp_path):
+    import json
+
+    task = resolve_task("mlp")
+    inner, calls = task.loss, []
+
+    def loss(model, batch):
+        calls.append(1)
+        if len(calls) == 3:
+            x, y, w = batch  # the user's bug: unpacking a 2-tuple into three names
+        return inner(model, batch)
+
+    task.loss = loss
+    with pytest.raises(ValueError, match="not enough values to unpack"):
+        Trainer(cfg("train.max_steps=5", "log.every=5"), task=task, run_dir=tmp_path / "r").fit()
+    events = [json.loads(x) for x in (tmp_path / "r" / "events.jsonl").read_text().splitlines()]
+    crash = events[-1]
+    assert crash["kind"] == "crash" and crash["step"] == 2 and crash["error"] == "ValueError"
+    assert crash["location"].startswith(__file__) and crash["location"].endswith("in loss")

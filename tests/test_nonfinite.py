@@ -39,6 +39,32 @@ def test_planted_fault_is_located_exactly(build, op, direction, module, kind, dt
     assert module in dict(model.named_modules())
 
 
+def test_a_forward_inf_masked_by_where_is_followed_into_backward():
+    # where(x > 2, log2(x), 2x) at x = 0: log2's -inf is the origin, but where drops it, so the module's
+    # output is finite; the NaN appears only in backward, where Log2Backward0 computes 0 / (0 ln 2).
+    model, x = faults.masked_log2()
+    loc = locate(model, x)
+    first = loc.first
+    assert (first.op, first.direction, first.module, first.kind, first.num_nonfinite) == (
+        "aten.log2.default", "forward", "layers.1", "inf", 8)
+    assert first.masked_in_forward is True
+    back = first.backward_op
+    assert (back.op, back.direction, back.autograd_node, back.origin, back.kind, back.num_nonfinite) == (
+        "aten.div.Tensor", "backward", "Log2Backward0", True, "nan", 8)
+    assert first.describe().endswith("; masked out of the module's output in forward, non-finite again in backward "
+                                     "at aten.div.Tensor (Log2Backward0)")
+    assert first.to_dict()["backward_op"]["autograd_node"] == "Log2Backward0"
+    # An unmasked -inf (log of a ReLU's zeros) reaches the module's output: nothing is followed into backward.
+    model, x = faults.log_of_zero()
+    first = locate(model, x).first
+    assert (first.op, first.masked_in_forward, first.backward_op) == ("aten.log.default", False, None)
+    # A bad value made outside any module: no module output to check.
+    model = nn.Linear(8, 4)
+    with NonFiniteLocator(model) as loc:
+        (model(x) * torch.log2(torch.zeros(()))).sum()
+    assert loc.first.op == "aten.log2.default" and loc.first.module is None and loc.first.masked_in_forward is None
+
+
 def test_sqrt_at_zero_is_finite_in_forward():
     model, x = faults.sqrt_at_zero()
     with NonFiniteLocator(model) as loc:

@@ -268,7 +268,7 @@ def test_not_a_run_directory_is_a_clear_error(tmp_path):
 
 def test_compare_two_real_runs(real_run, other_run, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    out = write_compare([real_run, other_run])
+    out = write_compare([real_run, other_run], tmp_path)  # a directory: DIR/compare.html
     assert out == tmp_path / "compare.html"
     page = out.read_text(encoding="utf-8")
 
@@ -287,7 +287,7 @@ def test_compare_two_real_runs(real_run, other_run, tmp_path, monkeypatch):
         with Image.open(tmp_path / "compare_plots" / f"{key}.png") as im:
             assert im.width > 2 * im.height  # two panels side by side
     assert page.count('src="data:image/png;base64,') == len(COMPARE_METRICS)
-    assert "by tokens seen" in page and "<script" not in page
+    assert "by samples seen" in page and "<script" not in page  # mlp's loss counts samples
     # The summary row states each run's skipped steps.
     assert re.search(r"<td class=\"\">skipped steps</td><td class=\"num\">2</td><td class=\"num\">0</td>", page)
 

@@ -22,14 +22,14 @@ ARGS = ["task=helpers:slow_mlp_task", "task_args.num_samples=192", "task_args.dr
         "log.progress=false", "data.shuffle=true"]
 
 
-def _env():
-    return {**os.environ, "PYTHONPATH": str(TESTS) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+def _env(**extra):
+    return {**os.environ, "PYTHONPATH": str(TESTS) + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra}
 
 
-def _start(run_dir, *extra, resume=False):
+def _start(run_dir, *extra, resume=False, env=None):
     cmd = [sys.executable, "-m", "stabletrain", "train", *ARGS, *extra]
     cmd += ["--resume", str(run_dir)] if resume else [f"run.dir={run_dir}"]
-    return subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _steps_logged(run_dir):
@@ -93,6 +93,14 @@ def test_sigkill_at_random_steps_then_resume_is_bitwise_equal(tmp_path, precisio
     _assert_bitwise(_final_state(run_dir), expected)
     events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
     assert sum(e["kind"] == "resume" for e in events) == 2
+    # Each step once in metrics.jsonl and TensorBoard, though the steps after each checkpoint were trained twice.
+    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert steps == list(range(1, 16))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tb"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 16))
 
 
 def test_sigterm_finishes_the_step_checkpoints_and_exits_0_then_resumes_exactly(tmp_path):
@@ -102,12 +110,15 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_0_then_resumes_exactly(
     expected = _final_state(reference)
 
     run_dir = tmp_path / "term"
-    proc = _start(run_dir)
-    rc, out, err = _kill_at(proc, run_dir, 5, sig=signal.SIGTERM)
-    assert rc == 0, err
+    # SIGTERM sent by the run itself right after step 5 (a test callback): no race with a sleeping poller.
+    proc = _start(run_dir, "callbacks=[helpers:SignalAtStep]", env=_env(STABLETRAIN_TEST_SIGNAL="5:1"))
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
     assert f"Resume with: stabletrain train --resume {run_dir}" in out
-    stopped_at = CheckpointManager(run_dir / "checkpoints").load().meta["step"]
-    assert 5 <= stopped_at < 15  # checkpointed where it stopped, not at the last ckpt.every boundary
+    assert CheckpointManager(run_dir / "checkpoints").load().meta["step"] == 5  # where it stopped, not at ckpt.every
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
+    assert [(e["step"], e["kind"]) for e in events if e["kind"] == "stop"] == [(5, "stop")]
+    assert "SIGTERM" in next(e for e in events if e["kind"] == "stop")["reason"]
     proc = _start(run_dir, resume=True)
     assert proc.wait(timeout=300) == 0
     _assert_bitwise(_final_state(run_dir), expected)
@@ -115,17 +126,13 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_0_then_resumes_exactly(
 
 def test_a_second_signal_exits_at_once_and_leaves_checkpoints_loadable(tmp_path):
     run_dir = tmp_path / "twice"
-    proc = _start(run_dir, "task_args.sleep=0.05")
-    t0 = time.time()
-    while _steps_logged(run_dir) < 3 and time.time() - t0 < 120:
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGTERM)
-    time.sleep(0.05)  # two signals back to back can coalesce into one; the second comes mid-step
-    proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=120)
-    assert proc.returncode != 0
+    # Two SIGTERMs right after step 3, before the step-3 boundary is reached: the second interrupts at once.
+    proc = _start(run_dir, "callbacks=[helpers:SignalAtStep]", env=_env(STABLETRAIN_TEST_SIGNAL="3:2"))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
     loaded = CheckpointManager(run_dir / "checkpoints").load()
-    assert loaded.meta["step"] >= 2 and not loaded.problems
+    assert loaded.meta["step"] == 2 and not loaded.problems  # ckpt.every=2: the last one before the signals
 
 
 def test_resume_refuses_a_changed_config_naming_each_key(tmp_path):
@@ -139,6 +146,11 @@ def test_resume_refuses_a_changed_config_naming_each_key(tmp_path):
     ok = subprocess.run([sys.executable, "-m", "stabletrain", "train", "--resume", str(run_dir), "train.max_steps=6",
                          "log.every=2"], env=_env(), capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stderr
+    # A longer run reshapes the cosine schedule: never silently.
+    assert "warning: train.max_steps changed from 4 to 6 on resume" in ok.stdout
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
+    changed = [e for e in events if e["kind"] == "schedule_changed"]
+    assert len(changed) == 1 and changed[0]["step"] == 4 and "the LR at step 4 is" in changed[0]["reason"]
 
 
 def test_a_corrupted_newest_checkpoint_is_reported_and_the_previous_one_used(tmp_path):

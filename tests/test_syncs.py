@@ -1,37 +1,22 @@
 """No host-device sync between log intervals: count every Tensor->host conversion over many steps."""
 
-import traceback
-
-import torch
-from torch.overrides import TorchFunctionMode
+import pytest
 
 from helpers import cfg
 from stabletrain import Trainer
+from stabletrain.callbacks import Callback
+from stabletrain.syncs import SyncCounter
 
-SYNCS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__,
-         torch.Tensor.__index__, torch.Tensor.numpy}
 
-
-class CountSyncs(TorchFunctionMode):
-    """Record (trainer step, calling function) for each Tensor -> Python conversion."""
-
-    def __init__(self, trainer):
-        super().__init__()
-        self.trainer, self.calls = trainer, []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in SYNCS:
-            stack = traceback.extract_stack()[-8:]
-            # DataLoader draws its workers' base seed from a CPU generator with .item() when an epoch's
-            # loader opens: host memory only, never a device sync, so it is not counted.
-            if not any("torch/utils/data" in f.filename for f in stack):
-                self.calls.append((self.trainer.step, func.__name__, [f.name for f in stack]))
-        return func(*args, **(kwargs or {}))
+def CountSyncs(trainer):
+    """Record (trainer step, calling function, callers) for each Tensor -> Python conversion."""
+    return SyncCounter(lambda: trainer.step)
 
 
 def _boundary(where):
-    # Log and eval intervals, checkpoints, and the one-time init-fingerprint comparison before step 1.
-    return any(name in where for name in ("_log", "evaluate", "_checkpoint", "_check_init"))
+    # Log and eval intervals, checkpoints (the keeper's save), and the one-time init-fingerprint comparison
+    # before step 1 (InitWatch.on_fit_start).
+    return any(name in where for name in ("_log", "evaluate", "save", "on_fit_start"))
 
 
 def test_syncs_happen_only_at_log_and_eval_boundaries(tmp_path):
@@ -42,15 +27,15 @@ def test_syncs_happen_only_at_log_and_eval_boundaries(tmp_path):
         trainer.fit()
     stray = [(s, f, w) for s, f, w in counter.calls if not _boundary(w)]
     assert not stray, f"syncs outside log/eval boundaries: {stray[:3]}"
-    assert {s for s, _, w in counter.calls if "_check_init" in w} == {0}
-    logged = [(s, w) for s, _, w in counter.calls if "_checkpoint" not in w and "_check_init" not in w]
+    assert {s for s, _, w in counter.calls if "on_fit_start" in w} == {0}
+    logged = [(s, w) for s, _, w in counter.calls if "save" not in w and "on_fit_start" not in w]
     steps = sorted({s for s, _ in logged})
     assert steps == [10, 20, 30, 40, 45]
     per_step = {s: sum(1 for t, _ in logged if t == s) for s in steps}
     # One sync per log interval; eval intervals (20, 40, and the end) add one more.
     assert per_step == {10: 1, 20: 2, 30: 1, 40: 2, 45: 2}
     # Checkpoints (step 0 and the end; ckpt.every=100 > 45) check finiteness on the host.
-    assert sorted({s for s, _, w in counter.calls if "_checkpoint" in w}) == [0, 45]
+    assert sorted({s for s, _, w in counter.calls if "save" in w}) == [0, 45]
 
 
 def test_the_counter_sees_a_planted_per_step_sync():
@@ -58,8 +43,8 @@ def test_the_counter_sees_a_planted_per_step_sync():
     trainer = Trainer(c)
     original = trainer.train_step
 
-    def syncing_step(window):
-        out = original(window)
+    def syncing_step(window, **kw):
+        out = original(window, **kw)
         out["loss"].item()  # the kind of per-step sync the loop must not have
         return out
 
@@ -67,3 +52,37 @@ def test_the_counter_sees_a_planted_per_step_sync():
     with CountSyncs(trainer) as counter:
         trainer.fit()
     assert sum(1 for s, f, w in counter.calls if not _boundary(w)) == 4
+
+
+class DeviceLossMean(Callback):
+    """An observer done right: accumulate on the device every step, read on the host once per interval."""
+
+    def __init__(self):
+        self.total, self.means = None, []
+
+    def on_step_end(self, state, out):
+        self.total = out["loss"].detach() if self.total is None else self.total + out["loss"].detach()
+
+    def on_log(self, state, record, rows):
+        self.means.append(float(self.total) / len(rows))  # at the boundary: the interval's one read
+        self.total = None
+
+
+class HostLoss(Callback):
+    """An observer done wrong: reads the loss on the host every step (a sync per step)."""
+
+    def on_step_end(self, state, out):
+        float(out["loss"])
+
+
+def test_an_observing_callback_adds_no_per_step_sync_and_a_wrong_one_is_caught():
+    observer = DeviceLossMean()
+    trainer = Trainer(cfg("train.max_steps=20", "log.every=10"), callbacks=[observer])
+    with CountSyncs(trainer) as counter:
+        trainer.fit()
+    assert not [c for c in counter.calls if not _boundary(c[2]) and "on_log" not in c[2]]
+    assert observer.means == pytest.approx([r["loss"] for r in trainer.history], rel=1e-5)
+    trainer = Trainer(cfg("train.max_steps=20", "log.every=10"), callbacks=[HostLoss()])
+    with CountSyncs(trainer) as counter:
+        trainer.fit()
+    assert sum(1 for s, f, w in counter.calls if "on_step_end" in w) == 20

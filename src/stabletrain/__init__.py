@@ -1,24 +1,27 @@
 """stabletrain: make PyTorch training stable, observable and debuggable."""
 
-__version__ = "0.1.0"
-
+from ._version import __version__
 from .accumulation import AccumulationWindow, as_sum_count
 from .clipping import GradClipper, grad_norms
-from .config import Config, ConfigError, load_config
+from .config import Config, ConfigError, diff_configs, load_config
 from .metrics import StepMetrics
 from .numerics import all_params_finite, first_nonfinite_grad, grad_total_norm
 from .precision import PrecisionPolicy
 from .schedule import LRSchedule
 from .seeding import seed_everything
 from .tasks import Task, resolve_task
+from .step import TrainStep
+from .optim import build_optimizer
+from .callbacks import Callback, FitState
 from .loop import Trainer
-from .checkpoint import CheckpointError, CheckpointManager, diff_configs
+from .checkpoint import CheckpointError, CheckpointManager
 from .guard import Guard
 from .incidents import diagnose_incident
 from .initialization import InitChange, InitFingerprint, init_
 from .nonfinite import Bisection, NonFiniteLocator, NonFiniteOp, anomaly_trace, bisect_samples
 from .diagnosis import diagnose_step
 from .signal_propagation import SignalReport, SignalThresholds, plot_signal, signal_report
+from .monitor import Monitor, StopTraining
 
 __all__ = [
     "__version__",
@@ -38,6 +41,10 @@ __all__ = [
     "seed_everything",
     "Task",
     "resolve_task",
+    "TrainStep",
+    "build_optimizer",
+    "Callback",
+    "FitState",
     "Trainer",
     "CheckpointError",
     "CheckpointManager",
@@ -57,4 +64,6 @@ __all__ = [
     "SignalThresholds",
     "plot_signal",
     "signal_report",
+    "Monitor",
+    "StopTraining",
 ]

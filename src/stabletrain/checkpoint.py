@@ -10,7 +10,7 @@ Layout (DESIGN.md, "Run directory")::
 One :meth:`CheckpointManager.save` (DESIGN.md, principle 4: nothing bad is persisted)::
 
     check the model and optimizer state are finite    # one fused pass, one host read; else write nothing
-    write step_000100.tmp-<pid>/state.pt, meta.json   # each flushed and fsynced, then the directory
+    write step_000100.tmp-<pid>/state.pt, meta.json   # each with fileio.atomic_write: fsynced, then the directory
     verify the temporary copy                         # sha256, loads with weights_only=True, finite
     rename it to step_000100                          # an existing step_000100 is moved aside, deleted last
     point LAST_GOOD at it                             # tmp file, fsync, os.replace, fsync of the directory
@@ -25,9 +25,6 @@ that needs more (a pickled class or function) is refused with a message saying s
 
 from __future__ import annotations
 
-import dataclasses
-import errno
-import fnmatch
 import hashlib
 import json
 import math
@@ -39,10 +36,15 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_flatten_with_path
+
+from ._version import __version__
+from .config import dotted_key
+from .fileio import atomic_write, fsync_dir
 
 __all__ = [
     "CheckpointManager",
@@ -51,11 +53,6 @@ __all__ = [
     "LoadedCheckpoint",
     "first_nonfinite",
     "load_state_file",
-    "diff_configs",
-    "format_config_diff",
-    "ConfigDiff",
-    "ABSENT",
-    "HARMLESS_KEYS",
 ]
 
 FORMAT_VERSION = 1
@@ -86,14 +83,8 @@ class CheckpointError(RuntimeError):
 
 def _leaves(obj: Any, prefix: str) -> Iterator[tuple[str, Any]]:
     """Yield (dotted key path, leaf) of nested dicts, lists and tuples, in insertion order."""
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _leaves(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _leaves(v, f"{prefix}.{i}" if prefix else str(i))
-    else:
-        yield prefix, obj
+    for path, leaf in tree_flatten_with_path(obj)[0]:
+        yield dotted_key(path, prefix), leaf
 
 
 def first_nonfinite(state: dict[str, Any], scope: Sequence[str] | None = None) -> str | None:
@@ -155,28 +146,6 @@ class _HashingWriter:
 
     def flush(self) -> None:
         self.fh.flush()
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename or a new entry in ``path`` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError as err:
-        if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):  # filesystems that cannot sync a directory
-            raise
-    finally:
-        os.close(fd)
-
-
-def _write_durably(path: Path, write: Callable[[Any], None]) -> None:
-    with open(path, "xb") as fh:
-        write(fh)
-        fh.flush()
-        os.fsync(fh.fileno())
 
 
 def _sha256_of(path: Path) -> str:
@@ -326,16 +295,14 @@ class CheckpointManager:
                 writer.append(_HashingWriter(fh))
                 torch.save(state, writer[0])
 
-            _write_durably(tmp / STATE_FILE, write_state)
+            atomic_write(tmp / STATE_FILE, write_state)
             full_meta = {
                 "format": FORMAT_VERSION, "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "unix_time": round(time.time(), 3), "state_file": STATE_FILE,
                 "state_sha256": writer[0].sha.hexdigest(), "state_bytes": writer[0].num_bytes,
                 "versions": _versions(), **meta,
             }
-            blob = (json.dumps(full_meta, indent=2, default=str) + "\n").encode()
-            _write_durably(tmp / META_FILE, lambda fh: fh.write(blob))
-            _fsync_dir(tmp)
+            atomic_write(tmp / META_FILE, json.dumps(full_meta, indent=2, default=str) + "\n")  # also fsyncs tmp/
             timings["write_s"] = time.perf_counter() - t0
 
             t0 = time.perf_counter()
@@ -351,7 +318,7 @@ class CheckpointManager:
                 os.replace(final, aside)
             os.replace(tmp, final)
             installed = True
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
             self._point_last_good(name)
         except BaseException as err:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -376,11 +343,7 @@ class CheckpointManager:
                           num_bytes=size, timings=timings, pruned=tuple(pruned))
 
     def _point_last_good(self, name: str) -> None:
-        tmp = self.root / f"{LAST_GOOD}.tmp-{os.getpid()}"
-        tmp.unlink(missing_ok=True)
-        _write_durably(tmp, lambda fh: fh.write(f"{name}\n".encode()))
-        os.replace(tmp, self.root / LAST_GOOD)
-        _fsync_dir(self.root)
+        atomic_write(self.root / LAST_GOOD, f"{name}\n")  # via LAST_GOOD.tmp-<pid>, which clean_debris knows
 
     def clean_debris(self) -> list[Path]:
         """Remove what crashed writers left (``*.tmp-<pid>``, ``*.trash-<pid>``); return what was removed.
@@ -398,7 +361,7 @@ class CheckpointManager:
             base = self.root / m.group(1)
             if m.group(2) == "replaced" and not base.exists():
                 os.replace(entry, base)
-                _fsync_dir(self.root)
+                fsync_dir(self.root)
                 continue
             if entry.is_dir():
                 shutil.rmtree(entry, ignore_errors=True)
@@ -425,7 +388,7 @@ class CheckpointManager:
                 _remove_tree(d)
                 removed.append(d)
         if removed:
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         return removed
 
     def discard_after(self, step: int) -> list[Path]:
@@ -441,7 +404,7 @@ class CheckpointManager:
         removed = [d for d in self.checkpoints() if _step_of(d) > step]
         for d in removed:
             _remove_tree(d)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         return removed
 
     # -- reading ----------------------------------------------------------------------------
@@ -584,69 +547,5 @@ def _step_of(path: Path) -> int:
 
 
 def _versions() -> dict[str, str]:
-    from . import __version__
-
     return {"torch": torch.__version__, "stabletrain": __version__}
 
-
-# ---------------------------------------------------------------------------------------------
-# Config comparison for resume
-
-HARMLESS_KEYS = ("train.max_steps", "log.*", "ckpt.every", "ckpt.keep", "eval.every", "run.*")
-
-
-class _Absent:
-    def __repr__(self) -> str:
-        return "<absent>"
-
-
-ABSENT = _Absent()
-
-
-class ConfigDiff(NamedTuple):
-    key: str  # dotted key
-    saved: Any  # value in the checkpoint's config, or ABSENT
-    current: Any  # value in the config of this run, or ABSENT
-
-
-def _flatten(cfg: Any, prefix: str = "") -> dict[str, Any]:
-    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
-        cfg = dataclasses.asdict(cfg)
-    out: dict[str, Any] = {}
-    for k, v in cfg.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, key + "."))  # an empty section contributes no keys
-        else:
-            out[key] = list(v) if isinstance(v, tuple) else v
-    return out
-
-
-def diff_configs(saved: Any, current: Any, harmless: Sequence[str] = HARMLESS_KEYS) -> list[ConfigDiff]:
-    """Return each dotted key whose value differs between two configs (Config objects or plain dicts).
-
-    Keys matching a ``harmless`` pattern (exact, ``fnmatch`` glob, or a section name) are ignored. A key
-    present on one side only has ``ABSENT`` on the other. Order: the saved config's keys, then new ones.
-    """
-    a, b = _flatten(saved), _flatten(current)
-
-    def is_harmless(key: str) -> bool:
-        return any(fnmatch.fnmatchcase(key, p) or key.startswith(p + ".") for p in harmless)
-
-    keys = list(a) + [k for k in b if k not in a]
-    return [ConfigDiff(k, a.get(k, ABSENT), b.get(k, ABSENT)) for k in keys
-            if not is_harmless(k) and (k not in a or k not in b or a[k] != b[k])]
-
-
-def format_config_diff(diffs: Sequence[ConfigDiff]) -> str:
-    """Return one line per differing key with both values (YAML-style), under a header; "" when none."""
-    if not diffs:
-        return ""
-
-    def show(v: Any) -> str:
-        return "(absent)" if v is ABSENT else json.dumps(v, default=str)
-
-    width = max(len(d.key) for d in diffs)
-    lines = [f"  {d.key:<{width}}  checkpoint: {show(d.saved)}  now: {show(d.current)}" for d in diffs]
-    noun = "key differs" if len(diffs) == 1 else "keys differ"
-    return f"{len(diffs)} config {noun} from the checkpoint's:\n" + "\n".join(lines)

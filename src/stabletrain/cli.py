@@ -1,7 +1,10 @@
 """The ``stabletrain`` command line: train, check, diagnose, report, compare.
 
 A user error (bad config key or value, missing file, unusable task) prints one line
-``stabletrain: error: ...`` and exits with code 2; a failed check exits with code 1.
+``stabletrain: error: ...`` and exits with code 2; an exception raised in the task's own code (its
+factory, a dataset item, the collate, the loss, the model's forward) names that part, shows the
+user's frames (file:line; stabletrain's and torch's trimmed) and exits with code 1; a failed check
+exits with code 1.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import textwrap
 from pathlib import Path
 
 from .checkpoint import CheckpointError
-from .config import ConfigError, describe_keys, load_config
+from .config import ConfigError, describe_keys, load_config, load_yaml, resume_safe_text
+from .errors import format_task_error, raised_by_stabletrain, task_part
+from .tasks import TaskError
 
 __all__ = ["main"]
 
@@ -35,6 +40,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .checks import DEFAULT_OUT_DIR
+
     parser = argparse.ArgumentParser(
         prog="stabletrain",
         description="Make PyTorch training stable, observable and debuggable.",
@@ -57,19 +64,22 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Train the configured task; write config, snapshot, metrics, events and TensorBoard logs.")
     _add_config_args(train)
     train.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its LAST_GOOD checkpoint (same as resume=RUN_DIR); "
-                       "its config.yaml is the base, and only harmless keys (train.max_steps, log.*, ckpt.*, eval.every) may change")
+                       f"its config.yaml is the base, and only these keys may change on resume: {resume_safe_text()}")
     train.add_argument("--report", action="store_true", help="write RUN_DIR/report.html at the end of training")
 
     check = sub.add_parser("check", help="run the doctor: sanity checks on the configured task",
                            formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_keys_help(),
-                           description="Run sanity checks (default: all) on the configured task; exit 1 if any fails.")
+                           description="Run sanity checks (default: all) on the configured task; exit 1 if any fails."
+                                       "\n\n" + _checks_help())
     check.add_argument("names", nargs="*", metavar="CHECK|key=value",
                        help="checks to run (default: every default check); key=value items are config overrides")
     check.add_argument("--config", metavar="FILE", help="YAML config file")
     check.add_argument("--json", action="store_true", help="print the results as JSON")
     check.add_argument("--list", action="store_true", help="list the available checks and exit")
     check.add_argument("--compare", metavar="A,B,...", help="init check: compare these init schemes on one plot")
-    check.add_argument("--out-dir", metavar="DIR", default=".", help="where checks write files such as plots (default: .)")
+    check.add_argument("--out", "--out-dir", dest="out_dir", metavar="DIR", default=None,
+                       help=f"where checks write files, such as init's init_signal.png and init_signal.json "
+                            f"(default: {DEFAULT_OUT_DIR}/; created only when a check writes a file)")
 
     diagnose = sub.add_parser("diagnose", help="replay a captured incident and name the first non-finite op, module, parameter and sample",
                               description="Replay RUN_DIR/incidents/step_N under the precise tools; write diagnosis.json next to it.")
@@ -78,13 +88,77 @@ def build_parser() -> argparse.ArgumentParser:
     diagnose.add_argument("--device", metavar="DEVICE", help="replay on this device (default: the run's)")
     diagnose.add_argument("--no-bisect", action="store_true", help="skip the bisection over the batch's samples")
 
-    report = sub.add_parser("report", help="write RUN_DIR/report.html from a run directory")
+    report = sub.add_parser("report", help="write RUN_DIR/report.html from a run directory",
+                            description="Write RUN_DIR/report.html, one self-contained page (no network): a health "
+                                        "summary, the curves (loss, grad norm, clip rate, LR, loss scale, throughput, "
+                                        "memory), the events (skips, clips, spikes, incidents, checkpoints, resumes), "
+                                        "the layers dominating the grad norm, the config and the snapshot; and each "
+                                        "plot as RUN_DIR/plots/NAME.png. Reads only the run directory's files (it works "
+                                        "on a run in progress too); prints the health summary.")
     report.add_argument("run_dir", metavar="RUN_DIR")
 
-    compare = sub.add_parser("compare", help="compare runs: config differences and overlaid curves")
+    compare = sub.add_parser("compare", help="compare runs: config differences and overlaid curves",
+                             description="Write one self-contained HTML page comparing two or more runs: the config "
+                                         "keys that differ, the code, libraries, device and data that differ, a "
+                                         "summary per run, and the curves (loss, val loss, grad norm, clip rate, LR, "
+                                         "...) overlaid by step and by tokens (or samples) seen; each plot is also "
+                                         "written as PAGE_STEM_plots/METRIC.png next to the page. Writes nothing to "
+                                         "the current directory unless --out says so.")
     compare.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    compare.add_argument("--out", metavar="FILE", help="output HTML file (default: compare.html)")
+    compare.add_argument("--out", metavar="DIR|FILE.html",
+                         help="a directory (the page is DIR/compare.html) or an .html file (default: the first run's "
+                              "directory, RUN_DIR/compare.html: the first run is the baseline)")
+
+    tasks = sub.add_parser("tasks", help="list the built-in tasks and their task_args",
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           description="List each built-in task (or the factory TASK) with its arguments: their "
+                                       "types, defaults and meaning. Set one as task_args.NAME=VALUE.")
+    tasks.add_argument("task", nargs="?", metavar="TASK", help="a built-in task or module:function (default: every built-in task)")
+
+    lab = sub.add_parser("lab", help="run the course chapter's exercises, measured and checked",
+                         description="Without LAB: list the labs. With LAB (1-6, accept, or all): run it, print its "
+                                     "numbers, the observations checked and an explanation written from the numbers, "
+                                     "write its plots to --out; exit 1 if an observation does not hold. 'all' also "
+                                     "writes DIR/index.html with every lab on one page.")
+    lab.add_argument("lab", nargs="?", metavar="LAB", help="1..6, accept or all (default: list the labs)")
+    lab.add_argument("--out", metavar="DIR", default="labs", help="where the plots (and index.html) go (default: labs)")
     return parser
+
+
+def _checks_help() -> str:
+    from .checks import CHECKS, DEFAULT_CHECKS, _load_builtin_checks
+
+    _load_builtin_checks()
+    width = max(len(name) for name in CHECKS)
+    lines = ["checks (run by name; with none named, every one not marked otherwise, in this order):"]
+    for name in sorted(CHECKS, key=lambda n: DEFAULT_CHECKS.index(n) if n in DEFAULT_CHECKS else len(CHECKS)):
+        fn = CHECKS[name]
+        doc = (fn.__doc__ or "").strip().splitlines()
+        line = doc[0].replace("``", "") if doc else ""
+        lines.append(f"  {name:<{width}}  {line}{'' if name in DEFAULT_CHECKS else ' (not run by default)'}")
+    return "\n".join(lines)
+
+
+def tasks_help(specs: list[str]) -> str:
+    """Return each task's first docstring line and its arguments: type, default and meaning."""
+    from .tasks import task_arguments, task_factory
+
+    lines: list[str] = []
+    for spec in specs:
+        factory = task_factory(spec)
+        doc = (factory.__doc__ or "").strip().splitlines()
+        lines.append(f"task={spec}: {doc[0] if doc else ''}".rstrip())
+        args = task_arguments(factory)
+        if not args:
+            lines.append("  (no arguments)")
+        names = [f"task_args.{a.name}" for a in args]
+        types = [a.type_text for a in args]
+        defaults = ["(required)" if a.required else "null" if a.default is None else str(a.default) for a in args]
+        widths = [max(map(len, col), default=0) for col in (names, types, defaults)]
+        for a, n, t, d in zip(args, names, types, defaults):
+            lines.append(f"  {n:<{widths[0]}}  {t:<{widths[1]}}  {d:<{widths[2]}}  {a.help}".rstrip())
+        lines.append("")
+    return "\n".join(lines).rstrip()
 
 
 def _split_check_args(items: list[str]) -> tuple[list[str], list[str]]:
@@ -103,8 +177,6 @@ def _resume_target(args: argparse.Namespace) -> str | None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    import yaml
-
     from . import distributed
     from .loop import default_run_dir
 
@@ -113,31 +185,44 @@ def cmd_train(args: argparse.Namespace) -> int:
         saved = Path(resume) / "config.yaml"
         if not saved.exists():
             raise FileNotFoundError(f"resume {resume!r}: no config.yaml there; is it a stabletrain run directory?")
-        base = yaml.safe_load(saved.read_text(encoding="utf-8")) or {}
+        base = load_yaml(saved.read_text(encoding="utf-8"), f"config file {str(saved)!r}") or {}
         cfg = load_config(args.config, [*args.overrides, f"resume={resume}", f"run.dir={resume}"], base=base)
         run_dir = Path(resume)
     else:
         cfg = load_config(args.config, args.overrides)
-        run_dir = Path(cfg.run.dir) if cfg.run.dir else default_run_dir(cfg)
+        run_dir = Path(cfg.run.dir) if cfg.run.dir else None  # None: runs/<Task.name>-<timestamp>
     if cfg.dist.nproc > 1 and not distributed.under_torchrun():
         # The ranks must agree on the run directory: name it here, once.
         argv = list(getattr(args, "argv", None) or sys.argv[1:])
         if not resume and not cfg.run.dir:
-            argv.append(f"run.dir={run_dir}")
+            argv.append(f"run.dir={default_run_dir(cfg)}")
         return distributed.launch(cfg.dist.nproc, argv)
     with distributed.process_group(cfg.dist.backend, cfg.dist.timeout_s, cfg.dist.nproc) as ctx:
         return _train(args, cfg, run_dir, bool(resume), ctx)
 
 
-def _train(args: argparse.Namespace, cfg, run_dir: Path, resume: bool, ctx) -> int:
-    from .loop import Trainer
+def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ctx) -> int:
+    from .loop import DEFAULT_RUN_DIR, Trainer
 
-    trainer = Trainer(cfg, run_dir=run_dir, resume=resume)
+    trainer = Trainer(cfg, run_dir=run_dir if run_dir is not None else DEFAULT_RUN_DIR, resume=resume)
     run_dir = trainer.run.path if trainer.run is not None else run_dir
-    record = trainer.fit()
+    try:
+        record = trainer.fit()
+    except KeyboardInterrupt:  # a second signal: out at once; say what is safe to resume from
+        good = trainer.ckpt.latest_good() if trainer.ckpt is not None else None
+        if ctx.is_main:
+            where = (f"LAST_GOOD is {good.name}; resume with: stabletrain train --resume {run_dir}" if good
+                     else "no checkpoint was written")
+            print(f"stabletrain: interrupted at step {trainer.step}; {where}", file=sys.stderr, flush=True)
+        return 130
+    except Exception as err:
+        if ctx.is_main and trainer.run is not None:  # the loop recorded a 'crash' event: say where to read it
+            err.add_note(f"(recorded in {run_dir}; see: stabletrain report {run_dir})")
+        raise
+    signalled = trainer.signals.signal is not None
     if not ctx.is_main:
-        return 1 if trainer.stop_reason is not None and trainer._signal is None else 0
-    if trainer.stop_reason is not None and trainer._signal is not None:
+        return 1 if trainer.stop_reason is not None and not signalled else 0
+    if trainer.stop_reason is not None and signalled:
         print(f"stabletrain: {trainer.stop_reason}; checkpointed. Resume with: stabletrain train --resume {run_dir}")
         return 0
     if trainer.stop_reason is not None:
@@ -145,7 +230,9 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path, resume: bool, ctx) -> i
               f"{run_dir / 'incidents'}", file=sys.stderr)
         return 1
     shown = ", ".join(f"{k}={record[k]:.4g}" for k in ("loss", "val_loss", "grad_norm") if isinstance(record.get(k), float))
-    print(f"stabletrain: trained {trainer.step} steps; {shown}; run directory: {run_dir}")
+    skipped = sum(int(r.get("num_skipped", 0)) for r in trainer.history)
+    skipped_note = f"{skipped} step(s) skipped (see events.jsonl)" if skipped else "no step skipped"
+    print(f"stabletrain: trained {trainer.step} steps; {shown}; {skipped_note}; run directory: {run_dir}")
     if args.report:
         _write_report(run_dir)
     return 0
@@ -170,8 +257,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     names, overrides = _split_check_args(args.names)
     cfg = load_config(args.config, overrides)
     options = {"compare": args.compare.split(",") if args.compare else None, "out_dir": args.out_dir}
-    results = run_checks(CheckContext(cfg, options=options), names or None)
+    ctx = CheckContext(cfg, options=options)
+    results = run_checks(ctx, names or None)
     print(to_json(results) if args.json else format_table(results))
+    if ctx.written:  # stdout stays pure JSON under --json
+        print(f"stabletrain: check files written to {ctx.out_dir}: {', '.join(p.name for p in ctx.written)}",
+              file=sys.stderr if args.json else sys.stdout)
     return 0 if all(r.passed for r in results) else 1
 
 
@@ -220,8 +311,36 @@ def cmd_compare(args: argparse.Namespace) -> int:
     for d in args.run_dirs:
         if not (Path(d) / "metrics.jsonl").exists():
             raise FileNotFoundError(f"run directory {d!r}: no metrics.jsonl there; is it a stabletrain run?")
-    print(f"stabletrain: comparison written to {write_compare(args.run_dirs, args.out)}")
+    page = write_compare(args.run_dirs, args.out)
+    print(f"stabletrain: comparison written to {page} (plots in {page.with_name(page.stem + '_plots')})")
     return 0
+
+
+def cmd_tasks(args: argparse.Namespace) -> int:
+    from .tasks import BUILTIN_TASKS
+
+    print(tasks_help([args.task] if args.task else list(BUILTIN_TASKS)))
+    return 0
+
+
+def cmd_lab(args: argparse.Namespace) -> int:
+    from .lab import LABS, format_list, format_result, run_lab
+
+    if args.lab is None:
+        print(format_list())
+        return 0
+    if args.lab != "all" and args.lab not in LABS:
+        raise ValueError(f"unknown lab {args.lab!r}; the labs are {', '.join(LABS)} or all (stabletrain lab lists them)")
+    results = []
+    for key in list(LABS) if args.lab == "all" else [args.lab]:
+        results.append(run_lab(key, args.out))
+        print(format_result(results[-1]), end="\n\n", flush=True)
+    if args.lab == "all":
+        from .lab.index import write_index
+
+        print(f"stabletrain: {sum(r.passed for r in results)} of {len(results)} labs passed "
+              f"({sum(r.seconds for r in results):.0f} s); index written to {write_index(results, args.out)}")
+    return 0 if all(r.passed for r in results) else 1
 
 
 def _rank_prefix() -> str:
@@ -230,7 +349,8 @@ def _rank_prefix() -> str:
     return f"rank {os.environ['RANK']}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ else ""
 
 
-COMMANDS = {"train": cmd_train, "check": cmd_check, "diagnose": cmd_diagnose, "report": cmd_report, "compare": cmd_compare}
+COMMANDS = {"train": cmd_train, "check": cmd_check, "diagnose": cmd_diagnose, "report": cmd_report, "compare": cmd_compare,
+            "tasks": cmd_tasks, "lab": cmd_lab}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,13 +374,35 @@ def main(argv: list[str] | None = None) -> int:
     except PeerLostError as err:  # a rank died or hung: one clear line per surviving rank, exit 1
         print(f"stabletrain: error: {err}", file=sys.stderr, flush=True)
         return 1
-    except (ConfigError, ValueError, TypeError, FileNotFoundError, FileExistsError, CheckpointError) as err:
-        # User errors: one clear line, no traceback.
-        print(f"stabletrain: error: {_rank_prefix()}{err}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("stabletrain: interrupted", file=sys.stderr)
         return 130
+    except Exception as err:
+        code = _report_error(err)
+        if code is None:
+            raise  # neither the task's code nor input stabletrain rejects: a bug, with its whole traceback
+        return code
+
+
+def _report_error(err: Exception) -> int | None:
+    """Print ``err`` for a user; return the exit code, or None when it needs its full traceback.
+
+    What stabletrain rejects (config, task contract, files, checkpoints: its own exceptions, and the
+    ValueErrors and TypeErrors it raises itself) is one line, exit 2. An exception from the task's own
+    code (any type) names the part of the task that raised it and shows the user's frames, exit 1.
+    """
+    if isinstance(err, (ConfigError, TaskError, CheckpointError)):
+        print(f"stabletrain: error: {_rank_prefix()}{err}", file=sys.stderr)
+        return 2
+    part = task_part(err)
+    if part is not None:
+        print(f"stabletrain: error: {_rank_prefix()}{format_task_error(err, part)}", file=sys.stderr)
+        return 1
+    if isinstance(err, (FileNotFoundError, FileExistsError)) or (isinstance(err, (ValueError, TypeError))
+                                                                 and raised_by_stabletrain(err)):
+        print(f"stabletrain: error: {_rank_prefix()}{err}", file=sys.stderr)
+        return 2
+    return None
 
 
 if __name__ == "__main__":

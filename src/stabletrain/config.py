@@ -2,23 +2,50 @@
 
 Every field carries its meaning in ``metadata["help"]``; ``stabletrain train --help`` prints them all
 with their defaults. Unknown keys and bad values raise :class:`ConfigError`, naming the dotted key and
-the value seen.
+the value seen, whether the config comes from YAML, overrides or Python (:meth:`Config.validate`).
+
+This module is the one source for the config's keys, types, defaults, help and validation, for
+flattening and diffing configs (:func:`flatten_config`, :func:`diff_configs`), and for the keys that
+may change when a run is resumed (:data:`RESUME_SAFE_KEYS`): help, README and the resume refusal all
+print that list from here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import hashlib
 import json
+import re
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import yaml
+from torch.utils._pytree import GetAttrKey, KeyEntry, MappingKey, SequenceKey, tree_flatten_with_path
 
-__all__ = ["Config", "ConfigError", "load_config", "config_to_dict", "config_hash", "describe_keys"]
+__all__ = [
+    "Config",
+    "ConfigError",
+    "load_config",
+    "load_yaml",
+    "config_from_dict",
+    "config_to_dict",
+    "config_hash",
+    "describe_keys",
+    "flatten_config",
+    "dotted_key",
+    "diff_configs",
+    "format_config_diff",
+    "ConfigDiff",
+    "ABSENT",
+    "RESUME_SAFE_KEYS",
+    "resume_safe_text",
+    "resume_refusal_message",
+]
 
 
 class ConfigError(ValueError):
@@ -53,11 +80,14 @@ class ClipConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = _f(1e-3, "peak learning rate of AdamW")
-    weight_decay: float = _f(0.1, "AdamW decoupled weight decay on matrices (never on biases and norms)")
-    beta1: float = _f(0.9, "AdamW beta1")
-    beta2: float = _f(0.95, "AdamW beta2")
-    eps: float = _f(1e-8, "AdamW epsilon")
+    name: Literal["adamw", "adam", "sgd"] = _f("adamw", "the optimizer, built fused so a skipped step stays on the device: adamw, adam or sgd")
+    lr: float = _f(1e-3, "peak learning rate")
+    weight_decay: float = _f(0.1, "weight decay on matrices (never on biases and norms), every optimizer: decoupled for adamw, L2 added to the gradient for adam and sgd")
+    beta1: float = _f(0.9, "adam/adamw beta1")
+    beta2: float = _f(0.95, "adam/adamw beta2")
+    eps: float = _f(1e-8, "adam/adamw epsilon")
+    momentum: float = _f(0.0, "sgd momentum, in [0, 1) (sgd only)")
+    nesterov: bool = _f(False, "sgd Nesterov momentum (sgd only; needs optim.momentum > 0)")
 
 
 @dataclass
@@ -130,12 +160,12 @@ class Config:
     task_args: dict = _f({}, "keyword arguments for the task factory (e.g. task_args.n_layer=6 for gpt)")
     seed: int = _f(0, "seed for python, numpy, torch (all devices) and dataloader workers")
     deterministic: bool = _f(False, "torch.use_deterministic_algorithms(True) and deterministic cuDNN")
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = _f("auto", "auto = bf16 on CUDA where supported, else fp32; fp16 uses a GradScaler (CUDA only)")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = _f("auto", "auto = bf16 on CUDA where supported, else fp32; fp16 uses a GradScaler (allowed on CPU for testing the fp16 path: slow, and warned)")
     device: str = _f("auto", "auto = cuda if available, else cpu; or an explicit torch device string")
     train: TrainConfig = _section(TrainConfig, "training length and batch")
     accum: AccumConfig = _section(AccumConfig, "gradient accumulation")
     clip: ClipConfig = _section(ClipConfig, "gradient clipping")
-    optim: OptimConfig = _section(OptimConfig, "optimizer (fused AdamW)")
+    optim: OptimConfig = _section(OptimConfig, "optimizer: fused AdamW (default), Adam or SGD; a task may bring its own")
     sched: SchedConfig = _section(SchedConfig, "learning-rate schedule (device-side; held on skipped steps)")
     data: DataConfig = _section(DataConfig, "data order and loading")
     log: LogConfig = _section(LogConfig, "metrics and sinks")
@@ -145,9 +175,15 @@ class Config:
     guard: GuardConfig = _section(GuardConfig, "NaN/Inf sentinel, loss-spike detection and what to do about them")
     dist: DistConfig = _section(DistConfig, "distributed data parallel (DDP over torch.distributed, launched by torchrun); global batch = train.batch_size x accum.steps x world size")
     resume: str | None = _f(None, "a run directory to continue from its LAST_GOOD checkpoint (same as --resume)")
+    callbacks: list[str] = _f([], "your callbacks: a list of 'module:Class' entries, each built with no arguments (e.g. callbacks=[mypkg.cbs:LogGrads])")
 
     def validate(self) -> "Config":
-        """Check value ranges; raise ConfigError naming the dotted key and the value seen."""
+        """Check the type of every key, then value ranges; raise ConfigError naming the dotted key and the value seen.
+
+        Works on a Config built in Python as on one loaded from YAML. In place: an int where a float is
+        declared becomes that float, a tuple where a list is declared becomes a list. Returns ``self``.
+        """
+        _check_types(self, type(self))
         checks = [
             ("seed", self.seed, self.seed >= 0, "an integer >= 0"),
             ("train.max_steps", self.train.max_steps, self.train.max_steps >= 1, "an integer >= 1"),
@@ -159,6 +195,7 @@ class Config:
             ("optim.beta1", self.optim.beta1, 0 <= self.optim.beta1 < 1, "a number in [0, 1)"),
             ("optim.beta2", self.optim.beta2, 0 <= self.optim.beta2 < 1, "a number in [0, 1)"),
             ("optim.eps", self.optim.eps, self.optim.eps > 0, "a number > 0"),
+            ("optim.momentum", self.optim.momentum, 0 <= self.optim.momentum < 1, "a number in [0, 1)"),
             ("sched.warmup_steps", self.sched.warmup_steps, self.sched.warmup_steps >= 0, "an integer >= 0"),
             ("sched.min_lr_ratio", self.sched.min_lr_ratio, 0 <= self.sched.min_lr_ratio <= 1, "a number in [0, 1]"),
             ("data.workers", self.data.workers, self.data.workers >= 0, "an integer >= 0"),
@@ -181,7 +218,35 @@ class Config:
                 raise ConfigError(f"config key '{key}': expected {want}, got {value!r}")
         if not self.task:
             raise ConfigError("config key 'task': expected a built-in task name or 'module:function', got ''")
+        optim = self.optim
+        if optim.name != "sgd" and (optim.momentum or optim.nesterov):
+            key, value = ("optim.momentum", optim.momentum) if optim.momentum else ("optim.nesterov", optim.nesterov)
+            raise ConfigError(f"config key '{key}': applies to optim.name=sgd only, got {value!r} with optim.name={optim.name} "
+                              f"(remove it, or set optim.name=sgd)")
+        if optim.nesterov and optim.momentum <= 0:
+            raise ConfigError(f"config key 'optim.nesterov': Nesterov momentum needs optim.momentum > 0, got "
+                              f"optim.nesterov=true with optim.momentum={optim.momentum!r}")
+        for i, entry in enumerate(self.callbacks):
+            if not _CALLBACK_ENTRY.fullmatch(entry):
+                raise ConfigError(f"config key 'callbacks[{i}]': expected 'module:Class' (e.g. mypkg.callbacks:LogGrads), "
+                                  f"got {entry!r}")
         return self
+
+
+_CALLBACK_ENTRY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
+
+
+def _check_types(node: Any, cls: type, prefix: str = "") -> None:
+    """Check every leaf of the dataclass ``node`` against its annotation (through :func:`_coerce`), in place."""
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        key, value, tp = f"{prefix}{f.name}", getattr(node, f.name), hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, tp):
+                raise ConfigError(f"config key '{key}': expected a section ({tp.__name__}), got {value!r}")
+            _check_types(value, tp, key + ".")
+        else:
+            setattr(node, f.name, _coerce(key, value, tp))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,6 +297,11 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if isinstance(value, dict):
             return dict(value)
         raise ConfigError(f"config key '{key}': expected a mapping, got {value!r}")
+    if tp is list or origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config key '{key}': expected a list (e.g. {key}=[a, b]), got {value!r}")
+        (item,) = typing.get_args(tp) or (Any,)
+        return [v if item is Any else _coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
     raise AssertionError(f"unsupported config type {tp!r} for {key}")
 
 
@@ -269,16 +339,35 @@ def config_hash(cfg: Config) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def _parse_value(text: str) -> Any:
-    # YAML scalars: 3e-4 -> float, true -> bool, null -> None, [1, 2] -> list. PyYAML reads '3e-4'
-    # as a string (YAML 1.1 wants a dot), so numbers get a second chance through float().
-    value = yaml.safe_load(text) if text != "" else ""
-    if isinstance(value, str):
-        try:
-            return float(value) if any(c in value.lower() for c in ".e") else int(value)
-        except ValueError:
-            return value
-    return value
+class _YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, also reading ``3e-4`` and ``1E5`` as floats.
+
+    PyYAML follows YAML 1.1, whose floats need a dot (``3.0e-4``): ``lr: 3e-4`` would be the string
+    "3e-4". YAML 1.2 (and Python, and the command line) read it as a number; so do we.
+    """
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def load_yaml(text: str, source: str = "<string>") -> Any:
+    """Parse YAML ``text`` (``3e-4`` is a float); a syntax error is a ConfigError naming ``source``, line and column."""
+    try:
+        return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 (a SafeLoader subclass)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{source}: not valid YAML{where}: {problem}") from None
+
+
+def _parse_value(text: str, source: str) -> Any:
+    # A YAML scalar or flow collection: 3e-4 -> float, true -> bool, null -> None, [1, 2] -> list.
+    return load_yaml(text, source) if text != "" else ""
 
 
 def apply_override(data: dict[str, Any], override: str) -> None:
@@ -298,7 +387,7 @@ def apply_override(data: dict[str, Any], override: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"config key '{'.'.join(parts[: i + 1])}' is a value, not a section (override {override!r})")
         node = child
-    node[parts[-1]] = _parse_value(text)
+    node[parts[-1]] = _parse_value(text, f"override {override!r}")
 
 
 def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -321,10 +410,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             text = p.read_text()
         except OSError as err:
             raise ConfigError(f"config file {str(p)!r}: cannot read it ({err.strerror})") from None
-        try:
-            loaded = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            raise ConfigError(f"config file {str(p)!r}: not valid YAML ({str(err).splitlines()[0]})") from None
+        loaded = load_yaml(text, f"config file {str(p)!r}")
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
@@ -356,3 +442,107 @@ def describe_keys(cls: type = Config, prefix: str = "") -> list[tuple[str, str, 
             value = getattr(default, f.name)
             rows.append((key, "null" if value is None else json.dumps(value) if not isinstance(value, str) else value, f.metadata.get("help", "")))
     return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Flattening and comparing configs; the keys that may change on resume.
+
+#: Config keys (exact, ``fnmatch`` globs, or a section name) that may differ when a run is resumed:
+#: they change neither the math nor the data of the steps still to come. The world size is checked
+#: on its own: a checkpoint resumes only under the world size that wrote it.
+RESUME_SAFE_KEYS: tuple[str, ...] = (
+    "train.max_steps", "log.*", "ckpt.every", "ckpt.keep", "eval.every", "run.*", "resume", "data.workers",
+    "guard.capture", "guard.memory_snapshot", "guard.diagnose", "dist.*", "callbacks",
+)
+
+
+def resume_safe_text(keys: Sequence[str] = RESUME_SAFE_KEYS, *, code: bool = False) -> str:
+    """Return the resume-safe keys as one line, "train.max_steps, log.*, ..." (``code``: each in Markdown backticks)."""
+    return ", ".join(f"`{k}`" if code else k for k in keys)
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "<absent>"
+
+
+#: The value of a key that one of two compared configs does not have.
+ABSENT: Any = _Absent()
+
+
+class ConfigDiff(NamedTuple):
+    """One key whose value differs between two configs."""
+
+    key: str  # dotted key
+    saved: Any  # value in the checkpoint's (or first) config, or ABSENT
+    current: Any  # value in this run's (or second) config, or ABSENT
+
+
+def dotted_key(path: Sequence[KeyEntry], prefix: str = "") -> str:
+    """Return a pytree key path as a dotted key: ``optim.lr``, ``state.0.exp_avg`` (namedtuple fields by name)."""
+    parts = [prefix] if prefix else []
+    for k in path:
+        if isinstance(k, MappingKey):
+            parts.append(str(k.key))
+        elif isinstance(k, SequenceKey):
+            parts.append(str(k.idx))
+        elif isinstance(k, GetAttrKey):
+            parts.append(k.name)
+        else:
+            parts.append(str(k))
+    return ".".join(parts)
+
+
+def flatten_config(cfg: Any, *, keep_empty: bool = False) -> dict[str, Any]:
+    """Return a Config (or nested plain dicts) as ``{"dotted.key": value}``, in declaration order.
+
+    Only mappings are walked; a list is one value (a tuple becomes a list, as YAML would read it). An
+    empty mapping contributes no key, unless ``keep_empty`` (for showing a config: ``task_args: {}``).
+    """
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        cfg = config_to_dict(cfg)
+    if not isinstance(cfg, dict):
+        raise TypeError(f"flatten_config: expected a Config or a mapping, got {type(cfg).__name__}")
+    if not cfg:
+        return {}
+    leaves, _ = tree_flatten_with_path(cfg, is_leaf=lambda x: not isinstance(x, dict) or (keep_empty and not x))
+    return {dotted_key(path): list(v) if isinstance(v, tuple) else v for path, v in leaves}
+
+
+def diff_configs(saved: Any, current: Any, safe: Sequence[str] = RESUME_SAFE_KEYS) -> list[ConfigDiff]:
+    """Return each dotted key whose value differs between two configs (Config objects or plain dicts).
+
+    Keys matching a ``safe`` pattern (exact, ``fnmatch`` glob, or a section name) are ignored; pass
+    ``safe=()`` to compare everything. A key present on one side only has ``ABSENT`` on the other.
+    Order: the saved config's keys, then new ones.
+    """
+    a, b = flatten_config(saved), flatten_config(current)
+
+    def is_safe(key: str) -> bool:
+        return any(fnmatch.fnmatchcase(key, p) or key.startswith(p + ".") for p in safe)
+
+    keys = list(a) + [k for k in b if k not in a]
+    return [ConfigDiff(k, a.get(k, ABSENT), b.get(k, ABSENT)) for k in keys
+            if not is_safe(k) and (k not in a or k not in b or a[k] != b[k])]
+
+
+def _show(value: Any) -> str:
+    return "(absent)" if value is ABSENT else json.dumps(value, default=str)
+
+
+def format_config_diff(diffs: Sequence[ConfigDiff]) -> str:
+    """Return one line per differing key with both values (YAML-style), under a header; "" when none."""
+    if not diffs:
+        return ""
+    width = max(len(d.key) for d in diffs)
+    lines = [f"  {d.key:<{width}}  checkpoint: {_show(d.saved)}  now: {_show(d.current)}" for d in diffs]
+    noun = "key differs" if len(diffs) == 1 else "keys differ"
+    return f"{len(diffs)} config {noun} from the checkpoint's:\n" + "\n".join(lines)
+
+
+def resume_refusal_message(run_dir: str | Path, diffs: Sequence[ConfigDiff]) -> str:
+    """Return the one-line error for resuming ``run_dir`` with a config that differs in ``diffs`` (non-empty)."""
+    listed = "; ".join(f"{d.key}: checkpoint {_show(d.saved)}, now {_show(d.current)}" for d in diffs)
+    noun = "key differs" if len(diffs) == 1 else "keys differ"
+    return (f"resume {str(run_dir)!r}: {len(diffs)} config {noun} from the checkpoint's ({listed}); only these keys may "
+            f"change on resume: {resume_safe_text()}. Resume without those changes, or start a new run (another run.dir)")

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from .seeding import seed_worker
@@ -26,15 +27,8 @@ __all__ = ["EpochOrder", "Window", "WindowStream", "move_to"]
 
 
 def move_to(batch: Any, device: torch.device) -> Any:
-    """Return ``batch`` with every tensor moved to ``device`` (dicts, lists and tuples recursed)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: move_to(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        moved = [move_to(v, device) for v in batch]
-        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
-    return batch
+    """Return ``batch`` with every tensor moved to ``device`` (dicts, lists, tuples, namedtuples recursed)."""
+    return tree_map(lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x, batch)
 
 
 class EpochOrder:

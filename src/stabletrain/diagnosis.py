@@ -32,7 +32,6 @@ from torch import Tensor, nn
 from torch.utils.data import default_collate
 
 from .accumulation import AccumulationWindow, as_sum_count
-from .data import move_to
 from .nonfinite import (
     Bisection,
     NonFiniteLocator,
@@ -40,9 +39,11 @@ from .nonfinite import (
     anomaly_trace,
     bisect_samples,
 )
-from .numerics import first_nonfinite_grad, unique_params
+from .clipping import GradClipper
+from .numerics import first_nonfinite_grad, grad_norms, unique_params
 from .precision import PrecisionPolicy
 from .seeding import rng_state, set_rng_state
+from .step import TrainStep
 
 __all__ = ["STAGES", "diagnose_step"]
 
@@ -114,15 +115,21 @@ def _bad_inputs(micro_batches: list[tuple[list[int], Any]]) -> tuple[bool, list[
 
 
 class _Replayer:
-    """Runs the step's forward/backward (and optionally its update) from one saved state."""
+    """Runs the step's forward/backward (and optionally its update) from one saved state, with the run's step.
+
+    Forward/backward and the update are :class:`~stabletrain.step.TrainStep`'s own halves, so the replay
+    normalizes, unscales, measures, clips and steps exactly as the run did.
+    """
 
     def __init__(self, model: nn.Module, loss_fn: Callable[[nn.Module, Any], Any], precision: PrecisionPolicy,
-                 device: torch.device) -> None:
+                 device: torch.device, step_factory: Callable[[], TrainStep] | None = None) -> None:
         self.model, self.loss_fn, self.precision, self.device = model, loss_fn, precision, device
+        self.step_factory = step_factory
         self.named_params = unique_params(model)
         self.params = [p for _, p in self.named_params]
         self.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         self.rng = rng_state()
+        self.step: TrainStep | None = None
 
     def reset(self) -> None:
         """Put back the saved parameters and buffers and RNG state; drop the gradients."""
@@ -132,47 +139,55 @@ class _Replayer:
             p.grad = None
         self.model.train()
 
+    def _fresh_step(self) -> TrainStep:
+        """The run's step with its optimizer, schedule and scaler as before the bad step (or a measuring one)."""
+        if self.step_factory is not None:
+            step = self.step_factory()
+        else:
+            precision = PrecisionPolicy(self.precision.mode, self.device)
+            precision.load_state_dict(self.precision.state_dict())
+            step = TrainStep(self.model, None, precision, params=self.params)
+        step.window = _LocalWindow(step.params)  # a replay must not enter a collective
+        return step
+
     def forward_backward(self, groups: list[tuple[list[int], Any]]) -> tuple[list[float], float]:
-        """Run the window as ``Trainer.train_step`` does; return the per-micro-batch loss sums and the mean loss.
+        """Run the window through the step's forward/backward; return the per-micro-batch loss sums and the mean loss.
 
         Losses are returned as Python floats (one sync per micro-batch).
         """
-        window = _LocalWindow(self.params)
-        window.begin()
-        sums = []
-        for i, (indices, batch) in enumerate(groups):
-            last = i == len(groups) - 1
-            with self.precision.autocast():
-                loss_sum, count = as_sum_count(self.loss_fn(self.model, move_to(batch, self.device)), len(indices))
-            sums.append(float(loss_sum.detach()))
-            self.precision.backward(window.normalize(loss_sum, count, last))
-        return sums, float(window.mean_loss)
+        self.step = step = self._fresh_step()
+        outputs: list[Any] = []
+
+        def recorded(model: nn.Module, batch: Any) -> Any:
+            outputs.append(self.loss_fn(model, batch))
+            return outputs[-1]
+
+        step.forward_backward([(len(indices), batch) for indices, batch in groups], recorded)
+        sums = [float(as_sum_count(o, len(indices))[0].detach()) for o, (indices, _) in zip(outputs, groups)]
+        return sums, float(step.window.mean_loss)
 
     def grad_norm(self) -> float:
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if not grads:
+        """The pre-clip norm of the true (unscaled) gradients, as the step measures it."""
+        if not any(p.grad is not None for p in self.params):
             return 0.0
-        norm = torch.nn.utils.get_total_norm(grads).float()
-        return float(norm / self.precision.loss_scale().to(norm.device))
+        norm, _ = grad_norms(self.params)
+        precision = self.step.precision if self.step is not None else self.precision
+        return float(norm / precision.loss_scale().to(norm.device))
 
-    def update(self, optimizer_factory: Callable[[], torch.optim.Optimizer], max_norm: float | None) -> list[str]:
-        """Apply one optimizer step on the (finite) grads; return the parameters it makes non-finite.
+    def update(self) -> tuple[list[str], float]:
+        """Apply the step's update on the (finite) grads; return the parameters it makes non-finite and the norm.
 
         The optimizer's state is put back afterwards, in case the factory hands out a live optimizer.
         """
-        optimizer = optimizer_factory()
-        saved = copy.deepcopy(optimizer.state_dict())
+        step = self.step
+        assert step is not None and step.optimizer is not None, "update() after forward_backward() with a step_factory"
+        saved = copy.deepcopy(step.optimizer.state_dict())
         try:
-            grads = [p.grad for p in self.params if p.grad is not None]
-            if self.precision.scaler is not None and grads:  # unscale by hand: the policy's scaler state stays as it is
-                torch._foreach_div_(grads, self.precision.loss_scale().to(grads[0].device))
-            if max_norm:
-                torch.nn.utils.clip_grad_norm_(self.params, max_norm)
-            optimizer.step()
+            out = step.update()
             flags = torch.stack([torch.isfinite(p.detach()).all() for p in self.params]).tolist()
-            return [name for (name, _), ok in zip(self.named_params, flags) if not ok]
+            return [name for (name, _), ok in zip(self.named_params, flags) if not ok], float(out["grad_norm"])
         finally:
-            optimizer.load_state_dict(saved)
+            step.optimizer.load_state_dict(saved)
 
 
 def _stage(inputs_bad: bool, first: NonFiniteOp | None, loss: float, grad_name: str | None,
@@ -202,6 +217,7 @@ def diagnose_step(
     dataset: Any = None,
     collate: Callable[[list[Any]], Any] | None = None,
     max_norm: float | None = None,
+    step_factory: Callable[[], TrainStep] | None = None,
     observed_loss: float | None = None,
     bisect: bool = True,
     anomaly: bool = True,
@@ -219,7 +235,11 @@ def diagnose_step(
         num_replays: forward/backward replays compared to decide ``reproduces`` (at least 1).
         dataset, collate: re-collate subsets for the bisection from dataset indices (default: slice
             the rows of the collated batches).
-        max_norm: clip as the run does before the update stage (None: no clipping).
+        max_norm: clip as the run does before the update stage (None: no clipping); with
+            ``optimizer_factory`` only.
+        step_factory: returns the run's :class:`~stabletrain.step.TrainStep` over ``model`` with its
+            optimizer, schedule and precision state as before the step (what an incident replay uses);
+            replaces ``optimizer_factory``/``max_norm``. None of either skips the update stage.
         observed_loss: the step's loss as the run saw it; when given, ``reproduces`` also requires the
             replayed loss to equal it bitwise (any NaN equals any NaN).
         bisect, anomaly: run the batch bisection and the anomaly-mode replay.
@@ -227,8 +247,10 @@ def diagnose_step(
     Returns keys: ``stage``, ``op``, ``direction``, ``module``, ``origin``, ``kind``, ``autograd_node``,
     ``first_op`` and ``first_origin_op`` (full records), ``first_nonfinite_param``,
     ``nonfinite_params_after_update``, ``bad_samples`` (bisection), ``bad_input_samples`` (rows of the
-    batch holding NaN/Inf), ``bad_sample_groups``, ``bisection``,
-    ``anomaly_trace``, ``reproduces``, ``replays``, ``loss``, ``grad_norm``, ``summary``.
+    batch holding NaN/Inf), ``bad_sample_groups``, ``bisection``, ``masked_in_forward`` (the first
+    non-finite forward value never reached its module's output; None when unknown), ``backward_node``
+    and ``backward_op`` (where it then became non-finite in backward), ``anomaly_trace``,
+    ``reproduces``, ``replays``, ``loss``, ``grad_norm``, ``summary``.
     The model's parameters, buffers, gradients and mode, and the RNG state, are restored on return.
     """
     if num_replays < 1:
@@ -239,10 +261,17 @@ def diagnose_step(
     device = torch.device(device) if device is not None else precision.device
     was_training = model.training
     saved_grads = [(p, p.grad) for p in model.parameters()]
-    replayer = _Replayer(model, loss_fn, precision, device)
+    if step_factory is None and optimizer_factory is not None:
+        factory = optimizer_factory
+
+        def step_factory() -> TrainStep:
+            fresh = PrecisionPolicy(precision.mode, device)
+            fresh.load_state_dict(precision.state_dict())
+            return TrainStep(model, factory(), fresh, clipper=GradClipper(max_norm))
+
+    replayer = _Replayer(model, loss_fn, precision, device, step_factory)
     try:
-        return _diagnose(replayer, micro_batches, optimizer_factory, num_replays, dataset, collate, max_norm,
-                         observed_loss, bisect, anomaly)
+        return _diagnose(replayer, micro_batches, num_replays, dataset, collate, observed_loss, bisect, anomaly)
     finally:
         replayer.reset()
         for p, g in saved_grads:
@@ -251,8 +280,7 @@ def diagnose_step(
 
 
 def _diagnose(rep: _Replayer, micro_batches: list[tuple[list[int], Any]],
-              optimizer_factory: Callable[[], torch.optim.Optimizer] | None, num_replays: int, dataset: Any,
-              collate: Callable[[list[Any]], Any] | None, max_norm: float | None, observed_loss: float | None,
+              num_replays: int, dataset: Any, collate: Callable[[list[Any]], Any] | None, observed_loss: float | None,
               bisect: bool, anomaly: bool) -> dict[str, Any]:
     inputs_bad, input_samples = _bad_inputs(micro_batches)
     replays = []
@@ -263,8 +291,9 @@ def _diagnose(rep: _Replayer, micro_batches: list[tuple[list[int], Any]],
             sums, loss = rep.forward_backward(micro_batches)
         grad_name = first_nonfinite_grad(rep.model)
         after_update: list[str] = []
-        if optimizer_factory is not None and grad_name is None and loc.first is None and math.isfinite(loss):
-            after_update = rep.update(optimizer_factory, max_norm)  # the loop steps only on finite grads
+        grad_norm = rep.grad_norm()
+        if rep.step_factory is not None and grad_name is None and loc.first is None and math.isfinite(loss):
+            after_update, _ = rep.update()  # the loop steps only on finite grads
         first = loc.first
         if r == 0:
             first_rec, origin_rec = loc.first, loc.first_origin
@@ -272,7 +301,7 @@ def _diagnose(rep: _Replayer, micro_batches: list[tuple[list[int], Any]],
             "stage": _stage(inputs_bad, first, loss, grad_name, after_update),
             "op": first.op if first else None, "direction": first.direction if first else None,
             "module": first.module if first else None, "loss": _json_float(loss), "loss_hex": float(loss).hex(),
-            "micro_batch_loss_sums": [_json_float(s) for s in sums], "grad_norm": _json_float(rep.grad_norm()),
+            "micro_batch_loss_sums": [_json_float(s) for s in sums], "grad_norm": _json_float(grad_norm),
             "first_nonfinite_param": grad_name, "nonfinite_params_after_update": after_update,
             "_sums": sums,
         })
@@ -310,11 +339,15 @@ def _diagnose(rep: _Replayer, micro_batches: list[tuple[list[int], Any]],
         "origin": first_rec.origin if first_rec else None,
         "kind": first_rec.kind if first_rec else None,
         "autograd_node": first_rec.autograd_node if first_rec else None,
+        # A forward origin masked out of its module's output (torch.where): where it turns non-finite in backward.
+        "masked_in_forward": origin_rec.masked_in_forward if origin_rec else None,
+        "backward_node": (origin_rec.backward_op.autograd_node if origin_rec and origin_rec.backward_op else None),
+        "backward_op": origin_rec.backward_op.op if origin_rec and origin_rec.backward_op else None,
         "first_op": first_rec.to_dict() if first_rec else None,
         "first_origin_op": origin_rec.to_dict() if origin_rec and origin_rec is not first_rec else None,
         "first_nonfinite_param": head["first_nonfinite_param"],
         "nonfinite_params_after_update": head["nonfinite_params_after_update"],
-        "update_checked": optimizer_factory is not None,
+        "update_checked": rep.step_factory is not None,
         "bad_samples": bad_samples,
         "bad_input_samples": input_samples,
         "bad_sample_groups": bisection.combinations if bisection else [],
@@ -377,6 +410,13 @@ def _summary(d: dict[str, Any], bisection: Bisection | None) -> str:
                   "of the root module" if d["module"] == "" else f"of module '{d['module']}'")
         how = "origin: inputs finite" if d["origin"] else "propagated from a non-finite input"
         text = f"first non-finite value ({stage}): {d['op']} in {where}{node} {module} ({how})"
+        if d.get("masked_in_forward"):
+            value = {"inf": "inf", "nan": "NaN"}.get(d["kind"] or "", "non-finite value")
+            text += f"; this {value} was masked out in forward (it never reached the output {module})"
+            if d.get("backward_node") or d.get("backward_op"):
+                text += (f" and became NaN only in backward, at {d['backward_op']} in {d['backward_node']} (a masked "
+                         "branch still gets a gradient, 0 x inf: keep the op's input finite where it is masked, "
+                         "e.g. log2(torch.where(mask, x, 1)))")
     elif stage == "update":
         names = d["nonfinite_params_after_update"]
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")

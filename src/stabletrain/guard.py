@@ -105,7 +105,8 @@ class Guard:
         d = GuardDecision()
         for row in rows:
             v = row.values
-            bad = v["finite"] < 0.5 or v.get("params_finite", 1.0) < 0.5
+            overflow = v.get("overflow", 0.0) > 0.5  # fp16: the scaler's routine skip, not an incident
+            bad = (v["finite"] < 0.5 and not overflow) or v.get("params_finite", 1.0) < 0.5
             if bad:
                 d.bad_steps.append(row.step)
                 if d.first_incident is None:

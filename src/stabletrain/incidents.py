@@ -21,15 +21,22 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .clipping import GradClipper
 from .config import config_from_dict
 from .data import move_to
+from .diagnosis import diagnose_step
+from .fileio import atomic_write
+from .numerics import unique_params
+from .optim import build_optimizer
 from .precision import PrecisionPolicy, resolve_device
+from .schedule import LRSchedule
+from .seeding import set_rng_state
+from .step import TrainStep
 from .tasks import Task, resolve_task
 
 __all__ = ["write_bundle", "load_bundle", "diagnose_incident", "BUNDLE_FILE", "DIAGNOSIS_FILE"]
@@ -42,12 +49,7 @@ def write_bundle(directory: Path, bundle: dict[str, Any]) -> Path:
     """Write ``bundle`` to ``directory/bundle.pt`` atomically (temporary name, fsync, rename)."""
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / BUNDLE_FILE
-    tmp = directory / f".{BUNDLE_FILE}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as fh:
-        torch.save(bundle, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, final)
+    atomic_write(final, lambda fh: torch.save(bundle, fh))
     return final
 
 
@@ -69,12 +71,6 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
     ``task``: reuse an already built task (its model is deep-copied, never touched); by default the
     task is rebuilt from the bundle's config, as ``stabletrain diagnose`` does in a fresh process.
     """
-    from .diagnosis import diagnose_step
-    from .loop import build_optimizer
-    from .numerics import unique_params
-    from .schedule import LRSchedule
-    from .seeding import set_rng_state
-
     directory = Path(directory)
     bundle = load_bundle(directory)
     cfg = config_from_dict(bundle["config"])
@@ -87,22 +83,26 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
     precision.load_state_dict(bundle["precision"])
     collate = task.collate or torch.utils.data.default_collate
     micro_batches = [(idx, move_to(collate([task.train_data[i] for i in idx]), dev)) for idx in bundle["window"]["indices"]]
+    named = unique_params(model)
 
-    def optimizer_factory() -> torch.optim.Optimizer:
-        opt = build_optimizer(unique_params(model), cfg, dev)
-        opt.load_state_dict(bundle["optimizer"])
-        schedule = LRSchedule(opt, cfg.sched.warmup_steps, cfg.train.max_steps, cfg.sched.decay, cfg.sched.min_lr_ratio)
+    def step_factory() -> TrainStep:
+        """The run's step as it was before the bad step: same optimizer class and state, schedule, scaler, clipping."""
+        optimizer = build_optimizer(named, cfg.optim, dev, task.optimizer)
+        optimizer.load_state_dict(bundle["optimizer"])
+        schedule = LRSchedule(optimizer, cfg.sched.warmup_steps, cfg.train.max_steps, cfg.sched.decay, cfg.sched.min_lr_ratio)
         schedule.load_state_dict(bundle["schedule"])
-        return opt
+        fresh = PrecisionPolicy(bundle["precision"]["mode"], dev)
+        fresh.load_state_dict(bundle["precision"])
+        return TrainStep(model, optimizer, fresh, clipper=GradClipper(cfg.clip.max_norm), schedule=schedule,
+                         params=[p for _, p in named], check_params=cfg.guard.check_params)
 
     set_rng_state(bundle["rng"])
     observed = bundle.get("observed", {})
-    result = diagnose_step(model, task.loss, micro_batches, precision=precision, optimizer_factory=optimizer_factory,
-                           device=dev, dataset=task.train_data, collate=task.collate, max_norm=cfg.clip.max_norm,
-                           observed_loss=observed.get("loss"), bisect=bisect, anomaly=anomaly)
+    result = diagnose_step(model, task.loss, micro_batches, precision=precision, step_factory=step_factory,
+                           device=dev, dataset=task.train_data, collate=task.collate, observed_loss=observed.get("loss"), bisect=bisect, anomaly=anomaly)
     result = {"step": bundle["step"], "rank": bundle.get("rank", 0), "epoch": bundle["window"]["epoch"],
               "observed": observed, **result}
     if observed.get("after_update") and result.get("stage") not in ("update",):
         result["note"] = "the run saw the bad value only in the parameters after the update"
-    (directory / DIAGNOSIS_FILE).write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
+    atomic_write(directory / DIAGNOSIS_FILE, json.dumps(result, indent=2, default=str) + "\n")
     return result

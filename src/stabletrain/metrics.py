@@ -8,7 +8,7 @@ Keys of the summary (one line of ``metrics.jsonl``):
 
 =====================  ==========================================================================
 step                   last optimizer step of the interval (1-based count of steps taken)
-loss, loss_min,        mean / min / max over the interval of each step's unscaled per-item loss
+loss, loss_min,        mean / min / max over the interval's finite steps of each step's unscaled per-item loss
 loss_max
 grad_norm,             mean / max of the pre-clip global grad norm over finite steps
 grad_norm_max
@@ -17,8 +17,11 @@ clip_rate              fraction of steps where clipping fired
 lr                     learning rate after the interval's last step
 loss_scale             GradScaler scale (1.0 without a scaler)
 num_skipped            steps whose update was skipped in the interval (non-finite, overflow, spike)
-num_nonfinite          steps with a non-finite loss, grad norm or (after the update) parameter
+num_nonfinite          steps with a non-finite loss, grad norm or (after the update) parameter (an fp16
+                       overflow the GradScaler backs off from is a skip, not counted here)
 num_spikes             loss spikes in the interval (rule: stabletrain.guard)
+update_norm,           ||theta_t - theta_(t-1)|| of the interval's last step, and its ratio to ||theta_(t-1)||
+update_ratio           (measured on that step only: one parameter copy per interval)
 num_incidents,         incidents and rollbacks so far in the run (added by the loop)
 num_rollbacks
 tokens_per_s,          throughput over the interval's wall time (tokens = items the loss counts)
@@ -40,6 +43,7 @@ interval's one sync. Rows then carry ``ranks``: who saw it.
 
 from __future__ import annotations
 
+import math
 import resource
 import sys
 from dataclasses import dataclass, field
@@ -52,7 +56,10 @@ __all__ = ["StepMetrics", "peak_memory_mib", "COLUMNS"]
 
 # Per-step buffer columns, in order.
 COLUMNS = ("loss", "grad_norm", "post_clip_norm", "clipped", "applied", "finite", "spike", "params_finite", "lr",
-           "loss_scale", "count")
+           "loss_scale", "count", "update_norm", "update_ratio", "overflow")
+
+#: Columns a step may leave out, and their values then (the update norm is measured on some steps only).
+DEFAULTS = {"spike": 0.0, "params_finite": 1.0, "overflow": 0.0, "update_norm": float("nan"), "update_ratio": float("nan")}
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -90,16 +97,15 @@ class StepMetrics:
                **values: Tensor | float) -> None:
         """Record one step into the device buffers (no sync).
 
-        ``values`` holds one 0-dim tensor (or number) per name in :data:`COLUMNS`; ``spike`` and
-        ``params_finite`` default to 0 and 1. ``num_samples``: the step's samples over all ranks.
+        ``values`` holds one 0-dim tensor (or number) per name in :data:`COLUMNS` (those in :data:`DEFAULTS`
+        may be left out); other keys of a step's output are ignored. ``num_samples``: the step's samples
+        over all ranks.
         ``local_nonfinite`` (DDP): whether this rank's own loss, inputs or gradients were non-finite.
         """
         i = len(self.steps)
         assert i < self.capacity, "StepMetrics.reduce() must be called every `capacity` steps"
-        values.setdefault("spike", 0.0)
-        values.setdefault("params_finite", 1.0)
-        unknown = set(values) - set(COLUMNS)
-        assert not unknown and len(values) == len(COLUMNS), f"StepMetrics.update: unknown {unknown}, need {COLUMNS}"
+        values = {**DEFAULTS, **{k: v for k, v in values.items() if k in COLUMNS}}
+        assert len(values) == len(COLUMNS), f"StepMetrics.update: missing {set(COLUMNS) - set(values)}"
         # One stack (dtypes promote) and one copy_ (casts to the fp32 buffer): ~3x fewer ops than per-value casts.
         row = torch.stack([self._on_device(values[c]) for c in COLUMNS])
         self.buf[i].copy_(row)
@@ -145,12 +151,15 @@ class StepMetrics:
             interval_signal = int(max(f[self.capacity] for f in per_rank))
             self.local_flags.zero_()
         finite_rows = [r.values for r in rows if r.values["finite"] > 0.5]
-        losses = [r.values["loss"] for r in rows]
+        # The interval's loss is over its finite steps: one NaN step must not turn the whole line into NaN
+        # (num_nonfinite says how many there were).
+        losses = [r.values["loss"] for r in rows if math.isfinite(r.values["loss"])]
+        updates = [r.values for r in rows if not math.isnan(r.values["update_norm"])]
         summary: dict[str, Any] = {
             "step": self.steps[-1],
-            "loss": sum(losses) / n,
-            "loss_min": min(losses),
-            "loss_max": max(losses),
+            "loss": sum(losses) / len(losses) if losses else float("nan"),
+            "loss_min": min(losses, default=float("nan")),
+            "loss_max": max(losses, default=float("nan")),
             "grad_norm": (sum(r["grad_norm"] for r in finite_rows) / len(finite_rows)) if finite_rows else float("nan"),
             "grad_norm_max": max((r["grad_norm"] for r in finite_rows), default=float("nan")),
             "grad_norm_post_clip": (sum(r["post_clip_norm"] for r in finite_rows) / len(finite_rows)) if finite_rows else float("nan"),
@@ -158,8 +167,11 @@ class StepMetrics:
             "lr": rows[-1].values["lr"],
             "loss_scale": rows[-1].values["loss_scale"],
             "num_skipped": int(sum(1 for r in rows if r.values["applied"] < 0.5)),
-            "num_nonfinite": int(sum(1 for r in rows if r.values["finite"] < 0.5 or r.values["params_finite"] < 0.5)),
+            "num_nonfinite": int(sum(1 for r in rows if (r.values["finite"] < 0.5 and r.values["overflow"] < 0.5)
+                                     or r.values["params_finite"] < 0.5)),
             "num_spikes": int(sum(1 for r in rows if r.values["spike"] > 0.5)),
+            "update_norm": updates[-1]["update_norm"] if updates else float("nan"),
+            "update_ratio": updates[-1]["update_ratio"] if updates else float("nan"),
             "interval_tokens": sum(r.values["count"] for r in rows),
             "interval_samples": self.samples,
             "interval_steps": n,

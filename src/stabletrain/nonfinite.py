@@ -68,6 +68,11 @@ class NonFiniteOp:
         op_index: how many aten ops the locator saw before this one.
         stack: the Python stack that ran it (forward), or of the forward call that created its
             autograd node (backward; only under ``torch.autograd.detect_anomaly``), else None.
+        masked_in_forward: for the first origin, in forward, inside a module: True when the output of
+            that module call held only finite values (the bad value was masked out, e.g. by
+            ``torch.where``, and never reached the module's output), False when it did not; else None.
+        backward_op: when ``masked_in_forward``: the first op of the backward pass whose output was
+            non-finite (a masked branch still gets a gradient: ``0 / 0`` in ``Log2Backward0``), or None.
     """
 
     op: str
@@ -85,6 +90,8 @@ class NonFiniteOp:
     autograd_node: str | None = None
     op_index: int = 0
     stack: str | None = None
+    masked_in_forward: bool | None = None
+    backward_op: NonFiniteOp | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -104,7 +111,13 @@ class NonFiniteOp:
         """Return one line: op, direction, module, origin or propagation, dtypes."""
         how = "origin: inputs finite" if self.origin else "propagated: a non-finite input"
         dtypes = ",".join(sorted(set(self.output_dtypes)))
-        return f"{self.op} in {self.where()} ({how}; {self.kind} in {self.num_nonfinite}/{self.numel} {dtypes} elements)"
+        text = f"{self.op} in {self.where()} ({how}; {self.kind} in {self.num_nonfinite}/{self.numel} {dtypes} elements)"
+        if self.masked_in_forward:
+            text += "; masked out of the module's output in forward"
+            if self.backward_op is not None:
+                text += (f", non-finite again in backward at {self.backward_op.op} "
+                         f"({self.backward_op.autograd_node or 'no autograd node'})")
+        return text
 
 
 def _is_mutating(func: Any) -> bool:
@@ -157,8 +170,14 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         loc = self.locator
-        if loc.first_origin is not None:  # done: cost nothing from here on
-            return func(*args, **kwargs)
+        if loc.first_origin is not None:  # done: cost nothing from here on ...
+            if not loc._following_backward():
+                return func(*args, **kwargs)
+            out = func(*args, **kwargs)  # ... unless a masked forward value is followed into backward
+            outputs = _floating(tree_leaves(out))
+            if outputs and not all(_all_finite(outputs)):
+                loc._record_backward(func, _floating(tree_leaves((args, kwargs))), outputs)
+            return out
         loc.num_ops += 1
         if str(func) in _UNINITIALIZED_OPS:
             out = func(*args, **kwargs)
@@ -195,6 +214,12 @@ class NonFiniteLocator:
             model buffer that holds only ``-inf`` as its non-finite values, and ops computed only from
             such tensors that add no NaN, are not reported. A NaN is always reported.
 
+    When the first origin runs in forward inside a module, the locator checks that module call's
+    output (one sync): if it is finite, the bad value was masked out (``torch.where(x > 2, log2(x),
+    ...)`` at ``x = 0``) and the origin's ``masked_in_forward`` is True; the locator then watches the
+    backward pass until the first op whose output is non-finite, the origin's ``backward_op`` (the
+    masked branch's gradient, ``0 / 0`` in ``Log2Backward0``). Otherwise nothing more is checked.
+
     Works with autocast, on CPU and CUDA. Every op costs a host-device sync while it searches:
     replay only. The ``module`` of an op in backward comes from ModuleTracker's backward hooks,
     so it is the module whose backward was running.
@@ -213,6 +238,8 @@ class NonFiniteLocator:
         self._root = type(model).__name__ if model is not None else None
         self._tracker = ModuleTracker()
         self._mode = _Mode(self)
+        self._watch: nn.Module | None = None  # the module call that ran the forward origin: is its output finite?
+        self._output_hook: Any = None
 
     @property
     def found(self) -> bool:
@@ -225,9 +252,11 @@ class NonFiniteLocator:
                         (torch.isnan(buf) | torch.isposinf(buf)).any()):
                     self._tolerate(buf)
         self._tracker.__enter__()
+        self._output_hook = nn.modules.module.register_module_forward_hook(self._on_module_output)
         try:
             self._mode.__enter__()
         except BaseException:
+            self._output_hook.remove()
             self._tracker.__exit__(None, None, None)
             raise
         return self
@@ -236,9 +265,11 @@ class NonFiniteLocator:
         try:
             self._mode.__exit__(*exc)
         finally:
+            self._output_hook.remove()
             self._tracker.__exit__(*exc)
             self._tolerated.clear()
             self._uninitialized.clear()
+            self._watch = None
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -257,6 +288,24 @@ class NonFiniteLocator:
 
     def _is_tolerated(self, t: Tensor) -> bool:
         return self._holds(self._tolerated, t)
+
+    def _on_module_output(self, module: nn.Module, inputs: Any, output: Any) -> None:
+        """When the module call that ran the forward origin returns: did the bad value reach its output?"""
+        if self._watch is None or module is not self._watch or self.first_origin is None:
+            return
+        self._watch = None
+        self.first_origin.masked_in_forward = all(_all_finite(_floating(tree_leaves(output))))
+
+    def _following_backward(self) -> bool:
+        origin = self.first_origin
+        return (origin is not None and bool(origin.masked_in_forward) and origin.backward_op is None
+                and torch._C._current_graph_task_id() != -1)
+
+    def _record_backward(self, func: Any, inputs: list[Tensor], outputs: list[Tensor]) -> None:
+        """Record the first backward op that went non-finite after a masked forward origin."""
+        bad_inputs = [i for i, ok in enumerate(_all_finite(inputs)) if not ok]
+        assert self.first_origin is not None
+        self.first_origin.backward_op = self._op_record(func, inputs, outputs, bad_inputs, not bad_inputs, False)
 
     def _module(self) -> str | None:
         """Return the innermost running module in the model's naming (None: no module is running)."""
@@ -291,28 +340,38 @@ class NonFiniteLocator:
         origin = not (untolerated if self.tolerate_masks else bad_inputs)
         if self.first is not None and not origin:
             return
+        rec = self._op_record(func, inputs, outputs, bad_inputs, origin, self.capture_stack)
+        if self.first is None:
+            self.first = rec
+        if origin:
+            self.first_origin = rec
+            if rec.direction == "forward" and rec.module is not None and self.model is not None:
+                if rec.module == "":
+                    self._watch = self.model
+                elif self._names is not None and rec.module in self._names:
+                    self._watch = self.model.get_submodule(rec.module)
+
+    def _op_record(self, func: Any, inputs: list[Tensor], outputs: list[Tensor], bad_inputs: list[int], origin: bool,
+                   capture_stack: bool) -> NonFiniteOp:
         num_bad = sum(int((~torch.isfinite(t)).sum()) for t in outputs)
         has_inf = bool(torch.stack([torch.isinf(t).any().to(outputs[0].device) for t in outputs]).any())
         backward = torch._C._current_graph_task_id() != -1
         node = torch._C._current_autograd_node() if backward else None
         stack = None
-        if self.capture_stack:
+        if capture_stack:
             if backward:
                 tb = node.metadata.get("traceback_") if node is not None else None
                 stack = _user_frames(list(tb)) if tb else None
             else:
                 stack = _user_stack()
-        rec = NonFiniteOp(
+        has_nan = bool(torch.stack([torch.isnan(t).any().to(outputs[0].device) for t in outputs]).any())
+        return NonFiniteOp(
             op=str(func), direction="backward" if backward else "forward", module=self._module(), origin=origin,
             kind="nan+inf" if has_nan and has_inf else ("nan" if has_nan else "inf"), num_nonfinite=num_bad,
             numel=sum(t.numel() for t in outputs), input_shapes=[list(t.shape) for t in inputs],
             input_dtypes=[_dtype(t) for t in inputs], output_shapes=[list(t.shape) for t in outputs],
             output_dtypes=[_dtype(t) for t in outputs], nonfinite_inputs=bad_inputs,
             autograd_node=node.name() if node is not None else None, op_index=self.num_ops - 1, stack=stack)
-        if self.first is None:
-            self.first = rec
-        if origin:
-            self.first_origin = rec
 
 
 def _is_view(func: Any) -> bool:

@@ -5,6 +5,7 @@ Every function here returns device tensors; none calls ``.item()`` unless its do
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -63,15 +64,25 @@ def grad_total_norm(params: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
 
 @torch.no_grad()
 def all_params_finite(params: Iterable[Tensor]) -> Tensor:
-    """Return a 0-dim bool device tensor: every parameter is finite. One fused norm pass, no sync.
+    """Return a 0-dim bool device tensor: every parameter is finite (no NaN, no Inf). No sync.
 
-    A tensor's norm is finite iff every element is, except that finite fp32 values above ~1e19 can
-    overflow the norm: such parameters are reported as non-finite too (they are broken anyway).
+    Reads each tensor's largest magnitude, which is finite iff every element is and, unlike an L2
+    norm, cannot overflow (the squares of finite fp32 values above ~1.8e19 do; bf16 weights near 1e35
+    read as "non-finite" that way). On CUDA (and any non-CPU device) that is one fused
+    ``_foreach_norm(ord=inf)`` pass (NaN-propagating max of ``|x|``); on CPU, where foreach ops are a
+    loop over tensors anyway, one ``aminmax`` per tensor, the cheapest exact check measured there
+    (GPT-2's 148 tensors, 124M values, one thread: 115 ms fp32 / 42 ms bf16, against 620 / 410 ms for
+    the inf norm and 470 / 115 ms for ``_foreach_mul(x, 0)`` + norm; the overflowing L2 norm took 46 / 37).
+    With no parameters it returns ``tensor(True)``.
     """
-    params = list(params)
+    params = [p for p in params if p.numel() > 0]
     if not params:
         return torch.ones((), dtype=torch.bool)
-    return torch.isfinite(torch.stack(torch._foreach_norm(params)).float()).all()
+    if params[0].device.type == "cpu":
+        extremes = [v for p in params for v in torch.aminmax(p.detach())]
+    else:
+        extremes = torch._foreach_norm(params, ord=math.inf)
+    return torch.isfinite(torch.stack(extremes)).all()
 
 def first_nonfinite_grad(model: nn.Module) -> str | None:
     """Return the name of the first parameter (registration order) whose grad has a NaN/Inf, or None.

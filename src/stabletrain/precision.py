@@ -2,7 +2,9 @@
 
 The optimizer step never reads a flag on the host when the optimizer can skip on the device: fused
 AdamW/Adam/SGD take a ``found_inf`` tensor and leave parameters and state untouched when it is 1
-(the path GradScaler itself uses). Other optimizers cost one documented host sync per step.
+(the path GradScaler itself uses). Other optimizers cost one documented host sync per step. Under a
+GradScaler the caller's verdict joins the scaler's own overflow check, so a guard skip is a real skip
+in every precision.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import Tensor
 __all__ = ["PrecisionPolicy", "resolve_precision", "resolve_device"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_warned_fp16_cpu = False
 
 
 def resolve_device(spec: str = "auto") -> torch.device:
@@ -38,11 +41,15 @@ def resolve_precision(mode: str, device: torch.device) -> str:
         if device.type == "cuda" and torch.cuda.is_bf16_supported():
             return "bf16"
         return "fp32"
-    if mode == "fp16" and device.type != "cuda":
-        raise ValueError(
-            f"config key 'precision': fp16 needs a CUDA device (GradScaler and fp16 autocast), got precision=fp16 on {device.type}; "
-            "use precision=bf16 or fp32 on CPU"
-        )
+    global _warned_fp16_cpu
+    if mode == "fp16" and device.type == "cpu":
+        if not _warned_fp16_cpu:
+            _warned_fp16_cpu = True  # once per process: replays and checks build more policies
+            warnings.warn("precision=fp16 on CPU: fp16 autocast and GradScaler('cpu') run, slowly; meant for testing the "
+                      "fp16 path without a GPU (use bf16 or fp32 to train on CPU)", stacklevel=3)
+    elif mode == "fp16" and device.type != "cuda":
+        raise ValueError(f"config key 'precision': fp16 needs a CUDA device or the CPU, got precision=fp16 on {device.type}; "
+                         "use precision=bf16 or fp32")
     if mode == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ValueError("config key 'precision': bf16 is not supported by this GPU; use precision=fp16 (with a GradScaler) or fp32")
     if mode not in ("fp32", "bf16", "fp16"):
@@ -71,6 +78,9 @@ class PrecisionPolicy:
         # Only fp16 needs a scaler: bf16 has fp32's exponent range, so small grads do not underflow.
         self.scaler = torch.amp.GradScaler(self.device.type) if self.mode == "fp16" else None
         self._warned_sync = False
+        self._unscaled: set[int] = set()  # id() of optimizers unscaled since their last step
+        #: After :meth:`step` with an optimizer that cannot skip on the device: the flag it read (else None).
+        self.applied_on_host: bool | None = None
 
     @property
     def autocast_enabled(self) -> bool:
@@ -88,8 +98,9 @@ class PrecisionPolicy:
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the grads by the loss scale in place (fp16 only), so norms and clipping see true values."""
-        if self.scaler is not None:
-            self.scaler.unscale_(optimizer)
+        if self.scaler is not None and id(optimizer) not in self._unscaled:
+            self.scaler.unscale_(optimizer)  # records the scaler's own inf check for update()
+            self._unscaled.add(id(optimizer))
 
     def loss_scale(self) -> Tensor:
         """Return the current loss scale as a device tensor (1.0 without a scaler); no sync."""
@@ -97,35 +108,47 @@ class PrecisionPolicy:
             return self.scaler._scale.detach().float().reshape(())
         return torch.ones((), device=self.device)
 
-    def step(self, optimizer: torch.optim.Optimizer, finite: Tensor) -> Tensor:
-        """Step the optimizer unless ``finite`` (0-dim bool tensor) is False; return the applied flag.
+    def step(self, optimizer: torch.optim.Optimizer, ok: Tensor) -> Tensor:
+        """Step the optimizer unless ``ok`` (0-dim bool tensor) is False; return the applied flag (device bool).
 
-        In fp16 the GradScaler decides (it skips on overflow and backs off the scale). Otherwise a fused
-        optimizer skips on the device through ``found_inf``; any other optimizer needs one host sync
-        here, once per step (warned once).
+        The caller's verdict (the guard's ``ok``: finite, no spike to skip, inputs finite) is a real skip
+        in every precision. Under a GradScaler it joins the scaler's own ``found_inf``: the optimizer
+        steps only if both allow it, while the scale backs off only on the scaler's overflow (a guard
+        skip is not an overflow). A fused optimizer (AdamW, Adam, SGD with ``fused=True``) skips on the
+        device through ``found_inf``; any other optimizer costs one host sync here, once per step
+        (warned once).
         """
+        self.applied_on_host = None
+        found_inf = None
         if self.scaler is not None:
-            self.scaler.step(optimizer)
-            self.scaler.update()
-            return finite
+            self.unscale_(optimizer)  # a no-op when the caller already unscaled (it must, before clipping)
+            # The inf check unscale_ recorded (a device tensor per device); read without a sync.
+            state = self.scaler._per_optimizer_states[id(optimizer)]
+            found = [t.to(ok.device) for t in state["found_inf_per_device"].values()]
+            found_inf = torch.stack(found).sum() > 0 if found else None
+        applied = ok if found_inf is None else ok & ~found_inf
         if getattr(optimizer, "_step_supports_amp_scaling", False):
-            optimizer.grad_scale = None
-            optimizer.found_inf = (~finite).float()
+            optimizer.grad_scale = None  # the grads are unscaled already
+            optimizer.found_inf = (~applied).float()
             try:
                 optimizer.step()
             finally:
                 del optimizer.grad_scale, optimizer.found_inf
-            return finite
-        if not self._warned_sync:
-            warnings.warn(
-                f"{type(optimizer).__name__} cannot skip a step on the device; stabletrain reads the finiteness flag "
-                "on the host once per step (a sync). Use fused=True (AdamW, Adam, SGD) to avoid it.",
-                stacklevel=2,
-            )
-            self._warned_sync = True
-        if bool(finite):  # the one documented per-step sync for non-fused optimizers
-            optimizer.step()
-        return finite
+        else:
+            if not self._warned_sync:
+                warnings.warn(
+                    f"{type(optimizer).__name__} cannot skip a step on the device; stabletrain reads the skip flag "
+                    "on the host once per step (a sync). Use fused=True (AdamW, Adam, SGD) to avoid it.",
+                    stacklevel=2,
+                )
+                self._warned_sync = True
+            self.applied_on_host = bool(applied)  # the one documented per-step sync for such optimizers
+            if self.applied_on_host:
+                optimizer.step()
+        if self.scaler is not None:
+            self.scaler.update()  # backs off on the scaler's found_inf only; grows after growth_interval clean steps
+            self._unscaled.discard(id(optimizer))
+        return applied
 
     def state_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "scaler": self.scaler.state_dict() if self.scaler is not None else None}

@@ -4,8 +4,8 @@ Everything a run knows lands here in plain formats (DESIGN.md, principle 5)::
 
     RUN_DIR/config.yaml     the resolved config, every default written out
     RUN_DIR/snapshot.json   code version, library versions, device, seed, data fingerprint
-    RUN_DIR/metrics.jsonl   one line per log interval (keys: see stabletrain.metrics)
-    RUN_DIR/events.jsonl    one line per event: {"step", "kind", "reason", ...}
+    RUN_DIR/metrics.jsonl   one line per log interval (keys: stabletrain.events.METRIC_KEYS)
+    RUN_DIR/events.jsonl    one line per event: {"step", "kind", "reason", ...} (kinds: stabletrain.events.EVENT_KINDS)
     RUN_DIR/tb/             TensorBoard event files
 """
 
@@ -25,21 +25,25 @@ from typing import Any
 
 import torch
 import yaml
+from torch.utils._pytree import tree_map
 
+from ._version import __version__
 from .config import Config, config_hash, config_to_dict
+from .events import EVENT_KINDS
+from .fileio import atomic_write
 
 __all__ = ["RunDir", "JsonlWriter", "read_jsonl", "build_snapshot", "git_info"]
 
 
-def _clean(value: Any) -> Any:
-    """Make a value JSON-safe: non-finite floats become the strings "nan", "inf", "-inf"."""
+def _clean_leaf(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
     return value
+
+
+def _clean(value: Any) -> Any:
+    """Make a value JSON-safe: non-finite floats (in nested dicts, lists, tuples) become "nan", "inf", "-inf"."""
+    return tree_map(_clean_leaf, value)
 
 
 class JsonlWriter:
@@ -97,8 +101,6 @@ def git_info(path: Path) -> dict[str, Any]:
 def build_snapshot(cfg: Config, device: torch.device, precision: str, data_fingerprint: str | None,
                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Return what identifies a run: code, libraries, device, seed, data, config hash."""
-    from . import __version__
-
     dev: dict[str, Any] = {"type": device.type, "cpu": platform.processor() or platform.machine(),
                            "num_threads": torch.get_num_threads()}
     if device.type == "cuda":
@@ -131,25 +133,62 @@ class RunDir:
 
     def __init__(self, path: str | Path, *, resume: bool = False, overwrite: bool = False) -> None:
         self.path = Path(path)
-        if self.path.exists() and not resume and (self.path / "metrics.jsonl").exists() and not overwrite:
+        if not resume and not overwrite and self.holds_trained_run(self.path):
             raise FileExistsError(
                 f"run directory {str(self.path)!r} already holds a run; resume it with --resume {self.path}, "
                 "pick another run.dir, or pass run.overwrite=true"
             )
-        if overwrite and not resume and (self.path / "config.yaml").exists():
-            shutil.rmtree(self.path)  # only a directory that holds a run (it has config.yaml) is replaced
+        # A directory that holds a run (it has config.yaml) is replaced when asked to, and so is one from an
+        # attempt that never logged a trained step (it failed at start): it is not a run, the retry reuses it.
+        if not resume and (self.path / "config.yaml").exists():
+            shutil.rmtree(self.path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.metrics = JsonlWriter(self.path / "metrics.jsonl")
         self.events = JsonlWriter(self.path / "events.jsonl")
 
+    @staticmethod
+    def holds_trained_run(path: Path) -> bool:
+        """Whether ``path`` holds a run that trained: a logged metrics line or a checkpoint after step 0."""
+        metrics = path / "metrics.jsonl"
+        if metrics.exists() and metrics.stat().st_size > 0:
+            return True
+        return any(p.name.startswith("step_") and p.name != "step_000000" for p in (path / "checkpoints").glob("step_*"))
+
+    def drop_metrics_after(self, step: int) -> int:
+        """Remove the metrics lines of steps after ``step`` (a resume supersedes them); return how many.
+
+        After a crash the steps between the last checkpoint and the crash are trained again: each step
+        then appears once in metrics.jsonl, with the values of the run that continued.
+        """
+        path = self.path / "metrics.jsonl"
+        self.metrics.close()
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True) if path.exists() else []
+
+        def after(line: str) -> bool:
+            try:
+                return int(json.loads(line).get("step", -1)) > step
+            except (ValueError, AttributeError, TypeError):
+                return False  # a malformed line stays, for the report to name
+
+        kept = [line for line in lines if not after(line)]
+        if len(kept) != len(lines):
+            atomic_write(path, "".join(kept))
+        self.metrics = JsonlWriter(path)
+        return len(lines) - len(kept)
+
     def write_config(self, cfg: Config) -> None:
-        with open(self.path / "config.yaml", "w", encoding="utf-8") as fh:
-            yaml.safe_dump(config_to_dict(cfg), fh, sort_keys=False)
+        """Write ``config.yaml`` (every default written out), atomically."""
+        atomic_write(self.path / "config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
     def write_snapshot(self, snapshot: dict[str, Any]) -> None:
-        (self.path / "snapshot.json").write_text(json.dumps(_clean(snapshot), indent=2) + "\n", encoding="utf-8")
+        """Write ``snapshot.json``, atomically."""
+        atomic_write(self.path / "snapshot.json", json.dumps(_clean(snapshot), indent=2) + "\n")
 
     def event(self, step: int, kind: str, reason: str, **fields: Any) -> dict[str, Any]:
+        """Append one line to events.jsonl and return it; ``kind`` must be one of :data:`~stabletrain.events.EVENT_KINDS`."""
+        if kind not in EVENT_KINDS:
+            raise ValueError(f"event kind {kind!r} is not one of stabletrain.events.EVENT_KINDS "
+                             f"({', '.join(EVENT_KINDS)}); add it there with its meaning")
         record = {"step": step, "kind": kind, "reason": reason, "time": round(time.time(), 3), **fields}
         self.events.write(record)
         return record
@@ -162,10 +201,12 @@ class RunDir:
 class TensorBoardSink:
     """Write scalar metrics with TensorBoard's real ``SummaryWriter`` into ``RUN_DIR/tb``."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, purge_step: int | None = None) -> None:
+        """``purge_step``: on resume, TensorBoard drops the events at and after this step that an earlier
+        process wrote (the steps after the checkpoint that a crash made the run train again)."""
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(log_dir))
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
     def write(self, record: dict[str, Any]) -> None:
         step = int(record["step"])

@@ -13,7 +13,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["LRSchedule"]
+__all__ = ["LRSchedule", "lr_factor"]
+
+
+def lr_factor(n: Tensor, warmup_steps: int, max_steps: int, decay: str = "cosine", min_lr_ratio: float = 0.1) -> Tensor:
+    """Return the lr multiplier after ``n`` applied steps (a tensor): linear warmup, then cosine or constant."""
+    if warmup_steps > 0:
+        warm = torch.clamp((n + 1) / warmup_steps, max=1.0)
+    else:
+        warm = torch.ones_like(n)
+    if decay == "constant":
+        return warm
+    span = max(max_steps - warmup_steps, 1)
+    progress = torch.clamp((n - warmup_steps) / span, 0.0, 1.0)
+    return warm * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + torch.cos(math.pi * progress)))
 
 
 class LRSchedule:
@@ -35,6 +48,8 @@ class LRSchedule:
         self.applied_steps = torch.zeros((), dtype=torch.float32, device=device)
         # The whole schedule, once: each step is then one lookup instead of a dozen tiny kernels.
         self._table = self.factor(torch.arange(max_steps + 1, dtype=torch.float32, device=device))
+        self._host_table = self._table.tolist() if not self.on_device else []
+        self._host_count = 0
         for group, base in zip(optimizer.param_groups, self.base_lrs):
             group["initial_lr"] = base
             group["lr"] = torch.tensor(base, dtype=torch.float32, device=device) if self.on_device else base
@@ -42,28 +57,32 @@ class LRSchedule:
 
     def factor(self, n: Tensor) -> Tensor:
         """Return the lr multiplier for applied-step count ``n`` (a tensor)."""
-        if self.warmup_steps > 0:
-            warm = torch.clamp((n + 1) / self.warmup_steps, max=1.0)
-        else:
-            warm = torch.ones_like(n)
-        if self.decay == "constant":
-            return warm
-        span = max(self.max_steps - self.warmup_steps, 1)
-        progress = torch.clamp((n - self.warmup_steps) / span, 0.0, 1.0)
-        cosine = self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + torch.cos(math.pi * progress))
-        return warm * cosine
+        return lr_factor(n, self.warmup_steps, self.max_steps, self.decay, self.min_lr_ratio)
 
-    def _write(self) -> None:
+    def _write(self, host_count: int | None = None) -> None:
+        if not self.on_device:  # host fallback: a float lr from the host copy of the table
+            if host_count is None:
+                host_count = int(self.applied_steps)  # a sync, only where the caller has no host count
+            self._host_count = host_count
+            f_host = self._host_table[min(host_count, self.max_steps)]
+            for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+                group["lr"] = f_host * base
+            return
         # gather with a 1-element index: a 0-dim CUDA index tensor would be read on the host (a sync).
         f = self._table.gather(0, self.applied_steps.long().clamp(max=self.max_steps).reshape(1)).reshape(())
         for group, base in zip(self.optimizer.param_groups, self.base_lrs):
-            if self.on_device:
-                group["lr"].copy_(f * base)
-            else:
-                group["lr"] = float(f) * base  # host fallback: one sync per step
+            group["lr"].copy_(f * base)
 
-    def step(self, applied: Tensor) -> None:
-        """Advance the schedule by one step if ``applied`` (device bool) is True; otherwise hold it."""
+    def step(self, applied: Tensor | bool) -> None:
+        """Advance the schedule by one step if ``applied`` is True; otherwise hold it.
+
+        ``applied``: a device bool (no sync), or a host bool where the optimizer step already read it
+        (a non-fused optimizer): the host-lr fallback then needs no read of its own.
+        """
+        if isinstance(applied, bool):
+            self.applied_steps += int(applied)
+            self._write(self._host_count + int(applied) if not self.on_device else None)
+            return
         self.applied_steps += applied.to(self.applied_steps.dtype)
         self._write()
 

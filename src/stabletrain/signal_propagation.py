@@ -10,11 +10,32 @@ that has none either. Forward, the reference is the shallowest one; backward, th
 gradient arrives first). A normalization layer's output std is 1 by construction, so its forward
 verdict reads its *input* (for a pre-norm residual network, the residual stream).
 
+Layers are measured per *call*: a module called several times is one layer per call, named
+``drop#0``, ``drop#1``. Its calls are counterparts only when it is part of a unit applied repeatedly
+(every module called between two of its calls is called as often: a weight-shared block in a loop);
+a module reused in different roles (word_language_model's Dropout, before and after the LSTM) is
+compared with no other layer. Some layers are judged by what they are:
+
+- an embedding is a source: its output std is its init and there is no input signal to preserve,
+  so it gets no forward verdict;
+- a recurrent layer (``nn.RNN`` / ``LSTM`` / ``GRU``) sets its output scale with its gates and is a
+  boundary: other layers are compared only with layers between the same recurrent layers (a
+  layer before an LSTM is never the reference of one after it). The recurrent layer itself is judged
+  through time, not depth: forward, its output std at the last time step vs the middle one;
+  backward, the grad std at its input's first time step vs the middle one. The middle step keeps
+  out the zero initial state (forward) and the last steps' short future (backward): a stable
+  LSTM reads ~1x at any depth. With a loss at every step, each step's own gradient hides a
+  vanishing gradient through time; an exploding one shows. A cell (``nn.LSTMCell``) called once per
+  time step is a repeated unit: its calls are compared, which is the same question.
+
 A layer is ``exploding`` when its std ratio to its reference is above ``SignalThresholds.explode`` (or not
 finite), ``vanishing`` when below ``1 / SignalThresholds.explode``, else ``ok``. The report names the first
 layer where the signal leaves that band, forward (scanning from the input) and backward (scanning
 from the loss), and by how much; after one optimizer step on a copy of the state it gives every
-parameter's update/weight ratio, and it recommends an init scheme from the activations it saw.
+parameter's update/weight ratio against a band calibrated to the optimizer (SGD-like: lr x |g| / |w|
+in 1e-4..1e-2 around the ~1e-3 rule of thumb; Adam-like: each element moves by about lr, so the ratio is
+about lr / rms(w), ``small`` below a tenth of that, ``large`` above 0.1), and it recommends an init
+scheme from the activations it saw.
 """
 
 from __future__ import annotations
@@ -27,6 +48,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
 
 from .accumulation import as_sum_count
 from .numerics import unique_params
@@ -53,13 +75,21 @@ class SignalThresholds:
 
     Attributes:
         explode: a ratio above this is ``exploding``, below ``1 / explode`` is ``vanishing``.
-        update_high: an update/weight ratio above this after one step is marked ``large``.
-        update_low: an update/weight ratio below this is marked ``small``.
+        update_high: with an SGD-like optimizer (update = lr x grad), an update/weight ratio above this
+            after one step is marked ``large`` (the ~1e-3 rule of thumb is the middle of the band).
+        update_low: ... and below this ``small``.
+        adaptive_high: with an Adam-like optimizer (each element moves by about lr on the first step,
+            whatever its gradient), a ratio above this is ``large``: the first step is its largest
+            relative move (later ``|m / sqrt(v)| < 1``), hence 10x the SGD band's top.
+        adaptive_low: ... and a ratio below this times ``lr / rms(w)`` (what the first step gives a weight
+            whose every element has a gradient) is ``small``: most of its elements got no gradient.
     """
 
     explode: float = 4.0
     update_high: float = 1e-2
     update_low: float = 1e-4
+    adaptive_high: float = 1e-1
+    adaptive_low: float = 1e-1
 
     def __post_init__(self) -> None:
         if not self.explode > 1:
@@ -71,6 +101,12 @@ class SignalThresholds:
         if not math.isfinite(ratio) or ratio > self.explode:
             return EXPLODING
         return VANISHING if ratio < 1 / self.explode else OK
+
+    def update_band(self, adaptive: bool, lr: float | None, weight_rms: float) -> tuple[float, float]:
+        """Return the (low, high) update/weight band after one step, for an Adam-like optimizer or not."""
+        if adaptive and lr is not None and weight_rms > 0:
+            return self.adaptive_low * lr / weight_rms, self.adaptive_high
+        return self.update_low, self.update_high
 
     def describe(self) -> str:
         return (f"verdicts: exploding when a layer's std is more than {self.explode:g}x its reference's, vanishing "
@@ -95,6 +131,14 @@ class LayerSignal:
     param_grad_std: float | None = None
     activation: str | None = None  # set when the module is an activation
     is_norm: bool = False
+    role: str = ""  # "embedding" (a source: no forward verdict) | "recurrent" (judged through time) | ""
+    call: int | None = None  # which call of its module this is, when the module is called more than once
+    own_reference: bool = False  # a module reused in different roles: each call is compared with no other layer
+    segment: int = 0  # how many recurrent layers ran before it; layers are compared within their segment
+    time_out_mid: float | None = None  # recurrent: output std at its middle time step
+    time_out_last: float | None = None  # recurrent: ... and at its last
+    time_grad_first: float | None = None  # recurrent: grad std at its input's first time step
+    time_grad_mid: float | None = None  # recurrent: ... and at its middle one
     in_shape: tuple[int, ...] | None = None  # without the leading (batch) dimension
     out_shape: tuple[int, ...] = ()
     ref_forward: str = ""
@@ -118,12 +162,21 @@ class LayerSignal:
 
 @dataclass
 class UpdateRatio:
-    """One parameter's ``||update|| / ||weight||`` after one optimizer step (None for a zero weight)."""
+    """One parameter's ``||update|| / ||weight||`` after one optimizer step (None for a zero weight), and its band."""
 
     name: str
     weight_rms: float
     update_rms: float
     ratio: float | None
+    low: float | None = None
+    high: float | None = None
+
+    @property
+    def mark(self) -> str:
+        """Return "large" above the band, "small" below it, else ""."""
+        if self.ratio is None or self.low is None or self.high is None:
+            return ""
+        return "large" if self.ratio > self.high else "small" if self.ratio < self.low else ""
 
 
 @dataclass
@@ -138,6 +191,7 @@ class SignalReport:
     optimizer: str = ""
     recommended: str = "auto"
     activations: dict[str, int] = field(default_factory=dict)  # activation name -> times seen
+    adaptive: bool = False  # the optimizer is Adam-like: the update bands are relative to lr / rms(w)
 
     @property
     def flagged(self) -> list[LayerSignal]:
@@ -167,12 +221,17 @@ class SignalReport:
         ratios = [(getattr(layer, attr), layer) for layer in self.layers if getattr(layer, attr) is not None]
         extreme = max(ratios, key=lambda r: _log_ratio(r[0])) if verdict == EXPLODING else min(ratios, key=lambda r: _log_ratio(r[0]))
         what = "std" if direction == "forward" else "grad std"
-        ref = first.ref_forward if direction == "forward" else first.ref_backward
+        ref = repr(first.ref_forward if direction == "forward" else first.ref_backward)
         value = first.signal_std if direction == "forward" else first.grad_std
+        if direction == "forward" and first.role == "recurrent" and first.time_out_mid is not None:
+            what, value, ref = "through time: output std at its last time step", first.time_out_last, "at its middle one"
+        if direction == "backward" and first.role == "recurrent" and first.time_grad_first is not None:
+            what, value, ref = ("through time: grad std at its input's first time step", first.time_grad_first,
+                                "at its middle one")
         verb = "explodes" if verdict == EXPLODING else "vanishes"
         return (f"{direction}: {verb} at #{first.index} {first.name!r} ({first.kind}): {what} {value:.3g} = "
-                f"{_x(getattr(first, attr))} that of {ref!r}; most extreme {_x(extreme[0])} at #{extreme[1].index} "
-                f"{extreme[1].name!r}")
+                f"{_x(getattr(first, attr))} that {'of ' if ref.startswith(chr(39)) else ''}{ref}; most extreme "
+                f"{_x(extreme[0])} at #{extreme[1].index} {extreme[1].name!r}")
 
     def advice(self) -> str:
         """Return one line recommending an init scheme from the activations seen."""
@@ -186,6 +245,23 @@ class SignalReport:
                      "projections (residual_branch_out = True) so init_ scales them by 1/sqrt(number of branches)")
         return line
 
+    def rules(self) -> list[str]:
+        """Return the lines saying how the layers that are not judged by the plain depth rule were judged."""
+        lines = []
+        if any(layer.role == "embedding" for layer in self.layers):
+            lines.append("embeddings are sources: their output std is their init (no input signal to preserve), "
+                         "so they get no forward verdict")
+        if any(layer.role == "recurrent" for layer in self.layers):
+            lines.append("a recurrent layer (RNN/LSTM/GRU) sets its output scale with its gates: layers are compared "
+                         "only with layers between the same recurrent layers, and a recurrent layer is judged through "
+                         "time: forward its output std at the last time step vs the middle one, backward the grad std "
+                         "at its input's first time step vs the middle one (with a loss at every step, each step's "
+                         "direct gradient hides a vanishing one; an exploding one shows)")
+        if any(layer.call is not None for layer in self.layers):
+            lines.append("a module called several times is one layer per call (name#call); its calls are compared "
+                         "with each other only when it is part of a unit applied repeatedly (a weight-shared block)")
+        return lines
+
     def to_dict(self) -> dict[str, Any]:
         first_f, first_b = self.first_forward, self.first_backward
         return {
@@ -198,7 +274,8 @@ class SignalReport:
             "summary": [self.summary("forward"), self.summary("backward")],
             "recommended": self.recommended, "activations": dict(self.activations),
             "layers": [asdict(layer) for layer in self.layers],
-            "optimizer": self.optimizer, "updates": [asdict(u) for u in self.updates],
+            "optimizer": self.optimizer, "adaptive": self.adaptive,
+            "updates": [{**asdict(u), "mark": u.mark} for u in self.updates],
         }
 
 
@@ -216,13 +293,8 @@ def _x(r: float | None) -> str:
 
 
 def _first_tensor(x: Any) -> Tensor | None:
-    if isinstance(x, Tensor):
-        return x if x.is_floating_point() else None
-    if isinstance(x, (tuple, list)):
-        return next((t for t in map(_first_tensor, x) if t is not None), None)
-    if isinstance(x, dict):
-        return next((t for t in map(_first_tensor, x.values()) if t is not None), None)
-    return None
+    """Return the first floating-point tensor in ``x`` (nested containers walked in order), or None."""
+    return next((t for t in tree_leaves(x) if isinstance(t, Tensor) and t.is_floating_point()), None)
 
 
 def _std(x: Tensor) -> Tensor:
@@ -242,9 +314,15 @@ def _main_param(module: nn.Module) -> tuple[str, nn.Parameter] | None:
 
 
 def _group_key(layer: LayerSignal) -> tuple:
-    """Return (class, name with list indices as '*', input shape, output shape): a layer's counterparts."""
+    """Return (class, name with list indices as '*', input shape, output shape, segment): a layer's counterparts.
+
+    A recurrent layer's counterparts are the recurrent layers of any segment; a call of a module reused
+    in different roles has none (its key is its own).
+    """
+    if layer.own_reference:
+        return layer.kind, layer.name, layer.in_shape, layer.out_shape, layer.index
     pattern = ".".join("*" if part.isdigit() else part for part in layer.name.split("#")[0].split("."))
-    return layer.kind, pattern, layer.in_shape, layer.out_shape
+    return layer.kind, pattern, layer.in_shape, layer.out_shape, None if layer.role == "recurrent" else layer.segment
 
 
 def _assign_references(layers: list[LayerSignal], thresholds: SignalThresholds) -> None:
@@ -253,20 +331,32 @@ def _assign_references(layers: list[LayerSignal], thresholds: SignalThresholds) 
         groups.setdefault(_group_key(layer), []).append(layer)
     pooled: dict[tuple, list[LayerSignal]] = {}
     for key, members in groups.items():  # a layer with no counterpart joins the others of its class and shapes
-        pooled.setdefault(key if len(members) > 1 else (key[0], None, key[2], key[3]), []).extend(members)
+        alone = len(members) == 1 and not members[0].own_reference
+        pooled.setdefault((key[0], None, *key[2:]) if alone else key, []).extend(members)
     for members in pooled.values():
         members.sort(key=lambda layer: layer.index)
         fwd_ref = members[0]
         with_grad = [m for m in members if m.grad_std is not None]
         bwd_ref = with_grad[-1] if with_grad else None
         for layer in members:
-            layer.ref_forward = fwd_ref.name
-            layer.forward_ratio = _ratio(layer.signal_std, fwd_ref.signal_std)
+            if layer.role != "embedding":  # a lookup: its output scale is its init, there is no input to preserve
+                layer.ref_forward = fwd_ref.name
+                layer.forward_ratio = _ratio(layer.signal_std, fwd_ref.signal_std)
             layer.param_std_ratio = _ratio(layer.param_std, fwd_ref.param_std)
             if bwd_ref is not None and layer.grad_std is not None:
-                layer.ref_backward = bwd_ref.name
-                layer.backward_ratio = _ratio(layer.grad_std, bwd_ref.grad_std)
                 layer.param_grad_ratio = _ratio(layer.param_grad_std, bwd_ref.param_grad_std)
+                if layer.role != "recurrent":
+                    layer.ref_backward = bwd_ref.name
+                    layer.backward_ratio = _ratio(layer.grad_std, bwd_ref.grad_std)
+            # Through time, not through depth: the output at the last time step vs the middle one, and the
+            # gradient reaching the input's first time step vs the middle one. The middle (not the other end)
+            # keeps out the zero initial state forward and the last steps' short future backward.
+            if layer.role == "recurrent" and layer.time_out_mid is not None:
+                layer.ref_forward = f"{layer.name} at its middle time step"
+                layer.forward_ratio = _ratio(layer.time_out_last, layer.time_out_mid)
+            if layer.role == "recurrent" and layer.time_grad_first is not None:
+                layer.ref_backward = f"{layer.name} at its middle time step"
+                layer.backward_ratio = _ratio(layer.time_grad_first, layer.time_grad_mid)
             layer.forward = thresholds.verdict(layer.forward_ratio)
             layer.backward = thresholds.verdict(layer.backward_ratio)
 
@@ -299,7 +389,7 @@ def signal_report(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any],
         for p in params:
             p.grad = None
         layers, loss_value = _measure(model, batch, loss)
-        updates, opt_name = _update_ratios(model, params, make_optimizer)
+        updates, opt_name, adaptive = _update_ratios(model, params, make_optimizer, thresholds)
     finally:
         for p, g in zip(params, saved_grads):
             p.grad = g
@@ -312,7 +402,7 @@ def signal_report(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any],
         if layer.activation is not None:
             activations[layer.kind] = activations.get(layer.kind, 0) + 1
     recommended = recommend_scheme(layer.activation for layer in layers)
-    return SignalReport(label, layers, thresholds, loss_value, updates, opt_name, recommended, activations)
+    return SignalReport(label, layers, thresholds, loss_value, updates, opt_name, recommended, activations, adaptive)
 
 
 def _measure(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any]) -> tuple[list[LayerSignal], float]:
@@ -320,14 +410,12 @@ def _measure(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any]
     leaves = [(n, m) for n, m in model.named_modules() if not list(m.children())]
     calls: list[tuple[str, nn.Module, tuple | None, tuple]] = []  # name, module, input shape, output shape
     stats: list[dict[str, Tensor]] = []
-    counts: dict[str, int] = {}
 
     def on_forward(name: str) -> Callable:
         def hook(module: nn.Module, inputs: tuple, output: Any) -> None:
             out = _first_tensor(output)
             if out is None or out.numel() == 0:
                 return
-            counts[name] = counts.get(name, 0) + 1
             x = _first_tensor(inputs)
             row = {"out": torch.stack([out.detach().float().mean(), _std(out), out.detach().float().abs().max()])}
             if x is not None and x.numel() > 0:
@@ -336,8 +424,17 @@ def _measure(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any]
                 def grad_hook(g: Tensor, row: dict = row) -> None:
                     row["grad_std"] = _std(g)
                 out.register_hook(grad_hook)
-            call_name = name if counts[name] == 1 else f"{name}#{counts[name]}"
-            calls.append((call_name, module, None if x is None else tuple(x.shape[1:]), tuple(out.shape[1:])))
+            seq = inputs[0] if inputs and isinstance(module, nn.RNNBase) else None  # not a PackedSequence
+            if isinstance(seq, Tensor) and seq.dim() in (2, 3) and out.dim() == seq.dim():
+                t_axis = 1 if seq.dim() == 3 and module.batch_first else 0
+                mid = seq.shape[t_axis] // 2
+                if mid > 0:  # through time: the output's last step vs the middle one, the input grad's first vs middle
+                    row["time_out"] = torch.stack([_std(out.select(t_axis, mid)), _std(out.select(t_axis, -1))])
+                    if seq.requires_grad:
+                        def time_hook(g: Tensor, row: dict = row, t_axis: int = t_axis, mid: int = mid) -> None:
+                            row["time_grad"] = torch.stack([_std(g.select(t_axis, 0)), _std(g.select(t_axis, mid))])
+                        seq.register_hook(time_hook)
+            calls.append((name, module, None if x is None else tuple(x.shape[1:]), tuple(out.shape[1:])))
             stats.append(row)
         return hook
 
@@ -365,28 +462,66 @@ def _measure(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any]
     values = iter(flat.cpu().tolist())
     got: list[dict[str, Any]] = [{} for _ in stats]
     for i, k in keys:
-        got[i][k] = [next(values) for _ in range(3)] if k == "out" else next(values)
+        got[i][k] = [next(values) for _ in range(stats[i][k].numel())] if stats[i][k].dim() else next(values)
     loss_value = next(values)
 
+    ids = [id(module) for _, module, _, _ in calls]
+    num_calls: dict[int, int] = {}
+    for key in ids:
+        num_calls[key] = num_calls.get(key, 0) + 1
+    seen: dict[int, int] = {}
+    segment = 0
     layers = []
     for i, ((name, module, in_shape, out_shape), main, row) in enumerate(zip(calls, mains, got)):
-        param_name = None if main is None else ".".join(filter(None, (name.split("#")[0], main[0])))
+        param_name = None if main is None else ".".join(filter(None, (name, main[0])))
+        call = seen[ids[i]] = seen.get(ids[i], -1) + 1
+        reused = num_calls[ids[i]] > 1
+        recurrent = isinstance(module, nn.RNNBase)
+        time_out, time_grad = row.get("time_out") or (None, None), row.get("time_grad") or (None, None)
         layers.append(LayerSignal(
-            index=i, name=name, kind=type(module).__name__, out_mean=row["out"][0], out_std=row["out"][1],
-            out_absmax=row["out"][2], in_std=row.get("in_std"), grad_std=row.get("grad_std"), param_name=param_name,
-            param_std=row.get("param_std"), param_grad_std=row.get("param_grad_std"), activation=activation_name(module),
-            is_norm=is_norm(module), in_shape=in_shape, out_shape=out_shape))
+            index=i, name=f"{name}#{call}" if reused else name, kind=type(module).__name__, out_mean=row["out"][0],
+            out_std=row["out"][1], out_absmax=row["out"][2], in_std=row.get("in_std"), grad_std=row.get("grad_std"),
+            param_name=param_name, param_std=row.get("param_std"), param_grad_std=row.get("param_grad_std"),
+            activation=activation_name(module), is_norm=is_norm(module),
+            role="recurrent" if recurrent else "embedding" if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) else "",
+            call=call if reused else None, own_reference=reused and not _repeated_unit(ids, ids[i], num_calls),
+            segment=segment, time_out_mid=time_out[0], time_out_last=time_out[1], time_grad_first=time_grad[0],
+            time_grad_mid=time_grad[1],
+            in_shape=in_shape, out_shape=out_shape))
+        segment += recurrent
     return layers, loss_value
 
 
+def _repeated_unit(ids: list[int], key: int, num_calls: dict[int, int]) -> bool:
+    """Return True when the module ``key`` is part of a unit applied repeatedly (a weight-shared block in a loop).
+
+    That is: every module called between two of its calls is called as many times as it is. A module
+    reused in different roles (word_language_model's Dropout, before and after the LSTM) is not.
+    """
+    at = [i for i, k in enumerate(ids) if k == key]
+    return all(num_calls[k] == num_calls[key] for a, b in zip(at, at[1:]) for k in ids[a + 1:b])
+
+
+def is_adaptive(optimizer: torch.optim.Optimizer) -> bool:
+    """Return True for an Adam-like optimizer: its first step moves each element by about lr, whatever the gradient.
+
+    Adam, AdamW, Adamax, NAdam, Adagrad, Lion and classes named like them (fused or 8-bit variants);
+    not RAdam, whose first steps are un-adapted momentum steps.
+    """
+    name = type(optimizer).__name__.lower()
+    return ("adam" in name and "radam" not in name) or "lion" in name or name == "adagrad"
+
+
 def _update_ratios(model: nn.Module, params: list[nn.Parameter],
-                   make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None
-                   ) -> tuple[list[UpdateRatio], str]:
-    """Take one optimizer step, measure ||update|| / ||weight|| per parameter, then undo the step."""
+                   make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None,
+                   thresholds: SignalThresholds) -> tuple[list[UpdateRatio], str, bool]:
+    """Take one optimizer step, measure ||update|| / ||weight|| per parameter and its band, then undo the step."""
     with_grad = [p for p in params if p.grad is not None]
     if not with_grad:
-        return [], ""
+        return [], "", False
     optimizer = make_optimizer(with_grad) if make_optimizer is not None else torch.optim.AdamW(with_grad, lr=1e-3)
+    adaptive = is_adaptive(optimizer)
+    group_lr = {id(p): g.get("lr") for g in optimizer.param_groups for p in g["params"]}
     lr = optimizer.param_groups[0].get("lr")
     opt_name = f"{type(optimizer).__name__}(lr={float(lr):.3g})" if lr is not None else type(optimizer).__name__
     before = [p.detach().clone() for p in with_grad]
@@ -397,8 +532,13 @@ def _update_ratios(model: nn.Module, params: list[nn.Parameter],
                            .to(before[0].device) for p, b in zip(with_grad, before)]).cpu().tolist()
         for p, b in zip(with_grad, before):
             p.copy_(b)
-    updates = [UpdateRatio(names.get(id(p), "?"), w, u, (u / w) if w > 0 else None) for p, (w, u) in zip(with_grad, rms)]
-    return updates, opt_name
+    updates = []
+    for p, (w, u) in zip(with_grad, rms):
+        lr = group_lr.get(id(p))
+        low, high = thresholds.update_band(adaptive, None if lr is None else float(lr), w)
+        updates.append(UpdateRatio(names.get(id(p), "?"), w, u, (u / w) if w > 0 else None,
+                                   low if w > 0 else None, high if w > 0 else None))
+    return updates, opt_name, adaptive
 
 
 # -- output ---------------------------------------------------------------------------------------------
@@ -418,7 +558,7 @@ def format_report(report: SignalReport, updates: bool = True) -> list[str]:
     kind_w = max([len(layer.kind) for layer in report.layers] + [4])
     header = (f"{'#':>3}  {'layer':<{width}}  {'type':<{kind_w}}  {'in std':>9}  {'out mean':>9}  {'out std':>9}  "
               f"{'|out|max':>9}  {'fwd':>10}  {'grad std':>9}  {'bwd':>10}  {'w std':>9}  {'w grad':>9}  verdict")
-    lines = [report.thresholds.describe(), header]
+    lines = [report.thresholds.describe(), *report.rules(), header]
     for layer in report.layers:
         verdict = OK if not layer.flagged else "/".join(
             f"{d} {v}" for d, v in (("fwd", layer.forward), ("bwd", layer.backward)) if v != OK)
@@ -435,14 +575,19 @@ def format_report(report: SignalReport, updates: bool = True) -> list[str]:
 def format_updates(report: SignalReport) -> list[str]:
     """Return the update/weight ratio of every parameter as text lines (zero weights on one line)."""
     th = report.thresholds
-    title = (f"update/weight (rms) after one {report.optimizer} step, marked above {th.update_high:g} or below "
-             f"{th.update_low:g} (a first Adam step moves every weight by about lr):")
+    if report.adaptive:
+        title = (f"update/weight (rms) after one {report.optimizer} step: an Adam-like first step moves each element "
+                 f"by about lr, so a ratio is about lr/rms(w); band per parameter: {th.adaptive_low:g} x lr/rms(w) "
+                 f"(below: most elements got no gradient) to {th.adaptive_high:g} (above: lr is large for the "
+                 "weight's scale):")
+    else:
+        title = (f"update/weight (rms) after one {report.optimizer} step (lr x |grad| / |w|): band {th.update_low:g} "
+                 f"to {th.update_high:g}, around the ~1e-3 rule of thumb for SGD-like updates:")
     lines = [title]
     measured = [u for u in report.updates if u.ratio is not None]
     name_w = max([len(u.name) for u in measured] + [4])
     for u in measured:
-        mark = " large" if u.ratio > th.update_high else " small" if u.ratio < th.update_low else ""
-        lines.append(f"  {u.name:<{name_w}}  {u.ratio:.3g}{mark}")
+        lines.append(f"  {u.name:<{name_w}}  {u.ratio:<9.3g} band {u.low:.3g}..{u.high:.3g}  {u.mark}".rstrip())
     zero = [u for u in report.updates if u.ratio is None]
     if zero:
         names = ", ".join(u.name for u in zero[:6]) + (f" and {len(zero) - 6} more" if len(zero) > 6 else "")
@@ -459,7 +604,7 @@ def format_comparison(reports: list[SignalReport]) -> list[str]:
     head = f"{'':>3}  {'':<{width}}  {'':<{kind_w}}  " + "  ".join(f"{r.label[:cell_w]:<{cell_w}}" for r in reports)
     sub = f"{'#':>3}  {'layer':<{width}}  {'type':<{kind_w}}  " + "  ".join(
         f"{'fwd':>10} {'bwd':>10} {'verdict':<9}" for _ in reports)
-    lines = [base.thresholds.describe(), head.rstrip(), sub.rstrip()]
+    lines = [base.thresholds.describe(), *base.rules(), head.rstrip(), sub.rstrip()]
     for i, layer in enumerate(base.layers):
         cells = []
         for r in reports:

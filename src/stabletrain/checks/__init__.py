@@ -3,6 +3,11 @@
 A check builds what it needs from the :class:`CheckContext` (a fresh, seeded task from the same
 factory the run would use), measures, and returns pass/fail with its numbers. New checks register
 with :func:`register`; ``stabletrain check NAME ...`` runs them and prints a table (or ``--json``).
+
+A check that writes files asks :meth:`CheckContext.output_path` for each: they go under
+``options["out_dir"]`` (``stabletrain check --out DIR``; default :data:`DEFAULT_OUT_DIR`), and the CLI
+prints where. A check that raises fails; when the exception came from the task's own code the
+result names the part of the task (loss, dataset item, ...) and shows the user's frames, once.
 """
 
 from __future__ import annotations
@@ -12,16 +17,22 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..config import Config
+from ..errors import TaskCodeError, format_user_traceback, task_part, user_location
 from ..precision import resolve_device
 from ..seeding import seed_everything
 from ..tasks import Task, resolve_task
 
-__all__ = ["CheckResult", "CheckContext", "register", "CHECKS", "run_checks", "format_table", "DEFAULT_CHECKS", "fixed_batch"]
+__all__ = ["CheckResult", "CheckContext", "register", "CHECKS", "run_checks", "format_table", "DEFAULT_CHECKS", "fixed_batch",
+           "DEFAULT_OUT_DIR"]
+
+#: Where checks write their files without ``options["out_dir"]``: a folder of its own, never loose files in the cwd.
+DEFAULT_OUT_DIR = "stabletrain-check"
 
 
 @dataclass
@@ -34,6 +45,7 @@ class CheckResult:
     numbers: dict[str, Any] = field(default_factory=dict)
     details: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    warning: bool = False  # passed, but with a caveat the user must read (shown as WARN)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -41,15 +53,32 @@ class CheckResult:
 
 @dataclass
 class CheckContext:
-    """What a check may use: the resolved config, the device, and fresh seeded tasks."""
+    """What a check may use: the resolved config, the device, fresh seeded tasks, and where to write files.
+
+    ``options``: ``compare`` (init schemes), ``out_dir`` (default :data:`DEFAULT_OUT_DIR`).
+    ``written``: the files the checks wrote, in order (via :meth:`output_path`).
+    """
 
     cfg: Config
     task_factory: Callable[[], Task] | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    written: list[Path] = field(default_factory=list)
 
     @property
     def device(self) -> torch.device:
         return resolve_device(self.cfg.device)
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.options.get("out_dir") or DEFAULT_OUT_DIR)
+
+    def output_path(self, name: str) -> Path:
+        """Return ``out_dir / name`` for a file a check is about to write (the folder is created; the file recorded)."""
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        path = self.out_dir / name
+        if path not in self.written:
+            self.written.append(path)
+        return path
 
     def make_task(self, seed: int | None = None) -> Task:
         """Return a freshly built task (new model with its init) after seeding every RNG."""
@@ -103,16 +132,33 @@ def run_checks(ctx: CheckContext, names: list[str] | None = None) -> list[CheckR
     if unknown:
         raise ValueError(f"unknown check {unknown[0]!r}; known checks: {', '.join(CHECKS)}")
     results = []
+    seen: dict[tuple[str, str, str], str] = {}  # a task error -> the first check it failed
     for name in names:
         t0 = time.perf_counter()
         try:
             result = CHECKS[name](ctx)
         except Exception as err:  # a check that crashes is a failed check, with the reason
-            result = CheckResult(name, False, f"the check raised {type(err).__name__}: {err}",
-                                 details=traceback.format_exc().splitlines()[-6:])
+            result = _crashed(name, err, seen)
         result.seconds = round(time.perf_counter() - t0, 3)
         results.append(result)
     return results
+
+
+def _crashed(name: str, err: Exception, seen: dict[tuple[str, str, str], str]) -> CheckResult:
+    """A failed result for a check that raised: the task's part and the user's frames (once), else the last frames."""
+    part = task_part(err)
+    if part is None:
+        return CheckResult(name, False, f"the check raised {type(err).__name__}: {err}",
+                           details="".join(traceback.format_exception(err)).rstrip().splitlines()[-6:])
+    where = user_location(err)  # the same user line fails each check (its message may vary with the batch)
+    key = (type(err).__name__, part, where if where is not None else str(err))
+    if key in seen:
+        message = (str(err).splitlines() or [""])[0]
+        return CheckResult(name, False, f"the task's {part} raised {type(err).__name__}: {message} "
+                                        f"(the same error as in the {seen[key]} check: traceback there)")
+    seen[key] = name
+    summary = (str(TaskCodeError(part, err)).splitlines() or [""])[0]
+    return CheckResult(name, False, summary, details=format_user_traceback(err).rstrip().splitlines())
 
 
 def _fmt(v: Any) -> str:
@@ -126,13 +172,16 @@ def format_table(results: list[CheckResult]) -> str:
     width = max([len(r.name) for r in results] + [5])
     lines = [f"{'check':<{width}}  result  summary", f"{'-' * width}  ------  {'-' * 40}"]
     for r in results:
-        lines.append(f"{r.name:<{width}}  {'PASS' if r.passed else 'FAIL':<6}  {r.summary}")
-        if r.numbers:
-            lines.append(" " * (width + 10) + ", ".join(f"{k}={_fmt(v)}" for k, v in r.numbers.items()))
+        verdict = "FAIL" if not r.passed else "WARN" if r.warning else "PASS"
+        lines.append(f"{r.name:<{width}}  {verdict:<6}  {r.summary}")
+        shown = {k: v for k, v in r.numbers.items() if not isinstance(v, (list, dict))}  # tables: in details, --json
+        if shown:
+            lines.append(" " * (width + 10) + ", ".join(f"{k}={_fmt(v)}" for k, v in shown.items()))
         for d in r.details:
             lines.append(" " * (width + 10) + d)
     passed = sum(r.passed for r in results)
-    lines.append(f"{passed} passed, {len(results) - passed} failed")
+    warned = sum(r.passed and r.warning for r in results)
+    lines.append(f"{passed} passed, {len(results) - passed} failed" + (f" ({warned} with a warning)" if warned else ""))
     return "\n".join(lines)
 
 

@@ -1,30 +1,57 @@
-"""``accum``: one step over k micro-batches (with a short tail) equals one step over the whole batch."""
+"""``accum``: one step over k micro-batches (with a short tail) equals one step over the whole batch.
+
+The model runs in training mode, as the run does. Dropout is switched off for the comparison (its
+masks cannot match across batch shapes); every other layer behaves as in training. A model whose
+loss depends on the whole batch beyond per-sample terms (BatchNorm's batch statistics) does not give
+the same gradient from micro-batches: the check says so with the measured difference (a warning).
+"""
 
 from __future__ import annotations
 
-import torch
+import contextlib
+from collections.abc import Iterator
 
-from ..accumulation import AccumulationWindow, as_sum_count
-from ..clipping import grad_norms
-from ..numerics import unique_params
+import torch
+from torch import nn
+
+from ..accumulation import as_sum_count
+from ..numerics import grad_norms, unique_params
+from ..precision import PrecisionPolicy
+from ..step import TrainStep
 from . import CheckContext, CheckResult, fixed_batch, register
 
 #: Equivalence tolerance in fp32: |g_accum - g_big| <= ATOL + RTOL * max|g_big| (summation order only).
 RTOL = 1e-4
 ATOL = 1e-7
 
+_BATCH_STATS = (nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm)
+
 
 def _grads(params: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
 
 
+@contextlib.contextmanager
+def _dropout_off(model: nn.Module) -> Iterator[list[str]]:
+    """Set every dropout module's p to 0 for the duration (training mode stays on); yield their names."""
+    saved = [(m, m.p) for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
+    for m, _ in saved:
+        m.p = 0.0
+    try:
+        yield [n for n, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
+    finally:
+        for m, p in saved:
+            m.p = p
+
+
 @register("accum", order=20)
 def check_accum(ctx: CheckContext) -> CheckResult:
-    """Compare the gradient of k accumulated micro-batches with that of one big batch (fp32, dropout off)."""
+    """Compare the gradient of k accumulated micro-batches with that of one big batch (fp32, train mode, dropout off)."""
     task = ctx.make_task()
     device = ctx.device
-    model = task.model.to(device).eval()  # dropout masks cannot match across batch shapes
+    model = task.model.to(device).train()
     params = [p for _, p in unique_params(model)]
+    step = TrainStep(model, None, PrecisionPolicy("fp32", device), params=params)  # the run's forward/backward
     b = ctx.cfg.train.batch_size
     k = ctx.cfg.accum.steps if ctx.cfg.accum.steps > 1 else 4
     sizes = [b] * (k - 1) + [max(1, b // 2)]  # a short tail micro-batch, as at the end of an epoch
@@ -38,38 +65,53 @@ def check_accum(ctx: CheckContext) -> CheckResult:
     for s in sizes:
         micro.append((s, fixed_batch(task, s, device, start=start)[1]))
         start += s
+    batch_stats = [n for n, m in model.named_modules() if isinstance(m, _BATCH_STATS)]
+    saved = {k_: v.detach().clone() for k_, v in model.state_dict().items()}  # BatchNorm running stats move
 
     def run(mode: str) -> torch.Tensor:
-        for p in params:
-            p.grad = None
+        model.load_state_dict(saved)
         if mode == "big":
-            loss_sum, count = as_sum_count(task.loss(model, big), total)
-            (loss_sum / count).backward()
+            step.forward_backward([(total, big)], task.loss)
         elif mode == "accum":
-            window = AccumulationWindow(params)
-            for i, (n, batch) in enumerate(micro):
-                loss_sum, count = as_sum_count(task.loss(model, batch), n)
-                window.normalize(loss_sum, count, last=i == len(micro) - 1).backward()
-        else:  # naive: the mean of micro-batch means, each divided by k
+            step.forward_backward(micro, task.loss)
+        else:  # naive: the mean of micro-batch means, each divided by k (what the step must NOT do)
+            for p in params:
+                p.grad = None
             for n, batch in micro:
                 loss_sum, count = as_sum_count(task.loss(model, batch), n)
                 (loss_sum / count / len(micro)).backward()
         return _grads(params)
 
-    g_big, g_acc, g_naive = run("big"), run("accum"), run("naive")
+    with _dropout_off(model) as dropouts:
+        g_big, g_acc, g_naive = run("big"), run("accum"), run("naive")
+    model.load_state_dict(saved)
     scale = float(g_big.abs().max())
     tol = ATOL + RTOL * scale
     diff = float((g_acc - g_big).abs().max())
     naive = float((g_naive - g_big).abs().max())
     passed = diff <= tol
-    summary = (f"{k} micro-batches (sizes {sizes}) vs one batch of {total}: max |param diff| after an SGD step (lr=1) "
-               f"{diff:.3g} <= tol {tol:.3g}" if passed else
-               f"{k} micro-batches vs one batch of {total}: max |param diff| {diff:.3g} exceeds tol {tol:.3g}")
+    warning = not passed and bool(batch_stats)
+    if passed:
+        summary = (f"{k} micro-batches (sizes {sizes}) vs one batch of {total}: max |param diff| after an SGD step "
+                   f"(lr=1) {diff:.3g} <= tol {tol:.3g}")
+    elif warning:
+        summary = (f"{k} micro-batches vs one batch of {total}: max |param diff| {diff:.3g} ({diff / tol:.3g}x tol "
+                   f"{tol:.3g}): expected with batch statistics ({', '.join(batch_stats[:3])}"
+                   f"{' ...' if len(batch_stats) > 3 else ''}): each micro-batch is normalized by its own mean and "
+                   "variance, so accumulation is not one big batch for this model")
+    else:
+        summary = f"{k} micro-batches vs one batch of {total}: max |param diff| {diff:.3g} exceeds tol {tol:.3g}"
     details = [f"naive mean-of-means would differ by {naive:.3g} ({naive / max(tol, 1e-30):.3g}x the tolerance)"]
-    if not passed:
-        details.append("the loss may depend on the batch beyond per-sample terms (e.g. BatchNorm, in-batch negatives), "
+    if dropouts:
+        details.append(f"dropout switched off for the comparison: {', '.join(dropouts[:4])}"
+                       f"{' ...' if len(dropouts) > 4 else ''}")
+    if warning:
+        details.append("to make k micro-batches match one batch: GroupNorm/LayerNorm instead of BatchNorm, or SyncBatchNorm "
+                       "statistics over the whole window; otherwise keep micro-batches large enough for stable statistics")
+    elif not passed:
+        details.append("the loss may depend on the batch beyond per-sample terms (e.g. in-batch negatives), "
                        "or the task's (sum, count) is inconsistent")
-    return CheckResult("accum", passed, summary,
+    return CheckResult("accum", passed or warning, summary, warning=warning,
                        numbers={"k": k, "max_param_diff": diff, "tolerance": tol, "naive_max_param_diff": naive,
-                                "grad_norm": float(grad_norms(params)[0])},
+                                "grad_norm": float(grad_norms(params)[0]), "batch_stat_layers": len(batch_stats)},
                        details=details)

@@ -12,12 +12,18 @@ from ..accumulation import as_sum_count
 from ..precision import PrecisionPolicy
 from . import CheckContext, CheckResult, fixed_batch, register
 
+__all__ = ["OpDtypeRecorder", "check_amp"]
+
 _LOW = (torch.float16, torch.bfloat16)
 _MATMUL = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_dot_product", "convolution", "conv")
 
 
-class _DtypeRecorder(TorchDispatchMode):
-    """Count each aten op by the dtype of its floating output."""
+class OpDtypeRecorder(TorchDispatchMode):
+    """Count each aten op by the dtype of its floating output: ``low`` (fp16/bf16) and ``fp32`` Counters.
+
+    A dispatch mode: ``with policy.autocast(), OpDtypeRecorder() as rec: loss_fn(model, batch)``. Views,
+    copies and casts are not counted (they follow their input's dtype).
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -32,6 +38,9 @@ class _DtypeRecorder(TorchDispatchMode):
             if name not in ("_to_copy", "clone", "detach", "view", "t", "transpose", "expand", "_unsafe_view"):
                 (self.low if first.dtype in _LOW else self.fp32)[name] += 1
         return out
+
+
+_DtypeRecorder = OpDtypeRecorder  # the old private name, kept for code that imported it
 
 
 def _raw_dtype(task, model, batch, policy: PrecisionPolicy) -> torch.dtype:
@@ -55,7 +64,7 @@ def check_amp(ctx: CheckContext) -> CheckResult:
         audited = "bf16" if device.type == "cpu" or torch.cuda.is_bf16_supported() else "fp16"
         policy = PrecisionPolicy(audited, device)
     _, batch = fixed_batch(task, ctx.cfg.train.batch_size, device)
-    recorder = _DtypeRecorder()
+    recorder = OpDtypeRecorder()
     with policy.autocast(), recorder:
         as_sum_count(task.loss(model, batch), ctx.cfg.train.batch_size)
     low_matmuls = sum(v for k, v in recorder.low.items() if any(m in k for m in _MATMUL))

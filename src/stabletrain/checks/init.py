@@ -3,23 +3,25 @@
 Runs :func:`stabletrain.signal_propagation.signal_report` on the task's model as built, on one batch of
 ``train.batch_size`` samples; with ``--compare normal,xavier,kaiming`` also on copies of that model
 re-initialized by :func:`stabletrain.initialization.init_` with each scheme. Writes the per-layer std
-plot (``init_signal.png``) and the full per-layer numbers (``init_signal.json``) to ``--out-dir``
-(default: the current directory). Passes when no layer of the model as built is flagged.
+plot (``init_signal.png``) and the full per-layer numbers (``init_signal.json``) to ``--out DIR``
+(default: ``stabletrain-check/``; see :meth:`CheckContext.output_path`). Passes when no layer of the
+model as built is flagged.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..config import Config
 from ..initialization import SCHEMES, init_
+from ..optim import build_optimizer
 from ..seeding import seed_everything
 from ..signal_propagation import SignalReport, format_comparison, format_report, plot_signal, signal_report
+from ..tasks import Task
 from . import CheckContext, CheckResult, fixed_batch, register
 
 __all__ = ["check_init"]
@@ -27,15 +29,13 @@ __all__ = ["check_init"]
 AS_BUILT = "as built"
 
 
-def _optimizer_factory(cfg: Config):
-    """Return ``params -> AdamW`` at the run's peak lr, weight decay on matrices only (as the loop builds it)."""
+def _optimizer_factory(cfg: Config, task: Task, model: nn.Module, device: torch.device):
+    """Return ``params -> the run's optimizer`` at its peak lr (``optim.name``, or the task's own), as the loop builds it."""
+    names = {id(p): n for n, p in model.named_parameters()}
 
     def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
-        groups = [g for g in ({"params": decay, "weight_decay": cfg.optim.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-        return torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps)
+        named = [(names.get(id(p), "?"), p) for p in params]
+        return build_optimizer(named, cfg.optim, device, getattr(task, "optimizer", None))
 
     return make
 
@@ -60,27 +60,47 @@ def _where(report: SignalReport, direction: str) -> str:
     return f"{verdict} at #{first.index} {first.name} ({ratio:.3g}x)"
 
 
+def _compare_advice(built: SignalReport, by_scheme: dict[str, SignalReport]) -> str:
+    """Return the advice line of a comparison: never recommend a scheme that failed this same test."""
+    seen = ", ".join(f"{n} x{c}" for n, c in built.activations.items()) or "no activation modules"
+    passing = [s for s, r in by_scheme.items() if r.passed]
+    failing = [s for s, r in by_scheme.items() if not r.passed]
+    suggested = built.recommended
+    failed_note = f"; init_(model, {suggested!r}), the scheme for these activations, fails here too" \
+        if suggested in failing else ""
+    if built.passed:
+        return f"init holds as built: keep it (saw {seen}){failed_note}"
+    if suggested in passing:
+        return f"recommended init: init_(model, {suggested!r}) (it passes here; saw {seen})"
+    if passing:
+        return f"recommended init: init_(model, {passing[0]!r}), the first scheme that passes here (saw {seen}){failed_note}"
+    untried = "" if suggested in by_scheme else f"; init_(model, {suggested!r}) was not compared (--compare {suggested})"
+    return (f"no init scheme compared passes ({', '.join(f'init_(model, {s!r})' for s in failing)} fail too): none is "
+            f"recommended; look at the first flagged layer above, the init alone does not fix it{untried}")
+
+
 @register("init", order=50)
 def check_init(ctx: CheckContext) -> CheckResult:
     """Report per-layer signal propagation at step 0 (and per init scheme with ``compare``); pass if nothing is flagged."""
     schemes = _schemes(ctx.options.get("compare"))
-    out_dir = Path(ctx.options.get("out_dir") or ".")
     task = ctx.make_task()
     device = ctx.device
     _, batch = fixed_batch(task, ctx.cfg.train.batch_size, device)
-    make_optimizer = _optimizer_factory(ctx.cfg)
 
     base = task.model.to(device)
-    reports = [signal_report(base, batch, task.loss, label=AS_BUILT, make_optimizer=make_optimizer)]
+    reports = [signal_report(base, batch, task.loss, label=AS_BUILT,
+                             make_optimizer=_optimizer_factory(ctx.cfg, task, base, device))]
+    by_scheme: dict[str, SignalReport] = {}
     for scheme in schemes:
         model = copy.deepcopy(base)  # keeps tied weights tied
         seed_everything(ctx.cfg.seed)
         init_(model, scheme)
-        reports.append(signal_report(model, batch, task.loss, label=f"init_({scheme!r})", make_optimizer=make_optimizer))
+        by_scheme[scheme] = signal_report(model, batch, task.loss, label=f"init_({scheme!r})",
+                                          make_optimizer=_optimizer_factory(ctx.cfg, task, model, device))
+        reports.append(by_scheme[scheme])
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    plot = plot_signal(reports, out_dir / "init_signal.png")
-    data = out_dir / "init_signal.json"
+    plot = plot_signal(reports, ctx.output_path("init_signal.png"))
+    data = ctx.output_path("init_signal.json")
     data.write_text(json.dumps([r.to_dict() for r in reports], indent=1, default=str))
 
     built = reports[0]
@@ -91,7 +111,7 @@ def check_init(ctx: CheckContext) -> CheckResult:
             numbers[f"{r.label}.flagged"] = len(r.flagged)
         details = format_comparison(reports)
         passing = [r.label for r in reports[1:] if r.passed]
-        details.append(built.advice())
+        details.append(_compare_advice(built, by_scheme))
         summary = (f"as built: {'ok' if built.passed else f'{len(built.flagged)} layer(s) flagged'}; "
                    f"schemes without a flagged layer: {', '.join(passing) or 'none'}")
     else:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ..accumulation import as_sum_count
 from ..numerics import unique_params
 from ..precision import PrecisionPolicy
+from ..step import TrainStep
 from . import CheckContext, CheckResult, fixed_batch, register
 
 #: The loss must fall below initial / FACTOR within STEPS steps on one fixed batch.
@@ -23,37 +23,25 @@ def check_overfit(ctx: CheckContext) -> CheckResult:
     model = task.model.to(device).train()
     named = unique_params(model)
     precision = PrecisionPolicy(ctx.cfg.precision, device)
-    _, batch = fixed_batch(task, min(ctx.cfg.train.batch_size, 8), device)
-    optimizer = torch.optim.AdamW([p for _, p in named], lr=LR, weight_decay=0.0)
+    indices, batch = fixed_batch(task, min(ctx.cfg.train.batch_size, 8), device)
+    optimizer = torch.optim.AdamW([p for _, p in named], lr=LR, weight_decay=0.0, fused=device.type in ("cuda", "cpu"))
+    step = TrainStep(model, optimizer, precision, params=[p for _, p in named])  # the run's step, no clipping
+    micro = [(len(indices), batch)]
 
-    def loss_of() -> torch.Tensor:
-        with precision.autocast():
-            loss_sum, count = as_sum_count(task.loss(model, batch), 1)
-        return loss_sum / count
-
-    optimizer.zero_grad(set_to_none=True)
-    loss = loss_of()
-    precision.backward(loss)
+    step.forward_backward(micro, task.loss)
     no_grad = [n for n, p in named if p.grad is None or not bool(p.grad.abs().sum() > 0)]
-    initial = float(loss.detach())
+    initial = float(step.window.mean_loss)
     target = initial / FACTOR
     losses = [initial]
+    step.update()
     for _ in range(STEPS):
-        precision.unscale_(optimizer)
-        if precision.scaler is not None:
-            precision.scaler.step(optimizer)
-            precision.scaler.update()
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_of()
-        losses.append(float(loss.detach()))
+        out = step(micro, task.loss)  # the loss of this step's forward: the parameters after the previous update
+        losses.append(float(out["loss"]))
         if losses[-1] <= target:
             break
-        precision.backward(loss)
     fell = losses[-1] <= target
     passed = fell and not no_grad
-    steps = len(losses) - 1
+    steps = len(losses) - 1  # updates applied before the loss that reached the target
     summary = (f"loss {initial:.4g} -> {losses[-1]:.4g} in {steps} steps (target < initial/{FACTOR:g} within {STEPS})"
                + ("" if not no_grad else f"; {len(no_grad)} parameter(s) got no gradient"))
     details = [f"no gradient: {name}" for name in no_grad]

@@ -3,7 +3,8 @@
 ``resume``: train N steps and checkpoint; continue M steps; restore the checkpoint in a fresh process
 and run the same M steps. Each step is traced (data order, RNG state, lr, loss scale, loss, optimizer
 state, parameters); the losses are shown side by side, with the max parameter difference, and the
-first component that differs is named. On CPU the two must be bitwise equal.
+first component that differs is named. On CPU the two must be bitwise equal. The per-step losses are
+in ``numbers["losses"]``: ``[[step, continuous loss, resumed loss, bitwise equal], ...]``.
 
 ``determinism``: the same config twice from scratch gives identical metrics and parameters.
 
@@ -26,10 +27,11 @@ from typing import Any
 
 import torch
 
+from ..callbacks import Callback
 from ..config import Config, config_from_dict, config_to_dict
 from . import CheckContext, CheckResult, register
 
-__all__ = ["trace_steps", "first_divergence", "COMPONENTS"]
+__all__ = ["StepTrace", "first_divergence", "COMPONENTS"]
 
 N_STEPS, M_STEPS = 4, 3
 #: Trace fields in the order the state flows through a step, and the component each one belongs to.
@@ -64,25 +66,36 @@ def _hex(x: float) -> str:
     return struct.pack(">d", x).hex()
 
 
-def trace_steps(trainer: Any, trace: list[dict[str, Any]], from_step: int = 0) -> None:
-    """Wrap ``trainer.train_step`` to append one record per step after ``from_step`` to ``trace`` (syncs)."""
-    original = trainer.train_step
+class StepTrace(Callback):
+    """Append one record per step after ``from_step`` to ``trace``: what went into the step and what came out.
 
-    def traced(window: Any) -> dict[str, Any]:
-        if trainer.step < from_step:
-            return original(window)
-        rec: dict[str, Any] = {"step": trainer.step + 1,
-                               "indices": hashlib.sha256(json.dumps(window.indices).encode()).hexdigest()[:16],
-                               "rng": _rng_digest(), "lr": float(trainer.schedule.lr()),
-                               "loss_scale": float(trainer.precision.loss_scale())}
-        out = original(window)
-        loss = float(out["loss"])
-        opt_tensors = [v for s in trainer.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        rec.update(loss=_hex(loss), loss_value=loss, optimizer=_digest(opt_tensors), params=_digest(trainer.params))
-        trace.append(rec)
-        return out
+    A checking tool, not an observer: it reads the loss and digests the state on the host every step.
+    What goes into step n (RNG state, lr, loss scale) is read when step n-1 ends (or at fit start).
+    """
 
-    trainer.train_step = traced
+    def __init__(self, trainer: Any, trace: list[dict[str, Any]], from_step: int = 0) -> None:
+        self.schedule, self.precision, self.optimizer = trainer.schedule, trainer.precision, trainer.optimizer
+        self.trace, self.from_step = trace, from_step
+        self.before: dict[str, Any] = {}
+
+    def _read_before(self) -> None:
+        self.before = {"rng": _rng_digest(), "lr": float(self.schedule.lr()),
+                       "loss_scale": float(self.precision.loss_scale())}
+
+    def on_fit_start(self, state: Any) -> None:
+        self._read_before()
+
+    def on_step_end(self, state: Any, out: dict[str, Any]) -> None:
+        if state.step > self.from_step:
+            epoch, start = state.positions[state.step]
+            indices = state.stream.order.micro_batches(epoch)[start:start + state.cfg.accum.steps]
+            loss = float(out["loss"])
+            opt = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+            self.trace.append({"step": state.step,
+                               "indices": hashlib.sha256(json.dumps(indices).encode()).hexdigest()[:16],
+                               **self.before, "loss": _hex(loss), "loss_value": loss, "optimizer": _digest(opt),
+                               "params": _digest([p for _, p in state.named_params])})
+        self._read_before()
 
 
 def first_divergence(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> tuple[int, str] | None:
@@ -123,9 +136,9 @@ def check_resume(ctx: CheckContext) -> CheckResult:
     with tempfile.TemporaryDirectory(prefix="stabletrain-resume-") as tmp:
         run_dir = Path(tmp) / "run"
         cfg = _run_cfg(ctx.cfg, run_dir, N_STEPS + M_STEPS, N_STEPS)
-        trainer = Trainer(cfg, run_dir=run_dir)
         continuous: list[dict[str, Any]] = []
-        trace_steps(trainer, continuous, from_step=N_STEPS)
+        trainer = Trainer(cfg, run_dir=run_dir)
+        trainer.callbacks.append(StepTrace(trainer, continuous, from_step=N_STEPS))
         trainer.fit()
         final = _params(trainer)
         out_file = Path(tmp) / "probe.json"
@@ -142,9 +155,10 @@ def check_resume(ctx: CheckContext) -> CheckResult:
     max_diff = max(float((a.double() - b.double()).abs().max()) for a, b in zip(final, restored))
     divergence = first_divergence(continuous, resumed)
     passed = divergence is None and max_diff == 0.0
+    losses = [[a["step"], a["loss_value"], b["loss_value"], a["loss"] == b["loss"]] for a, b in zip(continuous, resumed)]
     details = [f"{'step':>6}  {'continuous loss':>18}  {'resumed loss':>18}  same"]
-    for a, b in zip(continuous, resumed):
-        details.append(f"{a['step']:>6}  {a['loss_value']:>18.10g}  {b['loss_value']:>18.10g}  {'yes' if a['loss'] == b['loss'] else 'NO'}")
+    for step, loss_a, loss_b, equal in losses:
+        details.append(f"{step:>6}  {loss_a:>18.10g}  {loss_b:>18.10g}  {'yes' if equal else 'NO'}")
     if divergence:
         step, component = divergence
         details.append(f"first divergence at step {step}: {component}")
@@ -153,7 +167,8 @@ def check_resume(ctx: CheckContext) -> CheckResult:
         summary = f"checkpoint at step {N_STEPS}, {M_STEPS} more steps in a fresh process: bitwise equal (max |param diff| {max_diff:g})"
     return CheckResult("resume", passed, summary,
                        numbers={"checkpoint_step": N_STEPS, "steps_compared": len(resumed), "max_param_diff": max_diff,
-                                "diverged_component": divergence[1] if divergence else None},
+                                "diverged_component": divergence[1] if divergence else None,
+                                "losses": losses},
                        details=details)
 
 
@@ -168,7 +183,7 @@ def check_determinism(ctx: CheckContext) -> CheckResult:
             cfg = _run_cfg(ctx.cfg, Path(tmp) / "run", N_STEPS + M_STEPS, 0)
             trainer = Trainer(cfg, task=ctx.make_task() if ctx.task_factory else None)
             trace: list[dict[str, Any]] = []
-            trace_steps(trainer, trace)
+            trainer.callbacks.append(StepTrace(trainer, trace))
             trainer.fit()
             traces.append(trace)
             finals.append(_params(trainer))
@@ -204,7 +219,7 @@ def _probe(argv: list[str]) -> int:
     trainer = Trainer(cfg)  # no run dir: the probe writes nothing there
     trainer.load_state_dict(loaded.state)
     trace: list[dict[str, Any]] = []
-    trace_steps(trainer, trace)
+    trainer.callbacks.append(StepTrace(trainer, trace))
     trainer.fit()
     Path(args.out).write_text(json.dumps(trace))
     torch.save(_params(trainer), args.params)

@@ -5,7 +5,7 @@ CSS, plots embedded as PNG data URIs, no JavaScript, nothing fetched); each plot
 a PNG file for people in a terminal.
 
     stabletrain.report.write_report("runs/gpt-1")            # runs/gpt-1/report.html, runs/gpt-1/plots/*.png
-    stabletrain.report.write_compare(["runs/a", "runs/b"])   # ./compare.html, ./compare_plots/*.png
+    stabletrain.report.write_compare(["runs/a", "runs/b"])   # runs/a/compare.html, runs/a/compare_plots/*.png
 """
 
 from .compare import config_diff, write_compare

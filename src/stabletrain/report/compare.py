@@ -1,7 +1,10 @@
-"""Compare runs: what differs in their configs, and their curves overlaid by step and by tokens seen.
+"""Compare runs: what differs in their configs, and their curves overlaid by step and by items seen.
 
-``write_compare([RUN_A, RUN_B, ...], out)`` writes one self-contained page (default ``./compare.html``)
-and each plot as ``<out stem>_plots/<metric>.png`` next to it.
+``write_compare([RUN_A, RUN_B, ...], out)`` writes one self-contained page and each plot as
+``<page stem>_plots/<metric>.png`` next to it. ``out`` is a directory (``OUT/compare.html``) or an
+``.html`` file; by default the page goes in the first run's directory (``RUN_A/compare.html``): the
+first run is the baseline the others are compared with, and nothing is written to the current directory.
+Items seen are the runs' count unit (tokens or samples, from each snapshot's ``count_unit``).
 """
 
 from __future__ import annotations
@@ -10,18 +13,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..config import ABSENT, flatten_config
+from ..fileio import atomic_write
 from .health import health_summary
-from .html import atomic_write, esc, figure, footer, page, problems_box, table, value_cell, write_plots
-from .plots import COMPARE_METRICS, COLORS, compare_plots
-from .rundata import RunData, flatten, load_run
+from .html import esc, figure, footer, page, problems_box, table, value_cell, write_plots
+from .plots import COMPARE_METRICS, COLORS, compare_plots, shared_unit
+from .rundata import RunData, load_run
 from .text import fmt_num, fmt_pct
 
-__all__ = ["write_compare", "render_compare", "config_diff", "run_labels"]
+__all__ = ["write_compare", "render_compare", "compare_path", "config_diff", "run_labels", "COMPARE_FILE"]
+
+#: The page's file name when ``out`` is a directory (or not given: the first run's directory).
+COMPARE_FILE = "compare.html"
 
 # Snapshot fields worth comparing (code, libraries, device, data); the rest differ by nature (time, cwd).
 _SNAPSHOT_KEYS = ("git.commit", "git.dirty", "git.diff_sha256", "versions.", "platform", "device.", "precision",
                   "data_fingerprint", "config_hash")
-_MISSING = object()
 
 
 def run_labels(runs: Sequence[RunData]) -> list[str]:
@@ -35,11 +42,11 @@ def run_labels(runs: Sequence[RunData]) -> list[str]:
 
 
 def config_diff(trees: Sequence[dict[str, Any]], only: Sequence[str] | None = None) -> list[tuple[str, list[Any]]]:
-    """Return ``[(dotted key, [value per tree])]`` for the keys whose values differ (a missing key differs).
+    """Return ``[(dotted key, [value per tree])]`` for the keys whose values differ (a missing key is ``ABSENT``).
 
     ``only`` keeps keys equal to, or starting with, one of its prefixes (a prefix ends with ".").
     """
-    flats = [flatten(t) for t in trees]
+    flats = [flatten_config(t, keep_empty=True) for t in trees]
     keys: dict[str, None] = {}
     for flat in flats:
         keys.update(dict.fromkeys(flat))
@@ -47,28 +54,39 @@ def config_diff(trees: Sequence[dict[str, Any]], only: Sequence[str] | None = No
     for key in keys:
         if only is not None and not any(key == p or (p.endswith(".") and key.startswith(p)) for p in only):
             continue
-        values = [flat.get(key, _MISSING) for flat in flats]
+        values = [flat.get(key, ABSENT) for flat in flats]
         if any(v != values[0] for v in values[1:]):
             out.append((key, values))
     return out
 
 
-def write_compare(run_dirs: Sequence[str | Path], out: str | Path | None = None) -> Path:
-    """Write the comparison page of ``run_dirs`` to ``out`` (default ``./compare.html``); return its path.
+def compare_path(run_dirs: Sequence[str | Path], out: str | Path | None = None) -> Path:
+    """Return where the page goes: ``out`` when it names an ``.html`` file, ``out/compare.html`` for a
+    directory, and ``RUN_A/compare.html`` (the first run's directory) without ``out``."""
+    if out is None:
+        return Path(run_dirs[0]) / COMPARE_FILE
+    out = Path(out)
+    return out if out.suffix.lower() in (".html", ".htm") and not out.is_dir() else out / COMPARE_FILE
 
-    Raises ValueError for fewer than two runs, and FileNotFoundError / ValueError for a folder that is
-    not a run directory. Malformed lines are listed on the page, never raised.
+
+def write_compare(run_dirs: Sequence[str | Path], out: str | Path | None = None) -> Path:
+    """Write the comparison page of ``run_dirs``; return its path (see :func:`compare_path` for where).
+
+    The plots go in ``<page stem>_plots/`` next to the page. Raises ValueError for fewer than two
+    runs, and FileNotFoundError / ValueError for a folder that is not a run directory. Malformed
+    lines are listed on the page, never raised.
     """
     if len(run_dirs) < 2:
         raise ValueError(f"compare needs at least two run directories, got {len(run_dirs)}")
     runs = [load_run(d) for d in run_dirs]
-    out = Path(out) if out is not None else Path.cwd() / "compare.html"
+    out = compare_path(run_dirs, out)
     labels = run_labels(runs)
     plots = compare_plots(runs, labels)
     folder = out.parent / f"{out.stem}_plots"
     paths = write_plots(plots, folder, COMPARE_METRICS)
     files = {k: str(Path(folder.name) / p.name) for k, p in paths.items()}
-    atomic_write(out, render_compare(runs, labels, plots, files).encode("utf-8"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(out, render_compare(runs, labels, plots, files), fsync=False)
     return out
 
 
@@ -104,8 +122,8 @@ def render_compare(runs: Sequence[RunData], labels: Sequence[str], plots=None, f
         snap_html,
         '<h2 id="summary">Summary</h2>',
         _summary(runs, head),
-        '<h2 id="curves">Curves</h2><p class="detail">Left: by optimizer step. Right: by tokens seen (the items the '
-        "loss counts), which lines up runs with different batch sizes or accumulation.</p>",
+        f'<h2 id="curves">Curves</h2><p class="detail">Left: by optimizer step. Right: by {esc(shared_unit(list(runs)))} '
+        "seen (the items each run's loss counts), which lines up runs with different batch sizes or accumulation.</p>",
         (f'<div class="plots wide">{"".join(figure(p, files.get(p.name)) for p in plots)}</div>' if plots
          else '<p class="empty">No metrics logged yet in any of the runs.</p>'),
         footer(", ".join(f"<code>{esc(run.path.resolve())}</code>" for run in runs)),
@@ -114,7 +132,16 @@ def render_compare(runs: Sequence[RunData], labels: Sequence[str], plots=None, f
 
 
 def _cell(value: Any) -> str:
-    return '<span class="empty">absent</span>' if value is _MISSING else value_cell(value)
+    return '<span class="empty">absent</span>' if value is ABSENT else value_cell(value)
+
+
+def _ending(f: dict[str, Any]) -> str:
+    """How a run ended, for the summary: a crash (step and error type), a stop, or "—" (still going or done)."""
+    if "crash" in f:
+        return f"crash at step {f['crash']['step']:,} ({f['crash']['error'] or 'error'})"
+    if "stop" in f:
+        return f"stop at step {f['stop']['step']:,}"
+    return "—"
 
 
 def _summary(runs: Sequence[RunData], head: Sequence[str]) -> str:
@@ -122,6 +149,7 @@ def _summary(runs: Sequence[RunData], head: Sequence[str]) -> str:
     figures = [health_summary(run).figures for run in runs]
     rows_spec = [
         ("last step", lambda f: fmt_num(f.get("last_step"))),
+        ("ended by", _ending),
         ("first → last train loss", lambda f: f"{fmt_num(f.get('loss_first'))} → {fmt_num(f.get('loss_last'))}"
          if "loss_first" in f else "—"),
         ("last val loss", lambda f: fmt_num(f.get("val_last"))),
@@ -130,7 +158,8 @@ def _summary(runs: Sequence[RunData], head: Sequence[str]) -> str:
         ("skipped steps", lambda f: fmt_num(f.get("skipped_steps"))),
         ("non-finite steps", lambda f: fmt_num(f.get("nonfinite_steps"))),
         ("incidents", lambda f: fmt_num(len(f.get("incidents", [])))),
-        ("median tokens/s", lambda f: fmt_num(round(f["tokens_per_s_median"])) if "tokens_per_s_median" in f else "—"),
+        ("median throughput", lambda f: f"{fmt_num(round(f['tokens_per_s_median']))} {f['count_unit']}/s"
+         if "tokens_per_s_median" in f else "—"),
         ("peak memory MiB", lambda f: fmt_num(round(f["peak_memory_mib"])) if "peak_memory_mib" in f else "—"),
     ]
     rows = [[esc(name), *(esc(fn(f)) for f in figures)] for name, fn in rows_spec]

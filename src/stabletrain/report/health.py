@@ -1,6 +1,8 @@
 """The health summary: a few plain sentences about a run, computed from its metrics and events.
 
-Each sentence carries a level (``ok``, ``warn``, ``bad``); the run's level is the worst of them.
+Each sentence carries a level (``ok``, ``warn``, ``bad``); the run's level is the worst of them. A
+crash that ended the run comes first. Throughput is in the task's unit (``count_unit`` in the
+snapshot: tokens or samples).
 The numbers behind the sentences are in :attr:`Health.figures`, so a test (or a script) can check
 them against ``metrics.jsonl`` directly.
 """
@@ -15,7 +17,7 @@ from typing import Any
 from .rundata import Event, RunData
 from .text import fmt_num, fmt_pct, fmt_ranges, plural
 
-__all__ = ["Health", "health_summary", "incident_summary", "LEVELS"]
+__all__ = ["Health", "health_summary", "incident_summary", "crash_summary", "crash_step", "LEVELS"]
 
 LEVELS = ("ok", "warn", "bad")
 
@@ -54,16 +56,11 @@ def _skip_reason(event: Event) -> str:
     return reason.split("skipped: ", 1)[1] if "skipped: " in reason else reason
 
 
-def incident_summary(event: Event, run: RunData | None = None) -> str:
-    """Return an incident's diagnosis summary, else a diagnosis event's at the same step, else its reason."""
+def incident_summary(event: Event) -> str:
+    """Return an incident's diagnosis summary, else why the diagnosis failed, else its reason."""
     diagnosis = event.extra.get("diagnosis")
     if isinstance(diagnosis, dict) and isinstance(diagnosis.get("summary"), str) and diagnosis["summary"]:
         return diagnosis["summary"]
-    if run is not None:
-        for other in run.counted_events("diagnosis"):
-            if other.step == event.step:
-                summary = other.extra.get("summary")
-                return summary if isinstance(summary, str) and summary else other.reason
     error = event.extra.get("diagnosis_error")
     if error:
         return f"the diagnosis failed ({error})"
@@ -74,6 +71,8 @@ def health_summary(run: RunData) -> Health:
     """Return the health of ``run`` in plain words, with the figures each sentence states."""
     h = Health()
     f = h.figures
+    f["count_unit"] = run.count_unit
+    _crash(run, h)
     _progress(run, h)
     _losses(run, h)
     _clipping(run, h)
@@ -118,7 +117,7 @@ def health_summary(run: RunData) -> Health:
         h.say("warn", f"{plural(len(f['spike_steps']), 'loss spike')} at step {fmt_ranges(f['spike_steps'])}.")
 
     incidents = run.counted_events("incident")
-    f["incidents"] = [(e.step, incident_summary(e, run)) for e in incidents]
+    f["incidents"] = [(e.step, incident_summary(e)) for e in incidents]
     if incidents:
         listed = "; ".join(f"at step {s:,}, {summary.rstrip('.')}" for s, summary in f["incidents"][:5])
         more = f"; and {len(incidents) - 5} more" if len(incidents) > 5 else ""
@@ -134,14 +133,78 @@ def health_summary(run: RunData) -> Health:
     return h
 
 
+def _final(run: RunData, kind: str) -> Event | None:
+    """The last counted event of ``kind`` that ended the run: None when training resumed after it."""
+    last = None
+    for e in run.events:
+        if e.kind == kind and not e.superseded:
+            last = e
+        elif e.kind == "resume" and last is not None:
+            last = None  # the run went on from a checkpoint
+    return last
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def crash_step(event: Event) -> int:
+    """The step a crash happened in: the step being trained when it came during one, else the step it was at.
+
+    The loop records the steps completed (``state.step``) and what it was doing (``during``).
+    """
+    during = str(event.extra.get("during") or "")
+    return event.step + 1 if "training step" in during else event.step
+
+
+def crash_summary(event: Event) -> str:
+    """Return "ValueError: message (at file:line in fn)" for a crash event (its fields, else its reason)."""
+    error, message = event.extra.get("error"), event.extra.get("message")
+    if not isinstance(error, str) or not error:
+        return _one_line(event.reason) or "no reason recorded"
+    location = event.extra.get("location")
+    text = f"{error}: {_one_line(str(message or ''))}".rstrip(": ")
+    return text + (f" (at {location})" if isinstance(location, str) and location else "")
+
+
+def _crash(run: RunData, h: Health) -> None:
+    """The crash that ended the run, first (a crash the run was resumed from is history, said later)."""
+    f = h.figures
+    crash = _final(run, "crash")
+    if crash is not None:
+        during = str(crash.extra.get("during") or "").split(" (")[0]
+        f["crash"] = {"step": crash_step(crash), "error": crash.extra.get("error"), "message": crash.extra.get("message"),
+                      "location": crash.extra.get("location"), "during": crash.extra.get("during")}
+        h.say("bad", f"The run crashed at step {f['crash']['step']:,}{f' (during {during})' if during else ''}: "
+                     f"{crash_summary(crash)}.")
+    earlier = [e for e in run.counted_events("crash") if e is not crash]
+    if earlier:
+        listed = "; ".join(f"at step {crash_step(e):,}, {crash_summary(e)}" for e in earlier[:3])
+        h.say("warn", f"Crashed and resumed {plural(len(earlier), 'time')}: {listed}.")
+
+
+def _stop_text(event: Event) -> str:
+    reason = (event.reason or "no reason given").removeprefix("stopping: ")
+    reason = reason.removesuffix(f" at step {event.step}").removeprefix("stopped ")
+    return f"Stopped at step {event.step:,} {reason}" if reason.startswith("by ") else \
+        f"Stopped at step {event.step:,}: {reason}"
+
+
 def _progress(run: RunData, h: Health) -> None:
     f = h.figures
     steps = [int(r["step"]) for r in run.metrics] or [e.step for e in run.events] or [0]
     f["last_step"] = max(steps)
     f["max_steps"] = run.cfg("train.max_steps")
-    stops = run.counted_events("stop")
-    if stops:
-        h.say("warn", f"Stopped at step {stops[-1].step}: {stops[-1].reason or 'no reason given'}.")
+    stop = _final(run, "stop")
+    if stop is not None:
+        f["stop"] = {"step": stop.step, "reason": stop.reason}
+        h.say("warn", _stop_text(stop) + ".")
+    elif "crash" in f:
+        if not run.metrics:
+            h.say("warn", "No metrics were logged before the crash.")
+        elif isinstance(f["max_steps"], int):
+            h.say("warn", f"Logged up to step {f['last_step']:,} of {f['max_steps']:,} before the crash.")
     elif not run.metrics:
         h.say("warn", "No metrics logged yet.")
     elif isinstance(f["max_steps"], int) and f["last_step"] >= f["max_steps"]:
@@ -241,7 +304,7 @@ def _throughput(run: RunData, h: Health) -> None:
     parts = []
     if tps:
         f["tokens_per_s_median"] = statistics.median(tps)
-        parts.append(f"median {fmt_num(round(f['tokens_per_s_median']))} tokens/s")
+        parts.append(f"median {fmt_num(round(f['tokens_per_s_median']))} {run.count_unit}/s")
     if mem:
         f["peak_memory_mib"] = max(mem)
         parts.append(f"peak memory {fmt_num(round(f['peak_memory_mib']))} MiB")

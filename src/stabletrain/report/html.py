@@ -10,16 +10,18 @@ from __future__ import annotations
 import base64
 import html
 import json
-import os
-import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .._version import __version__
+from ..config import flatten_config
+from ..events import EVENT_KINDS
+from ..fileio import atomic_write
 from .health import Health, health_summary, incident_summary
 from .plots import RUN_PLOT_NAMES, Plot, run_plots
-from .rundata import Event, RunData, as_number, flatten, load_run
+from .rundata import Event, RunData, as_number, load_run
 from .text import fmt_num, fmt_pct
 
 __all__ = ["write_report", "render_report"]
@@ -70,12 +72,7 @@ td.val { font-family: ui-monospace, Menlo, Consolas, monospace; font-size:12.5px
 .tables { display:grid; grid-template-columns:repeat(auto-fit, minmax(420px, 1fr)); gap:14px; align-items:start; }
 .kind { display:inline-block; padding:0 7px; border-radius:4px; font-size:12px; font-weight:600; background:#e9ecef;
   color:#343a40; white-space:nowrap; }
-.kind.skip { background:#fff3bf; color:#8a5a00; } .kind.nonfinite { background:#ffe3e3; color:#a61e4d; }
-.kind.spike { background:#f3d9fa; color:#862e9c; } .kind.incident { background:#d6336c; color:#fff; }
-.kind.diagnosis { background:#ffdeeb; color:#a61e4d; } .kind.checkpoint { background:#d3f9d8; color:#2b8a3e; }
-.kind.checkpoint_withheld { background:#ffe8cc; color:#d9480f; } .kind.resume { background:#d0ebff; color:#1864ab; }
-.kind.init_overwritten { background:#fff0f6; color:#c2255c; } .kind.stop { background:#343a40; color:#fff; }
-.kind.rollback { background:#f4e4d7; color:#7a3e12; } .kind.checkpoint_failed { background:#ffe3e3; color:#c92a2a; }
+/* kind colors */
 tr.superseded td { color:#9aa3ab; }
 .detail { color:var(--muted); font-size:12.5px; }
 td.kindcol { white-space:nowrap; }
@@ -89,6 +86,28 @@ footer { margin-top:36px; color:var(--muted); font-size:12px; }
 """
 
 _LEVEL_WORDS = {"ok": "healthy", "warn": "worth a look", "bad": "problems"}
+
+# (background, text) color of each event kind's label in the timeline: one per kind of
+# stabletrain.events.EVENT_KINDS (a test checks); a kind unknown to this version is grey.
+KIND_COLORS: dict[str, tuple[str, str]] = {
+    "skip": ("#fff3bf", "#8a5a00"),
+    "nonfinite": ("#ffe3e3", "#a61e4d"),
+    "spike": ("#f3d9fa", "#862e9c"),
+    "incident": ("#d6336c", "#fff"),
+    "checkpoint": ("#d3f9d8", "#2b8a3e"),
+    "checkpoint_withheld": ("#ffe8cc", "#d9480f"),
+    "checkpoint_failed": ("#ffe3e3", "#c92a2a"),
+    "checkpoint_skipped": ("#fff4e6", "#d9480f"),
+    "resume": ("#d0ebff", "#1864ab"),
+    "rollback": ("#f4e4d7", "#7a3e12"),
+    "schedule_changed": ("#e3fafc", "#0b7285"),
+    "stop": ("#343a40", "#fff"),
+    "crash": ("#c92a2a", "#fff"),
+    "init_overwritten": ("#fff0f6", "#c2255c"),
+}
+assert KIND_COLORS.keys() <= EVENT_KINDS.keys(), set(KIND_COLORS) - set(EVENT_KINDS)
+CSS = CSS.replace("/* kind colors */\n", "".join(f".kind.{kind} {{ background:{bg}; color:{fg}; }}\n"
+                                                 for kind, (bg, fg) in KIND_COLORS.items()))
 
 
 # -- shared page pieces (also used by compare) ----------------------------------------------------
@@ -147,36 +166,19 @@ def value_cell(value: Any) -> str:
     return esc(json.dumps(value, default=str))
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private; a report is for sharing
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_plots(plots: Sequence[Plot], folder: Path, known: Iterable[str]) -> dict[str, Path]:
     """Write each plot as ``folder/<name>.png``; remove stale PNGs of ``known`` names this report did not draw."""
     paths = {}
+    folder.mkdir(parents=True, exist_ok=True)
     for plot in plots:
         paths[plot.name] = folder / f"{plot.name}.png"
-        atomic_write(paths[plot.name], plot.png)
+        atomic_write(paths[plot.name], plot.png, fsync=False)  # a page, not a record: atomic is enough
     for name in set(known) - set(paths):
         (folder / f"{name}.png").unlink(missing_ok=True)
     return paths
 
 
 def footer(source: str) -> str:
-    from .. import __version__
-
     return (f"<footer>Written by stabletrain {esc(__version__)} on {esc(time.strftime('%Y-%m-%d %H:%M:%S'))} "
             f"from {source}. The page reads only the run directory.</footer>")
 
@@ -195,7 +197,7 @@ def write_report(run_dir: str | Path) -> Path:
     plots = run_plots(run)
     paths = write_plots(plots, run.path / "plots", RUN_PLOT_NAMES)
     out = run.path / "report.html"
-    atomic_write(out, render_report(run, plots, {k: str(p.relative_to(run.path)) for k, p in paths.items()}).encode("utf-8"))
+    atomic_write(out, render_report(run, plots, {k: str(p.relative_to(run.path)) for k, p in paths.items()}), fsync=False)
     return out
 
 
@@ -212,7 +214,7 @@ def render_report(run: RunData, plots: Sequence[Plot] | None = None, files: dict
         '<a href="#config">Config</a><a href="#snapshot">Snapshot</a></nav>',
         '<h2 id="curves">Curves</h2>',
         (f'<div class="plots">{"".join(figure(p, files.get(p.name)) for p in plots)}</div>' if plots
-         else '<p class="empty">No metrics logged yet: metrics.jsonl is empty or missing.</p>'),
+         else f'<p class="empty">{_no_metrics(health)}</p>'),
         f'<h2 id="events">Events ({sum(1 for e in run.events if not e.superseded)})</h2>',
         _timeline(run),
         '<h2 id="layers">Layers dominating the grad norm</h2>',
@@ -238,6 +240,14 @@ def _header(run: RunData, health: Health) -> str:
     level = health.level
     return (f'<header><h1>{esc(run.name)} <span class="badge {level}">{_LEVEL_WORDS[level]}</span></h1>'
             f'<p class="sub mono">{esc(run.path.resolve())}</p><p class="sub">{shown}</p></header>')
+
+
+def _no_metrics(health: Health) -> str:
+    crash = health.figures.get("crash")
+    if crash:
+        return (f"No metrics: the run crashed at step {crash['step']:,}, before its first log interval "
+                f"(see the crash under Events).")
+    return "No metrics logged yet: metrics.jsonl is empty or missing."
 
 
 def _health(health: Health) -> str:
@@ -297,9 +307,9 @@ def _details(event: Event, run: RunData) -> str:
         extra = {k: v for k, v in extra.items() if k not in ("loss", "grad_norm")}
         if parts:
             lines.append(", ".join(parts))
-    elif event.kind in ("incident", "diagnosis"):
+    elif event.kind == "incident":
         diagnosis = extra.pop("diagnosis", None)
-        summary = incident_summary(event, run) if event.kind == "incident" else extra.pop("summary", None)
+        summary = incident_summary(event)
         if summary and summary != event.reason:
             lines.append(f"<b>diagnosis:</b> {esc(summary)}")
         if isinstance(diagnosis, dict):
@@ -372,7 +382,7 @@ def _top_layers(run: RunData) -> str:
 def _tree_table(tree: dict[str, Any], source: str) -> str:
     if not tree:
         return f'<p class="empty">{esc(source)} is missing or could not be read.</p>'
-    flat = flatten(tree)
+    flat = flatten_config(tree, keep_empty=True)
     if isinstance(tree.get("command"), list):
         flat["command"] = " ".join(map(str, tree["command"]))
     return table(["key", "value"], ([esc(k), value_cell(v)] for k, v in flat.items()), ["key", "val"])

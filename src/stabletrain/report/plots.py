@@ -1,8 +1,9 @@
 """The report's plots, drawn with matplotlib's Agg canvas (no display, no pyplot state) as PNG bytes.
 
 :func:`run_plots` draws one run's curves with its events marked; :func:`compare_plots` overlays
-several runs, each metric against steps and against tokens seen. Non-finite values are gaps, and
-an interval whose mean loss is non-finite is marked with a red cross.
+several runs, each metric against steps and against the items seen (tokens or samples: the task's
+``count_unit``, which also names the throughput's unit). Non-finite values are gaps, and an interval
+whose mean loss is non-finite is marked with a red cross.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import io
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -18,13 +20,13 @@ from matplotlib.ticker import EngFormatter, MaxNLocator, PercentFormatter
 
 from .rundata import RunData
 
-__all__ = ["Plot", "run_plots", "compare_plots", "RUN_PLOT_NAMES", "COMPARE_METRICS"]
+__all__ = ["Plot", "run_plots", "compare_plots", "shared_unit", "RUN_PLOT_NAMES", "COMPARE_METRICS"]
 
 DPI = 110
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
 # Every plot one run's report may hold, in page order ("other_metrics" only when there are unknown keys).
 RUN_PLOT_NAMES = ("loss", "grad_norm", "clip_rate", "lr", "loss_scale", "tokens_per_s", "peak_memory", "other_metrics")
-# Metrics overlaid by ``compare``: key -> (title, y label).
+# Metrics overlaid by ``compare``: key -> (title, y label); "{unit}" is the runs' count unit (tokens or samples).
 COMPARE_METRICS = {
     "loss": ("Train loss", "loss"),
     "val_loss": ("Validation loss", "loss"),
@@ -34,7 +36,7 @@ COMPARE_METRICS = {
     "lr": ("Learning rate", "lr"),
     "loss_scale": ("Loss scale", "scale"),
     "num_skipped": ("Skipped steps per interval", "steps"),
-    "tokens_per_s": ("Throughput", "tokens/s"),
+    "tokens_per_s": ("Throughput", "{unit}/s"),
     "peak_memory_mib": ("Peak memory", "MiB"),
 }
 
@@ -109,19 +111,23 @@ def _auto_log(ax, *arrays: np.ndarray) -> None:
         ax.set_yscale("log")
 
 
+# How each marked event kind (of stabletrain.events.EVENT_KINDS) is drawn on the curves: a vertical line per step.
+EVENT_MARKS: dict[str, dict[str, Any]] = {
+    "skip": {"color": "#ff9f1c", "linewidth": 0.8, "alpha": 0.6, "label": "skipped step"},
+    "spike": {"color": "#9467bd", "linewidth": 1.0, "linestyles": ":", "label": "loss spike"},
+    "incident": {"color": "#d62728", "linewidth": 1.4, "label": "incident"},
+    "resume": {"color": "#555555", "linewidth": 1.0, "linestyles": "--", "label": "resume"},
+    "rollback": {"color": "#8c564b", "linewidth": 1.2, "linestyles": "--", "label": "rollback"},
+    "crash": {"color": "#c92a2a", "linewidth": 1.6, "label": "crash"},
+}
+
+
 def _mark_events(ax, run: RunData) -> None:
-    """Mark skipped steps, spikes, incidents, resumes and rollbacks as vertical lines.
+    """Mark skipped steps, spikes, incidents, resumes, rollbacks and a crash as vertical lines.
 
     One line collection per kind, so thousands of skipped steps still draw fast.
     """
-    styles = {
-        "skip": {"color": "#ff9f1c", "linewidth": 0.8, "alpha": 0.6, "label": "skipped step"},
-        "spike": {"color": "#9467bd", "linewidth": 1.0, "linestyles": ":", "label": "loss spike"},
-        "incident": {"color": "#d62728", "linewidth": 1.4, "label": "incident"},
-        "resume": {"color": "#555555", "linewidth": 1.0, "linestyles": "--", "label": "resume"},
-        "rollback": {"color": "#8c564b", "linewidth": 1.2, "linestyles": "--", "label": "rollback"},
-    }
-    for kind, style in styles.items():
+    for kind, style in EVENT_MARKS.items():
         steps = sorted({e.step for e in run.events if e.kind == kind and not e.superseded})
         if steps:
             ax.vlines(steps, 0, 1, transform=ax.get_xaxis_transform(), **style)
@@ -147,7 +153,7 @@ def run_plots(run: RunData) -> list[Plot]:
     if not run.metrics:
         return []
     plots = [_loss(run), _grad_norm(run), _clip_rate(run), _simple(run, "lr", "lr", "Learning rate", "lr"),
-             _loss_scale(run), _simple(run, "tokens_per_s", "tokens_per_s", "Throughput", "tokens/s"),
+             _loss_scale(run), _simple(run, "tokens_per_s", "tokens_per_s", "Throughput", f"{run.count_unit}/s"),
              _simple(run, "peak_memory", "peak_memory_mib", "Peak memory", "MiB")]
     other = _other(run)
     if other is not None:
@@ -271,12 +277,23 @@ def _other(run: RunData) -> Plot | None:
 # -- several runs -------------------------------------------------------------------------------
 
 
+def shared_unit(runs: list[RunData]) -> str:
+    """The runs' count unit ("tokens", "samples"), or "tokens or samples" when they differ."""
+    units = sorted({run.count_unit for run in runs})
+    return units[0] if len(units) == 1 else " or ".join(units)
+
+
 def compare_plots(runs: list[RunData], labels: list[str]) -> list[Plot]:
-    """Return one plot per metric any run has: the runs overlaid, against steps (left) and tokens seen (right)."""
+    """Return one plot per metric any run has: the runs overlaid, against steps (left) and items seen (right).
+
+    Items are the runs' count unit (:func:`shared_unit`): tokens for a token-level loss, samples otherwise.
+    """
     plots = []
+    unit = shared_unit(runs)
     for key, (title, ylabel) in COMPARE_METRICS.items():
         if not any(run.series(key)[0] for run in runs):
             continue
+        ylabel = ylabel.format(unit=unit)
         fig, (by_step, by_tokens) = _figure(width=11.0, height=3.4, ncols=2)
         arrays = []
         for i, (run, label) in enumerate(zip(runs, labels)):
@@ -291,7 +308,7 @@ def compare_plots(runs: list[RunData], labels: list[str]) -> list[Plot]:
             if key == "grad_norm" and isinstance(threshold, (int, float)) and not isinstance(threshold, bool):
                 for ax in (by_step, by_tokens):
                     ax.axhline(float(threshold), color=color, linestyle="--", linewidth=1.0, alpha=0.8)
-        for ax, xlabel in ((by_step, "step"), (by_tokens, "tokens seen")):
+        for ax, xlabel in ((by_step, "step"), (by_tokens, f"{unit} seen")):
             if key in ("loss", "val_loss", "grad_norm", "grad_norm_post_clip"):
                 _auto_log(ax, *arrays)
             if key == "clip_rate":
@@ -302,7 +319,7 @@ def compare_plots(runs: list[RunData], labels: list[str]) -> list[Plot]:
             ax.set_xlabel(xlabel, fontsize=8)
             ax.set_ylabel(ylabel, fontsize=8)
         by_step.set_title(f"{title} by step", fontsize=10, loc="left")
-        by_tokens.set_title(f"{title} by tokens seen", fontsize=10, loc="left")
+        by_tokens.set_title(f"{title} by {unit} seen", fontsize=10, loc="left")
         if key == "grad_norm":
             by_step.plot([], [], color="#555555", linestyle="--", linewidth=1.0, label="clip threshold")
         _legend(by_step)

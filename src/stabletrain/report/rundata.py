@@ -20,20 +20,14 @@ from typing import Any
 
 import yaml
 
+from ..events import EVENT_KINDS, METRIC_KEYS, REPLAY_KINDS
 from ..records import read_jsonl
 
-__all__ = ["RunData", "Event", "load_run", "as_number", "flatten", "KNOWN_METRIC_KEYS", "REPLAY_KINDS"]
+__all__ = ["RunData", "Event", "load_run", "as_number", "KNOWN_METRIC_KEYS"]
 
-# Keys documented in stabletrain.metrics (plus val_loss and the derived interval length); any other
-# numeric key a later version adds is shown under "other metrics".
-KNOWN_METRIC_KEYS = frozenset({
-    "step", "loss", "loss_min", "loss_max", "grad_norm", "grad_norm_max", "grad_norm_post_clip", "clip_rate", "lr",
-    "loss_scale", "num_skipped", "num_nonfinite", "tokens_per_s", "samples_per_s", "step_time_s", "peak_memory_mib",
-    "epoch", "samples_seen", "tokens_seen", "top_grad_layers", "val_loss", "interval_steps",
-})
-
-# Events after which training continues from an earlier step: what was logged past that step is replayed.
-REPLAY_KINDS = ("resume", "rollback")
+# The documented keys (stabletrain.events.METRIC_KEYS) plus the interval length this reader derives;
+# any other numeric key (a later version's, a user's) is shown under "other metrics".
+KNOWN_METRIC_KEYS = frozenset(METRIC_KEYS) | {"interval_steps"}
 
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
@@ -47,16 +41,6 @@ def as_number(value: Any) -> float | None:
     if isinstance(value, str) and value.lower() in _NONFINITE:
         return _NONFINITE[value.lower()]
     return None
-
-
-def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """Return a nested dict as ``{"dotted.key": leaf}``; an empty dict is kept as a leaf."""
-    if not isinstance(tree, dict) or (not tree and prefix):
-        return {prefix.rstrip("."): tree}
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        out.update(flatten(value, f"{prefix}{key}."))
-    return out
 
 
 @dataclass
@@ -86,6 +70,17 @@ class RunData:
     def name(self) -> str:
         return self.path.name or str(self.path)
 
+    @property
+    def count_unit(self) -> str:
+        """What the loss's count counts: "tokens" or "samples" (the snapshot's ``count_unit``).
+
+        A run written before the snapshot recorded it: the built-in task's unit, else "items".
+        """
+        unit = self.snapshot.get("count_unit")
+        if unit in ("tokens", "samples"):
+            return unit
+        return {"gpt": "tokens", "mlp": "samples"}.get(str(self.cfg("task")), "items")
+
     def cfg(self, dotted: str, default: Any = None) -> Any:
         """Return a config value by dotted key, or ``default`` when absent."""
         node: Any = self.config
@@ -105,7 +100,9 @@ class RunData:
         return xs, ys
 
     def counted_events(self, *kinds: str) -> list[Event]:
-        """Return the events of ``kinds`` that count (not superseded by a resume)."""
+        """Return the events of ``kinds`` (each one of EVENT_KINDS) that count (not superseded by a resume)."""
+        unknown = [k for k in kinds if k not in EVENT_KINDS]
+        assert not unknown, f"event kinds {unknown} are not in stabletrain.events.EVENT_KINDS"
         return [e for e in self.events if e.kind in kinds and not e.superseded]
 
     def other_metric_keys(self) -> list[str]:

@@ -20,6 +20,13 @@ config as keyword arguments) and returns a :class:`Task`::
 ``loss(model, batch)`` returns a scalar mean, or a ``(sum, count)`` pair (count = the tokens or
 samples it covers) so that accumulation normalizes exactly by the whole window's count. Batches are
 made with torch's ``default_collate`` unless the task gives ``collate``.
+
+``task_args`` are checked against the factory's signature before it is called, like config keys: an
+unknown name is an error, and a value is converted to the parameter's annotated type (``int``,
+``float``, ``str``, ``bool``, a ``Literal`` of choices, or ``X | None``; without an annotation, the
+type of its default) or rejected naming the key (``config key 'task_args.depth': expected an integer,
+got 'abc'``). Other annotations are passed through unchecked. ``stabletrain tasks`` lists each
+argument with its type, default and the one-line meaning from the factory docstring's ``Args:``.
 """
 
 from __future__ import annotations
@@ -28,14 +35,18 @@ import importlib
 import inspect
 import os
 import sys
+import types
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from torch import nn
 from torch.utils.data import Dataset
 
-__all__ = ["Task", "TaskError", "resolve_task", "BUILTIN_TASKS"]
+from ..errors import user_frames
+
+__all__ = ["Task", "TaskError", "TaskArg", "resolve_task", "task_arguments", "task_factory", "BUILTIN_TASKS"]
 
 
 class TaskError(ValueError):
@@ -55,6 +66,8 @@ class Task:
         name: shown in the run dir name and the report.
         data_fingerprint: optional string identifying the data (recorded in ``snapshot.json``).
         count_unit: what ``count`` counts in a ``(sum, count)`` loss ("tokens" or "samples").
+        optimizer: optional ``optimizer(named_params) -> torch.optim.Optimizer`` replacing the config's
+            ``optim.name`` (the LR schedule still drives its lr; fused optimizers skip on the device).
     """
 
     model: nn.Module
@@ -66,6 +79,7 @@ class Task:
     data_fingerprint: str | None = None
     count_unit: str = "samples"
     info: dict[str, Any] = field(default_factory=dict)
+    optimizer: Callable[[list[tuple[str, nn.Parameter]]], Any] | None = None
 
 
 def _builtin(name: str) -> Callable[..., Task]:
@@ -97,19 +111,150 @@ def _import_factory(spec: str) -> Callable[..., Task]:
     return factory
 
 
+def task_factory(spec: str) -> Callable[..., Task]:
+    """Return the factory named by ``spec``: a built-in task's name or ``module:function``."""
+    return _builtin(spec) if spec in BUILTIN_TASKS else _import_factory(spec)
+
+
+@dataclass(frozen=True)
+class TaskArg:
+    """One argument of a task factory, for help and validation.
+
+    Attributes:
+        name: the keyword (set as ``task_args.<name>``).
+        annotation: the type it is checked against (None: not checked).
+        default: its default (``inspect.Parameter.empty`` when it has none).
+        help: its one-line meaning, from the factory docstring's ``Args:`` section ("" when absent).
+    """
+
+    name: str
+    annotation: Any
+    default: Any
+    help: str
+
+    @property
+    def type_text(self) -> str:
+        """Return the type as help shows it: ``int``, ``float``, ``relu | tanh | gelu``, ``int | None``."""
+        return _type_text(self.annotation)
+
+    @property
+    def required(self) -> bool:
+        return self.default is inspect.Parameter.empty
+
+
+_SIMPLE = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def _type_text(tp: Any) -> str:
+    if tp is None:
+        return "any"
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(map(str, typing.get_args(tp)))
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " | ".join("None" if a is type(None) else _type_text(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _checkable(tp: Any) -> bool:
+    if tp in _SIMPLE or typing.get_origin(tp) is Literal:
+        return True
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return all(a is type(None) or _checkable(a) for a in typing.get_args(tp))
+    return False
+
+
+def _arg_help(doc: str | None) -> dict[str, str]:
+    """Return {name: one-line meaning} from a docstring's Google-style ``Args:`` section."""
+    out: dict[str, str] = {}
+    lines = inspect.cleandoc(doc or "").splitlines()
+    if "Args:" not in [line.strip() for line in lines]:
+        return out
+    start = [line.strip() for line in lines].index("Args:") + 1
+    current = None
+    for line in lines[start:]:
+        if not line.strip() or not line.startswith(" "):
+            break
+        name, sep, text = line.strip().partition(":")
+        if sep and line.startswith("    ") and not line.startswith("     ") and name.isidentifier():
+            current, out[name] = name, text.strip()
+        elif current is not None:
+            out[current] += " " + line.strip()
+    return out
+
+
+def task_arguments(spec_or_factory: str | Callable[..., Task]) -> list[TaskArg]:
+    """Return the arguments of a task factory (a spec as in ``resolve_task``, or the factory), in order.
+
+    An argument is checked against its annotation when that is ``int``, ``float``, ``str``, ``bool``,
+    a ``Literal`` or ``X | None`` of those; without an annotation, against the type of its default.
+    """
+    factory = task_factory(spec_or_factory) if isinstance(spec_or_factory, str) else spec_or_factory
+    try:
+        hints = typing.get_type_hints(factory)
+    except Exception:  # an annotation that cannot be resolved: check by defaults only
+        hints = {}
+    docs = _arg_help(factory.__doc__)
+    args = []
+    for p in inspect.signature(factory).parameters.values():
+        if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+            continue
+        tp = hints.get(p.name)
+        if tp is None and p.default is not p.empty and p.default is not None and type(p.default) in _SIMPLE:
+            tp = type(p.default)
+        args.append(TaskArg(p.name, tp if tp is not None and _checkable(tp) else None, p.default, docs.get(p.name, "")))
+    return args
+
+
+def _coerce_arg(name: str, value: Any, tp: Any) -> Any:
+    """Return ``value`` as the type ``tp`` (as config keys are converted) or raise TaskError naming the key."""
+    key = f"config key 'task_args.{name}'"
+    if typing.get_origin(tp) is Literal:
+        if value not in typing.get_args(tp):
+            raise TaskError(f"{key}: expected one of {', '.join(map(str, typing.get_args(tp)))}, got {value!r}")
+        return value
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(tp):
+            return None
+        errors = []
+        for arg in (a for a in typing.get_args(tp) if a is not type(None)):
+            try:
+                return _coerce_arg(name, value, arg)
+            except TaskError as err:
+                errors.append(str(err).split(": expected ", 1)[1].split(", got ")[0])
+        raise TaskError(f"{key}: expected {' or '.join(errors)}{' or null' if type(None) in typing.get_args(tp) else ''}, "
+                        f"got {value!r}")
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and value.is_integer(),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+    }[tp]
+    if not ok:
+        raise TaskError(f"{key}: expected {_SIMPLE[tp]}, got {value!r}")
+    return tp(value) if tp in (int, float) else value
+
+
 def resolve_task(spec: str, task_args: dict[str, Any] | None = None) -> Task:
-    """Build the task named by ``spec`` (a built-in name or ``module:function``) with ``task_args``."""
+    """Build the task named by ``spec`` (a built-in name or ``module:function``) with ``task_args``.
+
+    The arguments are checked and converted first (see the module docstring); a bad one is a TaskError.
+    """
     task_args = dict(task_args or {})
-    factory = _builtin(spec) if spec in BUILTIN_TASKS else _import_factory(spec)
+    factory = task_factory(spec)
     params = inspect.signature(factory).parameters
     takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
     for key in task_args:
         if key not in params and not takes_kwargs:
             known = ", ".join(params) or "none"
             raise TaskError(f"unknown config key 'task_args.{key}' for task {spec!r} (it takes: {known})")
+    for arg in task_arguments(factory):
+        if arg.name in task_args and arg.annotation is not None:
+            task_args[arg.name] = _coerce_arg(arg.name, task_args[arg.name], arg.annotation)
     try:
         task = factory(**task_args)
     except (TypeError, ValueError) as err:
+        if user_frames(err):  # raised inside the user's factory: keep its traceback (the CLI names the factory)
+            raise
         raise TaskError(f"task {spec!r} with task_args {task_args}: {err}") from None
     if not isinstance(task, Task):
         raise TaskError(f"task factory {spec!r} returned {type(task).__name__}, expected a stabletrain.Task")

@@ -156,7 +156,16 @@ def lm_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, int
 
 def make_task(n_layer: int = 4, n_head: int = 4, n_embd: int = 128, seq_len: int = 128, dropout: float = 0.0,
               max_bytes: int = 4_000_000) -> Task:
-    """The default task: a byte-level GPT on the standard library's sources."""
+    """The default task: a byte-level GPT on the standard library's sources.
+
+    Args:
+        n_layer: transformer blocks.
+        n_head: attention heads per block (must divide n_embd).
+        n_embd: width of the residual stream.
+        seq_len: bytes per training sequence (the context length).
+        dropout: dropout probability on embeddings, attention and residual branches.
+        max_bytes: bytes of standard-library sources to read (train and validation together).
+    """
     train, val, fingerprint, num_files = stdlib_sources(max_bytes)
     model = GPT(256, seq_len, n_layer, n_head, n_embd, dropout)
     return Task(model=model, train_data=ByteChunks(train, seq_len), val_data=ByteChunks(val, seq_len), loss=lm_loss,

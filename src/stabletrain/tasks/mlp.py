@@ -7,6 +7,7 @@ The loss is a scalar mean, which exercises the "mean loss" side of the task cont
 from __future__ import annotations
 
 import hashlib
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -43,8 +44,19 @@ def classification_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tenso
 
 
 def make_task(num_samples: int = 4096, in_dim: int = 32, width: int = 128, depth: int = 3, num_classes: int = 10,
-              activation: str = "relu", dropout: float = 0.0, data_seed: int = 1234) -> Task:
-    """A teacher-labelled Gaussian classification task; the data does not depend on the run's seed."""
+              activation: Literal["relu", "tanh", "gelu"] = "relu", dropout: float = 0.0, data_seed: int = 1234) -> Task:
+    """A teacher-labelled Gaussian classification task; the data does not depend on the run's seed.
+
+    Args:
+        num_samples: training samples (and an eighth as many more for validation).
+        in_dim: input features.
+        width: width of the hidden layers.
+        depth: Linear layers (at least 1; depth - 1 hidden layers).
+        num_classes: output classes.
+        activation: the activation between the Linear layers.
+        dropout: dropout probability after each activation (0: none).
+        data_seed: seed of the inputs and of the teacher that labels them.
+    """
     g = torch.Generator().manual_seed(data_seed)
     x = torch.randn(num_samples + num_samples // 8, in_dim, generator=g)
     teacher = torch.randn(in_dim, num_classes, generator=g) / in_dim**0.5

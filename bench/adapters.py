@@ -1,0 +1,209 @@
+"""Step time with vs without each adapter, per host trainer, on the same GPT-2-sized model (CPU or GPU).
+
+For each host (a plain loop with ``stabletrain.Monitor``, Lightning with its ``StableTrainCallback``, the
+Hugging Face ``Trainer`` with its ``StableTrainCallback``) every round trains the same model from the same
+init on the same data twice: once bare, once with the adapter (the order alternates between rounds, so
+a burst of load from another process does not always hit the same side). Both sides use the host's own
+fused AdamW and global-norm clipping at 1.0. Each side runs ``warmup + steps`` optimizer steps; the clock
+covers the last ``steps`` (a multiple of ``log_every``, so the adapter's interval syncs, jsonl and
+TensorBoard writes are in it as in a real run); the init fingerprint and signal report, the run
+directory's creation and closing are one-time setup, outside it. The ratio printed per host is the
+median over rounds of (with adapter) / (bare). Target: at most 1.03 on the default GPT-sized step on CPU.
+
+    python bench/adapters.py                      # GPT-2 small-ish (6 x 384, seq 128, batch 8), 5 rounds
+    python bench/adapters.py --hosts loop lightning --rounds 9
+    python bench/adapters.py --quick              # smoke run: a tiny model, 1 round, few steps (not a measurement)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+
+def gpt2(args: argparse.Namespace) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=max(args.width // 64, 2),
+                                      vocab_size=args.vocab, n_positions=args.seq, bos_token_id=0, eos_token_id=0))
+
+
+def rows(args: argparse.Namespace, n: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, args.vocab, (n, args.seq), generator=g)
+    return [{"input_ids": r, "labels": r} for r in ids]
+
+
+class Clock:
+    """Wall time from the end of step ``warmup`` to the end of the last step."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup, self.start, self.end = warmup, None, None
+
+    def step_done(self, step: int) -> None:
+        if step == self.warmup:
+            self.start = time.perf_counter()
+        self.end = time.perf_counter()
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+# -- one timed run per host and side ---------------------------------------------------------------------
+
+
+def run_loop(base: torch.nn.Module, data: list, args: argparse.Namespace, adapter: bool, run_dir: Path) -> float:
+    from stabletrain import Monitor
+
+    model = copy.deepcopy(base)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    clock, batches = Clock(args.warmup), []
+    for i in range(0, len(data), args.batch):
+        chunk = data[i:i + args.batch]
+        batches.append({k: torch.stack([r[k] for r in chunk]) for k in chunk[0]})
+
+    def loss_fn(m, b):
+        return m(**b).loss
+
+    monitor = Monitor(model, opt, run_dir=run_dir, clip_max_norm=1.0, log_every=args.log_every,
+                      loss_fn=loss_fn) if adapter else None
+    for step, batch in enumerate(batches[: args.warmup + args.steps], 1):
+        loss = loss_fn(model, batch)
+        if monitor is not None:
+            monitor.backward(loss)
+            monitor.step(batch)
+        else:
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        clock.step_done(step)
+    if monitor is not None:
+        monitor.close()
+    return clock.seconds
+
+
+def run_lightning(base: torch.nn.Module, data: list, args: argparse.Namespace, adapter: bool, run_dir: Path) -> float:
+    import lightning as L
+
+    from stabletrain.integrations.lightning import StableTrainCallback
+
+    class Lit(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = copy.deepcopy(base)
+
+        def training_step(self, batch, batch_idx):
+            return self.model(**batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4, fused=True)
+
+    clock = Clock(args.warmup)
+
+    class Timer(L.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            clock.step_done(trainer.global_step)
+
+    callbacks = [Timer()] + ([StableTrainCallback(run_dir=run_dir, log_every=args.log_every)] if adapter else [])
+    trainer = L.Trainer(max_steps=args.warmup + args.steps, accelerator="auto", devices=1, gradient_clip_val=1.0,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=callbacks)
+    loader = torch.utils.data.DataLoader(data, batch_size=args.batch, shuffle=False)
+    trainer.fit(Lit(), loader)
+    return clock.seconds
+
+
+def run_transformers(base: torch.nn.Module, data: list, args: argparse.Namespace, adapter: bool,
+                     run_dir: Path) -> float:
+    import transformers
+
+    from stabletrain.integrations.transformers import StableTrainCallback
+
+    clock = Clock(args.warmup)
+
+    class Timer(transformers.TrainerCallback):
+        def on_step_end(self, a, state, control, **kw):
+            clock.step_done(state.global_step)
+
+    callbacks = [Timer()] + ([StableTrainCallback(run_dir=run_dir, log_every=args.log_every)] if adapter else [])
+    targs = transformers.TrainingArguments(
+        output_dir=str(run_dir.parent / f"hf-{run_dir.name}"), max_steps=args.warmup + args.steps,
+        per_device_train_batch_size=args.batch, learning_rate=1e-4, max_grad_norm=1.0, report_to=[],
+        logging_steps=10**6, save_strategy="no", train_sampling_strategy="sequential", disable_tqdm=True,
+        dataloader_num_workers=0)
+    trainer = transformers.Trainer(model=copy.deepcopy(base), args=targs, train_dataset=data, callbacks=callbacks)
+    trainer.train()
+    return clock.seconds
+
+
+RUNNERS = {"loop": run_loop, "lightning": run_lightning, "transformers": run_transformers}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hosts", nargs="+", default=list(RUNNERS), choices=list(RUNNERS))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per run (a multiple of --log-every)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--width", type=int, default=384)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, 1 round, few steps")
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.steps, args.warmup, args.log_every = 1, 4, 2, 2
+        args.layers, args.width, args.seq, args.batch, args.vocab = 2, 64, 32, 4, 256
+    if args.steps % args.log_every:
+        parser.error("--steps must be a multiple of --log-every (the timed window then holds whole log intervals)")
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    base = gpt2(args)
+    data = rows(args, (args.warmup + args.steps) * args.batch)
+    n_params = sum(p.numel() for p in base.parameters())
+    print(f"model: GPT-2 {args.layers} x {args.width}, seq {args.seq}, batch {args.batch}, {n_params / 1e6:.1f}M "
+          f"parameters; {args.rounds} round(s) of {args.steps} timed steps (+{args.warmup} warm-up), "
+          f"log_every={args.log_every}, torch threads {torch.get_num_threads()}")
+    print(f"{'host':<14}{'bare s/step':>13}{'adapter s/step':>16}{'ratio (median)':>16}   per round")
+    with tempfile.TemporaryDirectory() as tmp:
+        for host in args.hosts:
+            bare, with_adapter, ratios = [], [], []
+            for r in range(args.rounds):
+                times = {}
+                for adapter in ((False, True) if r % 2 == 0 else (True, False)):
+                    run_dir = Path(tmp) / f"{host}-{r}-{int(adapter)}"
+                    times[adapter] = RUNNERS[host](base, data, args, adapter, run_dir) / args.steps
+                bare.append(times[False])
+                with_adapter.append(times[True])
+                ratios.append(times[True] / times[False])
+            print(f"{host:<14}{statistics.median(bare):>13.4f}{statistics.median(with_adapter):>16.4f}"
+                  f"{statistics.median(ratios):>16.3f}   " + " ".join(f"{x:.3f}" for x in ratios), flush=True)
+    if args.quick:
+        print("(--quick: a smoke run, not a measurement)")
+
+
+if __name__ == "__main__":
+    main()

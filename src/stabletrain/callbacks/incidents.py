@@ -1,0 +1,130 @@
+"""The incident recorder: capture the first bad step of an interval into ``incidents/step_N`` and diagnose it.
+
+The capture replays from the newest state before the interval's steps (the in-memory snapshot with
+``guard.memory_snapshot``, else LAST_GOOD) to just before the bad step, with the same
+:class:`~stabletrain.step.TrainStep` the run uses, then writes the bundle; the diagnosis replays that
+step under the precise tools (:func:`stabletrain.incidents.diagnose_incident`).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from torch import Tensor
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from ..config import config_to_dict
+from ..incidents import diagnose_incident, write_bundle
+from ..seeding import rng_state
+from . import Callback, FitState
+from .checkpointing import CheckpointKeeper
+
+__all__ = ["IncidentRecorder", "clone_state", "copy_state_into"]
+
+
+def clone_state(obj: Any) -> Any:
+    """Return a deep copy of a nested state; tensors are cloned on their device."""
+    return tree_map(lambda x: x.detach().clone() if isinstance(x, Tensor) else copy.copy(x), obj)
+
+
+def copy_state_into(dst: Any, src: Any) -> Any:
+    """Return a deep copy of ``src`` that reuses ``dst``'s tensors where the structure, shapes and dtypes match."""
+    src_leaves, spec = tree_flatten(src)
+    dst_leaves, dst_spec = tree_flatten(dst) if dst is not None else ([], None)
+    if dst_spec != spec:
+        return clone_state(src)
+    out = []
+    for d, s in zip(dst_leaves, src_leaves):
+        if isinstance(s, Tensor) and isinstance(d, Tensor) and (d.shape, d.dtype, d.device) == (s.shape, s.dtype, s.device):
+            out.append(d.copy_(s.detach()))
+        else:
+            out.append(s.detach().clone() if isinstance(s, Tensor) else copy.copy(s))
+    return tree_unflatten(out, spec)
+
+
+class IncidentRecorder(Callback):
+    """On an incident, write ``incidents/step_N/bundle.pt`` and (``guard.diagnose``) its ``diagnosis.json``.
+
+    Every rank takes part (the replay has collectives); rank 0 writes. The bundle holds the window and
+    RNG state of the rank that saw the bad value, so its diagnosis replays on that rank's batch.
+    """
+
+    def __init__(self, keeper: CheckpointKeeper) -> None:
+        self.keeper = keeper
+        self.snapshot: dict[str, Any] | None = None
+
+    def mark_interval_start(self, state: FitState) -> None:
+        """A new interval starts: with ``guard.memory_snapshot`` keep the state here (reusing the buffers)."""
+        cfg = state.cfg.guard
+        if cfg.capture and cfg.memory_snapshot:
+            self.snapshot = copy_state_into(self.snapshot, state.state_dict())
+
+    def on_fit_start(self, state: FitState) -> None:
+        self.mark_interval_start(state)
+
+    def on_incident(self, state: FitState, info: dict[str, Any]) -> None:
+        if not state.cfg.guard.capture or (state.ckpt is None and self.snapshot is None):
+            return
+        self.capture(state, info)
+
+    def _source(self, state: FitState) -> dict[str, Any] | None:
+        if self.snapshot is not None:
+            return self.snapshot
+        loaded = self.keeper.load_last_good(state)
+        return loaded.state if loaded is not None else None
+
+    def capture(self, state: FitState, info: dict[str, Any]) -> None:
+        """Replay to just before ``info["step"]``, write its bundle, diagnose it; fill ``info`` and record the event."""
+        step, after_update, ranks = info["step"], info["after_update"], sorted(info.get("ranks") or [])
+        source = self._source(state)
+        if source is None:
+            state.event(step, "incident", f"step {step} not captured: no good state to replay from (no verified "
+                        "checkpoint yet; was the state non-finite from the start?)", after_update=after_update, ranks=ranks)
+            return
+        current = clone_state(state.state_dict())
+        skip = set(state.stream.skip)
+        state.load_state_dict(source)
+        state.stream.skip = skip  # windows a rollback skipped after that state was saved stay skipped
+        while state.step < step - 1:
+            state.run_step(state.stream.next_window())
+            state.step += 1
+        rng = rng_state()
+        window = state.stream.next_window()
+        mine = {"rank": state.dist.rank, "rng": rng,
+                "window": {"epoch": window.epoch, "start": window.start, "indices": window.indices}}
+        per_rank = state.dist.gather_objects(mine)
+        before = clone_state(state.state_dict()) if state.run is not None else None
+        state.load_state_dict(current)
+        if state.run is None or before is None:
+            return
+        interval_loss = state.history[-1].get("loss") if state.history else None
+        seen = ranks or [0]
+        incident_dir = state.run.path / "incidents" / f"step_{step:06d}"
+        fields: dict[str, Any] = {"path": str(incident_dir), "after_update": after_update}
+        if state.dist.enabled:
+            fields["ranks"] = ranks
+        for n, r in enumerate(seen):
+            write_bundle(incident_dir if n == 0 else incident_dir / f"rank_{r}", {
+                "step": step, "rank": r, "world_size": state.dist.world, "config": config_to_dict(state.cfg),
+                "window": per_rank[r]["window"], "rng": per_rank[r]["rng"], "model": before["model"],
+                "optimizer": before["optimizer"], "schedule": before["schedule"], "precision": before["precision"],
+                "observed": {"after_update": after_update, "interval_loss": interval_loss, "ranks": ranks,
+                             "grad_norm": info.get("grad_norm"),
+                             # The step's loss as the run saw it; the replay compares it bitwise (one process:
+                             # under DDP the run's loss is the global one, a replay sees one rank's batch).
+                             **({"loss": info.get("loss")} if not state.dist.enabled else {})},
+            })
+        if state.cfg.guard.diagnose:  # on the first rank that saw it, on that rank's batch
+            try:
+                diagnosis = diagnose_incident(incident_dir, state.task, device=str(state.device))
+                fields["diagnosis"] = {k: diagnosis.get(k) for k in ("summary", "stage", "op", "direction", "module",
+                                                                     "origin", "first_nonfinite_param", "bad_samples",
+                                                                     "reproduces", "rank")}
+                on_rank = f" (rank {seen[0]})" if state.dist.enabled else ""
+                print(f"stabletrain: incident at step {step}{on_rank}: {diagnosis.get('summary')}", flush=True)
+            except Exception as err:  # a diagnosis that fails must not take the run down with it
+                fields["diagnosis_error"] = f"{type(err).__name__}: {err}"
+        info.update(fields)
+        seen_note = f" (seen on rank(s) {ranks})" if state.dist.enabled and ranks else ""
+        state.event(step, "incident", f"captured step {step}{seen_note} into {incident_dir}", **fields)

@@ -1,0 +1,146 @@
+"""The run's record as callbacks: metrics.jsonl, TensorBoard, the progress bar, per-step events, the init watch.
+
+Each writes at log boundaries only (the interval's host values), never per step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..initialization import InitFingerprint
+from ..records import TensorBoardSink
+from . import Callback, FitState
+
+__all__ = ["MetricsFile", "TensorBoardLog", "ProgressBar", "EventLog", "InitWatch"]
+
+
+class MetricsFile(Callback):
+    """Append each interval's record to ``RUN_DIR/metrics.jsonl`` (rank 0 with a run dir)."""
+
+    def on_log(self, state: FitState, record: dict[str, Any], rows: list[Any]) -> None:
+        if state.run is not None:
+            state.run.metrics.write(record)
+
+
+class TensorBoardLog(Callback):
+    """Write each interval's scalars to ``RUN_DIR/tb`` with TensorBoard's ``SummaryWriter`` (``log.tensorboard``)."""
+
+    def __init__(self) -> None:
+        self._sink: TensorBoardSink | None = None
+
+    def on_fit_start(self, state: FitState) -> None:
+        if state.run is not None and state.cfg.log.tensorboard and self._sink is None:
+            # On a resume the steps after the checkpoint are written again: purge what a crash left of them.
+            self._sink = TensorBoardSink(state.run.path / "tb", purge_step=state.step + 1 if state.step else None)
+
+    def on_log(self, state: FitState, record: dict[str, Any], rows: list[Any]) -> None:
+        if self._sink is not None:
+            self._sink.write(record)
+
+    def on_checkpoint(self, state: FitState, info: dict[str, Any]) -> None:
+        # What a checkpoint covers is on disk with it: a crash after it loses no logged step (a resume
+        # purges and rewrites only the steps after the checkpoint).
+        if self._sink is not None:
+            self._sink.writer.flush()
+
+    def on_fit_end(self, state: FitState, record: dict[str, Any]) -> None:
+        if self._sink is not None:
+            self._sink.close()
+            self._sink = None
+
+
+class ProgressBar(Callback):
+    """A tqdm bar (rank 0, ``log.progress``): advanced per step on the host, figures refreshed per interval."""
+
+    def __init__(self) -> None:
+        self._bar: Any = None
+
+    def on_fit_start(self, state: FitState) -> None:
+        if state.cfg.log.progress and self._bar is None and state.dist.is_main:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=state.cfg.train.max_steps, initial=state.step, desc=state.task.name, unit="step",
+                             dynamic_ncols=True)
+
+    def on_step_end(self, state: FitState, out: dict[str, Any]) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def on_log(self, state: FitState, record: dict[str, Any], rows: list[Any]) -> None:
+        if self._bar is None:
+            return
+        unit = "tok/s" if getattr(state.task, "count_unit", "samples") == "tokens" else "samples/s"
+        shown = {"loss": f"{record['loss']:.4f}", "gnorm": f"{record['grad_norm']:.3g}", "lr": f"{record['lr']:.2e}",
+                 unit: f"{record['tokens_per_s']:.0f}"}
+        if "val_loss" in record:
+            shown["val"] = f"{record['val_loss']:.4f}"
+        self._bar.set_postfix(shown, refresh=True)
+
+    def on_rollback(self, state: FitState, info: dict[str, Any]) -> None:
+        if self._bar is not None:
+            self._bar.n = state.step
+            self._bar.refresh()
+
+    def on_fit_end(self, state: FitState, record: dict[str, Any]) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+class EventLog(Callback):
+    """Turn each interval's per-step rows into events: non-finite values, spikes and skipped updates."""
+
+    def on_log(self, state: FitState, record: dict[str, Any], rows: list[Any]) -> None:
+        if state.run is None:
+            return
+        guard = state.cfg.guard
+        for row in rows:
+            step, values = row.step, row.values
+            if values["finite"] < 0.5 and values["overflow"] > 0.5:
+                pass  # the GradScaler's routine overflow: a skip event below, not a non-finite value
+            elif values["finite"] < 0.5:
+                what = "loss" if not math.isfinite(values["loss"]) else "grad norm (or inputs)"
+                where: dict[str, Any] = {}
+                seen = ""
+                if state.dist.enabled:
+                    where["ranks"] = list(row.ranks or [])
+                    seen = (f" (seen on rank(s) {where['ranks']})" if row.ranks
+                            else " (on no rank's own values: after the all-reduce)")
+                state.event(step, "nonfinite", f"non-finite {what}{seen}: loss={values['loss']}, "
+                            f"grad_norm={values['grad_norm']}", loss=values["loss"], grad_norm=values["grad_norm"], **where)
+            elif values["params_finite"] < 0.5:
+                state.event(step, "nonfinite", "parameters became non-finite in the update (loss and grad norm were "
+                            "finite)", loss=values["loss"], grad_norm=values["grad_norm"], after_update=True)
+            if values["spike"] > 0.5:
+                state.event(step, "spike", f"loss spike: {values['loss']:.4g} (rule: > {guard.spike_ratio:g}x the "
+                            f"median and z > {guard.spike_zscore:g} over the last {guard.spike_window} steps)",
+                            loss=values["loss"], action=guard.on_spike)
+            if values["applied"] < 0.5:
+                if values["finite"] >= 0.5 and values["spike"] > 0.5:
+                    reason = "loss spike (guard.on_spike=skip)"
+                elif values["overflow"] > 0.5:
+                    reason = "fp16 overflow (GradScaler backs off the loss scale)"
+                else:
+                    reason = "non-finite loss or grad norm"
+                state.event(step, "skip", f"optimizer step skipped: {reason}", loss_scale=values["loss_scale"])
+
+
+class InitWatch(Callback):
+    """Fingerprint every parameter right after the task factory; report any init changed before the first step.
+
+    A ``reset_parameters()``, a wrapper or a meta-device materialization that silently re-initializes is
+    an ``init_overwritten`` event naming each parameter. One host read, once, before the first step.
+    """
+
+    def __init__(self, fingerprint: InitFingerprint | None = None) -> None:
+        self.fingerprint = fingerprint
+
+    def on_fit_start(self, state: FitState) -> None:
+        if self.fingerprint is None or state.step > 0:
+            return
+        changes = self.fingerprint.compare(state.module)
+        self.fingerprint = None
+        if changes:
+            state.event(state.step, "init_overwritten", InitFingerprint.describe(changes),
+                        params=[c.as_dict() for c in changes])

@@ -1,0 +1,163 @@
+"""Where an exception came from: the part of the user's task that raised it and the user's own frames.
+
+An error raised in a user's loss, model, dataset, collate or task factory must keep the user's
+file:line and say which part of the task raised it; an error stabletrain raises about its own input
+(config, task contract, files, checkpoints) stays one line. :func:`task_part` tells the two apart
+from the traceback alone: the frames of stabletrain, torch and the stdlib are never the user's.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sysconfig
+import traceback
+from pathlib import Path
+
+__all__ = ["user_frames", "user_location", "format_user_traceback", "task_part", "raised_by_stabletrain",
+           "format_task_error", "TaskCodeError", "TASK_PARTS"]
+
+_PACKAGE = str(Path(__file__).resolve().parent)
+_LIBS = tuple({os.path.realpath(p) for p in (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
+                                             sysconfig.get_paths()["platlib"])})
+
+#: The parts of a task an exception can come from, as :func:`task_part` names them.
+TASK_PARTS = ("factory", "dataset item", "collate", "loss", "model forward", "model backward", "task code")
+
+
+def _is_ours(filename: str) -> bool:
+    return os.path.realpath(filename).startswith(_PACKAGE)
+
+
+def _is_user(filename: str) -> bool:
+    path = os.path.realpath(filename)
+    if path.startswith(_PACKAGE) or filename.startswith("<"):
+        return False
+    return not path.startswith(_LIBS)
+
+
+def _in(frame: traceback.FrameSummary, *parts: str) -> bool:
+    """Whether the frame's file path ends with ``parts`` (``"utils", "data"`` also matches a file inside that folder)."""
+    path = frame.filename.replace("\\", "/")
+    return f"/{'/'.join(parts)}" in path
+
+
+def user_frames(err: BaseException) -> list[traceback.FrameSummary]:
+    """The frames of ``err``'s traceback that are the user's code (not stabletrain, torch or the stdlib)."""
+    return [f for f in traceback.extract_tb(err.__traceback__) if _is_user(f.filename)]
+
+
+def user_location(err: BaseException) -> str | None:
+    """``file:line in function`` of the deepest user frame of ``err``, or None when there is none."""
+    frames = user_frames(err)
+    if not frames:
+        return None
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno} in {f.name}"
+
+
+def format_user_traceback(err: BaseException) -> str:
+    """The traceback of ``err`` with only the user's frames, then the exception line."""
+    frames = user_frames(err)
+    lines = ["Traceback (your code; stabletrain's and library frames trimmed):\n"] if frames else []
+    lines += traceback.format_list(frames)
+    lines += traceback.format_exception_only(type(err), err)
+    return "".join(lines)
+
+
+def raised_by_stabletrain(err: BaseException) -> bool:
+    """Whether ``err`` was raised in one of stabletrain's own frames (its innermost frame is stabletrain's)."""
+    frames = traceback.extract_tb(err.__traceback__)
+    return bool(frames) and _is_ours(frames[-1].filename)
+
+
+def _data_part(bridge: list[traceback.FrameSummary]) -> str | None:
+    """The part named by torch's DataLoader frames between stabletrain and the user's code, if any."""
+    for f in bridge:
+        if _in(f, "utils", "data", "_utils", "fetch.py"):
+            return "collate" if "collate" in (f.line or "") else "dataset item"
+        if _in(f, "utils", "data", "_utils", "collate.py"):
+            return "collate"
+    if any(_in(f, "utils", "data", "dataloader.py") and f.name == "_process_data" for f in bridge):
+        return "dataset item or collate (in a DataLoader worker: its traceback is in the message)"
+    return None
+
+
+_LOSS_CALL = re.compile(r"\bloss(?:_fn)?\(")
+
+
+def _autograd(frame: traceback.FrameSummary) -> bool:
+    return _in(frame, "torch", "autograd") or (_in(frame, "torch", "_tensor.py") and frame.name == "backward")
+
+
+def task_part(err: BaseException) -> str | None:
+    """Return which part of the user's task raised ``err`` (one of :data:`TASK_PARTS`), or None if none did.
+
+    Read from the traceback: the innermost stabletrain frame before the user's code is the call into the
+    task (the factory call in ``resolve_task``, the loss call in the step, a dataset or collate call in
+    torch's DataLoader), and the frames below it say more: a user frame entered through
+    ``nn.Module.__call__`` (or a torch module raising on what the user's code passed it) is "model
+    forward", one entered through autograd "model backward". The validation pass adds "(validation)".
+    Without any user frame only torch's DataLoader or ``default_collate`` working on the user's data,
+    and a loss that is a torch function, count as the task's; anything else is not the task's (None).
+    """
+    frames = traceback.extract_tb(err.__traceback__)
+    users = [i for i, f in enumerate(frames) if _is_user(f.filename)]
+    first = users[0] if users else len(frames)
+    ours = [i for i in range(first) if _is_ours(frames[i].filename)]
+    if not ours or ours[-1] == len(frames) - 1:
+        return None  # not called from stabletrain, or raised by stabletrain itself
+    entry, below = frames[ours[-1]], frames[ours[-1] + 1:]
+    if _in(entry, "stabletrain", "tasks") and not _in(entry, "stabletrain", "tasks", "__init__.py"):
+        return None  # a built-in task is stabletrain's own code
+    bridge = frames[ours[-1] + 1:first]  # library frames between stabletrain and the user's code
+    line = entry.line or ""
+    part = _data_part(bridge)
+    if part is None and any(_autograd(f) for f in bridge):
+        part = "model backward" if users else None
+    elif part is None and not users:
+        part = "loss" if _LOSS_CALL.search(line) else None
+    elif part is None:
+        callee = frames[first]
+        if _in(entry, "stabletrain", "tasks", "__init__.py"):
+            part = "factory"
+        elif callee.name in ("__getitem__", "__getitems__"):
+            part = "dataset item"
+        elif "collate" in line and not _LOSS_CALL.search(line):
+            part = "collate"
+        elif _LOSS_CALL.search(line) or _in(entry, "stabletrain", "step.py"):
+            part = "loss"
+        elif "model(" in line or "module(" in line:
+            part = "model forward"
+        else:
+            part = "task code"
+    if part is None:
+        return None
+    if part in ("loss", "task code"):  # the loss called the model, and the error came from inside it
+        for f, nxt in zip(below, below[1:]):
+            if _in(f, "torch", "nn", "modules", "module.py") and f.name == "_call_impl" \
+                    and not _in(nxt, "torch", "nn", "modules", "loss.py"):
+                part = "model forward"
+                break
+    if _in(entry, "stabletrain", "evaluation.py"):
+        part += " (validation)"
+    return part
+
+
+def format_task_error(err: BaseException, part: str) -> str:
+    """Return the lines a user reads for an exception from their task: which part, where, their frames, the error."""
+    where = user_location(err)
+    head = f"the task's {part} raised {type(err).__name__}" + (f" at {where}" if where else "")
+    if part.startswith("collate") and where is None:
+        head += (" in torch's default_collate, which cannot batch these samples: give the task a "
+                 "collate(samples) -> batch (Task.collate)")
+    return f"{head}\n{format_user_traceback(err)}".rstrip("\n")
+
+
+class TaskCodeError(Exception):
+    """An exception raised inside the user's task code; ``part`` says which (loss, dataset item, ...)."""
+
+    def __init__(self, part: str, err: BaseException) -> None:
+        self.part, self.cause = part, err
+        where = user_location(err)
+        super().__init__(f"{type(err).__name__} in the task's {part}{f' at {where}' if where else ''}: {err}")

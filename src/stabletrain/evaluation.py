@@ -1,0 +1,43 @@
+"""Validation loss: a fixed set of batches, reduced once (one host sync, one all-reduce under DDP)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .accumulation import as_sum_count
+from .data import EpochOrder, move_to
+from .precision import PrecisionPolicy
+
+__all__ = ["validation_loss"]
+
+
+@torch.no_grad()
+def validation_loss(task: Any, module: nn.Module, precision: PrecisionPolicy, batch_size: int, max_batches: int,
+                    dist: Any) -> dict[str, float]:
+    """Return ``{"val_loss": mean loss per item}`` over the first ``max_batches`` (0 = all) validation batches.
+
+    The batches are the same on every run (no shuffle); under DDP each rank takes its share and one
+    all-reduce sums the (loss sum, count) pairs. ``module`` is the model itself, not a DDP wrapper (a
+    forward through DDP could broadcast buffers). The module is left in training mode. One host sync.
+    """
+    if task.val_data is None or len(task.val_data) == 0:
+        return {}
+    module.eval()
+    batches = EpochOrder(len(task.val_data), batch_size, seed=0, shuffle=False).micro_batches(0)
+    if max_batches:
+        batches = batches[:max_batches]
+    batches = batches[dist.rank::dist.world]
+    collate = task.collate or torch.utils.data.default_collate
+    device = precision.device
+    total = torch.zeros(2, device=device)
+    for indices in batches:
+        batch = move_to(collate([task.val_data[i] for i in indices]), device)
+        with precision.autocast():
+            loss_sum, count = as_sum_count(task.loss(module, batch), len(indices))
+        total += torch.stack([loss_sum.detach(), count])
+    loss_sum, count = dist.all_reduce_(total).tolist()  # the one sync (and one all-reduce)
+    module.train()
+    return {"val_loss": loss_sum / max(count, 1.0)}

@@ -1,0 +1,67 @@
+"""What a run directory's two logs may hold: every event kind and every metric key, with its meaning.
+
+The one table of each (DESIGN.md, "Each fact once"). :meth:`stabletrain.records.RunDir.event` refuses
+a kind missing here, the report reads its known kinds and keys from here, and a test checks the
+README's tables against these. A new event or metric is added here first, with its meaning.
+
+``events.jsonl`` holds one JSON object per event: ``{"step", "kind", "reason", "time", ...}`` where
+``reason`` is one plain sentence and the other fields depend on the kind. ``metrics.jsonl`` holds
+one JSON object per log interval, with the keys of :data:`METRIC_KEYS` (non-finite floats are
+written as the strings "nan", "inf", "-inf").
+"""
+
+from __future__ import annotations
+
+__all__ = ["EVENT_KINDS", "REPLAY_KINDS", "METRIC_KEYS"]
+
+#: Event kind -> what it means (one line).
+EVENT_KINDS: dict[str, str] = {
+    "skip": "an optimizer step was not applied (non-finite loss/grad norm, fp16 overflow, or a spike under guard.on_spike=skip); parameters, optimizer state and LR untouched",
+    "nonfinite": "a step had a non-finite loss, grad norm, input or (after the update) parameter; 'ranks' says where under DDP",
+    "spike": "the loss rose above guard.spike_ratio x the recent median and guard.spike_zscore deviations above the mean",
+    "incident": "a bad step was captured into incidents/step_N (and diagnosed unless guard.diagnose=false), or could not be",
+    "checkpoint": "a checkpoint was written, verified, and LAST_GOOD moved to it",
+    "checkpoint_withheld": "no checkpoint was written because the state was not finite or was inside an incident; LAST_GOOD stays",
+    "checkpoint_failed": "writing a checkpoint failed (disk full, I/O error); the previous one and LAST_GOOD are untouched",
+    "checkpoint_skipped": "on resume or rollback a checkpoint did not verify (truncated, corrupted, refused) and an older one was used",
+    "resume": "the run continued from a checkpoint at this step (metrics and events logged past it before are superseded)",
+    "rollback": "the guard rolled back to the last good checkpoint, skipping the offending data window",
+    "schedule_changed": "the LR schedule's horizon changed on resume (train.max_steps differs from the checkpoint's)",
+    "stop": "the run stopped before train.max_steps: a guard limit, SIGINT or SIGTERM",
+    "crash": "an exception ended the run: its type, message and where in the user's code it was raised",
+    "init_overwritten": "parameters changed between the task factory and the first step (an init was overwritten)",
+}
+
+#: Events after which training continues from an earlier step: what was logged past that step is superseded.
+REPLAY_KINDS: tuple[str, ...] = ("resume", "rollback")
+
+#: Metric key (a line of metrics.jsonl) -> what it means. Every figure is global under DDP.
+METRIC_KEYS: dict[str, str] = {
+    "step": "optimizer steps taken at the end of the interval (a skipped step counts)",
+    "loss": "mean over the interval of each step's unscaled per-item loss",
+    "loss_min": "min over the interval of each step's unscaled per-item loss",
+    "loss_max": "max over the interval of each step's unscaled per-item loss",
+    "grad_norm": "mean pre-clip global L2 grad norm over the interval's finite steps",
+    "grad_norm_max": "max pre-clip global L2 grad norm over the interval's finite steps",
+    "grad_norm_post_clip": "mean post-clip global L2 grad norm over the interval's finite steps",
+    "clip_rate": "fraction of the interval's steps where clipping fired",
+    "update_norm": "L2 norm of the last applied update of the interval, ||theta_t - theta_{t-1}||",
+    "update_ratio": "update_norm / parameter norm at that step",
+    "lr": "learning rate after the interval's last step",
+    "loss_scale": "GradScaler scale after the interval's last step (1.0 without a scaler)",
+    "num_skipped": "steps whose update was skipped in the interval (non-finite, overflow, spike)",
+    "num_nonfinite": "steps with a non-finite loss, grad norm or (after the update) parameter in the interval",
+    "num_spikes": "loss spikes in the interval (rule: stabletrain.guard)",
+    "num_incidents": "incidents so far in the run",
+    "num_rollbacks": "rollbacks so far in the run",
+    "tokens_per_s": "tokens per second over the interval's wall time (tokens = items a (sum, count) loss counts)",
+    "samples_per_s": "samples per second over the interval's wall time",
+    "step_time_s": "mean wall time per optimizer step in the interval",
+    "peak_memory_mib": "CUDA max allocated, or the process's peak RSS on CPU",
+    "epoch": "data epoch at the end of the interval",
+    "samples_seen": "samples trained on so far",
+    "tokens_seen": "tokens (items the loss counts) trained on so far",
+    "top_grad_layers": "the parameters with the largest share of the squared grad norm over the interval: [{name, share}]",
+    "val_loss": "validation loss per item, every eval.every steps and at the end",
+    "world_size": "processes training together (DDP runs only)",
+}

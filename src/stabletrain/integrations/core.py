@@ -1,0 +1,539 @@
+"""What every adapter adds to a host's run: the run directory, device-side metrics, the sentinel, incidents.
+
+An adapter (:class:`stabletrain.Monitor`, the Lightning and Hugging Face callbacks) measures the host's
+own optimizer step and hands a :class:`RunSession` the step's device tensors; the session does the rest
+with the pieces a built-in run uses (:class:`~stabletrain.guard.Guard`,
+:class:`~stabletrain.metrics.StepMetrics`, :class:`~stabletrain.records.RunDir` and the built-in
+callbacks that write it, :func:`~stabletrain.incidents.write_bundle`,
+:func:`~stabletrain.incidents.diagnose_incident`)::
+
+    session.open(resume)                         # run dir: config.yaml, snapshot.json (or a resume)
+    session.begin()                              # on_fit_start: the init fingerprint is compared
+    each optimizer step (no host sync):
+        session.keep(micro_batches, rng)         # references to what a capture of this step needs
+        ok, finite, spike = session.guard.observe(loss, norm)      # the sentinel, on the device
+        ... the host applies the step, skipped on the device when not ok ...
+        session.record(out, num_samples, lr, loss_scale)           # StepMetrics.update, on_step_end
+        every log_every steps -> session.log():  # the interval's ONE host sync
+            reduce -> metrics record -> on_log (metrics.jsonl, TensorBoard, events) -> guard.decide
+            -> incident: incidents/step_N/bundle.pt + diagnosis.json (replay of the host's forward/backward)
+            -> stop or warn (on_nonfinite)
+
+**The capture hold.** A capture needs the parameters and optimizer state from before the bad step. The
+session learns of the bad step only at the log boundary, and copying the parameters every step would
+cost a copy per step; instead, with ``capture=True`` and ``on_nonfinite`` "skip" or "stop", every update
+from the first bad step of an interval to its log boundary is held (skipped on the device, a ``skip``
+event says so), so at the boundary the live state *is* the state before the bad step. The cost is at
+most ``log_every - 1`` held steps per captured incident, and nothing on a healthy run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import json
+import math
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from .._version import __version__
+from ..callbacks import Callback, CallbackList, FitState
+from ..callbacks.sinks import EventLog, InitWatch, MetricsFile, TensorBoardLog
+from ..config import ClipConfig, Config, GuardConfig, LogConfig, SchedConfig, TrainConfig, config_to_dict
+from ..distributed import DistContext
+from ..fileio import atomic_write
+from ..guard import Guard
+from ..incidents import diagnose_incident, write_bundle
+from ..initialization import InitFingerprint
+from ..metrics import StepMetrics, peak_memory_mib
+from ..numerics import unique_params
+from ..records import RunDir, build_snapshot
+from ..seeding import rng_state, set_rng_state
+from ..tasks import Task
+from .replay import TASK_SPEC, CapturedRows, optimizer_recipe, plain_batch
+
+__all__ = ["AdapterOptions", "AdapterGuard", "RunSession", "StopTraining"]
+
+
+class StopTraining(RuntimeError):
+    """The sentinel stopped the run (``on_nonfinite="stop"`` or too many consecutive skips); ``step`` and ``reason`` say why."""
+
+    def __init__(self, step: int, reason: str) -> None:
+        self.step, self.reason = step, reason
+        super().__init__(f"stabletrain stopped the run at step {step}: {reason}")
+
+
+@dataclass
+class AdapterOptions:
+    """What an adapter does beyond measuring (the same meaning as the built-in run's config keys)."""
+
+    log_every: int = 10
+    """Steps per log interval: metrics are reduced on the host once per interval (``log.every``)."""
+    on_nonfinite: Literal["skip", "stop", "warn"] = "skip"
+    """A non-finite loss or grad norm: skip the step on the device and go on; skip it and stop at the log
+    boundary; or only record and warn (the host's own skips, e.g. a GradScaler's, still happen)."""
+    on_spike: Literal["warn", "skip"] = "warn"
+    """A loss spike (rule: ``stabletrain.guard``): record an event, or also skip the step on the device."""
+    capture: bool = True
+    """Capture the first bad step of an interval into ``RUN_DIR/incidents/step_N`` (see the capture hold)."""
+    diagnose: bool = True
+    """Diagnose a captured step right away by replaying the host's forward/backward under the locator."""
+    check_params: bool = True
+    """Check after every update that the parameters are finite (one fused pass, no sync)."""
+    tensorboard: bool = True
+    """Write TensorBoard event files to ``RUN_DIR/tb``."""
+    top_layers: int = 3
+    """How many parameters to name as dominating the grad norm at each log."""
+    init_check: bool = True
+    """Fingerprint the init and run the signal-propagation report on the first batch."""
+    mirror: bool = True
+    """Also hand each interval's figures to the host's own logger (Lightning ``log_dict``, HF ``logs``)."""
+
+    def validate(self) -> AdapterOptions:
+        if not isinstance(self.log_every, int) or self.log_every < 1:
+            raise ValueError(f"log_every: expected an integer >= 1, got {self.log_every!r}")
+        if self.on_nonfinite not in ("skip", "stop", "warn"):
+            raise ValueError(f"on_nonfinite: expected 'skip', 'stop' or 'warn', got {self.on_nonfinite!r} (a rollback "
+                             "needs the checkpoints the host trainer owns: resume it from its own checkpoint)")
+        if self.on_spike not in ("warn", "skip"):
+            raise ValueError(f"on_spike: expected 'warn' or 'skip', got {self.on_spike!r}")
+        return self
+
+    @property
+    def holds(self) -> bool:
+        return self.capture and self.on_nonfinite != "warn"
+
+
+class AdapterGuard(Guard):
+    """The built-in guard, plus ``on_nonfinite="warn"`` (no skip of its own) and the capture hold (device-side)."""
+
+    def __init__(self, cfg: GuardConfig, device: torch.device, *, enforce: bool = True, hold: bool = False,
+                 scaled: bool = False) -> None:
+        super().__init__(cfg, device)
+        self.enforce, self.hold, self.scaled = enforce, hold, scaled
+        self.held = torch.zeros((), dtype=torch.bool, device=device)
+
+    def observe(self, loss: Tensor, grad_norm: Tensor, inputs_ok: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Return (ok, finite, spike) as device bools; no sync. ``ok`` is False from a bad step to the boundary when holding."""
+        ok, finite, spike = super().observe(loss, grad_norm, inputs_ok)
+        if not self.enforce:  # warn: only a spike skip when asked; the host's own skips (a GradScaler's) still happen
+            ok = ~spike if self.cfg.on_spike == "skip" else torch.ones_like(finite)
+        if self.hold:
+            ok = ok & ~self.held
+            incident = ~finite
+            if self.scaled:  # a GradScaler's routine overflow (finite loss, inf grads) is no incident
+                incident = incident & ~(torch.isfinite(loss) & ~torch.isfinite(grad_norm))
+            self.held |= incident
+        return ok, finite, spike
+
+    def release(self) -> None:
+        """End the hold (at a log boundary, once the state before the bad step was captured)."""
+        self.held.zero_()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "held": self.held.clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if "held" in state:
+            self.held.copy_(state["held"])
+
+
+def held_steps(rows: Sequence[Any], holds: bool) -> set[int]:
+    """The steps of an interval that were held after its first incident step (see the capture hold)."""
+    if not holds:
+        return set()
+    first = next((r.step for r in rows if r.values["finite"] < 0.5 and r.values["overflow"] < 0.5), None)
+    return set() if first is None else {r.step for r in rows if r.step > first and r.values["applied"] < 0.5}
+
+
+class _EventLog(EventLog):
+    """The built-in event log; held steps get one ``skip`` event that says why instead of one each."""
+
+    def __init__(self, holds: bool) -> None:
+        self.holds = holds
+
+    def on_log(self, state: FitState, record: dict[str, Any], rows: list[Any]) -> None:
+        held = held_steps(rows, self.holds)
+        super().on_log(state, record, [r for r in rows if r.step not in held])
+        if held and state.run is not None:
+            first = min(held) - 1
+            state.event(min(held), "skip", f"optimizer steps {min(held)}-{max(held)} skipped: held after the bad step "
+                        f"{first} until the log boundary, so the incident bundle holds the state from before it "
+                        "(capture=True)", steps=sorted(held), held_after=first)
+
+
+def _no_run_step(window: Any) -> dict[str, Tensor]:
+    raise RuntimeError("an adapter's run cannot re-run a step itself: the host trainer owns the loop")
+
+
+def _jsonable(value: Any) -> Any:
+    """A config value as YAML/JSON can hold it (numbers, strings, lists, dicts; anything else by its repr)."""
+    if isinstance(value, enum.Enum):  # e.g. HF's SchedulerType (a str subclass YAML cannot write)
+        return _jsonable(value.value)
+    if isinstance(value, (bool, int, str)) or value is None:
+        return type(value)(value) if value is not None else None
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, Tensor) and value.numel() == 1:
+        return float(value)
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _jsonable(dataclasses.asdict(value))
+    return repr(value)
+
+
+def optimizer_config(optimizer: Any) -> dict[str, Any]:
+    """The optimizer's class and default hyperparameters, for ``config.yaml``."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # an accelerate / Lightning wrapper holds the torch one
+    return {"name": type(inner).__name__, **{k: _jsonable(v) for k, v in getattr(inner, "defaults", {}).items()}}
+
+
+class RunSession:
+    """One adapter's run: the run directory, metrics, guard, callbacks, captures. See the module docstring.
+
+    Args:
+        run_dir: the run directory (None: measure and guard without writing anything).
+        model: the module being trained (the host's, not a wrapper).
+        host: "monitor", "lightning" or "transformers" (written to ``config.yaml`` and the snapshot).
+        options: :class:`AdapterOptions`.
+        precision: the host's precision mode: "fp32", "bf16" or "fp16" (a GradScaler scales the loss).
+        clip_max_norm: the host's global-norm clipping threshold (None: it does not clip).
+        host_config: the host trainer's own arguments, written under ``host`` in ``config.yaml``.
+        loss_fn: ``loss(model, batch)`` replaying the host's forward and loss for a diagnosis (None: capture only).
+        recipes: how to rebuild the model and loss in a new process (:mod:`~stabletrain.integrations.replay`).
+        callbacks: stabletrain :class:`~stabletrain.callbacks.Callback` instances, fired after the built-in ones.
+    """
+
+    def __init__(self, run_dir: str | Path | None, model: nn.Module, *, host: str, options: AdapterOptions,
+                 precision: str = "fp32", clip_max_norm: float | None = None, host_config: dict[str, Any] | None = None,
+                 optimizer: Any = None, loss_fn: Callable[[nn.Module, Any], Any] | None = None,
+                 recipes: dict[str, Any] | None = None, callbacks: Sequence[Callback] = (), overwrite: bool = False,
+                 scaled: bool | None = None, fingerprint: InitFingerprint | None | str = "take",
+                 replay_context: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
+        self.options = options.validate()
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.model, self.host, self.precision, self.optimizer = model, host, precision, optimizer
+        self.loss_fn, self.recipes, self.overwrite = loss_fn, dict(recipes or {}), overwrite
+        self.host_config = host_config or {}
+        self.named_params = unique_params(model)
+        if not self.named_params:
+            raise ValueError(f"{type(model).__name__} has no trainable parameters")
+        self.params = [p for _, p in self.named_params]
+        self.device = self.params[0].device
+        self.clip_max_norm = clip_max_norm
+        self.cfg = Config(precision=precision, device=str(self.device), clip=ClipConfig(max_norm=clip_max_norm),
+                          log=LogConfig(every=options.log_every, tensorboard=options.tensorboard, progress=False,
+                                        top_layers=options.top_layers),
+                          guard=GuardConfig(on_nonfinite="skip" if options.on_nonfinite == "warn" else options.on_nonfinite,
+                                            on_spike=options.on_spike, capture=options.capture,
+                                            diagnose=options.diagnose, check_params=options.check_params)).validate()
+        self.guard = AdapterGuard(self.cfg.guard, self.device, enforce=options.on_nonfinite != "warn",
+                                  hold=options.holds, scaled=precision == "fp16" if scaled is None else scaled)
+        self.metrics = StepMetrics(options.log_every, len(self.params), self.device)
+        if fingerprint == "take":
+            fingerprint = InitFingerprint.take(model) if options.init_check else None
+        self.fingerprint = fingerprint if options.init_check else None
+        # Around a replay of the host's forward (a Lightning module must not log into its trainer meanwhile).
+        self.replay_context = replay_context or contextlib.nullcontext
+        self.step = self.samples_seen = 0
+        self.tokens_seen, self.epoch = 0.0, 0
+        self.history: list[dict[str, Any]] = []
+        self.stop_reason: str | None = None
+        self.snapshot: dict[str, Any] = {}
+        self.run: RunDir | None = None
+        self.started = self.closed = False
+        self._kept: dict[int, tuple[list[Any], dict[str, Any]]] = {}
+        self._interval_start = time.perf_counter()
+        self.state = FitState(cfg=self.cfg, task=None, module=model, named_params=self.named_params, device=self.device,
+                              dist=DistContext(), stream=None, state_dict=self.state_dict,
+                              load_state_dict=self.load_state_dict, run_step=_no_run_step, precision=precision)
+        self.callbacks = CallbackList([InitWatch(self.fingerprint), _EventLog(options.holds), MetricsFile(),
+                                       TensorBoardLog(), *callbacks])
+
+    # -- the run directory -------------------------------------------------------------------------
+
+    def config_dict(self) -> dict[str, Any]:
+        """What ``config.yaml`` holds: the adapter's arguments, in the built-in config's key names where they exist."""
+        o = self.options
+        return {
+            "integration": self.host,
+            "task": type(self.model).__name__,
+            "precision": self.precision,
+            "device": str(self.device),
+            "clip": {"max_norm": self.clip_max_norm},
+            "log": {"every": o.log_every, "tensorboard": o.tensorboard, "top_layers": o.top_layers, "mirror": o.mirror},
+            "guard": {"on_nonfinite": o.on_nonfinite, "on_spike": o.on_spike, "capture": o.capture,
+                      "diagnose": o.diagnose, "check_params": o.check_params, "init_check": o.init_check,
+                      **{k: getattr(self.cfg.guard, k) for k in ("spike_window", "spike_ratio", "spike_zscore",
+                                                                 "max_consecutive_skips")}},
+            "optim": optimizer_config(self.optimizer) if self.optimizer is not None else {},
+            "host": _jsonable(self.host_config),
+        }
+
+    def open(self, resume: bool = False) -> None:
+        """Create (or, resuming, reopen) the run directory; write config.yaml and, on a new run, snapshot.json."""
+        if self.run is not None or self.run_dir is None:
+            return
+        import yaml
+
+        self.run = self.state.run = RunDir(self.run_dir, resume=resume, overwrite=self.overwrite)
+        atomic_write(self.run.path / "config.yaml", yaml.safe_dump(self.config_dict(), sort_keys=False))
+        if not resume:
+            extra = {"integration": self.host, "model": type(self.model).__name__,
+                     "optimizer": optimizer_config(self.optimizer).get("name") if self.optimizer is not None else None,
+                     "host_versions": _host_versions(self.host)}
+            self.snapshot = build_snapshot(self.cfg, self.device, self.precision, None, extra)
+            self.run.write_snapshot(self.snapshot)
+
+    def begin(self) -> None:
+        """The host's fit starts: fire ``on_fit_start`` (the init fingerprint is compared: one host read, once)."""
+        if self.started:
+            return
+        self.started = True
+        self._interval_start = time.perf_counter()
+        self.callbacks.fire("on_fit_start", self.state)
+        self.fingerprint = None
+
+    def signal_check(self, batch: Any, loss_fn: Callable[[nn.Module, Any], Any]) -> dict[str, Any] | None:
+        """Run the signal-propagation report on ``batch``; write ``RUN_DIR/init_signal.json`` and a line in the snapshot.
+
+        The RNG state is put back, so the run draws the same random numbers as without it. Forces a few
+        host syncs, once.
+        """
+        if not self.options.init_check or self.step > 0:
+            return None
+        from ..signal_propagation import signal_report
+
+        rng = rng_state()
+        try:
+            with self.replay_context():
+                report = signal_report(self.model, batch, loss_fn, label=f"{type(self.model).__name__} at step 0")
+        except Exception as err:  # the report must never take the run down
+            warnings.warn(f"stabletrain: the signal-propagation report failed ({type(err).__name__}: {err})", stacklevel=2)
+            return None
+        finally:
+            set_rng_state(rng)
+        full = report.to_dict()
+        line = {"passed": full["passed"], "summary": full["summary"], "advice": report.advice(),
+                "flagged": [layer.name for layer in report.flagged]}
+        if self.run is not None:
+            atomic_write(self.run.path / "init_signal.json", json.dumps(_jsonable(full), indent=2) + "\n")
+            if self.snapshot:
+                self.snapshot["init_signal"] = line
+                self.run.write_snapshot(self.snapshot)
+        return line
+
+    # -- per step (no host sync) -------------------------------------------------------------------
+
+    def keep(self, micro_batches: list[Any], rng: dict[str, Any] | None) -> None:
+        """Keep references to the next step's micro-batches and RNG state (for a capture; dropped at the boundary)."""
+        if self.options.capture and self.run is not None:
+            self._kept[self.step + 1] = (list(micro_batches), rng)
+
+    def record(self, out: dict[str, Tensor], *, num_samples: int, lr: Tensor | float, loss_scale: Tensor | float) -> bool:
+        """Record one optimizer step's device tensors; at a log boundary run :meth:`log`. Return whether it logged."""
+        self.step = self.state.step = self.step + 1
+        self.samples_seen = self.state.samples_seen = self.samples_seen + num_samples
+        self.metrics.update(self.step, num_samples=num_samples, lr=lr, loss_scale=loss_scale, **out)
+        self.callbacks.fire("on_step_end", self.state, out)
+        if self.step % self.options.log_every == 0:
+            self.log()
+            return True
+        return False
+
+    # -- at a log boundary (one host sync) ---------------------------------------------------------
+
+    def log(self) -> dict[str, Any]:
+        """Reduce the interval (its one sync), write the record and events, capture an incident, stop or warn."""
+        if len(self.metrics) == 0:
+            return {}
+        summary, rows, param_sq = self.metrics.reduce()
+        now = time.perf_counter()
+        elapsed = max(now - self._interval_start, 1e-9)
+        self._interval_start = now
+        self.tokens_seen += summary["interval_tokens"]
+        held = held_steps(rows, self.options.holds)
+        # A held step is not "the run failing to recover": the guard counts it as applied.
+        decide_rows = [dataclasses.replace(r, values={**r.values, "applied": 1.0}) if r.step in held else r for r in rows]
+        decision = self.guard.decide(decide_rows)
+        total_sq = sum(param_sq) or 1.0
+        top = sorted(range(len(param_sq)), key=lambda i: -param_sq[i])[: self.options.top_layers]
+        record = {
+            **{k: v for k, v in summary.items() if not k.startswith("interval_")},
+            "num_incidents": self.guard.num_incidents,
+            "num_rollbacks": 0,
+            "tokens_per_s": summary["interval_tokens"] / elapsed,
+            "samples_per_s": summary["interval_samples"] / elapsed,
+            "step_time_s": elapsed / summary["interval_steps"],
+            "peak_memory_mib": peak_memory_mib(self.device),
+            "epoch": self.epoch,
+            "samples_seen": self.samples_seen,
+            "tokens_seen": self.tokens_seen,
+            "top_grad_layers": [{"name": self.named_params[i][0], "share": param_sq[i] / total_sq} for i in top],
+        }
+        self.history.append(record)
+        self.callbacks.fire("on_log", self.state, record, rows)
+        if decision.first_incident is not None:
+            row = next(r for r in rows if r.step == decision.first_incident)
+            info = {"step": row.step, "after_update": decision.after_update, "ranks": [],
+                    "loss": row.values["loss"], "grad_norm": row.values["grad_norm"]}
+            self._incident(info, rows)
+            self.callbacks.fire("on_incident", self.state, info)
+        self.guard.release()
+        self._kept.clear()
+        if decision.action == "stop":
+            if self.options.on_nonfinite == "warn":
+                warnings.warn(f"stabletrain: {decision.reason} (on_nonfinite='warn': training goes on)", stacklevel=3)
+            else:
+                self.stop_reason = decision.reason
+                self.state.stop_reason = decision.reason
+                self.state.event(self.step, "stop", f"stopping: {decision.reason}")
+                self.callbacks.fire("on_stop", self.state, decision.reason)
+        elif decision.bad_steps and self.options.on_nonfinite == "warn":
+            warnings.warn(f"stabletrain: non-finite loss or grad norm at step(s) {decision.bad_steps} "
+                          "(on_nonfinite='warn': not skipped by stabletrain)", stacklevel=3)
+        return record
+
+    def _incident(self, info: dict[str, Any], rows: list[Any]) -> None:
+        """Write ``incidents/step_N/bundle.pt`` for the bad step and diagnose it; record the ``incident`` event."""
+        step = info["step"]
+        if self.run is None or not self.options.capture:
+            return
+        kept = self._kept.get(step)
+        late = [r.step for r in rows if r.step >= step and r.values["applied"] >= 0.5]
+        why = ("the update made the parameters non-finite (the state before it is gone)" if info["after_update"] else
+               f"an update was applied at step {late[0]} after it (on_nonfinite='warn'), so the state before it is gone"
+               if late else "its batch was not kept" if kept is None or not kept[0] else None)
+        if why is not None:
+            self.state.event(step, "incident", f"step {step} not captured: {why}", after_update=info["after_update"])
+            return
+        micro, rng = kept
+        try:
+            batches = [plain_batch(b) for b in micro]
+        except TypeError as err:
+            self.state.event(step, "incident", f"step {step} not captured: {err}", after_update=info["after_update"])
+            return
+        incident_dir = self.run.path / "incidents" / f"step_{step:06d}"
+        rows_ds = CapturedRows(batches)
+        opt = getattr(self.optimizer, "optimizer", self.optimizer) if self.optimizer is not None else None
+        opt_recipe = optimizer_recipe(opt, self.named_params) if opt is not None else None
+        task_args = {"batches": batches, "model": self.recipes.get("model"), "loss": self.recipes.get("loss"),
+                     "optimizer": opt_recipe, "name": f"{self.host}:{type(self.model).__name__}"}
+        # The replay's update uses the host's optimizer at its current lr: a constant schedule over the bundle's lrs.
+        replay_cfg = dataclasses.replace(self.cfg, task=TASK_SPEC, task_args=task_args, train=TrainConfig(max_steps=1),
+                                         sched=SchedConfig(warmup_steps=0, decay="constant"))
+        scaler = self.recipes.get("scaler")
+        lrs = [float(g["lr"]) for g in opt.param_groups] if opt is not None else [0.0]
+        bundle = {
+            "step": step, "rank": 0, "world_size": 1, "host": self.host, "config": config_to_dict(replay_cfg),
+            "window": {"epoch": self.epoch, "start": 0, "indices": rows_ds.indices()},
+            "rng": rng if rng is not None else rng_state(),
+            "model": self.model.state_dict(),
+            "optimizer": opt.state_dict() if opt is not None and opt_recipe is not None else
+            torch.optim.SGD(self.params, lr=0.0).state_dict(),
+            "schedule": {"applied_steps": torch.zeros(()), "base_lrs": lrs if opt_recipe is not None else [0.0]},
+            "precision": {"mode": self.precision, "scaler": scaler.state_dict() if scaler is not None else None},
+            "observed": {"after_update": info["after_update"], "host_loss": info.get("loss"),
+                         "grad_norm": info.get("grad_norm"), "ranks": []},
+        }
+        write_bundle(incident_dir, bundle)
+        fields: dict[str, Any] = {"path": str(incident_dir), "after_update": info["after_update"]}
+        if self.options.diagnose:
+            if self.loss_fn is None:
+                fields["diagnosis_error"] = "no loss function to replay the step with (pass loss_fn= to the adapter)"
+            else:
+                try:
+                    live = Task(model=self.model, train_data=rows_ds, loss=self.loss_fn, collate=rows_ds.collate,
+                                name=task_args["name"], optimizer=_live_optimizer_factory(opt_recipe))
+                    with self.replay_context():
+                        diagnosis = diagnose_incident(incident_dir, live, device=str(self.device))
+                    positions = [rows_ds.where(i) for i in (diagnosis.get("bad_samples") or [])]
+                    diagnosis["bad_positions"] = positions
+                    (incident_dir / "diagnosis.json").write_text(json.dumps(diagnosis, indent=2, default=str) + "\n",
+                                                                 encoding="utf-8")
+                    fields["diagnosis"] = {k: diagnosis.get(k) for k in (
+                        "summary", "stage", "op", "direction", "module", "origin", "first_nonfinite_param",
+                        "bad_samples", "reproduces", "rank")}
+                    fields["diagnosis"]["bad_positions"] = positions
+                    print(f"stabletrain: incident at step {step}: {diagnosis.get('summary')}", flush=True)
+                except Exception as err:  # a diagnosis that fails must not take the run down with it
+                    fields["diagnosis_error"] = f"{type(err).__name__}: {err}"
+        info.update(fields)
+        self.state.event(step, "incident", f"captured step {step} into {incident_dir}", **fields)
+
+    # -- end and state -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Log the last partial interval, fire ``on_fit_end``, close the run directory's files. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        record: dict[str, Any] = {}
+        try:
+            if len(self.metrics):
+                record = self.log()
+        finally:
+            self.callbacks.fire("on_fit_end", self.state, record or (self.history[-1] if self.history else {}))
+            if self.run is not None:
+                self.run.close()
+
+    def crash(self, err: BaseException) -> None:
+        """Record the exception that ended the host's run as a ``crash`` event (with the user's file:line)."""
+        from ..errors import user_location
+
+        where = user_location(err)
+        self.state.event(self.step, "crash", f"{type(err).__name__}: {err}" + (f" (at {where})" if where else ""),
+                         error=type(err).__name__, message=str(err), location=where, during="the host's training step")
+
+    def state_dict(self) -> dict[str, Any]:
+        """The session's state (progress, guard, the partial interval's metrics, callbacks): saved in the host's checkpoint."""
+        return {"version": __version__, "step": self.step, "samples_seen": self.samples_seen,
+                "tokens_seen": self.tokens_seen, "guard": self.guard.state_dict(), "metrics": self.metrics.state_dict(),
+                "callbacks": self.callbacks.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any], *, event: bool = True, path: str | None = None) -> None:
+        """Restore :meth:`state_dict` (the host resumed from its checkpoint); record a ``resume`` event."""
+        self.step = self.state.step = int(state["step"])
+        self.samples_seen = self.state.samples_seen = int(state["samples_seen"])
+        self.tokens_seen = float(state["tokens_seen"])
+        self.guard.load_state_dict(state["guard"])
+        self.metrics.load_state_dict(state["metrics"])
+        self.callbacks.load_state_dict(state.get("callbacks", {}))
+        self.fingerprint = None  # the host loaded its weights: that is no overwritten init
+        self.started = False
+        if event:
+            self.state.event(self.step, "resume", f"resumed from {path or 'the host trainer checkpoint'} at step "
+                             f"{self.step}", path=path)
+
+
+def _live_optimizer_factory(recipe: dict[str, Any] | None) -> Callable[[list], torch.optim.Optimizer]:
+    from .replay import _sgd_noop, build_optimizer_from_recipe
+
+    if recipe is None:
+        return _sgd_noop
+    return lambda named: build_optimizer_from_recipe(recipe, named)
+
+
+def _host_versions(host: str) -> dict[str, str]:
+    import importlib.metadata as md
+
+    names = {"lightning": ["lightning"], "transformers": ["transformers", "accelerate"]}.get(host, [])
+    out = {}
+    for name in names:
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    return out

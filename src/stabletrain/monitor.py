@@ -1,0 +1,234 @@
+"""stabletrain in your own training loop: a few lines change, the run directory is the same as a built-in run's.
+
+::
+
+    monitor = stabletrain.Monitor(model, optimizer, run_dir="runs/exp1", clip_max_norm=1.0,
+                                  loss_fn=lambda model, batch: model(batch).loss)   # loss_fn: for replays
+    with monitor:
+        for batch in loader:
+            with monitor.autocast():          # optional: your precision's autocast (and the step's RNG point)
+                loss = model(batch).loss
+            monitor.backward(loss)            # or loss.backward() / scaler.scale(loss).backward(), then step(loss=)
+            monitor.step(batch)               # unscale, measure, guard, clip, step (skipped on the device when bad),
+                                              # zero the grads, metrics; the run dir every log_every steps
+
+``monitor.step`` is :meth:`stabletrain.step.TrainStep.update`, the same step a built-in run takes, on the
+gradients your backward left: unscale (your GradScaler's, if you pass one), measure the global and
+per-parameter grad norms, the sentinel (:class:`~stabletrain.guard.Guard`: finite, spike), clip, apply
+the update (skipped on the device when the step is bad: a fused optimizer or a GradScaler skip without a
+sync; any other optimizer costs one host read per step, warned once), check the parameters. The figures
+stay on the device; every ``log_every`` steps one host sync writes ``metrics.jsonl``, ``events.jsonl``
+and TensorBoard, and a bad step is captured into ``incidents/step_N`` and diagnosed by replaying
+``loss_fn`` under the locator (:mod:`stabletrain.integrations.core` says how the state before it is
+kept). ``stabletrain report``, ``compare`` and ``diagnose`` read the folder as any run's.
+
+Your LR scheduler is yours: call it after ``monitor.step`` as before (a skipped step still advances it,
+as under a GradScaler). Resume: save ``monitor.state_dict()`` in your checkpoint, and after restoring
+your model and optimizer build ``Monitor(..., resume=True)`` and call ``load_state_dict``.
+
+Metric keys: those of :data:`stabletrain.events.METRIC_KEYS` (``tokens_per_s`` counts ``num_tokens`` when
+you pass it to :meth:`Monitor.step`, else samples).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .callbacks import Callback
+from .clipping import GradClipper
+from .integrations.core import AdapterOptions, RunSession, StopTraining
+from .integrations.replay import batch_size, import_path
+from .precision import PrecisionPolicy
+from .seeding import rng_state
+from .step import TrainStep
+
+__all__ = ["Monitor", "StopTraining"]
+
+
+class Monitor:
+    """Measure, guard, clip and step your own loop's optimizer, and keep the run's record. See the module docstring.
+
+    Args:
+        model: the model being trained.
+        optimizer: its torch optimizer (``fused=True`` AdamW/Adam/SGD skip a bad step without a host sync).
+        run_dir: the run directory (None: guard and measure, write nothing).
+        clip_max_norm: global L2 grad-norm threshold; None measures without clipping.
+        log_every: steps per log interval (one host sync each).
+        scaler: your ``torch.amp.GradScaler`` (fp16); the monitor unscales and steps through it; do not call
+            ``scaler.step``/``scaler.update`` yourself.
+        precision: "fp32", "bf16" or "fp16" for :meth:`autocast` and the record (default: fp16 with a scaler,
+            else fp32). With "fp16" and no scaler the monitor makes its own and :meth:`backward` scales.
+        on_nonfinite: "skip" (the bad step is skipped on the device), "stop" (skipped, then
+            :class:`StopTraining` is raised at the log boundary) or "warn" (recorded and warned only).
+        on_spike: "warn" or "skip" a loss spike (rule: :mod:`stabletrain.guard`).
+        loss_fn: ``loss_fn(model, batch) -> loss`` as your loop computes it: replays a bad step for its
+            diagnosis (a module-level function can also be replayed later by ``stabletrain diagnose``).
+        model_factory: ``"module:function"`` (or the function) that builds the model, so ``stabletrain diagnose``
+            can replay in a new process; default: the model's class with no arguments.
+        capture, diagnose, check_params, tensorboard, top_layers, init_check: see
+            :class:`~stabletrain.integrations.core.AdapterOptions`.
+        resume: reopen ``run_dir`` to continue a run (then call :meth:`load_state_dict`).
+        overwrite: replace a run already in ``run_dir``.
+        callbacks: stabletrain :class:`~stabletrain.callbacks.Callback` instances (``on_step_end``, ``on_log``, ...).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, run_dir: str | Path | None = None, *,
+                 clip_max_norm: float | None = 1.0, log_every: int = 10, scaler: torch.amp.GradScaler | None = None,
+                 precision: str | None = None, on_nonfinite: str = "skip", on_spike: str = "warn",
+                 loss_fn: Callable[[nn.Module, Any], Any] | None = None,
+                 model_factory: str | Callable[[], nn.Module] | None = None, capture: bool = True,
+                 diagnose: bool = True, check_params: bool = True, tensorboard: bool = True, top_layers: int = 3,
+                 init_check: bool = True, resume: bool = False, overwrite: bool = False,
+                 callbacks: Sequence[Callback] = ()) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"Monitor(optimizer=...): expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        options = AdapterOptions(log_every=log_every, on_nonfinite=on_nonfinite, on_spike=on_spike, capture=capture,
+                                 diagnose=diagnose, check_params=check_params, tensorboard=tensorboard,
+                                 top_layers=top_layers, init_check=init_check).validate()
+        device = next(p.device for p in model.parameters())
+        mode = precision or ("fp16" if scaler is not None else "fp32")
+        self.precision = PrecisionPolicy(mode, device)
+        if scaler is not None:
+            self.precision.scaler = scaler  # the user's scaler: its scale, growth and state are theirs
+        self.session = RunSession(
+            run_dir, model, host="monitor", options=options, precision=self.precision.mode, clip_max_norm=clip_max_norm,
+            optimizer=optimizer, loss_fn=loss_fn, overwrite=overwrite, scaled=self.precision.scaler is not None,
+            recipes={"model": _model_recipe(model, model_factory), "loss": _loss_recipe(loss_fn),
+                     "scaler": self.precision.scaler},
+            host_config={"log_every": log_every, "clip_max_norm": clip_max_norm, "scaler": scaler is not None},
+            callbacks=callbacks)
+        self.step_fn = TrainStep(model, optimizer, self.precision, clipper=GradClipper(clip_max_norm),
+                                 guard=self.session.guard, params=self.session.params, check_params=check_params)
+        self._loss: Tensor | None = None
+        self._micro: list[Any] = []
+        self._rng: dict[str, Any] | None = None
+        self._rng_marked = False
+        self.session.open(resume=resume)
+
+    # -- the loop's few lines ----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        """Your precision's autocast (a no-op in fp32); entering it marks where the step's forward starts.
+
+        A capture replays the step from the RNG state taken here (dropout draws the same numbers);
+        without it, from the end of the previous step.
+        """
+        if not self._rng_marked and self.session.options.capture:
+            self._rng, self._rng_marked = rng_state(), True
+        with self.precision.autocast():
+            yield
+
+    def backward(self, loss: Tensor, batch: Any = None) -> None:
+        """Backpropagate ``loss`` (scaled in fp16) and remember it for the step's metrics and guard.
+
+        With gradient accumulation call it once per micro-batch, with the loss as you would backpropagate
+        it (e.g. ``loss / k``): the step's loss is the sum of the losses passed since the last step.
+        ``batch``: the micro-batch (kept for a capture; with accumulation pass it here, not to :meth:`step`).
+        """
+        if self._rng is None and self.session.options.capture:
+            self._rng = rng_state()
+        self.precision.backward(loss)
+        detached = loss.detach().float()
+        self._loss = detached if self._loss is None else self._loss + detached
+        if batch is not None:
+            self._micro.append(batch)
+
+    def step(self, batch: Any = None, *, loss: Tensor | None = None, num_samples: int | None = None,
+             num_tokens: int | Tensor | None = None) -> dict[str, Tensor]:
+        """Unscale, measure, guard, clip, step (skipped on the device when bad), zero the grads; record the step.
+
+        ``batch``: the step's batch (kept for a capture; shapes give the sample count). ``loss``: the step's
+        loss when you called backward yourself. ``num_samples`` / ``num_tokens``: what the step covered
+        (default: the batch's leading dimension). Returns the step's device tensors
+        (:data:`stabletrain.step.STEP_KEYS`); reading them on the host is a sync. Raises
+        :class:`StopTraining` at a log boundary when ``on_nonfinite="stop"`` saw a bad step.
+        """
+        if self.session.closed:
+            raise RuntimeError("Monitor.step() after close(): build a new Monitor (resume=True) to continue the run")
+        loss = loss.detach().float() if loss is not None else self._loss
+        if loss is None:
+            raise ValueError("Monitor.step(): no loss for this step; call monitor.backward(loss) first, or pass "
+                             "monitor.step(batch, loss=loss) when you ran backward yourself")
+        micro = self._micro or ([batch] if batch is not None else [])
+        if not self.session.started:
+            self.session.begin()
+            if self.loss_fn is not None and micro:
+                self.session.signal_check(micro[0], self.loss_fn)
+        n = num_samples if num_samples is not None else (sum(batch_size(b) for b in micro) if micro else 1)
+        count = num_tokens if num_tokens is not None else n
+        count = (count.detach().float().reshape(()) if isinstance(count, Tensor)
+                 else torch.full((), float(count), device=loss.device))
+        self.session.keep(micro, self._rng)
+        last_of_interval = (self.session.step + 1) % self.session.options.log_every == 0
+        out = self.step_fn.update(loss=loss, count=count, measure_update=last_of_interval)
+        self.optimizer.zero_grad(set_to_none=True)
+        self._loss, self._micro, self._rng, self._rng_marked = None, [], None, False
+        if self.session.options.capture and self.session.run is not None:
+            self._rng = rng_state()  # the next step's forward starts from here unless autocast() marks it later
+        self.session.record(out, num_samples=n, lr=self.optimizer.param_groups[0]["lr"],
+                            loss_scale=self.precision.loss_scale())
+        if self.session.stop_reason is not None:
+            reason = self.session.stop_reason
+            self.close()
+            raise StopTraining(self.session.step, reason)
+        return out
+
+    # -- progress, end and state -------------------------------------------------------------------
+
+    @property
+    def num_steps(self) -> int:
+        """Optimizer steps taken (skipped ones included)."""
+        return self.session.step
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """Every metrics record written so far (one per log interval)."""
+        return self.session.history
+
+    @property
+    def run_dir(self) -> Path | None:
+        return self.session.run.path if self.session.run is not None else self.session.run_dir
+
+    def close(self) -> None:
+        """Log the last partial interval and close the run directory's files (idempotent)."""
+        self.session.close()
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc is not None and not isinstance(exc, StopTraining) and not self.session.closed:
+            self.session.crash(exc)
+        self.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The monitor's state (progress, guard, the partial interval's metrics, loss scale): save it in your checkpoint."""
+        return {**self.session.state_dict(), "precision": self.precision.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any], *, path: str | None = None) -> None:
+        """Restore :meth:`state_dict`; the run continues at its step (a ``resume`` event in the run directory)."""
+        self.session.load_state_dict(state, path=path)
+        self.precision.load_state_dict(state["precision"])
+
+
+def _model_recipe(model: nn.Module, factory: str | Callable[[], nn.Module] | None) -> dict[str, Any] | None:
+    if isinstance(factory, str):
+        return {"kind": "factory", "factory": factory, "kwargs": {}}
+    if factory is not None:
+        path = import_path(factory)
+        return {"kind": "factory", "factory": path, "kwargs": {}} if path else None
+    path = import_path(type(model))
+    return {"kind": "class", "class": path} if path and not path.startswith("torch.nn.") else None
+
+
+def _loss_recipe(loss_fn: Callable[[nn.Module, Any], Any] | None) -> dict[str, Any] | None:
+    path = import_path(loss_fn) if loss_fn is not None else None
+    return {"kind": "function", "function": path} if path else None

@@ -1,0 +1,52 @@
+"""The optimizer: AdamW (default), Adam or SGD from the config, or the task's own factory.
+
+The built-in choices are built ``fused=True`` on CPU and CUDA: a fused optimizer takes the skip flag
+as a device tensor (``found_inf``) and a tensor lr, so neither the guard's skip nor the LR schedule
+reads anything on the host. A task's own optimizer (``Task(optimizer=lambda named_params: ...)``) may
+be anything: one that cannot skip on the device costs one host sync per step
+(:meth:`~stabletrain.precision.PrecisionPolicy.step`), measured in ``bench/overhead.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["build_optimizer", "OptimizerFactory"]
+
+OptimizerFactory = Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
+
+
+def _groups(named_params: list[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on matrices only (never on biases, norms or other 1-D parameters)."""
+    decay = [p for _, p in named_params if p.dim() >= 2]
+    no_decay = [p for _, p in named_params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(named_params: list[tuple[str, nn.Parameter]], optim: Any, device: torch.device,
+                    factory: OptimizerFactory | None = None) -> torch.optim.Optimizer:
+    """Return the run's optimizer over ``named_params``: the task's ``factory`` if given, else ``optim.name``.
+
+    ``optim`` is the config's ``optim`` section (:class:`~stabletrain.config.OptimConfig`).
+    """
+    if factory is not None:
+        optimizer = factory(named_params)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"Task.optimizer returned {type(optimizer).__name__}, expected a torch.optim.Optimizer "
+                            "built over the named parameters it was given")
+        return optimizer
+    fused = device.type in ("cuda", "cpu")
+    groups = _groups(named_params, optim.weight_decay)
+    name = getattr(optim, "name", "adamw")
+    if name == "adamw":
+        return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, fused=fused)
+    if name == "adam":  # Adam's weight decay is L2 added to the gradient (AdamW's is decoupled)
+        return torch.optim.Adam(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, fused=fused)
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum, nesterov=optim.nesterov, fused=fused)
+    raise ValueError(f"config key 'optim.name': expected adamw, adam or sgd, got {name!r}")

@@ -1,0 +1,182 @@
+"""ONE optimizer step: the only implementation, used by the loop, the incident replay, the doctor and the labs.
+
+The step, in the order it runs (DESIGN.md, "the data's path")::
+
+    optimizer.zero_grad(set_to_none=True); window.begin()
+    for each micro-batch (DDP: no_sync on all but the last):
+        with precision.autocast(): loss_sum, count = loss_fn(model, batch)
+        precision.backward(window.normalize(loss_sum, count, last))   # / items in the whole window, all ranks
+    precision.unscale_(optimizer)                  # true grads before measuring and clipping
+    norm, per_param = grad_norms(params)           # device tensors; the norm is also the finiteness flag
+    ok, finite, spike = guard.observe(loss, norm)  # the sentinel (no guard: ok = finite)
+    clipped = clipper.clip_(params, norm, ok)      # a non-finite norm is never "clipped"
+    applied = precision.step(optimizer, ok)        # skipped on the device when not ok, in every precision
+    params_finite = all_params_finite(params)      # cheap post-update check, one fused pass
+    schedule.step(applied)                         # the LR schedule holds on a skipped step
+
+Nothing here reads a device value on the host, except where the optimizer cannot skip on the device
+(:meth:`PrecisionPolicy.step` documents it). :meth:`TrainStep.forward_backward` and
+:meth:`TrainStep.update` are the two halves, so an adapter whose host trainer runs its own
+forward/backward can still call the same update, and a replay can run the halves under its tools.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .accumulation import AccumulationWindow, as_sum_count
+from .clipping import GradClipper
+from .data import move_to
+from .guard import Guard, inputs_finite
+from .numerics import all_params_finite, grad_norms, unique_params
+from .precision import PrecisionPolicy
+from .schedule import LRSchedule
+
+__all__ = ["TrainStep", "LossFn", "STEP_KEYS"]
+
+LossFn = Callable[[nn.Module, Any], Any]
+
+#: The device tensors a step returns (``per_param_norms`` is 1-D; the rest are 0-dim).
+STEP_KEYS = ("loss", "grad_norm", "post_clip_norm", "clipped", "applied", "finite", "spike", "params_finite", "overflow",
+             "count", "per_param_norms")
+
+
+class TrainStep:
+    """One optimizer step over a window of micro-batches; returns its figures as device tensors (no sync).
+
+    Args:
+        model: what the loss calls (the DDP wrapper under DDP: its ``no_sync`` is used on all but the
+            last micro-batch).
+        optimizer: any torch optimizer; fused AdamW/Adam/SGD skip on the device, others cost one sync.
+            None for a forward/backward-only step (a replay or check that measures without updating).
+        precision: the precision policy (autocast, loss scale, skip-aware step).
+        clipper: global-norm clipping (None: measure only).
+        guard: the sentinel and spike rule (None: a step is applied iff its loss and grad norm are finite).
+        schedule: the device-side LR schedule, held on skipped steps (None: the lr is the optimizer's).
+        params: the parameters the norm, clipping and checks cover (default: the model's unique
+            trainable parameters, in registration order).
+        window: the accumulation window (default: one over ``params``; a replay passes a local one).
+        check_inputs: also require the floating-point inputs of every micro-batch to be finite.
+        check_params: check after the update that every parameter is finite (one fused pass).
+        grad_flag: DDP only: records whether this rank's own grads were finite before the all-reduce.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, precision: PrecisionPolicy, *,
+                 clipper: GradClipper | None = None, guard: Guard | None = None, schedule: LRSchedule | None = None,
+                 params: Sequence[Tensor] | None = None, window: AccumulationWindow | None = None,
+                 check_inputs: bool = False, check_params: bool = True, grad_flag: Any = None) -> None:
+        self.model, self.optimizer, self.precision = model, optimizer, precision
+        self.clipper = clipper if clipper is not None else GradClipper(None)
+        self.guard, self.schedule = guard, schedule
+        self.params = list(params) if params is not None else [p for _, p in unique_params(model)]
+        self.window = window if window is not None else AccumulationWindow(self.params)
+        self.check_inputs, self.check_params, self.grad_flag = check_inputs, check_params, grad_flag
+        self.device = precision.device
+        self._inputs_ok: Tensor | None = None
+        self._before: list[Tensor] | None = None
+
+    def __call__(self, micro_batches: Sequence[tuple[int, Any]], loss_fn: LossFn, *,
+                 measure_update: bool = False) -> dict[str, Tensor]:
+        """Run the whole step on ``[(num_samples, batch), ...]``; see the module docstring."""
+        self.forward_backward(micro_batches, loss_fn)
+        return self.update(measure_update=measure_update)
+
+    def forward_backward(self, micro_batches: Sequence[tuple[int, Any]], loss_fn: LossFn) -> None:
+        """Zero the grads and accumulate the window's normalized gradient (DDP: reduced on the last micro-batch)."""
+        model = self.model
+        if not model.training:  # a per-step .train() would walk every module; switch only when needed
+            model.train()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            for p in self.params:
+                p.grad = None
+        self.window.begin()
+        if self.grad_flag is not None:
+            self.grad_flag.reset()
+        inputs_ok: Tensor | None = None
+        for i, (num_samples, batch) in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            batch = move_to(batch, self.device)
+            if self.check_inputs:
+                flag = inputs_finite(batch)
+                inputs_ok = flag if inputs_ok is None or flag is None else inputs_ok & flag
+            with self._sync_context(last), self.precision.autocast():
+                loss_sum, count = as_sum_count(loss_fn(model, batch), num_samples)
+            self.precision.backward(self.window.normalize(loss_sum, count, last, inputs_ok if last else None))
+        self._inputs_ok = inputs_ok
+
+    def update(self, *, measure_update: bool = False, loss: Tensor | None = None,
+               count: Tensor | None = None) -> dict[str, Tensor]:
+        """Unscale, measure, guard, clip, apply, advance the schedule; return the step's device tensors.
+
+        ``loss``/``count``: the step's unscaled per-item loss and item count when the gradients were not
+        accumulated by :meth:`forward_backward` (an adapter over a host trainer's own backward).
+        ``measure_update``: also return ``update_norm`` = ||theta_t - theta_{t-1}|| and ``update_ratio``
+        = update_norm / ||theta_{t-1}|| (one extra copy of the parameters on this step only).
+        """
+        optimizer, params = self.optimizer, self.params
+        if optimizer is None:
+            raise ValueError("TrainStep.update() needs an optimizer; this step was built with optimizer=None "
+                             "(forward/backward only)")
+        if loss is None:
+            loss, count = self.window.mean_loss, self.window.global_count
+        elif count is None:
+            count = torch.ones((), device=loss.device)
+        self.precision.unscale_(optimizer)
+        norm, per_param = grad_norms(params)  # DDP: of the all-reduced grads, the same on every rank
+        inputs_ok = self.window.inputs_ok if self._inputs_ok is not None else None
+        if self.guard is not None:
+            ok, finite, spike = self.guard.observe(loss, norm, inputs_ok)
+        else:
+            finite = torch.isfinite(loss) & torch.isfinite(norm)
+            if inputs_ok is not None:
+                finite = finite & inputs_ok
+            ok, spike = finite, torch.zeros((), dtype=torch.bool, device=finite.device)
+        # fp16: an overflow of the scaled grads (finite loss, non-finite norm) is the scaler's routine skip-and-
+        # back-off, not an incident; a non-finite loss, or a NaN the scaler cannot fix, still is.
+        overflow = (torch.isfinite(loss) & ~torch.isfinite(norm) if self.precision.scaler is not None
+                    else torch.zeros((), dtype=torch.bool, device=norm.device))
+        clipped = self.clipper.clip_(params, norm, ok)
+        before = self._snapshot_params() if measure_update else None
+        applied = self.precision.step(optimizer, ok)
+        params_finite = all_params_finite(params) if self.check_params else torch.ones((), dtype=torch.bool,
+                                                                                          device=norm.device)
+        if self.schedule is not None:  # a host flag where the optimizer step already read it (no second read)
+            on_host = self.precision.applied_on_host
+            self.schedule.step(applied if on_host is None else on_host)
+        out = {"loss": loss.detach(), "grad_norm": norm, "post_clip_norm": self.clipper.post_clip_norm(norm),
+               "clipped": clipped, "applied": applied, "finite": finite, "spike": spike, "params_finite": params_finite,
+               "overflow": overflow, "count": count, "per_param_norms": per_param}
+        if before is not None:
+            out["update_norm"], out["update_ratio"] = self._update_norm(before)
+        if self.grad_flag is not None:  # DDP: did THIS rank see it (its own loss, inputs or pre-all-reduce grads)?
+            local = ~torch.isfinite(self.window.loss_sum) | self.grad_flag.bad
+            out["local_nonfinite"] = local if self._inputs_ok is None else local | ~self._inputs_ok
+        return out
+
+    @torch.no_grad()
+    def _snapshot_params(self) -> list[Tensor]:
+        if self._before is None or len(self._before) != len(self.params):
+            self._before = [p.detach().clone() for p in self.params]
+        else:
+            torch._foreach_copy_(self._before, [p.detach() for p in self.params])
+        return self._before
+
+    @torch.no_grad()
+    def _update_norm(self, before: list[Tensor]) -> tuple[Tensor, Tensor]:
+        """||theta_t - theta_{t-1}|| and its ratio to ||theta_{t-1}|| (device tensors; fp32 accumulation)."""
+        deltas = torch._foreach_sub([p.detach().float() for p in self.params], [b.float() for b in before])
+        update = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(deltas)))
+        weight = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([b.float() for b in before])))
+        return update, update / weight.clamp_min(1e-12)
+
+    def _sync_context(self, last: bool) -> contextlib.AbstractContextManager:
+        """DDP's no_sync on all but the last micro-batch of a window; nothing on one process."""
+        no_sync = getattr(self.model, "no_sync", None)
+        return no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()

@@ -1,0 +1,184 @@
+"""The Lightning adapter on a real lightning.Trainer: run directory, no per-step sync, a planted NaN, fp16, resume."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+from torch.utils.data import DataLoader, TensorDataset
+
+L = pytest.importorskip("lightning")
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
+
+from integration_models import BAD_POSITION, Net, OurSyncs  # noqa: E402
+from stabletrain.callbacks import Callback as StableCallback  # noqa: E402
+from stabletrain.events import EVENT_KINDS, METRIC_KEYS  # noqa: E402
+from stabletrain.incidents import diagnose_incident  # noqa: E402
+from stabletrain.integrations.lightning import StableTrainCallback  # noqa: E402
+from stabletrain.records import read_jsonl  # noqa: E402
+from stabletrain.report import load_run, write_report  # noqa: E402
+
+logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+
+BATCH = 8
+
+
+class LitNet(L.LightningModule):
+    """A small LightningModule around the shared Net (sqrt layer: NaN for a planted sample)."""
+
+    def __init__(self, lr: float = 1e-2, fused: bool = True, reinit: bool = False, seed: int = 0):
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(seed)
+        self.net = Net()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def on_fit_start(self):
+        if self.hparams.reinit:  # a host-side hook that silently re-initializes a layer
+            self.net.fc2.reset_parameters()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, fused=self.hparams.fused)
+
+
+def loader(n_steps, bad_index=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(n_steps * BATCH, 4, generator=g)
+    y = torch.randn(n_steps * BATCH, 1, generator=g)
+    if bad_index is not None:
+        x[bad_index, 0] = -100.0
+    return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
+
+
+def fit(module, callback, n_steps, *, bad_index=None, ckpt_path=None, max_steps=None, **trainer_kw):
+    """Fit on ``n_steps`` batches per epoch for ``max_steps`` (default: one epoch)."""
+    torch.manual_seed(0)
+    trainer = L.Trainer(max_steps=max_steps or n_steps, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[callback, *trainer_kw.pop("callbacks", [])],
+                        enable_checkpointing=trainer_kw.pop("enable_checkpointing", False), **trainer_kw)
+    trainer.fit(module, loader(n_steps, bad_index), ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_clean_run_metrics_mirror_and_report(tmp_path):
+    torch.manual_seed(0)
+    cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=5)
+    trainer = fit(LitNet(), cb, 12, gradient_clip_val=0.05)
+    records, problems = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert not problems and [r["step"] for r in records] == [5, 10, 12]
+    assert set(records[0]) <= set(METRIC_KEYS)
+    assert records[0]["clip_rate"] == 1.0 and records[0]["grad_norm_post_clip"] <= 0.05 * (1 + 1e-5)
+    assert records[0]["grad_norm"] > 0.05 and records[0]["lr"] == pytest.approx(1e-2)
+    assert records[-1]["samples_seen"] == 12 * BATCH and records[0]["top_grad_layers"]
+    # Mirrored into Lightning's own logging at the boundaries.
+    assert trainer.callback_metrics["stabletrain/grad_norm"] == pytest.approx(records[1]["grad_norm"], rel=1e-6)
+    config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert config["integration"] == "lightning" and config["host"]["gradient_clip_val"] == 0.05
+    assert config["clip"]["max_norm"] == 0.05 and config["optim"]["name"] == "AdamW"
+    snapshot = json.loads((tmp_path / "run" / "snapshot.json").read_text())
+    assert snapshot["host_versions"]["lightning"] and snapshot["init_signal"]["summary"]
+    events, _ = read_jsonl(tmp_path / "run" / "events.jsonl")
+    assert all(e["kind"] in EVENT_KINDS for e in events) and not any(e["kind"] == "init_overwritten" for e in events)
+    assert "LitNet" in write_report(tmp_path / "run").read_text()
+
+
+def test_no_host_sync_between_log_boundaries(tmp_path):
+    cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=5)
+    with OurSyncs(lambda: cb.session.step if cb.session is not None else -1) as counter:
+        fit(LitNet(), cb, 15, gradient_clip_val=1.0)
+    steps = sorted({s for s, _ in counter.calls})
+    assert set(steps) <= {-1, 0, 5, 10, 15}, counter.calls  # -1/0: the init fingerprint and signal report, once
+    assert sum(1 for s, _ in counter.calls if s == 10) == 1
+
+
+def test_planted_nan_is_skipped_captured_and_traced(tmp_path):
+    bad_step = 3
+    cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=5)
+    module = LitNet()
+    fit(module, cb, 8, bad_index=(bad_step - 1) * BATCH + BAD_POSITION)
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    run = load_run(tmp_path / "run")
+    assert run.metrics[0]["num_nonfinite"] == 1 and run.metrics[0]["num_skipped"] == 3  # 3, and 4-5 held
+    incident = run.counted_events("incident")[0]
+    d = incident.extra["diagnosis"]
+    assert incident.step == bad_step
+    assert (d["stage"], d["op"], d["direction"], d["module"]) == ("activations", "aten.sqrt.default", "forward",
+                                                                  "net.root")
+    assert d["bad_positions"] == [{"micro_batch": 0, "position": BAD_POSITION}] and d["reproduces"] is True
+    # `stabletrain diagnose` in a fresh state: the LightningModule is rebuilt from its class and hparams.
+    fresh = diagnose_incident(tmp_path / "run" / "incidents" / f"step_{bad_step:06d}")
+    assert (fresh["module"], fresh["bad_samples"], fresh["first_nonfinite_param"]) == ("net.root", [BAD_POSITION],
+                                                                                      "net.fc1.weight")
+
+
+def test_non_fused_optimizer_skips_with_one_read_per_step(tmp_path):
+    cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=4, init_check=False)
+    module = LitNet(fused=False)
+    fit(module, cb, 4, bad_index=BATCH + 1)
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    assert load_run(tmp_path / "run").metrics[0]["num_skipped"] == 3  # 2, and 3-4 held
+
+
+def test_fp16_where_lightning_scales_the_loss(tmp_path):
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=4)
+    module = LitNet(fused=False)  # non-fused: Lightning unscales before on_before_optimizer_step
+    fit(module, cb, 8, bad_index=2 * BATCH, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    run = load_run(tmp_path / "run")
+    assert run.metrics[0]["loss_scale"] == 2.0**9  # the NaN step: the scaler's found_inf backs the scale off once
+    assert run.metrics[0]["num_nonfinite"] == 1 and run.metrics[0]["num_skipped"] == 2  # 3, and 4 held
+    assert run.metrics[1]["loss_scale"] == 2.0**9 and run.metrics[1]["num_skipped"] == 0  # held steps: no back-off
+    assert run.counted_events("incident")[0].extra["diagnosis"]["module"] == "net.root"
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["precision"] == "fp16"
+
+
+class StepLosses(StableCallback):
+    """Test-only: every step's loss on the host (a sync per step, which is why no real callback does this)."""
+
+    def __init__(self):
+        self.losses = {}
+
+    def on_step_end(self, state, out):
+        self.losses[state.step] = float(out["loss"])
+
+
+def test_resume_from_lightnings_checkpoint_keeps_metrics_and_guard(tmp_path):
+    # Two epochs of 7 batches; the first fit stops after epoch 1, where Lightning checkpoints (our state in it).
+    ckpts, first_losses, later_losses = tmp_path / "ckpts", StepLosses(), StepLosses()
+    first = StableTrainCallback(run_dir=tmp_path / "run", log_every=5, init_check=False, callbacks=[first_losses])
+    fit(LitNet(), first, 7, max_steps=7, enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=ckpts, save_top_k=-1)])
+    (ckpt,) = ckpts.glob("*.ckpt")
+    assert torch.load(ckpt, weights_only=False)["callbacks"]["StableTrainCallback"]["step"] == 7
+    again = StableTrainCallback(run_dir=tmp_path / "run", log_every=5, init_check=False, callbacks=[later_losses])
+    fit(LitNet(seed=1), again, 7, max_steps=14, ckpt_path=str(ckpt))
+    losses = {**first_losses.losses, **later_losses.losses}
+    assert sorted(later_losses.losses) == list(range(8, 15))  # our step count continues from the checkpoint's
+    run = load_run(tmp_path / "run")
+    records = {r["step"]: r for r in run.metrics}
+    assert sorted(records) == [5, 7, 10, 14]  # 7: the first fit's end logged its partial interval
+    # The interval across the resume holds steps 6-7 (restored from the checkpoint) and 8-10 (after it).
+    assert records[10]["loss"] == pytest.approx(sum(losses[s] for s in range(6, 11)) / 5, rel=1e-6)
+    assert records[10]["samples_seen"] == 10 * BATCH
+    guard = again.session.guard.state_dict()
+    assert int(guard["num_seen"]) == 14  # the spike window goes on with the first fit's losses in it
+    assert guard["window"][:14].tolist() == pytest.approx([losses[s] for s in range(1, 15)], rel=1e-6)
+    assert [e.kind for e in run.events].count("resume") == 1
+
+
+def test_an_init_overwritten_by_a_host_hook_is_an_event(tmp_path):
+    fit(LitNet(reinit=True), StableTrainCallback(run_dir=tmp_path / "run", log_every=5), 5)
+    events = [e for e in load_run(tmp_path / "run").events if e.kind == "init_overwritten"]
+    assert events and {p["name"] for p in events[0].extra["params"]} == {"net.fc2.weight", "net.fc2.bias"}

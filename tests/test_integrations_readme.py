@@ -1,0 +1,53 @@
+"""The README's "Your trainer" snippets run as written, and `stabletrain report` renders each run they write."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import integration_models  # noqa: F401  (sets the Hugging Face offline variables)
+from stabletrain.records import read_jsonl
+from stabletrain.report import write_compare, write_report
+
+README = Path(__file__).parents[1] / "README.md"
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
+
+
+def snippets() -> list[str]:
+    text = README.read_text(encoding="utf-8")
+    section = text.split("## Your trainer", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
+
+
+def test_the_section_has_the_three_snippets():
+    blocks = snippets()
+    assert len(blocks) == 3
+    assert "stabletrain.Monitor(" in blocks[0]
+    assert "stabletrain.integrations.lightning import StableTrainCallback" in blocks[1]
+    assert "stabletrain.integrations.transformers import StableTrainCallback" in blocks[2]
+
+
+@pytest.mark.parametrize("index,run", [(0, "loop"), (1, "lightning"), (2, "hf")])
+def test_each_snippet_runs_and_its_run_reports(index, run, tmp_path, monkeypatch):
+    if index == 1:
+        pytest.importorskip("lightning")
+    if index == 2:
+        pytest.importorskip("transformers")
+        pytest.importorskip("accelerate")
+    monkeypatch.chdir(tmp_path)
+    exec(compile(snippets()[index], f"README.md snippet {index + 1}", "exec"), {"__name__": "__readme__"})
+    records, problems = read_jsonl(tmp_path / "runs" / run / "metrics.jsonl")
+    assert records and not problems and records[-1]["num_nonfinite"] == 0
+    assert write_report(tmp_path / "runs" / run).exists()
+    if index == 0:
+        assert records[-1]["step"] == 50
+
+
+def test_compare_reads_runs_of_different_trainers(tmp_path, monkeypatch):
+    pytest.importorskip("lightning")
+    monkeypatch.chdir(tmp_path)
+    for index in (0, 1):
+        exec(compile(snippets()[index], f"README.md snippet {index + 1}", "exec"), {"__name__": "__readme__"})
+    assert write_compare([tmp_path / "runs" / "loop", tmp_path / "runs" / "lightning"], tmp_path / "c.html").exists()

@@ -1,0 +1,151 @@
+"""The Hugging Face adapter on a real transformers.Trainer and a tiny random-init GPT-2 (never a download)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from integration_models import TRAP_TOKEN, OurSyncs, gpt2, token_rows, trap_gpt2  # noqa: E402
+from stabletrain.callbacks import Callback as StableCallback  # noqa: E402
+from stabletrain.events import EVENT_KINDS, METRIC_KEYS  # noqa: E402
+from stabletrain.incidents import diagnose_incident, load_bundle  # noqa: E402
+from stabletrain.integrations.transformers import STATE_FILE, StableTrainCallback  # noqa: E402
+from stabletrain.records import read_jsonl  # noqa: E402
+from stabletrain.report import load_run, write_report  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
+transformers.logging.set_verbosity_error()
+BATCH = 4
+
+
+def trainer_for(model, callback, tmp_path, *, max_steps, rows=None, **kw):
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"), max_steps=max_steps, per_device_train_batch_size=BATCH, learning_rate=1e-3,
+        use_cpu=True, report_to=[], logging_steps=1000, save_strategy=kw.pop("save_strategy", "no"),
+        train_sampling_strategy="sequential", seed=0, dataloader_num_workers=0, disable_tqdm=True, **kw)
+    return transformers.Trainer(model=model, args=args, train_dataset=rows or token_rows(max_steps * BATCH),
+                                callbacks=[callback])
+
+
+def test_clean_run_metrics_mirror_and_report(tmp_path):
+    cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=4)
+    trainer = trainer_for(gpt2(), cb, tmp_path, max_steps=10, max_grad_norm=0.05)
+    trainer.train()
+    records, problems = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert not problems and [r["step"] for r in records] == [4, 8, 10]
+    assert set(records[0]) <= set(METRIC_KEYS)
+    assert records[0]["clip_rate"] == 1.0 and records[0]["grad_norm_post_clip"] <= 0.05 * (1 + 1e-5)
+    assert records[0]["tokens_per_s"] > 0 and records[-1]["samples_seen"] == 10 * BATCH
+    # The pre-clip norm is the Trainer's own (it logs the last step's at its logging steps).
+    logged = [h for h in trainer.state.log_history if "stabletrain/grad_norm_max" in h]
+    assert [h["step"] for h in logged] == [4, 8]
+    assert logged[0]["grad_norm"] == pytest.approx(records[0]["grad_norm_max"], rel=0.5)
+    assert logged[0]["loss"] == pytest.approx(records[0]["loss"], rel=1e-4)  # HF's mean over the same 4 steps
+    config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert config["integration"] == "transformers" and config["host"]["max_grad_norm"] == 0.05
+    snapshot = json.loads((tmp_path / "run" / "snapshot.json").read_text())
+    assert snapshot["host_versions"]["transformers"] and snapshot["init_signal"]["summary"]
+    events, _ = read_jsonl(tmp_path / "run" / "events.jsonl")
+    assert all(e["kind"] in EVENT_KINDS for e in events) and not events
+    assert "GPT2LMHeadModel" in write_report(tmp_path / "run").read_text()
+
+
+def test_no_host_sync_between_log_boundaries(tmp_path):
+    cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=4)
+    trainer = trainer_for(gpt2(), cb, tmp_path, max_steps=12)
+    with OurSyncs(lambda: cb.session.step if cb.session is not None else -1) as counter:
+        trainer.train()
+    steps = sorted({s for s, _ in counter.calls})
+    assert set(steps) <= {-1, 0, 4, 8, 12}, counter.calls  # -1/0: init fingerprint and signal report, once
+    assert sum(1 for s, _ in counter.calls if s == 8) == 1
+
+
+def test_planted_nan_is_skipped_captured_and_traced(tmp_path):
+    bad_sample = 2 * BATCH + 1  # step 3, position 1 (sequential sampling)
+    cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=5)
+    model = trap_gpt2()
+    trainer_for(model, cb, tmp_path, max_steps=6, rows=token_rows(6 * BATCH, trap_at=bad_sample)).train()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    run = load_run(tmp_path / "run")
+    assert run.metrics[0]["num_nonfinite"] == 1 and run.metrics[0]["num_skipped"] == 3  # 3, and 4-5 held
+    incident = run.counted_events("incident")[0]
+    d = incident.extra["diagnosis"]
+    assert incident.step == 3
+    assert (d["stage"], d["op"], d["direction"], d["module"]) == ("activations", "aten.sqrt.default", "forward",
+                                                                  "transformer.wte")
+    assert d["bad_positions"] == [{"micro_batch": 0, "position": 1}] and d["reproduces"] is True
+    folder = tmp_path / "run" / "incidents" / "step_000003"
+    batch = load_bundle(folder)["config"]["task_args"]["batches"][0]
+    assert (batch["input_ids"] == TRAP_TOKEN).any(1).tolist() == [False, True, False, False]
+    fresh = diagnose_incident(folder)  # a fresh replay: the model rebuilt from its class and config
+    assert (fresh["module"], fresh["bad_samples"]) == ("transformer.wte", [1])
+    assert fresh["first_nonfinite_param"] is not None
+
+
+def test_bf16_autocast_and_a_grad_scaler_where_the_trainer_scales_the_loss(tmp_path):
+    cb = StableTrainCallback(run_dir=tmp_path / "bf16", log_every=4)
+    trainer_for(gpt2(), cb, tmp_path, max_steps=4, bf16=True).train()
+    record = load_run(tmp_path / "bf16").metrics[0]
+    assert record["loss_scale"] == 1.0 and record["num_skipped"] == 0
+    assert yaml.safe_load((tmp_path / "bf16" / "config.yaml").read_text())["precision"] == "bf16"
+
+    # fp16 with a GradScaler: accelerate makes none on CPU, so give its accelerator one (as on a GPU).
+    cb = StableTrainCallback(run_dir=tmp_path / "fp16", log_every=5)
+    model = trap_gpt2()
+    trainer = trainer_for(model, cb, tmp_path, max_steps=6, fp16=True,
+                          rows=token_rows(6 * BATCH, trap_at=2 * BATCH))
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    trainer.accelerator.native_amp = True
+    trainer.train()
+    run = load_run(tmp_path / "fp16")
+    assert run.metrics[0]["loss_scale"] == 2.0**9  # the scaler backed off once, on the NaN step; not on held ones
+    assert run.metrics[0]["num_nonfinite"] == 1 and run.metrics[0]["num_skipped"] == 3
+    assert run.counted_events("incident")[0].extra["diagnosis"]["module"] == "transformer.wte"
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class StepLosses(StableCallback):
+    """Test-only: every step's loss on the host (a sync per step)."""
+
+    def __init__(self):
+        self.losses = {}
+
+    def on_step_end(self, state, out):
+        self.losses[state.step] = float(out["loss"])
+
+
+def test_resume_from_the_trainers_checkpoint_keeps_metrics_and_guard(tmp_path):
+    rows = token_rows(12 * BATCH)
+    ref_losses = StepLosses()
+    ref = StableTrainCallback(run_dir=tmp_path / "ref", log_every=5, init_check=False, callbacks=[ref_losses])
+    trainer_for(gpt2(), ref, tmp_path / "a", max_steps=12, rows=rows).train()
+
+    first = StableTrainCallback(run_dir=tmp_path / "run", log_every=5, init_check=False)
+    trainer_for(gpt2(), first, tmp_path / "b", max_steps=12, rows=rows, save_strategy="steps", save_steps=7).train()
+    ckpt = tmp_path / "b" / "hf" / "checkpoint-7"
+    assert (ckpt / STATE_FILE).exists()
+    # A new process resumes from the Trainer's own checkpoint; the run directory goes on.
+    later = StepLosses()
+    again = StableTrainCallback(run_dir=tmp_path / "run2", log_every=5, init_check=False, callbacks=[later])
+    (tmp_path / "run2").mkdir()
+    for name in ("config.yaml", "snapshot.json", "metrics.jsonl", "events.jsonl"):  # the run dir as it was at step 7
+        lines = (tmp_path / "run" / name).read_text().splitlines(keepends=True)
+        keep = [ln for ln in lines if not name.endswith(".jsonl") or json.loads(ln)["step"] <= 7]
+        (tmp_path / "run2" / name).write_text("".join(keep))
+    trainer_for(gpt2(seed=1), again, tmp_path / "b", max_steps=12, rows=rows).train(resume_from_checkpoint=str(ckpt))
+    assert sorted(later.losses) == list(range(8, 13))  # our step count continues
+    for step in range(8, 13):  # the Trainer resumes exactly: so do our per-step figures
+        assert later.losses[step] == ref_losses.losses[step]
+    a, b = load_run(tmp_path / "ref").metrics, load_run(tmp_path / "run2").metrics
+    assert [r["step"] for r in b] == [5, 10, 12]
+    for key in ("loss", "loss_max", "grad_norm", "grad_norm_max", "samples_seen", "tokens_seen"):
+        assert [r[key] for r in a] == pytest.approx([r[key] for r in b], rel=1e-6), key
+    torch.testing.assert_close(ref.session.guard.state_dict()["window"], again.session.guard.state_dict()["window"],
+                               rtol=1e-6, atol=0, equal_nan=True)
+    assert [e.kind for e in load_run(tmp_path / "run2").events].count("resume") == 1

@@ -1,0 +1,153 @@
+"""The labs: each runs, checks its observation and passes; run with the setting that breaks it, it fails."""
+
+import html
+import os
+from pathlib import Path
+
+import pytest
+
+from stabletrain.cli import main
+from stabletrain.lab import LABS, format_result, run_lab
+from stabletrain.lab.index import write_index
+
+TESTS = Path(__file__).parent
+SLOW = {"1", "4", "6", "accept"}  # more than a few seconds each on 2 CPU cores
+_RESULTS = {}
+
+
+def result_of(key, tmp_path_factory):
+    """Run lab ``key`` once per session (plots into a temp dir) and keep the result."""
+    if key not in _RESULTS:
+        _RESULTS[key] = run_lab(key, tmp_path_factory.mktemp(f"lab{key}"))
+    return _RESULTS[key]
+
+
+def _claims(result):
+    return {c.text: c.passed for c in result.claims}
+
+
+@pytest.mark.parametrize("key", [pytest.param(k, marks=pytest.mark.slow) if k in SLOW else k for k in LABS])
+def test_every_lab_runs_and_its_observation_holds(key, tmp_path_factory):
+    result = result_of(key, tmp_path_factory)
+    failed = [c.text for c in result.claims if not c.passed]
+    assert result.passed, f"lab {key} failed: {failed}\n{format_result(result)}"
+    assert result.plots and all(p.exists() and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in result.plots)
+    assert result.rows and all(len(row) == len(result.columns) for row in result.rows)
+    assert len(result.explanation) >= 2
+    text = format_result(result)
+    assert f"lab {key}: PASS" in text and LABS[key].question in text
+
+
+def test_lab_is_deterministic_and_its_explanation_follows_the_numbers():
+    a, b, other = run_lab("3"), run_lab("3"), run_lab("3", seed=1)
+    assert a.rows == b.rows and a.explanation == b.explanation
+    assert other.rows != a.rows and other.explanation != a.explanation and other.passed
+    # The sentences carry the measured values, not fixed text.
+    assert f"{a.numbers['diff_naive']:.3g}" in " ".join(a.explanation)
+
+
+# -- each observation can fail: the lab run with the setting that breaks it ---------------------------
+
+
+@pytest.mark.slow
+def test_lab1_fails_when_kaiming_is_swapped_for_normal_init():
+    result = run_lab("1", schemes={"Kaiming": ("normal", 1.0)})
+    assert not result.passed
+    claims = _claims(result)
+    assert not next(ok for text, ok in claims.items() if text.startswith("Kaiming with relu"))
+    assert next(ok for text, ok in claims.items() if text.startswith("Xavier with tanh"))
+    assert result.numbers["relu/Kaiming/fwd_drift"] > 1e3
+
+
+def test_lab2_fails_without_a_scaler():
+    result = run_lab("2", precision="bf16")  # no GradScaler: the x1e6 loss is applied, nothing backs off
+    assert not result.passed
+    assert result.numbers["skipped"] is False and result.numbers["lr_held"] is False
+    assert result.numbers["scale_after"] == result.numbers["scale_before"] == 1.0
+
+
+def test_lab2_scaler_numbers():
+    r = run_lab("2")
+    assert r.numbers["scale_after"] == r.numbers["scale_before"] / 2 and r.numbers["grew_at"] == 4 + 3
+    assert r.numbers["fallback"] == "fp32" and "addmm" in r.numbers["low_ops"]
+
+
+def test_lab3_fails_with_dropout():
+    result = run_lab("3", dropout=0.3)  # other masks per micro-batch: no longer the same function as the big batch
+    assert not result.passed
+    assert result.numbers["diff_window"] > result.numbers["tol"]
+    assert not next(ok for text, ok in _claims(result).items() if "window normalization matches" in text)
+
+
+@pytest.mark.slow
+def test_lab4_fails_when_the_clip_threshold_is_too_high():
+    result = run_lab("4", max_norm=1e6)
+    assert not result.passed
+    assert result.numbers["sgd_on_clipped"] is False and result.numbers["sgd_clip_shrink"] == pytest.approx(1.0)
+
+
+def test_lab5_fails_when_there_is_no_fault_to_find():
+    result = run_lab("5", eps=1e-6)  # the fix: sqrt never sees 0
+    assert not result.passed and not any(c.passed for c in result.claims)
+    assert result.numbers["first_nonfinite_grad"] is None and result.numbers["bad_samples"] == []
+
+
+def test_lab5_names_the_planted_fault():
+    n = run_lab("5").numbers
+    assert (n["first_nonfinite_grad"], n["module"], n["direction"], n["origin"], n["bad_samples"]) == \
+        ("0.weight", "1", "backward", True, [37])
+    assert n["autograd_node"] == "SqrtBackward0" and n["anomaly_node"] == "SqrtBackward0"
+
+
+@pytest.mark.slow
+def test_lab6_fails_with_a_per_step_sync():
+    result = run_lab("6", per_step_sync=True)  # the task's loss calls .item() every step
+    assert not result.passed
+    assert len(result.numbers["every20_between"]) == 38  # every step but the two log boundaries
+
+
+@pytest.mark.slow
+def test_accept_fails_on_state_outside_the_checkpoint(monkeypatch):
+    # The fresh process must import the test task too.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    result = run_lab("accept", task="broken_tasks:hidden_counter_task")
+    assert not result.passed
+    assert result.numbers["max_param_diff"] > 0
+    assert "state outside the checkpoint" in result.numbers["diverged_component"]
+
+
+# -- the index page and the command line ---------------------------------------------------------------
+
+
+def test_index_page_shows_each_lab(tmp_path, tmp_path_factory):
+    results = [result_of("3", tmp_path_factory), result_of("5", tmp_path_factory)]
+    page = write_index(results, tmp_path).read_text(encoding="utf-8")
+    for r in results:
+        info = LABS[r.key]
+        assert f'id="lab-{r.key}"' in page
+        for text in (info.question, info.question_zh, r.setup, *r.explanation, *(c.measured for c in r.claims)):
+            assert html.escape(text, quote=True) in page
+    assert page.count('src="data:image/png;base64,') == sum(len(r.plots) for r in results)
+    assert "http://" not in page and "https://" not in page  # self-contained
+
+
+def test_cli_lists_runs_one_and_rejects_an_unknown_lab(tmp_path, capsys):
+    assert main(["lab"]) == 0
+    listing = capsys.readouterr().out
+    assert all(f"{k} " in listing for k in LABS)
+    assert main(["lab", "5", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "lab 5: PASS" in out and (tmp_path / "lab5_cost.png").exists()
+    assert main(["lab", "9"]) == 2
+    assert "unknown lab '9'" in capsys.readouterr().err
+
+
+def test_readme_lists_every_lab():
+    lines = (TESTS.parent / "README.md").read_text(encoding="utf-8").splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("| lab | exercise |")))
+    listed = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        listed.append(line.split("|")[1].strip().strip("`"))
+    assert listed == list(LABS)

@@ -1,0 +1,64 @@
+"""Device-side step metrics: one sync per interval, finite-step means, the update norm, state round-trip."""
+
+import math
+
+import pytest
+import torch
+
+from stabletrain.metrics import COLUMNS, StepMetrics, peak_memory_mib
+
+t = torch.tensor
+
+
+def _fill(m, rows):
+    for i, (loss, norm, ok) in enumerate(rows):
+        m.update(i + 1, loss=t(loss), grad_norm=t(norm), post_clip_norm=t(min(norm, 2.0)), clipped=t(norm > 2.0 and ok),
+                 applied=t(ok), finite=t(ok), lr=t(0.1), loss_scale=t(1.0), count=t(8.0),
+                 per_param_norms=t([norm, 0.0]), num_samples=8)
+
+
+def test_reduce_summary_rows_and_state_roundtrip():
+    m = StepMetrics(4, num_params=2, device=torch.device("cpu"))
+    _fill(m, [(2.0, 1.0, True), (4.0, float("inf"), False), (3.0, 3.0, True)])
+    clone = StepMetrics(4, 2, torch.device("cpu"))
+    clone.load_state_dict(m.state_dict())
+    summary, rows, param_sq = m.reduce()
+    assert summary["loss"] == 3.0 and summary["loss_min"] == 2.0 and summary["loss_max"] == 4.0
+    assert summary["grad_norm"] == 2.0 and summary["grad_norm_max"] == 3.0  # finite steps only
+    assert summary["num_skipped"] == 1 and summary["num_nonfinite"] == 1 and summary["clip_rate"] == pytest.approx(1 / 3)
+    assert [r.step for r in rows] == [1, 2, 3] and param_sq == [10.0, 0.0]
+    assert repr(clone.reduce()[0]) == repr(summary)  # repr: NaN (no update measured) equals itself
+    assert len(m) == 0 and m.reduce() == ({}, [], [])  # reset after reduce
+
+
+def test_a_nan_step_does_not_turn_the_interval_loss_into_nan():
+    m = StepMetrics(4, num_params=2, device=torch.device("cpu"))
+    _fill(m, [(2.0, 1.0, True), (float("nan"), float("nan"), False), (4.0, 1.0, True)])
+    summary, rows, _ = m.reduce()
+    assert summary["loss"] == 3.0 and summary["loss_max"] == 4.0, "the mean over the finite steps"
+    assert summary["num_nonfinite"] == 1 and math.isnan(rows[1].values["loss"])
+
+
+def test_the_update_norm_is_the_last_measured_one_and_an_overflow_is_not_nonfinite():
+    m = StepMetrics(4, num_params=1, device=torch.device("cpu"))
+    base = dict(loss=t(1.0), grad_norm=t(1.0), post_clip_norm=t(1.0), clipped=t(False), applied=t(True), finite=t(True),
+                lr=t(0.1), loss_scale=t(1.0), count=t(1.0), per_param_norms=t([1.0]), num_samples=1)
+    m.update(1, **base, update_norm=t(0.5), update_ratio=t(0.01))
+    m.update(2, **{**base, "finite": t(False), "applied": t(False), "grad_norm": t(float("inf"))}, overflow=t(True))
+    m.update(3, **base, update_norm=t(0.25), update_ratio=t(0.02))
+    summary, _, _ = m.reduce()
+    assert summary["update_norm"] == 0.25 and summary["update_ratio"] == pytest.approx(0.02)
+    assert summary["num_skipped"] == 1 and summary["num_nonfinite"] == 0, "an fp16 overflow is a skip, not an incident"
+
+
+def test_update_refuses_a_missing_column_and_ignores_extra_step_outputs():
+    m = StepMetrics(2, num_params=1, device=torch.device("cpu"))
+    with pytest.raises(AssertionError, match="missing"):
+        m.update(1, loss=t(1.0), per_param_norms=t([1.0]), num_samples=1)
+    values = {c: t(True) if c in ("finite", "applied", "clipped") else t(1.0) for c in COLUMNS}
+    m.update(1, **values, per_param_norms=t([1.0]), num_samples=1, something_else=t(3.0))
+    assert len(m) == 1
+
+
+def test_peak_memory_is_the_process_rss_on_cpu():
+    assert 10 < peak_memory_mib(torch.device("cpu")) < 1e6

@@ -1,0 +1,215 @@
+"""stabletrain.Monitor in a plain loop: the run directory, no per-step sync, a planted NaN traced, fp16, resume."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import pytest
+import torch
+import yaml
+
+from stabletrain import Monitor
+from stabletrain.events import EVENT_KINDS, METRIC_KEYS
+from stabletrain.incidents import diagnose_incident
+from stabletrain.monitor import StopTraining
+from stabletrain.records import read_jsonl
+from stabletrain.report import load_run, write_compare, write_report
+from stabletrain.syncs import SyncCounter
+
+from integration_models import BAD_POSITION, BAD_STEP, Net, batches, loss_fn
+
+
+def make(seed=0, fused=True, lr=1e-2):
+    torch.manual_seed(seed)
+    model = Net()
+    return model, torch.optim.AdamW(model.parameters(), lr=lr, fused=fused)
+
+
+def train(monitor, model, data):
+    for batch in data:
+        with monitor.autocast():
+            loss = loss_fn(model, batch)
+        monitor.backward(loss)
+        monitor.step(batch)
+
+
+def test_clean_run_writes_a_run_directory_that_report_and_compare_read(tmp_path):
+    runs = []
+    for name, clip in (("a", 1.0), ("b", 0.05)):
+        model, opt = make()
+        with Monitor(model, opt, run_dir=tmp_path / name, clip_max_norm=clip, log_every=10, loss_fn=loss_fn) as monitor:
+            train(monitor, model, batches(25))
+        runs.append(tmp_path / name)
+    run = runs[0]
+    records, problems = read_jsonl(run / "metrics.jsonl")
+    assert not problems and [r["step"] for r in records] == [10, 20, 25]
+    assert set(records[0]) <= set(METRIC_KEYS)  # every key is documented
+    for key in ("loss", "grad_norm", "grad_norm_post_clip", "clip_rate", "lr", "loss_scale", "num_skipped",
+                "num_nonfinite", "tokens_per_s", "peak_memory_mib", "top_grad_layers", "update_norm"):
+        assert key in records[0], key
+    assert records[0]["lr"] == pytest.approx(1e-2) and records[0]["num_skipped"] == 0
+    assert all(math.isfinite(r["loss"]) for r in records)
+    assert records[-1]["samples_seen"] == 25 * 8
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    assert config["integration"] == "monitor" and config["clip"]["max_norm"] == 1.0 and config["log"]["every"] == 10
+    assert config["optim"]["name"] == "AdamW" and config["task"] == "Net"
+    snapshot = json.loads((run / "snapshot.json").read_text())
+    assert snapshot["integration"] == "monitor" and "init_signal" in snapshot
+    assert (run / "init_signal.json").exists() and list((run / "tb").iterdir())
+    events, _ = read_jsonl(run / "events.jsonl")
+    assert all(e["kind"] in EVENT_KINDS for e in events) and not [e for e in events if e["kind"] == "incident"]
+    # The tighter clip fires on every step; the looser one measures the same norms.
+    b = load_run(runs[1])
+    assert [r["clip_rate"] for r in b.metrics] == [1.0, 1.0, 1.0]
+    assert all(r["grad_norm_post_clip"] <= 0.05 * (1 + 1e-5) for r in b.metrics)
+    html = write_report(run).read_text()
+    assert "Net" in html and "grad_norm" in html
+    assert write_compare(runs, tmp_path / "compare.html").exists()
+
+
+def test_no_host_sync_between_log_boundaries_and_a_non_fused_optimizer_costs_one(tmp_path):
+    model, opt = make(fused=True)
+    monitor = Monitor(model, opt, run_dir=tmp_path / "run", log_every=5, loss_fn=loss_fn)
+    with SyncCounter(lambda: monitor.num_steps) as counter:
+        train(monitor, model, batches(20))
+    monitor.close()
+    steps = sorted({c.step for c in counter.calls})
+    assert set(steps) <= {0, 5, 10, 15, 20}, steps  # step 0: the init fingerprint and signal report, once
+    assert sum(1 for c in counter.calls if c.step == 10) == 1  # one sync per interval
+
+    model, opt = make(fused=False)
+    monitor = Monitor(model, opt, log_every=5, init_check=False)
+    with warnings.catch_warnings(record=True) as caught, SyncCounter(lambda: monitor.num_steps) as counter:
+        warnings.simplefilter("always")
+        train(monitor, model, batches(10))
+    # Ours: PrecisionPolicy.step reads the skip flag once a step (the non-fused AdamW's own .item()s are torch's).
+    ours = [c for c in counter.calls if c.step % 5 and c.where[-3:-1] == ["update", "step"]]
+    assert len(ours) == 8 and {c.op for c in ours} == {"__bool__"}
+    assert any("cannot skip a step on the device" in str(w.message) for w in caught)
+
+
+def test_planted_nan_is_skipped_captured_and_traced_to_module_and_sample(tmp_path):
+    model, opt = make()
+    data = batches(12, bad_step=BAD_STEP)
+    with Monitor(model, opt, run_dir=tmp_path / "run", log_every=10, loss_fn=loss_fn) as monitor:
+        for step, batch in enumerate(data, 1):
+            before = [p.detach().clone() for p in model.parameters()] if step == BAD_STEP else None
+            with monitor.autocast():
+                loss = loss_fn(model, batch)
+            monitor.backward(loss)
+            monitor.step(batch)
+            if before is not None:  # skipped on the device: bitwise unchanged
+                assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    run = load_run(tmp_path / "run")
+    assert run.metrics[0]["num_nonfinite"] == 1 and run.metrics[0]["num_skipped"] == 4  # 7, and 8-10 held
+    incident = run.counted_events("incident")[0]
+    assert incident.step == BAD_STEP
+    d = incident.extra["diagnosis"]
+    assert (d["stage"], d["op"], d["direction"], d["module"]) == ("activations", "aten.sqrt.default", "forward", "root")
+    assert d["bad_samples"] == [BAD_POSITION] and d["bad_positions"] == [{"micro_batch": 0, "position": BAD_POSITION}]
+    assert d["reproduces"] is True
+    held = [e for e in run.counted_events("skip") if "held" in e.reason]
+    assert held and held[0].extra["steps"] == [8, 9, 10]
+    # `stabletrain diagnose` replays it in a fresh state: the model class and the loss are importable.
+    fresh = diagnose_incident(tmp_path / "run" / "incidents" / f"step_{BAD_STEP:06d}")
+    assert (fresh["module"], fresh["bad_samples"], fresh["first_nonfinite_param"]) == ("root", [BAD_POSITION], "fc1.weight")
+    assert "root" in write_report(tmp_path / "run").read_text()
+
+
+def test_stop_raises_at_the_boundary_and_warn_only_records(tmp_path):
+    model, opt = make()
+    monitor = Monitor(model, opt, run_dir=tmp_path / "stop", log_every=5, on_nonfinite="stop", loss_fn=loss_fn,
+                      diagnose=False)
+    with pytest.raises(StopTraining) as err:
+        train(monitor, model, batches(12, bad_step=3))
+    assert err.value.step == 5 and "non-finite" in err.value.reason
+    kinds = [e["kind"] for e in read_jsonl(tmp_path / "stop" / "events.jsonl")[0]]
+    assert "stop" in kinds and "incident" in kinds
+
+    model, opt = make()
+    monitor = Monitor(model, opt, log_every=5, on_nonfinite="warn", init_check=False)
+    with pytest.warns(UserWarning, match="on_nonfinite='warn'"):
+        train(monitor, model, batches(5, bad_step=3))
+    assert not all(torch.isfinite(p).all() for p in model.parameters())  # warn: the bad update was applied
+
+
+@pytest.mark.filterwarnings("ignore:precision=fp16 on CPU")
+def test_fp16_with_the_users_grad_scaler(tmp_path):
+    model, opt = make()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=4)
+    monitor = Monitor(model, opt, run_dir=tmp_path / "run", scaler=scaler, log_every=5, loss_fn=loss_fn)
+    for step, batch in enumerate(batches(10), 1):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_fn(model, batch)
+        if step == 3:
+            loss = loss * 1e6  # the scaled grads overflow fp16: the scaler's routine skip, not an incident
+        scaler.scale(loss).backward()  # the user scales; the monitor unscales, measures and steps through the scaler
+        monitor.step(batch, loss=loss)
+    monitor.close()
+    run = load_run(tmp_path / "run")
+    assert run.metrics[0]["num_skipped"] == 1 and run.metrics[0]["num_nonfinite"] == 0
+    assert [e.step for e in run.counted_events("skip")] == [3] and not run.counted_events("incident")
+    assert run.metrics[0]["loss_scale"] == 2.0**9  # halved at step 3, no growth yet (4 clean steps needed after it)
+    assert run.metrics[1]["loss_scale"] == 2.0**10  # grew back at step 7, after growth_interval clean steps
+    assert scaler.get_scale() == 2.0**10 and all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_resume_from_the_users_checkpoint_keeps_metrics_and_guard_continuous(tmp_path):
+    data = batches(25)
+    model, opt = make()
+    with Monitor(model, opt, run_dir=tmp_path / "ref", log_every=10, init_check=False) as ref:
+        train(ref, model, data)
+
+    model, opt = make()
+    monitor = Monitor(model, opt, run_dir=tmp_path / "run", log_every=10, init_check=False)
+    train(monitor, model, data[:15])
+    ckpt = {"model": model.state_dict(), "optimizer": opt.state_dict(), "stabletrain": monitor.state_dict()}
+    torch.save(ckpt, tmp_path / "ckpt.pt")
+    monitor.close()  # the process ends here
+
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    model, opt = make(seed=1)
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["optimizer"])
+    monitor = Monitor(model, opt, run_dir=tmp_path / "run", log_every=10, init_check=False, resume=True)
+    monitor.load_state_dict(ckpt["stabletrain"], path="ckpt.pt")
+    assert monitor.num_steps == 15
+    with monitor:
+        train(monitor, model, data[15:])
+    guard_ref, guard = ref.session.guard.state_dict(), monitor.session.guard.state_dict()
+    torch.testing.assert_close(guard_ref["window"], guard["window"], rtol=0, atol=0, equal_nan=True)  # bitwise
+    assert torch.equal(guard_ref["num_seen"], guard["num_seen"])
+    a, b = load_run(tmp_path / "ref").metrics, load_run(tmp_path / "run").metrics
+    assert [r["step"] for r in b] == [10, 15, 20, 25]  # 15: the first process's close() logged its partial interval
+    b = [r for r in b if r["step"] != 15]
+    for key in ("loss", "loss_min", "loss_max", "grad_norm", "grad_norm_max", "clip_rate", "samples_seen"):
+        assert [r[key] for r in a] == [r[key] for r in b], key  # the interval across the resume included: bitwise
+    assert [e.kind for e in load_run(tmp_path / "run").events].count("resume") == 1
+
+
+def test_state_dict_round_trips(tmp_path):
+    model, opt = make()
+    monitor = Monitor(model, opt, log_every=10, init_check=False)
+    train(monitor, model, batches(13))
+    state = monitor.state_dict()
+    model2, opt2 = make()
+    other = Monitor(model2, opt2, log_every=10, init_check=False)
+    other.load_state_dict(state)
+    again = other.state_dict()
+    assert again["step"] == 13 and again["metrics"]["steps"] == [11, 12, 13]
+    torch.testing.assert_close(again["metrics"]["buf"], state["metrics"]["buf"], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(again["guard"]["window"], state["guard"]["window"], rtol=0, atol=0, equal_nan=True)
+
+
+def test_bad_arguments_say_what_to_do():
+    model, opt = make()
+    with pytest.raises(ValueError, match="rollback needs the checkpoints"):
+        Monitor(model, opt, on_nonfinite="rollback")
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        Monitor(model, object())
+    monitor = Monitor(model, opt, init_check=False)
+    with pytest.raises(ValueError, match="call monitor.backward"):
+        monitor.step()

@@ -1,0 +1,60 @@
+"""The run directory: refuses to overwrite a run, names unknown event kinds, writes real TensorBoard files."""
+
+import json
+
+import pytest
+
+from helpers import cfg
+from stabletrain.records import RunDir, TensorBoardSink, build_snapshot, read_jsonl
+
+
+def test_run_dir_writes_config_events_and_refuses_an_existing_run(tmp_path):
+    run = RunDir(tmp_path / "r")
+    run.write_config(cfg("optim.lr=0.01"))
+    run.metrics.write({"step": 1, "loss": float("nan")})
+    record = run.event(1, "skip", "optimizer step skipped: test", loss_scale=1.0)
+    run.close()
+    assert record["kind"] == "skip" and "time" in record
+    rows, problems = read_jsonl(tmp_path / "r" / "metrics.jsonl")
+    assert rows == [{"step": 1, "loss": "nan"}] and not problems  # non-finite floats are JSON strings
+    assert "lr: 0.01" in (tmp_path / "r" / "config.yaml").read_text()
+    with pytest.raises(FileExistsError, match="already holds a run; resume it with --resume"):
+        RunDir(tmp_path / "r")
+    RunDir(tmp_path / "r", overwrite=True).close()
+    assert not (tmp_path / "r" / "config.yaml").exists(), "overwrite replaced the old run"
+
+
+def test_an_unknown_event_kind_is_refused_by_name(tmp_path):
+    run = RunDir(tmp_path / "r")
+    with pytest.raises(ValueError, match="event kind 'explosion' is not one of"):
+        run.event(1, "explosion", "boom")
+    run.close()
+
+
+def test_malformed_jsonl_lines_are_problems_with_file_and_line(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1}\nnot json\n[1, 2]\n')
+    rows, problems = read_jsonl(path)
+    assert rows == [{"step": 1}]
+    assert problems[0].startswith(f"{path}:2: malformed JSON") and problems[1].startswith(f"{path}:3: expected a JSON object")
+
+
+def test_tensorboard_sink_writes_real_event_files(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sink = TensorBoardSink(tmp_path / "tb")
+    sink.write({"step": 5, "loss": 1.5, "val_loss": 2.0, "top_grad_layers": [{"name": "w", "share": 1.0}]})
+    sink.close()
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(5, 1.5)]
+    assert [e.value for e in acc.Scalars("val/val_loss")] == [2.0]
+
+
+def test_snapshot_names_versions_device_and_config_hash():
+    import torch
+
+    snap = build_snapshot(cfg(), torch.device("cpu"), "fp32", "abc", {"world_size": 1})
+    assert snap["versions"]["torch"] == torch.__version__ and snap["device"]["type"] == "cpu"
+    assert snap["data_fingerprint"] == "abc" and len(snap["config_hash"]) == 16 and snap["world_size"] == 1
+    json.dumps(snap)
