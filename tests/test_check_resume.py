@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the doctor in a subprocess, with a fresh-process resume
+
 TESTS = Path(__file__).parent
 
 
@@ -37,3 +41,14 @@ def test_determinism_catches_unseeded_randomness():
     rc, results = check("determinism", "task=broken_tasks:unseeded_noise_task")
     assert rc == 1
     assert "unseeded randomness" in results["determinism"]["numbers"]["diverged_component"]
+
+
+def test_resume_check_gives_the_per_step_losses_as_numbers():
+    from stabletrain import load_config
+    from stabletrain.checks import CheckContext, run_checks
+
+    (result,) = run_checks(CheckContext(load_config(None, ["task=mlp", "log.progress=false"])), ["resume"])
+    losses = result.numbers["losses"]  # [[step, continuous, resumed, bitwise equal], ...]
+    assert [row[0] for row in losses] == [5, 6, 7] and all(row[3] for row in losses)
+    assert all(isinstance(row[1], float) and row[1] == row[2] for row in losses)
+    assert len(result.details) == 1 + len(losses)  # the same rows, as printed

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytestmark = pytest.mark.slow  # each test starts the CLI in a fresh process (torch import ~3 s)
+
 TESTS = Path(__file__).parent
 
 
@@ -170,3 +172,35 @@ def test_check_report_and_compare_help_say_what_they_do_and_write(capsys):
     out = " ".join(_help(capsys, "compare").split())
     assert "Write one self-contained HTML page comparing two or more runs" in out and "default: the first run's directory, RUN_DIR/compare.html" in out
     assert "task_args.NAME=VALUE" in " ".join(_help(capsys, "tasks").split())
+
+
+def test_check_writes_its_files_under_out_and_says_where(tmp_path, monkeypatch, capsys):
+    from stabletrain.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["check", "init", "task=mlp", "--out", str(tmp_path / "doctor")]) == 0
+    out = capsys.readouterr().out
+    assert f"stabletrain: check files written to {tmp_path / 'doctor'}: init_signal.png, init_signal.json" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doctor"]
+    assert sorted(p.name for p in (tmp_path / "doctor").iterdir()) == ["init_signal.json", "init_signal.png"]
+    # Without --out: a folder of their own, never loose files in the current directory.
+    assert main(["check", "init", "task=mlp", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)[0]["numbers"]["plot"] == str(Path("stabletrain-check") / "init_signal.png")
+    assert "check files written to stabletrain-check" in captured.err  # stdout stays JSON
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doctor", "stabletrain-check"]
+    # A check that writes nothing leaves the directory as it was.
+    assert main(["check", "clip", "task=mlp"]) == 0
+    assert "check files written" not in capsys.readouterr().out
+
+
+def test_op_dtype_recorder_is_public_and_keeps_its_old_name():
+    import torch
+
+    from stabletrain.checks import amp
+
+    assert "OpDtypeRecorder" in amp.__all__ and amp._DtypeRecorder is amp.OpDtypeRecorder
+    model = torch.nn.Linear(4, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16), amp.OpDtypeRecorder() as rec:
+        model(torch.randn(3, 4)).float().sum()
+    assert rec.low["addmm"] == 1 and rec.fp32["sum"] == 1

@@ -23,6 +23,8 @@ from stabletrain.checkpoint import CheckpointManager
 from stabletrain.data import EpochOrder
 from stabletrain.incidents import load_bundle
 
+pytestmark = pytest.mark.slow  # 2-process torchrun runs
+
 TESTS = Path(__file__).parent
 FAST = ["log.progress=false", "log.tensorboard=false"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]

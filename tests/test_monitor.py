@@ -213,3 +213,14 @@ def test_bad_arguments_say_what_to_do():
     monitor = Monitor(model, opt, init_check=False)
     with pytest.raises(ValueError, match="call monitor.backward"):
         monitor.step()
+
+
+def test_an_exception_in_the_loop_is_a_crash_event_and_the_run_is_closed(tmp_path):
+    model, opt = make()
+    with pytest.raises(ZeroDivisionError):
+        with Monitor(model, opt, run_dir=tmp_path / "run", log_every=10, init_check=False) as monitor:
+            train(monitor, model, batches(3))
+            1 / 0
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")[0]
+    assert events[-1]["kind"] == "crash" and events[-1]["error"] == "ZeroDivisionError"
+    assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]] == [3]  # the partial interval

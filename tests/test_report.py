@@ -20,6 +20,8 @@ from stabletrain.report.plots import COMPARE_METRICS, RUN_PLOT_NAMES
 from stabletrain.report.text import fmt_num, fmt_pct, fmt_ranges, step_ranges
 from stabletrain.tasks import resolve_task
 
+pytestmark = pytest.mark.slow  # real training runs as fixtures
+
 # Training steps (1-based) whose loss is made infinite: the loop then records real nonfinite and skip events.
 BAD_STEPS = (12, 13)
 BASE = ["task=mlp", "train.max_steps=40", "log.every=5", "eval.every=20", "log.progress=false", "log.tensorboard=false"]
@@ -321,3 +323,112 @@ def test_text_helpers():
     assert fmt_ranges(range(0, 40, 2), limit=2) == "0, 2, and 18 more"
     assert (fmt_pct(0.37), fmt_pct(0.004), fmt_pct(0.996), fmt_pct(0.0), fmt_pct(1.0)) == ("37%", "0.4%", "99.6%", "0%", "100%")
     assert [fmt_num(x) for x in (10366.1, 2.2971, math.nan, None, 40.0)] == ["10,366", "2.297", "nan", "—", "40"]
+
+
+# -- a crash, a stop, and the task's unit ---------------------------------------------------------
+
+
+def test_report_of_a_run_that_crashed_at_step_1_says_so_first(tmp_path, capsys):
+    from stabletrain.cli import main
+
+    run_dir = tmp_path / "crashed"
+    cfg = load_config(None, ["task=user_code_tasks:unpack_loss_task", *BASE[1:]])
+    with pytest.raises(ValueError, match="not enough values to unpack"):
+        Trainer(cfg, run_dir=run_dir).fit()
+    tasks_file = Path(__file__).parent / "user_code_tasks.py"
+    line = next(i for i, text in enumerate(tasks_file.read_text().splitlines(), 1) if "x, y, w = batch" in text)
+    crash = (f"The run crashed at step 1 (during a training step): ValueError: not enough values to unpack "
+             f"(expected 3, got 2) (at {tasks_file}:{line} in loss).")
+    health = health_summary(load_run(run_dir))
+    assert health.sentences[0] == ("bad", crash) and health.level == "bad"
+    assert health.figures["crash"]["step"] == 1 and health.figures["crash"]["error"] == "ValueError"
+    assert "No metrics logged yet" not in health.text and "No metrics were logged before the crash." in health.text
+
+    page = write_report(run_dir).read_text(encoding="utf-8")
+    assert '<span class="badge bad">problems</span>' in page and "worth a look" not in page
+    assert f'<li class="bad">{html.escape(crash)}</li>' in page
+    assert "No metrics: the run crashed at step 1" in page and '<span class="kind crash">crash</span>' in page
+
+    assert main(["report", str(run_dir)]) == 0  # the printed summary starts with the crash
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[1].startswith(crash)
+
+
+def test_a_crash_resumed_from_is_history_and_a_signal_stop_is_said_plainly(run_copy):
+    append_events(run_copy, {"step": 20, "kind": "crash", "reason": "RuntimeError: boom", "error": "RuntimeError",
+                             "message": "boom\nsecond line", "location": "train.py:3 in loss",
+                             "during": "a training step (window or gradient all-reduce)"},
+                  {"step": 20, "kind": "resume", "reason": "resumed from step_000020 at step 20"},
+                  {"step": 40, "kind": "stop", "reason": "stopping: stopped by SIGTERM at step 40"})
+    health = health_summary(load_run(run_copy))
+    assert "crash" not in health.figures and not health.text.startswith("The run crashed")
+    assert "Crashed and resumed 1 time: at step 21, RuntimeError: boom (at train.py:3 in loss)." in health.text
+    assert "Stopped at step 40 by SIGTERM." in health.text
+    # Resumed after the stop: the run went on, so it no longer ends with one.
+    append_events(run_copy, {"step": 40, "kind": "resume", "reason": "resumed from step_000040 at step 40"})
+    assert "Stopped at step" not in health_summary(load_run(run_copy)).text
+
+
+def _captured_axes(monkeypatch):
+    """Draw without encoding: keep each figure's axes (title, x label, y label) instead of its PNG."""
+    from stabletrain.report import plots
+
+    drawn = []
+
+    def keep(fig):
+        drawn.append([(ax.get_title(loc="left"), ax.get_xlabel(), ax.get_ylabel()) for ax in fig.axes])
+        return b""
+
+    monkeypatch.setattr(plots, "_png", keep)
+    return drawn
+
+
+def test_throughput_and_items_seen_are_in_the_tasks_unit(real_run, other_run, tmp_path, monkeypatch):
+    from stabletrain.report.plots import compare_plots, run_plots, shared_unit
+
+    samples = load_run(real_run)  # mlp: its (sum, count) counts samples
+    assert samples.count_unit == "samples" and samples.snapshot["count_unit"] == "samples"
+    tokens_dir = tmp_path / "tokens_run"
+    shutil.copytree(other_run, tokens_dir, ignore=shutil.ignore_patterns("report.html", "plots"))
+    snap = json.loads((tokens_dir / "snapshot.json").read_text())
+    (tokens_dir / "snapshot.json").write_text(json.dumps({**snap, "count_unit": "tokens"}))
+    tokens = load_run(tokens_dir)
+
+    assert re.search(r"Median [\d,]+ samples/s;", health_summary(samples).text) and "tokens/s" not in health_summary(samples).text
+    assert re.search(r"Median [\d,]+ tokens/s;", health_summary(tokens).text)
+    drawn = _captured_axes(monkeypatch)
+    names = [p.name for p in run_plots(samples)]
+    assert drawn[names.index("tokens_per_s")][0] == ("Throughput", "step", "samples/s")
+
+    drawn.clear()
+    plots = compare_plots([samples, load_run(other_run)], ["a", "b"])
+    by_key = dict(zip([p.name for p in plots], drawn))
+    assert by_key["loss"][1] == ("Train loss by samples seen", "samples seen", "loss")
+    assert by_key["tokens_per_s"][0][2] == "samples/s"
+    drawn.clear()
+    compare_plots([samples, tokens], ["a", "b"])
+    assert drawn[0][1][:2] == ("Train loss by samples or tokens seen", "samples or tokens seen")
+    assert shared_unit([tokens, tokens]) == "tokens"
+
+    page = render_compare([samples, tokens], ["a", "b"], plots=[])
+    assert "Right: by samples or tokens seen" in page
+    assert re.search(r"median throughput</td><td class=\"num\">[\d,]+ samples/s</td><td class=\"num\">[\d,]+ tokens/s", page)
+
+
+def test_compare_writes_nothing_in_the_current_directory(real_run, other_run, tmp_path, monkeypatch, capsys):
+    from stabletrain.cli import main
+
+    a, b = tmp_path / "runs" / "a", tmp_path / "runs" / "b"
+    for src, dst in ((real_run, a), (other_run, b)):
+        shutil.copytree(src, dst, ignore=shutil.ignore_patterns("report.html", "plots"))
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    assert main(["compare", str(a), str(b)]) == 0  # default: the first run's directory
+    assert f"comparison written to {a / 'compare.html'} (plots in {a / 'compare_plots'})" in capsys.readouterr().out
+    assert (a / "compare_plots" / "loss.png").is_file() and not list(cwd.iterdir())
+    assert main(["compare", str(a), str(b), "--out", str(tmp_path / "out")]) == 0  # a directory
+    assert (tmp_path / "out" / "compare.html").is_file() and (tmp_path / "out" / "compare_plots" / "loss.png").is_file()
+    assert main(["compare", str(a), str(b), "--out", str(tmp_path / "ab.html")]) == 0  # a file
+    assert (tmp_path / "ab.html").is_file() and (tmp_path / "ab_plots" / "loss.png").is_file()
+    assert not list(cwd.iterdir())

@@ -27,8 +27,8 @@ from stabletrain import Trainer, load_config
 from stabletrain.report import write_compare, write_report
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed "
-                                "(apt-get install chromium; .ci/run installs it)")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed "
+                                "(apt-get install chromium; .ci/run installs it)")]
 
 IMAGES_LOADED = "Array.from(document.images).map(i => ({src: i.src.slice(0, 40), ok: i.complete && i.naturalWidth > 0}))"
 

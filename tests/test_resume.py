@@ -14,6 +14,8 @@ import torch
 
 from stabletrain.checkpoint import CheckpointManager
 
+pytestmark = pytest.mark.slow  # subprocess runs killed and resumed
+
 TESTS = Path(__file__).parent
 # 192 samples / 16 per micro-batch = 12 micro-batches per epoch; accum 5 -> windows of 5, 5, 2:
 # 3 steps per epoch, so 15 steps cross four epoch boundaries, each with a short tail window.

@@ -7,17 +7,24 @@ Layout (DESIGN.md, "Run directory")::
         step_000100/meta.json   step, time, sha256 and size of state.pt, versions, and the caller's meta (config)
         LAST_GOOD               one line: the name of the newest verified checkpoint directory
 
-One :meth:`CheckpointManager.save` (DESIGN.md, principle 4: nothing bad is persisted)::
+One save (DESIGN.md, principle 4: nothing bad is persisted)::
 
     check the model and optimizer state are finite    # one fused pass, one host read; else write nothing
+    [save_async: stage a copy into reused host buffers; training goes on, the rest runs in a thread]
     write step_000100.tmp-<pid>/state.pt, meta.json   # each with fileio.atomic_write: fsynced, then the directory
     verify the temporary copy                         # sha256, loads with weights_only=True, finite
     rename it to step_000100                          # an existing step_000100 is moved aside, deleted last
     point LAST_GOOD at it                             # tmp file, fsync, os.replace, fsync of the directory
     prune to the ``keep`` newest                      # never the one LAST_GOOD names
 
-A crash at any point leaves ``LAST_GOOD`` naming a complete, verified checkpoint; the debris
-(``*.tmp-<pid>``, ``*.replaced-<pid>``, ``*.trash-<pid>``) is cleaned up by the next save.
+:meth:`CheckpointManager.save` does it all in the caller's thread. :meth:`CheckpointManager.save_async`
+blocks only for the check and the staging copy (pinned host buffers and non-blocking copies from
+CUDA, so the device queue is not drained), then writes in a background thread; at most one save is
+in flight (the next one waits for it), and :meth:`CheckpointManager.wait` waits for it. Whatever
+reads LAST_GOOD to act on it (resume, rollback, an incident replay) waits first.
+
+A crash at any point, in either thread, leaves ``LAST_GOOD`` naming a complete, verified checkpoint;
+the debris (``*.tmp-<pid>``, ``*.replaced-<pid>``, ``*.trash-<pid>``) is cleaned up by the next save.
 
 Loading never executes code: every file goes through ``torch.load(weights_only=True)``, and a file
 that needs more (a pickled class or function) is refused with a message saying so.
@@ -25,6 +32,7 @@ that needs more (a pickled class or function) is refused with a message saying s
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -32,6 +40,7 @@ import os
 import pickle
 import re
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -40,7 +49,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten_with_path
+from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from ._version import __version__
 from .config import dotted_key
@@ -49,7 +58,9 @@ from .fileio import atomic_write, fsync_dir
 __all__ = [
     "CheckpointManager",
     "CheckpointError",
+    "PendingSave",
     "SaveResult",
+    "StateStager",
     "LoadedCheckpoint",
     "first_nonfinite",
     "load_state_file",
@@ -167,7 +178,7 @@ def _remove_tree(path: Path) -> None:
 
 def _pid_alive(pid: int) -> bool:
     if pid == os.getpid():
-        return False  # saves are synchronous: our own debris is from an earlier, failed save
+        return False  # one save at a time in a process: our own debris is from an earlier, failed save
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -197,6 +208,116 @@ def load_state_file(path: str | Path, map_location: Any = "cpu", *, mmap: bool =
                   "numbers, strings and containers (torch.load(weights_only=True)). If you wrote this file and "
                   "trust it, re-save its contents as plain tensors and containers")
         raise CheckpointError(f"{path}: {detail}", path, [detail]) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Staging and the background save
+
+_PLAIN = (int, float, bool, str, bytes, complex, type(None))  # leaves that cannot change under a writer
+
+
+class StateStager:
+    """Copy a nested state into host buffers that are reused from one call to the next (a save's staging copy).
+
+    Each tensor is copied into a CPU tensor of its shape and dtype, kept while the state's layout stays
+    the same. A CUDA tensor goes into pinned memory by a non-blocking copy, so staging does not wait for
+    the device: :meth:`stage` returns one CUDA event per device, which a reader synchronizes first.
+    Tensors that are views of the same memory with the same layout (tied weights) share one buffer, so
+    the file holds them once, as ``torch.save`` of the live state would. Containers are rebuilt and other
+    leaves deep-copied, so the caller may go on changing its state. Staging again overwrites the buffers:
+    only after the previous copy is no longer read (:class:`CheckpointManager` keeps one save in flight).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: list[Tensor] = []
+
+    @property
+    def num_bytes(self) -> int:
+        """Host memory the buffers hold."""
+        return sum(b.numel() * b.element_size() for b in self._buffers)
+
+    def stage(self, state: Any) -> tuple[Any, list[Any]]:
+        """Return (a copy of ``state`` whose tensors are the host buffers, the CUDA events to wait on)."""
+        leaves, spec = tree_flatten(state)
+        out: list[Any] = []
+        shared: dict[tuple[Any, ...], Tensor] = {}
+        devices: set[torch.device] = set()
+        k = 0  # buffers used so far (one per distinct tensor)
+        with torch.no_grad():
+            for leaf in leaves:
+                if isinstance(leaf, Tensor) and leaf.layout == torch.strided:
+                    t = leaf.detach()
+                    key = (t.device, t.dtype, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+                    buf = shared.get(key)
+                    if buf is None:
+                        buf = shared[key] = self._buffer(k, t)
+                        k += 1
+                        on_cuda = t.device.type == "cuda"
+                        buf.copy_(t, non_blocking=on_cuda)  # from CUDA into pinned memory: queued, not waited for
+                        if on_cuda:
+                            devices.add(t.device)
+                    out.append(buf)
+                elif isinstance(leaf, Tensor):  # sparse and other layouts: a plain copy (rare in a state dict)
+                    out.append(leaf.detach().to("cpu", copy=True))
+                else:
+                    out.append(leaf if isinstance(leaf, _PLAIN) else copy.deepcopy(leaf))
+        del self._buffers[k:]
+        events = []
+        for device in devices:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            events.append(event)
+        return tree_unflatten(out, spec), events
+
+    def _buffer(self, k: int, like: Tensor) -> Tensor:
+        pin = like.device.type == "cuda"
+        if k < len(self._buffers):
+            buf = self._buffers[k]
+            if buf.shape == like.shape and buf.dtype == like.dtype and buf.is_pinned() == pin:
+                return buf
+        buf = torch.empty(like.shape, dtype=like.dtype, pin_memory=pin)
+        if k < len(self._buffers):
+            self._buffers[k] = buf
+        else:
+            self._buffers.append(buf)
+        return buf
+
+
+class PendingSave:
+    """A save started by :meth:`CheckpointManager.save_async`: ask :meth:`done`, or wait with :meth:`result`."""
+
+    def __init__(self, step: int, result: SaveResult | None = None) -> None:
+        self.step = step
+        self._result = result
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def _start(self, write: Callable[[], SaveResult]) -> None:
+        def run() -> None:
+            try:
+                self._result = write()
+            except BaseException as err:  # noqa: BLE001  (handed to whoever asks for the result)
+                self._error = err
+
+        self._thread = threading.Thread(target=run, name=f"stabletrain-checkpoint-{self.step}", daemon=False)
+        self._thread.start()
+
+    def done(self) -> bool:
+        """Whether the save has finished (written and installed, withheld, or failed). Never blocks."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def join(self) -> None:
+        """Wait for the save to finish; raise nothing."""
+        if self._thread is not None:
+            self._thread.join()
+
+    def result(self) -> SaveResult:
+        """Wait for the save; return its :class:`SaveResult` or raise what it raised (e.g. CheckpointError)."""
+        self.join()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
 
 
 # ---------------------------------------------------------------------------------------------

@@ -42,9 +42,23 @@ def _in(frame: traceback.FrameSummary, *parts: str) -> bool:
     return f"/{'/'.join(parts)}" in path
 
 
+def _below_stabletrain(err: BaseException) -> list[traceback.FrameSummary]:
+    """``err``'s frames from the outermost stabletrain frame in (all of them when there is none).
+
+    The frames above it are a user's script calling stabletrain (``Trainer(...).fit()``): where the
+    call came from, not the code that raised.
+    """
+    frames = traceback.extract_tb(err.__traceback__)
+    start = next((i for i, f in enumerate(frames) if _is_ours(f.filename)), 0)
+    return frames[start:]
+
+
 def user_frames(err: BaseException) -> list[traceback.FrameSummary]:
-    """The frames of ``err``'s traceback that are the user's code (not stabletrain, torch or the stdlib)."""
-    return [f for f in traceback.extract_tb(err.__traceback__) if _is_user(f.filename)]
+    """The frames of ``err``'s traceback that are the user's code (not stabletrain, torch or the stdlib).
+
+    Only those below stabletrain's outermost frame: the task code stabletrain called, not the script that called it.
+    """
+    return [f for f in _below_stabletrain(err) if _is_user(f.filename)]
 
 
 def user_location(err: BaseException) -> str | None:
@@ -101,7 +115,7 @@ def task_part(err: BaseException) -> str | None:
     Without any user frame only torch's DataLoader or ``default_collate`` working on the user's data,
     and a loss that is a torch function, count as the task's; anything else is not the task's (None).
     """
-    frames = traceback.extract_tb(err.__traceback__)
+    frames = _below_stabletrain(err)
     users = [i for i, f in enumerate(frames) if _is_user(f.filename)]
     first = users[0] if users else len(frames)
     ours = [i for i in range(first) if _is_ours(frames[i].filename)]

@@ -23,6 +23,8 @@ added to the window, so a run of spikes does not raise the baseline.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,6 +140,16 @@ class Guard:
         if d.action == "rollback":
             self.num_rollbacks += 1
         return d
+
+    @contextlib.contextmanager
+    def counters_kept(self) -> Iterator[None]:
+        """Keep the run-wide counters (rollbacks, incidents, spikes) across a state restore inside the block.
+
+        A rollback restores an older state; what happened since (the incident that caused it) still happened.
+        """
+        kept = (self.num_rollbacks, self.num_incidents, self.num_spikes)
+        yield
+        self.num_rollbacks, self.num_incidents, self.num_spikes = kept
 
     def state_dict(self) -> dict[str, Any]:
         return {"window": self.window.clone(), "num_seen": self.num_seen.clone(), "consecutive_skips": self.consecutive_skips,

@@ -13,10 +13,9 @@ rank. Only rank 0 writes the run directory; checkpoints hold every rank's RNG st
 
 from __future__ import annotations
 
-import contextlib
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,7 @@ from .evaluation import validation_loss
 from .distributed import DistContext, PeerLostError, is_peer_failure, register_grad_flag
 from .guard import Guard, GuardDecision
 from .initialization import InitFingerprint
-from .metrics import StepMetrics, peak_memory_mib
+from .metrics import StepMetrics, interval_record, peak_memory_mib
 from .numerics import unique_params
 from .optim import build_optimizer
 from .precision import PrecisionPolicy, resolve_device
@@ -257,28 +256,15 @@ class Trainer:
         summary, rows, param_sq = self.metrics.reduce(self.signals.signal or 0)  # DDP: one all-gather
         self._agreed_signal = summary["interval_signal"] or None  # DDP: every rank stops here if any was signalled
         now = time.perf_counter()
-        elapsed = max(now - self._interval_start - self._eval_seconds, 1e-9)
-        self._interval_start, self._eval_seconds = now, 0.0
+        elapsed, self._interval_start, self._eval_seconds = now - self._interval_start - self._eval_seconds, now, 0.0
         state.tokens_seen += summary["interval_tokens"]
         decision = self.guard.decide(rows)
-        total_sq = sum(param_sq) or 1.0
-        top = sorted(range(len(param_sq)), key=lambda i: -param_sq[i])[: self.cfg.log.top_layers]
-        record = {
-            **{k: v for k, v in summary.items() if not k.startswith("interval_")},
-            "num_incidents": self.guard.num_incidents,
-            "num_rollbacks": self.guard.num_rollbacks,
-            "tokens_per_s": summary["interval_tokens"] / elapsed,
-            "samples_per_s": summary["interval_samples"] / elapsed,
-            "step_time_s": elapsed / summary["interval_steps"],
-            "peak_memory_mib": peak_memory_mib(self.device),
-            "epoch": self.stream.epoch,
-            "samples_seen": state.samples_seen,
-            "tokens_seen": state.tokens_seen,
-            "top_grad_layers": [{"name": self.named_params[i][0], "share": param_sq[i] / total_sq} for i in top],
-            **self._pending_eval,
-        }
-        if self.dist.enabled:
-            record["world_size"] = self.dist.world
+        progress = {"num_incidents": self.guard.num_incidents, "num_rollbacks": self.guard.num_rollbacks,
+                    "peak_memory_mib": peak_memory_mib(self.device), "epoch": self.stream.epoch,
+                    "samples_seen": state.samples_seen, "tokens_seen": state.tokens_seen}
+        extra = {**self._pending_eval, **({"world_size": self.dist.world} if self.dist.enabled else {})}
+        record = interval_record(summary, param_sq, [n for n, _ in self.named_params], elapsed,
+                                 top_layers=self.cfg.log.top_layers, progress=progress, extra=extra)
         self._pending_eval = {}
         state.history.append(record)
         self.callbacks.fire("on_log", state, record, rows)
@@ -298,7 +284,7 @@ class Trainer:
         if decision.action == "rollback":
             spikes = decision.spike_steps if self.cfg.guard.on_spike == "rollback" else []
             info = self.keeper.rollback(state, sorted(set(decision.bad_steps) | set(spikes)), decision.reason,
-                                        self._run_counters_kept)
+                                        self.guard.counters_kept)
             if info is None:
                 self._stop(state.stop_reason or decision.reason)
                 return False
@@ -306,14 +292,6 @@ class Trainer:
             self.callbacks.fire("on_rollback", state, info)
             return True
         return not decision.bad_steps or (self.guard.consecutive_skips == 0 and not decision.after_update)
-
-    @contextlib.contextmanager
-    def _run_counters_kept(self) -> Iterator[None]:
-        """Keep the run-wide guard counters across a state restore (a rollback does not undo them)."""
-        g = self.guard
-        kept = (g.num_rollbacks, g.num_incidents, g.num_spikes)
-        yield
-        g.num_rollbacks, g.num_incidents, g.num_spikes = kept
 
     def _stop(self, reason: str) -> None:
         self.state.stop_reason = reason

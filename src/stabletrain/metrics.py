@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["StepMetrics", "peak_memory_mib", "COLUMNS"]
+__all__ = ["StepMetrics", "peak_memory_mib", "interval_record", "COLUMNS"]
 
 # Per-step buffer columns, in order.
 COLUMNS = ("loss", "grad_norm", "post_clip_norm", "clipped", "applied", "finite", "spike", "params_finite", "lr",
@@ -189,3 +189,26 @@ class StepMetrics:
         self.buf.copy_(state["buf"])
         self.param_sq.copy_(state["param_sq"])
         self.steps, self.samples = list(state["steps"]), int(state["samples"])
+
+
+def interval_record(summary: dict[str, Any], param_sq: list[float], names: list[str], elapsed_s: float, *,
+                    top_layers: int, progress: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Build one ``metrics.jsonl`` line from :meth:`StepMetrics.reduce`'s output (host values; no sync).
+
+    ``elapsed_s``: the interval's wall time without validation; ``names``: the parameter names in
+    ``param_sq`` order; ``progress``: data progress and run-wide counters (epoch, samples_seen,
+    tokens_seen, num_incidents, ...); ``extra``: anything else for this line (val_loss, world_size).
+    The keys are those of :data:`stabletrain.events.METRIC_KEYS`.
+    """
+    total_sq = sum(param_sq) or 1.0
+    top = sorted(range(len(param_sq)), key=lambda i: -param_sq[i])[:top_layers]
+    elapsed_s = max(elapsed_s, 1e-9)
+    return {
+        **{k: v for k, v in summary.items() if not k.startswith("interval_")},
+        "tokens_per_s": summary["interval_tokens"] / elapsed_s,
+        "samples_per_s": summary["interval_samples"] / elapsed_s,
+        "step_time_s": elapsed_s / summary["interval_steps"],
+        **progress,
+        "top_grad_layers": [{"name": names[i], "share": param_sq[i] / total_sq} for i in top],
+        **(extra or {}),
+    }

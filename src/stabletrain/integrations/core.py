@@ -53,7 +53,7 @@ from ..fileio import atomic_write
 from ..guard import Guard
 from ..incidents import diagnose_incident, write_bundle
 from ..initialization import InitFingerprint
-from ..metrics import StepMetrics, peak_memory_mib
+from ..metrics import StepMetrics, interval_record, peak_memory_mib
 from ..numerics import unique_params
 from ..records import RunDir, build_snapshot
 from ..seeding import rng_state, set_rng_state
@@ -368,21 +368,11 @@ class RunSession:
         # A held step is not "the run failing to recover": the guard counts it as applied.
         decide_rows = [dataclasses.replace(r, values={**r.values, "applied": 1.0}) if r.step in held else r for r in rows]
         decision = self.guard.decide(decide_rows)
-        total_sq = sum(param_sq) or 1.0
-        top = sorted(range(len(param_sq)), key=lambda i: -param_sq[i])[: self.options.top_layers]
-        record = {
-            **{k: v for k, v in summary.items() if not k.startswith("interval_")},
-            "num_incidents": self.guard.num_incidents,
-            "num_rollbacks": 0,
-            "tokens_per_s": summary["interval_tokens"] / elapsed,
-            "samples_per_s": summary["interval_samples"] / elapsed,
-            "step_time_s": elapsed / summary["interval_steps"],
-            "peak_memory_mib": peak_memory_mib(self.device),
-            "epoch": self.epoch,
-            "samples_seen": self.samples_seen,
-            "tokens_seen": self.tokens_seen,
-            "top_grad_layers": [{"name": self.named_params[i][0], "share": param_sq[i] / total_sq} for i in top],
-        }
+        progress = {"num_incidents": self.guard.num_incidents, "num_rollbacks": 0,
+                    "peak_memory_mib": peak_memory_mib(self.device), "epoch": self.epoch,
+                    "samples_seen": self.samples_seen, "tokens_seen": self.tokens_seen}
+        record = interval_record(summary, param_sq, [n for n, _ in self.named_params], elapsed,
+                                 top_layers=self.options.top_layers, progress=progress)
         self.history.append(record)
         self.callbacks.fire("on_log", self.state, record, rows)
         if decision.first_incident is not None:

@@ -1,0 +1,137 @@
+"""Errors in the user's own code: which part of the task raised, the user's frames, and what stays one line.
+
+The tasks with planted mistakes are in ``user_code_tasks.py``; the line numbers below are read from it,
+so a test fails if the location shown is not the line that raised.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import cfg, regression_task
+from stabletrain import Trainer
+from stabletrain.errors import format_task_error, raised_by_stabletrain, task_part, user_location
+
+TESTS = Path(__file__).parent
+TASKS = TESTS / "user_code_tasks.py"
+
+
+def line_of(text: str) -> int:
+    """The 1-based line of user_code_tasks.py holding ``text`` (exactly one)."""
+    hits = [i for i, line in enumerate(TASKS.read_text().splitlines(), 1) if text in line]
+    assert len(hits) == 1, (text, hits)
+    return hits[0]
+
+
+def error_of(name: str, *overrides: str) -> Exception:
+    """Train ``user_code_tasks:name`` for two steps without a run directory; return what it raised."""
+    with pytest.raises(Exception) as info:  # any type: the user's code decides it
+        Trainer(cfg("train.max_steps=2", *overrides, task=f"user_code_tasks:{name}")).fit()
+    return info.value
+
+
+@pytest.mark.parametrize("name, part, error, line", [
+    ("unpack_loss_task", "loss", ValueError, "x, y, w = batch"),
+    ("bad_forward_task", "model forward", RuntimeError, "x.view(-1, 3)"),
+    ("bad_item_task", "dataset item", ValueError, 'float(self.words[i])'),
+    ("bad_collate_task", "collate", TypeError, "torch.stack(words)"),
+    ("bad_factory_task", "factory", KeyError, 'sizes["large"]'),
+    ("bad_val_item_task", "dataset item (validation)", ValueError, 'float(self.words[i])'),
+    ("eval_only_loss_task", "loss (validation)", KeyError, "not computed yet"),
+])
+def test_the_part_of_the_task_that_raised_and_its_line(name, part, error, line):
+    err = error_of(name)
+    assert type(err) is error
+    assert task_part(err) == part
+    assert user_location(err).startswith(f"{TASKS}:{line_of(line)} in ")
+    text = format_task_error(err, part)
+    assert text.splitlines()[0] == f"the task's {part} raised {error.__name__} at {user_location(err)}"
+    assert f'File "{TASKS}", line {line_of(line)}' in text
+    assert "stabletrain" + os.sep not in text and "torch" + os.sep not in text  # their frames are trimmed
+
+
+def test_strings_reaching_a_torch_module_are_the_model_forward_called_from_the_loss():
+    # No user frame inside the model: nn.Linear itself raises on what the user's loss passed it.
+    err = error_of("string_data_task")
+    assert type(err) is TypeError and "must be Tensor" in str(err)
+    assert task_part(err) == "model forward"
+    assert "helpers.py" in user_location(err)  # the loss line that called the model
+
+
+def test_default_collate_failing_on_the_users_samples_is_the_collate_without_user_frames():
+    err = error_of("ragged_data_task")
+    assert task_part(err) == "collate" and user_location(err) is None
+    head = format_task_error(err, "collate").splitlines()[0]
+    assert "torch's default_collate" in head and "Task.collate" in head
+
+
+def test_stabletrain_own_errors_are_not_the_tasks():
+    task = regression_task()
+    for p in task.model.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters") as info:
+        Trainer(cfg(), task=task)
+    assert task_part(info.value) is None and raised_by_stabletrain(info.value)
+    err = error_of("unpack_loss_task")
+    assert not raised_by_stabletrain(err)
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+
+def run(*args, cwd=None, env=None):
+    env = {**os.environ, "PYTHONPATH": str(TESTS) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "stabletrain", *args], capture_output=True, text=True, cwd=cwd,
+                          env=env, timeout=300)
+
+
+def test_train_names_the_loss_and_shows_the_users_line(tmp_path):
+    res = run("train", "task=user_code_tasks:unpack_loss_task", "log.progress=false", f"run.dir={tmp_path / 'r'}")
+    assert res.returncode == 1, res.stderr
+    first = res.stderr.splitlines()[0]
+    assert first.startswith("stabletrain: error: the task's loss raised ValueError at ")
+    assert f'File "{TASKS}", line {line_of("x, y, w = batch")}, in loss' in res.stderr
+    assert "ValueError: not enough values to unpack (expected 3, got 2)" in res.stderr
+    assert "step.py" not in res.stderr and "loop.py" not in res.stderr  # stabletrain's frames trimmed
+    assert f"stabletrain report {tmp_path / 'r'}" in res.stderr  # the crash is recorded there
+
+
+@pytest.mark.parametrize("task, part", [("string_data_task", "model forward"), ("bad_item_task", "dataset item"),
+                                        ("bad_collate_task", "collate")])
+def test_train_on_bad_data_names_the_part(task, part, tmp_path):
+    res = run("train", f"task=user_code_tasks:{task}", "log.progress=false", f"run.dir={tmp_path / 'r'}")
+    assert res.returncode == 1, res.stderr
+    assert res.stderr.startswith(f"stabletrain: error: the task's {part} raised ")
+    assert "user_code_tasks.py" in res.stderr or "helpers.py" in res.stderr
+    assert "dataloader.py" not in res.stderr and "module.py" not in res.stderr
+
+
+def test_a_bad_config_key_is_still_one_line_exit_2():
+    res = run("train", "task=user_code_tasks:unpack_loss_task", "optim.lrr=1")
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [res.stderr.strip()] and "unknown config key 'optim.lrr'" in res.stderr
+
+
+def test_check_shows_the_users_frames_once(tmp_path):
+    res = run("check", "overfit", "amp", "init", "task=user_code_tasks:unpack_loss_task", cwd=tmp_path)
+    assert res.returncode == 1
+    assert res.stdout.count("Traceback (your code") == 1 and res.stdout.count("x, y, w = batch") == 1
+    assert res.stdout.count("the same error as in the overfit check") == 2
+    assert res.stdout.count("the task's loss raised ValueError") == 2  # amp and init
+    assert "ValueError in the task's loss at " in res.stdout  # overfit, with the location
+    assert "torch" + os.sep not in res.stdout and not list(tmp_path.iterdir())
+
+
+def test_diagnose_names_the_part_when_the_replay_raises(tmp_path):
+    run_dir = tmp_path / "run"
+    c = cfg("train.batch_size=16", "train.max_steps=6", "log.every=3", "guard.diagnose=false", "data.shuffle=false",
+            f"run.dir={run_dir}", task="user_code_tasks:loss_raises_when_asked_task")
+    Trainer(c, run_dir=run_dir).fit()
+    assert (run_dir / "incidents" / "step_000003").is_dir()
+    res = run("diagnose", str(run_dir), env={"STABLETRAIN_TEST_RAISE": "1"})
+    assert res.returncode == 1, res.stderr
+    assert res.stderr.startswith("stabletrain: error: the task's loss raised ValueError at ")
+    assert f'line {line_of("asked to raise")}, in loss' in res.stderr
