@@ -135,3 +135,14 @@ def test_diagnose_names_the_part_when_the_replay_raises(tmp_path):
     assert res.returncode == 1, res.stderr
     assert res.stderr.startswith("stabletrain: error: the task's loss raised ValueError at ")
     assert f'line {line_of("asked to raise")}, in loss' in res.stderr
+
+
+@pytest.mark.parametrize("name, part, line", [("bad_item_task", "dataset item", 'float(self.words[i])'),
+                                              ("bad_collate_task", "collate", "torch.stack(words)")])
+def test_a_dataloader_worker_error_is_read_from_the_traceback_torch_puts_in_its_message(name, part, line):
+    err = error_of(name, "data.workers=1")
+    assert "Original Traceback" in str(err)  # torch re-raises the worker's exception with its traceback as text
+    assert task_part(err) == part
+    assert user_location(err).startswith(f"{TASKS}:{line_of(line)} in ")
+    text = format_task_error(err, part)
+    assert "worker.py" not in text and "fetch.py" not in text and "(raised in a DataLoader worker process)" in text

@@ -107,3 +107,11 @@ def test_a_crash_in_the_users_loss_is_recorded_with_the_users_file_and_line(tmp_
     crash = events[-1]
     assert crash["kind"] == "crash" and crash["step"] == 2 and crash["error"] == "ValueError"
     assert crash["location"].startswith(__file__) and crash["location"].endswith("in loss")
+    assert crash["part"] == "loss" and crash["failed_step"] == 3
+
+
+def test_a_config_built_in_python_is_validated_by_the_trainer():
+    from stabletrain.config import AccumConfig, Config, ConfigError
+
+    with pytest.raises(ConfigError, match="config key 'accum.steps': expected an integer >= 1, got 0"):
+        Trainer(Config(task="mlp", accum=AccumConfig(steps=0)))

@@ -58,3 +58,30 @@ def test_snapshot_names_versions_device_and_config_hash():
     assert snap["versions"]["torch"] == torch.__version__ and snap["device"]["type"] == "cpu"
     assert snap["data_fingerprint"] == "abc" and len(snap["config_hash"]) == 16 and snap["world_size"] == 1
     json.dumps(snap)
+
+
+def test_a_directory_from_an_attempt_that_never_trained_is_reused_by_the_retry(tmp_path):
+    import torch
+
+    from stabletrain import Trainer
+    from helpers import regression_task
+
+    task = regression_task()
+    inner = task.loss
+
+    def broken(model, batch):
+        raise RuntimeError("a bug in the first step")
+
+    task.loss = broken
+    with pytest.raises(RuntimeError, match="a bug in the first step"):
+        Trainer(cfg("train.max_steps=3"), task=task, run_dir=tmp_path / "r").fit()
+    assert (tmp_path / "r" / "checkpoints" / "step_000000").is_dir()  # the step-0 checkpoint, nothing trained
+    assert not RunDir.holds_trained_run(tmp_path / "r")
+    task.loss = inner
+    torch.manual_seed(0)
+    Trainer(cfg("train.max_steps=3", "log.every=3"), task=task, run_dir=tmp_path / "r").fit()  # no "already holds a run"
+    events = [json.loads(x) for x in (tmp_path / "r" / "events.jsonl").read_text().splitlines()]
+    assert "crash" not in {e["kind"] for e in events}, "the failed attempt's record was replaced"
+    assert RunDir.holds_trained_run(tmp_path / "r")
+    with pytest.raises(FileExistsError):
+        RunDir(tmp_path / "r")

@@ -348,6 +348,9 @@ def test_report_of_a_run_that_crashed_at_step_1_says_so_first(tmp_path, capsys):
     assert '<span class="badge bad">problems</span>' in page and "worth a look" not in page
     assert f'<li class="bad">{html.escape(crash)}</li>' in page
     assert "No metrics: the run crashed at step 1" in page and '<span class="kind crash">crash</span>' in page
+    assert "task <b>user_code_tasks:unpack_loss_task (regression)</b>" in page  # the spec and Task.name
+    summary = render_compare([load_run(run_dir)] * 2, ["a", "b"], plots=[])
+    assert summary.count("crash at step 1 (ValueError)") == 2
 
     assert main(["report", str(run_dir)]) == 0  # the printed summary starts with the crash
     printed = capsys.readouterr().out.splitlines()

@@ -216,6 +216,11 @@ def load_state_file(path: str | Path, map_location: Any = "cpu", *, mmap: bool =
 _PLAIN = (int, float, bool, str, bytes, complex, type(None))  # leaves that cannot change under a writer
 
 
+def _plain_sequence(x: Any) -> bool:
+    """A tuple or list of plain values only (e.g. Python's RNG state): staged as one leaf."""
+    return type(x) in (tuple, list) and all(isinstance(v, _PLAIN) for v in x)
+
+
 class StateStager:
     """Copy a nested state into host buffers that are reused from one call to the next (a save's staging copy).
 
@@ -238,35 +243,41 @@ class StateStager:
 
     def stage(self, state: Any) -> tuple[Any, list[Any]]:
         """Return (a copy of ``state`` whose tensors are the host buffers, the CUDA events to wait on)."""
-        leaves, spec = tree_flatten(state)
+        leaves, spec = tree_flatten(state, is_leaf=_plain_sequence)  # an RNG state's 625 ints: one leaf, not 625
         out: list[Any] = []
         shared: dict[tuple[Any, ...], Tensor] = {}
-        devices: set[torch.device] = set()
+        copies: dict[torch.device, tuple[list[Tensor], list[Tensor]]] = {}  # source device -> (buffers, sources)
         k = 0  # buffers used so far (one per distinct tensor)
-        with torch.no_grad():
-            for leaf in leaves:
-                if isinstance(leaf, Tensor) and leaf.layout == torch.strided:
-                    t = leaf.detach()
-                    key = (t.device, t.dtype, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
-                    buf = shared.get(key)
-                    if buf is None:
-                        buf = shared[key] = self._buffer(k, t)
-                        k += 1
-                        on_cuda = t.device.type == "cuda"
-                        buf.copy_(t, non_blocking=on_cuda)  # from CUDA into pinned memory: queued, not waited for
-                        if on_cuda:
-                            devices.add(t.device)
-                    out.append(buf)
-                elif isinstance(leaf, Tensor):  # sparse and other layouts: a plain copy (rare in a state dict)
-                    out.append(leaf.detach().to("cpu", copy=True))
-                else:
-                    out.append(leaf if isinstance(leaf, _PLAIN) else copy.deepcopy(leaf))
+        for leaf in leaves:
+            if isinstance(leaf, Tensor) and leaf.layout == torch.strided:
+                t = leaf.detach()
+                key = (t.device, t.dtype, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+                buf = shared.get(key)
+                if buf is None:
+                    buf = shared[key] = self._buffer(k, t)
+                    k += 1
+                    dst, src = copies.setdefault(t.device, ([], []))
+                    dst.append(buf)
+                    src.append(t)
+                out.append(buf)
+            elif isinstance(leaf, Tensor):  # sparse and other layouts: a plain copy (rare in a state dict)
+                out.append(leaf.detach().to("cpu", copy=True))
+            elif type(leaf) is list:  # of plain values (a leaf by _plain_sequence): a fresh list
+                out.append(list(leaf))
+            elif isinstance(leaf, _PLAIN) or type(leaf) is tuple:  # immutable (a tuple leaf holds plain values)
+                out.append(leaf)
+            else:
+                out.append(copy.deepcopy(leaf))
         del self._buffers[k:]
         events = []
-        for device in devices:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(device))
-            events.append(event)
+        with torch.no_grad():
+            for device, (dst, src) in copies.items():
+                on_cuda = device.type == "cuda"
+                torch._foreach_copy_(dst, src, non_blocking=on_cuda)  # from CUDA into pinned memory: queued, not waited for
+                if on_cuda:
+                    event = torch.cuda.Event()
+                    event.record(torch.cuda.current_stream(device))
+                    events.append(event)
         return tree_unflatten(out, spec), events
 
     def _buffer(self, k: int, like: Tensor) -> Tensor:
@@ -333,7 +344,7 @@ class SaveResult:
     withheld: bool
     reason: str  # one line: what was written, or why nothing was
     num_bytes: int = 0  # size of state.pt
-    timings: dict[str, float] = field(default_factory=dict)  # check_s, write_s, verify_s, prune_s
+    timings: dict[str, float] = field(default_factory=dict)  # check_s, [stage_s,] write_s, verify_s, prune_s
     pruned: tuple[Path, ...] = ()
 
     @property
@@ -344,7 +355,15 @@ class SaveResult:
         if self.withheld:
             return {}
         return {"path": str(self.path), "size_mib": round(self.num_bytes / 2**20, 3),
-                "seconds": round(sum(self.timings.values()), 4), "pruned": [p.name for p in self.pruned]}
+                "seconds": round(sum(self.timings.values()), 4), "blocked_s": round(self.blocked_s, 4),
+                "pruned": [p.name for p in self.pruned]}
+
+    @property
+    def blocked_s(self) -> float:
+        """How long the caller waited: the check and the staging copy (``save_async``), or everything (``save``)."""
+        if "stage_s" in self.timings:
+            return self.timings["check_s"] + self.timings["stage_s"]
+        return sum(self.timings.values())
 
 
 @dataclass
@@ -374,6 +393,8 @@ class CheckpointManager:
         self.root = Path(root)
         self.keep = keep
         self.require_finite = tuple(require_finite) if require_finite is not None else None
+        self._stager = StateStager()
+        self._in_flight: PendingSave | None = None
 
     # -- saving -----------------------------------------------------------------------------
 
@@ -384,23 +405,74 @@ class CheckpointManager:
         meta.json beside the manager's own keys. Returns ``withheld=True`` (writing nothing) when a
         tensor in ``require_finite`` is NaN/Inf; ``reason`` names its key path. Raises CheckpointError
         when writing or verifying fails (disk full, bytes read back differ); the previous checkpoint
-        and LAST_GOOD are then untouched. Forces one host-device sync for the finiteness check, and
-        torch.save copies device tensors to the host.
+        and LAST_GOOD are then untouched. Waits for a save in flight first. Forces one host-device sync
+        for the finiteness check, and torch.save copies device tensors to the host.
         """
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step: expected an integer >= 0, got {step!r}")
-        meta = dict(meta or {})
-        clash = [k for k in _RESERVED_META if k in meta]
-        if clash:
-            raise ValueError(f"meta: keys {', '.join(clash)} are written by the checkpoint manager; rename them")
+        self.wait()
+        meta = _checked_meta(step, meta)
+        timings: dict[str, float] = {}
+        withheld = self._check(state, step, timings)
+        return withheld if withheld is not None else self._write(state, step, meta, timings)
+
+    def save_async(self, state: dict[str, Any], step: int, meta: dict[str, Any] | None = None) -> PendingSave:
+        """:meth:`save`, blocking only for the finiteness check and the staging copy; the rest runs in a thread.
+
+        Waits first for the save in flight (one at a time). Then checks ``state`` (a non-finite one is
+        withheld: the returned save is already done), copies it into the manager's reused host buffers
+        (:class:`StateStager`; from CUDA pinned and non-blocking), and returns while a background thread
+        writes, verifies, moves LAST_GOOD and prunes. ``state`` may change as soon as this returns.
+        ``result()`` of the returned :class:`PendingSave` gives the :class:`SaveResult` or raises the
+        CheckpointError :meth:`save` would have raised; its timings add ``stage_s``. The thread is not a
+        daemon: a normal interpreter exit finishes the save; a crash leaves LAST_GOOD where it was.
+        """
+        self.wait()
+        meta = _checked_meta(step, meta)
+        timings: dict[str, float] = {}
+        withheld = self._check(state, step, timings)
+        if withheld is not None:
+            return PendingSave(step, withheld)
+        t0 = time.perf_counter()
+        staged, events = self._stager.stage(state)
+        timings["stage_s"] = time.perf_counter() - t0
+        pending = PendingSave(step)
+        pending._start(lambda: self._write(staged, step, meta, timings, events))
+        self._in_flight = pending
+        return pending
+
+    def wait(self) -> PendingSave | None:
+        """Wait for the save in flight, if any, and return it (its ``result()`` no longer blocks). Raises nothing."""
+        pending, self._in_flight = self._in_flight, None
+        if pending is not None:
+            pending.join()
+        return pending
+
+    @property
+    def in_flight(self) -> PendingSave | None:
+        """The background save still running, or None. Never blocks."""
+        pending = self._in_flight
+        return pending if pending is not None and not pending.done() else None
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host memory held by :meth:`save_async`'s staging buffers (a copy of the last state it saved)."""
+        return self._stager.num_bytes
+
+    def _check(self, state: dict[str, Any], step: int, timings: dict[str, float]) -> SaveResult | None:
+        """Return the withheld result when a ``require_finite`` tensor is NaN/Inf, else None. One sync."""
         t0 = time.perf_counter()
         bad = first_nonfinite(state, self.require_finite)
-        timings = {"check_s": time.perf_counter() - t0}
-        if bad is not None:
-            good = self.latest_good()
-            return SaveResult(step, None, True, f"checkpoint at step {step} withheld: {bad} is not finite (NaN/Inf); "
-                              f"LAST_GOOD stays at {good.name if good else 'no checkpoint'}", timings=timings)
+        timings["check_s"] = time.perf_counter() - t0
+        if bad is None:
+            return None
+        good = self.latest_good()
+        return SaveResult(step, None, True, f"checkpoint at step {step} withheld: {bad} is not finite (NaN/Inf); "
+                          f"LAST_GOOD stays at {good.name if good else 'no checkpoint'}", timings=timings)
 
+    def _write(self, state: dict[str, Any], step: int, meta: dict[str, Any], timings: dict[str, float],
+               ready: Sequence[Any] = ()) -> SaveResult:
+        """Write, verify, install, point LAST_GOOD, prune (after waiting on the ``ready`` CUDA events)."""
+        for event in ready:
+            event.synchronize()
         self.root.mkdir(parents=True, exist_ok=True)
         self.clean_debris()
         name = _dir_name(step)
@@ -515,7 +587,9 @@ class CheckpointManager:
     def discard_after(self, step: int) -> list[Path]:
         """Delete every checkpoint newer than ``step`` (a rollback); LAST_GOOD first moves to the newest that
         verifies at or before ``step``. Raises CheckpointError, deleting nothing, when none verifies.
+        Waits for a save in flight first.
         """
+        self.wait()
         keep = [d for d in self.checkpoints() if _step_of(d) <= step]
         target = next((d for d in keep if not self.verify(d)), None)
         if target is None:
@@ -538,7 +612,10 @@ class CheckpointManager:
         return sorted(found, key=_step_of, reverse=True)
 
     def latest_good(self) -> Path | None:
-        """Return the directory LAST_GOOD names, or None (no LAST_GOOD, or it names no directory). Verifies nothing."""
+        """Return the directory LAST_GOOD names, or None (no LAST_GOOD, or it names no directory).
+
+        Verifies nothing and does not wait for a save in flight (:meth:`wait` first to see its outcome).
+        """
         name, _ = self._read_last_good()
         return self.root / name if name is not None and (self.root / name).is_dir() else None
 
@@ -617,7 +694,8 @@ class CheckpointManager:
         Each checkpoint skipped (truncated, corrupted, refused, non-finite) is reported to
         ``on_problem`` and listed in the result's ``problems``. Checkpoints newer than LAST_GOOD were
         never marked good and are not used. An explicit ``path`` that fails, or no checkpoint that
-        verifies, raises CheckpointError naming the directory and every problem.
+        verifies, raises CheckpointError naming the directory and every problem. Without ``path``, waits
+        for a save in flight first (LAST_GOOD may be about to move).
         """
         problems: list[str] = []
 
@@ -630,6 +708,7 @@ class CheckpointManager:
             path = Path(path)
             state, meta = self._load_checked(path, map_location)
             return LoadedCheckpoint(state, meta, path, problems)
+        self.wait()
 
         all_dirs = self.checkpoints()
         name, problem = self._read_last_good()
@@ -657,6 +736,16 @@ class CheckpointManager:
                                   self.root, problems)
         raise CheckpointError(f"no checkpoint in {self.root} verifies:\n  " + "\n  ".join(problems)
                               + "\nresume from another run directory or start a new run", self.root, problems)
+
+
+def _checked_meta(step: int, meta: dict[str, Any] | None) -> dict[str, Any]:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step: expected an integer >= 0, got {step!r}")
+    meta = dict(meta or {})
+    clash = [k for k in _RESERVED_META if k in meta]
+    if clash:
+        raise ValueError(f"meta: keys {', '.join(clash)} are written by the checkpoint manager; rename them")
+    return meta
 
 
 def _dir_name(step: int) -> str:

@@ -42,15 +42,43 @@ def _in(frame: traceback.FrameSummary, *parts: str) -> bool:
     return f"/{'/'.join(parts)}" in path
 
 
+_WORKER_TRACEBACK = "Original Traceback (most recent call last):"
+_FRAME_LINE = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>.+)$')
+
+
+def _worker_frames(err: BaseException) -> list[traceback.FrameSummary]:
+    """The frames of a DataLoader worker's traceback, which torch re-raises as text in the message."""
+    text = str(err)
+    if _WORKER_TRACEBACK not in text:
+        return []
+    lines = text.split(_WORKER_TRACEBACK, 1)[1].splitlines()
+    frames = []
+    for i, line in enumerate(lines):
+        m = _FRAME_LINE.match(line)
+        if m:
+            code = lines[i + 1].strip() if i + 1 < len(lines) and not _FRAME_LINE.match(lines[i + 1]) else None
+            frames.append(traceback.FrameSummary(m["file"], int(m["line"]), m["name"], lookup_line=False, line=code))
+    return frames
+
+
 def _below_stabletrain(err: BaseException) -> list[traceback.FrameSummary]:
     """``err``'s frames from the outermost stabletrain frame in (all of them when there is none).
 
     The frames above it are a user's script calling stabletrain (``Trainer(...).fit()``): where the
-    call came from, not the code that raised.
+    call came from, not the code that raised. A DataLoader worker's frames (in the message) come last.
     """
     frames = traceback.extract_tb(err.__traceback__)
     start = next((i for i, f in enumerate(frames) if _is_ours(f.filename)), 0)
-    return frames[start:]
+    return frames[start:] + _worker_frames(err)
+
+
+def _exception_line(err: BaseException) -> str:
+    """The last line of a traceback: ``Type: message`` (a DataLoader worker's: the original exception's line)."""
+    if _worker_frames(err):
+        last = [line for line in str(err).splitlines() if line.strip()][-1]
+        notes = "".join(f"{note}\n" for note in getattr(err, "__notes__", ()))
+        return f"{last}\n(raised in a DataLoader worker process)\n{notes}"
+    return "".join(traceback.format_exception_only(type(err), err))
 
 
 def user_frames(err: BaseException) -> list[traceback.FrameSummary]:
@@ -75,7 +103,7 @@ def format_user_traceback(err: BaseException) -> str:
     frames = user_frames(err)
     lines = ["Traceback (your code; stabletrain's and library frames trimmed):\n"] if frames else []
     lines += traceback.format_list(frames)
-    lines += traceback.format_exception_only(type(err), err)
+    lines.append(_exception_line(err))
     return "".join(lines)
 
 
@@ -93,7 +121,7 @@ def _data_part(bridge: list[traceback.FrameSummary]) -> str | None:
         if _in(f, "utils", "data", "_utils", "collate.py"):
             return "collate"
     if any(_in(f, "utils", "data", "dataloader.py") and f.name == "_process_data" for f in bridge):
-        return "dataset item or collate (in a DataLoader worker: its traceback is in the message)"
+        return "dataset item or collate (in a DataLoader worker)"
     return None
 
 

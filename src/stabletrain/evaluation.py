@@ -29,15 +29,20 @@ def validation_loss(task: Any, module: nn.Module, precision: PrecisionPolicy, ba
     batches = EpochOrder(len(task.val_data), batch_size, seed=0, shuffle=False).micro_batches(0)
     if max_batches:
         batches = batches[:max_batches]
-    batches = batches[dist.rank::dist.world]
+    mine = batches[dist.rank::dist.world]
+    # FSDP2: every forward all-gathers, so each rank runs as many as the busiest one; a rank short of
+    # batches repeats its first (or the first) and counts nothing from it.
+    rounds = -(-len(batches) // dist.world) if hasattr(module, "set_requires_gradient_sync") else len(mine)
     collate = task.collate or torch.utils.data.default_collate
     device = precision.device
     total = torch.zeros(2, device=device)
-    for indices in batches:
+    for r in range(rounds):
+        indices = mine[r] if r < len(mine) else (mine or batches)[0]
         batch = move_to(collate([task.val_data[i] for i in indices]), device)
         with precision.autocast():
             loss_sum, count = as_sum_count(task.loss(module, batch), len(indices))
-        total += torch.stack([loss_sum.detach(), count])
+        if r < len(mine):
+            total += torch.stack([loss_sum.detach(), count])
     loss_sum, count = dist.all_reduce_(total).tolist()  # the one sync (and one all-reduce)
     module.train()
     return {"val_loss": loss_sum / max(count, 1.0)}

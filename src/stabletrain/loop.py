@@ -33,9 +33,9 @@ from .checkpoint import CheckpointManager
 from .clipping import GradClipper
 from .config import Config
 from .data import EpochOrder, Window, WindowStream
-from .errors import user_location
+from .errors import task_part, user_location
 from .evaluation import validation_loss
-from .distributed import DistContext, PeerLostError, is_peer_failure, register_grad_flag
+from .distributed import DistContext, LocalGradFlag, PeerLostError, is_peer_failure, register_grad_flag
 from .guard import Guard, GuardDecision
 from .initialization import InitFingerprint
 from .metrics import StepMetrics, interval_record, peak_memory_mib
@@ -94,8 +94,19 @@ class Trainer:
         if not self.named_params:
             raise ValueError(f"task {cfg.task!r}: the model has no trainable parameters")
         self.params = [p for _, p in self.named_params]
-        grad_flag = None
-        if self.dist.enabled:
+        grad_flag = numerics = None
+        self.sharded = self.dist.enabled and cfg.dist.strategy == "fsdp"
+        if self.sharded:  # FSDP2: the parameters become DTensor shards under the same names
+            from .fsdp import ShardedNumerics, shard_model, unsupported_under_fsdp
+            self.cfg = cfg = unsupported_under_fsdp(cfg, self.precision.mode)
+            shard_model(self.module, self.task.blocks, reshard_after_forward=cfg.dist.reshard_after_forward)
+            fingerprint = None  # InitWatch compares plain tensors; not yet over DTensor shards
+            self.named_params = unique_params(self.module)
+            self.params = [p for _, p in self.named_params]
+            numerics = ShardedNumerics()
+            grad_flag = LocalGradFlag(self.device)  # no hook: names the rank whose own loss or inputs were non-finite
+            seed_everything(int(np.random.SeedSequence([cfg.seed, self.dist.rank]).generate_state(1)[0]))
+        elif self.dist.enabled:
             # DDP broadcasts rank 0's parameters and buffers; then each rank draws its own random stream.
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.model = torch.nn.parallel.DistributedDataParallel(self.module, device_ids=ids)
@@ -106,10 +117,15 @@ class Trainer:
                                    cfg.sched.min_lr_ratio)
         self.clipper = GradClipper(cfg.clip.max_norm)
         self.guard = Guard(cfg.guard, self.device)
-        self.window = AccumulationWindow(self.params)
+        if self.sharded:
+            from .fsdp import ShardedWindow
+            self.window: AccumulationWindow = ShardedWindow(self.module, self.params)
+        else:
+            self.window = AccumulationWindow(self.params)
         self.step_fn = TrainStep(self.model, self.optimizer, self.precision, clipper=self.clipper, guard=self.guard,
                                  schedule=self.schedule, params=self.params, window=self.window, grad_flag=grad_flag,
-                                 check_inputs=cfg.guard.check_inputs, check_params=cfg.guard.check_params)
+                                 check_inputs=cfg.guard.check_inputs, check_params=cfg.guard.check_params,
+                                 numerics=numerics)
         order = EpochOrder(len(self.task.train_data), cfg.train.batch_size, cfg.seed, cfg.data.shuffle,
                            rank=self.dist.rank, world_size=self.dist.world)
         self.stream = WindowStream(self.task.train_data, order, cfg.accum.steps, collate=self.task.collate,
@@ -224,6 +240,9 @@ class Trainer:
                     continue
                 self._where = "the log-interval reduce (or an incident replay or rollback)"
                 record, decision, rows = self._log()
+                # A background save that finished is recorded now; one that a replay or rollback needs is waited for.
+                self._record_checkpoints(self.keeper.finished(
+                    wait=decision.first_incident is not None or decision.action == "rollback"))
                 healthy = self._act(decision, rows)
                 if state.stop_reason is not None:
                     break
@@ -231,7 +250,7 @@ class Trainer:
                     stop_signal = self._agreed_signal if self.dist.enabled else self.signals.signal
                     if done or ckpt_due or stop_signal:
                         self._where = "the checkpoint gather"
-                        self._checkpoint(healthy)
+                        self._checkpoint(healthy, wait=done or bool(stop_signal))  # the last one is waited for
                     if stop_signal:
                         self.signals.signal = stop_signal
                         self._stop(f"stopped by {SignalHandler.name(stop_signal)} at step {state.step}")
@@ -240,14 +259,20 @@ class Trainer:
                 self.recorder.mark_interval_start(state)
         except Exception as err:  # the record keeps what ended the run, with the user's file:line
             if not (self.dist.enabled and is_peer_failure(err)):
-                where = user_location(err)
+                self._record_checkpoints(self.keeper.finished(wait=True))  # the crash stays the last event
+                where, part = user_location(err), task_part(err)
+                failed = state.step + 1 if self._where.startswith("a training step") else state.step
                 state.event(state.step, "crash", f"{type(err).__name__}: {err}" + (f" (at {where})" if where else ""),
-                            error=type(err).__name__, message=str(err), location=where, during=self._where)
+                            error=type(err).__name__, message=str(err), location=where, during=self._where, part=part,
+                            failed_step=failed)
             raise
         finally:
-            fire("on_fit_end", state, record)
-            if state.run is not None:
-                state.run.close()
+            try:
+                self._record_checkpoints(self.keeper.finished(wait=True))  # no save outlives the fit
+            finally:
+                fire("on_fit_end", state, record)
+                if state.run is not None:
+                    state.run.close()
         return record
 
     def _log(self) -> tuple[dict[str, Any], GuardDecision, list[Any]]:
@@ -298,9 +323,11 @@ class Trainer:
         self.state.event(self.step, "stop", f"stopping: {reason}")
         self.callbacks.fire("on_stop", self.state, reason)
 
-    def _checkpoint(self, healthy: bool) -> None:
-        info = self.keeper.save(self.state, healthy)
-        if info is not None:
+    def _checkpoint(self, healthy: bool, wait: bool = False) -> None:
+        self._record_checkpoints(self.keeper.save(self.state, healthy, wait=wait))
+
+    def _record_checkpoints(self, outcomes: list[dict[str, Any]]) -> None:
+        for info in outcomes:  # saves whose outcome is known (written, withheld, failed)
             self.state.event(info["step"], info["kind"], info["reason"], **info["fields"])
             self.callbacks.fire("on_checkpoint", self.state, info)
 
@@ -319,9 +346,14 @@ class Trainer:
 
         This rank's: under DDP a checkpoint adds every rank's RNG state and data position (``ranks``).
         """
+        if self.sharded:  # a collective: full (unsharded) state dicts, the same format as DDP's or one process's
+            from .fsdp import full_state_dicts
+            model_state, optim_state = full_state_dicts(self.module, self.optimizer, self.named_params)
+        else:
+            model_state, optim_state = self.module.state_dict(), self.optimizer.state_dict()
         return {
-            "model": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optim_state,
             "schedule": self.schedule.state_dict(),
             "precision": self.precision.state_dict(),
             "clipper": self.clipper.state_dict(),
@@ -341,8 +373,12 @@ class Trainer:
                                  f"{self.dist.world} processes; resume under the world size that wrote it")
             mine = state["ranks"][self.dist.rank]
             state = {**state, "rng": mine["rng"], "stream": mine["stream"]}
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.sharded:  # a collective: rank 0's full state is broadcast, each rank keeps its shards
+            from .fsdp import load_full_state_dicts
+            load_full_state_dicts(self.module, self.optimizer, self.named_params, state["model"], state["optimizer"])
+        else:
+            self.module.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])  # after the optimizer: rewrites its lr tensors
         self.precision.load_state_dict(state["precision"])
         self.clipper.load_state_dict(state["clipper"])

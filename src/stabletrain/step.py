@@ -64,18 +64,24 @@ class TrainStep:
         check_inputs: also require the floating-point inputs of every micro-batch to be finite.
         check_params: check after the update that every parameter is finite (one fused pass).
         grad_flag: DDP only: records whether this rank's own grads were finite before the all-reduce.
+        numerics: where the norms and checks come from (``grad_norms``, ``all_params_finite``,
+            ``snapshot(params, reuse)``, ``update_norm(params, before)``); None: :mod:`stabletrain.numerics` on local tensors. FSDP passes
+            :class:`stabletrain.fsdp.ShardedNumerics` (DTensor shards, reduced across ranks).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, precision: PrecisionPolicy, *,
                  clipper: GradClipper | None = None, guard: Guard | None = None, schedule: LRSchedule | None = None,
                  params: Sequence[Tensor] | None = None, window: AccumulationWindow | None = None,
-                 check_inputs: bool = False, check_params: bool = True, grad_flag: Any = None) -> None:
+                 check_inputs: bool = False, check_params: bool = True, grad_flag: Any = None, numerics: Any = None) -> None:
         self.model, self.optimizer, self.precision = model, optimizer, precision
         self.clipper = clipper if clipper is not None else GradClipper(None)
         self.guard, self.schedule = guard, schedule
         self.params = list(params) if params is not None else [p for _, p in unique_params(model)]
         self.window = window if window is not None else AccumulationWindow(self.params)
         self.check_inputs, self.check_params, self.grad_flag = check_inputs, check_params, grad_flag
+        self.numerics = numerics
+        self._grad_norms = numerics.grad_norms if numerics is not None else grad_norms
+        self._params_finite = numerics.all_params_finite if numerics is not None else all_params_finite
         self.device = precision.device
         self._inputs_ok: Tensor | None = None
         self._before: list[Tensor] | None = None
@@ -129,7 +135,7 @@ class TrainStep:
         elif count is None:
             count = torch.ones((), device=loss.device)
         self.precision.unscale_(optimizer)
-        norm, per_param = grad_norms(params)  # DDP: of the all-reduced grads, the same on every rank
+        norm, per_param = self._grad_norms(params)  # DDP: of the all-reduced grads, the same on every rank
         inputs_ok = self.window.inputs_ok if self._inputs_ok is not None else None
         if self.guard is not None:
             ok, finite, spike = self.guard.observe(loss, norm, inputs_ok)
@@ -143,9 +149,13 @@ class TrainStep:
         overflow = (torch.isfinite(loss) & ~torch.isfinite(norm) if self.precision.scaler is not None
                     else torch.zeros((), dtype=torch.bool, device=norm.device))
         clipped = self.clipper.clip_(params, norm, ok)
-        before = self._snapshot_params() if measure_update else None
+        before = None
+        if measure_update:
+            before = (self._snapshot_params() if self.numerics is None
+                      else self.numerics.snapshot(self.params, self._before))
+            self._before = before
         applied = self.precision.step(optimizer, ok)
-        params_finite = all_params_finite(params) if self.check_params else torch.ones((), dtype=torch.bool,
+        params_finite = self._params_finite(params) if self.check_params else torch.ones((), dtype=torch.bool,
                                                                                           device=norm.device)
         if self.schedule is not None:  # a host flag where the optimizer step already read it (no second read)
             on_host = self.precision.applied_on_host
@@ -154,7 +164,8 @@ class TrainStep:
                "clipped": clipped, "applied": applied, "finite": finite, "spike": spike, "params_finite": params_finite,
                "overflow": overflow, "count": count, "per_param_norms": per_param}
         if before is not None:
-            out["update_norm"], out["update_ratio"] = self._update_norm(before)
+            out["update_norm"], out["update_ratio"] = (self._update_norm(before) if self.numerics is None
+                                                       else self.numerics.update_norm(self.params, before))
         if self.grad_flag is not None:  # DDP: did THIS rank see it (its own loss, inputs or pre-all-reduce grads)?
             local = ~torch.isfinite(self.window.loss_sum) | self.grad_flag.bad
             out["local_nonfinite"] = local if self._inputs_ok is None else local | ~self._inputs_ok
@@ -177,6 +188,13 @@ class TrainStep:
         return update, update / weight.clamp_min(1e-12)
 
     def _sync_context(self, last: bool) -> contextlib.AbstractContextManager:
-        """DDP's no_sync on all but the last micro-batch of a window; nothing on one process."""
+        """DDP's no_sync on all but the last micro-batch of a window; nothing on one process.
+
+        FSDP2 reads its flag in the post-backward hook, so it is set here (False, ..., True) and left set.
+        """
+        set_sync = getattr(self.model, "set_requires_gradient_sync", None)
+        if set_sync is not None:
+            set_sync(last)
+            return contextlib.nullcontext()
         no_sync = getattr(self.model, "no_sync", None)
         return no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()

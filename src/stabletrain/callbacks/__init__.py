@@ -11,7 +11,9 @@ Where each hook fires, in the fit loop (:meth:`stabletrain.loop.Trainer.fit`)::
             on_log(state, record, rows)         # the interval's reduced record and per-step host rows
             on_incident(state, info)            # the guard saw a bad step (info: step, after_update, ranks)
             on_rollback(state, info) | on_stop(state, reason)
-            on_checkpoint(state, info)          # a checkpoint was written (or withheld: info["kind"])
+            on_checkpoint(state, info)          # a save's outcome is known: written, withheld or failed (info["kind"])
+                                                # saves run in the background: written ones are reported at a
+                                                # later boundary (info["step"] is the save's), the run's last at once
     on_fit_end(state, record)                   # also after a stop or an exception (record may be {})
 
 A hook receives what it needs as arguments: the :class:`FitState` (counters, run dir, config and the

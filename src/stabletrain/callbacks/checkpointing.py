@@ -3,6 +3,13 @@
 Storage (atomic write, verification, LAST_GOOD, pruning) is :class:`~stabletrain.checkpoint.CheckpointManager`;
 this callback decides when and from what state. Under DDP rank 0 picks the checkpoint to load and
 writes; every rank sends it its RNG state and data position.
+
+Saves run off the critical path (:meth:`CheckpointManager.save_async`): training waits only for the
+finiteness check and the staging copy; writing, verification, LAST_GOOD and pruning finish in a
+background thread. At most one save is in flight. What needs LAST_GOOD (a rollback, an incident
+replay from it, the run's last checkpoint, the end of the fit) waits for it first. A save's outcome
+(``checkpoint``, or ``checkpoint_failed`` when the background write failed) is handed to the loop by
+:meth:`CheckpointKeeper.finished` once it is known, so rank 0's main thread records the event.
 """
 
 from __future__ import annotations
@@ -10,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import LoadedCheckpoint
+from ..checkpoint import LoadedCheckpoint, PendingSave
 from ..config import RESUME_SAFE_KEYS, config_hash, config_to_dict, diff_configs, resume_refusal_message
 from . import Callback, FitState
 
@@ -37,12 +44,16 @@ def schedule_change_note(cfg: Any, old_max_steps: int, step: int) -> str:
 
 
 class CheckpointKeeper(Callback):
-    """Checkpoint at step 0, every ``ckpt.every`` steps, at the end and on a signal; never from a bad state."""
+    """Checkpoint at step 0, every ``ckpt.every`` steps, at the end and on a signal; never from a bad state.
+
+    Saves are written in the background (see the module docstring); :meth:`finished` hands over their outcomes.
+    """
 
     def __init__(self) -> None:
         self.resumed_from: Path | None = None
         self.problems: list[str] = []
         self.schedule_change: str | None = None  # set on a resume that changed train.max_steps
+        self._pending: PendingSave | None = None  # rank 0: the save started and not yet reported
 
     # -- resume ---------------------------------------------------------------------------------
 
@@ -85,42 +96,74 @@ class CheckpointKeeper(Callback):
         """Whether there is no verified checkpoint yet (the loop then saves step 0, so rollback and resume
         always have a state to return to). The same answer on every rank."""
         ckpt = state.ckpt
-        return ckpt is not None and bool(state.dist.on_main(lambda: ckpt.latest_good() is None))
 
-    def save(self, state: FitState, healthy: bool) -> dict[str, Any] | None:
-        """Write a checkpoint from a healthy state (never from inside an incident); return what happened.
+        def none_yet() -> bool:
+            self._join()
+            return ckpt.latest_good() is None
 
-        Every rank must call this (DDP: one all_gather_object of RNG states and data positions).
-        Returns None without a run directory, else ``{"step", "kind", "reason", "fields"}``.
+        return ckpt is not None and bool(state.dist.on_main(none_yet))
+
+    def save(self, state: FitState, healthy: bool, *, wait: bool = False) -> list[dict[str, Any]]:
+        """Start a checkpoint from a healthy state (never from inside an incident); return the outcomes to record.
+
+        Blocks for the previous save in flight (at most one), then for the finiteness check and the
+        staging copy; the write runs in the background (``wait=True``: waits for it too, as the run's
+        last checkpoint does). Every rank must call this (DDP: one all_gather_object of RNG states and
+        data positions); only rank 0 writes. Returns the ``{"step", "kind", "reason", "fields"}`` of
+        each save whose outcome is now known: the previous one, and this one when it was withheld or
+        waited for; the others come from :meth:`finished`. Nothing without a run directory.
         """
         ckpt = state.ckpt
         if ckpt is None:
-            return None
+            return []
         if not healthy:
+            done = self.finished(wait=True)  # LAST_GOOD may be about to move; say where it really is
             good = ckpt.latest_good()
-            return {"step": state.step, "kind": "checkpoint_withheld", "fields": {},
-                    "reason": f"checkpoint at step {state.step} withheld: inside an incident; LAST_GOOD stays at "
-                              f"{good.name if good else 'none'}"}
+            return done + [{"step": state.step, "kind": "checkpoint_withheld", "fields": {},
+                            "reason": f"checkpoint at step {state.step} withheld: inside an incident; LAST_GOOD stays "
+                                      f"at {good.name if good else 'none'}"}]
         whole = state.state_dict()
         meta = {"config": config_to_dict(state.cfg), "config_hash": config_hash(state.cfg)}
         if state.dist.enabled:
             whole["ranks"] = state.dist.gather_objects({"rng": whole["rng"], "stream": whole["stream"]})
             whole["world_size"] = meta["world_size"] = state.dist.world
         if state.run is None:  # only rank 0 writes
-            return None
+            return []
+        done = self.finished(wait=True)
         try:
-            result = ckpt.save(whole, state.step, meta)
-        except Exception as err:  # the previous checkpoint is intact; say so and keep training
-            return {"step": state.step, "kind": "checkpoint_failed", "fields": {},
-                    "reason": f"checkpoint at step {state.step} failed: {err}"}
-        return {"step": state.step, "kind": result.kind, "reason": result.reason, "fields": result.event_fields()}
+            self._pending = ckpt.save_async(whole, state.step, meta)
+        except Exception as err:  # the check or the staging copy failed; the previous checkpoint is intact
+            return done + [_failed(state.step, err)]
+        return done + self.finished(wait=wait)
+
+    def finished(self, *, wait: bool = False) -> list[dict[str, Any]]:
+        """Return the outcome of the save in flight once it is known (``[]`` while it runs, or with none).
+
+        ``wait``: wait for it. Each outcome is returned once; the loop records it (rank 0) and fires
+        ``on_checkpoint``. A background write that failed is a ``checkpoint_failed`` outcome.
+        """
+        pending = self._pending
+        if pending is None or not (wait or pending.done()):
+            return []
+        self._pending = None
+        try:
+            result = pending.result()
+        except Exception as err:  # the previous checkpoint and LAST_GOOD are intact; say so and keep training
+            return [_failed(pending.step, err)]
+        return [{"step": result.step, "kind": result.kind, "reason": result.reason, "fields": result.event_fields()}]
+
+    def _join(self) -> None:
+        """Wait for the save in flight without taking its outcome (:meth:`finished` still reports it)."""
+        if self._pending is not None:
+            self._pending.join()
 
     def load_last_good(self, state: FitState) -> LoadedCheckpoint | None:
-        """Load LAST_GOOD on every rank (rank 0 picks it), or return None when there is none."""
+        """Load LAST_GOOD on every rank (rank 0 picks it, after the save in flight), or return None when there is none."""
         ckpt = state.ckpt
         chosen: list[LoadedCheckpoint] = []
 
         def choose() -> str | None:
+            self._join()  # a save in flight may be about to move LAST_GOOD
             if ckpt is None or ckpt.latest_good() is None:
                 return None
             chosen.append(ckpt.load())
@@ -154,3 +197,8 @@ class CheckpointKeeper(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         return {}
+
+
+def _failed(step: int, err: BaseException) -> dict[str, Any]:
+    return {"step": step, "kind": "checkpoint_failed", "fields": {"error": type(err).__name__},
+            "reason": f"checkpoint at step {step} failed: {err}"}

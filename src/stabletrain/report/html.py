@@ -233,7 +233,9 @@ def _header(run: RunData, health: Health) -> str:
     snap = run.snapshot
     device = snap.get("device") if isinstance(snap.get("device"), dict) else {}
     git = snap.get("git") if isinstance(snap.get("git"), dict) else {}
-    facts = {"task": run.cfg("task"), "precision": snap.get("precision") or run.cfg("precision"),
+    task, name = run.cfg("task"), snap.get("task_name")  # the spec, and Task.name when it says more
+    facts = {"task": f"{task} ({name})" if name and task and name != task else task or name,
+             "precision": snap.get("precision") or run.cfg("precision"),
              "device": device.get("name") or device.get("type"), "started": snap.get("created"),
              "commit": str(git.get("commit") or "")[:10] + (" (dirty)" if git.get("dirty") else "")}
     shown = " · ".join(f"{label} <b>{esc(value)}</b>" for label, value in facts.items() if value)

@@ -25,7 +25,8 @@ __all__ = ["Plot", "run_plots", "compare_plots", "shared_unit", "RUN_PLOT_NAMES"
 DPI = 110
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
 # Every plot one run's report may hold, in page order ("other_metrics" only when there are unknown keys).
-RUN_PLOT_NAMES = ("loss", "grad_norm", "clip_rate", "lr", "loss_scale", "tokens_per_s", "peak_memory", "other_metrics")
+RUN_PLOT_NAMES = ("loss", "grad_norm", "update", "clip_rate", "lr", "loss_scale", "tokens_per_s", "peak_memory",
+                  "other_metrics")
 # Metrics overlaid by ``compare``: key -> (title, y label); "{unit}" is the runs' count unit (tokens or samples).
 COMPARE_METRICS = {
     "loss": ("Train loss", "loss"),
@@ -152,7 +153,7 @@ def run_plots(run: RunData) -> list[Plot]:
     """Return the plots of one run (empty when it has no metrics yet)."""
     if not run.metrics:
         return []
-    plots = [_loss(run), _grad_norm(run), _clip_rate(run), _simple(run, "lr", "lr", "Learning rate", "lr"),
+    plots = [_loss(run), _grad_norm(run), _update(run), _clip_rate(run), _simple(run, "lr", "lr", "Learning rate", "lr"),
              _loss_scale(run), _simple(run, "tokens_per_s", "tokens_per_s", "Throughput", f"{run.count_unit}/s"),
              _simple(run, "peak_memory", "peak_memory_mib", "Peak memory", "MiB")]
     other = _other(run)
@@ -220,6 +221,28 @@ def _simple(run: RunData, name: str, key: str, title: str, ylabel: str) -> Plot:
         ax.yaxis.set_major_formatter(EngFormatter(sep=""))  # 12k, 1.5M: short labels fit the margin
     _finish(fig, ax, title, ylabel)
     return Plot(name, title, _png(fig))
+
+
+def _update(run: RunData) -> Plot:
+    """||theta_t - theta_(t-1)|| of each interval's last step (left) and its ratio to ||theta|| (right)."""
+    fig, (ax,) = _figure(right=0.85)
+    x, norm = _column(run, "update_norm")
+    _, ratio = _column(run, "update_ratio")
+    ax.plot(x, norm, color=COLORS[0], linewidth=1.5, label="||Δθ||", **_style(x.size))
+    if np.isfinite(norm).any() and (norm[np.isfinite(norm)] > 0).all():
+        ax.set_yscale("log")
+    right = ax.twinx()
+    right.plot(x, ratio, color=COLORS[1], linewidth=1.2, linestyle="--", label="||Δθ|| / ||θ||", **_style(x.size))
+    if np.isfinite(ratio).any() and (ratio[np.isfinite(ratio)] > 0).all():
+        right.set_yscale("log")
+    right.set_ylabel("update / weight", fontsize=8)
+    right.tick_params(labelsize=7)
+    lines = ax.get_lines() + right.get_lines()
+    ax.legend(lines, [ln.get_label() for ln in lines], fontsize=7, loc="upper right", frameon=False)
+    ax.set_title("Parameter update (last step of each interval)", fontsize=10, loc="left")
+    ax.set_xlabel("step", fontsize=8)
+    ax.set_ylabel("||Δθ||", fontsize=8)
+    return Plot("update", "Parameter update", _png(fig))
 
 
 def _loss_scale(run: RunData) -> Plot:

@@ -68,6 +68,8 @@ class Task:
         count_unit: what ``count`` counts in a ``(sum, count)`` loss ("tokens" or "samples").
         optimizer: optional ``optimizer(named_params) -> torch.optim.Optimizer`` replacing the config's
             ``optim.name`` (the LR schedule still drives its lr; fused optimizers skip on the device).
+        blocks: optional submodules of ``model`` that ``dist.strategy=fsdp`` shards one by one (each its own
+            ``fully_shard`` unit); default: the children of every outermost ``nn.ModuleList`` (a transformer's blocks).
     """
 
     model: nn.Module
@@ -80,6 +82,7 @@ class Task:
     count_unit: str = "samples"
     info: dict[str, Any] = field(default_factory=dict)
     optimizer: Callable[[list[tuple[str, nn.Parameter]]], Any] | None = None
+    blocks: list[nn.Module] | None = None
 
 
 def _builtin(name: str) -> Callable[..., Task]:

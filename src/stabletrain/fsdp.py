@@ -1,0 +1,332 @@
+"""FSDP2 (``dist.strategy=fsdp``): shard the model per block, and the step's measurements over DTensor shards.
+
+Under ``fully_shard`` every parameter is a DTensor sharded along dim 0 over the ranks, and so is its
+gradient after the reduce-scatter. The step keeps every guarantee of the DDP path with these pieces:
+
+==========================  ======================================================================
+sharding                    :func:`shard_model`: ``fully_shard`` on each block (``Task.blocks``, else
+                            the children of every top-level ``nn.ModuleList``) and at the root
+accumulation                :class:`ShardedWindow`: gradient sync only on the last micro-batch
+                            (``set_requires_gradient_sync(False)`` before the others); the window is
+                            normalized by the global item count exactly as under DDP
+norms                       :meth:`ShardedNumerics.grad_norms`: squared norms of the local shards,
+                            ONE all-reduce of the per-parameter vector, then the square root: the
+                            global norm and each parameter's global share, the same on every rank
+                            (no ``full_tensor()``), so the skip is decided identically everywhere
+post-update check           :meth:`ShardedNumerics.all_params_finite`: local shards, one 1-element
+                            all-reduce
+checkpoints                 :func:`full_state_dicts` / :func:`load_full_state_dicts`: full (unsharded)
+                            model and optimizer state dicts on CPU, so checkpoints are the same
+                            files as under DDP or one process
+==========================  ======================================================================
+
+None of it reads a device value on the host. A NaN in one rank's shard makes the all-reduced sum of
+squares NaN on every rank (a sum with NaN is NaN), so every rank skips the step together.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .accumulation import AccumulationWindow
+
+__all__ = [
+    "unsupported_under_fsdp",
+    "ShardedNumerics",
+    "ShardedWindow",
+    "default_blocks",
+    "full_state_dicts",
+    "is_sharded",
+    "load_full_state_dicts",
+    "shard_model",
+]
+
+
+def _fsdp():
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    return FSDPModule, fully_shard
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Return whether ``module`` (or its root) was sharded by ``fully_shard``."""
+    FSDPModule, _ = _fsdp()
+    return isinstance(module, FSDPModule)
+
+
+def default_blocks(model: nn.Module) -> list[nn.Module]:
+    """Return the children of every outermost ``nn.ModuleList`` in ``model`` (a transformer's blocks).
+
+    Empty when the model has no ModuleList: the root is then the only FSDP unit.
+    """
+    blocks: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if isinstance(child, nn.ModuleList):
+                blocks.extend(m for m in child if any(p.requires_grad for p in m.parameters()))
+            else:
+                visit(child)
+
+    visit(model)
+    return blocks
+
+
+def shard_model(model: nn.Module, blocks: Sequence[nn.Module] | None = None, *, reshard_after_forward: bool = True,
+                mp_policy: Any = None) -> nn.Module:
+    """Apply ``fully_shard`` to each block, then to the root; return the (same, now sharded) root module.
+
+    Rank 0's parameters and buffers are broadcast first (as DDP does), so every rank shards the same
+    model whatever its own random init. In place: the module's parameters become DTensors (same names).
+    """
+    _, fully_shard = _fsdp()
+    blocks = default_blocks(model) if blocks is None else list(blocks)
+    inside = {id(m) for m in model.modules()}
+    for block in blocks:
+        if id(block) not in inside or block is model:
+            raise ValueError(f"Task.blocks: {type(block).__name__} is not a submodule of the task's model (or is the "
+                             "model itself); name the blocks as modules of Task.model")
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor.data, src=0)
+    kwargs: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    for block in blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _fsdp_params(model: nn.Module) -> list[Any]:
+    """Return the FSDP2 parameter records of every sharded module under ``model`` (torch internals, read only)."""
+    FSDPModule, _ = _fsdp()
+    out = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                out.extend(group.fsdp_params)
+    return out
+
+
+class ShardedWindow(AccumulationWindow):
+    """The accumulation window under FSDP2: rescales the unsharded gradients FSDP holds between syncs.
+
+    Between reduce-scatters FSDP2 accumulates each parameter's full gradient outside ``param.grad``
+    (on its unsharded parameter, or in the reduce dtype under a mixed-precision policy); the window's
+    running renormalization (``D_{i-1} / D_i``, see :mod:`stabletrain.accumulation`) must scale those.
+    """
+
+    def __init__(self, model: nn.Module, params: list[Tensor], process_group: Any = None) -> None:
+        self.model = model
+        if not _fsdp_params(model) and any(True for _ in model.parameters()):
+            raise RuntimeError("ShardedWindow: no FSDP2 parameter groups found under the model; shard it with "
+                               "stabletrain.fsdp.shard_model first")
+        super().__init__(params, process_group)
+
+    @property
+    def params(self) -> list[Any]:  # what AccumulationWindow.normalize rescales: anything with a .grad
+        pending = []
+        for fp in _fsdp_params(self.model):
+            if fp.unsharded_accumulated_grad is not None:
+                pending.append(SimpleNamespace(grad=fp.unsharded_accumulated_grad))
+            elif hasattr(fp, "_unsharded_param") and fp._unsharded_param.grad is not None:
+                pending.append(SimpleNamespace(grad=fp._unsharded_param.grad))
+        return pending
+
+    @params.setter
+    def params(self, value: list[Tensor]) -> None:
+        self._sharded = value
+
+
+def _local(t: Tensor) -> Tensor:
+    """The local shard of a DTensor (a view: writing to it writes the DTensor), else ``t``."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def _replicated(t: Tensor) -> bool:
+    return not hasattr(t, "_local_tensor")
+
+
+class ShardedNumerics:
+    """The step's norms and checks over DTensor shards, each reduced across ranks in one collective.
+
+    Pass to :class:`~stabletrain.step.TrainStep` as ``numerics=``. Every method returns device
+    tensors and reads nothing on the host; each issues exactly one all-reduce over ``group``.
+    A parameter that is not a DTensor (replicated on every rank) counts once, not once per rank.
+    """
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+
+    @property
+    def world(self) -> int:
+        return dist.get_world_size(self.group) if dist.is_initialized() else 1
+
+    def _all_reduce(self, t: Tensor) -> Tensor:
+        if self.world > 1:
+            dist.all_reduce(t, group=self.group)
+        return t
+
+    def _weights(self, params: Sequence[Tensor], device: torch.device) -> Tensor | None:
+        """Per-parameter 1/world for replicated (non-DTensor) tensors, so their all-reduced square counts once."""
+        if all(not _replicated(p) for p in params):
+            return None
+        return torch.tensor([1.0 / self.world if _replicated(p) else 1.0 for p in params], device=device)
+
+    def grad_norms(self, params: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+        """Return (global L2 grad norm, per-parameter global L2 grad norms), fp32 device tensors, the same on every rank.
+
+        Squared norms of the local shards, ONE all-reduce (sum) of the per-parameter vector, then the
+        square root. A parameter without a grad counts as zero; an empty local shard adds zero.
+        """
+        device = _local(params[0]).device if params else torch.device("cpu")
+        sq = torch.zeros(len(params), dtype=torch.float32, device=device)
+        idx = [i for i, p in enumerate(params) if p.grad is not None]
+        if idx:
+            norms = torch.stack(torch._foreach_norm([_local(params[i].grad) for i in idx])).float()
+            if len(idx) == len(params):  # the common case: no scatter
+                sq = norms * norms
+            else:
+                sq = sq.index_copy(0, torch.tensor(idx, device=device), norms * norms)
+        weights = self._weights(params, device)
+        if weights is not None:
+            sq = sq * weights
+        per = self._all_reduce(sq).sqrt()
+        return torch.linalg.vector_norm(per), per
+
+    @torch.no_grad()
+    def all_params_finite(self, params: Iterable[Tensor]) -> Tensor:
+        """Return a 0-dim bool device tensor: every shard on every rank is finite (one 1-element all-reduce)."""
+        local = [_local(p.detach()) for p in params]
+        local = [t for t in local if t.numel() > 0]
+        device = local[0].device if local else torch.device("cpu")
+        if not local:
+            bad = torch.zeros(1, device=device)
+        elif device.type == "cpu":  # as numerics.all_params_finite: aminmax is the cheapest exact check on CPU
+            bad = (~torch.isfinite(torch.stack([v for t in local for v in torch.aminmax(t)])).all()).float().reshape(1)
+        else:
+            bad = (~torch.isfinite(torch.stack(torch._foreach_norm(local, ord=math.inf))).all()).float().reshape(1)
+        return self._all_reduce(bad)[0] == 0
+
+    @torch.no_grad()
+    def snapshot(self, params: Sequence[Tensor], reuse: list[Tensor] | None = None) -> list[Tensor]:
+        """Return copies of this rank's shards of ``params`` (into ``reuse`` when it fits), for :meth:`update_norm`."""
+        local = [_local(p.detach()) for p in params]
+        if reuse is None or len(reuse) != len(local) or any(r.shape != t.shape for r, t in zip(reuse, local)):
+            return [t.clone() for t in local]
+        torch._foreach_copy_(reuse, local)
+        return reuse
+
+    @torch.no_grad()
+    def update_norm(self, params: Sequence[Tensor], before: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+        """Return (||theta_t - theta_{t-1}||, its ratio to ||theta_{t-1}||) over all shards (one all-reduce)."""
+        now = [_local(p.detach()).float() for p in params]
+        old = [_local(b).float() for b in before]
+        deltas = torch._foreach_sub(now, old)
+        d = torch.stack(torch._foreach_norm(deltas)) ** 2
+        w = torch.stack(torch._foreach_norm(old)) ** 2
+        weights = self._weights(params, d.device)
+        if weights is not None:
+            d, w = d * weights, w * weights
+        sums = self._all_reduce(torch.stack([d.sum(), w.sum()]))
+        update, weight = sums.sqrt().unbind()
+        return update, update / weight.clamp_min(1e-12)
+
+
+# -- configuration ---------------------------------------------------------------------------------
+
+def unsupported_under_fsdp(cfg: Any, precision: str) -> Any:
+    """Refuse what ``dist.strategy=fsdp`` cannot do yet; return ``cfg`` (incident capture turned off, warned).
+
+    fp16 is refused: the GradScaler's overflow check reads only this rank's shards, so the loss scale
+    would drift apart between ranks. SGD is refused: torch's fused SGD with a tensor lr has no DTensor
+    rule. Incident capture replays the bad step on a local copy, which FSDP cannot do yet: the step is
+    still skipped on every rank and logged, but not captured or diagnosed.
+    """
+    import dataclasses
+    import warnings
+
+    if precision == "fp16":
+        raise ValueError("config key 'precision': fp16 under dist.strategy=fsdp is not supported yet (the GradScaler's "
+                         "overflow check is per shard, so the loss scale would differ between ranks); use precision=bf16 "
+                         "or fp32, or dist.strategy=ddp for fp16")
+    if getattr(cfg.optim, "name", "adamw") == "sgd":
+        raise ValueError("config key 'optim.name': sgd under dist.strategy=fsdp is not supported yet (torch's fused SGD "
+                         "with a tensor lr has no DTensor rule, and a non-fused one cannot skip on the device); use "
+                         "optim.name=adamw or adam, or dist.strategy=ddp for sgd")
+    if cfg.guard.capture:
+        warnings.warn("dist.strategy=fsdp: incident capture and replay are not supported yet; a bad step is skipped "
+                      "on every rank and logged, not captured or diagnosed (guard.capture set to false)", stacklevel=3)
+        cfg = dataclasses.replace(cfg, guard=dataclasses.replace(cfg.guard, capture=False))
+    return cfg
+
+
+# -- checkpoints -----------------------------------------------------------------------------------
+
+def _options(**kwargs: Any) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kwargs)
+
+
+def _param_order(optimizer: torch.optim.Optimizer, named_params: Sequence[tuple[str, Tensor]]) -> list[str]:
+    """The name of each optimizer parameter, in ``optimizer.state_dict()``'s integer-id order."""
+    name_of = {id(p): n for n, p in named_params}
+    return [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def _rekey(optim_state: dict[str, Any], key: Any) -> dict[str, Any]:
+    return {"state": {key(k): v for k, v in optim_state["state"].items()},
+            "param_groups": [{**g, "params": [key(k) for k in g["params"]]} for g in optim_state["param_groups"]]}
+
+
+def full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer,
+                     named_params: Sequence[tuple[str, Tensor]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Return the full (unsharded) model and optimizer state dicts on CPU, as one process would write them.
+
+    The optimizer's state is keyed by integer id in parameter-group order, as ``optimizer.state_dict()``,
+    so a checkpoint has the same format under FSDP, DDP and one process. A collective: every rank must
+    call it; only rank 0 receives the tensors (the other ranks get empty dicts). An optimizer that has
+    not stepped yet is read as it is: torch's state-dict helpers would first run a zero-lr step to
+    create its state, which advances Adam's step count and changes every later update.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    model_state = get_model_state_dict(model, options=_options(cpu_offload=True))
+    if not optimizer.state:  # the same on every rank: they step together
+        return model_state, optimizer.state_dict()
+    optim_state = get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=True))
+    if not optim_state:
+        return model_state, optim_state
+    index = {name: i for i, name in enumerate(_param_order(optimizer, named_params))}
+    return model_state, _rekey(optim_state, index.__getitem__)
+
+
+def load_full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, named_params: Sequence[tuple[str, Tensor]],
+                          model_state: dict[str, Any], optim_state: dict[str, Any]) -> None:
+    """Load full model and optimizer state dicts (as :func:`full_state_dicts` returns them) into the shards.
+
+    A collective: rank 0's tensors are broadcast and each rank keeps its shards (the other ranks' dicts
+    are not read). The dicts are those of ``module.state_dict()`` / ``optimizer.state_dict()``, so a
+    checkpoint written under any world size, by DDP, FSDP or one process, loads. An optimizer state
+    with no per-parameter state yet (a step-0 checkpoint) is loaded as it is (see :func:`full_state_dicts`).
+    """
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    set_model_state_dict(model, model_state, options=_options(broadcast_from_rank0=True))
+    if not optim_state["state"]:
+        optimizer.load_state_dict(optim_state)
+        return
+    names = _param_order(optimizer, named_params)
+    set_optimizer_state_dict(model, optimizer, _rekey(optim_state, names.__getitem__),
+                             options=_options(broadcast_from_rank0=True))
