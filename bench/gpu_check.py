@@ -1,22 +1,39 @@
-"""GPU check (run on a CUDA machine, under 5 minutes): the default task in bf16 and fp16, and fp16 with SGD.
+"""GPU check (run on a CUDA machine, in one call, under 5 minutes): bf16, fp16, fp16+SGD, an incident, and DDP.
 
-For each case it trains the default ``gpt`` task through ``Trainer``, asserts that no host-device sync
-happens between log intervals (``torch.cuda.set_sync_debug_mode("error")`` armed by a callback,
-:class:`SyncGuard`, for every step and lifted only for the loop's designed boundaries), checks that
-loss fell and nothing was skipped beyond the fp16 scaler's warm-up, and prints tokens/s and the
-step-time ratio against a bare loop with the same optimizer (fused AdamW, or fused SGD with momentum).
+For each precision case it trains the default ``gpt`` task through ``Trainer``, asserts that no
+host-device sync happens between log intervals (``torch.cuda.set_sync_debug_mode("error")`` armed by
+a callback, :class:`SyncGuard`, for every step and lifted only for the loop's designed boundaries),
+checks that loss fell and nothing was skipped beyond the fp16 scaler's warm-up, that the periodic
+checkpoints were written in the background (training blocked only for the check and the staging
+copy into pinned host buffers; LAST_GOOD at the last step) and that the incident snapshot lives in
+pinned host memory, and prints tokens/s and the step-time ratio against a bare loop with the same
+optimizer (fused AdamW, or fused SGD with momentum).
+
+The ``incident`` case plants a NaN loss weight on one sample late in a log interval: the capture must
+replay from the interval's host snapshot (at most log.every - 1 steps; CUDA -> pinned, non-blocking)
+and the diagnosis name the sample. The ``ddp`` case runs 2 processes on the one GPU (gloo: NCCL needs
+a device per rank) under torchrun: one collective per step (the gradient all-reduce, carrying the
+window's numbers), no host conversion between boundaries on the training thread (counted with
+:class:`stabletrain.syncs.SyncCounter`: gloo's CUDA path synchronizes in its own worker thread by
+design, so the CUDA sync debug mode cannot be armed there), loss falls, background checkpoints.
 
     python bench/gpu_check.py            # exits 1 on any failed assertion; 0 with a note without CUDA
+    python bench/gpu_check.py --cases bf16 ddp
+    python bench/gpu_check.py --cpu-smoke  # the script's own logic on CPU: few steps, no CUDA checks (not a GPU check)
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +43,12 @@ from stabletrain import Trainer, load_config, resolve_task
 from stabletrain.callbacks import Callback, FitState
 
 STEPS = 200
+CPU_SMOKE = os.environ.get("GPU_CHECK_CPU_SMOKE") == "1"  # --cpu-smoke (inherited by the ddp workers)
+if CPU_SMOKE:
+    STEPS = 30
+#: --cpu-smoke: the device and a small gpt (appended to every case's config).
+SMOKE_ARGS = (["device=cpu", "task_args.n_layer=1", "task_args.n_embd=64", "task_args.seq_len=32",
+               "task_args.max_bytes=300000", "eval.batches=2"] if CPU_SMOKE else [])
 COMMON = [f"train.max_steps={STEPS}", "log.every=20", "eval.every=100", "train.batch_size=32", "log.progress=false"]
 #: (name, config overrides): the default optimizer (fused AdamW) in bf16 and fp16, and fused SGD under the scaler.
 CASES = [
@@ -40,18 +63,31 @@ class SyncGuard(Callback):
 
     The loop syncs by design only at its boundaries: the one-time init fingerprint check and the step-0
     checkpoint before the first step, and at a log/eval/checkpoint step after its ``on_step_end``: eval,
-    the interval's reduce, the guard acting on it (an incident's capture), the checkpoint. So the mode is
-    lifted in ``on_step_end`` of such a step and armed again at the end of the boundary: in ``on_log``
-    (appended last: after the sinks), or in ``on_checkpoint`` when a checkpoint follows. After an
-    interval with a bad row (an incident's capture may follow) it is armed at the next ``on_step_end``
-    instead. ``armed_steps`` counts the steps that ran armed, so a check that never armed is seen.
+    the interval's reduce, the guard acting on it (an incident's capture, a rollback), the checkpoint's
+    finiteness check and staging (its write runs in a background thread, which touches no CUDA stream
+    but its copies' events), and the next interval's incident snapshot. So the mode is lifted in
+    ``on_step_end`` of such a step and armed again when the boundary's last act, the recorder's
+    ``mark_interval_start``, returns (:meth:`attach` wraps it); before step 1 it is armed at the first
+    ``on_step_end``. ``armed_steps`` counts the steps that ran armed, so a check that never armed is seen.
     """
 
     def __init__(self) -> None:
-        self.armed, self.armed_steps = False, 0
+        self.armed, self.armed_steps, self.fitting = False, 0, False
+
+    def attach(self, trainer: Trainer) -> None:
+        """Arm after each interval start (the recorder's snapshot is the last thing a boundary does)."""
+        recorder, mark = trainer.recorder, trainer.recorder.mark_interval_start
+
+        def marked(state: FitState) -> None:
+            mark(state)
+            if self.fitting and state.step < state.cfg.train.max_steps:
+                self._set(True)
+
+        recorder.mark_interval_start = marked
 
     def _set(self, armed: bool) -> None:
-        torch.cuda.set_sync_debug_mode("error" if armed else 0)
+        if not CPU_SMOKE:
+            torch.cuda.set_sync_debug_mode("error" if armed else 0)
         self.armed = armed
 
     @staticmethod
@@ -60,14 +96,8 @@ class SyncGuard(Callback):
         return (step >= cfg.train.max_steps or step % cfg.log.every == 0 or bool(cfg.eval.every and step % cfg.eval.every == 0)
                 or bool(cfg.ckpt.every and step % cfg.ckpt.every == 0))
 
-    @staticmethod
-    def _checkpoint_follows(state: FitState) -> bool:
-        cfg, step = state.cfg, state.step
-        return state.ckpt is not None and (step >= cfg.train.max_steps or bool(cfg.ckpt.every and step % cfg.ckpt.every == 0))
-
     def on_fit_start(self, state: FitState) -> None:
-        if state.ckpt is None:  # else the step-0 checkpoint follows; on_checkpoint arms
-            self._set(True)
+        self.fitting = True  # the step-0 checkpoint follows; armed at the first on_step_end
 
     def on_step_end(self, state: FitState, out: dict[str, Any]) -> None:
         self.armed_steps += self.armed
@@ -76,17 +106,8 @@ class SyncGuard(Callback):
         elif not self.armed:
             self._set(True)
 
-    def on_log(self, state: FitState, record: dict[str, Any], rows: list[Any]) -> None:
-        bad = any(r.values["finite"] < 0.5 and r.values["overflow"] < 0.5 or r.values["params_finite"] < 0.5
-                  for r in rows)
-        if not bad and not self._checkpoint_follows(state):
-            self._set(True)
-
-    def on_checkpoint(self, state: FitState, info: dict[str, Any]) -> None:
-        if state.step < state.cfg.train.max_steps:
-            self._set(True)
-
     def on_fit_end(self, state: FitState, record: dict[str, Any]) -> None:
+        self.fitting = False
         self._set(False)
 
 
@@ -135,12 +156,35 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def check_background_checkpoints(name: str, trainer: Trainer, failures: list[str]) -> dict[str, Any]:
+    """The periodic checkpoints were written in the background, LAST_GOOD is at the end, the snapshot is pinned."""
+    events = [json.loads(x) for x in (trainer.run.path / "events.jsonl").read_text().splitlines() if x.strip()]
+    saved = [e for e in events if e["kind"] == "checkpoint"]
+    cfg = trainer.cfg
+    want = sorted({0, cfg.train.max_steps, *range(cfg.ckpt.every or cfg.train.max_steps, cfg.train.max_steps + 1,
+                                                 cfg.ckpt.every or cfg.train.max_steps)})
+    if sorted(e["step"] for e in saved) != want:
+        failures.append(f"{name}: checkpoints at {sorted(e['step'] for e in saved)}, expected {want}; "
+                        f"events: {[e['kind'] for e in events if e['kind'].startswith('checkpoint')]}")
+    good = trainer.ckpt.latest_good()
+    if good is None or good.name != f"step_{cfg.train.max_steps:06d}":
+        failures.append(f"{name}: LAST_GOOD names {good.name if good else None} after the run")
+    if any(not e["blocked_s"] < e["seconds"] for e in saved):
+        failures.append(f"{name}: a checkpoint blocked for all of its time: {[(e['blocked_s'], e['seconds']) for e in saved]}")
+    snapshot = trainer.recorder.snapshot
+    if snapshot is None or not (CPU_SMOKE or all(t.is_pinned() for t in snapshot["model"].values())):
+        failures.append(f"{name}: the incident snapshot is not in pinned host memory")
+    return {"ckpt_blocked_ms": round(median([e["blocked_s"] for e in saved]) * 1e3, 2),
+            "ckpt_total_ms": round(median([e["seconds"] for e in saved]) * 1e3, 2)}
+
+
 def run_case(name: str, overrides: list[str], tmp: Path, failures: list[str]) -> None:
-    cfg = load_config(None, [*overrides, *COMMON])
+    cfg = load_config(None, [*overrides, *COMMON, *SMOKE_ARGS])
     task = resolve_task(cfg.task, cfg.task_args)
-    bare = bare_step_time(task, cfg, 50)
+    bare = bare_step_time(task, cfg, 50) if not CPU_SMOKE else float("nan")
     guard = SyncGuard()
     trainer = Trainer(cfg, task=task, run_dir=tmp / name, callbacks=[guard])
+    guard.attach(trainer)
     t0 = time.perf_counter()
     try:
         trainer.fit()
@@ -148,21 +192,22 @@ def run_case(name: str, overrides: list[str], tmp: Path, failures: list[str]) ->
         failures.append(f"{name}: a sync between log intervals at step {trainer.step}: {err}")
         return
     finally:
-        torch.cuda.set_sync_debug_mode(0)
+        guard._set(False)
     wall = time.perf_counter() - t0
     hist = trainer.history
     skipped = sum(r["num_skipped"] for r in hist)
     tok_s = median([r["tokens_per_s"] for r in hist[1:]])
     step_s = median([r["step_time_s"] for r in hist[1:]])
+    ckpt = check_background_checkpoints(name, trainer, failures)
     print(json.dumps({"case": name, "precision": cfg.precision, "optimizer": type(trainer.optimizer).__name__,
                       "steps": trainer.step, "armed_steps": guard.armed_steps, "wall_s": round(wall, 1),
                       "first_loss": round(hist[0]["loss"], 4), "last_loss": round(hist[-1]["loss"], 4),
                       "val_loss": round(hist[-1].get("val_loss", float("nan")), 4), "skipped": skipped,
                       "loss_scale": hist[-1]["loss_scale"], "tokens_per_s": round(tok_s),
                       "step_ms": round(step_s * 1e3, 2), "bare_step_ms": round(bare * 1e3, 2),
-                      "overhead_ratio": round(step_s / bare, 3)}), flush=True)
-    # Every step but those right after a boundary runs armed; far fewer means the guard did not check.
-    if guard.armed_steps < STEPS - STEPS // cfg.log.every - 2:
+                      "overhead_ratio": round(step_s / bare, 3), **ckpt}), flush=True)
+    # Every step but the first runs armed; fewer means the guard did not check.
+    if guard.armed_steps < STEPS - 2:
         failures.append(f"{name}: the sync guard was armed for only {guard.armed_steps} of {trainer.step} steps")
     if not hist[-1]["loss"] < hist[0]["loss"]:
         failures.append(f"{name}: loss did not fall ({hist[0]['loss']:.4f} -> {hist[-1]['loss']:.4f})")
@@ -170,15 +215,139 @@ def run_case(name: str, overrides: list[str], tmp: Path, failures: list[str]) ->
         failures.append(f"{name}: {skipped} skipped steps")
 
 
+def run_incident(tmp: Path, failures: list[str]) -> None:
+    """A NaN loss weight on one sample of step 38, late in the interval (20, 40]: captured from the host snapshot."""
+    from sentinel import WeightedChunks, weighted_lm_loss  # bench/ is the script's directory
+
+    from stabletrain.data import EpochOrder
+    from stabletrain.incidents import load_bundle
+
+    bad_step, every = 38, 20
+    cfg = load_config(None, ["precision=bf16", "train.max_steps=40", f"log.every={every}", "eval.every=0",
+                             "train.batch_size=32", "log.progress=false", *SMOKE_ARGS])
+    task = resolve_task(cfg.task, cfg.task_args)
+    order = EpochOrder(len(task.train_data), cfg.train.batch_size, cfg.seed, cfg.data.shuffle)
+    bad_index = order.micro_batches(0)[bad_step - 1][3]
+    task.train_data, task.loss, task.val_data = WeightedChunks(task.train_data, bad_index), weighted_lm_loss, None
+    guard = SyncGuard()
+    trainer = Trainer(cfg, task=task, run_dir=tmp / "incident", callbacks=[guard])
+    guard.attach(trainer)
+    t0 = time.perf_counter()
+    try:
+        trainer.fit()
+    except RuntimeError as err:
+        failures.append(f"incident: a sync between log intervals at step {trainer.step}: {err}")
+        return
+    finally:
+        guard._set(False)
+    events = [json.loads(x) for x in (trainer.run.path / "events.jsonl").read_text().splitlines() if x.strip()]
+    incident = next((e for e in events if e["kind"] == "incident"), None)
+    bundle_dir = trainer.run.path / "incidents" / f"step_{bad_step:06d}"
+    found = (incident or {}).get("diagnosis", {}).get("bad_samples")
+    print(json.dumps({"case": "incident", "step": (incident or {}).get("step"), "replayed_steps": trainer.recorder.replayed_steps,
+                      "bad_samples": found, "planted": bad_index, "wall_s": round(time.perf_counter() - t0, 1),
+                      "summary": (incident or {}).get("diagnosis", {}).get("summary")}), flush=True)
+    if incident is None or not (bundle_dir / "bundle.pt").exists():
+        failures.append(f"incident: not captured ({[e['kind'] for e in events]})")
+        return
+    if trainer.recorder.replayed_steps is None or trainer.recorder.replayed_steps > every - 1:
+        failures.append(f"incident: the capture replayed {trainer.recorder.replayed_steps} steps (at most {every - 1})")
+    if not found or bad_index not in found:
+        failures.append(f"incident: the diagnosis named {found}, not the planted sample {bad_index}")
+    if load_bundle(bundle_dir)["step"] != bad_step:
+        failures.append("incident: the bundle is of another step")
+
+
+DDP_STEPS = 60 if not CPU_SMOKE else 40
+DDP_ARGS = ["precision=bf16", "device=cuda", "dist.backend=gloo", f"train.max_steps={DDP_STEPS}", "log.every=20",
+            "ckpt.every=20", "eval.every=0", "train.batch_size=16", "accum.steps=2", "log.progress=false"]
+
+
+def ddp_worker(out: Path) -> None:
+    """One rank of the ddp case (under torchrun): train, count collectives and host conversions, write rank 0's view."""
+    import torch.distributed as dist
+
+    from stabletrain.distributed import process_group
+    from stabletrain.syncs import SyncCounter
+
+    cfg = load_config(None, [*DDP_ARGS, f"run.dir={out / 'run'}", *SMOKE_ARGS])
+    with process_group(cfg.dist.backend, cfg.dist.timeout_s) as ctx:
+        trainer = Trainer(cfg, run_dir=cfg.run.dir)
+        calls: list[tuple[int, str, list[str]]] = []
+        real = dist.all_reduce
+
+        def counted(*args: Any, **kwargs: Any) -> Any:  # DDP's comm hook and stabletrain look it up at call time
+            calls.append((trainer.step, "all_reduce", [f.name for f in traceback.extract_stack()[-12:]]))
+            return real(*args, **kwargs)
+
+        dist.all_reduce = counted
+        with SyncCounter(lambda: trainer.step, depth=12) as syncs:
+            trainer.fit()
+        dist.all_reduce = real
+        boundary = ("_log", "evaluate", "save", "on_fit_start", "on_main", "mark_interval_start")
+        stray = [(c.step, c.op, c.where[-4:]) for c in syncs.calls if not any(b in c.where for b in boundary)]
+        in_step = [(s, w[-4:]) for s, _, w in calls if "forward_backward" in w]
+        per_step: dict[int, int] = {}
+        for s, w in in_step:
+            per_step[s] = per_step.get(s, 0) + 1
+        if ctx.is_main:
+            good = trainer.ckpt.latest_good()
+            (out / "rank0.json").write_text(json.dumps({
+                "steps": trainer.step, "first_loss": trainer.history[0]["loss"], "last_loss": trainer.history[-1]["loss"],
+                "stray_syncs": stray[:5], "num_stray_syncs": len(stray),
+                "not_the_hook": [w for _, w in in_step if "_flag_then_allreduce" not in w][:3],
+                "collectives_per_step": sorted(set(per_step.values())), "last_good": good.name if good else None}))
+
+
+def run_ddp(tmp: Path, failures: list[str]) -> None:
+    out = tmp / "ddp"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(Path(__file__).resolve()),
+           "--ddp-worker", str(out)]
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "4"})
+    if res.returncode != 0:
+        failures.append(f"ddp: torchrun failed ({res.returncode}): {res.stderr[-2000:]}")
+        return
+    r = json.loads((out / "rank0.json").read_text())
+    print(json.dumps({"case": "ddp", **r, "wall_s": round(time.perf_counter() - t0, 1)}), flush=True)
+    if r["num_stray_syncs"]:
+        failures.append(f"ddp: {r['num_stray_syncs']} host conversions between boundaries on the training thread: {r['stray_syncs']}")
+    if r["not_the_hook"]:
+        failures.append(f"ddp: a collective inside the step other than the gradient all-reduce: {r['not_the_hook']}")
+    if not r["last_loss"] < r["first_loss"]:
+        failures.append(f"ddp: loss did not fall ({r['first_loss']:.4f} -> {r['last_loss']:.4f})")
+    if r["last_good"] != f"step_{DDP_STEPS:06d}":
+        failures.append(f"ddp: LAST_GOOD names {r['last_good']} after the run")
+
+
 def main() -> int:
-    if not torch.cuda.is_available():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", nargs="+", default=[n for n, _ in CASES] + ["incident", "ddp"],
+                    choices=[n for n, _ in CASES] + ["incident", "ddp"])
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="run the script's own logic on CPU (small gpt, few steps, no CUDA checks): not a GPU check")
+    ap.add_argument("--ddp-worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.ddp_worker:
+        ddp_worker(Path(args.ddp_worker))
+        return 0
+    if args.cpu_smoke and not CPU_SMOKE:  # the flag must reach module level (and the ddp workers): rerun with it set
+        return subprocess.call([sys.executable, *sys.argv], env={**os.environ, "GPU_CHECK_CPU_SMOKE": "1"})
+    if not torch.cuda.is_available() and not CPU_SMOKE:
         print("gpu_check: no CUDA device; nothing to check")
         return 0
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    device = torch.cuda.get_device_name() if not CPU_SMOKE else "CPU (smoke run: not a GPU check)"
+    print(f"device: {device}, torch {torch.__version__}", flush=True)
     failures: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, overrides in CASES:
-            run_case(name, overrides, Path(tmp), failures)
+            if name in args.cases:
+                run_case(name, overrides, Path(tmp), failures)
+        if "incident" in args.cases:
+            run_incident(Path(tmp), failures)
+        if "ddp" in args.cases:
+            run_ddp(Path(tmp), failures)
     for f in failures:
         print("FAIL", f)
     print("gpu_check:", "ok" if not failures else f"{len(failures)} failure(s)")

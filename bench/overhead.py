@@ -171,9 +171,11 @@ class Lockstep(Callback):
 
     ``entries[i]``: the built-in clock (wall time less every bare step and checkpoint so far) at the
     ``on_step_end`` of the i-th step of this fit; ``bare_s[name][i]``: the bare step run right after it.
-    ``ckpt_s``: each checkpoint's time, from this callback's ``on_log`` (``on_fit_start`` for the step-0
-    checkpoint) to its ``on_checkpoint`` at the same boundary; appended last, so its ``on_log`` runs
-    after the sinks wrote and its ``on_checkpoint`` after the checkpoint event was written.
+    ``ckpt_s``: from this callback's ``on_log`` to an ``on_checkpoint`` (appended last, so its ``on_log`` runs
+    after the sinks wrote and its ``on_checkpoint`` after the checkpoint event was written). Checkpoints
+    are written in the background: a periodic one reports at a later boundary, so what the step waited
+    for (the check and the staging copy) stays on the built-in clock; the run's last one is waited for
+    at its boundary and taken off.
     """
 
     def __init__(self, bare: dict[str, BareLoop], bare_context: Callable[[], Any] = contextlib.nullcontext) -> None:
@@ -427,8 +429,8 @@ def per_item_costs(name: str, bare_step_s: float, reps: int = 5, rounds: int = 2
             ("log interval: reduce sync + guard.decide + on_log (jsonl, TensorBoard, bar, events)", log_interval,
              fill_only, 1 / cfg.log.every),
         ]
-        if cfg.guard.memory_snapshot:  # off by default: an incident replays from LAST_GOOD instead
-            per_interval.append(("snapshot: state copy for incident capture (guard.memory_snapshot)",
+        if cfg.guard.memory_snapshot:  # on by default: a capture replays at most one interval
+            per_interval.append(("snapshot: state copy into host buffers for incident capture (guard.memory_snapshot)",
                                  lambda: trainer.recorder.mark_interval_start(state), None, 1 / cfg.log.every))
         # Not a piece of the default step: what an optimizer that cannot skip on the device pays instead.
         aside = [("non-fused AdamW(foreach): precision.step + schedule.step (host reads) vs step() + LambdaLR",
@@ -444,8 +446,9 @@ def per_item_costs(name: str, bare_step_s: float, reps: int = 5, rounds: int = 2
         ckpt_s = []
         for _ in range(3):
             t0 = time.perf_counter()
-            trainer.keeper.save(state, True)
+            trainer.keeper.save(state, True)  # what the step waits for: the check and the staging copy
             ckpt_s.append(time.perf_counter() - t0)
+            trainer.keeper.finished(wait=True)  # the background write, off the clock
         with contextlib.redirect_stderr(devnull):
             fire("on_fit_end", state, {})
         trainer.run.close()

@@ -3,14 +3,16 @@
 (a) Steady-state overhead of the sentinel: one gpt Trainer whose sentinel a callback switches on and
     off from one log interval to the next (ABBA blocks). Off: ``trainer.guard.observe`` replaced by a
     function returning constant ``ok=True, finite=True, spike=False`` device tensors, the step's
-    post-update parameter check off (``trainer.step_fn.check_params``) and ``guard.capture`` off.
+    post-update parameter check off (``trainer.step_fn.check_params``) and ``guard.capture`` off (which
+    also drops the incident snapshot copied into host buffers at each interval start).
     Target: ratio <= 1.01 on gpt. ``--lockstep`` also runs it as separate runs (``guard.check_params=false
     guard.capture=false`` + the constant observe) beside a bare loop.
 (b) The cost of one incident in training steps: a gpt run whose training sample N carries a NaN loss
-    weight; the loop captures the bad step (the recorder replays from LAST_GOOD, or from the interval's
-    in-memory snapshot with ``guard.memory_snapshot``, and writes the bundle; timed by a callback from
-    its ``on_log`` to its ``on_incident``) and ``diagnose_incident`` replays it under the precise tools;
-    both are divided by the median step.
+    weight; the loop captures the bad step (the recorder replays from the interval's host snapshot,
+    at most log.every - 1 steps, or from LAST_GOOD with ``guard.memory_snapshot=false``, and writes the
+    bundle; timed by a callback from its ``on_log`` to its ``on_incident``) and ``diagnose_incident``
+    replays it under the precise tools; both are divided by the median step. Target: capture +
+    diagnosis <= 20 steps wherever the incident falls (``--bad-step``: which step carries the NaN).
 (c) A short run under ``torch.autograd.detect_anomaly()`` against the plain run (what users do today
     to find a NaN, for the whole job).
 
@@ -155,7 +157,7 @@ class SentinelToggle(Callback):
         t = self.trainer
         t.guard.observe = self.real_observe if on else self.const_observe
         t.step_fn.check_params = on  # the step's post-update parameter check (guard.check_params at build time)
-        t.cfg.guard.capture = on  # read at each boundary (the in-memory snapshot when guard.memory_snapshot is on)
+        t.cfg.guard.capture = on  # read at each boundary (and the interval's host snapshot with it)
 
     def on_fit_start(self, state: FitState) -> None:
         self.set_mode(True)
@@ -180,7 +182,7 @@ def part_a_paired(task: Any, blocks: int, warmup: int, tmp: Path, overrides: lis
     Intervals run in ABBA blocks (on, off, off, on): neighbours see the same machine load and neither
     mode always comes first. Each block gives one ratio (on time / off time over its four
     intervals); the median over blocks isolates the sentinel: ``guard.observe``, the post-update
-    parameter check (and, with ``guard.memory_snapshot``, the interval's incident snapshot). Returns
+    parameter check and the interval's incident snapshot (``guard.memory_snapshot``, on by default). Returns
     the median step time with it on.
     """
     every = load_config(None, ["task=gpt", *overrides]).log.every
@@ -256,9 +258,10 @@ class IncidentClock(Callback):
         self.infos.append(dict(info))
 
 
-def part_b(task: Any, step_s: float | None, tmp: Path, bad_step: int = 15, repeats: int = 3,
+def part_b(task: Any, step_s: float | None, tmp: Path, bad_step: int = 20, repeats: int = 3,
            overrides: list[str] = ()) -> None:
-    cfg = load_config(None, ["task=gpt", *overrides, "train.max_steps=20", "run.overwrite=true", "guard.diagnose=false"])
+    cfg = load_config(None, ["task=gpt", *overrides, f"train.max_steps={max(20, bad_step)}", "run.overwrite=true",
+                             "guard.diagnose=false"])
     order = EpochOrder(len(task.train_data), cfg.train.batch_size, cfg.seed, cfg.data.shuffle)
     bad_index = order.micro_batches(0)[bad_step - 1][3]  # the 4th sample of step `bad_step`'s batch
     nan_task = copy.copy(task)
@@ -287,10 +290,13 @@ def part_b(task: Any, step_s: float | None, tmp: Path, bad_step: int = 15, repea
           f"reproduces={diagnosis.get('reproduces')} -> {'correct' if found and bad_index in found else 'NOT the planted sample'}")
     print(f"    median step {step * 1e3:.2f} ms ({'from (a)' if step_s is not None else 'from this run'}; "
           f"this run's healthy steps {run_step * 1e3:.2f} ms)")
-    print(f"    capture (replay from LAST_GOOD or the in-memory snapshot, + bundle write): {clock.capture_s[0]:.2f} s = "
-          f"{clock.capture_s[0] / step:.1f} steps")
+    source = "the interval's host snapshot" if cfg.guard.memory_snapshot else "LAST_GOOD"
+    print(f"    capture (replay of {trainer.recorder.replayed_steps} steps from {source}, + bundle write): "
+          f"{clock.capture_s[0]:.2f} s = {clock.capture_s[0] / step:.1f} steps")
     print(f"diagnosis cost: {diag:.2f} s = {diag / step:.1f} median steps "
-          f"(median of {repeats}: {', '.join(f'{t:.2f}' for t in times)} s)  [{load_average()}]", flush=True)
+          f"(median of {repeats}: {', '.join(f'{t:.2f}' for t in times)} s)  [{load_average()}]")
+    total = (clock.capture_s[0] + diag) / step
+    print(f"incident cost: capture + diagnosis = {total:.1f} steps (target <= 20)", flush=True)
 
 
 # -- (c) ---------------------------------------------------------------------------------------
@@ -318,6 +324,9 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=50, help="ABBA blocks of log intervals in (a)")
     ap.add_argument("--lockstep", action="store_true", help="also run (a) as separate runs beside a bare loop")
     ap.add_argument("--steps", type=int, default=30, help="timed steps per round of (a), a multiple of log.every")
+    ap.add_argument("--bad-step", type=int, default=20,
+                    help="the step of (b) whose sample carries the NaN (20: the last of its log interval, the "
+                         "longest replay)")
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: a smaller gpt, 2 ABBA blocks, 1 round of (c), 1 diagnosis (not a measurement)")
     args = ap.parse_args()
@@ -334,7 +343,8 @@ def main() -> None:
             if args.lockstep:
                 part_a(task, args.rounds, args.warmup, args.steps, Path(tmp) / "a", overrides)
         if "b" in args.parts:
-            part_b(task, step_s, Path(tmp) / "b", repeats=1 if args.quick else 3, overrides=overrides)
+            part_b(task, step_s, Path(tmp) / "b", bad_step=args.bad_step, repeats=1 if args.quick else 3,
+                   overrides=overrides)
         if "c" in args.parts:
             part_c(task, max(args.rounds // 2, 1), args.warmup, 10 if args.quick else 20, Path(tmp) / "c", overrides)
 

@@ -1,9 +1,11 @@
 """A torchrun worker for the distributed tests: train, then leave each rank's view of the run on disk.
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist_tasks.py OUT_DIR [--count-syncs] key=value ...
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist_tasks.py OUT_DIR [--count-syncs]
+        [--count-collectives] key=value ...
 
-Each rank writes ``OUT_DIR/rank_R.pt``: its final parameters, its metrics history and, with
-``--count-syncs``, every Tensor->host conversion it made (step, function, the calling frames).
+Each rank writes ``OUT_DIR/rank_R.pt``: its final parameters, its metrics history, with
+``--count-syncs`` every Tensor->host conversion it made (step, function, the calling frames), and with
+``--count-collectives`` every torch.distributed collective it called (step, collective, the calling frames).
 """
 
 from __future__ import annotations
@@ -41,13 +43,36 @@ class CountSyncs(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier",
+               "reduce_scatter_tensor", "all_gather_into_tensor")
+
+
+def count_collectives(trainer: Trainer) -> list:
+    """Wrap torch.distributed's collectives (looked up at call time by DDP's hooks and stabletrain) to record each call."""
+    import torch.distributed as dist
+
+    calls = []
+
+    def wrap(name, fn):
+        def recorded(*args, **kwargs):
+            calls.append((trainer.step, name, [f.name for f in traceback.extract_stack()[:-1]][-40:]))
+            return fn(*args, **kwargs)
+        return recorded
+
+    for name in COLLECTIVES:
+        setattr(dist, name, wrap(name, getattr(dist, name)))
+    return calls
+
+
 def main(argv: list[str]) -> None:
     out = Path(argv[0])
     count = "--count-syncs" in argv
-    overrides = [a for a in argv[1:] if a != "--count-syncs"]
+    collectives = "--count-collectives" in argv
+    overrides = [a for a in argv[1:] if a not in ("--count-syncs", "--count-collectives")]
     cfg = load_config(None, overrides)
     with process_group(cfg.dist.backend, cfg.dist.timeout_s) as ctx:
         trainer = Trainer(cfg, run_dir=cfg.run.dir)
+        calls = count_collectives(trainer) if collectives else None
         counter = CountSyncs(trainer) if count else None
         if counter is not None:
             with counter:
@@ -57,6 +82,7 @@ def main(argv: list[str]) -> None:
         out.mkdir(parents=True, exist_ok=True)
         torch.save({"params": {k: v.detach().clone() for k, v in trainer.module.state_dict().items()},
                     "history": trainer.history, "syncs": counter.calls if counter else None, "world": ctx.world,
+                    "collectives": calls,
                     "step": trainer.step}, out / f"rank_{ctx.rank}.pt")
 
 

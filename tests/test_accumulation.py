@@ -95,3 +95,64 @@ def test_trainer_accumulation_matches_big_batch_across_an_epoch_tail(make):
     losses_big = [r["loss"] for r in big.history]
     losses_acc = [r["loss"] for r in acc.history]
     assert losses_acc == pytest.approx(losses_big, rel=1e-5)
+
+
+class FakeCarrier:
+    """Stands in for DDP's comm hook state (stabletrain.distributed.LocalGradFlag): takes what the window carries."""
+
+    hooked = True
+
+    def carry(self, payload, scale):
+        self.payload, self.scale, self.received = payload, scale, None
+
+
+def test_a_carried_window_sums_each_ranks_unnormalized_gradient_to_the_exact_global_mean(monkeypatch):
+    """What the DDP comm hook does, written out for two simulated ranks (see stabletrain.accumulation)."""
+    monkeypatch.setattr(AccumulationWindow, "_world", lambda self: 2)
+    torch.manual_seed(0)
+    task = varlen_task()
+    params = list(task.model.parameters())
+    # Different item counts on the ranks, a short window on rank 1, and one micro-batch with no items at all.
+    ranks = {0: [list(range(0, 6)), list(range(6, 13)), list(range(13, 15))], 1: [list(range(20, 24)), list(range(24, 27))]}
+    empty = (1, 0)  # rank 1's first micro-batch: every token masked out (count 0)
+    sums, windows, carriers = [], [], []
+    for r, chunks in ranks.items():
+        task.model.zero_grad(set_to_none=True)
+        window, carrier = AccumulationWindow(params), FakeCarrier()
+        for i, idx in enumerate(chunks):
+            x, y, mask = _collate(task, idx)
+            if (r, i) == empty:
+                mask = torch.zeros_like(mask)
+            loss_sum, count = as_sum_count(task.loss(task.model, (x, y, mask)), len(idx))
+            window.normalize(loss_sum, count, last=i == len(chunks) - 1, carrier=carrier).backward()
+        sums.append(_grads(task.model) * carrier.scale)  # the hook: this rank's unnormalized sum
+        windows.append(window)
+        carriers.append(carrier)
+    received = carriers[0].payload + carriers[1].payload  # the all-reduce of the carried numbers
+    for c in carriers:
+        c.received = received
+    everything = [i for r, chunks in ranks.items() for i, idx in enumerate(chunks) if (r, i) != empty for i in idx]
+    g_big = _big(task, everything)
+    for window in windows:  # every rank ends with the same exact global mean
+        g = (sums[0] + sums[1]) * window.grad_scale
+        assert torch.isfinite(g).all()
+        assert torch.allclose(g, g_big, rtol=0, atol=RTOL * g_big.abs().max()), (g - g_big).abs().max()
+        with torch.no_grad():
+            loss_sum, count = as_sum_count(task.loss(task.model, _collate(task, everything)), len(everything))
+        assert window.global_count == count and torch.allclose(window.mean_loss, loss_sum / count, rtol=1e-6)
+
+
+def test_a_carrier_without_its_hook_is_ignored_and_an_unreduced_window_says_why(monkeypatch):
+    task = regression_task()
+    window = AccumulationWindow(list(task.model.parameters()))
+    carrier = FakeCarrier()
+    carrier.hooked = False  # e.g. FSDP: no DDP comm hook; one process here, so no collective either
+    loss_sum, count = as_sum_count(task.loss(task.model, _collate(task, range(8))), 8)
+    window.normalize(loss_sum, count, last=True, carrier=carrier).backward()
+    assert window.grad_scale is None and window.global_count == 8
+    monkeypatch.setattr(AccumulationWindow, "_world", lambda self: 2)
+    carrier.hooked = True
+    window.begin()
+    window.normalize(loss_sum.detach(), count, last=True, carrier=carrier)
+    with pytest.raises(RuntimeError, match="no gradient all-reduce ran after the last micro-batch"):
+        window.mean_loss

@@ -173,6 +173,7 @@ CRASH = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["torch_save", "rename", "last_good", "resave"])
 def test_crash_mid_save_leaves_last_good_on_the_previous_checkpoint(tmp_path, mode):
     root = tmp_path / "checkpoints"
@@ -505,6 +506,7 @@ KILLED_IN_FLIGHT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sigkill_while_a_background_save_is_in_flight_resumes_from_the_previous_last_good(tmp_path):
     args = [*MLP, "train.max_steps=8", "log.every=2", "ckpt.every=2", "log.tensorboard=false"]
     script = KILLED_IN_FLIGHT.format(tests=str(Path(__file__).parent), args=args)

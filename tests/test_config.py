@@ -184,6 +184,7 @@ def test_diff_configs_lists_differing_keys_and_ignores_resume_safe_ones():
     assert stabletrain.diff_configs is diff_configs
 
 
+@pytest.mark.slow
 def test_help_readme_and_refusal_print_the_same_resume_safe_keys():
     listed = resume_safe_text()
     assert listed == ", ".join(RESUME_SAFE_KEYS) and "train.max_steps" in listed and "callbacks" in listed

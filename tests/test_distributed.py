@@ -279,6 +279,40 @@ def test_sigterm_to_the_launcher_checkpoints_every_rank_at_the_same_log_boundary
     assert loaded.meta["step"] % 3 == 0 and loaded.meta["step"] == _steps_logged(run_dir) and len(loaded.state["ranks"]) == 2
 
 
+# -- one collective per step ----------------------------------------------------------------------
+
+
+def test_a_step_has_one_collective_the_gradient_all_reduce_which_carries_the_windows_numbers(tmp_path):
+    out = tmp_path / "out"
+    _run([*TORCHRUN, str(TESTS / "dist_tasks.py"), str(out), "--count-collectives", "task=mlp", "task_args.num_samples=512",
+          "train.batch_size=8", "accum.steps=3", "train.max_steps=8", "log.every=4", "ckpt.every=0", "eval.every=0",
+          "guard.check_inputs=true", f"run.dir={tmp_path / 'run'}", *FAST])
+    for rank in (0, 1):
+        saved = torch.load(out / f"rank_{rank}.pt", weights_only=False)
+        calls = saved["collectives"]
+        per_step: dict[int, int] = {}
+        for step, name, stack in calls:
+            if "forward_backward" in stack:  # inside a step: only DDP's bucket all-reduces, through the comm hook
+                assert name == "all_reduce" and "_flag_then_allreduce" in stack and "normalize" not in stack, \
+                    (rank, step, name, stack[-6:])
+                per_step[step] = per_step.get(step, 0) + 1
+            else:  # outside: only at the log boundaries (the interval's all-gather) and the start and end
+                assert step in (0, 4, 8), (rank, step, name, stack[-6:])
+        assert sorted(per_step) == list(range(8)), per_step  # every step (keyed by the steps taken before it)
+        assert all(n == per_step[7] for s, n in per_step.items() if s >= 1), per_step  # one per bucket, every step
+        assert all(r["world_size"] == 2 and r["loss"] == r["loss"] for r in saved["history"])  # global, finite
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-6), ("bfloat16", 2e-2)])
+def test_the_carried_numbers_are_exact_in_any_bucket_dtype(tmp_path, dtype, tol):
+    out = tmp_path / "out.json"
+    _run([*TORCHRUN, str(TESTS / "dist_carrier.py"), dtype, str(out)])
+    r = json.loads(out.read_text())
+    assert r["count"] == 12.0  # 7 + 5: a bf16 bucket could not hold it exactly; its numbers travel apart
+    assert r["mean_loss"] == pytest.approx(r["reference_loss"], rel=tol)
+    assert r["grad_err"] <= tol * r["grad_scale"], r
+
+
 # -- the sync count per interval -----------------------------------------------------------------
 
 

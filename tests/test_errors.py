@@ -15,6 +15,8 @@ from helpers import cfg, regression_task
 from stabletrain import Trainer
 from stabletrain.errors import format_task_error, raised_by_stabletrain, task_part, user_location
 
+pytestmark = pytest.mark.slow  # most tests start the CLI in a fresh process
+
 TESTS = Path(__file__).parent
 TASKS = TESTS / "user_code_tasks.py"
 

@@ -4,7 +4,10 @@ import pytest
 import torch
 
 from helpers import cfg, nan_sample_task
+from test_checkpoint import assert_same
 from stabletrain import Trainer
+from stabletrain.callbacks import Callback
+from stabletrain.callbacks.incidents import clone_state
 from stabletrain.incidents import BUNDLE_FILE, diagnose_incident, load_bundle, write_bundle
 
 
@@ -34,3 +37,49 @@ def test_an_incident_is_captured_and_diagnosed_again_from_the_bundle(tmp_path):
     d = diagnose_incident(incident, nan_sample_task(bad_index=37))
     assert d["stage"] == "inputs" and d["bad_samples"] == [37] and d["reproduces"] is True
     assert (incident / "diagnosis.json").exists()
+
+
+class PreStepState(Callback):
+    """Keep a copy of the whole state at the end of step ``step`` (= the state before step ``step + 1``)."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.state = step, None
+
+    def on_step_end(self, state, out):
+        if state.step == self.step:
+            self.state = clone_state(state.state_dict())
+
+
+@pytest.mark.parametrize("snapshot, replayed", [(True, 3), (False, 13)])
+def test_a_late_incident_replays_at_most_one_interval_and_its_bundle_is_the_runs_pre_step_state(tmp_path, snapshot, replayed):
+    # 128 samples, 8 per step, in order: sample 107 is in step 14, the 4th of the interval (10, 15], with the last
+    # checkpoint at step 0 (ckpt.every=100). From the interval's host snapshot the capture replays steps 11-13;
+    # from LAST_GOOD (guard.memory_snapshot=false) it would replay 13 steps.
+    c = cfg("train.batch_size=8", "train.max_steps=15", "log.every=5", "guard.diagnose=false", "data.shuffle=false",
+            f"guard.memory_snapshot={str(snapshot).lower()}")
+    pre = PreStepState(13)
+    trainer = Trainer(c, task=nan_sample_task(bad_index=107, n=128), run_dir=tmp_path / "run", callbacks=[pre])
+    calls = []
+    run_step = trainer.state.run_step
+    trainer.state.run_step = lambda window, **kw: (calls.append(window), run_step(window, **kw))[1]
+    trainer.fit()
+    assert trainer.recorder.replayed_steps == len(calls) == replayed
+    assert len(calls) <= c.log.every or not snapshot
+    bundle = load_bundle(tmp_path / "run" / "incidents" / "step_000014")
+    assert bundle["step"] == 14 and 107 in bundle["window"]["indices"][0]
+    for key in ("model", "optimizer", "schedule", "precision", "rng"):
+        assert_same(bundle[key], pre.state[key], key)  # bitwise: the replay reproduced the run exactly
+    assert trainer.step == 15  # the run went on from where it was
+
+
+def test_the_interval_snapshot_reuses_host_buffers_and_stays_off_the_device():
+    trainer = Trainer(cfg("train.max_steps=6", "log.every=2"))
+    recorder = trainer.recorder
+    recorder.mark_interval_start(trainer.state)
+    first = {k: v.data_ptr() for k, v in recorder.snapshot["model"].items()}
+    trainer.fit()
+    assert {k: v.data_ptr() for k, v in recorder.snapshot["model"].items()} == first  # the same buffers, refilled
+    assert all(v.device.type == "cpu" and v.data_ptr() != trainer.module.state_dict()[k].data_ptr()
+               for k, v in recorder.snapshot["model"].items())
+    for name, value in trainer.module.state_dict().items():  # refilled at the last boundary (step 6)
+        assert torch.equal(recorder.snapshot["model"][name], value), name

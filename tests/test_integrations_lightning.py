@@ -24,7 +24,7 @@ from stabletrain.records import read_jsonl  # noqa: E402
 from stabletrain.report import load_run, write_report  # noqa: E402
 
 logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")]  # slow: a real Lightning Trainer per test
 
 BATCH = 8
 
@@ -81,6 +81,8 @@ def test_clean_run_metrics_mirror_and_report(tmp_path):
     assert records[0]["clip_rate"] == 1.0 and records[0]["grad_norm_post_clip"] <= 0.05 * (1 + 1e-5)
     assert records[0]["grad_norm"] > 0.05 and records[0]["lr"] == pytest.approx(1e-2)
     assert records[-1]["samples_seen"] == 12 * BATCH and records[0]["top_grad_layers"]
+    # ||update|| of each interval's last step, measured around the host's own optimizer step.
+    assert all(0 < r["update_norm"] and 0 < r["update_ratio"] < 1 for r in records[:2])
     # Mirrored into Lightning's own logging at the boundaries.
     assert trainer.callback_metrics["stabletrain/grad_norm"] == pytest.approx(records[1]["grad_norm"], rel=1e-6)
     config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())

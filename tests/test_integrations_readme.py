@@ -12,7 +12,7 @@ from stabletrain.records import read_jsonl
 from stabletrain.report import write_compare, write_report
 
 README = Path(__file__).parents[1] / "README.md"
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")]  # slow: the README's trainer snippets, run as written
 
 
 def snippets() -> list[str]:

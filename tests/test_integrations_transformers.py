@@ -19,7 +19,7 @@ from stabletrain.integrations.transformers import STATE_FILE, StableTrainCallbac
 from stabletrain.records import read_jsonl  # noqa: E402
 from stabletrain.report import load_run, write_report  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")]  # slow: a real Hugging Face Trainer per test
 transformers.logging.set_verbosity_error()
 BATCH = 4
 
@@ -54,6 +54,8 @@ def test_clean_run_metrics_mirror_and_report(tmp_path):
     assert set(records[0]) <= set(METRIC_KEYS)
     assert records[0]["clip_rate"] == 1.0 and records[0]["grad_norm_post_clip"] <= 0.05 * (1 + 1e-5)
     assert records[0]["tokens_per_s"] > 0 and records[-1]["samples_seen"] == 10 * BATCH
+    # ||update|| of each interval's last step, measured around the host's own optimizer step.
+    assert all(0 < r["update_norm"] and 0 < r["update_ratio"] < 1 for r in records[:2])
     # The pre-clip norm is the Trainer's own (it logs the last step's at its logging steps).
     logged = [h for h in trainer.state.log_history if "stabletrain/grad_norm_max" in h]
     assert [h["step"] for h in logged] == [4, 8]

@@ -16,6 +16,7 @@ def _metrics(*overrides):
     return [{k: v for k, v in r.items() if k not in TIMING} for r in trainer.history], trainer
 
 
+@pytest.mark.slow
 def test_same_seed_same_metrics_and_parameters():
     a, ta = _metrics("task_args.dropout=0.2", "accum.steps=2")
     b, tb = _metrics("task_args.dropout=0.2", "accum.steps=2")
@@ -34,6 +35,7 @@ def test_data_progress_and_throughput_fields():
     assert "val_loss" in records[1] and "val_loss" not in records[0]
 
 
+@pytest.mark.slow
 def test_gpt_task_contract_and_data():
     task = resolve_task("gpt", {"n_layer": 1, "n_embd": 32, "n_head": 2, "seq_len": 16, "max_bytes": 100_000})
     x, y = task.train_data[3]
@@ -47,6 +49,7 @@ def test_gpt_task_contract_and_data():
     assert loss_sum.item() / 16 == pytest.approx(torch.log(torch.tensor(256.0)).item(), rel=0.05)
 
 
+@pytest.mark.slow
 def test_gpt_validation_loss_falls():
     c = cfg("train.max_steps=40", "log.every=20", "eval.every=20", "eval.batches=4", "optim.lr=3e-3",
             "task_args.n_layer=2", "task_args.n_embd=64", "task_args.seq_len=64", "task_args.max_bytes=400000",
@@ -81,6 +84,7 @@ def test_an_init_overwritten_before_the_first_step_is_an_event(tmp_path):
     assert overwritten[0]["params"][0]["new_std"] == pytest.approx(5.0, rel=0.1)
 
 
+@pytest.mark.slow
 def test_dataloader_workers_are_seeded():
     a, _ = _metrics("data.workers=2", "train.max_steps=12")
     b, _ = _metrics("data.workers=2", "train.max_steps=12")

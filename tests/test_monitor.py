@@ -35,6 +35,7 @@ def train(monitor, model, data):
         monitor.step(batch)
 
 
+@pytest.mark.slow
 def test_clean_run_writes_a_run_directory_that_report_and_compare_read(tmp_path):
     runs = []
     for name, clip in (("a", 1.0), ("b", 0.05)):

@@ -6,13 +6,25 @@ per-micro-batch means: that is wrong for a short tail window and for variable-le
 
 The item count of a micro-batch is only known after its forward pass, so the window keeps the grads
 normalized by the running count: before micro-batch i's backward it rescales the grads accumulated
-so far by ``D_{i-1} / D_i`` and backpropagates ``loss_sum_i / D_i``. On the last micro-batch under
-DDP, ``D`` is the global count divided by the world size, so DDP's averaging lands on the exact
-global mean. All of it stays on the device.
+so far by ``D_{i-1} / D_i`` and backpropagates ``loss_sum_i / D_i``. All of it stays on the device.
 
-Under DDP the window's one all-reduce also carries the inputs-finite flag when the guard checks
-inputs, so every rank skips a step whose inputs were bad on any rank. A non-finite loss on one rank
-needs nothing extra: the summed loss is then non-finite on every rank.
+Under DDP the global count is known only once the ranks have talked. With the comm hook of
+:func:`stabletrain.distributed.register_grad_flag` (the built-in loop) the window's numbers travel
+with the gradients, so a step has ONE collective: each rank backpropagates by its own running count
+``C_r``; the hook multiplies each gradient bucket by ``C_r`` (this rank's unnormalized sum, in place of
+DDP's division by the world size), sums the buckets over the ranks, and carries this rank's
+(loss sum, count[, inputs flag]) in the first bucket. After the backward the gradients hold the
+window's global sum, and :attr:`AccumulationWindow.grad_scale` = 1 / global count is what the step
+multiplies them by, in the pass that clipping makes anyway. The division is exact: every rank's
+share enters the sum unnormalized, whatever its count (a short tail, variable lengths, none at all).
+
+Without the hook (a user's own DDP loop, FSDP) the last micro-batch all-reduces (loss sum, count
+[, inputs flag]) itself before its backward and backpropagates by ``global count / world``, so DDP's
+averaging lands on the exact global mean: a second collective, blocking.
+
+Either way the inputs-finite flag is reduced too when the guard checks inputs, so every rank skips a
+step whose inputs were bad on any rank. A non-finite loss on one rank needs nothing extra: the summed
+loss is then non-finite on every rank.
 """
 
 from __future__ import annotations
@@ -49,6 +61,8 @@ class AccumulationWindow:
 
     Call :meth:`begin` before the window, :meth:`normalize` on each micro-batch's (sum, count) to get
     the loss to backpropagate, and read :attr:`loss_sum` / :attr:`count` afterwards (detached, local).
+    After the last micro-batch's backward: :attr:`global_loss_sum`, :attr:`global_count`,
+    :attr:`mean_loss`, :attr:`inputs_ok` (over all ranks) and :attr:`grad_scale`.
     """
 
     def __init__(self, params: list[Tensor], process_group: Any = None) -> None:
@@ -61,33 +75,45 @@ class AccumulationWindow:
         self.count: Tensor | float = 0.0
         self._denominator: Tensor | None = None
         self.num_micro_batches = 0
-        self.inputs_ok: Tensor | None = None
+        self._global: tuple[Tensor, Tensor, Tensor | None] | None = None
+        self._carrier: Any = None
+        self._carried_inputs = False
 
     def _world(self) -> int:
         if dist.is_available() and dist.is_initialized():
             return dist.get_world_size(self.process_group)
         return 1
 
-    def normalize(self, loss_sum: Tensor, count: Tensor, last: bool, inputs_ok: Tensor | None = None) -> Tensor:
+    def normalize(self, loss_sum: Tensor, count: Tensor, last: bool, inputs_ok: Tensor | None = None,
+                  carrier: Any = None) -> Tensor:
         """Return the loss to backpropagate for this micro-batch; rescale grads accumulated so far in place.
 
         ``inputs_ok`` (on the last micro-batch): whether this rank's inputs of the whole window were
         finite; afterwards :attr:`inputs_ok` holds it for all ranks (None when not given).
+        ``carrier`` (DDP): the :class:`~stabletrain.distributed.LocalGradFlag` whose comm hook sums the
+        window's numbers with the gradients (see the module docstring); then the last backward must go
+        through that DDP model, and :attr:`grad_scale` must be applied to the gradients. One without
+        its hook installed (``hooked`` false) is ignored.
         """
         self.loss_sum = self.loss_sum + loss_sum.detach()
         self.count = self.count + count
         denominator = self.count
         world = self._world()
-        if last and world > 1:
+        if carrier is not None and carrier.hooked and world > 1:
+            # By this rank's own count; one with no items so far backpropagates its zeros by 1, not 0/0.
+            denominator = torch.where(self.count > 0, self.count, torch.ones_like(self.count))
+            if last:
+                parts = [self.loss_sum, self.count] + ([(~inputs_ok).float()] if inputs_ok is not None else [])
+                carrier.carry(torch.stack(parts), denominator)  # reduced by the hook, with the first gradient bucket
+                self._carrier, self._carried_inputs = carrier, inputs_ok is not None
+        elif last and world > 1:
             parts = [self.loss_sum, self.count] + ([(~inputs_ok).float()] if inputs_ok is not None else [])
             stats = torch.stack(parts).double()
-            dist.all_reduce(stats, group=self.process_group)  # once per window, on the device
-            self.global_loss_sum, self.global_count = stats[0].float(), stats[1].float()
-            self.inputs_ok = stats[2] == 0 if inputs_ok is not None else None
-            denominator = self.global_count / world
+            dist.all_reduce(stats, group=self.process_group)  # once per window, on the device, before the backward
+            self._global = (stats[0].float(), stats[1].float(), stats[2] == 0 if inputs_ok is not None else None)
+            denominator = self._global[1] / world
         elif last:
-            self.global_loss_sum, self.global_count = self.loss_sum, self.count
-            self.inputs_ok = inputs_ok
+            self._global = (self.loss_sum, self.count, inputs_ok)
         if self._denominator is not None:
             grads = [p.grad for p in self.params if p.grad is not None]
             if grads:
@@ -96,7 +122,43 @@ class AccumulationWindow:
         self.num_micro_batches += 1
         return loss_sum / denominator
 
+    def _reduced(self) -> tuple[Tensor, Tensor, Tensor | None]:
+        if self._global is None and self._carrier is not None:
+            stats = self._carrier.received  # the hook's sum over the ranks, filled during the last backward
+            if stats is None:
+                raise RuntimeError("the accumulation window's numbers were not reduced: no gradient all-reduce ran "
+                                   "after the last micro-batch (the backward must go through the DDP model whose comm "
+                                   "hook stabletrain.distributed.register_grad_flag installed)")
+            self._global = (stats[0].float(), stats[1].float(), stats[2] == 0 if self._carried_inputs else None)
+        if self._global is None:
+            raise RuntimeError("the accumulation window's totals are known only after its last micro-batch")
+        return self._global
+
+    @property
+    def global_loss_sum(self) -> Tensor:
+        """The window's loss sum over all ranks."""
+        return self._reduced()[0]
+
+    @property
+    def global_count(self) -> Tensor:
+        """The window's item count over all ranks."""
+        return self._reduced()[1]
+
+    @property
+    def inputs_ok(self) -> Tensor | None:
+        """Whether every rank's inputs of the window were finite (None when not checked)."""
+        return self._reduced()[2] if (self._global is not None or self._carrier is not None) else None
+
     @property
     def mean_loss(self) -> Tensor:
         """The window's unscaled per-item mean loss over all ranks (valid after the last micro-batch)."""
         return self.global_loss_sum / self.global_count
+
+    @property
+    def grad_scale(self) -> Tensor | None:
+        """What the gradients must still be multiplied by, or None when they are already the window's mean.
+
+        With a ``carrier`` (DDP through the comm hook) the gradients hold the window's global SUM, and
+        this is 1 / :attr:`global_count` (a device scalar; valid after the last backward).
+        """
+        return 1.0 / self.global_count if self._carrier is not None else None

@@ -134,8 +134,8 @@ class GuardConfig:
     max_rollbacks: int = _f(3, "stop the run after this many rollbacks")
     check_params: bool = _f(True, "check after every update that the parameters are finite (one fused pass, no sync)")
     check_inputs: bool = _f(False, "check floating-point inputs of every micro-batch for NaN/Inf")
-    capture: bool = _f(True, "capture an incident bundle (RUN_DIR/incidents/step_N) for the first bad step of an interval, by replaying from LAST_GOOD")
-    memory_snapshot: bool = _f(False, "also keep a copy of the state at every log interval in memory, so a capture replays at most log.every steps (costs a state copy per interval and the memory of model + optimizer)")
+    capture: bool = _f(True, "capture an incident bundle (RUN_DIR/incidents/step_N) for the first bad step of an interval, by replaying from the interval's snapshot (guard.memory_snapshot) or else from LAST_GOOD")
+    memory_snapshot: bool = _f(True, "copy the state into reused host buffers at every log interval's start (pinned, non-blocking from CUDA), so a capture replays at most log.every steps wherever the incident falls (costs one copy per interval and host memory for model + optimizer); false: replay from LAST_GOOD, up to ckpt.every steps")
     diagnose: bool = _f(True, "diagnose a captured incident right away (replay under the precise tools)")
 
 
@@ -175,7 +175,7 @@ class Config:
     run: RunConfig = _section(RunConfig, "run directory")
     ckpt: CkptConfig = _section(CkptConfig, "checkpoints")
     guard: GuardConfig = _section(GuardConfig, "NaN/Inf sentinel, loss-spike detection and what to do about them")
-    dist: DistConfig = _section(DistConfig, "distributed data parallel (DDP over torch.distributed, launched by torchrun); global batch = train.batch_size x accum.steps x world size")
+    dist: DistConfig = _section(DistConfig, "more than one process (DDP or FSDP2 over torch.distributed, launched by torchrun; see dist.strategy); global batch = train.batch_size x accum.steps x world size")
     resume: str | None = _f(None, "a run directory to continue from its LAST_GOOD checkpoint (same as --resume)")
     callbacks: list[str] = _f([], "your callbacks: a list of 'module:Class' entries, each built with no arguments (e.g. callbacks=[mypkg.cbs:LogGrads])")
 

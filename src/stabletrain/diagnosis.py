@@ -22,6 +22,7 @@ train/eval mode and the RNG are restored when it returns. Replay only: it syncs 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections.abc import Callable, Sequence
@@ -322,7 +323,10 @@ def _diagnose(rep: _Replayer, micro_batches: list[tuple[list[int], Any]],
     bisection: Bisection | None = None
     bad_samples: list[int] | None = input_samples if stage == "inputs" and input_samples else None
     if bisect and stage in ("inputs", "activations", "loss", "gradients"):
-        bisection = bisect_samples(_is_bad_fn(rep, micro_batches, dataset, collate),
+        # The bisection replays many subsets: where the whole window's bad value reaches the loss or the
+        # gradients, a plain finiteness check on those tells bad from good, without the op-by-op locator.
+        reaches = not math.isfinite(float(replays[0]["loss"])) or replays[0]["first_nonfinite_param"] is not None
+        bisection = bisect_samples(_is_bad_fn(rep, micro_batches, dataset, collate, precise=not reaches),
                                    [i for indices, _ in micro_batches for i in indices])
         bad_samples = bisection.samples
 
@@ -369,8 +373,12 @@ def _diagnose(rep: _Replayer, micro_batches: list[tuple[list[int], Any]],
 
 
 def _is_bad_fn(rep: _Replayer, micro_batches: list[tuple[list[int], Any]], dataset: Any,
-               collate: Callable[[list[Any]], Any] | None) -> Callable[[list[int]], bool]:
-    """Return ``is_bad(subset)``: replay only those dataset indices, each in its own micro-batch's group."""
+               collate: Callable[[list[Any]], Any] | None, precise: bool = True) -> Callable[[list[int]], bool]:
+    """Return ``is_bad(subset)``: replay only those dataset indices, each in its own micro-batch's group.
+
+    ``precise``: also count a non-finite value that never reaches the loss or the gradients (the
+    op-by-op locator); otherwise a subset is bad when its loss or a gradient is non-finite (cheaper).
+    """
     collate = collate or default_collate
 
     def is_bad(subset: list[int]) -> bool:
@@ -387,11 +395,11 @@ def _is_bad_fn(rep: _Replayer, micro_batches: list[tuple[list[int], Any]], datas
             return False
         rep.reset()
         try:
-            with NonFiniteLocator(rep.model, capture_stack=False) as loc:
+            with NonFiniteLocator(rep.model, capture_stack=False) if precise else contextlib.nullcontext() as loc:
                 _, loss = rep.forward_backward(groups)
         except RuntimeError:  # a subset the model cannot run (e.g. batch norm on one sample) blames no one
             return False
-        return loc.found or not math.isfinite(loss) or first_nonfinite_grad(rep.model) is not None
+        return (loc is not None and loc.found) or not math.isfinite(loss) or first_nonfinite_grad(rep.model) is not None
 
     return is_bad
 

@@ -8,8 +8,9 @@ The same loop runs on one process or on N under ``torchrun`` (DDP; gloo on CPU, 
 Global batch = ``train.batch_size`` x ``accum.steps`` x world size. Where the ranks talk, and why:
 
 ==========================  ======================================================================
-every optimizer step        the window's (loss sum, count[, inputs flag]) all-reduce (accumulation.py)
-                            and DDP's gradient all-reduce on the last micro-batch (no_sync before it)
+every optimizer step        DDP's gradient all-reduce on the last micro-batch (no_sync before it); its
+                            first bucket also carries the window's (loss sum, count[, inputs flag])
+                            (accumulation.py): one collective per step
 every log interval          one all-gather of each rank's per-step "saw a non-finite value" flags
                             and pending signal (metrics.py); everything else is already global
 validation                  one all-reduce of the (loss sum, count) of each rank's share of batches
@@ -244,30 +245,65 @@ def launch(nproc: int, argv: list[str]) -> int:
 
 
 class LocalGradFlag:
-    """Whether this rank's own gradients were non-finite before DDP's all-reduce mixed them (a device bool).
+    """The DDP comm hook's state: this rank's finiteness flag, and the window's numbers that travel with the grads.
 
-    Set by the comm hook that :func:`register_grad_flag` installs; :meth:`reset` before each step.
-    Costs one ``isfinite().all()`` pass per gradient bucket on the device, no sync.
+    ``bad``: whether this rank's own gradients were non-finite before the all-reduce mixed them (a
+    device bool; one ``isfinite().all()`` pass per bucket, no sync). :meth:`carry` (called by the
+    accumulation window before the last micro-batch's backward) hands the hook this rank's
+    (loss sum, count[, inputs flag]) and the count the rank backpropagated by; after the backward
+    :attr:`received` holds their sum over the ranks. :meth:`reset` before each step.
     """
 
     def __init__(self, device: torch.device, group: Any = None) -> None:
         self.device, self.group = device, group
-        self.bad = torch.zeros((), dtype=torch.bool, device=device)
+        self.hooked = False  # set by register_grad_flag: only then does anything travel with the gradients
+        self.reset()
 
     def reset(self) -> None:
         self.bad = torch.zeros((), dtype=torch.bool, device=self.device)
+        self.payload: Tensor | None = None
+        self.scale: Tensor | None = None
+        self.received: Tensor | None = None
+
+    def carry(self, payload: Tensor, scale: Tensor) -> None:
+        """Sum ``payload`` over the ranks with the next gradient all-reduce; multiply every bucket by ``scale`` first."""
+        self.payload, self.scale, self.received = payload, scale, None
 
 
 def _flag_then_allreduce(state, bucket):  # no annotations: DDP checks them, and they are strings here
-    """DDP comm hook: note whether this rank's bucket is finite, then DDP's default mean all-reduce."""
+    """DDP comm hook: note whether this rank's bucket is finite; all-reduce it, with the window's numbers if any.
+
+    Without carried numbers: DDP's default (divide by the world size, sum). With them (see
+    :mod:`stabletrain.accumulation`): multiply by this rank's count (its unnormalized sum), sum, and
+    append the numbers to bucket 0 (the first launched, and the smallest: DDP caps it at 1 MiB), so
+    they cost no collective of their own. A bucket in a low-precision dtype cannot hold a count
+    exactly: its numbers go in a second all-reduce, launched at once in float64, never waited for here.
+    """
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    state.bad = state.bad | ~torch.isfinite(bucket.buffer()).all()
-    return allreduce_hook(state.group, bucket)
+    buf = bucket.buffer()
+    state.bad = state.bad | ~torch.isfinite(buf).all()
+    if state.scale is None:
+        return allreduce_hook(state.group, bucket)
+    group = state.group if state.group is not None else dist.group.WORLD
+    buf.mul_(state.scale)
+    if bucket.index() != 0:
+        return dist.all_reduce(buf, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
+    if buf.dtype in (torch.float32, torch.float64):
+        n = buf.numel()
+        joint = torch.cat([buf, state.payload.to(buf.dtype)])
+        state.received = joint[n:]  # summed in place by the all-reduce below
+        return dist.all_reduce(joint, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0][:n])
+    stats = state.payload.double()
+    state.received = stats
+    fut_stats = dist.all_reduce(stats, group=group, async_op=True).get_future()
+    fut_grads = dist.all_reduce(buf, group=group, async_op=True).get_future()
+    return torch.futures.collect_all([fut_grads, fut_stats]).then(lambda fut: fut.value()[0].value()[0])
 
 
 def register_grad_flag(ddp_model: torch.nn.parallel.DistributedDataParallel, device: torch.device) -> LocalGradFlag:
-    """Install DDP's default all-reduce behind a hook that first records whether this rank's grads are finite."""
+    """Install the comm hook (DDP's all-reduce, plus the finiteness flag and the window's numbers); return its state."""
     flag = LocalGradFlag(device)
     ddp_model.register_comm_hook(flag, _flag_then_allreduce)
+    flag.hooked = True
     return flag

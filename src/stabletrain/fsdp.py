@@ -15,6 +15,8 @@ norms                       :meth:`ShardedNumerics.grad_norms`: squared norms of
                             (no ``full_tensor()``), so the skip is decided identically everywhere
 post-update check           :meth:`ShardedNumerics.all_params_finite`: local shards, one 1-element
                             all-reduce
+precision                   bf16: FSDP2's ``MixedPrecisionPolicy`` (bf16 compute, fp32 reduce);
+                            fp16: :class:`ShardedPrecision` agrees on the scaler's overflow flag
 checkpoints                 :func:`full_state_dicts` / :func:`load_full_state_dicts`: full (unsharded)
                             model and optimizer state dicts on CPU, so checkpoints are the same
                             files as under DDP or one process
@@ -36,16 +38,17 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .accumulation import AccumulationWindow
+from .precision import PrecisionPolicy
 
 __all__ = [
-    "unsupported_under_fsdp",
     "ShardedNumerics",
+    "ShardedPrecision",
     "ShardedWindow",
     "default_blocks",
     "full_state_dicts",
-    "is_sharded",
     "load_full_state_dicts",
     "shard_model",
+    "unsupported_under_fsdp",
 ]
 
 
@@ -53,12 +56,6 @@ def _fsdp():
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     return FSDPModule, fully_shard
-
-
-def is_sharded(module: nn.Module) -> bool:
-    """Return whether ``module`` (or its root) was sharded by ``fully_shard``."""
-    FSDPModule, _ = _fsdp()
-    return isinstance(module, FSDPModule)
 
 
 def default_blocks(model: nn.Module) -> list[nn.Module]:
@@ -80,11 +77,13 @@ def default_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def shard_model(model: nn.Module, blocks: Sequence[nn.Module] | None = None, *, reshard_after_forward: bool = True,
-                mp_policy: Any = None) -> nn.Module:
+                precision: str = "fp32") -> nn.Module:
     """Apply ``fully_shard`` to each block, then to the root; return the (same, now sharded) root module.
 
     Rank 0's parameters and buffers are broadcast first (as DDP does), so every rank shards the same
     model whatever its own random init. In place: the module's parameters become DTensors (same names).
+    ``precision="bf16"``: FSDP2's ``MixedPrecisionPolicy`` gathers the parameters in bf16 for compute
+    and reduces the gradients in fp32; the shards, their gradients and the optimizer stay fp32.
     """
     _, fully_shard = _fsdp()
     blocks = default_blocks(model) if blocks is None else list(blocks)
@@ -98,8 +97,10 @@ def shard_model(model: nn.Module, blocks: Sequence[nn.Module] | None = None, *, 
             for tensor in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(tensor.data, src=0)
     kwargs: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
-    if mp_policy is not None:
-        kwargs["mp_policy"] = mp_policy
+    if precision == "bf16":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
@@ -128,7 +129,8 @@ class ShardedWindow(AccumulationWindow):
 
     def __init__(self, model: nn.Module, params: list[Tensor], process_group: Any = None) -> None:
         self.model = model
-        if not _fsdp_params(model) and any(True for _ in model.parameters()):
+        self._records = _fsdp_params(model)  # fixed once sharded: no module walk per micro-batch
+        if not self._records and any(True for _ in model.parameters()):
             raise RuntimeError("ShardedWindow: no FSDP2 parameter groups found under the model; shard it with "
                                "stabletrain.fsdp.shard_model first")
         super().__init__(params, process_group)
@@ -136,7 +138,7 @@ class ShardedWindow(AccumulationWindow):
     @property
     def params(self) -> list[Any]:  # what AccumulationWindow.normalize rescales: anything with a .grad
         pending = []
-        for fp in _fsdp_params(self.model):
+        for fp in self._records:
             if fp.unsharded_accumulated_grad is not None:
                 pending.append(SimpleNamespace(grad=fp.unsharded_accumulated_grad))
             elif hasattr(fp, "_unsharded_param") and fp._unsharded_param.grad is not None:
@@ -243,23 +245,37 @@ class ShardedNumerics:
         return update, update / weight.clamp_min(1e-12)
 
 
+# -- precision ----------------------------------------------------------------------------------------
+
+class ShardedPrecision(PrecisionPolicy):
+    """The precision policy under FSDP2: fp16's overflow check is agreed on by every rank.
+
+    Each rank's GradScaler inspects only its own gradient shards, so an overflow in one shard would
+    back off the loss scale on that rank alone. After unscaling, the scaler's ``found_inf`` is
+    all-reduced (max) in place, on the device: the skip and the scale update are the same on every
+    rank. One 1-element all-reduce per step, in fp16 only.
+    """
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        first = self.scaler is not None and id(optimizer) not in self._unscaled
+        super().unscale_(optimizer)
+        if first and dist.is_initialized() and dist.get_world_size() > 1:
+            for found in self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+                dist.all_reduce(found, op=dist.ReduceOp.MAX)
+
+
 # -- configuration ---------------------------------------------------------------------------------
 
-def unsupported_under_fsdp(cfg: Any, precision: str) -> Any:
+def unsupported_under_fsdp(cfg: Any) -> Any:
     """Refuse what ``dist.strategy=fsdp`` cannot do yet; return ``cfg`` (incident capture turned off, warned).
 
-    fp16 is refused: the GradScaler's overflow check reads only this rank's shards, so the loss scale
-    would drift apart between ranks. SGD is refused: torch's fused SGD with a tensor lr has no DTensor
-    rule. Incident capture replays the bad step on a local copy, which FSDP cannot do yet: the step is
-    still skipped on every rank and logged, but not captured or diagnosed.
+    SGD is refused: torch's fused SGD with a tensor lr has no DTensor rule. Incident capture replays the
+    bad step on a local copy, which FSDP cannot do yet: the step is still skipped on every rank and
+    logged, but not captured or diagnosed.
     """
     import dataclasses
     import warnings
 
-    if precision == "fp16":
-        raise ValueError("config key 'precision': fp16 under dist.strategy=fsdp is not supported yet (the GradScaler's "
-                         "overflow check is per shard, so the loss scale would differ between ranks); use precision=bf16 "
-                         "or fp32, or dist.strategy=ddp for fp16")
     if getattr(cfg.optim, "name", "adamw") == "sgd":
         raise ValueError("config key 'optim.name': sgd under dist.strategy=fsdp is not supported yet (torch's fused SGD "
                          "with a tensor lr has no DTensor rule, and a non-fused one cannot skip on the device); use "

@@ -17,6 +17,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -97,10 +98,14 @@ class Trainer:
         grad_flag = numerics = None
         self.sharded = self.dist.enabled and cfg.dist.strategy == "fsdp"
         if self.sharded:  # FSDP2: the parameters become DTensor shards under the same names
-            from .fsdp import ShardedNumerics, shard_model, unsupported_under_fsdp
-            self.cfg = cfg = unsupported_under_fsdp(cfg, self.precision.mode)
-            shard_model(self.module, self.task.blocks, reshard_after_forward=cfg.dist.reshard_after_forward)
-            fingerprint = None  # InitWatch compares plain tensors; not yet over DTensor shards
+            from .fsdp import ShardedNumerics, ShardedPrecision, shard_model, unsupported_under_fsdp
+            self.cfg = cfg = unsupported_under_fsdp(cfg)
+            self.precision = ShardedPrecision(cfg.precision, self.device)  # fp16: every rank agrees on overflow
+            if fingerprint is not None:  # InitWatch compares plain tensors: compare now, before sharding
+                changes = fingerprint.compare(self.module)
+                fingerprint = SimpleNamespace(compare=lambda module: changes)
+            shard_model(self.module, self.task.blocks, reshard_after_forward=cfg.dist.reshard_after_forward,
+                        precision=self.precision.mode)
             self.named_params = unique_params(self.module)
             self.params = [p for _, p in self.named_params]
             numerics = ShardedNumerics()

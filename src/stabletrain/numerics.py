@@ -17,6 +17,8 @@ __all__ = [
     "grad_total_norm",
     "all_params_finite",
     "first_nonfinite_grad",
+    "snapshot_params",
+    "update_norm",
 ]
 
 
@@ -97,3 +99,26 @@ def first_nonfinite_grad(model: nn.Module) -> str | None:
     return named[int(bad[0])][0] if bad.numel() else None
 
 
+
+
+@torch.no_grad()
+def snapshot_params(params: list[Tensor], into: list[Tensor] | None = None) -> list[Tensor]:
+    """Return a copy of ``params`` (device tensors), reusing the buffers of ``into`` when they match. No sync."""
+    if into is not None and len(into) == len(params) and all(a.shape == b.shape and a.dtype == b.dtype
+                                                             for a, b in zip(into, params)):
+        torch._foreach_copy_(into, [p.detach() for p in params])
+        return into
+    return [p.detach().clone() for p in params]
+
+
+@torch.no_grad()
+def update_norm(params: list[Tensor], before: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """Return (||theta - before||, that over ||before||) as fp32 device tensors: the norm of the last update. No sync."""
+    if not params:
+        zero = torch.zeros(())
+        return zero, zero
+    now = [p.detach().float() for p in params]
+    was = [b.float() for b in before]
+    delta = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(torch._foreach_sub(now, was))))
+    weight = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(was)))
+    return delta, delta / weight.clamp_min(1e-12)

@@ -3,7 +3,7 @@
 The step, in the order it runs (DESIGN.md, "the data's path")::
 
     optimizer.zero_grad(set_to_none=True); window.begin()
-    for each micro-batch (DDP: no_sync on all but the last):
+    for each micro-batch (DDP: no_sync on all but the last; FSDP2: set_requires_gradient_sync(last)):
         with precision.autocast(): loss_sum, count = loss_fn(model, batch)
         precision.backward(window.normalize(loss_sum, count, last))   # / items in the whole window, all ranks
     precision.unscale_(optimizer)                  # true grads before measuring and clipping
@@ -33,7 +33,7 @@ from .accumulation import AccumulationWindow, as_sum_count
 from .clipping import GradClipper
 from .data import move_to
 from .guard import Guard, inputs_finite
-from .numerics import all_params_finite, grad_norms, unique_params
+from .numerics import all_params_finite, grad_norms, snapshot_params, unique_params, update_norm
 from .precision import PrecisionPolicy
 from .schedule import LRSchedule
 
@@ -63,16 +63,19 @@ class TrainStep:
         window: the accumulation window (default: one over ``params``; a replay passes a local one).
         check_inputs: also require the floating-point inputs of every micro-batch to be finite.
         check_params: check after the update that every parameter is finite (one fused pass).
-        grad_flag: DDP only: records whether this rank's own grads were finite before the all-reduce.
+        grad_flag: DDP: records whether this rank's own grads were finite before the all-reduce (FSDP: one
+            without a hook, so only this rank's own loss and inputs count).
         numerics: where the norms and checks come from (``grad_norms``, ``all_params_finite``,
-            ``snapshot(params, reuse)``, ``update_norm(params, before)``); None: :mod:`stabletrain.numerics` on local tensors. FSDP passes
-            :class:`stabletrain.fsdp.ShardedNumerics` (DTensor shards, reduced across ranks).
+            ``snapshot(params, reuse)``, ``update_norm(params, before)``); None: :mod:`stabletrain.numerics`
+            on local tensors. FSDP passes :class:`stabletrain.fsdp.ShardedNumerics` (DTensor shards,
+            reduced across ranks).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, precision: PrecisionPolicy, *,
                  clipper: GradClipper | None = None, guard: Guard | None = None, schedule: LRSchedule | None = None,
                  params: Sequence[Tensor] | None = None, window: AccumulationWindow | None = None,
-                 check_inputs: bool = False, check_params: bool = True, grad_flag: Any = None, numerics: Any = None) -> None:
+                 check_inputs: bool = False, check_params: bool = True, grad_flag: Any = None,
+                 numerics: Any = None) -> None:
         self.model, self.optimizer, self.precision = model, optimizer, precision
         self.clipper = clipper if clipper is not None else GradClipper(None)
         self.guard, self.schedule = guard, schedule
@@ -114,7 +117,8 @@ class TrainStep:
                 inputs_ok = flag if inputs_ok is None or flag is None else inputs_ok & flag
             with self._sync_context(last), self.precision.autocast():
                 loss_sum, count = as_sum_count(loss_fn(model, batch), num_samples)
-            self.precision.backward(self.window.normalize(loss_sum, count, last, inputs_ok if last else None))
+            self.precision.backward(self.window.normalize(loss_sum, count, last, inputs_ok if last else None,
+                                                          carrier=self.grad_flag))  # DDP: numbers go with the grads
         self._inputs_ok = inputs_ok
 
     def update(self, *, measure_update: bool = False, loss: Tensor | None = None,
@@ -130,12 +134,16 @@ class TrainStep:
         if optimizer is None:
             raise ValueError("TrainStep.update() needs an optimizer; this step was built with optimizer=None "
                              "(forward/backward only)")
+        grad_scale = None
         if loss is None:
             loss, count = self.window.mean_loss, self.window.global_count
+            grad_scale = self.window.grad_scale  # DDP: the grads hold the window's sum; x 1/count in the clip's pass
         elif count is None:
             count = torch.ones((), device=loss.device)
         self.precision.unscale_(optimizer)
         norm, per_param = self._grad_norms(params)  # DDP: of the all-reduced grads, the same on every rank
+        if grad_scale is not None:
+            norm, per_param = norm * grad_scale, per_param * grad_scale
         inputs_ok = self.window.inputs_ok if self._inputs_ok is not None else None
         if self.guard is not None:
             ok, finite, spike = self.guard.observe(loss, norm, inputs_ok)
@@ -148,10 +156,10 @@ class TrainStep:
         # back-off, not an incident; a non-finite loss, or a NaN the scaler cannot fix, still is.
         overflow = (torch.isfinite(loss) & ~torch.isfinite(norm) if self.precision.scaler is not None
                     else torch.zeros((), dtype=torch.bool, device=norm.device))
-        clipped = self.clipper.clip_(params, norm, ok)
+        clipped = self.clipper.clip_(params, norm, ok, grad_scale=grad_scale)
         before = None
         if measure_update:
-            before = (self._snapshot_params() if self.numerics is None
+            before = (snapshot_params(self.params, self._before) if self.numerics is None
                       else self.numerics.snapshot(self.params, self._before))
             self._before = before
         applied = self.precision.step(optimizer, ok)
@@ -164,28 +172,12 @@ class TrainStep:
                "clipped": clipped, "applied": applied, "finite": finite, "spike": spike, "params_finite": params_finite,
                "overflow": overflow, "count": count, "per_param_norms": per_param}
         if before is not None:
-            out["update_norm"], out["update_ratio"] = (self._update_norm(before) if self.numerics is None
+            out["update_norm"], out["update_ratio"] = (update_norm(self.params, before) if self.numerics is None
                                                        else self.numerics.update_norm(self.params, before))
         if self.grad_flag is not None:  # DDP: did THIS rank see it (its own loss, inputs or pre-all-reduce grads)?
             local = ~torch.isfinite(self.window.loss_sum) | self.grad_flag.bad
             out["local_nonfinite"] = local if self._inputs_ok is None else local | ~self._inputs_ok
         return out
-
-    @torch.no_grad()
-    def _snapshot_params(self) -> list[Tensor]:
-        if self._before is None or len(self._before) != len(self.params):
-            self._before = [p.detach().clone() for p in self.params]
-        else:
-            torch._foreach_copy_(self._before, [p.detach() for p in self.params])
-        return self._before
-
-    @torch.no_grad()
-    def _update_norm(self, before: list[Tensor]) -> tuple[Tensor, Tensor]:
-        """||theta_t - theta_{t-1}|| and its ratio to ||theta_{t-1}|| (device tensors; fp32 accumulation)."""
-        deltas = torch._foreach_sub([p.detach().float() for p in self.params], [b.float() for b in before])
-        update = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(deltas)))
-        weight = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([b.float() for b in before])))
-        return update, update / weight.clamp_min(1e-12)
 
     def _sync_context(self, last: bool) -> contextlib.AbstractContextManager:
         """DDP's no_sync on all but the last micro-batch of a window; nothing on one process.

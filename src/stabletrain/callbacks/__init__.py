@@ -123,7 +123,10 @@ class Callback:
         """The fit loop is leaving (normally, after a stop, or on an exception); release resources here."""
 
     def state_dict(self) -> dict[str, Any]:
-        """This callback's own state, saved in checkpoints (plain values and tensors only)."""
+        """This callback's own state, saved in checkpoints (plain values and tensors only).
+
+        Also read at every log interval's start, for the incident snapshot (``guard.memory_snapshot``): keep it cheap.
+        """
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -1,9 +1,14 @@
 """The incident recorder: capture the first bad step of an interval into ``incidents/step_N`` and diagnose it.
 
-The capture replays from the newest state before the interval's steps (the in-memory snapshot with
-``guard.memory_snapshot``, else LAST_GOOD) to just before the bad step, with the same
-:class:`~stabletrain.step.TrainStep` the run uses, then writes the bundle; the diagnosis replays that
-step under the precise tools (:func:`stabletrain.incidents.diagnose_incident`).
+At each interval start (``guard.memory_snapshot``, the default) the recorder copies the whole state
+into host buffers that are reused from one interval to the next (:class:`~stabletrain.checkpoint.StateStager`:
+from CUDA pinned and non-blocking, so device memory does not double and the step does not wait).
+The capture replays from that snapshot to just before the bad step, with the same
+:class:`~stabletrain.step.TrainStep` the run uses: at most ``log.every - 1`` steps, wherever the
+incident falls and however far the last checkpoint is. Without the snapshot (``guard.memory_snapshot=false``,
+or FSDP, whose state dict is a collective) it replays from LAST_GOOD instead, up to ``ckpt.every`` steps.
+Then it writes the bundle; the diagnosis replays that step under the precise tools
+(:func:`stabletrain.incidents.diagnose_incident`).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import Any
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from ..checkpoint import StateStager
 from ..config import config_to_dict
 from ..incidents import diagnose_incident, write_bundle
 from ..seeding import rng_state
@@ -52,13 +58,27 @@ class IncidentRecorder(Callback):
 
     def __init__(self, keeper: CheckpointKeeper) -> None:
         self.keeper = keeper
-        self.snapshot: dict[str, Any] | None = None
+        self.snapshot: dict[str, Any] | None = None  # the state at the interval's start, in host buffers
+        self._snapshot_ready: list[Any] = []  # CUDA events the snapshot's copies complete at
+        self._snapshot_stager = StateStager()
+        self.replayed_steps: int | None = None  # steps the last capture replayed (None: no capture yet)
+
+    @staticmethod
+    def _snapshots(state: FitState) -> bool:
+        cfg = state.cfg
+        # FSDP's full state dict is a collective gather; it replays from LAST_GOOD instead.
+        return cfg.guard.capture and cfg.guard.memory_snapshot and getattr(cfg.dist, "strategy", "ddp") != "fsdp"
 
     def mark_interval_start(self, state: FitState) -> None:
-        """A new interval starts: with ``guard.memory_snapshot`` keep the state here (reusing the buffers)."""
-        cfg = state.cfg.guard
-        if cfg.capture and cfg.memory_snapshot:
-            self.snapshot = copy_state_into(self.snapshot, state.state_dict())
+        """A new interval starts: stage the state into the snapshot's host buffers (``guard.memory_snapshot``).
+
+        On CUDA the copies are queued (pinned, non-blocking) and waited for only by a capture; on CPU
+        it is one copy of the state per interval.
+        """
+        if self._snapshots(state):
+            self.snapshot, self._snapshot_ready = self._snapshot_stager.stage(state.state_dict())
+        else:
+            self.snapshot, self._snapshot_ready = None, []
 
     def on_fit_start(self, state: FitState) -> None:
         self.mark_interval_start(state)
@@ -70,6 +90,8 @@ class IncidentRecorder(Callback):
 
     def _source(self, state: FitState) -> dict[str, Any] | None:
         if self.snapshot is not None:
+            for event in self._snapshot_ready:
+                event.synchronize()
             return self.snapshot
         loaded = self.keeper.load_last_good(state)
         return loaded.state if loaded is not None else None
@@ -82,19 +104,29 @@ class IncidentRecorder(Callback):
             state.event(step, "incident", f"step {step} not captured: no good state to replay from (no verified "
                         "checkpoint yet; was the state non-finite from the start?)", after_update=after_update, ranks=ranks)
             return
-        current = clone_state(state.state_dict())
+        # The run's state, to host memory (device memory stays flat), in buffers of its own: once loaded back, the
+        # optimizer may keep them as its state (CPU), so they must never be staged into again.
+        current, ready = StateStager().stage(state.state_dict())
+        for event in ready:
+            event.synchronize()
         skip = set(state.stream.skip)
         state.load_state_dict(source)
         state.stream.skip = skip  # windows a rollback skipped after that state was saved stay skipped
+        self.replayed_steps = 0
         while state.step < step - 1:
             state.run_step(state.stream.next_window())
             state.step += 1
+            self.replayed_steps += 1
         rng = rng_state()
         window = state.stream.next_window()
         mine = {"rank": state.dist.rank, "rng": rng,
                 "window": {"epoch": window.epoch, "start": window.start, "indices": window.indices}}
         per_rank = state.dist.gather_objects(mine)
-        before = clone_state(state.state_dict()) if state.run is not None else None
+        before = None
+        if state.run is not None:  # the pre-step state for the bundle, in host memory
+            before, ready = StateStager().stage(state.state_dict())
+            for event in ready:
+                event.synchronize()
         state.load_state_dict(current)
         if state.run is None or before is None:
             return

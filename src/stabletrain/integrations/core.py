@@ -54,7 +54,7 @@ from ..guard import Guard
 from ..incidents import diagnose_incident, write_bundle
 from ..initialization import InitFingerprint
 from ..metrics import StepMetrics, interval_record, peak_memory_mib
-from ..numerics import unique_params
+from ..numerics import snapshot_params, unique_params, update_norm
 from ..records import RunDir, build_snapshot
 from ..seeding import rng_state, set_rng_state
 from ..tasks import Task
@@ -341,6 +341,18 @@ class RunSession:
         """Keep references to the next step's micro-batches and RNG state (for a capture; dropped at the boundary)."""
         if self.options.capture and self.run is not None:
             self._kept[self.step + 1] = (list(micro_batches), rng)
+
+    def before_update(self) -> None:
+        """Before the host's optimizer step: on the last step of a log interval, copy the parameters (no sync)."""
+        if (self.step + 1) % self.options.log_every == 0:
+            self._before = snapshot_params(self.params, getattr(self, "_before", None))
+            self._measuring = True
+
+    def after_update(self, out: dict[str, Tensor]) -> None:
+        """After the host's optimizer step: add ``update_norm``/``update_ratio`` to ``out`` where measured."""
+        if getattr(self, "_measuring", False):
+            out["update_norm"], out["update_ratio"] = update_norm(self.params, self._before)
+            self._measuring = False
 
     def record(self, out: dict[str, Tensor], *, num_samples: int, lr: Tensor | float, loss_scale: Tensor | float) -> bool:
         """Record one optimizer step's device tensors; at a log boundary run :meth:`log`. Return whether it logged."""

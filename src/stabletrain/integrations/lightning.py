@@ -226,6 +226,7 @@ class StableTrainCallback(pl.Callback):
         self._pending = {"loss": loss, "grad_norm": norm, "post_clip_norm": post, "clipped": clipped, "ok": ok,
                          "finite": finite, "spike": spike, "overflow": overflow, "per_param_norms": per,
                          "own_found": own_found, "ours": ours}
+        session.before_update()  # ||update|| on the interval's last step: one parameter copy, no sync
 
     def _skip_on_host(self, ok: Tensor, params: list[Tensor]) -> None:
         """An optimizer that cannot skip on the device: drop the grads of a bad step (one host read per step)."""
@@ -281,6 +282,7 @@ class StableTrainCallback(pl.Callback):
                "overflow": p["overflow"],
                "count": self._count if isinstance(self._count, Tensor) else torch.full((), self._count, device=device),
                "per_param_norms": p["per_param_norms"]}
+        session.after_update(out)
         num_samples = sum(batch_size(b) for b in self._micro)
         session.keep(self._micro, self._rng)
         session.epoch = trainer.current_epoch

@@ -256,6 +256,7 @@ class StableTrainCallback(TrainerCallback):
         self._pending = {"loss": loss, "grad_norm": norm, "post_clip_norm": post, "clipped": clipped, "ok": ok,
                          "finite": finite, "spike": spike, "overflow": overflow, "per_param_norms": per,
                          "own_found": own_found, "ours": ours}
+        session.before_update()  # ||update|| on the interval's last step: one parameter copy, no sync
 
     def _skip_on_host(self, ok: Tensor) -> None:
         """An optimizer that cannot skip on the device: drop the grads of a bad step (one host read per step)."""
@@ -287,6 +288,7 @@ class StableTrainCallback(TrainerCallback):
                "params_finite": all_params_finite(session.params) if self.options.check_params else
                torch.ones((), dtype=torch.bool, device=device),
                "overflow": p["overflow"], "count": count.to(device), "per_param_norms": p["per_param_norms"]}
+        session.after_update(out)
         num_samples = sum(batch_size(b) for b in self._micro)
         session.keep(self._micro, self._rng)
         session.epoch = int(state.epoch or 0)
