@@ -8,7 +8,8 @@ from test_checkpoint import assert_same
 from stabletrain import Trainer
 from stabletrain.callbacks import Callback
 from stabletrain.callbacks.incidents import clone_state
-from stabletrain.incidents import BUNDLE_FILE, diagnose_incident, load_bundle, write_bundle
+from stabletrain.incidents import BUNDLE_FILE, load_bundle, write_bundle
+from stabletrain.replay import diagnose_incident
 
 
 def test_bundle_round_trips_and_leaves_no_temporary_file(tmp_path):

@@ -12,7 +12,7 @@ import yaml
 
 from stabletrain import Monitor
 from stabletrain.events import EVENT_KINDS, METRIC_KEYS
-from stabletrain.incidents import diagnose_incident
+from stabletrain.replay import diagnose_incident
 from stabletrain.monitor import StopTraining
 from stabletrain.records import read_jsonl
 from stabletrain.report import load_run, write_compare, write_report

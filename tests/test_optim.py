@@ -120,7 +120,7 @@ def test_the_incident_replay_runs_the_runs_own_step_sgd_momentum_clipping_bitwis
 
 
 def test_the_diagnosis_rebuilds_the_task_optimizer_the_run_used(tmp_path):
-    from stabletrain.incidents import diagnose_incident
+    from stabletrain.replay import diagnose_incident
 
     task = regression_task()
     task.model = PoisonAt(task.model, {4})

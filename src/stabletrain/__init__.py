@@ -16,10 +16,9 @@ from .callbacks import Callback, FitState
 from .loop import Trainer
 from .checkpoint import CheckpointError, CheckpointManager
 from .guard import Guard
-from .incidents import diagnose_incident
+from .replay import diagnose_incident, diagnose_step
 from .initialization import InitChange, InitFingerprint, init_
 from .nonfinite import Bisection, NonFiniteLocator, NonFiniteOp, anomaly_trace, bisect_samples
-from .diagnosis import diagnose_step
 from .signal_propagation import SignalReport, SignalThresholds, plot_signal, signal_report
 from .monitor import Monitor, StopTraining
 

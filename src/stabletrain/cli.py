@@ -269,7 +269,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_diagnose(args: argparse.Namespace) -> int:
     import json
 
-    from .incidents import BUNDLE_FILE, diagnose_incident
+    from .incidents import BUNDLE_FILE
+    from .replay import diagnose_incident
 
     path = Path(args.incident)
     if not (path / BUNDLE_FILE).exists() and (path / "incidents").is_dir():

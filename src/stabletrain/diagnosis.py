@@ -1,7 +1,8 @@
-"""Diagnose one bad optimizer step by replaying it: where the first non-finite value came from.
+"""Diagnose one bad optimizer step from its replays: where the first non-finite value came from.
 
-:func:`diagnose_step` replays the step's micro-batches exactly as ``Trainer.train_step`` runs them
-(autocast, loss normalized over the whole window, the precision policy's backward), under
+:func:`run_diagnosis` drives a *replayer* (an object that resets the model and RNG to the step's
+start, runs the step's forward/backward and, optionally, its update — :class:`stabletrain.replay`
+builds one from the run's own :class:`~stabletrain.step.TrainStep`) under
 :class:`~stabletrain.nonfinite.NonFiniteLocator`, and answers, in a JSON-safe dict:
 
 - the stage where the first non-finite value appeared: inputs -> activations -> loss -> gradients
@@ -23,16 +24,14 @@ train/eval mode and the RNG are restored when it returns. Replay only: it syncs 
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.utils.data import default_collate
 
-from .accumulation import AccumulationWindow, as_sum_count
 from .nonfinite import (
     Bisection,
     NonFiniteLocator,
@@ -40,22 +39,11 @@ from .nonfinite import (
     anomaly_trace,
     bisect_samples,
 )
-from .clipping import GradClipper
-from .numerics import first_nonfinite_grad, grad_norms, unique_params
-from .precision import PrecisionPolicy
-from .seeding import rng_state, set_rng_state
-from .step import TrainStep
+from .numerics import first_nonfinite_grad
 
-__all__ = ["STAGES", "diagnose_step"]
+__all__ = ["STAGES", "run_diagnosis"]
 
 STAGES = ("inputs", "activations", "loss", "gradients", "update", "none")
-
-
-class _LocalWindow(AccumulationWindow):
-    """The loop's accumulation window on this process alone: a replay must not enter a collective."""
-
-    def _world(self) -> int:
-        return 1
 
 
 def _json_float(x: float) -> float | str:
@@ -115,82 +103,6 @@ def _bad_inputs(micro_batches: list[tuple[list[int], Any]]) -> tuple[bool, list[
     return any_bad, sorted(set(samples))
 
 
-class _Replayer:
-    """Runs the step's forward/backward (and optionally its update) from one saved state, with the run's step.
-
-    Forward/backward and the update are :class:`~stabletrain.step.TrainStep`'s own halves, so the replay
-    normalizes, unscales, measures, clips and steps exactly as the run did.
-    """
-
-    def __init__(self, model: nn.Module, loss_fn: Callable[[nn.Module, Any], Any], precision: PrecisionPolicy,
-                 device: torch.device, step_factory: Callable[[], TrainStep] | None = None) -> None:
-        self.model, self.loss_fn, self.precision, self.device = model, loss_fn, precision, device
-        self.step_factory = step_factory
-        self.named_params = unique_params(model)
-        self.params = [p for _, p in self.named_params]
-        self.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        self.rng = rng_state()
-        self.step: TrainStep | None = None
-
-    def reset(self) -> None:
-        """Put back the saved parameters and buffers and RNG state; drop the gradients."""
-        self.model.load_state_dict(self.state)
-        set_rng_state(self.rng)
-        for p in self.params:
-            p.grad = None
-        self.model.train()
-
-    def _fresh_step(self) -> TrainStep:
-        """The run's step with its optimizer, schedule and scaler as before the bad step (or a measuring one)."""
-        if self.step_factory is not None:
-            step = self.step_factory()
-        else:
-            precision = PrecisionPolicy(self.precision.mode, self.device)
-            precision.load_state_dict(self.precision.state_dict())
-            step = TrainStep(self.model, None, precision, params=self.params)
-        step.window = _LocalWindow(step.params)  # a replay must not enter a collective
-        return step
-
-    def forward_backward(self, groups: list[tuple[list[int], Any]]) -> tuple[list[float], float]:
-        """Run the window through the step's forward/backward; return the per-micro-batch loss sums and the mean loss.
-
-        Losses are returned as Python floats (one sync per micro-batch).
-        """
-        self.step = step = self._fresh_step()
-        outputs: list[Any] = []
-
-        def recorded(model: nn.Module, batch: Any) -> Any:
-            outputs.append(self.loss_fn(model, batch))
-            return outputs[-1]
-
-        step.forward_backward([(len(indices), batch) for indices, batch in groups], recorded)
-        sums = [float(as_sum_count(o, len(indices))[0].detach()) for o, (indices, _) in zip(outputs, groups)]
-        return sums, float(step.window.mean_loss)
-
-    def grad_norm(self) -> float:
-        """The pre-clip norm of the true (unscaled) gradients, as the step measures it."""
-        if not any(p.grad is not None for p in self.params):
-            return 0.0
-        norm, _ = grad_norms(self.params)
-        precision = self.step.precision if self.step is not None else self.precision
-        return float(norm / precision.loss_scale().to(norm.device))
-
-    def update(self) -> tuple[list[str], float]:
-        """Apply the step's update on the (finite) grads; return the parameters it makes non-finite and the norm.
-
-        The optimizer's state is put back afterwards, in case the factory hands out a live optimizer.
-        """
-        step = self.step
-        assert step is not None and step.optimizer is not None, "update() after forward_backward() with a step_factory"
-        saved = copy.deepcopy(step.optimizer.state_dict())
-        try:
-            out = step.update()
-            flags = torch.stack([torch.isfinite(p.detach()).all() for p in self.params]).tolist()
-            return [name for (name, _), ok in zip(self.named_params, flags) if not ok], float(out["grad_norm"])
-        finally:
-            step.optimizer.load_state_dict(saved)
-
-
 def _stage(inputs_bad: bool, first: NonFiniteOp | None, loss: float, grad_name: str | None,
            after_update: list[str]) -> str:
     if inputs_bad:
@@ -206,83 +118,16 @@ def _stage(inputs_bad: bool, first: NonFiniteOp | None, loss: float, grad_name: 
     return "update" if after_update else "none"
 
 
-def diagnose_step(
-    model: nn.Module,
-    loss_fn: Callable[[nn.Module, Any], Any],
-    micro_batches: Sequence[tuple[Sequence[int], Any]],
-    *,
-    precision: PrecisionPolicy,
-    optimizer_factory: Callable[[], torch.optim.Optimizer] | None = None,
-    device: torch.device | str | None = None,
-    num_replays: int = 2,
-    dataset: Any = None,
-    collate: Callable[[list[Any]], Any] | None = None,
-    max_norm: float | None = None,
-    step_factory: Callable[[], TrainStep] | None = None,
-    observed_loss: float | None = None,
-    bisect: bool = True,
-    anomaly: bool = True,
-) -> dict[str, Any]:
-    """Replay one optimizer step and return where its first non-finite value came from (a JSON-safe dict).
+def run_diagnosis(rep: Any, micro_batches: list[tuple[list[int], Any]],
+                  num_replays: int, dataset: Any, collate: Callable[[list[Any]], Any] | None, observed_loss: float | None,
+                  bisect: bool, anomaly: bool) -> dict[str, Any]:
+    """Replay ``num_replays`` times under the locator, bisect the samples, replay under anomaly mode; return the record.
 
-    Args:
-        model: the model (not a DDP wrapper) holding the parameters as they were before the step.
-        loss_fn: ``loss_fn(model, batch)`` -> scalar mean or ``(sum, count)``, as a task's loss.
-        micro_batches: the step's window as ``[(dataset indices, collated batch), ...]``.
-        precision: the run's precision policy (autocast, and its loss scale in fp16).
-        optimizer_factory: returns the optimizer bound to ``model``'s parameters with its state and
-            lr as before the step; None skips the update stage.
-        device: where to run (default: ``precision.device``).
-        num_replays: forward/backward replays compared to decide ``reproduces`` (at least 1).
-        dataset, collate: re-collate subsets for the bisection from dataset indices (default: slice
-            the rows of the collated batches).
-        max_norm: clip as the run does before the update stage (None: no clipping); with
-            ``optimizer_factory`` only.
-        step_factory: returns the run's :class:`~stabletrain.step.TrainStep` over ``model`` with its
-            optimizer, schedule and precision state as before the step (what an incident replay uses);
-            replaces ``optimizer_factory``/``max_norm``. None of either skips the update stage.
-        observed_loss: the step's loss as the run saw it; when given, ``reproduces`` also requires the
-            replayed loss to equal it bitwise (any NaN equals any NaN).
-        bisect, anomaly: run the batch bisection and the anomaly-mode replay.
-
-    Returns keys: ``stage``, ``op``, ``direction``, ``module``, ``origin``, ``kind``, ``autograd_node``,
-    ``first_op`` and ``first_origin_op`` (full records), ``first_nonfinite_param``,
-    ``nonfinite_params_after_update``, ``bad_samples`` (bisection), ``bad_input_samples`` (rows of the
-    batch holding NaN/Inf), ``bad_sample_groups``, ``bisection``, ``masked_in_forward`` (the first
-    non-finite forward value never reached its module's output; None when unknown), ``backward_node``
-    and ``backward_op`` (where it then became non-finite in backward), ``anomaly_trace``,
-    ``reproduces``, ``replays``, ``loss``, ``grad_norm``, ``summary``.
-    The model's parameters, buffers, gradients and mode, and the RNG state, are restored on return.
+    ``rep``: a replayer with ``model``, ``precision``, ``step_factory`` (None: no update stage),
+    ``reset()``, ``forward_backward(groups) -> (loss sums, mean loss)``, ``grad_norm()`` and
+    ``update() -> (names of parameters made non-finite, grad norm)`` (see :mod:`stabletrain.replay`).
+    The keys are those :func:`stabletrain.replay.diagnose_step` documents.
     """
-    if num_replays < 1:
-        raise ValueError(f"num_replays: expected an integer >= 1, got {num_replays!r}")
-    micro_batches = [(list(indices), batch) for indices, batch in micro_batches]
-    if not micro_batches:
-        raise ValueError("micro_batches is empty: pass the step's window as [(dataset indices, batch), ...]")
-    device = torch.device(device) if device is not None else precision.device
-    was_training = model.training
-    saved_grads = [(p, p.grad) for p in model.parameters()]
-    if step_factory is None and optimizer_factory is not None:
-        factory = optimizer_factory
-
-        def step_factory() -> TrainStep:
-            fresh = PrecisionPolicy(precision.mode, device)
-            fresh.load_state_dict(precision.state_dict())
-            return TrainStep(model, factory(), fresh, clipper=GradClipper(max_norm))
-
-    replayer = _Replayer(model, loss_fn, precision, device, step_factory)
-    try:
-        return _diagnose(replayer, micro_batches, num_replays, dataset, collate, observed_loss, bisect, anomaly)
-    finally:
-        replayer.reset()
-        for p, g in saved_grads:
-            p.grad = g
-        model.train(was_training)
-
-
-def _diagnose(rep: _Replayer, micro_batches: list[tuple[list[int], Any]],
-              num_replays: int, dataset: Any, collate: Callable[[list[Any]], Any] | None, observed_loss: float | None,
-              bisect: bool, anomaly: bool) -> dict[str, Any]:
     inputs_bad, input_samples = _bad_inputs(micro_batches)
     replays = []
     first_rec = origin_rec = None
@@ -372,7 +217,7 @@ def _diagnose(rep: _Replayer, micro_batches: list[tuple[list[int], Any]],
     return out
 
 
-def _is_bad_fn(rep: _Replayer, micro_batches: list[tuple[list[int], Any]], dataset: Any,
+def _is_bad_fn(rep: Any, micro_batches: list[tuple[list[int], Any]], dataset: Any,
                collate: Callable[[list[Any]], Any] | None, precise: bool = True) -> Callable[[list[int]], bool]:
     """Return ``is_bad(subset)``: replay only those dataset indices, each in its own micro-batch's group.
 

@@ -8,7 +8,7 @@ The capture replays from that snapshot to just before the bad step, with the sam
 incident falls and however far the last checkpoint is. Without the snapshot (``guard.memory_snapshot=false``,
 or FSDP, whose state dict is a collective) it replays from LAST_GOOD instead, up to ``ckpt.every`` steps.
 Then it writes the bundle; the diagnosis replays that step under the precise tools
-(:func:`stabletrain.incidents.diagnose_incident`).
+(:func:`stabletrain.replay.diagnose_incident`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..checkpoint import StateStager
 from ..config import config_to_dict
-from ..incidents import diagnose_incident, write_bundle
+from ..incidents import write_bundle
+from ..replay import diagnose_incident
 from ..seeding import rng_state
 from . import Callback, FitState
 from .checkpointing import CheckpointKeeper

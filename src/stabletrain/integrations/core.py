@@ -5,7 +5,7 @@ own optimizer step and hands a :class:`RunSession` the step's device tensors; th
 with the pieces a built-in run uses (:class:`~stabletrain.guard.Guard`,
 :class:`~stabletrain.metrics.StepMetrics`, :class:`~stabletrain.records.RunDir` and the built-in
 callbacks that write it, :func:`~stabletrain.incidents.write_bundle`,
-:func:`~stabletrain.incidents.diagnose_incident`)::
+:func:`~stabletrain.replay.diagnose_incident`)::
 
     session.open(resume)                         # run dir: config.yaml, snapshot.json (or a resume)
     session.begin()                              # on_fit_start: the init fingerprint is compared
@@ -51,7 +51,8 @@ from ..config import ClipConfig, Config, GuardConfig, LogConfig, SchedConfig, Tr
 from ..distributed import DistContext
 from ..fileio import atomic_write
 from ..guard import Guard
-from ..incidents import diagnose_incident, write_bundle
+from ..incidents import write_bundle
+from ..replay import diagnose_incident
 from ..initialization import InitFingerprint
 from ..metrics import StepMetrics, interval_record, peak_memory_mib
 from ..numerics import snapshot_params, unique_params, update_norm

@@ -14,7 +14,7 @@ whose config names the task :func:`captured_task`; its ``task_args`` hold the st
     optimizer: {"class": "torch.optim.adamw:AdamW", "defaults": {...}, "groups": [[param names], ...]}
 
 so ``stabletrain diagnose RUN_DIR/incidents/step_N`` replays it exactly as it replays a built-in run's
-incident (:func:`stabletrain.incidents.diagnose_incident`). A recipe that is None (a model or loss defined
+incident (:func:`stabletrain.replay.diagnose_incident`). A recipe that is None (a model or loss defined
 in ``__main__`` or inside a function) cannot be rebuilt in a new process: the capture's own diagnosis
 (``diagnosis.json``, made in the training process) is then the record.
 

@@ -1,0 +1,241 @@
+"""The incident replay: the run's own step, rebuilt from an incident bundle, under the diagnosis tools.
+
+:func:`diagnose_step` replays one step's micro-batches exactly as the run ran them — with
+:class:`~stabletrain.step.TrainStep`'s own forward/backward and update (autocast, the window's
+normalization, unscaling, clipping, the optimizer class and state, the schedule) — and
+:func:`stabletrain.diagnosis.run_diagnosis` reads the replays. :func:`diagnose_incident` rebuilds
+that step from ``incidents/step_N/bundle.pt`` (``stabletrain diagnose``), in a fresh process if need be.
+
+This module sits on the step's layer: diagnostics below it know nothing of the step; the replay
+composes the two.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .accumulation import AccumulationWindow, as_sum_count
+from .clipping import GradClipper
+from .config import config_from_dict
+from .data import move_to
+from .diagnosis import run_diagnosis
+from .fileio import atomic_write
+from .incidents import DIAGNOSIS_FILE, load_bundle
+from .numerics import grad_norms, unique_params
+from .optim import build_optimizer
+from .precision import PrecisionPolicy, resolve_device
+from .schedule import LRSchedule
+from .seeding import rng_state, set_rng_state
+from .step import TrainStep
+from .tasks import Task, resolve_task
+
+__all__ = ["diagnose_step", "diagnose_incident"]
+
+
+class _LocalWindow(AccumulationWindow):
+    """The loop's accumulation window on this process alone: a replay must not enter a collective."""
+
+    def _world(self) -> int:
+        return 1
+
+
+class _Replayer:
+    """Runs the step's forward/backward (and optionally its update) from one saved state, with the run's step.
+
+    Forward/backward and the update are :class:`~stabletrain.step.TrainStep`'s own halves, so the replay
+    normalizes, unscales, measures, clips and steps exactly as the run did.
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[[nn.Module, Any], Any], precision: PrecisionPolicy,
+                 device: torch.device, step_factory: Callable[[], TrainStep] | None = None) -> None:
+        self.model, self.loss_fn, self.precision, self.device = model, loss_fn, precision, device
+        self.step_factory = step_factory
+        self.named_params = unique_params(model)
+        self.params = [p for _, p in self.named_params]
+        self.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self.rng = rng_state()
+        self.step: TrainStep | None = None
+
+    def reset(self) -> None:
+        """Put back the saved parameters and buffers and RNG state; drop the gradients."""
+        self.model.load_state_dict(self.state)
+        set_rng_state(self.rng)
+        for p in self.params:
+            p.grad = None
+        self.model.train()
+
+    def _fresh_step(self) -> TrainStep:
+        """The run's step with its optimizer, schedule and scaler as before the bad step (or a measuring one)."""
+        if self.step_factory is not None:
+            step = self.step_factory()
+        else:
+            precision = PrecisionPolicy(self.precision.mode, self.device)
+            precision.load_state_dict(self.precision.state_dict())
+            step = TrainStep(self.model, None, precision, params=self.params)
+        step.window = _LocalWindow(step.params)  # a replay must not enter a collective
+        return step
+
+    def forward_backward(self, groups: list[tuple[list[int], Any]]) -> tuple[list[float], float]:
+        """Run the window through the step's forward/backward; return the per-micro-batch loss sums and the mean loss.
+
+        Losses are returned as Python floats (one sync per micro-batch).
+        """
+        self.step = step = self._fresh_step()
+        outputs: list[Any] = []
+
+        def recorded(model: nn.Module, batch: Any) -> Any:
+            outputs.append(self.loss_fn(model, batch))
+            return outputs[-1]
+
+        step.forward_backward([(len(indices), batch) for indices, batch in groups], recorded)
+        sums = [float(as_sum_count(o, len(indices))[0].detach()) for o, (indices, _) in zip(outputs, groups)]
+        return sums, float(step.window.mean_loss)
+
+    def grad_norm(self) -> float:
+        """The pre-clip norm of the true (unscaled) gradients, as the step measures it."""
+        if not any(p.grad is not None for p in self.params):
+            return 0.0
+        norm, _ = grad_norms(self.params)
+        precision = self.step.precision if self.step is not None else self.precision
+        return float(norm / precision.loss_scale().to(norm.device))
+
+    def update(self) -> tuple[list[str], float]:
+        """Apply the step's update on the (finite) grads; return the parameters it makes non-finite and the norm.
+
+        The optimizer's state is put back afterwards, in case the factory hands out a live optimizer.
+        """
+        step = self.step
+        assert step is not None and step.optimizer is not None, "update() after forward_backward() with a step_factory"
+        saved = copy.deepcopy(step.optimizer.state_dict())
+        try:
+            out = step.update()
+            flags = torch.stack([torch.isfinite(p.detach()).all() for p in self.params]).tolist()
+            return [name for (name, _), ok in zip(self.named_params, flags) if not ok], float(out["grad_norm"])
+        finally:
+            step.optimizer.load_state_dict(saved)
+
+
+def diagnose_step(
+    model: nn.Module,
+    loss_fn: Callable[[nn.Module, Any], Any],
+    micro_batches: Sequence[tuple[Sequence[int], Any]],
+    *,
+    precision: PrecisionPolicy,
+    optimizer_factory: Callable[[], torch.optim.Optimizer] | None = None,
+    device: torch.device | str | None = None,
+    num_replays: int = 2,
+    dataset: Any = None,
+    collate: Callable[[list[Any]], Any] | None = None,
+    max_norm: float | None = None,
+    step_factory: Callable[[], TrainStep] | None = None,
+    observed_loss: float | None = None,
+    bisect: bool = True,
+    anomaly: bool = True,
+) -> dict[str, Any]:
+    """Replay one optimizer step and return where its first non-finite value came from (a JSON-safe dict).
+
+    Args:
+        model: the model (not a DDP wrapper) holding the parameters as they were before the step.
+        loss_fn: ``loss_fn(model, batch)`` -> scalar mean or ``(sum, count)``, as a task's loss.
+        micro_batches: the step's window as ``[(dataset indices, collated batch), ...]``.
+        precision: the run's precision policy (autocast, and its loss scale in fp16).
+        optimizer_factory: returns the optimizer bound to ``model``'s parameters with its state and
+            lr as before the step; None skips the update stage.
+        device: where to run (default: ``precision.device``).
+        num_replays: forward/backward replays compared to decide ``reproduces`` (at least 1).
+        dataset, collate: re-collate subsets for the bisection from dataset indices (default: slice
+            the rows of the collated batches).
+        max_norm: clip as the run does before the update stage (None: no clipping); with
+            ``optimizer_factory`` only.
+        step_factory: returns the run's :class:`~stabletrain.step.TrainStep` over ``model`` with its
+            optimizer, schedule and precision state as before the step (what an incident replay uses);
+            replaces ``optimizer_factory``/``max_norm``. None of either skips the update stage.
+        observed_loss: the step's loss as the run saw it; when given, ``reproduces`` also requires the
+            replayed loss to equal it bitwise (any NaN equals any NaN).
+        bisect, anomaly: run the batch bisection and the anomaly-mode replay.
+
+    Returns keys: ``stage``, ``op``, ``direction``, ``module``, ``origin``, ``kind``, ``autograd_node``,
+    ``first_op`` and ``first_origin_op`` (full records), ``first_nonfinite_param``,
+    ``nonfinite_params_after_update``, ``bad_samples`` (bisection), ``bad_input_samples`` (rows of the
+    batch holding NaN/Inf), ``bad_sample_groups``, ``bisection``, ``masked_in_forward`` (the first
+    non-finite forward value never reached its module's output; None when unknown), ``backward_node``
+    and ``backward_op`` (where it then became non-finite in backward), ``anomaly_trace``,
+    ``reproduces``, ``replays``, ``loss``, ``grad_norm``, ``summary``.
+    The model's parameters, buffers, gradients and mode, and the RNG state, are restored on return.
+    """
+    if num_replays < 1:
+        raise ValueError(f"num_replays: expected an integer >= 1, got {num_replays!r}")
+    micro_batches = [(list(indices), batch) for indices, batch in micro_batches]
+    if not micro_batches:
+        raise ValueError("micro_batches is empty: pass the step's window as [(dataset indices, batch), ...]")
+    device = torch.device(device) if device is not None else precision.device
+    was_training = model.training
+    saved_grads = [(p, p.grad) for p in model.parameters()]
+    if step_factory is None and optimizer_factory is not None:
+        factory = optimizer_factory
+
+        def step_factory() -> TrainStep:
+            fresh = PrecisionPolicy(precision.mode, device)
+            fresh.load_state_dict(precision.state_dict())
+            return TrainStep(model, factory(), fresh, clipper=GradClipper(max_norm))
+
+    replayer = _Replayer(model, loss_fn, precision, device, step_factory)
+    try:
+        return run_diagnosis(replayer, micro_batches, num_replays, dataset, collate, observed_loss, bisect, anomaly)
+    finally:
+        replayer.reset()
+        for p, g in saved_grads:
+            p.grad = g
+        model.train(was_training)
+
+
+
+def diagnose_incident(directory: str | Path, task: Task | None = None, *, device: str | None = None,
+                      bisect: bool = True, anomaly: bool = True) -> dict[str, Any]:
+    """Replay the bundled step under the precise tools; write and return ``diagnosis.json``.
+
+    ``task``: reuse an already built task (its model is deep-copied, never touched); by default the
+    task is rebuilt from the bundle's config, as ``stabletrain diagnose`` does in a fresh process.
+    """
+    directory = Path(directory)
+    bundle = load_bundle(directory)
+    cfg = config_from_dict(bundle["config"])
+    dev = resolve_device(device or cfg.device)
+    if task is None:
+        task = resolve_task(cfg.task, cfg.task_args)
+    model = copy.deepcopy(task.model).to(dev)
+    model.load_state_dict(bundle["model"])
+    precision = PrecisionPolicy(bundle["precision"]["mode"], dev)
+    precision.load_state_dict(bundle["precision"])
+    collate = task.collate or torch.utils.data.default_collate
+    micro_batches = [(idx, move_to(collate([task.train_data[i] for i in idx]), dev)) for idx in bundle["window"]["indices"]]
+    named = unique_params(model)
+
+    def step_factory() -> TrainStep:
+        """The run's step as it was before the bad step: same optimizer class and state, schedule, scaler, clipping."""
+        optimizer = build_optimizer(named, cfg.optim, dev, task.optimizer)
+        optimizer.load_state_dict(bundle["optimizer"])
+        schedule = LRSchedule(optimizer, cfg.sched.warmup_steps, cfg.train.max_steps, cfg.sched.decay, cfg.sched.min_lr_ratio)
+        schedule.load_state_dict(bundle["schedule"])
+        fresh = PrecisionPolicy(bundle["precision"]["mode"], dev)
+        fresh.load_state_dict(bundle["precision"])
+        return TrainStep(model, optimizer, fresh, clipper=GradClipper(cfg.clip.max_norm), schedule=schedule,
+                         params=[p for _, p in named], check_params=cfg.guard.check_params)
+
+    set_rng_state(bundle["rng"])
+    observed = bundle.get("observed", {})
+    result = diagnose_step(model, task.loss, micro_batches, precision=precision, step_factory=step_factory,
+                           device=dev, dataset=task.train_data, collate=task.collate, observed_loss=observed.get("loss"), bisect=bisect, anomaly=anomaly)
+    result = {"step": bundle["step"], "rank": bundle.get("rank", 0), "epoch": bundle["window"]["epoch"],
+              "observed": observed, **result}
+    if observed.get("after_update") and result.get("stage") not in ("update",):
+        result["note"] = "the run saw the bad value only in the parameters after the update"
+    atomic_write(directory / DIAGNOSIS_FILE, json.dumps(result, indent=2, default=str) + "\n")
+    return result
