@@ -32,9 +32,6 @@ The built-in callbacks (always installed by the Trainer, in this order): :class:
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -181,23 +178,13 @@ class CallbackList:
 
 def load_callbacks(specs: Sequence[str]) -> list[Callback]:
     """Instantiate the config's ``callbacks`` entries (``'module:Class'``, constructed with no arguments)."""
-    from ..tasks import TaskError
+    from ..tasks import TaskError, import_object
 
     out = []
     for i, spec in enumerate(specs):
         key = f"callbacks.{i}"
-        if ":" not in spec:
-            raise TaskError(f"config key '{key}': expected 'module:Class', got {spec!r}")
-        module_name, name = spec.split(":", 1)
-        if os.getcwd() not in sys.path and "" not in sys.path:
-            sys.path.insert(0, os.getcwd())  # like `python -m`: the user's project directory is importable
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as err:
-            raise TaskError(f"config key '{key}': cannot import module {module_name!r} ({err}); is it on PYTHONPATH?") from None
-        cls = getattr(module, name, None)
+        cls = import_object(spec, key, "'module:Class'", kind="class")
         if not isinstance(cls, type) or not issubclass(cls, Callback):
             raise TaskError(f"config key '{key}': {spec!r} is not a stabletrain.callbacks.Callback subclass")
         out.append(cls())
     return out
-

@@ -98,19 +98,31 @@ def _builtin(name: str) -> Callable[..., Task]:
 BUILTIN_TASKS = ("gpt", "mlp")
 
 
-def _import_factory(spec: str) -> Callable[..., Task]:
+def import_object(spec: str, key: str, expected: str = "'module:function'", kind: str = "callable") -> Any:
+    """Return the object named by ``'module:name'`` (the current directory importable, as with ``python -m``).
+
+    ``key``: the config key it came from, named in every error (a :class:`TaskError`).
+    """
     if ":" not in spec:
-        raise TaskError(f"config key 'task': expected a built-in task ({', '.join(BUILTIN_TASKS)}) or 'module:function', got {spec!r}")
-    module_name, func_name = spec.split(":", 1)
+        raise TaskError(f"config key '{key}': expected {expected}, got {spec!r}")
+    module_name, name = spec.split(":", 1)
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())  # like `python -m`: the user's project directory is importable
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
-        raise TaskError(f"config key 'task': cannot import module {module_name!r} from {spec!r} ({err}); is it on PYTHONPATH?") from None
-    factory = getattr(module, func_name, None)
-    if factory is None or not callable(factory):
-        raise TaskError(f"config key 'task': module {module_name!r} has no callable {func_name!r} (from {spec!r})")
+        raise TaskError(f"config key '{key}': cannot import module {module_name!r} from {spec!r} ({err}); "
+                        "is it on PYTHONPATH?") from None
+    obj = getattr(module, name, None)
+    if obj is None:
+        raise TaskError(f"config key '{key}': module {module_name!r} has no {kind} {name!r} (from {spec!r})")
+    return obj
+
+
+def _import_factory(spec: str) -> Callable[..., Task]:
+    factory = import_object(spec, "task", f"a built-in task ({', '.join(BUILTIN_TASKS)}) or 'module:function'")
+    if not callable(factory):
+        raise TaskError(f"config key 'task': {spec!r} is not callable")
     return factory
 
 
