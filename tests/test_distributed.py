@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import cfg
+from multiproc import FAST, TESTS, TORCHRUN, env, events, run, stabletrain
 
 from stabletrain import Trainer
 from stabletrain.checkpoint import CheckpointManager
@@ -25,27 +26,8 @@ from stabletrain.incidents import load_bundle
 
 pytestmark = pytest.mark.slow  # 2-process torchrun runs
 
-TESTS = Path(__file__).parent
-FAST = ["log.progress=false", "log.tensorboard=false"]
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+_env, _run, _stabletrain, _events = env, run, stabletrain, events
 
-
-def _env():
-    return {**os.environ, "PYTHONPATH": str(TESTS) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
-
-
-def _run(cmd, timeout=240):
-    res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
-    assert res.returncode == 0, f"{' '.join(map(str, cmd))}\nstdout:\n{res.stdout[-3000:]}\nstderr:\n{res.stderr[-3000:]}"
-    return res
-
-
-def _stabletrain(*args):
-    return [sys.executable, "-m", "stabletrain", "train", *FAST, *args]
-
-
-def _events(run_dir):
-    return [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
 
 
 def _steps_logged(run_dir):

@@ -88,6 +88,7 @@ class TrainStep:
         self.device = precision.device
         self._inputs_ok: Tensor | None = None
         self._before: list[Tensor] | None = None
+        self._flags: dict[tuple[bool, torch.device], Tensor] = {}
 
     def __call__(self, micro_batches: Sequence[tuple[int, Any]], loss_fn: LossFn, *,
                  measure_update: bool = False) -> dict[str, Tensor]:
@@ -151,11 +152,11 @@ class TrainStep:
             finite = torch.isfinite(loss) & torch.isfinite(norm)
             if inputs_ok is not None:
                 finite = finite & inputs_ok
-            ok, spike = finite, torch.zeros((), dtype=torch.bool, device=finite.device)
+            ok, spike = finite, self._flag(False, finite.device)
         # fp16: an overflow of the scaled grads (finite loss, non-finite norm) is the scaler's routine skip-and-
         # back-off, not an incident; a non-finite loss, or a NaN the scaler cannot fix, still is.
         overflow = (torch.isfinite(loss) & ~torch.isfinite(norm) if self.precision.scaler is not None
-                    else torch.zeros((), dtype=torch.bool, device=norm.device))
+                    else self._flag(False, norm.device))
         clipped = self.clipper.clip_(params, norm, ok, grad_scale=grad_scale)
         before = None
         if measure_update:
@@ -163,8 +164,7 @@ class TrainStep:
                       else self.numerics.snapshot(self.params, self._before))
             self._before = before
         applied = self.precision.step(optimizer, ok)
-        params_finite = self._params_finite(params) if self.check_params else torch.ones((), dtype=torch.bool,
-                                                                                          device=norm.device)
+        params_finite = self._params_finite(params) if self.check_params else self._flag(True, norm.device)
         if self.schedule is not None:  # a host flag where the optimizer step already read it (no second read)
             on_host = self.precision.applied_on_host
             self.schedule.step(applied if on_host is None else on_host)
@@ -178,6 +178,14 @@ class TrainStep:
             local = ~torch.isfinite(self.window.loss_sum) | self.grad_flag.bad
             out["local_nonfinite"] = local if self._inputs_ok is None else local | ~self._inputs_ok
         return out
+
+    def _flag(self, value: bool, device: torch.device) -> Tensor:
+        """A constant 0-dim bool on ``device``, made once (never written: readers only stack or combine it)."""
+        key = (value, device)
+        flag = self._flags.get(key)
+        if flag is None:
+            flag = self._flags[key] = torch.full((), value, dtype=torch.bool, device=device)
+        return flag
 
     def _sync_context(self, last: bool) -> contextlib.AbstractContextManager:
         """DDP's no_sync on all but the last micro-batch of a window; nothing on one process.

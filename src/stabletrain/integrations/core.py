@@ -343,6 +343,20 @@ class RunSession:
         if self.options.capture and self.run is not None:
             self._kept[self.step + 1] = (list(micro_batches), rng)
 
+    def skip_on_host(self, ok: Tensor, hint: str) -> None:
+        """An optimizer that cannot skip on the device: drop a bad step's grads (one host read per step, warned once).
+
+        torch's optimizers skip a parameter without a grad: no update, no state change. ``hint``: how to get
+        a fused optimizer in this host trainer.
+        """
+        if not getattr(self, "_warned_sync", False):
+            warnings.warn(f"stabletrain: this optimizer cannot skip a step on the device ({hint}); the verdict is read "
+                          "on the host once per step (a sync)", stacklevel=4)
+            self._warned_sync = True
+        if not bool(ok):  # the one documented per-step sync for a non-fused optimizer without a GradScaler
+            for p in self.params:
+                p.grad = None
+
     def before_update(self) -> None:
         """Before the host's optimizer step: on the last step of a log interval, copy the parameters (no sync)."""
         if (self.step + 1) % self.options.log_every == 0:

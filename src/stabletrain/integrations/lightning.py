@@ -89,7 +89,6 @@ class StableTrainCallback(pl.Callback):
         self._fingerprint: InitFingerprint | None = None
         self._loaded: dict[str, Any] | None = None
         self._hooks: list[Any] = []
-        self._warned_sync = False
         self._reset_step()
 
     def _reset_step(self) -> None:
@@ -217,7 +216,7 @@ class StableTrainCallback(pl.Callback):
             # Lightning runs this hook inside optimizer.step(closure); the fused update reads found_inf after it.
             optimizer.grad_scale, optimizer.found_inf, ours = None, (~ok).float(), True
         elif not self.fused and own_found is None and may_skip:
-            self._skip_on_host(ok, params)
+            session.skip_on_host(ok, "use fused=True, e.g. torch.optim.AdamW(..., fused=True)")
         clipped = (finite & (norm > self.clip_norm) if self.clip_norm is not None
                    else torch.zeros((), dtype=torch.bool, device=norm.device))
         post = norm * torch.clamp(self.clip_norm / (norm + 1e-6), max=1.0) if self.clip_norm is not None else norm
@@ -227,17 +226,6 @@ class StableTrainCallback(pl.Callback):
                          "finite": finite, "spike": spike, "overflow": overflow, "per_param_norms": per,
                          "own_found": own_found, "ours": ours}
         session.before_update()  # ||update|| on the interval's last step: one parameter copy, no sync
-
-    def _skip_on_host(self, ok: Tensor, params: list[Tensor]) -> None:
-        """An optimizer that cannot skip on the device: drop the grads of a bad step (one host read per step)."""
-        if not self._warned_sync:
-            warnings.warn("stabletrain: this optimizer cannot skip a step on the device (use fused=True, e.g. "
-                          "torch.optim.AdamW(..., fused=True)); the verdict is read on the host once per step (a sync)",
-                          stacklevel=3)
-            self._warned_sync = True
-        if not bool(ok):  # the one documented per-step sync for a non-fused optimizer without a GradScaler
-            for p in params:
-                p.grad = None  # torch's optimizers skip a parameter without a grad: no update, no state change
 
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Under a GradScaler, scaler.step() sets found_inf and then calls step(): a fused optimizer skips on ours too.

@@ -99,7 +99,6 @@ class StableTrainCallback(TrainerCallback):
         self.session: RunSession | None = None
         self._fingerprint: InitFingerprint | None = None
         self._handles: list[Any] = []
-        self._warned_sync = False
         self._record: dict[str, Any] | None = None
         self._reset_step()
 
@@ -247,7 +246,7 @@ class StableTrainCallback(TrainerCallback):
         if own_found is None and self.fused:
             self.inner.grad_scale, self.inner.found_inf, ours = None, (~ok).float(), True
         elif own_found is None and may_skip:
-            self._skip_on_host(ok)
+            session.skip_on_host(ok, "use optim='adamw_torch_fused'")
         clip = session.clip_max_norm
         clipped = finite & (norm > clip) if clip is not None else torch.zeros((), dtype=torch.bool, device=norm.device)
         post = norm * torch.clamp(clip / (norm + 1e-6), max=1.0) if clip is not None else norm
@@ -257,16 +256,6 @@ class StableTrainCallback(TrainerCallback):
                          "finite": finite, "spike": spike, "overflow": overflow, "per_param_norms": per,
                          "own_found": own_found, "ours": ours}
         session.before_update()  # ||update|| on the interval's last step: one parameter copy, no sync
-
-    def _skip_on_host(self, ok: Tensor) -> None:
-        """An optimizer that cannot skip on the device: drop the grads of a bad step (one host read per step)."""
-        if not self._warned_sync:
-            warnings.warn("stabletrain: this optimizer cannot skip a step on the device (use optim='adamw_torch_fused'); "
-                          "the verdict is read on the host once per step (a sync)", stacklevel=3)
-            self._warned_sync = True
-        if not bool(ok):  # the one documented per-step sync for a non-fused optimizer without a GradScaler
-            for p in self.session.params:
-                p.grad = None
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         p, session = self._pending, self.session
