@@ -11,7 +11,8 @@
     weight; the loop captures the bad step (the recorder replays from the interval's host snapshot,
     at most log.every - 1 steps, or from LAST_GOOD with ``guard.memory_snapshot=false``, and writes the
     bundle; timed by a callback from its ``on_log`` to its ``on_incident``) and ``diagnose_incident``
-    replays it under the precise tools; both are divided by the median step. Target: capture +
+    replays it under the precise tools; both are divided by the median step, and the diagnosis's own
+    record splits its time by phase (``timings``) and counts its passes (``passes``). Target: capture +
     diagnosis <= 20 steps wherever the incident falls (``--bad-step``: which step carries the NaN).
 (c) A short run under ``torch.autograd.detect_anomaly()`` against the plain run (what users do today
     to find a NaN, for the whole job).
@@ -278,12 +279,13 @@ def part_b(task: Any, step_s: float | None, tmp: Path, bad_step: int = 20, repea
     stamps = clock.stamps
     run_step = statistics.median(b - a for a, b in itertools.pairwise(stamps[2:bad_step - 1]))
     step = step_s if step_s is not None else run_step
-    times, diagnosis = [], {}
+    times, runs = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        diagnosis = diagnose_incident(incident, nan_task, device="cpu")
+        runs.append(diagnose_incident(incident, nan_task, device="cpu"))
         times.append(time.perf_counter() - t0)
     diag = statistics.median(times)
+    diagnosis = runs[times.index(diag)] if diag in times else runs[-1]
     found = diagnosis.get("bad_samples")
     print(f"(b) planted NaN in training sample {bad_index} (step {bad_step}); diagnosis says: {diagnosis.get('summary')}")
     print(f"    stage={diagnosis.get('stage')} op={diagnosis.get('op')} bad_samples={found} "
@@ -295,6 +297,11 @@ def part_b(task: Any, step_s: float | None, tmp: Path, bad_step: int = 20, repea
           f"{clock.capture_s[0]:.2f} s = {clock.capture_s[0] / step:.1f} steps")
     print(f"diagnosis cost: {diag:.2f} s = {diag / step:.1f} median steps "
           f"(median of {repeats}: {', '.join(f'{t:.2f}' for t in times)} s)  [{load_average()}]")
+    t, n = diagnosis["timings"], diagnosis["passes"]
+    print(f"    phases of that run, in steps: load {t['load_s'] / step:.1f}, replays {t['replays_s'] / step:.1f} "
+          f"({n['replays']} forward/backward under the locator, {n['updates']} update), bisection "
+          f"{t['bisection_s'] / step:.1f} ({n['bisection']} subsets, {n['bisection_forward_only']} stopped at a "
+          f"non-finite loss before their backward), anomaly {t['anomaly_s'] / step:.1f} ({n['anomaly']} pass)")
     total = (clock.capture_s[0] + diag) / step
     print(f"incident cost: capture + diagnosis = {total:.1f} steps (target <= 20)", flush=True)
 

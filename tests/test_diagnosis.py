@@ -102,6 +102,26 @@ def test_nan_sample_is_named_by_bisection(recollate):
     assert d["num_micro_batches"] == 2 and d["num_samples"] == 16
 
 
+def test_the_record_counts_its_passes_and_a_subset_with_a_nan_loss_skips_its_backward():
+    ds = faults.dataset_with_nan(bad_index=37)
+    torch.manual_seed(0)
+    model = faults.Classifier()
+    forwards, backwards = [], []
+    model.register_forward_hook(lambda m, i, o: forwards.append(len(i[0])))
+    model.body[0].weight.register_hook(lambda g: backwards.append(1))  # the first layer: reached by a whole backward
+    d = diagnose_step(model, faults.classification_loss, nan_dataset_window(ds, [list(range(32, 48))]), precision=FP32,
+                      dataset=ds)
+    assert d["bad_samples"] == [37] and d["stage"] == "inputs"
+    # The whole window is the first replay, not asked again: subsets of 8, 8, 4, 4, 2, 2, 1, 1, half of them bad.
+    assert d["passes"] == {"replays": 2, "updates": 0, "bisection": 8, "bisection_forward_only": 4, "anomaly": 1}
+    assert forwards == [16, 16, 8, 8, 4, 4, 2, 2, 1, 1, 16]
+    # Backward: the two replays and the four good subsets; not the bad subsets (their loss is NaN), nor the anomaly
+    # pass (anomaly mode stops at the first backward function returning NaN, in the loss, before the model).
+    assert len(backwards) == 2 + 4
+    assert set(d["timings"]) == {"replays_s", "bisection_s", "anomaly_s", "total_s"}
+    assert d["timings"]["total_s"] >= d["timings"]["replays_s"] + d["timings"]["bisection_s"] + d["timings"]["anomaly_s"]
+
+
 def test_lr_blowup_is_the_update_stage():
     torch.manual_seed(0)
     model = faults.Classifier()
@@ -117,6 +137,7 @@ def test_lr_blowup_is_the_update_stage():
     assert d["stage"] == "update" and d["op"] is None and d["first_nonfinite_param"] is None
     assert d["nonfinite_params_after_update"] == ["head.weight", "head.bias"]
     assert d["reproduces"] and d["bad_samples"] is None
+    assert d["passes"] == {"replays": 2, "updates": 2, "bisection": 0, "bisection_forward_only": 0, "anomaly": 0}
     assert "head.weight, head.bias non-finite" in d["summary"]
     assert_unchanged(model, before)
     assert optimizer.state == {} and json.dumps(optimizer.state_dict()["param_groups"]) == opt_before

@@ -38,6 +38,9 @@ def test_an_incident_is_captured_and_diagnosed_again_from_the_bundle(tmp_path):
     d = diagnose_incident(incident, nan_sample_task(bad_index=37))
     assert d["stage"] == "inputs" and d["bad_samples"] == [37] and d["reproduces"] is True
     assert (incident / "diagnosis.json").exists()
+    t = d["timings"]  # what the diagnosis cost, by phase (its passes are counted in d["passes"])
+    assert set(t) == {"load_s", "replays_s", "bisection_s", "anomaly_s", "total_s"}
+    assert t["total_s"] >= t["load_s"] + t["replays_s"] + t["bisection_s"] + t["anomaly_s"] > 0
 
 
 class PreStepState(Callback):

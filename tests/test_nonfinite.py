@@ -203,6 +203,54 @@ def test_locator_stops_after_the_origin_and_cleans_up():
     assert _get_current_dispatch_mode() is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.complex64])
+def test_the_cheap_finiteness_read_is_exact(dtype):
+    from stabletrain.nonfinite import _all_finite
+
+    big = torch.finfo(dtype if not dtype.is_complex else torch.float32).max
+    overflows = torch.full((64,), big, dtype=dtype)  # every value finite, the sum is not: read exactly, still finite
+    assert not torch.isfinite(overflows.sum()) and _all_finite([overflows]) == [True]
+    assert _all_finite([torch.empty(0, dtype=dtype), torch.ones(3, 5, dtype=dtype)[:, ::2]]) == [True, True]
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for pos in (0, 37, 4095):
+            t = torch.randn(4096).to(dtype)
+            t[pos] = bad
+            assert _all_finite([torch.ones(2, dtype=dtype), t, overflows]) == [True, False, True], (bad, pos)
+    inf_and_minus_inf = torch.tensor([float("inf"), float("-inf")]).to(dtype)  # a sum of NaN, min/max infinite
+    assert _all_finite([inf_and_minus_inf]) == [False]
+
+
+def test_a_non_finite_tensor_overwritten_in_place_is_read_again():
+    # After the first (propagated) NaN the locator remembers which tensors it read as non-finite, so an op taking
+    # one is known not to be an origin without reading it again. An in-place write (here through a view) changes
+    # the tensor: the log of the zeros it now holds is the origin, not a propagation of the old NaN.
+    x = torch.randn(4, 8)
+    x[1, 2] = float("nan")
+    with NonFiniteLocator() as loc:
+        y = x * 2.0
+        y[:, :] = 0.0
+        torch.log(y)
+    assert (loc.first.op, loc.first.origin) == ("aten.mul.Tensor", False)
+    assert (loc.first_origin.op, loc.first_origin.origin, loc.first_origin.nonfinite_inputs) == ("aten.log.default", True, [])
+
+
+def test_first_only_stops_at_the_first_op_but_still_follows_a_masked_origin():
+    class DropNaN(nn.Module):
+        def forward(self, x):
+            return torch.nan_to_num(x, nan=0.0)
+
+    model = faults.Stack(nn.Linear(8, 8), DropNaN(), faults.LogFeatures())
+    x = torch.randn(8, 8)
+    x[0, 0] = float("nan")  # a propagated NaN first, then an origin (log of zero) after it is dropped
+    full, first = locate(model, x), locate(model, x, first_only=True)
+    assert full.first.op == first.first.op == "aten.addmm.default" and not first.first.origin
+    assert full.first_origin.op == "aten.log.default" and first.first_origin is None
+    assert first.num_ops < full.num_ops
+    masked_full, masked_first = locate(*faults.masked_log2()), locate(*faults.masked_log2(), first_only=True)
+    for loc in (masked_full, masked_first):  # the first op is the origin: followed into backward either way
+        assert (loc.first.op, loc.first.masked_in_forward, loc.first.backward_op.op) == ("aten.log2.default", True, "aten.div.Tensor")
+
+
 # -- bisection ---------------------------------------------------------------------------------------
 
 
@@ -229,6 +277,20 @@ def test_bisect_only_bad_in_combination_says_so():
     assert "no single sample is bad" in result.summary()
 
 
+def test_bisect_does_not_ask_again_what_the_caller_knows():
+    calls = []
+
+    def is_bad(subset):
+        calls.append(subset)
+        return 7 in subset
+
+    known = bisect_samples(is_bad, list(range(16)), whole_bad=True)
+    assert known.samples == [7] and list(range(16)) not in calls and known.num_evals == len(calls) == 2 * 4
+    calls.clear()
+    clean = bisect_samples(is_bad, list(range(20, 36)), whole_bad=False)
+    assert not clean.whole_bad and clean.samples == [] and calls == []
+
+
 def test_bisect_nothing_bad_and_eval_budget():
     result = bisect_samples(lambda s: False, list(range(8)))
     assert not result.whole_bad and result.samples == [] and result.num_evals == 1
@@ -246,6 +308,24 @@ def test_anomaly_trace_names_the_forward_line_of_a_backward_fault():
     assert "x.pow(2).sum(-1, keepdim=True).sqrt()" in text  # the forward line, from anomaly mode
     assert "Function 'SqrtBackward0' returned nan values" in text
     assert "torch/nn/modules/module.py" not in text
+
+
+def test_anomaly_trace_reuses_a_forward_first_op_already_located_and_locates_a_backward_one_itself():
+    model, x = faults.log_of_zero()
+    run = lambda: faults.regression_loss(model, x).backward()  # noqa: E731
+    own = anomaly_trace(run, model)
+    first = locate(model, x).first  # forward, with its stack (from this test's frames, not the anomaly pass's)
+    reused = anomaly_trace(run, model, located=first)
+    head, anomaly = reused.split("\nanomaly mode: ")
+    assert head == f"first non-finite op: {first.describe()}\nstack:\n{first.stack}"
+    own_anomaly = own.split("\nanomaly mode: ")[1]
+    assert anomaly.splitlines()[0] == own_anomaly.splitlines()[0] == "Function 'PowBackward0' returned nan values in its 0th output."
+    assert "return model(batch).float().pow(2).mean()" in anomaly  # the forward call of the function anomaly mode names
+    model, x = faults.sqrt_at_zero()
+    backward_first = locate(model, x).first  # backward: no forward stack outside anomaly mode
+    assert backward_first.direction == "backward" and backward_first.stack is None
+    text = anomaly_trace(lambda: faults.regression_loss(model, x).backward(), model, located=backward_first)
+    assert "x.pow(2).sum(-1, keepdim=True).sqrt()" in text.split("\nanomaly mode: ")[0]
 
 
 def test_anomaly_trace_is_none_when_finite():

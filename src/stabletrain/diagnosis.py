@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -124,22 +125,33 @@ def run_diagnosis(rep: Any, micro_batches: list[tuple[list[int], Any]],
     """Replay ``num_replays`` times under the locator, bisect the samples, replay under anomaly mode; return the record.
 
     ``rep``: a replayer with ``model``, ``precision``, ``step_factory`` (None: no update stage),
-    ``reset()``, ``forward_backward(groups) -> (loss sums, mean loss)``, ``grad_norm()`` and
-    ``update() -> (names of parameters made non-finite, grad norm)`` (see :mod:`stabletrain.replay`).
-    The keys are those :func:`stabletrain.replay.diagnose_step` documents.
+    ``reset()``, ``forward_backward(groups, stop_at_nonfinite_loss=False) -> (loss sums, mean loss)``,
+    ``grad_norm()`` and ``update() -> (names of parameters made non-finite, grad norm)`` (see
+    :mod:`stabletrain.replay`). The keys are those :func:`stabletrain.replay.diagnose_step` documents.
+
+    What it costs, in forward/backward passes: ``num_replays`` under the locator (the first one
+    follows the value to its origin and records the stack; the others, which only check that it
+    reproduces, stop at the first non-finite op), one update where everything stayed finite, the
+    bisection's subsets (the whole window is the first replay; a subset whose loss is already
+    non-finite skips its backward) and one anomaly-mode pass; ``timings`` and ``passes`` in the
+    record say how much each took.
     """
+    start = time.perf_counter()
+    passes = {"replays": 0, "updates": 0, "bisection": 0, "bisection_forward_only": 0, "anomaly": 0}
     inputs_bad, input_samples = _bad_inputs(micro_batches)
     replays = []
     first_rec = origin_rec = None
     for r in range(num_replays):
         rep.reset()
-        with NonFiniteLocator(rep.model, capture_stack=r == 0) as loc:
+        with NonFiniteLocator(rep.model, capture_stack=r == 0, first_only=r > 0) as loc:
             sums, loss = rep.forward_backward(micro_batches)
+        passes["replays"] += 1
         grad_name = first_nonfinite_grad(rep.model)
         after_update: list[str] = []
         grad_norm = rep.grad_norm()
         if rep.step_factory is not None and grad_name is None and loc.first is None and math.isfinite(loss):
             after_update, _ = rep.update()  # the loop steps only on finite grads
+            passes["updates"] += 1
         first = loc.first
         if r == 0:
             first_rec, origin_rec = loc.first, loc.first_origin
@@ -163,6 +175,7 @@ def run_diagnosis(rep: Any, micro_batches: list[tuple[list[int], Any]],
     reproduces = stage != "none" and same and matches_observed
     for r in replays:
         del r["_sums"]
+    replays_s = time.perf_counter() - start
 
     # Which samples: bisection over the window (rows holding a non-finite input are also read directly).
     bisection: Bisection | None = None
@@ -171,14 +184,22 @@ def run_diagnosis(rep: Any, micro_batches: list[tuple[list[int], Any]],
         # The bisection replays many subsets: where the whole window's bad value reaches the loss or the
         # gradients, a plain finiteness check on those tells bad from good, without the op-by-op locator.
         reaches = not math.isfinite(float(replays[0]["loss"])) or replays[0]["first_nonfinite_param"] is not None
-        bisection = bisect_samples(_is_bad_fn(rep, micro_batches, dataset, collate, precise=not reaches),
-                                   [i for indices, _ in micro_batches for i in indices])
+        # The whole window is not asked again: it was the first replay (bad: it reached the loss or the gradients,
+        # or, as the precise check also counts, the locator saw a non-finite value at all).
+        bisection = bisect_samples(_is_bad_fn(rep, micro_batches, dataset, collate, precise=not reaches, passes=passes),
+                                   [i for indices, _ in micro_batches for i in indices],
+                                   whole_bad=reaches or first_rec is not None)
         bad_samples = bisection.samples
+    bisection_s = time.perf_counter() - start - replays_s
 
     trace = None
     if anomaly and stage in ("inputs", "activations", "loss", "gradients"):
         rep.reset()
-        trace = anomaly_trace(lambda: rep.forward_backward(micro_batches), rep.model)
+        # Where the replays agree on a first op in forward, the first replay's record (and stack) is the anomaly
+        # pass's own: that pass then only runs anomaly mode, for the backward function it reports.
+        trace = anomaly_trace(lambda: rep.forward_backward(micro_batches), rep.model, located=first_rec if same else None)
+        passes["anomaly"] += 1
+    anomaly_s = time.perf_counter() - start - replays_s - bisection_s
 
     out: dict[str, Any] = {
         "stage": stage,
@@ -212,18 +233,25 @@ def run_diagnosis(rep: Any, micro_batches: list[tuple[list[int], Any]],
         "precision": rep.precision.mode,
         "num_micro_batches": len(micro_batches),
         "num_samples": sum(len(i) for i, _ in micro_batches),
+        "timings": {"replays_s": replays_s, "bisection_s": bisection_s, "anomaly_s": anomaly_s,
+                    "total_s": time.perf_counter() - start},
+        "passes": passes,
     }
     out["summary"] = _summary(out, bisection)
     return out
 
 
 def _is_bad_fn(rep: Any, micro_batches: list[tuple[list[int], Any]], dataset: Any,
-               collate: Callable[[list[Any]], Any] | None, precise: bool = True) -> Callable[[list[int]], bool]:
+               collate: Callable[[list[Any]], Any] | None, precise: bool = True,
+               passes: dict[str, int] | None = None) -> Callable[[list[int]], bool]:
     """Return ``is_bad(subset)``: replay only those dataset indices, each in its own micro-batch's group.
 
     ``precise``: also count a non-finite value that never reaches the loss or the gradients (the
     op-by-op locator); otherwise a subset is bad when its loss or a gradient is non-finite (cheaper).
+    A subset whose loss is already non-finite is bad either way: its backward is skipped. ``passes``:
+    counts the replays (``bisection``) and those that stopped before a backward (``bisection_forward_only``).
     """
+    passes = passes if passes is not None else {"bisection": 0, "bisection_forward_only": 0}
     collate = collate or default_collate
 
     def is_bad(subset: list[int]) -> bool:
@@ -239,12 +267,16 @@ def _is_bad_fn(rep: Any, micro_batches: list[tuple[list[int], Any]], dataset: An
         if not groups:
             return False
         rep.reset()
+        passes["bisection"] += 1
         try:
-            with NonFiniteLocator(rep.model, capture_stack=False) if precise else contextlib.nullcontext() as loc:
-                _, loss = rep.forward_backward(groups)
+            with NonFiniteLocator(rep.model, capture_stack=False, first_only=True) if precise else contextlib.nullcontext() as loc:
+                _, loss = rep.forward_backward(groups, stop_at_nonfinite_loss=True)
         except RuntimeError:  # a subset the model cannot run (e.g. batch norm on one sample) blames no one
             return False
-        return (loc is not None and loc.found) or not math.isfinite(loss) or first_nonfinite_grad(rep.model) is not None
+        if not math.isfinite(loss):
+            passes["bisection_forward_only"] += 1
+            return True
+        return (loc is not None and loc.found) or first_nonfinite_grad(rep.model) is not None
 
     return is_bad
 

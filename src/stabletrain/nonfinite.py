@@ -20,6 +20,7 @@ re-running the one step that went wrong, never for every step of a run.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import traceback
@@ -133,12 +134,50 @@ def _floating(tensors: list[Any]) -> list[Tensor]:
     return [t for t in tensors if isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex())]
 
 
-def _all_finite(tensors: list[Tensor]) -> list[bool]:
-    """Return, per tensor, whether every element is finite (one host sync for all of them)."""
+def _all_finite(tensors: list[Tensor], known_bad: list[bool] | None = None, likely_bad: bool = False) -> list[bool]:
+    """Return, per tensor, whether every element is finite (one host sync; a second for those the first cannot clear).
+
+    A NaN or an Inf makes a tensor's sum non-finite, so a finite sum proves the tensor finite in one
+    reduction (on CPU ``isfinite(t).all()`` costs 20-30x as much); only a tensor whose sum is not
+    finite (a bad value, or a sum that overflowed) is then read exactly, by its min and max.
+    ``known_bad``: per tensor, already known to be non-finite (not read again); ``likely_bad``: read
+    exactly at once (where a non-finite input makes a non-finite output likely).
+    """
     if not tensors:
         return []
-    flags = [torch.isfinite(t).all() for t in tensors]
-    return torch.stack([f.to(flags[0].device) for f in flags]).tolist()
+    device = tensors[0].device
+    ok = [False] * len(tensors)
+    unknown = [i for i in range(len(tensors)) if not (known_bad and known_bad[i])]
+    if unknown and not likely_bad:
+        for i, flag in zip(unknown, torch.stack([_finite_sum(tensors[i]).to(device) for i in unknown]).tolist()):
+            ok[i] = flag
+    unsure = [i for i in unknown if not ok[i]]
+    if unsure:
+        exact = torch.stack([_finite_exact(tensors[i]).to(device) for i in unsure]).tolist()
+        for i, flag in zip(unsure, exact):
+            ok[i] = flag
+    return ok
+
+
+def _finite_sum(t: Tensor) -> Tensor:
+    """A 0-dim bool: True proves every element of ``t`` finite; False means "look closer" (see _all_finite)."""
+    if t.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    try:
+        return torch.isfinite(t.sum())
+    except (RuntimeError, NotImplementedError):  # a dtype without a sum kernel (e.g. float8): the exact check decides
+        return torch.zeros((), dtype=torch.bool, device=t.device)
+
+
+def _finite_exact(t: Tensor) -> Tensor:
+    """A 0-dim bool: whether every element of ``t`` is finite (min and max propagate NaN and show +-Inf; no overflow)."""
+    if t.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    try:
+        low, high = torch.aminmax(t)
+    except (RuntimeError, NotImplementedError):  # complex, or a dtype without min/max kernels
+        return torch.isfinite(t).all()
+    return torch.isfinite(low) & torch.isfinite(high)
 
 
 def _is_user_frame(filename: str) -> bool:
@@ -170,7 +209,7 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         loc = self.locator
-        if loc.first_origin is not None:  # done: cost nothing from here on ...
+        if loc.first_origin is not None or (loc.first_only and loc.first is not None):  # done: cost nothing ...
             if not loc._following_backward():
                 return func(*args, **kwargs)
             out = func(*args, **kwargs)  # ... unless a masked forward value is followed into backward
@@ -185,12 +224,20 @@ class _Mode(TorchDispatchMode):
                 loc._remember(loc._uninitialized, t)
             return out
         inputs = _floating(tree_leaves((args, kwargs)))
-        before = _all_finite(inputs) if _is_mutating(func) else None  # an in-place op overwrites its inputs
+        known = [loc._known_bad(t) for t in inputs] if loc._nonfinite else None  # read before: not read again
+        before = _all_finite(inputs, known) if _is_mutating(func) else None  # an in-place op overwrites its inputs
         out = func(*args, **kwargs)
         outputs = _floating(tree_leaves(out))
-        if not outputs or all(_all_finite(outputs)):
+        if not outputs:
             return out
-        loc._record(func, args, kwargs, inputs, before, outputs)
+        likely_bad = known is not None and any(k and not loc._is_tolerated(t) for k, t in zip(known, inputs))
+        flags = _all_finite(outputs, likely_bad=likely_bad)
+        if all(flags):
+            return out
+        for t, ok in zip(outputs, flags):
+            if not ok:
+                loc._mark_bad(t)
+        loc._record(func, args, kwargs, inputs, before, outputs, known)
         return out
 
 
@@ -209,6 +256,9 @@ class NonFiniteLocator:
             rebased onto it). Call the model's own ``forward`` first inside the block.
         capture_stack: record the Python stack of the first op (forward), or under
             ``detect_anomaly`` the stack of the forward call that created the backward node.
+        first_only: stop checking at ``first`` (do not look further for a later origin; a masked
+            first origin is still followed into backward). What a replay needs that only compares
+            the first op (its op, direction and module) costs no checks past it.
         tolerate_masks: treat ``-inf`` attention masks as intended: an op that writes an inf from
             a Python constant (``full``, ``masked_fill``, ``where`` with ``float("-inf")``), a
             model buffer that holds only ``-inf`` as its non-finite values, and ops computed only from
@@ -225,15 +275,20 @@ class NonFiniteLocator:
     so it is the module whose backward was running.
     """
 
-    def __init__(self, model: nn.Module | None = None, *, capture_stack: bool = True, tolerate_masks: bool = True) -> None:
+    def __init__(self, model: nn.Module | None = None, *, capture_stack: bool = True, tolerate_masks: bool = True,
+                 first_only: bool = False) -> None:
         self.model = model
         self.capture_stack = capture_stack
+        self.first_only = first_only
         self.tolerate_masks = tolerate_masks
         self.first: NonFiniteOp | None = None
         self.first_origin: NonFiniteOp | None = None
         self.num_ops = 0
         self._tolerated: dict[int, weakref.ref] = {}  # intended infs (masks)
         self._uninitialized: dict[int, weakref.ref] = {}  # fresh torch.empty memory: garbage, not values
+        # Tensors read as non-finite, with their version: while unchanged (no in-place write to them or to a
+        # view of them), an op taking one is not an origin and the tensor need not be read again.
+        self._nonfinite: dict[int, tuple[weakref.ref, int]] = {}
         self._names = {name for name, _ in model.named_modules()} if model is not None else None
         self._root = type(model).__name__ if model is not None else None
         self._tracker = ModuleTracker()
@@ -247,9 +302,9 @@ class NonFiniteLocator:
 
     def __enter__(self) -> NonFiniteLocator:  # noqa: PYI034 (typing.Self needs Python 3.11)
         if self.model is not None and self.tolerate_masks:
-            for buf in self.model.buffers():
-                if buf.is_floating_point() and not bool(torch.isfinite(buf).all()) and not bool(
-                        (torch.isnan(buf) | torch.isposinf(buf)).any()):
+            buffers = [b for b in self.model.buffers() if b.is_floating_point()]
+            for buf, finite in zip(buffers, _all_finite(buffers)):
+                if not finite and not bool((torch.isnan(buf) | torch.isposinf(buf)).any()):
                     self._tolerate(buf)
         self._tracker.__enter__()
         self._output_hook = nn.modules.module.register_module_forward_hook(self._on_module_output)
@@ -269,6 +324,7 @@ class NonFiniteLocator:
             self._tracker.__exit__(*exc)
             self._tolerated.clear()
             self._uninitialized.clear()
+            self._nonfinite.clear()
             self._watch = None
 
     # -- internals ------------------------------------------------------------------------------
@@ -282,6 +338,16 @@ class NonFiniteLocator:
     def _holds(registry: dict[int, weakref.ref], t: Tensor) -> bool:
         ref = registry.get(id(t))
         return ref is not None and ref() is t
+
+    def _mark_bad(self, t: Tensor) -> None:
+        version = _version(t)
+        if version is not None:
+            key = id(t)
+            self._nonfinite[key] = (weakref.ref(t, lambda _, key=key, d=self._nonfinite: d.pop(key, None)), version)
+
+    def _known_bad(self, t: Tensor) -> bool:
+        entry = self._nonfinite.get(id(t))
+        return entry is not None and entry[0]() is t and _version(t) == entry[1]
 
     def _tolerate(self, t: Tensor) -> None:
         self._remember(self._tolerated, t)
@@ -319,16 +385,21 @@ class NonFiniteLocator:
         return rest if rebased else name
 
     def _record(self, func: Any, args: Any, kwargs: Any, inputs: list[Tensor], before: list[bool] | None,
-                outputs: list[Tensor]) -> None:
-        finite_in = before if before is not None else _all_finite(inputs)
+                outputs: list[Tensor], known: list[bool] | None = None) -> None:
+        if before is not None:
+            finite_in = before
+        else:
+            finite_in = _all_finite(inputs, known)
+            for t, ok in zip(inputs, finite_in):  # not written by this op: still as read
+                if not ok:
+                    self._mark_bad(t)
         if str(func) in _CONSTANT_OPS:  # its input is a Python literal: a NaN/Inf written by hand starts here
             finite_in = [True] * len(inputs)
         # Garbage in fresh torch.empty memory that this op overwrites is not an input value.
         bad_inputs = [i for i, ok in enumerate(finite_in) if not ok and not self._holds(self._uninitialized, inputs[i])]
         # An intended inf (a mask) handed in counts as finite: an op turning it into NaN is the origin.
         untolerated = [i for i in bad_inputs if not self._is_tolerated(inputs[i])]
-        has_nan = bool(torch.stack([torch.isnan(t).any().to(outputs[0].device) for t in outputs]).any())
-        if self.tolerate_masks and not has_nan and not untolerated:
+        if self.tolerate_masks and not untolerated and not _has_nan(outputs):
             from_constant = str(func) in _CONSTANT_OPS or any(
                 isinstance(a, float) and math.isinf(a) for a in tree_leaves((args, kwargs)))
             if bad_inputs or from_constant:
@@ -364,7 +435,7 @@ class NonFiniteLocator:
                 stack = _user_frames(list(tb)) if tb else None
             else:
                 stack = _user_stack()
-        has_nan = bool(torch.stack([torch.isnan(t).any().to(outputs[0].device) for t in outputs]).any())
+        has_nan = _has_nan(outputs)
         return NonFiniteOp(
             op=str(func), direction="backward" if backward else "forward", module=self._module(), origin=origin,
             kind="nan+inf" if has_nan and has_inf else ("nan" if has_nan else "inf"), num_nonfinite=num_bad,
@@ -372,6 +443,18 @@ class NonFiniteLocator:
             input_dtypes=[_dtype(t) for t in inputs], output_shapes=[list(t.shape) for t in outputs],
             output_dtypes=[_dtype(t) for t in outputs], nonfinite_inputs=bad_inputs,
             autograd_node=node.name() if node is not None else None, op_index=self.num_ops - 1, stack=stack)
+
+
+def _version(t: Tensor) -> int | None:
+    """The tensor's in-place write counter (shared with its views), None where it keeps none (inference mode)."""
+    try:
+        return t._version
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def _has_nan(tensors: list[Tensor]) -> bool:
+    return bool(torch.stack([torch.isnan(t).any().to(tensors[0].device) for t in tensors]).any())
 
 
 def _is_view(func: Any) -> bool:
@@ -420,15 +503,19 @@ class Bisection:
         return "; ".join(parts)
 
 
-def bisect_samples(is_bad: Callable[[list[int]], bool], indices: Sequence[int], *, max_evals: int = 200) -> Bisection:
+def bisect_samples(is_bad: Callable[[list[int]], bool], indices: Sequence[int], *, max_evals: int = 200,
+                   whole_bad: bool | None = None) -> Bisection:
     """Return which of ``indices`` make ``is_bad`` true, by halving (group testing).
 
     ``is_bad(subset)`` replays the step on that subset of dataset indices. A group that is bad while
     both its halves are fine is reported as a combination, reduced to a 1-minimal group (no member
     can be dropped). About ``2 k log2(n)`` calls for ``k`` bad samples among ``n``; results are
-    cached, so no subset is evaluated twice.
+    cached, so no subset is evaluated twice. ``whole_bad``: ``is_bad(indices)`` when the caller
+    already knows it (the step's own replay): not asked again, nor counted in ``num_evals``.
     """
     cache: dict[tuple[int, ...], bool] = {}
+    if whole_bad is not None:
+        cache[tuple(indices)] = bool(whole_bad)
     state = {"evals": 0, "exhausted": False}
 
     def bad(subset: list[int]) -> bool:
@@ -475,7 +562,8 @@ def bisect_samples(is_bad: Callable[[list[int]], bool], indices: Sequence[int], 
 # -- anomaly-mode replay -----------------------------------------------------------------------------
 
 
-def anomaly_trace(fn: Callable[[], Any], model: nn.Module | None = None) -> str | None:
+def anomaly_trace(fn: Callable[[], Any], model: nn.Module | None = None, *,
+                  located: NonFiniteOp | None = None) -> str | None:
     """Run ``fn`` (a forward and backward) under anomaly mode; return the stack behind the first non-finite value.
 
     Replay only: anomaly mode records a Python stack for every autograd node. The text names the
@@ -483,20 +571,25 @@ def anomaly_trace(fn: Callable[[], Any], model: nn.Module | None = None) -> str 
     does not check) and the forward call that created it, followed by anomaly mode's own report when
     a backward function returned NaN. Returns None when everything stayed finite. Gradients that
     ``fn`` accumulates are left in place.
+
+    ``located``: the first op as a locator already found it on the same replay, in forward and with
+    its stack: the anomaly-mode pass then runs without a locator of its own (a first op in backward
+    still needs one: the stack of the forward call behind it exists only under anomaly mode).
     """
+    reuse = located is not None and located.direction == "forward" and located.stack is not None
+    locator = None if reuse else NonFiniteLocator(model, capture_stack=True, first_only=True)  # its first op only
     anomaly_error = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        locator = NonFiniteLocator(model, capture_stack=True)
         try:
-            with torch.autograd.detect_anomaly(check_nan=True), locator:
+            with torch.autograd.detect_anomaly(check_nan=True), locator if locator is not None else contextlib.nullcontext():
                 fn()
         except RuntimeError as err:
             if "returned nan values" not in str(err):
                 raise
             anomaly_error = str(err)
     parts = []
-    first = locator.first
+    first = locator.first if locator is not None else located
     if first is not None:
         label = "forward call that created its autograd node" if first.direction == "backward" else "stack"
         stack = first.stack or "  (not recorded)\n"

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import copy
 import json
+import math
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,14 @@ class _LocalWindow(AccumulationWindow):
 
     def _world(self) -> int:
         return 1
+
+
+class _NonFiniteLoss(Exception):
+    """Raised from the loss, inside the step's forward/backward, to skip the backward of a micro-batch already bad."""
+
+    def __init__(self, loss_sum: float) -> None:
+        super().__init__(loss_sum)
+        self.loss_sum = loss_sum
 
 
 class _Replayer:
@@ -82,19 +92,30 @@ class _Replayer:
         step.window = _LocalWindow(step.params)  # a replay must not enter a collective
         return step
 
-    def forward_backward(self, groups: list[tuple[list[int], Any]]) -> tuple[list[float], float]:
+    def forward_backward(self, groups: list[tuple[list[int], Any]],
+                         stop_at_nonfinite_loss: bool = False) -> tuple[list[float], float]:
         """Run the window through the step's forward/backward; return the per-micro-batch loss sums and the mean loss.
 
-        Losses are returned as Python floats (one sync per micro-batch).
+        Losses are returned as Python floats (one sync per micro-batch). ``stop_at_nonfinite_loss``: return
+        at the first micro-batch whose loss sum is not finite, before its backward (the sums so far and that
+        non-finite sum as the mean): all that a search asking "is this subset bad?" needs of a bad one.
         """
         self.step = step = self._fresh_step()
         outputs: list[Any] = []
 
         def recorded(model: nn.Module, batch: Any) -> Any:
             outputs.append(self.loss_fn(model, batch))
+            if stop_at_nonfinite_loss:
+                loss_sum = float(as_sum_count(outputs[-1], len(groups[len(outputs) - 1][0]))[0].detach())
+                if not math.isfinite(loss_sum):
+                    raise _NonFiniteLoss(loss_sum)
             return outputs[-1]
 
-        step.forward_backward([(len(indices), batch) for indices, batch in groups], recorded)
+        try:
+            step.forward_backward([(len(indices), batch) for indices, batch in groups], recorded)
+        except _NonFiniteLoss as stop:
+            done = [float(as_sum_count(o, len(indices))[0].detach()) for o, (indices, _) in zip(outputs[:-1], groups)]
+            return [*done, stop.loss_sum], stop.loss_sum
         sums = [float(as_sum_count(o, len(indices))[0].detach()) for o, (indices, _) in zip(outputs, groups)]
         return sums, float(step.window.mean_loss)
 
@@ -167,7 +188,10 @@ def diagnose_step(
     batch holding NaN/Inf), ``bad_sample_groups``, ``bisection``, ``masked_in_forward`` (the first
     non-finite forward value never reached its module's output; None when unknown), ``backward_node``
     and ``backward_op`` (where it then became non-finite in backward), ``anomaly_trace``,
-    ``reproduces``, ``replays``, ``loss``, ``grad_norm``, ``summary``.
+    ``reproduces``, ``replays``, ``loss``, ``grad_norm``, ``summary``, and what the diagnosis cost:
+    ``timings`` (seconds: ``replays_s``, ``bisection_s``, ``anomaly_s``, ``total_s``) and ``passes``
+    (forward/backward replays: ``replays``, ``updates``, ``bisection`` subsets, of which
+    ``bisection_forward_only`` stopped at a non-finite loss before their backward, ``anomaly``).
     The model's parameters, buffers, gradients and mode, and the RNG state, are restored on return.
     """
     if num_replays < 1:
@@ -204,6 +228,7 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
     ``task``: reuse an already built task (its model is deep-copied, never touched); by default the
     task is rebuilt from the bundle's config, as ``stabletrain diagnose`` does in a fresh process.
     """
+    start = time.perf_counter()
     directory = Path(directory)
     bundle = load_bundle(directory)
     cfg = config_from_dict(bundle["config"])
@@ -231,10 +256,12 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
 
     set_rng_state(bundle["rng"])
     observed = bundle.get("observed", {})
+    load_s = time.perf_counter() - start
     result = diagnose_step(model, task.loss, micro_batches, precision=precision, step_factory=step_factory,
                            device=dev, dataset=task.train_data, collate=task.collate, observed_loss=observed.get("loss"), bisect=bisect, anomaly=anomaly)
     result = {"step": bundle["step"], "rank": bundle.get("rank", 0), "epoch": bundle["window"]["epoch"],
               "observed": observed, **result}
+    result["timings"] = {"load_s": load_s, **result["timings"], "total_s": time.perf_counter() - start}
     if observed.get("after_update") and result.get("stage") not in ("update",):
         result["note"] = "the run saw the bad value only in the parameters after the update"
     atomic_write(directory / DIAGNOSIS_FILE, json.dumps(result, indent=2, default=str) + "\n")
