@@ -1,4 +1,4 @@
-"""GPU check (run on a CUDA machine, in one call, under 5 minutes): bf16, fp16, fp16+SGD, an incident, and DDP.
+"""GPU check (run on a CUDA machine, in one call, under 5 minutes): bf16, fp16, fp16+SGD, an incident, DDP and FSDP2.
 
 For each precision case it trains the default ``gpt`` task through ``Trainer``, asserts that no
 host-device sync happens between log intervals (``torch.cuda.set_sync_debug_mode("error")`` armed by
@@ -16,9 +16,15 @@ a device per rank) under torchrun: one collective per step (the gradient all-red
 window's numbers), no host conversion between boundaries on the training thread (counted with
 :class:`stabletrain.syncs.SyncCounter`: gloo's CUDA path synchronizes in its own worker thread by
 design, so the CUDA sync debug mode cannot be armed there), loss falls, background checkpoints.
+The ``fsdp`` case runs the same 2 processes with ``dist.strategy=fsdp`` in bf16 (FSDP2's
+``MixedPrecisionPolicy``): every parameter an fp32 DTensor shard holding about half the model, a
+block's forward computing on bf16 gathered weights, fp32 optimizer state, exactly the step's
+documented all-reduces (the window's numbers, the global grad norm, the post-update check, and the
+update norm on an interval's last step) and no other, no host conversion between boundaries, loss
+falls, nothing skipped, LAST_GOOD at the last step; it prints peak memory and tokens/s.
 
     python bench/gpu_check.py            # exits 1 on any failed assertion; 0 with a note without CUDA
-    python bench/gpu_check.py --cases bf16 ddp
+    python bench/gpu_check.py --cases bf16 ddp fsdp
     python bench/gpu_check.py --cpu-smoke  # the script's own logic on CPU: few steps, no CUDA checks (not a GPU check)
 """
 
@@ -258,35 +264,48 @@ def run_incident(tmp: Path, failures: list[str]) -> None:
         failures.append("incident: the bundle is of another step")
 
 
+#: The loop's designed sync points (frames): a host conversion outside all of them is a stray sync.
+SYNC_BOUNDARIES = ("_log", "evaluate", "save", "on_fit_start", "on_main", "mark_interval_start")
 DDP_STEPS = 60 if not CPU_SMOKE else 40
 DDP_ARGS = ["precision=bf16", "device=cuda", "dist.backend=gloo", f"train.max_steps={DDP_STEPS}", "log.every=20",
             "ckpt.every=20", "eval.every=0", "train.batch_size=16", "accum.steps=2", "log.progress=false"]
 
 
-def ddp_worker(out: Path) -> None:
-    """One rank of the ddp case (under torchrun): train, count collectives and host conversions, write rank 0's view."""
+def fit_counting(trainer: Trainer, depth: int = 12) -> tuple[list[tuple[int, list[str]]], list[Any]]:
+    """Run ``trainer.fit()``; return its ``dist.all_reduce`` calls and its stray host conversions on this thread.
+
+    An all-reduce is (the trainer's step, its innermost calling frames); a stray conversion is one outside
+    every frame of :data:`SYNC_BOUNDARIES` among its ``depth`` innermost.
+    """
     import torch.distributed as dist
 
-    from stabletrain.distributed import process_group
     from stabletrain.syncs import SyncCounter
+
+    calls: list[tuple[int, list[str]]] = []
+    real = dist.all_reduce
+
+    def counted(*args: Any, **kwargs: Any) -> Any:  # DDP's comm hook and stabletrain look it up at call time
+        calls.append((trainer.step, [f.name for f in traceback.extract_stack()[-12:]]))
+        return real(*args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        with SyncCounter(lambda: trainer.step, depth=depth) as syncs:
+            trainer.fit()
+    finally:
+        dist.all_reduce = real
+    return calls, [(c.step, c.op, c.where[-4:]) for c in syncs.calls if not any(b in c.where for b in SYNC_BOUNDARIES)]
+
+
+def ddp_worker(out: Path) -> None:
+    """One rank of the ddp case (under torchrun): train, count collectives and host conversions, write rank 0's view."""
+    from stabletrain.distributed import process_group
 
     cfg = load_config(None, [*DDP_ARGS, f"run.dir={out / 'run'}", *SMOKE_ARGS])
     with process_group(cfg.dist.backend, cfg.dist.timeout_s) as ctx:
         trainer = Trainer(cfg, run_dir=cfg.run.dir)
-        calls: list[tuple[int, str, list[str]]] = []
-        real = dist.all_reduce
-
-        def counted(*args: Any, **kwargs: Any) -> Any:  # DDP's comm hook and stabletrain look it up at call time
-            calls.append((trainer.step, "all_reduce", [f.name for f in traceback.extract_stack()[-12:]]))
-            return real(*args, **kwargs)
-
-        dist.all_reduce = counted
-        with SyncCounter(lambda: trainer.step, depth=12) as syncs:
-            trainer.fit()
-        dist.all_reduce = real
-        boundary = ("_log", "evaluate", "save", "on_fit_start", "on_main", "mark_interval_start")
-        stray = [(c.step, c.op, c.where[-4:]) for c in syncs.calls if not any(b in c.where for b in boundary)]
-        in_step = [(s, w[-4:]) for s, _, w in calls if "forward_backward" in w]
+        calls, stray = fit_counting(trainer)
+        in_step = [(s, w[-4:]) for s, w in calls if "forward_backward" in w]
         per_step: dict[int, int] = {}
         for s, w in in_step:
             per_step[s] = per_step.get(s, 0) + 1
@@ -299,18 +318,26 @@ def ddp_worker(out: Path) -> None:
                 "collectives_per_step": sorted(set(per_step.values())), "last_good": good.name if good else None}))
 
 
-def run_ddp(tmp: Path, failures: list[str]) -> None:
-    out = tmp / "ddp"
+def run_torchrun(name: str, tmp: Path, failures: list[str]) -> dict[str, Any] | None:
+    """Run this script's ``--NAME-worker`` on 2 processes on the one GPU; return rank 0's figures (None if it failed)."""
+    out = tmp / name
     out.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(Path(__file__).resolve()),
-           "--ddp-worker", str(out)]
+           f"--{name}-worker", str(out)]
     t0 = time.perf_counter()
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "4"})
     if res.returncode != 0:
-        failures.append(f"ddp: torchrun failed ({res.returncode}): {res.stderr[-2000:]}")
-        return
+        failures.append(f"{name}: torchrun failed ({res.returncode}): {res.stderr[-2000:]}")
+        return None
     r = json.loads((out / "rank0.json").read_text())
-    print(json.dumps({"case": "ddp", **r, "wall_s": round(time.perf_counter() - t0, 1)}), flush=True)
+    print(json.dumps({"case": name, **r, "wall_s": round(time.perf_counter() - t0, 1)}), flush=True)
+    return r
+
+
+def run_ddp(tmp: Path, failures: list[str]) -> None:
+    r = run_torchrun("ddp", tmp, failures)
+    if r is None:
+        return
     if r["num_stray_syncs"]:
         failures.append(f"ddp: {r['num_stray_syncs']} host conversions between boundaries on the training thread: {r['stray_syncs']}")
     if r["not_the_hook"]:
@@ -321,16 +348,97 @@ def run_ddp(tmp: Path, failures: list[str]) -> None:
         failures.append(f"ddp: LAST_GOOD names {r['last_good']} after the run")
 
 
+FSDP_STEPS = DDP_STEPS
+FSDP_ARGS = [*DDP_ARGS, "dist.strategy=fsdp"]
+#: The all-reduces stabletrain issues inside an FSDP step, each at most once, by the function that issues it:
+#: the window's (loss sum, count) (accumulation), the global grad norm and the post-update check (fsdp.py),
+#: and ||update|| on a log interval's last step. FSDP2's own all-gathers and reduce-scatters are not all-reduces.
+FSDP_STEP_ALL_REDUCES = ("normalize", "grad_norms", "all_params_finite", "update_norm")
+
+
+def fsdp_worker(out: Path) -> None:
+    """One rank of the fsdp case (under torchrun): train in bf16, record what FSDP computes in and what the step issues."""
+    from torch import nn
+
+    from stabletrain.distributed import process_group
+
+    cfg = load_config(None, [*FSDP_ARGS, f"run.dir={out / 'run'}", *SMOKE_ARGS])
+    with process_group(cfg.dist.backend, cfg.dist.timeout_s) as ctx:
+        trainer = Trainer(cfg, run_dir=cfg.run.dir)
+        block = trainer.module.blocks[0]  # an FSDP unit of its own: its Linear layers run on the gathered weights
+        linear = next(m for m in block.modules() if isinstance(m, nn.Linear))
+        compute: set[str] = set()
+        hook = linear.register_forward_pre_hook(lambda m, args: compute.add(str(m.weight.dtype)))
+        try:
+            calls, stray = fit_counting(trainer, depth=40)  # deep: the checkpoint's gather runs far below "save"
+        finally:
+            hook.remove()
+        per_step: dict[int, list[str]] = {}
+        for step, where in calls:
+            if "train_step" in where:  # inside the step (the trainer's step counter is the previous one's)
+                issuer = next((f for f in FSDP_STEP_ALL_REDUCES if f in where), "other: " + " < ".join(where[-4:]))
+                per_step.setdefault(step, []).append(issuer)
+        params = list(trainer.module.parameters())
+        local = sum(getattr(p, "_local_tensor", p).numel() for p in params)
+        state_dtypes = {str(v.dtype) for st in trainer.optimizer.state.values() for v in st.values()
+                        if isinstance(v, torch.Tensor) and v.dim() > 0}
+        if ctx.is_main:
+            hist, good = trainer.history, trainer.ckpt.latest_good()
+            (out / "rank0.json").write_text(json.dumps({
+                "steps": trainer.step, "first_loss": hist[0]["loss"], "last_loss": hist[-1]["loss"],
+                "skipped": sum(r["num_skipped"] for r in hist), "compute_dtypes": sorted(compute),
+                "param_kinds": sorted({type(p).__name__ for p in params}),
+                "param_dtypes": sorted({str(p.dtype) for p in params}), "optimizer_state_dtypes": sorted(state_dtypes),
+                "local_fraction": round(local / sum(p.numel() for p in params), 4), "num_stray_syncs": len(stray),
+                "stray_syncs": stray[:5], "step_all_reduces": sorted({tuple(sorted(v)) for v in per_step.values()}),
+                "steps_with_all_reduces": len(per_step), "last_good": good.name if good else None,
+                "peak_memory_mib": round(hist[-1]["peak_memory_mib"]),
+                "tokens_per_s": round(median([r["tokens_per_s"] for r in hist[1:]]))}))
+
+
+def run_fsdp(tmp: Path, failures: list[str]) -> None:
+    r = run_torchrun("fsdp", tmp, failures)
+    if r is None:
+        return
+    if r["compute_dtypes"] != ["torch.bfloat16"]:
+        failures.append(f"fsdp: a block's forward ran on {r['compute_dtypes']} weights, not bf16 (MixedPrecisionPolicy)")
+    if r["param_kinds"] != ["DTensor"] or r["param_dtypes"] != ["torch.float32"]:
+        failures.append(f"fsdp: parameters are {r['param_kinds']} {r['param_dtypes']}, not fp32 DTensor shards")
+    if r["optimizer_state_dtypes"] != ["torch.float32"]:
+        failures.append(f"fsdp: optimizer state in {r['optimizer_state_dtypes']}, not fp32")
+    if not r["local_fraction"] < 0.6:
+        failures.append(f"fsdp: rank 0 holds {r['local_fraction']:.0%} of the parameters (2 ranks: about half)")
+    if r["num_stray_syncs"]:
+        failures.append(f"fsdp: {r['num_stray_syncs']} host conversions between boundaries on the training thread: "
+                        f"{r['stray_syncs']}")
+    required = {"normalize", "grad_norms", "all_params_finite"}
+    bad = [c for c in r["step_all_reduces"] if not required <= set(c) or len(c) != len(set(c))
+           or not set(c) <= set(FSDP_STEP_ALL_REDUCES)]
+    if bad or r["steps_with_all_reduces"] != FSDP_STEPS:
+        failures.append(f"fsdp: a step's all-reduces were {bad or r['step_all_reduces']} over {r['steps_with_all_reduces']} "
+                        f"of {FSDP_STEPS} steps; expected each of {sorted(required)} once (and update_norm at most once)")
+    if not r["last_loss"] < r["first_loss"]:
+        failures.append(f"fsdp: loss did not fall ({r['first_loss']:.4f} -> {r['last_loss']:.4f})")
+    if r["skipped"]:
+        failures.append(f"fsdp: {r['skipped']} skipped steps")
+    if r["last_good"] != f"step_{FSDP_STEPS:06d}":
+        failures.append(f"fsdp: LAST_GOOD names {r['last_good']} after the run")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", nargs="+", default=[n for n, _ in CASES] + ["incident", "ddp"],
-                    choices=[n for n, _ in CASES] + ["incident", "ddp"])
+    ap.add_argument("--cases", nargs="+", default=[n for n, _ in CASES] + ["incident", "ddp", "fsdp"],
+                    choices=[n for n, _ in CASES] + ["incident", "ddp", "fsdp"])
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="run the script's own logic on CPU (small gpt, few steps, no CUDA checks): not a GPU check")
     ap.add_argument("--ddp-worker", help=argparse.SUPPRESS)
+    ap.add_argument("--fsdp-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.ddp_worker:
         ddp_worker(Path(args.ddp_worker))
+        return 0
+    if args.fsdp_worker:
+        fsdp_worker(Path(args.fsdp_worker))
         return 0
     if args.cpu_smoke and not CPU_SMOKE:  # the flag must reach module level (and the ddp workers): rerun with it set
         return subprocess.call([sys.executable, *sys.argv], env={**os.environ, "GPU_CHECK_CPU_SMOKE": "1"})
@@ -348,6 +456,8 @@ def main() -> int:
             run_incident(Path(tmp), failures)
         if "ddp" in args.cases:
             run_ddp(Path(tmp), failures)
+        if "fsdp" in args.cases:
+            run_fsdp(Path(tmp), failures)
     for f in failures:
         print("FAIL", f)
     print("gpu_check:", "ok" if not failures else f"{len(failures)} failure(s)")
