@@ -11,7 +11,8 @@ from torch import Tensor, nn
 from stabletrain.checks import CheckContext
 from stabletrain.checks.nan import check_nan
 from stabletrain.config import load_config
-from stabletrain.nonfinite import NonFiniteLocator, anomaly_trace, bisect_samples
+from stabletrain.bisection import bisect_samples
+from stabletrain.nonfinite import NonFiniteLocator, anomaly_trace
 
 
 def locate(model: nn.Module, x: Tensor, **kw) -> NonFiniteLocator:

@@ -18,7 +18,8 @@ from .checkpoint import CheckpointError, CheckpointManager
 from .guard import Guard
 from .replay import diagnose_incident, diagnose_step
 from .initialization import InitChange, InitFingerprint, init_
-from .nonfinite import Bisection, NonFiniteLocator, NonFiniteOp, anomaly_trace, bisect_samples
+from .bisection import Bisection, bisect_samples
+from .nonfinite import NonFiniteLocator, NonFiniteOp, anomaly_trace
 from .signal_propagation import SignalReport, SignalThresholds, plot_signal, signal_report
 from .monitor import Monitor, StopTraining
 

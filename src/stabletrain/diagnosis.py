@@ -33,13 +33,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import default_collate
 
-from .nonfinite import (
-    Bisection,
-    NonFiniteLocator,
-    NonFiniteOp,
-    anomaly_trace,
-    bisect_samples,
-)
+from .bisection import Bisection, bisect_samples
+from .nonfinite import NonFiniteLocator, NonFiniteOp, anomaly_trace
 from .numerics import first_nonfinite_grad
 
 __all__ = ["STAGES", "run_diagnosis"]

@@ -7,7 +7,7 @@ finite (sqrt(0) = 0); the backward of sqrt divides by 2 sqrt(0). The lab runs on
 and asks, in the chapter's order: is the grad norm finite (the cheap sentinel), which parameter's
 gradient is the first non-finite one (:func:`~stabletrain.numerics.first_nonfinite_grad`), which op
 and module created it and in which direction (:class:`~stabletrain.nonfinite.NonFiniteLocator`),
-which sample (:func:`~stabletrain.nonfinite.bisect_samples`), and what anomaly mode says
+which sample (:func:`~stabletrain.bisection.bisect_samples`), and what anomaly mode says
 (:func:`~stabletrain.nonfinite.anomaly_trace`), with what each costs per step on a clean batch.
 """
 
@@ -23,7 +23,8 @@ from torch import Tensor, nn
 
 from ..accumulation import as_sum_count
 from ..initialization import init_
-from ..nonfinite import NonFiniteLocator, anomaly_trace, bisect_samples
+from ..bisection import bisect_samples
+from ..nonfinite import NonFiniteLocator, anomaly_trace
 from ..numerics import first_nonfinite_grad, grad_total_norm
 from ..seeding import seed_everything
 from ..tasks.mlp import make_mlp, make_task
