@@ -81,3 +81,25 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+
+
+class DropoutBlockNet(BlockNet):
+    """:class:`BlockNet` with dropout after the stem: every step draws from the rank's RNG."""
+
+    def __init__(self, p: float = 0.2, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        x = self.drop(self.stem(x))
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def nan_dropout_blocks_task(bad_index: int = 37, p: float = 0.2) -> Task:
+    """:func:`nan_blocks_task` through :class:`DropoutBlockNet` (a NaN input stays NaN through dropout)."""
+    task = nan_blocks_task(bad_index)
+    torch.manual_seed(0)
+    task.model = DropoutBlockNet(p)
+    return task

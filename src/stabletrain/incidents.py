@@ -7,11 +7,14 @@
                      model / optimizer / schedule / precision state live before the step, and what the
                      run observed (loss, grad norm, whether the bad value appeared after the update)
     diagnosis.json   written by :func:`stabletrain.replay.diagnose_incident` (``stabletrain diagnose``)
-    rank_R/          DDP only: the bundle of another rank that saw the same bad step
+    rank_R/          DDP and FSDP: the bundle of another rank that saw the same bad step
 
-Under DDP the bundle is that of the rank whose own loss, inputs or gradients were non-finite (its
-``rank``, its window of its data shard, its RNG state), so the diagnosis replays on that rank's batch;
-the model and optimizer state are the same on every rank. Rank 0 writes it.
+Under DDP and FSDP the bundle is that of the rank whose own loss, inputs or gradients were non-finite
+(its ``rank``, its window of its data shard, its RNG state), so the diagnosis replays on that rank's
+batch. The model and optimizer state are the full ones, in the one-process format, whatever the
+strategy: under DDP every rank holds them; under FSDP they are gathered from the shards onto rank 0
+(:func:`stabletrain.fsdp.full_state_dicts`), so the diagnosis replays on one process, with every
+parameter under its original name. Rank 0 writes it.
 
 The bundle holds only tensors and plain values: it loads with ``torch.load(weights_only=True)``.
 The batches are re-collated from the dataset indices, so a user's collate output need not pickle.

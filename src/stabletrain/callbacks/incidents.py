@@ -3,17 +3,20 @@
 At each interval start (``guard.memory_snapshot``, the default) the recorder copies the whole state
 into host buffers that are reused from one interval to the next (:class:`~stabletrain.checkpoint.StateStager`:
 from CUDA pinned and non-blocking, so device memory does not double and the step does not wait).
-The capture replays from that snapshot to just before the bad step, with the same
-:class:`~stabletrain.step.TrainStep` the run uses: at most ``log.every - 1`` steps, wherever the
-incident falls and however far the last checkpoint is. Without the snapshot (``guard.memory_snapshot=false``,
-or FSDP, whose state dict is a collective) it replays from LAST_GOOD instead, up to ``ckpt.every`` steps.
-Then it writes the bundle; the diagnosis replays that step under the precise tools
-(:func:`stabletrain.replay.diagnose_incident`).
+Under FSDP each rank copies its own shards of the model and optimizer (``state_dict(local=True)``:
+no collective) and the capture copies them back in place. The capture replays from that snapshot
+to just before the bad step, on every rank together, with the same :class:`~stabletrain.step.TrainStep`
+the run uses (collectives included): at most ``log.every - 1`` steps, wherever the incident falls and
+however far the last checkpoint is. Without the snapshot (``guard.memory_snapshot=false``) it replays
+from LAST_GOOD instead, up to ``ckpt.every`` steps. Then it writes the bundle (the full model and
+optimizer state, gathered under FSDP, as one process would hold it); the diagnosis replays that step
+on one process under the precise tools (:func:`stabletrain.replay.diagnose_incident`).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 from torch import Tensor
@@ -22,8 +25,10 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from ..checkpoint import StateStager
 from ..config import config_to_dict
 from ..incidents import write_bundle
+from ..numerics import unique_params
 from ..replay import diagnose_incident
-from ..seeding import rng_state
+from ..seeding import rng_state, set_rng_state
+from ..tasks import Task, resolve_task
 from . import Callback, FitState
 from .checkpointing import CheckpointKeeper
 
@@ -54,7 +59,9 @@ class IncidentRecorder(Callback):
     """On an incident, write ``incidents/step_N/bundle.pt`` and (``guard.diagnose``) its ``diagnosis.json``.
 
     Every rank takes part (the replay has collectives); rank 0 writes. The bundle holds the window and
-    RNG state of the rank that saw the bad value, so its diagnosis replays on that rank's batch.
+    RNG state of the rank that saw the bad value, so its diagnosis replays on that rank's batch. The
+    run's state, RNG included, is as it was before the capture when it returns, so a captured run goes
+    on exactly as one that was not.
     """
 
     def __init__(self, keeper: CheckpointKeeper) -> None:
@@ -66,9 +73,16 @@ class IncidentRecorder(Callback):
 
     @staticmethod
     def _snapshots(state: FitState) -> bool:
-        cfg = state.cfg
-        # FSDP's full state dict is a collective gather; it replays from LAST_GOOD instead.
-        return cfg.guard.capture and cfg.guard.memory_snapshot and getattr(cfg.dist, "strategy", "ddp") != "fsdp"
+        return state.cfg.guard.capture and state.cfg.guard.memory_snapshot
+
+    @staticmethod
+    def _sharded(state: FitState) -> bool:
+        """FSDP over several ranks: the full state dict is a gather every rank joins, so snapshots stay local."""
+        return state.dist.enabled and getattr(state.cfg.dist, "strategy", "ddp") == "fsdp"
+
+    def _local_state(self, state: FitState) -> dict[str, Any]:
+        """The run's state as this rank holds it (live; stage it before the run moves on): no collective."""
+        return state.state_dict(local=True) if self._sharded(state) else state.state_dict()
 
     def mark_interval_start(self, state: FitState) -> None:
         """A new interval starts: stage the state into the snapshot's host buffers (``guard.memory_snapshot``).
@@ -77,7 +91,7 @@ class IncidentRecorder(Callback):
         it is one copy of the state per interval.
         """
         if self._snapshots(state):
-            self.snapshot, self._snapshot_ready = self._snapshot_stager.stage(state.state_dict())
+            self.snapshot, self._snapshot_ready = self._snapshot_stager.stage(self._local_state(state))
         else:
             self.snapshot, self._snapshot_ready = None, []
 
@@ -106,8 +120,8 @@ class IncidentRecorder(Callback):
                         "checkpoint yet; was the state non-finite from the start?)", after_update=after_update, ranks=ranks)
             return
         # The run's state, to host memory (device memory stays flat), in buffers of its own: once loaded back, the
-        # optimizer may keep them as its state (CPU), so they must never be staged into again.
-        current, ready = StateStager().stage(state.state_dict())
+        # optimizer may keep them as its state (CPU), so they must never be staged into again. FSDP: this rank's shards.
+        current, ready = StateStager().stage(self._local_state(state))
         for event in ready:
             event.synchronize()
         skip = set(state.stream.skip)
@@ -124,8 +138,8 @@ class IncidentRecorder(Callback):
                 "window": {"epoch": window.epoch, "start": window.start, "indices": window.indices}}
         per_rank = state.dist.gather_objects(mine)
         before = None
-        if state.run is not None:  # the pre-step state for the bundle, in host memory
-            before, ready = StateStager().stage(state.state_dict())
+        if state.run is not None or self._sharded(state):  # the pre-step state for the bundle, in host memory
+            before, ready = StateStager().stage(state.state_dict())  # FSDP: a gather every rank joins, onto rank 0
             for event in ready:
                 event.synchronize()
         state.load_state_dict(current)
@@ -134,7 +148,8 @@ class IncidentRecorder(Callback):
         interval_loss = state.history[-1].get("loss") if state.history else None
         seen = ranks or [0]
         incident_dir = state.run.path / "incidents" / f"step_{step:06d}"
-        fields: dict[str, Any] = {"path": str(incident_dir), "after_update": after_update}
+        fields: dict[str, Any] = {"path": str(incident_dir), "after_update": after_update,
+                                  "replayed_steps": self.replayed_steps}
         if state.dist.enabled:
             fields["ranks"] = ranks
         for n, r in enumerate(seen):
@@ -149,8 +164,9 @@ class IncidentRecorder(Callback):
                              **({"loss": info.get("loss")} if not state.dist.enabled else {})},
             })
         if state.cfg.guard.diagnose:  # on the first rank that saw it, on that rank's batch
+            run_rng = rng_state()  # the diagnosis seeds and replays: the run's own streams must not notice
             try:
-                diagnosis = diagnose_incident(incident_dir, state.task, device=str(state.device))
+                diagnosis = diagnose_incident(incident_dir, self._diagnosis_task(state), device=str(state.device))
                 fields["diagnosis"] = {k: diagnosis.get(k) for k in ("summary", "stage", "op", "direction", "module",
                                                                      "origin", "first_nonfinite_param", "bad_samples",
                                                                      "reproduces", "rank")}
@@ -158,6 +174,27 @@ class IncidentRecorder(Callback):
                 print(f"stabletrain: incident at step {step}{on_rank}: {diagnosis.get('summary')}", flush=True)
             except Exception as err:  # a diagnosis that fails must not take the run down with it
                 fields["diagnosis_error"] = f"{type(err).__name__}: {err}"
+            finally:
+                set_rng_state(run_rng)
         info.update(fields)
         seen_note = f" (seen on rank(s) {ranks})" if state.dist.enabled and ranks else ""
         state.event(step, "incident", f"captured step {step}{seen_note} into {incident_dir}", **fields)
+
+    def _diagnosis_task(self, state: FitState) -> Task:
+        """The task the one-process diagnosis replays: the run's own; under FSDP with an unsharded model.
+
+        A sharded model cannot run on one process, so the task factory (config key ``task``) builds a
+        fresh one, which the bundle's full state then fills; its parameters must be the run's, by name
+        (``fully_shard`` keeps every parameter's name). The data stays the run's own.
+        """
+        if not self._sharded(state):
+            return state.task
+        model = resolve_task(state.cfg.task, state.cfg.task_args).model
+        names, want = [n for n, _ in unique_params(model)], [n for n, _ in state.named_params]
+        if names != want:
+            raise ValueError(f"config key 'task' ({state.cfg.task!r}) builds a model whose parameters "
+                             f"({', '.join(names[:3])}, ...) are not the run's ({', '.join(want[:3])}, ...); under "
+                             "dist.strategy=fsdp the diagnosis rebuilds the model from the task factory: name the task "
+                             "by config key 'task' (module:function), or diagnose the bundle with "
+                             "stabletrain.replay.diagnose_incident(INCIDENT_DIR, task) and an unsharded task")
+        return dataclasses.replace(state.task, model=model)

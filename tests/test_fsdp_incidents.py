@@ -1,0 +1,238 @@
+"""Incidents under FSDP2 (``dist.strategy=fsdp``): the local-shard snapshot, the capture on every rank, the diagnosis.
+
+The slow test runs this file as a torchrun worker (2 gloo processes; see :func:`worker`): the same
+run twice in one process group, with and without incident capture, each rank leaving what it saw
+on disk. The fast test shards a model on a one-process group in this process.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fsdp_tasks import BlockNet
+from helpers import cfg
+from multiproc import FAST, TORCHRUN, events, run
+
+from stabletrain.callbacks import Callback
+from stabletrain.callbacks.incidents import clone_state
+from stabletrain.checkpoint import StateStager
+from stabletrain.data import EpochOrder
+from stabletrain.fsdp import is_local_state, load_local_state_dicts, local_state_dicts, shard_model
+from stabletrain.incidents import load_bundle
+from stabletrain.numerics import unique_params
+from stabletrain.optim import build_optimizer
+from stabletrain.schedule import LRSchedule
+
+# -- the local-shard snapshot, on a one-process group ---------------------------------------------
+
+
+def _locals(model, optimizer):
+    """Clones of every local shard and optimizer state tensor, and the lr, for bitwise comparison."""
+    out = {n: t._local_tensor.clone() if hasattr(t, "_local_tensor") else t.clone()
+           for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"]):
+        for k, v in optimizer.state.get(p, {}).items():
+            out[f"optim.{i}.{k}"] = (v._local_tensor if hasattr(v, "_local_tensor") else v).clone()
+    out["lr"] = torch.as_tensor(optimizer.param_groups[0]["lr"]).clone()
+    return out
+
+
+def _assert_bitwise(got, want):
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
+
+
+@pytest.fixture
+def one_process_group(tmp_path):
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_local_shard_snapshot_is_copied_back_in_place_bitwise_and_training_goes_on_identically(one_process_group):
+    torch.manual_seed(0)
+    model = shard_model(BlockNet())
+    named = unique_params(model)
+    optimizer = build_optimizer(named, cfg().optim, torch.device("cpu"))  # fused AdamW, as the Trainer's
+    schedule = LRSchedule(optimizer, warmup_steps=4, max_steps=20)  # a tensor lr, rewritten in place each step
+    x = torch.randn(4, 5, 3)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        schedule.step(True)
+
+    def snapshot_now():  # as the Trainer's state_dict(local=True), staged into host buffers as the recorder does
+        model_state, optim_state = local_state_dicts(model, optimizer)
+        return StateStager().stage({"model": model_state, "optimizer": optim_state, "schedule": schedule.state_dict()})[0]
+
+    def restore(snap):  # as the Trainer's load_state_dict: the schedule after the optimizer
+        load_local_state_dicts(model, optimizer, snap["model"], snap["optimizer"])
+        schedule.load_state_dict(snap["schedule"])
+
+    empty = snapshot_now()  # before the first step: no optimizer state
+    assert all(is_local_state(entry) for entry in (empty["model"], empty["optimizer"]))
+    assert all(v.device.type == "cpu" for v in empty["model"]["tensors"].values())
+    step(), step()
+    want = _locals(model, optimizer)
+    snapshot = snapshot_now()
+    storage = {n: p._local_tensor.data_ptr() for n, p in model.named_parameters()}
+    step(), step(), step()
+    assert not torch.equal(_locals(model, optimizer)["stem.weight"], want["stem.weight"])  # the state moved on
+    restore(snapshot)
+    _assert_bitwise(_locals(model, optimizer), want)
+    assert {n: p._local_tensor.data_ptr() for n, p in model.named_parameters()} == storage  # in place
+    step()
+    after_restore = _locals(model, optimizer)
+
+    # Back to before the first step: the optimizer's state is dropped; then the stepped snapshot into that
+    # empty optimizer: its state is recreated as DTensors like the parameters, and the next step is the same.
+    restore(empty)
+    assert not optimizer.state
+    restore(snapshot)
+    _assert_bitwise(_locals(model, optimizer), want)
+    first = next(iter(model.parameters()))
+    assert type(optimizer.state[first]["exp_avg"]).__name__ == "DTensor"
+    step()
+    _assert_bitwise(_locals(model, optimizer), after_restore)
+
+
+# -- a NaN that only rank 1 sees, captured and diagnosed under FSDP -------------------------------
+
+# 60 samples, 4 per rank per step: step 6 reads global micro-batch 5, rank 1 its second half. log.every=3:
+# the snapshot is taken at step 3 and the capture replays steps 4 and 5 (log.every - 1) on both ranks.
+STEP, EVERY = 6, 3
+ARGS = ["task=fsdp_tasks:nan_dropout_blocks_task", "dist.strategy=fsdp", "train.batch_size=4", "train.max_steps=8",
+        f"log.every={EVERY}", "ckpt.every=0", "eval.every=0", *FAST]
+
+
+class PreStepState(Callback):
+    """Keep the full state at the end of step ``step`` (the state before ``step + 1``): a gather every rank joins."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.state = step, None
+
+    def on_step_end(self, state, out):
+        if state.step == self.step:
+            self.state = clone_state(state.state_dict())
+
+
+class CollectiveOps(TorchDispatchMode):
+    """Record the c10d ops (collectives) issued while active: direct ones and DTensor gathers alike."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "c10d" in str(func):  # c10d.allreduce_, c10d.broadcast_, _c10d_functional.all_gather_into_tensor, ...
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def recording(fn, calls: list):
+    """``fn``, appending (its name, the collectives it issued) to ``calls`` at each call."""
+    def recorded(*args, **kwargs):
+        with CollectiveOps() as mode:
+            out = fn(*args, **kwargs)
+        calls.append((fn.__name__, mode.ops))
+        return out
+    return recorded
+
+
+def worker(argv: list[str]) -> None:
+    """torchrun worker: OUT_DIR RUN_DIR key=value ...; the run with capture, then without (``guard.capture=false``)."""
+    import stabletrain.fsdp
+    from stabletrain import Trainer, load_config
+    from stabletrain.distributed import process_group
+    from stabletrain.fsdp import full_state_dicts
+
+    out, run_dir, overrides = Path(argv[0]), Path(argv[1]), argv[2:]
+    with process_group("gloo", 120) as ctx:
+        result, local = {}, []  # local: each snapshot and in-place load of this rank's shards, with its collectives
+        stabletrain.fsdp.load_local_state_dicts = recording(stabletrain.fsdp.load_local_state_dicts, local)
+        for name, extra in (("captured", []), ("uncaptured", ["guard.capture=false"])):
+            pre = PreStepState(STEP - 1)
+            cfg = load_config(None, [*overrides, *extra])
+            trainer = Trainer(cfg, run_dir=run_dir / name, callbacks=[pre])
+            if name == "captured":
+                trainer.recorder.mark_interval_start = recording(trainer.recorder.mark_interval_start, local)
+            trainer.fit()
+            model, optim = full_state_dicts(trainer.module, trainer.optimizer, trainer.named_params)
+            result[name] = {"model": model, "optimizer": optim, "history": trainer.history, "pre": pre.state,
+                            "replayed": trainer.recorder.replayed_steps, "capture": trainer.cfg.guard.capture,
+                            "names": [n for n, _ in trainer.named_params], "local": list(local),
+                            "kinds": sorted({type(p).__name__ for p in trainer.module.parameters()})}
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(result, out / f"rank_{ctx.rank}.pt")
+
+
+@pytest.mark.slow
+def test_a_nan_only_rank_1_sees_is_captured_on_both_ranks_diagnosed_by_name_and_the_run_goes_on_as_without_capture(
+        tmp_path):
+    bad = EpochOrder(60, 4, seed=0, shuffle=True, rank=1, world_size=2).micro_batches(0)[STEP - 1][1]
+    assert bad not in EpochOrder(60, 4, seed=0, shuffle=True, rank=0, world_size=2).micro_batches(0)[STEP - 1]
+    out, runs = tmp_path / "out", tmp_path / "runs"
+    run([*TORCHRUN, __file__, str(out), str(runs), f"task_args.bad_index={bad}", *ARGS])
+    ranks = [torch.load(out / f"rank_{r}.pt", weights_only=False) for r in (0, 1)]
+    for r in ranks:
+        for name in ("captured", "uncaptured"):
+            assert r[name]["kinds"] == ["DTensor"]
+            assert [h["num_skipped"] for h in r[name]["history"]] == [0, 1, 0]  # step 6 skipped on both ranks
+        assert r["captured"]["capture"] is True  # not switched off under FSDP any more
+        assert r["captured"]["replayed"] == EVERY - 1  # from the interval's snapshot: steps 4 and 5, on both ranks
+        # A snapshot at the fit's start and at each boundary (3, 6, 8); at 6 the capture first loads the snapshot,
+        # then the run's own state: all of it this rank's shards alone, without a collective.
+        calls = r["captured"]["local"]
+        assert [c for c, _ in calls] == ["mark_interval_start"] * 2 + ["load_local_state_dicts"] * 2 \
+            + ["mark_interval_start"] * 2, calls
+        assert all(ops == [] for _, ops in calls), calls
+
+    captured = events(runs / "captured")
+    assert [e["step"] for e in captured if e["kind"] == "skip"] == [STEP]
+    incident = [e for e in captured if e["kind"] == "incident"]
+    assert len(incident) == 1 and incident[0]["step"] == STEP and incident[0]["ranks"] == [1]
+    assert incident[0]["replayed_steps"] == EVERY - 1 and "diagnosis_error" not in incident[0], incident[0]
+    d = incident[0]["diagnosis"]
+    assert d["rank"] == 1 and d["bad_samples"] == [bad] and d["reproduces"] is True, d
+    assert (d["stage"], d["op"], d["direction"]) == ("inputs", "aten.addmm.default", "forward"), d
+    assert (d["module"], d["first_nonfinite_param"]) == ("stem", "stem.weight"), d
+    names = ranks[0]["captured"]["names"]
+    assert d["first_nonfinite_param"] in names  # the FSDP run's own parameter name (fully_shard keeps FQNs)
+    assert not any(e["kind"] == "incident" for e in events(runs / "uncaptured"))
+
+    incident_dir = runs / "captured" / "incidents" / f"step_{STEP:06d}"
+    assert (incident_dir / "diagnosis.json").exists()
+    bundle = load_bundle(incident_dir)
+    assert bundle["rank"] == 1 and bundle["world_size"] == 2 and bad in bundle["window"]["indices"][0]
+    pre = ranks[0]["captured"]["pre"]  # the run's own full state before step 6, gathered at the end of step 5
+    assert list(bundle["model"]) == list(pre["model"]) and set(names) <= set(bundle["model"])  # by the run's FQNs
+    for key, value in pre["model"].items():  # the replay on both ranks reproduced the run bitwise
+        assert torch.equal(bundle["model"][key], value), key
+    for i, st in pre["optimizer"]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(bundle["optimizer"]["state"][i][k], v), (i, k)
+
+    # The capture restored every rank's shards, optimizer and RNG in place: with dropout drawing from each rank's
+    # RNG, the run after the incident is bitwise the run that skipped step 6 without capturing it.
+    a, b = ranks[0]["captured"], ranks[0]["uncaptured"]
+    assert [h["loss"] for h in a["history"]] == [h["loss"] for h in b["history"]]
+    for key, value in b["model"].items():
+        assert torch.equal(a["model"][key], value) and torch.isfinite(value).all(), key
+    for i, st in b["optimizer"]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(a["optimizer"]["state"][i][k], v), (i, k)
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1:])
