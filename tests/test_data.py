@@ -45,3 +45,73 @@ def test_windows_stay_in_the_epoch_and_resume_exactly():
     for expected in seen[4:]:
         got = fresh.next_window()
         assert (got.epoch, got.start, got.indices) == (expected.epoch, expected.start, expected.indices)
+
+
+# -- a position saved under one layout, continued under another (a resharded resume) ---------------
+
+
+def _global_steps(streams, steps):
+    """The samples of each of the next ``steps`` windows over all ranks: micro-batch by micro-batch, rank by rank."""
+    out = []
+    for _ in range(steps):
+        windows = [s.next_window() for s in streams]
+        out.append((windows[0].epoch, [i for m in range(len(windows[0].indices)) for w in windows for i in w.indices[m]]))
+    return out
+
+
+def _streams(n, batch, world, accum, seed=5):
+    data = TensorDataset(torch.arange(n).float())
+    return [WindowStream(data, EpochOrder(n, batch, seed, rank=r, world_size=world), accum) for r in range(world)]
+
+
+def test_a_position_saved_by_2_ranks_continues_on_1_with_the_same_samples_step_by_step():
+    # 60 samples, 2 ranks x 4 x accum 1 (8 per step, tail 4) against 1 rank x 4 x accum 2 (8 per step, tail 4).
+    straight = _global_steps(_streams(60, 4, 2, 1), 20)
+    for cut in (0, 3, 7, 8, 11):  # mid-epoch, the epoch's last window, an epoch boundary, mid-epoch 1
+        two = _streams(60, 4, 2, 1)
+        _global_steps(two, cut)
+        one = _streams(60, 4, 1, 2)
+        one[0].load_state_dict(two[0].state_dict())
+        assert _global_steps(one, 20 - cut) == straight[cut:], cut
+    two = _streams(60, 4, 2, 1)
+    _global_steps(two, 3)
+    one = _streams(60, 4, 1, 2)[0]
+    one.load_state_dict(two[1].state_dict())  # any rank's position: the same global offset
+    assert (one.epoch, one.pos, one.origin, one.sample_offset()) == (0, 0, 24, 24)
+
+
+def test_a_position_saved_by_1_rank_continues_on_2_ranks_and_the_next_epoch_starts_at_0():
+    straight = _global_steps(_streams(60, 8, 1, 1), 12)
+    one = _streams(60, 8, 1, 1)
+    _global_steps(one, 5)
+    two = _streams(60, 2, 2, 2)  # 2 ranks x 2 x accum 2: 8 per step
+    for s in two:
+        s.load_state_dict(one[0].state_dict())
+    assert _global_steps(two, 7) == straight[5:]
+    assert two[0].state_dict()["origin"] == 0 and two[0].epoch == 1  # epoch 1 is cut from sample 0
+
+
+def test_a_saved_position_past_the_epochs_last_micro_batch_continues_in_the_next_epoch():
+    # 57 samples on 2 ranks x 4: 7 chunks of 8, the last sample is dropped (fewer than 2). Under 1 rank it stays dropped.
+    two = _streams(57, 4, 2, 1)
+    _global_steps(two, 7)
+    assert two[0].sample_offset() == 57
+    one = _streams(57, 8, 1, 1)[0]
+    one.load_state_dict(two[0].state_dict())
+    window = one.next_window()
+    assert (window.epoch, window.start) == (1, 0)
+
+
+def test_skipped_windows_of_the_old_layout_skip_every_new_window_that_shares_a_sample():
+    two = _streams(60, 4, 2, 1)
+    _global_steps(two, 2)  # at global micro-batch 2 (sample 16)
+    state = {**two[0].state_dict(), "skip": [(0, 0), (0, 4), (1, 1)]}  # behind; samples 32..39; epoch 1 samples 8..15
+    one = _streams(60, 3, 1, 2)[0]  # 1 rank x 3 x accum 2: windows of 6 samples from sample 16
+    one.load_state_dict(state)
+    # epoch 0 from 16: windows [16,22) [22,28) [28,34) [34,40) ...: 32..39 lies in the 3rd and 4th (starts 4 and 6)
+    # epoch 1 from 0: [0,6) [6,12) [12,18): 8..15 lies in the 2nd and 3rd (starts 2 and 4)
+    assert one.skip == {(0, 4), (0, 6), (1, 2), (1, 4)}
+    seen = _global_steps([one], 9)
+    trained = {i for e, idx in seen if e == 0 for i in idx}
+    order = EpochOrder(60, 3, 5).order(0)
+    assert not trained & set(order[32:40].tolist()) and set(order[16:28].tolist()) <= trained

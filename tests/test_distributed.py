@@ -120,12 +120,12 @@ def test_ddp_with_accumulation_equals_one_process_on_the_same_samples(two_rank_r
     assert all(r["world_size"] == 2 for r in records)
 
 
-def test_resuming_under_another_world_size_is_refused_naming_both(two_rank_runs):
-    run_dir = two_rank_runs / "regression"
+def test_resuming_under_another_world_size_still_refuses_a_changed_config_key(two_rank_runs):
+    run_dir = two_rank_runs / "regression"  # the resharded resume itself: tests/test_reshard.py
     res = subprocess.run([sys.executable, "-m", "stabletrain", "train", "--resume", str(run_dir), "dist.nproc=1",
-                          "train.max_steps=9"], env=_env(), capture_output=True, text=True, timeout=120)
+                          "optim.lr=0.5", "train.max_steps=9"], env=_env(), capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stderr
-    assert "written by 2 process(es) and this run has 1" in res.stderr and "dist.nproc=2" in res.stderr
+    assert "optim.lr: checkpoint 0.01, now 0.5" in res.stderr and "Under another world size" in res.stderr
 
 
 # -- a NaN that only rank 1 sees -----------------------------------------------------------------

@@ -28,6 +28,12 @@ the debris (``*.tmp-<pid>``, ``*.replaced-<pid>``, ``*.trash-<pid>``) is cleaned
 
 Loading never executes code: every file goes through ``torch.load(weights_only=True)``, and a file
 that needs more (a pickled class or function) is refused with a message saying so.
+
+Under FSDP2 a checkpoint directory may also hold a ``dcp/`` folder: each rank's shards of the model
+and optimizer, written by ``torch.distributed.checkpoint`` (:mod:`stabletrain.sharded_checkpoint`),
+while state.pt holds the rest. The manager then waits for the shards before writing state.pt
+(:meth:`CheckpointManager.begin_sharded`, ``save_async(shards=...)``), and verification also checks
+the folder: ``.metadata`` complete and naming every key, every shard file it references present.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_unfla
 from ._version import __version__
 from .config import dotted_key
 from .fileio import atomic_write, fsync_dir
+from .sharded_checkpoint import DCP_DIR, ShardedSave, attach_path, to_full_state, verify_dcp
 
 __all__ = [
     "CheckpointManager",
@@ -343,8 +350,9 @@ class SaveResult:
     path: Path | None  # the checkpoint directory; None when withheld
     withheld: bool
     reason: str  # one line: what was written, or why nothing was
-    num_bytes: int = 0  # size of state.pt
-    timings: dict[str, float] = field(default_factory=dict)  # check_s, [stage_s,] write_s, verify_s, prune_s
+    num_bytes: int = 0  # size of state.pt (and of the DCP shards)
+    # check_s, [stage_s,] write_s, verify_s, prune_s; a sharded save adds shard_check_s, shard_stage_s, shard_write_s
+    timings: dict[str, float] = field(default_factory=dict)
     pruned: tuple[Path, ...] = ()
 
     @property
@@ -360,9 +368,9 @@ class SaveResult:
 
     @property
     def blocked_s(self) -> float:
-        """How long the caller waited: the check and the staging copy (``save_async``), or everything (``save``)."""
+        """How long the caller waited: the checks and the staging copies (``save_async``), or everything (``save``)."""
         if "stage_s" in self.timings:
-            return self.timings["check_s"] + self.timings["stage_s"]
+            return sum(self.timings.get(k, 0.0) for k in ("check_s", "stage_s", "shard_check_s", "shard_stage_s"))
         return sum(self.timings.values())
 
 
@@ -414,7 +422,8 @@ class CheckpointManager:
         withheld = self._check(state, step, timings)
         return withheld if withheld is not None else self._write(state, step, meta, timings)
 
-    def save_async(self, state: dict[str, Any], step: int, meta: dict[str, Any] | None = None) -> PendingSave:
+    def save_async(self, state: dict[str, Any], step: int, meta: dict[str, Any] | None = None, *,
+                   shards: ShardedSave | None = None) -> PendingSave:
         """:meth:`save`, blocking only for the finiteness check and the staging copy; the rest runs in a thread.
 
         Waits first for the save in flight (one at a time). Then checks ``state`` (a non-finite one is
@@ -424,10 +433,16 @@ class CheckpointManager:
         ``result()`` of the returned :class:`PendingSave` gives the :class:`SaveResult` or raises the
         CheckpointError :meth:`save` would have raised; its timings add ``stage_s``. The thread is not a
         daemon: a normal interpreter exit finishes the save; a crash leaves LAST_GOOD where it was.
+
+        ``shards``: the DCP save of the model and optimizer into :meth:`begin_sharded`'s directory (its
+        ``state`` entries are markers); the thread waits for it and checks it before writing state.pt.
         """
-        self.wait()
+        if shards is None:
+            self.wait()
+        elif self._in_flight is not None:
+            raise RuntimeError("save_async(shards=...): a save is still in flight; begin_sharded waits for it")
         meta = _checked_meta(step, meta)
-        timings: dict[str, float] = {}
+        timings: dict[str, float] = dict(shards.timings) if shards is not None else {}
         withheld = self._check(state, step, timings)
         if withheld is not None:
             return PendingSave(step, withheld)
@@ -435,9 +450,23 @@ class CheckpointManager:
         staged, events = self._stager.stage(state)
         timings["stage_s"] = time.perf_counter() - t0
         pending = PendingSave(step)
-        pending._start(lambda: self._write(staged, step, meta, timings, events))
+        pending._start(lambda: self._write(staged, step, meta, timings, events, shards))
         self._in_flight = pending
         return pending
+
+    def begin_sharded(self, step: int) -> Path:
+        """Return the empty temporary directory of ``step``'s checkpoint, with its ``dcp/`` folder, for the shards.
+
+        Waits for the save in flight and cleans up debris first. Every rank writes its shards into
+        ``dcp/``; then :meth:`save_async` with ``shards=`` finishes the checkpoint there.
+        """
+        self.wait()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.clean_debris()
+        tmp = self.root / f"{_dir_name(step)}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / DCP_DIR).mkdir(parents=True)
+        return tmp
 
     def wait(self) -> PendingSave | None:
         """Wait for the save in flight, if any, and return it (its ``result()`` no longer blocks). Raises nothing."""
@@ -469,19 +498,29 @@ class CheckpointManager:
                           f"LAST_GOOD stays at {good.name if good else 'no checkpoint'}", timings=timings)
 
     def _write(self, state: dict[str, Any], step: int, meta: dict[str, Any], timings: dict[str, float],
-               ready: Sequence[Any] = ()) -> SaveResult:
-        """Write, verify, install, point LAST_GOOD, prune (after waiting on the ``ready`` CUDA events)."""
+               ready: Sequence[Any] = (), shards: ShardedSave | None = None) -> SaveResult:
+        """Write, verify, install, point LAST_GOOD, prune (after waiting on the ``ready`` CUDA events, and ``shards``)."""
         for event in ready:
             event.synchronize()
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.clean_debris()
+        if shards is None:  # (begin_sharded did this before the shards were written)
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.clean_debris()
         name = _dir_name(step)
         final, tmp = self.root / name, self.root / f"{name}.tmp-{os.getpid()}"
         aside: Path | None = None
         installed = False
         try:
+            if shards is None:
+                tmp.mkdir()
+            else:
+                assert shards.tmp == tmp, (shards.tmp, tmp)
+                try:
+                    meta = {**meta, "dcp": shards.finish(timings)}  # every rank's shards written, .metadata complete
+                except Exception as err:
+                    raise CheckpointError(f"sharded checkpoint {final}: the DCP save failed ({type(err).__name__}: "
+                                          f"{str(err).splitlines()[0] if str(err) else ''}); the previous checkpoint "
+                                          "and LAST_GOOD are untouched", final) from err
             t0 = time.perf_counter()
-            tmp.mkdir()
             writer: list[_HashingWriter] = []
 
             def write_state(fh: Any) -> None:
@@ -531,7 +570,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         pruned = self.prune()
         timings["prune_s"] = time.perf_counter() - t0
-        size = writer[0].num_bytes
+        size = writer[0].num_bytes + int(meta.get("dcp", {}).get("bytes", 0))
         return SaveResult(step, final, False, f"saved {name} ({size / 2**20:.1f} MiB, verified); LAST_GOOD -> {name}",
                           num_bytes=size, timings=timings, pruned=tuple(pruned))
 
@@ -641,8 +680,9 @@ class CheckpointManager:
         """Return the problems of checkpoint directory ``path``; empty when it is good.
 
         Good means: meta.json readable, state.pt of the recorded size and sha256, loadable with
-        ``weights_only=True``, and the ``require_finite`` tensors finite. Reads the whole file twice
-        (hash, then a memory-mapped load).
+        ``weights_only=True``, and the ``require_finite`` tensors finite; a sharded checkpoint's DCP
+        folder complete (:func:`~stabletrain.sharded_checkpoint.verify_dcp`). Reads the whole state.pt
+        twice (hash, then a memory-mapped load); of the DCP folder only ``.metadata`` and the file sizes.
         """
         try:
             self._load_checked(Path(path), mmap=True)
@@ -685,17 +725,24 @@ class CheckpointManager:
             raise fail(str(err)) from None
         if bad is not None:
             raise fail(f"{bad} is not finite (NaN/Inf)")
+        if "dcp" in meta:  # the model's and optimizer's shards, in the DCP folder beside state.pt
+            problems = verify_dcp(path, meta["dcp"])
+            if problems:
+                raise fail("; ".join(problems))
+            attach_path(state, path, meta["dcp"])
         return state, meta
 
     def load(self, path: str | Path | None = None, *, map_location: Any = "cpu",
-             on_problem: Callable[[str], None] | None = None) -> LoadedCheckpoint:
+             on_problem: Callable[[str], None] | None = None, full: bool = False) -> LoadedCheckpoint:
         """Load and verify a checkpoint: ``path`` if given, else LAST_GOOD, falling back to older ones.
 
         Each checkpoint skipped (truncated, corrupted, refused, non-finite) is reported to
         ``on_problem`` and listed in the result's ``problems``. Checkpoints newer than LAST_GOOD were
         never marked good and are not used. An explicit ``path`` that fails, or no checkpoint that
         verifies, raises CheckpointError naming the directory and every problem. Without ``path``, waits
-        for a save in flight first (LAST_GOOD may be about to move).
+        for a save in flight first (LAST_GOOD may be about to move). ``full``: a sharded (DCP) checkpoint's
+        model and optimizer are read whole, in this process, into the format of a full checkpoint
+        (otherwise its state holds markers that :meth:`Trainer.load_state_dict` reads shard by shard).
         """
         problems: list[str] = []
 
@@ -707,7 +754,7 @@ class CheckpointManager:
         if path is not None:
             path = Path(path)
             state, meta = self._load_checked(path, map_location)
-            return LoadedCheckpoint(state, meta, path, problems)
+            return LoadedCheckpoint(to_full_state(state) if full else state, meta, path, problems)
         self.wait()
 
         all_dirs = self.checkpoints()
@@ -730,7 +777,7 @@ class CheckpointManager:
             except CheckpointError as err:
                 report(err.problems[0] if err.problems else str(err))
                 continue
-            return LoadedCheckpoint(state, meta, d, problems)
+            return LoadedCheckpoint(to_full_state(state) if full else state, meta, d, problems)
         if not candidates:
             raise CheckpointError(f"no checkpoint in {self.root}" + (f" ({'; '.join(problems)})" if problems else ""),
                                   self.root, problems)

@@ -43,6 +43,7 @@ __all__ = [
     "ConfigDiff",
     "ABSENT",
     "RESUME_SAFE_KEYS",
+    "RESHARD_SAFE_KEYS",
     "resume_safe_text",
     "resume_refusal_message",
 ]
@@ -145,6 +146,7 @@ class DistConfig:
     backend: Literal["auto", "gloo", "nccl"] = _f("auto", "torch.distributed backend: auto = nccl on CUDA, gloo on CPU")
     strategy: Literal["ddp", "fsdp"] = _f("ddp", "with more than one process: ddp = DistributedDataParallel (every rank holds the whole model and optimizer); fsdp = FSDP2 fully_shard per block and at the root (parameters, grads and optimizer state sharded over the ranks; for models that do not fit one device)")
     reshard_after_forward: bool = _f(True, "fsdp only: free each block's gathered parameters after its forward and gather them again for backward (less memory, one more all-gather per block); false keeps them until backward")
+    checkpoint: Literal["sharded", "full"] = _f("sharded", "fsdp with more than one process: sharded = each rank writes its own shards through torch.distributed.checkpoint (DCP), asynchronously, beside a small state file; full = rank 0 gathers the whole model and optimizer and writes one file, as DDP does. Either kind resumes under any strategy and world size")
     timeout_s: float = _f(120.0, "seconds a collective waits for the other ranks before the run fails with a clear message (a dead or hung rank); must exceed rank 0's longest pause alone: a checkpoint write or an incident diagnosis")
 
 
@@ -450,12 +452,17 @@ def describe_keys(cls: type = Config, prefix: str = "") -> list[tuple[str, str, 
 # Flattening and comparing configs; the keys that may change on resume.
 
 #: Config keys (exact, ``fnmatch`` globs, or a section name) that may differ when a run is resumed:
-#: they change neither the math nor the data of the steps still to come. The world size is checked
-#: on its own: a checkpoint resumes only under the world size that wrote it.
+#: they change neither the math nor the data of the steps still to come. The world size may change
+#: (``dist.*``): the resume is then resharded, and :data:`RESHARD_SAFE_KEYS` may change as well.
 RESUME_SAFE_KEYS: tuple[str, ...] = (
     "train.max_steps", "log.*", "ckpt.every", "ckpt.keep", "eval.every", "run.*", "resume", "data.workers",
     "guard.capture", "guard.memory_snapshot", "guard.diagnose", "dist.*", "callbacks",
 )
+
+
+#: Keys that may also change on a resume under another world size (a resharded resume), so a run can keep
+#: its global batch ``train.batch_size x accum.steps x world size`` (2 ranks x B -> 1 rank x B x accum 2).
+RESHARD_SAFE_KEYS: tuple[str, ...] = ("train.batch_size", "accum.steps")
 
 
 def resume_safe_text(keys: Sequence[str] = RESUME_SAFE_KEYS, *, code: bool = False) -> str:
@@ -547,4 +554,5 @@ def resume_refusal_message(run_dir: str | Path, diffs: Sequence[ConfigDiff]) -> 
     listed = "; ".join(f"{d.key}: checkpoint {_show(d.saved)}, now {_show(d.current)}" for d in diffs)
     noun = "key differs" if len(diffs) == 1 else "keys differ"
     return (f"resume {str(run_dir)!r}: {len(diffs)} config {noun} from the checkpoint's ({listed}); only these keys may "
-            f"change on resume: {resume_safe_text()}. Resume without those changes, or start a new run (another run.dir)")
+            f"change on resume: {resume_safe_text()}. Under another world size {resume_safe_text(RESHARD_SAFE_KEYS)} may "
+            "change too. Resume without those changes, or start a new run (another run.dir)")

@@ -7,6 +7,19 @@ without iterating through the skipped ones.
 Global micro-batch ``b`` of an epoch is ``order[b*B*W:(b+1)*B*W]`` (B = batch size per process,
 W = world size); rank r takes its r-th share, so N processes see what one process would see with
 batch size B*W.
+
+**Resuming under another layout** (another world size, batch size or accumulation; a resharded
+resume): the data continues from the same *global sample position*. The saved position (epoch e,
+micro-batch p of the old layout B'*W') is the sample offset ``o = p*B'*W'`` within epoch e (the
+epoch's size when the old layout had finished it); the rest of epoch e is cut from there:
+global micro-batch b of the new layout is ``order[o + b*B*W : o + (b+1)*B*W]`` (the stream's
+``origin`` is o); the next epoch starts at 0 as usual. So with the same global batch per step
+(2 ranks x B -> 1 rank x B x accum 2) the resumed run trains on exactly the samples, step by step,
+that the uninterrupted run would have. A chunk of fewer than W samples at an epoch's end is
+dropped under each layout's own W (at most W-1 samples, as always), so around an epoch's tail the
+two layouts may differ by those few samples. The windows a rollback said never to train on again
+(``skip``) are mapped, conservatively: every window of the new layout that shares a sample with a
+skipped window of the old one is skipped; skipped windows already behind the position are dropped.
 """
 
 from __future__ import annotations
@@ -49,11 +62,11 @@ class EpochOrder:
             return np.arange(self.num_samples)
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
 
-    def micro_batches(self, epoch: int) -> list[list[int]]:
-        """Return this rank's micro-batches (dataset indices) of ``epoch``, in order."""
-        order = self.order(epoch)
+    def micro_batches(self, epoch: int, origin: int = 0) -> list[list[int]]:
+        """Return this rank's micro-batches (dataset indices) of ``epoch``, in order, cut from sample ``origin`` on."""
+        order = self.order(epoch)[origin:]
         out = []
-        for b in range(self.batches_per_epoch):
+        for b in range(math.ceil(len(order) / self.global_batch)):
             chunk = order[b * self.global_batch:(b + 1) * self.global_batch]
             if len(chunk) < self.world_size:
                 break  # too few samples left for every rank to get one: dropped (at most W-1 per epoch)
@@ -63,9 +76,19 @@ class EpochOrder:
             out.append(chunk[lo:hi].tolist())
         return out
 
-    def global_size(self, b: int) -> int:
-        """Return how many samples global micro-batch ``b`` holds over all ranks (pure arithmetic, no order)."""
-        return min(self.global_batch, self.num_samples - b * self.global_batch)
+    def global_size(self, b: int, origin: int = 0) -> int:
+        """Return how many samples global micro-batch ``b`` (counted from ``origin``) holds over all ranks (arithmetic)."""
+        return min(self.global_batch, self.num_samples - origin - b * self.global_batch)
+
+    def num_micro_batches(self, origin: int = 0) -> int:
+        """Return how many micro-batches an epoch has from sample ``origin`` on (a last chunk under W samples is dropped)."""
+        return _num_chunks(self.num_samples - origin, self.global_batch, self.world_size)
+
+
+def _num_chunks(num_samples: int, global_batch: int, world_size: int) -> int:
+    """Global micro-batches of ``num_samples`` samples: full ones, and a short last one if every rank gets a sample."""
+    full, rest = divmod(max(num_samples, 0), global_batch)
+    return full + int(rest > 0 and rest >= world_size)
 
 
 @dataclass
@@ -90,8 +113,11 @@ class Window:
 class WindowStream:
     """Yield optimizer-step windows of up to ``accum_steps`` micro-batches; windows never cross epochs.
 
-    The position (``epoch``, ``pos``) is the next micro-batch to read; it round-trips through
-    ``state_dict`` so resuming skips nothing and repeats nothing.
+    The position (``epoch``, ``pos``) is the next micro-batch to read, counted from sample ``origin``
+    of the epoch (0 except in the epoch a resharded resume continued); it round-trips through
+    ``state_dict`` so resuming skips nothing and repeats nothing. The state also records the layout
+    (global micro-batch, world size, accumulation), so a state saved under another layout continues
+    from the same global sample position (see the module docstring).
     """
 
     def __init__(self, dataset: Dataset, order: EpochOrder, accum_steps: int, *,
@@ -99,13 +125,13 @@ class WindowStream:
         self.dataset, self.order, self.accum_steps = dataset, order, accum_steps
         self.collate = collate or default_collate
         self.workers, self.pin_memory = workers, pin_memory
-        self.epoch, self.pos = 0, 0
+        self.epoch, self.pos, self.origin = 0, 0, 0
         self.skip: set[tuple[int, int]] = set()  # (epoch, start) of windows never to train on (rollbacks)
         self._iter: Iterator[Any] | None = None
         self._batches: list[list[int]] = []
 
     def _open(self) -> None:
-        self._batches = self.order.micro_batches(self.epoch)
+        self._batches = self.order.micro_batches(self.epoch, self.origin)
         remaining = self._batches[self.pos:]
         # Each rank's workers draw their own streams (rank 0's are those of a single process).
         g = torch.Generator().manual_seed(self.order.seed * 7919 + self.epoch + self.order.rank * 1_000_003)
@@ -123,23 +149,67 @@ class WindowStream:
             if self._iter is None:
                 self._open()
             if self.pos >= len(self._batches):
-                self.epoch, self.pos = self.epoch + 1, 0
+                self.epoch, self.pos, self.origin = self.epoch + 1, 0, 0
                 self._open()
             take = min(self.accum_steps, len(self._batches) - self.pos)
             indices = self._batches[self.pos:self.pos + take]
             assert self._iter is not None
             batches = [next(self._iter) for _ in range(take)]
-            total = (sum(self.order.global_size(self.pos + i) for i in range(take)) if self.order.world_size > 1
+            total = (sum(self.order.global_size(self.pos + i, self.origin) for i in range(take)) if self.order.world_size > 1
                      else sum(len(i) for i in indices))
             window = Window(self.epoch, self.pos, indices, batches, total)
             self.pos += take
             if (window.epoch, window.start) not in self.skip:
                 return window
 
+    def _layout(self) -> dict[str, int]:
+        return {"global_batch": self.order.global_batch, "world_size": self.order.world_size,
+                "accum_steps": self.accum_steps}
+
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "pos": self.pos, "skip": sorted(self.skip)}
+        return {"epoch": self.epoch, "pos": self.pos, "origin": self.origin, "skip": sorted(self.skip), **self._layout()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+        """Restore :meth:`state_dict`; a state saved under another layout continues from its global sample position.
+
+        A state without layout keys (written before they were recorded) is read as this layout's.
+        """
+        self.epoch, self.pos, self.origin = int(state["epoch"]), int(state["pos"]), int(state.get("origin", 0))
         self.skip = {(int(e), int(s)) for e, s in state.get("skip", [])}
         self._iter = None
+        old = {k: int(state.get(k, v)) for k, v in self._layout().items()}
+        if old != self._layout():
+            self._relayout(old)
+
+    def sample_offset(self, global_batch: int | None = None, world_size: int | None = None) -> int:
+        """Return the global sample offset, within the current epoch, of the next micro-batch to read.
+
+        The epoch's size when the position is past its last micro-batch. ``global_batch`` and
+        ``world_size``: of the layout the position was counted in (default: this stream's).
+        """
+        g = self.order.global_batch if global_batch is None else global_batch
+        w = self.order.world_size if world_size is None else world_size
+        if self.pos >= _num_chunks(self.order.num_samples - self.origin, g, w):
+            return self.order.num_samples
+        return self.origin + self.pos * g
+
+    def _relayout(self, old: dict[str, int]) -> None:
+        """Move the position (and the skipped windows) counted in layout ``old`` into this stream's layout."""
+        n, g_old, k_old = self.order.num_samples, old["global_batch"], old["accum_steps"]
+        offset = self.sample_offset(g_old, old["world_size"])
+        ranges = []  # (epoch, first sample, end) of each skipped window still ahead
+        for e, s in self.skip:
+            if e < self.epoch or (e == self.epoch and s < self.pos):
+                continue  # behind the position: never read again anyway
+            base = self.origin if e == self.epoch else 0
+            lo, hi = base + s * g_old, min(base + (s + k_old) * g_old, n)
+            if lo < hi:
+                ranges.append((e, lo, hi))
+        self.pos, self.origin = 0, offset
+        g, k = self.order.global_batch, self.accum_steps
+        self.skip = set()
+        for e, lo, hi in ranges:
+            base = self.origin if e == self.epoch else 0
+            first, last = (lo - base) // g, (hi - base - 1) // g  # the new micro-batches holding its samples
+            self.skip |= {(e, j * k) for j in range(first // k, last // k + 1)}
+

@@ -24,7 +24,7 @@ EVENT_KINDS: dict[str, str] = {
     "checkpoint_withheld": "no checkpoint was written because the state was not finite or was inside an incident; LAST_GOOD stays",
     "checkpoint_failed": "writing a checkpoint failed (disk full, I/O error); the previous one and LAST_GOOD are untouched",
     "checkpoint_skipped": "on resume or rollback a checkpoint did not verify (truncated, corrupted, refused) and an older one was used",
-    "resume": "the run continued from a checkpoint at this step (metrics and events logged past it before are superseded)",
+    "resume": "the run continued from a checkpoint at this step (metrics and events logged past it before are superseded; under another world size: resharded, with the old and new world size and global batch)",
     "rollback": "the guard rolled back to the last good checkpoint, skipping the offending data window",
     "schedule_changed": "the LR schedule's horizon changed on resume (train.max_steps differs from the checkpoint's)",
     "stop": "the run stopped before train.max_steps: a guard limit, SIGINT or SIGTERM",

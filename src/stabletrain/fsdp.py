@@ -17,6 +17,10 @@ post-update check           :meth:`ShardedNumerics.all_params_finite`: local sha
                             all-reduce
 precision                   bf16: FSDP2's ``MixedPrecisionPolicy`` (bf16 compute, fp32 reduce);
                             fp16: :class:`ShardedPrecision` agrees on the scaler's overflow flag
+incident snapshot           :func:`local_state_dicts` / :func:`load_local_state_dicts`: each rank's
+                            own shards, staged to host memory at every log interval and copied
+                            back in place (no collective); the capture replays on every rank
+                            together and writes the bundle from :func:`full_state_dicts`
 checkpoints                 :func:`full_state_dicts` / :func:`load_full_state_dicts`: full (unsharded)
                             model and optimizer state dicts on CPU, so checkpoints are the same
                             files as under DDP or one process
@@ -46,7 +50,10 @@ __all__ = [
     "ShardedWindow",
     "default_blocks",
     "full_state_dicts",
+    "is_local_state",
     "load_full_state_dicts",
+    "load_local_state_dicts",
+    "local_state_dicts",
     "shard_model",
     "unsupported_under_fsdp",
 ]
@@ -103,7 +110,10 @@ def shard_model(model: nn.Module, blocks: Sequence[nn.Module] | None = None, *, 
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in blocks:
         fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+    # The root stays gathered after forward whatever the blocks do (torch's own default for a root): its
+    # parameters (embeddings, the head) are the first the backward needs, so resharding them would cost
+    # one more all-gather per step with nothing to overlap it.
+    fully_shard(model, **{**kwargs, "reshard_after_forward": False})
     return model
 
 
@@ -209,7 +219,7 @@ class ShardedNumerics:
     @torch.no_grad()
     def all_params_finite(self, params: Iterable[Tensor]) -> Tensor:
         """Return a 0-dim bool device tensor: every shard on every rank is finite (one 1-element all-reduce)."""
-        local = [_local(p.detach()) for p in params]
+        local = [_local(p).detach() for p in params]  # the local tensor first: no DTensor dispatch per parameter
         local = [t for t in local if t.numel() > 0]
         device = local[0].device if local else torch.device("cpu")
         if not local:
@@ -223,7 +233,7 @@ class ShardedNumerics:
     @torch.no_grad()
     def snapshot(self, params: Sequence[Tensor], reuse: list[Tensor] | None = None) -> list[Tensor]:
         """Return copies of this rank's shards of ``params`` (into ``reuse`` when it fits), for :meth:`update_norm`."""
-        local = [_local(p.detach()) for p in params]
+        local = [_local(p).detach() for p in params]  # the local tensor first: no DTensor dispatch per parameter
         if reuse is None or len(reuse) != len(local) or any(r.shape != t.shape for r, t in zip(reuse, local)):
             return [t.clone() for t in local]
         torch._foreach_copy_(reuse, local)
@@ -232,7 +242,7 @@ class ShardedNumerics:
     @torch.no_grad()
     def update_norm(self, params: Sequence[Tensor], before: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
         """Return (||theta_t - theta_{t-1}||, its ratio to ||theta_{t-1}||) over all shards (one all-reduce)."""
-        now = [_local(p.detach()).float() for p in params]
+        now = [_local(p).detach().float() for p in params]
         old = [_local(b).float() for b in before]
         deltas = torch._foreach_sub(now, old)
         d = torch.stack(torch._foreach_norm(deltas)) ** 2
@@ -264,26 +274,107 @@ class ShardedPrecision(PrecisionPolicy):
                 dist.all_reduce(found, op=dist.ReduceOp.MAX)
 
 
+# -- this rank's own shards (the incident snapshot) ---------------------------------------------------
+
+#: The ``format`` of :func:`local_state_dicts`' dicts (what :meth:`Trainer.load_state_dict` recognizes).
+LOCAL_SHARDS = "local_shards"
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    """The optimizer's parameters in ``optimizer.state_dict()``'s integer-id order."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def local_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Return this rank's own shards of the model and optimizer state: live views, no collective, no copy.
+
+    The counterpart of :func:`full_state_dicts` for a snapshot that stays on each rank (the incident
+    recorder's, taken at every log interval): stage the result into host buffers
+    (:class:`~stabletrain.checkpoint.StateStager`) before the run changes it, and put a staged copy
+    back with :func:`load_local_state_dicts`. The model dict holds every parameter's and buffer's local
+    tensor by name; the optimizer dict holds the per-parameter state (integer ids in parameter-group
+    order, DTensor values as their local tensors; ``where`` says which were DTensors) and the
+    groups' hyperparameters. Only a rank of the same world size and sharding can load it back.
+    """
+    tensors = {name: _local(t.detach()) for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    state: dict[int, dict[str, Any]] = {}
+    where: dict[int, dict[str, str]] = {}  # per state tensor: "dtensor", or the device of a plain one
+    for i, p in enumerate(_optimizer_params(optimizer)):
+        if optimizer.state.get(p):
+            entries = optimizer.state[p]
+            state[i] = {k: _local(v.detach()) if isinstance(v, Tensor) else v for k, v in entries.items()}
+            where[i] = {k: str(v.device) if _replicated(v) else "dtensor" for k, v in entries.items()
+                        if isinstance(v, Tensor)}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return ({"format": LOCAL_SHARDS, "tensors": tensors},
+            {"format": LOCAL_SHARDS, "state": state, "where": where, "param_groups": groups})
+
+
+def is_local_state(entry: Any) -> bool:
+    """Whether a state dict's ``model`` or ``optimizer`` entry is :func:`local_state_dicts`' (not a full one)."""
+    return isinstance(entry, dict) and isinstance(entry.get("format"), str) and entry["format"] == LOCAL_SHARDS
+
+
+def _copy_(dst: Tensor, src: Tensor, what: str) -> None:
+    if dst.shape != src.shape or dst.dtype != src.dtype:
+        raise RuntimeError(f"load_local_state_dicts: {what} is {tuple(dst.shape)} {dst.dtype} on this rank and "
+                           f"{tuple(src.shape)} {src.dtype} in the snapshot; a local-shard snapshot only loads "
+                           "into the same model, sharded the same way, on the same rank")
+    dst.copy_(src)
+
+
+@torch.no_grad()
+def load_local_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict[str, Any],
+                           optim_state: dict[str, Any]) -> None:
+    """Copy a (staged) :func:`local_state_dicts` snapshot back into this rank's shards, in place; no collective.
+
+    The DTensors keep their storage: the parameters' local tensors and the optimizer's existing state
+    tensors are written into, so device memory does not grow. An optimizer state the snapshot does
+    not have (it was taken before the first step) is dropped; one the optimizer does not have yet
+    (it has not stepped since) is created like its parameter (``torch.zeros_like``) and filled.
+    """
+    live = dict([*model.named_parameters(), *model.named_buffers()])
+    if live.keys() != model_state["tensors"].keys():
+        raise RuntimeError(f"load_local_state_dicts: the snapshot names {sorted(model_state['tensors'])[:4]}..., the "
+                           f"model {sorted(live)[:4]}...; it only loads into the model it was taken from")
+    for name, saved in model_state["tensors"].items():
+        _copy_(_local(live[name].detach()), saved, name)
+    params = _optimizer_params(optimizer)
+    for i, p in enumerate(params):
+        saved = optim_state["state"].get(i)
+        if saved is None:
+            optimizer.state.pop(p, None)
+            continue
+        entries = optimizer.state[p]
+        for k, v in saved.items():
+            if not isinstance(v, Tensor):
+                entries[k] = v
+                continue
+            if k not in entries:  # the optimizer's own layout: a DTensor like the parameter, or a plain tensor
+                place = optim_state["where"][i][k]
+                entries[k] = torch.zeros_like(p.detach()) if place == "dtensor" else torch.empty_like(v, device=place)
+            _copy_(_local(entries[k]), v, f"optimizer state {k!r} of parameter {i}")
+        for k in [k for k in entries if k not in saved]:
+            del entries[k]
+    for group, saved_group in zip(optimizer.param_groups, optim_state["param_groups"]):
+        for k, v in saved_group.items():
+            if isinstance(v, Tensor) and isinstance(group.get(k), Tensor):
+                group[k].copy_(v)  # a tensor lr is rewritten in place (a fused step holds on to it)
+            else:
+                group[k] = v
+
+
 # -- configuration ---------------------------------------------------------------------------------
 
 def unsupported_under_fsdp(cfg: Any) -> Any:
-    """Refuse what ``dist.strategy=fsdp`` cannot do yet; return ``cfg`` (incident capture turned off, warned).
+    """Refuse what ``dist.strategy=fsdp`` cannot do yet; return ``cfg`` unchanged.
 
-    SGD is refused: torch's fused SGD with a tensor lr has no DTensor rule. Incident capture replays the
-    bad step on a local copy, which FSDP cannot do yet: the step is still skipped on every rank and
-    logged, but not captured or diagnosed.
+    SGD is refused: torch's fused SGD with a tensor lr has no DTensor rule.
     """
-    import dataclasses
-    import warnings
-
     if getattr(cfg.optim, "name", "adamw") == "sgd":
         raise ValueError("config key 'optim.name': sgd under dist.strategy=fsdp is not supported yet (torch's fused SGD "
                          "with a tensor lr has no DTensor rule, and a non-fused one cannot skip on the device); use "
                          "optim.name=adamw or adam, or dist.strategy=ddp for sgd")
-    if cfg.guard.capture:
-        warnings.warn("dist.strategy=fsdp: incident capture and replay are not supported yet; a bad step is skipped "
-                      "on every rank and logged, not captured or diagnosed (guard.capture set to false)", stacklevel=3)
-        cfg = dataclasses.replace(cfg, guard=dataclasses.replace(cfg.guard, capture=False))
     return cfg
 
 

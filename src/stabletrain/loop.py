@@ -66,7 +66,7 @@ class Trainer:
 
     ``run_dir=None`` trains without writing anything (checks and tests). ``resume=True`` continues the
     run in ``run_dir`` from its LAST_GOOD checkpoint, refusing a config that differs in anything but
-    ``config.RESUME_SAFE_KEYS``, or another world size. ``callbacks``: your
+    ``config.RESUME_SAFE_KEYS`` (under another world size, resharded, also ``config.RESHARD_SAFE_KEYS``). ``callbacks``: your
     :class:`~stabletrain.callbacks.Callback` instances, fired after the built-in ones (the config key
     ``callbacks`` adds more by ``module:Class``).
 
@@ -176,9 +176,13 @@ class Trainer:
             for problem in self.keeper.problems:
                 run.event(self.step, "checkpoint_skipped", problem)
             dropped = run.drop_metrics_after(self.step)
+            reshard = self.keeper.reshard_note
             run.event(self.step, "resume", f"resumed from {self.keeper.resumed_from} at step {self.step}"
+                      + (f"; {reshard}" if reshard else "")
                       + (f"; {dropped} metrics line(s) after it superseded" if dropped else ""),
-                      path=str(self.keeper.resumed_from), superseded_metrics=dropped)
+                      path=str(self.keeper.resumed_from), superseded_metrics=dropped, **(self.keeper.reshard or {}))
+            if reshard:
+                print(f"stabletrain: {reshard}", flush=True)
             if self.keeper.schedule_change is not None:
                 run.event(self.step, "schedule_changed", self.keeper.schedule_change, max_steps=self.cfg.train.max_steps)
                 print(f"stabletrain: warning: {self.keeper.schedule_change}", flush=True)
@@ -346,12 +350,22 @@ class Trainer:
 
     # -- state ----------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, local: bool = False, dcp: bool = False) -> dict[str, Any]:
         """Everything the next step depends on (model, optimizer, policies, data position, RNG, counters, callbacks).
 
         This rank's: under DDP a checkpoint adds every rank's RNG state and data position (``ranks``).
+        ``local=True`` under FSDP: the model and optimizer entries are this rank's own shards, live views
+        (no collective, no copy: :func:`stabletrain.fsdp.local_state_dicts`), for the incident snapshot.
+        ``dcp=True`` under FSDP: DCP's sharded state dicts, FQN keys and DTensor values (no collective, no
+        copy: :func:`stabletrain.sharded_checkpoint.sharded_state_dicts`), for a sharded checkpoint.
         """
-        if self.sharded:  # a collective: full (unsharded) state dicts, the same format as DDP's or one process's
+        if self.sharded and dcp:
+            from .sharded_checkpoint import sharded_state_dicts
+            model_state, optim_state = sharded_state_dicts(self.module, self.optimizer)
+        elif self.sharded and local:
+            from .fsdp import local_state_dicts
+            model_state, optim_state = local_state_dicts(self.module, self.optimizer)
+        elif self.sharded:  # a collective: full (unsharded) state dicts, the same format as DDP's or one process's
             from .fsdp import full_state_dicts
             model_state, optim_state = full_state_dicts(self.module, self.optimizer, self.named_params)
         else:
@@ -371,14 +385,30 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (or a checkpoint: this rank's RNG and data position from ``ranks``)."""
-        if "ranks" in state:
-            if len(state["ranks"]) != self.dist.world:
-                raise ValueError(f"the state holds {len(state['ranks'])} ranks' RNG states and this run has "
-                                 f"{self.dist.world} processes; resume under the world size that wrote it")
-            mine = state["ranks"][self.dist.rank]
-            state = {**state, "rng": mine["rng"], "stream": mine["stream"]}
-        if self.sharded:  # a collective: rank 0's full state is broadcast, each rank keeps its shards
+        """Restore :meth:`state_dict` (or a checkpoint: this rank's RNG and data position from ``ranks``).
+
+        A checkpoint written under another world size is resharded: the full model and optimizer state
+        load into any world size; the data continues from the same global sample position
+        (:class:`~stabletrain.data.WindowStream`); rank r takes rank r's saved RNG state, and a rank
+        that did not exist a state seeded from (seed, rank, step). A sharded (DCP) checkpoint's model and
+        optimizer are read shard by shard (a collective), under any strategy and world size.
+        """
+        ranks = state.get("ranks")
+        if ranks is None and int(state["stream"].get("world_size", self.dist.world)) != self.dist.world:
+            ranks = [{"rng": state["rng"], "stream": state["stream"]}]  # a one-process checkpoint, under another world
+        if ranks is not None:  # else: this rank's own state (a round trip)
+            if len(ranks) != self.dist.world and "global_batch" not in ranks[0]["stream"]:
+                raise ValueError(f"the state was written by {len(ranks)} process(es), before checkpoints recorded "
+                                 f"their data layout, and this run has {self.dist.world}; resume it under {len(ranks)}")
+            mine = ranks[self.dist.rank] if self.dist.rank < len(ranks) else None
+            state = {**state, "rng": mine["rng"] if mine else None, "stream": (mine or ranks[0])["stream"]}
+        from .fsdp import is_local_state, load_local_state_dicts
+        from .sharded_checkpoint import is_dcp_entry, load_dcp_state_dicts
+        if is_dcp_entry(state["model"]):  # a collective: DCP reads each rank's part (any world size, any strategy)
+            load_dcp_state_dicts(self.module, self.optimizer, state["model"], state["optimizer"])
+        elif self.sharded and is_local_state(state["model"]):  # this rank's own shards, copied back in place
+            load_local_state_dicts(self.module, self.optimizer, state["model"], state["optimizer"])
+        elif self.sharded:  # a collective: rank 0's full state is broadcast, each rank keeps its shards
             from .fsdp import load_full_state_dicts
             load_full_state_dicts(self.module, self.optimizer, self.named_params, state["model"], state["optimizer"])
         else:
@@ -390,7 +420,10 @@ class Trainer:
         self.guard.load_state_dict(state["guard"])
         self.metrics.load_state_dict(state["metrics"])
         self.stream.load_state_dict(state["stream"])
-        set_rng_state(state["rng"])
         self.callbacks.load_state_dict(state.get("callbacks", {}))
         c = state["counters"]
         self.step, self.samples_seen, self.tokens_seen = int(c["step"]), int(c["samples_seen"]), float(c["tokens_seen"])
+        if state["rng"] is not None:
+            set_rng_state(state["rng"])
+        else:  # a rank the checkpoint's run did not have: its own stream, reproducible from (seed, rank, step)
+            seed_everything(int(np.random.SeedSequence([self.cfg.seed, self.dist.rank, self.step]).generate_state(1)[0]))

@@ -10,15 +10,23 @@ background thread. At most one save is in flight. What needs LAST_GOOD (a rollba
 replay from it, the run's last checkpoint, the end of the fit) waits for it first. A save's outcome
 (``checkpoint``, or ``checkpoint_failed`` when the background write failed) is handed to the loop by
 :meth:`CheckpointKeeper.finished` once it is known, so rank 0's main thread records the event.
+
+Under FSDP with more than one rank (``dist.checkpoint=sharded``) every rank writes its own shards of
+the model and optimizer through DCP (:mod:`stabletrain.sharded_checkpoint`) and rank 0 the rest; a
+non-finite shard on any rank withholds the checkpoint on every rank. A resume under another world
+size is resharded (the event says so, with both world sizes and global batches).
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import LoadedCheckpoint, PendingSave
-from ..config import RESUME_SAFE_KEYS, config_hash, config_to_dict, diff_configs, resume_refusal_message
+from ..checkpoint import LoadedCheckpoint, PendingSave, first_nonfinite
+from ..config import (RESHARD_SAFE_KEYS, RESUME_SAFE_KEYS, config_hash, config_to_dict, diff_configs,
+                      resume_refusal_message)
+from ..sharded_checkpoint import ShardedSaver, local_tensors, split_for_dcp
 from . import Callback, FitState
 
 __all__ = ["CheckpointKeeper", "schedule_change_note"]
@@ -53,15 +61,20 @@ class CheckpointKeeper(Callback):
         self.resumed_from: Path | None = None
         self.problems: list[str] = []
         self.schedule_change: str | None = None  # set on a resume that changed train.max_steps
+        self.reshard: dict[str, Any] | None = None  # set on a resume under another world size (the event's fields)
+        self.reshard_note: str | None = None
         self._pending: PendingSave | None = None  # rank 0: the save started and not yet reported
+        self._saver: ShardedSaver | None = None  # FSDP: every rank's DCP saves (created at the first save)
 
     # -- resume ---------------------------------------------------------------------------------
 
     def resume(self, state: FitState, run_dir: Path) -> None:
         """Restore LAST_GOOD (or the newest checkpoint that verifies) into ``state``; refuse a changed config.
 
-        Raises ValueError naming every differing key (only ``RESUME_SAFE_KEYS`` may change) or the
-        world sizes when they differ.
+        Raises ValueError naming every differing key: only ``RESUME_SAFE_KEYS`` may change, and
+        ``RESHARD_SAFE_KEYS`` too when the world size differs from the checkpoint's. A resume under
+        another world size is resharded (see :meth:`Trainer.load_state_dict`): :attr:`reshard` then
+        holds the old and new world size and global batch, and :attr:`reshard_note` says so in a line.
         """
         if not (run_dir / "checkpoints").is_dir():
             raise FileNotFoundError(f"resume {str(run_dir)!r}: no checkpoints/ there; is it a stabletrain run directory?")
@@ -74,19 +87,18 @@ class CheckpointKeeper(Callback):
 
         path = state.dist.on_main(choose)
         loaded = chosen[0] if chosen else ckpt.load(path)
-        diffs = diff_configs(loaded.meta.get("config", {}), config_to_dict(state.cfg), RESUME_SAFE_KEYS)
+        saved_cfg = loaded.meta.get("config", {})
+        saved_world = int(loaded.meta.get("world_size", 1))
+        resharded = saved_world != state.dist.world
+        diffs = diff_configs(saved_cfg, config_to_dict(state.cfg),
+                             RESUME_SAFE_KEYS + (RESHARD_SAFE_KEYS if resharded else ()))
         if diffs:
             raise ValueError(resume_refusal_message(run_dir, diffs))
-        saved_world = int(loaded.meta.get("world_size", 1))
-        if saved_world != state.dist.world:
-            raise ValueError(f"resume {str(run_dir)!r}: {loaded.path.name} was written by {saved_world} process(es) and this "
-                             f"run has {state.dist.world}; a checkpoint resumes only under the world size that wrote it "
-                             f"(each rank's RNG stream and data shard, and the global batch train.batch_size x "
-                             f"accum.steps x world size, depend on it): resume with dist.nproc={saved_world} "
-                             f"(or torchrun --nproc_per_node={saved_world})")
         state.load_state_dict(loaded.state)
         self.resumed_from = loaded.path
-        old = int(loaded.meta.get("config", {}).get("train", {}).get("max_steps", state.cfg.train.max_steps))
+        if resharded:
+            self.reshard, self.reshard_note = _reshard_info(saved_cfg, saved_world, state)
+        old = int(saved_cfg.get("train", {}).get("max_steps", state.cfg.train.max_steps))
         if old != state.cfg.train.max_steps and state.cfg.sched.decay != "constant":
             self.schedule_change = schedule_change_note(state.cfg, old, state.step)
 
@@ -122,6 +134,9 @@ class CheckpointKeeper(Callback):
             return done + [{"step": state.step, "kind": "checkpoint_withheld", "fields": {},
                             "reason": f"checkpoint at step {state.step} withheld: inside an incident; LAST_GOOD stays "
                                       f"at {good.name if good else 'none'}"}]
+        saver = self._sharded_saver(state)
+        if saver is not None:
+            return self._save_sharded(state, saver, wait)
         whole = state.state_dict()
         meta = {"config": config_to_dict(state.cfg), "config_hash": config_hash(state.cfg)}
         if state.dist.enabled:
@@ -136,12 +151,64 @@ class CheckpointKeeper(Callback):
             return done + [_failed(state.step, err)]
         return done + self.finished(wait=wait)
 
+    def _sharded_saver(self, state: FitState) -> ShardedSaver | None:
+        """The DCP saver under FSDP with more than one rank and ``dist.checkpoint=sharded``, else None.
+
+        Created at the first save, which every rank reaches together (it makes a process group).
+        """
+        if self._saver is None and state.dist.enabled and state.cfg.dist.strategy == "fsdp" \
+                and getattr(state.cfg.dist, "checkpoint", "full") == "sharded":
+            self._saver = ShardedSaver(state.cfg.dist.timeout_s)
+        return self._saver
+
+    def _save_sharded(self, state: FitState, saver: ShardedSaver, wait: bool) -> list[dict[str, Any]]:
+        """:meth:`save` through DCP (:mod:`stabletrain.sharded_checkpoint`): every rank writes its own shards.
+
+        Every rank checks its shards; the verdicts travel with the RNG states and data positions (the
+        one all_gather_object), so every rank withholds the same checkpoint, before anything is staged.
+        """
+        ckpt = state.ckpt
+        saver.wait()  # this rank's shards of the previous save
+        done = self.finished(wait=True)  # rank 0: the previous checkpoint, before its directory is reused
+        t0 = time.perf_counter()
+        tensors, whole = split_for_dcp(state.state_dict(dcp=True))
+        bad = first_nonfinite(local_tensors(tensors))  # this rank's shards only: no collective
+        check_s = time.perf_counter() - t0
+        gathered = state.dist.gather_objects({"rng": whole["rng"], "stream": whole["stream"], "nonfinite": bad})
+        whole["ranks"] = [{"rng": g["rng"], "stream": g["stream"]} for g in gathered]
+        meta = {"config": config_to_dict(state.cfg), "config_hash": config_hash(state.cfg),
+                "world_size": state.dist.world}
+        whole["world_size"] = state.dist.world
+        bad_ranks = [(r, g["nonfinite"]) for r, g in enumerate(gathered) if g["nonfinite"] is not None]
+        if bad_ranks:  # the same list on every rank: none writes anything
+            rank, key = bad_ranks[0]
+            good = ckpt.latest_good()
+            return done + [{"step": state.step, "kind": "checkpoint_withheld", "fields": {"rank": rank, "key": key},
+                            "reason": f"checkpoint at step {state.step} withheld: rank {rank}'s shard of {key} is not "
+                                      f"finite (NaN/Inf); LAST_GOOD stays at {good.name if good else 'none'}"}]
+        tmp = Path(state.dist.on_main(lambda: str(ckpt.begin_sharded(state.step))))
+        shards = saver.start(tensors, tmp, state.step)  # blocks for the staging copy only
+        shards.timings["shard_check_s"] = check_s
+        if state.run is None:  # the other ranks: their shards are written in the background
+            if wait:
+                saver.wait()
+            return []
+        try:
+            self._pending = ckpt.save_async(whole, state.step, meta, shards=shards)
+        except Exception as err:  # the small state's check or staging failed; the previous checkpoint is intact
+            saver.wait()
+            return done + [_failed(state.step, err)]
+        return done + self.finished(wait=wait)
+
     def finished(self, *, wait: bool = False) -> list[dict[str, Any]]:
         """Return the outcome of the save in flight once it is known (``[]`` while it runs, or with none).
 
-        ``wait``: wait for it. Each outcome is returned once; the loop records it (rank 0) and fires
-        ``on_checkpoint``. A background write that failed is a ``checkpoint_failed`` outcome.
+        ``wait``: wait for it (and for this rank's DCP shards). Each outcome is returned once; the loop
+        records it (rank 0) and fires ``on_checkpoint``. A background write that failed is a
+        ``checkpoint_failed`` outcome.
         """
+        if wait and self._saver is not None:
+            self._saver.wait()
         pending = self._pending
         if pending is None or not (wait or pending.done()):
             return []
@@ -154,6 +221,8 @@ class CheckpointKeeper(Callback):
 
     def _join(self) -> None:
         """Wait for the save in flight without taking its outcome (:meth:`finished` still reports it)."""
+        if self._saver is not None:
+            self._saver.wait()
         if self._pending is not None:
             self._pending.join()
 
@@ -161,6 +230,8 @@ class CheckpointKeeper(Callback):
         """Load LAST_GOOD on every rank (rank 0 picks it, after the save in flight), or return None when there is none."""
         ckpt = state.ckpt
         chosen: list[LoadedCheckpoint] = []
+        if self._saver is not None:  # every rank: no DCP save may run beside the load's collectives
+            self._saver.wait()
 
         def choose() -> str | None:
             self._join()  # a save in flight may be about to move LAST_GOOD
@@ -197,6 +268,23 @@ class CheckpointKeeper(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         return {}
+
+
+def _reshard_info(saved_cfg: dict[str, Any], saved_world: int, state: FitState) -> tuple[dict[str, Any], str]:
+    """Return (the resume event's fields, a one-line note) for a resume under another world size."""
+    train, accum = saved_cfg.get("train", {}), saved_cfg.get("accum", {})
+    b_old = int(train.get("batch_size", state.cfg.train.batch_size))
+    k_old = int(accum.get("steps", state.cfg.accum.steps))
+    b_new, k_new, world = state.cfg.train.batch_size, state.cfg.accum.steps, state.dist.world
+    stream = state.stream
+    fields = {"resharded": True, "old_world_size": saved_world, "new_world_size": world,
+              "old_global_batch": b_old * k_old * saved_world, "new_global_batch": b_new * k_new * world,
+              "epoch": stream.epoch, "sample_offset": stream.sample_offset(), "bitwise_expected": False}
+    note = (f"resharded from {saved_world} to {world} process(es): global batch {b_old}x{k_old}x{saved_world} = "
+            f"{fields['old_global_batch']} -> {b_new}x{k_new}x{world} = {fields['new_global_batch']} samples per step; "
+            f"the data continues from sample {fields['sample_offset']} of epoch {stream.epoch}; bitwise equality "
+            "with the uninterrupted run is not expected (the reductions add in another order)")
+    return fields, note
 
 
 def _failed(step: int, err: BaseException) -> dict[str, Any]:

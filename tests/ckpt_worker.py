@@ -1,0 +1,79 @@
+"""A torchrun worker and callbacks for the checkpoint tests (resharding, DCP): train or resume, recording windows.
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/ckpt_worker.py OUT_DIR key=value ...
+
+``resume=RUN_DIR`` resumes RUN_DIR (the other keys must be the run's, as the CLI would take them from its
+config.yaml). Each rank writes ``OUT_DIR/rank_R.pt``: its windows ``(step, epoch, start, indices)``, its
+metrics history, its torch RNG state right after the resume, its final full parameters and its step.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch
+
+from stabletrain.callbacks import Callback
+
+
+class SlowSteps(Callback):
+    """Sleep ``STABLETRAIN_TEST_SLEEP`` seconds (default 0) after each step, so a test can kill a run mid-way."""
+
+    def on_step_end(self, state, out):
+        import time
+
+        time.sleep(float(os.environ.get("STABLETRAIN_TEST_SLEEP", "0")))
+
+
+class PlantNaN(Callback):
+    """After step ``STABLETRAIN_TEST_NAN_STEP`` (default 2), write a NaN into rank 1's shard of ``layers.1.fc.weight``.
+
+    The step's own checks have passed by then, so only the checkpoint's check of every rank's shards sees it.
+    """
+
+    def on_step_end(self, state, out):
+        if state.step != int(os.environ.get("STABLETRAIN_TEST_NAN_STEP", "2")) or state.dist.rank != 1:
+            return
+        param = dict(state.module.named_parameters())["layers.1.fc.weight"]
+        with torch.no_grad():
+            param.to_local()[0, 0] = float("nan")
+
+
+def record_windows(trainer) -> list[tuple[int, int, int, list[list[int]]]]:
+    """Wrap ``trainer.stream.next_window`` to record (step it trains, epoch, start, micro-batch indices) per window."""
+    seen = []
+    pull = trainer.stream.next_window
+
+    def recorded():
+        w = pull()
+        seen.append((trainer.step + 1, w.epoch, w.start, [list(i) for i in w.indices]))
+        return w
+
+    trainer.stream.next_window = recorded
+    return seen
+
+
+def main(argv: list[str]) -> None:
+    from stabletrain import Trainer, load_config
+    from stabletrain.distributed import process_group
+
+    out = Path(argv[0])
+    cfg = load_config(None, argv[1:])
+    with process_group(cfg.dist.backend, cfg.dist.timeout_s) as ctx:
+        trainer = Trainer(cfg, run_dir=cfg.resume or cfg.run.dir, resume=bool(cfg.resume))
+        rng = torch.get_rng_state()
+        windows = record_windows(trainer)
+        trainer.fit()
+        full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                for n, p in trainer.module.named_parameters()}
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save({"windows": windows, "history": trainer.history, "rng": rng, "params": full, "world": ctx.world,
+                    "step": trainer.step}, out / f"rank_{ctx.rank}.pt")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
