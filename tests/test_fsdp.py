@@ -6,11 +6,10 @@ and history on disk). The fast ones check the pieces on one process.
 """
 
 import json
-import subprocess
 
 import pytest
 import torch
-from fsdp_tasks import BlockNet, blocks_task
+from fsdp_tasks import BlockNet
 from helpers import cfg
 from multiproc import FAST, TESTS, TORCHRUN, env, events, run, stabletrain
 
@@ -94,6 +93,8 @@ EQUIV = {
     "blocks": ["task=fsdp_tasks:blocks_task"],  # one unit per ModuleList child and the root
     "named_blocks_kept": ["task=fsdp_tasks:blocks_task", "task_args.named_blocks=true",
                           "dist.reshard_after_forward=false"],
+    # torch has no DTensor rule for fused SGD: a foreach SGD (host-read skip) against one process's fused one
+    "sgd_momentum": ["task=fsdp_tasks:blocks_task", "optim.name=sgd", "optim.momentum=0.9", "optim.nesterov=true"],
 }
 COMMON = ["accum.steps=3", "train.max_steps=7", "log.every=1", "ckpt.every=0", "eval.every=0", "optim.lr=0.01",
           "sched.warmup_steps=0", "clip.max_norm=0.5"]
@@ -118,7 +119,7 @@ def test_fsdp_with_accumulation_equals_one_process_on_the_same_samples(fsdp_runs
                      run_dir=tmp_path / "single")
     single.fit()
     run_dir = fsdp_runs / name
-    fsdp = CheckpointManager(run_dir / "checkpoints").load()
+    fsdp = CheckpointManager(run_dir / "checkpoints").load(full=True)
     assert fsdp.meta["step"] == 7 and fsdp.meta["world_size"] == 2
     for key, value in single.module.state_dict().items():  # the checkpoint holds the full (gathered) model
         got = fsdp.state["model"][key]
@@ -132,8 +133,11 @@ def test_fsdp_with_accumulation_equals_one_process_on_the_same_samples(fsdp_runs
     assert [r["tokens_seen"] for r in records] == [r["tokens_seen"] for r in single.history]
     # the optimizer state is the one-process format (integer ids) and the same values
     want = single.optimizer.state_dict()
-    assert fsdp.state["optimizer"]["param_groups"] == [
-        {**g, "lr": fsdp.state["optimizer"]["param_groups"][i]["lr"]} for i, g in enumerate(want["param_groups"])]
+    impl = ("lr", "fused", "foreach")  # the lr is a host float where the optimizer is not fused (sgd under FSDP)
+    assert [{k: v for k, v in g.items() if k not in impl} for g in fsdp.state["optimizer"]["param_groups"]] == [
+        {k: v for k, v in g.items() if k not in impl} for g in want["param_groups"]]
+    assert [float(g["lr"]) for g in fsdp.state["optimizer"]["param_groups"]] == pytest.approx(
+        [float(g["lr"]) for g in want["param_groups"]], rel=1e-6)
     for i, st in want["state"].items():
         for k, v in st.items():
             assert torch.allclose(fsdp.state["optimizer"]["state"][i][k], v, rtol=RTOL, atol=ATOL), (i, k)
@@ -160,7 +164,7 @@ def test_parameters_are_dtensor_shards_and_a_nan_only_rank_1_sees_skips_the_step
     assert [e["step"] for e in events if e["kind"] == "skip"] == [3]
     nonfinite = [e for e in events if e["kind"] == "nonfinite"]
     assert len(nonfinite) == 1 and nonfinite[0]["step"] == 3 and nonfinite[0]["ranks"] == [1]
-    saved = CheckpointManager(run_dir / "checkpoints").load()  # the last checkpoint is finite and after the skip
+    saved = CheckpointManager(run_dir / "checkpoints").load(full=True)  # the last checkpoint is finite and after the skip
     assert saved.meta["step"] == 6
     assert all(torch.isfinite(v).all() for v in saved.state["model"].values())
 
@@ -173,8 +177,8 @@ def test_an_fsdp_run_resumed_at_the_same_world_size_is_bitwise_equal_to_an_unint
     _run(_stabletrain(*args, "train.max_steps=8", f"run.dir={tmp_path / 'straight'}"))
     _run(_stabletrain(*args, "train.max_steps=4", f"run.dir={tmp_path / 'parts'}"))
     _run(_stabletrain("--resume", str(tmp_path / "parts"), "train.max_steps=8"))
-    straight = CheckpointManager(tmp_path / "straight" / "checkpoints").load()
-    parts = CheckpointManager(tmp_path / "parts" / "checkpoints").load()
+    straight = CheckpointManager(tmp_path / "straight" / "checkpoints").load(full=True)
+    parts = CheckpointManager(tmp_path / "parts" / "checkpoints").load(full=True)
     assert straight.meta["step"] == parts.meta["step"] == 8
     for key, value in straight.state["model"].items():
         assert torch.equal(parts.state["model"][key], value), key
@@ -198,18 +202,6 @@ def test_each_rank_syncs_only_at_log_eval_and_checkpoint_boundaries_under_fsdp(t
         assert not stray, f"rank {rank}: syncs outside log/eval/checkpoint boundaries: {stray[:3]}"
         logged = [s for s, _, w in calls if "_log" in w]
         assert {s: logged.count(s) for s in set(logged)} == {4: 1, 8: 1, 12: 1}  # one per interval
-
-
-@pytest_slow
-@pytest.mark.parametrize("override,key", [("optim.name=sgd", "'optim.name'")])
-def test_what_fsdp_cannot_do_yet_is_refused_on_every_rank_naming_the_key(tmp_path, override, key):
-    res = subprocess.run(_stabletrain("task=fsdp_tasks:blocks_task", "dist.nproc=2", "dist.strategy=fsdp", override,
-                                      "train.max_steps=2", f"run.dir={tmp_path / 'run'}"),
-                         env=_env(), capture_output=True, text=True, timeout=240)
-    assert res.returncode != 0
-    for rank in (0, 1):
-        assert f"stabletrain: error: rank {rank}: config key {key}" in res.stderr, res.stderr[-2000:]
-        assert "under dist.strategy=fsdp is not supported yet" in res.stderr
 
 
 @pytest_slow
@@ -253,8 +245,8 @@ def test_a_checkpoint_resumes_under_the_other_strategy_and_continues_the_run(tmp
     _run(_stabletrain(*args, f"dist.strategy={first}", "train.max_steps=8", f"run.dir={tmp_path / 'straight'}"))
     _run(_stabletrain(*args, f"dist.strategy={first}", "train.max_steps=4", f"run.dir={tmp_path / 'parts'}"))
     _run(_stabletrain("--resume", str(tmp_path / "parts"), "train.max_steps=8", f"dist.strategy={then}"))
-    straight = CheckpointManager(tmp_path / "straight" / "checkpoints").load()
-    parts = CheckpointManager(tmp_path / "parts" / "checkpoints").load()
+    straight = CheckpointManager(tmp_path / "straight" / "checkpoints").load(full=True)
+    parts = CheckpointManager(tmp_path / "parts" / "checkpoints").load(full=True)
     assert parts.meta["step"] == 8
     for key, value in straight.state["model"].items():  # the same math; the reductions round differently
         assert torch.allclose(parts.state["model"][key], value, rtol=RTOL, atol=ATOL), key

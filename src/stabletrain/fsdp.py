@@ -55,7 +55,6 @@ __all__ = [
     "load_local_state_dicts",
     "local_state_dicts",
     "shard_model",
-    "unsupported_under_fsdp",
 ]
 
 
@@ -362,20 +361,6 @@ def load_local_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, m
                 group[k].copy_(v)  # a tensor lr is rewritten in place (a fused step holds on to it)
             else:
                 group[k] = v
-
-
-# -- configuration ---------------------------------------------------------------------------------
-
-def unsupported_under_fsdp(cfg: Any) -> Any:
-    """Refuse what ``dist.strategy=fsdp`` cannot do yet; return ``cfg`` unchanged.
-
-    SGD is refused: torch's fused SGD with a tensor lr has no DTensor rule.
-    """
-    if getattr(cfg.optim, "name", "adamw") == "sgd":
-        raise ValueError("config key 'optim.name': sgd under dist.strategy=fsdp is not supported yet (torch's fused SGD "
-                         "with a tensor lr has no DTensor rule, and a non-fused one cannot skip on the device); use "
-                         "optim.name=adamw or adam, or dist.strategy=ddp for sgd")
-    return cfg
 
 
 # -- checkpoints -----------------------------------------------------------------------------------

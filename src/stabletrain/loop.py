@@ -98,8 +98,7 @@ class Trainer:
         grad_flag = numerics = None
         self.sharded = self.dist.enabled and cfg.dist.strategy == "fsdp"
         if self.sharded:  # FSDP2: the parameters become DTensor shards under the same names
-            from .fsdp import ShardedNumerics, ShardedPrecision, shard_model, unsupported_under_fsdp
-            self.cfg = cfg = unsupported_under_fsdp(cfg)
+            from .fsdp import ShardedNumerics, ShardedPrecision, shard_model
             self.precision = ShardedPrecision(cfg.precision, self.device)  # fp16: every rank agrees on overflow
             if fingerprint is not None:  # InitWatch compares plain tensors: compare now, before sharding
                 changes = fingerprint.compare(self.module)
@@ -117,7 +116,7 @@ class Trainer:
             self.model = torch.nn.parallel.DistributedDataParallel(self.module, device_ids=ids)
             grad_flag = register_grad_flag(self.model, self.device)
             seed_everything(int(np.random.SeedSequence([cfg.seed, self.dist.rank]).generate_state(1)[0]))
-        self.optimizer = build_optimizer(self.named_params, cfg.optim, self.device, self.task.optimizer)
+        self.optimizer = build_optimizer(self.named_params, cfg.optim, self.device, self.task.optimizer, sharded=self.sharded)
         self.schedule = LRSchedule(self.optimizer, cfg.sched.warmup_steps, cfg.train.max_steps, cfg.sched.decay,
                                    cfg.sched.min_lr_ratio)
         self.clipper = GradClipper(cfg.clip.max_norm)

@@ -29,10 +29,13 @@ def _groups(named_params: list[tuple[str, nn.Parameter]], weight_decay: float) -
 
 
 def build_optimizer(named_params: list[tuple[str, nn.Parameter]], optim: Any, device: torch.device,
-                    factory: OptimizerFactory | None = None) -> torch.optim.Optimizer:
+                    factory: OptimizerFactory | None = None, *, sharded: bool = False) -> torch.optim.Optimizer:
     """Return the run's optimizer over ``named_params``: the task's ``factory`` if given, else ``optim.name``.
 
-    ``optim`` is the config's ``optim`` section (:class:`~stabletrain.config.OptimConfig`).
+    ``optim`` is the config's ``optim`` section (:class:`~stabletrain.config.OptimConfig`). ``sharded``
+    (FSDP2: DTensor parameters): torch has no DTensor rule for fused SGD (``aten._fused_sgd_``, with a
+    float or a tensor lr), so SGD is built ``foreach=True`` there: its skip flag and lr are then read on
+    the host once per step (:meth:`~stabletrain.precision.PrecisionPolicy.step`); AdamW and Adam stay fused.
     """
     if factory is not None:
         optimizer = factory(named_params)
@@ -48,5 +51,7 @@ def build_optimizer(named_params: list[tuple[str, nn.Parameter]], optim: Any, de
     if name == "adam":  # Adam's weight decay is L2 added to the gradient (AdamW's is decoupled)
         return torch.optim.Adam(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, fused=fused)
     if name == "sgd":
+        if sharded:
+            return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum, nesterov=optim.nesterov, foreach=True)
         return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum, nesterov=optim.nesterov, fused=fused)
     raise ValueError(f"config key 'optim.name': expected adamw, adam or sgd, got {name!r}")

@@ -138,7 +138,8 @@ class PrecisionPolicy:
             if not self._warned_sync:
                 warnings.warn(
                     f"{type(optimizer).__name__} cannot skip a step on the device; stabletrain reads the skip flag "
-                    "on the host once per step (a sync). Use fused=True (AdamW, Adam, SGD) to avoid it.",
+                    "on the host once per step (a sync). A fused optimizer avoids it (AdamW, Adam, SGD with fused=True; "
+                    "under FSDP2 only AdamW and Adam: torch has no DTensor rule for fused SGD).",
                     stacklevel=2,
                 )
                 self._warned_sync = True
