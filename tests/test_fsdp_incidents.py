@@ -213,6 +213,10 @@ def test_a_nan_only_rank_1_sees_is_captured_on_both_ranks_diagnosed_by_name_and_
 
     incident_dir = runs / "captured" / "incidents" / f"step_{STEP:06d}"
     assert (incident_dir / "diagnosis.json").exists()
+    # Written with DCP: each rank its own shards, bundle.pt only markers (no rank gathered the whole model).
+    assert sorted(p.name for p in (incident_dir / "dcp").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    raw = torch.load(incident_dir / "bundle.pt", weights_only=True)
+    assert raw["model"]["format"] and not any(isinstance(v, torch.Tensor) for v in raw["model"].get("tree", {}).values())
     bundle = load_bundle(incident_dir)
     assert bundle["rank"] == 1 and bundle["world_size"] == 2 and bad in bundle["window"]["indices"][0]
     pre = ranks[0]["captured"]["pre"]  # the run's own full state before step 6, gathered at the end of step 5

@@ -8,13 +8,16 @@
                      run observed (loss, grad norm, whether the bad value appeared after the update)
     diagnosis.json   written by :func:`stabletrain.replay.diagnose_incident` (``stabletrain diagnose``)
     rank_R/          DDP and FSDP: the bundle of another rank that saw the same bad step
+    dcp/             FSDP: the model and optimizer state, each rank's shards written with
+                     ``torch.distributed.checkpoint`` (the bundles hold markers pointing here)
 
 Under DDP and FSDP the bundle is that of the rank whose own loss, inputs or gradients were non-finite
 (its ``rank``, its window of its data shard, its RNG state), so the diagnosis replays on that rank's
-batch. The model and optimizer state are the full ones, in the one-process format, whatever the
-strategy: under DDP every rank holds them; under FSDP they are gathered from the shards onto rank 0
-(:func:`stabletrain.fsdp.full_state_dicts`), so the diagnosis replays on one process, with every
-parameter under its original name. Rank 0 writes it.
+batch. :func:`load_bundle` returns the full model and optimizer state, in the one-process format,
+whatever the strategy: under DDP rank 0 writes them into the bundle; under FSDP every rank writes its
+own shards into ``dcp/`` (no rank gathers the whole model while training waits) and loading reads
+them whole (:func:`stabletrain.sharded_checkpoint.to_full_state`), so the diagnosis replays on one
+process, with every parameter under its original name. Rank 0 writes the rest.
 
 The bundle holds only tensors and plain values: it loads with ``torch.load(weights_only=True)``.
 The batches are re-collated from the dataset indices, so a user's collate output need not pickle.
@@ -28,10 +31,12 @@ from typing import Any
 import torch
 
 from .fileio import atomic_write
+from .sharded_checkpoint import is_dcp_entry, to_full_state
 
-__all__ = ["write_bundle", "load_bundle", "BUNDLE_FILE", "DIAGNOSIS_FILE"]
+__all__ = ["write_bundle", "load_bundle", "BUNDLE_FILE", "BUNDLE_DCP_DIR", "DIAGNOSIS_FILE"]
 
 BUNDLE_FILE = "bundle.pt"
+BUNDLE_DCP_DIR = "dcp"
 DIAGNOSIS_FILE = "diagnosis.json"
 
 
@@ -44,11 +49,25 @@ def write_bundle(directory: Path, bundle: dict[str, Any]) -> Path:
 
 
 def load_bundle(directory: str | Path) -> dict[str, Any]:
-    """Load an incident bundle safely (``weights_only=True``); raise FileNotFoundError/ValueError clearly."""
+    """Load an incident bundle safely (``weights_only=True``); raise FileNotFoundError/ValueError clearly.
+
+    An FSDP bundle's model and optimizer are read whole from its ``dcp/`` shards (every rank's, in this
+    process): the result has the same keys and formats as any other bundle.
+    """
     path = Path(directory) / BUNDLE_FILE
     if not path.exists():
         raise FileNotFoundError(f"incident {str(directory)!r}: no {BUNDLE_FILE} there; expected RUN_DIR/incidents/step_N")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        bundle = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # unpickling errors have many types; report them as one clear line
         raise ValueError(f"incident bundle {str(path)!r} cannot be loaded safely: {str(err).splitlines()[0]}") from None
+    if not is_dcp_entry(bundle.get("model")):
+        return bundle
+    folder = (Path(directory) / bundle.get("dcp_dir", BUNDLE_DCP_DIR)).resolve()
+    if not (folder / ".metadata").is_file():
+        raise ValueError(f"incident bundle {str(path)!r}: its model and optimizer shards are missing ({folder}/.metadata "
+                         "not found); the dcp/ folder beside bundle.pt holds them")
+    for key in ("model", "optimizer"):
+        if is_dcp_entry(bundle.get(key)):
+            bundle[key]["path"] = str(folder)
+    return to_full_state(bundle)

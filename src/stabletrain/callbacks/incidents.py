@@ -8,9 +8,10 @@ no collective) and the capture copies them back in place. The capture replays fr
 to just before the bad step, on every rank together, with the same :class:`~stabletrain.step.TrainStep`
 the run uses (collectives included): at most ``log.every - 1`` steps, wherever the incident falls and
 however far the last checkpoint is. Without the snapshot (``guard.memory_snapshot=false``) it replays
-from LAST_GOOD instead, up to ``ckpt.every`` steps. Then it writes the bundle (the full model and
-optimizer state, gathered under FSDP, as one process would hold it); the diagnosis replays that step
-on one process under the precise tools (:func:`stabletrain.replay.diagnose_incident`).
+from LAST_GOOD instead, up to ``ckpt.every`` steps. Then it writes the bundle (the model and optimizer
+state before the step; under FSDP every rank writes its own shards of them with DCP into the bundle's
+``dcp/`` folder); the diagnosis replays that step on one process under the precise tools
+(:func:`stabletrain.replay.diagnose_incident`), on the full state read from those shards.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..checkpoint import StateStager
 from ..config import config_to_dict
-from ..incidents import write_bundle
+from ..incidents import BUNDLE_DCP_DIR, write_bundle
 from ..numerics import unique_params
 from ..replay import diagnose_incident
 from ..seeding import rng_state, set_rng_state
+from ..sharded_checkpoint import split_for_dcp
 from ..tasks import Task, resolve_task
 from . import Callback, FitState
 from .checkpointing import CheckpointKeeper
@@ -138,8 +140,10 @@ class IncidentRecorder(Callback):
                 "window": {"epoch": window.epoch, "start": window.start, "indices": window.indices}}
         per_rank = state.dist.gather_objects(mine)
         before = None
-        if state.run is not None or self._sharded(state):  # the pre-step state for the bundle, in host memory
-            before, ready = StateStager().stage(state.state_dict())  # FSDP: a gather every rank joins, onto rank 0
+        if self._sharded(state):  # every rank writes its shards of the pre-step model and optimizer (DCP)
+            before = self._write_shards(state, step)
+        elif state.run is not None:  # the pre-step state for the bundle, in host memory
+            before, ready = StateStager().stage(state.state_dict())
             for event in ready:
                 event.synchronize()
         state.load_state_dict(current)
@@ -153,7 +157,8 @@ class IncidentRecorder(Callback):
         if state.dist.enabled:
             fields["ranks"] = ranks
         for n, r in enumerate(seen):
-            write_bundle(incident_dir if n == 0 else incident_dir / f"rank_{r}", {
+            shards = {"dcp_dir": BUNDLE_DCP_DIR if n == 0 else f"../{BUNDLE_DCP_DIR}"} if self._sharded(state) else {}
+            write_bundle(incident_dir if n == 0 else incident_dir / f"rank_{r}", {**shards,
                 "step": step, "rank": r, "world_size": state.dist.world, "config": config_to_dict(state.cfg),
                 "window": per_rank[r]["window"], "rng": per_rank[r]["rng"], "model": before["model"],
                 "optimizer": before["optimizer"], "schedule": before["schedule"], "precision": before["precision"],
@@ -179,6 +184,27 @@ class IncidentRecorder(Callback):
         info.update(fields)
         seen_note = f" (seen on rank(s) {ranks})" if state.dist.enabled and ranks else ""
         state.event(step, "incident", f"captured step {step}{seen_note} into {incident_dir}", **fields)
+
+    def _write_shards(self, state: FitState, step: int) -> dict[str, Any] | None:
+        """FSDP: every rank writes its shards of the model and optimizer into ``incidents/step_N/dcp`` (a collective).
+
+        Returns the rest of the state in host memory, with DCP markers in place of the model and the
+        optimizer (:func:`~stabletrain.sharded_checkpoint.split_for_dcp`): what rank 0's bundle holds.
+        No rank holds more than its shards: :func:`~stabletrain.incidents.load_bundle` reads them whole
+        for the one-process diagnosis. None without a run directory.
+        """
+        import torch.distributed.checkpoint as dcp
+
+        if state.ckpt is None:
+            return None
+        tensors, whole = split_for_dcp(state.state_dict(dcp=True))  # live views of this rank's shards
+        folder = state.ckpt.root.parent / "incidents" / f"step_{step:06d}" / BUNDLE_DCP_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(folder)))  # written before the state moves on
+        before, ready = StateStager().stage(whole)
+        for event in ready:
+            event.synchronize()
+        return before
 
     def _diagnosis_task(self, state: FitState) -> Task:
         """The task the one-process diagnosis replays: the run's own; under FSDP with an unsharded model.
