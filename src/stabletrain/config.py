@@ -145,7 +145,7 @@ class DistConfig:
     nproc: int = _f(1, "processes to start on this machine: > 1 launches torchrun (--standalone) with this many; under torchrun it must be 1 or equal the world size")
     backend: Literal["auto", "gloo", "nccl"] = _f("auto", "torch.distributed backend: auto = nccl on CUDA, gloo on CPU")
     strategy: Literal["ddp", "fsdp"] = _f("ddp", "with more than one process: ddp = DistributedDataParallel (every rank holds the whole model and optimizer); fsdp = FSDP2 fully_shard per block and at the root (parameters, grads and optimizer state sharded over the ranks; for models that do not fit one device)")
-    reshard_after_forward: bool = _f(True, "fsdp only: free each block's gathered parameters after its forward and gather them again for backward (less memory, one more all-gather per block); false keeps them until backward")
+    reshard_after_forward: bool = _f(True, "fsdp only: free each block's gathered parameters after its forward and gather them again for backward (less memory, one more all-gather per block); false keeps them until backward. The root always stays gathered: backward needs it first")
     checkpoint: Literal["sharded", "full"] = _f("sharded", "fsdp with more than one process: sharded = each rank writes its own shards through torch.distributed.checkpoint (DCP), asynchronously, beside a small state file; full = rank 0 gathers the whole model and optimizer and writes one file, as DDP does. Either kind resumes under any strategy and world size")
     timeout_s: float = _f(120.0, "seconds a collective waits for the other ranks before the run fails with a clear message (a dead or hung rank); must exceed rank 0's longest pause alone: a checkpoint write or an incident diagnosis")
 
