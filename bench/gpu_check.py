@@ -184,21 +184,34 @@ def check_background_checkpoints(name: str, trainer: Trainer, failures: list[str
             "ckpt_total_ms": round(median([e["seconds"] for e in saved]) * 1e3, 2)}
 
 
-def run_case(name: str, overrides: list[str], tmp: Path, failures: list[str]) -> None:
-    cfg = load_config(None, [*overrides, *COMMON, *SMOKE_ARGS])
-    task = resolve_task(cfg.task, cfg.task_args)
-    bare = bare_step_time(task, cfg, 50) if not CPU_SMOKE else float("nan")
+def guarded_trainer(cfg: Any, task: Any, run_dir: Path) -> tuple[Trainer, SyncGuard]:
+    """A Trainer with a :class:`SyncGuard` attached: a host sync between log intervals raises."""
     guard = SyncGuard()
-    trainer = Trainer(cfg, task=task, run_dir=tmp / name, callbacks=[guard])
+    trainer = Trainer(cfg, task=task, run_dir=run_dir, callbacks=[guard])
     guard.attach(trainer)
-    t0 = time.perf_counter()
+    return trainer, guard
+
+
+def fit_guarded(trainer: Trainer, guard: SyncGuard, name: str, failures: list[str]) -> bool:
+    """Run ``trainer.fit()``; a sync between log intervals is a failure (returns False)."""
     try:
         trainer.fit()
     except RuntimeError as err:
         failures.append(f"{name}: a sync between log intervals at step {trainer.step}: {err}")
-        return
+        return False
     finally:
         guard._set(False)
+    return True
+
+
+def run_case(name: str, overrides: list[str], tmp: Path, failures: list[str]) -> None:
+    cfg = load_config(None, [*overrides, *COMMON, *SMOKE_ARGS])
+    task = resolve_task(cfg.task, cfg.task_args)
+    bare = bare_step_time(task, cfg, 50) if not CPU_SMOKE else float("nan")
+    trainer, guard = guarded_trainer(cfg, task, tmp / name)
+    t0 = time.perf_counter()
+    if not fit_guarded(trainer, guard, name, failures):
+        return
     wall = time.perf_counter() - t0
     hist = trainer.history
     skipped = sum(r["num_skipped"] for r in hist)
@@ -235,17 +248,10 @@ def run_incident(tmp: Path, failures: list[str]) -> None:
     order = EpochOrder(len(task.train_data), cfg.train.batch_size, cfg.seed, cfg.data.shuffle)
     bad_index = order.micro_batches(0)[bad_step - 1][3]
     task.train_data, task.loss, task.val_data = WeightedChunks(task.train_data, bad_index), weighted_lm_loss, None
-    guard = SyncGuard()
-    trainer = Trainer(cfg, task=task, run_dir=tmp / "incident", callbacks=[guard])
-    guard.attach(trainer)
+    trainer, guard = guarded_trainer(cfg, task, tmp / "incident")
     t0 = time.perf_counter()
-    try:
-        trainer.fit()
-    except RuntimeError as err:
-        failures.append(f"incident: a sync between log intervals at step {trainer.step}: {err}")
+    if not fit_guarded(trainer, guard, "incident", failures):
         return
-    finally:
-        guard._set(False)
     events = [json.loads(x) for x in (trainer.run.path / "events.jsonl").read_text().splitlines() if x.strip()]
     incident = next((e for e in events if e["kind"] == "incident"), None)
     bundle_dir = trainer.run.path / "incidents" / f"step_{bad_step:06d}"

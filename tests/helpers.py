@@ -114,6 +114,21 @@ def nan_sample_task(bad_index: int = 37, n: int = 64) -> Task:
 
 
 from stabletrain.callbacks import Callback  # noqa: E402  (below the tasks: the callbacks used by tests)
+from stabletrain.callbacks.incidents import clone_state  # noqa: E402
+
+
+class PreStepState(Callback):
+    """Keep a copy of the whole state at the end of step ``step`` (= the state before step ``step + 1``).
+
+    Under FSDP ``state_dict()`` is the full state, a gather every rank joins: keep the callback on every rank.
+    """
+
+    def __init__(self, step: int) -> None:
+        self.step, self.state = step, None
+
+    def on_step_end(self, state, out):
+        if state.step == self.step:
+            self.state = clone_state(state.state_dict())
 
 
 class HookLog(Callback):

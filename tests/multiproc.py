@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 TESTS = Path(__file__).parent
@@ -31,3 +32,40 @@ def stabletrain(*args):
 def events(run_dir):
     """The run's events.jsonl as a list of dicts."""
     return [json.loads(x) for x in (Path(run_dir) / "events.jsonl").read_text().splitlines() if x.strip()]
+
+
+def steps_logged(run_dir):
+    """The last step metrics.jsonl records (0 before the first line; a line being written counts as not there)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    lines = [x for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    try:
+        return json.loads(lines[-1])["step"] if lines else 0
+    except json.JSONDecodeError:
+        return 0
+
+
+def wait_for_step(proc, run_dir, step, timeout=120):
+    """Wait until the run ``proc`` writes to ``run_dir`` has logged ``step``; fail if it ends or times out first."""
+    t0 = time.time()
+    while steps_logged(run_dir) < step:
+        assert proc.poll() is None, f"the run ended before step {step}: {proc.communicate()}"
+        assert time.time() - t0 < timeout, f"the run never reached step {step}"
+        time.sleep(0.01)
+
+
+def descendants(pid):
+    """Return the pids of ``pid``'s descendants (from /proc: torchrun starts each rank in its own session)."""
+    parents = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    out, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        kids = [c for c, p in parents.items() if p == parent]
+        out += kids
+        todo += kids
+    return out

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import cfg
-from multiproc import FAST, TESTS, TORCHRUN, env, events, run, stabletrain
+from multiproc import FAST, TESTS, TORCHRUN, descendants, env, events, run, stabletrain, steps_logged, wait_for_step
 
 from stabletrain import Trainer
 from stabletrain.checkpoint import CheckpointManager
@@ -30,45 +30,10 @@ _env, _run, _stabletrain, _events = env, run, stabletrain, events
 
 
 
-def _steps_logged(run_dir):
-    path = run_dir / "metrics.jsonl"
-    lines = [x for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-    try:
-        return json.loads(lines[-1])["step"] if lines else 0
-    except json.JSONDecodeError:
-        return 0
-
-
-def _wait_for_step(proc, run_dir, step, timeout=120):
-    t0 = time.time()
-    while _steps_logged(run_dir) < step:
-        assert proc.poll() is None, f"the run ended before step {step}: {proc.communicate()}"
-        assert time.time() - t0 < timeout, f"the run never reached step {step}"
-        time.sleep(0.01)
-
-
-def _children(pid):
-    """Return the pids of ``pid``'s descendants (from /proc: torchrun starts each rank in its own session)."""
-    parents = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                pass
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        kids = [c for c, pp in parents.items() if pp == p]
-        out += kids
-        todo += kids
-    return out
-
-
 def _rank_pids(pid):
     """Return {rank: pid} of the workers below ``pid`` (read from each one's environment)."""
     ranks = {}
-    for child in _children(pid):
+    for child in descendants(pid):
         try:
             env = dict(kv.split("=", 1) for kv in (Path("/proc") / str(child) / "environ").read_text().split("\0") if "=" in kv)
         except OSError:
@@ -196,8 +161,8 @@ def test_a_2_rank_run_killed_with_sigkill_and_resumed_is_bitwise_equal(tmp_path)
     kill_at = random.Random("ddp-kill").randrange(3, 13)
     proc = subprocess.Popen(_stabletrain(*RESUME, f"run.dir={run_dir}"), env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    _wait_for_step(proc, run_dir, kill_at)
-    for pid in [*_children(proc.pid), proc.pid]:  # the launcher, torchrun and both ranks, at once
+    wait_for_step(proc, run_dir, kill_at)
+    for pid in [*descendants(proc.pid), proc.pid]:  # the launcher, torchrun and both ranks, at once
         os.kill(pid, signal.SIGKILL)
     proc.communicate(timeout=60)
     assert CheckpointManager(run_dir / "checkpoints").load().meta["step"] < 15
@@ -229,7 +194,7 @@ def test_when_rank_1_dies_or_hangs_rank_0_exits_with_a_clear_line_in_bounded_tim
     proc = subprocess.Popen([*TORCHRUN, "-m", "stabletrain", "train", *FAST, *SLOW, "dist.timeout_s=5",
                              f"run.dir={run_dir}"], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_for_step(proc, run_dir, 4)
+        wait_for_step(proc, run_dir, 4)
         pids = _rank_pids(proc.pid)
         assert set(pids) == {0, 1}, pids
         t0 = time.time()
@@ -240,7 +205,7 @@ def test_when_rank_1_dies_or_hangs_rank_0_exits_with_a_clear_line_in_bounded_tim
         assert not _alive(pids[0]), "rank 0 still running 60 s after rank 1 went away"
         assert took < (10 if how == "sigkill" else 5 + 15), took  # hang: dist.timeout_s=5 and a margin
     finally:
-        for pid in _children(proc.pid):
+        for pid in descendants(proc.pid):
             os.kill(pid, signal.SIGKILL)
         out, err = proc.communicate(timeout=60)
     assert proc.returncode != 0
@@ -253,12 +218,12 @@ def test_sigterm_to_the_launcher_checkpoints_every_rank_at_the_same_log_boundary
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(_stabletrain(*SLOW, "log.every=3", "ckpt.every=0", "dist.nproc=2", f"run.dir={run_dir}"),
                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for_step(proc, run_dir, 3)
+    wait_for_step(proc, run_dir, 3)
     proc.send_signal(signal.SIGTERM)  # passed on to torchrun, which passes it to both ranks
     out, err = proc.communicate(timeout=120)
     assert "stabletrain: stopped by SIGTERM at step" in out, (out, err[-2000:])
     loaded = CheckpointManager(run_dir / "checkpoints").load()
-    assert loaded.meta["step"] % 3 == 0 and loaded.meta["step"] == _steps_logged(run_dir) and len(loaded.state["ranks"]) == 2
+    assert loaded.meta["step"] % 3 == 0 and loaded.meta["step"] == steps_logged(run_dir) and len(loaded.state["ranks"]) == 2
 
 
 # -- one collective per step ----------------------------------------------------------------------

@@ -11,14 +11,12 @@ import random
 import shutil
 import signal
 import subprocess
-import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from helpers import cfg
-from multiproc import FAST, env, events, run, stabletrain
+from multiproc import FAST, descendants, env, events, run, stabletrain, wait_for_step
 
 from stabletrain import Trainer
 from stabletrain.checkpoint import CheckpointError, CheckpointManager
@@ -111,32 +109,6 @@ TASK = ["task=fsdp_tasks:blocks_task", "train.batch_size=4", "log.every=1", "eva
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def _steps_logged(run_dir):
-    path = run_dir / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    try:
-        return json.loads(lines[-1])["step"] if lines else 0
-    except json.JSONDecodeError:
-        return 0
-
-
-def _descendants(pid):
-    parents = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                pass
-    out, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        kids = [c for c, p in parents.items() if p == parent]
-        out += kids
-        todo += kids
-    return out
-
-
 def _final(run_dir, step):
     """(the final checkpoint's state, its whole tensors read from its DCP folder)."""
     loaded = CheckpointManager(run_dir / "checkpoints").load()
@@ -158,12 +130,8 @@ def test_an_fsdp_run_killed_with_sigkill_and_resumed_from_sharded_checkpoints_is
     kill_at = random.Random("fsdp-dcp-kill").randrange(3, 12)
     proc = subprocess.Popen(stabletrain(*KILL, f"run.dir={run_dir}"), env={**env(), "STABLETRAIN_TEST_SLEEP": "0.15"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    t0 = time.time()
-    while _steps_logged(run_dir) < kill_at:
-        assert proc.poll() is None, proc.communicate()
-        assert time.time() - t0 < 120, "the run never reached the step to kill it at"
-        time.sleep(0.01)
-    for pid in [*_descendants(proc.pid), proc.pid]:  # the launcher, torchrun and both ranks, at once
+    wait_for_step(proc, run_dir, kill_at)
+    for pid in [*descendants(proc.pid), proc.pid]:  # the launcher, torchrun and both ranks, at once
         os.kill(pid, signal.SIGKILL)
     proc.communicate(timeout=60)
     assert CheckpointManager(run_dir / "checkpoints").load().meta["step"] < 14

@@ -16,11 +16,9 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_tasks import BlockNet
-from helpers import cfg
+from helpers import PreStepState, cfg
 from multiproc import FAST, TORCHRUN, events, run
 
-from stabletrain.callbacks import Callback
-from stabletrain.callbacks.incidents import clone_state
 from stabletrain.checkpoint import StateStager
 from stabletrain.data import EpochOrder
 from stabletrain.fsdp import is_local_state, load_local_state_dicts, local_state_dicts, shard_model
@@ -114,17 +112,6 @@ def test_a_local_shard_snapshot_is_copied_back_in_place_bitwise_and_training_goe
 STEP, EVERY = 6, 3
 ARGS = ["task=fsdp_tasks:nan_dropout_blocks_task", "dist.strategy=fsdp", "train.batch_size=4", "train.max_steps=8",
         f"log.every={EVERY}", "ckpt.every=0", "eval.every=0", *FAST]
-
-
-class PreStepState(Callback):
-    """Keep the full state at the end of step ``step`` (the state before ``step + 1``): a gather every rank joins."""
-
-    def __init__(self, step: int) -> None:
-        self.step, self.state = step, None
-
-    def on_step_end(self, state, out):
-        if state.step == self.step:
-            self.state = clone_state(state.state_dict())
 
 
 class CollectiveOps(TorchDispatchMode):

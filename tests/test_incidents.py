@@ -3,11 +3,9 @@
 import pytest
 import torch
 
-from helpers import cfg, nan_sample_task
+from helpers import PreStepState, cfg, nan_sample_task
 from test_checkpoint import assert_same
 from stabletrain import Trainer
-from stabletrain.callbacks import Callback
-from stabletrain.callbacks.incidents import clone_state
 from stabletrain.incidents import BUNDLE_FILE, load_bundle, write_bundle
 from stabletrain.replay import diagnose_incident
 
@@ -41,17 +39,6 @@ def test_an_incident_is_captured_and_diagnosed_again_from_the_bundle(tmp_path):
     t = d["timings"]  # what the diagnosis cost, by phase (its passes are counted in d["passes"])
     assert set(t) == {"load_s", "replays_s", "bisection_s", "anomaly_s", "total_s"}
     assert t["total_s"] >= t["load_s"] + t["replays_s"] + t["bisection_s"] + t["anomaly_s"] > 0
-
-
-class PreStepState(Callback):
-    """Keep a copy of the whole state at the end of step ``step`` (= the state before step ``step + 1``)."""
-
-    def __init__(self, step: int) -> None:
-        self.step, self.state = step, None
-
-    def on_step_end(self, state, out):
-        if state.step == self.step:
-            self.state = clone_state(state.state_dict())
 
 
 @pytest.mark.parametrize("snapshot, replayed", [(True, 3), (False, 13)])

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from multiproc import steps_logged
 
 from stabletrain.checkpoint import CheckpointManager
 
@@ -34,20 +35,9 @@ def _start(run_dir, *extra, resume=False, env=None):
     return subprocess.Popen(cmd, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _steps_logged(run_dir):
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return 0
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    try:
-        return json.loads(lines[-1])["step"] if lines else 0
-    except json.JSONDecodeError:
-        return 0
-
-
 def _kill_at(proc, run_dir, step, sig=signal.SIGKILL, timeout=120):
     t0 = time.time()
-    while _steps_logged(run_dir) < step and proc.poll() is None:
+    while steps_logged(run_dir) < step and proc.poll() is None:
         if time.time() - t0 > timeout:
             raise TimeoutError(f"training never reached step {step}")
         time.sleep(0.005)

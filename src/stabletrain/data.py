@@ -80,10 +80,6 @@ class EpochOrder:
         """Return how many samples global micro-batch ``b`` (counted from ``origin``) holds over all ranks (arithmetic)."""
         return min(self.global_batch, self.num_samples - origin - b * self.global_batch)
 
-    def num_micro_batches(self, origin: int = 0) -> int:
-        """Return how many micro-batches an epoch has from sample ``origin`` on (a last chunk under W samples is dropped)."""
-        return _num_chunks(self.num_samples - origin, self.global_batch, self.world_size)
-
 
 def _num_chunks(num_samples: int, global_batch: int, world_size: int) -> int:
     """Global micro-batches of ``num_samples`` samples: full ones, and a short last one if every rank gets a sample."""

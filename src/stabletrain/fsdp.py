@@ -20,7 +20,7 @@ precision                   bf16: FSDP2's ``MixedPrecisionPolicy`` (bf16 compute
 incident snapshot           :func:`local_state_dicts` / :func:`load_local_state_dicts`: each rank's
                             own shards, staged to host memory at every log interval and copied
                             back in place (no collective); the capture replays on every rank
-                            together and writes the bundle from :func:`full_state_dicts`
+                            together and each rank writes its shards of the bundle with DCP
 checkpoints                 :func:`full_state_dicts` / :func:`load_full_state_dicts`: full (unsharded)
                             model and optimizer state dicts on CPU, so checkpoints are the same
                             files as under DDP or one process
@@ -295,7 +295,7 @@ def local_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tup
     order, DTensor values as their local tensors; ``where`` says which were DTensors) and the
     groups' hyperparameters. Only a rank of the same world size and sharding can load it back.
     """
-    tensors = {name: _local(t.detach()) for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    tensors = {name: _local(t).detach() for name, t in [*model.named_parameters(), *model.named_buffers()]}
     state: dict[int, dict[str, Any]] = {}
     where: dict[int, dict[str, str]] = {}  # per state tensor: "dtensor", or the device of a plain one
     for i, p in enumerate(_optimizer_params(optimizer)):
