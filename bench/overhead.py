@@ -370,7 +370,7 @@ def per_item_costs(name: str, bare_step_s: float, reps: int = 5, rounds: int = 2
             # What the loop does at a log boundary, through public pieces: the reduce (its one sync), the
             # guard's decision, the record (as Trainer builds it) and on_log for the sinks.
             fill_only()
-            summary, rows, param_sq = metrics.reduce(0)
+            summary, rows, param_sq = metrics.reduce(0, annotate=trainer.guard.mark_spikes)
             trainer.guard.decide(rows)
             total_sq = sum(param_sq) or 1.0
             top = sorted(range(len(param_sq)), key=lambda i: -param_sq[i])[: cfg.log.top_layers]
@@ -414,11 +414,11 @@ def per_item_costs(name: str, bare_step_s: float, reps: int = 5, rounds: int = 2
             ("move_to(batch)", lambda: move_to(window.batches[0], trainer.device), None, 1),
             ("grad_norms (foreach_norm + per-param stack) vs get_total_norm", lambda: grad_norms(params),
              lambda: torch.nn.utils.get_total_norm(grads), 1),
-            ("guard.observe (isfinite, nanmedian, nanmean, std, index_put)", observe, None, 1),
+            ("guard.observe (isfinite of loss and norm; the spike rule runs at the boundary unless on_spike=skip)",
+             observe, None, 1),
             ("clipper.clip_ (where + clip_grads_with_norm_) vs clip_grads_with_norm_",
              lambda: trainer.clipper.clip_(params, norm, ok), lambda: torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm), 1),
             ("clipper.post_clip_norm", lambda: trainer.clipper.post_clip_norm(norm), None, 1),
-            ("all_params_finite (post-update check: foreach_norm + stack)", lambda: all_params_finite(params), None, 1),
             ("schedule.step (table gather, lr tensor copy) vs LambdaLR.step", lambda: trainer.schedule.step(ok),
              lambda: lambda_sched.step(), 1),
             ("precision.loss_scale() (a fresh ones tensor)", lambda: trainer.precision.loss_scale(), None, 1),
@@ -429,6 +429,9 @@ def per_item_costs(name: str, bare_step_s: float, reps: int = 5, rounds: int = 2
             ("log interval: reduce sync + guard.decide + on_log (jsonl, TensorBoard, bar, events)", log_interval,
              fill_only, 1 / cfg.log.every),
         ]
+        if cfg.guard.check_params:  # on each interval's last step
+            per_interval.append(("all_params_finite (the parameter check, on the interval's last step)",
+                                 lambda: all_params_finite(params), None, 1 / cfg.log.every))
         if cfg.guard.memory_snapshot:  # on by default: a capture replays at most one interval
             per_interval.append(("snapshot: state copy into host buffers for incident capture (guard.memory_snapshot)",
                                  lambda: trainer.recorder.mark_interval_start(state), None, 1 / cfg.log.every))

@@ -62,6 +62,41 @@ def test_window_equals_big_batch_and_naive_differs(make):
     assert torch.allclose(window.mean_loss, loss_sum / count, rtol=1e-6)
 
 
+@pytest.mark.parametrize("make", [regression_task, varlen_task], ids=["mean-loss-tail", "varlen-sum-count"])
+def test_a_summing_window_backpropagates_raw_sums_and_its_grad_scale_gives_the_big_batch_mean(make):
+    torch.manual_seed(0)
+    task = make()
+    params = list(task.model.parameters())
+    chunks = [list(range(0, 8)), list(range(8, 16)), list(range(16, 19))]  # short tail
+    everything = [i for c in chunks for i in c]
+    g_big = _big(task, everything)
+    task.model.zero_grad(set_to_none=True)
+    window = AccumulationWindow(params, sums=True)
+    raw = []
+    for i, idx in enumerate(chunks):
+        loss_sum, count = as_sum_count(task.loss(task.model, _collate(task, idx)), len(idx))
+        out = window.normalize(loss_sum, count, last=i == len(chunks) - 1)
+        assert out is loss_sum  # no division, and no rescale of the grads accumulated so far
+        out.backward()
+        raw.append(loss_sum.detach())
+    g = _grads(task.model) * window.grad_scale  # what the step's clip pass multiplies by
+    assert torch.allclose(g, g_big, rtol=0, atol=RTOL * g_big.abs().max()), (g - g_big).abs().max()
+    assert window.global_count == len(everything) if make is regression_task else window.global_count > len(everything)
+    assert torch.allclose(window.mean_loss, sum(raw) / window.global_count, rtol=1e-6)
+
+
+def test_raw_sums_only_without_a_grad_scaler_and_without_fp16_parameters():
+    from types import SimpleNamespace
+
+    from stabletrain.accumulation import sums_safe
+
+    w = [torch.zeros(2)]
+    assert sums_safe(w, SimpleNamespace(scaler=None))
+    assert sums_safe([torch.zeros(2, dtype=torch.bfloat16)], SimpleNamespace(scaler=None))
+    assert not sums_safe(w, SimpleNamespace(scaler=object()))  # fp16 + GradScaler: the loss scale x a raw sum overflows
+    assert not sums_safe([torch.zeros(2, dtype=torch.float16)], SimpleNamespace(scaler=None))
+
+
 def test_as_sum_count_contract():
     s, c = as_sum_count(torch.tensor(2.0), 4)
     assert (s.item(), c.item()) == (8.0, 4.0)

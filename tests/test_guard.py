@@ -1,10 +1,12 @@
 """The guard in the loop: planted faults end in the right events, incidents, stops, rollbacks and checkpoints."""
 
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -108,10 +110,15 @@ def test_an_lr_that_breaks_the_parameters_in_the_update_is_caught_after_the_upda
                           "train.batch_size=8"), task=regression_task(), run_dir=run_dir)
     trainer.fit()
     events = _events(run_dir)
-    nonfinite = next(e for e in events if e["kind"] == "nonfinite")
-    assert nonfinite["step"] == 1 and nonfinite["after_update"] is True
-    assert "a skip cannot undo an applied update" in trainer.stop_reason
+    # The parameters are checked once per interval (step 2, where the loss is NaN too); the capture's replay
+    # pins the update of step 1 that broke them.
+    checked = [e for e in events if e["kind"] == "nonfinite" and e["step"] == 2]
+    assert checked and "loss" in checked[0]["reason"]
+    pinned = next(e for e in events if e["kind"] == "nonfinite" and e.get("after_update"))
+    assert pinned["step"] == 1 and pinned["pinned_by_replay"] is True and math.isfinite(pinned["loss"])
+    assert "a skip cannot undo an applied update" in trainer.stop_reason and "at step 1" in trainer.stop_reason
     incident = next(e for e in events if e["kind"] == "incident")
+    assert incident["step"] == 1 and incident["after_update"] is True
     assert incident["diagnosis"]["stage"] == "update"
     # The state after step 1 is never checkpointed: LAST_GOOD stays at step 0.
     assert [e["step"] for e in events if e["kind"] == "checkpoint"] == [0]
@@ -163,18 +170,72 @@ def test_consecutive_skips_stop_the_run_with_a_clear_reason(tmp_path):
 
 
 def test_guard_state_roundtrip_and_spike_rule_numbers():
-    g = Guard(GuardConfig(spike_window=8), torch.device("cpu"))
+    g = Guard(GuardConfig(spike_window=8, on_spike="skip"), torch.device("cpu"))
     flags = [g.observe(torch.tensor(v), torch.tensor(1.0)) for v in [1.0, 1.1, 0.9, 1.0, 1.05, 0.95, 1.0]]
     assert not any(bool(s) for _, _, s in flags)
     ok, finite, spike = g.observe(torch.tensor(5.0), torch.tensor(1.0))
-    assert bool(spike) and bool(ok) and bool(finite)  # on_spike=warn: reported, not skipped
+    assert bool(spike) and not bool(ok) and bool(finite)  # on_spike=skip: decided on the device, skipped
     ok, finite, spike = g.observe(torch.tensor(1.0), torch.tensor(float("nan")))
     assert not bool(ok) and not bool(finite) and not bool(spike)
-    clone = Guard(GuardConfig(spike_window=8), torch.device("cpu"))
+    clone = Guard(GuardConfig(spike_window=8, on_spike="skip"), torch.device("cpu"))
     clone.load_state_dict(g.state_dict())
     assert torch.equal(clone.window.nan_to_num(-1), g.window.nan_to_num(-1)) and int(clone.num_seen) == 7
     with pytest.raises(KeyError, match="window"):
         Guard(GuardConfig(spike_window=8), torch.device("cpu")).load_state_dict({})
+
+
+def _rows(values, finite):
+    return [SimpleNamespace(step=i + 1, values={"loss": v, "finite": 1.0 if f else 0.0, "spike": 0.0})
+            for i, (v, f) in enumerate(zip(values, finite))]
+
+
+@pytest.mark.parametrize("window", [8, 50])
+def test_the_host_spike_rule_flags_exactly_the_steps_the_device_rule_does(window):
+    """on_spike=warn runs the rule on the host at the boundary; it must agree with the device rule step for step."""
+    gen = torch.Generator().manual_seed(window)
+    n = 400
+    losses = (2.0 + 0.1 * torch.randn(n, generator=gen)).tolist()
+    for i in range(30, n, 37):
+        losses[i] *= 4.0  # planted spikes
+    for i in range(50, n, 61):
+        losses[i] = float("nan")
+    finite = [math.isfinite(v) and i % 97 != 5 for i, v in enumerate(losses)]  # some finite losses with a bad norm
+    device = Guard(GuardConfig(spike_window=window, on_spike="skip"), torch.device("cpu"))
+    on_device = [bool(device.observe(torch.tensor(v), torch.tensor(1.0 if f else float("inf")))[2])
+                 for v, f in zip(losses, finite)]
+    host = Guard(GuardConfig(spike_window=window, on_spike="warn"), torch.device("cpu"))
+    assert not host.on_device and not bool(host.observe(torch.tensor(9.0), torch.tensor(1.0))[2])
+    rows = _rows(losses, finite)
+    for i in range(0, n, 10):  # interval by interval, as at log boundaries
+        host.mark_spikes(rows[i:i + 10])
+    on_host = [r.values["spike"] > 0.5 for r in rows]
+    assert sum(on_device) >= 5 and on_host == on_device
+    assert torch.equal(host.window.nan_to_num(-1), device.window.nan_to_num(-1))
+    assert int(host.num_seen) == int(device.num_seen)
+    clone = Guard(GuardConfig(spike_window=window), torch.device("cpu"))  # a resumed run goes on with the same window
+    clone.load_state_dict(host.state_dict())
+    more = _rows([2.0, 9.0], [True, True])
+    clone.mark_spikes(more)
+    assert [r.values["spike"] for r in more] == [0.0, 1.0]
+
+
+def test_decide_pins_the_range_of_updates_a_failed_parameter_check_covers():
+    g = Guard(GuardConfig(), torch.device("cpu"))
+    nan = float("nan")
+
+    def row(step, finite=1.0, params=nan):
+        return SimpleNamespace(step=step, values={"finite": finite, "params_finite": params, "applied": finite, "loss": 1.0})
+
+    d = g.decide([row(11), row(12), row(13, finite=0.0), row(14, finite=0.0, params=0.0)])
+    assert d.first_incident == 13 and not d.after_update and d.locate == (11, 14) and d.action == "stop"
+    d.pin(12)
+    assert d.first_incident == 12 and d.after_update and d.bad_steps == [12, 13, 14]
+    assert "after the update at step 12" in d.reason and "cannot undo" in d.reason
+    d = g.decide([row(21), row(22, params=1.0), row(23), row(24, params=0.0)])
+    assert d.first_incident == 24 and d.after_update and d.locate == (23, 24)
+    assert "after an update of steps 23-24" in d.reason
+    d = g.decide([row(31, params=1.0), row(32, params=0.0)])  # checked every step (the adapters): exact
+    assert d.first_incident == 32 and d.after_update and d.locate is None
 
 
 def test_check_inputs_catches_a_bad_input_the_loss_never_sees(tmp_path):

@@ -18,6 +18,14 @@ window's global sum, and :attr:`AccumulationWindow.grad_scale` = 1 / global coun
 multiplies them by, in the pass that clipping makes anyway. The division is exact: every rank's
 share enters the sum unnormalized, whatever its count (a short tail, variable lengths, none at all).
 
+Without a GradScaler (fp32, bf16; parameters not in fp16) the window can skip the running rescale
+altogether (``sums=True``, what the built-in step uses): every micro-batch backpropagates its raw loss
+sum, so the gradients hold the window's sum, and :attr:`AccumulationWindow.grad_scale` = 1 / count is
+applied in the clip's pass, as under DDP; the hook then sums the buckets as they are. That saves a pass
+over the gradients per micro-batch after the first (and one per bucket under DDP). With a GradScaler
+the gradients stay normalized by the running count: a raw sum of many items times the loss scale
+would overflow fp16 far more often, and each overflow costs a skipped step.
+
 Without the hook (a user's own DDP loop, FSDP) the last micro-batch all-reduces (loss sum, count
 [, inputs flag]) itself before its backward and backpropagates by ``global count / world``, so DDP's
 averaging lands on the exact global mean: a second collective, blocking.
@@ -35,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["AccumulationWindow", "as_sum_count"]
+__all__ = ["AccumulationWindow", "as_sum_count", "sums_safe"]
 
 
 def as_sum_count(out: Any, num_samples: int) -> tuple[Tensor, Tensor]:
@@ -56,6 +64,11 @@ def as_sum_count(out: Any, num_samples: int) -> tuple[Tensor, Tensor]:
     raise ValueError(f"task loss returned {type(out).__name__}; return a scalar mean or a (sum, count) pair")
 
 
+def sums_safe(params: list[Tensor], precision: Any) -> bool:
+    """Whether a window may backpropagate raw loss sums (``sums=True``): no GradScaler, no fp16 parameters."""
+    return precision.scaler is None and all(p.dtype != torch.float16 for p in params)
+
+
 class AccumulationWindow:
     """Normalize one window's micro-batch losses by the window's real item count (no host sync).
 
@@ -65,9 +78,10 @@ class AccumulationWindow:
     :attr:`mean_loss`, :attr:`inputs_ok` (over all ranks) and :attr:`grad_scale`.
     """
 
-    def __init__(self, params: list[Tensor], process_group: Any = None) -> None:
+    def __init__(self, params: list[Tensor], process_group: Any = None, *, sums: bool = False) -> None:
         self.params = list(params)
         self.process_group = process_group
+        self.sums = sums  # one process or DDP through the hook: backpropagate raw sums (see the module docstring)
         self.begin()
 
     def begin(self) -> None:
@@ -78,6 +92,7 @@ class AccumulationWindow:
         self._global: tuple[Tensor, Tensor, Tensor | None] | None = None
         self._carrier: Any = None
         self._carried_inputs = False
+        self._summed = False  # the grads hold the window's sum (grad_scale = 1 / count)
 
     def _world(self) -> int:
         if dist.is_available() and dist.is_initialized():
@@ -99,7 +114,19 @@ class AccumulationWindow:
         self.count = self.count + count
         denominator = self.count
         world = self._world()
-        if carrier is not None and carrier.hooked and world > 1:
+        carried = carrier is not None and carrier.hooked and world > 1
+        if self.sums and (carried or world == 1):  # the raw sum: no rescale, the hook sums buckets as they are
+            if last:
+                parts = [self.loss_sum, self.count] + ([(~inputs_ok).float()] if inputs_ok is not None else [])
+                if carried:
+                    carrier.carry(torch.stack(parts), None)
+                    self._carrier, self._carried_inputs = carrier, inputs_ok is not None
+                else:
+                    self._global = (self.loss_sum, self.count, inputs_ok)
+                self._summed = True
+            self.num_micro_batches += 1
+            return loss_sum
+        if carried:
             # By this rank's own count; one with no items so far backpropagates its zeros by 1, not 0/0.
             denominator = torch.where(self.count > 0, self.count, torch.ones_like(self.count))
             if last:
@@ -158,7 +185,7 @@ class AccumulationWindow:
     def grad_scale(self) -> Tensor | None:
         """What the gradients must still be multiplied by, or None when they are already the window's mean.
 
-        With a ``carrier`` (DDP through the comm hook) the gradients hold the window's global SUM, and
-        this is 1 / :attr:`global_count` (a device scalar; valid after the last backward).
+        With a ``carrier`` (DDP through the comm hook) or ``sums`` the gradients hold the window's global
+        SUM, and this is 1 / :attr:`global_count` (a device scalar; valid after the last backward).
         """
-        return 1.0 / self.global_count if self._carrier is not None else None
+        return 1.0 / self.global_count if (self._carrier is not None or self._summed) else None

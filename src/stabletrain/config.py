@@ -127,13 +127,13 @@ class CkptConfig:
 @dataclass
 class GuardConfig:
     on_nonfinite: Literal["skip", "stop", "rollback"] = _f("skip", "a non-finite loss/grad norm/parameter: skip the step, stop cleanly, or roll back to the last good checkpoint and skip that data window")
-    on_spike: Literal["warn", "skip", "rollback"] = _f("warn", "a loss spike: record an event, skip the step (decided on the device), or roll back and skip the window")
+    on_spike: Literal["warn", "skip", "rollback"] = _f("warn", "a loss spike: record an event, skip the step (decided on the device every step), or roll back and skip the window (warn, rollback: the rule runs on the host at the log boundary)")
     spike_window: int = _f(50, "recent finite, non-spike losses the spike rule compares against")
     spike_ratio: float = _f(2.0, "spike rule: loss > spike_ratio x median of the window ...")
     spike_zscore: float = _f(6.0, "... and (loss - mean) / std of the window > spike_zscore (after spike_window/2 steps)")
     max_consecutive_skips: int = _f(20, "stop the run after this many skipped steps in a row")
     max_rollbacks: int = _f(3, "stop the run after this many rollbacks")
-    check_params: bool = _f(True, "check after every update that the parameters are finite (one fused pass, no sync)")
+    check_params: bool = _f(True, "check on each log interval's last step that the parameters are finite (one fused pass, no sync); when a check fails, the capture's replay pins the update that broke them")
     check_inputs: bool = _f(False, "check floating-point inputs of every micro-batch for NaN/Inf")
     capture: bool = _f(True, "capture an incident bundle (RUN_DIR/incidents/step_N) for the first bad step of an interval, by replaying from the interval's snapshot (guard.memory_snapshot) or else from LAST_GOOD")
     memory_snapshot: bool = _f(True, "copy the state into reused host buffers at every log interval's start (pinned, non-blocking from CUDA), so a capture replays at most log.every steps wherever the incident falls (costs one copy per interval and host memory for model + optimizer); false: replay from LAST_GOOD, up to ckpt.every steps")

@@ -265,8 +265,9 @@ class LocalGradFlag:
         self.scale: Tensor | None = None
         self.received: Tensor | None = None
 
-    def carry(self, payload: Tensor, scale: Tensor) -> None:
-        """Sum ``payload`` over the ranks with the next gradient all-reduce; multiply every bucket by ``scale`` first."""
+    def carry(self, payload: Tensor, scale: Tensor | None) -> None:
+        """Sum ``payload`` over the ranks with the next gradient all-reduce; multiply every bucket by ``scale`` first
+        (None: the buckets hold this rank's raw sum already)."""
         self.payload, self.scale, self.received = payload, scale, None
 
 
@@ -297,10 +298,11 @@ def _flag_then_allreduce(state, bucket):  # no annotations: DDP checks them, and
 
     buf = bucket.buffer()
     state.bad = state.bad | _bucket_nonfinite(buf)
-    if state.scale is None:
+    if state.payload is None:
         return allreduce_hook(state.group, bucket)
     group = state.group if state.group is not None else dist.group.WORLD
-    buf.mul_(state.scale)
+    if state.scale is not None:  # None: the grads hold this rank's raw sum already (a window with sums=True)
+        buf.mul_(state.scale)
     if bucket.index() != 0:
         return dist.all_reduce(buf, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
     if buf.dtype in (torch.float32, torch.float64):

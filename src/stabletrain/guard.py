@@ -3,31 +3,38 @@
 Per step (no host sync)::
 
     finite = isfinite(loss) & isfinite(grad_norm) [& inputs finite]   # the norm clipping needs anyway
-    spike  = enough history & loss > spike_ratio * median(window) & zscore(loss) > spike_zscore
-    ok     = finite & ~(spike & on_spike == "skip")                    # the optimizer steps only if ok
+    ok     = finite [& ~spike, with guard.on_spike=skip]              # the optimizer steps only if ok
 
-After the update, :meth:`Guard.params_finite` checks the parameters in one fused pass. The host learns
-what happened once per log interval (the rows of :class:`~stabletrain.metrics.StepMetrics`) and then
-acts: events, incident capture, stop or rollback (:meth:`Guard.decide`).
+Once per log interval, the loop checks on the interval's last step that the parameters are finite
+(one fused pass, :func:`~stabletrain.numerics.all_params_finite`): a non-finite parameter can only come
+from an applied update (a step with a non-finite loss or norm is skipped), and the capture's replay
+pins the update that broke them (:attr:`GuardDecision.locate`). The host learns what happened once per
+log interval (the rows of :class:`~stabletrain.metrics.StepMetrics`) and then acts: events, incident
+capture, stop or rollback (:meth:`Guard.decide`).
+
+Spike rule, stated: a step's loss is a spike when it exceeds ``spike_ratio`` times the median (the
+lower middle value, as ``torch.median``) of the last ``spike_window`` finite non-spike losses AND its
+z-score against their mean and standard deviation exceeds ``spike_zscore``; the rule is armed once
+half the window is filled. Spikes are not added to the window, so a run of spikes does not raise the
+baseline. With ``guard.on_spike=skip`` the rule runs on the device every step (the skip must be
+decided before the update); otherwise the host runs the same rule on the interval's losses at the
+log boundary (:meth:`Guard.mark_spikes`), so the step pays nothing for it.
 
 Under DDP every input to these decisions is the same on every rank (the window's all-reduced loss,
 the norm of the all-reduced gradients, parameters kept in lockstep), so every rank skips, stops and
 rolls back together without a collective of its own; :mod:`stabletrain.distributed` says why a
 non-finite gradient on one rank is non-finite on all.
-
-Spike rule, stated: a step's loss is a spike when it exceeds ``spike_ratio`` times the median of the
-last ``spike_window`` finite non-spike losses AND its z-score against their mean and standard
-deviation exceeds ``spike_zscore``; the rule is armed once half the window is filled. Spikes are not
-added to the window, so a run of spikes does not raise the baseline.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -66,33 +73,79 @@ class GuardDecision:
     spike_steps: list[int] = field(default_factory=list)
     first_incident: int | None = None  # the step to capture
     after_update: bool = False  # the first bad value appeared only in the parameters after the update
+    #: (lo, hi): the parameters were checked non-finite at step hi and last seen finite before step lo, so the
+    #: update that broke them is one of steps lo..hi; the capture's replay pins it (:meth:`pin`). None: exact.
+    locate: tuple[int, int] | None = None
+    params_bad_at: int | None = None  # the first step whose post-update check found a non-finite parameter
+    _policy: str = ""  # how the reason names the action taken (filled by Guard.decide)
+
+    def pin(self, step: int) -> None:
+        """The capture found that step ``step``'s update broke the parameters: it is the first incident."""
+        self.first_incident, self.after_update, self.locate = step, True, None
+        if step not in self.bad_steps:
+            self.bad_steps = sorted([*self.bad_steps, step])
+        if self._policy:
+            self.reason = _nonfinite_reason(self)
+
+
+def _nonfinite_reason(d: GuardDecision) -> str:
+    if d.after_update and d.locate is not None:
+        where = f"in the parameters after an update of steps {d.locate[0]}-{d.locate[1]}"
+    else:
+        where = "in the parameters after the update" if d.after_update else "in the loss or grad norm"
+        where += f" at step {d.first_incident}"
+        if not d.after_update and d.params_bad_at is not None:
+            where += f", and in the parameters at step {d.params_bad_at}"
+    return f"non-finite value {where}{d._policy}"
 
 
 class Guard:
-    """Sentinel + spike detection on the device; consecutive-skip and rollback accounting on the host."""
+    """Sentinel + spike detection; consecutive-skip and rollback accounting on the host.
+
+    ``on_device``: whether the spike rule runs on the device every step (``guard.on_spike=skip``); else
+    :meth:`mark_spikes` runs it on the host once per interval and the per-step work is the finite check.
+    """
 
     def __init__(self, cfg: GuardConfig, device: torch.device) -> None:
         self.cfg = cfg
-        self.window = torch.full((cfg.spike_window,), float("nan"), device=device)
-        self.num_seen = torch.zeros((), dtype=torch.long, device=device)
+        self.on_device = cfg.on_spike == "skip"
+        where = device if self.on_device else torch.device("cpu")
+        self.window = torch.full((cfg.spike_window,), float("nan"), device=where)
+        self.num_seen = torch.zeros((), dtype=torch.long, device=where)
+        # Off the device: the host rule's window is a numpy view of the CPU tensor; its count a plain int.
+        self._host_window = None if self.on_device else self.window.numpy()
+        self._host_seen = 0
         self.consecutive_skips = 0
         self.num_rollbacks = 0
         self.num_incidents = 0
         self.num_spikes = 0
+        self._no_spike: Tensor | None = None
+
+    @property
+    def _armed_at(self) -> int:
+        return max(self.cfg.spike_window // 2, 2)
 
     def observe(self, loss: Tensor, grad_norm: Tensor, inputs_ok: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """Return (ok, finite, spike) as device bools for this step; update the spike window. No sync."""
+        """Return (ok, finite, spike) as device bools for this step. No sync.
+
+        Off the device (``on_spike`` warn or rollback) ``spike`` is a constant False here: the host
+        decides it from the interval's rows (:meth:`mark_spikes`).
+        """
         finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
         if inputs_ok is not None:
             finite = finite & inputs_ok
+        if not self.on_device:
+            if self._no_spike is None or self._no_spike.device != finite.device:
+                self._no_spike = torch.zeros((), dtype=torch.bool, device=finite.device)
+            return finite, finite, self._no_spike
         w = self.window
-        armed = self.num_seen >= max(self.cfg.spike_window // 2, 2)
+        armed = self.num_seen >= self._armed_at
         median = torch.nanmedian(w)
         mean = torch.nanmean(w)
         std = torch.sqrt(torch.nanmean((w - mean) ** 2))
         z = (loss - mean) / (std + 1e-12)
         spike = armed & finite & (loss > self.cfg.spike_ratio * median) & (z > self.cfg.spike_zscore)
-        ok = finite & ~spike if self.cfg.on_spike == "skip" else finite
+        ok = finite & ~spike
         keep = finite & ~spike
         # 1-element index tensors, never a 0-dim one: indexing with a 0-dim CUDA tensor reads it on the host.
         slot = (self.num_seen % self.cfg.spike_window).reshape(1)
@@ -100,38 +153,87 @@ class Guard:
         self.num_seen += keep.long()
         return ok, finite, spike
 
+    def mark_spikes(self, rows: list[Any]) -> None:
+        """Run the spike rule on the host over an interval's rows (step order), setting each row's ``spike``.
+
+        The same rule as :meth:`observe` on the device, in float32: the lower median, the mean and the
+        population standard deviation of the window's finite values. Nothing to do when the rule ran
+        on the device (``guard.on_spike=skip``).
+        """
+        if self.on_device:
+            return
+        w = self._host_window  # a view: the tensor (and so state_dict) follows
+        seen = self._host_seen
+        n = self.cfg.spike_window
+        ratio, zscore = np.float32(self.cfg.spike_ratio), np.float32(self.cfg.spike_zscore)
+        for row in rows:
+            v = row.values
+            loss = np.float32(v["loss"])
+            finite = v["finite"] > 0.5 and math.isfinite(v["loss"])
+            spike = False
+            if finite and seen >= self._armed_at:
+                kept = np.sort(w[~np.isnan(w)])
+                median = kept[(len(kept) - 1) // 2]
+                mean = kept.mean(dtype=np.float32)
+                std = np.sqrt(((kept - mean) ** 2).mean(dtype=np.float32))
+                z = (loss - mean) / (std + np.float32(1e-12))
+                spike = bool(loss > ratio * median and z > zscore)
+            v["spike"] = 1.0 if spike else 0.0
+            if finite and not spike:
+                w[seen % n] = loss
+                seen += 1
+        self._host_seen = seen
+        self.num_seen.fill_(seen)
+
     params_finite = staticmethod(all_params_finite)  # the cheap post-update check
 
     def decide(self, rows: list[Any]) -> GuardDecision:
-        """Read one interval's per-step rows (host values) and return what to do. Updates the counters."""
+        """Read one interval's per-step rows (host values) and return what to do. Updates the counters.
+
+        A row's ``params_finite`` is NaN where the parameters were not checked after that step (the loop
+        checks on an interval's last step): a failed check then sets :attr:`GuardDecision.locate`, the
+        steps since the last check that found them finite.
+        """
         d = GuardDecision()
+        checked_from = rows[0].step if rows else 0  # the first step whose update no check has cleared yet
+        params_bad_at = None
         for row in rows:
             v = row.values
             overflow = v.get("overflow", 0.0) > 0.5  # fp16: the scaler's routine skip, not an incident
-            bad = (v["finite"] < 0.5 and not overflow) or v.get("params_finite", 1.0) < 0.5
-            if bad:
+            loss_bad = v["finite"] < 0.5 and not overflow
+            checked = v.get("params_finite", 1.0)
+            params_bad = checked < 0.5
+            if loss_bad or params_bad:
                 d.bad_steps.append(row.step)
-                if d.first_incident is None:
-                    d.first_incident = row.step
-                    d.after_update = v["finite"] >= 0.5 and v.get("params_finite", 1.0) < 0.5
+            if params_bad and params_bad_at is None:
+                params_bad_at = d.params_bad_at = row.step
+                if checked_from < row.step:
+                    d.locate = (checked_from, row.step)
+            elif checked >= 0.5:  # checked and finite
+                checked_from = row.step + 1
+            if d.first_incident is None and (loss_bad or params_bad):
+                d.first_incident, d.after_update = row.step, not loss_bad
             if v.get("spike", 0.0) > 0.5:
                 d.spike_steps.append(row.step)
             self.consecutive_skips = self.consecutive_skips + 1 if v["applied"] < 0.5 else 0
             if self.consecutive_skips >= self.cfg.max_consecutive_skips and d.action == "continue":
                 d.action, d.reason = "stop", (f"{self.consecutive_skips} consecutive skipped steps (guard.max_consecutive_skips="
                                               f"{self.cfg.max_consecutive_skips}) at step {row.step}: the run is not recovering")
+        if d.locate is not None and d.first_incident < d.locate[0]:
+            d.locate = None  # an earlier loss incident comes first; the broken update is a later one
         self.num_incidents += 1 if d.bad_steps else 0
         self.num_spikes += len(d.spike_steps)
         if d.action == "stop":
             return d
-        if d.bad_steps and (self.cfg.on_nonfinite != "skip" or d.after_update):
+        if d.bad_steps and (self.cfg.on_nonfinite != "skip" or params_bad_at is not None):
             policy = self.cfg.on_nonfinite if self.cfg.on_nonfinite != "skip" else "stop"
-            where = "in the parameters after the update" if d.after_update else "in the loss or grad norm"
+            d._policy = ""
             if policy == "rollback" and self.num_rollbacks >= self.cfg.max_rollbacks:
                 policy = "stop"
-                where += f", after {self.num_rollbacks} rollbacks (guard.max_rollbacks)"
-            skip_note = " (a skip cannot undo an applied update)" if d.after_update and self.cfg.on_nonfinite == "skip" else ""
-            d.action, d.reason = policy, f"non-finite value {where} at step {d.first_incident}{skip_note}"
+                d._policy = f", after {self.num_rollbacks} rollbacks (guard.max_rollbacks)"
+            if params_bad_at is not None and self.cfg.on_nonfinite == "skip":
+                d._policy += " (a skip cannot undo an applied update)"
+            d.action, d.reason = policy, _nonfinite_reason(d)
         elif d.spike_steps and self.cfg.on_spike == "rollback":
             if self.num_rollbacks >= self.cfg.max_rollbacks:
                 d.action, d.reason = "stop", f"loss spike at step {d.spike_steps[0]} after {self.num_rollbacks} rollbacks"
@@ -158,6 +260,8 @@ class Guard:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.window.copy_(state["window"])
         self.num_seen.copy_(state["num_seen"])
+        if not self.on_device:
+            self._host_seen = int(self.num_seen)
         self.consecutive_skips = int(state["consecutive_skips"])
         self.num_rollbacks = int(state["num_rollbacks"])
         self.num_incidents = int(state["num_incidents"])

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .accumulation import AccumulationWindow
+from .accumulation import AccumulationWindow, sums_safe
 from .callbacks import Callback, CallbackList, FitState, load_callbacks
 from .callbacks.checkpointing import CheckpointKeeper
 from .callbacks.incidents import IncidentRecorder
@@ -125,7 +125,7 @@ class Trainer:
             from .fsdp import ShardedWindow
             self.window: AccumulationWindow = ShardedWindow(self.module, self.params)
         else:
-            self.window = AccumulationWindow(self.params)
+            self.window = AccumulationWindow(self.params, sums=sums_safe(self.params, self.precision))
         self.step_fn = TrainStep(self.model, self.optimizer, self.precision, clipper=self.clipper, guard=self.guard,
                                  schedule=self.schedule, params=self.params, window=self.window, grad_flag=grad_flag,
                                  check_inputs=cfg.guard.check_inputs, check_params=cfg.guard.check_params,
@@ -192,10 +192,10 @@ class Trainer:
                 extra["world_size"] = self.dist.world
             run.write_snapshot(build_snapshot(self.cfg, self.device, self.precision.mode, self.task.data_fingerprint, extra))
 
-    def train_step(self, window: Window, *, measure_update: bool = False) -> dict[str, Tensor]:
+    def train_step(self, window: Window, *, measure_update: bool = False, check_params: bool = True) -> dict[str, Tensor]:
         """Run the one optimizer step on ``window``; return its figures as device tensors (no sync)."""
         return self.step_fn(list(zip(map(len, window.indices), window.batches)), self.task.loss,
-                            measure_update=measure_update)
+                            measure_update=measure_update, check_params=check_params)
 
     # -- the fit loop ---------------------------------------------------------------------------
 
@@ -231,8 +231,11 @@ class Trainer:
                 state.positions[state.step + 1] = (window.epoch, window.start)
                 self._where = "a training step (window or gradient all-reduce)"
                 nxt = state.step + 1
-                # ||update|| on the interval's last step only: one parameter copy per interval, no sync.
-                out = self.train_step(window, measure_update=nxt % cfg.log.every == 0 or nxt == cfg.train.max_steps)
+                # On the interval's last step only: ||update|| (one parameter copy) and the parameter check (one
+                # pass; a failed check is pinned to its step by the capture's replay). No sync.
+                last = nxt % cfg.log.every == 0 or nxt == cfg.train.max_steps
+                out = self.train_step(window, measure_update=last,
+                                      check_params=last or bool(cfg.ckpt.every and nxt % cfg.ckpt.every == 0))
                 state.step, state.samples_seen = nxt, state.samples_seen + window.global_num_samples
                 self.metrics.update(state.step, num_samples=window.global_num_samples, lr=self.schedule.lr(),
                                     loss_scale=self.precision.loss_scale(), **out)
@@ -286,7 +289,8 @@ class Trainer:
     def _log(self) -> tuple[dict[str, Any], GuardDecision, list[Any]]:
         """Reduce the interval (its one host sync), let the guard read it, fire ``on_log``."""
         state = self.state
-        summary, rows, param_sq = self.metrics.reduce(self.signals.signal or 0)  # DDP: one all-gather
+        summary, rows, param_sq = self.metrics.reduce(self.signals.signal or 0,  # DDP: one all-gather
+                                                      annotate=self.guard.mark_spikes)
         self._agreed_signal = summary["interval_signal"] or None  # DDP: every rank stops here if any was signalled
         now = time.perf_counter()
         elapsed, self._interval_start, self._eval_seconds = now - self._interval_start - self._eval_seconds, now, 0.0
@@ -308,9 +312,11 @@ class Trainer:
         state = self.state
         if decision.first_incident is not None:  # every rank fires it: the capture's replay has collectives
             row = next(r for r in rows if r.step == decision.first_incident)
-            self.callbacks.fire("on_incident", state, {
-                "step": row.step, "after_update": decision.after_update, "ranks": list(row.ranks or []),
-                "loss": row.values["loss"], "grad_norm": row.values["grad_norm"]})
+            info = {"step": row.step, "after_update": decision.after_update, "ranks": list(row.ranks or []),
+                    "loss": row.values["loss"], "grad_norm": row.values["grad_norm"], "locate": decision.locate}
+            self.callbacks.fire("on_incident", state, info)
+            if info.get("pinned") is not None:  # the capture's replay found the update that broke the parameters
+                decision.pin(info["pinned"])
         if decision.action == "stop":
             self._stop(decision.reason)
             return False

@@ -17,7 +17,7 @@ clip_rate              fraction of steps where clipping fired
 lr                     learning rate after the interval's last step
 loss_scale             GradScaler scale (1.0 without a scaler)
 num_skipped            steps whose update was skipped in the interval (non-finite, overflow, spike)
-num_nonfinite          steps with a non-finite loss, grad norm or (after the update) parameter (an fp16
+num_nonfinite          steps with a non-finite loss or grad norm, or whose parameter check failed (an fp16
                        overflow the GradScaler backs off from is a skip, not counted here)
 num_spikes             loss spikes in the interval (rule: stabletrain.guard)
 update_norm,           ||theta_t - theta_(t-1)|| of the interval's last step, and its ratio to ||theta_(t-1)||
@@ -46,6 +46,7 @@ from __future__ import annotations
 import math
 import resource
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,8 +59,9 @@ __all__ = ["StepMetrics", "peak_memory_mib", "interval_record", "COLUMNS"]
 COLUMNS = ("loss", "grad_norm", "post_clip_norm", "clipped", "applied", "finite", "spike", "params_finite", "lr",
            "loss_scale", "count", "update_norm", "update_ratio", "overflow")
 
-#: Columns a step may leave out, and their values then (the update norm is measured on some steps only).
-DEFAULTS = {"spike": 0.0, "params_finite": 1.0, "overflow": 0.0, "update_norm": float("nan"), "update_ratio": float("nan")}
+#: Columns a step may leave out, and their values then (the update norm is measured on some steps only; the
+#: parameters are checked on some steps only: NaN = not checked on that step).
+DEFAULTS = {"spike": 0.0, "params_finite": float("nan"), "overflow": 0.0, "update_norm": float("nan"), "update_ratio": float("nan")}
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -124,8 +126,12 @@ class StepMetrics:
     def __len__(self) -> int:
         return len(self.steps)
 
-    def reduce(self, signal: int = 0) -> tuple[dict[str, Any], list[_Row], list[float]]:
+    def reduce(self, signal: int = 0, annotate: Callable[[list[_Row]], None] | None = None,
+               ) -> tuple[dict[str, Any], list[_Row], list[float]]:
         """Return (summary, per-step rows, per-parameter squared-norm sums) and reset. ONE host sync.
+
+        ``annotate``: fills in row values decided on the host before the summary is made (the guard's
+        spike rule, :meth:`stabletrain.guard.Guard.mark_spikes`).
 
         Under DDP also one all-gather (every rank must call this at the same step): each row's
         ``ranks`` and the summary's ``interval_signal`` (the largest ``signal`` any rank passed) come from it.
@@ -150,6 +156,8 @@ class StepMetrics:
                 row.ranks = [r for r in range(self.dist.world) if per_rank[r][i] > 0.5]
             interval_signal = int(max(f[self.capacity] for f in per_rank))
             self.local_flags.zero_()
+        if annotate is not None:
+            annotate(rows)
         finite_rows = [r.values for r in rows if r.values["finite"] > 0.5]
         # The interval's loss is over its finite steps: one NaN step must not turn the whole line into NaN
         # (num_nonfinite says how many there were).

@@ -5,13 +5,14 @@ The step, in the order it runs (DESIGN.md, "the data's path")::
     optimizer.zero_grad(set_to_none=True); window.begin()
     for each micro-batch (DDP: no_sync on all but the last; FSDP2: set_requires_gradient_sync(last)):
         with precision.autocast(): loss_sum, count = loss_fn(model, batch)
-        precision.backward(window.normalize(loss_sum, count, last))   # / items in the whole window, all ranks
+        precision.backward(window.normalize(loss_sum, count, last))   # the raw sum (or / items so far)
     precision.unscale_(optimizer)                  # true grads before measuring and clipping
     norm, per_param = grad_norms(params)           # device tensors; the norm is also the finiteness flag
+                                                   # (x window.grad_scale = 1 / items in the window, all ranks)
     ok, finite, spike = guard.observe(loss, norm)  # the sentinel (no guard: ok = finite)
-    clipped = clipper.clip_(params, norm, ok)      # a non-finite norm is never "clipped"
+    clipped = clipper.clip_(params, norm, ok)      # a non-finite norm is never "clipped"; x grad_scale in the pass
     applied = precision.step(optimizer, ok)        # skipped on the device when not ok, in every precision
-    params_finite = all_params_finite(params)      # cheap post-update check, one fused pass
+    params_finite = all_params_finite(params)      # post-update check, one fused pass (on the steps asked for)
     schedule.step(applied)                         # the LR schedule holds on a skipped step
 
 Nothing here reads a device value on the host, except where the optimizer cannot skip on the device
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .accumulation import AccumulationWindow, as_sum_count
+from .accumulation import AccumulationWindow, as_sum_count, sums_safe
 from .clipping import GradClipper
 from .data import move_to
 from .guard import Guard, inputs_finite
@@ -41,7 +42,8 @@ __all__ = ["TrainStep", "LossFn", "STEP_KEYS"]
 
 LossFn = Callable[[nn.Module, Any], Any]
 
-#: The device tensors a step returns (``per_param_norms`` is 1-D; the rest are 0-dim).
+#: The device tensors a step returns (``per_param_norms`` is 1-D; the rest are 0-dim). ``params_finite`` only
+#: on a step whose parameters were checked (see ``check_params``).
 STEP_KEYS = ("loss", "grad_norm", "post_clip_norm", "clipped", "applied", "finite", "spike", "params_finite", "overflow",
              "count", "per_param_norms")
 
@@ -62,7 +64,8 @@ class TrainStep:
             trainable parameters, in registration order).
         window: the accumulation window (default: one over ``params``; a replay passes a local one).
         check_inputs: also require the floating-point inputs of every micro-batch to be finite.
-        check_params: check after the update that every parameter is finite (one fused pass).
+        check_params: check after the update that every parameter is finite (one fused pass); a call may
+            ask for it on some steps only (the loop: on each log interval's last step).
         grad_flag: DDP: records whether this rank's own grads were finite before the all-reduce (FSDP: one
             without a hook, so only this rank's own loss and inputs count).
         numerics: where the norms and checks come from (``grad_norms``, ``all_params_finite``,
@@ -80,7 +83,9 @@ class TrainStep:
         self.clipper = clipper if clipper is not None else GradClipper(None)
         self.guard, self.schedule = guard, schedule
         self.params = list(params) if params is not None else [p for _, p in unique_params(model)]
-        self.window = window if window is not None else AccumulationWindow(self.params)
+        # Raw sums between forward_backward and update only when an update follows (it applies grad_scale).
+        self.window = window if window is not None else AccumulationWindow(
+            self.params, sums=optimizer is not None and sums_safe(self.params, precision))
         self.check_inputs, self.check_params, self.grad_flag = check_inputs, check_params, grad_flag
         self.numerics = numerics
         self._grad_norms = numerics.grad_norms if numerics is not None else grad_norms
@@ -91,10 +96,10 @@ class TrainStep:
         self._flags: dict[tuple[bool, torch.device], Tensor] = {}
 
     def __call__(self, micro_batches: Sequence[tuple[int, Any]], loss_fn: LossFn, *,
-                 measure_update: bool = False) -> dict[str, Tensor]:
+                 measure_update: bool = False, check_params: bool = True) -> dict[str, Tensor]:
         """Run the whole step on ``[(num_samples, batch), ...]``; see the module docstring."""
         self.forward_backward(micro_batches, loss_fn)
-        return self.update(measure_update=measure_update)
+        return self.update(measure_update=measure_update, check_params=check_params)
 
     def forward_backward(self, micro_batches: Sequence[tuple[int, Any]], loss_fn: LossFn) -> None:
         """Zero the grads and accumulate the window's normalized gradient (DDP: reduced on the last micro-batch)."""
@@ -122,7 +127,7 @@ class TrainStep:
                                                           carrier=self.grad_flag))  # DDP: numbers go with the grads
         self._inputs_ok = inputs_ok
 
-    def update(self, *, measure_update: bool = False, loss: Tensor | None = None,
+    def update(self, *, measure_update: bool = False, check_params: bool = True, loss: Tensor | None = None,
                count: Tensor | None = None) -> dict[str, Tensor]:
         """Unscale, measure, guard, clip, apply, advance the schedule; return the step's device tensors.
 
@@ -130,6 +135,8 @@ class TrainStep:
         accumulated by :meth:`forward_backward` (an adapter over a host trainer's own backward).
         ``measure_update``: also return ``update_norm`` = ||theta_t - theta_{t-1}|| and ``update_ratio``
         = update_norm / ||theta_{t-1}|| (one extra copy of the parameters on this step only).
+        ``check_params``: False skips this step's parameter check (also skipped when built with
+        ``check_params=False``); ``params_finite`` is then left out of the result.
         """
         optimizer, params = self.optimizer, self.params
         if optimizer is None:
@@ -164,13 +171,14 @@ class TrainStep:
                       else self.numerics.snapshot(self.params, self._before))
             self._before = before
         applied = self.precision.step(optimizer, ok)
-        params_finite = self._params_finite(params) if self.check_params else self._flag(True, norm.device)
         if self.schedule is not None:  # a host flag where the optimizer step already read it (no second read)
             on_host = self.precision.applied_on_host
             self.schedule.step(applied if on_host is None else on_host)
         out = {"loss": loss.detach(), "grad_norm": norm, "post_clip_norm": self.clipper.post_clip_norm(norm),
-               "clipped": clipped, "applied": applied, "finite": finite, "spike": spike, "params_finite": params_finite,
-               "overflow": overflow, "count": count, "per_param_norms": per_param}
+               "clipped": clipped, "applied": applied, "finite": finite, "spike": spike, "overflow": overflow,
+               "count": count, "per_param_norms": per_param}
+        if self.check_params and check_params:
+            out["params_finite"] = self._params_finite(params)
         if before is not None:
             out["update_norm"], out["update_ratio"] = (update_norm(self.params, before) if self.numerics is None
                                                        else self.numerics.update_norm(self.params, before))

@@ -130,10 +130,17 @@ class IncidentRecorder(Callback):
         state.load_state_dict(source)
         state.stream.skip = skip  # windows a rollback skipped after that state was saved stay skipped
         self.replayed_steps = 0
-        while state.step < step - 1:
-            state.run_step(state.stream.next_window())
-            state.step += 1
-            self.replayed_steps += 1
+        pinned = self._replay_to(state, step, info.get("locate"), skip)
+        if pinned is None and info.get("locate") is not None and after_update:
+            pinned = {"step": step}  # no earlier update broke them: the checked step's own did
+        if pinned is not None:
+            step, after_update = pinned["step"], True
+            info.update(pinned, pinned=step, after_update=True)
+        if pinned is not None and step < info["locate"][1]:  # the check's own row has its event already
+            state.event(step, "nonfinite", f"parameters became non-finite in the update of step {step} (its loss and "
+                        f"grad norm were finite; the check at step {info['locate'][1]} found them, the capture's "
+                        "replay pinned the step)", after_update=True, pinned_by_replay=True,
+                        **{k: v for k, v in pinned.items() if k != "step"})
         rng = rng_state()
         window = state.stream.next_window()
         mine = {"rank": state.dist.rank, "rng": rng,
@@ -184,6 +191,31 @@ class IncidentRecorder(Callback):
         info.update(fields)
         seen_note = f" (seen on rank(s) {ranks})" if state.dist.enabled and ranks else ""
         state.event(step, "incident", f"captured step {step}{seen_note} into {incident_dir}", **fields)
+
+    def _replay_to(self, state: FitState, step: int, locate: tuple[int, int] | None, skip: set) -> dict[str, Any] | None:
+        """Replay from the loaded state to just before ``step``; pin an update that broke the parameters.
+
+        ``locate`` (lo, hi): the parameters were found non-finite at step hi's check; from step lo on each
+        replayed step's parameters are checked (one host read each) with the state before it staged, and
+        at the first that fails the state goes back to before it. Returns that step with its loss and grad
+        norm (the replay's, bitwise the run's), or None.
+        """
+        stager = StateStager() if locate is not None else None
+        while state.step < step - 1:
+            before = None
+            if stager is not None and state.step + 1 >= locate[0]:
+                before, ready = stager.stage(self._local_state(state))
+                for event in ready:
+                    event.synchronize()
+            out = state.run_step(state.stream.next_window())
+            state.step += 1
+            self.replayed_steps += 1
+            if before is not None and "params_finite" in out and not bool(out["params_finite"]):
+                found = {"step": state.step, "loss": float(out["loss"]), "grad_norm": float(out["grad_norm"])}
+                state.load_state_dict(before)  # its buffers are the state's now: the stager is not used again
+                state.stream.skip = skip
+                return found
+        return None
 
     def _write_shards(self, state: FitState, step: int) -> dict[str, Any] | None:
         """FSDP: every rank writes its shards of the model and optimizer into ``incidents/step_N/dcp`` (a collective).

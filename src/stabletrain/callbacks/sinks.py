@@ -110,8 +110,9 @@ class EventLog(Callback):
                 state.event(step, "nonfinite", f"non-finite {what}{seen}: loss={values['loss']}, "
                             f"grad_norm={values['grad_norm']}", loss=values["loss"], grad_norm=values["grad_norm"], **where)
             elif values["params_finite"] < 0.5:
-                state.event(step, "nonfinite", "parameters became non-finite in the update (loss and grad norm were "
-                            "finite)", loss=values["loss"], grad_norm=values["grad_norm"], after_update=True)
+                state.event(step, "nonfinite", "parameters non-finite at this step's check (loss and grad norm were "
+                            "finite; an update since the last check broke them)", loss=values["loss"],
+                            grad_norm=values["grad_norm"], after_update=True)
             if values["spike"] > 0.5:
                 state.event(step, "spike", f"loss spike: {values['loss']:.4g} (rule: > {guard.spike_ratio:g}x the "
                             f"median and z > {guard.spike_zscore:g} over the last {guard.spike_window} steps)",

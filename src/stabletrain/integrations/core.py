@@ -386,7 +386,7 @@ class RunSession:
         """Reduce the interval (its one sync), write the record and events, capture an incident, stop or warn."""
         if len(self.metrics) == 0:
             return {}
-        summary, rows, param_sq = self.metrics.reduce()
+        summary, rows, param_sq = self.metrics.reduce(annotate=self.guard.mark_spikes)  # the host-side spike rule
         now = time.perf_counter()
         elapsed = max(now - self._interval_start, 1e-9)
         self._interval_start = now
