@@ -16,7 +16,8 @@ Under DDP a step of the built-in loop has one collective, as the bare loop's: th
 item count travel in the gradient all-reduce's first bucket (stabletrain.accumulation). Target: the
 ``ratio`` column at most 1.05 on gpt at 2 processes.
 
-Timed: the task's steps after its warm-up; a multiple of log.every (10), so the built-in time holds
+Timed: the task's steps after its warm-up (gpt: 60 steps after 10; 20 steps were too few: one stall of
+another process moved a round's ratio by 0.05); a multiple of log.every (10), so the built-in time holds
 its log intervals. Not timed: setup, the step-0 and final checkpoints. samples/s are global (all ranks).
 ``ms/step`` is the built-in loop's extra wall time per optimizer step: its per-step host work (sentinel,
 metrics rows, clipping, schedule) is about constant, so it weighs more as DDP halves each rank's compute.
@@ -47,7 +48,7 @@ from torch.utils.data.distributed import DistributedSampler
 TASKS = {
     # task, task_args, global micro-batch, accum, warmup, timed steps
     "mlp": ("mlp", [], 64, 2, 10, 100),
-    "gpt": ("gpt", ["task_args.n_layer=2", "task_args.seq_len=64", "task_args.max_bytes=1000000"], 8, 2, 5, 20),
+    "gpt": ("gpt", ["task_args.n_layer=2", "task_args.seq_len=64", "task_args.max_bytes=1000000"], 8, 2, 10, 60),
 }
 
 

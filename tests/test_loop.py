@@ -119,3 +119,29 @@ def test_a_config_built_in_python_is_validated_by_the_trainer():
 
     with pytest.raises(ConfigError, match="config key 'accum.steps': expected an integer >= 1, got 0"):
         Trainer(Config(task="mlp", accum=AccumConfig(steps=0)))
+
+
+def test_fit_keeps_the_objects_alive_at_its_start_out_of_full_gc_scans_and_gives_them_back():
+    import gc
+
+    from stabletrain.callbacks import Callback
+    from stabletrain.loop import gc_frozen
+
+    seen = []
+
+    class FreezeCount(Callback):
+        def on_step_end(self, state, out):
+            seen.append(gc.get_freeze_count())
+
+    assert gc.get_freeze_count() == 0
+    Trainer(cfg("train.max_steps=2"), callbacks=[FreezeCount()]).fit()
+    assert seen and min(seen) > 1000  # the model, torch's own objects, ...: frozen during the fit
+    assert gc.get_freeze_count() == 0  # and given back after it
+    gc.freeze()  # someone else froze objects before: their freeze stays
+    try:
+        frozen = gc.get_freeze_count()
+        with gc_frozen():
+            pass
+        assert gc.get_freeze_count() >= frozen
+    finally:
+        gc.unfreeze()

@@ -13,8 +13,11 @@ rank. Only rank 0 writes the run directory; checkpoints hold every rank's RNG st
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 import warnings
+from collections.abc import Iterator
 from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
@@ -59,6 +62,26 @@ def default_run_dir(cfg: Config, task_name: str | None = None) -> Path:
     """``runs/<task name>-<timestamp>``: the task's ``Task.name`` when known, else the config's task spec."""
     name = (task_name or cfg.task.split(":")[-1]).replace("/", "_").replace(":", "_")
     return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+@contextlib.contextmanager
+def gc_frozen() -> Iterator[None]:
+    """Keep the objects alive at the start out of the garbage collector's full scans while the block runs.
+
+    A full (generation 2) collection walks every tracked object, and torch's imports alone leave
+    hundreds of thousands: 150 ms measured on this 2-core machine, at a moment no one chooses, and under
+    DDP every rank waits for it at the next collective. :func:`gc.freeze` moves the objects that exist
+    now to a generation the collector does not scan; objects made during the block are collected as
+    usual. At the end they are unfrozen again (and any garbage among them collected later), unless
+    something had frozen objects before (then the caller's freeze stays as it was, with these added).
+    """
+    already = gc.get_freeze_count() > 0
+    gc.freeze()
+    try:
+        yield
+    finally:
+        if not already:
+            gc.unfreeze()
 
 
 class Trainer:
@@ -206,7 +229,8 @@ class Trainer:
         (one rank may have seen it a step before another); a lost peer raises :class:`PeerLostError`.
         """
         try:
-            return self._fit()
+            with gc_frozen():
+                return self._fit()
         except Exception as err:
             if not (self.dist.enabled and is_peer_failure(err)):
                 raise
