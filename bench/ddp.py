@@ -53,13 +53,22 @@ TASKS = {
 
 
 class BareDDP:
-    """A hand-written DDP step: no_sync on all but the last micro-batch, mean/k, clip, fused AdamW."""
+    """A hand-written DDP step: no_sync on all but the last micro-batch, mean/k, clip, fused AdamW.
+
+    The AdamW is the config's, with weight decay on matrices only (two parameter groups), as the
+    Trainer builds it and as nanoGPT's loop does: the same optimizer work on both sides.
+    """
 
     def __init__(self, task: Any, module: torch.nn.Module, cfg: Any, rank: int, world: int) -> None:
         self.task, self.k, self.max_norm = task, cfg.accum.steps, cfg.clip.max_norm
         self.model = torch.nn.parallel.DistributedDataParallel(module) if world > 1 else module
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.optim.lr, fused=True)
+        from overhead import param_groups  # bench/ is the script's directory
+
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        # The config's AdamW with decay on matrices only, as the Trainer builds it (and bench/overhead.py's loop).
+        self.opt = torch.optim.AdamW(param_groups(named, cfg.optim.weight_decay), lr=cfg.optim.lr,
+                                     betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps, fused=True)
         sampler = DistributedSampler(task.train_data, num_replicas=world, rank=rank, shuffle=True, seed=0)
         self.loader = DataLoader(task.train_data, batch_size=cfg.train.batch_size, sampler=sampler, drop_last=True,
                                  collate_fn=task.collate or torch.utils.data.default_collate)

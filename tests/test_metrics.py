@@ -62,3 +62,20 @@ def test_update_refuses_a_missing_column_and_ignores_extra_step_outputs():
 
 def test_peak_memory_is_the_process_rss_on_cpu():
     assert 10 < peak_memory_mib(torch.device("cpu")) < 1e6
+
+
+def test_rows_keep_each_steps_lr_although_the_lr_tensor_is_updated_in_place():
+    """update() keeps the step's tensors until the interval's reduce; the live lr and loss scale are copied."""
+    m = StepMetrics(4, num_params=1, device=torch.device("cpu"))
+    lr, scale = t(0.1), t(1024.0)
+    base = dict(loss=t(1.0), grad_norm=t(1.0), post_clip_norm=t(1.0), clipped=t(False), applied=t(True), finite=t(True),
+                count=t(1.0), per_param_norms=t([1.0]), num_samples=1)
+    for step in (1, 2, 3):
+        m.update(step, **base, lr=lr, loss_scale=scale, **({"params_finite": t(True)} if step == 3 else {}))
+        lr.mul_(2.0)  # what the schedule does to the optimizer's lr tensor after each step
+        scale.div_(2.0)  # and a GradScaler to its scale
+    _, rows, param_sq = m.reduce()
+    assert [r.values["lr"] for r in rows] == pytest.approx([0.1, 0.2, 0.4])
+    assert [r.values["loss_scale"] for r in rows] == [1024.0, 512.0, 256.0]
+    assert math.isnan(rows[0].values["params_finite"]) and rows[2].values["params_finite"] == 1.0  # checked on 3 only
+    assert param_sq == [3.0]

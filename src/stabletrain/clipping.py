@@ -24,6 +24,7 @@ class GradClipper:
         if max_norm is not None and not max_norm > 0:
             raise ValueError(f"config key 'clip.max_norm': expected a number > 0 or null, got {max_norm!r}")
         self.max_norm = max_norm
+        self._factor: Tensor | None = None  # the last clip_'s min(1, max_norm / norm), reused by post_clip_norm
 
     def clip_(self, params: list[Tensor], total_norm: Tensor, finite: Tensor, grad_scale: Tensor | None = None) -> Tensor:
         """Scale grads in place so their total norm is at most max_norm; return whether it fired.
@@ -34,26 +35,34 @@ class GradClipper:
         :mod:`stabletrain.accumulation`), applied in the same pass; ``total_norm`` is then the norm of
         the scaled grads. Without clipping that multiply is the only pass.
         """
+        self._factor = None
         if self.max_norm is None and grad_scale is None:
             return torch.zeros((), dtype=torch.bool, device=total_norm.device)
-        safe_norm = torch.where(finite, total_norm, torch.zeros_like(total_norm))  # coef clamps to 1 at norm 0
-        if grad_scale is None:
-            torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, safe_norm)
-        else:
-            coef = grad_scale
-            if self.max_norm is not None:  # clip_grads_with_norm_'s coefficient, times the scale
-                coef = coef * torch.clamp(self.max_norm / (safe_norm + 1e-6), max=1.0)
-            grads = [p.grad for p in params if p.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, coef.to(grads[0].device))
+        coef = grad_scale
+        if self.max_norm is not None:  # clip_grads_with_norm_'s coefficient (times the scale)
+            safe_norm = torch.where(finite, total_norm, 0.0)  # the factor clamps to 1 at norm 0
+            self._factor = torch.clamp(self.max_norm / (safe_norm + 1e-6), max=1.0)
+            coef = self._factor if coef is None else coef * self._factor
+        by_device: dict[torch.device, list[Tensor]] = {}
+        for p in params:
+            if p.grad is not None:
+                by_device.setdefault(p.grad.device, []).append(p.grad)
+        for device, grads in by_device.items():  # one fused multiply per device (dtypes may mix)
+            torch._foreach_mul_(grads, coef.to(device))
         if self.max_norm is None:
             return torch.zeros((), dtype=torch.bool, device=total_norm.device)
         return finite & (total_norm > self.max_norm)
 
-    def post_clip_norm(self, total_norm: Tensor) -> Tensor:
-        """Return the total norm after clipping, computed from the pre-clip norm (no second pass)."""
+    def post_clip_norm(self, total_norm: Tensor, clipped: bool = False) -> Tensor:
+        """Return the total norm after clipping, computed from the pre-clip norm (no second pass).
+
+        ``clipped``: :meth:`clip_` just ran on this norm, so its factor is reused (a non-finite norm then
+        stays as it is: it was not clipped).
+        """
         if self.max_norm is None:
             return total_norm
+        if clipped and getattr(self, "_factor", None) is not None:
+            return total_norm * self._factor
         return total_norm * torch.clamp(self.max_norm / (total_norm + 1e-6), max=1.0)
 
     def state_dict(self) -> dict:

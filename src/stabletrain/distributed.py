@@ -282,7 +282,8 @@ def _bucket_nonfinite(buf: Tensor) -> Tensor:
     itself is decided on the all-reduced norm.
     """
     half = buf.dtype in (torch.float16, torch.bfloat16)
-    return ~torch.isfinite(buf.sum(dtype=torch.float32) if half else buf.sum())
+    total = buf.sum(dtype=torch.float32) if half else buf.sum()
+    return total * 0 != 0  # NaN iff the sum is not finite: 2 tiny ops where ~isfinite takes 5 on CPU
 
 
 def _flag_then_allreduce(state, bucket):  # no annotations: DDP checks them, and they are strings here

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from .config import GuardConfig
-from .numerics import all_params_finite
+from .numerics import all_params_finite, both_finite
 
 __all__ = ["Guard", "GuardDecision", "inputs_finite"]
 
@@ -131,7 +131,7 @@ class Guard:
         Off the device (``on_spike`` warn or rollback) ``spike`` is a constant False here: the host
         decides it from the interval's rows (:meth:`mark_spikes`).
         """
-        finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
+        finite = both_finite(loss, grad_norm)
         if inputs_ok is not None:
             finite = finite & inputs_ok
         if not self.on_device:

@@ -59,6 +59,9 @@ __all__ = ["StepMetrics", "peak_memory_mib", "interval_record", "COLUMNS"]
 COLUMNS = ("loss", "grad_norm", "post_clip_norm", "clipped", "applied", "finite", "spike", "params_finite", "lr",
            "loss_scale", "count", "update_norm", "update_ratio", "overflow")
 
+#: Columns whose values are live state the run updates in place (the lr tensor, the scaler's scale): cloned.
+_LIVE = tuple(COLUMNS.index(c) for c in ("lr", "loss_scale"))
+
 #: Columns a step may leave out, and their values then (the update norm is measured on some steps only; the
 #: parameters are checked on some steps only: NaN = not checked on that step).
 DEFAULTS = {"spike": 0.0, "params_finite": float("nan"), "overflow": 0.0, "update_norm": float("nan"), "update_ratio": float("nan")}
@@ -94,34 +97,63 @@ class StepMetrics:
         self.samples = 0
         self.dist = dist if dist is not None and dist.world > 1 else None
         self.local_flags = torch.zeros(capacity + 1, device=device) if self.dist is not None else None
+        # Steps recorded but not yet written into the buffers: (row values, per-param norms, finite, local flag).
+        self._pending: list[tuple[list[Any], Tensor, Any, Tensor | None]] = []
 
     def update(self, step: int, *, per_param_norms: Tensor, num_samples: int, local_nonfinite: Tensor | None = None,
                **values: Tensor | float) -> None:
-        """Record one step into the device buffers (no sync).
+        """Record one step (no sync; the device work is batched per interval, see :meth:`_flush`).
 
         ``values`` holds one 0-dim tensor (or number) per name in :data:`COLUMNS` (those in :data:`DEFAULTS`
-        may be left out); other keys of a step's output are ignored. ``num_samples``: the step's samples
-        over all ranks.
+        may be left out); other keys of a step's output are ignored. The tensors are kept, not copied
+        (``lr`` and ``loss_scale``, live state the run updates in place, are cloned): a step's outputs are
+        fresh tensors. ``num_samples``: the step's samples over all ranks.
         ``local_nonfinite`` (DDP): whether this rank's own loss, inputs or gradients were non-finite.
         """
-        i = len(self.steps)
-        assert i < self.capacity, "StepMetrics.reduce() must be called every `capacity` steps"
-        values = {**DEFAULTS, **{k: v for k, v in values.items() if k in COLUMNS}}
-        assert len(values) == len(COLUMNS), f"StepMetrics.update: missing {set(COLUMNS) - set(values)}"
-        # One stack (dtypes promote) and one copy_ (casts to the fp32 buffer): ~3x fewer ops than per-value casts.
-        row = torch.stack([self._on_device(values[c]) for c in COLUMNS])
-        self.buf[i].copy_(row)
-        self.param_sq += torch.where(values["finite"] if isinstance(values["finite"], Tensor) else bool(values["finite"]),
-                                     per_param_norms.float() ** 2, 0.0)
-        if self.local_flags is not None and local_nonfinite is not None:
-            self.local_flags[i] = local_nonfinite
+        assert len(self.steps) < self.capacity, "StepMetrics.reduce() must be called every `capacity` steps"
+        missing = [c for c in COLUMNS if c not in values and c not in DEFAULTS]
+        assert not missing, f"StepMetrics.update: missing {set(missing)}"
+        row = [values[c] if c in values else DEFAULTS[c] for c in COLUMNS]
+        for c in _LIVE:
+            if isinstance(row[c], Tensor):
+                row[c] = row[c].detach().clone()
+        self._pending.append((row, per_param_norms, values["finite"], local_nonfinite))
         self.steps.append(step)
         self.samples += num_samples
 
-    def _on_device(self, v: Tensor | float) -> Tensor:
-        if isinstance(v, Tensor):
-            return v.detach() if v.dim() == 0 else v.detach().reshape(())  # one element, on the device
-        return torch.full((), float(v), device=self.device)  # a fill, not a copy from host memory
+    def _flush(self) -> None:
+        """Write the pending steps into the buffers: a stack and a copy per column, not per step (~4x fewer ops)."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        n0, k = len(self.steps) - len(pending), len(pending)
+        block = self.buf[n0:n0 + k]
+        for c in range(len(COLUMNS)):
+            col = [r[0][c] for r in pending]
+            numbers = {repr(float(v)) for v in col if not isinstance(v, Tensor)}
+            if len(numbers) == 1:  # one fill for the column (a fill, not a copy from host memory)
+                block[:, c].fill_(float(next(v for v in col if not isinstance(v, Tensor))))
+            elif numbers:
+                for j, v in enumerate(col):
+                    if not isinstance(v, Tensor):
+                        block[j, c].fill_(float(v))
+            tensors = [(j, v.detach().reshape(())) for j, v in enumerate(col) if isinstance(v, Tensor)]
+            if len(tensors) == k:
+                block[:, c].copy_(torch.stack([v for _, v in tensors]))  # dtypes promote; copy_ casts
+            else:  # e.g. the update norm, measured on the interval's last step only
+                for j, v in tensors:
+                    block[j, c].copy_(v)
+        finite = torch.stack([f if isinstance(f, Tensor) else torch.full((), bool(f), device=self.device)
+                              for _, _, f, _ in pending]).reshape(k, 1)
+        norms = torch.stack([p.float() for _, p, _, _ in pending])
+        self.param_sq += torch.where(finite, norms ** 2, 0.0).sum(0)
+        flags = [(j, f) for j, (_, _, _, f) in enumerate(pending) if f is not None]
+        if self.local_flags is not None and flags:
+            if len(flags) == k:
+                self.local_flags[n0:n0 + k].copy_(torch.stack([f.reshape(()) for _, f in flags]))
+            else:
+                for j, f in flags:
+                    self.local_flags[n0 + j].copy_(f.reshape(()))
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -139,6 +171,7 @@ class StepMetrics:
         n = len(self.steps)
         if n == 0:
             return {}, [], []
+        self._flush()
         parts = [self.buf[:n].flatten(), self.param_sq]
         if self.local_flags is not None:
             self.local_flags[self.capacity] = float(signal)
@@ -191,12 +224,14 @@ class StepMetrics:
         return summary, rows, param_sq
 
     def state_dict(self) -> dict[str, Any]:
+        self._flush()
         return {"buf": self.buf.clone(), "param_sq": self.param_sq.clone(), "steps": list(self.steps), "samples": self.samples}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.buf.copy_(state["buf"])
         self.param_sq.copy_(state["param_sq"])
         self.steps, self.samples = list(state["steps"]), int(state["samples"])
+        self._pending = []
 
 
 def interval_record(summary: dict[str, Any], param_sq: list[float], names: list[str], elapsed_s: float, *,

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 import yaml
-from torch.utils._pytree import tree_map
 
 from ._version import __version__
 from .config import Config, config_hash, config_to_dict
@@ -43,7 +42,11 @@ def _clean_leaf(value: Any) -> Any:
 
 def _clean(value: Any) -> Any:
     """Make a value JSON-safe: non-finite floats (in nested dicts, lists, tuples) become "nan", "inf", "-inf"."""
-    return tree_map(_clean_leaf, value)
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return _clean_leaf(value)
 
 
 class JsonlWriter:

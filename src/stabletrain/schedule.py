@@ -49,6 +49,7 @@ class LRSchedule:
         # The whole schedule, once: each step is then one lookup instead of a dozen tiny kernels.
         self._table = self.factor(torch.arange(max_steps + 1, dtype=torch.float32, device=device))
         self._host_table = self._table.tolist() if not self.on_device else []
+        self._group_tables: list[Tensor] = []  # the lr itself per group (factor x base): one gather and copy each
         self._host_count = 0
         for group, base in zip(optimizer.param_groups, self.base_lrs):
             group["initial_lr"] = base
@@ -68,10 +69,12 @@ class LRSchedule:
             for group, base in zip(self.optimizer.param_groups, self.base_lrs):
                 group["lr"] = f_host * base
             return
+        if len(self._group_tables) != len(self.base_lrs):
+            self._group_tables = [self._table * base for base in self.base_lrs]
         # gather with a 1-element index: a 0-dim CUDA index tensor would be read on the host (a sync).
-        f = self._table.gather(0, self.applied_steps.long().clamp(max=self.max_steps).reshape(1)).reshape(())
-        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
-            group["lr"].copy_(f * base)
+        index = self.applied_steps.long().clamp_(max=self.max_steps).reshape(1)
+        for group, table in zip(self.optimizer.param_groups, self._group_tables):
+            group["lr"].copy_(table.gather(0, index).reshape(()))
 
     def step(self, applied: Tensor | bool) -> None:
         """Advance the schedule by one step if ``applied`` is True; otherwise hold it.
@@ -96,4 +99,5 @@ class LRSchedule:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.applied_steps.copy_(state["applied_steps"])
         self.base_lrs = list(state["base_lrs"])
+        self._group_tables = []
         self._write()

@@ -34,7 +34,7 @@ from .accumulation import AccumulationWindow, as_sum_count, sums_safe
 from .clipping import GradClipper
 from .data import move_to
 from .guard import Guard, inputs_finite
-from .numerics import all_params_finite, grad_norms, snapshot_params, unique_params, update_norm
+from .numerics import all_params_finite, both_finite, grad_norms, snapshot_params, unique_params, update_norm
 from .precision import PrecisionPolicy
 from .schedule import LRSchedule
 
@@ -156,7 +156,7 @@ class TrainStep:
         if self.guard is not None:
             ok, finite, spike = self.guard.observe(loss, norm, inputs_ok)
         else:
-            finite = torch.isfinite(loss) & torch.isfinite(norm)
+            finite = both_finite(loss, norm)
             if inputs_ok is not None:
                 finite = finite & inputs_ok
             ok, spike = finite, self._flag(False, finite.device)
@@ -174,7 +174,7 @@ class TrainStep:
         if self.schedule is not None:  # a host flag where the optimizer step already read it (no second read)
             on_host = self.precision.applied_on_host
             self.schedule.step(applied if on_host is None else on_host)
-        out = {"loss": loss.detach(), "grad_norm": norm, "post_clip_norm": self.clipper.post_clip_norm(norm),
+        out = {"loss": loss.detach(), "grad_norm": norm, "post_clip_norm": self.clipper.post_clip_norm(norm, clipped=True),
                "clipped": clipped, "applied": applied, "finite": finite, "spike": spike, "overflow": overflow,
                "count": count, "per_param_norms": per_param}
         if self.check_params and check_params:
@@ -183,7 +183,7 @@ class TrainStep:
             out["update_norm"], out["update_ratio"] = (update_norm(self.params, before) if self.numerics is None
                                                        else self.numerics.update_norm(self.params, before))
         if self.grad_flag is not None:  # DDP: did THIS rank see it (its own loss, inputs or pre-all-reduce grads)?
-            local = ~torch.isfinite(self.window.loss_sum) | self.grad_flag.bad
+            local = (self.window.loss_sum * 0 != 0) | self.grad_flag.bad  # x * 0 is NaN iff x is not finite
             out["local_nonfinite"] = local if self._inputs_ok is None else local | ~self._inputs_ok
         return out
 
