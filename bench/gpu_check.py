@@ -320,7 +320,7 @@ def ddp_worker(out: Path) -> None:
             (out / "rank0.json").write_text(json.dumps({
                 "steps": trainer.step, "first_loss": trainer.history[0]["loss"], "last_loss": trainer.history[-1]["loss"],
                 "stray_syncs": stray[:5], "num_stray_syncs": len(stray),
-                "not_the_hook": [w for _, w in in_step if "_flag_then_allreduce" not in w][:3],
+                "not_the_hook": [w for _, w in in_step if "_allreduce_carrying" not in w][:3],
                 "collectives_per_step": sorted(set(per_step.values())), "last_good": good.name if good else None}))
 
 

@@ -113,6 +113,31 @@ def nan_sample_task(bad_index: int = 37, n: int = 64) -> Task:
     return task
 
 
+class _NanGradRows(torch.autograd.Function):
+    """Identity forward; backward multiplies each row's gradient by its weight (NaN: a NaN gradient, finite loss)."""
+
+    @staticmethod
+    def forward(ctx, out, weight):
+        ctx.save_for_backward(weight)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (weight,) = ctx.saved_tensors
+        return grad * weight.reshape(-1, *([1] * (grad.dim() - 1))), None
+
+
+def grad_nan_sample_task(bad_index: int = 37, n: int = 64) -> Task:
+    """The regression task whose sample ``bad_index`` gives a finite loss and NaN gradients (its backward only)."""
+    task = regression_task(n=n)
+    x, y = task.train_data.tensors
+    weight = torch.ones(n)
+    weight[bad_index] = float("nan")
+    task.train_data = TensorDataset(x, y, weight)
+    task.loss = lambda m, b: F.mse_loss(_NanGradRows.apply(m(b[0]), b[2]), b[1])
+    return task
+
+
 from stabletrain.callbacks import Callback  # noqa: E402  (below the tasks: the callbacks used by tests)
 from stabletrain.callbacks.incidents import clone_state  # noqa: E402
 

@@ -6,6 +6,7 @@ parameters, history and host syncs on disk).
 """
 
 import json
+import math
 import os
 import random
 import signal
@@ -226,6 +227,23 @@ def test_sigterm_to_the_launcher_checkpoints_every_rank_at_the_same_log_boundary
     assert loaded.meta["step"] % 3 == 0 and loaded.meta["step"] == steps_logged(run_dir) and len(loaded.state["ranks"]) == 2
 
 
+def test_a_nan_only_in_rank_1s_own_gradients_is_traced_to_rank_1_by_the_capture(tmp_path):
+    # Rank 1's sample gives a finite loss and NaN gradients: the all-reduce mixes them into every rank's, so the
+    # step's rows name no rank; the capture backpropagates the bad step on each rank alone and names rank 1.
+    bad = EpochOrder(64, 4, seed=0, shuffle=True, rank=1, world_size=2).micro_batches(0)[2][1]
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    _run([*TORCHRUN, str(TESTS / "dist_tasks.py"), str(out), "task=helpers:grad_nan_sample_task",
+          f"task_args.bad_index={bad}", "train.batch_size=4", "train.max_steps=3", "log.every=3", "ckpt.every=0",
+          "eval.every=0", f"run.dir={run_dir}", *FAST])
+    events = _events(run_dir)
+    nonfinite = [e for e in events if e["kind"] == "nonfinite"]
+    assert [e["step"] for e in nonfinite] == [3] and nonfinite[0]["ranks"] == [] and math.isfinite(nonfinite[0]["loss"])
+    incident = next(e for e in events if e["kind"] == "incident")
+    assert incident["step"] == 3 and incident["ranks"] == [1] and incident["diagnosis"]["rank"] == 1
+    bundle = load_bundle(run_dir / "incidents" / "step_000003")
+    assert bundle["rank"] == 1 and bad in bundle["window"]["indices"][0]
+
+
 # -- one collective per step ----------------------------------------------------------------------
 
 
@@ -240,7 +258,7 @@ def test_a_step_has_one_collective_the_gradient_all_reduce_which_carries_the_win
         per_step: dict[int, int] = {}
         for step, name, stack in calls:
             if "forward_backward" in stack:  # inside a step: only DDP's bucket all-reduces, through the comm hook
-                assert name == "all_reduce" and "_flag_then_allreduce" in stack and "normalize" not in stack, \
+                assert name == "all_reduce" and "_allreduce_carrying" in stack and "normalize" not in stack, \
                     (rank, step, name, stack[-6:])
                 per_step[step] = per_step.get(step, 0) + 1
             else:  # outside: only at the log boundaries (the interval's all-gather) and the start and end

@@ -66,8 +66,8 @@ class TrainStep:
         check_inputs: also require the floating-point inputs of every micro-batch to be finite.
         check_params: check after the update that every parameter is finite (one fused pass); a call may
             ask for it on some steps only (the loop: on each log interval's last step).
-        grad_flag: DDP: records whether this rank's own grads were finite before the all-reduce (FSDP: one
-            without a hook, so only this rank's own loss and inputs count).
+        grad_flag: DDP, FSDP: the comm hook's state (FSDP: one without a hook); with it the step also
+            returns ``local_nonfinite``, whether this rank's own loss or inputs were non-finite.
         numerics: where the norms and checks come from (``grad_norms``, ``all_params_finite``,
             ``snapshot(params, reuse)``, ``update_norm(params, before)``); None: :mod:`stabletrain.numerics`
             on local tensors. FSDP passes :class:`stabletrain.fsdp.ShardedNumerics` (DTensor shards,
@@ -182,8 +182,8 @@ class TrainStep:
         if before is not None:
             out["update_norm"], out["update_ratio"] = (update_norm(self.params, before) if self.numerics is None
                                                        else self.numerics.update_norm(self.params, before))
-        if self.grad_flag is not None:  # DDP: did THIS rank see it (its own loss, inputs or pre-all-reduce grads)?
-            local = (self.window.loss_sum * 0 != 0) | self.grad_flag.bad  # x * 0 is NaN iff x is not finite
+        if self.grad_flag is not None:  # DDP: did THIS rank see it (its own loss or inputs)?
+            local = self.window.loss_sum * 0 != 0  # x * 0 is NaN iff x is not finite
             out["local_nonfinite"] = local if self._inputs_ok is None else local | ~self._inputs_ok
         return out
 

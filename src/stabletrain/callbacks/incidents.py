@@ -20,13 +20,17 @@ import copy
 import dataclasses
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from ..accumulation import as_sum_count
 from ..checkpoint import StateStager
 from ..config import config_to_dict
 from ..incidents import BUNDLE_DCP_DIR, write_bundle
+from ..data import move_to
 from ..numerics import unique_params
+from ..precision import PrecisionPolicy
 from ..replay import diagnose_incident
 from ..seeding import rng_state, set_rng_state
 from ..sharded_checkpoint import split_for_dcp
@@ -153,6 +157,9 @@ class IncidentRecorder(Callback):
             before, ready = StateStager().stage(state.state_dict())
             for event in ready:
                 event.synchronize()
+        if state.dist.enabled and not ranks and not after_update and not self._sharded(state):
+            ranks = self._own_gradients_nonfinite(state, window)  # every rank's loss was finite: whose grads?
+            info["ranks"] = ranks
         state.load_state_dict(current)
         if state.run is None or before is None:
             return
@@ -216,6 +223,32 @@ class IncidentRecorder(Callback):
                 state.stream.skip = skip
                 return found
         return None
+
+    @staticmethod
+    def _own_gradients_nonfinite(state: FitState, window: Any) -> list[int]:
+        """DDP: the ranks whose own gradients for ``window`` are non-finite (a collective: every rank answers).
+
+        Asked when no rank's own loss or inputs were non-finite but the all-reduced grad norm was: the
+        all-reduce mixed every rank's gradients. Each rank backpropagates its own micro-batches through
+        the unwrapped module (DDP's hooks stay idle outside its forward: no all-reduce) under the run's
+        autocast, at the step's RNG state, then drops the gradients and restores the RNG.
+        """
+        params = [p for _, p in state.named_params]
+        rng, bad = rng_state(), False
+        try:
+            with PrecisionPolicy(state.precision, state.device).autocast():
+                for indices, batch in zip(window.indices, window.batches):
+                    loss_sum, _ = as_sum_count(state.task.loss(state.module, move_to(batch, state.device)), len(indices))
+                    if not bool(torch.isfinite(loss_sum)):
+                        bad = True
+                        break
+                    loss_sum.backward()
+            bad = bad or not all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None)
+        finally:
+            for p in params:
+                p.grad = None
+            set_rng_state(rng)
+        return [r for r, flag in enumerate(state.dist.gather_objects(bad)) if flag]
 
     def _write_shards(self, state: FitState, step: int) -> dict[str, Any] | None:
         """FSDP: every rank writes its shards of the model and optimizer into ``incidents/step_N/dcp`` (a collective).

@@ -106,7 +106,7 @@ class EventLog(Callback):
                 if state.dist.enabled:
                     where["ranks"] = list(row.ranks or [])
                     seen = (f" (seen on rank(s) {where['ranks']})" if row.ranks
-                            else " (on no rank's own values: after the all-reduce)")
+                            else " (no rank's own loss or inputs: the gradients; the incident names the rank)")
                 state.event(step, "nonfinite", f"non-finite {what}{seen}: loss={values['loss']}, "
                             f"grad_norm={values['grad_norm']}", loss=values["loss"], grad_norm=values["grad_norm"], **where)
             elif values["params_finite"] < 0.5:
