@@ -63,8 +63,8 @@ def test_a_late_incident_replays_at_most_one_interval_and_its_bundle_is_the_runs
     assert trainer.step == 15  # the run went on from where it was
 
 
-def test_the_interval_snapshot_reuses_host_buffers_and_stays_off_the_device():
-    trainer = Trainer(cfg("train.max_steps=6", "log.every=2"))
+def test_the_interval_snapshot_reuses_host_buffers_and_stays_off_the_device(tmp_path):
+    trainer = Trainer(cfg("train.max_steps=6", "log.every=2"), run_dir=tmp_path / "run")
     recorder = trainer.recorder
     recorder.mark_interval_start(trainer.state)
     first = {k: v.data_ptr() for k, v in recorder.snapshot["model"].items()}

@@ -145,3 +145,13 @@ def test_fit_keeps_the_objects_alive_at_its_start_out_of_full_gc_scans_and_gives
         assert gc.get_freeze_count() >= frozen
     finally:
         gc.unfreeze()
+
+
+def test_without_a_run_directory_no_interval_snapshot_is_taken(tmp_path):
+    """Nothing could be captured without a run directory: the per-interval state copy is not paid for."""
+    trainer = Trainer(cfg("train.max_steps=4", "log.every=2"))
+    trainer.fit()
+    assert trainer.recorder.snapshot is None
+    with_dir = Trainer(cfg("train.max_steps=4", "log.every=2"), run_dir=tmp_path / "run")
+    with_dir.fit()
+    assert with_dir.recorder.snapshot is not None

@@ -79,7 +79,8 @@ class IncidentRecorder(Callback):
 
     @staticmethod
     def _snapshots(state: FitState) -> bool:
-        return state.cfg.guard.capture and state.cfg.guard.memory_snapshot
+        """Whether to snapshot each interval: a capture is asked for and has a run directory to write to."""
+        return state.cfg.guard.capture and state.cfg.guard.memory_snapshot and state.ckpt is not None
 
     @staticmethod
     def _sharded(state: FitState) -> bool:
