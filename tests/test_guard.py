@@ -236,6 +236,9 @@ def test_decide_pins_the_range_of_updates_a_failed_parameter_check_covers():
     assert "after an update of steps 23-24" in d.reason
     d = g.decide([row(31, params=1.0), row(32, params=0.0)])  # checked every step (the adapters): exact
     assert d.first_incident == 32 and d.after_update and d.locate is None
+    stop = Guard(GuardConfig(on_nonfinite="stop"), torch.device("cpu")).decide([row(41), row(42, params=0.0)])
+    stop.pin(41)  # the reason follows the pinned step under any policy
+    assert stop.action == "stop" and stop.reason == "non-finite value in the parameters after the update at step 41"
 
 
 def test_check_inputs_catches_a_bad_input_the_loss_never_sees(tmp_path):

@@ -77,14 +77,14 @@ class GuardDecision:
     #: update that broke them is one of steps lo..hi; the capture's replay pins it (:meth:`pin`). None: exact.
     locate: tuple[int, int] | None = None
     params_bad_at: int | None = None  # the first step whose post-update check found a non-finite parameter
-    _policy: str = ""  # how the reason names the action taken (filled by Guard.decide)
+    _policy: str | None = None  # how a non-finite reason names the action taken (None: not such a decision)
 
     def pin(self, step: int) -> None:
         """The capture found that step ``step``'s update broke the parameters: it is the first incident."""
         self.first_incident, self.after_update, self.locate = step, True, None
         if step not in self.bad_steps:
             self.bad_steps = sorted([*self.bad_steps, step])
-        if self._policy:
+        if self._policy is not None:
             self.reason = _nonfinite_reason(self)
 
 
@@ -96,7 +96,7 @@ def _nonfinite_reason(d: GuardDecision) -> str:
         where += f" at step {d.first_incident}"
         if not d.after_update and d.params_bad_at is not None:
             where += f", and in the parameters at step {d.params_bad_at}"
-    return f"non-finite value {where}{d._policy}"
+    return f"non-finite value {where}{d._policy or ''}"
 
 
 class Guard:
