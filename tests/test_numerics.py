@@ -58,3 +58,13 @@ def test_on_cuda_one_fused_pass_without_a_sync():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert bool(ok) and not bool(bad)
+
+
+def test_both_finite_is_false_for_nan_or_inf_in_either_and_true_for_huge_finite_values():
+    from stabletrain.numerics import both_finite
+
+    big = torch.finfo(torch.float32).max
+    t = torch.tensor
+    assert bool(both_finite(t(1.0), t(big))) and bool(both_finite(t(big), t(big)))  # no sum that could overflow
+    for bad in (math.nan, math.inf, -math.inf):
+        assert not bool(both_finite(t(bad), t(1.0))) and not bool(both_finite(t(1.0), t(bad)))

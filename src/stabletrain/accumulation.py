@@ -117,9 +117,8 @@ class AccumulationWindow:
         carried = carrier is not None and carrier.hooked and world > 1
         if self.sums and (carried or world == 1):  # the raw sum: no rescale, the hook sums buckets as they are
             if last:
-                parts = [self.loss_sum, self.count] + ([(~inputs_ok).float()] if inputs_ok is not None else [])
                 if carried:
-                    carrier.carry(torch.stack(parts), None)
+                    carrier.carry(self._numbers(inputs_ok), None)
                     self._carrier, self._carried_inputs = carrier, inputs_ok is not None
                 else:
                     self._global = (self.loss_sum, self.count, inputs_ok)
@@ -130,12 +129,10 @@ class AccumulationWindow:
             # By this rank's own count; one with no items so far backpropagates its zeros by 1, not 0/0.
             denominator = torch.where(self.count > 0, self.count, torch.ones_like(self.count))
             if last:
-                parts = [self.loss_sum, self.count] + ([(~inputs_ok).float()] if inputs_ok is not None else [])
-                carrier.carry(torch.stack(parts), denominator)  # reduced by the hook, with the first gradient bucket
+                carrier.carry(self._numbers(inputs_ok), denominator)  # reduced by the hook, with the first gradient bucket
                 self._carrier, self._carried_inputs = carrier, inputs_ok is not None
         elif last and world > 1:
-            parts = [self.loss_sum, self.count] + ([(~inputs_ok).float()] if inputs_ok is not None else [])
-            stats = torch.stack(parts).double()
+            stats = self._numbers(inputs_ok).double()
             dist.all_reduce(stats, group=self.process_group)  # once per window, on the device, before the backward
             self._global = (stats[0].float(), stats[1].float(), stats[2] == 0 if inputs_ok is not None else None)
             denominator = self._global[1] / world
@@ -148,6 +145,11 @@ class AccumulationWindow:
         self._denominator = denominator
         self.num_micro_batches += 1
         return loss_sum / denominator
+
+    def _numbers(self, inputs_ok: Tensor | None) -> Tensor:
+        """This rank's (loss sum, count[, inputs bad]) of the window, as the ranks sum them."""
+        parts = [self.loss_sum, self.count] + ([(~inputs_ok).float()] if inputs_ok is not None else [])
+        return torch.stack(parts)
 
     def _reduced(self) -> tuple[Tensor, Tensor, Tensor | None]:
         if self._global is None and self._carrier is not None:

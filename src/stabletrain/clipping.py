@@ -53,15 +53,15 @@ class GradClipper:
             return torch.zeros((), dtype=torch.bool, device=total_norm.device)
         return finite & (total_norm > self.max_norm)
 
-    def post_clip_norm(self, total_norm: Tensor, clipped: bool = False) -> Tensor:
+    def post_clip_norm(self, total_norm: Tensor, after_clip: bool = False) -> Tensor:
         """Return the total norm after clipping, computed from the pre-clip norm (no second pass).
 
-        ``clipped``: :meth:`clip_` just ran on this norm, so its factor is reused (a non-finite norm then
+        ``after_clip``: :meth:`clip_` just ran on this norm, so its factor is reused (a non-finite norm then
         stays as it is: it was not clipped).
         """
         if self.max_norm is None:
             return total_norm
-        if clipped and getattr(self, "_factor", None) is not None:
+        if after_clip and self._factor is not None:
             return total_norm * self._factor
         return total_norm * torch.clamp(self.max_norm / (total_norm + 1e-6), max=1.0)
 

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from .config import GuardConfig
-from .numerics import all_params_finite, both_finite
+from .numerics import both_finite
 
 __all__ = ["Guard", "GuardDecision", "inputs_finite"]
 
@@ -184,8 +184,6 @@ class Guard:
                 seen += 1
         self._host_seen = seen
         self.num_seen.fill_(seen)
-
-    params_finite = staticmethod(all_params_finite)  # the cheap post-update check
 
     def decide(self, rows: list[Any]) -> GuardDecision:
         """Read one interval's per-step rows (host values) and return what to do. Updates the counters.

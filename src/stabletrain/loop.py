@@ -17,8 +17,7 @@ import contextlib
 import gc
 import time
 import warnings
-from collections.abc import Iterator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any

@@ -49,12 +49,16 @@ class LRSchedule:
         # The whole schedule, once: each step is then one lookup instead of a dozen tiny kernels.
         self._table = self.factor(torch.arange(max_steps + 1, dtype=torch.float32, device=device))
         self._host_table = self._table.tolist() if not self.on_device else []
-        self._group_tables: list[Tensor] = []  # the lr itself per group (factor x base): one gather and copy each
+        self._group_tables = self._lr_tables()
         self._host_count = 0
         for group, base in zip(optimizer.param_groups, self.base_lrs):
             group["initial_lr"] = base
             group["lr"] = torch.tensor(base, dtype=torch.float32, device=device) if self.on_device else base
         self._write()
+
+    def _lr_tables(self) -> list[Tensor]:
+        """Each group's lr per applied-step count (factor x base lr): one gather and one copy per group per step."""
+        return [self._table * base for base in self.base_lrs] if self.on_device else []
 
     def factor(self, n: Tensor) -> Tensor:
         """Return the lr multiplier for applied-step count ``n`` (a tensor)."""
@@ -69,8 +73,6 @@ class LRSchedule:
             for group, base in zip(self.optimizer.param_groups, self.base_lrs):
                 group["lr"] = f_host * base
             return
-        if len(self._group_tables) != len(self.base_lrs):
-            self._group_tables = [self._table * base for base in self.base_lrs]
         # gather with a 1-element index: a 0-dim CUDA index tensor would be read on the host (a sync).
         index = self.applied_steps.long().clamp_(max=self.max_steps).reshape(1)
         for group, table in zip(self.optimizer.param_groups, self._group_tables):
@@ -99,5 +101,5 @@ class LRSchedule:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.applied_steps.copy_(state["applied_steps"])
         self.base_lrs = list(state["base_lrs"])
-        self._group_tables = []
+        self._group_tables = self._lr_tables()
         self._write()

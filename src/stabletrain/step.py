@@ -174,7 +174,7 @@ class TrainStep:
         if self.schedule is not None:  # a host flag where the optimizer step already read it (no second read)
             on_host = self.precision.applied_on_host
             self.schedule.step(applied if on_host is None else on_host)
-        out = {"loss": loss.detach(), "grad_norm": norm, "post_clip_norm": self.clipper.post_clip_norm(norm, clipped=True),
+        out = {"loss": loss.detach(), "grad_norm": norm, "post_clip_norm": self.clipper.post_clip_norm(norm, after_clip=True),
                "clipped": clipped, "applied": applied, "finite": finite, "spike": spike, "overflow": overflow,
                "count": count, "per_param_norms": per_param}
         if self.check_params and check_params:

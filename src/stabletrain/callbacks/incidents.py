@@ -29,7 +29,7 @@ from ..checkpoint import StateStager
 from ..config import config_to_dict
 from ..incidents import BUNDLE_DCP_DIR, write_bundle
 from ..data import move_to
-from ..numerics import unique_params
+from ..numerics import first_nonfinite_grad, unique_params
 from ..precision import PrecisionPolicy
 from ..replay import diagnose_incident
 from ..seeding import rng_state, set_rng_state
@@ -244,7 +244,7 @@ class IncidentRecorder(Callback):
                         bad = True
                         break
                     loss_sum.backward()
-            bad = bad or not all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None)
+            bad = bad or first_nonfinite_grad(state.module) is not None  # one host read
         finally:
             for p in params:
                 p.grad = None
