@@ -5,7 +5,7 @@ For each task (``mlp``, ``gpt``) and each world size (1, 2) the same global batc
 1 process with the whole micro-batch (on every core as threads, ``1``, and on one thread, ``1x1t``),
 or 2 under torchrun (gloo, one thread each) with half each. On a shared machine the threaded single
 process is the noisiest row: its OpenMP barriers stall whenever another process takes a core. Each worker runs
-``Trainer.fit()`` (DDP, monitoring on: device metrics, the sentinel and its comm hook, the per-interval
+``Trainer.fit()`` (DDP, monitoring on: device metrics, the sentinel, the per-interval
 gather, metrics.jsonl, events.jsonl, TensorBoard) and, in lockstep beside each built-in step, one step
 of a hand-written DDP loop on its own copy of the model (nanoGPT-style: ``no_sync`` on all but the
 last micro-batch, mean loss / k, ``clip_grad_norm_``, fused AdamW, a DistributedSampler). A callback
@@ -13,8 +13,8 @@ last micro-batch, mean loss / k, ``clip_grad_norm_``, fused AdamW, a Distributed
 time is taken off the built-in clock, so load from other processes on this shared machine hits both alike.
 
 Under DDP a step of the built-in loop has one collective, as the bare loop's: the window's loss and
-item count travel in the gradient all-reduce's first bucket (stabletrain.accumulation). Target: the
-``ratio`` column at most 1.05 on gpt at 2 processes.
+item count ride DDP's own gradient all-reduce as the gradient of a small parameter registered with DDP
+(stabletrain.distributed.data_parallel). Target: the ``ratio`` column at most 1.05 on gpt at 2 processes.
 
 ``ratio``: the median, over every log interval of every round, of the built-in time over the bare
 steps' time in the same interval (as bench/overhead.py): a stall of another process on this shared

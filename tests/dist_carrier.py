@@ -1,10 +1,13 @@
-"""A torchrun worker: one DDP step whose window numbers travel with the gradients, in a given parameter dtype.
+"""A torchrun worker: DDP windows whose numbers travel with the gradients, one way, in a given parameter dtype.
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist_carrier.py DTYPE OUT.json
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist_carrier.py WAY DTYPE OUT.json
 
-Rank 0 of 12 samples holds 7, rank 1 holds 5 (unequal counts). Rank 0 writes the window's global count and
-mean loss and the largest gradient error against one process on all 12 samples. float32/float64 buckets
-carry the numbers appended to bucket 0; a low-precision bucket sends them in a second, concurrent all-reduce.
+WAY: ``param`` (stabletrain.distributed.data_parallel with a window of raw sums: the numbers ride a
+parameter of DDP's own, or the comm hook where the model has no float32/float64 parameter), ``hook``
+(register_carrier_hook, raw sums) or ``hook-scaled`` (register_carrier_hook, a window normalized by its
+running count, as with a GradScaler). Two windows of two micro-batches (no_sync on the first); rank 0
+holds 7 of the 12 samples (4 + 3), rank 1 holds 5 (3 + 2): unequal counts. Rank 0 writes, per window,
+the global count and mean loss and the largest gradient error against one process on all 12 samples.
 """
 
 import json
@@ -14,10 +17,10 @@ import torch
 import torch.distributed as dist
 
 from stabletrain.accumulation import AccumulationWindow
-from stabletrain.distributed import register_grad_flag
+from stabletrain.distributed import data_parallel, register_carrier_hook
 
 
-def main(dtype_name: str, out: str) -> None:
+def main(way: str, dtype_name: str, out: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     dtype = getattr(torch, dtype_name)
@@ -25,27 +28,44 @@ def main(dtype_name: str, out: str) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).to(dtype)
     reference = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).to(dtype)
     reference.load_state_dict(model.state_dict())
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    flag = register_grad_flag(ddp, torch.device("cpu"))
+    names = [n for n, _ in model.named_parameters()]
+    if way == "param":
+        ddp, carrier = data_parallel(model, None, sums=True)
+    else:
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        carrier = register_carrier_hook(ddp, torch.device("cpu"))
     g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(12, 4, generator=g).to(dtype), torch.randn(12, 1, generator=g).to(dtype)
-    mine = list(range(0, 7)) if rank == 0 else list(range(7, 12))
-    window = AccumulationWindow(list(model.parameters()))
-    flag.reset()
-    window.begin()
-    loss_sum = ((ddp(x[mine]) - y[mine]) ** 2).sum().float()
-    window.normalize(loss_sum, torch.tensor(float(len(mine))), last=True, carrier=flag).backward()
-    grads = [p.grad.float() * window.grad_scale for p in model.parameters()]
-    (((reference(x) - y) ** 2).sum().float() / 12).backward()
+    results = []
+    for _ in range(2):
+        x, y = torch.randn(12, 4, generator=g).to(dtype), torch.randn(12, 1, generator=g).to(dtype)
+        micro = [[0, 1, 2, 3], [4, 5, 6]] if rank == 0 else [[7, 8, 9], [10, 11]]
+        window = AccumulationWindow(list(model.parameters()), sums=way != "hook-scaled")
+        for p in model.parameters():
+            p.grad = None
+        carrier.reset()
+        window.begin()
+        for i, mine in enumerate(micro):
+            last = i == len(micro) - 1
+            with (ddp.no_sync() if not last else torch.enable_grad()):
+                loss_sum = ((ddp(x[mine]) - y[mine]) ** 2).sum().float()
+            window.normalize(loss_sum, torch.tensor(float(len(mine))), last=last, carrier=carrier).backward()
+        scale = window.grad_scale if window.grad_scale is not None else 1.0
+        grads = [p.grad.float() * scale for p in model.parameters()]
+        for p in reference.parameters():
+            p.grad = None
+        (((reference(x) - y) ** 2).sum().float() / 12).backward()
+        results.append({"count": float(window.global_count), "mean_loss": float(window.mean_loss),
+                        "reference_loss": float(((reference(x) - y) ** 2).float().mean()),
+                        "grad_err": max(float((a - p.grad.float()).abs().max()) for a, p in zip(grads, reference.parameters())),
+                        "grad_scale": max(float(p.grad.float().abs().max()) for p in reference.parameters()),
+                        "names": [n for n, _ in model.named_parameters()] == names and len(model.state_dict()) == 4,
+                        "rides_a_param": carrier.param is not None})
     if rank == 0:
         with open(out, "w") as fh:
-            json.dump({"count": float(window.global_count), "mean_loss": float(window.mean_loss),
-                       "reference_loss": float(((reference(x) - y) ** 2).float().mean()),
-                       "grad_err": max(float((a - p.grad.float()).abs().max()) for a, p in zip(grads, reference.parameters())),
-                       "grad_scale": max(float(p.grad.float().abs().max()) for p in reference.parameters())}, fh)
+            json.dump(results, fh)
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3])

@@ -5,7 +5,8 @@
 
 Each rank writes ``OUT_DIR/rank_R.pt``: its final parameters, its metrics history, with
 ``--count-syncs`` every Tensor->host conversion it made (step, function, the calling frames), and with
-``--count-collectives`` every torch.distributed collective it called (step, collective, the calling frames).
+``--count-collectives`` every torch.distributed collective it called (step, collective, the calling frames)
+and how many collectives each step ran (see count_collectives).
 """
 
 from __future__ import annotations
@@ -48,10 +49,25 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "br
 
 
 def count_collectives(trainer: Trainer) -> list:
-    """Wrap torch.distributed's collectives (looked up at call time by DDP's hooks and stabletrain) to record each call."""
+    """Wrap torch.distributed's Python collectives to record each call; record each step's count of ALL collectives.
+
+    Python calls: (step, name, calling frames). Each optimizer step also appends (step, "step", [collectives
+    the process group ran during it, DDP's buckets]): the group's sequence number counts every collective,
+    DDP's own C++ all-reduce included, which no Python wrapper sees.
+    """
     import torch.distributed as dist
 
     calls = []
+    train_step, group = trainer.train_step, dist.group.WORLD
+
+    def counted_step(*args, **kwargs):
+        before = group._get_sequence_number_for_group()
+        out = train_step(*args, **kwargs)
+        buckets = trainer.model._get_ddp_logging_data().get("bucket_sizes", "")
+        calls.append((trainer.step, "step", [group._get_sequence_number_for_group() - before, len(buckets.split(","))]))
+        return out
+
+    trainer.train_step = counted_step
 
     def wrap(name, fn):
         def recorded(*args, **kwargs):

@@ -7,6 +7,7 @@ from torch.utils.data import default_collate
 from helpers import cfg, regression_task, varlen_task
 from stabletrain import Trainer
 from stabletrain.accumulation import AccumulationWindow, as_sum_count
+from stabletrain.distributed import WindowCarrier
 
 RTOL = 1e-5  # fp32: only summation order differs
 
@@ -133,12 +134,13 @@ def test_trainer_accumulation_matches_big_batch_across_an_epoch_tail(make):
 
 
 class FakeCarrier:
-    """Stands in for DDP's comm hook state (stabletrain.distributed.LocalGradFlag): takes what the window carries."""
+    """Stands in for the comm hook's carrier (stabletrain.distributed.register_carrier_hook): takes what the window carries."""
 
-    hooked = True
+    travels, averaged = True, False
 
-    def carry(self, payload, scale):
+    def carry(self, payload, scale, loss):
         self.payload, self.scale, self.received = payload, scale, None
+        return loss
 
 
 def test_a_carried_window_sums_each_ranks_unnormalized_gradient_to_the_exact_global_mean(monkeypatch):
@@ -181,13 +183,37 @@ def test_a_carrier_without_its_hook_is_ignored_and_an_unreduced_window_says_why(
     task = regression_task()
     window = AccumulationWindow(list(task.model.parameters()))
     carrier = FakeCarrier()
-    carrier.hooked = False  # e.g. FSDP: no DDP comm hook; one process here, so no collective either
+    carrier.travels = False  # e.g. FSDP: nothing travels with the gradients; one process here, so no collective
     loss_sum, count = as_sum_count(task.loss(task.model, _collate(task, range(8))), 8)
     window.normalize(loss_sum, count, last=True, carrier=carrier).backward()
     assert window.grad_scale is None and window.global_count == 8
     monkeypatch.setattr(AccumulationWindow, "_world", lambda self: 2)
-    carrier.hooked = True
+    carrier.travels = True
     window.begin()
     window.normalize(loss_sum.detach(), count, last=True, carrier=carrier)
     with pytest.raises(RuntimeError, match="no gradient all-reduce ran after the last micro-batch"):
         window.mean_loss
+
+
+def test_a_carrier_parameter_takes_the_windows_numbers_as_its_gradient_and_leaves_the_models_alone():
+    """DDP's own all-reduce then averages them with the gradients (tests/dist_carrier.py runs it on 2 ranks)."""
+    task = regression_task()
+    params = list(task.model.parameters())
+    carrier = WindowCarrier(torch.device("cpu"), param=torch.nn.Parameter(torch.zeros(3)))
+    batch = _collate(task, range(8))
+    loss_sum, count = as_sum_count(task.loss(task.model, batch), 8)
+    loss_sum.backward()
+    plain = [p.grad.clone() for p in params]
+    task.model.zero_grad(set_to_none=True)
+    carrier.reset()
+    loss_sum, count = as_sum_count(task.loss(task.model, batch), 8)
+    numbers = torch.stack([loss_sum.detach(), count, torch.zeros(())])
+    carried = carrier.carry(numbers, None, loss_sum)
+    assert torch.equal(carried, loss_sum)
+    carried.backward()
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, plain))
+    assert torch.equal(carrier.param.grad, numbers) and torch.equal(carrier.received, numbers)  # one process: world 1
+    carrier.reset()
+    assert carrier.param.grad is None and carrier.received is None
+    with pytest.raises(RuntimeError, match="carries only windows of raw sums"):
+        carrier.carry(numbers, count, loss_sum)

@@ -4,29 +4,28 @@ A window is the k micro-batches of one optimizer step (fewer at the end of an ep
 must be ``sum of per-item losses / items in the whole window`` (all ranks), not the mean of
 per-micro-batch means: that is wrong for a short tail window and for variable-length batches.
 
-The item count of a micro-batch is only known after its forward pass, so the window keeps the grads
-normalized by the running count: before micro-batch i's backward it rescales the grads accumulated
-so far by ``D_{i-1} / D_i`` and backpropagates ``loss_sum_i / D_i``. All of it stays on the device.
+The item count of a micro-batch is only known after its forward pass, so nothing is divided until the
+window's count is known, all of it on the device. Without a GradScaler (fp32, bf16; parameters not
+in fp16) every micro-batch backpropagates its raw loss sum (``sums=True``, what the built-in step
+uses): the gradients hold the window's sum, and :attr:`AccumulationWindow.grad_scale` = 1 / count is
+applied in the pass that clipping makes anyway. With a GradScaler the gradients stay normalized by the
+running count (a raw sum of many items times the loss scale would overflow fp16 far more often, and
+each overflow costs a skipped step): before micro-batch i's backward the window rescales the grads
+accumulated so far by ``D_{i-1} / D_i`` and backpropagates ``loss_sum_i / D_i``.
 
-Under DDP the global count is known only once the ranks have talked. With the comm hook of
-:func:`stabletrain.distributed.register_grad_flag` (the built-in loop) the window's numbers travel
-with the gradients, so a step has ONE collective: each rank backpropagates by its own running count
-``C_r``; the hook multiplies each gradient bucket by ``C_r`` (this rank's unnormalized sum, in place of
-DDP's division by the world size), sums the buckets over the ranks, and carries this rank's
-(loss sum, count[, inputs flag]) in the first bucket. After the backward the gradients hold the
-window's global sum, and :attr:`AccumulationWindow.grad_scale` = 1 / global count is what the step
-multiplies them by, in the pass that clipping makes anyway. The division is exact: every rank's
-share enters the sum unnormalized, whatever its count (a short tail, variable lengths, none at all).
+Under DDP the global count is known only once the ranks have talked. The built-in loop's DDP
+(:func:`stabletrain.distributed.data_parallel`) lets the window's numbers travel with the gradients,
+so a step has ONE collective: this rank's (loss sum, count, inputs flag) ride the gradient all-reduce
+(:class:`~stabletrain.distributed.WindowCarrier`). With raw sums they are the gradient of a small
+parameter DDP reduces with the model's (its own C++ all-reduce, no Python per bucket): the gradients
+then hold the window's global sum / world size, and ``grad_scale`` = world size / global count. With a
+GradScaler a comm hook multiplies each bucket by this rank's running count (its unnormalized sum, in
+place of DDP's division by the world size), sums the buckets over the ranks and appends the numbers to
+the first bucket: ``grad_scale`` = 1 / global count. Either way the normalization is exact (up to
+rounding): every rank's share enters the sum unnormalized, whatever its count (a short tail, variable
+lengths, none at all).
 
-Without a GradScaler (fp32, bf16; parameters not in fp16) the window can skip the running rescale
-altogether (``sums=True``, what the built-in step uses): every micro-batch backpropagates its raw loss
-sum, so the gradients hold the window's sum, and :attr:`AccumulationWindow.grad_scale` = 1 / count is
-applied in the clip's pass, as under DDP; the hook then sums the buckets as they are. That saves a pass
-over the gradients per micro-batch after the first (and one per bucket under DDP). With a GradScaler
-the gradients stay normalized by the running count: a raw sum of many items times the loss scale
-would overflow fp16 far more often, and each overflow costs a skipped step.
-
-Without the hook (a user's own DDP loop, FSDP) the last micro-batch all-reduces (loss sum, count
+Without a carrier (a user's own DDP loop, FSDP) the last micro-batch all-reduces (loss sum, count
 [, inputs flag]) itself before its backward and backpropagates by ``global count / world``, so DDP's
 averaging lands on the exact global mean: a second collective, blocking.
 
@@ -105,20 +104,20 @@ class AccumulationWindow:
 
         ``inputs_ok`` (on the last micro-batch): whether this rank's inputs of the whole window were
         finite; afterwards :attr:`inputs_ok` holds it for all ranks (None when not given).
-        ``carrier`` (DDP): the :class:`~stabletrain.distributed.LocalGradFlag` whose comm hook sums the
-        window's numbers with the gradients (see the module docstring); then the last backward must go
-        through that DDP model, and :attr:`grad_scale` must be applied to the gradients. One without
-        its hook installed (``hooked`` false) is ignored.
+        ``carrier`` (DDP): the :class:`~stabletrain.distributed.WindowCarrier` the window's numbers travel
+        with through the gradient all-reduce (see the module docstring); then the last backward must go
+        through that DDP model, and :attr:`grad_scale` must be applied to the gradients. One that carries
+        nothing (``travels`` false) is ignored.
         """
         self.loss_sum = self.loss_sum + loss_sum.detach()
         self.count = self.count + count
         denominator = self.count
         world = self._world()
-        carried = carrier is not None and carrier.hooked and world > 1
-        if self.sums and (carried or world == 1):  # the raw sum: no rescale, the hook sums buckets as they are
+        carried = carrier is not None and carrier.travels and world > 1
+        if self.sums and (carried or world == 1):  # the raw sum: no rescale, the all-reduce takes buckets as they are
             if last:
                 if carried:
-                    carrier.carry(self._numbers(inputs_ok), None)
+                    loss_sum = carrier.carry(self._numbers(inputs_ok), None, loss_sum)
                     self._carrier, self._carried_inputs = carrier, inputs_ok is not None
                 else:
                     self._global = (self.loss_sum, self.count, inputs_ok)
@@ -129,7 +128,7 @@ class AccumulationWindow:
             # By this rank's own count; one with no items so far backpropagates its zeros by 1, not 0/0.
             denominator = torch.where(self.count > 0, self.count, torch.ones_like(self.count))
             if last:
-                carrier.carry(self._numbers(inputs_ok), denominator)  # reduced by the hook, with the first gradient bucket
+                loss_sum = carrier.carry(self._numbers(inputs_ok), denominator, loss_sum)  # the hook: with bucket 0
                 self._carrier, self._carried_inputs = carrier, inputs_ok is not None
         elif last and world > 1:
             stats = self._numbers(inputs_ok).double()
@@ -147,17 +146,17 @@ class AccumulationWindow:
         return loss_sum / denominator
 
     def _numbers(self, inputs_ok: Tensor | None) -> Tensor:
-        """This rank's (loss sum, count[, inputs bad]) of the window, as the ranks sum them."""
-        parts = [self.loss_sum, self.count] + ([(~inputs_ok).float()] if inputs_ok is not None else [])
-        return torch.stack(parts)
+        """This rank's (loss sum, count, inputs bad) of the window, as the ranks sum them (0: inputs not checked)."""
+        bad = (~inputs_ok).float() if inputs_ok is not None else torch.zeros_like(self.count)
+        return torch.stack([self.loss_sum, self.count, bad])
 
     def _reduced(self) -> tuple[Tensor, Tensor, Tensor | None]:
         if self._global is None and self._carrier is not None:
-            stats = self._carrier.received  # the hook's sum over the ranks, filled during the last backward
+            stats = self._carrier.received  # the sum over the ranks, filled during the last backward
             if stats is None:
                 raise RuntimeError("the accumulation window's numbers were not reduced: no gradient all-reduce ran "
-                                   "after the last micro-batch (the backward must go through the DDP model whose comm "
-                                   "hook stabletrain.distributed.register_grad_flag installed)")
+                                   "after the last micro-batch (the backward must go through the DDP model that "
+                                   "stabletrain.distributed.data_parallel or register_carrier_hook set up)")
             self._global = (stats[0].float(), stats[1].float(), stats[2] == 0 if self._carried_inputs else None)
         if self._global is None:
             raise RuntimeError("the accumulation window's totals are known only after its last micro-batch")
@@ -187,7 +186,10 @@ class AccumulationWindow:
     def grad_scale(self) -> Tensor | None:
         """What the gradients must still be multiplied by, or None when they are already the window's mean.
 
-        With a ``carrier`` (DDP through the comm hook) or ``sums`` the gradients hold the window's global
-        SUM, and this is 1 / :attr:`global_count` (a device scalar; valid after the last backward).
+        With a ``carrier`` or ``sums`` the gradients hold the window's global SUM, and this is
+        1 / :attr:`global_count` (a device scalar; valid after the last backward); world size / global count
+        where DDP's own all-reduce averaged the sums over the ranks (``carrier.averaged``).
         """
+        if self._carrier is not None and self._carrier.averaged:
+            return self._carrier.world / self.global_count
         return 1.0 / self.global_count if (self._carrier is not None or self._summed) else None

@@ -8,9 +8,9 @@ The same loop runs on one process or on N under ``torchrun`` (DDP; gloo on CPU, 
 Global batch = ``train.batch_size`` x ``accum.steps`` x world size. Where the ranks talk, and why:
 
 ==========================  ======================================================================
-every optimizer step        DDP's gradient all-reduce on the last micro-batch (no_sync before it); its
-                            first bucket also carries the window's (loss sum, count[, inputs flag])
-                            (accumulation.py): one collective per step
+every optimizer step        DDP's gradient all-reduce on the last micro-batch (no_sync before it); it
+                            also carries the window's (loss sum, count[, inputs flag]) (WindowCarrier,
+                            accumulation.py): one collective per bucket, nothing else
 every log interval          one all-gather of each rank's per-step "saw a non-finite value" flags
                             and pending signal (metrics.py); everything else is already global
 validation                  one all-reduce of the (loss sum, count) of each rank's share of batches
@@ -46,12 +46,13 @@ from torch import Tensor
 
 __all__ = [
     "DistContext",
-    "LocalGradFlag",
     "PeerLostError",
+    "WindowCarrier",
+    "data_parallel",
     "is_peer_failure",
     "launch",
     "process_group",
-    "register_grad_flag",
+    "register_carrier_hook",
     "under_torchrun",
 ]
 
@@ -244,32 +245,108 @@ def launch(nproc: int, argv: list[str]) -> int:
             signal.signal(sig, handler)
 
 
-class LocalGradFlag:
-    """The DDP comm hook's state: the window's numbers that travel with the gradients.
+class WindowCarrier:
+    """The window's numbers on their way through the gradient all-reduce (DDP), so a step has one collective.
 
-    :meth:`carry` (called by the accumulation window before the last micro-batch's backward) hands the
-    hook this rank's (loss sum, count[, inputs flag]) and the count the rank backpropagated by (None:
-    the raw sum); after the backward :attr:`received` holds their sum over the ranks. :meth:`reset`
-    before each step. Which rank saw a non-finite value is read from each rank's own loss and inputs
-    every step; a rank whose loss was finite but whose own gradients were not is named by the
+    The accumulation window hands it this rank's (loss sum, count[, inputs bad]) before the last
+    micro-batch's backward (:meth:`carry`); after the backward :attr:`received` holds their sum over
+    the ranks. Two ways to travel, chosen by :func:`data_parallel`:
+
+    - ``param``: a small parameter registered with DDP beside the model's (so it sits in one of DDP's
+      own buckets) whose gradient is made to be the numbers. DDP's built-in all-reduce (C++, no Python
+      per bucket) then averages them with the gradients: nothing is added to the step but one autograd
+      node. Only for windows whose gradients hold raw sums (``sums=True``): the buckets are reduced as
+      they are.
+    - a comm hook (:func:`register_carrier_hook`): appends the numbers to bucket 0 and, for a window
+      normalized by this rank's running count (fp16 with a GradScaler), multiplies each bucket by that
+      count first, so the sum over the ranks is exact whatever each rank's share.
+
+    :meth:`reset` before each step. Which rank saw a non-finite value is read from each rank's own loss
+    and inputs every step; a rank whose loss was finite but whose own gradients were not is named by the
     incident capture, which backpropagates the bad step on every rank without the all-reduce
-    (:mod:`stabletrain.callbacks.incidents`): a per-bucket check in the hook cost 0.27 ms a step on gpt.
+    (:mod:`stabletrain.callbacks.incidents`): a per-bucket check cost 0.27 ms a step on gpt.
+    A carrier that does neither (FSDP: ``travels`` false) only marks the step as distributed.
     """
 
-    def __init__(self, device: torch.device, group: Any = None) -> None:
-        self.device, self.group = device, group
-        self.hooked = False  # set by register_grad_flag: only then does anything travel with the gradients
+    def __init__(self, device: torch.device, group: Any = None, *, param: Tensor | None = None) -> None:
+        self.device, self.group, self.param = device, group, param
+        self.travels = param is not None  # also set by register_carrier_hook
+        self.world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
         self.reset()
 
     def reset(self) -> None:
         self.payload: Tensor | None = None
         self.scale: Tensor | None = None
-        self.received: Tensor | None = None
+        self._received: Tensor | None = None
+        if self.param is not None:
+            self.param.grad = None
 
-    def carry(self, payload: Tensor, scale: Tensor | None) -> None:
-        """Sum ``payload`` over the ranks with the next gradient all-reduce; multiply every bucket by ``scale`` first
-        (None: the buckets hold this rank's raw sum already)."""
-        self.payload, self.scale, self.received = payload, scale, None
+    def carry(self, payload: Tensor, scale: Tensor | None, loss: Tensor) -> Tensor:
+        """Sum ``payload`` over the ranks with the next gradient all-reduce; return the loss to backpropagate.
+
+        ``scale``: what the hook multiplies every bucket by first (this rank's count); None: the buckets
+        hold this rank's raw sum already, as the ``param`` way needs.
+        """
+        if self.param is None:
+            self.payload, self.scale, self._received = payload, scale, None
+            return loss
+        if scale is not None:
+            raise RuntimeError("a WindowCarrier with a parameter carries only windows of raw sums (sums=True); "
+                               "a window normalized by its running count needs register_carrier_hook")
+        return _CarriedGrad.apply(loss, self.param, payload)
+
+    @property
+    def received(self) -> Tensor | None:
+        """``payload`` summed over the ranks (None until the all-reduce has run)."""
+        if self.param is None:
+            return self._received
+        grad = self.param.grad  # DDP averaged it over the ranks
+        return None if grad is None else grad * self.world
+
+    @property
+    def averaged(self) -> bool:
+        """Whether the all-reduce left the gradients averaged over the ranks (DDP's own), not summed (the hook)."""
+        return self.param is not None
+
+
+class _CarriedGrad(torch.autograd.Function):
+    """Identity on the loss; the carrier parameter's gradient is the payload (whatever the loss's gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: Tensor, param: Tensor, payload: Tensor) -> Tensor:
+        ctx.payload = payload.detach().to(param.dtype)
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        return grad, ctx.payload, None
+
+
+_CARRIER_NAME = "_stabletrain_window_numbers"
+
+
+def data_parallel(module: torch.nn.Module, device_ids: list[int] | None, *, sums: bool
+                  ) -> tuple[torch.nn.parallel.DistributedDataParallel, WindowCarrier]:
+    """Wrap ``module`` in DDP with a :class:`WindowCarrier`; ``sums``: the window backpropagates raw sums.
+
+    With ``sums`` and a float32 or float64 parameter in the model, the carrier is a 3-element parameter
+    of that dtype, registered on ``module`` only while DDP is built (DDP takes its parameters then) and
+    removed after: ``module``'s parameters, state dict and the optimizer never see it, and DDP's own
+    all-reduce carries it in the bucket of that dtype. Otherwise the comm hook carries the numbers.
+    """
+    dtypes = {p.dtype for p in module.parameters() if p.requires_grad}
+    dtype = next((d for d in (torch.float32, torch.float64) if d in dtypes), None)
+    if not sums or dtype is None or hasattr(module, _CARRIER_NAME):
+        ddp = torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids)
+        return ddp, register_carrier_hook(ddp, next(module.parameters()).device)
+    device = next(p.device for p in module.parameters() if p.dtype == dtype)
+    param = torch.nn.Parameter(torch.zeros(3, dtype=dtype, device=device))
+    module.register_parameter(_CARRIER_NAME, param)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids)
+    finally:
+        del module._parameters[_CARRIER_NAME]
+    return ddp, WindowCarrier(device, param=param)
 
 
 def _allreduce_carrying(state, bucket):  # no annotations: DDP checks them, and they are strings here
@@ -295,18 +372,18 @@ def _allreduce_carrying(state, bucket):  # no annotations: DDP checks them, and 
     if buf.dtype in (torch.float32, torch.float64):
         n = buf.numel()
         joint = torch.cat([buf, state.payload.to(buf.dtype)])
-        state.received = joint[n:]  # summed in place by the all-reduce below
+        state._received = joint[n:]  # summed in place by the all-reduce below
         return dist.all_reduce(joint, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0][:n])
     stats = state.payload.double()
-    state.received = stats
+    state._received = stats
     fut_stats = dist.all_reduce(stats, group=group, async_op=True).get_future()
     fut_grads = dist.all_reduce(buf, group=group, async_op=True).get_future()
     return torch.futures.collect_all([fut_grads, fut_stats]).then(lambda fut: fut.value()[0].value()[0])
 
 
-def register_grad_flag(ddp_model: torch.nn.parallel.DistributedDataParallel, device: torch.device) -> LocalGradFlag:
-    """Install the comm hook (DDP's all-reduce, carrying the window's numbers); return its state."""
-    flag = LocalGradFlag(device)
-    ddp_model.register_comm_hook(flag, _allreduce_carrying)
-    flag.hooked = True
-    return flag
+def register_carrier_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, device: torch.device) -> WindowCarrier:
+    """Install the comm hook (DDP's all-reduce, carrying the window's numbers) on a DDP model; return its carrier."""
+    carrier = WindowCarrier(device)
+    ddp_model.register_comm_hook(carrier, _allreduce_carrying)
+    carrier.travels = True
+    return carrier

@@ -38,7 +38,7 @@ from .config import Config
 from .data import EpochOrder, Window, WindowStream
 from .errors import task_part, user_location
 from .evaluation import validation_loss
-from .distributed import DistContext, LocalGradFlag, PeerLostError, is_peer_failure, register_grad_flag
+from .distributed import DistContext, PeerLostError, WindowCarrier, data_parallel, is_peer_failure
 from .guard import Guard, GuardDecision
 from .initialization import InitFingerprint
 from .metrics import StepMetrics, interval_record, peak_memory_mib
@@ -117,7 +117,8 @@ class Trainer:
         if not self.named_params:
             raise ValueError(f"task {cfg.task!r}: the model has no trainable parameters")
         self.params = [p for _, p in self.named_params]
-        grad_flag = numerics = None
+        carrier = numerics = None
+        sums = sums_safe(self.params, self.precision)  # the window backpropagates raw loss sums
         self.sharded = self.dist.enabled and cfg.dist.strategy == "fsdp"
         if self.sharded:  # FSDP2: the parameters become DTensor shards under the same names
             from .fsdp import ShardedNumerics, ShardedPrecision, shard_model
@@ -130,13 +131,12 @@ class Trainer:
             self.named_params = unique_params(self.module)
             self.params = [p for _, p in self.named_params]
             numerics = ShardedNumerics()
-            grad_flag = LocalGradFlag(self.device)  # no hook: names the rank whose own loss or inputs were non-finite
+            carrier = WindowCarrier(self.device)  # carries nothing: names the rank whose own loss or inputs were non-finite
             seed_everything(int(np.random.SeedSequence([cfg.seed, self.dist.rank]).generate_state(1)[0]))
         elif self.dist.enabled:
             # DDP broadcasts rank 0's parameters and buffers; then each rank draws its own random stream.
             ids = [self.device.index] if self.device.type == "cuda" else None
-            self.model = torch.nn.parallel.DistributedDataParallel(self.module, device_ids=ids)
-            grad_flag = register_grad_flag(self.model, self.device)
+            self.model, carrier = data_parallel(self.module, ids, sums=sums)  # the window's numbers ride the all-reduce
             seed_everything(int(np.random.SeedSequence([cfg.seed, self.dist.rank]).generate_state(1)[0]))
         self.optimizer = build_optimizer(self.named_params, cfg.optim, self.device, self.task.optimizer, sharded=self.sharded)
         self.schedule = LRSchedule(self.optimizer, cfg.sched.warmup_steps, cfg.train.max_steps, cfg.sched.decay,
@@ -147,9 +147,9 @@ class Trainer:
             from .fsdp import ShardedWindow
             self.window: AccumulationWindow = ShardedWindow(self.module, self.params)
         else:
-            self.window = AccumulationWindow(self.params, sums=sums_safe(self.params, self.precision))
+            self.window = AccumulationWindow(self.params, sums=sums)
         self.step_fn = TrainStep(self.model, self.optimizer, self.precision, clipper=self.clipper, guard=self.guard,
-                                 schedule=self.schedule, params=self.params, window=self.window, grad_flag=grad_flag,
+                                 schedule=self.schedule, params=self.params, window=self.window, carrier=carrier,
                                  check_inputs=cfg.guard.check_inputs, check_params=cfg.guard.check_params,
                                  numerics=numerics)
         order = EpochOrder(len(self.task.train_data), cfg.train.batch_size, cfg.seed, cfg.data.shuffle,

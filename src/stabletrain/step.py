@@ -66,8 +66,9 @@ class TrainStep:
         check_inputs: also require the floating-point inputs of every micro-batch to be finite.
         check_params: check after the update that every parameter is finite (one fused pass); a call may
             ask for it on some steps only (the loop: on each log interval's last step).
-        grad_flag: DDP, FSDP: the comm hook's state (FSDP: one without a hook); with it the step also
-            returns ``local_nonfinite``, whether this rank's own loss or inputs were non-finite.
+        carrier: DDP, FSDP: the :class:`~stabletrain.distributed.WindowCarrier` the window's numbers travel
+            with (FSDP: one that carries nothing); with it the step also returns ``local_nonfinite``,
+            whether this rank's own loss or inputs were non-finite.
         numerics: where the norms and checks come from (``grad_norms``, ``all_params_finite``,
             ``snapshot(params, reuse)``, ``update_norm(params, before)``); None: :mod:`stabletrain.numerics`
             on local tensors. FSDP passes :class:`stabletrain.fsdp.ShardedNumerics` (DTensor shards,
@@ -77,7 +78,7 @@ class TrainStep:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, precision: PrecisionPolicy, *,
                  clipper: GradClipper | None = None, guard: Guard | None = None, schedule: LRSchedule | None = None,
                  params: Sequence[Tensor] | None = None, window: AccumulationWindow | None = None,
-                 check_inputs: bool = False, check_params: bool = True, grad_flag: Any = None,
+                 check_inputs: bool = False, check_params: bool = True, carrier: Any = None,
                  numerics: Any = None) -> None:
         self.model, self.optimizer, self.precision = model, optimizer, precision
         self.clipper = clipper if clipper is not None else GradClipper(None)
@@ -86,7 +87,7 @@ class TrainStep:
         # Raw sums between forward_backward and update only when an update follows (it applies grad_scale).
         self.window = window if window is not None else AccumulationWindow(
             self.params, sums=optimizer is not None and sums_safe(self.params, precision))
-        self.check_inputs, self.check_params, self.grad_flag = check_inputs, check_params, grad_flag
+        self.check_inputs, self.check_params, self.carrier = check_inputs, check_params, carrier
         self.numerics = numerics
         self._grad_norms = numerics.grad_norms if numerics is not None else grad_norms
         self._params_finite = numerics.all_params_finite if numerics is not None else all_params_finite
@@ -112,8 +113,8 @@ class TrainStep:
             for p in self.params:
                 p.grad = None
         self.window.begin()
-        if self.grad_flag is not None:
-            self.grad_flag.reset()
+        if self.carrier is not None:
+            self.carrier.reset()
         inputs_ok: Tensor | None = None
         for i, (num_samples, batch) in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
@@ -124,7 +125,7 @@ class TrainStep:
             with self._sync_context(last), self.precision.autocast():
                 loss_sum, count = as_sum_count(loss_fn(model, batch), num_samples)
             self.precision.backward(self.window.normalize(loss_sum, count, last, inputs_ok if last else None,
-                                                          carrier=self.grad_flag))  # DDP: numbers go with the grads
+                                                          carrier=self.carrier))  # DDP: numbers go with the grads
         self._inputs_ok = inputs_ok
 
     def update(self, *, measure_update: bool = False, check_params: bool = True, loss: Tensor | None = None,
@@ -182,7 +183,7 @@ class TrainStep:
         if before is not None:
             out["update_norm"], out["update_ratio"] = (update_norm(self.params, before) if self.numerics is None
                                                        else self.numerics.update_norm(self.params, before))
-        if self.grad_flag is not None:  # DDP: did THIS rank see it (its own loss or inputs)?
+        if self.carrier is not None:  # DDP: did THIS rank see it (its own loss or inputs)?
             local = self.window.loss_sum * 0 != 0  # x * 0 is NaN iff x is not finite
             out["local_nonfinite"] = local if self._inputs_ok is None else local | ~self._inputs_ok
         return out
