@@ -92,6 +92,7 @@ class AccumulationWindow:
         self._carrier: Any = None
         self._carried_inputs = False
         self._summed = False  # the grads hold the window's sum (grad_scale = 1 / count)
+        self._world_size = self._world()
 
     def _world(self) -> int:
         if dist.is_available() and dist.is_initialized():
@@ -109,10 +110,13 @@ class AccumulationWindow:
         through that DDP model, and :attr:`grad_scale` must be applied to the gradients. One that carries
         nothing (``travels`` false) is ignored.
         """
-        self.loss_sum = self.loss_sum + loss_sum.detach()
-        self.count = self.count + count
+        if self.num_micro_batches == 0:  # the first: nothing to add to (two device ops fewer per step)
+            self.loss_sum, self.count = loss_sum.detach(), count
+        else:
+            self.loss_sum = self.loss_sum + loss_sum.detach()
+            self.count = self.count + count
         denominator = self.count
-        world = self._world()
+        world = self._world_size
         carried = carrier is not None and carrier.travels and world > 1
         if self.sums and (carried or world == 1):  # the raw sum: no rescale, the all-reduce takes buckets as they are
             if last:
