@@ -1,16 +1,18 @@
 """A torchrun worker for the distributed tests: train, then leave each rank's view of the run on disk.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist_tasks.py OUT_DIR [--count-syncs]
-        [--count-collectives] key=value ...
+        [--count-collectives] [--states] key=value ...
 
 Each rank writes ``OUT_DIR/rank_R.pt``: its final parameters, its metrics history, with
 ``--count-syncs`` every Tensor->host conversion it made (step, function, the calling frames), and with
 ``--count-collectives`` every torch.distributed collective it called (step, collective, the calling frames)
-and how many collectives each step ran (see count_collectives).
+and how many collectives each step ran (see count_collectives), with ``--states`` the model and optimizer
+state after each step.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import traceback
@@ -22,6 +24,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from stabletrain import Trainer, load_config
+from stabletrain.callbacks import Callback
 from stabletrain.distributed import process_group
 
 SYNCS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__,
@@ -80,14 +83,28 @@ def count_collectives(trainer: Trainer) -> list:
     return calls
 
 
+class RecordStates(Callback):
+    """``--states``: the model and optimizer state after each step (the first time the step ends)."""
+
+    def __init__(self, states: dict) -> None:
+        self.states = states
+
+    def on_step_end(self, state, out) -> None:
+        if state.step not in self.states:
+            full = state.state_dict()
+            self.states[state.step] = copy.deepcopy({"model": full["model"], "optimizer": full["optimizer"]})
+
+
 def main(argv: list[str]) -> None:
     out = Path(argv[0])
     count = "--count-syncs" in argv
     collectives = "--count-collectives" in argv
-    overrides = [a for a in argv[1:] if a not in ("--count-syncs", "--count-collectives")]
+    record_states = "--states" in argv
+    overrides = [a for a in argv[1:] if a not in ("--count-syncs", "--count-collectives", "--states")]
     cfg = load_config(None, overrides)
     with process_group(cfg.dist.backend, cfg.dist.timeout_s) as ctx:
-        trainer = Trainer(cfg, run_dir=cfg.run.dir)
+        states: dict[int, dict] = {}
+        trainer = Trainer(cfg, run_dir=cfg.run.dir, callbacks=[RecordStates(states)] if record_states else [])
         calls = count_collectives(trainer) if collectives else None
         counter = CountSyncs(trainer) if count else None
         if counter is not None:
@@ -98,7 +115,7 @@ def main(argv: list[str]) -> None:
         out.mkdir(parents=True, exist_ok=True)
         torch.save({"params": {k: v.detach().clone() for k, v in trainer.module.state_dict().items()},
                     "history": trainer.history, "syncs": counter.calls if counter else None, "world": ctx.world,
-                    "collectives": calls,
+                    "collectives": calls, "states": states,
                     "step": trainer.step}, out / f"rank_{ctx.rank}.pt")
 
 

@@ -414,7 +414,7 @@ def test_at_most_one_save_in_flight_the_next_waits_for_it(tmp_path, monkeypatch)
 
 
 def test_stage_reuses_its_buffers_and_copies_what_could_change(tmp_path):
-    from stabletrain.checkpoint import StateStager
+    from stabletrain.staging import StateStager
 
     stager = StateStager()
     state = {"model": {"w": torch.ones(3), "tied": None}, "skip": {(0, 1)}, "counters": {"step": 1}}

@@ -124,6 +124,37 @@ def test_a_nan_only_rank_1_sees_skips_the_step_on_both_ranks_and_the_diagnosis_n
     assert bundle["rank"] == 1 and bad in bundle["window"]["indices"][0]
 
 
+def test_a_state_every_rank_holds_alike_is_staged_in_shares_and_completed_bitwise_on_every_rank(tmp_path):
+    _run([*TORCHRUN, str(TESTS / "dist_staging.py"), str(tmp_path)])
+    ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in (0, 1)]
+    assert sum(r["mine"] for r in ranks) == ranks[0]["total"]  # every byte staged once, on one rank
+    assert all(0.3 < r["mine"] / r["total"] < 0.7 and r["withheld"] > 0 for r in ranks), ranks  # about half each
+    assert all(r["equal"] and r["tied"] and r["reused"] for r in ranks), ranks
+
+
+def test_the_capture_replays_from_a_snapshot_each_rank_holds_only_its_share_of(tmp_path):
+    # Step 5 reads global micro-batch 4; the interval (log.every=3) started after step 3, where each rank staged
+    # about half of the parameters and AdamW state: the capture gathers the rest (a broadcast per tensor from its
+    # owner), replays step 4 and writes the state before step 5 bitwise as the run had it.
+    bad = EpochOrder(64, 4, seed=0, shuffle=True, rank=1, world_size=2).micro_batches(0)[4][1]
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    _run([*TORCHRUN, str(TESTS / "dist_tasks.py"), str(out), "--states", "task=helpers:nan_sample_task",
+          f"task_args.bad_index={bad}", "train.batch_size=4", "train.max_steps=6", "log.every=3", "ckpt.every=0",
+          "eval.every=0", f"run.dir={run_dir}", *FAST])
+    incident = next(e for e in _events(run_dir) if e["kind"] == "incident")
+    assert incident["step"] == 5 and incident["ranks"] == [1] and incident["replayed_steps"] == 1
+    bundle = load_bundle(run_dir / "incidents" / "step_000005")
+    for r in (0, 1):
+        before = torch.load(out / f"rank_{r}.pt", weights_only=False)["states"][4]
+        assert before["model"].keys() == bundle["model"].keys()
+        for key, value in before["model"].items():
+            assert torch.equal(value, bundle["model"][key]), (r, key)
+        assert len(before["optimizer"]["state"]) == len(bundle["optimizer"]["state"]) > 0
+        for i, per_param in before["optimizer"]["state"].items():
+            for name, value in per_param.items():
+                assert torch.equal(value, bundle["optimizer"]["state"][i][name]), (r, i, name)
+
+
 def test_a_rollback_happens_on_both_ranks_together_and_skips_the_window_everywhere(tmp_path):
     bad = EpochOrder(64, 4, seed=0, shuffle=True, rank=1, world_size=2).micro_batches(0)[2][1]
     run_dir, out = tmp_path / "run", tmp_path / "out"

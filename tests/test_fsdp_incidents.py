@@ -19,7 +19,7 @@ from fsdp_tasks import BlockNet
 from helpers import PreStepState, cfg
 from multiproc import FAST, TORCHRUN, events, run
 
-from stabletrain.checkpoint import StateStager
+from stabletrain.staging import StateStager
 from stabletrain.data import EpochOrder
 from stabletrain.fsdp import is_local_state, load_local_state_dicts, local_state_dicts, shard_model
 from stabletrain.incidents import load_bundle

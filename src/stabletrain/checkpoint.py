@@ -38,7 +38,6 @@ the folder: ``.metadata`` complete and naming every key, every shard file it ref
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import math
@@ -48,7 +47,6 @@ import re
 import shutil
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +60,7 @@ from ._version import __version__
 from .config import dotted_key
 from .fileio import atomic_write, fsync_dir
 from .sharded_checkpoint import DCP_DIR, ShardedSave, attach_path, to_full_state, verify_dcp
+from .staging import StateStager  # the staging copy; re-exported here, where it used to live
 
 __all__ = [
     "CheckpointManager",
@@ -220,101 +219,6 @@ def load_state_file(path: str | Path, map_location: Any = "cpu", *, mmap: bool =
 
 # ---------------------------------------------------------------------------------------------
 # Staging and the background save
-
-_PLAIN = (int, float, bool, str, bytes, complex, type(None))  # leaves that cannot change under a writer
-_PLAIN_TYPES = frozenset(_PLAIN)
-
-
-def _plain_sequence(x: Any) -> bool:
-    """A tuple or list of plain values only (e.g. Python's RNG state): staged as one leaf."""
-    return type(x) in (tuple, list) and all(isinstance(v, _PLAIN) for v in x)
-
-
-class StateStager:
-    """Copy a nested state into host buffers that are reused from one call to the next (a save's staging copy).
-
-    Each tensor is copied into a CPU tensor of its shape and dtype, kept while the state's layout stays
-    the same. A CUDA tensor goes into pinned memory by a non-blocking copy, so staging does not wait for
-    the device: :meth:`stage` returns one CUDA event per device, which a reader synchronizes first.
-    Tensors that are views of the same memory with the same layout (tied weights) share one buffer, so
-    the file holds them once, as ``torch.save`` of the live state would. Containers are rebuilt and other
-    leaves deep-copied, so the caller may go on changing its state. Staging again overwrites the buffers:
-    only after the previous copy is no longer read (:class:`CheckpointManager` keeps one save in flight).
-    """
-
-    def __init__(self) -> None:
-        self._buffers: list[Tensor] = []
-        self._specs: list[tuple[torch.Size, torch.dtype, bool]] = []  # each buffer's (shape, dtype, pinned)
-
-    @property
-    def num_bytes(self) -> int:
-        """Host memory the buffers hold."""
-        return sum(b.numel() * b.element_size() for b in self._buffers)
-
-    def stage(self, state: Any) -> tuple[Any, list[Any]]:
-        """Return (a copy of ``state`` whose tensors are the host buffers, the CUDA events to wait on).
-
-        Dicts (and OrderedDicts), lists and tuples are walked directly (a pytree flatten and unflatten
-        cost 4x the walk's Python time on a model's state); other containers are deep-copied.
-        """
-        shared: dict[tuple[Any, ...], Tensor] = {}
-        copies: dict[torch.device, tuple[list[Tensor], list[Tensor]]] = {}  # source device -> (buffers, sources)
-        used = [0]  # buffers used so far (one per distinct tensor), in the walk's order
-
-        def leaf(x: Tensor) -> Tensor:
-            if x.layout != torch.strided:  # sparse and other layouts: a plain copy (rare in a state dict)
-                return x.detach().to("cpu", copy=True)
-            shape, device = x.shape, x.device  # (no detach: the copy below runs under no_grad)
-            key = (device, x.dtype, x.data_ptr(), shape, x.stride())  # the same view of the same memory: one buffer
-            buf = shared.get(key)
-            if buf is None:
-                buf = shared[key] = self._buffer(used[0], x, shape, device.type == "cuda")
-                used[0] += 1
-                dst, src = copies.setdefault(device, ([], []))
-                dst.append(buf)
-                src.append(x)
-            return buf
-
-        def walk(x: Any) -> Any:
-            t = type(x)
-            if t in _PLAIN_TYPES:
-                return x
-            if isinstance(x, Tensor):
-                return leaf(x)
-            if t is dict or t is OrderedDict:
-                return t((k, walk(v)) for k, v in x.items())
-            if t is list:  # a fresh list, so the caller may go on changing its own
-                return list(x) if _plain_sequence(x) else [walk(v) for v in x]
-            if t is tuple:  # immutable: kept as it is when it holds plain values only (Python's RNG state)
-                return x if _plain_sequence(x) else tuple(walk(v) for v in x)
-            return copy.deepcopy(x)
-
-        out = walk(state)
-        del self._buffers[used[0]:], self._specs[used[0]:]
-        events = []
-        with torch.no_grad():
-            for device, (dst, src) in copies.items():
-                on_cuda = device.type == "cuda"
-                torch._foreach_copy_(dst, src, non_blocking=on_cuda)  # from CUDA into pinned memory: queued, not waited for
-                if on_cuda:
-                    event = torch.cuda.Event()
-                    event.record(torch.cuda.current_stream(device))
-                    events.append(event)
-        return out, events
-
-    def _buffer(self, k: int, like: Tensor, shape: torch.Size, pin: bool) -> Tensor:
-        if k < len(self._buffers):
-            buf, spec = self._buffers[k], self._specs[k]
-            if spec == (shape, like.dtype, pin):
-                return buf
-        buf = torch.empty(shape, dtype=like.dtype, pin_memory=pin)
-        if k < len(self._buffers):
-            self._buffers[k], self._specs[k] = buf, (shape, like.dtype, pin)
-        else:
-            self._buffers.append(buf)
-            self._specs.append((shape, like.dtype, pin))
-        return buf
-
 
 class PendingSave:
     """A save started by :meth:`CheckpointManager.save_async`: ask :meth:`done`, or wait with :meth:`result`."""

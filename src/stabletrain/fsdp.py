@@ -289,7 +289,7 @@ def local_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tup
 
     The counterpart of :func:`full_state_dicts` for a snapshot that stays on each rank (the incident
     recorder's, taken at every log interval): stage the result into host buffers
-    (:class:`~stabletrain.checkpoint.StateStager`) before the run changes it, and put a staged copy
+    (:class:`~stabletrain.staging.StateStager`) before the run changes it, and put a staged copy
     back with :func:`load_local_state_dicts`. The model dict holds every parameter's and buffer's local
     tensor by name; the optimizer dict holds the per-parameter state (integer ids in parameter-group
     order, DTensor values as their local tensors; ``where`` says which were DTensors) and the

@@ -1,8 +1,11 @@
 """The incident recorder: capture the first bad step of an interval into ``incidents/step_N`` and diagnose it.
 
 At each interval start (``guard.memory_snapshot``, the default) the recorder copies the whole state
-into host buffers that are reused from one interval to the next (:class:`~stabletrain.checkpoint.StateStager`:
+into host buffers that are reused from one interval to the next (:class:`~stabletrain.staging.StateStager`:
 from CUDA pinned and non-blocking, so device memory does not double and the step does not wait).
+Under DDP the parameters and optimizer state are the same on every rank: each rank copies its share
+of them (about 1/world of their bytes) and all of its own state, and the capture completes the
+snapshot with one broadcast per tensor from its owner (:func:`~stabletrain.staging.fill_withheld`).
 Under FSDP each rank copies its own shards of the model and optimizer (``state_dict(local=True)``:
 no collective) and the capture copies them back in place. The capture replays from that snapshot
 to just before the bad step, on every rank together, with the same :class:`~stabletrain.step.TrainStep`
@@ -21,11 +24,11 @@ import dataclasses
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..accumulation import as_sum_count
-from ..checkpoint import StateStager
 from ..config import config_to_dict
 from ..incidents import BUNDLE_DCP_DIR, write_bundle
 from ..data import move_to
@@ -34,6 +37,7 @@ from ..precision import PrecisionPolicy
 from ..replay import diagnose_incident
 from ..seeding import rng_state, set_rng_state
 from ..sharded_checkpoint import split_for_dcp
+from ..staging import StateStager, fill_withheld
 from ..tasks import Task, resolve_task
 from . import Callback, FitState
 from .checkpointing import CheckpointKeeper
@@ -61,6 +65,27 @@ def copy_state_into(dst: Any, src: Any) -> Any:
     return tree_unflatten(out, spec)
 
 
+def _split_replicated(local: dict[str, Any], module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
+    """DDP: (the parameters' entries of the model state and the optimizer's per-parameter state, the rest).
+
+    The first is the same on every rank; the rest (buffers such as BatchNorm's running statistics, which
+    each rank updates in its own forward, the RNG streams, the data position, ...) is this rank's own.
+    """
+    names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    model, optimizer = local["model"], local["optimizer"]
+    shared = {"model": {k: v for k, v in model.items() if k in names}, "optimizer": optimizer.get("state", {})}
+    rest = {**local, "model": type(model)((k, v) for k, v in model.items() if k not in names),
+            "optimizer": {k: v for k, v in optimizer.items() if k != "state"}}
+    return shared, rest
+
+
+def _join_replicated(shared: dict[str, Any], rest: dict[str, Any]) -> dict[str, Any]:
+    """Undo :func:`_split_replicated` (the model's entries in any order: ``load_state_dict`` goes by name)."""
+    model = type(rest["model"])(rest["model"])
+    model.update(shared["model"])
+    return {**rest, "model": model, "optimizer": {**rest["optimizer"], "state": shared["optimizer"]}}
+
+
 class IncidentRecorder(Callback):
     """On an incident, write ``incidents/step_N/bundle.pt`` and (``guard.diagnose``) its ``diagnosis.json``.
 
@@ -75,6 +100,8 @@ class IncidentRecorder(Callback):
         self.snapshot: dict[str, Any] | None = None  # the state at the interval's start, in host buffers
         self._snapshot_ready: list[Any] = []  # CUDA events the snapshot's copies complete at
         self._snapshot_stager = StateStager()
+        self._shared_stager = StateStager()  # DDP: this rank's share of the parameters and optimizer state
+        self._snapshot_shared: dict[str, Any] | None = None
         self.replayed_steps: int | None = None  # steps the last capture replayed (None: no capture yet)
 
     @staticmethod
@@ -87,6 +114,11 @@ class IncidentRecorder(Callback):
         """FSDP over several ranks: the full state dict is a gather every rank joins, so snapshots stay local."""
         return state.dist.enabled and getattr(state.cfg.dist, "strategy", "ddp") == "fsdp"
 
+    @staticmethod
+    def _replicated(state: FitState) -> bool:
+        """DDP over several ranks: the parameters and optimizer state are the same on every rank."""
+        return state.dist.enabled and state.dist.world > 1 and not IncidentRecorder._sharded(state)
+
     def _local_state(self, state: FitState) -> dict[str, Any]:
         """The run's state as this rank holds it (live; stage it before the run moves on): no collective."""
         return state.state_dict(local=True) if self._sharded(state) else state.state_dict()
@@ -95,12 +127,18 @@ class IncidentRecorder(Callback):
         """A new interval starts: stage the state into the snapshot's host buffers (``guard.memory_snapshot``).
 
         On CUDA the copies are queued (pinned, non-blocking) and waited for only by a capture; on CPU
-        it is one copy of the state per interval.
+        it is one copy of the state per interval (under DDP: of this rank's share of what every rank holds).
         """
-        if self._snapshots(state):
-            self.snapshot, self._snapshot_ready = self._snapshot_stager.stage(self._local_state(state))
-        else:
-            self.snapshot, self._snapshot_ready = None, []
+        self.snapshot, self._snapshot_shared, self._snapshot_ready = None, None, []
+        if not self._snapshots(state):
+            return
+        local = self._local_state(state)
+        if self._replicated(state):
+            shared, local = _split_replicated(local, state.module)
+            self._snapshot_shared, ready = self._shared_stager.stage(shared, share=(state.dist.rank, state.dist.world))
+            self._snapshot_ready += ready
+        self.snapshot, ready = self._snapshot_stager.stage(local)
+        self._snapshot_ready += ready
 
     def on_fit_start(self, state: FitState) -> None:
         self.mark_interval_start(state)
@@ -114,6 +152,9 @@ class IncidentRecorder(Callback):
         if self.snapshot is not None:
             for event in self._snapshot_ready:
                 event.synchronize()
+            if self._snapshot_shared is not None:  # DDP: every rank gets the others' shares (a broadcast each)
+                device = state.device if dist.get_backend() == "nccl" else torch.device("cpu")
+                return _join_replicated(fill_withheld(self._snapshot_shared, device), self.snapshot)
             return self.snapshot
         loaded = self.keeper.load_last_good(state)
         return loaded.state if loaded is not None else None
