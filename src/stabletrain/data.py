@@ -39,8 +39,24 @@ from .seeding import seed_worker
 __all__ = ["EpochOrder", "Window", "WindowStream", "move_to"]
 
 
+_SCALARS = frozenset((int, float, bool, str, bytes, type(None)))
+
+
 def move_to(batch: Any, device: torch.device) -> Any:
-    """Return ``batch`` with every tensor moved to ``device`` (dicts, lists, tuples, namedtuples recursed)."""
+    """Return ``batch`` with every tensor moved to ``device`` (dicts, lists, tuples, namedtuples recursed).
+
+    Plain tuples, lists and dicts are walked directly (a pytree flatten and unflatten cost more than the
+    rest of this, per micro-batch); a tensor already on ``device`` is returned as it is.
+    """
+    t = type(batch)
+    if isinstance(batch, torch.Tensor):
+        return batch if batch.device == device else batch.to(device, non_blocking=True)
+    if t is tuple or t is list:
+        return t([move_to(x, device) for x in batch])
+    if t is dict:
+        return {k: move_to(v, device) for k, v in batch.items()}
+    if t in _SCALARS:
+        return batch
     return tree_map(lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x, batch)
 
 
