@@ -8,7 +8,8 @@ process is the noisiest row: its OpenMP barriers stall whenever another process 
 ``Trainer.fit()`` (DDP, monitoring on: device metrics, the sentinel, the per-interval
 gather, metrics.jsonl, events.jsonl, TensorBoard) and, in lockstep beside each built-in step, one step
 of a hand-written DDP loop on its own copy of the model (nanoGPT-style: ``no_sync`` on all but the
-last micro-batch, mean loss / k, ``clip_grad_norm_``, fused AdamW, a DistributedSampler). A callback
+last micro-batch, mean loss / k, ``clip_grad_norm_``, fused AdamW, a DistributedSampler; DDP's defaults,
+or with ``--bare-bucket-view`` the gradients as views into DDP's buckets as stabletrain builds its DDP). A callback
 (``overhead.Lockstep``) runs the bare step in every ``on_step_end``, between two built-in steps, and its
 time is taken off the built-in clock, so load from other processes on this shared machine hits both alike.
 
@@ -62,9 +63,10 @@ class BareDDP:
     Trainer builds it and as nanoGPT's loop does: the same optimizer work on both sides.
     """
 
-    def __init__(self, task: Any, module: torch.nn.Module, cfg: Any, rank: int, world: int) -> None:
+    def __init__(self, task: Any, module: torch.nn.Module, cfg: Any, rank: int, world: int, bucket_view: bool = False) -> None:
         self.task, self.k, self.max_norm = task, cfg.accum.steps, cfg.clip.max_norm
-        self.model = torch.nn.parallel.DistributedDataParallel(module) if world > 1 else module
+        self.model = (torch.nn.parallel.DistributedDataParallel(module, gradient_as_bucket_view=bucket_view)
+                      if world > 1 else module)
         from overhead import param_groups  # bench/ is the script's directory
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -118,7 +120,7 @@ def worker(args: argparse.Namespace) -> None:
     with process_group(cfg.dist.backend, cfg.dist.timeout_s) as ctx, tempfile.TemporaryDirectory() as tmp:
         task = resolve_task(cfg.task, cfg.task_args)
         task.val_data = None  # the bare loop has no validation
-        bare = BareDDP(task, copy.deepcopy(task.model), cfg, ctx.rank, ctx.world)
+        bare = BareDDP(task, copy.deepcopy(task.model), cfg, ctx.rank, ctx.world, args.bare_bucket_view)
         clock = Lockstep({"bare": bare})  # one bare step in each on_step_end; checkpoints off the clock
         trainer = Trainer(cfg, task=task, run_dir=Path(tmp) / "run", callbacks=[clock])
         trainer.fit()
@@ -134,8 +136,10 @@ def worker(args: argparse.Namespace) -> None:
                                                   "samples": samples, "steps": steps, "intervals": intervals}))
 
 
-def measure(task: str, nproc: int, out: Path, threads: int | None = None, steps: int = 0) -> dict[str, Any]:
-    me = [str(Path(__file__).resolve()), "--worker", "--task", task, "--out", str(out), "--steps", str(steps)]
+def measure(task: str, nproc: int, out: Path, threads: int | None = None, steps: int = 0,
+            bucket_view: bool = False) -> dict[str, Any]:
+    me = [str(Path(__file__).resolve()), "--worker", "--task", task, "--out", str(out), "--steps", str(steps),
+          *(["--bare-bucket-view"] if bucket_view else [])]
     if nproc == 1:
         cmd = [sys.executable, *me]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads or os.cpu_count() or 1)}
@@ -153,6 +157,9 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     parser.add_argument("--rounds", type=int, default=2, help="measurements per (task, world size); the median is shown")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 1 round of 20 timed steps (not a measurement)")
+    parser.add_argument("--bare-bucket-view", action="store_true",
+                        help="build the bare loop's DDP with gradient_as_bucket_view=True, as stabletrain builds its own "
+                             "(default: DDP's defaults, as a hand-written loop usually has them)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--task", help=argparse.SUPPRESS)
@@ -175,8 +182,8 @@ def main() -> None:
             rows = {}
             # 1 process with every core as threads, 1 process on one thread (the per-core baseline), 2 processes.
             for label, nproc, threads in (("1", 1, None), ("1x1t", 1, 1), ("2", 2, None)):
-                runs = [measure(task, nproc, Path(tmp) / f"{task}-{label}-{r}.json", threads, quick_steps)
-                        for r in range(args.rounds)]
+                runs = [measure(task, nproc, Path(tmp) / f"{task}-{label}-{r}.json", threads, quick_steps,
+                                args.bare_bucket_view) for r in range(args.rounds)]
                 bare = statistics.median(r["samples"] / r["bare_s"] for r in runs)
                 ours = statistics.median(r["samples"] / r["built_in_s"] for r in runs)
                 ratio = statistics.median(x for r in runs for x in r["intervals"])
