@@ -85,3 +85,32 @@ def test_a_directory_from_an_attempt_that_never_trained_is_reused_by_the_retry(t
     assert RunDir.holds_trained_run(tmp_path / "r")
     with pytest.raises(FileExistsError):
         RunDir(tmp_path / "r")
+
+
+def test_a_resume_from_the_step_0_checkpoint_purges_the_steps_a_crash_left_in_tensorboard(tmp_path):
+    # The first process logs steps 1-2 and crashes in step 3 before any checkpoint but step 0's (a background
+    # save still in flight when a process is killed leaves the same); the resume trains steps 1.. again.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from helpers import regression_task
+    from stabletrain import Trainer
+
+    calls = [0]
+    task = regression_task()
+    plain_loss = task.loss
+
+    def crashing_loss(model, batch):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("planted crash in step 3")
+        return plain_loss(model, batch)
+
+    task.loss = crashing_loss
+    c = cfg("log.every=1", "train.max_steps=5", "ckpt.every=100", "eval.every=0", "log.tensorboard=true")
+    with pytest.raises(RuntimeError, match="planted crash"):
+        Trainer(c, task=task, run_dir=tmp_path / "r").fit()
+    task.loss = plain_loss
+    Trainer(c, task=task, run_dir=tmp_path / "r", resume=True).fit()
+    acc = EventAccumulator(str(tmp_path / "r" / "tb"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4, 5]

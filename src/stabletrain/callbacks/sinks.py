@@ -31,8 +31,11 @@ class TensorBoardLog(Callback):
 
     def on_fit_start(self, state: FitState) -> None:
         if state.run is not None and state.cfg.log.tensorboard and self._sink is None:
-            # On a resume the steps after the checkpoint are written again: purge what a crash left of them.
-            self._sink = TensorBoardSink(state.run.path / "tb", purge_step=state.step + 1 if state.step else None)
+            # On a resume the steps after the checkpoint are written again: purge what a crash left of them
+            # (from the step-0 checkpoint too: whatever an earlier process wrote, not whether the step is 0).
+            tb = state.run.path / "tb"
+            earlier = tb.is_dir() and any(tb.glob("events.out.tfevents.*"))
+            self._sink = TensorBoardSink(tb, purge_step=state.step + 1 if earlier else None)
 
     def on_log(self, state: FitState, record: dict[str, Any], rows: list[Any]) -> None:
         if self._sink is not None:
