@@ -33,7 +33,7 @@ def main(way: str, dtype_name: str, out: str) -> None:
         ddp, carrier = data_parallel(model, None, sums=True)
     else:
         ddp = torch.nn.parallel.DistributedDataParallel(model)
-        carrier = register_carrier_hook(ddp, torch.device("cpu"))
+        carrier = register_carrier_hook(ddp)
     g = torch.Generator().manual_seed(1)
     results = []
     for _ in range(2):

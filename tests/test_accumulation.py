@@ -199,7 +199,7 @@ def test_a_carrier_parameter_takes_the_windows_numbers_as_its_gradient_and_leave
     """DDP's own all-reduce then averages them with the gradients (tests/dist_carrier.py runs it on 2 ranks)."""
     task = regression_task()
     params = list(task.model.parameters())
-    carrier = WindowCarrier(torch.device("cpu"), param=torch.nn.Parameter(torch.zeros(3)))
+    carrier = WindowCarrier(param=torch.nn.Parameter(torch.zeros(3)))
     batch = _collate(task, range(8))
     loss_sum, count = as_sum_count(task.loss(task.model, batch), 8)
     loss_sum.backward()

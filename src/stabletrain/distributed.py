@@ -268,8 +268,8 @@ class WindowCarrier:
     A carrier that does neither (FSDP: ``travels`` false) only marks the step as distributed.
     """
 
-    def __init__(self, device: torch.device, group: Any = None, *, param: Tensor | None = None) -> None:
-        self.device, self.group, self.param = device, group, param
+    def __init__(self, group: Any = None, *, param: Tensor | None = None) -> None:
+        self.group, self.param = group, param
         self.travels = param is not None  # also set by register_carrier_hook
         self.world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
         self.reset()
@@ -339,17 +339,17 @@ def data_parallel(module: torch.nn.Module, device_ids: list[int] | None, *, sums
     """
     dtypes = {p.dtype for p in module.parameters() if p.requires_grad}
     dtype = next((d for d in (torch.float32, torch.float64) if d in dtypes), None)
-    if not sums or dtype is None or hasattr(module, _CARRIER_NAME):
-        ddp = torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True)
-        return ddp, register_carrier_hook(ddp, next(module.parameters()).device)
-    device = next(p.device for p in module.parameters() if p.dtype == dtype)
-    param = torch.nn.Parameter(torch.zeros(3, dtype=dtype, device=device))
-    module.register_parameter(_CARRIER_NAME, param)
+    param = None
+    if sums and dtype is not None:
+        device = next(p.device for p in module.parameters() if p.dtype == dtype)
+        param = torch.nn.Parameter(torch.zeros(3, dtype=dtype, device=device))
+        module.register_parameter(_CARRIER_NAME, param)
     try:
         ddp = torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True)
     finally:
-        del module._parameters[_CARRIER_NAME]
-    return ddp, WindowCarrier(device, param=param)
+        if param is not None:
+            del module._parameters[_CARRIER_NAME]
+    return ddp, (WindowCarrier(param=param) if param is not None else register_carrier_hook(ddp))
 
 
 def _allreduce_carrying(state, bucket):  # no annotations: DDP checks them, and they are strings here
@@ -384,9 +384,9 @@ def _allreduce_carrying(state, bucket):  # no annotations: DDP checks them, and 
     return torch.futures.collect_all([fut_grads, fut_stats]).then(lambda fut: fut.value()[0].value()[0])
 
 
-def register_carrier_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, device: torch.device) -> WindowCarrier:
+def register_carrier_hook(ddp_model: torch.nn.parallel.DistributedDataParallel) -> WindowCarrier:
     """Install the comm hook (DDP's all-reduce, carrying the window's numbers) on a DDP model; return its carrier."""
-    carrier = WindowCarrier(device)
+    carrier = WindowCarrier()
     ddp_model.register_comm_hook(carrier, _allreduce_carrying)
     carrier.travels = True
     return carrier

@@ -131,7 +131,7 @@ class Trainer:
             self.named_params = unique_params(self.module)
             self.params = [p for _, p in self.named_params]
             numerics = ShardedNumerics()
-            carrier = WindowCarrier(self.device)  # carries nothing: names the rank whose own loss or inputs were non-finite
+            carrier = WindowCarrier()  # carries nothing: names the rank whose own loss or inputs were non-finite
             seed_everything(int(np.random.SeedSequence([cfg.seed, self.dist.rank]).generate_state(1)[0]))
         elif self.dist.enabled:
             # DDP broadcasts rank 0's parameters and buffers; then each rank draws its own random stream.
