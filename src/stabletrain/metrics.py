@@ -108,7 +108,8 @@ class StepMetrics:
         may be left out); other keys of a step's output are ignored. The tensors are kept, not copied
         (``lr`` and ``loss_scale``, live state the run updates in place, are cloned): a step's outputs are
         fresh tensors. ``num_samples``: the step's samples over all ranks.
-        ``local_nonfinite`` (DDP): whether this rank's own loss, inputs or gradients were non-finite.
+        ``local_nonfinite`` (DDP): whether this rank's own loss or inputs were non-finite (a rank whose gradients
+        alone were is named by the incident capture).
         """
         assert len(self.steps) < self.capacity, "StepMetrics.reduce() must be called every `capacity` steps"
         missing = [c for c in COLUMNS if c not in values and c not in DEFAULTS]
