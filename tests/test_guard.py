@@ -102,6 +102,32 @@ def test_rollback_restores_last_good_and_skips_the_offending_window(tmp_path):
     assert trainer.history[-1]["num_rollbacks"] == 1
 
 
+def test_a_run_that_ends_on_a_skipped_step_checkpoints_it_and_a_resume_continues_from_there(tmp_path):
+    """A skipped step leaves the pre-step state, which is healthy: the last save is not withheld."""
+    bad_step = _step_of_sample(BAD)
+    assert bad_step > 2
+    run_dir = tmp_path / "run"
+    trainer = _trainer(run_dir, f"train.max_steps={bad_step}", "ckpt.every=100")
+    trainer.fit()
+    assert trainer.step == bad_step and trainer.stop_reason is None
+    events = _events(run_dir)
+    assert [e["step"] for e in events if e["kind"] == "skip"] == [bad_step]
+    assert not [e for e in events if e["kind"] == "checkpoint_withheld"]
+    assert [e["step"] for e in events if e["kind"] == "checkpoint"] == [0, bad_step]
+    last_good = CheckpointManager(run_dir / "checkpoints").load()
+    assert last_good.meta["step"] == bad_step
+    assert (run_dir / "checkpoints" / "LAST_GOOD").read_text().strip() == f"step_{bad_step:06d}"
+    for name, p in trainer.module.state_dict().items():
+        assert torch.equal(last_good.state["model"][name], p), name
+    c = cfg("train.batch_size=8", f"train.max_steps={bad_step + 3}", "log.every=2", "ckpt.every=100")
+    resumed = Trainer(c, task=nan_sample_task(BAD), run_dir=run_dir, resume=True)
+    assert resumed.step == bad_step
+    resumed.fit()
+    assert resumed.step == bad_step + 3 and resumed.stop_reason is None
+    assert CheckpointManager(run_dir / "checkpoints").load().meta["step"] == bad_step + 3
+    assert [e["step"] for e in _events(run_dir) if e["kind"] == "skip"] == [bad_step]  # not replayed
+
+
 def test_an_lr_that_breaks_the_parameters_in_the_update_is_caught_after_the_update(tmp_path):
     run_dir = tmp_path / "run"
     torch.manual_seed(0)

@@ -353,7 +353,9 @@ class Trainer:
             state.event(state.step, "rollback", info["reason"], **{k: v for k, v in info.items() if k != "reason"})
             self.callbacks.fire("on_rollback", state, info)
             return True
-        return not decision.bad_steps or (self.guard.consecutive_skips == 0 and not decision.after_update)
+        # A skipped step leaves the pre-step state (healthy, whether or not it ends the run); only parameters an
+        # applied update made non-finite are unsafe to save (the checkpoint also checks every tensor it writes).
+        return decision.params_bad_at is None and not decision.after_update
 
     def _stop(self, reason: str) -> None:
         self.state.stop_reason = reason
