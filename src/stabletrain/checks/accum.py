@@ -1,9 +1,14 @@
 """``accum``: one step over k micro-batches (with a short tail) equals one step over the whole batch.
 
 The model runs in training mode, as the run does. Dropout is switched off for the comparison (its
-masks cannot match across batch shapes); every other layer behaves as in training. A model whose
-loss depends on the whole batch beyond per-sample terms (BatchNorm's batch statistics) does not give
-the same gradient from micro-batches: the check says so with the measured difference (a warning).
+masks cannot match across batch shapes): ``nn.Dropout`` modules, a module's own ``dropout`` (LSTM,
+GRU, RNN, MultiheadAttention) and functional dropout in the user's forward (``F.dropout`` and friends,
+``scaled_dot_product_attention``'s ``dropout_p``); every other layer behaves as in training. Each side
+runs from the same RNG state, and the big batch runs a second time from another one: randomness the
+check could not switch off shows there, and then the check says it is inconclusive rather than
+blaming the loss. A model whose loss depends on the whole batch beyond per-sample terms (BatchNorm's
+batch statistics) does not give the same gradient from micro-batches: the check says so with the
+measured difference (a warning).
 """
 
 from __future__ import annotations
@@ -12,7 +17,9 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ..accumulation import as_sum_count
 from ..numerics import grad_norms, unique_params
@@ -31,17 +38,62 @@ def _grads(params: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
 
 
+#: Modules whose own float attribute ``dropout`` draws a mask inside their forward (not an nn.Dropout child).
+_OWN_DROPOUT = (nn.RNNBase, nn.MultiheadAttention)
+#: Functional dropouts; under :class:`_NoFunctionalDropout` each returns its input.
+_FUNCTIONAL_DROPOUT = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout}
+
+
+class _NoFunctionalDropout(TorchFunctionMode):
+    """Make the user's functional dropout the identity (and sdpa's ``dropout_p`` 0); count the calls that had p > 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in _FUNCTIONAL_DROPOUT:
+            p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+            training = kwargs.get("training", args[2] if len(args) > 2 else True)
+            if training and p > 0:
+                self.calls += 1
+                return args[0] if args else kwargs["input"]
+        elif func is F.scaled_dot_product_attention:
+            if len(args) > 4 and args[4]:  # (query, key, value, attn_mask, dropout_p, ...)
+                self.calls += 1
+                args = (*args[:4], 0.0, *args[5:])
+            elif kwargs.get("dropout_p"):
+                self.calls += 1
+                kwargs["dropout_p"] = 0.0
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
-def _dropout_off(model: nn.Module) -> Iterator[list[str]]:
-    """Set every dropout module's p to 0 for the duration (training mode stays on); yield their names."""
-    saved = [(m, m.p) for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
-    for m, _ in saved:
-        m.p = 0.0
+def _dropout_off(model: nn.Module) -> Iterator[tuple[list[str], _NoFunctionalDropout]]:
+    """Switch every dropout off for the duration (training mode stays on); yield what was switched off.
+
+    nn.Dropout modules get ``p = 0``; LSTM/GRU/RNN and MultiheadAttention get their own ``dropout = 0``;
+    functional dropout runs as the identity (the yielded mode counts those calls). Everything is put back.
+    """
+    saved: list[tuple[nn.Module, str, float]] = []
+    names = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            saved.append((m, "p", m.p))
+            names.append(name)
+        elif isinstance(m, _OWN_DROPOUT) and m.dropout:
+            saved.append((m, "dropout", m.dropout))
+            names.append(f"{name} (dropout={m.dropout:g})")
+    for m, attr, _ in saved:
+        setattr(m, attr, 0.0)
+    mode = _NoFunctionalDropout()
     try:
-        yield [n for n, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
+        with mode:
+            yield names, mode
     finally:
-        for m, p in saved:
-            m.p = p
+        for m, attr, value in saved:
+            setattr(m, attr, value)
 
 
 @register("accum", order=20)
@@ -68,8 +120,9 @@ def check_accum(ctx: CheckContext) -> CheckResult:
     batch_stats = [n for n, m in model.named_modules() if isinstance(m, _BATCH_STATS)]
     saved = {k_: v.detach().clone() for k_, v in model.state_dict().items()}  # BatchNorm running stats move
 
-    def run(mode: str) -> torch.Tensor:
+    def run(mode: str, seed: int = 0) -> torch.Tensor:
         model.load_state_dict(saved)
+        torch.manual_seed(seed)  # every side draws the same numbers (inside fork_rng: the caller's RNG is kept)
         if mode == "big":
             step.forward_backward([(total, big)], task.loss)
         elif mode == "accum":
@@ -82,18 +135,28 @@ def check_accum(ctx: CheckContext) -> CheckResult:
                 (loss_sum / count / len(micro)).backward()
         return _grads(params)
 
-    with _dropout_off(model) as dropouts:
-        g_big, g_acc, g_naive = run("big"), run("accum"), run("naive")
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), _dropout_off(model) as (dropouts, functional):
+        g_big = run("big")
+        functional_calls = functional.calls  # in one forward of the big batch
+        g_acc, g_naive = run("accum"), run("naive")
+        g_again = run("big", seed=1)  # the same batch from another RNG state: what randomness is left
     model.load_state_dict(saved)
     scale = float(g_big.abs().max())
     tol = ATOL + RTOL * scale
     diff = float((g_acc - g_big).abs().max())
     naive = float((g_naive - g_big).abs().max())
+    noise = float((g_again - g_big).abs().max())
+    random = noise > tol
     passed = diff <= tol
-    warning = not passed and bool(batch_stats)
+    warning = not passed and (bool(batch_stats) or random)
     if passed:
         summary = (f"{k} micro-batches (sizes {sizes}) vs one batch of {total}: max |param diff| after an SGD step "
                    f"(lr=1) {diff:.3g} <= tol {tol:.3g}")
+    elif random:
+        summary = (f"inconclusive: the model's forward draws randomness the check could not switch off: the same batch "
+                   f"from two RNG states differs by {noise:.3g} ({noise / tol:.3g}x tol {tol:.3g}), so the "
+                   f"{k} micro-batches' difference of {diff:.3g} from one batch of {total} says nothing about accumulation")
     elif warning:
         summary = (f"{k} micro-batches vs one batch of {total}: max |param diff| {diff:.3g} ({diff / tol:.3g}x tol "
                    f"{tol:.3g}): expected with batch statistics ({', '.join(batch_stats[:3])}"
@@ -102,10 +165,19 @@ def check_accum(ctx: CheckContext) -> CheckResult:
     else:
         summary = f"{k} micro-batches vs one batch of {total}: max |param diff| {diff:.3g} exceeds tol {tol:.3g}"
     details = [f"naive mean-of-means would differ by {naive:.3g} ({naive / max(tol, 1e-30):.3g}x the tolerance)"]
-    if dropouts:
-        details.append(f"dropout switched off for the comparison: {', '.join(dropouts[:4])}"
-                       f"{' ...' if len(dropouts) > 4 else ''}")
-    if warning:
+    if dropouts or functional_calls:
+        off = [f"{', '.join(dropouts[:4])}{' ...' if len(dropouts) > 4 else ''}"] if dropouts else []
+        if functional_calls:
+            off.append(f"functional dropout calls in one forward: {functional_calls}")
+        details.append(f"dropout switched off for the comparison: {'; '.join(off)}")
+    if random and passed:
+        details.append(f"the forward draws randomness the check could not switch off (the same batch from two RNG states "
+                       f"differs by {noise:.3g}); the sides still matched: each drew the same numbers from one RNG state")
+    elif random:
+        details.append("a random op outside nn.Dropout, a module's own dropout and F.dropout (a mask drawn by hand, "
+                       "noise injection, random augmentation in the forward): make it depend on self.training, or "
+                       "compare with it off; the check switches dropout off by those three routes only")
+    elif warning:
         details.append("to make k micro-batches match one batch: GroupNorm/LayerNorm instead of BatchNorm, or SyncBatchNorm "
                        "statistics over the whole window; otherwise keep micro-batches large enough for stable statistics")
     elif not passed:
@@ -113,5 +185,6 @@ def check_accum(ctx: CheckContext) -> CheckResult:
                        "or the task's (sum, count) is inconsistent")
     return CheckResult("accum", passed or warning, summary, warning=warning,
                        numbers={"k": k, "max_param_diff": diff, "tolerance": tol, "naive_max_param_diff": naive,
-                                "grad_norm": float(grad_norms(params)[0]), "batch_stat_layers": len(batch_stats)},
+                                "grad_norm": float(grad_norms(params)[0]), "batch_stat_layers": len(batch_stats),
+                                "residual_randomness": noise},
                        details=details)
