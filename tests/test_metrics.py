@@ -79,3 +79,37 @@ def test_rows_keep_each_steps_lr_although_the_lr_tensor_is_updated_in_place():
     assert [r.values["loss_scale"] for r in rows] == [1024.0, 512.0, 256.0]
     assert math.isnan(rows[0].values["params_finite"]) and rows[2].values["params_finite"] == 1.0  # checked on 3 only
     assert param_sq == [3.0]
+
+
+@pytest.mark.parametrize("saved, loaded", [(10, 2), (2, 10)])
+def test_a_partial_interval_loads_into_an_interval_of_another_length(saved, loaded):
+    """log.every changed on resume: the recorded steps carry over; the interval may then hold n + interval steps."""
+    rows = [(1.0, 1.0, True), (2.0, 3.0, True), (float("nan"), float("nan"), False), (4.0, 1.0, True), (5.0, 1.0, True)]
+    rows = rows[:2 + min(loaded, 3)]  # 2 loaded steps, then at most one whole new interval
+    whole = StepMetrics(10, num_params=2, device=torch.device("cpu"))
+    _fill(whole, rows)
+    expected = whole.reduce()
+    m = StepMetrics(saved, num_params=2, device=torch.device("cpu"))
+    _fill(m, rows[:2])
+    clone = StepMetrics(loaded, 2, torch.device("cpu"))
+    clone.load_state_dict(m.state_dict())
+    assert len(clone) == 2 and clone.state_dict()["buf"].shape == (2, len(COLUMNS))
+    for i, (loss, norm, ok) in enumerate(rows[2:], start=3):
+        clone.update(i, loss=t(loss), grad_norm=t(norm), post_clip_norm=t(min(norm, 2.0)),
+                     clipped=t(norm > 2.0 and ok), applied=t(ok), finite=t(ok), lr=t(0.1), loss_scale=t(1.0),
+                     count=t(8.0), per_param_norms=t([norm, 0.0]), num_samples=8)
+    summary, got_rows, param_sq = clone.reduce()
+    assert repr(summary) == repr(expected[0]) and param_sq == expected[2]
+    assert [r.step for r in got_rows] == list(range(1, len(rows) + 1)) and summary["num_skipped"] == 1
+    assert summary["loss"] == (7.0 / 3 if loaded == 2 else 3.0) and param_sq[0] == (11.0 if loaded == 2 else 12.0)
+    assert clone.capacity == loaded and len(clone) == 0  # back to the configured interval after its reduce
+
+
+def test_clear_drops_the_recorded_steps_without_a_reduce():
+    m = StepMetrics(3, num_params=2, device=torch.device("cpu"))
+    for _ in range(4):  # what a benchmark timing update() alone does: fill, drop, fill again
+        _fill(m, [(1.0, 1.0, True), (2.0, 1.0, True)])
+        m.clear()
+    _fill(m, [(2.0, 1.0, True), (4.0, 3.0, True), (6.0, 1.0, True)])
+    summary, rows, param_sq = m.reduce()
+    assert [r.step for r in rows] == [1, 2, 3] and summary["loss"] == 4.0 and param_sq == [11.0, 0.0]

@@ -1,6 +1,7 @@
 """Exact resumption: kill -9 at random steps, resume, and end bitwise equal to an uninterrupted run."""
 
 import json
+import math
 import os
 import random
 import signal
@@ -160,3 +161,30 @@ def test_a_corrupted_newest_checkpoint_is_reported_and_the_previous_one_used(tmp
     assert skipped and "step_000006" in skipped[0]["reason"]
     resume = [e for e in events if e["kind"] == "resume"][0]
     assert resume["step"] == 4 and resume["path"].endswith("step_000004")
+
+
+@pytest.mark.parametrize("every, then", [(10, 7), (7, 10)])
+def test_resume_with_another_log_every_continues_and_trains_as_the_uninterrupted_run(tmp_path, every, then):
+    """log.* is resume-safe: the metrics state round-trips into an interval of another length."""
+    from helpers import cfg
+
+    from stabletrain import Trainer
+
+    def trainer(run_dir, steps, log_every, resume=False):
+        torch.manual_seed(0)
+        c = cfg(f"log.every={log_every}", f"ckpt.every={2 * every}", f"train.max_steps={steps}", "train.batch_size=8")
+        return Trainer(c, run_dir=run_dir, resume=resume)
+
+    first = trainer(tmp_path / "run", 2 * every, every)
+    first.fit()
+    resumed = trainer(tmp_path / "run", 2 * every + 12, then, resume=True)
+    assert resumed.step == 2 * every
+    resumed.fit()
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    after = [m["step"] for m in lines if m["step"] > 2 * every]
+    assert after == [s for s in range(2 * every + 1, 2 * every + 13) if s % then == 0 or s == 2 * every + 12]
+    assert all(math.isfinite(m["loss"]) for m in lines)
+    straight = trainer(tmp_path / "straight", 2 * every + 12, every)
+    straight.fit()
+    for (name, a), b in zip(resumed.module.state_dict().items(), straight.module.state_dict().values()):
+        assert torch.equal(a, b), name

@@ -87,18 +87,27 @@ class StepMetrics:
 
     ``dist``: a :class:`~stabletrain.distributed.DistContext`; with more than one rank each rank also
     records its local non-finite flag per step, gathered by :meth:`reduce`.
+
+    The state holds the interval's recorded steps, not the buffer: it loads into an interval of another
+    length (``log.every`` changed on resume). An interval that starts with ``n`` loaded steps holds up to
+    ``n + interval`` until its reduce (the next boundary may be a whole new interval away).
     """
 
     def __init__(self, capacity: int, num_params: int, device: torch.device, dist: Any = None) -> None:
-        self.capacity, self.device = capacity, device
-        self.buf = torch.zeros(capacity, len(COLUMNS), dtype=torch.float32, device=device)
+        self.interval, self.device = capacity, device
         self.param_sq = torch.zeros(num_params, dtype=torch.float32, device=device)
         self.steps: list[int] = []
         self.samples = 0
         self.dist = dist if dist is not None and dist.world > 1 else None
-        self.local_flags = torch.zeros(capacity + 1, device=device) if self.dist is not None else None
+        self._allocate(capacity)
         # Steps recorded but not yet written into the buffers: (row values, per-param norms, finite, local flag).
         self._pending: list[tuple[list[Any], Tensor, Any, Tensor | None]] = []
+
+    def _allocate(self, capacity: int) -> None:
+        """(Re)make the per-step buffers with room for ``capacity`` steps (zeros; nothing recorded is kept)."""
+        self.capacity = capacity
+        self.buf = torch.zeros(capacity, len(COLUMNS), dtype=torch.float32, device=self.device)
+        self.local_flags = torch.zeros(capacity + 1, device=self.device) if self.dist is not None else None
 
     def update(self, step: int, *, per_param_norms: Tensor, num_samples: int, local_nonfinite: Tensor | None = None,
                **values: Tensor | float) -> None:
@@ -189,7 +198,6 @@ class StepMetrics:
             for i, row in enumerate(rows):
                 row.ranks = [r for r in range(self.dist.world) if per_rank[r][i] > 0.5]
             interval_signal = int(max(f[self.capacity] for f in per_rank))
-            self.local_flags.zero_()
         if annotate is not None:
             annotate(rows)
         finite_rows = [r.values for r in rows if r.values["finite"] > 0.5]
@@ -219,19 +227,35 @@ class StepMetrics:
             "interval_steps": n,
             "interval_signal": interval_signal,
         }
-        self.buf.zero_()
-        self.param_sq.zero_()
-        self.steps, self.samples = [], 0
+        self.clear()
         return summary, rows, param_sq
 
+    def clear(self) -> None:
+        """Drop the interval's recorded steps without reducing them (no sync); the next interval starts empty."""
+        self._pending = []
+        self.steps, self.samples = [], 0
+        if self.capacity != self.interval:  # the interval that began with a loaded partial one is over
+            self._allocate(self.interval)
+        else:
+            self.buf.zero_()
+            if self.local_flags is not None:
+                self.local_flags.zero_()
+        self.param_sq.zero_()
+
     def state_dict(self) -> dict[str, Any]:
+        """The interval so far: its recorded steps' rows (``buf``, one per step), ``param_sq``, steps and samples."""
         self._flush()
-        return {"buf": self.buf.clone(), "param_sq": self.param_sq.clone(), "steps": list(self.steps), "samples": self.samples}
+        n = len(self.steps)
+        return {"buf": self.buf[:n].clone(), "param_sq": self.param_sq.clone(), "steps": list(self.steps),
+                "samples": self.samples}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.buf.copy_(state["buf"])
+        """Restore :meth:`state_dict` under any interval length (a state saved with the whole buffer loads too)."""
+        steps = list(state["steps"])
+        self._allocate(len(steps) + self.interval if steps else self.interval)
+        self.buf[:len(steps)].copy_(state["buf"][:len(steps)])
         self.param_sq.copy_(state["param_sq"])
-        self.steps, self.samples = list(state["steps"]), int(state["samples"])
+        self.steps, self.samples = steps, int(state["samples"])
         self._pending = []
 
 
