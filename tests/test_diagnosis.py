@@ -260,3 +260,19 @@ def test_trainer_step_with_a_nan_sample_is_diagnosed_at_its_step():
     assert (d["stage"], d["bad_samples"], d["module"], d["reproduces"]) == ("inputs", [bad_index], "body.0", True)
     order = trainer.stream.order.micro_batches(0)
     assert step == next(i for i, mb in enumerate(order) if bad_index in mb) // 2 + 1
+
+
+@pytest.mark.parametrize("build", [faults.log_of_zero, faults.sqrt_at_zero], ids=["forward", "backward"])
+def test_the_frames_shown_for_the_first_bad_op_are_only_the_users(build):
+    """Forward stack, the autograd node's forward call and anomaly mode's: the task's file alone (faults.py).
+
+    Not stabletrain's replay/step frames, not torch's, and not the caller above stabletrain (this test).
+    """
+    import re
+
+    model, x = build()
+    d = diagnose(model, x, bisect=False)
+    files = re.findall(r'File "([^"]+)", line (\d+)', d["anomaly_trace"])
+    assert len(files) >= 2, d["anomaly_trace"]
+    assert {f.replace("\\", "/").rsplit("/", 1)[-1] for f, _ in files} == {"faults.py"}, d["anomaly_trace"]
+    assert "x = layer(x)" in d["anomaly_trace"]  # Stack.forward, the user's own loop over layers, stays
