@@ -1,10 +1,12 @@
 """The fit loop: determinism, data progress, the built-in tasks and the task contract."""
 
+import os
+
 import pytest
 import torch
 
 from helpers import cfg
-from stabletrain import Trainer, resolve_task
+from stabletrain import Callback, Trainer, resolve_task
 from stabletrain.tasks import TaskError
 
 TIMING = {"tokens_per_s", "samples_per_s", "step_time_s", "peak_memory_mib"}
@@ -155,3 +157,50 @@ def test_without_a_run_directory_no_interval_snapshot_is_taken(tmp_path):
     with_dir = Trainer(cfg("train.max_steps=4", "log.every=2"), run_dir=tmp_path / "run")
     with_dir.fit()
     assert with_dir.recorder.snapshot is not None
+
+
+def _torch_settings():
+    return (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+            torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+
+
+@pytest.fixture
+def user_torch_settings():
+    """A process whose own settings are not torch's defaults (benchmark on, determinism warn-only); put back after."""
+    before = _torch_settings()
+    env = os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    torch.backends.cudnn.benchmark = True
+    torch.use_deterministic_algorithms(False, warn_only=True)
+    try:
+        yield _torch_settings()
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]
+        if env is not None:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = env
+
+
+def test_a_trainer_leaves_the_process_torch_settings_alone_unless_asked_and_puts_them_back(user_torch_settings):
+    seen = []
+
+    class Seen(Callback):
+        def on_step_end(self, state, out):
+            seen.append(_torch_settings())
+
+    trainer = Trainer(cfg("train.max_steps=2"), callbacks=[Seen()])
+    assert _torch_settings() == user_torch_settings  # deterministic=false: nothing changed, not even at build
+    trainer.fit()
+    assert seen[-1] == user_torch_settings and _torch_settings() == user_torch_settings
+    trainer = Trainer(cfg("train.max_steps=2", "deterministic=true"), callbacks=[Seen()])
+    trainer.fit()
+    assert seen[-1] == (True, False, True, False, ":4096:8")  # on while fit() runs
+    assert _torch_settings() == user_torch_settings  # and put back after it
+
+    class Boom(Callback):
+        def on_step_end(self, state, out):
+            raise RuntimeError("boom")
+
+    trainer = Trainer(cfg("train.max_steps=2", "deterministic=true"), callbacks=[Boom()])
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit()
+    assert _torch_settings() == user_torch_settings  # also after an exception

@@ -163,7 +163,8 @@ class Config:
     task: str = _f("gpt", "built-in task name (gpt, mlp) or a user factory 'module:function' returning a stabletrain.Task")
     task_args: dict = _f({}, "keyword arguments for the task factory (e.g. task_args.n_layer=6 for gpt)")
     seed: int = _f(0, "seed for python, numpy, torch (all devices) and dataloader workers")
-    deterministic: bool = _f(False, "torch.use_deterministic_algorithms(True) and deterministic cuDNN")
+    deterministic: bool = _f(False, "torch.use_deterministic_algorithms(True) and deterministic cuDNN while fit() "
+                                    "runs (put back after it); false: no global torch setting is touched")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = _f("auto", "auto = bf16 on CUDA where supported, else fp32; fp16 uses a GradScaler (allowed on CPU for testing the fp16 path: slow, and warned)")
     device: str = _f("auto", "auto = cuda if available, else cpu; or an explicit torch device string")
     train: TrainConfig = _section(TrainConfig, "training length and batch")

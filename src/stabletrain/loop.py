@@ -47,7 +47,7 @@ from .optim import build_optimizer
 from .precision import PrecisionPolicy, resolve_device
 from .records import RunDir, build_snapshot
 from .schedule import LRSchedule
-from .seeding import rng_state, seed_everything, set_deterministic, set_rng_state
+from .seeding import deterministic_mode, rng_state, seed_everything, set_rng_state
 from .step import TrainStep
 from .tasks import Task, resolve_task
 
@@ -99,7 +99,6 @@ class Trainer:
     def __init__(self, cfg: Config, task: Task | None = None, run_dir: str | Path | None = None, *,
                  resume: bool = False, callbacks: Sequence[Callback] = ()) -> None:
         self.cfg = cfg.validate()
-        set_deterministic(cfg.deterministic)
         seed_everything(cfg.seed)
         self.task = task if task is not None else resolve_task(cfg.task, cfg.task_args)
         if self.task.val_data is not None and len(self.task.val_data) == 0:
@@ -226,9 +225,11 @@ class Trainer:
 
         Under DDP a SIGTERM/SIGINT is acted on at the next log boundary, where the ranks agree on it
         (one rank may have seen it a step before another); a lost peer raises :class:`PeerLostError`.
+        ``deterministic=true`` turns on torch's deterministic algorithms while fit() runs only
+        (:func:`~stabletrain.seeding.deterministic_mode`); otherwise no global torch setting is touched.
         """
         try:
-            with gc_frozen():
+            with deterministic_mode(self.cfg.deterministic), gc_frozen():  # put back when fit() returns or raises
                 return self._fit()
         except Exception as err:
             if not (self.dist.enabled and is_peer_failure(err)):

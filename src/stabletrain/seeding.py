@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["seed_everything", "set_deterministic", "seed_worker", "rng_state", "set_rng_state"]
+__all__ = ["seed_everything", "deterministic_mode", "seed_worker", "rng_state", "set_rng_state"]
 
 
 def seed_everything(seed: int) -> None:
@@ -19,14 +21,34 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds every CUDA device
 
 
-def set_deterministic(enabled: bool) -> None:
-    """Turn torch's deterministic algorithms (and deterministic cuDNN/cuBLAS) on or off."""
-    if enabled:
-        # cuBLAS needs this workspace setting to be deterministic; set before the first CUDA matmul.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(enabled)
-    torch.backends.cudnn.deterministic = enabled
-    torch.backends.cudnn.benchmark = False
+@contextlib.contextmanager
+def deterministic_mode(enabled: bool) -> Iterator[None]:
+    """Run the block with torch's deterministic algorithms and deterministic cuDNN/cuBLAS; then put the settings back.
+
+    ``enabled=False`` changes nothing: the process's own settings stand (they are global, and the
+    process may be someone else's). Put back on exit, also on an exception:
+    ``torch.use_deterministic_algorithms`` (mode and ``warn_only``), ``cudnn.deterministic``,
+    ``cudnn.benchmark`` and the ``CUBLAS_WORKSPACE_CONFIG`` environment variable.
+    """
+    if not enabled:
+        yield
+        return
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    # cuBLAS needs this workspace setting to be deterministic; it is read at the process's first CUDA matmul.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False  # benchmarking picks by timing
+    try:
+        yield
+    finally:
+        mode, warn_only, cudnn_deterministic, benchmark, workspace = saved
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn_deterministic, benchmark
+        if workspace is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = workspace
 
 
 def seed_worker(worker_id: int) -> None:
