@@ -53,6 +53,19 @@ def test_planted_fault_diagnosis(build, stage, op, direction, module):
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_a_frozen_batchnorm_replays_frozen_and_stays_frozen():
+    """The replay runs the model in the modes the run had it, and gives each module its own mode back."""
+    torch.manual_seed(0)
+    model = faults.Stack(nn.Linear(8, 16), nn.BatchNorm1d(16), faults.LogFeatures(), nn.Linear(16, 4))
+    model.layers[1].eval()  # frozen: running stats fixed
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
+    before = snapshot(model)
+    d = diagnose(model, x, bisect=False)
+    assert (d["stage"], d["op"], d["module"], d["reproduces"]) == ("activations", "aten.log.default", "layers.2", True)
+    assert [m.training for m in model.modules()] == [True, True, True, False, True, True]
+    assert_unchanged(model, before)
+
+
 def test_sqrt_fault_names_the_zero_sample_and_its_forward_line():
     model, x = faults.sqrt_at_zero(zero_row=5)
     d = diagnose(model, x, indices=[40, 41, 42, 43, 44, 45, 46, 47])

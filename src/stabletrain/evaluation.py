@@ -9,6 +9,7 @@ from torch import nn
 
 from .accumulation import as_sum_count
 from .data import EpochOrder, move_to
+from .numerics import modes_kept
 from .precision import PrecisionPolicy
 
 __all__ = ["validation_loss"]
@@ -21,11 +22,21 @@ def validation_loss(task: Any, module: nn.Module, precision: PrecisionPolicy, ba
 
     The batches are the same on every run (no shuffle); under DDP each rank takes its share and one
     all-reduce sums the (loss sum, count) pairs. ``module`` is the model itself, not a DDP wrapper (a
-    forward through DDP could broadcast buffers). The module is left in training mode. One host sync.
+    forward through DDP could broadcast buffers). The forward runs in eval mode; then every submodule
+    gets its own mode back (one the user froze in eval mode stays so). One host sync.
     """
     if task.val_data is None or len(task.val_data) == 0:
         return {}
-    module.eval()
+    with modes_kept(module):
+        module.eval()
+        total = _loss_sum_count(task, module, precision, batch_size, max_batches, dist)
+    loss_sum, count = dist.all_reduce_(total).tolist()  # the one sync (and one all-reduce)
+    return {"val_loss": loss_sum / max(count, 1.0)}
+
+
+def _loss_sum_count(task: Any, module: nn.Module, precision: PrecisionPolicy, batch_size: int, max_batches: int,
+                    dist: Any) -> torch.Tensor:
+    """This rank's (loss sum, count) over its share of the validation batches, as a device tensor (no sync)."""
     batches = EpochOrder(len(task.val_data), batch_size, seed=0, shuffle=False).micro_batches(0)
     if max_batches:
         batches = batches[:max_batches]
@@ -43,6 +54,4 @@ def validation_loss(task: Any, module: nn.Module, precision: PrecisionPolicy, ba
             loss_sum, count = as_sum_count(task.loss(module, batch), len(indices))
         if r < len(mine):
             total += torch.stack([loss_sum.detach(), count])
-    loss_sum, count = dist.all_reduce_(total).tolist()  # the one sync (and one all-reduce)
-    module.train()
-    return {"val_loss": loss_sum / max(count, 1.0)}
+    return total

@@ -5,8 +5,9 @@ Every function here returns device tensors; none calls ``.item()`` unless its do
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -20,6 +21,7 @@ __all__ = [
     "first_nonfinite_grad",
     "snapshot_params",
     "update_norm",
+    "modes_kept",
 ]
 
 
@@ -32,6 +34,22 @@ def unique_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
             seen.add(id(p))
             out.append((name, p))
     return out
+
+
+@contextlib.contextmanager
+def modes_kept(model: nn.Module) -> Iterator[None]:
+    """Give every submodule of ``model`` back its own train/eval mode when the block ends (also on an exception).
+
+    ``model.train(was_training)`` would set one mode on all of them and unfreeze what the user put in eval
+    mode (a frozen BatchNorm would then update its running statistics). Modes are set attribute by
+    attribute, as they were, without calling any module's ``train()``.
+    """
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
 
 
 def grad_norms(params: list[Tensor]) -> tuple[Tensor, Tensor]:

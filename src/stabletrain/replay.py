@@ -30,7 +30,7 @@ from .data import move_to
 from .diagnosis import run_diagnosis
 from .fileio import atomic_write
 from .incidents import DIAGNOSIS_FILE, load_bundle
-from .numerics import grad_norms, unique_params
+from .numerics import grad_norms, modes_kept, unique_params
 from .optim import build_optimizer
 from .precision import PrecisionPolicy, resolve_device
 from .schedule import LRSchedule
@@ -70,16 +70,18 @@ class _Replayer:
         self.named_params = unique_params(model)
         self.params = [p for _, p in self.named_params]
         self.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self.modes = [(m, m.training) for m in model.modules()]  # the run's modes (a frozen BatchNorm stays frozen)
         self.rng = rng_state()
         self.step: TrainStep | None = None
 
     def reset(self) -> None:
-        """Put back the saved parameters and buffers and RNG state; drop the gradients."""
+        """Put back the saved parameters, buffers, modes and RNG state; drop the gradients."""
         self.model.load_state_dict(self.state)
         set_rng_state(self.rng)
         for p in self.params:
             p.grad = None
-        self.model.train()
+        for m, training in self.modes:
+            m.training = training
 
     def _fresh_step(self) -> TrainStep:
         """The run's step with its optimizer, schedule and scaler as before the bad step (or a measuring one)."""
@@ -200,7 +202,6 @@ def diagnose_step(
     if not micro_batches:
         raise ValueError("micro_batches is empty: pass the step's window as [(dataset indices, batch), ...]")
     device = torch.device(device) if device is not None else precision.device
-    was_training = model.training
     saved_grads = [(p, p.grad) for p in model.parameters()]
     if step_factory is None and optimizer_factory is not None:
         factory = optimizer_factory
@@ -210,14 +211,14 @@ def diagnose_step(
             fresh.load_state_dict(precision.state_dict())
             return TrainStep(model, factory(), fresh, clipper=GradClipper(max_norm))
 
-    replayer = _Replayer(model, loss_fn, precision, device, step_factory)
-    try:
-        return run_diagnosis(replayer, micro_batches, num_replays, dataset, collate, observed_loss, bisect, anomaly)
-    finally:
-        replayer.reset()
-        for p, g in saved_grads:
-            p.grad = g
-        model.train(was_training)
+    with modes_kept(model):
+        replayer = _Replayer(model, loss_fn, precision, device, step_factory)
+        try:
+            return run_diagnosis(replayer, micro_batches, num_replays, dataset, collate, observed_loss, bisect, anomaly)
+        finally:
+            replayer.reset()
+            for p, g in saved_grads:
+                p.grad = g
 
 
 
