@@ -138,6 +138,7 @@ def test_cli_lists_runs_one_and_rejects_an_unknown_lab(tmp_path, capsys):
     assert main(["lab", "5", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "lab 5: PASS" in out and (tmp_path / "lab5_cost.png").exists()
+    assert (tmp_path / ".stabletrain-output").is_file()  # a run's git.dirty does not count the labs' folder
     assert main(["lab", "9"]) == 2
     assert "unknown lab '9'" in capsys.readouterr().err
 

@@ -114,3 +114,46 @@ def test_a_resume_from_the_step_0_checkpoint_purges_the_steps_a_crash_left_in_te
     acc = EventAccumulator(str(tmp_path / "r" / "tb"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4, 5]
+
+
+def test_git_dirty_does_not_count_stabletrains_own_output(tmp_path, monkeypatch):
+    """check's folder, lab output, runs/ and a run directory anywhere are not dirt; the user's changes are."""
+    import subprocess
+
+    from stabletrain import Trainer
+    from stabletrain.checks import CheckContext
+    from stabletrain.records import OUTPUT_MARKER, git_info, mark_output_dir
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "train.py").write_text("print('train')\n")
+    git("add", "train.py")
+    git("commit", "-q", "-m", "code")
+    monkeypatch.chdir(tmp_path)
+    clean = git_info(tmp_path)
+    assert clean["dirty"] is False and clean["diff_sha256"] is None
+
+    CheckContext(cfg()).output_path("init_signal.json").write_text("{}")  # stabletrain check's default folder
+    mark_output_dir(tmp_path / "labs")  # what run_lab does with --out
+    (tmp_path / "labs" / "lab1_signal.png").write_bytes(b"png")
+    Trainer(cfg("train.max_steps=2", "log.every=1"), run_dir="runs/a").fit()
+    Trainer(cfg("train.max_steps=2", "log.every=1"), run_dir="elsewhere/b").fit()
+    assert (tmp_path / "stabletrain-check" / OUTPUT_MARKER).is_file()
+    assert git_info(tmp_path)["dirty"] is False
+    Trainer(cfg("train.max_steps=2", "log.every=1"), run_dir="runs/c").fit()
+    assert json.loads((tmp_path / "runs" / "c" / "snapshot.json").read_text())["git"] == clean  # what compare reads
+    (tmp_path / "sub").mkdir()
+    assert git_info(tmp_path / "sub")["dirty"] is False  # from a subfolder: paths are the repository's
+
+    (tmp_path / "runs" / "notes.txt").write_text("mine")  # the user's file inside runs/ is the user's
+    assert git_info(tmp_path)["dirty"] is True
+    (tmp_path / "runs" / "notes.txt").unlink()
+    (tmp_path / "new.py").write_text("x = 1\n")
+    assert git_info(tmp_path)["dirty"] is True
+    (tmp_path / "new.py").unlink()
+    (tmp_path / "train.py").write_text("print('changed')\n")
+    changed = git_info(tmp_path)
+    assert changed["dirty"] is True and changed["diff_sha256"] is not None

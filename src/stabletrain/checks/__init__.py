@@ -25,6 +25,7 @@ import torch
 from ..config import Config
 from ..errors import TaskCodeError, format_user_traceback, task_part, user_location
 from ..precision import resolve_device
+from ..records import mark_output_dir
 from ..seeding import seed_everything
 from ..tasks import Task, resolve_task
 
@@ -73,8 +74,9 @@ class CheckContext:
         return Path(self.options.get("out_dir") or DEFAULT_OUT_DIR)
 
     def output_path(self, name: str) -> Path:
-        """Return ``out_dir / name`` for a file a check is about to write (the folder is created; the file recorded)."""
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        """Return ``out_dir / name`` for a file a check is about to write (the folder is created and marked as
+        stabletrain's output, so a run's ``git.dirty`` does not count it; the file recorded)."""
+        mark_output_dir(self.out_dir)
         path = self.out_dir / name
         if path not in self.written:
             self.written.append(path)

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..records import mark_output_dir
+
 __all__ = ["Claim", "LabInfo", "LabResult", "LABS", "run_lab", "format_result", "format_list", "new_figure",
            "save_figure", "fmt"]
 
@@ -126,7 +128,7 @@ def run_lab(key: str, out_dir: str | Path | None = None, **settings: Any) -> Lab
     module = importlib.import_module(f"{__name__}.{LABS[key].module}")
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
+        mark_output_dir(out)  # stabletrain's output: a run's git.dirty does not count it
     t0 = time.perf_counter()
     result = module.run(out_dir=out, **settings)
     result.seconds = time.perf_counter() - t0
