@@ -46,6 +46,21 @@ def test_lab_is_deterministic_and_its_explanation_follows_the_numbers():
     assert f"{a.numbers['diff_naive']:.3g}" in " ".join(a.explanation)
 
 
+def test_lab3_plots_its_windows_on_integer_ticks(tmp_path, monkeypatch):
+    from stabletrain.lab import lab3, save_figure
+
+    ticks = []
+
+    def spy(fig, path):  # the real save, after reading the x ticks matplotlib chose
+        fig.canvas.draw()
+        ticks.extend(t for ax in fig.axes for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1])
+        return save_figure(fig, path)
+
+    monkeypatch.setattr(lab3, "save_figure", spy)
+    run_lab("3", tmp_path)
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks
+
+
 # -- each observation can fail: the lab run with the setting that breaks it ---------------------------
 
 
@@ -55,8 +70,37 @@ def test_lab1_fails_when_kaiming_is_swapped_for_normal_init():
     assert not result.passed
     claims = _claims(result)
     assert not next(ok for text, ok in claims.items() if text.startswith("Kaiming with relu"))
-    assert next(ok for text, ok in claims.items() if text.startswith("Xavier with tanh"))
+    assert next(ok for text, ok in claims.items() if text.startswith("Xavier (gain 1) with relu"))
     assert result.numbers["relu/Kaiming/fwd_drift"] > 1e3
+
+
+def test_lab1_counts_layers_and_its_xavier_is_the_chapters_gain_1_shrinking_by_1_over_sqrt2(tmp_path, monkeypatch):
+    """The chapter's unit is the layer (12 Linear layers), and its Xavier is xavier_uniform_ with gain 1: with ReLU
+    the std shrinks by about 1/sqrt(2) per layer, where Kaiming's gain sqrt(2) holds it."""
+    import math
+
+    from stabletrain import signal_propagation
+    from stabletrain.lab import lab1
+
+    plotted = []
+    real_plot = signal_propagation.plot_signal
+    monkeypatch.setattr(lab1, "plot_signal", lambda reports, *a, **k: plotted.append(reports) or real_plot(reports, *a, **k))
+    result = run_lab("1", tmp_path, activations=("relu",))
+    n = result.numbers
+    per_layer = n["relu/Xavier/fwd_per_layer"]
+    assert abs(per_layer - 1 / math.sqrt(2)) < 0.05, per_layer  # measured 0.721
+    assert n["relu/Xavier/fwd_drift"] < 0.1 and 0.25 < n["relu/Kaiming/fwd_drift"] < 4
+    assert n["relu/Xavier/layers"] == 12 and n["relu/Xavier/flagged"] <= 12 and n["relu/N(0,1)/flagged"] <= 12
+    rows = {row[1]: row for row in result.rows}
+    gain, w_std = result.columns.index("gain"), result.columns.index("w std")
+    assert (rows["Xavier"][gain], rows["Kaiming"][gain]) == ("1", "sqrt(2)")
+    assert float(rows["Xavier"][w_std]) == pytest.approx(0.125, rel=0.05)  # sqrt(2 / (64 + 64)): not Kaiming's 0.177
+    assert float(rows["Kaiming"][w_std]) == pytest.approx(math.sqrt(2 / 64), rel=0.05)
+    assert "layers flagged (of 12)" in result.columns
+    (reports,) = plotted  # the plot's x axis: layers 1..12
+    assert all([layer.index for layer in r.layers] == list(range(1, 13)) for r in reports)
+    assert any(c.text.startswith("Xavier (gain 1) with relu: forward std shrinks by about 1/sqrt(2)") and c.passed
+               for c in result.claims)
 
 
 def test_lab2_fails_without_a_scaler():

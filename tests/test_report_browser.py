@@ -217,3 +217,18 @@ def test_the_checks_catch_a_broken_page(browser, tmp_path):
     assert any("planted error" in e for e in shown.errors)
     with pytest.raises(AssertionError):  # a nearly empty page
         assert_not_blank(shown.screenshot)
+
+
+def test_labs_page_shows_the_chinese_line_only_where_the_browser_has_a_font_for_it(browser, tmp_path):
+    """Without a CJK font (``fc-list :lang=zh`` empty) the chapter's Chinese line would be boxes: it is hidden,
+    the English question stays; with one it is shown."""
+    from stabletrain.lab import LABS, run_lab
+    from stabletrain.lab.index import write_index
+
+    page = write_index([run_lab("3", tmp_path)], tmp_path)
+    fonts = subprocess.run(["fc-list", ":lang=zh"], capture_output=True, text=True).stdout.strip() if shutil.which(
+        "fc-list") else ""
+    shown = render(browser, page)
+    assert shown.errors == []
+    assert LABS["3"].question in shown.text
+    assert (LABS["3"].question_zh in shown.text) == bool(fonts), (fonts, shown.text[:400])

@@ -620,12 +620,16 @@ def format_comparison(reports: list[SignalReport]) -> list[str]:
     return lines
 
 
-def plot_signal(reports: Iterable[SignalReport], path: str | Path) -> Path:
-    """Plot per-layer std by depth, forward and backward, one line per report, to a PNG at ``path``."""
+def plot_signal(reports: Iterable[SignalReport], path: str | Path, xlabel: str = "layer (execution order)") -> Path:
+    """Plot per-layer std by depth, forward and backward, one line per report, to a PNG at ``path``.
+
+    The x axis is each layer's ``index`` (integer ticks), named ``xlabel``.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     reports = list(reports)
     path = Path(path)
@@ -641,7 +645,8 @@ def plot_signal(reports: Iterable[SignalReport], path: str | Path) -> Path:
     for ax, title, ylabel in ((ax_f, "forward: activation std", "std of the layer's output (norms: input)"),
                               (ax_b, "backward: gradient std", "std of d loss / d output")):
         ax.set_yscale("log")
-        ax.set_xlabel("layer (execution order)")
+        ax.set_xlabel(xlabel)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(ylabel)
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)

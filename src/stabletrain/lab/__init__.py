@@ -197,10 +197,14 @@ def format_list() -> str:
 # -- plots --------------------------------------------------------------------------------------------
 
 
-def new_figure(ncols: int = 1, width: float = 6.4, height: float = 3.6) -> tuple[Any, list[Any]]:
-    """Return a matplotlib Figure (Agg canvas, no pyplot state) and its ``ncols`` axes side by side."""
+def new_figure(ncols: int = 1, width: float = 6.4, height: float = 3.6, integer_x: bool = True) -> tuple[Any, list[Any]]:
+    """Return a matplotlib Figure (Agg canvas, no pyplot state) and its ``ncols`` axes side by side.
+
+    ``integer_x``: x ticks at whole numbers only (steps, windows, layers are counted; a tick at 2.5 means nothing).
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(width * ncols, height), dpi=110)
     FigureCanvasAgg(fig)
@@ -209,6 +213,8 @@ def new_figure(ncols: int = 1, width: float = 6.4, height: float = 3.6) -> tuple
         ax.grid(True, color="#e5e5e5", linewidth=0.8)
         ax.set_axisbelow(True)
         ax.tick_params(labelsize=8)
+        if integer_x:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     return fig, axes
 
 

@@ -35,6 +35,30 @@ h3 { font-size:14px; margin:16px 0 6px; color:#3b444d; }
 """
 
 
+# The chapter's original lines are Chinese. Where the browser has no font for them (a headless Linux without
+# fonts-noto-cjk) they would show as boxes: this hides them, leaving the English line. Missing glyphs all
+# draw the same box (.notdef), two different characters of a real font never do. (Firefox draws a box
+# with the code point instead, so there the lines stay, as boxes; the README names the font package.)
+_CJK_FALLBACK = """
+<script>
+(function () {
+  var lines = Array.prototype.slice.call(document.querySelectorAll('.zh'));
+  var chars = lines.map(function (p) { return p.textContent; }).join('').match(/[\u4e00-\u9fff]/g) || [];
+  chars = chars.filter(function (c, i) { return chars.indexOf(c) === i; });
+  if (chars.length < 2) return;
+  var canvas = document.createElement('canvas');
+  canvas.width = canvas.height = 40;
+  var ctx = canvas.getContext('2d');
+  ctx.font = '32px ' + getComputedStyle(lines[0]).fontFamily;
+  function ink(c) { ctx.clearRect(0, 0, 40, 40); ctx.fillText(c, 2, 32); return ctx.getImageData(0, 0, 40, 40).data.join(); }
+  var shown = ink(chars[0]) !== ink(chars[1]);
+  lines.forEach(function (p) { p.hidden = !shown; });
+  document.documentElement.setAttribute('data-zh', shown ? 'shown' : 'hidden');
+})();
+</script>
+"""
+
+
 def _cells(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     numeric = [all(isinstance(r[i], (int, float)) and not isinstance(r[i], bool) or r[i] is None for r in rows)
                for i in range(len(columns))]
@@ -48,7 +72,7 @@ def _section(result: LabResult) -> str:
     parts = [f'<section class="lab" id="lab-{esc(info.key)}">',
              f"<h2>{badge} lab {esc(info.key)}: {esc(info.title)}</h2>",
              f'<p class="question"><b>Question.</b> {esc(info.question)}</p>',
-             f'<p class="zh">{esc(info.question_zh)}</p>',
+             f'<p class="zh" lang="zh">{esc(info.question_zh)}</p>',
              f'<p class="setup"><b>Setup.</b> {esc(result.setup)} ({result.seconds:.1f} s)</p>',
              "<h3>Numbers</h3>", _cells(result.columns, result.rows)]
     for title, columns, rows in result.tables:
@@ -73,7 +97,7 @@ def render_index(results: Sequence[LabResult]) -> str:
     head = (f"<h1>stabletrain labs</h1><p class=\"sub\">The chapter's exercises, run and checked: {passed} of "
             f"{len(results)} labs passed; {sum(r.seconds for r in results):.0f} s in all. "
             f"stabletrain {esc(__version__)}, {esc(time.strftime('%Y-%m-%d %H:%M'))}.</p><nav>{nav}</nav>")
-    body = _CSS + head + "\n".join(_section(r) for r in results)
+    body = _CSS + head + "\n".join(_section(r) for r in results) + _CJK_FALLBACK
     return page("stabletrain labs", body)
 
 
