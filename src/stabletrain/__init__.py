@@ -21,7 +21,7 @@ from .initialization import InitChange, InitFingerprint, init_
 from .bisection import Bisection, bisect_samples
 from .nonfinite import NonFiniteLocator, NonFiniteOp, anomaly_trace
 from .signal_propagation import SignalReport, SignalThresholds, plot_signal, signal_report
-from .monitor import Monitor, StopTraining
+from .integrations.monitor import Monitor, StopTraining
 
 __all__ = [
     "__version__",

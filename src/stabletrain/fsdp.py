@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .accumulation import AccumulationWindow
+from .internals import scaler_found_inf
 from .precision import PrecisionPolicy
 
 __all__ = [
@@ -269,7 +270,7 @@ class ShardedPrecision(PrecisionPolicy):
         first = self.scaler is not None and id(optimizer) not in self._unscaled
         super().unscale_(optimizer)
         if first and dist.is_initialized() and dist.get_world_size() > 1:
-            for found in self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+            for found in scaler_found_inf(self.scaler, optimizer):
                 dist.all_reduce(found, op=dist.ReduceOp.MAX)
 
 

@@ -86,19 +86,25 @@ class StepMetrics:
     """Device-side accumulators for one log interval of at most ``capacity`` steps.
 
     ``dist``: a :class:`~stabletrain.distributed.DistContext`; with more than one rank each rank also
-    records its local non-finite flag per step, gathered by :meth:`reduce`.
+    records its local non-finite flag per step, gathered by :meth:`reduce`. ``local``: under DDP, the
+    columns that hold this rank's own value (an adapter's host computes each rank's loss and count on its
+    own): gathered in the same all-gather, a row's ``loss`` becomes the mean over the ranks (NaN if any
+    rank's is) and its ``count``, like the interval's samples, the sum.
 
     The state holds the interval's recorded steps, not the buffer: it loads into an interval of another
     length (``log.every`` changed on resume). An interval that starts with ``n`` loaded steps holds up to
     ``n + interval`` until its reduce (the next boundary may be a whole new interval away).
     """
 
-    def __init__(self, capacity: int, num_params: int, device: torch.device, dist: Any = None) -> None:
+    def __init__(self, capacity: int, num_params: int, device: torch.device, dist: Any = None,
+                 local: tuple[str, ...] = ()) -> None:
         self.interval, self.device = capacity, device
         self.param_sq = torch.zeros(num_params, dtype=torch.float32, device=device)
         self.steps: list[int] = []
         self.samples = 0
         self.dist = dist if dist is not None and dist.world > 1 else None
+        assert set(local) <= {"loss", "count"}, f"StepMetrics: local columns are loss and count, got {local}"
+        self.local = tuple(COLUMNS.index(c) for c in local) if self.dist is not None else ()
         self._allocate(capacity)
         # Steps recorded but not yet written into the buffers: (row values, per-param norms, finite, local flag).
         self._pending: list[tuple[list[Any], Tensor, Any, Tensor | None]] = []
@@ -185,7 +191,9 @@ class StepMetrics:
         parts = [self.buf[:n].flatten(), self.param_sq]
         if self.local_flags is not None:
             self.local_flags[self.capacity] = float(signal)
-            parts.append(self.dist.all_gather(self.local_flags).flatten())
+            mine = [self.local_flags, *(self.buf[:, c] for c in self.local),
+                    *([torch.full((1,), float(self.samples), device=self.device)] if self.local else [])]
+            parts.append(self.dist.all_gather(torch.cat(mine)).flatten())
         host = torch.cat(parts).tolist()  # the interval's one sync
         table = [host[r * len(COLUMNS):(r + 1) * len(COLUMNS)] for r in range(n)]
         param_sq = host[n * len(COLUMNS):n * len(COLUMNS) + len(self.param_sq)]
@@ -193,11 +201,18 @@ class StepMetrics:
         interval_signal = signal
         if self.local_flags is not None:
             flags = host[n * len(COLUMNS) + len(self.param_sq):]
-            width = self.capacity + 1
+            width = self.capacity + 1 + len(self.local) * self.capacity + (1 if self.local else 0)
             per_rank = [flags[r * width:(r + 1) * width] for r in range(self.dist.world)]
             for i, row in enumerate(rows):
                 row.ranks = [r for r in range(self.dist.world) if per_rank[r][i] > 0.5]
             interval_signal = int(max(f[self.capacity] for f in per_rank))
+            for j, c in enumerate(self.local):  # each rank's own values: the mean loss, the total count
+                at = self.capacity + 1 + j * self.capacity
+                for i, row in enumerate(rows):
+                    values = [f[at + i] for f in per_rank]
+                    row.values[COLUMNS[c]] = sum(values) / (len(values) if COLUMNS[c] == "loss" else 1)
+            if self.local:
+                self.samples = int(sum(f[-1] for f in per_rank))
         if annotate is not None:
             annotate(rows)
         finite_rows = [r.values for r in rows if r.values["finite"] > 0.5]

@@ -16,6 +16,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .console import StableTrainWarning
+from .internals import fused_skip, scaler_found_inf, scaler_scale, skips_on_device
+
 __all__ = ["PrecisionPolicy", "resolve_precision", "resolve_device"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -46,7 +49,7 @@ def resolve_precision(mode: str, device: torch.device) -> str:
         if not _warned_fp16_cpu:
             _warned_fp16_cpu = True  # once per process: replays and checks build more policies
             warnings.warn("precision=fp16 on CPU: fp16 autocast and GradScaler('cpu') run, slowly; meant for testing the "
-                      "fp16 path without a GPU (use bf16 or fp32 to train on CPU)", stacklevel=3)
+                      "fp16 path without a GPU (use bf16 or fp32 to train on CPU)", StableTrainWarning, stacklevel=3)
     elif mode == "fp16" and device.type != "cuda":
         raise ValueError(f"config key 'precision': fp16 needs a CUDA device or the CPU, got precision=fp16 on {device.type}; "
                          "use precision=bf16 or fp32")
@@ -99,13 +102,15 @@ class PrecisionPolicy:
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the grads by the loss scale in place (fp16 only), so norms and clipping see true values."""
         if self.scaler is not None and id(optimizer) not in self._unscaled:
-            self.scaler.unscale_(optimizer)  # records the scaler's own inf check for update()
+            if not scaler_found_inf(self.scaler, optimizer):  # the caller's own code may have unscaled already
+                self.scaler.unscale_(optimizer)  # records the scaler's own inf check for update()
             self._unscaled.add(id(optimizer))
 
     def loss_scale(self) -> Tensor:
         """Return the current loss scale as a device tensor (1.0 without a scaler); no sync."""
-        if self.scaler is not None and self.scaler._scale is not None:  # _scale: the scaler's device tensor
-            return self.scaler._scale.detach().float().reshape(())
+        scale = scaler_scale(self.scaler) if self.scaler is not None else None
+        if scale is not None:
+            return scale.detach().float().reshape(())
         return torch.ones((), device=self.device)
 
     def step(self, optimizer: torch.optim.Optimizer, ok: Tensor) -> Tensor:
@@ -123,23 +128,19 @@ class PrecisionPolicy:
         if self.scaler is not None:
             self.unscale_(optimizer)  # a no-op when the caller already unscaled (it must, before clipping)
             # The inf check unscale_ recorded (a device tensor per device); read without a sync.
-            state = self.scaler._per_optimizer_states[id(optimizer)]
-            found = [t.to(ok.device) for t in state["found_inf_per_device"].values()]
+            found = [t.to(ok.device) for t in scaler_found_inf(self.scaler, optimizer)]
             found_inf = torch.stack(found).sum() > 0 if found else None
         applied = ok if found_inf is None else ok & ~found_inf
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
-            optimizer.grad_scale = None  # the grads are unscaled already
-            optimizer.found_inf = (~applied).float()
-            try:
+        if skips_on_device(optimizer):
+            with fused_skip(optimizer, ~applied):  # the grads are unscaled already
                 optimizer.step()
-            finally:
-                del optimizer.grad_scale, optimizer.found_inf
         else:
             if not self._warned_sync:
                 warnings.warn(
                     f"{type(optimizer).__name__} cannot skip a step on the device; stabletrain reads the skip flag "
                     "on the host once per step (a sync). A fused optimizer avoids it (AdamW, Adam, SGD with fused=True; "
                     "under FSDP2 only AdamW and Adam: torch has no DTensor rule for fused SGD).",
+                    StableTrainWarning,
                     stacklevel=2,
                 )
                 self._warned_sync = True

@@ -261,7 +261,10 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
     result = diagnose_step(model, task.loss, micro_batches, precision=precision, step_factory=step_factory,
                            device=dev, dataset=task.train_data, collate=task.collate, observed_loss=observed.get("loss"), bisect=bisect, anomaly=anomaly)
     result = {"step": bundle["step"], "rank": bundle.get("rank", 0), "epoch": bundle["window"]["epoch"],
-              "observed": observed, **result}
+              "observed": observed, **result, "sample_unit": bundle.get("sample_unit", "dataset index")}
+    where = getattr(task.train_data, "where", None)  # an adapter's step: sample numbers -> (micro-batch, position)
+    if where is not None:
+        result["bad_positions"] = [where(i) for i in result.get("bad_samples") or []]
     result["timings"] = {"load_s": load_s, **result["timings"], "total_s": time.perf_counter() - start}
     if observed.get("after_update") and result.get("stage") not in ("update",):
         result["note"] = "the run saw the bad value only in the parameters after the update"

@@ -11,8 +11,10 @@ per-interval copy, every interval, is what shrinks).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["StateStager", "Withheld", "fill_withheld"]
+__all__ = ["StateStager", "Withheld", "fill_withheld", "IntervalSnapshot", "load_optimizer_state_", "state_kept"]
 
 _PLAIN = (int, float, bool, str, bytes, complex, type(None))  # leaves that cannot change under a writer
 _PLAIN_TYPES = frozenset(_PLAIN)
@@ -62,7 +64,7 @@ class StateStager:
         """Host memory the buffers hold."""
         return sum(b.numel() * b.element_size() for b in self._buffers)
 
-    def stage(self, state: Any, *, share: tuple[int, int] | None = None) -> tuple[Any, list[Any]]:
+    def stage(self, state: Any, *, share: tuple[int, int] | None = None, stream: Any = None) -> tuple[Any, list[Any]]:
         """Return (a copy of ``state`` whose tensors are the host buffers, the CUDA events to wait on).
 
         Dicts (and OrderedDicts), lists and tuples are walked directly (a pytree flatten and unflatten
@@ -72,6 +74,9 @@ class StateStager:
         state), and every rank stages it together: each distinct tensor, in the walk's order, goes to the
         rank with the fewest bytes so far (the lowest on a tie: the same assignment on every rank); this
         rank copies its own and leaves a :class:`Withheld` for the others (:func:`fill_withheld`).
+
+        ``stream``: a CUDA stream to queue the device-to-host copies on (it first waits for the current
+        stream); the caller orders any in-place change of the state after the returned events.
         """
         rank, world = share if share is not None else (0, 1)
         load = [0] * world  # bytes assigned to each rank so far
@@ -118,11 +123,15 @@ class StateStager:
         with torch.no_grad():
             for device, (dst, src) in copies.items():
                 on_cuda = device.type == "cuda"
-                torch._foreach_copy_(dst, src, non_blocking=on_cuda)  # from CUDA into pinned memory: queued, not waited for
-                if on_cuda:
-                    event = torch.cuda.Event()
-                    event.record(torch.cuda.current_stream(device))
-                    events.append(event)
+                side = stream if on_cuda and stream is not None and stream.device == device else None
+                if side is not None:
+                    side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                    torch._foreach_copy_(dst, src, non_blocking=on_cuda)  # from CUDA into pinned memory: queued, not waited for
+                    if on_cuda:
+                        event = torch.cuda.Event()
+                        event.record(side if side is not None else torch.cuda.current_stream(device))
+                        events.append(event)
         return out, events
 
     def _buffer(self, k: int, like: Tensor, shape: torch.Size, pin: bool) -> Tensor:
@@ -185,3 +194,134 @@ def fill_withheld(staged: Any, device: torch.device | str = "cpu") -> Any:
         return x
 
     return walk(staged)
+
+
+class IntervalSnapshot:
+    """The training state at the start of a log interval, in host buffers reused from one interval to the next.
+
+    A capture puts it back and replays the interval's steps up to the bad one (the built-in loop from its
+    data stream, an adapter from the steps it kept), so the state from before any step of the interval is
+    at hand without a copy per step. On CUDA the device-to-host copies run on a side stream of their own:
+    the step's forward and backward (which only read the state) overlap them, and :meth:`before_update`
+    makes the compute stream wait for them before the next in-place update (a device-side wait: no host
+    sync). ``num_bytes``: the host memory it holds.
+    """
+
+    def __init__(self, side_stream: bool = True) -> None:
+        self._stager = StateStager()
+        self._side = side_stream
+        self._stream: Any = None
+        self._events: list[Any] = []
+        self._ordered = True
+        self.state: Any = None
+        self.step: int | None = None  # the step after which the state was taken (0: before the first)
+
+    @property
+    def num_bytes(self) -> int:
+        return self._stager.num_bytes
+
+    def take(self, state: Any, step: int) -> None:
+        """Stage ``state`` (live tensors; copied) as the state after ``step``."""
+        stream = None
+        if self._side and torch.cuda.is_available():
+            device = next((t.device for t in _tensors(state) if t.device.type == "cuda"), None)
+            if device is not None:
+                if self._stream is None or self._stream.device != device:
+                    self._stream = torch.cuda.Stream(device)
+                stream = self._stream
+        self.state, self._events = self._stager.stage(state, stream=stream)
+        self.step, self._ordered = step, stream is None
+
+    def before_update(self) -> None:
+        """Order the next in-place update of the state after the snapshot's copies (CUDA; no host sync)."""
+        if not self._ordered:
+            for event in self._events:
+                torch.cuda.current_stream().wait_event(event)
+            self._ordered = True
+
+    def get(self) -> Any:
+        """The staged state, once its copies are complete (waits for them)."""
+        for event in self._events:
+            event.synchronize()
+        return self.state
+
+    def clear(self) -> None:
+        self.state, self.step, self._events, self._ordered = None, None, [], True
+
+
+def _tensors(state: Any) -> Iterator[Tensor]:
+    if isinstance(state, Tensor):
+        yield state
+    elif isinstance(state, dict):
+        for v in state.values():
+            yield from _tensors(v)
+    elif isinstance(state, (list, tuple)):
+        for v in state:
+            yield from _tensors(v)
+
+
+def load_optimizer_state_(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Put ``state`` (an ``optimizer.state_dict()``) back into ``optimizer`` in place.
+
+    Unlike ``optimizer.load_state_dict`` the live state tensors and param-group dicts stay the same
+    objects (values are copied into them), so a host's wrapper that holds them (Lightning's
+    ``LightningOptimizer``, accelerate's ``AcceleratedOptimizer``) still sees the live ones, and nothing
+    aliases ``state``'s tensors afterwards. Per-parameter state that ``state`` does not have is dropped;
+    state it has and the optimizer does not is made where torch's ``load_state_dict`` would put it.
+    """
+    groups, saved_groups = optimizer.param_groups, state["param_groups"]
+    if len(groups) != len(saved_groups) or any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
+        raise ValueError("optimizer state: its parameter groups do not match the optimizer's")
+    with torch.no_grad():
+        for group, saved in zip(groups, saved_groups):
+            for key, value in saved.items():
+                if key == "params":
+                    continue
+                live = group.get(key)
+                if isinstance(live, Tensor) and isinstance(value, Tensor) and live.shape == value.shape:
+                    live.copy_(value)
+                else:
+                    group[key] = value.detach().clone() if isinstance(value, Tensor) else copy.deepcopy(value)
+            fused_like = bool(group.get("fused") or group.get("capturable"))
+            for index, param in zip(saved["params"], group["params"]):
+                entry = state["state"].get(index)
+                if entry is None:
+                    optimizer.state.pop(param, None)
+                    continue
+                live_entry = optimizer.state[param]
+                for key, value in entry.items():
+                    live = live_entry.get(key)
+                    if not isinstance(value, Tensor):
+                        live_entry[key] = copy.deepcopy(value)
+                    elif isinstance(live, Tensor) and live.shape == value.shape and live.dtype == value.dtype:
+                        live.copy_(value)
+                    elif key == "step":  # torch keeps a step count on the parameter's device only when fused/capturable
+                        live_entry[key] = (value.to(device=param.device, dtype=torch.float32, copy=True) if fused_like
+                                           else value.detach().clone())
+                    else:
+                        dtype = param.dtype if param.is_floating_point() and value.is_floating_point() else value.dtype
+                        live_entry[key] = value.to(dtype=dtype, device=param.device, copy=True)
+                for key in [k for k in live_entry if k not in entry]:
+                    del live_entry[key]
+
+
+@contextlib.contextmanager
+def state_kept(get: Callable[[], Any], put: Callable[[Any], None]) -> Iterator[None]:
+    """Let the block change the state: on exit ``put`` gets back what ``get`` returned on entry.
+
+    The state is staged into host buffers of its own (device memory stays flat). The RNG streams are put
+    back too, so code after the block draws the same numbers as if it had not run.
+    """
+    from .seeding import rng_state, set_rng_state
+
+    rng = rng_state()
+    saved, ready = StateStager().stage(get())
+    for event in ready:
+        event.synchronize()
+    try:
+        yield
+    finally:
+        try:
+            put(saved)
+        finally:
+            set_rng_state(rng)

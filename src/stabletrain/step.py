@@ -129,7 +129,7 @@ class TrainStep:
         self._inputs_ok = inputs_ok
 
     def update(self, *, measure_update: bool = False, check_params: bool = True, loss: Tensor | None = None,
-               count: Tensor | None = None) -> dict[str, Tensor]:
+               count: Tensor | None = None, grad_norm: Tensor | None = None) -> dict[str, Tensor]:
         """Unscale, measure, guard, clip, apply, advance the schedule; return the step's device tensors.
 
         ``loss``/``count``: the step's unscaled per-item loss and item count when the gradients were not
@@ -138,6 +138,8 @@ class TrainStep:
         = update_norm / ||theta_{t-1}|| (one extra copy of the parameters on this step only).
         ``check_params``: False skips this step's parameter check (also skipped when built with
         ``check_params=False``); ``params_finite`` is then left out of the result.
+        ``grad_norm``: the pre-clip norm of gradients the caller already clipped (its own clipping returned
+        it): the step records it and the clip it implies, and does not clip again.
         """
         optimizer, params = self.optimizer, self.params
         if optimizer is None:
@@ -151,6 +153,8 @@ class TrainStep:
             count = torch.ones((), device=loss.device)
         self.precision.unscale_(optimizer)
         norm, per_param = self._grad_norms(params)  # DDP: of the all-reduced grads, the same on every rank
+        if grad_norm is not None:  # clipped by the caller: per-parameter shares are those of the pre-clip grads
+            norm = grad_norm.to(norm.device)
         if grad_scale is not None:
             norm, per_param = norm * grad_scale, per_param * grad_scale
         inputs_ok = self.window.inputs_ok if self._inputs_ok is not None else None
@@ -165,7 +169,11 @@ class TrainStep:
         # back-off, not an incident; a non-finite loss, or a NaN the scaler cannot fix, still is.
         overflow = (torch.isfinite(loss) & ~torch.isfinite(norm) if self.precision.scaler is not None
                     else self._flag(False, norm.device))
-        clipped = self.clipper.clip_(params, norm, ok, grad_scale=grad_scale)
+        if grad_norm is None:
+            clipped = self.clipper.clip_(params, norm, ok, grad_scale=grad_scale)
+        else:
+            limit = self.clipper.max_norm
+            clipped = finite & (norm > limit) if limit is not None else self._flag(False, norm.device)
         before = None
         if measure_update:
             before = (snapshot_params(self.params, self._before) if self.numerics is None
@@ -175,7 +183,8 @@ class TrainStep:
         if self.schedule is not None:  # a host flag where the optimizer step already read it (no second read)
             on_host = self.precision.applied_on_host
             self.schedule.step(applied if on_host is None else on_host)
-        out = {"loss": loss.detach(), "grad_norm": norm, "post_clip_norm": self.clipper.post_clip_norm(norm, after_clip=True),
+        out = {"loss": loss.detach(), "grad_norm": norm,
+               "post_clip_norm": self.clipper.post_clip_norm(norm, after_clip=grad_norm is None),
                "clipped": clipped, "applied": applied, "finite": finite, "spike": spike, "overflow": overflow,
                "count": count, "per_param_norms": per_param}
         if self.check_params and check_params:

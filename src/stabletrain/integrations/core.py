@@ -4,27 +4,27 @@ An adapter (:class:`stabletrain.Monitor`, the Lightning and Hugging Face callbac
 own optimizer step and hands a :class:`RunSession` the step's device tensors; the session does the rest
 with the pieces a built-in run uses (:class:`~stabletrain.guard.Guard`,
 :class:`~stabletrain.metrics.StepMetrics`, :class:`~stabletrain.records.RunDir` and the built-in
-callbacks that write it, :func:`~stabletrain.incidents.write_bundle`,
-:func:`~stabletrain.replay.diagnose_incident`)::
+callbacks that write it, the interval snapshot and :func:`~stabletrain.replay.diagnose_incident`)::
 
-    session.open(resume)                         # run dir: config.yaml, snapshot.json (or a resume)
-    session.begin()                              # on_fit_start: the init fingerprint is compared
+    session.open(resume)                         # run dir (rank 0): config.yaml, snapshot.json (or a resume)
+    session.begin()                              # on_fit_start: the init fingerprint is compared; interval snapshot
     each optimizer step (no host sync):
-        session.keep(micro_batches, rng)         # references to what a capture of this step needs
+        session.keep(micro_batches, rng, host)   # what a replay of this step needs (capture.py)
         ok, finite, spike = session.guard.observe(loss, norm)      # the sentinel, on the device
+        session.before_update()                  # the snapshot's copies first (CUDA); ||update|| on the last step
         ... the host applies the step, skipped on the device when not ok ...
         session.record(out, num_samples, lr, loss_scale)           # StepMetrics.update, on_step_end
         every log_every steps -> session.log():  # the interval's ONE host sync
             reduce -> metrics record -> on_log (metrics.jsonl, TensorBoard, events) -> guard.decide
-            -> incident: incidents/step_N/bundle.pt + diagnosis.json (replay of the host's forward/backward)
-            -> stop or warn (on_nonfinite)
+            -> incident: the state before the bad step rebuilt from the interval snapshot by replaying the
+               host's steps (capture.py), incidents/step_N/bundle.pt + diagnosis.json
+            -> stop or warn (on_nonfinite); the next interval's snapshot
 
-**The capture hold.** A capture needs the parameters and optimizer state from before the bad step. The
-session learns of the bad step only at the log boundary, and copying the parameters every step would
-cost a copy per step; instead, with ``capture=True`` and ``on_nonfinite`` "skip" or "stop", every update
-from the first bad step of an interval to its log boundary is held (skipped on the device, a ``skip``
-event says so), so at the boundary the live state *is* the state before the bad step. The cost is at
-most ``log_every - 1`` held steps per captured incident, and nothing on a healthy run.
+A bad step is skipped (on the device) and nothing else: every healthy update is applied as the host
+would apply it. Under DDP (a process group of more than one rank) every rank runs a session: the
+verdict is the same on every rank without a collective of its own (a rank's non-finite loss reaches
+every rank's gradients, see :meth:`RunSession.watch_loss`), each interval's figures are gathered in
+one all-gather, and rank 0 alone writes the run directory.
 """
 
 from __future__ import annotations
@@ -47,21 +47,18 @@ from torch import Tensor, nn
 from .._version import __version__
 from ..callbacks import Callback, CallbackList, FitState
 from ..callbacks.sinks import EventLog, InitWatch, MetricsFile, TensorBoardLog
-from ..config import ClipConfig, Config, GuardConfig, LogConfig, SchedConfig, TrainConfig, config_to_dict
+from ..config import ClipConfig, Config, GuardConfig, LogConfig
 from ..distributed import DistContext
 from ..fileio import atomic_write
 from ..guard import Guard
-from ..incidents import write_bundle
-from ..replay import diagnose_incident
 from ..initialization import InitFingerprint
 from ..metrics import StepMetrics, interval_record, peak_memory_mib
 from ..numerics import snapshot_params, unique_params, update_norm
 from ..records import RunDir, build_snapshot
 from ..seeding import rng_state, set_rng_state
-from ..tasks import Task
-from .replay import TASK_SPEC, CapturedRows, optimizer_recipe, plain_batch
+from .capture import HostReplay, IncidentCapture
 
-__all__ = ["AdapterOptions", "AdapterGuard", "RunSession", "StopTraining"]
+__all__ = ["AdapterOptions", "AdapterGuard", "RunSession", "StopTraining", "unwrap"]
 
 
 class StopTraining(RuntimeError):
@@ -84,9 +81,10 @@ class AdapterOptions:
     on_spike: Literal["warn", "skip"] = "warn"
     """A loss spike (rule: ``stabletrain.guard``): record an event, or also skip the step on the device."""
     capture: bool = True
-    """Capture the first bad step of an interval into ``RUN_DIR/incidents/step_N`` (see the capture hold)."""
+    """Capture the first bad step of an interval into ``RUN_DIR/incidents/step_N`` (the state from before it
+    is rebuilt from the interval's snapshot by replaying the host's steps: see ``capture.py``)."""
     diagnose: bool = True
-    """Diagnose a captured step right away by replaying the host's forward/backward under the locator."""
+    """Diagnose a captured step right away by replaying the host's own loss under the locator."""
     check_params: bool = True
     """Check after every update that the parameters are finite (one fused pass, no sync)."""
     tensorboard: bool = True
@@ -96,7 +94,11 @@ class AdapterOptions:
     init_check: bool = True
     """Fingerprint the init and run the signal-propagation report on the first batch."""
     mirror: bool = True
-    """Also hand each interval's figures to the host's own logger (Lightning ``log_dict``, HF ``logs``)."""
+    """Also hand each interval's figures to the host's own logger (Lightning ``log_dict`` when the trainer
+    has a logger, HF ``logs``)."""
+    keep_max_mib: float = 1024.0
+    """Host memory for one interval's kept micro-batches (what a capture replays): past it, that interval's
+    incidents are recorded but not captured."""
 
     def validate(self) -> AdapterOptions:
         if not isinstance(self.log_every, int) or self.log_every < 1:
@@ -106,74 +108,29 @@ class AdapterOptions:
                              "needs the checkpoints the host trainer owns: resume it from its own checkpoint)")
         if self.on_spike not in ("warn", "skip"):
             raise ValueError(f"on_spike: expected 'warn' or 'skip', got {self.on_spike!r}")
+        if not isinstance(self.keep_max_mib, (int, float)) or self.keep_max_mib < 0:
+            raise ValueError(f"keep_max_mib: expected a number >= 0, got {self.keep_max_mib!r}")
         return self
-
-    @property
-    def holds(self) -> bool:
-        return self.capture and self.on_nonfinite != "warn"
 
 
 class AdapterGuard(Guard):
-    """The built-in guard, plus ``on_nonfinite="warn"`` (no skip of its own) and the capture hold (device-side)."""
+    """The built-in guard, plus ``on_nonfinite="warn"``: no skip of its own (the host's own skips still happen)."""
 
-    def __init__(self, cfg: GuardConfig, device: torch.device, *, enforce: bool = True, hold: bool = False,
-                 scaled: bool = False) -> None:
+    def __init__(self, cfg: GuardConfig, device: torch.device, *, enforce: bool = True) -> None:
         super().__init__(cfg, device)
-        self.enforce, self.hold, self.scaled = enforce, hold, scaled
-        self.held = torch.zeros((), dtype=torch.bool, device=device)
+        self.enforce = enforce
 
     def observe(self, loss: Tensor, grad_norm: Tensor, inputs_ok: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """Return (ok, finite, spike) as device bools; no sync. ``ok`` is False from a bad step to the boundary when holding."""
+        """Return (ok, finite, spike) as device bools; no sync."""
         ok, finite, spike = super().observe(loss, grad_norm, inputs_ok)
-        if not self.enforce:  # warn: only a spike skip when asked; the host's own skips (a GradScaler's) still happen
+        if not self.enforce:  # warn: only a spike skip when asked
             ok = ~spike if self.cfg.on_spike == "skip" else torch.ones_like(finite)
-        if self.hold:
-            ok = ok & ~self.held
-            incident = ~finite
-            if self.scaled:  # a GradScaler's routine overflow (finite loss, inf grads) is no incident
-                incident = incident & ~(torch.isfinite(loss) & ~torch.isfinite(grad_norm))
-            self.held |= incident
         return ok, finite, spike
 
-    def release(self) -> None:
-        """End the hold (at a log boundary, once the state before the bad step was captured)."""
-        self.held.zero_()
 
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "held": self.held.clone()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        if "held" in state:
-            self.held.copy_(state["held"])
-
-
-def held_steps(rows: Sequence[Any], holds: bool) -> set[int]:
-    """The steps of an interval that were held after its first incident step (see the capture hold)."""
-    if not holds:
-        return set()
-    first = next((r.step for r in rows if r.values["finite"] < 0.5 and r.values["overflow"] < 0.5), None)
-    return set() if first is None else {r.step for r in rows if r.step > first and r.values["applied"] < 0.5}
-
-
-class _EventLog(EventLog):
-    """The built-in event log; held steps get one ``skip`` event that says why instead of one each."""
-
-    def __init__(self, holds: bool) -> None:
-        self.holds = holds
-
-    def on_log(self, state: FitState, record: dict[str, Any], rows: list[Any]) -> None:
-        held = held_steps(rows, self.holds)
-        super().on_log(state, record, [r for r in rows if r.step not in held])
-        if held and state.run is not None:
-            first = min(held) - 1
-            state.event(min(held), "skip", f"optimizer steps {min(held)}-{max(held)} skipped: held after the bad step "
-                        f"{first} until the log boundary, so the incident bundle holds the state from before it "
-                        "(capture=True)", steps=sorted(held), held_after=first)
-
-
-def _no_run_step(window: Any) -> dict[str, Tensor]:
-    raise RuntimeError("an adapter's run cannot re-run a step itself: the host trainer owns the loop")
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model itself inside a ``DistributedDataParallel`` wrapper (the model when it is none)."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
 def _jsonable(value: Any) -> Any:
@@ -206,31 +163,35 @@ class RunSession:
 
     Args:
         run_dir: the run directory (None: measure and guard without writing anything).
-        model: the module being trained (the host's, not a wrapper).
+        model: the module being trained (the host's; a ``DistributedDataParallel`` wrapper is looked through).
         host: "monitor", "lightning" or "transformers" (written to ``config.yaml`` and the snapshot).
         options: :class:`AdapterOptions`.
-        precision: the host's precision mode: "fp32", "bf16" or "fp16" (a GradScaler scales the loss).
-        clip_max_norm: the host's global-norm clipping threshold (None: it does not clip).
+        precision: the precision the host really runs: "fp32", "bf16" or "fp16" (a GradScaler scales the loss).
+        clip_max_norm: the global-norm clipping threshold in effect (None: no clipping).
         host_config: the host trainer's own arguments, written under ``host`` in ``config.yaml``.
-        loss_fn: ``loss(model, batch)`` replaying the host's forward and loss for a diagnosis (None: capture only).
+        optimizer: the torch optimizer (not a host's wrapper).
+        scaler: the host's ``GradScaler`` (fp16), else None.
+        replay: how to replay the host's step (:class:`~stabletrain.integrations.capture.HostReplay`); None:
+            only a bad step at an interval's start can be captured, none diagnosed.
         recipes: how to rebuild the model and loss in a new process (:mod:`~stabletrain.integrations.replay`).
         callbacks: stabletrain :class:`~stabletrain.callbacks.Callback` instances, fired after the built-in ones.
     """
 
     def __init__(self, run_dir: str | Path | None, model: nn.Module, *, host: str, options: AdapterOptions,
                  precision: str = "fp32", clip_max_norm: float | None = None, host_config: dict[str, Any] | None = None,
-                 optimizer: Any = None, loss_fn: Callable[[nn.Module, Any], Any] | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, scaler: Any = None, replay: HostReplay | None = None,
                  recipes: dict[str, Any] | None = None, callbacks: Sequence[Callback] = (), overwrite: bool = False,
-                 scaled: bool | None = None, fingerprint: InitFingerprint | None | str = "take",
-                 replay_context: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
+                 fingerprint: InitFingerprint | None | str = "take") -> None:
         self.options = options.validate()
+        self.dist = DistContext.current()
         self.run_dir = Path(run_dir) if run_dir is not None else None
-        self.model, self.host, self.precision, self.optimizer = model, host, precision, optimizer
-        self.loss_fn, self.recipes, self.overwrite = loss_fn, dict(recipes or {}), overwrite
+        self.model = unwrap(model)
+        self.host, self.precision, self.optimizer, self.scaler = host, precision, optimizer, scaler
+        self.recipes, self.overwrite = dict(recipes or {}), overwrite
         self.host_config = host_config or {}
-        self.named_params = unique_params(model)
+        self.named_params = unique_params(self.model)
         if not self.named_params:
-            raise ValueError(f"{type(model).__name__} has no trainable parameters")
+            raise ValueError(f"{type(self.model).__name__} has no trainable parameters")
         self.params = [p for _, p in self.named_params]
         self.device = self.params[0].device
         self.clip_max_norm = clip_max_norm
@@ -240,14 +201,12 @@ class RunSession:
                           guard=GuardConfig(on_nonfinite="skip" if options.on_nonfinite == "warn" else options.on_nonfinite,
                                             on_spike=options.on_spike, capture=options.capture,
                                             diagnose=options.diagnose, check_params=options.check_params)).validate()
-        self.guard = AdapterGuard(self.cfg.guard, self.device, enforce=options.on_nonfinite != "warn",
-                                  hold=options.holds, scaled=precision == "fp16" if scaled is None else scaled)
-        self.metrics = StepMetrics(options.log_every, len(self.params), self.device)
+        self.guard = AdapterGuard(self.cfg.guard, self.device, enforce=options.on_nonfinite != "warn")
+        self.metrics = StepMetrics(options.log_every, len(self.params), self.device, self.dist, local=("loss", "count"))
         if fingerprint == "take":
-            fingerprint = InitFingerprint.take(model) if options.init_check else None
+            fingerprint = InitFingerprint.take(self.model) if options.init_check else None
         self.fingerprint = fingerprint if options.init_check else None
-        # Around a replay of the host's forward (a Lightning module must not log into its trainer meanwhile).
-        self.replay_context = replay_context or contextlib.nullcontext
+        self.replay = replay
         self.step = self.samples_seen = 0
         self.tokens_seen, self.epoch = 0.0, 0
         self.history: list[dict[str, Any]] = []
@@ -255,13 +214,17 @@ class RunSession:
         self.snapshot: dict[str, Any] = {}
         self.run: RunDir | None = None
         self.started = self.closed = False
-        self._kept: dict[int, tuple[list[Any], dict[str, Any]]] = {}
         self._interval_start = time.perf_counter()
-        self.state = FitState(cfg=self.cfg, task=None, module=model, named_params=self.named_params, device=self.device,
-                              dist=DistContext(), stream=None, state_dict=self.state_dict,
+        self._before: list[Tensor] | None = None
+        self._measuring = False
+        self.state = FitState(cfg=self.cfg, task=None, module=self.model, named_params=self.named_params,
+                              device=self.device, dist=self.dist, stream=None, state_dict=self.state_dict,
                               load_state_dict=self.load_state_dict, run_step=_no_run_step, precision=precision)
-        self.callbacks = CallbackList([InitWatch(self.fingerprint), _EventLog(options.holds), MetricsFile(),
-                                       TensorBoardLog(), *callbacks])
+        self.callbacks = CallbackList([InitWatch(self.fingerprint), EventLog(), MetricsFile(), TensorBoardLog(),
+                                       *callbacks])
+        self.capture = IncidentCapture(self, replay, options.keep_max_mib)
+        self._poison: Tensor | None = None
+        self._poison_hook = self._watch_losses() if self.dist.world > 1 else None
 
     # -- the run directory -------------------------------------------------------------------------
 
@@ -281,11 +244,12 @@ class RunSession:
                                                                  "max_consecutive_skips")}},
             "optim": optimizer_config(self.optimizer) if self.optimizer is not None else {},
             "host": _jsonable(self.host_config),
+            **({"world_size": self.dist.world} if self.dist.world > 1 else {}),
         }
 
     def open(self, resume: bool = False) -> None:
         """Create (or, resuming, reopen) the run directory; write config.yaml and, on a new run, snapshot.json."""
-        if self.run is not None or self.run_dir is None:
+        if self.run is not None or self.run_dir is None or self.dist.rank != 0:
             return
         import yaml
 
@@ -306,6 +270,12 @@ class RunSession:
         self._interval_start = time.perf_counter()
         self.callbacks.fire("on_fit_start", self.state)
         self.fingerprint = None
+        self.capture.mark_interval_start()
+
+    def say(self, message: str) -> None:
+        """One line for the user on the console (rank 0)."""
+        if self.dist.rank == 0:
+            print(f"stabletrain: {message}", flush=True)
 
     def signal_check(self, batch: Any, loss_fn: Callable[[nn.Module, Any], Any]) -> dict[str, Any] | None:
         """Run the signal-propagation report on ``batch``; write ``RUN_DIR/init_signal.json`` and a line in the snapshot.
@@ -319,7 +289,7 @@ class RunSession:
 
         rng = rng_state()
         try:
-            with self.replay_context():
+            with self.replay.replaying() if self.replay is not None else contextlib.nullcontext():
                 report = signal_report(self.model, batch, loss_fn, label=f"{type(self.model).__name__} at step 0")
         except Exception as err:  # the report must never take the run down
             warnings.warn(f"stabletrain: the signal-propagation report failed ({type(err).__name__}: {err})", stacklevel=2)
@@ -338,10 +308,28 @@ class RunSession:
 
     # -- per step (no host sync) -------------------------------------------------------------------
 
-    def keep(self, micro_batches: list[Any], rng: dict[str, Any] | None) -> None:
-        """Keep references to the next step's micro-batches and RNG state (for a capture; dropped at the boundary)."""
-        if self.options.capture and self.run is not None:
-            self._kept[self.step + 1] = (list(micro_batches), rng)
+    def _watch_losses(self) -> Any:
+        """DDP: a rank's non-finite loss makes every rank's gradients non-finite, so every rank skips the step.
+
+        A gradient hook on the smallest parameter adds ``loss * 0`` (0, or NaN when the loss is not finite)
+        to its gradient before DDP all-reduces it: the all-reduced grad norm, which every rank's verdict
+        reads, is then non-finite on every rank. No collective of its own.
+        """
+        param = min(self.params, key=lambda p: p.numel())
+
+        def hook(grad: Tensor) -> Tensor:
+            return grad if self._poison is None else grad + self._poison.to(grad.dtype)
+
+        return param.register_hook(hook)
+
+    def watch_loss(self, loss: Tensor) -> None:
+        """Before the host backpropagates a micro-batch's ``loss`` (DDP only; no sync): see :meth:`_watch_losses`."""
+        if self._poison_hook is not None:
+            self._poison = loss.detach().float().reshape(()) * 0
+
+    def keep(self, micro_batches: list[Any], rng: dict[str, Any] | None, host: dict[str, Any] | None = None) -> None:
+        """Keep what a replay of the next step needs (its micro-batches, RNG state, lrs, loss scale; no sync)."""
+        self.capture.keep(self.step + 1, micro_batches, rng, host)
 
     def skip_on_host(self, ok: Tensor, hint: str) -> None:
         """An optimizer that cannot skip on the device: drop a bad step's grads (one host read per step, warned once).
@@ -358,21 +346,28 @@ class RunSession:
                 p.grad = None
 
     def before_update(self) -> None:
-        """Before the host's optimizer step: on the last step of a log interval, copy the parameters (no sync)."""
+        """Before the host's optimizer step: the snapshot's copies come first; on an interval's last step copy the
+        parameters for ||update|| (no sync)."""
+        self.capture.before_update()
         if (self.step + 1) % self.options.log_every == 0:
-            self._before = snapshot_params(self.params, getattr(self, "_before", None))
+            self._before = snapshot_params(self.params, self._before)
             self._measuring = True
 
     def after_update(self, out: dict[str, Tensor]) -> None:
         """After the host's optimizer step: add ``update_norm``/``update_ratio`` to ``out`` where measured."""
-        if getattr(self, "_measuring", False):
+        if self._measuring:
             out["update_norm"], out["update_ratio"] = update_norm(self.params, self._before)
             self._measuring = False
 
     def record(self, out: dict[str, Tensor], *, num_samples: int, lr: Tensor | float, loss_scale: Tensor | float) -> bool:
-        """Record one optimizer step's device tensors; at a log boundary run :meth:`log`. Return whether it logged."""
+        """Record one optimizer step's device tensors; at a log boundary run :meth:`log`. Return whether it logged.
+
+        ``num_samples``, ``out["loss"]`` and ``out["count"]``: this rank's own (gathered at the boundary under DDP).
+        """
+        self._poison = None
         self.step = self.state.step = self.step + 1
-        self.samples_seen = self.state.samples_seen = self.samples_seen + num_samples
+        if self.dist.world > 1:
+            out = {**out, "local_nonfinite": out["loss"] * 0 != 0}  # this rank's own loss: names the rank
         self.metrics.update(self.step, num_samples=num_samples, lr=lr, loss_scale=loss_scale, **out)
         self.callbacks.fire("on_step_end", self.state, out)
         if self.step % self.options.log_every == 0:
@@ -389,27 +384,25 @@ class RunSession:
         summary, rows, param_sq = self.metrics.reduce(annotate=self.guard.mark_spikes)  # the host-side spike rule
         now = time.perf_counter()
         elapsed = max(now - self._interval_start, 1e-9)
-        self._interval_start = now
+        self.samples_seen = self.state.samples_seen = self.samples_seen + summary["interval_samples"]
         self.tokens_seen += summary["interval_tokens"]
-        held = held_steps(rows, self.options.holds)
-        # A held step is not "the run failing to recover": the guard counts it as applied.
-        decide_rows = [dataclasses.replace(r, values={**r.values, "applied": 1.0}) if r.step in held else r for r in rows]
-        decision = self.guard.decide(decide_rows)
+        decision = self.guard.decide(rows)
         progress = {"num_incidents": self.guard.num_incidents, "num_rollbacks": 0,
                     "peak_memory_mib": peak_memory_mib(self.device), "epoch": self.epoch,
                     "samples_seen": self.samples_seen, "tokens_seen": self.tokens_seen}
         record = interval_record(summary, param_sq, [n for n, _ in self.named_params], elapsed,
-                                 top_layers=self.options.top_layers, progress=progress)
+                                 top_layers=self.options.top_layers, progress=progress,
+                                 extra={"world_size": self.dist.world} if self.dist.world > 1 else None)
         self.history.append(record)
         self.callbacks.fire("on_log", self.state, record, rows)
         if decision.first_incident is not None:
             row = next(r for r in rows if r.step == decision.first_incident)
-            info = {"step": row.step, "after_update": decision.after_update, "ranks": [],
+            info = {"step": row.step, "after_update": decision.after_update, "ranks": list(row.ranks or []),
                     "loss": row.values["loss"], "grad_norm": row.values["grad_norm"]}
             self._incident(info, rows)
             self.callbacks.fire("on_incident", self.state, info)
-        self.guard.release()
-        self._kept.clear()
+        self.capture.mark_interval_start()
+        self._interval_start = time.perf_counter()  # the capture's time is not the next interval's
         if decision.action == "stop":
             if self.options.on_nonfinite == "warn":
                 warnings.warn(f"stabletrain: {decision.reason} (on_nonfinite='warn': training goes on)", stacklevel=3)
@@ -424,71 +417,18 @@ class RunSession:
         return record
 
     def _incident(self, info: dict[str, Any], rows: list[Any]) -> None:
-        """Write ``incidents/step_N/bundle.pt`` for the bad step and diagnose it; record the ``incident`` event."""
+        """Capture and diagnose the bad step (capture.py); record the ``incident`` event."""
         step = info["step"]
-        if self.run is None or not self.options.capture:
+        fields = self.capture.capture(step, rows, info)
+        if fields is None:
             return
-        kept = self._kept.get(step)
-        late = [r.step for r in rows if r.step >= step and r.values["applied"] >= 0.5]
-        why = ("the update made the parameters non-finite (the state before it is gone)" if info["after_update"] else
-               f"an update was applied at step {late[0]} after it (on_nonfinite='warn'), so the state before it is gone"
-               if late else "its batch was not kept" if kept is None or not kept[0] else None)
-        if why is not None:
-            self.state.event(step, "incident", f"step {step} not captured: {why}", after_update=info["after_update"])
+        if "why" in fields:
+            self.state.event(step, "incident", f"step {step} not captured: {fields['why']}",
+                             after_update=info["after_update"], **({"ranks": info["ranks"]} if self.dist.world > 1 else {}))
             return
-        micro, rng = kept
-        try:
-            batches = [plain_batch(b) for b in micro]
-        except TypeError as err:
-            self.state.event(step, "incident", f"step {step} not captured: {err}", after_update=info["after_update"])
-            return
-        incident_dir = self.run.path / "incidents" / f"step_{step:06d}"
-        rows_ds = CapturedRows(batches)
-        opt = getattr(self.optimizer, "optimizer", self.optimizer) if self.optimizer is not None else None
-        opt_recipe = optimizer_recipe(opt, self.named_params) if opt is not None else None
-        task_args = {"batches": batches, "model": self.recipes.get("model"), "loss": self.recipes.get("loss"),
-                     "optimizer": opt_recipe, "name": f"{self.host}:{type(self.model).__name__}"}
-        # The replay's update uses the host's optimizer at its current lr: a constant schedule over the bundle's lrs.
-        replay_cfg = dataclasses.replace(self.cfg, task=TASK_SPEC, task_args=task_args, train=TrainConfig(max_steps=1),
-                                         sched=SchedConfig(warmup_steps=0, decay="constant"))
-        scaler = self.recipes.get("scaler")
-        lrs = [float(g["lr"]) for g in opt.param_groups] if opt is not None else [0.0]
-        bundle = {
-            "step": step, "rank": 0, "world_size": 1, "host": self.host, "config": config_to_dict(replay_cfg),
-            "window": {"epoch": self.epoch, "start": 0, "indices": rows_ds.indices()},
-            "rng": rng if rng is not None else rng_state(),
-            "model": self.model.state_dict(),
-            "optimizer": opt.state_dict() if opt is not None and opt_recipe is not None else
-            torch.optim.SGD(self.params, lr=0.0).state_dict(),
-            "schedule": {"applied_steps": torch.zeros(()), "base_lrs": lrs if opt_recipe is not None else [0.0]},
-            "precision": {"mode": self.precision, "scaler": scaler.state_dict() if scaler is not None else None},
-            "observed": {"after_update": info["after_update"], "host_loss": info.get("loss"),
-                         "grad_norm": info.get("grad_norm"), "ranks": []},
-        }
-        write_bundle(incident_dir, bundle)
-        fields: dict[str, Any] = {"path": str(incident_dir), "after_update": info["after_update"]}
-        if self.options.diagnose:
-            if self.loss_fn is None:
-                fields["diagnosis_error"] = "no loss function to replay the step with (pass loss_fn= to the adapter)"
-            else:
-                try:
-                    live = Task(model=self.model, train_data=rows_ds, loss=self.loss_fn, collate=rows_ds.collate,
-                                name=task_args["name"], optimizer=_live_optimizer_factory(opt_recipe))
-                    with self.replay_context():
-                        diagnosis = diagnose_incident(incident_dir, live, device=str(self.device))
-                    positions = [rows_ds.where(i) for i in (diagnosis.get("bad_samples") or [])]
-                    diagnosis["bad_positions"] = positions
-                    (incident_dir / "diagnosis.json").write_text(json.dumps(diagnosis, indent=2, default=str) + "\n",
-                                                                 encoding="utf-8")
-                    fields["diagnosis"] = {k: diagnosis.get(k) for k in (
-                        "summary", "stage", "op", "direction", "module", "origin", "first_nonfinite_param",
-                        "bad_samples", "reproduces", "rank")}
-                    fields["diagnosis"]["bad_positions"] = positions
-                    print(f"stabletrain: incident at step {step}: {diagnosis.get('summary')}", flush=True)
-                except Exception as err:  # a diagnosis that fails must not take the run down with it
-                    fields["diagnosis_error"] = f"{type(err).__name__}: {err}"
         info.update(fields)
-        self.state.event(step, "incident", f"captured step {step} into {incident_dir}", **fields)
+        seen = f" (seen on rank(s) {info['ranks']})" if self.dist.world > 1 and info.get("ranks") else ""
+        self.state.event(step, "incident", f"captured step {step}{seen} into {fields['path']}", **fields)
 
     # -- end and state -----------------------------------------------------------------------------
 
@@ -502,6 +442,9 @@ class RunSession:
             if len(self.metrics):
                 record = self.log()
         finally:
+            if self._poison_hook is not None:
+                self._poison_hook.remove()
+                self._poison_hook = None
             self.callbacks.fire("on_fit_end", self.state, record or (self.history[-1] if self.history else {}))
             if self.run is not None:
                 self.run.close()
@@ -533,14 +476,11 @@ class RunSession:
         if event:
             self.state.event(self.step, "resume", f"resumed from {path or 'the host trainer checkpoint'} at step "
                              f"{self.step}", path=path)
+            self.say(f"resumed from step {self.step} ({path or 'the host trainer checkpoint'})")
 
 
-def _live_optimizer_factory(recipe: dict[str, Any] | None) -> Callable[[list], torch.optim.Optimizer]:
-    from .replay import _sgd_noop, build_optimizer_from_recipe
-
-    if recipe is None:
-        return _sgd_noop
-    return lambda named: build_optimizer_from_recipe(recipe, named)
+def _no_run_step(window: Any) -> dict[str, Tensor]:
+    raise RuntimeError("an adapter's run cannot re-run a step itself: the host trainer owns the loop")
 
 
 def _host_versions(host: str) -> dict[str, str]:

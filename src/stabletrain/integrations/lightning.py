@@ -8,31 +8,33 @@
 Where each hook does its part of the step (automatic optimization, one optimizer)::
 
     setup                       init fingerprint (before configure_model and the strategy touch the module)
-    on_fit_start                run dir opened (or reopened when resuming from ckpt_path); our state restored
-    on_train_start              on_fit_start of stabletrain's callbacks: an init overwritten since setup is an event
-    on_train_batch_start        the micro-batch and RNG state kept (references); first batch: signal report
+    on_fit_start                run dir opened on rank 0 (or reopened when resuming from ckpt_path); our state restored
+    on_train_start              on_fit_start of stabletrain's callbacks (an init overwritten since setup is an
+                                event); the interval snapshot
+    on_train_batch_start        the micro-batch, its batch_idx and the RNG state kept; first batch: signal report
     on_before_backward          the loss (unscaled when a GradScaler scaled it) summed over the micro-batches
-    on_before_optimizer_step    grads are unscaled here: global and per-parameter norms, the sentinel
-                                (stabletrain.guard), the step's skip decided on the device
-    [Lightning clips, then steps: a fused optimizer reads our skip flag as ``found_inf`` (a step pre-hook);
-     under a GradScaler our verdict joins its found_inf (its scale is restored when only we skipped)]
-    on_train_batch_end          applied flag, params check, StepMetrics.update; every log_every steps the
-                                interval's one sync: metrics.jsonl, events, TensorBoard, ``log_dict`` mirror,
-                                incident capture + diagnosis, ``trainer.should_stop`` on "stop"
+    on_before_optimizer_step    the step's pre-clip norms and sentinel (HostStep.before_step): the skip decided
+                                on the device; stabletrain's own clipping when asked (clip_max_norm)
+    [Lightning clips, then steps]
+    on_train_batch_end          applied, params check, StepMetrics.update; every log_every steps the interval's
+                                one sync: metrics.jsonl, events, TensorBoard, the ``log_dict`` mirror (when the
+                                trainer has a logger), incident capture + diagnosis, ``trainer.should_stop``
     state_dict/load_state_dict  our state travels in Lightning's own checkpoint (callbacks[...])
 
-Skipping without a host sync needs a fused optimizer (``torch.optim.AdamW(..., fused=True)``) or a
-GradScaler (``16-mixed``); with any other optimizer and no scaler, a bad step is skipped by dropping its
-gradients, which reads the verdict on the host once per step (a sync; warned once). Lightning's LR
-scheduler still advances on a skipped step. Post-clip norm and clip rate follow from the pre-clip norm
-and ``gradient_clip_val`` (torch's formula) for norm clipping; value clipping is measured after the step.
+A capture rebuilds the state from before the bad step by replaying the interval's steps as Lightning ran
+them (``trainer.strategy.training_step``, the loss divided by ``accumulate_grad_batches``, the module's
+``backward``, the GradScaler, ``configure_gradient_clipping``, the optimizer); the diagnosis replays the
+module's own ``training_step``. With ``strategy="ddp"`` every rank runs the callback; rank 0 writes.
+
+Lightning cannot clip the gradients of a fused optimizer under ``16-mixed``/``bf16-mixed`` (it refuses):
+``StableTrainCallback(clip_max_norm=...)`` clips there instead. Lightning's LR scheduler still advances on
+a skipped step (its loop has no hook to hold it without a host read).
 """
 
 from __future__ import annotations
 
 import contextlib
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +43,14 @@ import torch
 from torch import Tensor
 
 from ..callbacks import Callback as StableCallback
+from ..data import move_to
 from ..initialization import InitFingerprint
-from ..numerics import all_params_finite, grad_norms
+from ..internals import skips_on_device
+from ..numerics import grad_norms
 from ..seeding import rng_state
+from .capture import KeptStep
 from .core import AdapterOptions, RunSession
+from .hoststep import HostStep
 from .replay import _lightning_loss, batch_size, import_path, plain_batch
 
 __all__ = ["StableTrainCallback"]
@@ -65,9 +71,12 @@ class StableTrainCallback(pl.Callback):
     Args:
         run_dir: the run directory (None: measure and guard, write nothing).
         log_every, on_nonfinite, on_spike, capture, diagnose, check_params, tensorboard, top_layers,
-            init_check, mirror: see :class:`~stabletrain.integrations.core.AdapterOptions`.
-        loss_fn: ``loss_fn(module, batch)`` for replays (default: ``module.training_step(batch, 0)``, its
-            ``"loss"`` when it returns a dict).
+            init_check, mirror, keep_max_mib: see :class:`~stabletrain.integrations.core.AdapterOptions`.
+        clip_max_norm: clip the global grad norm to this value (stabletrain does it, before Lightning's own
+            step): for a fused optimizer under mixed precision, which Lightning cannot clip. Leave None when
+            the trainer clips (``gradient_clip_val``): stabletrain then measures and never clips twice.
+        loss_fn: ``loss_fn(module, batch)`` for the diagnosis (default: the module's ``training_step(batch, i)``,
+            its ``"loss"`` when it returns a dict).
         count_fn: ``count_fn(batch)`` -> the tokens (or items) the loss covers, for ``tokens_per_s``
             (default: the samples in the batch).
         overwrite: replace a run already in ``run_dir`` (a new fit, not a resume).
@@ -77,26 +86,30 @@ class StableTrainCallback(pl.Callback):
     def __init__(self, run_dir: str | Path | None = None, *, log_every: int = 10, on_nonfinite: str = "skip",
                  on_spike: str = "warn", capture: bool = True, diagnose: bool = True, check_params: bool = True,
                  tensorboard: bool = True, top_layers: int = 3, init_check: bool = True, mirror: bool = True,
+                 keep_max_mib: float = 1024.0, clip_max_norm: float | None = None,
                  loss_fn: Callable[[Any, Any], Any] | None = None, count_fn: Callable[[Any], Any] | None = None,
                  overwrite: bool = False, callbacks: Sequence[StableCallback] = ()) -> None:
+        if clip_max_norm is not None and not clip_max_norm > 0:
+            raise ValueError(f"clip_max_norm: expected a number > 0 or None, got {clip_max_norm!r}")
         self.run_dir, self.loss_fn, self.count_fn, self.overwrite = run_dir, loss_fn, count_fn, overwrite
+        self.clip_max_norm = clip_max_norm
         self.options = AdapterOptions(log_every=log_every, on_nonfinite=on_nonfinite, on_spike=on_spike,
                                       capture=capture, diagnose=diagnose, check_params=check_params,
                                       tensorboard=tensorboard, top_layers=top_layers, init_check=init_check,
-                                      mirror=mirror).validate()
+                                      mirror=mirror, keep_max_mib=keep_max_mib).validate()
         self.stable_callbacks = list(callbacks)
         self.session: RunSession | None = None
+        self.host_step: HostStep | None = None
         self._fingerprint: InitFingerprint | None = None
         self._loaded: dict[str, Any] | None = None
-        self._hooks: list[Any] = []
         self._reset_step()
 
     def _reset_step(self) -> None:
         self._micro: list[Any] = []
+        self._indices: list[int] = []
         self._rng: dict[str, Any] | None = None
         self._loss: Tensor | None = None
         self._count: Tensor | float = 0.0
-        self._pending: dict[str, Tensor] | None = None
 
     @property
     def state_key(self) -> str:
@@ -115,60 +128,57 @@ class StableTrainCallback(pl.Callback):
     def state_dict(self) -> dict[str, Any]:
         return self.session.state_dict() if self.session is not None else {}
 
-    @contextlib.contextmanager
-    def _detached(self, pl_module: pl.LightningModule) -> Iterator[None]:
-        """Replay the module's training_step outside the trainer: its self.log calls are no-ops meanwhile."""
-        trainer = pl_module._trainer
-        pl_module._trainer = None
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                yield
-        finally:
-            pl_module._trainer = trainer
-
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if len(trainer.optimizers) != 1:
             raise ValueError(f"StableTrainCallback supports one optimizer; this LightningModule configures "
-                             f"{len(trainer.optimizers)}")
+                             f"{len(trainer.optimizers)} (use stabletrain.Monitor in a manual-optimization "
+                             "training_step for several)")
         if not pl_module.automatic_optimization:
             raise ValueError("StableTrainCallback needs automatic optimization (self.automatic_optimization = True): "
                              "with manual optimization use stabletrain.Monitor in training_step")
         optimizer = trainer.optimizers[0]
-        plugin = trainer.precision_plugin
-        self.scaler = getattr(plugin, "scaler", None)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
         precision = str(trainer.precision)
-        mode = "fp16" if self.scaler is not None else "bf16" if precision.startswith("bf16") else \
-            "fp16" if precision.startswith("16") else "fp32"
-        algorithm = str(getattr(trainer, "gradient_clip_algorithm", "norm") or "norm")
+        mode = "fp16" if scaler is not None else "bf16" if precision.startswith("bf16") and "mixed" in precision \
+            else "fp16" if precision.startswith("16") and "mixed" in precision else "fp32"
+        algorithm = str(getattr(trainer, "gradient_clip_algorithm", "norm") or "norm").split(".")[-1].lower()
         clip = trainer.gradient_clip_val if trainer.gradient_clip_val else None
-        self.clip_norm = float(clip) if clip is not None and algorithm == "norm" else None
-        self.clip_value = float(clip) if clip is not None and algorithm != "norm" else None
-        self.fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        fused = skips_on_device(optimizer)
+        if clip is not None and fused and mode != "fp32":
+            raise ValueError(f"Lightning cannot clip the gradients of a fused optimizer under precision={precision!r} "
+                             f"(gradient_clip_val={clip}); drop gradient_clip_val and pass "
+                             f"StableTrainCallback(clip_max_norm={clip}) instead: stabletrain clips before the step")
+        if clip is not None and self.clip_max_norm is not None:
+            raise ValueError(f"gradient_clip_val={clip} and StableTrainCallback(clip_max_norm={self.clip_max_norm}) "
+                             "would clip twice: keep one")
+        self.value_clip = clip is not None and algorithm != "norm"
+        host_clip = float(clip) if clip is not None and not self.value_clip else None
+        self.scaler = scaler
         cls = import_path(type(pl_module))
         hparams = _plain_hparams(pl_module)
-        loss_fn = self.loss_fn or _lightning_loss
         host = {"max_steps": trainer.max_steps, "max_epochs": trainer.max_epochs, "precision": precision,
                 "accumulate_grad_batches": trainer.accumulate_grad_batches,
                 "gradient_clip_val": trainer.gradient_clip_val, "gradient_clip_algorithm": algorithm,
+                "strategy": type(trainer.strategy).__name__, "world_size": trainer.world_size,
                 "ckpt_path": str(trainer.ckpt_path) if trainer.ckpt_path else None}
+        self.trainer, self.pl_module = trainer, pl_module
         self.session = RunSession(
-            self.run_dir, pl_module, host="lightning", options=self.options, precision=mode, clip_max_norm=clip,
-            optimizer=optimizer, loss_fn=loss_fn, overwrite=self.overwrite, scaled=self.scaler is not None,
+            self.run_dir, pl_module, host="lightning", options=self.options, precision=mode,
+            clip_max_norm=self.clip_max_norm if self.clip_max_norm is not None else host_clip,
+            optimizer=optimizer, scaler=scaler, replay=_LightningReplay(self), overwrite=self.overwrite,
             fingerprint=self._fingerprint,
             recipes={"model": {"kind": "lightning", "class": cls, "hparams": hparams} if cls and hparams is not None
                      else None,
                      "loss": ({"kind": "function", "function": import_path(self.loss_fn)} if self.loss_fn is not None
                               and import_path(self.loss_fn) else None if self.loss_fn is not None
-                              else {"kind": "lightning"}),
-                     "scaler": self.scaler},
-            host_config=host, callbacks=self.stable_callbacks, replay_context=lambda: self._detached(pl_module))
+                              else {"kind": "lightning"})},
+            host_config=host, callbacks=self.stable_callbacks)
+        self.host_step = HostStep(self.session, optimizer, scaler, host_clip=host_clip, own_clip=self.clip_max_norm,
+                                  skip_hint="use fused=True, e.g. torch.optim.AdamW(..., fused=True)")
         self.session.open(resume=trainer.ckpt_path is not None)
         if self._loaded:
             self.session.load_state_dict(self._loaded, path=str(trainer.ckpt_path))
             self._loaded = None
-        self._hooks = [optimizer.register_step_pre_hook(self._pre_step),
-                       optimizer.register_step_post_hook(self._post_step)]
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.session.begin()
@@ -180,118 +190,53 @@ class StableTrainCallback(pl.Callback):
         session = self.session
         if session.step == 0 and not self._micro and self.options.init_check and session.started:
             session.signal_check(batch, self.loss_fn or _lightning_loss)
-        if self._rng is None and self.options.capture and session.run is not None:
+        if self._rng is None and session.capture.enabled:
             self._rng = rng_state()
         self._micro.append(batch)
+        self._indices.append(batch_idx)
         n = self.count_fn(batch) if self.count_fn is not None else batch_size(batch)
         self._count = self._count + (n.detach().float() if isinstance(n, Tensor) else float(n))
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        loss = loss.detach().float()
-        if self.scaler is not None:  # Lightning hands the scaled loss under a GradScaler
-            loss = loss / self.scaler._scale.to(loss.device)  # _scale: the scaler's device tensor (no sync)
+        if self.host_step is None or self.session.capture.replaying:
+            return
+        loss = self.host_step.unscale(loss.detach().float())  # Lightning hands the scaled loss under a GradScaler
+        self.session.watch_loss(loss)
         self._loss = loss if self._loss is None else self._loss + loss
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        session = self.session
-        params = session.params
-        norm, per = grad_norms(params)
-        scaler = self.scaler
-        if scaler is not None and self.fused:  # Lightning leaves the unscale to a fused optimizer: grads still scaled
-            inv = 1.0 / scaler._scale.to(norm.device)
-            norm, per = norm * inv, per * inv
-        loss = self._loss if self._loss is not None else torch.full((), float("nan"), device=norm.device)
-        ok, finite, spike = session.guard.observe(loss, norm)
-        own_found = None
-        if scaler is not None:
-            found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-            if found:  # non-fused: Lightning unscaled; our verdict joins the scaler's found_inf (no sync)
-                first = next(iter(found.values()))
-                own_found = torch.stack([t.to(norm.device) for t in found.values()]).sum() > 0
-                self._scale_before = (scaler._scale.clone(), scaler._growth_tracker.clone())
-                first.copy_(torch.maximum(first, (~ok).to(first.dtype).to(first.device)))
-        may_skip = self.options.on_nonfinite != "warn" or self.options.on_spike == "skip" or self.options.holds
-        ours = False
-        if self.fused and scaler is None:
-            # Lightning runs this hook inside optimizer.step(closure); the fused update reads found_inf after it.
-            optimizer.grad_scale, optimizer.found_inf, ours = None, (~ok).float(), True
-        elif not self.fused and own_found is None and may_skip:
-            session.skip_on_host(ok, "use fused=True, e.g. torch.optim.AdamW(..., fused=True)")
-        clipped = (finite & (norm > self.clip_norm) if self.clip_norm is not None
-                   else torch.zeros((), dtype=torch.bool, device=norm.device))
-        post = norm * torch.clamp(self.clip_norm / (norm + 1e-6), max=1.0) if self.clip_norm is not None else norm
-        overflow = (torch.isfinite(loss) & ~torch.isfinite(norm) if scaler is not None
-                    else torch.zeros((), dtype=torch.bool, device=norm.device))
-        self._pending = {"loss": loss, "grad_norm": norm, "post_clip_norm": post, "clipped": clipped, "ok": ok,
-                         "finite": finite, "spike": spike, "overflow": overflow, "per_param_norms": per,
-                         "own_found": own_found, "ours": ours}
-        session.before_update()  # ||update|| on the interval's last step: one parameter copy, no sync
-
-    def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        """Under a GradScaler, scaler.step() sets found_inf and then calls step(): a fused optimizer skips on ours too.
-
-        (Without a scaler this pre-hook runs before Lightning's closure, so there is no verdict yet: the
-        flag is set in on_before_optimizer_step instead.)
-        """
-        p = self._pending
-        existing = getattr(optimizer, "found_inf", None)
-        if p is None or not self.fused or p["ours"] or existing is None:
+        if self.session.capture.replaying:
             return
-        optimizer.found_inf = torch.maximum(existing, (~p["ok"]).float().to(existing.device))
-
-    def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._pending is not None and self._pending["ours"]:
-            del optimizer.grad_scale, optimizer.found_inf
-            self._pending["ours"] = False
+        norm, per = grad_norms(self.session.params)
+        # A fused optimizer under a GradScaler unscales inside its step: its grads still hold the scale here.
+        scaled = self.scaler is not None and self.host_step.fused
+        self.session.keep(self._micro, self._rng, {"batch_idx": list(self._indices)})
+        self.host_step.before_step(self._loss, norm, per, grads_scaled=scaled)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        p = self._pending
-        if p is None:  # an accumulation micro-batch: the optimizer has not stepped yet
+        out = self.host_step.after_step(self._count, value_clipped=self.value_clip)
+        if out is None:  # an accumulation micro-batch: the optimizer has not stepped yet
             return
         session = self.session
-        device = p["grad_norm"].device
-        applied = p["ok"] if p["own_found"] is None else p["ok"] & ~p["own_found"]
-        scaler = self.scaler
-        if scaler is not None and p["own_found"] is not None:
-            # Only we skipped (the scaler found no inf): its update() backed off the scale; undo that.
-            ours_only = ~p["ok"] & ~p["own_found"]
-            scale, tracker = self._scale_before
-            scaler._scale.copy_(torch.where(ours_only, scale, scaler._scale))
-            scaler._growth_tracker.copy_(torch.where(ours_only, tracker, scaler._growth_tracker))
-        if self.clip_value is not None:  # value clipping: measure what the optimizer got (grads are still there)
-            post, _ = grad_norms(session.params)
-            p["post_clip_norm"] = post
-            p["clipped"] = p["finite"] & (post < p["grad_norm"])
-        out = {"loss": p["loss"], "grad_norm": p["grad_norm"], "post_clip_norm": p["post_clip_norm"],
-               "clipped": p["clipped"], "applied": applied, "finite": p["finite"], "spike": p["spike"],
-               "params_finite": all_params_finite(session.params) if self.options.check_params else
-               torch.ones((), dtype=torch.bool, device=device),
-               "overflow": p["overflow"],
-               "count": self._count if isinstance(self._count, Tensor) else torch.full((), self._count, device=device),
-               "per_param_norms": p["per_param_norms"]}
-        session.after_update(out)
         num_samples = sum(batch_size(b) for b in self._micro)
-        session.keep(self._micro, self._rng)
         session.epoch = trainer.current_epoch
         lr = trainer.optimizers[0].param_groups[0]["lr"]
-        loss_scale = scaler._scale if scaler is not None and scaler._scale is not None else 1.0
         self._reset_step()
-        if session.record(out, num_samples=num_samples, lr=lr, loss_scale=loss_scale):
+        if session.record(out, num_samples=num_samples, lr=lr, loss_scale=self.host_step.loss_scale()):
             record = session.history[-1]
-            if self.options.mirror:
+            if self.options.mirror and trainer.loggers:  # no logger: Lightning would warn at every call
                 pl_module.log_dict({f"stabletrain/{k}": float(v) for k, v in record.items()
                                     if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"},
-                                   on_step=True, on_epoch=False, logger=True)
+                                   on_step=True, on_epoch=False, logger=True, sync_dist=False, rank_zero_only=True)
             if session.stop_reason is not None:
                 trainer.should_stop = True
 
     # -- the end -----------------------------------------------------------------------------------
 
     def _finish(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        if self.host_step is not None:
+            self.host_step.close()
         if self.session is not None:
             self.session.close()
 
@@ -302,3 +247,66 @@ class StableTrainCallback(pl.Callback):
         if self.session is not None and not self.session.closed:
             self.session.crash(exception)
         self._finish()
+
+
+class _LightningReplay:
+    """Replays a kept step as Lightning's automatic optimization ran it; the diagnosis replays ``training_step``."""
+
+    def __init__(self, callback: StableTrainCallback) -> None:
+        self.cb = callback
+
+    def replay_step(self, kept: KeptStep) -> None:
+        cb = self.cb
+        trainer, module, optimizer, scaler = cb.trainer, cb.pl_module, cb.trainer.optimizers[0], cb.scaler
+        strategy = trainer.strategy
+        optimizer.zero_grad(set_to_none=True)
+        n = len(kept.micro)
+        for i, (batch, batch_idx) in enumerate(zip(kept.micro, kept.host["batch_idx"])):
+            batch = move_to(batch, module.device)
+            last = i == n - 1
+            block = getattr(strategy, "block_backward_sync", None)
+            with block() if block is not None and not last else contextlib.nullcontext():
+                out = strategy.training_step(batch, batch_idx)
+                loss = out["loss"] if isinstance(out, Mapping) else out
+                loss = loss / trainer.accumulate_grad_batches
+                module.backward(scaler.scale(loss) if scaler is not None else loss)
+        if scaler is not None and not skips_on_device(optimizer):
+            scaler.unscale_(optimizer)
+        if cb.clip_max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(cb.session.params, cb.clip_max_norm)
+        module.configure_gradient_clipping(optimizer, gradient_clip_val=trainer.gradient_clip_val,
+                                           gradient_clip_algorithm=trainer.gradient_clip_algorithm)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def diagnosis_loss(self, kept: KeptStep) -> Callable[[Any, Any], Any]:
+        return self.cb.loss_fn or _lightning_loss
+
+    @contextlib.contextmanager
+    def replaying(self) -> Iterator[None]:
+        """The module's ``self.log`` calls are no-ops meanwhile (instance attributes over the methods, removed after)."""
+        module = self.cb.pl_module
+        module.log = module.log_dict = lambda *args, **kwargs: None
+        try:
+            yield
+        finally:
+            del module.log, module.log_dict
+
+    @contextlib.contextmanager
+    def detached(self) -> Iterator[None]:
+        """The module without its trainer (deep-copied for the diagnosis; its ``self.log`` calls do nothing)."""
+        import warnings
+
+        module = self.cb.pl_module
+        trainer = module.trainer
+        module.trainer = None
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                yield
+        finally:
+            module.trainer = trainer

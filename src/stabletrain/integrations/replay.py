@@ -34,8 +34,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..tasks import Task, TaskError
 
-__all__ = ["captured_task", "CapturedRows", "import_path", "load_object", "plain_batch", "batch_size",
-           "optimizer_recipe", "build_optimizer_from_recipe"]
+__all__ = ["captured_task", "CapturedRows", "import_path", "load_object", "plain_batch", "bundle_batch",
+           "unbundle_batch", "to_host", "batch_nbytes", "batch_size", "optimizer_recipe", "build_optimizer_from_recipe"]
 
 TASK_SPEC = "stabletrain.integrations.replay:captured_task"
 
@@ -57,8 +57,12 @@ def load_object(path: str) -> Any:
     return obj
 
 
+def _is_namedtuple(x: Any) -> bool:
+    return isinstance(x, tuple) and hasattr(type(x), "_fields")
+
+
 def plain_batch(batch: Any) -> Any:
-    """Return ``batch`` as plain dicts, lists and tuples of detached CPU tensors (what a safe bundle loads).
+    """Return ``batch`` with its tensors detached on the CPU, its containers rebuilt (namedtuples kept as such).
 
     Raises TypeError for a leaf that is not a tensor, a number, a string, a bool or None.
     """
@@ -66,6 +70,8 @@ def plain_batch(batch: Any) -> Any:
         return batch.detach().cpu()
     if isinstance(batch, Mapping):  # a dict, or a BatchEncoding
         return {k: plain_batch(v) for k, v in batch.items()}
+    if _is_namedtuple(batch):
+        return type(batch)(*(plain_batch(v) for v in batch))
     if isinstance(batch, tuple):
         return tuple(plain_batch(v) for v in batch)
     if isinstance(batch, list):
@@ -73,6 +79,80 @@ def plain_batch(batch: Any) -> Any:
     if batch is None or isinstance(batch, (bool, int, float, str)):
         return batch
     raise TypeError(f"a batch leaf of type {type(batch).__name__} cannot be stored in an incident bundle")
+
+
+#: How a namedtuple is written into a bundle (which holds only plain containers: it loads with weights_only=True).
+NAMEDTUPLE = "__namedtuple__"
+
+
+def bundle_batch(batch: Any) -> Any:
+    """``batch`` (from :func:`plain_batch`) as a bundle holds it: a namedtuple becomes a marked dict."""
+    if _is_namedtuple(batch):
+        return {NAMEDTUPLE: import_path(type(batch)) or type(batch).__name__,
+                "fields": {k: bundle_batch(v) for k, v in zip(batch._fields, batch)}}
+    if isinstance(batch, dict):
+        return {k: bundle_batch(v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(bundle_batch(v) for v in batch)
+    return batch
+
+
+def unbundle_batch(batch: Any) -> Any:
+    """Undo :func:`bundle_batch`: a marked dict becomes its namedtuple again (when its class imports)."""
+    if isinstance(batch, dict) and NAMEDTUPLE in batch:
+        fields = {k: unbundle_batch(v) for k, v in batch["fields"].items()}
+        try:
+            cls = load_object(batch[NAMEDTUPLE])
+        except Exception:
+            from collections import namedtuple
+
+            cls = namedtuple(batch[NAMEDTUPLE].rpartition(":")[2].rpartition(".")[2] or "Batch", list(fields))
+        return cls(**fields)
+    if isinstance(batch, dict):
+        return {k: unbundle_batch(v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(unbundle_batch(v) for v in batch)
+    return batch
+
+
+def to_host(batch: Any, ready: list[Any]) -> Any:
+    """A copy of ``batch``'s containers with its CUDA tensors copied to host memory without a sync.
+
+    CPU tensors are kept as they are (references); each CUDA device's copies complete at the event
+    appended to ``ready``.
+    """
+    devices: set[torch.device] = set()
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, Tensor):
+            if x.device.type == "cuda":
+                devices.add(x.device)
+                return x.detach().to("cpu", non_blocking=True)
+            return x
+        if isinstance(x, Mapping):
+            items = {k: walk(v) for k, v in x.items()}
+            try:
+                return type(x)(items)
+            except Exception:
+                return items
+        if _is_namedtuple(x):
+            return type(x)(*(walk(v) for v in x))
+        if isinstance(x, (list, tuple)):
+            return type(x)(walk(v) for v in x)
+        return x
+
+    out = walk(batch)
+    for device in devices:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        ready.append(event)
+    return out
+
+
+def batch_nbytes(batch: Any) -> int:
+    """The bytes of ``batch``'s tensors."""
+    leaves, _ = tree_flatten(batch)
+    return sum(x.numel() * x.element_size() for x in leaves if isinstance(x, Tensor))
 
 
 def batch_size(batch: Any) -> int:
@@ -130,7 +210,9 @@ class CapturedRows(torch.utils.data.Dataset):
 
 
 def _transformers_loss(model: nn.Module, batch: Any) -> Tensor:
-    return model(**batch).loss
+    """The Hugging Face Trainer's default ``compute_loss``: the model's ``loss`` (a ModelOutput, a dict or a tuple)."""
+    outputs = model(**batch)
+    return outputs["loss"] if isinstance(outputs, Mapping) else outputs[0]
 
 
 def _lightning_loss(model: nn.Module, batch: Any) -> Tensor:
@@ -209,15 +291,16 @@ def _sgd_noop(named_params: list[tuple[str, nn.Parameter]]) -> torch.optim.Optim
 
 
 def captured_task(batches: list[Any], model: dict[str, Any] | None = None, loss: dict[str, Any] | None = None,
-                  optimizer: dict[str, Any] | None = None, name: str = "captured") -> Task:
+                  optimizer: dict[str, Any] | None = None, name: str = "captured", host: dict[str, Any] | None = None) -> Task:
     """Return the Task that replays a captured adapter step: its micro-batches as a dataset, the host's model and loss.
 
     Args:
         batches: the step's micro-batches (plain containers of tensors).
         model, loss, optimizer: recipes (see the module docstring); None where it cannot be rebuilt.
         name: the task's name.
+        host: the host's own inputs to the step (``num_items_in_batch`` for a Hugging Face loss).
     """
-    rows = CapturedRows(batches)
+    rows = CapturedRows([unbundle_batch(b) for b in batches])
     opt_factory = ((lambda named: build_optimizer_from_recipe(optimizer, named)) if optimizer else _sgd_noop)
     return Task(model=model_from_recipe(model), train_data=rows, loss=loss_from_recipe(loss), collate=rows.collate,
                 name=name, optimizer=opt_factory)

@@ -6,33 +6,35 @@
     trainer = transformers.Trainer(..., callbacks=[StableTrainCallback(run_dir="runs/exp1")])
 
 A ``TrainerCallback`` sees neither the loss nor the pre-clip norm of a step (the Trainer clips before
-``on_pre_optimizer_step``), so at ``on_train_begin`` the callback attaches three light hooks to the model:
+``on_pre_optimizer_step``), and is not handed the trainer. The callback finds the ``Trainer`` that runs it
+(``trainer=`` names it explicitly) and, while it trains, wraps that trainer's own ``training_step`` (a
+subclass's override included; an attribute of the instance, removed at the end of training):
 
-- a forward pre-hook (training only): the micro-batch and the RNG state are kept (references), its
-  tokens counted on the device (``labels != -100``, else the attention mask, else the inputs);
-- a forward hook: the micro-batch's ``loss`` (summed when the Trainer passed ``num_items_in_batch``, the
-  model then normalizing by the whole window, else averaged);
-- a post-accumulate-grad hook per parameter that queues one callback at the end of each backward pass:
-  the global and per-parameter grad norms (one fused pass), i.e. the pre-clip norms of the step's
-  accumulated gradients (divided by the GradScaler's scale under fp16, when the Trainer's accelerator
-  has one).
+- before it: the micro-batch, the RNG state, ``num_items_in_batch`` and the accumulation steps are kept;
+  its tokens counted on the device (``labels != -100``, else the attention mask, else the inputs);
+- after it: its returned loss (the Trainer's own, from its ``compute_loss``: a dict, tuple or ModelOutput,
+  label smoothing, ``compute_loss_func`` and ``num_items_in_batch`` included) summed over the window; on the
+  window's last micro-batch (``accelerator.sync_gradients``) the pre-clip global and per-parameter grad
+  norms (one fused pass; divided by the GradScaler's scale under fp16).
 
 Then, per optimizer step::
 
-    on_pre_optimizer_step   (after the Trainer's clipping) the sentinel on the loss and pre-clip norm; the
-                            skip on the device: a fused optimizer (the Trainer's default adamw_torch_fused)
-                            reads it as found_inf; under a GradScaler it joins the scaler's found_inf
-                            (then the Trainer also holds its LR scheduler: step_was_skipped)
-    on_optimizer_step       applied flag, params check, StepMetrics.update; every log_every steps the
-                            interval's one sync: metrics.jsonl, events, TensorBoard, incident capture and
-                            diagnosis (replaying ``model(**batch).loss``), ``should_training_stop`` on "stop"
-    on_step_end             at our boundary, ``should_log``: the Trainer logs, and ``on_log`` adds our figures
-                            (``stabletrain/...``) to its ``logs`` and ``log_history``
-    on_save                 our state in the checkpoint folder (``stabletrain_state.pt``); a Trainer resumed
-                            from that checkpoint continues our step count, metrics and guard
+    on_pre_optimizer_step   (after the Trainer's clipping) the sentinel on the loss and pre-clip norm; the skip on
+                            the device (HostStep.before_step): a fused optimizer (the default adamw_torch_fused)
+                            reads it as found_inf; under a GradScaler it joins the scaler's found_inf (the Trainer
+                            then also holds its LR scheduler: optimizer_step_was_skipped)
+    on_optimizer_step       applied flag, params check
+    on_step_end             StepMetrics.update; every log_every steps the interval's one sync: metrics.jsonl,
+                            events, TensorBoard, incident capture and diagnosis, ``should_training_stop`` on
+                            "stop"; ``should_log``: the Trainer logs, ``on_log`` adds our figures
+    on_save                 our state in the checkpoint folder (``stabletrain_state.pt``); a Trainer resumed from
+                            that checkpoint continues our step count, metrics and guard
 
-A non-fused optimizer without a GradScaler skips a bad step by dropping its gradients, which reads the
-verdict on the host once per step (a sync; warned once).
+A capture replays the interval's steps with the Trainer's own ``training_step``, ``accelerator.clip_grad_norm_``
+and optimizer; the diagnosis replays its ``compute_loss``. Under ``torchrun`` every rank runs the callback
+(DDP): a rank's non-finite loss reaches every rank's gradients (``compute_loss`` is watched too), rank 0
+writes. A non-fused optimizer without a GradScaler skips a bad step by dropping its gradients, which reads
+the verdict on the host once per step (a sync; warned once).
 """
 
 from __future__ import annotations
@@ -40,20 +42,24 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import TrainerCallback
+from transformers import Trainer, TrainerCallback
 
 from ..callbacks import Callback as StableCallback
+from ..data import move_to
 from ..initialization import InitFingerprint
-from ..numerics import all_params_finite, grad_norms
+from ..internals import find_caller
+from ..numerics import grad_norms
 from ..seeding import rng_state
+from .capture import KeptStep
 from .core import AdapterOptions, RunSession
-from .replay import _transformers_loss, batch_size, import_path
+from .hoststep import HostStep
+from .replay import batch_size, import_path
 
 __all__ = ["StableTrainCallback", "STATE_FILE"]
 
@@ -72,15 +78,21 @@ def _count_tokens(inputs: dict[str, Any]) -> Tensor | int:
     return batch_size(inputs)
 
 
+def _default_compute_loss(trainer: Trainer) -> bool:
+    """Whether the trainer computes its loss as the base Trainer does, with nothing a new process could not rebuild."""
+    return (type(trainer).compute_loss is Trainer.compute_loss and getattr(trainer, "label_smoother", None) is None
+            and getattr(trainer, "compute_loss_func", None) is None)
+
+
 class StableTrainCallback(TrainerCallback):
     """Metrics, sentinel, incidents and the run directory for a ``transformers.Trainer``. See the module docstring.
 
     Args:
         run_dir: the run directory (None: measure and guard, write nothing).
         log_every, on_nonfinite, on_spike, capture, diagnose, check_params, tensorboard, top_layers,
-            init_check, mirror: see :class:`~stabletrain.integrations.core.AdapterOptions`.
-        loss_fn: ``loss_fn(model, batch)`` for replays (default: ``model(**batch).loss``, as the Trainer's
-            ``compute_loss`` without label smoothing or a custom loss).
+            init_check, mirror, keep_max_mib: see :class:`~stabletrain.integrations.core.AdapterOptions`.
+        loss_fn: ``loss_fn(model, batch)`` for the diagnosis (default: the trainer's own ``compute_loss``).
+        trainer: the ``Trainer`` this callback is added to (default: found when it starts the callback).
         overwrite: replace a run already in ``run_dir`` (a new training, not a resume).
         callbacks: stabletrain :class:`~stabletrain.callbacks.Callback` instances fired with the built-in sinks.
     """
@@ -88,32 +100,41 @@ class StableTrainCallback(TrainerCallback):
     def __init__(self, run_dir: str | Path | None = None, *, log_every: int = 10, on_nonfinite: str = "skip",
                  on_spike: str = "warn", capture: bool = True, diagnose: bool = True, check_params: bool = True,
                  tensorboard: bool = True, top_layers: int = 3, init_check: bool = True, mirror: bool = True,
-                 loss_fn: Callable[[nn.Module, Any], Any] | None = None, overwrite: bool = False,
+                 keep_max_mib: float = 1024.0, loss_fn: Callable[[nn.Module, Any], Any] | None = None,
+                 trainer: Trainer | None = None, overwrite: bool = False,
                  callbacks: Sequence[StableCallback] = ()) -> None:
         self.run_dir, self.loss_fn, self.overwrite = run_dir, loss_fn, overwrite
         self.options = AdapterOptions(log_every=log_every, on_nonfinite=on_nonfinite, on_spike=on_spike,
                                       capture=capture, diagnose=diagnose, check_params=check_params,
                                       tensorboard=tensorboard, top_layers=top_layers, init_check=init_check,
-                                      mirror=mirror).validate()
+                                      mirror=mirror, keep_max_mib=keep_max_mib).validate()
         self.stable_callbacks = list(callbacks)
+        self.trainer = trainer
         self.session: RunSession | None = None
+        self.host_step: HostStep | None = None
         self._fingerprint: InitFingerprint | None = None
-        self._handles: list[Any] = []
         self._record: dict[str, Any] | None = None
+        self._out: dict[str, Tensor] | None = None
+        self._wrapped: list[str] = []
         self._reset_step()
 
     def _reset_step(self) -> None:
         self._micro: list[Any] = []
         self._rng: dict[str, Any] | None = None
-        self._losses: list[Tensor] = []
-        self._window_normalized = False
+        self._loss: Tensor | None = None
         self._count: Tensor | float = 0.0
-        self._pending: dict[str, Any] | None = None
-        self._queued = False
+        self._norms: tuple[Tensor, Tensor] | None = None
+        self._host: dict[str, Any] = {}
 
     # -- set-up --------------------------------------------------------------------------------------
 
+    def _find_trainer(self) -> Trainer | None:
+        if self.trainer is None:
+            self.trainer = find_caller(lambda obj: isinstance(obj, Trainer) and self in obj.callback_handler.callbacks)
+        return self.trainer
+
     def on_init_end(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any) -> None:
+        self._find_trainer()
         if self.options.init_check and model is not None:
             self._fingerprint = InitFingerprint.take(model)  # the model as handed to the Trainer
 
@@ -121,29 +142,40 @@ class StableTrainCallback(TrainerCallback):
                        optimizer: Any = None, **kwargs: Any) -> None:
         if self.session is not None:  # a second train() on the same callback: a new session
             self._detach()
+        trainer = self._find_trainer()
+        if trainer is None:
+            raise ValueError("StableTrainCallback: cannot find the transformers.Trainer running this callback; pass "
+                             "StableTrainCallback(..., trainer=trainer) after building the trainer")
         inner = getattr(optimizer, "optimizer", optimizer)
-        self.scaler = getattr(optimizer, "scaler", None)  # the accelerator's GradScaler (fp16), else None
-        self.optimizer, self.inner = optimizer, inner
-        self.fused = bool(getattr(inner, "_step_supports_amp_scaling", False))
-        mode = "fp16" if (args.fp16 or self.scaler is not None) else "bf16" if args.bf16 else "fp32"
+        scaler = getattr(optimizer, "scaler", None)  # the accelerator's GradScaler (fp16), else None
+        mode = ("fp16" if scaler is not None else
+                "bf16" if args.bf16 and getattr(trainer.accelerator, "mixed_precision", "no") == "bf16" else "fp32")
+        if (args.fp16 and mode != "fp16") or (args.bf16 and mode != "bf16"):
+            warnings.warn(f"stabletrain: the Trainer was asked for {'fp16' if args.fp16 else 'bf16'} but runs {mode} on "
+                          f"{args.device} (its accelerator: mixed_precision="
+                          f"{getattr(trainer.accelerator, 'mixed_precision', 'no')!r}); the run directory says {mode}",
+                          stacklevel=2)
         clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
         resumed = state.global_step > 0
         cls = import_path(type(model))
         config = getattr(model, "config", None)
         model_recipe = ({"kind": "transformers", "class": cls, "config": config.to_dict()}
                         if cls and config is not None and hasattr(type(model), "config_class") else None)
-        loss_recipe = ({"kind": "transformers"} if self.loss_fn is None else
+        loss_recipe = (({"kind": "transformers"} if _default_compute_loss(trainer) else None) if self.loss_fn is None else
                        {"kind": "function", "function": import_path(self.loss_fn)} if import_path(self.loss_fn) else None)
         host = {k: getattr(args, k, None) for k in (
             "output_dir", "max_steps", "num_train_epochs", "per_device_train_batch_size", "gradient_accumulation_steps",
             "learning_rate", "weight_decay", "max_grad_norm", "lr_scheduler_type", "warmup_steps", "optim", "fp16",
-            "bf16", "seed", "logging_steps", "save_steps")}
+            "bf16", "label_smoothing_factor", "seed", "logging_steps", "save_steps")}
+        host["trainer_class"] = f"{type(trainer).__module__}.{type(trainer).__qualname__}"
+        host["world_size"] = args.world_size
         self.session = RunSession(
             self.run_dir, model, host="transformers", options=self.options, precision=mode, clip_max_norm=clip,
-            optimizer=inner, loss_fn=self.loss_fn or _transformers_loss, overwrite=self.overwrite,
-            scaled=self.scaler is not None, fingerprint=None if resumed else self._fingerprint,
-            recipes={"model": model_recipe, "loss": loss_recipe, "scaler": self.scaler}, host_config=host,
-            callbacks=self.stable_callbacks, replay_context=self._hooks_off)
+            optimizer=inner, scaler=scaler, replay=_TransformersReplay(self), overwrite=self.overwrite,
+            fingerprint=None if resumed else self._fingerprint,
+            recipes={"model": model_recipe, "loss": loss_recipe}, host_config=host, callbacks=self.stable_callbacks)
+        self.host_step = HostStep(self.session, inner, scaler, host_clip=clip, own_clip=None,
+                                  skip_hint="use optim='adamw_torch_fused'")
         self.session.open(resume=resumed)
         if resumed:
             path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}", STATE_FILE)
@@ -153,145 +185,103 @@ class StableTrainCallback(TrainerCallback):
             else:
                 warnings.warn(f"stabletrain: resuming at step {state.global_step} without {path}: our metrics and "
                               "guard state start afresh (the checkpoint was not written with this callback)", stacklevel=2)
-        self.model = model
-        self._add_hooks()
+        self.model, self.args = model, args
+        self._wrap(trainer)
         self.session.begin()
 
-    def _add_hooks(self) -> None:
-        self._handles = [self.model.register_forward_pre_hook(self._on_forward_pre, with_kwargs=True),
-                         self.model.register_forward_hook(self._on_forward, with_kwargs=True),
-                         *[p.register_post_accumulate_grad_hook(self._on_grad) for p in self.session.params]]
+    # -- the trainer's own training_step (and compute_loss under DDP), watched ---------------------------
 
-    def _remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+    def _wrap(self, trainer: Trainer) -> None:
+        self._training_step = trainer.training_step  # bound: a subclass's override is what runs
+        trainer.training_step = self._watched_training_step
+        self._wrapped = ["training_step"]
+        if self.session.dist.world > 1:  # the loss before its backward: a rank's NaN must reach every rank's grads
+            self._compute_loss = trainer.compute_loss
+            trainer.compute_loss = self._watched_compute_loss
+            self._wrapped.append("compute_loss")
 
-    @contextlib.contextmanager
-    def _hooks_off(self) -> Iterator[None]:
-        """A replay (signal report, diagnosis) runs the model without our hooks (and deep-copies it without them)."""
-        self._remove_hooks()
-        self._replaying = True
-        try:
-            yield
-        finally:
-            self._replaying = False
-            self._add_hooks()
+    def _unwrap(self) -> None:
+        for name in self._wrapped:
+            if self.trainer is not None and name in vars(self.trainer):
+                delattr(self.trainer, name)
+        self._wrapped = []
 
-    # -- hooks on the model (no host sync) -------------------------------------------------------------
-
-    def _training(self, module: nn.Module) -> bool:
-        return module.training and torch.is_grad_enabled() and self.session is not None and not self._replaying
-
-    _replaying = False
-
-    def _on_forward_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not self._training(module):
-            return
-        inputs = {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}
+    def _watched_training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Tensor:
         session = self.session
-        if self._rng is None and self.options.capture and session.run is not None:
-            self._rng = rng_state()
-        self._micro.append(inputs)
-        self._window_normalized = kwargs.get("num_items_in_batch") is not None
+        if session is None or session.capture.replaying:
+            return self._call_training_step(model, inputs, num_items_in_batch)
+        if not self._micro:
+            if session.capture.enabled:
+                self._rng = rng_state()
+            self._host = {"model": model, "num_items_in_batch": num_items_in_batch,
+                          "accumulation_steps": getattr(self.trainer, "current_gradient_accumulation_steps", None)}
+            if session.step == 0 and self.options.init_check and not session.history:
+                session.signal_check(dict(inputs), self.diagnosis_loss(num_items_in_batch))
+        self._micro.append(dict(inputs))
         n = _count_tokens(inputs)
         self._count = self._count + (n.detach().float() if isinstance(n, Tensor) else float(n))
+        loss = self._call_training_step(model, inputs, num_items_in_batch)
+        detached = loss.detach().float().reshape(())
+        self._loss = detached if self._loss is None else self._loss + detached
+        if self.trainer.accelerator.sync_gradients:  # the window's last backward: its pre-clip gradients
+            self._norms = grad_norms(session.params)
+        return loss
 
-    def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if not self._training(module):
-            return
-        loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-        if isinstance(loss, Tensor):
-            self._losses.append(loss.detach().float().reshape(()))
+    def _call_training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any) -> Tensor:
+        if num_items_in_batch is None:  # transformers < 4.46 calls training_step(model, inputs)
+            return self._training_step(model, inputs)
+        return self._training_step(model, inputs, num_items_in_batch)
 
-    def _on_grad(self, param: Tensor) -> None:
-        if self._queued or self.session is None or self._replaying:
-            return
-        self._queued = True
-        # Once per backward pass, when every gradient of it is accumulated: one fused norm pass.
-        torch.autograd.Variable._execution_engine.queue_callback(self._measure)
+    def _watched_compute_loss(self, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        out = self._compute_loss(model, inputs, *args, **kwargs)
+        if self.session is not None and model.training and torch.is_grad_enabled() and not self.session.capture.replaying:
+            self.session.watch_loss(out[0] if isinstance(out, tuple) else out)
+        return out
 
-    def _measure(self) -> None:
-        self._queued = False
-        norm, per = grad_norms(self.session.params)
-        self._norm = norm
-        self._per = per
+    def diagnosis_loss(self, num_items_in_batch: Any) -> Callable[[nn.Module, Any], Any]:
+        """``loss(model, batch)`` as the trainer computes it (its ``compute_loss``), or the user's ``loss_fn``."""
+        if self.loss_fn is not None:
+            return self.loss_fn
+        compute = getattr(self, "_compute_loss", None) or self.trainer.compute_loss
+        items = num_items_in_batch
+
+        def loss(model: nn.Module, batch: Any) -> Tensor:
+            return compute(model, dict(batch), num_items_in_batch=items)
+
+        return loss
 
     # -- the Trainer's step ----------------------------------------------------------------------------
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         session = self.session
-        if session.step == 0 and self._micro and self.options.init_check and not session.history:
-            session.signal_check(self._micro[0], self.loss_fn or _transformers_loss)  # grads and RNG put back
-        norm, per = self._norm, self._per
-        scaler = self.scaler
-        if scaler is not None:  # measured on the scaled grads of the backward: unscale the figures
-            inv = 1.0 / scaler._scale.to(norm.device)  # _scale: the scaler's device tensor (no sync)
-            norm, per = norm * inv, per * inv
-        if self._losses:
-            total = torch.stack(self._losses).sum()
-            loss = total if self._window_normalized else total / len(self._losses)
-        else:
-            loss = torch.full((), float("nan"), device=norm.device)
-        ok, finite, spike = session.guard.observe(loss, norm)
-        own_found, ours = None, False
-        if scaler is not None:
-            found = scaler._per_optimizer_states[id(self.inner)]["found_inf_per_device"]
-            if found:  # the accelerator unscaled for clipping/measuring: our verdict joins its found_inf
-                first = next(iter(found.values()))
-                own_found = torch.stack([t.to(norm.device) for t in found.values()]).sum() > 0
-                self._scale_before = (scaler._scale.clone(), scaler._growth_tracker.clone())
-                first.copy_(torch.maximum(first, (~ok).to(first.dtype).to(first.device)))
-        may_skip = self.options.on_nonfinite != "warn" or self.options.on_spike == "skip" or self.options.holds
-        if own_found is None and self.fused:
-            self.inner.grad_scale, self.inner.found_inf, ours = None, (~ok).float(), True
-        elif own_found is None and may_skip:
-            session.skip_on_host(ok, "use optim='adamw_torch_fused'")
-        clip = session.clip_max_norm
-        clipped = finite & (norm > clip) if clip is not None else torch.zeros((), dtype=torch.bool, device=norm.device)
-        post = norm * torch.clamp(clip / (norm + 1e-6), max=1.0) if clip is not None else norm
-        overflow = (torch.isfinite(loss) & ~torch.isfinite(norm) if scaler is not None
-                    else torch.zeros((), dtype=torch.bool, device=norm.device))
-        self._pending = {"loss": loss, "grad_norm": norm, "post_clip_norm": post, "clipped": clipped, "ok": ok,
-                         "finite": finite, "spike": spike, "overflow": overflow, "per_param_norms": per,
-                         "own_found": own_found, "ours": ours}
-        session.before_update()  # ||update|| on the interval's last step: one parameter copy, no sync
+        if self._norms is None:
+            raise RuntimeError("StableTrainCallback: the optimizer steps, but the trainer's training_step did not run "
+                               "through stabletrain's watch (was training_step replaced after train() began?)")
+        norm, per = self._norms
+        lr = self.host_step.optimizer.param_groups[0]["lr"]  # the step's: the Trainer's scheduler steps after it
+        self._lr = lr.detach().clone() if isinstance(lr, Tensor) else lr
+        session.keep(self._micro, self._rng, dict(self._host))
+        self.host_step.before_step(self._loss, norm, per, grads_scaled=self.host_step.scaler is not None)
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        p, session = self._pending, self.session
-        if p is None:
+        self._out = self.host_step.after_step(self._count)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        out, session = self._out, self.session
+        if out is None:
             return
-        if p["ours"]:
-            del self.inner.grad_scale, self.inner.found_inf
-        device = p["grad_norm"].device
-        applied = p["ok"] if p["own_found"] is None else p["ok"] & ~p["own_found"]
-        scaler = self.scaler
-        if scaler is not None and p["own_found"] is not None:
-            ours_only = ~p["ok"] & ~p["own_found"]  # only we skipped: undo the scaler's back-off
-            scale, tracker = self._scale_before
-            scaler._scale.copy_(torch.where(ours_only, scale, scaler._scale))
-            scaler._growth_tracker.copy_(torch.where(ours_only, tracker, scaler._growth_tracker))
-        count = self._count if isinstance(self._count, Tensor) else torch.full((), float(self._count), device=device)
-        out = {"loss": p["loss"], "grad_norm": p["grad_norm"], "post_clip_norm": p["post_clip_norm"],
-               "clipped": p["clipped"], "applied": applied, "finite": p["finite"], "spike": p["spike"],
-               "params_finite": all_params_finite(session.params) if self.options.check_params else
-               torch.ones((), dtype=torch.bool, device=device),
-               "overflow": p["overflow"], "count": count.to(device), "per_param_norms": p["per_param_norms"]}
-        session.after_update(out)
+        self._out = None
         num_samples = sum(batch_size(b) for b in self._micro)
-        session.keep(self._micro, self._rng)
         session.epoch = int(state.epoch or 0)
-        lr = self.inner.param_groups[0]["lr"]
-        loss_scale = scaler._scale if scaler is not None and scaler._scale is not None else 1.0
+        lr = self._lr
+        loss_scale = self.host_step.loss_scale()
         self._reset_step()
         if session.record(out, num_samples=num_samples, lr=lr, loss_scale=loss_scale):
             self._record = session.history[-1]
             if session.stop_reason is not None:
                 control.should_training_stop = True
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._record is not None and self.options.mirror:
-            control.should_log = True  # the Trainer logs now; on_log adds our figures
+            if self.options.mirror:
+                control.should_log = True  # the Trainer logs now; on_log adds our figures
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         record, self._record = self._record, None
@@ -309,13 +299,53 @@ class StableTrainCallback(TrainerCallback):
         if self.session is None:
             return
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        if os.path.isdir(folder):
+        if os.path.isdir(folder) and self.session.dist.rank == 0:
             torch.save(self.session.state_dict(), os.path.join(folder, STATE_FILE))
 
     def _detach(self) -> None:
-        self._remove_hooks()
+        self._unwrap()
+        if self.host_step is not None:
+            self.host_step.close()
         if self.session is not None:
             self.session.close()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._detach()
+
+
+class _TransformersReplay:
+    """Replays a kept step with the Trainer's own ``training_step``, clipping and optimizer; diagnoses ``compute_loss``."""
+
+    def __init__(self, callback: StableTrainCallback) -> None:
+        self.cb = callback
+
+    def replay_step(self, kept: KeptStep) -> None:
+        cb = self.cb
+        trainer, args = cb.trainer, cb.args
+        model = kept.host["model"]
+        accelerator = trainer.accelerator
+        saved = getattr(trainer, "current_gradient_accumulation_steps", None)
+        if kept.host.get("accumulation_steps") is not None:
+            trainer.current_gradient_accumulation_steps = kept.host["accumulation_steps"]
+        try:
+            model.zero_grad(set_to_none=True)
+            n = len(kept.micro)
+            for i, inputs in enumerate(kept.micro):
+                with accelerator.no_sync(model) if i < n - 1 else contextlib.nullcontext():
+                    cb._call_training_step(model, move_to(inputs, args.device), kept.host["num_items_in_batch"])
+            clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else float("inf")
+            accelerator.clip_grad_norm_(model.parameters(), clip)
+            trainer.optimizer.step()
+            model.zero_grad(set_to_none=True)
+        finally:
+            if saved is not None:
+                trainer.current_gradient_accumulation_steps = saved
+
+    def diagnosis_loss(self, kept: KeptStep) -> Callable[[nn.Module, Any], Any]:
+        return self.cb.diagnosis_loss(kept.host.get("num_items_in_batch"))
+
+    def replaying(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def detached(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()

@@ -8,8 +8,8 @@
         for batch in loader:
             with monitor.autocast():          # optional: your precision's autocast (and the step's RNG point)
                 loss = model(batch).loss
-            monitor.backward(loss)            # or loss.backward() / scaler.scale(loss).backward(), then step(loss=)
-            monitor.step(batch)               # unscale, measure, guard, clip, step (skipped on the device when bad),
+            monitor.backward(loss, batch)     # or loss.backward() / scaler.scale(loss).backward(), then step(loss=)
+            monitor.step()                    # unscale, measure, guard, clip, step (skipped on the device when bad),
                                               # zero the grads, metrics; the run dir every log_every steps
 
 ``monitor.step`` is :meth:`stabletrain.step.TrainStep.update`, the same step a built-in run takes, on the
@@ -19,12 +19,19 @@ the update (skipped on the device when the step is bad: a fused optimizer or a G
 sync; any other optimizer costs one host read per step, warned once), check the parameters. The figures
 stay on the device; every ``log_every`` steps one host sync writes ``metrics.jsonl``, ``events.jsonl``
 and TensorBoard, and a bad step is captured into ``incidents/step_N`` and diagnosed by replaying
-``loss_fn`` under the locator (:mod:`stabletrain.integrations.core` says how the state before it is
-kept). ``stabletrain report``, ``compare`` and ``diagnose`` read the folder as any run's.
+``loss_fn`` under the locator (the state from before it is rebuilt by replaying your steps from the
+interval's snapshot with ``loss_fn``: :mod:`stabletrain.integrations.capture`). ``stabletrain report``,
+``compare`` and ``diagnose`` read the folder as any run's.
+
+Your own clipping (e.g. ``accelerator.clip_grad_norm_``) may stay: pass the pre-clip norm it returned,
+``monitor.step(batch, loss=loss, grad_norm=norm)``; stabletrain then records it and does not clip again.
+A model wrapped in ``DistributedDataParallel`` (under ``torchrun``) works as it is: every rank builds its
+Monitor, rank 0 writes the run directory.
 
 Your LR scheduler is yours: call it after ``monitor.step`` as before (a skipped step still advances it,
-as under a GradScaler). Resume: save ``monitor.state_dict()`` in your checkpoint, and after restoring
-your model and optimizer build ``Monitor(..., resume=True)`` and call ``load_state_dict``.
+as under a GradScaler; ``monitor.last_applied`` is the step's device flag if you want to hold it).
+Resume: save ``monitor.state_dict()`` in your checkpoint, and after restoring your model and optimizer
+build ``Monitor(..., resume=True)`` and call ``load_state_dict``.
 
 Metric keys: those of :data:`stabletrain.events.METRIC_KEYS` (``tokens_per_s`` counts ``num_tokens`` when
 you pass it to :meth:`Monitor.step`, else samples).
@@ -40,13 +47,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .callbacks import Callback
-from .clipping import GradClipper
-from .integrations.core import AdapterOptions, RunSession, StopTraining
-from .integrations.replay import batch_size, import_path
-from .precision import PrecisionPolicy
-from .seeding import rng_state
-from .step import TrainStep
+from ..callbacks import Callback
+from ..clipping import GradClipper
+from ..data import move_to
+from ..precision import PrecisionPolicy
+from ..seeding import rng_state
+from ..step import TrainStep
+from .capture import KeptStep
+from .core import AdapterOptions, RunSession, StopTraining, unwrap
+from .replay import batch_size, import_path
 
 __all__ = ["Monitor", "StopTraining"]
 
@@ -55,23 +64,25 @@ class Monitor:
     """Measure, guard, clip and step your own loop's optimizer, and keep the run's record. See the module docstring.
 
     Args:
-        model: the model being trained.
-        optimizer: its torch optimizer (``fused=True`` AdamW/Adam/SGD skip a bad step without a host sync).
+        model: the model being trained (a ``DistributedDataParallel`` wrapper under torchrun is fine).
+        optimizer: its torch optimizer (``fused=True`` AdamW/Adam/SGD skip a bad step without a host sync); an
+            accelerate ``AcceleratedOptimizer`` is looked through.
         run_dir: the run directory (None: guard and measure, write nothing).
         clip_max_norm: global L2 grad-norm threshold; None measures without clipping.
         log_every: steps per log interval (one host sync each).
-        scaler: your ``torch.amp.GradScaler`` (fp16); the monitor unscales and steps through it; do not call
-            ``scaler.step``/``scaler.update`` yourself.
+        scaler: your ``torch.amp.GradScaler`` (fp16; accelerate's is ``accelerator.scaler``); the monitor unscales
+            (unless you did) and steps through it; do not call ``scaler.step``/``scaler.update`` yourself.
         precision: "fp32", "bf16" or "fp16" for :meth:`autocast` and the record (default: fp16 with a scaler,
             else fp32). With "fp16" and no scaler the monitor makes its own and :meth:`backward` scales.
         on_nonfinite: "skip" (the bad step is skipped on the device), "stop" (skipped, then
             :class:`StopTraining` is raised at the log boundary) or "warn" (recorded and warned only).
         on_spike: "warn" or "skip" a loss spike (rule: :mod:`stabletrain.guard`).
-        loss_fn: ``loss_fn(model, batch) -> loss`` as your loop computes it: replays a bad step for its
-            diagnosis (a module-level function can also be replayed later by ``stabletrain diagnose``).
+        loss_fn: ``loss_fn(model, batch) -> loss`` as your loop computes it: replays the interval's steps for a
+            capture and the bad step for its diagnosis (a module-level function can also be replayed later by
+            ``stabletrain diagnose``).
         model_factory: ``"module:function"`` (or the function) that builds the model, so ``stabletrain diagnose``
             can replay in a new process; default: the model's class with no arguments.
-        capture, diagnose, check_params, tensorboard, top_layers, init_check: see
+        capture, diagnose, check_params, tensorboard, top_layers, init_check, keep_max_mib: see
             :class:`~stabletrain.integrations.core.AdapterOptions`.
         resume: reopen ``run_dir`` to continue a run (then call :meth:`load_state_dict`).
         overwrite: replace a run already in ``run_dir``.
@@ -84,33 +95,43 @@ class Monitor:
                  loss_fn: Callable[[nn.Module, Any], Any] | None = None,
                  model_factory: str | Callable[[], nn.Module] | None = None, capture: bool = True,
                  diagnose: bool = True, check_params: bool = True, tensorboard: bool = True, top_layers: int = 3,
-                 init_check: bool = True, resume: bool = False, overwrite: bool = False,
+                 init_check: bool = True, keep_max_mib: float = 1024.0, resume: bool = False, overwrite: bool = False,
                  callbacks: Sequence[Callback] = ()) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
+        inner = optimizer
+        while not isinstance(inner, torch.optim.Optimizer) and getattr(inner, "optimizer", None) is not None:
+            inner = inner.optimizer  # accelerate's AcceleratedOptimizer (and the like) hold the torch one
+        if not isinstance(inner, torch.optim.Optimizer):
             raise TypeError(f"Monitor(optimizer=...): expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.model, self.optimizer, self.loss_fn = model, inner, loss_fn
         options = AdapterOptions(log_every=log_every, on_nonfinite=on_nonfinite, on_spike=on_spike, capture=capture,
                                  diagnose=diagnose, check_params=check_params, tensorboard=tensorboard,
-                                 top_layers=top_layers, init_check=init_check).validate()
+                                 top_layers=top_layers, init_check=init_check, keep_max_mib=keep_max_mib).validate()
         device = next(p.device for p in model.parameters())
         mode = precision or ("fp16" if scaler is not None else "fp32")
         self.precision = PrecisionPolicy(mode, device)
         if scaler is not None:
             self.precision.scaler = scaler  # the user's scaler: its scale, growth and state are theirs
+        self.clipper = GradClipper(clip_max_norm)
         self.session = RunSession(
             run_dir, model, host="monitor", options=options, precision=self.precision.mode, clip_max_norm=clip_max_norm,
-            optimizer=optimizer, loss_fn=loss_fn, overwrite=overwrite, scaled=self.precision.scaler is not None,
-            recipes={"model": _model_recipe(model, model_factory), "loss": _loss_recipe(loss_fn),
-                     "scaler": self.precision.scaler},
+            optimizer=inner, scaler=self.precision.scaler, replay=_MonitorReplay(self) if loss_fn is not None else None,
+            overwrite=overwrite,
+            recipes={"model": _model_recipe(unwrap(model), model_factory), "loss": _loss_recipe(loss_fn)},
             host_config={"log_every": log_every, "clip_max_norm": clip_max_norm, "scaler": scaler is not None},
             callbacks=callbacks)
-        self.step_fn = TrainStep(model, optimizer, self.precision, clipper=GradClipper(clip_max_norm),
-                                 guard=self.session.guard, params=self.session.params, check_params=check_params)
-        self._loss: Tensor | None = None
-        self._micro: list[Any] = []
-        self._rng: dict[str, Any] | None = None
-        self._rng_marked = False
+        self.step_fn = TrainStep(model, inner, self.precision, clipper=self.clipper, guard=self.session.guard,
+                                 params=self.session.params, check_params=check_params)
+        self.last_applied: Tensor | None = None
+        self._reset()
         self.session.open(resume=resume)
+
+    def _reset(self) -> None:
+        self._loss: Tensor | None = None
+        self._backward: list[Tensor] = []
+        self._micro: list[Any] = []
+        self._rng: dict[str, Any] | None = rng_state() if self.session.capture.enabled else None
+        self._rng_marked = False
+        self._autocast = False
 
     # -- the loop's few lines ----------------------------------------------------------------------
 
@@ -121,8 +142,9 @@ class Monitor:
         A capture replays the step from the RNG state taken here (dropout draws the same numbers);
         without it, from the end of the previous step.
         """
-        if not self._rng_marked and self.session.options.capture:
+        if not self._rng_marked and self.session.capture.enabled:
             self._rng, self._rng_marked = rng_state(), True
+        self._autocast = True
         with self.precision.autocast():
             yield
 
@@ -133,52 +155,56 @@ class Monitor:
         it (e.g. ``loss / k``): the step's loss is the sum of the losses passed since the last step.
         ``batch``: the micro-batch (kept for a capture; with accumulation pass it here, not to :meth:`step`).
         """
-        if self._rng is None and self.session.options.capture:
-            self._rng = rng_state()
+        self.session.watch_loss(loss)
         self.precision.backward(loss)
         detached = loss.detach().float()
         self._loss = detached if self._loss is None else self._loss + detached
+        self._backward.append(detached)
         if batch is not None:
             self._micro.append(batch)
 
     def step(self, batch: Any = None, *, loss: Tensor | None = None, num_samples: int | None = None,
-             num_tokens: int | Tensor | None = None) -> dict[str, Tensor]:
+             num_tokens: int | Tensor | None = None, grad_norm: Tensor | None = None) -> dict[str, Tensor]:
         """Unscale, measure, guard, clip, step (skipped on the device when bad), zero the grads; record the step.
 
         ``batch``: the step's batch (kept for a capture; shapes give the sample count). ``loss``: the step's
         loss when you called backward yourself. ``num_samples`` / ``num_tokens``: what the step covered
-        (default: the batch's leading dimension). Returns the step's device tensors
-        (:data:`stabletrain.step.STEP_KEYS`); reading them on the host is a sync. Raises
+        (default: the batch's leading dimension). ``grad_norm``: the pre-clip norm your own clipping returned
+        (the grads are clipped already: stabletrain records it and does not clip again). Returns the step's
+        device tensors (:data:`stabletrain.step.STEP_KEYS`); reading them on the host is a sync. Raises
         :class:`StopTraining` at a log boundary when ``on_nonfinite="stop"`` saw a bad step.
         """
-        if self.session.closed:
+        session = self.session
+        if session.closed:
             raise RuntimeError("Monitor.step() after close(): build a new Monitor (resume=True) to continue the run")
-        loss = loss.detach().float() if loss is not None else self._loss
+        given = loss is not None
+        loss = loss.detach().float() if given else self._loss
         if loss is None:
             raise ValueError("Monitor.step(): no loss for this step; call monitor.backward(loss) first, or pass "
                              "monitor.step(batch, loss=loss) when you ran backward yourself")
         micro = self._micro or ([batch] if batch is not None else [])
-        if not self.session.started:
-            self.session.begin()
+        if not session.started:
+            session.begin()
             if self.loss_fn is not None and micro:
-                self.session.signal_check(micro[0], self.loss_fn)
+                session.signal_check(micro[0], self.loss_fn)
         n = num_samples if num_samples is not None else (sum(batch_size(b) for b in micro) if micro else 1)
         count = num_tokens if num_tokens is not None else n
         count = (count.detach().float().reshape(()) if isinstance(count, Tensor)
                  else torch.full((), float(count), device=loss.device))
-        self.session.keep(micro, self._rng)
-        last_of_interval = (self.session.step + 1) % self.session.options.log_every == 0
-        out = self.step_fn.update(loss=loss, count=count, measure_update=last_of_interval)
+        session.keep(micro, self._rng, {"backward": self._backward if not given else [loss], "autocast": self._autocast,
+                                        "loss": loss, "count": count, "clipped_by_user": grad_norm is not None})
+        session.before_update()
+        last_of_interval = (session.step + 1) % session.options.log_every == 0
+        norm = torch.as_tensor(grad_norm).detach().float().reshape(()) if grad_norm is not None else None
+        out = self.step_fn.update(loss=loss, count=count, measure_update=last_of_interval, grad_norm=norm)
         self.optimizer.zero_grad(set_to_none=True)
-        self._loss, self._micro, self._rng, self._rng_marked = None, [], None, False
-        if self.session.options.capture and self.session.run is not None:
-            self._rng = rng_state()  # the next step's forward starts from here unless autocast() marks it later
-        self.session.record(out, num_samples=n, lr=self.optimizer.param_groups[0]["lr"],
-                            loss_scale=self.precision.loss_scale())
-        if self.session.stop_reason is not None:
-            reason = self.session.stop_reason
+        self.last_applied = out["applied"]
+        self._reset()
+        session.record(out, num_samples=n, lr=self.optimizer.param_groups[0]["lr"], loss_scale=self.precision.loss_scale())
+        if session.stop_reason is not None:
+            reason = session.stop_reason
             self.close()
-            raise StopTraining(self.session.step, reason)
+            raise StopTraining(session.step, reason)
         return out
 
     # -- progress, end and state -------------------------------------------------------------------
@@ -217,6 +243,53 @@ class Monitor:
         """Restore :meth:`state_dict`; the run continues at its step (a ``resume`` event in the run directory)."""
         self.session.load_state_dict(state, path=path)
         self.precision.load_state_dict(state["precision"])
+
+
+class _MonitorReplay:
+    """Replays one of the user's steps with ``loss_fn``, through the Monitor's own update (no guard: a replayed step
+    was applied), for a capture; ``loss_fn`` is also the diagnosis's loss."""
+
+    def __init__(self, monitor: Monitor) -> None:
+        self.monitor = monitor
+
+    def replay_step(self, kept: KeptStep) -> None:
+        m = self.monitor
+        step = TrainStep(m.model, m.optimizer, m.precision, clipper=m.clipper, params=m.session.params,
+                         check_params=False)
+        m.optimizer.zero_grad(set_to_none=True)
+        backward = kept.host["backward"]
+        for i, batch in enumerate(kept.micro):
+            batch = move_to(batch, m.precision.device)
+            with m.precision.autocast() if kept.host["autocast"] else contextlib.nullcontext():
+                loss = m.loss_fn(m.model, batch)
+            m.precision.backward(_as_backpropagated(loss, backward[i] if i < len(backward) else None, len(kept.micro)))
+        step.update(loss=kept.host["loss"], count=kept.host["count"])
+        m.optimizer.zero_grad(set_to_none=True)
+
+    def diagnosis_loss(self, kept: KeptStep) -> Callable[[nn.Module, Any], Any]:
+        return self.monitor.loss_fn
+
+    def replaying(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def detached(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
+def _as_backpropagated(loss: Tensor, backpropagated: Tensor | None, num_micro: int) -> Tensor:
+    """``loss_fn``'s loss as the user backpropagated it: as it is, divided by the micro-batches, or rescaled.
+
+    Compared bitwise on the host (a capture's replay may sync): the first two forms replay the user's
+    gradients exactly; any other normalization is matched by the ratio of the two values.
+    """
+    if backpropagated is None:
+        return loss
+    value, seen = loss.detach().float(), backpropagated.to(loss.device)
+    if bool(torch.equal(value, seen)):
+        return loss
+    if bool(torch.equal((loss / num_micro).detach().float(), seen)):
+        return loss / num_micro
+    return loss * (seen / value).to(loss.dtype)
 
 
 def _model_recipe(model: nn.Module, factory: str | Callable[[], nn.Module] | None) -> dict[str, Any] | None:
