@@ -334,3 +334,86 @@ def test_each_rank_syncs_only_at_log_eval_and_checkpoint_boundaries(tmp_path):
         assert {s: logged.count(s) for s in set(logged)} == {5: 1, 10: 1, 15: 1, 20: 1, 25: 1}  # one per interval
         evals = [s for s, _, w in calls if "evaluate" in w]
         assert {s: evals.count(s) for s in set(evals)} == {10: 1, 20: 1, 25: 1}
+
+
+# -- what counts as a lost peer --------------------------------------------------------------------
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A real (gloo, one-rank) default process group in this process; destroyed after the test."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield dist
+    finally:
+        dist.destroy_process_group()
+
+
+def _raised(fn):
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 - the exception object is what the test is about
+        return err
+    raise AssertionError("expected an exception")
+
+
+class _SlowSample(torch.utils.data.Dataset):
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        time.sleep(1.5)
+        return torch.zeros(1)
+
+
+def test_a_lost_peer_is_told_by_the_exceptions_type_and_where_it_arose_not_by_its_words(one_rank_group):
+    from stabletrain.distributed import is_peer_failure
+
+    dist = one_rank_group
+    for kind in (dist.DistBackendError, dist.DistNetworkError, dist.DistStoreError):  # c10d's own failure types
+        assert is_peer_failure(_raised(lambda: (_ for _ in ()).throw(kind("NCCL watchdog: collective timed out"))))
+    # A DataLoader that times out says "timed out": it is this rank's own data, not a peer.
+    loader = torch.utils.data.DataLoader(_SlowSample(), num_workers=1, timeout=0.3)
+    timeout = _raised(lambda: next(iter(loader)))
+    assert type(timeout) is RuntimeError and "timed out" in str(timeout)
+    assert not is_peer_failure(timeout) and not is_peer_failure(timeout, in_gradient_sync=True)
+    # A user's own RuntimeError in gloo's words is still the user's.
+    def user_code():
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer; nccl timed out")
+    assert not is_peer_failure(_raised(user_code))
+    # A RuntimeError raised inside a collective (here gloo refusing a sparse MAX all-reduce) is the collective's.
+    inside = _raised(lambda: dist.all_reduce(torch.ones(1).to_sparse(), op=dist.ReduceOp.MAX))
+    assert type(inside) is RuntimeError and is_peer_failure(inside)
+
+
+def test_out_of_a_ddp_backward_only_a_failed_gradient_all_reduce_is_a_lost_peer(one_rank_group):
+    from stabletrain.distributed import data_parallel, is_peer_failure
+
+    torch.manual_seed(0)
+    ddp, carrier = data_parallel(torch.nn.Linear(3, 2), None, sums=True)
+
+    def backward(bad_graph=False):
+        carrier.reset()
+        out = ddp(torch.randn(4, 3)).sigmoid()
+        if bad_graph:
+            out.add_(1.0)  # sigmoid's backward needs its output: modified in place, the graph cannot run
+        carrier.carry(torch.zeros(3), None, out.sum()).backward()
+
+    backward()
+    assert carrier.in_gradient_sync is False  # the all-reduce finished
+    err = _raised(lambda: backward(bad_graph=True))
+    assert type(err) is RuntimeError and "inplace" in str(err)
+    assert carrier.in_gradient_sync is False and not is_peer_failure(err, in_gradient_sync=carrier.in_gradient_sync)
+
+    def failing_all_reduce(state, bucket):  # what DDP's reducer gets from gloo when a peer is gone
+        fut = torch.futures.Future()
+        fut.set_exception(RuntimeError("Connection closed by peer"))
+        return fut
+
+    ddp, carrier = data_parallel(torch.nn.Linear(3, 2), None, sums=True)  # the reducer above is spent
+    ddp.register_comm_hook(None, failing_all_reduce)
+    err = _raised(backward)
+    assert type(err) is RuntimeError and carrier.in_gradient_sync is True
+    assert is_peer_failure(err, in_gradient_sync=carrier.in_gradient_sync)

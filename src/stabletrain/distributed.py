@@ -36,6 +36,7 @@ import os
 import signal
 import subprocess
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -82,15 +83,33 @@ def short_cause(message: str) -> str:
     return line[:200]
 
 
-_PEER_SIGNS = ("gloo", "nccl", "connection reset", "connection closed", "connection refused", "broken pipe",
-               "timed out", "by peer")
+_DIST_DIR = os.path.dirname(dist.__file__) + os.sep
+_ENGINE_FILE = os.path.normcase(os.path.abspath(torch.autograd.graph.__file__))
 
 
-def is_peer_failure(err: BaseException) -> bool:
-    """Return whether ``err`` is a collective failing for want of a peer (gloo/NCCL errors, timeouts)."""
+def is_peer_failure(err: BaseException, *, in_gradient_sync: bool = False) -> bool:
+    """Return whether ``err`` is a collective failing for want of a peer (another rank exited, hung, is unreachable).
+
+    Decided from the exception's type, where it arose and the process group's state, never from its
+    message (a ``DataLoader timed out`` or a user's own "connection reset" is not a lost peer):
+
+    - no process group is initialized: False;
+    - a :class:`torch.distributed.DistError` (``DistBackendError``: NCCL's failed or timed-out
+      collectives; ``DistNetworkError``; ``DistStoreError``): c10d's own types for a failed communication;
+    - a plain ``RuntimeError`` (gloo's failures are exactly that) raised inside a collective: its
+      innermost frame is in ``torch.distributed`` (an explicit collective, FSDP's, DCP's), or it came out
+      of the autograd engine while DDP waited on its gradient all-reduce, after the backward's graph had
+      run (``in_gradient_sync``: :attr:`WindowCarrier.in_gradient_sync`). An error of the graph itself
+      (an in-place modification, a user's backward) arises before that and is the user's.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
     if isinstance(err, dist.DistError):
         return True
-    return isinstance(err, RuntimeError) and any(s in str(err).lower() for s in _PEER_SIGNS)
+    if type(err) is not RuntimeError or err.__traceback__ is None:
+        return False
+    innermost = os.path.normcase(os.path.abspath(traceback.extract_tb(err.__traceback__)[-1].filename))
+    return innermost.startswith(os.path.normcase(_DIST_DIR)) or (in_gradient_sync and innermost == _ENGINE_FILE)
 
 
 def under_torchrun() -> bool:
@@ -261,10 +280,12 @@ class WindowCarrier:
       normalized by this rank's running count (fp16 with a GradScaler), multiplies each bucket by that
       count first, so the sum over the ranks is exact whatever each rank's share.
 
-    :meth:`reset` before each step. Which rank saw a non-finite value is read from each rank's own loss
-    and inputs every step; a rank whose loss was finite but whose own gradients were not is named by the
-    incident capture, which backpropagates the bad step on every rank without the all-reduce
-    (:mod:`stabletrain.callbacks.incidents`): a per-bucket check cost 0.27 ms a step on gpt.
+    :meth:`reset` before each step. :attr:`in_gradient_sync` tells a failed gradient all-reduce (a lost
+    peer) from an error of the backward's graph (:func:`is_peer_failure`). Which rank saw a non-finite
+    value is read from each rank's own loss and inputs every step; a rank whose loss was finite but
+    whose own gradients were not is named by the incident capture, which backpropagates the bad step on
+    every rank without the all-reduce (:mod:`stabletrain.callbacks.incidents`): a per-bucket check cost
+    0.27 ms a step on gpt.
     A carrier that does neither (FSDP: ``travels`` false) only marks the step as distributed.
     """
 
@@ -278,6 +299,9 @@ class WindowCarrier:
         self.payload: Tensor | None = None
         self.scale: Tensor | None = None
         self._received: Tensor | None = None
+        #: True from the moment the last backward's graph has run until DDP's reducer has its all-reduced
+        #: gradients: an error out of that backward while it is True is the all-reduce's (see :meth:`carry`).
+        self.in_gradient_sync = False
         if self.param is not None:
             self.param.grad = None
 
@@ -289,11 +313,28 @@ class WindowCarrier:
         """
         if self.param is None:
             self.payload, self.scale, self._received = payload, scale, None
-            return loss
-        if scale is not None:
+            out = loss
+        elif scale is not None:
             raise RuntimeError("a WindowCarrier with a parameter carries only windows of raw sums (sums=True); "
                                "a window normalized by its running count needs register_carrier_hook")
-        return _CarriedGrad.apply(loss, self.param, payload)
+        else:
+            out = _CarriedGrad.apply(loss, self.param, payload)
+        if out.requires_grad:
+            out.register_hook(self._backward_started)
+        return out
+
+    # The engine runs a backward's final callbacks in the order they were queued, after every node of the
+    # graph: this one, queued as the backward starts, runs before DDP's (queued once every bucket is ready),
+    # which waits on the all-reduce and raises if it failed; the one it queues runs after DDP's has passed.
+    def _backward_started(self, grad: Tensor) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(self._graph_ran)
+
+    def _graph_ran(self) -> None:
+        self.in_gradient_sync = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._gradients_synced)
+
+    def _gradients_synced(self) -> None:
+        self.in_gradient_sync = False
 
     @property
     def received(self) -> Tensor | None:

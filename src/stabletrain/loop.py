@@ -232,7 +232,7 @@ class Trainer:
             with deterministic_mode(self.cfg.deterministic), gc_frozen():  # put back when fit() returns or raises
                 return self._fit()
         except Exception as err:
-            if not (self.dist.enabled and is_peer_failure(err)):
+            if not self._peer_lost(err):
                 raise
             good = self.ckpt.latest_good() if self.ckpt is not None else None
             run_dir = str(self.ckpt.root.parent) if self.ckpt is not None else None
@@ -293,7 +293,7 @@ class Trainer:
                 state.positions = {s: p for s, p in state.positions.items() if s > state.step}
                 self.recorder.mark_interval_start(state)
         except Exception as err:  # the record keeps what ended the run, with the user's file:line
-            if not (self.dist.enabled and is_peer_failure(err)):
+            if not self._peer_lost(err):
                 self._record_checkpoints(self.keeper.finished(wait=True))  # the crash stays the last event
                 where, part = user_location(err), task_part(err)
                 failed = state.step + 1 if self._where.startswith("a training step") else state.step
@@ -309,6 +309,12 @@ class Trainer:
                 if state.run is not None:
                     state.run.close()
         return record
+
+    def _peer_lost(self, err: BaseException) -> bool:
+        """Whether ``err`` is a collective failing for want of a peer (:func:`~stabletrain.distributed.is_peer_failure`)."""
+        carrier = self.step_fn.carrier  # DDP: knows whether the error came out of the gradient all-reduce
+        in_sync = bool(getattr(carrier, "in_gradient_sync", False))
+        return self.dist.enabled and is_peer_failure(err, in_gradient_sync=in_sync)
 
     def _log(self) -> tuple[dict[str, Any], GuardDecision, list[Any]]:
         """Reduce the interval (its one host sync), let the guard read it, fire ``on_log``."""
