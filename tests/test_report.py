@@ -16,7 +16,7 @@ from stabletrain import Trainer, load_config
 from stabletrain.records import read_jsonl
 from stabletrain.report import config_diff, health_summary, load_run, write_compare, write_report
 from stabletrain.report.compare import render_compare, run_labels
-from stabletrain.report.plots import COMPARE_METRICS, RUN_PLOT_NAMES
+from stabletrain.report.plots import COMPARE_METRICS, RUN_PLOT_NAMES, run_plots
 from stabletrain.report.text import fmt_num, fmt_pct, fmt_ranges, step_ranges
 from stabletrain.tasks import resolve_task
 
@@ -101,7 +101,8 @@ def test_report_of_a_real_run_has_every_plot_and_true_health_figures(real_run):
     # Every plot is embedded in the page and written as a PNG file ("other_metrics" where the loop logs keys
     # this report does not know, e.g. guard counters).
     others = load_run(real_run).other_metric_keys()
-    expected_plots = [n for n in RUN_PLOT_NAMES if n != "other_metrics" or others]
+    # fp32 with two skipped steps: the skipped steps alone, no loss-scale panel (a flat line at 1 says nothing).
+    expected_plots = [n for n in RUN_PLOT_NAMES if (n != "other_metrics" or others) and n != "loss_scale"]
     for name in expected_plots:
         assert f'id="plot-{name}"' in page
         with Image.open(real_run / "plots" / f"{name}.png") as im:
@@ -114,7 +115,7 @@ def test_report_of_a_real_run_has_every_plot_and_true_health_figures(real_run):
     want = expected_figures(real_run)
     assert want["skipped"] == 2 and want["nonfinite"] == 2 and 0 < want["clip_rate"] < 1  # the run did what we planned
     assert (f"Clipping fired on {fmt_pct(want['clip_rate'])} of steps ({want['clipped_steps']} of {want['steps']}; "
-            "threshold 0.8).") in page
+            "threshold 0.8)") in page
     assert "2 steps skipped at 12-13 (non-finite loss or grad norm)." in page
     assert "2 steps had a non-finite loss or grad norm (first at step 12)." in page
     (s0, v0), (s1, v1) = want["val"][0], want["val"][-1]
@@ -245,7 +246,7 @@ def test_malformed_lines_are_reported_with_file_and_line_never_raised(run_copy):
     assert "Data problems (8)" in page and "8 problems reading the run&#x27;s files" in page
     run = load_run(run_copy)
     assert run.metrics[-1]["step"] == 45 and "loss" not in run.metrics[-1]  # the good values of the line are kept
-    assert all(f'id="plot-{n}"' in page for n in RUN_PLOT_NAMES if n != "other_metrics")
+    assert all(f'id="plot-{n}"' in page for n in RUN_PLOT_NAMES if n not in ("other_metrics", "loss_scale"))
 
 
 def test_unknown_numeric_metric_keys_get_their_own_plot(run_copy):
@@ -435,3 +436,96 @@ def test_compare_writes_nothing_in_the_current_directory(real_run, other_run, tm
     assert main(["compare", str(a), str(b), "--out", str(tmp_path / "ab.html")]) == 0  # a file
     assert (tmp_path / "ab.html").is_file() and (tmp_path / "ab_plots" / "loss.png").is_file()
     assert not list(cwd.iterdir())
+
+
+# -- what the panels and the health line say ----------------------------------------------------------
+
+
+def _figures_of(monkeypatch) -> list:
+    """Spy on the report's PNG encoder: the matplotlib figures each plot was drawn from, in order."""
+    from stabletrain.report import plots
+
+    figs, real_png = [], plots._png
+    monkeypatch.setattr(plots, "_png", lambda fig: figs.append(fig) or real_png(fig))
+    return figs
+
+
+def test_loss_scale_panel_only_where_a_loss_scale_is_in_play(real_run, other_run, run_copy, monkeypatch):
+    figs = _figures_of(monkeypatch)
+    names = [p.name for p in run_plots(load_run(real_run))]  # fp32, steps 12-13 skipped
+    assert "loss_scale" not in names and "skipped" in names
+    (ax,) = figs[names.index("skipped")].axes
+    assert [b.get_height() for b in ax.patches if b.get_height() > 0] == [2.0]  # both skips in the interval 11-15
+    page = write_report(real_run).read_text(encoding="utf-8")
+    assert ("No loss-scale panel: fp32 trains without a loss scale (only fp16 runs a GradScaler); the skipped steps "
+            "have their own panel.") in page
+    names = [p.name for p in run_plots(load_run(other_run))]  # fp32, nothing skipped: neither panel, one line
+    assert "loss_scale" not in names and "skipped" not in names
+    assert "no step was skipped." in write_report(other_run).read_text(encoding="utf-8")
+
+    # An fp16 run's files: its GradScaler's scale halves at the overflow and grows back.
+    snapshot = json.loads((run_copy / "snapshot.json").read_text())
+    (run_copy / "snapshot.json").write_text(json.dumps({**snapshot, "precision": "fp16"}))
+    records, _ = read_jsonl(run_copy / "metrics.jsonl")
+    scales = [65536.0, 65536.0, 16384.0, 16384.0, 16384.0, 32768.0, 32768.0, 32768.0]
+    (run_copy / "metrics.jsonl").write_text("".join(json.dumps({**r, "loss_scale": s}) + "\n" for r, s in zip(records, scales)))
+    figs.clear()
+    names = [p.name for p in run_plots(load_run(run_copy))]
+    assert "loss_scale" in names and "skipped" not in names
+    scale_ax = figs[names.index("loss_scale")].axes[0]
+    assert list(scale_ax.get_lines()[0].get_ydata()) == scales and scale_ax.get_yscale() == "log"
+    assert 'id="no-loss-scale"' not in write_report(run_copy).read_text(encoding="utf-8")
+
+
+def test_update_panel_draws_the_norm_and_the_ratio_on_separate_axes(real_run, monkeypatch):
+    figs = _figures_of(monkeypatch)
+    run = load_run(real_run)
+    names = [p.name for p in run_plots(run)]
+    top, bottom = figs[names.index("update")].axes  # two panels, no twin axis
+    assert (top.get_ylabel(), bottom.get_ylabel()) == ("||Δθ|| (L2 norm)", "||Δθ|| / ||θ||")
+    assert top.get_position().y0 > bottom.get_position().y1  # one above the other, not overlaid
+    (norm,), (ratio,) = top.get_lines(), bottom.get_lines()
+    assert list(norm.get_ydata()) == run.series("update_norm")[1]
+    assert list(ratio.get_ydata()) == run.series("update_ratio")[1]
+
+
+def _clip_run(tmp_path, rates, norms, peaks, optimizer="adamw", threshold=1.0, every=10):
+    """A run directory holding only what the clip verdict reads: config and metrics, one record per interval."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "config.yaml").write_text(f"clip:\n  max_norm: {threshold}\noptim:\n  name: {optimizer}\n")
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": every * (i + 1), "loss": 1.0, "clip_rate": r, "grad_norm": n, "grad_norm_max": m}) + "\n"
+        for i, (r, n, m) in enumerate(zip(rates, norms, peaks))))
+    return health_summary(load_run(tmp_path))
+
+
+def _clip_sentence(h):
+    return next((lvl, text) for lvl, text in h.sentences if text.startswith("Clipping fired on"))
+
+
+def test_clip_rate_health_line_gives_a_verdict_with_its_reason(tmp_path):
+    # The issue's run: 100% of the first 20 steps, 44% overall (30% of the rest), grad norms around the threshold.
+    h = _clip_run(tmp_path / "a", [1.0, 1.0] + [0.3] * 8, [2.5, 1.8] + [0.95] * 8, [4.0, 2.2] + [1.6] * 8)
+    level, text = _clip_sentence(h)
+    assert h.figures["clip_rate"] == pytest.approx(0.44) and h.figures["clip_rate_late"] == pytest.approx(0.3)
+    assert (level, h.figures["clip_verdict"]) == ("warn", "frequent")
+    assert "30% in the second half: often" in text and "close to the typical grad norm (median 0.95)" in text
+    assert "set clip.max_norm to about 1.6 (the median of each interval's largest grad norm)" in text
+
+    # Most steps, to the end: the clip sizes the updates. AdamW and SGD are told what that does to each.
+    adam = _clip_run(tmp_path / "b", [1.0] * 10, [2.5] * 10, [3.0] * 10)
+    level, text = _clip_sentence(adam)
+    assert (level, adam.figures["clip_verdict"]) == ("warn", "most") and "too often" in text
+    assert "threshold is below the typical grad norm (median 2.5)" in text and "no longer tells a spike" in text
+    sgd = _clip_run(tmp_path / "c", [1.0] * 10, [2.5] * 10, [3.0] * 10, optimizer="sgd")
+    assert "as if the learning rate were about 0.4x as large" in _clip_sentence(sgd)[1]
+
+    # Only the first steps (their large gradients): healthy; rarely or never: healthy.
+    early = _clip_run(tmp_path / "d", [1.0, 1.0, 0.5] + [0.0] * 7, [3.0, 2.0, 1.1] + [0.5] * 7, [4.0, 3.0, 2.0] + [0.7] * 7)
+    level, text = _clip_sentence(early)
+    assert (level, early.figures["clip_verdict"]) == ("ok", "early") and "0% in the second half: healthy" in text
+    rare = _clip_run(tmp_path / "e", [0.1] + [0.0] * 9, [0.5] * 10, [1.2] + [0.7] * 9)
+    assert _clip_sentence(rare) == ("ok", "Clipping fired on 1% of steps (1 of 100; threshold 1): healthy, it trims "
+                                          "the occasional large gradient.")
+    never = _clip_run(tmp_path / "f", [0.0] * 10, [0.5] * 10, [0.7] * 10)
+    assert _clip_sentence(never)[0] == "ok" and never.figures["clip_verdict"] == "never"

@@ -242,7 +242,18 @@ def _losses(run: RunData, h: Health) -> None:
         h.say(level, text + ".")
 
 
+#: Clip-rate bands of the verdict: at most RARE of the steps is healthy, more than MOST is clipping nearly always.
+CLIP_RARE, CLIP_MOST = 0.1, 0.5
+
+
 def _clipping(run: RunData, h: Health) -> None:
+    """The clip rate with a verdict and its reason.
+
+    Clipping is a guard for the occasional large gradient: healthy when it fires rarely, or often only
+    in the first steps (their large gradients). Firing on most steps means ``max_norm`` sits below
+    the typical grad norm: the clip, not the gradient, sizes the updates. The verdict reads the second
+    half of the run (``clip_rate_late``), so a burst at the start does not condemn a run that settled.
+    """
     f = h.figures
     threshold = run.cfg("clip.max_norm")
     f["clip_threshold"] = threshold
@@ -253,14 +264,52 @@ def _clipping(run: RunData, h: Health) -> None:
     clipped = sum(r["clip_rate"] * r["interval_steps"] for r in rows)  # weighted by interval length
     f["clip_rate"] = clipped / steps
     f["clipped_steps"], f["clip_steps_seen"] = int(round(clipped)), int(steps)
+    norms = _finite(run.series("grad_norm")[1])
+    if norms:
+        f["grad_norm_median"] = statistics.median(norms)
+    peaks = _finite(run.series("grad_norm_max")[1])  # each interval's largest pre-clip norm
+    if peaks:
+        f["grad_norm_max_median"] = statistics.median(peaks)
     if threshold is None:
-        norms = _finite(run.series("grad_norm")[1])
-        median = f" (median grad norm {fmt_num(statistics.median(norms))})" if norms else ""
+        median = f" (median grad norm {fmt_num(f['grad_norm_median'])})" if norms else ""
         h.say("ok", f"Clipping is off (clip.max_norm is null){median}.")
         return
-    level = "warn" if f["clip_rate"] > 0.5 else "ok"
-    h.say(level, f"Clipping fired on {fmt_pct(f['clip_rate'])} of steps ({f['clipped_steps']:,} of {f['clip_steps_seen']:,}; "
-                 f"threshold {fmt_num(threshold)}).")
+    half = max(int(r["step"]) for r in rows) / 2
+    late = [r for r in rows if r["step"] - r["interval_steps"] >= half] or rows[-1:]  # intervals in the second half
+    f["clip_rate_late"] = sum(r["clip_rate"] * r["interval_steps"] for r in late) / sum(r["interval_steps"] for r in late)
+    rate, late_rate = f["clip_rate"], f["clip_rate_late"]
+    head = (f"Clipping fired on {fmt_pct(rate)} of steps ({f['clipped_steps']:,} of {f['clip_steps_seen']:,}; "
+            f"threshold {fmt_num(threshold)})")
+    typical = f" (median {fmt_num(f['grad_norm_median'])})" if norms else ""
+    retune = (f"set clip.max_norm to about {fmt_num(f['grad_norm_max_median'], 2)} (the median of each interval's "
+              "largest grad norm)" if peaks and f["grad_norm_max_median"] > threshold
+              else "raise clip.max_norm above the typical grad norm")
+    if rate == 0:
+        f["clip_verdict"] = "never"
+        h.say("ok", f"{head}: healthy, a guard that was never needed (every grad norm stayed below it).")
+    elif late_rate > CLIP_MOST:
+        f["clip_verdict"] = "most"
+        if str(run.cfg("optim.name", "")).startswith("adam"):
+            effect = ("with Adam the update size barely changes (it divides by the clipped gradients' RMS), but every "
+                      "gradient is rescaled to the same norm, so the clip no longer tells a spike from an ordinary step")
+        else:
+            factor = f" about {fmt_num(threshold / f['grad_norm_median'], 2)}x" if norms and f["grad_norm_median"] > 0 else ""
+            effect = f"with SGD the update shrinks as if the learning rate were{factor} as large"
+        h.say("warn", f"{head}, {fmt_pct(late_rate)} in the second half: too often. The threshold is below the typical "
+                      f"grad norm{typical}, so the clip, not the gradient, sets the size of most updates; {effect}. "
+                      f"To clip only spikes, {retune}; if the smaller steps are what keeps the run stable, lower "
+                      "optim.lr instead.")
+    elif late_rate > CLIP_RARE:
+        f["clip_verdict"] = "frequent"
+        h.say("warn", f"{head}, {fmt_pct(late_rate)} in the second half: often. The threshold is close to the typical "
+                      f"grad norm{typical}, so it shrinks ordinary updates, not only spikes; to clip only spikes, {retune}.")
+    elif rate > CLIP_RARE:
+        f["clip_verdict"] = "early"
+        h.say("ok", f"{head}, {fmt_pct(late_rate)} in the second half: healthy. It clipped the large gradients of the "
+                    "first steps and rarely after; that is what a clip is for.")
+    else:
+        f["clip_verdict"] = "rare"
+        h.say("ok", f"{head}: healthy, it trims the occasional large gradient.")
 
 
 def _records(run: RunData, h: Health) -> None:

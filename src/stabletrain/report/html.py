@@ -215,6 +215,7 @@ def render_report(run: RunData, plots: Sequence[Plot] | None = None, files: dict
         '<h2 id="curves">Curves</h2>',
         (f'<div class="plots">{"".join(figure(p, files.get(p.name)) for p in plots)}</div>' if plots
          else f'<p class="empty">{_no_metrics(health)}</p>'),
+        _no_loss_scale(run, health) if plots else "",
         f'<h2 id="events">Events ({sum(1 for e in run.events if not e.superseded)})</h2>',
         _timeline(run),
         '<h2 id="layers">Layers dominating the grad norm</h2>',
@@ -242,6 +243,17 @@ def _header(run: RunData, health: Health) -> str:
     level = health.level
     return (f'<header><h1>{esc(run.name)} <span class="badge {level}">{_LEVEL_WORDS[level]}</span></h1>'
             f'<p class="sub mono">{esc(run.path.resolve())}</p><p class="sub">{shown}</p></header>')
+
+
+def _no_loss_scale(run: RunData, health: Health) -> str:
+    """The one line that says why there is no loss-scale panel (fp32, bf16: no GradScaler)."""
+    if run.loss_scaled:
+        return ""
+    precision = run.snapshot.get("precision") or run.cfg("precision") or "this precision"
+    skipped = health.figures.get("skipped_steps", 0)
+    rest = "the skipped steps have their own panel" if skipped else "no step was skipped"
+    return (f'<p class="detail" id="no-loss-scale">No loss-scale panel: {esc(precision)} trains without a loss scale '
+            f"(only fp16 runs a GradScaler); {rest}.</p>")
 
 
 def _no_metrics(health: Health) -> str:

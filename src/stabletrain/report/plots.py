@@ -25,8 +25,9 @@ __all__ = ["Plot", "run_plots", "compare_plots", "shared_unit", "RUN_PLOT_NAMES"
 DPI = 110
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
 # Every plot one run's report may hold, in page order ("other_metrics" only when there are unknown keys).
-RUN_PLOT_NAMES = ("loss", "grad_norm", "update", "clip_rate", "lr", "loss_scale", "tokens_per_s", "peak_memory",
-                  "other_metrics")
+# "loss_scale" only where a loss scale is in play (fp16), else "skipped" only where steps were skipped.
+RUN_PLOT_NAMES = ("loss", "grad_norm", "update", "clip_rate", "lr", "loss_scale", "skipped", "tokens_per_s",
+                  "peak_memory", "other_metrics")
 # Metrics overlaid by ``compare``: key -> (title, y label); "{unit}" is the runs' count unit (tokens or samples).
 COMPARE_METRICS = {
     "loss": ("Train loss", "loss"),
@@ -51,14 +52,16 @@ class Plot:
     png: bytes
 
 
-def _figure(width: float = 6.4, height: float = 3.3, ncols: int = 1, nrows: int = 1, right: float = 0.2) -> tuple[Figure, list]:
-    """Return a figure and its axes with fixed margins in inches (``right``: room for a twin axis).
+def _figure(width: float = 6.4, height: float = 3.3, ncols: int = 1, nrows: int = 1, right: float = 0.2,
+            left: float = 0.8) -> tuple[Figure, list]:
+    """Return a figure and its axes with fixed margins in inches (``right``: room for a twin axis; ``left``: for
+    wide tick labels).
 
     Fixed margins rather than constrained layout: the layout solver doubled the drawing time.
     """
     fig = Figure(figsize=(width, height), dpi=DPI)
     FigureCanvasAgg(fig)
-    left, bottom, top, hgap, vgap = 0.8, 0.5, 0.36, 0.85, 0.7
+    bottom, top, hgap, vgap = 0.5, 0.36, 0.85, 0.7
     axis_w = (width - left - right - hgap * (ncols - 1)) / ncols
     axis_h = (height - bottom - top - vgap * (nrows - 1)) / nrows
     fig.subplots_adjust(left=left / width, right=1 - right / width, bottom=bottom / height, top=1 - top / height,
@@ -153,9 +156,13 @@ def run_plots(run: RunData) -> list[Plot]:
     """Return the plots of one run (empty when it has no metrics yet)."""
     if not run.metrics:
         return []
-    plots = [_loss(run), _grad_norm(run), _update(run), _clip_rate(run), _simple(run, "lr", "lr", "Learning rate", "lr"),
-             _loss_scale(run), _simple(run, "tokens_per_s", "tokens_per_s", "Throughput", f"{run.count_unit}/s"),
-             _simple(run, "peak_memory", "peak_memory_mib", "Peak memory", "MiB")]
+    plots = [_loss(run), _grad_norm(run), _update(run), _clip_rate(run), _simple(run, "lr", "lr", "Learning rate", "lr")]
+    if run.loss_scaled:  # fp32 and bf16 have no loss scale: a flat line at 1 would say nothing
+        plots.append(_loss_scale(run))
+    elif any(r.get("num_skipped", 0) > 0 for r in run.metrics):
+        plots.append(_skipped(run))
+    plots += [_simple(run, "tokens_per_s", "tokens_per_s", "Throughput", f"{run.count_unit}/s"),
+              _simple(run, "peak_memory", "peak_memory_mib", "Peak memory", "MiB")]
     other = _other(run)
     if other is not None:
         plots.append(other)
@@ -224,25 +231,40 @@ def _simple(run: RunData, name: str, key: str, title: str, ylabel: str) -> Plot:
 
 
 def _update(run: RunData) -> Plot:
-    """||theta_t - theta_(t-1)|| of each interval's last step (left) and its ratio to ||theta|| (right)."""
-    fig, (ax,) = _figure(right=0.85)
-    x, norm = _column(run, "update_norm")
-    _, ratio = _column(run, "update_ratio")
-    ax.plot(x, norm, color=COLORS[0], linewidth=1.5, label="||Δθ||", **_style(x.size))
-    if np.isfinite(norm).any() and (norm[np.isfinite(norm)] > 0).all():
-        ax.set_yscale("log")
-    right = ax.twinx()
-    right.plot(x, ratio, color=COLORS[1], linewidth=1.2, linestyle="--", label="||Δθ|| / ||θ||", **_style(x.size))
-    if np.isfinite(ratio).any() and (ratio[np.isfinite(ratio)] > 0).all():
-        right.set_yscale("log")
-    right.set_ylabel("update / weight", fontsize=8)
-    right.tick_params(labelsize=7)
-    lines = ax.get_lines() + right.get_lines()
-    ax.legend(lines, [ln.get_label() for ln in lines], fontsize=7, loc="upper right", frameon=False)
-    ax.set_title("Parameter update (last step of each interval)", fontsize=10, loc="left")
-    ax.set_xlabel("step", fontsize=8)
-    ax.set_ylabel("||Δθ||", fontsize=8)
-    return Plot("update", "Parameter update", _png(fig))
+    """||theta_t - theta_(t-1)|| of each interval's last step (top) and its ratio to ||theta|| (bottom).
+
+    Two panels, not twin axes: both follow the LR schedule, so on twin log axes the two lines lie on top of each other.
+    """
+    fig, (top, bottom) = _figure(height=5.2, nrows=2, left=1.05)  # log ticks read "4×10⁻²"
+    for ax, key, color, label, ylabel in ((top, "update_norm", COLORS[0], "||Δθ||", "||Δθ|| (L2 norm)"),
+                                          (bottom, "update_ratio", COLORS[1], "||Δθ|| / ||θ||", "||Δθ|| / ||θ||")):
+        x, y = _column(run, key)
+        ax.plot(x, y, color=color, linewidth=1.5, label=label, **_style(x.size))
+        finite = y[np.isfinite(y)]
+        if finite.size and (finite > 0).all():
+            ax.set_yscale("log")
+        ax.set_ylabel(ylabel, fontsize=8)
+    top.set_title("Parameter update (last step of each interval)", fontsize=10, loc="left")
+    bottom.set_title("Update relative to the weights", fontsize=10, loc="left")
+    bottom.set_xlabel("step", fontsize=8)
+    return Plot("update", "Parameter update: its norm, and relative to the weights", _png(fig))
+
+
+def _skipped(run: RunData) -> Plot:
+    """Skipped steps per interval, for a run without a loss scale (fp32, bf16): bars only."""
+    fig, (ax,) = _figure()
+    _skip_bars(ax, run)
+    _finish(fig, ax, "Skipped steps", "skipped steps")
+    return Plot("skipped", "Skipped steps", _png(fig))
+
+
+def _skip_bars(ax, run: RunData) -> None:
+    sx, skipped, width = _columns(run, "num_skipped", "interval_steps")
+    if sx.size:
+        ax.bar(sx - width / 2, np.nan_to_num(skipped), width=np.maximum(width * 0.9, 0.5), color="#ff9f1c", alpha=0.7,
+               label="skipped steps in interval")
+    ax.set_ylim(0, max(1.0, float(np.nanmax(skipped)) if sx.size and np.isfinite(skipped).any() else 1.0) * 1.15)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def _loss_scale(run: RunData) -> Plot:
@@ -252,15 +274,10 @@ def _loss_scale(run: RunData) -> Plot:
     finite = scale[np.isfinite(scale)]
     if finite.size and (finite > 0).all() and finite.max() > finite.min():
         ax.set_yscale("log", base=2)
-    elif finite.size:  # constant (1.0 without a GradScaler): one tick, not a zoomed-in axis of noise
+    elif finite.size:  # a scale that never changed: one tick, not a zoomed-in axis of noise
         ax.set_yticks([float(finite[0])])
     bars = ax.twinx()
-    sx, skipped, width = _columns(run, "num_skipped", "interval_steps")
-    if sx.size:
-        bars.bar(sx - width / 2, np.nan_to_num(skipped), width=np.maximum(width * 0.9, 0.5), color="#ff9f1c", alpha=0.7,
-                 label="skipped steps in interval")
-    bars.set_ylim(0, max(1.0, float(np.nanmax(skipped)) if sx.size and np.isfinite(skipped).any() else 1.0) * 1.15)
-    bars.yaxis.set_major_locator(MaxNLocator(integer=True))
+    _skip_bars(bars, run)
     ax.set_zorder(bars.get_zorder() + 1)  # the scale line in front of the bars
     ax.patch.set_visible(False)
     bars.set_ylabel("skipped steps", fontsize=8)

@@ -81,6 +81,14 @@ class RunData:
             return unit
         return {"gpt": "tokens", "mlp": "samples"}.get(str(self.cfg("task")), "items")
 
+    @property
+    def loss_scaled(self) -> bool:
+        """Whether a loss scale was in play: fp16 (with its GradScaler), or a logged scale other than 1."""
+        if (self.snapshot.get("precision") or self.cfg("precision")) == "fp16":
+            return True
+        scales = [r["loss_scale"] for r in self.metrics if isinstance(r.get("loss_scale"), float)]
+        return any(math.isfinite(v) and v != 1.0 for v in scales)
+
     def cfg(self, dotted: str, default: Any = None) -> Any:
         """Return a config value by dotted key, or ``default`` when absent."""
         node: Any = self.config
