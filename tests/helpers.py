@@ -221,3 +221,44 @@ class SignalAtStep(Callback):
         if state.step == self.step:
             for _ in range(self.count):
                 os.kill(os.getpid(), signal.SIGTERM)
+
+
+class FileSizeLimitAfterFirstCheckpoint(Callback):
+    """After the first checkpoint is written, no file of this process may grow past 64 KiB (``RLIMIT_FSIZE``).
+
+    A real failing write without root: the next checkpoint's state.pt (~290 KB for the default mlp) fails
+    with EFBIG (Python ignores SIGXFSZ), while the run's small logs (metrics, events) still write.
+    """
+
+    def on_checkpoint(self, state, info):
+        import resource
+
+        if info["kind"] == "checkpoint":
+            resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
+class FillDiskAfterFirstCheckpoint(Callback):
+    """After the first checkpoint is written, fill the run directory's filesystem, leaving 64 KiB free.
+
+    On a small tmpfs: the next checkpoint (~290 KB for the default mlp) fails with ENOSPC, while the
+    run's small logs still fit.
+    """
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def on_checkpoint(self, state, info):
+        import errno
+        import os
+
+        if info["kind"] != "checkpoint" or self.done:
+            return
+        self.done = True
+        filler = state.ckpt.root.parent / "filler.bin"
+        with open(filler, "wb", buffering=0) as fh:
+            try:
+                while True:
+                    fh.write(b"\0" * (1 << 16))
+            except OSError as err:
+                assert err.errno == errno.ENOSPC, err
+        os.truncate(filler, max(0, filler.stat().st_size - 64 * 1024))

@@ -458,8 +458,9 @@ def test_a_failed_background_save_is_a_checkpoint_failed_event_and_training_goes
 
     monkeypatch.setattr(ckpt_module, "atomic_write", failing)
     run_dir = tmp_path / "run"
+    # ckpt.max_failures=0: never stop (stopping after N failures in a row: tests/test_console.py)
     trainer = stabletrain.Trainer(stabletrain.load_config(None, [*MLP, "train.max_steps=6", "log.every=2",
-                                                                  "ckpt.every=2"]), run_dir=run_dir)
+                                                                  "ckpt.every=2", "ckpt.max_failures=0"]), run_dir=run_dir)
     trainer.fit()
     assert trainer.step == 6
     events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]

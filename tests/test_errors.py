@@ -148,3 +148,107 @@ def test_a_dataloader_worker_error_is_read_from_the_traceback_torch_puts_in_its_
     assert user_location(err).startswith(f"{TASKS}:{line_of(line)} in ")
     text = format_task_error(err, part)
     assert "worker.py" not in text and "fetch.py" not in text and "(raised in a DataLoader worker process)" in text
+
+
+# -- what an error message may show -------------------------------------------------------------
+
+
+def test_brief_shows_a_tensors_shape_never_its_values():
+    import torch
+
+    from stabletrain.errors import brief
+
+    args = {"batches": [(torch.randn(16, 8), torch.randn(16, 1))], "model": None, "lr": torch.tensor(0.5), "n": 3}
+    assert brief(args) == ("{'batches': [(Tensor(shape=[16, 8], dtype=torch.float32), Tensor(shape=[16, 1], "
+                           "dtype=torch.float32))], 'model': None, 'lr': tensor(0.5000), 'n': 3}")
+    assert brief(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())) == "<Sequential>"  # a repr over lines
+    long = brief(list(range(1000)))
+    assert len(long) == 200 and long.endswith("...") and "\n" not in long
+
+
+def _monitor_incident(run_dir: Path) -> Path:
+    """The README's Monitor snippet (an nn.Sequential, a loss_fn that is not importable) with a NaN in step 3's batch."""
+    import torch
+
+    import stabletrain
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    loader = [(torch.randn(16, 8), torch.randn(16, 1)) for _ in range(6)]
+    loader[2][0][5, 1] = float("nan")
+
+    def loss_fn(model, batch):  # inside a function: a new process cannot import it
+        x, y = batch
+        return torch.nn.functional.mse_loss(model(x), y)
+
+    with stabletrain.Monitor(model, optimizer, run_dir=run_dir, log_every=3, loss_fn=loss_fn) as monitor:
+        for batch in loader:
+            monitor.backward(loss_fn(model, batch))
+            monitor.step(batch)
+    incident = run_dir / "incidents" / "step_000003"
+    assert (incident / "diagnosis.json").is_file()
+    return incident
+
+
+def test_diagnose_names_what_cannot_be_rebuilt_prints_no_tensor_and_shows_the_stored_diagnosis(tmp_path, capsys):
+    import json
+
+    from stabletrain.cli import main
+    from stabletrain.replay import diagnose_incident
+    from stabletrain.tasks import TaskError
+
+    incident = _monitor_incident(tmp_path / "loop")
+    stored = json.loads((incident / "diagnosis.json").read_text())
+    capsys.readouterr()
+    # The Python API: one line naming what could not be rebuilt, without the captured batches' numbers.
+    with pytest.raises(TaskError) as info:
+        diagnose_incident(incident)
+    assert "the model cannot be rebuilt in a new process" in str(info.value)
+    assert "tensor(" not in str(info.value) and "\n" not in str(info.value)
+
+    assert main(["diagnose", str(tmp_path / "loop")]) == 0
+    out, err = capsys.readouterr()
+    assert "tensor(" not in out + err
+    assert err.splitlines() == [
+        f"stabletrain: warning: incident {str(incident)!r} cannot be replayed in a new process: the model is a "
+        "torch.nn.Sequential, whose layers are not recorded (a model is rebuilt from its class only when that class "
+        "builds it with no arguments): pass model_factory='module:function' to stabletrain.Monitor; the loss function "
+        "cannot be imported in a new process (a lambda, or defined in __main__ or inside a function): pass a loss_fn "
+        f"defined at the top of an importable module. Showing {incident / 'diagnosis.json'}, written when it was captured"]
+    assert out.splitlines()[:2] == [f"incident: {incident} (step 3, rank 0)", f"  {'summary':<30} {stored['summary']}"]
+    assert "written to" not in out  # nothing was replayed or written
+    assert main(["diagnose", "--json", str(incident)]) == 0
+    assert json.loads(capsys.readouterr().out) == stored
+
+
+# -- importing the task's module ----------------------------------------------------------------
+
+
+def test_a_syntax_error_in_the_task_module_is_shown_with_its_line_and_caret(tmp_path, monkeypatch, capsys):
+    from stabletrain.cli import main
+
+    module = tmp_path / "st_syntax_error_task.py"
+    module.write_text("import torch\n\n\ndef make_task():\n    return torch.nn.Linear(2, 2) +\n")
+    with pytest.raises(SyntaxError) as info:
+        compile(module.read_text(), str(module), "exec")
+    where = f"{module}:{info.value.lineno}:{info.value.offset}"
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["train", "task=st_syntax_error_task:make_task", "log.progress=false", f"run.dir={tmp_path / 'r'}"]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == f"stabletrain: error: the task module raised SyntaxError at {where}"
+    assert lines[1:3] == [f'  File "{module}", line 5', "    return torch.nn.Linear(2, 2) +"]
+    assert lines[3].strip() == "^" and lines[-1] == "SyntaxError: invalid syntax" and len(lines) == 5
+
+
+def test_a_task_module_that_imports_a_missing_package_says_which_import_and_where(tmp_path, monkeypatch, capsys):
+    from stabletrain.cli import main
+
+    module = tmp_path / "st_missing_import_task.py"
+    module.write_text("import torch\nimport st_no_such_package_here\n\n\ndef make_task():\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["train", "task=st_missing_import_task:make_task", f"run.dir={tmp_path / 'r'}"]) == 2
+    assert capsys.readouterr().err == (
+        "stabletrain: error: config key 'task': module 'st_missing_import_task' (from 'st_missing_import_task:make_task') "
+        f"was found, but its import at {module}:2 in <module> failed: No module named 'st_no_such_package_here'; install "
+        f"that package in this environment ({sys.executable}) or fix the import\n")

@@ -140,7 +140,7 @@ def test_resume_refuses_a_changed_config_naming_each_key(tmp_path):
                          "log.every=2"], env=_env(), capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stderr
     # A longer run reshapes the cosine schedule: never silently.
-    assert "warning: train.max_steps changed from 4 to 6 on resume" in ok.stdout
+    assert "stabletrain: warning: train.max_steps changed from 4 to 6 on resume" in ok.stderr  # warnings: stderr
     events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
     changed = [e for e in events if e["kind"] == "schedule_changed"]
     assert len(changed) == 1 and changed[0]["step"] == 4 and "the LR at step 4 is" in changed[0]["reason"]

@@ -4,6 +4,7 @@ from ._version import __version__
 from .accumulation import AccumulationWindow, as_sum_count
 from .clipping import GradClipper, grad_norms
 from .config import Config, ConfigError, diff_configs, load_config
+from .console import StableTrainWarning
 from .metrics import StepMetrics
 from .numerics import all_params_finite, first_nonfinite_grad, grad_total_norm
 from .precision import PrecisionPolicy
@@ -31,6 +32,7 @@ __all__ = [
     "grad_norms",
     "Config",
     "ConfigError",
+    "StableTrainWarning",
     "load_config",
     "StepMetrics",
     "all_params_finite",

@@ -155,10 +155,15 @@ class _HashingWriter:
 
     def __init__(self, fh: Any) -> None:
         self.fh, self.sha, self.num_bytes = fh, hashlib.sha256(), 0
+        self.error: OSError | None = None  # what the file raised (torch's zip writer reports only a position mismatch)
 
     def write(self, data: Any) -> int:
         self.sha.update(data)
-        n = self.fh.write(data)
+        try:
+            n = self.fh.write(data)
+        except OSError as err:
+            self.error = err
+            raise
         self.num_bytes += n
         return n
 
@@ -444,7 +449,12 @@ class CheckpointManager:
 
             def write_state(fh: Any) -> None:
                 writer.append(_HashingWriter(fh))
-                torch.save(state, writer[0])
+                try:
+                    torch.save(state, writer[0])
+                except Exception:
+                    if writer[0].error is not None:  # the disk's own error (ENOSPC, EIO, EFBIG), not torch's rewording
+                        raise writer[0].error from None
+                    raise
 
             atomic_write(tmp / STATE_FILE, write_state)
             full_meta = {

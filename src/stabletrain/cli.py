@@ -14,9 +14,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+from . import console
+from ._version import __version__
 from .checkpoint import CheckpointError
 from .config import ConfigError, describe_keys, load_config, load_yaml, resume_safe_text
-from .errors import format_task_error, raised_by_stabletrain, task_part
+from .errors import brief, format_task_error, raised_by_stabletrain, task_part
 from .tasks import TaskError
 
 __all__ = ["main"]
@@ -57,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
               stabletrain report runs/gpt-20260101-120000         # an HTML report of a run
             """),
     )
+    parser.add_argument("--version", action="version", version=f"stabletrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     train = sub.add_parser("train", help="train a task and write its run directory",
@@ -213,7 +216,7 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
         if ctx.is_main:
             where = (f"LAST_GOOD is {good.name}; resume with: stabletrain train --resume {run_dir}" if good
                      else "no checkpoint was written")
-            print(f"stabletrain: interrupted at step {trainer.step}; {where}", file=sys.stderr, flush=True)
+            console.say(f"interrupted at step {trainer.step}; {where}", sys.stderr)
         return 130
     except Exception as err:
         if ctx.is_main and trainer.run is not None:  # the loop recorded a 'crash' event: say where to read it
@@ -223,16 +226,16 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
     if not ctx.is_main:
         return 1 if trainer.stop_reason is not None and not signalled else 0
     if trainer.stop_reason is not None and signalled:
-        print(f"stabletrain: {trainer.stop_reason}; checkpointed. Resume with: stabletrain train --resume {run_dir}")
+        console.say(f"{trainer.stop_reason}; checkpointed. Resume with: stabletrain train --resume {run_dir}")
         return 0
     if trainer.stop_reason is not None:
-        print(f"stabletrain: the run stopped early: {trainer.stop_reason}. See {run_dir / 'events.jsonl'} and "
-              f"{run_dir / 'incidents'}", file=sys.stderr)
+        console.say(f"the run stopped early: {trainer.stop_reason}. See {run_dir / 'events.jsonl'} and "
+                    f"{run_dir / 'incidents'}", sys.stderr)
         return 1
     shown = ", ".join(f"{k}={record[k]:.4g}" for k in ("loss", "val_loss", "grad_norm") if isinstance(record.get(k), float))
     skipped = sum(int(r.get("num_skipped", 0)) for r in trainer.history)
     skipped_note = f"{skipped} step(s) skipped (see events.jsonl)" if skipped else "no step skipped"
-    print(f"stabletrain: trained {trainer.step} steps; {shown}; {skipped_note}; run directory: {run_dir}")
+    console.say(f"trained {trainer.step} steps; {shown}; {skipped_note}; run directory: {run_dir}")
     if args.report:
         _write_report(run_dir)
     return 0
@@ -241,7 +244,7 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
 def _write_report(run_dir: Path) -> None:
     from .report import health_summary, load_run, write_report
 
-    print(f"stabletrain: report written to {write_report(run_dir)}")
+    console.say(f"report written to {write_report(run_dir)}")
     print(health_summary(load_run(run_dir)).text)
 
 
@@ -261,8 +264,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     results = run_checks(ctx, names or None)
     print(to_json(results) if args.json else format_table(results))
     if ctx.written:  # stdout stays pure JSON under --json
-        print(f"stabletrain: check files written to {ctx.out_dir}: {', '.join(p.name for p in ctx.written)}",
-              file=sys.stderr if args.json else sys.stdout)
+        console.say(f"check files written to {ctx.out_dir}: {', '.join(p.name for p in ctx.written)}",
+                    sys.stderr if args.json else sys.stdout)
     return 0 if all(r.passed for r in results) else 1
 
 
@@ -278,7 +281,16 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         if not found:
             raise FileNotFoundError(f"run directory {str(path)!r}: no incidents captured")
         path = found[-1]
-    result = diagnose_incident(path, device=args.device, bisect=not args.no_bisect)
+    try:
+        result = diagnose_incident(path, device=args.device, bisect=not args.no_bisect)
+    except Exception:
+        obstacles = replay_obstacles(path)
+        if not obstacles:
+            raise
+        result = _stored_diagnosis(path, obstacles)
+        replayed = False
+    else:
+        replayed = True
     if args.json:
         print(json.dumps(result, indent=2, default=str))
         return 0
@@ -294,8 +306,73 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     anomaly = [line for line in str(result.get("anomaly_trace") or "").splitlines() if line.startswith("anomaly mode")]
     if anomaly:
         print(f"  replay under detect_anomaly: {anomaly[0].removeprefix('anomaly mode: ')}")
-    print(f"  written to {path / 'diagnosis.json'}")
+    if replayed:
+        print(f"  written to {path / 'diagnosis.json'}")
     return 0
+
+
+def replay_obstacles(incident: Path) -> list[str]:
+    """Say why an adapter's captured step cannot be rebuilt in this process: a phrase per part (model, loss), or [].
+
+    Only an adapter's incident (task ``captured_task``) holds recipes that may not rebuild; each part is
+    tried on its own so that every obstacle is named (a built-in run's incident has none: []).
+    """
+    import torch
+
+    from .incidents import load_bundle
+    from .integrations.replay import TASK_SPEC, loss_from_recipe, model_from_recipe
+
+    try:
+        config = load_bundle(incident).get("config") or {}
+    except Exception:  # the replay's own error says what is wrong with the bundle
+        return []
+    if config.get("task") != TASK_SPEC:
+        return []
+    args = config.get("task_args") or {}
+    host, _, cls = str(args.get("name") or "").rpartition(":")
+    found = []
+    model, loss = args.get("model"), args.get("loss")
+    if model is None:
+        fix = ("pass model_factory='module:function' to stabletrain.Monitor" if host == "monitor"
+               else "define the model's class in an importable module (a LightningModule with save_hyperparameters())")
+        if cls and isinstance(getattr(torch.nn, cls, None), type):
+            found.append(f"the model is a torch.nn.{cls}, whose layers are not recorded (a model is rebuilt from its "
+                         f"class only when that class builds it with no arguments): {fix}")
+        else:
+            found.append(f"the model's class{f' {cls}' if cls else ''} cannot be imported in a new process (defined in "
+                         f"__main__ or inside a function) or needs constructor arguments: {fix}")
+    else:
+        try:
+            model_from_recipe(model)
+        except Exception as err:
+            what = model.get("class") or model.get("factory") or model.get("kind")
+            found.append(f"the model ({what}) could not be rebuilt: {type(err).__name__}: {brief(str(err))}")
+    if loss is None:
+        found.append("the loss function cannot be imported in a new process (a lambda, or defined in __main__ or inside "
+                     "a function): pass a loss_fn defined at the top of an importable module")
+    else:
+        try:
+            loss_from_recipe(loss)
+        except Exception as err:
+            found.append(f"the loss ({loss.get('function') or loss.get('kind')}) could not be rebuilt: "
+                         f"{type(err).__name__}: {brief(str(err))}")
+    return found
+
+
+def _stored_diagnosis(incident: Path, obstacles: list[str]) -> dict:
+    """Return the diagnosis.json written when ``incident`` was captured, after saying why it is not replayed again."""
+    import json
+
+    from .incidents import DIAGNOSIS_FILE
+
+    stored = incident / DIAGNOSIS_FILE
+    why = "; ".join(obstacles)
+    if not stored.is_file():
+        raise TaskError(f"incident {str(incident)!r} cannot be replayed in a new process ({why}), and no "
+                        f"{DIAGNOSIS_FILE} was written when it was captured")
+    console.warn(f"incident {str(incident)!r} cannot be replayed in a new process: {why}. Showing {stored}, "
+                 "written when it was captured")
+    return json.loads(stored.read_text(encoding="utf-8"))
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -313,7 +390,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         if not (Path(d) / "metrics.jsonl").exists():
             raise FileNotFoundError(f"run directory {d!r}: no metrics.jsonl there; is it a stabletrain run?")
     page = write_compare(args.run_dirs, args.out)
-    print(f"stabletrain: comparison written to {page} (plots in {page.with_name(page.stem + '_plots')})")
+    console.say(f"comparison written to {page} (plots in {page.with_name(page.stem + '_plots')})")
     return 0
 
 
@@ -339,8 +416,8 @@ def cmd_lab(args: argparse.Namespace) -> int:
     if args.lab == "all":
         from .lab.index import write_index
 
-        print(f"stabletrain: {sum(r.passed for r in results)} of {len(results)} labs passed "
-              f"({sum(r.seconds for r in results):.0f} s); index written to {write_index(results, args.out)}")
+        console.say(f"{sum(r.passed for r in results)} of {len(results)} labs passed "
+                    f"({sum(r.seconds for r in results):.0f} s); index written to {write_index(results, args.out)}")
     return 0 if all(r.passed for r in results) else 1
 
 
@@ -371,18 +448,58 @@ def main(argv: list[str] | None = None) -> int:
     from .distributed import PeerLostError
 
     try:
-        return COMMANDS[args.command](args)
+        with console.one_line_warnings():  # stabletrain's own warnings as one line (the CLI only, never the library)
+            code = COMMANDS[args.command](args)
+            sys.stdout.flush()  # a reader that left (`| head`) shows here, not at the interpreter's exit
+        return code
     except PeerLostError as err:  # a rank died or hung: one clear line per surviving rank, exit 1
-        print(f"stabletrain: error: {err}", file=sys.stderr, flush=True)
+        console.error(str(err))
         return 1
     except KeyboardInterrupt:
-        print("stabletrain: interrupted", file=sys.stderr)
+        console.say("interrupted", sys.stderr)
         return 130
+    except BrokenPipeError as err:
+        if not _stdout_gone():
+            code = _report_error(err)
+            if code is None:
+                raise
+            return code
+        return _quiet_exit_on_closed_stdout()
     except Exception as err:
         code = _report_error(err)
         if code is None:
             raise  # neither the task's code nor input stabletrain rejects: a bug, with its whole traceback
         return code
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe whose reader has left (``stabletrain diagnose RUN | head``)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), or no file descriptor: assume it is
+        return True
+
+
+def _quiet_exit_on_closed_stdout() -> int:
+    """Exit as ``git log | head`` does: no traceback, and nothing more written to the closed pipe.
+
+    stdout is pointed at /dev/null so that the interpreter's last flush cannot fail again; the exit
+    code is 141 (128 + SIGPIPE), what a shell reports for a writer killed by the closed pipe.
+    """
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):
+        pass
+    finally:
+        os.close(devnull)
+    return 141
 
 
 def _report_error(err: Exception) -> int | None:
@@ -393,15 +510,15 @@ def _report_error(err: Exception) -> int | None:
     code (any type) names the part of the task that raised it and shows the user's frames, exit 1.
     """
     if isinstance(err, (ConfigError, TaskError, CheckpointError)):
-        print(f"stabletrain: error: {_rank_prefix()}{err}", file=sys.stderr)
+        console.error(f"{_rank_prefix()}{err}")
         return 2
     part = task_part(err)
     if part is not None:
-        print(f"stabletrain: error: {_rank_prefix()}{format_task_error(err, part)}", file=sys.stderr)
+        console.error(f"{_rank_prefix()}{format_task_error(err, part)}")
         return 1
     if isinstance(err, (FileNotFoundError, FileExistsError)) or (isinstance(err, (ValueError, TypeError))
                                                                  and raised_by_stabletrain(err)):
-        print(f"stabletrain: error: {_rank_prefix()}{err}", file=sys.stderr)
+        console.error(f"{_rank_prefix()}{err}")
         return 2
     return None
 

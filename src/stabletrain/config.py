@@ -27,6 +27,8 @@ from typing import Any, Literal, NamedTuple
 import yaml
 from torch.utils._pytree import GetAttrKey, KeyEntry, MappingKey, SequenceKey, tree_flatten_with_path
 
+from .errors import brief
+
 __all__ = [
     "Config",
     "ConfigError",
@@ -122,6 +124,7 @@ class EvalConfig:
 class CkptConfig:
     every: int = _f(100, "steps between checkpoints (0 = only at the end and on SIGTERM/SIGINT); written only from a healthy state")
     keep: int = _f(3, "how many newest checkpoints to keep (the one LAST_GOOD names is never deleted)")
+    max_failures: int = _f(3, "stop the run with an error after this many checkpoint saves in a row failed (disk full, I/O error; each is printed, LAST_GOOD stays intact); 0 = never stop")
 
 
 @dataclass
@@ -210,6 +213,7 @@ class Config:
             ("eval.batches", self.eval.batches, self.eval.batches >= 0, "an integer >= 0"),
             ("ckpt.every", self.ckpt.every, self.ckpt.every >= 0, "an integer >= 0"),
             ("ckpt.keep", self.ckpt.keep, self.ckpt.keep >= 1, "an integer >= 1"),
+            ("ckpt.max_failures", self.ckpt.max_failures, self.ckpt.max_failures >= 0, "an integer >= 0"),
             ("guard.spike_window", self.guard.spike_window, self.guard.spike_window >= 4, "an integer >= 4"),
             ("guard.spike_ratio", self.guard.spike_ratio, self.guard.spike_ratio > 1, "a number > 1"),
             ("guard.spike_zscore", self.guard.spike_zscore, self.guard.spike_zscore > 0, "a number > 0"),
@@ -220,13 +224,13 @@ class Config:
         ]
         for key, value, ok, want in checks:
             if not ok:
-                raise ConfigError(f"config key '{key}': expected {want}, got {value!r}")
+                raise ConfigError(f"config key '{key}': expected {want}, got {brief(value)}")
         if not self.task:
             raise ConfigError("config key 'task': expected a built-in task name or 'module:function', got ''")
         optim = self.optim
         if optim.name != "sgd" and (optim.momentum or optim.nesterov):
             key, value = ("optim.momentum", optim.momentum) if optim.momentum else ("optim.nesterov", optim.nesterov)
-            raise ConfigError(f"config key '{key}': applies to optim.name=sgd only, got {value!r} with optim.name={optim.name} "
+            raise ConfigError(f"config key '{key}': applies to optim.name=sgd only, got {brief(value)} with optim.name={optim.name} "
                               f"(remove it, or set optim.name=sgd)")
         if optim.nesterov and optim.momentum <= 0:
             raise ConfigError(f"config key 'optim.nesterov': Nesterov momentum needs optim.momentum > 0, got "
@@ -248,7 +252,7 @@ def _check_types(node: Any, cls: type, prefix: str = "") -> None:
         key, value, tp = f"{prefix}{f.name}", getattr(node, f.name), hints[f.name]
         if dataclasses.is_dataclass(tp):
             if not isinstance(value, tp):
-                raise ConfigError(f"config key '{key}': expected a section ({tp.__name__}), got {value!r}")
+                raise ConfigError(f"config key '{key}': expected a section ({tp.__name__}), got {brief(value)}")
             _check_types(value, tp, key + ".")
         else:
             setattr(node, f.name, _coerce(key, value, tp))
@@ -264,7 +268,7 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
-            raise ConfigError(f"config key '{key}': expected one of {', '.join(map(str, choices))}, got {value!r}")
+            raise ConfigError(f"config key '{key}': expected one of {', '.join(map(str, choices))}, got {brief(value)}")
         return value
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -283,28 +287,28 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"config key '{key}': expected true or false, got {value!r}")
+        raise ConfigError(f"config key '{key}': expected true or false, got {brief(value)}")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         if isinstance(value, float) and value.is_integer():
             return int(value)
-        raise ConfigError(f"config key '{key}': expected an integer, got {value!r}")
+        raise ConfigError(f"config key '{key}': expected an integer, got {brief(value)}")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        raise ConfigError(f"config key '{key}': expected a number, got {value!r}")
+        raise ConfigError(f"config key '{key}': expected a number, got {brief(value)}")
     if tp is str:
         if isinstance(value, str):
             return value
-        raise ConfigError(f"config key '{key}': expected a string, got {value!r}")
+        raise ConfigError(f"config key '{key}': expected a string, got {brief(value)}")
     if tp is dict or origin is dict:
         if isinstance(value, dict):
             return dict(value)
-        raise ConfigError(f"config key '{key}': expected a mapping, got {value!r}")
+        raise ConfigError(f"config key '{key}': expected a mapping, got {brief(value)}")
     if tp is list or origin is list:
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"config key '{key}': expected a list (e.g. {key}=[a, b]), got {value!r}")
+            raise ConfigError(f"config key '{key}': expected a list (e.g. {key}=[a, b]), got {brief(value)}")
         (item,) = typing.get_args(tp) or (Any,)
         return [v if item is Any else _coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
     raise AssertionError(f"unsupported config type {tp!r} for {key}")
@@ -317,7 +321,7 @@ def _hints(cls: type) -> dict[str, Any]:
 def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     """Build dataclass ``cls`` from ``data``, raising ConfigError on unknown keys and bad values."""
     if not isinstance(data, dict):
-        raise ConfigError(f"config key '{prefix.rstrip('.') or '<root>'}': expected a mapping, got {data!r}")
+        raise ConfigError(f"config key '{prefix.rstrip('.') or '<root>'}': expected a mapping, got {brief(data)}")
     hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
@@ -456,7 +460,8 @@ def describe_keys(cls: type = Config, prefix: str = "") -> list[tuple[str, str, 
 #: they change neither the math nor the data of the steps still to come. The world size may change
 #: (``dist.*``): the resume is then resharded, and :data:`RESHARD_SAFE_KEYS` may change as well.
 RESUME_SAFE_KEYS: tuple[str, ...] = (
-    "train.max_steps", "log.*", "ckpt.every", "ckpt.keep", "eval.every", "run.*", "resume", "data.workers",
+    "train.max_steps", "log.*", "ckpt.every", "ckpt.keep", "ckpt.max_failures", "eval.every", "run.*", "resume",
+    "data.workers",
     "guard.capture", "guard.memory_snapshot", "guard.diagnose", "dist.*", "callbacks",
 )
 
@@ -537,7 +542,7 @@ def diff_configs(saved: Any, current: Any, safe: Sequence[str] = RESUME_SAFE_KEY
 
 
 def _show(value: Any) -> str:
-    return "(absent)" if value is ABSENT else json.dumps(value, default=str)
+    return "(absent)" if value is ABSENT else json.dumps(value, default=brief)  # a tensor: its shape, not its values
 
 
 def format_config_diff(diffs: Sequence[ConfigDiff]) -> str:

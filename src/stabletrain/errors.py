@@ -15,14 +15,38 @@ import traceback
 from pathlib import Path
 
 __all__ = ["user_frames", "user_location", "format_user_traceback", "task_part", "raised_by_stabletrain",
-           "format_task_error", "TaskCodeError", "TASK_PARTS"]
+           "format_task_error", "TaskCodeError", "TASK_PARTS", "brief"]
 
 _PACKAGE = str(Path(__file__).resolve().parent)
 _LIBS = tuple({os.path.realpath(p) for p in (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
                                              sysconfig.get_paths()["platlib"])})
 
-#: The parts of a task an exception can come from, as :func:`task_part` names them.
-TASK_PARTS = ("factory", "dataset item", "collate", "loss", "model forward", "model backward", "task code")
+#: The parts of a task an exception can come from, as :func:`task_part` names them ("task module": importing it).
+TASK_PARTS = ("task module", "factory", "dataset item", "collate", "loss", "model forward", "model backward", "task code")
+
+
+def brief(value: object, limit: int = 200) -> str:
+    """Return ``repr(value)`` fit for a one-line error message: never a tensor's values, at most ``limit`` characters.
+
+    A tensor or array with dimensions (anywhere inside dicts, lists and tuples) is shown as
+    ``Tensor(shape=[16, 8], dtype=torch.float32)``; an object whose repr spans lines (a module) as
+    ``<Sequential>``; the whole is cut at ``limit`` with "...". Error messages show task arguments and
+    config values this way: a captured batch inside them must not print its numbers.
+    """
+    def one(v: object) -> str:
+        shape = getattr(v, "shape", None)
+        if shape is not None and hasattr(v, "dtype") and not isinstance(v, (str, bytes)) and len(shape) > 0:
+            return f"{type(v).__name__}(shape={list(shape)}, dtype={v.dtype})"
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{one(k)}: {one(x)}" for k, x in v.items()) + "}"
+        if isinstance(v, (list, tuple)) and type(v) in (list, tuple):
+            inner = ", ".join(one(x) for x in v)
+            return f"[{inner}]" if isinstance(v, list) else f"({inner}{',' if len(v) == 1 else ''})"
+        text = repr(v)
+        return f"<{type(v).__name__}>" if "\n" in text else text
+
+    text = one(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _is_ours(filename: str) -> bool:
@@ -90,7 +114,12 @@ def user_frames(err: BaseException) -> list[traceback.FrameSummary]:
 
 
 def user_location(err: BaseException) -> str | None:
-    """``file:line in function`` of the deepest user frame of ``err``, or None when there is none."""
+    """``file:line in function`` of the deepest user frame of ``err``, or None when there is none.
+
+    A SyntaxError in a file (a task module that does not parse) is located where it points: ``file:line:column``.
+    """
+    if isinstance(err, SyntaxError) and err.filename and not err.filename.startswith("<"):
+        return f"{err.filename}:{err.lineno}" + (f":{err.offset}" if err.offset else "")
     frames = user_frames(err)
     if not frames:
         return None
@@ -140,6 +169,7 @@ def task_part(err: BaseException) -> str | None:
     torch's DataLoader), and the frames below it say more: a user frame entered through
     ``nn.Module.__call__`` (or a torch module raising on what the user's code passed it) is "model
     forward", one entered through autograd "model backward". The validation pass adds "(validation)".
+    Importing the module of ``task=module:function`` is "task module" (of a ``callbacks`` entry: "callbacks module").
     Without any user frame only torch's DataLoader or ``default_collate`` working on the user's data,
     and a loss that is a torch function, count as the task's; anything else is not the task's (None).
     """
@@ -150,6 +180,9 @@ def task_part(err: BaseException) -> str | None:
     if not ours or ours[-1] == len(frames) - 1:
         return None  # not called from stabletrain, or raised by stabletrain itself
     entry, below = frames[ours[-1]], frames[ours[-1] + 1:]
+    if _in(entry, "stabletrain", "tasks", "__init__.py") and entry.name == "import_object":
+        # Importing the module a spec names raised: a SyntaxError, or the module's own top-level code.
+        return "task module" if any(frames[i].name == "_import_factory" for i in ours) else "callbacks module"
     if _in(entry, "stabletrain", "tasks") and not _in(entry, "stabletrain", "tasks", "__init__.py"):
         return None  # a built-in task is stabletrain's own code
     bridge = frames[ours[-1] + 1:first]  # library frames between stabletrain and the user's code
@@ -189,7 +222,8 @@ def task_part(err: BaseException) -> str | None:
 def format_task_error(err: BaseException, part: str) -> str:
     """Return the lines a user reads for an exception from their task: which part, where, their frames, the error."""
     where = user_location(err)
-    head = f"the task's {part} raised {type(err).__name__}" + (f" at {where}" if where else "")
+    subject = f"the {part}" if part.endswith("module") else f"the task's {part}"
+    head = f"{subject} raised {type(err).__name__}" + (f" at {where}" if where else "")
     if part.startswith("collate") and where is None:
         head += (" in torch's default_collate, which cannot batch these samples: give the task a "
                  "collate(samples) -> batch (Task.collate)")

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from . import console
 from .accumulation import AccumulationWindow, sums_safe
 from .callbacks import Callback, CallbackList, FitState, load_callbacks
 from .callbacks.checkpointing import CheckpointKeeper
@@ -103,7 +104,7 @@ class Trainer:
         self.task = task if task is not None else resolve_task(cfg.task, cfg.task_args)
         if self.task.val_data is not None and len(self.task.val_data) == 0:
             warnings.warn(f"task {self.task.name!r}: Task.val_data is empty; no validation loss will be reported "
-                          "(pass val_data=None to say so)", stacklevel=2)
+                          "(pass val_data=None to say so)", console.StableTrainWarning, stacklevel=2)
         fingerprint = InitFingerprint.take(self.task.model) if not resume else None  # before anything can touch it
         self.dist = DistContext.current()
         self.device = resolve_device(cfg.device)
@@ -195,6 +196,8 @@ class Trainer:
         if resume:
             for problem in self.keeper.problems:
                 run.event(self.step, "checkpoint_skipped", problem)
+                console.warn(f"resume skipped a checkpoint in {self.ckpt.root}: {problem}")
+            self._say_resumed()
             dropped = run.drop_metrics_after(self.step)
             reshard = self.keeper.reshard_note
             run.event(self.step, "resume", f"resumed from {self.keeper.resumed_from} at step {self.step}"
@@ -202,16 +205,25 @@ class Trainer:
                       + (f"; {dropped} metrics line(s) after it superseded" if dropped else ""),
                       path=str(self.keeper.resumed_from), superseded_metrics=dropped, **(self.keeper.reshard or {}))
             if reshard:
-                print(f"stabletrain: {reshard}", flush=True)
+                console.say(reshard)
             if self.keeper.schedule_change is not None:
                 run.event(self.step, "schedule_changed", self.keeper.schedule_change, max_steps=self.cfg.train.max_steps)
-                print(f"stabletrain: warning: {self.keeper.schedule_change}", flush=True)
+                console.warn(self.keeper.schedule_change)
         else:
             extra: dict[str, Any] = {"task_info": self.task.info, "task_name": self.task.name,
                                      "count_unit": self.task.count_unit, "optimizer": type(self.optimizer).__name__}
             if self.dist.enabled:
                 extra["world_size"] = self.dist.world
             run.write_snapshot(build_snapshot(self.cfg, self.device, self.precision.mode, self.task.data_fingerprint, extra))
+
+    def _say_resumed(self) -> None:
+        """Print where the run resumed from; after a skipped newer checkpoint, how many saved steps will be redone."""
+        line = (f"resumed from step {self.step} (checkpoint {self.keeper.resumed_from}, world size {self.dist.world})")
+        newest = max((int(d.name.removeprefix("step_")) for d in self.ckpt.checkpoints()), default=self.step)
+        if self.keeper.problems and newest > self.step:
+            line += (f"; the newest checkpoint (step {newest}) was skipped: {newest - self.step} step(s) will be "
+                     "trained again")
+        console.say(line)
 
     def train_step(self, window: Window, *, measure_update: bool = False, check_params: bool = True) -> dict[str, Tensor]:
         """Run the one optimizer step on ``window``; return its figures as device tensors (no sync)."""
@@ -370,7 +382,12 @@ class Trainer:
         self.callbacks.fire("on_stop", self.state, reason)
 
     def _checkpoint(self, healthy: bool, wait: bool = False) -> None:
+        # The previous save's outcome first: after ckpt.max_failures failed saves in a row the run stops here.
+        self._record_checkpoints(self.keeper.finished(wait=True))
+        self.keeper.check_failures(self.state)
         self._record_checkpoints(self.keeper.save(self.state, healthy, wait=wait))
+        if wait:  # the run's last save: its outcome is known now
+            self.keeper.check_failures(self.state)
 
     def _record_checkpoints(self, outcomes: list[dict[str, Any]]) -> None:
         for info in outcomes:  # saves whose outcome is known (written, withheld, failed)

@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import LoadedCheckpoint, PendingSave, first_nonfinite
+from .. import console
+from ..checkpoint import CheckpointError, LoadedCheckpoint, PendingSave, first_nonfinite
 from ..config import (RESHARD_SAFE_KEYS, RESUME_SAFE_KEYS, config_hash, config_to_dict, diff_configs,
                       resume_refusal_message)
 from ..sharded_checkpoint import ShardedSaver, local_tensors, split_for_dcp
@@ -64,6 +65,8 @@ class CheckpointKeeper(Callback):
         self.reshard: dict[str, Any] | None = None  # set on a resume under another world size (the event's fields)
         self.reshard_note: str | None = None
         self._pending: PendingSave | None = None  # rank 0: the save started and not yet reported
+        self.failures_in_a_row = 0  # rank 0: saves that failed since the last one written
+        self._last_failure: dict[str, Any] | None = None
         self._saver: ShardedSaver | None = None  # FSDP: every rank's DCP saves (created at the first save)
 
     # -- resume ---------------------------------------------------------------------------------
@@ -265,6 +268,45 @@ class CheckpointKeeper(Callback):
         return {"from_step": from_step, "to_step": state.step, "path": str(loaded.path), "skipped_windows": sorted(windows),
                 "reason": f"{reason}: rolled back from step {from_step} to {loaded.path.name}; skipping data windows "
                           f"{sorted(windows)}"}
+
+    # -- failed saves ----------------------------------------------------------------------------
+
+    def on_checkpoint(self, state: FitState, info: dict[str, Any]) -> None:
+        """Count the saves that failed in a row (a written one resets the count) and print each failure."""
+        if info["kind"] == "checkpoint":
+            self.failures_in_a_row, self._last_failure = 0, None
+        elif info["kind"] == "checkpoint_failed":
+            self.failures_in_a_row += 1
+            self._last_failure = info
+            good = state.ckpt.latest_good() if state.ckpt is not None else None
+            limit = state.cfg.ckpt.max_failures
+            stop = (f"; the run stops at {limit} in a row (ckpt.max_failures)" if limit
+                    else "; training goes on (ckpt.max_failures=0)")
+            where = "" if "LAST_GOOD" in info["reason"] else f"; LAST_GOOD stays at {good.name if good else 'none'}"
+            console.warn(f"{info['reason']}{where} ({self.failures_in_a_row} failed in a row{stop})")
+
+    def check_failures(self, state: FitState) -> None:
+        """Raise CheckpointError on every rank once ``ckpt.max_failures`` saves in a row have failed (0: never).
+
+        Rank 0 knows the outcomes; one broadcast tells the others (every rank calls this at the same point).
+        The error says where LAST_GOOD is (intact: a failed save never touches it) and how to resume.
+        """
+        limit = state.cfg.ckpt.max_failures
+        if state.ckpt is None or not limit:
+            return
+        ckpt = state.ckpt
+
+        def verdict() -> None:
+            if self.failures_in_a_row < limit:
+                return
+            good = ckpt.latest_good()
+            last = self._last_failure or {"step": "?", "reason": "?"}
+            where = (f"LAST_GOOD is {good.name}, intact: free space on the disk of {ckpt.root} (or fix it), then resume "
+                     f"with: stabletrain train --resume {ckpt.root.parent}" if good else "no checkpoint was ever written")
+            raise CheckpointError(f"{self.failures_in_a_row} checkpoint saves in a row failed (ckpt.max_failures="
+                                  f"{limit}), the run stops here; the last: {last['reason']}. {where}", ckpt.root)
+
+        state.dist.on_main(verdict)
 
     def state_dict(self) -> dict[str, Any]:
         return {}

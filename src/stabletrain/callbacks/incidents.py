@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from .. import console
 from ..accumulation import as_sum_count
 from ..config import config_to_dict
 from ..incidents import BUNDLE_DCP_DIR, write_bundle
@@ -232,7 +233,7 @@ class IncidentRecorder(Callback):
                                                                      "origin", "first_nonfinite_param", "bad_samples",
                                                                      "reproduces", "rank")}
                 on_rank = f" (rank {seen[0]})" if state.dist.enabled else ""
-                print(f"stabletrain: incident at step {step}{on_rank}: {diagnosis.get('summary')}", flush=True)
+                console.say(f"incident at step {step}{on_rank}: {diagnosis.get('summary')}")
             except Exception as err:  # a diagnosis that fails must not take the run down with it
                 fields["diagnosis_error"] = f"{type(err).__name__}: {err}"
             finally:

@@ -6,8 +6,11 @@ Each writes at log boundaries only (the interval's host values), never per step.
 from __future__ import annotations
 
 import math
+import sys
+import time
 from typing import Any
 
+from .. import console
 from ..initialization import InitFingerprint
 from ..records import TensorBoardSink
 from . import Callback, FitState
@@ -54,33 +57,68 @@ class TensorBoardLog(Callback):
 
 
 class ProgressBar(Callback):
-    """A tqdm bar (rank 0, ``log.progress``): advanced per step on the host, figures refreshed per interval."""
+    """Progress on the console (rank 0, ``log.progress``): a bar on a terminal, else one plain line per log interval.
+
+    On a terminal (or in Jupyter: :func:`stabletrain.console.is_interactive` of stderr) a tqdm bar advances
+    per step on the host and its figures refresh per interval; messages are written above it
+    (:mod:`stabletrain.console`). Anywhere else (a file, a pipe, CI, ``nohup``, Slurm, ``torchrun``) a bar's
+    carriage-return redraws would pile up in the log, so each interval is one line on stderr::
+
+        mlp step 100/300 (33%) | loss 2.2690 | grad_norm 0.816 | lr 1.00e-03 | 5120 samples/s | eta 0:00:12
+
+    The ETA is the remaining steps at this process's pace so far (validation and checkpoints included).
+    """
 
     def __init__(self) -> None:
         self._bar: Any = None
+        self._lines = False  # no terminal: a line per interval
+        self._start = (0.0, 0)  # (time, step) the pace is measured from
 
     def on_fit_start(self, state: FitState) -> None:
-        if state.cfg.log.progress and self._bar is None and state.dist.is_main:
-            from tqdm.auto import tqdm
+        if not (state.cfg.log.progress and state.dist.is_main) or self._bar is not None or self._lines:
+            return
+        self._start = (time.perf_counter(), state.step)
+        if not console.is_interactive(sys.stderr):
+            self._lines = True
+            return
+        from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=state.cfg.train.max_steps, initial=state.step, desc=state.task.name, unit="step",
-                             dynamic_ncols=True)
+        self._bar = tqdm(total=state.cfg.train.max_steps, initial=state.step, desc=state.task.name, unit="step",
+                         dynamic_ncols=True)
+        console.show_bar(self._bar)
 
     def on_step_end(self, state: FitState, out: dict[str, Any]) -> None:
         if self._bar is not None:
             self._bar.update(1)
 
     def on_log(self, state: FitState, record: dict[str, Any], rows: list[Any]) -> None:
-        if self._bar is None:
+        if self._bar is None and not self._lines:
             return
         unit = "tok/s" if getattr(state.task, "count_unit", "samples") == "tokens" else "samples/s"
+        if self._lines:
+            console.write_line(self._line(state, record, unit), sys.stderr)
+            return
         shown = {"loss": f"{record['loss']:.4f}", "gnorm": f"{record['grad_norm']:.3g}", "lr": f"{record['lr']:.2e}",
                  unit: f"{record['tokens_per_s']:.0f}"}
         if "val_loss" in record:
             shown["val"] = f"{record['val_loss']:.4f}"
         self._bar.set_postfix(shown, refresh=True)
 
+    def _line(self, state: FitState, record: dict[str, Any], unit: str) -> str:
+        """The interval's line: step, loss, grad norm, lr, throughput, (val loss,) ETA."""
+        total = state.cfg.train.max_steps
+        t0, step0 = self._start
+        done = state.step - step0
+        eta = _clock((time.perf_counter() - t0) / done * (total - state.step)) if done > 0 else "?"
+        parts = [f"{state.task.name} step {state.step}/{total} ({100 * state.step // total}%)",
+                 f"loss {record['loss']:.4f}", f"grad_norm {record['grad_norm']:.3g}", f"lr {record['lr']:.2e}",
+                 f"{record['tokens_per_s']:.0f} {unit}"]
+        if "val_loss" in record:
+            parts.append(f"val_loss {record['val_loss']:.4f}")
+        return " | ".join([*parts, f"eta {eta}"])
+
     def on_rollback(self, state: FitState, info: dict[str, Any]) -> None:
+        self._start = (time.perf_counter(), state.step)  # the pace is measured afresh from the restored step
         if self._bar is not None:
             self._bar.n = state.step
             self._bar.refresh()
@@ -89,6 +127,14 @@ class ProgressBar(Callback):
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+            console.show_bar(None)
+        self._lines = False
+
+
+def _clock(seconds: float) -> str:
+    """``H:MM:SS`` of a duration (rounded to the second)."""
+    s = max(0, round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
 class EventLog(Callback):

@@ -238,9 +238,9 @@ def loss_from_recipe(recipe: dict[str, Any] | None) -> Callable[[nn.Module, Any]
         return _lightning_loss
     if kind == "function":
         return load_object(recipe["function"])
-    raise TaskError("this incident's loss cannot be rebuilt in a new process (it was a lambda, or defined in __main__ "
-                    "or inside a function); its diagnosis.json was written when it was captured. To replay it again, "
-                    "pass a module-level loss function (loss_fn=) to the adapter")
+    raise TaskError("the loss cannot be rebuilt in a new process (it was a lambda, or defined in __main__ or inside a "
+                    "function); its diagnosis.json was written when it was captured (`stabletrain diagnose` shows it). "
+                    "To replay it again, pass a module-level loss function (loss_fn=) to the adapter")
 
 
 def model_from_recipe(recipe: dict[str, Any] | None) -> nn.Module:
@@ -255,10 +255,11 @@ def model_from_recipe(recipe: dict[str, Any] | None) -> nn.Module:
         return load_object(recipe["factory"])(**recipe.get("kwargs", {}))
     if kind == "class":
         return load_object(recipe["class"])()
-    raise TaskError("this incident's model cannot be rebuilt in a new process (its class is defined in __main__ or "
-                    "inside a function, or needs constructor arguments stabletrain does not know); its diagnosis.json "
-                    "was written when it was captured. To replay it again, pass model_factory='module:function' to "
-                    "the adapter")
+    raise TaskError("the model cannot be rebuilt in a new process: the adapter recorded no way to build it (a "
+                    "torch.nn container such as nn.Sequential, whose layers are not recorded; a class defined in "
+                    "__main__ or inside a function; or one that needs constructor arguments); its diagnosis.json was "
+                    "written when it was captured (`stabletrain diagnose` shows it). To replay it again, pass "
+                    "model_factory='module:function' to the adapter")
 
 
 def optimizer_recipe(optimizer: torch.optim.Optimizer, named_params: list[tuple[str, nn.Parameter]]) -> dict | None:

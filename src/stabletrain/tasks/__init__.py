@@ -44,7 +44,7 @@ from typing import Any, Literal
 from torch import nn
 from torch.utils.data import Dataset
 
-from ..errors import user_frames
+from ..errors import brief, user_frames, user_location
 
 __all__ = ["Task", "TaskError", "TaskArg", "resolve_task", "task_arguments", "task_factory", "BUILTIN_TASKS"]
 
@@ -101,7 +101,11 @@ BUILTIN_TASKS = ("gpt", "mlp")
 def import_object(spec: str, key: str, expected: str = "'module:function'", kind: str = "callable") -> Any:
     """Return the object named by ``'module:name'`` (the current directory importable, as with ``python -m``).
 
-    ``key``: the config key it came from, named in every error (a :class:`TaskError`).
+    ``key``: the config key it came from, named in every error (a :class:`TaskError`). A module that is
+    found but imports a package that is not installed is told apart from one that is not found: the
+    error names the missing package and the line that imports it. Anything else the module raises
+    while it is imported (a SyntaxError, its own top-level code) propagates: the CLI shows it as the
+    user's error (:func:`stabletrain.errors.task_part`: "task module").
     """
     if ":" not in spec:
         raise TaskError(f"config key '{key}': expected {expected}, got {spec!r}")
@@ -111,6 +115,13 @@ def import_object(spec: str, key: str, expected: str = "'module:function'", kind
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
+        missing = err.name or ""
+        if missing and missing != module_name and not module_name.startswith(missing + "."):
+            where = user_location(err)  # the module was found: an import inside it failed
+            raise TaskError(f"config key '{key}': module {module_name!r} (from {spec!r}) was found, but "
+                            f"{f'its import at {where}' if where else 'an import inside it'} failed: "
+                            f"No module named {missing!r}; install that package in this environment "
+                            f"({sys.executable}) or fix the import") from None
         raise TaskError(f"config key '{key}': cannot import module {module_name!r} from {spec!r} ({err}); "
                         "is it on PYTHONPATH?") from None
     obj = getattr(module, name, None)
@@ -225,7 +236,7 @@ def _coerce_arg(name: str, value: Any, tp: Any) -> Any:
     key = f"config key 'task_args.{name}'"
     if typing.get_origin(tp) is Literal:
         if value not in typing.get_args(tp):
-            raise TaskError(f"{key}: expected one of {', '.join(map(str, typing.get_args(tp)))}, got {value!r}")
+            raise TaskError(f"{key}: expected one of {', '.join(map(str, typing.get_args(tp)))}, got {brief(value)}")
         return value
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         if value is None and type(None) in typing.get_args(tp):
@@ -237,7 +248,7 @@ def _coerce_arg(name: str, value: Any, tp: Any) -> Any:
             except TaskError as err:
                 errors.append(str(err).split(": expected ", 1)[1].split(", got ")[0])
         raise TaskError(f"{key}: expected {' or '.join(errors)}{' or null' if type(None) in typing.get_args(tp) else ''}, "
-                        f"got {value!r}")
+                        f"got {brief(value)}")
     ok = {
         bool: isinstance(value, bool),
         int: isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and value.is_integer(),
@@ -245,7 +256,7 @@ def _coerce_arg(name: str, value: Any, tp: Any) -> Any:
         str: isinstance(value, str),
     }[tp]
     if not ok:
-        raise TaskError(f"{key}: expected {_SIMPLE[tp]}, got {value!r}")
+        raise TaskError(f"{key}: expected {_SIMPLE[tp]}, got {brief(value)}")
     return tp(value) if tp in (int, float) else value
 
 
@@ -267,10 +278,12 @@ def resolve_task(spec: str, task_args: dict[str, Any] | None = None) -> Task:
             task_args[arg.name] = _coerce_arg(arg.name, task_args[arg.name], arg.annotation)
     try:
         task = factory(**task_args)
+    except TaskError:
+        raise  # stabletrain's own words on what it could not build (an adapter's replay task), as they are
     except (TypeError, ValueError) as err:
         if user_frames(err):  # raised inside the user's factory: keep its traceback (the CLI names the factory)
             raise
-        raise TaskError(f"task {spec!r} with task_args {task_args}: {err}") from None
+        raise TaskError(f"task {spec!r} with task_args {brief(task_args)}: {err}") from None
     if not isinstance(task, Task):
         raise TaskError(f"task factory {spec!r} returned {type(task).__name__}, expected a stabletrain.Task")
     if not isinstance(task.model, nn.Module):

@@ -1,0 +1,103 @@
+"""What stabletrain says to a person: each message one line of its own, never glued to a progress bar.
+
+Every ``stabletrain: ...`` line the built-in loop and the CLI print goes through :func:`say` (and
+:func:`warn`, :func:`error`): it starts on a line of its own and is flushed at once, so the lines of
+stdout and stderr stay in order in a combined log and ``grep '^stabletrain:'`` finds every one. While
+the progress bar is drawn (on a terminal: :func:`show_bar`), a message clears it, is written, and the bar
+is drawn again under it (tqdm's ``external_write_mode``).
+
+Warnings: the library raises its own as :class:`StableTrainWarning` (``warnings.warn``: a caller of the
+Python API can catch or filter them); the CLI alone shows them as one line ``stabletrain: warning: ...``
+(:func:`one_line_warnings`, installed by :func:`stabletrain.cli.main` only: the library never changes how
+a process shows warnings). What the loop reports about the run itself (an incident, a resume, a
+checkpoint that failed or was skipped) is printed with :func:`say` / :func:`warn`, from the CLI and the
+Python API alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import warnings
+from collections.abc import Iterator
+from typing import Any, TextIO
+
+__all__ = ["say", "warn", "error", "write_line", "show_bar", "is_interactive", "one_line_warnings",
+           "StableTrainWarning", "PREFIX"]
+
+PREFIX = "stabletrain: "
+
+_bar: Any = None  # the tqdm bar being drawn (ProgressBar), which a message must not land inside
+
+
+class StableTrainWarning(UserWarning):
+    """A warning from stabletrain meant for the person running it (the CLI shows it as one line)."""
+
+
+def write_line(text: str, file: TextIO | None = None) -> None:
+    """Write ``text`` and a newline to ``file`` (default: stdout), flushed, above the progress bar if one is drawn."""
+    stream = file if file is not None else sys.stdout
+    if _bar is not None:
+        with _bar.external_write_mode(file=stream):
+            print(text, file=stream, flush=True)
+    else:
+        print(text, file=stream, flush=True)
+
+
+def say(message: str, file: TextIO | None = None) -> None:
+    """Print ``stabletrain: message`` on a line of its own (default: stdout)."""
+    write_line(PREFIX + message, file)
+
+
+def warn(message: str) -> None:
+    """Print ``stabletrain: warning: message`` on a line of its own, on stderr."""
+    say(f"warning: {message}", sys.stderr)
+
+
+def error(message: str) -> None:
+    """Print ``stabletrain: error: message`` on stderr (the message may go on over more lines: a user's frames)."""
+    say(f"error: {message}", sys.stderr)
+
+
+def show_bar(bar: Any) -> None:
+    """Say that ``bar`` (a tqdm bar) is being drawn, or that none is (None): messages are written above it."""
+    global _bar
+    _bar = bar
+
+
+def is_interactive(stream: TextIO | None = None) -> bool:
+    """Whether ``stream`` (default: stderr, where the bar goes) is shown live: a terminal or a Jupyter kernel's output.
+
+    Anything else (a file, a pipe, CI, ``nohup``, Slurm, ``torchrun``'s captured logs) keeps every byte,
+    so a bar's carriage-return redraws would pile up there: it gets plain lines instead.
+    """
+    stream = stream if stream is not None else sys.stderr
+    try:
+        if stream.isatty():
+            return True
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+    return type(stream).__module__.startswith("ipykernel")
+
+
+@contextlib.contextmanager
+def one_line_warnings() -> Iterator[None]:
+    """While the block runs, show each :class:`StableTrainWarning` as ``stabletrain: warning: ...`` (one line, stderr).
+
+    Other warnings are shown as Python shows them. For the CLI's entry point: it replaces
+    ``warnings.showwarning`` for the block and puts it back after.
+    """
+    original = warnings.showwarning
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: TextIO | None = None, line: str | None = None) -> None:
+        if issubclass(category, StableTrainWarning):
+            warn(" ".join(str(message).split()))
+        else:
+            original(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = original

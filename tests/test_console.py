@@ -1,0 +1,242 @@
+"""What a person reads: a bar on a terminal and plain lines elsewhere, every message on a line of its own,
+what a resume and a failed checkpoint say, one-line warnings, a closed pipe and ``--version``."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from helpers import cfg, regression_task
+from stabletrain import Trainer
+from stabletrain.checkpoint import CheckpointManager
+from stabletrain.cli import main
+from stabletrain.config import ConfigError
+from stabletrain.console import StableTrainWarning
+
+TESTS = Path(__file__).parent
+FP16_WARNING = ("stabletrain: warning: precision=fp16 on CPU: fp16 autocast and GradScaler('cpu') run, slowly; meant for "
+                "testing the fp16 path without a GPU (use bf16 or fp32 to train on CPU)")
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(TESTS) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "stabletrain", *args]
+
+
+# An incident at every epoch (sample 37 holds a NaN): the run prints "stabletrain: incident at step N: ..." lines.
+INCIDENT_RUN = ("train", "task=helpers:nan_sample_task", "train.max_steps=12", "train.batch_size=16", "log.every=3",
+                "log.tensorboard=false")
+PROGRESS_LINE = re.compile(r"^regression step (\d+)/12 \(\d+%\) \| loss \S+ \| grad_norm \S+ \| lr \S+ \| "
+                           r"\d+ samples/s( \| val_loss \S+)? \| eta \d+:\d\d:\d\d$")
+
+
+@pytest.mark.slow
+def test_a_log_that_is_not_a_terminal_gets_a_plain_line_per_interval_and_every_message_its_own_line(tmp_path):
+    log = tmp_path / "log"
+    with open(log, "w") as fh:  # `stabletrain train ... > log 2>&1`
+        res = subprocess.run(cli(*INCIDENT_RUN, f"run.dir={tmp_path / 'r'}"), stdout=fh, stderr=subprocess.STDOUT,
+                             env=env(), timeout=300)
+    text = log.read_text()
+    assert res.returncode == 0, text
+    assert "\r" not in text  # no bar redraws
+    lines = text.splitlines()
+    progress = [m for m in map(PROGRESS_LINE.match, lines) if m]
+    assert [int(m[1]) for m in progress] == [3, 6, 9, 12]
+    others = [line for line in lines if not PROGRESS_LINE.match(line)]
+    assert others and all(line.startswith("stabletrain: ") for line in others), others
+    incidents = [line for line in lines if line.startswith("stabletrain: incident at step ")]
+    assert len(incidents) >= 2  # what `grep '^stabletrain:'` finds: each incident, on its own line
+    assert lines[-1].startswith("stabletrain: trained 12 steps; ")
+
+
+def _run_on_a_terminal(args: list[str], cwd: Path) -> tuple[int, str]:
+    """Run ``args`` with stdout and stderr on a pseudo-terminal (120 columns); return the exit code and every byte shown."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, cwd=cwd, env=env())
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    return proc.wait(timeout=300), b"".join(chunks).decode("utf-8", "replace")
+
+
+@pytest.mark.slow
+def test_a_terminal_gets_the_bar_and_each_message_starts_at_the_line_start(tmp_path):
+    code, shown = _run_on_a_terminal(cli(*INCIDENT_RUN, f"run.dir={tmp_path / 'r'}"), tmp_path)
+    assert code == 0, shown
+    assert "12/12" in shown and "\r" in shown  # the bar, redrawn in place
+    assert not PROGRESS_LINE.search(shown.replace("\r", "\n"))  # no plain progress lines on a terminal
+    starts = [m.start() for m in re.finditer("stabletrain: ", shown)]
+    assert len(starts) >= 3  # incidents and the summary
+    # Each message begins a line on the screen: after a newline, or after the bar was cleared with a carriage return.
+    assert all(shown[i - 1] in "\r\n" for i in starts), [shown[max(0, i - 40):i + 30] for i in starts]
+
+
+@pytest.mark.slow
+def test_the_cli_shows_stabletrains_warnings_as_one_line(tmp_path):
+    res = subprocess.run(cli("train", "task=mlp", "precision=fp16", "train.max_steps=2", "log.progress=false",
+                             "log.tensorboard=false", f"run.dir={tmp_path / 'r'}"),
+                         capture_output=True, text=True, env=env(), timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.splitlines() == [FP16_WARNING]  # not Python's two lines pointing into loop.py
+
+
+def test_the_python_api_raises_catchable_warnings_and_the_cli_hook_is_put_back(capsys):
+    task = regression_task()
+    task.val_data = torch_empty_dataset()
+    with pytest.warns(StableTrainWarning, match="Task.val_data is empty"):
+        Trainer(cfg(), task=task)
+    original = warnings.showwarning
+    assert main(["tasks", "mlp"]) == 0
+    assert warnings.showwarning is original  # the CLI's one-line form is installed for its command only
+    assert "task=mlp" in capsys.readouterr().out
+
+
+def torch_empty_dataset():
+    import torch
+
+    return torch.utils.data.TensorDataset(torch.zeros(0, 4), torch.zeros(0, 1))
+
+
+# -- resume ---------------------------------------------------------------------------------------------
+
+
+def test_a_resume_says_where_it_resumed_from_and_what_it_skipped(tmp_path, capsys):
+    run_dir = tmp_path / "r"
+    Trainer(cfg("train.max_steps=40", "ckpt.every=20", "log.every=10"), run_dir=run_dir).fit()
+    capsys.readouterr()
+    ckpts = run_dir / "checkpoints"
+
+    trainer = Trainer(cfg("train.max_steps=40", "ckpt.every=20", "log.every=10"), run_dir=run_dir, resume=True)
+    trainer.state.run.close()
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [f"stabletrain: resumed from step 40 (checkpoint {ckpts / 'step_000040'}, world size 1)"]
+    assert err == ""
+
+    state = ckpts / "step_000040" / "state.pt"
+    size = state.stat().st_size
+    os.truncate(state, 1000)
+    trainer = Trainer(cfg("train.max_steps=40", "ckpt.every=20", "log.every=10"), run_dir=run_dir, resume=True)
+    trainer.state.run.close()
+    out, err = capsys.readouterr()
+    assert trainer.step == 20
+    assert err.splitlines() == [f"stabletrain: warning: resume skipped a checkpoint in {ckpts}: step_000040: state.pt is "
+                                f"1000 bytes, meta.json says {size} (truncated or overwritten)"]
+    assert out.splitlines() == [f"stabletrain: resumed from step 20 (checkpoint {ckpts / 'step_000020'}, world size 1); "
+                                "the newest checkpoint (step 40) was skipped: 20 step(s) will be trained again"]
+
+
+# -- checkpoint saves that fail --------------------------------------------------------------------------
+
+
+def test_ckpt_max_failures_is_a_checked_config_key():
+    assert cfg().ckpt.max_failures == 3
+    with pytest.raises(ConfigError, match=r"^config key 'ckpt.max_failures': expected an integer >= 0, got -1$"):
+        cfg("ckpt.max_failures=-1")
+
+
+def _train_until_saves_fail(run_dir: Path, callback: str) -> subprocess.CompletedProcess:
+    """Train with a checkpoint every 10 steps; ``callback`` makes every save after step 0's fail; 2 failures stop."""
+    return subprocess.run(cli("train", "task=mlp", "train.max_steps=60", "log.every=5", "ckpt.every=10",
+                              "ckpt.max_failures=2", "log.progress=false", "log.tensorboard=false", f"run.dir={run_dir}",
+                              f"callbacks=[helpers:{callback}]"),
+                          capture_output=True, text=True, env=env(), timeout=300)
+
+
+def _assert_stopped_after_two_failed_saves(res: subprocess.CompletedProcess, run_dir: Path, cause: str) -> None:
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.splitlines()
+    assert len(lines) == 3, res.stderr
+    for line, step, count in zip(lines, (10, 20), (1, 2)):
+        assert line.startswith(f"stabletrain: warning: checkpoint at step {step} failed: "), line
+        assert re.search(cause, line), line
+        assert line.endswith(f"; the previous checkpoint (step_000000) and LAST_GOOD are untouched ({count} failed in "
+                             "a row; the run stops at 2 in a row (ckpt.max_failures))"), line
+    assert lines[2].startswith("stabletrain: error: 2 checkpoint saves in a row failed (ckpt.max_failures=2), the run "
+                               "stops here; the last: checkpoint at step 20 failed: "), lines[2]
+    assert re.search(cause, lines[2]), lines[2]
+    assert lines[2].endswith(f"LAST_GOOD is step_000000, intact: free space on the disk of {run_dir / 'checkpoints'} "
+                             f"(or fix it), then resume with: stabletrain train --resume {run_dir}"), lines[2]
+    # Stopped at the next save after the second failure (step 30), not at the end; LAST_GOOD loads.
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == 30
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["kind"] == "checkpoint_failed"] == [10, 20]
+    assert events[-1]["kind"] == "crash" and events[-1]["error"] == "CheckpointError"
+    assert (run_dir / "checkpoints" / "LAST_GOOD").read_text().strip() == "step_000000"
+    assert CheckpointManager(run_dir / "checkpoints").load().meta["step"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_FSIZE with SIGXFSZ ignored: Linux")
+def test_failed_saves_are_printed_and_stop_the_run_file_size_limit(tmp_path):
+    run_dir = tmp_path / "r"
+    res = _train_until_saves_fail(run_dir, "FileSizeLimitAfterFirstCheckpoint")
+    _assert_stopped_after_two_failed_saves(res, run_dir, r"\[Errno 27\] File too large")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs mounted for the test (root only); skipped where it cannot be mounted."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    try:
+        res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)], capture_output=True,
+                             text=True, timeout=30)
+    except (FileNotFoundError, subprocess.TimeoutExpired) as err:
+        pytest.skip(f"cannot mount a tmpfs here ({err}); the RLIMIT_FSIZE test covers a failing save")
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({(res.stderr or res.stdout).strip()}, exit {res.returncode}); the "
+                    "RLIMIT_FSIZE test covers a failing save")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, timeout=30)
+
+
+@pytest.mark.slow
+def test_failed_saves_are_printed_and_stop_the_run_full_disk(small_disk):
+    run_dir = small_disk / "r"
+    res = _train_until_saves_fail(run_dir, "FillDiskAfterFirstCheckpoint")
+    _assert_stopped_after_two_failed_saves(res, run_dir, r"\[Errno 28\] No space left on device")
+
+
+# -- the command line ------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_reader_that_leaves_ends_the_output_quietly():
+    # `stabletrain tasks | true`: the reader is gone before a byte is written.
+    proc = subprocess.Popen(cli("tasks"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env())
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 141 and err == ""  # as `git log | head`: no traceback
+
+
+def test_version(capsys):
+    from stabletrain import __version__
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out == f"stabletrain {__version__}\n"
