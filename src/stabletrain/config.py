@@ -110,7 +110,7 @@ class DataConfig:
 class LogConfig:
     every: int = _f(10, "steps per log interval: metrics are reduced on the host once per interval")
     tensorboard: bool = _f(True, "write TensorBoard event files to RUN_DIR/tb")
-    progress: bool = _f(True, "show a console progress bar with the latest figures")
+    progress: bool = _f(True, "show progress with the latest figures: a bar when stderr is a terminal, else one line per log interval (step, loss, grad norm, lr, items/s, ETA) on stderr")
     top_layers: int = _f(3, "how many parameters to name as dominating the grad norm at each log")
 
 
