@@ -78,6 +78,7 @@ class OurSyncs(TorchFunctionMode):
 # -- a tiny GPT-2 for the Hugging Face Trainer (random init from a config; never a download) -----------------
 
 TRAP_TOKEN, VOCAB, SEQ = 63, 64, 16
+BATCH_HF = 4  # per-device batch of the Hugging Face tests
 
 
 def gpt2_config():

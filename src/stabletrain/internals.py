@@ -53,7 +53,7 @@ class InternalMissing(RuntimeError):
 
 def _require(obj: Any, attr: str, library: str, what: str) -> Any:
     if not hasattr(obj, attr):
-        raise InternalMissing(library, f"{what} ({type(obj).__qualname__}.{attr})")
+        raise InternalMissing(library, f"{what} ({type(obj).__name__}.{attr})")
     return getattr(obj, attr)
 
 

@@ -44,6 +44,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from .. import console
 from .._version import __version__
 from ..callbacks import Callback, CallbackList, FitState
 from ..callbacks.sinks import EventLog, InitWatch, MetricsFile, TensorBoardLog
@@ -275,7 +276,7 @@ class RunSession:
     def say(self, message: str) -> None:
         """One line for the user on the console (rank 0)."""
         if self.dist.rank == 0:
-            print(f"stabletrain: {message}", flush=True)
+            console.say(message)
 
     def signal_check(self, batch: Any, loss_fn: Callable[[nn.Module, Any], Any]) -> dict[str, Any] | None:
         """Run the signal-propagation report on ``batch``; write ``RUN_DIR/init_signal.json`` and a line in the snapshot.
@@ -292,7 +293,8 @@ class RunSession:
             with self.replay.replaying() if self.replay is not None else contextlib.nullcontext():
                 report = signal_report(self.model, batch, loss_fn, label=f"{type(self.model).__name__} at step 0")
         except Exception as err:  # the report must never take the run down
-            warnings.warn(f"stabletrain: the signal-propagation report failed ({type(err).__name__}: {err})", stacklevel=2)
+            warnings.warn(f"the signal-propagation report failed ({type(err).__name__}: {err})", console.StableTrainWarning,
+                          stacklevel=2)
             return None
         finally:
             set_rng_state(rng)
@@ -338,8 +340,8 @@ class RunSession:
         a fused optimizer in this host trainer.
         """
         if not getattr(self, "_warned_sync", False):
-            warnings.warn(f"stabletrain: this optimizer cannot skip a step on the device ({hint}); the verdict is read "
-                          "on the host once per step (a sync)", stacklevel=4)
+            warnings.warn(f"this optimizer cannot skip a step on the device ({hint}); the verdict is read on the host "
+                          "once per step (a sync)", console.StableTrainWarning, stacklevel=4)
             self._warned_sync = True
         if not bool(ok):  # the one documented per-step sync for a non-fused optimizer without a GradScaler
             for p in self.params:
@@ -405,15 +407,16 @@ class RunSession:
         self._interval_start = time.perf_counter()  # the capture's time is not the next interval's
         if decision.action == "stop":
             if self.options.on_nonfinite == "warn":
-                warnings.warn(f"stabletrain: {decision.reason} (on_nonfinite='warn': training goes on)", stacklevel=3)
+                warnings.warn(f"{decision.reason} (on_nonfinite='warn': training goes on)", console.StableTrainWarning,
+                              stacklevel=3)
             else:
                 self.stop_reason = decision.reason
                 self.state.stop_reason = decision.reason
                 self.state.event(self.step, "stop", f"stopping: {decision.reason}")
                 self.callbacks.fire("on_stop", self.state, decision.reason)
         elif decision.bad_steps and self.options.on_nonfinite == "warn":
-            warnings.warn(f"stabletrain: non-finite loss or grad norm at step(s) {decision.bad_steps} "
-                          "(on_nonfinite='warn': not skipped by stabletrain)", stacklevel=3)
+            warnings.warn(f"non-finite loss or grad norm at step(s) {decision.bad_steps} "
+                          "(on_nonfinite='warn': not skipped by stabletrain)", console.StableTrainWarning, stacklevel=3)
         return record
 
     def _incident(self, info: dict[str, Any], rows: list[Any]) -> None:

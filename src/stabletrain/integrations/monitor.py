@@ -98,8 +98,8 @@ class Monitor:
                  init_check: bool = True, keep_max_mib: float = 1024.0, resume: bool = False, overwrite: bool = False,
                  callbacks: Sequence[Callback] = ()) -> None:
         inner = optimizer
-        while not isinstance(inner, torch.optim.Optimizer) and getattr(inner, "optimizer", None) is not None:
-            inner = inner.optimizer  # accelerate's AcceleratedOptimizer (and the like) hold the torch one
+        while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
+            inner = inner.optimizer  # accelerate's AcceleratedOptimizer (and the like) wrap the torch one
         if not isinstance(inner, torch.optim.Optimizer):
             raise TypeError(f"Monitor(optimizer=...): expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.model, self.optimizer, self.loss_fn = model, inner, loss_fn
@@ -122,8 +122,8 @@ class Monitor:
         self.step_fn = TrainStep(model, inner, self.precision, clipper=self.clipper, guard=self.session.guard,
                                  params=self.session.params, check_params=check_params)
         self.last_applied: Tensor | None = None
-        self._reset()
         self.session.open(resume=resume)
+        self._reset()
 
     def _reset(self) -> None:
         self._loss: Tensor | None = None

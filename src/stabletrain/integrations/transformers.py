@@ -51,6 +51,7 @@ from torch import Tensor, nn
 from transformers import Trainer, TrainerCallback
 
 from ..callbacks import Callback as StableCallback
+from ..console import StableTrainWarning
 from ..data import move_to
 from ..initialization import InitFingerprint
 from ..internals import find_caller
@@ -151,10 +152,10 @@ class StableTrainCallback(TrainerCallback):
         mode = ("fp16" if scaler is not None else
                 "bf16" if args.bf16 and getattr(trainer.accelerator, "mixed_precision", "no") == "bf16" else "fp32")
         if (args.fp16 and mode != "fp16") or (args.bf16 and mode != "bf16"):
-            warnings.warn(f"stabletrain: the Trainer was asked for {'fp16' if args.fp16 else 'bf16'} but runs {mode} on "
+            warnings.warn(f"the Trainer was asked for {'fp16' if args.fp16 else 'bf16'} but runs {mode} on "
                           f"{args.device} (its accelerator: mixed_precision="
                           f"{getattr(trainer.accelerator, 'mixed_precision', 'no')!r}); the run directory says {mode}",
-                          stacklevel=2)
+                          StableTrainWarning, stacklevel=2)
         clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
         resumed = state.global_step > 0
         cls = import_path(type(model))
@@ -183,8 +184,8 @@ class StableTrainCallback(TrainerCallback):
                 self.session.load_state_dict(torch.load(path, map_location=self.session.device, weights_only=True),
                                              path=os.path.dirname(path))
             else:
-                warnings.warn(f"stabletrain: resuming at step {state.global_step} without {path}: our metrics and "
-                              "guard state start afresh (the checkpoint was not written with this callback)", stacklevel=2)
+                warnings.warn(f"resuming at step {state.global_step} without {path}: our metrics and guard state start "
+                              "afresh (the checkpoint was not written with this callback)", StableTrainWarning, stacklevel=2)
         self.model, self.args = model, args
         self._wrap(trainer)
         self.session.begin()
