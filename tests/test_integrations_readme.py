@@ -51,3 +51,21 @@ def test_compare_reads_runs_of_different_trainers(tmp_path, monkeypatch):
     for index in (0, 1):
         exec(compile(snippets()[index], f"README.md snippet {index + 1}", "exec"), {"__name__": "__readme__"})
     assert write_compare([tmp_path / "runs" / "loop", tmp_path / "runs" / "lightning"], tmp_path / "c.html").exists()
+
+
+def test_the_two_process_example_names_rank_1_and_its_sample(tmp_path):
+    import json
+    import re as _re
+    import subprocess
+
+    from multiproc import TORCHRUN, env
+
+    section = README.read_text(encoding="utf-8").split("## Your trainer", 1)[1].split("\n## ", 1)[0]
+    (command,) = _re.findall(r"torchrun --standalone --nproc_per_node=2 (examples/\S+)", section)
+    example = README.parent / command
+    done = subprocess.run([*TORCHRUN, str(example)], cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    events = [json.loads(x) for x in (tmp_path / "runs" / "ddp-loop" / "events.jsonl").read_text().splitlines()]
+    (incident,) = [e for e in events if e["kind"] == "incident"]
+    assert incident["step"] == 7 and incident["ranks"] == [1]
+    assert incident["diagnosis"]["bad_positions"] == [{"micro_batch": 0, "position": 5}]
