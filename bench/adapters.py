@@ -10,6 +10,11 @@ TensorBoard writes are in it as in a real run); the init fingerprint and signal 
 directory's creation and closing are one-time setup, outside it. The ratio printed per host is the
 median over rounds of (with adapter) / (bare). Target: at most 1.03 on the default GPT-sized step on CPU.
 
+The adapters' capture (an incident's state from before the bad step) costs one copy of the model, the
+optimizer state and the loss scale per log interval, into reused host buffers (on CUDA on a side stream),
+plus a reference to (on CUDA: a host copy of) each step's batch: the last line prints that copy's time per
+interval and per step, and the host memory it holds, measured on its own on the same model.
+
     python bench/adapters.py                      # GPT-2 small-ish (6 x 384, seq 128, batch 8), 5 rounds
     python bench/adapters.py --hosts loop lightning --rounds 9
     python bench/adapters.py --quick              # smoke run: a tiny model, 1 round, few steps (not a measurement)
@@ -87,8 +92,8 @@ def run_loop(base: torch.nn.Module, data: list, args: argparse.Namespace, adapte
     for step, batch in enumerate(batches[: args.warmup + args.steps], 1):
         loss = loss_fn(model, batch)
         if monitor is not None:
-            monitor.backward(loss)
-            monitor.step(batch)
+            monitor.backward(loss, batch)
+            monitor.step()
         else:
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -157,6 +162,28 @@ def run_transformers(base: torch.nn.Module, data: list, args: argparse.Namespace
 RUNNERS = {"loop": run_loop, "lightning": run_lightning, "transformers": run_transformers}
 
 
+def snapshot_cost(base: torch.nn.Module, args: argparse.Namespace, repeats: int = 15) -> str:
+    """The interval snapshot's copy on its own: model + AdamW state (after one step), median over ``repeats``."""
+    from stabletrain.staging import IntervalSnapshot
+
+    model = copy.deepcopy(base)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    batch = {k: torch.stack([r[k] for r in rows(args, args.batch)]) for k in ("input_ids", "labels")}
+    model(**batch).loss.backward()
+    opt.step()
+    snap, times = IntervalSnapshot(), []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        snap.take({"model": model.state_dict(), "optimizer": opt.state_dict()}, 0)
+        snap.before_update()
+        snap.get()
+        times.append(time.perf_counter() - t0)
+    ms = statistics.median(times) * 1e3
+    return (f"snapshot: {ms:.1f} ms per interval = {ms / args.log_every:.2f} ms per step at log_every={args.log_every}; "
+            f"host memory {snap.num_bytes / 2**20:.0f} MiB (model + optimizer state); kept batches "
+            f"{args.log_every * args.batch * args.seq * 8 * 2 / 2**20:.2f} MiB per interval")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hosts", nargs="+", default=list(RUNNERS), choices=list(RUNNERS))
@@ -201,6 +228,7 @@ def main() -> None:
                 ratios.append(times[True] / times[False])
             print(f"{host:<14}{statistics.median(bare):>13.4f}{statistics.median(with_adapter):>16.4f}"
                   f"{statistics.median(ratios):>16.3f}   " + " ".join(f"{x:.3f}" for x in ratios), flush=True)
+    print(snapshot_cost(base, args))
     if args.quick:
         print("(--quick: a smoke run, not a measurement)")
 

@@ -186,3 +186,28 @@ def test_an_init_overwritten_by_a_host_hook_is_an_event(tmp_path):
     fit(LitNet(reinit=True), StableTrainCallback(run_dir=tmp_path / "run", log_every=5), 5)
     events = [e for e in load_run(tmp_path / "run").events if e.kind == "init_overwritten"]
     assert events and {p["name"] for p in events[0].extra["params"]} == {"net.fc2.weight", "net.fc2.bias"}
+
+
+@pytest.mark.parametrize("setup", ["manual", "two optimizers"])
+def test_unsupported_setups_get_one_line_saying_what_works(tmp_path, setup):
+    class Manual(LitNet):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False  # Lightning itself allows several optimizers only so
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            loss = F.mse_loss(self.net(batch[0]), batch[1])
+            self.manual_backward(loss)
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        def configure_optimizers(self):
+            opts = [torch.optim.AdamW(self.net.fc1.parameters(), lr=1e-2), torch.optim.AdamW(self.net.fc2.parameters())]
+            return opts[0] if setup == "manual" else opts
+
+    message = "automatic optimization" if setup == "manual" else "supports one optimizer"
+    with pytest.raises(ValueError, match=message) as err:
+        fit(Manual(), StableTrainCallback(run_dir=tmp_path / "run"), 2)
+    assert "\n" not in str(err.value) and "stabletrain.Monitor" in str(err.value)

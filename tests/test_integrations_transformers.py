@@ -154,3 +154,12 @@ def test_resume_from_the_trainers_checkpoint_keeps_metrics_and_guard(tmp_path):
     torch.testing.assert_close(ref.session.guard.state_dict()["window"], again.session.guard.state_dict()["window"],
                                rtol=1e-6, atol=0, equal_nan=True)
     assert [e.kind for e in load_run(tmp_path / "run2").events].count("resume") == 1
+
+
+def test_the_record_says_the_precision_that_ran_fp16_asked_on_a_cpu_runs_fp32(tmp_path):
+    cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=2, init_check=False)
+    trainer = trainer_for(gpt2(), cb, tmp_path, max_steps=2, fp16=True)
+    with pytest.warns(UserWarning, match=r"asked for fp16 but runs fp32 on cpu"):
+        trainer.train()
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["precision"] == "fp32"
+    assert json.loads((tmp_path / "run" / "snapshot.json").read_text())["precision"] == "fp32"

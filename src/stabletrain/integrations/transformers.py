@@ -149,8 +149,10 @@ class StableTrainCallback(TrainerCallback):
                              "StableTrainCallback(..., trainer=trainer) after building the trainer")
         inner = getattr(optimizer, "optimizer", optimizer)
         scaler = getattr(optimizer, "scaler", None)  # the accelerator's GradScaler (fp16), else None
+        accelerator = trainer.accelerator  # what it really runs: e.g. fp16=True on a CPU runs fp32 (no autocast)
         mode = ("fp16" if scaler is not None else
-                "bf16" if args.bf16 and getattr(trainer.accelerator, "mixed_precision", "no") == "bf16" else "fp32")
+                "bf16" if (args.bf16 and getattr(accelerator, "mixed_precision", "no") == "bf16"
+                           and getattr(accelerator, "native_amp", True)) else "fp32")
         if (args.fp16 and mode != "fp16") or (args.bf16 and mode != "bf16"):
             warnings.warn(f"the Trainer was asked for {'fp16' if args.fp16 else 'bf16'} but runs {mode} on "
                           f"{args.device} (its accelerator: mixed_precision="
