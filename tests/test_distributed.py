@@ -246,6 +246,30 @@ def test_when_rank_1_dies_or_hangs_rank_0_exits_with_a_clear_line_in_bounded_tim
     assert loaded.meta["step"] >= 2 and not loaded.problems
 
 
+def test_a_launcher_killed_outright_takes_torchrun_and_every_rank_with_it(tmp_path):
+    run_dir = tmp_path / "run"
+    # In a session of its own (setsid), as a user's shell or a scheduler starts it: only the launcher is killed.
+    proc = subprocess.Popen(_stabletrain(*SLOW, "dist.nproc=2", f"run.dir={run_dir}"), env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    below = []
+    try:
+        wait_for_step(proc, run_dir, 2)
+        ranks, below = _rank_pids(proc.pid), descendants(proc.pid)
+        assert set(ranks) == {0, 1} and len(below) == 3, (ranks, below)  # torchrun and the two ranks
+        recorded = json.loads((run_dir / "launch.json").read_text())["processes"]
+        assert sorted(p["pid"] for p in recorded) == sorted(ranks.values())  # the run dir names who runs on it
+        os.kill(proc.pid, signal.SIGKILL)
+        t0 = time.time()
+        while any(_alive(pid) for pid in below) and time.time() - t0 < 10:
+            time.sleep(0.05)
+        assert not [pid for pid in below if _alive(pid)], "torchrun or a rank outlived its launcher by 10 s"
+    finally:
+        for pid in {*below, *descendants(proc.pid), proc.pid}:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.communicate(timeout=60)
+
+
 def test_sigterm_to_the_launcher_checkpoints_every_rank_at_the_same_log_boundary(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(_stabletrain(*SLOW, "log.every=3", "ckpt.every=0", "dist.nproc=2", f"run.dir={run_dir}"),

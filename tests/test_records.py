@@ -1,10 +1,12 @@
 """The run directory: refuses to overwrite a run, names unknown event kinds, writes real TensorBoard files."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from helpers import cfg
+from stabletrain.callbacks import Callback
 from stabletrain.records import RunDir, TensorBoardSink, build_snapshot, read_jsonl
 
 
@@ -157,3 +159,42 @@ def test_git_dirty_does_not_count_stabletrains_own_output(tmp_path, monkeypatch)
     (tmp_path / "train.py").write_text("print('changed')\n")
     changed = git_info(tmp_path)
     assert changed["dirty"] is True and changed["diff_sha256"] is not None
+
+
+def test_a_resume_is_refused_while_processes_of_an_earlier_launch_run_on_the_directory(tmp_path):
+    import subprocess
+    import sys
+
+    from stabletrain import Trainer
+    from stabletrain.records import LAUNCH_FILE, this_process
+
+    run_dir = tmp_path / "run"
+
+    class SeesTheRecord(Callback):
+        def on_step_end(self, state, out):
+            seen.append(json.loads((run_dir / LAUNCH_FILE).read_text())["processes"])
+
+    seen = []
+    Trainer(cfg("train.max_steps=2"), run_dir=run_dir, callbacks=[SeesTheRecord()]).fit()
+    assert seen[0] == [this_process()]  # written while the run runs
+    assert not (run_dir / LAUNCH_FILE).exists()  # removed when it ends
+    # An earlier launch whose rank is still alive: a real process, recorded as a rank would record itself.
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        recorded = {**this_process(), "pid": rank.pid}
+        recorded["start"] = int((Path("/proc") / str(rank.pid) / "stat").read_text().rsplit(")", 1)[1].split()[19])
+        (run_dir / LAUNCH_FILE).write_text(json.dumps({"processes": [recorded]}))
+        with pytest.raises(ValueError, match=rf"is in use: 1 process\(es\) of an earlier launch still run on it "
+                                             rf"\(pid {rank.pid} on .*\); stop them \(kill {rank.pid}\)"):
+            Trainer(cfg("train.max_steps=4"), run_dir=run_dir, resume=True)
+        # The same pid holding another process (a start time that differs) is not that rank.
+        (run_dir / LAUNCH_FILE).write_text(json.dumps({"processes": [{**recorded, "start": recorded["start"] - 1}]}))
+        Trainer(cfg("train.max_steps=4"), run_dir=run_dir, resume=True)
+        (run_dir / LAUNCH_FILE).write_text(json.dumps({"processes": [recorded]}))
+    finally:
+        rank.kill()
+        rank.wait()
+    resumed = Trainer(cfg("train.max_steps=4"), run_dir=run_dir, resume=True)  # the rank is gone: resume goes on
+    assert resumed.step == 2
+    resumed.fit()
+    assert resumed.step == 4 and not (run_dir / LAUNCH_FILE).exists()

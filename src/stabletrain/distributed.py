@@ -31,6 +31,7 @@ last one written stays loadable.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import os
 import signal
@@ -39,6 +40,7 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -50,6 +52,7 @@ __all__ = [
     "PeerLostError",
     "WindowCarrier",
     "data_parallel",
+    "die_with_parent",
     "is_peer_failure",
     "launch",
     "process_group",
@@ -110,6 +113,39 @@ def is_peer_failure(err: BaseException, *, in_gradient_sync: bool = False) -> bo
         return False
     innermost = os.path.normcase(os.path.abspath(traceback.extract_tb(err.__traceback__)[-1].filename))
     return innermost.startswith(os.path.normcase(_DIST_DIR)) or (in_gradient_sync and innermost == _ENGINE_FILE)
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+#: Set by :func:`launch` for torchrun and so its ranks: the launcher's pid (a rank checks its parent's parent).
+LAUNCHER_ENV = "STABLETRAIN_LAUNCHER_PID"
+
+
+def _ppid_of(pid: int) -> int | None:
+    try:
+        return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def die_with_parent(parent: int | None = None, grandparent: int | None = None) -> bool:
+    """Have the kernel SIGKILL this process when its parent exits (Linux ``PR_SET_PDEATHSIG``); return whether armed.
+
+    A launcher killed with SIGKILL cannot take its children along, and torchrun starts each rank in a
+    session of its own, out of reach of a process-group kill: armed in each, the launcher's death takes
+    torchrun, and torchrun's its ranks, at once (checkpoints are atomic: a resume continues from the last).
+    A parent that exited before the call would never signal: ``parent`` (the pid it had) or
+    ``grandparent`` (its parent's pid) no longer matching, or a parent of pid 1, then kills this process
+    right away. Elsewhere than Linux: nothing (False).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        return False
+    now = os.getppid()  # read after arming: a parent that exits from here on signals
+    if now == 1 or (parent is not None and now != parent) or (grandparent is not None and _ppid_of(now) != grandparent):
+        os.kill(os.getpid(), signal.SIGKILL)  # orphaned already: go as the parent's death would have made us
+    return True
 
 
 def under_torchrun() -> bool:
@@ -213,6 +249,9 @@ def process_group(backend: str = "auto", timeout_s: float = 120.0, nproc: int = 
     if not under_torchrun() or (dist.is_initialized() and dist.get_world_size() > 1):
         yield DistContext.current()
         return
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank of torchrun's: it goes when torchrun does (and so with a launcher)
+        launcher = os.environ.pop(LAUNCHER_ENV, None)  # popped: this rank's own children are not ranks
+        die_with_parent(grandparent=int(launcher) if launcher else None)
     world = int(os.environ["WORLD_SIZE"])
     if nproc not in (1, world):
         raise ValueError(f"config key 'dist.nproc': {nproc}, but torchrun started {world} processes; "
@@ -244,13 +283,16 @@ def launch(nproc: int, argv: list[str]) -> int:
     """Run ``python -m torch.distributed.run --standalone --nproc_per_node NPROC -m stabletrain ARGV``; return its exit code.
 
     SIGTERM and SIGINT are passed on to torchrun, which passes them to every rank (each checkpoints at
-    its next log boundary and exits).
+    its next log boundary and exits). A launcher killed outright (SIGKILL) takes torchrun and the ranks
+    with it (:func:`die_with_parent`): none is left running, holding the devices and the run directory.
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "stabletrain", *argv]
-    env = dict(os.environ)
+    launcher = os.getpid()
+    env = {**os.environ, LAUNCHER_ENV: str(launcher)}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    proc = subprocess.Popen(cmd, env=env)
+    # In the child between fork and exec (the launcher runs no other thread): the mark survives the exec.
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=lambda: die_with_parent(parent=launcher))
 
     def forward(signum: int, frame: Any) -> None:
         with contextlib.suppress(ProcessLookupError):

@@ -46,7 +46,7 @@ from .metrics import StepMetrics, interval_record, peak_memory_mib
 from .numerics import unique_params
 from .optim import build_optimizer
 from .precision import PrecisionPolicy, resolve_device
-from .records import RunDir, build_snapshot
+from .records import RunDir, build_snapshot, refuse_if_running, this_process
 from .schedule import LRSchedule
 from .seeding import deterministic_mode, rng_state, seed_everything, set_rng_state
 from .step import TrainStep
@@ -173,10 +173,14 @@ class Trainer:
             run_dir = default_run_dir(cfg, self.task.name)
         if run_dir is not None:
             run_dir = Path(self.dist.on_main(lambda: str(run_dir)))  # every rank uses rank 0's directory
+            launch = self.dist.gather_objects(this_process())  # recorded in the run dir while this launch runs
+            self.dist.on_main(lambda: refuse_if_running(run_dir, exclude=launch))  # never two launches on one run
             self.state.ckpt = CheckpointManager(run_dir / "checkpoints", keep=cfg.ckpt.keep)
             if resume:
                 self.keeper.resume(self.state, run_dir)
             self.dist.on_main(lambda: self._open_run(run_dir, resume))
+            if self.state.run is not None:
+                self.state.run.record_launch(launch)
         elif resume:
             raise ValueError("resume needs a run directory (--resume RUN_DIR)")
 

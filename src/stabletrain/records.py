@@ -7,6 +7,7 @@ Everything a run knows lands here in plain formats (DESIGN.md, principle 5)::
     RUN_DIR/metrics.jsonl   one line per log interval (keys: stabletrain.events.METRIC_KEYS)
     RUN_DIR/events.jsonl    one line per event: {"step", "kind", "reason", ...} (kinds: stabletrain.events.EVENT_KINDS)
     RUN_DIR/tb/             TensorBoard event files
+    RUN_DIR/launch.json     the processes running on it (host, pid, start time), while they run
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import math
 import os
 import platform
 import shutil
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +35,7 @@ from .events import EVENT_KINDS
 from .fileio import atomic_write
 
 __all__ = ["RunDir", "JsonlWriter", "read_jsonl", "build_snapshot", "git_info", "OUTPUT_MARKER", "mark_output_dir",
-           "is_stabletrain_output"]
+           "is_stabletrain_output", "LAUNCH_FILE", "this_process", "is_running", "running_launch", "refuse_if_running"]
 
 #: The file that marks a folder stabletrain writes outside a run directory (``check --out``, ``lab --out``),
 #: so that the snapshot's ``git.dirty`` does not count it as a change to the user's code.
@@ -194,6 +197,64 @@ def build_snapshot(cfg: Config, device: torch.device, precision: str, data_finge
     return snap
 
 
+#: The processes of the launch running on a run directory (every rank's host, pid and start time); written
+#: when the run opens, removed when it closes. What a SIGKILL leaves behind names processes that are gone.
+LAUNCH_FILE = "launch.json"
+
+
+def this_process() -> dict[str, Any]:
+    """This process as :data:`LAUNCH_FILE` records it: host, pid and start time (which tells a reused pid apart)."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid())}
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks after boot (Linux ``/proc``); None where unknown, gone or a zombie."""
+    try:
+        fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[19]) if fields[0] != "Z" else None
+
+
+def is_running(proc: dict[str, Any]) -> bool:
+    """Whether a process :func:`this_process` recorded still runs (on another host: False, it cannot be seen).
+
+    The same pid must hold the same process (its start time); without ``/proc`` (not Linux) the pid alone tells.
+    """
+    if proc.get("host") != socket.gethostname() or not isinstance(proc.get("pid"), int):
+        return False
+    if Path("/proc/self/stat").exists():
+        start = _start_time(proc["pid"])
+        return start is not None and proc.get("start") in (None, start)
+    try:
+        os.kill(proc["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def running_launch(run_dir: str | Path, exclude: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """The processes :data:`LAUNCH_FILE` in ``run_dir`` records that still run, but those in ``exclude`` (this launch's)."""
+    try:
+        recorded = json.loads((Path(run_dir) / LAUNCH_FILE).read_text(encoding="utf-8"))["processes"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    mine = {(p["host"], p["pid"]) for p in exclude}
+    return [p for p in recorded if isinstance(p, dict) and (p.get("host"), p.get("pid")) not in mine and is_running(p)]
+
+
+def refuse_if_running(run_dir: str | Path, exclude: Sequence[dict[str, Any]] = ()) -> None:
+    """Raise ValueError while processes of an earlier launch still run on ``run_dir`` (two would write one run)."""
+    running = running_launch(run_dir, exclude)
+    if running:
+        pids = " ".join(str(p["pid"]) for p in running)
+        raise ValueError(f"run directory {str(run_dir)!r} is in use: {len(running)} process(es) of an earlier launch "
+                         f"still run on it (pid {pids} on {running[0]['host']}); stop them (kill {pids}) or wait for "
+                         "them to end, then start again")
+
+
 class RunDir:
     """A run directory: creates it, writes config and snapshot, and owns the metric/event sinks.
 
@@ -214,6 +275,7 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         self.metrics = JsonlWriter(self.path / "metrics.jsonl")
         self.events = JsonlWriter(self.path / "events.jsonl")
+        self._launch_recorded = False
 
     @staticmethod
     def holds_trained_run(path: Path) -> bool:
@@ -262,9 +324,17 @@ class RunDir:
         self.events.write(record)
         return record
 
+    def record_launch(self, processes: list[dict[str, Any]]) -> None:
+        """Write :data:`LAUNCH_FILE`: the processes (every rank's :func:`this_process`) now running on this directory."""
+        atomic_write(self.path / LAUNCH_FILE, json.dumps({"processes": processes}, indent=1) + "\n")
+        self._launch_recorded = True
+
     def close(self) -> None:
         self.metrics.close()
         self.events.close()
+        if self._launch_recorded:  # the run is over: nothing of this launch runs on the directory any more
+            (self.path / LAUNCH_FILE).unlink(missing_ok=True)
+            self._launch_recorded = False
 
 
 class TensorBoardSink:
