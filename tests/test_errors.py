@@ -252,3 +252,14 @@ def test_a_task_module_that_imports_a_missing_package_says_which_import_and_wher
         "stabletrain: error: config key 'task': module 'st_missing_import_task' (from 'st_missing_import_task:make_task') "
         f"was found, but its import at {module}:2 in <module> failed: No module named 'st_no_such_package_here'; install "
         f"that package in this environment ({sys.executable}) or fix the import\n")
+
+
+@pytest.mark.parametrize("host, hint", [("monitor", "model_factory="), ("lightning", "save_hyperparameters()"),
+                                        ("transformers", "built from its config")])
+def test_a_model_that_cannot_be_rebuilt_is_told_what_its_own_host_needs(host, hint):
+    from stabletrain.integrations.replay import model_from_recipe
+    from stabletrain.tasks import TaskError
+
+    with pytest.raises(TaskError, match=hint) as err:
+        model_from_recipe(None, host)
+    assert ("model_factory" in str(err.value)) == (host == "monitor")

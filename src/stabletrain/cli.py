@@ -320,7 +320,7 @@ def replay_obstacles(incident: Path) -> list[str]:
     import torch
 
     from .incidents import load_bundle
-    from .integrations.replay import TASK_SPEC, loss_from_recipe, model_from_recipe
+    from .integrations.replay import REBUILD_HINT, TASK_SPEC, loss_from_recipe, model_from_recipe
 
     try:
         config = load_bundle(incident).get("config") or {}
@@ -333,8 +333,7 @@ def replay_obstacles(incident: Path) -> list[str]:
     found = []
     model, loss = args.get("model"), args.get("loss")
     if model is None:
-        fix = ("pass model_factory='module:function' to stabletrain.Monitor" if host == "monitor"
-               else "define the model's class in an importable module (a LightningModule with save_hyperparameters())")
+        fix = REBUILD_HINT.get(host, REBUILD_HINT["monitor"])
         if cls and isinstance(getattr(torch.nn, cls, None), type):
             found.append(f"the model is a torch.nn.{cls}, whose layers are not recorded (a model is rebuilt from its "
                          f"class only when that class builds it with no arguments): {fix}")
@@ -343,11 +342,15 @@ def replay_obstacles(incident: Path) -> list[str]:
                          f"__main__ or inside a function) or needs constructor arguments: {fix}")
     else:
         try:
-            model_from_recipe(model)
+            model_from_recipe(model, host)
         except Exception as err:
             what = model.get("class") or model.get("factory") or model.get("kind")
             found.append(f"the model ({what}) could not be rebuilt: {type(err).__name__}: {brief(str(err))}")
-    if loss is None:
+    if loss is None and host == "transformers":
+        found.append("the trainer computes its loss its own way (a compute_loss override, label smoothing or "
+                     "compute_loss_func), which only the training process can replay: pass a module-level loss_fn "
+                     "to StableTrainCallback to replay it here")
+    elif loss is None:
         found.append("the loss function cannot be imported in a new process (a lambda, or defined in __main__ or inside "
                      "a function): pass a loss_fn defined at the top of an importable module")
     else:

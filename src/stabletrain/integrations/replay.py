@@ -243,8 +243,20 @@ def loss_from_recipe(recipe: dict[str, Any] | None) -> Callable[[nn.Module, Any]
                     "To replay it again, pass a module-level loss function (loss_fn=) to the adapter")
 
 
-def model_from_recipe(recipe: dict[str, Any] | None) -> nn.Module:
-    """Build a model (random init; the bundle's state is loaded over it) from a model recipe."""
+#: What makes a host's model rebuildable in a new process, said when it is not.
+REBUILD_HINT = {
+    "monitor": "pass model_factory='module:function' to stabletrain.Monitor",
+    "lightning": "define the LightningModule at module level and call self.save_hyperparameters() in its __init__ "
+                 "(with plain-valued arguments)",
+    "transformers": "use a model class defined at module level, built from its config (a PreTrainedModel)",
+}
+
+
+def model_from_recipe(recipe: dict[str, Any] | None, host: str | None = None) -> nn.Module:
+    """Build a model (random init; the bundle's state is loaded over it) from a model recipe.
+
+    ``host``: the adapter that captured it (monitor, lightning, transformers): what to do is said per host.
+    """
     kind = (recipe or {}).get("kind")
     if kind == "transformers":
         cls = load_object(recipe["class"])
@@ -258,8 +270,8 @@ def model_from_recipe(recipe: dict[str, Any] | None) -> nn.Module:
     raise TaskError("the model cannot be rebuilt in a new process: the adapter recorded no way to build it (a "
                     "torch.nn container such as nn.Sequential, whose layers are not recorded; a class defined in "
                     "__main__ or inside a function; or one that needs constructor arguments); its diagnosis.json was "
-                    "written when it was captured (`stabletrain diagnose` shows it). To replay it again, pass "
-                    "model_factory='module:function' to the adapter")
+                    "written when it was captured (`stabletrain diagnose` shows it). To replay it again, "
+                    + REBUILD_HINT.get(host or "", REBUILD_HINT["monitor"]))
 
 
 def optimizer_recipe(optimizer: torch.optim.Optimizer, named_params: list[tuple[str, nn.Parameter]]) -> dict | None:
@@ -303,5 +315,5 @@ def captured_task(batches: list[Any], model: dict[str, Any] | None = None, loss:
     """
     rows = CapturedRows([unbundle_batch(b) for b in batches])
     opt_factory = ((lambda named: build_optimizer_from_recipe(optimizer, named)) if optimizer else _sgd_noop)
-    return Task(model=model_from_recipe(model), train_data=rows, loss=loss_from_recipe(loss), collate=rows.collate,
+    return Task(model=model_from_recipe(model, name.partition(":")[0]), train_data=rows, loss=loss_from_recipe(loss), collate=rows.collate,
                 name=name, optimizer=opt_factory)
