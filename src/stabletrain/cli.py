@@ -220,7 +220,8 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
         return 130
     except Exception as err:
         if ctx.is_main and trainer.run is not None:  # the loop recorded a 'crash' event: say where to read it
-            err.add_note(f"(recorded in {run_dir}; see: stabletrain report {run_dir})")
+            note = f"(recorded in {run_dir}; see: stabletrain report {run_dir})"
+            err.__notes__ = [*getattr(err, "__notes__", []), note]  # err.add_note(note), which Python 3.10 lacks
         raise
     signalled = trainer.signals.signal is not None
     if not ctx.is_main:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import sysconfig
 import traceback
 from pathlib import Path
@@ -102,7 +103,10 @@ def _exception_line(err: BaseException) -> str:
         last = [line for line in str(err).splitlines() if line.strip()][-1]
         notes = "".join(f"{note}\n" for note in getattr(err, "__notes__", ()))
         return f"{last}\n(raised in a DataLoader worker process)\n{notes}"
-    return "".join(traceback.format_exception_only(type(err), err))
+    text = "".join(traceback.format_exception_only(type(err), err))
+    if sys.version_info < (3, 11):  # from 3.11 on, format_exception_only prints the notes itself
+        text += "".join(f"{note}\n" for note in getattr(err, "__notes__", ()))
+    return text
 
 
 def user_frames(err: BaseException) -> list[traceback.FrameSummary]:

@@ -172,7 +172,11 @@ class ShardedSaver:
     def __init__(self, timeout_s: float = 120.0) -> None:
         import datetime
 
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        try:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        except ImportError as err:  # torch < 2.9; the rest of stabletrain needs 2.6 (pyproject.toml)
+            raise ValueError(f"config key 'dist.checkpoint': sharded needs torch>=2.9 (DCP's DefaultStager), and this "
+                             f"is torch {torch.__version__}; upgrade torch or use dist.checkpoint=full") from err
 
         # async_save's background thread runs collectives: a group of its own keeps them apart from training's.
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
