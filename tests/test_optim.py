@@ -155,3 +155,51 @@ def test_a_non_fused_optimizer_costs_exactly_one_host_read_per_step():
     assert len(per_step) == 10 and {c.op for c in per_step} == {"__bool__"}, per_step[:3]
     assert float(trainer.schedule.applied_steps) == 10
     assert trainer.schedule.lr() == pytest.approx(float(trainer.schedule.factor(torch.tensor(10.0))) * 0.01)
+
+
+class BuildsItsHeadInForward(nn.Module):
+    """A model whose last layer is made at the first forward (after the optimizer was built over the rest)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 8)
+        self.head: nn.Module | None = None
+
+    def forward(self, x):
+        if self.head is None:
+            self.head = nn.Linear(8, 1)
+        return self.head(torch.tanh(self.body(x)))
+
+
+def _task(model):
+    task = regression_task()
+    task.model = model
+    return task
+
+
+def test_parameters_made_in_the_first_forward_are_an_error_at_the_first_step(tmp_path):
+    torch.manual_seed(0)
+    trainer = Trainer(cfg("train.max_steps=4", "log.every=2"), task=_task(BuildsItsHeadInForward()),
+                      run_dir=tmp_path / "r")
+    with pytest.raises(ValueError) as err:
+        trainer.fit()
+    message = str(err.value)
+    assert ("task 'regression': the first step created or replaced 2 trainable parameter(s) the optimizer was not "
+            "built with") in message
+    assert "'head.weight', 'head.bias'" in message and "2 when the optimizer was built, 4 after the first step" in message
+    assert "create every layer in the model's __init__" in message
+    assert trainer.step == 0  # raised at step 1, before anything trained on a half-built model was checkpointed
+    crash = [json.loads(x) for x in (tmp_path / "r" / "events.jsonl").read_text().splitlines() if '"crash"' in x]
+    assert crash and crash[0]["failed_step"] == 1
+
+
+def test_lazy_modules_are_named_before_the_optimizer_is_built():
+    model = nn.Sequential(nn.LazyLinear(8), nn.Tanh(), nn.Linear(8, 1))
+    with pytest.raises(ValueError, match=r"task 'regression': the model has 2 uninitialized \(lazy\) parameter\(s\) "
+                                         r"\('0.weight', '0.bias'\)"):
+        Trainer(cfg("train.max_steps=2"), task=_task(model))
+    model(torch.zeros(1, 4))  # materialized in the factory, as the error says: it trains
+    trainer = Trainer(cfg("train.max_steps=2"), task=_task(model))
+    before = params_of(model)
+    trainer.fit()
+    assert all(not torch.equal(a, b) for a, b in zip(before, params_of(model)))

@@ -44,7 +44,7 @@ from .guard import Guard, GuardDecision
 from .initialization import InitFingerprint
 from .metrics import StepMetrics, interval_record, peak_memory_mib
 from .numerics import unique_params
-from .optim import build_optimizer
+from .optim import build_optimizer, check_materialized, check_optimizer_holds
 from .precision import PrecisionPolicy, resolve_device
 from .records import RunDir, build_snapshot, refuse_if_running, this_process
 from .schedule import LRSchedule
@@ -105,6 +105,7 @@ class Trainer:
         if self.task.val_data is not None and len(self.task.val_data) == 0:
             warnings.warn(f"task {self.task.name!r}: Task.val_data is empty; no validation loss will be reported "
                           "(pass val_data=None to say so)", console.StableTrainWarning, stacklevel=2)
+        check_materialized(self.task.model, self.task.name)  # lazy parameters: the optimizer could not hold them
         fingerprint = InitFingerprint.take(self.task.model) if not resume else None  # before anything can touch it
         self.dist = DistContext.current()
         self.device = resolve_device(cfg.device)
@@ -169,6 +170,7 @@ class Trainer:
         self._interval_start, self._eval_seconds = time.perf_counter(), 0.0
         self._agreed_signal: int | None = None  # DDP: the largest signal any rank had at the last log boundary
         self._where = "setup"  # what the loop is doing, for a clear message when a peer is lost
+        self._params_held = self.sharded  # checked after the first step (FSDP: sharding needs the parameters built)
         if run_dir == DEFAULT_RUN_DIR:
             run_dir = default_run_dir(cfg, self.task.name)
         if run_dir is not None:
@@ -231,8 +233,12 @@ class Trainer:
 
     def train_step(self, window: Window, *, measure_update: bool = False, check_params: bool = True) -> dict[str, Tensor]:
         """Run the one optimizer step on ``window``; return its figures as device tensors (no sync)."""
-        return self.step_fn(list(zip(map(len, window.indices), window.batches)), self.task.loss,
-                            measure_update=measure_update, check_params=check_params)
+        out = self.step_fn(list(zip(map(len, window.indices), window.batches)), self.task.loss,
+                           measure_update=measure_update, check_params=check_params)
+        if not self._params_held:  # once: layers the first forward made would never train
+            check_optimizer_holds(self.module, self.optimizer, len(self.params), self.task.name)
+            self._params_held = True
+        return out
 
     # -- the fit loop ---------------------------------------------------------------------------
 

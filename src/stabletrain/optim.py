@@ -15,7 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["build_optimizer", "OptimizerFactory"]
+from .numerics import unique_params
+
+__all__ = ["build_optimizer", "OptimizerFactory", "check_materialized", "check_optimizer_holds"]
 
 OptimizerFactory = Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
 
@@ -55,3 +57,36 @@ def build_optimizer(named_params: list[tuple[str, nn.Parameter]], optim: Any, de
             return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum, nesterov=optim.nesterov, foreach=True)
         return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum, nesterov=optim.nesterov, fused=fused)
     raise ValueError(f"config key 'optim.name': expected adamw, adam or sgd, got {name!r}")
+
+
+def _listed(names: list[str], limit: int = 4) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+_BUILD_FIRST = ("create every layer in the model's __init__, or run one forward on a sample batch in the task factory "
+                "before returning the Task (lazy modules too), so that the optimizer is built over the final parameters")
+
+
+def check_materialized(model: nn.Module, task_name: str) -> None:
+    """Raise ValueError naming the model's uninitialized (lazy) parameters: no optimizer can hold them yet."""
+    lazy = [n for n, p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy:
+        raise ValueError(f"task {task_name!r}: the model has {len(lazy)} uninitialized (lazy) parameter(s) "
+                         f"({_listed(lazy)}), which the optimizer cannot hold before they exist: {_BUILD_FIRST}")
+
+
+def check_optimizer_holds(model: nn.Module, optimizer: torch.optim.Optimizer, built_with: int, task_name: str) -> None:
+    """Raise ValueError when ``model`` has trainable parameters ``optimizer`` does not hold; they would never train.
+
+    A forward that creates or replaces layers (built at the first call, or re-built each time) does this
+    silently: the optimizer, built before it, keeps updating the ``built_with`` parameters it was given.
+    The loop asks once, after the first step (one pass over the parameters, no sync).
+    """
+    named = unique_params(model)
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    missing = [n for n, p in named if id(p) not in held]
+    if missing:
+        raise ValueError(f"task {task_name!r}: the first step created or replaced {len(missing)} trainable parameter(s) "
+                         f"the optimizer was not built with ({_listed(missing)}; {built_with} when the optimizer was "
+                         f"built, {len(named)} after the first step): they would never train; {_BUILD_FIRST}")
