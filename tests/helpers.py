@@ -262,3 +262,23 @@ class FillDiskAfterFirstCheckpoint(Callback):
             except OSError as err:
                 assert err.errno == errno.ENOSPC, err
         os.truncate(filler, max(0, filler.stat().st_size - 64 * 1024))
+
+
+class KillAtLog(Callback):
+    """SIGKILL this process at the log boundary of step ``STABLETRAIN_TEST_KILL`` (after every built-in sink wrote it).
+
+    Deterministic, as :class:`SignalAtStep`: user callbacks fire after the built-in ones, so metrics.jsonl and
+    the trackers hold that step, and nothing after it runs (no on_fit_end, no flush).
+    """
+
+    def __init__(self) -> None:
+        import os
+
+        self.step = int(os.environ.get("STABLETRAIN_TEST_KILL", "0"))
+
+    def on_log(self, state, record, rows):
+        import os
+        import signal
+
+        if state.step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)

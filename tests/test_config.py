@@ -202,3 +202,18 @@ def test_help_readme_and_refusal_print_the_same_resume_safe_keys():
     assert message.startswith("resume 'runs/a': 2 config keys differ from the checkpoint's "
                               "(accum.steps: checkpoint 1, now 2; optim.lr: checkpoint 0.001, now 0.5); ")
     assert f"only these keys may change on resume: {listed}." in message and "\n" not in message
+
+
+def test_trackers_are_config_keys_named_in_errors():
+    c = load_config(None, ["log.trackers=[tensorboard,mlflow]", "log.wandb.mode=offline"])
+    assert c.log.trackers == ["tensorboard", "mlflow"] and c.log.mlflow.experiment == "stabletrain"
+    assert load_config(None, []).log.trackers == ["tensorboard"] and c.log.wandb.dir is None
+    with pytest.raises(ConfigError, match=r"config key 'log.trackers\[1\]': expected one of tensorboard, mlflow, wandb, got 'comet'"):
+        load_config(None, ["log.trackers=[mlflow,comet]"])
+    with pytest.raises(ConfigError, match=r"config key 'log.trackers\[1\]': wandb is listed twice"):
+        load_config(None, ["log.trackers=[wandb,wandb]"])
+    with pytest.raises(ConfigError, match="config key 'log.trackers': expected a list"):
+        load_config(None, ["log.trackers=mlflow"])
+    with pytest.raises(ConfigError, match="config key 'log.wandb.mode': expected one of offline, online, got 'cloud'"):
+        load_config(None, ["log.wandb.mode=cloud"])
+    assert not diff_configs(load_config(None, []), c)  # log.* may change on resume: a tracker can be added

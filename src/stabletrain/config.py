@@ -32,6 +32,7 @@ from .errors import brief
 __all__ = [
     "Config",
     "ConfigError",
+    "TRACKERS",
     "load_config",
     "load_yaml",
     "config_from_dict",
@@ -106,10 +107,33 @@ class DataConfig:
     workers: int = _f(0, "DataLoader worker processes (seeded from seed)")
 
 
+#: What ``log.trackers`` may list: TensorBoard (RUN_DIR/tb) and the trackers of :mod:`stabletrain.callbacks.trackers`.
+TRACKERS: tuple[str, ...] = ("tensorboard", "mlflow", "wandb")
+
+
+@dataclass
+class MlflowConfig:
+    tracking_uri: str | None = _f(None, "MLflow tracking URI; null = MLflow's own default (MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working directory); e.g. sqlite:///runs/mlflow.db, or file:./mlruns (MLflow 3 refuses a file store unless MLFLOW_ALLOW_FILE_STORE=true)")
+    experiment: str = _f("stabletrain", "the MLflow experiment the run is logged in (created when missing)")
+    run_name: str | None = _f(None, "the MLflow run's name; null = the run directory's name")
+
+
+@dataclass
+class WandbConfig:
+    mode: Literal["offline", "online"] = _f("offline", "offline: W&B writes the run under log.wandb.dir only, no network (upload it later with wandb sync); online: also streamed to the W&B server (needs the network and a login)")
+    project: str = _f("stabletrain", "the W&B project")
+    entity: str | None = _f(None, "the W&B entity (team or user); null = your default")
+    dir: str | None = _f(None, "where W&B writes its files (DIR/wandb/offline-run-*); null = the run directory")
+    run_name: str | None = _f(None, "the W&B run's display name; null = the run directory's name")
+
+
 @dataclass
 class LogConfig:
     every: int = _f(10, "steps per log interval: metrics are reduced on the host once per interval")
-    tensorboard: bool = _f(True, "write TensorBoard event files to RUN_DIR/tb")
+    trackers: list[Literal[TRACKERS]] = _f(["tensorboard"], "where each interval's metrics go besides metrics.jsonl (rank 0, once per log interval): tensorboard (RUN_DIR/tb), mlflow (log.mlflow.*), wandb (log.wandb.*); the trackers also get the config, incident/skip/rollback/stop/crash tags and the incidents' diagnosis.json; e.g. log.trackers=[tensorboard,mlflow]")
+    mlflow: MlflowConfig = _section(MlflowConfig, "MLflow, when log.trackers lists mlflow")
+    wandb: WandbConfig = _section(WandbConfig, "Weights & Biases, when log.trackers lists wandb")
+    tensorboard: bool = _f(True, "write TensorBoard event files to RUN_DIR/tb when log.trackers lists tensorboard (the default); false turns TensorBoard off")
     progress: bool = _f(True, "show progress with the latest figures: a bar when stderr is a terminal, else one line per log interval (step, loss, grad norm, lr, items/s, ETA) on stderr")
     top_layers: int = _f(3, "how many parameters to name as dominating the grad norm at each log")
 
@@ -235,6 +259,9 @@ class Config:
         if optim.nesterov and optim.momentum <= 0:
             raise ConfigError(f"config key 'optim.nesterov': Nesterov momentum needs optim.momentum > 0, got "
                               f"optim.nesterov=true with optim.momentum={optim.momentum!r}")
+        for i, name in enumerate(self.log.trackers):
+            if name in self.log.trackers[:i]:
+                raise ConfigError(f"config key 'log.trackers[{i}]': {name} is listed twice, got {brief(self.log.trackers)}")
         for i, entry in enumerate(self.callbacks):
             if not _CALLBACK_ENTRY.fullmatch(entry):
                 raise ConfigError(f"config key 'callbacks[{i}]': expected 'module:Class' (e.g. mypkg.callbacks:LogGrads), "

@@ -33,6 +33,7 @@ from .callbacks.checkpointing import CheckpointKeeper
 from .callbacks.incidents import IncidentRecorder
 from .callbacks.signals import SignalHandler
 from .callbacks.sinks import EventLog, InitWatch, MetricsFile, ProgressBar, TensorBoardLog
+from .callbacks.trackers import build_trackers
 from .checkpoint import CheckpointManager
 from .clipping import GradClipper
 from .config import Config
@@ -164,7 +165,7 @@ class Trainer:
         self.signals, self.keeper = SignalHandler(), CheckpointKeeper()
         self.recorder = IncidentRecorder(self.keeper)
         builtin = [self.signals, InitWatch(fingerprint), self.recorder, self.keeper, EventLog(), MetricsFile(),
-                   TensorBoardLog(), ProgressBar()]
+                   TensorBoardLog(), *build_trackers(cfg.log.trackers, log=cfg.log), ProgressBar()]
         self.callbacks = CallbackList([*builtin, *callbacks, *load_callbacks(cfg.callbacks)])
         self._pending_eval: dict[str, float] = {}
         self._interval_start, self._eval_seconds = time.perf_counter(), 0.0

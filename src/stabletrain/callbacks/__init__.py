@@ -25,7 +25,8 @@ A callback that only observes must not read device tensors on the host in :meth:
 
 The built-in callbacks (always installed by the Trainer, in this order): :class:`~.signals.SignalHandler`,
 :class:`~.sinks.InitWatch`, :class:`~.incidents.IncidentRecorder`, :class:`~.checkpointing.CheckpointKeeper`,
-:class:`~.sinks.EventLog`, :class:`~.sinks.MetricsFile`, :class:`~.sinks.TensorBoardLog`,
+:class:`~.sinks.EventLog`, :class:`~.sinks.MetricsFile`, :class:`~.sinks.TensorBoardLog`, the trackers
+``log.trackers`` names (:class:`~.trackers.MLflowTracker`, :class:`~.trackers.WandbTracker`),
 :class:`~.sinks.ProgressBar`; then the user's (``Trainer(cfg, callbacks=[...])`` and the config key
 ``callbacks: [module:Class, ...]``).
 """

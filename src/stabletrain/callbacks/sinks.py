@@ -27,13 +27,17 @@ class MetricsFile(Callback):
 
 
 class TensorBoardLog(Callback):
-    """Write each interval's scalars to ``RUN_DIR/tb`` with TensorBoard's ``SummaryWriter`` (``log.tensorboard``)."""
+    """Write each interval's scalars to ``RUN_DIR/tb`` with TensorBoard's ``SummaryWriter``.
+
+    When ``log.trackers`` lists tensorboard (the default) and ``log.tensorboard`` is true.
+    """
 
     def __init__(self) -> None:
         self._sink: TensorBoardSink | None = None
 
     def on_fit_start(self, state: FitState) -> None:
-        if state.run is not None and state.cfg.log.tensorboard and self._sink is None:
+        log = state.cfg.log
+        if state.run is not None and log.tensorboard and "tensorboard" in log.trackers and self._sink is None:
             # On a resume the steps after the checkpoint are written again: purge what a crash left of them
             # (from the step-0 checkpoint too: whatever an earlier process wrote, not whether the step is 0).
             tb = state.run.path / "tb"

@@ -48,6 +48,7 @@ from .. import console
 from .._version import __version__
 from ..callbacks import Callback, CallbackList, FitState
 from ..callbacks.sinks import EventLog, InitWatch, MetricsFile, TensorBoardLog
+from ..callbacks.trackers import build_trackers
 from ..config import ClipConfig, Config, GuardConfig, LogConfig
 from ..distributed import DistContext
 from ..fileio import atomic_write
@@ -89,7 +90,12 @@ class AdapterOptions:
     check_params: bool = True
     """Check after every update that the parameters are finite (one fused pass, no sync)."""
     tensorboard: bool = True
-    """Write TensorBoard event files to ``RUN_DIR/tb``."""
+    """Write TensorBoard event files to ``RUN_DIR/tb`` (when ``trackers`` lists "tensorboard", the default)."""
+    trackers: Sequence[Any] = ("tensorboard",)
+    """Where each interval's figures go besides ``metrics.jsonl``: "tensorboard", "mlflow", "wandb", or a configured
+    :class:`~stabletrain.callbacks.trackers.TrackerSink` (``MLflowTracker(tracking_uri=...)``,
+    ``WandbTracker(project=...)``). Where the host already has that tracker, its run is written into
+    (:mod:`stabletrain.callbacks.trackers`)."""
     top_layers: int = 3
     """How many parameters to name as dominating the grad norm at each log."""
     init_check: bool = True
@@ -111,7 +117,15 @@ class AdapterOptions:
             raise ValueError(f"on_spike: expected 'warn' or 'skip', got {self.on_spike!r}")
         if not isinstance(self.keep_max_mib, (int, float)) or self.keep_max_mib < 0:
             raise ValueError(f"keep_max_mib: expected a number >= 0, got {self.keep_max_mib!r}")
+        if isinstance(self.trackers, str) or not isinstance(self.trackers, Sequence):
+            raise ValueError(f"trackers: expected a list (e.g. trackers=['tensorboard', 'mlflow']), got {self.trackers!r}")
+        self.trackers = tuple(self.trackers)
+        build_trackers(self.trackers)  # each known, none twice (raises naming the entry)
         return self
+
+    def tracker_names(self) -> list[str]:
+        """The trackers' names ("tensorboard", "mlflow", "wandb"), as ``log.trackers`` lists them."""
+        return [t if isinstance(t, str) else t.name for t in self.trackers]
 
 
 class AdapterGuard(Guard):
@@ -176,13 +190,16 @@ class RunSession:
             only a bad step at an interval's start can be captured, none diagnosed.
         recipes: how to rebuild the model and loss in a new process (:mod:`~stabletrain.integrations.replay`).
         callbacks: stabletrain :class:`~stabletrain.callbacks.Callback` instances, fired after the built-in ones.
+        tracker_hosts: tracker name -> (a callable returning the host's own run of that tracker, the host object it
+            comes from), e.g. a Lightning ``MLFlowLogger``'s client and run id: written into instead of a new run.
     """
 
     def __init__(self, run_dir: str | Path | None, model: nn.Module, *, host: str, options: AdapterOptions,
                  precision: str = "fp32", clip_max_norm: float | None = None, host_config: dict[str, Any] | None = None,
                  optimizer: torch.optim.Optimizer | None = None, scaler: Any = None, replay: HostReplay | None = None,
                  recipes: dict[str, Any] | None = None, callbacks: Sequence[Callback] = (), overwrite: bool = False,
-                 fingerprint: InitFingerprint | None | str = "take") -> None:
+                 fingerprint: InitFingerprint | None | str = "take",
+                 tracker_hosts: dict[str, tuple[Callable[[], Any], Any]] | None = None) -> None:
         self.options = options.validate()
         self.dist = DistContext.current()
         self.run_dir = Path(run_dir) if run_dir is not None else None
@@ -198,7 +215,7 @@ class RunSession:
         self.clip_max_norm = clip_max_norm
         self.cfg = Config(precision=precision, device=str(self.device), clip=ClipConfig(max_norm=clip_max_norm),
                           log=LogConfig(every=options.log_every, tensorboard=options.tensorboard, progress=False,
-                                        top_layers=options.top_layers),
+                                        top_layers=options.top_layers, trackers=options.tracker_names()),
                           guard=GuardConfig(on_nonfinite="skip" if options.on_nonfinite == "warn" else options.on_nonfinite,
                                             on_spike=options.on_spike, capture=options.capture,
                                             diagnose=options.diagnose, check_params=options.check_params)).validate()
@@ -221,8 +238,9 @@ class RunSession:
         self.state = FitState(cfg=self.cfg, task=None, module=self.model, named_params=self.named_params,
                               device=self.device, dist=self.dist, stream=None, state_dict=self.state_dict,
                               load_state_dict=self.load_state_dict, run_step=_no_run_step, precision=precision)
+        self.trackers = build_trackers(options.trackers, hosts=tracker_hosts)
         self.callbacks = CallbackList([InitWatch(self.fingerprint), EventLog(), MetricsFile(), TensorBoardLog(),
-                                       *callbacks])
+                                       *self.trackers, *callbacks])
         self.capture = IncidentCapture(self, replay, options.keep_max_mib)
         self._poison: Tensor | None = None
         self._poison_hook = self._watch_losses() if self.dist.world > 1 else None
@@ -238,7 +256,8 @@ class RunSession:
             "precision": self.precision,
             "device": str(self.device),
             "clip": {"max_norm": self.clip_max_norm},
-            "log": {"every": o.log_every, "tensorboard": o.tensorboard, "top_layers": o.top_layers, "mirror": o.mirror},
+            "log": {"every": o.log_every, "tensorboard": o.tensorboard, "top_layers": o.top_layers, "mirror": o.mirror,
+                    "trackers": o.tracker_names()},
             "guard": {"on_nonfinite": o.on_nonfinite, "on_spike": o.on_spike, "capture": o.capture,
                       "diagnose": o.diagnose, "check_params": o.check_params, "init_check": o.init_check,
                       **{k: getattr(self.cfg.guard, k) for k in ("spike_window", "spike_ratio", "spike_zscore",

@@ -70,8 +70,10 @@ class StableTrainCallback(pl.Callback):
 
     Args:
         run_dir: the run directory (None: measure and guard, write nothing).
-        log_every, on_nonfinite, on_spike, capture, diagnose, check_params, tensorboard, top_layers,
-            init_check, mirror, keep_max_mib: see :class:`~stabletrain.integrations.core.AdapterOptions`.
+        log_every, on_nonfinite, on_spike, capture, diagnose, check_params, tensorboard, trackers, top_layers,
+            init_check, mirror, keep_max_mib: see :class:`~stabletrain.integrations.core.AdapterOptions`. With
+            ``trackers=["mlflow"]`` (or "wandb") and the trainer's own ``MLFlowLogger`` (``WandbLogger``), stabletrain
+            writes into that logger's run, and the mirror skips that logger (no figure twice).
         clip_max_norm: clip the global grad norm to this value (stabletrain does it, before Lightning's own
             step): for a fused optimizer under mixed precision, which Lightning cannot clip. Leave None when
             the trainer clips (``gradient_clip_val``): stabletrain then measures and never clips twice.
@@ -88,7 +90,8 @@ class StableTrainCallback(pl.Callback):
                  tensorboard: bool = True, top_layers: int = 3, init_check: bool = True, mirror: bool = True,
                  keep_max_mib: float = 1024.0, clip_max_norm: float | None = None,
                  loss_fn: Callable[[Any, Any], Any] | None = None, count_fn: Callable[[Any], Any] | None = None,
-                 overwrite: bool = False, callbacks: Sequence[StableCallback] = ()) -> None:
+                 overwrite: bool = False, callbacks: Sequence[StableCallback] = (),
+                 trackers: Sequence[Any] = ("tensorboard",)) -> None:
         if clip_max_norm is not None and not clip_max_norm > 0:
             raise ValueError(f"clip_max_norm: expected a number > 0 or None, got {clip_max_norm!r}")
         self.run_dir, self.loss_fn, self.count_fn, self.overwrite = run_dir, loss_fn, count_fn, overwrite
@@ -96,7 +99,7 @@ class StableTrainCallback(pl.Callback):
         self.options = AdapterOptions(log_every=log_every, on_nonfinite=on_nonfinite, on_spike=on_spike,
                                       capture=capture, diagnose=diagnose, check_params=check_params,
                                       tensorboard=tensorboard, top_layers=top_layers, init_check=init_check,
-                                      mirror=mirror, keep_max_mib=keep_max_mib).validate()
+                                      mirror=mirror, keep_max_mib=keep_max_mib, trackers=trackers).validate()
         self.stable_callbacks = list(callbacks)
         self.session: RunSession | None = None
         self.host_step: HostStep | None = None
@@ -172,7 +175,7 @@ class StableTrainCallback(pl.Callback):
                      "loss": ({"kind": "function", "function": import_path(self.loss_fn)} if self.loss_fn is not None
                               and import_path(self.loss_fn) else None if self.loss_fn is not None
                               else {"kind": "lightning"})},
-            host_config=host, callbacks=self.stable_callbacks)
+            host_config=host, callbacks=self.stable_callbacks, tracker_hosts=_tracker_hosts(trainer))
         self.host_step = HostStep(self.session, optimizer, scaler, host_clip=host_clip, own_clip=self.clip_max_norm,
                                   skip_hint="use fused=True, e.g. torch.optim.AdamW(..., fused=True)")
         self.session.open(resume=trainer.ckpt_path is not None)
@@ -226,9 +229,16 @@ class StableTrainCallback(pl.Callback):
         if session.record(out, num_samples=num_samples, lr=lr, loss_scale=self.host_step.loss_scale()):
             record = session.history[-1]
             if self.options.mirror and trainer.loggers:  # no logger: Lightning would warn at every call
-                pl_module.log_dict({f"stabletrain/{k}": float(v) for k, v in record.items()
-                                    if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"},
-                                   on_step=True, on_epoch=False, logger=True, sync_dist=False, rank_zero_only=True)
+                figures = {f"stabletrain/{k}": float(v) for k, v in record.items()
+                           if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+                covered = {id(t.owner) for t in session.trackers if t.active and t.owner is not None}
+                if not covered:
+                    pl_module.log_dict(figures, on_step=True, on_epoch=False, logger=True, sync_dist=False,
+                                       rank_zero_only=True)
+                else:  # a tracker writes into that logger's run already: the other loggers alone get the mirror
+                    for logger in trainer.loggers:
+                        if id(logger) not in covered:
+                            logger.log_metrics(figures, step=trainer.global_step)
             if session.stop_reason is not None:
                 trainer.should_stop = True
 
@@ -247,6 +257,18 @@ class StableTrainCallback(pl.Callback):
         if self.session is not None and not self.session.closed:
             self.session.crash(exception)
         self._finish()
+
+
+def _tracker_hosts(trainer: pl.Trainer) -> dict[str, tuple[Callable[[], Any], Any]]:
+    """The runs of the trainer's own MLflow and W&B loggers, for ``trackers=`` to write into (read on rank 0 only)."""
+    hosts: dict[str, tuple[Callable[[], Any], Any]] = {}
+    for logger in trainer.loggers:
+        kind = type(logger).__name__
+        if kind == "MLFlowLogger" and "mlflow" not in hosts:
+            hosts["mlflow"] = ((lambda lg=logger: (lg.experiment, lg.run_id)), logger)
+        elif kind == "WandbLogger" and "wandb" not in hosts:
+            hosts["wandb"] = ((lambda lg=logger: lg.experiment), logger)
+    return hosts
 
 
 class _LightningReplay:

@@ -82,8 +82,9 @@ class Monitor:
             ``stabletrain diagnose``).
         model_factory: ``"module:function"`` (or the function) that builds the model, so ``stabletrain diagnose``
             can replay in a new process; default: the model's class with no arguments.
-        capture, diagnose, check_params, tensorboard, top_layers, init_check, keep_max_mib: see
-            :class:`~stabletrain.integrations.core.AdapterOptions`.
+        capture, diagnose, check_params, tensorboard, trackers, top_layers, init_check, keep_max_mib: see
+            :class:`~stabletrain.integrations.core.AdapterOptions` (``trackers=["mlflow"]``: an MLflow or W&B run
+            active in the process, ``mlflow.start_run()`` / ``wandb.init()``, is written into).
         resume: reopen ``run_dir`` to continue a run (then call :meth:`load_state_dict`).
         overwrite: replace a run already in ``run_dir``.
         callbacks: stabletrain :class:`~stabletrain.callbacks.Callback` instances (``on_step_end``, ``on_log``, ...).
@@ -96,7 +97,7 @@ class Monitor:
                  model_factory: str | Callable[[], nn.Module] | None = None, capture: bool = True,
                  diagnose: bool = True, check_params: bool = True, tensorboard: bool = True, top_layers: int = 3,
                  init_check: bool = True, keep_max_mib: float = 1024.0, resume: bool = False, overwrite: bool = False,
-                 callbacks: Sequence[Callback] = ()) -> None:
+                 callbacks: Sequence[Callback] = (), trackers: Sequence[Any] = ("tensorboard",)) -> None:
         inner = optimizer
         while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
             inner = inner.optimizer  # accelerate's AcceleratedOptimizer (and the like) wrap the torch one
@@ -105,7 +106,8 @@ class Monitor:
         self.model, self.optimizer, self.loss_fn = model, inner, loss_fn
         options = AdapterOptions(log_every=log_every, on_nonfinite=on_nonfinite, on_spike=on_spike, capture=capture,
                                  diagnose=diagnose, check_params=check_params, tensorboard=tensorboard,
-                                 top_layers=top_layers, init_check=init_check, keep_max_mib=keep_max_mib).validate()
+                                 top_layers=top_layers, init_check=init_check, keep_max_mib=keep_max_mib,
+                                 trackers=trackers).validate()
         device = next(p.device for p in model.parameters())
         mode = precision or ("fp16" if scaler is not None else "fp32")
         self.precision = PrecisionPolicy(mode, device)

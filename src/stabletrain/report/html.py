@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .. import console
 from .._version import __version__
 from ..config import flatten_config
 from ..events import EVENT_KINDS
@@ -191,13 +192,18 @@ def write_report(run_dir: str | Path) -> Path:
 
     Works on a run in progress, a resumed run and a run with incidents; malformed lines are listed
     on the page under "Data problems". Raises FileNotFoundError / ValueError only when ``run_dir``
-    is not a run directory.
+    is not a run directory. The page also goes to each tracker run the run wrote to
+    (``RUN_DIR/trackers.json``: :func:`stabletrain.callbacks.trackers.attach_report`), a line saying where.
     """
+    from ..callbacks.trackers import attach_report
+
     run = load_run(run_dir)
     plots = run_plots(run)
     paths = write_plots(plots, run.path / "plots", RUN_PLOT_NAMES)
     out = run.path / "report.html"
     atomic_write(out, render_report(run, plots, {k: str(p.relative_to(run.path)) for k, p in paths.items()}), fsync=False)
+    for where in attach_report(run.path, out):
+        console.say(f"{out.name} attached to the {where}")
     return out
 
 
