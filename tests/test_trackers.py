@@ -157,6 +157,21 @@ def test_without_tensorboard_in_the_list_no_tb_folder(tmp_path, store):
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [5]
 
 
+def test_a_file_store_where_the_user_asks_for_one(tmp_path, monkeypatch, capsys):
+    base = ["task=mlp", "train.max_steps=5", "log.every=5", "log.progress=false", "log.tensorboard=false",
+            "eval.every=0", "log.trackers=[mlflow]", f"log.mlflow.tracking_uri=file:{tmp_path}/mlruns"]
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    Trainer(load_config(None, base), run_dir=tmp_path / "refused").fit()
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if "MLflow" in x]
+    assert "refuses a file: store unless the environment sets MLFLOW_ALLOW_FILE_STORE=true" in line
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    Trainer(load_config(None, base), run_dir=tmp_path / "run").fit()
+    client, run = mlflow_run(tmp_path / "run")
+    assert client.tracking_uri == (tmp_path / "mlruns").as_uri() and run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [5]
+    assert (tmp_path / "mlruns" / run.info.experiment_id / run.info.run_id).is_dir()
+
+
 def test_trackers_add_no_host_sync(tmp_path, store):
     from stabletrain.syncs import SyncCounter
 

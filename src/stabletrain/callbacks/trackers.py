@@ -155,6 +155,10 @@ class TrackerSink(Callback):
         """One line: which run, where, and how to look at it."""
         raise NotImplementedError
 
+    def _explain(self, err: BaseException) -> str | None:
+        """A shorter, actionable reason for a known failure to start (None: the error's own words)."""
+        return None
+
     # -- the hooks ---------------------------------------------------------------------------------
 
     def on_fit_start(self, state: FitState) -> None:
@@ -170,8 +174,8 @@ class TrackerSink(Callback):
             _write_entry(self._run_dir, self.name, self._entry)
         except Exception as err:  # noqa: BLE001 (a tracker must never take the run down)
             hint = f" (pip install 'stabletrain[{self.extra}]')" if isinstance(err, ImportError) else ""
-            console.warn(f"{self.title}: cannot start ({_why(err)}){hint}; this run is not written to {self.title}, "
-                         "training goes on")
+            console.warn(f"{self.title}: cannot start ({self._explain(err) or _why(err)}){hint}; this run is not "
+                         f"written to {self.title}, training goes on")
             self._close_quietly()
             return
         self.active = True
@@ -381,6 +385,12 @@ class MLflowTracker(TrackerSink):
         run = self.client.get_run(self.run_id)
         return {"run_id": self.run_id, "tracking_uri": self.client.tracking_uri,
                 "experiment_id": run.info.experiment_id, "host": not self.own}
+
+    def _explain(self, err: BaseException) -> str | None:
+        if "MLFLOW_ALLOW_FILE_STORE" in str(err):
+            return ("this MLflow refuses a file: store unless the environment sets MLFLOW_ALLOW_FILE_STORE=true: set "
+                    "it, or use a sqlite: store")
+        return None
 
     def _held_step(self, earlier: dict[str, Any]) -> int:
         history = self.client.get_metric_history(self.run_id, self.prefix + "loss")
