@@ -1,22 +1,24 @@
-"""Step time with vs without each adapter, per host trainer, on the same GPT-2-sized model (CPU or GPU).
+"""Step time with vs without each adapter, per host trainer, in lockstep, on the same GPT-2-sized model.
 
 For each host (a plain loop with ``stabletrain.Monitor``, Lightning with its ``StableTrainCallback``, the
-Hugging Face ``Trainer`` with its ``StableTrainCallback``) every round trains the same model from the same
-init on the same data twice: once bare, once with the adapter (the order alternates between rounds, so
-a burst of load from another process does not always hit the same side). Both sides use the host's own
-fused AdamW and global-norm clipping at 1.0. Each side runs ``warmup + steps`` optimizer steps; the clock
-covers the last ``steps`` (a multiple of ``log_every``, so the adapter's interval syncs, jsonl and
-TensorBoard writes are in it as in a real run); the init fingerprint and signal report, the run
-directory's creation and closing are one-time setup, outside it. The ratio printed per host is the
-median over rounds of (with adapter) / (bare). Target: at most 1.03 on the default GPT-sized step on CPU.
+Hugging Face ``Trainer`` with its ``StableTrainCallback``) two runs train the same model from the same init
+on the same data in one process, one bare and one with the adapter, each in a thread of its own, taking
+turns step by step (lockstep: step k of one, then step k of the other, never both at once; which side goes
+first alternates per round), so a burst of load from elsewhere hits both sides alike. Both sides use the
+host's own fused AdamW and global-norm clipping at 1.0. Each step is timed from the host's step-start hook
+(first in its callback list) to its step-end hook (last), so the adapter's own hooks are inside the clock;
+the first ``warmup`` steps (the init fingerprint, the signal report, the run directory's creation) are
+not. Printed per host: the median over log intervals of (adapter interval time) / (bare interval time) —
+whole intervals, so the adapter's once-per-interval sync, jsonl, TensorBoard and snapshot are in it —
+with the quartiles, and the mean step times. Target: at most 1.03 on the default GPT-sized step on CPU.
 
 The adapters' capture (an incident's state from before the bad step) costs one copy of the model, the
 optimizer state and the loss scale per log interval, into reused host buffers (on CUDA on a side stream),
 plus a reference to (on CUDA: a host copy of) each step's batch: the last line prints that copy's time per
 interval and per step, and the host memory it holds, measured on its own on the same model.
 
-    python bench/adapters.py                      # GPT-2 small-ish (6 x 384, seq 128, batch 8), 5 rounds
-    python bench/adapters.py --hosts loop lightning --rounds 9
+    python bench/adapters.py                      # GPT-2 small-ish (6 x 384, seq 128, batch 8), 3 rounds
+    python bench/adapters.py --hosts loop lightning --rounds 5
     python bench/adapters.py --quick              # smoke run: a tiny model, 1 round, few steps (not a measurement)
 """
 
@@ -29,6 +31,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -55,31 +58,44 @@ def rows(args: argparse.Namespace, n: int) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": r, "labels": r} for r in ids]
 
 
-class Clock:
-    """Wall time from the end of step ``warmup`` to the end of the last step."""
+class Turns:
+    """Two runs in two threads taking turns step by step; each step's wall time per side (0: bare, 1: adapter)."""
 
-    def __init__(self, warmup: int) -> None:
-        self.warmup, self.start, self.end = warmup, None, None
+    def __init__(self, first: int) -> None:
+        self.cond = threading.Condition()
+        self.turn, self.done = first, [False, False]
+        self.times: list[list[float]] = [[], []]
+        self._t0 = [0.0, 0.0]
 
-    def step_done(self, step: int) -> None:
-        if step == self.warmup:
-            self.start = time.perf_counter()
-        self.end = time.perf_counter()
+    def begin(self, side: int) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.turn == side or self.done[1 - side])
+        self._t0[side] = time.perf_counter()
 
-    @property
-    def seconds(self) -> float:
-        return self.end - self.start
+    def end(self, side: int) -> None:
+        self.times[side].append(time.perf_counter() - self._t0[side])
+        with self.cond:
+            self.turn = 1 - side
+            self.cond.notify_all()
+
+    def finish(self, side: int) -> None:
+        with self.cond:
+            self.done[side] = True
+            self.turn = 1 - side
+            self.cond.notify_all()
 
 
 # -- one timed run per host and side ---------------------------------------------------------------------
 
 
-def run_loop(base: torch.nn.Module, data: list, args: argparse.Namespace, adapter: bool, run_dir: Path) -> float:
+def run_loop(base: torch.nn.Module, data: list, args: argparse.Namespace, adapter: bool, run_dir: Path,
+             turns: Turns) -> None:
     from stabletrain import Monitor
 
+    side = int(adapter)
     model = copy.deepcopy(base)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    clock, batches = Clock(args.warmup), []
+    batches = []
     for i in range(0, len(data), args.batch):
         chunk = data[i:i + args.batch]
         batches.append({k: torch.stack([r[k] for r in chunk]) for k in chunk[0]})
@@ -89,7 +105,8 @@ def run_loop(base: torch.nn.Module, data: list, args: argparse.Namespace, adapte
 
     monitor = Monitor(model, opt, run_dir=run_dir, clip_max_norm=1.0, log_every=args.log_every,
                       loss_fn=loss_fn) if adapter else None
-    for step, batch in enumerate(batches[: args.warmup + args.steps], 1):
+    for batch in batches[: args.warmup + args.steps]:
+        turns.begin(side)
         loss = loss_fn(model, batch)
         if monitor is not None:
             monitor.backward(loss, batch)
@@ -99,16 +116,18 @@ def run_loop(base: torch.nn.Module, data: list, args: argparse.Namespace, adapte
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
-        clock.step_done(step)
+        turns.end(side)
     if monitor is not None:
         monitor.close()
-    return clock.seconds
 
 
-def run_lightning(base: torch.nn.Module, data: list, args: argparse.Namespace, adapter: bool, run_dir: Path) -> float:
+def run_lightning(base: torch.nn.Module, data: list, args: argparse.Namespace, adapter: bool, run_dir: Path,
+                  turns: Turns) -> None:
     import lightning as L
 
     from stabletrain.integrations.lightning import StableTrainCallback
+
+    side = int(adapter)
 
     class Lit(L.LightningModule):
         def __init__(self) -> None:
@@ -121,45 +140,73 @@ def run_lightning(base: torch.nn.Module, data: list, args: argparse.Namespace, a
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-4, fused=True)
 
-    clock = Clock(args.warmup)
+    class Begin(L.Callback):  # first in the list: the clock starts before any other callback's hook
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            turns.begin(side)
 
-    class Timer(L.Callback):
+    class End(L.Callback):  # last: it stops after every other callback's hook
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            clock.step_done(trainer.global_step)
+            turns.end(side)
 
-    callbacks = [Timer()] + ([StableTrainCallback(run_dir=run_dir, log_every=args.log_every)] if adapter else [])
+    ours = [StableTrainCallback(run_dir=run_dir, log_every=args.log_every)] if adapter else []
     trainer = L.Trainer(max_steps=args.warmup + args.steps, accelerator="auto", devices=1, gradient_clip_val=1.0,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=callbacks)
+                        enable_model_summary=False, callbacks=[Begin(), *ours, End()])
     loader = torch.utils.data.DataLoader(data, batch_size=args.batch, shuffle=False)
     trainer.fit(Lit(), loader)
-    return clock.seconds
 
 
 def run_transformers(base: torch.nn.Module, data: list, args: argparse.Namespace, adapter: bool,
-                     run_dir: Path) -> float:
+                     run_dir: Path, turns: Turns) -> None:
     import transformers
 
     from stabletrain.integrations.transformers import StableTrainCallback
 
-    clock = Clock(args.warmup)
+    side = int(adapter)
 
-    class Timer(transformers.TrainerCallback):
+    class Begin(transformers.TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            turns.begin(side)
+
+    class End(transformers.TrainerCallback):
         def on_step_end(self, a, state, control, **kw):
-            clock.step_done(state.global_step)
+            turns.end(side)
 
-    callbacks = [Timer()] + ([StableTrainCallback(run_dir=run_dir, log_every=args.log_every)] if adapter else [])
+    ours = [StableTrainCallback(run_dir=run_dir, log_every=args.log_every)] if adapter else []
     targs = transformers.TrainingArguments(
         output_dir=str(run_dir.parent / f"hf-{run_dir.name}"), max_steps=args.warmup + args.steps,
         per_device_train_batch_size=args.batch, learning_rate=1e-4, max_grad_norm=1.0, report_to=[],
         logging_steps=10**6, save_strategy="no", train_sampling_strategy="sequential", disable_tqdm=True,
         dataloader_num_workers=0)
-    trainer = transformers.Trainer(model=copy.deepcopy(base), args=targs, train_dataset=data, callbacks=callbacks)
+    trainer = transformers.Trainer(model=copy.deepcopy(base), args=targs, train_dataset=data,
+                                   callbacks=[Begin(), *ours, End()])
     trainer.train()
-    return clock.seconds
 
 
 RUNNERS = {"loop": run_loop, "lightning": run_lightning, "transformers": run_transformers}
+
+
+def lockstep(host: str, base: torch.nn.Module, data: list, args: argparse.Namespace, tmp: Path, rnd: int) -> Turns:
+    """One round: the bare run and the adapter's run in two threads, taking turns step by step."""
+    turns = Turns(first=rnd % 2)
+    errors: list[BaseException] = []
+
+    def side(adapter: bool) -> None:
+        try:
+            RUNNERS[host](base, data, args, adapter, tmp / f"{host}-{rnd}-{int(adapter)}", turns)
+        except BaseException as err:  # reported once both threads end
+            errors.append(err)
+        finally:
+            turns.finish(int(adapter))
+
+    threads = [threading.Thread(target=side, args=(a,)) for a in (False, True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return turns
 
 
 def snapshot_cost(base: torch.nn.Module, args: argparse.Namespace, repeats: int = 15) -> str:
@@ -187,8 +234,8 @@ def snapshot_cost(base: torch.nn.Module, args: argparse.Namespace, repeats: int 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hosts", nargs="+", default=list(RUNNERS), choices=list(RUNNERS))
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per run (a multiple of --log-every)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=40, help="timed steps per run (a multiple of --log-every)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--layers", type=int, default=6)
@@ -214,20 +261,21 @@ def main() -> None:
     print(f"model: GPT-2 {args.layers} x {args.width}, seq {args.seq}, batch {args.batch}, {n_params / 1e6:.1f}M "
           f"parameters; {args.rounds} round(s) of {args.steps} timed steps (+{args.warmup} warm-up), "
           f"log_every={args.log_every}, torch threads {torch.get_num_threads()}")
-    print(f"{'host':<14}{'bare s/step':>13}{'adapter s/step':>16}{'ratio (median)':>16}   per round")
+    print(f"{'host':<14}{'bare s/step':>13}{'adapter s/step':>16}{'ratio (median)':>16}   interval quartiles")
     with tempfile.TemporaryDirectory() as tmp:
         for host in args.hosts:
-            bare, with_adapter, ratios = [], [], []
-            for r in range(args.rounds):
-                times = {}
-                for adapter in ((False, True) if r % 2 == 0 else (True, False)):
-                    run_dir = Path(tmp) / f"{host}-{r}-{int(adapter)}"
-                    times[adapter] = RUNNERS[host](base, data, args, adapter, run_dir) / args.steps
-                bare.append(times[False])
-                with_adapter.append(times[True])
-                ratios.append(times[True] / times[False])
-            print(f"{host:<14}{statistics.median(bare):>13.4f}{statistics.median(with_adapter):>16.4f}"
-                  f"{statistics.median(ratios):>16.3f}   " + " ".join(f"{x:.3f}" for x in ratios), flush=True)
+            ratios, bare, ours = [], [], []
+            for rnd in range(args.rounds):
+                turns = lockstep(host, base, data, args, Path(tmp), rnd)
+                b, a = (t[args.warmup:] for t in turns.times)
+                bare += b
+                ours += a
+                for i in range(0, len(b) - args.log_every + 1, args.log_every):  # whole log intervals
+                    ratios.append(sum(a[i:i + args.log_every]) / sum(b[i:i + args.log_every]))
+            q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+            print(f"{host:<14}{statistics.mean(bare):>13.4f}{statistics.mean(ours):>16.4f}"
+                  f"{statistics.median(ratios):>16.3f}   {q[0]:.3f} / {q[1]:.3f} / {q[2]:.3f} "
+                  f"({len(ratios)} intervals)", flush=True)
     print(snapshot_cost(base, args))
     if args.quick:
         print("(--quick: a smoke run, not a measurement)")

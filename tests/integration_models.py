@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 import traceback
 
 import torch
@@ -138,3 +139,14 @@ def token_rows(n, seed=0, trap_at=None):
     if trap_at is not None:
         ids[trap_at, SEQ // 2] = TRAP_TOKEN
     return [{"input_ids": r, "labels": r.clone()} for r in ids]
+
+
+class Pair(NamedTuple):
+    """A namedtuple batch (its fields by name in the loss)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+def pair_loss_fn(model, batch):
+    return F.mse_loss(model(batch.x), batch.y)

@@ -228,3 +228,19 @@ def test_an_exception_in_the_loop_is_a_crash_event_and_the_run_is_closed(tmp_pat
     events = read_jsonl(tmp_path / "run" / "events.jsonl")[0]
     assert events[-1]["kind"] == "crash" and events[-1]["error"] == "ZeroDivisionError"
     assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]] == [3]  # the partial interval
+
+
+def test_namedtuple_batches_are_captured_and_diagnosed_as_namedtuples_also_in_a_new_process(tmp_path):
+    from integration_models import Pair, pair_loss_fn
+
+    model, opt = make()
+    data = [Pair(x, y) for x, y in batches(8, bad_step=BAD_STEP)]
+    with Monitor(model, opt, run_dir=tmp_path / "run", log_every=4, loss_fn=pair_loss_fn) as monitor:
+        for batch in data:
+            monitor.backward(pair_loss_fn(model, batch), batch)
+            monitor.step()
+    (incident,) = load_run(tmp_path / "run").counted_events("incident")
+    assert incident.extra["diagnosis"]["bad_positions"] == [{"micro_batch": 0, "position": BAD_POSITION}]
+    fresh = diagnose_incident(tmp_path / "run" / "incidents" / f"step_{BAD_STEP:06d}")  # the bundle's Pair, rebuilt
+    assert (fresh["module"], fresh["bad_samples"], fresh["sample_unit"]) == ("root", [BAD_POSITION],
+                                                                            "position in the step's batch")
