@@ -211,7 +211,7 @@ def lockstep(host: str, base: torch.nn.Module, data: list, args: argparse.Namesp
 
 def snapshot_cost(base: torch.nn.Module, args: argparse.Namespace, repeats: int = 15) -> str:
     """The interval snapshot's copy on its own: model + AdamW state (after one step), median over ``repeats``."""
-    from stabletrain.staging import IntervalSnapshot
+    from stabletrain.records.staging import IntervalSnapshot
 
     model = copy.deepcopy(base)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)

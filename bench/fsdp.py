@@ -80,8 +80,8 @@ def memory_worker(args: argparse.Namespace) -> None:
     import time
 
     from stabletrain import Trainer, load_config
-    from stabletrain.distributed import process_group
-    from stabletrain.metrics import peak_memory_mib
+    from stabletrain.distributed.ddp import process_group
+    from stabletrain.policies.metrics import peak_memory_mib
 
     overrides = [*gpt_overrides(args), f"train.max_steps={args.steps}", f"log.every={args.steps}",
                  f"dist.strategy={args.strategy}", "guard.capture=false"]
@@ -114,14 +114,14 @@ class BareFSDP:
     """A hand-written FSDP2 loop, one step per call: the loop a user writes from the FSDP2 tutorial.
 
     ``fully_shard`` on each of the model's transformer blocks, then on the root (in place); AdamW from
-    :func:`stabletrain.optim.build_optimizer`, so its implementation (fused, foreach) is the Trainer's.
+    :func:`stabletrain.policies.optim.build_optimizer`, so its implementation (fused, foreach) is the Trainer's.
     ``batches[i]`` is this rank's micro-batch of step ``i`` (cycled).
     """
 
     def __init__(self, model: torch.nn.Module, loss: Any, batches: list[Any], cfg: Any, device: torch.device) -> None:
         from torch.distributed.fsdp import fully_shard
 
-        from stabletrain.optim import build_optimizer
+        from stabletrain.policies.optim import build_optimizer
 
         model.to(device)
         for block in model.blocks:
@@ -226,8 +226,8 @@ def overhead_worker(args: argparse.Namespace) -> None:
     from overhead import fresh_models, lockstep_round
 
     from stabletrain import Trainer, load_config, resolve_task
-    from stabletrain.distributed import process_group
-    from stabletrain.precision import resolve_device
+    from stabletrain.distributed.ddp import process_group
+    from stabletrain.policies.precision import resolve_device
 
     warnings.filterwarnings("ignore", message="dist.strategy=fsdp: incident capture")  # where FSDP has none yet
     warmup, steps = args.warmup, args.timed_steps

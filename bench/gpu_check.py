@@ -239,7 +239,7 @@ def run_incident(tmp: Path, failures: list[str]) -> None:
     from sentinel import WeightedChunks, weighted_lm_loss  # bench/ is the script's directory
 
     from stabletrain.data import EpochOrder
-    from stabletrain.incidents import load_bundle
+    from stabletrain.records.incidents import load_bundle
 
     bad_step, every = 38, 20
     cfg = load_config(None, ["precision=bf16", "train.max_steps=40", f"log.every={every}", "eval.every=0",
@@ -307,7 +307,7 @@ def ddp_worker(out: Path) -> None:
     """One rank of the ddp case (under torchrun): train, count collectives and host conversions, write rank 0's view."""
     import torch.distributed as dist
 
-    from stabletrain.distributed import process_group
+    from stabletrain.distributed.ddp import process_group
 
     cfg = load_config(None, [*DDP_ARGS, f"run.dir={out / 'run'}", *SMOKE_ARGS])
     with process_group(cfg.dist.backend, cfg.dist.timeout_s) as ctx:
@@ -379,7 +379,7 @@ def fsdp_worker(out: Path) -> None:
     """One rank of the fsdp case (under torchrun): train in bf16, record what FSDP computes in and what the step issues."""
     from torch import nn
 
-    from stabletrain.distributed import process_group
+    from stabletrain.distributed.ddp import process_group
 
     cfg = load_config(None, [*FSDP_ARGS, f"run.dir={out / 'run'}", *SMOKE_ARGS])
     with process_group(cfg.dist.backend, cfg.dist.timeout_s) as ctx:

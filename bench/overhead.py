@@ -66,13 +66,13 @@ import torch
 from torch.utils.data import DataLoader
 
 from stabletrain import Trainer, load_config, resolve_task
-from stabletrain.accumulation import as_sum_count
+from stabletrain.policies.accumulation import as_sum_count
 from stabletrain.callbacks import Callback, FitState
 from stabletrain.data import move_to
-from stabletrain.metrics import peak_memory_mib
+from stabletrain.policies.metrics import peak_memory_mib
 from stabletrain.numerics import all_params_finite, grad_norms
-from stabletrain.precision import PrecisionPolicy
-from stabletrain.schedule import LRSchedule
+from stabletrain.policies.precision import PrecisionPolicy
+from stabletrain.policies.schedule import LRSchedule
 
 # (warm-up steps, timed steps, rounds) per task; timed steps are a multiple of log.every (10).
 DEFAULTS = {"gpt": (10, 30, 7), "mlp": (20, 200, 7)}

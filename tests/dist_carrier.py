@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist_carrier.py WAY DTYPE OUT.json
 
-WAY: ``param`` (stabletrain.distributed.data_parallel with a window of raw sums: the numbers ride a
+WAY: ``param`` (stabletrain.distributed.ddp.data_parallel with a window of raw sums: the numbers ride a
 parameter of DDP's own, or the comm hook where the model has no float32/float64 parameter), ``hook``
 (register_carrier_hook, raw sums) or ``hook-scaled`` (register_carrier_hook, a window normalized by its
 running count, as with a GradScaler). Two windows of two micro-batches (no_sync on the first); rank 0
@@ -16,8 +16,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from stabletrain.accumulation import AccumulationWindow
-from stabletrain.distributed import data_parallel, register_carrier_hook
+from stabletrain.policies.accumulation import AccumulationWindow
+from stabletrain.distributed.ddp import data_parallel, register_carrier_hook
 
 
 def main(way: str, dtype_name: str, out: str) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from stabletrain.staging import StateStager, Withheld, fill_withheld
+from stabletrain.records.staging import StateStager, Withheld, fill_withheld
 
 
 def main(out: str) -> None:

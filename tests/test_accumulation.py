@@ -6,8 +6,8 @@ from torch.utils.data import default_collate
 
 from helpers import cfg, regression_task, varlen_task
 from stabletrain import Trainer
-from stabletrain.accumulation import AccumulationWindow, as_sum_count
-from stabletrain.distributed import WindowCarrier
+from stabletrain.policies.accumulation import AccumulationWindow, as_sum_count
+from stabletrain.distributed.ddp import WindowCarrier
 
 RTOL = 1e-5  # fp32: only summation order differs
 
@@ -89,7 +89,7 @@ def test_a_summing_window_backpropagates_raw_sums_and_its_grad_scale_gives_the_b
 def test_raw_sums_only_without_a_grad_scaler_and_without_fp16_parameters():
     from types import SimpleNamespace
 
-    from stabletrain.accumulation import sums_safe
+    from stabletrain.policies.accumulation import sums_safe
 
     w = [torch.zeros(2)]
     assert sums_safe(w, SimpleNamespace(scaler=None))
@@ -134,7 +134,7 @@ def test_trainer_accumulation_matches_big_batch_across_an_epoch_tail(make):
 
 
 class FakeCarrier:
-    """Stands in for the comm hook's carrier (stabletrain.distributed.register_carrier_hook): takes what the window carries."""
+    """Stands in for the comm hook's carrier (stabletrain.distributed.ddp.register_carrier_hook): takes what the window carries."""
 
     travels, averaged = True, False
 
@@ -144,7 +144,7 @@ class FakeCarrier:
 
 
 def test_a_carried_window_sums_each_ranks_unnormalized_gradient_to_the_exact_global_mean(monkeypatch):
-    """What the DDP comm hook does, written out for two simulated ranks (see stabletrain.accumulation)."""
+    """What the DDP comm hook does, written out for two simulated ranks (see stabletrain.policies.accumulation)."""
     monkeypatch.setattr(AccumulationWindow, "_world", lambda self: 2)
     torch.manual_seed(0)
     task = varlen_task()

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from integration_models import BAD_POSITION, VOCAB, Net, TrapEmbedding, batches, loss_fn, token_rows, trap_gpt2
+from integration_models import BAD_POSITION, VOCAB, Net, TrapEmbedding, batches, token_rows, trap_gpt2
 from stabletrain import Monitor
 from stabletrain.report import load_run
 

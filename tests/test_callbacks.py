@@ -8,9 +8,9 @@ import torch
 from helpers import HookLog, PoisonAt, cfg, regression_task
 from stabletrain import Trainer
 from stabletrain.callbacks import Callback, CallbackList, load_callbacks
-from stabletrain.callbacks.checkpointing import CheckpointKeeper
-from stabletrain.callbacks.incidents import IncidentRecorder, clone_state, copy_state_into
-from stabletrain.callbacks.signals import SignalHandler
+from stabletrain.services.checkpoints import CheckpointKeeper
+from stabletrain.services.incidents import IncidentRecorder, clone_state, copy_state_into
+from stabletrain.services.signals import SignalHandler
 from stabletrain.callbacks.sinks import EventLog, InitWatch, MetricsFile, ProgressBar, TensorBoardLog
 from stabletrain.tasks import TaskError
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import stabletrain
-from stabletrain.checkpoint import CheckpointError, CheckpointManager, first_nonfinite, load_state_file
+from stabletrain.records.checkpoint import CheckpointError, CheckpointManager, first_nonfinite, load_state_file
 from stabletrain.config import config_to_dict
 from stabletrain.seeding import set_rng_state
 
@@ -144,7 +144,7 @@ CRASH = textwrap.dedent("""
     import os, signal, sys, torch
     sys.path.insert(0, {tests!r})
     from test_checkpoint import tiny_state
-    from stabletrain.checkpoint import CheckpointManager
+    from stabletrain.records.checkpoint import CheckpointManager
 
     root, mode = sys.argv[1], sys.argv[2]
     m = CheckpointManager(root)
@@ -414,7 +414,7 @@ def test_at_most_one_save_in_flight_the_next_waits_for_it(tmp_path, monkeypatch)
 
 
 def test_stage_reuses_its_buffers_and_copies_what_could_change(tmp_path):
-    from stabletrain.staging import StateStager
+    from stabletrain.records.staging import StateStager
 
     stager = StateStager()
     state = {"model": {"w": torch.ones(3), "tied": None}, "skip": {(0, 1)}, "counters": {"step": 1}}
@@ -446,7 +446,7 @@ def test_a_withheld_background_save_is_done_at_once_and_writes_nothing(tmp_path)
 def test_a_failed_background_save_is_a_checkpoint_failed_event_and_training_goes_on(tmp_path, monkeypatch):
     import threading
 
-    import stabletrain.checkpoint as ckpt_module
+    import stabletrain.records.checkpoint as ckpt_module
 
     real_write, threads = ckpt_module.atomic_write, []
 

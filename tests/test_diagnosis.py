@@ -14,7 +14,7 @@ from stabletrain import Task
 from stabletrain.config import load_config
 from stabletrain.replay import diagnose_step
 from stabletrain.loop import Trainer
-from stabletrain.precision import PrecisionPolicy
+from stabletrain.policies.precision import PrecisionPolicy
 
 FP32 = PrecisionPolicy("fp32", "cpu")
 

@@ -21,9 +21,9 @@ from helpers import cfg
 from multiproc import FAST, TESTS, TORCHRUN, descendants, env, events, run, stabletrain, steps_logged, wait_for_step
 
 from stabletrain import Trainer
-from stabletrain.checkpoint import CheckpointManager
+from stabletrain.records.checkpoint import CheckpointManager
 from stabletrain.data import EpochOrder
-from stabletrain.incidents import load_bundle
+from stabletrain.records.incidents import load_bundle
 
 pytestmark = pytest.mark.slow  # 2-process torchrun runs
 
@@ -394,7 +394,7 @@ class _SlowSample(torch.utils.data.Dataset):
 
 
 def test_a_lost_peer_is_told_by_the_exceptions_type_and_where_it_arose_not_by_its_words(one_rank_group):
-    from stabletrain.distributed import is_peer_failure
+    from stabletrain.distributed.ddp import is_peer_failure
 
     dist = one_rank_group
     for kind in (dist.DistBackendError, dist.DistNetworkError, dist.DistStoreError):  # c10d's own failure types
@@ -414,7 +414,7 @@ def test_a_lost_peer_is_told_by_the_exceptions_type_and_where_it_arose_not_by_it
 
 
 def test_out_of_a_ddp_backward_only_a_failed_gradient_all_reduce_is_a_lost_peer(one_rank_group):
-    from stabletrain.distributed import data_parallel, is_peer_failure
+    from stabletrain.distributed.ddp import data_parallel, is_peer_failure
 
     torch.manual_seed(0)
     ddp, carrier = data_parallel(torch.nn.Linear(3, 2), None, sums=True)

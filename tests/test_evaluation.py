@@ -7,9 +7,9 @@ from torch.utils.data import TensorDataset
 
 from helpers import cfg
 from stabletrain import Task, Trainer
-from stabletrain.distributed import DistContext
+from stabletrain.distributed.ddp import DistContext
 from stabletrain.evaluation import validation_loss
-from stabletrain.precision import PrecisionPolicy
+from stabletrain.policies.precision import PrecisionPolicy
 
 
 def frozen_bn_task() -> Task:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from stabletrain.events import EVENT_KINDS, METRIC_KEYS, REPLAY_KINDS
-from stabletrain.records import RunDir, read_jsonl
+from stabletrain.records.events import EVENT_KINDS, METRIC_KEYS, REPLAY_KINDS
+from stabletrain.records.rundir import RunDir, read_jsonl
 from stabletrain.report.html import KIND_COLORS
 from stabletrain.report.plots import EVENT_MARKS
 from stabletrain.report.rundata import KNOWN_METRIC_KEYS
@@ -56,7 +56,7 @@ def test_the_report_knows_every_kind_and_key_from_the_tables():
 def test_run_dir_refuses_an_unknown_event_kind(tmp_path):
     run = RunDir(tmp_path / "run")
     record = run.event(3, "skip", "optimizer step skipped: test", loss=float("nan"))
-    with pytest.raises(ValueError, match=r"event kind 'skipped' is not one of stabletrain.events.EVENT_KINDS \(skip, "):
+    with pytest.raises(ValueError, match=r"event kind 'skipped' is not one of stabletrain.records.events.EVENT_KINDS \(skip, "):
         run.event(4, "skipped", "a typo")
     run.close()
     records, problems = read_jsonl(tmp_path / "run" / "events.jsonl")

@@ -14,10 +14,10 @@ from helpers import cfg
 from multiproc import FAST, TESTS, TORCHRUN, env, events, run, stabletrain
 
 from stabletrain import Trainer
-from stabletrain.checkpoint import CheckpointManager
+from stabletrain.records.checkpoint import CheckpointManager
 from stabletrain.config import ConfigError
 from stabletrain.data import EpochOrder
-from stabletrain.fsdp import ShardedNumerics, default_blocks, shard_model
+from stabletrain.distributed.fsdp import ShardedNumerics, default_blocks, shard_model
 from stabletrain.numerics import all_params_finite, grad_norms
 from stabletrain.tasks.gpt import GPT
 

@@ -19,8 +19,8 @@ from helpers import cfg
 from multiproc import FAST, descendants, env, events, run, stabletrain, wait_for_step
 
 from stabletrain import Trainer
-from stabletrain.checkpoint import CheckpointError, CheckpointManager
-from stabletrain.sharded_checkpoint import (ShardedSave, ShardedSaver, read_full_tensors, read_metadata,
+from stabletrain.records.checkpoint import CheckpointError, CheckpointManager
+from stabletrain.distributed.sharded_checkpoint import (ShardedSave, ShardedSaver, read_full_tensors, read_metadata,
                                             sharded_state_dicts, split_for_dcp)
 
 pytestmark = pytest.mark.slow  # a process group in this process, and 2-process runs

@@ -19,13 +19,13 @@ from fsdp_tasks import BlockNet
 from helpers import PreStepState, cfg
 from multiproc import FAST, TORCHRUN, events, run
 
-from stabletrain.staging import StateStager
+from stabletrain.records.staging import StateStager
 from stabletrain.data import EpochOrder
-from stabletrain.fsdp import is_local_state, load_local_state_dicts, local_state_dicts, shard_model
-from stabletrain.incidents import load_bundle
+from stabletrain.distributed.fsdp import is_local_state, load_local_state_dicts, local_state_dicts, shard_model
+from stabletrain.records.incidents import load_bundle
 from stabletrain.numerics import unique_params
-from stabletrain.optim import build_optimizer
-from stabletrain.schedule import LRSchedule
+from stabletrain.policies.optim import build_optimizer
+from stabletrain.policies.schedule import LRSchedule
 
 # -- the local-shard snapshot, on a one-process group ---------------------------------------------
 
@@ -139,15 +139,15 @@ def recording(fn, calls: list):
 
 def worker(argv: list[str]) -> None:
     """torchrun worker: OUT_DIR RUN_DIR key=value ...; the run with capture, then without (``guard.capture=false``)."""
-    import stabletrain.fsdp
+    import stabletrain.distributed.fsdp
     from stabletrain import Trainer, load_config
-    from stabletrain.distributed import process_group
-    from stabletrain.fsdp import full_state_dicts
+    from stabletrain.distributed.ddp import process_group
+    from stabletrain.distributed.fsdp import full_state_dicts
 
     out, run_dir, overrides = Path(argv[0]), Path(argv[1]), argv[2:]
     with process_group("gloo", 120) as ctx:
         result, local = {}, []  # local: each snapshot and in-place load of this rank's shards, with its collectives
-        stabletrain.fsdp.load_local_state_dicts = recording(stabletrain.fsdp.load_local_state_dicts, local)
+        stabletrain.distributed.fsdp.load_local_state_dicts = recording(stabletrain.distributed.fsdp.load_local_state_dicts, local)
         for name, extra in (("captured", []), ("uncaptured", ["guard.capture=false"])):
             pre = PreStepState(STEP - 1)
             cfg = load_config(None, [*overrides, *extra])

@@ -13,10 +13,10 @@ import torch
 
 from helpers import PoisonAt, cfg, nan_sample_task, regression_task
 from stabletrain import Trainer
-from stabletrain.checkpoint import CheckpointManager
+from stabletrain.records.checkpoint import CheckpointManager
 from stabletrain.config import GuardConfig
 from stabletrain.data import EpochOrder
-from stabletrain.guard import Guard
+from stabletrain.policies.guard import Guard
 
 TESTS = Path(__file__).parent
 BAD = 37  # the dataset index holding a NaN in nan_sample_task

@@ -6,7 +6,7 @@ import torch
 from helpers import PreStepState, cfg, nan_sample_task
 from test_checkpoint import assert_same
 from stabletrain import Trainer
-from stabletrain.incidents import BUNDLE_FILE, load_bundle, write_bundle
+from stabletrain.records.incidents import BUNDLE_FILE, load_bundle, write_bundle
 from stabletrain.replay import diagnose_incident
 
 

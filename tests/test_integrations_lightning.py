@@ -18,10 +18,10 @@ from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 
 from integration_models import BAD_POSITION, Net, OurSyncs  # noqa: E402
 from stabletrain.callbacks import Callback as StableCallback  # noqa: E402
-from stabletrain.events import EVENT_KINDS, METRIC_KEYS  # noqa: E402
+from stabletrain.records.events import EVENT_KINDS, METRIC_KEYS  # noqa: E402
 from stabletrain.replay import diagnose_incident  # noqa: E402
 from stabletrain.integrations.lightning import StableTrainCallback  # noqa: E402
-from stabletrain.records import read_jsonl  # noqa: E402
+from stabletrain.records.rundir import read_jsonl  # noqa: E402
 from stabletrain.report import load_run, write_report  # noqa: E402
 
 logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)

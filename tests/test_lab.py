@@ -79,7 +79,7 @@ def test_lab1_counts_layers_and_its_xavier_is_the_chapters_gain_1_shrinking_by_1
     the std shrinks by about 1/sqrt(2) per layer, where Kaiming's gain sqrt(2) holds it."""
     import math
 
-    from stabletrain import signal_propagation
+    from stabletrain.diagnostics import signal_propagation
     from stabletrain.lab import lab1
 
     plotted = []

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from stabletrain.metrics import COLUMNS, StepMetrics, peak_memory_mib
+from stabletrain.policies.metrics import COLUMNS, StepMetrics, peak_memory_mib
 
 t = torch.tensor
 

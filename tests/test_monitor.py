@@ -11,10 +11,10 @@ import torch
 import yaml
 
 from stabletrain import Monitor
-from stabletrain.events import EVENT_KINDS, METRIC_KEYS
+from stabletrain.records.events import EVENT_KINDS, METRIC_KEYS
 from stabletrain.replay import diagnose_incident
 from stabletrain import StopTraining
-from stabletrain.records import read_jsonl
+from stabletrain.records.rundir import read_jsonl
 from stabletrain.report import load_run, write_compare, write_report
 from stabletrain.syncs import SyncCounter
 

@@ -11,8 +11,8 @@ from torch import Tensor, nn
 from stabletrain.checks import CheckContext
 from stabletrain.checks.nan import check_nan
 from stabletrain.config import load_config
-from stabletrain.bisection import bisect_samples
-from stabletrain.nonfinite import NonFiniteLocator, anomaly_trace
+from stabletrain.diagnostics.bisection import bisect_samples
+from stabletrain.diagnostics.nonfinite import NonFiniteLocator, anomaly_trace
 
 
 def locate(model: nn.Module, x: Tensor, **kw) -> NonFiniteLocator:
@@ -206,7 +206,7 @@ def test_locator_stops_after_the_origin_and_cleans_up():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.complex64])
 def test_the_cheap_finiteness_read_is_exact(dtype):
-    from stabletrain.nonfinite import _all_finite
+    from stabletrain.diagnostics.nonfinite import _all_finite
 
     big = torch.finfo(dtype if not dtype.is_complex else torch.float32).max
     overflows = torch.full((64,), big, dtype=dtype)  # every value finite, the sum is not: read exactly, still finite

@@ -13,7 +13,7 @@ from helpers import PoisonAt, cfg, params_of, regression_task
 from stabletrain import Task, Trainer
 from stabletrain.callbacks import Callback
 from stabletrain.config import ConfigError
-from stabletrain.incidents import load_bundle
+from stabletrain.records.incidents import load_bundle
 
 
 @pytest.mark.parametrize("name, cls, extra", [("adamw", torch.optim.AdamW, {"betas": (0.9, 0.95)}),

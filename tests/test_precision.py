@@ -8,9 +8,9 @@ import torch
 
 from helpers import PoisonAt, cfg, params_of, regression_task
 from stabletrain import Trainer
-from stabletrain import precision as precision_module
+from stabletrain.policies import precision as precision_module
 from stabletrain.callbacks import Callback
-from stabletrain.precision import PrecisionPolicy
+from stabletrain.policies.precision import PrecisionPolicy
 
 CPU = torch.device("cpu")
 

@@ -9,9 +9,9 @@ import torch
 
 from helpers import PoisonAt, cfg, params_of, regression_task
 from stabletrain import Trainer
-from stabletrain.clipping import GradClipper, grad_norms
-from stabletrain.precision import PrecisionPolicy
-from stabletrain.schedule import LRSchedule
+from stabletrain.policies.clipping import GradClipper, grad_norms
+from stabletrain.policies.precision import PrecisionPolicy
+from stabletrain.policies.schedule import LRSchedule
 
 
 def _trainer(*overrides, poison=(), value=float("nan"), scaler=False, run_dir=None, scaled_mode="bf16"):

@@ -23,7 +23,7 @@ from stabletrain.callbacks import Callback
 from stabletrain.callbacks.trackers import TRACKERS_FILE, read_trackers_file
 from stabletrain.callbacks.wandb_files import WandbFileError, read_run_file, run_files
 from stabletrain.config import flatten_config, load_config
-from stabletrain.records import read_jsonl
+from stabletrain.records.rundir import read_jsonl
 from stabletrain.report import write_report
 
 mlflow = pytest.importorskip("mlflow")

@@ -1,27 +1,27 @@
 """stabletrain: make PyTorch training stable, observable and debuggable."""
 
 from ._version import __version__
-from .accumulation import AccumulationWindow, as_sum_count
-from .clipping import GradClipper, grad_norms
+from .policies.accumulation import AccumulationWindow, as_sum_count
+from .policies.clipping import GradClipper, grad_norms
 from .config import Config, ConfigError, diff_configs, load_config
 from .console import StableTrainWarning
-from .metrics import StepMetrics
+from .policies.metrics import StepMetrics
 from .numerics import all_params_finite, first_nonfinite_grad, grad_total_norm
-from .precision import PrecisionPolicy
-from .schedule import LRSchedule
+from .policies.precision import PrecisionPolicy
+from .policies.schedule import LRSchedule
 from .seeding import seed_everything
 from .tasks import Task, resolve_task
 from .step import TrainStep
-from .optim import build_optimizer
+from .policies.optim import build_optimizer
 from .callbacks import Callback, FitState
 from .loop import Trainer
-from .checkpoint import CheckpointError, CheckpointManager
-from .guard import Guard
+from .records.checkpoint import CheckpointError, CheckpointManager
+from .policies.guard import Guard
 from .replay import diagnose_incident, diagnose_step
-from .initialization import InitChange, InitFingerprint, init_
-from .bisection import Bisection, bisect_samples
-from .nonfinite import NonFiniteLocator, NonFiniteOp, anomaly_trace
-from .signal_propagation import SignalReport, SignalThresholds, plot_signal, signal_report
+from .diagnostics.initialization import InitChange, InitFingerprint, init_
+from .diagnostics.bisection import Bisection, bisect_samples
+from .diagnostics.nonfinite import NonFiniteLocator, NonFiniteOp, anomaly_trace
+from .diagnostics.signal_propagation import SignalReport, SignalThresholds, plot_signal, signal_report
 from .integrations.monitor import Monitor, StopTraining
 
 __all__ = [

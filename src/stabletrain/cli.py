@@ -16,7 +16,7 @@ from pathlib import Path
 
 from . import console
 from ._version import __version__
-from .checkpoint import CheckpointError
+from .records.checkpoint import CheckpointError
 from .config import ConfigError, describe_keys, load_config, load_yaml, resume_safe_text
 from .errors import brief, format_task_error, raised_by_stabletrain, task_part
 from .tasks import TaskError
@@ -180,7 +180,7 @@ def _resume_target(args: argparse.Namespace) -> str | None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from . import distributed
+    from .distributed import ddp as distributed
     from .loop import default_run_dir
 
     resume = _resume_target(args)
@@ -273,7 +273,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_diagnose(args: argparse.Namespace) -> int:
     import json
 
-    from .incidents import BUNDLE_FILE
+    from .records.incidents import BUNDLE_FILE
     from .replay import diagnose_incident
 
     path = Path(args.incident)
@@ -320,7 +320,7 @@ def replay_obstacles(incident: Path) -> list[str]:
     """
     import torch
 
-    from .incidents import load_bundle
+    from .records.incidents import load_bundle
     from .integrations.replay import REBUILD_HINT, TASK_SPEC, loss_from_recipe, model_from_recipe
 
     try:
@@ -367,7 +367,7 @@ def _stored_diagnosis(incident: Path, obstacles: list[str]) -> dict:
     """Return the diagnosis.json written when ``incident`` was captured, after saying why it is not replayed again."""
     import json
 
-    from .incidents import DIAGNOSIS_FILE
+    from .records.incidents import DIAGNOSIS_FILE
 
     stored = incident / DIAGNOSIS_FILE
     why = "; ".join(obstacles)
@@ -449,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     args.argv = list(argv) if argv is not None else sys.argv[1:]  # passed on to torchrun by dist.nproc
-    from .distributed import PeerLostError
+    from .distributed.ddp import PeerLostError
 
     try:
         with console.one_line_warnings():  # stabletrain's own warnings as one line (the CLI only, never the library)

@@ -7,10 +7,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .accumulation import as_sum_count
+from .policies.accumulation import as_sum_count
 from .data import EpochOrder, move_to
 from .numerics import modes_kept
-from .precision import PrecisionPolicy
+from .policies.precision import PrecisionPolicy
 
 __all__ = ["validation_loss"]
 

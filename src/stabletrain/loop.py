@@ -5,7 +5,7 @@ checkpoint keeper (periodic save, LAST_GOOD, resume, rollback), the incident rec
 diagnosis), the signal handler. The loop owns the order of things and the one host sync per log
 interval, where the guard decides (continue, stop, rollback) from the interval's rows.
 
-Under DDP (``torchrun``; see :mod:`stabletrain.distributed`) the same loop runs on every rank: the
+Under DDP (``torchrun``; see :mod:`stabletrain.distributed.ddp`) the same loop runs on every rank: the
 model is wrapped in ``DistributedDataParallel``, each rank reads its shard of the data order, and
 every decision (skip, log, stop, rollback, checkpoint) is made from values that are the same on every
 rank. Only rank 0 writes the run directory; checkpoints hold every rank's RNG state and data position.
@@ -27,28 +27,28 @@ import torch
 from torch import Tensor, nn
 
 from . import console
-from .accumulation import AccumulationWindow, sums_safe
+from .policies.accumulation import AccumulationWindow, sums_safe
 from .callbacks import Callback, CallbackList, FitState, load_callbacks
-from .callbacks.checkpointing import CheckpointKeeper
-from .callbacks.incidents import IncidentRecorder
-from .callbacks.signals import SignalHandler
+from .services.checkpoints import CheckpointKeeper
+from .services.incidents import IncidentRecorder
+from .services.signals import SignalHandler
 from .callbacks.sinks import EventLog, InitWatch, MetricsFile, ProgressBar, TensorBoardLog
 from .callbacks.trackers import build_trackers
-from .checkpoint import CheckpointManager
-from .clipping import GradClipper
+from .records.checkpoint import CheckpointManager
+from .policies.clipping import GradClipper
 from .config import Config
 from .data import EpochOrder, Window, WindowStream
 from .errors import task_part, user_location
 from .evaluation import validation_loss
-from .distributed import DistContext, PeerLostError, WindowCarrier, data_parallel, is_peer_failure
-from .guard import Guard, GuardDecision
-from .initialization import InitFingerprint
-from .metrics import StepMetrics, interval_record, peak_memory_mib
+from .distributed.ddp import DistContext, PeerLostError, WindowCarrier, data_parallel, is_peer_failure
+from .policies.guard import Guard, GuardDecision
+from .diagnostics.initialization import InitFingerprint
+from .policies.metrics import StepMetrics, interval_record, peak_memory_mib
 from .numerics import unique_params
-from .optim import build_optimizer, check_materialized, check_optimizer_holds
-from .precision import PrecisionPolicy, resolve_device
-from .records import RunDir, build_snapshot, refuse_if_running, this_process
-from .schedule import LRSchedule
+from .policies.optim import build_optimizer, check_materialized, check_optimizer_holds
+from .policies.precision import PrecisionPolicy, resolve_device
+from .records.rundir import RunDir, build_snapshot, refuse_if_running, this_process
+from .policies.schedule import LRSchedule
 from .seeding import deterministic_mode, rng_state, seed_everything, set_rng_state
 from .step import TrainStep
 from .tasks import Task, resolve_task
@@ -123,7 +123,7 @@ class Trainer:
         sums = sums_safe(self.params, self.precision)  # the window backpropagates raw loss sums
         self.sharded = self.dist.enabled and cfg.dist.strategy == "fsdp"
         if self.sharded:  # FSDP2: the parameters become DTensor shards under the same names
-            from .fsdp import ShardedNumerics, ShardedPrecision, shard_model
+            from .distributed.fsdp import ShardedNumerics, ShardedPrecision, shard_model
             self.precision = ShardedPrecision(cfg.precision, self.device)  # fp16: every rank agrees on overflow
             if fingerprint is not None:  # InitWatch compares plain tensors: compare now, before sharding
                 changes = fingerprint.compare(self.module)
@@ -146,7 +146,7 @@ class Trainer:
         self.clipper = GradClipper(cfg.clip.max_norm)
         self.guard = Guard(cfg.guard, self.device)
         if self.sharded:
-            from .fsdp import ShardedWindow
+            from .distributed.fsdp import ShardedWindow
             self.window: AccumulationWindow = ShardedWindow(self.module, self.params)
         else:
             self.window = AccumulationWindow(self.params, sums=sums)
@@ -334,7 +334,7 @@ class Trainer:
         return record
 
     def _peer_lost(self, err: BaseException) -> bool:
-        """Whether ``err`` is a collective failing for want of a peer (:func:`~stabletrain.distributed.is_peer_failure`)."""
+        """Whether ``err`` is a collective failing for want of a peer (:func:`~stabletrain.distributed.ddp.is_peer_failure`)."""
         carrier = self.step_fn.carrier  # DDP: knows whether the error came out of the gradient all-reduce
         in_sync = bool(getattr(carrier, "in_gradient_sync", False))
         return self.dist.enabled and is_peer_failure(err, in_gradient_sync=in_sync)
@@ -420,18 +420,18 @@ class Trainer:
 
         This rank's: under DDP a checkpoint adds every rank's RNG state and data position (``ranks``).
         ``local=True`` under FSDP: the model and optimizer entries are this rank's own shards, live views
-        (no collective, no copy: :func:`stabletrain.fsdp.local_state_dicts`), for the incident snapshot.
+        (no collective, no copy: :func:`stabletrain.distributed.fsdp.local_state_dicts`), for the incident snapshot.
         ``dcp=True`` under FSDP: DCP's sharded state dicts, FQN keys and DTensor values (no collective, no
-        copy: :func:`stabletrain.sharded_checkpoint.sharded_state_dicts`), for a sharded checkpoint.
+        copy: :func:`stabletrain.distributed.sharded_checkpoint.sharded_state_dicts`), for a sharded checkpoint.
         """
         if self.sharded and dcp:
-            from .sharded_checkpoint import sharded_state_dicts
+            from .distributed.sharded_checkpoint import sharded_state_dicts
             model_state, optim_state = sharded_state_dicts(self.module, self.optimizer)
         elif self.sharded and local:
-            from .fsdp import local_state_dicts
+            from .distributed.fsdp import local_state_dicts
             model_state, optim_state = local_state_dicts(self.module, self.optimizer)
         elif self.sharded:  # a collective: full (unsharded) state dicts, the same format as DDP's or one process's
-            from .fsdp import full_state_dicts
+            from .distributed.fsdp import full_state_dicts
             model_state, optim_state = full_state_dicts(self.module, self.optimizer, self.named_params)
         else:
             model_state, optim_state = self.module.state_dict(), self.optimizer.state_dict()
@@ -467,14 +467,14 @@ class Trainer:
                                  f"their data layout, and this run has {self.dist.world}; resume it under {len(ranks)}")
             mine = ranks[self.dist.rank] if self.dist.rank < len(ranks) else None
             state = {**state, "rng": mine["rng"] if mine else None, "stream": (mine or ranks[0])["stream"]}
-        from .fsdp import is_local_state, load_local_state_dicts
-        from .sharded_checkpoint import is_dcp_entry, load_dcp_state_dicts
+        from .distributed.fsdp import is_local_state, load_local_state_dicts
+        from .distributed.sharded_checkpoint import is_dcp_entry, load_dcp_state_dicts
         if is_dcp_entry(state["model"]):  # a collective: DCP reads each rank's part (any world size, any strategy)
             load_dcp_state_dicts(self.module, self.optimizer, state["model"], state["optimizer"])
         elif self.sharded and is_local_state(state["model"]):  # this rank's own shards, copied back in place
             load_local_state_dicts(self.module, self.optimizer, state["model"], state["optimizer"])
         elif self.sharded:  # a collective: rank 0's full state is broadcast, each rank keeps its shards
-            from .fsdp import load_full_state_dicts
+            from .distributed.fsdp import load_full_state_dicts
             load_full_state_dicts(self.module, self.optimizer, self.named_params, state["model"], state["optimizer"])
         else:
             self.module.load_state_dict(state["model"])

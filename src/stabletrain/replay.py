@@ -3,7 +3,7 @@
 :func:`diagnose_step` replays one step's micro-batches exactly as the run ran them — with
 :class:`~stabletrain.step.TrainStep`'s own forward/backward and update (autocast, the window's
 normalization, unscaling, clipping, the optimizer class and state, the schedule) — and
-:func:`stabletrain.diagnosis.run_diagnosis` reads the replays. :func:`diagnose_incident` rebuilds
+:func:`stabletrain.diagnostics.diagnosis.run_diagnosis` reads the replays. :func:`diagnose_incident` rebuilds
 that step from ``incidents/step_N/bundle.pt`` (``stabletrain diagnose``), in a fresh process if need be.
 
 This module sits on the step's layer: diagnostics below it know nothing of the step; the replay
@@ -23,17 +23,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from .accumulation import AccumulationWindow, as_sum_count
-from .clipping import GradClipper
+from .policies.accumulation import AccumulationWindow, as_sum_count
+from .policies.clipping import GradClipper
 from .config import config_from_dict
 from .data import move_to
-from .diagnosis import run_diagnosis
+from .diagnostics.diagnosis import run_diagnosis
 from .fileio import atomic_write
-from .incidents import DIAGNOSIS_FILE, load_bundle
+from .records.incidents import DIAGNOSIS_FILE, load_bundle
 from .numerics import grad_norms, modes_kept, unique_params
-from .optim import build_optimizer
-from .precision import PrecisionPolicy, resolve_device
-from .schedule import LRSchedule
+from .policies.optim import build_optimizer
+from .policies.precision import PrecisionPolicy, resolve_device
+from .policies.schedule import LRSchedule
 from .seeding import rng_state, set_rng_state
 from .step import TrainStep
 from .tasks import Task, resolve_task

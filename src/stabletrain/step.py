@@ -30,13 +30,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .accumulation import AccumulationWindow, as_sum_count, sums_safe
-from .clipping import GradClipper
+from .policies.accumulation import AccumulationWindow, as_sum_count, sums_safe
+from .policies.clipping import GradClipper
 from .data import move_to
-from .guard import Guard, inputs_finite
+from .policies.guard import Guard, inputs_finite
 from .numerics import all_params_finite, both_finite, grad_norms, snapshot_params, unique_params, update_norm
-from .precision import PrecisionPolicy
-from .schedule import LRSchedule
+from .policies.precision import PrecisionPolicy
+from .policies.schedule import LRSchedule
 
 __all__ = ["TrainStep", "LossFn", "STEP_KEYS"]
 
@@ -66,12 +66,12 @@ class TrainStep:
         check_inputs: also require the floating-point inputs of every micro-batch to be finite.
         check_params: check after the update that every parameter is finite (one fused pass); a call may
             ask for it on some steps only (the loop: on each log interval's last step).
-        carrier: DDP, FSDP: the :class:`~stabletrain.distributed.WindowCarrier` the window's numbers travel
+        carrier: DDP, FSDP: the :class:`~stabletrain.distributed.ddp.WindowCarrier` the window's numbers travel
             with (FSDP: one that carries nothing); with it the step also returns ``local_nonfinite``,
             whether this rank's own loss or inputs were non-finite.
         numerics: where the norms and checks come from (``grad_norms``, ``all_params_finite``,
             ``snapshot(params, reuse)``, ``update_norm(params, before)``); None: :mod:`stabletrain.numerics`
-            on local tensors. FSDP passes :class:`stabletrain.fsdp.ShardedNumerics` (DTensor shards,
+            on local tensors. FSDP passes :class:`stabletrain.distributed.fsdp.ShardedNumerics` (DTensor shards,
             reduced across ranks).
     """
 

@@ -11,8 +11,8 @@ import time
 from typing import Any
 
 from .. import console
-from ..initialization import InitFingerprint
-from ..records import TensorBoardSink
+from ..diagnostics.initialization import InitFingerprint
+from ..records.rundir import TensorBoardSink
 from . import Callback, FitState
 
 __all__ = ["MetricsFile", "TensorBoardLog", "ProgressBar", "EventLog", "InitWatch"]

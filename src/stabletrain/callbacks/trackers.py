@@ -58,7 +58,7 @@ __all__ = ["TrackerSink", "MLflowTracker", "WandbTracker", "build_trackers", "at
 
 #: Each tracker's run and the last step written to it, in the run directory.
 TRACKERS_FILE = "trackers.json"
-#: Event kinds (stabletrain.events.EVENT_KINDS) a tracker is told of, and the plural its tags count them under.
+#: Event kinds (stabletrain.records.events.EVENT_KINDS) a tracker is told of, and the plural its tags count them under.
 TAGGED: dict[str, str] = {"incident": "incidents", "skip": "skips", "rollback": "rollbacks", "stop": "stops",
                           "crash": "crashes"}
 #: The artifacts of an incident folder a tracker is not given (tensors: the bundle, the state snapshot).
@@ -246,7 +246,7 @@ class TrackerSink(Callback):
 
     def _catch_up(self, upto: int) -> None:
         """Write the metrics.jsonl lines after the held step and up to ``upto`` (the latest line of each step)."""
-        from ..records import read_jsonl
+        from ..records.rundir import read_jsonl
 
         lines, _ = read_jsonl(self._run_dir / "metrics.jsonl")
         latest: dict[int, dict[str, Any]] = {}

@@ -24,8 +24,8 @@ import torch
 
 from ..config import Config
 from ..errors import TaskCodeError, format_user_traceback, task_part, user_location
-from ..precision import resolve_device
-from ..records import mark_output_dir
+from ..policies.precision import resolve_device
+from ..records.rundir import mark_output_dir
 from ..seeding import seed_everything
 from ..tasks import Task, resolve_task
 

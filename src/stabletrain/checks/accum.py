@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..accumulation import as_sum_count
+from ..policies.accumulation import as_sum_count
 from ..numerics import grad_norms, unique_params
-from ..precision import PrecisionPolicy
+from ..policies.precision import PrecisionPolicy
 from ..step import TrainStep
 from . import CheckContext, CheckResult, fixed_batch, register
 

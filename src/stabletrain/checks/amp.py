@@ -8,8 +8,8 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..accumulation import as_sum_count
-from ..precision import PrecisionPolicy
+from ..policies.accumulation import as_sum_count
+from ..policies.precision import PrecisionPolicy
 from . import CheckContext, CheckResult, fixed_batch, register
 
 __all__ = ["OpDtypeRecorder", "check_amp"]

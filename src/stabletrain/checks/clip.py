@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from ..accumulation import as_sum_count
-from ..clipping import GradClipper, grad_norms
+from ..policies.accumulation import as_sum_count
+from ..policies.clipping import GradClipper, grad_norms
 from ..numerics import unique_params
 from . import CheckContext, CheckResult, fixed_batch, register
 

@@ -1,8 +1,8 @@
 """``stabletrain check init``: does the signal survive the model's depth at step 0, forward and backward?
 
-Runs :func:`stabletrain.signal_propagation.signal_report` on the task's model as built, on one batch of
+Runs :func:`stabletrain.diagnostics.signal_propagation.signal_report` on the task's model as built, on one batch of
 ``train.batch_size`` samples; with ``--compare normal,xavier,kaiming`` also on copies of that model
-re-initialized by :func:`stabletrain.initialization.init_` with each scheme. Writes the per-layer std
+re-initialized by :func:`stabletrain.diagnostics.initialization.init_` with each scheme. Writes the per-layer std
 plot (``init_signal.png``) and the full per-layer numbers (``init_signal.json``) to ``--out DIR``
 (default: ``stabletrain-check/``; see :meth:`CheckContext.output_path`). Passes when no layer of the
 model as built is flagged.
@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from ..config import Config
-from ..initialization import SCHEMES, init_
-from ..optim import build_optimizer
+from ..diagnostics.initialization import SCHEMES, init_
+from ..policies.optim import build_optimizer
 from ..seeding import seed_everything
-from ..signal_propagation import SignalReport, format_comparison, format_report, plot_signal, signal_report
+from ..diagnostics.signal_propagation import SignalReport, format_comparison, format_report, plot_signal, signal_report
 from ..tasks import Task
 from . import CheckContext, CheckResult, fixed_batch, register
 

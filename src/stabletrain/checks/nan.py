@@ -3,7 +3,7 @@
 It first replays one clean forward/backward under the locator (a model that already produces a
 NaN/Inf, or a false alarm such as an ``-inf`` mask the locator does not recognise, fails here), then
 writes a NaN into the input of a middle leaf module (a forward pre-hook runs inside that module)
-and passes iff :class:`~stabletrain.nonfinite.NonFiniteLocator` names that module, in forward, as
+and passes iff :class:`~stabletrain.diagnostics.nonfinite.NonFiniteLocator` names that module, in forward, as
 the origin, and :func:`~stabletrain.numerics.first_nonfinite_grad` names a parameter.
 """
 
@@ -15,11 +15,11 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import default_collate
 
-from ..accumulation import as_sum_count
+from ..policies.accumulation import as_sum_count
 from ..data import move_to
-from ..nonfinite import NonFiniteLocator
+from ..diagnostics.nonfinite import NonFiniteLocator
 from ..numerics import first_nonfinite_grad
-from ..precision import PrecisionPolicy
+from ..policies.precision import PrecisionPolicy
 from . import CheckContext, CheckResult, register
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..numerics import unique_params
-from ..precision import PrecisionPolicy
+from ..policies.precision import PrecisionPolicy
 from ..step import TrainStep
 from . import CheckContext, CheckResult, fixed_batch, register
 

@@ -1,6 +1,6 @@
 """An adapter's incident: the state from before the bad step, from the interval snapshot and a replay of the host's steps.
 
-The built-in loop's mechanism (:class:`~stabletrain.staging.IntervalSnapshot`, :func:`~stabletrain.staging.state_kept`),
+The built-in loop's mechanism (:class:`~stabletrain.records.staging.IntervalSnapshot`, :func:`~stabletrain.records.staging.state_kept`),
 fed with what the host ran instead of the built-in data stream::
 
     at each log boundary (and at the start)   snapshot.take(model, optimizer, loss scale)   (host buffers; CUDA: side stream)
@@ -36,11 +36,11 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from ..incidents import write_bundle
+from ..records.incidents import write_bundle
 from ..internals import scaler_state, set_scaler_state
 from ..replay import diagnose_incident
 from ..seeding import rng_state, set_rng_state
-from ..staging import IntervalSnapshot, StateStager, load_optimizer_state_, state_kept
+from ..records.staging import IntervalSnapshot, StateStager, load_optimizer_state_, state_kept
 from ..tasks import Task
 from .replay import CapturedRows, batch_nbytes, bundle_batch, optimizer_recipe, plain_batch, to_host
 

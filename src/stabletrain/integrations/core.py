@@ -2,8 +2,8 @@
 
 An adapter (:class:`stabletrain.Monitor`, the Lightning and Hugging Face callbacks) measures the host's
 own optimizer step and hands a :class:`RunSession` the step's device tensors; the session does the rest
-with the pieces a built-in run uses (:class:`~stabletrain.guard.Guard`,
-:class:`~stabletrain.metrics.StepMetrics`, :class:`~stabletrain.records.RunDir` and the built-in
+with the pieces a built-in run uses (:class:`~stabletrain.policies.guard.Guard`,
+:class:`~stabletrain.policies.metrics.StepMetrics`, :class:`~stabletrain.records.rundir.RunDir` and the built-in
 callbacks that write it, the interval snapshot and :func:`~stabletrain.replay.diagnose_incident`)::
 
     session.open(resume)                         # run dir (rank 0): config.yaml, snapshot.json (or a resume)
@@ -50,13 +50,13 @@ from ..callbacks import Callback, CallbackList, FitState
 from ..callbacks.sinks import EventLog, InitWatch, MetricsFile, TensorBoardLog
 from ..callbacks.trackers import build_trackers
 from ..config import ClipConfig, Config, GuardConfig, LogConfig
-from ..distributed import DistContext
+from ..distributed.ddp import DistContext
 from ..fileio import atomic_write
-from ..guard import Guard
-from ..initialization import InitFingerprint
-from ..metrics import StepMetrics, interval_record, peak_memory_mib
+from ..policies.guard import Guard
+from ..diagnostics.initialization import InitFingerprint
+from ..policies.metrics import StepMetrics, interval_record, peak_memory_mib
 from ..numerics import snapshot_params, unique_params, update_norm
-from ..records import RunDir, build_snapshot
+from ..records.rundir import RunDir, build_snapshot
 from ..seeding import rng_state, set_rng_state
 from .capture import HostReplay, IncidentCapture
 
@@ -81,7 +81,7 @@ class AdapterOptions:
     """A non-finite loss or grad norm: skip the step on the device and go on; skip it and stop at the log
     boundary; or only record and warn (the host's own skips, e.g. a GradScaler's, still happen)."""
     on_spike: Literal["warn", "skip"] = "warn"
-    """A loss spike (rule: ``stabletrain.guard``): record an event, or also skip the step on the device."""
+    """A loss spike (rule: ``stabletrain.policies.guard``): record an event, or also skip the step on the device."""
     capture: bool = True
     """Capture the first bad step of an interval into ``RUN_DIR/incidents/step_N`` (the state from before it
     is rebuilt from the interval's snapshot by replaying the host's steps: see ``capture.py``)."""
@@ -305,7 +305,7 @@ class RunSession:
         """
         if not self.options.init_check or self.step > 0:
             return None
-        from ..signal_propagation import signal_report
+        from ..diagnostics.signal_propagation import signal_report
 
         rng = rng_state()
         try:

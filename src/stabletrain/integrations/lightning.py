@@ -44,7 +44,7 @@ from torch import Tensor
 
 from ..callbacks import Callback as StableCallback
 from ..data import move_to
-from ..initialization import InitFingerprint
+from ..diagnostics.initialization import InitFingerprint
 from ..internals import skips_on_device
 from ..numerics import grad_norms
 from ..seeding import rng_state

@@ -14,7 +14,7 @@
 
 ``monitor.step`` is :meth:`stabletrain.step.TrainStep.update`, the same step a built-in run takes, on the
 gradients your backward left: unscale (your GradScaler's, if you pass one), measure the global and
-per-parameter grad norms, the sentinel (:class:`~stabletrain.guard.Guard`: finite, spike), clip, apply
+per-parameter grad norms, the sentinel (:class:`~stabletrain.policies.guard.Guard`: finite, spike), clip, apply
 the update (skipped on the device when the step is bad: a fused optimizer or a GradScaler skip without a
 sync; any other optimizer costs one host read per step, warned once), check the parameters. The figures
 stay on the device; every ``log_every`` steps one host sync writes ``metrics.jsonl``, ``events.jsonl``
@@ -33,7 +33,7 @@ as under a GradScaler; ``monitor.last_applied`` is the step's device flag if you
 Resume: save ``monitor.state_dict()`` in your checkpoint, and after restoring your model and optimizer
 build ``Monitor(..., resume=True)`` and call ``load_state_dict``.
 
-Metric keys: those of :data:`stabletrain.events.METRIC_KEYS` (``tokens_per_s`` counts ``num_tokens`` when
+Metric keys: those of :data:`stabletrain.records.events.METRIC_KEYS` (``tokens_per_s`` counts ``num_tokens`` when
 you pass it to :meth:`Monitor.step`, else samples).
 """
 
@@ -48,9 +48,9 @@ import torch
 from torch import Tensor, nn
 
 from ..callbacks import Callback
-from ..clipping import GradClipper
+from ..policies.clipping import GradClipper
 from ..data import move_to
-from ..precision import PrecisionPolicy
+from ..policies.precision import PrecisionPolicy
 from ..seeding import rng_state
 from ..step import TrainStep
 from .capture import KeptStep
@@ -76,7 +76,7 @@ class Monitor:
             else fp32). With "fp16" and no scaler the monitor makes its own and :meth:`backward` scales.
         on_nonfinite: "skip" (the bad step is skipped on the device), "stop" (skipped, then
             :class:`StopTraining` is raised at the log boundary) or "warn" (recorded and warned only).
-        on_spike: "warn" or "skip" a loss spike (rule: :mod:`stabletrain.guard`).
+        on_spike: "warn" or "skip" a loss spike (rule: :mod:`stabletrain.policies.guard`).
         loss_fn: ``loss_fn(model, batch) -> loss`` as your loop computes it: replays the interval's steps for a
             capture and the bad step for its diagnosis (a module-level function can also be replayed later by
             ``stabletrain diagnose``).

@@ -53,7 +53,7 @@ from transformers import Trainer, TrainerCallback
 from ..callbacks import Callback as StableCallback
 from ..console import StableTrainWarning
 from ..data import move_to
-from ..initialization import InitFingerprint
+from ..diagnostics.initialization import InitFingerprint
 from ..internals import find_caller
 from ..numerics import grad_norms
 from ..seeding import rng_state

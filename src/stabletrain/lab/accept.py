@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from ..checks import CheckContext, fixed_batch, run_checks
-from ..clipping import GradClipper
+from ..policies.clipping import GradClipper
 from ..config import load_config
 from ..numerics import unique_params
-from ..optim import build_optimizer
-from ..precision import PrecisionPolicy
+from ..policies.optim import build_optimizer
+from ..policies.precision import PrecisionPolicy
 from ..seeding import seed_everything
 from ..step import TrainStep
 from ..tasks import resolve_task

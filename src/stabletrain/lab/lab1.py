@@ -2,13 +2,13 @@
 
 One 12-layer MLP (the built-in ``mlp`` task's model: 12 Linear layers, an activation between each
 two) per activation, re-initialized with each scheme (or left as torch builds it), measured at step 0
-by :func:`stabletrain.signal_propagation.signal_report` on one fixed batch. Everything is counted in
+by :func:`stabletrain.diagnostics.signal_propagation.signal_report` on one fixed batch. Everything is counted in
 the chapter's unit, layers (the Linear layers 1..12), not in leaf modules. The drift of a scheme is
 the std at the last square Linear over the std at the first (forward), and the gradient std at the
 first square Linear over the last (backward): both read in the direction the signal travels.
 
 "Xavier" is the chapter's: ``nn.init.xavier_uniform_`` with gain 1 (and zero bias). "Kaiming" is
-:func:`stabletrain.initialization.init_`'s, with the gain of the activation that follows (sqrt(2) for
+:func:`stabletrain.diagnostics.initialization.init_`'s, with the gain of the activation that follows (sqrt(2) for
 ReLU, 5/3 for tanh). With ReLU, gain 1 loses half the second moment per layer: the std shrinks by
 1/sqrt(2) per layer, which is what the gain sqrt(2) makes up for.
 """
@@ -19,19 +19,18 @@ import copy
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any
 
 from torch import nn
 
 from ..checks import fixed_batch
-from ..initialization import init_
+from ..diagnostics.initialization import init_
 from ..seeding import seed_everything
-from ..signal_propagation import LayerSignal, SignalReport, plot_signal, signal_report
+from ..diagnostics.signal_propagation import LayerSignal, SignalReport, plot_signal, signal_report
 from ..tasks.mlp import make_task
 from . import Claim, LabResult
 
 #: label -> (scheme, value) or None for torch's own default init. Schemes: ``xavier_uniform`` (value: the gain,
-#: as ``nn.init.xavier_uniform_`` takes it), or one of :func:`~stabletrain.initialization.init_`'s (value: its std).
+#: as ``nn.init.xavier_uniform_`` takes it), or one of :func:`~stabletrain.diagnostics.initialization.init_`'s (value: its std).
 SCHEMES: dict[str, tuple[str, float] | None] = {
     "N(0,1)": ("normal", 1.0),
     "torch default": None,

@@ -1,7 +1,7 @@
 """Lab 2: the device check, what autocast runs in low precision, and the GradScaler at work.
 
-1. The device check is :func:`~stabletrain.precision.resolve_device` and
-   :class:`~stabletrain.precision.PrecisionPolicy` with ``precision=auto``: bf16 autocast on a GPU that
+1. The device check is :func:`~stabletrain.policies.precision.resolve_device` and
+   :class:`~stabletrain.policies.precision.PrecisionPolicy` with ``precision=auto``: bf16 autocast on a GPU that
    has it, float32 where CUDA is missing.
 2. The op-dtype audit of the doctor's ``amp`` check records, under this device's low precision
    (bf16 on CPU), which aten ops produced low-precision outputs and which autocast kept in fp32.
@@ -24,9 +24,9 @@ from ..checks import fixed_batch
 from ..checks.amp import OpDtypeRecorder
 from ..config import load_config
 from ..numerics import unique_params
-from ..optim import build_optimizer
-from ..precision import PrecisionPolicy, resolve_device
-from ..schedule import LRSchedule
+from ..policies.optim import build_optimizer
+from ..policies.precision import PrecisionPolicy, resolve_device
+from ..policies.schedule import LRSchedule
 from ..seeding import seed_everything
 from ..step import TrainStep
 from ..tasks.mlp import make_task

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset, default_collate
 
 from ..data import EpochOrder, WindowStream
-from ..precision import PrecisionPolicy
+from ..policies.precision import PrecisionPolicy
 from ..seeding import seed_everything
 from ..step import TrainStep
 from ..tasks.mlp import make_mlp, make_task

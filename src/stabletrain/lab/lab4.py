@@ -5,7 +5,7 @@ clipping on}. At step ``spike_step`` the loss is multiplied by ``spike`` (a stan
 batch: the gradient grows by the same factor). Every step is :class:`~stabletrain.step.TrainStep`
 with ``measure_update=True``, so the table reads, for the spike step, the pre- and post-clip grad
 norm, whether clipping fired, and ``||Δθ|| = ||θ_t - θ_{t-1}||``, next to the same figures of a
-normal step. The optimizers are the loop's own (:func:`~stabletrain.optim.build_optimizer`).
+normal step. The optimizers are the loop's own (:func:`~stabletrain.policies.optim.build_optimizer`).
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from ..checks import fixed_batch
-from ..clipping import GradClipper
+from ..policies.clipping import GradClipper
 from ..config import load_config
 from ..numerics import unique_params
-from ..optim import build_optimizer
-from ..precision import PrecisionPolicy
+from ..policies.optim import build_optimizer
+from ..policies.precision import PrecisionPolicy
 from ..seeding import seed_everything
 from ..step import TrainStep
 from ..tasks.mlp import make_task

@@ -6,9 +6,9 @@ input row; ``init_`` zeroes the biases, so the first layer maps it to zero). The
 finite (sqrt(0) = 0); the backward of sqrt divides by 2 sqrt(0). The lab runs one forward/backward
 and asks, in the chapter's order: is the grad norm finite (the cheap sentinel), which parameter's
 gradient is the first non-finite one (:func:`~stabletrain.numerics.first_nonfinite_grad`), which op
-and module created it and in which direction (:class:`~stabletrain.nonfinite.NonFiniteLocator`),
-which sample (:func:`~stabletrain.bisection.bisect_samples`), and what anomaly mode says
-(:func:`~stabletrain.nonfinite.anomaly_trace`), with what each costs per step on a clean batch.
+and module created it and in which direction (:class:`~stabletrain.diagnostics.nonfinite.NonFiniteLocator`),
+which sample (:func:`~stabletrain.diagnostics.bisection.bisect_samples`), and what anomaly mode says
+(:func:`~stabletrain.diagnostics.nonfinite.anomaly_trace`), with what each costs per step on a clean batch.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..accumulation import as_sum_count
-from ..initialization import init_
-from ..bisection import bisect_samples
-from ..nonfinite import NonFiniteLocator, anomaly_trace
+from ..policies.accumulation import as_sum_count
+from ..diagnostics.initialization import init_
+from ..diagnostics.bisection import bisect_samples
+from ..diagnostics.nonfinite import NonFiniteLocator, anomaly_trace
 from ..numerics import first_nonfinite_grad, grad_total_norm
 from ..seeding import seed_everything
 from ..tasks.mlp import make_mlp, make_task

@@ -18,7 +18,7 @@ from typing import Any
 from .. import console
 from .._version import __version__
 from ..config import flatten_config
-from ..events import EVENT_KINDS
+from ..records.events import EVENT_KINDS
 from ..fileio import atomic_write
 from .health import Health, health_summary, incident_summary
 from .plots import RUN_PLOT_NAMES, Plot, run_plots
@@ -29,7 +29,7 @@ __all__ = ["write_report", "render_report"]
 
 MAX_TIMELINE_ROWS = 400
 MAX_PROBLEMS = 200
-# Diagnosis fields shown first in the timeline (stabletrain.diagnosis); the rest fold away.
+# Diagnosis fields shown first in the timeline (stabletrain.diagnostics.diagnosis); the rest fold away.
 _DIAGNOSIS_KEYS = ("stage", "op", "direction", "module", "first_nonfinite_param", "bad_samples", "reproduces", "precision")
 
 CSS = """
@@ -89,7 +89,7 @@ footer { margin-top:36px; color:var(--muted); font-size:12px; }
 _LEVEL_WORDS = {"ok": "healthy", "warn": "worth a look", "bad": "problems"}
 
 # (background, text) color of each event kind's label in the timeline: one per kind of
-# stabletrain.events.EVENT_KINDS (a test checks); a kind unknown to this version is grey.
+# stabletrain.records.events.EVENT_KINDS (a test checks); a kind unknown to this version is grey.
 KIND_COLORS: dict[str, tuple[str, str]] = {
     "skip": ("#fff3bf", "#8a5a00"),
     "nonfinite": ("#ffe3e3", "#a61e4d"),

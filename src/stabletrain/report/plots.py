@@ -115,7 +115,7 @@ def _auto_log(ax, *arrays: np.ndarray) -> None:
         ax.set_yscale("log")
 
 
-# How each marked event kind (of stabletrain.events.EVENT_KINDS) is drawn on the curves: a vertical line per step.
+# How each marked event kind (of stabletrain.records.events.EVENT_KINDS) is drawn on the curves: a vertical line per step.
 EVENT_MARKS: dict[str, dict[str, Any]] = {
     "skip": {"color": "#ff9f1c", "linewidth": 0.8, "alpha": 0.6, "label": "skipped step"},
     "spike": {"color": "#9467bd", "linewidth": 1.0, "linestyles": ":", "label": "loss spike"},

@@ -20,12 +20,12 @@ from typing import Any
 
 import yaml
 
-from ..events import EVENT_KINDS, METRIC_KEYS, REPLAY_KINDS
-from ..records import read_jsonl
+from ..records.events import EVENT_KINDS, METRIC_KEYS, REPLAY_KINDS
+from ..records.rundir import read_jsonl
 
 __all__ = ["RunData", "Event", "load_run", "as_number", "KNOWN_METRIC_KEYS"]
 
-# The documented keys (stabletrain.events.METRIC_KEYS) plus the interval length this reader derives;
+# The documented keys (stabletrain.records.events.METRIC_KEYS) plus the interval length this reader derives;
 # any other numeric key (a later version's, a user's) is shown under "other metrics".
 KNOWN_METRIC_KEYS = frozenset(METRIC_KEYS) | {"interval_steps"}
 
@@ -110,7 +110,7 @@ class RunData:
     def counted_events(self, *kinds: str) -> list[Event]:
         """Return the events of ``kinds`` (each one of EVENT_KINDS) that count (not superseded by a resume)."""
         unknown = [k for k in kinds if k not in EVENT_KINDS]
-        assert not unknown, f"event kinds {unknown} are not in stabletrain.events.EVENT_KINDS"
+        assert not unknown, f"event kinds {unknown} are not in stabletrain.records.events.EVENT_KINDS"
         return [e for e in self.events if e.kind in kinds and not e.superseded]
 
     def other_metric_keys(self) -> list[str]:

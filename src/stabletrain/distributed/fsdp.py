@@ -41,9 +41,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .accumulation import AccumulationWindow
-from .internals import scaler_found_inf
-from .precision import PrecisionPolicy
+from ..policies.accumulation import AccumulationWindow
+from ..internals import scaler_found_inf
+from ..policies.precision import PrecisionPolicy
 
 __all__ = [
     "ShardedNumerics",
@@ -134,7 +134,7 @@ class ShardedWindow(AccumulationWindow):
 
     Between reduce-scatters FSDP2 accumulates each parameter's full gradient outside ``param.grad``
     (on its unsharded parameter, or in the reduce dtype under a mixed-precision policy); the window's
-    running renormalization (``D_{i-1} / D_i``, see :mod:`stabletrain.accumulation`) must scale those.
+    running renormalization (``D_{i-1} / D_i``, see :mod:`stabletrain.policies.accumulation`) must scale those.
     """
 
     def __init__(self, model: nn.Module, params: list[Tensor], process_group: Any = None) -> None:
@@ -142,7 +142,7 @@ class ShardedWindow(AccumulationWindow):
         self._records = _fsdp_params(model)  # fixed once sharded: no module walk per micro-batch
         if not self._records and any(True for _ in model.parameters()):
             raise RuntimeError("ShardedWindow: no FSDP2 parameter groups found under the model; shard it with "
-                               "stabletrain.fsdp.shard_model first")
+                               "stabletrain.distributed.fsdp.shard_model first")
         super().__init__(params, process_group)
 
     @property
@@ -290,7 +290,7 @@ def local_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tup
 
     The counterpart of :func:`full_state_dicts` for a snapshot that stays on each rank (the incident
     recorder's, taken at every log interval): stage the result into host buffers
-    (:class:`~stabletrain.staging.StateStager`) before the run changes it, and put a staged copy
+    (:class:`~stabletrain.records.staging.StateStager`) before the run changes it, and put a staged copy
     back with :func:`load_local_state_dicts`. The model dict holds every parameter's and buffer's local
     tensor by name; the optimizer dict holds the per-parameter state (integer ids in parameter-group
     order, DTensor values as their local tensors; ``where`` says which were DTensors) and the

@@ -13,7 +13,7 @@ re-running the one step that went wrong, never for every step of a run.
       if loc.first is not None:
           print(loc.first.describe())   # aten.log.default in forward of module 'layers.2' (origin: ...)
 
-- :func:`stabletrain.bisection.bisect_samples` finds the dataset indices that make a batch go bad.
+- :func:`stabletrain.diagnostics.bisection.bisect_samples` finds the dataset indices that make a batch go bad.
 - :func:`anomaly_trace` replays under ``torch.autograd.detect_anomaly`` and returns the Python
   stack of the forward call behind the first non-finite value.
 """
@@ -42,7 +42,7 @@ __all__ = ["NonFiniteLocator", "NonFiniteOp", "anomaly_trace"]
 # Reported stacks hold the user's frames only: not stabletrain's (the replay machinery), torch's or the stdlib's.
 # A third-party model library's frames (site-packages) stay: a NaN in a Hugging Face model's attention is worth seeing.
 _TORCH_DIR = os.path.join(os.path.dirname(os.path.realpath(torch.__file__)), "")
-_PACKAGE_DIR = os.path.join(os.path.dirname(os.path.realpath(__file__)), "")
+_PACKAGE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "")  # stabletrain/
 _STDLIB_DIR = os.path.join(os.path.realpath(sysconfig.get_paths()["stdlib"]), "")
 _SITE_DIRS = tuple({os.path.join(os.path.realpath(sysconfig.get_paths()[k]), "") for k in ("purelib", "platlib")})
 # Ops that only move a value from Python into a tensor: an inf they produce is a constant someone wrote.

@@ -4,8 +4,8 @@ Everything a run knows lands here in plain formats (DESIGN.md, principle 5)::
 
     RUN_DIR/config.yaml     the resolved config, every default written out
     RUN_DIR/snapshot.json   code version, library versions, device, seed, data fingerprint
-    RUN_DIR/metrics.jsonl   one line per log interval (keys: stabletrain.events.METRIC_KEYS)
-    RUN_DIR/events.jsonl    one line per event: {"step", "kind", "reason", ...} (kinds: stabletrain.events.EVENT_KINDS)
+    RUN_DIR/metrics.jsonl   one line per log interval (keys: stabletrain.records.events.METRIC_KEYS)
+    RUN_DIR/events.jsonl    one line per event: {"step", "kind", "reason", ...} (kinds: stabletrain.records.events.EVENT_KINDS)
     RUN_DIR/tb/             TensorBoard event files
     RUN_DIR/launch.json     the processes running on it (host, pid, start time), while they run
 """
@@ -29,10 +29,10 @@ from typing import Any
 import torch
 import yaml
 
-from ._version import __version__
-from .config import Config, config_hash, config_to_dict
+from .._version import __version__
+from ..config import Config, config_hash, config_to_dict
 from .events import EVENT_KINDS
-from .fileio import atomic_write
+from ..fileio import atomic_write
 
 __all__ = ["RunDir", "JsonlWriter", "read_jsonl", "build_snapshot", "git_info", "OUTPUT_MARKER", "mark_output_dir",
            "is_stabletrain_output", "LAUNCH_FILE", "this_process", "is_running", "running_launch", "refuse_if_running"]
@@ -316,9 +316,9 @@ class RunDir:
         atomic_write(self.path / "snapshot.json", json.dumps(_clean(snapshot), indent=2) + "\n")
 
     def event(self, step: int, kind: str, reason: str, **fields: Any) -> dict[str, Any]:
-        """Append one line to events.jsonl and return it; ``kind`` must be one of :data:`~stabletrain.events.EVENT_KINDS`."""
+        """Append one line to events.jsonl and return it; ``kind`` must be one of :data:`~stabletrain.records.events.EVENT_KINDS`."""
         if kind not in EVENT_KINDS:
-            raise ValueError(f"event kind {kind!r} is not one of stabletrain.events.EVENT_KINDS "
+            raise ValueError(f"event kind {kind!r} is not one of stabletrain.records.events.EVENT_KINDS "
                              f"({', '.join(EVENT_KINDS)}); add it there with its meaning")
         record = {"step": step, "kind": kind, "reason": reason, "time": round(time.time(), 3), **fields}
         self.events.write(record)

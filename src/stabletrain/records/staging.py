@@ -51,7 +51,7 @@ class StateStager:
     Tensors that are views of the same memory with the same layout (tied weights) share one buffer, so
     the file holds them once, as ``torch.save`` of the live state would. Containers are rebuilt and other
     leaves deep-copied, so the caller may go on changing its state. Staging again overwrites the buffers:
-    only after the previous copy is no longer read (:class:`~stabletrain.checkpoint.CheckpointManager`
+    only after the previous copy is no longer read (:class:`~stabletrain.records.checkpoint.CheckpointManager`
     keeps one save in flight).
     """
 
@@ -312,7 +312,7 @@ def state_kept(get: Callable[[], Any], put: Callable[[Any], None]) -> Iterator[N
     The state is staged into host buffers of its own (device memory stays flat). The RNG streams are put
     back too, so code after the block draws the same numbers as if it had not run.
     """
-    from .seeding import rng_state, set_rng_state
+    from ..seeding import rng_state, set_rng_state
 
     rng = rng_state()
     saved, ready = StateStager().stage(get())

@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten_with_path, tree_unflatten
 
-from .config import dotted_key
+from ..config import dotted_key
 
 __all__ = [
     "DCP_DIR",
@@ -78,7 +78,7 @@ def sharded_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> t
 
     An optimizer that has not stepped is returned as ``optimizer.state_dict()`` (no per-parameter state):
     torch's ``get_optimizer_state_dict`` would first run a zero-lr step to create the state, which
-    advances Adam's step count (see :func:`stabletrain.fsdp.full_state_dicts`).
+    advances Adam's step count (see :func:`stabletrain.distributed.fsdp.full_state_dicts`).
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 

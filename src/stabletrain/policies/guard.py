@@ -9,7 +9,7 @@ Once per log interval, the loop checks on the interval's last step that the para
 (one fused pass, :func:`~stabletrain.numerics.all_params_finite`): a non-finite parameter can only come
 from an applied update (a step with a non-finite loss or norm is skipped), and the capture's replay
 pins the update that broke them (:attr:`GuardDecision.locate`). The host learns what happened once per
-log interval (the rows of :class:`~stabletrain.metrics.StepMetrics`) and then acts: events, incident
+log interval (the rows of :class:`~stabletrain.policies.metrics.StepMetrics`) and then acts: events, incident
 capture, stop or rollback (:meth:`Guard.decide`).
 
 Spike rule, stated: a step's loss is a spike when it exceeds ``spike_ratio`` times the median (the
@@ -22,7 +22,7 @@ log boundary (:meth:`Guard.mark_spikes`), so the step pays nothing for it.
 
 Under DDP every input to these decisions is the same on every rank (the window's all-reduced loss,
 the norm of the all-reduced gradients, parameters kept in lockstep), so every rank skips, stops and
-rolls back together without a collective of its own; :mod:`stabletrain.distributed` says why a
+rolls back together without a collective of its own; :mod:`stabletrain.distributed.ddp` says why a
 non-finite gradient on one rank is non-finite on all.
 """
 
@@ -38,8 +38,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .config import GuardConfig
-from .numerics import both_finite
+from ..config import GuardConfig
+from ..numerics import both_finite
 
 __all__ = ["Guard", "GuardDecision", "inputs_finite"]
 

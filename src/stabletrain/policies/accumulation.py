@@ -14,9 +14,9 @@ each overflow costs a skipped step): before micro-batch i's backward the window 
 accumulated so far by ``D_{i-1} / D_i`` and backpropagates ``loss_sum_i / D_i``.
 
 Under DDP the global count is known only once the ranks have talked. The built-in loop's DDP
-(:func:`stabletrain.distributed.data_parallel`) lets the window's numbers travel with the gradients,
+(:func:`stabletrain.distributed.ddp.data_parallel`) lets the window's numbers travel with the gradients,
 so a step has ONE collective: this rank's (loss sum, count, inputs flag) ride the gradient all-reduce
-(:class:`~stabletrain.distributed.WindowCarrier`). With raw sums they are the gradient of a small
+(:class:`~stabletrain.distributed.ddp.WindowCarrier`). With raw sums they are the gradient of a small
 parameter DDP reduces with the model's (its own C++ all-reduce, no Python per bucket): the gradients
 then hold the window's global sum / world size, and ``grad_scale`` = world size / global count. With a
 GradScaler a comm hook multiplies each bucket by this rank's running count (its unnormalized sum, in
@@ -105,7 +105,7 @@ class AccumulationWindow:
 
         ``inputs_ok`` (on the last micro-batch): whether this rank's inputs of the whole window were
         finite; afterwards :attr:`inputs_ok` holds it for all ranks (None when not given).
-        ``carrier`` (DDP): the :class:`~stabletrain.distributed.WindowCarrier` the window's numbers travel
+        ``carrier`` (DDP): the :class:`~stabletrain.distributed.ddp.WindowCarrier` the window's numbers travel
         with through the gradient all-reduce (see the module docstring); then the last backward must go
         through that DDP model, and :attr:`grad_scale` must be applied to the gradients. One that carries
         nothing (``travels`` false) is ignored.
@@ -160,7 +160,7 @@ class AccumulationWindow:
             if stats is None:
                 raise RuntimeError("the accumulation window's numbers were not reduced: no gradient all-reduce ran "
                                    "after the last micro-batch (the backward must go through the DDP model that "
-                                   "stabletrain.distributed.data_parallel or register_carrier_hook set up)")
+                                   "stabletrain.distributed.ddp.data_parallel or register_carrier_hook set up)")
             self._global = (stats[0].float(), stats[1].float(), stats[2] == 0 if self._carried_inputs else None)
         if self._global is None:
             raise RuntimeError("the accumulation window's totals are known only after its last micro-batch")

@@ -30,7 +30,7 @@ Loading never executes code: every file goes through ``torch.load(weights_only=T
 that needs more (a pickled class or function) is refused with a message saying so.
 
 Under FSDP2 a checkpoint directory may also hold a ``dcp/`` folder: each rank's shards of the model
-and optimizer, written by ``torch.distributed.checkpoint`` (:mod:`stabletrain.sharded_checkpoint`),
+and optimizer, written by ``torch.distributed.checkpoint`` (:mod:`stabletrain.distributed.sharded_checkpoint`),
 while state.pt holds the rest. The manager then waits for the shards before writing state.pt
 (:meth:`CheckpointManager.begin_sharded`, ``save_async(shards=...)``), and verification also checks
 the folder: ``.metadata`` complete and naming every key, every shard file it references present.
@@ -56,10 +56,10 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten_with_path
 
-from ._version import __version__
-from .config import dotted_key
-from .fileio import atomic_write, fsync_dir
-from .sharded_checkpoint import DCP_DIR, ShardedSave, attach_path, to_full_state, verify_dcp
+from .._version import __version__
+from ..config import dotted_key
+from ..fileio import atomic_write, fsync_dir
+from ..distributed.sharded_checkpoint import DCP_DIR, ShardedSave, attach_path, to_full_state, verify_dcp
 from .staging import StateStager  # the staging copy; re-exported here, where it used to live
 
 __all__ = [
@@ -610,7 +610,7 @@ class CheckpointManager:
 
         Good means: meta.json readable, state.pt of the recorded size and sha256, loadable with
         ``weights_only=True``, and the ``require_finite`` tensors finite; a sharded checkpoint's DCP
-        folder complete (:func:`~stabletrain.sharded_checkpoint.verify_dcp`). Reads the whole state.pt
+        folder complete (:func:`~stabletrain.distributed.sharded_checkpoint.verify_dcp`). Reads the whole state.pt
         twice (hash, then a memory-mapped load); of the DCP folder only ``.metadata`` and the file sizes.
         """
         try:

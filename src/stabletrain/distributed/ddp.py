@@ -326,7 +326,7 @@ class WindowCarrier:
     peer) from an error of the backward's graph (:func:`is_peer_failure`). Which rank saw a non-finite
     value is read from each rank's own loss and inputs every step; a rank whose loss was finite but
     whose own gradients were not is named by the incident capture, which backpropagates the bad step on
-    every rank without the all-reduce (:mod:`stabletrain.callbacks.incidents`): a per-bucket check cost
+    every rank without the all-reduce (:mod:`stabletrain.services.incidents`): a per-bucket check cost
     0.27 ms a step on gpt.
     A carrier that does neither (FSDP: ``travels`` false) only marks the step as distributed.
     """
@@ -439,7 +439,7 @@ def _allreduce_carrying(state, bucket):  # no annotations: DDP checks them, and 
     """DDP comm hook: all-reduce the bucket, with the window's numbers if any.
 
     Without carried numbers: DDP's default (divide by the world size, sum). With them (see
-    :mod:`stabletrain.accumulation`): sum (after multiplying by this rank's count, unless the grads hold
+    :mod:`stabletrain.policies.accumulation`): sum (after multiplying by this rank's count, unless the grads hold
     its raw sum already), and append the numbers to bucket 0 (the first launched, and the smallest: DDP
     caps it at 1 MiB), so they cost no collective of their own. A bucket in a low-precision dtype cannot
     hold a count exactly: its numbers go in a second all-reduce, launched at once in float64, never

@@ -50,8 +50,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
-from .accumulation import as_sum_count
-from .numerics import unique_params
+from ..policies.accumulation import as_sum_count
+from ..numerics import unique_params
 from .initialization import activation_name, is_norm, recommend_scheme
 
 __all__ = [

@@ -3,7 +3,7 @@
 :func:`run_diagnosis` drives a *replayer* (an object that resets the model and RNG to the step's
 start, runs the step's forward/backward and, optionally, its update — :class:`stabletrain.replay`
 builds one from the run's own :class:`~stabletrain.step.TrainStep`) under
-:class:`~stabletrain.nonfinite.NonFiniteLocator`, and answers, in a JSON-safe dict:
+:class:`~stabletrain.diagnostics.nonfinite.NonFiniteLocator`, and answers, in a JSON-safe dict:
 
 - the stage where the first non-finite value appeared: inputs -> activations -> loss -> gradients
   -> update (or ``"none"``);
@@ -35,7 +35,7 @@ from torch.utils.data import default_collate
 
 from .bisection import Bisection, bisect_samples
 from .nonfinite import NonFiniteLocator, NonFiniteOp, anomaly_trace
-from .numerics import first_nonfinite_grad
+from ..numerics import first_nonfinite_grad
 
 __all__ = ["STAGES", "run_diagnosis"]
 

@@ -1,7 +1,7 @@
 """Which samples make a batch go bad: group testing by halving over the batch's dataset indices.
 
 The caller says what "bad" means (``is_bad(subset)`` replays the step on those samples: see
-:func:`stabletrain.diagnosis.run_diagnosis`); this module only searches.
+:func:`stabletrain.diagnostics.diagnosis.run_diagnosis`); this module only searches.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What a run directory's two logs may hold: every event kind and every metric key, with its meaning.
 
-The one table of each (DESIGN.md, "Each fact once"). :meth:`stabletrain.records.RunDir.event` refuses
+The one table of each (DESIGN.md, "Each fact once"). :meth:`stabletrain.records.rundir.RunDir.event` refuses
 a kind missing here, the report reads its known kinds and keys from here, and a test checks the
 README's tables against these. A new event or metric is added here first, with its meaning.
 
@@ -51,7 +51,7 @@ METRIC_KEYS: dict[str, str] = {
     "loss_scale": "GradScaler scale after the interval's last step (1.0 without a scaler)",
     "num_skipped": "steps whose update was skipped in the interval (non-finite, overflow, spike)",
     "num_nonfinite": "steps with a non-finite loss, grad norm or (after the update) parameter in the interval",
-    "num_spikes": "loss spikes in the interval (rule: stabletrain.guard)",
+    "num_spikes": "loss spikes in the interval (rule: stabletrain.policies.guard)",
     "num_incidents": "incidents so far in the run",
     "num_rollbacks": "rollbacks so far in the run",
     "tokens_per_s": "tokens per second over the interval's wall time (tokens = items a (sum, count) loss counts)",

@@ -19,7 +19,7 @@ loss_scale             GradScaler scale (1.0 without a scaler)
 num_skipped            steps whose update was skipped in the interval (non-finite, overflow, spike)
 num_nonfinite          steps with a non-finite loss or grad norm, or whose parameter check failed (an fp16
                        overflow the GradScaler backs off from is a skip, not counted here)
-num_spikes             loss spikes in the interval (rule: stabletrain.guard)
+num_spikes             loss spikes in the interval (rule: stabletrain.policies.guard)
 update_norm,           ||theta_t - theta_(t-1)|| of the interval's last step, and its ratio to ||theta_(t-1)||
 update_ratio           (measured on that step only: one parameter copy per interval)
 num_incidents,         incidents and rollbacks so far in the run (added by the loop)
@@ -85,7 +85,7 @@ class _Row:
 class StepMetrics:
     """Device-side accumulators for one log interval of at most ``capacity`` steps.
 
-    ``dist``: a :class:`~stabletrain.distributed.DistContext`; with more than one rank each rank also
+    ``dist``: a :class:`~stabletrain.distributed.ddp.DistContext`; with more than one rank each rank also
     records its local non-finite flag per step, gathered by :meth:`reduce`. ``local``: under DDP, the
     columns that hold this rank's own value (an adapter's host computes each rank's loss and count on its
     own): gathered in the same all-gather, a row's ``loss`` becomes the mean over the ranks (NaN if any
@@ -179,7 +179,7 @@ class StepMetrics:
         """Return (summary, per-step rows, per-parameter squared-norm sums) and reset. ONE host sync.
 
         ``annotate``: fills in row values decided on the host before the summary is made (the guard's
-        spike rule, :meth:`stabletrain.guard.Guard.mark_spikes`).
+        spike rule, :meth:`stabletrain.policies.guard.Guard.mark_spikes`).
 
         Under DDP also one all-gather (every rank must call this at the same step): each row's
         ``ranks`` and the summary's ``interval_signal`` (the largest ``signal`` any rank passed) come from it.
@@ -281,7 +281,7 @@ def interval_record(summary: dict[str, Any], param_sq: list[float], names: list[
     ``elapsed_s``: the interval's wall time without validation; ``names``: the parameter names in
     ``param_sq`` order; ``progress``: data progress and run-wide counters (epoch, samples_seen,
     tokens_seen, num_incidents, ...); ``extra``: anything else for this line (val_loss, world_size).
-    The keys are those of :data:`stabletrain.events.METRIC_KEYS`.
+    The keys are those of :data:`stabletrain.records.events.METRIC_KEYS`.
     """
     total_sq = sum(param_sq) or 1.0
     top = sorted(range(len(param_sq)), key=lambda i: -param_sq[i])[:top_layers]

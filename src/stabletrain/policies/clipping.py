@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .numerics import grad_norms
+from ..numerics import grad_norms
 
 __all__ = ["grad_norms", "GradClipper"]  # grad_norms lives in numerics; re-exported here
 
@@ -32,7 +32,7 @@ class GradClipper:
         A non-finite norm leaves the grads as they are (the step is skipped and reported instead):
         scaling by max_norm/inf would zero them and hide the incident. ``grad_scale``: a device scalar
         the grads still need multiplying by (DDP: 1 / the window's global count, see
-        :mod:`stabletrain.accumulation`), applied in the same pass; ``total_norm`` is then the norm of
+        :mod:`stabletrain.policies.accumulation`), applied in the same pass; ``total_norm`` is then the norm of
         the scaled grads. Without clipping that multiply is the only pass.
         """
         self._factor = None

@@ -1,6 +1,6 @@
 """The checkpoint keeper: periodic saves from healthy states, LAST_GOOD, resume and rollback.
 
-Storage (atomic write, verification, LAST_GOOD, pruning) is :class:`~stabletrain.checkpoint.CheckpointManager`;
+Storage (atomic write, verification, LAST_GOOD, pruning) is :class:`~stabletrain.records.checkpoint.CheckpointManager`;
 this callback decides when and from what state. Under DDP rank 0 picks the checkpoint to load and
 writes; every rank sends it its RNG state and data position.
 
@@ -12,7 +12,7 @@ replay from it, the run's last checkpoint, the end of the fit) waits for it firs
 :meth:`CheckpointKeeper.finished` once it is known, so rank 0's main thread records the event.
 
 Under FSDP with more than one rank (``dist.checkpoint=sharded``) every rank writes its own shards of
-the model and optimizer through DCP (:mod:`stabletrain.sharded_checkpoint`) and rank 0 the rest; a
+the model and optimizer through DCP (:mod:`stabletrain.distributed.sharded_checkpoint`) and rank 0 the rest; a
 non-finite shard on any rank withholds the checkpoint on every rank. A resume under another world
 size is resharded (the event says so, with both world sizes and global batches).
 """
@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from .. import console
-from ..checkpoint import CheckpointError, LoadedCheckpoint, PendingSave, first_nonfinite
+from ..records.checkpoint import CheckpointError, LoadedCheckpoint, PendingSave, first_nonfinite
 from ..config import (RESHARD_SAFE_KEYS, RESUME_SAFE_KEYS, config_hash, config_to_dict, diff_configs,
                       resume_refusal_message)
-from ..sharded_checkpoint import ShardedSaver, local_tensors, split_for_dcp
-from . import Callback, FitState
+from ..distributed.sharded_checkpoint import ShardedSaver, local_tensors, split_for_dcp
+from ..callbacks import Callback, FitState
 
 __all__ = ["CheckpointKeeper", "schedule_change_note"]
 
@@ -41,7 +41,7 @@ def schedule_change_note(cfg: Any, old_max_steps: int, step: int) -> str:
     """
     import torch
 
-    from ..schedule import lr_factor
+    from ..policies.schedule import lr_factor
 
     s, lr = cfg.sched, cfg.optim.lr
     n = torch.tensor(float(step))  # applied steps ~ steps (a skipped step holds the LR)
@@ -165,7 +165,7 @@ class CheckpointKeeper(Callback):
         return self._saver
 
     def _save_sharded(self, state: FitState, saver: ShardedSaver, wait: bool) -> list[dict[str, Any]]:
-        """:meth:`save` through DCP (:mod:`stabletrain.sharded_checkpoint`): every rank writes its own shards.
+        """:meth:`save` through DCP (:mod:`stabletrain.distributed.sharded_checkpoint`): every rank writes its own shards.
 
         Every rank checks its shards; the verdicts travel with the RNG states and data positions (the
         one all_gather_object), so every rank withholds the same checkpoint, before anything is staged.

@@ -1,11 +1,11 @@
 """The incident recorder: capture the first bad step of an interval into ``incidents/step_N`` and diagnose it.
 
 At each interval start (``guard.memory_snapshot``, the default) the recorder copies the whole state
-into host buffers that are reused from one interval to the next (:class:`~stabletrain.staging.StateStager`:
+into host buffers that are reused from one interval to the next (:class:`~stabletrain.records.staging.StateStager`:
 from CUDA pinned and non-blocking, so device memory does not double and the step does not wait).
 Under DDP the parameters and optimizer state are the same on every rank: each rank copies its share
 of them (about 1/world of their bytes) and all of its own state, and the capture completes the
-snapshot with one broadcast per tensor from its owner (:func:`~stabletrain.staging.fill_withheld`).
+snapshot with one broadcast per tensor from its owner (:func:`~stabletrain.records.staging.fill_withheld`).
 Under FSDP each rank copies its own shards of the model and optimizer (``state_dict(local=True)``:
 no collective) and the capture copies them back in place. The capture replays from that snapshot
 to just before the bad step, on every rank together, with the same :class:`~stabletrain.step.TrainStep`
@@ -29,19 +29,19 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .. import console
-from ..accumulation import as_sum_count
+from ..policies.accumulation import as_sum_count
 from ..config import config_to_dict
-from ..incidents import BUNDLE_DCP_DIR, write_bundle
+from ..records.incidents import BUNDLE_DCP_DIR, write_bundle
 from ..data import move_to
 from ..numerics import first_nonfinite_grad, unique_params
-from ..precision import PrecisionPolicy
+from ..policies.precision import PrecisionPolicy
 from ..replay import diagnose_incident
 from ..seeding import rng_state, set_rng_state
-from ..sharded_checkpoint import split_for_dcp
-from ..staging import StateStager, fill_withheld
+from ..distributed.sharded_checkpoint import split_for_dcp
+from ..records.staging import StateStager, fill_withheld
 from ..tasks import Task, resolve_task
-from . import Callback, FitState
-from .checkpointing import CheckpointKeeper
+from ..callbacks import Callback, FitState
+from .checkpoints import CheckpointKeeper
 
 __all__ = ["IncidentRecorder", "clone_state", "copy_state_into"]
 
@@ -297,8 +297,8 @@ class IncidentRecorder(Callback):
         """FSDP: every rank writes its shards of the model and optimizer into ``incidents/step_N/dcp`` (a collective).
 
         Returns the rest of the state in host memory, with DCP markers in place of the model and the
-        optimizer (:func:`~stabletrain.sharded_checkpoint.split_for_dcp`): what rank 0's bundle holds.
-        No rank holds more than its shards: :func:`~stabletrain.incidents.load_bundle` reads them whole
+        optimizer (:func:`~stabletrain.distributed.sharded_checkpoint.split_for_dcp`): what rank 0's bundle holds.
+        No rank holds more than its shards: :func:`~stabletrain.records.incidents.load_bundle` reads them whole
         for the one-process diagnosis. None without a run directory.
         """
         import torch.distributed.checkpoint as dcp

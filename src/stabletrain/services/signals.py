@@ -6,7 +6,7 @@ import signal
 import threading
 from typing import Any
 
-from . import Callback, FitState
+from ..callbacks import Callback, FitState
 
 __all__ = ["SignalHandler"]
 

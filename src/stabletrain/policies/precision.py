@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .console import StableTrainWarning
-from .internals import fused_skip, scaler_found_inf, scaler_scale, skips_on_device
+from ..console import StableTrainWarning
+from ..internals import fused_skip, scaler_found_inf, scaler_scale, skips_on_device
 
 __all__ = ["PrecisionPolicy", "resolve_precision", "resolve_device"]
 

@@ -4,7 +4,7 @@ The built-in choices are built ``fused=True`` on CPU and CUDA: a fused optimizer
 as a device tensor (``found_inf``) and a tensor lr, so neither the guard's skip nor the LR schedule
 reads anything on the host. A task's own optimizer (``Task(optimizer=lambda named_params: ...)``) may
 be anything: one that cannot skip on the device costs one host sync per step
-(:meth:`~stabletrain.precision.PrecisionPolicy.step`), measured in ``bench/overhead.py``.
+(:meth:`~stabletrain.policies.precision.PrecisionPolicy.step`), measured in ``bench/overhead.py``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .numerics import unique_params
+from ..numerics import unique_params
 
 __all__ = ["build_optimizer", "OptimizerFactory", "check_materialized", "check_optimizer_holds"]
 
@@ -37,7 +37,7 @@ def build_optimizer(named_params: list[tuple[str, nn.Parameter]], optim: Any, de
     ``optim`` is the config's ``optim`` section (:class:`~stabletrain.config.OptimConfig`). ``sharded``
     (FSDP2: DTensor parameters): torch has no DTensor rule for fused SGD (``aten._fused_sgd_``, with a
     float or a tensor lr), so SGD is built ``foreach=True`` there: its skip flag and lr are then read on
-    the host once per step (:meth:`~stabletrain.precision.PrecisionPolicy.step`); AdamW and Adam stay fused.
+    the host once per step (:meth:`~stabletrain.policies.precision.PrecisionPolicy.step`); AdamW and Adam stay fused.
     """
     if factory is not None:
         optimizer = factory(named_params)

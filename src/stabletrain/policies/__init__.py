@@ -1,0 +1,1 @@
+"""The step's policies: precision, accumulation, clipping, guard, metrics, LR schedule, optimizer."""

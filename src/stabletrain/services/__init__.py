@@ -1,0 +1,1 @@
+"""What the loop drives by name: the checkpoint keeper, the incident recorder, the signal handler."""
