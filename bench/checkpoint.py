@@ -31,7 +31,8 @@ import torch
 from overhead import QUICK_ARGS, load_average  # bench/ is the script's directory
 
 from stabletrain import Trainer, load_config
-from stabletrain.records.checkpoint import CheckpointManager, first_nonfinite
+from stabletrain.records.checkpoint.files import first_nonfinite
+from stabletrain.records.checkpoint.manager import CheckpointManager
 from stabletrain.records.staging import StateStager
 from stabletrain.config import config_hash, config_to_dict
 

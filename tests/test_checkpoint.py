@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import stabletrain
-from stabletrain.records.checkpoint import CheckpointError, CheckpointManager, first_nonfinite, load_state_file
+from stabletrain.records.checkpoint.files import CheckpointError, first_nonfinite, load_state_file
+from stabletrain.records.checkpoint.manager import CheckpointManager
 from stabletrain.config import config_to_dict
 from stabletrain.seeding import set_rng_state
 
@@ -144,7 +145,7 @@ CRASH = textwrap.dedent("""
     import os, signal, sys, torch
     sys.path.insert(0, {tests!r})
     from test_checkpoint import tiny_state
-    from stabletrain.records.checkpoint import CheckpointManager
+    from stabletrain.records.checkpoint.manager import CheckpointManager
 
     root, mode = sys.argv[1], sys.argv[2]
     m = CheckpointManager(root)
@@ -446,7 +447,7 @@ def test_a_withheld_background_save_is_done_at_once_and_writes_nothing(tmp_path)
 def test_a_failed_background_save_is_a_checkpoint_failed_event_and_training_goes_on(tmp_path, monkeypatch):
     import threading
 
-    import stabletrain.records.checkpoint as ckpt_module
+    import stabletrain.records.checkpoint.files as ckpt_module
 
     real_write, threads = ckpt_module.atomic_write, []
 

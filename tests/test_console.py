@@ -13,7 +13,7 @@ import pytest
 
 from helpers import cfg, regression_task
 from stabletrain import Trainer
-from stabletrain.records.checkpoint import CheckpointManager
+from stabletrain.records.checkpoint.manager import CheckpointManager
 from stabletrain.cli import main
 from stabletrain.config import ConfigError
 from stabletrain.console import StableTrainWarning

@@ -21,7 +21,7 @@ from helpers import cfg
 from multiproc import FAST, TESTS, TORCHRUN, descendants, env, events, run, stabletrain, steps_logged, wait_for_step
 
 from stabletrain import Trainer
-from stabletrain.records.checkpoint import CheckpointManager
+from stabletrain.records.checkpoint.manager import CheckpointManager
 from stabletrain.data import EpochOrder
 from stabletrain.records.incidents import load_bundle
 

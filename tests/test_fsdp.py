@@ -14,7 +14,7 @@ from helpers import cfg
 from multiproc import FAST, TESTS, TORCHRUN, env, events, run, stabletrain
 
 from stabletrain import Trainer
-from stabletrain.records.checkpoint import CheckpointManager
+from stabletrain.records.checkpoint.manager import CheckpointManager
 from stabletrain.config import ConfigError
 from stabletrain.data import EpochOrder
 from stabletrain.distributed.fsdp import ShardedNumerics, default_blocks, shard_model

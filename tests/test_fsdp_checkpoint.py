@@ -19,7 +19,8 @@ from helpers import cfg
 from multiproc import FAST, descendants, env, events, run, stabletrain, wait_for_step
 
 from stabletrain import Trainer
-from stabletrain.records.checkpoint import CheckpointError, CheckpointManager
+from stabletrain.records.checkpoint.files import CheckpointError
+from stabletrain.records.checkpoint.manager import CheckpointManager
 from stabletrain.distributed.sharded_checkpoint import (ShardedSave, ShardedSaver, read_full_tensors, read_metadata,
                                             sharded_state_dicts, split_for_dcp)
 

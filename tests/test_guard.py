@@ -13,7 +13,7 @@ import torch
 
 from helpers import PoisonAt, cfg, nan_sample_task, regression_task
 from stabletrain import Trainer
-from stabletrain.records.checkpoint import CheckpointManager
+from stabletrain.records.checkpoint.manager import CheckpointManager
 from stabletrain.config import GuardConfig
 from stabletrain.data import EpochOrder
 from stabletrain.policies.guard import Guard

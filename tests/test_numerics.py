@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from stabletrain.records.checkpoint import first_nonfinite
+from stabletrain.records.checkpoint.files import first_nonfinite
 from stabletrain.numerics import all_params_finite
 
 HUGE_FP32 = torch.full((1000,), 1e30)  # finite, but its L2 norm's squares (1e60) overflow fp32

@@ -17,7 +17,7 @@ from multiproc import FAST, TESTS, TORCHRUN, events, run
 from ckpt_worker import record_windows
 
 from stabletrain import Trainer
-from stabletrain.records.checkpoint import CheckpointManager
+from stabletrain.records.checkpoint.manager import CheckpointManager
 
 pytestmark = pytest.mark.slow  # 2-process torchrun runs
 

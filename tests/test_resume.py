@@ -14,7 +14,7 @@ import pytest
 import torch
 from multiproc import steps_logged
 
-from stabletrain.records.checkpoint import CheckpointManager
+from stabletrain.records.checkpoint.manager import CheckpointManager
 
 pytestmark = pytest.mark.slow  # subprocess runs killed and resumed
 

@@ -15,7 +15,8 @@ from .step import TrainStep
 from .policies.optim import build_optimizer
 from .callbacks import Callback, FitState
 from .loop import Trainer
-from .records.checkpoint import CheckpointError, CheckpointManager
+from .records.checkpoint.files import CheckpointError
+from .records.checkpoint.manager import CheckpointManager
 from .policies.guard import Guard
 from .replay import diagnose_incident, diagnose_step
 from .diagnostics.initialization import InitChange, InitFingerprint, init_

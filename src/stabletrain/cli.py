@@ -16,7 +16,7 @@ from pathlib import Path
 
 from . import console
 from ._version import __version__
-from .records.checkpoint import CheckpointError
+from .records.checkpoint.files import CheckpointError
 from .config import ConfigError, describe_keys, load_config, load_yaml, resume_safe_text
 from .errors import brief, format_task_error, raised_by_stabletrain, task_part
 from .tasks import TaskError

@@ -51,7 +51,7 @@ class StateStager:
     Tensors that are views of the same memory with the same layout (tied weights) share one buffer, so
     the file holds them once, as ``torch.save`` of the live state would. Containers are rebuilt and other
     leaves deep-copied, so the caller may go on changing its state. Staging again overwrites the buffers:
-    only after the previous copy is no longer read (:class:`~stabletrain.records.checkpoint.CheckpointManager`
+    only after the previous copy is no longer read (:class:`~stabletrain.records.checkpoint.manager.CheckpointManager`
     keeps one save in flight).
     """
 

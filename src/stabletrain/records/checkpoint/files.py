@@ -1,0 +1,251 @@
+"""One checkpoint directory's files: state.pt and meta.json, how they are written, checked and loaded.
+
+``state.pt`` is written through a writer that hashes the bytes as they pass, so its sha256 and size
+go into meta.json without reading the file back. Loading never executes code: every file goes
+through ``torch.load(weights_only=True)``, and a file that needs more (a pickled class or function)
+is refused with a message saying so. :func:`load_checked` is the one definition of a good
+checkpoint directory: what verification and loading both apply.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import pickle
+import re
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten_with_path
+
+from ..._version import __version__
+from ...config import dotted_key
+from ...distributed.sharded_checkpoint import attach_path, verify_dcp
+from ...fileio import atomic_write
+
+__all__ = ["CheckpointError", "first_nonfinite", "load_state_file", "load_checked", "write_files", "checked_meta",
+           "STATE_FILE", "META_FILE", "FORMAT_VERSION"]
+
+FORMAT_VERSION = 1
+STATE_FILE = "state.pt"
+META_FILE = "meta.json"
+
+_CHUNK = 8 << 20  # bytes per read when hashing a file
+
+# Keys written into meta.json beside the caller's meta, which may not use them.
+_RESERVED_META = ("format", "step", "time", "unix_time", "state_file", "state_sha256", "state_bytes", "versions")
+
+
+class CheckpointError(RuntimeError):
+    """No checkpoint could be written or loaded. ``path`` is the directory, ``problems`` what went wrong."""
+
+    def __init__(self, message: str, path: Path | None = None, problems: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.path = path
+        self.problems = list(problems)
+
+
+# ---------------------------------------------------------------------------------------------
+# Finiteness
+
+
+def _leaves(obj: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+    """Yield (dotted key path, leaf) of nested dicts, lists and tuples, in insertion order."""
+    for path, leaf in tree_flatten_with_path(obj)[0]:
+        yield dotted_key(path, prefix), leaf
+
+
+def first_nonfinite(state: dict[str, Any], scope: Sequence[str] | None = None) -> str | None:
+    """Return the dotted key path of the first NaN/Inf tensor or float in ``state``, or None if all are finite.
+
+    ``scope`` limits the check to these top-level keys (e.g. ``("model", "optimizer")``); None checks
+    everything. A scope key missing from ``state`` is a ValueError. Forces one host-device sync per
+    device holding tensors (fp64 ones apart), plus one more where a tensor's norm is not finite.
+    """
+    if scope is not None:
+        missing = [k for k in scope if k not in state]
+        if missing:
+            raise ValueError(f"the state has no key {missing[0]!r} to check for finiteness "
+                             f"(its keys: {', '.join(map(str, state))})")
+        items = ((k, state[k]) for k in scope)
+    else:
+        items = iter(state.items())
+    order: list[str] = []  # key paths of the checked leaves, in walk order
+    bad: list[int] = []
+    groups: dict[tuple[torch.device, torch.dtype], list[tuple[int, Tensor]]] = {}
+    for top, value in items:
+        for path, leaf in _leaves(value, str(top)):
+            if isinstance(leaf, float) and not math.isfinite(leaf):
+                bad.append(len(order))
+                order.append(path)
+            elif isinstance(leaf, Tensor) and leaf.numel() and (leaf.is_floating_point() or leaf.is_complex()):
+                t = leaf.detach()
+                t = torch.view_as_real(t) if t.is_complex() else t
+                acc = torch.float64 if t.dtype == torch.float64 else torch.float32  # norm dtype: never narrowing
+                groups.setdefault((t.device, acc), []).append((len(order), t))
+                order.append(path)
+    for (_, acc), pairs in groups.items():
+        tensors = [t for _, t in pairs]
+        # The L2 norm is one fused kernel and is finite whenever every element is, unless it overflows;
+        # so it can only flag too much, and the few tensors it flags are checked exactly.
+        norms = torch._foreach_norm(tensors, 2, dtype=acc)
+        flagged = [k for k, ok in enumerate(torch.isfinite(torch.stack(norms)).tolist()) if not ok]  # sync
+        if flagged:
+            exact = torch.stack([torch.isfinite(tensors[k]).all() for k in flagged]).tolist()  # sync, rare
+            bad.extend(pairs[k][0] for k, ok in zip(flagged, exact) if not ok)
+    return order[min(bad)] if bad else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+class _HashingWriter:
+    """A write-only file wrapper that hashes and counts what passes through (torch.save writes to it)."""
+
+    def __init__(self, fh: Any) -> None:
+        self.fh, self.sha, self.num_bytes = fh, hashlib.sha256(), 0
+        self.error: OSError | None = None  # what the file raised (torch's zip writer reports only a position mismatch)
+
+    def write(self, data: Any) -> int:
+        self.sha.update(data)
+        try:
+            n = self.fh.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+        self.num_bytes += n
+        return n
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+def checked_meta(step: int, meta: dict[str, Any] | None) -> dict[str, Any]:
+    """Return a copy of the caller's ``meta``; a bad ``step`` or a key meta.json reserves is a ValueError."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step: expected an integer >= 0, got {step!r}")
+    meta = dict(meta or {})
+    clash = [k for k in _RESERVED_META if k in meta]
+    if clash:
+        raise ValueError(f"meta: keys {', '.join(clash)} are written by the checkpoint manager; rename them")
+    return meta
+
+
+def write_files(folder: Path, state: dict[str, Any], step: int, meta: dict[str, Any]) -> int:
+    """Write ``state`` to ``folder``/state.pt and its meta.json (each atomically, fsynced); return state.pt's size.
+
+    meta.json holds the step, the time, state.pt's sha256 and size, the versions, and ``meta``. An
+    OSError is the disk's own (ENOSPC, EIO, EFBIG), not torch's rewording of it.
+    """
+    writer: list[_HashingWriter] = []
+
+    def write_state(fh: Any) -> None:
+        writer.append(_HashingWriter(fh))
+        try:
+            torch.save(state, writer[0])
+        except Exception:
+            if writer[0].error is not None:  # the disk's own error (ENOSPC, EIO, EFBIG), not torch's rewording
+                raise writer[0].error from None
+            raise
+
+    atomic_write(folder / STATE_FILE, write_state)
+    full_meta = {
+        "format": FORMAT_VERSION, "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "unix_time": round(time.time(), 3), "state_file": STATE_FILE,
+        "state_sha256": writer[0].sha.hexdigest(), "state_bytes": writer[0].num_bytes,
+        "versions": {"torch": torch.__version__, "stabletrain": __version__}, **meta,
+    }
+    atomic_write(folder / META_FILE, json.dumps(full_meta, indent=2, default=str) + "\n")  # also fsyncs folder/
+    return writer[0].num_bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def _sha256_of(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb", buffering=0) as fh:
+        buf = memoryview(bytearray(_CHUNK))
+        while n := fh.readinto(buf):
+            sha.update(buf[:n])
+    return sha.hexdigest()
+
+
+def load_state_file(path: str | Path, map_location: Any = "cpu", *, mmap: bool = False) -> Any:
+    """Return ``torch.load(path, weights_only=True)``; a file that would need more is a CheckpointError.
+
+    Never executes code from the file. ``map_location="cpu"`` keeps device memory untouched (the
+    trainer's ``load_state_dict`` moves tensors where they belong).
+    """
+    path = Path(path)
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as err:
+        text = str(err)
+        if "Weights only load failed" not in text:
+            detail = f"not a readable checkpoint ({text.splitlines()[0]})"
+            raise CheckpointError(f"{path}: {detail}", path, [detail]) from None
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+        what = f"the global {found.group(1)}" if found else "an object other than tensors and plain containers"
+        detail = (f"refused: it pickles {what}, so loading it would execute code; stabletrain loads only tensors, "
+                  "numbers, strings and containers (torch.load(weights_only=True)). If you wrote this file and "
+                  "trust it, re-save its contents as plain tensors and containers")
+        raise CheckpointError(f"{path}: {detail}", path, [detail]) from None
+
+
+def load_checked(path: Path, require_finite: Sequence[str] | None, map_location: Any = "cpu",
+                 mmap: bool = False) -> tuple[Any, dict[str, Any]]:
+    """Load checkpoint directory ``path`` and return (state, meta) if it is good, else raise CheckpointError.
+
+    Good means: meta.json readable, state.pt of the recorded size and sha256, loadable with
+    ``weights_only=True``, and the ``require_finite`` tensors finite (None: every one); a sharded
+    checkpoint's DCP folder complete (:func:`~stabletrain.distributed.sharded_checkpoint.verify_dcp`).
+    The error's ``problems`` holds one line, prefixed with the directory's name.
+    """
+    def fail(problem: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint {path}: {problem}", path, [f"{path.name}: {problem}"])
+
+    try:
+        meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise fail(f"{META_FILE} is missing (the write did not finish?)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise fail(f"{META_FILE} is unreadable ({err})") from None
+    if not isinstance(meta, dict) or not {"state_sha256", "state_bytes", "step"} <= meta.keys():
+        raise fail(f"{META_FILE} lacks step, state_sha256 or state_bytes")
+    state_path = path / STATE_FILE
+    try:
+        size = state_path.stat().st_size
+    except FileNotFoundError:
+        raise fail(f"{STATE_FILE} is missing") from None
+    if size != meta["state_bytes"]:
+        raise fail(f"{STATE_FILE} is {size} bytes, {META_FILE} says {meta['state_bytes']} (truncated or overwritten)")
+    if _sha256_of(state_path) != meta["state_sha256"]:
+        raise fail(f"{STATE_FILE} does not match its sha256 in {META_FILE} (corrupted on disk or in transfer)")
+    try:
+        state = load_state_file(state_path, map_location, mmap=mmap)
+    except CheckpointError as err:
+        raise fail(f"{STATE_FILE} {err.problems[0]}") from None
+    except Exception as err:  # noqa: BLE001  (torch raises RuntimeError, EOFError, ... on bad archives)
+        raise fail(f"{STATE_FILE} cannot be loaded ({type(err).__name__}: {str(err).splitlines()[0]})") from None
+    if not isinstance(state, dict):
+        raise fail(f"{STATE_FILE} holds a {type(state).__name__}, expected a dict")
+    try:
+        bad = first_nonfinite(state, require_finite)
+    except ValueError as err:
+        raise fail(str(err)) from None
+    if bad is not None:
+        raise fail(f"{bad} is not finite (NaN/Inf)")
+    if "dcp" in meta:  # the model's and optimizer's shards, in the DCP folder beside state.pt
+        problems = verify_dcp(path, meta["dcp"])
+        if problems:
+            raise fail("; ".join(problems))
+        attach_path(state, path, meta["dcp"])
+    return state, meta
