@@ -9,7 +9,8 @@ import torch
 
 from helpers import PoisonAt, cfg, params_of, regression_task
 from stabletrain import Trainer
-from stabletrain.policies.clipping import GradClipper, grad_norms
+from stabletrain.numerics import grad_norms
+from stabletrain.policies.clipping import GradClipper
 from stabletrain.policies.precision import PrecisionPolicy
 from stabletrain.policies.schedule import LRSchedule
 

@@ -2,11 +2,11 @@
 
 from ._version import __version__
 from .policies.accumulation import AccumulationWindow, as_sum_count
-from .policies.clipping import GradClipper, grad_norms
+from .policies.clipping import GradClipper
 from .config import Config, ConfigError, diff_configs, load_config
 from .console import StableTrainWarning
 from .policies.metrics import StepMetrics
-from .numerics import all_params_finite, first_nonfinite_grad, grad_total_norm
+from .numerics import all_params_finite, first_nonfinite_grad, grad_norms, grad_total_norm
 from .policies.precision import PrecisionPolicy
 from .policies.schedule import LRSchedule
 from .seeding import seed_everything

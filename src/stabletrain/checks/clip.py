@@ -8,8 +8,8 @@ import math
 import torch
 
 from ..policies.accumulation import as_sum_count
-from ..policies.clipping import GradClipper, grad_norms
-from ..numerics import unique_params
+from ..numerics import grad_norms, unique_params
+from ..policies.clipping import GradClipper
 from . import CheckContext, CheckResult, fixed_batch, register
 
 REL_TOL = 1e-5

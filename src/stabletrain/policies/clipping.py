@@ -9,21 +9,21 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..numerics import grad_norms
+from ..config import check_range
 
-__all__ = ["grad_norms", "GradClipper"]  # grad_norms lives in numerics; re-exported here
+__all__ = ["GradClipper"]
 
 
 class GradClipper:
     """Clip grads to ``max_norm`` given a precomputed total norm; never "clip" a non-finite norm.
 
-    ``max_norm=None`` measures without clipping. :meth:`clip_` returns the clipped flag as a device bool.
+    ``max_norm=None`` measures without clipping; otherwise it must be > 0, the rule of config key
+    ``clip.max_norm`` (a ConfigError, a ValueError, naming that key). :meth:`clip_` returns the clipped flag
+    as a device bool.
     """
 
     def __init__(self, max_norm: float | None) -> None:
-        if max_norm is not None and not max_norm > 0:
-            raise ValueError(f"config key 'clip.max_norm': expected a number > 0 or null, got {max_norm!r}")
-        self.max_norm = max_norm
+        self.max_norm = check_range("clip.max_norm", max_norm)
         self._factor: Tensor | None = None  # the last clip_'s min(1, max_norm / norm), reused by post_clip_norm
 
     def clip_(self, params: list[Tensor], total_norm: Tensor, finite: Tensor, grad_scale: Tensor | None = None) -> Tensor:

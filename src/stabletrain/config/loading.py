@@ -1,0 +1,141 @@
+"""Loading a config: YAML, then dotted ``key=value`` overrides, built into the dataclass tree and validated.
+
+Unknown keys and bad values raise :class:`~stabletrain.config.values.ConfigError`, naming the dotted key
+and the value seen, whether the config comes from YAML, overrides or Python.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..errors import brief
+from .schema import Config
+from .values import ConfigError, coerce, type_hints
+
+__all__ = ["load_config", "load_yaml", "apply_override", "config_from_dict", "config_to_dict", "config_hash"]
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    """Build dataclass ``cls`` from ``data``, raising ConfigError on unknown keys and bad values."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"config key '{prefix.rstrip('.') or '<root>'}': expected a mapping, got {brief(data)}")
+    hints = type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        key = f"{prefix}{name}"
+        if name not in fields:
+            raise ConfigError(f"unknown config key '{key}' (known here: {', '.join(fields)})")
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, value if value is not None else {}, key + ".")
+        else:
+            kwargs[name] = coerce(key, value, tp)
+    return cls(**kwargs)
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """Return the config as plain nested dicts (every default written out)."""
+    return dataclasses.asdict(cfg)
+
+
+def config_hash(cfg: Config) -> str:
+    """Return a short stable hash of the resolved config."""
+    blob = json.dumps(config_to_dict(cfg), sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, also reading ``3e-4`` and ``1E5`` as floats.
+
+    PyYAML follows YAML 1.1, whose floats need a dot (``3.0e-4``): ``lr: 3e-4`` would be the string
+    "3e-4". YAML 1.2 (and Python, and the command line) read it as a number; so do we.
+    """
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def load_yaml(text: str, source: str = "<string>") -> Any:
+    """Parse YAML ``text`` (``3e-4`` is a float); a syntax error is a ConfigError naming ``source``, line and column."""
+    try:
+        return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 (a SafeLoader subclass)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{source}: not valid YAML{where}: {problem}") from None
+
+
+def _parse_value(text: str, source: str) -> Any:
+    # A YAML scalar or flow collection: 3e-4 -> float, true -> bool, null -> None, [1, 2] -> list.
+    return load_yaml(text, source) if text != "" else ""
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Apply one dotted ``key=value`` override to the plain dict ``data`` in place."""
+    if "=" not in override:
+        raise ConfigError(f"override {override!r}: expected dotted key=value (e.g. optim.lr=3e-4)")
+    key, text = override.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {override!r}: empty key")
+    parts = key.split(".")
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"config key '{'.'.join(parts[: i + 1])}' is a value, not a section (override {override!r})")
+        node = child
+    node[parts[-1]] = _parse_value(text, f"override {override!r}")
+
+
+def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                base: dict[str, Any] | None = None) -> Config:
+    """Load a Config from ``base`` (plain dicts), then an optional YAML file, then dotted overrides; validate it."""
+    data: dict[str, Any] = dict(base or {})
+    if path is not None:
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as err:
+            raise ConfigError(f"config file {str(p)!r}: cannot read it ({err.strerror})") from None
+        loaded = load_yaml(text, f"config file {str(p)!r}")
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(p)!r}: expected a mapping at the top, got {type(loaded).__name__}")
+        data = _deep_merge(data, loaded)
+    overlay: dict[str, Any] = {}
+    for override in overrides:
+        apply_override(overlay, override)
+    data = _deep_merge(data, overlay)
+    return _build(Config, data).validate()
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """Rebuild a Config from plain dicts (e.g. a run dir's ``config.yaml``)."""
+    return _build(Config, data).validate()

@@ -1,0 +1,271 @@
+"""The config's keys: sections, types, defaults, help and the rules a value must meet.
+
+Every field carries its meaning in ``metadata["help"]``; ``stabletrain train --help`` prints them all
+with their defaults (:func:`describe_keys`). :meth:`Config.validate` checks every key's type, then
+its range (:data:`RANGES`, one rule per key, which the policies that take the same value apply too:
+:func:`check_range`), then the rules that tie keys together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ..errors import brief
+from .values import ConfigError, check_types, type_hints
+
+__all__ = ["Config", "TrainConfig", "AccumConfig", "ClipConfig", "OptimConfig", "SchedConfig", "DataConfig", "MlflowConfig",
+           "WandbConfig", "LogConfig", "EvalConfig", "CkptConfig", "GuardConfig", "DistConfig", "RunConfig", "TRACKERS",
+           "RANGES", "check_range", "describe_keys"]
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+def _section(cls: type, help: str) -> Any:
+    return field(default_factory=cls, metadata={"help": help})
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = _f(300, "optimizer steps to run (a skipped step counts)")
+    batch_size: int = _f(16, "samples per micro-batch per process")
+    gc_freeze: bool = _f(True, "keep the objects alive when fit() starts out of the garbage collector's full scans while "
+                               "it runs (gc.freeze; put back after): a full collection stalls a step at a moment no one "
+                               "chooses, and under DDP every rank waits for it at the next collective")
+
+
+@dataclass
+class AccumConfig:
+    steps: int = _f(1, "micro-batches per optimizer step (fewer in the last window of an epoch)")
+
+
+@dataclass
+class ClipConfig:
+    max_norm: float | None = _f(1.0, "global L2 grad-norm threshold; null turns clipping off (the norm is still measured)")
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw", "adam", "sgd"] = _f("adamw", "the optimizer, built fused so a skipped step stays on the device: adamw, adam or sgd")
+    lr: float = _f(1e-3, "peak learning rate")
+    weight_decay: float = _f(0.1, "weight decay on matrices (never on biases and norms), every optimizer: decoupled for adamw, L2 added to the gradient for adam and sgd")
+    beta1: float = _f(0.9, "adam/adamw beta1")
+    beta2: float = _f(0.95, "adam/adamw beta2")
+    eps: float = _f(1e-8, "adam/adamw epsilon")
+    momentum: float = _f(0.0, "sgd momentum, in [0, 1) (sgd only)")
+    nesterov: bool = _f(False, "sgd Nesterov momentum (sgd only; needs optim.momentum > 0)")
+
+
+@dataclass
+class SchedConfig:
+    warmup_steps: int = _f(20, "linear warmup from 0 to optim.lr over this many applied steps")
+    decay: Literal["cosine", "constant"] = _f("cosine", "shape after warmup: cosine to min_lr_ratio at train.max_steps, or constant")
+    min_lr_ratio: float = _f(0.1, "final LR as a fraction of optim.lr (cosine decay)")
+
+
+@dataclass
+class DataConfig:
+    shuffle: bool = _f(True, "reshuffle the sample order every epoch (seeded by seed and epoch)")
+    workers: int = _f(0, "DataLoader worker processes (seeded from seed)")
+
+
+#: What ``log.trackers`` may list: TensorBoard (RUN_DIR/tb) and the trackers of :mod:`stabletrain.callbacks.trackers`.
+TRACKERS: tuple[str, ...] = ("tensorboard", "mlflow", "wandb")
+
+
+@dataclass
+class MlflowConfig:
+    tracking_uri: str | None = _f(None, "MLflow tracking URI; null = MLflow's own default (MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working directory); e.g. sqlite:///runs/mlflow.db, or file:./mlruns (MLflow 3 refuses a file store unless MLFLOW_ALLOW_FILE_STORE=true)")
+    experiment: str = _f("stabletrain", "the MLflow experiment the run is logged in (created when missing)")
+    run_name: str | None = _f(None, "the MLflow run's name; null = the run directory's name")
+
+
+@dataclass
+class WandbConfig:
+    mode: Literal["offline", "online"] = _f("offline", "offline: W&B writes the run under log.wandb.dir only, no network (upload it later with wandb sync); online: also streamed to the W&B server (needs the network and a login)")
+    project: str = _f("stabletrain", "the W&B project")
+    entity: str | None = _f(None, "the W&B entity (team or user); null = your default")
+    dir: str | None = _f(None, "where W&B writes its files (DIR/wandb/offline-run-*); null = the run directory")
+    run_name: str | None = _f(None, "the W&B run's display name; null = the run directory's name")
+
+
+@dataclass
+class LogConfig:
+    every: int = _f(10, "steps per log interval: metrics are reduced on the host once per interval")
+    trackers: list[Literal[TRACKERS]] = _f(["tensorboard"], "where each interval's metrics go besides metrics.jsonl (rank 0, once per log interval): tensorboard (RUN_DIR/tb), mlflow (log.mlflow.*), wandb (log.wandb.*); the trackers also get the config, incident/skip/rollback/stop/crash tags and the incidents' diagnosis.json; e.g. log.trackers=[tensorboard,mlflow]")
+    mlflow: MlflowConfig = _section(MlflowConfig, "MLflow, when log.trackers lists mlflow")
+    wandb: WandbConfig = _section(WandbConfig, "Weights & Biases, when log.trackers lists wandb")
+    tensorboard: bool = _f(True, "write TensorBoard event files to RUN_DIR/tb when log.trackers lists tensorboard (the default); false turns TensorBoard off")
+    progress: bool = _f(True, "show progress with the latest figures: a bar when stderr is a terminal, else one line per log interval (step, loss, grad norm, lr, items/s, ETA) on stderr")
+    top_layers: int = _f(3, "how many parameters to name as dominating the grad norm at each log")
+
+
+@dataclass
+class EvalConfig:
+    every: int = _f(100, "steps between validation passes (0 = only at the end); needs val_data")
+    batches: int = _f(8, "validation micro-batches per pass (0 = the whole validation set)")
+
+
+@dataclass
+class CkptConfig:
+    every: int = _f(100, "steps between checkpoints (0 = only at the end and on SIGTERM/SIGINT); written only from a healthy state")
+    keep: int = _f(3, "how many newest checkpoints to keep (the one LAST_GOOD names is never deleted)")
+    max_failures: int = _f(3, "stop the run with an error after this many checkpoint saves in a row failed (disk full, I/O error; each is printed, LAST_GOOD stays intact); 0 = never stop")
+
+
+@dataclass
+class GuardConfig:
+    on_nonfinite: Literal["skip", "stop", "rollback"] = _f("skip", "a non-finite loss/grad norm/parameter: skip the step, stop cleanly, or roll back to the last good checkpoint and skip that data window")
+    on_spike: Literal["warn", "skip", "rollback"] = _f("warn", "a loss spike: record an event, skip the step (decided on the device every step), or roll back and skip the window (warn, rollback: the rule runs on the host at the log boundary)")
+    spike_window: int = _f(50, "recent finite, non-spike losses the spike rule compares against")
+    spike_ratio: float = _f(2.0, "spike rule: loss > spike_ratio x median of the window ...")
+    spike_zscore: float = _f(6.0, "... and (loss - mean) / std of the window > spike_zscore (after spike_window/2 steps)")
+    max_consecutive_skips: int = _f(20, "stop the run after this many skipped steps in a row")
+    max_rollbacks: int = _f(3, "stop the run after this many rollbacks")
+    check_params: bool = _f(True, "check on each log interval's last step that the parameters are finite (one fused pass, no sync); when a check fails, the capture's replay pins the update that broke them")
+    check_inputs: bool = _f(False, "check floating-point inputs of every micro-batch for NaN/Inf")
+    capture: bool = _f(True, "capture an incident bundle (RUN_DIR/incidents/step_N) for the first bad step of an interval, by replaying from the interval's snapshot (guard.memory_snapshot) or else from LAST_GOOD")
+    memory_snapshot: bool = _f(True, "copy the state into reused host buffers at every log interval's start (pinned, non-blocking from CUDA), so a capture replays at most log.every steps wherever the incident falls (costs one copy per interval and host memory for model + optimizer); false: replay from LAST_GOOD, up to ckpt.every steps")
+    diagnose: bool = _f(True, "diagnose a captured incident right away (replay under the precise tools)")
+
+
+@dataclass
+class DistConfig:
+    nproc: int = _f(1, "processes to start on this machine: > 1 launches torchrun (--standalone) with this many; under torchrun it must be 1 or equal the world size")
+    backend: Literal["auto", "gloo", "nccl"] = _f("auto", "torch.distributed backend: auto = nccl on CUDA, gloo on CPU")
+    strategy: Literal["ddp", "fsdp"] = _f("ddp", "with more than one process: ddp = DistributedDataParallel (every rank holds the whole model and optimizer); fsdp = FSDP2 fully_shard per block and at the root (parameters, grads and optimizer state sharded over the ranks; for models that do not fit one device)")
+    reshard_after_forward: bool = _f(True, "fsdp only: free each block's gathered parameters after its forward and gather them again for backward (less memory, one more all-gather per block); false keeps them until backward. The root always stays gathered: backward needs it first")
+    checkpoint: Literal["sharded", "full"] = _f("sharded", "fsdp with more than one process: sharded = each rank writes its own shards through torch.distributed.checkpoint (DCP), asynchronously, beside a small state file; full = rank 0 gathers the whole model and optimizer and writes one file, as DDP does. Either kind resumes under any strategy and world size")
+    timeout_s: float = _f(120.0, "seconds a collective waits for the other ranks before the run fails with a clear message (a dead or hung rank); must exceed rank 0's longest pause alone: a checkpoint write or an incident diagnosis")
+
+
+@dataclass
+class RunConfig:
+    dir: str | None = _f(None, "the run directory; default runs/<task>-<timestamp>")
+    overwrite: bool = _f(False, "allow writing into a run directory that already holds a run")
+
+
+@dataclass
+class Config:
+    """The whole run configuration; ``config.yaml`` in the run dir is this, fully resolved."""
+
+    task: str = _f("gpt", "built-in task name (gpt, mlp) or a user factory 'module:function' returning a stabletrain.Task")
+    task_args: dict = _f({}, "keyword arguments for the task factory (e.g. task_args.n_layer=6 for gpt)")
+    seed: int = _f(0, "seed for python, numpy, torch (all devices) and dataloader workers")
+    deterministic: bool = _f(False, "torch.use_deterministic_algorithms(True) and deterministic cuDNN while fit() "
+                                    "runs (put back after it); false: no global torch setting is touched")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = _f("auto", "auto = bf16 on CUDA where supported, else fp32; fp16 uses a GradScaler (allowed on CPU for testing the fp16 path: slow, and warned)")
+    device: str = _f("auto", "auto = cuda if available, else cpu; or an explicit torch device string")
+    train: TrainConfig = _section(TrainConfig, "training length and batch")
+    accum: AccumConfig = _section(AccumConfig, "gradient accumulation")
+    clip: ClipConfig = _section(ClipConfig, "gradient clipping")
+    optim: OptimConfig = _section(OptimConfig, "optimizer: fused AdamW (default), Adam or SGD; a task may bring its own")
+    sched: SchedConfig = _section(SchedConfig, "learning-rate schedule (device-side; held on skipped steps)")
+    data: DataConfig = _section(DataConfig, "data order and loading")
+    log: LogConfig = _section(LogConfig, "metrics and sinks")
+    eval: EvalConfig = _section(EvalConfig, "validation")
+    run: RunConfig = _section(RunConfig, "run directory")
+    ckpt: CkptConfig = _section(CkptConfig, "checkpoints")
+    guard: GuardConfig = _section(GuardConfig, "NaN/Inf sentinel, loss-spike detection and what to do about them")
+    dist: DistConfig = _section(DistConfig, "more than one process (DDP or FSDP2 over torch.distributed, launched by torchrun; see dist.strategy); global batch = train.batch_size x accum.steps x world size")
+    resume: str | None = _f(None, "a run directory to continue from its LAST_GOOD checkpoint (same as --resume)")
+    callbacks: list[str] = _f([], "your callbacks: a list of 'module:Class' entries, each built with no arguments (e.g. callbacks=[mypkg.cbs:LogGrads])")
+
+    def validate(self) -> "Config":
+        """Check the type of every key, then value ranges; raise ConfigError naming the dotted key and the value seen.
+
+        Works on a Config built in Python as on one loaded from YAML. In place: an int where a float is
+        declared becomes that float, a tuple where a list is declared becomes a list. Returns ``self``.
+        """
+        check_types(self, type(self))
+        for key in RANGES:
+            value = self
+            for part in key.split("."):
+                value = getattr(value, part)
+            check_range(key, value)
+        if not self.task:
+            raise ConfigError("config key 'task': expected a built-in task name or 'module:function', got ''")
+        optim = self.optim
+        if optim.name != "sgd" and (optim.momentum or optim.nesterov):
+            key, value = ("optim.momentum", optim.momentum) if optim.momentum else ("optim.nesterov", optim.nesterov)
+            raise ConfigError(f"config key '{key}': applies to optim.name=sgd only, got {brief(value)} with optim.name={optim.name} "
+                              f"(remove it, or set optim.name=sgd)")
+        if optim.nesterov and optim.momentum <= 0:
+            raise ConfigError(f"config key 'optim.nesterov': Nesterov momentum needs optim.momentum > 0, got "
+                              f"optim.nesterov=true with optim.momentum={optim.momentum!r}")
+        for i, name in enumerate(self.log.trackers):
+            if name in self.log.trackers[:i]:
+                raise ConfigError(f"config key 'log.trackers[{i}]': {name} is listed twice, got {brief(self.log.trackers)}")
+        for i, entry in enumerate(self.callbacks):
+            if not _CALLBACK_ENTRY.fullmatch(entry):
+                raise ConfigError(f"config key 'callbacks[{i}]': expected 'module:Class' (e.g. mypkg.callbacks:LogGrads), "
+                                  f"got {entry!r}")
+        return self
+
+
+_CALLBACK_ENTRY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
+
+
+#: The range of each numeric key, checked after its type: dotted key -> (test, what a value must be).
+RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "seed": (lambda v: v >= 0, "an integer >= 0"),
+    "train.max_steps": (lambda v: v >= 1, "an integer >= 1"),
+    "train.batch_size": (lambda v: v >= 1, "an integer >= 1"),
+    "accum.steps": (lambda v: v >= 1, "an integer >= 1"),
+    "clip.max_norm": (lambda v: v is None or v > 0, "a number > 0 or null"),
+    "optim.lr": (lambda v: v > 0, "a number > 0"),
+    "optim.weight_decay": (lambda v: v >= 0, "a number >= 0"),
+    "optim.beta1": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "optim.beta2": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "optim.eps": (lambda v: v > 0, "a number > 0"),
+    "optim.momentum": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "sched.warmup_steps": (lambda v: v >= 0, "an integer >= 0"),
+    "sched.min_lr_ratio": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    "data.workers": (lambda v: v >= 0, "an integer >= 0"),
+    "log.every": (lambda v: v >= 1, "an integer >= 1"),
+    "log.top_layers": (lambda v: v >= 0, "an integer >= 0"),
+    "eval.every": (lambda v: v >= 0, "an integer >= 0"),
+    "eval.batches": (lambda v: v >= 0, "an integer >= 0"),
+    "ckpt.every": (lambda v: v >= 0, "an integer >= 0"),
+    "ckpt.keep": (lambda v: v >= 1, "an integer >= 1"),
+    "ckpt.max_failures": (lambda v: v >= 0, "an integer >= 0"),
+    "guard.spike_window": (lambda v: v >= 4, "an integer >= 4"),
+    "guard.spike_ratio": (lambda v: v > 1, "a number > 1"),
+    "guard.spike_zscore": (lambda v: v > 0, "a number > 0"),
+    "guard.max_consecutive_skips": (lambda v: v >= 1, "an integer >= 1"),
+    "guard.max_rollbacks": (lambda v: v >= 0, "an integer >= 0"),
+    "dist.nproc": (lambda v: v >= 1, "an integer >= 1"),
+    "dist.timeout_s": (lambda v: v > 0, "a number > 0"),
+}
+
+
+def check_range(key: str, value: Any) -> Any:
+    """Return ``value`` when it meets ``key``'s rule in :data:`RANGES`; else raise ConfigError naming the key and the value."""
+    test, want = RANGES[key]
+    if not test(value):
+        raise ConfigError(f"config key '{key}': expected {want}, got {brief(value)}")
+    return value
+
+
+def describe_keys(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """Return (dotted key, default, help) for every leaf key, in declaration order."""
+    rows: list[tuple[str, str, str]] = []
+    hints = type_hints(cls)
+    default = cls()
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(tp):
+            rows.extend(describe_keys(tp, key + "."))
+        else:
+            value = getattr(default, f.name)
+            rows.append((key, "null" if value is None else json.dumps(value) if not isinstance(value, str) else value, f.metadata.get("help", "")))
+    return rows

@@ -1,0 +1,86 @@
+"""A config value against its declared type: coercion, and the error that names the dotted key."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Literal
+
+from ..errors import brief
+
+__all__ = ["ConfigError", "coerce", "check_types", "type_hints"]
+
+
+class ConfigError(ValueError):
+    """A config key is unknown or its value is invalid; the message names the dotted key."""
+
+
+def coerce(key: str, value: Any, tp: Any) -> Any:
+    """Return ``value`` converted to the annotated type ``tp`` or raise ConfigError naming ``key``."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"config key '{key}': expected one of {', '.join(map(str, choices))}, got {brief(value)}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        last: ConfigError | None = None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return coerce(key, value, arg)
+            except ConfigError as err:
+                last = err
+        assert last is not None
+        raise last
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"config key '{key}': expected true or false, got {brief(value)}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"config key '{key}': expected an integer, got {brief(value)}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"config key '{key}': expected a number, got {brief(value)}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"config key '{key}': expected a string, got {brief(value)}")
+    if tp is dict or origin is dict:
+        if isinstance(value, dict):
+            return dict(value)
+        raise ConfigError(f"config key '{key}': expected a mapping, got {brief(value)}")
+    if tp is list or origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config key '{key}': expected a list (e.g. {key}=[a, b]), got {brief(value)}")
+        (item,) = typing.get_args(tp) or (Any,)
+        return [v if item is Any else coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+    raise AssertionError(f"unsupported config type {tp!r} for {key}")
+
+
+def type_hints(cls: type) -> dict[str, Any]:
+    """Return the resolved annotations of dataclass ``cls`` (its fields' types)."""
+    return typing.get_type_hints(cls)
+
+
+def check_types(node: Any, cls: type, prefix: str = "") -> None:
+    """Check every leaf of the dataclass ``node`` against its annotation (through :func:`coerce`), in place."""
+    hints = type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key, value, tp = f"{prefix}{f.name}", getattr(node, f.name), hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, tp):
+                raise ConfigError(f"config key '{key}': expected a section ({tp.__name__}), got {brief(value)}")
+            check_types(value, tp, key + ".")
+        else:
+            setattr(node, f.name, coerce(key, value, tp))
