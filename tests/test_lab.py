@@ -79,11 +79,11 @@ def test_lab1_counts_layers_and_its_xavier_is_the_chapters_gain_1_shrinking_by_1
     the std shrinks by about 1/sqrt(2) per layer, where Kaiming's gain sqrt(2) holds it."""
     import math
 
-    from stabletrain.diagnostics import signal_propagation
+    from stabletrain.diagnostics import signal_display
     from stabletrain.lab import lab1
 
     plotted = []
-    real_plot = signal_propagation.plot_signal
+    real_plot = signal_display.plot_signal
     monkeypatch.setattr(lab1, "plot_signal", lambda reports, *a, **k: plotted.append(reports) or real_plot(reports, *a, **k))
     result = run_lab("1", tmp_path, activations=("relu",))
     n = result.numbers

@@ -15,8 +15,8 @@ from torch.utils.data import TensorDataset
 from stabletrain.checks import CheckContext, run_checks
 from stabletrain.config import load_config
 from stabletrain.diagnostics.initialization import init_
-from stabletrain.diagnostics.signal_propagation import (SignalThresholds, format_comparison, format_report, format_updates, plot_signal,
-                                            signal_report)
+from stabletrain.diagnostics.signal_display import format_comparison, format_report, format_updates, plot_signal
+from stabletrain.diagnostics.signal_propagation import SignalThresholds, signal_report
 from stabletrain.tasks import Task
 from stabletrain.tasks.mlp import make_mlp
 

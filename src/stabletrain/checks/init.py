@@ -20,7 +20,8 @@ from ..config import Config
 from ..diagnostics.initialization import SCHEMES, init_
 from ..policies.optim import build_optimizer
 from ..seeding import seed_everything
-from ..diagnostics.signal_propagation import SignalReport, format_comparison, format_report, plot_signal, signal_report
+from ..diagnostics.signal_display import format_comparison, format_report, plot_signal
+from ..diagnostics.signal_propagation import SignalReport, signal_report
 from ..tasks import Task
 from . import CheckContext, CheckResult, fixed_batch, register
 

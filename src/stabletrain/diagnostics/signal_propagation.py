@@ -32,18 +32,15 @@ A layer is ``exploding`` when its std ratio to its reference is above ``SignalTh
 finite), ``vanishing`` when below ``1 / SignalThresholds.explode``, else ``ok``. The report names the first
 layer where the signal leaves that band, forward (scanning from the input) and backward (scanning
 from the loss), and by how much; after one optimizer step on a copy of the state it gives every
-parameter's update/weight ratio against a band calibrated to the optimizer (SGD-like: lr x |g| / |w|
-in 1e-4..1e-2 around the ~1e-3 rule of thumb; Adam-like: each element moves by about lr, so the ratio is
-about lr / rms(w), ``small`` below a tenth of that, ``large`` above 0.1), and it recommends an init
-scheme from the activations it saw.
+parameter's update/weight ratio (:mod:`.update_ratio`), and it recommends an init scheme from the
+activations it saw. :mod:`.signal_display` shows a report as text tables and a plot.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,17 +50,13 @@ from torch.utils._pytree import tree_leaves
 from ..policies.accumulation import as_sum_count
 from ..numerics import unique_params
 from .initialization import activation_name, is_norm, recommend_scheme
+from .update_ratio import UpdateRatio, update_ratios
 
 __all__ = [
     "SignalThresholds",
     "LayerSignal",
-    "UpdateRatio",
     "SignalReport",
     "signal_report",
-    "format_report",
-    "format_updates",
-    "format_comparison",
-    "plot_signal",
 ]
 
 OK, VANISHING, EXPLODING = "ok", "vanishing", "exploding"
@@ -158,25 +151,6 @@ class LayerSignal:
     @property
     def flagged(self) -> bool:
         return self.forward != OK or self.backward != OK
-
-
-@dataclass
-class UpdateRatio:
-    """One parameter's ``||update|| / ||weight||`` after one optimizer step (None for a zero weight), and its band."""
-
-    name: str
-    weight_rms: float
-    update_rms: float
-    ratio: float | None
-    low: float | None = None
-    high: float | None = None
-
-    @property
-    def mark(self) -> str:
-        """Return "large" above the band, "small" below it, else ""."""
-        if self.ratio is None or self.low is None or self.high is None:
-            return ""
-        return "large" if self.ratio > self.high else "small" if self.ratio < self.low else ""
 
 
 @dataclass
@@ -389,7 +363,7 @@ def signal_report(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any],
         for p in params:
             p.grad = None
         layers, loss_value = _measure(model, batch, loss)
-        updates, opt_name, adaptive = _update_ratios(model, params, make_optimizer, thresholds)
+        updates, opt_name, adaptive = update_ratios(model, params, make_optimizer, thresholds.update_band)
     finally:
         for p, g in zip(params, saved_grads):
             p.grad = g
@@ -500,161 +474,3 @@ def _repeated_unit(ids: list[int], key: int, num_calls: dict[int, int]) -> bool:
     """
     at = [i for i, k in enumerate(ids) if k == key]
     return all(num_calls[k] == num_calls[key] for a, b in zip(at, at[1:]) for k in ids[a + 1:b])
-
-
-def is_adaptive(optimizer: torch.optim.Optimizer) -> bool:
-    """Return True for an Adam-like optimizer: its first step moves each element by about lr, whatever the gradient.
-
-    Adam, AdamW, Adamax, NAdam, Adagrad, Lion and classes named like them (fused or 8-bit variants);
-    not RAdam, whose first steps are un-adapted momentum steps.
-    """
-    name = type(optimizer).__name__.lower()
-    return ("adam" in name and "radam" not in name) or "lion" in name or name == "adagrad"
-
-
-def _update_ratios(model: nn.Module, params: list[nn.Parameter],
-                   make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None,
-                   thresholds: SignalThresholds) -> tuple[list[UpdateRatio], str, bool]:
-    """Take one optimizer step, measure ||update|| / ||weight|| per parameter and its band, then undo the step."""
-    with_grad = [p for p in params if p.grad is not None]
-    if not with_grad:
-        return [], "", False
-    optimizer = make_optimizer(with_grad) if make_optimizer is not None else torch.optim.AdamW(with_grad, lr=1e-3)
-    adaptive = is_adaptive(optimizer)
-    group_lr = {id(p): g.get("lr") for g in optimizer.param_groups for p in g["params"]}
-    lr = optimizer.param_groups[0].get("lr")
-    opt_name = f"{type(optimizer).__name__}(lr={float(lr):.3g})" if lr is not None else type(optimizer).__name__
-    before = [p.detach().clone() for p in with_grad]
-    optimizer.step()
-    names = {id(p): n for n, p in model.named_parameters()}
-    with torch.no_grad():
-        rms = torch.stack([torch.stack([b.float().pow(2).mean().sqrt(), (p.detach().float() - b.float()).pow(2).mean().sqrt()])
-                           .to(before[0].device) for p, b in zip(with_grad, before)]).cpu().tolist()
-        for p, b in zip(with_grad, before):
-            p.copy_(b)
-    updates = []
-    for p, (w, u) in zip(with_grad, rms):
-        lr = group_lr.get(id(p))
-        low, high = thresholds.update_band(adaptive, None if lr is None else float(lr), w)
-        updates.append(UpdateRatio(names.get(id(p), "?"), w, u, (u / w) if w > 0 else None,
-                                   low if w > 0 else None, high if w > 0 else None))
-    return updates, opt_name, adaptive
-
-
-# -- output ---------------------------------------------------------------------------------------------
-
-
-def _g(v: float | None, width: int = 9) -> str:
-    return f"{'-':>{width}}" if v is None else f"{v:>{width}.3g}"
-
-
-def _xr(v: float | None, width: int = 8) -> str:
-    return f"{'-':>{width}}" if v is None else f"{v:>{width - 1}.3g}x"
-
-
-def format_report(report: SignalReport, updates: bool = True) -> list[str]:
-    """Return the report as text lines: thresholds, the per-layer table, the summary and the updates."""
-    width = max([len(layer.name) for layer in report.layers] + [5])
-    kind_w = max([len(layer.kind) for layer in report.layers] + [4])
-    header = (f"{'#':>3}  {'layer':<{width}}  {'type':<{kind_w}}  {'in std':>9}  {'out mean':>9}  {'out std':>9}  "
-              f"{'|out|max':>9}  {'fwd':>10}  {'grad std':>9}  {'bwd':>10}  {'w std':>9}  {'w grad':>9}  verdict")
-    lines = [report.thresholds.describe(), *report.rules(), header]
-    for layer in report.layers:
-        verdict = OK if not layer.flagged else "/".join(
-            f"{d} {v}" for d, v in (("fwd", layer.forward), ("bwd", layer.backward)) if v != OK)
-        lines.append(f"{layer.index:>3}  {layer.name:<{width}}  {layer.kind:<{kind_w}}  {_g(layer.in_std)}  "
-                     f"{_g(layer.out_mean)}  {_g(layer.out_std)}  {_g(layer.out_absmax)}  {_xr(layer.forward_ratio, 10)}  "
-                     f"{_g(layer.grad_std)}  {_xr(layer.backward_ratio, 10)}  {_g(layer.param_std)}  "
-                     f"{_g(layer.param_grad_std)}  {verdict}")
-    lines += [report.summary("forward"), report.summary("backward"), report.advice()]
-    if updates and report.updates:
-        lines += format_updates(report)
-    return lines
-
-
-def format_updates(report: SignalReport) -> list[str]:
-    """Return the update/weight ratio of every parameter as text lines (zero weights on one line)."""
-    th = report.thresholds
-    if report.adaptive:
-        title = (f"update/weight (rms) after one {report.optimizer} step: an Adam-like first step moves each element "
-                 f"by about lr, so a ratio is about lr/rms(w); band per parameter: {th.adaptive_low:g} x lr/rms(w) "
-                 f"(below: most elements got no gradient) to {th.adaptive_high:g} (above: lr is large for the "
-                 "weight's scale):")
-    else:
-        title = (f"update/weight (rms) after one {report.optimizer} step (lr x |grad| / |w|): band {th.update_low:g} "
-                 f"to {th.update_high:g}, around the ~1e-3 rule of thumb for SGD-like updates:")
-    lines = [title]
-    measured = [u for u in report.updates if u.ratio is not None]
-    name_w = max([len(u.name) for u in measured] + [4])
-    for u in measured:
-        lines.append(f"  {u.name:<{name_w}}  {u.ratio:<9.3g} band {u.low:.3g}..{u.high:.3g}  {u.mark}".rstrip())
-    zero = [u for u in report.updates if u.ratio is None]
-    if zero:
-        names = ", ".join(u.name for u in zero[:6]) + (f" and {len(zero) - 6} more" if len(zero) > 6 else "")
-        lines.append(f"  zero at init (no ratio): {names}")
-    return lines
-
-
-def format_comparison(reports: list[SignalReport]) -> list[str]:
-    """Return one table of several runs of the same model: fwd and bwd ratio and verdict per layer per run."""
-    base = reports[0]
-    width = max([len(layer.name) for layer in base.layers] + [5])
-    kind_w = max([len(layer.kind) for layer in base.layers] + [4])
-    cell_w = 31
-    head = f"{'':>3}  {'':<{width}}  {'':<{kind_w}}  " + "  ".join(f"{r.label[:cell_w]:<{cell_w}}" for r in reports)
-    sub = f"{'#':>3}  {'layer':<{width}}  {'type':<{kind_w}}  " + "  ".join(
-        f"{'fwd':>10} {'bwd':>10} {'verdict':<9}" for _ in reports)
-    lines = [base.thresholds.describe(), *base.rules(), head.rstrip(), sub.rstrip()]
-    for i, layer in enumerate(base.layers):
-        cells = []
-        for r in reports:
-            other = r.layers[i] if i < len(r.layers) and r.layers[i].name == layer.name else None
-            if other is None:
-                cells.append(f"{'-':>10} {'-':>10} {'':<9}")
-                continue
-            v = other.forward if other.forward != OK else other.backward
-            cells.append(f"{_xr(other.forward_ratio, 10)} {_xr(other.backward_ratio, 10)} {v:<9}")
-        lines.append(f"{layer.index:>3}  {layer.name:<{width}}  {layer.kind:<{kind_w}}  " + "  ".join(cells).rstrip())
-    for r in reports:
-        lines.append(f"{r.label}: {'PASS' if r.passed else 'FAIL'}; {r.summary('forward')}; {r.summary('backward')}")
-    return lines
-
-
-def plot_signal(reports: Iterable[SignalReport], path: str | Path, xlabel: str = "layer (execution order)") -> Path:
-    """Plot per-layer std by depth, forward and backward, one line per report, to a PNG at ``path``.
-
-    The x axis is each layer's ``index`` (integer ticks), named ``xlabel``.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    reports = list(reports)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig, (ax_f, ax_b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r in reports:
-        idx = [layer.index for layer in r.layers]
-        fwd = [layer.signal_std if layer.signal_std > 0 else math.nan for layer in r.layers]
-        bwd = [layer.grad_std if layer.grad_std else math.nan for layer in r.layers]
-        label = f"{r.label or 'model'} ({'ok' if r.passed else f'{len(r.flagged)} flagged'})"
-        ax_f.plot(idx, fwd, marker="o", markersize=3, label=label)
-        ax_b.plot(idx, bwd, marker="o", markersize=3, label=label)
-    for ax, title, ylabel in ((ax_f, "forward: activation std", "std of the layer's output (norms: input)"),
-                              (ax_b, "backward: gradient std", "std of d loss / d output")):
-        ax.set_yscale("log")
-        ax.set_xlabel(xlabel)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        ax.grid(True, which="both", alpha=0.3)
-    ax_f.legend(fontsize=8)
-    if reports:
-        fig.suptitle(f"signal propagation at step 0 (flagged outside {1 / reports[0].thresholds.explode:g}x.."
-                     f"{reports[0].thresholds.explode:g}x of the reference layer)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

@@ -25,7 +25,8 @@ from torch import nn
 from ..checks import fixed_batch
 from ..diagnostics.initialization import init_
 from ..seeding import seed_everything
-from ..diagnostics.signal_propagation import LayerSignal, SignalReport, plot_signal, signal_report
+from ..diagnostics.signal_display import plot_signal
+from ..diagnostics.signal_propagation import LayerSignal, SignalReport, signal_report
 from ..tasks.mlp import make_task
 from . import Claim, LabResult
 
