@@ -20,7 +20,7 @@ from multiproc import env, stabletrain
 
 from stabletrain import Trainer
 from stabletrain.callbacks import Callback
-from stabletrain.callbacks.trackers import TRACKERS_FILE, read_trackers_file
+from stabletrain.callbacks.tracker_sink import TRACKERS_FILE, read_trackers_file
 from stabletrain.callbacks.wandb_files import WandbFileError, read_run_file, run_files
 from stabletrain.config import flatten_config, load_config
 from stabletrain.records.rundir import read_jsonl

@@ -8,7 +8,7 @@ one of wandb's own protobuf messages, ``wandb.proto.wandb_internal_pb2.Record`` 
 summary, tags in the run record, saved files). This module parses that log and decodes the records with
 wandb's own message classes; it relies on no other wandb internal.
 
-The :class:`~stabletrain.callbacks.trackers.WandbTracker` reads the steps an earlier process of the same
+The :class:`~stabletrain.callbacks.wandb_tracker.WandbTracker` reads the steps an earlier process of the same
 run wrote (a resumed run writes no step twice), and the tests read back what a run wrote. A header it does
 not know raises :class:`WandbFileError`; a truncated tail (a killed process) ends the read.
 

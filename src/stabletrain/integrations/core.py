@@ -93,9 +93,9 @@ class AdapterOptions:
     """Write TensorBoard event files to ``RUN_DIR/tb`` (when ``trackers`` lists "tensorboard", the default)."""
     trackers: Sequence[Any] = ("tensorboard",)
     """Where each interval's figures go besides ``metrics.jsonl``: "tensorboard", "mlflow", "wandb", or a configured
-    :class:`~stabletrain.callbacks.trackers.TrackerSink` (``MLflowTracker(tracking_uri=...)``,
+    :class:`~stabletrain.callbacks.tracker_sink.TrackerSink` (``MLflowTracker(tracking_uri=...)``,
     ``WandbTracker(project=...)``). Where the host already has that tracker, its run is written into
-    (:mod:`stabletrain.callbacks.trackers`)."""
+    (:mod:`stabletrain.callbacks.tracker_sink`)."""
     top_layers: int = 3
     """How many parameters to name as dominating the grad norm at each log."""
     init_check: bool = True
