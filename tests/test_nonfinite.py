@@ -12,7 +12,8 @@ from stabletrain.checks import CheckContext
 from stabletrain.checks.nan import check_nan
 from stabletrain.config import load_config
 from stabletrain.diagnostics.bisection import bisect_samples
-from stabletrain.diagnostics.nonfinite import NonFiniteLocator, anomaly_trace
+from stabletrain.diagnostics.anomaly import anomaly_trace
+from stabletrain.diagnostics.nonfinite import NonFiniteLocator
 
 
 def locate(model: nn.Module, x: Tensor, **kw) -> NonFiniteLocator:

@@ -21,7 +21,8 @@ from .policies.guard import Guard
 from .replay import diagnose_incident, diagnose_step
 from .diagnostics.initialization import InitChange, InitFingerprint, init_
 from .diagnostics.bisection import Bisection, bisect_samples
-from .diagnostics.nonfinite import NonFiniteLocator, NonFiniteOp, anomaly_trace
+from .diagnostics.anomaly import anomaly_trace
+from .diagnostics.nonfinite import NonFiniteLocator, NonFiniteOp
 from .diagnostics.signal_display import plot_signal
 from .diagnostics.signal_propagation import SignalReport, SignalThresholds, signal_report
 from .integrations.monitor import Monitor, StopTraining

@@ -34,10 +34,15 @@ from torch import Tensor
 from torch.utils.data import default_collate
 
 from .bisection import Bisection, bisect_samples
-from .nonfinite import NonFiniteLocator, NonFiniteOp, anomaly_trace
+from .anomaly import anomaly_trace
+from .nonfinite import NonFiniteLocator, NonFiniteOp
 from ..numerics import first_nonfinite_grad
 
-__all__ = ["STAGES", "run_diagnosis"]
+__all__ = ["STAGES", "DIAGNOSIS_FIELDS", "run_diagnosis"]
+
+#: The diagnosis fields an ``incident`` event carries (the whole diagnosis is in ``diagnosis.json``).
+DIAGNOSIS_FIELDS = ("summary", "stage", "op", "direction", "module", "origin", "first_nonfinite_param", "bad_samples",
+                    "reproduces", "rank")
 
 STAGES = ("inputs", "activations", "loss", "gradients", "update", "none")
 

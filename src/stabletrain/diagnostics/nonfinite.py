@@ -14,20 +14,16 @@ re-running the one step that went wrong, never for every step of a run.
           print(loc.first.describe())   # aten.log.default in forward of module 'layers.2' (origin: ...)
 
 - :func:`stabletrain.diagnostics.bisection.bisect_samples` finds the dataset indices that make a batch go bad.
-- :func:`anomaly_trace` replays under ``torch.autograd.detect_anomaly`` and returns the Python
-  stack of the forward call behind the first non-finite value.
+- :func:`stabletrain.diagnostics.anomaly.anomaly_trace` replays under ``torch.autograd.detect_anomaly``
+  and returns the Python stack of the forward call behind the first non-finite value.
+
+The stacks recorded hold the user's frames only (:mod:`.stacks`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import sysconfig
-import traceback
-import warnings
 import weakref
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -37,14 +33,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.module_tracker import ModuleTracker
 
-__all__ = ["NonFiniteLocator", "NonFiniteOp", "anomaly_trace"]
+from .stacks import keep_user_entries, user_stack
 
-# Reported stacks hold the user's frames only: not stabletrain's (the replay machinery), torch's or the stdlib's.
-# A third-party model library's frames (site-packages) stay: a NaN in a Hugging Face model's attention is worth seeing.
-_TORCH_DIR = os.path.join(os.path.dirname(os.path.realpath(torch.__file__)), "")
-_PACKAGE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "")  # stabletrain/
-_STDLIB_DIR = os.path.join(os.path.realpath(sysconfig.get_paths()["stdlib"]), "")
-_SITE_DIRS = tuple({os.path.join(os.path.realpath(sysconfig.get_paths()[k]), "") for k in ("purelib", "platlib")})
+__all__ = ["NonFiniteLocator", "NonFiniteOp"]
+
 # Ops that only move a value from Python into a tensor: an inf they produce is a constant someone wrote.
 _CONSTANT_OPS = {"aten.lift_fresh.default", "aten.lift_fresh_copy.default", "aten.scalar_tensor.default"}
 # Ops returning uninitialized memory: whatever bits they hold (NaN included) are not values yet.
@@ -142,7 +134,7 @@ def _all_finite(tensors: list[Tensor], known_bad: list[bool] | None = None, like
     """Return, per tensor, whether every element is finite (one host sync; a second for those the first cannot clear).
 
     A NaN or an Inf makes a tensor's sum non-finite, so a finite sum proves the tensor finite in one
-    reduction (on CPU ``isfinite(t).all()`` costs 20-30x as much); only a tensor whose sum is not
+    reduction (cheaper than ``isfinite(t).all()``, which writes a mask first); only a tensor whose sum is not
     finite (a bad value, or a sum that overflowed) is then read exactly, by its min and max.
     ``known_bad``: per tensor, already known to be non-finite (not read again); ``likely_bad``: read
     exactly at once (where a non-finite input makes a non-finite output likely).
@@ -182,49 +174,6 @@ def _finite_exact(t: Tensor) -> Tensor:
     except (RuntimeError, NotImplementedError):  # complex, or a dtype without min/max kernels
         return torch.isfinite(t).all()
     return torch.isfinite(low) & torch.isfinite(high)
-
-
-def _is_ours(filename: str) -> bool:
-    return os.path.realpath(filename).startswith(_PACKAGE_DIR)
-
-
-def _is_user_frame(filename: str) -> bool:
-    """Whether a frame's file is the user's: not stabletrain, torch, the stdlib or a frozen module."""
-    if filename.startswith("<frozen"):
-        return False
-    path = os.path.realpath(filename)
-    if path.startswith(_PACKAGE_DIR) or path.startswith(_TORCH_DIR):
-        return False
-    return not path.startswith(_STDLIB_DIR) or path.startswith(_SITE_DIRS)
-
-
-def _user_indices(filenames: list[str]) -> list[int]:
-    """The positions (outermost first) of the user's frames below the outermost stabletrain frame.
-
-    The frames above it are a script calling stabletrain (``fit()``, ``diagnose_step``): where the call came
-    from, not the code that made the value. Without a stabletrain frame above the user's innermost one
-    (a locator used directly around the user's code) every user frame is kept.
-    """
-    users = [i for i, f in enumerate(filenames) if _is_user_frame(f)]
-    if not users:
-        return []
-    start = next((i for i, f in enumerate(filenames[:users[-1]]) if _is_ours(f)), 0)
-    return [i for i in users if i >= start]
-
-
-def _user_stack(limit: int = 12) -> str:
-    """Return the user's part of the current Python stack (see :func:`_user_indices`; most recent last)."""
-    frames = traceback.extract_stack()
-    kept = [frames[i] for i in _user_indices([f.filename for f in frames])]
-    return "".join(traceback.format_list(kept[-limit:]))
-
-
-def _user_frames(entries: list[str], limit: int = 12) -> str:
-    """Keep the user's entries of a formatted stack (``'  File "x.py", line 3, in f\\n    code\\n'`` each)."""
-    heads = [entry.strip().split('"') for entry in entries]
-    names = [head[1] if len(head) >= 2 else "<frozen unknown>" for head in heads]
-    kept = [entries[i] for i in _user_indices(names)]
-    return "".join(e if e.endswith("\n") else e + "\n" for e in kept[-limit:])
 
 
 class _Mode(TorchDispatchMode):
@@ -458,9 +407,9 @@ class NonFiniteLocator:
         if capture_stack:
             if backward:
                 tb = node.metadata.get("traceback_") if node is not None else None
-                stack = _user_frames(list(tb)) if tb else None
+                stack = keep_user_entries(list(tb)) if tb else None
             else:
-                stack = _user_stack()
+                stack = user_stack()
         has_nan = _has_nan(outputs)
         return NonFiniteOp(
             op=str(func), direction="backward" if backward else "forward", module=self._module(), origin=origin,
@@ -489,51 +438,3 @@ def _is_view(func: Any) -> bool:
 
 def _dtype(t: Tensor) -> str:
     return str(t.dtype).replace("torch.", "")
-
-
-# -- anomaly-mode replay -----------------------------------------------------------------------------
-
-
-def anomaly_trace(fn: Callable[[], Any], model: nn.Module | None = None, *,
-                  located: NonFiniteOp | None = None) -> str | None:
-    """Run ``fn`` (a forward and backward) under anomaly mode; return the stack behind the first non-finite value.
-
-    Replay only: anomaly mode records a Python stack for every autograd node. The text names the
-    first non-finite op (found by :class:`NonFiniteLocator`, which also sees infs, which anomaly mode
-    does not check) and the forward call that created it, followed by anomaly mode's own report when
-    a backward function returned NaN. Returns None when everything stayed finite. Gradients that
-    ``fn`` accumulates are left in place.
-
-    ``located``: the first op as a locator already found it on the same replay, in forward and with
-    its stack: the anomaly-mode pass then runs without a locator of its own (a first op in backward
-    still needs one: the stack of the forward call behind it exists only under anomaly mode).
-    """
-    reuse = located is not None and located.direction == "forward" and located.stack is not None
-    locator = None if reuse else NonFiniteLocator(model, capture_stack=True, first_only=True)  # its first op only
-    anomaly_error = None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            with torch.autograd.detect_anomaly(check_nan=True), locator if locator is not None else contextlib.nullcontext():
-                fn()
-        except RuntimeError as err:
-            if "returned nan values" not in str(err):
-                raise
-            anomaly_error = str(err)
-    parts = []
-    first = locator.first if locator is not None else located
-    if first is not None:
-        label = "forward call that created its autograd node" if first.direction == "backward" else "stack"
-        stack = first.stack or "  (not recorded)\n"
-        parts.append(f"first non-finite op: {first.describe()}\n{label}:\n{stack}")
-    if anomaly_error is not None:
-        text = f"anomaly mode: {anomaly_error}\n"
-        node = anomaly_error.split("'")[1] if anomaly_error.count("'") >= 2 else None
-        if first is None or first.autograd_node != node:  # a different op than the locator's: show its stack
-            forward = [str(w.message) for w in caught if "Traceback of forward call" in str(w.message)]
-            if forward:
-                body = forward[-1].split(" (Triggered internally at")[0].split("\n", 1)[-1]
-                entries = ["  File" + e for e in body.split("  File")[1:]]
-                text += f"forward call that created it:\n{_user_frames(entries)}"
-        parts.append(text)
-    return "\n".join(parts) if parts else None

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from ..diagnostics.diagnosis import DIAGNOSIS_FIELDS
 from ..records.incidents import write_bundle
 from ..internals import scaler_state, set_scaler_state
 from ..replay import diagnose_incident
@@ -44,11 +45,7 @@ from ..records.staging import IntervalSnapshot, StateStager, load_optimizer_stat
 from ..tasks import Task
 from .replay import CapturedRows, batch_nbytes, bundle_batch, optimizer_recipe, plain_batch, to_host
 
-__all__ = ["KeptStep", "StepKeeper", "HostReplay", "IncidentCapture", "DIAGNOSIS_FIELDS"]
-
-#: The diagnosis fields an ``incident`` event carries (the rest is in ``diagnosis.json``).
-DIAGNOSIS_FIELDS = ("summary", "stage", "op", "direction", "module", "origin", "first_nonfinite_param", "bad_samples",
-                    "reproduces", "rank")
+__all__ = ["KeptStep", "StepKeeper", "HostReplay", "IncidentCapture"]
 
 
 @dataclass

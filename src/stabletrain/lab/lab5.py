@@ -8,7 +8,7 @@ and asks, in the chapter's order: is the grad norm finite (the cheap sentinel), 
 gradient is the first non-finite one (:func:`~stabletrain.numerics.first_nonfinite_grad`), which op
 and module created it and in which direction (:class:`~stabletrain.diagnostics.nonfinite.NonFiniteLocator`),
 which sample (:func:`~stabletrain.diagnostics.bisection.bisect_samples`), and what anomaly mode says
-(:func:`~stabletrain.diagnostics.nonfinite.anomaly_trace`), with what each costs per step on a clean batch.
+(:func:`~stabletrain.diagnostics.anomaly.anomaly_trace`), with what each costs per step on a clean batch.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from torch import Tensor, nn
 from ..policies.accumulation import as_sum_count
 from ..diagnostics.initialization import init_
 from ..diagnostics.bisection import bisect_samples
-from ..diagnostics.nonfinite import NonFiniteLocator, anomaly_trace
+from ..diagnostics.anomaly import anomaly_trace
+from ..diagnostics.nonfinite import NonFiniteLocator
 from ..numerics import first_nonfinite_grad, grad_total_norm
 from ..seeding import seed_everything
 from ..tasks.mlp import make_mlp, make_task
