@@ -84,14 +84,14 @@ def count_collectives(trainer: Trainer) -> list:
 
 
 class RecordStates(Callback):
-    """``--states``: the model and optimizer state after each step (the first time the step ends)."""
+    """``--states``: the trainer's model and optimizer state after each step (the first time the step ends)."""
 
-    def __init__(self, states: dict) -> None:
-        self.states = states
+    def __init__(self, states: dict, trainer) -> None:
+        self.states, self.trainer = states, trainer
 
     def on_step_end(self, state, out) -> None:
         if state.step not in self.states:
-            full = state.state_dict()
+            full = self.trainer.state_dict()
             self.states[state.step] = copy.deepcopy({"model": full["model"], "optimizer": full["optimizer"]})
 
 
@@ -104,7 +104,9 @@ def main(argv: list[str]) -> None:
     cfg = load_config(None, overrides)
     with process_group(cfg.dist.backend, cfg.dist.timeout_s) as ctx:
         states: dict[int, dict] = {}
-        trainer = Trainer(cfg, run_dir=cfg.run.dir, callbacks=[RecordStates(states)] if record_states else [])
+        trainer = Trainer(cfg, run_dir=cfg.run.dir)
+        if record_states:
+            trainer.callbacks.append(RecordStates(states, trainer))
         calls = count_collectives(trainer) if collectives else None
         counter = CountSyncs(trainer) if count else None
         if counter is not None:

@@ -143,17 +143,18 @@ from stabletrain.services.incidents import clone_state  # noqa: E402
 
 
 class PreStepState(Callback):
-    """Keep a copy of the whole state at the end of step ``step`` (= the state before step ``step + 1``).
+    """Keep a copy of ``trainer``'s whole state at the end of step ``step`` (= the state before step ``step + 1``).
 
-    Under FSDP ``state_dict()`` is the full state, a gather every rank joins: keep the callback on every rank.
+    Added after the trainer is built (``trainer.callbacks.append``). Under FSDP ``state_dict()`` is the full
+    state, a gather every rank joins: keep the callback on every rank.
     """
 
-    def __init__(self, step: int) -> None:
-        self.step, self.state = step, None
+    def __init__(self, step: int, trainer) -> None:
+        self.step, self.trainer, self.state = step, trainer, None
 
     def on_step_end(self, state, out):
         if state.step == self.step:
-            self.state = clone_state(state.state_dict())
+            self.state = clone_state(self.trainer.state_dict())
 
 
 class HookLog(Callback):

@@ -149,9 +149,10 @@ def worker(argv: list[str]) -> None:
         result, local = {}, []  # local: each snapshot and in-place load of this rank's shards, with its collectives
         stabletrain.distributed.fsdp.load_local_state_dicts = recording(stabletrain.distributed.fsdp.load_local_state_dicts, local)
         for name, extra in (("captured", []), ("uncaptured", ["guard.capture=false"])):
-            pre = PreStepState(STEP - 1)
             cfg = load_config(None, [*overrides, *extra])
-            trainer = Trainer(cfg, run_dir=run_dir / name, callbacks=[pre])
+            trainer = Trainer(cfg, run_dir=run_dir / name)
+            pre = PreStepState(STEP - 1, trainer)
+            trainer.callbacks.append(pre)
             if name == "captured":
                 trainer.recorder.mark_interval_start = recording(trainer.recorder.mark_interval_start, local)
             trainer.fit()

@@ -48,11 +48,20 @@ def test_a_late_incident_replays_at_most_one_interval_and_its_bundle_is_the_runs
     # from LAST_GOOD (guard.memory_snapshot=false) it would replay 13 steps.
     c = cfg("train.batch_size=8", "train.max_steps=15", "log.every=5", "guard.diagnose=false", "data.shuffle=false",
             f"guard.memory_snapshot={str(snapshot).lower()}")
-    pre = PreStepState(13)
-    trainer = Trainer(c, task=nan_sample_task(bad_index=107, n=128), run_dir=tmp_path / "run", callbacks=[pre])
+    trainer = Trainer(c, task=nan_sample_task(bad_index=107, n=128), run_dir=tmp_path / "run")
+    pre = PreStepState(13, trainer)
+    trainer.callbacks.append(pre)
     calls = []
-    run_step = trainer.state.run_step
-    trainer.state.run_step = lambda window, **kw: (calls.append(window), run_step(window, **kw))[1]
+
+    class Counting:  # the recorder's trainer operations, its replayed steps counted
+        def train_step(self, window, **kw):
+            calls.append(window)
+            return trainer.train_step(window, **kw)
+
+        def __getattr__(self, name):
+            return getattr(trainer, name)
+
+    trainer.recorder.ops = Counting()
     trainer.fit()
     assert trainer.recorder.replayed_steps == len(calls) == replayed
     assert len(calls) <= c.log.every or not snapshot

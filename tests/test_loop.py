@@ -127,7 +127,7 @@ def test_fit_keeps_the_objects_alive_at_its_start_out_of_full_gc_scans_and_gives
     import gc
 
     from stabletrain.callbacks import Callback
-    from stabletrain.loop import gc_frozen
+    from stabletrain.process import gc_frozen
 
     seen = []
 

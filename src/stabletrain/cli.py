@@ -181,7 +181,7 @@ def _resume_target(args: argparse.Namespace) -> str | None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from .distributed import ddp as distributed
-    from .loop import default_run_dir
+    from .services.rundir import default_run_dir
 
     resume = _resume_target(args)
     if resume:
@@ -205,7 +205,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ctx) -> int:
-    from .loop import DEFAULT_RUN_DIR, Trainer
+    from .loop import Trainer
+    from .services.rundir import DEFAULT_RUN_DIR
 
     trainer = Trainer(cfg, run_dir=run_dir if run_dir is not None else DEFAULT_RUN_DIR, resume=resume)
     run_dir = trainer.run.path if trainer.run is not None else run_dir
@@ -223,7 +224,7 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
             note = f"(recorded in {run_dir}; see: stabletrain report {run_dir})"
             err.__notes__ = [*getattr(err, "__notes__", []), note]  # err.add_note(note), which Python 3.10 lacks
         raise
-    signalled = trainer.signals.signal is not None
+    signalled = trainer.signals.received is not None
     if not ctx.is_main:
         return 1 if trainer.stop_reason is not None and not signalled else 0
     if trainer.stop_reason is not None and signalled:

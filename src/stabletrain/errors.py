@@ -13,10 +13,11 @@ import re
 import sys
 import sysconfig
 import traceback
+from typing import Any
 from pathlib import Path
 
 __all__ = ["user_frames", "user_location", "format_user_traceback", "task_part", "raised_by_stabletrain",
-           "format_task_error", "TaskCodeError", "TASK_PARTS", "brief"]
+           "format_task_error", "TaskCodeError", "TASK_PARTS", "brief", "crash_event"]
 
 _PACKAGE = str(Path(__file__).resolve().parent)
 _LIBS = tuple({os.path.realpath(p) for p in (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
@@ -241,3 +242,11 @@ class TaskCodeError(Exception):
         self.part, self.cause = part, err
         where = user_location(err)
         super().__init__(f"{type(err).__name__} in the task's {part}{f' at {where}' if where else ''}: {err}")
+
+
+def crash_event(err: BaseException, during: str) -> tuple[str, dict[str, Any]]:
+    """The ``crash`` event of ``err``: its reason (with the user's file:line) and its fields."""
+    where = user_location(err)
+    reason = f"{type(err).__name__}: {err}" + (f" (at {where})" if where else "")
+    return reason, {"error": type(err).__name__, "message": str(err), "location": where, "during": during,
+                    "part": task_part(err)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -10,12 +11,20 @@ from torch import nn
 from .policies.accumulation import as_sum_count
 from .data import EpochOrder, move_to
 from .numerics import modes_kept
+from .console import StableTrainWarning
 from .policies.precision import PrecisionPolicy
 
-__all__ = ["validation_loss"]
+__all__ = ["validation_loss", "check_val_data"]
 
 
 @torch.no_grad()
+def check_val_data(task: Any) -> None:
+    """Warn (once, at the start) when the task has validation data that is empty: no validation loss would show."""
+    if task.val_data is not None and len(task.val_data) == 0:
+        warnings.warn(f"task {task.name!r}: Task.val_data is empty; no validation loss will be reported "
+                      "(pass val_data=None to say so)", StableTrainWarning, stacklevel=3)
+
+
 def validation_loss(task: Any, module: nn.Module, precision: PrecisionPolicy, batch_size: int, max_batches: int,
                     dist: Any) -> dict[str, float]:
     """Return ``{"val_loss": mean loss per item}`` over the first ``max_batches`` (0 = all) validation batches.

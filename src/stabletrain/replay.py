@@ -35,7 +35,7 @@ from .policies.optim import build_optimizer
 from .policies.precision import PrecisionPolicy, resolve_device
 from .policies.schedule import LRSchedule
 from .seeding import rng_state, set_rng_state
-from .step import TrainStep
+from .step import TrainStep, build_step
 from .tasks import Task, resolve_task
 
 __all__ = ["diagnose_step", "diagnose_incident"]
@@ -252,8 +252,7 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
         schedule.load_state_dict(bundle["schedule"])
         fresh = PrecisionPolicy(bundle["precision"]["mode"], dev)
         fresh.load_state_dict(bundle["precision"])
-        return TrainStep(model, optimizer, fresh, clipper=GradClipper(cfg.clip.max_norm), schedule=schedule,
-                         params=[p for _, p in named], check_params=cfg.guard.check_params)
+        return build_step(cfg, model, optimizer, fresh, schedule=schedule, params=[p for _, p in named])
 
     set_rng_state(bundle["rng"])
     observed = bundle.get("observed", {})

@@ -38,7 +38,7 @@ from .numerics import all_params_finite, both_finite, grad_norms, snapshot_param
 from .policies.precision import PrecisionPolicy
 from .policies.schedule import LRSchedule
 
-__all__ = ["TrainStep", "LossFn", "STEP_KEYS"]
+__all__ = ["TrainStep", "LossFn", "STEP_KEYS", "build_step"]
 
 LossFn = Callable[[nn.Module, Any], Any]
 
@@ -216,3 +216,14 @@ class TrainStep:
             return contextlib.nullcontext()
         no_sync = getattr(self.model, "no_sync", None)
         return no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
+
+
+def build_step(cfg: Any, model: nn.Module, optimizer: torch.optim.Optimizer | None, precision: PrecisionPolicy,
+               **parts: Any) -> TrainStep:
+    """The run's step as its config says: clipping at ``clip.max_norm``, the guard's input and parameter checks.
+
+    ``parts``: the rest of :class:`TrainStep`'s arguments (guard, schedule, params, window, carrier, numerics).
+    The built-in loop, the incident replay and the Monitor build their step here, so each runs the same one.
+    """
+    return TrainStep(model, optimizer, precision, clipper=GradClipper(cfg.clip.max_norm),
+                     check_inputs=cfg.guard.check_inputs, check_params=cfg.guard.check_params, **parts)

@@ -1,4 +1,4 @@
-"""Callbacks: one base class with typed no-op hooks; the run's own lifecycle is built from them.
+"""Callbacks: one base class with typed no-op hooks, for what observes the run and reacts through them.
 
 Where each hook fires, in the fit loop (:meth:`stabletrain.loop.Trainer.fit`)::
 
@@ -16,15 +16,15 @@ Where each hook fires, in the fit loop (:meth:`stabletrain.loop.Trainer.fit`)::
                                                 # later boundary (info["step"] is the save's), the run's last at once
     on_fit_end(state, record)                   # also after a stop or an exception (record may be {})
 
-A hook receives what it needs as arguments: the :class:`FitState` (counters, run dir, config and the
-few operations a lifecycle callback needs) and the event's values. ``state_dict`` /
-``load_state_dict`` round-trip each callback's own state through checkpoints.
+A hook receives what it needs as arguments: the :class:`FitState` (counters, run dir, config) and the
+event's values. ``state_dict`` / ``load_state_dict`` round-trip each callback's own state through
+checkpoints. What acts on the run's state (the checkpoint keeper, the incident recorder, the signal
+handler) are services the loop calls by name (:mod:`stabletrain.services`), not callbacks.
 
 A callback that only observes must not read device tensors on the host in :meth:`Callback.on_step_end`
 (``float(out["loss"])`` is a host sync per step): accumulate on the device, read at :meth:`Callback.on_log`.
 
-The built-in callbacks (always installed by the Trainer, in this order): :class:`~.signals.SignalHandler`,
-:class:`~.sinks.InitWatch`, :class:`~.incidents.IncidentRecorder`, :class:`~.checkpointing.CheckpointKeeper`,
+The built-in callbacks (always installed by the Trainer, in this order): :class:`~.sinks.InitWatch`,
 :class:`~.sinks.EventLog`, :class:`~.sinks.MetricsFile`, :class:`~.sinks.TensorBoardLog`, the trackers
 ``log.trackers`` names (:class:`~.trackers.MLflowTracker`, :class:`~.trackers.WandbTracker`),
 :class:`~.sinks.ProgressBar`; then the user's (``Trainer(cfg, callbacks=[...])`` and the config key
@@ -33,7 +33,7 @@ The built-in callbacks (always installed by the Trainer, in this order): :class:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +44,7 @@ __all__ = ["Callback", "CallbackList", "FitState", "load_callbacks"]
 
 @dataclass
 class FitState:
-    """What the fit loop shares with callbacks: counters, the run directory, and a few operations.
+    """What the fit loop shares with callbacks: the run's setup, its counters and its run directory.
 
     Attributes:
         cfg: the resolved :class:`~stabletrain.config.Config`.
@@ -60,8 +60,6 @@ class FitState:
         history: every metrics record of this process.
         positions: step -> (epoch, start) of its data window, for the current interval's steps.
         stop_reason: set when the run stops early (guard, signal).
-        state_dict, load_state_dict: the whole training state (what a checkpoint holds).
-        run_step: runs the one optimizer step on a window, exactly as the loop does (for replays).
     """
 
     cfg: Any
@@ -71,9 +69,6 @@ class FitState:
     device: Any
     dist: Any
     stream: Any
-    state_dict: Callable[[], dict[str, Any]]
-    load_state_dict: Callable[[dict[str, Any]], None]
-    run_step: Callable[[Any], dict[str, Tensor]]
     run: Any = None
     ckpt: Any = None
     precision: str = "fp32"

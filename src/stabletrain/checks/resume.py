@@ -203,7 +203,7 @@ def check_determinism(ctx: CheckContext) -> CheckResult:
 
 def _probe(argv: list[str]) -> int:
     """The fresh process of the resume check: restore step ``--from-step`` and trace the remaining steps."""
-    from ..records.checkpoint import CheckpointManager
+    from ..records.checkpoint.manager import CheckpointManager
     from ..loop import Trainer
 
     ap = argparse.ArgumentParser(prog="python -m stabletrain.checks.resume")

@@ -236,8 +236,7 @@ class RunSession:
         self._before: list[Tensor] | None = None
         self._measuring = False
         self.state = FitState(cfg=self.cfg, task=None, module=self.model, named_params=self.named_params,
-                              device=self.device, dist=self.dist, stream=None, state_dict=self.state_dict,
-                              load_state_dict=self.load_state_dict, run_step=_no_run_step, precision=precision)
+                              device=self.device, dist=self.dist, stream=None, precision=precision)
         self.trackers = build_trackers(options.trackers, hosts=tracker_hosts)
         self.callbacks = CallbackList([InitWatch(self.fingerprint), EventLog(), MetricsFile(), TensorBoardLog(),
                                        *self.trackers, *callbacks])
@@ -499,10 +498,6 @@ class RunSession:
             self.state.event(self.step, "resume", f"resumed from {path or 'the host trainer checkpoint'} at step "
                              f"{self.step}", path=path)
             self.say(f"resumed from step {self.step} ({path or 'the host trainer checkpoint'})")
-
-
-def _no_run_step(window: Any) -> dict[str, Tensor]:
-    raise RuntimeError("an adapter's run cannot re-run a step itself: the host trainer owns the loop")
 
 
 def _host_versions(host: str) -> dict[str, str]:

@@ -48,11 +48,10 @@ import torch
 from torch import Tensor, nn
 
 from ..callbacks import Callback
-from ..policies.clipping import GradClipper
 from ..data import move_to
 from ..policies.precision import PrecisionPolicy
 from ..seeding import rng_state
-from ..step import TrainStep
+from ..step import TrainStep, build_step
 from .capture import KeptStep
 from .core import AdapterOptions, RunSession, StopTraining, unwrap
 from .replay import batch_size, import_path
@@ -113,7 +112,6 @@ class Monitor:
         self.precision = PrecisionPolicy(mode, device)
         if scaler is not None:
             self.precision.scaler = scaler  # the user's scaler: its scale, growth and state are theirs
-        self.clipper = GradClipper(clip_max_norm)
         self.session = RunSession(
             run_dir, model, host="monitor", options=options, precision=self.precision.mode, clip_max_norm=clip_max_norm,
             optimizer=inner, scaler=self.precision.scaler, replay=_MonitorReplay(self) if loss_fn is not None else None,
@@ -121,8 +119,9 @@ class Monitor:
             recipes={"model": _model_recipe(unwrap(model), model_factory), "loss": _loss_recipe(loss_fn)},
             host_config={"log_every": log_every, "clip_max_norm": clip_max_norm, "scaler": scaler is not None},
             callbacks=callbacks)
-        self.step_fn = TrainStep(model, inner, self.precision, clipper=self.clipper, guard=self.session.guard,
-                                 params=self.session.params, check_params=check_params)
+        self.step_fn = build_step(self.session.cfg, model, inner, self.precision, guard=self.session.guard,
+                                  params=self.session.params)  # the built-in run's step, on your gradients
+        self.clipper = self.step_fn.clipper
         self.last_applied: Tensor | None = None
         self.session.open(resume=resume)
         self._reset()

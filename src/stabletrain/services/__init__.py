@@ -1,1 +1,27 @@
-"""What the loop drives by name: the checkpoint keeper, the incident recorder, the signal handler."""
+"""What the loop drives by name: the checkpoint keeper, the incident recorder, the signal handler.
+
+A service is not a callback: the loop calls its methods where the run needs them and gets their results
+back (a callback only observes and reacts through hooks). A service that saves, restores or replays the
+run's state is given the trainer's operations for it (:class:`TrainerOps`), not the trainer itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+__all__ = ["TrainerOps"]
+
+
+class TrainerOps(Protocol):
+    """The trainer's state and step operations a service needs (the built-in ``Trainer`` provides them)."""
+
+    strategy: Any  # the run's Strategy (stabletrain.distributed.strategy): sharded / replicated
+
+    def state_dict(self, *, local: bool = False, dcp: bool = False) -> dict[str, Any]:
+        """Everything the next step depends on (see ``Trainer.state_dict``)."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` or a checkpoint."""
+
+    def train_step(self, window: Any, *, measure_update: bool = False, check_params: bool = True) -> dict[str, Any]:
+        """Run the one optimizer step on a window, exactly as the loop does (replays use it)."""

@@ -24,11 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from .. import console
-from ..records.checkpoint import CheckpointError, LoadedCheckpoint, PendingSave, first_nonfinite
+from ..records.checkpoint.files import CheckpointError, first_nonfinite
+from ..records.checkpoint.manager import LoadedCheckpoint
+from ..records.checkpoint.saves import PendingSave
 from ..config import (RESHARD_SAFE_KEYS, RESUME_SAFE_KEYS, config_hash, config_to_dict, diff_configs,
                       resume_refusal_message)
 from ..distributed.sharded_checkpoint import ShardedSaver, local_tensors, split_for_dcp
-from ..callbacks import Callback, FitState
+from ..callbacks import FitState
+from . import TrainerOps
 
 __all__ = ["CheckpointKeeper", "schedule_change_note"]
 
@@ -52,13 +55,16 @@ def schedule_change_note(cfg: Any, old_max_steps: int, step: int) -> str:
             f"(it was {before:.3g} on the old horizon)")
 
 
-class CheckpointKeeper(Callback):
+class CheckpointKeeper:
     """Checkpoint at step 0, every ``ckpt.every`` steps, at the end and on a signal; never from a bad state.
 
-    Saves are written in the background (see the module docstring); :meth:`finished` hands over their outcomes.
+    A service the loop calls by name. Saves are written in the background (see the module docstring);
+    :meth:`finished` hands over their outcomes, :meth:`count_outcome` counts the failed ones. ``ops``: the
+    trainer's state operations (:class:`~stabletrain.services.TrainerOps`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, ops: TrainerOps) -> None:
+        self.ops = ops
         self.resumed_from: Path | None = None
         self.problems: list[str] = []
         self.schedule_change: str | None = None  # set on a resume that changed train.max_steps
@@ -97,13 +103,40 @@ class CheckpointKeeper(Callback):
                              RESUME_SAFE_KEYS + (RESHARD_SAFE_KEYS if resharded else ()))
         if diffs:
             raise ValueError(resume_refusal_message(run_dir, diffs))
-        state.load_state_dict(loaded.state)
+        self.ops.load_state_dict(loaded.state)
         self.resumed_from = loaded.path
         if resharded:
             self.reshard, self.reshard_note = _reshard_info(saved_cfg, saved_world, state)
         old = int(saved_cfg.get("train", {}).get("max_steps", state.cfg.train.max_steps))
         if old != state.cfg.train.max_steps and state.cfg.sched.decay != "constant":
             self.schedule_change = schedule_change_note(state.cfg, old, state.step)
+
+    def announce_resume(self, state: FitState) -> None:
+        """Say where the run resumed from (rank 0, run directory open): the events and the console lines.
+
+        Each checkpoint skipped on the way is a ``checkpoint_skipped`` event and a warning; the ``resume``
+        event and line say the checkpoint, the world size and how many saved steps will be trained again;
+        metrics lines after the resumed step are superseded; a reshard and a changed schedule are said too.
+        """
+        run, ckpt, step = state.run, state.ckpt, state.step
+        for problem in self.problems:
+            run.event(step, "checkpoint_skipped", problem)
+            console.warn(f"resume skipped a checkpoint in {ckpt.root}: {problem}")
+        line = f"resumed from step {step} (checkpoint {self.resumed_from}, world size {state.dist.world})"
+        newest = max((int(d.name.removeprefix("step_")) for d in ckpt.checkpoints()), default=step)
+        if self.problems and newest > step:
+            line += f"; the newest checkpoint (step {newest}) was skipped: {newest - step} step(s) will be trained again"
+        console.say(line)
+        dropped = run.drop_metrics_after(step)
+        note = self.reshard_note
+        run.event(step, "resume", f"resumed from {self.resumed_from} at step {step}" + (f"; {note}" if note else "")
+                  + (f"; {dropped} metrics line(s) after it superseded" if dropped else ""),
+                  path=str(self.resumed_from), superseded_metrics=dropped, **(self.reshard or {}))
+        if note:
+            console.say(note)
+        if self.schedule_change is not None:
+            run.event(step, "schedule_changed", self.schedule_change, max_steps=state.cfg.train.max_steps)
+            console.warn(self.schedule_change)
 
     # -- acting ---------------------------------------------------------------------------------
 
@@ -140,7 +173,7 @@ class CheckpointKeeper(Callback):
         saver = self._sharded_saver(state)
         if saver is not None:
             return self._save_sharded(state, saver, wait)
-        whole = state.state_dict()
+        whole = self.ops.state_dict()
         meta = {"config": config_to_dict(state.cfg), "config_hash": config_hash(state.cfg)}
         if state.dist.enabled:
             whole["ranks"] = state.dist.gather_objects({"rng": whole["rng"], "stream": whole["stream"]})
@@ -159,8 +192,7 @@ class CheckpointKeeper(Callback):
 
         Created at the first save, which every rank reaches together (it makes a process group).
         """
-        if self._saver is None and state.dist.enabled and state.cfg.dist.strategy == "fsdp" \
-                and getattr(state.cfg.dist, "checkpoint", "full") == "sharded":
+        if self._saver is None and self.ops.strategy.sharded and state.cfg.dist.checkpoint == "sharded":
             self._saver = ShardedSaver(state.cfg.dist.timeout_s)
         return self._saver
 
@@ -174,7 +206,7 @@ class CheckpointKeeper(Callback):
         saver.wait()  # this rank's shards of the previous save
         done = self.finished(wait=True)  # rank 0: the previous checkpoint, before its directory is reused
         t0 = time.perf_counter()
-        tensors, whole = split_for_dcp(state.state_dict(dcp=True))
+        tensors, whole = split_for_dcp(self.ops.state_dict(dcp=True))
         bad = first_nonfinite(local_tensors(tensors))  # this rank's shards only: no collective
         check_s = time.perf_counter() - t0
         gathered = state.dist.gather_objects({"rng": whole["rng"], "stream": whole["stream"], "nonfinite": bad})
@@ -248,13 +280,16 @@ class CheckpointKeeper(Callback):
             return None
         return chosen[0] if chosen else ckpt.load(path)
 
-    def rollback(self, state: FitState, bad_steps: list[int], reason: str, restore_counters: Any) -> dict[str, Any] | None:
-        """Restore LAST_GOOD and never train on the data windows of ``bad_steps`` again; return the rollback info.
+    def rollback(self, state: FitState, decision: Any, restore_counters: Any) -> dict[str, Any] | None:
+        """Restore LAST_GOOD and never train on the bad steps' data windows again; record the ``rollback`` event.
 
+        ``decision``: the guard's (its bad steps, and its spikes under ``guard.on_spike=rollback``).
         ``restore_counters(loaded_state)`` puts back the run-wide counters a rollback must not undo
-        (incidents, rollbacks, spikes). Returns None (and sets ``state.stop_reason``) when there is no
-        checkpoint to go back to.
+        (incidents, rollbacks, spikes). Returns the rollback info, or None (and sets ``state.stop_reason``)
+        when there is no checkpoint to go back to.
         """
+        spikes = decision.spike_steps if state.cfg.guard.on_spike == "rollback" else []
+        bad_steps, reason = sorted(set(decision.bad_steps) | set(spikes)), decision.reason
         windows = {state.positions[s] for s in bad_steps if s in state.positions}
         loaded = self.load_last_good(state)
         if loaded is None:
@@ -263,15 +298,17 @@ class CheckpointKeeper(Callback):
         from_step = state.step
         skip = state.stream.skip | windows
         with restore_counters():
-            state.load_state_dict(loaded.state)
+            self.ops.load_state_dict(loaded.state)
         state.stream.skip = skip
-        return {"from_step": from_step, "to_step": state.step, "path": str(loaded.path), "skipped_windows": sorted(windows),
+        info = {"from_step": from_step, "to_step": state.step, "path": str(loaded.path), "skipped_windows": sorted(windows),
                 "reason": f"{reason}: rolled back from step {from_step} to {loaded.path.name}; skipping data windows "
                           f"{sorted(windows)}"}
+        state.event(state.step, "rollback", info["reason"], **{k: v for k, v in info.items() if k != "reason"})
+        return info
 
     # -- failed saves ----------------------------------------------------------------------------
 
-    def on_checkpoint(self, state: FitState, info: dict[str, Any]) -> None:
+    def count_outcome(self, state: FitState, info: dict[str, Any]) -> None:
         """Count the saves that failed in a row (a written one resets the count) and print each failure."""
         if info["kind"] == "checkpoint":
             self.failures_in_a_row, self._last_failure = 0, None
@@ -307,9 +344,6 @@ class CheckpointKeeper(Callback):
                                   f"{limit}), the run stops here; the last: {last['reason']}. {where}", ckpt.root)
 
         state.dist.on_main(verdict)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
 
 
 def _reshard_info(saved_cfg: dict[str, Any], saved_world: int, state: FitState) -> tuple[dict[str, Any], str]:

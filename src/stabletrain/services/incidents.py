@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from .. import console
 from ..policies.accumulation import as_sum_count
 from ..config import config_to_dict
+from ..diagnostics.diagnosis import DIAGNOSIS_FIELDS
 from ..records.incidents import BUNDLE_DCP_DIR, write_bundle
 from ..data import move_to
 from ..numerics import first_nonfinite_grad, unique_params
@@ -38,9 +39,10 @@ from ..policies.precision import PrecisionPolicy
 from ..replay import diagnose_incident
 from ..seeding import rng_state, set_rng_state
 from ..distributed.sharded_checkpoint import split_for_dcp
-from ..records.staging import StateStager, fill_withheld
+from ..records.staging import IntervalSnapshot, StateStager, fill_withheld
 from ..tasks import Task, resolve_task
-from ..callbacks import Callback, FitState
+from ..callbacks import FitState
+from . import TrainerOps
 from .checkpoints import CheckpointKeeper
 
 __all__ = ["IncidentRecorder", "clone_state", "copy_state_into"]
@@ -87,8 +89,12 @@ def _join_replicated(shared: dict[str, Any], rest: dict[str, Any]) -> dict[str, 
     return {**rest, "model": model, "optimizer": {**rest["optimizer"], "state": shared["optimizer"]}}
 
 
-class IncidentRecorder(Callback):
+class IncidentRecorder:
     """On an incident, write ``incidents/step_N/bundle.pt`` and (``guard.diagnose``) its ``diagnosis.json``.
+
+    A service the loop calls by name (:meth:`mark_interval_start` at fit start and at every log boundary,
+    :meth:`capture` on an incident); ``ops`` is the trainer's state and step operations
+    (:class:`~stabletrain.services.TrainerOps`).
 
     Every rank takes part (the replay has collectives); rank 0 writes. The bundle holds the window and
     RNG state of the rank that saw the bad value, so its diagnosis replays on that rank's batch. The
@@ -96,33 +102,29 @@ class IncidentRecorder(Callback):
     on exactly as one that was not.
     """
 
-    def __init__(self, keeper: CheckpointKeeper) -> None:
-        self.keeper = keeper
-        self.snapshot: dict[str, Any] | None = None  # the state at the interval's start, in host buffers
-        self._snapshot_ready: list[Any] = []  # CUDA events the snapshot's copies complete at
-        self._snapshot_stager = StateStager()
+    def __init__(self, ops: TrainerOps, keeper: CheckpointKeeper) -> None:
+        self.ops, self.keeper = ops, keeper
+        # The state at the interval's start: the same snapshot the adapters take (records.staging), on the compute
+        # stream (the next update needs no wait for it).
+        self._interval = IntervalSnapshot(side_stream=False)
         self._shared_stager = StateStager()  # DDP: this rank's share of the parameters and optimizer state
         self._snapshot_shared: dict[str, Any] | None = None
+        self._shared_ready: list[Any] = []  # CUDA events the share's copies complete at
         self.replayed_steps: int | None = None  # steps the last capture replayed (None: no capture yet)
+
+    @property
+    def snapshot(self) -> dict[str, Any] | None:
+        """The state at the interval's start in host buffers (None: no snapshot this interval)."""
+        return self._interval.state
 
     @staticmethod
     def _snapshots(state: FitState) -> bool:
         """Whether to snapshot each interval: a capture is asked for and has a run directory to write to."""
         return state.cfg.guard.capture and state.cfg.guard.memory_snapshot and state.ckpt is not None
 
-    @staticmethod
-    def _sharded(state: FitState) -> bool:
-        """FSDP over several ranks: the full state dict is a gather every rank joins, so snapshots stay local."""
-        return state.dist.enabled and getattr(state.cfg.dist, "strategy", "ddp") == "fsdp"
-
-    @staticmethod
-    def _replicated(state: FitState) -> bool:
-        """DDP over several ranks: the parameters and optimizer state are the same on every rank."""
-        return state.dist.enabled and state.dist.world > 1 and not IncidentRecorder._sharded(state)
-
     def _local_state(self, state: FitState) -> dict[str, Any]:
         """The run's state as this rank holds it (live; stage it before the run moves on): no collective."""
-        return state.state_dict(local=True) if self._sharded(state) else state.state_dict()
+        return self.ops.state_dict(local=True) if self.ops.strategy.sharded else self.ops.state_dict()
 
     def mark_interval_start(self, state: FitState) -> None:
         """A new interval starts: stage the state into the snapshot's host buffers (``guard.memory_snapshot``).
@@ -130,51 +132,52 @@ class IncidentRecorder(Callback):
         On CUDA the copies are queued (pinned, non-blocking) and waited for only by a capture; on CPU
         it is one copy of the state per interval (under DDP: of this rank's share of what every rank holds).
         """
-        self.snapshot, self._snapshot_shared, self._snapshot_ready = None, None, []
+        self._interval.clear()
+        self._snapshot_shared, self._shared_ready = None, []
         if not self._snapshots(state):
             return
         local = self._local_state(state)
-        if self._replicated(state):
+        if self.ops.strategy.replicated:
             shared, local = _split_replicated(local, state.module)
-            self._snapshot_shared, ready = self._shared_stager.stage(shared, share=(state.dist.rank, state.dist.world))
-            self._snapshot_ready += ready
-        self.snapshot, ready = self._snapshot_stager.stage(local)
-        self._snapshot_ready += ready
-
-    def on_fit_start(self, state: FitState) -> None:
-        self.mark_interval_start(state)
-
-    def on_incident(self, state: FitState, info: dict[str, Any]) -> None:
-        if not state.cfg.guard.capture or (state.ckpt is None and self.snapshot is None):
-            return
-        self.capture(state, info)
+            self._snapshot_shared, self._shared_ready = self._shared_stager.stage(
+                shared, share=(state.dist.rank, state.dist.world))
+        self._interval.take(local, state.step)
 
     def _source(self, state: FitState) -> dict[str, Any] | None:
         if self.snapshot is not None:
-            for event in self._snapshot_ready:
+            local = self._interval.get()  # waits for its copies
+            for event in self._shared_ready:
                 event.synchronize()
             if self._snapshot_shared is not None:  # DDP: every rank gets the others' shares (a broadcast each)
                 device = state.device if dist.get_backend() == "nccl" else torch.device("cpu")
-                return _join_replicated(fill_withheld(self._snapshot_shared, device), self.snapshot)
-            return self.snapshot
+                return _join_replicated(fill_withheld(self._snapshot_shared, device), local)
+            return local
         loaded = self.keeper.load_last_good(state)
         return loaded.state if loaded is not None else None
 
-    def capture(self, state: FitState, info: dict[str, Any]) -> None:
-        """Replay to just before ``info["step"]``, write its bundle, diagnose it; fill ``info`` and record the event."""
+    def capture(self, state: FitState, info: dict[str, Any]) -> dict[str, Any]:
+        """Replay to just before ``info["step"]``, write its bundle, diagnose it, record the ``incident`` event.
+
+        Every rank calls it (the replay has collectives). Returns what it found, for the loop and the
+        ``on_incident`` callbacks: ``pinned`` (the step whose update broke the parameters, when the replay
+        pinned one), ``ranks``, ``path``, ``replayed_steps``, ``diagnosis`` or ``diagnosis_error``.
+        """
+        found: dict[str, Any] = {}
+        if not state.cfg.guard.capture or (state.ckpt is None and self.snapshot is None):
+            return found
         step, after_update, ranks = info["step"], info["after_update"], sorted(info.get("ranks") or [])
         source = self._source(state)
         if source is None:
             state.event(step, "incident", f"step {step} not captured: no good state to replay from (no verified "
                         "checkpoint yet; was the state non-finite from the start?)", after_update=after_update, ranks=ranks)
-            return
+            return found
         # The run's state, to host memory (device memory stays flat), in buffers of its own: once loaded back, the
         # optimizer may keep them as its state (CPU), so they must never be staged into again. FSDP: this rank's shards.
         current, ready = StateStager().stage(self._local_state(state))
         for event in ready:
             event.synchronize()
         skip = set(state.stream.skip)
-        state.load_state_dict(source)
+        self.ops.load_state_dict(source)
         state.stream.skip = skip  # windows a rollback skipped after that state was saved stay skipped
         self.replayed_steps = 0
         pinned = self._replay_to(state, step, info.get("locate"), skip)
@@ -182,7 +185,7 @@ class IncidentRecorder(Callback):
             pinned = {"step": step}  # no earlier update broke them: the checked step's own did
         if pinned is not None:
             step, after_update = pinned["step"], True
-            info.update(pinned, pinned=step, after_update=True)
+            found.update(pinned, pinned=step, after_update=True)
         if pinned is not None and step < info["locate"][1]:  # the check's own row has its event already
             state.event(step, "nonfinite", f"parameters became non-finite in the update of step {step} (its loss and "
                         f"grad norm were finite; the check at step {info['locate'][1]} found them, the capture's "
@@ -194,18 +197,18 @@ class IncidentRecorder(Callback):
                 "window": {"epoch": window.epoch, "start": window.start, "indices": window.indices}}
         per_rank = state.dist.gather_objects(mine)
         before = None
-        if self._sharded(state):  # every rank writes its shards of the pre-step model and optimizer (DCP)
+        if self.ops.strategy.sharded:  # every rank writes its shards of the pre-step model and optimizer (DCP)
             before = self._write_shards(state, step)
         elif state.run is not None:  # the pre-step state for the bundle, in host memory
-            before, ready = StateStager().stage(state.state_dict())
+            before, ready = StateStager().stage(self.ops.state_dict())
             for event in ready:
                 event.synchronize()
-        if state.dist.enabled and not ranks and not after_update and not self._sharded(state):
+        if state.dist.enabled and not ranks and not after_update and not self.ops.strategy.sharded:
             ranks = self._own_gradients_nonfinite(state, window)  # every rank's loss was finite: whose grads?
-            info["ranks"] = ranks
-        state.load_state_dict(current)
+            found["ranks"] = ranks
+        self.ops.load_state_dict(current)
         if state.run is None or before is None:
-            return
+            return found
         interval_loss = state.history[-1].get("loss") if state.history else None
         seen = ranks or [0]
         incident_dir = state.run.path / "incidents" / f"step_{step:06d}"
@@ -214,7 +217,7 @@ class IncidentRecorder(Callback):
         if state.dist.enabled:
             fields["ranks"] = ranks
         for n, r in enumerate(seen):
-            shards = {"dcp_dir": BUNDLE_DCP_DIR if n == 0 else f"../{BUNDLE_DCP_DIR}"} if self._sharded(state) else {}
+            shards = {"dcp_dir": BUNDLE_DCP_DIR if n == 0 else f"../{BUNDLE_DCP_DIR}"} if self.ops.strategy.sharded else {}
             write_bundle(incident_dir if n == 0 else incident_dir / f"rank_{r}", {**shards,
                 "step": step, "rank": r, "world_size": state.dist.world, "config": config_to_dict(state.cfg),
                 "window": per_rank[r]["window"], "rng": per_rank[r]["rng"], "model": before["model"],
@@ -229,18 +232,17 @@ class IncidentRecorder(Callback):
             run_rng = rng_state()  # the diagnosis seeds and replays: the run's own streams must not notice
             try:
                 diagnosis = diagnose_incident(incident_dir, self._diagnosis_task(state), device=str(state.device))
-                fields["diagnosis"] = {k: diagnosis.get(k) for k in ("summary", "stage", "op", "direction", "module",
-                                                                     "origin", "first_nonfinite_param", "bad_samples",
-                                                                     "reproduces", "rank")}
+                fields["diagnosis"] = {k: diagnosis.get(k) for k in DIAGNOSIS_FIELDS}
                 on_rank = f" (rank {seen[0]})" if state.dist.enabled else ""
                 console.say(f"incident at step {step}{on_rank}: {diagnosis.get('summary')}")
             except Exception as err:  # a diagnosis that fails must not take the run down with it
                 fields["diagnosis_error"] = f"{type(err).__name__}: {err}"
             finally:
                 set_rng_state(run_rng)
-        info.update(fields)
+        found.update(fields)
         seen_note = f" (seen on rank(s) {ranks})" if state.dist.enabled and ranks else ""
         state.event(step, "incident", f"captured step {step}{seen_note} into {incident_dir}", **fields)
+        return found
 
     def _replay_to(self, state: FitState, step: int, locate: tuple[int, int] | None, skip: set) -> dict[str, Any] | None:
         """Replay from the loaded state to just before ``step``; pin an update that broke the parameters.
@@ -257,12 +259,12 @@ class IncidentRecorder(Callback):
                 before, ready = stager.stage(self._local_state(state))
                 for event in ready:
                     event.synchronize()
-            out = state.run_step(state.stream.next_window())
+            out = self.ops.train_step(state.stream.next_window())
             state.step += 1
             self.replayed_steps += 1
             if before is not None and "params_finite" in out and not bool(out["params_finite"]):
                 found = {"step": state.step, "loss": float(out["loss"]), "grad_norm": float(out["grad_norm"])}
-                state.load_state_dict(before)  # its buffers are the state's now: the stager is not used again
+                self.ops.load_state_dict(before)  # its buffers are the state's now: the stager is not used again
                 state.stream.skip = skip
                 return found
         return None
@@ -305,7 +307,7 @@ class IncidentRecorder(Callback):
 
         if state.ckpt is None:
             return None
-        tensors, whole = split_for_dcp(state.state_dict(dcp=True))  # live views of this rank's shards
+        tensors, whole = split_for_dcp(self.ops.state_dict(dcp=True))  # live views of this rank's shards
         folder = state.ckpt.root.parent / "incidents" / f"step_{step:06d}" / BUNDLE_DCP_DIR
         folder.mkdir(parents=True, exist_ok=True)
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(folder)))  # written before the state moves on
@@ -321,7 +323,7 @@ class IncidentRecorder(Callback):
         fresh one, which the bundle's full state then fills; its parameters must be the run's, by name
         (``fully_shard`` keeps every parameter's name). The data stays the run's own.
         """
-        if not self._sharded(state):
+        if not self.ops.strategy.sharded:
             return state.task
         model = resolve_task(state.cfg.task, state.cfg.task_args).model
         names, want = [n for n, _ in unique_params(model)], [n for n, _ in state.named_params]

@@ -1,4 +1,4 @@
-"""SIGTERM/SIGINT as a callback: finish the step, checkpoint, stop; a second signal interrupts at once."""
+"""SIGTERM/SIGINT: finish the step, checkpoint, stop; a second signal interrupts at once."""
 
 from __future__ import annotations
 
@@ -6,35 +6,39 @@ import signal
 import threading
 from typing import Any
 
-from ..callbacks import Callback, FitState
-
 __all__ = ["SignalHandler"]
 
 
-class SignalHandler(Callback):
-    """Record SIGTERM/SIGINT in :attr:`signal`; the loop checkpoints and stops at its next decision point.
+class SignalHandler:
+    """Record SIGTERM/SIGINT; the loop checkpoints and stops at its next decision point.
 
-    Installed for the duration of a fit (main thread only). A second signal raises KeyboardInterrupt
-    at once: checkpoints are written atomically, so the last one stays loadable.
+    A service the loop calls by name: :meth:`install` for the duration of a fit (main thread only),
+    :meth:`restore` after it. :attr:`received` is the signal seen (None: none). A second signal raises
+    KeyboardInterrupt at once: checkpoints are written atomically, so the last one stays loadable.
     """
 
     def __init__(self) -> None:
-        self.signal: int | None = None
+        self.received: int | None = None
         self._old: dict[int, Any] = {}
 
     def _handler(self, signum: int, frame: Any) -> None:
-        if self.signal is not None:
+        if self.received is not None:
             raise KeyboardInterrupt  # second signal: leave now
-        self.signal = signum
+        self.received = signum
 
-    def on_fit_start(self, state: FitState) -> None:
+    def install(self) -> None:
         if threading.current_thread() is threading.main_thread():
             self._old = {sig: signal.signal(sig, self._handler) for sig in (signal.SIGTERM, signal.SIGINT)}
 
-    def on_fit_end(self, state: FitState, record: dict[str, Any]) -> None:
+    def restore(self) -> None:
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
         self._old = {}
+
+    def agree(self, signum: int | None) -> None:
+        """Take the signal every rank agreed on at a log boundary (DDP: one rank may have seen it later)."""
+        if signum:
+            self.received = signum
 
     @staticmethod
     def name(signum: int) -> str:

@@ -23,9 +23,3 @@ loading, what a good checkpoint is), :mod:`.saves` (what a save returns, and a s
 thread) and :mod:`.manager` (:class:`~.manager.CheckpointManager`: LAST_GOOD, saving, debris,
 pruning, rollback and loading with fallback).
 """
-
-# Transitional: loop.py, services/checkpoints.py and checks/resume.py still import these from here.
-# Delete these lines once they import from .files, .saves and .manager (the modules that define them).
-from .files import CheckpointError, first_nonfinite  # noqa: F401
-from .manager import CheckpointManager, LoadedCheckpoint  # noqa: F401
-from .saves import PendingSave  # noqa: F401

@@ -1,0 +1,36 @@
+"""What a fit changes in the whole process while it runs, and puts back when it returns or raises.
+
+Torch's deterministic algorithms are :func:`stabletrain.seeding.deterministic_mode` (``deterministic``);
+the garbage collector's frozen generation is :func:`gc_frozen` (``train.gc_freeze``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterator
+
+__all__ = ["gc_frozen"]
+
+
+@contextlib.contextmanager
+def gc_frozen(enabled: bool = True) -> Iterator[None]:
+    """Keep the objects alive at the start out of the garbage collector's full scans while the block runs.
+
+    A full (generation 2) collection walks every tracked object, and torch's imports alone leave hundreds
+    of thousands of them: it stalls the step at a moment no one chooses, and under DDP every rank then
+    waits for the stalled one at the next collective. :func:`gc.freeze` moves the objects that exist now to
+    a generation the collector does not scan; objects made during the block are collected as usual. At the
+    end they are unfrozen again, unless something had frozen objects before (the caller's freeze then stays
+    as it was, with these added). ``enabled=False``: nothing is changed.
+    """
+    if not enabled:
+        yield
+        return
+    already = gc.get_freeze_count() > 0
+    gc.freeze()
+    try:
+        yield
+    finally:
+        if not already:
+            gc.unfreeze()

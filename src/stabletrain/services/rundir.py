@@ -1,0 +1,52 @@
+"""Opening the run directory: one launch at a time, the resume, ``config.yaml`` and ``snapshot.json``."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from ..records.checkpoint.manager import CheckpointManager
+from ..records.rundir import RunDir, build_snapshot, refuse_if_running, this_process
+
+__all__ = ["open_run", "default_run_dir", "DEFAULT_RUN_DIR"]
+
+#: ``Trainer(run_dir=DEFAULT_RUN_DIR)``: ``runs/<Task.name>-<timestamp>`` (what ``stabletrain train`` uses).
+DEFAULT_RUN_DIR = "<default run dir>"
+
+
+def default_run_dir(cfg: Any, task_name: str | None = None) -> Path:
+    """``runs/<task name>-<timestamp>``: the task's ``Task.name`` when known, else the config's task spec."""
+    name = (task_name or cfg.task.split(":")[-1]).replace("/", "_").replace(":", "_")
+    return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def open_run(trainer: Any, run_dir: Path, resume: bool) -> None:
+    """Open ``run_dir`` for ``trainer`` (every rank calls it; rank 0 writes).
+
+    Refuses a run directory an earlier launch still runs on; restores the checkpoint to resume from
+    (the keeper: :meth:`~stabletrain.services.checkpoints.CheckpointKeeper.resume`); writes the resolved
+    config, and the snapshot of a new run or the resume's events and lines; records this launch's processes.
+    """
+    state, dist, cfg = trainer.state, trainer.dist, trainer.cfg
+    launch = dist.gather_objects(this_process())  # recorded in the run dir while this launch runs
+    dist.on_main(lambda: refuse_if_running(run_dir, exclude=launch))  # never two launches on one run
+    state.ckpt = CheckpointManager(run_dir / "checkpoints", keep=cfg.ckpt.keep)
+    if resume:
+        trainer.keeper.resume(state, run_dir)
+
+    def write() -> None:
+        run = state.run = RunDir(run_dir, resume=resume, overwrite=cfg.run.overwrite)
+        run.write_config(cfg)
+        if resume:
+            trainer.keeper.announce_resume(state)
+            return
+        task = trainer.task
+        extra: dict[str, Any] = {"task_info": task.info, "task_name": task.name, "count_unit": task.count_unit,
+                                 "optimizer": type(trainer.optimizer).__name__,
+                                 **({"world_size": dist.world} if dist.enabled else {})}
+        run.write_snapshot(build_snapshot(cfg, trainer.device, trainer.precision.mode, task.data_fingerprint, extra))
+
+    dist.on_main(write)
+    if state.run is not None:
+        state.run.record_launch(launch)
