@@ -14,7 +14,7 @@ from torch.utils.data import TensorDataset
 
 from stabletrain.checks import CheckContext, run_checks
 from stabletrain.config import load_config
-from stabletrain.diagnostics.initialization import init_
+from stabletrain.tasks.init_schemes import init_
 from stabletrain.diagnostics.signal_display import format_comparison, format_report, format_updates, plot_signal
 from stabletrain.diagnostics.signal_propagation import SignalThresholds, signal_report
 from stabletrain.tasks import Task

@@ -19,7 +19,8 @@ from .records.checkpoint.files import CheckpointError
 from .records.checkpoint.manager import CheckpointManager
 from .policies.guard import Guard
 from .replay import diagnose_incident, diagnose_step
-from .diagnostics.initialization import InitChange, InitFingerprint, init_
+from .diagnostics.initialization import InitChange, InitFingerprint
+from .tasks.init_schemes import init_
 from .diagnostics.bisection import Bisection, bisect_samples
 from .diagnostics.anomaly import anomaly_trace
 from .diagnostics.nonfinite import NonFiniteLocator, NonFiniteOp

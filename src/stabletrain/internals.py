@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-__all__ = ["InternalMissing", "scaler_scale", "scaler_state", "set_scaler_state", "scaler_found_inf",
+__all__ = ["InternalMissing", "scaler_scale", "scaler_state", "set_scaler_state", "scaler_found_inf", "join_found_inf",
            "join_scaler_found_inf", "skips_on_device", "set_found_inf", "clear_found_inf", "found_inf_set",
            "fused_skip", "find_caller"]
 
@@ -129,6 +129,12 @@ def set_found_inf(optimizer: torch.optim.Optimizer, skip: Tensor) -> None:
 def found_inf_set(optimizer: torch.optim.Optimizer) -> Tensor | None:
     """The ``found_inf`` flag set on a fused optimizer for its next step (by a GradScaler or :func:`set_found_inf`)."""
     return getattr(optimizer, "found_inf", None)
+
+
+def join_found_inf(optimizer: torch.optim.Optimizer, skip: Tensor) -> None:
+    """Also skip where ``skip`` (device bool) is True, keeping the ``found_inf`` a GradScaler already set (its scale stays)."""
+    existing = found_inf_set(optimizer)
+    optimizer.found_inf = torch.maximum(existing, skip.float().to(existing.device))
 
 
 def clear_found_inf(optimizer: torch.optim.Optimizer) -> None:

@@ -88,8 +88,7 @@ class _Replayer:
         if self.step_factory is not None:
             step = self.step_factory()
         else:
-            precision = PrecisionPolicy(self.precision.mode, self.device)
-            precision.load_state_dict(self.precision.state_dict())
+            precision = PrecisionPolicy.from_state(self.precision.state_dict(), self.device)
             step = TrainStep(self.model, None, precision, params=self.params)
         step.window = _LocalWindow(step.params)  # a replay must not enter a collective
         return step
@@ -207,8 +206,7 @@ def diagnose_step(
         factory = optimizer_factory
 
         def step_factory() -> TrainStep:
-            fresh = PrecisionPolicy(precision.mode, device)
-            fresh.load_state_dict(precision.state_dict())
+            fresh = PrecisionPolicy.from_state(precision.state_dict(), device)
             return TrainStep(model, factory(), fresh, clipper=GradClipper(max_norm))
 
     with modes_kept(model):
@@ -238,8 +236,7 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
         task = resolve_task(cfg.task, cfg.task_args)
     model = copy.deepcopy(task.model).to(dev)
     model.load_state_dict(bundle["model"])
-    precision = PrecisionPolicy(bundle["precision"]["mode"], dev)
-    precision.load_state_dict(bundle["precision"])
+    precision = PrecisionPolicy.from_state(bundle["precision"], dev)
     collate = task.collate or torch.utils.data.default_collate
     micro_batches = [(idx, move_to(collate([task.train_data[i] for i in idx]), dev)) for idx in bundle["window"]["indices"]]
     named = unique_params(model)
@@ -250,9 +247,7 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
         optimizer.load_state_dict(bundle["optimizer"])
         schedule = LRSchedule(optimizer, cfg.sched.warmup_steps, cfg.train.max_steps, cfg.sched.decay, cfg.sched.min_lr_ratio)
         schedule.load_state_dict(bundle["schedule"])
-        fresh = PrecisionPolicy(bundle["precision"]["mode"], dev)
-        fresh.load_state_dict(bundle["precision"])
-        return build_step(cfg, model, optimizer, fresh, schedule=schedule, params=[p for _, p in named])
+        return build_step(cfg, model, optimizer, PrecisionPolicy.from_state(bundle["precision"], dev), schedule=schedule, params=[p for _, p in named])
 
     set_rng_state(bundle["rng"])
     observed = bundle.get("observed", {})

@@ -2,7 +2,7 @@
 
 Runs :func:`stabletrain.diagnostics.signal_propagation.signal_report` on the task's model as built, on one batch of
 ``train.batch_size`` samples; with ``--compare normal,xavier,kaiming`` also on copies of that model
-re-initialized by :func:`stabletrain.diagnostics.initialization.init_` with each scheme. Writes the per-layer std
+re-initialized by :func:`stabletrain.tasks.init_schemes.init_` with each scheme. Writes the per-layer std
 plot (``init_signal.png``) and the full per-layer numbers (``init_signal.json``) to ``--out DIR``
 (default: ``stabletrain-check/``; see :meth:`CheckContext.output_path`). Passes when no layer of the
 model as built is flagged.
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..config import Config
-from ..diagnostics.initialization import SCHEMES, init_
+from ..tasks.init_schemes import SCHEMES, init_
 from ..policies.optim import build_optimizer
 from ..seeding import seed_everything
 from ..diagnostics.signal_display import format_comparison, format_report, plot_signal

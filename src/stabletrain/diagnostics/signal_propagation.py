@@ -49,7 +49,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..policies.accumulation import as_sum_count
 from ..numerics import unique_params
-from .initialization import activation_name, is_norm, recommend_scheme
+from ..tasks.init_schemes import activation_name, is_norm, recommend_scheme
 from .update_ratio import UpdateRatio, update_ratios
 
 __all__ = [

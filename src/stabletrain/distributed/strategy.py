@@ -84,7 +84,7 @@ class Strategy:
     def load_state(self, module: nn.Module, optimizer: torch.optim.Optimizer,
                    named_params: list[tuple[str, nn.Parameter]], model_state: Any, optim_state: Any) -> None:
         """Load what :meth:`state` returned, or a checkpoint written under any strategy and world size."""
-        from .sharded_checkpoint import is_dcp_entry, load_dcp_state_dicts
+        from ..records.checkpoint.sharded import is_dcp_entry, load_dcp_state_dicts
 
         if is_dcp_entry(model_state):  # a collective: DCP reads each rank's part (any world size, any strategy)
             load_dcp_state_dicts(module, optimizer, model_state, optim_state)
@@ -140,7 +140,7 @@ class FSDPStrategy(Strategy):
     def state(self, module: nn.Module, optimizer: torch.optim.Optimizer, named_params: list[tuple[str, nn.Parameter]],
               *, local: bool = False, dcp: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
         if dcp:  # DCP's sharded state dicts: FQN keys, DTensor values (no collective, no copy)
-            from .sharded_checkpoint import sharded_state_dicts
+            from ..records.checkpoint.sharded import sharded_state_dicts
             return sharded_state_dicts(module, optimizer)
         if local:  # this rank's own shards, live views (no collective, no copy): the incident snapshot
             from .fsdp import local_state_dicts
@@ -151,7 +151,7 @@ class FSDPStrategy(Strategy):
     def load_state(self, module: nn.Module, optimizer: torch.optim.Optimizer,
                    named_params: list[tuple[str, nn.Parameter]], model_state: Any, optim_state: Any) -> None:
         from .fsdp import is_local_state, load_full_state_dicts, load_local_state_dicts
-        from .sharded_checkpoint import is_dcp_entry
+        from ..records.checkpoint.sharded import is_dcp_entry
 
         if is_dcp_entry(model_state):
             super().load_state(module, optimizer, named_params, model_state, optim_state)

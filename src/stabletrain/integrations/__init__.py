@@ -10,6 +10,7 @@ step so that ``stabletrain diagnose`` replays it in a new process. The host-spec
 trainer; importing this package imports neither.
 """
 
-from .core import AdapterOptions, RunSession, StopTraining
+from .core import RunSession
+from .options import AdapterOptions, StopTraining
 
 __all__ = ["AdapterOptions", "RunSession", "StopTraining"]

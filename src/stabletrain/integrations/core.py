@@ -30,16 +30,12 @@ one all-gather, and rank 0 alone writes the run directory.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import enum
 import json
-import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -51,126 +47,17 @@ from ..callbacks.sinks import EventLog, InitWatch, MetricsFile, TensorBoardLog
 from ..callbacks.trackers import build_trackers
 from ..config import ClipConfig, Config, GuardConfig, LogConfig
 from ..distributed.ddp import DistContext
+from ..errors import crash_event
 from ..fileio import atomic_write
-from ..policies.guard import Guard
 from ..diagnostics.initialization import InitFingerprint
 from ..policies.metrics import StepMetrics, interval_record, peak_memory_mib
 from ..numerics import snapshot_params, unique_params, update_norm
 from ..records.rundir import RunDir, build_snapshot
 from ..seeding import rng_state, set_rng_state
 from .capture import HostReplay, IncidentCapture
+from .options import AdapterGuard, AdapterOptions, jsonable, optimizer_config, unwrap
 
-__all__ = ["AdapterOptions", "AdapterGuard", "RunSession", "StopTraining", "unwrap"]
-
-
-class StopTraining(RuntimeError):
-    """The sentinel stopped the run (``on_nonfinite="stop"`` or too many consecutive skips); ``step`` and ``reason`` say why."""
-
-    def __init__(self, step: int, reason: str) -> None:
-        self.step, self.reason = step, reason
-        super().__init__(f"stabletrain stopped the run at step {step}: {reason}")
-
-
-@dataclass
-class AdapterOptions:
-    """What an adapter does beyond measuring (the same meaning as the built-in run's config keys)."""
-
-    log_every: int = 10
-    """Steps per log interval: metrics are reduced on the host once per interval (``log.every``)."""
-    on_nonfinite: Literal["skip", "stop", "warn"] = "skip"
-    """A non-finite loss or grad norm: skip the step on the device and go on; skip it and stop at the log
-    boundary; or only record and warn (the host's own skips, e.g. a GradScaler's, still happen)."""
-    on_spike: Literal["warn", "skip"] = "warn"
-    """A loss spike (rule: ``stabletrain.policies.guard``): record an event, or also skip the step on the device."""
-    capture: bool = True
-    """Capture the first bad step of an interval into ``RUN_DIR/incidents/step_N`` (the state from before it
-    is rebuilt from the interval's snapshot by replaying the host's steps: see ``capture.py``)."""
-    diagnose: bool = True
-    """Diagnose a captured step right away by replaying the host's own loss under the locator."""
-    check_params: bool = True
-    """Check after every update that the parameters are finite (one fused pass, no sync)."""
-    tensorboard: bool = True
-    """Write TensorBoard event files to ``RUN_DIR/tb`` (when ``trackers`` lists "tensorboard", the default)."""
-    trackers: Sequence[Any] = ("tensorboard",)
-    """Where each interval's figures go besides ``metrics.jsonl``: "tensorboard", "mlflow", "wandb", or a configured
-    :class:`~stabletrain.callbacks.tracker_sink.TrackerSink` (``MLflowTracker(tracking_uri=...)``,
-    ``WandbTracker(project=...)``). Where the host already has that tracker, its run is written into
-    (:mod:`stabletrain.callbacks.tracker_sink`)."""
-    top_layers: int = 3
-    """How many parameters to name as dominating the grad norm at each log."""
-    init_check: bool = True
-    """Fingerprint the init and run the signal-propagation report on the first batch."""
-    mirror: bool = True
-    """Also hand each interval's figures to the host's own logger (Lightning ``log_dict`` when the trainer
-    has a logger, HF ``logs``)."""
-    keep_max_mib: float = 1024.0
-    """Host memory for one interval's kept micro-batches (what a capture replays): past it, that interval's
-    incidents are recorded but not captured."""
-
-    def validate(self) -> AdapterOptions:
-        if not isinstance(self.log_every, int) or self.log_every < 1:
-            raise ValueError(f"log_every: expected an integer >= 1, got {self.log_every!r}")
-        if self.on_nonfinite not in ("skip", "stop", "warn"):
-            raise ValueError(f"on_nonfinite: expected 'skip', 'stop' or 'warn', got {self.on_nonfinite!r} (a rollback "
-                             "needs the checkpoints the host trainer owns: resume it from its own checkpoint)")
-        if self.on_spike not in ("warn", "skip"):
-            raise ValueError(f"on_spike: expected 'warn' or 'skip', got {self.on_spike!r}")
-        if not isinstance(self.keep_max_mib, (int, float)) or self.keep_max_mib < 0:
-            raise ValueError(f"keep_max_mib: expected a number >= 0, got {self.keep_max_mib!r}")
-        if isinstance(self.trackers, str) or not isinstance(self.trackers, Sequence):
-            raise ValueError(f"trackers: expected a list (e.g. trackers=['tensorboard', 'mlflow']), got {self.trackers!r}")
-        self.trackers = tuple(self.trackers)
-        build_trackers(self.trackers)  # each known, none twice (raises naming the entry)
-        return self
-
-    def tracker_names(self) -> list[str]:
-        """The trackers' names ("tensorboard", "mlflow", "wandb"), as ``log.trackers`` lists them."""
-        return [t if isinstance(t, str) else t.name for t in self.trackers]
-
-
-class AdapterGuard(Guard):
-    """The built-in guard, plus ``on_nonfinite="warn"``: no skip of its own (the host's own skips still happen)."""
-
-    def __init__(self, cfg: GuardConfig, device: torch.device, *, enforce: bool = True) -> None:
-        super().__init__(cfg, device)
-        self.enforce = enforce
-
-    def observe(self, loss: Tensor, grad_norm: Tensor, inputs_ok: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """Return (ok, finite, spike) as device bools; no sync."""
-        ok, finite, spike = super().observe(loss, grad_norm, inputs_ok)
-        if not self.enforce:  # warn: only a spike skip when asked
-            ok = ~spike if self.cfg.on_spike == "skip" else torch.ones_like(finite)
-        return ok, finite, spike
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The model itself inside a ``DistributedDataParallel`` wrapper (the model when it is none)."""
-    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-
-
-def _jsonable(value: Any) -> Any:
-    """A config value as YAML/JSON can hold it (numbers, strings, lists, dicts; anything else by its repr)."""
-    if isinstance(value, enum.Enum):  # e.g. HF's SchedulerType (a str subclass YAML cannot write)
-        return _jsonable(value.value)
-    if isinstance(value, (bool, int, str)) or value is None:
-        return type(value)(value) if value is not None else None
-    if isinstance(value, float):
-        return value if math.isfinite(value) else str(value)
-    if isinstance(value, Tensor) and value.numel() == 1:
-        return float(value)
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return _jsonable(dataclasses.asdict(value))
-    return repr(value)
-
-
-def optimizer_config(optimizer: Any) -> dict[str, Any]:
-    """The optimizer's class and default hyperparameters, for ``config.yaml``."""
-    inner = getattr(optimizer, "optimizer", optimizer)  # an accelerate / Lightning wrapper holds the torch one
-    return {"name": type(inner).__name__, **{k: _jsonable(v) for k, v in getattr(inner, "defaults", {}).items()}}
+__all__ = ["RunSession"]
 
 
 class RunSession:
@@ -262,7 +149,7 @@ class RunSession:
                       **{k: getattr(self.cfg.guard, k) for k in ("spike_window", "spike_ratio", "spike_zscore",
                                                                  "max_consecutive_skips")}},
             "optim": optimizer_config(self.optimizer) if self.optimizer is not None else {},
-            "host": _jsonable(self.host_config),
+            "host": jsonable(self.host_config),
             **({"world_size": self.dist.world} if self.dist.world > 1 else {}),
         }
 
@@ -320,7 +207,7 @@ class RunSession:
         line = {"passed": full["passed"], "summary": full["summary"], "advice": report.advice(),
                 "flagged": [layer.name for layer in report.flagged]}
         if self.run is not None:
-            atomic_write(self.run.path / "init_signal.json", json.dumps(_jsonable(full), indent=2) + "\n")
+            atomic_write(self.run.path / "init_signal.json", json.dumps(jsonable(full), indent=2) + "\n")
             if self.snapshot:
                 self.snapshot["init_signal"] = line
                 self.run.write_snapshot(self.snapshot)
@@ -472,11 +359,8 @@ class RunSession:
 
     def crash(self, err: BaseException) -> None:
         """Record the exception that ended the host's run as a ``crash`` event (with the user's file:line)."""
-        from ..errors import user_location
-
-        where = user_location(err)
-        self.state.event(self.step, "crash", f"{type(err).__name__}: {err}" + (f" (at {where})" if where else ""),
-                         error=type(err).__name__, message=str(err), location=where, during="the host's training step")
+        reason, fields = crash_event(err, "the host's training step")
+        self.state.event(self.step, "crash", reason, **fields)
 
     def state_dict(self) -> dict[str, Any]:
         """The session's state (progress, guard, the partial interval's metrics, callbacks): saved in the host's checkpoint."""

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..internals import (clear_found_inf, found_inf_set, join_scaler_found_inf, scaler_scale, scaler_state,
+from ..internals import (clear_found_inf, found_inf_set, join_found_inf, join_scaler_found_inf, scaler_scale, scaler_state,
                          set_found_inf, set_scaler_state, skips_on_device)
 from ..numerics import all_params_finite, grad_norms
 
@@ -104,10 +104,9 @@ class HostStep:
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Under a GradScaler, ``scaler.step`` sets the fused optimizer's found_inf, then steps: ours joins it."""
         p = self.pending
-        existing = found_inf_set(optimizer)
-        if p is None or not self.fused or p["ours"] or existing is None:
+        if p is None or not self.fused or p["ours"] or found_inf_set(optimizer) is None:
             return
-        optimizer.found_inf = torch.maximum(existing, (~p["ok"]).float().to(existing.device))
+        join_found_inf(optimizer, ~p["ok"])
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.pending is not None and self.pending["ours"]:

@@ -49,7 +49,8 @@ from ..internals import skips_on_device
 from ..numerics import grad_norms
 from ..seeding import rng_state
 from .capture import KeptStep
-from .core import AdapterOptions, RunSession
+from .core import RunSession
+from .options import AdapterOptions
 from .hoststep import HostStep
 from .replay import _lightning_loss, batch_size, import_path, plain_batch
 
@@ -71,7 +72,7 @@ class StableTrainCallback(pl.Callback):
     Args:
         run_dir: the run directory (None: measure and guard, write nothing).
         log_every, on_nonfinite, on_spike, capture, diagnose, check_params, tensorboard, trackers, top_layers,
-            init_check, mirror, keep_max_mib: see :class:`~stabletrain.integrations.core.AdapterOptions`. With
+            init_check, mirror, keep_max_mib: see :class:`~stabletrain.integrations.options.AdapterOptions`. With
             ``trackers=["mlflow"]`` (or "wandb") and the trainer's own ``MLFlowLogger`` (``WandbLogger``), stabletrain
             writes into that logger's run, and the mirror skips that logger (no figure twice).
         clip_max_norm: clip the global grad norm to this value (stabletrain does it, before Lightning's own

@@ -53,7 +53,8 @@ from ..policies.precision import PrecisionPolicy
 from ..seeding import rng_state
 from ..step import TrainStep, build_step
 from .capture import KeptStep
-from .core import AdapterOptions, RunSession, StopTraining, unwrap
+from .core import RunSession
+from .options import AdapterOptions, StopTraining, unwrap
 from .replay import batch_size, import_path
 
 __all__ = ["Monitor", "StopTraining"]
@@ -82,7 +83,7 @@ class Monitor:
         model_factory: ``"module:function"`` (or the function) that builds the model, so ``stabletrain diagnose``
             can replay in a new process; default: the model's class with no arguments.
         capture, diagnose, check_params, tensorboard, trackers, top_layers, init_check, keep_max_mib: see
-            :class:`~stabletrain.integrations.core.AdapterOptions` (``trackers=["mlflow"]``: an MLflow or W&B run
+            :class:`~stabletrain.integrations.options.AdapterOptions` (``trackers=["mlflow"]``: an MLflow or W&B run
             active in the process, ``mlflow.start_run()`` / ``wandb.init()``, is written into).
         resume: reopen ``run_dir`` to continue a run (then call :meth:`load_state_dict`).
         overwrite: replace a run already in ``run_dir``.

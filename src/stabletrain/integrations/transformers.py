@@ -58,7 +58,8 @@ from ..internals import find_caller
 from ..numerics import grad_norms
 from ..seeding import rng_state
 from .capture import KeptStep
-from .core import AdapterOptions, RunSession
+from .core import RunSession
+from .options import AdapterOptions
 from .hoststep import HostStep
 from .replay import batch_size, import_path
 
@@ -91,7 +92,7 @@ class StableTrainCallback(TrainerCallback):
     Args:
         run_dir: the run directory (None: measure and guard, write nothing).
         log_every, on_nonfinite, on_spike, capture, diagnose, check_params, tensorboard, trackers, top_layers,
-            init_check, mirror, keep_max_mib: see :class:`~stabletrain.integrations.core.AdapterOptions`. With
+            init_check, mirror, keep_max_mib: see :class:`~stabletrain.integrations.options.AdapterOptions`. With
             ``trackers=["mlflow"]`` (or "wandb") and ``report_to=["mlflow"]``, stabletrain writes into the run the
             Trainer's own MLflow (W&B) callback started.
         loss_fn: ``loss_fn(model, batch)`` for the diagnosis (default: the trainer's own ``compute_loss``).

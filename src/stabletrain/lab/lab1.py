@@ -8,7 +8,7 @@ the std at the last square Linear over the std at the first (forward), and the g
 first square Linear over the last (backward): both read in the direction the signal travels.
 
 "Xavier" is the chapter's: ``nn.init.xavier_uniform_`` with gain 1 (and zero bias). "Kaiming" is
-:func:`stabletrain.diagnostics.initialization.init_`'s, with the gain of the activation that follows (sqrt(2) for
+:func:`stabletrain.tasks.init_schemes.init_`'s, with the gain of the activation that follows (sqrt(2) for
 ReLU, 5/3 for tanh). With ReLU, gain 1 loses half the second moment per layer: the std shrinks by
 1/sqrt(2) per layer, which is what the gain sqrt(2) makes up for.
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 from torch import nn
 
 from ..checks import fixed_batch
-from ..diagnostics.initialization import init_
+from ..tasks.init_schemes import init_
 from ..seeding import seed_everything
 from ..diagnostics.signal_display import plot_signal
 from ..diagnostics.signal_propagation import LayerSignal, SignalReport, signal_report
@@ -31,7 +31,7 @@ from ..tasks.mlp import make_task
 from . import Claim, LabResult
 
 #: label -> (scheme, value) or None for torch's own default init. Schemes: ``xavier_uniform`` (value: the gain,
-#: as ``nn.init.xavier_uniform_`` takes it), or one of :func:`~stabletrain.diagnostics.initialization.init_`'s (value: its std).
+#: as ``nn.init.xavier_uniform_`` takes it), or one of :func:`~stabletrain.tasks.init_schemes.init_`'s (value: its std).
 SCHEMES: dict[str, tuple[str, float] | None] = {
     "N(0,1)": ("normal", 1.0),
     "torch default": None,

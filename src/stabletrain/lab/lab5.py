@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from ..policies.accumulation import as_sum_count
-from ..diagnostics.initialization import init_
+from ..tasks.init_schemes import init_
 from ..diagnostics.bisection import bisect_samples
 from ..diagnostics.anomaly import anomaly_trace
 from ..diagnostics.nonfinite import NonFiniteLocator

@@ -155,6 +155,13 @@ class PrecisionPolicy:
     def state_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
+    @classmethod
+    def from_state(cls, state: dict[str, Any], device: torch.device | str) -> PrecisionPolicy:
+        """A new policy on ``device`` in the mode and scaler state of :meth:`state_dict` (a replay's own copy)."""
+        policy = cls(state["mode"], device)
+        policy.load_state_dict(state)
+        return policy
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["mode"] != self.mode:
             raise ValueError(f"precision state was saved with mode {state['mode']!r}, this policy is {self.mode!r}")

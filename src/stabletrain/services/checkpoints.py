@@ -12,7 +12,7 @@ replay from it, the run's last checkpoint, the end of the fit) waits for it firs
 :meth:`CheckpointKeeper.finished` once it is known, so rank 0's main thread records the event.
 
 Under FSDP with more than one rank (``dist.checkpoint=sharded``) every rank writes its own shards of
-the model and optimizer through DCP (:mod:`stabletrain.distributed.sharded_checkpoint`) and rank 0 the rest; a
+the model and optimizer through DCP (:mod:`stabletrain.records.checkpoint.sharded`) and rank 0 the rest; a
 non-finite shard on any rank withholds the checkpoint on every rank. A resume under another world
 size is resharded (the event says so, with both world sizes and global batches).
 """
@@ -29,7 +29,7 @@ from ..records.checkpoint.manager import LoadedCheckpoint
 from ..records.checkpoint.saves import PendingSave
 from ..config import (RESHARD_SAFE_KEYS, RESUME_SAFE_KEYS, config_hash, config_to_dict, diff_configs,
                       resume_refusal_message)
-from ..distributed.sharded_checkpoint import ShardedSaver, local_tensors, split_for_dcp
+from ..records.checkpoint.sharded import ShardedSaver, local_tensors, split_for_dcp
 from ..callbacks import FitState
 from . import TrainerOps
 
@@ -197,7 +197,7 @@ class CheckpointKeeper:
         return self._saver
 
     def _save_sharded(self, state: FitState, saver: ShardedSaver, wait: bool) -> list[dict[str, Any]]:
-        """:meth:`save` through DCP (:mod:`stabletrain.distributed.sharded_checkpoint`): every rank writes its own shards.
+        """:meth:`save` through DCP (:mod:`stabletrain.records.checkpoint.sharded`): every rank writes its own shards.
 
         Every rank checks its shards; the verdicts travel with the RNG states and data positions (the
         one all_gather_object), so every rank withholds the same checkpoint, before anything is staged.

@@ -38,7 +38,7 @@ from ..numerics import first_nonfinite_grad, unique_params
 from ..policies.precision import PrecisionPolicy
 from ..replay import diagnose_incident
 from ..seeding import rng_state, set_rng_state
-from ..distributed.sharded_checkpoint import split_for_dcp
+from ..records.checkpoint.sharded import split_for_dcp
 from ..records.staging import IntervalSnapshot, StateStager, fill_withheld
 from ..tasks import Task, resolve_task
 from ..callbacks import FitState
@@ -299,7 +299,7 @@ class IncidentRecorder:
         """FSDP: every rank writes its shards of the model and optimizer into ``incidents/step_N/dcp`` (a collective).
 
         Returns the rest of the state in host memory, with DCP markers in place of the model and the
-        optimizer (:func:`~stabletrain.distributed.sharded_checkpoint.split_for_dcp`): what rank 0's bundle holds.
+        optimizer (:func:`~stabletrain.records.checkpoint.sharded.split_for_dcp`): what rank 0's bundle holds.
         No rank holds more than its shards: :func:`~stabletrain.records.incidents.load_bundle` reads them whole
         for the one-process diagnosis. None without a run directory.
         """

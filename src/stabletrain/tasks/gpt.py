@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
-from ..diagnostics.initialization import init_
+from .init_schemes import init_
 from . import Task
 
 __all__ = ["GPT", "ByteChunks", "stdlib_sources", "make_task"]

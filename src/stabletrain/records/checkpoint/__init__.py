@@ -21,5 +21,5 @@ One save (DESIGN.md, principle 4: nothing bad is persisted)::
 The parts: :mod:`.files` (one directory's files: the finiteness check, writing with a hash, safe
 loading, what a good checkpoint is), :mod:`.saves` (what a save returns, and a save running in a
 thread) and :mod:`.manager` (:class:`~.manager.CheckpointManager`: LAST_GOOD, saving, debris,
-pruning, rollback and loading with fallback).
+pruning, rollback and loading with fallback) and :mod:`.sharded` (the DCP folder of a sharded checkpoint: save, verify, load).
 """

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten_with_path
 
 from ..._version import __version__
 from ...config import dotted_key
-from ...distributed.sharded_checkpoint import attach_path, verify_dcp
+from .sharded import attach_path, verify_dcp
 from ...fileio import atomic_write
 
 __all__ = ["CheckpointError", "first_nonfinite", "load_state_file", "load_checked", "write_files", "checked_meta",
@@ -206,7 +206,7 @@ def load_checked(path: Path, require_finite: Sequence[str] | None, map_location:
 
     Good means: meta.json readable, state.pt of the recorded size and sha256, loadable with
     ``weights_only=True``, and the ``require_finite`` tensors finite (None: every one); a sharded
-    checkpoint's DCP folder complete (:func:`~stabletrain.distributed.sharded_checkpoint.verify_dcp`).
+    checkpoint's DCP folder complete (:func:`~stabletrain.records.checkpoint.sharded.verify_dcp`).
     The error's ``problems`` holds one line, prefixed with the directory's name.
     """
     def fail(problem: str) -> CheckpointError:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...distributed.sharded_checkpoint import DCP_DIR, ShardedSave, to_full_state
+from .sharded import DCP_DIR, ShardedSave, to_full_state
 from ...fileio import atomic_write, fsync_dir
 from ..staging import StateStager
 from .files import CheckpointError, checked_meta, first_nonfinite, load_checked, write_files

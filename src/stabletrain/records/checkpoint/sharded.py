@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten_with_path, tree_unflatten
 
-from ..config import dotted_key
+from ...config import dotted_key
 
 __all__ = [
     "DCP_DIR",

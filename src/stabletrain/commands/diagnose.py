@@ -1,0 +1,125 @@
+"""``stabletrain diagnose INCIDENT``: replay a captured incident in a new process and say where it broke.
+
+An adapter's incident whose model or loss cannot be rebuilt here is not replayed: what stands in the way
+is named (:func:`replay_obstacles`) and the diagnosis written when it was captured is shown instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .. import console
+from ..errors import brief
+from ..tasks import TaskError
+
+__all__ = ["cmd_diagnose", "replay_obstacles", "stored_diagnosis"]
+
+
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    import json
+
+    from ..records.incidents import BUNDLE_FILE
+    from ..replay import diagnose_incident
+
+    path = Path(args.incident)
+    if not (path / BUNDLE_FILE).exists() and (path / "incidents").is_dir():
+        found = sorted((path / "incidents").glob("step_*"))
+        if not found:
+            raise FileNotFoundError(f"run directory {str(path)!r}: no incidents captured")
+        path = found[-1]
+    try:
+        result = diagnose_incident(path, device=args.device, bisect=not args.no_bisect)
+    except Exception:
+        obstacles = replay_obstacles(path)
+        if not obstacles:
+            raise
+        result = stored_diagnosis(path, obstacles)
+        replayed = False
+    else:
+        replayed = True
+    if args.json:
+        print(json.dumps(result, indent=2, default=str))
+        return 0
+    print(f"incident: {path} (step {result['step']}, rank {result['rank']})")
+    for key in ("summary", "stage", "op", "direction", "module", "origin", "first_nonfinite_param",
+                "nonfinite_params_after_update", "bad_samples", "reproduces"):
+        if result.get(key) not in (None, [], ""):
+            print(f"  {key:<30} {result[key]}")
+    stack = (result.get("first_op") or {}).get("stack")
+    if stack:
+        print("  where the first non-finite op ran:")
+        print("    " + "\n    ".join(stack.rstrip().splitlines()[-6:]))
+    anomaly = [line for line in str(result.get("anomaly_trace") or "").splitlines() if line.startswith("anomaly mode")]
+    if anomaly:
+        print(f"  replay under detect_anomaly: {anomaly[0].removeprefix('anomaly mode: ')}")
+    if replayed:
+        print(f"  written to {path / 'diagnosis.json'}")
+    return 0
+
+
+def replay_obstacles(incident: Path) -> list[str]:
+    """Say why an adapter's captured step cannot be rebuilt in this process: a phrase per part (model, loss), or [].
+
+    Only an adapter's incident (task ``captured_task``) holds recipes that may not rebuild; each part is
+    tried on its own so that every obstacle is named (a built-in run's incident has none: []).
+    """
+    import torch
+
+    from ..records.incidents import load_bundle
+    from ..integrations.replay import REBUILD_HINT, TASK_SPEC, loss_from_recipe, model_from_recipe
+
+    try:
+        config = load_bundle(incident).get("config") or {}
+    except Exception:  # the replay's own error says what is wrong with the bundle
+        return []
+    if config.get("task") != TASK_SPEC:
+        return []
+    args = config.get("task_args") or {}
+    host, _, cls = str(args.get("name") or "").rpartition(":")
+    found = []
+    model, loss = args.get("model"), args.get("loss")
+    if model is None:
+        fix = REBUILD_HINT.get(host, REBUILD_HINT["monitor"])
+        if cls and isinstance(getattr(torch.nn, cls, None), type):
+            found.append(f"the model is a torch.nn.{cls}, whose layers are not recorded (a model is rebuilt from its "
+                         f"class only when that class builds it with no arguments): {fix}")
+        else:
+            found.append(f"the model's class{f' {cls}' if cls else ''} cannot be imported in a new process (defined in "
+                         f"__main__ or inside a function) or needs constructor arguments: {fix}")
+    else:
+        try:
+            model_from_recipe(model, host)
+        except Exception as err:
+            what = model.get("class") or model.get("factory") or model.get("kind")
+            found.append(f"the model ({what}) could not be rebuilt: {type(err).__name__}: {brief(str(err))}")
+    if loss is None and host == "transformers":
+        found.append("the trainer computes its loss its own way (a compute_loss override, label smoothing or "
+                     "compute_loss_func), which only the training process can replay: pass a module-level loss_fn "
+                     "to StableTrainCallback to replay it here")
+    elif loss is None:
+        found.append("the loss function cannot be imported in a new process (a lambda, or defined in __main__ or inside "
+                     "a function): pass a loss_fn defined at the top of an importable module")
+    else:
+        try:
+            loss_from_recipe(loss)
+        except Exception as err:
+            found.append(f"the loss ({loss.get('function') or loss.get('kind')}) could not be rebuilt: "
+                         f"{type(err).__name__}: {brief(str(err))}")
+    return found
+
+
+def stored_diagnosis(incident: Path, obstacles: list[str]) -> dict:
+    """Return the diagnosis.json written when ``incident`` was captured, after saying why it is not replayed again."""
+    import json
+
+    from ..records.incidents import DIAGNOSIS_FILE
+
+    stored = incident / DIAGNOSIS_FILE
+    why = "; ".join(obstacles)
+    if not stored.is_file():
+        raise TaskError(f"incident {str(incident)!r} cannot be replayed in a new process ({why}), and no "
+                        f"{DIAGNOSIS_FILE} was written when it was captured")
+    console.warn(f"incident {str(incident)!r} cannot be replayed in a new process: {why}. Showing {stored}, "
+                 "written when it was captured")
+    return json.loads(stored.read_text(encoding="utf-8"))
