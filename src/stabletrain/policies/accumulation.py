@@ -13,16 +13,10 @@ running count (a raw sum of many items times the loss scale would overflow fp16 
 each overflow costs a skipped step): before micro-batch i's backward the window rescales the grads
 accumulated so far by ``D_{i-1} / D_i`` and backpropagates ``loss_sum_i / D_i``.
 
-Under DDP the global count is known only once the ranks have talked. The built-in loop's DDP
-(:func:`stabletrain.distributed.ddp.data_parallel`) lets the window's numbers travel with the gradients,
-so a step has ONE collective: this rank's (loss sum, count, inputs flag) ride the gradient all-reduce
-(:class:`~stabletrain.distributed.ddp.WindowCarrier`). With raw sums they are the gradient of a small
-parameter DDP reduces with the model's (its own C++ all-reduce, no Python per bucket): the gradients
-then hold the window's global sum / world size, and ``grad_scale`` = world size / global count. With a
-GradScaler a comm hook multiplies each bucket by this rank's running count (its unnormalized sum, in
-place of DDP's division by the world size), sums the buckets over the ranks and appends the numbers to
-the first bucket: ``grad_scale`` = 1 / global count. Either way the normalization is exact (up to
-rounding): every rank's share enters the sum unnormalized, whatever its count (a short tail, variable
+Under DDP the global count is known only once the ranks have talked. In the built-in loop this rank's
+(loss sum, count[, inputs flag]) travel with the gradients through DDP's own all-reduce, so a step has
+ONE collective (how: :class:`~stabletrain.distributed.ddp.WindowCarrier`); :attr:`grad_scale` then turns
+the reduced gradients into the exact global mean, whatever each rank's share (a short tail, variable
 lengths, none at all).
 
 Without a carrier (a user's own DDP loop, FSDP) the last micro-batch all-reduces (loss sum, count
