@@ -251,6 +251,9 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
 
     set_rng_state(bundle["rng"])
     observed = bundle.get("observed", {})
+    if cfg.train.compile and observed.get("loss") is not None and math.isfinite(float(observed["loss"])):
+        # Compiled kernels round differently: an eager replay's finite loss is not bitwise the run's (not compared).
+        observed = {k: v for k, v in observed.items() if k != "loss"}
     load_s = time.perf_counter() - start
     result = diagnose_step(model, task.loss, micro_batches, precision=precision, step_factory=step_factory,
                            device=dev, dataset=task.train_data, collate=task.collate, observed_loss=observed.get("loss"), bisect=bisect, anomaly=anomaly)
@@ -260,6 +263,10 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
     if where is not None:
         result["bad_positions"] = [where(i) for i in result.get("bad_samples") or []]
     result["timings"] = {"load_s": load_s, **result["timings"], "total_s": time.perf_counter() - start}
+    # A compiled run (train.compile, or a host's torch.compile) is diagnosed on the module itself, eagerly, on the
+    # bundle's weights: module names carry no '_orig_mod.', and a finite loss may differ from the run's in its last bits.
+    result["replay_mode"], result["run_compiled"] = "eager", bool(cfg.train.compile)
+    result["observed"] = bundle.get("observed", {})
     if observed.get("after_update") and result.get("stage") not in ("update",):
         result["note"] = "the run saw the bad value only in the parameters after the update"
     atomic_write(directory / DIAGNOSIS_FILE, json.dumps(result, indent=2, default=str) + "\n")

@@ -40,6 +40,11 @@ class TrainConfig:
     gc_freeze: bool = _f(True, "keep the objects alive when fit() starts out of the garbage collector's full scans while "
                                "it runs (gc.freeze; put back after): a full collection stalls a step at a moment no one "
                                "chooses, and under DDP every rank waits for it at the next collective")
+    compile: bool = _f(False, "torch.compile the model the step calls (after the DDP or FSDP2 wrapping; the step, the "
+                              "guard and the metrics stay eager and add no graph break). Checkpoints hold the same keys "
+                              "as eager; an incident's diagnosis replays the model eagerly on the same weights and says "
+                              "so. Not resume-safe: compiled kernels round differently, so switching it on or off on a "
+                              "resume would end a run that is not bitwise the uninterrupted one")
 
 
 @dataclass

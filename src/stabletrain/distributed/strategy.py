@@ -10,7 +10,8 @@ config and the process group (:func:`strategy_for`)::
     strategy.load_state(module, optimizer, named_params, model_state, optim_state)
 
 ============  ===============================================================================================
-single        the model as it is; state dicts as torch makes them
+single        the model as it is; state dicts as torch makes them (``train.compile``: every strategy's step calls
+              ``torch.compile`` of its wrapped model; the state stays the eager module's)
 ddp           ``DistributedDataParallel`` (:func:`~stabletrain.distributed.ddp.data_parallel`: the window's
               numbers ride the gradient all-reduce); every rank holds the same parameters and optimizer state
               (``replicated``), so state dicts are one process's
@@ -34,7 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..numerics import unique_params
+from ..numerics import eager_module, unique_params
 from ..policies.accumulation import AccumulationWindow, sums_safe
 from ..policies.optim import build_optimizer
 from ..policies.precision import PrecisionPolicy
@@ -66,7 +67,22 @@ class Strategy:
         self.cfg, self.dist, self.device = cfg, dist, device
 
     def wrap(self, module: nn.Module, task: Any, fingerprint: Any) -> tuple[Parts, Any]:
-        """Return the step's parts for ``module`` (already on the device) and the init fingerprint to compare later."""
+        """Return the step's parts for ``module`` (already on the device) and the init fingerprint to compare later.
+
+        ``train.compile``: the model the step calls is ``torch.compile`` of the wrapped one (DDP's wrapper, so
+        its optimizer splits the graph at the buckets; FSDP2's root). ``module`` itself stays eager: the
+        state dicts, the parameter names (no ``_orig_mod.``), validation and the incident diagnosis use it.
+        """
+        if eager_module(module) is not module:
+            raise ValueError(f"task {self.cfg.task!r}: the model is already a torch.compile wrapper (OptimizedModule); give "
+                             "the module itself and set config key 'train.compile' to true (checkpoints, diagnoses and "
+                             "resume then use its own parameter names, without '_orig_mod.')")
+        parts, fingerprint = self._wrap(module, task, fingerprint)
+        if self.cfg.train.compile:
+            parts.model = torch.compile(parts.model)
+        return parts, fingerprint
+
+    def _wrap(self, module: nn.Module, task: Any, fingerprint: Any) -> tuple[Parts, Any]:
         precision = PrecisionPolicy(self.cfg.precision, self.device)
         named = unique_params(module)
         params = [p for _, p in named]
@@ -103,10 +119,10 @@ class DDPStrategy(Strategy):
     name = "ddp"
     replicated = True
 
-    def wrap(self, module: nn.Module, task: Any, fingerprint: Any) -> tuple[Parts, Any]:
+    def _wrap(self, module: nn.Module, task: Any, fingerprint: Any) -> tuple[Parts, Any]:
         from .ddp import data_parallel
 
-        parts, fingerprint = super().wrap(module, task, fingerprint)
+        parts, fingerprint = super()._wrap(module, task, fingerprint)
         ids = [self.device.index] if self.device.type == "cuda" else None
         # DDP broadcasts rank 0's parameters and buffers; then each rank draws its own random stream.
         parts.model, parts.carrier = data_parallel(module, ids, sums=parts.window.sums)
@@ -120,7 +136,7 @@ class FSDPStrategy(Strategy):
     name = "fsdp"
     sharded = True
 
-    def wrap(self, module: nn.Module, task: Any, fingerprint: Any) -> tuple[Parts, Any]:
+    def _wrap(self, module: nn.Module, task: Any, fingerprint: Any) -> tuple[Parts, Any]:
         from .ddp import WindowCarrier
         from .fsdp import ShardedNumerics, ShardedPrecision, ShardedWindow, shard_model
 

@@ -263,7 +263,8 @@ class IncidentCapture:
                      "optimizer": opt_recipe, "name": f"{s.host}:{type(s.model).__name__}",
                      "host": sent["host"]}
         # The replay's update uses the host's optimizer at the step's lr: a constant schedule over the bundle's lrs.
-        replay_cfg = dataclasses.replace(s.cfg, task=TASK_SPEC, task_args=task_args, train=TrainConfig(max_steps=1),
+        replay_cfg = dataclasses.replace(s.cfg, task=TASK_SPEC, task_args=task_args,
+                                         train=TrainConfig(max_steps=1, compile=s.cfg.train.compile),
                                          sched=SchedConfig(warmup_steps=0, decay="constant"))
         scale = kept.scaler
         bundle = {

@@ -45,7 +45,7 @@ from .._version import __version__
 from ..callbacks import Callback, CallbackList, FitState
 from ..callbacks.sinks import EventLog, InitWatch, MetricsFile, TensorBoardLog
 from ..callbacks.trackers import build_trackers
-from ..config import ClipConfig, Config, GuardConfig, LogConfig
+from ..config import ClipConfig, Config, GuardConfig, LogConfig, TrainConfig
 from ..distributed.ddp import DistContext
 from ..errors import crash_event
 from ..fileio import atomic_write
@@ -55,7 +55,7 @@ from ..numerics import snapshot_params, unique_params, update_norm
 from ..records.rundir import RunDir, build_snapshot
 from ..seeding import rng_state, set_rng_state
 from .capture import HostReplay, IncidentCapture
-from .options import AdapterGuard, AdapterOptions, jsonable, optimizer_config, unwrap
+from .options import AdapterGuard, AdapterOptions, is_compiled, jsonable, optimizer_config, unwrap
 
 __all__ = ["RunSession"]
 
@@ -100,7 +100,9 @@ class RunSession:
         self.params = [p for _, p in self.named_params]
         self.device = self.params[0].device
         self.clip_max_norm = clip_max_norm
+        # train.compile records a host-compiled model: the bundle's config says so, and the diagnosis that it replayed eagerly.
         self.cfg = Config(precision=precision, device=str(self.device), clip=ClipConfig(max_norm=clip_max_norm),
+                          train=TrainConfig(compile=is_compiled(model)),
                           log=LogConfig(every=options.log_every, tensorboard=options.tensorboard, progress=False,
                                         top_layers=options.top_layers, trackers=options.tracker_names()),
                           guard=GuardConfig(on_nonfinite="skip" if options.on_nonfinite == "warn" else options.on_nonfinite,
@@ -150,6 +152,7 @@ class RunSession:
                                                                  "max_consecutive_skips")}},
             "optim": optimizer_config(self.optimizer) if self.optimizer is not None else {},
             "host": jsonable(self.host_config),
+            **({"train": {"compile": True}} if self.cfg.train.compile else {}),  # the host compiled its model
             **({"world_size": self.dist.world} if self.dist.world > 1 else {}),
         }
 

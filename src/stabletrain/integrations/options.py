@@ -14,9 +14,10 @@ from torch import Tensor, nn
 
 from ..callbacks.trackers import build_trackers
 from ..config import GuardConfig
+from ..numerics import eager_module
 from ..policies.guard import Guard
 
-__all__ = ["AdapterOptions", "AdapterGuard", "StopTraining", "jsonable", "optimizer_config", "unwrap"]
+__all__ = ["AdapterOptions", "AdapterGuard", "StopTraining", "jsonable", "optimizer_config", "unwrap", "is_compiled"]
 
 
 class StopTraining(RuntimeError):
@@ -100,8 +101,23 @@ class AdapterGuard(Guard):
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The model itself inside a ``DistributedDataParallel`` wrapper (the model when it is none)."""
-    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    """The model itself inside ``DistributedDataParallel`` and ``torch.compile`` wrappers, in either order (the model when none).
+
+    A host that compiled its model (``torch.compile``: an ``OptimizedModule``) trains the compiled one; the
+    adapter names, checks, snapshots and replays the module inside it, so names carry no ``_orig_mod.`` and
+    the diagnosis runs eagerly on the same weights.
+    """
+    model = eager_module(model)
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = eager_module(model.module)
+    return model
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """Whether ``model`` is a ``torch.compile`` wrapper (``OptimizedModule``), outside or inside a DDP wrapper."""
+    if eager_module(model) is not model:
+        return True
+    return isinstance(model, torch.nn.parallel.DistributedDataParallel) and eager_module(model.module) is not model.module
 
 
 def jsonable(value: Any) -> Any:
