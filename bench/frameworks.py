@@ -12,11 +12,16 @@ default foreach implementation for every contender but stabletrain, which always
     stabletrain     stabletrain.Trainer without a run directory (sentinel, device metrics, LR schedule on)
     stabletrain+dir stabletrain.Trainer with its defaults: run dir, metrics.jsonl, TensorBoard, progress bar,
                     periodic checkpoints (in the background), the interval's incident snapshot
+    bare+compile    the bare loop on ``torch.compile(model)`` (the optimizer step and clipping stay eager)
+    stabletrain+compile  stabletrain+dir with ``train.compile=true`` (the same model compiled the same way);
+                    its ratio is to bare+compile of the same round, not to bare
 
 Timing: each contender runs ``--warmup`` steps, then ``--steps`` timed steps (a loop contender is timed
 around its loop; a trainer that owns its loop, by a callback stamping each step's end). Rounds
 interleave the contenders, in an order rotated every round, so drift hits all alike; each round gives
-each contender a ratio to the bare loop of the same round, and the table shows medians over rounds.
+each contender a ratio to the bare loop of the same round (a compiled one to the compiled bare loop), and
+the table shows medians over rounds. A compiled contender resets dynamo first (a fresh model each round
+would otherwise reach dynamo's recompile limit and silently run eager); its compile time is in the warmup.
 Noise guard: a round during which other processes used more than ``--noise`` of one core (read from
 /proc/stat against this process's own CPU time) is run again, up to ``--redo`` times; the count of
 rounds redone and still noisy is printed.
@@ -63,7 +68,10 @@ QUICK = {
     "mlp": ("mlp", ["task_args.width=64", "task_args.depth=3", "task_args.num_samples=1024"], 32),
     "gpt": ("gpt", ["task_args.n_layer=1", "task_args.n_embd=64", "task_args.seq_len=32", "task_args.max_bytes=300000"], 8),
 }
-CONTENDERS = ("bare", "fabric", "lightning", "accelerate", "stabletrain", "stabletrain+dir")
+CONTENDERS = ("bare", "fabric", "lightning", "accelerate", "stabletrain", "stabletrain+dir", "bare+compile",
+              "stabletrain+compile")
+#: the contender each one's ratio is taken against (default: bare)
+BASELINE = {"stabletrain+compile": "bare+compile"}
 NUM_BATCHES = 16  # distinct pre-built batches, cycled
 
 
@@ -111,8 +119,11 @@ class Setup:
 # -- the contenders: each returns the wall time of its timed steps ------------------------------------
 
 
-def run_bare(s: Setup, warmup: int, steps: int) -> float:
+def run_bare(s: Setup, warmup: int, steps: int, compile: bool = False) -> float:
     model = s.model()
+    if compile:
+        torch._dynamo.reset()
+        model = torch.compile(model)
     opt, params = s.optimizer(model), [p for p in model.parameters() if p.requires_grad]
     t0 = 0.0
     for i in range(warmup + steps):
@@ -214,7 +225,7 @@ class _Stamps(Callback):
         self.stamps.append(time.perf_counter())
 
 
-def _stabletrain(s: Setup, warmup: int, steps: int, run_dir: Path | None) -> float:
+def _stabletrain(s: Setup, warmup: int, steps: int, run_dir: Path | None, compile: bool = False) -> float:
     bs = s.batch_size
     # The pre-built batches through stabletrain's own data path: sample i is its index, the collate hands
     # over batch i // batch_size (data.shuffle=false keeps the micro-batches in order).
@@ -222,7 +233,10 @@ def _stabletrain(s: Setup, warmup: int, steps: int, run_dir: Path | None) -> flo
                 collate=lambda items: s.batch(items[0] // bs), name=s.name, count_unit=s.task.count_unit)
     cfg = load_config(None, [*s.overrides, f"train.batch_size={bs}", f"train.max_steps={warmup + steps}",
                              "data.shuffle=false", "clip.max_norm=1.0", "precision=fp32", "device=cpu", "eval.every=0",
-                             "run.overwrite=true", *([] if run_dir is not None else ["log.progress=false"])])
+                             "run.overwrite=true", *([] if run_dir is not None else ["log.progress=false"]),
+                             *(["train.compile=true"] if compile else [])])
+    if compile:
+        torch._dynamo.reset()
     stamps = _Stamps()
     with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
         Trainer(cfg, task=task, run_dir=run_dir, callbacks=[stamps]).fit()
@@ -238,9 +252,19 @@ def run_stabletrain_dir(s: Setup, warmup: int, steps: int) -> float:
         return _stabletrain(s, warmup, steps, Path(tmp) / "run")
 
 
+def run_bare_compile(s: Setup, warmup: int, steps: int) -> float:
+    return run_bare(s, warmup, steps, compile=True)
+
+
+def run_stabletrain_compile(s: Setup, warmup: int, steps: int) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        return _stabletrain(s, warmup, steps, Path(tmp) / "run", compile=True)
+
+
 RUNNERS: dict[str, Callable[[Setup, int, int], float]] = {
     "bare": run_bare, "fabric": run_fabric, "lightning": run_lightning, "accelerate": run_accelerate,
-    "stabletrain": run_stabletrain, "stabletrain+dir": run_stabletrain_dir,
+    "stabletrain": run_stabletrain, "stabletrain+dir": run_stabletrain_dir, "bare+compile": run_bare_compile,
+    "stabletrain+compile": run_stabletrain_compile,
 }
 
 
@@ -324,7 +348,7 @@ def measure(setup: Setup, contenders: list[str], rounds: int, warmup: int, steps
             noisy += 1
         for c in contenders:
             per_step[c].append(times[c] / steps)
-            ratios[c].append(times[c] / times["bare"])
+            ratios[c].append(times[c] / times[BASELINE.get(c, "bare")])
         print(f"  {setup.name} round {r + 1}/{rounds}: " + ", ".join(f"{c} {times[c] / steps * 1e3:.2f} ms"
                                                                    for c in contenders)
               + f"  [others used {watch.others_cores:.2f} cores]", flush=True)
@@ -346,6 +370,9 @@ def main() -> None:
     if args.quick:
         args.rounds, args.warmup, args.steps, args.redo = 2, 5, 20, 0
     contenders = ["bare"] + [c for c in args.contenders if c != "bare"]
+    for c, base in BASELINE.items():  # a compiled contender needs its compiled baseline in the same rounds
+        if c in contenders and base not in contenders:
+            contenders.insert(contenders.index(c), base)
     warnings.filterwarnings("ignore")
     print(f"{datetime.date.today().isoformat()}; {machine()}; {versions()}; {load_average()}")
     print(f"{args.rounds} interleaved rounds x {args.steps} timed steps (after {args.warmup}), fp32, clip 1.0, "
@@ -368,7 +395,8 @@ def main() -> None:
         for name in args.models:
             ratios, per_step, _, _ = results[name]
             cells.append(f"{statistics.median(ratios[c]):.2f}")
-        print(f"| {c} | " + " | ".join(cells) + " |")
+        label = f"{c} (vs {BASELINE[c]})" if c in BASELINE else c
+        print(f"| {label} | " + " | ".join(cells) + " |")
     for name in args.models:
         _, _, redone, noisy = results[name]
         print(f"{name}: {redone} round(s) redone for noise, {noisy} kept although noisy")
