@@ -38,7 +38,7 @@ from .seeding import rng_state, set_rng_state
 from .step import TrainStep, build_step
 from .tasks import Task, resolve_task
 
-__all__ = ["diagnose_step", "diagnose_incident"]
+__all__ = ["diagnose_step", "diagnose_incident", "run_history"]
 
 
 class _LocalWindow(AccumulationWindow):
@@ -90,7 +90,9 @@ class _Replayer:
         else:
             precision = PrecisionPolicy.from_state(self.precision.state_dict(), self.device)
             step = TrainStep(self.model, None, precision, params=self.params)
-        step.window = _LocalWindow(step.params)  # a replay must not enter a collective
+        # A replay must not enter a collective; it accumulates as the run did (raw sums or not: a window's sum
+        # can overflow the norm's sum of squares where its mean does not).
+        step.window = _LocalWindow(step.params, sums=step.window.sums)
         return step
 
     def forward_backward(self, groups: list[tuple[list[int], Any]],
@@ -126,7 +128,9 @@ class _Replayer:
             return 0.0
         norm, _ = grad_norms(self.params)
         precision = self.step.precision if self.step is not None else self.precision
-        return float(norm / precision.loss_scale().to(norm.device))
+        norm = norm / precision.loss_scale().to(norm.device)
+        grad_scale = self.step.window.grad_scale if self.step is not None else None  # the grads hold the window's sum
+        return float(norm * grad_scale if grad_scale is not None else norm)
 
     def update(self) -> tuple[list[str], float]:
         """Apply the step's update on the (finite) grads; return the parameters it makes non-finite and the norm.
@@ -160,6 +164,9 @@ def diagnose_step(
     observed_loss: float | None = None,
     bisect: bool = True,
     anomaly: bool = True,
+    observed_grad_norm: float | None = None,
+    history: list[dict[str, Any]] | None = None,
+    step: int | None = None,
 ) -> dict[str, Any]:
     """Replay one optimizer step and return where its first non-finite value came from (a JSON-safe dict).
 
@@ -179,9 +186,12 @@ def diagnose_step(
         step_factory: returns the run's :class:`~stabletrain.step.TrainStep` over ``model`` with its
             optimizer, schedule and precision state as before the step (what an incident replay uses);
             replaces ``optimizer_factory``/``max_norm``. None of either skips the update stage.
-        observed_loss: the step's loss as the run saw it; when given, ``reproduces`` also requires the
-            replayed loss to equal it bitwise (any NaN equals any NaN).
+        observed_loss, observed_grad_norm: the step's loss and grad norm as the run saw them; when given,
+            ``reproduces`` requires the replay's to match them (the same ones non-finite, the loss bitwise in
+            fp32: :func:`~stabletrain.diagnostics.diagnosis.matches_observed`).
         bisect, anomaly: run the batch bisection and the anomaly-mode replay.
+        history, step: the run's metrics rows (``metrics.jsonl``) and the step's number: a growth over
+            the intervals before it makes the failure class ``divergence``.
 
     Returns keys: ``stage``, ``op``, ``direction``, ``module``, ``origin``, ``kind``, ``autograd_node``,
     ``first_op`` and ``first_origin_op`` (full records), ``first_nonfinite_param``,
@@ -189,7 +199,8 @@ def diagnose_step(
     batch holding NaN/Inf), ``bad_sample_groups``, ``bisection``, ``masked_in_forward`` (the first
     non-finite forward value never reached its module's output; None when unknown), ``backward_node``
     and ``backward_op`` (where it then became non-finite in backward), ``anomaly_trace``,
-    ``reproduces``, ``replays``, ``loss``, ``grad_norm``, ``summary``, and what the diagnosis cost:
+    ``reproduces``, ``replays``, ``loss``, ``grad_norm``, ``failure_class`` (op, data, overflow, divergence,
+    not reproducible) with its ``evidence``, ``growth`` and ``blamed_module``, ``summary``, and what the diagnosis cost:
     ``timings`` (seconds: ``replays_s``, ``bisection_s``, ``anomaly_s``, ``total_s``) and ``passes``
     (forward/backward replays: ``replays``, ``updates``, ``bisection`` subsets, of which
     ``bisection_forward_only`` stopped at a non-finite loss before their backward, ``anomaly``).
@@ -212,12 +223,28 @@ def diagnose_step(
     with modes_kept(model):
         replayer = _Replayer(model, loss_fn, precision, device, step_factory)
         try:
-            return run_diagnosis(replayer, micro_batches, num_replays, dataset, collate, observed_loss, bisect, anomaly)
+            observed = {"loss": observed_loss, "grad_norm": observed_grad_norm}
+            return run_diagnosis(replayer, micro_batches, num_replays, dataset, collate, observed, bisect, anomaly,
+                                 history, step)
         finally:
             replayer.reset()
             for p, g in saved_grads:
                 p.grad = g
 
+
+
+def run_history(incident_dir: str | Path) -> list[dict[str, Any]]:
+    """The metrics rows of the run an incident belongs to (``RUN_DIR/metrics.jsonl``; [] when there is none)."""
+    path = Path(incident_dir).resolve().parent.parent / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:  # a line cut short by a crash
+            continue
+    return [r for r in rows if isinstance(r, dict)]
 
 
 def diagnose_incident(directory: str | Path, task: Task | None = None, *, device: str | None = None,
@@ -256,9 +283,11 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
         observed = {k: v for k, v in observed.items() if k != "loss"}
     load_s = time.perf_counter() - start
     result = diagnose_step(model, task.loss, micro_batches, precision=precision, step_factory=step_factory,
-                           device=dev, dataset=task.train_data, collate=task.collate, observed_loss=observed.get("loss"), bisect=bisect, anomaly=anomaly)
+                           device=dev, dataset=task.train_data, collate=task.collate, observed_loss=observed.get("loss"),
+                           observed_grad_norm=observed.get("grad_norm"), bisect=bisect, anomaly=anomaly,
+                           history=run_history(directory), step=bundle["step"])
     result = {"step": bundle["step"], "rank": bundle.get("rank", 0), "epoch": bundle["window"]["epoch"],
-              "observed": observed, **result, "sample_unit": bundle.get("sample_unit", "dataset index")}
+              **result, "observed": observed, "sample_unit": bundle.get("sample_unit", "dataset index")}
     where = getattr(task.train_data, "where", None)  # an adapter's step: sample numbers -> (micro-batch, position)
     if where is not None:
         result["bad_positions"] = [where(i) for i in result.get("bad_samples") or []]

@@ -42,7 +42,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2, default=str))
         return 0
     print(f"incident: {path} (step {result['step']}, rank {result['rank']})")
-    for key in ("summary", "stage", "op", "direction", "module", "origin", "first_nonfinite_param",
+    for key in ("summary", "failure_class", "evidence", "stage", "op", "direction", "module", "origin", "first_nonfinite_param",
                 "nonfinite_params_after_update", "bad_samples", "reproduces"):
         if result.get(key) not in (None, [], ""):
             print(f"  {key:<30} {result[key]}")

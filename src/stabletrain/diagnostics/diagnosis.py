@@ -35,14 +35,15 @@ from torch.utils.data import default_collate
 
 from .bisection import Bisection, bisect_samples
 from .anomaly import anomaly_trace
+from .failure_class import classify_failure
 from .nonfinite import NonFiniteLocator, NonFiniteOp
 from ..numerics import first_nonfinite_grad
 
-__all__ = ["STAGES", "DIAGNOSIS_FIELDS", "run_diagnosis"]
+__all__ = ["STAGES", "DIAGNOSIS_FIELDS", "run_diagnosis", "matches_observed"]
 
 #: The diagnosis fields an ``incident`` event carries (the whole diagnosis is in ``diagnosis.json``).
-DIAGNOSIS_FIELDS = ("summary", "stage", "op", "direction", "module", "origin", "first_nonfinite_param", "bad_samples",
-                    "reproduces", "rank")
+DIAGNOSIS_FIELDS = ("summary", "failure_class", "evidence", "stage", "op", "direction", "module", "origin",
+                    "first_nonfinite_param", "bad_samples", "reproduces", "rank")
 
 STAGES = ("inputs", "activations", "loss", "gradients", "update", "none")
 
@@ -120,14 +121,20 @@ def _stage(inputs_bad: bool, first: NonFiniteOp | None, loss: float, grad_name: 
 
 
 def run_diagnosis(rep: Any, micro_batches: list[tuple[list[int], Any]],
-                  num_replays: int, dataset: Any, collate: Callable[[list[Any]], Any] | None, observed_loss: float | None,
-                  bisect: bool, anomaly: bool) -> dict[str, Any]:
+                  num_replays: int, dataset: Any, collate: Callable[[list[Any]], Any] | None,
+                  observed: dict[str, Any] | None, bisect: bool, anomaly: bool,
+                  history: list[dict[str, Any]] | None = None, step: int | None = None) -> dict[str, Any]:
     """Replay ``num_replays`` times under the locator, bisect the samples, replay under anomaly mode; return the record.
 
     ``rep``: a replayer with ``model``, ``precision``, ``step_factory`` (None: no update stage),
     ``reset()``, ``forward_backward(groups, stop_at_nonfinite_loss=False) -> (loss sums, mean loss)``,
     ``grad_norm()`` and ``update() -> (names of parameters made non-finite, grad norm)`` (see
     :mod:`stabletrain.replay`). The keys are those :func:`stabletrain.replay.diagnose_step` documents.
+
+    ``observed``: what the run saw of the step (``loss``, ``grad_norm``; either may be missing): the
+    replay reproduces when its figures equal them (:func:`matches_observed`), whatever the locator
+    found. ``history``, ``step``: the run's metrics rows and the step's number, for the failure class's
+    divergence test (:func:`~stabletrain.diagnostics.failure_class.classify_failure`).
 
     What it costs, in forward/backward passes: ``num_replays`` under the locator (the first one
     follows the value to its origin and records the stack; the others, which only check that it
@@ -168,11 +175,12 @@ def run_diagnosis(rep: Any, micro_batches: list[tuple[list[int], Any]],
     keys = ("stage", "op", "direction", "module", "first_nonfinite_param", "nonfinite_params_after_update")
     same = all(all(r[k] == head[k] for k in keys) and len(r["_sums"]) == len(head["_sums"])
                and all(_same_float(a, b) for a, b in zip(r["_sums"], head["_sums"])) for r in replays[1:])
-    matches_observed = True
-    if observed_loss is not None:
-        loss0 = float.fromhex(head["loss_hex"])
-        matches_observed = _same_float(loss0, float(observed_loss))
-    reproduces = stage != "none" and same and matches_observed
+    observed = {k: v for k, v in (observed or {}).items() if k in ("loss", "grad_norm") and v is not None}
+    matches = matches_observed(float.fromhex(head["loss_hex"]), float(head["grad_norm"]), observed, rep.precision.mode)
+    # Reproduced: the replays agree, match what the run saw, and show a bad value (a non-finite value
+    # somewhere, or only in the grad norm: a reduction that overflows from finite gradients).
+    shows_bad = stage != "none" or not math.isfinite(float(head["grad_norm"])) or not math.isfinite(float(head["loss"]))
+    reproduces = same and shows_bad and (matches if observed else True)
     for r in replays:
         del r["_sums"]
     replays_s = time.perf_counter() - start
@@ -226,7 +234,10 @@ def run_diagnosis(rep: Any, micro_batches: list[tuple[list[int], Any]],
         "anomaly_trace": trace,
         "reproduces": reproduces,
         "replays_agree": same,
-        "matches_observed_loss": matches_observed if observed_loss is not None else None,
+        "matches_observed_loss": (_same_float(float.fromhex(head["loss_hex"]), float(observed["loss"]))
+                                  if "loss" in observed else None),
+        "matches_observed": matches if observed else None,
+        "observed": {k: _json_float(float(v)) for k, v in observed.items()},
         "replays": replays,
         "loss": head["loss"],
         "grad_norm": head["grad_norm"],
@@ -237,8 +248,37 @@ def run_diagnosis(rep: Any, micro_batches: list[tuple[list[int], Any]],
                     "total_s": time.perf_counter() - start},
         "passes": passes,
     }
+    out.update(classify_failure(out, history, step))
     out["summary"] = _summary(out, bisection)
     return out
+
+
+#: Relative tolerance of a replayed figure against the observed one, by precision (fp32: the loss bitwise).
+OBSERVED_RTOL = {"fp32": 0.0, "bf16": 1e-2, "fp16": 1e-2}
+GRAD_NORM_RTOL_FP32 = 1e-4  # the replay may accumulate a window's gradients in another order
+
+
+def matches_observed(loss: float, grad_norm: float, observed: dict[str, Any], precision: str) -> bool:
+    """Whether a replay's loss and grad norm are what the run observed: the same ones non-finite, the finite ones equal.
+
+    Equal: the loss bitwise in fp32 (any NaN equal to any NaN), else within :data:`OBSERVED_RTOL`; the grad
+    norm within ``max(OBSERVED_RTOL, GRAD_NORM_RTOL_FP32)``. A figure the run did not record is not compared.
+    """
+    rtol = OBSERVED_RTOL.get(precision, 1e-2)
+    for key, value, tol in (("loss", loss, rtol), ("grad_norm", grad_norm, max(rtol, GRAD_NORM_RTOL_FP32))):
+        if key not in observed:
+            continue
+        seen = float(observed[key])
+        if math.isfinite(seen) != math.isfinite(value):
+            return False
+        if not math.isfinite(seen):
+            continue
+        if key == "loss" and tol == 0.0:
+            if not _same_float(seen, value):
+                return False
+        elif abs(seen - value) > tol * max(abs(seen), abs(value)):
+            return False
+    return True
 
 
 def _is_bad_fn(rep: Any, micro_batches: list[tuple[list[int], Any]], dataset: Any,
@@ -283,7 +323,14 @@ def _is_bad_fn(rep: Any, micro_batches: list[tuple[list[int], Any]], dataset: An
 
 def _summary(d: dict[str, Any], bisection: Bisection | None) -> str:
     """One sentence for a person: what went non-finite first, where, for which samples, and whether it reproduces."""
+    return f"{d['failure_class']}: {_where(d, bisection)}"
+
+
+def _where(d: dict[str, Any], bisection: Bisection | None) -> str:
+    """The summary after its failure class: where the first bad value came from, and whether it reproduces."""
     stage = d["stage"]
+    if stage == "none" and d["failure_class"] == "divergence":
+        return f"{d['evidence']}; reproduces on replay"
     if stage == "none":
         return ("no non-finite value on replay: the step did not reproduce (suspect a hardware fault or "
                 "nondeterminism; compare the recorded loss and rerun on another device)")
@@ -324,6 +371,8 @@ def _summary(d: dict[str, Any], bisection: Bisection | None) -> str:
         text += f", only in combination: samples {', '.join(map(str, bisection.combinations[0]))} (no single sample is bad)"
     elif bisection is not None and bisection.whole_bad:
         text += ", no single sample to blame"
+    if d["failure_class"] in ("divergence", "overflow") or (d["failure_class"] == "op" and d.get("blamed_module")):
+        text += f" ({d['evidence']})"
     if d["reproduces"]:
         text += "; reproduces on replay"
     elif not d["replays_agree"]:

@@ -30,7 +30,8 @@ __all__ = ["write_report", "render_report"]
 MAX_TIMELINE_ROWS = 400
 MAX_PROBLEMS = 200
 # Diagnosis fields shown first in the timeline (stabletrain.diagnostics.diagnosis); the rest fold away.
-_DIAGNOSIS_KEYS = ("stage", "op", "direction", "module", "first_nonfinite_param", "bad_samples", "reproduces", "precision")
+_DIAGNOSIS_KEYS = ("failure_class", "evidence", "stage", "op", "direction", "module", "first_nonfinite_param", "bad_samples",
+                  "reproduces", "precision")
 
 CSS = """
 :root { --fg:#1d2329; --muted:#65707b; --line:#e3e6ea; --bg:#f6f7f9; --ok:#2f9e44; --warn:#e8890c; --bad:#d6336c; }

@@ -1,0 +1,154 @@
+"""Say what kind of failure a diagnosed step is, with its evidence: op, data, overflow, divergence, not reproducible.
+
+:func:`classify_failure` reads a diagnosis (:func:`stabletrain.diagnostics.diagnosis.run_diagnosis`'s
+record) and, when there is one, the run's own per-interval metrics before the incident
+(``metrics.jsonl`` rows): what the remedies (:mod:`stabletrain.diagnostics.remedies`) are chosen by.
+
+- ``not reproducible``: the replay's figures differ from what the run observed (or the replays
+  disagree with each other) — suspect hardware or nondeterminism, and nothing else.
+- ``divergence``: the loss, grad norm or update norm grew geometrically over the intervals before
+  the incident (:func:`growth`), or the values stayed finite and only a reduction overflowed (every
+  gradient finite, their total norm Inf), or the optimizer step itself made the parameters
+  non-finite. It comes before ``op``: an Inf born at a matmul or a square of huge finite values is
+  the divergence's symptom, not the op's fault.
+- ``data``: the batch itself holds NaN/Inf, or specific samples make it go bad with no op to blame.
+- ``overflow``: a finite value that does not fit the low-precision dtype (float16/bfloat16) an op
+  computed in, in a named module. When most samples overflow through that module, it is the
+  module's weights, not "bad samples".
+- ``op``: a non-finite value born at one op from finite inputs (sqrt/log/div/pow at a bad point, a
+  masked -inf), in fp32 or at a NaN.
+
+Pure: no replay, no state.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["FAILURE_CLASSES", "classify_failure", "growth", "WEIGHT_DRIVEN_SHARE"]
+
+FAILURE_CLASSES = ("op", "data", "overflow", "divergence", "not reproducible")
+
+#: A module through which at least this share of the window's samples go bad is blamed, not the samples.
+WEIGHT_DRIVEN_SHARE = 0.75
+#: Growth over the intervals before an incident counts as divergence from this total factor, over at least
+#: ``MIN_GROWTH_ROWS`` rows each larger than the last.
+MIN_GROWTH_FACTOR = 10.0
+MIN_GROWTH_ROWS = 3
+_LOW_PRECISION = ("torch.float16", "torch.bfloat16", "float16", "bfloat16")
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def growth(history: list[dict[str, Any]], before_step: int) -> dict[str, Any] | None:
+    """The steepest geometric growth of ``loss`` / ``grad_norm`` / ``update_norm`` ending just before ``before_step``.
+
+    ``history``: per-interval metrics rows (``step`` and the keys). For each key, the trailing streak of
+    rows (step < ``before_step``... up to and including the incident's own row when its value is finite)
+    each larger than the last; returns ``{"metric", "factor_per_step", "since_step", "until_step", "from",
+    "to", "total_factor"}`` for the streak with the largest total factor, when it is at least
+    :data:`MIN_GROWTH_FACTOR` over :data:`MIN_GROWTH_ROWS` rows; else None.
+    """
+    rows = sorted((r for r in history if isinstance(r.get("step"), int) and r["step"] <= before_step),
+                  key=lambda r: r["step"])
+    best = None
+    for key in ("loss", "grad_norm", "update_norm"):
+        series = [(r["step"], r[key]) for r in rows if _finite(r.get(key)) and r[key] > 0]
+        if len(series) < MIN_GROWTH_ROWS:
+            continue
+        end = len(series) - 1
+        start = end
+        while start > 0 and series[start - 1][1] < series[start][1]:
+            start -= 1
+        if end - start + 1 < MIN_GROWTH_ROWS:
+            continue
+        (s0, v0), (s1, v1) = series[start], series[end]
+        total = v1 / v0
+        if total < MIN_GROWTH_FACTOR or s1 <= s0:
+            continue
+        found = {"metric": key, "factor_per_step": total ** (1.0 / (s1 - s0)), "since_step": s0, "until_step": s1,
+                 "from": v0, "to": v1, "total_factor": total}
+        if best is None or total > best["total_factor"]:
+            best = found
+    return best
+
+
+def classify_failure(d: dict[str, Any], history: list[dict[str, Any]] | None = None,
+                     step: int | None = None) -> dict[str, Any]:
+    """Return ``{"failure_class", "evidence", "growth", "blamed_module"}`` for diagnosis ``d``.
+
+    ``history``: the run's metrics rows before the incident at ``step`` (None: the divergence is judged
+    from the step alone). ``evidence`` is one sentence for a person; ``growth`` the streak that made it a
+    divergence (None otherwise); ``blamed_module`` the module an overflow or a weight-driven fault is in.
+    """
+    first = d.get("first_op") or {}
+    grew = growth(history, step) if history and step is not None else None
+    out: dict[str, Any] = {"growth": grew, "blamed_module": None}
+    num, samples = d.get("num_samples") or 0, d.get("bad_samples") or []
+    norm, loss = d.get("grad_norm"), d.get("loss")
+    norm_bad = not _finite(norm)
+
+    if not d.get("reproduces"):
+        if not d.get("replays_agree", True):
+            why = "the replays disagree with each other (nondeterministic kernels or a hardware fault)"
+        else:
+            why = (f"the replay's loss {loss} and grad norm {norm} differ from the observed "
+                   f"{_observed(d, 'loss')} and {_observed(d, 'grad_norm')}")
+        return {**out, "failure_class": "not reproducible", "evidence": why}
+    if d.get("stage") == "inputs":
+        where = f"samples {', '.join(map(str, samples))}" if samples else "the batch"
+        return {**out, "failure_class": "data", "evidence": f"non-finite inputs in {where}"}
+    if grew is not None and (not first or first.get("kind") == "inf" or d.get("stage") in ("update", "none")):
+        return {**out, "failure_class": "divergence", "evidence": _growth_text(grew)
+                + (f"; then {_symptom(d, first)}" if _symptom(d, first) else "")}
+    if d.get("stage") == "update" or (d.get("stage") == "none" and norm_bad):
+        return {**out, "failure_class": "divergence", "evidence": _symptom(d, first)}
+    module = first.get("module")
+    weight_driven = num > 1 and len(samples) >= WEIGHT_DRIVEN_SHARE * num
+    share = f"{len(samples)} of {num} samples go bad through it: the module's weights, not the samples"
+    if first and first.get("origin") and first.get("kind") == "inf" and any(
+            t in _LOW_PRECISION for t in first.get("output_dtypes") or []):
+        out["blamed_module"] = module
+        dtype = next(t for t in first["output_dtypes"] if t in _LOW_PRECISION).removeprefix("torch.")
+        text = (f"{first['op']} in module '{module}' computes in {dtype} from finite inputs and overflows it "
+                f"(max {65504 if dtype == 'float16' else 3.4e38:g})")
+        return {**out, "failure_class": "overflow", "evidence": text + (f"; {share}" if weight_driven else "")}
+    if first and first.get("origin"):
+        out["blamed_module"] = module if weight_driven else None
+        node = f" ({first['autograd_node']})" if first.get("autograd_node") else ""
+        text = f"{first['op']}{node} in {first['direction']} of module '{module}' makes a {first['kind']} from finite inputs"
+        if weight_driven:
+            text += f"; {share}"
+        elif samples:
+            text += f", at sample{'s' if len(samples) > 1 else ''} {', '.join(map(str, samples))}"
+        return {**out, "failure_class": "op", "evidence": text}
+    if samples and not weight_driven:
+        return {**out, "failure_class": "data", "evidence": f"samples {', '.join(map(str, samples))} alone make the step "
+                                                            "non-finite, with no op creating the value from finite inputs"}
+    return {**out, "failure_class": "op" if first else "divergence",
+            "evidence": _symptom(d, first) or f"first non-finite value at stage {d.get('stage')}"}
+
+
+def _observed(d: dict[str, Any], key: str) -> Any:
+    return (d.get("observed") or {}).get(key, "(not recorded)")
+
+
+def _symptom(d: dict[str, Any], first: dict[str, Any]) -> str:
+    """What the step itself shows of a divergence."""
+    if d.get("stage") == "update":
+        names = d.get("nonfinite_params_after_update") or []
+        return f"the optimizer step makes {', '.join(names[:3])} non-finite from finite gradients"
+    if d.get("stage") == "none" and not _finite(d.get("grad_norm")):
+        return (f"every gradient is finite but their total norm is {d.get('grad_norm')} (the sum of squares "
+                "overflows float32: the gradients are huge)")
+    if first:
+        return f"{first.get('kind')} at {first.get('op')} in module '{first.get('module')}'"
+    return ""
+
+
+def _growth_text(g: dict[str, Any]) -> str:
+    return (f"{g['metric']} grew x{g['factor_per_step']:.3g} per step since step {g['since_step']} "
+            f"({g['from']:.3g} -> {g['to']:.3g} by step {g['until_step']}, x{g['total_factor']:.3g})")

@@ -1,0 +1,65 @@
+"""Tasks with a planted fault of each failure class, for the failure-class and remedy tests.
+
+Each is a task factory (``task=remedy_tasks:NAME``: tests/ is on ``sys.path``), small enough to train,
+capture, diagnose and replay under remedies in seconds on a CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import TensorDataset
+
+from stabletrain import Task
+
+from faults import L2Normalize, Stack
+
+
+def _mse(model: nn.Module, batch) -> Tensor:
+    x, y = batch
+    return F.mse_loss(model(x).float(), y)
+
+
+def sqrt_zero_task(bad_index: int = 13, n: int = 32, seed: int = 0) -> Task:
+    """op: sample ``bad_index`` is all zeros, so ``layers.1``'s sqrt(sum x^2) is sqrt(0) and its backward NaN."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    x[bad_index] = 0.0
+    y = torch.randn(n, 1, generator=g)
+    torch.manual_seed(seed)
+    model = Stack(nn.Linear(8, 16, bias=False), L2Normalize(), nn.Linear(16, 1))
+    return Task(model=model, train_data=TensorDataset(x, y), loss=_mse, name="sqrt-zero")
+
+
+def diverging_task(n: int = 64, scale: float = 1.0, seed: int = 0) -> Task:
+    """divergence: linear regression whose inputs' scale makes a large enough SGD lr grow the loss geometrically."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g) * scale
+    y = x @ torch.randn(8, 1, generator=g)
+    torch.manual_seed(seed)
+    return Task(model=Stack(nn.Linear(8, 1)), train_data=TensorDataset(x, y), loss=_mse, name="diverging")
+
+
+class Rescaled(nn.Module):
+    """``fc(x) * scale``: with ``fc``'s weights x 1/scale, the same function, but fc's own output is huge."""
+
+    def __init__(self, n: int, scale: float) -> None:
+        super().__init__()
+        self.fc, self.scale = nn.Linear(n, n), scale
+        with torch.no_grad():
+            self.fc.weight.mul_(1.0 / scale)
+            self.fc.bias.mul_(1.0 / scale)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x) * self.scale
+
+
+def fp16_overflow_task(n: int = 32, seed: int = 0) -> Task:
+    """overflow: ``layers.1.fc``'s output (~1e5) exceeds float16's 65504 under fp16 autocast; fine in fp32."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g) * 4
+    y = torch.randn(n, 1, generator=g)
+    torch.manual_seed(seed)
+    model = Stack(nn.Linear(8, 16), Rescaled(16, 1e-5), nn.Linear(16, 1))
+    return Task(model=model, train_data=TensorDataset(x, y), loss=_mse, name="fp16-overflow")

@@ -1,0 +1,109 @@
+"""The failure class of a diagnosed incident, with its evidence: one planted fault per class, and one per class
+that must not get it. Each run is the built-in loop on a tiny task; the class is read from the incident event
+(the printed line), diagnosis.json and the summary."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import faults
+import pytest
+from helpers import PoisonAt, cfg, nan_sample_task, regression_task
+from remedy_tasks import fp16_overflow_task, sqrt_zero_task
+
+from stabletrain import Trainer
+from stabletrain.cli import main
+from stabletrain.report import write_report
+from stabletrain.diagnostics.failure_class import classify_failure, growth
+from stabletrain.policies.precision import PrecisionPolicy
+from stabletrain.replay import diagnose_step
+
+DIVERGING = ("optim.name=sgd", "optim.lr=2.5", "optim.weight_decay=0", "clip.max_norm=null", "sched.warmup_steps=20",
+             "sched.decay=constant", "ckpt.every=10", "guard.max_consecutive_skips=3")
+
+
+def first_incident(tmp_path, task, *overrides):
+    """Train ``task`` until its first incident; return (incident event, diagnosis.json)."""
+    spec = task if isinstance(task, str) else "mlp"  # a factory the CLI rebuilds, or a task object
+    c = cfg("train.batch_size=8", "log.every=5", "data.shuffle=false", *overrides, task=spec)
+    Trainer(c, task=None if isinstance(task, str) else task, run_dir=tmp_path / "run").fit()
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    event = next(e for e in events if e["kind"] == "incident")
+    return event, json.loads((tmp_path / "run" / "incidents" / f"step_{event['step']:06d}" / "diagnosis.json").read_text())
+
+
+def test_growth_says_the_factor_per_step_and_since_when():
+    rows = [{"step": 5, "loss": 3.0}, {"step": 10, "loss": 1.0}, {"step": 15, "loss": 2.0}, {"step": 20, "loss": 64.0},
+            {"step": 25, "loss": 2048.0}]
+    g = growth(rows, 25)
+    assert (g["metric"], g["since_step"], g["until_step"], g["total_factor"]) == ("loss", 10, 25, 2048.0)
+    assert g["factor_per_step"] == pytest.approx(2048 ** (1 / 15))
+    assert growth(rows[:3], 15) is None  # x2 over two rows: not a divergence
+    assert growth([{"step": s, "loss": 1.0 / s} for s in range(1, 9)], 8) is None  # falling
+
+
+def test_a_divergence_is_divergence_with_its_growth_never_not_reproducible(tmp_path, capsys):
+    # The issue's own case: the loss grows for tens of steps until the grad norm's sum of squares overflows while
+    # every gradient is finite. The replay reproduces the loss bitwise and the Inf norm: never "not reproducible".
+    event, d = first_incident(tmp_path, "remedy_tasks:diverging_task", "train.max_steps=60", *DIVERGING)
+    assert (d["failure_class"], d["stage"], d["reproduces"], d["matches_observed"]) == ("divergence", "none", True, True)
+    assert d["grad_norm"] == "inf" and d["first_nonfinite_param"] is None
+    g = d["growth"]
+    assert g["since_step"] == 5 and g["factor_per_step"] > 5 and g["total_factor"] > 1e30
+    assert f"grew x{g['factor_per_step']:.3g} per step since step 5" in d["evidence"]
+    assert event["diagnosis"]["failure_class"] == "divergence" and d["summary"].startswith("divergence: ")
+    assert "hardware" not in d["summary"]
+    # The printed line of `stabletrain diagnose` (a fresh replay from the bundle) and report.html say it too.
+    capsys.readouterr()
+    assert main(["diagnose", str(tmp_path / "run" / "incidents" / f"step_{d['step']:06d}")]) == 0
+    printed = capsys.readouterr().out
+    assert "  failure_class                  divergence\n" in printed and f"since step 5" in printed
+    page = write_report(tmp_path / "run").read_text()
+    assert "failure_class" in page and "divergence: loss grew x" in page
+
+
+def test_a_sqrt_of_zero_is_op_with_its_sample_not_data(tmp_path):
+    _, d = first_incident(tmp_path, sqrt_zero_task(bad_index=13), "train.max_steps=4")
+    assert (d["failure_class"], d["step"], d["bad_samples"]) == ("op", 2, [13])
+    assert "(SqrtBackward0) in backward of module 'layers.1' makes a nan from finite inputs, at sample 13" in d["evidence"]
+    assert d["growth"] is None
+
+
+def test_a_nan_input_sample_is_data_not_op_nor_divergence(tmp_path):
+    event, d = first_incident(tmp_path, nan_sample_task(bad_index=20, n=32), "train.max_steps=4")
+    assert (d["failure_class"], d["bad_samples"], d["evidence"]) == ("data", [20], "non-finite inputs in samples 20")
+    assert event["diagnosis"]["failure_class"] == "data"
+
+
+def test_an_fp16_overflow_in_one_module_is_overflow_of_its_weights_not_bad_samples(tmp_path):
+    _, d = first_incident(tmp_path, fp16_overflow_task(), "train.max_steps=2", "precision=fp16")
+    assert (d["failure_class"], d["blamed_module"], d["op"]) == ("overflow", "layers.1.fc", "aten.addmm.default")
+    assert len(d["bad_samples"]) == 8  # every sample overflows through it: the class is not "data"
+    assert "computes in float16 from finite inputs and overflows it (max 65504); 8 of 8 samples go bad through it: " \
+           "the module's weights" in d["evidence"]
+
+
+def test_a_log_of_zero_in_fp32_is_op_not_overflow():
+    model, x = faults.log_of_zero()
+    d = diagnose_step(model, faults.regression_loss, [(list(range(8)), x)], precision=PrecisionPolicy("fp32", "cpu"))
+    assert (d["failure_class"], d["module"], d["blamed_module"]) == ("op", "layers.2", "layers.2")
+    assert d["evidence"].startswith("aten.log.default in forward of module 'layers.2' makes a inf from finite inputs; "
+                                    "8 of 8 samples go bad through it")
+
+
+def test_a_transient_fault_is_not_reproducible(tmp_path):
+    task = regression_task()
+    task.model = PoisonAt(task.model, {3})  # NaN on the 3rd forward only: the replay's model is past it
+    event, d = first_incident(tmp_path, task, "train.max_steps=4")
+    assert (d["failure_class"], d["reproduces"], d["matches_observed"]) == ("not reproducible", False, False)
+    assert math.isnan(d["observed"]["loss"]) and math.isfinite(d["loss"])
+    assert event["diagnosis"]["failure_class"] == "not reproducible"
+
+
+def test_a_replay_matching_a_finite_observation_with_no_bad_value_is_not_reproducible():
+    # Observed: an Inf grad norm; the replay: finite everything -> the replay differs from what was seen.
+    d = {"reproduces": False, "replays_agree": True, "loss": 1.0, "grad_norm": 2.0, "observed": {"loss": 1.0,
+         "grad_norm": float("inf")}}
+    c = classify_failure(d)
+    assert c["failure_class"] == "not reproducible" and "differ from the observed 1.0 and inf" in c["evidence"]
