@@ -27,7 +27,7 @@ __all__ = ["RESUME_SAFE_KEYS", "RESHARD_SAFE_KEYS", "resume_safe_text", "ABSENT"
 RESUME_SAFE_KEYS: tuple[str, ...] = (
     "train.max_steps", "train.gc_freeze", "log.*", "ckpt.every", "ckpt.keep", "ckpt.max_failures", "eval.every", "run.*", "resume",
     "data.workers",
-    "guard.capture", "guard.memory_snapshot", "guard.diagnose", "dist.*", "callbacks",
+    "guard.capture", "guard.memory_snapshot", "guard.snapshot_memory_fraction", "guard.diagnose", "dist.*", "callbacks",
 )
 
 

@@ -138,7 +138,8 @@ class GuardConfig:
     check_params: bool = _f(True, "check on each log interval's last step that the parameters are finite (one fused pass, no sync); when a check fails, the capture's replay pins the update that broke them")
     check_inputs: bool = _f(False, "check floating-point inputs of every micro-batch for NaN/Inf")
     capture: bool = _f(True, "capture an incident bundle (RUN_DIR/incidents/step_N) for the first bad step of an interval, by replaying from the interval's snapshot (guard.memory_snapshot) or else from LAST_GOOD")
-    memory_snapshot: bool = _f(True, "copy the state into reused host buffers at every log interval's start (pinned, non-blocking from CUDA), so a capture replays at most log.every steps wherever the incident falls (costs one copy per interval and host memory for model + optimizer); false: replay from LAST_GOOD, up to ckpt.every steps")
+    memory_snapshot: bool | Literal["auto"] = _f("auto", "copy the state into reused host buffers at every log interval's start (pinned, non-blocking from CUDA, on a side stream), so a capture replays at most log.every steps wherever the incident falls (costs one copy per interval and host memory for model + optimizer: this rank's share under DDP, its shards under FSDP); auto: on when that state, times the processes on this host, fits guard.snapshot_memory_fraction of the host memory available when the run starts, else off with one warning line; false: replay from LAST_GOOD, up to ckpt.every steps")
+    snapshot_memory_fraction: float = _f(0.25, "guard.memory_snapshot=auto: the share of the host memory available at the run's start (MemAvailable) that the snapshots of all processes on this host may take, in (0, 1]")
     diagnose: bool = _f(True, "diagnose a captured incident right away (replay under the precise tools)")
 
 
@@ -247,6 +248,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "guard.spike_zscore": (lambda v: v > 0, "a number > 0"),
     "guard.max_consecutive_skips": (lambda v: v >= 1, "an integer >= 1"),
     "guard.max_rollbacks": (lambda v: v >= 0, "an integer >= 0"),
+    "guard.snapshot_memory_fraction": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
     "dist.nproc": (lambda v: v >= 1, "an integer >= 1"),
     "dist.timeout_s": (lambda v: v > 0, "a number > 0"),
 }

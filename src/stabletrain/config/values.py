@@ -28,16 +28,18 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
-        last: ConfigError | None = None
+        errors: list[ConfigError] = []
         for arg in args:
             if arg is type(None):
                 continue
             try:
                 return coerce(key, value, arg)
             except ConfigError as err:
-                last = err
-        assert last is not None
-        raise last
+                errors.append(err)
+        if len(errors) == 1:
+            raise errors[0]
+        wants = [str(e).split(": expected ", 1)[1].rsplit(", got ", 1)[0] for e in errors]  # "one of auto", "true or false"
+        raise ConfigError(f"config key '{key}': expected {' or '.join(wants)}, got {brief(value)}")
     if tp is bool:
         if isinstance(value, bool):
             return value

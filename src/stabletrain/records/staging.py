@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["StateStager", "Withheld", "fill_withheld", "IntervalSnapshot", "load_optimizer_state_", "state_kept"]
+__all__ = ["StateStager", "Withheld", "fill_withheld", "IntervalSnapshot", "load_optimizer_state_", "state_kept",
+           "state_bytes", "host_memory_available", "snapshot_fits"]
 
 _PLAIN = (int, float, bool, str, bytes, complex, type(None))  # leaves that cannot change under a writer
 _PLAIN_TYPES = frozenset(_PLAIN)
@@ -247,6 +248,46 @@ class IntervalSnapshot:
 
     def clear(self) -> None:
         self.state, self.step, self._events, self._ordered = None, None, [], True
+
+
+def state_bytes(state: Any, *, share: int = 1) -> int:
+    """Host bytes that staging ``state`` takes: each distinct tensor once (tied views count once), ``/ share``.
+
+    ``share``: the number of ranks that split it (``StateStager.stage(share=...)`` under DDP; about 1/world each).
+    """
+    seen: dict[tuple[Any, ...], int] = {}
+    for t in _tensors(state):
+        seen[(t.device, t.dtype, t.data_ptr(), t.shape, t.stride())] = t.numel() * t.element_size()
+    return -(-sum(seen.values()) // share)
+
+
+def host_memory_available() -> int | None:
+    """Bytes of host memory available to new allocations without swapping now (Linux ``MemAvailable``); None where unknown.
+
+    What ``guard.memory_snapshot=auto`` measures once when a run starts (:func:`snapshot_fits`).
+    """
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def snapshot_fits(per_process: int, fraction: float, *, processes: int = 1,
+                  available: int | None = None) -> tuple[bool, int | None]:
+    """Whether ``processes`` snapshots of ``per_process`` bytes fit ``fraction`` of the host memory; (fits, budget).
+
+    ``available``: the host's available bytes (default: :func:`host_memory_available`, measured now). Where
+    it is unknown the snapshot is taken (fits, budget None), as it was before the rule existed.
+    """
+    available = host_memory_available() if available is None else available
+    if available is None:
+        return True, None
+    budget = int(available * fraction)
+    return per_process * processes <= budget, budget
 
 
 def _tensors(state: Any) -> Iterator[Tensor]:

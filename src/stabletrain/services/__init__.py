@@ -16,6 +16,7 @@ class TrainerOps(Protocol):
     """The trainer's state and step operations a service needs (the built-in ``Trainer`` provides them)."""
 
     strategy: Any  # the run's Strategy (stabletrain.distributed.strategy): sharded / replicated
+    optimizer: Any  # the run's torch optimizer (the incident snapshot orders its copies before its step)
 
     def state_dict(self, *, local: bool = False, dcp: bool = False) -> dict[str, Any]:
         """Everything the next step depends on (see ``Trainer.state_dict``)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from typing import Any
 
 import torch
@@ -39,7 +40,7 @@ from ..policies.precision import PrecisionPolicy
 from ..replay import diagnose_incident
 from ..seeding import rng_state, set_rng_state
 from ..records.checkpoint.sharded import split_for_dcp
-from ..records.staging import IntervalSnapshot, StateStager, fill_withheld
+from ..records.staging import IntervalSnapshot, StateStager, fill_withheld, snapshot_fits, state_bytes
 from ..tasks import Task, resolve_task
 from ..callbacks import FitState
 from . import TrainerOps
@@ -69,9 +70,9 @@ def copy_state_into(dst: Any, src: Any) -> Any:
 
 
 def _split_replicated(local: dict[str, Any], module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
-    """DDP: (the parameters' entries of the model state and the optimizer's per-parameter state, the rest).
+    """(the parameters' entries of the model state and the optimizer's per-parameter state, the rest).
 
-    The first is the same on every rank; the rest (buffers such as BatchNorm's running statistics, which
+    The first changes only in the optimizer's step and, under DDP, is the same on every rank; the rest (buffers such as BatchNorm's running statistics, which
     each rank updates in its own forward, the RNG streams, the data position, ...) is this rank's own.
     """
     names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
@@ -89,6 +90,16 @@ def _join_replicated(shared: dict[str, Any], rest: dict[str, Any]) -> dict[str, 
     return {**rest, "model": model, "optimizer": {**rest["optimizer"], "state": shared["optimizer"]}}
 
 
+def _optimizer_slots(optimizer: torch.optim.Optimizer) -> int:
+    """Tensors the size of a parameter the optimizer's state will hold per parameter (SGD: 1 with momentum, else 0; 2 else).
+
+    Adam and AdamW hold two (exp_avg, exp_avg_sq); 2 is assumed for any other optimizer.
+    """
+    if isinstance(optimizer, torch.optim.SGD):
+        return 1 if any(group.get("momentum") for group in optimizer.param_groups) else 0
+    return 2
+
+
 class IncidentRecorder:
     """On an incident, write ``incidents/step_N/bundle.pt`` and (``guard.diagnose``) its ``diagnosis.json``.
 
@@ -104,54 +115,131 @@ class IncidentRecorder:
 
     def __init__(self, ops: TrainerOps, keeper: CheckpointKeeper) -> None:
         self.ops, self.keeper = ops, keeper
-        # The state at the interval's start: the same snapshot the adapters take (records.staging), on the compute
-        # stream (the next update needs no wait for it).
+        # The state at the interval's start, in two parts (one process and DDP). The parameters and the optimizer's
+        # per-parameter state (nearly all the bytes; under DDP this rank's share of them) change only in the
+        # optimizer's step: on CUDA they are copied on a side stream, which the compute stream waits for just before
+        # that step (an optimizer step pre-hook: a device-side wait, no host sync), so the forward and backward run
+        # beside the copy. The rest (buffers, which a forward may update, the policies, RNG, counters: small) is
+        # copied on the compute stream. FSDP: this rank's shards, all on the compute stream.
         self._interval = IntervalSnapshot(side_stream=False)
-        self._shared_stager = StateStager()  # DDP: this rank's share of the parameters and optimizer state
-        self._snapshot_shared: dict[str, Any] | None = None
-        self._shared_ready: list[Any] = []  # CUDA events the share's copies complete at
+        self._params_stager = StateStager()
+        self._snapshot_params: dict[str, Any] | None = None
+        self._params_ready: list[Any] = []  # CUDA events the parameters' copies complete at
+        self._ordered = True  # the compute stream waits for those copies already
+        self._stream: Any = None  # the side stream (CUDA)
+        self._hooked = False
+        self._enabled: bool | None = None  # guard.memory_snapshot=auto: decided once, at the first interval
         self.replayed_steps: int | None = None  # steps the last capture replayed (None: no capture yet)
 
     @property
     def snapshot(self) -> dict[str, Any] | None:
-        """The state at the interval's start in host buffers (None: no snapshot this interval)."""
-        return self._interval.state
+        """The state at the interval's start in host buffers (None: no snapshot this interval; DDP: others' shares withheld).
 
-    @staticmethod
-    def _snapshots(state: FitState) -> bool:
-        """Whether to snapshot each interval: a capture is asked for and has a run directory to write to."""
-        return state.cfg.guard.capture and state.cfg.guard.memory_snapshot and state.ckpt is not None
+        Not waited for: on CUDA its copies may still be running (a capture waits for them).
+        """
+        rest = self._interval.state
+        if rest is None or self._snapshot_params is None:
+            return rest
+        return _join_replicated(self._snapshot_params, rest)
+
+    def _snapshots(self, state: FitState) -> bool:
+        """Whether to snapshot each interval: a capture is asked for, has a run directory, and (auto) the state fits."""
+        guard = state.cfg.guard
+        return bool(guard.capture and guard.memory_snapshot and state.ckpt is not None and self._enabled)
+
+    def plan_snapshot(self, state: FitState) -> None:
+        """Decide once, when the run directory opens, whether the intervals are snapshot (every rank calls it).
+
+        ``guard.memory_snapshot=auto``: rank 0 decides for every rank (one broadcast, here, so no interval's
+        snapshot needs a collective): whether the snapshots on this host fit ``guard.snapshot_memory_fraction``
+        of the host memory available now (:func:`~stabletrain.records.staging.host_memory_available`). A
+        snapshot is this process's state (DDP: its share of the parameters and optimizer state, and its own
+        rest; FSDP: its shards), the optimizer's state estimated before its first step made it; the processes
+        on this host are ``LOCAL_WORLD_SIZE``. When they do not fit: off, and one warning line says so and
+        what an incident then costs.
+        """
+        guard = state.cfg.guard
+        if guard.memory_snapshot == "auto" and guard.capture:
+            self._enabled = state.dist.on_main(lambda: self._fits(state))
+        else:
+            self._enabled = bool(guard.memory_snapshot)
+
+    def _fits(self, state: FitState) -> bool:
+        local = self._local_state(state)
+        params, rest = (local, {}) if self.ops.strategy.sharded else _split_replicated(local, state.module)
+        params_bytes = state_bytes(params, share=state.dist.world if self.ops.strategy.replicated else 1)
+        if not self.ops.optimizer.state:  # before the first step: the state the optimizer will make, estimated
+            params_bytes *= 1 + _optimizer_slots(self.ops.optimizer)
+        per_process = params_bytes + state_bytes(rest)
+        processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if state.dist.enabled else 1
+        fraction = state.cfg.guard.snapshot_memory_fraction
+        fits, budget = snapshot_fits(per_process, fraction, processes=processes)
+        if not fits:
+            mib = 2 ** 20
+            console.warn(f"guard.memory_snapshot=auto: the incident snapshot is off: {per_process / mib:.0f} MiB per "
+                         f"process x {processes} process(es) on this host exceed guard.snapshot_memory_fraction="
+                         f"{fraction:g} of the host memory available at start ({budget / mib:.0f} MiB); an incident "
+                         f"then replays from the last checkpoint (LAST_GOOD, up to ckpt.every={state.cfg.ckpt.every} "
+                         f"steps) instead of the interval's start (at most log.every={state.cfg.log.every}); set "
+                         "guard.memory_snapshot=true to take it anyway")
+        return fits
 
     def _local_state(self, state: FitState) -> dict[str, Any]:
         """The run's state as this rank holds it (live; stage it before the run moves on): no collective."""
         return self.ops.state_dict(local=True) if self.ops.strategy.sharded else self.ops.state_dict()
 
+    def _order(self, *_: Any) -> None:
+        """Make the compute stream wait for the parameters' copies (once per snapshot; device-side, no host sync)."""
+        if not self._ordered:
+            for event in self._params_ready:
+                torch.cuda.current_stream().wait_event(event)
+            self._ordered = True
+
+    def _side_stream(self, state: FitState) -> Any:
+        """The side stream for the parameters' copies on CUDA (None elsewhere), with the optimizer's pre-hook set once."""
+        if state.device.type != "cuda":
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(state.device)
+        if not self._hooked:
+            self.ops.optimizer.register_step_pre_hook(self._order)
+            self._hooked = True
+        return self._stream
+
     def mark_interval_start(self, state: FitState) -> None:
         """A new interval starts: stage the state into the snapshot's host buffers (``guard.memory_snapshot``).
 
-        On CUDA the copies are queued (pinned, non-blocking) and waited for only by a capture; on CPU
-        it is one copy of the state per interval (under DDP: of this rank's share of what every rank holds).
+        On CUDA the copies are queued (pinned, non-blocking; the parameters and optimizer state on a side
+        stream) and waited for only by a capture; on CPU it is one copy of the state per interval (under DDP:
+        of this rank's share of what every rank holds).
         """
+        self._order()  # the last snapshot's copies are done before anything loads into the state
         self._interval.clear()
-        self._snapshot_shared, self._shared_ready = None, []
+        self._snapshot_params, self._params_ready = None, []
         if not self._snapshots(state):
             return
         local = self._local_state(state)
-        if self.ops.strategy.replicated:
-            shared, local = _split_replicated(local, state.module)
-            self._snapshot_shared, self._shared_ready = self._shared_stager.stage(
-                shared, share=(state.dist.rank, state.dist.world))
+        if not self.ops.strategy.sharded:
+            params, local = _split_replicated(local, state.module)
+            share = (state.dist.rank, state.dist.world) if self.ops.strategy.replicated else None
+            stream = self._side_stream(state)
+            self._snapshot_params, self._params_ready = self._params_stager.stage(params, share=share, stream=stream)
+            self._ordered = stream is None
         self._interval.take(local, state.step)
 
     def _source(self, state: FitState) -> dict[str, Any] | None:
         if self.snapshot is not None:
-            local = self._interval.get()  # waits for its copies
-            for event in self._shared_ready:
+            rest = self._interval.get()  # waits for its copies
+            for event in self._params_ready:
                 event.synchronize()
-            if self._snapshot_shared is not None:  # DDP: every rank gets the others' shares (a broadcast each)
+            self._order()
+            if self._snapshot_params is None:  # FSDP: this rank's shards
+                return rest
+            params = self._snapshot_params
+            if self.ops.strategy.replicated:  # DDP: every rank gets the others' shares (a broadcast each)
                 device = state.device if dist.get_backend() == "nccl" else torch.device("cpu")
-                return _join_replicated(fill_withheld(self._snapshot_shared, device), local)
-            return local
+                params = fill_withheld(params, device)
+            return _join_replicated(params, rest)
         loaded = self.keeper.load_last_good(state)
         return loaded.state if loaded is not None else None
 

@@ -50,3 +50,4 @@ def open_run(trainer: Any, run_dir: Path, resume: bool) -> None:
     dist.on_main(write)
     if state.run is not None:
         state.run.record_launch(launch)
+    trainer.recorder.plan_snapshot(state)  # guard.memory_snapshot=auto: decided once, here (a broadcast)
