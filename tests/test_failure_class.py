@@ -58,7 +58,7 @@ def test_a_divergence_is_divergence_with_its_growth_never_not_reproducible(tmp_p
     capsys.readouterr()
     assert main(["diagnose", str(tmp_path / "run" / "incidents" / f"step_{d['step']:06d}")]) == 0
     printed = capsys.readouterr().out
-    assert "  failure_class                  divergence\n" in printed and f"since step 5" in printed
+    assert "  failure_class                  divergence\n" in printed and "since step 5" in printed
     page = write_report(tmp_path / "run").read_text()
     assert "failure_class" in page and "divergence: loss grew x" in page
 

@@ -1,4 +1,4 @@
-"""The ``stabletrain`` command line: train, check, diagnose, report, compare.
+"""The ``stabletrain`` command line: train, check, diagnose, remedy, report, compare.
 
 A user error (bad config key or value, missing file, unusable task) prints one line
 ``stabletrain: error: ...`` and exits with code 2; an exception raised in the task's own code (its
@@ -20,6 +20,7 @@ from .records.checkpoint.files import CheckpointError
 from .config import ConfigError, describe_keys, load_config, load_yaml, resume_safe_text
 from .errors import format_task_error, raised_by_stabletrain, task_part
 from .commands.diagnose import cmd_diagnose
+from .commands.remedy import add_remedy_parser, cmd_remedy
 from .tasks import TaskError
 
 __all__ = ["main"]
@@ -91,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     diagnose.add_argument("--json", action="store_true", help="print the whole diagnosis as JSON")
     diagnose.add_argument("--device", metavar="DEVICE", help="replay on this device (default: the run's)")
     diagnose.add_argument("--no-bisect", action="store_true", help="skip the bisection over the batch's samples")
+
+    add_remedy_parser(sub)
 
     report = sub.add_parser("report", help="write RUN_DIR/report.html from a run directory",
                             description="Write RUN_DIR/report.html, one self-contained page (no network): a health "
@@ -324,8 +327,8 @@ def _rank_prefix() -> str:
     return f"rank {os.environ['RANK']}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ else ""
 
 
-COMMANDS = {"train": cmd_train, "check": cmd_check, "diagnose": cmd_diagnose, "report": cmd_report, "compare": cmd_compare,
-            "tasks": cmd_tasks, "lab": cmd_lab}
+COMMANDS = {"train": cmd_train, "check": cmd_check, "diagnose": cmd_diagnose, "remedy": cmd_remedy, "report": cmd_report,
+            "compare": cmd_compare, "tasks": cmd_tasks, "lab": cmd_lab}
 
 
 def main(argv: list[str] | None = None) -> int:

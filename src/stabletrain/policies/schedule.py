@@ -91,6 +91,17 @@ class LRSchedule:
         self.applied_steps += applied.to(self.applied_steps.dtype)
         self._write()
 
+    def scale(self, factor: float) -> None:
+        """Multiply every group's peak lr by ``factor`` from now on (a remedy's lower LR); kept in ``state_dict``.
+
+        The schedule's shape (warmup, decay, the applied-step count) is unchanged. One sync off the device.
+        """
+        if not factor > 0:
+            raise ValueError(f"lr factor: expected a number > 0, got {factor!r}")
+        self.base_lrs = [b * factor for b in self.base_lrs]
+        self._group_tables = self._lr_tables()
+        self._write()
+
     def lr(self) -> Tensor | float:
         """The current lr of the first param group (a device tensor when on_device)."""
         return self.optimizer.param_groups[0]["lr"]

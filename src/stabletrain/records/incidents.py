@@ -7,6 +7,7 @@
                      model / optimizer / schedule / precision state live before the step, and what the
                      run observed (loss, grad norm, whether the bad value appeared after the update)
     diagnosis.json   written by :func:`stabletrain.replay.diagnose_incident` (``stabletrain diagnose``)
+    remedy.json      written by :func:`stabletrain.remedy.search_remedies` (``stabletrain remedy``)
     rank_R/          DDP and FSDP: the bundle of another rank that saw the same bad step
     dcp/             FSDP: the model and optimizer state, each rank's shards written with
                      ``torch.distributed.checkpoint`` (the bundles hold markers pointing here)
@@ -33,11 +34,12 @@ import torch
 from ..fileio import atomic_write
 from .checkpoint.sharded import is_dcp_entry, to_full_state
 
-__all__ = ["write_bundle", "load_bundle", "BUNDLE_FILE", "BUNDLE_DCP_DIR", "DIAGNOSIS_FILE"]
+__all__ = ["write_bundle", "load_bundle", "BUNDLE_FILE", "BUNDLE_DCP_DIR", "DIAGNOSIS_FILE", "REMEDY_FILE"]
 
 BUNDLE_FILE = "bundle.pt"
 BUNDLE_DCP_DIR = "dcp"
 DIAGNOSIS_FILE = "diagnosis.json"
+REMEDY_FILE = "remedy.json"
 
 
 def write_bundle(directory: Path, bundle: dict[str, Any]) -> Path:

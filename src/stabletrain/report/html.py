@@ -19,6 +19,7 @@ from .. import console
 from .._version import __version__
 from ..config import flatten_config
 from ..records.events import EVENT_KINDS
+from ..records.incidents import REMEDY_FILE
 from ..fileio import atomic_write
 from .health import Health, health_summary, incident_summary
 from .plots import RUN_PLOT_NAMES, Plot, run_plots
@@ -225,6 +226,7 @@ def render_report(run: RunData, plots: Sequence[Plot] | None = None, files: dict
         _no_loss_scale(run, health) if plots else "",
         f'<h2 id="events">Events ({sum(1 for e in run.events if not e.superseded)})</h2>',
         _timeline(run),
+        _remedies(run),
         '<h2 id="layers">Layers dominating the grad norm</h2>',
         _top_layers(run),
         '<div class="tables"><div><h2 id="config">Config</h2>',
@@ -398,6 +400,32 @@ def _top_layers(run: RunData) -> str:
             rows.append([f"<code>{esc(item.get('name', '?'))}</code>", fmt_pct(share) if share is not None else "—"])
     caption = f'<p class="detail">Share of the squared grad norm in the interval ending at step {int(latest["step"]):,}.</p>'
     return f'<div class="narrow">{caption}{table(["parameter", "share"], rows, ["", "num"])}</div>'
+
+
+def _remedies(run: RunData) -> str:
+    """The "Remedies" section: each incident's ``remedy.json`` (``stabletrain remedy``), its candidates ranked."""
+    parts = []
+    for path in sorted((run.path / "incidents").glob(f"step_*/{REMEDY_FILE}")):
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            parts.append(f'<p class="empty">{esc(path)} could not be read ({esc(err)}).</p>')
+            continue
+        rows = [[str(i), f"<code>{esc(c.get('name'))}</code>" + (" (baseline)" if c.get("baseline") else ""),
+                 f"<b>{esc(c.get('verdict'))}</b>", esc(fmt_num(as_number(c.get("end_loss")))), esc(c.get("detail")),
+                 esc(c.get("evidence")) + (f"<br>code change: {esc(c['change'])}" if c.get("change") else "")]
+                for i, c in enumerate(record.get("candidates") or [], 1) if isinstance(c, dict)]
+        timings = record.get("timings") or {}
+        best = record.get("best")
+        parts.append(
+            f"<h3>Step {esc(record.get('step'))}: {esc(record.get('failure_class'))}</h3>"
+            f'<p class="detail">{esc(record.get("evidence"))}. Replayed the incident\'s window and the '
+            f"{esc(record.get('steps'))} after it ({esc(timings.get('steps_replayed'))} steps, "
+            f"{esc(fmt_num(as_number(timings.get('total_s'))))} s). "
+            + (f"Best: <code>{esc(best)}</code>." if best else "No candidate cures it.") + "</p>"
+            + table(["#", "candidate", "verdict", "end loss", "what it does", "evidence"], rows,
+                    ["num", "", "", "num", "", ""]))
+    return '<h2 id="remedies">Remedies</h2>' + "".join(parts) if parts else ""
 
 
 def _tree_table(tree: dict[str, Any], source: str) -> str:

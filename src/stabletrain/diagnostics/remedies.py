@@ -1,0 +1,361 @@
+"""Remedy candidates: small, named, serialisable fixes that a replay of an incident can try (``stabletrain remedy``).
+
+Each candidate is a frozen dataclass with a short :attr:`~Remedy.name` (what ``--only`` selects), the
+failure classes it fits (:data:`FITS`), a ``to_dict`` / :func:`remedy_from_dict` round trip (what
+``remedy.json``, the ``remedy`` event and a checkpoint hold), and its effect on a replay or a live run,
+through what the step already has:
+
+- which samples a window keeps (:meth:`Remedy.keep`: skip the step, skip named samples);
+- hooks on the model while it runs (:meth:`Remedy.installed`: one module in fp32, an eps guard on an op);
+- the LR factor, the clip threshold, the precision mode and the rollback point (attributes the driver
+  reads: :attr:`Remedy.lr_factor`, :attr:`Remedy.max_norm`, :attr:`Remedy.precision`, :attr:`Remedy.rollback_step`).
+
+:func:`candidates_for` picks the candidates that fit a diagnosis. The driver that replays them through the
+run's one step is :mod:`stabletrain.remedy`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["Remedy", "SkipStep", "SkipSamples", "ModuleFP32", "Precision", "LowerLR", "RollbackLR", "TighterClip",
+           "EpsGuard", "remedy_from_dict", "candidates_for", "CANDIDATE_NAMES", "guarded_op"]
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """A fix to try. Subclasses set :attr:`kind` and override what they change; the base changes nothing."""
+
+    kind: ClassVar[str] = ""
+    #: Whether a live run can apply it without a code change (``guard.on_nonfinite=remedy``).
+    live: ClassVar[bool] = True
+    #: 0: a local fix (some samples, one module, one op); 1: it changes the whole run (its LR, clip, precision).
+    scope: ClassVar[int] = 0
+
+    @property
+    def name(self) -> str:
+        """The short name ``--only`` selects and the table shows."""
+        return self.kind
+
+    @property
+    def detail(self) -> str:
+        """What it does, in a few words."""
+        return self.kind
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, **dataclasses.asdict(self)}
+
+    def keep(self, indices: list[list[int]], first: bool) -> list[list[int]]:
+        """The dataset indices of a window's micro-batches to train on (``first``: the incident's own window)."""
+        return indices
+
+    @contextlib.contextmanager
+    def installed(self, model: nn.Module) -> Iterator[None]:
+        """Hooks on ``model`` while the block runs (removed after it)."""
+        yield
+
+    lr_factor: ClassVar[float] = 1.0
+    max_norm: ClassVar[float | None] = None  # None: the run's clip
+    precision: ClassVar[str | None] = None  # None: the run's precision
+    rollback_step: ClassVar[int | None] = None  # None: from the incident's pre-step state
+
+
+@dataclass(frozen=True)
+class SkipStep(Remedy):
+    """The "just skip the step" baseline: drop the incident's window, train on the rest as before."""
+
+    kind: ClassVar[str] = "skip-step"
+
+    @property
+    def detail(self) -> str:
+        return "drop the incident's window"
+
+    def keep(self, indices: list[list[int]], first: bool) -> list[list[int]]:
+        return [[] for _ in indices] if first else indices
+
+
+@dataclass(frozen=True)
+class SkipSamples(Remedy):
+    """Drop the named samples from every window they are in (from now on)."""
+
+    samples: tuple[int, ...] = ()
+    kind: ClassVar[str] = "skip-samples"
+
+    @property
+    def detail(self) -> str:
+        return f"drop sample{'s' if len(self.samples) > 1 else ''} {', '.join(map(str, self.samples))}"
+
+    def keep(self, indices: list[list[int]], first: bool) -> list[list[int]]:
+        drop = set(self.samples)
+        return [[i for i in group if i not in drop] for group in indices]
+
+
+def _float32(x: Any) -> Any:
+    return x.float() if isinstance(x, Tensor) and x.is_floating_point() else x
+
+
+@dataclass(frozen=True)
+class ModuleFP32(Remedy):
+    """Run one module in float32: autocast off around it, its floating inputs cast to float32."""
+
+    module: str = ""
+    kind: ClassVar[str] = "module-fp32"
+
+    @property
+    def detail(self) -> str:
+        return f"module '{self.module}' in fp32 (autocast off around it)"
+
+    @contextlib.contextmanager
+    def installed(self, model: nn.Module) -> Iterator[None]:
+        target = model.get_submodule(self.module)
+        device = next((p.device.type for p in target.parameters()), "cpu")
+        stack: list[Any] = []
+
+        def pre(_module: nn.Module, args: tuple) -> tuple:
+            ctx = torch.autocast(device, enabled=False)
+            ctx.__enter__()
+            stack.append(ctx)
+            return tuple(_float32(a) for a in args)
+
+        def post(_module: nn.Module, _args: tuple, out: Any) -> None:
+            stack.pop().__exit__(None, None, None)
+
+        handles = [target.register_forward_pre_hook(pre), target.register_forward_hook(post)]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+
+@dataclass(frozen=True)
+class Precision(Remedy):
+    """Train in another precision (bf16 instead of fp16: the same exponent range as fp32, no loss scale)."""
+
+    mode: str = "bf16"
+    kind: ClassVar[str] = "bf16"
+    scope: ClassVar[int] = 1
+
+    @property
+    def name(self) -> str:
+        return self.mode
+
+    @property
+    def detail(self) -> str:
+        return f"precision={self.mode}"
+
+    @property
+    def precision(self) -> str:  # type: ignore[override]
+        return self.mode
+
+
+@dataclass(frozen=True)
+class LowerLR(Remedy):
+    """Multiply the LR by ``factor`` (for the next ``steps`` steps; 0: for good)."""
+
+    factor: float = 0.5
+    steps: int = 0
+    kind: ClassVar[str] = "lr"
+    scope: ClassVar[int] = 1
+
+    @property
+    def name(self) -> str:
+        return f"lr-x{self.factor:g}"
+
+    @property
+    def detail(self) -> str:
+        return f"lr x{self.factor:g}" + (f" for {self.steps} steps" if self.steps else "")
+
+    @property
+    def lr_factor(self) -> float:  # type: ignore[override]
+        return self.factor
+
+
+@dataclass(frozen=True)
+class RollbackLR(LowerLR):
+    """Go back to the checkpoint of step ``step`` (before the growth began) and train on with the LR x ``factor``."""
+
+    step: int = 0
+    kind: ClassVar[str] = "rollback-lr"
+
+    @property
+    def name(self) -> str:
+        return f"rollback-lr-x{self.factor:g}"
+
+    @property
+    def detail(self) -> str:
+        return f"back to step {self.step}, lr x{self.factor:g}" + (f" for {self.steps} steps" if self.steps else "")
+
+    @property
+    def rollback_step(self) -> int:  # type: ignore[override]
+        return self.step
+
+
+@dataclass(frozen=True)
+class TighterClip(Remedy):
+    """Clip the global grad norm at ``limit``: the mean pre-clip norm of the last healthy interval (metrics.jsonl)."""
+
+    limit: float = 1.0
+    kind: ClassVar[str] = "clip"
+    scope: ClassVar[int] = 1
+
+    @property
+    def detail(self) -> str:
+        return f"clip.max_norm={self.limit:.3g}"
+
+    @property
+    def max_norm(self) -> float:  # type: ignore[override]
+        return self.limit
+
+
+#: The torch functions an eps guard intercepts, per guarded op, and which argument it keeps away from 0.
+_GUARDED: dict[str, tuple[tuple[Any, ...], int]] = {
+    "sqrt": ((torch.sqrt, Tensor.sqrt), 0), "rsqrt": ((torch.rsqrt, Tensor.rsqrt), 0),
+    "log": ((torch.log, Tensor.log), 0), "log2": ((torch.log2, Tensor.log2), 0), "log10": ((torch.log10, Tensor.log10), 0),
+    "pow": ((torch.pow, Tensor.pow, Tensor.__pow__), 0), "div": ((torch.div, Tensor.div, Tensor.__truediv__), 1),
+}
+
+
+def guarded_op(op: str | None, autograd_node: str | None) -> str | None:
+    """The op an eps guard would clamp: from the backward node (``SqrtBackward0`` -> sqrt) or the aten op name."""
+    for text, pattern in ((autograd_node, r"^(\w+?)Backward\d*$"), (op, r"^aten\.(\w+?)(_)?\.")):
+        m = re.match(pattern, text or "")
+        if m and m.group(1).lower() in _GUARDED:
+            return m.group(1).lower()
+    return None
+
+
+class _Clamp(TorchFunctionMode):
+    """Keep the guarded argument of ``op`` at least ``eps`` away from 0 (its sign kept; >= eps for sqrt/log)."""
+
+    def __init__(self, op: str, eps: float) -> None:
+        super().__init__()
+        self.funcs, self.arg = _GUARDED[op]
+        self.eps, self.signed = eps, op in ("pow", "div")
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.funcs and len(args) > self.arg and isinstance(args[self.arg], Tensor):
+            x = args[self.arg]
+            if self.signed:
+                x = torch.where(x.abs() < self.eps, torch.where(x < 0, -self.eps, self.eps), x)
+            else:
+                x = x.clamp_min(self.eps)
+            args = (*args[:self.arg], x, *args[self.arg + 1:])
+        return func(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class EpsGuard(Remedy):
+    """Clamp the input of ``op`` (the denominator of div) to ``eps`` inside ``module``: a replay-only stand-in for
+    the code change :attr:`change` says to make at ``where`` (file:line)."""
+
+    module: str = ""
+    op: str = "sqrt"
+    eps: float = 1e-12
+    where: str = ""
+    kind: ClassVar[str] = "eps-guard"
+    live: ClassVar[bool] = False
+
+    @property
+    def detail(self) -> str:
+        return f"{self.op} input >= {self.eps:g} in '{self.module}'"
+
+    @property
+    def change(self) -> str:
+        """The code change to make (at :attr:`where`)."""
+        arg = "the denominator" if self.op == "div" else f"the input of {self.op}"
+        at = f" at {self.where}" if self.where else ""
+        how = "x.clamp_min(eps)" if self.op not in ("div", "pow") else "x.abs().clamp_min(eps) * x.sign() (or + eps)"
+        return f"keep {arg} away from 0{at}: {how} with eps={self.eps:g}"
+
+    @contextlib.contextmanager
+    def installed(self, model: nn.Module) -> Iterator[None]:
+        target = model.get_submodule(self.module)
+        modes: list[_Clamp] = []
+
+        def pre(_module: nn.Module, _args: tuple) -> None:
+            mode = _Clamp(self.op, self.eps)
+            mode.__enter__()
+            modes.append(mode)
+
+        def post(_module: nn.Module, _args: tuple, _out: Any) -> None:
+            modes.pop().__exit__(None, None, None)
+
+        handles = [target.register_forward_pre_hook(pre), target.register_forward_hook(post)]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+
+_KINDS: dict[str, type[Remedy]] = {c.kind: c for c in (SkipStep, SkipSamples, ModuleFP32, Precision, LowerLR,
+                                                       RollbackLR, TighterClip, EpsGuard)}
+#: The candidate names ``--only`` accepts (a lower LR and a rollback carry their factor: lr-x0.5, rollback-lr-x0.1).
+CANDIDATE_NAMES = ("skip-step", "skip-samples", "module-fp32", "bf16", "lr-x0.5", "lr-x0.1", "rollback-lr-x0.5",
+                   "rollback-lr-x0.1", "clip", "eps-guard")
+
+
+def remedy_from_dict(d: dict[str, Any]) -> Remedy:
+    """Rebuild a remedy from :meth:`Remedy.to_dict` (a ValueError naming the kind when it is unknown)."""
+    kind = d.get("kind")
+    cls = _KINDS.get(kind)  # type: ignore[arg-type]
+    if cls is None:
+        raise ValueError(f"remedy kind {kind!r} is not one of {', '.join(_KINDS)}")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    args = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in fields}
+    return cls(**args)
+
+
+def _user_line(diagnosis: dict[str, Any]) -> str:
+    """file:line of the innermost user frame behind the first bad op (its forward stack, else the anomaly trace)."""
+    text = ((diagnosis.get("first_op") or {}).get("stack") or "") + "\n" + str(diagnosis.get("anomaly_trace") or "")
+    found = re.findall(r'File "([^"]+)", line (\d+)', text)
+    return f"{found[-1][0]}:{found[-1][1]}" if found else ""
+
+
+def candidates_for(diagnosis: dict[str, Any], precision: str, history: list[dict[str, Any]],
+                   rollback_steps: list[int]) -> list[Remedy]:
+    """The candidates that fit ``diagnosis``'s failure class, the skip-step baseline first.
+
+    A lower LR (x0.5, x0.1) is tried for every class: it is the usual first guess, and its verdict says
+    whether the class needs it. ``rollback_steps``: the steps of the checkpoints the run kept before the
+    incident (a rollback goes to the newest one at or before the growth's start, else the oldest).
+    """
+    cls = diagnosis.get("failure_class")
+    samples = tuple(diagnosis.get("bad_samples") or ())
+    module = diagnosis.get("blamed_module") or diagnosis.get("module")
+    out: list[Remedy] = [SkipStep()]
+    if cls in ("op", "data") and samples and not diagnosis.get("blamed_module"):
+        out.append(SkipSamples(samples))
+    if cls == "op" and module is not None:
+        op = guarded_op(diagnosis.get("op"), diagnosis.get("autograd_node"))
+        if op is not None:
+            out.append(EpsGuard(module, op, 1e-12 if op != "div" else 1e-6, _user_line(diagnosis)))
+    if cls == "overflow" and module:
+        out.append(ModuleFP32(module))
+        if precision == "fp16":
+            out.append(Precision("bf16"))
+    out += [LowerLR(0.5), LowerLR(0.1)]
+    if cls == "divergence":
+        grew = diagnosis.get("growth") or {}
+        since = grew.get("since_step")
+        if rollback_steps:
+            before = [s for s in rollback_steps if since is None or s <= since]
+            at = max(before) if before else min(rollback_steps)
+            out += [RollbackLR(0.5, step=at), RollbackLR(0.1, step=at)]
+        healthy = [r for r in history if isinstance(r.get("grad_norm"), (int, float)) and r["grad_norm"] == r["grad_norm"]
+                   and (since is None or r.get("step", 0) <= since)]
+        if healthy:
+            out.append(TighterClip(float(healthy[-1]["grad_norm"])))
+    return out

@@ -1,0 +1,277 @@
+"""Verified remedies: replay an incident under candidate fixes and say, with evidence, which one cures it.
+
+:func:`search_remedies` (``stabletrain remedy INCIDENT_DIR``) rebuilds the run's step from the incident
+bundle's exact pre-step state (model, optimizer, schedule, precision, RNG) — or, for a rollback, from the
+run's checkpoint before the growth began — and replays the incident's window and the ``steps`` (K)
+windows after it through the one :class:`~stabletrain.step.TrainStep`, once per candidate
+(:mod:`stabletrain.diagnostics.remedies`) and once for the "just skip the step" baseline. The built-in
+loop's data stream is deterministic (:class:`~stabletrain.data.WindowStream` over
+:class:`~stabletrain.data.EpochOrder`), so the same batches come next as in the run.
+
+Verdicts (:func:`judge`):
+
+- ``cures``: the incident's window and all K after it are finite, no step is a spike by the guard's own
+  rule (seeded with the run's losses), and the loss at the end (mean of the last ``END_STEPS`` steps) is
+  no worse than the baseline's by more than ``LOSS_TOLERANCE`` (relative; any end beats a baseline that
+  failed). A candidate that drops more than half of the replay's samples only hides the symptom: it fails.
+- ``fails``: its first bad step (non-finite loss, grad norm or parameters, or a spike) is named.
+- ``worse``: finite throughout, but its end loss is worse than the baseline's by more than the tolerance.
+
+Cost: about (K + 1) x candidates steps plus one load (a rollback also replays the steps from its checkpoint
+to the incident); a candidate stops at its first bad step. ``remedy.json`` in the incident directory holds
+the whole search (non-finite figures as the strings "nan", "inf"). This module sits beside :mod:`stabletrain.replay`: it composes the step and the remedies.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from .config import config_from_dict
+from .data import EpochOrder, WindowStream, move_to
+from .diagnostics.remedies import CANDIDATE_NAMES, Remedy, SkipStep, candidates_for
+from .fileio import atomic_write
+from .numerics import unique_params
+from .policies.clipping import GradClipper
+from .policies.guard import Guard
+from .policies.optim import build_optimizer
+from .policies.precision import PrecisionPolicy, resolve_device
+from .policies.schedule import LRSchedule
+from .records.checkpoint.manager import CheckpointManager
+from .records.incidents import DIAGNOSIS_FILE, REMEDY_FILE, load_bundle
+from .replay import _LocalWindow, diagnose_incident, run_history
+from .seeding import set_rng_state
+from .step import build_step
+from .tasks import Task, resolve_task
+
+__all__ = ["search_remedies", "format_table", "REMEDY_FILE", "LOSS_TOLERANCE", "END_STEPS", "VERDICTS"]
+
+#: A cure's end loss may exceed the baseline's by at most this fraction.
+LOSS_TOLERANCE = 0.10
+#: The end loss: the mean of the last this many replayed steps' losses.
+END_STEPS = 5
+VERDICTS = ("cures", "worse", "fails")
+
+
+class _Incident:
+    """What every candidate's replay starts from: the bundle, the config, the task, the run's history."""
+
+    def __init__(self, directory: Path, task: Task | None, device: str | None) -> None:
+        self.dir = directory
+        self.bundle = load_bundle(directory)
+        if int(self.bundle.get("world_size", 1)) > 1:
+            raise ValueError(f"incident {str(directory)!r} comes from a run of {self.bundle['world_size']} processes; "
+                             "stabletrain remedy replays one process's run only (the global window is not in the bundle)")
+        self.cfg = config_from_dict(self.bundle["config"])
+        self.device = resolve_device(device or self.cfg.device)
+        self.task = task if task is not None else resolve_task(self.cfg.task, self.cfg.task_args)
+        self.collate = self.task.collate or torch.utils.data.default_collate
+        self.step = int(self.bundle["step"])
+        self.history = [r for r in run_history(directory) if isinstance(r.get("step"), int) and r["step"] < self.step]
+        self.run_dir = directory.resolve().parent.parent
+        self.checkpoints = CheckpointManager(self.run_dir / "checkpoints")
+        self.rollback_steps = [s for s in (self._step_of(p) for p in self._checkpoint_dirs()) if s is not None and s < self.step]
+
+    def _checkpoint_dirs(self) -> list[Path]:
+        return self.checkpoints.checkpoints() if self.checkpoints.root.is_dir() else []
+
+    @staticmethod
+    def _step_of(path: Path) -> int | None:
+        try:
+            return int(path.name.removeprefix("step_"))
+        except ValueError:
+            return None
+
+    def start(self, remedy: Remedy) -> tuple[dict[str, Any], int, dict[str, Any] | None]:
+        """(the state to replay from, the first step's number, the data stream's state) for ``remedy``."""
+        if remedy.rollback_step is None:
+            w = self.bundle["window"]
+            return self.bundle, self.step, {"epoch": w["epoch"], "pos": w["start"], "origin": 0}
+        path = self.checkpoints.root / f"step_{remedy.rollback_step:06d}"
+        state = self.checkpoints.load(path).state
+        return state, int(state["counters"]["step"]) + 1, state["stream"]
+
+
+def _replay(inc: _Incident, remedy: Remedy, num_after: int) -> dict[str, Any]:
+    """Replay from ``remedy``'s start through the incident's window and ``num_after`` more; the per-step record."""
+    start = time.perf_counter()
+    cfg, task, dev = inc.cfg, inc.task, inc.device
+    state, first, stream_state = inc.start(remedy)
+    model = copy.deepcopy(task.model).to(dev)
+    model.load_state_dict(state["model"])
+    named = unique_params(model)
+    optimizer = build_optimizer(named, cfg.optim, dev, task.optimizer)
+    optimizer.load_state_dict(state["optimizer"])
+    schedule = LRSchedule(optimizer, cfg.sched.warmup_steps, cfg.train.max_steps, cfg.sched.decay, cfg.sched.min_lr_ratio)
+    schedule.load_state_dict(state["schedule"])
+    if remedy.lr_factor != 1.0:
+        schedule.scale(remedy.lr_factor)
+    precision = (PrecisionPolicy(remedy.precision, dev) if remedy.precision is not None
+                 else PrecisionPolicy.from_state(state["precision"], dev))
+    step = build_step(cfg, model, optimizer, precision, schedule=schedule, params=[p for _, p in named])
+    step.window = _LocalWindow(step.params, sums=step.window.sums)  # no collective in a replay
+    if remedy.max_norm is not None:
+        step.clipper = GradClipper(remedy.max_norm)
+    guard = Guard(dataclasses.replace(cfg.guard, on_spike="warn"), torch.device("cpu"))  # the host spike rule
+    if remedy.rollback_step is not None and "guard" in state:
+        guard.load_state_dict(state["guard"])
+    else:  # seeded with the run's interval losses before the incident
+        guard.mark_spikes([SimpleNamespace(values={"loss": float(r["loss"]), "finite": 1.0})
+                           for r in inc.history if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"])])
+    order = EpochOrder(len(task.train_data), cfg.train.batch_size, cfg.seed, cfg.data.shuffle)
+    stream = WindowStream(task.train_data, order, cfg.accum.steps, collate=task.collate)
+    stream.load_state_dict(stream_state)
+    set_rng_state(state["rng"])
+    rows: list[dict[str, Any]] = []
+    failed: dict[str, Any] | None = None
+    dropped = total = 0
+    last = inc.step + num_after
+    with remedy.installed(model):
+        for n in range(first, last + 1):
+            window = stream.next_window()
+            if n == inc.step and window.indices != inc.bundle["window"]["indices"]:
+                raise ValueError(f"incident {str(inc.dir)!r}: the data stream's window at step {n} holds samples "
+                                 f"{window.indices[0][:4]}..., not the bundle's {inc.bundle['window']['indices'][0][:4]}... "
+                                 "(the run skipped windows after a rollback, or its data changed)")
+            kept = remedy.keep(window.indices, n == inc.step)
+            total += window.num_samples
+            dropped += window.num_samples - sum(map(len, kept))
+            groups = [(k, b if k == i else move_to(inc.collate([task.train_data[j] for j in k]), dev))
+                      for k, i, b in zip(kept, window.indices, window.batches) if k]
+            if not groups:
+                rows.append({"step": n, "dropped": True})
+                continue
+            out = step([(len(k), b) for k, b in groups], task.loss, check_params=True)
+            loss, norm = float(out["loss"]), float(out["grad_norm"])
+            overflow = bool(out["overflow"])  # fp16: the scaler's routine skip-and-back-off
+            params_ok = bool(out.get("params_finite", torch.tensor(True)))
+            row = {"step": n, "loss": loss, "grad_norm": norm, "applied": bool(out["applied"])}
+            marked = SimpleNamespace(values={"loss": loss, "finite": float(math.isfinite(loss) and math.isfinite(norm))})
+            guard.mark_spikes([marked])
+            rows.append(row)
+            if not math.isfinite(loss) or not params_ok or (not math.isfinite(norm) and not overflow):
+                what = "loss" if not math.isfinite(loss) else "parameters" if not params_ok else "grad norm"
+                failed = {"step": n, "why": f"non-finite {what} at step {n} (loss {loss:.4g}, grad norm {norm:.4g})"}
+                break
+            if marked.values["spike"] > 0.5:
+                failed = {"step": n, "why": f"loss spike at step {n} by the guard's rule (loss {loss:.4g})"}
+                break
+    finite = [r["loss"] for r in rows if "loss" in r and math.isfinite(r["loss"])]
+    end = sum(finite[-END_STEPS:]) / len(finite[-END_STEPS:]) if finite and failed is None else float("nan")
+    return {"name": remedy.name, "remedy": remedy.to_dict(), "detail": remedy.detail, "live": remedy.live,
+            "scope": remedy.scope,
+            "change": getattr(remedy, "change", None), "first_step": first, "steps_replayed": len(rows),
+            "rewound_steps": inc.step - first, "dropped_samples": dropped, "total_samples": total,
+            "failed": failed, "end_loss": end, "trajectory": rows, "seconds": time.perf_counter() - start}
+
+
+def judge(result: dict[str, Any], baseline: dict[str, Any]) -> tuple[str, str]:
+    """(verdict, evidence) of one candidate's replay against the baseline's (module docstring)."""
+    if result["failed"] is not None:
+        return "fails", result["failed"]["why"]
+    if result["dropped_samples"] * 2 > result["total_samples"]:
+        return "fails", (f"hides the symptom: drops {result['dropped_samples']} of the {result['total_samples']} samples "
+                         "it replays")
+    steps = f"steps {result['first_step']}-{result['trajectory'][-1]['step']} finite, no spike"
+    base = baseline["end_loss"]
+    if result is baseline or not math.isfinite(base):
+        return "cures", f"{steps}; end loss {result['end_loss']:.4g}" + (
+            "" if result is baseline else f" (the baseline fails: {baseline['failed']['why'] if baseline['failed'] else '-'})")
+    ratio = result["end_loss"] / base if base > 0 else 1.0
+    text = f"{steps}; end loss {result['end_loss']:.4g} vs baseline {base:.4g} (x{ratio:.3g}, tolerance x{1 + LOSS_TOLERANCE:g})"
+    return ("cures" if result["end_loss"] <= base * (1 + LOSS_TOLERANCE) + 1e-12 else "worse"), text
+
+
+def _rank_key(r: dict[str, Any]) -> tuple:
+    """Verdict first; then no code change before one, fewer samples dropped and steps rewound, local before run-wide."""
+    cost = r["dropped_samples"] + r["rewound_steps"] * 1_000_000  # a rollback loses steps: costlier than samples
+    end = r["end_loss"] if math.isfinite(r["end_loss"]) else math.inf
+    return (VERDICTS.index(r["verdict"]), not r["live"], cost, r["scope"], end)
+
+
+def search_remedies(directory: str | Path, task: Task | None = None, *, steps: int = 20, only: list[str] | None = None,
+                    device: str | None = None) -> dict[str, Any]:
+    """Replay ``directory``'s incident under each candidate that fits it and the skip-step baseline; write ``remedy.json``.
+
+    ``steps``: K, the windows replayed after the incident's. ``only``: candidate names
+    (:data:`~stabletrain.diagnostics.remedies.CANDIDATE_NAMES`); the baseline always runs. ``task``: reuse a
+    built task (its model is deep-copied, never touched). Returns the record written (see the module docstring).
+    """
+    if steps < 0:
+        raise ValueError(f"--steps: expected an integer >= 0, got {steps}")
+    unknown = [n for n in only or [] if n not in CANDIDATE_NAMES]
+    if unknown:
+        raise ValueError(f"--only: unknown candidate {', '.join(unknown)}; the candidates are {', '.join(CANDIDATE_NAMES)}")
+    start = time.perf_counter()
+    directory = Path(directory)
+    inc = _Incident(directory, task, device)
+    diagnosis_path = directory / DIAGNOSIS_FILE
+    diagnosis = json.loads(diagnosis_path.read_text(encoding="utf-8")) if diagnosis_path.is_file() else {}
+    if "failure_class" not in diagnosis:
+        diagnosis = diagnose_incident(directory, inc.task, device=str(inc.device))
+    pool = candidates_for(diagnosis, inc.cfg.precision, inc.history, inc.rollback_steps)
+    if only:
+        missing = [n for n in only if n not in {c.name for c in pool}]
+        if missing:
+            raise ValueError(f"--only: {', '.join(missing)} does not fit this incident (failure class "
+                             f"{diagnosis.get('failure_class')}); its candidates are {', '.join(c.name for c in pool)}")
+        pool = [c for c in pool if isinstance(c, SkipStep) or c.name in only]
+    load_s = time.perf_counter() - start
+    results = [_replay(inc, c, steps) for c in pool]
+    baseline = results[0]
+    for r in results:
+        r["verdict"], r["evidence"] = judge(r, baseline)
+        r["baseline"] = r is baseline
+    ranked = sorted(results, key=_rank_key)
+    total_steps = sum(r["steps_replayed"] for r in results)
+    record = {
+        "incident": str(directory), "step": inc.step, "failure_class": diagnosis.get("failure_class"),
+        "evidence": diagnosis.get("evidence"), "summary": diagnosis.get("summary"), "steps": steps,
+        "tolerance": LOSS_TOLERANCE, "end_steps": END_STEPS, "baseline": baseline["name"],
+        "best": next((r["name"] for r in ranked if r["verdict"] == "cures" and not r["baseline"]), None),
+        "candidates": ranked,
+        "timings": {"load_s": load_s, "replay_s": time.perf_counter() - start - load_s, "total_s": time.perf_counter() - start,
+                    "steps_replayed": total_steps},
+    }
+    record = _json_safe(record)  # what remedy.json holds: strict JSON ("nan", "inf" as strings)
+    atomic_write(directory / REMEDY_FILE, json.dumps(record, indent=2, default=str, allow_nan=False) + "\n")
+    return record
+
+
+def _json_safe(obj: Any) -> Any:
+    """``obj`` with every non-finite float written as its string ("nan", "inf"), as diagnosis.json does."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def format_table(record: dict[str, Any]) -> str:
+    """The console table of a search, ranked by verdict and cost."""
+    head = (f"incident step {record['step']}: {record['failure_class']} ({record['evidence']})\n"
+            f"replayed the incident's window and the {record['steps']} after it under {len(record['candidates'])} "
+            f"candidates ({record['timings']['steps_replayed']} steps, {record['timings']['total_s']:.1f} s)")
+    rows = [("#", "candidate", "verdict", "end loss", "what it does", "evidence")]
+    for i, r in enumerate(record["candidates"], 1):
+        end = f"{r['end_loss']:.4g}" if isinstance(r["end_loss"], float) and math.isfinite(r["end_loss"]) else "-"
+        name = r["name"] + (" (baseline)" if r["baseline"] else "")
+        rows.append((str(i), name, r["verdict"], end, r["detail"], r["evidence"]))
+    widths = [max(len(row[c]) for row in rows) for c in range(5)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:5], widths)) + "  " + row[5] for row in rows]
+    best = record["best"]
+    tail = [f"best: {best}" if best else "no candidate cures this incident"]
+    change = next((r["change"] for r in record["candidates"] if r["name"] == best and r.get("change")), None)
+    if change:
+        tail.append(f"code change: {change}")
+    return "\n".join([head, *lines, *tail])

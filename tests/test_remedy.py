@@ -1,0 +1,113 @@
+"""Verified remedies (``stabletrain remedy``): each planted fault replayed from its bundle under the candidates that fit
+its class; the verdicts, the first bad steps and the ranking are asserted, not just that a table prints."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import cfg
+
+from stabletrain import Trainer
+from stabletrain.cli import main
+from stabletrain.diagnostics.remedies import (EpsGuard, LowerLR, ModuleFP32, Precision, RollbackLR, SkipSamples, SkipStep,
+                                              TighterClip, remedy_from_dict)
+from stabletrain.remedy import LOSS_TOLERANCE, judge, search_remedies
+from stabletrain.report import write_report
+
+DIVERGING = ("optim.name=sgd", "optim.lr=2.5", "optim.weight_decay=0", "clip.max_norm=null", "sched.warmup_steps=20",
+             "sched.decay=constant", "ckpt.every=10", "guard.max_consecutive_skips=3")
+
+
+def incident_of(tmp_path, spec, *overrides):
+    """Train task factory ``spec`` (8 samples a step, in order) to its first incident; return the incident's folder."""
+    c = cfg("train.batch_size=8", "log.every=5", "data.shuffle=false", *overrides, task=spec)
+    Trainer(c, run_dir=tmp_path / "run").fit()
+    return sorted((tmp_path / "run" / "incidents").glob("step_*"))[0]
+
+
+def by_name(record):
+    return {c["name"]: c for c in record["candidates"]}
+
+
+def test_a_sqrt_of_zero_is_cured_by_the_eps_guard_and_by_skipping_its_sample_not_by_a_lower_lr(tmp_path):
+    # 32 samples, 8 a step: sample 13 is in step 2 and again in step 6 (the next epoch), inside K = 6.
+    incident = incident_of(tmp_path, "remedy_tasks:sqrt_zero_task", "train.max_steps=3")
+    record = search_remedies(incident, steps=6)
+    c = by_name(record)
+    assert (record["step"], record["failure_class"]) == (2, "op")
+    assert [n for n in c] == ["skip-samples", "eps-guard", "lr-x0.5", "lr-x0.1", "skip-step"]  # ranked
+    assert c["skip-samples"]["verdict"] == c["eps-guard"]["verdict"] == "cures"
+    assert c["skip-samples"]["remedy"] == {"kind": "skip-samples", "samples": [13]}
+    assert c["skip-samples"]["dropped_samples"] == 2 and c["skip-samples"]["steps_replayed"] == 7  # steps 2..8
+    assert c["eps-guard"]["remedy"]["module"] == "layers.1" and c["eps-guard"]["remedy"]["op"] == "sqrt"
+    assert c["eps-guard"]["change"].endswith("faults.py:39: x.clamp_min(eps) with eps=1e-12")
+    for name in ("lr-x0.5", "lr-x0.1"):  # the LR cannot change a backward through sqrt(0)
+        assert (c[name]["verdict"], c[name]["failed"]["step"]) == ("fails", 2)
+    assert (c["skip-step"]["verdict"], c["skip-step"]["failed"]["step"]) == ("fails", 6)  # the sample comes back
+    assert record["best"] == "skip-samples"
+    assert json.loads((incident / "remedy.json").read_text()) == record
+
+
+def test_a_divergence_is_cured_by_a_lower_lr_from_before_the_growth_not_by_skipping(tmp_path, capsys):
+    incident = incident_of(tmp_path, "remedy_tasks:diverging_task", "train.max_steps=60", *DIVERGING)
+    capsys.readouterr()
+    assert main(["remedy", str(tmp_path / "run"), "--steps", "4"]) == 0  # RUN_DIR: its newest incident
+    printed = capsys.readouterr().out
+    record = json.loads((incident / "remedy.json").read_text())
+    c = by_name(record)
+    assert (record["step"], record["failure_class"]) == (37, "divergence")
+    assert "skip-samples" not in c  # no sample to blame
+    assert c["rollback-lr-x0.1"]["verdict"] == "cures" and c["rollback-lr-x0.1"]["remedy"]["step"] == 10
+    assert c["rollback-lr-x0.1"]["first_step"] == 11 and c["rollback-lr-x0.1"]["steps_replayed"] == 31  # 11..41
+    assert (c["skip-step"]["verdict"], c["skip-step"]["failed"]["step"]) == ("fails", 38)
+    for name in ("lr-x0.5", "lr-x0.1", "clip"):  # from the pre-step state the gradients are already huge
+        assert (c[name]["verdict"], c[name]["failed"]["step"]) == ("fails", 37)
+    assert c["rollback-lr-x0.5"]["verdict"] == "fails" and "spike" in c["rollback-lr-x0.5"]["evidence"]
+    assert record["best"] == "rollback-lr-x0.1"
+    lines = printed.splitlines()
+    assert lines[3].split()[:3] == ["1", "rollback-lr-x0.1", "cures"] and "best: rollback-lr-x0.1" in printed
+    page = write_report(tmp_path / "run").read_text()
+    assert 'id="remedies"' in page and "<code>rollback-lr-x0.1</code>" in page and "back to step 10, lr x0.1" in page
+
+
+def test_an_fp16_overflow_in_one_module_is_cured_by_that_module_in_fp32(tmp_path):
+    incident = incident_of(tmp_path, "remedy_tasks:fp16_overflow_task", "train.max_steps=2", "precision=fp16")
+    record = search_remedies(incident, steps=4, only=["module-fp32", "lr-x0.1"])
+    c = by_name(record)
+    assert record["failure_class"] == "overflow"
+    assert list(c) == ["module-fp32", "lr-x0.1", "skip-step"]
+    assert c["module-fp32"]["verdict"] == "cures" and c["module-fp32"]["remedy"] == {"kind": "module-fp32",
+                                                                                      "module": "layers.1.fc"}
+    assert (c["lr-x0.1"]["verdict"], c["lr-x0.1"]["failed"]["step"]) == ("fails", 1)
+    assert (c["skip-step"]["verdict"], c["skip-step"]["failed"]["step"]) == ("fails", 2)
+
+
+def test_remedy_cli_errors_are_one_line_naming_the_value(tmp_path, capsys):
+    assert main(["remedy", str(tmp_path), "--only", "bogus"]) == 2
+    assert "--only: unknown candidate bogus; the candidates are skip-step" in capsys.readouterr().err
+    assert main(["remedy", str(tmp_path)]) == 2
+    assert "no bundle.pt there" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["remedy", "--help"])
+    out = capsys.readouterr().out
+    assert "--steps K" in out and "cures" in out and "(default: 20)" in out
+
+
+@pytest.mark.parametrize("remedy", [SkipStep(), SkipSamples((3, 7)), ModuleFP32("layers.1"), Precision("bf16"),
+                                    LowerLR(0.1, steps=20), RollbackLR(0.5, step=10), TighterClip(0.25),
+                                    EpsGuard("layers.1", "sqrt", 1e-12, "model.py:3")], ids=lambda r: r.kind)
+def test_every_remedy_round_trips_through_json(remedy):
+    assert remedy_from_dict(json.loads(json.dumps(remedy.to_dict()))) == remedy
+    with pytest.raises(ValueError, match="remedy kind 'nope'"):
+        remedy_from_dict({"kind": "nope"})
+
+
+def test_a_candidate_that_drops_most_samples_only_hides_the_symptom_and_one_ending_worse_is_worse():
+    base = {"failed": None, "dropped_samples": 8, "total_samples": 56, "end_loss": 1.0, "first_step": 2,
+            "trajectory": [{"step": 8}]}
+    hides = {**base, "dropped_samples": 40}
+    assert judge(hides, base) == ("fails", "hides the symptom: drops 40 of the 56 samples it replays")
+    verdict, evidence = judge({**base, "end_loss": 1.0 + 2 * LOSS_TOLERANCE}, base)
+    assert verdict == "worse" and "vs baseline 1" in evidence
+    assert judge({**base, "end_loss": 1.0 + LOSS_TOLERANCE / 2}, base)[0] == "cures"
