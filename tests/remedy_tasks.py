@@ -6,6 +6,8 @@ capture, diagnose and replay under remedies in seconds on a CPU.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -21,15 +23,23 @@ def _mse(model: nn.Module, batch) -> Tensor:
     return F.mse_loss(model(x).float(), y)
 
 
-def sqrt_zero_task(bad_index: int = 13, n: int = 32, seed: int = 0) -> Task:
-    """op: sample ``bad_index`` is all zeros, so ``layers.1``'s sqrt(sum x^2) is sqrt(0) and its backward NaN."""
+def _slow_mse(model: nn.Module, batch) -> Tensor:
+    time.sleep(0.05)  # a run a test can SIGKILL mid-way
+    return _mse(model, batch)
+
+
+def sqrt_zero_task(bad_index: int = 13, n: int = 32, seed: int = 0, slow: bool = False) -> Task:
+    """op: sample ``bad_index`` is all zeros, so ``layers.1``'s sqrt(sum x^2) is sqrt(0) and its backward NaN.
+
+    ``slow``: the loss sleeps 50 ms (a run to kill mid-way).
+    """
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 8, generator=g)
     x[bad_index] = 0.0
     y = torch.randn(n, 1, generator=g)
     torch.manual_seed(seed)
     model = Stack(nn.Linear(8, 16, bias=False), L2Normalize(), nn.Linear(16, 1))
-    return Task(model=model, train_data=TensorDataset(x, y), loss=_mse, name="sqrt-zero")
+    return Task(model=model, train_data=TensorDataset(x, y), loss=_slow_mse if slow else _mse, name="sqrt-zero")
 
 
 def diverging_task(n: int = 64, scale: float = 1.0, seed: int = 0) -> Task:

@@ -5,7 +5,7 @@
         out = step(window)                   # the one optimizer step (step.build_step): device tensors, no sync
         metrics.update(out); on_step_end     # callbacks observe
         at a log boundary (one host sync): reduce -> on_log -> guard.decide
-            recorder.capture | keeper.rollback | stop | keeper.save; recorder.mark_interval_start
+            recorder.capture [-> remedies.act] | keeper.rollback | stop | keeper.save; recorder.mark_interval_start
 
 The same loop runs on every rank under ``torchrun``: every decision is made from values that are the same
 on every rank. Only rank 0 writes the run directory.
@@ -40,6 +40,7 @@ from .process import gc_frozen
 from .seeding import deterministic_mode, seed_everything
 from .services.checkpoints import CheckpointKeeper
 from .services.incidents import IncidentRecorder
+from .services.remedies import RemedyApplier
 from .services.rundir import DEFAULT_RUN_DIR, default_run_dir, open_run
 from .services.signals import SignalHandler
 from .step import build_step
@@ -79,8 +80,7 @@ class Trainer(TrainState):
         self.optimizer = self.strategy.optimizer(self.named_params, self.task)
         self.schedule = LRSchedule(self.optimizer, cfg.sched.warmup_steps, cfg.train.max_steps, cfg.sched.decay,
                                    cfg.sched.min_lr_ratio)
-        self.guard = Guard(cfg.guard, self.device)
-        self.window = parts.window
+        self.guard, self.window = Guard(cfg.guard, self.device), parts.window
         self.step_fn = build_step(cfg, self.model, self.optimizer, self.precision, guard=self.guard,
                                   schedule=self.schedule, params=self.params, window=self.window,
                                   carrier=parts.carrier, numerics=parts.numerics)
@@ -93,7 +93,7 @@ class Trainer(TrainState):
         self.state = FitState(cfg=cfg, task=self.task, module=self.module, named_params=self.named_params,
                               device=self.device, dist=self.dist, stream=self.stream, precision=self.precision.mode)
         self.signals, self.keeper = SignalHandler(), CheckpointKeeper(self)
-        self.recorder = IncidentRecorder(self, self.keeper)
+        self.recorder, self.remedies = IncidentRecorder(self, self.keeper), RemedyApplier(self)
         builtin = [InitWatch(fingerprint), EventLog(), MetricsFile(), TensorBoardLog(),
                    *build_trackers(cfg.log.trackers, log=cfg.log), ProgressBar()]
         self.callbacks = CallbackList([*builtin, *callbacks, *load_callbacks(cfg.callbacks)])
@@ -113,10 +113,8 @@ class Trainer(TrainState):
     step = property(lambda self: self.state.step, lambda self, v: setattr(self.state, "step", v))
     samples_seen = property(lambda self: self.state.samples_seen, lambda self, v: setattr(self.state, "samples_seen", v))
     tokens_seen = property(lambda self: self.state.tokens_seen, lambda self, v: setattr(self.state, "tokens_seen", v))
-    history = property(lambda self: self.state.history)
-    stop_reason = property(lambda self: self.state.stop_reason)
-    run = property(lambda self: self.state.run)
-    ckpt = property(lambda self: self.state.ckpt)
+    history, stop_reason, run, ckpt = (property(lambda self, k=k: getattr(self.state, k))
+                                       for k in ("history", "stop_reason", "run", "ckpt"))
 
     def train_step(self, window: Window, *, measure_update: bool = False, check_params: bool = True) -> dict[str, Tensor]:
         """Run the one optimizer step on ``window``; return its figures as device tensors (no sync)."""
@@ -146,19 +144,19 @@ class Trainer(TrainState):
 
     def _fit(self) -> dict[str, Any]:
         cfg, state, fire = self.cfg, self.state, self.callbacks.fire
-        self._record: dict[str, Any] = {}  # the last metrics record
-        self._interval_start, self._eval_seconds = time.perf_counter(), 0.0
+        self._record, self._interval_start, self._eval_seconds = {}, time.perf_counter(), 0.0  # _record: the last metrics
         self.signals.install()
         try:
             self._where = "the step-0 checkpoint"
             fire("on_fit_start", state)
+            self.remedies.by_hand(state)  # config key 'remedy': INCIDENT_DIR:NAME, applied once
             self.recorder.mark_interval_start(state)
             if self.keeper.resumed_from is not None:
                 fire("on_resume", state, {"step": state.step, "path": str(self.keeper.resumed_from)})
             if self.keeper.needs_first(state):
                 self._checkpoint(healthy=True)
             while state.step < cfg.train.max_steps:
-                window = self.stream.next_window()
+                window = self.remedies.filter(self.stream.next_window(), self.stream)  # minus the samples a remedy skips
                 state.positions[state.step + 1] = (window.epoch, window.start)
                 self._where = "a training step (window or gradient all-reduce)"
                 nxt = state.step + 1
@@ -259,6 +257,8 @@ class Trainer(TrainState):
             if info.get("pinned") is not None:  # the capture's replay found the update that broke the parameters
                 decision.pin(info["pinned"])
             self.callbacks.fire("on_incident", state, info)
+            if decision.action == "remedy" and self.remedies.act(state, decision, info):  # a cure verified on a replay
+                return True
         if decision.action == "stop":
             self._stop(decision.reason)
             return False

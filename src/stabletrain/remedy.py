@@ -198,12 +198,13 @@ def _rank_key(r: dict[str, Any]) -> tuple:
 
 
 def search_remedies(directory: str | Path, task: Task | None = None, *, steps: int = 20, only: list[str] | None = None,
-                    device: str | None = None) -> dict[str, Any]:
+                    device: str | None = None, live_only: bool = False) -> dict[str, Any]:
     """Replay ``directory``'s incident under each candidate that fits it and the skip-step baseline; write ``remedy.json``.
 
     ``steps``: K, the windows replayed after the incident's. ``only``: candidate names
     (:data:`~stabletrain.diagnostics.remedies.CANDIDATE_NAMES`); the baseline always runs. ``task``: reuse a
-    built task (its model is deep-copied, never touched). Returns the record written (see the module docstring).
+    built task (its model is deep-copied, never touched). ``live_only``: only the candidates a live run can
+    apply without a code change or a restart (``guard.on_nonfinite=remedy``). Returns the record written.
     """
     if steps < 0:
         raise ValueError(f"--steps: expected an integer >= 0, got {steps}")
@@ -224,6 +225,8 @@ def search_remedies(directory: str | Path, task: Task | None = None, *, steps: i
             raise ValueError(f"--only: {', '.join(missing)} does not fit this incident (failure class "
                              f"{diagnosis.get('failure_class')}); its candidates are {', '.join(c.name for c in pool)}")
         pool = [c for c in pool if isinstance(c, SkipStep) or c.name in only]
+    if live_only:
+        pool = [c for c in pool if c.live]
     load_s = time.perf_counter() - start
     results = [_replay(inc, c, steps) for c in pool]
     baseline = results[0]

@@ -128,7 +128,7 @@ class CkptConfig:
 
 @dataclass
 class GuardConfig:
-    on_nonfinite: Literal["skip", "stop", "rollback"] = _f("skip", "a non-finite loss/grad norm/parameter: skip the step, stop cleanly, or roll back to the last good checkpoint and skip that data window")
+    on_nonfinite: Literal["skip", "stop", "rollback", "remedy"] = _f("skip", "a non-finite loss/grad norm/parameter: skip the step, stop cleanly, roll back to the last good checkpoint and skip that data window, or remedy: replay the incident under the remedies that need no code change (stabletrain remedy), apply the best that cures it and go on (else guard.remedy_fallback)")
     on_spike: Literal["warn", "skip", "rollback"] = _f("warn", "a loss spike: record an event, skip the step (decided on the device every step), or roll back and skip the window (warn, rollback: the rule runs on the host at the log boundary)")
     spike_window: int = _f(50, "recent finite, non-spike losses the spike rule compares against")
     spike_ratio: float = _f(2.0, "spike rule: loss > spike_ratio x median of the window ...")
@@ -141,6 +141,9 @@ class GuardConfig:
     memory_snapshot: bool | Literal["auto"] = _f("auto", "copy the state into reused host buffers at every log interval's start (pinned, non-blocking from CUDA, on a side stream), so a capture replays at most log.every steps wherever the incident falls (costs one copy per interval and host memory for model + optimizer: this rank's share under DDP, its shards under FSDP); auto: on when that state, times the processes on this host, fits guard.snapshot_memory_fraction of the host memory available when the run starts, else off with one warning line; false: replay from LAST_GOOD, up to ckpt.every steps")
     snapshot_memory_fraction: float = _f(0.25, "guard.memory_snapshot=auto: the share of the host memory available at the run's start (MemAvailable) that the snapshots of all processes on this host may take, in (0, 1]")
     diagnose: bool = _f(True, "diagnose a captured incident right away (replay under the precise tools)")
+    remedy_steps: int = _f(20, "guard.on_nonfinite=remedy: windows each candidate is replayed over after the incident's (stabletrain remedy --steps)")
+    remedy_fallback: Literal["skip", "stop", "rollback"] = _f("skip", "guard.on_nonfinite=remedy: what to do when no candidate cures the incident (as guard.on_nonfinite)")
+    max_remedies: int = _f(3, "guard.on_nonfinite=remedy: apply at most this many remedies in a run; then guard.remedy_fallback")
 
 
 @dataclass
@@ -183,6 +186,7 @@ class Config:
     guard: GuardConfig = _section(GuardConfig, "NaN/Inf sentinel, loss-spike detection and what to do about them")
     dist: DistConfig = _section(DistConfig, "more than one process (DDP or FSDP2 over torch.distributed, launched by torchrun; see dist.strategy); global batch = train.batch_size x accum.steps x world size")
     resume: str | None = _f(None, "a run directory to continue from its LAST_GOOD checkpoint (same as --resume)")
+    remedy: str | None = _f(None, "apply one verified remedy by hand: INCIDENT_DIR:NAME, a candidate of that incident's remedy.json (stabletrain remedy); applied once when fit starts, kept in the checkpoints")
     callbacks: list[str] = _f([], "your callbacks: a list of 'module:Class' entries, each built with no arguments (e.g. callbacks=[mypkg.cbs:LogGrads])")
 
     def validate(self) -> "Config":
@@ -248,6 +252,8 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "guard.spike_zscore": (lambda v: v > 0, "a number > 0"),
     "guard.max_consecutive_skips": (lambda v: v >= 1, "an integer >= 1"),
     "guard.max_rollbacks": (lambda v: v >= 0, "an integer >= 0"),
+    "guard.remedy_steps": (lambda v: v >= 0, "an integer >= 0"),
+    "guard.max_remedies": (lambda v: v >= 0, "an integer >= 0"),
     "guard.snapshot_memory_fraction": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
     "dist.nproc": (lambda v: v >= 1, "an integer >= 1"),
     "dist.timeout_s": (lambda v: v > 0, "a number > 0"),

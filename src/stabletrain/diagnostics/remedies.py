@@ -52,7 +52,8 @@ class Remedy:
         return self.kind
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, **dataclasses.asdict(self)}
+        """Plain JSON values (a tuple as a list): what remedy.json, an event and a checkpoint hold."""
+        return {"kind": self.kind, **{k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}}
 
     def keep(self, indices: list[list[int]], first: bool) -> list[list[int]]:
         """The dataset indices of a window's micro-batches to train on (``first``: the incident's own window)."""
@@ -139,10 +140,14 @@ class ModuleFP32(Remedy):
 
 @dataclass(frozen=True)
 class Precision(Remedy):
-    """Train in another precision (bf16 instead of fp16: the same exponent range as fp32, no loss scale)."""
+    """Train in another precision (bf16 instead of fp16: the same exponent range as fp32, no loss scale).
+
+    Not applied to a live run (its precision policy is built with it): restart with ``precision=bf16``.
+    """
 
     mode: str = "bf16"
     kind: ClassVar[str] = "bf16"
+    live: ClassVar[bool] = False
     scope: ClassVar[int] = 1
 
     @property

@@ -26,6 +26,7 @@ EVENT_KINDS: dict[str, str] = {
     "checkpoint_skipped": "on resume or rollback a checkpoint did not verify (truncated, corrupted, refused) and an older one was used",
     "resume": "the run continued from a checkpoint at this step (metrics and events logged past it before are superseded; under another world size: resharded, with the old and new world size and global batch)",
     "rollback": "the guard rolled back to the last good checkpoint, skipping the offending data window",
+    "remedy": "guard.on_nonfinite=remedy (or config key 'remedy'): a remedy verified on a replay of the incident was applied (what, from which step, the evidence), or none cured it and the fallback was taken",
     "schedule_changed": "the LR schedule's horizon changed on resume (train.max_steps differs from the checkpoint's)",
     "stop": "the run stopped before train.max_steps: a guard limit, SIGINT or SIGTERM",
     "crash": "an exception ended the run: its type, message and where in the user's code it was raised",
@@ -33,7 +34,7 @@ EVENT_KINDS: dict[str, str] = {
 }
 
 #: Events after which training continues from an earlier step: what was logged past that step is superseded.
-REPLAY_KINDS: tuple[str, ...] = ("resume", "rollback")
+REPLAY_KINDS: tuple[str, ...] = ("resume", "rollback", "remedy")  # a remedy with a rollback goes back to its step
 
 #: Metric key (a line of metrics.jsonl) -> what it means. Every figure is global under DDP.
 METRIC_KEYS: dict[str, str] = {

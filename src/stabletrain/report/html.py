@@ -103,6 +103,7 @@ KIND_COLORS: dict[str, tuple[str, str]] = {
     "checkpoint_skipped": ("#fff4e6", "#d9480f"),
     "resume": ("#d0ebff", "#1864ab"),
     "rollback": ("#f4e4d7", "#7a3e12"),
+    "remedy": ("#e6fcf5", "#087f5b"),
     "schedule_changed": ("#e3fafc", "#0b7285"),
     "stop": ("#343a40", "#fff"),
     "crash": ("#c92a2a", "#fff"),

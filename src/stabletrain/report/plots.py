@@ -122,6 +122,7 @@ EVENT_MARKS: dict[str, dict[str, Any]] = {
     "incident": {"color": "#d62728", "linewidth": 1.4, "label": "incident"},
     "resume": {"color": "#555555", "linewidth": 1.0, "linestyles": "--", "label": "resume"},
     "rollback": {"color": "#8c564b", "linewidth": 1.2, "linestyles": "--", "label": "rollback"},
+    "remedy": {"color": "#087f5b", "linewidth": 1.2, "linestyles": "-.", "label": "remedy applied"},
     "crash": {"color": "#c92a2a", "linewidth": 1.6, "label": "crash"},
 }
 

@@ -1,4 +1,4 @@
-"""What the loop drives by name: the checkpoint keeper, the incident recorder, the signal handler.
+"""What the loop drives by name: the checkpoint keeper, the incident recorder, the remedy applier, the signal handler.
 
 A service is not a callback: the loop calls its methods where the run needs them and gets their results
 back (a callback only observes and reacts through hooks). A service that saves, restores or replays the
@@ -17,6 +17,14 @@ class TrainerOps(Protocol):
 
     strategy: Any  # the run's Strategy (stabletrain.distributed.strategy): sharded / replicated
     optimizer: Any  # the run's torch optimizer (the incident snapshot orders its copies before its step)
+    # The remedy applier (services.remedies) puts a remedy on these: the config, the task, the model (not a wrapper),
+    # the LR schedule, the clipper and the guard (its counters outlive a rollback).
+    cfg: Any
+    task: Any
+    module: Any
+    schedule: Any
+    clipper: Any
+    guard: Any
 
     def state_dict(self, *, local: bool = False, dcp: bool = False) -> dict[str, Any]:
         """Everything the next step depends on (see ``Trainer.state_dict``)."""

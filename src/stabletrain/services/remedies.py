@@ -1,0 +1,188 @@
+"""The remedy applier: put a verified remedy on the live run (``guard.on_nonfinite=remedy``, or ``remedy=DIR:NAME``).
+
+A service the loop calls by name:
+
+- :meth:`RemedyApplier.act` at an incident under ``guard.on_nonfinite=remedy``: after the capture and its
+  diagnosis, replay the incident under the remedies that need no code change
+  (:func:`stabletrain.remedy.search_remedies`, ``live_only``: skip samples, one module in fp32, a lower LR,
+  a tighter clip, a rollback with a lower LR), apply the best that cures it and record a ``remedy`` event
+  with its evidence; when none cures, say so and fall back to ``guard.remedy_fallback``.
+- :meth:`RemedyApplier.by_hand` when fit starts with ``remedy=INCIDENT_DIR:NAME`` (``stabletrain train
+  --resume RUN remedy=...``): apply that candidate of the incident's ``remedy.json``, once.
+- :meth:`RemedyApplier.filter` on every window: drop the samples a remedy skips.
+
+How a remedy acts on the run: a lower LR through :meth:`~stabletrain.policies.schedule.LRSchedule.scale`
+(the schedule's state holds it), a rollback by loading that checkpoint (newer ones, from the bad
+trajectory, are discarded and LAST_GOOD moves back), skipped samples by :meth:`filter`, one module in
+fp32 by hooks on the model (they stay on it after fit: the remedy is part of how it trains), a clip by
+the clipper's threshold. It applies from the run's state at the log boundary: the bad steps since the
+incident were skipped (a skip leaves the state as before the step), and an update that broke the
+parameters is undone only by a rollback remedy. The applied remedies are in every checkpoint
+(:meth:`state_dict`) and are put back on resume. One process only: under DDP/FSDP it falls back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+from .. import console
+from ..data import Window
+from ..diagnostics.remedies import Remedy, SkipSamples, remedy_from_dict
+from ..records.incidents import REMEDY_FILE
+from ..remedy import search_remedies
+from ..seeding import rng_state, set_rng_state
+from . import TrainerOps
+
+__all__ = ["RemedyApplier"]
+
+
+class RemedyApplier:
+    """Apply verified remedies to the live run and keep them across checkpoints (see the module docstring).
+
+    ``ops``: the trainer's operations, with its ``module``, ``schedule``, ``clipper``, ``guard`` and ``task``.
+    """
+
+    def __init__(self, ops: TrainerOps) -> None:
+        self.ops = ops
+        self.applied: list[dict[str, Any]] = []  # what was applied, when, and the evidence
+        self._drop: set[int] = set()
+        self._hooks = contextlib.ExitStack()
+
+    # -- the run's record ---------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"applied": copy.deepcopy(self.applied)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the applied remedies and put back what no other part's state holds (hooks, dropped samples, clip)."""
+        self._hooks.close()
+        self._drop = set()
+        self.ops.clipper.max_norm = self.ops.cfg.clip.max_norm
+        self.applied = copy.deepcopy(list(state.get("applied", [])))
+        for entry in self.applied:
+            self._install(remedy_from_dict(entry["remedy"]))
+
+    def _install(self, remedy: Remedy) -> None:
+        if isinstance(remedy, SkipSamples):
+            self._drop |= set(remedy.samples)
+        self._hooks.enter_context(remedy.installed(self.ops.module))
+        if remedy.max_norm is not None:
+            self.ops.clipper.max_norm = remedy.max_norm
+
+    # -- every window -------------------------------------------------------------------------
+
+    def filter(self, window: Window, stream: Any) -> Window:
+        """``window`` without the samples a remedy skips (re-collated); the next window when none is left."""
+        while self._drop:
+            kept = [[i for i in group if i not in self._drop] for group in window.indices]
+            if kept == window.indices:
+                return window
+            if any(kept):
+                task = self.ops.task
+                collate = stream.collate
+                batches = [b if k == g else collate([task.train_data[i] for i in k])
+                           for k, g, b in zip(kept, window.indices, window.batches) if k]
+                return Window(window.epoch, window.start, [k for k in kept if k], batches)
+            window = stream.next_window()
+        return window
+
+    # -- applying -----------------------------------------------------------------------------
+
+    def act(self, state: Any, decision: Any, found: dict[str, Any]) -> bool:
+        """``guard.on_nonfinite=remedy`` at an incident: search, apply the best cure; return whether one was applied.
+
+        ``decision``: the guard's (its ``action`` becomes ``continue``, ``rollback`` (state restored by a
+        rollback remedy) or, when nothing cures, ``guard.remedy_fallback``). ``found``: the capture's result.
+        """
+        cfg = state.cfg.guard
+        incident, why, record = found.get("path"), None, None
+        if state.dist.enabled:
+            why = "remedies are searched and applied on one process only"
+        elif incident is None:
+            why = "the incident was not captured (guard.capture=false, or no run directory)"
+        elif len(self.applied) >= cfg.max_remedies:
+            why = f"{len(self.applied)} remedies applied already (guard.max_remedies={cfg.max_remedies})"
+        else:
+            run_rng = rng_state()  # the replays seed and draw: the run's own streams must not notice
+            try:
+                record = search_remedies(incident, state.task, steps=cfg.remedy_steps, device=str(state.device),
+                                         live_only=True)
+            except Exception as err:  # a search that fails must not take the run down with it
+                why = f"the remedy search failed ({type(err).__name__}: {err})"
+            finally:
+                set_rng_state(run_rng)
+        params_bad = decision.params_bad_at is not None or decision.after_update
+        best = None
+        if record is not None:
+            best = next((c for c in record["candidates"] if c["verdict"] == "cures" and not c["baseline"]
+                         and (not params_bad or c["remedy"]["kind"] == "rollback-lr")), None)
+            if best is None:
+                why = "no candidate cures it (" + ", ".join(f"{c['name']}: {c['verdict']}" for c in record["candidates"]) + ")"
+        if best is None:
+            fallback = cfg.remedy_fallback
+            decision.action = "stop" if fallback == "skip" and params_bad else "continue" if fallback == "skip" else fallback
+            decision.reason += f"; no remedy applied: {why}; guard.remedy_fallback={fallback}"
+            state.event(state.step, "remedy", f"no remedy applied for the incident at step {decision.first_incident}: "
+                        f"{why}; falling back to guard.remedy_fallback={fallback}", incident=incident, applied=None)
+            return False
+        remedy = remedy_from_dict(best["remedy"])
+        self.apply(state, remedy, incident, best, record)
+        decision.action = "rollback" if remedy.rollback_step is not None else "continue"
+        return True
+
+    def by_hand(self, state: Any) -> None:
+        """Apply config key ``remedy`` (INCIDENT_DIR:NAME) when fit starts, unless it was applied already."""
+        spec = state.cfg.remedy
+        if not spec:
+            return
+        incident, _, name = str(spec).rpartition(":")
+        path = Path(incident) / REMEDY_FILE
+        if not incident or not name:
+            raise ValueError(f"config key 'remedy': expected INCIDENT_DIR:NAME, got {spec!r}")
+        if not path.is_file():
+            raise FileNotFoundError(f"config key 'remedy' ({spec!r}): no {REMEDY_FILE} in {incident!r}; run "
+                                    f"stabletrain remedy {incident} first")
+        record = json.loads(path.read_text(encoding="utf-8"))
+        row = next((c for c in record.get("candidates", []) if c.get("name") == name), None)
+        if row is None:
+            raise ValueError(f"config key 'remedy' ({spec!r}): {REMEDY_FILE} has no candidate {name!r}; it has "
+                             f"{', '.join(c.get('name', '?') for c in record.get('candidates', []))}")
+        if any(a.get("incident") == str(Path(incident)) and a.get("name") == name for a in self.applied):
+            return  # a resume of a run it was applied to already: it is in the checkpoint
+        remedy = remedy_from_dict(row["remedy"])
+        if not remedy.live:
+            raise ValueError(f"config key 'remedy' ({spec!r}): {name} needs a code change ({getattr(remedy, 'change', '')}) "
+                             "or a restart with another config; it cannot be applied to a live run")
+        self.apply(state, remedy, str(Path(incident)), row, record, by_hand=True)
+
+    def apply(self, state: Any, remedy: Remedy, incident: str, row: dict[str, Any], record: dict[str, Any], *,
+              by_hand: bool = False) -> None:
+        """Put ``remedy`` on the run now (a rollback first loads its checkpoint); record the ``remedy`` event."""
+        from_step = state.step
+        if remedy.rollback_step is not None:
+            if state.ckpt is None:
+                raise ValueError(f"remedy {remedy.name}: a rollback needs the run's checkpoints (no run directory)")
+            applied = self.applied
+            loaded = state.ckpt.load(state.ckpt.root / f"step_{remedy.rollback_step:06d}")
+            with self.ops.guard.counters_kept():
+                self.ops.load_state_dict(loaded.state)  # also puts back the remedies that checkpoint had
+            state.ckpt.discard_after(remedy.rollback_step)  # the checkpoints of the bad trajectory
+            self.load_state_dict({"applied": applied})
+        if remedy.lr_factor != 1.0:
+            self.ops.schedule.scale(remedy.lr_factor)
+        self._install(remedy)
+        entry = {"name": remedy.name, "remedy": remedy.to_dict(), "detail": remedy.detail, "at_step": state.step,
+                 "from_step": from_step, "incident": incident, "incident_step": record.get("step"),
+                 "failure_class": record.get("failure_class"), "verdict": row.get("verdict"),
+                 "evidence": row.get("evidence"), "by_hand": by_hand}
+        self.applied.append(entry)
+        how = "by hand (config key 'remedy')" if by_hand else f"verified on {record.get('steps')} steps after it"
+        if state.run is not None:
+            console.say(f"remedy at step {state.step}: {remedy.name} ({remedy.detail}), {row.get('verdict')} on the replay")
+        state.event(state.step, "remedy", f"applied {remedy.name} ({remedy.detail}) for the {record.get('failure_class')} "
+                    f"incident at step {record.get('step')}, {how}: {row.get('verdict')}, {row.get('evidence')}",
+                    **{k: v for k, v in entry.items() if k != "evidence"}, candidate_evidence=row.get("evidence"))

@@ -1,0 +1,117 @@
+"""guard.on_nonfinite=remedy and remedy=INCIDENT_DIR:NAME: a verified remedy applied to the live run, recorded, kept
+in its checkpoints and put back on resume (also after SIGKILL)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import cfg
+from multiproc import steps_logged
+from test_resume import _env
+
+from stabletrain import Trainer
+from stabletrain.cli import main
+from stabletrain.records.checkpoint.manager import CheckpointManager
+from stabletrain.report import write_report
+
+DIVERGING = ("optim.name=sgd", "optim.lr=2.5", "optim.weight_decay=0", "clip.max_norm=null", "sched.warmup_steps=20",
+             "sched.decay=constant", "ckpt.every=10")
+#: The remedied run's final loss and that of a run with the cure's LR from the start: both are within this of 0
+#: (the first interval's loss is ~3): the remedied run converges as the cured one does.
+FINAL_LOSS_BAND = 1e-6
+
+
+def events(run_dir):
+    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
+
+
+def train(run_dir, spec, *overrides):
+    trainer = Trainer(cfg("train.batch_size=8", "log.every=5", "data.shuffle=false", *overrides, task=spec), run_dir=run_dir)
+    trainer.fit()
+    return trainer
+
+
+def test_a_divergence_that_stops_the_run_today_is_remedied_and_the_run_finishes_as_one_cured_from_the_start(tmp_path):
+    today = train(tmp_path / "today", "remedy_tasks:diverging_task", "train.max_steps=60", *DIVERGING)
+    assert "20 consecutive skipped steps (guard.max_consecutive_skips=20) at step 56" in today.stop_reason
+    remedied = train(tmp_path / "remedied", "remedy_tasks:diverging_task", "train.max_steps=60", *DIVERGING,
+                     "guard.on_nonfinite=remedy", "guard.remedy_steps=4")
+    assert remedied.step == 60 and remedied.stop_reason is None
+    (event,) = [e for e in events(tmp_path / "remedied") if e["kind"] == "remedy"]
+    assert (event["name"], event["step"], event["from_step"], event["incident_step"]) == ("rollback-lr-x0.1", 10, 40, 37)
+    assert event["verdict"] == "cures" and event["failure_class"] == "divergence"
+    assert remedied.schedule.base_lrs == [pytest.approx(0.25)] * 2  # the LR x0.1 (both groups), in the schedule state
+    assert CheckpointManager(tmp_path / "remedied" / "checkpoints").latest_good().name == "step_000060"
+    cured = train(tmp_path / "cured", "remedy_tasks:diverging_task", "train.max_steps=60", *DIVERGING, "optim.lr=0.25")
+    first = remedied.history[0]["loss"]
+    assert first > 1.0
+    assert remedied.history[-1]["loss"] < FINAL_LOSS_BAND and cured.history[-1]["loss"] < FINAL_LOSS_BAND
+    page = write_report(tmp_path / "remedied").read_text()
+    assert "applied rollback-lr-x0.1 (back to step 10, lr x0.1) for the divergence incident at step 37" in page
+
+
+def _start(run_dir, *extra, resume=False):
+    args = ["task=remedy_tasks:sqrt_zero_task", "task_args.slow=true", "train.batch_size=8", "train.max_steps=16",
+            "log.every=1", "ckpt.every=4", "data.shuffle=false", "log.progress=false", "log.tensorboard=false",
+            "guard.on_nonfinite=remedy", "guard.remedy_steps=6", *extra]
+    cmd = [sys.executable, "-m", "stabletrain", "train", *args] + (["--resume", str(run_dir)] if resume else [f"run.dir={run_dir}"])
+    return subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_the_remedy_and_its_evidence_survive_sigkill_and_resume(tmp_path):
+    # Sample 13 (all zeros: sqrt(0)) is in steps 2, 6, 10 and 14. The remedy (skip it) is applied at step 2's boundary
+    # and is in the checkpoint of step 8; killed after step 9, the resumed run must still drop it at steps 10 and 14.
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir)
+    while steps_logged(run_dir) < 9 and proc.poll() is None:
+        pass
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    saved = CheckpointManager(run_dir / "checkpoints").load()
+    assert saved.meta["step"] in (8, 12) and saved.state["remedies"]["applied"][0]["name"] == "skip-samples"
+    proc = _start(run_dir, resume=True)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    final = CheckpointManager(run_dir / "checkpoints").load()
+    assert final.meta["step"] == 16
+    (applied,) = final.state["remedies"]["applied"]
+    assert (applied["name"], applied["remedy"], applied["at_step"]) == ("skip-samples", {"kind": "skip-samples", "samples": [13]}, 2)
+    assert applied["verdict"] == "cures" and "baseline fails: non-finite grad norm at step 6" in applied["evidence"]
+    kinds = [(e["kind"], e["step"]) for e in events(run_dir) if e["kind"] in ("remedy", "skip", "nonfinite", "resume")]
+    assert kinds == [("nonfinite", 2), ("skip", 2), ("remedy", 2), ("resume", saved.meta["step"])]  # nothing bad after
+    # The same end as a run that was never killed (in this process): the remedy was put back exactly.
+    reference = Trainer(cfg("train.batch_size=8", "train.max_steps=16", "log.every=1", "ckpt.every=4", "data.shuffle=false",
+                            "guard.on_nonfinite=remedy", "guard.remedy_steps=6", task="remedy_tasks:sqrt_zero_task"),
+                        run_dir=tmp_path / "reference")
+    reference.fit()
+    for name, value in reference.module.state_dict().items():
+        assert torch.equal(value, final.state["model"][name]), name
+
+
+def test_a_remedy_is_applied_by_hand_on_resume_once_and_refused_clearly(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    base = ["train", f"run.dir={run_dir}", "task=remedy_tasks:sqrt_zero_task", "train.batch_size=8", "log.every=2",
+            "ckpt.every=4", "data.shuffle=false", "log.progress=false", "log.tensorboard=false", "train.max_steps=8"]
+    assert main(base) == 0  # on_nonfinite=skip: sample 13 is skipped at steps 2 and 6
+    incident = run_dir / "incidents" / "step_000002"
+    assert main(["remedy", str(incident), "--steps", "6"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run_dir), "train.max_steps=12", f"remedy={incident}:eps-guard"]) == 2
+    assert "needs a code change (keep the input of sqrt away from 0 at " in capsys.readouterr().err
+    assert main(["train", "--resume", str(run_dir), "train.max_steps=12", f"remedy={incident}:nope"]) == 2
+    assert "remedy.json has no candidate 'nope'; it has skip-samples, eps-guard" in capsys.readouterr().err
+    for max_steps in (16, 20):  # the second resume keeps the remedy from the checkpoint and does not apply it twice
+        assert main(["train", "--resume", str(run_dir), f"train.max_steps={max_steps}", f"remedy={incident}:skip-samples"]) == 0
+    bad = [(e["kind"], e["step"]) for e in events(run_dir) if e["kind"] in ("remedy", "skip")]
+    assert bad == [("skip", 2), ("skip", 6), ("remedy", 8)]  # sample 13 is in steps 10, 14 and 18 too: dropped
+    (event,) = [e for e in events(run_dir) if e["kind"] == "remedy"]
+    assert event["by_hand"] is True and event["remedy"] == {"kind": "skip-samples", "samples": [13]}
+    final = CheckpointManager(run_dir / "checkpoints").load()
+    assert final.meta["step"] == 20 and [a["name"] for a in final.state["remedies"]["applied"]] == ["skip-samples"]
