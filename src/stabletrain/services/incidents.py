@@ -311,10 +311,10 @@ class IncidentRecorder:
                 "window": per_rank[r]["window"], "rng": per_rank[r]["rng"], "model": before["model"],
                 "optimizer": before["optimizer"], "schedule": before["schedule"], "precision": before["precision"],
                 "observed": {"after_update": after_update, "interval_loss": interval_loss, "ranks": ranks,
-                             "grad_norm": info.get("grad_norm"),
+                             "grad_norm": {**info, **found}.get("grad_norm"),  # a pinned step's own figures
                              # The step's loss as the run saw it; the replay compares it bitwise (one process:
                              # under DDP the run's loss is the global one, a replay sees one rank's batch).
-                             **({"loss": info.get("loss")} if not state.dist.enabled else {})},
+                             **({"loss": {**info, **found}.get("loss")} if not state.dist.enabled else {})},
             })
         if state.cfg.guard.diagnose:  # on the first rank that saw it, on that rank's batch
             run_rng = rng_state()  # the diagnosis seeds and replays: the run's own streams must not notice
