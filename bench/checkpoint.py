@@ -13,14 +13,23 @@ moments). Rows, each a median over interleaved rounds (drift in disk or CPU spee
 * in the background: write + fsync, verify (sha256 re-read, weights_only mmap load, finiteness), prune.
 * synchronous ``CheckpointManager.save`` (everything inline: what training waited for before).
 * load: manager (sha256 + weights_only load + finiteness) against plain torch.load.
+* wall time: what checkpoints cost a whole run, not only what they block. The default gpt trains
+  ``--wall-steps`` (60) steps with its defaults (run dir, metrics, TensorBoard, snapshot) and ``ckpt.every``
+  0 (only the end's checkpoint, which every variant writes), 10 and 2; the variants take turns in each of
+  ``--wall-rounds`` rounds (order rotated), ``fit()`` timed whole; each round's ratio to ckpt.every=0, and
+  the median. Beside it, the blocked time the run's checkpoint events record (``blocked_s``) per save: the
+  rest of the extra wall time is the background write competing with training for the cores. Target
+  <= 1.03 at every 10 steps.
 
     python bench/checkpoint.py [--rounds 9] [--dir /path/on/the/disk/to/measure]
+    python bench/checkpoint.py --wall-only --wall-rounds 5   # only the wall-time rows
     python bench/checkpoint.py --quick      # smoke run: a smaller gpt, 2 rounds (not a measurement)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import statistics
 import tempfile
@@ -42,9 +51,66 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--dir", default=None, help="where to write (default: the system temp dir)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: a smaller gpt, 2 rounds (not a measurement)")
+    parser.add_argument("--wall-rounds", type=int, default=3, help="rounds of the wall-time rows (0: none)")
+    parser.add_argument("--wall-steps", type=int, default=60, help="steps per wall-time run")
+    parser.add_argument("--wall-only", action="store_true", help="only the wall-time rows")
     args = parser.parse_args()
     overrides = QUICK_ARGS["gpt"] if args.quick else []
     rounds = 2 if args.quick else args.rounds
+    if not args.wall_only:
+        blocking(args, overrides, rounds)
+    if args.wall_rounds:
+        wall_time(args, overrides, 2 if args.quick else args.wall_rounds)
+
+
+def wall_time(args: argparse.Namespace, overrides: list[str], rounds: int) -> None:
+    """The wall time of whole runs with a checkpoint every 10 and every 2 steps against only the end's (see above)."""
+    variants = (0, 10, 2)
+    seconds: dict[int, list[float]] = {v: [] for v in variants}
+    blocked: dict[int, list[float]] = {v: [] for v in variants}
+    saves: dict[int, int] = {}
+    ratios: dict[int, list[float]] = {v: [] for v in variants[1:]}
+    with tempfile.TemporaryDirectory(dir=args.dir) as warm:  # imports, first allocations: off the record
+        cfg = load_config(None, ["task=gpt", *overrides, "log.progress=false", "train.max_steps=2", "eval.every=0"])
+        Trainer(cfg, run_dir=Path(warm) / "run").fit()
+    for r in range(rounds):
+        order = variants[r % 3:] + variants[:r % 3]
+        times = {}
+        for every in order:
+            work = Path(tempfile.mkdtemp(prefix="stabletrain-bench-wall-", dir=args.dir))
+            try:
+                cfg = load_config(None, ["task=gpt", *overrides, "log.progress=false", f"train.max_steps={args.wall_steps}",
+                                         f"ckpt.every={every}", "eval.every=0"])
+                trainer = Trainer(cfg, run_dir=work / "run")  # off the clock
+                t0 = time.perf_counter()
+                trainer.fit()
+                times[every] = time.perf_counter() - t0
+                events = [json.loads(x) for x in (work / "run" / "events.jsonl").read_text().splitlines() if x.strip()]
+                ckpts = [e for e in events if e["kind"] == "checkpoint"]
+                saves[every] = len(ckpts)
+                blocked[every].append(sum(e.get("blocked_s", 0.0) for e in ckpts))
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+        for every in variants:
+            seconds[every].append(times[every])
+        for every in variants[1:]:
+            ratios[every].append(times[every] / times[0])
+        print(f"  wall round {r + 1}/{rounds}: " + ", ".join(f"ckpt.every={v} {times[v]:.2f} s" for v in variants),
+              flush=True)
+    base = statistics.median(seconds[0])
+    print(f"wall time, gpt{' (quick: smaller)' if args.quick else ' default'}, {args.wall_steps} steps, {rounds} "
+          f"interleaved rounds, medians; {load_average()}")
+    print(f"  ckpt.every=0 (the end's checkpoint only): {base:.2f} s, {saves[0]} save(s), blocked "
+          f"{statistics.median(blocked[0]) * 1e3:.0f} ms")
+    for every in variants[1:]:
+        extra = statistics.median(seconds[every]) - base
+        print(f"  ckpt.every={every}: {statistics.median(ratios[every]):.3f}x (rounds {', '.join(f'{x:.3f}' for x in ratios[every])}; "
+              f"target <= 1.03 at 10), {saves[every]} saves, +{extra * 1e3:.0f} ms wall, of which blocked "
+              f"{(statistics.median(blocked[every]) - statistics.median(blocked[0])) * 1e3:.0f} ms")
+
+
+def blocking(args: argparse.Namespace, overrides: list[str], rounds: int) -> None:
+    """The blocking rows (see above)."""
 
     work = Path(tempfile.mkdtemp(prefix="stabletrain-bench-", dir=args.dir))
     try:

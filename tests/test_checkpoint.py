@@ -528,3 +528,44 @@ def test_sigkill_while_a_background_save_is_in_flight_resumes_from_the_previous_
     assert_same(resumed.state_dict()["model"], reference.state_dict()["model"])
     assert_same(resumed.state_dict()["optimizer"], reference.state_dict()["optimizer"])
     assert not [n for n in dirs(root) if "-" in n]  # the dead writer's debris is gone
+
+
+class Opaque:
+    """A class a weights_only load refuses (module-level, so torch.save can pickle it)."""
+
+
+def test_the_check_after_writing_reads_state_pt_no_second_time_and_still_refuses_what_a_load_would(tmp_path, monkeypatch):
+    from stabletrain.records.checkpoint import files
+
+    reads: list[Path] = []
+    real = files._sha256_of
+    monkeypatch.setattr(files, "_sha256_of", lambda path: reads.append(path) or real(path))
+    manager = CheckpointManager(tmp_path)
+    assert manager.save_async(tiny_state(1.0), 1).result().path.name == "step_000001"
+    assert manager.save(tiny_state(2.0), 2).path.name == "step_000002"
+    assert reads == []  # hashed as written: verified without reading state.pt back
+    manager.load()
+    assert reads == [tmp_path / "step_000002" / "state.pt"]  # a load checks the file whole
+    state = tiny_state(3.0)
+    state["callbacks"] = {"mine": Opaque()}
+    with pytest.raises(CheckpointError, match=r"failed verification right after writing: step_000003\.tmp-\d+: "
+                                              r"state\.pt refused: it pickles the global test_checkpoint\.Opaque"):
+        manager.save(state, 3)
+    assert manager.latest_good().name == "step_000002"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["LAST_GOOD", "step_000001", "step_000002"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+def test_the_background_writer_runs_at_a_lower_priority_than_training(tmp_path, monkeypatch):
+    import threading
+
+    from stabletrain.records.checkpoint.saves import WRITER_NICENESS
+
+    seen: list[int] = []
+    real = CheckpointManager.verify
+    monkeypatch.setattr(CheckpointManager, "verify", lambda manager, path: seen.append(
+        os.getpriority(os.PRIO_PROCESS, threading.get_native_id())) or real(manager, path))
+    main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    CheckpointManager(tmp_path).save_async(tiny_state(1.0), 1).result()
+    assert seen == [min(19, main + WRITER_NICENESS)]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main  # training's own thread untouched

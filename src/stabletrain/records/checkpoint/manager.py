@@ -89,6 +89,7 @@ class CheckpointManager:
         self.require_finite = tuple(require_finite) if require_finite is not None else None
         self._stager = StateStager()
         self._in_flight: PendingSave | None = None
+        self._written: Path | None = None  # the directory a save has just written, while it verifies it
 
     # -- saving -----------------------------------------------------------------------------
 
@@ -211,7 +212,11 @@ class CheckpointManager:
             timings["write_s"] = time.perf_counter() - t0
 
             t0 = time.perf_counter()
-            problems = self.verify(tmp)
+            self._written = tmp  # hashed as written, checked finite before: verify() skips those two passes
+            try:
+                problems = self.verify(tmp)
+            finally:
+                self._written = None
             timings["verify_s"] = time.perf_counter() - t0
             if problems:
                 raise CheckpointError(f"checkpoint {tmp} failed verification right after writing: {'; '.join(problems)} "
@@ -353,10 +358,11 @@ class CheckpointManager:
         """Return the problems of checkpoint directory ``path``; empty when it is good (see :func:`.files.load_checked`).
 
         Reads the whole state.pt twice (hash, then a memory-mapped load); of the DCP folder only
-        ``.metadata`` and the file sizes.
+        ``.metadata`` and the file sizes. The directory a save has just written (in the save's own thread)
+        is checked without the hash and the finiteness pass (``load_checked(written=True)``).
         """
         try:
-            load_checked(Path(path), self.require_finite, mmap=True)
+            load_checked(Path(path), self.require_finite, mmap=True, written=Path(path) == self._written)
         except CheckpointError as err:
             return err.problems or [str(err)]
         return []
