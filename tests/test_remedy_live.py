@@ -115,3 +115,19 @@ def test_a_remedy_is_applied_by_hand_on_resume_once_and_refused_clearly(tmp_path
     assert event["by_hand"] is True and event["remedy"] == {"kind": "skip-samples", "samples": [13]}
     final = CheckpointManager(run_dir / "checkpoints").load()
     assert final.meta["step"] == 20 and [a["name"] for a in final.state["remedies"]["applied"]] == ["skip-samples"]
+
+
+def test_a_transient_fault_needs_no_remedy_and_a_run_past_max_remedies_falls_back(tmp_path):
+    from helpers import PoisonAt, regression_task
+
+    task = regression_task()
+    task.model = PoisonAt(task.model, {3})  # NaN on the 3rd forward only: not reproducible, nothing recurs
+    c = cfg("train.batch_size=8", "log.every=5", "train.max_steps=5", "guard.on_nonfinite=remedy", "guard.remedy_steps=3")
+    Trainer(c, task=task, run_dir=tmp_path / "transient").fit()
+    (event,) = [e for e in events(tmp_path / "transient") if e["kind"] == "remedy"]
+    assert event["applied"] is None and event["reason"].startswith(
+        "no remedy needed for the not reproducible incident at step 3: skipping its step cures it on the replay")
+    stopped = train(tmp_path / "capped", "remedy_tasks:diverging_task", "train.max_steps=60", *DIVERGING,
+                    "guard.on_nonfinite=remedy", "guard.max_remedies=0", "guard.remedy_fallback=stop")
+    assert stopped.step == 40 and "no remedy applied: 0 remedies applied already (guard.max_remedies=0); " \
+                                  "guard.remedy_fallback=stop" in stopped.stop_reason

@@ -331,7 +331,7 @@ def _user_line(diagnosis: dict[str, Any]) -> str:
 
 def candidates_for(diagnosis: dict[str, Any], precision: str, history: list[dict[str, Any]],
                    rollback_steps: list[int]) -> list[Remedy]:
-    """The candidates that fit ``diagnosis``'s failure class, the skip-step baseline first.
+    """The candidates that fit ``diagnosis``'s failure class, the skip-step baseline first (alone when not reproducible).
 
     A lower LR (x0.5, x0.1) is tried for every class: it is the usual first guess, and its verdict says
     whether the class needs it. ``rollback_steps``: the steps of the checkpoints the run kept before the
@@ -341,6 +341,8 @@ def candidates_for(diagnosis: dict[str, Any], precision: str, history: list[dict
     samples = tuple(diagnosis.get("bad_samples") or ())
     module = diagnosis.get("blamed_module") or diagnosis.get("module")
     out: list[Remedy] = [SkipStep()]
+    if cls == "not reproducible":  # the replay shows nothing to cure: the baseline's verdict says whether a skip does
+        return out
     if cls in ("op", "data") and samples and not diagnosis.get("blamed_module"):
         out.append(SkipSamples(samples))
     if cls == "op" and module is not None:

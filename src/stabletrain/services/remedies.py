@@ -120,6 +120,13 @@ class RemedyApplier:
         if record is not None:
             best = next((c for c in record["candidates"] if c["verdict"] == "cures" and not c["baseline"]
                          and (not params_bad or c["remedy"]["kind"] == "rollback-lr")), None)
+            skip = next(c for c in record["candidates"] if c["baseline"])
+            if best is None and skip["verdict"] == "cures" and not params_bad:  # the step's skip was all it needed
+                decision.action = "continue"
+                state.event(state.step, "remedy", f"no remedy needed for the {record['failure_class']} incident at step "
+                            f"{record['step']}: skipping its step cures it on the replay ({skip['evidence']})",
+                            incident=incident, applied=None)
+                return True
             if best is None:
                 why = "no candidate cures it (" + ", ".join(f"{c['name']}: {c['verdict']}" for c in record["candidates"]) + ")"
         if best is None:
