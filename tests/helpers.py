@@ -113,6 +113,14 @@ def nan_sample_task(bad_index: int = 37, n: int = 64) -> Task:
     return task
 
 
+def nan_samples_task(bad_indices: list[int], n: int = 64) -> Task:
+    """The regression task with a NaN input at each dataset index in ``bad_indices``."""
+    task = nan_sample_task(bad_indices[0], n)
+    x, y = task.train_data.tensors
+    x[list(bad_indices), 1] = float("nan")
+    return task
+
+
 class _NanGradRows(torch.autograd.Function):
     """Identity forward; backward multiplies each row's gradient by its weight (NaN: a NaN gradient, finite loss)."""
 

@@ -569,3 +569,20 @@ def test_the_background_writer_runs_at_a_lower_priority_than_training(tmp_path, 
     CheckpointManager(tmp_path).save_async(tiny_state(1.0), 1).result()
     assert seen == [min(19, main + WRITER_NICENESS)]
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main  # training's own thread untouched
+
+
+def test_a_load_rank_0_verified_reads_state_pt_memory_mapped_without_hashing_it_again(tmp_path, monkeypatch):
+    from stabletrain.records.checkpoint import files
+
+    manager = CheckpointManager(tmp_path)
+    manager.save(tiny_state(2.0), 2)
+    reads: list[Path] = []
+    real = files._sha256_of
+    monkeypatch.setattr(files, "_sha256_of", lambda path: reads.append(path) or real(path))
+    loaded = manager.load(tmp_path / "step_000002", verified=True)  # what ranks other than 0 do
+    assert reads == [] and loaded.path == tmp_path / "step_000002"
+    assert_same(loaded.state, tiny_state(2.0))
+    state_pt = tmp_path / "step_000002" / "state.pt"
+    state_pt.write_bytes(state_pt.read_bytes()[:-10])  # the size is still checked
+    with pytest.raises(CheckpointError, match=r"state\.pt is \d+ bytes, meta\.json says \d+"):
+        manager.load(tmp_path / "step_000002", verified=True)

@@ -34,12 +34,15 @@ import torch
 from ..fileio import atomic_write
 from .checkpoint.sharded import is_dcp_entry, to_full_state
 
-__all__ = ["write_bundle", "load_bundle", "BUNDLE_FILE", "BUNDLE_DCP_DIR", "DIAGNOSIS_FILE", "REMEDY_FILE"]
+__all__ = ["write_bundle", "load_bundle", "BUNDLE_FILE", "BUNDLE_DCP_DIR", "DIAGNOSIS_FILE", "REMEDY_FILE", "STATE_IN"]
 
 BUNDLE_FILE = "bundle.pt"
 BUNDLE_DCP_DIR = "dcp"
 DIAGNOSIS_FILE = "diagnosis.json"
 REMEDY_FILE = "remedy.json"
+#: A bundle whose model and optimizer are another bundle's (a DDP incident's later ranks, ``rank_R/``: every rank
+#: holds the same ones) names that bundle's directory, relative to its own, under this key instead of holding them.
+STATE_IN = "model_and_optimizer_in"
 
 
 def write_bundle(directory: Path, bundle: dict[str, Any]) -> Path:
@@ -54,7 +57,8 @@ def load_bundle(directory: str | Path) -> dict[str, Any]:
     """Load an incident bundle safely (``weights_only=True``); raise FileNotFoundError/ValueError clearly.
 
     An FSDP bundle's model and optimizer are read whole from its ``dcp/`` shards (every rank's, in this
-    process): the result has the same keys and formats as any other bundle.
+    process), a bundle that names another's (:data:`STATE_IN`) from that one: the result has the same keys
+    and formats as any other bundle.
     """
     path = Path(directory) / BUNDLE_FILE
     if not path.exists():
@@ -63,6 +67,9 @@ def load_bundle(directory: str | Path) -> dict[str, Any]:
         bundle = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # unpickling errors have many types; report them as one clear line
         raise ValueError(f"incident bundle {str(path)!r} cannot be loaded safely: {str(err).splitlines()[0]}") from None
+    if STATE_IN in bundle:
+        first = load_bundle(Path(directory) / bundle.pop(STATE_IN))
+        bundle["model"], bundle["optimizer"] = first["model"], first["optimizer"]
     if not is_dcp_entry(bundle.get("model")):
         return bundle
     folder = (Path(directory) / bundle.get("dcp_dir", BUNDLE_DCP_DIR)).resolve()

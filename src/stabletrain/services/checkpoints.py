@@ -95,7 +95,7 @@ class CheckpointKeeper:
             return str(chosen[0].path)
 
         path = state.dist.on_main(choose)
-        loaded = chosen[0] if chosen else ckpt.load(path)
+        loaded = chosen[0] if chosen else ckpt.load(path, verified=True)  # rank 0 verified it: memory-mapped here
         saved_cfg = loaded.meta.get("config", {})
         saved_world = int(loaded.meta.get("world_size", 1))
         resharded = saved_world != state.dist.world
@@ -278,7 +278,7 @@ class CheckpointKeeper:
         path = state.dist.on_main(choose)
         if path is None or ckpt is None:
             return None
-        return chosen[0] if chosen else ckpt.load(path)
+        return chosen[0] if chosen else ckpt.load(path, verified=True)  # rank 0 verified it: memory-mapped here
 
     def rollback(self, state: FitState, decision: Any, restore_counters: Any) -> dict[str, Any] | None:
         """Restore LAST_GOOD and never train on the bad steps' data windows again; record the ``rollback`` event.

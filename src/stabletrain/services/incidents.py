@@ -33,7 +33,7 @@ from .. import console
 from ..policies.accumulation import as_sum_count
 from ..config import config_to_dict
 from ..diagnostics.diagnosis import DIAGNOSIS_FIELDS
-from ..records.incidents import BUNDLE_DCP_DIR, write_bundle
+from ..records.incidents import BUNDLE_DCP_DIR, STATE_IN, write_bundle
 from ..data import move_to
 from ..numerics import first_nonfinite_grad, unique_params
 from ..policies.precision import PrecisionPolicy
@@ -305,11 +305,16 @@ class IncidentRecorder:
         if state.dist.enabled:
             fields["ranks"] = ranks
         for n, r in enumerate(seen):
-            shards = {"dcp_dir": BUNDLE_DCP_DIR if n == 0 else f"../{BUNDLE_DCP_DIR}"} if self.ops.strategy.sharded else {}
-            write_bundle(incident_dir if n == 0 else incident_dir / f"rank_{r}", {**shards,
+            # The model and optimizer (the same on every rank) once, in the first bundle; a later rank's names it.
+            if self.ops.strategy.sharded:
+                shared = {"dcp_dir": BUNDLE_DCP_DIR if n == 0 else f"../{BUNDLE_DCP_DIR}",
+                          "model": before["model"], "optimizer": before["optimizer"]}
+            else:
+                shared = {"model": before["model"], "optimizer": before["optimizer"]} if n == 0 else {STATE_IN: ".."}
+            write_bundle(incident_dir if n == 0 else incident_dir / f"rank_{r}", {**shared,
                 "step": step, "rank": r, "world_size": state.dist.world, "config": config_to_dict(state.cfg),
-                "window": per_rank[r]["window"], "rng": per_rank[r]["rng"], "model": before["model"],
-                "optimizer": before["optimizer"], "schedule": before["schedule"], "precision": before["precision"],
+                "window": per_rank[r]["window"], "rng": per_rank[r]["rng"],
+                "schedule": before["schedule"], "precision": before["precision"],
                 "observed": {"after_update": after_update, "interval_loss": interval_loss, "ranks": ranks,
                              "grad_norm": {**info, **found}.get("grad_norm"),  # a pinned step's own figures
                              # The step's loss as the run saw it; the replay compares it bitwise (one process:

@@ -368,7 +368,8 @@ class CheckpointManager:
         return []
 
     def load(self, path: str | Path | None = None, *, map_location: Any = "cpu",
-             on_problem: Callable[[str], None] | None = None, full: bool = False) -> LoadedCheckpoint:
+             on_problem: Callable[[str], None] | None = None, full: bool = False,
+             verified: bool = False) -> LoadedCheckpoint:
         """Load and verify a checkpoint: ``path`` if given, else LAST_GOOD, falling back to older ones.
 
         Each checkpoint skipped (truncated, corrupted, refused, non-finite) is reported to
@@ -378,6 +379,10 @@ class CheckpointManager:
         for a save in flight first (LAST_GOOD may be about to move). ``full``: a sharded (DCP) checkpoint's
         model and optimizer are read whole, in this process, into the format of a full checkpoint
         (otherwise its state holds markers that :meth:`Trainer.load_state_dict` reads shard by shard).
+        ``verified``: ``path`` was verified whole just now by another process (rank 0, which chose it):
+        state.pt is memory-mapped and only its meta.json and size are checked (``load_checked(verified=True)``),
+        so its tensors are read from the page cache only where this process uses them (under FSDP2, none of
+        the model's and optimizer's: rank 0 broadcasts them), not copied into this process's memory whole.
         """
         problems: list[str] = []
 
@@ -388,7 +393,9 @@ class CheckpointManager:
 
         if path is not None:
             path = Path(path)
-            state, meta = load_checked(path, self.require_finite, map_location)
+            if verified and map_location != "cpu":
+                raise ValueError(f"load(verified=True) memory-maps state.pt on the CPU; got map_location={map_location!r}")
+            state, meta = load_checked(path, self.require_finite, map_location, mmap=verified, verified=verified)
             return LoadedCheckpoint(to_full_state(state) if full else state, meta, path, problems)
         self.wait()
 
