@@ -20,6 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+from multiproc import end_worker  # noqa: E402
 from integration_models import BAD_POSITION, Net, batches, loss_fn  # noqa: E402
 
 BAD_STEP, BAD_RANK, STEPS, LOG_EVERY = 3, 1, 8, 4
@@ -79,8 +81,7 @@ def monitor(out: Path, run_dir: Path) -> None:
         bare.append(_seq() - before)
     saved["bare_counts"] = bare
     torch.save(saved, out / f"monitor_rank_{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    end_worker()
 
 
 def transformers_main(out: Path, run_dir: Path) -> None:

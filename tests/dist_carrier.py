@@ -16,6 +16,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from multiproc import end_worker
+
 from stabletrain.policies.accumulation import AccumulationWindow
 from stabletrain.distributed.ddp import data_parallel, register_carrier_hook
 
@@ -63,8 +65,7 @@ def main(way: str, dtype_name: str, out: str) -> None:
     if rank == 0:
         with open(out, "w") as fh:
             json.dump(results, fh)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_worker()
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from multiproc import end_worker
+
 from stabletrain.records.staging import StateStager, Withheld, fill_withheld
 
 
@@ -42,8 +44,7 @@ def main(out: str) -> None:
     reused = all(a is b for a, b in zip(staged2["model"].values(), staged["model"].values()) if isinstance(a, torch.Tensor))
     Path(out, f"rank_{rank}.json").write_text(json.dumps({"mine": mine, "total": total, "withheld": withheld,
                                                           "equal": equal, "tied": tied, "reused": reused}))
-    dist.barrier()
-    dist.destroy_process_group()
+    end_worker()
 
 
 if __name__ == "__main__":

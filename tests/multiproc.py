@@ -69,3 +69,18 @@ def descendants(pid):
         out += kids
         todo += kids
     return out
+
+
+def end_worker() -> None:
+    """End a torchrun test worker whose results are on disk: meet the other ranks, then exit at once.
+
+    The interpreter's own teardown is skipped: there gloo's worker threads can still hold Python objects
+    (a DDP comm hook's futures), and destroying them aborts the process ('terminate called without an
+    active exception', SIGABRT; pytorch/pytorch#179291), rarely, and more often on a busy machine.
+    """
+    import torch.distributed as dist
+
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
