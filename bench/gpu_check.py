@@ -9,7 +9,8 @@ copy into pinned host buffers; LAST_GOOD at the last step) and that the incident
 pinned host memory, and prints tokens/s and the step-time ratio against a bare loop with the same
 optimizer (fused AdamW, or fused SGD with momentum).
 
-The ``incident`` case plants a NaN loss weight on one sample late in a log interval: the capture must
+The ``snapshot`` case times the step with and without the interval's incident snapshot (its copies on a
+side stream into pinned memory; the ratio is what the snapshot costs training). The ``incident`` case plants a NaN loss weight on one sample late in a log interval: the capture must
 replay from the interval's host snapshot (at most log.every - 1 steps; CUDA -> pinned, non-blocking)
 and the diagnosis name the sample. The ``ddp`` case runs 2 processes on the one GPU (gloo: NCCL needs
 a device per rank) under torchrun: one collective per step (the gradient all-reduce, carrying the
@@ -270,6 +271,38 @@ def run_incident(tmp: Path, failures: list[str]) -> None:
         failures.append("incident: the bundle is of another step")
 
 
+def run_snapshot(tmp: Path, failures: list[str]) -> None:
+    """The incident snapshot's cost: the same bf16 gpt with ``guard.memory_snapshot=true`` and ``false``, 3 rounds each.
+
+    On CUDA the parameters' and optimizer state's copies run on the recorder's side stream (into pinned
+    buffers) and the optimizer step waits for them on the device: the ratio of the median step times
+    (``step_time_s`` of the intervals after the first) is what the snapshot costs training.
+    """
+    steps, every = (60 if not CPU_SMOKE else 20), 10
+    times: dict[str, list[float]] = {"true": [], "false": []}
+    stream = pinned = None
+    for r in range(3):
+        for snap in (("true", "false") if r % 2 == 0 else ("false", "true")):
+            cfg = load_config(None, ["precision=bf16", f"train.max_steps={steps}", f"log.every={every}", "eval.every=0",
+                                     "ckpt.every=0", "train.batch_size=32", "log.progress=false",
+                                     f"guard.memory_snapshot={snap}", *SMOKE_ARGS])
+            trainer, guard = guarded_trainer(cfg, resolve_task(cfg.task, cfg.task_args), tmp / f"snapshot-{snap}-{r}")
+            if not fit_guarded(trainer, guard, "snapshot", failures):
+                return
+            times[snap].append(median([h["step_time_s"] for h in trainer.history[1:]]))
+            if snap == "true":
+                recorder = trainer.recorder
+                stream = recorder._stream is not None
+                held = recorder.snapshot or {}
+                pinned = all(t.is_pinned() for t in held.get("model", {}).values()) if not CPU_SMOKE else None
+    on, off = median(times["true"]), median(times["false"])
+    print(json.dumps({"case": "snapshot", "step_ms_snapshot": round(on * 1e3, 2), "step_ms_without": round(off * 1e3, 2),
+                      "ratio": round(on / off, 3), "side_stream": stream, "pinned": pinned}), flush=True)
+    if not CPU_SMOKE and not (stream and pinned):
+        failures.append(f"snapshot: expected the copies on a side stream into pinned memory (side_stream={stream}, "
+                        f"pinned={pinned})")
+
+
 #: The loop's designed sync points (frames): a host conversion outside all of them is a stray sync.
 SYNC_BOUNDARIES = ("_log", "evaluate", "save", "on_fit_start", "on_main", "mark_interval_start")
 DDP_STEPS = 60 if not CPU_SMOKE else 40
@@ -447,8 +480,8 @@ def run_fsdp(tmp: Path, failures: list[str]) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", nargs="+", default=[n for n, _ in CASES] + ["incident", "ddp", "fsdp"],
-                    choices=[n for n, _ in CASES] + ["incident", "ddp", "fsdp"])
+    ap.add_argument("--cases", nargs="+", default=[n for n, _ in CASES] + ["incident", "snapshot", "ddp", "fsdp"],
+                    choices=[n for n, _ in CASES] + ["incident", "snapshot", "ddp", "fsdp"])
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="run the script's own logic on CPU (small gpt, few steps, no CUDA checks): not a GPU check")
     ap.add_argument("--ddp-worker", help=argparse.SUPPRESS)
@@ -474,6 +507,8 @@ def main() -> int:
                 run_case(name, overrides, Path(tmp), failures)
         if "incident" in args.cases:
             run_incident(Path(tmp), failures)
+        if "snapshot" in args.cases:
+            run_snapshot(Path(tmp), failures)
         if "ddp" in args.cases:
             run_ddp(Path(tmp), failures)
         if "fsdp" in args.cases:
