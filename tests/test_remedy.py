@@ -111,3 +111,13 @@ def test_a_candidate_that_drops_most_samples_only_hides_the_symptom_and_one_endi
     verdict, evidence = judge({**base, "end_loss": 1.0 + 2 * LOSS_TOLERANCE}, base)
     assert verdict == "worse" and "vs baseline 1" in evidence
     assert judge({**base, "end_loss": 1.0 + LOSS_TOLERANCE / 2}, base)[0] == "cures"
+
+
+def test_where_the_baseline_fails_on_a_divergence_a_finite_end_far_above_the_last_healthy_loss_is_worse():
+    failed = {"failed": {"step": 38, "why": "non-finite grad norm at step 38"}, "end_loss": float("nan")}
+    still_diverged = {"failed": None, "dropped_samples": 0, "total_samples": 88, "end_loss": 1.67e22, "first_step": 31,
+                      "trajectory": [{"step": 41}]}
+    verdict, evidence = judge(still_diverged, failed, healthy=(5, 2.7))
+    assert verdict == "worse" and "end loss 1.67e+22 vs 2.7 at step 5, the last healthy interval" in evidence
+    assert judge({**still_diverged, "end_loss": 3e-7}, failed, healthy=(5, 2.7))[0] == "cures"
+    assert judge(still_diverged, failed)[0] == "cures"  # no bar (not a divergence): finite and no spike

@@ -12,10 +12,10 @@ Verdicts (:func:`judge`):
 
 - ``cures``: the incident's window and all K after it are finite, no step is a spike by the guard's own
   rule (seeded with the run's losses), and the loss at the end (mean of the last ``END_STEPS`` steps) is
-  no worse than the baseline's by more than ``LOSS_TOLERANCE`` (relative; any end beats a baseline that
-  failed). A candidate that drops more than half of the replay's samples only hides the symptom: it fails.
+  no worse than the baseline's by more than ``LOSS_TOLERANCE`` (relative) — or, where the baseline fails
+  on a divergence, than the loss of the run's last interval before the growth began, when it logged one. A candidate that drops more than half of the replay's samples only hides the symptom: it fails.
 - ``fails``: its first bad step (non-finite loss, grad norm or parameters, or a spike) is named.
-- ``worse``: finite throughout, but its end loss is worse than the baseline's by more than the tolerance.
+- ``worse``: finite throughout, but its end loss is worse than that bar by more than the tolerance.
 
 Cost: about (K + 1) x candidates steps plus one load (a rollback also replays the steps from its checkpoint
 to the incident); a candidate stops at its first bad step. ``remedy.json`` in the incident directory holds
@@ -33,6 +33,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 
 from .config import config_from_dict
@@ -155,7 +156,8 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int) -> dict[str, Any]:
             params_ok = bool(out.get("params_finite", torch.tensor(True)))
             row = {"step": n, "loss": loss, "grad_norm": norm, "applied": bool(out["applied"])}
             marked = SimpleNamespace(values={"loss": loss, "finite": float(math.isfinite(loss) and math.isfinite(norm))})
-            guard.mark_spikes([marked])
+            with np.errstate(over="ignore", invalid="ignore"):  # a diverging loss squared overflows float32
+                guard.mark_spikes([marked])
             rows.append(row)
             if not math.isfinite(loss) or not params_ok or (not math.isfinite(norm) and not overflow):
                 what = "loss" if not math.isfinite(loss) else "parameters" if not params_ok else "grad norm"
@@ -173,21 +175,42 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int) -> dict[str, Any]:
             "failed": failed, "end_loss": end, "trajectory": rows, "seconds": time.perf_counter() - start}
 
 
-def judge(result: dict[str, Any], baseline: dict[str, Any]) -> tuple[str, str]:
-    """(verdict, evidence) of one candidate's replay against the baseline's (module docstring)."""
+def judge(result: dict[str, Any], baseline: dict[str, Any], healthy: tuple[int, float] | None = None) -> tuple[str, str]:
+    """(verdict, evidence) of one candidate's replay against the baseline's (module docstring).
+
+    ``healthy``: (step, loss) of the run's last healthy interval, the bar when the baseline itself fails
+    (a finite end far above it is no cure: the run stays diverged).
+    """
     if result["failed"] is not None:
         return "fails", result["failed"]["why"]
     if result["dropped_samples"] * 2 > result["total_samples"]:
         return "fails", (f"hides the symptom: drops {result['dropped_samples']} of the {result['total_samples']} samples "
                          "it replays")
     steps = f"steps {result['first_step']}-{result['trajectory'][-1]['step']} finite, no spike"
-    base = baseline["end_loss"]
-    if result is baseline or not math.isfinite(base):
-        return "cures", f"{steps}; end loss {result['end_loss']:.4g}" + (
-            "" if result is baseline else f" (the baseline fails: {baseline['failed']['why'] if baseline['failed'] else '-'})")
-    ratio = result["end_loss"] / base if base > 0 else 1.0
-    text = f"{steps}; end loss {result['end_loss']:.4g} vs baseline {base:.4g} (x{ratio:.3g}, tolerance x{1 + LOSS_TOLERANCE:g})"
-    return ("cures" if result["end_loss"] <= base * (1 + LOSS_TOLERANCE) + 1e-12 else "worse"), text
+    base, end, bar = baseline["end_loss"], result["end_loss"], 1 + LOSS_TOLERANCE
+    if result is baseline:
+        return "cures", f"{steps}; end loss {end:.4g}"
+    if math.isfinite(base):
+        text = f"{steps}; end loss {end:.4g} vs baseline {base:.4g} (x{end / base if base > 0 else 1.0:.3g}, tolerance x{bar:g})"
+        return ("cures" if end <= base * bar + 1e-12 else "worse"), text
+    fails = f"the baseline fails: {baseline['failed']['why']}" if baseline["failed"] else "the baseline fails"
+    if healthy is None:
+        return "cures", f"{steps}; end loss {end:.4g} ({fails})"
+    text = f"{steps}; end loss {end:.4g} vs {healthy[1]:.4g} at step {healthy[0]}, the last healthy interval ({fails})"
+    return ("cures" if end <= healthy[1] * bar + 1e-12 else "worse"), text
+
+
+def _healthy(history: list[dict[str, Any]], diagnosis: dict[str, Any]) -> tuple[int, float] | None:
+    """(step, loss) of a divergence's last logged interval before its growth began; None for any other class.
+
+    Only a divergence needs the bar: there a finite end can still be far off (the run stays diverged); for
+    the other classes, one interval's loss on other batches would be too noisy a bar.
+    """
+    since = (diagnosis.get("growth") or {}).get("since_step")
+    if diagnosis.get("failure_class") != "divergence" or since is None:
+        return None
+    rows = [r for r in history if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"]) and r["step"] <= since]
+    return (int(rows[-1]["step"]), float(rows[-1]["loss"])) if rows else None
 
 
 def _rank_key(r: dict[str, Any]) -> tuple:
@@ -230,8 +253,9 @@ def search_remedies(directory: str | Path, task: Task | None = None, *, steps: i
     load_s = time.perf_counter() - start
     results = [_replay(inc, c, steps) for c in pool]
     baseline = results[0]
+    healthy = _healthy(inc.history, diagnosis)
     for r in results:
-        r["verdict"], r["evidence"] = judge(r, baseline)
+        r["verdict"], r["evidence"] = judge(r, baseline, healthy)
         r["baseline"] = r is baseline
     ranked = sorted(results, key=_rank_key)
     total_steps = sum(r["steps_replayed"] for r in results)

@@ -13,10 +13,11 @@ Replay RUN_DIR/incidents/step_N from its exact pre-step state under each candida
 failure class, and under the "just skip the step" baseline, over the incident's window and the K windows
 after it (the same batches the run would see next). Each candidate gets a verdict with evidence:
   cures   the incident's window and all K after it finite, no spike by the guard's rule, and the end loss
-          (mean of the last 5 steps) no worse than the baseline's by more than 10%
+          (mean of the last 5 steps) no worse than the baseline's by more than 10% (where the baseline
+          fails on a divergence: than the loss of the run's last interval before the growth began)
   fails   its first bad step (non-finite loss, grad norm or parameters, or a spike); a candidate that drops
           more than half of the samples only hides the symptom and fails
-  worse   finite, but its end loss is more than 10% worse than the baseline's
+  worse   finite, but its end loss is more than 10% worse than that
 Candidates: skip-step (the baseline), skip-samples, eps-guard (op), module-fp32 and bf16 (overflow),
 lr-x0.5 and lr-x0.1 (every class), rollback-lr-x0.5, rollback-lr-x0.1 and clip (divergence).
 Writes remedy.json in the incident directory. Time: about (K+1) x candidates steps plus one load."""
@@ -25,7 +26,8 @@ Writes remedy.json in the incident directory. Time: about (K+1) x candidates ste
 def add_remedy_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("remedy", help="replay a captured incident under candidate fixes and say which one cures it",
                        formatter_class=argparse.RawDescriptionHelpFormatter, description=DESCRIPTION)
-    p.add_argument("incident", metavar="INCIDENT_DIR", help="RUN_DIR/incidents/step_N (or RUN_DIR: its newest incident)")
+    p.add_argument("incident", metavar="INCIDENT_DIR", help="RUN_DIR/incidents/step_N (or RUN_DIR: its first incident, "
+                   "the one the later ones follow from)")
     p.add_argument("--steps", type=int, default=20, metavar="K", help="windows replayed after the incident's (default: 20)")
     p.add_argument("--only", metavar="NAME,...", help="only these candidates (the baseline always runs), e.g. eps-guard,lr-x0.1")
     p.add_argument("--json", action="store_true", help="print remedy.json instead of the table")
@@ -41,7 +43,7 @@ def cmd_remedy(args: argparse.Namespace) -> int:
         found = sorted((path / "incidents").glob("step_*"))
         if not found:
             raise FileNotFoundError(f"run directory {str(path)!r}: no incidents captured")
-        path = found[-1]
+        path = found[0]
     only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
     record = search_remedies(path, steps=args.steps, only=only, device=args.device)
     if args.json:
