@@ -121,3 +121,19 @@ def test_where_the_baseline_fails_on_a_divergence_a_finite_end_far_above_the_las
     assert verdict == "worse" and "end loss 1.67e+22 vs 2.7 at step 5, the last healthy interval" in evidence
     assert judge({**still_diverged, "end_loss": 3e-7}, failed, healthy=(5, 2.7))[0] == "cures"
     assert judge(still_diverged, failed)[0] == "cures"  # no bar (not a divergence): finite and no spike
+
+
+def test_the_readme_worked_example_prints_what_the_readme_shows(tmp_path, capsys):
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    run = tmp_path / "diverge"
+    assert main(["train", "task=examples.diverging_task:make_task", "optim.name=sgd", "optim.lr=2.5", "optim.weight_decay=0",
+                 "clip.max_norm=null", "sched.decay=constant", "train.batch_size=8", "train.max_steps=60", "log.every=5",
+                 "ckpt.every=10", "ckpt.keep=10", "data.shuffle=false", f"run.dir={run}", "log.progress=false",
+                 "log.tensorboard=false"]) == 1  # stopped early: 20 consecutive skips
+    capsys.readouterr()
+    assert main(["remedy", str(run), "--steps", "4"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    for line in printed[2:10]:  # the table and the best: as the README shows them (its timing line aside)
+        assert line in readme, line

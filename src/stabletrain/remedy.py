@@ -298,7 +298,6 @@ def format_table(record: dict[str, Any]) -> str:
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:5], widths)) + "  " + row[5] for row in rows]
     best = record["best"]
     tail = [f"best: {best}" if best else "no candidate cures this incident"]
-    change = next((r["change"] for r in record["candidates"] if r["name"] == best and r.get("change")), None)
-    if change:
-        tail.append(f"code change: {change}")
+    tail += [f"code change ({r['name']}, {r['verdict']}): {r['change']}" for r in record["candidates"]
+             if r.get("change") and r["verdict"] == "cures"]
     return "\n".join([head, *lines, *tail])

@@ -324,9 +324,11 @@ def remedy_from_dict(d: dict[str, Any]) -> Remedy:
 
 def _user_line(diagnosis: dict[str, Any]) -> str:
     """file:line of the innermost user frame behind the first bad op (its forward stack, else the anomaly trace)."""
-    text = ((diagnosis.get("first_op") or {}).get("stack") or "") + "\n" + str(diagnosis.get("anomaly_trace") or "")
-    found = re.findall(r'File "([^"]+)", line (\d+)', text)
-    return f"{found[-1][0]}:{found[-1][1]}" if found else ""
+    for text in ((diagnosis.get("first_op") or {}).get("stack"), diagnosis.get("anomaly_trace")):
+        found = re.findall(r'File "([^"]+)", line (\d+)', str(text or ""))
+        if found:
+            return f"{found[-1][0]}:{found[-1][1]}"
+    return ""
 
 
 def candidates_for(diagnosis: dict[str, Any], precision: str, history: list[dict[str, Any]],
