@@ -11,7 +11,7 @@ from stabletrain.lab import LABS, format_result, run_lab
 from stabletrain.lab.index import write_index
 
 TESTS = Path(__file__).parent
-SLOW = {"1", "4", "6", "accept"}  # more than a few seconds each on 2 CPU cores
+SLOW = {"1", "4", "6", "7", "accept"}  # more than a few seconds each on 2 CPU cores
 _RESULTS = {}
 
 
@@ -148,6 +148,17 @@ def test_lab6_fails_with_a_per_step_sync():
     result = run_lab("6", per_step_sync=True)  # the task's loss calls .item() every step
     assert not result.passed
     assert len(result.numbers["every20_between"]) == 38  # every step but the two log boundaries
+
+
+@pytest.mark.slow
+def test_lab7_reads_its_verdicts_from_the_replays_and_fails_where_nothing_diverges():
+    result = run_lab("7", steps=4)
+    div = {c["name"]: c for c in result.numbers["divergence"]["candidates"]}
+    assert (div["rollback-lr-x0.1"]["verdict"], div["lr-x0.1"]["failed"]["step"]) == ("cures", 37)
+    assert f"x0.1 fails ({div['lr-x0.1']['failed']['why']})" in " ".join(result.explanation)
+    calm = run_lab("7", lr=0.5, steps=4)  # a stable LR: no divergence for a lower LR to cure
+    assert not calm.passed and calm.numbers["divergence"]["failure_class"] == "none"
+    assert "did not diverge" in calm.explanation[0]
 
 
 @pytest.mark.slow

@@ -71,6 +71,12 @@ LABS: dict[str, LabInfo] = {info.key: info for info in (
             "Aggregate metrics every 20 steps without a per-step sync, and compute tokens/s.",
             "每 20 步聚合一次指标，避免每步同步，并计算 tokens/s。",
             "host syncs counted with log.every=1 vs 20 over the same steps; step time and tokens/s"),
+    LabInfo("7", "lab7", "Why a lower LR cures a divergence and not a sqrt(0)",
+            "Explain the path by which the learning rate affects stability: meet a divergence and a sqrt(0) fault, "
+            "and let the remedy replays say which fix cures which.",
+            "解释学习率影响训练稳定性的路径：遇到一次发散和一次 sqrt(0) 故障，用补救重放说明哪种修复治好哪一个。",
+            "each first incident replayed under the remedies: a lower LR from before the growth cures the divergence, "
+            "no LR cures the sqrt(0); dropping its sample or guarding the op does"),
     LabInfo("accept", "accept", "Acceptance: overfit, checkpoint, resume, compare the next step",
             "Overfit a tiny batch recording loss, grad norm and parameter updates; after resuming from a checkpoint, "
             "compare the next step's result, not just that the file exists.",
