@@ -137,3 +137,28 @@ def test_the_readme_worked_example_prints_what_the_readme_shows(tmp_path, capsys
     printed = capsys.readouterr().out.splitlines()
     for line in printed[2:10]:  # the table and the best: as the README shows them (its timing line aside)
         assert line in readme, line
+
+
+@pytest.mark.slow
+def test_an_adapters_incident_gets_verdicts_on_its_own_step_only(tmp_path):
+    import torch
+    from integration_models import BAD_POSITION, BAD_STEP, Net, batches, loss_fn
+
+    from stabletrain import Monitor
+
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    with Monitor(model, optimizer, run_dir=tmp_path / "run", log_every=10, loss_fn=loss_fn) as monitor:
+        for batch in batches(12, bad_step=BAD_STEP):
+            with monitor.autocast():
+                loss = loss_fn(model, batch)
+            monitor.backward(loss)
+            monitor.step(batch)
+    record = search_remedies(tmp_path / "run" / "incidents" / f"step_{BAD_STEP:06d}", steps=5)  # rebuilt from recipes
+    c = by_name(record)
+    assert record["failure_class"] == "op" and "reported, not applied" in record["note"]
+    assert all(r["steps_replayed"] == 1 and r["first_step"] == BAD_STEP for r in c.values())  # no window after it
+    assert c["skip-samples"]["remedy"]["samples"] == [BAD_POSITION] and c["skip-samples"]["verdict"] == "cures"
+    assert c["eps-guard"]["verdict"] == "cures" and c["lr-x0.1"]["verdict"] == "fails"
+    assert c["skip-step"]["evidence"] == "hides the symptom: drops 8 of the 8 samples it replays"

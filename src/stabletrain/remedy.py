@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from .config import config_from_dict
-from .data import EpochOrder, WindowStream, move_to
+from .data import EpochOrder, Window, WindowStream, move_to
 from .diagnostics.remedies import CANDIDATE_NAMES, Remedy, SkipStep, candidates_for
 from .fileio import atomic_write
 from .numerics import unique_params
@@ -76,6 +76,8 @@ class _Incident:
         self.task = task if task is not None else resolve_task(self.cfg.task, self.cfg.task_args)
         self.collate = self.task.collate or torch.utils.data.default_collate
         self.step = int(self.bundle["step"])
+        # An adapter's bundle (it names its host) keeps only its own step: no stream to draw the K windows after from.
+        self.adapter = "host" in self.bundle
         self.history = [r for r in run_history(directory) if isinstance(r.get("step"), int) and r["step"] < self.step]
         self.run_dir = directory.resolve().parent.parent
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints")
@@ -130,11 +132,14 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int) -> dict[str, Any]:
     order = EpochOrder(len(task.train_data), cfg.train.batch_size, cfg.seed, cfg.data.shuffle)
     stream = WindowStream(task.train_data, order, cfg.accum.steps, collate=task.collate)
     stream.load_state_dict(stream_state)
+    if inc.adapter:  # the step's own micro-batches, as the bundle holds them
+        indices = inc.bundle["window"]["indices"]
+        stream.next_window = lambda: Window(0, 0, indices, [inc.collate([task.train_data[i] for i in g]) for g in indices])
     set_rng_state(state["rng"])
     rows: list[dict[str, Any]] = []
     failed: dict[str, Any] | None = None
     dropped = total = 0
-    last = inc.step + num_after
+    last = inc.step + (0 if inc.adapter else num_after)
     with remedy.installed(model):
         for n in range(first, last + 1):
             window = stream.next_window()
@@ -263,6 +268,8 @@ def search_remedies(directory: str | Path, task: Task | None = None, *, steps: i
         "incident": str(directory), "step": inc.step, "failure_class": diagnosis.get("failure_class"),
         "evidence": diagnosis.get("evidence"), "summary": diagnosis.get("summary"), "steps": steps,
         "tolerance": LOSS_TOLERANCE, "end_steps": END_STEPS, "baseline": baseline["name"],
+        "note": ("an adapter's bundle keeps only its own step: the verdicts are on that step alone, reported, not "
+                 "applied" if inc.adapter else None),
         "best": next((r["name"] for r in ranked if r["verdict"] == "cures" and not r["baseline"]), None),
         "candidates": ranked,
         "timings": {"load_s": load_s, "replay_s": time.perf_counter() - start - load_s, "total_s": time.perf_counter() - start,
@@ -286,8 +293,10 @@ def _json_safe(obj: Any) -> Any:
 
 def format_table(record: dict[str, Any]) -> str:
     """The console table of a search, ranked by verdict and cost."""
+    after = f"the incident's window and the {record['steps']} after it" if not record.get("note") else (
+        f"the incident's window only ({record['note']})")
     head = (f"incident step {record['step']}: {record['failure_class']} ({record['evidence']})\n"
-            f"replayed the incident's window and the {record['steps']} after it under {len(record['candidates'])} "
+            f"replayed {after} under {len(record['candidates'])} "
             f"candidates ({record['timings']['steps_replayed']} steps, {record['timings']['total_s']:.1f} s)")
     rows = [("#", "candidate", "verdict", "end loss", "what it does", "evidence")]
     for i, r in enumerate(record["candidates"], 1):
