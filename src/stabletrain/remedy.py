@@ -29,6 +29,7 @@ import dataclasses
 import json
 import math
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -103,6 +104,23 @@ class _Incident:
         return state, int(state["counters"]["step"]) + 1, state["stream"]
 
 
+def _windows(inc: _Incident, stream_state: dict[str, Any]) -> Iterator[Window]:
+    """The windows the run trains on from ``stream_state`` (the built-in loop's deterministic stream).
+
+    An adapter's bundle: its step's own micro-batches, and nothing after them.
+    """
+    task = inc.task
+    if inc.adapter:
+        indices = inc.bundle["window"]["indices"]
+        yield Window(0, 0, indices, [inc.collate([task.train_data[i] for i in g]) for g in indices])
+        return
+    order = EpochOrder(len(task.train_data), inc.cfg.train.batch_size, inc.cfg.seed, inc.cfg.data.shuffle)
+    stream = WindowStream(task.train_data, order, inc.cfg.accum.steps, collate=task.collate)
+    stream.load_state_dict(stream_state)
+    while True:
+        yield stream.next_window()
+
+
 def _replay(inc: _Incident, remedy: Remedy, num_after: int) -> dict[str, Any]:
     """Replay from ``remedy``'s start through the incident's window and ``num_after`` more; the per-step record."""
     start = time.perf_counter()
@@ -129,20 +147,14 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int) -> dict[str, Any]:
     else:  # seeded with the run's interval losses before the incident
         guard.mark_spikes([SimpleNamespace(values={"loss": float(r["loss"]), "finite": 1.0})
                            for r in inc.history if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"])])
-    order = EpochOrder(len(task.train_data), cfg.train.batch_size, cfg.seed, cfg.data.shuffle)
-    stream = WindowStream(task.train_data, order, cfg.accum.steps, collate=task.collate)
-    stream.load_state_dict(stream_state)
-    if inc.adapter:  # the step's own micro-batches, as the bundle holds them
-        indices = inc.bundle["window"]["indices"]
-        stream.next_window = lambda: Window(0, 0, indices, [inc.collate([task.train_data[i] for i in g]) for g in indices])
+    windows = _windows(inc, stream_state)
     set_rng_state(state["rng"])
     rows: list[dict[str, Any]] = []
     failed: dict[str, Any] | None = None
     dropped = total = 0
     last = inc.step + (0 if inc.adapter else num_after)
     with remedy.installed(model):
-        for n in range(first, last + 1):
-            window = stream.next_window()
+        for n, window in zip(range(first, last + 1), windows):
             if n == inc.step and window.indices != inc.bundle["window"]["indices"]:
                 raise ValueError(f"incident {str(inc.dir)!r}: the data stream's window at step {n} holds samples "
                                  f"{window.indices[0][:4]}..., not the bundle's {inc.bundle['window']['indices'][0][:4]}... "
