@@ -58,6 +58,8 @@ def _root_task(bad_index: int, n: int = 64) -> Task:
 
 
 def test_host_compiled_model_in_monitor_is_named_and_diagnosed_without_the_wrapper(tmp_path):
+    torch._dynamo.reset()
+    counters.clear()
     torch.manual_seed(0)
     net = Net()
     model = torch.compile(net)
@@ -67,6 +69,9 @@ def test_host_compiled_model_in_monitor_is_named_and_diagnosed_without_the_wrapp
             loss = loss_fn(model, batch)
             monitor.backward(loss)
             monitor.step(batch)
+    # The adapter's hooks, snapshot, capture replay and eager diagnosis add no graph break and no recompile.
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1
     run = load_run(tmp_path / "run")
     assert run.config["train"]["compile"] is True
     assert [n for n, _ in monitor.session.named_params] == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
