@@ -28,14 +28,17 @@ def _slow_mse(model: nn.Module, batch) -> Tensor:
     return _mse(model, batch)
 
 
-def sqrt_zero_task(bad_index: int = 13, n: int = 32, seed: int = 0, slow: bool = False) -> Task:
+def sqrt_zero_task(bad_index: int = 13, n: int = 32, seed: int = 0, slow: bool = False,
+                   also: int | None = None) -> Task:
     """op: sample ``bad_index`` is all zeros, so ``layers.1``'s sqrt(sum x^2) is sqrt(0) and its backward NaN.
 
-    ``slow``: the loss sleeps 50 ms (a run to kill mid-way).
+    ``slow``: the loss sleeps 50 ms (a run to kill mid-way). ``also``: a second all-zero sample.
     """
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 8, generator=g)
     x[bad_index] = 0.0
+    if also is not None:
+        x[also] = 0.0
     y = torch.randn(n, 1, generator=g)
     torch.manual_seed(seed)
     model = Stack(nn.Linear(8, 16, bias=False), L2Normalize(), nn.Linear(16, 1))

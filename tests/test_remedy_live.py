@@ -132,3 +132,28 @@ def test_a_transient_fault_needs_no_remedy_and_a_run_past_max_remedies_falls_bac
                     "guard.on_nonfinite=remedy", "guard.max_remedies=0", "guard.remedy_fallback=stop")
     assert stopped.step == 40 and "no remedy applied: 0 remedies applied already (guard.max_remedies=0); " \
                                   "guard.remedy_fallback=stop" in stopped.stop_reason
+
+
+def test_a_second_incident_after_a_skip_samples_remedy_is_captured_on_the_windows_the_run_trained(tmp_path):
+    # Zero samples 13 (step 2) and 28 (step 4): one interval (1-5) captures step 2 only, and the remedy (verified on
+    # K = 1 window after it) drops 13; in the next epoch 13 would be in step 6 and 28 is in step 8. The capture's replay
+    # from the interval's snapshot (step 5) must drop 13 from step 6 as the run did: its bundle is then bitwise the
+    # run's state before step 8, and the search, told what the run drops, verifies skipping 28.
+    from helpers import PreStepState
+    from test_checkpoint import assert_same
+
+    from stabletrain.records.incidents import load_bundle
+
+    c = cfg("train.batch_size=8", "log.every=5", "data.shuffle=false", "train.max_steps=12", "guard.on_nonfinite=remedy",
+            "guard.remedy_steps=1", "task_args.also=28", task="remedy_tasks:sqrt_zero_task")
+    trainer = Trainer(c, run_dir=tmp_path / "run")
+    pre = PreStepState(7, trainer)
+    trainer.callbacks.append(pre)
+    trainer.fit()
+    applied = [(e["step"], e["remedy"]["samples"]) for e in events(tmp_path / "run") if e["kind"] == "remedy"]
+    assert applied == [(5, [13]), (10, [28])]
+    bundle = load_bundle(tmp_path / "run" / "incidents" / "step_000008")
+    assert bundle["window"]["indices"] == [[24, 25, 26, 27, 28, 29, 30, 31]]
+    for key in ("model", "optimizer", "schedule", "rng"):
+        assert_same(bundle[key], pre.state[key], key)
+    assert pre.state["stream"]["drop"] == [13] and trainer.stream.drop == {13, 28} and trainer.step == 12

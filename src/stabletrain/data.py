@@ -20,6 +20,10 @@ dropped under each layout's own W (at most W-1 samples, as always), so around an
 two layouts may differ by those few samples. The windows a rollback said never to train on again
 (``skip``) are mapped, conservatively: every window of the new layout that shares a sample with a
 skipped window of the old one is skipped; skipped windows already behind the position are dropped.
+
+Samples a remedy said never to train on again (``drop``, dataset indices: ``stabletrain remedy``'s
+skip-samples) are taken out of every window they fall in (the rest re-collated; a window left empty is
+read past); they need no mapping under another layout.
 """
 
 from __future__ import annotations
@@ -139,6 +143,7 @@ class WindowStream:
         self.workers, self.pin_memory = workers, pin_memory
         self.epoch, self.pos, self.origin = 0, 0, 0
         self.skip: set[tuple[int, int]] = set()  # (epoch, start) of windows never to train on (rollbacks)
+        self.drop: set[int] = set()  # dataset indices never to train on (a remedy's skipped samples)
         self._iter: Iterator[Any] | None = None
         self._batches: list[list[int]] = []
 
@@ -171,15 +176,32 @@ class WindowStream:
                      else sum(len(i) for i in indices))
             window = Window(self.epoch, self.pos, indices, batches, total)
             self.pos += take
-            if (window.epoch, window.start) not in self.skip:
+            if (window.epoch, window.start) in self.skip:
+                continue
+            if self.drop:
+                window = self._without_dropped(window)
+            if window.indices:
                 return window
+
+    def _without_dropped(self, window: Window) -> Window:
+        """``window`` without the samples in :attr:`drop` (their micro-batches re-collated; empty ones left out).
+
+        One process: under DDP the window's global count would need every rank's drops (a remedy is one-process).
+        """
+        kept = [[i for i in group if i not in self.drop] for group in window.indices]
+        if kept == window.indices:
+            return window
+        batches = [b if k == g else self.collate([self.dataset[i] for i in k])
+                   for k, g, b in zip(kept, window.indices, window.batches) if k]
+        return Window(window.epoch, window.start, [k for k in kept if k], batches)
 
     def _layout(self) -> dict[str, int]:
         return {"global_batch": self.order.global_batch, "world_size": self.order.world_size,
                 "accum_steps": self.accum_steps}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "pos": self.pos, "origin": self.origin, "skip": sorted(self.skip), **self._layout()}
+        return {"epoch": self.epoch, "pos": self.pos, "origin": self.origin, "skip": sorted(self.skip),
+                "drop": sorted(self.drop), **self._layout()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; a state saved under another layout continues from its global sample position.
@@ -188,6 +210,7 @@ class WindowStream:
         """
         self.epoch, self.pos, self.origin = int(state["epoch"]), int(state["pos"]), int(state.get("origin", 0))
         self.skip = {(int(e), int(s)) for e, s in state.get("skip", [])}
+        self.drop = {int(i) for i in state.get("drop", [])}
         self._iter = None
         old = {k: int(state.get(k, v)) for k, v in self._layout().items()}
         if old != self._layout():

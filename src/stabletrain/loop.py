@@ -156,7 +156,7 @@ class Trainer(TrainState):
             if self.keeper.needs_first(state):
                 self._checkpoint(healthy=True)
             while state.step < cfg.train.max_steps:
-                window = self.remedies.filter(self.stream.next_window(), self.stream)  # minus the samples a remedy skips
+                window = self.stream.next_window()
                 state.positions[state.step + 1] = (window.epoch, window.start)
                 self._where = "a training step (window or gradient all-reduce)"
                 nxt = state.step + 1

@@ -11,7 +11,8 @@ loop's data stream is deterministic (:class:`~stabletrain.data.WindowStream` ove
 Verdicts (:func:`judge`):
 
 - ``cures``: the incident's window and all K after it are finite, no step is a spike by the guard's own
-  rule (seeded with the run's losses), and the loss at the end (mean of the last ``END_STEPS`` steps) is
+  rule (seeded with the run's losses), and the loss at the end (mean of the last ``END_STEPS`` steps after
+  the incident's, the windows every candidate trains on alike) is
   no worse than the baseline's by more than ``LOSS_TOLERANCE`` (relative) — or, where the baseline fails
   on a divergence, than the loss of the run's last interval before the growth began, when it logged one. A candidate that drops more than half of the replay's samples only hides the symptom: it fails.
 - ``fails``: its first bad step (non-finite loss, grad norm or parameters, or a spike) is named.
@@ -79,6 +80,7 @@ class _Incident:
         self.step = int(self.bundle["step"])
         # An adapter's bundle (it names its host) keeps only its own step: no stream to draw the K windows after from.
         self.adapter = "host" in self.bundle
+        self.drop: set[int] = set()  # samples the run already never trains on (search_remedies sets them)
         self.history = [r for r in run_history(directory) if isinstance(r.get("step"), int) and r["step"] < self.step]
         self.run_dir = directory.resolve().parent.parent
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints")
@@ -117,8 +119,24 @@ def _windows(inc: _Incident, stream_state: dict[str, Any]) -> Iterator[Window]:
     order = EpochOrder(len(task.train_data), inc.cfg.train.batch_size, inc.cfg.seed, inc.cfg.data.shuffle)
     stream = WindowStream(task.train_data, order, inc.cfg.accum.steps, collate=task.collate)
     stream.load_state_dict(stream_state)
+    stream.drop |= inc.drop
     while True:
         yield stream.next_window()
+
+
+def _dropped_before(run_dir: Path, step: int) -> set[int]:
+    """The samples the run's applied skip-samples remedies (its ``remedy`` events before ``step``) took out."""
+    path = run_dir / "events.jsonl"
+    out: set[int] = set()
+    for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        remedy = e.get("remedy") if isinstance(e, dict) and e.get("kind") == "remedy" else None
+        if isinstance(remedy, dict) and remedy.get("kind") == "skip-samples" and e.get("step", step) < step:
+            out |= {int(i) for i in remedy.get("samples", [])}
+    return out
 
 
 def _replay(inc: _Incident, remedy: Remedy, num_after: int) -> dict[str, Any]:
@@ -183,8 +201,11 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int) -> dict[str, Any]:
             if marked.values["spike"] > 0.5:
                 failed = {"step": n, "why": f"loss spike at step {n} by the guard's rule (loss {loss:.4g})"}
                 break
-    finite = [r["loss"] for r in rows if "loss" in r and math.isfinite(r["loss"])]
-    end = sum(finite[-END_STEPS:]) / len(finite[-END_STEPS:]) if finite and failed is None else float("nan")
+    # The end loss over the windows after the incident's, which every candidate trains on alike (the incident's own
+    # window only when there is none after it).
+    after = [r["loss"] for r in rows if "loss" in r and r["step"] > inc.step] or [r["loss"] for r in rows if "loss" in r]
+    tail = after[-END_STEPS:]
+    end = sum(tail) / len(tail) if tail and failed is None else float("nan")
     return {"name": remedy.name, "remedy": remedy.to_dict(), "detail": remedy.detail, "live": remedy.live,
             "scope": remedy.scope,
             "change": getattr(remedy, "change", None), "first_step": first, "steps_replayed": len(rows),
@@ -238,13 +259,15 @@ def _rank_key(r: dict[str, Any]) -> tuple:
 
 
 def search_remedies(directory: str | Path, task: Task | None = None, *, steps: int = 20, only: list[str] | None = None,
-                    device: str | None = None, live_only: bool = False) -> dict[str, Any]:
+                    device: str | None = None, live_only: bool = False, drop: set[int] | None = None) -> dict[str, Any]:
     """Replay ``directory``'s incident under each candidate that fits it and the skip-step baseline; write ``remedy.json``.
 
     ``steps``: K, the windows replayed after the incident's. ``only``: candidate names
     (:data:`~stabletrain.diagnostics.remedies.CANDIDATE_NAMES`); the baseline always runs. ``task``: reuse a
     built task (its model is deep-copied, never touched). ``live_only``: only the candidates a live run can
-    apply without a code change or a restart (``guard.on_nonfinite=remedy``). Returns the record written.
+    apply without a code change or a restart (``guard.on_nonfinite=remedy``). ``drop``: the samples the run
+    already never trains on (its stream's ``drop``; default: those of the skip-samples remedies its events.jsonl
+    records before the incident). Returns the record written.
     """
     if steps < 0:
         raise ValueError(f"--steps: expected an integer >= 0, got {steps}")
@@ -254,6 +277,7 @@ def search_remedies(directory: str | Path, task: Task | None = None, *, steps: i
     start = time.perf_counter()
     directory = Path(directory)
     inc = _Incident(directory, task, device)
+    inc.drop = set(drop) if drop is not None else _dropped_before(inc.run_dir, inc.step)
     diagnosis_path = directory / DIAGNOSIS_FILE
     diagnosis = json.loads(diagnosis_path.read_text(encoding="utf-8")) if diagnosis_path.is_file() else {}
     if "failure_class" not in diagnosis:

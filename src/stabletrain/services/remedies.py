@@ -9,11 +9,11 @@ A service the loop calls by name:
   with its evidence; when none cures, say so and fall back to ``guard.remedy_fallback``.
 - :meth:`RemedyApplier.by_hand` when fit starts with ``remedy=INCIDENT_DIR:NAME`` (``stabletrain train
   --resume RUN remedy=...``): apply that candidate of the incident's ``remedy.json``, once.
-- :meth:`RemedyApplier.filter` on every window: drop the samples a remedy skips.
 
 How a remedy acts on the run: a lower LR through :meth:`~stabletrain.policies.schedule.LRSchedule.scale`
 (the schedule's state holds it), a rollback by loading that checkpoint (newer ones, from the bad
-trajectory, are discarded and LAST_GOOD moves back), skipped samples by :meth:`filter`, one module in
+trajectory, are discarded and LAST_GOOD moves back), skipped samples by the data stream's ``drop`` (its
+state holds them, so an incident capture's replay drops them too), one module in
 fp32 by hooks on the model (they stay on it after fit: the remedy is part of how it trains), a clip by
 the clipper's threshold. It applies from the run's state at the log boundary: the bad steps since the
 incident were skipped (a skip leaves the state as before the step), and an update that broke the
@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 from .. import console
-from ..data import Window
 from ..diagnostics.remedies import Remedy, SkipSamples, remedy_from_dict
 from ..records.incidents import REMEDY_FILE
 from ..remedy import search_remedies
@@ -49,7 +48,6 @@ class RemedyApplier:
     def __init__(self, ops: TrainerOps) -> None:
         self.ops = ops
         self.applied: list[dict[str, Any]] = []  # what was applied, when, and the evidence
-        self._drop: set[int] = set()
         self._hooks = contextlib.ExitStack()
 
     # -- the run's record ---------------------------------------------------------------------
@@ -58,9 +56,11 @@ class RemedyApplier:
         return {"applied": copy.deepcopy(self.applied)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the applied remedies and put back what no other part's state holds (hooks, dropped samples, clip)."""
+        """Restore the applied remedies and put back what no other part's state holds (hooks, clip).
+
+        Called after the data stream's and the schedule's own states are loaded (they hold dropped samples, LR).
+        """
         self._hooks.close()
-        self._drop = set()
         self.ops.clipper.max_norm = self.ops.cfg.clip.max_norm
         self.applied = copy.deepcopy(list(state.get("applied", [])))
         for entry in self.applied:
@@ -68,27 +68,10 @@ class RemedyApplier:
 
     def _install(self, remedy: Remedy) -> None:
         if isinstance(remedy, SkipSamples):
-            self._drop |= set(remedy.samples)
+            self.ops.stream.drop |= set(remedy.samples)
         self._hooks.enter_context(remedy.installed(self.ops.module))
         if remedy.max_norm is not None:
             self.ops.clipper.max_norm = remedy.max_norm
-
-    # -- every window -------------------------------------------------------------------------
-
-    def filter(self, window: Window, stream: Any) -> Window:
-        """``window`` without the samples a remedy skips (re-collated); the next window when none is left."""
-        while self._drop:
-            kept = [[i for i in group if i not in self._drop] for group in window.indices]
-            if kept == window.indices:
-                return window
-            if any(kept):
-                task = self.ops.task
-                collate = stream.collate
-                batches = [b if k == g else collate([task.train_data[i] for i in k])
-                           for k, g, b in zip(kept, window.indices, window.batches) if k]
-                return Window(window.epoch, window.start, [k for k in kept if k], batches)
-            window = stream.next_window()
-        return window
 
     # -- applying -----------------------------------------------------------------------------
 
@@ -110,7 +93,7 @@ class RemedyApplier:
             run_rng = rng_state()  # the replays seed and draw: the run's own streams must not notice
             try:
                 record = search_remedies(incident, state.task, steps=cfg.remedy_steps, device=str(state.device),
-                                         live_only=True)
+                                         live_only=True, drop=self.ops.stream.drop)
             except Exception as err:  # a search that fails must not take the run down with it
                 why = f"the remedy search failed ({type(err).__name__}: {err})"
             finally:
