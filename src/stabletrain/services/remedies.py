@@ -11,7 +11,8 @@ A service the loop calls by name:
   --resume RUN remedy=...``): apply that candidate of the incident's ``remedy.json``, once.
 
 How a remedy acts on the run: a lower LR through :meth:`~stabletrain.policies.schedule.LRSchedule.scale`
-(the schedule's state holds it), a rollback by loading that checkpoint (newer ones, from the bad
+(the schedule's state holds it; it stays for the rest of the run — the replay verified it over K steps, and
+nothing says the old LR is safe after them), a rollback by loading that checkpoint (newer ones, from the bad
 trajectory, are discarded and LAST_GOOD moves back), skipped samples by the data stream's ``drop`` (its
 state holds them, so an incident capture's replay drops them too), one module in
 fp32 by hooks on the model (they stay on it after fit: the remedy is part of how it trains), a clip by
