@@ -10,8 +10,8 @@ from helpers import cfg
 
 from stabletrain import Trainer
 from stabletrain.cli import main
-from stabletrain.diagnostics.remedies import (EpsGuard, LowerLR, ModuleFP32, Precision, RollbackLR, SkipSamples, SkipStep,
-                                              TighterClip, remedy_from_dict)
+from stabletrain.diagnostics.remedies import (EpsGuard, LowerLR, ModuleFP32, Precision, RollbackLR, Scaler, SkipSamples,
+                                              SkipStep, TighterClip, remedy_from_dict)
 from stabletrain.remedy import LOSS_TOLERANCE, judge, search_remedies
 from stabletrain.report import write_report
 
@@ -73,10 +73,12 @@ def test_a_divergence_is_cured_by_a_lower_lr_from_before_the_growth_not_by_skipp
 
 def test_an_fp16_overflow_in_one_module_is_cured_by_that_module_in_fp32(tmp_path):
     incident = incident_of(tmp_path, "remedy_tasks:fp16_overflow_task", "train.max_steps=2", "precision=fp16")
-    record = search_remedies(incident, steps=4, only=["module-fp32", "lr-x0.1"])
+    record = search_remedies(incident, steps=4, only=["module-fp32", "lr-x0.1", "scaler"])
     c = by_name(record)
     assert record["failure_class"] == "overflow"
-    assert list(c) == ["module-fp32", "lr-x0.1", "skip-step"]
+    assert list(c) == ["module-fp32", "scaler", "lr-x0.1", "skip-step"]
+    # The activations overflow float16 in forward: no loss scale reaches them.
+    assert (c["scaler"]["verdict"], c["scaler"]["failed"]["step"]) == ("fails", 1)
     assert c["module-fp32"]["verdict"] == "cures" and c["module-fp32"]["remedy"] == {"kind": "module-fp32",
                                                                                       "module": "layers.1.fc"}
     assert (c["lr-x0.1"]["verdict"], c["lr-x0.1"]["failed"]["step"]) == ("fails", 1)
@@ -95,7 +97,7 @@ def test_remedy_cli_errors_are_one_line_naming_the_value(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("remedy", [SkipStep(), SkipSamples((3, 7)), ModuleFP32("layers.1"), Precision("bf16"),
-                                    LowerLR(0.1, steps=20), RollbackLR(0.5, step=10), TighterClip(0.25),
+                                    Scaler(256.0, 0.125), LowerLR(0.1, steps=20), RollbackLR(0.5, step=10), TighterClip(0.25),
                                     EpsGuard("layers.1", "sqrt", 1e-12, "model.py:3")], ids=lambda r: r.kind)
 def test_every_remedy_round_trips_through_json(remedy):
     assert remedy_from_dict(json.loads(json.dumps(remedy.to_dict()))) == remedy

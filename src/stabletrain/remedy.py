@@ -154,7 +154,7 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int) -> dict[str, Any]:
     if remedy.lr_factor != 1.0:
         schedule.scale(remedy.lr_factor)
     precision = (PrecisionPolicy(remedy.precision, dev) if remedy.precision is not None
-                 else PrecisionPolicy.from_state(state["precision"], dev))
+                 else PrecisionPolicy.from_state(remedy.precision_state(state["precision"]), dev))
     step = build_step(cfg, model, optimizer, precision, schedule=schedule, params=[p for _, p in named])
     step.window = _LocalWindow(step.params, sums=step.window.sums)  # no collective in a replay
     if remedy.max_norm is not None:

@@ -18,7 +18,7 @@ after it (the same batches the run would see next). Each candidate gets a verdic
   fails   its first bad step (non-finite loss, grad norm or parameters, or a spike); a candidate that drops
           more than half of the samples only hides the symptom and fails
   worse   finite, but its end loss is more than 10% worse than that
-Candidates: skip-step (the baseline), skip-samples, eps-guard (op), module-fp32 and bf16 (overflow),
+Candidates: skip-step (the baseline), skip-samples, eps-guard (op), module-fp32, bf16 and scaler (overflow),
 lr-x0.5 and lr-x0.1 (every class), rollback-lr-x0.5, rollback-lr-x0.1 and clip (divergence).
 Writes remedy.json in the incident directory. Time: about (K+1) x candidates steps plus one load."""
 

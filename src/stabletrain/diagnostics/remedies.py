@@ -7,8 +7,9 @@ through what the step already has:
 
 - which samples a window keeps (:meth:`Remedy.keep`: skip the step, skip named samples);
 - hooks on the model while it runs (:meth:`Remedy.installed`: one module in fp32, an eps guard on an op);
-- the LR factor, the clip threshold, the precision mode and the rollback point (attributes the driver
-  reads: :attr:`Remedy.lr_factor`, :attr:`Remedy.max_norm`, :attr:`Remedy.precision`, :attr:`Remedy.rollback_step`).
+- the LR factor, the clip threshold, the precision mode, the GradScaler's state and the rollback point (what
+  the driver reads: :attr:`Remedy.lr_factor`, :attr:`Remedy.max_norm`, :attr:`Remedy.precision`,
+  :meth:`Remedy.precision_state`, :attr:`Remedy.rollback_step`).
 
 :func:`candidates_for` picks the candidates that fit a diagnosis. The driver that replays them through the
 run's one step is :mod:`stabletrain.remedy`.
@@ -27,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Remedy", "SkipStep", "SkipSamples", "ModuleFP32", "Precision", "LowerLR", "RollbackLR", "TighterClip",
+__all__ = ["Remedy", "SkipStep", "SkipSamples", "ModuleFP32", "Precision", "Scaler", "LowerLR", "RollbackLR", "TighterClip",
            "EpsGuard", "remedy_from_dict", "candidates_for", "CANDIDATE_NAMES", "guarded_op"]
 
 
@@ -63,6 +64,10 @@ class Remedy:
     def installed(self, model: nn.Module) -> Iterator[None]:
         """Hooks on ``model`` while the block runs (removed after it)."""
         yield
+
+    def precision_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The precision policy's state to train with (``PrecisionPolicy.state_dict``'s format): unchanged here."""
+        return state
 
     lr_factor: ClassVar[float] = 1.0
     max_norm: ClassVar[float | None] = None  # None: the run's clip
@@ -161,6 +166,24 @@ class Precision(Remedy):
     @property
     def precision(self) -> str:  # type: ignore[override]
         return self.mode
+
+
+@dataclass(frozen=True)
+class Scaler(Remedy):
+    """fp16: restart the GradScaler at ``init_scale`` and back off by ``backoff`` on an overflow (a steeper back-off)."""
+
+    init_scale: float = 1024.0
+    backoff: float = 0.25
+    kind: ClassVar[str] = "scaler"
+
+    @property
+    def detail(self) -> str:
+        return f"GradScaler scale {self.init_scale:g}, backoff x{self.backoff:g}"
+
+    def precision_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        if not state.get("scaler"):
+            return state
+        return {**state, "scaler": {**state["scaler"], "scale": float(self.init_scale), "backoff_factor": float(self.backoff)}}
 
 
 @dataclass(frozen=True)
@@ -304,10 +327,10 @@ class EpsGuard(Remedy):
                 h.remove()
 
 
-_KINDS: dict[str, type[Remedy]] = {c.kind: c for c in (SkipStep, SkipSamples, ModuleFP32, Precision, LowerLR,
+_KINDS: dict[str, type[Remedy]] = {c.kind: c for c in (SkipStep, SkipSamples, ModuleFP32, Precision, Scaler, LowerLR,
                                                        RollbackLR, TighterClip, EpsGuard)}
 #: The candidate names ``--only`` accepts (a lower LR and a rollback carry their factor: lr-x0.5, rollback-lr-x0.1).
-CANDIDATE_NAMES = ("skip-step", "skip-samples", "module-fp32", "bf16", "lr-x0.5", "lr-x0.1", "rollback-lr-x0.5",
+CANDIDATE_NAMES = ("skip-step", "skip-samples", "module-fp32", "bf16", "scaler", "lr-x0.5", "lr-x0.1", "rollback-lr-x0.5",
                    "rollback-lr-x0.1", "clip", "eps-guard")
 
 
@@ -354,7 +377,7 @@ def candidates_for(diagnosis: dict[str, Any], precision: str, history: list[dict
     if cls == "overflow" and module:
         out.append(ModuleFP32(module))
         if precision == "fp16":
-            out.append(Precision("bf16"))
+            out += [Precision("bf16"), Scaler()]
     out += [LowerLR(0.5), LowerLR(0.1)]
     if cls == "divergence":
         grew = diagnosis.get("growth") or {}

@@ -18,7 +18,9 @@ class TrainerOps(Protocol):
     strategy: Any  # the run's Strategy (stabletrain.distributed.strategy): sharded / replicated
     optimizer: Any  # the run's torch optimizer (the incident snapshot orders its copies before its step)
     # The remedy applier (services.remedies) puts a remedy on these: the config, the task, the model (not a wrapper),
-    # the LR schedule, the clipper, the guard (its counters outlive a rollback) and the data stream (dropped samples).
+    # the LR schedule, the clipper, the precision policy (the GradScaler), the guard (its counters outlive a rollback)
+    # and the data stream (dropped samples).
+    precision: Any
     stream: Any
     cfg: Any
     task: Any

@@ -10,7 +10,7 @@ A service the loop calls by name:
 - :meth:`RemedyApplier.by_hand` when fit starts with ``remedy=INCIDENT_DIR:NAME`` (``stabletrain train
   --resume RUN remedy=...``): apply that candidate of the incident's ``remedy.json``, once.
 
-How a remedy acts on the run: a lower LR through :meth:`~stabletrain.policies.schedule.LRSchedule.scale`
+How a remedy acts on the run: the GradScaler's settings through the precision policy's state, a lower LR through :meth:`~stabletrain.policies.schedule.LRSchedule.scale`
 (the schedule's state holds it; it stays for the rest of the run — the replay verified it over K steps, and
 nothing says the old LR is safe after them), a rollback by loading that checkpoint (newer ones, from the bad
 trajectory, are discarded and LAST_GOOD moves back), skipped samples by the data stream's ``drop`` (its
@@ -165,6 +165,9 @@ class RemedyApplier:
             self.load_state_dict({"applied": applied})
         if remedy.lr_factor != 1.0:
             self.ops.schedule.scale(remedy.lr_factor)
+        current = self.ops.precision.state_dict()
+        if remedy.precision_state(current) is not current:  # the GradScaler's settings: its state holds them
+            self.ops.precision.load_state_dict(remedy.precision_state(current))
         self._install(remedy)
         entry = {"name": remedy.name, "remedy": remedy.to_dict(), "detail": remedy.detail, "at_step": state.step,
                  "from_step": from_step, "incident": incident, "incident_step": record.get("step"),
