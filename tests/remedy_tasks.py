@@ -76,3 +76,16 @@ def fp16_overflow_task(n: int = 32, seed: int = 0) -> Task:
     torch.manual_seed(seed)
     model = Stack(nn.Linear(8, 16), Rescaled(16, 1e-5), nn.Linear(16, 1))
     return Task(model=model, train_data=TensorDataset(x, y), loss=_mse, name="fp16-overflow")
+
+
+def fp16_nan_grads_task(n: int = 32, seed: int = 0) -> Task:
+    """fp16, a GradScaler that cannot recover: ``layers.0`` outputs zeros for every sample, so ``layers.1``'s
+    sqrt(0) makes every step's gradients NaN; the loss stays finite, and each step is the scaler's overflow."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    y = torch.randn(n, 1, generator=g)
+    torch.manual_seed(seed)
+    model = Stack(nn.Linear(8, 16, bias=False), L2Normalize(), nn.Linear(16, 1))
+    with torch.no_grad():
+        model.layers[0].weight.zero_()
+    return Task(model=model, train_data=TensorDataset(x, y), loss=_mse, name="fp16-nan-grads")

@@ -164,3 +164,19 @@ def test_an_adapters_incident_gets_verdicts_on_its_own_step_only(tmp_path):
     assert c["skip-samples"]["remedy"]["samples"] == [BAD_POSITION] and c["skip-samples"]["verdict"] == "cures"
     assert c["eps-guard"]["verdict"] == "cures" and c["lr-x0.1"]["verdict"] == "fails"
     assert c["skip-step"]["evidence"] == "hides the symptom: drops 8 of the 8 samples it replays"
+
+
+def test_an_fp16_scaler_that_cannot_recover_is_an_incident_and_only_the_eps_guard_cures_it(tmp_path):
+    # Every step's gradients are NaN (sqrt(0) for every sample), the loss finite: each step is the scaler's overflow.
+    # Once it has backed off below 1 (65536 / 2**17 = 0.5 after step 17) the guard calls it an incident.
+    incident = incident_of(tmp_path, "remedy_tasks:fp16_nan_grads_task", "precision=fp16", "train.max_steps=20")
+    assert incident.name == "step_000017"
+    record = search_remedies(incident, steps=4)
+    assert record["failure_class"] == "op" and record["evidence"].endswith(
+        "the GradScaler had backed off to 1 and this step's overflow takes it to 0.5: it cannot recover (the gradients "
+        "do not fit float16 unscaled)")
+    c = by_name(record)
+    assert c["eps-guard"]["verdict"] == "cures" and record["best"] == "eps-guard"
+    for name in ("lr-x0.5", "lr-x0.1"):
+        assert (c[name]["verdict"], c[name]["failed"]["step"]) == ("fails", 17)
+        assert "the GradScaler backs off to 0.5: it cannot recover" in c[name]["evidence"]

@@ -44,7 +44,7 @@ from .diagnostics.remedies import CANDIDATE_NAMES, Remedy, SkipStep, candidates_
 from .fileio import atomic_write
 from .numerics import unique_params
 from .policies.clipping import GradClipper
-from .policies.guard import Guard
+from .policies.guard import UNRECOVERABLE_SCALE, Guard
 from .policies.optim import build_optimizer
 from .policies.precision import PrecisionPolicy, resolve_device
 from .policies.schedule import LRSchedule
@@ -187,7 +187,8 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int) -> dict[str, Any]:
                 continue
             out = step([(len(k), b) for k, b in groups], task.loss, check_params=True)
             loss, norm = float(out["loss"]), float(out["grad_norm"])
-            overflow = bool(out["overflow"])  # fp16: the scaler's routine skip-and-back-off
+            # fp16: the scaler's routine skip-and-back-off, unless it backs off below UNRECOVERABLE_SCALE (as the guard)
+            overflow = bool(out["overflow"]) and float(precision.loss_scale()) >= UNRECOVERABLE_SCALE
             params_ok = bool(out.get("params_finite", torch.tensor(True)))
             row = {"step": n, "loss": loss, "grad_norm": norm, "applied": bool(out["applied"])}
             marked = SimpleNamespace(values={"loss": loss, "finite": float(math.isfinite(loss) and math.isfinite(norm))})
@@ -195,7 +196,9 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int) -> dict[str, Any]:
                 guard.mark_spikes([marked])
             rows.append(row)
             if not math.isfinite(loss) or not params_ok or (not math.isfinite(norm) and not overflow):
-                what = "loss" if not math.isfinite(loss) else "parameters" if not params_ok else "grad norm"
+                what = ("loss" if not math.isfinite(loss) else "parameters" if not params_ok else
+                        f"grad norm (the GradScaler backs off to {float(precision.loss_scale()):g}: it cannot recover)"
+                        if bool(out["overflow"]) else "grad norm")
                 failed = {"step": n, "why": f"non-finite {what} at step {n} (loss {loss:.4g}, grad norm {norm:.4g})"}
                 break
             if marked.values["spike"] > 0.5:
@@ -224,6 +227,10 @@ def judge(result: dict[str, Any], baseline: dict[str, Any], healthy: tuple[int, 
     if result["dropped_samples"] * 2 > result["total_samples"]:
         return "fails", (f"hides the symptom: drops {result['dropped_samples']} of the {result['total_samples']} samples "
                          "it replays")
+    trained = [r for r in result["trajectory"] if "applied" in r]
+    if trained and sum(r["applied"] for r in trained) * 2 < len(trained):
+        return "fails", (f"hides the symptom: {sum(r['applied'] for r in trained)} of its {len(trained)} steps were "
+                         "applied (the rest skipped)")
     steps = f"steps {result['first_step']}-{result['trajectory'][-1]['step']} finite, no spike"
     base, end, bar = baseline["end_loss"], result["end_loss"], 1 + LOSS_TOLERANCE
     if result is baseline:

@@ -31,6 +31,7 @@ from .diagnostics.diagnosis import run_diagnosis
 from .fileio import atomic_write
 from .records.incidents import DIAGNOSIS_FILE, load_bundle
 from .numerics import grad_norms, modes_kept, unique_params
+from .policies.guard import UNRECOVERABLE_SCALE
 from .policies.optim import build_optimizer
 from .policies.precision import PrecisionPolicy, resolve_device
 from .policies.schedule import LRSchedule
@@ -296,6 +297,11 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
     # bundle's weights: module names carry no '_orig_mod.', and a finite loss may differ from the run's in its last bits.
     result["replay_mode"], result["run_compiled"] = "eager", bool(cfg.train.compile)
     result["observed"] = bundle.get("observed", {})
+    scaler = (bundle.get("precision") or {}).get("scaler") or {}
+    after = float(scaler.get("scale", 1.0)) * float(scaler.get("backoff_factor", 1.0))  # the scale this step backs off to
+    if scaler and after < UNRECOVERABLE_SCALE and result.get("failure_class") in ("overflow", "op"):
+        result["evidence"] += (f"; the GradScaler had backed off to {float(scaler['scale']):g} and this step's overflow "
+                               f"takes it to {after:g}: it cannot recover (the gradients do not fit float16 unscaled)")
     if observed.get("after_update") and result.get("stage") not in ("update",):
         result["note"] = "the run saw the bad value only in the parameters after the update"
     atomic_write(directory / DIAGNOSIS_FILE, json.dumps(result, indent=2, default=str) + "\n")

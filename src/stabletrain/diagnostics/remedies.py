@@ -274,10 +274,12 @@ class _Clamp(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in self.funcs and len(args) > self.arg and isinstance(args[self.arg], Tensor):
             x = args[self.arg]
+            # An eps below the dtype's smallest normal (1e-12 in float16) would round to 0: keep it representable.
+            eps = max(self.eps, torch.finfo(x.dtype).tiny) if x.is_floating_point() else self.eps
             if self.signed:
-                x = torch.where(x.abs() < self.eps, torch.where(x < 0, -self.eps, self.eps), x)
+                x = torch.where(x.abs() < eps, torch.where(x < 0, -eps, eps), x)
             else:
-                x = x.clamp_min(self.eps)
+                x = x.clamp_min(eps)
             args = (*args[:self.arg], x, *args[self.arg + 1:])
         return func(*args, **kwargs)
 

@@ -41,7 +41,11 @@ from torch import Tensor
 from ..config import GuardConfig
 from ..numerics import both_finite
 
-__all__ = ["Guard", "GuardDecision", "inputs_finite"]
+__all__ = ["Guard", "GuardDecision", "inputs_finite", "UNRECOVERABLE_SCALE"]
+
+#: fp16: an overflow after which the GradScaler's scale is below this is an incident, not the routine skip: the
+#: gradients do not fit float16 even unscaled (or are NaN whatever the scale), and backing off cannot fix that.
+UNRECOVERABLE_SCALE = 1.0
 
 
 def inputs_finite(batch: Any) -> Tensor | None:
@@ -197,7 +201,8 @@ class Guard:
         params_bad_at = None
         for row in rows:
             v = row.values
-            overflow = v.get("overflow", 0.0) > 0.5  # fp16: the scaler's routine skip, not an incident
+            # fp16: the scaler's routine skip, not an incident -- unless it has backed off below UNRECOVERABLE_SCALE.
+            overflow = v.get("overflow", 0.0) > 0.5 and v.get("loss_scale", 1.0) >= UNRECOVERABLE_SCALE
             loss_bad = v["finite"] < 0.5 and not overflow
             checked = v.get("params_finite", 1.0)
             params_bad = checked < 0.5
