@@ -234,6 +234,15 @@ def diagnose_step(
 
 
 
+def _comparable_norm(norm: Any, world_size: int) -> float | None:
+    """The run's grad norm a one-process replay can be held to: under DDP/FSDP the run's is the global one, the
+    replay's one rank's, so only a non-finite one (the replayed rank is the one that saw it) is compared."""
+    if norm is None:
+        return None
+    norm = float(norm)
+    return norm if int(world_size) <= 1 or not math.isfinite(norm) else None
+
+
 def run_history(incident_dir: str | Path) -> list[dict[str, Any]]:
     """The metrics rows of the run an incident belongs to (``RUN_DIR/metrics.jsonl``; [] when there is none)."""
     path = Path(incident_dir).resolve().parent.parent / "metrics.jsonl"
@@ -285,7 +294,8 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
     load_s = time.perf_counter() - start
     result = diagnose_step(model, task.loss, micro_batches, precision=precision, step_factory=step_factory,
                            device=dev, dataset=task.train_data, collate=task.collate, observed_loss=observed.get("loss"),
-                           observed_grad_norm=observed.get("grad_norm"), bisect=bisect, anomaly=anomaly,
+                           observed_grad_norm=_comparable_norm(observed.get("grad_norm"), bundle.get("world_size", 1)),
+                           bisect=bisect, anomaly=anomaly,
                            history=run_history(directory), step=bundle["step"])
     result = {"step": bundle["step"], "rank": bundle.get("rank", 0), "epoch": bundle["window"]["epoch"],
               **result, "observed": observed, "sample_unit": bundle.get("sample_unit", "dataset index")}
