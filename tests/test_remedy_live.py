@@ -11,8 +11,7 @@ import sys
 import pytest
 import torch
 from helpers import cfg
-from multiproc import steps_logged
-from test_resume import _env
+from test_resume import _env, _kill_at
 
 from stabletrain import Trainer
 from stabletrain.cli import main
@@ -69,12 +68,8 @@ def test_the_remedy_and_its_evidence_survive_sigkill_and_resume(tmp_path):
     # and is in every checkpoint after it (4, 8, ...: saved in the background, so LAST_GOOD may lag the kill); killed
     # after step 9, the resumed run must still drop it at steps 10 and 14 (and at 6, resumed from step 4).
     run_dir = tmp_path / "run"
-    proc = _start(run_dir)
-    while steps_logged(run_dir) < 9 and proc.poll() is None:
-        pass
-    proc.send_signal(signal.SIGKILL)
-    proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
+    rc, _, err = _kill_at(_start(run_dir), run_dir, 9)
+    assert rc == -signal.SIGKILL, err
     saved = CheckpointManager(run_dir / "checkpoints").load()
     assert saved.meta["step"] in (4, 8, 12) and saved.state["remedies"]["applied"][0]["name"] == "skip-samples"
     proc = _start(run_dir, resume=True)
