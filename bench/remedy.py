@@ -7,7 +7,7 @@ K windows after it. Its wall time is divided by the run's median healthy step (t
 took before the incident, on this machine, under its load). Stated bound: about (K + 1) x candidates
 steps plus one load; a candidate that fails stops at its first bad step, so a search is often cheaper.
 
-    python bench/remedy.py                # default gpt, K = 20: about 2-4 minutes on 2 CPU cores
+    python bench/remedy.py                # default gpt, K = 20: about 1 minute on 2 idle CPU cores, more under load
     python bench/remedy.py --steps 5 --quick   # smoke run (smaller gpt), not a measurement
 """
 
