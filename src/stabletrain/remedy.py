@@ -12,15 +12,18 @@ Verdicts (:func:`judge`):
 
 - ``cures``: the incident's window and all K after it are finite, no step is a spike by the guard's own
   rule (seeded with the run's losses), and the loss at the end (mean of the last ``END_STEPS`` steps after
-  the incident's, the windows every candidate trains on alike) is
-  no worse than the baseline's by more than ``LOSS_TOLERANCE`` (relative) — or, where the baseline fails
-  on a divergence, than the loss of the run's last interval before the growth began, when it logged one. A candidate that drops more than half of the replay's samples only hides the symptom: it fails.
-- ``fails``: its first bad step (non-finite loss, grad norm or parameters, or a spike) is named.
+  the incident's, the windows every candidate trains on alike) is no worse than the baseline's by more
+  than ``LOSS_TOLERANCE`` (relative) — or, where the baseline fails on a divergence, than the loss of the
+  run's last interval before the growth began, when it logged one.
+- ``fails``: its first bad step (non-finite loss, grad norm or parameters, a spike, or an fp16 overflow
+  that takes the GradScaler below ``UNRECOVERABLE_SCALE``) is named. A candidate that drops more than half
+  of the replay's samples, or has fewer than half its steps applied, only hides the symptom: it fails.
 - ``worse``: finite throughout, but its end loss is worse than that bar by more than the tolerance.
 
 Cost: about (K + 1) x candidates steps plus one load (a rollback also replays the steps from its checkpoint
 to the incident); a candidate stops at its first bad step. ``remedy.json`` in the incident directory holds
-the whole search (non-finite figures as the strings "nan", "inf"). This module sits beside :mod:`stabletrain.replay`: it composes the step and the remedies.
+the whole search (non-finite figures as the strings "nan", "inf"). This module sits beside
+:mod:`stabletrain.replay`: it composes the step and the remedies.
 """
 
 from __future__ import annotations

@@ -13,10 +13,10 @@ Replay RUN_DIR/incidents/step_N from its exact pre-step state under each candida
 failure class, and under the "just skip the step" baseline, over the incident's window and the K windows
 after it (the same batches the run would see next). Each candidate gets a verdict with evidence:
   cures   the incident's window and all K after it finite, no spike by the guard's rule, and the end loss
-          (mean of the last 5 steps) no worse than the baseline's by more than 10% (where the baseline
+          (mean of the last 5 steps after the incident's) no worse than the baseline's by more than 10% (where the baseline
           fails on a divergence: than the loss of the run's last interval before the growth began)
   fails   its first bad step (non-finite loss, grad norm or parameters, or a spike); a candidate that drops
-          more than half of the samples only hides the symptom and fails
+          more than half of the samples, or has most of its steps skipped, only hides the symptom and fails
   worse   finite, but its end loss is more than 10% worse than that
 Candidates: skip-step (the baseline), skip-samples, eps-guard (op), module-fp32, bf16 and scaler (overflow),
 lr-x0.5 and lr-x0.1 (every class), rollback-lr-x0.5, rollback-lr-x0.1 and clip (divergence).
