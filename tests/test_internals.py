@@ -90,3 +90,14 @@ def test_the_hugging_face_trainer_is_found_from_its_callback():
     args = transformers.TrainingArguments(output_dir="/tmp/unused-hf", use_cpu=True, report_to=[], max_steps=1)
     trainer = transformers.Trainer(model=gpt2(), args=args, callbacks=[cb])
     assert cb.trainer is trainer  # found at on_init_end, from the Trainer's own frames
+
+
+def test_the_module_inside_a_torch_compile_wrapper_is_found_and_a_missing_one_is_one_line():
+    inner = torch.nn.Linear(2, 2)
+    wrapped = torch.compile(inner)  # nothing compiles until it is called
+    assert internals.eager_module(wrapped) is inner
+    assert internals.eager_module(inner) is inner
+    assert [n for n, _ in internals.eager_module(wrapped).named_parameters()] == ["weight", "bias"]
+    del wrapped._modules["_orig_mod"]  # a torch whose wrapper keeps the module elsewhere
+    with pytest.raises(InternalMissing, match=r"the module inside a torch.compile wrapper \(OptimizedModule\._orig_mod\)"):
+        internals.eager_module(wrapped)

@@ -16,6 +16,8 @@ reach                                  why there is no public way
                                        scaler skips a step the sentinel rejects (no ``.item()``)
 ``Optimizer._step_supports_amp_scaling``  whether ``step()`` reads ``found_inf`` (fused AdamW/Adam/SGD)
 ``optimizer.found_inf``/``grad_scale``    the device flag a fused optimizer skips on (GradScaler's protocol)
+``OptimizedModule._orig_mod``          the module inside ``torch.compile``'s wrapper (its eager forward and its
+                                       own parameter names, without ``_orig_mod.``)
 ``sys._getframe``                      the Hugging Face ``Trainer`` that runs a callback: its callbacks are
                                        not handed the trainer (``StableTrainCallback(trainer=...)`` avoids it)
 =====================================  ==================================================================
@@ -33,7 +35,7 @@ from torch import Tensor
 
 __all__ = ["InternalMissing", "scaler_scale", "scaler_state", "set_scaler_state", "scaler_found_inf", "join_found_inf",
            "join_scaler_found_inf", "skips_on_device", "set_found_inf", "clear_found_inf", "found_inf_set",
-           "fused_skip", "find_caller"]
+           "fused_skip", "find_caller", "eager_module"]
 
 T = TypeVar("T")
 
@@ -173,3 +175,20 @@ def find_caller(predicate: Callable[[Any], bool], max_depth: int = 40) -> Any:
             return candidate
         frame = frame.f_back
     return None
+
+
+# -- torch.compile ---------------------------------------------------------------------------------------
+
+def eager_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside ``torch.compile``'s wrapper (an ``OptimizedModule``; ``model`` itself when it is none).
+
+    The wrapper's parameters and state-dict keys carry an ``_orig_mod.`` prefix and its forward is compiled;
+    the module inside holds the same tensors under their own names and runs eagerly.
+    """
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing was compiled (and no import cost)
+    while eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
+        try:
+            model = model._orig_mod
+        except (AttributeError, KeyError):  # the wrapper's own __getattr__ raises KeyError for it
+            raise InternalMissing("torch", "the module inside a torch.compile wrapper (OptimizedModule._orig_mod)") from None
+    return model

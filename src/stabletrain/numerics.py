@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -23,7 +22,6 @@ __all__ = [
     "snapshot_params",
     "update_norm",
     "modes_kept",
-    "eager_module",
 ]
 
 
@@ -36,18 +34,6 @@ def unique_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
             seen.add(id(p))
             out.append((name, p))
     return out
-
-
-def eager_module(model: nn.Module) -> nn.Module:
-    """The module inside ``torch.compile``'s wrapper (an ``OptimizedModule``; ``model`` itself when it is none).
-
-    The wrapper's parameters and state-dict keys carry an ``_orig_mod.`` prefix and its forward is compiled;
-    the module inside holds the same tensors under their own names and runs eagerly.
-    """
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing was compiled (and no import cost)
-    while eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
-        model = model._orig_mod
-    return model
 
 
 @contextlib.contextmanager

@@ -35,7 +35,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..numerics import eager_module, unique_params
+from ..internals import eager_module
+from ..numerics import unique_params
 from ..policies.accumulation import AccumulationWindow, sums_safe
 from ..policies.optim import build_optimizer
 from ..policies.precision import PrecisionPolicy

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from ..callbacks.trackers import build_trackers
 from ..config import GuardConfig
-from ..numerics import eager_module
+from ..internals import eager_module
 from ..policies.guard import Guard
 
 __all__ = ["AdapterOptions", "AdapterGuard", "StopTraining", "jsonable", "optimizer_config", "unwrap", "is_compiled"]
