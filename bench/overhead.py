@@ -531,6 +531,8 @@ def main() -> None:
     ap.add_argument("--nonfused", action=argparse.BooleanOptionalAction, default=True,
                     help="on the first task, also rounds with a non-fused AdamW(foreach) from the task's optimizer factory")
     ap.add_argument("--profile", action="store_true", help="cProfile the built-in loop's steady state")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for the built-in loop (repeatable), e.g. --set guard.memory_snapshot=false")
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: a smaller task, 2 rounds of few steps, few item blocks (not a measurement)")
     args = ap.parse_args()
@@ -538,7 +540,7 @@ def main() -> None:
     names = args.tasks.split(",")
 
     def quick_args(name: str) -> list[str]:
-        return QUICK_ARGS[name] if args.quick else []
+        return (QUICK_ARGS[name] if args.quick else []) + args.set
 
     bare_ms: dict[str, float] = {}
     for name in names:

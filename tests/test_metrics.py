@@ -113,3 +113,28 @@ def test_clear_drops_the_recorded_steps_without_a_reduce():
     _fill(m, [(2.0, 1.0, True), (4.0, 3.0, True), (6.0, 1.0, True)])
     summary, rows, param_sq = m.reduce()
     assert [r.step for r in rows] == [1, 2, 3] and summary["loss"] == 4.0 and param_sq == [11.0, 0.0]
+
+
+@pytest.mark.parametrize("odd", ["none", "shape", "dtype", "numbers"])
+def test_every_value_lands_in_its_row_and_column_whatever_mixes_them(odd):
+    """The flush stacks columns by kind; a column of other shapes, dtypes or numbers lands in the same places."""
+    m = StepMetrics(6, num_params=1, device=torch.device("cpu"))
+    expect = []
+    for i in range(5):
+        row = {c: float(10 * i + j) for j, c in enumerate(COLUMNS)}
+        row.update(finite=1.0, applied=float(i % 2), params_finite=1.0 if i == 4 else float("nan"))
+        if i < 4:  # measured on the last step only: NaN (the default) before it
+            row.update(update_norm=float("nan"), update_ratio=float("nan"))
+        values = {c: t(v) for c, v in row.items() if not math.isnan(v)}
+        values.update(finite=t(True), applied=t(bool(i % 2)))
+        if odd == "shape":
+            values["count"] = t([row["count"]])  # a 1-element tensor among 0-dim ones
+        elif odd == "dtype":
+            values["count"] = t(int(row["count"])) if i % 2 else t(row["count"])  # int64 beside float32
+        elif odd == "numbers":
+            values["lr"] = row["lr"]  # a host number that changes every step
+        m.update(i + 1, per_param_norms=t([1.0]), num_samples=1, **values)
+        expect.append(row)
+    _, rows, _ = m.reduce()
+    got = [{c: r.values[c] for c in COLUMNS} for r in rows]
+    assert repr(got) == repr(expect)  # repr: NaN equals itself

@@ -22,7 +22,34 @@ __all__ = [
     "snapshot_params",
     "update_norm",
     "modes_kept",
+    "constant",
+    "is_constant",
 ]
+
+_CONSTANTS: dict[tuple[float, torch.dtype, torch.device], Tensor] = {}
+_CONSTANT_IDS: set[int] = set()
+
+
+def constant(value: float, device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
+    """A 0-dim tensor holding ``value``, made once per (value, dtype, device): read only, never written.
+
+    An op with a Python number (``x * 0``, ``x > 1.0``) wraps the number in a tensor first: on CPU such an op
+    costs two to three times one between tensors, so the per-step arithmetic takes its constants from here.
+    """
+    key = (value, dtype, device)
+    t = _CONSTANTS.get(key)
+    if t is None:
+        if len(_CONSTANTS) >= 256:  # a bound, not a cache of every value ever asked for
+            _CONSTANTS.clear()
+            _CONSTANT_IDS.clear()
+        t = _CONSTANTS[key] = torch.full((), value, dtype=dtype, device=device)
+        _CONSTANT_IDS.add(id(t))
+    return t
+
+
+def is_constant(t: Tensor) -> bool:
+    """Whether ``t`` is one of :func:`constant`'s tensors (never written: a reader need not copy it)."""
+    return id(t) in _CONSTANT_IDS  # the ids of live tensors only: the table keeps every one it lists alive
 
 
 def unique_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -74,10 +101,12 @@ def grad_norms(params: list[Tensor]) -> tuple[Tensor, Tensor]:
 def both_finite(a: Tensor, b: Tensor) -> Tensor:
     """Return a 0-dim bool device tensor: the scalars ``a`` and ``b`` are both finite. No sync.
 
-    ``x * 0`` is 0 for a finite ``x`` and NaN for an Inf or a NaN, so ``a * 0 + b * 0 == 0`` says it in four
-    tiny ops, where ``isfinite(a) & isfinite(b)`` takes nine on CPU (each isfinite is abs, ne, eq, and).
+    ``x * 0`` is 0 for a finite ``x`` and NaN for an Inf or a NaN, so ``a * 0 + b * 0 == 0`` says it in three
+    tiny ops (``addcmul`` makes the second product and the sum), where ``isfinite(a) & isfinite(b)`` takes nine
+    on CPU (each isfinite is abs, ne, eq, and).
     """
-    return (a * 0 + b * 0) == 0
+    zero = constant(0.0, a.device, a.dtype)
+    return torch.addcmul(a * zero, b, zero) == zero
 
 
 def grad_total_norm(params: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:

@@ -95,6 +95,7 @@ class TrainStep:
         self._inputs_ok: Tensor | None = None
         self._before: list[Tensor] | None = None
         self._flags: dict[tuple[bool, torch.device], Tensor] = {}
+        self._counts: dict[tuple[int, torch.device], Tensor] = {}
 
     def __call__(self, micro_batches: Sequence[tuple[int, Any]], loss_fn: LossFn, *,
                  measure_update: bool = False, check_params: bool = True) -> dict[str, Tensor]:
@@ -123,9 +124,14 @@ class TrainStep:
                 flag = inputs_finite(batch)
                 inputs_ok = flag if inputs_ok is None or flag is None else inputs_ok & flag
             with self._sync_context(last), self.precision.autocast():
-                loss_sum, count = as_sum_count(loss_fn(model, batch), num_samples)
-            self.precision.backward(self.window.normalize(loss_sum, count, last, inputs_ok if last else None,
-                                                          carrier=self.carrier))  # DDP: numbers go with the grads
+                out = loss_fn(model, batch)
+                if isinstance(out, Tensor) and out.dim() == 0 and self.window.takes_mean(last, self.carrier):
+                    loss = self.window.take_mean(out, self._count(num_samples, out.device), inputs_ok)
+                else:  # DDP: the window's numbers go with the grads
+                    loss_sum, count = as_sum_count(out, num_samples)
+                    loss = self.window.normalize(loss_sum, count, last, inputs_ok if last else None,
+                                                 carrier=self.carrier)
+            self.precision.backward(loss)
         self._inputs_ok = inputs_ok
 
     def update(self, *, measure_update: bool = False, check_params: bool = True, loss: Tensor | None = None,
@@ -196,6 +202,16 @@ class TrainStep:
             local = self.window.loss_sum * 0 != 0  # x * 0 is NaN iff x is not finite
             out["local_nonfinite"] = local if self._inputs_ok is None else local | ~self._inputs_ok
         return out
+
+    def _count(self, num_samples: int, device: torch.device) -> Tensor:
+        """The item count of a batch whose loss is a mean, as a 0-dim float32 made once per value (never written)."""
+        key = (num_samples, device)
+        count = self._counts.get(key)
+        if count is None:
+            if len(self._counts) >= 16:
+                self._counts.clear()
+            count = self._counts[key] = torch.full((), float(num_samples), dtype=torch.float32, device=device)
+        return count
 
     def _flag(self, value: bool, device: torch.device) -> Tensor:
         """A constant 0-dim bool on ``device``, made once (never written: readers only stack or combine it)."""

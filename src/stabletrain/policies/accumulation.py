@@ -86,6 +86,7 @@ class AccumulationWindow:
         self._carrier: Any = None
         self._carried_inputs = False
         self._summed = False  # the grads hold the window's sum (grad_scale = 1 / count)
+        self._mean: Tensor | None = None  # the window's mean as the loss returned it (one micro-batch, one process)
         self._world_size = self._world()
 
     def _world(self) -> int:
@@ -143,6 +144,33 @@ class AccumulationWindow:
         self.num_micro_batches += 1
         return loss_sum / denominator
 
+    def takes_mean(self, last: bool, carrier: Any = None) -> bool:
+        """Whether :meth:`take_mean` may take this micro-batch: the only one of its window, on one process, no scaler."""
+        return last and self.num_micro_batches == 0 and self.sums and self._world_size == 1 and carrier is None
+
+    def take_mean(self, mean: Tensor, count: Tensor, inputs_ok: Tensor | None = None) -> Tensor:
+        """The window's one micro-batch as the per-item ``mean`` the loss returned: returned to backpropagate as it is.
+
+        It is the window's mean already, what a plain loop backpropagates: no 1 / count is left for the
+        gradients (:attr:`grad_scale` is None) and the sum is made only if asked for (:attr:`loss_sum`).
+        Only where :meth:`takes_mean` says so.
+        """
+        self.count, self.num_micro_batches, self._loss_sum = count, 1, None
+        self._mean = mean.detach().float()
+        self._global = (None, count, inputs_ok)
+        return mean.float()
+
+    @property
+    def loss_sum(self) -> Tensor | float:
+        """This rank's loss sum over the window so far (detached)."""
+        if self._loss_sum is None:  # a mean taken as it is (take_mean): the sum, made now
+            self._loss_sum = self._mean * self.count
+        return self._loss_sum
+
+    @loss_sum.setter
+    def loss_sum(self, value: Tensor | float) -> None:
+        self._loss_sum = value
+
     def _numbers(self, inputs_ok: Tensor | None) -> Tensor:
         """This rank's (loss sum, count, inputs bad) of the window, as the ranks sum them (0: inputs not checked)."""
         bad = (~inputs_ok).float() if inputs_ok is not None else torch.zeros_like(self.count)
@@ -163,7 +191,8 @@ class AccumulationWindow:
     @property
     def global_loss_sum(self) -> Tensor:
         """The window's loss sum over all ranks."""
-        return self._reduced()[0]
+        total = self._reduced()[0]
+        return self.loss_sum if total is None else total  # None: one process, a mean taken as it is
 
     @property
     def global_count(self) -> Tensor:
@@ -178,6 +207,8 @@ class AccumulationWindow:
     @property
     def mean_loss(self) -> Tensor:
         """The window's unscaled per-item mean loss over all ranks (valid after the last micro-batch)."""
+        if self._mean is not None:
+            return self._mean
         return self.global_loss_sum / self.global_count
 
     @property

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from ..config import check_range
+from ..numerics import constant
 
 __all__ = ["GradClipper"]
 
@@ -36,12 +37,15 @@ class GradClipper:
         the scaled grads. Without clipping that multiply is the only pass.
         """
         self._factor = None
+        device = total_norm.device
         if self.max_norm is None and grad_scale is None:
-            return torch.zeros((), dtype=torch.bool, device=total_norm.device)
+            return constant(False, device, torch.bool)
         coef = grad_scale
-        if self.max_norm is not None:  # clip_grads_with_norm_'s coefficient (times the scale)
-            safe_norm = torch.where(finite, total_norm, 0.0)  # the factor clamps to 1 at norm 0
-            self._factor = torch.clamp(self.max_norm / (safe_norm + 1e-6), max=1.0)
+        if self.max_norm is not None:  # clip_grads_with_norm_'s coefficient, max_norm / (norm + 1e-6), times the scale
+            safe_norm = torch.where(finite, total_norm, constant(0.0, device))  # the factor clamps to 1 at norm 0
+            # Its arithmetic as torch does it (a number over a tensor is reciprocal, then multiply), with constants:
+            self._factor = torch.clamp(torch.reciprocal(safe_norm + constant(1e-6, device)) * constant(self.max_norm, device),
+                                       max=constant(1.0, device))
             coef = self._factor if coef is None else coef * self._factor
         by_device: dict[torch.device, list[Tensor]] = {}
         for p in params:
@@ -50,8 +54,8 @@ class GradClipper:
         for device, grads in by_device.items():  # one fused multiply per device (dtypes may mix)
             torch._foreach_mul_(grads, coef.to(device))
         if self.max_norm is None:
-            return torch.zeros((), dtype=torch.bool, device=total_norm.device)
-        return finite & (total_norm > self.max_norm)
+            return constant(False, device, torch.bool)
+        return finite & (total_norm > constant(self.max_norm, device))
 
     def post_clip_norm(self, total_norm: Tensor, after_clip: bool = False) -> Tensor:
         """Return the total norm after clipping, computed from the pre-clip norm (no second pass).

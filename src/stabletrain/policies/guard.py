@@ -28,6 +28,7 @@ non-finite gradient on one rank is non-finite on all.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import math
 from collections.abc import Iterator
@@ -170,21 +171,27 @@ class Guard:
         seen = self._host_seen
         n = self.cfg.spike_window
         ratio, zscore = np.float32(self.cfg.spike_ratio), np.float32(self.cfg.spike_zscore)
+        kept = sorted(w[~np.isnan(w)].tolist())  # the window's values in order (float32 values, exact as floats)
         for row in rows:
             v = row.values
             loss = np.float32(v["loss"])
             finite = v["finite"] > 0.5 and math.isfinite(v["loss"])
             spike = False
-            if finite and seen >= self._armed_at:
-                kept = np.sort(w[~np.isnan(w)])
-                median = kept[(len(kept) - 1) // 2]
-                mean = kept.mean(dtype=np.float32)
-                std = np.sqrt(((kept - mean) ** 2).mean(dtype=np.float32))
+            # The ratio test first, on the kept order (a bisect per step, not a sort): most steps stop there.
+            if finite and seen >= self._armed_at and loss > ratio * np.float32(kept[(len(kept) - 1) // 2]):
+                window = np.asarray(kept, dtype=np.float32)
+                mean = window.mean(dtype=np.float32)
+                std = np.sqrt(((window - mean) ** 2).mean(dtype=np.float32))
                 z = (loss - mean) / (std + np.float32(1e-12))
-                spike = bool(loss > ratio * median and z > zscore)
+                spike = bool(z > zscore)
             v["spike"] = 1.0 if spike else 0.0
             if finite and not spike:
-                w[seen % n] = loss
+                slot = seen % n
+                old = float(w[slot])
+                if not math.isnan(old):
+                    del kept[bisect.bisect_left(kept, old)]
+                w[slot] = loss
+                bisect.insort(kept, float(w[slot]))
                 seen += 1
         self._host_seen = seen
         self.num_seen.fill_(seen)

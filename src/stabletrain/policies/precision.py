@@ -18,6 +18,7 @@ from torch import Tensor
 
 from ..console import StableTrainWarning
 from ..internals import fused_skip, scaler_found_inf, scaler_scale, skips_on_device
+from ..numerics import constant
 
 __all__ = ["PrecisionPolicy", "resolve_precision", "resolve_device"]
 
@@ -107,11 +108,11 @@ class PrecisionPolicy:
             self._unscaled.add(id(optimizer))
 
     def loss_scale(self) -> Tensor:
-        """Return the current loss scale as a device tensor (1.0 without a scaler); no sync."""
+        """Return the current loss scale as a device tensor (1.0 without a scaler: a :func:`constant`); no sync."""
         scale = scaler_scale(self.scaler) if self.scaler is not None else None
         if scale is not None:
             return scale.detach().float().reshape(())
-        return torch.ones((), device=self.device)
+        return constant(1.0, self.device)
 
     def step(self, optimizer: torch.optim.Optimizer, ok: Tensor) -> Tensor:
         """Step the optimizer unless ``ok`` (0-dim bool tensor) is False; return the applied flag (device bool).
@@ -132,7 +133,11 @@ class PrecisionPolicy:
             found_inf = torch.stack(found).sum() > 0 if found else None
         applied = ok if found_inf is None else ok & ~found_inf
         if skips_on_device(optimizer):
-            with fused_skip(optimizer, ~applied):  # the grads are unscaled already
+            # The skip flag as the float found_inf the fused kernel reads: one op into a buffer kept for it.
+            skip = self.__dict__.get("_skip")
+            if skip is None or skip.device != applied.device:
+                skip = self._skip = torch.zeros((), dtype=torch.float32, device=applied.device)
+            with fused_skip(optimizer, torch.logical_not(applied, out=skip)):  # the grads are unscaled already
                 optimizer.step()
         else:
             if not self._warned_sync:

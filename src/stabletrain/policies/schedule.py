@@ -45,20 +45,27 @@ class LRSchedule:
         device = optimizer.param_groups[0]["params"][0].device
         self.on_device = bool(optimizer.defaults.get("fused") or optimizer.defaults.get("capturable"))
         self.base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
-        self.applied_steps = torch.zeros((), dtype=torch.float32, device=device)
+        # The count as a 1-element long: the index of the lookup as it is (a 0-dim CUDA index would be read on the
+        # host). A checkpoint of an older version (a 0-dim float) loads into it.
+        self.applied_steps = torch.zeros(1, dtype=torch.long, device=device)
         # The whole schedule, once: each step is then one lookup instead of a dozen tiny kernels.
         self._table = self.factor(torch.arange(max_steps + 1, dtype=torch.float32, device=device))
         self._host_table = self._table.tolist() if not self.on_device else []
-        self._group_tables = self._lr_tables()
         self._host_count = 0
+        # On the device every group's lr is a view of one (1, groups) tensor that one index_select writes.
+        self._lrs = torch.zeros(1, len(self.base_lrs), dtype=torch.float32, device=device)
+        self._views = [self._lrs[0, g] for g in range(len(self.base_lrs))]
+        self._last = torch.full((1,), max_steps, dtype=torch.long, device=device)  # the table's last row
+        self._group_table = self._lr_table()
         for group, base in zip(optimizer.param_groups, self.base_lrs):
             group["initial_lr"] = base
-            group["lr"] = torch.tensor(base, dtype=torch.float32, device=device) if self.on_device else base
         self._write()
 
-    def _lr_tables(self) -> list[Tensor]:
-        """Each group's lr per applied-step count (factor x base lr): one gather and one copy per group per step."""
-        return [self._table * base for base in self.base_lrs] if self.on_device else []
+    def _lr_table(self) -> Tensor | None:
+        """Each group's lr per applied-step count (factor x base lr), one column per group: one lookup per step."""
+        if not self.on_device:
+            return None
+        return self._table[:, None] * torch.tensor(self.base_lrs, dtype=torch.float32, device=self._table.device)
 
     def factor(self, n: Tensor) -> Tensor:
         """Return the lr multiplier for applied-step count ``n`` (a tensor)."""
@@ -73,10 +80,11 @@ class LRSchedule:
             for group, base in zip(self.optimizer.param_groups, self.base_lrs):
                 group["lr"] = f_host * base
             return
-        # gather with a 1-element index: a 0-dim CUDA index tensor would be read on the host (a sync).
-        index = self.applied_steps.long().clamp_(max=self.max_steps).reshape(1)
-        for group, table in zip(self.optimizer.param_groups, self._group_tables):
-            group["lr"].copy_(table.gather(0, index).reshape(()))
+        # Three device ops per step, whatever the number of groups: the count's add (in step), its clamp, the lookup.
+        torch.index_select(self._group_table, 0, torch.minimum(self.applied_steps, self._last), out=self._lrs)
+        for group, view in zip(self.optimizer.param_groups, self._views):
+            if group["lr"] is not view:  # set once (an optimizer's load_state_dict puts its saved lr back)
+                group["lr"] = view
 
     def step(self, applied: Tensor | bool) -> None:
         """Advance the schedule by one step if ``applied`` is True; otherwise hold it.
@@ -88,7 +96,7 @@ class LRSchedule:
             self.applied_steps += int(applied)
             self._write(self._host_count + int(applied) if not self.on_device else None)
             return
-        self.applied_steps += applied.to(self.applied_steps.dtype)
+        self.applied_steps.add_(applied)  # a bool adds as 0 or 1
         self._write()
 
     def scale(self, factor: float) -> None:
@@ -99,7 +107,7 @@ class LRSchedule:
         if not factor > 0:
             raise ValueError(f"lr factor: expected a number > 0, got {factor!r}")
         self.base_lrs = [b * factor for b in self.base_lrs]
-        self._group_tables = self._lr_tables()
+        self._group_table = self._lr_table()
         self._write()
 
     def lr(self) -> Tensor | float:
@@ -110,7 +118,7 @@ class LRSchedule:
         return {"applied_steps": self.applied_steps.clone(), "base_lrs": list(self.base_lrs)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.applied_steps.copy_(state["applied_steps"])
+        self.applied_steps.copy_(state["applied_steps"].reshape(1))  # an older checkpoint's: 0-dim float
         self.base_lrs = list(state["base_lrs"])
-        self._group_tables = self._lr_tables()
+        self._group_table = self._lr_table()
         self._write()

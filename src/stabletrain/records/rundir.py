@@ -351,13 +351,10 @@ class TensorBoardSink:
         """One TensorBoard event per interval holding every scalar (``add_scalar`` would write one event per
         value, each a trip through the writer's queue)."""
         from tensorboard.compat.proto.summary_pb2 import Summary
-        from torch.utils.tensorboard.summary import scalar
 
-        values = []
-        for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                group = "val" if key.startswith("val_") else "train"
-                values.extend(scalar(f"{group}/{key}", value).value)
+        values = [Summary.Value(tag=f"{'val' if key.startswith('val_') else 'train'}/{key}", simple_value=float(value))
+                  for key, value in record.items()  # the Value add_scalar makes (simple_value), without its numpy trip
+                  if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)]
         if values:  # what add_scalar hands the writer, for all the values at once
             self.writer._get_file_writer().add_summary(Summary(value=values), int(record["step"]))
         # No flush per interval: the writer flushes every flush_secs and on close.

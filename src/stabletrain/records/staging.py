@@ -31,7 +31,7 @@ _PLAIN_TYPES = frozenset(_PLAIN)
 
 def _plain_sequence(x: Any) -> bool:
     """A tuple or list of plain values only (e.g. Python's RNG state): staged as one leaf."""
-    return type(x) in (tuple, list) and all(isinstance(v, _PLAIN) for v in x)
+    return type(x) in (tuple, list) and _PLAIN_TYPES.issuperset(map(type, x))  # C loops: Python's RNG has 625
 
 
 @dataclass(eq=False)
