@@ -43,24 +43,31 @@ def test_growth_says_the_factor_per_step_and_since_when():
     assert growth([{"step": s, "loss": 1.0 / s} for s in range(1, 9)], 8) is None  # falling
 
 
-def test_a_divergence_is_divergence_with_its_growth_never_not_reproducible(tmp_path, capsys):
-    # The issue's own case: the loss grows for tens of steps until the grad norm's sum of squares overflows while
-    # every gradient is finite. The replay reproduces the loss bitwise and the Inf norm: never "not reproducible".
-    event, d = first_incident(tmp_path, "remedy_tasks:diverging_task", "train.max_steps=60", *DIVERGING)
-    assert (d["failure_class"], d["stage"], d["reproduces"], d["matches_observed"]) == ("divergence", "none", True, True)
-    assert d["grad_norm"] == "inf" and d["first_nonfinite_param"] is None
+@pytest.mark.parametrize("accum, stage, since, metric", [(1, "loss", 5, "loss"), (2, "none", 10, "loss")])
+def test_a_divergence_is_divergence_with_its_growth_never_not_reproducible(tmp_path, capsys, accum, stage, since,
+                                                                           metric):
+    # The issue's own case (accum 2): the loss grows for tens of steps until the grad norm's sum of squares overflows
+    # while every gradient is finite (a window of two micro-batches holds its gradient sum until the clip's pass: the
+    # squares overflow first). One micro-batch backpropagates its mean, as a plain loop does: there the loss itself
+    # overflows first. The replay reproduces the loss bitwise and the Inf: never "not reproducible".
+    event, d = first_incident(tmp_path, "remedy_tasks:diverging_task", "train.max_steps=60", *DIVERGING,
+                              f"accum.steps={accum}")
+    assert (d["failure_class"], d["stage"], d["reproduces"], d["matches_observed"]) == ("divergence", stage, True, True)
+    assert d["first_nonfinite_param"] is None
+    if stage == "none":
+        assert d["grad_norm"] == "inf"
     g = d["growth"]
-    assert g["since_step"] == 5 and g["factor_per_step"] > 5 and g["total_factor"] > 1e30
-    assert f"grew x{g['factor_per_step']:.3g} per step since step 5" in d["evidence"]
+    assert (g["metric"], g["since_step"]) == (metric, since) and g["factor_per_step"] > 4 and g["total_factor"] > 1e15
+    assert f"{metric} grew x{g['factor_per_step']:.3g} per step since step {since}" in d["evidence"]
     assert event["diagnosis"]["failure_class"] == "divergence" and d["summary"].startswith("divergence: ")
     assert "hardware" not in d["summary"]
     # The printed line of `stabletrain diagnose` (a fresh replay from the bundle) and report.html say it too.
     capsys.readouterr()
     assert main(["diagnose", str(tmp_path / "run" / "incidents" / f"step_{d['step']:06d}")]) == 0
     printed = capsys.readouterr().out
-    assert "  failure_class                  divergence\n" in printed and "since step 5" in printed
+    assert "  failure_class                  divergence\n" in printed and f"since step {since}" in printed
     page = write_report(tmp_path / "run").read_text()
-    assert "failure_class" in page and "divergence: loss grew x" in page
+    assert "failure_class" in page and "divergence: " in page and f"{metric} grew x" in page
 
 
 def test_a_sqrt_of_zero_is_op_with_its_sample_not_data(tmp_path):

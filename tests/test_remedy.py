@@ -56,13 +56,13 @@ def test_a_divergence_is_cured_by_a_lower_lr_from_before_the_growth_not_by_skipp
     printed = capsys.readouterr().out
     record = json.loads((incident / "remedy.json").read_text())
     c = by_name(record)
-    assert (record["step"], record["failure_class"]) == (37, "divergence")
+    assert (record["step"], record["failure_class"]) == (38, "divergence")
     assert "skip-samples" not in c  # no sample to blame
     assert c["rollback-lr-x0.1"]["verdict"] == "cures" and c["rollback-lr-x0.1"]["remedy"]["step"] == 10
-    assert c["rollback-lr-x0.1"]["first_step"] == 11 and c["rollback-lr-x0.1"]["steps_replayed"] == 31  # 11..41
-    assert (c["skip-step"]["verdict"], c["skip-step"]["failed"]["step"]) == ("fails", 38)
-    for name in ("lr-x0.5", "lr-x0.1", "clip"):  # from the pre-step state the gradients are already huge
-        assert (c[name]["verdict"], c[name]["failed"]["step"]) == ("fails", 37)
+    assert c["rollback-lr-x0.1"]["first_step"] == 11 and c["rollback-lr-x0.1"]["steps_replayed"] == 32  # 11..42
+    assert (c["skip-step"]["verdict"], c["skip-step"]["failed"]["step"]) == ("fails", 39)
+    for name in ("lr-x0.5", "lr-x0.1", "clip"):  # from the pre-step state the weights are already huge
+        assert (c[name]["verdict"], c[name]["failed"]["step"]) == ("fails", 38)
     assert c["rollback-lr-x0.5"]["verdict"] == "fails" and "spike" in c["rollback-lr-x0.5"]["evidence"]
     assert record["best"] == "rollback-lr-x0.1"
     lines = printed.splitlines()

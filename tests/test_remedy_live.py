@@ -37,12 +37,12 @@ def train(run_dir, spec, *overrides):
 
 def test_a_divergence_that_stops_the_run_today_is_remedied_and_the_run_finishes_as_one_cured_from_the_start(tmp_path):
     today = train(tmp_path / "today", "remedy_tasks:diverging_task", "train.max_steps=60", *DIVERGING)
-    assert "20 consecutive skipped steps (guard.max_consecutive_skips=20) at step 56" in today.stop_reason
+    assert "20 consecutive skipped steps (guard.max_consecutive_skips=20) at step 57" in today.stop_reason
     remedied = train(tmp_path / "remedied", "remedy_tasks:diverging_task", "train.max_steps=60", *DIVERGING,
                      "guard.on_nonfinite=remedy", "guard.remedy_steps=4")
     assert remedied.step == 60 and remedied.stop_reason is None
     (event,) = [e for e in events(tmp_path / "remedied") if e["kind"] == "remedy"]
-    assert (event["name"], event["step"], event["from_step"], event["incident_step"]) == ("rollback-lr-x0.1", 10, 40, 37)
+    assert (event["name"], event["step"], event["from_step"], event["incident_step"]) == ("rollback-lr-x0.1", 10, 40, 38)
     assert event["verdict"] == "cures" and event["failure_class"] == "divergence"
     assert remedied.schedule.base_lrs == [pytest.approx(0.25)] * 2  # the LR x0.1 (both groups), in the schedule state
     assert CheckpointManager(tmp_path / "remedied" / "checkpoints").latest_good().name == "step_000060"
@@ -51,7 +51,7 @@ def test_a_divergence_that_stops_the_run_today_is_remedied_and_the_run_finishes_
     assert first > 1.0
     assert remedied.history[-1]["loss"] < FINAL_LOSS_BAND and cured.history[-1]["loss"] < FINAL_LOSS_BAND
     page = write_report(tmp_path / "remedied").read_text()
-    assert "applied rollback-lr-x0.1 (back to step 10, lr x0.1) for the divergence incident at step 37" in page
+    assert "applied rollback-lr-x0.1 (back to step 10, lr x0.1) for the divergence incident at step 38" in page
 
 
 def _start(run_dir, *extra, resume=False):

@@ -172,27 +172,34 @@ class Guard:
         n = self.cfg.spike_window
         ratio, zscore = np.float32(self.cfg.spike_ratio), np.float32(self.cfg.spike_zscore)
         kept = sorted(w[~np.isnan(w)].tolist())  # the window's values in order (float32 values, exact as floats)
-        for row in rows:
+        losses = np.asarray([r.values["loss"] for r in rows], dtype=np.float32)  # each loss in float32, at once
+        updates: dict[int, float] = {}  # slot -> loss, written into the window once at the end
+        for row, loss in zip(rows, losses.tolist()):
             v = row.values
-            loss = np.float32(v["loss"])
-            finite = v["finite"] > 0.5 and math.isfinite(v["loss"])
+            finite = v["finite"] > 0.5 and math.isfinite(loss)
             spike = False
-            # The ratio test first, on the kept order (a bisect per step, not a sort): most steps stop there.
-            if finite and seen >= self._armed_at and loss > ratio * np.float32(kept[(len(kept) - 1) // 2]):
-                window = np.asarray(kept, dtype=np.float32)
-                mean = window.mean(dtype=np.float32)
-                std = np.sqrt(((window - mean) ** 2).mean(dtype=np.float32))
-                z = (loss - mean) / (std + np.float32(1e-12))
-                spike = bool(z > zscore)
+            # The ratio test first, on the kept order (a bisect per step, not a sort): most steps stop there. In
+            # float64 it decides every loss clear of the float32 product; one within a float32 step is tested exactly.
+            if finite and seen >= self._armed_at:
+                median = kept[(len(kept) - 1) // 2]
+                bound = float(ratio) * median
+                if loss > bound * (1 - 1e-6) and np.float32(loss) > ratio * np.float32(median):
+                    window = np.asarray(kept, dtype=np.float32)
+                    mean = window.mean(dtype=np.float32)
+                    std = np.sqrt(((window - mean) ** 2).mean(dtype=np.float32))
+                    z = (np.float32(loss) - mean) / (std + np.float32(1e-12))
+                    spike = bool(z > zscore)
             v["spike"] = 1.0 if spike else 0.0
             if finite and not spike:
                 slot = seen % n
-                old = float(w[slot])
+                old = updates.get(slot, float(w[slot]))
                 if not math.isnan(old):
                     del kept[bisect.bisect_left(kept, old)]
-                w[slot] = loss
-                bisect.insort(kept, float(w[slot]))
+                updates[slot] = loss
+                bisect.insort(kept, loss)
                 seen += 1
+        if updates:
+            w[list(updates)] = list(updates.values())
         self._host_seen = seen
         self.num_seen.fill_(seen)
 

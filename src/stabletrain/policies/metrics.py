@@ -299,10 +299,9 @@ class StepMetrics:
         self.steps, self.samples = [], 0
         if self.capacity != self.interval:  # the interval that began with a loaded partial one is over
             self._allocate(self.interval)
-        else:
-            self.buf.zero_()
-            if self.local_flags is not None:
-                self.local_flags.zero_()
+        elif self.local_flags is not None:
+            self.local_flags.zero_()
+        # (buf is not zeroed: every row a reduce or state_dict reads was written by its step's flush)
         self.param_sq.zero_()
 
     def state_dict(self) -> dict[str, Any]:

@@ -67,7 +67,11 @@ class JsonlWriter:
         self._fh = open(path, "a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
-        self._fh.write(json.dumps(_clean(record), sort_keys=False) + "\n")
+        try:  # the common record is all finite: the C encoder as it is; else NaN/Inf spelled as strings
+            line = json.dumps(record, allow_nan=False)
+        except ValueError:
+            line = json.dumps(_clean(record))
+        self._fh.write(line + "\n")
         self._fh.flush()
 
     def close(self) -> None:
@@ -346,13 +350,20 @@ class TensorBoardSink:
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
+        self._tags: dict[str, str] = {}
+
+    def _tag(self, key: str) -> str:
+        """The scalar's TensorBoard tag: ``train/KEY``, or ``val/KEY`` for validation figures (made once per key)."""
+        tag = self._tags[key] = f"{'val' if key.startswith('val_') else 'train'}/{key}"
+        return tag
 
     def write(self, record: dict[str, Any]) -> None:
         """One TensorBoard event per interval holding every scalar (``add_scalar`` would write one event per
         value, each a trip through the writer's queue)."""
         from tensorboard.compat.proto.summary_pb2 import Summary
 
-        values = [Summary.Value(tag=f"{'val' if key.startswith('val_') else 'train'}/{key}", simple_value=float(value))
+        tags = self._tags
+        values = [Summary.Value(tag=tags.get(key) or self._tag(key), simple_value=float(value))
                   for key, value in record.items()  # the Value add_scalar makes (simple_value), without its numpy trip
                   if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)]
         if values:  # what add_scalar hands the writer, for all the values at once

@@ -85,20 +85,26 @@ class StateStager:
         copies: dict[torch.device, tuple[list[Tensor], list[Tensor]]] = {}  # source device -> (buffers, sources)
         used = [0]  # buffers used so far (one per distinct tensor this rank stages), in the walk's order
 
+        strided, one = torch.strided, world == 1
+
         def leaf(x: Tensor) -> Tensor | Withheld:
-            if x.layout != torch.strided:  # sparse and other layouts: a plain copy (rare in a state dict)
+            if x.layout != strided:  # sparse and other layouts: a plain copy (rare in a state dict)
                 return x.detach().to("cpu", copy=True)
-            shape, device = x.shape, x.device  # (no detach: the copy below runs under no_grad)
-            key = (device, x.dtype, x.data_ptr(), shape, x.stride())  # the same view of the same memory: one buffer
+            shape, device, dtype = x.shape, x.device, x.dtype  # (no detach: the copy below runs under no_grad)
+            key = (device, dtype, x.data_ptr(), shape, x.stride())  # the same view of the same memory: one buffer
             buf = shared.get(key)
             if buf is None:
-                owner = load.index(min(load))
-                load[owner] += x.numel() * x.element_size()
-                if owner != rank:
-                    buf = shared[key] = Withheld(owner, shape, x.dtype)
-                    return buf
-                buf = shared[key] = self._buffer(used[0], x, shape, device.type == "cuda")
-                used[0] += 1
+                if not one:
+                    owner = load.index(min(load))
+                    load[owner] += x.numel() * x.element_size()
+                    if owner != rank:
+                        buf = shared[key] = Withheld(owner, shape, dtype)
+                        return buf
+                k = used[0]
+                buf = (self._buffers[k] if k < len(self._specs) and self._specs[k] == (shape, dtype, device.type == "cuda")
+                       else self._buffer(k, x, shape, device.type == "cuda"))
+                shared[key] = buf
+                used[0] = k + 1
                 dst, src = copies.setdefault(device, ([], []))
                 dst.append(buf)
                 src.append(x)
@@ -108,14 +114,16 @@ class StateStager:
             t = type(x)
             if t in _PLAIN_TYPES:
                 return x
+            if t is dict:  # comprehensions, not generators: a state has hundreds of entries
+                return {k: walk(v) for k, v in x.items()}
             if isinstance(x, Tensor):
                 return leaf(x)
-            if t is dict or t is OrderedDict:
-                return t((k, walk(v)) for k, v in x.items())
+            if t is OrderedDict:
+                return OrderedDict([(k, walk(v)) for k, v in x.items()])
             if t is list:  # a fresh list, so the caller may go on changing its own
                 return list(x) if _plain_sequence(x) else [walk(v) for v in x]
             if t is tuple:  # immutable: kept as it is when it holds plain values only (Python's RNG state)
-                return x if _plain_sequence(x) else tuple(walk(v) for v in x)
+                return x if _plain_sequence(x) else tuple([walk(v) for v in x])
             return copy.deepcopy(x)
 
         out = walk(state)
