@@ -16,17 +16,26 @@ default foreach implementation for every contender but stabletrain, which always
     stabletrain+compile  stabletrain+dir with ``train.compile=true`` (the same model compiled the same way);
                     its ratio is to bare+compile of the same round, not to bare
 
-Timing: each contender runs ``--warmup`` steps, then ``--steps`` timed steps (a loop contender is timed
-around its loop; a trainer that owns its loop, by a callback stamping each step's end). Rounds
-interleave the contenders, in an order rotated every round, so drift hits all alike; each round gives
-each contender a ratio to the bare loop of the same round (a compiled one to the compiled bare loop), and
-the table shows medians over rounds. A compiled contender resets dynamo first (a fresh model each round
-would otherwise reach dynamo's recompile limit and silently run eager); its compile time is in the warmup.
-Noise guard: a round during which other processes used more than ``--noise`` of one core (read from
-/proc/stat against this process's own CPU time) is run again, up to ``--redo`` times; the count of
-rounds redone and still noisy is printed.
+Timing, lockstep: every contender is a stepper that runs ONE optimizer step per call, and the round
+runs them side by side, step by step (step i of every contender, in an order rotated every step, then
+step i + 1), so a burst of load from another process hits all of them alike; rounds of whole runs one
+after the other could not resolve a few percent on a shared machine (per-round ratios spread 0.6-1.9).
+A loop contender (bare, Fabric, Accelerate) is timed around its step. A trainer that owns its loop
+(the Lightning Trainer, stabletrain) runs ``fit()`` in a thread of its own that a callback parks at the
+end of every step (``on_train_batch_end``, ``on_step_end``) until the round calls it again; its step is
+timed inside that thread, from the moment it is let go to its next step end, so everything it does
+between two steps (its logging, the next batch, a log interval's work, a checkpoint it starts) is in
+it and the hand-over is not. Only one contender runs at a time. Ratios: per window of 10 steps (one
+log interval of stabletrain, so each window holds exactly one of its interval boundaries) the
+contender's time over the bare loop's over the same steps (a compiled one over bare+compile), median
+over all windows of all rounds; the ratio of total times is printed beside it (it counts the rare
+windows with a checkpoint at their full weight). A compiled contender resets dynamo first (a fresh
+model each round would otherwise reach dynamo's recompile limit and silently run eager); its compile
+time is in the warmup. Noise guard: a round during which other processes used more than ``--noise``
+of one core (read from /proc/stat against this process's own CPU time) is run again, up to
+``--redo`` times; the count of rounds redone and still noisy is printed.
 
-    python bench/frameworks.py                      # mlp and gpt, 6 rounds x 200 steps (needs a quiet machine)
+    python bench/frameworks.py                      # mlp and gpt, 3 lockstep rounds x 200 steps
     python bench/frameworks.py --models gpt --rounds 4
     python bench/frameworks.py --quick              # smoke run: smaller models, 2 rounds x 20 steps (not a measurement)
 
@@ -45,6 +54,7 @@ import os
 import platform
 import statistics
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -116,58 +126,137 @@ class Setup:
         return self.batches[i % NUM_BATCHES]
 
 
-# -- the contenders: each returns the wall time of its timed steps ------------------------------------
+# -- the contenders: steppers, one optimizer step per call ------------------------------------------
+
+WINDOW = 10  # steps per ratio window: stabletrain's log.every, so each window holds one interval boundary
 
 
-def run_bare(s: Setup, warmup: int, steps: int, compile: bool = False) -> float:
+class LoopStepper:
+    """A hand-written loop's step (``step_fn(i)``), timed around the call."""
+
+    threaded = False
+
+    def __init__(self, step_fn: Callable[[int], None], close: Callable[[], None] = lambda: None) -> None:
+        self.step_fn, self.close, self.i = step_fn, close, 0
+
+    def step(self) -> float:
+        t0 = time.perf_counter()
+        self.step_fn(self.i)
+        self.i += 1
+        return time.perf_counter() - t0
+
+
+class _Aborted(Exception):
+    """Raised in a parked trainer's thread to end its fit when the round ends early."""
+
+
+class ThreadStepper:
+    """A trainer that owns its loop: ``fit(on_step_end)`` runs in a thread parked at each step end.
+
+    ``fit`` builds the trainer and trains ``total`` steps, calling ``on_step_end()`` after each; there the
+    thread stamps the time, hands control back and waits to be called again. A step's time is taken in the
+    thread, from the moment it is let go to its next step end (setup is in the first step's).
+    """
+
+    threaded = True
+
+    def __init__(self, fit: Callable[[Callable[[], None]], None], total: int) -> None:
+        self.total, self.n = total, 0
+        self._go, self._parked = threading.Semaphore(0), threading.Semaphore(0)
+        self._times: list[float] = []
+        self._resumed = 0.0
+        self._error: BaseException | None = None
+        self._abort = False
+        self._thread = threading.Thread(target=self._run, args=(fit,), daemon=True)
+        self._thread.start()
+
+    def _run(self, fit: Callable[[Callable[[], None]], None]) -> None:
+        self._go.acquire()
+        self._resumed = time.perf_counter()
+        try:
+            if self._abort:
+                raise _Aborted()
+            fit(self._on_step_end)
+        except BaseException as err:  # handed to the round
+            self._error = err
+        finally:
+            self._parked.release()
+
+    def _on_step_end(self) -> None:
+        self._times.append(time.perf_counter() - self._resumed)
+        self.n += 1
+        if self.n >= self.total:  # the last step: fit() finishes on its own (untimed)
+            return
+        self._parked.release()
+        self._go.acquire()
+        if self._abort:  # the round ended early (another contender failed): unwind this fit
+            raise _Aborted()
+        self._resumed = time.perf_counter()
+
+    def step(self) -> float:
+        self._go.release()
+        self._parked.acquire()
+        if self._error is not None:
+            raise self._error
+        if len(self._times) != self.n or not self._times:
+            raise RuntimeError("the trainer ended before its steps were done")
+        return self._times[-1]
+
+    def close(self) -> None:
+        if self.n < self.total and self._thread.is_alive():  # parked mid-run: let it go, to unwind
+            self._abort = True
+            self._go.release()
+        self._thread.join()
+        if self._error is not None and not isinstance(self._error, _Aborted):
+            raise self._error
+
+
+def make_bare(s: Setup, total: int, compile: bool = False) -> LoopStepper:
     model = s.model()
     if compile:
         torch._dynamo.reset()
         model = torch.compile(model)
     opt, params = s.optimizer(model), [p for p in model.parameters() if p.requires_grad]
-    t0 = 0.0
-    for i in range(warmup + steps):
-        if i == warmup:
-            t0 = time.perf_counter()
+
+    def step(i: int) -> None:
         opt.zero_grad(set_to_none=True)
         s.loss(model, s.batch(i)).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-    return time.perf_counter() - t0
+
+    return LoopStepper(step)
 
 
-def run_fabric(s: Setup, warmup: int, steps: int) -> float:
+def make_fabric(s: Setup, total: int) -> LoopStepper:
     from lightning.fabric import Fabric
 
     fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
     model = s.model()
     model, opt = fabric.setup(model, s.optimizer(model))
-    t0 = 0.0
-    for i in range(warmup + steps):
-        if i == warmup:
-            t0 = time.perf_counter()
+
+    def step(i: int) -> None:
         opt.zero_grad(set_to_none=True)
         fabric.backward(s.loss(model, s.batch(i)))
         fabric.clip_gradients(model, opt, max_norm=1.0)
         opt.step()
-    return time.perf_counter() - t0
+
+    return LoopStepper(step)
 
 
-def run_accelerate(s: Setup, warmup: int, steps: int) -> float:
+def make_accelerate(s: Setup, total: int) -> LoopStepper:
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True)
     model = s.model()
     model, opt = accelerator.prepare(model, s.optimizer(model))
-    t0 = 0.0
-    for i in range(warmup + steps):
-        if i == warmup:
-            t0 = time.perf_counter()
+
+    def step(i: int) -> None:
         opt.zero_grad(set_to_none=True)
         accelerator.backward(s.loss(model, s.batch(i)))
         accelerator.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-    return time.perf_counter() - t0
+
+    return LoopStepper(step)
 
 
 class _Batches(Dataset):
@@ -183,7 +272,7 @@ class _Batches(Dataset):
         return self.s.batch(i)
 
 
-def run_lightning(s: Setup, warmup: int, steps: int) -> float:
+def make_lightning(s: Setup, total: int) -> ThreadStepper:
     import lightning as L
 
     for name in ("lightning", "lightning.pytorch", "lightning.pytorch.utilities.rank_zero", "lightning.fabric"):
@@ -200,71 +289,51 @@ def run_lightning(s: Setup, warmup: int, steps: int) -> float:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return s.optimizer(self.model)
 
-    class Stamps(L.Callback):
-        def __init__(self) -> None:
-            self.stamps: list[float] = []
+    def fit(on_step_end: Callable[[], None]) -> None:
+        class Park(L.Callback):
+            def on_train_batch_end(self, *args: Any) -> None:
+                on_step_end()
 
-        def on_train_batch_end(self, *args: Any) -> None:
-            self.stamps.append(time.perf_counter())
-
-    stamps = Stamps()
-    with contextlib.redirect_stdout(io.StringIO()):  # its tips and "GPU available" lines
-        trainer = L.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=warmup + steps, logger=False,
+        # (stdout, its tips and "GPU available" lines: redirected by the round, in the main thread)
+        trainer = L.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=total, logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             gradient_clip_val=1.0, gradient_clip_algorithm="norm", num_sanity_val_steps=0,
-                            limit_val_batches=0, callbacks=[stamps])
-        trainer.fit(Module(), train_dataloaders=DataLoader(_Batches(s, warmup + steps + 1), batch_size=None))
-    return stamps.stamps[warmup + steps - 1] - stamps.stamps[warmup - 1]
+                            limit_val_batches=0, callbacks=[Park()])
+        trainer.fit(Module(), train_dataloaders=DataLoader(_Batches(s, total + 1), batch_size=None))
+
+    return ThreadStepper(fit, total)
 
 
-class _Stamps(Callback):
-    def __init__(self) -> None:
-        self.stamps: list[float] = []
-
-    def on_step_end(self, state: Any, out: Any) -> None:
-        self.stamps.append(time.perf_counter())
-
-
-def _stabletrain(s: Setup, warmup: int, steps: int, run_dir: Path | None, compile: bool = False) -> float:
+def _stabletrain(s: Setup, total: int, with_dir: bool, compile: bool = False) -> ThreadStepper:
     bs = s.batch_size
     # The pre-built batches through stabletrain's own data path: sample i is its index, the collate hands
     # over batch i // batch_size (data.shuffle=false keeps the micro-batches in order).
     task = Task(model=s.model(), train_data=range(NUM_BATCHES * bs), loss=s.task.loss,
                 collate=lambda items: s.batch(items[0] // bs), name=s.name, count_unit=s.task.count_unit)
-    cfg = load_config(None, [*s.overrides, f"train.batch_size={bs}", f"train.max_steps={warmup + steps}",
+    cfg = load_config(None, [*s.overrides, f"train.batch_size={bs}", f"train.max_steps={total}",
                              "data.shuffle=false", "clip.max_norm=1.0", "precision=fp32", "device=cpu", "eval.every=0",
-                             "run.overwrite=true", *([] if run_dir is not None else ["log.progress=false"]),
+                             f"log.every={WINDOW}", "run.overwrite=true", *([] if with_dir else ["log.progress=false"]),
                              *(["train.compile=true"] if compile else [])])
-    if compile:
-        torch._dynamo.reset()
-    stamps = _Stamps()
-    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-        Trainer(cfg, task=task, run_dir=run_dir, callbacks=[stamps]).fit()
-    return stamps.stamps[warmup + steps - 1] - stamps.stamps[warmup - 1]
+
+    def fit(on_step_end: Callable[[], None]) -> None:
+        class Park(Callback):
+            def on_step_end(self, state: Any, out: Any) -> None:
+                on_step_end()
+
+        if compile:
+            torch._dynamo.reset()
+        with tempfile.TemporaryDirectory() as tmp:  # (stderr: redirected by the round, in the main thread)
+            Trainer(cfg, task=task, run_dir=Path(tmp) / "run" if with_dir else None, callbacks=[Park()]).fit()
+
+    return ThreadStepper(fit, total)
 
 
-def run_stabletrain(s: Setup, warmup: int, steps: int) -> float:
-    return _stabletrain(s, warmup, steps, None)
-
-
-def run_stabletrain_dir(s: Setup, warmup: int, steps: int) -> float:
-    with tempfile.TemporaryDirectory() as tmp:
-        return _stabletrain(s, warmup, steps, Path(tmp) / "run")
-
-
-def run_bare_compile(s: Setup, warmup: int, steps: int) -> float:
-    return run_bare(s, warmup, steps, compile=True)
-
-
-def run_stabletrain_compile(s: Setup, warmup: int, steps: int) -> float:
-    with tempfile.TemporaryDirectory() as tmp:
-        return _stabletrain(s, warmup, steps, Path(tmp) / "run", compile=True)
-
-
-RUNNERS: dict[str, Callable[[Setup, int, int], float]] = {
-    "bare": run_bare, "fabric": run_fabric, "lightning": run_lightning, "accelerate": run_accelerate,
-    "stabletrain": run_stabletrain, "stabletrain+dir": run_stabletrain_dir, "bare+compile": run_bare_compile,
-    "stabletrain+compile": run_stabletrain_compile,
+MAKERS: dict[str, Callable[[Setup, int], Any]] = {
+    "bare": make_bare, "fabric": make_fabric, "lightning": make_lightning, "accelerate": make_accelerate,
+    "stabletrain": lambda s, n: _stabletrain(s, n, with_dir=False),
+    "stabletrain+dir": lambda s, n: _stabletrain(s, n, with_dir=True),
+    "bare+compile": lambda s, n: make_bare(s, n, compile=True),
+    "stabletrain+compile": lambda s, n: _stabletrain(s, n, with_dir=True, compile=True),
 }
 
 
@@ -325,41 +394,72 @@ def versions() -> str:
     return ", ".join(out + [f"stabletrain {__version__}"])
 
 
+def lockstep_round(setup: Setup, contenders: list[str], warmup: int, steps: int) -> dict[str, list[float]]:
+    """One round: every contender built fresh, then stepped side by side; return each one's timed steps' seconds.
+
+    The order within a step rotates every step (no contender always runs first, or right after another).
+    The progress bars and tips the trainers print go nowhere (redirected here, once, for every thread).
+    """
+    total = warmup + steps
+    times: dict[str, list[float]] = {c: [] for c in contenders}
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        steppers = {c: MAKERS[c](setup, total) for c in contenders}
+        _lockstep(steppers, contenders, warmup, total, times)
+    return times
+
+
+def _lockstep(steppers: dict[str, Any], contenders: list[str], warmup: int, total: int,
+              times: dict[str, list[float]]) -> None:
+    try:
+        for i in range(total):
+            k = i % len(contenders)
+            for c in contenders[k:] + contenders[:k]:
+                dt = steppers[c].step()
+                if i >= warmup:
+                    times[c].append(dt)
+    finally:
+        for stepper in steppers.values():
+            stepper.close()  # a trainer finishes its fit (its last checkpoint, closing): untimed
+
+
 def measure(setup: Setup, contenders: list[str], rounds: int, warmup: int, steps: int, noise: float,
-            redo: int) -> tuple[dict[str, list[float]], dict[str, list[float]], int, int]:
-    """Return (per-contender ratios to bare per round, per-contender seconds per step, rounds redone, rounds kept noisy)."""
+            redo: int) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, float], int, int]:
+    """Lockstep rounds; return (per-window ratios to the baseline, seconds per step per window, ratio of totals,
+    rounds redone, rounds kept noisy)."""
     ratios: dict[str, list[float]] = {c: [] for c in contenders}
     per_step: dict[str, list[float]] = {c: [] for c in contenders}
+    totals: dict[str, float] = {c: 0.0 for c in contenders}
     redone = noisy = 0
-    order = list(contenders)
     for r in range(rounds):
-        k = r % len(order)
-        this_order = order[k:] + order[:k]  # rotated: no contender always runs first
         for attempt in range(redo + 1):
-            times: dict[str, float] = {}
             with CpuWatch() as watch:
-                for c in this_order:
-                    times[c] = RUNNERS[c](setup, warmup, steps)
+                times = lockstep_round(setup, contenders, warmup, steps)
             if watch.others_cores <= noise:
                 break
             if attempt < redo:
                 redone += 1
         else:
             noisy += 1
+        windows = range(0, steps - WINDOW + 1, WINDOW)
         for c in contenders:
-            per_step[c].append(times[c] / steps)
-            ratios[c].append(times[c] / times[BASELINE.get(c, "bare")])
-        print(f"  {setup.name} round {r + 1}/{rounds}: " + ", ".join(f"{c} {times[c] / steps * 1e3:.2f} ms"
-                                                                   for c in contenders)
-              + f"  [others used {watch.others_cores:.2f} cores]", flush=True)
-    return ratios, per_step, redone, noisy
+            base = times[BASELINE.get(c, "bare")]
+            for w in windows:
+                mine = sum(times[c][w:w + WINDOW])
+                ratios[c].append(mine / sum(base[w:w + WINDOW]))
+                per_step[c].append(mine / WINDOW)
+            totals[c] += sum(times[c])
+        print(f"  {setup.name} round {r + 1}/{rounds}: " + ", ".join(
+            f"{c} {statistics.median(times[c]) * 1e3:.2f} ms" for c in contenders)
+              + f"  (median step)  [others used {watch.others_cores:.2f} cores]", flush=True)
+    total_ratio = {c: totals[c] / totals[BASELINE.get(c, "bare")] for c in contenders}
+    return ratios, per_step, total_ratio, redone, noisy
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=list(CONTENDERS))
-    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--foreach", action="store_true", help="torch's default (foreach) AdamW for all but stabletrain")
@@ -369,15 +469,18 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.warmup, args.steps, args.redo = 2, 5, 20, 0
+    if args.steps % WINDOW:
+        ap.error(f"--steps must be a multiple of {WINDOW} (whole ratio windows), got {args.steps}")
     contenders = ["bare"] + [c for c in args.contenders if c != "bare"]
     for c, base in BASELINE.items():  # a compiled contender needs its compiled baseline in the same rounds
         if c in contenders and base not in contenders:
             contenders.insert(contenders.index(c), base)
     warnings.filterwarnings("ignore")
     print(f"{datetime.date.today().isoformat()}; {machine()}; {versions()}; {load_average()}")
-    print(f"{args.rounds} interleaved rounds x {args.steps} timed steps (after {args.warmup}), fp32, clip 1.0, "
-          f"AdamW {'foreach (stabletrain: fused)' if args.foreach else 'fused'}; medians of per-round ratios to the bare "
-          f"loop; noise guard {args.noise} cores{' (quick: a smoke run, not a measurement)' if args.quick else ''}", flush=True)
+    print(f"{args.rounds} lockstep rounds x {args.steps} timed steps (after {args.warmup}), fp32, clip 1.0, "
+          f"AdamW {'foreach (stabletrain: fused)' if args.foreach else 'fused'}; medians over {WINDOW}-step windows of "
+          f"the ratio to the bare loop over the same steps [ratio of total times]; noise guard {args.noise} cores"
+          f"{' (quick: a smoke run, not a measurement)' if args.quick else ''}", flush=True)
     results, sizes = {}, {}
     for name in args.models:
         setup = Setup(name, args.quick, args.foreach)
@@ -393,13 +496,15 @@ def main() -> None:
     for c in contenders:
         cells = []
         for name in args.models:
-            ratios, per_step, _, _ = results[name]
-            cells.append(f"{statistics.median(ratios[c]):.2f}")
+            ratios, _, total_ratio, _, _ = results[name]
+            cells.append(f"{statistics.median(ratios[c]):.3f} [{total_ratio[c]:.3f}]")
         label = f"{c} (vs {BASELINE[c]})" if c in BASELINE else c
         print(f"| {label} | " + " | ".join(cells) + " |")
     for name in args.models:
-        _, _, redone, noisy = results[name]
-        print(f"{name}: {redone} round(s) redone for noise, {noisy} kept although noisy")
+        ratios, _, _, redone, noisy = results[name]
+        spread = ", ".join(f"{c} {q[0]:.3f}-{q[2]:.3f}" for c in contenders if c != "bare"
+                           for q in [statistics.quantiles(ratios[c], n=4) if len(ratios[c]) > 1 else [ratios[c][0]] * 3])
+        print(f"{name}: window-ratio quartiles {spread}; {redone} round(s) redone for noise, {noisy} kept although noisy")
 
 
 if __name__ == "__main__":
