@@ -507,6 +507,68 @@ class _Profile(Callback):
             self.prof.disable()
 
 
+def in_loop_costs(name: str, bare_step_s: float, steps: int, overrides: list[str] = ()) -> None:
+    """Time the pieces of ``Trainer.fit()`` where they run, in one fit of ``steps`` steps: wall time per call.
+
+    The isolated items above run with warm caches; in the loop each piece follows a step that evicted them, and
+    the interval's pieces cost about twice as much there. Each piece is wrapped (an instance attribute over the
+    method: the loop calls them by attribute) and timed per call; the table shows the median call, its calls per
+    step and its share of the bare step. Periodic checkpoints are off (``ckpt.every=0``: their own line above).
+    """
+    cfg = load_config(None, [f"task={name}", *overrides, f"train.max_steps={steps}", "run.overwrite=true",
+                             "ckpt.every=0"])
+    task = copy.copy(resolve_task(cfg.task, cfg.task_args))
+    task.val_data = None
+    calls: dict[str, list[float]] = {}
+
+    def wrap(obj: Any, attr: str, label: str) -> None:
+        fn = getattr(obj, attr)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                calls.setdefault(label, []).append(time.perf_counter() - t0)
+
+        setattr(obj, attr, timed)
+
+    with tempfile.TemporaryDirectory() as tmp, open(os.devnull, "w") as devnull:
+        trainer = make_trainer(task, task.model, cfg, Path(tmp) / "in_loop")
+        per_step = [(trainer, "train_step", "train_step (the whole step)"),
+                    (trainer.stream, "next_window", "stream.next_window (data)"),
+                    (trainer.metrics, "update", "metrics.update")]
+        per_interval = [(trainer, "_log", "log interval: _log (all of the below but the snapshot)"),
+                        (trainer.metrics, "reduce", "  metrics.reduce (its one sync)"),
+                        (trainer.guard, "mark_spikes", "  guard.mark_spikes (the host spike rule)"),
+                        (trainer.guard, "decide", "  guard.decide")]
+        for cb in trainer.callbacks.callbacks:
+            if "on_log" in type(cb).__dict__:
+                per_interval.append((cb, "on_log", f"  on_log {type(cb).__name__}"))
+        per_interval.append((trainer.recorder, "mark_interval_start", "snapshot: recorder.mark_interval_start"))
+        for obj, attr, label in per_step + per_interval:
+            wrap(obj, attr, label)
+        trainer.callbacks._index()  # the wrapped on_log methods
+        with contextlib.redirect_stderr(devnull), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t0 = time.perf_counter()
+            trainer.fit()
+            fit_s = time.perf_counter() - t0
+    every = cfg.log.every
+    print(f"\nin-loop cost of the pieces of fit() on {name} ({steps} steps, log.every={every}, wall time per call, "
+          f"median over the run's calls after the first {every}; bare step {bare_step_s * 1e3:.2f} ms; the whole fit "
+          f"{fit_s / steps * 1e3:.2f} ms/step):")
+    print(f"  {'piece':62s} {'us/call':>9s} {'calls/step':>10s} {'us/step':>8s} {'% of bare':>9s}")
+    for _, _, label in per_step + per_interval:
+        v = calls.get(label, [])
+        steady = v[every:-1] if len(v) > every + 2 else v
+        if not steady:
+            continue
+        per = 1.0 if label in {lab for _, _, lab in per_step} else 1 / every
+        med = statistics.median(steady)
+        print(f"  {label:62s} {med * 1e6:9.1f} {per:10.2f} {med * per * 1e6:8.1f} {med * per / bare_step_s * 100:8.2f}%")
+
+
 def profile_builtin(name: str, warmup: int, steps: int, overrides: list[str] = ()) -> None:
     """cProfile the built-in loop (its steady state only) and print the top functions by own time."""
     cfg = load_config(None, [f"task={name}", *overrides, f"train.max_steps={warmup + steps + 1}", "run.overwrite=true"])
@@ -531,6 +593,8 @@ def main() -> None:
     ap.add_argument("--nonfused", action=argparse.BooleanOptionalAction, default=True,
                     help="on the first task, also rounds with a non-fused AdamW(foreach) from the task's optimizer factory")
     ap.add_argument("--profile", action="store_true", help="cProfile the built-in loop's steady state")
+    ap.add_argument("--in-loop", action=argparse.BooleanOptionalAction, default=True,
+                    help="time the pieces of fit() where they run (a fit with each piece wrapped)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for the built-in loop (repeatable), e.g. --set guard.memory_snapshot=false")
     ap.add_argument("--quick", action="store_true",
@@ -570,6 +634,10 @@ def main() -> None:
     if args.items:
         for name in names:
             per_item_costs(name, bare_ms[name] / 1e3, *((2, 3) if args.quick else (5, 25)), overrides=quick_args(name))
+    if args.in_loop:
+        for name in names:
+            in_loop_costs(name, bare_ms[name] / 1e3, 100 if args.quick else 400 if name == "mlp" else 60,
+                          overrides=quick_args(name))
     if args.profile:
         profile_builtin(names[0], *((5, 10) if args.quick else (10, 30)), overrides=quick_args(names[0]))
 
