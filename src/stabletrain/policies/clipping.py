@@ -26,6 +26,8 @@ class GradClipper:
     def __init__(self, max_norm: float | None) -> None:
         self.max_norm = check_range("clip.max_norm", max_norm)
         self._factor: Tensor | None = None  # the last clip_'s min(1, max_norm / norm), reused by post_clip_norm
+        self._devices_key: tuple[int, int] | None = None
+        self._single = True
 
     def clip_(self, params: list[Tensor], total_norm: Tensor, finite: Tensor, grad_scale: Tensor | None = None) -> Tensor:
         """Scale grads in place so their total norm is at most max_norm; return whether it fired.
@@ -47,15 +49,25 @@ class GradClipper:
             self._factor = torch.clamp(torch.reciprocal(safe_norm + constant(1e-6, device)) * constant(self.max_norm, device),
                                        max=constant(1.0, device))
             coef = self._factor if coef is None else coef * self._factor
-        by_device: dict[torch.device, list[Tensor]] = {}
-        for p in params:
-            if p.grad is not None:
-                by_device.setdefault(p.grad.device, []).append(p.grad)
-        for device, grads in by_device.items():  # one fused multiply per device (dtypes may mix)
-            torch._foreach_mul_(grads, coef.to(device))
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads and grads[0].device == grads[-1].device == coef.device and self._one_device(params):
+            torch._foreach_mul_(grads, coef)  # one fused multiply (dtypes may mix)
+        elif grads:
+            by_device: dict[torch.device, list[Tensor]] = {}
+            for g in grads:
+                by_device.setdefault(g.device, []).append(g)
+            for dev, group in by_device.items():  # one fused multiply per device
+                torch._foreach_mul_(group, coef.to(dev))
         if self.max_norm is None:
             return constant(False, device, torch.bool)
         return finite & (total_norm > constant(self.max_norm, device))
+
+    def _one_device(self, params: list[Tensor]) -> bool:
+        """Whether every parameter is on one device (decided once per parameter list: parameters do not move)."""
+        key = (id(params), len(params))
+        if self._devices_key != key:
+            self._devices_key, self._single = key, len({p.device for p in params}) <= 1
+        return self._single
 
     def post_clip_norm(self, total_norm: Tensor, after_clip: bool = False) -> Tensor:
         """Return the total norm after clipping, computed from the pre-clip norm (no second pass).

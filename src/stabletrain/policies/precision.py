@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ..console import StableTrainWarning
-from ..internals import fused_skip, scaler_found_inf, scaler_scale, skips_on_device
+from ..internals import clear_found_inf, scaler_found_inf, scaler_scale, set_found_inf, skips_on_device
 from ..numerics import constant
 
 __all__ = ["PrecisionPolicy", "resolve_precision", "resolve_device"]
@@ -137,8 +137,11 @@ class PrecisionPolicy:
             skip = self.__dict__.get("_skip")
             if skip is None or skip.device != applied.device:
                 skip = self._skip = torch.zeros((), dtype=torch.float32, device=applied.device)
-            with fused_skip(optimizer, torch.logical_not(applied, out=skip)):  # the grads are unscaled already
+            set_found_inf(optimizer, torch.logical_not(applied, out=skip))  # the grads are unscaled already
+            try:
                 optimizer.step()
+            finally:
+                clear_found_inf(optimizer)
         else:
             if not self._warned_sync:
                 warnings.warn(
