@@ -167,7 +167,8 @@ CRASH = textwrap.dedent("""
         return real_replace(src, dst)
 
     if mode == "torch_save":
-        torch.save = half_save
+        from stabletrain.records.checkpoint import files
+        torch.save = files.save_without_record_crcs = half_save
     else:
         os.replace = dying_replace
     m.save(tiny_state(9.0), 2 if mode == "resave" else 3)
@@ -230,7 +231,7 @@ def flip_byte(path: Path) -> None:
 
 @pytest.mark.parametrize("damage, expect", [
     (truncate, "truncated"),
-    (flip_byte, "does not match its sha256"),
+    (flip_byte, "does not match its crc32"),
     (lambda p: p.unlink(), "state.pt is missing"),
     (lambda p: (p.parent / "meta.json").write_text("{"), "meta.json is unreadable"),
 ])
@@ -254,6 +255,40 @@ def test_corrupted_newest_checkpoint_is_reported_and_the_previous_used(tmp_path,
     with pytest.raises(CheckpointError, match="verifies") as err:
         manager.load()
     assert [p.split(":")[0] for p in err.value.problems] == ["step_000002", "step_000001"]
+
+
+def test_state_pt_is_checksummed_whole_as_written_and_loads_as_any_torch_save(tmp_path):
+    import zipfile
+    import zlib
+
+    manager = CheckpointManager(tmp_path)
+    manager.save_async(tiny_state(1.0), 1).result()
+    meta = json.loads((tmp_path / "step_000001" / "meta.json").read_text())
+    data = (tmp_path / "step_000001" / "state.pt").read_bytes()
+    assert meta["format"] == 2 and "state_sha256" not in meta
+    assert meta["state_crc32"] == f"{zlib.crc32(data):08x}" and meta["state_bytes"] == len(data)
+    # torch.save's per-record CRC32 is left out (the file's own CRC32 covers every byte); torch.load reads it
+    assert {info.CRC for info in zipfile.ZipFile(tmp_path / "step_000001" / "state.pt").infolist()} == {0}
+    assert_same(torch.load(tmp_path / "step_000001" / "state.pt", weights_only=True), tiny_state(1.0))
+
+
+def test_a_format_1_checkpoint_with_a_sha256_still_loads_and_a_newer_format_is_refused(tmp_path):
+    import hashlib
+
+    manager = CheckpointManager(tmp_path)
+    manager.save(tiny_state(1.0), 1)
+    meta_path, state_pt = tmp_path / "step_000001" / "meta.json", tmp_path / "step_000001" / "state.pt"
+    meta = json.loads(meta_path.read_text())
+    old = {k: v for k, v in meta.items() if k != "state_crc32"}
+    old.update(format=1, state_sha256=hashlib.sha256(state_pt.read_bytes()).hexdigest())
+    meta_path.write_text(json.dumps(old))
+    assert manager.verify(tmp_path / "step_000001") == []
+    assert_same(manager.load().state, tiny_state(1.0))
+    meta_path.write_text(json.dumps({**meta, "format": 3}))
+    assert "meta.json is format 3, newer than this stabletrain reads (2" in manager.verify(tmp_path / "step_000001")[0]
+    meta_path.write_text(json.dumps(old))
+    flip_byte(state_pt)
+    assert "state.pt does not match its sha256 in meta.json" in manager.verify(tmp_path / "step_000001")[0]
 
 
 def test_missing_last_good_falls_back_to_the_newest_that_verifies(tmp_path):
@@ -502,7 +537,8 @@ KILLED_IN_FLIGHT = textwrap.dedent("""
         at_step_5.wait(60)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    torch.save = half_then_die
+    from stabletrain.records.checkpoint import files
+    torch.save = files.save_without_record_crcs = half_then_die
     cfg = stabletrain.load_config(None, {args!r})
     stabletrain.Trainer(cfg, run_dir=run_dir, callbacks=[Mark()]).fit()
 """)
@@ -538,12 +574,12 @@ def test_the_check_after_writing_reads_state_pt_no_second_time_and_still_refuses
     from stabletrain.records.checkpoint import files
 
     reads: list[Path] = []
-    real = files._sha256_of
-    monkeypatch.setattr(files, "_sha256_of", lambda path: reads.append(path) or real(path))
+    real = files._checksum_of
+    monkeypatch.setattr(files, "_checksum_of", lambda path, kind: reads.append(path) or real(path, kind))
     manager = CheckpointManager(tmp_path)
     assert manager.save_async(tiny_state(1.0), 1).result().path.name == "step_000001"
     assert manager.save(tiny_state(2.0), 2).path.name == "step_000002"
-    assert reads == []  # hashed as written: verified without reading state.pt back
+    assert reads == []  # checksummed as written: verified without reading state.pt back
     manager.load()
     assert reads == [tmp_path / "step_000002" / "state.pt"]  # a load checks the file whole
     state = tiny_state(3.0)
@@ -553,6 +589,28 @@ def test_the_check_after_writing_reads_state_pt_no_second_time_and_still_refuses
         manager.save(state, 3)
     assert manager.latest_good().name == "step_000002"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["LAST_GOOD", "step_000001", "step_000002"]
+
+
+def test_a_plain_state_is_not_scanned_after_writing_and_anything_else_is(tmp_path, monkeypatch):
+    from collections import OrderedDict
+
+    from stabletrain.records.checkpoint import files
+
+    scans: list[Path] = []
+    real = files._check_archive
+    monkeypatch.setattr(files, "_check_archive", lambda path, fail: scans.append(path) or real(path, fail))
+    manager = CheckpointManager(tmp_path)
+    manager.save_async(tiny_state(1.0), 1).result()
+    assert scans == []  # tensors, numbers, strings and containers: weights_only admits them by design
+    for odd in (Opaque(), b"bytes", 1j, torch.zeros(2).to_sparse(), torch.nn.Parameter(torch.zeros(1)),
+                {("tuple", "key"): 1}):
+        assert not files.only_plain({"x": [odd]})
+    assert files.only_plain({"a": OrderedDict(w=torch.zeros(2)), "b": (1, 2.0, "s", None, True), 3: [torch.ones(1)]})
+    state = tiny_state(2.0)
+    state["callbacks"] = {"mine": Opaque()}
+    with pytest.raises(CheckpointError, match=r"refused: it pickles the global test_checkpoint\.Opaque"):
+        manager.save(state, 2)
+    assert len(scans) == 1
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
@@ -577,8 +635,8 @@ def test_a_load_rank_0_verified_reads_state_pt_memory_mapped_without_hashing_it_
     manager = CheckpointManager(tmp_path)
     manager.save(tiny_state(2.0), 2)
     reads: list[Path] = []
-    real = files._sha256_of
-    monkeypatch.setattr(files, "_sha256_of", lambda path: reads.append(path) or real(path))
+    real = files._checksum_of
+    monkeypatch.setattr(files, "_checksum_of", lambda path, kind: reads.append(path) or real(path, kind))
     loaded = manager.load(tmp_path / "step_000002", verified=True)  # what ranks other than 0 do
     assert reads == [] and loaded.path == tmp_path / "step_000002"
     assert_same(loaded.state, tiny_state(2.0))

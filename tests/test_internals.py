@@ -101,3 +101,16 @@ def test_the_module_inside_a_torch_compile_wrapper_is_found_and_a_missing_one_is
     del wrapped._modules["_orig_mod"]  # a torch whose wrapper keeps the module elsewhere
     with pytest.raises(InternalMissing, match=r"the module inside a torch.compile wrapper \(OptimizedModule\._orig_mod\)"):
         internals.eager_module(wrapped)
+
+
+def test_a_torch_save_without_the_zips_record_crcs_loads_as_torch_save_and_only_that_file_lacks_them(tmp_path):
+    import zipfile
+
+    state = {"w": torch.arange(6.0).view(2, 3), "n": 3, "names": ["a", "b"]}
+    with open(tmp_path / "a.pt", "wb") as fh:
+        internals.save_without_record_crcs(state, fh)
+    loaded = torch.load(tmp_path / "a.pt", weights_only=True)
+    assert torch.equal(loaded["w"], state["w"]) and loaded["n"] == 3 and loaded["names"] == ["a", "b"]
+    assert {i.CRC for i in zipfile.ZipFile(tmp_path / "a.pt").infolist()} == {0}
+    torch.save(state, tmp_path / "b.pt")  # the process-wide option is untouched
+    assert zipfile.ZipFile(tmp_path / "b.pt").testzip() is None

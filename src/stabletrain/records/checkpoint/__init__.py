@@ -4,7 +4,7 @@ Layout (DESIGN.md, "Run directory")::
 
     RUN_DIR/checkpoints/
         step_000100/state.pt    the whole state (``Trainer.state_dict()``); loads with torch.load(weights_only=True)
-        step_000100/meta.json   step, time, sha256 and size of state.pt, versions, and the caller's meta (config)
+        step_000100/meta.json   step, time, CRC32 and size of state.pt, versions, and the caller's meta (config)
         step_000100/dcp/        FSDP2 only: each rank's shards of the model and optimizer (torch.distributed.checkpoint)
         LAST_GOOD               one line: the name of the newest verified checkpoint directory
 
@@ -13,12 +13,12 @@ One save (DESIGN.md, principle 4: nothing bad is persisted)::
     check the model and optimizer state are finite    # one fused pass, one host read; else write nothing
     [save_async: stage a copy into reused host buffers; training goes on, the rest runs in a thread]
     write step_000100.tmp-<pid>/state.pt, meta.json   # each with fileio.atomic_write: fsynced, then the directory
-    verify the temporary copy                         # sha256, loads with weights_only=True, finite
+    verify the temporary copy                         # size, pickle admitted by weights_only=True (a load: CRC32, finite)
     rename it to step_000100                          # an existing step_000100 is moved aside, deleted last
     point LAST_GOOD at it                             # tmp file, fsync, os.replace, fsync of the directory
     prune to the ``keep`` newest                      # never the one LAST_GOOD names
 
-The parts: :mod:`.files` (one directory's files: the finiteness check, writing with a hash, safe
+The parts: :mod:`.files` (one directory's files: the finiteness check, writing with a checksum, safe
 loading, what a good checkpoint is), :mod:`.saves` (what a save returns, and a save running in a
 thread) and :mod:`.manager` (:class:`~.manager.CheckpointManager`: LAST_GOOD, saving, debris,
 pruning, rollback and loading with fallback) and :mod:`.sharded` (the DCP folder of a sharded checkpoint: save, verify, load).

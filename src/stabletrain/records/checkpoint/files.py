@@ -1,7 +1,8 @@
 """One checkpoint directory's files: state.pt and meta.json, how they are written, checked and loaded.
 
-``state.pt`` is written through a writer that hashes the bytes as they pass, so its sha256 and size
-go into meta.json without reading the file back. Loading never executes code: every file goes
+``state.pt`` is written through a writer that takes the CRC32 of the bytes as they pass, so its checksum
+and size go into meta.json without reading the file back (torch.save's own CRC32 of each zip record is
+left out: it would checksum the same bytes twice). Loading never executes code: every file goes
 through ``torch.load(weights_only=True)``, and a file that needs more (a pickled class or function)
 is refused with a message saying so. :func:`load_checked` is the one definition of a good
 checkpoint directory: what verification and loading both apply.
@@ -15,6 +16,8 @@ import math
 import pickle
 import re
 import time
+import zlib
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,18 +30,23 @@ from ..._version import __version__
 from ...config import dotted_key
 from .sharded import attach_path, verify_dcp
 from ...fileio import atomic_write
+from ...internals import InternalMissing, save_without_record_crcs
 
-__all__ = ["CheckpointError", "first_nonfinite", "load_state_file", "load_checked", "write_files", "checked_meta",
+__all__ = ["CheckpointError", "first_nonfinite", "only_plain", "load_state_file", "load_checked", "write_files", "checked_meta",
            "STATE_FILE", "META_FILE", "FORMAT_VERSION"]
 
-FORMAT_VERSION = 1
+#: meta.json's "format". 2: state.pt's checksum is ``state_crc32`` (zlib's CRC32, 8 hex digits); 1 recorded
+#: ``state_sha256`` instead (still loaded). A newer format is refused with a line saying so.
+FORMAT_VERSION = 2
 STATE_FILE = "state.pt"
 META_FILE = "meta.json"
 
-_CHUNK = 8 << 20  # bytes per read when hashing a file
+_CHUNK = 8 << 20  # bytes per read when checksumming a file
+_CHECKSUMS = ("crc32", "sha256")  # meta.json's state_<kind>: this format's, then format 1's
 
 # Keys written into meta.json beside the caller's meta, which may not use them.
-_RESERVED_META = ("format", "step", "time", "unix_time", "state_file", "state_sha256", "state_bytes", "versions")
+_RESERVED_META = ("format", "step", "time", "unix_time", "state_file", "state_crc32", "state_sha256",
+                 "state_bytes", "versions")
 
 
 class CheckpointError(RuntimeError):
@@ -101,19 +109,53 @@ def first_nonfinite(state: dict[str, Any], scope: Sequence[str] | None = None) -
     return order[min(bad)] if bad else None
 
 
+_PLAIN_LEAVES = frozenset((int, float, bool, str, type(None)))
+
+
+def only_plain(state: Any) -> bool:
+    """Whether ``state`` holds only dicts, lists and tuples of plain CPU tensors, numbers, strings and None.
+
+    Such a state's pickle names no global that ``torch.load(weights_only=True)`` refuses (the tensor rebuild
+    functions, storage types and OrderedDict are admitted by design), so it need not be scanned for one.
+    Anything else (a tensor subclass or one with attributes, another layout or device, bytes, an object) is
+    False: the written file's pickle is then scanned. A walk over the containers, no tensor data read.
+    """
+    stack = [state]
+    while stack:
+        x = stack.pop()
+        t = type(x)
+        if t in _PLAIN_LEAVES:
+            continue
+        if t is Tensor:
+            if x.device.type != "cpu" or x.layout != torch.strided or x.is_quantized or x.__dict__:
+                return False
+        elif t is dict or t is OrderedDict:
+            if not _PLAIN_LEAVES.issuperset(map(type, x)):  # keys
+                return False
+            stack.extend(x.values())
+        elif t is list or t is tuple:
+            stack.extend(x)
+        else:
+            return False
+    return True
+
+
 # ---------------------------------------------------------------------------------------------
 # Writing
 
 
-class _HashingWriter:
-    """A write-only file wrapper that hashes and counts what passes through (torch.save writes to it)."""
+class _ChecksumWriter:
+    """A write-only file wrapper that takes the CRC32 of what passes through and counts it (torch.save writes to it).
+
+    zlib releases the GIL while it checksums a chunk larger than a few KiB, as the file does while it writes.
+    """
 
     def __init__(self, fh: Any) -> None:
-        self.fh, self.sha, self.num_bytes = fh, hashlib.sha256(), 0
+        self.fh, self.crc, self.num_bytes = fh, 0, 0
         self.error: OSError | None = None  # what the file raised (torch's zip writer reports only a position mismatch)
 
     def write(self, data: Any) -> int:
-        self.sha.update(data)
+        self.crc = zlib.crc32(data, self.crc)
         try:
             n = self.fh.write(data)
         except OSError as err:
@@ -140,15 +182,18 @@ def checked_meta(step: int, meta: dict[str, Any] | None) -> dict[str, Any]:
 def write_files(folder: Path, state: dict[str, Any], step: int, meta: dict[str, Any]) -> int:
     """Write ``state`` to ``folder``/state.pt and its meta.json (each atomically, fsynced); return state.pt's size.
 
-    meta.json holds the step, the time, state.pt's sha256 and size, the versions, and ``meta``. An
+    meta.json holds the step, the time, state.pt's CRC32 and size, the versions, and ``meta``. An
     OSError is the disk's own (ENOSPC, EIO, EFBIG), not torch's rewording of it.
     """
-    writer: list[_HashingWriter] = []
+    writer: list[_ChecksumWriter] = []
 
     def write_state(fh: Any) -> None:
-        writer.append(_HashingWriter(fh))
+        writer.append(_ChecksumWriter(fh))
         try:
-            torch.save(state, writer[0])
+            try:
+                save_without_record_crcs(state, writer[0])
+            except InternalMissing:  # a torch without that writer: its record CRCs too (the same file, ~4 ms more)
+                torch.save(state, writer[0])
         except Exception:
             if writer[0].error is not None:  # the disk's own error (ENOSPC, EIO, EFBIG), not torch's rewording
                 raise writer[0].error from None
@@ -158,7 +203,7 @@ def write_files(folder: Path, state: dict[str, Any], step: int, meta: dict[str, 
     full_meta = {
         "format": FORMAT_VERSION, "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "unix_time": round(time.time(), 3), "state_file": STATE_FILE,
-        "state_sha256": writer[0].sha.hexdigest(), "state_bytes": writer[0].num_bytes,
+        "state_crc32": f"{writer[0].crc:08x}", "state_bytes": writer[0].num_bytes,
         "versions": {"torch": torch.__version__, "stabletrain": __version__}, **meta,
     }
     atomic_write(folder / META_FILE, json.dumps(full_meta, indent=2, default=str) + "\n")  # also fsyncs folder/
@@ -169,13 +214,17 @@ def write_files(folder: Path, state: dict[str, Any], step: int, meta: dict[str, 
 # Reading
 
 
-def _sha256_of(path: Path) -> str:
-    sha = hashlib.sha256()
+def _checksum_of(path: Path, kind: str) -> str:
+    """Return the ``kind`` ("crc32" or "sha256") of the file at ``path`` as meta.json writes it (hex digits)."""
+    crc, sha = 0, hashlib.sha256() if kind == "sha256" else None
     with open(path, "rb", buffering=0) as fh:
         buf = memoryview(bytearray(_CHUNK))
         while n := fh.readinto(buf):
-            sha.update(buf[:n])
-    return sha.hexdigest()
+            if sha is not None:
+                sha.update(buf[:n])
+            else:
+                crc = zlib.crc32(buf[:n], crc)
+    return sha.hexdigest() if sha is not None else f"{crc:08x}"
 
 
 def load_state_file(path: str | Path, map_location: Any = "cpu", *, mmap: bool = False) -> Any:
@@ -215,24 +264,27 @@ def _refusal(what: str) -> str:
 
 
 def load_checked(path: Path, require_finite: Sequence[str] | None, map_location: Any = "cpu",
-                 mmap: bool = False, *, written: bool = False, verified: bool = False) -> tuple[Any, dict[str, Any]]:
+                 mmap: bool = False, *, written: bool = False, plain: bool = False,
+                 verified: bool = False) -> tuple[Any, dict[str, Any]]:
     """Load checkpoint directory ``path`` and return (state, meta) if it is good, else raise CheckpointError.
 
-    Good means: meta.json readable, state.pt of the recorded size and sha256, loadable with
+    Good means: meta.json readable (a format this version reads), state.pt of the recorded size and
+    checksum (CRC32; a format-1 checkpoint's sha256), loadable with
     ``weights_only=True``, and the ``require_finite`` tensors finite (None: every one); a sharded
     checkpoint's DCP folder complete (:func:`~stabletrain.records.checkpoint.sharded.verify_dcp`).
     The error's ``problems`` holds one line, prefixed with the directory's name.
 
     ``written``: ``path`` was just written by :func:`write_files` in this process, from a state whose
-    ``require_finite`` tensors were checked before: its sha256 is that of the bytes as they were written,
-    so neither the hash nor the finiteness is taken again (a second full read of state.pt, and a pass over
+    ``require_finite`` tensors were checked before: its CRC32 is that of the bytes as they were written,
+    so neither the checksum nor the finiteness is taken again (a second full read of state.pt, and a pass over
     every tensor), and instead of loading it the archive's pickle is scanned for what ``weights_only``
     refuses (``torch.serialization.get_unsafe_globals_in_checkpoint``: a tenth of the load's time on a
     model's state); meta.json, the size and the DCP folder are checked as always. Returns (None, meta).
-    Every later load (resume, rollback) checks it whole.
+    Every later load (resume, rollback) checks it whole. ``plain`` (with ``written``): that state was
+    :func:`only_plain`, so its pickle is not scanned either.
 
     ``verified``: another process checked ``path`` whole just now (rank 0, which chose it): meta.json and
-    the size are checked again, the sha256 and the finiteness not (with ``mmap``, a tensor's bytes are then
+    the size are checked again, the checksum and the finiteness not (with ``mmap``, a tensor's bytes are then
     read only where it is used).
     """
     def fail(problem: str) -> CheckpointError:
@@ -244,8 +296,13 @@ def load_checked(path: Path, require_finite: Sequence[str] | None, map_location:
         raise fail(f"{META_FILE} is missing (the write did not finish?)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise fail(f"{META_FILE} is unreadable ({err})") from None
-    if not isinstance(meta, dict) or not {"state_sha256", "state_bytes", "step"} <= meta.keys():
-        raise fail(f"{META_FILE} lacks step, state_sha256 or state_bytes")
+    kind = next((k for k in _CHECKSUMS if isinstance(meta, dict) and f"state_{k}" in meta), None)
+    if kind is None or not {"state_bytes", "step"} <= meta.keys():
+        raise fail(f"{META_FILE} lacks step, state_bytes or a checksum (state_crc32; format 1: state_sha256)")
+    if not isinstance(meta.get("format", 1), int) or meta.get("format", 1) > FORMAT_VERSION:
+        raise fail(f"{META_FILE} is format {meta.get('format')!r}, newer than this stabletrain reads "
+                   f"({FORMAT_VERSION}, stabletrain {__version__}); load it with the version that wrote it "
+                   f"({meta.get('versions', {}).get('stabletrain', 'see versions in meta.json')})")
     state_path = path / STATE_FILE
     try:
         size = state_path.stat().st_size
@@ -254,14 +311,15 @@ def load_checked(path: Path, require_finite: Sequence[str] | None, map_location:
     if size != meta["state_bytes"]:
         raise fail(f"{STATE_FILE} is {size} bytes, {META_FILE} says {meta['state_bytes']} (truncated or overwritten)")
     if written:
-        _check_archive(state_path, fail)
+        if not plain:
+            _check_archive(state_path, fail)
         if "dcp" in meta:
             problems = verify_dcp(path, meta["dcp"])
             if problems:
                 raise fail("; ".join(problems))
         return None, meta
-    if not verified and _sha256_of(state_path) != meta["state_sha256"]:
-        raise fail(f"{STATE_FILE} does not match its sha256 in {META_FILE} (corrupted on disk or in transfer)")
+    if not verified and _checksum_of(state_path, kind) != meta[f"state_{kind}"]:
+        raise fail(f"{STATE_FILE} does not match its {kind} in {META_FILE} (corrupted on disk or in transfer)")
     try:
         state = load_state_file(state_path, map_location, mmap=mmap)
     except CheckpointError as err:

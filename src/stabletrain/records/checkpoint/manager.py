@@ -29,7 +29,7 @@ from typing import Any
 from .sharded import DCP_DIR, ShardedSave, to_full_state
 from ...fileio import atomic_write, fsync_dir
 from ..staging import StateStager
-from .files import CheckpointError, checked_meta, first_nonfinite, load_checked, write_files
+from .files import CheckpointError, checked_meta, first_nonfinite, load_checked, only_plain, write_files
 from .saves import PendingSave, SaveResult
 
 __all__ = ["CheckpointManager", "LoadedCheckpoint", "LAST_GOOD"]
@@ -89,7 +89,7 @@ class CheckpointManager:
         self.require_finite = tuple(require_finite) if require_finite is not None else None
         self._stager = StateStager()
         self._in_flight: PendingSave | None = None
-        self._written: Path | None = None  # the directory a save has just written, while it verifies it
+        self._written: tuple[Path, bool] | None = None  # (the directory a save has just written, only_plain), while it verifies it
 
     # -- saving -----------------------------------------------------------------------------
 
@@ -189,6 +189,7 @@ class CheckpointManager:
         """Write, verify, install, point LAST_GOOD, prune (after waiting on the ``ready`` CUDA events, and ``shards``)."""
         for event in ready:
             event.synchronize()
+        cpu0 = time.thread_time()
         if shards is None:  # (begin_sharded did this before the shards were written)
             self.root.mkdir(parents=True, exist_ok=True)
             self.clean_debris()
@@ -212,7 +213,7 @@ class CheckpointManager:
             timings["write_s"] = time.perf_counter() - t0
 
             t0 = time.perf_counter()
-            self._written = tmp  # hashed as written, checked finite before: verify() skips those two passes
+            self._written = (tmp, only_plain(state))  # checksummed as written, checked finite before: verify() skips those
             try:
                 problems = self.verify(tmp)
             finally:
@@ -250,7 +251,7 @@ class CheckpointManager:
         timings["prune_s"] = time.perf_counter() - t0
         size = num_bytes + int(meta.get("dcp", {}).get("bytes", 0))
         return SaveResult(step, final, False, f"saved {name} ({size / 2**20:.1f} MiB, verified); LAST_GOOD -> {name}",
-                          num_bytes=size, timings=timings, pruned=tuple(pruned))
+                          num_bytes=size, timings=timings, pruned=tuple(pruned), write_cpu_s=time.thread_time() - cpu0)
 
     def _point_last_good(self, name: str) -> None:
         atomic_write(self.root / LAST_GOOD, f"{name}\n")  # via LAST_GOOD.tmp-<pid>, which clean_debris knows
@@ -357,12 +358,15 @@ class CheckpointManager:
     def verify(self, path: str | Path) -> list[str]:
         """Return the problems of checkpoint directory ``path``; empty when it is good (see :func:`.files.load_checked`).
 
-        Reads the whole state.pt twice (hash, then a memory-mapped load); of the DCP folder only
+        Reads the whole state.pt twice (its CRC32, then a memory-mapped load); of the DCP folder only
         ``.metadata`` and the file sizes. The directory a save has just written (in the save's own thread)
-        is checked without the hash and the finiteness pass (``load_checked(written=True)``).
+        is checked without the checksum and the finiteness pass (``load_checked(written=True)``), and without
+        the pickle scan when its state was plain tensors, numbers and containers (``plain=True``).
         """
         try:
-            load_checked(Path(path), self.require_finite, mmap=True, written=Path(path) == self._written)
+            written = self._written is not None and Path(path) == self._written[0]
+            load_checked(Path(path), self.require_finite, mmap=True, written=written,
+                         plain=written and self._written[1])
         except CheckpointError as err:
             return err.problems or [str(err)]
         return []

@@ -25,6 +25,9 @@ class SaveResult:
     # check_s, [stage_s,] write_s, verify_s, prune_s; a sharded save adds shard_check_s, shard_stage_s, shard_write_s
     timings: dict[str, float] = field(default_factory=dict)
     pruned: tuple[Path, ...] = ()
+    # CPU seconds the write, verification, LAST_GOOD and pruning took in their own thread (save_async: the
+    # background thread's work, which competes with training for the cores); not part of ``timings``' sum
+    write_cpu_s: float = 0.0
 
     @property
     def kind(self) -> str:
@@ -35,6 +38,7 @@ class SaveResult:
             return {}
         return {"path": str(self.path), "size_mib": round(self.num_bytes / 2**20, 3),
                 "seconds": round(sum(self.timings.values()), 4), "blocked_s": round(self.blocked_s, 4),
+                "write_cpu_s": round(self.write_cpu_s, 4),
                 "pruned": [p.name for p in self.pruned]}
 
     @property
