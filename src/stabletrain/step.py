@@ -41,6 +41,7 @@ from .policies.schedule import LRSchedule
 __all__ = ["TrainStep", "LossFn", "STEP_KEYS", "build_step"]
 
 LossFn = Callable[[nn.Module, Any], Any]
+_NULL = contextlib.nullcontext()  # reusable: nullcontext keeps no state
 
 #: The device tensors a step returns (``per_param_norms`` is 1-D; the rest are 0-dim). ``params_finite`` only
 #: on a step whose parameters were checked (see ``check_params``).
@@ -96,6 +97,7 @@ class TrainStep:
         self._before: list[Tensor] | None = None
         self._flags: dict[tuple[bool, torch.device], Tensor] = {}
         self._counts: dict[tuple[int, torch.device], Tensor] = {}
+        self._sync_methods: tuple[Any, Any] | None = None
 
     def __call__(self, micro_batches: Sequence[tuple[int, Any]], loss_fn: LossFn, *,
                  measure_update: bool = False, check_params: bool = True) -> dict[str, Tensor]:
@@ -226,12 +228,14 @@ class TrainStep:
 
         FSDP2 reads its flag in the post-backward hook, so it is set here (False, ..., True) and left set.
         """
-        set_sync = getattr(self.model, "set_requires_gradient_sync", None)
+        if self._sync_methods is None:  # looked up once: a plain module's getattr miss walks nn.Module.__getattr__
+            self._sync_methods = (getattr(self.model, "set_requires_gradient_sync", None),
+                                  getattr(self.model, "no_sync", None))
+        set_sync, no_sync = self._sync_methods
         if set_sync is not None:
             set_sync(last)
-            return contextlib.nullcontext()
-        no_sync = getattr(self.model, "no_sync", None)
-        return no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
+            return _NULL
+        return no_sync() if (no_sync is not None and not last) else _NULL
 
 
 def build_step(cfg: Any, model: nn.Module, optimizer: torch.optim.Optimizer | None, precision: PrecisionPolicy,
