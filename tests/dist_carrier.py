@@ -2,6 +2,8 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist_carrier.py WAY DTYPE OUT.json
 
+or as scenarios of a shared world (tests/dist_world.py: ``dist_carrier:main`` with ``[WAY, DTYPE, OUT.json]``).
+
 WAY: ``param`` (stabletrain.distributed.ddp.data_parallel with a window of raw sums: the numbers ride a
 parameter of DDP's own, or the comm hook where the model has no float32/float64 parameter), ``hook``
 (register_carrier_hook, raw sums) or ``hook-scaled`` (register_carrier_hook, a window normalized by its
@@ -22,8 +24,9 @@ from stabletrain.policies.accumulation import AccumulationWindow
 from stabletrain.distributed.ddp import data_parallel, register_carrier_hook
 
 
-def main(way: str, dtype_name: str, out: str) -> None:
-    dist.init_process_group("gloo")
+def main(argv: list[str]) -> None:
+    """Run one WAY and DTYPE under the default process group (already initialized); rank 0 writes OUT.json."""
+    way, dtype_name, out = argv
     rank = dist.get_rank()
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(0)
@@ -65,8 +68,9 @@ def main(way: str, dtype_name: str, out: str) -> None:
     if rank == 0:
         with open(out, "w") as fh:
             json.dump(results, fh)
-    end_worker()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3])
+    dist.init_process_group("gloo")
+    main(sys.argv[1:])
+    end_worker()

@@ -2,6 +2,8 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist_staging.py OUT_DIR
 
+or as a scenario of a shared world (tests/dist_world.py: ``dist_staging:main`` with ``[OUT_DIR]``).
+
 Each rank writes ``OUT_DIR/rank_R.json``: the bytes it staged against the whole, how many tensors it left
 to the others, and whether the completed state equals the original bitwise (tied weights still one tensor).
 """
@@ -18,8 +20,9 @@ from multiproc import end_worker
 from stabletrain.records.staging import StateStager, Withheld, fill_withheld
 
 
-def main(out: str) -> None:
-    dist.init_process_group("gloo")
+def main(argv: list[str]) -> None:
+    """Stage, complete and compare under the default process group (already initialized)."""
+    out = argv[0]
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same state on every rank, as DDP keeps it
     emb = torch.nn.Embedding(50, 16)
@@ -44,8 +47,9 @@ def main(out: str) -> None:
     reused = all(a is b for a, b in zip(staged2["model"].values(), staged["model"].values()) if isinstance(a, torch.Tensor))
     Path(out, f"rank_{rank}.json").write_text(json.dumps({"mine": mine, "total": total, "withheld": withheld,
                                                           "equal": equal, "tied": tied, "reused": reused}))
-    end_worker()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    dist.init_process_group("gloo")
+    main(sys.argv[1:])
+    end_worker()

@@ -3,6 +3,8 @@
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist_tasks.py OUT_DIR [--count-syncs]
         [--count-collectives] [--states] key=value ...
 
+or as a scenario of a shared world (tests/dist_world.py: ``dist_tasks:main`` with the same arguments).
+
 Each rank writes ``OUT_DIR/rank_R.pt``: its final parameters, its metrics history, with
 ``--count-syncs`` every Tensor->host conversion it made (step, function, the calling frames), and with
 ``--count-collectives`` every torch.distributed collective it called (step, collective, the calling frames)
@@ -12,10 +14,12 @@ state after each step.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import sys
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -51,12 +55,14 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "br
                "reduce_scatter_tensor", "all_gather_into_tensor")
 
 
-def count_collectives(trainer: Trainer) -> list:
+@contextlib.contextmanager
+def count_collectives(trainer: Trainer) -> Iterator[list]:
     """Wrap torch.distributed's Python collectives to record each call; record each step's count of ALL collectives.
 
     Python calls: (step, name, calling frames). Each optimizer step also appends (step, "step", [collectives
     the process group ran during it, DDP's buckets]): the group's sequence number counts every collective,
-    DDP's own C++ all-reduce included, which no Python wrapper sees.
+    DDP's own C++ all-reduce included, which no Python wrapper sees. torch.distributed's own functions are put
+    back on the way out (a shared world runs other scenarios after this one).
     """
     import torch.distributed as dist
 
@@ -78,9 +84,14 @@ def count_collectives(trainer: Trainer) -> list:
             return fn(*args, **kwargs)
         return recorded
 
-    for name in COLLECTIVES:
-        setattr(dist, name, wrap(name, getattr(dist, name)))
-    return calls
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+    for name, fn in originals.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield calls
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
 
 
 class RecordStates(Callback):
@@ -107,13 +118,10 @@ def main(argv: list[str]) -> None:
         trainer = Trainer(cfg, run_dir=cfg.run.dir)
         if record_states:
             trainer.callbacks.append(RecordStates(states, trainer))
-        calls = count_collectives(trainer) if collectives else None
         counter = CountSyncs(trainer) if count else None
-        if counter is not None:
-            with counter:
+        with (count_collectives(trainer) if collectives else contextlib.nullcontext()) as calls:
+            with counter if counter is not None else contextlib.nullcontext():
                 trainer.fit()
-        else:
-            trainer.fit()
         out.mkdir(parents=True, exist_ok=True)
         torch.save({"params": {k: v.detach().clone() for k, v in trainer.module.state_dict().items()},
                     "history": trainer.history, "syncs": counter.calls if counter else None, "world": ctx.world,

@@ -84,3 +84,35 @@ def end_worker() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+class World:
+    """One 2-rank torchrun world that runs several scenarios in turn (``dist_world.py``); each test reads its own.
+
+    ``World(root, [(name, "module:function", [args...]), ...])`` starts the world and waits for it; a
+    module-scoped fixture holds it. :meth:`check` fails the test that reads a scenario which failed (its
+    traceback on each rank), did not run (which one failed first) or left no result (the world's output).
+    """
+
+    def __init__(self, root, scenarios, timeout=600):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        spec = self.root / "scenarios.json"
+        spec.write_text(json.dumps([[name, target, [str(a) for a in args]] for name, target, args in scenarios]))
+        self.results = self.root / "results"
+        self.res = subprocess.run([*TORCHRUN, str(TESTS / "dist_world.py"), str(spec), str(self.results)], env=env(),
+                                  capture_output=True, text=True, timeout=timeout)
+
+    def check(self, name):
+        """Fail unless scenario ``name`` ran to the end on both ranks."""
+        for rank in (0, 1):
+            path = self.results / name / f"rank_{rank}.json"
+            assert path.exists(), (f"scenario {name!r}: no result from rank {rank} (world exit code {self.res.returncode})"
+                                   f"\nstdout:\n{self.res.stdout[-3000:]}\nstderr:\n{self.res.stderr[-3000:]}")
+            outcome = json.loads(path.read_text())
+            assert outcome["ok"], f"scenario {name!r} on rank {rank}:\n{outcome['error']}"
+
+
+def cli(*args):
+    """A :class:`World` scenario's target and arguments: what each rank of ``stabletrain train ARGS`` runs."""
+    return "stabletrain.cli:main", ["train", *FAST, *args]

@@ -1,8 +1,11 @@
 """DDP on CPU (gloo, 2 processes under torchrun): exact equivalence, consistent skips, exact resume, clean failure.
 
-Every test starts real processes: ``stabletrain train dist.nproc=2`` (the launcher), ``torchrun -m
-stabletrain train``, or torchrun on the worker in ``dist_tasks.py`` (which leaves each rank's final
-parameters, history and host syncs on disk).
+Every test starts real processes. The launcher ``stabletrain train dist.nproc=2`` and ``torchrun -m
+stabletrain train`` run end to end (SIGKILL and resume, SIGTERM, a killed launcher, a rank that dies or
+hangs). The rest share one 2-rank torchrun world (``dist_world.py``: a module fixture runs every scenario
+in turn, each test asserts on its own): what each rank of ``stabletrain train dist.nproc=2`` runs (the
+CLI's train command), the worker in ``dist_tasks.py`` (which leaves each rank's final parameters, history
+and host syncs on disk) and those in ``dist_carrier.py`` and ``dist_staging.py``.
 """
 
 import json
@@ -18,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import cfg
-from multiproc import FAST, TESTS, TORCHRUN, descendants, env, events, run, stabletrain, steps_logged, wait_for_step
+from multiproc import FAST, TORCHRUN, World, cli, descendants, env, events, run, stabletrain, steps_logged, wait_for_step
 
 from stabletrain import Trainer
 from stabletrain.records.checkpoint.manager import CheckpointManager
@@ -61,20 +64,60 @@ COMMON = ["accum.steps=3", "train.max_steps=7", "log.every=1", "ckpt.every=0", "
           "sched.warmup_steps=0", "clip.max_norm=0.5"]
 
 
+#: Steps 3 and 5 (batch 4 per rank, accum 1) read global micro-batches 2 and 4; rank 1 takes the second half.
+BAD_AT_3 = EpochOrder(64, 4, seed=0, shuffle=True, rank=1, world_size=2).micro_batches(0)[2][1]
+BAD_AT_5 = EpochOrder(64, 4, seed=0, shuffle=True, rank=1, world_size=2).micro_batches(0)[4][1]
+#: test_the_carried_numbers_are_exact_every_way_and_in_any_bucket_dtype: (way, dtype, tolerance, rides a param)
+CARRIERS = [("param", "float32", 1e-6, True), ("param", "float64", 1e-6, True), ("param", "bfloat16", 2e-2, False),
+            ("hook", "float32", 1e-6, False), ("hook-scaled", "float32", 1e-6, False),
+            ("hook-scaled", "bfloat16", 2e-2, False)]
+
+
+def _scenarios(root):
+    """Every 2-rank run of this file but the launches tested end to end, in the order the world runs them."""
+    nan = ["task=helpers:nan_sample_task", "train.batch_size=4", "train.max_steps=6", "log.every=3", "eval.every=0", *FAST]
+    out = [(f"equiv-{name}", *cli(*task, *COMMON, "train.batch_size=4", "dist.nproc=2", f"run.dir={root / name}"))
+           for name, task in EQUIV.items()]
+    out += [("nan", "dist_tasks:main", [root / "nan_out", *nan, f"task_args.bad_index={BAD_AT_3}", "ckpt.every=0",
+                                        f"run.dir={root / 'nan'}"]),
+            ("staging", "dist_staging:main", [root / "staging"]),
+            ("capture", "dist_tasks:main", [root / "capture_out", "--states", *nan, f"task_args.bad_index={BAD_AT_5}",
+                                            "ckpt.every=0", f"run.dir={root / 'capture'}"]),
+            ("rollback", "dist_tasks:main", [root / "rollback_out", *nan, f"task_args.bad_index={BAD_AT_3}", "ckpt.every=2",
+                                             "guard.on_nonfinite=rollback", "guard.diagnose=false",
+                                             f"run.dir={root / 'rollback'}"]),
+            ("reference", *cli(*RESUME, f"run.dir={root / 'reference'}")),  # the SIGKILL test's uninterrupted run
+            ("grad-nan", "dist_tasks:main", [root / "grad_nan_out", "task=helpers:grad_nan_sample_task",
+                                             f"task_args.bad_index={BAD_AT_3}", "train.batch_size=4", "train.max_steps=3",
+                                             "log.every=3", "ckpt.every=0", "eval.every=0", f"run.dir={root / 'grad_nan'}",
+                                             *FAST]),
+            ("collectives", "dist_tasks:main", [root / "collectives_out", "--count-collectives", "task=mlp",
+                                                "task_args.num_samples=512", "train.batch_size=8", "accum.steps=3",
+                                                "train.max_steps=8", "log.every=4", "ckpt.every=0", "eval.every=0",
+                                                "guard.check_inputs=true", f"run.dir={root / 'collectives'}", *FAST]),
+            ("syncs", "dist_tasks:main", [root / "syncs_out", "--count-syncs", "task=mlp", "task_args.num_samples=512",
+                                          "train.batch_size=8", "accum.steps=2", "train.max_steps=25", "log.every=5",
+                                          "eval.every=10", "ckpt.every=0", "clip.max_norm=0.5", f"run.dir={root / 'syncs'}",
+                                          *FAST])]
+    out += [(f"carrier-{way}-{dtype}", "dist_carrier:main", [way, dtype, root / f"carrier-{way}-{dtype}.json"])
+            for way, dtype, _, _ in CARRIERS]
+    return out
+
+
 @pytest.fixture(scope="module")
-def two_rank_runs(tmp_path_factory):
+def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("ddp")
-    for name, task in EQUIV.items():
-        _run(_stabletrain(*task, *COMMON, "train.batch_size=4", "dist.nproc=2", f"run.dir={root / name}"))
-    return root
+    (root / "staging").mkdir()
+    return World(root, _scenarios(root))
 
 
 @pytest.mark.parametrize("name", list(EQUIV))
-def test_ddp_with_accumulation_equals_one_process_on_the_same_samples(two_rank_runs, tmp_path, name):
+def test_ddp_with_accumulation_equals_one_process_on_the_same_samples(world, tmp_path, name):
+    world.check(f"equiv-{name}")
     single = Trainer(cfg(*EQUIV[name], *COMMON, "train.batch_size=8", task=EQUIV[name][0].split("=", 1)[1]),
                      run_dir=tmp_path / "single")
     single.fit()
-    run_dir = two_rank_runs / name
+    run_dir = world.root / name
     ddp = CheckpointManager(run_dir / "checkpoints").load()
     assert ddp.meta["step"] == 7 and ddp.meta["world_size"] == 2
     for key, value in single.module.state_dict().items():
@@ -86,8 +129,9 @@ def test_ddp_with_accumulation_equals_one_process_on_the_same_samples(two_rank_r
     assert all(r["world_size"] == 2 for r in records)
 
 
-def test_resuming_under_another_world_size_still_refuses_a_changed_config_key(two_rank_runs):
-    run_dir = two_rank_runs / "regression"  # the resharded resume itself: tests/test_reshard.py
+def test_resuming_under_another_world_size_still_refuses_a_changed_config_key(world):
+    world.check("equiv-regression")
+    run_dir = world.root / "regression"  # the resharded resume itself: tests/test_reshard.py
     res = subprocess.run([sys.executable, "-m", "stabletrain", "train", "--resume", str(run_dir), "dist.nproc=1",
                           "optim.lr=0.5", "train.max_steps=9"], env=_env(), capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stderr
@@ -97,14 +141,11 @@ def test_resuming_under_another_world_size_still_refuses_a_changed_config_key(tw
 # -- a NaN that only rank 1 sees -----------------------------------------------------------------
 
 
-def test_a_nan_only_rank_1_sees_skips_the_step_on_both_ranks_and_the_diagnosis_names_rank_1_and_the_sample(tmp_path):
-    # Step 3 (batch 4 per rank, accum 1) reads global micro-batch 2; rank 1 takes its second half.
-    bad = EpochOrder(64, 4, seed=0, shuffle=True, rank=1, world_size=2).micro_batches(0)[2][1]
+def test_a_nan_only_rank_1_sees_skips_the_step_on_both_ranks_and_the_diagnosis_names_rank_1_and_the_sample(world):
+    bad = BAD_AT_3
     assert bad not in EpochOrder(64, 4, seed=0, shuffle=True, rank=0, world_size=2).micro_batches(0)[2]
-    run_dir, out = tmp_path / "run", tmp_path / "out"
-    _run([*TORCHRUN, str(TESTS / "dist_tasks.py"), str(out), "task=helpers:nan_sample_task", f"task_args.bad_index={bad}",
-          "train.batch_size=4", "train.max_steps=6", "log.every=3", "ckpt.every=0", "eval.every=0", f"run.dir={run_dir}",
-          *FAST])
+    world.check("nan")
+    run_dir, out = world.root / "nan", world.root / "nan_out"
     ranks = [torch.load(out / f"rank_{r}.pt", weights_only=False) for r in (0, 1)]
     for key, value in ranks[0]["params"].items():  # both skipped the same step: still in lockstep
         assert torch.equal(value, ranks[1]["params"][key]), key
@@ -124,23 +165,20 @@ def test_a_nan_only_rank_1_sees_skips_the_step_on_both_ranks_and_the_diagnosis_n
     assert bundle["rank"] == 1 and bad in bundle["window"]["indices"][0]
 
 
-def test_a_state_every_rank_holds_alike_is_staged_in_shares_and_completed_bitwise_on_every_rank(tmp_path):
-    _run([*TORCHRUN, str(TESTS / "dist_staging.py"), str(tmp_path)])
-    ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in (0, 1)]
+def test_a_state_every_rank_holds_alike_is_staged_in_shares_and_completed_bitwise_on_every_rank(world):
+    world.check("staging")
+    ranks = [json.loads((world.root / "staging" / f"rank_{r}.json").read_text()) for r in (0, 1)]
     assert sum(r["mine"] for r in ranks) == ranks[0]["total"]  # every byte staged once, on one rank
     assert all(0.3 < r["mine"] / r["total"] < 0.7 and r["withheld"] > 0 for r in ranks), ranks  # about half each
     assert all(r["equal"] and r["tied"] and r["reused"] for r in ranks), ranks
 
 
-def test_the_capture_replays_from_a_snapshot_each_rank_holds_only_its_share_of(tmp_path):
+def test_the_capture_replays_from_a_snapshot_each_rank_holds_only_its_share_of(world):
     # Step 5 reads global micro-batch 4; the interval (log.every=3) started after step 3, where each rank staged
     # about half of the parameters and AdamW state: the capture gathers the rest (a broadcast per tensor from its
     # owner), replays step 4 and writes the state before step 5 bitwise as the run had it.
-    bad = EpochOrder(64, 4, seed=0, shuffle=True, rank=1, world_size=2).micro_batches(0)[4][1]
-    run_dir, out = tmp_path / "run", tmp_path / "out"
-    _run([*TORCHRUN, str(TESTS / "dist_tasks.py"), str(out), "--states", "task=helpers:nan_sample_task",
-          f"task_args.bad_index={bad}", "train.batch_size=4", "train.max_steps=6", "log.every=3", "ckpt.every=0",
-          "eval.every=0", f"run.dir={run_dir}", *FAST])
+    world.check("capture")
+    run_dir, out = world.root / "capture", world.root / "capture_out"
     incident = next(e for e in _events(run_dir) if e["kind"] == "incident")
     assert incident["step"] == 5 and incident["ranks"] == [1] and incident["replayed_steps"] == 1
     bundle = load_bundle(run_dir / "incidents" / "step_000005")
@@ -155,12 +193,9 @@ def test_the_capture_replays_from_a_snapshot_each_rank_holds_only_its_share_of(t
                 assert torch.equal(value, bundle["optimizer"]["state"][i][name]), (r, i, name)
 
 
-def test_a_rollback_happens_on_both_ranks_together_and_skips_the_window_everywhere(tmp_path):
-    bad = EpochOrder(64, 4, seed=0, shuffle=True, rank=1, world_size=2).micro_batches(0)[2][1]
-    run_dir, out = tmp_path / "run", tmp_path / "out"
-    _run([*TORCHRUN, str(TESTS / "dist_tasks.py"), str(out), "task=helpers:nan_sample_task", f"task_args.bad_index={bad}",
-          "train.batch_size=4", "train.max_steps=6", "log.every=3", "ckpt.every=2", "eval.every=0", "guard.on_nonfinite=rollback",
-          "guard.diagnose=false", f"run.dir={run_dir}", *FAST])
+def test_a_rollback_happens_on_both_ranks_together_and_skips_the_window_everywhere(world):
+    world.check("rollback")
+    run_dir, out = world.root / "rollback", world.root / "rollback_out"
     ranks = [torch.load(out / f"rank_{r}.pt", weights_only=False) for r in (0, 1)]
     for key, value in ranks[0]["params"].items():
         assert torch.equal(value, ranks[1]["params"][key]) and torch.isfinite(value).all(), key
@@ -184,10 +219,9 @@ def _final(run_dir):
     return loaded.state
 
 
-def test_a_2_rank_run_killed_with_sigkill_and_resumed_is_bitwise_equal(tmp_path):
-    reference = tmp_path / "reference"
-    _run(_stabletrain(*RESUME, f"run.dir={reference}"))
-    expected = _final(reference)
+def test_a_2_rank_run_killed_with_sigkill_and_resumed_is_bitwise_equal(world, tmp_path):
+    world.check("reference")  # the uninterrupted run: in the shared world
+    expected = _final(world.root / "reference")
 
     run_dir = tmp_path / "killed"
     kill_at = random.Random("ddp-kill").randrange(3, 13)
@@ -282,14 +316,12 @@ def test_sigterm_to_the_launcher_checkpoints_every_rank_at_the_same_log_boundary
     assert loaded.meta["step"] % 3 == 0 and loaded.meta["step"] == steps_logged(run_dir) and len(loaded.state["ranks"]) == 2
 
 
-def test_a_nan_only_in_rank_1s_own_gradients_is_traced_to_rank_1_by_the_capture(tmp_path):
+def test_a_nan_only_in_rank_1s_own_gradients_is_traced_to_rank_1_by_the_capture(world):
     # Rank 1's sample gives a finite loss and NaN gradients: the all-reduce mixes them into every rank's, so the
     # step's rows name no rank; the capture backpropagates the bad step on each rank alone and names rank 1.
-    bad = EpochOrder(64, 4, seed=0, shuffle=True, rank=1, world_size=2).micro_batches(0)[2][1]
-    run_dir, out = tmp_path / "run", tmp_path / "out"
-    _run([*TORCHRUN, str(TESTS / "dist_tasks.py"), str(out), "task=helpers:grad_nan_sample_task",
-          f"task_args.bad_index={bad}", "train.batch_size=4", "train.max_steps=3", "log.every=3", "ckpt.every=0",
-          "eval.every=0", f"run.dir={run_dir}", *FAST])
+    bad = BAD_AT_3
+    world.check("grad-nan")
+    run_dir = world.root / "grad_nan"
     events = _events(run_dir)
     nonfinite = [e for e in events if e["kind"] == "nonfinite"]
     assert [e["step"] for e in nonfinite] == [3] and nonfinite[0]["ranks"] == [] and math.isfinite(nonfinite[0]["loss"])
@@ -302,11 +334,9 @@ def test_a_nan_only_in_rank_1s_own_gradients_is_traced_to_rank_1_by_the_capture(
 # -- one collective per step ----------------------------------------------------------------------
 
 
-def test_a_step_has_one_collective_the_gradient_all_reduce_which_carries_the_windows_numbers(tmp_path):
-    out = tmp_path / "out"
-    _run([*TORCHRUN, str(TESTS / "dist_tasks.py"), str(out), "--count-collectives", "task=mlp", "task_args.num_samples=512",
-          "train.batch_size=8", "accum.steps=3", "train.max_steps=8", "log.every=4", "ckpt.every=0", "eval.every=0",
-          "guard.check_inputs=true", f"run.dir={tmp_path / 'run'}", *FAST])
+def test_a_step_has_one_collective_the_gradient_all_reduce_which_carries_the_windows_numbers(world):
+    world.check("collectives")
+    out = world.root / "collectives_out"
     for rank in (0, 1):
         saved = torch.load(out / f"rank_{rank}.pt", weights_only=False)
         calls = saved["collectives"]
@@ -324,15 +354,12 @@ def test_a_step_has_one_collective_the_gradient_all_reduce_which_carries_the_win
         assert all(r["world_size"] == 2 and r["loss"] == r["loss"] for r in saved["history"])  # global, finite
 
 
-@pytest.mark.parametrize("way, dtype, tol, rides", [("param", "float32", 1e-6, True), ("param", "float64", 1e-6, True),
-                                                  ("param", "bfloat16", 2e-2, False), ("hook", "float32", 1e-6, False),
-                                                  ("hook-scaled", "float32", 1e-6, False),
-                                                  ("hook-scaled", "bfloat16", 2e-2, False)])
-def test_the_carried_numbers_are_exact_every_way_and_in_any_bucket_dtype(tmp_path, way, dtype, tol, rides):
+@pytest.mark.parametrize("way, dtype, tol, rides", CARRIERS)
+def test_the_carried_numbers_are_exact_every_way_and_in_any_bucket_dtype(world, way, dtype, tol, rides):
     # A bf16 model has no bucket that could hold a count exactly: data_parallel falls back to the hook, whose
     # numbers then travel in a float64 all-reduce of their own.
-    out = tmp_path / "out.json"
-    _run([*TORCHRUN, str(TESTS / "dist_carrier.py"), way, dtype, str(out)])
+    world.check(f"carrier-{way}-{dtype}")
+    out = world.root / f"carrier-{way}-{dtype}.json"
     for r in json.loads(out.read_text()):  # two windows: the second after DDP rebuilt its buckets
         assert r["count"] == 12.0  # 7 + 5
         assert r["mean_loss"] == pytest.approx(r["reference_loss"], rel=tol)
@@ -343,11 +370,9 @@ def test_the_carried_numbers_are_exact_every_way_and_in_any_bucket_dtype(tmp_pat
 # -- the sync count per interval -----------------------------------------------------------------
 
 
-def test_each_rank_syncs_only_at_log_eval_and_checkpoint_boundaries(tmp_path):
-    out = tmp_path / "out"
-    _run([*TORCHRUN, str(TESTS / "dist_tasks.py"), str(out), "--count-syncs", "task=mlp", "task_args.num_samples=512",
-          "train.batch_size=8", "accum.steps=2", "train.max_steps=25", "log.every=5", "eval.every=10", "ckpt.every=0",
-          "clip.max_norm=0.5", f"run.dir={tmp_path / 'run'}", *FAST])
+def test_each_rank_syncs_only_at_log_eval_and_checkpoint_boundaries(world):
+    world.check("syncs")
+    out = world.root / "syncs_out"
     # the keeper's save and its failed-saves verdict (rank 0 broadcasts it per checkpoint); InitWatch's one-time compare
     boundary = ("_log", "evaluate", "save", "check_failures", "on_fit_start")
     for rank in (0, 1):

@@ -1,8 +1,11 @@
 """FSDP2 (``dist.strategy=fsdp``) on CPU: gloo, 2 processes under torchrun, against one process.
 
-The slow tests start real processes: ``stabletrain train dist.nproc=2 dist.strategy=fsdp`` (the
-launcher), or torchrun on the worker in ``fsdp_tasks.py`` (which leaves each rank's full parameters
-and history on disk). The fast ones check the pieces on one process.
+The slow tests share one 2-rank torchrun world (``dist_world.py``: a module fixture runs every scenario
+in turn, each test asserts on its own): what each rank of ``stabletrain train dist.nproc=2
+dist.strategy=fsdp`` runs (the CLI's train command, resumes included), and the worker in ``fsdp_tasks.py``
+(which leaves each rank's full parameters and history on disk). The launcher and torchrun themselves are
+tested end to end under FSDP in test_fsdp_checkpoint.py (SIGKILL and resume). The fast ones check the
+pieces on one process.
 """
 
 import json
@@ -11,7 +14,7 @@ import pytest
 import torch
 from fsdp_tasks import BlockNet
 from helpers import cfg
-from multiproc import FAST, TESTS, TORCHRUN, env, events, run, stabletrain
+from multiproc import FAST, World, cli, events
 
 from stabletrain import Trainer
 from stabletrain.records.checkpoint.manager import CheckpointManager
@@ -23,7 +26,7 @@ from stabletrain.tasks.gpt import GPT
 
 pytestmark = pytest.mark.slow  # 2-process torchrun runs
 
-_env, _run, _stabletrain, _events = env, run, stabletrain, events
+_events = events
 
 
 
@@ -102,23 +105,64 @@ COMMON = ["accum.steps=3", "train.max_steps=7", "log.every=1", "ckpt.every=0", "
 RTOL, ATOL = 1e-5, 1e-6
 
 
+#: The NaN sample (test_parameters_are_dtensor_shards...): step 3 (batch 4 per rank, accum 1) reads global
+#: micro-batch 2; rank 1 takes its second half.
+NAN_INDEX = EpochOrder(60, 4, seed=0, shuffle=True, rank=1, world_size=2).micro_batches(0)[2][1]
+RESUME = ["task=fsdp_tasks:blocks_task", "train.batch_size=4", "accum.steps=2", "log.every=2", "ckpt.every=2",
+          "eval.every=3", "sched.decay=constant", "sched.warmup_steps=0", "clip.max_norm=0.5", "dist.nproc=2",
+          "dist.strategy=fsdp"]
+ACROSS = ["task=fsdp_tasks:blocks_task", "train.batch_size=4", "accum.steps=2", "log.every=2", "ckpt.every=2",
+          "eval.every=0", "sched.decay=constant", "sched.warmup_steps=0", "clip.max_norm=0.5", "dist.nproc=2"]
+STRATEGIES = [("ddp", "fsdp"), ("fsdp", "ddp")]
+
+
+def _scenarios(root):
+    """Every 2-rank run of this file, in the order the world runs them; results under ``root``."""
+    out = [(f"equiv-{name}", *cli(*args, *COMMON, "train.batch_size=4", "dist.nproc=2", "dist.strategy=fsdp",
+                                 f"run.dir={root / name}")) for name, args in EQUIV.items()]
+    out.append(("nan", "fsdp_tasks:main", [root / "nan_out", "task=fsdp_tasks:nan_blocks_task",
+                                           f"task_args.bad_index={NAN_INDEX}", "dist.strategy=fsdp", "train.batch_size=4",
+                                           "train.max_steps=6", "log.every=3", "ckpt.every=0", "eval.every=0",
+                                           f"run.dir={root / 'nan'}", *FAST]))
+    resume = root / "resume"
+    out += [("resume-straight", *cli(*RESUME, "train.max_steps=8", f"run.dir={resume / 'straight'}")),
+            ("resume-parts", *cli(*RESUME, "train.max_steps=4", f"run.dir={resume / 'parts'}")),
+            ("resume-resumed", *cli("--resume", resume / "parts", "train.max_steps=8"))]
+    # dist_tasks.py: the DDP tests' worker, which counts every Tensor -> host conversion
+    out.append(("syncs", "dist_tasks:main", [root / "syncs_out", "--count-syncs", "task=fsdp_tasks:blocks_task",
+                                             "dist.strategy=fsdp", "train.batch_size=4", "accum.steps=2",
+                                             "train.max_steps=12", "log.every=4", "eval.every=8", "ckpt.every=0",
+                                             "clip.max_norm=0.5", f"run.dir={root / 'syncs'}", *FAST]))
+    for precision in ("bf16", "fp16"):
+        out.append((precision, *cli("task=fsdp_tasks:blocks_task", *COMMON, "train.batch_size=4", "dist.nproc=2",
+                                    "dist.strategy=fsdp", f"precision={precision}", f"run.dir={root / precision}")))
+    for first, then in STRATEGIES:
+        across = root / f"{first}-{then}"
+        out += [(f"{first}-{then}-straight", *cli(*ACROSS, f"dist.strategy={first}", "train.max_steps=8",
+                                                  f"run.dir={across / 'straight'}")),
+                (f"{first}-{then}-parts", *cli(*ACROSS, f"dist.strategy={first}", "train.max_steps=4",
+                                               f"run.dir={across / 'parts'}")),
+                (f"{first}-{then}-resumed", *cli("--resume", across / "parts", "train.max_steps=8",
+                                                 f"dist.strategy={then}"))]
+    return out
+
+
 @pytest.fixture(scope="module")
-def fsdp_runs(tmp_path_factory):
+def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp")
-    for name, args in EQUIV.items():
-        _run(_stabletrain(*args, *COMMON, "train.batch_size=4", "dist.nproc=2", "dist.strategy=fsdp",
-                          f"run.dir={root / name}"))
-    return root
+    return World(root, _scenarios(root))
 
 
 @pytest_slow
 @pytest.mark.parametrize("name", list(EQUIV))
-def test_fsdp_with_accumulation_equals_one_process_on_the_same_samples(fsdp_runs, tmp_path, name):
+def test_fsdp_with_accumulation_equals_one_process_on_the_same_samples(world, tmp_path, name):
+    root = world.root
+    world.check(f"equiv-{name}")
     args = [a for a in EQUIV[name] if not a.startswith("dist.")]
     single = Trainer(cfg(*args[1:], *COMMON, "train.batch_size=8", task=args[0].split("=", 1)[1]),
                      run_dir=tmp_path / "single")
     single.fit()
-    run_dir = fsdp_runs / name
+    run_dir = root / name
     fsdp = CheckpointManager(run_dir / "checkpoints").load(full=True)
     assert fsdp.meta["step"] == 7 and fsdp.meta["world_size"] == 2
     for key, value in single.module.state_dict().items():  # the checkpoint holds the full (gathered) model
@@ -144,14 +188,11 @@ def test_fsdp_with_accumulation_equals_one_process_on_the_same_samples(fsdp_runs
 
 
 @pytest_slow
-def test_parameters_are_dtensor_shards_and_a_nan_only_rank_1_sees_skips_the_step_on_both_ranks(tmp_path):
-    # Step 3 (batch 4 per rank, accum 1) reads global micro-batch 2; rank 1 takes its second half.
-    bad = EpochOrder(60, 4, seed=0, shuffle=True, rank=1, world_size=2).micro_batches(0)[2][1]
-    assert bad not in EpochOrder(60, 4, seed=0, shuffle=True, rank=0, world_size=2).micro_batches(0)[2]
-    run_dir, out = tmp_path / "run", tmp_path / "out"
-    _run([*TORCHRUN, str(TESTS / "fsdp_tasks.py"), str(out), "task=fsdp_tasks:nan_blocks_task",
-          f"task_args.bad_index={bad}", "dist.strategy=fsdp", "train.batch_size=4", "train.max_steps=6", "log.every=3",
-          "ckpt.every=0", "eval.every=0", f"run.dir={run_dir}", *FAST])
+def test_parameters_are_dtensor_shards_and_a_nan_only_rank_1_sees_skips_the_step_on_both_ranks(world):
+    root = world.root
+    assert NAN_INDEX not in EpochOrder(60, 4, seed=0, shuffle=True, rank=0, world_size=2).micro_batches(0)[2]
+    world.check("nan")
+    run_dir, out = root / "nan", root / "nan_out"
     ranks = [torch.load(out / f"rank_{r}.pt", weights_only=False) for r in (0, 1)]
     for r in ranks:
         assert r["kinds"] == ["DTensor"] and r["step"] == 6
@@ -170,30 +211,27 @@ def test_parameters_are_dtensor_shards_and_a_nan_only_rank_1_sees_skips_the_step
 
 
 @pytest_slow
-def test_an_fsdp_run_resumed_at_the_same_world_size_is_bitwise_equal_to_an_uninterrupted_one(tmp_path):
-    args = ["task=fsdp_tasks:blocks_task", "train.batch_size=4", "accum.steps=2", "log.every=2", "ckpt.every=2",
-            "eval.every=3", "sched.decay=constant", "sched.warmup_steps=0", "clip.max_norm=0.5", "dist.nproc=2",
-            "dist.strategy=fsdp"]
-    _run(_stabletrain(*args, "train.max_steps=8", f"run.dir={tmp_path / 'straight'}"))
-    _run(_stabletrain(*args, "train.max_steps=4", f"run.dir={tmp_path / 'parts'}"))
-    _run(_stabletrain("--resume", str(tmp_path / "parts"), "train.max_steps=8"))
-    straight = CheckpointManager(tmp_path / "straight" / "checkpoints").load(full=True)
-    parts = CheckpointManager(tmp_path / "parts" / "checkpoints").load(full=True)
+def test_an_fsdp_run_resumed_at_the_same_world_size_is_bitwise_equal_to_an_uninterrupted_one(world):
+    root = world.root
+    for part in ("straight", "parts", "resumed"):
+        world.check(f"resume-{part}")
+    base = root / "resume"
+    straight = CheckpointManager(base / "straight" / "checkpoints").load(full=True)
+    parts = CheckpointManager(base / "parts" / "checkpoints").load(full=True)
     assert straight.meta["step"] == parts.meta["step"] == 8
     for key, value in straight.state["model"].items():
         assert torch.equal(parts.state["model"][key], value), key
     for i, st in straight.state["optimizer"]["state"].items():
         for k, v in st.items():
             assert torch.equal(parts.state["optimizer"]["state"][i][k], v), (i, k)
-    assert any(e["kind"] == "resume" for e in _events(tmp_path / "parts"))
+    assert any(e["kind"] == "resume" for e in _events(base / "parts"))
 
 
 @pytest_slow
-def test_each_rank_syncs_only_at_log_eval_and_checkpoint_boundaries_under_fsdp(tmp_path):
-    out = tmp_path / "out"  # dist_tasks.py: the DDP tests' worker, which counts every Tensor -> host conversion
-    _run([*TORCHRUN, str(TESTS / "dist_tasks.py"), str(out), "--count-syncs", "task=fsdp_tasks:blocks_task",
-          "dist.strategy=fsdp", "train.batch_size=4", "accum.steps=2", "train.max_steps=12", "log.every=4",
-          "eval.every=8", "ckpt.every=0", "clip.max_norm=0.5", f"run.dir={tmp_path / 'run'}", *FAST])
+def test_each_rank_syncs_only_at_log_eval_and_checkpoint_boundaries_under_fsdp(world):
+    root = world.root
+    world.check("syncs")
+    out = root / "syncs_out"
     boundary = ("_log", "evaluate", "save", "check_failures", "on_fit_start")  # check_failures: per checkpoint
     for rank in (0, 1):
         calls = torch.load(out / f"rank_{rank}.pt", weights_only=False)["syncs"]
@@ -205,13 +243,12 @@ def test_each_rank_syncs_only_at_log_eval_and_checkpoint_boundaries_under_fsdp(t
 
 
 @pytest_slow
-def test_bf16_under_fsdp_with_accumulation_tracks_fp32_on_one_process(tmp_path):
+def test_bf16_under_fsdp_with_accumulation_tracks_fp32_on_one_process(world):
     # MixedPrecisionPolicy: bf16 gathered parameters, fp32 gradient reduction; the window rescales the fp32
     # gradients FSDP accumulates between syncs. bf16 compute: within 1e-2 (loss) and 3e-2 (grad norm).
-    run_dir = tmp_path / "run"
-    args = ["task=fsdp_tasks:blocks_task", *COMMON]
-    _run(_stabletrain(*args, "train.batch_size=4", "dist.nproc=2", "dist.strategy=fsdp", "precision=bf16",
-                      f"run.dir={run_dir}"))
+    root = world.root
+    world.check("bf16")
+    run_dir = root / "bf16"
     single = Trainer(cfg(*COMMON, "train.batch_size=8", "precision=fp32", task="fsdp_tasks:blocks_task"))
     single.fit()
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -221,11 +258,11 @@ def test_bf16_under_fsdp_with_accumulation_tracks_fp32_on_one_process(tmp_path):
 
 
 @pytest_slow
-def test_fp16_under_fsdp_skips_the_same_overflow_steps_with_the_same_loss_scale_as_one_process(tmp_path):
+def test_fp16_under_fsdp_skips_the_same_overflow_steps_with_the_same_loss_scale_as_one_process(world):
     # The GradScaler's found_inf is all-reduced across the shards, so every rank backs off together.
-    run_dir = tmp_path / "run"
-    _run(_stabletrain("task=fsdp_tasks:blocks_task", *COMMON, "train.batch_size=4", "dist.nproc=2", "dist.strategy=fsdp",
-                      "precision=fp16", f"run.dir={run_dir}"))
+    root = world.root
+    world.check("fp16")
+    run_dir = root / "fp16"
     single = Trainer(cfg(*COMMON, "train.batch_size=8", "precision=fp16", task="fsdp_tasks:blocks_task"))
     single.fit()
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -238,15 +275,14 @@ def test_fp16_under_fsdp_skips_the_same_overflow_steps_with_the_same_loss_scale_
 
 
 @pytest_slow
-@pytest.mark.parametrize("first,then", [("ddp", "fsdp"), ("fsdp", "ddp")])
-def test_a_checkpoint_resumes_under_the_other_strategy_and_continues_the_run(tmp_path, first, then):
-    args = ["task=fsdp_tasks:blocks_task", "train.batch_size=4", "accum.steps=2", "log.every=2", "ckpt.every=2",
-            "eval.every=0", "sched.decay=constant", "sched.warmup_steps=0", "clip.max_norm=0.5", "dist.nproc=2"]
-    _run(_stabletrain(*args, f"dist.strategy={first}", "train.max_steps=8", f"run.dir={tmp_path / 'straight'}"))
-    _run(_stabletrain(*args, f"dist.strategy={first}", "train.max_steps=4", f"run.dir={tmp_path / 'parts'}"))
-    _run(_stabletrain("--resume", str(tmp_path / "parts"), "train.max_steps=8", f"dist.strategy={then}"))
-    straight = CheckpointManager(tmp_path / "straight" / "checkpoints").load(full=True)
-    parts = CheckpointManager(tmp_path / "parts" / "checkpoints").load(full=True)
+@pytest.mark.parametrize("first,then", STRATEGIES)
+def test_a_checkpoint_resumes_under_the_other_strategy_and_continues_the_run(world, first, then):
+    root = world.root
+    for part in ("straight", "parts", "resumed"):
+        world.check(f"{first}-{then}-{part}")
+    base = root / f"{first}-{then}"
+    straight = CheckpointManager(base / "straight" / "checkpoints").load(full=True)
+    parts = CheckpointManager(base / "parts" / "checkpoints").load(full=True)
     assert parts.meta["step"] == 8
     for key, value in straight.state["model"].items():  # the same math; the reductions round differently
         assert torch.allclose(parts.state["model"][key], value, rtol=RTOL, atol=ATOL), key

@@ -1,7 +1,9 @@
 """Sharded, asynchronous checkpoints under FSDP2 (torch.distributed.checkpoint): written, verified, resumed.
 
 The manager's side runs in this process on a one-rank gloo group (a DCP save needs a process group);
-the rest starts 2-rank FSDP runs (``dist.checkpoint=sharded`` is the default there).
+the rest are 2-rank FSDP runs (``dist.checkpoint=sharded`` is the default there): the launcher
+``stabletrain train dist.nproc=2 dist.strategy=fsdp`` end to end (SIGKILL, then ``--resume``), and the
+other runs in one shared torchrun world (``dist_world.py``: what each rank of that command runs, in turn).
 """
 
 import json
@@ -16,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import cfg
-from multiproc import FAST, descendants, env, events, run, stabletrain, wait_for_step
+from multiproc import FAST, World, cli, descendants, env, events, run, stabletrain, wait_for_step
 
 from stabletrain import Trainer
 from stabletrain.records.checkpoint.files import CheckpointError
@@ -124,9 +126,22 @@ KILL = ["task=helpers:slow_mlp_task", "task_args.num_samples=192", "task_args.dr
         "dist.nproc=2", "dist.strategy=fsdp", "guard.capture=false", "callbacks=[ckpt_worker:SlowSteps]"]
 
 
-def test_an_fsdp_run_killed_with_sigkill_and_resumed_from_sharded_checkpoints_is_bitwise_equal(tmp_path):
-    run(stabletrain(*KILL, f"run.dir={tmp_path / 'reference'}"))
-    want_state, want = _final(tmp_path / "reference", 14)
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """One 2-rank world: the SIGKILL test's uninterrupted run, a planted NaN, and a run of 12 steps and one of 5
+    (sharded checkpoints at 0, 3 and 5) that the one-process resumes start from."""
+    root = tmp_path_factory.mktemp("sharded")
+    scenarios = [("reference", *cli(*KILL, f"run.dir={root / 'reference'}")),
+                 ("nan", *cli(*TASK, "dist.nproc=2", "dist.strategy=fsdp", "train.max_steps=2", "ckpt.every=0",
+                              "guard.capture=false", "callbacks=[ckpt_worker:PlantNaN]", f"run.dir={root / 'nan'}"))]
+    scenarios += [(name, *cli(*TASK, "dist.nproc=2", "dist.strategy=fsdp", "ckpt.every=3", f"train.max_steps={steps}",
+                              f"run.dir={root / name}")) for name, steps in (("straight", 12), ("parts", 5))]
+    return World(root, scenarios)
+
+
+def test_an_fsdp_run_killed_with_sigkill_and_resumed_from_sharded_checkpoints_is_bitwise_equal(world, tmp_path):
+    world.check("reference")
+    want_state, want = _final(world.root / "reference", 14)
     run_dir = tmp_path / "killed"
     kill_at = random.Random("fsdp-dcp-kill").randrange(3, 12)
     proc = subprocess.Popen(stabletrain(*KILL, f"run.dir={run_dir}"), env={**env(), "STABLETRAIN_TEST_SLEEP": "0.15"},
@@ -148,10 +163,9 @@ def test_an_fsdp_run_killed_with_sigkill_and_resumed_from_sharded_checkpoints_is
     assert saves and all(0 < e["blocked_s"] < e["seconds"] for e in saves)
 
 
-def test_a_nan_in_one_ranks_shard_withholds_the_sharded_checkpoint_on_every_rank(tmp_path):
-    run_dir = tmp_path / "run"
-    run(stabletrain(*TASK, "dist.nproc=2", "dist.strategy=fsdp", "train.max_steps=2", "ckpt.every=0",
-                    "guard.capture=false", "callbacks=[ckpt_worker:PlantNaN]", f"run.dir={run_dir}"))
+def test_a_nan_in_one_ranks_shard_withholds_the_sharded_checkpoint_on_every_rank(world):
+    world.check("nan")
+    run_dir = world.root / "nan"
     withheld = [e for e in events(run_dir) if e["kind"] == "checkpoint_withheld"]
     assert [(e["step"], e["rank"], e["key"]) for e in withheld] == [(2, 1, "model.layers.1.fc.weight")]
     assert "rank 1's shard of model.layers.1.fc.weight is not finite" in withheld[0]["reason"]
@@ -159,19 +173,12 @@ def test_a_nan_in_one_ranks_shard_withholds_the_sharded_checkpoint_on_every_rank
     assert sorted(p.name for p in ckpts.iterdir()) == ["LAST_GOOD", "step_000000"]  # nothing staged or left behind
 
 
-@pytest.fixture(scope="module")
-def sharded_runs(tmp_path_factory):
-    """A 2-rank FSDP run of 12 steps and one of 5 (sharded checkpoints at 0, 3 and 5)."""
-    root = tmp_path_factory.mktemp("sharded")
-    for name, steps in (("straight", 12), ("parts", 5)):
-        run(stabletrain(*TASK, "dist.nproc=2", "dist.strategy=fsdp", "ckpt.every=3", f"train.max_steps={steps}",
-                        f"run.dir={root / name}"))
-    return root
-
-
 @pytest.mark.parametrize("damage, resumed_at", [(None, 5), ("dcp/__1_0.distcp", 3), ("dcp/.metadata", 3)])
 def test_a_sharded_checkpoint_resumes_on_one_process_and_a_damaged_one_is_skipped_naming_the_file(
-        sharded_runs, tmp_path, damage, resumed_at):
+        world, tmp_path, damage, resumed_at):
+    sharded_runs = world.root
+    for name in ("straight", "parts"):
+        world.check(name)
     run_dir = tmp_path / "parts"
     shutil.copytree(sharded_runs / "parts", run_dir)
     if damage:

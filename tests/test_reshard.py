@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import cfg
-from multiproc import FAST, TESTS, TORCHRUN, events, run
+from multiproc import FAST, World, events
 from ckpt_worker import record_windows
 
 from stabletrain import Trainer
@@ -31,7 +31,12 @@ RTOL, ATOL = 1e-5, 1e-6
 
 
 def worker(out, *args):
-    run([*TORCHRUN, str(TESTS / "ckpt_worker.py"), str(out), f"task={TASK}", *ARGS, *args])
+    """A :class:`World` scenario: ``ckpt_worker.py`` trains (or resumes) on both ranks, each writing ``out/rank_R.pt``."""
+    return "ckpt_worker:main", [out, f"task={TASK}", *ARGS, *args]
+
+
+def rank_files(out):
+    """Each rank's ``out/rank_R.pt``, in rank order."""
     return [torch.load(out / f"rank_{r}.pt", weights_only=False) for r in (0, 1)]
 
 
@@ -57,17 +62,39 @@ def losses(history, after=CUT):
     return {r["step"]: r["loss"] for r in history if r["step"] > after}
 
 
-@pytest.fixture(scope="module", params=["fsdp", "ddp"])
-def two_ranks(request, tmp_path_factory):
-    """An uninterrupted 2-rank run of STEPS steps and one stopped at CUT (checkpointed there), under the strategy.
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Every 2-rank run of this file in one shared torchrun world (``dist_world.py``), in turn.
 
-    Full-state checkpoints (FSDP's sharded ones resume on one process in test_fsdp_checkpoint.py).
+    Per strategy, an uninterrupted run of STEPS steps and one stopped at CUT (checkpointed there), with
+    full-state checkpoints (FSDP's sharded ones resume on one process in test_fsdp_checkpoint.py). Then the
+    1 -> 2 resume: its one-process runs train here first (a copy of the one stopped at CUT is resumed).
     """
-    root = tmp_path_factory.mktemp(f"two_{request.param}")
-    strategy = [f"dist.strategy={request.param}", "dist.checkpoint=full"]
-    straight = worker(root / "out_straight", *strategy, f"train.max_steps={STEPS}", f"run.dir={root / 'straight'}")
-    worker(root / "out_parts", *strategy, f"train.max_steps={CUT}", f"run.dir={root / 'parts'}")
-    return request.param, root, straight
+    root = tmp_path_factory.mktemp("reshard")
+    scenarios = []
+    for strategy in ("fsdp", "ddp"):
+        keys = [f"dist.strategy={strategy}", "dist.checkpoint=full"]
+        scenarios += [(f"{strategy}-straight", *worker(root / f"{strategy}_out_straight", *keys,
+                                                       f"train.max_steps={STEPS}", f"run.dir={root / strategy / 'straight'}")),
+                      (f"{strategy}-parts", *worker(root / f"{strategy}_out_parts", *keys, f"train.max_steps={CUT}",
+                                                    f"run.dir={root / strategy / 'parts'}"))]
+    one = root / "one"
+    straight, straight_windows, _ = in_process(one / "straight", "train.batch_size=8", f"train.max_steps={STEPS}")
+    in_process(one / "parts", "train.batch_size=8", f"train.max_steps={CUT}")
+    shutil.copytree(one / "parts", one / "resumed")
+    scenarios.append(("1-to-2", *worker(one / "out", "dist.strategy=fsdp", "dist.nproc=2", f"train.max_steps={STEPS}",
+                                        f"resume={one / 'resumed'}", f"run.dir={one / 'resumed'}")))  # 2 x 4: 8 per step
+    shared = World(root, scenarios)
+    shared.one = straight, straight_windows
+    return shared
+
+
+@pytest.fixture(scope="module", params=["fsdp", "ddp"])
+def two_ranks(request, world):
+    """(strategy, its folder, the uninterrupted run's ranks)."""
+    for part in ("straight", "parts"):
+        world.check(f"{request.param}-{part}")
+    return request.param, world.root / request.param, rank_files(world.root / f"{request.param}_out_straight")
 
 
 def test_a_2_rank_run_resumed_on_1_process_trains_on_the_same_samples_and_continues_the_curve(two_ranks, tmp_path,
@@ -102,12 +129,12 @@ def test_a_2_rank_run_resumed_on_1_process_trains_on_the_same_samples_and_contin
     assert "resharded from 2 to 1 process(es)" in capsys.readouterr().out
 
 
-def test_a_1_process_run_resumed_on_2_fsdp_ranks_trains_on_the_same_samples_and_seeds_the_new_rank(tmp_path):
-    straight, straight_windows, _ = in_process(tmp_path / "straight", "train.batch_size=8", f"train.max_steps={STEPS}")
-    in_process(tmp_path / "parts", "train.batch_size=8", f"train.max_steps={CUT}")
-    saved = CheckpointManager(tmp_path / "parts" / "checkpoints").load()
-    ranks = worker(tmp_path / "out", "dist.strategy=fsdp", "dist.nproc=2", f"train.max_steps={STEPS}",
-                   f"resume={tmp_path / 'parts'}", f"run.dir={tmp_path / 'parts'}")  # 2 ranks x 4: 8 per step
+def test_a_1_process_run_resumed_on_2_fsdp_ranks_trains_on_the_same_samples_and_seeds_the_new_rank(world):
+    one = world.root / "one"
+    straight, straight_windows = world.one
+    saved = CheckpointManager(one / "parts" / "checkpoints").load()  # the copy in one / "resumed" went on to STEPS
+    world.check("1-to-2")
+    ranks = rank_files(one / "out")
     want = samples_by_step(straight_windows)
     got = samples_by_step(*(r["windows"] for r in ranks))
     assert sorted(got) == list(range(CUT + 1, STEPS + 1)) and got == {s: want[s] for s in got}
@@ -117,7 +144,7 @@ def test_a_1_process_run_resumed_on_2_fsdp_ranks_trains_on_the_same_samples_and_
     assert losses(ranks[0]["history"]) == pytest.approx(losses(straight.history), rel=RTOL)
     for name, p in straight.module.named_parameters():
         assert torch.allclose(ranks[0]["params"][name], p.detach(), rtol=RTOL, atol=ATOL), name
-    resume = [e for e in events(tmp_path / "parts") if e["kind"] == "resume"][-1]
+    resume = [e for e in events(one / "resumed") if e["kind"] == "resume"][-1]
     assert (resume["old_world_size"], resume["new_world_size"], resume["old_global_batch"],
             resume["new_global_batch"]) == (1, 2, 8, 8)
 
