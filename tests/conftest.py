@@ -5,15 +5,23 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# One torch thread per process, here and in every process a test starts (before torch is imported in either):
+# the two xdist workers and their children already fill the CI machine's two cores, and intra-op threads that
+# compete for them spin. Measured on the 2-core machine under load: test_my_task_learns_its_rule_in_300_steps
+# took 24.0 CPU-s with 2 threads, 8.6 with 1. A value already set is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-#: The files that take longest (a whole run's test durations, summed per file: torchrun worlds, SIGKILL +
-#: resume, the labs, the CLI in fresh processes), handed out first. The test command runs two pytest-xdist
+
+#: The files that take longest (a whole run's test durations, summed per file: SIGKILL + resume, torchrun
+#: worlds, the CLI in fresh processes, the trackers), handed out first. The test command runs two pytest-xdist
 #: workers, a whole file at a time (``--dist loadfile``: a module's fixtures run once); the longest first keeps
-#: one worker from starting a long file when the other is nearly done.
-LONGEST_FIRST = ["test_fsdp.py", "test_distributed.py", "test_lab.py", "test_resume.py", "test_cli.py",
-                 "test_trackers.py", "test_fsdp_checkpoint.py", "test_adapters_hosts.py", "test_loop.py",
-                 "test_errors.py", "test_reshard.py", "test_console.py", "test_report.py",
-                 "test_adapters_distributed.py", "test_compile.py"]
+#: one worker from starting a long file when the other is nearly done. From a clean clone's whole run on the
+#: 2-core machine (2026-12-02, others' load ~3-4): test_resume 110 s, test_distributed 94, test_cli 68,
+#: test_trackers 49, test_fsdp_checkpoint 45, test_compile 45, test_adapters_distributed 44, test_report 40, ...
+LONGEST_FIRST = ["test_resume.py", "test_distributed.py", "test_cli.py", "test_trackers.py", "test_fsdp_checkpoint.py",
+                 "test_compile.py", "test_adapters_distributed.py", "test_report.py", "test_fsdp.py",
+                 "test_check_resume.py", "test_console.py", "test_errors.py", "test_bench_fsdp.py", "test_internals.py",
+                 "test_lab.py", "test_integrations_readme.py", "test_loop.py", "test_incident_once.py"]
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the order

@@ -1,22 +1,19 @@
 """The doctor's resume and determinism checks pass on a sound task and name what breaks on a broken one."""
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from multiproc import env
 
 pytestmark = pytest.mark.slow  # the doctor in a subprocess, with a fresh-process resume
 
-TESTS = Path(__file__).parent
 
 
 def check(*args):
-    env = {**os.environ, "PYTHONPATH": str(TESTS) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     res = subprocess.run([sys.executable, "-m", "stabletrain", "check", *args, "--json"], capture_output=True, text=True,
-                         env=env, timeout=600)
+                         env=env(), timeout=600)
     return res.returncode, {r["name"]: r for r in json.loads(res.stdout)}
 
 

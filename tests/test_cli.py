@@ -1,29 +1,33 @@
 """The CLI as a user runs it: a subprocess, exit codes, one-line errors, a real run directory."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from multiproc import env
 
 pytestmark = pytest.mark.slow  # each test starts the CLI in a fresh process (torch import ~3 s)
 
-TESTS = Path(__file__).parent
 
 
 def run(*args, cwd=None):
-    env = {**os.environ, "PYTHONPATH": str(TESTS) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-m", "stabletrain", *args], capture_output=True, text=True, cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "stabletrain", *args], capture_output=True, text=True, cwd=cwd, env=env(),
                           timeout=300)
 
 
-def test_train_writes_the_run_directory(tmp_path):
-    run_dir = tmp_path / "run"
-    res = run("train", "task=mlp", "train.max_steps=30", "log.every=10", "eval.every=15", "log.progress=false",
-              f"run.dir={run_dir}")
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One ``stabletrain train`` of the mlp task, 30 steps (logged every 10, evaluated every 15): (its result, its run dir)."""
+    run_dir = tmp_path_factory.mktemp("cli") / "run"
+    return run("train", "task=mlp", "train.max_steps=30", "log.every=10", "eval.every=15", "log.progress=false",
+               f"run.dir={run_dir}"), run_dir
+
+
+def test_train_writes_the_run_directory(trained):
+    res, run_dir = trained
     assert res.returncode == 0, res.stderr
     assert f"run directory: {run_dir}" in res.stdout
     for name in ("config.yaml", "snapshot.json", "metrics.jsonl", "events.jsonl"):
@@ -42,14 +46,14 @@ def test_train_writes_the_run_directory(tmp_path):
     assert again.returncode == 2 and "already holds a run" in again.stderr
 
 
-def test_tensorboard_files_hold_the_scalars(tmp_path):
+def test_tensorboard_files_hold_the_scalars(trained):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    run_dir = tmp_path / "run"
-    assert run("train", "task=mlp", "train.max_steps=20", "log.every=10", "log.progress=false", f"run.dir={run_dir}").returncode == 0
+    res, run_dir = trained
+    assert res.returncode == 0, res.stderr
     acc = EventAccumulator(str(run_dir / "tb"))
     acc.Reload()
-    assert [e.step for e in acc.Scalars("train/loss")] == [10, 20]
+    assert [e.step for e in acc.Scalars("train/loss")] == [10, 20, 30]
     assert "train/grad_norm" in acc.Tags()["scalars"] and "val/val_loss" in acc.Tags()["scalars"]
 
 

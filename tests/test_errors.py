@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers import cfg, regression_task
+from multiproc import env as child_env
 from stabletrain import Trainer
 from stabletrain.errors import format_task_error, raised_by_stabletrain, task_part, user_location
 
@@ -85,9 +86,8 @@ def test_stabletrain_own_errors_are_not_the_tasks():
 
 
 def run(*args, cwd=None, env=None):
-    env = {**os.environ, "PYTHONPATH": str(TESTS) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
     return subprocess.run([sys.executable, "-m", "stabletrain", *args], capture_output=True, text=True, cwd=cwd,
-                          env=env, timeout=300)
+                          env={**child_env(), **(env or {})}, timeout=300)
 
 
 def test_train_names_the_loss_and_shows_the_users_line(tmp_path):

@@ -2,7 +2,6 @@
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,13 +11,13 @@ import pytest
 import torch
 
 from helpers import PoisonAt, cfg, nan_sample_task, regression_task
+from multiproc import env as child_env
 from stabletrain import Trainer
 from stabletrain.records.checkpoint.manager import CheckpointManager
 from stabletrain.config import GuardConfig
 from stabletrain.data import EpochOrder
 from stabletrain.policies.guard import Guard
 
-TESTS = Path(__file__).parent
 BAD = 37  # the dataset index holding a NaN in nan_sample_task
 
 
@@ -53,14 +52,13 @@ def test_nan_sample_is_skipped_captured_and_diagnosed_down_to_the_dataset_index(
     bundle_dir = Path(incident["path"])
     assert (bundle_dir / "bundle.pt").exists() and (bundle_dir / "diagnosis.json").exists()
     # The same diagnosis from a fresh process, as a user runs it.
-    env = {**os.environ, "PYTHONPATH": str(TESTS) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     (tmp_path / "run" / "config.yaml").write_text((tmp_path / "run" / "config.yaml").read_text().replace(
         "task: mlp", "task: helpers:nan_sample_task"))
     bundle = torch.load(bundle_dir / "bundle.pt", weights_only=True)
     bundle["config"]["task"] = "helpers:nan_sample_task"
     torch.save(bundle, bundle_dir / "bundle.pt")
     res = subprocess.run([sys.executable, "-m", "stabletrain", "diagnose", str(bundle_dir), "--json"], capture_output=True,
-                         text=True, env=env, timeout=300)
+                         text=True, env=child_env(), timeout=300)
     assert res.returncode == 0, res.stderr
     fresh = json.loads(res.stdout)
     assert fresh["step"] == bad_step and fresh["bad_samples"] == [BAD] and fresh["rank"] == 0

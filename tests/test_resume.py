@@ -2,23 +2,20 @@
 
 import json
 import math
-import os
 import random
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
-from multiproc import steps_logged
+from multiproc import env, steps_logged
 
 from stabletrain.records.checkpoint.manager import CheckpointManager
 
 pytestmark = pytest.mark.slow  # subprocess runs killed and resumed
 
-TESTS = Path(__file__).parent
 # 192 samples / 16 per micro-batch = 12 micro-batches per epoch; accum 5 -> windows of 5, 5, 2:
 # 3 steps per epoch, so 15 steps cross four epoch boundaries, each with a short tail window.
 ARGS = ["task=helpers:slow_mlp_task", "task_args.num_samples=192", "task_args.dropout=0.2", "task_args.sleep=0.01",
@@ -27,7 +24,7 @@ ARGS = ["task=helpers:slow_mlp_task", "task_args.num_samples=192", "task_args.dr
 
 
 def _env(**extra):
-    return {**os.environ, "PYTHONPATH": str(TESTS) + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra}
+    return {**env(), **extra}
 
 
 def _start(run_dir, *extra, resume=False, env=None):
