@@ -27,7 +27,7 @@ class MetricsFile(Callback):
 
 
 class TensorBoardLog(Callback):
-    """Write each interval's scalars to ``RUN_DIR/tb`` with TensorBoard's ``SummaryWriter``.
+    """Write each interval's scalars to ``RUN_DIR/tb``: one TensorBoard event per interval (:class:`~stabletrain.records.rundir.TensorBoardSink`).
 
     When ``log.trackers`` lists tensorboard (the default) and ``log.tensorboard`` is true.
     """
@@ -52,7 +52,7 @@ class TensorBoardLog(Callback):
         # What a checkpoint covers is on disk with it: a crash after it loses no logged step (a resume
         # purges and rewrites only the steps after the checkpoint).
         if self._sink is not None:
-            self._sink.writer.flush()
+            self._sink.flush()
 
     def on_fit_end(self, state: FitState, record: dict[str, Any]) -> None:
         if self._sink is not None:
