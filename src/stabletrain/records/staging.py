@@ -83,11 +83,13 @@ class StateStager:
         load = [0] * world  # bytes assigned to each rank so far
         shared: dict[tuple[Any, ...], Tensor | Withheld] = {}
         copies: dict[torch.device, tuple[list[Tensor], list[Tensor]]] = {}  # source device -> (buffers, sources)
-        used = [0]  # buffers used so far (one per distinct tensor this rank stages), in the walk's order
+        used = 0  # buffers used so far (one per distinct tensor this rank stages), in the walk's order
+        buffers, specs = self._buffers, self._specs
 
         strided, one = torch.strided, world == 1
 
         def leaf(x: Tensor) -> Tensor | Withheld:
+            nonlocal used
             if x.layout != strided:  # sparse and other layouts: a plain copy (rare in a state dict)
                 return x.detach().to("cpu", copy=True)
             shape, device, dtype = x.shape, x.device, x.dtype  # (no detach: the copy below runs under no_grad)
@@ -100,34 +102,38 @@ class StateStager:
                     if owner != rank:
                         buf = shared[key] = Withheld(owner, shape, dtype)
                         return buf
-                k = used[0]
-                buf = (self._buffers[k] if k < len(self._specs) and self._specs[k] == (shape, dtype, device.type == "cuda")
-                       else self._buffer(k, x, shape, device.type == "cuda"))
+                k, pin = used, x.is_cuda
+                buf = (buffers[k] if k < len(specs) and specs[k] == (shape, dtype, pin)
+                       else self._buffer(k, x, shape, pin))
                 shared[key] = buf
-                used[0] = k + 1
-                dst, src = copies.setdefault(device, ([], []))
-                dst.append(buf)
-                src.append(x)
+                used = k + 1
+                pair = copies.get(device)
+                if pair is None:
+                    pair = copies[device] = ([], [])
+                pair[0].append(buf)
+                pair[1].append(x)
             return buf
+
+        plain = _PLAIN_TYPES
 
         def walk(x: Any) -> Any:
             t = type(x)
-            if t in _PLAIN_TYPES:
+            if t in plain:
                 return x
-            if t is dict:  # comprehensions, not generators: a state has hundreds of entries
-                return {k: walk(v) for k, v in x.items()}
+            if t is dict:  # comprehensions, not generators: a state has hundreds of entries; plain values not called
+                return {k: v if type(v) in plain else walk(v) for k, v in x.items()}
             if isinstance(x, Tensor):
                 return leaf(x)
             if t is OrderedDict:
-                return OrderedDict([(k, walk(v)) for k, v in x.items()])
+                return OrderedDict([(k, v if type(v) in plain else walk(v)) for k, v in x.items()])
             if t is list:  # a fresh list, so the caller may go on changing its own
-                return list(x) if _plain_sequence(x) else [walk(v) for v in x]
+                return list(x) if _plain_sequence(x) else [v if type(v) in plain else walk(v) for v in x]
             if t is tuple:  # immutable: kept as it is when it holds plain values only (Python's RNG state)
-                return x if _plain_sequence(x) else tuple([walk(v) for v in x])
+                return x if _plain_sequence(x) else tuple([v if type(v) in plain else walk(v) for v in x])
             return copy.deepcopy(x)
 
         out = walk(state)
-        del self._buffers[used[0]:], self._specs[used[0]:]
+        del self._buffers[used:], self._specs[used:]
         events = []
         with torch.no_grad():
             for device, (dst, src) in copies.items():

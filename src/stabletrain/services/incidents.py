@@ -69,14 +69,23 @@ def copy_state_into(dst: Any, src: Any) -> Any:
     return tree_unflatten(out, spec)
 
 
-def _split_replicated(local: dict[str, Any], module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
+def _split_replicated(local: dict[str, Any], module: torch.nn.Module,
+                      cache: dict[Any, set[str]] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the parameters' entries of the model state and the optimizer's per-parameter state, the rest).
 
     The first changes only in the optimizer's step and, under DDP, is the same on every rank; the rest (buffers such as BatchNorm's running statistics, which
     each rank updates in its own forward, the RNG streams, the data position, ...) is this rank's own.
+    ``cache``: the parameter names per (module, the model state's keys), kept by the caller (a walk of the
+    module per interval otherwise).
     """
-    names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
     model, optimizer = local["model"], local["optimizer"]
+    key = (id(module), tuple(model))
+    names = cache.get(key) if cache is not None else None
+    if names is None:
+        names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+        if cache is not None:
+            cache.clear()
+            cache[key] = names
     shared = {"model": {k: v for k, v in model.items() if k in names}, "optimizer": optimizer.get("state", {})}
     rest = {**local, "model": type(model)((k, v) for k, v in model.items() if k not in names),
             "optimizer": {k: v for k, v in optimizer.items() if k != "state"}}
@@ -129,6 +138,7 @@ class IncidentRecorder:
         self._stream: Any = None  # the side stream (CUDA)
         self._hooked = False
         self._enabled: bool | None = None  # guard.memory_snapshot=auto: decided once, at the first interval
+        self._names: dict[Any, set[str]] = {}  # _split_replicated's parameter names, per model layout
         self.replayed_steps: int | None = None  # steps the last capture replayed (None: no capture yet)
 
     @property
@@ -220,7 +230,7 @@ class IncidentRecorder:
             return
         local = self._local_state(state)
         if not self.ops.strategy.sharded:
-            params, local = _split_replicated(local, state.module)
+            params, local = _split_replicated(local, state.module, self._names)
             share = (state.dist.rank, state.dist.world) if self.ops.strategy.replicated else None
             stream = self._side_stream(state)
             self._snapshot_params, self._params_ready = self._params_stager.stage(params, share=share, stream=stream)
