@@ -63,9 +63,11 @@ def test_tensorboard_event_file_crcs_pass_tensorboards_own_reader_and_a_flipped_
     sink = TensorBoardSink(tmp_path / "tb", purge_step=3)
     for step in (3, 4):
         sink.write({"step": step, "loss": 0.5 * step, "lr": 1e-3, "num_skipped": 0})
-    sink.close()
     path = sink.path
+    # Read before close: each event is with the OS once written (a process killed after a log boundary, whose
+    # checkpoint a background save commits later, must not lose the steps the checkpoint covers).
     events = [Event.FromString(r) for r in RawEventFileLoader(str(path)).Load()]
+    sink.close()
     assert [e.file_version for e in events[:2]] == ["brain.Event:2"] * 2 and events[1].step == 3
     assert events[2].session_log.status == 1  # START at the purge step: TensorBoard drops what an earlier process wrote
     assert [(e.step, {v.tag: v.simple_value for v in e.summary.value}) for e in events[3:]] == [

@@ -48,12 +48,6 @@ class TensorBoardLog(Callback):
         if self._sink is not None:
             self._sink.write(record)
 
-    def on_checkpoint(self, state: FitState, info: dict[str, Any]) -> None:
-        # What a checkpoint covers is on disk with it: a crash after it loses no logged step (a resume
-        # purges and rewrites only the steps after the checkpoint).
-        if self._sink is not None:
-            self._sink.flush()
-
     def on_fit_end(self, state: FitState, record: dict[str, Any]) -> None:
         if self._sink is not None:
             self._sink.close()

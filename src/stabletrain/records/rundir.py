@@ -350,11 +350,14 @@ class TensorBoardSink:
     ``Summary`` protos, each framed as a TFRecord with its masked CRC32C), written from the calling thread: the
     writer of TensorBoard (and torch's ``SummaryWriter``) hands each event to a thread that computes the CRC32C
     in pure Python where TensorFlow is not installed, ~0.15 ms per interval's event holding the GIL, which the
-    training loop then waits for. Here the CRC is google-crc32c's C code (0.4 us). Buffered; flushed every
-    ``flush_secs`` (as ``SummaryWriter``'s default), on :meth:`flush` (a checkpoint) and on :meth:`close`.
+    training loop then waits for. Here the CRC is google-crc32c's C code (0.4 us). Each event goes to the OS at
+    once (one ``write``, a few us per interval, as ``metrics.jsonl``): a process killed after a log boundary
+    loses none of its steps, so a checkpoint that a background save commits later never covers a step the
+    file lacks (``SummaryWriter`` buffers up to 120 s, and a resume would purge and rewrite only the steps
+    after the checkpoint).
     """
 
-    def __init__(self, log_dir: Path, purge_step: int | None = None, flush_secs: float = 120.0) -> None:
+    def __init__(self, log_dir: Path, purge_step: int | None = None) -> None:
         """``purge_step``: on resume, TensorBoard drops the events at and after this step that an earlier
         process wrote (the steps after the checkpoint that a crash made the run train again)."""
         from tensorboard.compat.proto.event_pb2 import Event, SessionLog
@@ -364,13 +367,11 @@ class TensorBoardSink:
         name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_TB_FILES)}"
         self.path = log_dir / name
         self._fh = open(self.path, "wb")  # noqa: SIM115 (closed by close())
-        self._flush_secs, self._flushed = flush_secs, time.monotonic()
         self._tags: dict[str, str] = {}
         self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
         if purge_step is not None:  # what SummaryWriter(purge_step=...) writes: TensorBoard purges from this step on
             self._write(Event(step=purge_step, file_version="brain.Event:2"))
             self._write(Event(step=purge_step, session_log=SessionLog(status=SessionLog.START)))
-        self.flush()
 
     def _tag(self, key: str) -> str:
         """The scalar's TensorBoard tag: ``train/KEY``, or ``val/KEY`` for validation figures (made once per key)."""
@@ -382,6 +383,7 @@ class TensorBoardSink:
         header = struct.pack("<Q", len(data))
         self._fh.write(b"".join((header, struct.pack("<I", _masked_crc32c(header)), data,
                                  struct.pack("<I", _masked_crc32c(data)))))
+        self._fh.flush()  # to the OS now (no fsync, as TensorBoard's writer)
 
     def write(self, record: dict[str, Any]) -> None:
         """One event holding every scalar of the interval (``add_scalar`` would write one event per value)."""
@@ -394,13 +396,6 @@ class TensorBoardSink:
                   if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)]
         if values:
             self._write(Event(wall_time=time.time(), step=int(record["step"]), summary=Summary(value=values)))
-        if time.monotonic() - self._flushed > self._flush_secs:
-            self.flush()
-
-    def flush(self) -> None:
-        """Put what was written on disk (the OS's; no fsync, as TensorBoard's writer)."""
-        self._fh.flush()
-        self._flushed = time.monotonic()
 
     def close(self) -> None:
         if not self._fh.closed:
