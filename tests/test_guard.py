@@ -2,6 +2,7 @@
 
 import json
 import math
+import warnings
 import subprocess
 import sys
 from pathlib import Path
@@ -241,6 +242,24 @@ def test_the_host_spike_rule_flags_exactly_the_steps_the_device_rule_does(window
     more = _rows([2.0, 9.0], [True, True])
     clone.mark_spikes(more)
     assert [r.values["spike"] for r in more] == [0.0, 1.0]
+
+
+@pytest.mark.parametrize("scale,spikes", [(1e3, [29, 59]), (1e22, [])])
+def test_the_host_spike_rule_agrees_with_the_device_past_float32_silently(scale, spikes):
+    """Losses near 1e22 with 1% noise: the window's squared deviations (~1e40) overflow float32 on both sides,
+    so the std is inf and a x10 step is no spike there, as at 1e3 it is one. The host rule says nothing about
+    the overflow (numpy's RuntimeWarning came from stabletrain in diverging runs)."""
+    losses = [scale * (1.0 + 0.01 * math.sin(i)) * (10.0 if i % 30 == 29 else 1.0) for i in range(60)]
+    device = Guard(GuardConfig(spike_window=8, on_spike="skip"), torch.device("cpu"))
+    on_device = [bool(device.observe(torch.tensor(v), torch.tensor(1.0))[2]) for v in losses]
+    host = Guard(GuardConfig(spike_window=8, on_spike="warn"), torch.device("cpu"))
+    rows = _rows(losses, [True] * len(losses))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(0, len(rows), 10):
+            host.mark_spikes(rows[i:i + 10])
+    assert [r.values["spike"] > 0.5 for r in rows] == on_device
+    assert [i for i, s in enumerate(on_device) if s] == spikes
 
 
 def test_decide_pins_the_range_of_updates_a_failed_parameter_check_covers():

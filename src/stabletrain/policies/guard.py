@@ -185,9 +185,11 @@ class Guard:
                 bound = float(ratio) * median
                 if loss > bound * (1 - 1e-6) and np.float32(loss) > ratio * np.float32(median):
                     window = np.asarray(kept, dtype=np.float32)
-                    mean = window.mean(dtype=np.float32)
-                    std = np.sqrt(((window - mean) ** 2).mean(dtype=np.float32))
-                    z = (np.float32(loss) - mean) / (std + np.float32(1e-12))
+                    # A diverging window overflows float32 (std inf: no spike), as the device rule does, silently.
+                    with np.errstate(over="ignore", invalid="ignore"):
+                        mean = window.mean(dtype=np.float32)
+                        std = np.sqrt(((window - mean) ** 2).mean(dtype=np.float32))
+                        z = (np.float32(loss) - mean) / (std + np.float32(1e-12))
                     spike = bool(z > zscore)
             v["spike"] = 1.0 if spike else 0.0
             if finite and not spike:
