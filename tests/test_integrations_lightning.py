@@ -21,6 +21,8 @@ from stabletrain.callbacks import Callback as StableCallback  # noqa: E402
 from stabletrain.records.events import EVENT_KINDS, METRIC_KEYS  # noqa: E402
 from stabletrain.replay import diagnose_incident  # noqa: E402
 from stabletrain.integrations.lightning import StableTrainCallback  # noqa: E402
+from stabletrain.integrations.options import compiled_methods  # noqa: E402
+from stabletrain.integrations.replay import _lightning_loss  # noqa: E402
 from stabletrain.records.rundir import read_jsonl  # noqa: E402
 from stabletrain.report import load_run, write_report  # noqa: E402
 
@@ -124,6 +126,47 @@ def test_planted_nan_is_skipped_captured_and_traced(tmp_path):
     fresh = diagnose_incident(tmp_path / "run" / "incidents" / f"step_{bad_step:06d}")
     assert (fresh["module"], fresh["bad_samples"], fresh["first_nonfinite_param"]) == ("net.root", [BAD_POSITION],
                                                                                       "net.fc1.weight")
+
+
+class NoLogNet(LitNet):
+    """LitNet without ``self.log`` in ``training_step``: Lightning 2.6's ``self.log`` does not trace under torch
+    2.13's dynamo (it inspects the signature of the compiled method), with or without stabletrain."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+
+def test_a_module_lightning_compiles_in_place_is_diagnosed_eagerly_on_its_own_copy(tmp_path):
+    # trainer.fit(torch.compile(module)) trains the LightningModule itself, with compiled wrappers of its forward and
+    # training_step set on the instance. The diagnosis deep-copies the module: the copy kept the wrappers of the live
+    # module's methods, so it ran the live module (the incident named 'Net.root' and "not reproducible"). The
+    # "eager" backend: dynamo's wrappers as inductor's, without compiling kernels on the CPU.
+    bad_step = 3
+    cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=5)
+    module = NoLogNet()
+    fit(torch.compile(module, backend="eager"), cb, 8, bad_index=(bad_step - 1) * BATCH + BAD_POSITION)
+    assert {"forward", "training_step"} <= set(compiled_methods(module))  # the host's compiled methods are back
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    run = load_run(tmp_path / "run")
+    assert run.metrics[0]["num_skipped"] == 1 and run.counted_events("incident")[0].step == bad_step
+    d = run.counted_events("incident")[0].extra["diagnosis"]
+    assert (d["op"], d["module"], d["reproduces"]) == ("aten.sqrt.default", "net.root", True)
+    assert d["bad_positions"] == [{"micro_batch": 0, "position": BAD_POSITION}]
+    diagnosis = json.loads((tmp_path / "run" / "incidents" / f"step_{bad_step:06d}" / "diagnosis.json").read_text())
+    assert (diagnosis["replay_mode"], diagnosis["run_compiled"]) == ("eager", True)
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["train"] == {"compile": True}
+    signal = json.loads((tmp_path / "run" / "init_signal.json").read_text())  # hooks on the eager forward
+    assert [layer["name"] for layer in signal["layers"]] == ["net.fc1", "net.act", "net.root", "net.fc2"]
+
+
+def test_the_lightning_loss_puts_back_a_forward_the_host_set_on_the_module():
+    # The diagnosis's loss runs training_step as the module's call through an instance forward; it deleted the one
+    # Lightning's compile had set there (the host's model then trained uncompiled).
+    module = NoLogNet()
+    own = module.forward = lambda x: module.net(x)
+    loss = _lightning_loss(module, (torch.rand(2, 4), torch.randn(2, 1)))
+    assert vars(module)["forward"] is own and loss.shape == ()
 
 
 def test_non_fused_optimizer_skips_with_one_read_per_step(tmp_path):

@@ -103,6 +103,24 @@ def test_planted_nan_is_skipped_captured_and_traced(tmp_path):
     assert fresh["first_nonfinite_param"] is not None
 
 
+def test_a_model_the_trainer_compiles_is_recorded_compiled_and_diagnosed_eagerly(tmp_path):
+    # torch_compile=True: the Trainer trains a torch.compile wrapper, and its callbacks are handed the model inside
+    # it; the record says the run was compiled (the replay is eager and does not compare a finite loss bitwise).
+    # The "eager" backend: dynamo's wrapper as inductor's, without compiling kernels on the CPU.
+    bad_sample = 2 * BATCH + 1
+    cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=5)
+    trainer = trainer_for(trap_gpt2(), cb, tmp_path, max_steps=4, rows=token_rows(4 * BATCH, trap_at=bad_sample),
+                          torch_compile=True, torch_compile_backend="eager")
+    trainer.train()
+    assert type(trainer.model_wrapped).__name__ == "OptimizedModule"
+    cfg = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert cfg["train"] == {"compile": True} and cfg["host"]["torch_compile"] is True
+    d = load_run(tmp_path / "run").counted_events("incident")[0].extra["diagnosis"]
+    assert (d["module"], d["reproduces"]) == ("transformer.wte", True)
+    diagnosis = json.loads((tmp_path / "run" / "incidents" / "step_000003" / "diagnosis.json").read_text())
+    assert (diagnosis["replay_mode"], diagnosis["run_compiled"]) == ("eager", True)
+
+
 def test_bf16_autocast_and_a_grad_scaler_where_the_trainer_scales_the_loss(tmp_path):
     cb = StableTrainCallback(run_dir=tmp_path / "bf16", log_every=4)
     trainer_for(gpt2(), cb, tmp_path, max_steps=4, bf16=True).train()

@@ -44,6 +44,7 @@ from ..seeding import rng_state, set_rng_state
 from ..records.staging import IntervalSnapshot, StateStager, load_optimizer_state_, state_kept
 from ..tasks import Task
 from .replay import CapturedRows, batch_nbytes, bundle_batch, optimizer_recipe, plain_batch, to_host
+from .options import eager_methods
 
 __all__ = ["KeptStep", "StepKeeper", "HostReplay", "IncidentCapture"]
 
@@ -300,7 +301,8 @@ class IncidentCapture:
         try:
             live = Task(model=s.model, train_data=rows_ds, loss=loss, collate=rows_ds.collate,
                         name=f"{s.host}:{type(s.model).__name__}", optimizer=_live_optimizer_factory(opt_recipe))
-            with self._replaying(), self.replay.detached():
+            # Eagerly, on the bundle's weights in a copy: a module compiled in place (Lightning) runs its class's methods.
+            with self._replaying(), self.replay.detached(), eager_methods(s.model):
                 diagnosis = diagnose_incident(incident_dir, live, device=str(s.device))
             positions = diagnosis["bad_positions"]  # diagnose_incident maps them (CapturedRows.where)
             fields = {"diagnosis": {**{k: diagnosis.get(k) for k in DIAGNOSIS_FIELDS}, "bad_positions": positions}}

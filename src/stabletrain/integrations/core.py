@@ -55,7 +55,7 @@ from ..numerics import snapshot_params, unique_params, update_norm
 from ..records.rundir import RunDir, build_snapshot
 from ..seeding import rng_state, set_rng_state
 from .capture import HostReplay, IncidentCapture
-from .options import AdapterGuard, AdapterOptions, is_compiled, jsonable, optimizer_config, unwrap
+from .options import AdapterGuard, AdapterOptions, eager_methods, is_compiled, jsonable, optimizer_config, unwrap
 
 __all__ = ["RunSession"]
 
@@ -86,7 +86,7 @@ class RunSession:
                  optimizer: torch.optim.Optimizer | None = None, scaler: Any = None, replay: HostReplay | None = None,
                  recipes: dict[str, Any] | None = None, callbacks: Sequence[Callback] = (), overwrite: bool = False,
                  fingerprint: InitFingerprint | None | str = "take",
-                 tracker_hosts: dict[str, tuple[Callable[[], Any], Any]] | None = None) -> None:
+                 tracker_hosts: dict[str, tuple[Callable[[], Any], Any]] | None = None, compiled: bool = False) -> None:
         self.options = options.validate()
         self.dist = DistContext.current()
         self.run_dir = Path(run_dir) if run_dir is not None else None
@@ -100,9 +100,10 @@ class RunSession:
         self.params = [p for _, p in self.named_params]
         self.device = self.params[0].device
         self.clip_max_norm = clip_max_norm
-        # train.compile records a host-compiled model: the bundle's config says so, and the diagnosis that it replayed eagerly.
+        # train.compile records a host-compiled model (``compiled``: the host says so where the model it hands over is
+        # not the compiled one): the bundle's config says so, and the diagnosis that it replayed eagerly.
         self.cfg = Config(precision=precision, device=str(self.device), clip=ClipConfig(max_norm=clip_max_norm),
-                          train=TrainConfig(compile=is_compiled(model)),
+                          train=TrainConfig(compile=compiled or is_compiled(model)),
                           log=LogConfig(every=options.log_every, tensorboard=options.tensorboard, progress=False,
                                         top_layers=options.top_layers, trackers=options.tracker_names()),
                           guard=GuardConfig(on_nonfinite="skip" if options.on_nonfinite == "warn" else options.on_nonfinite,
@@ -198,7 +199,8 @@ class RunSession:
 
         rng = rng_state()
         try:
-            with self.replay.replaying() if self.replay is not None else contextlib.nullcontext():
+            with self.replay.replaying() if self.replay is not None else contextlib.nullcontext(), \
+                    eager_methods(self.model):  # its hooks on the module's own eager forward, no recompile of the host's
                 report = signal_report(self.model, batch, loss_fn, label=f"{type(self.model).__name__} at step 0")
         except Exception as err:  # the report must never take the run down
             warnings.warn(f"the signal-propagation report failed ({type(err).__name__}: {err})", console.StableTrainWarning,

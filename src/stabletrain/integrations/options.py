@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -17,7 +18,8 @@ from ..config import GuardConfig
 from ..internals import eager_module
 from ..policies.guard import Guard
 
-__all__ = ["AdapterOptions", "AdapterGuard", "StopTraining", "jsonable", "optimizer_config", "unwrap", "is_compiled"]
+__all__ = ["AdapterOptions", "AdapterGuard", "StopTraining", "jsonable", "optimizer_config", "unwrap", "is_compiled",
+           "compiled_methods", "eager_methods"]
 
 
 class StopTraining(RuntimeError):
@@ -114,10 +116,42 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def is_compiled(model: nn.Module) -> bool:
-    """Whether ``model`` is a ``torch.compile`` wrapper (``OptimizedModule``), outside or inside a DDP wrapper."""
+    """Whether ``model`` is a ``torch.compile`` wrapper (``OptimizedModule``), outside or inside a DDP wrapper, or
+    a module whose own methods were compiled in place (:func:`compiled_methods`: Lightning's way)."""
     if eager_module(model) is not model:
         return True
-    return isinstance(model, torch.nn.parallel.DistributedDataParallel) and eager_module(model.module) is not model.module
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and eager_module(model.module) is not model.module:
+        return True
+    return bool(compiled_methods(unwrap(model)))
+
+
+def compiled_methods(model: nn.Module) -> list[str]:
+    """The names of ``model``'s own methods that ``torch.compile`` wrapped in place, on the instance.
+
+    Lightning's ``trainer.fit(torch.compile(module))`` trains the LightningModule itself with compiled wrappers of
+    its ``forward``, ``training_step``, ... set as instance attributes. Each is a function of torch's dynamo that
+    wraps (``__wrapped__``) this very module's method of the same name. A deep copy keeps the wrappers, so it
+    would run the live module's compiled methods on the live module's parameters
+    (:func:`eager_methods` hides them).
+    """
+    cls, names = type(model), []
+    for name, fn in vars(model).items():
+        inner = getattr(fn, "__wrapped__", None)
+        if (getattr(inner, "__self__", None) is model and getattr(inner, "__func__", None) is getattr(cls, name, None)
+                and "_dynamo" in getattr(getattr(fn, "__code__", None), "co_filename", "")):
+            names.append(name)
+    return names
+
+
+@contextlib.contextmanager
+def eager_methods(model: nn.Module) -> Iterator[None]:
+    """``model`` with its in-place compiled methods (:func:`compiled_methods`) hidden meanwhile: its class's own
+    run, eagerly, on the parameters of whatever module calls them (a deep copy made meanwhile: its own)."""
+    saved = {name: vars(model).pop(name) for name in compiled_methods(model)}
+    try:
+        yield
+    finally:
+        vars(model).update(saved)
 
 
 def jsonable(value: Any) -> Any:

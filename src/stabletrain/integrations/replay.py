@@ -221,11 +221,14 @@ def _lightning_loss(model: nn.Module, batch: Any) -> Tensor:
     Run through ``model(...)`` so that module names under the locator (torch's ModuleTracker names modules
     from the first module called) are rooted at the LightningModule: ``net.root``, not ``Net.root``.
     """
+    own = vars(model).get("forward")  # one the host set on the instance (Lightning's compiled forward) is put back
     model.forward = lambda b: model.training_step(b, 0)  # an instance attribute, removed below
     try:
         out = model(batch)
     finally:
         del model.forward
+        if own is not None:
+            model.forward = own
     return out["loss"] if isinstance(out, Mapping) else out
 
 

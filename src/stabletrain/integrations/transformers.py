@@ -59,7 +59,7 @@ from ..numerics import grad_norms
 from ..seeding import rng_state
 from .capture import KeptStep
 from .core import RunSession
-from .options import AdapterOptions
+from .options import AdapterOptions, is_compiled
 from .hoststep import HostStep
 from .replay import batch_size, import_path
 
@@ -172,14 +172,16 @@ class StableTrainCallback(TrainerCallback):
         host = {k: getattr(args, k, None) for k in (
             "output_dir", "max_steps", "num_train_epochs", "per_device_train_batch_size", "gradient_accumulation_steps",
             "learning_rate", "weight_decay", "max_grad_norm", "lr_scheduler_type", "warmup_steps", "optim", "fp16",
-            "bf16", "label_smoothing_factor", "seed", "logging_steps", "save_steps")}
+            "bf16", "label_smoothing_factor", "seed", "logging_steps", "save_steps", "torch_compile")}
         host["trainer_class"] = f"{type(trainer).__module__}.{type(trainer).__qualname__}"
         host["world_size"] = args.world_size
         self.session = RunSession(
             self.run_dir, model, host="transformers", options=self.options, precision=mode, clip_max_norm=clip,
             optimizer=inner, scaler=scaler, replay=_TransformersReplay(self), overwrite=self.overwrite,
             fingerprint=None if resumed else self._fingerprint,
-            recipes={"model": model_recipe, "loss": loss_recipe}, host_config=host, callbacks=self.stable_callbacks)
+            recipes={"model": model_recipe, "loss": loss_recipe}, host_config=host, callbacks=self.stable_callbacks,
+            compiled=bool(getattr(args, "torch_compile", False))  # the callbacks are handed the uncompiled model
+            or is_compiled(getattr(trainer, "model_wrapped", model)))
         self.host_step = HostStep(self.session, inner, scaler, host_clip=clip, own_clip=None,
                                   skip_hint="use optim='adamw_torch_fused'")
         self.session.open(resume=resumed)
