@@ -120,6 +120,7 @@ def transformers_main(out: Path, run_dir: Path) -> None:
     bare = train([], trap_gpt2())
     torch.save({"params": [p.detach().clone() for p in model.parameters()], "counts": ours, "bare_counts": bare,
                 "steps": cb.session.step, "history": cb.session.history}, out / f"transformers_rank_{rank}.pt")
+    end_worker()  # the Trainer leaves its gloo group up: the interpreter's teardown could abort (see end_worker)
 
 
 def lightning_main(out: Path, run_dir: Path) -> None:
