@@ -209,3 +209,16 @@ def test_op_dtype_recorder_is_public_and_keeps_its_old_name():
     with torch.autocast("cpu", dtype=torch.bfloat16), amp.OpDtypeRecorder() as rec:
         model(torch.randn(3, 4)).float().sum()
     assert rec.low["addmm"] == 1 and rec.fp32["sum"] == 1
+
+
+def test_a_torchrun_rank_exits_at_once_with_its_code_and_its_output_written(tmp_path):
+    # Under torchrun (WORLD_SIZE > 1) `python -m stabletrain` ends with os._exit after the command (the interpreter's
+    # teardown can abort a finished rank in gloo): the exit code and everything printed must still come out.
+    ok = subprocess.run([sys.executable, "-m", "stabletrain", "lab"], env={**env(), "WORLD_SIZE": "2"},
+                        capture_output=True, text=True, timeout=120)
+    plain = subprocess.run([sys.executable, "-m", "stabletrain", "lab"], env=env(), capture_output=True,
+                           text=True, timeout=120)
+    assert ok.returncode == 0 and ok.stdout == plain.stdout and ok.stdout.strip()
+    bad = subprocess.run([sys.executable, "-m", "stabletrain", "report", str(tmp_path / "missing")],
+                         env={**env(), "WORLD_SIZE": "2"}, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "missing" in bad.stderr
