@@ -11,7 +11,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+import stabletrain
 from stabletrain.syncs import SYNC_FUNCS
+
+# Frames are told apart by the packages' own folders, not by a folder name in the path: a clone is named stabletrain.
+PACKAGE_DIR = os.path.dirname(stabletrain.__file__) + os.sep
+TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 # Never reach the network: the transformers models are built from configs.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -70,8 +75,8 @@ class OurSyncs(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in SYNC_FUNCS:
-            frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]
-            if frames and "/stabletrain/" in frames[-1].filename and "/tests/" not in frames[-1].filename:
+            frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.startswith(TORCH_DIR)]
+            if frames and frames[-1].filename.startswith(PACKAGE_DIR):  # the package's files, never the checkout's
                 self.calls.append((self.step(), frames[-1].name))
         return func(*args, **(kwargs or {}))
 

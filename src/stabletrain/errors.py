@@ -19,7 +19,7 @@ from pathlib import Path
 __all__ = ["user_frames", "user_location", "format_user_traceback", "task_part", "raised_by_stabletrain",
            "format_task_error", "TaskCodeError", "TASK_PARTS", "brief", "crash_event"]
 
-_PACKAGE = str(Path(__file__).resolve().parent)
+_PACKAGE = os.path.join(str(Path(__file__).resolve().parent), "")  # ".../stabletrain/", with its separator
 _LIBS = tuple({os.path.realpath(p) for p in (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
                                              sysconfig.get_paths()["platlib"])})
 
@@ -66,6 +66,13 @@ def _in(frame: traceback.FrameSummary, *parts: str) -> bool:
     """Whether the frame's file path ends with ``parts`` (``"utils", "data"`` also matches a file inside that folder)."""
     path = frame.filename.replace("\\", "/")
     return f"/{'/'.join(parts)}" in path
+
+
+def _ours_in(frame: traceback.FrameSummary, *parts: str) -> bool:
+    """Whether the frame is stabletrain's file (or folder) ``parts`` (``"tasks"``, ``"step.py"``), read from the package's
+    own folder: never from folder names in the path, which a checkout named ``stabletrain`` shares."""
+    rel = os.path.relpath(os.path.realpath(frame.filename), _PACKAGE).replace("\\", "/")
+    return not rel.startswith("..") and (rel == "/".join(parts) or rel.startswith("/".join(parts) + "/"))
 
 
 _WORKER_TRACEBACK = "Original Traceback (most recent call last):"
@@ -185,10 +192,10 @@ def task_part(err: BaseException) -> str | None:
     if not ours or ours[-1] == len(frames) - 1:
         return None  # not called from stabletrain, or raised by stabletrain itself
     entry, below = frames[ours[-1]], frames[ours[-1] + 1:]
-    if _in(entry, "stabletrain", "tasks", "__init__.py") and entry.name == "import_object":
+    if _ours_in(entry, "tasks", "__init__.py") and entry.name == "import_object":
         # Importing the module a spec names raised: a SyntaxError, or the module's own top-level code.
         return "task module" if any(frames[i].name == "_import_factory" for i in ours) else "callbacks module"
-    if _in(entry, "stabletrain", "tasks") and not _in(entry, "stabletrain", "tasks", "__init__.py"):
+    if _ours_in(entry, "tasks") and not _ours_in(entry, "tasks", "__init__.py"):
         return None  # a built-in task is stabletrain's own code
     bridge = frames[ours[-1] + 1:first]  # library frames between stabletrain and the user's code
     line = entry.line or ""
@@ -199,13 +206,13 @@ def task_part(err: BaseException) -> str | None:
         part = "loss" if _LOSS_CALL.search(line) else None
     elif part is None:
         callee = frames[first]
-        if _in(entry, "stabletrain", "tasks", "__init__.py"):
+        if _ours_in(entry, "tasks", "__init__.py"):
             part = "factory"
         elif callee.name in ("__getitem__", "__getitems__"):
             part = "dataset item"
         elif "collate" in line and not _LOSS_CALL.search(line):
             part = "collate"
-        elif _LOSS_CALL.search(line) or _in(entry, "stabletrain", "step.py"):
+        elif _LOSS_CALL.search(line) or _ours_in(entry, "step.py"):
             part = "loss"
         elif "model(" in line or "module(" in line:
             part = "model forward"
@@ -219,7 +226,7 @@ def task_part(err: BaseException) -> str | None:
                     and not _in(nxt, "torch", "nn", "modules", "loss.py"):
                 part = "model forward"
                 break
-    if _in(entry, "stabletrain", "evaluation.py"):
+    if _ours_in(entry, "evaluation.py"):
         part += " (validation)"
     return part
 
