@@ -186,8 +186,8 @@ def test_check_writes_its_files_under_out_and_says_where(tmp_path, monkeypatch, 
     out = capsys.readouterr().out
     assert f"stabletrain: check files written to {tmp_path / 'doctor'}: init_signal.png, init_signal.json" in out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["doctor"]
-    assert sorted(p.name for p in (tmp_path / "doctor").iterdir()) == [
-        ".stabletrain-output", "init_signal.json", "init_signal.png"]  # the marker: a run's git.dirty skips the folder
+    assert sorted(p.name for p in (tmp_path / "doctor").iterdir()) == [  # the marker: a run's git.dirty skips the
+        ".gitignore", ".stabletrain-output", "init_signal.json", "init_signal.png"]  # folder; git status does not list it
     # Without --out: a folder of their own, never loose files in the current directory.
     assert main(["check", "init", "task=mlp", "--json"]) == 0
     captured = capsys.readouterr()
@@ -197,6 +197,50 @@ def test_check_writes_its_files_under_out_and_says_where(tmp_path, monkeypatch, 
     # A check that writes nothing leaves the directory as it was.
     assert main(["check", "clip", "task=mlp"]) == 0
     assert "check files written" not in capsys.readouterr().out
+
+
+def test_check_inside_a_git_repository_leaves_git_status_clean(tmp_path, monkeypatch, capsys):
+    from stabletrain.cli import main
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+
+    git("init", "-q")
+    (tmp_path / "train.py").write_text("print('mine')\n")
+    git("add", "train.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "mine")
+    monkeypatch.chdir(tmp_path)
+    assert main(["check", "init", "task=mlp"]) == 0
+    assert (tmp_path / "stabletrain-check" / "init_signal.png").is_file()
+    assert git("status", "--porcelain", "--untracked-files=all") == ""  # was: ?? stabletrain-check/
+    # A folder of the user's given as --out is not made to vanish from git: only a folder the check created.
+    (tmp_path / "figures").mkdir()
+    (tmp_path / "figures" / "notes.txt").write_text("mine\n")
+    assert main(["check", "init", "task=mlp", "--out", "figures"]) == 0
+    assert not (tmp_path / "figures" / ".gitignore").exists()
+    assert "figures/" in git("status", "--porcelain")
+
+
+# -- what answers without torch ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, code", [(["--version"], 0), (["--help"], 0), (["train", "--help"], 0),
+                                        (["remedy", "--help"], 0), (["train", "optim.lrr=1"], 2),
+                                        (["train", "train.max_steps=many"], 2), (["check", "clip.max_norm=-1"], 2)])
+def test_version_help_and_a_config_error_do_not_import_torch(args, code):
+    # The console script's path (python -m stabletrain: the package, the CLI, argparse, the config): every module
+    # imported is listed by -X importtime; torch (3 s quiet, 6-9 s under load) must not be among them.
+    res = subprocess.run([sys.executable, "-X", "importtime", "-m", "stabletrain", *args], capture_output=True,
+                         text=True, env=env(), timeout=60)
+    assert res.returncode == code, res.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[1].strip() for line in res.stderr.splitlines() if line.startswith("import time:")}
+    assert "stabletrain.cli" in imported and "argparse" in imported  # the listing is real
+    assert not {m for m in imported if m == "torch" or m.startswith("torch.")}, sorted(imported)
+    errors = [line for line in res.stderr.splitlines() if not line.startswith("import time:")]
+    if code == 2:  # the one line naming the key
+        assert len(errors) == 1 and errors[0].startswith("stabletrain: error: ") and args[-1].split("=")[0] in errors[0]
+    else:
+        assert errors == [] and res.stdout.startswith("stabletrain 0" if args == ["--version"] else "usage: stabletrain")
 
 
 def test_op_dtype_recorder_is_public_and_keeps_its_old_name():

@@ -5,6 +5,9 @@ A user error (bad config key or value, missing file, unusable task) prints one l
 factory, a dataset item, the collate, the loss, the model's forward) names that part, shows the
 user's frames (file:line; stabletrain's and torch's trimmed) and exits with code 1; a failed check
 exits with code 1.
+
+``--version``, ``--help`` (and ``train --help``) and a config that does not validate answer without importing
+torch: what needs it is imported inside the command that uses it (a test runs them under ``-X importtime``).
 """
 
 from __future__ import annotations
@@ -16,14 +19,35 @@ from pathlib import Path
 
 from . import console
 from ._version import __version__
-from .records.checkpoint.files import CheckpointError
 from .config import ConfigError, describe_keys, load_config, load_yaml, resume_safe_text
 from .errors import format_task_error, raised_by_stabletrain, task_part
-from .commands.diagnose import cmd_diagnose
 from .commands.remedy import add_remedy_parser, cmd_remedy
-from .tasks import TaskError
 
 __all__ = ["main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose help may be completed when it is shown: ``help_later(parser)`` runs then, once.
+
+    The check command's help lists the checks, which imports them (and torch); ``--version``, ``--help`` and
+    a config error must not wait for that.
+    """
+
+    def __init__(self, *args, help_later=None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._help_later = help_later
+
+    def format_help(self) -> str:
+        if self._help_later is not None:
+            self._help_later(self)
+            self._help_later = None
+        return super().format_help()
+
+
+def _loaded_instance(err: BaseException, module: str, name: str) -> bool:
+    """Whether ``err`` is a ``module.name`` — False when that module was never imported (then nothing raised one)."""
+    cls = getattr(sys.modules.get(module), name, None)
+    return isinstance(cls, type) and isinstance(err, cls)
 
 
 def _keys_help() -> str:
@@ -44,9 +68,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .checks import DEFAULT_OUT_DIR
-
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="stabletrain",
         description="Make PyTorch training stable, observable and debuggable.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -74,8 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="run the doctor: sanity checks on the configured task",
                            formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_keys_help(),
-                           description="Run sanity checks (default: all) on the configured task; exit 1 if any fails."
-                                       "\n\n" + _checks_help())
+                           description="Run sanity checks (default: all) on the configured task; exit 1 if any fails.",
+                           help_later=_check_help)
     check.add_argument("names", nargs="*", metavar="CHECK|key=value",
                        help="checks to run (default: every default check); key=value items are config overrides")
     check.add_argument("--config", metavar="FILE", help="YAML config file")
@@ -83,8 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--list", action="store_true", help="list the available checks and exit")
     check.add_argument("--compare", metavar="A,B,...", help="init check: compare these init schemes on one plot")
     check.add_argument("--out", "--out-dir", dest="out_dir", metavar="DIR", default=None,
-                       help=f"where checks write files, such as init's init_signal.png and init_signal.json "
-                            f"(default: {DEFAULT_OUT_DIR}/; created only when a check writes a file)")
+                       help="where checks write files, such as init's init_signal.png and init_signal.json "
+                            "(default: {default}/; created only when a check writes a file, with a .gitignore)")
 
     diagnose = sub.add_parser("diagnose", help="replay a captured incident and name the first non-finite op, module, parameter and sample",
                               description="Replay RUN_DIR/incidents/step_N under the precise tools; write diagnosis.json next to it.")
@@ -130,6 +152,16 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("lab", nargs="?", metavar="LAB", help="1..6, accept or all (default: list the labs)")
     lab.add_argument("--out", metavar="DIR", default="labs", help="where the plots (and index.html) go (default: labs)")
     return parser
+
+
+def _check_help(check: argparse.ArgumentParser) -> None:
+    """Complete the check command's help: the list of checks, and where they write by default."""
+    from .checks import DEFAULT_OUT_DIR
+
+    check.description = f"{check.description}\n\n{_checks_help()}"
+    for action in check._actions:
+        if action.dest == "out_dir":
+            action.help = action.help.format(default=DEFAULT_OUT_DIR)
 
 
 def _checks_help() -> str:
@@ -184,9 +216,6 @@ def _resume_target(args: argparse.Namespace) -> str | None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .distributed import ddp as distributed
-    from .services.rundir import default_run_dir
-
     resume = _resume_target(args)
     if resume:
         saved = Path(resume) / "config.yaml"
@@ -198,6 +227,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(args.config, args.overrides)
         run_dir = Path(cfg.run.dir) if cfg.run.dir else None  # None: runs/<Task.name>-<timestamp>
+    from .distributed import ddp as distributed  # torch: only once the config is valid
+    from .services.rundir import default_run_dir
+
     if cfg.dist.nproc > 1 and not distributed.under_torchrun():
         # The ranks must agree on the run directory: name it here, once.
         argv = list(getattr(args, "argv", None) or sys.argv[1:])
@@ -255,6 +287,8 @@ def _write_report(run_dir: Path) -> None:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    names, overrides = _split_check_args(args.names)
+    cfg = load_config(args.config, overrides) if not args.list else None  # torch: only once the config is valid
     from .checks import CHECKS, CheckContext, _load_builtin_checks, format_table, run_checks, to_json
 
     _load_builtin_checks()
@@ -263,8 +297,6 @@ def cmd_check(args: argparse.Namespace) -> int:
             doc = (CHECKS[name].__doc__ or "").strip().splitlines()
             print(f"{name:<12} {doc[0] if doc else ''}")
         return 0
-    names, overrides = _split_check_args(args.names)
-    cfg = load_config(args.config, overrides)
     options = {"compare": args.compare.split(",") if args.compare else None, "out_dir": args.out_dir}
     ctx = CheckContext(cfg, options=options)
     results = run_checks(ctx, names or None)
@@ -327,6 +359,12 @@ def _rank_prefix() -> str:
     return f"rank {os.environ['RANK']}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ else ""
 
 
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    from .commands.diagnose import cmd_diagnose as diagnose
+
+    return diagnose(args)
+
+
 COMMANDS = {"train": cmd_train, "check": cmd_check, "diagnose": cmd_diagnose, "remedy": cmd_remedy, "report": cmd_report,
             "compare": cmd_compare, "tasks": cmd_tasks, "lab": cmd_lab}
 
@@ -345,27 +383,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     args.argv = list(argv) if argv is not None else sys.argv[1:]  # passed on to torchrun by dist.nproc
-    from .distributed.ddp import PeerLostError
-
     try:
         with console.one_line_warnings():  # stabletrain's own warnings as one line (the CLI only, never the library)
             code = COMMANDS[args.command](args)
             sys.stdout.flush()  # a reader that left (`| head`) shows here, not at the interpreter's exit
         return code
-    except PeerLostError as err:  # a rank died or hung: one clear line per surviving rank, exit 1
-        console.error(str(err))
-        return 1
     except KeyboardInterrupt:
         console.say("interrupted", sys.stderr)
         return 130
-    except BrokenPipeError as err:
-        if not _stdout_gone():
-            code = _report_error(err)
-            if code is None:
-                raise
-            return code
-        return _quiet_exit_on_closed_stdout()
     except Exception as err:
+        if _loaded_instance(err, "stabletrain.distributed.ddp", "PeerLostError"):  # (torch's module: loaded if raised)
+            console.error(str(err))  # a rank died or hung: one clear line per surviving rank, exit 1
+            return 1
+        if isinstance(err, BrokenPipeError) and _stdout_gone():
+            return _quiet_exit_on_closed_stdout()
         code = _report_error(err)
         if code is None:
             raise  # neither the task's code nor input stabletrain rejects: a bug, with its whole traceback
@@ -409,7 +440,8 @@ def _report_error(err: Exception) -> int | None:
     ValueErrors and TypeErrors it raises itself) is one line, exit 2. An exception from the task's own
     code (any type) names the part of the task that raised it and shows the user's frames, exit 1.
     """
-    if isinstance(err, (ConfigError, TaskError, CheckpointError)):
+    if isinstance(err, ConfigError) or _loaded_instance(err, "stabletrain.tasks", "TaskError") \
+            or _loaded_instance(err, "stabletrain.records.checkpoint.files", "CheckpointError"):
         console.error(f"{_rank_prefix()}{err}")
         return 2
     part = task_part(err)

@@ -34,6 +34,8 @@ __all__ = ["CheckResult", "CheckContext", "register", "CHECKS", "run_checks", "f
 
 #: Where checks write their files without ``options["out_dir"]``: a folder of its own, never loose files in the cwd.
 DEFAULT_OUT_DIR = "stabletrain-check"
+#: The ``.gitignore`` written in an output folder the checks create: stabletrain's output, not the user's code.
+GITIGNORE = "# written by stabletrain check: its output, not your code\n*\n"
 
 
 @dataclass
@@ -75,8 +77,15 @@ class CheckContext:
 
     def output_path(self, name: str) -> Path:
         """Return ``out_dir / name`` for a file a check is about to write (the folder is created and marked as
-        stabletrain's output, so a run's ``git.dirty`` does not count it; the file recorded)."""
+        stabletrain's output, so a run's ``git.dirty`` does not count it; the file recorded).
+
+        A folder the checks create gets a ``.gitignore`` that ignores everything in it: ``stabletrain check`` run
+        inside a repository leaves nothing for ``git status`` to list. A folder that was there before is left so.
+        """
+        created = not self.out_dir.exists()
         mark_output_dir(self.out_dir)
+        if created:
+            (self.out_dir / ".gitignore").write_text(GITIGNORE, encoding="utf-8")
         path = self.out_dir / name
         if path not in self.written:
             self.written.append(path)

@@ -11,12 +11,13 @@ import fnmatch
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
-
-from torch.utils._pytree import GetAttrKey, KeyEntry, MappingKey, SequenceKey, tree_flatten_with_path
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import brief
 from .loading import config_to_dict
+
+if TYPE_CHECKING:
+    from torch.utils._pytree import KeyEntry
 
 __all__ = ["RESUME_SAFE_KEYS", "RESHARD_SAFE_KEYS", "resume_safe_text", "ABSENT", "ConfigDiff", "dotted_key",
            "flatten_config", "diff_configs", "format_config_diff", "resume_refusal_message"]
@@ -60,6 +61,9 @@ class ConfigDiff(NamedTuple):
 
 def dotted_key(path: Sequence[KeyEntry], prefix: str = "") -> str:
     """Return a pytree key path as a dotted key: ``optim.lr``, ``state.0.exp_avg`` (namedtuple fields by name)."""
+    # Imported here: the config (and the CLI's parsing of it) must not import torch; a pytree path means it is loaded.
+    from torch.utils._pytree import GetAttrKey, MappingKey, SequenceKey
+
     parts = [prefix] if prefix else []
     for k in path:
         if isinstance(k, MappingKey):
@@ -83,10 +87,18 @@ def flatten_config(cfg: Any, *, keep_empty: bool = False) -> dict[str, Any]:
         cfg = config_to_dict(cfg)
     if not isinstance(cfg, dict):
         raise TypeError(f"flatten_config: expected a Config or a mapping, got {type(cfg).__name__}")
-    if not cfg:
-        return {}
-    leaves, _ = tree_flatten_with_path(cfg, is_leaf=lambda x: not isinstance(x, dict) or (keep_empty and not x))
-    return {dotted_key(path): list(v) if isinstance(v, tuple) else v for path, v in leaves}
+    flat: dict[str, Any] = {}
+
+    def walk(node: dict, prefix: str) -> None:
+        for key, value in node.items():
+            dotted = f"{prefix}.{key}" if prefix else str(key)
+            if isinstance(value, dict) and (value or not keep_empty):
+                walk(value, dotted)
+            else:
+                flat[dotted] = list(value) if isinstance(value, tuple) else value
+
+    walk(cfg, "")
+    return flat
 
 
 def diff_configs(saved: Any, current: Any, safe: Sequence[str] = RESUME_SAFE_KEYS) -> list[ConfigDiff]:
