@@ -147,7 +147,7 @@ def grad_nan_sample_task(bad_index: int = 37, n: int = 64) -> Task:
 
 
 from stabletrain.callbacks import Callback  # noqa: E402  (below the tasks: the callbacks used by tests)
-from stabletrain.services.incidents import clone_state  # noqa: E402
+from stabletrain.records.staging import clone_state  # noqa: E402
 
 
 class PreStepState(Callback):

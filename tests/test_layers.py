@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("services", ("services", "replay", "remedy")),
     ("callbacks", ("callbacks",)),
     ("strategy", ("distributed",)),
-    ("step", ("step", "evaluation")),
+    ("step", ("step", "evaluation", "replica")),
     ("diagnostics", ("diagnostics",)),
     ("policies", ("policies",)),
     ("records", ("records",)),

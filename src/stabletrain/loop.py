@@ -4,8 +4,9 @@
     for each window of the data stream:
         out = step(window)                   # the one optimizer step (step.build_step): device tensors, no sync
         metrics.update(out); on_step_end     # callbacks observe
-        at a log boundary (one host sync): reduce -> on_log -> guard.decide
-            recorder.capture [-> remedies.act] | keeper.rollback | stop | keeper.save; recorder.mark_interval_start
+        at a log boundary (one host sync): boundary.log: reduce -> on_log -> guard.decide
+            boundary.incident (the capture) [-> remedies.act] | keeper.rollback | stop | keeper.save
+            recorder.mark_interval_start
 
 The same loop runs on every rank under ``torchrun``: every decision is made from values that are the same
 on every rank. Only rank 0 writes the run directory.
@@ -32,12 +33,13 @@ from .distributed.strategy import strategy_for
 from .errors import crash_event
 from .evaluation import check_val_data, validation_loss
 from .policies.guard import Guard, GuardDecision
-from .policies.metrics import StepMetrics, interval_record, peak_memory_mib
+from .policies.metrics import StepMetrics
 from .policies.optim import check_materialized, check_optimizer_holds
 from .policies.precision import resolve_device
 from .policies.schedule import LRSchedule
 from .process import gc_frozen
 from .seeding import deterministic_mode, seed_everything
+from .services.boundary import IntervalBoundary
 from .services.checkpoints import CheckpointKeeper
 from .services.incidents import IncidentRecorder
 from .services.remedies import RemedyApplier
@@ -97,8 +99,9 @@ class Trainer(TrainState):
         builtin = [InitWatch(fingerprint), EventLog(), MetricsFile(), TensorBoardLog(),
                    *build_trackers(cfg.log.trackers, log=cfg.log), ProgressBar()]
         self.callbacks = CallbackList([*builtin, *callbacks, *load_callbacks(cfg.callbacks)])
+        self.boundary = IntervalBoundary(self.state, self.metrics, self.guard, self.callbacks, self.recorder.capture,
+                                         top_layers=cfg.log.top_layers, epoch=lambda: self.stream.epoch)
         self._pending_eval: dict[str, float] = {}
-        self._interval_start, self._eval_seconds = time.perf_counter(), 0.0
         self._agreed_signal: int | None = None  # DDP: the largest signal any rank had at the last log boundary
         self._where = "setup"  # what the loop is doing, for a clear message when a peer is lost
         self._params_held = self.strategy.sharded  # checked after the first step (FSDP: sharding needs them built)
@@ -144,7 +147,8 @@ class Trainer(TrainState):
 
     def _fit(self) -> dict[str, Any]:
         cfg, state, fire = self.cfg, self.state, self.callbacks.fire
-        self._record, self._interval_start, self._eval_seconds = {}, time.perf_counter(), 0.0  # _record: the last metrics
+        self._record = {}  # the last metrics record
+        self.boundary.restart()
         self.signals.install()
         try:
             self._where = "the step-0 checkpoint"
@@ -226,39 +230,18 @@ class Trainer(TrainState):
         return self.dist.enabled and is_peer_failure(err, in_gradient_sync=in_sync)
 
     def _log(self) -> tuple[dict[str, Any], GuardDecision, list[Any]]:
-        """Reduce the interval (its one host sync), let the guard read it, fire ``on_log``."""
-        state = self.state
-        summary, rows, param_sq = self.metrics.reduce(self.signals.received or 0,  # DDP: one all-gather
-                                                      annotate=self.guard.mark_spikes)
+        """Reduce the interval (its one host sync), let the guard read it, fire ``on_log`` (the boundary service)."""
+        record, decision, rows, summary = self.boundary.log(self.signals.received or 0, self._pending_eval)
         self._agreed_signal = summary["interval_signal"] or None  # DDP: every rank stops here if any was signalled
-        now = time.perf_counter()
-        elapsed, self._interval_start, self._eval_seconds = now - self._interval_start - self._eval_seconds, now, 0.0
-        state.tokens_seen += summary["interval_tokens"]
-        decision = self.guard.decide(rows)
-        progress = {"num_incidents": self.guard.num_incidents, "num_rollbacks": self.guard.num_rollbacks,
-                    "peak_memory_mib": peak_memory_mib(self.device), "epoch": self.stream.epoch,
-                    "samples_seen": state.samples_seen, "tokens_seen": state.tokens_seen}
-        extra = {**self._pending_eval, **({"world_size": self.dist.world} if self.dist.enabled else {})}
-        record = interval_record(summary, param_sq, [n for n, _ in self.named_params], elapsed,
-                                 top_layers=self.cfg.log.top_layers, progress=progress, extra=extra)
         self._pending_eval = {}
-        state.history.append(record)
-        self.callbacks.fire("on_log", state, record, rows)
         return record, decision, rows
 
     def _act(self, decision: GuardDecision, rows: list[Any]) -> bool:
         """Capture the incident, then stop or roll back as decided; return whether the state is healthy."""
         state = self.state
-        if decision.first_incident is not None:  # every rank captures: the replay has collectives
-            row = next(r for r in rows if r.step == decision.first_incident)
-            info = {"step": row.step, "after_update": decision.after_update, "ranks": list(row.ranks or []),
-                    "loss": row.values["loss"], "grad_norm": row.values["grad_norm"], "locate": decision.locate}
-            info.update(self.recorder.capture(state, info))
-            if info.get("pinned") is not None:  # the capture's replay found the update that broke the parameters
-                decision.pin(info["pinned"])
-            self.callbacks.fire("on_incident", state, info)
-            if decision.action == "remedy" and self.remedies.act(state, decision, info):  # a cure verified on a replay
-                return True
+        info = self.boundary.incident(decision, rows)  # every rank captures: the replay has collectives
+        if info is not None and decision.action == "remedy" and self.remedies.act(state, decision, info):
+            return True  # a cure verified on a replay
         if decision.action == "stop":
             self._stop(decision.reason)
             return False
@@ -296,5 +279,5 @@ class Trainer(TrainState):
         t0 = time.perf_counter()
         out = validation_loss(self.task, self.module, self.precision, self.cfg.train.batch_size, self.cfg.eval.batches,
                               self.dist)
-        self._eval_seconds += time.perf_counter() - t0  # not counted in the interval's throughput
+        self.boundary.excluded += time.perf_counter() - t0  # not counted in the interval's throughput
         return out

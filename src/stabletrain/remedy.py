@@ -28,7 +28,6 @@ the whole search (non-finite figures as the strings "nan", "inf"). This module s
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import math
@@ -45,17 +44,13 @@ from .config import config_from_dict
 from .data import EpochOrder, Window, WindowStream, move_to
 from .diagnostics.remedies import CANDIDATE_NAMES, Remedy, SkipStep, candidates_for
 from .fileio import atomic_write
-from .numerics import unique_params
-from .policies.clipping import GradClipper
 from .policies.guard import UNRECOVERABLE_SCALE, Guard
-from .policies.optim import build_optimizer
-from .policies.precision import PrecisionPolicy, resolve_device
-from .policies.schedule import LRSchedule
+from .policies.precision import resolve_device
 from .records.checkpoint.manager import CheckpointManager
 from .records.incidents import DIAGNOSIS_FILE, REMEDY_FILE, load_bundle
-from .replay import _LocalWindow, diagnose_incident, run_history
+from .replay import diagnose_incident, run_history
+from .replica import KEEP, Replica
 from .seeding import set_rng_state
-from .step import build_step
 from .tasks import Task, resolve_task
 
 __all__ = ["search_remedies", "format_table", "REMEDY_FILE", "LOSS_TOLERANCE", "END_STEPS", "VERDICTS"]
@@ -147,21 +142,12 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int) -> dict[str, Any]:
     start = time.perf_counter()
     cfg, task, dev = inc.cfg, inc.task, inc.device
     state, first, stream_state = inc.start(remedy)
-    model = copy.deepcopy(task.model).to(dev)
-    model.load_state_dict(state["model"])
-    named = unique_params(model)
-    optimizer = build_optimizer(named, cfg.optim, dev, task.optimizer)
-    optimizer.load_state_dict(state["optimizer"])
-    schedule = LRSchedule(optimizer, cfg.sched.warmup_steps, cfg.train.max_steps, cfg.sched.decay, cfg.sched.min_lr_ratio)
-    schedule.load_state_dict(state["schedule"])
-    if remedy.lr_factor != 1.0:
-        schedule.scale(remedy.lr_factor)
-    precision = (PrecisionPolicy(remedy.precision, dev) if remedy.precision is not None
-                 else PrecisionPolicy.from_state(remedy.precision_state(state["precision"]), dev))
-    step = build_step(cfg, model, optimizer, precision, schedule=schedule, params=[p for _, p in named])
-    step.window = _LocalWindow(step.params, sums=step.window.sums)  # no collective in a replay
-    if remedy.max_norm is not None:
-        step.clipper = GradClipper(remedy.max_norm)
+    replica = Replica(cfg, task, state, dev)
+    model = replica.model
+    precision = (replica.precision(mode=remedy.precision) if remedy.precision is not None
+                 else replica.precision(state=remedy.precision_state(state["precision"])))
+    step = replica.step(precision=precision, lr_factor=remedy.lr_factor,
+                        max_norm=remedy.max_norm if remedy.max_norm is not None else KEEP)
     guard = Guard(dataclasses.replace(cfg.guard, on_spike="warn"), torch.device("cpu"))  # the host spike rule
     if remedy.rollback_step is not None and "guard" in state:
         guard.load_state_dict(state["guard"])

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .policies.accumulation import AccumulationWindow, as_sum_count
+from .policies.accumulation import as_sum_count
 from .policies.clipping import GradClipper
 from .config import config_from_dict
 from .data import move_to
@@ -32,21 +32,13 @@ from .fileio import atomic_write
 from .records.incidents import DIAGNOSIS_FILE, load_bundle
 from .numerics import grad_norms, modes_kept, unique_params
 from .policies.guard import UNRECOVERABLE_SCALE
-from .policies.optim import build_optimizer
 from .policies.precision import PrecisionPolicy, resolve_device
-from .policies.schedule import LRSchedule
+from .replica import Replica, copy_precision, local
 from .seeding import rng_state, set_rng_state
-from .step import TrainStep, build_step
+from .step import TrainStep
 from .tasks import Task, resolve_task
 
 __all__ = ["diagnose_step", "diagnose_incident", "run_history"]
-
-
-class _LocalWindow(AccumulationWindow):
-    """The loop's accumulation window on this process alone: a replay must not enter a collective."""
-
-    def _world(self) -> int:
-        return 1
 
 
 class _NonFiniteLoss(Exception):
@@ -89,12 +81,10 @@ class _Replayer:
         if self.step_factory is not None:
             step = self.step_factory()
         else:
-            precision = PrecisionPolicy.from_state(self.precision.state_dict(), self.device)
-            step = TrainStep(self.model, None, precision, params=self.params)
+            step = TrainStep(self.model, None, copy_precision(self.precision, self.device), params=self.params)
         # A replay must not enter a collective; it accumulates as the run did (raw sums or not: a window's sum
         # can overflow the norm's sum of squares where its mean does not).
-        step.window = _LocalWindow(step.params, sums=step.window.sums)
-        return step
+        return local(step)
 
     def forward_backward(self, groups: list[tuple[list[int], Any]],
                          stop_at_nonfinite_loss: bool = False) -> tuple[list[float], float]:
@@ -218,8 +208,7 @@ def diagnose_step(
         factory = optimizer_factory
 
         def step_factory() -> TrainStep:
-            fresh = PrecisionPolicy.from_state(precision.state_dict(), device)
-            return TrainStep(model, factory(), fresh, clipper=GradClipper(max_norm))
+            return TrainStep(model, factory(), copy_precision(precision, device), clipper=GradClipper(max_norm))
 
     with modes_kept(model):
         replayer = _Replayer(model, loss_fn, precision, device, step_factory)
@@ -258,33 +247,24 @@ def run_history(incident_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def diagnose_incident(directory: str | Path, task: Task | None = None, *, device: str | None = None,
-                      bisect: bool = True, anomaly: bool = True) -> dict[str, Any]:
+                      bisect: bool = True, anomaly: bool = True, bundle: dict[str, Any] | None = None) -> dict[str, Any]:
     """Replay the bundled step under the precise tools; write and return ``diagnosis.json``.
 
     ``task``: reuse an already built task (its model is deep-copied, never touched); by default the
     task is rebuilt from the bundle's config, as ``stabletrain diagnose`` does in a fresh process.
+    ``bundle``: the bundle already in memory (a live capture's; the file in ``directory`` is its record).
     """
     start = time.perf_counter()
     directory = Path(directory)
-    bundle = load_bundle(directory)
+    bundle = bundle if bundle is not None else load_bundle(directory)
     cfg = config_from_dict(bundle["config"])
     dev = resolve_device(device or cfg.device)
     if task is None:
         task = resolve_task(cfg.task, cfg.task_args)
-    model = copy.deepcopy(task.model).to(dev)
-    model.load_state_dict(bundle["model"])
-    precision = PrecisionPolicy.from_state(bundle["precision"], dev)
+    replica = Replica(cfg, task, bundle, dev)
+    model, precision = replica.model, replica.precision()
     collate = task.collate or torch.utils.data.default_collate
     micro_batches = [(idx, move_to(collate([task.train_data[i] for i in idx]), dev)) for idx in bundle["window"]["indices"]]
-    named = unique_params(model)
-
-    def step_factory() -> TrainStep:
-        """The run's step as it was before the bad step: same optimizer class and state, schedule, scaler, clipping."""
-        optimizer = build_optimizer(named, cfg.optim, dev, task.optimizer)
-        optimizer.load_state_dict(bundle["optimizer"])
-        schedule = LRSchedule(optimizer, cfg.sched.warmup_steps, cfg.train.max_steps, cfg.sched.decay, cfg.sched.min_lr_ratio)
-        schedule.load_state_dict(bundle["schedule"])
-        return build_step(cfg, model, optimizer, PrecisionPolicy.from_state(bundle["precision"], dev), schedule=schedule, params=[p for _, p in named])
 
     set_rng_state(bundle["rng"])
     observed = bundle.get("observed", {})
@@ -292,7 +272,7 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
         # Compiled kernels round differently: an eager replay's finite loss is not bitwise the run's (not compared).
         observed = {k: v for k, v in observed.items() if k != "loss"}
     load_s = time.perf_counter() - start
-    result = diagnose_step(model, task.loss, micro_batches, precision=precision, step_factory=step_factory,
+    result = diagnose_step(model, task.loss, micro_batches, precision=precision, step_factory=replica.step,
                            device=dev, dataset=task.train_data, collate=task.collate, observed_loss=observed.get("loss"),
                            observed_grad_norm=_comparable_norm(observed.get("grad_norm"), bundle.get("world_size", 1)),
                            bisect=bisect, anomaly=anomaly,

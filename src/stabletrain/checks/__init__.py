@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..config import Config
-from ..errors import TaskCodeError, format_user_traceback, task_part, user_location
+from ..errors import TaskCodeError, batch_note, format_user_traceback, task_part, user_location
 from ..policies.precision import resolve_device
 from ..records.rundir import mark_output_dir
 from ..seeding import seed_everything
@@ -169,7 +169,8 @@ def _crashed(name: str, err: Exception, seen: dict[tuple[str, str, str], str]) -
                                         f"(the same error as in the {seen[key]} check: traceback there)")
     seen[key] = name
     summary = (str(TaskCodeError(part, err)).splitlines() or [""])[0]
-    return CheckResult(name, False, summary, details=format_user_traceback(err).rstrip().splitlines())
+    note = batch_note(err, part)  # a batch of strings: say so before the traceback
+    return CheckResult(name, False, summary, details=[*([note] if note else []), *format_user_traceback(err).rstrip().splitlines()])
 
 
 def _fmt(v: Any) -> str:

@@ -28,6 +28,7 @@ state is broadcast and each rank keeps its shards).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -40,6 +41,7 @@ from ..numerics import unique_params
 from ..policies.accumulation import AccumulationWindow, sums_safe
 from ..policies.optim import build_optimizer
 from ..policies.precision import PrecisionPolicy
+from ..records.staging import StateStager, fill_withheld, split_params, state_bytes
 from ..seeding import seed_everything
 
 __all__ = ["Strategy", "DDPStrategy", "FSDPStrategy", "Parts", "strategy_for"]
@@ -109,6 +111,55 @@ class Strategy:
             module.load_state_dict(model_state)
             optimizer.load_state_dict(optim_state)
 
+    # -- the incident snapshot and bundle (stabletrain.services.capture) ------------------------------------------
+
+    def snapshot_parts(self, local: dict[str, Any], module: nn.Module) -> tuple[Any, Any, tuple[int, int] | None]:
+        """(side, rest, share) of this rank's state for :class:`~stabletrain.records.staging.IntervalSnapshot`: the
+        parameters and optimizer state apart from the rest (:func:`~stabletrain.records.staging.split_params`)."""
+        return (*split_params(local, self._param_names(module, local)), None)
+
+    def complete_snapshot(self, side: Any) -> Any:
+        """The snapshot's side part as a whole (a collective where each rank holds a share: every rank calls it)."""
+        return side
+
+    def snapshot_bytes(self, local: dict[str, Any], module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+        """Host bytes one interval snapshot of this rank takes (the optimizer's state estimated before its first step)."""
+        side, rest, share = self.snapshot_parts(local, module)
+        side_bytes = state_bytes(side or {}, share=share[1] if share else 1)
+        if not optimizer.state:  # before the first step: the state the optimizer will make, estimated
+            side_bytes *= 1 + _optimizer_slots(optimizer)
+        return side_bytes + state_bytes(rest)
+
+    def bundle_state(self, state_dict: Any, folder: Path | None) -> dict[str, Any] | None:
+        """The state before an incident's step, in host memory, as its bundle holds it (``state_dict(**kw)``: the run's).
+
+        Every rank calls it; this one-process format is staged on rank 0 alone (others return None).
+        """
+        if not self.dist.is_main:
+            return None
+        staged, ready = StateStager().stage(state_dict())
+        for event in ready:
+            event.synchronize()
+        return staged
+
+    def nonfinite_gradient_ranks(self, module: nn.Module, task: Any, precision: str, window: Any) -> list[int] | None:
+        """The ranks whose own gradients for ``window`` are non-finite, where the step's gradients mixed the ranks'
+        (a collective under DDP); None: nothing to tell apart."""
+        return None
+
+    def replay_task(self, task: Any, named_params: list[tuple[str, nn.Parameter]]) -> Any:
+        """The task a one-process diagnosis replays (the run's own; FSDP: a model the task factory builds)."""
+        return task
+
+    def _param_names(self, module: nn.Module, local: dict[str, Any]) -> set[str]:
+        key = (id(module), tuple(local["model"]))
+        cache = self.__dict__.setdefault("_names", {})
+        names = cache.get(key)
+        if names is None:  # a walk of the module per interval otherwise
+            cache.clear()
+            names = cache[key] = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+        return names
+
     def _seed_rank(self) -> None:
         """Each rank its own random stream, reproducible from (seed, rank), once the model is the same on all."""
         seed_everything(int(np.random.SeedSequence([self.cfg.seed, self.dist.rank]).generate_state(1)[0]))
@@ -129,6 +180,45 @@ class DDPStrategy(Strategy):
         parts.model, parts.carrier = data_parallel(module, ids, sums=parts.window.sums)
         self._seed_rank()
         return parts, fingerprint
+
+    def snapshot_parts(self, local: dict[str, Any], module: nn.Module) -> tuple[Any, Any, tuple[int, int] | None]:
+        side, rest, _ = super().snapshot_parts(local, module)
+        return side, rest, (self.dist.rank, self.dist.world)  # the same on every rank: each copies its share
+
+    def complete_snapshot(self, side: Any) -> Any:
+        import torch.distributed as dist
+
+        # One broadcast per tensor from its owner (NCCL: through this rank's device, one tensor at a time).
+        return fill_withheld(side, self.device if dist.get_backend() == "nccl" else torch.device("cpu"))
+
+    def nonfinite_gradient_ranks(self, module: nn.Module, task: Any, precision: str, window: Any) -> list[int] | None:
+        """Every rank's loss was finite but the all-reduced grad norm was not: whose own gradients are non-finite?
+
+        Each rank backpropagates its own micro-batches through the unwrapped module (DDP's hooks stay idle
+        outside its forward: no all-reduce) under the run's autocast, at the step's RNG state, then drops
+        the gradients and restores the RNG. One collective: every rank answers.
+        """
+        from ..data import move_to
+        from ..numerics import first_nonfinite_grad
+        from ..policies.accumulation import as_sum_count
+        from ..seeding import rng_state, set_rng_state
+
+        params = [p for p in module.parameters() if p.requires_grad]
+        rng, bad = rng_state(), False
+        try:
+            with PrecisionPolicy(precision, self.device).autocast():
+                for indices, batch in zip(window.indices, window.batches):
+                    loss_sum, _ = as_sum_count(task.loss(module, move_to(batch, self.device)), len(indices))
+                    if not bool(torch.isfinite(loss_sum)):
+                        bad = True
+                        break
+                    loss_sum.backward()
+            bad = bad or first_nonfinite_grad(module) is not None  # one host read
+        finally:
+            for p in params:
+                p.grad = None
+            set_rng_state(rng)
+        return [r for r, flag in enumerate(self.dist.gather_objects(bad)) if flag]
 
 
 class FSDPStrategy(Strategy):
@@ -176,6 +266,60 @@ class FSDPStrategy(Strategy):
             load_local_state_dicts(module, optimizer, model_state, optim_state)
         else:  # a collective: rank 0's full state is broadcast, each rank keeps its shards
             load_full_state_dicts(module, optimizer, named_params, model_state, optim_state)
+
+
+    def snapshot_parts(self, local: dict[str, Any], module: nn.Module) -> tuple[Any, Any, tuple[int, int] | None]:
+        return None, local, None  # this rank's own shards, all on the compute stream
+
+    def bundle_state(self, state_dict: Any, folder: Path | None) -> dict[str, Any] | None:
+        """Every rank writes its shards of the pre-step model and optimizer into ``folder`` with DCP (a collective).
+
+        Returns the rest of the state in host memory, with DCP markers in place of the model and the optimizer
+        (:func:`~stabletrain.records.checkpoint.sharded.split_for_dcp`): what rank 0's bundle holds. No rank holds
+        more than its shards: :func:`~stabletrain.records.incidents.load_bundle` reads them whole for the
+        one-process diagnosis. None without a folder (no run directory).
+        """
+        import torch.distributed.checkpoint as dcp
+
+        from ..records.checkpoint.sharded import split_for_dcp
+
+        if folder is None:
+            return None
+        tensors, whole = split_for_dcp(state_dict(dcp=True))  # live views of this rank's shards
+        folder.mkdir(parents=True, exist_ok=True)
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(folder)))  # written before the state moves on
+        staged, ready = StateStager().stage(whole)
+        for event in ready:
+            event.synchronize()
+        return staged
+
+    def replay_task(self, task: Any, named_params: list[tuple[str, nn.Parameter]]) -> Any:
+        """A sharded model cannot run on one process: the task factory (config key ``task``) builds a fresh one,
+        which the bundle's full state then fills; its parameters must be the run's, by name (``fully_shard``
+        keeps every parameter's name). The data stays the run's own."""
+        import dataclasses
+
+        from ..tasks import resolve_task
+
+        model = resolve_task(self.cfg.task, self.cfg.task_args).model
+        names, want = [n for n, _ in unique_params(model)], [n for n, _ in named_params]
+        if names != want:
+            raise ValueError(f"config key 'task' ({self.cfg.task!r}) builds a model whose parameters "
+                             f"({', '.join(names[:3])}, ...) are not the run's ({', '.join(want[:3])}, ...); under "
+                             "dist.strategy=fsdp the diagnosis rebuilds the model from the task factory: name the task "
+                             "by config key 'task' (module:function), or diagnose the bundle with "
+                             "stabletrain.replay.diagnose_incident(INCIDENT_DIR, task) and an unsharded task")
+        return dataclasses.replace(task, model=model)
+
+
+def _optimizer_slots(optimizer: torch.optim.Optimizer) -> int:
+    """Tensors the size of a parameter the optimizer's state will hold per parameter (SGD: 1 with momentum, else 0; 2 else).
+
+    Adam and AdamW hold two (exp_avg, exp_avg_sq); 2 is assumed for any other optimizer.
+    """
+    if isinstance(optimizer, torch.optim.SGD):
+        return 1 if any(group.get("momentum") for group in optimizer.param_groups) else 0
+    return 2
 
 
 def strategy_for(cfg: Any, dist: Any, device: torch.device) -> Strategy:

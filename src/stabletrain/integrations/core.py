@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -50,11 +49,14 @@ from ..distributed.ddp import DistContext
 from ..errors import crash_event
 from ..fileio import atomic_write
 from ..diagnostics.initialization import InitFingerprint
-from ..policies.metrics import StepMetrics, interval_record, peak_memory_mib
+from ..policies.metrics import StepMetrics
 from ..numerics import snapshot_params, unique_params, update_norm
 from ..records.rundir import RunDir, build_snapshot
 from ..seeding import rng_state, set_rng_state
-from .capture import HostReplay, IncidentCapture
+from ..distributed.strategy import strategy_for
+from ..services.boundary import IntervalBoundary
+from ..services.capture import IncidentCapture
+from .capture import HostReplay, HostSteps
 from .options import AdapterGuard, AdapterOptions, eager_methods, is_compiled, jsonable, optimizer_config, unwrap
 
 __all__ = ["RunSession"]
@@ -115,14 +117,11 @@ class RunSession:
             fingerprint = InitFingerprint.take(self.model) if options.init_check else None
         self.fingerprint = fingerprint if options.init_check else None
         self.replay = replay
-        self.step = self.samples_seen = 0
-        self.tokens_seen, self.epoch = 0.0, 0
-        self.history: list[dict[str, Any]] = []
+        self.epoch = 0
         self.stop_reason: str | None = None
         self.snapshot: dict[str, Any] = {}
         self.run: RunDir | None = None
         self.started = self.closed = False
-        self._interval_start = time.perf_counter()
         self._before: list[Tensor] | None = None
         self._measuring = False
         self.state = FitState(cfg=self.cfg, task=None, module=self.model, named_params=self.named_params,
@@ -130,9 +129,24 @@ class RunSession:
         self.trackers = build_trackers(options.trackers, hosts=tracker_hosts)
         self.callbacks = CallbackList([InitWatch(self.fingerprint), EventLog(), MetricsFile(), TensorBoardLog(),
                                        *self.trackers, *callbacks])
-        self.capture = IncidentCapture(self, replay, options.keep_max_mib)
+        self.strategy = strategy_for(self.cfg, self.dist, self.device)  # DDP under a process group: snapshot shares
+        self.steps = HostSteps(self, replay, options.keep_max_mib)
+        self.capture = IncidentCapture(self.steps)
+        self.boundary = IntervalBoundary(self.state, self.metrics, self.guard, self.callbacks, self.capture.capture,
+                                         top_layers=options.top_layers, epoch=lambda: self.epoch, count_samples=True)
         self._poison: Tensor | None = None
         self._poison_hook = self._watch_losses() if self.dist.world > 1 else None
+
+    # The run's progress lives in the FitState its callbacks share.
+    step = property(lambda self: self.state.step, lambda self, v: setattr(self.state, "step", v))
+    samples_seen = property(lambda self: self.state.samples_seen, lambda self, v: setattr(self.state, "samples_seen", v))
+    tokens_seen = property(lambda self: self.state.tokens_seen, lambda self, v: setattr(self.state, "tokens_seen", v))
+    history = property(lambda self: self.state.history)
+
+    @property
+    def capturing(self) -> bool:
+        """Whether an incident can be captured (asked for, with a run directory on rank 0)."""
+        return self.steps.capturing()
 
     # -- the run directory -------------------------------------------------------------------------
 
@@ -177,10 +191,10 @@ class RunSession:
         if self.started:
             return
         self.started = True
-        self._interval_start = time.perf_counter()
+        self.boundary.restart()
         self.callbacks.fire("on_fit_start", self.state)
         self.fingerprint = None
-        self.capture.mark_interval_start()
+        self.capture.mark_interval_start(self.step, self.capturing)
 
     def say(self, message: str) -> None:
         """One line for the user on the console (rank 0)."""
@@ -241,7 +255,7 @@ class RunSession:
 
     def keep(self, micro_batches: list[Any], rng: dict[str, Any] | None, host: dict[str, Any] | None = None) -> None:
         """Keep what a replay of the next step needs (its micro-batches, RNG state, lrs, loss scale; no sync)."""
-        self.capture.keep(self.step + 1, micro_batches, rng, host)
+        self.steps.keep(self.step + 1, micro_batches, rng, host)
 
     def skip_on_host(self, ok: Tensor, hint: str) -> None:
         """An optimizer that cannot skip on the device: drop a bad step's grads (one host read per step, warned once).
@@ -260,7 +274,7 @@ class RunSession:
     def before_update(self) -> None:
         """Before the host's optimizer step: the snapshot's copies come first; on an interval's last step copy the
         parameters for ||update|| (no sync)."""
-        self.capture.before_update()
+        self.capture.snapshot.before_update()
         if (self.step + 1) % self.options.log_every == 0:
             self._before = snapshot_params(self.params, self._before)
             self._measuring = True
@@ -277,7 +291,7 @@ class RunSession:
         ``num_samples``, ``out["loss"]`` and ``out["count"]``: this rank's own (gathered at the boundary under DDP).
         """
         self._poison = None
-        self.step = self.state.step = self.step + 1
+        self.step += 1
         if self.dist.world > 1:
             out = {**out, "local_nonfinite": out["loss"] * 0 != 0}  # this rank's own loss: names the rank
         self.metrics.update(self.step, num_samples=num_samples, lr=lr, loss_scale=loss_scale, **out)
@@ -293,28 +307,10 @@ class RunSession:
         """Reduce the interval (its one sync), write the record and events, capture an incident, stop or warn."""
         if len(self.metrics) == 0:
             return {}
-        summary, rows, param_sq = self.metrics.reduce(annotate=self.guard.mark_spikes)  # the host-side spike rule
-        now = time.perf_counter()
-        elapsed = max(now - self._interval_start, 1e-9)
-        self.samples_seen = self.state.samples_seen = self.samples_seen + summary["interval_samples"]
-        self.tokens_seen += summary["interval_tokens"]
-        decision = self.guard.decide(rows)
-        progress = {"num_incidents": self.guard.num_incidents, "num_rollbacks": 0,
-                    "peak_memory_mib": peak_memory_mib(self.device), "epoch": self.epoch,
-                    "samples_seen": self.samples_seen, "tokens_seen": self.tokens_seen}
-        record = interval_record(summary, param_sq, [n for n, _ in self.named_params], elapsed,
-                                 top_layers=self.options.top_layers, progress=progress,
-                                 extra={"world_size": self.dist.world} if self.dist.world > 1 else None)
-        self.history.append(record)
-        self.callbacks.fire("on_log", self.state, record, rows)
-        if decision.first_incident is not None:
-            row = next(r for r in rows if r.step == decision.first_incident)
-            info = {"step": row.step, "after_update": decision.after_update, "ranks": list(row.ranks or []),
-                    "loss": row.values["loss"], "grad_norm": row.values["grad_norm"]}
-            self._incident(info, rows)
-            self.callbacks.fire("on_incident", self.state, info)
-        self.capture.mark_interval_start()
-        self._interval_start = time.perf_counter()  # the capture's time is not the next interval's
+        record, decision, rows, _ = self.boundary.log()
+        self.boundary.incident(decision, rows)
+        self.capture.mark_interval_start(self.step, self.capturing)
+        self.boundary.restart()  # the capture's time is not the next interval's
         if decision.action == "stop":
             if self.options.on_nonfinite == "warn":
                 warnings.warn(f"{decision.reason} (on_nonfinite='warn': training goes on)", console.StableTrainWarning,
@@ -328,20 +324,6 @@ class RunSession:
             warnings.warn(f"non-finite loss or grad norm at step(s) {decision.bad_steps} "
                           "(on_nonfinite='warn': not skipped by stabletrain)", console.StableTrainWarning, stacklevel=3)
         return record
-
-    def _incident(self, info: dict[str, Any], rows: list[Any]) -> None:
-        """Capture and diagnose the bad step (capture.py); record the ``incident`` event."""
-        step = info["step"]
-        fields = self.capture.capture(step, rows, info)
-        if fields is None:
-            return
-        if "why" in fields:
-            self.state.event(step, "incident", f"step {step} not captured: {fields['why']}",
-                             after_update=info["after_update"], **({"ranks": info["ranks"]} if self.dist.world > 1 else {}))
-            return
-        info.update(fields)
-        seen = f" (seen on rank(s) {info['ranks']})" if self.dist.world > 1 and info.get("ranks") else ""
-        self.state.event(step, "incident", f"captured step {step}{seen} into {fields['path']}", **fields)
 
     # -- end and state -----------------------------------------------------------------------------
 
@@ -375,8 +357,8 @@ class RunSession:
 
     def load_state_dict(self, state: dict[str, Any], *, event: bool = True, path: str | None = None) -> None:
         """Restore :meth:`state_dict` (the host resumed from its checkpoint); record a ``resume`` event."""
-        self.step = self.state.step = int(state["step"])
-        self.samples_seen = self.state.samples_seen = int(state["samples_seen"])
+        self.step = int(state["step"])
+        self.samples_seen = int(state["samples_seen"])
         self.tokens_seen = float(state["tokens_seen"])
         self.guard.load_state_dict(state["guard"])
         self.metrics.load_state_dict(state["metrics"])

@@ -194,7 +194,7 @@ class StableTrainCallback(pl.Callback):
         session = self.session
         if session.step == 0 and not self._micro and self.options.init_check and session.started:
             session.signal_check(batch, self.loss_fn or _lightning_loss)
-        if self._rng is None and session.capture.enabled:
+        if self._rng is None and session.capturing:
             self._rng = rng_state()
         self._micro.append(batch)
         self._indices.append(batch_idx)

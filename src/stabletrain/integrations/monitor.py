@@ -131,7 +131,7 @@ class Monitor:
         self._loss: Tensor | None = None
         self._backward: list[Tensor] = []
         self._micro: list[Any] = []
-        self._rng: dict[str, Any] | None = rng_state() if self.session.capture.enabled else None
+        self._rng: dict[str, Any] | None = rng_state() if self.session.capturing else None
         self._rng_marked = False
         self._autocast = False
 
@@ -144,7 +144,7 @@ class Monitor:
         A capture replays the step from the RNG state taken here (dropout draws the same numbers);
         without it, from the end of the previous step.
         """
-        if not self._rng_marked and self.session.capture.enabled:
+        if not self._rng_marked and self.session.capturing:
             self._rng, self._rng_marked = rng_state(), True
         self._autocast = True
         with self.precision.autocast():

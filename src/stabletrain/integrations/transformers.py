@@ -219,7 +219,7 @@ class StableTrainCallback(TrainerCallback):
         if session is None or session.capture.replaying:
             return self._call_training_step(model, inputs, num_items_in_batch)
         if not self._micro:
-            if session.capture.enabled:
+            if session.capturing:
                 self._rng = rng_state()
             self._host = {"model": model, "num_items_in_batch": num_items_in_batch,
                           "accumulation_steps": getattr(self.trainer, "current_gradient_accumulation_steps", None)}

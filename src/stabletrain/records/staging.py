@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = ["StateStager", "Withheld", "fill_withheld", "IntervalSnapshot", "load_optimizer_state_", "state_kept",
-           "state_bytes", "host_memory_available", "snapshot_fits"]
+           "state_bytes", "host_memory_available", "snapshot_fits", "split_params", "join_params", "clone_state"]
 
 _PLAIN = (int, float, bool, str, bytes, complex, type(None))  # leaves that cannot change under a writer
 _PLAIN_TYPES = frozenset(_PLAIN)
@@ -211,57 +211,117 @@ def fill_withheld(staged: Any, device: torch.device | str = "cpu") -> Any:
     return walk(staged)
 
 
+def clone_state(state: Any) -> Any:
+    """Return a deep copy of a nested state (dicts, lists, tuples): tensors cloned on their device, containers rebuilt."""
+    if isinstance(state, Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return type(state)((k, clone_state(v)) for k, v in state.items())
+    if isinstance(state, (list, tuple)) and not hasattr(state, "_fields"):
+        return type(state)(clone_state(v) for v in state)
+    return copy.copy(state)
+
+
+def split_params(local: dict[str, Any], names: set[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the parameters' entries of ``local["model"]`` and the optimizer's per-parameter state, the rest of ``local``).
+
+    The first part changes only in the optimizer's step and, under DDP, is the same on every rank; the rest
+    (buffers such as BatchNorm's running statistics, which each rank updates in its own forward, the RNG
+    streams, the data position, ...) is this rank's own. ``names``: the parameters' names in the model's state.
+    """
+    model, optimizer = local["model"], local.get("optimizer", {})
+    side = {"model": {k: v for k, v in model.items() if k in names}, "optimizer": optimizer.get("state", {})}
+    rest = {**local, "model": type(model)((k, v) for k, v in model.items() if k not in names),
+            "optimizer": {k: v for k, v in optimizer.items() if k != "state"}}
+    return side, rest
+
+
+def join_params(side: dict[str, Any] | None, rest: dict[str, Any]) -> dict[str, Any]:
+    """Undo :func:`split_params` (the model's entries in any order: ``load_state_dict`` goes by name); ``side`` None: ``rest``."""
+    if side is None:
+        return rest
+    model = type(rest["model"])(rest["model"])
+    model.update(side["model"])
+    return {**rest, "model": model, "optimizer": {**rest["optimizer"], "state": side["optimizer"]}}
+
+
 class IntervalSnapshot:
     """The training state at the start of a log interval, in host buffers reused from one interval to the next.
 
     A capture puts it back and replays the interval's steps up to the bad one (the built-in loop from its
     data stream, an adapter from the steps it kept), so the state from before any step of the interval is
-    at hand without a copy per step. On CUDA the device-to-host copies run on a side stream of their own:
-    the step's forward and backward (which only read the state) overlap them, and :meth:`before_update`
-    makes the compute stream wait for them before the next in-place update (a device-side wait: no host
-    sync). ``num_bytes``: the host memory it holds.
+    at hand without a copy per step. It is taken in two parts. ``side``: what changes only in the
+    optimizer's step (the parameters and the optimizer's per-parameter state: nearly all the bytes); on
+    CUDA its device-to-host copies run on a side stream, which the forward and backward (they only read
+    it) overlap, and the optimizer's next step waits for (an optimizer step pre-hook: a device-side wait,
+    no host sync). Under DDP it is the same on every rank: ``share=(rank, world)`` copies this rank's share
+    (:meth:`StateStager.stage`), and the capture completes it with one broadcast per tensor. ``rest``: what
+    a forward may change too (buffers, counters, RNG; small), on the compute stream. ``num_bytes``: the
+    host memory it holds.
     """
 
-    def __init__(self, side_stream: bool = True) -> None:
-        self._stager = StateStager()
-        self._side = side_stream
-        self._stream: Any = None
-        self._events: list[Any] = []
-        self._ordered = True
-        self.state: Any = None
+    def __init__(self) -> None:
+        self._side, self._rest = StateStager(), StateStager()
+        self._stream: Any = None  # the side stream (CUDA)
+        self._events: list[Any] = []  # CUDA events the side part's copies complete at
+        self._rest_events: list[Any] = []
+        self._ordered = True  # the compute stream waits for the side copies already
+        self._hooked: set[int] = set()  # id() of the optimizers whose step pre-hook orders the copies
+        self.side: Any = None
+        self.rest: Any = None
+        self.share: tuple[int, int] | None = None
         self.step: int | None = None  # the step after which the state was taken (0: before the first)
 
     @property
     def num_bytes(self) -> int:
-        return self._stager.num_bytes
+        return self._side.num_bytes + self._rest.num_bytes
 
-    def take(self, state: Any, step: int) -> None:
-        """Stage ``state`` (live tensors; copied) as the state after ``step``."""
+    @property
+    def taken(self) -> bool:
+        return self.rest is not None
+
+    def take(self, side: Any, rest: Any, step: int, *, share: tuple[int, int] | None = None,
+             optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Stage ``side`` (None: everything is in ``rest``) and ``rest`` (live tensors; copied) as the state after ``step``.
+
+        ``optimizer``: the one whose step changes ``side`` in place; on CUDA its step waits for the copies.
+        """
+        self.before_update()  # the last snapshot's copies are done before its buffers are written again
         stream = None
-        if self._side and torch.cuda.is_available():
-            device = next((t.device for t in _tensors(state) if t.device.type == "cuda"), None)
-            if device is not None:
-                if self._stream is None or self._stream.device != device:
-                    self._stream = torch.cuda.Stream(device)
-                stream = self._stream
-        self.state, self._events = self._stager.stage(state, stream=stream)
-        self.step, self._ordered = step, stream is None
+        device = next((t.device for t in _tensors(side) if t.device.type == "cuda"), None) if side is not None else None
+        if device is not None and optimizer is not None:
+            if self._stream is None or self._stream.device != device:
+                self._stream = torch.cuda.Stream(device)
+            stream = self._stream
+            if id(optimizer) not in self._hooked:
+                optimizer.register_step_pre_hook(lambda *_: self.before_update())
+                self._hooked.add(id(optimizer))
+        if side is not None:
+            self.side, self._events = self._side.stage(side, share=share, stream=stream)
+        else:
+            self.side, self._events = None, []
+        self._ordered = stream is None
+        self.rest, self._rest_events = self._rest.stage(rest)
+        self.step, self.share = step, share
 
     def before_update(self) -> None:
-        """Order the next in-place update of the state after the snapshot's copies (CUDA; no host sync)."""
+        """Order the next in-place update of the state after the side copies (CUDA; no host sync)."""
         if not self._ordered:
             for event in self._events:
                 torch.cuda.current_stream().wait_event(event)
             self._ordered = True
 
-    def get(self) -> Any:
-        """The staged state, once its copies are complete (waits for them)."""
-        for event in self._events:
+    def get(self) -> tuple[Any, Any]:
+        """(side, rest), once their copies are complete (waits for them). DDP: ``side`` still holds others' shares withheld."""
+        for event in [*self._events, *self._rest_events]:
             event.synchronize()
-        return self.state
+        self.before_update()
+        return self.side, self.rest
 
     def clear(self) -> None:
-        self.state, self.step, self._events, self._ordered = None, None, [], True
+        self.before_update()
+        self.side = self.rest = self.step = self.share = None
+        self._events, self._rest_events = [], []
 
 
 def state_bytes(state: Any, *, share: int = 1) -> int:

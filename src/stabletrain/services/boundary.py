@@ -1,0 +1,93 @@
+"""The log boundary, once for the built-in loop and every adapter: reduce → record → on_log → decide → capture → on_incident.
+
+::
+
+    record, decision, rows = boundary.log(signal, extra)   # the interval's ONE host sync (DDP: one all-gather),
+                                                           # the host spike rule, the guard's decision, the metrics
+                                                           # record, on_log (metrics.jsonl, TensorBoard, events, ...)
+    info = boundary.incident(decision, rows)               # the first bad step captured and diagnosed, the decision
+                                                           # pinned to the update the replay found, on_incident
+
+What follows (stop, roll back, remedy, checkpoint, warn) is the caller's: the loop's services act on the
+decision, an adapter stops its host or warns.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..callbacks import CallbackList, FitState
+from ..policies.guard import Guard, GuardDecision
+from ..policies.metrics import StepMetrics, interval_record, peak_memory_mib
+
+__all__ = ["IntervalBoundary"]
+
+
+class IntervalBoundary:
+    """One interval's boundary over a run's metrics, guard, callbacks and capture (see the module docstring).
+
+    Args:
+        state: the run's :class:`~stabletrain.callbacks.FitState` (its counters, history and record).
+        metrics, guard, callbacks: the run's :class:`StepMetrics`, :class:`Guard` and :class:`CallbackList`.
+        capture: ``capture(state, info, rows) -> found`` (:meth:`IncidentCapture.capture`).
+        top_layers: how many parameters to name as dominating the grad norm (``log.top_layers``).
+        epoch: the data's current epoch.
+        count_samples: add the interval's samples to ``state.samples_seen`` here (an adapter; the loop counts per step).
+    """
+
+    def __init__(self, state: FitState, metrics: StepMetrics, guard: Guard, callbacks: CallbackList,
+                 capture: Callable[[FitState, dict[str, Any], list[Any]], dict[str, Any]], *, top_layers: int,
+                 epoch: Callable[[], int], count_samples: bool = False) -> None:
+        self.state, self.metrics, self.guard, self.callbacks, self._capture = state, metrics, guard, callbacks, capture
+        self.top_layers, self.epoch, self.count_samples = top_layers, epoch, count_samples
+        self.names = [n for n, _ in state.named_params]
+        self.started = time.perf_counter()
+        self.excluded = 0.0  # seconds of this interval not spent training (validation): not in its throughput
+
+    def restart(self) -> None:
+        """The next interval starts now (its throughput counts from here)."""
+        self.started, self.excluded = time.perf_counter(), 0.0
+
+    def log(self, signal: int = 0, extra: dict[str, Any] | None = None) -> tuple[dict[str, Any], GuardDecision, list[Any],
+                                                                                  dict[str, Any]]:
+        """Reduce the interval (its one host sync), let the guard read it, record it, fire ``on_log``.
+
+        Returns (the metrics record, the guard's decision, the per-step rows, the reduce's summary).
+        ``signal``: this rank's pending signal, agreed on by every rank in the same all-gather.
+        """
+        state = self.state
+        summary, rows, param_sq = self.metrics.reduce(signal, annotate=self.guard.mark_spikes)
+        now = time.perf_counter()
+        elapsed = max(now - self.started - self.excluded, 1e-9)
+        self.started, self.excluded = now, 0.0
+        state.tokens_seen += summary["interval_tokens"]
+        if self.count_samples:
+            state.samples_seen += summary["interval_samples"]
+        decision = self.guard.decide(rows)
+        progress = {"num_incidents": self.guard.num_incidents, "num_rollbacks": self.guard.num_rollbacks,
+                    "peak_memory_mib": peak_memory_mib(state.device), "epoch": self.epoch(),
+                    "samples_seen": state.samples_seen, "tokens_seen": state.tokens_seen}
+        extra = {**(extra or {}), **({"world_size": state.dist.world} if state.dist.enabled else {})}
+        record = interval_record(summary, param_sq, self.names, elapsed, top_layers=self.top_layers,
+                                 progress=progress, extra=extra or None)
+        state.history.append(record)
+        self.callbacks.fire("on_log", state, record, rows)
+        return record, decision, rows, summary
+
+    def incident(self, decision: GuardDecision, rows: list[Any]) -> dict[str, Any] | None:
+        """Capture the decision's first bad step (every rank); pin the decision to the update the replay found.
+
+        Returns the incident's info for the caller (what ``on_incident`` got), or None without one.
+        """
+        if decision.first_incident is None:
+            return None
+        row = next(r for r in rows if r.step == decision.first_incident)
+        info = {"step": row.step, "after_update": decision.after_update, "ranks": list(row.ranks or []),
+                "loss": row.values["loss"], "grad_norm": row.values["grad_norm"], "locate": decision.locate}
+        info.update(self._capture(self.state, info, rows))
+        if info.get("pinned") is not None:  # the capture's replay found the update that broke the parameters
+            decision.pin(info["pinned"])
+        self.callbacks.fire("on_incident", self.state, info)
+        return info

@@ -1,0 +1,228 @@
+"""The one incident capture: the interval snapshot, the replay to just before the bad step, the bundle, the diagnosis.
+
+The built-in loop and every adapter capture a bad step the same way; only where their steps come from
+differs (a :class:`StepSource`: the loop's data stream and step, :class:`~stabletrain.services.incidents.LoopSteps`;
+a host's kept steps and its own replay, :class:`~stabletrain.integrations.capture.HostSteps`)::
+
+    at each interval's start        the snapshot of source.live_state(), split by the run's strategy: the
+                                    parameters and optimizer state on a CUDA side stream that the optimizer's
+                                    step waits for (DDP: this rank's share of them), the rest on the compute stream
+    at a boundary whose rows hold a bad step k (every rank: the replay has collectives):
+        with the live state kept    load the snapshot (else source.fallback_state(): LAST_GOOD);
+                                    source.replay_to(k): the steps before k, as the run took them;
+                                    source.record(k): this rank's window and RNG state; the state before k,
+                                    staged (FSDP: every rank writes its shards with DCP)
+        rank 0                      incidents/step_k/bundle.pt (one per rank that saw it), then its diagnosis
+                                    from the bundle in memory, with the run's RNG streams kept; an ``incident``
+                                    event and one console line
+
+The live state and the RNG streams are as they were before the capture when it returns, so a captured run
+goes on exactly as one that was not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+from .. import console
+from ..callbacks import FitState
+from ..diagnostics.diagnosis import DIAGNOSIS_FIELDS
+from ..records.checkpoint.sharded import is_dcp_entry
+from ..records.incidents import BUNDLE_DCP_DIR, STATE_IN, write_bundle
+from ..records.staging import IntervalSnapshot, clone_state, join_params, state_kept
+from ..replay import diagnose_incident
+from ..seeding import rng_state, set_rng_state
+
+__all__ = ["IncidentCapture", "StepSource", "incident_dir"]
+
+
+def incident_dir(run_dir: Path, step: int) -> Path:
+    """``RUN_DIR/incidents/step_N``."""
+    return Path(run_dir) / "incidents" / f"step_{step:06d}"
+
+
+class StepSource(Protocol):
+    """Where a capture's steps come from (see the module docstring)."""
+
+    strategy: Any  # the run's Strategy: how the snapshot splits, completes, and how the bundle's state is written
+    module: Any  # the model itself (not a wrapper)
+    optimizer: Any  # the run's torch optimizer (its step waits for the snapshot's side copies)
+    run_dir: Path | None  # the run directory, known on every rank (None: nothing is written)
+    diagnose: bool  # diagnose a captured step right away
+
+    def capturing(self, fit: FitState) -> bool:
+        """Whether a capture is asked for and can be written."""
+
+    def live_state(self) -> dict[str, Any]:
+        """This rank's live state (the snapshot's, and what the capture puts back after it)."""
+
+    def load_live_state(self, state: dict[str, Any]) -> None:
+        """Load what :meth:`live_state` returned (or the snapshot)."""
+
+    def fallback_state(self, fit: FitState) -> tuple[dict[str, Any], int] | None:
+        """(state, its step) to replay from when there is no snapshot; None: none."""
+
+    def why_not(self, step: int, start: int) -> str | None:
+        """Why step ``step`` cannot be replayed from step ``start`` (None: it can)."""
+
+    def replay_to(self, fit: FitState, step: int, start: int, locate: tuple[int, int] | None,
+                  rows: list[Any]) -> tuple[int, dict | None]:
+        """Replay the steps after ``start`` up to just before ``step``: (steps replayed, the update it pinned or None)."""
+
+    def record(self, fit: FitState, step: int) -> dict[str, Any]:
+        """This rank's record of step ``step`` for its bundle (its window, its RNG state), the state being before it."""
+
+    def blame(self, fit: FitState) -> list[int] | None:
+        """The ranks whose own gradients of the recorded step are non-finite (a collective), or None."""
+
+    def bundle_state(self, **kwargs: Any) -> dict[str, Any]:
+        """The run's state before the step, in the one-process format the bundle holds (``dcp=True``: as DCP's)."""
+
+    def bundle(self, fit: FitState, step: int, record: dict[str, Any], before: dict[str, Any],
+               info: dict[str, Any]) -> dict[str, Any]:
+        """The bundle of ``record``'s rank (``before``: :meth:`bundle_state`, staged)."""
+
+    def diagnosis(self, bundle: dict[str, Any]) -> tuple[Any, contextlib.AbstractContextManager, dict[str, Any]]:
+        """(the task the diagnosis replays, the context it runs in, extra event fields); raises when it cannot."""
+
+    def replaying(self) -> contextlib.AbstractContextManager:
+        """The source's own hooks and the host's logging off, while the capture replays."""
+
+
+class IncidentCapture:
+    """The interval snapshot and the capture of a bad step, for any :class:`StepSource` (module docstring)."""
+
+    def __init__(self, source: StepSource) -> None:
+        self.source = source
+        self.snapshot = IntervalSnapshot()
+        self.replayed_steps: int | None = None  # steps the last capture replayed (None: no capture yet)
+        self.replaying = False  # a capture is replaying: the source's own per-step hooks stand by
+
+    # -- per interval ------------------------------------------------------------------------------
+
+    def mark_interval_start(self, step: int, enabled: bool) -> None:
+        """A new interval starts after ``step``: stage the state into the snapshot's host buffers (``enabled``).
+
+        On CUDA the copies are queued (pinned, non-blocking; the parameters and optimizer state on a side
+        stream) and waited for only by a capture; on CPU it is one copy of the state per interval (under DDP,
+        of this rank's share of what every rank holds).
+        """
+        self.snapshot.clear()
+        if enabled:
+            src = self.source
+            side, rest, share = src.strategy.snapshot_parts(src.live_state(), src.module)
+            self.snapshot.take(side, rest, step, share=share, optimizer=src.optimizer)
+
+    @property
+    def state(self) -> dict[str, Any] | None:
+        """The state at the interval's start in host buffers (None: no snapshot; not waited for; DDP: shares withheld)."""
+        snap = self.snapshot
+        return join_params(snap.side, snap.rest) if snap.taken else None
+
+    def _start(self, fit: FitState) -> tuple[dict[str, Any], int] | None:
+        """(a copy of the state to replay from, its step): the snapshot (DDP: completed, a collective) or the fallback."""
+        snap = self.source.strategy
+        if self.snapshot.taken:
+            side, rest = self.snapshot.get()
+            side = snap.complete_snapshot(side) if side is not None else None
+            # A copy: whatever loads it may keep its tensors (an optimizer on CPU), and the snapshot stays intact.
+            return clone_state(join_params(side, rest)), int(self.snapshot.step)
+        return self.source.fallback_state(fit)
+
+    @contextlib.contextmanager
+    def _replaying(self) -> Iterator[None]:
+        self.replaying = True
+        try:
+            with self.source.replaying():
+                yield
+        finally:
+            self.replaying = False
+
+    # -- at a boundary with a bad step -------------------------------------------------------------
+
+    def capture(self, fit: FitState, info: dict[str, Any], rows: list[Any] = ()) -> dict[str, Any]:
+        """Replay to just before ``info["step"]``, write its bundle, diagnose it, record the ``incident`` event.
+
+        Every rank calls it. Returns what it found, for the boundary and the ``on_incident`` callbacks:
+        ``pinned`` (the step whose update broke the parameters, when the replay pinned one), ``ranks``,
+        ``path``, ``replayed_steps``, ``diagnosis`` or ``diagnosis_error`` ({} when nothing was captured).
+        ``rows``: the interval's per-step rows (a host's skipped steps are not replayed).
+        """
+        src, found = self.source, {}
+        if not src.capturing(fit):
+            return found
+        step, after_update = info["step"], info["after_update"]
+        ranks = sorted(info.get("ranks") or [])
+        start = self._start(fit)
+        why = ("no good state to replay from (no verified checkpoint yet; was the state non-finite from the start?)"
+               if start is None else src.why_not(step, start[1]))
+        if why is not None:
+            fit.event(step, "incident", f"step {step} not captured: {why}", after_update=after_update,
+                      **({"ranks": ranks} if fit.dist.enabled else {}))
+            return found
+        t0 = time.perf_counter()
+        with state_kept(src.live_state, src.load_live_state), self._replaying():
+            src.load_live_state(start[0])
+            self.replayed_steps, pinned = src.replay_to(fit, step, start[1], info.get("locate"), rows)
+            if pinned is None and info.get("locate") is not None and after_update:
+                pinned = {"step": step}  # no earlier update broke them: the checked step's own did
+            if pinned is not None:
+                step, after_update = pinned["step"], True
+                found.update(pinned, pinned=step, after_update=True)
+                if step < info["locate"][1]:  # the check's own row has its event already
+                    fit.event(step, "nonfinite", f"parameters became non-finite in the update of step {step} (its "
+                              f"loss and grad norm were finite; the check at step {info['locate'][1]} found them, "
+                              "the capture's replay pinned the step)", after_update=True, pinned_by_replay=True,
+                              **{k: v for k, v in pinned.items() if k != "step"})
+            record = src.record(fit, step)
+            if fit.dist.enabled and not ranks and not after_update:
+                blamed = src.blame(fit)  # every rank's loss was finite: whose own gradients?
+                if blamed is not None:
+                    ranks = found["ranks"] = blamed
+            seen = ranks or [0]
+            records = fit.dist.gather_objects(record if fit.dist.rank in seen else None)
+            folder = incident_dir(src.run_dir, step) if src.run_dir is not None else None
+            before = src.strategy.bundle_state(src.bundle_state, folder / BUNDLE_DCP_DIR if folder else None)
+        replay_s = time.perf_counter() - t0
+        if fit.run is None or before is None:
+            return found
+        fields: dict[str, Any] = {"path": str(folder), "after_update": after_update,
+                                  "replayed_steps": self.replayed_steps, "replay_s": round(replay_s, 4)}
+        if fit.dist.enabled:
+            fields["ranks"] = ranks
+        info = {**info, **found, "step": step, "after_update": after_update, "ranks": ranks}
+        bundles = []
+        for n, r in enumerate(seen):
+            bundle = src.bundle(fit, step, records[r], before, info)
+            if n > 0:  # the model and optimizer (the same on every rank) once, in the first bundle; a later one names it
+                bundle = {**{k: v for k, v in bundle.items() if k not in ("model", "optimizer")}, STATE_IN: ".."}
+            write_bundle(folder if n == 0 else folder / f"rank_{r}", bundle)
+            bundles.append(bundle)
+        if src.diagnose:
+            fields.update(self._diagnose(fit, folder, bundles[0], step, seen[0]))
+        found.update(fields)
+        seen_note = f" (seen on rank(s) {ranks})" if fit.dist.enabled and ranks else ""
+        fit.event(step, "incident", f"captured step {step}{seen_note} into {folder}", **fields)
+        return found
+
+    def _diagnose(self, fit: FitState, folder: Path, bundle: dict[str, Any], step: int, rank: int) -> dict[str, Any]:
+        """Diagnose the first bundle on this process, with the run's RNG streams kept; the event's fields."""
+        run_rng = rng_state()  # the diagnosis seeds and replays: the run's own streams must not notice
+        try:
+            task, context, extra = self.source.diagnosis(bundle)
+            in_memory = None if is_dcp_entry(bundle.get("model")) else bundle  # FSDP: read whole from its shards
+            with self._replaying(), context:
+                diagnosis = diagnose_incident(folder, task, device=str(fit.device), bundle=in_memory)
+            on_rank = f" (rank {rank})" if fit.dist.enabled else ""
+            console.say(f"incident at step {step}{on_rank}: {diagnosis.get('summary')}")
+            return {"diagnosis": {**{k: diagnosis.get(k) for k in DIAGNOSIS_FIELDS},
+                                  **{k: diagnosis.get(k) for k in extra}}}
+        except Exception as err:  # a diagnosis that fails must not take the run down with it
+            text = str(err).strip()
+            return {"diagnosis_error": f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"}
+        finally:
+            set_rng_state(run_rng)
