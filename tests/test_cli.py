@@ -221,6 +221,39 @@ def test_check_inside_a_git_repository_leaves_git_status_clean(tmp_path, monkeyp
     assert "figures/" in git("status", "--porcelain")
 
 
+def test_dist_nproc_says_it_starts_the_processes(tmp_path, monkeypatch, capsys):
+    from stabletrain.cli import main
+    from stabletrain.distributed import ddp
+
+    launched = []
+    monkeypatch.setattr(ddp, "launch", lambda nproc, argv: launched.append((nproc, argv)) or 0)  # torchrun itself: test_distributed
+    assert main(["train", "task=mlp", "dist.nproc=2", "log.progress=false", f"run.dir={tmp_path / 'r'}"]) == 0
+    assert launched == [(2, ["train", "task=mlp", "dist.nproc=2", "log.progress=false", f"run.dir={tmp_path / 'r'}"])]
+    assert capsys.readouterr().out == ("stabletrain: starting 2 processes on this machine (torchrun, DDP): rank 0 prints "
+                                       "the progress and writes the run directory\n")
+
+
+def test_a_missing_folder_and_a_run_without_incidents_are_said_in_words(tmp_path, capsys):
+    from stabletrain.cli import main
+
+    missing = tmp_path / "runs" / "typo"
+    for args in (["report", str(missing)], ["compare", str(missing), str(tmp_path)], ["diagnose", str(missing)],
+                 ["remedy", str(missing)]):
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith("stabletrain: error: ") and f"{str(missing)!r}" in err and "does not exist" in err, err
+        assert "metrics.jsonl" not in err and "bundle.pt" not in err  # was: "no metrics.jsonl there", "no bundle.pt there"
+    run = tmp_path / "healthy"  # a run directory whose steps were all healthy: no incidents/ folder
+    run.mkdir()
+    for name in ("config.yaml", "metrics.jsonl", "events.jsonl"):
+        (run / name).write_text("")
+    for command in ("diagnose", "remedy"):
+        assert main([command, str(run)]) == 2
+        assert capsys.readouterr().err == (f"stabletrain: error: {command} {str(run)!r}: the run has no incidents (no step "
+                                           f"was captured: no {run / 'incidents' / 'step_N'}), so there is nothing to "
+                                           f"{command}\n")
+
+
 # -- what answers without torch ----------------------------------------------------------------------
 
 

@@ -14,7 +14,7 @@ import pytest
 from helpers import cfg, regression_task
 from multiproc import env as child_env
 from stabletrain import Trainer
-from stabletrain.errors import format_task_error, raised_by_stabletrain, task_part, user_location
+from stabletrain.errors import batch_note, format_task_error, raised_by_stabletrain, task_part, user_location
 
 pytestmark = pytest.mark.slow  # most tests start the CLI in a fresh process
 
@@ -65,10 +65,49 @@ def test_the_part_of_the_task_that_raised_and_its_line(name, part, error, line):
 
 def test_strings_reaching_a_torch_module_are_the_model_forward_called_from_the_loss():
     # No user frame inside the model: nn.Linear itself raises on what the user's loss passed it.
-    err = error_of("string_data_task")
+    err = error_of("string_data_task", "train.batch_size=8")
     assert type(err) is TypeError and "must be Tensor" in str(err)
     assert task_part(err) == "model forward"
     assert "helpers.py" in user_location(err)  # the loss line that called the model
+    # The message names what the batch held (torch's names neither the batch nor strings): the 8 words of the batch.
+    lines = format_task_error(err, "model forward").splitlines()
+    assert lines[1].startswith("the batch holds values that are not tensors: batch[0] is a tuple of 8 str. ")
+    assert batch_note(err, "model forward") == lines[1]
+
+
+@pytest.mark.parametrize("batch, note", [
+    ((["a", "b"], "TENSOR"), "batch[0] is a list of 2 str"),
+    ({"text": ("a", "b"), "y": "TENSOR", "n": [1, 2], "m": {"names": ("p", "q")}},
+     "batch['text'] is a tuple of 2 str; batch['m']['names'] is a tuple of 2 str"),
+    (("TENSOR", "TENSOR", 3), None),  # tensors and numbers: nothing to say (the loss's own TypeError after the model)
+    ((["a", 1],), "batch[0][0] is a str"),
+])
+def test_the_batch_note_lists_the_parts_that_are_not_tensors(batch, note, tmp_path):
+    import torch
+
+    def tensors(value):
+        if value == "TENSOR":
+            return torch.zeros(2, 4)
+        if isinstance(value, dict):
+            return {k: tensors(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(tensors(v) for v in value)
+        return value
+
+    batch = tensors(batch)
+    task = regression_task()
+    task.loss = lambda model, b: model(b[0] if isinstance(b, (list, tuple)) else b["text"]).sum() + "?"  # TypeError
+    task.train_data = [batch]  # one sample, the batch itself: the collate below passes it through
+    task.collate = lambda samples: samples[0]
+    with pytest.raises(Exception) as info:
+        Trainer(cfg("train.max_steps=1", "train.batch_size=1"), task=task).fit()
+    err = info.value
+    assert type(err) is TypeError and task_part(err) in ("loss", "model forward")
+    got = batch_note(err, task_part(err))
+    if note is None:
+        assert got is None
+    else:
+        assert got.startswith(f"the batch holds values that are not tensors: {note}. ")
 
 
 def test_default_collate_failing_on_the_users_samples_is_the_collate_without_user_frames():

@@ -37,3 +37,18 @@ def test_my_task_learns_its_rule_in_300_steps(my_task):
     first, last = trainer.history[0], trainer.history[-1]
     assert first["loss_max"] > 0.9 * math.log(32)  # the first steps are at chance
     assert last["loss"] < 0.05 and last["val_loss"] < 0.05, last
+
+
+@pytest.mark.slow  # trains for seconds
+def test_the_readmes_callback_snippet_runs_as_written(tmp_path, monkeypatch, capsys):
+    """The "Callbacks" snippet of the README, run as written: its config comes from load_config, its hooks print."""
+    import re
+
+    section = (ROOT / "README.md").read_text(encoding="utf-8").split("### Callbacks", 1)[1].split("\n#", 1)[0]
+    (snippet,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(snippet, "README.md callbacks snippet", "exec"), {"__name__": "__readme__"})
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in printed] == ["step 20", "step 40", "step 60"]
+    emas = [float(line.rsplit(" ", 1)[1]) for line in printed]
+    assert emas[-1] < emas[0] and all(math.isfinite(e) for e in emas)  # the mlp learns; its loss EMA falls

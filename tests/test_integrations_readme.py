@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -37,12 +39,34 @@ def test_each_snippet_runs_and_its_run_reports(index, run, tmp_path, monkeypatch
         pytest.importorskip("transformers")
         pytest.importorskip("accelerate")
     monkeypatch.chdir(tmp_path)
-    exec(compile(snippets()[index], f"README.md snippet {index + 1}", "exec"), {"__name__": "__readme__"})
+    logged = _Records()
+    host_logger = logging.getLogger("transformers")  # the library's own log (it does not propagate to the root)
+    host_logger.addHandler(logged)
+    try:
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            exec(compile(snippets()[index], f"README.md snippet {index + 1}", "exec"), {"__name__": "__readme__"})
+    finally:
+        host_logger.removeHandler(logged)
+    if index == 2:  # no avoidable warning: token ids inside the 64-token vocabulary, no pinned memory without a GPU
+        assert not [m for m in logged.messages if "token_id" in m], logged.messages
+        assert not [w for w in warned if "pin_memory" in str(w.message)], [str(w.message) for w in warned]
     records, problems = read_jsonl(tmp_path / "runs" / run / "metrics.jsonl")
     assert records and not problems and records[-1]["num_nonfinite"] == 0
     assert write_report(tmp_path / "runs" / run).exists()
     if index == 0:
         assert records[-1]["step"] == 50
+
+
+class _Records(logging.Handler):
+    """The messages a library logs while a snippet runs."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def test_compare_reads_runs_of_different_trainers(tmp_path, monkeypatch):

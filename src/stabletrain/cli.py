@@ -235,6 +235,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         argv = list(getattr(args, "argv", None) or sys.argv[1:])
         if not resume and not cfg.run.dir:
             argv.append(f"run.dir={default_run_dir(cfg)}")
+        console.say(f"starting {cfg.dist.nproc} processes on this machine (torchrun, {cfg.dist.strategy.upper()}): rank 0 "
+                    "prints the progress and writes the run directory")
         return distributed.launch(cfg.dist.nproc, argv)
     with distributed.process_group(cfg.dist.backend, cfg.dist.timeout_s, cfg.dist.nproc) as ctx:
         return _train(args, cfg, run_dir, bool(resume), ctx)
@@ -309,6 +311,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
+    if not run_dir.exists():
+        raise FileNotFoundError(f"run directory {str(run_dir)!r} does not exist")
     if not (run_dir / "metrics.jsonl").exists() and not (run_dir / "config.yaml").exists():
         raise FileNotFoundError(f"run directory {str(run_dir)!r}: no metrics.jsonl or config.yaml there; is it a stabletrain run?")
     _write_report(run_dir)
@@ -319,6 +323,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from .report import write_compare
 
     for d in args.run_dirs:
+        if not Path(d).exists():
+            raise FileNotFoundError(f"run directory {d!r} does not exist")
         if not (Path(d) / "metrics.jsonl").exists():
             raise FileNotFoundError(f"run directory {d!r}: no metrics.jsonl there; is it a stabletrain run?")
     page = write_compare(args.run_dirs, args.out)

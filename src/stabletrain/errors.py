@@ -17,7 +17,7 @@ from typing import Any
 from pathlib import Path
 
 __all__ = ["user_frames", "user_location", "format_user_traceback", "task_part", "raised_by_stabletrain",
-           "format_task_error", "TaskCodeError", "TASK_PARTS", "brief", "crash_event"]
+           "format_task_error", "batch_note", "TaskCodeError", "TASK_PARTS", "brief", "crash_event"]
 
 _PACKAGE = os.path.join(str(Path(__file__).resolve().parent), "")  # ".../stabletrain/", with its separator
 _LIBS = tuple({os.path.realpath(p) for p in (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
@@ -239,7 +239,54 @@ def format_task_error(err: BaseException, part: str) -> str:
     if part.startswith("collate") and where is None:
         head += (" in torch's default_collate, which cannot batch these samples: give the task a "
                  "collate(samples) -> batch (Task.collate)")
-    return f"{head}\n{format_user_traceback(err)}".rstrip("\n")
+    return "\n".join(x for x in (head, batch_note(err, part), format_user_traceback(err).rstrip("\n")) if x)
+
+
+def batch_note(err: BaseException, part: str) -> str | None:
+    """Say what the batch held that is not a tensor, for a TypeError from the task's loss or model forward: a dataset
+    returning strings ends in one from the first torch module they reach ("must be Tensor, not tuple"), which names neither.
+
+    The batch is the argument after the model in the frame of the user's loss that stabletrain called (its locals
+    live as long as the traceback). None for another error or part, when that frame is not there, or when every
+    leaf of the batch is a tensor or a number.
+    """
+    if not isinstance(err, TypeError) or part.split(" (")[0] not in ("loss", "model forward"):
+        return None
+    torch = sys.modules.get("torch")
+    tb, caller_ours = err.__traceback__, False
+    while tb is not None and torch is not None:
+        frame, filename = tb.tb_frame, tb.tb_frame.f_code.co_filename
+        if caller_ours and _is_user(filename):  # the user's loss(model, batch), as stabletrain called it
+            code = frame.f_code
+            args = [frame.f_locals.get(name) for name in code.co_varnames[:code.co_argcount]]
+            after_model = [b for a, b in zip(args, args[1:]) if isinstance(a, torch.nn.Module)]
+            if not after_model:
+                return None
+            odd = _non_tensors(after_model[0], "batch", torch)
+            if not odd:
+                return None
+            listed = "; ".join(f"{path} is {what}" for path, what in odd[:4]) + ("; ..." if len(odd) > 4 else "")
+            return (f"the batch holds values that are not tensors: {listed}. A model takes tensors: return them "
+                    "(or numbers) from the dataset's __getitem__, or build them in Task.collate or the loss")
+        caller_ours = _is_ours(filename)
+        tb = tb.tb_next
+    return None
+
+
+def _non_tensors(value: Any, path: str, torch: Any, depth: int = 0) -> list[tuple[str, str]]:
+    """``(path, what)`` for each part of a batch that is neither a tensor nor a number (``batch[0]``: "a tuple of 16 str")."""
+    if torch.is_tensor(value) or value is None or isinstance(value, (bool, int, float)) or depth > 4:
+        return []
+    if isinstance(value, dict):
+        return [found for key, v in list(value.items())[:16] for found in _non_tensors(v, f"{path}[{key!r}]", torch, depth + 1)]
+    if isinstance(value, (list, tuple)):
+        kinds = {type(v).__name__ for v in value}
+        if value and len(kinds) == 1 and not isinstance(value[0], (list, tuple, dict)) and not torch.is_tensor(value[0]):
+            if isinstance(value[0], (bool, int, float)):
+                return []
+            return [(path, f"a {type(value).__name__} of {len(value)} {kinds.pop()}")]
+        return [found for i, v in enumerate(value[:16]) for found in _non_tensors(v, f"{path}[{i}]", torch, depth + 1)]
+    return [(path, f"a {type(value).__name__}")]
 
 
 class TaskCodeError(Exception):

@@ -19,15 +19,10 @@ __all__ = ["cmd_diagnose", "replay_obstacles", "stored_diagnosis"]
 def cmd_diagnose(args: argparse.Namespace) -> int:
     import json
 
-    from ..records.incidents import BUNDLE_FILE
     from ..replay import diagnose_incident
+    from . import incident_dir
 
-    path = Path(args.incident)
-    if not (path / BUNDLE_FILE).exists() and (path / "incidents").is_dir():
-        found = sorted((path / "incidents").glob("step_*"))
-        if not found:
-            raise FileNotFoundError(f"run directory {str(path)!r}: no incidents captured")
-        path = found[-1]
+    path = incident_dir(args.incident, newest=True, command="diagnose")
     try:
         result = diagnose_incident(path, device=args.device, bisect=not args.no_bisect)
     except Exception:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 __all__ = ["cmd_remedy", "add_remedy_parser"]
 
@@ -35,15 +34,10 @@ def add_remedy_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_remedy(args: argparse.Namespace) -> int:
-    from ..records.incidents import BUNDLE_FILE
     from ..remedy import format_table, search_remedies
+    from . import incident_dir
 
-    path = Path(args.incident)
-    if not (path / BUNDLE_FILE).exists() and (path / "incidents").is_dir():
-        found = sorted((path / "incidents").glob("step_*"))
-        if not found:
-            raise FileNotFoundError(f"run directory {str(path)!r}: no incidents captured")
-        path = found[0]
+    path = incident_dir(args.incident, newest=False, command="remedy")
     only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
     record = search_remedies(path, steps=args.steps, only=only, device=args.device)
     if args.json:

@@ -250,7 +250,7 @@ class CheckpointManager:
         pruned = self.prune()
         timings["prune_s"] = time.perf_counter() - t0
         size = num_bytes + int(meta.get("dcp", {}).get("bytes", 0))
-        return SaveResult(step, final, False, f"saved {name} ({size / 2**20:.1f} MiB, verified); LAST_GOOD -> {name}",
+        return SaveResult(step, final, False, f"saved {name} ({f'{size / 2**20:.1f} MiB' if size >= 2**20 else f'{size / 2**10:.1f} KiB'}, verified); LAST_GOOD -> {name}",
                           num_bytes=size, timings=timings, pruned=tuple(pruned), write_cpu_s=time.thread_time() - cpu0)
 
     def _point_last_good(self, name: str) -> None:
