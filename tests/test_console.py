@@ -236,3 +236,34 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as info:
         main(["--version"])
     assert info.value.code == 0 and capsys.readouterr().out == f"stabletrain {__version__}\n"
+
+
+@pytest.mark.slow  # inductor compiles (seconds; cached on disk)
+def test_a_compiled_run_says_it_compiles_and_its_eta_leaves_the_compile_time_out(capsys):
+    import time
+
+    from stabletrain.callbacks import Callback
+
+    class FirstStep(Callback):  # when the first step (its compilation) began and ended
+        def on_fit_start(self, state):
+            self.began = time.perf_counter()
+
+        def on_step_end(self, state, out):
+            if state.step == 1:
+                self.took = time.perf_counter() - self.began
+
+    first = FirstStep()
+    c = cfg("train.compile=true", "train.max_steps=400", "train.batch_size=8", "log.every=4", "eval.every=0",
+            "log.progress=true")
+    Trainer(c, task=regression_task(), callbacks=[first]).fit()
+    captured = capsys.readouterr()
+    said = [line for line in captured.out.splitlines() if "train.compile=true" in line]
+    assert said == ["stabletrain: train.compile=true: torch.compile compiles the model in the first step (and again "
+                    "for a new batch shape or the validation pass); the ETA leaves that time out"]
+    lines = [line for line in captured.err.splitlines() if line.startswith("regression step ")]
+    assert lines[0].startswith("regression step 4/400 (1%)") and "samples/s (compiling included) | eta " in lines[0]
+    assert "compiling" not in lines[1]
+    h, m, s = map(int, lines[0].rsplit("eta ", 1)[1].split(":"))
+    # Paced from step 1 to 4, not from the start: an ETA that counted the first step would be >= 396 x took / 4.
+    with_compile = first.took / 4 * 396
+    assert first.took > 0.05 and 3600 * h + 60 * m + s < with_compile / 4, (lines[0], first.took)

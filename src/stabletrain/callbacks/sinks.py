@@ -64,18 +64,25 @@ class ProgressBar(Callback):
 
         mlp step 100/300 (33%) | loss 2.2690 | grad_norm 0.816 | lr 1.00e-03 | 5120 samples/s | eta 0:00:12
 
-    The ETA is the remaining steps at this process's pace so far (validation and checkpoints included).
+    The ETA is the remaining steps at this process's pace so far (validation and checkpoints included). Under
+    ``train.compile=true`` a line says that the model compiles, and the pace is measured from the end of the first
+    step, so the ETA leaves out the compile time (the first interval's throughput still includes it, and says so).
     """
 
     def __init__(self) -> None:
         self._bar: Any = None
         self._lines = False  # no terminal: a line per interval
         self._start = (0.0, 0)  # (time, step) the pace is measured from
+        self._compiling = False  # train.compile: the first step compiles; the pace starts after it
 
     def on_fit_start(self, state: FitState) -> None:
         if not (state.cfg.log.progress and state.dist.is_main) or self._bar is not None or self._lines:
             return
         self._start = (time.perf_counter(), state.step)
+        self._compiling = bool(state.cfg.train.compile)
+        if self._compiling:
+            console.say("train.compile=true: torch.compile compiles the model in the first step (and again for a new "
+                        "batch shape or the validation pass); the ETA leaves that time out")
         if not console.is_interactive(sys.stderr):
             self._lines = True
             return
@@ -88,6 +95,8 @@ class ProgressBar(Callback):
     def on_step_end(self, state: FitState, out: dict[str, Any]) -> None:
         if self._bar is not None:
             self._bar.update(1)
+        if self._compiling:  # the first step is over, and its compilation with it
+            self._start, self._compiling = (time.perf_counter(), state.step), None
 
     def on_log(self, state: FitState, record: dict[str, Any], rows: list[Any]) -> None:
         if self._bar is None and not self._lines:
@@ -110,7 +119,9 @@ class ProgressBar(Callback):
         eta = _clock((time.perf_counter() - t0) / done * (total - state.step)) if done > 0 else "?"
         parts = [f"{state.task.name} step {state.step}/{total} ({100 * state.step // total}%)",
                  f"loss {record['loss']:.4f}", f"grad_norm {record['grad_norm']:.3g}", f"lr {record['lr']:.2e}",
-                 f"{record['tokens_per_s']:.0f} {unit}"]
+                 f"{record['tokens_per_s']:.0f} {unit}" + (" (compiling included)" if self._compiling is None else "")]
+        if self._compiling is None:  # said on the first interval's line only
+            self._compiling = False
         if "val_loss" in record:
             parts.append(f"val_loss {record['val_loss']:.4f}")
         return " | ".join([*parts, f"eta {eta}"])
