@@ -86,7 +86,7 @@ def test_no_host_sync_between_log_boundaries_and_a_non_fused_optimizer_costs_one
         warnings.simplefilter("always")
         train(monitor, model, batches(10))
     # Ours: PrecisionPolicy.step reads the skip flag once a step (the non-fused AdamW's own .item()s are torch's).
-    ours = [c for c in counter.calls if c.step % 5 and c.where[-3:-1] == ["update", "step"]]
+    ours = [c for c in counter.calls if c.step % 5 and c.where[-3:-1] == ["apply", "step"]]
     assert len(ours) == 8 and {c.op for c in ours} == {"__bool__"}
     assert any("cannot skip a step on the device" in str(w.message) for w in caught)
 

@@ -140,29 +140,47 @@ class TrainStep:
                count: Tensor | None = None, grad_norm: Tensor | None = None) -> dict[str, Tensor]:
         """Unscale, measure, guard, clip, apply, advance the schedule; return the step's device tensors.
 
-        ``loss``/``count``: the step's unscaled per-item loss and item count when the gradients were not
-        accumulated by :meth:`forward_backward` (an adapter over a host trainer's own backward).
-        ``measure_update``: also return ``update_norm`` = ||theta_t - theta_{t-1}|| and ``update_ratio``
-        = update_norm / ||theta_{t-1}|| (one extra copy of the parameters on this step only).
+        :meth:`judge`, then :meth:`apply`. ``loss``/``count``: the step's unscaled per-item loss and item count
+        when the gradients were not accumulated by :meth:`forward_backward` (an adapter over a host trainer's
+        own backward). ``measure_update``: also return ``update_norm`` = ||theta_t - theta_{t-1}|| and
+        ``update_ratio`` = update_norm / ||theta_{t-1}|| (one extra copy of the parameters on this step only).
         ``check_params``: False skips this step's parameter check (also skipped when built with
-        ``check_params=False``); ``params_finite`` is then left out of the result.
-        ``grad_norm``: the pre-clip norm of gradients the caller already clipped (its own clipping returned
-        it): the step records it and the clip it implies, and does not clip again.
+        ``check_params=False``); ``params_finite`` is then left out of the result. ``grad_norm``: the pre-clip
+        norm of gradients the caller already clipped (its own clipping returned it): the step records it and
+        the clip it implies, and does not clip again.
         """
-        optimizer, params = self.optimizer, self.params
-        if optimizer is None:
+        if self.optimizer is None:
             raise ValueError("TrainStep.update() needs an optimizer; this step was built with optimizer=None "
                              "(forward/backward only)")
+        norms = None
+        if grad_norm is not None:  # clipped by the caller: per-parameter shares are those of the pre-clip grads
+            self.precision.unscale_(self.optimizer)
+            norm, per_param = self._grad_norms(self.params)
+            norms = (grad_norm.to(norm.device), per_param)
+        judged = self.judge(loss=loss, count=count, norms=norms, unscale=norms is None, clip=grad_norm is None)
+        return self.apply(judged, measure_update=measure_update, check_params=check_params)
+
+    def judge(self, *, loss: Tensor | None = None, count: Tensor | None = None,
+              norms: tuple[Tensor, Tensor] | None = None, unscale: bool = True, clip: bool = True) -> dict[str, Tensor]:
+        """The judging half of the step: unscale, measure, guard, clip. No optimizer step; no sync.
+
+        Returns the step's device tensors so far (``loss``, ``count``, ``grad_norm``, ``per_param_norms``,
+        ``finite``, ``spike``, ``overflow``, ``clipped``, ``post_clip_norm``) and ``ok``, the verdict
+        :meth:`apply` steps on. ``norms``: the (total, per-parameter) pre-clip norms of the true gradients,
+        measured by the caller (a host trainer's); ``unscale``: divide the grads by the loss scale first;
+        ``clip``: clip them at the clipper's threshold, else only record the clip that threshold implies (the
+        caller, or its host trainer, clips).
+        """
+        params = self.params
         grad_scale = None
         if loss is None:
             loss, count = self.window.mean_loss, self.window.global_count
             grad_scale = self.window.grad_scale  # DDP: the grads hold the window's sum; x 1/count in the clip's pass
         elif count is None:
             count = torch.ones((), device=loss.device)
-        self.precision.unscale_(optimizer)
-        norm, per_param = self._grad_norms(params)  # DDP: of the all-reduced grads, the same on every rank
-        if grad_norm is not None:  # clipped by the caller: per-parameter shares are those of the pre-clip grads
-            norm = grad_norm.to(norm.device)
+        if unscale and self.optimizer is not None:
+            self.precision.unscale_(self.optimizer)
+        norm, per_param = norms if norms is not None else self._grad_norms(params)  # DDP: of the all-reduced grads
         if grad_scale is not None:
             norm, per_param = norm * grad_scale, per_param * grad_scale
         inputs_ok = self.window.inputs_ok if self._inputs_ok is not None else None
@@ -177,29 +195,35 @@ class TrainStep:
         # back-off, not an incident; a non-finite loss, or a NaN the scaler cannot fix, still is.
         overflow = (torch.isfinite(loss) & ~torch.isfinite(norm) if self.precision.scaler is not None
                     else self._flag(False, norm.device))
-        if grad_norm is None:
-            clipped = self.clipper.clip_(params, norm, ok, grad_scale=grad_scale)
+        if clip:  # a non-finite norm is never "clipped" (a host's warn-only verdict may let such a step through)
+            clipped = self.clipper.clip_(params, norm, finite, grad_scale=grad_scale)
         else:
             limit = self.clipper.max_norm
             clipped = finite & (norm > limit) if limit is not None else self._flag(False, norm.device)
+        return {"loss": loss.detach(), "grad_norm": norm, "post_clip_norm": self.clipper.post_clip_norm(norm, after_clip=clip),
+                "clipped": clipped, "ok": ok, "finite": finite, "spike": spike, "overflow": overflow, "count": count,
+                "per_param_norms": per_param}
+
+    def apply(self, judged: dict[str, Tensor], *, measure_update: bool = False, check_params: bool = True) -> dict[str, Tensor]:
+        """The applying half: the optimizer step on :meth:`judge`'s verdict (skipped on the device when not ok), the
+        schedule (held on a skipped step), the parameter check and ``||update||``; the step's device tensors."""
+        optimizer, params = self.optimizer, self.params
         before = None
         if measure_update:
-            before = (snapshot_params(self.params, self._before) if self.numerics is None
-                      else self.numerics.snapshot(self.params, self._before))
+            before = (snapshot_params(params, self._before) if self.numerics is None
+                      else self.numerics.snapshot(params, self._before))
             self._before = before
-        applied = self.precision.step(optimizer, ok)
+        applied = self.precision.step(optimizer, judged["ok"])
         if self.schedule is not None:  # a host flag where the optimizer step already read it (no second read)
             on_host = self.precision.applied_on_host
             self.schedule.step(applied if on_host is None else on_host)
-        out = {"loss": loss.detach(), "grad_norm": norm,
-               "post_clip_norm": self.clipper.post_clip_norm(norm, after_clip=grad_norm is None),
-               "clipped": clipped, "applied": applied, "finite": finite, "spike": spike, "overflow": overflow,
-               "count": count, "per_param_norms": per_param}
+        out = {k: v for k, v in judged.items() if k != "ok"}
+        out["applied"] = applied
         if self.check_params and check_params:
             out["params_finite"] = self._params_finite(params)
         if before is not None:
-            out["update_norm"], out["update_ratio"] = (update_norm(self.params, before) if self.numerics is None
-                                                       else self.numerics.update_norm(self.params, before))
+            out["update_norm"], out["update_ratio"] = (update_norm(params, before) if self.numerics is None
+                                                       else self.numerics.update_norm(params, before))
         if self.carrier is not None:  # DDP: did THIS rank see it (its own loss or inputs)?
             local = self.window.loss_sum * 0 != 0  # x * 0 is NaN iff x is not finite
             out["local_nonfinite"] = local if self._inputs_ok is None else local | ~self._inputs_ok

@@ -28,6 +28,10 @@ from torch import Tensor
 from ..internals import (clear_found_inf, found_inf_set, join_found_inf, join_scaler_found_inf, scaler_scale, scaler_state,
                          set_found_inf, set_scaler_state, skips_on_device)
 from ..numerics import all_params_finite, grad_norms
+from ..policies.accumulation import AccumulationWindow
+from ..policies.clipping import GradClipper
+from ..policies.precision import PrecisionPolicy
+from ..step import TrainStep
 
 __all__ = ["HostStep"]
 
@@ -48,6 +52,12 @@ class HostStep:
                  own_clip: float | None, skip_hint: str) -> None:
         self.session, self.optimizer, self.scaler = session, optimizer, scaler
         self.host_clip, self.own_clip, self.skip_hint = host_clip, own_clip, skip_hint
+        # The built-in step's judging half (guard, clip, overflow) over the host's gradients; the host applies.
+        precision = PrecisionPolicy("fp32", session.device)  # autocast is the host's; its GradScaler is read
+        precision.scaler = scaler
+        self.judge = TrainStep(session.model, optimizer, precision, guard=session.guard, params=session.params,
+                               clipper=GradClipper(own_clip if own_clip is not None else host_clip),
+                               window=AccumulationWindow(session.params), check_params=False).judge
         self.fused = skips_on_device(optimizer)
         opts = session.options
         self.may_skip = opts.on_nonfinite != "warn" or opts.on_spike == "skip"
@@ -76,7 +86,8 @@ class HostStep:
             norm, per_param = self.unscale(norm), self.unscale(per_param)
         if loss is None:
             loss = torch.full((), float("nan"), device=norm.device)
-        ok, finite, spike = session.guard.observe(loss, norm)
+        judged = self.judge(loss=loss, norms=(norm, per_param), unscale=False, clip=self.own_clip is not None)
+        ok = judged["ok"]
         own_found, ours, scale_before = None, False, None
         if self.scaler is not None:  # the host unscaled already (its clipping): our verdict joins the scaler's
             scale_before = scaler_state(self.scaler)
@@ -86,19 +97,7 @@ class HostStep:
             ours = True
         elif own_found is None and not self.fused and self.may_skip:
             session.skip_on_host(ok, self.skip_hint)
-        zero = torch.zeros((), dtype=torch.bool, device=norm.device)
-        if self.own_clip is not None:  # x max/(norm+eps) <= 1, scale-invariant: scaled grads clip the same
-            factor = torch.clamp(self.own_clip / (torch.where(finite, norm, 0.0) + 1e-6), max=1.0)
-            grads = [p.grad for p in session.params if p.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, factor)
-        limit = self.own_clip if self.own_clip is not None else self.host_clip
-        clipped = finite & (norm > limit) if limit is not None else zero
-        post = norm * torch.clamp(limit / (norm + 1e-6), max=1.0) if limit is not None else norm
-        overflow = torch.isfinite(loss) & ~torch.isfinite(norm) if self.scaler is not None else zero
-        self.pending = {"loss": loss, "grad_norm": norm, "post_clip_norm": post, "clipped": clipped, "ok": ok,
-                        "finite": finite, "spike": spike, "overflow": overflow, "per_param_norms": per_param,
-                        "own_found": own_found, "ours": ours, "scale_before": scale_before}
+        self.pending = {**judged, "own_found": own_found, "ours": ours, "scale_before": scale_before}
         session.before_update()
 
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
