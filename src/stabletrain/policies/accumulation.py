@@ -13,6 +13,13 @@ running count (a raw sum of many items times the loss scale would overflow fp16 
 each overflow costs a skipped step): before micro-batch i's backward the window rescales the grads
 accumulated so far by ``D_{i-1} / D_i`` and backpropagates ``loss_sum_i / D_i``.
 
+Where the loss returns a per-item mean, the item counts are the micro-batches' sample counts, known before
+any forward pass. A window told their total ``N`` (``begin(num_samples=N)``) and without raw sums (a GradScaler)
+backpropagates each mean as its share of the window, ``mean_i / (N / n_i)``: a plain loop's
+``loss / accum_steps`` for equal micro-batches, bitwise, with nothing to rescale. (The running count
+backpropagates the first of k micro-batches k times larger than its share, so fp16 overflows at a loss
+scale k times smaller than in a plain loop, and each ``D_{i-1} / D_i`` rounds the grads once more.)
+
 Under DDP the global count is known only once the ranks have talked. In the built-in loop this rank's
 (loss sum, count[, inputs flag]) travel with the gradients through DDP's own all-reduce, so a step has
 ONE collective (how: :class:`~stabletrain.distributed.ddp.WindowCarrier`); :attr:`grad_scale` then turns
@@ -35,6 +42,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from ..numerics import constant
 
 __all__ = ["AccumulationWindow", "as_sum_count", "sums_safe"]
 
@@ -77,7 +86,12 @@ class AccumulationWindow:
         self.sums = sums  # one process or DDP through the hook: backpropagate raw sums (see the module docstring)
         self.begin()
 
-    def begin(self) -> None:
+    def begin(self, num_samples: int | None = None) -> None:
+        """Start a window; ``num_samples``: the samples its micro-batches hold, where known before their forward.
+
+        With it (and without raw sums) a loss's per-item mean is backpropagated as its share of the window
+        (:meth:`take_mean`); see the module docstring.
+        """
         self.loss_sum: Tensor | float = 0.0
         self.count: Tensor | float = 0.0
         self._denominator: Tensor | None = None
@@ -87,6 +101,8 @@ class AccumulationWindow:
         self._carried_inputs = False
         self._summed = False  # the grads hold the window's sum (grad_scale = 1 / count)
         self._mean: Tensor | None = None  # the window's mean as the loss returned it (one micro-batch, one process)
+        self._planned = num_samples or None  # the window's samples, known up front
+        self._shares = False  # its micro-batches' means went in as shares of _planned
         self._world_size = self._world()
 
     def _world(self) -> int:
@@ -105,6 +121,9 @@ class AccumulationWindow:
         through that DDP model, and :attr:`grad_scale` must be applied to the gradients. One that carries
         nothing (``travels`` false) is ignored.
         """
+        if self._shares:
+            raise ValueError("task loss: a per-item mean and then a (sum, count) pair in one accumulation window; "
+                             "return the same kind for every micro-batch")
         if self.num_micro_batches == 0:  # the first: nothing to add to (two device ops fewer per step)
             self.loss_sum, self.count = loss_sum.detach(), count
         else:
@@ -145,20 +164,42 @@ class AccumulationWindow:
         return loss_sum / denominator
 
     def takes_mean(self, last: bool, carrier: Any = None) -> bool:
-        """Whether :meth:`take_mean` may take this micro-batch: the only one of its window, on one process, no scaler."""
-        return last and self.num_micro_batches == 0 and self.sums and self._world_size == 1 and carrier is None
+        """Whether :meth:`take_mean` may take this micro-batch's per-item mean (one process, no carrier).
+
+        With raw sums: the only micro-batch of its window. Without (a GradScaler): any micro-batch of a window
+        whose sample count :meth:`begin` was given, unless an earlier one went through :meth:`normalize`.
+        """
+        if self._world_size != 1 or carrier is not None:
+            return False
+        if self.sums:
+            return last and self.num_micro_batches == 0
+        return self._planned is not None and (self.num_micro_batches == 0 or self._shares)
 
     def take_mean(self, mean: Tensor, count: Tensor, inputs_ok: Tensor | None = None) -> Tensor:
-        """The window's one micro-batch as the per-item ``mean`` the loss returned: returned to backpropagate as it is.
+        """The per-item ``mean`` the loss returned for ``count`` samples, as the loss to backpropagate.
 
-        It is the window's mean already, what a plain loop backpropagates: no 1 / count is left for the
-        gradients (:attr:`grad_scale` is None) and the sum is made only if asked for (:attr:`loss_sum`).
-        Only where :meth:`takes_mean` says so.
+        With raw sums, the window's one micro-batch: its mean is the window's already, what a plain loop
+        backpropagates; no 1 / count is left for the gradients (:attr:`grad_scale` is None) and the sum is made
+        only if asked for (:attr:`loss_sum`). Without: ``mean / (N / count)``, its share of the window's ``N``
+        samples (the module docstring). Only where :meth:`takes_mean` says so.
         """
+        if not self.sums:
+            return self._take_share(mean, count, inputs_ok)
         self.count, self.num_micro_batches, self._loss_sum = count, 1, None
         self._mean = mean.detach().float()
         self._global = (None, count, inputs_ok)
         return mean.float()
+
+    def _take_share(self, mean: Tensor, count: Tensor, inputs_ok: Tensor | None) -> Tensor:
+        loss_sum = mean.detach().float() * count
+        if self.num_micro_batches == 0:
+            self.loss_sum, self.count = loss_sum, count
+        else:
+            self.loss_sum, self.count = self.loss_sum + loss_sum, self.count + count
+        self.num_micro_batches += 1
+        self._shares = True
+        self._global = (self.loss_sum, self.count, inputs_ok)  # the window's, once its last micro-batch is in
+        return mean.float() / (constant(float(self._planned), count.device) / count)  # N / n: k for equal parts
 
     @property
     def loss_sum(self) -> Tensor | float:

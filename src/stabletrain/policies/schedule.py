@@ -48,8 +48,11 @@ class LRSchedule:
         # The count as a 1-element long: the index of the lookup as it is (a 0-dim CUDA index would be read on the
         # host). A checkpoint of an older version (a 0-dim float) loads into it.
         self.applied_steps = torch.zeros(1, dtype=torch.long, device=device)
-        # The whole schedule, once: each step is then one lookup instead of a dozen tiny kernels.
-        self._table = self.factor(torch.arange(max_steps + 1, dtype=torch.float32, device=device))
+        # The whole schedule, once: each step is then one lookup instead of a dozen tiny kernels. In float64 on the
+        # host, as a Python scheduler computes it: each group's device lr is the float32 nearest lr x factor (one
+        # rounding, the same on every device), what a loop filling a float32 tensor lr with that product holds.
+        self._device = device
+        self._table = self.factor(torch.arange(max_steps + 1, dtype=torch.float64))
         self._host_table = self._table.tolist() if not self.on_device else []
         self._host_count = 0
         # On the device every group's lr is a view of one (1, groups) tensor that one index_select writes.
@@ -65,7 +68,8 @@ class LRSchedule:
         """Each group's lr per applied-step count (factor x base lr), one column per group: one lookup per step."""
         if not self.on_device:
             return None
-        return self._table[:, None] * torch.tensor(self.base_lrs, dtype=torch.float32, device=self._table.device)
+        lrs = self._table[:, None] * torch.tensor(self.base_lrs, dtype=torch.float64)
+        return lrs.to(device=self._device, dtype=torch.float32)
 
     def factor(self, n: Tensor) -> Tensor:
         """Return the lr multiplier for applied-step count ``n`` (a tensor)."""
