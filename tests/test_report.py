@@ -27,8 +27,8 @@ BAD_STEPS = (12, 13)
 BASE = ["task=mlp", "train.max_steps=40", "log.every=5", "eval.every=20", "log.progress=false", "log.tensorboard=false"]
 
 
-def make_run(path: Path, overrides: list[str] = (), bad_steps: tuple[int, ...] = ()) -> Path:
-    """Train the built-in mlp task for 40 steps into ``path``; the loss is inf on ``bad_steps``."""
+def make_run(path: Path, overrides: list[str] = (), bad_steps: tuple[int, ...] = (), factor: float = math.inf) -> Path:
+    """Train the built-in mlp task for 40 steps into ``path``; the loss is inf (x ``factor``) on ``bad_steps``."""
     cfg = load_config(None, [*BASE, *overrides])
     task = resolve_task("mlp")
     mean_loss, calls = task.loss, [0]
@@ -38,7 +38,7 @@ def make_run(path: Path, overrides: list[str] = (), bad_steps: tuple[int, ...] =
         if model.training:  # one call per optimizer step (accum.steps=1); eval calls don't count
             calls[0] += 1
             if calls[0] in bad_steps:
-                out = out * math.inf
+                out = out * factor
         return out
 
     task.loss = loss
@@ -202,7 +202,8 @@ def test_report_of_a_resumed_run_keeps_the_latest_record_per_step(run_copy):
     assert "Resumed once, at step 10." in page and "No steps skipped." in page
     replayed = [e for e in run.events if e.step > 10]  # written by the first process, then trained again
     assert {"skip", "nonfinite"} <= {e.kind for e in replayed} and all(e.superseded for e in replayed)
-    assert page.count("superseded: this stretch was replayed after a resume") >= 2
+    assert {e.superseded_by for e in replayed} == {"resume"} and not run.undone_events("skip", "nonfinite", "incident")
+    assert page.count("superseded: this stretch was trained again after a resume (the same steps; the later line counts)") >= 2
 
 
 def test_report_of_a_run_in_progress(real_run, tmp_path):
@@ -298,6 +299,35 @@ def test_compare_two_real_runs(real_run, other_run, tmp_path, monkeypatch):
     assert custom.is_file() and (tmp_path / "sub" / "ab_plots" / "loss.png").is_file()
     with pytest.raises(ValueError, match="at least two"):
         write_compare([real_run])
+
+
+def test_compare_draws_post_clip_norms_from_zero_and_one_setting_of_two_hosts_once(real_run, other_run, tmp_path,
+                                                                                  monkeypatch):
+    figs = _figures_of(monkeypatch)
+    write_compare([real_run, other_run], tmp_path / "c.html")
+    names = [p for p in COMPARE_METRICS if any(load_run(r).series(p)[0] for r in (real_run, other_run))]
+    post = figs[names.index("grad_norm_post_clip")]
+    for ax in post.axes:  # clipped norms sit at the threshold (0.8, 1.0): the panel starts at 0, not at ~0.76
+        assert ax.get_ylim()[0] == 0 and ax.get_ylim()[1] >= 1.0
+        dashed = [line.get_ydata() for line in ax.get_lines() if line.get_linestyle() == "--"]
+        assert sorted(y[0] for y in dashed if len(y)) == [0.8, 1.0]  # each run's threshold (and a legend entry)
+
+    # A Monitor run and a Lightning run with the same clip: host.clip_max_norm vs host.gradient_clip_val is one
+    # setting under two hosts' names, not two differences; clip.max_norm is what compares them.
+    runs = []
+    for name, host in (("loop", {"log_every": 10, "clip_max_norm": 1.0}), ("lightning", {"gradient_clip_val": 1.0,
+                                                                                        "accumulate_grad_batches": 1})):
+        run = tmp_path / name
+        shutil.copytree(real_run, run, ignore=shutil.ignore_patterns("report.html", "plots", "checkpoints"))
+        config = {"integration": name if name != "loop" else "monitor", "task": "Net", "clip": {"max_norm": 1.0},
+                  "log": {"every": 10}, "host": host}
+        (run / "config.yaml").write_text(json.dumps(config))
+        runs.append(run)
+    page = write_compare(runs, tmp_path / "hosts.html").read_text(encoding="utf-8")
+    assert "host.clip_max_norm" not in page and "host.gradient_clip_val" not in page
+    assert "Config keys that differ (1)" in page  # the host itself; each host's own argument names: left out, said
+    assert '<td class="key">integration</td>' in page and '<td class="key">clip.max_norm</td>' not in page
+    assert "4 <code>host.*</code> keys are left out: each host (lightning, monitor) names its own arguments" in page
 
 
 def test_compare_labels_runs_with_the_same_folder_name(real_run, tmp_path):
@@ -489,12 +519,14 @@ def test_update_panel_draws_the_norm_and_the_ratio_on_separate_axes(real_run, mo
     assert list(ratio.get_ydata()) == run.series("update_ratio")[1]
 
 
-def _clip_run(tmp_path, rates, norms, peaks, optimizer="adamw", threshold=1.0, every=10):
-    """A run directory holding only what the clip verdict reads: config and metrics, one record per interval."""
+def _clip_run(tmp_path, rates, norms, peaks, optimizer="adamw", threshold=1.0, every=10, post=None):
+    """A run directory holding only what the clip verdict reads: config and metrics, one record per interval
+    (``post``: the post-clip norms; without them the record is one written before that key existed)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "config.yaml").write_text(f"clip:\n  max_norm: {threshold}\noptim:\n  name: {optimizer}\n")
     (tmp_path / "metrics.jsonl").write_text("".join(
-        json.dumps({"step": every * (i + 1), "loss": 1.0, "clip_rate": r, "grad_norm": n, "grad_norm_max": m}) + "\n"
+        json.dumps({"step": every * (i + 1), "loss": 1.0, "clip_rate": r, "grad_norm": n, "grad_norm_max": m,
+                    **({"grad_norm_post_clip": post[i]} if post is not None else {})}) + "\n"
         for i, (r, n, m) in enumerate(zip(rates, norms, peaks))))
     return health_summary(load_run(tmp_path))
 
@@ -529,3 +561,124 @@ def test_clip_rate_health_line_gives_a_verdict_with_its_reason(tmp_path):
                                           "the occasional large gradient.")
     never = _clip_run(tmp_path / "f", [0.0] * 10, [0.5] * 10, [0.7] * 10)
     assert _clip_sentence(never)[0] == "ok" and never.figures["clip_verdict"] == "never"
+
+
+# The default run (`stabletrain train`: gpt, 300 steps, AdamW, clip.max_norm=1), its intervals as measured 2026-12-03.
+DEFAULT_RUN = {
+    "rates": [1.0, 1.0, 0.9, 0.5, 0.4, 0.2, 0.2, 0.6, 0.7, 0.6, 0.5, 0.5, 0.3, 0.4, 0.5, 0.2, 0.5, 0.6, 0.6, 0.3, 0.3, 0.6,
+              0.3, 0.1, 0.2, 0.4, 0.2, 0.2, 0.1, 0.3],
+    "norms": [4.312, 2.805, 1.669, 1.02, 0.939, 0.856, 0.873, 1.015, 1.064, 1.183, 0.94, 1.013, 0.892, 0.97, 1.026, 0.863,
+              0.995, 1.03, 1.166, 0.972, 1.05, 0.958, 0.992, 0.801, 0.959, 1.087, 0.879, 0.898, 0.833, 0.9],
+    "peaks": [7.314, 3.551, 2.322, 1.51, 1.27, 1.338, 1.311, 1.285, 1.411, 1.87, 1.474, 1.44, 1.187, 1.503, 1.505, 1.314,
+              1.208, 1.426, 1.739, 1.268, 2.165, 1.218, 2.114, 1.017, 1.282, 1.597, 1.336, 1.165, 1.154, 1.277],
+    "post": [1.0, 1.0, 0.993, 0.921, 0.888, 0.797, 0.833, 0.951, 0.943, 0.918, 0.858, 0.912, 0.854, 0.876, 0.909, 0.826,
+             0.933, 0.938, 0.958, 0.921, 0.897, 0.903, 0.847, 0.8, 0.907, 0.921, 0.839, 0.871, 0.818, 0.868],
+}
+
+
+def test_the_default_runs_clipping_is_healthy_and_frequent_clipping_that_cuts_deep_is_not(tmp_path):
+    # The newcomer's first report: 44% clipped, 33% in the second half, where the clip cuts the norm by 8% on average.
+    h = _clip_run(tmp_path / "default", DEFAULT_RUN["rates"], DEFAULT_RUN["norms"], DEFAULT_RUN["peaks"],
+                  post=DEFAULT_RUN["post"])
+    level, text = _clip_sentence(h)
+    assert (level, h.figures["clip_verdict"]) == ("ok", "trims")
+    assert h.figures["clip_rate_late"] == pytest.approx(sum(DEFAULT_RUN["rates"][15:]) / 15)
+    assert h.figures["clip_cut_late"] == pytest.approx(1 - sum(DEFAULT_RUN["post"][15:]) / sum(DEFAULT_RUN["norms"][15:]))
+    assert 0.07 < h.figures["clip_cut_late"] < 0.09
+    assert ("Clipping fired on 44% of steps (132 of 300; threshold 1), 33% in the second half, cutting the gradient "
+            "norm there by 8% on average: healthy.") in text and "would need a look if it cut the late gradients by 20%" in text
+
+    # The same rates where the clip cuts a third of the late norm: the clip sizes the updates, worth a look.
+    deep = _clip_run(tmp_path / "deep", [0.3] * 10, [1.5] * 10, [2.5] * 10, post=[1.0] * 10)
+    level, text = _clip_sentence(deep)
+    assert (level, deep.figures["clip_verdict"]) == ("warn", "frequent") and deep.figures["clip_cut_late"] == pytest.approx(1 / 3)
+    assert "30% in the second half, cutting the gradient norm there by 33% on average: often." in text
+    # Nearly every step, by a little (norm 1.05 at a threshold of 1): trims; by a lot: too often.
+    assert _clip_run(tmp_path / "edge", [0.9] * 10, [1.05] * 10, [1.2] * 10, post=[1.0] * 10).figures["clip_verdict"] == "trims"
+    most = _clip_run(tmp_path / "most", [1.0] * 10, [2.5] * 10, [3.0] * 10, post=[1.0] * 10)
+    assert (_clip_sentence(most)[0], most.figures["clip_verdict"]) == ("warn", "most")
+
+
+def _loss_run(tmp_path, means, lows, spikes=(), every=10):
+    """A run directory with only its losses (interval means and smallest losses) and spike events."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "config.yaml").write_text("guard:\n  spike_ratio: 2.0\n")
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": every * (i + 1), "loss": m, "loss_min": lo}) + "\n"
+                                                    for i, (m, lo) in enumerate(zip(means, lows))))
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps({"step": s, "kind": "spike", "reason": "loss spike"}) + "\n"
+                                                   for s in spikes))
+    h = health_summary(load_run(tmp_path))
+    return h, next(text for _, text in h.sentences if text.startswith("Train loss"))
+
+
+def test_a_few_huge_losses_do_not_make_the_loss_headline_read_as_a_run_that_got_worse(tmp_path):
+    # The issue's run: its typical loss fell from ~10,000 to ~2,000, but a spike lifted the last interval's mean to 33,228.
+    typical = [10000.0, 8000.0, 6000.0, 4500.0, 3500.0, 3000.0, 2600.0, 2300.0, 2100.0, 2000.0]
+    means = [11259.0, *typical[1:-1], 33228.0]
+    h, text = _loss_run(tmp_path / "spiky", means, [9000.0, *[0.9 * t for t in typical[1:]]], spikes=[96])
+    assert (h.figures["loss_first"], h.figures["loss_last"]) == (11259.0, 33228.0)  # the interval means, as recorded
+    assert (h.figures["loss_start"], h.figures["loss_end"]) == (11259.0, 2600.0)  # the median of 33,228, 2,100, 2,300, 2,600, 3,000
+    assert text.startswith("Train loss 11,259 → 2,600 (first interval → median of the last 5 intervals' means: the last "
+                           "interval's mean, 33,228, is lifted by a loss spike at step 96)")
+    # No spike event (the guard's window was still filling): the interval's smallest loss is typical, its mean is not.
+    h, text = _loss_run(tmp_path / "unflagged", means, [9000.0, *[0.9 * t for t in typical[1:]]])
+    assert h.figures["loss_end"] == 2600.0 and "is lifted by a few large losses" in text
+    # A run that really got worse (every loss of the last intervals grew) keeps its last interval's mean.
+    rising = [3.0, 2.5, 2.2, 2.1, 2.0, 2.4, 5.0, 40.0, 900.0, 5e4]
+    h, text = _loss_run(tmp_path / "diverging", rising, [0.8 * m for m in rising])
+    assert (h.figures["loss_start"], h.figures["loss_end"]) == (3.0, 5e4) and "(first → last interval)" in text
+    # A loss that falls fast at the start keeps its first interval's mean too.
+    falling = [5.1, 1.3, 0.22, 0.03, 0.0005, 1e-4, 3e-5, 1e-5]
+    h, text = _loss_run(tmp_path / "falling", falling, [0.5 * m for m in falling])
+    assert h.figures["loss_start"] == 5.1 and "(first → last interval)" in text
+
+
+def test_a_real_run_with_a_huge_loss_heads_with_its_typical_loss(tmp_path):
+    # Step 38 of a real 40-step run has its loss x 1e4 (a spike by the guard's rule): the last interval's mean is
+    # ~1e3 times the others', while its other steps are as typical as theirs.
+    run = make_run(tmp_path / "run", ["clip.max_norm=1.0"], bad_steps=(38,), factor=1e4)
+    h = health_summary(load_run(run))
+    records, _ = read_jsonl(run / "metrics.jsonl")
+    means = [r["loss"] for r in records]
+    assert h.figures["spike_steps"] == [38] and means[-1] > 100 * means[-2]
+    assert h.figures["loss_last"] == means[-1] and h.figures["loss_end"] == pytest.approx(sorted(means[-5:])[2])
+    text = next(t for _, t in h.sentences if t.startswith("Train loss"))
+    assert text.startswith(f"Train loss {fmt_num(means[0])} → {fmt_num(h.figures['loss_end'])} (first interval → median "
+                           f"of the last 5 intervals' means: the last interval's mean, {fmt_num(means[-1])}, is lifted "
+                           "by a loss spike at step 38)")
+    assert h.figures["loss_end"] < means[0]  # the run's typical loss fell; the interval means alone said it rose
+
+
+def test_a_remedy_that_rolled_back_is_in_the_health_summary_with_what_it_undid(tmp_path):
+    # The README's diverging run under guard.on_nonfinite=remedy: incident at 38, steps 38-40 skipped, then the remedy
+    # rolls back to step 0 with lr x0.1 and the run ends healthy. The summary says all of it, not "No incidents".
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    c = load_config(None, ["task=examples.diverging_task:make_task", "optim.name=sgd", "optim.lr=2.5",
+                           "optim.weight_decay=0", "clip.max_norm=null", "sched.decay=constant", "train.batch_size=8",
+                           "train.max_steps=60", "log.every=5", "ckpt.every=10", "ckpt.keep=10", "data.shuffle=false",
+                           "guard.on_nonfinite=remedy", "guard.remedy_steps=4", "log.progress=false", "log.tensorboard=false"])
+    Trainer(c, run_dir=tmp_path / "run").fit()
+    run = load_run(tmp_path / "run")
+    h = health_summary(run)
+    text = h.text
+    assert h.level == "warn" and not run.counted_events("incident")  # the incidents were rolled back past
+    undone = dict(h.figures["incidents_undone"])  # the divergence at 38 (and the spikes its growth made before it)
+    assert undone[38].startswith("divergence")
+    n = len(undone)
+    assert f"{n} incident{'s' if n > 1 else ''} before the remedy's rollback (the run went back and trained that " \
+           "stretch again): at step " in text
+    assert f"at step 38, {undone[38].rstrip('.')}" in text if n <= 5 else f"; and {n - 5} more." in text  # 5 are listed
+    assert h.figures["skip_steps_undone"] == [38, 39, 40] and h.figures["skipped_steps"] == 0
+    assert ("No steps skipped since the remedy's rollback; before it 3 steps were skipped at 38-40 (non-finite loss or "
+            "grad norm), and that stretch was trained again.") in text
+    (remedy,) = h.figures["remedies"]
+    assert (remedy["name"], remedy["at_step"], remedy["from_step"]) == ("rollback-lr-x0.1", 0, 40)
+    assert ("Remedy applied: rollback-lr-x0.1 (back to step 0, lr x0.1) for the divergence incident at step 38, cures on "
+            "a replay; at step 40 the run went back to step 0 and trained on from there with it.") in text
+    assert "No incidents." not in text and "No steps skipped." not in text
+    page = write_report(tmp_path / "run").read_text(encoding="utf-8")
+    assert '<span class="badge warn">worth a look</span>' in page and "Remedy applied: rollback-lr-x0.1" in page
+    assert "a remedy rolled the run back past this step" in page  # the timeline says why the incident's row is grey
+    assert re.search(r"saved step_000010 \(\d+\.\d KiB, verified\)", page)  # a small checkpoint: KiB, not "0.0 MiB"

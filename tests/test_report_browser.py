@@ -232,3 +232,84 @@ def test_labs_page_shows_the_chinese_line_only_where_the_browser_has_a_font_for_
     assert shown.errors == []
     assert LABS["3"].question in shown.text
     assert (LABS["3"].question_zh in shown.text) == bool(fonts), (fonts, shown.text[:400])
+
+
+IMAGE_SCALES = ("Array.from(document.images).map(i => ({alt: i.alt, shown: i.getBoundingClientRect().width, "
+                "natural: i.naturalWidth}))")
+
+
+def shown_scales(browser: DevToolsPipe, page: Path, width: int = 1280) -> list[dict]:
+    """Each image's drawn width over its pixel width, on ``page`` in a ``width`` px wide window."""
+    target = browser.call("Target.createTarget", {"url": "about:blank"})["targetId"]
+    session = browser.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+    browser.call("Page.enable", session=session)
+    browser.call("Emulation.setDeviceMetricsOverride", {"width": width, "height": 900, "deviceScaleFactor": 1, "mobile": False},
+                 session=session)
+    browser.pending.clear()
+    browser.call("Page.navigate", {"url": page.resolve().as_uri()}, session=session)
+    browser.wait_for("Page.loadEventFired")
+    reply = browser.call("Runtime.evaluate", {"expression": IMAGE_SCALES, "returnByValue": True}, session=session)
+    browser.call("Target.closeTarget", {"targetId": target})
+    return reply["result"]["value"]
+
+
+def test_lab_plot_legends_are_readable_at_1280_px(browser, tmp_path, monkeypatch):
+    """A legend's size on screen = its points x dpi / 72 x (drawn width / pixel width); at least 10 px (it was ~4-6 px:
+    7 pt legends on two-panel plots drawn at half the page)."""
+    from matplotlib.figure import Figure
+
+    from stabletrain.lab import run_lab
+    from stabletrain.lab.index import write_index
+
+    saved, original = [], Figure.savefig
+
+    def savefig(fig, *args, **kwargs):  # every lab figure as it is written: its legends' font sizes and its dpi
+        sizes = [t.get_fontsize() for leg in [*fig.legends, *(ax.get_legend() for ax in fig.axes)] if leg is not None
+                 for t in leg.get_texts()]
+        saved.append((min(sizes, default=None), kwargs.get("dpi", fig.dpi), fig.get_figwidth()))
+        return original(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    results = [run_lab("3", tmp_path), run_lab("4", tmp_path)]
+    page = write_index(results, tmp_path)
+    scales = [i["shown"] / i["natural"] for i in shown_scales(browser, page) if i["natural"]]
+    assert len(scales) == len(saved) >= 2 and all(pt is not None for pt, _, _ in saved)  # each plot has a legend
+    smallest = min(pt * dpi / 72 * scale for (pt, dpi, _), scale in zip(saved, scales))
+    assert smallest >= 10, (saved, scales)
+    assert all(scale <= 1.0 for scale in scales)  # never drawn wider than its pixels (a blurred upscale)
+
+
+def test_remedy_table_and_compare_panels_read_as_the_cli_does(browser, tmp_path):
+    """The report's Remedies table: "-" where a candidate has no end loss (as `stabletrain remedy` prints), candidate
+    names on one line; the comparison's post-clip panel starts at 0 (it was zoomed to 0.96-1.00)."""
+    import json as _json
+
+    run = train(tmp_path / "run", ["clip.max_norm=0.8"])
+    incident = run / "incidents" / "step_000012"
+    incident.mkdir(parents=True)
+    (incident / "remedy.json").write_text(_json.dumps({
+        "step": 12, "failure_class": "divergence", "evidence": "loss grew", "steps": 4, "best": "rollback-lr-x0.1",
+        "timings": {"steps_replayed": 20, "total_s": 1.5},
+        "candidates": [{"name": "rollback-lr-x0.1", "verdict": "cures", "end_loss": 7.717e-08,
+                        "detail": "back to step 0, lr x0.1", "evidence": (
+                            "steps 1-42 finite, no spike; end loss 7.717e-08 vs 2.696 at step 5, the last healthy "
+                            "interval (the baseline fails: non-finite loss at step 39 (loss inf, grad norm inf))")},
+                       {"name": "skip-step", "baseline": True, "verdict": "fails", "end_loss": float("nan"),
+                        "detail": "drop the incident's window", "evidence": "non-finite loss at step 39 (loss inf, "
+                                                                            "grad norm inf)"}]}))
+    page = write_report(run)
+    text = page.read_text(encoding="utf-8")
+    assert ">7.717e-08<" in text and ">-<" in text and ">nan<" not in text
+    target = browser.call("Target.createTarget", {"url": "about:blank"})["targetId"]
+    session = browser.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+    browser.call("Page.enable", session=session)
+    browser.call("Emulation.setDeviceMetricsOverride", {"width": 1280, "height": 900, "deviceScaleFactor": 1,
+                                                        "mobile": False}, session=session)
+    browser.pending.clear()
+    browser.call("Page.navigate", {"url": page.resolve().as_uri()}, session=session)
+    browser.wait_for("Page.loadEventFired")
+    lines = browser.call("Runtime.evaluate", {"expression": (  # lines of text in each candidate's name cell
+        "Array.from(document.querySelectorAll('#remedies ~ table tbody tr td:nth-child(2) code')).map(c => "
+        "c.getClientRects().length)"), "returnByValue": True}, session=session)["result"]["value"]
+    browser.call("Target.closeTarget", {"targetId": target})
+    assert lines == [1, 1]  # "rollback-lr-x0.1" wrapped at its hyphens beside a long evidence cell: [3, 1]

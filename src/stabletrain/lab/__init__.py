@@ -27,7 +27,7 @@ from typing import Any
 from ..records.rundir import mark_output_dir
 
 __all__ = ["Claim", "LabInfo", "LabResult", "LABS", "run_lab", "format_result", "format_list", "new_figure",
-           "save_figure", "fmt"]
+           "save_figure", "fmt", "MIN_LEGEND_PT"]
 
 
 @dataclass(frozen=True)
@@ -224,8 +224,20 @@ def new_figure(ncols: int = 1, width: float = 6.4, height: float = 3.6, integer_
     return fig, axes
 
 
+#: The smallest legend font of a lab plot, in points: at 110 dpi, about 11 px where labs/index.html shows a two-panel
+#: plot on a 1280 px wide screen (one plot per row, never wider than its pixels), 14 px for a one-panel plot.
+MIN_LEGEND_PT = 9.0
+
+
 def save_figure(fig: Any, path: Path) -> Path:
-    """Write ``fig`` as a PNG to ``path`` (no timestamp in the file, so reruns are byte-identical)."""
+    """Write ``fig`` as a PNG to ``path`` (no timestamp in the file, so reruns are byte-identical).
+
+    Legends smaller than :data:`MIN_LEGEND_PT` are set to it: a lab's figure is read on a page, not zoomed into.
+    """
+    for legend in [*fig.legends, *(ax.get_legend() for ax in fig.axes)]:
+        if legend is not None:
+            for text in [*legend.get_texts(), legend.get_title()]:
+                text.set_fontsize(max(text.get_fontsize(), MIN_LEGEND_PT))
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, facecolor="white", metadata={"Software": None})

@@ -31,6 +31,9 @@ ul.claims li { padding:3px 0 3px 56px; position:relative; }
 ul.claims li .badge { position:absolute; left:0; top:5px; }
 .explain p { margin:6px 0; max-width:980px; }
 h3 { font-size:14px; margin:16px 0 6px; color:#3b444d; }
+/* One plot per row, never drawn wider than its pixels: a two-panel plot at half the page had 4-6 px legends. */
+.lab-plots { grid-template-columns:1fr; }
+.lab-plots figure img { width:auto; max-width:100%; margin:0 auto; }
 </style>
 """
 
@@ -83,7 +86,7 @@ def _section(result: LabResult) -> str:
         f"{esc(c.text)}: measured <code>{esc(c.measured)}</code> (threshold <code>{esc(c.threshold)}</code>)</li>"
         for c in result.claims) + "</ul>")
     if result.plots:
-        parts.append('<div class="plots">' + "".join(
+        parts.append('<div class="plots lab-plots">' + "".join(
             figure(Plot(p.stem, p.name, p.read_bytes())) for p in result.plots) + "</div>")
     parts.append('<h3>Why</h3><div class="explain">' + "".join(f"<p>{esc(s)}</p>" for s in result.explanation) + "</div>")
     parts.append("</section>")

@@ -98,12 +98,12 @@ def render_compare(runs: Sequence[RunData], labels: Sequence[str], plots=None, f
               f'margin-right:6px;vertical-align:-1px"></span>' for i in range(len(runs))]
     head = [f"{swatch[i]}<b>{esc(label)}</b>" for i, label in enumerate(labels)]
 
-    diff = config_diff([run.config for run in runs])
+    diff, hosts_note = _host_aware(config_diff([run.config for run in runs]), runs)
     if diff:
         config_html = table(["config key", *head], ([esc(k), *(_cell(v) for v in vals)] for k, vals in diff),
-                            ["key", *["val"] * len(runs)])
+                            ["key", *["val"] * len(runs)]) + hosts_note
     else:
-        config_html = '<p class="empty">The configs are identical.</p>'
+        config_html = '<p class="empty">The configs are identical.</p>' + hosts_note
     snap_diff = config_diff([run.snapshot for run in runs], only=_SNAPSHOT_KEYS)
     snap_html = (table(["snapshot key", *head], ([esc(k), *(_cell(v) for v in vals)] for k, vals in snap_diff),
                        ["key", *["val"] * len(runs)]) if snap_diff
@@ -131,6 +131,26 @@ def render_compare(runs: Sequence[RunData], labels: Sequence[str], plots=None, f
     return page(f"compare {' vs '.join(labels)} — stabletrain", "\n".join(s for s in body if s))
 
 
+def _host_aware(diff: list[tuple[str, list[Any]]], runs: Sequence[RunData]) -> tuple[list[tuple[str, list[Any]]], str]:
+    """Leave out the ``host.*`` keys that only some runs have when the runs come from different hosts, and say so.
+
+    ``host.*`` are each host's own arguments under its own names (Monitor's ``clip_max_norm``, Lightning's
+    ``gradient_clip_val``): one setting from two hosts is two names, not two differences. What they set is
+    compared under stabletrain's own keys (``clip.max_norm``, ``precision``, ``log.every``, ...), which every run has.
+    """
+    integrations = {str(run.cfg("integration", "stabletrain")) for run in runs}
+    if len(integrations) < 2:
+        return diff, ""
+    own = [(k, v) for k, v in diff if k.startswith("host.") and any(x is ABSENT for x in v)]
+    if not own:
+        return diff, ""
+    names = ", ".join(sorted(integrations))
+    note = (f'<p class="detail">{len(own)} <code>host.*</code> keys are left out: each host ({esc(names)}) names its '
+            "own arguments, so one setting from two hosts would read as two differences; what they set is compared "
+            "above under stabletrain's keys (clip.max_norm, precision, log.every, ...).</p>")
+    return [(k, v) for k, v in diff if (k, v) not in own], note
+
+
 def _cell(value: Any) -> str:
     return '<span class="empty">absent</span>' if value is ABSENT else value_cell(value)
 
@@ -150,14 +170,15 @@ def _summary(runs: Sequence[RunData], head: Sequence[str]) -> str:
     rows_spec = [
         ("last step", lambda f: fmt_num(f.get("last_step"))),
         ("ended by", _ending),
-        ("first → last train loss", lambda f: f"{fmt_num(f.get('loss_first'))} → {fmt_num(f.get('loss_last'))}"
-         if "loss_first" in f else "—"),
+        ("train loss, start → end", lambda f: f"{fmt_num(f.get('loss_start'))} → {fmt_num(f.get('loss_end'))}"
+         if "loss_start" in f else "—"),  # the health summary's headline: robust to a few huge losses at either end
         ("last val loss", lambda f: fmt_num(f.get("val_last"))),
         ("best val loss (step)", lambda f: f"{fmt_num(f['val_best'])} ({f['val_best_step']:,})" if "val_best" in f else "—"),
         ("clip rate", lambda f: fmt_pct(f["clip_rate"]) if "clip_rate" in f else "—"),
         ("skipped steps", lambda f: fmt_num(f.get("skipped_steps"))),
         ("non-finite steps", lambda f: fmt_num(f.get("nonfinite_steps"))),
-        ("incidents", lambda f: fmt_num(len(f.get("incidents", [])))),
+        ("incidents", lambda f: fmt_num(len(f.get("incidents", []))) + (
+            f" (+{len(f['incidents_undone'])} rolled back past)" if f.get("incidents_undone") else "")),
         ("median throughput", lambda f: f"{fmt_num(round(f['tokens_per_s_median']))} {f['count_unit']}/s"
          if "tokens_per_s_median" in f else "—"),
         ("peak memory MiB", lambda f: fmt_num(round(f["peak_memory_mib"])) if "peak_memory_mib" in f else "—"),

@@ -14,6 +14,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from .clipping import clip_sentence
 from .rundata import Event, RunData
 from .text import fmt_num, fmt_pct, fmt_ranges, plural
 
@@ -75,30 +76,36 @@ def health_summary(run: RunData) -> Health:
     _crash(run, h)
     _progress(run, h)
     _losses(run, h)
-    _clipping(run, h)
+    clip_sentence(run, h)
 
     # Skipped steps: the count from the metrics, the steps and reasons from the events.
     skip_events = run.counted_events("skip")
     f["skipped_steps"] = _total(run, "num_skipped") if run.metrics else len({e.step for e in skip_events})
     f["skip_steps"] = sorted({e.step for e in skip_events})
+    undone = run.undone_events("skip")  # skipped before a rollback: that stretch was trained again
+    f["skip_steps_undone"] = sorted({e.step for e in undone})
     if f["skipped_steps"] or skip_events:
-        by_reason: dict[str, list[int]] = {}
-        for e in skip_events:
-            by_reason.setdefault(_skip_reason(e), []).append(e.step)
-        # "at 812-813 (fp16 overflow)"; a reason with its own parentheses follows a colon instead
-        parts = [f"at {fmt_ranges(steps)}" + (f": {reason}" if "(" in reason else f" ({reason})")
-                 for reason, steps in by_reason.items()]
-        text = f"{plural(f['skipped_steps'], 'step')} skipped" + (" " + "; ".join(parts) if parts else "")
+        text = f"{plural(f['skipped_steps'], 'step')} skipped" + _skip_places(skip_events)
         if not skip_events:
             text += " (events.jsonl does not say which)"
         elif len(f["skip_steps"]) != f["skipped_steps"]:
             text += f" (events.jsonl names {plural(len(f['skip_steps']), 'step')})"
+        if undone:
+            text += f"; before {_went_back(undone)}, {plural(len(f['skip_steps_undone']), 'more step')}" + _skip_places(undone)
         h.say("warn", text + ".")
+    elif undone:
+        h.say("warn", f"No steps skipped since {_went_back(undone)}; before it {plural(len(f['skip_steps_undone']), 'step')} "
+                      f"{'was' if len(f['skip_steps_undone']) == 1 else 'were'} skipped{_skip_places(undone)}, and that "
+                      "stretch was trained again.")
     else:
         h.say("ok", "No steps skipped.")
 
     nonfinite_events = run.counted_events("nonfinite")
     f["nonfinite_steps"] = _total(run, "num_nonfinite") if run.metrics else len({e.step for e in nonfinite_events})
+    undone = run.undone_events("nonfinite")
+    f["nonfinite_steps_undone"] = sorted({e.step for e in undone})
+    before = (f"before {_went_back(undone)}, {plural(len(f['nonfinite_steps_undone']), 'step')} had one (first at step "
+              f"{f['nonfinite_steps_undone'][0]:,})" if undone else "")
     if f["nonfinite_steps"]:
         first = min((e.step for e in nonfinite_events), default=None)
         if first is None:
@@ -107,7 +114,10 @@ def health_summary(run: RunData) -> Health:
         else:
             where = f"first at step {first:,}"
         f["first_nonfinite_step"] = first
-        h.say("warn", f"{plural(f['nonfinite_steps'], 'step')} had a non-finite loss or grad norm ({where}).")
+        h.say("warn", f"{plural(f['nonfinite_steps'], 'step')} had a non-finite loss or grad norm ({where})"
+                      + (f"; {before}" if before else "") + ".")
+    elif undone:
+        h.say("warn", f"No non-finite losses or grad norms since {_went_back(undone)}; {before}.")
     else:
         h.say("ok", "No non-finite losses or grad norms.")
 
@@ -118,12 +128,16 @@ def health_summary(run: RunData) -> Health:
 
     incidents = run.counted_events("incident")
     f["incidents"] = [(e.step, incident_summary(e)) for e in incidents]
+    undone = run.undone_events("incident")  # the run went back past them (a rollback, a remedy's rollback)
+    f["incidents_undone"] = [(e.step, incident_summary(e)) for e in undone]
     if incidents:
-        listed = "; ".join(f"at step {s:,}, {summary.rstrip('.')}" for s, summary in f["incidents"][:5])
-        more = f"; and {len(incidents) - 5} more" if len(incidents) > 5 else ""
-        h.say("bad", f"{plural(len(incidents), 'incident')}: {listed}{more}.")
-    else:
+        h.say("bad", f"{plural(len(incidents), 'incident')}: {_listed(f['incidents'])}.")
+    if undone:
+        h.say("warn", f"{plural(len(undone), 'incident')} before {_went_back(undone)} (the run went back and trained "
+                      f"that stretch again): {_listed(f['incidents_undone'])}.")
+    if not incidents and not undone:
         h.say("ok", "No incidents.")
+    _remedies(run, h)
 
     _records(run, h)
     _throughput(run, h)
@@ -131,6 +145,79 @@ def health_summary(run: RunData) -> Health:
     if run.problems:
         h.say("warn", f"{plural(len(run.problems), 'problem')} reading the run's files (listed under Data problems).")
     return h
+
+
+def _robust_end(rows: list[tuple], spikes: list[int], ratio: float, end: str) -> tuple[float, str | None]:
+    """The loss at one end of the run: its end interval's mean, unless a few large losses made that mean and not the
+    interval's typical loss; then the median of the :data:`LOSS_ENDS` end intervals' means, and the words saying so.
+
+    A few large losses: the interval holds a loss spike (an event), or its mean is above ``ratio`` times that median
+    (the guard's spike ratio) while its smallest loss is not (most of its steps are typical). A run whose loss is
+    still falling fast at the start, or that diverges at the end, has its smallest losses high too: its mean stands.
+    ``rows`` are (step, interval steps, mean loss, smallest loss) from that end inward.
+    """
+    step, width, mean, low = rows[0]
+    near = [r[2] for r in rows[:LOSS_ENDS]]
+    median = statistics.median(near)
+    spiky = any(step - width < s <= step for s in spikes) or (mean > ratio * median and low <= ratio * median)
+    if len(near) < 3 or not spiky:
+        return mean, None
+    return median, f"median of the {end} {len(near)} intervals' means"
+
+
+def _why(row: tuple, spikes: list[int], end: str) -> str:
+    """Why the headline did not take the ``end`` interval's mean: its value and what lifted it."""
+    step, width, mean = row[:3]
+    inside = [s for s in spikes if step - width < s <= step]
+    lifted = (f"a loss spike at step {fmt_ranges(inside)}" if len(inside) == 1 else f"loss spikes at steps {fmt_ranges(inside)}") \
+        if inside else "a few large losses"
+    return f"the {end} interval's mean, {fmt_num(mean)}, is lifted by {lifted}"
+
+
+def _skip_places(events: list[Event]) -> str:
+    """ " at 812-813 (fp16 overflow); at 900 (loss spike ...)": the skipped steps, grouped by reason ("" for none)."""
+    by_reason: dict[str, list[int]] = {}
+    for e in events:
+        by_reason.setdefault(_skip_reason(e), []).append(e.step)
+    # "at 812-813 (fp16 overflow)"; a reason with its own parentheses follows a colon instead
+    parts = [f"at {fmt_ranges(steps)}" + (f": {reason}" if "(" in reason else f" ({reason})")
+             for reason, steps in by_reason.items()]
+    return " " + "; ".join(parts) if parts else ""
+
+
+def _went_back(events: list[Event]) -> str:
+    """What went back past ``events`` (undone ones): "the rollback", "the remedy's rollback", or both."""
+    kinds = sorted({e.superseded_by for e in events if e.superseded_by})
+    names = {"rollback": "the rollback", "remedy": "the remedy's rollback"}
+    return " and ".join(names.get(k, k) for k in kinds) or "the rollback"
+
+
+def _listed(incidents: list[tuple[int, str]], limit: int = 5) -> str:
+    listed = "; ".join(f"at step {s:,}, {summary.rstrip('.')}" for s, summary in incidents[:limit])
+    return listed + (f"; and {len(incidents) - limit} more" if len(incidents) > limit else "")
+
+
+def _remedies(run: RunData, h: Health) -> None:
+    """Each remedy event: what was applied (the run's config changed mid-run: worth a look), or why none was."""
+    f = h.figures
+    f["remedies"] = []
+    for e in run.counted_events("remedy"):
+        x = e.extra
+        if isinstance(x.get("name"), str):  # applied
+            f["remedies"].append({k: x.get(k) for k in ("name", "detail", "incident_step", "failure_class", "verdict",
+                                                         "at_step", "from_step", "by_hand")})
+            how = "by hand (config key 'remedy')" if x.get("by_hand") else f"{x.get('verdict') or 'verified'} on a replay"
+            text = (f"Remedy applied: {x['name']}" + (f" ({x['detail']})" if x.get("detail") else "")
+                    + (f" for the {x['failure_class']} incident" if x.get("failure_class") else " for the incident")
+                    + (f" at step {x['incident_step']:,}" if isinstance(x.get("incident_step"), int) else "") + f", {how}")
+            at, since = x.get("at_step"), x.get("from_step")
+            if isinstance(at, int) and isinstance(since, int) and at < since:
+                text += f"; at step {since:,} the run went back to step {at:,} and trained on from there with it"
+            h.say("warn", text + ".")
+        else:  # none applied: not needed (skipping the step cured it), or none cured it and the fallback was taken
+            f["remedies"].append({"name": None, "reason": e.reason})
+            needed = not e.reason.startswith("no remedy needed")
+            h.say("warn" if needed else "ok", _one_line(e.reason[:1].upper() + e.reason[1:]).rstrip(".") + ".")
 
 
 def _final(run: RunData, kind: str) -> Event | None:
@@ -215,14 +302,27 @@ def _progress(run: RunData, h: Health) -> None:
         h.say("ok", f"Logged up to step {f['last_step']:,}.")
 
 
+#: Interval means the headline's robust figure looks at, at each end of the run.
+LOSS_ENDS = 5
+
+
 def _losses(run: RunData, h: Health) -> None:
     f = h.figures
-    train = _finite(run.series("loss")[1])
-    if train:
-        f["loss_first"], f["loss_last"] = train[0], train[-1]
-        text = f"Train loss {fmt_num(train[0])} → {fmt_num(train[-1])} (first → last interval)"
-    else:
-        text = ""
+    rows = [(int(r["step"]), r["interval_steps"], r["loss"], r.get("loss_min", r["loss"])) for r in run.metrics
+            if isinstance(r.get("loss"), float) and math.isfinite(r["loss"])]
+    text = ""
+    if rows:
+        f["loss_first"], f["loss_last"] = rows[0][2], rows[-1][2]  # the interval means, as metrics.jsonl has them
+        spikes = sorted({e.step for e in run.counted_events("spike")})
+        ratio = run.cfg("guard.spike_ratio", 2.0)
+        ratio = float(ratio) if isinstance(ratio, (int, float)) and ratio > 1 else 2.0
+        (f["loss_start"], start), (f["loss_end"], end) = (_robust_end(rows, spikes, ratio, "first"),
+                                                          _robust_end(rows[::-1], spikes, ratio, "last"))
+        text = f"Train loss {fmt_num(f['loss_start'])} → {fmt_num(f['loss_end'])}"
+        if start is None and end is None:
+            text += " (first → last interval)"
+        else:
+            text += f" ({start or 'first interval'} → {end or 'last interval'}: {'; '.join(w for w in (start and _why(rows[0], spikes, 'first'), end and _why(rows[-1], spikes, 'last')) if w)})"
     steps, vals = run.series("val_loss")
     val = [(s, v) for s, v in zip(steps, vals) if math.isfinite(v)]
     level = "ok"
@@ -240,76 +340,6 @@ def _losses(run: RunData, h: Health) -> None:
         text = f"{text}; {part}" if text else part[0].upper() + part[1:]
     if text:
         h.say(level, text + ".")
-
-
-#: Clip-rate bands of the verdict: at most RARE of the steps is healthy, more than MOST is clipping nearly always.
-CLIP_RARE, CLIP_MOST = 0.1, 0.5
-
-
-def _clipping(run: RunData, h: Health) -> None:
-    """The clip rate with a verdict and its reason.
-
-    Clipping is a guard for the occasional large gradient: healthy when it fires rarely, or often only
-    in the first steps (their large gradients). Firing on most steps means ``max_norm`` sits below
-    the typical grad norm: the clip, not the gradient, sizes the updates. The verdict reads the second
-    half of the run (``clip_rate_late``), so a burst at the start does not condemn a run that settled.
-    """
-    f = h.figures
-    threshold = run.cfg("clip.max_norm")
-    f["clip_threshold"] = threshold
-    rows = [r for r in run.metrics if math.isfinite(r.get("clip_rate", math.nan))]
-    steps = sum(r["interval_steps"] for r in rows)
-    if not rows or steps <= 0:
-        return
-    clipped = sum(r["clip_rate"] * r["interval_steps"] for r in rows)  # weighted by interval length
-    f["clip_rate"] = clipped / steps
-    f["clipped_steps"], f["clip_steps_seen"] = int(round(clipped)), int(steps)
-    norms = _finite(run.series("grad_norm")[1])
-    if norms:
-        f["grad_norm_median"] = statistics.median(norms)
-    peaks = _finite(run.series("grad_norm_max")[1])  # each interval's largest pre-clip norm
-    if peaks:
-        f["grad_norm_max_median"] = statistics.median(peaks)
-    if threshold is None:
-        median = f" (median grad norm {fmt_num(f['grad_norm_median'])})" if norms else ""
-        h.say("ok", f"Clipping is off (clip.max_norm is null){median}.")
-        return
-    half = max(int(r["step"]) for r in rows) / 2
-    late = [r for r in rows if r["step"] - r["interval_steps"] >= half] or rows[-1:]  # intervals in the second half
-    f["clip_rate_late"] = sum(r["clip_rate"] * r["interval_steps"] for r in late) / sum(r["interval_steps"] for r in late)
-    rate, late_rate = f["clip_rate"], f["clip_rate_late"]
-    head = (f"Clipping fired on {fmt_pct(rate)} of steps ({f['clipped_steps']:,} of {f['clip_steps_seen']:,}; "
-            f"threshold {fmt_num(threshold)})")
-    typical = f" (median {fmt_num(f['grad_norm_median'])})" if norms else ""
-    retune = (f"set clip.max_norm to about {fmt_num(f['grad_norm_max_median'], 2)} (the median of each interval's "
-              "largest grad norm)" if peaks and f["grad_norm_max_median"] > threshold
-              else "raise clip.max_norm above the typical grad norm")
-    if rate == 0:
-        f["clip_verdict"] = "never"
-        h.say("ok", f"{head}: healthy, a guard that was never needed (every grad norm stayed below it).")
-    elif late_rate > CLIP_MOST:
-        f["clip_verdict"] = "most"
-        if str(run.cfg("optim.name", "")).startswith("adam"):
-            effect = ("with Adam the update size barely changes (it divides by the clipped gradients' RMS), but every "
-                      "gradient is rescaled to the same norm, so the clip no longer tells a spike from an ordinary step")
-        else:
-            factor = f" about {fmt_num(threshold / f['grad_norm_median'], 2)}x" if norms and f["grad_norm_median"] > 0 else ""
-            effect = f"with SGD the update shrinks as if the learning rate were{factor} as large"
-        h.say("warn", f"{head}, {fmt_pct(late_rate)} in the second half: too often. The threshold is below the typical "
-                      f"grad norm{typical}, so the clip, not the gradient, sets the size of most updates; {effect}. "
-                      f"To clip only spikes, {retune}; if the smaller steps are what keeps the run stable, lower "
-                      "optim.lr instead.")
-    elif late_rate > CLIP_RARE:
-        f["clip_verdict"] = "frequent"
-        h.say("warn", f"{head}, {fmt_pct(late_rate)} in the second half: often. The threshold is close to the typical "
-                      f"grad norm{typical}, so it shrinks ordinary updates, not only spikes; to clip only spikes, {retune}.")
-    elif rate > CLIP_RARE:
-        f["clip_verdict"] = "early"
-        h.say("ok", f"{head}, {fmt_pct(late_rate)} in the second half: healthy. It clipped the large gradients of the "
-                    "first steps and rarely after; that is what a clip is for.")
-    else:
-        f["clip_verdict"] = "rare"
-        h.say("ok", f"{head}: healthy, it trims the occasional large gradient.")
 
 
 def _records(run: RunData, h: Health) -> None:

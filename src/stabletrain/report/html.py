@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import math
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -71,6 +72,7 @@ th { background:#fafbfc; font-weight:600; font-size:12.5px; color:#3b444d; }
 tr:last-child td { border-bottom:0; }
 td.num { text-align:right; font-variant-numeric:tabular-nums; white-space:nowrap; }
 td.key { font-family: ui-monospace, Menlo, Consolas, monospace; font-size:12.5px; white-space:nowrap; }
+td.nowrap { white-space:nowrap; }
 td.val { font-family: ui-monospace, Menlo, Consolas, monospace; font-size:12.5px; word-break:break-word; }
 .tables { display:grid; grid-template-columns:repeat(auto-fit, minmax(420px, 1fr)); gap:14px; align-items:start; }
 .kind { display:inline-block; padding:0 7px; border-radius:4px; font-size:12px; font-weight:600; background:#e9ecef;
@@ -89,6 +91,12 @@ footer { margin-top:36px; color:var(--muted); font-size:12px; }
 """
 
 _LEVEL_WORDS = {"ok": "healthy", "warn": "worth a look", "bad": "problems"}
+# Why an event no longer counts, by the kind of event that went back past it (RunData: superseded_by).
+_SUPERSEDED = {"resume": "this stretch was trained again after a resume (the same steps; the later line counts)",
+               "rollback": "the run rolled back past this step and trained that stretch again (the health summary "
+                           "still tells it)",
+               "remedy": "a remedy rolled the run back past this step and trained that stretch again (the health "
+                         "summary still tells it)"}
 
 # (background, text) color of each event kind's label in the timeline: one per kind of
 # stabletrain.records.events.EVENT_KINDS (a test checks); a kind unknown to this version is grey.
@@ -309,7 +317,7 @@ def _timeline(run: RunData) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(first.time)) if first.time is not None else ""
         what = esc(first.reason) + _details(first, run)
         if first.superseded:
-            what += '<div class="detail">superseded: this stretch was replayed after a resume</div>'
+            what += f'<div class="detail">superseded: {_SUPERSEDED.get(first.superseded_by, _SUPERSEDED["resume"])}</div>'
         rows.append([steps, f'<span class="kind {esc(first.kind)}">{esc(first.kind)}</span>{count}', what, when])
         classes.append("superseded" if first.superseded else "")
     more = ""
@@ -413,7 +421,7 @@ def _remedies(run: RunData) -> str:
             parts.append(f'<p class="empty">{esc(path)} could not be read ({esc(err)}).</p>')
             continue
         rows = [[str(i), f"<code>{esc(c.get('name'))}</code>" + (" (baseline)" if c.get("baseline") else ""),
-                 f"<b>{esc(c.get('verdict'))}</b>", esc(fmt_num(as_number(c.get("end_loss")))), esc(c.get("detail")),
+                 f"<b>{esc(c.get('verdict'))}</b>", esc(_end_loss(c.get("end_loss"))), esc(c.get("detail")),
                  esc(c.get("evidence")) + (f"<br>code change: {esc(c['change'])}" if c.get("change") else "")]
                 for i, c in enumerate(record.get("candidates") or [], 1) if isinstance(c, dict)]
         timings = record.get("timings") or {}
@@ -425,8 +433,14 @@ def _remedies(run: RunData) -> str:
             f"{esc(fmt_num(as_number(timings.get('total_s'))))} s). "
             + (f"Best: <code>{esc(best)}</code>." if best else "No candidate cures it.") + "</p>"
             + table(["#", "candidate", "verdict", "end loss", "what it does", "evidence"], rows,
-                    ["num", "", "", "num", "", ""]))
+                    ["num", "nowrap", "nowrap", "num", "", ""]))
     return '<h2 id="remedies">Remedies</h2>' + "".join(parts) if parts else ""
+
+
+def _end_loss(value: Any) -> str:
+    """A candidate's end loss as ``stabletrain remedy`` prints it: 4 digits, "-" where it has none (it failed)."""
+    number = as_number(value)
+    return f"{number:.4g}" if number is not None and math.isfinite(number) else "-"
 
 
 def _tree_table(tree: dict[str, Any], source: str) -> str:

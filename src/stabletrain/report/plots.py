@@ -346,12 +346,16 @@ def compare_plots(runs: list[RunData], labels: list[str]) -> list[Plot]:
                     ax.plot(xs, ys, color=color, linewidth=1.4, label=label, **marker)
                     arrays.append(ys)
             threshold = run.cfg("clip.max_norm")
-            if key == "grad_norm" and isinstance(threshold, (int, float)) and not isinstance(threshold, bool):
+            if key in ("grad_norm", "grad_norm_post_clip") and isinstance(threshold, (int, float)) \
+                    and not isinstance(threshold, bool):
                 for ax in (by_step, by_tokens):
                     ax.axhline(float(threshold), color=color, linestyle="--", linewidth=1.0, alpha=0.8)
         for ax, xlabel in ((by_step, "step"), (by_tokens, f"{unit} seen")):
             if key in ("loss", "val_loss", "grad_norm", "grad_norm_post_clip"):
                 _auto_log(ax, *arrays)
+            if key == "grad_norm_post_clip" and ax.get_yscale() == "linear":
+                # Clipped norms sit at or just under the threshold: from 0, so 0.96 -> 1.00 does not fill the panel.
+                ax.set_ylim(bottom=0, top=max(ax.get_ylim()[1], 0.05))
             if key == "clip_rate":
                 ax.yaxis.set_major_formatter(PercentFormatter(1.0))
             if key in ("tokens_per_s", "peak_memory_mib"):
@@ -361,7 +365,7 @@ def compare_plots(runs: list[RunData], labels: list[str]) -> list[Plot]:
             ax.set_ylabel(ylabel, fontsize=8)
         by_step.set_title(f"{title} by step", fontsize=10, loc="left")
         by_tokens.set_title(f"{title} by {unit} seen", fontsize=10, loc="left")
-        if key == "grad_norm":
+        if key in ("grad_norm", "grad_norm_post_clip"):
             by_step.plot([], [], color="#555555", linestyle="--", linewidth=1.0, label="clip threshold")
         _legend(by_step)
         plots.append(Plot(key, f"{title}", _png(fig)))

@@ -5,9 +5,11 @@ Reads only files (DESIGN.md, principle 5): ``config.yaml``, ``snapshot.json``, `
 and line (``"RUN/metrics.jsonl:12: ..."``); the rest of the run is still read.
 
 A resumed (or rolled back) run appends to the same files, so a step may be logged twice. The latest
-metrics record of a step wins, and an event written before a ``resume`` or ``rollback`` event for a
-step after the point training went back to is marked ``superseded`` (that stretch was trained again):
-it stays in the timeline but is not counted.
+metrics record of a step wins, and an event written before a ``resume``, ``rollback`` or ``remedy`` event for
+a step after the point training went back to is marked ``superseded`` (that stretch was trained again),
+with the kind of the event that went back (``superseded_by``): it stays in the timeline but is not
+counted. After a resume it is a duplicate (the same steps run again, bitwise); after a rollback or a
+remedy's rollback it is history the run changed course after, which the health summary still tells.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class Event:
     time: float | None
     extra: dict[str, Any]
     superseded: bool = False
+    superseded_by: str | None = None  # the kind of the event that went back past it: resume, rollback or remedy
 
 
 @dataclass
@@ -112,6 +115,13 @@ class RunData:
         unknown = [k for k in kinds if k not in EVENT_KINDS]
         assert not unknown, f"event kinds {unknown} are not in stabletrain.records.events.EVENT_KINDS"
         return [e for e in self.events if e.kind in kinds and not e.superseded]
+
+    def undone_events(self, *kinds: str) -> list[Event]:
+        """Return the events of ``kinds`` that a rollback (or a remedy's rollback) went back past: what happened
+        before the run changed course (a resume's duplicates are not among them)."""
+        unknown = [k for k in kinds if k not in EVENT_KINDS]
+        assert not unknown, f"event kinds {unknown} are not in stabletrain.records.events.EVENT_KINDS"
+        return [e for e in self.events if e.kind in kinds and e.superseded_by in ("rollback", "remedy")]
 
     def other_metric_keys(self) -> list[str]:
         """Return the numeric metric keys this report does not know, in first-seen order."""
@@ -274,8 +284,10 @@ def _read_events(path: Path, problems: list[str]) -> list[Event]:
         when = as_number(rec.get("time"))
         extra = {k: v for k, v in rec.items() if k not in ("step", "kind", "reason", "time")}
         if kind in REPLAY_KINDS:
+            # Where training went back to: the event's step; a remedy's rollback says it in at_step as well.
+            back_to = extra.get("at_step") if kind == "remedy" and isinstance(extra.get("at_step"), int) else step
             for earlier in events:
-                if earlier.step > step:
-                    earlier.superseded = True  # trained again after the resume or rollback: the new line counts
+                if earlier.step > back_to and not earlier.superseded:
+                    earlier.superseded, earlier.superseded_by = True, kind  # trained again: the new line counts
         events.append(Event(step, kind, reason, when if when is not None and math.isfinite(when) else None, extra))
     return events

@@ -1,0 +1,119 @@
+"""The clip-rate sentence of the health summary: how often clipping fired, how much it cut, and whether that is a problem.
+
+Clipping guards against the occasional large gradient. Firing often is normal early in training, while
+the grad norm is still large or settling toward the threshold (the default ``clip.max_norm=1`` on a
+model whose grad norm hovers near 1 trims its peaks on a third of the steps); what matters is how much
+it cuts the gradients late in the run. :data:`CLIP_CUT` is the line: when the clip shortens the second
+half's gradients by a fifth or more on average (post-clip / pre-clip norm, interval means), the clip, not
+the gradient, sizes the updates (with SGD that is a smaller LR; with Adam every gradient is rescaled to
+one norm, so the clip stops telling a spike from an ordinary step) — that is worth a look. A smaller cut
+is the clip trimming peaks, which is what it is for.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import TYPE_CHECKING
+
+from .rundata import RunData
+from .text import fmt_num, fmt_pct
+
+if TYPE_CHECKING:
+    from .health import Health
+
+__all__ = ["clip_sentence", "CLIP_RARE", "CLIP_MOST", "CLIP_CUT"]
+
+#: Clip-rate bands: at most RARE of the steps is rare; more than MOST of the second half's steps is nearly always.
+CLIP_RARE, CLIP_MOST = 0.1, 0.5
+#: A cut of the second half's gradient norms (1 - post-clip / pre-clip) from which frequent clipping is a problem:
+#: a fifth, smaller than the step between the LRs of a sweep (2-3x), larger than the trimming of peaks.
+CLIP_CUT = 0.2
+
+
+def _finite(values: list[float]) -> list[float]:
+    return [v for v in values if math.isfinite(v)]
+
+
+def clip_sentence(run: RunData, h: Health) -> None:
+    """Say the clip rate with a verdict and its reason; put the figures behind it in ``h.figures``.
+
+    The verdict reads the second half of the run (``clip_rate_late``, ``clip_cut_late``), so a burst at
+    the start does not condemn a run that settled. ``clip_cut_late`` is None for a run that logged no
+    post-clip norm (then frequent clipping is judged by its rate alone, as before that key existed).
+    """
+    f = h.figures
+    threshold = run.cfg("clip.max_norm")
+    f["clip_threshold"] = threshold
+    rows = [r for r in run.metrics if math.isfinite(r.get("clip_rate", math.nan))]
+    steps = sum(r["interval_steps"] for r in rows)
+    if not rows or steps <= 0:
+        return
+    clipped = sum(r["clip_rate"] * r["interval_steps"] for r in rows)  # weighted by interval length
+    f["clip_rate"] = clipped / steps
+    f["clipped_steps"], f["clip_steps_seen"] = int(round(clipped)), int(steps)
+    norms = _finite(run.series("grad_norm")[1])
+    if norms:
+        f["grad_norm_median"] = statistics.median(norms)
+    peaks = _finite(run.series("grad_norm_max")[1])  # each interval's largest pre-clip norm
+    if peaks:
+        f["grad_norm_max_median"] = statistics.median(peaks)
+    if threshold is None:
+        median = f" (median grad norm {fmt_num(f['grad_norm_median'])})" if norms else ""
+        h.say("ok", f"Clipping is off (clip.max_norm is null){median}.")
+        return
+    half = max(int(r["step"]) for r in rows) / 2
+    late = [r for r in rows if r["step"] - r["interval_steps"] >= half] or rows[-1:]  # intervals in the second half
+    f["clip_rate_late"] = sum(r["clip_rate"] * r["interval_steps"] for r in late) / sum(r["interval_steps"] for r in late)
+    f["clip_cut_late"] = _cut(late)
+    rate, late_rate, cut = f["clip_rate"], f["clip_rate_late"], f["clip_cut_late"]
+    head = (f"Clipping fired on {fmt_pct(rate)} of steps ({f['clipped_steps']:,} of {f['clip_steps_seen']:,}; "
+            f"threshold {fmt_num(threshold)})")
+    typical = f" (median {fmt_num(f['grad_norm_median'])})" if norms else ""
+    cuts = f", cutting the gradient norm there by {fmt_pct(cut)} on average" if cut is not None else ""
+    retune = (f"set clip.max_norm to about {fmt_num(f['grad_norm_max_median'], 2)} (the median of each interval's "
+              "largest grad norm)" if peaks and f["grad_norm_max_median"] > threshold
+              else "raise clip.max_norm above the typical grad norm")
+    if rate == 0:
+        f["clip_verdict"] = "never"
+        h.say("ok", f"{head}: healthy, a guard that was never needed (every grad norm stayed below it).")
+    elif late_rate > CLIP_RARE and cut is not None and cut < CLIP_CUT:
+        f["clip_verdict"] = "trims"
+        h.say("ok", f"{head}, {fmt_pct(late_rate)} in the second half{cuts}: healthy. The grad norm{typical} sits near "
+                    f"the threshold and the clip trims its peaks, as is usual while training settles; it would need a "
+                    f"look if it cut the late gradients by {fmt_pct(CLIP_CUT)} or more (the clip, not the gradient, "
+                    "would then size the updates).")
+    elif late_rate > CLIP_MOST:
+        f["clip_verdict"] = "most"
+        if str(run.cfg("optim.name", "")).startswith("adam"):
+            effect = ("with Adam the update size barely changes (it divides by the clipped gradients' RMS), but every "
+                      "gradient is rescaled to the same norm, so the clip no longer tells a spike from an ordinary step")
+        else:
+            factor = f" about {fmt_num(threshold / f['grad_norm_median'], 2)}x" if norms and f["grad_norm_median"] > 0 else ""
+            effect = f"with SGD the update shrinks as if the learning rate were{factor} as large"
+        h.say("warn", f"{head}, {fmt_pct(late_rate)} in the second half{cuts}: too often. The threshold is below the "
+                      f"typical grad norm{typical}, so the clip, not the gradient, sets the size of most updates; {effect}. "
+                      f"To clip only spikes, {retune}; if the smaller steps are what keeps the run stable, lower "
+                      "optim.lr instead.")
+    elif late_rate > CLIP_RARE:
+        f["clip_verdict"] = "frequent"
+        h.say("warn", f"{head}, {fmt_pct(late_rate)} in the second half{cuts}: often. The threshold is close to the "
+                      f"typical grad norm{typical}, so it shrinks ordinary updates, not only spikes; to clip only spikes, "
+                      f"{retune}.")
+    elif rate > CLIP_RARE:
+        f["clip_verdict"] = "early"
+        h.say("ok", f"{head}, {fmt_pct(late_rate)} in the second half: healthy. It clipped the large gradients of the "
+                    "first steps and rarely after; that is what a clip is for.")
+    else:
+        f["clip_verdict"] = "rare"
+        h.say("ok", f"{head}: healthy, it trims the occasional large gradient.")
+
+
+def _cut(rows: list[dict]) -> float | None:
+    """1 - (post-clip / pre-clip) of the rows' interval-mean grad norms, weighted by interval length (None without them)."""
+    pairs = [(r["grad_norm"] * r["interval_steps"], r["grad_norm_post_clip"] * r["interval_steps"]) for r in rows
+             if math.isfinite(r.get("grad_norm", math.nan)) and math.isfinite(r.get("grad_norm_post_clip", math.nan))]
+    pre = sum(p for p, _ in pairs)
+    if not pairs or pre <= 0:
+        return None
+    return max(0.0, 1.0 - sum(q for _, q in pairs) / pre)
