@@ -4,6 +4,7 @@ The tasks with planted mistakes are in ``user_code_tasks.py``; the line numbers 
 so a test fails if the location shown is not the line that raised.
 """
 
+import os
 import re
 import subprocess
 import sys
@@ -309,3 +310,18 @@ def test_a_model_that_cannot_be_rebuilt_is_told_what_its_own_host_needs(host, hi
     with pytest.raises(TaskError, match=hint) as err:
         model_from_recipe(None, host)
     assert ("model_factory" in str(err.value)) == (host == "monitor")
+
+
+def test_library_frames_installed_outside_this_environment_are_not_the_users(monkeypatch):
+    # .ci/run's venv sees torch through a .pth file (the outer environment's site-packages), a venv made with
+    # --system-site-packages sees the system's: torch's DataLoader frames there were taken for the user's code, and a
+    # dataset item's error was blamed on "task code" (3 cases of test_the_part_of_the_task_that_raised_and_its_line).
+    import torch
+
+    from stabletrain import errors
+
+    fetch = os.path.join(os.path.dirname(torch.__file__), "utils", "data", "_utils", "fetch.py")
+    monkeypatch.setattr(errors, "_LIBS", ())  # torch where sysconfig does not look
+    assert not errors._is_user(fetch) and errors._is_user(str(TASKS))
+    monkeypatch.setattr(sys, "path", [*sys.path, "/opt/py/lib/python3.11/site-packages", "/usr/lib/python3/dist-packages"])
+    assert {"/opt/py/lib/python3.11/site-packages/", "/usr/lib/python3/dist-packages/"} <= set(errors._library_dirs())

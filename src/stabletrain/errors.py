@@ -20,8 +20,24 @@ __all__ = ["user_frames", "user_location", "format_user_traceback", "task_part",
            "format_task_error", "batch_note", "TaskCodeError", "TASK_PARTS", "brief", "crash_event"]
 
 _PACKAGE = os.path.join(str(Path(__file__).resolve().parent), "")  # ".../stabletrain/", with its separator
-_LIBS = tuple({os.path.realpath(p) for p in (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
-                                             sysconfig.get_paths()["platlib"])})
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """Where installed code lives, each with its separator: the stdlib, this interpreter's site-packages, the system's
+    a venv sees and the user's, and any other site-packages or dist-packages folder on ``sys.path`` (a ``.pth`` file or
+    PYTHONPATH can put one there: torch's frames from it are not the user's)."""
+    import site
+
+    paths = [sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")]
+    try:
+        paths += [*site.getsitepackages(), site.getusersitepackages()]
+    except AttributeError:  # an old virtualenv's site module
+        pass
+    paths += [p for p in sys.path if os.path.basename(os.path.normpath(p)) in ("site-packages", "dist-packages")]
+    return tuple({os.path.join(os.path.realpath(p), "") for p in paths if p})
+
+
+_LIBS = _library_dirs()
 
 #: The parts of a task an exception can come from, as :func:`task_part` names them ("task module": importing it).
 TASK_PARTS = ("task module", "factory", "dataset item", "collate", "loss", "model forward", "model backward", "task code")
@@ -57,9 +73,10 @@ def _is_ours(filename: str) -> bool:
 
 def _is_user(filename: str) -> bool:
     path = os.path.realpath(filename)
-    if path.startswith(_PACKAGE) or filename.startswith("<"):
+    if path.startswith(_PACKAGE) or filename.startswith("<") or path.startswith(_LIBS):
         return False
-    return not path.startswith(_LIBS)
+    torch = sys.modules.get("torch")  # torch from anywhere (a source checkout on PYTHONPATH) is not the user's either
+    return torch is None or not path.startswith(os.path.join(os.path.dirname(os.path.realpath(torch.__file__)), ""))
 
 
 def _in(frame: traceback.FrameSummary, *parts: str) -> bool:
