@@ -93,10 +93,15 @@ class ProgressBar(Callback):
         console.show_bar(self._bar)
 
     def on_step_end(self, state: FitState, out: dict[str, Any]) -> None:
+        if self._compiling:  # the first step is over, and its compilation with it: the pace counts from here
+            self._start, self._compiling = (time.perf_counter(), state.step), None
+            if self._bar is not None:  # the bar's rate afresh (its elapsed time stays whole), drawn at the next step
+                start = self._bar.start_t
+                self._bar.reset()
+                self._bar.start_t, self._bar.n, self._bar.last_print_n = start, state.step, state.step
+            return
         if self._bar is not None:
             self._bar.update(1)
-        if self._compiling:  # the first step is over, and its compilation with it
-            self._start, self._compiling = (time.perf_counter(), state.step), None
 
     def on_log(self, state: FitState, record: dict[str, Any], rows: list[Any]) -> None:
         if self._bar is None and not self._lines:
