@@ -242,8 +242,13 @@ class FileSizeLimitAfterFirstCheckpoint(Callback):
     def on_checkpoint(self, state, info):
         import resource
 
+        from stabletrain.records.checkpoint.writer import running_writer
+
         if info["kind"] == "checkpoint":
             resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+            writer = running_writer()  # the checkpoint writer process, which writes the next one
+            if writer is not None:
+                resource.prlimit(writer.pid, resource.RLIMIT_FSIZE, resource.getrlimit(resource.RLIMIT_FSIZE))
 
 
 class FillDiskAfterFirstCheckpoint(Callback):

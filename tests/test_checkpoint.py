@@ -382,73 +382,6 @@ def test_a_file_that_needs_more_than_weights_only_is_refused(tmp_path):
 # -- background saves ------------------------------------------------------------------------------
 
 
-class Gate:
-    """Hold a background save inside ``verify`` until :meth:`open`; count how many saves got there."""
-
-    def __init__(self, monkeypatch) -> None:
-        import threading
-
-        self.reached, self.release, self.calls = threading.Event(), threading.Event(), 0
-        real = CheckpointManager.verify
-
-        def held(manager, path):
-            if ".tmp-" in str(path):  # the verification right after writing, in the save's thread
-                self.calls += 1
-                self.reached.set()
-                assert self.release.wait(60), "the test never released the save"
-            return real(manager, path)
-
-        monkeypatch.setattr(CheckpointManager, "verify", held)
-
-    def open(self) -> None:
-        self.release.set()
-
-
-def test_a_background_save_writes_the_staged_state_and_moves_last_good_only_after_verifying(tmp_path, monkeypatch):
-    manager = CheckpointManager(tmp_path)
-    manager.save(tiny_state(1.0), 1)
-    gate = Gate(monkeypatch)
-    state = tiny_state(2.0)
-    state["model"]["tied"] = state["model"]["w"]  # tied weights: one buffer, stored once
-    pending = manager.save_async(state, 2)
-    assert gate.reached.wait(60)
-    # Training goes on: the live state changes while the save is in flight; the staged copy does not.
-    state["model"]["w"].fill_(7.0)
-    state["counters"]["step"] = 99
-    assert not pending.done() and manager.in_flight is pending
-    assert (tmp_path / "LAST_GOOD").read_text() == "step_000001\n"  # not before verification
-    assert [n for n in dirs(tmp_path) if n.startswith("step_000002")] == [f"step_000002.tmp-{os.getpid()}"]
-    gate.open()
-    res = pending.result()
-    assert res.path == tmp_path / "step_000002" and {"check_s", "stage_s", "write_s", "verify_s"} <= res.timings.keys()
-    assert res.blocked_s == res.timings["check_s"] + res.timings["stage_s"] and "blocked_s" in res.event_fields()
-    assert (tmp_path / "LAST_GOOD").read_text() == "step_000002\n"
-    loaded = manager.load().state
-    expected = tiny_state(2.0)
-    expected["model"]["tied"] = expected["model"]["w"]
-    assert_same(loaded, expected)
-    assert loaded["model"]["tied"].untyped_storage().data_ptr() == loaded["model"]["w"].untyped_storage().data_ptr()
-
-
-def test_at_most_one_save_in_flight_the_next_waits_for_it(tmp_path, monkeypatch):
-    import threading
-
-    manager = CheckpointManager(tmp_path, keep=5)
-    gate = Gate(monkeypatch)
-    first = manager.save_async(tiny_state(1.0), 1)
-    assert gate.reached.wait(60)
-    second: list = []
-    starter = threading.Thread(target=lambda: second.append(manager.save_async(tiny_state(2.0), 2)))
-    starter.start()
-    starter.join(0.5)
-    assert starter.is_alive() and not first.done()  # the second save waits for the first before staging
-    assert not [n for n in dirs(tmp_path) if n.startswith("step_000002")]
-    gate.open()
-    starter.join(60)
-    assert first.result().path.name == "step_000001" and second[0].result().path.name == "step_000002"
-    assert gate.calls == 2 and manager.latest_good() == tmp_path / "step_000002"
-
-
 def test_stage_reuses_its_buffers_and_copies_what_could_change(tmp_path):
     from stabletrain.records.staging import StateStager
 
@@ -479,93 +412,6 @@ def test_a_withheld_background_save_is_done_at_once_and_writes_nothing(tmp_path)
     assert dirs(tmp_path) == ["LAST_GOOD", "step_000001"] and manager.staging_bytes == 0  # nothing staged
 
 
-def test_a_failed_background_save_is_a_checkpoint_failed_event_and_training_goes_on(tmp_path, monkeypatch):
-    import threading
-
-    import stabletrain.records.checkpoint.files as ckpt_module
-
-    real_write, threads = ckpt_module.atomic_write, []
-
-    def failing(path, data, **kw):
-        threads.append(threading.current_thread().name)
-        if Path(path).name == "state.pt" and ".tmp-" in str(path) and "step_000000" not in str(path):
-            raise OSError(28, "No space left on device")
-        return real_write(path, data, **kw)
-
-    monkeypatch.setattr(ckpt_module, "atomic_write", failing)
-    run_dir = tmp_path / "run"
-    # ckpt.max_failures=0: never stop (stopping after N failures in a row: tests/test_console.py)
-    trainer = stabletrain.Trainer(stabletrain.load_config(None, [*MLP, "train.max_steps=6", "log.every=2",
-                                                                  "ckpt.every=2", "ckpt.max_failures=0"]), run_dir=run_dir)
-    trainer.fit()
-    assert trainer.step == 6
-    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
-    kinds = sorted((e["step"], e["kind"]) for e in events if e["kind"].startswith("checkpoint"))
-    assert kinds == [(0, "checkpoint"), (2, "checkpoint_failed"), (4, "checkpoint_failed"), (6, "checkpoint_failed")]
-    failed = next(e for e in events if e["kind"] == "checkpoint_failed")
-    assert "No space left on device" in failed["reason"] and "untouched" in failed["reason"]
-    assert all(name.startswith("stabletrain-checkpoint-") for name in threads)  # written off the training thread
-    assert (run_dir / "checkpoints" / "LAST_GOOD").read_text() == "step_000000\n"
-    assert not [n for n in dirs(run_dir / "checkpoints") if "-" in n]
-
-
-KILLED_IN_FLIGHT = textwrap.dedent("""
-    import os, signal, sys, threading
-    sys.path.insert(0, {tests!r})
-    import torch
-    import stabletrain
-    from stabletrain.callbacks import Callback
-
-    run_dir = sys.argv[1]
-    at_step_5 = threading.Event()
-
-    class Mark(Callback):
-        def on_step_end(self, state, out):
-            if state.step == 5:
-                at_step_5.set()
-
-    real_save = torch.save
-
-    def half_then_die(obj, f, *a, **k):
-        # The step-4 save, in its background thread: half of state.pt, then wait until training has
-        # gone on to step 5 (the save is in flight while the run trains), then SIGKILL the process.
-        if threading.current_thread().name != "stabletrain-checkpoint-4":
-            return real_save(obj, f, *a, **k)
-        import io
-        buf = io.BytesIO(); real_save(obj, buf, *a, **k); data = buf.getvalue()
-        f.write(data[: len(data) // 2]); f.flush()
-        at_step_5.wait(60)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    from stabletrain.records.checkpoint import files
-    torch.save = files.save_without_record_crcs = half_then_die
-    cfg = stabletrain.load_config(None, {args!r})
-    stabletrain.Trainer(cfg, run_dir=run_dir, callbacks=[Mark()]).fit()
-""")
-
-
-@pytest.mark.slow
-def test_sigkill_while_a_background_save_is_in_flight_resumes_from_the_previous_last_good(tmp_path):
-    args = [*MLP, "train.max_steps=8", "log.every=2", "ckpt.every=2", "log.tensorboard=false"]
-    script = KILLED_IN_FLIGHT.format(tests=str(Path(__file__).parent), args=args)
-    run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-c", script, str(run_dir)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == -9, proc.stderr
-    root = run_dir / "checkpoints"
-    assert (root / "LAST_GOOD").read_text() == "step_000002\n"
-    assert [n for n in dirs(root) if n.startswith("step_000004")] == [n for n in dirs(root) if ".tmp-" in n] != []
-
-    cfg = stabletrain.load_config(None, args)
-    resumed = stabletrain.Trainer(cfg, run_dir=run_dir, resume=True)
-    assert resumed.step == 2 and resumed.keeper.resumed_from == root / "step_000002"
-    resumed.fit()
-    reference = stabletrain.Trainer(cfg, run_dir=tmp_path / "reference")
-    reference.fit()
-    assert_same(resumed.state_dict()["model"], reference.state_dict()["model"])
-    assert_same(resumed.state_dict()["optimizer"], reference.state_dict()["optimizer"])
-    assert not [n for n in dirs(root) if "-" in n]  # the dead writer's debris is gone
-
-
 class Opaque:
     """A class a weights_only load refuses (module-level, so torch.save can pickle it)."""
 
@@ -576,8 +422,8 @@ def test_the_check_after_writing_reads_state_pt_no_second_time_and_still_refuses
     reads: list[Path] = []
     real = files._checksum_of
     monkeypatch.setattr(files, "_checksum_of", lambda path, kind: reads.append(path) or real(path, kind))
-    manager = CheckpointManager(tmp_path)
-    assert manager.save_async(tiny_state(1.0), 1).result().path.name == "step_000001"
+    manager = CheckpointManager(tmp_path)  # (a background save's writer process runs this same write_staged)
+    assert manager.save(tiny_state(1.0), 1).path.name == "step_000001"
     assert manager.save(tiny_state(2.0), 2).path.name == "step_000002"
     assert reads == []  # checksummed as written: verified without reading state.pt back
     manager.load()
@@ -600,7 +446,7 @@ def test_a_plain_state_is_not_scanned_after_writing_and_anything_else_is(tmp_pat
     real = files._check_archive
     monkeypatch.setattr(files, "_check_archive", lambda path, fail: scans.append(path) or real(path, fail))
     manager = CheckpointManager(tmp_path)
-    manager.save_async(tiny_state(1.0), 1).result()
+    manager.save(tiny_state(1.0), 1)
     assert scans == []  # tensors, numbers, strings and containers: weights_only admits them by design
     for odd in (Opaque(), b"bytes", 1j, torch.zeros(2).to_sparse(), torch.nn.Parameter(torch.zeros(1)),
                 {("tuple", "key"): 1}):
@@ -611,22 +457,6 @@ def test_a_plain_state_is_not_scanned_after_writing_and_anything_else_is(tmp_pat
     with pytest.raises(CheckpointError, match=r"refused: it pickles the global test_checkpoint\.Opaque"):
         manager.save(state, 2)
     assert len(scans) == 1
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
-def test_the_background_writer_runs_at_a_lower_priority_than_training(tmp_path, monkeypatch):
-    import threading
-
-    from stabletrain.records.checkpoint.saves import WRITER_NICENESS
-
-    seen: list[int] = []
-    real = CheckpointManager.verify
-    monkeypatch.setattr(CheckpointManager, "verify", lambda manager, path: seen.append(
-        os.getpriority(os.PRIO_PROCESS, threading.get_native_id())) or real(manager, path))
-    main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    CheckpointManager(tmp_path).save_async(tiny_state(1.0), 1).result()
-    assert seen == [min(19, main + WRITER_NICENESS)]
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main  # training's own thread untouched
 
 
 def test_a_load_rank_0_verified_reads_state_pt_memory_mapped_without_hashing_it_again(tmp_path, monkeypatch):

@@ -289,7 +289,9 @@ def test_a_launcher_killed_outright_takes_torchrun_and_every_rank_with_it(tmp_pa
     try:
         wait_for_step(proc, run_dir, 2)
         ranks, below = _rank_pids(proc.pid), descendants(proc.pid)
-        assert set(ranks) == {0, 1} and len(below) == 3, (ranks, below)  # torchrun and the two ranks
+        writers = [pid for pid in below if b"stabletrain.records.checkpoint.writer" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        # torchrun, the two ranks, and rank 0's checkpoint writer process (started by the step-0 save)
+        assert set(ranks) == {0, 1} and len(below) == 4 and len(writers) == 1, (ranks, below)
         recorded = json.loads((run_dir / "launch.json").read_text())["processes"]
         assert sorted(p["pid"] for p in recorded) == sorted(ranks.values())  # the run dir names who runs on it
         os.kill(proc.pid, signal.SIGKILL)

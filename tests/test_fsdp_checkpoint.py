@@ -13,6 +13,8 @@ import random
 import shutil
 import signal
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -120,6 +122,20 @@ def _final(run_dir, step):
     return loaded.state, read_full_tensors(loaded.path / "dcp")
 
 
+def _cmdline(pid):
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _alive(pid):
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 # dropout draws from each rank's RNG stream: a resume that restored the wrong one would not be bitwise equal
 KILL = ["task=helpers:slow_mlp_task", "task_args.num_samples=192", "task_args.dropout=0.2", "task_args.sleep=0",
         "train.batch_size=8", "accum.steps=3", "train.max_steps=14", "log.every=1", "ckpt.every=2", "eval.every=0",
@@ -147,9 +163,18 @@ def test_an_fsdp_run_killed_with_sigkill_and_resumed_from_sharded_checkpoints_is
     proc = subprocess.Popen(stabletrain(*KILL, f"run.dir={run_dir}"), env={**env(), "STABLETRAIN_TEST_SLEEP": "0.15"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_step(proc, run_dir, kill_at)
-    for pid in [*descendants(proc.pid), proc.pid]:  # the launcher, torchrun and both ranks, at once
-        os.kill(pid, signal.SIGKILL)
+    below = descendants(proc.pid)
+    # The checkpoint helpers: rank 0's writer, each rank's DCP checkpoint process (and multiprocessing's tracker)
+    helpers = [pid for pid in below if any(name in _cmdline(pid) for name in (b"stabletrain.records.checkpoint.writer",
+                                                                              b"multiprocessing.spawn"))]
+    assert len(helpers) == 3, [_cmdline(pid) for pid in below]
+    for pid in [*(p for p in below if p not in helpers and b"multiprocessing" not in _cmdline(p)), proc.pid]:
+        os.kill(pid, signal.SIGKILL)  # the launcher, torchrun and both ranks, at once; not their helpers
     proc.communicate(timeout=60)
+    t0 = time.time()
+    while [pid for pid in below if _alive(pid)] and time.time() - t0 < 10:
+        time.sleep(0.05)
+    assert not [_cmdline(pid) for pid in below if _alive(pid)], "a checkpoint helper outlived its rank by 10 s"
     assert CheckpointManager(run_dir / "checkpoints").load().meta["step"] < 14
     run(stabletrain("--resume", str(run_dir)))  # dist.nproc=2 and the rest from config.yaml
     got_state, got = _final(run_dir, 14)

@@ -26,7 +26,7 @@ from typing import Any
 from .. import console
 from ..records.checkpoint.files import CheckpointError, first_nonfinite
 from ..records.checkpoint.manager import LoadedCheckpoint
-from ..records.checkpoint.saves import PendingSave
+from ..records.checkpoint.saves import PendingSave, SaveCosts
 from ..config import (RESHARD_SAFE_KEYS, RESUME_SAFE_KEYS, config_hash, config_to_dict, diff_configs,
                       resume_refusal_message)
 from ..records.checkpoint.sharded import ShardedSaver, local_tensors, split_for_dcp
@@ -74,6 +74,8 @@ class CheckpointKeeper:
         self.failures_in_a_row = 0  # rank 0: saves that failed since the last one written
         self._last_failure: dict[str, Any] | None = None
         self._saver: ShardedSaver | None = None  # FSDP: every rank's DCP saves (created at the first save)
+        self._costs = SaveCosts()  # each save's wall cost to the steps while it is written (its event's fields)
+        self._fit: FitState | None = None  # the fit's state, whose step the boundaries' marks read
 
     # -- resume ---------------------------------------------------------------------------------
 
@@ -159,8 +161,15 @@ class CheckpointKeeper:
         last checkpoint does). Every rank must call this (DDP: one all_gather_object of RNG states and
         data positions); only rank 0 writes. Returns the ``{"step", "kind", "reason", "fields"}`` of
         each save whose outcome is now known: the previous one, and this one when it was withheld or
-        waited for; the others come from :meth:`finished`. Nothing without a run directory.
+        waited for; the others come from :meth:`finished`. Nothing without a run directory. The time spent
+        here is the save's ``blocked_s`` (and left out of the step times its cost is measured with).
         """
+        self._fit = state
+        self._costs.mark(state.step)
+        with self._costs.blocked():
+            return self._save(state, healthy, wait)
+
+    def _save(self, state: FitState, healthy: bool, wait: bool) -> list[dict[str, Any]]:
         ckpt = state.ckpt
         if ckpt is None:
             return []
@@ -185,6 +194,7 @@ class CheckpointKeeper:
             self._pending = ckpt.save_async(whole, state.step, meta)
         except Exception as err:  # the check or the staging copy failed; the previous checkpoint is intact
             return done + [_failed(state.step, err)]
+        self._costs.started(state.step)
         return done + self.finished(wait=wait)
 
     def _sharded_saver(self, state: FitState) -> ShardedSaver | None:
@@ -233,6 +243,7 @@ class CheckpointKeeper:
         except Exception as err:  # the small state's check or staging failed; the previous checkpoint is intact
             saver.wait()
             return done + [_failed(state.step, err)]
+        self._costs.started(state.step)
         return done + self.finished(wait=wait)
 
     def finished(self, *, wait: bool = False) -> list[dict[str, Any]]:
@@ -240,19 +251,30 @@ class CheckpointKeeper:
 
         ``wait``: wait for it (and for this rank's DCP shards). Each outcome is returned once; the loop
         records it (rank 0) and fires ``on_checkpoint``. A background write that failed is a
-        ``checkpoint_failed`` outcome.
+        ``checkpoint_failed`` outcome. A written one's fields add what it cost the steps it was written
+        beside (:class:`~stabletrain.records.checkpoint.saves.SaveCosts`), and ``waited_s`` when the loop
+        waited here for it.
         """
+        now = self._fit.step if self._fit is not None else None
+        if now is not None:
+            self._costs.mark(now)
         if wait and self._saver is not None:
             self._saver.wait()
         pending = self._pending
         if pending is None or not (wait or pending.done()):
             return []
         self._pending = None
-        try:
-            result = pending.result()
-        except Exception as err:  # the previous checkpoint and LAST_GOOD are intact; say so and keep training
-            return [_failed(pending.step, err)]
-        return [{"step": result.step, "kind": result.kind, "reason": result.reason, "fields": result.event_fields()}]
+        with self._costs.blocked() as waited:
+            try:
+                result = pending.result()
+            except Exception as err:  # the previous checkpoint and LAST_GOOD are intact; say so and keep training
+                return [_failed(pending.step, err)]
+        fields = result.event_fields()
+        if not result.withheld:
+            fields.update(self._costs.fields(result.step, result.step if now is None else now))
+            if waited.seconds >= 1e-4:
+                fields["waited_s"] = round(waited.seconds, 4)
+        return [{"step": result.step, "kind": result.kind, "reason": result.reason, "fields": fields}]
 
     def _join(self) -> None:
         """Wait for the save in flight without taking its outcome (:meth:`finished` still reports it)."""

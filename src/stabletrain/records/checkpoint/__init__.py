@@ -11,7 +11,7 @@ Layout (DESIGN.md, "Run directory")::
 One save (DESIGN.md, principle 4: nothing bad is persisted)::
 
     check the model and optimizer state are finite    # one fused pass, one host read; else write nothing
-    [save_async: stage a copy into reused host buffers; training goes on, the rest runs in a thread]
+    [save_async: stage a copy into a reused shared-memory block; training goes on, the writer process does the rest]
     write step_000100.tmp-<pid>/state.pt, meta.json   # each with fileio.atomic_write: fsynced, then the directory
     verify the temporary copy                         # size, pickle admitted by weights_only=True (a load: CRC32, finite)
     rename it to step_000100                          # an existing step_000100 is moved aside, deleted last
@@ -19,7 +19,10 @@ One save (DESIGN.md, principle 4: nothing bad is persisted)::
     prune to the ``keep`` newest                      # never the one LAST_GOOD names
 
 The parts: :mod:`.files` (one directory's files: the finiteness check, writing with a checksum, safe
-loading, what a good checkpoint is), :mod:`.saves` (what a save returns, and a save running in a
-thread) and :mod:`.manager` (:class:`~.manager.CheckpointManager`: LAST_GOOD, saving, debris,
-pruning, rollback and loading with fallback) and :mod:`.sharded` (the DCP folder of a sharded checkpoint: save, verify, load).
+loading, what a good checkpoint is), :mod:`.saves` (what a save returns, a save in flight, what it cost
+training), :mod:`.manager` (:class:`~.manager.CheckpointManager`: LAST_GOOD, saving, debris, pruning,
+rollback and loading with fallback), the background save's parts (:mod:`.arena`: the shared-memory
+staging; :mod:`.background`: the hand-over; :mod:`.writer` and :mod:`.writer_main`: the writer process,
+both ends) and :mod:`.sharded` (the DCP folder of a sharded checkpoint: save, verify, load; its process-based
+asynchronous save: :mod:`.dcp_process`).
 """

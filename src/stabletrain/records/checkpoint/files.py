@@ -32,7 +32,7 @@ from .sharded import attach_path, verify_dcp
 from ...fileio import atomic_write
 from ...internals import InternalMissing, save_without_record_crcs
 
-__all__ = ["CheckpointError", "first_nonfinite", "only_plain", "load_state_file", "load_checked", "write_files", "checked_meta",
+__all__ = ["CheckpointError", "dir_name", "first_nonfinite", "only_plain", "load_state_file", "load_checked", "write_files", "checked_meta",
            "STATE_FILE", "META_FILE", "FORMAT_VERSION"]
 
 #: meta.json's "format". 2: state.pt's checksum is ``state_crc32`` (zlib's CRC32, 8 hex digits); 1 recorded
@@ -166,6 +166,11 @@ class _ChecksumWriter:
 
     def flush(self) -> None:
         self.fh.flush()
+
+
+def dir_name(step: int) -> str:
+    """The name of ``step``'s checkpoint directory (``step_000100``)."""
+    return f"step_{step:06d}"
 
 
 def checked_meta(step: int, meta: dict[str, Any] | None) -> dict[str, Any]:

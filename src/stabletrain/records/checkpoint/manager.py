@@ -1,18 +1,18 @@
 """The checkpoints of a run: which one is good (LAST_GOOD), writing new ones, pruning, rollback, loading.
 
 :meth:`CheckpointManager.save` does a whole save in the caller's thread. :meth:`CheckpointManager.save_async`
-blocks only for the finiteness check and the staging copy (:class:`~stabletrain.records.staging.StateStager`:
-pinned host buffers and non-blocking copies from CUDA, so the device queue is not drained), then writes in a
-background thread; at most one save is in flight (the next one waits for it), and
-:meth:`CheckpointManager.wait` waits for it. Whatever reads LAST_GOOD to act on it (resume, rollback, an
-incident replay) waits first.
+blocks only for the finiteness check and one copy of the state into shared memory (:mod:`.arena`; from
+CUDA page-locked and non-blocking, so the device queue is not drained), then the writer process
+(:mod:`.writer`) writes, verifies, installs and prunes with the same code (:meth:`CheckpointManager.write_staged`);
+at most one save is in flight (the next one waits for it), and :meth:`CheckpointManager.wait` waits for
+it. Whatever reads LAST_GOOD to act on it (resume, rollback, an incident replay) waits first.
 
-A crash at any point, in either thread, leaves ``LAST_GOOD`` naming a complete, verified checkpoint; the
+A crash at any point, in either process, leaves ``LAST_GOOD`` naming a complete, verified checkpoint; the
 debris (``*.tmp-<pid>``, ``*.replaced-<pid>``, ``*.trash-<pid>``) is cleaned up by the next save.
 
 Under FSDP2 the model's and optimizer's shards are written by every rank into the checkpoint's ``dcp/``
-folder first (:meth:`CheckpointManager.begin_sharded`); the manager waits for them before writing
-state.pt (``save_async(shards=...)``).
+folder first (:meth:`CheckpointManager.begin_sharded`); the writer gets the rest only once they are
+whole (``save_async(shards=...)``).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Any
 
 from .sharded import DCP_DIR, ShardedSave, to_full_state
 from ...fileio import atomic_write, fsync_dir
-from ..staging import StateStager
-from .files import CheckpointError, checked_meta, first_nonfinite, load_checked, only_plain, write_files
+from .background import BackgroundSaves
+from .files import CheckpointError, checked_meta, dir_name, first_nonfinite, load_checked, only_plain, write_files
 from .saves import PendingSave, SaveResult
 
 __all__ = ["CheckpointManager", "LoadedCheckpoint", "LAST_GOOD"]
@@ -87,7 +87,7 @@ class CheckpointManager:
         self.root = Path(root)
         self.keep = keep
         self.require_finite = tuple(require_finite) if require_finite is not None else None
-        self._stager = StateStager()
+        self._background = BackgroundSaves(self)
         self._in_flight: PendingSave | None = None
         self._written: tuple[Path, bool] | None = None  # (the directory a save has just written, only_plain), while it verifies it
 
@@ -107,22 +107,25 @@ class CheckpointManager:
         meta = checked_meta(step, meta)
         timings: dict[str, float] = {}
         withheld = self._check(state, step, timings)
-        return withheld if withheld is not None else self._write(state, step, meta, timings)
+        return withheld if withheld is not None else self.write_staged(state, step, meta, timings)
 
     def save_async(self, state: dict[str, Any], step: int, meta: dict[str, Any] | None = None, *,
                    shards: ShardedSave | None = None) -> PendingSave:
-        """:meth:`save`, blocking only for the finiteness check and the staging copy; the rest runs in a thread.
+        """:meth:`save`, blocking only for the finiteness check and the staging copy; the writer process does the rest.
 
         Waits first for the save in flight (one at a time). Then checks ``state`` (a non-finite one is
-        withheld: the returned save is already done), copies it into the manager's reused host buffers
-        (:class:`StateStager`; from CUDA pinned and non-blocking), and returns while a background thread
-        writes, verifies, moves LAST_GOOD and prunes. ``state`` may change as soon as this returns.
-        ``result()`` of the returned :class:`PendingSave` gives the :class:`SaveResult` or raises the
-        CheckpointError :meth:`save` would have raised; its timings add ``stage_s``. The thread is not a
-        daemon: a normal interpreter exit finishes the save; a crash leaves LAST_GOOD where it was.
+        withheld: the returned save is already done), copies it into the manager's shared block
+        (:class:`~.arena.SharedStager`; from CUDA page-locked and non-blocking), and hands it to the writer
+        process (:mod:`.writer`, started by the first save), which writes, verifies, moves LAST_GOOD and
+        prunes. ``state`` may change as soon as this returns. ``result()`` of the returned
+        :class:`PendingSave` gives the :class:`SaveResult` or raises the CheckpointError :meth:`save` would
+        have raised (or one saying the writer died: LAST_GOOD is then where the writer left it, a whole
+        checkpoint); its timings add ``stage_s`` and ``send_s``. A writer that cannot start is a
+        CheckpointError here.
 
         ``shards``: the DCP save of the model and optimizer into :meth:`begin_sharded`'s directory (its
-        ``state`` entries are markers); the thread waits for it and checks it before writing state.pt.
+        ``state`` entries are markers); a helper thread waits for it and checks it before the writer is asked
+        to write state.pt beside it.
         """
         if shards is None:
             self.wait()
@@ -133,12 +136,7 @@ class CheckpointManager:
         withheld = self._check(state, step, timings)
         if withheld is not None:
             return PendingSave(step, withheld)
-        t0 = time.perf_counter()
-        staged, events = self._stager.stage(state)
-        timings["stage_s"] = time.perf_counter() - t0
-        pending = PendingSave(step)
-        pending.start(lambda: self._write(staged, step, meta, timings, events, shards))
-        self._in_flight = pending
+        self._in_flight = pending = self._background.start(state, step, meta, timings, shards)
         return pending
 
     def begin_sharded(self, step: int) -> Path:
@@ -150,7 +148,7 @@ class CheckpointManager:
         self.wait()
         self.root.mkdir(parents=True, exist_ok=True)
         self.clean_debris()
-        tmp = self.root / f"{_dir_name(step)}.tmp-{os.getpid()}"
+        tmp = self.root / f"{dir_name(step)}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / DCP_DIR).mkdir(parents=True)
         return tmp
@@ -170,8 +168,8 @@ class CheckpointManager:
 
     @property
     def staging_bytes(self) -> int:
-        """Host memory held by :meth:`save_async`'s staging buffers (a copy of the last state it saved)."""
-        return self._stager.num_bytes
+        """Host memory held by :meth:`save_async`'s shared block (a copy of the last state it saved)."""
+        return self._background.num_bytes
 
     def _check(self, state: dict[str, Any], step: int, timings: dict[str, float]) -> SaveResult | None:
         """Return the withheld result when a ``require_finite`` tensor is NaN/Inf, else None. One sync."""
@@ -184,30 +182,28 @@ class CheckpointManager:
         return SaveResult(step, None, True, f"checkpoint at step {step} withheld: {bad} is not finite (NaN/Inf); "
                           f"LAST_GOOD stays at {good.name if good else 'no checkpoint'}", timings=timings)
 
-    def _write(self, state: dict[str, Any], step: int, meta: dict[str, Any], timings: dict[str, float],
-               ready: Sequence[Any] = (), shards: ShardedSave | None = None) -> SaveResult:
-        """Write, verify, install, point LAST_GOOD, prune (after waiting on the ``ready`` CUDA events, and ``shards``)."""
-        for event in ready:
-            event.synchronize()
+    def write_staged(self, state: dict[str, Any], step: int, meta: dict[str, Any], timings: dict[str, float], *,
+                     tmp: str | Path | None = None, dcp: dict[str, Any] | None = None) -> SaveResult:
+        """Write ``state`` (checked finite, never changing meanwhile), verify, install, point LAST_GOOD, prune.
+
+        What :meth:`save` does after its check, and what the writer process does for :meth:`save_async`.
+        ``tmp`` and ``dcp``: a sharded save's directory (from :meth:`begin_sharded`, its shards complete)
+        and meta.json's "dcp" for it.
+        """
         cpu0 = time.thread_time()
-        if shards is None:  # (begin_sharded did this before the shards were written)
+        if tmp is None:  # (begin_sharded did this before the shards were written)
             self.root.mkdir(parents=True, exist_ok=True)
             self.clean_debris()
-        name = _dir_name(step)
-        final, tmp = self.root / name, self.root / f"{name}.tmp-{os.getpid()}"
+        name = dir_name(step)
+        final = self.root / name
+        tmp = Path(tmp) if tmp is not None else self.root / f"{name}.tmp-{os.getpid()}"
         aside: Path | None = None
         installed = False
         try:
-            if shards is None:
+            if dcp is None:
                 tmp.mkdir()
             else:
-                assert shards.tmp == tmp, (shards.tmp, tmp)
-                try:
-                    meta = {**meta, "dcp": shards.finish(timings)}  # every rank's shards written, .metadata complete
-                except Exception as err:
-                    raise CheckpointError(f"sharded checkpoint {final}: the DCP save failed ({type(err).__name__}: "
-                                          f"{str(err).splitlines()[0] if str(err) else ''}); the previous checkpoint "
-                                          "and LAST_GOOD are untouched", final) from err
+                meta = {**meta, "dcp": dcp}
             t0 = time.perf_counter()
             num_bytes = write_files(tmp, state, step, meta)
             timings["write_s"] = time.perf_counter() - t0
@@ -320,6 +316,26 @@ class CheckpointManager:
         fsync_dir(self.root)
         return removed
 
+    def set_aside(self, path: str | Path, folder: str = "distrusted") -> tuple[Path, Path]:
+        """Take checkpoint ``path`` out of use, kept whole in ``root/folder/``; LAST_GOOD moves to the newest older
+        one that verifies. Return (where ``path`` went, the new LAST_GOOD).
+
+        Raises CheckpointError, changing nothing, when no older checkpoint verifies. Waits for a save in flight.
+        """
+        self.wait()
+        path = Path(path)
+        older = next((d for d in self.checkpoints() if _step_of(d) < _step_of(path) and not self.verify(d)), None)
+        if older is None:
+            raise CheckpointError(f"no checkpoint older than {path.name} in {self.root} verifies", self.root)
+        self._point_last_good(older.name)  # first: a crash before the move leaves path newer than LAST_GOOD, unused
+        dest = self.root / folder / path.name
+        while dest.exists():
+            dest = dest.with_name(dest.name + "+")
+        dest.parent.mkdir(exist_ok=True)
+        os.replace(path, dest)
+        fsync_dir(self.root)
+        return dest, older
+
     # -- reading ----------------------------------------------------------------------------
 
     def checkpoints(self) -> list[Path]:
@@ -429,10 +445,6 @@ class CheckpointManager:
                                   self.root, problems)
         raise CheckpointError(f"no checkpoint in {self.root} verifies:\n  " + "\n  ".join(problems)
                               + "\nresume from another run directory or start a new run", self.root, problems)
-
-
-def _dir_name(step: int) -> str:
-    return f"step_{step:06d}"
 
 
 def _step_of(path: Path) -> int:

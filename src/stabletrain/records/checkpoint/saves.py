@@ -1,16 +1,18 @@
-"""What a checkpoint save returns: :class:`SaveResult`, and :class:`PendingSave` for one running in a thread."""
+"""What a checkpoint save returns: :class:`SaveResult`, and :class:`PendingSave` for one the writer process runs.
+
+And :class:`SaveCosts`: what each save cost training in wall time, measured where the keeper runs.
+"""
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SaveResult", "PendingSave"]
+__all__ = ["SaveResult", "PendingSave", "SaveCosts"]
 
 
 @dataclass(frozen=True)
@@ -22,12 +24,14 @@ class SaveResult:
     withheld: bool
     reason: str  # one line: what was written, or why nothing was
     num_bytes: int = 0  # size of state.pt (and of the DCP shards)
-    # check_s, [stage_s,] write_s, verify_s, prune_s; a sharded save adds shard_check_s, shard_stage_s, shard_write_s
+    # check_s, [stage_s, send_s,] write_s, verify_s, prune_s; a sharded save adds shard_check_s, shard_stage_s, shard_write_s
     timings: dict[str, float] = field(default_factory=dict)
     pruned: tuple[Path, ...] = ()
-    # CPU seconds the write, verification, LAST_GOOD and pruning took in their own thread (save_async: the
-    # background thread's work, which competes with training for the cores); not part of ``timings``' sum
+    # CPU seconds the writer spent on this save (save_async: the writer process's, kernel time included, which
+    # competes with training for the cores; save: the calling thread's); not part of ``timings``' sum
     write_cpu_s: float = 0.0
+    # wall seconds from the writer taking the save to its reply (write, verify, install, prune); 0 for save()
+    write_wall_s: float = 0.0
 
     @property
     def kind(self) -> str:
@@ -38,53 +42,51 @@ class SaveResult:
             return {}
         return {"path": str(self.path), "size_mib": round(self.num_bytes / 2**20, 3),
                 "seconds": round(sum(self.timings.values()), 4), "blocked_s": round(self.blocked_s, 4),
-                "write_cpu_s": round(self.write_cpu_s, 4),
+                "write_s": round(self.write_wall_s, 4), "write_cpu_s": round(self.write_cpu_s, 4),
                 "pruned": [p.name for p in self.pruned]}
 
     @property
     def blocked_s(self) -> float:
-        """How long the caller waited: the checks and the staging copies (``save_async``), or everything (``save``)."""
+        """How long the caller waited: the checks, the staging copy and the hand-over (``save_async``), or all (``save``)."""
         if "stage_s" in self.timings:
-            return sum(self.timings.get(k, 0.0) for k in ("check_s", "stage_s", "shard_check_s", "shard_stage_s"))
+            return sum(self.timings.get(k, 0.0) for k in ("check_s", "stage_s", "send_s", "shard_check_s", "shard_stage_s"))
         return sum(self.timings.values())
 
 
-#: How much lower (in nice steps) the background checkpoint writer runs than training, where the OS allows it.
-WRITER_NICENESS = 10
-
-
-def _lower_priority() -> None:
-    """Raise this thread's nice value by :data:`WRITER_NICENESS` (Linux: per thread); nothing where it cannot."""
-    if not sys.platform.startswith("linux"):  # elsewhere the id is not a thread's and the call would hit the process
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + WRITER_NICENESS))
-    except OSError:  # refused (a sandbox): the thread runs as any other
-        pass
-
-
 class PendingSave:
-    """A save started by :meth:`CheckpointManager.save_async`: ask :meth:`done`, or wait with :meth:`result`."""
+    """A save handed to the writer process (:mod:`.writer`): ask :meth:`done`, or wait with :meth:`result`.
+
+    ``prepare`` (optional) runs first in a helper thread of this process: it waits for what the writer must
+    not read before it is complete (CUDA copies, the DCP shards) and returns what the request still needs;
+    otherwise the request is sent at once, and nothing in this process runs for the save until its reply is
+    asked for. ``finish`` turns the writer's reply into the :class:`SaveResult` (or raises its error).
+    """
 
     def __init__(self, step: int, result: SaveResult | None = None) -> None:
         self.step = step
         self._result = result
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._channel: Any = None
+        self._rid: int | None = None
+        self._finish: Callable[[dict[str, Any]], SaveResult] | None = None
+        self._fail: Callable[[BaseException], BaseException] = lambda err: err
 
-    def start(self, write: Callable[[], SaveResult]) -> None:
-        """Run ``write`` in a non-daemon thread (a normal interpreter exit finishes it); keep its result or error.
+    def start(self, channel: Any, request: dict[str, Any], finish: Callable[[dict[str, Any]], SaveResult],
+              prepare: Callable[[], dict[str, Any]] | None = None,
+              fail: Callable[[BaseException], BaseException] = lambda err: err) -> None:
+        """Send ``request`` to ``channel`` (a :class:`~.writer.Writer`) now, or after ``prepare`` in a helper thread.
 
-        The thread yields to training: on Linux it runs at a nice value :data:`WRITER_NICENESS` above the
-        process's (``setpriority`` on its own thread id), so where the cores are busy the scheduler gives the
-        step's threads the CPU first and the write takes the rest; elsewhere it runs as any thread.
+        ``fail`` makes the error the save raises out of the writer's death (:class:`~.writer.WriterDied`).
         """
+        self._channel, self._finish, self._fail = channel, finish, fail
+        if prepare is None:
+            self._rid = channel.submit(request)
+            return
 
         def run() -> None:
-            _lower_priority()
             try:
-                self._result = write()
+                self._rid = channel.submit({**request, **prepare()})
             except BaseException as err:  # noqa: BLE001  (handed to whoever asks for the result)
                 self._error = err
 
@@ -93,12 +95,39 @@ class PendingSave:
 
     def done(self) -> bool:
         """Whether the save has finished (written and installed, withheld, or failed). Never blocks."""
-        return self._thread is None or not self._thread.is_alive()
+        if self._result is not None or self._error is not None:
+            return True
+        if self._thread is not None and self._thread.is_alive():
+            return False
+        if self._error is not None or self._rid is None:
+            return True
+        try:
+            reply = self._channel.poll(self._rid)
+        except Exception as err:  # noqa: BLE001  (the writer died: the save failed)
+            self._error = self._fail(err)
+            return True
+        if reply is not None:
+            self._take(reply)
+        return reply is not None
 
     def join(self) -> None:
         """Wait for the save to finish; raise nothing."""
         if self._thread is not None:
             self._thread.join()
+        if self._result is None and self._error is None and self._rid is not None:
+            try:
+                reply = self._channel.wait(self._rid)
+            except Exception as err:  # noqa: BLE001  (the writer died: the save failed)
+                self._error = self._fail(err)
+                return
+            self._take(reply)
+
+    def _take(self, reply: dict[str, Any]) -> None:
+        assert self._finish is not None
+        try:
+            self._result = self._finish(reply)
+        except Exception as err:  # noqa: BLE001
+            self._error = err
 
     def result(self) -> SaveResult:
         """Wait for the save; return its :class:`SaveResult` or raise what it raised (e.g. CheckpointError)."""
@@ -107,3 +136,75 @@ class PendingSave:
             raise self._error
         assert self._result is not None
         return self._result
+
+
+class SaveCosts:
+    """What each background save cost training: the wall time per step while it was written against before it.
+
+    The keeper calls :meth:`mark` at every boundary it sees (after the interval's work), and brackets the
+    time it blocks the loop (the save itself, a wait for one) with :meth:`blocked`; that time is reported
+    apart (``blocked_s``, ``waited_s``) and left out of the step times. A save started at step ``s`` whose
+    outcome is taken at step ``e`` (the first boundary at which its writer is done) was written while steps
+    ``s+1..e`` trained: :meth:`fields` compares their mean wall time per step (``step_time_s_after``) with
+    the same number of steps before ``s`` (``step_time_s_before``, from the marks at hand), as ``slowdown``.
+    Wall time: whatever else ran in those steps (validation, an incident's replay) counts too.
+    """
+
+    def __init__(self, history: int = 64) -> None:
+        self._marks: list[tuple[int, float]] = []  # (step, training clock) at the first mark of each step
+        self._history = history
+        self._blocked = 0.0  # seconds spent in blocked(): not training's
+        self._started: dict[int, float] = {}  # step of a save in flight -> training clock when it began
+
+    def _clock(self) -> float:
+        return time.perf_counter() - self._blocked
+
+    def mark(self, step: int) -> None:
+        """Note the time at ``step`` (only the first call per step counts)."""
+        if not self._marks or self._marks[-1][0] != step:
+            if self._marks and self._marks[-1][0] > step:  # a rollback or resume: earlier marks no longer precede it
+                self._marks = [m for m in self._marks if m[0] < step]
+            self._marks.append((step, self._clock()))
+            del self._marks[:-self._history]
+
+    def blocked(self) -> _Blocked:
+        """A context manager: the time inside is the loop blocked by checkpoints, not training."""
+        return _Blocked(self)
+
+    def started(self, step: int) -> None:
+        """A background save of ``step`` began (after :meth:`mark` at ``step``)."""
+        self._started[step] = self._clock()
+
+    def fields(self, step: int, now: int) -> dict[str, Any]:
+        """The event fields of the save of ``step``, whose outcome is taken at step ``now``; {} when not measurable."""
+        began = self._started.pop(step, None)
+        n = now - step
+        if began is None or n <= 0:
+            return {}
+        self.mark(now)
+        after = (self._clock() - began) / n
+        before_marks = [m for m in self._marks if m[0] < step]
+        if not before_marks:
+            return {"steps_after": n, "step_time_s_after": round(after, 5)}
+        older = [m for m in before_marks if m[0] <= step - n]
+        first = older[-1] if older else before_marks[0]  # n steps back, or as far back as the marks go
+        at = next((t for s, t in self._marks if s == step), None)
+        if at is None:
+            return {"steps_after": n, "step_time_s_after": round(after, 5)}
+        before = (at - first[1]) / (step - first[0])
+        return {"steps_after": n, "step_time_s_after": round(after, 5), "steps_before": step - first[0],
+                "step_time_s_before": round(before, 5), "slowdown": round(after / before, 4) if before > 0 else None}
+
+
+class _Blocked:
+    def __init__(self, costs: SaveCosts) -> None:
+        self.costs, self.seconds = costs, 0.0
+
+    def __enter__(self) -> _Blocked:
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.seconds = time.perf_counter() - self._t0
+        self.costs._blocked += self.seconds
+

@@ -180,8 +180,9 @@ class ShardedSaver:
 
         # async_save's background thread runs collectives: a group of its own keeps them apart from training's.
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-        # Reused across saves: the staging buffers of the same tensors are copied into, not reallocated.
-        self.stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
+        # Reused across saves: the staging buffers of the same tensors are copied into, not reallocated; in shared
+        # memory, which DCP's checkpoint process (dcp_process) reads them from.
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=True,
                                                    use_async_staging=False, use_non_blocking_copy=False))
         self.in_flight: ShardedSave | None = None
 
@@ -192,10 +193,13 @@ class ShardedSaver:
         """
         import torch.distributed.checkpoint as dcp
 
+        from .dcp_process import PROCESS, planner
+
         self.wait()
         t0 = time.perf_counter()
         future = dcp.async_save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp / DCP_DIR)),
-                                process_group=self.group, async_stager=self.stager)
+                                process_group=self.group, async_stager=self.stager, planner=planner(),
+                                async_checkpointer_type=PROCESS)
         timings = {"shard_stage_s": time.perf_counter() - t0}
         self.in_flight = ShardedSave(step, tmp, sorted(tensors), future, timings)
         return self.in_flight

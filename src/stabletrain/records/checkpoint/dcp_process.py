@@ -1,0 +1,46 @@
+"""DCP's process-based asynchronous save, as the sharded checkpoints use it (imported on first use: DCP stays lazy).
+
+``torch.distributed.checkpoint.async_save(..., async_checkpointer_type=AsyncCheckpointerType.PROCESS)``
+writes each rank's shards from a checkpoint process of that rank (started by the first save, one per
+training process, with a gloo group of its own among the ranks' checkpoint processes), fed the staged
+shards through shared memory (``StagingOptions(use_shared_memory=True)``): no pickling or writing under
+training's GIL. Its planner caches the save plan (``enable_plan_caching``): from the second save on,
+the ranks exchange no plans while the shards' layout stays the same.
+
+:class:`WatchedSavePlanner` is that planner, plus one duty: unpickled in DCP's checkpoint process (it
+travels with every save request) it makes that process exit when its parent, the rank, is gone. DCP's
+own process leaves only at the rank's normal exit or on a closed pipe, which a rank killed outright
+leaves open until a save in flight (and its collectives with the other ranks' checkpoint processes) ends.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+from .writer import exit_with_parent
+
+__all__ = ["WatchedSavePlanner", "PROCESS", "planner"]
+
+PROCESS = AsyncCheckpointerType.PROCESS
+_watching: list[int] = []  # the parent this process watches, once it does
+
+
+class WatchedSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner with plan caching; in DCP's checkpoint process it watches that process's parent."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if state.get("_rank_pid") not in (None, os.getpid()) and not _watching:  # unpickled in the checkpoint process
+            _watching.append(state["_rank_pid"])
+            exit_with_parent(state["_rank_pid"])
+
+
+def planner() -> WatchedSavePlanner:
+    """A planner for one save: plan caching on, and the pid of this process (the rank) for the checkpoint process."""
+    made = WatchedSavePlanner(enable_plan_caching=True)
+    made._rank_pid = os.getpid()
+    return made

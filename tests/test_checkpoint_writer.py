@@ -1,0 +1,283 @@
+"""Background saves: the writer process, its shared-memory staging, its failures and its lifetime."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import stabletrain
+from multiproc import env, stabletrain as stabletrain_cmd, wait_for_step
+from stabletrain.records.checkpoint.arena import SharedStager, Slot, fill_slots
+from stabletrain.records.checkpoint.files import CheckpointError
+from stabletrain.records.checkpoint.manager import CheckpointManager
+from stabletrain.records.checkpoint.writer import WRITER_MODULE, WRITER_NICENESS, close_writer, running_writer
+from test_checkpoint import MLP, assert_same, dirs, tiny_state
+
+WRITER_SITE = Path(__file__).parent / "writer_site"  # its sitecustomize plants STABLETRAIN_TEST_WRITER_FAULT
+
+
+@pytest.fixture
+def writer_fault(monkeypatch):
+    """``plant("KIND:ARG")``: the next save starts a writer with that fault (tests/writer_site/sitecustomize.py)."""
+
+    def plant(fault: str) -> None:
+        close_writer()
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(WRITER_SITE), os.environ.get("PYTHONPATH")) if p))
+        monkeypatch.setenv("STABLETRAIN_TEST_WRITER_FAULT", fault)
+
+    yield plant
+    close_writer()  # the next test's saves start a writer without it
+
+
+def writers_of(parent: int) -> list[int]:
+    """The pids of the live writer processes whose parent was ``parent`` (read from their command lines)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if WRITER_MODULE.encode() in argv and argv[argv.index(WRITER_MODULE.encode()) + 2] == str(parent).encode() \
+                and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def wait_until(predicate, timeout: float = 60.0) -> bool:
+    deadline = time.time() + timeout
+    while not predicate():
+        if time.time() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+# -- shared-memory staging -----------------------------------------------------------------------------
+
+
+def test_staging_fills_one_shared_block_reused_while_the_layout_fits():
+    stager = SharedStager()
+    state = {"model": {"w": torch.ones(3, 2), "b": torch.arange(3.0), "tied": None}, "rng": (3, (1, 2), None),
+             "step": torch.tensor(7), "flags": torch.tensor([True, False]), "empty": torch.zeros(0, 4), "note": "x"}
+    state["model"]["tied"] = state["model"]["w"]
+    staged = stager.stage(state)
+    assert staged.block is not None and staged.events == [] and len(staged.specs) == 5  # tied: one slot
+    assert staged.skeleton["model"]["w"] == staged.skeleton["model"]["tied"] == Slot(0)
+    assert staged.skeleton["rng"] == (3, (1, 2), None) and staged.skeleton["note"] == "x"
+    rebuilt = fill_slots(staged.skeleton, stager._tensors)
+    state["model"]["w"].fill_(5.0)  # training goes on: the copy does not change
+    assert torch.equal(rebuilt["model"]["w"], torch.ones(3, 2)) and rebuilt["model"]["w"] is rebuilt["model"]["tied"]
+    assert rebuilt["step"].dtype == torch.int64 and rebuilt["flags"].tolist() == [True, False]
+    assert rebuilt["empty"].shape == (0, 4)
+    # each tensor is its own storage (torch.save stores them apart), all in the one shared block
+    storages = {t.untyped_storage().data_ptr() for t in stager._tensors}
+    assert len(storages) == 5 and all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in stager._tensors)
+    block, fd = staged.block, staged.block.fd
+    again = stager.stage(state)
+    assert again.block is None and again.specs is None and stager.block is block  # same layout: nothing new
+    assert torch.equal(fill_slots(again.skeleton, stager._tensors)["model"]["w"], torch.full((3, 2), 5.0))
+    smaller = stager.stage({"model": {"w": torch.ones(2)}})
+    assert smaller.block is None and smaller.specs == [((2,), torch.float32)] and stager.block.fd == fd  # it fits
+    bigger = stager.stage({"model": {"w": torch.ones(100_000)}})
+    assert bigger.block is not None and bigger.block is not block and stager.num_bytes >= 400_000
+    stager.close()
+
+
+# -- a background save ----------------------------------------------------------------------------------
+
+
+def test_a_background_save_is_written_by_another_process_from_the_staged_copy_and_moves_last_good_only_then(
+        tmp_path, writer_fault):
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    writer_fault(f"hold:{gate}:step_000002")
+    root = tmp_path / "ckpts"
+    manager = CheckpointManager(root)
+    manager.save(tiny_state(1.0), 1)
+    state = tiny_state(2.0)
+    state["model"]["tied"] = state["model"]["w"]  # tied weights: one slot, stored once
+    pending = manager.save_async(state, 2)
+    assert wait_until(lambda: (gate / "reached").exists())  # written and verified, not yet renamed into place
+    pid = int((gate / "reached").read_text())
+    assert pid == running_writer().pid != os.getpid()
+    state["model"]["w"].fill_(7.0)  # training goes on: the live state changes, the staged copy does not
+    state["counters"]["step"] = 99
+    assert not pending.done() and manager.in_flight is pending
+    assert (root / "LAST_GOOD").read_text() == "step_000001\n"
+    assert [n for n in dirs(root) if n.startswith("step_000002")] == [f"step_000002.tmp-{pid}"]  # the writer's
+    (gate / "release").touch()
+    res = pending.result()
+    assert res.path == root / "step_000002"
+    assert {"check_s", "stage_s", "send_s", "write_s", "verify_s", "prune_s"} <= res.timings.keys()
+    assert res.blocked_s == res.timings["check_s"] + res.timings["stage_s"] + res.timings["send_s"]
+    fields = res.event_fields()
+    assert fields["write_s"] >= res.timings["write_s"] > 0 and fields["write_cpu_s"] > 0 and fields["blocked_s"] > 0
+    assert (root / "LAST_GOOD").read_text() == "step_000002\n"
+    loaded = manager.load().state
+    expected = tiny_state(2.0)
+    expected["model"]["tied"] = expected["model"]["w"]
+    assert_same(loaded, expected)
+    assert loaded["model"]["tied"].untyped_storage().data_ptr() == loaded["model"]["w"].untyped_storage().data_ptr()
+
+
+def test_at_most_one_save_in_flight_the_next_waits_for_it(tmp_path, writer_fault):
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    writer_fault(f"hold:{gate}:step_000001")
+    manager = CheckpointManager(tmp_path / "ckpts", keep=5)
+    first = manager.save_async(tiny_state(1.0), 1)
+    assert wait_until(lambda: (gate / "reached").exists())
+    second: list = []
+    starter = threading.Thread(target=lambda: second.append(manager.save_async(tiny_state(2.0), 2)))
+    starter.start()
+    starter.join(0.5)
+    assert starter.is_alive() and not first.done()  # the second save waits for the first before staging
+    assert not [n for n in dirs(tmp_path / "ckpts") if n.startswith("step_000002")]
+    (gate / "release").touch()
+    starter.join(60)
+    assert first.result().path.name == "step_000001" and second[0].result().path.name == "step_000002"
+    assert manager.latest_good() == tmp_path / "ckpts" / "step_000002"
+
+
+def test_a_layout_change_and_a_second_manager_share_the_one_writer(tmp_path):
+    a, b = CheckpointManager(tmp_path / "a"), CheckpointManager(tmp_path / "b", require_finite=None)
+    a.save_async(tiny_state(1.0), 1).result()
+    pid = running_writer().pid
+    grown = tiny_state(2.0)
+    grown["optimizer"]["state"][0]["exp_avg_sq"] = torch.full((4, 3), 3.0)  # AdamW's moments appear: a new layout
+    a.save_async(grown, 2).result()
+    b.save_async({"x": torch.arange(5)}, 1).result()
+    assert running_writer().pid == pid
+    assert_same(a.load().state, grown)
+    assert torch.equal(b.load().state["x"], torch.arange(5))
+
+
+# -- failures ------------------------------------------------------------------------------------------
+
+
+def test_a_failed_background_save_is_a_checkpoint_failed_event_and_training_goes_on(tmp_path, writer_fault):
+    writer_fault("enospc:*/step_00000[2-9].tmp-*/state.pt.tmp-*")  # the disk is full from the step-2 save on
+    run_dir = tmp_path / "run"
+    # ckpt.max_failures=0: never stop (stopping after N failures in a row: tests/test_console.py)
+    trainer = stabletrain.Trainer(stabletrain.load_config(None, [*MLP, "train.max_steps=6", "log.every=2",
+                                                                  "ckpt.every=2", "ckpt.max_failures=0"]), run_dir=run_dir)
+    trainer.fit()
+    assert trainer.step == 6
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    kinds = sorted((e["step"], e["kind"]) for e in events if e["kind"].startswith("checkpoint"))
+    assert kinds == [(0, "checkpoint"), (2, "checkpoint_failed"), (4, "checkpoint_failed"), (6, "checkpoint_failed")]
+    failed = next(e for e in events if e["kind"] == "checkpoint_failed")
+    assert "No space left on device" in failed["reason"] and "untouched" in failed["reason"]
+    assert (run_dir / "checkpoints" / "LAST_GOOD").read_text() == "step_000000\n"
+    assert not [n for n in dirs(run_dir / "checkpoints") if "-" in n]
+
+
+def test_a_writer_killed_mid_save_is_one_failed_save_and_the_next_save_starts_a_new_writer(tmp_path, writer_fault):
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    writer_fault(f"hold:{gate}:step_000002")
+    root = tmp_path / "ckpts"
+    manager = CheckpointManager(root)
+    manager.save_async(tiny_state(1.0), 1).result()
+    pending = manager.save_async(tiny_state(2.0), 2)
+    assert wait_until(lambda: (gate / "reached").exists())
+    pid = int((gate / "reached").read_text())
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.time()
+    with pytest.raises(CheckpointError, match=rf"^the checkpoint writer process \(pid {pid}\) killed by SIGKILL while "
+                                              r"writing step_000002 \(LAST_GOOD names step_000001; the next save starts "
+                                              r"a new writer\)$"):
+        pending.result()
+    assert time.time() - t0 < 10 and manager.in_flight is None  # told at once, not a hang
+    assert [n for n in dirs(root) if ".tmp-" in n] == [f"step_000002.tmp-{pid}"]  # what it left
+    assert manager.save_async(tiny_state(3.0), 3).result().path.name == "step_000003"
+    assert running_writer().pid != pid and not [n for n in dirs(root) if "-" in n]  # a new writer cleaned up
+    assert_same(manager.load().state, tiny_state(3.0))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="nice values and prctl are Linux's")
+def test_the_writer_runs_below_trainings_priority_and_outlives_sigint_and_sigterm_but_not_its_parent(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    manager.save_async(tiny_state(1.0), 1).result()
+    pid = running_writer().pid
+    assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, os.getpriority(os.PRIO_PROCESS, 0) + WRITER_NICENESS)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a terminal's Ctrl-C or a scheduler's SIGTERM: training saves once more
+        os.kill(pid, sig)
+    time.sleep(0.2)
+    assert manager.save_async(tiny_state(2.0), 2).result().path.name == "step_000002" and running_writer().pid == pid
+    close_writer()  # as at the end of the process: it exits
+    assert wait_until(lambda: not writers_of(os.getpid()), 10)
+
+
+# -- lifetime: a killed run, a killed writer -------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_sigkill_while_a_background_save_is_in_flight_takes_the_writer_and_resumes_from_the_previous_last_good(
+        tmp_path):
+    args = [*MLP, "train.max_steps=8", "log.every=2", "ckpt.every=2", "log.tensorboard=false", "ckpt.max_failures=0"]
+    gate, run_dir = tmp_path / "gate", tmp_path / "run"
+    gate.mkdir()
+    fault_env = {**env(), "PYTHONPATH": os.pathsep.join([str(WRITER_SITE), env().get("PYTHONPATH", "")]),
+                 "STABLETRAIN_TEST_WRITER_FAULT": f"hold:{gate}:step_000004", "STABLETRAIN_TEST_SLEEP": "0.2"}
+    proc = subprocess.Popen(stabletrain_cmd(*args, f"run.dir={run_dir}", "callbacks=[ckpt_worker:SlowSteps]"),
+                            env=fault_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_until(lambda: (gate / "reached").exists() or proc.poll() is not None, 120), proc.communicate()
+        writer = int((gate / "reached").read_text())
+        wait_for_step(proc, run_dir, 6)  # the run trains on while the step-4 save is held in its writer
+        assert writers_of(proc.pid) == [writer]
+        proc.kill()
+        proc.communicate(timeout=60)
+        assert wait_until(lambda: not writers_of(proc.pid), 10), "the writer outlived its training process"
+    finally:
+        (gate / "release").touch()
+        if proc.poll() is None:
+            proc.kill()
+    root = run_dir / "checkpoints"
+    assert (root / "LAST_GOOD").read_text() == "step_000002\n"
+    assert [n for n in dirs(root) if n.startswith("step_000004")] == [f"step_000004.tmp-{writer}"]
+
+    cfg = stabletrain.load_config(None, args)
+    resumed = stabletrain.Trainer(cfg, run_dir=run_dir, resume=True)
+    assert resumed.step == 2 and resumed.keeper.resumed_from == root / "step_000002"
+    resumed.fit()
+    reference = stabletrain.Trainer(cfg, run_dir=tmp_path / "reference")
+    reference.fit()
+    assert_same(resumed.state_dict()["model"], reference.state_dict()["model"])
+    assert_same(resumed.state_dict()["optimizer"], reference.state_dict()["optimizer"])
+    assert not [n for n in dirs(root) if "-" in n]  # the dead writer's debris is gone
+
+
+@pytest.mark.slow
+def test_a_run_whose_writer_dies_says_so_in_one_line_trains_on_and_leaves_no_process(tmp_path):
+    run_dir = tmp_path / "run"
+    fault_env = {**env(), "PYTHONPATH": os.pathsep.join([str(WRITER_SITE), env().get("PYTHONPATH", "")]),
+                 "STABLETRAIN_TEST_WRITER_FAULT": "die:*/step_000004.tmp-*/state.pt.tmp-*"}
+    proc = subprocess.Popen(stabletrain_cmd(*MLP, "train.max_steps=8", "log.every=2", "ckpt.every=2",
+                                            "log.tensorboard=false", f"run.dir={run_dir}"),
+                            env=fault_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    kinds = [(e["step"], e["kind"]) for e in events if e["kind"].startswith("checkpoint")]
+    assert kinds == [(0, "checkpoint"), (2, "checkpoint"), (4, "checkpoint_failed"), (6, "checkpoint"), (8, "checkpoint")]
+    failed = next(e for e in events if e["kind"] == "checkpoint_failed")
+    assert "killed by SIGKILL while writing step_000004 (LAST_GOOD names step_000002" in failed["reason"]
+    warnings = [line for line in err.splitlines() if line.startswith("stabletrain: warning:")]
+    assert len(warnings) == 1 and "checkpoint at step 4 failed: the checkpoint writer process" in warnings[0], err
+    assert "(1 failed in a row; the run stops at 3 in a row (ckpt.max_failures))" in warnings[0]
+    assert not writers_of(proc.pid)
+    assert (run_dir / "checkpoints" / "LAST_GOOD").read_text() == "step_000008\n"
