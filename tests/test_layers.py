@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("integrations", ("integrations",)),
     ("lab, checks, report", ("lab", "checks", "report")),
     ("loop", ("loop", "trainstate")),
-    ("services", ("services", "replay", "remedy")),
+    ("services", ("services", "replay", "remedy", "counterfactual")),
     ("callbacks", ("callbacks",)),
     ("strategy", ("distributed",)),
     ("step", ("step", "evaluation", "replica")),

@@ -4,6 +4,7 @@ its class; the verdicts, the first bad steps and the ranking are asserted, not j
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import re
 
@@ -22,10 +23,11 @@ DIVERGING = ("optim.name=sgd", "optim.lr=2.5", "optim.weight_decay=0", "clip.max
 
 
 def incident_of(tmp_path, spec, *overrides):
-    """Train task factory ``spec`` (8 samples a step, in order) to its first incident; return the incident's folder."""
+    """Train task factory ``spec`` (8 samples a step, in order) to its first non-finite incident; return its folder."""
     c = cfg("train.batch_size=8", "log.every=5", "data.shuffle=false", *overrides, task=spec)
     Trainer(c, run_dir=tmp_path / "run").fit()
-    return sorted((tmp_path / "run" / "incidents").glob("step_*"))[0]
+    events = [json.loads(x) for x in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    return Path(next(e["path"] for e in events if e["kind"] == "incident" and e.get("anomaly") != "spike"))
 
 
 def by_name(record):
@@ -54,7 +56,7 @@ def test_a_sqrt_of_zero_is_cured_by_the_eps_guard_and_by_skipping_its_sample_not
 def test_a_divergence_is_cured_by_a_lower_lr_from_before_the_growth_not_by_skipping(tmp_path, capsys):
     incident = incident_of(tmp_path, "remedy_tasks:diverging_task", "train.max_steps=60", *DIVERGING)
     capsys.readouterr()
-    assert main(["remedy", str(tmp_path / "run"), "--steps", "4"]) == 0  # RUN_DIR: its newest incident
+    assert main(["remedy", str(incident), "--steps", "4"]) == 0  # the non-finite incident (RUN_DIR: its first, a spike)
     printed = capsys.readouterr().out
     record = json.loads((incident / "remedy.json").read_text())
     c = by_name(record)
@@ -137,9 +139,9 @@ def test_the_readme_worked_example_prints_what_the_readme_shows(tmp_path, capsys
                  "ckpt.every=10", "ckpt.keep=10", "data.shuffle=false", f"run.dir={run}", "log.progress=false",
                  "log.tensorboard=false"]) == 1  # stopped early: 20 consecutive skips
     capsys.readouterr()
-    assert main(["remedy", str(run), "--steps", "4"]) == 0
+    assert main(["remedy", str(run / "incidents" / "step_000038"), "--steps", "4"]) == 0
     printed = capsys.readouterr().out.splitlines()
-    shown = readme.split("$ stabletrain remedy runs/diverge --steps 4\n", 1)[1].split("\n```", 1)[0].splitlines()
+    shown = readme.split("$ stabletrain remedy runs/diverge/incidents/step_000038 --steps 4\n", 1)[1].split("\n```", 1)[0].splitlines()
     # What is the same on every CPU: the incident, the columns, the ranking, each verdict, what each candidate does and
     # the steps its evidence names. The README's numbers come from one machine (it says which); another CPU's last
     # digits differ (7.72e-08 for 7.717e-08), so numbers with a fraction or an exponent are compared within 5%.

@@ -240,7 +240,7 @@ class Trainer(TrainState):
         """Capture the incident, then stop or roll back as decided; return whether the state is healthy."""
         state = self.state
         info = self.boundary.incident(decision, rows)  # every rank captures: the replay has collectives
-        if info is not None and decision.action == "remedy" and self.remedies.act(state, decision, info):
+        if decision.action == "remedy" and self.remedies.act(state, decision, info or {}):
             return True  # a cure verified on a replay
         if decision.action == "stop":
             self._stop(decision.reason)

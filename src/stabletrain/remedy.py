@@ -95,7 +95,14 @@ class _Incident:
             return None
 
     def start(self, remedy: Remedy) -> tuple[dict[str, Any], int, dict[str, Any] | None]:
-        """(the state to replay from, the first step's number, the data stream's state) for ``remedy``."""
+        """(the state to replay from, the first step's number, the data stream's state) for ``remedy``.
+
+        A spike's loss is the state's before its step: a remedy that changes updates (:attr:`Remedy.earlier`) starts
+        from the state before the step before it (the bundle's ``previous``), so the update that led in is its own.
+        """
+        prev = self.bundle.get("previous")
+        if remedy.rollback_step is None and remedy.earlier and prev:
+            return prev, self.step - 1, {"epoch": prev.get("epoch", 0), "pos": prev.get("start", 0), "origin": 0}
         if remedy.rollback_step is None:
             w = self.bundle["window"]
             return self.bundle, self.step, {"epoch": w["epoch"], "pos": w["start"], "origin": 0}
@@ -104,15 +111,17 @@ class _Incident:
         return state, int(state["counters"]["step"]) + 1, state["stream"]
 
 
-def _windows(inc: _Incident, stream_state: dict[str, Any]) -> Iterator[Window]:
+def _windows(inc: _Incident, stream_state: dict[str, Any], first: int) -> Iterator[Window]:
     """The windows the run trains on from ``stream_state`` (the built-in loop's deterministic stream).
 
-    An adapter's bundle: its step's own micro-batches, and nothing after them.
+    An adapter's bundle: its step's own micro-batches (after the step before it's, from ``first`` on), and nothing
+    after them.
     """
     task = inc.task
     if inc.adapter:
-        indices = inc.bundle["window"]["indices"]
-        yield Window(0, 0, indices, [inc.collate([task.train_data[i] for i in g]) for g in indices])
+        groups = ([inc.bundle["previous"]["window"]] if first < inc.step else []) + [inc.bundle["window"]["indices"]]
+        for indices in groups:
+            yield Window(0, 0, indices, [inc.collate([task.train_data[i] for i in g]) for g in indices])
         return
     order = EpochOrder(len(task.train_data), inc.cfg.train.batch_size, inc.cfg.seed, inc.cfg.data.shuffle)
     stream = WindowStream(task.train_data, order, inc.cfg.accum.steps, collate=task.collate)
@@ -149,18 +158,22 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int) -> dict[str, Any]:
     step = replica.step(precision=precision, lr_factor=remedy.lr_factor,
                         max_norm=remedy.max_norm if remedy.max_norm is not None else KEEP)
     guard = Guard(dataclasses.replace(cfg.guard, on_spike="warn"), torch.device("cpu"))  # the host spike rule
+    window = inc.bundle.get("observed", {}).get("spike_window")
     if remedy.rollback_step is not None and "guard" in state:
         guard.load_state_dict(state["guard"])
+    elif window:  # a spike's: the losses the rule judged it against
+        guard.mark_spikes([SimpleNamespace(values={"loss": float(v), "finite": 1.0}) for v in window])
     else:  # seeded with the run's interval losses before the incident
         guard.mark_spikes([SimpleNamespace(values={"loss": float(r["loss"]), "finite": 1.0})
                            for r in inc.history if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"])])
-    windows = _windows(inc, stream_state)
+    windows = _windows(inc, stream_state, first)
     set_rng_state(state["rng"])
     rows: list[dict[str, Any]] = []
     failed: dict[str, Any] | None = None
+    recovered, start_loss = remedy.rollback_step is None, None
     dropped = total = 0
     last = inc.step + (0 if inc.adapter else num_after)
-    with remedy.installed(model):
+    with remedy.installed(model, step.optimizer):
         for n, window in zip(range(first, last + 1), windows):
             if n == inc.step and window.indices != inc.bundle["window"]["indices"]:
                 raise ValueError(f"incident {str(inc.dir)!r}: the data stream's window at step {n} holds samples "
@@ -190,7 +203,13 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int) -> dict[str, Any]:
                         if bool(out["overflow"]) else "grad norm")
                 failed = {"step": n, "why": f"non-finite {what} at step {n} (loss {loss:.4g}, grad norm {norm:.4g})"}
                 break
-            if marked.values["spike"] > 0.5:
+            # From a rollback point the losses start where that state is (a divergence under way): until they are back
+            # under the rule's bound once, that is recovery, unless the loss climbs past spike_ratio x where it started;
+            # after it, a spike is the candidate's own.
+            spike = marked.values["spike"] > 0.5
+            recovered = recovered or not spike
+            start_loss = loss if start_loss is None else start_loss
+            if spike and (recovered or loss > cfg.guard.spike_ratio * start_loss):
                 failed = {"step": n, "why": f"loss spike at step {n} by the guard's rule (loss {loss:.4g})"}
                 break
     # The end loss over the windows after the incident's, which every candidate trains on alike (the incident's own
@@ -201,15 +220,18 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int) -> dict[str, Any]:
     return {"name": remedy.name, "remedy": remedy.to_dict(), "detail": remedy.detail, "live": remedy.live,
             "scope": remedy.scope,
             "change": getattr(remedy, "change", None), "first_step": first, "steps_replayed": len(rows),
-            "rewound_steps": inc.step - first, "dropped_samples": dropped, "total_samples": total,
+            "rewound_steps": inc.step - first if remedy.rollback_step is not None else 0, "dropped_samples": dropped, "total_samples": total,
             "failed": failed, "end_loss": end, "trajectory": rows, "seconds": time.perf_counter() - start}
 
 
-def judge(result: dict[str, Any], baseline: dict[str, Any], healthy: tuple[int, float] | None = None) -> tuple[str, str]:
+def judge(result: dict[str, Any], baseline: dict[str, Any], healthy: tuple[int, float] | None = None,
+          typical: float | None = None) -> tuple[str, str]:
     """(verdict, evidence) of one candidate's replay against the baseline's (module docstring).
 
     ``healthy``: (step, loss) of the run's last healthy interval, the bar when the baseline itself fails
-    (a finite end far above it is no cure: the run stays diverged).
+    (a finite end far above it is no cure: the run stays diverged). ``typical``: a spike's, the median of the
+    losses the rule judged it against: an end loss within tolerance of the run's own level before the spike is
+    no worse, whatever the baseline's happens to be (near a loss of 1e-3 the noise alone is x2).
     """
     if result["failed"] is not None:
         return "fails", result["failed"]["why"]
@@ -226,6 +248,9 @@ def judge(result: dict[str, Any], baseline: dict[str, Any], healthy: tuple[int, 
         return "cures", f"{steps}; end loss {end:.4g}"
     if math.isfinite(base):
         text = f"{steps}; end loss {end:.4g} vs baseline {base:.4g} (x{end / base if base > 0 else 1.0:.3g}, tolerance x{bar:g})"
+        if typical is not None and typical > base:
+            text += f", or the run's {typical:.4g} before the spike"
+            base = typical
         return ("cures" if end <= base * bar + 1e-12 else "worse"), text
     fails = f"the baseline fails: {baseline['failed']['why']}" if baseline["failed"] else "the baseline fails"
     if healthy is None:
@@ -291,8 +316,9 @@ def search_remedies(directory: str | Path, task: Task | None = None, *, steps: i
     results = [_replay(inc, c, steps) for c in pool]
     baseline = results[0]
     healthy = _healthy(inc.history, diagnosis)
+    typical = (diagnosis.get("spike_window") or {}).get("median")
     for r in results:
-        r["verdict"], r["evidence"] = judge(r, baseline, healthy)
+        r["verdict"], r["evidence"] = judge(r, baseline, healthy, typical)
         r["baseline"] = r is baseline
     ranked = sorted(results, key=_rank_key)
     total_steps = sum(r["steps_replayed"] for r in results)

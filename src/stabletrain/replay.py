@@ -261,6 +261,14 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
     dev = resolve_device(device or cfg.device)
     if task is None:
         task = resolve_task(cfg.task, cfg.task_args)
+    if bundle.get("observed", {}).get("anomaly") == "spike":  # a finite spike: its counterfactual replays
+        from .counterfactual import diagnose_spike
+
+        load_s = time.perf_counter() - start
+        result = diagnose_spike(bundle, task, device=str(dev))
+        result["timings"] = {"load_s": load_s, **result["timings"], "total_s": time.perf_counter() - start}
+        atomic_write(directory / DIAGNOSIS_FILE, json.dumps(result, indent=2, default=str) + "\n")
+        return result
     replica = Replica(cfg, task, bundle, dev)
     model, precision = replica.model, replica.precision()
     collate = task.collate or torch.utils.data.default_collate

@@ -129,10 +129,12 @@ class CkptConfig:
 @dataclass
 class GuardConfig:
     on_nonfinite: Literal["skip", "stop", "rollback", "remedy"] = _f("skip", "a non-finite loss/grad norm/parameter: skip the step, stop cleanly, roll back to the last good checkpoint and skip that data window, or remedy: replay the incident under the remedies that need no code change (stabletrain remedy), apply the best that cures it and go on (else guard.remedy_fallback)")
-    on_spike: Literal["warn", "skip", "rollback"] = _f("warn", "a loss spike: record an event, skip the step (decided on the device every step), or roll back and skip the window (warn, rollback: the rule runs on the host at the log boundary)")
+    on_spike: Literal["warn", "skip", "rollback", "remedy"] = _f("warn", "a loss spike: record an event, skip the step (decided on the device every step), roll back and skip the window (warn, rollback: the rule runs on the host at the log boundary), or remedy: skip it, then replay it under the remedies that fit its diagnosis and apply the best that cures it (else guard.remedy_fallback)")
     spike_window: int = _f(50, "recent finite, non-spike losses the spike rule compares against")
     spike_ratio: float = _f(2.0, "spike rule: loss > spike_ratio x median of the window ...")
-    spike_zscore: float = _f(6.0, "... and (loss - mean) / std of the window > spike_zscore (after spike_window/2 steps)")
+    spike_zscore: float = _f(6.0, "... and (loss - mean) / std of the window > spike_zscore (armed after 4 steps; until spike_window/2, also > spike_ratio^2 x the largest loss so far)")
+    capture_spikes: bool = _f(True, "capture and diagnose a loss spike as an incident (guard.capture): replayed from the interval's snapshot, its cause found by counterfactual replays; at most one capture per log interval")
+    max_spike_captures: int = _f(5, "capture at most this many spikes in a run (later ones are still events)")
     max_consecutive_skips: int = _f(20, "stop the run after this many skipped steps in a row")
     max_rollbacks: int = _f(3, "stop the run after this many rollbacks")
     check_params: bool = _f(True, "check on each log interval's last step that the parameters are finite (one fused pass, no sync); when a check fails, the capture's replay pins the update that broke them")
@@ -254,6 +256,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "guard.max_rollbacks": (lambda v: v >= 0, "an integer >= 0"),
     "guard.remedy_steps": (lambda v: v >= 0, "an integer >= 0"),
     "guard.max_remedies": (lambda v: v >= 0, "an integer >= 0"),
+    "guard.max_spike_captures": (lambda v: v >= 0, "an integer >= 0"),
     "guard.snapshot_memory_fraction": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
     "dist.nproc": (lambda v: v >= 1, "an integer >= 1"),
     "dist.timeout_s": (lambda v: v > 0, "a number > 0"),

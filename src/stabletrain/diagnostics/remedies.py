@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["Remedy", "SkipStep", "SkipSamples", "ModuleFP32", "Precision", "Scaler", "LowerLR", "RollbackLR", "TighterClip",
-           "EpsGuard", "remedy_from_dict", "candidates_for", "CANDIDATE_NAMES", "guarded_op"]
+           "EpsGuard", "UpdateClip", "AdamEps", "remedy_from_dict", "candidates_for", "CANDIDATE_NAMES", "guarded_op"]
 
 
 @dataclass(frozen=True)
@@ -61,14 +61,16 @@ class Remedy:
         return indices
 
     @contextlib.contextmanager
-    def installed(self, model: nn.Module) -> Iterator[None]:
-        """Hooks on ``model`` while the block runs (removed after it)."""
+    def installed(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
+        """Hooks on ``model`` (and ``optimizer``) while the block runs (removed after it)."""
         yield
 
     def precision_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """The precision policy's state to train with (``PrecisionPolicy.state_dict``'s format): unchanged here."""
         return state
 
+    #: A spike's replay starts from the step before it (its loss is the state's: the update that led in must change).
+    earlier: ClassVar[bool] = False
     lr_factor: ClassVar[float] = 1.0
     max_norm: ClassVar[float | None] = None  # None: the run's clip
     precision: ClassVar[str | None] = None  # None: the run's precision
@@ -121,7 +123,7 @@ class ModuleFP32(Remedy):
         return f"module '{self.module}' in fp32 (autocast off around it)"
 
     @contextlib.contextmanager
-    def installed(self, model: nn.Module) -> Iterator[None]:
+    def installed(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
         target = model.get_submodule(self.module)
         device = next((p.device.type for p in target.parameters()), "cpu")
         stack: list[Any] = []
@@ -193,6 +195,7 @@ class LowerLR(Remedy):
     factor: float = 0.5
     steps: int = 0
     kind: ClassVar[str] = "lr"
+    earlier: ClassVar[bool] = True
     scope: ClassVar[int] = 1
 
     @property
@@ -234,6 +237,7 @@ class TighterClip(Remedy):
 
     limit: float = 1.0
     kind: ClassVar[str] = "clip"
+    earlier: ClassVar[bool] = True
     scope: ClassVar[int] = 1
 
     @property
@@ -309,7 +313,7 @@ class EpsGuard(Remedy):
         return f"keep {arg} away from 0{at}: {how} with eps={self.eps:g}"
 
     @contextlib.contextmanager
-    def installed(self, model: nn.Module) -> Iterator[None]:
+    def installed(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
         target = model.get_submodule(self.module)
         modes: list[_Clamp] = []
 
@@ -329,11 +333,93 @@ class EpsGuard(Remedy):
                 h.remove()
 
 
+@dataclass(frozen=True)
+class UpdateClip(Remedy):
+    """Clip one parameter's update to ``ratio`` x its norm (its recent typical update/weight ratio, with room).
+
+    An optimizer step pre-hook keeps the parameter, a post-hook scales back an update larger than that: a layer
+    whose update jumps (a surge in Adam's second moment) moves no further than it usually does.
+    """
+
+    param: str = ""
+    ratio: float = 1e-3
+    kind: ClassVar[str] = "update-clip"
+    earlier: ClassVar[bool] = True
+
+    @property
+    def detail(self) -> str:
+        return f"'{self.param}' update <= {self.ratio:.3g} x its norm"
+
+    @contextlib.contextmanager
+    def installed(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
+        if optimizer is None:
+            yield
+            return
+        p = model.get_parameter(self.param)
+        kept: list[Tensor] = []
+
+        def pre(*_: Any) -> None:
+            kept[:] = [p.detach().clone()]
+
+        def post(*_: Any) -> None:
+            if not kept:
+                return
+            with torch.no_grad():
+                before = kept.pop()
+                delta = p - before
+                limit = self.ratio * before.norm()
+                p.copy_(before + delta * torch.clamp(limit / (delta.norm() + 1e-12), max=1.0))
+
+        handles = [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+
+@dataclass(frozen=True)
+class AdamEps(Remedy):
+    """Give one parameter its own Adam param group with a larger ``eps`` (about the typical sqrt(v) there): a
+    coordinate whose second moment is tiny can no longer make an update many times the others'. Replayed here;
+    on a run it is a code change (the optimizer's param groups: :attr:`change`)."""
+
+    param: str = ""
+    eps: float = 1e-6
+    kind: ClassVar[str] = "adam-eps"
+    earlier: ClassVar[bool] = True
+    live: ClassVar[bool] = False
+
+    @property
+    def detail(self) -> str:
+        return f"Adam eps={self.eps:.3g} for '{self.param}'"
+
+    @property
+    def change(self) -> str:
+        return f"put {self.param} in its own optimizer param group with eps={self.eps:.3g}"
+
+    @contextlib.contextmanager
+    def installed(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
+        if optimizer is not None:
+            p = model.get_parameter(self.param)
+            for group in optimizer.param_groups:
+                if any(q is p for q in group["params"]) and len(group["params"]) > 1:
+                    group["params"] = [q for q in group["params"] if q is not p]
+                    optimizer.add_param_group({**{k: v for k, v in group.items() if k != "params"}, "params": [p],
+                                               "eps": float(self.eps)})
+                    break
+            else:
+                for group in optimizer.param_groups:
+                    if any(q is p for q in group["params"]):
+                        group["eps"] = float(self.eps)
+        yield
+
+
 _KINDS: dict[str, type[Remedy]] = {c.kind: c for c in (SkipStep, SkipSamples, ModuleFP32, Precision, Scaler, LowerLR,
-                                                       RollbackLR, TighterClip, EpsGuard)}
+                                                       RollbackLR, TighterClip, EpsGuard, UpdateClip, AdamEps)}
 #: The candidate names ``--only`` accepts (a lower LR and a rollback carry their factor: lr-x0.5, rollback-lr-x0.1).
 CANDIDATE_NAMES = ("skip-step", "skip-samples", "module-fp32", "bf16", "scaler", "lr-x0.5", "lr-x0.1", "rollback-lr-x0.5",
-                   "rollback-lr-x0.1", "clip", "eps-guard")
+                   "rollback-lr-x0.1", "clip", "eps-guard", "update-clip", "adam-eps")
 
 
 def remedy_from_dict(d: dict[str, Any]) -> Remedy:
@@ -370,6 +456,8 @@ def candidates_for(diagnosis: dict[str, Any], precision: str, history: list[dict
     out: list[Remedy] = [SkipStep()]
     if cls == "not reproducible":  # the replay shows nothing to cure: the baseline's verdict says whether a skip does
         return out
+    if diagnosis.get("anomaly") == "spike":
+        return out + _spike_candidates(diagnosis, history, rollback_steps)
     if cls in ("op", "data") and samples and not diagnosis.get("blamed_module"):
         out.append(SkipSamples(samples))
     if cls == "op" and module is not None:
@@ -392,4 +480,32 @@ def candidates_for(diagnosis: dict[str, Any], precision: str, history: list[dict
                    and (since is None or r.get("step", 0) <= since)]
         if healthy:
             out.append(TighterClip(float(healthy[-1]["grad_norm"])))
+    return out
+
+
+def _spike_candidates(diagnosis: dict[str, Any], history: list[dict[str, Any]], rollback_steps: list[int]) -> list[Remedy]:
+    """A finite spike's candidates by its class (:mod:`stabletrain.diagnostics.spike`), after the skip-step baseline."""
+    cls, out = diagnosis.get("failure_class"), []
+    if cls == "data" and diagnosis.get("bad_samples"):
+        out.append(SkipSamples(tuple(diagnosis["bad_samples"])))
+    if cls == "precision" and diagnosis.get("blamed_module"):  # the module whose output departs, and the two before it
+        for module in [diagnosis["blamed_module"], *((diagnosis.get("where") or {}).get("upstream") or [])]:
+            out.append(ModuleFP32(module))
+    layer = diagnosis.get("blamed_layer")
+    if cls == "optimizer-state" and layer:
+        ordinary = {r[0]: r[3] for r in (diagnosis.get("jumps") or {}).get("update_ratio") or []}
+        typical = ordinary.get(layer) or next((r.get("ordinary_ratio") for r in diagnosis.get("surges") or []
+                                               if r.get("name") == layer and r.get("ordinary_ratio")), None)
+        if typical:
+            out.append(UpdateClip(layer, 2.0 * typical))
+        root = next((r.get("typical_sqrt_v") for r in diagnosis.get("surges") or [] if r.get("name") == layer), None)
+        out.append(AdamEps(layer, float(root) if root else 1e-4))
+    out += [LowerLR(0.5), LowerLR(0.1)]
+    if cls in ("state", "optimizer-state"):
+        if rollback_steps:
+            out += [RollbackLR(0.5, step=max(rollback_steps)), RollbackLR(0.1, step=max(rollback_steps))]
+        norms = [r["grad_norm"] for r in history if isinstance(r.get("grad_norm"), (int, float))
+                 and r["grad_norm"] == r["grad_norm"]]
+        if norms:
+            out.append(TighterClip(float(sorted(norms)[len(norms) // 2])))
     return out

@@ -142,6 +142,10 @@ class Strategy:
             event.synchronize()
         return staged
 
+    def one_process_model(self, model_state: Any) -> Any:
+        """A snapshot's model state in the one-process format (None where it holds only this rank's shards)."""
+        return model_state
+
     def nonfinite_gradient_ranks(self, module: nn.Module, task: Any, precision: str, window: Any) -> list[int] | None:
         """The ranks whose own gradients for ``window`` are non-finite, where the step's gradients mixed the ranks'
         (a collective under DDP); None: nothing to tell apart."""
@@ -270,6 +274,9 @@ class FSDPStrategy(Strategy):
 
     def snapshot_parts(self, local: dict[str, Any], module: nn.Module) -> tuple[Any, Any, tuple[int, int] | None]:
         return None, local, None  # this rank's own shards, all on the compute stream
+
+    def one_process_model(self, model_state: Any) -> Any:
+        return None  # this rank's shards
 
     def bundle_state(self, state_dict: Any, folder: Path | None) -> dict[str, Any] | None:
         """Every rank writes its shards of the pre-step model and optimizer into ``folder`` with DCP (a collective).

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from ..internals import scaler_state, set_scaler_state
-from ..records.staging import load_optimizer_state_
+from ..records.staging import StateStager, load_optimizer_state_
 from ..seeding import rng_state, set_rng_state
 from ..tasks import Task
 from .options import eager_methods
@@ -132,6 +132,7 @@ class HostSteps:
         self.strategy, self.module, self.optimizer = session.strategy, session.model, session.optimizer
         self.run_dir, self.diagnose = session.run_dir, session.options.diagnose
         self._kept: KeptStep | None = None
+        self._previous: tuple[dict[str, Any], KeptStep] | None = None
 
     def capturing(self, fit: Any = None) -> bool:
         """Whether a capture can be written: asked for, and some rank has a run directory (rank 0's)."""
@@ -180,13 +181,20 @@ class HostSteps:
             return "no replay of the host's steps (pass loss_fn= to replay them)"
         return None
 
-    def replay_to(self, fit: Any, step: int, start: int, locate: Any, rows: list[Any] = ()) -> tuple[int, None]:
+    def replay_to(self, fit: Any, step: int, start: int, locate: Any, rows: list[Any] = (),
+                  keep_previous: bool = False) -> tuple[int, None]:
         applied = {r.step: r.values["applied"] >= 0.5 for r in rows}
         replayed = 0
+        self._previous = None
         for t in range(start + 1, step):
             if not applied.get(t, True):  # skipped live: parameters and optimizer state did not move
                 continue
             kept = self.keeper.steps[t]
+            if keep_previous and t == step - 1:  # a spike's: the state before the step before it
+                staged, ready = StateStager().stage(self.live_state())
+                for event in ready:
+                    event.synchronize()
+                self._previous = (staged, kept)
             if kept.rng is not None:
                 set_rng_state(kept.rng)
             if self.optimizer is not None:
@@ -198,9 +206,11 @@ class HostSteps:
             replayed += 1
         return replayed, None
 
-    def record(self, fit: Any, step: int) -> dict[str, Any]:
+    def record(self, fit: Any, step: int, context: int = 0) -> dict[str, Any]:
         self._kept = kept = self.keeper.steps[step]
+        earlier = [self.keeper.steps[t] for t in sorted(self.keeper.steps, reverse=True) if t < step][:context]
         return {"rank": fit.dist.rank, "micro": [plain_batch(b) for b in kept.batches()], "rng": kept.rng,
+                "context": [[plain_batch(b) for b in k.batches()] for k in reversed(earlier)],
                 "lrs": [float(lr) for lr in kept.lrs],
                 "scaler": (float(kept.scaler[0]), int(kept.scaler[1])) if kept.scaler is not None else None,
                 "host": {k: (v.item() if isinstance(v, Tensor) else v) for k, v in kept.host.items()
@@ -217,19 +227,36 @@ class HostSteps:
         from .replay import TASK_SPEC
 
         s = self.session
-        rows = CapturedRows(record["micro"])
+        # A spike's ordinary windows (the interval's kept steps before it) ride as more micro-batches of the dataset.
+        context = record.get("context") or []
+        batches = [*record["micro"], *(b for step_batches in context for b in step_batches)]
+        rows = CapturedRows(batches)
+        groups, n = rows.indices(), len(record["micro"])
+        ordinary, at = [], n
+        for step_batches in context:
+            ordinary.append(groups[at:at + len(step_batches)])
+            at += len(step_batches)
         opt = s.optimizer
         opt_recipe = optimizer_recipe(opt, s.named_params) if opt is not None else None
-        task_args = {"batches": [bundle_batch(b) for b in record["micro"]], "model": s.recipes.get("model"),
+        task_args = {"batches": [bundle_batch(b) for b in batches], "model": s.recipes.get("model"),
                      "loss": s.recipes.get("loss"), "optimizer": opt_recipe, "name": f"{s.host}:{type(s.model).__name__}",
                      "host": record["host"]}
         # The replay's update uses the host's optimizer at the step's lr: a constant schedule over the bundle's lrs.
         replay_cfg = dataclasses.replace(s.cfg, task=TASK_SPEC, task_args=task_args,
                                          train=TrainConfig(max_steps=1, compile=s.cfg.train.compile),
                                          sched=SchedConfig(warmup_steps=0, decay="constant"))
+        previous = None
+        if self._previous is not None and ordinary:  # the step before: its state, lrs, scaler and RNG, its window
+            prev, kept = self._previous
+            previous = {"step": step - 1, "window": ordinary[-1], "model": prev["model"], "rng": kept.rng,
+                        "optimizer": prev.get("optimizer") if opt_recipe is not None else
+                        torch.optim.SGD(s.params, lr=0.0).state_dict(),
+                        "schedule": {"applied_steps": torch.zeros(()), "base_lrs": [float(lr) for lr in kept.lrs]},
+                        "precision": {"mode": s.precision, "scaler": _scaler_dict(
+                            s.scaler, (float(kept.scaler[0]), int(kept.scaler[1])) if kept.scaler is not None else None)}}
         return {
-            "step": step, "rank": record["rank"], "world_size": s.dist.world, "host": s.host,
-            "config": config_to_dict(replay_cfg), "window": {"epoch": s.epoch, "start": 0, "indices": rows.indices()},
+            "previous": previous, "step": step, "rank": record["rank"], "world_size": s.dist.world, "host": s.host,
+            "config": config_to_dict(replay_cfg), "window": {"epoch": s.epoch, "start": 0, "indices": groups[:n]},
             "sample_unit": "position in the step's batch",
             "rng": record["rng"] if record["rng"] is not None else rng_state(),
             "model": before["model"],
@@ -238,7 +265,8 @@ class HostSteps:
             "schedule": {"applied_steps": torch.zeros(()), "base_lrs": record["lrs"] if opt_recipe is not None else [0.0]},
             "precision": {"mode": s.precision, "scaler": _scaler_dict(s.scaler, record["scaler"])},
             "observed": {"after_update": info["after_update"], "host_loss": info.get("loss"),
-                         "grad_norm": info.get("grad_norm"), "ranks": info.get("ranks") or []},
+                         "grad_norm": info.get("grad_norm"), "ranks": info.get("ranks") or [],
+                         **({"context": ordinary} if ordinary else {})},
         }
 
     def diagnosis(self, bundle: dict[str, Any]) -> tuple[Task, contextlib.AbstractContextManager, tuple[str, ...]]:

@@ -14,9 +14,13 @@ capture, stop or rollback (:meth:`Guard.decide`).
 
 Spike rule, stated: a step's loss is a spike when it exceeds ``spike_ratio`` times the median (the
 lower middle value, as ``torch.median``) of the last ``spike_window`` finite non-spike losses AND its
-z-score against their mean and standard deviation exceeds ``spike_zscore``; the rule is armed once
-half the window is filled. Spikes are not added to the window, so a run of spikes does not raise the
-baseline. With ``guard.on_spike=skip`` the rule runs on the device every step (the skip must be
+z-score against their mean and standard deviation exceeds ``spike_zscore``. The rule is armed from
+:data:`EARLY_ARM` losses on; until half the window is filled it also asks that the loss exceed
+``spike_ratio``\ :sup:`2` times the largest loss seen so far: a run's first losses fall fast and a few of them
+make a shaky median and deviation (a small batch's loss 2.5x its window's median and 6.0 deviations above
+its mean is noise at step 6), but a loss four times as high as any before it is a spike from the fifth step
+on (a x1e4 loss at step 6 was missed when the rule armed only at half the window). Spikes are not added
+to the window, so a run of spikes does not raise the baseline. With ``guard.on_spike=skip`` the rule runs on the device every step (the skip must be
 decided before the update); otherwise the host runs the same rule on the interval's losses at the
 log boundary (:meth:`Guard.mark_spikes`), so the step pays nothing for it.
 
@@ -42,11 +46,39 @@ from torch import Tensor
 from ..config import GuardConfig
 from ..numerics import both_finite
 
-__all__ = ["Guard", "GuardDecision", "inputs_finite", "UNRECOVERABLE_SCALE"]
+__all__ = ["Guard", "GuardDecision", "inputs_finite", "UNRECOVERABLE_SCALE", "EARLY_ARM", "spike_test"]
+
+#: The spike rule is armed once the window holds this many losses (with a stricter test until it is half full).
+EARLY_ARM = 4
 
 #: fp16: an overflow after which the GradScaler's scale is below this is an incident, not the routine skip: the
 #: gradients do not fit float16 even unscaled (or are NaN whatever the scale), and backing off cannot fix that.
 UNRECOVERABLE_SCALE = 1.0
+
+
+def spike_test(loss: float, window: list[float], cfg: GuardConfig) -> dict[str, Any]:
+    """The spike rule on the host for one loss against ``window`` (the finite non-spike losses before it).
+
+    Returns ``{"spike", "armed", "median", "mean", "std", "zscore", "ratio"}`` (ratio: loss / median), in
+    float32 as the rule runs (:meth:`Guard.mark_spikes` agrees with it). What a diagnosis and a remedy's
+    replay judge "normal by the guard's own rule" with.
+    """
+    values = np.asarray([v for v in window if math.isfinite(v)][-cfg.spike_window:], dtype=np.float32)
+    out: dict[str, Any] = {"spike": False, "armed": len(values) >= min(EARLY_ARM, max(cfg.spike_window // 2, 2))}
+    if not len(values) or not math.isfinite(loss):
+        return out
+    ratio, zscore, x = np.float32(cfg.spike_ratio), np.float32(cfg.spike_zscore), np.float32(loss)
+    median = np.sort(values)[(len(values) - 1) // 2]
+    with np.errstate(over="ignore", invalid="ignore"):
+        mean = values.mean(dtype=np.float32)
+        std = np.sqrt(((values - mean) ** 2).mean(dtype=np.float32))
+        z = (x - mean) / (std + np.float32(1e-12))
+    early = len(values) < max(cfg.spike_window // 2, 2)
+    early_bound = np.float32(cfg.spike_ratio ** 2) * values.max()
+    spike = out["armed"] and bool(x > ratio * median) and bool(z > zscore) and (not early or bool(x > early_bound))
+    out.update(spike=spike, median=float(median), mean=float(mean), std=float(std), zscore=float(z),
+               ratio=float(x / median) if median > 0 else float("inf"))
+    return out
 
 
 def inputs_finite(batch: Any) -> Tensor | None:
@@ -113,7 +145,7 @@ class Guard:
 
     def __init__(self, cfg: GuardConfig, device: torch.device) -> None:
         self.cfg = cfg
-        self.on_device = cfg.on_spike == "skip"
+        self.on_device = cfg.on_spike in ("skip", "remedy")  # the spike must be skipped before its update
         where = device if self.on_device else torch.device("cpu")
         self.window = torch.full((cfg.spike_window,), float("nan"), device=where)
         self.num_seen = torch.zeros((), dtype=torch.long, device=where)
@@ -124,10 +156,16 @@ class Guard:
         self.num_rollbacks = 0
         self.num_incidents = 0
         self.num_spikes = 0
+        self.num_spike_captures = 0
         self._no_spike: Tensor | None = None
+        self._start: tuple[Any, int] | None = None  # the host window and count at the last interval's start
 
     @property
     def _armed_at(self) -> int:
+        return min(EARLY_ARM, self._full_at)
+
+    @property
+    def _full_at(self) -> int:  # below it the rule also asks for a loss above spike_ratio x the window's largest
         return max(self.cfg.spike_window // 2, 2)
 
     def observe(self, loss: Tensor, grad_norm: Tensor, inputs_ok: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -150,6 +188,9 @@ class Guard:
         std = torch.sqrt(torch.nanmean((w - mean) ** 2))
         z = (loss - mean) / (std + 1e-12)
         spike = armed & finite & (loss > self.cfg.spike_ratio * median) & (z > self.cfg.spike_zscore)
+        early = self.num_seen < self._full_at
+        largest = torch.where(torch.isnan(w), torch.full_like(w, float("-inf")), w).max()
+        spike = spike & (~early | (loss > self.cfg.spike_ratio ** 2 * largest))
         ok = finite & ~spike
         keep = finite & ~spike
         # 1-element index tensors, never a 0-dim one: indexing with a 0-dim CUDA tensor reads it on the host.
@@ -169,6 +210,7 @@ class Guard:
             return
         w = self._host_window  # a view: the tensor (and so state_dict) follows
         seen = self._host_seen
+        self._start = (w.copy(), seen)  # the interval's starting window (window_before), 50 floats
         n = self.cfg.spike_window
         ratio, zscore = np.float32(self.cfg.spike_ratio), np.float32(self.cfg.spike_zscore)
         kept = sorted(w[~np.isnan(w)].tolist())  # the window's values in order (float32 values, exact as floats)
@@ -191,6 +233,8 @@ class Guard:
                         std = np.sqrt(((window - mean) ** 2).mean(dtype=np.float32))
                         z = (np.float32(loss) - mean) / (std + np.float32(1e-12))
                     spike = bool(z > zscore)
+                    if spike and seen < self._full_at:  # early: also above spike_ratio^2 x the largest loss so far
+                        spike = bool(np.float32(loss) > np.float32(self.cfg.spike_ratio ** 2) * np.float32(kept[-1]))
             v["spike"] = 1.0 if spike else 0.0
             if finite and not spike:
                 slot = seen % n
@@ -204,6 +248,25 @@ class Guard:
             w[list(updates)] = list(updates.values())
         self._host_seen = seen
         self.num_seen.fill_(seen)
+
+    def window_before(self, step: int, rows: list[Any]) -> list[float]:
+        """The finite non-spike losses the rule held when it judged step ``step``: the window at the interval's
+        start, then the interval's rows before ``step`` (host rule). With the rule on the device
+        (``guard.on_spike=skip``) the window as it is at the boundary (it holds the interval's later losses too):
+        one small read, made only for a spike's capture.
+        """
+        if self.on_device or self._start is None:
+            return [float(v) for v in self.window.detach().cpu().tolist() if not math.isnan(v)]
+        w, seen = self._start[0].copy(), self._start[1]
+        for row in rows:
+            if row.step >= step:
+                break
+            v = row.values
+            loss = float(np.float32(v["loss"]))
+            if v["finite"] > 0.5 and math.isfinite(loss) and v.get("spike", 0.0) < 0.5:
+                w[seen % len(w)] = loss
+                seen += 1
+        return [float(x) for x in w.tolist() if not math.isnan(x)]
 
     def decide(self, rows: list[Any]) -> GuardDecision:
         """Read one interval's per-step rows (host values) and return what to do. Updates the counters.
@@ -253,6 +316,8 @@ class Guard:
             if params_bad_at is not None and self.cfg.on_nonfinite == "skip":
                 d._policy += " (a skip cannot undo an applied update)"
             d.action, d.reason = policy, _nonfinite_reason(d)
+        elif d.spike_steps and self.cfg.on_spike == "remedy":
+            d.action, d.reason = "remedy", f"loss spike at step {d.spike_steps[0]}"
         elif d.spike_steps and self.cfg.on_spike == "rollback":
             if self.num_rollbacks >= self.cfg.max_rollbacks:
                 d.action, d.reason = "stop", f"loss spike at step {d.spike_steps[0]} after {self.num_rollbacks} rollbacks"
@@ -268,13 +333,14 @@ class Guard:
 
         A rollback restores an older state; what happened since (the incident that caused it) still happened.
         """
-        kept = (self.num_rollbacks, self.num_incidents, self.num_spikes)
+        kept = (self.num_rollbacks, self.num_incidents, self.num_spikes, self.num_spike_captures)
         yield
-        self.num_rollbacks, self.num_incidents, self.num_spikes = kept
+        self.num_rollbacks, self.num_incidents, self.num_spikes, self.num_spike_captures = kept
 
     def state_dict(self) -> dict[str, Any]:
         return {"window": self.window.clone(), "num_seen": self.num_seen.clone(), "consecutive_skips": self.consecutive_skips,
-                "num_rollbacks": self.num_rollbacks, "num_incidents": self.num_incidents, "num_spikes": self.num_spikes}
+                "num_rollbacks": self.num_rollbacks, "num_incidents": self.num_incidents, "num_spikes": self.num_spikes,
+                "num_spike_captures": self.num_spike_captures}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.window.copy_(state["window"])
@@ -285,3 +351,4 @@ class Guard:
         self.num_rollbacks = int(state["num_rollbacks"])
         self.num_incidents = int(state["num_incidents"])
         self.num_spikes = int(state["num_spikes"])
+        self.num_spike_captures = int(state.get("num_spike_captures", 0))  # checkpoints from before spike captures

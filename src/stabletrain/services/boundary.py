@@ -79,15 +79,31 @@ class IntervalBoundary:
     def incident(self, decision: GuardDecision, rows: list[Any]) -> dict[str, Any] | None:
         """Capture the decision's first bad step (every rank); pin the decision to the update the replay found.
 
-        Returns the incident's info for the caller (what ``on_incident`` got), or None without one.
+        A non-finite step first; else the interval's first loss spike (``guard.capture_spikes``, at most
+        ``guard.max_spike_captures`` in a run): at most one capture per interval. Returns the incident's info for
+        the caller (what ``on_incident`` got; ``anomaly``: "nonfinite" or "spike"), or None without one.
         """
-        if decision.first_incident is None:
+        step, anomaly = decision.first_incident, "nonfinite"
+        if step is None:
+            step, anomaly = self._spike(decision), "spike"
+        if step is None:
             return None
-        row = next(r for r in rows if r.step == decision.first_incident)
+        row = next(r for r in rows if r.step == step)
         info = {"step": row.step, "after_update": decision.after_update, "ranks": list(row.ranks or []),
-                "loss": row.values["loss"], "grad_norm": row.values["grad_norm"], "locate": decision.locate}
+                "loss": row.values["loss"], "grad_norm": row.values["grad_norm"], "locate": decision.locate,
+                "anomaly": anomaly}
+        if anomaly == "spike":  # the losses the rule judged it against
+            info["spike_window"] = self.guard.window_before(step, rows)
+            self.guard.num_spike_captures += 1
         info.update(self._capture(self.state, info, rows))
         if info.get("pinned") is not None:  # the capture's replay found the update that broke the parameters
             decision.pin(info["pinned"])
         self.callbacks.fire("on_incident", self.state, info)
         return info
+
+    def _spike(self, decision: GuardDecision) -> int | None:
+        """The interval's spike to capture, or None (none, not asked for, or the run's captures spent)."""
+        cfg = self.state.cfg.guard
+        if not decision.spike_steps or not cfg.capture_spikes or self.guard.num_spike_captures >= cfg.max_spike_captures:
+            return None
+        return decision.spike_steps[0]

@@ -37,7 +37,10 @@ from ..records.staging import IntervalSnapshot, clone_state, join_params, state_
 from ..replay import diagnose_incident
 from ..seeding import rng_state, set_rng_state
 
-__all__ = ["IncidentCapture", "StepSource", "incident_dir"]
+__all__ = ["IncidentCapture", "StepSource", "incident_dir", "MAX_CONTEXT"]
+
+#: A spike's bundle keeps up to this many ordinary windows beside its own (its diagnosis compares against them).
+MAX_CONTEXT = 3
 
 
 def incident_dir(run_dir: Path, step: int) -> Path:
@@ -70,11 +73,15 @@ class StepSource(Protocol):
         """Why step ``step`` cannot be replayed from step ``start`` (None: it can)."""
 
     def replay_to(self, fit: FitState, step: int, start: int, locate: tuple[int, int] | None,
-                  rows: list[Any]) -> tuple[int, dict | None]:
-        """Replay the steps after ``start`` up to just before ``step``: (steps replayed, the update it pinned or None)."""
+                  rows: list[Any], keep_previous: bool = False) -> tuple[int, dict | None]:
+        """Replay the steps after ``start`` up to just before ``step``: (steps replayed, the update it pinned or None).
 
-    def record(self, fit: FitState, step: int) -> dict[str, Any]:
-        """This rank's record of step ``step`` for its bundle (its window, its RNG state), the state being before it."""
+        ``keep_previous``: stage the state before the last step replayed, for :meth:`bundle` (a spike's ``previous``).
+        """
+
+    def record(self, fit: FitState, step: int, context: int = 0) -> dict[str, Any]:
+        """This rank's record of step ``step`` for its bundle (its window, its RNG state), the state being before it;
+        ``context``: also up to that many ordinary windows (``context``) that :meth:`bundle` puts in ``observed``."""
 
     def blame(self, fit: FitState) -> list[int] | None:
         """The ranks whose own gradients of the recorded step are non-finite (a collective), or None."""
@@ -167,7 +174,8 @@ class IncidentCapture:
         t0 = time.perf_counter()
         with state_kept(src.live_state, src.load_live_state), self._replaying():
             src.load_live_state(start[0])
-            self.replayed_steps, pinned = src.replay_to(fit, step, start[1], info.get("locate"), rows)
+            spike = info.get("anomaly") == "spike"  # its diagnosis also replays the step before it: keep that state
+            self.replayed_steps, pinned = src.replay_to(fit, step, start[1], info.get("locate"), rows, keep_previous=spike)
             if pinned is None and info.get("locate") is not None and after_update:
                 pinned = {"step": step}  # no earlier update broke them: the checked step's own did
             if pinned is not None:
@@ -178,7 +186,7 @@ class IncidentCapture:
                               f"loss and grad norm were finite; the check at step {info['locate'][1]} found them, "
                               "the capture's replay pinned the step)", after_update=True, pinned_by_replay=True,
                               **{k: v for k, v in pinned.items() if k != "step"})
-            record = src.record(fit, step)
+            record = src.record(fit, step, context=MAX_CONTEXT if info.get("anomaly") == "spike" else 0)
             if fit.dist.enabled and not ranks and not after_update:
                 blamed = src.blame(fit)  # every rank's loss was finite: whose own gradients?
                 if blamed is not None:
@@ -198,18 +206,27 @@ class IncidentCapture:
         bundles = []
         for n, r in enumerate(seen):
             bundle = src.bundle(fit, step, records[r], before, info)
+            if spike:  # what the spike's counterfactual replays need: the rule's window, the older state
+                bundle["observed"].update(anomaly="spike", spike_window=list(info.get("spike_window") or []))
+                # FSDP: shards only; a spike right after the interval's start: that state is the spike's own.
+                older = src.strategy.one_process_model(start[0]["model"]) if start[1] < step - 1 else None
+                bundle["reference"] = {"step": start[1], "model": older} if older is not None else None
             if n > 0:  # the model and optimizer (the same on every rank) once, in the first bundle; a later one names it
                 bundle = {**{k: v for k, v in bundle.items() if k not in ("model", "optimizer")}, STATE_IN: ".."}
             write_bundle(folder if n == 0 else folder / f"rank_{r}", bundle)
             bundles.append(bundle)
+        if spike:
+            fields["anomaly"] = "spike"
         if src.diagnose:
-            fields.update(self._diagnose(fit, folder, bundles[0], step, seen[0]))
+            fields.update(self._diagnose(fit, folder, bundles[0], step, seen[0], "spike" if spike else "incident"))
         found.update(fields)
         seen_note = f" (seen on rank(s) {ranks})" if fit.dist.enabled and ranks else ""
-        fit.event(step, "incident", f"captured step {step}{seen_note} into {folder}", **fields)
+        what = f"the loss spike at step {step}" if spike else f"step {step}"
+        fit.event(step, "incident", f"captured {what}{seen_note} into {folder}", **fields)
         return found
 
-    def _diagnose(self, fit: FitState, folder: Path, bundle: dict[str, Any], step: int, rank: int) -> dict[str, Any]:
+    def _diagnose(self, fit: FitState, folder: Path, bundle: dict[str, Any], step: int, rank: int,
+                  label: str) -> dict[str, Any]:
         """Diagnose the first bundle on this process, with the run's RNG streams kept; the event's fields."""
         run_rng = rng_state()  # the diagnosis seeds and replays: the run's own streams must not notice
         try:
@@ -218,7 +235,7 @@ class IncidentCapture:
             with self._replaying(), context:
                 diagnosis = diagnose_incident(folder, task, device=str(fit.device), bundle=in_memory)
             on_rank = f" (rank {rank})" if fit.dist.enabled else ""
-            console.say(f"incident at step {step}{on_rank}: {diagnosis.get('summary')}")
+            console.say(f"{label} at step {step}{on_rank}: {diagnosis.get('summary')}")
             return {"diagnosis": {**{k: diagnosis.get(k) for k in DIAGNOSIS_FIELDS},
                                   **{k: diagnosis.get(k) for k in extra}}}
         except Exception as err:  # a diagnosis that fails must not take the run down with it

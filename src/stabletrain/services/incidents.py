@@ -39,6 +39,8 @@ class LoopSteps:
         self.recorder = recorder  # ops are looked up there at each use (a test may swap them)
         self.fit: FitState | None = None
         self._window: Any = None
+        self._recent: list[list[list[int]]] = []  # the last replayed windows' indices (a spike's ordinary windows)
+        self._previous: dict[str, Any] | None = None  # a spike's: the state before the step before it
         self._skip: set = set()
 
     ops = property(lambda self: self.recorder.ops)
@@ -73,7 +75,7 @@ class LoopSteps:
         return None
 
     def replay_to(self, fit: FitState, step: int, start: int, locate: tuple[int, int] | None,
-                  rows: list[Any] = ()) -> tuple[int, dict | None]:
+                  rows: list[Any] = (), keep_previous: bool = False) -> tuple[int, dict | None]:
         """Replay from the loaded state to just before ``step``; pin an update that broke the parameters.
 
         ``locate`` (lo, hi): the parameters were found non-finite at step hi's check; from step lo on each
@@ -83,13 +85,22 @@ class LoopSteps:
         """
         stager = StateStager() if locate is not None else None
         replayed = 0
+        self._recent, self._previous = [], None
         while fit.step < step - 1:
+            if keep_previous and fit.step == step - 2 and self.strategy.one_process_model({}) is not None:
+                staged, ready = StateStager().stage(self.live_state())  # before the step before the spike
+                for event in ready:
+                    event.synchronize()
+                self._previous = staged
             before = None
             if stager is not None and fit.step + 1 >= locate[0]:
                 before, ready = stager.stage(self.live_state())
                 for event in ready:
                     event.synchronize()
-            out = self.ops.train_step(fit.stream.next_window())
+            window = fit.stream.next_window()
+            self._recent = [*self._recent[-2:], window.indices]
+            self._last = (window.epoch, window.start)
+            out = self.ops.train_step(window)
             fit.step += 1
             replayed += 1
             if before is not None and "params_finite" in out and not bool(out["params_finite"]):
@@ -98,10 +109,13 @@ class LoopSteps:
                 return replayed, found
         return replayed, None
 
-    def record(self, fit: FitState, step: int) -> dict[str, Any]:
+    def record(self, fit: FitState, step: int, context: int = 0) -> dict[str, Any]:
         rng = rng_state()
         self._window = window = fit.stream.next_window()
-        return {"rank": fit.dist.rank, "rng": rng,
+        ordinary = self._recent[-context:] if context else []
+        while len(ordinary) < context:  # a spike early in its interval: the windows after it (the stream is put back)
+            ordinary.append(fit.stream.next_window().indices)
+        return {"rank": fit.dist.rank, "rng": rng, "context": ordinary,
                 "window": {"epoch": window.epoch, "start": window.start, "indices": window.indices}}
 
     def blame(self, fit: FitState) -> list[int] | None:
@@ -113,10 +127,15 @@ class LoopSteps:
     def bundle(self, fit: FitState, step: int, record: dict[str, Any], before: dict[str, Any],
                info: dict[str, Any]) -> dict[str, Any]:
         interval_loss = fit.history[-1].get("loss") if fit.history else None
-        return {"model": before["model"], "optimizer": before["optimizer"], "step": step, "rank": record["rank"],
+        prev = self._previous
+        previous = ({"step": step - 1, "window": self._recent[-1], "epoch": self._last[0], "start": self._last[1],
+                     **{k: prev[k] for k in ("model", "optimizer", "schedule", "precision", "rng")}}
+                    if prev is not None and self._recent else None)
+        return {"previous": previous, "model": before["model"], "optimizer": before["optimizer"], "step": step, "rank": record["rank"],
                 "world_size": fit.dist.world, "config": config_to_dict(fit.cfg), "window": record["window"],
                 "rng": record["rng"], "schedule": before["schedule"], "precision": before["precision"],
                 "observed": {"after_update": info["after_update"], "interval_loss": interval_loss,
+                             **({"context": record["context"]} if record.get("context") else {}),
                              "ranks": info["ranks"], "grad_norm": info.get("grad_norm"),
                              # The step's loss as the run saw it; the replay compares it bitwise (one process:
                              # under DDP the run's loss is the global one, a replay sees one rank's batch).

@@ -70,7 +70,7 @@ class RemedyApplier:
     def _install(self, remedy: Remedy) -> None:
         if isinstance(remedy, SkipSamples):
             self.ops.stream.drop |= set(remedy.samples)
-        self._hooks.enter_context(remedy.installed(self.ops.module))
+        self._hooks.enter_context(remedy.installed(self.ops.module, self.ops.optimizer))
         if remedy.max_norm is not None:
             self.ops.clipper.max_norm = remedy.max_norm
 

@@ -1,0 +1,307 @@
+"""A loss spike's doctor: replay its step from the exact pre-step state, change one thing at a time, name the cause.
+
+:func:`diagnose_spike` reads a spike's bundle (``incidents/step_N``: the state before the step, its window, the
+guard's window of losses the rule judged it against, the state at the interval's start and a few ordinary
+windows) and replays, each time from the same saved state and RNG streams, on a :class:`~stabletrain.replica.Replica`:
+
+1. the step itself, with the run's own step: the same loss (bitwise in fp32)? a spike by the guard's rule?
+2. each sample alone (forward; a backward each for its share of the window's gradient, up to
+   :data:`MAX_GRAD_SAMPLES`): which samples carry the loss; the step without the fewest that could, replayed:
+   normal by the rule? (greedy by loss is exact for a mean-loss rule: no other set of that size lowers it more)
+3. the window and ordinary windows under the older state (the interval's start): is the batch itself an
+   outlier, or did the state drift?
+4. each module's output magnitude on the window under both states (where it departs first), each parameter's
+   gradient and update against an ordinary window's (which layers jumped), Adam's second moment against the
+   gradients of the spike's step and of the step before it, replayed from the state before that one
+   (:func:`~stabletrain.diagnostics.spike.adam_surges`);
+5. under bf16/fp16, the step in fp32: normal there?
+
+:func:`~stabletrain.diagnostics.spike.classify_spike` reads them. The model, the RNG streams and the task are
+left as they were. Cost: about 2N + 8 forward passes and N + 4 backward passes for a window of N samples.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import config_from_dict
+from .data import move_to
+from .diagnostics.diagnosis import matches_observed
+from .diagnostics.spike import adam_surges, classify_spike, departures, jumps, spike_summary, surge_rows
+from .policies.accumulation import as_sum_count
+from .policies.guard import spike_test
+from .policies.precision import resolve_device
+from .replica import Replica
+from .seeding import rng_state, set_rng_state
+
+__all__ = ["diagnose_spike", "MAX_GRAD_SAMPLES", "MAX_CONTEXT"]
+
+#: Per-sample gradient shares are measured for windows of at most this many samples (one backward each).
+MAX_GRAD_SAMPLES = 64
+#: Ordinary windows compared against (the interval's steps before the spike, else the next ones).
+MAX_CONTEXT = 3
+
+
+class _Bench:
+    """Replays on a replica, each from the saved state and RNG streams (see the module docstring)."""
+
+    def __init__(self, replica: Replica, task: Any) -> None:
+        self.replica, self.task = replica, task
+        self.collate = task.collate or torch.utils.data.default_collate
+        self.precision = replica.precision()
+        self.passes = {"forward": 0, "backward": 0, "steps": 0}
+
+    def groups(self, indices: list[list[int]]) -> list[tuple[list[int], Any]]:
+        dev = self.replica.device
+        return [(list(idx), move_to(self.collate([self.task.train_data[i] for i in idx]), dev)) for idx in indices if idx]
+
+    def sums(self, groups: list[tuple[list[int], Any]], model: nn.Module | None = None,
+             precision: Any = None) -> tuple[float, float]:
+        """(loss sum, item count) of ``groups`` under ``model`` (default: the replica's), forward only."""
+        model = model if model is not None else self.replica.model
+        self.replica.reset()
+        total, count = 0.0, 0.0
+        with torch.no_grad(), (precision or self.precision).autocast():
+            for idx, batch in groups:
+                s, c = as_sum_count(self.task.loss(model, batch), len(idx))
+                total, count = total + float(s), count + float(c)
+                self.passes["forward"] += 1
+        return total, count
+
+    def loss(self, groups: list[tuple[list[int], Any]], model: nn.Module | None = None, precision: Any = None) -> float:
+        total, count = self.sums(groups, model, precision)
+        return total / count if count else float("nan")
+
+    def step(self, groups: list[tuple[list[int], Any]], precision: Any = None, *, signature: bool = False) -> dict[str, Any]:
+        """The run's step on ``groups``: its loss, grad norm, per-parameter grad norms and update ratios (state kept)."""
+        rep = self.replica
+        rep.reset()
+        step = rep.step(precision=precision)
+        before = [p.detach().clone() for p in rep.params]
+        step.forward_backward([(len(idx), b) for idx, b in groups], self.task.loss)
+        judged = step.judge(clip=False)
+        scale = step.window.grad_scale
+        names = [n for n, _ in rep.named_params]
+        out: dict[str, Any] = {"loss": float(judged["loss"]), "grad_norm": float(judged["grad_norm"]),
+                               "grad_norms": dict(zip(names, judged["per_param_norms"].tolist()))}
+        masks = {}
+        if signature:  # the true gradients against the optimizer's moments, before the update moves them
+            grads = {n: (p.grad.detach().float() * scale if scale is not None else p.grad.detach().float())
+                     for n, p in rep.named_params if p.grad is not None}
+            masks = adam_surges(rep.named_params, step.optimizer, grads)
+            out["grads"] = grads
+        judged["clipped"] = step.clipper.clip_(step.params, judged["grad_norm"], judged["finite"], grad_scale=scale)
+        step.apply(judged, check_params=False)
+        out["update_ratios"] = {n: float((p.detach() - b).norm()) / max(float(b.norm()), 1e-12)
+                                for (n, p), b in zip(rep.named_params, before)}
+        if signature:
+            out["surges"] = surge_rows(masks, {n: (p.detach() - b).abs() for (n, p), b in zip(rep.named_params, before)})
+        for p in rep.params:
+            p.grad = None
+        self.passes["forward"] += len(groups)
+        self.passes["backward"] += len(groups)
+        self.passes["steps"] += 1
+        rep.reset()
+        return out
+
+    def module_rms(self, groups: list[tuple[list[int], Any]], model: nn.Module,
+                   precision: Any = None) -> tuple[dict[str, float], list[str]]:
+        """Each module's output RMS on ``groups`` (mean over micro-batches) and the modules in the order they ran."""
+        stats: dict[str, list[float]] = {}
+        order: list[str] = []
+
+        def hook(name: str):
+            def record(_module: nn.Module, _args: Any, output: Any) -> None:
+                t = output[0] if isinstance(output, (tuple, list)) and output else output
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+                    if name not in stats:
+                        order.append(name)
+                    stats.setdefault(name, []).append(float(t.detach().float().pow(2).mean().sqrt()))
+            return record
+
+        handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if n]
+        try:
+            self.loss(groups, model, precision)
+        finally:
+            for h in handles:
+                h.remove()
+        return {k: sum(v) / len(v) for k, v in stats.items()}, order
+
+
+def _samples(bench: _Bench, groups: list[tuple[list[int], Any]], rule: Any, grads: dict[str, torch.Tensor] | None
+             ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Per-sample losses (and gradient shares), and the fewest top samples whose removal makes the step normal."""
+    rows, total_sum, total_count = [], 0.0, 0.0
+    for idx, _ in groups:
+        for i in idx:
+            s, c = bench.sums(bench.groups([[i]]))
+            rows.append({"sample": i, "loss_sum": s, "count": c})
+            total_sum, total_count = total_sum + s, total_count + c
+    for r in rows:
+        r["loss"] = r["loss_sum"] / r["count"] if r["count"] else float("nan")
+        r["share"] = r["loss_sum"] / total_sum if total_sum else 0.0
+    if grads is not None and len(rows) <= MAX_GRAD_SAMPLES:
+        _gradient_shares(bench, rows, grads, total_count)
+    rows.sort(key=lambda r: -r["loss_sum"])
+    limit = max(2, min(16, len(rows) // 4))
+    found = None
+    for k in range(1, min(limit, len(rows) - 1) + 1):
+        rest_sum = total_sum - sum(r["loss_sum"] for r in rows[:k])
+        rest_count = total_count - sum(r["count"] for r in rows[:k])
+        if not rest_count or rule(rest_sum / rest_count)["spike"]:
+            continue  # not even by the per-sample sums: more samples
+        drop = {r["sample"] for r in rows[:k]}
+        kept = [[i for i in idx if i not in drop] for idx, _ in groups]
+        replayed = bench.step(bench.groups(kept))  # verified on the run's own step, without them
+        verdict = rule(replayed["loss"])
+        if not verdict["spike"]:
+            found = {"indices": sorted(drop), "share": sum(r["share"] for r in rows[:k]),
+                     "without": {"loss": replayed["loss"], "grad_norm": replayed["grad_norm"], "ratio": verdict["ratio"],
+                                 "zscore": verdict["zscore"]}}
+            break
+    return rows, found
+
+
+def _gradient_shares(bench: _Bench, rows: list[dict[str, Any]], grads: dict[str, torch.Tensor], count: float) -> None:
+    """Each sample's share of the window's gradient G: <g_i / count, G> / ||G||^2 (they sum to 1)."""
+    rep = bench.replica
+    g_sq = sum(float((g * g).sum()) for g in grads.values())
+    if not g_sq:
+        return
+    for r in rows:
+        rep.reset()
+        for p in rep.params:
+            p.grad = None
+        (idx, batch), = bench.groups([[r["sample"]]])
+        with bench.precision.autocast():
+            s, _ = as_sum_count(bench.task.loss(rep.model, batch), len(idx))
+        (s / count).backward()
+        bench.passes["forward"] += 1
+        bench.passes["backward"] += 1
+        dot = sum(float((p.grad.detach().float() * grads[n]).sum()) for n, p in rep.named_params
+                  if p.grad is not None and n in grads)
+        r["grad_share"] = dot / g_sq
+    for p in rep.params:
+        p.grad = None
+    rep.reset()
+
+
+def diagnose_spike(bundle: dict[str, Any], task: Any, *, device: str | None = None) -> dict[str, Any]:
+    """Replay a spike's step under counterfactuals and return its diagnosis (JSON-safe; module docstring).
+
+    Returns keys: ``anomaly`` ("spike"), ``loss``, ``grad_norm``, ``spike_test`` (the rule on the replay's loss),
+    ``reproduces``, ``failure_class`` (:data:`~stabletrain.diagnostics.spike.SPIKE_CLASSES`), ``evidence``,
+    ``summary``, ``bad_samples`` (the verified samples, for ``data``), ``blamed_layer``, ``blamed_module``,
+    ``samples`` (the verified set and the step without it), ``sample_losses`` (the ten largest, with gradient
+    shares), ``older``, ``where``, ``jumps``, ``surges`` (the five parameters whose surging coordinates moved
+    the most, in the spike's update and the one before it), ``fp32``, ``timings`` and ``passes``.
+    """
+    start, run_rng = time.perf_counter(), rng_state()
+    cfg = config_from_dict(bundle["config"])
+    dev = resolve_device(device or cfg.device)
+    observed = bundle.get("observed", {})
+    window = [float(x) for x in observed.get("spike_window") or []]
+
+    def rule(loss: float) -> dict[str, Any]:
+        return spike_test(loss, window, cfg.guard)
+
+    replica = Replica(cfg, task, bundle, dev)
+    bench = _Bench(replica, task)
+    try:
+        with torch.enable_grad():
+            return _diagnose(bench, bundle, cfg, observed, rule, start)
+    finally:
+        set_rng_state(run_rng)
+
+
+def _diagnose(bench: _Bench, bundle: dict[str, Any], cfg: Any, observed: dict[str, Any], rule: Any,
+              start: float) -> dict[str, Any]:
+    replica, precision = bench.replica, bench.precision.mode
+    spike = bench.groups(bundle["window"]["indices"])
+    context = [bench.groups(w) for w in (observed.get("context") or [])[:MAX_CONTEXT]]
+    context = [c for c in context if c]
+    here = bench.step(spike, signature=True)
+    test = rule(here["loss"])
+    seen = {"loss": observed["loss"]} if observed.get("loss") is not None else {}
+    same = matches_observed(here["loss"], here["grad_norm"], seen, precision) if seen else True
+    why = None
+    if not same:
+        why = f"the replay's loss {here['loss']:.6g} differs from the observed {float(observed['loss']):.6g}"
+    elif not test["spike"]:
+        why = (f"the replay's loss {here['loss']:.4g} is no spike by the guard's rule (x{test.get('ratio', float('nan')):.3g} "
+               f"the median, z {test.get('zscore', float('nan')):.3g})")
+    replays_s = time.perf_counter() - start
+    m: dict[str, Any] = {"reproduces": why is None, "why_not_reproducible": why, "loss": here["loss"],
+                         "precision": precision}
+    samples_rows, m["samples"] = _samples(bench, spike, rule, here.get("grads")) if why is None else ([], None)
+    samples_s = time.perf_counter() - start - replays_s
+    ordinary = bench.step(context[0]) if context else None
+    m["older"], m["where"] = _older(bench, bundle, cfg, spike, context, rule) if why is None else (None, {})
+    m["jumps"] = ({"grad_norm": jumps(here["grad_norms"], ordinary["grad_norms"]),
+                   "update_ratio": jumps(here["update_ratios"], ordinary["update_ratios"])} if ordinary else {})
+    m["surges"] = [{**r, "step": bundle["step"]} for r in here.get("surges", [])]
+    prev = bundle.get("previous")
+    if prev and why is None:  # the update that led into the spike, replayed from the state before it
+        before = _Bench(Replica(cfg, bench.task, prev, replica.device), bench.task)
+        m["surges"] += [{**r, "step": prev["step"]} for r in before.step(before.groups(prev["window"]), signature=True)["surges"]]
+        for k, v in before.passes.items():
+            bench.passes[k] += v
+    m["fp32"] = None
+    if precision != "fp32" and why is None:
+        fp32 = replica.precision(mode="fp32")
+        full = bench.step(spike, fp32)
+        m["fp32"] = {"loss": full["loss"], **{k: v for k, v in rule(full["loss"]).items() if k != "armed"}}
+        if not m["fp32"]["spike"]:  # where the low-precision outputs first part from fp32's
+            low, order = bench.module_rms(spike, replica.model)
+            high, _ = bench.module_rms(spike, replica.model, fp32)
+            m["where"] = departures(low, high, order)
+    verdict = classify_spike(m)
+    for row in m["surges"]:  # what an update clip for that layer would hold it to
+        row["ordinary_ratio"] = (ordinary or {}).get("update_ratios", {}).get(row["name"])
+    top = sorted(m["surges"], key=lambda r: -r["coord_factor"])[:5]
+    out = {"step": bundle["step"], "rank": bundle.get("rank", 0), "epoch": bundle["window"]["epoch"], "anomaly": "spike",
+           "loss": here["loss"], "grad_norm": here["grad_norm"], "spike_test": test, "reproduces": m["reproduces"],
+           **verdict, "bad_samples": verdict["blamed_samples"], "samples": m["samples"],
+           "sample_losses": [{k: v for k, v in r.items()} for r in samples_rows[:10]],
+           "num_samples": len(samples_rows) or sum(len(i) for i, _ in spike), "older": m["older"], "where": m["where"],
+           "jumps": m["jumps"], "surges": top, "fp32": m["fp32"], "precision": precision,
+           "spike_window": {"size": len(bundle.get("observed", {}).get("spike_window") or []),
+                            "median": test.get("median"), "mean": test.get("mean"), "std": test.get("std")},
+           "observed": observed and {k: v for k, v in observed.items() if k not in ("spike_window", "context")},
+           "stage": "none", "op": None, "direction": None, "module": verdict["blamed_module"], "origin": None,
+           "first_nonfinite_param": None}
+    out["summary"] = spike_summary(out)
+    out["timings"] = {"replays_s": replays_s, "samples_s": samples_s, "total_s": time.perf_counter() - start}
+    out["passes"] = bench.passes
+    return out
+
+
+def _older(bench: _Bench, bundle: dict[str, Any], cfg: Any, spike: list, context: list, rule: Any
+           ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """The window and ordinary windows under the older state (the interval's start), and where the outputs depart."""
+    ref = bundle.get("reference")
+    if not ref or ref.get("model") is None:
+        return None, {}
+    older = copy.deepcopy(bench.replica.model)
+    older.load_state_dict(ref["model"])
+    window_old = bench.loss(spike, older)
+    if context:
+        ordinary_old = sum(bench.loss(c, older) for c in context) / len(context)
+        ordinary_now = sum(bench.loss(c) for c in context) / len(context)
+    else:  # no ordinary window at hand: the guard's window stands for both
+        ordinary_old = ordinary_now = rule(0.0).get("median") or float("nan")
+    ratio = cfg.guard.spike_ratio
+    info = {"step": int(ref.get("step", 0)), "window": window_old, "ordinary": ordinary_old,
+            "current_ordinary": ordinary_now,
+            "window_high": bool(math.isfinite(window_old) and window_old > ratio * ordinary_old),
+            "ordinary_high": bool(math.isfinite(ordinary_now) and (ordinary_now > ratio * ordinary_old
+                                                                     or rule(ordinary_now)["spike"]))}
+    now, order = bench.module_rms(spike, bench.replica.model)
+    then, _ = bench.module_rms(spike, older)
+    return info, departures(now, then, order)

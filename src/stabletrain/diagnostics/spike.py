@@ -1,0 +1,213 @@
+"""Say what caused a finite loss spike, from counterfactual replays of its step: data, state, optimizer state, precision.
+
+:mod:`stabletrain.counterfactual` replays the spike's step from its exact pre-step state, changing one thing at a
+time, and hands the measurements to :func:`classify_spike`; the verdict and its evidence go into
+``diagnosis.json`` as a non-finite step's do. The classes, tested in this order:
+
+- ``not reproducible``: the replay's loss is not the run's (bitwise in fp32), or it is no spike by the
+  guard's own rule: suspect nondeterminism or hardware.
+- ``precision``: under bf16/fp16 the same step in fp32 is normal by the rule.
+- ``data``: a few samples carry the window's loss and the step without them is normal by the rule (verified by
+  a replay), and the window is high under the older state too (the samples are bad whatever the weights); or
+  no small set carries it but the whole window is high under the older state: the batch is an outlier.
+- ``optimizer-state``: Adam's second moment: in the update of the step before the spike (or of the spike's
+  own), a layer's coordinates whose gradients were tiny for long get a large one (``|g| >> sqrt(v)``) and
+  move many times as far as the layer's others; the window is not an outlier under the older state.
+- ``state``: the same window is normal under the older state and ordinary windows are high under this one:
+  the model or the optimizer state drifted (a divergence onset, an LR too high). Also the verdict when nothing
+  more specific holds.
+
+Pure: no replay, no state. :func:`adam_surges`, :func:`surge_rows`, :func:`departures` and :func:`jumps` turn
+tensors and per-module statistics into the evidence.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+__all__ = ["SPIKE_CLASSES", "classify_spike", "adam_surges", "surge_rows", "departures", "jumps", "spike_summary",
+           "SURGE_FACTOR", "UPDATE_JUMP"]
+
+SPIKE_CLASSES = ("data", "state", "optimizer-state", "precision", "not reproducible")
+
+#: A coordinate's gradient this many times sqrt(v) (Adam's second moment, bias-corrected) is a surge.
+SURGE_FACTOR = 10.0
+#: A layer is blamed when at least this share of its coordinates surges and they move at least UPDATE_JUMP times
+#: as far as its other coordinates in that update.
+MIN_SHARE = 1e-3
+UPDATE_JUMP = 3.0
+
+
+def adam_surges(named_params: list[tuple[str, torch.nn.Parameter]], optimizer: torch.optim.Optimizer,
+                grads: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, float]]:
+    """Per parameter with Adam state: the coordinates whose gradient surges past sqrt(v) (:data:`SURGE_FACTOR`).
+
+    ``optimizer``: an Adam/AdamW holding the state before the step; ``grads``: the step's true (unscaled)
+    gradients by name. Returns name -> (bool mask, the median sqrt(v) of the other coordinates) (empty for an
+    optimizer without ``exp_avg_sq``). A coordinate
+    whose gradients were tiny (or zero) for long has a tiny sqrt(v): its first large gradient makes an update
+    of about lr x sqrt(t) times (1 - beta1) / sqrt(1 - beta2)-ish where a steady coordinate's is about lr.
+    """
+    out = {}
+    by_param = {id(p): n for n, p in named_params}
+    for group in optimizer.param_groups:
+        b2 = group.get("betas", (0.9, 0.999))[1]
+        eps = float(group.get("eps", 1e-8))
+        for p in group["params"]:
+            st, name = optimizer.state.get(p, {}), by_param.get(id(p))
+            g = grads.get(name) if name is not None else None
+            if g is None or "exp_avg_sq" not in st:
+                continue
+            t = float(st["step"]) if "step" in st else 0.0
+            v_hat = st["exp_avg_sq"].detach().float() / (1 - b2 ** t) if t >= 1 else st["exp_avg_sq"].detach().float()
+            g = g.detach().float().to(v_hat.device)
+            root = v_hat.sqrt()
+            mask = (g.abs() > SURGE_FACTOR * (root + eps)) & (g.abs() > 10 * eps)
+            rest = root[~mask]
+            out[name] = (mask, float(rest.median()) if rest.numel() else 0.0)
+    return out
+
+
+def surge_rows(masks: dict[str, tuple[torch.Tensor, float]], moved: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
+    """Per parameter with surging coordinates: their share, and how far they moved against the parameter's others.
+
+    ``moved``: name -> |theta_after - theta_before| of the step. Returns ``[{"name", "numel", "surge_share",
+    "coord_factor", "typical_sqrt_v"}, ...]`` where coord_factor = mean move of the surging coordinates / mean move
+    of the rest.
+    """
+    rows = []
+    for name, (mask, typical) in masks.items():
+        n, k = mask.numel(), int(mask.sum())
+        if not k or k * 2 > n or name not in moved:  # a few coordinates of a layer: most surging is the whole step's
+            continue
+        d = moved[name].detach().float().to(mask.device)
+        rest = d[~mask]
+        base = float(rest.mean()) if rest.numel() else 0.0
+        rows.append({"name": name, "numel": n, "surge_share": k / n, "typical_sqrt_v": typical,
+                     "coord_factor": float(d[mask].mean()) / base if base > 0 else float("inf")})
+    return rows
+
+
+def departures(current: dict[str, float], older: dict[str, float], order: list[str]) -> dict[str, Any]:
+    """Which module's output magnitude departs most from the same module's under the older state.
+
+    ``current``/``older``: module name -> output RMS on the spike's window; ``order``: the modules in forward
+    order. Returns ``{"first", "first_factor", "largest", "largest_factor", "top"}``: the first module (in forward
+    order) within half (in log terms) of the largest departure, the largest itself, the top five as
+    ``[name, factor]`` (factor = current / older RMS), and ``upstream``: the two modules that ran just before the
+    first (nearest first), where a value that only shows downstream (low bits lost) may have been made.
+    """
+    logs = {}
+    for name in order:
+        a, b = current.get(name), older.get(name)
+        if a is None or b is None or not (a > 0 and b > 0 and math.isfinite(a) and math.isfinite(b)):
+            continue
+        logs[name] = math.log(a / b)
+    if not logs:
+        return {"first": None, "first_factor": None, "largest": None, "largest_factor": None, "top": [], "upstream": []}
+    largest = max(logs, key=lambda k: abs(logs[k]))
+    bar = abs(logs[largest]) / 2
+    first = next(k for k in order if k in logs and abs(logs[k]) >= bar)
+    top = sorted(logs, key=lambda k: -abs(logs[k]))[:5]
+    before = [k for k in order[:order.index(first)] if "." not in k or not first.startswith(k + ".")]
+    return {"first": first, "first_factor": math.exp(logs[first]), "largest": largest,
+            "largest_factor": math.exp(logs[largest]), "top": [[k, math.exp(logs[k])] for k in top],
+            "upstream": before[-2:][::-1]}
+
+
+def jumps(spike: dict[str, float], ordinary: dict[str, float], top: int = 3) -> list[list[Any]]:
+    """The ``top`` names whose figure on the spike's window is the most times its figure on an ordinary window:
+    ``[[name, factor, spike value, ordinary value], ...]`` (factor >= 1 only)."""
+    rows = []
+    for name, value in spike.items():
+        base = ordinary.get(name)
+        if base is None or not (base > 0) or not math.isfinite(value):
+            continue
+        rows.append([name, value / base, value, base])
+    rows.sort(key=lambda r: -r[1])
+    return [r for r in rows[:top] if r[1] >= 1.0]
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%" if x >= 0.01 else f"{100 * x:.2g}%"
+
+
+def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
+    """Return ``{"failure_class", "evidence", "blamed_samples", "blamed_layer", "blamed_module"}`` for the measurements ``m``.
+
+    ``m`` (from :func:`stabletrain.counterfactual.diagnose_spike`): ``reproduces``, ``why_not_reproducible``,
+    ``loss``, ``precision``, ``fp32`` (the fp32 replay's rule test, or None), ``samples`` (the verified set:
+    ``indices``, ``share``, ``without``; or None), ``older`` (the window and ordinary windows under the older
+    state: ``step``, ``window``, ``ordinary``, ``current_ordinary``, ``window_high``, ``ordinary_high``; or None),
+    ``surges`` (:func:`surge_rows` with ``step``: of the step before the spike and of the spike's own),
+    ``where`` (:func:`departures`) and ``jumps`` (:func:`jumps` of ``grad_norm`` and ``update_ratio``).
+    """
+    out: dict[str, Any] = {"blamed_samples": None, "blamed_layer": None, "blamed_module": None}
+    older, samples = m.get("older"), m.get("samples")
+    if not m.get("reproduces"):
+        return {**out, "failure_class": "not reproducible", "evidence": m.get("why_not_reproducible") or "the replay differs"}
+    fp32 = m.get("fp32")
+    if fp32 is not None and not fp32["spike"]:
+        module = (m.get("where") or {}).get("first")
+        out["blamed_module"] = module
+        return {**out, "failure_class": "precision",
+                "evidence": (f"the same step in fp32 has loss {fp32['loss']:.4g}, normal by the guard's rule (x"
+                             f"{fp32['ratio']:.3g} the window's median, z {fp32['zscore']:.3g}); in {m['precision']} it is "
+                             f"{m['loss']:.4g}" + (f"; the first module whose output departs from fp32's: '{module}' "
+                                                   f"(x{m['where']['first_factor']:.3g} its fp32 magnitude)" if module else ""))}
+    high_before = older is not None and older["window_high"]
+    if samples is not None and (older is None or high_before):
+        out["blamed_samples"] = samples["indices"]
+        n = len(samples["indices"])
+        return {**out, "failure_class": "data",
+                "evidence": (f"sample{'s' if n > 1 else ''} {', '.join(map(str, samples['indices']))} carr"
+                             f"{'y' if n > 1 else 'ies'} {_pct(samples['share'])} of the window's loss; without them "
+                             f"the step is normal (verified: loss {samples['without']['loss']:.4g}, x{samples['without']['ratio']:.3g} "
+                             "the median)" + (f"; the window is high under the state of step {older['step']} too "
+                                              f"({older['window']:.4g} vs {older['ordinary']:.4g})" if older else ""))}
+    if high_before:
+        return {**out, "failure_class": "data",
+                "evidence": (f"the whole window is high under the state of step {older['step']} too ({older['window']:.4g} "
+                             f"vs {older['ordinary']:.4g} on ordinary windows) and no small set of its samples carries "
+                             "it: the batch itself is an outlier")}
+    drift = ""
+    if older is not None:
+        drift = (f"; the window is normal under the state of step {older['step']} ({older['window']:.4g}) and ordinary "
+                 f"windows are {'high' if older['ordinary_high'] else 'at'} {older['current_ordinary']:.4g} under this "
+                 f"one (vs {older['ordinary']:.4g})")
+    if samples is not None:
+        drift += (f"; samples {', '.join(map(str, samples['indices']))} carry {_pct(samples['share'])} of the loss, "
+                  "but only under the current state")
+    blamed = _surging_layer(m.get("surges") or [])
+    if blamed is not None:
+        out["blamed_layer"] = blamed["name"]
+        return {**out, "failure_class": "optimizer-state",
+                "evidence": (f"Adam's second moment: in the update of step {blamed['step']}, {_pct(blamed['surge_share'])} of "
+                             f"{blamed['name']}'s coordinates got a gradient past {SURGE_FACTOR:g}x sqrt(v) after tiny "
+                             f"gradients and moved x{blamed['coord_factor']:.3g} as far as its others" + drift)}
+    where = m.get("where") or {}
+    text = "the model or optimizer state drifted (a divergence onset, or an LR too high)" + drift
+    if where.get("first"):
+        out["blamed_module"] = where["first"]
+        text += f"; first module whose output departs: '{where['first']}' (x{where['first_factor']:.3g})"
+    grads = (m.get("jumps") or {}).get("grad_norm") or []
+    if grads:
+        text += "; gradient jumps: " + ", ".join(f"{n} x{f:.3g}" for n, f, *_ in grads)
+    return {**out, "failure_class": "state", "evidence": text}
+
+
+def _surging_layer(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The layer whose surging coordinates moved the most times its others, among those that pass the bars, or None."""
+    fit = [r for r in rows if r["surge_share"] >= MIN_SHARE and r["coord_factor"] >= UPDATE_JUMP]
+    return max(fit, key=lambda r: r["coord_factor"]) if fit else None
+
+
+def spike_summary(d: dict[str, Any]) -> str:
+    """One line for a person: the class, its evidence, whether it reproduces."""
+    head = f"{d['failure_class']}: {d['evidence']}"
+    if d["failure_class"] != "not reproducible":
+        head += "; reproduces on replay"
+    return head

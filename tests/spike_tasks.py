@@ -1,0 +1,119 @@
+"""Tasks whose runs spike for a known cause, one per spike class, for the spike tests and the lab.
+
+Each is a task factory (``task=spike_tasks:NAME``: tests/ is on ``sys.path``), small enough to train, capture,
+diagnose and replay under remedies in seconds on a CPU. With ``train.batch_size=8`` and ``data.shuffle=false``
+step k trains on samples 8(k-1) .. 8k-1, so a planted sample's step is known.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import TensorDataset
+
+from stabletrain import Task
+
+
+def _mse(model: nn.Module, batch) -> Tensor:
+    x, y = batch
+    return F.mse_loss(model(x).float(), y)
+
+
+def _regression(n: int, dim: int, seed: int) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim, generator=g)
+    y = torch.tanh(x @ torch.randn(dim, 1, generator=g)) + 0.05 * torch.randn(n, 1, generator=g)
+    return x, y
+
+
+def outlier_samples_task(bad: tuple[int, ...] = (153, 157), scale: float = 40.0, n: int = 256, seed: int = 0) -> Task:
+    """data: samples ``bad`` (step 20 at batch 8) have targets ``scale`` times too large: the window's loss spikes
+    under any weights, and the step without them is normal."""
+    x, y = _regression(n, 8, seed)
+    for i in bad:
+        y[i] = y[i] * scale + scale
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    return Task(model=model, train_data=TensorDataset(x, y), loss=_mse, name="outlier-samples")
+
+
+def steady_regression_task(n: int = 512, seed: int = 0) -> Task:
+    """state: an ordinary regression; with an LR that the warmup raises too high (AdamW at 0.5 over a 50-step warmup)
+    the loss spikes as the state drifts (step 39 at batch 8), on every window alike (no sample to blame)."""
+    x, y = _regression(n, 8, seed)
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    return Task(model=model, train_data=TensorDataset(x, y), loss=_mse, name="steady-regression")
+
+
+class BagOfTokens(nn.Module):
+    """The mean of a sequence's token embeddings, then a linear head; the ``rare`` rows start at zero."""
+
+    def __init__(self, vocab: int, dim: int, rare: tuple[int, ...]) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, 1)
+        with torch.no_grad():
+            self.embed.weight[list(rare)] = 0.0
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.head(self.embed(tokens).mean(1))
+
+
+def rare_token_task(vocab: int = 32, length: int = 8, n: int = 640, first: int = 588, count: int = 8,
+                    lr: float = 0.05, seed: int = 0) -> Task:
+    """optimizer-state: token ``vocab - 1`` appears only in samples ``first`` .. ``first + count - 1`` (steps
+    74 and 75 at batch 8). Its embedding row had no gradient until then, so Adam's second moment there is 0: its first
+    gradient, however small, makes an update of about lr x sqrt(t) per coordinate (bias-corrected, with beta1 = 0
+    as RMSprop-like setups run; with beta1 = 0.9 the same shows after some thousand steps), several times the
+    other rows' moves, and the next step's loss on those samples spikes. The target ignores the rare token."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab - 1, (n, length), generator=g)
+    values = torch.randn(vocab, generator=g)
+    rare = vocab - 1
+    values[rare] = 0.0  # the target ignores it: a zero row (where it starts) fits those samples as well as any
+    tokens[first:first + count, :3 * length // 4] = rare  # three quarters of those samples' tokens
+    y = values[tokens].mean(1, keepdim=True)
+    torch.manual_seed(seed)
+    model = BagOfTokens(vocab, 16, (rare,))
+
+    def optimizer(named: list) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for _, p in named], lr=lr, betas=(0.0, 0.999), weight_decay=0.0, fused=True)
+
+    def loss(model: nn.Module, batch) -> Tensor:
+        x, target = batch
+        return F.mse_loss(model(x).float(), target)
+
+    return Task(model=model, train_data=TensorDataset(tokens, y), loss=loss, name="rare-token", optimizer=optimizer)
+
+
+class Standardize(nn.Module):
+    """(x - mean) / std over the features, in whatever dtype x comes in."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        centered = x - x.mean(-1, keepdim=True)
+        return centered / (centered * centered).mean(-1, keepdim=True).add(1e-5).sqrt()
+
+
+def offset_inputs_task(bad: tuple[int, ...] = (553, 554, 555, 557, 558, 559), offset: float = 6e4, n: int = 640,
+                       seed: int = 0) -> Task:
+    """precision: samples ``bad`` (step 70 at batch 8) carry their features on top of ``offset``, near float16's
+    limit (65504), where float16's step is 32. Under fp16 autocast the first (frozen, identity) layer's outputs
+    are float16: 60000 + x rounds to 60000 for every |x| < 16, so those samples standardize to all zeros and the
+    tanh head answers a constant: the window's loss spikes. In fp32 they standardize like any other sample
+    (the offset cancels exactly) and the step is normal. The tanh keeps the gradients small: no fp16 overflow
+    for the GradScaler to skip."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 16, generator=g)
+    w = torch.randn(16, 1, generator=g)
+    y = torch.tanh((x - x.mean(-1, keepdim=True)) / x.std(-1, unbiased=False, keepdim=True) @ w / 4) * 0.8
+    for i in bad:
+        x[i] += offset
+    torch.manual_seed(seed)
+    first = nn.Linear(16, 16)  # a fixed input layer (the identity, frozen): it only puts the features in float16
+    with torch.no_grad():
+        first.weight.copy_(torch.eye(16))
+        first.bias.zero_()
+    first.requires_grad_(False)
+    model = nn.Sequential(first, Standardize(), nn.Linear(16, 1), nn.Tanh())
+    return Task(model=model, train_data=TensorDataset(x, y), loss=_mse, name="offset-inputs")
