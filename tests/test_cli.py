@@ -223,10 +223,10 @@ def test_check_inside_a_git_repository_leaves_git_status_clean(tmp_path, monkeyp
 
 def test_dist_nproc_says_it_starts_the_processes(tmp_path, monkeypatch, capsys):
     from stabletrain.cli import main
-    from stabletrain.distributed import ddp
+    from stabletrain.distributed import launch
 
     launched = []
-    monkeypatch.setattr(ddp, "launch", lambda nproc, argv: launched.append((nproc, argv)) or 0)  # torchrun itself: test_distributed
+    monkeypatch.setattr(launch, "launch", lambda nproc, argv, **kw: launched.append((nproc, argv)) or 0)  # torchrun itself: test_distributed
     assert main(["train", "task=mlp", "dist.nproc=2", "log.progress=false", f"run.dir={tmp_path / 'r'}"]) == 0
     assert launched == [(2, ["train", "task=mlp", "dist.nproc=2", "log.progress=false", f"run.dir={tmp_path / 'r'}"])]
     assert capsys.readouterr().out == ("stabletrain: starting 2 processes on this machine (torchrun, DDP): rank 0 prints "

@@ -227,19 +227,26 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(args.config, args.overrides)
         run_dir = Path(cfg.run.dir) if cfg.run.dir else None  # None: runs/<Task.name>-<timestamp>
-    from .distributed import ddp as distributed  # torch: only once the config is valid
-    from .services.rundir import default_run_dir
+    from .distributed import launch as launcher  # no torch: a launcher or a supervisor does not hold it
 
-    if cfg.dist.nproc > 1 and not distributed.under_torchrun():
-        # The ranks must agree on the run directory: name it here, once.
-        argv = list(getattr(args, "argv", None) or sys.argv[1:])
-        if not resume and not cfg.run.dir:
-            argv.append(f"run.dir={default_run_dir(cfg)}")
+    # The ranks, and every restart, must agree on the run directory: name it here, once.
+    argv = list(getattr(args, "argv", None) or sys.argv[1:])
+    if not resume and not cfg.run.dir:
+        argv.append(f"run.dir={launcher.default_run_dir(cfg)}")
+    if cfg.dist.nproc > 1 and not launcher.under_torchrun():
         console.say(f"starting {cfg.dist.nproc} processes on this machine (torchrun, {cfg.dist.strategy.upper()}): rank 0 "
                     "prints the progress and writes the run directory")
-        return distributed.launch(cfg.dist.nproc, argv)
+        return launcher.launch(cfg.dist.nproc, argv, max_restarts=cfg.run.max_restarts)
+    if cfg.run.max_restarts and not launcher.restarted_by_parent():
+        return launcher.supervise(argv, max_restarts=cfg.run.max_restarts)
+    from .distributed import ddp as distributed  # torch: only once the config is valid, in a process that trains
+    from .services.restarts import begin_launch
+
     with distributed.process_group(cfg.dist.backend, cfg.dist.timeout_s, cfg.dist.nproc) as ctx:
-        return _train(args, cfg, run_dir, bool(resume), ctx)
+        launch = begin_launch(cfg, run_dir, bool(resume), ctx)  # run.resume=auto, and a restart's checks and record
+        if launch.refused:
+            return launcher.EXIT_GAVE_UP
+        return _train(args, cfg, launch.run_dir, launch.resume, ctx)
 
 
 def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ctx) -> int:
@@ -284,8 +291,13 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
 def _write_report(run_dir: Path) -> None:
     from .report import health_summary, load_run, write_report
 
+    from .report.goodput import read_goodput
+
     console.say(f"report written to {write_report(run_dir)}")
     print(health_summary(load_run(run_dir)).text)
+    goodput = read_goodput(run_dir)
+    if goodput is not None:
+        print(goodput.line())
 
 
 def cmd_check(args: argparse.Namespace) -> int:

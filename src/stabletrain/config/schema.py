@@ -162,6 +162,9 @@ class DistConfig:
 class RunConfig:
     dir: str | None = _f(None, "the run directory; default runs/<task>-<timestamp>")
     overwrite: bool = _f(False, "allow writing into a run directory that already holds a run")
+    resume: Literal["never", "auto"] = _f("never", "auto: continue run.dir from its LAST_GOOD when it holds one (the same command submitted again: a Slurm requeue, a preempted VM), else start it, with one line saying which; a changed config is refused as --resume refuses it. never: start a new run")
+    max_restarts: int = _f(0, "when a process of the run dies (a signal, a non-zero exit, a lost peer), restart from LAST_GOOD by itself at most this many times (0: never; the default, on one process and under dist.nproc > 1 alike, so a new run fails fast; 3 suits a long job). dist.nproc > 1: torchrun's --max-restarts; one process: a supervisor process. SIGINT/SIGTERM still stop the run")
+    max_repeats: int = _f(2, "restarts in a row that may meet the same failure (the same crash or incident at the same step, or no new checkpoint) before the run stops with one line instead of restarting again")
 
 
 @dataclass
@@ -213,6 +216,9 @@ class Config:
         if optim.nesterov and optim.momentum <= 0:
             raise ConfigError(f"config key 'optim.nesterov': Nesterov momentum needs optim.momentum > 0, got "
                               f"optim.nesterov=true with optim.momentum={optim.momentum!r}")
+        if self.run.resume == "auto" and not self.run.dir:
+            raise ConfigError("config key 'run.resume': auto continues or starts run.dir, but run.dir is not set "
+                              "(set run.dir=DIR)")
         for i, name in enumerate(self.log.trackers):
             if name in self.log.trackers[:i]:
                 raise ConfigError(f"config key 'log.trackers[{i}]': {name} is listed twice, got {brief(self.log.trackers)}")
@@ -260,6 +266,8 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "guard.snapshot_memory_fraction": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
     "dist.nproc": (lambda v: v >= 1, "an integer >= 1"),
     "dist.timeout_s": (lambda v: v > 0, "a number > 0"),
+    "run.max_restarts": (lambda v: v >= 0, "an integer >= 0"),
+    "run.max_repeats": (lambda v: v >= 1, "an integer >= 1"),
 }
 
 

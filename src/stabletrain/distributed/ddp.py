@@ -1,4 +1,4 @@
-"""Distributed data parallel: the process group, the torchrun launcher, and the few collectives the loop needs.
+"""Distributed data parallel: the process group and the few collectives the loop needs (launching: :mod:`.launch`).
 
 The same loop runs on one process or on N under ``torchrun`` (DDP; gloo on CPU, NCCL on CUDA)::
 
@@ -31,21 +31,18 @@ last one written stays loadable.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import datetime
 import os
-import signal
-import subprocess
-import sys
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from .launch import LAUNCHER_ENV, die_with_parent, launch, leave_word, under_torchrun
 
 __all__ = [
     "DistContext",
@@ -113,44 +110,6 @@ def is_peer_failure(err: BaseException, *, in_gradient_sync: bool = False) -> bo
         return False
     innermost = os.path.normcase(os.path.abspath(traceback.extract_tb(err.__traceback__)[-1].filename))
     return innermost.startswith(os.path.normcase(_DIST_DIR)) or (in_gradient_sync and innermost == _ENGINE_FILE)
-
-
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-#: Set by :func:`launch` for torchrun and so its ranks: the launcher's pid (a rank checks its parent's parent).
-LAUNCHER_ENV = "STABLETRAIN_LAUNCHER_PID"
-
-
-def _ppid_of(pid: int) -> int | None:
-    try:
-        return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def die_with_parent(parent: int | None = None, grandparent: int | None = None) -> bool:
-    """Have the kernel SIGKILL this process when its parent exits (Linux ``PR_SET_PDEATHSIG``); return whether armed.
-
-    A launcher killed with SIGKILL cannot take its children along, and torchrun starts each rank in a
-    session of its own, out of reach of a process-group kill: armed in each, the launcher's death takes
-    torchrun, and torchrun's its ranks, at once (checkpoints are atomic: a resume continues from the last).
-    A parent that exited before the call would never signal: ``parent`` (the pid it had) or
-    ``grandparent`` (its parent's pid) no longer matching, or a parent of pid 1, then kills this process
-    right away. Elsewhere than Linux: nothing (False).
-    """
-    if not sys.platform.startswith("linux"):
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
-        return False
-    now = os.getppid()  # read after arming: a parent that exits from here on signals
-    if now == 1 or (parent is not None and now != parent) or (grandparent is not None and _ppid_of(now) != grandparent):
-        os.kill(os.getpid(), signal.SIGKILL)  # orphaned already: go as the parent's death would have made us
-    return True
-
-
-def under_torchrun() -> bool:
-    """Return whether this process was started by torchrun (or another env:// launcher) with > 1 process."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
 
 
 @dataclass
@@ -266,7 +225,8 @@ def process_group(backend: str = "auto", timeout_s: float = 120.0, nproc: int = 
     dist.init_process_group(chosen, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     try:
         yield DistContext.current()
-    except BaseException:
+    except BaseException as err:
+        leave_word(err)  # for torchrun's agent: why this rank ends (stabletrain.distributed.elastic passes it on)
         with contextlib.suppress(Exception):  # a dead peer must not turn a clear error into a second one
             dist.destroy_process_group()
         raise
@@ -277,33 +237,6 @@ def process_group(backend: str = "auto", timeout_s: float = 120.0, nproc: int = 
             dist.barrier()
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
-
-
-def launch(nproc: int, argv: list[str]) -> int:
-    """Run ``python -m torch.distributed.run --standalone --nproc_per_node NPROC -m stabletrain ARGV``; return its exit code.
-
-    SIGTERM and SIGINT are passed on to torchrun, which passes them to every rank (each checkpoints at
-    its next log boundary and exits). A launcher killed outright (SIGKILL) takes torchrun and the ranks
-    with it (:func:`die_with_parent`): none is left running, holding the devices and the run directory.
-    """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "stabletrain", *argv]
-    launcher = os.getpid()
-    env = {**os.environ, LAUNCHER_ENV: str(launcher)}
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    # In the child between fork and exec (the launcher runs no other thread): the mark survives the exec.
-    proc = subprocess.Popen(cmd, env=env, preexec_fn=lambda: die_with_parent(parent=launcher))
-
-    def forward(signum: int, frame: Any) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signum)
-
-    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        return proc.wait()
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
 
 
 class WindowCarrier:

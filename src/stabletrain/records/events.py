@@ -24,11 +24,12 @@ EVENT_KINDS: dict[str, str] = {
     "checkpoint_withheld": "no checkpoint was written because the state was not finite or was inside an incident; LAST_GOOD stays",
     "checkpoint_failed": "writing a checkpoint failed (disk full, I/O error); the previous one and LAST_GOOD are untouched",
     "checkpoint_skipped": "on resume or rollback a checkpoint did not verify (truncated, corrupted, refused) and an older one was used",
+    "restart": "a process of the run died and the run restarted by itself (run.max_restarts, torchrun): the cause (exit code or signal, rank, its last line), what the launch before met, the checkpoint resumed from, the steps to train again, a checkpoint no longer trusted",
     "resume": "the run continued from a checkpoint at this step (metrics and events logged past it before are superseded; under another world size: resharded, with the old and new world size and global batch)",
     "rollback": "the guard rolled back to the last good checkpoint, skipping the offending data window",
     "remedy": "guard.on_nonfinite=remedy (or config key 'remedy'): a remedy verified on a replay of the incident was applied (what, from which step, the evidence), or none cured it and the fallback was taken",
     "schedule_changed": "the LR schedule's horizon changed on resume (train.max_steps differs from the checkpoint's)",
-    "stop": "the run stopped before train.max_steps: a guard limit, SIGINT or SIGTERM",
+    "stop": "the run stopped before train.max_steps: a guard limit, SIGINT or SIGTERM, or a restart refused (the same failure again, run.max_repeats)",
     "crash": "an exception ended the run: its type, message and where in the user's code it was raised",
     "init_overwritten": "parameters changed between the task factory and the first step (an init was overwritten)",
 }

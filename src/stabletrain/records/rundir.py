@@ -295,7 +295,8 @@ class RunDir:
         """Remove the metrics lines of steps after ``step`` (a resume supersedes them); return how many.
 
         After a crash the steps between the last checkpoint and the crash are trained again: each step
-        then appears once in metrics.jsonl, with the values of the run that continued.
+        then appears once in metrics.jsonl, with the values of the run that continued. The removed lines
+        are appended to ``metrics.superseded.jsonl`` (a crash's evidence is never deleted).
         """
         path = self.path / "metrics.jsonl"
         self.metrics.close()
@@ -308,7 +309,9 @@ class RunDir:
                 return False  # a malformed line stays, for the report to name
 
         kept = [line for line in lines if not after(line)]
-        if len(kept) != len(lines):
+        if len(kept) != len(lines):  # the dropped lines are kept as evidence: what the run lost to the crash
+            with open(self.path / "metrics.superseded.jsonl", "a", encoding="utf-8") as fh:
+                fh.write("".join(line if line.endswith("\n") else line + "\n" for line in lines if after(line)))
             atomic_write(path, "".join(kept))
         self.metrics = JsonlWriter(path)
         return len(lines) - len(kept)

@@ -22,6 +22,7 @@ from ..config import flatten_config
 from ..records.events import EVENT_KINDS
 from ..records.incidents import REMEDY_FILE
 from ..fileio import atomic_write
+from .goodput import goodput_section
 from .health import Health, health_summary, incident_summary
 from .plots import RUN_PLOT_NAMES, Plot, run_plots
 from .rundata import Event, RunData, as_number, load_run
@@ -109,6 +110,7 @@ KIND_COLORS: dict[str, tuple[str, str]] = {
     "checkpoint_withheld": ("#ffe8cc", "#d9480f"),
     "checkpoint_failed": ("#ffe3e3", "#c92a2a"),
     "checkpoint_skipped": ("#fff4e6", "#d9480f"),
+    "restart": ("#1864ab", "#fff"),
     "resume": ("#d0ebff", "#1864ab"),
     "rollback": ("#f4e4d7", "#7a3e12"),
     "remedy": ("#e6fcf5", "#087f5b"),
@@ -226,6 +228,7 @@ def render_report(run: RunData, plots: Sequence[Plot] | None = None, files: dict
     sections = [
         _header(run, health),
         _health(health),
+        goodput_section(run.path),
         problems_box(run.problems),
         '<nav><a href="#curves">Curves</a><a href="#events">Events</a><a href="#layers">Grad-norm layers</a>'
         '<a href="#config">Config</a><a href="#snapshot">Snapshot</a></nav>',

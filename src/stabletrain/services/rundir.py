@@ -1,11 +1,12 @@
-"""Opening the run directory: one launch at a time, the resume, ``config.yaml`` and ``snapshot.json``."""
+"""Opening the run directory: one launch at a time, the resume, ``config.yaml``, ``snapshot.json``, the goodput ledger."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
+from ..callbacks.goodput import LEDGER_FILE, GoodputClock, launch_record
+from ..distributed.launch import default_run_dir
 from ..records.checkpoint.manager import CheckpointManager
 from ..records.rundir import RunDir, build_snapshot, refuse_if_running, this_process
 
@@ -15,18 +16,13 @@ __all__ = ["open_run", "default_run_dir", "DEFAULT_RUN_DIR"]
 DEFAULT_RUN_DIR = "<default run dir>"
 
 
-def default_run_dir(cfg: Any, task_name: str | None = None) -> Path:
-    """``runs/<task name>-<timestamp>``: the task's ``Task.name`` when known, else the config's task spec."""
-    name = (task_name or cfg.task.split(":")[-1]).replace("/", "_").replace(":", "_")
-    return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
 def open_run(trainer: Any, run_dir: Path, resume: bool) -> None:
     """Open ``run_dir`` for ``trainer`` (every rank calls it; rank 0 writes).
 
     Refuses a run directory an earlier launch still runs on; restores the checkpoint to resume from
     (the keeper: :meth:`~stabletrain.services.checkpoints.CheckpointKeeper.resume`); writes the resolved
-    config, and the snapshot of a new run or the resume's events and lines; records this launch's processes.
+    config, and the snapshot of a new run or the resume's events and lines; records this launch's processes;
+    adds the :class:`~stabletrain.callbacks.goodput.GoodputClock` that writes this launch's goodput ledger.
     """
     state, dist, cfg = trainer.state, trainer.dist, trainer.cfg
     launch = dist.gather_objects(this_process())  # recorded in the run dir while this launch runs
@@ -50,4 +46,5 @@ def open_run(trainer: Any, run_dir: Path, resume: bool) -> None:
     dist.on_main(write)
     if state.run is not None:
         state.run.record_launch(launch)
+    trainer.callbacks.append(GoodputClock(run_dir / LEDGER_FILE, launch_record(run_dir if state.run is not None else None)))
     trainer.recorder.plan_snapshot(state)  # guard.memory_snapshot=auto: decided once, here (a broadcast)

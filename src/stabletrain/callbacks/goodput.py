@@ -1,0 +1,112 @@
+"""Where a launch's wall time goes: ``RUN_DIR/goodput.jsonl``, one line per log interval, written by rank 0.
+
+The ledger :mod:`stabletrain.report.goodput` reads to say what share of a run's wall time, over every
+launch (restarts included), went into steps that were kept. Each line is a JSON object with ``kind``:
+
+==========  ==========================================================================================
+launch      the fit starts: ``start`` (the launch's first process started, seconds since the epoch),
+            ``ready`` (now: imports, process group, task, restore and compile's set-up are behind),
+            ``step`` (resumed from), ``run_id`` (torchrun's), ``world_size``
+interval    a log interval ended: ``t``, ``step``, ``steps`` in it, ``wall_s`` since the last line,
+            ``eval_s`` (validation), ``checkpoint_s`` (the loop blocked by saves), ``incident_s`` (capture
+            and diagnosis), ``skipped`` (steps whose update was skipped)
+rollback    the guard went back: ``from``, ``to``
+end         the fit ended (normally, by a stop or a crash): ``t``, ``step``, ``wall_s`` since the last
+            line and the ``checkpoint_s``, ``incident_s`` in it (a process killed outright writes none)
+==========  ==========================================================================================
+
+The interval's steps took ``wall_s - eval_s - checkpoint_s - incident_s``. The remedy search (rare) and
+the host work of a boundary count as steps. One line per interval, flushed, not fsynced (as metrics.jsonl).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from ..distributed.launch import LAUNCH_START_ENV, RESTART_ENV, process_start_time
+from ..records.rundir import JsonlWriter, read_jsonl
+from . import Callback, FitState
+
+__all__ = ["GoodputClock", "LEDGER_FILE", "launch_record"]
+
+#: The ledger's file in the run directory.
+LEDGER_FILE = "goodput.jsonl"
+
+
+def launch_record(run_dir: Path | None = None) -> dict[str, Any]:
+    """This launch as the ledger records it: when it started (seconds since the epoch) and torchrun's run id.
+
+    The start is the outermost stabletrain process's (:data:`~stabletrain.distributed.launch.LAUNCH_START_ENV`,
+    imports and all) for a launch a command started; a restarted process's own start otherwise (the wait before
+    it is the restart's). ``run_dir``: where to look for an earlier launch, whose start a stale variable would be.
+    """
+    start = process_start_time()
+    given = os.environ.get(LAUNCH_START_ENV)
+    if given and RESTART_ENV not in os.environ and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0"):
+        earlier = [r for r in read_jsonl(run_dir / LEDGER_FILE)[0] if r.get("kind") == "launch"] if run_dir else []
+        if not earlier or float(given) > float(earlier[-1].get("ready") or 0):
+            start = float(given)
+    return {"start": round(start, 3) if start else None, "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}
+
+
+class GoodputClock(Callback):
+    """Write the goodput ledger (module docstring) of this launch: ``launch`` holds its ``start`` and ``run_id``.
+
+    A no-op on the ranks without a run directory (only rank 0 writes). No host-device sync: it reads the
+    interval's record and the checkpoint outcomes the loop already has.
+    """
+
+    def __init__(self, path: str | Path, launch: dict[str, Any]) -> None:
+        self.path, self.launch = Path(path), dict(launch)
+        self._file: JsonlWriter | None = None
+        self._t = 0.0
+        self._step = 0
+        self._checkpoint_s = self._incident_s = 0.0
+
+    def _write(self, kind: str, **fields: Any) -> None:
+        if self._file is not None:
+            self._file.write({"kind": kind, **{k: round(v, 4) if isinstance(v, float) else v for k, v in fields.items()}})
+
+    def on_fit_start(self, state: FitState) -> None:
+        if state.run is None:
+            return
+        self._file = JsonlWriter(self.path)
+        self._t, self._step = time.time(), state.step
+        self._checkpoint_s = self._incident_s = 0.0
+        start = self.launch.get("start")
+        self._write("launch", start=start if start is not None else self._t, ready=self._t, step=state.step,
+                    run_id=self.launch.get("run_id"), world_size=state.dist.world)
+
+    def on_log(self, state: FitState, record: dict[str, Any], rows: list[Any]) -> None:
+        if self._file is None:
+            return
+        now = time.time()
+        steps = state.step - self._step
+        wall = now - self._t
+        stepping = float(record.get("step_time_s") or 0.0) * steps  # the loop's interval time, validation left out
+        self._write("interval", t=now, step=state.step, steps=steps, wall_s=wall, eval_s=max(0.0, wall - stepping),
+                    checkpoint_s=self._checkpoint_s, incident_s=self._incident_s, skipped=int(record.get("num_skipped") or 0))
+        self._t, self._step = now, state.step
+        self._checkpoint_s = self._incident_s = 0.0
+
+    def on_incident(self, state: FitState, info: dict[str, Any]) -> None:
+        self._incident_s += max(0.0, time.time() - self._t)  # the capture and diagnosis ran since on_log
+
+    def on_checkpoint(self, state: FitState, info: dict[str, Any]) -> None:
+        self._checkpoint_s += float((info.get("fields") or {}).get("blocked_s") or 0.0)
+
+    def on_rollback(self, state: FitState, info: dict[str, Any]) -> None:
+        self._write("rollback", t=time.time(), **{"from": info.get("from_step"), "to": info.get("to_step")})
+        self._step = state.step
+
+    def on_fit_end(self, state: FitState, record: dict[str, Any]) -> None:
+        if self._file is None:
+            return
+        now = time.time()
+        self._write("end", t=now, step=state.step, wall_s=now - self._t, checkpoint_s=self._checkpoint_s,
+                    incident_s=self._incident_s)
+        self._file.close()
+        self._file = None

@@ -1,0 +1,117 @@
+"""torchrun, telling the ranks it restarts what died: ``python -m stabletrain.distributed.elastic TORCHRUN_ARGS``.
+
+The same command line as ``torchrun`` (``python -m torch.distributed.run``), the same elastic agent
+(:class:`~torch.distributed.elastic.agent.server.local_elastic_agent.LocalElasticAgent`, ``--max-restarts``),
+with two things added where the agent checks on its workers (``_monitor_workers``, the method an agent
+subclass implements):
+
+- when a worker has failed and the agent will restart the group, the failure it saw first (its global
+  rank, pid, exit code or signal, and when) goes into the agent's environment as :data:`RESTART_ENV`,
+  which the restarted workers inherit; then it waits :func:`restart_backoff_s`;
+- a worker that exits with one of :data:`FINAL_EXITS` (stabletrain refused its input, or refused to restart
+  into the same failure again) ends the restarts: the agent stops as when ``--max-restarts`` is used up;
+- each attempt's ranks get a rendezvous store of their own (:data:`~.launch.UNSHARED_STORE`).
+
+``stabletrain train dist.nproc=N run.max_restarts=K`` runs this. Where torch no longer has the pieces
+this relies on (:func:`agent_class` checks them), it says so in one line and runs plain torchrun: the
+restarts still happen, their records then say less about the cause.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+from .launch import FINAL_EXITS, LAUNCH_START_ENV, RESTART_ENV, UNSHARED_STORE, death_record, restart_backoff_s
+
+__all__ = ["agent_class", "main"]
+
+
+def agent_class() -> type | None:
+    """Return the agent class torchrun should use (a LocalElasticAgent subclass), or None where torch lacks the reach.
+
+    The reach: ``torch.distributed.launcher.api`` builds its agent from its module-level name
+    ``LocalElasticAgent``, and the agent counts its restarts left in ``_remaining_restarts``.
+    """
+    try:
+        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+        from torch.distributed.launcher import api
+    except ImportError:
+        return None
+    if getattr(api, "LocalElasticAgent", None) is not LocalElasticAgent or not hasattr(LocalElasticAgent, "_monitor_workers"):
+        return None
+
+    class RestartingAgent(LocalElasticAgent):  # type: ignore[misc, valid-type]
+        """LocalElasticAgent that hands each restart the failure it follows (see the module docstring)."""
+
+        _restarts_seen = 0
+
+        def _monitor_workers(self, worker_group: Any) -> Any:
+            result = super()._monitor_workers(worker_group)
+            if result.is_failed():
+                self._failed(worker_group.spec.max_restarts, result.failures)
+            return result
+
+        def _failed(self, max_restarts: int, failures: dict[int, Any]) -> None:
+            if not hasattr(self, "_remaining_restarts"):
+                return
+            if any(f.exitcode in FINAL_EXITS for f in failures.values()):
+                self._remaining_restarts = 0  # the run refused: restarting would meet the same refusal
+                return
+            if self._remaining_restarts <= 0:
+                return
+            self._restarts_seen += 1
+            rank, first = min(failures.items(), key=lambda item: _secondary(item[1]))
+            os.environ[RESTART_ENV] = json.dumps(death_record(
+                first.exitcode, rank=rank, pid=first.pid, restart=self._restarts_seen, max_restarts=max_restarts,
+                by="torchrun (stabletrain.distributed.elastic)", when=time.time(),
+                last_line=_message(first)))
+            os.environ.pop(LAUNCH_START_ENV, None)  # the restarted ranks' launch starts with them
+            time.sleep(restart_backoff_s(self._restarts_seen))
+
+    return RestartingAgent
+
+
+def _secondary(failure: Any) -> int:
+    """How likely a failure is the consequence of another (0: a root cause, such as a signal no one here sent).
+
+    torchrun's own ``SIGTERM`` stops the ranks that were still running; a rank that lost its peer says so
+    (:class:`~stabletrain.distributed.ddp.PeerLostError`, through its error file).
+    """
+    if failure.exitcode < 0:
+        return 2 if -failure.exitcode == signal.SIGTERM else 0
+    return 2 if (_message(failure) or "").startswith("PeerLostError") else 1
+
+
+def _message(failure: Any) -> str | None:
+    """The failed worker's own error message, when it left one in torchrun's error file."""
+    data = getattr(failure, "error_file_data", None) or {}
+    message = data.get("message") if isinstance(data, dict) else None
+    if isinstance(message, dict):
+        message = message.get("message")
+    text = str(message).strip() if message else ""
+    return text.splitlines()[-1][:300] if text and text != "<NONE>" else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run torchrun's command line with :func:`agent_class`'s agent."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.launcher import api
+
+    os.environ.setdefault(*UNSHARED_STORE)  # a restart's ranks must not read the attempt before's addresses
+    agent = agent_class()
+    if agent is None:
+        print("stabletrain: warning: this torch's elastic agent lacks what stabletrain.distributed.elastic uses; "
+              "running plain torchrun (restarts still happen; their records say less about the cause)",
+              file=sys.stderr, flush=True)
+    else:
+        api.LocalElasticAgent = agent
+    torchrun.main(argv)
+
+
+if __name__ == "__main__":
+    main()

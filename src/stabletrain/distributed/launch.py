@@ -1,0 +1,290 @@
+"""Starting a run's processes and restarting them: torchrun for ``dist.nproc > 1``, a supervisor for one process.
+
+No torch here: a launcher or a supervisor never holds it (its memory, its import time), only the ranks do.
+
+Three ways a run is launched, and who restarts it when one of its processes dies (``run.max_restarts``)::
+
+    stabletrain train dist.nproc=2 ...         launch(): torchrun's elastic agent, --max-restarts N
+                                               (stabletrain.distributed.elastic: torchrun that says why)
+    stabletrain train run.max_restarts=3 ...   supervise(): this process starts the run as its child and
+                                               starts it again when it dies
+    torchrun --max-restarts=3 -m stabletrain   your torchrun restarts the ranks; they resume by themselves
+
+Either way the restarted process finds the run's LAST_GOOD and continues from it, and its rank 0 decides
+whether the restart may go ahead (:mod:`stabletrain.services.restarts`: the same failure again, a
+checkpoint that is not trusted). What the launcher knows of the death (the exit code or signal, the rank,
+its pid, the last line it printed, when) reaches the restarted processes in their environment
+(:data:`RESTART_ENV`, a JSON object: :func:`death_record`).
+
+A run that ends with one of :data:`FINAL_EXITS` is never restarted: it finished or was stopped by a
+signal (0), stabletrain refused its input (2), it refused to restart into the same failure
+(:data:`EXIT_GAVE_UP`), or it was interrupted (130).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["launch", "supervise", "die_with_parent", "LAUNCHER_ENV", "RESTART_ENV", "LAUNCH_START_ENV",
+           "SUPERVISED_ENV", "EXIT_GAVE_UP", "FINAL_EXITS", "death_record", "describe_exit", "process_start_time",
+           "restart_backoff_s", "restarted_by_parent", "UNSHARED_STORE", "leave_word", "under_torchrun", "default_run_dir"]
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+#: Set by :func:`launch` for torchrun and so its ranks: the launcher's pid (a rank checks its parent's parent).
+LAUNCHER_ENV = "STABLETRAIN_LAUNCHER_PID"
+#: A restarted process's environment: what the launcher knows of the death it restarts after (JSON).
+RESTART_ENV = "STABLETRAIN_RESTART"
+#: The wall-clock time (seconds since the epoch) the first launch's outermost stabletrain process started:
+#: a run's goodput counts its wall time from there (imports and all).
+LAUNCH_START_ENV = "STABLETRAIN_LAUNCH_START"
+#: Set in the child of :func:`supervise`: it trains, and leaves the restarting to its parent.
+SUPERVISED_ENV = "STABLETRAIN_SUPERVISED"
+#: The exit code of a run that refused to restart into the same failure again (the launchers then stop too).
+EXIT_GAVE_UP = 3
+#: Exit codes after which a run is never restarted (see the module docstring).
+FINAL_EXITS = (0, 2, EXIT_GAVE_UP, 130)
+#: For a torchrun that restarts its ranks: a rendezvous store of their own per attempt. The store torchrun's
+#: agent shares with them by default outlives an attempt, and a restart's ranks can read the addresses of the
+#: attempt before and fail to connect (gloo: "connectFullMesh failed ... Connection refused";
+#: pytorch/pytorch#135712, seen with torch 2.13 on every restart here).
+UNSHARED_STORE = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+
+
+def under_torchrun() -> bool:
+    """Return whether this process was started by torchrun (or another env:// launcher) with > 1 process."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+
+
+def default_run_dir(cfg: Any, task_name: str | None = None) -> Path:
+    """``runs/<task name>-<timestamp>``: the task's ``Task.name`` when known, else the config's task spec.
+
+    Under a torchrun that may restart the ranks (``--max-restarts`` > 0), ``runs/<task spec>-<torchrun's run id>``
+    instead: the restarted ranks must find the run their predecessors started.
+    """
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0:
+        return Path("runs") / f"{cfg.task.split(':')[-1].replace('/', '_')}-{run_id}"
+    name = (task_name or cfg.task.split(":")[-1]).replace("/", "_").replace(":", "_")
+    return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def restarted_by_parent() -> bool:
+    """Whether a parent restarts this process when it dies: :func:`supervise`'s child, or a rank of torchrun's."""
+    return bool(os.environ.get(SUPERVISED_ENV)) or "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def restart_backoff_s(restart: int) -> float:
+    """Seconds to wait before restart number ``restart`` (1, 2, ...): 1 s each.
+
+    Short and not growing: a restart that cannot help is stopped by what the run's record shows
+    (:mod:`stabletrain.services.restarts`), not by waiting longer each time.
+    """
+    return 1.0
+
+
+def _ppid_of(pid: int) -> int | None:
+    try:
+        return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def die_with_parent(parent: int | None = None, grandparent: int | None = None) -> bool:
+    """Have the kernel SIGKILL this process when its parent exits (Linux ``PR_SET_PDEATHSIG``); return whether armed.
+
+    A launcher killed with SIGKILL cannot take its children along, and torchrun starts each rank in a
+    session of its own, out of reach of a process-group kill: armed in each, the launcher's death takes
+    torchrun, and torchrun's its ranks, at once (checkpoints are atomic: a resume continues from the last).
+    A parent that exited before the call would never signal: ``parent`` (the pid it had) or
+    ``grandparent`` (its parent's pid) no longer matching, or a parent of pid 1, then kills this process
+    right away. Elsewhere than Linux: nothing (False).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        return False
+    now = os.getppid()  # read after arming: a parent that exits from here on signals
+    if now == 1 or (parent is not None and now != parent) or (grandparent is not None and _ppid_of(now) != grandparent):
+        os.kill(os.getpid(), signal.SIGKILL)  # orphaned already: go as the parent's death would have made us
+    return True
+
+
+def process_start_time(pid: int | None = None) -> float | None:
+    """When process ``pid`` (default: this one) started, in seconds since the epoch (Linux ``/proc``); else None."""
+    try:
+        ticks = int((Path("/proc") / str(pid or os.getpid()) / "stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def describe_exit(code: int) -> str:
+    """``"was killed by SIGKILL"`` for a negative exit code (a signal), else ``"exited with code N"``."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def death_record(code: int, *, rank: int | None, pid: int | None, restart: int, max_restarts: int,
+                 last_line: str | None = None, by: str, when: float | None = None) -> dict[str, Any]:
+    """What :data:`RESTART_ENV` holds: how a process of the run ended, and which restart follows.
+
+    ``code``: its exit code (negative: the signal that killed it); ``rank``: its global rank (None: unknown);
+    ``restart``: the number of the restart that follows (1 for the first); ``by``: who saw it (the supervisor,
+    torchrun); ``when``: when it was seen to end (default: now).
+    """
+    return {"exitcode": code, "signal": signal.Signals(-code).name if code < 0 and -code in _SIGNALS else None,
+            "rank": rank, "pid": pid, "last_line": last_line, "restart": restart, "max_restarts": max_restarts,
+            "by": by, "time": round(when if when is not None else time.time(), 3)}
+
+
+_SIGNALS = {s.value for s in signal.Signals}
+
+
+def leave_word(err: BaseException) -> None:
+    """Under torchrun: write ``err``'s first line to the rank's error file (``TORCHELASTIC_ERROR_FILE``), for its agent.
+
+    torchrun reads it when the rank exits: its failure table shows it, and :mod:`.elastic` hands it to the
+    restarted ranks as the failed rank's last line. Nothing without torchrun's variable; never raises.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or isinstance(err, (KeyboardInterrupt, SystemExit)):
+        return
+    text = str(err).strip().splitlines()
+    with contextlib.suppress(OSError):
+        Path(path).write_text(json.dumps({"message": f"{type(err).__name__}: {text[0] if text else ''}"[:500],
+                                          "timestamp": int(time.time())}))
+
+
+def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
+    """Run torchrun (``--standalone --nproc_per_node NPROC``) on ``-m stabletrain ARGV``; return its exit code.
+
+    ``max_restarts`` > 0: torchrun's elastic agent restarts every rank when one dies, at most that many
+    times (``--max-restarts``), through :mod:`stabletrain.distributed.elastic`, which tells the restarted
+    ranks what died. SIGTERM and SIGINT are passed on to torchrun, which passes them to every rank (each
+    checkpoints at its next log boundary and exits; no restart). A launcher killed outright (SIGKILL) takes
+    torchrun and the ranks with it (:func:`die_with_parent`): none is left running, holding the devices and
+    the run directory.
+    """
+    agent = "stabletrain.distributed.elastic" if max_restarts else "torch.distributed.run"
+    cmd = [sys.executable, "-m", agent, "--standalone", f"--nproc_per_node={nproc}",
+           *([f"--max-restarts={max_restarts}"] if max_restarts else []), "-m", "stabletrain", *argv]
+    launcher = os.getpid()
+    env = {**os.environ, LAUNCHER_ENV: str(launcher)}
+    env.setdefault(LAUNCH_START_ENV, str(process_start_time() or time.time()))
+    if max_restarts:
+        env.setdefault(*UNSHARED_STORE)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # In the child between fork and exec (the launcher runs no other thread): the mark survives the exec.
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=lambda: die_with_parent(parent=launcher))
+
+    def forward(signum: int, frame: Any) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signum)
+
+    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return proc.wait()
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+class _Tee(threading.Thread):
+    """Copy a child's output stream to ours as it comes (bytes, unchanged), keeping its last line."""
+
+    def __init__(self, source: Any, fd: int, lines: list[str]) -> None:
+        super().__init__(daemon=True)
+        self.source, self.fd, self.lines = source, fd, lines
+
+    def run(self) -> None:
+        tail = b""
+        while True:
+            try:
+                chunk = os.read(self.source.fileno(), 1 << 16)
+            except OSError:
+                break
+            if not chunk:
+                break
+            with contextlib.suppress(OSError):
+                os.write(self.fd, chunk)
+            tail = (tail + chunk)[-4096:]
+            done = [line for line in tail.replace(b"\r", b"\n").split(b"\n")[:-1] if line.strip()]
+            if done:
+                self.lines.append(done[-1].decode("utf-8", "replace").strip()[-300:])
+                del self.lines[:-1]
+
+
+def supervise(argv: list[str], *, max_restarts: int) -> int:
+    """Train ``stabletrain ARGV`` in a child process; start it again when it dies, at most ``max_restarts`` times.
+
+    The one-process counterpart of torchrun's elastic agent. The child's stdout and stderr pass through
+    this process unchanged (so the child draws no progress bar: it prints a line per log interval), which
+    keeps the last line it printed for the restart's record. A child that ends with one of
+    :data:`FINAL_EXITS` is not restarted; nor is one after this process got SIGTERM or SIGINT, which it
+    passes on (the child checkpoints and stops). Before restart ``k`` it waits :func:`restart_backoff_s`.
+    The child dies with this process (:func:`die_with_parent`), in a session of its own, so a terminal's
+    Ctrl-C reaches it once, through here. Returns the child's exit code (1 once the restarts are used up).
+    """
+    from .. import console
+
+    me = os.getpid()
+    stopping: list[int] = []
+    env = {**os.environ, SUPERVISED_ENV: "1", "PYTHONUNBUFFERED": "1",
+           LAUNCH_START_ENV: os.environ.get(LAUNCH_START_ENV) or str(process_start_time() or time.time())}
+    env.pop(RESTART_ENV, None)
+    restart = 0
+    proc: subprocess.Popen | None = None
+
+    def forward(signum: int, frame: Any) -> None:
+        stopping.append(signum)
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signum)
+
+    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while True:
+            lines: list[str] = []
+            proc = subprocess.Popen([sys.executable, "-m", "stabletrain", *argv], env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, start_new_session=True,
+                                    preexec_fn=lambda: die_with_parent(parent=me))
+            tees = [_Tee(proc.stdout, sys.stdout.fileno(), lines), _Tee(proc.stderr, sys.stderr.fileno(), lines)]
+            for tee in tees:
+                tee.start()
+            code = proc.wait()
+            ended = time.time()
+            for tee in tees:  # a grandchild (a DataLoader worker) may hold the pipes a moment longer
+                tee.join(timeout=5)
+            if stopping or code in FINAL_EXITS:
+                return code
+            if restart >= max_restarts:
+                console.error(f"the run's process {describe_exit(code)} and its {max_restarts} restart(s) are used up "
+                              f"(run.max_restarts={max_restarts}); not restarted again")
+                return 1 if code >= 0 else 128 - code
+            restart += 1
+            env[RESTART_ENV] = json.dumps(death_record(code, rank=0, pid=proc.pid, restart=restart,
+                                                       max_restarts=max_restarts, last_line=lines[-1] if lines else None,
+                                                       by="stabletrain's supervisor", when=ended))
+            env.pop(LAUNCH_START_ENV, None)  # a restarted child's own start is its launch's
+            time.sleep(restart_backoff_s(restart))
+            if stopping:
+                return code
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,271 @@
+"""The start of a launch: continue the run or start it, and whether a restart may go ahead.
+
+Every launch of ``stabletrain train`` calls :func:`begin_launch` once, every rank, before building the
+Trainer; rank 0 decides from the run directory and tells the others. A launch is a restart when the
+process that restarts it said so (:data:`~stabletrain.distributed.launch.RESTART_ENV`: stabletrain's
+supervisor, or torchrun through :mod:`stabletrain.distributed.elastic`) or when torchrun restarted it
+(``TORCHELASTIC_RESTART_COUNT`` > 0 on any rank, or a ``TORCHELASTIC_RUN_ID`` a launch of this run
+already had: a node whose agent restarted because the other node's did). A restart continues from
+LAST_GOOD, after three checks, in this order, on what the launch before it met (:class:`Failure`, read
+from ``events.jsonl``: its ``crash``, its ``stop`` and the ``incident`` before it, or no record at all):
+
+1. the same failure (the same crash, or stop, at the same step) ended ``run.max_repeats`` + 1 launches in a
+   row, or that many in a row ended before writing a new checkpoint: no restart; a ``stop`` event and one
+   line say what failed and what was tried, and the process exits with
+   :data:`~stabletrain.distributed.launch.EXIT_GAVE_UP`, which ends the launcher's restarts too;
+2. the launch met a non-finite step at most :data:`SOON_AFTER_LOAD` steps after loading its checkpoint and
+   wrote none since: that checkpoint is not trusted again. It is moved whole to ``checkpoints/distrusted/``
+   (evidence, not deleted) and LAST_GOOD goes back to the one before it; with none before it left
+   (``ckpt.keep``), no restart;
+3. nothing to restart from (no checkpoint was ever written): no restart.
+
+Then a ``restart`` event and one console line: the cause (exit code or signal, rank, the last line it
+printed), what it met, the checkpoint resumed from and the steps to train again. The evidence of the
+failure stays: incidents the redone steps could capture again are renamed ``step_N.superseded-R``, the
+metrics lines the resume supersedes go to ``metrics.superseded.jsonl``, events are only appended.
+
+``run.resume=auto`` (not a restart): continue ``run.dir`` when it holds a checkpoint, else start it; one
+line says which.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import console
+from ..callbacks.goodput import LEDGER_FILE
+from ..distributed.launch import EXIT_GAVE_UP, RESTART_ENV, default_run_dir, describe_exit
+from ..records.checkpoint.files import CheckpointError
+from ..records.checkpoint.manager import CheckpointManager
+from ..records.rundir import RunDir, read_jsonl
+
+__all__ = ["begin_launch", "Launch", "Failure", "last_failure", "refusal", "SOON_AFTER_LOAD", "EXIT_GAVE_UP"]
+
+#: A checkpoint whose load is followed this many steps or fewer by a non-finite step is not trusted again.
+SOON_AFTER_LOAD = 10
+
+
+@dataclass
+class Launch:
+    """What :func:`begin_launch` decided: resume or start, in which directory, or refuse (the line said why)."""
+
+    resume: bool
+    run_dir: Path | None
+    refused: str | None = None
+
+
+@dataclass
+class Failure:
+    """What ended a launch, as its records tell: the text for a person, and what identifies it."""
+
+    kind: str  # "crash" | "stop" | "exit" (a process died without a record of why: a signal, a lost peer)
+    text: str
+    key: list[Any] | None  # equal keys: the same failure (None: only its progress tells it apart)
+    progress: bool  # the launch wrote a checkpoint past the one it started from
+    resumed_step: int | None  # the step it resumed from (None: it started the run)
+    last_step: int  # the last step it is known to have reached
+    nonfinite_step: int | None = None  # its first non-finite step
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    def record(self) -> dict[str, Any]:
+        return {"kind": self.kind, "text": self.text, "key": self.key, "progress": self.progress}
+
+
+def last_failure(events: list[dict[str, Any]], last_logged: int = 0) -> Failure:
+    """The failure of the launch whose events are last in ``events`` (``last_logged``: metrics.jsonl's last step)."""
+    marks = [i for i, e in enumerate(events) if e.get("kind") in ("restart", "resume")]
+    own = events[marks[-1] + 1:] if marks else events
+    resumed = int(events[marks[-1]]["step"]) if marks else None  # a restart's and a resume's step: the one resumed
+    steps = [int(e["step"]) for e in own if isinstance(e.get("step"), int)]
+    last = max([last_logged, *steps, resumed or 0])
+    progress = any(e.get("kind") == "checkpoint" and (resumed is None or int(e["step"]) > resumed) for e in own)
+    nonfinite = next((int(e["step"]) for e in own if e.get("kind") == "nonfinite"), None)
+    crash = next((e for e in reversed(own) if e.get("kind") == "crash"), None)
+    stop = next((e for e in reversed(own) if e.get("kind") == "stop"), None)
+    common = {"progress": progress, "resumed_step": resumed, "last_step": last, "nonfinite_step": nonfinite}
+    if crash is not None:
+        step = int(crash.get("failed_step", crash["step"]))
+        return Failure("crash", f"crashed at step {step}: {crash['reason']}",
+                       ["crash", crash.get("error"), crash.get("location"), step], fields={"event": crash}, **common)
+    if stop is not None:
+        incident = next((e for e in reversed(own) if e.get("kind") == "incident" and e["step"] <= stop["step"]), None)
+        kind = ((incident.get("diagnosis") or {}).get("failure_class") if incident else None)
+        met = f" (incident at step {incident['step']}{f': {kind}' if kind else ''})" if incident else ""
+        return Failure("stop", f"stopped at step {stop['step']}: {stop['reason'].removeprefix('stopping: ')}{met}",
+                       ["stop", incident["step"] if incident else stop["step"], kind, stop["reason"] if not incident else None],
+                       **common)
+    return Failure("exit", "ended without a record of why", None, **common)
+
+
+def refusal(failure: Failure, chain: list[dict[str, Any]], max_repeats: int) -> str | None:
+    """Why the run must not restart after ``failure`` (None: it may), given the restart events before it.
+
+    ``chain``: the ``restart`` events since the run was last started or resumed by hand, oldest first; each
+    holds the failure its restart followed. Refused once ``max_repeats`` restarts in a row met the same
+    failure, or ``max_repeats`` + 1 launches in a row ended without a new checkpoint.
+    """
+    same = 0
+    for event in reversed(chain):
+        if failure.key is None or (event.get("failure") or {}).get("key") != failure.key:
+            break
+        same += 1
+    if same >= max_repeats:
+        return f"the same failure ended {same + 1} launches in a row ({failure.text})"
+    stuck = 0
+    if not failure.progress:
+        stuck = 1
+        for event in reversed(chain):
+            if (event.get("failure") or {}).get("progress", True):
+                break
+            stuck += 1
+    if stuck >= max_repeats + 1:
+        return f"{stuck} launches in a row ended before writing a new checkpoint (the last {failure.text})"
+    return None
+
+
+def _restart_chain(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ``restart`` events since a launch last started or resumed the run by hand (a resume not after a restart)."""
+    chain: list[dict[str, Any]] = []
+    previous = None
+    for e in events:
+        kind = e.get("kind")
+        if kind == "restart":
+            chain.append(e)
+        elif kind == "resume" and previous != "restart":
+            chain = []
+        if kind in ("restart", "resume"):
+            previous = kind
+    return chain
+
+
+def _env_record() -> dict[str, Any]:
+    try:
+        cause = json.loads(os.environ[RESTART_ENV]) if RESTART_ENV in os.environ else None
+    except ValueError:
+        cause = None
+    return {"cause": cause, "count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+            "max": int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0),
+            "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}
+
+
+def _ledger(run_dir: Path) -> list[dict[str, Any]]:
+    return [r for r in read_jsonl(run_dir / LEDGER_FILE)[0] if r.get("kind") == "launch"]
+
+
+def begin_launch(cfg: Any, run_dir: Path | None, resume: bool, ctx: Any) -> Launch:
+    """Decide whether this launch resumes ``run_dir``; for a restart, check and record it (see the module docstring).
+
+    Every rank calls it (one all_gather_object and one broadcast); rank 0 reads and writes the run directory.
+    ``resume``: the command asked for it (``--resume``). Returns the same :class:`Launch` on every rank.
+    """
+    everyone = ctx.gather_objects(_env_record())
+    if run_dir is None and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0:
+        run_dir = default_run_dir(cfg)  # torchrun may restart the ranks: the same name each time (its run id)
+
+    def decide() -> Launch:
+        if run_dir is None:
+            return Launch(resume, run_dir)
+        ids = {r["run_id"] for r in everyone if r["run_id"]}
+        restart = (any(r["cause"] for r in everyone) or any(r["count"] for r in everyone)
+                   or bool(ids & {e.get("run_id") for e in _ledger(run_dir)}))
+        has_checkpoint = bool(CheckpointManager(run_dir / "checkpoints").checkpoints())
+        if restart:
+            return _restart(cfg, run_dir, everyone, has_checkpoint)
+        if cfg.run.resume == "auto" and not resume:
+            name = CheckpointManager(run_dir / "checkpoints").latest_good()
+            if has_checkpoint:
+                console.say(f"run.resume=auto: {run_dir} holds {f'LAST_GOOD ({name.name})' if name else 'checkpoints'}: "
+                            "continuing it")
+                return Launch(True, run_dir)
+            console.say(f"run.resume=auto: {run_dir} holds no checkpoint: starting it")
+        return Launch(resume, run_dir)
+
+    return ctx.on_main(decide)
+
+
+def _cause(everyone: list[dict[str, Any]], since: float | None) -> dict[str, Any] | None:
+    """The death this restart follows: of those the ranks' launchers saw, the first after ``since``."""
+    causes = [r["cause"] for r in everyone if r["cause"] and (since is None or r["cause"].get("time", 0) >= since)]
+    return min(causes, key=lambda c: c.get("time", 0)) if causes else None
+
+
+def _restart(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_checkpoint: bool) -> Launch:
+    events, _ = read_jsonl(run_dir / "events.jsonl")
+    metrics, _ = read_jsonl(run_dir / "metrics.jsonl")
+    failure = last_failure(events, max((int(m.get("step", 0)) for m in metrics), default=0))
+    chain = _restart_chain(events)
+    launches = _ledger(run_dir)
+    cause = _cause(everyone, launches[-1].get("start") if launches else None)
+    number = (cause or {}).get("restart") or max([r["count"] for r in everyone] + [len(chain) + 1])
+    limit = (cause or {}).get("max_restarts") or max(r["max"] for r in everyone) or cfg.run.max_restarts
+    who = _who(cause, number)
+    run = RunDir(run_dir, resume=True)
+    try:
+        why = refusal(failure, chain, cfg.run.max_repeats)
+        if why is None and not has_checkpoint:
+            why = f"it failed before its first checkpoint was written ({failure.text}): there is nothing to restart from"
+        distrusted: dict[str, Any] = {}
+        ckpt = CheckpointManager(run_dir / "checkpoints", keep=cfg.ckpt.keep)
+        good = ckpt.latest_good()
+        if why is None and good is not None and _loaded_then_nonfinite(failure, good):
+            try:
+                moved, good = ckpt.set_aside(good)
+                distrusted = {"distrusted": str(moved.relative_to(run_dir)), "distrusted_step": failure.resumed_step}
+            except CheckpointError:
+                why = (f"checkpoint step_{failure.resumed_step:06d} led to a non-finite step (step {failure.nonfinite_step}) "
+                       f"right after its load and is not trusted, and no older checkpoint is left (ckpt.keep={cfg.ckpt.keep})")
+        if why is not None:
+            tried = f"{len(chain)} restart(s) so far" + (f", the last from {chain[-1].get('checkpoint')}" if chain else "")
+            line = (f"not restarting the run after {who}: {why}; tried: {tried} (run.max_restarts={limit}, "
+                    f"run.max_repeats={cfg.run.max_repeats}). See {run_dir / 'events.jsonl'}")
+            run.event(failure.last_step, "stop", f"restart refused: {why}", cause=cause, failure=failure.record())
+            console.error(line)
+            return Launch(False, run_dir, refused=line)
+        resumed = int(good.name.removeprefix("step_")) if good is not None else failure.last_step
+        redone = max(0, failure.last_step - resumed)
+        kept = _keep_incidents(run_dir, resumed, number)
+        note = (f"; step_{failure.resumed_step:06d} led to a non-finite step at step {failure.nonfinite_step}, "
+                f"{failure.nonfinite_step - failure.resumed_step} after its load: not trusted again (moved to "
+                f"{distrusted['distrusted']}), resuming from the checkpoint before it" if distrusted else "")
+        met = "" if failure.kind == "exit" else f"; the launch {failure.text}"
+        reason = (f"restart {number}{f' of {limit}' if limit else ''} after {who}{met}{note}; resuming from "
+                  f"{good.name if good else '?'}: {redone} step(s) to train again")
+        run.event(resumed, "restart", reason, restart=number, max_restarts=limit, cause=cause,
+                  failure=failure.record(), checkpoint=good.name if good else None, redone=redone,
+                  **distrusted, **({"incidents_kept": kept} if kept else {}))
+        console.say(reason)
+        return Launch(True, run_dir)
+    finally:
+        run.close()
+
+
+def _who(cause: dict[str, Any] | None, number: int) -> str:
+    """"rank 1 (pid 4242) was killed by SIGKILL; its last line: '...'" or what is known without a launcher's word."""
+    if not cause:
+        return f"a process of the run ended (torchrun restarted the ranks: restart count {number})"
+    rank = f"rank {cause['rank']}" if cause.get("rank") is not None else "a process"
+    pid = f" (pid {cause['pid']})" if cause.get("pid") else ""
+    last = f"; its last line: {cause['last_line']!r}" if cause.get("last_line") else ""
+    return f"{rank}{pid} {describe_exit(int(cause.get('exitcode', 1)))}{last}"
+
+
+def _loaded_then_nonfinite(failure: Failure, good: Path) -> bool:
+    """Whether the launch met a non-finite step soon after loading LAST_GOOD, and wrote no checkpoint since."""
+    return (failure.resumed_step is not None and failure.nonfinite_step is not None and not failure.progress
+            and good.name == f"step_{failure.resumed_step:06d}"
+            and failure.nonfinite_step - failure.resumed_step <= SOON_AFTER_LOAD)
+
+
+def _keep_incidents(run_dir: Path, resumed: int, number: int) -> list[str]:
+    """Rename the incidents after step ``resumed`` (the redone steps may capture them again) to ``step_N.superseded-R``."""
+    kept = []
+    for folder in sorted((run_dir / "incidents").glob("step_*")):
+        if folder.is_dir() and folder.name[5:].isdigit() and int(folder.name[5:]) > resumed:
+            target = folder.with_name(f"{folder.name}.superseded-{number}")
+            os.replace(folder, target)
+            kept.append(target.name)
+    return kept

@@ -1,0 +1,91 @@
+"""Tasks and helpers for the restart tests: a sample that cannot be read, and finding a launch's processes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+from torch.utils.data import Dataset
+
+from stabletrain.tasks import Task
+
+
+class _Unreadable(Dataset):
+    """``inner`` with one sample whose reading raises: the same crash at the same step on every launch."""
+
+    def __init__(self, inner: Dataset, bad_index: int) -> None:
+        self.inner, self.bad_index = inner, bad_index
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int):
+        if i == self.bad_index:
+            raise OSError(f"sample {i}: read error (the file is damaged)")
+        return self.inner[i]
+
+
+def unreadable_sample_task(bad_index: int = 45, num_samples: int = 64) -> Task:
+    """The built-in mlp task whose training sample ``bad_index`` raises OSError when read."""
+    from stabletrain.tasks.mlp import make_task
+
+    task = make_task(num_samples=num_samples, width=16, depth=2)
+    task.train_data = _Unreadable(task.train_data, bad_index)
+    return task
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = (Path("/proc") / str(pid) / "environ").read_bytes().decode("utf-8", "replace")
+    except OSError:
+        return {}
+    return dict(kv.split("=", 1) for kv in raw.split("\0") if "=" in kv)
+
+
+def children(pid: int) -> list[int]:
+    """The pids whose parent is ``pid``."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def ranks_of(agent: int) -> dict[int, int]:
+    """{global rank: pid} of the ranks torchrun's agent ``agent`` runs now (its own children, not theirs)."""
+    return {int(e["RANK"]): pid for pid in children(agent) if "RANK" in (e := _environ(pid))}
+
+
+def alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_gone(pids, timeout: float = 10.0) -> list[int]:
+    """Wait up to ``timeout`` s for ``pids`` to end; return those still running."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        left = [p for p in pids if alive(p)]
+        if not left:
+            return []
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env_without_torchrun() -> dict[str, str]:
+    """The current environment less torchrun's worker variables (a test may run under one)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}

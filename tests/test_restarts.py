@@ -1,0 +1,290 @@
+"""Runs that restart themselves (run.max_restarts): a rank SIGKILLed at random points, crash loops, a checkpoint
+that is not trusted again, run.resume=auto, and two torchrun "nodes" on one machine.
+
+One process (stabletrain's supervisor), 2 DDP ranks and 2 FSDP2 ranks (torchrun's elastic agent) each lose a
+rank (never the launcher) at 3 random points and finish by themselves, bitwise equal to an uninterrupted run;
+the uninterrupted 2-rank runs share one torchrun world (``dist_world.py``), the one-process run trains in this
+process. The pure parts (what ended a launch, when to refuse, where the wall time went) are tested without
+processes below.
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from helpers import cfg
+from multiproc import FAST, World, cli, descendants, env, events, steps_logged
+from restart_tasks import children, free_port, ranks_of, wait_gone
+
+from stabletrain import Trainer
+from stabletrain.cli import main
+from stabletrain.records.checkpoint.manager import CheckpointManager
+from stabletrain.report.goodput import read_goodput
+from stabletrain.services.restarts import Failure, last_failure, refusal
+
+# 192 samples, 8 per rank, accum 2; dropout draws from each rank's RNG stream, so a restart that restored the
+# wrong one would not be bitwise equal. 20 steps, a checkpoint every 2.
+ARGS = ["task=helpers:slow_mlp_task", "task_args.num_samples=192", "task_args.dropout=0.2", "task_args.sleep=0.02",
+        "train.batch_size=8", "accum.steps=2", "train.max_steps=20", "log.every=1", "ckpt.every=2", "eval.every=0", *FAST]
+FSDP = [*ARGS, "dist.strategy=fsdp", "guard.capture=false"]
+RESTARTS = ["run.max_restarts=5"]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """The uninterrupted 2-rank runs (DDP, FSDP2) the killed ones must equal, in one torchrun world."""
+    root = tmp_path_factory.mktemp("restarts")
+    return World(root, [("ddp", *cli(*ARGS, "dist.nproc=2", f"run.dir={root / 'ddp'}")),
+                        ("fsdp", *cli(*FSDP, "dist.nproc=2", f"run.dir={root / 'fsdp'}"))])
+
+
+def _final(run_dir, step=20):
+    loaded = CheckpointManager(run_dir / "checkpoints").load(full=True)
+    assert loaded.meta["step"] == step, loaded.path
+    return loaded.state
+
+
+def _assert_bitwise(got, want):
+    for name, value in want["model"].items():
+        assert torch.equal(got["model"][name], value), name
+    for pid, state in want["optimizer"]["state"].items():
+        for k, v in state.items():
+            assert torch.equal(got["optimizer"]["state"][pid][k], v), (pid, k)
+    assert got["stream"] == want["stream"] and got["counters"] == want["counters"]
+
+
+def _kill_three_times(cmd, run_dir, seed, victim, timeout=240):
+    """Run ``cmd``; SIGKILL ``victim(launcher_pid, rng)`` (a pid) once run_dir logged a step in each of three windows.
+
+    Each window starts at least ckpt.every + 2 steps after the last one ends: every launch writes a checkpoint
+    before it is killed. Returns (exit code, stdout + stderr, [(step, pid) killed], every pid seen below the launcher).
+    """
+    rng = random.Random(seed)
+    kills = [rng.randrange(3, 6), rng.randrange(9, 12), rng.randrange(15, 18)]
+    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen, killed = set(), []
+    try:
+        for step in kills:
+            t0 = time.time()
+            while steps_logged(run_dir) < step:
+                assert proc.poll() is None, f"the run ended before step {step}: {proc.communicate()[1][-3000:]}"
+                assert time.time() - t0 < timeout, f"the run never reached step {step}"
+                seen.update(descendants(proc.pid))
+                time.sleep(0.01)
+            pid = victim(proc.pid, rng)
+            os.kill(pid, signal.SIGKILL)
+            killed.append((step, pid))
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        for pid in descendants(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return proc.returncode, out + err, killed, seen
+
+
+def _the_trainer(launcher, rng):
+    (child,) = children(launcher)  # the supervisor's one child trains
+    return child
+
+
+def _a_rank(launcher, rng):
+    (agent,) = children(launcher)  # torchrun's agent; its children are the ranks
+    ranks = {}
+    t0 = time.time()
+    while len(ranks) < 2 and time.time() - t0 < 30:
+        ranks = ranks_of(agent)
+    return ranks[rng.choice(sorted(ranks))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["one process", "ddp", "fsdp"])
+def test_a_rank_sigkilled_at_3_random_points_restarts_by_itself_and_ends_bitwise_equal(world, tmp_path, kind):
+    if kind == "one process":
+        reference = Trainer(cfg(*ARGS[1:], task=ARGS[0].split("=", 1)[1]), run_dir=tmp_path / "reference")
+        reference.fit()
+        want, extra, victim = _final(tmp_path / "reference"), [], _the_trainer
+    else:
+        world.check(kind)
+        want = _final(world.root / kind)
+        extra, victim = ([] if kind == "ddp" else ["dist.strategy=fsdp", "guard.capture=false"]) + ["dist.nproc=2"], _a_rank
+    run_dir = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "stabletrain", "train", *ARGS, *extra, *RESTARTS, f"run.dir={run_dir}"]
+    code, output, killed, seen = _kill_three_times(cmd, run_dir, f"restart-{kind}", victim)
+    assert code == 0, output[-3000:]
+    assert not wait_gone(seen), "a process of the run outlived its launch"
+    _assert_bitwise(_final(run_dir), want)
+    restarts = [e for e in events(run_dir) if e["kind"] == "restart"]
+    assert [e["restart"] for e in restarts] == [1, 2, 3] and all(e["max_restarts"] == 5 for e in restarts)
+    assert [(e["cause"]["pid"], e["cause"]["signal"]) for e in restarts] == [(pid, "SIGKILL") for _, pid in killed]
+    for event, (step, _) in zip(restarts, killed):  # resumed at or before the step killed, the steps redone counted
+        assert event["step"] <= step and step - event["step"] <= event["redone"] <= step + 3 - event["step"]
+        assert event["checkpoint"] == f"step_{event['step']:06d}" and f"was killed by SIGKILL" in event["reason"]
+    assert [output.count(f"stabletrain: restart {n} of 5 after ") for n in (1, 2, 3)] == [1, 1, 1]  # one line each
+    lines = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert lines == list(range(1, 21))  # each step once, as the uninterrupted run
+    superseded = (run_dir / "metrics.superseded.jsonl").read_text().splitlines()
+    assert len(superseded) == sum(e["superseded_metrics"] for e in events(run_dir) if e["kind"] == "resume") > 0
+    goodput = read_goodput(run_dir)
+    assert (goodput.launches, goodput.restarts) == (4, 3) and 0 < goodput.goodput < 1
+    assert goodput.seconds["redone"] > 0 and sum(goodput.seconds.values()) == pytest.approx(goodput.total_s)
+
+
+@pytest.mark.slow
+def test_the_same_crash_after_a_restart_stops_the_run_with_one_line(tmp_path):
+    run_dir = tmp_path / "run"
+    # Sample 45 raises when read: step 6 (batch 8, no shuffle) crashes on every launch; checkpoints at 0, 2, 4.
+    res = subprocess.run([sys.executable, "-m", "stabletrain", "train", "task=restart_tasks:unreadable_sample_task",
+                          "train.batch_size=8", "data.shuffle=false", "train.max_steps=12", "ckpt.every=2", "log.every=2",
+                          "eval.every=0", "run.max_restarts=5", "run.max_repeats=1", f"run.dir={run_dir}", *FAST],
+                         env=env(), capture_output=True, text=True, timeout=240)
+    assert res.returncode == 3, res.stderr[-3000:]
+    kinds = [(e["kind"], e["step"]) for e in events(run_dir) if e["kind"] in ("crash", "restart", "stop")]
+    assert kinds == [("crash", 5), ("restart", 4), ("crash", 5), ("stop", 5)]  # one restart (K=1), then no more
+    crash = next(e for e in events(run_dir) if e["kind"] == "crash")
+    assert crash["failed_step"] == 6 and crash["error"] == "OSError"
+    refused = [line for line in res.stderr.splitlines() if "not restarting" in line]
+    assert len(refused) == 1 and refused[0].startswith("stabletrain: error: not restarting the run after rank 0 ")
+    assert "the same failure ended 2 launches in a row (crashed at step 6: OSError: sample 45: read error" in refused[0]
+    assert "tried: 1 restart(s) so far, the last from step_000004 (run.max_restarts=5, run.max_repeats=1)" in refused[0]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_that_leads_to_a_nonfinite_step_right_after_its_load_is_not_trusted_again(tmp_path):
+    run_dir = tmp_path / "run"
+    base = ["train.batch_size=8", "log.every=1", "ckpt.every=2", "eval.every=0", "task_args.num_samples=256",
+            "guard.on_nonfinite=stop"]
+    Trainer(cfg(*base, "train.max_steps=6", f"run.dir={run_dir}"), run_dir=run_dir).fit()
+    # A held-out of our own (the Megatron-LM #5281 pattern): step 6's weights stay finite but are so large that the
+    # first step after loading them overflows. Re-saved the way the run saves, so it verifies.
+    ckpt = CheckpointManager(run_dir / "checkpoints")
+    loaded = ckpt.load()
+    assert loaded.path.name == "step_000006"
+    for value in loaded.state["model"].values():
+        value.mul_(1e20)
+    assert all(torch.isfinite(v).all() for v in loaded.state["model"].values())
+    ckpt.save(loaded.state, 6, {k: v for k, v in loaded.meta.items() if k in ("config", "config_hash")})
+    res = subprocess.run([sys.executable, "-m", "stabletrain", "train", "--resume", str(run_dir), "train.max_steps=10",
+                          "guard.diagnose=false", "run.max_restarts=2"],
+                         env=env(), capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    restart = [e for e in events(run_dir) if e["kind"] == "restart"]
+    assert len(restart) == 1 and restart[0]["distrusted"] == "checkpoints/distrusted/step_000006"
+    assert restart[0]["checkpoint"] == "step_000004" and restart[0]["step"] == 4 and restart[0]["redone"] == 3
+    assert restart[0]["failure"]["kind"] == "stop" and "incident at step 7" in restart[0]["failure"]["text"]
+    assert "step_000006 led to a non-finite step at step 7, 1 after its load: not trusted again" in restart[0]["reason"]
+    # The evidence stays: the distrusted checkpoint whole, the incident it led to, the lines the redo supersedes.
+    assert CheckpointManager(run_dir / "checkpoints").verify(run_dir / "checkpoints" / "distrusted" / "step_000006") == []
+    assert restart[0]["incidents_kept"] == ["step_000007.superseded-1"]
+    assert (run_dir / "incidents" / "step_000007.superseded-1" / "bundle.pt").is_file()
+    final = _final(run_dir, 10)
+    assert all(torch.isfinite(v).all() and v.abs().max() < 1e3 for v in final["model"].values())
+
+
+@pytest.mark.slow
+def test_two_torchrun_nodes_on_one_machine_restart_together_after_a_worker_is_killed(world, tmp_path):
+    world.check("ddp")
+    run_dir, port = tmp_path / "run", free_port()
+    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+             f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-nodes", "--max-restarts=2"]
+    # A torchrun that restarts its ranks needs a rendezvous store per attempt (pytorch/pytorch#135712).
+    node_env = {**env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    nodes = [subprocess.Popen([*agent, f"--node-rank={n}", "-m", "stabletrain", "train", *ARGS, f"run.dir={run_dir}"],
+                              env=node_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in (0, 1)]
+    seen = set()
+    try:
+        kill_at = random.Random("two-nodes").randrange(5, 12)
+        t0 = time.time()
+        while steps_logged(run_dir) < kill_at:
+            assert all(n.poll() is None for n in nodes) and time.time() - t0 < 180, [n.poll() for n in nodes]
+            seen.update(p for n in nodes for p in descendants(n.pid))
+            time.sleep(0.01)
+        (worker,) = ranks_of(nodes[1].pid).values()  # the one rank of "node" 1
+        os.kill(worker, signal.SIGKILL)
+        outs = [n.communicate(timeout=240) for n in nodes]
+    finally:
+        for n in nodes:
+            for pid in descendants(n.pid):
+                os.kill(pid, signal.SIGKILL)
+            if n.poll() is None:
+                n.kill()
+    assert [n.returncode for n in nodes] == [0, 0], [o[1][-2000:] for o in outs]
+    assert not wait_gone(seen)
+    restarts = [e for e in events(run_dir) if e["kind"] == "restart"]
+    assert len(restarts) == 1 and restarts[0]["step"] <= kill_at
+    _assert_bitwise(_final(run_dir), _final(world.root / "ddp"))  # the same run as dist.nproc=2
+
+
+def test_run_resume_auto_starts_the_run_then_continues_it(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    args = ["train", "task=mlp", "task_args.num_samples=256", "train.batch_size=8", "ckpt.every=2", "log.every=2",
+            "eval.every=0", "run.resume=auto", f"run.dir={run_dir}", *FAST]
+    assert main([*args, "train.max_steps=4"]) == 0
+    assert f"stabletrain: run.resume=auto: {run_dir} holds no checkpoint: starting it" in capsys.readouterr().out
+    assert main([*args, "train.max_steps=8"]) == 0  # the same command, submitted again with a longer horizon
+    out = capsys.readouterr().out
+    assert f"stabletrain: run.resume=auto: {run_dir} holds LAST_GOOD (step_000004): continuing it" in out
+    assert [(e["kind"], e["step"]) for e in events(run_dir) if e["kind"] in ("resume", "restart")] == [("resume", 4)]
+    assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [2, 4, 6, 8]
+    assert main([*args, "train.max_steps=8", "optim.lr=0.5"]) == 2  # a changed config is refused as --resume does
+    assert "optim.lr: checkpoint 0.001, now 0.5" in capsys.readouterr().err
+    assert main(["train", "task=mlp", "run.resume=auto"]) == 2
+    assert "config key 'run.resume': auto continues or starts run.dir, but run.dir is not set" in capsys.readouterr().err
+
+
+# -- what ended a launch, and when not to restart (no processes) ------------------------------------------------
+
+
+def _crash(step):
+    return {"kind": "crash", "step": step - 1, "failed_step": step, "error": "OSError", "location": "data.py:9",
+            "reason": "OSError: bad"}
+
+
+def test_a_launch_is_told_by_its_record_and_the_same_failure_k_times_in_a_row_is_refused():
+    ckpt = {"kind": "checkpoint", "step": 6}
+    first = last_failure([ckpt, _crash(7)], last_logged=6)
+    assert (first.kind, first.key, first.progress, first.resumed_step, first.last_step) == (
+        "crash", ["crash", "OSError", "data.py:9", 7], True, None, 6)
+    restart = {"kind": "restart", "step": 6, "failure": first.record()}
+    again = last_failure([ckpt, _crash(7), restart, {"kind": "resume", "step": 6}, _crash(7)])
+    assert again.key == first.key and again.progress is False and again.resumed_step == 6
+    assert refusal(again, [restart], max_repeats=2) is None
+    assert refusal(again, [restart], max_repeats=1) == ("the same failure ended 2 launches in a row (crashed at step 7: "
+                                                        "OSError: bad)")
+    assert refusal(again, [restart, restart], max_repeats=2).startswith("the same failure ended 3 launches")
+    # Deaths without a record are never "the same failure"; K + 1 of them in a row with no new checkpoint are refused.
+    killed = Failure("exit", "ended without a record of why", None, progress=False, resumed_step=6, last_step=7)
+    stuck = {"kind": "restart", "failure": killed.record()}
+    assert refusal(killed, [stuck], max_repeats=2) is None
+    assert refusal(killed, [stuck, stuck], max_repeats=2) == ("3 launches in a row ended before writing a new "
+                                                              "checkpoint (the last ended without a record of why)")
+    moving = {"kind": "restart", "failure": {**killed.record(), "progress": True}}
+    assert refusal(killed, [stuck, moving, stuck], max_repeats=2) is None  # progress in between resets the count
+
+
+def test_a_guard_stop_is_identified_by_its_incident_and_a_nonfinite_step_after_a_load_is_seen():
+    stop = last_failure([{"kind": "resume", "step": 6}, {"kind": "nonfinite", "step": 7},
+                         {"kind": "incident", "step": 7, "diagnosis": {"failure_class": "overflow"}},
+                         {"kind": "stop", "step": 7, "reason": "stopping: non-finite loss at step 7"}])
+    assert stop.key == ["stop", 7, "overflow", None] and stop.nonfinite_step == 7 and stop.resumed_step == 6
+    assert stop.text == "stopped at step 7: non-finite loss at step 7 (incident at step 7: overflow)"
+
+
+def test_set_aside_keeps_the_checkpoint_and_moves_last_good_back(tmp_path):
+    ckpt = CheckpointManager(tmp_path / "c", keep=3)
+    for step in (2, 4):
+        ckpt.save({"model": {"w": torch.full((2,), float(step))}, "optimizer": {}}, step)
+    moved, good = ckpt.set_aside(ckpt.latest_good())
+    assert (moved.relative_to(tmp_path).as_posix(), good.name, ckpt.latest_good().name) == ("c/distrusted/step_000004",
+                                                                                  "step_000002", "step_000002")
+    assert ckpt.verify(moved) == [] and [p.name for p in ckpt.checkpoints()] == ["step_000002"]
+    with pytest.raises(Exception, match="no checkpoint older than step_000002"):
+        ckpt.set_aside(good)
+    assert ckpt.latest_good().name == "step_000002"
