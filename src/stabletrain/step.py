@@ -2,7 +2,7 @@
 
 The step, in the order it runs (DESIGN.md, "the data's path")::
 
-    optimizer.zero_grad(set_to_none=True); window.begin()
+    optimizer.zero_grad(set_to_none=True); window.begin(samples in the window)
     for each micro-batch (DDP: no_sync on all but the last; FSDP2: set_requires_gradient_sync(last)):
         with precision.autocast(): loss_sum, count = loss_fn(model, batch)
         precision.backward(window.normalize(loss_sum, count, last))   # the raw sum (or / items so far)
@@ -34,7 +34,6 @@ from .policies.accumulation import AccumulationWindow, as_sum_count, sums_safe
 from .policies.clipping import GradClipper
 from .data import move_to
 from .policies.guard import Guard, inputs_finite
-from .numerics import all_params_finite, both_finite, grad_norms, snapshot_params, unique_params, update_norm
 from .policies.precision import PrecisionPolicy
 from .policies.schedule import LRSchedule
 
@@ -71,7 +70,6 @@ class TrainStep:
             with (FSDP: one that carries nothing); with it the step also returns ``local_nonfinite``,
             whether this rank's own loss or inputs were non-finite.
         numerics: where the norms and checks come from (``grad_norms``, ``all_params_finite``,
-            ``snapshot(params, reuse)``, ``update_norm(params, before)``); None: :mod:`stabletrain.numerics`
             on local tensors. FSDP passes :class:`stabletrain.distributed.fsdp.ShardedNumerics` (DTensor shards,
             reduced across ranks).
     """
@@ -115,7 +113,7 @@ class TrainStep:
         else:
             for p in self.params:
                 p.grad = None
-        self.window.begin()
+        self.window.begin(num_samples=sum(n for n, _ in micro_batches))  # a mean's share, known before its forward
         if self.carrier is not None:
             self.carrier.reset()
         inputs_ok: Tensor | None = None
@@ -143,7 +141,6 @@ class TrainStep:
         :meth:`judge`, then :meth:`apply`. ``loss``/``count``: the step's unscaled per-item loss and item count
         when the gradients were not accumulated by :meth:`forward_backward` (an adapter over a host trainer's
         own backward). ``measure_update``: also return ``update_norm`` = ||theta_t - theta_{t-1}|| and
-        ``update_ratio`` = update_norm / ||theta_{t-1}|| (one extra copy of the parameters on this step only).
         ``check_params``: False skips this step's parameter check (also skipped when built with
         ``check_params=False``); ``params_finite`` is then left out of the result. ``grad_norm``: the pre-clip
         norm of gradients the caller already clipped (its own clipping returned it): the step records it and
@@ -221,9 +218,6 @@ class TrainStep:
         out["applied"] = applied
         if self.check_params and check_params:
             out["params_finite"] = self._params_finite(params)
-        if before is not None:
-            out["update_norm"], out["update_ratio"] = (update_norm(params, before) if self.numerics is None
-                                                       else self.numerics.update_norm(params, before))
         if self.carrier is not None:  # DDP: did THIS rank see it (its own loss or inputs)?
             local = self.window.loss_sum * 0 != 0  # x * 0 is NaN iff x is not finite
             out["local_nonfinite"] = local if self._inputs_ok is None else local | ~self._inputs_ok
