@@ -106,7 +106,7 @@ def _a_rank(launcher, rng):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["one process", "ddp", "fsdp"])
-def test_a_rank_sigkilled_at_3_random_points_restarts_by_itself_and_ends_bitwise_equal(world, tmp_path, kind):
+def test_a_rank_sigkilled_at_3_random_points_restarts_by_itself_and_ends_bitwise_equal(world, tmp_path, kind, capsys):
     if kind == "one process":
         reference = Trainer(cfg(*ARGS[1:], task=ARGS[0].split("=", 1)[1]), run_dir=tmp_path / "reference")
         reference.fit()
@@ -135,6 +135,11 @@ def test_a_rank_sigkilled_at_3_random_points_restarts_by_itself_and_ends_bitwise
     goodput = read_goodput(run_dir)
     assert (goodput.launches, goodput.restarts) == (4, 3) and 0 < goodput.goodput < 1
     assert goodput.seconds["redone"] > 0 and sum(goodput.seconds.values()) == pytest.approx(goodput.total_s)
+    if kind == "one process":  # where the report says it: its page and its printed line
+        assert main(["report", str(run_dir)]) == 0
+        printed = capsys.readouterr().out.splitlines()[-1]
+        assert printed == goodput.line() and printed.startswith("goodput ") and " over 4 launches (lost: " in printed
+        assert "redone after 3 restarts" in printed and 'id="goodput"' in (run_dir / "report.html").read_text()
 
 
 @pytest.mark.slow
@@ -233,6 +238,9 @@ def test_run_resume_auto_starts_the_run_then_continues_it(tmp_path, capsys):
     assert f"stabletrain: run.resume=auto: {run_dir} holds LAST_GOOD (step_000004): continuing it" in out
     assert [(e["kind"], e["step"]) for e in events(run_dir) if e["kind"] in ("resume", "restart")] == [("resume", 4)]
     assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [2, 4, 6, 8]
+    ledger = [json.loads(x) for x in (run_dir / "goodput.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in ledger if r["kind"] != "interval"] == [("launch", 0), ("end", 4),
+                                                                                   ("launch", 4), ("end", 8)]
     assert main([*args, "train.max_steps=8", "optim.lr=0.5"]) == 2  # a changed config is refused as --resume does
     assert "optim.lr: checkpoint 0.001, now 0.5" in capsys.readouterr().err
     assert main(["train", "task=mlp", "run.resume=auto"]) == 2
@@ -288,3 +296,28 @@ def test_set_aside_keeps_the_checkpoint_and_moves_last_good_back(tmp_path):
     with pytest.raises(Exception, match="no checkpoint older than step_000002"):
         ckpt.set_aside(good)
     assert ckpt.latest_good().name == "step_000002"
+
+
+def test_goodput_splits_the_wall_time_of_every_launch_and_the_wait_before_a_restart(tmp_path):
+    # Launch 1 starts at t=100, is ready at 104, logs steps 10 and 20, dies at 117 (its launcher saw it); the restart
+    # starts at 119 from step 10, is ready at 121, logs step 20 again and ends at 128.
+    ledger = [{"kind": "launch", "start": 100.0, "ready": 104.0, "step": 0},
+              {"kind": "interval", "t": 110.0, "step": 10, "steps": 10, "wall_s": 6.0, "eval_s": 1.0, "checkpoint_s": 0.5,
+               "incident_s": 0.0, "skipped": 1},
+              {"kind": "interval", "t": 116.0, "step": 20, "steps": 10, "wall_s": 6.0, "eval_s": 0.0, "checkpoint_s": 0.0,
+               "incident_s": 0.0, "skipped": 0},
+              {"kind": "launch", "start": 119.0, "ready": 121.0, "step": 10},
+              {"kind": "interval", "t": 127.0, "step": 20, "steps": 10, "wall_s": 6.0, "eval_s": 0.0, "checkpoint_s": 0.0,
+               "incident_s": 0.0, "skipped": 0},
+              {"kind": "end", "t": 128.0, "step": 20, "wall_s": 1.0, "checkpoint_s": 0.4, "incident_s": 0.0}]
+    (tmp_path / "goodput.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ledger))
+    (tmp_path / "events.jsonl").write_text(json.dumps({"kind": "restart", "step": 10, "time": 120.0,
+                                                       "cause": {"time": 117.0}}) + "\n")
+    g = read_goodput(tmp_path)
+    assert g.total_s == pytest.approx(28.0) and (g.launches, g.restarts) == (2, 1)
+    assert g.seconds == pytest.approx({"productive": 4.05 + 6.0,  # launch 1's first interval (less its skipped tenth), launch 2's
+                                       "redone": 6.0 + 1.0,  # launch 1's steps 11-20, and its second after its last line
+                                       "skipped": 0.45, "checkpoint": 0.5 + 0.4, "startup": 4.0 + 2.0 + 2.0,  # + the wait
+                                       "eval": 1.0, "incident": 0.0, "other": 0.6})
+    assert g.line() == ("goodput 35.9% over 2 launches (lost: 28.6% start-up, 25.0% redone after 1 restart, 3.6% "
+                        "evaluation, 3.2% checkpoint stalls, 2.1% other, 1.6% skipped steps)")

@@ -8,7 +8,7 @@ launch      the fit starts: ``start`` (the launch's first process started, secon
             ``ready`` (now: imports, process group, task, restore and compile's set-up are behind),
             ``step`` (resumed from), ``run_id`` (torchrun's), ``world_size``
 interval    a log interval ended: ``t``, ``step``, ``steps`` in it, ``wall_s`` since the last line,
-            ``eval_s`` (validation), ``checkpoint_s`` (the loop blocked by saves), ``incident_s`` (capture
+            ``eval_s`` (validation), ``checkpoint_s`` (the loop blocked by saves, or waiting for one), ``incident_s`` (capture
             and diagnosis), ``skipped`` (steps whose update was skipped)
 rollback    the guard went back: ``from``, ``to``
 end         the fit ended (normally, by a stop or a crash): ``t``, ``step``, ``wall_s`` since the last
@@ -96,7 +96,8 @@ class GoodputClock(Callback):
         self._incident_s += max(0.0, time.time() - self._t)  # the capture and diagnosis ran since on_log
 
     def on_checkpoint(self, state: FitState, info: dict[str, Any]) -> None:
-        self._checkpoint_s += float((info.get("fields") or {}).get("blocked_s") or 0.0)
+        fields = info.get("fields") or {}  # the save itself, and a wait for the one before it
+        self._checkpoint_s += float(fields.get("blocked_s") or 0.0) + float(fields.get("waited_s") or 0.0)
 
     def on_rollback(self, state: FitState, info: dict[str, Any]) -> None:
         self._write("rollback", t=time.time(), **{"from": info.get("from_step"), "to": info.get("to_step")})

@@ -167,6 +167,10 @@ def begin_launch(cfg: Any, run_dir: Path | None, resume: bool, ctx: Any) -> Laun
         run_dir = default_run_dir(cfg)  # torchrun may restart the ranks: the same name each time (its run id)
 
     def decide() -> Launch:
+        if everyone[0]["max"] and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            console.warn("torchrun may restart these ranks (--max-restarts), but shares its rendezvous store with them: "
+                         "a restart's ranks can then read the addresses of the attempt before and fail to connect "
+                         "(pytorch/pytorch#135712); start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
         if run_dir is None:
             return Launch(resume, run_dir)
         ids = {r["run_id"] for r in everyone if r["run_id"]}
