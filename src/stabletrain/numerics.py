@@ -21,6 +21,9 @@ __all__ = [
     "first_nonfinite_grad",
     "snapshot_params",
     "update_norm",
+    "update_norms",
+    "param_update_norms",
+    "update_totals",
     "modes_kept",
     "constant",
     "is_constant",
@@ -168,13 +171,37 @@ def snapshot_params(params: list[Tensor], into: list[Tensor] | None = None) -> l
 
 
 @torch.no_grad()
+def param_update_norms(params: list[Tensor], before: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """Return per-parameter (||theta - before||, ||before||) as 1-D fp32 device tensors, in ``params`` order. No sync."""
+    if not params:
+        empty = torch.zeros(0)
+        return empty, empty
+    now = [p.detach().float() for p in params]
+    was = [b.float() for b in before]
+    return (torch.stack(torch._foreach_norm(torch._foreach_sub(now, was))).float(),
+            torch.stack(torch._foreach_norm(was)).float())
+
+
+def update_totals(per_update: Tensor, per_weight: Tensor) -> dict[str, Tensor]:
+    """The step's update figures from the per-parameter norms of :func:`param_update_norms` (device tensors, no sync).
+
+    ``update_norm`` = ||theta_t - theta_{t-1}||, ``update_ratio`` = that over ||theta_{t-1}||, and the per-parameter
+    vectors themselves as ``param_update_norms`` and ``param_norms`` (the precursor reads each layer's ratio).
+    """
+    delta, weight = torch.linalg.vector_norm(per_update), torch.linalg.vector_norm(per_weight)
+    return {"update_norm": delta, "update_ratio": delta / weight.clamp_min(1e-12), "param_update_norms": per_update,
+            "param_norms": per_weight}
+
+
+def update_norms(params: list[Tensor], before: list[Tensor]) -> dict[str, Tensor]:
+    """Return :func:`update_totals` of the update from ``before`` to ``params`` (device tensors). No sync."""
+    return update_totals(*param_update_norms(params, before))
+
+
 def update_norm(params: list[Tensor], before: list[Tensor]) -> tuple[Tensor, Tensor]:
     """Return (||theta - before||, that over ||before||) as fp32 device tensors: the norm of the last update. No sync."""
     if not params:
         zero = torch.zeros(())
         return zero, zero
-    now = [p.detach().float() for p in params]
-    was = [b.float() for b in before]
-    delta = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(torch._foreach_sub(now, was))))
-    weight = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(was)))
-    return delta, delta / weight.clamp_min(1e-12)
+    out = update_norms(params, before)
+    return out["update_norm"], out["update_ratio"]

@@ -34,6 +34,7 @@ from .policies.accumulation import AccumulationWindow, as_sum_count, sums_safe
 from .policies.clipping import GradClipper
 from .data import move_to
 from .policies.guard import Guard, inputs_finite
+from .numerics import all_params_finite, both_finite, grad_norms, snapshot_params, unique_params, update_norms
 from .policies.precision import PrecisionPolicy
 from .policies.schedule import LRSchedule
 
@@ -70,6 +71,7 @@ class TrainStep:
             with (FSDP: one that carries nothing); with it the step also returns ``local_nonfinite``,
             whether this rank's own loss or inputs were non-finite.
         numerics: where the norms and checks come from (``grad_norms``, ``all_params_finite``,
+            ``snapshot(params, reuse)``, ``update_norms(params, before)``); None: :mod:`stabletrain.numerics`
             on local tensors. FSDP passes :class:`stabletrain.distributed.fsdp.ShardedNumerics` (DTensor shards,
             reduced across ranks).
     """
@@ -141,6 +143,8 @@ class TrainStep:
         :meth:`judge`, then :meth:`apply`. ``loss``/``count``: the step's unscaled per-item loss and item count
         when the gradients were not accumulated by :meth:`forward_backward` (an adapter over a host trainer's
         own backward). ``measure_update``: also return ``update_norm`` = ||theta_t - theta_{t-1}|| and
+        ``update_ratio`` = update_norm / ||theta_{t-1}|| (one extra copy of the parameters on this step only), and per
+        parameter ``param_update_norms`` and ``param_norms``.
         ``check_params``: False skips this step's parameter check (also skipped when built with
         ``check_params=False``); ``params_finite`` is then left out of the result. ``grad_norm``: the pre-clip
         norm of gradients the caller already clipped (its own clipping returned it): the step records it and
@@ -218,6 +222,8 @@ class TrainStep:
         out["applied"] = applied
         if self.check_params and check_params:
             out["params_finite"] = self._params_finite(params)
+        if before is not None:  # also per parameter (param_update_norms, param_norms): the precursor's figures
+            out.update(update_norms(params, before) if self.numerics is None else self.numerics.update_norms(params, before))
         if self.carrier is not None:  # DDP: did THIS rank see it (its own loss or inputs)?
             local = self.window.loss_sum * 0 != 0  # x * 0 is NaN iff x is not finite
             out["local_nonfinite"] = local if self._inputs_ok is None else local | ~self._inputs_ok

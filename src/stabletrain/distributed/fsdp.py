@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 from ..policies.accumulation import AccumulationWindow
 from ..internals import scaler_found_inf
+from ..numerics import update_totals
 from ..policies.precision import PrecisionPolicy
 
 __all__ = [
@@ -240,19 +241,23 @@ class ShardedNumerics:
         return reuse
 
     @torch.no_grad()
-    def update_norm(self, params: Sequence[Tensor], before: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-        """Return (||theta_t - theta_{t-1}||, its ratio to ||theta_{t-1}||) over all shards (one all-reduce)."""
+    def update_norms(self, params: Sequence[Tensor], before: Sequence[Tensor]) -> dict[str, Tensor]:
+        """:func:`~stabletrain.numerics.update_norms` over all shards: per-parameter squares, ONE all-reduce."""
         now = [_local(p).detach().float() for p in params]
         old = [_local(b).float() for b in before]
         deltas = torch._foreach_sub(now, old)
-        d = torch.stack(torch._foreach_norm(deltas)) ** 2
-        w = torch.stack(torch._foreach_norm(old)) ** 2
+        d = torch.stack(torch._foreach_norm(deltas)).float() ** 2
+        w = torch.stack(torch._foreach_norm(old)).float() ** 2
         weights = self._weights(params, d.device)
         if weights is not None:
             d, w = d * weights, w * weights
-        sums = self._all_reduce(torch.stack([d.sum(), w.sum()]))
-        update, weight = sums.sqrt().unbind()
-        return update, update / weight.clamp_min(1e-12)
+        per = self._all_reduce(torch.stack([d, w])).sqrt()
+        return update_totals(per[0], per[1])
+
+    def update_norm(self, params: Sequence[Tensor], before: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+        """Return (||theta_t - theta_{t-1}||, its ratio to ||theta_{t-1}||) over all shards (one all-reduce)."""
+        out = self.update_norms(params, before)
+        return out["update_norm"], out["update_ratio"]
 
 
 # -- precision ----------------------------------------------------------------------------------------

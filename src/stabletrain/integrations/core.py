@@ -50,7 +50,7 @@ from ..errors import crash_event
 from ..fileio import atomic_write
 from ..diagnostics.initialization import InitFingerprint
 from ..policies.metrics import StepMetrics
-from ..numerics import snapshot_params, unique_params, update_norm
+from ..numerics import snapshot_params, unique_params, update_norms
 from ..records.rundir import RunDir, build_snapshot
 from ..seeding import rng_state, set_rng_state
 from ..distributed.strategy import strategy_for
@@ -282,7 +282,7 @@ class RunSession:
     def after_update(self, out: dict[str, Tensor]) -> None:
         """After the host's optimizer step: add ``update_norm``/``update_ratio`` to ``out`` where measured."""
         if self._measuring:
-            out["update_norm"], out["update_ratio"] = update_norm(self.params, self._before)
+            out.update(update_norms(self.params, self._before))  # also per parameter: the precursor's figures
             self._measuring = False
 
     def record(self, out: dict[str, Tensor], *, num_samples: int, lr: Tensor | float, loss_scale: Tensor | float) -> bool:

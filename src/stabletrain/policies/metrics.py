@@ -31,6 +31,7 @@ peak_memory_mib        CUDA max allocated, or the process's peak RSS on CPU
 epoch, samples_seen,   data progress at the end of the interval
 tokens_seen
 top_grad_layers        the parameters with the largest share of the squared grad norm
+top_update_layers      the parameters with the largest update/weight ratio at the interval's last step
 world_size             processes training together (DDP runs only); every figure above is global
 =====================  ==========================================================================
 
@@ -39,6 +40,11 @@ all-reduced once per step, the grad norm is that of the all-reduced gradients, t
 from the global data order), so the interval needs one collective only: an all-gather of each
 rank's per-step "this rank saw a non-finite value" flag (and its pending signal), folded into the
 interval's one sync. Rows then carry ``ranks``: who saw it.
+
+Per parameter, the interval also keeps the squared grad norms summed over its finite steps and, from the
+step that measured the update (``param_update_norms``, ``param_norms``: the interval's last), each
+parameter's update and weight norm: read in the same sync, they reach the summary as ``interval_*`` lists
+(the precursor's figures, :mod:`stabletrain.policies.precursor`) and the record as ``top_update_layers``.
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ from torch import Tensor
 
 from ..numerics import is_constant
 
-__all__ = ["StepMetrics", "peak_memory_mib", "interval_record", "COLUMNS"]
+__all__ = ["StepMetrics", "peak_memory_mib", "interval_record", "update_ratios", "COLUMNS"]
 
 # Per-step buffer columns, in order.
 COLUMNS = ("loss", "grad_norm", "post_clip_norm", "clipped", "applied", "finite", "spike", "params_finite", "lr",
@@ -114,6 +120,8 @@ class StepMetrics:
         # Steps recorded but not yet written into the buffers: (row values, per-param norms, finite, local flag).
         self._pending: list[tuple[list[Any], Tensor, Any, Tensor | None]] = []
         self._layouts: dict[tuple[Any, ...], Tensor] = {}  # _flush's index per layout of dtypes and places
+        # The interval's measured update, per parameter: (update norms, weight norms), 1-D device tensors, or None.
+        self._update: tuple[Tensor, Tensor] | None = None
 
     def _allocate(self, capacity: int) -> None:
         """(Re)make the per-step buffers with room for ``capacity`` steps (zeros; nothing recorded is kept)."""
@@ -128,7 +136,8 @@ class StepMetrics:
         ``values`` holds one 0-dim tensor (or number) per name in :data:`COLUMNS` (those in :data:`DEFAULTS`
         may be left out); other keys of a step's output are ignored. The tensors are kept, not copied
         (``lr`` and ``loss_scale``, live state the run updates in place, are cloned): a step's outputs are
-        fresh tensors. ``num_samples``: the step's samples over all ranks.
+        fresh tensors. ``num_samples``: the step's samples over all ranks. ``param_update_norms`` and
+        ``param_norms`` (1-D, one value per parameter), on a step that measured its update: kept for the reduce.
         ``local_nonfinite`` (DDP): whether this rank's own loss or inputs were non-finite (a rank whose gradients
         alone were is named by the incident capture).
         """
@@ -140,6 +149,8 @@ class StepMetrics:
             if isinstance(row[c], Tensor) and not is_constant(row[c]):
                 row[c] = row[c].detach().clone()
         self._pending.append((row, per_param_norms, values["finite"], local_nonfinite))
+        if "param_update_norms" in values:
+            self._update = (values["param_update_norms"], values["param_norms"])  # type: ignore[assignment]
         self.steps.append(step)
         self.samples += num_samples
 
@@ -236,7 +247,10 @@ class StepMetrics:
         if n == 0:
             return {}, [], []
         self._flush()
+        p = len(self.param_sq)
         parts = [self.buf[:n].flatten(), self.param_sq]
+        if self._update is not None:
+            parts += [u.detach().reshape(-1).to(self.device, torch.float32) for u in self._update]
         if self.local_flags is not None:
             self.local_flags[self.capacity] = float(signal)
             mine = [self.local_flags, *(self.buf[:, c] for c in self.local),
@@ -244,11 +258,15 @@ class StepMetrics:
             parts.append(self.dist.all_gather(torch.cat(mine)).flatten())
         host = torch.cat(parts).tolist()  # the interval's one sync
         table = [host[r * len(COLUMNS):(r + 1) * len(COLUMNS)] for r in range(n)]
-        param_sq = host[n * len(COLUMNS):n * len(COLUMNS) + len(self.param_sq)]
+        param_sq = host[n * len(COLUMNS):n * len(COLUMNS) + p]
+        at = n * len(COLUMNS) + p  # then the measured update's per-parameter norms, when the interval has them
+        param_update, param_norms = (host[at:at + p], host[at + p:at + 2 * p]) if self._update is not None else ([], [])
+        if self._update is not None:
+            at += 2 * p
         rows = [_Row(step, dict(zip(COLUMNS, vals))) for step, vals in zip(self.steps, table)]
         interval_signal = signal
         if self.local_flags is not None:
-            flags = host[n * len(COLUMNS) + len(self.param_sq):]
+            flags = host[at:]
             width = self.capacity + 1 + len(self.local) * self.capacity + (1 if self.local else 0)
             per_rank = [flags[r * width:(r + 1) * width] for r in range(self.dist.world)]
             for i, row in enumerate(rows):
@@ -289,6 +307,9 @@ class StepMetrics:
             "interval_samples": self.samples,
             "interval_steps": n,
             "interval_signal": interval_signal,
+            "interval_finite_steps": len(finite_rows),
+            "interval_param_update_norms": param_update,
+            "interval_param_norms": param_norms,
         }
         self.clear()
         return summary, rows, param_sq
@@ -296,6 +317,7 @@ class StepMetrics:
     def clear(self) -> None:
         """Drop the interval's recorded steps without reducing them (no sync); the next interval starts empty."""
         self._pending = []
+        self._update = None
         self.steps, self.samples = [], 0
         if self.capacity != self.interval:  # the interval that began with a loaded partial one is over
             self._allocate(self.interval)
@@ -305,11 +327,13 @@ class StepMetrics:
         self.param_sq.zero_()
 
     def state_dict(self) -> dict[str, Any]:
-        """The interval so far: its recorded steps' rows (``buf``, one per step), ``param_sq``, steps and samples."""
+        """The interval so far: its recorded steps' rows (``buf``, one per step), ``param_sq``, steps, samples and
+        the measured update's per-parameter norms (``param_update``: a 2 x params tensor, or None)."""
         self._flush()
         n = len(self.steps)
+        update = torch.stack([u.detach().float() for u in self._update]) if self._update is not None else None
         return {"buf": self.buf[:n].clone(), "param_sq": self.param_sq.clone(), "steps": list(self.steps),
-                "samples": self.samples}
+                "samples": self.samples, "param_update": update}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` under any interval length (a state saved with the whole buffer loads too)."""
@@ -319,6 +343,8 @@ class StepMetrics:
         self.param_sq.copy_(state["param_sq"])
         self.steps, self.samples = steps, int(state["samples"])
         self._pending = []
+        update = state.get("param_update")  # absent from a state saved before it was kept
+        self._update = (update[0].to(self.device), update[1].to(self.device)) if update is not None else None
 
 
 def interval_record(summary: dict[str, Any], param_sq: list[float], names: list[str], elapsed_s: float, *,
@@ -332,6 +358,8 @@ def interval_record(summary: dict[str, Any], param_sq: list[float], names: list[
     """
     total_sq = sum(param_sq) or 1.0
     top = sorted(range(len(param_sq)), key=lambda i: -param_sq[i])[:top_layers]
+    ratios = update_ratios(summary)
+    top_updates = sorted((i for i, r in enumerate(ratios) if math.isfinite(r)), key=lambda i: -ratios[i])[:top_layers]
     elapsed_s = max(elapsed_s, 1e-9)
     return {
         **{k: v for k, v in summary.items() if not k.startswith("interval_")},
@@ -340,5 +368,13 @@ def interval_record(summary: dict[str, Any], param_sq: list[float], names: list[
         "step_time_s": elapsed_s / summary["interval_steps"],
         **progress,
         "top_grad_layers": [{"name": names[i], "share": param_sq[i] / total_sq} for i in top],
+        "top_update_layers": [{"name": names[i], "ratio": ratios[i]} for i in top_updates],
         **(extra or {}),
     }
+
+
+def update_ratios(summary: dict[str, Any]) -> list[float]:
+    """Each parameter's ||update|| / ||weight|| at the interval's measured step, from :meth:`StepMetrics.reduce`'s
+    summary (host values); an empty list when the interval measured no update. A zero weight gives inf (or NaN)."""
+    return [u / w if w > 0 else (math.inf if u > 0 else math.nan)
+            for u, w in zip(summary.get("interval_param_update_norms", []), summary.get("interval_param_norms", []))]

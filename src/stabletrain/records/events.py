@@ -66,4 +66,5 @@ METRIC_KEYS: dict[str, str] = {
     "top_grad_layers": "the parameters with the largest share of the squared grad norm over the interval: [{name, share}]",
     "val_loss": "validation loss per item, every eval.every steps and at the end",
     "world_size": "processes training together (DDP runs only)",
+    "top_update_layers": "the parameters with the largest update/weight ratio ||update|| / ||theta|| at the interval's last step: [{name, ratio}]",
 }

@@ -253,7 +253,7 @@ def _read_metrics(path: Path, problems: list[str]) -> list[dict[str, Any]]:
         for key, value in rec.items():
             if key == "step":
                 continue
-            if key == "top_grad_layers":
+            if key in ("top_grad_layers", "top_update_layers"):
                 clean[key] = value if isinstance(value, list) else []
                 continue
             number = as_number(value)
