@@ -34,6 +34,7 @@ class TrainState:
                 "precision": self.precision.state_dict(), "clipper": self.clipper.state_dict(),
                 "guard": self.guard.state_dict(), "metrics": self.metrics.state_dict(), "stream": self.stream.state_dict(),
                 "rng": rng_state(), "callbacks": self.callbacks.state_dict(), "remedies": self.remedies.state_dict(),
+                "precursor": self.boundary.precursor.state_dict(),
                 "counters": {"step": self.step, "samples_seen": self.samples_seen, "tokens_seen": self.tokens_seen}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -60,6 +61,7 @@ class TrainState:
             part.load_state_dict(state[key])
         self.callbacks.load_state_dict(state.get("callbacks", {}))
         self.remedies.load_state_dict(state.get("remedies", {}))  # after the schedule and clipper: it re-applies to them
+        self.boundary.precursor.load_state_dict(state.get("precursor", {}))
         c = state["counters"]
         self.step, self.samples_seen, self.tokens_seen = int(c["step"]), int(c["samples_seen"]), float(c["tokens_seen"])
         if state["rng"] is not None:

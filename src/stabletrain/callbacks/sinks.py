@@ -15,7 +15,7 @@ from ..diagnostics.initialization import InitFingerprint
 from ..records.rundir import TensorBoardSink
 from . import Callback, FitState
 
-__all__ = ["MetricsFile", "TensorBoardLog", "ProgressBar", "EventLog", "InitWatch"]
+__all__ = ["MetricsFile", "TensorBoardLog", "ProgressBar", "EventLog", "InitWatch", "announce_precursor"]
 
 
 class MetricsFile(Callback):
@@ -188,6 +188,16 @@ class EventLog(Callback):
                 else:
                     reason = "non-finite loss or grad norm"
                 state.event(step, "skip", f"optimizer step skipped: {reason}", loss_scale=values["loss_scale"])
+
+
+def announce_precursor(state: FitState, warning: Any) -> None:
+    """Record a :class:`~stabletrain.policies.precursor.PrecursorWarning` as a ``precursor`` event and say its one
+    line (rank 0); None: nothing. At a log boundary, after the interval's ``on_log``."""
+    if warning is None:
+        return
+    state.event(warning.step, "precursor", warning.reason, **warning.fields())
+    if state.dist.is_main:
+        console.say(warning.line)
 
 
 class InitWatch(Callback):

@@ -146,6 +146,11 @@ class GuardConfig:
     remedy_steps: int = _f(20, "guard.on_nonfinite=remedy: windows each candidate is replayed over after the incident's (stabletrain remedy --steps)")
     remedy_fallback: Literal["skip", "stop", "rollback"] = _f("skip", "guard.on_nonfinite=remedy: what to do when no candidate cures the incident (as guard.on_nonfinite)")
     max_remedies: int = _f(3, "guard.on_nonfinite=remedy: apply at most this many remedies in a run; then guard.remedy_fallback")
+    precursor: bool = _f(True, "warn before a loss spike: at each log interval compare every parameter's update/weight ratio (at the interval's last step) and grad norm with its own recent history (an EMA z-score of their logs, ZClip's rule per layer); a layer whose update ratio departs writes a precursor event and one console line naming it. Read in the interval's one sync: no per-step cost. false turns it off")
+    precursor_window: int = _f(20, "precursor: the history a layer is compared with, in log intervals (an exponential moving mean and variance; a new interval weighs 1/window)")
+    precursor_zscore: float = _f(3.0, "precursor: a layer departs when log(its update/weight ratio) is more than this many standard deviations above its history's mean ...")
+    precursor_ratio: float = _f(2.0, "... and its ratio is more than this many times its history's typical (geometric mean) ratio")
+    precursor_warmup: int = _f(5, "precursor: log intervals of a layer's history before it can warn (the first updates and an LR warmup's start, where the update grows several-fold)")
 
 
 @dataclass
@@ -264,6 +269,10 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "guard.max_remedies": (lambda v: v >= 0, "an integer >= 0"),
     "guard.max_spike_captures": (lambda v: v >= 0, "an integer >= 0"),
     "guard.snapshot_memory_fraction": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "guard.precursor_window": (lambda v: v >= 2, "an integer >= 2"),
+    "guard.precursor_zscore": (lambda v: v > 0, "a number > 0"),
+    "guard.precursor_ratio": (lambda v: v >= 1, "a number >= 1"),
+    "guard.precursor_warmup": (lambda v: v >= 2, "an integer >= 2"),
     "dist.nproc": (lambda v: v >= 1, "an integer >= 1"),
     "dist.timeout_s": (lambda v: v > 0, "a number > 0"),
     "run.max_restarts": (lambda v: v >= 0, "an integer >= 0"),

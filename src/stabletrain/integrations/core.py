@@ -353,7 +353,7 @@ class RunSession:
         """The session's state (progress, guard, the partial interval's metrics, callbacks): saved in the host's checkpoint."""
         return {"version": __version__, "step": self.step, "samples_seen": self.samples_seen,
                 "tokens_seen": self.tokens_seen, "guard": self.guard.state_dict(), "metrics": self.metrics.state_dict(),
-                "callbacks": self.callbacks.state_dict()}
+                "callbacks": self.callbacks.state_dict(), "precursor": self.boundary.precursor.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any], *, event: bool = True, path: str | None = None) -> None:
         """Restore :meth:`state_dict` (the host resumed from its checkpoint); record a ``resume`` event."""
@@ -363,6 +363,7 @@ class RunSession:
         self.guard.load_state_dict(state["guard"])
         self.metrics.load_state_dict(state["metrics"])
         self.callbacks.load_state_dict(state.get("callbacks", {}))
+        self.boundary.precursor.load_state_dict(state.get("precursor", {}))
         self.fingerprint = None  # the host loaded its weights: that is no overwritten init
         self.started = False
         if event:

@@ -19,6 +19,7 @@ EVENT_KINDS: dict[str, str] = {
     "skip": "an optimizer step was not applied (non-finite loss/grad norm, fp16 overflow, or a spike under guard.on_spike=skip); parameters, optimizer state and LR untouched",
     "nonfinite": "a step had a non-finite loss, grad norm, input or (after the update) parameter; 'ranks' says where under DDP",
     "spike": "the loss rose above guard.spike_ratio x the recent median and guard.spike_zscore deviations above the mean",
+    "precursor": "a warning before a spike (guard.precursor): some layer's update/weight ratio departed from its own recent history while the loss had not; 'layers' names each with its ratio, typical ratio, factor and z-score (and its grad norm's)",
     "incident": "a bad step was captured into incidents/step_N (and diagnosed unless guard.diagnose=false), or could not be",
     "checkpoint": "a checkpoint was written, verified, and LAST_GOOD moved to it",
     "checkpoint_withheld": "no checkpoint was written because the state was not finite or was inside an incident; LAST_GOOD stays",
@@ -64,7 +65,7 @@ METRIC_KEYS: dict[str, str] = {
     "samples_seen": "samples trained on so far",
     "tokens_seen": "tokens (items the loss counts) trained on so far",
     "top_grad_layers": "the parameters with the largest share of the squared grad norm over the interval: [{name, share}]",
+    "top_update_layers": "the parameters with the largest update/weight ratio ||update|| / ||theta|| at the interval's last step: [{name, ratio}]",
     "val_loss": "validation loss per item, every eval.every steps and at the end",
     "world_size": "processes training together (DDP runs only)",
-    "top_update_layers": "the parameters with the largest update/weight ratio ||update|| / ||theta|| at the interval's last step: [{name, ratio}]",
 }

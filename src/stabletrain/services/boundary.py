@@ -19,8 +19,10 @@ from collections.abc import Callable
 from typing import Any
 
 from ..callbacks import CallbackList, FitState
+from ..callbacks.sinks import announce_precursor
 from ..policies.guard import Guard, GuardDecision
 from ..policies.metrics import StepMetrics, interval_record, peak_memory_mib
+from ..policies.precursor import Precursor
 
 __all__ = ["IntervalBoundary"]
 
@@ -43,6 +45,7 @@ class IntervalBoundary:
         self.state, self.metrics, self.guard, self.callbacks, self._capture = state, metrics, guard, callbacks, capture
         self.top_layers, self.epoch, self.count_samples = top_layers, epoch, count_samples
         self.names = [n for n, _ in state.named_params]
+        self.precursor = Precursor(state.cfg.guard, self.names)  # a warning before the spike (guard.precursor)
         self.started = time.perf_counter()
         self.excluded = 0.0  # seconds of this interval not spent training (validation): not in its throughput
 
@@ -74,6 +77,7 @@ class IntervalBoundary:
                                  progress=progress, extra=extra or None)
         state.history.append(record)
         self.callbacks.fire("on_log", state, record, rows)
+        announce_precursor(state, self.precursor.observe(state.step, summary, param_sq, rows))
         return record, decision, rows, summary
 
     def incident(self, decision: GuardDecision, rows: list[Any]) -> dict[str, Any] | None:
