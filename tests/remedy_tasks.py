@@ -89,3 +89,17 @@ def fp16_nan_grads_task(n: int = 32, seed: int = 0) -> Task:
     with torch.no_grad():
         model.layers[0].weight.zero_()
     return Task(model=model, train_data=TensorDataset(x, y), loss=_mse, name="fp16-nan-grads")
+
+
+def fp16_stall_task(n: int = 80, seed: int = 0) -> Task:
+    """An fp16 run that stalls without ever skipping 20 steps in a row: in 9 of every 10 batches (batch 8, in
+    order) one sample is 1e6 times too large, so the float16 forward overflows (a non-finite loss: skipped, and
+    the GradScaler backs off); the tenth batch is normal, but by then the scale has fallen so far that its
+    gradients underflow to 0. The parameters never move."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    x[[i for i in range(0, n, 8) if (i // 8) % 10 != 9]] *= 1e6
+    y = torch.randn(n, 1, generator=g)
+    torch.manual_seed(seed)
+    return Task(model=Stack(nn.Linear(8, 16), nn.Linear(16, 1)), train_data=TensorDataset(x, y), loss=_mse,
+                name="fp16-stall")

@@ -257,12 +257,13 @@ def test_diagnose_names_what_cannot_be_rebuilt_prints_no_tensor_and_shows_the_st
     assert main(["diagnose", str(tmp_path / "loop")]) == 0
     out, err = capsys.readouterr()
     assert "tensor(" not in out + err
-    assert err.splitlines() == [
-        f"stabletrain: warning: incident {str(incident)!r} cannot be replayed in a new process: the model is a "
-        "torch.nn.Sequential, whose layers are not recorded (a model is rebuilt from its class only when that class "
-        "builds it with no arguments): pass model_factory='module:function' to stabletrain.Monitor; the loss function "
-        "cannot be imported in a new process (a lambda, or defined in __main__ or inside a function): pass a loss_fn "
-        f"defined at the top of an importable module. Showing {incident / 'diagnosis.json'}, written when it was captured"]
+    assert err.splitlines() == [  # a short line, then one line per obstacle (issue 33: it was one 700-character line)
+        f"stabletrain: warning: incident {str(incident)!r} cannot be replayed in a new process; showing diagnosis.json, "
+        "written when it was captured. Why not, and what to do:",
+        "  - the model is a torch.nn.Sequential, whose layers are not recorded (a model is rebuilt from its class only "
+        "when that class builds it with no arguments): pass model_factory='module:function' to stabletrain.Monitor",
+        "  - the loss function cannot be imported in a new process (a lambda, or defined in __main__ or inside a "
+        "function): pass a loss_fn defined at the top of an importable module"]
     assert out.splitlines()[:2] == [f"incident: {incident} (step 3, rank 0)", f"  {'summary':<30} {stored['summary']}"]
     assert "written to" not in out  # nothing was replayed or written
     assert main(["diagnose", "--json", str(incident)]) == 0

@@ -114,3 +114,19 @@ def test_a_replay_matching_a_finite_observation_with_no_bad_value_is_not_reprodu
          "grad_norm": float("inf")}}
     c = classify_failure(d)
     assert c["failure_class"] == "not reproducible" and "differ from the observed 1.0 and inf" in c["evidence"]
+
+
+def test_a_summary_leads_with_its_verdict_and_a_divergence_names_no_samples(tmp_path):
+    """Issue 33: a weight-driven fp16 overflow opened with 'at samples 0, 1, 2, 3, ...' (its evidence then said
+    'the module's weights, not the samples'); a divergence's summary named samples ('only in combination: samples
+    393, 58, ...') and said 'in module None' after 'outside any module'."""
+    d = diagnose_step(*_weight_driven(), precision=PrecisionPolicy("fp32", "cpu"))
+    assert d["summary"].startswith(f"op: {d['evidence']}; first non-finite value") and "at sample" not in d["summary"]
+    _, div = first_incident(tmp_path, "remedy_tasks:diverging_task", "train.max_steps=60", *DIVERGING, "accum.steps=1")
+    assert div["failure_class"] == "divergence" and "sample" not in div["summary"] and "'None'" not in div["summary"]
+    assert "outside any module" in div["summary"]
+
+
+def _weight_driven():
+    model, x = faults.log_of_zero()  # 8 of 8 samples go bad through layers.2: the module, not the samples
+    return model, faults.regression_loss, [(list(range(8)), x)]

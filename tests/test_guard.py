@@ -17,6 +17,7 @@ from stabletrain import Trainer
 from stabletrain.records.checkpoint.manager import CheckpointManager
 from stabletrain.config import GuardConfig
 from stabletrain.data import EpochOrder
+from stabletrain.cli import main
 from stabletrain.policies.guard import Guard
 
 BAD = 37  # the dataset index holding a NaN in nan_sample_task
@@ -304,3 +305,53 @@ def test_check_inputs_catches_a_bad_input_the_loss_never_sees(tmp_path):
                               "guard.diagnose=false"), task=task, run_dir=tmp_path / check)
         trainer.fit()
         assert [e["step"] for e in _events(tmp_path / check) if e["kind"] == "skip"] == expected
+
+
+def _stall_rows(pattern, grad_norm, start=1, scale=1.0):
+    """Rows of steps ``start``.. with ``applied`` from ``pattern`` (1 applied, 0 skipped) and this grad norm when applied."""
+    return [SimpleNamespace(step=start + i, ranks=[], values={"loss": 1.0, "finite": 1.0, "applied": float(a),
+                                                            "grad_norm": grad_norm if a else float("inf"),
+                                                            "loss_scale": scale})
+            for i, a in enumerate(pattern)]
+
+
+def test_a_run_is_stalled_when_no_update_of_the_last_steps_moved_the_parameters():
+    nine_of_ten = [0] * 9 + [1]
+    for pattern, norm, stalled in (
+            (nine_of_ten * 2, 0.0, True),       # the issue's fp16 collapse: 9 of 10 skipped, the tenth a zero gradient
+            (nine_of_ten * 2, 0.3, False),      # a GradScaler still calibrating: its applied steps move the parameters
+            ([1] * 20, 0.0, True),              # every step applied with a zero gradient
+            (nine_of_ten, 0.0, False)):         # fewer than guard.stall_steps (20) steps seen
+        g = Guard(GuardConfig(on_stall="stop"), torch.device("cpu"))
+        d = g.decide(_stall_rows(pattern, norm, scale=3.6e-12))
+        assert (d.action == "stop" and "stalled" in d.reason) is stalled, (pattern, norm, d.reason)
+    d = Guard(GuardConfig(), torch.device("cpu")).decide(_stall_rows(nine_of_ten * 2, 0.0, scale=3.6e-12))
+    assert d.reason == ("the run is stalled at step 20: 18 of the last 20 steps were skipped and the 2 applied had a zero "
+                        "gradient; the GradScaler's scale is 3.6e-12: no update moved the parameters (guard.stall_steps="
+                        "20). Try precision=bf16 (no loss scale), the overflowing module in fp32 (stabletrain remedy names "
+                        "it), or guard.on_nonfinite=remedy; guard.on_stall=warn trains on")
+    warn = Guard(GuardConfig(on_stall="warn"), torch.device("cpu"))
+    first, again = warn.decide(_stall_rows(nine_of_ten * 2, 0.0)), warn.decide(_stall_rows(nine_of_ten, 0.0, start=21))
+    assert first.action == "continue" and first.stall.startswith("the run is stalled at step 20") and again.stall is None
+    clone = Guard(GuardConfig(on_stall="stop"), torch.device("cpu"))  # the recent steps travel in checkpoints
+    clone.load_state_dict(Guard(GuardConfig(on_stall="stop"), torch.device("cpu")).state_dict())
+    clone.load_state_dict({**clone.state_dict(), "recent": [[False, float("inf"), 1.0]] * 19})
+    assert clone.decide(_stall_rows([1], 0.0, start=20)).action == "stop"
+
+
+@pytest.mark.slow
+def test_an_fp16_run_whose_scaler_collapsed_stops_instead_of_reporting_success(tmp_path, capsys):
+    """The issue's case: 9 of 10 steps of each interval skipped (the float16 forward overflows), the tenth applied
+    with a gradient that underflowed to 0 under a scale of 1e-12: the parameters never move after step 40, and the
+    run printed 'trained 100 steps' and exited 0. Now it stops at the first boundary that sees it, saying what to do;
+    with guard.on_stall=warn it trains on, and its last line says how many steps were skipped."""
+    args = ["train", "task=remedy_tasks:fp16_stall_task", "precision=fp16", "train.batch_size=8", "train.max_steps=100",
+            "log.every=10", "data.shuffle=false", "guard.capture=false", "log.progress=false", "log.tensorboard=false"]
+    assert main([*args, f"run.dir={tmp_path / 'stop'}"]) == 1
+    err = capsys.readouterr().err
+    assert "the run stopped early: the run is stalled at step 60: 18 of the last 20 steps were skipped" in err
+    assert "Try precision=bf16" in err
+    assert main([*args, f"run.dir={tmp_path / 'warn'}", "guard.on_stall=warn"]) == 0
+    out = capsys.readouterr()
+    assert out.err.count("stabletrain: warning: the run is stalled at step 60") == 1
+    assert "trained 100 steps; loss=" in out.out and "; 90 of 100 steps skipped (90%: see events.jsonl)" in out.out

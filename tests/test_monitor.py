@@ -244,3 +244,28 @@ def test_namedtuple_batches_are_captured_and_diagnosed_as_namedtuples_also_in_a_
     fresh = diagnose_incident(tmp_path / "run" / "incidents" / f"step_{BAD_STEP:06d}")  # the bundle's Pair, rebuilt
     assert (fresh["module"], fresh["bad_samples"], fresh["sample_unit"]) == ("root", [BAD_POSITION],
                                                                             "position in the step's batch")
+
+
+def test_without_loss_fn_an_incident_it_cannot_capture_is_said_once_and_a_captured_one_reaches_the_console(
+        tmp_path, capsys):
+    """Issue 33: the event said 'not captured: pass loss_fn=' and nothing reached the console. Now the first time a
+    step cannot be captured is a StableTrainWarning (once, however many follow), and a captured incident that is not
+    diagnosed still gets its one console line."""
+    from stabletrain import StableTrainWarning
+
+    model, opt = make()
+    data = batches(30, bad_step=BAD_STEP)
+    data[16] = batches(30, bad_step=17)[16]  # a second bad step, in the next interval
+    with pytest.warns(StableTrainWarning) as caught:
+        with Monitor(model, opt, run_dir=tmp_path / "run", log_every=10) as monitor:
+            train(monitor, model, data)
+    said = [str(w.message) for w in caught if "not captured" in str(w.message)]
+    assert said == [f"the incident at step {BAD_STEP} was not captured: no replay of the host's steps (pass loss_fn= "
+                    "to replay them)"]
+    events = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl")[0] if e["kind"] == "incident"]
+    assert [e["step"] for e in events] == [BAD_STEP, 17] and all("not captured" in e["reason"] for e in events)
+    model, opt = make()
+    with Monitor(model, opt, run_dir=tmp_path / "quiet", log_every=10, loss_fn=loss_fn, diagnose=False) as monitor:
+        train(monitor, model, batches(10, bad_step=BAD_STEP))
+    line = f"stabletrain: incident at step {BAD_STEP} captured into {tmp_path / 'quiet' / 'incidents'}"
+    assert line in capsys.readouterr().out

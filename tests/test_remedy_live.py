@@ -35,12 +35,15 @@ def train(run_dir, spec, *overrides):
     return trainer
 
 
-def test_a_divergence_that_stops_the_run_today_is_remedied_and_the_run_finishes_as_one_cured_from_the_start(tmp_path):
+def test_a_divergence_that_stops_the_run_today_is_remedied_and_the_run_finishes_as_one_cured_from_the_start(tmp_path,
+                                                                                                            capsys):
     today = train(tmp_path / "today", "remedy_tasks:diverging_task", "train.max_steps=60", *DIVERGING)
     assert "20 consecutive skipped steps (guard.max_consecutive_skips=20) at step 57" in today.stop_reason
     remedied = train(tmp_path / "remedied", "remedy_tasks:diverging_task", "train.max_steps=60", *DIVERGING,
                      "guard.on_nonfinite=remedy", "guard.remedy_steps=4")
     assert remedied.step == 60 and remedied.stop_reason is None
+    # The line says when the remedy was applied (step 40), its rollback's own step in what it does (issue 33).
+    assert "stabletrain: remedy at step 40: rollback-lr-x0.1 (back to step 10, lr x0.1)" in capsys.readouterr().out
     (event,) = [e for e in events(tmp_path / "remedied") if e["kind"] == "remedy"]
     assert (event["name"], event["step"], event["from_step"], event["incident_step"]) == ("rollback-lr-x0.1", 10, 40, 38)
     assert event["verdict"] == "cures" and event["failure_class"] == "divergence"

@@ -281,7 +281,8 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
         return 1
     shown = ", ".join(f"{k}={record[k]:.4g}" for k in ("loss", "val_loss", "grad_norm") if isinstance(record.get(k), float))
     skipped = sum(int(r.get("num_skipped", 0)) for r in trainer.history)
-    skipped_note = f"{skipped} step(s) skipped (see events.jsonl)" if skipped else "no step skipped"
+    skipped_note = (f"{skipped} of {trainer.step} steps skipped ({100 * skipped / max(trainer.step, 1):.0f}%: see events.jsonl)"
+                    if skipped else "no step skipped")
     console.say(f"trained {trainer.step} steps; {shown}; {skipped_note}; run directory: {run_dir}")
     if args.report:
         _write_report(run_dir)

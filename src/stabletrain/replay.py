@@ -247,12 +247,14 @@ def run_history(incident_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def diagnose_incident(directory: str | Path, task: Task | None = None, *, device: str | None = None,
-                      bisect: bool = True, anomaly: bool = True, bundle: dict[str, Any] | None = None) -> dict[str, Any]:
+                      bisect: bool = True, anomaly: bool = True, bundle: dict[str, Any] | None = None,
+                      history: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Replay the bundled step under the precise tools; write and return ``diagnosis.json``.
 
     ``task``: reuse an already built task (its model is deep-copied, never touched); by default the
     task is rebuilt from the bundle's config, as ``stabletrain diagnose`` does in a fresh process.
     ``bundle``: the bundle already in memory (a live capture's; the file in ``directory`` is its record).
+    ``history``: the run's metrics records (default: its ``metrics.jsonl``), for the divergence's growth.
     """
     start = time.perf_counter()
     directory = Path(directory)
@@ -284,7 +286,7 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
                            device=dev, dataset=task.train_data, collate=task.collate, observed_loss=observed.get("loss"),
                            observed_grad_norm=_comparable_norm(observed.get("grad_norm"), bundle.get("world_size", 1)),
                            bisect=bisect, anomaly=anomaly,
-                           history=run_history(directory), step=bundle["step"])
+                           history=history if history is not None else run_history(directory), step=bundle["step"])
     result = {"step": bundle["step"], "rank": bundle.get("rank", 0), "epoch": bundle["window"]["epoch"],
               **result, "observed": observed, "sample_unit": bundle.get("sample_unit", "dataset index")}
     where = getattr(task.train_data, "where", None)  # an adapter's step: sample numbers -> (micro-batch, position)

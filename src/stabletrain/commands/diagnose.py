@@ -6,6 +6,8 @@ is named (:func:`replay_obstacles`) and the diagnosis written when it was captur
 
 from __future__ import annotations
 
+import sys
+
 import argparse
 from pathlib import Path
 
@@ -115,6 +117,8 @@ def stored_diagnosis(incident: Path, obstacles: list[str]) -> dict:
     if not stored.is_file():
         raise TaskError(f"incident {str(incident)!r} cannot be replayed in a new process ({why}), and no "
                         f"{DIAGNOSIS_FILE} was written when it was captured")
-    console.warn(f"incident {str(incident)!r} cannot be replayed in a new process: {why}. Showing {stored}, "
-                 "written when it was captured")
+    console.warn(f"incident {str(incident)!r} cannot be replayed in a new process; showing {stored.name}, written "
+                 "when it was captured. Why not, and what to do:")
+    for obstacle in obstacles:  # one line each (they were one 700-character line)
+        console.write_line(f"  - {obstacle}", sys.stderr)
     return json.loads(stored.read_text(encoding="utf-8"))

@@ -136,6 +136,8 @@ class GuardConfig:
     capture_spikes: bool = _f(True, "capture and diagnose a loss spike as an incident (guard.capture): replayed from the interval's snapshot, its cause found by counterfactual replays; at most one capture per log interval")
     max_spike_captures: int = _f(5, "capture at most this many spikes in a run (later ones are still events)")
     max_consecutive_skips: int = _f(20, "stop the run after this many skipped steps in a row")
+    stall_steps: int = _f(20, "a run is stalled when no update of this many recent steps moved the parameters: each skipped or applied with a zero gradient (an fp16 loss scale that cannot recover); see guard.on_stall")
+    on_stall: Literal["stop", "warn"] = _f("stop", "a stalled run (guard.stall_steps): stop with one line saying what to do, or warn once and train on")
     max_rollbacks: int = _f(3, "stop the run after this many rollbacks")
     check_params: bool = _f(True, "check on each log interval's last step that the parameters are finite (one fused pass, no sync); when a check fails, the capture's replay pins the update that broke them")
     check_inputs: bool = _f(False, "check floating-point inputs of every micro-batch for NaN/Inf")
@@ -264,6 +266,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "guard.spike_ratio": (lambda v: v > 1, "a number > 1"),
     "guard.spike_zscore": (lambda v: v > 0, "a number > 0"),
     "guard.max_consecutive_skips": (lambda v: v >= 1, "an integer >= 1"),
+    "guard.stall_steps": (lambda v: v >= 2, "an integer >= 2"),
     "guard.max_rollbacks": (lambda v: v >= 0, "an integer >= 0"),
     "guard.remedy_steps": (lambda v: v >= 0, "an integer >= 0"),
     "guard.max_remedies": (lambda v: v >= 0, "an integer >= 0"),

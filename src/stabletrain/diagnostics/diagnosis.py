@@ -35,7 +35,7 @@ from torch.utils.data import default_collate
 
 from .bisection import Bisection, bisect_samples
 from .anomaly import anomaly_trace
-from .failure_class import classify_failure
+from .failure_class import WEIGHT_DRIVEN_SHARE, classify_failure
 from .nonfinite import NonFiniteLocator, NonFiniteOp
 from ..numerics import first_nonfinite_grad
 
@@ -322,12 +322,22 @@ def _is_bad_fn(rep: Any, micro_batches: list[tuple[list[int], Any]], dataset: An
 
 
 def _summary(d: dict[str, Any], bisection: Bisection | None) -> str:
-    """One sentence for a person: what went non-finite first, where, for which samples, and whether it reproduces."""
-    return f"{d['failure_class']}: {_where(d, bisection)}"
+    """One sentence for a person: what went non-finite first, where, for which samples, and whether it reproduces.
+
+    A fault in a module's weights (most samples go bad through it) leads with that verdict; its samples are
+    evidence, not the headline. A divergence names no samples (every window goes bad once the weights are huge).
+    """
+    samples, num = d.get("bad_samples") or [], d.get("num_samples") or 0
+    if d.get("blamed_module") and num > 1 and len(samples) >= WEIGHT_DRIVEN_SHARE * num:
+        return f"{d['failure_class']}: {d['evidence']}; {_where(d, bisection, samples=False, evidence=False)}"
+    return f"{d['failure_class']}: {_where(d, bisection, samples=d['failure_class'] != 'divergence')}"
 
 
-def _where(d: dict[str, Any], bisection: Bisection | None) -> str:
-    """The summary after its failure class: where the first bad value came from, and whether it reproduces."""
+def _where(d: dict[str, Any], bisection: Bisection | None, *, samples: bool = True, evidence: bool = True) -> str:
+    """The summary after its failure class: where the first bad value came from, and whether it reproduces.
+
+    ``samples``: name the samples the bisection found; ``evidence``: end with the class's evidence.
+    """
     stage = d["stage"]
     if stage == "none" and d["failure_class"] == "divergence":
         return f"{d['evidence']}; reproduces on replay"
@@ -363,15 +373,18 @@ def _where(d: dict[str, Any], bisection: Bisection | None) -> str:
             f" at sample{'s' if len(samples) > 1 else ''} {', '.join(map(str, samples))}" if samples else "")
         if d["op"] is not None:
             text += f", first used by {d['op']} in {d['direction']} {module}"
-    elif d["bad_samples"] and len(d["bad_samples"]) == d["num_samples"] > 1:
+    elif d["bad_samples"] and len(d["bad_samples"]) == d["num_samples"] > 1 and d["failure_class"] != "divergence":
         text += f", at every sample of the step ({d['num_samples']}): not the data"
+    elif not samples:
+        pass
     elif d["bad_samples"]:
         text += f", at sample{'s' if len(d['bad_samples']) > 1 else ''} {', '.join(map(str, d['bad_samples']))}"
     elif bisection is not None and bisection.combinations:
         text += f", only in combination: samples {', '.join(map(str, bisection.combinations[0]))} (no single sample is bad)"
     elif bisection is not None and bisection.whole_bad:
         text += ", no single sample to blame"
-    if d["failure_class"] in ("divergence", "overflow") or (d["failure_class"] == "op" and d.get("blamed_module")):
+    if evidence and (d["failure_class"] in ("divergence", "overflow")
+                     or (d["failure_class"] == "op" and d.get("blamed_module"))):
         text += f" ({d['evidence']})"
     if d["reproduces"]:
         text += "; reproduces on replay"

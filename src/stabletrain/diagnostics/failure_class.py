@@ -145,7 +145,8 @@ def _symptom(d: dict[str, Any], first: dict[str, Any]) -> str:
         return (f"every gradient is finite but their total norm is {d.get('grad_norm')} (the sum of squares "
                 "overflows float32: the gradients are huge)")
     if first:
-        return f"{first.get('kind')} at {first.get('op')} in module '{first.get('module')}'"
+        where = "outside any module" if first.get("module") is None else f"in module '{first.get('module')}'"
+        return f"{first.get('kind')} at {first.get('op')} {where}"
     return ""
 
 

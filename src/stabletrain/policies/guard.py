@@ -35,6 +35,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import math
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,6 +115,7 @@ class GuardDecision:
     #: update that broke them is one of steps lo..hi; the capture's replay pins it (:meth:`pin`). None: exact.
     locate: tuple[int, int] | None = None
     params_bad_at: int | None = None  # the first step whose post-update check found a non-finite parameter
+    stall: str | None = None  # guard.on_stall=warn: why the run is not learning (said once)
     _policy: str | None = None  # how a non-finite reason names the action taken (None: not such a decision)
 
     def pin(self, step: int) -> None:
@@ -159,6 +161,9 @@ class Guard:
         self.num_spike_captures = 0
         self._no_spike: Tensor | None = None
         self._start: tuple[Any, int] | None = None  # the host window and count at the last interval's start
+        # The last guard.stall_steps steps as (applied, grad norm, loss scale): a run that goes on without learning.
+        self._recent: deque[tuple[bool, float, float]] = deque(maxlen=cfg.stall_steps)
+        self.stall_warned = False
 
     @property
     def _armed_at(self) -> int:
@@ -249,6 +254,32 @@ class Guard:
         self._host_seen = seen
         self.num_seen.fill_(seen)
 
+    def stalled(self, step: int) -> str | None:
+        """Why the run stopped learning over its last ``guard.stall_steps`` steps, or None (host values; no sync).
+
+        Stalled: no update of those steps moved the parameters: each was skipped or applied with a zero
+        gradient. Under fp16 a GradScaler that cannot recover does that (most steps overflow and back off the
+        scale; at the scale left the few applied gradients underflow to 0) without ever making
+        ``guard.max_consecutive_skips`` skips in a row: the run would end "successfully" without learning. An
+        early back-off while the scale calibrates is not a stall (its applied steps move the parameters).
+        """
+        recent = self._recent
+        if len(recent) < recent.maxlen:
+            return None
+        applied = [r for r in recent if r[0]]
+        if not applied or any(r[1] != 0.0 for r in applied):  # none applied: guard.max_consecutive_skips' case
+            return None
+        skipped, n, scale = len(recent) - len(applied), len(recent), recent[-1][2]
+        what = f"{skipped} of the last {n} steps were skipped and the {len(applied)} applied had a zero gradient"
+        if scale != 1.0:
+            what += f"; the GradScaler's scale is {scale:.2g}"
+            advice = ("precision=bf16 (no loss scale), the overflowing module in fp32 (stabletrain remedy names it), "
+                      "or guard.on_nonfinite=remedy")
+        else:
+            advice = "a look at the skip events and the loss (is it constant?), or guard.on_nonfinite=remedy"
+        return (f"the run is stalled at step {step}: {what}: no update moved the parameters (guard.stall_steps={n}). "
+                f"Try {advice}; guard.on_stall=warn trains on")
+
     def window_before(self, step: int, rows: list[Any]) -> list[float]:
         """The finite non-spike losses the rule held when it judged step ``step``: the window at the interval's
         start, then the interval's rows before ``step`` (host rule). With the rule on the device
@@ -301,12 +332,19 @@ class Guard:
             if self.consecutive_skips >= self.cfg.max_consecutive_skips and d.action == "continue":
                 d.action, d.reason = "stop", (f"{self.consecutive_skips} consecutive skipped steps (guard.max_consecutive_skips="
                                               f"{self.cfg.max_consecutive_skips}) at step {row.step}: the run is not recovering")
+            self._recent.append((v["applied"] >= 0.5, float(v.get("grad_norm", math.nan)), float(v.get("loss_scale", 1.0))))
         if d.locate is not None and d.first_incident < d.locate[0]:
             d.locate = None  # an earlier loss incident comes first; the broken update is a later one
         self.num_incidents += 1 if d.bad_steps else 0
         self.num_spikes += len(d.spike_steps)
         if d.action == "stop":
             return d
+        stalled = self.stalled(rows[-1].step if rows else 0)
+        if stalled is not None and self.cfg.on_stall == "stop":
+            d.action, d.reason = "stop", stalled
+            return d
+        if stalled is not None and not self.stall_warned:
+            d.stall, self.stall_warned = stalled, True  # guard.on_stall=warn: said once
         if d.bad_steps and (self.cfg.on_nonfinite != "skip" or params_bad_at is not None):
             policy = self.cfg.on_nonfinite if self.cfg.on_nonfinite != "skip" else "stop"
             d._policy = ""
@@ -340,7 +378,8 @@ class Guard:
     def state_dict(self) -> dict[str, Any]:
         return {"window": self.window.clone(), "num_seen": self.num_seen.clone(), "consecutive_skips": self.consecutive_skips,
                 "num_rollbacks": self.num_rollbacks, "num_incidents": self.num_incidents, "num_spikes": self.num_spikes,
-                "num_spike_captures": self.num_spike_captures}
+                "num_spike_captures": self.num_spike_captures, "recent": [list(r) for r in self._recent],
+                "stall_warned": self.stall_warned}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.window.copy_(state["window"])
@@ -352,3 +391,6 @@ class Guard:
         self.num_incidents = int(state["num_incidents"])
         self.num_spikes = int(state["num_spikes"])
         self.num_spike_captures = int(state.get("num_spike_captures", 0))  # checkpoints from before spike captures
+        self._recent.clear()
+        self._recent.extend((bool(a), float(g), float(sc)) for a, g, sc in state.get("recent", []))
+        self.stall_warned = bool(state.get("stall_warned", False))

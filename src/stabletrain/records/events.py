@@ -30,6 +30,7 @@ EVENT_KINDS: dict[str, str] = {
     "rollback": "the guard rolled back to the last good checkpoint, skipping the offending data window",
     "remedy": "guard.on_nonfinite=remedy (or config key 'remedy'): a remedy verified on a replay of the incident was applied (what, from which step, the evidence), or none cured it and the fallback was taken",
     "schedule_changed": "the LR schedule's horizon changed on resume (train.max_steps differs from the checkpoint's)",
+    "stall": "the run is not learning: no update of the last guard.stall_steps steps moved the parameters (skipped, or applied with a zero gradient) and guard.on_stall=warn trains on; with on_stall=stop it is the stop's reason",
     "stop": "the run stopped before train.max_steps: a guard limit, SIGINT or SIGTERM, or a restart refused (the same failure again, run.max_repeats)",
     "crash": "an exception ended the run: its type, message and where in the user's code it was raised",
     "init_overwritten": "parameters changed between the task factory and the first step (an init was overwritten)",

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .. import console
 from ..callbacks import CallbackList, FitState
 from ..callbacks.sinks import announce_precursor
 from ..policies.guard import Guard, GuardDecision
@@ -69,6 +70,9 @@ class IntervalBoundary:
         if self.count_samples:
             state.samples_seen += summary["interval_samples"]
         decision = self.guard.decide(rows)
+        if decision.stall is not None:  # guard.on_stall=warn: said once (stop: the caller stops with it)
+            state.event(state.step, "stall", decision.stall)
+            console.warn(decision.stall)
         progress = {"num_incidents": self.guard.num_incidents, "num_rollbacks": self.guard.num_rollbacks,
                     "peak_memory_mib": peak_memory_mib(state.device), "epoch": self.epoch(),
                     "samples_seen": state.samples_seen, "tokens_seen": state.tokens_seen}

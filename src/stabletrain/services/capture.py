@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
 from .. import console
+from ..console import StableTrainWarning
 from ..callbacks import FitState
 from ..diagnostics.diagnosis import DIAGNOSIS_FIELDS
 from ..records.checkpoint.sharded import is_dcp_entry
@@ -108,6 +110,7 @@ class IncidentCapture:
         self.snapshot = IntervalSnapshot()
         self.replayed_steps: int | None = None  # steps the last capture replayed (None: no capture yet)
         self.replaying = False  # a capture is replaying: the source's own per-step hooks stand by
+        self.warned = False  # a step that could not be captured was said once
 
     # -- per interval ------------------------------------------------------------------------------
 
@@ -170,6 +173,10 @@ class IncidentCapture:
         if why is not None:
             fit.event(step, "incident", f"step {step} not captured: {why}", after_update=after_update,
                       **({"ranks": ranks} if fit.dist.enabled else {}))
+            if not self.warned and fit.dist.is_main:  # once, the first time it matters (then the events say it)
+                self.warned = True
+                warnings.warn(f"the {'spike' if info.get('anomaly') == 'spike' else 'incident'} at step {step} was not "
+                              f"captured: {why}", StableTrainWarning, stacklevel=2)
             return found
         t0 = time.perf_counter()
         with state_kept(src.live_state, src.load_live_state), self._replaying():
@@ -217,8 +224,12 @@ class IncidentCapture:
             bundles.append(bundle)
         if spike:
             fields["anomaly"] = "spike"
+        label = "spike" if spike else "incident"
         if src.diagnose:
-            fields.update(self._diagnose(fit, folder, bundles[0], step, seen[0], "spike" if spike else "incident"))
+            fields.update(self._diagnose(fit, folder, bundles[0], step, seen[0], label))
+        if "diagnosis" not in fields:  # every incident reaches the console in one line
+            why_not = fields.get("diagnosis_error") or "not diagnosed: the diagnosis is off; stabletrain diagnose replays it"
+            console.say(f"{label} at step {step} captured into {folder} ({why_not})")
         found.update(fields)
         seen_note = f" (seen on rank(s) {ranks})" if fit.dist.enabled and ranks else ""
         what = f"the loss spike at step {step}" if spike else f"step {step}"
@@ -232,8 +243,9 @@ class IncidentCapture:
         try:
             task, context, extra = self.source.diagnosis(bundle)
             in_memory = None if is_dcp_entry(bundle.get("model")) else bundle  # FSDP: read whole from its shards
-            with self._replaying(), context:
-                diagnosis = diagnose_incident(folder, task, device=str(fit.device), bundle=in_memory)
+            with self._replaying(), context:  # the run's own history in memory: its newest rows may not be on disk yet
+                diagnosis = diagnose_incident(folder, task, device=str(fit.device), bundle=in_memory,
+                                              history=list(fit.history))
             on_rank = f" (rank {rank})" if fit.dist.enabled else ""
             console.say(f"{label} at step {step}{on_rank}: {diagnosis.get('summary')}")
             return {"diagnosis": {**{k: diagnosis.get(k) for k in DIAGNOSIS_FIELDS},

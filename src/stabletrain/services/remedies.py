@@ -175,8 +175,8 @@ class RemedyApplier:
                  "evidence": row.get("evidence"), "by_hand": by_hand}
         self.applied.append(entry)
         how = "by hand (config key 'remedy')" if by_hand else f"verified on {record.get('steps')} steps after it"
-        if state.run is not None:
-            console.say(f"remedy at step {state.step}: {remedy.name} ({remedy.detail}), {row.get('verdict')} on the replay")
+        if state.run is not None:  # when it was applied (a rollback's own step is in its detail)
+            console.say(f"remedy at step {from_step}: {remedy.name} ({remedy.detail}), {row.get('verdict')} on the replay")
         state.event(state.step, "remedy", f"applied {remedy.name} ({remedy.detail}) for the {record.get('failure_class')} "
                     f"incident at step {record.get('step')}, {how}: {row.get('verdict')}, {row.get('evidence')}",
                     **{k: v for k, v in entry.items() if k != "evidence"}, candidate_evidence=row.get("evidence"))
