@@ -157,3 +157,24 @@ def test_a_healthy_default_gpt_run_of_300_steps_has_no_spike():
     trainer = Trainer(cfg("eval.every=0", "log.every=50", task="gpt"))
     trainer.fit()
     assert trainer.step == 300 and trainer.guard.num_spikes == 0
+
+
+def test_an_adapter_spike_gets_the_same_doctor(tmp_path):
+    """Monitor over a plain loop: the same capture and counterfactual replays; samples are positions in the step."""
+    from stabletrain import Monitor
+    from spike_tasks import _mse
+
+    task = outlier_samples_task()
+    torch.manual_seed(0)
+    opt = torch.optim.AdamW(task.model.parameters(), lr=0.01, fused=True)
+    with Monitor(task.model, opt, run_dir=tmp_path / "run", log_every=10, loss_fn=_mse) as monitor:
+        for step in range(30):
+            batch = task.train_data[step * 8:(step + 1) * 8]
+            with monitor.autocast():
+                loss = _mse(task.model, batch)
+            monitor.backward(loss, batch)
+            monitor.step()
+    (incident,) = [e for e in _events(tmp_path / "run") if e["kind"] == "incident"]
+    d = incident["diagnosis"]
+    assert (incident["step"], incident["anomaly"], d["failure_class"], d["bad_samples"]) == (20, "spike", "data", [1, 5])
+    assert d["bad_positions"] == [{"micro_batch": 0, "position": 1}, {"micro_batch": 0, "position": 5}]

@@ -269,6 +269,10 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
         load_s = time.perf_counter() - start
         result = diagnose_spike(bundle, task, device=str(dev))
         result["timings"] = {"load_s": load_s, **result["timings"], "total_s": time.perf_counter() - start}
+        result["sample_unit"] = bundle.get("sample_unit", "dataset index")
+        where = getattr(task.train_data, "where", None)  # an adapter's step: sample numbers -> (micro-batch, position)
+        if where is not None:
+            result["bad_positions"] = [where(i) for i in result.get("bad_samples") or []]
         atomic_write(directory / DIAGNOSIS_FILE, json.dumps(result, indent=2, default=str) + "\n")
         return result
     replica = Replica(cfg, task, bundle, dev)
