@@ -16,6 +16,9 @@
     diagnosis <= 20 steps wherever the incident falls (``--bad-step``: which step carries the NaN).
 (c) A short run under ``torch.autograd.detect_anomaly()`` against the plain run (what users do today
     to find a NaN, for the whole job).
+(d) The cost of one finite loss spike: a sample of step 40 weighs x100 in the loss; the boundary captures the spike
+    and its counterfactual replays diagnose it (stabletrain.counterfactual), timed from ``on_log`` to
+    ``on_incident``, in median steps. A run without a spike pays nothing for it.
 
 Timing follows bench/overhead.py: each Trainer runs ``fit()`` in lockstep with a hand-written bare
 loop (a callback runs one bare step beside each built-in step, its time taken off the built-in clock),
@@ -215,17 +218,17 @@ def part_a_paired(task: Any, blocks: int, warmup: int, tmp: Path, overrides: lis
 
 
 class WeightedChunks(Dataset):
-    """gpt's byte chunks with a per-sample loss weight: 1.0, or NaN for the planted sample."""
+    """gpt's byte chunks with a per-sample loss weight: 1.0, or ``weight`` (NaN by default) for the planted sample."""
 
-    def __init__(self, inner: Dataset, bad_index: int) -> None:
-        self.inner, self.bad_index = inner, bad_index
+    def __init__(self, inner: Dataset, bad_index: int, weight: float = float("nan")) -> None:
+        self.inner, self.bad_index, self.weight = inner, bad_index, weight
 
     def __len__(self) -> int:
         return len(self.inner)
 
     def __getitem__(self, i: int) -> tuple[Tensor, Tensor, Tensor]:
         x, y = self.inner[i]
-        return x, y, torch.tensor(float("nan") if i == self.bad_index else 1.0)
+        return x, y, torch.tensor(self.weight if i == self.bad_index else 1.0)
 
 
 def weighted_lm_loss(model: nn.Module, batch: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, int]:
@@ -306,6 +309,39 @@ def part_b(task: Any, step_s: float | None, tmp: Path, bad_step: int = 20, repea
     print(f"incident cost: capture + diagnosis = {total:.1f} steps (target <= 20)", flush=True)
 
 
+# -- (d) ---------------------------------------------------------------------------------------
+
+
+def part_d(task: Any, step_s: float | None, tmp: Path, bad_step: int = 40, weight: float = 100.0,
+           overrides: list[str] = ()) -> None:
+    """The cost of one finite loss spike: a sample of step ``bad_step`` weighs ``weight`` in the loss; the boundary
+    captures it and the counterfactual replays diagnose it (diagnosis on: timed from on_log to on_incident)."""
+    cfg = load_config(None, ["task=gpt", *overrides, f"train.max_steps={bad_step}", "run.overwrite=true",
+                             "eval.every=0"])
+    order = EpochOrder(len(task.train_data), cfg.train.batch_size, cfg.seed, cfg.data.shuffle)
+    bad_index = order.micro_batches(0)[bad_step - 1][3]
+    spiky = copy.copy(task)
+    spiky.model = copy.deepcopy(task.model)
+    spiky.train_data = WeightedChunks(task.train_data, bad_index, weight)
+    spiky.loss = weighted_lm_loss
+    spiky.val_data = None
+    clock = IncidentClock()
+    Trainer(cfg, task=spiky, run_dir=tmp / "spike", callbacks=[clock]).fit()
+    if not clock.infos or clock.infos[0].get("anomaly") != "spike":
+        raise RuntimeError(f"no spike captured; events: {(tmp / 'spike' / 'events.jsonl').read_text()[-2000:]}")
+    run_step = statistics.median(b - a for a, b in itertools.pairwise(clock.stamps[2:bad_step - 1]))
+    step = step_s if step_s is not None else run_step
+    info = clock.infos[0]
+    d = info.get("diagnosis") or {}
+    print(f"(d) a sample of step {bad_step} ({bad_index}) weighs x{weight:g} in the loss; the spike's diagnosis: "
+          f"{d.get('summary')}")
+    print(f"    -> {'correct' if d.get('failure_class') == 'data' and bad_index in (d.get('bad_samples') or []) else 'NOT the planted sample'}"
+          f"; median step {step * 1e3:.2f} ms; capture replayed {info.get('replayed_steps')} steps in "
+          f"{info.get('replay_s', 0.0):.2f} s")
+    print(f"spike cost: capture + diagnosis = {clock.capture_s[0]:.2f} s = {clock.capture_s[0] / step:.1f} steps "
+          f"[{load_average()}]", flush=True)
+
+
 # -- (c) ---------------------------------------------------------------------------------------
 
 
@@ -325,7 +361,7 @@ def part_c(task: Any, rounds: int, warmup: int, steps: int, tmp: Path, overrides
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--parts", default="abc", help="which of (a), (b), (c) to run")
+    ap.add_argument("--parts", default="abcd", help="which of (a), (b), (c), (d) to run")
     ap.add_argument("--rounds", type=int, default=6, help="rounds of (a); (c) runs half as many")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--blocks", type=int, default=50, help="ABBA blocks of log intervals in (a)")
@@ -354,6 +390,8 @@ def main() -> None:
                    overrides=overrides)
         if "c" in args.parts:
             part_c(task, max(args.rounds // 2, 1), args.warmup, 10 if args.quick else 20, Path(tmp) / "c", overrides)
+        if "d" in args.parts:
+            part_d(task, step_s, Path(tmp) / "d", overrides=overrides)
 
 
 if __name__ == "__main__":
