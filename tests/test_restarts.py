@@ -143,6 +143,26 @@ def test_a_rank_sigkilled_at_3_random_points_restarts_by_itself_and_ends_bitwise
 
 
 @pytest.mark.slow
+def test_sigterm_to_a_run_that_restarts_itself_still_stops_it_with_a_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "stabletrain", "train", *ARGS, "log.every=3", "ckpt.every=0",
+                             *RESTARTS, f"run.dir={run_dir}"], env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    t0 = time.time()
+    while steps_logged(run_dir) < 3:
+        assert proc.poll() is None and time.time() - t0 < 120, proc.communicate()
+        time.sleep(0.01)
+    (child,) = children(proc.pid)
+    proc.send_signal(signal.SIGTERM)  # to the supervisor, which passes it on once
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    stops = [e for e in events(run_dir) if e["kind"] in ("stop", "restart")]
+    assert [e["kind"] for e in stops] == ["stop"] and "SIGTERM" in stops[0]["reason"]
+    assert CheckpointManager(run_dir / "checkpoints").load().meta["step"] == stops[0]["step"] == steps_logged(run_dir)
+    assert not wait_gone([child])
+
+
+@pytest.mark.slow
 def test_the_same_crash_after_a_restart_stops_the_run_with_one_line(tmp_path):
     run_dir = tmp_path / "run"
     # Sample 45 raises when read: step 6 (batch 8, no shuffle) crashes on every launch; checkpoints at 0, 2, 4.

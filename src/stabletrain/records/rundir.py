@@ -8,6 +8,7 @@ Everything a run knows lands here in plain formats (DESIGN.md, principle 5)::
     RUN_DIR/events.jsonl    one line per event: {"step", "kind", "reason", ...} (kinds: stabletrain.records.events.EVENT_KINDS)
     RUN_DIR/tb/             TensorBoard event files
     RUN_DIR/launch.json     the processes running on it (host, pid, start time), while they run
+    RUN_DIR/metrics.superseded.jsonl   the metrics lines a resume dropped (a crash's lost steps), kept
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +69,6 @@ class Failure:
     resumed_step: int | None  # the step it resumed from (None: it started the run)
     last_step: int  # the last step it is known to have reached
     nonfinite_step: int | None = None  # its first non-finite step
-    fields: dict[str, Any] = field(default_factory=dict)
 
     def record(self) -> dict[str, Any]:
         return {"kind": self.kind, "text": self.text, "key": self.key, "progress": self.progress}
@@ -90,7 +89,7 @@ def last_failure(events: list[dict[str, Any]], last_logged: int = 0) -> Failure:
     if crash is not None:
         step = int(crash.get("failed_step", crash["step"]))
         return Failure("crash", f"crashed at step {step}: {crash['reason']}",
-                       ["crash", crash.get("error"), crash.get("location"), step], fields={"event": crash}, **common)
+                       ["crash", crash.get("error"), crash.get("location"), step], **common)
     if stop is not None:
         incident = next((e for e in reversed(own) if e.get("kind") == "incident" and e["step"] <= stop["step"]), None)
         kind = ((incident.get("diagnosis") or {}).get("failure_class") if incident else None)
@@ -229,7 +228,7 @@ def _restart(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_checkp
             run.event(failure.last_step, "stop", f"restart refused: {why}", cause=cause, failure=failure.record())
             console.error(line)
             return Launch(False, run_dir, refused=line)
-        resumed = int(good.name.removeprefix("step_")) if good is not None else failure.last_step
+        resumed = int(good.name.split(".")[0].removeprefix("step_")) if good is not None else failure.last_step
         redone = max(0, failure.last_step - resumed)
         kept = _keep_incidents(run_dir, resumed, number)
         note = (f"; step_{failure.resumed_step:06d} led to a non-finite step at step {failure.nonfinite_step}, "
