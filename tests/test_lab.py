@@ -11,7 +11,7 @@ from stabletrain.lab import LABS, format_result, run_lab
 from stabletrain.lab.index import write_index
 
 TESTS = Path(__file__).parent
-SLOW = {"1", "4", "6", "7", "accept"}  # more than a few seconds each on 2 CPU cores
+SLOW = {"1", "4", "6", "7", "8", "accept"}  # more than a few seconds each on 2 CPU cores
 _RESULTS = {}
 
 
@@ -162,6 +162,42 @@ def test_lab7_reads_its_verdicts_from_the_replays_and_fails_where_nothing_diverg
     calm = run_lab("7", lr=0.5, steps=4)  # a stable LR: no divergence for a lower LR to cure
     assert not calm.passed and calm.numbers["divergence"]["failure_class"] == "none"
     assert "did not diverge" in calm.explanation[0]
+
+
+@pytest.mark.slow
+def test_lab8_measures_the_rise_before_the_spike_and_agrees_with_the_doctors_replay(tmp_path_factory):
+    result = result_of("8", tmp_path_factory)
+    rare, bad = result.numbers["rare"], result.numbers["mislabelled"]
+    trace = {row["step"]: row for row in rare["trace"]}
+    assert len(trace) == 80 and trace[74]["spike"] is False and trace[75]["spike"] is True
+    # The embedding departs at step 74 (measured x7.4 its median), the head does not (x0.77); the loss spikes at 75.
+    assert trace[74]["factors"]["embed"] > 5 and trace[74]["factors"]["head"] < 1.5
+    assert rare["warning"]["step"] == 74 and rare["warning"]["layer"] == "embed" and rare["warning"]["lead"] == 1
+    # The lab's own per-step ratio of step 75 is the one the diagnosis measured replaying that step from its bundle.
+    replayed = {name: value for name, _, value, _ in rare["diagnosis"]["jumps"]["update_ratio"]}
+    assert replayed["embed.weight"] == pytest.approx(trace[75]["ratios"]["embed"], rel=1e-5)
+    # Before the data spike nothing moved (largest measured: x1.97); at the spike every layer's update jumps.
+    before = [f for row in bad["trace"] if 70 <= row["step"] < 75 for f in row["factors"].values()]
+    assert max(before) < 2.5 and bad["warning"] is None
+    assert min(next(r for r in bad["trace"] if r["step"] == 75)["factors"].values()) > 5
+    # The rare token's cure is verified on the replay; skipping its step is not one: the spike returns at step 76.
+    by = {c["name"]: c for c in rare["remedies"]["candidates"]}
+    assert rare["remedies"]["best"] == "update-clip" and by["update-clip"]["verdict"] == "cures"
+    assert by["skip-step"]["failed"]["step"] == 76
+    assert [p.name for p in result.plots] == ["lab8_rare_token.png", "lab8_mislabelled.png", "lab8_remedies.png"]
+
+
+@pytest.mark.slow
+def test_lab8_fails_under_momentum_where_the_rare_token_does_not_spike():
+    result = run_lab("8", beta1=0.9)  # Adam's default beta1 damps the rare row's first update to 0.84 lr (8.4 at 0)
+    assert not result.passed
+    claims = _claims(result)
+    assert result.numbers["rare"]["step"] is None and result.numbers["rare"]["warning"] is None
+    assert not next(ok for text, ok in claims.items() if text.startswith("the rare token's spike is optimizer-state"))
+    # The data spike does not depend on the optimizer: its observations still hold.
+    assert next(ok for text, ok in claims.items() if text.startswith("the mislabelled window's spike is data"))
+    assert result.numbers["mislabelled"]["diagnosis"]["bad_samples"] == [598, 599]
+    assert "momentum damps the surge" in result.explanation[0]
 
 
 @pytest.mark.slow

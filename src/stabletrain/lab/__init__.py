@@ -77,6 +77,13 @@ LABS: dict[str, LabInfo] = {info.key: info for info in (
             "解释学习率影响训练稳定性的路径：遇到一次发散和一次 sqrt(0) 故障，用补救重放说明哪种修复治好哪一个。",
             "each first incident replayed under the remedies: a lower LR from before the growth cures the divergence, "
             "no LR cures the sqrt(0); dropping its sample or guarding the op does"),
+    LabInfo("8", "lab8", "A loss spike: the warning before it, its cause, its cure",
+            "Meet a loss spike: let the diagnosis name its cause and a replay verify the cure, and watch whether a "
+            "layer's update/weight ratio rises before the loss does.",
+            "遇到一次 loss 尖峰：让诊断说出它的原因、用重放验证补救，并观察某一层的更新/权重比是否先于 loss 抬升。",
+            "a rare token under Adam and two mislabelled samples, both spiking at step 75: the class and the layer or "
+            "samples named, the cure verified by replay; the embedding's update ratio rises a step before its spike, "
+            "nothing rises before the data's"),
     LabInfo("accept", "accept", "Acceptance: overfit, checkpoint, resume, compare the next step",
             "Overfit a tiny batch recording loss, grad norm and parameter updates; after resuming from a checkpoint, "
             "compare the next step's result, not just that the file exists.",
