@@ -44,7 +44,7 @@ from .._version import __version__
 from ..callbacks import Callback, CallbackList, FitState
 from ..callbacks.sinks import EventLog, InitWatch, MetricsFile, TensorBoardLog
 from ..callbacks.trackers import build_trackers
-from ..config import ClipConfig, Config, GuardConfig, LogConfig, TrainConfig
+from ..config import ClipConfig, Config, TrainConfig
 from ..distributed.ddp import DistContext
 from ..errors import crash_event
 from ..fileio import atomic_write
@@ -89,7 +89,7 @@ class RunSession:
                  recipes: dict[str, Any] | None = None, callbacks: Sequence[Callback] = (), overwrite: bool = False,
                  fingerprint: InitFingerprint | None | str = "take",
                  tracker_hosts: dict[str, tuple[Callable[[], Any], Any]] | None = None, compiled: bool = False) -> None:
-        self.options = options.validate()
+        self.options = options
         self.dist = DistContext.current()
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.model = unwrap(model)
@@ -104,13 +104,11 @@ class RunSession:
         self.clip_max_norm = clip_max_norm
         # train.compile records a host-compiled model (``compiled``: the host says so where the model it hands over is
         # not the compiled one): the bundle's config says so, and the diagnosis that it replayed eagerly.
-        self.cfg = Config(precision=precision, device=str(self.device), clip=ClipConfig(max_norm=clip_max_norm),
-                          train=TrainConfig(compile=compiled or is_compiled(model)),
-                          log=LogConfig(every=options.log_every, tensorboard=options.tensorboard, progress=False,
-                                        top_layers=options.top_layers, trackers=options.tracker_names()),
-                          guard=GuardConfig(on_nonfinite="skip" if options.on_nonfinite == "warn" else options.on_nonfinite,
-                                            on_spike=options.on_spike, capture=options.capture,
-                                            diagnose=options.diagnose, check_params=options.check_params)).validate()
+        cfg = Config(precision=precision, device=str(self.device), clip=ClipConfig(max_norm=clip_max_norm),
+                     train=TrainConfig(compile=compiled or is_compiled(model)))
+        cfg.log.progress = False  # the host shows its own progress
+        cfg.guard.on_nonfinite = "skip" if options.on_nonfinite == "warn" else options.on_nonfinite
+        self.cfg = options.project(cfg)  # the options as the built-in run's keys, validated as they are there
         self.guard = AdapterGuard(self.cfg.guard, self.device, enforce=options.on_nonfinite != "warn")
         self.metrics = StepMetrics(options.log_every, len(self.params), self.device, self.dist, local=("loss", "count"))
         if fingerprint == "take":

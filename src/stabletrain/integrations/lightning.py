@@ -71,10 +71,6 @@ class StableTrainCallback(pl.Callback):
 
     Args:
         run_dir: the run directory (None: measure and guard, write nothing).
-        log_every, on_nonfinite, on_spike, capture, diagnose, check_params, tensorboard, trackers, top_layers,
-            init_check, mirror, keep_max_mib: see :class:`~stabletrain.integrations.options.AdapterOptions`. With
-            ``trackers=["mlflow"]`` (or "wandb") and the trainer's own ``MLFlowLogger`` (``WandbLogger``), stabletrain
-            writes into that logger's run, and the mirror skips that logger (no figure twice).
         clip_max_norm: clip the global grad norm to this value (stabletrain does it, before Lightning's own
             step): for a fused optimizer under mixed precision, which Lightning cannot clip. Leave None when
             the trainer clips (``gradient_clip_val``): stabletrain then measures and never clips twice.
@@ -84,23 +80,19 @@ class StableTrainCallback(pl.Callback):
             (default: the samples in the batch).
         overwrite: replace a run already in ``run_dir`` (a new fit, not a resume).
         callbacks: stabletrain :class:`~stabletrain.callbacks.Callback` instances fired with the built-in sinks.
+        options: :class:`~stabletrain.integrations.options.AdapterOptions` (``log_every``, ``on_nonfinite``, ...; with
+            ``trackers=["mlflow"]`` (or "wandb") and the trainer's own ``MLFlowLogger`` (``WandbLogger``), stabletrain
+            writes into that logger's run, and the mirror skips that logger: no figure twice).
     """
 
-    def __init__(self, run_dir: str | Path | None = None, *, log_every: int = 10, on_nonfinite: str = "skip",
-                 on_spike: str = "warn", capture: bool = True, diagnose: bool = True, check_params: bool = True,
-                 tensorboard: bool = True, top_layers: int = 3, init_check: bool = True, mirror: bool = True,
-                 keep_max_mib: float = 1024.0, clip_max_norm: float | None = None,
+    def __init__(self, run_dir: str | Path | None = None, *, clip_max_norm: float | None = None,
                  loss_fn: Callable[[Any, Any], Any] | None = None, count_fn: Callable[[Any], Any] | None = None,
-                 overwrite: bool = False, callbacks: Sequence[StableCallback] = (),
-                 trackers: Sequence[Any] = ("tensorboard",)) -> None:
+                 overwrite: bool = False, callbacks: Sequence[StableCallback] = (), **options: Any) -> None:
         if clip_max_norm is not None and not clip_max_norm > 0:
             raise ValueError(f"clip_max_norm: expected a number > 0 or None, got {clip_max_norm!r}")
         self.run_dir, self.loss_fn, self.count_fn, self.overwrite = run_dir, loss_fn, count_fn, overwrite
         self.clip_max_norm = clip_max_norm
-        self.options = AdapterOptions(log_every=log_every, on_nonfinite=on_nonfinite, on_spike=on_spike,
-                                      capture=capture, diagnose=diagnose, check_params=check_params,
-                                      tensorboard=tensorboard, top_layers=top_layers, init_check=init_check,
-                                      mirror=mirror, keep_max_mib=keep_max_mib, trackers=trackers).validate()
+        self.options = AdapterOptions(**options)
         self.stable_callbacks = list(callbacks)
         self.session: RunSession | None = None
         self.host_step: HostStep | None = None

@@ -69,45 +69,35 @@ class Monitor:
             accelerate ``AcceleratedOptimizer`` is looked through.
         run_dir: the run directory (None: guard and measure, write nothing).
         clip_max_norm: global L2 grad-norm threshold; None measures without clipping.
-        log_every: steps per log interval (one host sync each).
         scaler: your ``torch.amp.GradScaler`` (fp16; accelerate's is ``accelerator.scaler``); the monitor unscales
             (unless you did) and steps through it; do not call ``scaler.step``/``scaler.update`` yourself.
         precision: "fp32", "bf16" or "fp16" for :meth:`autocast` and the record (default: fp16 with a scaler,
             else fp32). With "fp16" and no scaler the monitor makes its own and :meth:`backward` scales.
-        on_nonfinite: "skip" (the bad step is skipped on the device), "stop" (skipped, then
-            :class:`StopTraining` is raised at the log boundary) or "warn" (recorded and warned only).
-        on_spike: "warn" or "skip" a loss spike (rule: :mod:`stabletrain.policies.guard`).
         loss_fn: ``loss_fn(model, batch) -> loss`` as your loop computes it: replays the interval's steps for a
             capture and the bad step for its diagnosis (a module-level function can also be replayed later by
             ``stabletrain diagnose``).
         model_factory: ``"module:function"`` (or the function) that builds the model, so ``stabletrain diagnose``
             can replay in a new process; default: the model's class with no arguments.
-        capture, diagnose, check_params, tensorboard, trackers, top_layers, init_check, keep_max_mib: see
-            :class:`~stabletrain.integrations.options.AdapterOptions` (``trackers=["mlflow"]``: an MLflow or W&B run
-            active in the process, ``mlflow.start_run()`` / ``wandb.init()``, is written into).
         resume: reopen ``run_dir`` to continue a run (then call :meth:`load_state_dict`).
         overwrite: replace a run already in ``run_dir``.
         callbacks: stabletrain :class:`~stabletrain.callbacks.Callback` instances (``on_step_end``, ``on_log``, ...).
+        options: :class:`~stabletrain.integrations.options.AdapterOptions` (``log_every``, ``on_nonfinite``: "stop"
+            raises :class:`StopTraining` at the log boundary, ``on_spike``, ``capture``, ``diagnose``, ...;
+            ``trackers=["mlflow"]``: an MLflow or W&B run active in the process is written into).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, run_dir: str | Path | None = None, *,
-                 clip_max_norm: float | None = 1.0, log_every: int = 10, scaler: torch.amp.GradScaler | None = None,
-                 precision: str | None = None, on_nonfinite: str = "skip", on_spike: str = "warn",
-                 loss_fn: Callable[[nn.Module, Any], Any] | None = None,
-                 model_factory: str | Callable[[], nn.Module] | None = None, capture: bool = True,
-                 diagnose: bool = True, check_params: bool = True, tensorboard: bool = True, top_layers: int = 3,
-                 init_check: bool = True, keep_max_mib: float = 1024.0, resume: bool = False, overwrite: bool = False,
-                 callbacks: Sequence[Callback] = (), trackers: Sequence[Any] = ("tensorboard",)) -> None:
+                 clip_max_norm: float | None = 1.0, scaler: torch.amp.GradScaler | None = None,
+                 precision: str | None = None, loss_fn: Callable[[nn.Module, Any], Any] | None = None,
+                 model_factory: str | Callable[[], nn.Module] | None = None, resume: bool = False,
+                 overwrite: bool = False, callbacks: Sequence[Callback] = (), **options: Any) -> None:
         inner = optimizer
         while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
             inner = inner.optimizer  # accelerate's AcceleratedOptimizer (and the like) wrap the torch one
         if not isinstance(inner, torch.optim.Optimizer):
             raise TypeError(f"Monitor(optimizer=...): expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.model, self.optimizer, self.loss_fn = model, inner, loss_fn
-        options = AdapterOptions(log_every=log_every, on_nonfinite=on_nonfinite, on_spike=on_spike, capture=capture,
-                                 diagnose=diagnose, check_params=check_params, tensorboard=tensorboard,
-                                 top_layers=top_layers, init_check=init_check, keep_max_mib=keep_max_mib,
-                                 trackers=trackers).validate()
+        options = AdapterOptions(**options)
         device = next(p.device for p in model.parameters())
         mode = precision or ("fp16" if scaler is not None else "fp32")
         self.precision = PrecisionPolicy(mode, device)
@@ -118,7 +108,7 @@ class Monitor:
             optimizer=inner, scaler=self.precision.scaler, replay=_MonitorReplay(self) if loss_fn is not None else None,
             overwrite=overwrite,
             recipes={"model": _model_recipe(unwrap(model), model_factory), "loss": _loss_recipe(loss_fn)},
-            host_config={"log_every": log_every, "clip_max_norm": clip_max_norm, "scaler": scaler is not None},
+            host_config={"log_every": options.log_every, "clip_max_norm": clip_max_norm, "scaler": scaler is not None},
             callbacks=callbacks)
         self.step_fn = build_step(self.session.cfg, model, inner, self.precision, guard=self.session.guard,
                                   params=self.session.params)  # the built-in run's step, on your gradients

@@ -7,8 +7,7 @@ import dataclasses
 import enum
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -18,7 +17,7 @@ from ..config import GuardConfig
 from ..internals import eager_module
 from ..policies.guard import Guard
 
-__all__ = ["AdapterOptions", "AdapterGuard", "StopTraining", "jsonable", "optimizer_config", "unwrap", "is_compiled",
+__all__ = ["AdapterOptions", "CONFIG_KEYS", "HOST_OPTIONS", "AdapterGuard", "StopTraining", "jsonable", "optimizer_config", "unwrap", "is_compiled",
            "compiled_methods", "eager_methods"]
 
 
@@ -30,61 +29,88 @@ class StopTraining(RuntimeError):
         super().__init__(f"stabletrain stopped the run at step {step}: {reason}")
 
 
-@dataclass
+#: An adapter's options that are keys of the built-in run's config: the same meaning, default, type, range and help
+#: (``stabletrain train --help`` lists them; a bad value is refused naming the option and its key).
+CONFIG_KEYS = {"log_every": "log.every", "on_spike": "guard.on_spike", "capture": "guard.capture",
+               "diagnose": "guard.diagnose", "check_params": "guard.check_params", "tensorboard": "log.tensorboard",
+               "top_layers": "log.top_layers", "trackers": "log.trackers"}
+
+#: The options of a host's side that a built-in run has no key for: (default, meaning).
+HOST_OPTIONS: dict[str, tuple[Any, str]] = {
+    "on_nonfinite": ("skip", "a non-finite loss or grad norm: 'skip' the step on the device and go on, 'stop' (skipped, "
+                             "then the host stops at the log boundary) or 'warn' (recorded and warned only; the host's "
+                             "own skips, e.g. a GradScaler's, still happen)"),
+    "init_check": (True, "fingerprint the init and run the signal-propagation report on the first batch"),
+    "mirror": (True, "also hand each interval's figures to the host's own logger (Lightning log_dict when the trainer "
+                     "has a logger, Hugging Face logs)"),
+    "keep_max_mib": (1024.0, "host memory for one interval's kept micro-batches (what a capture replays): past it, that "
+                             "interval's incidents are recorded but not captured"),
+}
+
+
 class AdapterOptions:
-    """What an adapter does beyond measuring (the same meaning as the built-in run's config keys)."""
+    """What an adapter does beyond measuring: the built-in run's config keys (:data:`CONFIG_KEYS`) and the host's own
+    (:data:`HOST_OPTIONS`), by keyword, e.g. ``Monitor(..., log_every=5, on_spike="skip")``.
 
-    log_every: int = 10
-    """Steps per log interval: metrics are reduced on the host once per interval (``log.every``)."""
-    on_nonfinite: Literal["skip", "stop", "warn"] = "skip"
-    """A non-finite loss or grad norm: skip the step on the device and go on; skip it and stop at the log
-    boundary; or only record and warn (the host's own skips, e.g. a GradScaler's, still happen)."""
-    on_spike: Literal["warn", "skip"] = "warn"
-    """A loss spike (rule: ``stabletrain.policies.guard``): record an event, or also skip the step on the device."""
-    capture: bool = True
-    """Capture the first bad step of an interval into ``RUN_DIR/incidents/step_N`` (the state from before it
-    is rebuilt from the interval's snapshot by replaying the host's steps: see ``capture.py``)."""
-    diagnose: bool = True
-    """Diagnose a captured step right away by replaying the host's own loss under the locator."""
-    check_params: bool = True
-    """Check after every update that the parameters are finite (one fused pass, no sync)."""
-    tensorboard: bool = True
-    """Write TensorBoard event files to ``RUN_DIR/tb`` (when ``trackers`` lists "tensorboard", the default)."""
-    trackers: Sequence[Any] = ("tensorboard",)
-    """Where each interval's figures go besides ``metrics.jsonl``: "tensorboard", "mlflow", "wandb", or a configured
-    :class:`~stabletrain.callbacks.tracker_sink.TrackerSink` (``MLflowTracker(tracking_uri=...)``,
-    ``WandbTracker(project=...)``). Where the host already has that tracker, its run is written into
-    (:mod:`stabletrain.callbacks.tracker_sink`)."""
-    top_layers: int = 3
-    """How many parameters to name as dominating the grad norm at each log."""
-    init_check: bool = True
-    """Fingerprint the init and run the signal-propagation report on the first batch."""
-    mirror: bool = True
-    """Also hand each interval's figures to the host's own logger (Lightning ``log_dict`` when the trainer
-    has a logger, HF ``logs``)."""
-    keep_max_mib: float = 1024.0
-    """Host memory for one interval's kept micro-batches (what a capture replays): past it, that interval's
-    incidents are recorded but not captured."""
+    ``trackers`` may also hold a configured :class:`~stabletrain.callbacks.tracker_sink.TrackerSink`
+    (``MLflowTracker(tracking_uri=...)``); where the host already has that tracker, its run is written into.
+    The run's :class:`~stabletrain.config.Config` is their projection (:meth:`apply`); an unknown option is a
+    TypeError and a bad value a ValueError naming the option and its config key.
+    """
 
-    def validate(self) -> AdapterOptions:
-        if not isinstance(self.log_every, int) or self.log_every < 1:
-            raise ValueError(f"log_every: expected an integer >= 1, got {self.log_every!r}")
+    def __init__(self, **options: Any) -> None:
+        from ..config import Config
+
+        unknown = sorted(set(options) - set(CONFIG_KEYS) - set(HOST_OPTIONS))
+        if unknown:
+            raise TypeError(f"unexpected option {', '.join(map(repr, unknown))}; the options are "
+                            f"{', '.join(sorted([*CONFIG_KEYS, *HOST_OPTIONS]))}")
+        trackers = options.pop("trackers", ("tensorboard",))
+        if isinstance(trackers, str) or not isinstance(trackers, Sequence):
+            raise ValueError(f"trackers: expected a list (e.g. trackers=['tensorboard', 'mlflow']), got {trackers!r}")
+        self.trackers = tuple(trackers)
+        build_trackers(self.trackers)  # each known, none twice (raises naming the entry)
+        for name, (default, _) in HOST_OPTIONS.items():
+            setattr(self, name, options.pop(name, default))
         if self.on_nonfinite not in ("skip", "stop", "warn"):
             raise ValueError(f"on_nonfinite: expected 'skip', 'stop' or 'warn', got {self.on_nonfinite!r} (a rollback "
                              "needs the checkpoints the host trainer owns: resume it from its own checkpoint)")
-        if self.on_spike not in ("warn", "skip"):
-            raise ValueError(f"on_spike: expected 'warn' or 'skip', got {self.on_spike!r}")
-        if not isinstance(self.keep_max_mib, (int, float)) or self.keep_max_mib < 0:
+        if not isinstance(self.keep_max_mib, (int, float)) or isinstance(self.keep_max_mib, bool) or self.keep_max_mib < 0:
             raise ValueError(f"keep_max_mib: expected a number >= 0, got {self.keep_max_mib!r}")
-        if isinstance(self.trackers, str) or not isinstance(self.trackers, Sequence):
-            raise ValueError(f"trackers: expected a list (e.g. trackers=['tensorboard', 'mlflow']), got {self.trackers!r}")
-        self.trackers = tuple(self.trackers)
-        build_trackers(self.trackers)  # each known, none twice (raises naming the entry)
-        return self
+        self._cfg = self.apply(Config(), {**options, "trackers": self.tracker_names()})
+        for name, key in CONFIG_KEYS.items():
+            if name != "trackers":
+                setattr(self, name, _get(self._cfg, key))
+        if self.on_spike not in ("warn", "skip"):
+            raise ValueError(f"on_spike: expected 'warn' or 'skip', got {self.on_spike!r} (config key guard.on_spike; a "
+                             "rollback or a remedy needs the checkpoints the host trainer owns)")
+
+    @staticmethod
+    def apply(cfg: Any, options: dict[str, Any]) -> Any:
+        """``cfg`` with the options that are config keys set, validated as the built-in run's (returned)."""
+        from ..config import ConfigError
+
+        for name, value in options.items():
+            section, _, key = CONFIG_KEYS[name].partition(".")
+            setattr(getattr(cfg, section), key, list(value) if isinstance(value, tuple) else value)
+        try:
+            return cfg.validate()
+        except ConfigError as err:
+            named = next((n for n, k in CONFIG_KEYS.items() if f"'{k}'" in str(err)), None)
+            raise ValueError(f"{named}: {err}" if named else str(err)) from None
+
+    def project(self, cfg: Any) -> Any:
+        """``cfg`` (the session's) with these options' config keys (the log and guard sections) set and validated."""
+        return self.apply(cfg, {n: _get(self._cfg, k) for n, k in CONFIG_KEYS.items()})
 
     def tracker_names(self) -> list[str]:
         """The trackers' names ("tensorboard", "mlflow", "wandb"), as ``log.trackers`` lists them."""
         return [t if isinstance(t, str) else t.name for t in self.trackers]
+
+
+def _get(cfg: Any, key: str) -> Any:
+    section, _, name = key.partition(".")
+    return getattr(getattr(cfg, section), name)
 
 
 class AdapterGuard(Guard):

@@ -91,27 +91,20 @@ class StableTrainCallback(TrainerCallback):
 
     Args:
         run_dir: the run directory (None: measure and guard, write nothing).
-        log_every, on_nonfinite, on_spike, capture, diagnose, check_params, tensorboard, trackers, top_layers,
-            init_check, mirror, keep_max_mib: see :class:`~stabletrain.integrations.options.AdapterOptions`. With
-            ``trackers=["mlflow"]`` (or "wandb") and ``report_to=["mlflow"]``, stabletrain writes into the run the
-            Trainer's own MLflow (W&B) callback started.
         loss_fn: ``loss_fn(model, batch)`` for the diagnosis (default: the trainer's own ``compute_loss``).
         trainer: the ``Trainer`` this callback is added to (default: found when it starts the callback).
         overwrite: replace a run already in ``run_dir`` (a new training, not a resume).
         callbacks: stabletrain :class:`~stabletrain.callbacks.Callback` instances fired with the built-in sinks.
+        options: :class:`~stabletrain.integrations.options.AdapterOptions` (``log_every``, ``on_nonfinite``, ...; with
+            ``trackers=["mlflow"]`` (or "wandb") and ``report_to=["mlflow"]``, stabletrain writes into the run the
+            Trainer's own MLflow (W&B) callback started).
     """
 
-    def __init__(self, run_dir: str | Path | None = None, *, log_every: int = 10, on_nonfinite: str = "skip",
-                 on_spike: str = "warn", capture: bool = True, diagnose: bool = True, check_params: bool = True,
-                 tensorboard: bool = True, top_layers: int = 3, init_check: bool = True, mirror: bool = True,
-                 keep_max_mib: float = 1024.0, loss_fn: Callable[[nn.Module, Any], Any] | None = None,
-                 trainer: Trainer | None = None, overwrite: bool = False,
-                 callbacks: Sequence[StableCallback] = (), trackers: Sequence[Any] = ("tensorboard",)) -> None:
+    def __init__(self, run_dir: str | Path | None = None, *, loss_fn: Callable[[nn.Module, Any], Any] | None = None,
+                 trainer: Trainer | None = None, overwrite: bool = False, callbacks: Sequence[StableCallback] = (),
+                 **options: Any) -> None:
         self.run_dir, self.loss_fn, self.overwrite = run_dir, loss_fn, overwrite
-        self.options = AdapterOptions(log_every=log_every, on_nonfinite=on_nonfinite, on_spike=on_spike,
-                                      capture=capture, diagnose=diagnose, check_params=check_params,
-                                      tensorboard=tensorboard, top_layers=top_layers, init_check=init_check,
-                                      mirror=mirror, keep_max_mib=keep_max_mib, trackers=trackers).validate()
+        self.options = AdapterOptions(**options)
         self.stable_callbacks = list(callbacks)
         self.trainer = trainer
         self.session: RunSession | None = None
