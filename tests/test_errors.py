@@ -305,7 +305,7 @@ def test_a_task_module_that_imports_a_missing_package_says_which_import_and_wher
 @pytest.mark.parametrize("host, hint", [("monitor", "model_factory="), ("lightning", "save_hyperparameters()"),
                                         ("transformers", "built from its config")])
 def test_a_model_that_cannot_be_rebuilt_is_told_what_its_own_host_needs(host, hint):
-    from stabletrain.integrations.replay import model_from_recipe
+    from stabletrain.records.captured import model_from_recipe
     from stabletrain.tasks import TaskError
 
     with pytest.raises(TaskError, match=hint) as err:

@@ -22,7 +22,7 @@ from stabletrain.records.events import EVENT_KINDS, METRIC_KEYS  # noqa: E402
 from stabletrain.replay import diagnose_incident  # noqa: E402
 from stabletrain.integrations.lightning import StableTrainCallback  # noqa: E402
 from stabletrain.integrations.options import compiled_methods  # noqa: E402
-from stabletrain.integrations.replay import _lightning_loss  # noqa: E402
+from stabletrain.records.captured import lightning_loss as _lightning_loss  # noqa: E402
 from stabletrain.records.rundir import read_jsonl  # noqa: E402
 from stabletrain.report import load_run, write_report  # noqa: E402
 

@@ -129,6 +129,21 @@ def test_where_the_baseline_fails_on_a_divergence_a_finite_end_far_above_the_las
     assert judge(still_diverged, failed)[0] == "cures"  # no bar (not a divergence): finite and no spike
 
 
+def test_a_spike_candidate_is_held_to_the_runs_level_before_the_spike():
+    """A spike's bar is the median of the losses its rule judged it against: where the baseline cures, a candidate no
+    worse than that level cures (near 1e-3, noise alone is x2 between replays); where it fails (the spike comes back),
+    a candidate that ends 60x above that level is no cure (lab 8's rollback-lr-x0.1 passed so)."""
+    ok = {"failed": None, "dropped_samples": 0, "total_samples": 88, "end_loss": 4e-4, "first_step": 74,
+          "trajectory": [{"step": 81}]}
+    assert judge({**ok, "end_loss": 9e-4}, ok, typical=1.3e-3)[0] == "cures"
+    assert judge({**ok, "end_loss": 9e-4}, ok)[0] == "worse"  # without the spike's bar: x2.25 the baseline
+    failed = {"failed": {"step": 76, "why": "loss spike at step 76 by the guard's rule (loss 0.0386)"},
+              "end_loss": float("nan")}
+    verdict, evidence = judge({**ok, "end_loss": 0.0793}, failed, typical=1.33e-3)
+    assert verdict == "worse" and "end loss 0.0793 vs 0.00133, the run's before the spike" in evidence
+    assert judge({**ok, "end_loss": 1.2e-3}, failed, typical=1.33e-3)[0] == "cures"
+
+
 def test_the_readme_worked_example_prints_what_the_readme_shows(tmp_path, capsys):
     from pathlib import Path
 

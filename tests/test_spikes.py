@@ -86,8 +86,9 @@ def test_each_class_carries_its_evidence(spiked):
         assert d["blamed_module"] == "1" and d["where"]["upstream"] == ["0"]
 
 
-#: the candidate that must cure each class (a cure that fits it)
-CURES = {"data": "skip-samples", "state": "lr-x0.1", "optimizer-state": "adam-eps", "precision": "module-fp32"}
+#: the candidates of which one must cure each class (cures that fit it)
+CURES = {"data": {"skip-samples"}, "state": {"lr-x0.1", "lr-x0.5", "rollback-lr-x0.1", "rollback-lr-x0.5"},
+         "optimizer-state": {"adam-eps", "update-clip"}, "precision": {"module-fp32"}}
 
 
 def test_the_remedy_search_finds_a_cure_that_fits_the_class(spiked):
@@ -96,13 +97,14 @@ def test_the_remedy_search_finds_a_cure_that_fits_the_class(spiked):
     record = search_remedies(run_dir / "incidents" / f"step_{incident['step']:06d}", factory(**kwargs), steps=6)
     verdicts = {(c["name"], c["detail"]): c["verdict"] for c in record["candidates"]}
     cured = {name for (name, _), v in verdicts.items() if v == "cures"}
-    assert CURES[cls] in cured, record["candidates"]
+    assert CURES[cls] & cured, record["candidates"]
     if cls == "precision":  # the module that made the value in float16, not the one where it first showed
         assert verdicts[("module-fp32", "module '0' in fp32 (autocast off around it)")] == "cures"
         assert verdicts[("module-fp32", "module '1' in fp32 (autocast off around it)")] == "fails"
     if cls in ("state", "optimizer-state"):  # the update that led into the spike is replayed under the remedy
         lr = next(c for c in record["candidates"] if c["name"] == "lr-x0.1")
         assert lr["first_step"] == incident["step"] - 1
+
 
 
 def test_on_spike_remedy_finishes_the_run_with_the_remedy_event(tmp_path):

@@ -253,6 +253,9 @@ def judge(result: dict[str, Any], baseline: dict[str, Any], healthy: tuple[int, 
             base = typical
         return ("cures" if end <= base * bar + 1e-12 else "worse"), text
     fails = f"the baseline fails: {baseline['failed']['why']}" if baseline["failed"] else "the baseline fails"
+    if healthy is None and typical is not None:  # a spike: no worse than the run's own level before it
+        text = f"{steps}; end loss {end:.4g} vs {typical:.4g}, the run's before the spike ({fails})"
+        return ("cures" if end <= typical * bar + 1e-12 else "worse"), text
     if healthy is None:
         return "cures", f"{steps}; end loss {end:.4g} ({fails})"
     text = f"{steps}; end loss {end:.4g} vs {healthy[1]:.4g} at step {healthy[0]}, the last healthy interval ({fails})"

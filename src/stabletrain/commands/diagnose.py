@@ -64,13 +64,13 @@ def replay_obstacles(incident: Path) -> list[str]:
     import torch
 
     from ..records.incidents import load_bundle
-    from ..integrations.replay import REBUILD_HINT, TASK_SPEC, loss_from_recipe, model_from_recipe
+    from ..records.captured import REBUILD_HINT, TASK_SPECS, loss_from_recipe, model_from_recipe
 
     try:
         config = load_bundle(incident).get("config") or {}
     except Exception:  # the replay's own error says what is wrong with the bundle
         return []
-    if config.get("task") != TASK_SPEC:
+    if config.get("task") not in TASK_SPECS:
         return []
     args = config.get("task_args") or {}
     host, _, cls = str(args.get("name") or "").rpartition(":")

@@ -10,7 +10,7 @@ with what the host ran instead of the built-in data stream::
         replay_to(k)                          every applied step of the interval before k, with the host's own
                                               step (HostReplay.replay_step), from the interval's snapshot
         bundle                                the step's micro-batches as a dataset and how to rebuild the host's
-                                              model, loss and optimizer (:mod:`~stabletrain.integrations.replay`);
+                                              model, loss and optimizer (:mod:`~stabletrain.records.captured`);
                                               the diagnosis replays step k with the host's own loss
 
 So no update is held back: the run loses exactly its bad steps. The live state, the host's RNG streams
@@ -39,7 +39,8 @@ from ..records.staging import StateStager, load_optimizer_state_
 from ..seeding import rng_state, set_rng_state
 from ..tasks import Task
 from .options import eager_methods
-from .replay import CapturedRows, batch_nbytes, bundle_batch, optimizer_recipe, plain_batch, to_host, unbundle_batch
+from ..records.batches import CapturedRows, batch_nbytes, bundle_batch, plain_batch, to_host, unbundle_batch
+from ..records.captured import optimizer_recipe
 
 __all__ = ["KeptStep", "StepKeeper", "HostReplay", "HostSteps"]
 
@@ -224,7 +225,7 @@ class HostSteps:
         import dataclasses
 
         from ..config import SchedConfig, TrainConfig, config_to_dict
-        from .replay import TASK_SPEC
+        from ..records.captured import TASK_SPEC
 
         s = self.session
         # A spike's ordinary windows (the interval's kept steps before it) ride as more micro-batches of the dataset.
@@ -299,7 +300,7 @@ def _scaler_dict(scaler: Any, state: tuple[float, int] | None) -> dict[str, Any]
 
 
 def _live_optimizer_factory(recipe: dict[str, Any] | None) -> Callable[[list], torch.optim.Optimizer]:
-    from .replay import _sgd_noop, build_optimizer_from_recipe
+    from ..records.captured import _sgd_noop, build_optimizer_from_recipe
 
     if recipe is None:
         return _sgd_noop

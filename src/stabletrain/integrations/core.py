@@ -77,7 +77,7 @@ class RunSession:
         scaler: the host's ``GradScaler`` (fp16), else None.
         replay: how to replay the host's step (:class:`~stabletrain.integrations.capture.HostReplay`); None:
             only a bad step at an interval's start can be captured, none diagnosed.
-        recipes: how to rebuild the model and loss in a new process (:mod:`~stabletrain.integrations.replay`).
+        recipes: how to rebuild the model and loss in a new process (:mod:`~stabletrain.records.captured`).
         callbacks: stabletrain :class:`~stabletrain.callbacks.Callback` instances, fired after the built-in ones.
         tracker_hosts: tracker name -> (a callable returning the host's own run of that tracker, the host object it
             comes from), e.g. a Lightning ``MLFlowLogger``'s client and run id: written into instead of a new run.

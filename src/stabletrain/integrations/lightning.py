@@ -52,7 +52,8 @@ from .capture import KeptStep
 from .core import RunSession
 from .options import AdapterOptions
 from .hoststep import HostStep
-from .replay import _lightning_loss, batch_size, import_path, plain_batch
+from ..records.batches import batch_size, import_path, plain_batch
+from ..records.captured import lightning_loss
 
 __all__ = ["StableTrainCallback"]
 
@@ -185,7 +186,7 @@ class StableTrainCallback(pl.Callback):
                              batch_idx: int) -> None:
         session = self.session
         if session.step == 0 and not self._micro and self.options.init_check and session.started:
-            session.signal_check(batch, self.loss_fn or _lightning_loss)
+            session.signal_check(batch, self.loss_fn or lightning_loss)
         if self._rng is None and session.capturing:
             self._rng = rng_state()
         self._micro.append(batch)
@@ -299,7 +300,7 @@ class _LightningReplay:
         optimizer.zero_grad(set_to_none=True)
 
     def diagnosis_loss(self, kept: KeptStep) -> Callable[[Any, Any], Any]:
-        return self.cb.loss_fn or _lightning_loss
+        return self.cb.loss_fn or lightning_loss
 
     @contextlib.contextmanager
     def replaying(self) -> Iterator[None]:

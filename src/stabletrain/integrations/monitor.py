@@ -55,7 +55,7 @@ from ..step import TrainStep, build_step
 from .capture import KeptStep
 from .core import RunSession
 from .options import AdapterOptions, StopTraining, unwrap
-from .replay import batch_size, import_path
+from ..records.batches import batch_size, import_path
 
 __all__ = ["Monitor", "StopTraining"]
 

@@ -61,7 +61,7 @@ from .capture import KeptStep
 from .core import RunSession
 from .options import AdapterOptions, is_compiled
 from .hoststep import HostStep
-from .replay import batch_size, import_path
+from ..records.batches import batch_size, import_path
 
 __all__ = ["StableTrainCallback", "STATE_FILE"]
 

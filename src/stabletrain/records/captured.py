@@ -1,0 +1,154 @@
+"""Replay a step captured by an adapter: the captured batch as a dataset, the host's model and loss rebuilt.
+
+An adapter's incident bundle (``RUN_DIR/incidents/step_N/bundle.pt``) is an ordinary stabletrain bundle
+whose config names the task :func:`captured_task` (:data:`TASK_SPEC`); its ``task_args`` hold the step's
+micro-batches (tensors) and *recipes*: how to rebuild the host's model, loss and optimizer in a new process::
+
+    model:     {"kind": "transformers", "class": "transformers...:GPT2LMHeadModel", "config": {...}}
+               {"kind": "lightning", "class": "pkg.mod:LitModel", "hparams": {...}}
+               {"kind": "factory", "factory": "pkg.mod:build_model", "kwargs": {...}}
+               {"kind": "class", "class": "pkg.mod:Net"}            (built with no arguments)
+    loss:      {"kind": "transformers"}    model(**batch).loss
+               {"kind": "lightning"}       model.training_step(batch, 0) (its "loss" when it returns a dict)
+               {"kind": "function", "function": "pkg.mod:loss_fn"}  loss_fn(model, batch)
+    optimizer: {"class": "torch.optim.adamw:AdamW", "defaults": {...}, "groups": [[param names], ...]}
+
+so ``stabletrain diagnose RUN_DIR/incidents/step_N`` replays it exactly as it replays a built-in run's
+incident (:func:`stabletrain.replay.diagnose_incident`). A recipe that is None (a model or loss defined
+in ``__main__`` or inside a function) cannot be rebuilt in a new process: the capture's own diagnosis
+(``diagnosis.json``, made in the training process) is then the record.
+
+Samples are numbered by their position in the step: micro-batch 0's rows first, then micro-batch 1's.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..tasks import Task, TaskError
+from .batches import CapturedRows, import_path, load_object, unbundle_batch
+
+__all__ = ["captured_task", "TASK_SPEC", "TASK_SPECS", "REBUILD_HINT", "loss_from_recipe", "model_from_recipe",
+           "optimizer_recipe", "build_optimizer_from_recipe", "lightning_loss"]
+
+TASK_SPEC = "stabletrain.records.captured:captured_task"
+#: Every name a bundle's config may give this task by (bundles written before it moved name the old module).
+TASK_SPECS = (TASK_SPEC, "stabletrain.integrations.replay:captured_task")
+
+
+def _transformers_loss(model: nn.Module, batch: Any) -> Tensor:
+    """The Hugging Face Trainer's default ``compute_loss``: the model's ``loss`` (a ModelOutput, a dict or a tuple)."""
+    outputs = model(**batch)
+    return outputs["loss"] if isinstance(outputs, Mapping) else outputs[0]
+
+
+def lightning_loss(model: nn.Module, batch: Any) -> Tensor:
+    """``model.training_step(batch, 0)``'s loss, run as the module's own call.
+
+    Run through ``model(...)`` so that module names under the locator (torch's ModuleTracker names modules
+    from the first module called) are rooted at the LightningModule: ``net.root``, not ``Net.root``.
+    """
+    own = vars(model).get("forward")  # one the host set on the instance (Lightning's compiled forward) is put back
+    model.forward = lambda b: model.training_step(b, 0)  # an instance attribute, removed below
+    try:
+        out = model(batch)
+    finally:
+        del model.forward
+        if own is not None:
+            model.forward = own
+    return out["loss"] if isinstance(out, Mapping) else out
+
+
+def loss_from_recipe(recipe: dict[str, Any] | None) -> Callable[[nn.Module, Any], Any]:
+    """Return ``loss(model, batch)`` for a loss recipe (see the module docstring)."""
+    kind = (recipe or {}).get("kind")
+    if kind == "transformers":
+        return _transformers_loss
+    if kind == "lightning":
+        return lightning_loss
+    if kind == "function":
+        return load_object(recipe["function"])
+    raise TaskError("the loss cannot be rebuilt in a new process (it was a lambda, or defined in __main__ or inside a "
+                    "function); its diagnosis.json was written when it was captured (`stabletrain diagnose` shows it). "
+                    "To replay it again, pass a module-level loss function (loss_fn=) to the adapter")
+
+
+#: What makes a host's model rebuildable in a new process, said when it is not.
+REBUILD_HINT = {
+    "monitor": "pass model_factory='module:function' to stabletrain.Monitor",
+    "lightning": "define the LightningModule at module level and call self.save_hyperparameters() in its __init__ "
+                 "(with plain-valued arguments)",
+    "transformers": "use a model class defined at module level, built from its config (a PreTrainedModel)",
+}
+
+
+def model_from_recipe(recipe: dict[str, Any] | None, host: str | None = None) -> nn.Module:
+    """Build a model (random init; the bundle's state is loaded over it) from a model recipe.
+
+    ``host``: the adapter that captured it (monitor, lightning, transformers): what to do is said per host.
+    """
+    kind = (recipe or {}).get("kind")
+    if kind == "transformers":
+        cls = load_object(recipe["class"])
+        return cls(cls.config_class.from_dict(recipe["config"]))
+    if kind == "lightning":
+        return load_object(recipe["class"])(**recipe.get("hparams", {}))
+    if kind == "factory":
+        return load_object(recipe["factory"])(**recipe.get("kwargs", {}))
+    if kind == "class":
+        return load_object(recipe["class"])()
+    raise TaskError("the model cannot be rebuilt in a new process: the adapter recorded no way to build it (a "
+                    "torch.nn container such as nn.Sequential, whose layers are not recorded; a class defined in "
+                    "__main__ or inside a function; or one that needs constructor arguments); its diagnosis.json was "
+                    "written when it was captured (`stabletrain diagnose` shows it). To replay it again, "
+                    + REBUILD_HINT.get(host or "", REBUILD_HINT["monitor"]))
+
+
+def optimizer_recipe(optimizer: torch.optim.Optimizer, named_params: list[tuple[str, nn.Parameter]]) -> dict | None:
+    """Return how to rebuild ``optimizer`` over a rebuilt model (None when a parameter has no name or the class no path)."""
+    path = import_path(type(optimizer))
+    names = {id(p): n for n, p in named_params}
+    groups = []
+    for group in optimizer.param_groups:
+        if any(id(p) not in names for p in group["params"]):
+            return None
+        groups.append([names[id(p)] for p in group["params"]])
+    defaults = {k: (float(v) if isinstance(v, Tensor) else v) for k, v in optimizer.defaults.items()
+                if isinstance(v, (bool, int, float, str, tuple, Tensor)) or v is None}
+    return {"class": path, "defaults": defaults, "groups": groups} if path else None
+
+
+def build_optimizer_from_recipe(recipe: dict[str, Any], named_params: list[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
+    """Build the optimizer a recipe describes over ``named_params`` (its state is loaded from the bundle)."""
+    by_name = dict(named_params)
+    groups = [{"params": [by_name[n] for n in names]} for names in recipe["groups"]]
+    cls = load_object(recipe["class"])
+    # defaults may hold keys the constructor does not take (AdamW's decoupled_weight_decay): pass only its own.
+    accepted = inspect.signature(cls.__init__).parameters
+    return cls(groups, **{k: v for k, v in recipe["defaults"].items() if k in accepted})
+
+
+def _sgd_noop(named_params: list[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
+    """The stand-in when the host's optimizer cannot be rebuilt: an lr-0 SGD (the update stage then finds nothing)."""
+    return torch.optim.SGD([p for _, p in named_params], lr=0.0)
+
+
+def captured_task(batches: list[Any], model: dict[str, Any] | None = None, loss: dict[str, Any] | None = None,
+                  optimizer: dict[str, Any] | None = None, name: str = "captured", host: dict[str, Any] | None = None) -> Task:
+    """Return the Task that replays a captured adapter step: its micro-batches as a dataset, the host's model and loss.
+
+    Args:
+        batches: the step's micro-batches (plain containers of tensors).
+        model, loss, optimizer: recipes (see the module docstring); None where it cannot be rebuilt.
+        name: the task's name.
+        host: the host's own inputs to the step (``num_items_in_batch`` for a Hugging Face loss).
+    """
+    rows = CapturedRows([unbundle_batch(b) for b in batches])
+    opt_factory = ((lambda named: build_optimizer_from_recipe(optimizer, named)) if optimizer else _sgd_noop)
+    return Task(model=model_from_recipe(model, name.partition(":")[0]), train_data=rows, loss=loss_from_recipe(loss), collate=rows.collate,
+                name=name, optimizer=opt_factory)
