@@ -122,12 +122,10 @@ def die_with_parent(parent: int | None = None, grandparent: int | None = None) -
 
 def process_start_time(pid: int | None = None) -> float | None:
     """When process ``pid`` (default: this one) started, in seconds since the epoch (Linux ``/proc``); else None."""
-    try:
+    try:  # its start in clock ticks after boot, against the boot clock now (/proc/stat's btime is whole seconds)
         ticks = int((Path("/proc") / str(pid or os.getpid()) / "stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
         return None
 
 
