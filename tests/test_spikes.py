@@ -180,3 +180,33 @@ def test_an_adapter_spike_gets_the_same_doctor(tmp_path):
     d = incident["diagnosis"]
     assert (incident["step"], incident["anomaly"], d["failure_class"], d["bad_samples"]) == (20, "spike", "data", [1, 5])
     assert d["bad_positions"] == [{"micro_batch": 0, "position": 1}, {"micro_batch": 0, "position": 5}]
+
+
+def test_the_readme_spike_example_prints_what_the_readme_shows(tmp_path, capsys):
+    """The README's worked example (examples/spike_task.py): the spike line and the remedy table's candidates, ranking,
+    verdicts and what each does, as on this page (its numbers within 5%: another CPU rounds the last digits)."""
+    from pathlib import Path
+
+    from stabletrain.cli import main
+    from test_remedy import table_rows
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    block = readme.split("## Loss spikes", 1)[1].split("\n```\n", 2)[1]
+    run = tmp_path / "spike"
+    assert main(["train", "task=examples.spike_task:make_task", "train.batch_size=8", "train.max_steps=80",
+                 "log.every=10", "data.shuffle=false", "sched.warmup_steps=0", "sched.decay=constant", f"run.dir={run}",
+                 "log.progress=false", "log.tensorboard=false"]) == 0
+    printed = capsys.readouterr().out
+    spike_line = next(x for x in block.splitlines() if x.startswith("stabletrain: spike at step 75"))
+    assert spike_line.split(" the window")[0] in printed
+    assert main(["remedy", str(run), "--steps", "6"]) == 0
+    printed = capsys.readouterr().out.splitlines()[2:]
+    shown = block.split("--steps 6\n", 1)[1].splitlines()[2:]
+    (ours, _), (theirs, _) = table_rows(printed), table_rows(shown)
+    assert [r[:5] for r in ours] == [r[:5] for r in theirs] and len(ours) == 9  # the header and 8 candidates, ranked
+
+    def end_losses(lines):
+        start = lines[0].index("end loss")
+        return [float(x) for x in (line[start:].split()[0] for line in lines[1:9]) if x != "-"]
+
+    assert end_losses(printed) == pytest.approx(end_losses(shown), rel=0.05)
