@@ -14,7 +14,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from helpers import cfg
-from stabletrain import Task, Trainer, load_config
+from integration_models import Net, batches, loss_fn
+from stabletrain import Monitor, Task, Trainer, load_config
 from stabletrain.config import ConfigError, GuardConfig
 from stabletrain.distributed.fsdp import ShardedNumerics
 from stabletrain.numerics import update_norm, update_norms
@@ -224,10 +225,6 @@ def test_a_run_whose_lr_is_too_high_warns_before_its_first_spike_with_one_sync_p
 
 
 def test_an_adapter_reads_the_same_figures_and_keeps_the_history_in_its_state():
-    from integration_models import Net, batches, loss_fn
-
-    from stabletrain import Monitor
-
     torch.manual_seed(0)
     model = Net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
