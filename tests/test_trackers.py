@@ -1,8 +1,8 @@
 """MLflow and W&B (offline) from the Trainer and the CLI: read back through MLflow's client and W&B's own run files.
 
 One SQLite MLflow store for the module (MLflow's first open of a store migrates it: seconds), an experiment per
-test. W&B runs offline under the run directory; its files are read with stabletrain.callbacks.wandb_files (wandb
-has no public local reader).
+test. W&B runs offline under the run directory; its files are read with the tests' wandb_reader.py (wandb has no
+public local reader; stabletrain itself never reads them).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import pytest
 import yaml
 from helpers import cfg
 from multiproc import env, stabletrain
+from wandb_reader import WandbFileError, read_run_file, run_files
 
 from stabletrain import Trainer
 from stabletrain.callbacks import Callback
 from stabletrain.callbacks.tracker_sink import TRACKERS_FILE, read_trackers_file
-from stabletrain.callbacks.wandb_files import WandbFileError, read_run_file, run_files
 from stabletrain.config import flatten_config, load_config
 from stabletrain.records.rundir import read_jsonl
 from stabletrain.report import write_report
@@ -247,6 +247,7 @@ def test_sigkill_then_resume_continues_both_runs_with_each_step_once(tmp_path, s
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     first = read_trackers_file(run_dir)
     assert first["mlflow"]["last_step"] == first["wandb"]["last_step"] == 25
+    assert first["wandb"]["finished"] is False  # killed: W&B holds what it wrote by flushed_step, no more for sure
     finish(stabletrain(*args, "--resume", str(run_dir)))
     resumed = [e for e in read_jsonl(run_dir / "events.jsonl")[0] if e["kind"] == "resume"]
     assert len(resumed) == 1 and resumed[0]["step"] in (10, 20)
@@ -255,6 +256,7 @@ def test_sigkill_then_resume_continues_both_runs_with_each_step_once(tmp_path, s
 
     entry = read_trackers_file(run_dir)
     assert entry["mlflow"]["run_id"] == first["mlflow"]["run_id"] and entry["wandb"]["run_id"] == first["wandb"]["run_id"]
+    assert entry["wandb"]["finished"] is True and entry["wandb"]["flushed_step"] == entry["wandb"]["last_step"] == 30
     client = MlflowClient(store)
     (run_info,) = client.search_runs([client.get_experiment_by_name("killed").experiment_id])  # one run, continued
     assert run_info.info.status == "FINISHED"
@@ -293,6 +295,7 @@ def test_a_crash_is_tagged_and_a_resume_writes_no_step_the_trackers_hold(tmp_pat
     assert run.data.tags["stabletrain.last_crash"].startswith("step 25: RuntimeError: planted crash at step 25")
     (killed,) = wandb_files(run_dir)
     assert killed.steps("loss") == [5, 10, 15, 20, 25] and "crash" in killed.tags and killed.summary["stabletrain/crashes"] == 1
+    assert read_trackers_file(run_dir)["wandb"]["finished"] is True  # the crash ended the run: W&B wrote it all
 
     Trainer(load_config(None, args), run_dir=run_dir, resume=True).fit()  # from step 20: 25 is trained again
     client, run = mlflow_run(run_dir)
@@ -318,6 +321,21 @@ def test_under_ddp_only_rank_0_writes(tmp_path, store):
     assert only.data.params["dist.nproc"] == "2"
     (w,) = wandb_files(run_dir)
     assert w.steps() == [5, 10] and len(list((run_dir / "wandb").glob("*run-*"))) == 1
+
+
+def test_what_wandb_holds_for_a_resume_comes_from_trackers_json(tmp_path):
+    from stabletrain.callbacks.wandb_tracker import WandbTracker, flushed_step
+
+    handed = [(0.0, 5), (10.0, 10), (31.0, 15), (40.0, 20)]  # (seconds, step) handed to W&B
+    assert flushed_step(handed, now=41.0, flush_s=15.0) == 10  # handed >= 30 s (twice W&B's interval) ago
+    assert flushed_step(handed, now=20.0, flush_s=15.0) is None
+    assert flushed_step(handed, now=1e9, flush_s=0.0) is None  # W&B writes only at finish (or a full buffer)
+    tracker = WandbTracker()
+    tracker.base = tmp_path  # a run of its own, offline
+    assert tracker._held_step({"last_step": 25, "finished": True, "flushed_step": 10}) == 25
+    assert tracker._held_step({"last_step": 25, "finished": False, "flushed_step": 10}) == 10  # killed: 15-25 again
+    assert tracker._held_step({"last_step": 25}) == 25  # an entry from before "finished" was kept
+    assert tracker._held_step({}) == 0
 
 
 def test_the_wandb_reader_refuses_what_it_does_not_know_and_stops_at_a_truncated_tail(incident_run, tmp_path):

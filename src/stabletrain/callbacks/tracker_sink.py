@@ -16,9 +16,9 @@ writes on rank 0 with a run directory only, and only at a log boundary, never pe
   (:func:`~stabletrain.callbacks.trackers.attach_report`, into the run the run directory names).
 
 **Each step once.** A tracker is never written a step it already holds. On start it learns the last step it
-holds (MLflow: the run's ``loss`` history in the store; W&B: the ``.wandb`` files earlier processes of the
-run wrote, :mod:`.wandb_files`) and is written the ``metrics.jsonl`` lines after it, up to where the run
-resumes: what a killed process logged but the tracker lost (W&B flushes its file every 15 s) is written
+holds (MLflow: the run's ``loss`` history in the store; W&B: ``trackers.json``, see
+:class:`~.wandb_tracker.WandbTracker`) and is written the ``metrics.jsonl`` lines after it, up to where the
+run resumes: what a killed process logged but the tracker lost (W&B writes its file every 15 s) is written
 then, and a tracker added on resume gets the run's earlier intervals. A resumed run then trains the steps after
 its checkpoint again, bitwise the same: those the tracker holds are not written twice. After a rollback the
 steps trained again keep, in the tracker, the values first written (``metrics.jsonl`` holds both, the latest
@@ -151,6 +151,10 @@ class TrackerSink(Callback):
         """A shorter, actionable reason for a known failure to start (None: the error's own words)."""
         return None
 
+    def _entry_fields(self) -> dict[str, Any]:
+        """What else this tracker keeps in its trackers.json entry, as of now (written with every update of it)."""
+        return {}
+
     # -- the hooks ---------------------------------------------------------------------------------
 
     def on_fit_start(self, state: FitState) -> None:
@@ -163,7 +167,7 @@ class TrackerSink(Callback):
             entry = self._start(self._run_dir, earlier)
             self.held = self._held_step(earlier if earlier.get("run_id") == entry.get("run_id") else {})
             self._entry = {**entry, "last_step": self.held}
-            _write_entry(self._run_dir, self.name, self._entry)
+            self._save_entry()
         except Exception as err:  # noqa: BLE001 (a tracker must never take the run down)
             hint = f" (pip install 'stabletrain[{self.extra}]')" if isinstance(err, ImportError) else ""
             console.warn(f"{self.title}: cannot start ({self._explain(err) or failure_text(err)}){hint}; this run is not "
@@ -233,8 +237,7 @@ class TrackerSink(Callback):
             return
         if self._write(f"step {step}", self._log_metrics, step, _scalars(record)):
             self.held = self._entry["last_step"] = step
-            if self._run_dir is not None:
-                _write_entry(self._run_dir, self.name, self._entry)
+            self._save_entry()
 
     def _catch_up(self, upto: int) -> None:
         """Write the metrics.jsonl lines after the held step and up to ``upto`` (the latest line of each step)."""
@@ -291,7 +294,12 @@ class TrackerSink(Callback):
                     self._ended = "KILLED"
         if kinds and self._write("tags", self._set_tags, {TAGGED[k]: self._counts[k] for k in kinds},
                                  {k: self._last[k] for k in kinds}, kinds):
-            _write_entry(self._run_dir, self.name, self._entry)
+            self._save_entry()
+
+    def _save_entry(self) -> None:
+        """Write this tracker's entry of ``RUN_DIR/trackers.json`` (its run, the last step written, ...)."""
+        if self._run_dir is not None:
+            _write_entry(self._run_dir, self.name, {**self._entry, **self._entry_fields()})
 
     def _close_quietly(self) -> None:
         if self.own:

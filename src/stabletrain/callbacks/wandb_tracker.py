@@ -2,15 +2,30 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
-from .. import console
 from .tracker_sink import TrackerSink
 
-__all__ = ["WandbTracker"]
+__all__ = ["WandbTracker", "flushed_step"]
+
+#: How often W&B writes a run's file when its settings do not say (``wandb.Settings``'
+#: ``x_transaction_log_flush_interval``; it also writes it at ``run.finish()``).
+WANDB_FLUSH_S = 15.0
+
+
+def flushed_step(handed: list[tuple[float, int]], now: float, flush_s: float) -> int | None:
+    """The last step of ``handed`` ((time handed to W&B, step), in order) that W&B has surely written to its file.
+
+    A step handed twice its flush interval ago (W&B writes every ``flush_s`` seconds; twice leaves it the time to
+    get there); None: none is. ``flush_s`` <= 0: W&B writes only when a buffer fills or the run finishes.
+    """
+    cutoff = now - 2 * flush_s if flush_s > 0 else -math.inf
+    return max((step for t, step in handed if t <= cutoff), default=None)
 
 
 class WandbTracker(TrackerSink):
@@ -19,6 +34,14 @@ class WandbTracker(TrackerSink):
     ``dir``: None = the run directory. The run's console is not captured (``console="off"``) and W&B's own
     lines are silenced: stabletrain says where the run is. A resumed run continues the same run id (each
     process writes its own ``offline-run-*-ID`` folder; ``wandb sync`` uploads them in order).
+
+    What W&B holds, for a resume (its file is W&B's own format: stabletrain does not read it): ``trackers.json``
+    keeps the last step handed to W&B, whether the process that handed it finished the run (W&B then wrote
+    it all), and ``flushed_step``, the last step handed long enough before (:func:`flushed_step`) to be in
+    W&B's file whatever happened after. After a process that finished, a resume writes the steps after the
+    last handed; after one that was killed, those after ``flushed_step``: what W&B lost with the killed
+    process is written again from ``metrics.jsonl``, and a step W&B did write in its last seconds may be
+    there twice (the same value: the resumed run reproduces it bitwise).
     """
 
     name, title, extra = "wandb", "W&B", "wandb"
@@ -29,11 +52,14 @@ class WandbTracker(TrackerSink):
         self.mode, self.project, self.entity, self.dir, self.run_name = mode, project, entity, dir, run_name
         self.run: Any = None
         self.base: Path | None = None
+        self.finished = False  # this process ended the run: W&B wrote all it was handed
+        self._handed: list[tuple[float, int]] = []  # (time.monotonic(), step) not yet known to be in W&B's file
+        self._flushed = 0
 
     def _start(self, run_dir: Path, earlier: dict[str, Any]) -> dict[str, Any]:
         import wandb
 
-        self.base = None
+        self.base, self.finished, self._handed = None, False, []
         host = self.host() if self.host is not None else _active_wandb()
         if host is not None:
             self.run, self.own = host, False
@@ -53,21 +79,28 @@ class WandbTracker(TrackerSink):
                 "host": not self.own, "tags": list(self.run.tags or ())}
 
     def _held_step(self, earlier: dict[str, Any]) -> int:
-        if not self.own or self.base is None:
-            return int(earlier.get("last_step", 0))
-        from .wandb_files import WandbFileError, read_run_file, run_files
+        # An entry without "finished" was written before stabletrain kept it: taken as finished.
+        if not self.own or self.base is None or earlier.get("finished", True):
+            held = int(earlier.get("last_step", 0))
+        else:  # the process before was killed: W&B's file holds what it had written by then
+            held = int(earlier.get("flushed_step", 0))
+        self._flushed = held
+        return held
 
-        try:
-            steps = [s for f in run_files(self.base, self.run.id) for s in read_run_file(f).steps("loss")]
-        except (WandbFileError, OSError) as err:
-            console.warn(f"W&B: cannot read the earlier processes' run files ({err}); the steps up to "
-                         f"{earlier.get('last_step', 0)} (trackers.json) are not written again")
-            return int(earlier.get("last_step", 0))
-        return max(steps, default=0)
+    def _entry_fields(self) -> dict[str, Any]:
+        if self.run is not None and not self.finished:
+            settings = getattr(self.run, "settings", None)
+            flush_s = float(getattr(settings, "x_transaction_log_flush_interval", WANDB_FLUSH_S) or 0.0)
+            step = flushed_step(self._handed, time.monotonic(), flush_s)
+            if step is not None:
+                self._flushed = max(self._flushed, step)
+                self._handed = [(t, s) for t, s in self._handed if s > step]
+        return {"finished": self.finished, "flushed_step": self._flushed}
 
     def _log_metrics(self, step: int, values: dict[str, float]) -> None:
         if self.own:
             self.run.log(values, step=step)
+            self._handed.append((time.monotonic(), step))
         else:  # the host's run: its own step counter stays the host's
             self.run.log({**{f"stabletrain/{k}": v for k, v in values.items()}, "stabletrain/step": step})
 
@@ -94,6 +127,10 @@ class WandbTracker(TrackerSink):
         if self.run is not None:
             self.run.finish(exit_code=1 if status == "FAILED" else 0)
             self.run = None
+            self.finished, self._handed = True, []
+            self._flushed = self.held  # all W&B was handed is in its file now
+            if self._entry:  # (none when the run failed to start)
+                self._save_entry()
 
     def where(self) -> str:
         if not self.own:

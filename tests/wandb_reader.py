@@ -1,19 +1,14 @@
-"""Read what W&B wrote into a run's ``.wandb`` file: the one place stabletrain reads W&B's own file format.
+"""Read what W&B wrote into a run's ``.wandb`` file, for the tests: what the trackers' tests check W&B got.
 
-wandb has no public reader of its local run files: ``wandb.Api`` asks the server, and a local reader
-(``wandb.beta.LocalApi``) is only proposed upstream. The file (``DIR/wandb/offline-run-*-ID/run-ID.wandb``)
-is the log that ``wandb sync`` uploads: LevelDB's log format (32 KiB blocks of records, each with a CRC-32
-of its type and data) behind a 7-byte header ``:W&B``, magic ``0xBEE1``, a version byte; each record is
-one of wandb's own protobuf messages, ``wandb.proto.wandb_internal_pb2.Record`` (history rows, config,
-summary, tags in the run record, saved files). This module parses that log and decodes the records with
-wandb's own message classes; it relies on no other wandb internal.
-
-The :class:`~stabletrain.callbacks.wandb_tracker.WandbTracker` reads the steps an earlier process of the same
-run wrote (a resumed run writes no step twice), and the tests read back what a run wrote. A header it does
-not know raises :class:`WandbFileError`; a truncated tail (a killed process) ends the read.
-
-W&B buffers the file: it is flushed every 15 s and at ``run.finish()``, so a process killed with SIGKILL
-leaves only what was flushed.
+stabletrain itself never reads this file (W&B's own format; what W&B holds for a resume is in
+``trackers.json``). wandb has no public reader of its local run files: ``wandb.Api`` asks the server. The
+file (``DIR/wandb/offline-run-*-ID/run-ID.wandb``) is the log that ``wandb sync`` uploads: LevelDB's log
+format (32 KiB blocks of records, each with a CRC-32 of its type and data) behind a 7-byte header ``:W&B``,
+magic ``0xBEE1``, a version byte; each record is one of wandb's own protobuf messages,
+``wandb.proto.wandb_internal_pb2.Record`` (history rows, config, summary, tags in the run record, saved
+files). A header it does not know raises :class:`WandbFileError`; a truncated tail (a killed process) ends
+the read. W&B buffers the file: it is written every 15 s and at ``run.finish()``, so a process killed with
+SIGKILL leaves only what was written.
 """
 
 from __future__ import annotations
