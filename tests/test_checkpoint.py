@@ -167,8 +167,8 @@ CRASH = textwrap.dedent("""
         return real_replace(src, dst)
 
     if mode == "torch_save":
-        from stabletrain.records.checkpoint import files
-        torch.save = files.save_without_record_crcs = half_save
+        from stabletrain.records.checkpoint import checksummed
+        torch.save = checksummed.save_without_record_crcs = half_save
     else:
         os.replace = dying_replace
     m.save(tiny_state(9.0), 2 if mode == "resave" else 3)

@@ -157,9 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_help(check: argparse.ArgumentParser) -> None:
     """Complete the check command's help: the list of checks, and where they write by default."""
     from .checks import DEFAULT_OUT_DIR
+    from .internals import parser_actions
 
     check.description = f"{check.description}\n\n{_checks_help()}"
-    for action in check._actions:
+    for action in parser_actions(check):
         if action.dest == "out_dir":
             action.help = action.help.format(default=DEFAULT_OUT_DIR)
 

@@ -35,9 +35,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+from .internals import tree_map
 from .seeding import seed_worker
 
 __all__ = ["EpochOrder", "Window", "WindowStream", "move_to"]

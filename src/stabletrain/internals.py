@@ -4,7 +4,8 @@ stabletrain needs a few things no public API gives without a host-device sync or
 the host computes. Each reach is one function here; each checks that the internal exists (and has the
 shape relied on) and otherwise raises :class:`InternalMissing`, one line naming the library, its
 version and what to do. ``tests/test_internals.py`` exercises every one of them against the installed
-versions, so an upgrade that removes one fails there, not in a user's run.
+versions, so an upgrade that removes one fails there, not in a user's run; ``tests/test_private_reaches.py``
+fails on a reach anywhere else in the package.
 
 =====================================  ==================================================================
 reach                                  why there is no public way
@@ -22,15 +23,34 @@ reach                                  why there is no public way
                                        not handed the trainer (``StableTrainCallback(trainer=...)`` avoids it)
 ``torch.serialization._save``,         ``torch.save`` without the zip's per-record CRC32 for this one file
 ``torch._C.PyTorchFileWriter``         (``set_crc32_options`` is process-wide): the checkpoint writer takes
-                                       its own CRC32 of every byte as it passes (~4 ms of CPU less per 10 MiB)
+                                       its own CRC32 of every byte as it passes (5 ms of CPU per 9.7 MiB save)
+``torch.utils._python_dispatch``       ``TorchDispatchMode``, the base of a mode that sees every aten op (the
+                                       non-finite locator, the amp check); torch exports it nowhere else
+``OpOverload._schema``                 whether an aten op writes into an input (its arguments' alias info)
+``torch._C._current_graph_task_id``,   whether an op runs inside a backward, and the autograd node running it
+``torch._C._current_autograd_node``    (its forward's traceback, under anomaly mode)
+``Tensor._version``                    a tensor's in-place write counter: a value read before is still valid
+``Variable._execution_engine``         ``queue_callback``: run after the backward's whole graph, in order with
+                                       DDP's own final callback (which waits on the gradient all-reduce)
+``FSDPModule._get_fsdp_state()``,      the unsharded gradient FSDP2 accumulates between syncs, outside
+``FSDPParam._unsharded_param``,        ``param.grad``: the accumulation window rescales it in place
+``.unsharded_accumulated_grad``
+``torch.utils._pytree``                flatten and rebuild nested state with torch's own node registry (the
+                                       containers DCP's state dicts and a user's registered types are made of)
+``LocalElasticAgent``'s                torchrun's agent: hand a restart the failure before it, and end the
+``_monitor_workers`` and               restarts on a refusal (torchrun has no hook for either); the name
+``_remaining_restarts``;               ``torch.distributed.launcher.api`` builds its agent from
+``launcher.api.LocalElasticAgent``
+``ArgumentParser._actions``            the actions of a parser, to complete one's help when it is shown
 =====================================  ==================================================================
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -38,7 +58,11 @@ from torch import Tensor
 
 __all__ = ["InternalMissing", "scaler_scale", "scaler_state", "set_scaler_state", "scaler_found_inf", "join_found_inf",
            "join_scaler_found_inf", "skips_on_device", "set_found_inf", "clear_found_inf", "found_inf_set",
-           "fused_skip", "find_caller", "eager_module", "save_without_record_crcs"]
+           "fused_skip", "find_caller", "eager_module", "save_without_record_crcs", "dispatch_mode_base",
+           "op_writes_input", "in_backward", "current_autograd_node", "tensor_version", "queue_backward_callback",
+           "fsdp_param_records", "fsdp_pending_grads", "tree_map", "tree_flatten", "tree_unflatten",
+           "tree_flatten_with_keys", "restarting_agent", "restarts_left", "end_restarts", "use_elastic_agent",
+           "parser_actions"]
 
 T = TypeVar("T")
 
@@ -221,3 +245,202 @@ def save_without_record_crcs(obj: Any, fh: Any) -> None:
     save(obj, writer, pickle, serialization.DEFAULT_PROTOCOL, False)  # (..., _disable_byteorder_record) as torch.save
     writer.write_end_of_file()
     fh.flush()
+
+
+# -- torch dispatch and autograd: the replay tools --------------------------------------------------------
+
+def dispatch_mode_base() -> type:
+    """``TorchDispatchMode``: subclass it for a mode whose ``__torch_dispatch__`` sees every aten op."""
+    try:
+        from torch.utils._python_dispatch import TorchDispatchMode
+    except ImportError:
+        raise InternalMissing("torch", "TorchDispatchMode (torch.utils._python_dispatch)") from None
+    return TorchDispatchMode
+
+
+def op_writes_input(func: Any) -> bool:
+    """Whether the aten op ``func`` (an ``OpOverload``) writes into one of its arguments (in place, ``out=``)."""
+    schema = _require(func, "_schema", "torch", "an aten op's schema")
+    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
+@functools.cache
+def _engine() -> tuple[Callable[[], int], Callable[[], Any]]:
+    return (_require(torch._C, "_current_graph_task_id", "torch", "the autograd engine's current graph task"),
+            _require(torch._C, "_current_autograd_node", "torch", "the autograd node being run"))
+
+
+def in_backward() -> bool:
+    """Whether this thread is inside the autograd engine's backward (an op dispatched now is part of it)."""
+    return _engine()[0]() != -1
+
+
+def current_autograd_node() -> Any:
+    """The autograd ``Node`` the engine is running on this thread (None outside a backward)."""
+    return _engine()[1]() if in_backward() else None
+
+
+def tensor_version(t: Tensor) -> int | None:
+    """The tensor's in-place write counter (shared with its views); None where it keeps none (inference mode)."""
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor
+        return None
+    except AttributeError:
+        raise InternalMissing("torch", "a tensor's in-place write counter (Tensor._version)") from None
+
+
+def queue_backward_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn`` when the running backward has run its whole graph, after the callbacks queued before it.
+
+    Only from inside a backward (a hook). DDP queues its own such callback, which waits on the gradient
+    all-reduce: one queued earlier runs before it, one queued from there runs after it.
+    """
+    engine = _require(torch.autograd.Variable, "_execution_engine", "torch", "the autograd engine")
+    _require(engine, "queue_callback", "torch", "the autograd engine's final callbacks")(fn)
+
+
+# -- FSDP2 ----------------------------------------------------------------------------------------------
+
+def fsdp_param_records(model: torch.nn.Module) -> list[Any]:
+    """The FSDP2 parameter records (``FSDPParam``) of every module ``fully_shard`` wrapped under ``model``.
+
+    Checked once here, so that :func:`fsdp_pending_grads` never misses a gradient in silence: a torch whose
+    records no longer have the unsharded parameter or the accumulated gradient raises now.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    out: list[Any] = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            state = _require(module, "_get_fsdp_state", "torch", "FSDP2's state of a sharded module")()
+            groups = getattr(state, "_fsdp_param_groups", None)  # a list in newer torch, one group in older
+            if groups is None:
+                group = _require(state, "_fsdp_param_group", "torch", "FSDP2's parameter group of a module")
+                groups = [] if group is None else [group]
+            for group in groups:
+                out.extend(_require(group, "fsdp_params", "torch", "FSDP2's parameter records"))
+    for cls in {type(fp) for fp in out}:
+        declared = {name for klass in cls.__mro__ for name in getattr(klass, "__annotations__", {})}
+        for name in ("_unsharded_param", "unsharded_accumulated_grad"):
+            if name not in declared:
+                raise InternalMissing("torch", f"the gradient FSDP2 accumulates between syncs ({cls.__name__}.{name})",
+                                      "stabletrain would leave it unscaled; use dist.strategy=ddp or a supported torch")
+    return out
+
+
+def fsdp_pending_grads(records: Sequence[Any]) -> list[Tensor]:
+    """The unsharded gradients FSDP2 holds for ``records`` (:func:`fsdp_param_records`) between syncs.
+
+    The tensors themselves: scaling one in place scales what FSDP2 will reduce-scatter. The accumulated
+    gradient in the reduce dtype where a mixed-precision policy made one, else the unsharded parameter's.
+    """
+    out = []
+    for fp in records:
+        if fp.unsharded_accumulated_grad is not None:
+            out.append(fp.unsharded_accumulated_grad)
+            continue
+        param = getattr(fp, "_unsharded_param", None)  # None until its first all-gather (declared: checked above)
+        if param is not None and param.grad is not None:
+            out.append(param.grad)
+    return out
+
+
+# -- torch.utils._pytree ----------------------------------------------------------------------------------
+
+@functools.cache
+def _pytree() -> Any:
+    try:
+        from torch.utils import _pytree as pytree
+    except ImportError:
+        raise InternalMissing("torch", "torch.utils._pytree") from None
+    for name in ("tree_map", "tree_flatten", "tree_unflatten", "tree_flatten_with_path", "MappingKey",
+                 "SequenceKey", "GetAttrKey"):
+        _require(pytree, name, "torch", "torch's pytree")
+    return pytree
+
+
+def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``tree`` rebuilt with ``fn`` applied to each leaf (containers: those torch's pytree knows, as registered)."""
+    return _pytree().tree_map(fn, tree)
+
+
+def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
+    """(the leaves of ``tree`` in order, the spec :func:`tree_unflatten` rebuilds it from)."""
+    return _pytree().tree_flatten(tree)
+
+
+def tree_unflatten(leaves: Sequence[Any], spec: Any) -> Any:
+    return _pytree().tree_unflatten(list(leaves), spec)
+
+
+def tree_flatten_with_keys(tree: Any) -> tuple[list[tuple[tuple[str, ...], Any]], Any]:
+    """(each leaf with its path as strings: dict keys, list indices, namedtuple field names; the spec)."""
+    pytree = _pytree()
+    mapping, sequence, attr = pytree.MappingKey, pytree.SequenceKey, pytree.GetAttrKey
+
+    def part(k: Any) -> str:
+        if isinstance(k, mapping):
+            return str(k.key)
+        if isinstance(k, sequence):
+            return str(k.idx)
+        return k.name if isinstance(k, attr) else str(k)
+
+    leaves, spec = pytree.tree_flatten_with_path(tree)
+    return [(tuple(part(k) for k in path), leaf) for path, leaf in leaves], spec
+
+
+# -- torchrun's elastic agent -----------------------------------------------------------------------------
+
+def restarting_agent(on_failure: Callable[[Any, int, dict[int, Any]], None]) -> type:
+    """A ``LocalElasticAgent`` subclass that calls ``on_failure(agent, max_restarts, failures)`` on a failed check.
+
+    The agent calls it where it checks on its workers and finds one failed, before it decides to restart
+    them (``failures``: global rank -> torch's ``ProcessFailure``). Install it with :func:`use_elastic_agent`.
+    """
+    try:
+        from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+        from torch.distributed.launcher import api
+    except ImportError as err:
+        raise InternalMissing("torch", f"torchrun's elastic agent ({err})") from None
+    if getattr(api, "LocalElasticAgent", None) is not LocalElasticAgent:
+        raise InternalMissing("torch", "a launcher that builds torch.distributed.launcher.api.LocalElasticAgent")
+    _require(LocalElasticAgent, "_monitor_workers", "torch", "the elastic agent's check on its workers")
+    if "_remaining_restarts" not in SimpleElasticAgent.__init__.__code__.co_names:  # the attribute __init__ sets
+        raise InternalMissing("torch", "the elastic agent's count of restarts left (_remaining_restarts)")
+
+    class RestartingAgent(LocalElasticAgent):  # type: ignore[misc, valid-type]
+        """LocalElasticAgent that tells stabletrain of each failure it sees (:func:`restarting_agent`)."""
+
+        def _monitor_workers(self, worker_group: Any) -> Any:
+            result = super()._monitor_workers(worker_group)
+            if result.is_failed():
+                on_failure(self, worker_group.spec.max_restarts, result.failures)
+            return result
+
+    return RestartingAgent
+
+
+def restarts_left(agent: Any) -> int:
+    """How many more times the elastic ``agent`` will restart its workers."""
+    return agent._remaining_restarts
+
+
+def end_restarts(agent: Any) -> None:
+    """Have the elastic ``agent`` stop at this failure, as when ``--max-restarts`` is used up."""
+    agent._remaining_restarts = 0
+
+
+def use_elastic_agent(cls: type) -> None:
+    """Have torchrun (``torch.distributed.run.main``, in this process) build its agent from ``cls``."""
+    from torch.distributed.launcher import api
+
+    api.LocalElasticAgent = cls
+
+
+# -- argparse --------------------------------------------------------------------------------------------
+
+def parser_actions(parser: Any) -> list[Any]:
+    """The ``argparse.Action`` of each argument ``parser`` has (its ``add_argument`` results, in order)."""
+    return list(_require(parser, "_actions", "python", "argparse's list of a parser's actions"))

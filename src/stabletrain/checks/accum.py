@@ -31,7 +31,8 @@ from . import CheckContext, CheckResult, fixed_batch, register
 RTOL = 1e-4
 ATOL = 1e-7
 
-_BATCH_STATS = (nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm)
+_BATCH_STATS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LazyBatchNorm1d, nn.LazyBatchNorm2d,
+                nn.LazyBatchNorm3d, nn.SyncBatchNorm)
 
 
 def _grads(params: list[torch.Tensor]) -> torch.Tensor:
@@ -79,7 +80,7 @@ def _dropout_off(model: nn.Module) -> Iterator[tuple[list[str], _NoFunctionalDro
     saved: list[tuple[nn.Module, str, float]] = []
     names = []
     for name, m in model.named_modules():
-        if isinstance(m, nn.modules.dropout._DropoutNd):
+        if isinstance(m, (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)):
             saved.append((m, "p", m.p))
             names.append(name)
         elif isinstance(m, _OWN_DROPOUT) and m.dropout:

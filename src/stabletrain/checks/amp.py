@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..internals import dispatch_mode_base
 from ..policies.accumulation import as_sum_count
 from ..policies.precision import PrecisionPolicy
 from . import CheckContext, CheckResult, fixed_batch, register
@@ -18,7 +18,7 @@ _LOW = (torch.float16, torch.bfloat16)
 _MATMUL = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_dot_product", "convolution", "conv")
 
 
-class OpDtypeRecorder(TorchDispatchMode):
+class OpDtypeRecorder(dispatch_mode_base()):
     """Count each aten op by the dtype of its floating output: ``low`` (fp16/bf16) and ``fp32`` Counters.
 
     A dispatch mode: ``with policy.autocast(), OpDtypeRecorder() as rec: loss_fn(model, batch)``. Views,

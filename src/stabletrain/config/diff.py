@@ -11,13 +11,10 @@ import fnmatch
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from ..errors import brief
 from .loading import config_to_dict
-
-if TYPE_CHECKING:
-    from torch.utils._pytree import KeyEntry
 
 __all__ = ["RESUME_SAFE_KEYS", "RESHARD_SAFE_KEYS", "resume_safe_text", "ABSENT", "ConfigDiff", "dotted_key",
            "flatten_config", "diff_configs", "format_config_diff", "resume_refusal_message"]
@@ -59,22 +56,9 @@ class ConfigDiff(NamedTuple):
     current: Any  # value in this run's (or second) config, or ABSENT
 
 
-def dotted_key(path: Sequence[KeyEntry], prefix: str = "") -> str:
-    """Return a pytree key path as a dotted key: ``optim.lr``, ``state.0.exp_avg`` (namedtuple fields by name)."""
-    # Imported here: the config (and the CLI's parsing of it) must not import torch; a pytree path means it is loaded.
-    from torch.utils._pytree import GetAttrKey, MappingKey, SequenceKey
-
-    parts = [prefix] if prefix else []
-    for k in path:
-        if isinstance(k, MappingKey):
-            parts.append(str(k.key))
-        elif isinstance(k, SequenceKey):
-            parts.append(str(k.idx))
-        elif isinstance(k, GetAttrKey):
-            parts.append(k.name)
-        else:
-            parts.append(str(k))
-    return ".".join(parts)
+def dotted_key(path: Sequence[str], prefix: str = "") -> str:
+    """Return a key path (``stabletrain.internals.tree_flatten_with_keys``') as a dotted key: ``state.0.exp_avg``."""
+    return ".".join([prefix, *path] if prefix else path)
 
 
 def flatten_config(cfg: Any, *, keep_empty: bool = False) -> dict[str, Any]:

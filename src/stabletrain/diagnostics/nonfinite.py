@@ -29,10 +29,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.module_tracker import ModuleTracker
 
+from ..internals import current_autograd_node, dispatch_mode_base, in_backward, op_writes_input, tensor_version
 from .stacks import keep_user_entries, user_stack
 
 __all__ = ["NonFiniteLocator", "NonFiniteOp"]
@@ -121,9 +120,17 @@ def _is_mutating(func: Any) -> bool:
     """Return whether ``func`` writes into one of its inputs (its inputs must be checked before it runs)."""
     known = _MUTATING.get(func)
     if known is None:
-        known = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
-        _MUTATING[func] = known
+        known = _MUTATING[func] = op_writes_input(func)
     return known
+
+
+def _leaves(tree: Any) -> list[Any]:
+    """The leaves of an op's arguments or outputs, in order: tuples, lists and dicts walked, all else a leaf."""
+    if isinstance(tree, (tuple, list)):
+        return [leaf for item in tree for leaf in _leaves(item)]
+    if isinstance(tree, dict):
+        return [leaf for item in tree.values() for leaf in _leaves(item)]
+    return [tree]
 
 
 def _floating(tensors: list[Any]) -> list[Tensor]:
@@ -176,7 +183,7 @@ def _finite_exact(t: Tensor) -> Tensor:
     return torch.isfinite(low) & torch.isfinite(high)
 
 
-class _Mode(TorchDispatchMode):
+class _Mode(dispatch_mode_base()):
     def __init__(self, locator: NonFiniteLocator) -> None:
         super().__init__()
         self.locator = locator
@@ -188,21 +195,21 @@ class _Mode(TorchDispatchMode):
             if not loc._following_backward():
                 return func(*args, **kwargs)
             out = func(*args, **kwargs)  # ... unless a masked forward value is followed into backward
-            outputs = _floating(tree_leaves(out))
+            outputs = _floating(_leaves(out))
             if outputs and not all(_all_finite(outputs)):
-                loc._record_backward(func, _floating(tree_leaves((args, kwargs))), outputs)
+                loc._record_backward(func, _floating(_leaves((args, kwargs))), outputs)
             return out
         loc.num_ops += 1
         if str(func) in _UNINITIALIZED_OPS:
             out = func(*args, **kwargs)
-            for t in _floating(tree_leaves(out)):
+            for t in _floating(_leaves(out)):
                 loc._remember(loc._uninitialized, t)
             return out
-        inputs = _floating(tree_leaves((args, kwargs)))
+        inputs = _floating(_leaves((args, kwargs)))
         known = [loc._known_bad(t) for t in inputs] if loc._nonfinite else None  # read before: not read again
         before = _all_finite(inputs, known) if _is_mutating(func) else None  # an in-place op overwrites its inputs
         out = func(*args, **kwargs)
-        outputs = _floating(tree_leaves(out))
+        outputs = _floating(_leaves(out))
         if not outputs:
             return out
         likely_bad = known is not None and any(k and not loc._is_tolerated(t) for k, t in zip(known, inputs))
@@ -315,14 +322,14 @@ class NonFiniteLocator:
         return ref is not None and ref() is t
 
     def _mark_bad(self, t: Tensor) -> None:
-        version = _version(t)
+        version = tensor_version(t)
         if version is not None:
             key = id(t)
             self._nonfinite[key] = (weakref.ref(t, lambda _, key=key, d=self._nonfinite: d.pop(key, None)), version)
 
     def _known_bad(self, t: Tensor) -> bool:
         entry = self._nonfinite.get(id(t))
-        return entry is not None and entry[0]() is t and _version(t) == entry[1]
+        return entry is not None and entry[0]() is t and tensor_version(t) == entry[1]
 
     def _tolerate(self, t: Tensor) -> None:
         self._remember(self._tolerated, t)
@@ -335,12 +342,12 @@ class NonFiniteLocator:
         if self._watch is None or module is not self._watch or self.first_origin is None:
             return
         self._watch = None
-        self.first_origin.masked_in_forward = all(_all_finite(_floating(tree_leaves(output))))
+        self.first_origin.masked_in_forward = all(_all_finite(_floating(_leaves(output))))
 
     def _following_backward(self) -> bool:
         origin = self.first_origin
         return (origin is not None and bool(origin.masked_in_forward) and origin.backward_op is None
-                and torch._C._current_graph_task_id() != -1)
+                and in_backward())
 
     def _record_backward(self, func: Any, inputs: list[Tensor], outputs: list[Tensor]) -> None:
         """Record the first backward op that went non-finite after a masked forward origin."""
@@ -376,7 +383,7 @@ class NonFiniteLocator:
         untolerated = [i for i in bad_inputs if not self._is_tolerated(inputs[i])]
         if self.tolerate_masks and not untolerated and not _has_nan(outputs):
             from_constant = str(func) in _CONSTANT_OPS or any(
-                isinstance(a, float) and math.isinf(a) for a in tree_leaves((args, kwargs)))
+                isinstance(a, float) and math.isinf(a) for a in _leaves((args, kwargs)))
             if bad_inputs or from_constant:
                 for t in outputs:
                     self._tolerate(t)
@@ -401,8 +408,8 @@ class NonFiniteLocator:
                    capture_stack: bool) -> NonFiniteOp:
         num_bad = sum(int((~torch.isfinite(t)).sum()) for t in outputs)
         has_inf = bool(torch.stack([torch.isinf(t).any().to(outputs[0].device) for t in outputs]).any())
-        backward = torch._C._current_graph_task_id() != -1
-        node = torch._C._current_autograd_node() if backward else None
+        backward = in_backward()
+        node = current_autograd_node()
         stack = None
         if capture_stack:
             if backward:
@@ -418,14 +425,6 @@ class NonFiniteLocator:
             input_dtypes=[_dtype(t) for t in inputs], output_shapes=[list(t.shape) for t in outputs],
             output_dtypes=[_dtype(t) for t in outputs], nonfinite_inputs=bad_inputs,
             autograd_node=node.name() if node is not None else None, op_index=self.num_ops - 1, stack=stack)
-
-
-def _version(t: Tensor) -> int | None:
-    """The tensor's in-place write counter (shared with its views), None where it keeps none (inference mode)."""
-    try:
-        return t._version
-    except (RuntimeError, AttributeError):
-        return None
 
 
 def _has_nan(tensors: list[Tensor]) -> bool:

@@ -45,7 +45,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_leaves
 
 from ..policies.accumulation import as_sum_count
 from ..numerics import unique_params
@@ -267,8 +266,11 @@ def _x(r: float | None) -> str:
 
 
 def _first_tensor(x: Any) -> Tensor | None:
-    """Return the first floating-point tensor in ``x`` (nested containers walked in order), or None."""
-    return next((t for t in tree_leaves(x) if isinstance(t, Tensor) and t.is_floating_point()), None)
+    """Return the first floating-point tensor in ``x`` (tuples, lists and dicts walked in order), or None."""
+    if isinstance(x, Tensor):
+        return x if x.is_floating_point() else None
+    items = x.values() if isinstance(x, dict) else x if isinstance(x, (tuple, list)) else ()
+    return next((t for t in map(_first_tensor, items) if t is not None), None)
 
 
 def _std(x: Tensor) -> Tensor:

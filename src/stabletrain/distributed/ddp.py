@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..internals import queue_backward_callback
 from .launch import LAUNCHER_ENV, die_with_parent, launch, leave_word, under_torchrun
 
 __all__ = [
@@ -302,11 +303,11 @@ class WindowCarrier:
     # graph: this one, queued as the backward starts, runs before DDP's (queued once every bucket is ready),
     # which waits on the all-reduce and raises if it failed; the one it queues runs after DDP's has passed.
     def _backward_started(self, grad: Tensor) -> None:
-        torch.autograd.Variable._execution_engine.queue_callback(self._graph_ran)
+        queue_backward_callback(self._graph_ran)
 
     def _graph_ran(self) -> None:
         self.in_gradient_sync = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._gradients_synced)
+        queue_backward_callback(self._gradients_synced)
 
     def _gradients_synced(self) -> None:
         self.in_gradient_sync = False
@@ -364,7 +365,7 @@ def data_parallel(module: torch.nn.Module, device_ids: list[int] | None, *, sums
         ddp = torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True)
     finally:
         if param is not None:
-            del module._parameters[_CARRIER_NAME]
+            delattr(module, _CARRIER_NAME)  # nn.Module's own: out of module._parameters
     return ddp, (WindowCarrier(param=param) if param is not None else register_carrier_hook(ddp))
 
 

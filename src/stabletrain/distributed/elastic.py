@@ -3,7 +3,7 @@
 The same command line as ``torchrun`` (``python -m torch.distributed.run``), the same elastic agent
 (:class:`~torch.distributed.elastic.agent.server.local_elastic_agent.LocalElasticAgent`, ``--max-restarts``),
 with two things added where the agent checks on its workers (``_monitor_workers``, the method an agent
-subclass implements):
+subclass implements; :func:`stabletrain.internals.restarting_agent`):
 
 - when a worker has failed and the agent will restart the group, the failure it saw first (its global
   rank, pid, exit code or signal, and when) goes into the agent's environment as :data:`RESTART_ENV`,
@@ -26,54 +26,37 @@ import sys
 import time
 from typing import Any
 
+from ..internals import InternalMissing, end_restarts, restarting_agent, restarts_left, use_elastic_agent
 from .launch import FINAL_EXITS, LAUNCH_START_ENV, RESTART_ENV, UNSHARED_STORE, death_record, restart_backoff_s
 
 __all__ = ["agent_class", "main"]
 
 
-def agent_class() -> type | None:
-    """Return the agent class torchrun should use (a LocalElasticAgent subclass), or None where torch lacks the reach.
+def agent_class() -> type:
+    """Return the agent class torchrun should use (a LocalElasticAgent subclass).
 
-    The reach: ``torch.distributed.launcher.api`` builds its agent from its module-level name
-    ``LocalElasticAgent``, and the agent counts its restarts left in ``_remaining_restarts``.
+    Raises :class:`~stabletrain.internals.InternalMissing` where torch lacks what it relies on (torchrun's agent
+    built from a module-level name, its check on its workers, its count of restarts left: see the internals).
     """
-    try:
-        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-        from torch.distributed.launcher import api
-    except ImportError:
-        return None
-    if getattr(api, "LocalElasticAgent", None) is not LocalElasticAgent or not hasattr(LocalElasticAgent, "_monitor_workers"):
-        return None
+    restarts_seen = 0
 
-    class RestartingAgent(LocalElasticAgent):  # type: ignore[misc, valid-type]
-        """LocalElasticAgent that hands each restart the failure it follows (see the module docstring)."""
+    def failed(agent: Any, max_restarts: int, failures: dict[int, Any]) -> None:
+        nonlocal restarts_seen
+        if any(f.exitcode in FINAL_EXITS for f in failures.values()):
+            end_restarts(agent)  # the run refused: restarting would meet the same refusal
+            return
+        if restarts_left(agent) <= 0:
+            return
+        restarts_seen += 1
+        rank, first = min(failures.items(), key=lambda item: _secondary(item[1]))
+        os.environ[RESTART_ENV] = json.dumps(death_record(
+            first.exitcode, rank=rank, pid=first.pid, restart=restarts_seen, max_restarts=max_restarts,
+            by="torchrun (stabletrain.distributed.elastic)", when=time.time(),
+            last_line=_message(first)))
+        os.environ.pop(LAUNCH_START_ENV, None)  # the restarted ranks' launch starts with them
+        time.sleep(restart_backoff_s(restarts_seen))
 
-        _restarts_seen = 0
-
-        def _monitor_workers(self, worker_group: Any) -> Any:
-            result = super()._monitor_workers(worker_group)
-            if result.is_failed():
-                self._failed(worker_group.spec.max_restarts, result.failures)
-            return result
-
-        def _failed(self, max_restarts: int, failures: dict[int, Any]) -> None:
-            if not hasattr(self, "_remaining_restarts"):
-                return
-            if any(f.exitcode in FINAL_EXITS for f in failures.values()):
-                self._remaining_restarts = 0  # the run refused: restarting would meet the same refusal
-                return
-            if self._remaining_restarts <= 0:
-                return
-            self._restarts_seen += 1
-            rank, first = min(failures.items(), key=lambda item: _secondary(item[1]))
-            os.environ[RESTART_ENV] = json.dumps(death_record(
-                first.exitcode, rank=rank, pid=first.pid, restart=self._restarts_seen, max_restarts=max_restarts,
-                by="torchrun (stabletrain.distributed.elastic)", when=time.time(),
-                last_line=_message(first)))
-            os.environ.pop(LAUNCH_START_ENV, None)  # the restarted ranks' launch starts with them
-            time.sleep(restart_backoff_s(self._restarts_seen))
-
-    return RestartingAgent
+    return restarting_agent(failed)
 
 
 def _secondary(failure: Any) -> int:
@@ -100,16 +83,13 @@ def _message(failure: Any) -> str | None:
 def main(argv: list[str] | None = None) -> None:
     """Run torchrun's command line with :func:`agent_class`'s agent."""
     from torch.distributed import run as torchrun
-    from torch.distributed.launcher import api
 
     os.environ.setdefault(*UNSHARED_STORE)  # a restart's ranks must not read the attempt before's addresses
-    agent = agent_class()
-    if agent is None:
-        print("stabletrain: warning: this torch's elastic agent lacks what stabletrain.distributed.elastic uses; "
-              "running plain torchrun (restarts still happen; their records say less about the cause)",
-              file=sys.stderr, flush=True)
-    else:
-        api.LocalElasticAgent = agent
+    try:
+        use_elastic_agent(agent_class())
+    except InternalMissing as err:
+        print(f"stabletrain: warning: {err}; running plain torchrun (restarts still happen; their records say less "
+              "about the cause)", file=sys.stderr, flush=True)
     torchrun.main(argv)
 
 

@@ -40,9 +40,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from ..policies.accumulation import AccumulationWindow
-from ..internals import scaler_found_inf
+from ..internals import fsdp_param_records, fsdp_pending_grads, scaler_found_inf
 from ..numerics import update_totals
 from ..policies.precision import PrecisionPolicy
 
@@ -118,18 +119,6 @@ def shard_model(model: nn.Module, blocks: Sequence[nn.Module] | None = None, *, 
     return model
 
 
-def _fsdp_params(model: nn.Module) -> list[Any]:
-    """Return the FSDP2 parameter records of every sharded module under ``model`` (torch internals, read only)."""
-    FSDPModule, _ = _fsdp()
-    out = []
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            group = module._get_fsdp_state()._fsdp_param_group
-            if group is not None:
-                out.extend(group.fsdp_params)
-    return out
-
-
 class ShardedWindow(AccumulationWindow):
     """The accumulation window under FSDP2: rescales the unsharded gradients FSDP holds between syncs.
 
@@ -140,7 +129,7 @@ class ShardedWindow(AccumulationWindow):
 
     def __init__(self, model: nn.Module, params: list[Tensor], process_group: Any = None) -> None:
         self.model = model
-        self._records = _fsdp_params(model)  # fixed once sharded: no module walk per micro-batch
+        self._records = fsdp_param_records(model)  # fixed once sharded: no module walk per micro-batch
         if not self._records and any(True for _ in model.parameters()):
             raise RuntimeError("ShardedWindow: no FSDP2 parameter groups found under the model; shard it with "
                                "stabletrain.distributed.fsdp.shard_model first")
@@ -148,13 +137,7 @@ class ShardedWindow(AccumulationWindow):
 
     @property
     def params(self) -> list[Any]:  # what AccumulationWindow.normalize rescales: anything with a .grad
-        pending = []
-        for fp in self._records:
-            if fp.unsharded_accumulated_grad is not None:
-                pending.append(SimpleNamespace(grad=fp.unsharded_accumulated_grad))
-            elif hasattr(fp, "_unsharded_param") and fp._unsharded_param.grad is not None:
-                pending.append(SimpleNamespace(grad=fp._unsharded_param.grad))
-        return pending
+        return [SimpleNamespace(grad=grad) for grad in fsdp_pending_grads(self._records)]
 
     @params.setter
     def params(self, value: list[Tensor]) -> None:
@@ -162,12 +145,17 @@ class ShardedWindow(AccumulationWindow):
 
 
 def _local(t: Tensor) -> Tensor:
-    """The local shard of a DTensor (a view: writing to it writes the DTensor), else ``t``."""
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
+    """The local shard of a DTensor (its storage: writing to it writes the DTensor), else ``t``."""
+    if not isinstance(t, DTensor):
+        return t
+    if torch.is_grad_enabled():  # to_local() under grad mode would record an autograd node per call
+        with torch.no_grad():
+            return t.to_local()
+    return t.to_local()
 
 
 def _replicated(t: Tensor) -> bool:
-    return not hasattr(t, "_local_tensor")
+    return not isinstance(t, DTensor)
 
 
 class ShardedNumerics:

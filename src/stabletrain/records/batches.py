@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..internals import tree_flatten, tree_unflatten
 
 __all__ = ["import_path", "load_object", "plain_batch", "bundle_batch", "unbundle_batch", "to_host", "batch_nbytes",
            "batch_size", "CapturedRows", "NAMEDTUPLE"]

@@ -49,8 +49,9 @@ SATURATING = frozenset({"tanh", "softsign", "sigmoid"})
 # Modules that pass the signal through unchanged in scale at init (looked through when finding the activation).
 _TRANSPARENT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.Identity, nn.Flatten,
                 nn.Unflatten)
-_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm, nn.modules.batchnorm._BatchNorm,
-          nn.modules.instancenorm._InstanceNorm)
+_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d,
+          nn.LazyBatchNorm1d, nn.LazyBatchNorm2d, nn.LazyBatchNorm3d, nn.SyncBatchNorm, nn.InstanceNorm1d,
+          nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LazyInstanceNorm1d, nn.LazyInstanceNorm2d, nn.LazyInstanceNorm3d)
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -181,7 +182,8 @@ def init_(model: nn.Module, scheme: str = "auto", *, std: float = 1.0, residual:
         kind = type(module).__name__
         weight = getattr(module, "weight", None)
         bias = getattr(module, "bias", None)
-        if isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)):
+        if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+                               nn.ConvTranspose3d)):
             follower = _following(leaves, i)
             act = activation_name(follower) if follower is not None else "linear"
             scale = residual_scale if name in residual_outs else 1.0

@@ -1,8 +1,7 @@
 """One checkpoint directory's files: state.pt and meta.json, how they are written, checked and loaded.
 
-``state.pt`` is written through a writer that takes the CRC32 of the bytes as they pass, so its checksum
-and size go into meta.json without reading the file back (torch.save's own CRC32 of each zip record is
-left out: it would checksum the same bytes twice). Loading never executes code: every file goes
+``state.pt`` is written by :func:`~.checksummed.save_checksummed`, which takes the CRC32 of the bytes as
+they pass, so its checksum and size go into meta.json without reading the file back. Loading never executes code: every file goes
 through ``torch.load(weights_only=True)``, and a file that needs more (a pickled class or function)
 is refused with a message saying so. :func:`load_checked` is the one definition of a good
 checkpoint directory: what verification and loading both apply.
@@ -24,13 +23,13 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten_with_path
 
 from ..._version import __version__
 from ...config import dotted_key
 from .sharded import attach_path, verify_dcp
 from ...fileio import atomic_write
-from ...internals import InternalMissing, save_without_record_crcs
+from ...internals import tree_flatten_with_keys
+from .checksummed import save_checksummed
 
 __all__ = ["CheckpointError", "dir_name", "first_nonfinite", "only_plain", "load_state_file", "load_checked", "write_files", "checked_meta",
            "STATE_FILE", "META_FILE", "FORMAT_VERSION"]
@@ -64,7 +63,7 @@ class CheckpointError(RuntimeError):
 
 def _leaves(obj: Any, prefix: str) -> Iterator[tuple[str, Any]]:
     """Yield (dotted key path, leaf) of nested dicts, lists and tuples, in insertion order."""
-    for path, leaf in tree_flatten_with_path(obj)[0]:
+    for path, leaf in tree_flatten_with_keys(obj)[0]:
         yield dotted_key(path, prefix), leaf
 
 
@@ -144,30 +143,6 @@ def only_plain(state: Any) -> bool:
 # Writing
 
 
-class _ChecksumWriter:
-    """A write-only file wrapper that takes the CRC32 of what passes through and counts it (torch.save writes to it).
-
-    zlib releases the GIL while it checksums a chunk larger than a few KiB, as the file does while it writes.
-    """
-
-    def __init__(self, fh: Any) -> None:
-        self.fh, self.crc, self.num_bytes = fh, 0, 0
-        self.error: OSError | None = None  # what the file raised (torch's zip writer reports only a position mismatch)
-
-    def write(self, data: Any) -> int:
-        self.crc = zlib.crc32(data, self.crc)
-        try:
-            n = self.fh.write(data)
-        except OSError as err:
-            self.error = err
-            raise
-        self.num_bytes += n
-        return n
-
-    def flush(self) -> None:
-        self.fh.flush()
-
-
 def dir_name(step: int) -> str:
     """The name of ``step``'s checkpoint directory (``step_000100``)."""
     return f"step_{step:06d}"
@@ -190,29 +165,17 @@ def write_files(folder: Path, state: dict[str, Any], step: int, meta: dict[str, 
     meta.json holds the step, the time, state.pt's CRC32 and size, the versions, and ``meta``. An
     OSError is the disk's own (ENOSPC, EIO, EFBIG), not torch's rewording of it.
     """
-    writer: list[_ChecksumWriter] = []
-
-    def write_state(fh: Any) -> None:
-        writer.append(_ChecksumWriter(fh))
-        try:
-            try:
-                save_without_record_crcs(state, writer[0])
-            except InternalMissing:  # a torch without that writer: its record CRCs too (the same file, ~4 ms more)
-                torch.save(state, writer[0])
-        except Exception:
-            if writer[0].error is not None:  # the disk's own error (ENOSPC, EIO, EFBIG), not torch's rewording
-                raise writer[0].error from None
-            raise
-
-    atomic_write(folder / STATE_FILE, write_state)
+    written: list[tuple[int, int]] = []
+    atomic_write(folder / STATE_FILE, lambda fh: written.append(save_checksummed(state, fh)))
+    crc, num_bytes = written[0]
     full_meta = {
         "format": FORMAT_VERSION, "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "unix_time": round(time.time(), 3), "state_file": STATE_FILE,
-        "state_crc32": f"{writer[0].crc:08x}", "state_bytes": writer[0].num_bytes,
+        "state_crc32": f"{crc:08x}", "state_bytes": num_bytes,
         "versions": {"torch": torch.__version__, "stabletrain": __version__}, **meta,
     }
     atomic_write(folder / META_FILE, json.dumps(full_meta, indent=2, default=str) + "\n")  # also fsyncs folder/
-    return writer[0].num_bytes
+    return num_bytes
 
 
 # ---------------------------------------------------------------------------------------------

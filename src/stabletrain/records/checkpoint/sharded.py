@@ -47,9 +47,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten_with_path, tree_unflatten
 
 from ...config import dotted_key
+from ...internals import tree_flatten_with_keys, tree_unflatten
 
 __all__ = [
     "DCP_DIR",
@@ -93,12 +93,12 @@ def _is_tensor(x: Any) -> bool:
 
 
 def _flatten(tree: Any, prefix: str) -> list[tuple[str, Any]]:
-    return [(dotted_key(path, prefix), leaf) for path, leaf in tree_flatten_with_path(tree)[0]]
+    return [(dotted_key(path, prefix), leaf) for path, leaf in tree_flatten_with_keys(tree)[0]]
 
 
 def _marker(tree: Any, prefix: str, tensors: dict[str, Tensor]) -> dict[str, Any]:
     """Move ``tree``'s tensor leaves into ``tensors`` (by dotted key); return the marker that stays in state.pt."""
-    leaves, spec = tree_flatten_with_path(tree)
+    leaves, spec = tree_flatten_with_keys(tree)
     keys = []
     skeleton = []
     for path, leaf in leaves:
@@ -295,7 +295,7 @@ def attach_path(state: dict[str, Any], checkpoint: Path, info: dict[str, Any]) -
 
 def _fill(marker: dict[str, Any], prefix: str, loaded: dict[str, Tensor]) -> Any:
     """Rebuild a marker's tree with the loaded tensors in place of its tensor leaves."""
-    leaves, spec = tree_flatten_with_path(marker["tree"])
+    leaves, spec = tree_flatten_with_keys(marker["tree"])
     wanted = set(marker["tensors"])
     out = []
     for path, leaf in leaves:
