@@ -12,7 +12,7 @@ from typing import Any
 
 from .. import console
 from ..diagnostics.initialization import InitFingerprint
-from ..records.rundir import TensorBoardSink
+from ..records.tb_events import TensorBoardSink
 from . import Callback, FitState
 
 __all__ = ["MetricsFile", "TensorBoardLog", "ProgressBar", "EventLog", "InitWatch", "announce_precursor"]
@@ -27,7 +27,7 @@ class MetricsFile(Callback):
 
 
 class TensorBoardLog(Callback):
-    """Write each interval's scalars to ``RUN_DIR/tb``: one TensorBoard event per interval (:class:`~stabletrain.records.rundir.TensorBoardSink`).
+    """Write each interval's scalars to ``RUN_DIR/tb``: one TensorBoard event per interval (:class:`~stabletrain.records.tb_events.TensorBoardSink`).
 
     When ``log.trackers`` lists tensorboard (the default) and ``log.tensorboard`` is true.
     """
