@@ -35,8 +35,8 @@ ALLOWED: dict[str, str] = {
     "*._replace": "namedtuple's documented method",
 }
 #: torch's multi-tensor kernels (torch._foreach_norm, _foreach_mul_, ...): what torch.nn.utils.clip_grad and
-#: torch.optim themselves call; torch publishes them as ``torch.foreach`` after 2.13 and keeps the
-#: ``torch._foreach_*`` names "for compatibility during migration" (docs.pytorch.org/docs/main/foreach.html).
+#: torch.optim themselves call; torch's main branch publishes them as ``torch.foreach`` (not in 2.13) and keeps
+#: the ``torch._foreach_*`` names "for compatibility during migration" (docs.pytorch.org/docs/main/foreach.html).
 ALLOWED_PREFIXES: dict[str, str] = {"torch._foreach_": "torch's multi-tensor ops (torch.foreach)"}
 
 
@@ -232,7 +232,7 @@ def test_no_private_reach_outside_internals():
     ("class A:\n    pass\ndef f():\n    made = A()\n    made._pid = 1\n    return made._pid\n", False),
     ("def f(agent):\n    agent._remaining_restarts = 0\n", True),
 ])
-def test_the_scan_itself(source, bad, tmp_path):
+def test_the_scan_itself(source, bad):
     path = PACKAGE / "probe.py"  # never written: only parsed
     tree = ast.parse(source)
     own, members, bases = own_names({path: tree})
