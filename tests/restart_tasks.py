@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from pathlib import Path
@@ -85,7 +84,3 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-
-def env_without_torchrun() -> dict[str, str]:
-    """The current environment less torchrun's worker variables (a test may run under one)."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
