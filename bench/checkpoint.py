@@ -1,29 +1,31 @@
 """What checkpoints cost training: interleaved windows of one run, with and without saves; and per save.
 
-Default: the default gpt task trains ONE run whose steps are cut into windows of ``--window`` (20) steps;
+Default: the default gpt task trains ONE run whose steps are cut into windows of ``--window`` (10) steps;
 the windows take turns between three checkpoint cadences, in an order rotated per round: no save,
 a save every 10 steps and a save every 2 steps (``ckpt.every`` is set for each window's boundaries as
 the window begins). A window's time is the wall time of its steps, each from the end of the step
 before (so a boundary's work, the save included, counts in the step after it). Per round, each
 cadence's window time over the no-save window's; the median over ``--rounds`` rounds is the ratio
-(targets: every 10 <= 1.02x, every 2 <= 1.10x). One run and adjacent windows: the drift between
-separate runs (page cache, CPU frequency, other processes) hits every cadence alike.
+(targets: every 10 <= 1.02x, every 2 <= 1.10x); with 10-step windows, the every-10 window is the 10 steps
+after one save. One run and adjacent windows: the drift between separate runs (page cache, CPU
+frequency, other processes) hits every cadence alike, and many short rounds keep a burst of another
+process from deciding the median.
 
 Per save, from the run's checkpoint events: the time the loop was blocked (``blocked_s``: the
-finiteness check, the staging copy into shared memory, the hand-over), the writer's wall time and
-CPU (``write_s``, ``write_cpu_s``: the writer process's, kernel time included), a wait for it at the
+staging copy into shared memory and the hand-over), the writer's wall time and CPU (``write_s``,
+``write_cpu_s``: the writer process's, kernel time included: its finiteness check, torch.save, the CRC32,
+fsyncs, verification, LAST_GOOD, pruning), a wait for it at the
 next save (``waited_s``), and the slowdown of the steps it was written beside against as many before
-it (``slowdown``). And the bench's own per-step view of the every-10 windows: the mean step time in
-the 10 steps after a save against the 10 before it and against the same steps of the round's
-no-save window. Beside the figures, how many cores other processes used meanwhile (/proc/stat's busy
-time less this process's and its writer's): rows measured while others used a sizeable fraction of a
-core are noise on a 2-core machine.
+it (``slowdown``; where saves come every 10 steps or more often, the steps before one had a save of their
+own). Beside the figures, the cores used meanwhile by training, by the writer and by other processes
+(/proc/stat's busy time less the first two): rows measured while others used a sizeable fraction of a
+core are noise on a 2-core machine, and a writer can only be free where training leaves a core idle.
 
 ``--blocking`` adds the older micro rows: ``save_async`` until it returns against a plain
 ``torch.save`` of the same state, the staging copy and the finiteness check alone, a synchronous
 save, and loading (medians of interleaved rounds).
 
-    python bench/checkpoint.py [--rounds 6] [--window 20] [--dir /path/on/the/disk/to/measure]
+    python bench/checkpoint.py [--rounds 15] [--window 10] [--dir /path/on/the/disk/to/measure]
     python bench/checkpoint.py --blocking --rounds 9
     python bench/checkpoint.py --quick      # smoke run: a smaller gpt, 2 rounds of 10 steps (not a measurement)
 """
@@ -57,8 +59,8 @@ TARGETS = {10: 1.02, 2: 1.10}
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=6, help="rounds of the three windows (and of --blocking's rows)")
-    parser.add_argument("--window", type=int, default=20, help="steps per window (a multiple of 10)")
+    parser.add_argument("--rounds", type=int, default=15, help="rounds of the three windows (and of --blocking's rows)")
+    parser.add_argument("--window", type=int, default=10, help="steps per window (a multiple of 10)")
     parser.add_argument("--dir", default=None, help="where to write (default: the system temp dir)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: a smaller gpt, 2 rounds (not a measurement)")
     parser.add_argument("--blocking", action="store_true", help="also the blocking micro rows")
@@ -84,18 +86,18 @@ def machine_busy_s() -> float | None:
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
-def own_cpu_s() -> float:
-    """CPU seconds of this process and of its checkpoint writer process (running, so not in RUSAGE_CHILDREN)."""
+def own_cpu_s() -> tuple[float, float]:
+    """CPU seconds of this process, and of its checkpoint writer process (running: not in RUSAGE_CHILDREN)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    total = usage.ru_utime + usage.ru_stime
-    current = writer_module._writer
-    if current is not None and current.dead is None:
+    writer = 0.0
+    current = writer_module.running_writer()
+    if current is not None:
         try:
             fields = Path(f"/proc/{current.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            writer = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         except (OSError, ValueError, IndexError):
             pass
-    return total
+    return usage.ru_utime + usage.ru_stime, writer
 
 
 class Windows(Callback):
@@ -106,7 +108,7 @@ class Windows(Callback):
         self.order = [CADENCES[(i + r) % 3] for r in range(rounds) for i in range(3)]
         self.ends: dict[int, float] = {}
         self.busy: list[float | None] = []  # machine busy and own CPU at the first window's start and the last's end
-        self.own: list[float] = []
+        self.own: list[tuple[float, float]] = []
 
     def cadence(self, step: int) -> int | None:
         """The cadence of the window holding ``step`` (None outside the windows)."""
@@ -123,7 +125,7 @@ class Windows(Callback):
 
 
 def windows(args: argparse.Namespace, overrides: list[str], rounds: int, window: int) -> None:
-    warmup = 20 if not args.quick else 10
+    warmup = 20
     work = Path(tempfile.mkdtemp(prefix="stabletrain-bench-ckpt-", dir=args.dir))
     try:  # the writer process starts (a fresh interpreter imports torch: ~1 CPU-second) before the run, off the record
         CheckpointManager(work / "warm", require_finite=None).save_async({"x": torch.zeros(1)}, 0).result()
@@ -153,14 +155,16 @@ def windows(args: argparse.Namespace, overrides: list[str], rounds: int, window:
     saves = {e["step"]: e for e in events if e["kind"] == "checkpoint"}
     failed = [e for e in events if e["kind"] == "checkpoint_failed"]
     span = sum(sum(t.values()) for t in per_round)
+    training, writer = ((clock.own[1][i] - clock.own[0][i]) / span for i in (0, 1))
     others = None
     if len(clock.busy) == 2 and None not in clock.busy:
-        others = max(0.0, (clock.busy[1] - clock.busy[0]) - (clock.own[1] - clock.own[0])) / span
+        others = max(0.0, (clock.busy[1] - clock.busy[0]) / span - training - writer)
     base = statistics.median(t[0] / window for t in per_round)
     print(f"checkpoint cost, gpt{' (quick: smaller)' if args.quick else ' default'} ({num_params / 1e6:.2f} M params), "
           f"one run of {steps} steps ({wall:.0f} s), {rounds} rounds of 3 interleaved {window}-step windows; torch "
-          f"{torch.__version__}, {torch.get_num_threads()} threads; {load_average()}"
-          + (f"; other processes used {others:.2f} cores meanwhile" if others is not None else ""))
+          f"{torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores; {load_average()}")
+    print(f"  cores used meanwhile: training {training:.2f}, the checkpoint writer {writer:.2f}"
+          + (f", other processes {others:.2f}" if others is not None else ""))
     print(f"  no save: {base * 1e3:.1f} ms per step (median window)")
     for every in CADENCES[1:]:
         ratios = [t[every] / t[0] for t in per_round]
@@ -177,31 +181,19 @@ def windows(args: argparse.Namespace, overrides: list[str], rounds: int, window:
         got = in_cadence(every)
         if not got:
             continue
-        med = lambda key: statistics.median(e[key] for e in got if e.get(key) is not None) * 1e3  # noqa: E731
+        def med(key: str, got: list[dict] = got) -> float:
+            return statistics.median(e[key] for e in got if e.get(key) is not None) * 1e3
+
         slow = [e["slowdown"] for e in got if e.get("slowdown") is not None]
         waited = [e.get("waited_s", 0.0) for e in got]
         print(f"  per save (every {every}, {len(got)} saves, medians): blocked {med('blocked_s'):.1f} ms, writer "
               f"{med('write_s'):.1f} ms wall / {med('write_cpu_s'):.1f} ms CPU, waited for at the next save "
               f"{statistics.median(waited) * 1e3:.1f} ms (max {max(waited) * 1e3:.0f})"
               + (f"; events' slowdown of the steps it was written beside {statistics.median(slow):.3f}x" if slow else ""))
-    after, before, matched = [], [], []
-    for r in range(rounds):
-        for i in range(3):
-            w = 3 * r + i
-            if clock.order[w] != 10:
-                continue
-            first = warmup + w * window + 1  # the save at boundary first+9 is timed in step first+10
-            none_first = warmup + (3 * r + clock.order[3 * r:3 * r + 3].index(0)) * window + 1
-            for k in range(10, window, 10):
-                a = [step_s[j] for j in range(first + k, first + k + 10)]
-                after.append(statistics.mean(a))
-                before.append(statistics.mean(step_s[j] for j in range(first + k - 10, first + k)))
-                matched.append(statistics.mean(step_s[j] for j in range(none_first + k, none_first + k + 10)))
-    if after:
-        print(f"  the 10 steps after a save (every-10 windows, blocked time included): {statistics.median(after) * 1e3:.1f} ms "
-              f"per step; the 10 before it {statistics.median(before) * 1e3:.1f} ms "
-              f"({statistics.median(a / b for a, b in zip(after, before)):.3f}x); the same steps without saves "
-              f"{statistics.median(matched) * 1e3:.1f} ms ({statistics.median(a / b for a, b in zip(after, matched)):.3f}x)")
+    tenth = [t[10] / window for t in per_round]
+    print(f"  the slowdown after a save: the {window} steps after one (an every-10 window, its blocked time included) "
+          f"{statistics.median(tenth) * 1e3:.1f} ms per step against {base * 1e3:.1f} without "
+          f"({statistics.median(t[10] / t[0] for t in per_round):.3f}x)")
 
 
 def blocking(args: argparse.Namespace, overrides: list[str], rounds: int) -> None:

@@ -121,7 +121,7 @@ def test_a_background_save_is_written_by_another_process_from_the_staged_copy_an
     res = pending.result()
     assert res.path == root / "step_000002"
     assert {"check_s", "stage_s", "send_s", "write_s", "verify_s", "prune_s"} <= res.timings.keys()
-    assert res.blocked_s == res.timings["check_s"] + res.timings["stage_s"] + res.timings["send_s"]
+    assert res.blocked_s == res.timings["stage_s"] + res.timings["send_s"]  # the check is the writer's
     fields = res.event_fields()
     assert fields["write_s"] >= res.timings["write_s"] > 0 and fields["write_cpu_s"] > 0 and fields["blocked_s"] > 0
     assert (root / "LAST_GOOD").read_text() == "step_000002\n"
@@ -162,6 +162,19 @@ def test_a_layout_change_and_a_second_manager_share_the_one_writer(tmp_path):
     assert running_writer().pid == pid
     assert_same(a.load().state, grown)
     assert torch.equal(b.load().state["x"], torch.arange(5))
+
+
+def test_a_nonfinite_state_is_withheld_by_the_writer_and_nothing_is_written(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    manager.save_async(tiny_state(1.0), 1).result()
+    state = tiny_state(2.0)
+    state["model"]["b"][0] = float("nan")
+    pending = manager.save_async(state, 2)
+    state["model"]["b"][0] = 0.0  # too late: the copy the writer checks is the one staged
+    res = pending.result()
+    assert res.withheld and res.kind == "checkpoint_withheld" and res.event_fields() == {}
+    assert res.reason == "checkpoint at step 2 withheld: model.b is not finite (NaN/Inf); LAST_GOOD stays at step_000001"
+    assert dirs(tmp_path) == ["LAST_GOOD", "step_000001"]
 
 
 # -- failures ------------------------------------------------------------------------------------------

@@ -79,9 +79,11 @@ def first_nonfinite(state: dict[str, Any], scope: Sequence[str] | None = None) -
         if missing:
             raise ValueError(f"the state has no key {missing[0]!r} to check for finiteness "
                              f"(its keys: {', '.join(map(str, state))})")
-        items = ((k, state[k]) for k in scope)
+        items = [(k, state[k]) for k in scope]
     else:
-        items = iter(state.items())
+        items = list(state.items())
+    if _all_finite([v for _, v in items]):  # the common case, without a key path per leaf (1.4 ms of 2.2 on a gpt)
+        return None
     order: list[str] = []  # key paths of the checked leaves, in walk order
     bad: list[int] = []
     groups: dict[tuple[torch.device, torch.dtype], list[tuple[int, Tensor]]] = {}
@@ -106,6 +108,37 @@ def first_nonfinite(state: dict[str, Any], scope: Sequence[str] | None = None) -
             exact = torch.stack([torch.isfinite(tensors[k]).all() for k in flagged]).tolist()  # sync, rare
             bad.extend(pairs[k][0] for k, ok in zip(flagged, exact) if not ok)
     return order[min(bad)] if bad else None
+
+
+def _finite_norms(groups: dict[tuple[torch.device, torch.dtype], list[Tensor]]) -> list[list[bool]]:
+    """Per group, whether each tensor's L2 norm is finite: one fused kernel and one host read per group.
+
+    The norm is finite whenever every element is, unless it overflows: it can only flag too much.
+    """
+    return [torch.isfinite(torch.stack(torch._foreach_norm(ts, 2, dtype=acc))).tolist()  # sync
+            for (_, acc), ts in groups.items()]
+
+
+def _all_finite(trees: list[Any]) -> bool:
+    """Whether every float and floating tensor in ``trees`` (dicts, lists, tuples) is finite; False when unsure.
+
+    A plain walk without key paths, for the common case; :func:`first_nonfinite` names the culprit otherwise.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    stack = list(trees)
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, Tensor):
+            if x.numel() and (x.is_floating_point() or x.is_complex()):
+                t = torch.view_as_real(x.detach()) if x.is_complex() else x.detach()
+                groups.setdefault((t.device, torch.float64 if t.dtype == torch.float64 else torch.float32), []).append(t)
+        elif isinstance(x, float) and not math.isfinite(x):
+            return False
+    return all(all(flags) for flags in _finite_norms(groups))
 
 
 _PLAIN_LEAVES = frozenset((int, float, bool, str, type(None)))

@@ -111,13 +111,13 @@ class CheckpointManager:
 
     def save_async(self, state: dict[str, Any], step: int, meta: dict[str, Any] | None = None, *,
                    shards: ShardedSave | None = None) -> PendingSave:
-        """:meth:`save`, blocking only for the finiteness check and the staging copy; the writer process does the rest.
+        """:meth:`save`, blocking only for the staging copy; the writer process checks, writes and installs it.
 
-        Waits first for the save in flight (one at a time). Then checks ``state`` (a non-finite one is
-        withheld: the returned save is already done), copies it into the manager's shared block
-        (:class:`~.arena.SharedStager`; from CUDA page-locked and non-blocking), and hands it to the writer
-        process (:mod:`.writer`, started by the first save), which writes, verifies, moves LAST_GOOD and
-        prunes. ``state`` may change as soon as this returns. ``result()`` of the returned
+        Waits first for the save in flight (one at a time). Then copies ``state`` into the manager's shared
+        block (:class:`~.arena.SharedStager`; from CUDA page-locked and non-blocking: no host-device sync)
+        and hands it to the writer process (:mod:`.writer`, started by the first save), which checks the
+        copy (a non-finite one is withheld there: nothing is written), writes, verifies, moves LAST_GOOD
+        and prunes. ``state`` may change as soon as this returns. ``result()`` of the returned
         :class:`PendingSave` gives the :class:`SaveResult` or raises the CheckpointError :meth:`save` would
         have raised (or one saying the writer died: LAST_GOOD is then where the writer left it, a whole
         checkpoint); its timings add ``stage_s`` and ``send_s``. A writer that cannot start is a
@@ -133,9 +133,6 @@ class CheckpointManager:
             raise RuntimeError("save_async(shards=...): a save is still in flight; begin_sharded waits for it")
         meta = checked_meta(step, meta)
         timings: dict[str, float] = dict(shards.timings) if shards is not None else {}
-        withheld = self._check(state, step, timings)
-        if withheld is not None:
-            return PendingSave(step, withheld)
         self._in_flight = pending = self._background.start(state, step, meta, timings, shards)
         return pending
 
@@ -183,13 +180,20 @@ class CheckpointManager:
                           f"LAST_GOOD stays at {good.name if good else 'no checkpoint'}", timings=timings)
 
     def write_staged(self, state: dict[str, Any], step: int, meta: dict[str, Any], timings: dict[str, float], *,
-                     tmp: str | Path | None = None, dcp: dict[str, Any] | None = None) -> SaveResult:
-        """Write ``state`` (checked finite, never changing meanwhile), verify, install, point LAST_GOOD, prune.
+                     tmp: str | Path | None = None, dcp: dict[str, Any] | None = None, check: bool = False) -> SaveResult:
+        """Write ``state`` (never changing meanwhile), verify, install, point LAST_GOOD, prune.
 
-        What :meth:`save` does after its check, and what the writer process does for :meth:`save_async`.
+        What :meth:`save` does after its check, and what the writer process does for :meth:`save_async`
+        (``check``: the finiteness check first; a non-finite state is withheld, its ``tmp`` removed).
         ``tmp`` and ``dcp``: a sharded save's directory (from :meth:`begin_sharded`, its shards complete)
         and meta.json's "dcp" for it.
         """
+        if check:
+            withheld = self._check(state, step, timings)
+            if withheld is not None:
+                if tmp is not None:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                return withheld
         cpu0 = time.thread_time()
         if tmp is None:  # (begin_sharded did this before the shards were written)
             self.root.mkdir(parents=True, exist_ok=True)

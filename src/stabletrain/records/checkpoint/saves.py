@@ -24,7 +24,8 @@ class SaveResult:
     withheld: bool
     reason: str  # one line: what was written, or why nothing was
     num_bytes: int = 0  # size of state.pt (and of the DCP shards)
-    # check_s, [stage_s, send_s,] write_s, verify_s, prune_s; a sharded save adds shard_check_s, shard_stage_s, shard_write_s
+    # [stage_s, send_s,] check_s, write_s, verify_s, prune_s (save_async: the first two in the caller's process, the
+    # rest in the writer's); a sharded save adds shard_check_s, shard_stage_s, shard_write_s
     timings: dict[str, float] = field(default_factory=dict)
     pruned: tuple[Path, ...] = ()
     # CPU seconds the writer spent on this save (save_async: the writer process's, kernel time included, which
@@ -47,9 +48,9 @@ class SaveResult:
 
     @property
     def blocked_s(self) -> float:
-        """How long the caller waited: the checks, the staging copy and the hand-over (``save_async``), or all (``save``)."""
+        """How long the caller waited: the staging copies and the hand-over (``save_async``), or everything (``save``)."""
         if "stage_s" in self.timings:
-            return sum(self.timings.get(k, 0.0) for k in ("check_s", "stage_s", "send_s", "shard_check_s", "shard_stage_s"))
+            return sum(self.timings.get(k, 0.0) for k in ("stage_s", "send_s", "shard_check_s", "shard_stage_s"))
         return sum(self.timings.values())
 
 

@@ -69,7 +69,7 @@ def serve(sock: socket.socket) -> None:
             state = fill_slots(pickle.loads(msg["skeleton"]), entry[1])
             manager = CheckpointManager(msg["root"], msg["keep"], require_finite=msg["require_finite"])
             result = manager.write_staged(state, msg["step"], msg["meta"], dict(msg["timings"]),
-                                          tmp=msg.get("tmp"), dcp=msg.get("dcp"))
+                                          tmp=msg.get("tmp"), dcp=msg.get("dcp"), check=True)
             del state
             reply: dict[str, Any] = {"rid": msg["rid"], "result": result, "wall_s": time.perf_counter() - t0,
                                      "cpu_s": time.process_time() - cpu0}
