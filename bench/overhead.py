@@ -40,6 +40,7 @@ cProfile of the built-in loop's steady state.
     python bench/overhead.py                       # gpt and mlp, about 3-4 minutes on 2 CPU cores
     python bench/overhead.py --tasks gpt --rounds 9 --steps 30
     python bench/overhead.py --no-items --profile
+    python bench/overhead.py --tasks mlp --no-run-dir --set log.every=200   # the per-step cost alone (one boundary)
     python bench/overhead.py --quick               # smoke run (smaller task, few rounds and steps), not a measurement
 """
 
@@ -142,15 +143,21 @@ class BareLoop:
         self.it = iter(self.loader)
         model.train()
 
-    def step(self) -> None:
-        self.opt.zero_grad(set_to_none=True)
+    def _next(self) -> Any:
         try:
-            batch = next(self.it)
+            return next(self.it)
         except StopIteration:  # a new epoch: a new shuffled iterator, as a plain loop does
             self.it = iter(self.loader)
-            batch = next(self.it)
-        loss_sum, count = as_sum_count(self.task.loss(self.model, batch), len(batch[0]))
-        (loss_sum / count).backward()
+            return next(self.it)
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        """The per-item loss as a plain loop writes it: a mean as it is, a ``(sum, count)`` pair divided."""
+        out = self.task.loss(self.model, batch)
+        return out[0] / out[1] if isinstance(out, (tuple, list)) else out
+
+    def step(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        self._loss(self._next()).backward()
         torch.nn.utils.clip_grad_norm_(self.params, self.cfg.clip.max_norm)
         self.opt.step()
         self.sched.step()
@@ -246,8 +253,11 @@ def fresh_models(task: Any, init: dict[str, Any], n: int) -> list[torch.nn.Modul
 
 
 def measure(name: str, rounds: int, warmup: int, steps: int, nonfused: bool = False,
-            overrides: list[str] = ()) -> dict[str, Any]:
-    """Lockstep rounds of the built-in loop beside the bare loop; with ``nonfused`` alternate with non-fused rounds."""
+            overrides: list[str] = (), run_dir: bool = True) -> dict[str, Any]:
+    """Lockstep rounds of the built-in loop beside the bare loop; with ``nonfused`` alternate with non-fused rounds.
+
+    ``run_dir=False``: the Trainer without a run directory (no files, no snapshot, no checkpoints).
+    """
     # One-time imports (TensorBoard writer, tqdm) are process start-up, not per-step overhead.
     import torch.utils.tensorboard  # noqa: F401
     import tqdm.auto  # noqa: F401
@@ -267,7 +277,7 @@ def measure(name: str, rounds: int, warmup: int, steps: int, nonfused: bool = Fa
             for variant in (("fused", "nonfused") if i % 2 == 0 else ("nonfused", "fused")) if nonfused else ("fused",):
                 if variant == "fused":
                     model, bare_model = fresh_models(task, init, 2)
-                    trainer = make_trainer(task, model, cfg, Path(tmp) / f"run{i}")  # seeds the process
+                    trainer = make_trainer(task, model, cfg, Path(tmp) / f"run{i}" if run_dir else None)  # seeds it
                     r = lockstep_round(trainer, BareLoop(task, bare_model, cfg), warmup, steps)
                     bare += [x / every for x in r["bare"]]
                     built += [x / every for x in r["builtin"]]
@@ -275,7 +285,8 @@ def measure(name: str, rounds: int, warmup: int, steps: int, nonfused: bool = Fa
                     ckpt.append(r["ckpt"])
                     continue
                 model, bare_model, same_model = fresh_models(task, init, 3)
-                trainer = make_trainer(task, model, cfg, Path(tmp) / f"nonfused{i}", optimizer=factory)
+                trainer = make_trainer(task, model, cfg, Path(tmp) / f"nonfused{i}" if run_dir else None,
+                                       optimizer=factory)
                 r = lockstep_round(trainer, BareLoop(task, bare_model, cfg), warmup, steps,
                                    others={"same": BareLoop(task, same_model, cfg, optimizer=factory)})
                 same = r["others"]["same"]
@@ -595,6 +606,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile the built-in loop's steady state")
     ap.add_argument("--in-loop", action=argparse.BooleanOptionalAction, default=True,
                     help="time the pieces of fit() where they run (a fit with each piece wrapped)")
+    ap.add_argument("--run-dir", action=argparse.BooleanOptionalAction, default=True,
+                    help="the lockstep rounds' Trainer with a run directory (default); --no-run-dir: without one (no "
+                         "files, no incident snapshot, no checkpoints)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for the built-in loop (repeatable), e.g. --set guard.memory_snapshot=false")
     ap.add_argument("--quick", action="store_true",
@@ -610,10 +624,12 @@ def main() -> None:
     for name in names:
         warmup, steps, rounds = (QUICK if args.quick else DEFAULTS)[name]
         warmup, steps, rounds = args.warmup or warmup, args.steps or steps, args.rounds or rounds
-        r = measure(name, rounds, warmup, steps, nonfused=args.nonfused and name == names[0], overrides=quick_args(name))
+        r = measure(name, rounds, warmup, steps, nonfused=args.nonfused and name == names[0], overrides=quick_args(name),
+                    run_dir=args.run_dir)
         bare_ms[name] = r["bare_ms"]
         target = "  (target <= 1.02)" if name == "gpt" else "  (target <= 1.10)"
-        print(f"{name}: {rounds} lockstep rounds x {steps // 10} log intervals after {warmup} warm-up steps; "
+        print(f"{name}: {rounds} lockstep rounds x {r['intervals'] // rounds} log intervals after {warmup} warm-up steps"
+              f"{'' if args.run_dir else ', no run directory'}; "
               f"median step bare {r['bare_ms']:.2f} ms, built-in {r['builtin_ms']:.2f} ms", flush=True)
         print(f"  {name} overhead: ratio {r['ratio']:.3f}{target}  (median over {r['intervals']} intervals of "
               f"built-in/bare; ratio of medians {r['ratio_of_medians']:.3f})", flush=True)
@@ -621,8 +637,10 @@ def main() -> None:
         print(f"  per-interval ratios: quartiles {q[0]:.3f} / {q[1]:.3f} / {q[2]:.3f}, min {min(r['paired_all']):.3f}, "
               f"max {max(r['paired_all']):.3f}")
         amortized = r["ratio"] + r["ckpt_s"] / r["ckpt_every"] / (r["bare_ms"] / 1e3)
-        print(f"  with a checkpoint every {r['ckpt_every']} steps ({r['ckpt_s'] * 1e3:.0f} ms each) amortized: "
-              f"ratio {amortized:.3f}  [{load_average()}]", flush=True)
+        if math.isfinite(amortized):  # (no checkpoint without a run directory)
+            print(f"  with a checkpoint every {r['ckpt_every']} steps ({r['ckpt_s'] * 1e3:.0f} ms each) amortized: "
+                  f"ratio {amortized:.3f}", flush=True)
+        print(f"  [{load_average()}]", flush=True)
         if "nonfused" in r:
             n = r["nonfused"]
             print(f"  {name} non-fused optimizer (Task.optimizer -> AdamW(foreach=True): skip flag and lr read on the "
