@@ -13,7 +13,7 @@ from helpers import cfg
 
 from stabletrain import Trainer
 from stabletrain.cli import main
-from stabletrain.diagnostics.remedies import (EpsGuard, LowerLR, ModuleFP32, Precision, RollbackLR, Scaler, SkipSamples,
+from stabletrain.diagnostics.cures import (EpsGuard, LowerLR, ModuleFP32, Precision, RollbackLR, Scaler, SkipSamples,
                                               SkipStep, TighterClip, remedy_from_dict)
 from stabletrain.remedy import LOSS_TOLERANCE, judge, search_remedies
 from stabletrain.report import write_report

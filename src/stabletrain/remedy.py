@@ -4,7 +4,7 @@
 bundle's exact pre-step state (model, optimizer, schedule, precision, RNG) — or, for a rollback, from the
 run's checkpoint before the growth began — and replays the incident's window and the ``steps`` (K)
 windows after it through the one :class:`~stabletrain.step.TrainStep`, once per candidate
-(:mod:`stabletrain.diagnostics.remedies`) and once for the "just skip the step" baseline. The built-in
+(:mod:`stabletrain.diagnostics.cures`) and once for the "just skip the step" baseline. The built-in
 loop's data stream is deterministic (:class:`~stabletrain.data.WindowStream` over
 :class:`~stabletrain.data.EpochOrder`), so the same batches come next as in the run.
 
@@ -42,7 +42,8 @@ import torch
 
 from .config import config_from_dict
 from .data import EpochOrder, Window, WindowStream, move_to
-from .diagnostics.remedies import CANDIDATE_NAMES, Remedy, SkipStep, candidates_for
+from .diagnostics.candidates import candidates_for
+from .diagnostics.cures import CANDIDATE_NAMES, Remedy, SkipStep
 from .fileio import atomic_write
 from .policies.guard import UNRECOVERABLE_SCALE, Guard
 from .policies.precision import resolve_device
@@ -287,7 +288,7 @@ def search_remedies(directory: str | Path, task: Task | None = None, *, steps: i
     """Replay ``directory``'s incident under each candidate that fits it and the skip-step baseline; write ``remedy.json``.
 
     ``steps``: K, the windows replayed after the incident's. ``only``: candidate names
-    (:data:`~stabletrain.diagnostics.remedies.CANDIDATE_NAMES`); the baseline always runs. ``task``: reuse a
+    (:data:`~stabletrain.diagnostics.cures.CANDIDATE_NAMES`); the baseline always runs. ``task``: reuse a
     built task (its model is deep-copied, never touched). ``live_only``: only the candidates a live run can
     apply without a code change or a restart (``guard.on_nonfinite=remedy``). ``drop``: the samples the run
     already never trains on (its stream's ``drop``; default: those of the skip-samples remedies its events.jsonl

@@ -2,7 +2,7 @@
 
 :func:`classify_failure` reads a diagnosis (:func:`stabletrain.diagnostics.diagnosis.run_diagnosis`'s
 record) and, when there is one, the run's own per-interval metrics before the incident
-(``metrics.jsonl`` rows): what the remedies (:mod:`stabletrain.diagnostics.remedies`) are chosen by.
+(``metrics.jsonl`` rows): what the remedies (:mod:`stabletrain.diagnostics.candidates`) are chosen by.
 
 - ``not reproducible``: the replay's figures differ from what the run observed (or the replays
   disagree with each other) — suspect hardware or nondeterminism, and nothing else.

@@ -16,7 +16,7 @@ Spike rule, stated: a step's loss is a spike when it exceeds ``spike_ratio`` tim
 lower middle value, as ``torch.median``) of the last ``spike_window`` finite non-spike losses AND its
 z-score against their mean and standard deviation exceeds ``spike_zscore``. The rule is armed from
 :data:`EARLY_ARM` losses on; until half the window is filled it also asks that the loss exceed
-``spike_ratio``\ :sup:`2` times the largest loss seen so far: a run's first losses fall fast and a few of them
+``spike_ratio`` squared times the largest loss seen so far: a run's first losses fall fast and a few of them
 make a shaky median and deviation (a small batch's loss 2.5x its window's median and 6.0 deviations above
 its mean is noise at step 6), but a loss four times as high as any before it is a spike from the fifth step
 on (a x1e4 loss at step 6 was missed when the rule armed only at half the window). Spikes are not added

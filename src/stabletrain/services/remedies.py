@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import console
-from ..diagnostics.remedies import Remedy, SkipSamples, remedy_from_dict
+from ..diagnostics.cures import Remedy, SkipSamples, remedy_from_dict
 from ..records.incidents import REMEDY_FILE
 from ..remedy import search_remedies
 from ..seeding import rng_state, set_rng_state

@@ -1,0 +1,90 @@
+"""Which cures (:mod:`stabletrain.diagnostics.cures`) fit an incident: by its failure class, and for a loss spike by the
+class its counterfactual replays found (:mod:`stabletrain.diagnostics.spike`). Pure: reads a diagnosis."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from .cures import (AdamEps, EpsGuard, LowerLR, ModuleFP32, Precision, Remedy, RollbackLR, Scaler, SkipSamples, SkipStep,
+                    TighterClip, UpdateClip, guarded_op)
+
+__all__ = ["candidates_for"]
+
+
+def _user_line(diagnosis: dict[str, Any]) -> str:
+    """file:line of the innermost user frame behind the first bad op (its forward stack, else the anomaly trace)."""
+    for text in ((diagnosis.get("first_op") or {}).get("stack"), diagnosis.get("anomaly_trace")):
+        found = re.findall(r'File "([^"]+)", line (\d+)', str(text or ""))
+        if found:
+            return f"{found[-1][0]}:{found[-1][1]}"
+    return ""
+
+
+def candidates_for(diagnosis: dict[str, Any], precision: str, history: list[dict[str, Any]],
+                   rollback_steps: list[int]) -> list[Remedy]:
+    """The candidates that fit ``diagnosis``'s failure class, the skip-step baseline first (alone when not reproducible).
+
+    A lower LR (x0.5, x0.1) is tried for every class: it is the usual first guess, and its verdict says
+    whether the class needs it. ``rollback_steps``: the steps of the checkpoints the run kept before the
+    incident (a rollback goes to the newest one at or before the growth's start, else the oldest).
+    """
+    cls = diagnosis.get("failure_class")
+    samples = tuple(diagnosis.get("bad_samples") or ())
+    module = diagnosis.get("blamed_module") or diagnosis.get("module")
+    out: list[Remedy] = [SkipStep()]
+    if cls == "not reproducible":  # the replay shows nothing to cure: the baseline's verdict says whether a skip does
+        return out
+    if diagnosis.get("anomaly") == "spike":
+        return out + _spike_candidates(diagnosis, history, rollback_steps)
+    if cls in ("op", "data") and samples and not diagnosis.get("blamed_module"):
+        out.append(SkipSamples(samples))
+    if cls == "op" and module is not None:
+        op = guarded_op(diagnosis.get("op"), diagnosis.get("autograd_node"))
+        if op is not None:
+            out.append(EpsGuard(module, op, 1e-12 if op != "div" else 1e-6, _user_line(diagnosis)))
+    if cls == "overflow" and module:
+        out.append(ModuleFP32(module))
+        if precision == "fp16":
+            out += [Precision("bf16"), Scaler()]
+    out += [LowerLR(0.5), LowerLR(0.1)]
+    if cls == "divergence":
+        grew = diagnosis.get("growth") or {}
+        since = grew.get("since_step")
+        if rollback_steps:
+            before = [s for s in rollback_steps if since is None or s <= since]
+            at = max(before) if before else min(rollback_steps)
+            out += [RollbackLR(0.5, step=at), RollbackLR(0.1, step=at)]
+        healthy = [r for r in history if isinstance(r.get("grad_norm"), (int, float)) and r["grad_norm"] == r["grad_norm"]
+                   and (since is None or r.get("step", 0) <= since)]
+        if healthy:
+            out.append(TighterClip(float(healthy[-1]["grad_norm"])))
+    return out
+
+
+def _spike_candidates(diagnosis: dict[str, Any], history: list[dict[str, Any]], rollback_steps: list[int]) -> list[Remedy]:
+    """A finite spike's candidates by its class (:mod:`stabletrain.diagnostics.spike`), after the skip-step baseline."""
+    cls, out = diagnosis.get("failure_class"), []
+    if cls == "data" and diagnosis.get("bad_samples"):
+        out.append(SkipSamples(tuple(diagnosis["bad_samples"])))
+    if cls == "precision" and diagnosis.get("blamed_module"):  # the module whose output departs, and the two before it
+        for module in [diagnosis["blamed_module"], *((diagnosis.get("where") or {}).get("upstream") or [])]:
+            out.append(ModuleFP32(module))
+    layer = diagnosis.get("blamed_layer")
+    if cls == "optimizer-state" and layer:
+        ordinary = {r[0]: r[3] for r in (diagnosis.get("jumps") or {}).get("update_ratio") or []}
+        typical = ordinary.get(layer) or next((r.get("ordinary_ratio") for r in diagnosis.get("surges") or []
+                                               if r.get("name") == layer and r.get("ordinary_ratio")), None)
+        if typical:
+            out.append(UpdateClip(layer, 2.0 * typical))
+        root = next((r.get("typical_sqrt_v") for r in diagnosis.get("surges") or [] if r.get("name") == layer), None)
+        out.append(AdamEps(layer, float(root) if root else 1e-4))
+    out += [LowerLR(0.5), LowerLR(0.1)]
+    if cls in ("state", "optimizer-state"):
+        if rollback_steps:
+            out += [RollbackLR(0.5, step=max(rollback_steps)), RollbackLR(0.1, step=max(rollback_steps))]
+        norms = [r["grad_norm"] for r in history if isinstance(r.get("grad_norm"), (int, float))
+                 and r["grad_norm"] == r["grad_norm"]]
+        if norms:
+            out.append(TighterClip(float(sorted(norms)[len(norms) // 2])))
+    return out
