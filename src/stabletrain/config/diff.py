@@ -26,6 +26,7 @@ RESUME_SAFE_KEYS: tuple[str, ...] = (
     "train.max_steps", "train.gc_freeze", "log.*", "ckpt.every", "ckpt.keep", "ckpt.max_failures", "eval.every", "run.*", "resume", "remedy",
     "data.workers",
     "guard.capture", "guard.memory_snapshot", "guard.snapshot_memory_fraction", "guard.diagnose", "dist.*", "callbacks",
+    "guard.capture_spikes", "guard.max_spike_captures", "guard.precursor*", "guard.on_stall", "guard.stall_steps",
 )
 
 
