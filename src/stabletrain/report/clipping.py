@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import TYPE_CHECKING
+from typing import Any
 
 from .rundata import RunData
 from .text import fmt_num, fmt_pct
 
-if TYPE_CHECKING:
-    from .health import Health
 
 __all__ = ["clip_sentence", "CLIP_RARE", "CLIP_MOST", "CLIP_CUT"]
 
@@ -35,7 +33,7 @@ def _finite(values: list[float]) -> list[float]:
     return [v for v in values if math.isfinite(v)]
 
 
-def clip_sentence(run: RunData, h: Health) -> None:
+def clip_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (which imports this module)
     """Say the clip rate with a verdict and its reason; put the figures behind it in ``h.figures``.
 
     The verdict reads the second half of the run (``clip_rate_late``, ``clip_cut_late``), so a burst at
