@@ -5,11 +5,13 @@ this callback decides when and from what state. Under DDP rank 0 picks the check
 writes; every rank sends it its RNG state and data position.
 
 Saves run off the critical path (:meth:`CheckpointManager.save_async`): training waits only for the
-finiteness check and the staging copy; writing, verification, LAST_GOOD and pruning finish in a
-background thread. At most one save is in flight. What needs LAST_GOOD (a rollback, an incident
+staging copy into shared memory; the writer process checks the copy's finiteness, writes, verifies,
+moves LAST_GOOD and prunes. At most one save is in flight. What needs LAST_GOOD (a rollback, an incident
 replay from it, the run's last checkpoint, the end of the fit) waits for it first. A save's outcome
-(``checkpoint``, or ``checkpoint_failed`` when the background write failed) is handed to the loop by
-:meth:`CheckpointKeeper.finished` once it is known, so rank 0's main thread records the event.
+(``checkpoint``, ``checkpoint_withheld`` from a non-finite copy, or ``checkpoint_failed`` when the write
+failed or the writer died) is handed to the loop by :meth:`CheckpointKeeper.finished` once it is known, so
+rank 0's main thread records the event, with what the save cost training (blocked, the writer's wall and
+CPU, the steps' time while it was written against before it).
 
 Under FSDP with more than one rank (``dist.checkpoint=sharded``) every rank writes its own shards of
 the model and optimizer through DCP (:mod:`stabletrain.records.checkpoint.sharded`) and rank 0 the rest; a
@@ -156,8 +158,8 @@ class CheckpointKeeper:
     def save(self, state: FitState, healthy: bool, *, wait: bool = False) -> list[dict[str, Any]]:
         """Start a checkpoint from a healthy state (never from inside an incident); return the outcomes to record.
 
-        Blocks for the previous save in flight (at most one), then for the finiteness check and the
-        staging copy; the write runs in the background (``wait=True``: waits for it too, as the run's
+        Blocks for the previous save in flight (at most one), then for the staging copy; the check and
+        the write run in the writer process (``wait=True``: waits for it too, as the run's
         last checkpoint does). Every rank must call this (DDP: one all_gather_object of RNG states and
         data positions); only rank 0 writes. Returns the ``{"step", "kind", "reason", "fields"}`` of
         each save whose outcome is now known: the previous one, and this one when it was withheld or

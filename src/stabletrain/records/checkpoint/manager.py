@@ -57,7 +57,10 @@ def _pid_alive(pid: int) -> bool:
         return False
     except OSError:
         return True  # exists, owned by someone else
-    return True
+    try:  # a zombie (a killed writer that init has not reaped yet) writes nothing more
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 @dataclass
