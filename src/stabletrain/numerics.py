@@ -140,7 +140,7 @@ def all_params_finite(params: Iterable[Tensor]) -> Tensor:
     if not params:
         return torch.ones((), dtype=torch.bool)
     if params[0].device.type == "cpu":
-        extremes = [v for p in params for v in torch.aminmax(p.detach())]
+        extremes = [v for p in params for v in torch.aminmax(p)]  # (under no_grad: no detach needed)
     else:
         extremes = torch._foreach_norm(params, ord=math.inf)
     return torch.isfinite(torch.stack(extremes)).all()
@@ -176,10 +176,10 @@ def param_update_norms(params: list[Tensor], before: list[Tensor]) -> tuple[Tens
     if not params:
         empty = torch.zeros(0)
         return empty, empty
-    now = [p.detach().float() for p in params]
-    was = [b.float() for b in before]
-    return (torch.stack(torch._foreach_norm(torch._foreach_sub(now, was))).float(),
-            torch.stack(torch._foreach_norm(was)).float())
+    now, was = [p.detach() for p in params], list(before)
+    if any(t.dtype != torch.float32 for t in (*now, *was)):  # norms of the float32 values (a no-op for float32 ones)
+        now, was = [t.float() for t in now], [t.float() for t in was]
+    return torch.stack(torch._foreach_norm(torch._foreach_sub(now, was))), torch.stack(torch._foreach_norm(was))
 
 
 def update_totals(per_update: Tensor, per_weight: Tensor) -> dict[str, Tensor]:

@@ -42,7 +42,7 @@ class GradClipper:
         device = total_norm.device
         if self.max_norm is None and grad_scale is None:
             return constant(False, device, torch.bool)
-        coef = grad_scale
+        coef, safe_norm = grad_scale, None
         if self.max_norm is not None:  # clip_grads_with_norm_'s coefficient, max_norm / (norm + 1e-6), times the scale
             safe_norm = torch.where(finite, total_norm, constant(0.0, device))  # the factor clamps to 1 at norm 0
             # Its arithmetic as torch does it (a number over a tensor is reciprocal, then multiply), with constants:
@@ -58,9 +58,10 @@ class GradClipper:
                 by_device.setdefault(g.device, []).append(g)
             for dev, group in by_device.items():  # one fused multiply per device
                 torch._foreach_mul_(group, coef.to(dev))
-        if self.max_norm is None:
+        if safe_norm is None:
             return constant(False, device, torch.bool)
-        return finite & (total_norm > constant(self.max_norm, device))
+        # finite & (norm > max_norm) in one op: the safe norm is 0 where the norm is not finite, and max_norm > 0
+        return safe_norm > constant(self.max_norm, device)
 
     def _one_device(self, params: list[Tensor]) -> bool:
         """Whether every parameter is on one device (decided once per parameter list: parameters do not move)."""

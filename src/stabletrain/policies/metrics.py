@@ -76,6 +76,8 @@ _DTYPE = operator.attrgetter("dtype")  # a C-level read, for map()
 #: Columns a step may leave out, and their values then (the update norm is measured on some steps only; the
 #: parameters are checked on some steps only: NaN = not checked on that step).
 DEFAULTS = {"spike": 0.0, "params_finite": float("nan"), "overflow": 0.0, "update_norm": float("nan"), "update_ratio": float("nan")}
+_MISSING = object()  # a required column's "default": update() names it
+_SPEC = tuple((c, DEFAULTS.get(c, _MISSING)) for c in COLUMNS)
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -142,12 +144,14 @@ class StepMetrics:
         alone were is named by the incident capture).
         """
         assert len(self.steps) < self.capacity, "StepMetrics.reduce() must be called every `capacity` steps"
-        missing = [c for c in COLUMNS if c not in values and c not in DEFAULTS]
-        assert not missing, f"StepMetrics.update: missing {set(missing)}"
-        row = [values[c] if c in values else DEFAULTS[c] for c in COLUMNS]
+        get = values.get
+        row = [get(c, d) for c, d in _SPEC]  # (per step, in Python: the fewer calls the better)
+        assert id(_MISSING) not in map(id, row), \
+            f"StepMetrics.update: missing {[c for c, v in zip(COLUMNS, row) if v is _MISSING]}"
         for c in _LIVE:
-            if isinstance(row[c], Tensor) and not is_constant(row[c]):
-                row[c] = row[c].detach().clone()
+            v = row[c]
+            if isinstance(v, Tensor) and not is_constant(v):
+                row[c] = v.detach().clone()
         self._pending.append((row, per_param_norms, values["finite"], local_nonfinite))
         if "param_update_norms" in values:
             self._update = (values["param_update_norms"], values["param_norms"])  # type: ignore[assignment]

@@ -81,37 +81,47 @@ class StateStager:
         """
         rank, world = share if share is not None else (0, 1)
         load = [0] * world  # bytes assigned to each rank so far
-        shared: dict[tuple[Any, ...], Tensor | Withheld] = {}
+        # Tensors staged so far by address: [(source, its buffer or Withheld), ...]. The same view of the same memory
+        # (device, dtype, address, shape, strides) is staged once; the full comparison only where addresses meet.
+        shared: dict[int, list[tuple[Tensor, Tensor | Withheld]]] = {}
         copies: dict[torch.device, tuple[list[Tensor], list[Tensor]]] = {}  # source device -> (buffers, sources)
         used = 0  # buffers used so far (one per distinct tensor this rank stages), in the walk's order
         buffers, specs = self._buffers, self._specs
 
         strided, one = torch.strided, world == 1
 
+        def same_view(a: Tensor, b: Tensor) -> bool:
+            return (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride())
+
         def leaf(x: Tensor) -> Tensor | Withheld:
             nonlocal used
             if x.layout != strided:  # sparse and other layouts: a plain copy (rare in a state dict)
                 return x.detach().to("cpu", copy=True)
-            shape, device, dtype = x.shape, x.device, x.dtype  # (no detach: the copy below runs under no_grad)
-            key = (device, dtype, x.data_ptr(), shape, x.stride())  # the same view of the same memory: one buffer
-            buf = shared.get(key)
-            if buf is None:
-                if not one:
-                    owner = load.index(min(load))
-                    load[owner] += x.numel() * x.element_size()
-                    if owner != rank:
-                        buf = shared[key] = Withheld(owner, shape, dtype)
+            at = x.data_ptr()
+            seen = shared.get(at)
+            if seen is not None:  # tied weights (or another view at the same address)
+                for other, buf in seen:
+                    if same_view(x, other):
                         return buf
-                k, pin = used, x.is_cuda
-                buf = (buffers[k] if k < len(specs) and specs[k] == (shape, dtype, pin)
-                       else self._buffer(k, x, shape, pin))
-                shared[key] = buf
-                used = k + 1
-                pair = copies.get(device)
-                if pair is None:
-                    pair = copies[device] = ([], [])
-                pair[0].append(buf)
-                pair[1].append(x)
+            shape, dtype = x.shape, x.dtype  # (no detach: the copy below runs under no_grad)
+            if not one:
+                owner = load.index(min(load))
+                load[owner] += x.numel() * x.element_size()
+                if owner != rank:
+                    buf = Withheld(owner, shape, dtype)
+                    shared.setdefault(at, []).append((x, buf))
+                    return buf
+            k, pin = used, x.is_cuda
+            buf = (buffers[k] if k < len(specs) and specs[k] == (shape, dtype, pin)
+                   else self._buffer(k, x, shape, pin))
+            shared.setdefault(at, []).append((x, buf))
+            used = k + 1
+            device = x.device
+            pair = copies.get(device)
+            if pair is None:
+                pair = copies[device] = ([], [])
+            pair[0].append(buf)
+            pair[1].append(x)
             return buf
 
         plain = _PLAIN_TYPES
@@ -120,12 +130,14 @@ class StateStager:
             t = type(x)
             if t in plain:
                 return x
-            if t is dict:  # comprehensions, not generators: a state has hundreds of entries; plain values not called
-                return {k: v if type(v) in plain else walk(v) for k, v in x.items()}
+            if t is dict:  # comprehensions, not generators: a state has hundreds of entries; plain values not called,
+                # plain tensors (a state dict's, an optimizer's state) straight to leaf()
+                return {k: v if (tv := type(v)) in plain else leaf(v) if tv is Tensor else walk(v) for k, v in x.items()}
             if isinstance(x, Tensor):
                 return leaf(x)
             if t is OrderedDict:
-                return OrderedDict([(k, v if type(v) in plain else walk(v)) for k, v in x.items()])
+                return OrderedDict([(k, v if (tv := type(v)) in plain else leaf(v) if tv is Tensor else walk(v))
+                                    for k, v in x.items()])
             if t is list:  # a fresh list, so the caller may go on changing its own
                 return list(x) if _plain_sequence(x) else [v if type(v) in plain else walk(v) for v in x]
             if t is tuple:  # immutable: kept as it is when it holds plain values only (Python's RNG state)
@@ -288,7 +300,9 @@ class IntervalSnapshot:
         """
         self.before_update()  # the last snapshot's copies are done before its buffers are written again
         stream = None
-        device = next((t.device for t in _tensors(side) if t.device.type == "cuda"), None) if side is not None else None
+        device = None  # the side stream's device: the first CUDA tensor's (none before CUDA was initialized)
+        if side is not None and torch.cuda.is_initialized():
+            device = next((t.device for t in _tensors(side) if t.device.type == "cuda"), None)
         if device is not None and optimizer is not None:
             if self._stream is None or self._stream.device != device:
                 self._stream = torch.cuda.Stream(device)
