@@ -182,7 +182,8 @@ def windows(args: argparse.Namespace, overrides: list[str], rounds: int, window:
         if not got:
             continue
         def med(key: str, got: list[dict] = got) -> float:
-            return statistics.median(e[key] for e in got if e.get(key) is not None) * 1e3
+            values = [e[key] for e in got if e.get(key) is not None]
+            return statistics.median(values) * 1e3 if values else float("nan")
 
         slow = [e["slowdown"] for e in got if e.get("slowdown") is not None]
         waited = [e.get("waited_s", 0.0) for e in got]

@@ -247,7 +247,7 @@ def run_incident(tmp: Path, failures: list[str]) -> None:
     from sentinel import WeightedChunks, weighted_lm_loss  # bench/ is the script's directory
 
     from stabletrain.data import EpochOrder
-    from stabletrain.records.incidents import load_bundle
+    from stabletrain.records.bundles import load_bundle
 
     bad_step, every = 38, 20
     cfg = load_config(None, ["precision=bf16", "train.max_steps=40", f"log.every={every}", "eval.every=0",

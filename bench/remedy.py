@@ -1,7 +1,7 @@
 """What one remedy search costs (``stabletrain remedy``), in training steps, on the default gpt task's incident.
 
 A gpt run whose training sample N carries a NaN loss weight (bench/sentinel.py's (b): the same planted
-incident) is captured and diagnosed by the loop; then :func:`stabletrain.remedy.search_remedies` replays
+incident) is captured and diagnosed by the loop; then :func:`stabletrain.remedy_search.search_remedies` replays
 it under every candidate that fits its class and the skip-step baseline, over the incident's window and
 K windows after it. Its wall time is divided by the run's median healthy step (the steps the run itself
 took before the incident, on this machine, under its load). Stated bound: about (K + 1) x candidates
@@ -27,7 +27,7 @@ from sentinel import IncidentClock, WeightedChunks, weighted_lm_loss
 
 from stabletrain import Trainer, load_config, resolve_task
 from stabletrain.data import EpochOrder
-from stabletrain.remedy import format_table, search_remedies
+from stabletrain.remedy_search import format_table, search_remedies
 
 
 def main() -> None:

@@ -63,7 +63,7 @@ from torch.utils.data import Dataset
 from stabletrain import Trainer, load_config, resolve_task
 from stabletrain.callbacks import Callback, FitState
 from stabletrain.data import EpochOrder
-from stabletrain.replay import diagnose_incident
+from stabletrain.incident_replay import diagnose_incident
 
 
 def without_sentinel(trainer: Trainer) -> None:

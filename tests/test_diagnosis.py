@@ -12,7 +12,7 @@ from torch.utils.data import TensorDataset, default_collate
 
 from stabletrain import Task
 from stabletrain.config import load_config
-from stabletrain.replay import diagnose_step
+from stabletrain.incident_replay import diagnose_step
 from stabletrain.loop import Trainer
 from stabletrain.policies.precision import PrecisionPolicy
 

@@ -26,7 +26,7 @@ from multiproc import FAST, TORCHRUN, World, cli, descendants, env, events, run,
 from stabletrain import Trainer
 from stabletrain.records.checkpoint.manager import CheckpointManager
 from stabletrain.data import EpochOrder
-from stabletrain.records.incidents import load_bundle
+from stabletrain.records.bundles import load_bundle
 
 pytestmark = pytest.mark.slow  # 2-process torchrun runs
 

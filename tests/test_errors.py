@@ -242,7 +242,7 @@ def test_diagnose_names_what_cannot_be_rebuilt_prints_no_tensor_and_shows_the_st
     import json
 
     from stabletrain.cli import main
-    from stabletrain.replay import diagnose_incident
+    from stabletrain.incident_replay import diagnose_incident
     from stabletrain.tasks import TaskError
 
     incident = _monitor_incident(tmp_path / "loop")

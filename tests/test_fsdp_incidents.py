@@ -22,7 +22,7 @@ from multiproc import FAST, TORCHRUN, events, run
 from stabletrain.records.staging import StateStager
 from stabletrain.data import EpochOrder
 from stabletrain.distributed.fsdp import is_local_state, load_local_state_dicts, local_state_dicts, shard_model
-from stabletrain.records.incidents import load_bundle
+from stabletrain.records.bundles import load_bundle
 from stabletrain.numerics import unique_params
 from stabletrain.policies.optim import build_optimizer
 from stabletrain.policies.schedule import LRSchedule

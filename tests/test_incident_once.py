@@ -7,7 +7,7 @@ import torch
 from multiproc import run, stabletrain
 
 from stabletrain.data import EpochOrder
-from stabletrain.records.incidents import STATE_IN, load_bundle
+from stabletrain.records.bundles import STATE_IN, load_bundle
 
 pytestmark = pytest.mark.slow  # a 2-process run
 

@@ -19,7 +19,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 from integration_models import BAD_POSITION, Net, OurSyncs  # noqa: E402
 from stabletrain.callbacks import Callback as StableCallback  # noqa: E402
 from stabletrain.records.events import EVENT_KINDS, METRIC_KEYS  # noqa: E402
-from stabletrain.replay import diagnose_incident  # noqa: E402
+from stabletrain.incident_replay import diagnose_incident  # noqa: E402
 from stabletrain.integrations.lightning import StableTrainCallback  # noqa: E402
 from stabletrain.integrations.options import compiled_methods  # noqa: E402
 from stabletrain.records.captured import lightning_loss as _lightning_loss  # noqa: E402

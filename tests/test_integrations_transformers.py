@@ -14,8 +14,8 @@ pytest.importorskip("accelerate")
 from integration_models import TRAP_TOKEN, OurSyncs, gpt2, token_rows, trap_gpt2  # noqa: E402
 from stabletrain.callbacks import Callback as StableCallback  # noqa: E402
 from stabletrain.records.events import EVENT_KINDS, METRIC_KEYS  # noqa: E402
-from stabletrain.records.incidents import load_bundle  # noqa: E402
-from stabletrain.replay import diagnose_incident  # noqa: E402
+from stabletrain.records.bundles import load_bundle  # noqa: E402
+from stabletrain.incident_replay import diagnose_incident  # noqa: E402
 from stabletrain.integrations.transformers import STATE_FILE, StableTrainCallback  # noqa: E402
 from stabletrain.records.rundir import read_jsonl  # noqa: E402
 from stabletrain.report import load_run, write_report  # noqa: E402

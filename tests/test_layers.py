@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("integrations", ("integrations",)),
     ("lab, checks, report", ("lab", "checks", "report")),
     ("loop", ("loop", "trainstate")),
-    ("services", ("services", "replay", "remedy", "counterfactual")),
+    ("services", ("services", "incident_replay", "remedy_search", "counterfactual")),
     ("callbacks", ("callbacks",)),
     ("strategy", ("distributed",)),
     ("step", ("step", "evaluation", "replica")),
@@ -96,10 +96,30 @@ def test_no_module_imports_from_a_layer_above_its_own():
     ("tasks.gpt", {"diagnostics.initialization"}, True),   # the bottom reaching up
     ("records.incidents", {"distributed.strategy"}, True),
     ("loop", {"services.incidents", "step", "tasks"}, False),
-    ("services.incidents", {"replay"}, False),             # one layer
+    ("services.incidents", {"incident_replay"}, False),             # one layer
 ])
 def test_the_rule_itself(module, imported, bad, tmp_path):
     assert bool(upward(module, imported, set(_modules()))) is bad
     source = tmp_path / "mod.py"
     source.write_text("def f():\n    from ..diagnostics import initialization\n    from stabletrain.step import build_step\n")
     assert imports_of("tasks.mod", source) >= {"diagnostics", "diagnostics.initialization", "step", "step.build_step"}
+
+
+def test_no_two_modules_share_a_basename():
+    """A module's name says what it does wherever it is imported from: ``remedy``, ``remedies`` and ``replay`` twice
+    each made a reader open the wrong file (issue 35). ``__init__`` aside."""
+    seen: dict[str, list[str]] = {}
+    for module, path in _modules().items():
+        if path.name != "__init__.py":
+            seen.setdefault(path.stem, []).append(module)
+    twice = {name: modules for name, modules in seen.items() if len(modules) > 1}
+    assert not twice, f"module names used more than once (give each its role's name): {twice}"
+
+
+def test_the_basename_rule_itself(tmp_path, monkeypatch):
+    for name in ("a/remedy.py", "b/remedy.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", tmp_path)
+    with pytest.raises(AssertionError, match="remedy"):
+        test_no_two_modules_share_a_basename()

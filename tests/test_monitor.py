@@ -12,7 +12,7 @@ import yaml
 
 from stabletrain import Monitor
 from stabletrain.records.events import EVENT_KINDS, METRIC_KEYS
-from stabletrain.replay import diagnose_incident
+from stabletrain.incident_replay import diagnose_incident
 from stabletrain import StopTraining
 from stabletrain.records.rundir import read_jsonl
 from stabletrain.report import load_run, write_compare, write_report

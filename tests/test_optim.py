@@ -13,7 +13,7 @@ from helpers import PoisonAt, cfg, params_of, regression_task
 from stabletrain import Task, Trainer
 from stabletrain.callbacks import Callback
 from stabletrain.config import ConfigError
-from stabletrain.records.incidents import load_bundle
+from stabletrain.records.bundles import load_bundle
 
 
 @pytest.mark.parametrize("name, cls, extra", [("adamw", torch.optim.AdamW, {"betas": (0.9, 0.95)}),
@@ -120,7 +120,7 @@ def test_the_incident_replay_runs_the_runs_own_step_sgd_momentum_clipping_bitwis
 
 
 def test_the_diagnosis_rebuilds_the_task_optimizer_the_run_used(tmp_path):
-    from stabletrain.replay import diagnose_incident
+    from stabletrain.incident_replay import diagnose_incident
 
     task = regression_task()
     task.model = PoisonAt(task.model, {4})

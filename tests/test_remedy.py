@@ -15,7 +15,7 @@ from stabletrain import Trainer
 from stabletrain.cli import main
 from stabletrain.diagnostics.cures import (EpsGuard, LowerLR, ModuleFP32, Precision, RollbackLR, Scaler, SkipSamples,
                                               SkipStep, TighterClip, remedy_from_dict)
-from stabletrain.remedy import LOSS_TOLERANCE, judge, search_remedies
+from stabletrain.remedy_search import LOSS_TOLERANCE, judge, search_remedies
 from stabletrain.report import write_report
 
 DIVERGING = ("optim.name=sgd", "optim.lr=2.5", "optim.weight_decay=0", "clip.max_norm=null", "sched.warmup_steps=20",

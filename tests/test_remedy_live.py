@@ -140,7 +140,7 @@ def test_a_second_incident_after_a_skip_samples_remedy_is_captured_on_the_window
     from helpers import PreStepState
     from test_checkpoint import assert_same
 
-    from stabletrain.records.incidents import load_bundle
+    from stabletrain.records.bundles import load_bundle
 
     c = cfg("train.batch_size=8", "log.every=5", "data.shuffle=false", "train.max_steps=12", "guard.on_nonfinite=remedy",
             "guard.remedy_steps=1", "task_args.also=28", task="remedy_tasks:sqrt_zero_task")

@@ -21,8 +21,8 @@ from spike_tasks import offset_inputs_task, outlier_samples_task, rare_token_tas
 from stabletrain import Trainer
 from stabletrain.config import GuardConfig
 from stabletrain.policies.guard import Guard, spike_test
-from stabletrain.records.incidents import load_bundle
-from stabletrain.remedy import search_remedies
+from stabletrain.records.bundles import load_bundle
+from stabletrain.remedy_search import search_remedies
 
 #: task factory, its config, the spike's step, its class
 CASES = {

@@ -40,8 +40,8 @@ _EXPORTS: dict[str, str] = {
     "CheckpointError": ".records.checkpoint.files",
     "CheckpointManager": ".records.checkpoint.manager",
     "Guard": ".policies.guard",
-    "diagnose_incident": ".replay",
-    "diagnose_step": ".replay",
+    "diagnose_incident": ".incident_replay",
+    "diagnose_step": ".incident_replay",
     "InitChange": ".diagnostics.initialization",
     "InitFingerprint": ".diagnostics.initialization",
     "init_": ".tasks.init_schemes",
@@ -76,7 +76,7 @@ if TYPE_CHECKING:  # what a type checker and an IDE see: the same names, importe
     from .records.checkpoint.files import CheckpointError
     from .records.checkpoint.manager import CheckpointManager
     from .policies.guard import Guard
-    from .replay import diagnose_incident, diagnose_step
+    from .incident_replay import diagnose_incident, diagnose_step
     from .diagnostics.initialization import InitChange, InitFingerprint
     from .tasks.init_schemes import init_
     from .diagnostics.bisection import Bisection, bisect_samples

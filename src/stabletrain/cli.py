@@ -252,7 +252,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ctx) -> int:
     from .loop import Trainer
-    from .services.rundir import DEFAULT_RUN_DIR
+    from .services.run_setup import DEFAULT_RUN_DIR
 
     trainer = Trainer(cfg, run_dir=run_dir if run_dir is not None else DEFAULT_RUN_DIR, resume=resume)
     run_dir = trainer.run.path if trainer.run is not None else run_dir

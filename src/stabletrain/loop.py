@@ -42,8 +42,8 @@ from .seeding import deterministic_mode, seed_everything
 from .services.boundary import IntervalBoundary
 from .services.checkpoints import CheckpointKeeper
 from .services.incidents import IncidentRecorder
-from .services.remedies import RemedyApplier
-from .services.rundir import DEFAULT_RUN_DIR, default_run_dir, open_run
+from .services.remedy_applier import RemedyApplier
+from .services.run_setup import DEFAULT_RUN_DIR, default_run_dir, open_run
 from .services.signals import SignalHandler
 from .step import build_step
 from .tasks import Task, resolve_task

@@ -11,7 +11,7 @@ def incident_dir(path: str | Path, *, newest: bool, command: str) -> Path:
     """Return the incident folder ``path`` names: itself (it holds a bundle), or a run directory's newest (``newest``)
     or first incident. Raises FileNotFoundError, in words, for a folder that does not exist and for a run without
     incidents; anything else is left to the replay, whose error says what the folder lacks."""
-    from ..records.incidents import BUNDLE_FILE
+    from ..records.bundles import BUNDLE_FILE
 
     path = Path(path)
     if not path.exists():

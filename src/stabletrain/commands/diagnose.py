@@ -21,7 +21,7 @@ __all__ = ["cmd_diagnose", "replay_obstacles", "stored_diagnosis"]
 def cmd_diagnose(args: argparse.Namespace) -> int:
     import json
 
-    from ..replay import diagnose_incident
+    from ..incident_replay import diagnose_incident
     from . import incident_dir
 
     path = incident_dir(args.incident, newest=True, command="diagnose")
@@ -63,7 +63,7 @@ def replay_obstacles(incident: Path) -> list[str]:
     """
     import torch
 
-    from ..records.incidents import load_bundle
+    from ..records.bundles import load_bundle
     from ..records.captured import REBUILD_HINT, TASK_SPECS, loss_from_recipe, model_from_recipe
 
     try:
@@ -110,7 +110,7 @@ def stored_diagnosis(incident: Path, obstacles: list[str]) -> dict:
     """Return the diagnosis.json written when ``incident`` was captured, after saying why it is not replayed again."""
     import json
 
-    from ..records.incidents import DIAGNOSIS_FILE
+    from ..records.bundles import DIAGNOSIS_FILE
 
     stored = incident / DIAGNOSIS_FILE
     why = "; ".join(obstacles)

@@ -34,7 +34,7 @@ def add_remedy_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_remedy(args: argparse.Namespace) -> int:
-    from ..remedy import format_table, search_remedies
+    from ..remedy_search import format_table, search_remedies
     from . import incident_dir
 
     path = incident_dir(args.incident, newest=False, command="remedy")

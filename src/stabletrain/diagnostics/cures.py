@@ -12,7 +12,7 @@ through what the step already has:
   :meth:`Remedy.precision_state`, :attr:`Remedy.rollback_step`).
 
 :func:`~stabletrain.diagnostics.candidates.candidates_for` picks the candidates that fit a diagnosis. The driver
-that replays them through the run's one step is :mod:`stabletrain.remedy`.
+that replays them through the run's one step is :mod:`stabletrain.remedy_search`.
 """
 
 from __future__ import annotations

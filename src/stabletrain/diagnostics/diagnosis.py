@@ -1,7 +1,7 @@
 """Diagnose one bad optimizer step from its replays: where the first non-finite value came from.
 
 :func:`run_diagnosis` drives a *replayer* (an object that resets the model and RNG to the step's
-start, runs the step's forward/backward and, optionally, its update — :class:`stabletrain.replay`
+start, runs the step's forward/backward and, optionally, its update — :class:`stabletrain.incident_replay`
 builds one from the run's own :class:`~stabletrain.step.TrainStep`) under
 :class:`~stabletrain.diagnostics.nonfinite.NonFiniteLocator`, and answers, in a JSON-safe dict:
 
@@ -129,7 +129,7 @@ def run_diagnosis(rep: Any, micro_batches: list[tuple[list[int], Any]],
     ``rep``: a replayer with ``model``, ``precision``, ``step_factory`` (None: no update stage),
     ``reset()``, ``forward_backward(groups, stop_at_nonfinite_loss=False) -> (loss sums, mean loss)``,
     ``grad_norm()`` and ``update() -> (names of parameters made non-finite, grad norm)`` (see
-    :mod:`stabletrain.replay`). The keys are those :func:`stabletrain.replay.diagnose_step` documents.
+    :mod:`stabletrain.incident_replay`). The keys are those :func:`stabletrain.incident_replay.diagnose_step` documents.
 
     ``observed``: what the run saw of the step (``loss``, ``grad_norm``; either may be missing): the
     replay reproduces when its figures equal them (:func:`matches_observed`), whatever the locator

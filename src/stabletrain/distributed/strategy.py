@@ -283,7 +283,7 @@ class FSDPStrategy(Strategy):
 
         Returns the rest of the state in host memory, with DCP markers in place of the model and the optimizer
         (:func:`~stabletrain.records.checkpoint.sharded.split_for_dcp`): what rank 0's bundle holds. No rank holds
-        more than its shards: :func:`~stabletrain.records.incidents.load_bundle` reads them whole for the
+        more than its shards: :func:`~stabletrain.records.bundles.load_bundle` reads them whole for the
         one-process diagnosis. None without a folder (no run directory).
         """
         import torch.distributed.checkpoint as dcp
@@ -315,7 +315,7 @@ class FSDPStrategy(Strategy):
                              f"({', '.join(names[:3])}, ...) are not the run's ({', '.join(want[:3])}, ...); under "
                              "dist.strategy=fsdp the diagnosis rebuilds the model from the task factory: name the task "
                              "by config key 'task' (module:function), or diagnose the bundle with "
-                             "stabletrain.replay.diagnose_incident(INCIDENT_DIR, task) and an unsharded task")
+                             "stabletrain.incident_replay.diagnose_incident(INCIDENT_DIR, task) and an unsharded task")
         return dataclasses.replace(task, model=model)
 
 

@@ -4,7 +4,7 @@ An adapter (:class:`stabletrain.Monitor`, the Lightning and Hugging Face callbac
 own optimizer step and hands a :class:`RunSession` the step's device tensors; the session does the rest
 with the pieces a built-in run uses (:class:`~stabletrain.policies.guard.Guard`,
 :class:`~stabletrain.policies.metrics.StepMetrics`, :class:`~stabletrain.records.rundir.RunDir` and the built-in
-callbacks that write it, the interval snapshot and :func:`~stabletrain.replay.diagnose_incident`)::
+callbacks that write it, the interval snapshot and :func:`~stabletrain.incident_replay.diagnose_incident`)::
 
     session.open(resume)                         # run dir (rank 0): config.yaml, snapshot.json (or a resume)
     session.begin()                              # on_fit_start: the init fingerprint is compared; interval snapshot
@@ -56,7 +56,7 @@ from ..seeding import rng_state, set_rng_state
 from ..distributed.strategy import strategy_for
 from ..services.boundary import IntervalBoundary
 from ..services.capture import IncidentCapture
-from .capture import HostReplay, HostSteps
+from .host_steps import HostReplay, HostSteps
 from .options import AdapterGuard, AdapterOptions, eager_methods, is_compiled, jsonable, optimizer_config, unwrap
 
 __all__ = ["RunSession"]
@@ -75,7 +75,7 @@ class RunSession:
         host_config: the host trainer's own arguments, written under ``host`` in ``config.yaml``.
         optimizer: the torch optimizer (not a host's wrapper).
         scaler: the host's ``GradScaler`` (fp16), else None.
-        replay: how to replay the host's step (:class:`~stabletrain.integrations.capture.HostReplay`); None:
+        replay: how to replay the host's step (:class:`~stabletrain.integrations.host_steps.HostReplay`); None:
             only a bad step at an interval's start can be captured, none diagnosed.
         recipes: how to rebuild the model and loss in a new process (:mod:`~stabletrain.records.captured`).
         callbacks: stabletrain :class:`~stabletrain.callbacks.Callback` instances, fired after the built-in ones.

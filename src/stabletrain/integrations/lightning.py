@@ -48,7 +48,7 @@ from ..diagnostics.initialization import InitFingerprint
 from ..internals import skips_on_device
 from ..numerics import grad_norms
 from ..seeding import rng_state
-from .capture import KeptStep
+from .host_steps import KeptStep
 from .core import RunSession
 from .options import AdapterOptions
 from .hoststep import HostStep

@@ -20,7 +20,7 @@ sync; any other optimizer costs one host read per step, warned once), check the 
 stay on the device; every ``log_every`` steps one host sync writes ``metrics.jsonl``, ``events.jsonl``
 and TensorBoard, and a bad step is captured into ``incidents/step_N`` and diagnosed by replaying
 ``loss_fn`` under the locator (the state from before it is rebuilt by replaying your steps from the
-interval's snapshot with ``loss_fn``: :mod:`stabletrain.integrations.capture`). ``stabletrain report``,
+interval's snapshot with ``loss_fn``: :mod:`stabletrain.integrations.host_steps`). ``stabletrain report``,
 ``compare`` and ``diagnose`` read the folder as any run's.
 
 Your own clipping (e.g. ``accelerator.clip_grad_norm_``) may stay: pass the pre-clip norm it returned,
@@ -52,7 +52,7 @@ from ..data import move_to
 from ..policies.precision import PrecisionPolicy
 from ..seeding import rng_state
 from ..step import TrainStep, build_step
-from .capture import KeptStep
+from .host_steps import KeptStep
 from .core import RunSession
 from .options import AdapterOptions, StopTraining, unwrap
 from ..records.batches import batch_size, import_path

@@ -57,7 +57,7 @@ from ..diagnostics.initialization import InitFingerprint
 from ..internals import find_caller
 from ..numerics import grad_norms
 from ..seeding import rng_state
-from .capture import KeptStep
+from .host_steps import KeptStep
 from .core import RunSession
 from .options import AdapterOptions, is_compiled
 from .hoststep import HostStep

@@ -1,6 +1,6 @@
 """Lab 7: the path by which the learning rate affects stability — why a lower LR cures one failure and not another.
 
-Two runs of the built-in loop meet two failures, and :func:`stabletrain.remedy.search_remedies` replays
+Two runs of the built-in loop meet two failures, and :func:`stabletrain.remedy_search.search_remedies` replays
 each incident from its bundle under the candidate fixes (the K windows after it included):
 
 - a divergence: linear regression under SGD whose warmup takes the LR past the stable step size for
@@ -29,7 +29,7 @@ from torch.utils.data import TensorDataset
 
 from ..config import load_config
 from ..loop import Trainer
-from ..remedy import search_remedies
+from ..remedy_search import search_remedies
 from ..tasks import Task
 from . import Claim, LabResult, new_figure, save_figure
 

@@ -3,7 +3,7 @@
 Two runs of the built-in loop train the same bag-of-tokens regression (the mean of a sequence's token
 embeddings, then a linear head) under Adam, on the same data, and both spike at step 75. Each spike is
 captured as an incident, diagnosed by counterfactual replays (:mod:`stabletrain.counterfactual`) and replayed
-under the remedies that fit its class (:func:`stabletrain.remedy.search_remedies`):
+under the remedies that fit its class (:func:`stabletrain.remedy_search.search_remedies`):
 
 - a rare token: token 31 first appears in step 74's window (then in 75's and 76's). Its embedding row had no
   gradient before, so Adam's second moment there is 0 and its first gradient, however small, makes an update of
@@ -37,7 +37,7 @@ from torch.utils.data import TensorDataset
 from ..callbacks import Callback, FitState
 from ..config import load_config
 from ..loop import Trainer
-from ..remedy import LOSS_TOLERANCE, search_remedies
+from ..remedy_search import LOSS_TOLERANCE, search_remedies
 from ..tasks import Task
 from . import Claim, LabResult, new_figure, save_figure
 

@@ -14,7 +14,7 @@ micro-batches (tensors) and *recipes*: how to rebuild the host's model, loss and
     optimizer: {"class": "torch.optim.adamw:AdamW", "defaults": {...}, "groups": [[param names], ...]}
 
 so ``stabletrain diagnose RUN_DIR/incidents/step_N`` replays it exactly as it replays a built-in run's
-incident (:func:`stabletrain.replay.diagnose_incident`). A recipe that is None (a model or loss defined
+incident (:func:`stabletrain.incident_replay.diagnose_incident`). A recipe that is None (a model or loss defined
 in ``__main__`` or inside a function) cannot be rebuilt in a new process: the capture's own diagnosis
 (``diagnosis.json``, made in the training process) is then the record.
 
@@ -37,7 +37,8 @@ __all__ = ["captured_task", "TASK_SPEC", "TASK_SPECS", "REBUILD_HINT", "loss_fro
            "optimizer_recipe", "build_optimizer_from_recipe", "lightning_loss"]
 
 TASK_SPEC = "stabletrain.records.captured:captured_task"
-#: Every name a bundle's config may give this task by (bundles written before it moved name the old module).
+#: Every name a bundle's config may give this task by (bundles written before it moved name the old module:
+#: :data:`stabletrain.tasks.MOVED` resolves it).
 TASK_SPECS = (TASK_SPEC, "stabletrain.integrations.replay:captured_task")
 
 

@@ -1,6 +1,6 @@
 """Goodput: the share of a run's wall time, over every launch of it (restarts included), spent on steps it kept.
 
-Read from the run directory only: the ledger ``goodput.jsonl`` (:mod:`stabletrain.callbacks.goodput`) and the
+Read from the run directory only: the ledger ``goodput.jsonl`` (:mod:`stabletrain.callbacks.goodput_clock`) and the
 ``restart`` events. In the terms of Google's ml-goodput-measurement, the wall time splits into :data:`PARTS`;
 ``goodput = productive / total``, where ``total`` runs from each launch's first process to its end, plus the
 wait between a launch's death and its restart (a person's resume, days later, is not the run's time).
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..callbacks.goodput import LEDGER_FILE
+from ..callbacks.goodput_clock import LEDGER_FILE
 from ..records.rundir import read_jsonl
 
 __all__ = ["Goodput", "read_goodput", "goodput_section", "PARTS"]

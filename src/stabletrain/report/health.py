@@ -14,7 +14,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from .clipping import clip_sentence
+from .clip_verdict import clip_sentence
 from .rundata import Event, RunData
 from .text import fmt_num, fmt_pct, fmt_ranges, plural
 

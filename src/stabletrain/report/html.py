@@ -20,7 +20,7 @@ from .. import console
 from .._version import __version__
 from ..config import flatten_config
 from ..records.events import EVENT_KINDS
-from ..records.incidents import REMEDY_FILE
+from ..records.bundles import REMEDY_FILE
 from ..fileio import atomic_write
 from .goodput import goodput_section
 from .health import Health, health_summary, incident_summary

@@ -2,7 +2,7 @@
 
 The built-in loop and every adapter capture a bad step the same way; only where their steps come from
 differs (a :class:`StepSource`: the loop's data stream and step, :class:`~stabletrain.services.incidents.LoopSteps`;
-a host's kept steps and its own replay, :class:`~stabletrain.integrations.capture.HostSteps`)::
+a host's kept steps and its own replay, :class:`~stabletrain.integrations.host_steps.HostSteps`)::
 
     at each interval's start        the snapshot of source.live_state(), split by the run's strategy: the
                                     parameters and optimizer state on a CUDA side stream that the optimizer's
@@ -34,9 +34,9 @@ from ..console import StableTrainWarning
 from ..callbacks import FitState
 from ..diagnostics.diagnosis import DIAGNOSIS_FIELDS
 from ..records.checkpoint.sharded import is_dcp_entry
-from ..records.incidents import BUNDLE_DCP_DIR, STATE_IN, write_bundle
+from ..records.bundles import BUNDLE_DCP_DIR, STATE_IN, write_bundle
 from ..records.staging import IntervalSnapshot, clone_state, join_params, state_kept
-from ..replay import diagnose_incident
+from ..incident_replay import diagnose_incident
 from ..seeding import rng_state, set_rng_state
 
 __all__ = ["IncidentCapture", "StepSource", "incident_dir", "MAX_CONTEXT"]

@@ -10,7 +10,7 @@ with the same :class:`~stabletrain.step.TrainStep` the run uses (collectives inc
 the snapshot (``guard.memory_snapshot=false``) it replays from LAST_GOOD instead, up to ``ckpt.every``
 steps. The bundle holds the model and optimizer state before the step (FSDP: every rank writes its own
 shards with DCP into the bundle's ``dcp/`` folder); the diagnosis replays that step on one process under
-the precise tools (:func:`stabletrain.replay.diagnose_incident`).
+the precise tools (:func:`stabletrain.incident_replay.diagnose_incident`).
 """
 
 from __future__ import annotations

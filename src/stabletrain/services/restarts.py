@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import console
-from ..callbacks.goodput import LEDGER_FILE
+from ..callbacks.goodput_clock import LEDGER_FILE
 from ..distributed.launch import EXIT_GAVE_UP, RESTART_ENV, default_run_dir, describe_exit
 from ..records.checkpoint.files import CheckpointError
 from ..records.checkpoint.manager import CheckpointManager

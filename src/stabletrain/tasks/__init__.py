@@ -137,9 +137,13 @@ def _import_factory(spec: str) -> Callable[..., Task]:
     return factory
 
 
+#: Task factories that moved: the name an older bundle's config gives -> where it lives now.
+MOVED = {"stabletrain.integrations.replay:captured_task": "stabletrain.records.captured:captured_task"}
+
+
 def task_factory(spec: str) -> Callable[..., Task]:
     """Return the factory named by ``spec``: a built-in task's name or ``module:function``."""
-    return _builtin(spec) if spec in BUILTIN_TASKS else _import_factory(spec)
+    return _builtin(spec) if spec in BUILTIN_TASKS else _import_factory(MOVED.get(spec, spec))
 
 
 @dataclass(frozen=True)

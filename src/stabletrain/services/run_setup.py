@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..callbacks.goodput import LEDGER_FILE, GoodputClock, launch_record
+from ..callbacks.goodput_clock import LEDGER_FILE, GoodputClock, launch_record
 from ..distributed.launch import default_run_dir
 from ..records.checkpoint.manager import CheckpointManager
 from ..records.rundir import RunDir, build_snapshot, refuse_if_running, this_process
@@ -22,7 +22,7 @@ def open_run(trainer: Any, run_dir: Path, resume: bool) -> None:
     Refuses a run directory an earlier launch still runs on; restores the checkpoint to resume from
     (the keeper: :meth:`~stabletrain.services.checkpoints.CheckpointKeeper.resume`); writes the resolved
     config, and the snapshot of a new run or the resume's events and lines; records this launch's processes;
-    adds the :class:`~stabletrain.callbacks.goodput.GoodputClock` that writes this launch's goodput ledger.
+    adds the :class:`~stabletrain.callbacks.goodput_clock.GoodputClock` that writes this launch's goodput ledger.
     """
     state, dist, cfg = trainer.state, trainer.dist, trainer.cfg
     launch = dist.gather_objects(this_process())  # recorded in the run dir while this launch runs

@@ -4,7 +4,7 @@ A service the loop calls by name:
 
 - :meth:`RemedyApplier.act` at an incident under ``guard.on_nonfinite=remedy``: after the capture and its
   diagnosis, replay the incident under the remedies that need no code change
-  (:func:`stabletrain.remedy.search_remedies`, ``live_only``: skip samples, one module in fp32, a lower LR,
+  (:func:`stabletrain.remedy_search.search_remedies`, ``live_only``: skip samples, one module in fp32, a lower LR,
   a tighter clip, a rollback with a lower LR), apply the best that cures it and record a ``remedy`` event
   with its evidence; when none cures, say so and fall back to ``guard.remedy_fallback``.
 - :meth:`RemedyApplier.by_hand` when fit starts with ``remedy=INCIDENT_DIR:NAME`` (``stabletrain train
@@ -32,8 +32,8 @@ from typing import Any
 
 from .. import console
 from ..diagnostics.cures import Remedy, SkipSamples, remedy_from_dict
-from ..records.incidents import REMEDY_FILE
-from ..remedy import search_remedies
+from ..records.bundles import REMEDY_FILE
+from ..remedy_search import search_remedies
 from ..seeding import rng_state, set_rng_state
 from . import TrainerOps
 

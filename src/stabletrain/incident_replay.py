@@ -29,7 +29,7 @@ from .config import config_from_dict
 from .data import move_to
 from .diagnostics.diagnosis import run_diagnosis
 from .fileio import atomic_write
-from .records.incidents import DIAGNOSIS_FILE, load_bundle
+from .records.bundles import DIAGNOSIS_FILE, load_bundle
 from .numerics import grad_norms, modes_kept, unique_params
 from .policies.guard import UNRECOVERABLE_SCALE
 from .policies.precision import PrecisionPolicy, resolve_device

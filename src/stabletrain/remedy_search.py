@@ -23,7 +23,7 @@ Verdicts (:func:`judge`):
 Cost: about (K + 1) x candidates steps plus one load (a rollback also replays the steps from its checkpoint
 to the incident); a candidate stops at its first bad step. ``remedy.json`` in the incident directory holds
 the whole search (non-finite figures as the strings "nan", "inf"). This module sits beside
-:mod:`stabletrain.replay`: it composes the step and the remedies.
+:mod:`stabletrain.incident_replay`: it composes the step and the remedies.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ from .fileio import atomic_write
 from .policies.guard import UNRECOVERABLE_SCALE, Guard
 from .policies.precision import resolve_device
 from .records.checkpoint.manager import CheckpointManager
-from .records.incidents import DIAGNOSIS_FILE, REMEDY_FILE, load_bundle
-from .replay import diagnose_incident, run_history
+from .records.bundles import DIAGNOSIS_FILE, REMEDY_FILE, load_bundle
+from .incident_replay import diagnose_incident, run_history
 from .replica import KEEP, Replica
 from .seeding import set_rng_state
 from .tasks import Task, resolve_task

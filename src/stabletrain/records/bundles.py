@@ -6,8 +6,8 @@
                      (epoch, position, micro-batches), the RNG states at the start of the step, the
                      model / optimizer / schedule / precision state live before the step, and what the
                      run observed (loss, grad norm, whether the bad value appeared after the update)
-    diagnosis.json   written by :func:`stabletrain.replay.diagnose_incident` (``stabletrain diagnose``)
-    remedy.json      written by :func:`stabletrain.remedy.search_remedies` (``stabletrain remedy``)
+    diagnosis.json   written by :func:`stabletrain.incident_replay.diagnose_incident` (``stabletrain diagnose``)
+    remedy.json      written by :func:`stabletrain.remedy_search.search_remedies` (``stabletrain remedy``)
     rank_R/          DDP and FSDP: the bundle of another rank that saw the same bad step
     dcp/             FSDP: the model and optimizer state, each rank's shards written with
                      ``torch.distributed.checkpoint`` (the bundles hold markers pointing here)
