@@ -15,13 +15,17 @@ from __future__ import annotations
 import argparse
 import sys
 import textwrap
-from pathlib import Path
 
 from . import console
 from ._version import __version__
-from .config import ConfigError, describe_keys, load_config, load_yaml, resume_safe_text
+from .config import ConfigError, describe_keys, resume_safe_text
 from .errors import format_task_error, raised_by_stabletrain, task_part
+from .commands.check import check_help as _check_help
+from .commands.check import cmd_check
+from .commands.listing import cmd_lab, cmd_tasks
+from .commands.pages import cmd_compare, cmd_report
 from .commands.remedy import add_remedy_parser, cmd_remedy
+from .commands.train import cmd_train
 
 __all__ = ["main"]
 
@@ -152,225 +156,6 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("lab", nargs="?", metavar="LAB", help="1..6, accept or all (default: list the labs)")
     lab.add_argument("--out", metavar="DIR", default="labs", help="where the plots (and index.html) go (default: labs)")
     return parser
-
-
-def _check_help(check: argparse.ArgumentParser) -> None:
-    """Complete the check command's help: the list of checks, and where they write by default."""
-    from .checks import DEFAULT_OUT_DIR
-    from .internals import parser_actions
-
-    check.description = f"{check.description}\n\n{_checks_help()}"
-    for action in parser_actions(check):
-        if action.dest == "out_dir":
-            action.help = action.help.format(default=DEFAULT_OUT_DIR)
-
-
-def _checks_help() -> str:
-    from .checks import CHECKS, DEFAULT_CHECKS, _load_builtin_checks
-
-    _load_builtin_checks()
-    width = max(len(name) for name in CHECKS)
-    lines = ["checks (run by name; with none named, every one not marked otherwise, in this order):"]
-    for name in sorted(CHECKS, key=lambda n: DEFAULT_CHECKS.index(n) if n in DEFAULT_CHECKS else len(CHECKS)):
-        fn = CHECKS[name]
-        doc = (fn.__doc__ or "").strip().splitlines()
-        line = doc[0].replace("``", "") if doc else ""
-        lines.append(f"  {name:<{width}}  {line}{'' if name in DEFAULT_CHECKS else ' (not run by default)'}")
-    return "\n".join(lines)
-
-
-def tasks_help(specs: list[str]) -> str:
-    """Return each task's first docstring line and its arguments: type, default and meaning."""
-    from .tasks import task_arguments, task_factory
-
-    lines: list[str] = []
-    for spec in specs:
-        factory = task_factory(spec)
-        doc = (factory.__doc__ or "").strip().splitlines()
-        lines.append(f"task={spec}: {doc[0] if doc else ''}".rstrip())
-        args = task_arguments(factory)
-        if not args:
-            lines.append("  (no arguments)")
-        names = [f"task_args.{a.name}" for a in args]
-        types = [a.type_text for a in args]
-        defaults = ["(required)" if a.required else "null" if a.default is None else str(a.default) for a in args]
-        widths = [max(map(len, col), default=0) for col in (names, types, defaults)]
-        for a, n, t, d in zip(args, names, types, defaults):
-            lines.append(f"  {n:<{widths[0]}}  {t:<{widths[1]}}  {d:<{widths[2]}}  {a.help}".rstrip())
-        lines.append("")
-    return "\n".join(lines).rstrip()
-
-
-def _split_check_args(items: list[str]) -> tuple[list[str], list[str]]:
-    names = [i for i in items if "=" not in i]
-    overrides = [i for i in items if "=" in i]
-    return names, overrides
-
-
-def _resume_target(args: argparse.Namespace) -> str | None:
-    if args.resume:
-        return args.resume
-    for item in args.overrides:
-        if item.startswith("resume="):
-            return item.split("=", 1)[1] or None
-    return None
-
-
-def cmd_train(args: argparse.Namespace) -> int:
-    resume = _resume_target(args)
-    if resume:
-        saved = Path(resume) / "config.yaml"
-        if not saved.exists():
-            raise FileNotFoundError(f"resume {resume!r}: no config.yaml there; is it a stabletrain run directory?")
-        base = load_yaml(saved.read_text(encoding="utf-8"), f"config file {str(saved)!r}") or {}
-        cfg = load_config(args.config, [*args.overrides, f"resume={resume}", f"run.dir={resume}"], base=base)
-        run_dir = Path(resume)
-    else:
-        cfg = load_config(args.config, args.overrides)
-        run_dir = Path(cfg.run.dir) if cfg.run.dir else None  # None: runs/<Task.name>-<timestamp>
-    from .distributed import launch as launcher  # no torch: a launcher or a supervisor does not hold it
-
-    # The ranks, and every restart, must agree on the run directory: name it here, once.
-    argv = list(getattr(args, "argv", None) or sys.argv[1:])
-    if not resume and not cfg.run.dir:
-        argv.append(f"run.dir={launcher.default_run_dir(cfg)}")
-    if cfg.dist.nproc > 1 and not launcher.under_torchrun():
-        console.say(f"starting {cfg.dist.nproc} processes on this machine (torchrun, {cfg.dist.strategy.upper()}): rank 0 "
-                    "prints the progress and writes the run directory")
-        return launcher.launch(cfg.dist.nproc, argv, max_restarts=cfg.run.max_restarts)
-    if cfg.run.max_restarts and not launcher.restarted_by_parent():
-        return launcher.supervise(argv, max_restarts=cfg.run.max_restarts)
-    from .distributed import ddp as distributed  # torch: only once the config is valid, in a process that trains
-    from .services.restarts import begin_launch
-
-    with distributed.process_group(cfg.dist.backend, cfg.dist.timeout_s, cfg.dist.nproc) as ctx:
-        launch = begin_launch(cfg, run_dir, bool(resume), ctx)  # run.resume=auto, and a restart's checks and record
-        if launch.refused:
-            return launcher.EXIT_GAVE_UP
-        return _train(args, cfg, launch.run_dir, launch.resume, ctx)
-
-
-def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ctx) -> int:
-    from .loop import Trainer
-    from .services.run_setup import DEFAULT_RUN_DIR
-
-    trainer = Trainer(cfg, run_dir=run_dir if run_dir is not None else DEFAULT_RUN_DIR, resume=resume)
-    run_dir = trainer.run.path if trainer.run is not None else run_dir
-    try:
-        record = trainer.fit()
-    except KeyboardInterrupt:  # a second signal: out at once; say what is safe to resume from
-        good = trainer.ckpt.latest_good() if trainer.ckpt is not None else None
-        if ctx.is_main:
-            where = (f"LAST_GOOD is {good.name}; resume with: stabletrain train --resume {run_dir}" if good
-                     else "no checkpoint was written")
-            console.say(f"interrupted at step {trainer.step}; {where}", sys.stderr)
-        return 130
-    except Exception as err:
-        if ctx.is_main and trainer.run is not None:  # the loop recorded a 'crash' event: say where to read it
-            note = f"(recorded in {run_dir}; see: stabletrain report {run_dir})"
-            err.__notes__ = [*getattr(err, "__notes__", []), note]  # err.add_note(note), which Python 3.10 lacks
-        raise
-    signalled = trainer.signals.received is not None
-    if not ctx.is_main:
-        return 1 if trainer.stop_reason is not None and not signalled else 0
-    if trainer.stop_reason is not None and signalled:
-        console.say(f"{trainer.stop_reason}; checkpointed. Resume with: stabletrain train --resume {run_dir}")
-        return 0
-    if trainer.stop_reason is not None:
-        console.say(f"the run stopped early: {trainer.stop_reason}. See {run_dir / 'events.jsonl'} and "
-                    f"{run_dir / 'incidents'}", sys.stderr)
-        return 1
-    shown = ", ".join(f"{k}={record[k]:.4g}" for k in ("loss", "val_loss", "grad_norm") if isinstance(record.get(k), float))
-    skipped = sum(int(r.get("num_skipped", 0)) for r in trainer.history)
-    skipped_note = (f"{skipped} of {trainer.step} steps skipped ({100 * skipped / max(trainer.step, 1):.0f}%: see events.jsonl)"
-                    if skipped else "no step skipped")
-    console.say(f"trained {trainer.step} steps; {shown}; {skipped_note}; run directory: {run_dir}")
-    if args.report:
-        _write_report(run_dir)
-    return 0
-
-
-def _write_report(run_dir: Path) -> None:
-    from .report import health_summary, load_run, write_report
-
-    from .report.goodput import read_goodput
-
-    console.say(f"report written to {write_report(run_dir)}")
-    print(health_summary(load_run(run_dir)).text)
-    goodput = read_goodput(run_dir)
-    if goodput is not None:
-        print(goodput.line())
-
-
-def cmd_check(args: argparse.Namespace) -> int:
-    names, overrides = _split_check_args(args.names)
-    cfg = load_config(args.config, overrides) if not args.list else None  # torch: only once the config is valid
-    from .checks import CHECKS, CheckContext, _load_builtin_checks, format_table, run_checks, to_json
-
-    _load_builtin_checks()
-    if args.list:
-        for name in CHECKS:
-            doc = (CHECKS[name].__doc__ or "").strip().splitlines()
-            print(f"{name:<12} {doc[0] if doc else ''}")
-        return 0
-    options = {"compare": args.compare.split(",") if args.compare else None, "out_dir": args.out_dir}
-    ctx = CheckContext(cfg, options=options)
-    results = run_checks(ctx, names or None)
-    print(to_json(results) if args.json else format_table(results))
-    if ctx.written:  # stdout stays pure JSON under --json
-        console.say(f"check files written to {ctx.out_dir}: {', '.join(p.name for p in ctx.written)}",
-                    sys.stderr if args.json else sys.stdout)
-    return 0 if all(r.passed for r in results) else 1
-
-
-def cmd_report(args: argparse.Namespace) -> int:
-    run_dir = Path(args.run_dir)
-    if not run_dir.exists():
-        raise FileNotFoundError(f"run directory {str(run_dir)!r} does not exist")
-    if not (run_dir / "metrics.jsonl").exists() and not (run_dir / "config.yaml").exists():
-        raise FileNotFoundError(f"run directory {str(run_dir)!r}: no metrics.jsonl or config.yaml there; is it a stabletrain run?")
-    _write_report(run_dir)
-    return 0
-
-
-def cmd_compare(args: argparse.Namespace) -> int:
-    from .report import write_compare
-
-    for d in args.run_dirs:
-        if not Path(d).exists():
-            raise FileNotFoundError(f"run directory {d!r} does not exist")
-        if not (Path(d) / "metrics.jsonl").exists():
-            raise FileNotFoundError(f"run directory {d!r}: no metrics.jsonl there; is it a stabletrain run?")
-    page = write_compare(args.run_dirs, args.out)
-    console.say(f"comparison written to {page} (plots in {page.with_name(page.stem + '_plots')})")
-    return 0
-
-
-def cmd_tasks(args: argparse.Namespace) -> int:
-    from .tasks import BUILTIN_TASKS
-
-    print(tasks_help([args.task] if args.task else list(BUILTIN_TASKS)))
-    return 0
-
-
-def cmd_lab(args: argparse.Namespace) -> int:
-    from .lab import LABS, format_list, format_result, run_lab
-
-    if args.lab is None:
-        print(format_list())
-        return 0
-    if args.lab != "all" and args.lab not in LABS:
-        raise ValueError(f"unknown lab {args.lab!r}; the labs are {', '.join(LABS)} or all (stabletrain lab lists them)")
-    results = []
-    for key in list(LABS) if args.lab == "all" else [args.lab]:
-        results.append(run_lab(key, args.out))
-        print(format_result(results[-1]), end="\n\n", flush=True)
-    if args.lab == "all":
-        from .lab.index import write_index
-
-        console.say(f"{sum(r.passed for r in results)} of {len(results)} labs passed "
-                    f"({sum(r.seconds for r in results):.0f} s); index written to {write_index(results, args.out)}")
-    return 0 if all(r.passed for r in results) else 1
 
 
 def _rank_prefix() -> str:

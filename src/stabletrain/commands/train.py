@@ -1,0 +1,107 @@
+"""``stabletrain train``: load the config, launch (torchrun, a supervisor) or train here, say how it ended."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .. import console
+from ..config import load_config, load_yaml
+
+__all__ = ["cmd_train", "write_report"]
+
+
+def _resume_target(args: argparse.Namespace) -> str | None:
+    if args.resume:
+        return args.resume
+    for item in args.overrides:
+        if item.startswith("resume="):
+            return item.split("=", 1)[1] or None
+    return None
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    resume = _resume_target(args)
+    if resume:
+        saved = Path(resume) / "config.yaml"
+        if not saved.exists():
+            raise FileNotFoundError(f"resume {resume!r}: no config.yaml there; is it a stabletrain run directory?")
+        base = load_yaml(saved.read_text(encoding="utf-8"), f"config file {str(saved)!r}") or {}
+        cfg = load_config(args.config, [*args.overrides, f"resume={resume}", f"run.dir={resume}"], base=base)
+        run_dir = Path(resume)
+    else:
+        cfg = load_config(args.config, args.overrides)
+        run_dir = Path(cfg.run.dir) if cfg.run.dir else None  # None: runs/<Task.name>-<timestamp>
+    from ..distributed import launch as launcher  # no torch: a launcher or a supervisor does not hold it
+
+    # The ranks, and every restart, must agree on the run directory: name it here, once.
+    argv = list(getattr(args, "argv", None) or sys.argv[1:])
+    if not resume and not cfg.run.dir:
+        argv.append(f"run.dir={launcher.default_run_dir(cfg)}")
+    if cfg.dist.nproc > 1 and not launcher.under_torchrun():
+        console.say(f"starting {cfg.dist.nproc} processes on this machine (torchrun, {cfg.dist.strategy.upper()}): rank 0 "
+                    "prints the progress and writes the run directory")
+        return launcher.launch(cfg.dist.nproc, argv, max_restarts=cfg.run.max_restarts)
+    if cfg.run.max_restarts and not launcher.restarted_by_parent():
+        return launcher.supervise(argv, max_restarts=cfg.run.max_restarts)
+    from ..distributed import ddp as distributed  # torch: only once the config is valid, in a process that trains
+    from ..services.restarts import begin_launch
+
+    with distributed.process_group(cfg.dist.backend, cfg.dist.timeout_s, cfg.dist.nproc) as ctx:
+        launch = begin_launch(cfg, run_dir, bool(resume), ctx)  # run.resume=auto, and a restart's checks and record
+        if launch.refused:
+            return launcher.EXIT_GAVE_UP
+        return _train(args, cfg, launch.run_dir, launch.resume, ctx)
+
+
+def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ctx) -> int:
+    from ..loop import Trainer
+    from ..services.run_setup import DEFAULT_RUN_DIR
+
+    trainer = Trainer(cfg, run_dir=run_dir if run_dir is not None else DEFAULT_RUN_DIR, resume=resume)
+    run_dir = trainer.run.path if trainer.run is not None else run_dir
+    try:
+        record = trainer.fit()
+    except KeyboardInterrupt:  # a second signal: out at once; say what is safe to resume from
+        good = trainer.ckpt.latest_good() if trainer.ckpt is not None else None
+        if ctx.is_main:
+            where = (f"LAST_GOOD is {good.name}; resume with: stabletrain train --resume {run_dir}" if good
+                     else "no checkpoint was written")
+            console.say(f"interrupted at step {trainer.step}; {where}", sys.stderr)
+        return 130
+    except Exception as err:
+        if ctx.is_main and trainer.run is not None:  # the loop recorded a 'crash' event: say where to read it
+            note = f"(recorded in {run_dir}; see: stabletrain report {run_dir})"
+            err.__notes__ = [*getattr(err, "__notes__", []), note]  # err.add_note(note), which Python 3.10 lacks
+        raise
+    signalled = trainer.signals.received is not None
+    if not ctx.is_main:
+        return 1 if trainer.stop_reason is not None and not signalled else 0
+    if trainer.stop_reason is not None and signalled:
+        console.say(f"{trainer.stop_reason}; checkpointed. Resume with: stabletrain train --resume {run_dir}")
+        return 0
+    if trainer.stop_reason is not None:
+        console.say(f"the run stopped early: {trainer.stop_reason}. See {run_dir / 'events.jsonl'} and "
+                    f"{run_dir / 'incidents'}", sys.stderr)
+        return 1
+    shown = ", ".join(f"{k}={record[k]:.4g}" for k in ("loss", "val_loss", "grad_norm") if isinstance(record.get(k), float))
+    skipped = sum(int(r.get("num_skipped", 0)) for r in trainer.history)
+    skipped_note = (f"{skipped} of {trainer.step} steps skipped ({100 * skipped / max(trainer.step, 1):.0f}%: see events.jsonl)"
+                    if skipped else "no step skipped")
+    console.say(f"trained {trainer.step} steps; {shown}; {skipped_note}; run directory: {run_dir}")
+    if args.report:
+        write_report(run_dir)
+    return 0
+
+
+def write_report(run_dir: Path) -> None:
+    from ..report import health_summary, load_run, write_report
+
+    from ..report.goodput import read_goodput
+
+    console.say(f"report written to {write_report(run_dir)}")
+    print(health_summary(load_run(run_dir)).text)
+    goodput = read_goodput(run_dir)
+    if goodput is not None:
+        print(goodput.line())
