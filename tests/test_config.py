@@ -190,12 +190,12 @@ def test_help_readme_and_refusal_print_the_same_resume_safe_keys():
     assert listed == ", ".join(RESUME_SAFE_KEYS) and "train.max_steps" in listed and "callbacks" in listed
 
     def words(text: str) -> str:
-        return " ".join(text.split())  # help and README wrap lines
+        return " ".join(text.split())  # help and the docs wrap lines
 
     help_text = subprocess.run([sys.executable, "-m", "stabletrain", "train", "--help"], capture_output=True, text=True,
                                timeout=120, check=True).stdout
     assert f"only these keys may change on resume: {listed}" in words(help_text)
-    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    readme = (Path(__file__).parents[1] / "docs" / "checkpoints.md").read_text(encoding="utf-8")
     assert f"only these keys may change on resume: {resume_safe_text(code=True)}" in words(readme)
     diffs = diff_configs(Config(), load_config(None, ["optim.lr=0.5", "accum.steps=2"]))
     message = resume_refusal_message("runs/a", diffs)

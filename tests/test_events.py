@@ -13,11 +13,11 @@ from stabletrain.report.html import KIND_COLORS
 from stabletrain.report.plots import EVENT_MARKS
 from stabletrain.report.rundata import KNOWN_METRIC_KEYS
 
-README = Path(__file__).parents[1] / "README.md"
+README = Path(__file__).parents[1] / "docs" / "run-directory.md"  # the tables of metric keys and event kinds
 
 
 def _readme_table(header: str) -> list[str]:
-    """Return the backticked names in the first column of the README table under ``| header |``."""
+    """Return the backticked names in the first column of the docs' table under ``| header |``."""
     lines = README.read_text(encoding="utf-8").splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(f"| {header} |"))
     names = []

@@ -31,7 +31,7 @@ def test_my_task_sequences_follow_the_rule_at_every_position(my_task):
 
 
 def test_my_task_learns_its_rule_in_300_steps(my_task):
-    """The README's command for 300 steps: from chance (ln 32 = 3.47) to below 0.05 (train and validation)."""
+    """The docs' command for 300 steps (docs/your-code.md): from chance (ln 32 = 3.47) to below 0.05 (train and validation)."""
     trainer = Trainer(cfg("task=examples.my_task:make_task", "train.max_steps=300", "log.every=50", "eval.every=300"))
     trainer.fit()
     first, last = trainer.history[0], trainer.history[-1]
@@ -41,13 +41,13 @@ def test_my_task_learns_its_rule_in_300_steps(my_task):
 
 @pytest.mark.slow  # trains for seconds
 def test_the_readmes_callback_snippet_runs_as_written(tmp_path, monkeypatch, capsys):
-    """The "Callbacks" snippet of the README, run as written: its config comes from load_config, its hooks print."""
+    """The "Callbacks" snippet of the docs (docs/your-code.md), run as written: its config comes from load_config, its hooks print."""
     import re
 
-    section = (ROOT / "README.md").read_text(encoding="utf-8").split("### Callbacks", 1)[1].split("\n#", 1)[0]
+    section = (ROOT / "docs" / "your-code.md").read_text(encoding="utf-8").split("## Callbacks", 1)[1].split("\n#", 1)[0]
     (snippet,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     monkeypatch.chdir(tmp_path)
-    exec(compile(snippet, "README.md callbacks snippet", "exec"), {"__name__": "__readme__"})
+    exec(compile(snippet, "docs/your-code.md callbacks snippet", "exec"), {"__name__": "__readme__"})
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert [line.split(":")[0] for line in printed] == ["step 20", "step 40", "step 60"]
     emas = [float(line.rsplit(" ", 1)[1]) for line in printed]

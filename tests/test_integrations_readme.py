@@ -1,4 +1,4 @@
-"""The README's "Your trainer" snippets run as written, and `stabletrain report` renders each run they write."""
+"""The docs' "Your trainer" snippets (docs/adapters.md) run as written, and `stabletrain report` renders each run they write."""
 
 from __future__ import annotations
 
@@ -13,13 +13,12 @@ import integration_models  # noqa: F401  (sets the Hugging Face offline variable
 from stabletrain.records.rundir import read_jsonl
 from stabletrain.report import write_compare, write_report
 
-README = Path(__file__).parents[1] / "README.md"
+README = Path(__file__).parents[1] / "docs" / "adapters.md"
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")]  # slow: the README's trainer snippets, run as written
 
 
 def snippets() -> list[str]:
-    text = README.read_text(encoding="utf-8")
-    section = text.split("## Your trainer", 1)[1].split("\n## ", 1)[0]
+    section = README.read_text(encoding="utf-8")  # the whole page is "Your trainer"
     return re.findall(r"```python\n(.*?)```", section, flags=re.S)
 
 
@@ -84,9 +83,9 @@ def test_the_two_process_example_names_rank_1_and_its_sample(tmp_path):
 
     from multiproc import TORCHRUN, env
 
-    section = README.read_text(encoding="utf-8").split("## Your trainer", 1)[1].split("\n## ", 1)[0]
+    section = README.read_text(encoding="utf-8")
     (command,) = _re.findall(r"torchrun --standalone --nproc_per_node=2 (examples/\S+)", section)
-    example = README.parent / command
+    example = README.parents[1] / command
     done = subprocess.run([*TORCHRUN, str(example)], cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     events = [json.loads(x) for x in (tmp_path / "runs" / "ddp-loop" / "events.jsonl").read_text().splitlines()]

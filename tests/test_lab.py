@@ -238,7 +238,7 @@ def test_cli_lists_runs_one_and_rejects_an_unknown_lab(tmp_path, capsys):
 
 
 def test_readme_lists_every_lab():
-    lines = (TESTS.parent / "README.md").read_text(encoding="utf-8").splitlines()
+    lines = (TESTS.parent / "docs" / "labs.md").read_text(encoding="utf-8").splitlines()
     start = lines.index(next(line for line in lines if line.startswith("| lab | exercise |")))
     listed = []
     for line in lines[start + 2:]:

@@ -147,7 +147,7 @@ def test_a_spike_candidate_is_held_to_the_runs_level_before_the_spike():
 def test_the_readme_worked_example_prints_what_the_readme_shows(tmp_path, capsys):
     from pathlib import Path
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    readme = (Path(__file__).parents[1] / "docs" / "remedies.md").read_text(encoding="utf-8")  # the worked example
     run = tmp_path / "diverge"
     assert main(["train", "task=examples.diverging_task:make_task", "optim.name=sgd", "optim.lr=2.5", "optim.weight_decay=0",
                  "clip.max_norm=null", "sched.decay=constant", "train.batch_size=8", "train.max_steps=60", "log.every=5",
@@ -158,7 +158,7 @@ def test_the_readme_worked_example_prints_what_the_readme_shows(tmp_path, capsys
     printed = capsys.readouterr().out.splitlines()
     shown = readme.split("$ stabletrain remedy runs/diverge/incidents/step_000038 --steps 4\n", 1)[1].split("\n```", 1)[0].splitlines()
     # What is the same on every CPU: the incident, the columns, the ranking, each verdict, what each candidate does and
-    # the steps its evidence names. The README's numbers come from one machine (it says which); another CPU's last
+    # the steps its evidence names. The page's numbers come from one machine (it says which); another CPU's last
     # digits differ (7.72e-08 for 7.717e-08), so numbers with a fraction or an exponent are compared within 5%.
     assert printed[0].split(" (")[0] == shown[0].split(" (")[0]  # "incident step 38: divergence"
     (ours, our_numbers), (theirs, their_numbers) = table_rows(printed[2:]), table_rows(shown[2:])

@@ -183,15 +183,15 @@ def test_an_adapter_spike_gets_the_same_doctor(tmp_path):
 
 
 def test_the_readme_spike_example_prints_what_the_readme_shows(tmp_path, capsys):
-    """The README's worked example (examples/spike_task.py): the spike line and the remedy table's candidates, ranking,
+    """The docs' worked example (docs/loss-spikes.md, examples/spike_task.py): the spike line and the remedy table's candidates, ranking,
     verdicts and what each does, as on this page (its numbers within 5%: another CPU rounds the last digits)."""
     from pathlib import Path
 
     from stabletrain.cli import main
     from test_remedy import table_rows
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
-    block = readme.split("## Loss spikes", 1)[1].split("\n```\n", 2)[1]
+    readme = (Path(__file__).parents[1] / "docs" / "loss-spikes.md").read_text(encoding="utf-8")
+    block = readme.split("# Loss spikes", 1)[1].split("\n```\n", 2)[1]
     run = tmp_path / "spike"
     assert main(["train", "task=examples.spike_task:make_task", "train.batch_size=8", "train.max_steps=80",
                  "log.every=10", "data.shuffle=false", "sched.warmup_steps=0", "sched.decay=constant", f"run.dir={run}",
