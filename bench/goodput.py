@@ -11,7 +11,7 @@ bitwise equal to the uninterrupted run's. Target: goodput >= 90% for the killed 
 Start-up is most of what a restart costs on a small machine: every restarted rank imports torch and builds
 its Trainer again (``--quick`` shows it plainly: a small gpt, 60 steps, a kill every 25: not a measurement).
 2026-12-03, 2 cores, load 2.5-3.5: 71.0% (3 kills in 300 steps), uninterrupted 92.4%; ``--steps 600 --every
-300``: 81.7% vs 93.2%; bitwise equal both times (README, Benchmarks).
+300``: 81.7% vs 93.2%; bitwise equal both times (docs/benchmarks.md).
 
     python bench/goodput.py [--steps 300] [--every 100] [--nproc 2] [--dir DIR] [--quick]
 """

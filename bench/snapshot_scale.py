@@ -21,7 +21,7 @@ spreads it over the ranks:
                     state whole on each GPU (16 bytes/param with AdamW); FSDP2 holds 1/world of it (plus
                     activations and the gathered blocks, not counted)
 
-    python bench/snapshot_scale.py                  # the README table
+    python bench/snapshot_scale.py                  # the table in docs/nan-inf.md
     python bench/snapshot_scale.py --bandwidth-gbs 10 --host-gib 1024 --log-every 50
 """
 

@@ -1,6 +1,6 @@
 """Comparing configs: flattening to dotted keys, the differences, and the keys that may change on resume.
 
-:data:`RESUME_SAFE_KEYS` is the one list of the keys a resume may change: the help, the README and the
+:data:`RESUME_SAFE_KEYS` is the one list of the keys a resume may change: the help, the docs and the
 resume refusal all print it from here.
 """
 

@@ -41,7 +41,7 @@ h3 { font-size:14px; margin:16px 0 6px; color:#3b444d; }
 # The chapter's original lines are Chinese. Where the browser has no font for them (a headless Linux without
 # fonts-noto-cjk) they would show as boxes: this hides them, leaving the English line. Missing glyphs all
 # draw the same box (.notdef), two different characters of a real font never do. (Firefox draws a box
-# with the code point instead, so there the lines stay, as boxes; the README names the font package.)
+# with the code point instead, so there the lines stay, as boxes; docs/labs.md names the font package.)
 _CJK_FALLBACK = """
 <script>
 (function () {

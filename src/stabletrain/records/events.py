@@ -2,7 +2,7 @@
 
 The one table of each (DESIGN.md, "Each fact once"). :meth:`stabletrain.records.rundir.RunDir.event` refuses
 a kind missing here, the report reads its known kinds and keys from here, and a test checks the
-README's tables against these. A new event or metric is added here first, with its meaning.
+docs' tables (docs/run-directory.md) against these. A new event or metric is added here first, with its meaning.
 
 ``events.jsonl`` holds one JSON object per event: ``{"step", "kind", "reason", "time", ...}`` where
 ``reason`` is one plain sentence and the other fields depend on the kind. ``metrics.jsonl`` holds

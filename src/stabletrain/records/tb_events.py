@@ -4,7 +4,7 @@ The file is TensorBoard's own (``events.out.tfevents.*``): its ``Event`` and ``S
 ``tensorboard`` package, each framed as a TFRecord (length, masked CRC32C of the length, data, masked CRC32C
 of the data). Why not TensorBoard's writer (or torch's ``SummaryWriter``): it hands each event to a thread
 that computes the CRC32C in pure Python where TensorFlow is not installed, ~0.15 ms per interval's event
-holding the GIL, which the training loop then waits for (README, Benchmarks: the mlp's overhead 1.33 ->
+holding the GIL, which the training loop then waits for (docs/benchmarks.md: the mlp's overhead 1.33 ->
 1.28x); here the CRC is google-crc32c's C code (0.4 us). ``tests/test_tb_events.py`` reads the files with
 TensorBoard's own reader, CRCs included.
 """

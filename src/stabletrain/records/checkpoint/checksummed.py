@@ -4,7 +4,7 @@ A checkpoint's ``state.pt`` is checked by the CRC32 of every byte, recorded in m
 load. ``torch.save`` also computes a CRC32 of each record of its zip: the same bytes checksummed twice. This
 file leaves torch's out (:func:`stabletrain.internals.save_without_record_crcs`, for this one file; torch's
 ``set_crc32_options`` would switch it off for every save in the process): 5 ms less writer CPU per save of
-the default gpt's 9.7 MiB state (README, Benchmarks). ``torch.load`` reads the file as any other (it does
+the default gpt's 9.7 MiB state (docs/benchmarks.md). ``torch.load`` reads the file as any other (it does
 not check those CRCs); ``tests/test_internals.py`` loads it with ``torch.load`` and checks the CRC32.
 """
 
