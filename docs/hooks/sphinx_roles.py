@@ -2,13 +2,15 @@
 
 The docstrings cross-reference with reStructuredText roles (``:class:`Guard```, ``:meth:`~.TrainStep.update```),
 which mkdocstrings' Markdown leaves as text (":meth:" before the code). This drops the role and, for a ``~``
-target, keeps only its last component, as Sphinx shows it.
+target, keeps only its last component, as Sphinx shows it; and the ``::`` that introduces a literal block (which
+Markdown shows as a code block already) reads as one colon, or goes where it stood alone.
 """
 
 from __future__ import annotations
 
 import re
 
+_LITERAL = re.compile(r"(?<=\S)::</p>")
 _ROLE = re.compile(r":(?:meth|class|func|mod|data|attr|exc|obj|const):<code>(~?)\.?([^<]*)</code>")
 
 
@@ -18,4 +20,4 @@ def _code(match: re.Match) -> str:
 
 
 def on_page_content(html: str, page, config, files) -> str:  # noqa: ANN001 (MkDocs' hook signature)
-    return _ROLE.sub(_code, html)
+    return _LITERAL.sub(":</p>", _ROLE.sub(_code, html)).replace("<p>::</p>", "")
