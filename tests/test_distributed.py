@@ -287,10 +287,10 @@ def test_a_launcher_killed_outright_takes_torchrun_and_every_rank_with_it(tmp_pa
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     below = []
     try:
-        wait_for_step(proc, run_dir, 2)
+        wait_for_step(proc, run_dir, 3)  # past the step-2 save, which starts rank 0's writer process
         ranks, below = _rank_pids(proc.pid), descendants(proc.pid)
         writers = [pid for pid in below if b"stabletrain.records.checkpoint.writer" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-        # torchrun, the two ranks, and rank 0's checkpoint writer process (started by the step-0 save)
+        # torchrun, the two ranks, and rank 0's checkpoint writer process
         assert set(ranks) == {0, 1} and len(below) == 4 and len(writers) == 1, (ranks, below)
         recorded = json.loads((run_dir / "launch.json").read_text())["processes"]
         assert sorted(p["pid"] for p in recorded) == sorted(ranks.values())  # the run dir names who runs on it

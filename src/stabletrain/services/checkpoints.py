@@ -6,7 +6,8 @@ writes; every rank sends it its RNG state and data position.
 
 Saves run off the critical path (:meth:`CheckpointManager.save_async`): training waits only for the
 staging copy into shared memory; the writer process checks the copy's finiteness, writes, verifies,
-moves LAST_GOOD and prunes. At most one save is in flight. What needs LAST_GOOD (a rollback, an incident
+moves LAST_GOOD and prunes. At most one save is in flight. Until a writer runs, the first save (when
+small: :data:`INLINE_FIRST_BYTES`) and a save the loop waits for anyway are written in the loop's thread. What needs LAST_GOOD (a rollback, an incident
 replay from it, the run's last checkpoint, the end of the fit) waits for it first. A save's outcome
 (``checkpoint``, ``checkpoint_withheld`` from a non-finite copy, or ``checkpoint_failed`` when the write
 failed or the writer died) is handed to the loop by :meth:`CheckpointKeeper.finished` once it is known, so
@@ -29,13 +30,21 @@ from .. import console
 from ..records.checkpoint.files import CheckpointError, first_nonfinite
 from ..records.checkpoint.manager import LoadedCheckpoint
 from ..records.checkpoint.saves import PendingSave, SaveCosts
+from ..records.checkpoint.writer import running_writer
+from ..records.staging import state_bytes
 from ..config import (RESHARD_SAFE_KEYS, RESUME_SAFE_KEYS, config_hash, config_to_dict, diff_configs,
                       resume_refusal_message)
 from ..records.checkpoint.sharded import ShardedSaver, local_tensors, split_for_dcp
 from ..callbacks import FitState
 from . import TrainerOps
 
-__all__ = ["CheckpointKeeper", "schedule_change_note"]
+__all__ = ["CheckpointKeeper", "schedule_change_note", "INLINE_FIRST_BYTES"]
+
+#: While no writer process runs, a run's first save of at most this many bytes of tensors is written in the loop's
+#: thread (a few ms to ~0.2 s), as is a save the loop waits for anyway (the run's last): a run that never saves in
+#: the background (a short one, ckpt.every beyond its end) starts no process (~1.3 CPU-seconds: a fresh
+#: interpreter importing torch), and its last save does not wait for one to start.
+INLINE_FIRST_BYTES = 64 << 20
 
 
 def schedule_change_note(cfg: Any, old_max_steps: int, step: int) -> str:
@@ -78,6 +87,7 @@ class CheckpointKeeper:
         self._saver: ShardedSaver | None = None  # FSDP: every rank's DCP saves (created at the first save)
         self._costs = SaveCosts()  # each save's wall cost to the steps while it is written (its event's fields)
         self._fit: FitState | None = None  # the fit's state, whose step the boundaries' marks read
+        self._saved = False  # a (non-sharded) save was made: the next is not the first
 
     # -- resume ---------------------------------------------------------------------------------
 
@@ -192,9 +202,17 @@ class CheckpointKeeper:
         if state.run is None:  # only rank 0 writes
             return []
         done = self.finished(wait=True)
+        first, self._saved = not self._saved, True
+        if running_writer() is None and (wait or (first and state_bytes(whole) <= INLINE_FIRST_BYTES)):
+            try:  # no writer process yet: a save waited for anyway, or a small first one, is written here
+                result = ckpt.save(whole, state.step, meta)
+            except Exception as err:  # the previous checkpoint is intact
+                return done + [_failed(state.step, err)]
+            return done + [{"step": result.step, "kind": result.kind, "reason": result.reason,
+                            "fields": result.event_fields()}]
         try:
             self._pending = ckpt.save_async(whole, state.step, meta)
-        except Exception as err:  # the check or the staging copy failed; the previous checkpoint is intact
+        except Exception as err:  # the staging copy or the hand-over failed; the previous checkpoint is intact
             return done + [_failed(state.step, err)]
         self._costs.started(state.step)
         return done + self.finished(wait=wait)

@@ -11,6 +11,10 @@ the ranks exchange no plans while the shards' layout stays the same.
 travels with every save request) it makes that process exit when its parent, the rank, is gone. DCP's
 own process leaves only at the rank's normal exit or on a closed pipe, which a rank killed outright
 leaves open until a save in flight (and its collectives with the other ranks' checkpoint processes) ends.
+
+DCP starts its process with multiprocessing's ``spawn``, which imports the rank's main module again: a script
+that trains with sharded checkpoints must keep its training under ``if __name__ == "__main__":`` (``python -m
+stabletrain`` and torchrun's own entry points do).
 """
 
 from __future__ import annotations
