@@ -1,12 +1,14 @@
 """The checkpoint writer process: writes, verifies and installs what a background save staged, beside training.
 
-A background save (:meth:`~.manager.CheckpointManager.save_async`) blocks training only for the
-finiteness check and one copy of the state into shared memory (:mod:`.arena`); then this process
-pickles and writes state.pt and meta.json, fsyncs, verifies, renames, moves LAST_GOOD and prunes,
-the same code as a synchronous save (:meth:`~.manager.CheckpointManager.write_staged`). A thread in
-the training process did this before: its Python ran under training's GIL (the loop waited for the
-writer's pickling) and, lowered in priority, held the GIL while descheduled. A process has a GIL of
-its own, and its lower priority (nice +10) costs training nothing but the CPU it uses.
+A background save (:meth:`~.manager.CheckpointManager.save_async`) blocks training only for one copy
+of the state into shared memory (:mod:`.arena`); then this process checks the copy's finiteness,
+pickles and writes state.pt and meta.json, fsyncs, verifies, renames, moves LAST_GOOD and prunes, the
+same code as a synchronous save (:meth:`~.manager.CheckpointManager.write_staged`). A thread in the
+training process did this before, its Python under training's GIL: a Python-bound loop waited for the
+writer's pickling (the mlp, a core free: +8 ms per save against +1.4-3.4 ms from this process). A
+process has a GIL of its own; at nice +10 it costs training the CPU it uses (~20 ms per save of the
+default gpt's 9.7 MiB), which is all it costs where training leaves a core free, and what it takes
+from training where training keeps every core busy (docs/benchmarks.md, Checkpoints).
 
 One writer per training process, started at its first background save (``python -m
 stabletrain.records.checkpoint.writer_main``: a fresh interpreter, ~1 CPU-second to import torch, once),
