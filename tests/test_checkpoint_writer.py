@@ -177,6 +177,44 @@ def test_a_nonfinite_state_is_withheld_by_the_writer_and_nothing_is_written(tmp_
     assert dirs(tmp_path) == ["LAST_GOOD", "step_000001"]
 
 
+# -- what a save cost ------------------------------------------------------------------------------------
+
+
+def test_save_costs_compare_the_steps_a_save_was_written_beside_with_as_many_before_it(monkeypatch):
+    from stabletrain.records.checkpoint import saves
+
+    now = [0.0]
+    monkeypatch.setattr(saves.time, "perf_counter", lambda: now[0])
+    costs = saves.SaveCosts()
+    for step in (10, 20):  # boundaries 10 steps apart, 1 s each: 0.1 s per step
+        costs.mark(step)
+        now[0] += 1.0
+    costs.mark(30)
+    with costs.blocked():  # the save blocks the loop 0.05 s: reported apart, not a step's time
+        now[0] += 0.05
+    costs.started(30)
+    now[0] += 1.2  # the 10 steps while it was written: 0.12 s each
+    assert costs.fields(30, 40) == {"steps_after": 10, "step_time_s_after": 0.12, "steps_before": 10,
+                                    "step_time_s_before": 0.1, "slowdown": 1.2}
+    assert costs.fields(30, 40) == {}  # each save's fields once
+    costs.started(40)
+    assert costs.fields(40, 40) == {}  # waited for at once (the run's last): no step after it
+
+
+def test_a_runs_checkpoint_events_say_what_each_background_save_cost(tmp_path):
+    run_dir = tmp_path / "run"
+    stabletrain.Trainer(stabletrain.load_config(None, [*MLP, "train.max_steps=12", "log.every=2", "ckpt.every=4"]),
+                        run_dir=run_dir).fit()
+    saves = {e["step"]: e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
+             if e["kind"] == "checkpoint"}
+    assert sorted(saves) == [0, 4, 8, 12]
+    for step in (4, 8):  # in the background: blocked for the copy only, written by the writer process
+        e = saves[step]
+        assert 0 < e["blocked_s"] < e["seconds"] and e["write_s"] > 0 and e["write_cpu_s"] > 0, e
+        assert e["steps_after"] in (2, 4) and e["step_time_s_after"] > 0 and e["steps_before"] == e["steps_after"], e
+        assert e["slowdown"] == pytest.approx(e["step_time_s_after"] / e["step_time_s_before"], rel=0.01)
+
+
 # -- failures ------------------------------------------------------------------------------------------
 
 

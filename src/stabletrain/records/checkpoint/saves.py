@@ -186,15 +186,15 @@ class SaveCosts:
         after = (self._clock() - began) / n
         before_marks = [m for m in self._marks if m[0] < step]
         if not before_marks:
-            return {"steps_after": n, "step_time_s_after": round(after, 5)}
+            return {"steps_after": n, "step_time_s_after": round(after, 6)}
         older = [m for m in before_marks if m[0] <= step - n]
         first = older[-1] if older else before_marks[0]  # n steps back, or as far back as the marks go
         at = next((t for s, t in self._marks if s == step), None)
         if at is None:
-            return {"steps_after": n, "step_time_s_after": round(after, 5)}
+            return {"steps_after": n, "step_time_s_after": round(after, 6)}
         before = (at - first[1]) / (step - first[0])
-        return {"steps_after": n, "step_time_s_after": round(after, 5), "steps_before": step - first[0],
-                "step_time_s_before": round(before, 5), "slowdown": round(after / before, 4) if before > 0 else None}
+        return {"steps_after": n, "step_time_s_after": round(after, 6), "steps_before": step - first[0],
+                "step_time_s_before": round(before, 6), "slowdown": round(after / before, 4) if before > 0 else None}
 
 
 class _Blocked:
