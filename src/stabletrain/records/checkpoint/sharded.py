@@ -16,14 +16,16 @@ One save (DESIGN.md, principle 4: nothing bad is persisted)::
     every rank: model/optimizer sharded state dicts (DTensors; no collective, no copy)
     every rank: its first non-finite shard, gathered with the RNG states  # any -> withheld on every rank
     rank 0: wait for the save in flight, create step_N.tmp-<pid>/dcp, name it  # one broadcast
-    every rank: dcp.async_save on a dedicated gloo group                   # blocks for the staging copy only
-    rank 0's background thread (CheckpointManager): wait for its DCP save, write state.pt and meta.json,
-        verify (.metadata names every key, every shard file it references is there), rename, LAST_GOOD
+    every rank: dcp.async_save, process-based (dcp_process)                 # blocks for the staging copy only
+    rank 0 (CheckpointManager): a helper thread waits for its DCP save; then the writer process writes
+        state.pt and meta.json, verifies (.metadata names every key, every shard file it references is
+        there), renames, moves LAST_GOOD
 
 DCP's save gathers every rank's write results to rank 0, which writes ``.metadata`` only when every
 rank's writes succeeded (a failure on any rank raises on all of them): rank 0's save completing means
-every rank's shards are on disk. The background collectives of ``async_save`` run on a group of their
-own (``dist.new_group(backend="gloo")``), so they never interleave with training's collectives.
+every rank's shards are on disk. Each rank's shards are written by a checkpoint process of its own
+(:mod:`.dcp_process`), whose collectives run on a gloo group of those processes, apart from training's;
+the first save broadcasts their address on a group of its own (``dist.new_group(backend="gloo")``).
 
 Loading never executes code: ``.metadata`` (a pickle) is read with an unpickler that accepts only
 DCP's metadata classes, after its sha256 matched meta.json; tensors are read by DCP's
@@ -178,7 +180,8 @@ class ShardedSaver:
             raise ValueError(f"config key 'dist.checkpoint': sharded needs torch>=2.9 (DCP's DefaultStager), and this "
                              f"is torch {torch.__version__}; upgrade torch or use dist.checkpoint=full") from err
 
-        # async_save's background thread runs collectives: a group of its own keeps them apart from training's.
+        # async_save's first save broadcasts its checkpoint processes' address on it (their own gloo group does the
+        # rest): a group of its own keeps that apart from training's collectives.
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         # Reused across saves: the staging buffers of the same tensors are copied into, not reallocated; in shared
         # memory, which DCP's checkpoint process (dcp_process) reads them from.
