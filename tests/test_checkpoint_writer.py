@@ -164,6 +164,18 @@ def test_a_layout_change_and_a_second_manager_share_the_one_writer(tmp_path):
     assert torch.equal(b.load().state["x"], torch.arange(5))
 
 
+def test_a_relative_root_is_the_one_the_process_named_whatever_the_writers_cwd(tmp_path, monkeypatch):
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    monkeypatch.chdir(first)
+    CheckpointManager("ckpt").save_async(tiny_state(1.0), 1).result()  # the writer starts here, in first/
+    monkeypatch.chdir(second)
+    manager = CheckpointManager("ckpt")
+    manager.save_async(tiny_state(2.0), 2).result()  # the same writer, started in first/
+    assert dirs(second / "ckpt") == ["LAST_GOOD", "step_000002"] and dirs(first / "ckpt") == ["LAST_GOOD", "step_000001"]
+    assert_same(manager.load().state, tiny_state(2.0))
+
+
 def test_a_nonfinite_state_is_withheld_by_the_writer_and_nothing_is_written(tmp_path):
     manager = CheckpointManager(tmp_path)
     manager.save_async(tiny_state(1.0), 1).result()

@@ -87,7 +87,7 @@ class CheckpointManager:
                  require_finite: Sequence[str] | None = ("model", "optimizer")) -> None:
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
             raise ValueError(f"keep: expected an integer >= 1 (how many checkpoints to keep), got {keep!r}")
-        self.root = Path(root)
+        self.root = Path(root).absolute()  # the writer process keeps the cwd it started in
         self.keep = keep
         self.require_finite = tuple(require_finite) if require_finite is not None else None
         self._background = BackgroundSaves(self)
