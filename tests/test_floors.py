@@ -37,7 +37,7 @@ TORCH_APIS = [
     ("DCP DefaultStager / async_save(async_stager=)", re.compile(r"\bDefaultStager\b"), (2, 9)),
 ]
 #: APIs behind a guard that raises a clear error on an older torch (the file that holds the guard).
-GUARDED = {"DCP DefaultStager / async_save(async_stager=)": "sharded.py"}
+GUARDED = {"DCP DefaultStager / async_save(async_stager=)": "shards.py"}
 
 
 def _floor(spec: str) -> tuple[int, ...]:

@@ -25,7 +25,7 @@ from multiproc import FAST, World, cli, descendants, env, events, run, stabletra
 from stabletrain import Trainer
 from stabletrain.records.checkpoint.files import CheckpointError
 from stabletrain.records.checkpoint.manager import CheckpointManager
-from stabletrain.records.checkpoint.sharded import (ShardedSave, ShardedSaver, read_full_tensors, read_metadata,
+from stabletrain.records.checkpoint.shards import (ShardedSave, ShardedSaver, read_full_tensors, read_metadata,
                                             sharded_state_dicts, split_for_dcp)
 
 pytestmark = pytest.mark.slow  # a process group in this process, and 2-process runs

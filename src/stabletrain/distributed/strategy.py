@@ -103,7 +103,7 @@ class Strategy:
     def load_state(self, module: nn.Module, optimizer: torch.optim.Optimizer,
                    named_params: list[tuple[str, nn.Parameter]], model_state: Any, optim_state: Any) -> None:
         """Load what :meth:`state` returned, or a checkpoint written under any strategy and world size."""
-        from ..records.checkpoint.sharded import is_dcp_entry, load_dcp_state_dicts
+        from ..records.checkpoint.shards import is_dcp_entry, load_dcp_state_dicts
 
         if is_dcp_entry(model_state):  # a collective: DCP reads each rank's part (any world size, any strategy)
             load_dcp_state_dicts(module, optimizer, model_state, optim_state)
@@ -141,6 +141,13 @@ class Strategy:
         for event in ready:
             event.synchronize()
         return staged
+
+    def shard_saver(self) -> Any:
+        """The checkpoint's writer of this rank's own shards (DCP), or None when a checkpoint is one whole state.
+
+        Called at the first save, which every rank reaches together (it may make a process group).
+        """
+        return None
 
     def one_process_model(self, model_state: Any) -> Any:
         """A snapshot's model state in the one-process format (None where it holds only this rank's shards)."""
@@ -251,7 +258,7 @@ class FSDPStrategy(Strategy):
     def state(self, module: nn.Module, optimizer: torch.optim.Optimizer, named_params: list[tuple[str, nn.Parameter]],
               *, local: bool = False, dcp: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
         if dcp:  # DCP's sharded state dicts: FQN keys, DTensor values (no collective, no copy)
-            from ..records.checkpoint.sharded import sharded_state_dicts
+            from ..records.checkpoint.shards import sharded_state_dicts
             return sharded_state_dicts(module, optimizer)
         if local:  # this rank's own shards, live views (no collective, no copy): the incident snapshot
             from .fsdp import local_state_dicts
@@ -262,7 +269,7 @@ class FSDPStrategy(Strategy):
     def load_state(self, module: nn.Module, optimizer: torch.optim.Optimizer,
                    named_params: list[tuple[str, nn.Parameter]], model_state: Any, optim_state: Any) -> None:
         from .fsdp import is_local_state, load_full_state_dicts, load_local_state_dicts
-        from ..records.checkpoint.sharded import is_dcp_entry
+        from ..records.checkpoint.shards import is_dcp_entry
 
         if is_dcp_entry(model_state):
             super().load_state(module, optimizer, named_params, model_state, optim_state)
@@ -275,6 +282,13 @@ class FSDPStrategy(Strategy):
     def snapshot_parts(self, local: dict[str, Any], module: nn.Module) -> tuple[Any, Any, tuple[int, int] | None]:
         return None, local, None  # this rank's own shards, all on the compute stream
 
+    def shard_saver(self) -> Any:
+        """DCP's saver under ``dist.checkpoint=sharded`` (every rank writes its shards), else None (a full state)."""
+        if self.cfg.dist.checkpoint != "sharded":
+            return None
+        from ..records.checkpoint.shards import ShardedSaver
+        return ShardedSaver(self.cfg.dist.timeout_s)
+
     def one_process_model(self, model_state: Any) -> Any:
         return None  # this rank's shards
 
@@ -282,13 +296,13 @@ class FSDPStrategy(Strategy):
         """Every rank writes its shards of the pre-step model and optimizer into ``folder`` with DCP (a collective).
 
         Returns the rest of the state in host memory, with DCP markers in place of the model and the optimizer
-        (:func:`~stabletrain.records.checkpoint.sharded.split_for_dcp`): what rank 0's bundle holds. No rank holds
+        (:func:`~stabletrain.records.checkpoint.shards.split_for_dcp`): what rank 0's bundle holds. No rank holds
         more than its shards: :func:`~stabletrain.records.bundles.load_bundle` reads them whole for the
         one-process diagnosis. None without a folder (no run directory).
         """
         import torch.distributed.checkpoint as dcp
 
-        from ..records.checkpoint.sharded import split_for_dcp
+        from ..records.checkpoint.shards import split_for_dcp
 
         if folder is None:
             return None

@@ -17,7 +17,7 @@ Under DDP and FSDP the bundle is that of the rank whose own loss, inputs or grad
 batch. :func:`load_bundle` returns the full model and optimizer state, in the one-process format,
 whatever the strategy: under DDP rank 0 writes them into the bundle; under FSDP every rank writes its
 own shards into ``dcp/`` (no rank gathers the whole model while training waits) and loading reads
-them whole (:func:`stabletrain.records.checkpoint.sharded.to_full_state`), so the diagnosis replays on one
+them whole (:func:`stabletrain.records.checkpoint.shards.to_full_state`), so the diagnosis replays on one
 process, with every parameter under its original name. Rank 0 writes the rest.
 
 The bundle holds only tensors and plain values: it loads with ``torch.load(weights_only=True)``.
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ..fileio import atomic_write
-from .checkpoint.sharded import is_dcp_entry, to_full_state
+from .checkpoint.shards import is_dcp_entry, to_full_state
 
 __all__ = ["write_bundle", "load_bundle", "BUNDLE_FILE", "BUNDLE_DCP_DIR", "DIAGNOSIS_FILE", "REMEDY_FILE", "STATE_IN"]
 

@@ -33,7 +33,7 @@ from .. import console
 from ..console import StableTrainWarning
 from ..callbacks import FitState
 from ..diagnostics.diagnosis import DIAGNOSIS_FIELDS
-from ..records.checkpoint.sharded import is_dcp_entry
+from ..records.checkpoint.shards import is_dcp_entry
 from ..records.bundles import BUNDLE_DCP_DIR, STATE_IN, write_bundle
 from ..records.staging import IntervalSnapshot, clone_state, join_params, state_kept
 from ..incident_replay import diagnose_incident

@@ -15,7 +15,7 @@ rank 0's main thread records the event, with what the save cost training (blocke
 CPU, the steps' time while it was written against before it).
 
 Under FSDP with more than one rank (``dist.checkpoint=sharded``) every rank writes its own shards of
-the model and optimizer through DCP (:mod:`stabletrain.records.checkpoint.sharded`) and rank 0 the rest; a
+the model and optimizer through DCP (:mod:`stabletrain.records.checkpoint.shards`) and rank 0 the rest; a
 non-finite shard on any rank withholds the checkpoint on every rank. A resume under another world
 size is resharded (the event says so, with both world sizes and global batches).
 """
@@ -34,7 +34,7 @@ from ..records.checkpoint.writer import running_writer
 from ..records.staging import state_bytes
 from ..config import (RESHARD_SAFE_KEYS, RESUME_SAFE_KEYS, config_hash, config_to_dict, diff_configs,
                       resume_refusal_message)
-from ..records.checkpoint.sharded import ShardedSaver, local_tensors, split_for_dcp
+from ..records.checkpoint.shards import ShardedSaver, local_tensors, split_for_dcp
 from ..callbacks import FitState
 from . import TrainerOps
 
@@ -84,7 +84,8 @@ class CheckpointKeeper:
         self._pending: PendingSave | None = None  # rank 0: the save started and not yet reported
         self.failures_in_a_row = 0  # rank 0: saves that failed since the last one written
         self._last_failure: dict[str, Any] | None = None
-        self._saver: ShardedSaver | None = None  # FSDP: every rank's DCP saves (created at the first save)
+        self._saver: ShardedSaver | None = None  # FSDP: every rank's DCP saves (the strategy's, from the first save)
+        self._saver_asked = False
         self._costs = SaveCosts()  # each save's wall cost to the steps while it is written (its event's fields)
         self._fit: FitState | None = None  # the fit's state, whose step the boundaries' marks read
         self._saved = False  # a (non-sharded) save was made: the next is not the first
@@ -191,7 +192,7 @@ class CheckpointKeeper:
             return done + [{"step": state.step, "kind": "checkpoint_withheld", "fields": {},
                             "reason": f"checkpoint at step {state.step} withheld: inside an incident; LAST_GOOD stays "
                                       f"at {good.name if good else 'none'}"}]
-        saver = self._sharded_saver(state)
+        saver = self._sharded_saver()
         if saver is not None:
             return self._save_sharded(state, saver, wait)
         whole = self.ops.state_dict()
@@ -217,17 +218,17 @@ class CheckpointKeeper:
         self._costs.started(state.step)
         return done + self.finished(wait=wait)
 
-    def _sharded_saver(self, state: FitState) -> ShardedSaver | None:
-        """The DCP saver under FSDP with more than one rank and ``dist.checkpoint=sharded``, else None.
+    def _sharded_saver(self) -> ShardedSaver | None:
+        """The strategy's writer of each rank's shards (FSDP, ``dist.checkpoint=sharded``), else None.
 
-        Created at the first save, which every rank reaches together (it makes a process group).
+        Asked for at the first save, which every rank reaches together (it makes a process group).
         """
-        if self._saver is None and self.ops.strategy.sharded and state.cfg.dist.checkpoint == "sharded":
-            self._saver = ShardedSaver(state.cfg.dist.timeout_s)
+        if not self._saver_asked:
+            self._saver, self._saver_asked = self.ops.strategy.shard_saver(), True
         return self._saver
 
     def _save_sharded(self, state: FitState, saver: ShardedSaver, wait: bool) -> list[dict[str, Any]]:
-        """:meth:`save` through DCP (:mod:`stabletrain.records.checkpoint.sharded`): every rank writes its own shards.
+        """:meth:`save` through DCP (:mod:`stabletrain.records.checkpoint.shards`): every rank writes its own shards.
 
         Every rank checks its shards; the verdicts travel with the RNG states and data positions (the
         one all_gather_object), so every rank withholds the same checkpoint, before anything is staged.

@@ -23,6 +23,6 @@ loading, what a good checkpoint is), :mod:`.saves` (what a save returns, a save 
 training), :mod:`.manager` (:class:`~.manager.CheckpointManager`: LAST_GOOD, saving, debris, pruning,
 rollback and loading with fallback), the background save's parts (:mod:`.arena`: the shared-memory
 staging; :mod:`.background`: the hand-over; :mod:`.writer` and :mod:`.writer_main`: the writer process,
-both ends) and :mod:`.sharded` (the DCP folder of a sharded checkpoint: save, verify, load; its process-based
+both ends) and :mod:`.shards` (the DCP folder of a sharded checkpoint: save, verify, load; its process-based
 asynchronous save: :mod:`.dcp_process`).
 """

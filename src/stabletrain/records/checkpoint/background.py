@@ -21,7 +21,7 @@ from typing import Any
 from .arena import SharedStager, Staged
 from .files import CheckpointError, dir_name
 from .saves import PendingSave, SaveResult
-from .sharded import ShardedSave
+from .shards import ShardedSave
 from .writer import Writer, WriterDied, writer
 
 __all__ = ["BackgroundSaves"]

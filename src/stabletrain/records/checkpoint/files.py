@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..._version import __version__
 from ...config import dotted_key
-from .sharded import attach_path, verify_dcp
+from .shards import attach_path, verify_dcp
 from ...fileio import atomic_write
 from ...internals import tree_flatten_with_keys
 from .checksummed import save_checksummed
@@ -272,7 +272,7 @@ def load_checked(path: Path, require_finite: Sequence[str] | None, map_location:
     Good means: meta.json readable (a format this version reads), state.pt of the recorded size and
     checksum (CRC32; a format-1 checkpoint's sha256), loadable with
     ``weights_only=True``, and the ``require_finite`` tensors finite (None: every one); a sharded
-    checkpoint's DCP folder complete (:func:`~stabletrain.records.checkpoint.sharded.verify_dcp`).
+    checkpoint's DCP folder complete (:func:`~stabletrain.records.checkpoint.shards.verify_dcp`).
     The error's ``problems`` holds one line, prefixed with the directory's name.
 
     ``written``: ``path`` was just written by :func:`write_files` in this process, from a state whose

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .sharded import DCP_DIR, ShardedSave, to_full_state
+from .shards import DCP_DIR, ShardedSave, to_full_state
 from ...fileio import atomic_write, fsync_dir
 from .background import BackgroundSaves
 from .files import CheckpointError, checked_meta, dir_name, first_nonfinite, load_checked, only_plain, write_files
