@@ -15,7 +15,7 @@ time is taken off the built-in clock, so load from other processes on this share
 
 Under DDP a step of the built-in loop has one collective, as the bare loop's: the window's loss and
 item count ride DDP's own gradient all-reduce as the gradient of a small parameter registered with DDP
-(stabletrain.distributed.ddp.data_parallel). Target: the ``ratio`` column at most 1.05 on gpt at 2 processes.
+(stabletrain.distributed.carrier.data_parallel). Target: the ``ratio`` column at most 1.05 on gpt at 2 processes.
 
 ``ratio``: the median, over every log interval of every round, of the built-in time over the bare
 steps' time in the same interval (as bench/overhead.py): a stall of another process on this shared
@@ -108,7 +108,7 @@ def worker(args: argparse.Namespace) -> None:
     from overhead import Lockstep  # bench/ is the script's directory
 
     from stabletrain import Trainer, load_config, resolve_task
-    from stabletrain.distributed.ddp import process_group
+    from stabletrain.distributed.group import process_group
 
     name, task_args, global_batch, accum, warmup, steps = TASKS[args.task]
     if args.steps:  # --quick

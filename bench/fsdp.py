@@ -80,7 +80,7 @@ def memory_worker(args: argparse.Namespace) -> None:
     import time
 
     from stabletrain import Trainer, load_config
-    from stabletrain.distributed.ddp import process_group
+    from stabletrain.distributed.group import process_group
     from stabletrain.policies.metrics import peak_memory_mib
 
     overrides = [*gpt_overrides(args), f"train.max_steps={args.steps}", f"log.every={args.steps}",
@@ -226,7 +226,7 @@ def overhead_worker(args: argparse.Namespace) -> None:
     from overhead import fresh_models, lockstep_round
 
     from stabletrain import Trainer, load_config, resolve_task
-    from stabletrain.distributed.ddp import process_group
+    from stabletrain.distributed.group import process_group
     from stabletrain.policies.precision import resolve_device
 
     warnings.filterwarnings("ignore", message="dist.strategy=fsdp: incident capture")  # where FSDP has none yet

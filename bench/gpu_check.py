@@ -349,7 +349,7 @@ def ddp_worker(out: Path) -> None:
     """One rank of the ddp case (under torchrun): train, count collectives and host conversions, write rank 0's view."""
     import torch.distributed as dist
 
-    from stabletrain.distributed.ddp import process_group
+    from stabletrain.distributed.group import process_group
 
     cfg = load_config(None, [*DDP_ARGS, f"run.dir={out / 'run'}", *SMOKE_ARGS])
     with process_group(cfg.dist.backend, cfg.dist.timeout_s) as ctx:
@@ -421,7 +421,7 @@ def fsdp_worker(out: Path) -> None:
     """One rank of the fsdp case (under torchrun): train in bf16, record what FSDP computes in and what the step issues."""
     from torch import nn
 
-    from stabletrain.distributed.ddp import process_group
+    from stabletrain.distributed.group import process_group
 
     cfg = load_config(None, [*FSDP_ARGS, f"run.dir={out / 'run'}", *SMOKE_ARGS])
     with process_group(cfg.dist.backend, cfg.dist.timeout_s) as ctx:

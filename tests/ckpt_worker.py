@@ -59,7 +59,7 @@ def record_windows(trainer) -> list[tuple[int, int, int, list[list[int]]]]:
 
 def main(argv: list[str]) -> None:
     from stabletrain import Trainer, load_config
-    from stabletrain.distributed.ddp import process_group
+    from stabletrain.distributed.group import process_group
 
     out = Path(argv[0])
     cfg = load_config(None, argv[1:])

@@ -4,7 +4,7 @@
 
 or as scenarios of a shared world (tests/dist_world.py: ``dist_carrier:main`` with ``[WAY, DTYPE, OUT.json]``).
 
-WAY: ``param`` (stabletrain.distributed.ddp.data_parallel with a window of raw sums: the numbers ride a
+WAY: ``param`` (stabletrain.distributed.carrier.data_parallel with a window of raw sums: the numbers ride a
 parameter of DDP's own, or the comm hook where the model has no float32/float64 parameter), ``hook``
 (register_carrier_hook, raw sums) or ``hook-scaled`` (register_carrier_hook, a window normalized by its
 running count, as with a GradScaler). Two windows of two micro-batches (no_sync on the first); rank 0
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from multiproc import end_worker
 
 from stabletrain.policies.accumulation import AccumulationWindow
-from stabletrain.distributed.ddp import data_parallel, register_carrier_hook
+from stabletrain.distributed.carrier import data_parallel, register_carrier_hook
 
 
 def main(argv: list[str]) -> None:

@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from stabletrain import Trainer, load_config
 from stabletrain.callbacks import Callback
-from stabletrain.distributed.ddp import process_group
+from stabletrain.distributed.group import process_group
 
 SYNCS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__,
          torch.Tensor.__index__, torch.Tensor.numpy}

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from multiproc import end_worker
 
-from stabletrain.distributed.ddp import process_group
+from stabletrain.distributed.group import process_group
 
 
 def _scramble(name: str) -> None:

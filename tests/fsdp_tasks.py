@@ -64,7 +64,7 @@ def nan_blocks_task(bad_index: int = 37) -> Task:
 
 def main(argv: list[str]) -> None:
     from stabletrain import Trainer, load_config
-    from stabletrain.distributed.ddp import process_group
+    from stabletrain.distributed.group import process_group
 
     out = Path(argv[0])
     cfg = load_config(None, argv[1:])

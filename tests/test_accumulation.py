@@ -7,7 +7,7 @@ from torch.utils.data import default_collate
 from helpers import cfg, regression_task, varlen_task
 from stabletrain import Trainer
 from stabletrain.policies.accumulation import AccumulationWindow, as_sum_count
-from stabletrain.distributed.ddp import WindowCarrier
+from stabletrain.distributed.carrier import WindowCarrier
 
 RTOL = 1e-5  # fp32: only summation order differs
 
@@ -134,7 +134,7 @@ def test_trainer_accumulation_matches_big_batch_across_an_epoch_tail(make):
 
 
 class FakeCarrier:
-    """Stands in for the comm hook's carrier (stabletrain.distributed.ddp.register_carrier_hook): takes what the window carries."""
+    """Stands in for the comm hook's carrier (stabletrain.distributed.carrier.register_carrier_hook): takes what the window carries."""
 
     travels, averaged = True, False
 

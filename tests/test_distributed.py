@@ -421,7 +421,7 @@ class _SlowSample(torch.utils.data.Dataset):
 
 
 def test_a_lost_peer_is_told_by_the_exceptions_type_and_where_it_arose_not_by_its_words(one_rank_group):
-    from stabletrain.distributed.ddp import is_peer_failure
+    from stabletrain.distributed.peers import is_peer_failure
 
     dist = one_rank_group
     for kind in (dist.DistBackendError, dist.DistNetworkError, dist.DistStoreError):  # c10d's own failure types
@@ -441,7 +441,8 @@ def test_a_lost_peer_is_told_by_the_exceptions_type_and_where_it_arose_not_by_it
 
 
 def test_out_of_a_ddp_backward_only_a_failed_gradient_all_reduce_is_a_lost_peer(one_rank_group):
-    from stabletrain.distributed.ddp import data_parallel, is_peer_failure
+    from stabletrain.distributed.carrier import data_parallel
+    from stabletrain.distributed.peers import is_peer_failure
 
     torch.manual_seed(0)
     ddp, carrier = data_parallel(torch.nn.Linear(3, 2), None, sums=True)

@@ -7,7 +7,7 @@ from torch.utils.data import TensorDataset
 
 from helpers import cfg
 from stabletrain import Task, Trainer
-from stabletrain.distributed.ddp import DistContext
+from stabletrain.distributed.group import DistContext
 from stabletrain.evaluation import validation_loss
 from stabletrain.policies.precision import PrecisionPolicy
 

@@ -141,7 +141,7 @@ def worker(argv: list[str]) -> None:
     """torchrun worker: OUT_DIR RUN_DIR key=value ...; the run with capture, then without (``guard.capture=false``)."""
     import stabletrain.distributed.fsdp
     from stabletrain import Trainer, load_config
-    from stabletrain.distributed.ddp import process_group
+    from stabletrain.distributed.group import process_group
     from stabletrain.distributed.fsdp import full_state_dicts
 
     out, run_dir, overrides = Path(argv[0]), Path(argv[1]), argv[2:]

@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         console.say("interrupted", sys.stderr)
         return 130
     except Exception as err:
-        if _loaded_instance(err, "stabletrain.distributed.ddp", "PeerLostError"):  # (torch's module: loaded if raised)
+        if _loaded_instance(err, "stabletrain.distributed.peers", "PeerLostError"):  # (torch's module: loaded if raised)
             console.error(str(err))  # a rank died or hung: one clear line per surviving rank, exit 1
             return 1
         if isinstance(err, BrokenPipeError) and _stdout_gone():

@@ -28,7 +28,8 @@ from .callbacks.trackers import build_trackers
 from .config import Config
 from .data import EpochOrder, Window, WindowStream
 from .diagnostics.initialization import InitFingerprint
-from .distributed.ddp import DistContext, PeerLostError, is_peer_failure
+from .distributed.group import DistContext
+from .distributed.peers import PeerLostError, is_peer_failure
 from .distributed.strategy import strategy_for
 from .errors import crash_event
 from .evaluation import check_val_data, validation_loss
@@ -225,7 +226,7 @@ class Trainer(TrainState):
         return True
 
     def _peer_lost(self, err: BaseException) -> bool:
-        """Whether ``err`` is a collective failing for want of a peer (:func:`~stabletrain.distributed.ddp.is_peer_failure`)."""
+        """Whether ``err`` is a collective failing for want of a peer (:func:`~stabletrain.distributed.peers.is_peer_failure`)."""
         in_sync = bool(getattr(self.step_fn.carrier, "in_gradient_sync", False))  # DDP: out of the gradient all-reduce?
         return self.dist.enabled and is_peer_failure(err, in_gradient_sync=in_sync)
 

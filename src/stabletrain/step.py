@@ -67,7 +67,7 @@ class TrainStep:
         check_inputs: also require the floating-point inputs of every micro-batch to be finite.
         check_params: check after the update that every parameter is finite (one fused pass); a call may
             ask for it on some steps only (the loop: on each log interval's last step).
-        carrier: DDP, FSDP: the :class:`~stabletrain.distributed.ddp.WindowCarrier` the window's numbers travel
+        carrier: DDP, FSDP: the :class:`~stabletrain.distributed.carrier.WindowCarrier` the window's numbers travel
             with (FSDP: one that carries nothing); with it the step also returns ``local_nonfinite``,
             whether this rank's own loss or inputs were non-finite.
         numerics: where the norms and checks come from (``grad_norms``, ``all_params_finite``,

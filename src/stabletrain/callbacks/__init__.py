@@ -52,7 +52,7 @@ class FitState:
         module: the model itself (under DDP, not the wrapper).
         named_params: the trainable (name, parameter) pairs the step covers.
         precision: the resolved precision mode (fp32, bf16, fp16).
-        device, dist: the device and the :class:`~stabletrain.distributed.ddp.DistContext`.
+        device, dist: the device and the :class:`~stabletrain.distributed.group.DistContext`.
         run: the :class:`~stabletrain.records.rundir.RunDir` (rank 0 with a run dir), else None.
         ckpt: the :class:`~stabletrain.records.checkpoint.CheckpointManager` (every rank with a run dir), else None.
         stream: the :class:`~stabletrain.data.WindowStream` the loop reads windows from.

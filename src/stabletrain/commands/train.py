@@ -45,10 +45,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         return launcher.launch(cfg.dist.nproc, argv, max_restarts=cfg.run.max_restarts)
     if cfg.run.max_restarts and not launcher.restarted_by_parent():
         return launcher.supervise(argv, max_restarts=cfg.run.max_restarts)
-    from ..distributed import ddp as distributed  # torch: only once the config is valid, in a process that trains
+    from ..distributed.group import process_group  # torch: only once the config is valid, in a process that trains
     from ..services.restarts import begin_launch
 
-    with distributed.process_group(cfg.dist.backend, cfg.dist.timeout_s, cfg.dist.nproc) as ctx:
+    with process_group(cfg.dist.backend, cfg.dist.timeout_s, cfg.dist.nproc) as ctx:
         launch = begin_launch(cfg, run_dir, bool(resume), ctx)  # run.resume=auto, and a restart's checks and record
         if launch.refused:
             return launcher.EXIT_GAVE_UP

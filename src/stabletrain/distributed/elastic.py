@@ -63,7 +63,7 @@ def _secondary(failure: Any) -> int:
     """How likely a failure is the consequence of another (0: a root cause, such as a signal no one here sent).
 
     torchrun's own ``SIGTERM`` stops the ranks that were still running; a rank that lost its peer says so
-    (:class:`~stabletrain.distributed.ddp.PeerLostError`, through its error file).
+    (:class:`~stabletrain.distributed.peers.PeerLostError`, through its error file).
     """
     if failure.exitcode < 0:
         return 2 if -failure.exitcode == signal.SIGTERM else 0

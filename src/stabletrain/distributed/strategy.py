@@ -12,7 +12,7 @@ config and the process group (:func:`strategy_for`)::
 ============  ===============================================================================================
 single        the model as it is; state dicts as torch makes them (``train.compile``: every strategy's step calls
               ``torch.compile`` of its wrapped model; the state stays the eager module's)
-ddp           ``DistributedDataParallel`` (:func:`~stabletrain.distributed.ddp.data_parallel`: the window's
+ddp           ``DistributedDataParallel`` (:func:`~stabletrain.distributed.carrier.data_parallel`: the window's
               numbers ride the gradient all-reduce); every rank holds the same parameters and optimizer state
               (``replicated``), so state dicts are one process's
 fsdp          FSDP2 ``fully_shard`` per block and at the root (:mod:`~stabletrain.distributed.fsdp`); parameters
@@ -55,7 +55,7 @@ class Parts:
     named_params: list[tuple[str, nn.Parameter]]
     precision: PrecisionPolicy
     window: AccumulationWindow
-    carrier: Any = None  # DDP, FSDP: the WindowCarrier (stabletrain.distributed.ddp)
+    carrier: Any = None  # DDP, FSDP: the WindowCarrier (stabletrain.distributed.carrier)
     numerics: Any = None  # FSDP: ShardedNumerics (norms and checks over DTensor shards)
 
 
@@ -183,7 +183,7 @@ class DDPStrategy(Strategy):
     replicated = True
 
     def _wrap(self, module: nn.Module, task: Any, fingerprint: Any) -> tuple[Parts, Any]:
-        from .ddp import data_parallel
+        from .carrier import data_parallel
 
         parts, fingerprint = super()._wrap(module, task, fingerprint)
         ids = [self.device.index] if self.device.type == "cuda" else None
@@ -239,7 +239,7 @@ class FSDPStrategy(Strategy):
     sharded = True
 
     def _wrap(self, module: nn.Module, task: Any, fingerprint: Any) -> tuple[Parts, Any]:
-        from .ddp import WindowCarrier
+        from .carrier import WindowCarrier
         from .fsdp import ShardedNumerics, ShardedPrecision, ShardedWindow, shard_model
 
         precision = ShardedPrecision(self.cfg.precision, self.device)  # fp16: every rank agrees on an overflow

@@ -45,7 +45,7 @@ from ..callbacks import Callback, CallbackList, FitState
 from ..callbacks.sinks import EventLog, InitWatch, MetricsFile, TensorBoardLog
 from ..callbacks.trackers import build_trackers
 from ..config import ClipConfig, Config, TrainConfig
-from ..distributed.ddp import DistContext
+from ..distributed.group import DistContext
 from ..errors import crash_event
 from ..fileio import atomic_write
 from ..diagnostics.initialization import InitFingerprint

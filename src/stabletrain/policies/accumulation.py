@@ -22,7 +22,7 @@ scale k times smaller than in a plain loop, and each ``D_{i-1} / D_i`` rounds th
 
 Under DDP the global count is known only once the ranks have talked. In the built-in loop this rank's
 (loss sum, count[, inputs flag]) travel with the gradients through DDP's own all-reduce, so a step has
-ONE collective (how: :class:`~stabletrain.distributed.ddp.WindowCarrier`); :attr:`grad_scale` then turns
+ONE collective (how: :class:`~stabletrain.distributed.carrier.WindowCarrier`); :attr:`grad_scale` then turns
 the reduced gradients into the exact global mean, whatever each rank's share (a short tail, variable
 lengths, none at all).
 
@@ -116,7 +116,7 @@ class AccumulationWindow:
 
         ``inputs_ok`` (on the last micro-batch): whether this rank's inputs of the whole window were
         finite; afterwards :attr:`inputs_ok` holds it for all ranks (None when not given).
-        ``carrier`` (DDP): the :class:`~stabletrain.distributed.ddp.WindowCarrier` the window's numbers travel
+        ``carrier`` (DDP): the :class:`~stabletrain.distributed.carrier.WindowCarrier` the window's numbers travel
         with through the gradient all-reduce (see the module docstring); then the last backward must go
         through that DDP model, and :attr:`grad_scale` must be applied to the gradients. One that carries
         nothing (``travels`` false) is ignored.
@@ -223,7 +223,7 @@ class AccumulationWindow:
             if stats is None:
                 raise RuntimeError("the accumulation window's numbers were not reduced: no gradient all-reduce ran "
                                    "after the last micro-batch (the backward must go through the DDP model that "
-                                   "stabletrain.distributed.ddp.data_parallel or register_carrier_hook set up)")
+                                   "stabletrain.distributed.carrier.data_parallel or register_carrier_hook set up)")
             self._global = (stats[0].float(), stats[1].float(), stats[2] == 0 if self._carried_inputs else None)
         if self._global is None:
             raise RuntimeError("the accumulation window's totals are known only after its last micro-batch")

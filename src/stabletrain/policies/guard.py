@@ -26,7 +26,7 @@ log boundary (:meth:`Guard.mark_spikes`), so the step pays nothing for it.
 
 Under DDP every input to these decisions is the same on every rank (the window's all-reduced loss,
 the norm of the all-reduced gradients, parameters kept in lockstep), so every rank skips, stops and
-rolls back together without a collective of its own; :mod:`stabletrain.distributed.ddp` says why a
+rolls back together without a collective of its own; :mod:`stabletrain.distributed.group` says why a
 non-finite gradient on one rank is non-finite on all.
 """
 

@@ -98,7 +98,7 @@ class _Row:
 class StepMetrics:
     """Device-side accumulators for one log interval of at most ``capacity`` steps.
 
-    ``dist``: a :class:`~stabletrain.distributed.ddp.DistContext`; with more than one rank each rank also
+    ``dist``: a :class:`~stabletrain.distributed.group.DistContext`; with more than one rank each rank also
     records its local non-finite flag per step, gathered by :meth:`reduce`. ``local``: under DDP, the
     columns that hold this rank's own value (an adapter's host computes each rank's loss and count on its
     own): gathered in the same all-gather, a row's ``loss`` becomes the mean over the ranks (NaN if any

@@ -1,0 +1,67 @@
+"""Whether an error is a lost peer: a collective that failed because another rank exited, hung or is unreachable.
+
+:class:`PeerLostError` is the one line the run ends with then; :func:`is_peer_failure` tells such a failure
+from the user's own errors by where it arose, never by its message.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["PeerLostError", "is_peer_failure", "short_cause"]
+
+
+class PeerLostError(RuntimeError):
+    """A collective failed: another rank exited, crashed or did not answer within ``dist.timeout_s``."""
+
+    def __init__(self, rank: int, where: str, step: int, last_good: str | None, cause: str,
+                 run_dir: str | None = None) -> None:
+        self.rank, self.where, self.step, self.last_good, self.cause = rank, where, step, last_good, cause
+        saved = (f"no checkpoint was written after {last_good} (LAST_GOOD)" if last_good else "no checkpoint was written")
+        hint = f"; resume with: stabletrain train --resume {run_dir}" if run_dir and last_good else ""
+        super().__init__(f"rank {rank}: another rank exited or became unreachable during {where} after step {step}; "
+                         f"{saved}{hint} ({short_cause(cause)})")
+
+
+def short_cause(message: str) -> str:
+    """Return the gist of a gloo/NCCL error: its first line without source paths and boilerplate."""
+    import re
+
+    line = message.strip().splitlines()[0] if message.strip() else "no message"
+    line = re.sub(r"\[[^\]]*\.(cpp|cc|h|hpp):\d+\]\s*", "", line)
+    line = line.split(". This is typically caused by")[0]
+    line = re.sub(r"^Got the following error when running the callback:\s*", "", line)
+    return line[:200]
+
+
+_DIST_DIR = os.path.dirname(dist.__file__) + os.sep
+_ENGINE_FILE = os.path.normcase(os.path.abspath(torch.autograd.graph.__file__))
+
+
+def is_peer_failure(err: BaseException, *, in_gradient_sync: bool = False) -> bool:
+    """Return whether ``err`` is a collective failing for want of a peer (another rank exited, hung, is unreachable).
+
+    Decided from the exception's type, where it arose and the process group's state, never from its
+    message (a ``DataLoader timed out`` or a user's own "connection reset" is not a lost peer):
+
+    - no process group is initialized: False;
+    - a :class:`torch.distributed.DistError` (``DistBackendError``: NCCL's failed or timed-out
+      collectives; ``DistNetworkError``; ``DistStoreError``): c10d's own types for a failed communication;
+    - a plain ``RuntimeError`` (gloo's failures are exactly that) raised inside a collective: its
+      innermost frame is in ``torch.distributed`` (an explicit collective, FSDP's, DCP's), or it came out
+      of the autograd engine while DDP waited on its gradient all-reduce, after the backward's graph had
+      run (``in_gradient_sync``: :attr:`WindowCarrier.in_gradient_sync`). An error of the graph itself
+      (an in-place modification, a user's backward) arises before that and is the user's.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    if isinstance(err, dist.DistError):
+        return True
+    if type(err) is not RuntimeError or err.__traceback__ is None:
+        return False
+    innermost = os.path.normcase(os.path.abspath(traceback.extract_tb(err.__traceback__)[-1].filename))
+    return innermost.startswith(os.path.normcase(_DIST_DIR)) or (in_gradient_sync and innermost == _ENGINE_FILE)
