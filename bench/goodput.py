@@ -33,7 +33,7 @@ import torch
 from overhead import QUICK_ARGS, load_average  # bench/ is the script's directory
 
 from stabletrain.records.checkpoint.manager import CheckpointManager
-from stabletrain.records.rundir import read_jsonl
+from stabletrain.records.jsonl import read_jsonl
 from stabletrain.report.goodput import PARTS, read_goodput
 
 TARGET = 0.90

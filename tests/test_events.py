@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from stabletrain.records.events import EVENT_KINDS, METRIC_KEYS, REPLAY_KINDS
-from stabletrain.records.rundir import RunDir, read_jsonl
+from stabletrain.records.jsonl import read_jsonl
+from stabletrain.records.rundir import RunDir
 from stabletrain.report.html import KIND_COLORS
 from stabletrain.report.plots import EVENT_MARKS
 from stabletrain.report.rundata import KNOWN_METRIC_KEYS

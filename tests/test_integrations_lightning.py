@@ -23,7 +23,7 @@ from stabletrain.incident_replay import diagnose_incident  # noqa: E402
 from stabletrain.integrations.lightning import StableTrainCallback  # noqa: E402
 from stabletrain.integrations.options import compiled_methods  # noqa: E402
 from stabletrain.records.captured import lightning_loss as _lightning_loss  # noqa: E402
-from stabletrain.records.rundir import read_jsonl  # noqa: E402
+from stabletrain.records.jsonl import read_jsonl  # noqa: E402
 from stabletrain.report import load_run, write_report  # noqa: E402
 
 logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import integration_models  # noqa: F401  (sets the Hugging Face offline variables)
-from stabletrain.records.rundir import read_jsonl
+from stabletrain.records.jsonl import read_jsonl
 from stabletrain.report import write_compare, write_report
 
 README = Path(__file__).parents[1] / "docs" / "adapters.md"

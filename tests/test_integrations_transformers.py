@@ -17,7 +17,7 @@ from stabletrain.records.events import EVENT_KINDS, METRIC_KEYS  # noqa: E402
 from stabletrain.records.bundles import load_bundle  # noqa: E402
 from stabletrain.incident_replay import diagnose_incident  # noqa: E402
 from stabletrain.integrations.transformers import STATE_FILE, StableTrainCallback  # noqa: E402
-from stabletrain.records.rundir import read_jsonl  # noqa: E402
+from stabletrain.records.jsonl import read_jsonl  # noqa: E402
 from stabletrain.report import load_run, write_report  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")]  # slow: a real Hugging Face Trainer per test

@@ -14,7 +14,7 @@ from stabletrain import Monitor
 from stabletrain.records.events import EVENT_KINDS, METRIC_KEYS
 from stabletrain.incident_replay import diagnose_incident
 from stabletrain import StopTraining
-from stabletrain.records.rundir import read_jsonl
+from stabletrain.records.jsonl import read_jsonl
 from stabletrain.report import load_run, write_compare, write_report
 from stabletrain.syncs import SyncCounter
 

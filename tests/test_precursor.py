@@ -21,7 +21,7 @@ from stabletrain.distributed.fsdp import ShardedNumerics
 from stabletrain.numerics import update_norm, update_norms
 from stabletrain.policies.metrics import StepMetrics, interval_record
 from stabletrain.policies.precursor import Precursor
-from stabletrain.records.rundir import read_jsonl
+from stabletrain.records.jsonl import read_jsonl
 from stabletrain.syncs import SyncCounter
 
 NAMES = ["a.weight", "b.weight", "c.bias"]

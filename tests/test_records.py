@@ -7,7 +7,9 @@ import pytest
 
 from helpers import cfg
 from stabletrain.callbacks import Callback
-from stabletrain.records.rundir import RunDir, build_snapshot, read_jsonl
+from stabletrain.records.jsonl import read_jsonl
+from stabletrain.records.provenance import build_snapshot
+from stabletrain.records.rundir import RunDir
 
 
 def test_run_dir_writes_config_events_and_refuses_an_existing_run(tmp_path):
@@ -112,7 +114,7 @@ def test_git_dirty_does_not_count_stabletrains_own_output(tmp_path, monkeypatch)
 
     from stabletrain import Trainer
     from stabletrain.checks import CheckContext
-    from stabletrain.records.rundir import OUTPUT_MARKER, git_info, mark_output_dir
+    from stabletrain.records.provenance import OUTPUT_MARKER, git_info, mark_output_dir
 
     def git(*args):
         subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
@@ -154,7 +156,7 @@ def test_a_resume_is_refused_while_processes_of_an_earlier_launch_run_on_the_dir
     import sys
 
     from stabletrain import Trainer
-    from stabletrain.records.rundir import LAUNCH_FILE, this_process
+    from stabletrain.records.launches import LAUNCH_FILE, this_process
 
     run_dir = tmp_path / "run"
 

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from stabletrain import Trainer, load_config
-from stabletrain.records.rundir import read_jsonl
+from stabletrain.records.jsonl import read_jsonl
 from stabletrain.report import config_diff, health_summary, load_run, write_compare, write_report
 from stabletrain.report.compare import render_compare, run_labels
 from stabletrain.report.plots import COMPARE_METRICS, RUN_PLOT_NAMES, run_plots

@@ -25,7 +25,7 @@ from restart_tasks import children, free_port, ranks_of, wait_gone
 from stabletrain import Trainer
 from stabletrain.cli import main
 from stabletrain.records.checkpoint.manager import CheckpointManager
-from stabletrain.records.rundir import read_jsonl
+from stabletrain.records.jsonl import read_jsonl
 from stabletrain.report.goodput import read_goodput
 from stabletrain.services.restarts import Failure, last_failure, refusal
 

@@ -23,7 +23,7 @@ from stabletrain import Trainer
 from stabletrain.callbacks import Callback
 from stabletrain.callbacks.tracker_sink import TRACKERS_FILE, read_trackers_file
 from stabletrain.config import flatten_config, load_config
-from stabletrain.records.rundir import read_jsonl
+from stabletrain.records.jsonl import read_jsonl
 from stabletrain.report import write_report
 
 mlflow = pytest.importorskip("mlflow")

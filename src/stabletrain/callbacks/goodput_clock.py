@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..distributed.launch import LAUNCH_START_ENV, RESTART_ENV, process_start_time
-from ..records.rundir import JsonlWriter, read_jsonl
+from ..records.jsonl import JsonlWriter, read_jsonl
 from . import Callback, FitState
 
 __all__ = ["GoodputClock", "LEDGER_FILE", "launch_record"]

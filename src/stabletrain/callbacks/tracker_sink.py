@@ -241,7 +241,7 @@ class TrackerSink(Callback):
 
     def _catch_up(self, upto: int) -> None:
         """Write the metrics.jsonl lines after the held step and up to ``upto`` (the latest line of each step)."""
-        from ..records.rundir import read_jsonl
+        from ..records.jsonl import read_jsonl
 
         lines, _ = read_jsonl(self._run_dir / "metrics.jsonl")
         latest: dict[int, dict[str, Any]] = {}

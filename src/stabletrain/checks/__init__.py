@@ -25,7 +25,7 @@ import torch
 from ..config import Config
 from ..errors import TaskCodeError, batch_note, format_user_traceback, task_part, user_location
 from ..policies.precision import resolve_device
-from ..records.rundir import mark_output_dir
+from ..records.provenance import mark_output_dir
 from ..seeding import seed_everything
 from ..tasks import Task, resolve_task
 

@@ -51,7 +51,8 @@ from ..fileio import atomic_write
 from ..diagnostics.initialization import InitFingerprint
 from ..policies.metrics import StepMetrics
 from ..numerics import snapshot_params, unique_params, update_norms
-from ..records.rundir import RunDir, build_snapshot
+from ..records.provenance import build_snapshot
+from ..records.rundir import RunDir
 from ..seeding import rng_state, set_rng_state
 from ..distributed.strategy import strategy_for
 from ..services.boundary import IntervalBoundary

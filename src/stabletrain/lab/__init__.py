@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..records.rundir import mark_output_dir
+from ..records.provenance import mark_output_dir
 
 __all__ = ["Claim", "LabInfo", "LabResult", "LABS", "run_lab", "format_result", "format_list", "new_figure",
            "save_figure", "fmt", "MIN_LEGEND_PT"]

@@ -1,6 +1,7 @@
 """The run directory and its sinks: config, snapshot, metrics, events (TensorBoard: :mod:`.tb_events`).
 
-Everything a run knows lands here in plain formats (DESIGN.md, principle 5)::
+Everything a run knows lands here in plain formats (DESIGN.md, principle 5; the lines: :mod:`.jsonl`, the snapshot:
+:mod:`.provenance`, the launch file: :mod:`.launches`)::
 
     RUN_DIR/config.yaml     the resolved config, every default written out
     RUN_DIR/snapshot.json   code version, library versions, device, seed, data fingerprint
@@ -13,251 +14,22 @@ Everything a run knows lands here in plain formats (DESIGN.md, principle 5)::
 
 from __future__ import annotations
 
-import hashlib
 import json
-import math
-import os
-import platform
 import shutil
-import socket
-import subprocess
-import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
-from .._version import __version__
-from ..config import Config, config_hash, config_to_dict
-from .events import EVENT_KINDS
+from ..config import Config, config_to_dict
 from ..fileio import atomic_write
+from .events import EVENT_KINDS
+from .jsonl import JsonlWriter, json_safe
+from .launches import LAUNCH_FILE
 
-__all__ = ["RunDir", "JsonlWriter", "read_jsonl", "build_snapshot", "git_info", "OUTPUT_MARKER", "mark_output_dir",
-           "is_stabletrain_output", "LAUNCH_FILE", "this_process", "is_running", "running_launch", "refuse_if_running"]
+__all__ = ["RunDir"]
 
-#: The file that marks a folder stabletrain writes outside a run directory (``check --out``, ``lab --out``),
-#: so that the snapshot's ``git.dirty`` does not count it as a change to the user's code.
-OUTPUT_MARKER = ".stabletrain-output"
-#: What makes a folder a run directory: RunDir creates both first thing.
-_RUN_FILES = ("metrics.jsonl", "events.jsonl")
-
-
-def _clean_leaf(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    return value
-
-
-def _clean(value: Any) -> Any:
-    """Make a value JSON-safe: non-finite floats (in nested dicts, lists, tuples) become "nan", "inf", "-inf"."""
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
-    return _clean_leaf(value)
-
-
-class JsonlWriter:
-    """Append JSON lines to a file, flushed after each line so a reader sees a run in progress."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._fh = open(path, "a", encoding="utf-8")
-
-    def write(self, record: dict[str, Any]) -> None:
-        try:  # the common record is all finite: the C encoder as it is; else NaN/Inf spelled as strings
-            line = json.dumps(record, allow_nan=False)
-        except ValueError:
-            line = json.dumps(_clean(record))
-        self._fh.write(line + "\n")
-        self._fh.flush()
-
-    def close(self) -> None:
-        self._fh.close()
-
-
-def read_jsonl(path: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
-    """Return (records, problems) of a JSON-lines file; a malformed line is a problem naming file and line."""
-    records, problems = [], []
-    path = Path(path)
-    if not path.exists():
-        return records, problems
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as err:
-                problems.append(f"{path}:{lineno}: malformed JSON ({err.msg})")
-                continue
-            if not isinstance(rec, dict):
-                problems.append(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
-                continue
-            records.append(rec)
-    return records, problems
-
-
-def mark_output_dir(path: str | Path) -> Path:
-    """Create ``path`` (parents too) and mark it as stabletrain's output (:data:`OUTPUT_MARKER`); return it."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    marker = path / OUTPUT_MARKER
-    if not marker.exists():
-        marker.write_text("written by stabletrain: a snapshot's git.dirty does not count this folder\n", encoding="utf-8")
-    return path
-
-
-def _is_output_root(path: Path) -> bool:
-    return (path / OUTPUT_MARKER).is_file() or all((path / name).is_file() for name in _RUN_FILES)
-
-
-def is_stabletrain_output(path: str | Path) -> bool:
-    """Whether ``path`` is a folder of stabletrain's own output, not the user's.
-
-    That is a run directory (its ``metrics.jsonl`` and ``events.jsonl``), a folder marked with
-    :data:`OUTPUT_MARKER` (``stabletrain check`` and ``lab`` output), or a folder holding nothing but
-    such folders (``runs/``). A file, a symlink, or a folder with anything else in it is not.
-    """
-    path = Path(path)
-    if path.is_symlink() or not path.is_dir():
-        return False
-    if _is_output_root(path):
-        return True
-    entries = list(path.iterdir())
-    return bool(entries) and all(is_stabletrain_output(e) for e in entries)
-
-
-def _porcelain_paths(status: str) -> list[str]:
-    """The paths of ``git status --porcelain -z`` (a rename's both paths), relative to the repository root."""
-    paths, fields = [], status.split("\0")
-    i = 0
-    while i < len(fields):
-        entry = fields[i]
-        i += 1
-        if len(entry) < 4:
-            continue
-        paths.append(entry[3:])
-        if entry[0] in "RC":  # -z puts a rename's source in the next field
-            paths.append(fields[i])
-            i += 1
-    return paths
-
-
-def _inside_output(root: Path, rel: str) -> bool:
-    """Whether the repo path ``rel`` is stabletrain's output or lies inside a folder that is."""
-    path = root / rel.rstrip("/")
-    if is_stabletrain_output(path):
-        return True
-    return any(_is_output_root(parent) for parent in path.parents if parent != root and root in parent.parents)
-
-
-def git_info(path: Path) -> dict[str, Any]:
-    """Return the git commit, dirty flag and a hash of the dirty diff for the repo holding ``path``.
-
-    stabletrain's own output (run directories, ``runs/``, check and lab folders: :func:`is_stabletrain_output`)
-    is not dirt: a run of unchanged code after ``stabletrain check`` wrote its folder is not dirty.
-    """
-    def git(*args: str, cwd: Path = path) -> str:
-        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10, check=True).stdout
-
-    try:
-        commit = git("rev-parse", "HEAD").strip()
-        root = Path(git("rev-parse", "--show-toplevel").strip())
-        changed = [p for p in _porcelain_paths(git("status", "--porcelain", "-z", cwd=root)) if not _inside_output(root, p)]
-        diff = git("diff", "HEAD", "--", *[f":(literal){p}" for p in changed], cwd=root) if changed else ""
-    except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": None}
-    return {"commit": commit, "dirty": bool(changed),
-            "diff_sha256": hashlib.sha256(diff.encode()).hexdigest()[:16] if changed else None}
-
-
-def build_snapshot(cfg: Config, device: torch.device, precision: str, data_fingerprint: str | None,
-                   extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Return what identifies a run: code, libraries, device, seed, data, config hash."""
-    dev: dict[str, Any] = {"type": device.type, "cpu": platform.processor() or platform.machine(),
-                           "num_threads": torch.get_num_threads()}
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        dev.update(name=props.name, total_memory_mib=props.total_memory // 2**20, capability=f"{props.major}.{props.minor}")
-    snap = {
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": sys.argv,
-        "cwd": os.getcwd(),
-        "git": git_info(Path.cwd()),
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "stabletrain": __version__,
-                     "numpy": __import__("numpy").__version__},
-        "platform": platform.platform(),
-        "device": dev,
-        "precision": precision,
-        "seed": cfg.seed,
-        "deterministic": cfg.deterministic,
-        "data_fingerprint": data_fingerprint,
-        "config_hash": config_hash(cfg),
-    }
-    snap.update(extra or {})
-    return snap
-
-
-#: The processes of the launch running on a run directory (every rank's host, pid and start time); written
-#: when the run opens, removed when it closes. What a SIGKILL leaves behind names processes that are gone.
-LAUNCH_FILE = "launch.json"
-
-
-def this_process() -> dict[str, Any]:
-    """This process as :data:`LAUNCH_FILE` records it: host, pid and start time (which tells a reused pid apart)."""
-    return {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid())}
-
-
-def _start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks after boot (Linux ``/proc``); None where unknown, gone or a zombie."""
-    try:
-        fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return int(fields[19]) if fields[0] != "Z" else None
-
-
-def is_running(proc: dict[str, Any]) -> bool:
-    """Whether a process :func:`this_process` recorded still runs (on another host: False, it cannot be seen).
-
-    The same pid must hold the same process (its start time); without ``/proc`` (not Linux) the pid alone tells.
-    """
-    if proc.get("host") != socket.gethostname() or not isinstance(proc.get("pid"), int):
-        return False
-    if Path("/proc/self/stat").exists():
-        start = _start_time(proc["pid"])
-        return start is not None and proc.get("start") in (None, start)
-    try:
-        os.kill(proc["pid"], 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def running_launch(run_dir: str | Path, exclude: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
-    """The processes :data:`LAUNCH_FILE` in ``run_dir`` records that still run, but those in ``exclude`` (this launch's)."""
-    try:
-        recorded = json.loads((Path(run_dir) / LAUNCH_FILE).read_text(encoding="utf-8"))["processes"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
-    mine = {(p["host"], p["pid"]) for p in exclude}
-    return [p for p in recorded if isinstance(p, dict) and (p.get("host"), p.get("pid")) not in mine and is_running(p)]
-
-
-def refuse_if_running(run_dir: str | Path, exclude: Sequence[dict[str, Any]] = ()) -> None:
-    """Raise ValueError while processes of an earlier launch still run on ``run_dir`` (two would write one run)."""
-    running = running_launch(run_dir, exclude)
-    if running:
-        pids = " ".join(str(p["pid"]) for p in running)
-        raise ValueError(f"run directory {str(run_dir)!r} is in use: {len(running)} process(es) of an earlier launch "
-                         f"still run on it (pid {pids} on {running[0]['host']}); stop them (kill {pids}) or wait for "
-                         "them to end, then start again")
 
 
 class RunDir:
@@ -321,7 +93,7 @@ class RunDir:
 
     def write_snapshot(self, snapshot: dict[str, Any]) -> None:
         """Write ``snapshot.json``, atomically."""
-        atomic_write(self.path / "snapshot.json", json.dumps(_clean(snapshot), indent=2) + "\n")
+        atomic_write(self.path / "snapshot.json", json.dumps(json_safe(snapshot), indent=2) + "\n")
 
     def event(self, step: int, kind: str, reason: str, **fields: Any) -> dict[str, Any]:
         """Append one line to events.jsonl and return it; ``kind`` must be one of :data:`~stabletrain.records.events.EVENT_KINDS`."""

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..callbacks.goodput_clock import LEDGER_FILE
-from ..records.rundir import read_jsonl
+from ..records.jsonl import read_jsonl
 
 __all__ = ["Goodput", "read_goodput", "goodput_section", "PARTS"]
 

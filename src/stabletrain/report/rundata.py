@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from ..records.events import EVENT_KINDS, METRIC_KEYS, REPLAY_KINDS
-from ..records.rundir import read_jsonl
+from ..records.jsonl import read_jsonl
 
 __all__ = ["RunData", "Event", "load_run", "as_number", "KNOWN_METRIC_KEYS"]
 

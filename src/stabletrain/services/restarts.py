@@ -41,7 +41,8 @@ from ..callbacks.goodput_clock import LEDGER_FILE
 from ..distributed.launch import EXIT_GAVE_UP, RESTART_ENV, default_run_dir, describe_exit
 from ..records.checkpoint.files import CheckpointError
 from ..records.checkpoint.manager import CheckpointManager
-from ..records.rundir import RunDir, read_jsonl
+from ..records.jsonl import read_jsonl
+from ..records.rundir import RunDir
 
 __all__ = ["begin_launch", "Launch", "Failure", "last_failure", "refusal", "SOON_AFTER_LOAD", "EXIT_GAVE_UP"]
 

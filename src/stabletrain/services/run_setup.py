@@ -8,7 +8,9 @@ from typing import Any
 from ..callbacks.goodput_clock import LEDGER_FILE, GoodputClock, launch_record
 from ..distributed.launch import default_run_dir
 from ..records.checkpoint.manager import CheckpointManager
-from ..records.rundir import RunDir, build_snapshot, refuse_if_running, this_process
+from ..records.launches import refuse_if_running, this_process
+from ..records.provenance import build_snapshot
+from ..records.rundir import RunDir
 
 __all__ = ["open_run", "default_run_dir", "DEFAULT_RUN_DIR"]
 

@@ -1,0 +1,66 @@
+"""JSON lines: the format of a run's metrics and events (one object per line, NaN and Inf spelled as strings)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+__all__ = ["JsonlWriter", "json_safe", "read_jsonl"]
+
+
+def _json_leaf(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return value
+
+
+def json_safe(value: Any) -> Any:
+    """Make a value JSON-safe: non-finite floats (in nested dicts, lists, tuples) become "nan", "inf", "-inf"."""
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return _json_leaf(value)
+
+
+class JsonlWriter:
+    """Append JSON lines to a file, flushed after each line so a reader sees a run in progress."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fh = open(path, "a", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        try:  # the common record is all finite: the C encoder as it is; else NaN/Inf spelled as strings
+            line = json.dumps(record, allow_nan=False)
+        except ValueError:
+            line = json.dumps(json_safe(record))
+        self._fh.write(line + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def read_jsonl(path: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """Return (records, problems) of a JSON-lines file; a malformed line is a problem naming file and line."""
+    records, problems = [], []
+    path = Path(path)
+    if not path.exists():
+        return records, problems
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as err:
+                problems.append(f"{path}:{lineno}: malformed JSON ({err.msg})")
+                continue
+            if not isinstance(rec, dict):
+                problems.append(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+                continue
+            records.append(rec)
+    return records, problems

@@ -1,0 +1,68 @@
+"""Which processes run on a run directory (its ``launch.json``), so a second launch on it is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["LAUNCH_FILE", "is_running", "refuse_if_running", "running_launch", "this_process"]
+
+#: when the run opens, removed when it closes. What a SIGKILL leaves behind names processes that are gone.
+LAUNCH_FILE = "launch.json"
+
+
+def this_process() -> dict[str, Any]:
+    """This process as :data:`LAUNCH_FILE` records it: host, pid and start time (which tells a reused pid apart)."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid())}
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks after boot (Linux ``/proc``); None where unknown, gone or a zombie."""
+    try:
+        fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[19]) if fields[0] != "Z" else None
+
+
+def is_running(proc: dict[str, Any]) -> bool:
+    """Whether a process :func:`this_process` recorded still runs (on another host: False, it cannot be seen).
+
+    The same pid must hold the same process (its start time); without ``/proc`` (not Linux) the pid alone tells.
+    """
+    if proc.get("host") != socket.gethostname() or not isinstance(proc.get("pid"), int):
+        return False
+    if Path("/proc/self/stat").exists():
+        start = _start_time(proc["pid"])
+        return start is not None and proc.get("start") in (None, start)
+    try:
+        os.kill(proc["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def running_launch(run_dir: str | Path, exclude: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """The processes :data:`LAUNCH_FILE` in ``run_dir`` records that still run, but those in ``exclude`` (this launch's)."""
+    try:
+        recorded = json.loads((Path(run_dir) / LAUNCH_FILE).read_text(encoding="utf-8"))["processes"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    mine = {(p["host"], p["pid"]) for p in exclude}
+    return [p for p in recorded if isinstance(p, dict) and (p.get("host"), p.get("pid")) not in mine and is_running(p)]
+
+
+def refuse_if_running(run_dir: str | Path, exclude: Sequence[dict[str, Any]] = ()) -> None:
+    """Raise ValueError while processes of an earlier launch still run on ``run_dir`` (two would write one run)."""
+    running = running_launch(run_dir, exclude)
+    if running:
+        pids = " ".join(str(p["pid"]) for p in running)
+        raise ValueError(f"run directory {str(run_dir)!r} is in use: {len(running)} process(es) of an earlier launch "
+                         f"still run on it (pid {pids} on {running[0]['host']}); stop them (kill {pids}) or wait for "
+                         "them to end, then start again")

@@ -1,0 +1,130 @@
+"""Where a run came from: its snapshot (code, libraries, device, seed, data), the git state, and stabletrain's own output.
+
+The snapshot's ``git.dirty`` counts the user's changes only: folders stabletrain writes (run directories,
+``runs/``, ``check --out`` and ``lab --out`` folders, marked with :data:`OUTPUT_MARKER`) are not dirt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._version import __version__
+from ..config import Config, config_hash
+
+__all__ = ["OUTPUT_MARKER", "build_snapshot", "git_info", "is_stabletrain_output", "mark_output_dir"]
+
+#: The file that marks a folder stabletrain writes outside a run directory (``check --out``, ``lab --out``),
+#: so that the snapshot's ``git.dirty`` does not count it as a change to the user's code.
+OUTPUT_MARKER = ".stabletrain-output"
+#: What makes a folder a run directory: RunDir creates both first thing.
+_RUN_FILES = ("metrics.jsonl", "events.jsonl")
+
+
+def mark_output_dir(path: str | Path) -> Path:
+    """Create ``path`` (parents too) and mark it as stabletrain's output (:data:`OUTPUT_MARKER`); return it."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    marker = path / OUTPUT_MARKER
+    if not marker.exists():
+        marker.write_text("written by stabletrain: a snapshot's git.dirty does not count this folder\n", encoding="utf-8")
+    return path
+
+
+def _is_output_root(path: Path) -> bool:
+    return (path / OUTPUT_MARKER).is_file() or all((path / name).is_file() for name in _RUN_FILES)
+
+
+def is_stabletrain_output(path: str | Path) -> bool:
+    """Whether ``path`` is a folder of stabletrain's own output, not the user's.
+
+    That is a run directory (its ``metrics.jsonl`` and ``events.jsonl``), a folder marked with
+    :data:`OUTPUT_MARKER` (``stabletrain check`` and ``lab`` output), or a folder holding nothing but
+    such folders (``runs/``). A file, a symlink, or a folder with anything else in it is not.
+    """
+    path = Path(path)
+    if path.is_symlink() or not path.is_dir():
+        return False
+    if _is_output_root(path):
+        return True
+    entries = list(path.iterdir())
+    return bool(entries) and all(is_stabletrain_output(e) for e in entries)
+
+
+def _porcelain_paths(status: str) -> list[str]:
+    """The paths of ``git status --porcelain -z`` (a rename's both paths), relative to the repository root."""
+    paths, fields = [], status.split("\0")
+    i = 0
+    while i < len(fields):
+        entry = fields[i]
+        i += 1
+        if len(entry) < 4:
+            continue
+        paths.append(entry[3:])
+        if entry[0] in "RC":  # -z puts a rename's source in the next field
+            paths.append(fields[i])
+            i += 1
+    return paths
+
+
+def _inside_output(root: Path, rel: str) -> bool:
+    """Whether the repo path ``rel`` is stabletrain's output or lies inside a folder that is."""
+    path = root / rel.rstrip("/")
+    if is_stabletrain_output(path):
+        return True
+    return any(_is_output_root(parent) for parent in path.parents if parent != root and root in parent.parents)
+
+
+def git_info(path: Path) -> dict[str, Any]:
+    """Return the git commit, dirty flag and a hash of the dirty diff for the repo holding ``path``.
+
+    stabletrain's own output (run directories, ``runs/``, check and lab folders: :func:`is_stabletrain_output`)
+    is not dirt: a run of unchanged code after ``stabletrain check`` wrote its folder is not dirty.
+    """
+    def git(*args: str, cwd: Path = path) -> str:
+        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10, check=True).stdout
+
+    try:
+        commit = git("rev-parse", "HEAD").strip()
+        root = Path(git("rev-parse", "--show-toplevel").strip())
+        changed = [p for p in _porcelain_paths(git("status", "--porcelain", "-z", cwd=root)) if not _inside_output(root, p)]
+        diff = git("diff", "HEAD", "--", *[f":(literal){p}" for p in changed], cwd=root) if changed else ""
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+    return {"commit": commit, "dirty": bool(changed),
+            "diff_sha256": hashlib.sha256(diff.encode()).hexdigest()[:16] if changed else None}
+
+
+def build_snapshot(cfg: Config, device: torch.device, precision: str, data_fingerprint: str | None,
+                   extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Return what identifies a run: code, libraries, device, seed, data, config hash."""
+    dev: dict[str, Any] = {"type": device.type, "cpu": platform.processor() or platform.machine(),
+                           "num_threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        dev.update(name=props.name, total_memory_mib=props.total_memory // 2**20, capability=f"{props.major}.{props.minor}")
+    snap = {
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": sys.argv,
+        "cwd": os.getcwd(),
+        "git": git_info(Path.cwd()),
+        "versions": {"python": platform.python_version(), "torch": torch.__version__, "stabletrain": __version__,
+                     "numpy": __import__("numpy").__version__},
+        "platform": platform.platform(),
+        "device": dev,
+        "precision": precision,
+        "seed": cfg.seed,
+        "deterministic": cfg.deterministic,
+        "data_fingerprint": data_fingerprint,
+        "config_hash": config_hash(cfg),
+    }
+    snap.update(extra or {})
+    return snap
