@@ -84,7 +84,7 @@ def memory_worker(args: argparse.Namespace) -> None:
     from stabletrain.policies.metrics import peak_memory_mib
 
     overrides = [*gpt_overrides(args), f"train.max_steps={args.steps}", f"log.every={args.steps}",
-                 f"dist.strategy={args.strategy}", "guard.capture=false"]
+                 f"dist.strategy={args.strategy}", "capture.incidents=false"]
     with process_group("auto") as ctx:
         trainer = Trainer(load_config(None, overrides))
         trainer.cfg.train.max_steps = 1  # warm-up step, not timed

@@ -281,7 +281,7 @@ def run_incident(tmp: Path, failures: list[str]) -> None:
 
 
 def run_snapshot(tmp: Path, failures: list[str]) -> None:
-    """The incident snapshot's cost: the same bf16 gpt with ``guard.memory_snapshot=true`` and ``false``, 3 rounds each.
+    """The incident snapshot's cost: the same bf16 gpt with ``capture.memory_snapshot=true`` and ``false``, 3 rounds each.
 
     On CUDA the parameters' and optimizer state's copies run on the recorder's side stream (into pinned
     buffers) and the optimizer step waits for them on the device: the ratio of the median step times
@@ -294,7 +294,7 @@ def run_snapshot(tmp: Path, failures: list[str]) -> None:
         for snap in (("true", "false") if r % 2 == 0 else ("false", "true")):
             cfg = load_config(None, ["precision=bf16", f"train.max_steps={steps}", f"log.every={every}", "eval.every=0",
                                      "ckpt.every=0", "train.batch_size=32", "log.progress=false",
-                                     f"guard.memory_snapshot={snap}", *SMOKE_ARGS])
+                                     f"capture.memory_snapshot={snap}", *SMOKE_ARGS])
             trainer, guard = guarded_trainer(cfg, resolve_task(cfg.task, cfg.task_args), tmp / f"snapshot-{snap}-{r}")
             if not fit_guarded(trainer, guard, "snapshot", failures):
                 return

@@ -443,8 +443,8 @@ def per_item_costs(name: str, bare_step_s: float, reps: int = 5, rounds: int = 2
         if cfg.guard.check_params:  # on each interval's last step
             per_interval.append(("all_params_finite (the parameter check, on the interval's last step)",
                                  lambda: all_params_finite(params), None, 1 / cfg.log.every))
-        if cfg.guard.memory_snapshot:  # on by default: a capture replays at most one interval
-            per_interval.append(("snapshot: state copy into host buffers for incident capture (guard.memory_snapshot)",
+        if cfg.capture.memory_snapshot:  # on by default: a capture replays at most one interval
+            per_interval.append(("snapshot: state copy into host buffers for incident capture (capture.memory_snapshot)",
                                  lambda: trainer.recorder.mark_interval_start(state), None, 1 / cfg.log.every))
         # Not a piece of the default step: what an optimizer that cannot skip on the device pays instead.
         aside = [("non-fused AdamW(foreach): precision.step + schedule.step (host reads) vs step() + LambdaLR",
@@ -610,7 +610,7 @@ def main() -> None:
                     help="the lockstep rounds' Trainer with a run directory (default); --no-run-dir: without one (no "
                          "files, no incident snapshot, no checkpoints)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="a config override for the built-in loop (repeatable), e.g. --set guard.memory_snapshot=false")
+                    help="a config override for the built-in loop (repeatable), e.g. --set capture.memory_snapshot=false")
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: a smaller task, 2 rounds of few steps, few item blocks (not a measurement)")
     args = ap.parse_args()

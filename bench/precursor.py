@@ -49,7 +49,7 @@ from torch.utils.data import TensorDataset
 from stabletrain import Task, Trainer, load_config, resolve_task
 from stabletrain.callbacks import Callback, FitState
 
-FAST = ["log.progress=false", "log.tensorboard=false", "eval.every=0", "ckpt.every=0", "guard.capture=false"]
+FAST = ["log.progress=false", "log.tensorboard=false", "eval.every=0", "ckpt.every=0", "capture.incidents=false"]
 QUICK_GPT = ["task_args.n_layer=2", "task_args.n_embd=64", "task_args.seq_len=64", "task_args.max_bytes=300000"]
 
 

@@ -3,13 +3,13 @@
 (a) Steady-state overhead of the sentinel: one gpt Trainer whose sentinel a callback switches on and
     off from one log interval to the next (ABBA blocks). Off: ``trainer.guard.observe`` replaced by a
     function returning constant ``ok=True, finite=True, spike=False`` device tensors, the step's
-    post-update parameter check off (``trainer.step_fn.check_params``) and ``guard.capture`` off (which
+    post-update parameter check off (``trainer.step_fn.check_params``) and ``capture.incidents`` off (which
     also drops the incident snapshot copied into host buffers at each interval start).
     Target: ratio <= 1.01 on gpt. ``--lockstep`` also runs it as separate runs (``guard.check_params=false
-    guard.capture=false`` + the constant observe) beside a bare loop.
+    capture.incidents=false`` + the constant observe) beside a bare loop.
 (b) The cost of one incident in training steps: a gpt run whose training sample N carries a NaN loss
     weight; the loop captures the bad step (the recorder replays from the interval's host snapshot,
-    at most log.every - 1 steps, or from LAST_GOOD with ``guard.memory_snapshot=false``, and writes the
+    at most log.every - 1 steps, or from LAST_GOOD with ``capture.memory_snapshot=false``, and writes the
     bundle; timed by a callback from its ``on_log`` to its ``on_incident``) and ``diagnose_incident``
     replays it under the precise tools; both are divided by the median step, and the diagnosis's own
     record splits its time by phase (``timings``) and counts its passes (``passes``). Target: capture +
@@ -128,7 +128,7 @@ def ratio_line(out: dict[str, dict[str, Any]], a: str, b: str) -> tuple[float, s
 
 def part_a(task: Any, rounds: int, warmup: int, steps: int, tmp: Path, overrides: list[str] = ()) -> float:
     variants = [Variant("sentinel"),
-                Variant("without", ["guard.check_params=false", "guard.capture=false"], patch=without_sentinel)]
+                Variant("without", ["guard.check_params=false", "capture.incidents=false"], patch=without_sentinel)]
     out = compare(task, ["task=gpt", *overrides], variants, rounds, warmup, steps, tmp)
     ratio, detail = ratio_line(out, "sentinel", "without")
     print(f"(a) {detail}")
@@ -161,7 +161,7 @@ class SentinelToggle(Callback):
         t = self.trainer
         t.guard.observe = self.real_observe if on else self.const_observe
         t.step_fn.check_params = on  # the step's post-update parameter check (guard.check_params at build time)
-        t.cfg.guard.capture = on  # read at each boundary (and the interval's host snapshot with it)
+        t.cfg.capture.incidents = on  # read at each boundary (and the interval's host snapshot with it)
 
     def on_fit_start(self, state: FitState) -> None:
         self.set_mode(True)
@@ -186,7 +186,7 @@ def part_a_paired(task: Any, blocks: int, warmup: int, tmp: Path, overrides: lis
     Intervals run in ABBA blocks (on, off, off, on): neighbours see the same machine load and neither
     mode always comes first. Each block gives one ratio (on time / off time over its four
     intervals); the median over blocks isolates the sentinel: ``guard.observe``, the post-update
-    parameter check and the interval's incident snapshot (``guard.memory_snapshot``, on by default). Returns
+    parameter check and the interval's incident snapshot (``capture.memory_snapshot``, on by default). Returns
     the median step time with it on.
     """
     every = load_config(None, ["task=gpt", *overrides]).log.every
@@ -265,7 +265,7 @@ class IncidentClock(Callback):
 def part_b(task: Any, step_s: float | None, tmp: Path, bad_step: int = 20, repeats: int = 3,
            overrides: list[str] = ()) -> None:
     cfg = load_config(None, ["task=gpt", *overrides, f"train.max_steps={max(20, bad_step)}", "run.overwrite=true",
-                             "guard.diagnose=false"])
+                             "capture.diagnose=false"])
     order = EpochOrder(len(task.train_data), cfg.train.batch_size, cfg.seed, cfg.data.shuffle)
     bad_index = order.micro_batches(0)[bad_step - 1][3]  # the 4th sample of step `bad_step`'s batch
     nan_task = copy.copy(task)
@@ -295,7 +295,7 @@ def part_b(task: Any, step_s: float | None, tmp: Path, bad_step: int = 20, repea
           f"reproduces={diagnosis.get('reproduces')} -> {'correct' if found and bad_index in found else 'NOT the planted sample'}")
     print(f"    median step {step * 1e3:.2f} ms ({'from (a)' if step_s is not None else 'from this run'}; "
           f"this run's healthy steps {run_step * 1e3:.2f} ms)")
-    source = "the interval's host snapshot" if cfg.guard.memory_snapshot else "LAST_GOOD"
+    source = "the interval's host snapshot" if cfg.capture.memory_snapshot else "LAST_GOOD"
     print(f"    capture (replay of {trainer.recorder.replayed_steps} steps from {source}, + bundle write): "
           f"{clock.capture_s[0]:.2f} s = {clock.capture_s[0] / step:.1f} steps")
     print(f"diagnosis cost: {diag:.2f} s = {diag / step:.1f} median steps "

@@ -1,6 +1,6 @@
 """The incident snapshot at scale, on paper: host memory and copy time per log interval, from the sizes alone.
 
-The snapshot (``guard.memory_snapshot``) copies the training state into host buffers at every log interval's
+The snapshot (``capture.memory_snapshot``) copies the training state into host buffers at every log interval's
 start. Its size per rank comes from the parameter count and the optimizer state, and from how the strategy
 spreads it over the ranks:
 
@@ -15,8 +15,8 @@ spreads it over the ranks:
                     bandwidth; 20 GB/s per GPU is the planning figure). On CUDA it runs on a side stream
                     while the step's forward and backward run; the optimizer step waits for it.
     per step        the copy time / ``--log-every``: what a step would pay if nothing overlapped it
-    auto            guard.memory_snapshot=auto on a node with ``--host-gib`` of available memory (one column
-                    each) and guard.snapshot_memory_fraction=``--fraction``: on when the node's snapshots fit
+    auto            capture.memory_snapshot=auto on a node with ``--host-gib`` of available memory (one column
+                    each) and capture.snapshot_memory_fraction=``--fraction``: on when the node's snapshots fit
     fits a GPU      whether training fits a ``--gpu-gib`` device at all: DDP holds params + grads + optimizer
                     state whole on each GPU (16 bytes/param with AdamW); FSDP2 holds 1/world of it (plus
                     activations and the gathered blocks, not counted)
@@ -79,12 +79,12 @@ def main() -> None:
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--host-gib", type=float, nargs="+", default=[256.0, 2048.0],
                     help="host memory available per node at start, GiB (one auto column each)")
-    ap.add_argument("--fraction", type=float, default=0.25, help="guard.snapshot_memory_fraction")
+    ap.add_argument("--fraction", type=float, default=0.25, help="capture.snapshot_memory_fraction")
     ap.add_argument("--gpu-gib", type=float, default=80.0, help="device memory per GPU, GiB")
     ap.add_argument("--log-every", type=int, default=10)
     args = ap.parse_args()
     print(f"state = params x (4 + {args.optimizer_bytes:g}) bytes; copy at {args.bandwidth_gbs:g} GB/s per GPU "
-          f"(assumed); {args.gpus_per_node} GPUs per node; auto: guard.snapshot_memory_fraction={args.fraction:g}")
+          f"(assumed); {args.gpus_per_node} GPUs per node; auto: capture.snapshot_memory_fraction={args.fraction:g}")
     print()
     print(table(args))
 

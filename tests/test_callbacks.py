@@ -46,7 +46,7 @@ def test_rollback_hook_fires_after_going_back_to_last_good(tmp_path):
     task.model = PoisonAt(task.model, {5})
     log = HookLog()
     Trainer(cfg("train.max_steps=8", "log.every=2", "ckpt.every=2", "guard.on_nonfinite=rollback", "train.batch_size=8",
-                "guard.diagnose=false"), task=task, run_dir=tmp_path / "r", callbacks=[log]).fit()
+                "capture.diagnose=false"), task=task, run_dir=tmp_path / "r", callbacks=[log]).fit()
     assert ("rollback", 4) in log.calls
 
 

@@ -299,3 +299,35 @@ def test_a_torchrun_rank_exits_at_once_with_its_code_and_its_output_written(tmp_
     bad = subprocess.run([sys.executable, "-m", "stabletrain", "report", str(tmp_path / "missing")],
                          env={**env(), "WORLD_SIZE": "2"}, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "missing" in bad.stderr
+
+
+def test_a_run_from_before_the_guard_split_resumes_with_one_line_naming_the_moves(tmp_path, capsys):
+    from stabletrain.cli import main
+    from stabletrain.config import MOVED_KEYS
+
+    def old_layout(new: dict) -> dict:
+        old = {k: v for k, v in new.items() if k not in ("capture", "remedy")}
+        for was, now in MOVED_KEYS.items():
+            section, key = now.split(".")
+            *parent, last = was.split(".")
+            (old[parent[0]] if parent else old)[last] = new[section][key]
+        return old
+
+    run_dir = tmp_path / "r"
+    common = ["log.progress=false", "log.tensorboard=false", "ckpt.every=1", "log.every=1"]
+    assert main(["train", "task=helpers:make_user_task", "train.max_steps=2", *common, f"run.dir={run_dir}"]) == 0
+    saved = run_dir / "config.yaml"
+    saved.write_text(yaml.safe_dump(old_layout(yaml.safe_load(saved.read_text())), sort_keys=False))
+    for meta_file in (run_dir / "checkpoints").glob("step_*/meta.json"):
+        meta = json.loads(meta_file.read_text())
+        meta["config"] = old_layout(meta["config"])
+        meta_file.write_text(json.dumps(meta))
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run_dir), "train.max_steps=3", "guard.diagnose=false"]) == 0
+    moved = [line for line in capsys.readouterr().err.splitlines() if "old config keys" in line]
+    assert len(moved) == 2 and moved[0].startswith(f"stabletrain: warning: config file {str(saved)!r}: read old config "
+                                                   "keys at their new places (remedy -> remedy.apply, guard.capture -> "
+                                                   "capture.incidents, ")
+    assert moved[1] == ("stabletrain: warning: the overrides: read old config keys at their new places (guard.diagnose "
+                        "-> capture.diagnose); rename them to stop this line")
+    assert yaml.safe_load(saved.read_text())["capture"]["diagnose"] is False  # written back in the new layout

@@ -217,3 +217,42 @@ def test_trackers_are_config_keys_named_in_errors():
     with pytest.raises(ConfigError, match="config key 'log.wandb.mode': expected one of offline, online, got 'cloud'"):
         load_config(None, ["log.wandb.mode=cloud"])
     assert not diff_configs(load_config(None, []), c)  # log.* may change on resume: a tracker can be added
+
+
+def test_every_help_is_one_short_line():
+    long = [(key, len(text)) for key, _, text in describe_keys() if len(text) > 110 or "\n" in text]
+    assert long == []  # the docs (docs/configuration.md) hold the rest
+
+
+def test_an_old_key_is_read_at_its_new_place_with_one_line_per_source(tmp_path):
+    from stabletrain.config import MOVED_KEYS
+    from stabletrain.console import StableTrainWarning
+
+    path = tmp_path / "old.yaml"
+    path.write_text("guard:\n  capture: false\n  remedy_fallback: stop\n  spike_ratio: 3.0\nremedy: inc:skip-step\n")
+    with pytest.warns(StableTrainWarning) as caught:
+        cfg = load_config(path, ["guard.max_remedies=1", "guard.memory_snapshot=false"])
+    assert (cfg.capture.incidents, cfg.remedy.fallback, cfg.remedy.apply) == (False, "stop", "inc:skip-step")
+    assert (cfg.remedy.max_applied, cfg.capture.memory_snapshot, cfg.guard.spike_ratio) == (1, False, 3.0)
+    assert [str(w.message) for w in caught] == [
+        f"config file {str(path)!r}: read old config keys at their new places (remedy -> remedy.apply, guard.capture -> "
+        "capture.incidents, guard.remedy_fallback -> remedy.fallback); rename them to stop this line",
+        "the overrides: read old config keys at their new places (guard.memory_snapshot -> capture.memory_snapshot, "
+        "guard.max_remedies -> remedy.max_applied); rename them to stop this line"]
+    with pytest.raises(ConfigError, match="config key 'guard.diagnose' moved to 'capture.diagnose', and both are set"):
+        load_config(None, ["guard.diagnose=false", "capture.diagnose=true"])
+    new = config_to_dict(Config())
+    old = {k: v for k, v in new.items() if k not in ("capture", "remedy")}  # a saved config from before the move
+    for was, now in MOVED_KEYS.items():  # every old key, written out
+        section, key = now.split(".")
+        *parent, last = was.split(".")
+        (old[parent[0]] if parent else old)[last] = new[section][key]
+    assert config_from_dict(old) == Config()  # read back silently (a bundle, a checkpoint's meta)
+
+
+def test_the_docs_list_every_key_that_moved():
+    from stabletrain.config import MOVED_KEYS
+
+    page = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text(encoding="utf-8")
+    for was, now in MOVED_KEYS.items():
+        assert f"| `{was}`" in page and f"| `{now}` |" in page

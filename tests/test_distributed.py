@@ -84,7 +84,7 @@ def _scenarios(root):
             ("capture", "dist_tasks:main", [root / "capture_out", "--states", *nan, f"task_args.bad_index={BAD_AT_5}",
                                             "ckpt.every=0", f"run.dir={root / 'capture'}"]),
             ("rollback", "dist_tasks:main", [root / "rollback_out", *nan, f"task_args.bad_index={BAD_AT_3}", "ckpt.every=2",
-                                             "guard.on_nonfinite=rollback", "guard.diagnose=false",
+                                             "guard.on_nonfinite=rollback", "capture.diagnose=false",
                                              f"run.dir={root / 'rollback'}"]),
             ("reference", *cli(*RESUME, f"run.dir={root / 'reference'}")),  # the SIGKILL test's uninterrupted run
             ("grad-nan", "dist_tasks:main", [root / "grad_nan_out", "task=helpers:grad_nan_sample_task",

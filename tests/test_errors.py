@@ -176,7 +176,7 @@ def test_check_shows_the_users_frames_once(tmp_path):
 
 def test_diagnose_names_the_part_when_the_replay_raises(tmp_path):
     run_dir = tmp_path / "run"
-    c = cfg("train.batch_size=16", "train.max_steps=6", "log.every=3", "guard.diagnose=false", "data.shuffle=false",
+    c = cfg("train.batch_size=16", "train.max_steps=6", "log.every=3", "capture.diagnose=false", "data.shuffle=false",
             f"run.dir={run_dir}", task="user_code_tasks:loss_raises_when_asked_task")
     Trainer(c, run_dir=run_dir).fit()
     assert (run_dir / "incidents" / "step_000003").is_dir()

@@ -139,7 +139,7 @@ def _alive(pid):
 # dropout draws from each rank's RNG stream: a resume that restored the wrong one would not be bitwise equal
 KILL = ["task=helpers:slow_mlp_task", "task_args.num_samples=192", "task_args.dropout=0.2", "task_args.sleep=0",
         "train.batch_size=8", "accum.steps=3", "train.max_steps=14", "log.every=1", "ckpt.every=2", "eval.every=0",
-        "dist.nproc=2", "dist.strategy=fsdp", "guard.capture=false", "callbacks=[ckpt_worker:SlowSteps]"]
+        "dist.nproc=2", "dist.strategy=fsdp", "capture.incidents=false", "callbacks=[ckpt_worker:SlowSteps]"]
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +149,7 @@ def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("sharded")
     scenarios = [("reference", *cli(*KILL, f"run.dir={root / 'reference'}")),
                  ("nan", *cli(*TASK, "dist.nproc=2", "dist.strategy=fsdp", "train.max_steps=2", "ckpt.every=0",
-                              "guard.capture=false", "callbacks=[ckpt_worker:PlantNaN]", f"run.dir={root / 'nan'}"))]
+                              "capture.incidents=false", "callbacks=[ckpt_worker:PlantNaN]", f"run.dir={root / 'nan'}"))]
     scenarios += [(name, *cli(*TASK, "dist.nproc=2", "dist.strategy=fsdp", "ckpt.every=3", f"train.max_steps={steps}",
                               f"run.dir={root / name}")) for name, steps in (("straight", 12), ("parts", 5))]
     return World(root, scenarios)

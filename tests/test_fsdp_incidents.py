@@ -138,7 +138,7 @@ def recording(fn, calls: list):
 
 
 def worker(argv: list[str]) -> None:
-    """torchrun worker: OUT_DIR RUN_DIR key=value ...; the run with capture, then without (``guard.capture=false``)."""
+    """torchrun worker: OUT_DIR RUN_DIR key=value ...; the run with capture, then without (``capture.incidents=false``)."""
     import stabletrain.distributed.fsdp
     from stabletrain import Trainer, load_config
     from stabletrain.distributed.group import process_group
@@ -148,7 +148,7 @@ def worker(argv: list[str]) -> None:
     with process_group("gloo", 120) as ctx:
         result, local = {}, []  # local: each snapshot and in-place load of this rank's shards, with its collectives
         stabletrain.distributed.fsdp.load_local_state_dicts = recording(stabletrain.distributed.fsdp.load_local_state_dicts, local)
-        for name, extra in (("captured", []), ("uncaptured", ["guard.capture=false"])):
+        for name, extra in (("captured", []), ("uncaptured", ["capture.incidents=false"])):
             cfg = load_config(None, [*overrides, *extra])
             trainer = Trainer(cfg, run_dir=run_dir / name)
             pre = PreStepState(STEP - 1, trainer)
@@ -158,7 +158,7 @@ def worker(argv: list[str]) -> None:
             trainer.fit()
             model, optim = full_state_dicts(trainer.module, trainer.optimizer, trainer.named_params)
             result[name] = {"model": model, "optimizer": optim, "history": trainer.history, "pre": pre.state,
-                            "replayed": trainer.recorder.replayed_steps, "capture": trainer.cfg.guard.capture,
+                            "replayed": trainer.recorder.replayed_steps, "capture": trainer.cfg.capture.incidents,
                             "names": [n for n, _ in trainer.named_params], "local": list(local),
                             "kinds": sorted({type(p).__name__ for p in trainer.module.parameters()})}
         out.mkdir(parents=True, exist_ok=True)

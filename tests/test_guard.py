@@ -154,10 +154,10 @@ def test_an_lr_that_breaks_the_parameters_in_the_update_is_caught_after_the_upda
 def test_no_good_state_means_no_capture_and_says_why(tmp_path):
     run_dir = tmp_path / "run"
     torch.manual_seed(0)
-    # Replaying from LAST_GOOD (guard.memory_snapshot=false): there is none. (The interval's in-memory snapshot
+    # Replaying from LAST_GOOD (capture.memory_snapshot=false): there is none. (The interval's in-memory snapshot
     # would replay from the step-0 state, lr inf included: it is never persisted, only replayed.)
     trainer = Trainer(cfg("optim.lr=1e39", "sched.warmup_steps=0", "train.max_steps=4", "log.every=2",
-                          "train.batch_size=8", "guard.memory_snapshot=false"), task=regression_task(),
+                          "train.batch_size=8", "capture.memory_snapshot=false"), task=regression_task(),
                       run_dir=run_dir)  # lr overflows to inf
     trainer.fit()
     events = _events(run_dir)
@@ -302,7 +302,7 @@ def test_check_inputs_catches_a_bad_input_the_loss_never_sees(tmp_path):
     bad_step = _step_of_sample(BAD)
     for check, expected in (("false", []), ("true", [bad_step])):
         trainer = Trainer(cfg("train.batch_size=8", "train.max_steps=8", "log.every=4", f"guard.check_inputs={check}",
-                              "guard.diagnose=false"), task=task, run_dir=tmp_path / check)
+                              "capture.diagnose=false"), task=task, run_dir=tmp_path / check)
         trainer.fit()
         assert [e["step"] for e in _events(tmp_path / check) if e["kind"] == "skip"] == expected
 
@@ -346,7 +346,7 @@ def test_an_fp16_run_whose_scaler_collapsed_stops_instead_of_reporting_success(t
     run printed 'trained 100 steps' and exited 0. Now it stops at the first boundary that sees it, saying what to do;
     with guard.on_stall=warn it trains on, and its last line says how many steps were skipped."""
     args = ["train", "task=remedy_tasks:fp16_stall_task", "precision=fp16", "train.batch_size=8", "train.max_steps=100",
-            "log.every=10", "data.shuffle=false", "guard.capture=false", "log.progress=false", "log.tensorboard=false"]
+            "log.every=10", "data.shuffle=false", "capture.incidents=false", "log.progress=false", "log.tensorboard=false"]
     assert main([*args, f"run.dir={tmp_path / 'stop'}"]) == 1
     err = capsys.readouterr().err
     assert "the run stopped early: the run is stalled at step 60: 18 of the last 20 steps were skipped" in err

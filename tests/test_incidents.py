@@ -28,7 +28,7 @@ def test_missing_and_unsafe_bundles_are_clear_errors(tmp_path):
 
 def test_an_incident_is_captured_and_diagnosed_again_from_the_bundle(tmp_path):
     task = nan_sample_task(bad_index=37)
-    c = cfg("train.batch_size=16", "train.max_steps=6", "log.every=3", "guard.diagnose=false", "data.shuffle=false")
+    c = cfg("train.batch_size=16", "train.max_steps=6", "log.every=3", "capture.diagnose=false", "data.shuffle=false")
     Trainer(c, task=task, run_dir=tmp_path / "run").fit()
     incident = tmp_path / "run" / "incidents" / "step_000003"  # samples 32..47 are the third batch
     bundle = load_bundle(incident)
@@ -45,9 +45,9 @@ def test_an_incident_is_captured_and_diagnosed_again_from_the_bundle(tmp_path):
 def test_a_late_incident_replays_at_most_one_interval_and_its_bundle_is_the_runs_pre_step_state(tmp_path, snapshot, replayed):
     # 128 samples, 8 per step, in order: sample 107 is in step 14, the 4th of the interval (10, 15], with the last
     # checkpoint at step 0 (ckpt.every=100). From the interval's host snapshot the capture replays steps 11-13;
-    # from LAST_GOOD (guard.memory_snapshot=false) it would replay 13 steps.
-    c = cfg("train.batch_size=8", "train.max_steps=15", "log.every=5", "guard.diagnose=false", "data.shuffle=false",
-            f"guard.memory_snapshot={str(snapshot).lower()}")
+    # from LAST_GOOD (capture.memory_snapshot=false) it would replay 13 steps.
+    c = cfg("train.batch_size=8", "train.max_steps=15", "log.every=5", "capture.diagnose=false", "data.shuffle=false",
+            f"capture.memory_snapshot={str(snapshot).lower()}")
     trainer = Trainer(c, task=nan_sample_task(bad_index=107, n=128), run_dir=tmp_path / "run")
     pre = PreStepState(13, trainer)
     trainer.callbacks.append(pre)

@@ -134,7 +134,7 @@ def test_the_diagnosis_rebuilds_the_task_optimizer_the_run_used(tmp_path):
     task.optimizer = factory
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # fused: no per-step sync warning
-        Trainer(cfg("train.max_steps=6", "log.every=6", "train.batch_size=8", "guard.diagnose=false"), task=task,
+        Trainer(cfg("train.max_steps=6", "log.every=6", "train.batch_size=8", "capture.diagnose=false"), task=task,
                 run_dir=tmp_path / "run").fit()
     d = diagnose_incident(tmp_path / "run" / "incidents" / "step_000004", task)
     assert len(built) >= 2 and all(type(o) is torch.optim.SGD for o in built)

@@ -168,7 +168,7 @@ def config(precision: str, accum: int, device: torch.device) -> Any:
         f"train.max_steps={STEPS}", f"optim.lr={PEAK_LR}", f"optim.weight_decay={WEIGHT_DECAY}", f"optim.beta1={BETAS[0]}",
         f"optim.beta2={BETAS[1]}", f"optim.eps={EPS}", f"clip.max_norm={MAX_NORM}", f"sched.warmup_steps={WARMUP}",
         "sched.decay=cosine", f"sched.min_lr_ratio={MIN_LR_RATIO}", "data.shuffle=false", "log.every=10", "eval.every=0",
-        "ckpt.every=0", "guard.capture=false", "log.progress=false", "log.tensorboard=false", "train.gc_freeze=false"])
+        "ckpt.every=0", "capture.incidents=false", "log.progress=false", "log.tensorboard=false", "train.gc_freeze=false"])
 
 
 def precision_policy(precision: str, device: torch.device) -> PrecisionPolicy:

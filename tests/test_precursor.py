@@ -185,7 +185,7 @@ def regression_task(seed: int = 0) -> Task:
 
 #: Adam warmed up towards an LR too high for the regression: its first spike comes at step 139.
 TOO_HIGH = ("train.max_steps=160", "train.batch_size=8", "optim.lr=0.3", "sched.warmup_steps=400", "sched.decay=constant",
-            "ckpt.every=0", "eval.every=0", "guard.capture=false")
+            "ckpt.every=0", "eval.every=0", "capture.incidents=false")
 
 
 @pytest.mark.slow

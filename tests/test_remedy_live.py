@@ -40,7 +40,7 @@ def test_a_divergence_that_stops_the_run_today_is_remedied_and_the_run_finishes_
     today = train(tmp_path / "today", "remedy_tasks:diverging_task", "train.max_steps=60", *DIVERGING)
     assert "20 consecutive skipped steps (guard.max_consecutive_skips=20) at step 57" in today.stop_reason
     remedied = train(tmp_path / "remedied", "remedy_tasks:diverging_task", "train.max_steps=60", *DIVERGING,
-                     "guard.on_nonfinite=remedy", "guard.remedy_steps=4")
+                     "guard.on_nonfinite=remedy", "remedy.steps=4")
     assert remedied.step == 60 and remedied.stop_reason is None
     # The line says when the remedy was applied (step 40), its rollback's own step in what it does (issue 33).
     assert "stabletrain: remedy at step 40: rollback-lr-x0.1 (back to step 10, lr x0.1)" in capsys.readouterr().out
@@ -60,7 +60,7 @@ def test_a_divergence_that_stops_the_run_today_is_remedied_and_the_run_finishes_
 def _start(run_dir, *extra, resume=False):
     args = ["task=remedy_tasks:sqrt_zero_task", "task_args.slow=true", "train.batch_size=8", "train.max_steps=16",
             "log.every=1", "ckpt.every=4", "data.shuffle=false", "log.progress=false", "log.tensorboard=false",
-            "guard.on_nonfinite=remedy", "guard.remedy_steps=6", *extra]
+            "guard.on_nonfinite=remedy", "remedy.steps=6", *extra]
     cmd = [sys.executable, "-m", "stabletrain", "train", *args] + (["--resume", str(run_dir)] if resume else [f"run.dir={run_dir}"])
     return subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -87,7 +87,7 @@ def test_the_remedy_and_its_evidence_survive_sigkill_and_resume(tmp_path):
     assert kinds == [("nonfinite", 2), ("skip", 2), ("remedy", 2), ("resume", saved.meta["step"])]  # nothing bad after
     # The same end as a run that was never killed (in this process): the remedy was put back exactly.
     reference = Trainer(cfg("train.batch_size=8", "train.max_steps=16", "log.every=1", "ckpt.every=4", "data.shuffle=false",
-                            "guard.on_nonfinite=remedy", "guard.remedy_steps=6", task="remedy_tasks:sqrt_zero_task"),
+                            "guard.on_nonfinite=remedy", "remedy.steps=6", task="remedy_tasks:sqrt_zero_task"),
                         run_dir=tmp_path / "reference")
     reference.fit()
     for name, value in reference.module.state_dict().items():
@@ -102,12 +102,12 @@ def test_a_remedy_is_applied_by_hand_on_resume_once_and_refused_clearly(tmp_path
     incident = run_dir / "incidents" / "step_000002"
     assert main(["remedy", str(incident), "--steps", "6"]) == 0
     capsys.readouterr()
-    assert main(["train", "--resume", str(run_dir), "train.max_steps=12", f"remedy={incident}:eps-guard"]) == 2
+    assert main(["train", "--resume", str(run_dir), "train.max_steps=12", f"remedy.apply={incident}:eps-guard"]) == 2
     assert "needs a code change (keep the input of sqrt away from 0 at " in capsys.readouterr().err
-    assert main(["train", "--resume", str(run_dir), "train.max_steps=12", f"remedy={incident}:nope"]) == 2
+    assert main(["train", "--resume", str(run_dir), "train.max_steps=12", f"remedy.apply={incident}:nope"]) == 2
     assert "remedy.json has no candidate 'nope'; it has skip-samples, eps-guard" in capsys.readouterr().err
     for max_steps in (16, 20):  # the second resume keeps the remedy from the checkpoint and does not apply it twice
-        assert main(["train", "--resume", str(run_dir), f"train.max_steps={max_steps}", f"remedy={incident}:skip-samples"]) == 0
+        assert main(["train", "--resume", str(run_dir), f"train.max_steps={max_steps}", f"remedy.apply={incident}:skip-samples"]) == 0
     bad = [(e["kind"], e["step"]) for e in events(run_dir) if e["kind"] in ("remedy", "skip")]
     assert bad == [("skip", 2), ("skip", 6), ("remedy", 8)]  # sample 13 is in steps 10, 14 and 18 too: dropped
     (event,) = [e for e in events(run_dir) if e["kind"] == "remedy"]
@@ -121,15 +121,15 @@ def test_a_transient_fault_needs_no_remedy_and_a_run_past_max_remedies_falls_bac
 
     task = regression_task()
     task.model = PoisonAt(task.model, {3})  # NaN on the 3rd forward only: not reproducible, nothing recurs
-    c = cfg("train.batch_size=8", "log.every=5", "train.max_steps=5", "guard.on_nonfinite=remedy", "guard.remedy_steps=3")
+    c = cfg("train.batch_size=8", "log.every=5", "train.max_steps=5", "guard.on_nonfinite=remedy", "remedy.steps=3")
     Trainer(c, task=task, run_dir=tmp_path / "transient").fit()
     (event,) = [e for e in events(tmp_path / "transient") if e["kind"] == "remedy"]
     assert event["applied"] is None and event["reason"].startswith(
         "no remedy needed for the not reproducible incident at step 3: skipping its step cures it on the replay")
     stopped = train(tmp_path / "capped", "remedy_tasks:diverging_task", "train.max_steps=60", *DIVERGING,
-                    "guard.on_nonfinite=remedy", "guard.max_remedies=0", "guard.remedy_fallback=stop")
-    assert stopped.step == 40 and "no remedy applied: 0 remedies applied already (guard.max_remedies=0); " \
-                                  "guard.remedy_fallback=stop" in stopped.stop_reason
+                    "guard.on_nonfinite=remedy", "remedy.max_applied=0", "remedy.fallback=stop")
+    assert stopped.step == 40 and "no remedy applied: 0 remedies applied already (remedy.max_applied=0); " \
+                                  "remedy.fallback=stop" in stopped.stop_reason
 
 
 def test_a_second_incident_after_a_skip_samples_remedy_is_captured_on_the_windows_the_run_trained(tmp_path):
@@ -143,7 +143,7 @@ def test_a_second_incident_after_a_skip_samples_remedy_is_captured_on_the_window
     from stabletrain.records.bundles import load_bundle
 
     c = cfg("train.batch_size=8", "log.every=5", "data.shuffle=false", "train.max_steps=12", "guard.on_nonfinite=remedy",
-            "guard.remedy_steps=1", "task_args.also=28", task="remedy_tasks:sqrt_zero_task")
+            "remedy.steps=1", "task_args.also=28", task="remedy_tasks:sqrt_zero_task")
     trainer = Trainer(c, run_dir=tmp_path / "run")
     pre = PreStepState(7, trainer)
     trainer.callbacks.append(pre)

@@ -658,7 +658,7 @@ def test_a_remedy_that_rolled_back_is_in_the_health_summary_with_what_it_undid(t
     c = load_config(None, ["task=examples.diverging_task:make_task", "optim.name=sgd", "optim.lr=2.5",
                            "optim.weight_decay=0", "clip.max_norm=null", "sched.decay=constant", "train.batch_size=8",
                            "train.max_steps=60", "log.every=5", "ckpt.every=10", "ckpt.keep=10", "data.shuffle=false",
-                           "guard.on_nonfinite=remedy", "guard.remedy_steps=4", "log.progress=false", "log.tensorboard=false"])
+                           "guard.on_nonfinite=remedy", "remedy.steps=4", "log.progress=false", "log.tensorboard=false"])
     Trainer(c, run_dir=tmp_path / "run").fit()
     run = load_run(tmp_path / "run")
     h = health_summary(run)

@@ -33,7 +33,7 @@ from stabletrain.services.restarts import Failure, last_failure, refusal
 # wrong one would not be bitwise equal. 20 steps, a checkpoint every 2.
 ARGS = ["task=helpers:slow_mlp_task", "task_args.num_samples=192", "task_args.dropout=0.2", "task_args.sleep=0.02",
         "train.batch_size=8", "accum.steps=2", "train.max_steps=20", "log.every=1", "ckpt.every=2", "eval.every=0", *FAST]
-FSDP = [*ARGS, "dist.strategy=fsdp", "guard.capture=false"]
+FSDP = [*ARGS, "dist.strategy=fsdp", "capture.incidents=false"]
 RESTARTS = ["run.max_restarts=5"]
 
 
@@ -117,7 +117,7 @@ def test_a_rank_sigkilled_at_3_random_points_restarts_by_itself_and_ends_bitwise
     else:
         world.check(kind)
         want = _final(world.root / kind)
-        extra, victim = ([] if kind == "ddp" else ["dist.strategy=fsdp", "guard.capture=false"]) + ["dist.nproc=2"], _a_rank
+        extra, victim = ([] if kind == "ddp" else ["dist.strategy=fsdp", "capture.incidents=false"]) + ["dist.nproc=2"], _a_rank
     run_dir = tmp_path / "killed"
     cmd = [sys.executable, "-m", "stabletrain", "train", *ARGS, *extra, *RESTARTS, f"run.dir={run_dir}"]
     code, output, killed, seen = _kill_three_times(cmd, run_dir, f"restart-{kind}", victim)
@@ -200,7 +200,7 @@ def test_a_checkpoint_that_leads_to_a_nonfinite_step_right_after_its_load_is_not
     assert all(torch.isfinite(v).all() for v in loaded.state["model"].values())
     ckpt.save(loaded.state, 6, {k: v for k, v in loaded.meta.items() if k in ("config", "config_hash")})
     res = subprocess.run([sys.executable, "-m", "stabletrain", "train", "--resume", str(run_dir), "train.max_steps=10",
-                          "guard.diagnose=false", "run.max_restarts=2"],
+                          "capture.diagnose=false", "run.max_restarts=2"],
                          env=env(), capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-3000:]
     restart = [e for e in events(run_dir) if e["kind"] == "restart"]

@@ -1,4 +1,4 @@
-"""guard.memory_snapshot=auto: the incident snapshot is taken when the state fits the host-memory budget, else off with one line."""
+"""capture.memory_snapshot=auto: the incident snapshot is taken when the state fits the host-memory budget, else off with one line."""
 
 from __future__ import annotations
 
@@ -27,16 +27,16 @@ def test_auto_turns_the_snapshot_off_with_one_line_when_the_state_exceeds_the_bu
                                                                                        replayed, lines):
     # Sample 107 is in step 14 (8 per step, in order), the last checkpoint at step 0: from the interval's snapshot
     # the capture replays steps 11-13; with the snapshot off it replays from LAST_GOOD, steps 1-13.
-    c = cfg("train.batch_size=8", "train.max_steps=15", "log.every=5", "guard.diagnose=false", "data.shuffle=false",
-            f"guard.snapshot_memory_fraction={fraction}")
-    assert c.guard.memory_snapshot == "auto"  # the default
+    c = cfg("train.batch_size=8", "train.max_steps=15", "log.every=5", "capture.diagnose=false", "data.shuffle=false",
+            f"capture.snapshot_memory_fraction={fraction}")
+    assert c.capture.memory_snapshot == "auto"  # the default
     trainer = Trainer(c, task=nan_sample_task(bad_index=107, n=128), run_dir=tmp_path / "run")
     trainer.fit()
-    said = [x for x in capsys.readouterr().err.splitlines() if "guard.memory_snapshot" in x]
+    said = [x for x in capsys.readouterr().err.splitlines() if "capture.memory_snapshot" in x]
     assert len(said) == lines
     if lines:
-        assert said[0].startswith("stabletrain: warning: guard.memory_snapshot=auto: the incident snapshot is off: ")
-        assert "x 1 process(es) on this host exceed guard.snapshot_memory_fraction=1e-09" in said[0]
+        assert said[0].startswith("stabletrain: warning: capture.memory_snapshot=auto: the incident snapshot is off: ")
+        assert "x 1 process(es) on this host exceed capture.snapshot_memory_fraction=1e-09" in said[0]
         assert "replays from the last checkpoint (LAST_GOOD, up to ckpt.every=100 steps)" in said[0]
         assert trainer.recorder.snapshot is None
     else:

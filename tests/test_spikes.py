@@ -111,7 +111,7 @@ def test_on_spike_remedy_finishes_the_run_with_the_remedy_event(tmp_path):
     run_dir = tmp_path / "run"
     factory, kwargs, overrides, step = CASES["data"]
     trainer = Trainer(cfg("train.batch_size=8", "log.every=10", "data.shuffle=false", "guard.on_spike=remedy",
-                          "guard.remedy_steps=5", *overrides), task=factory(**kwargs), run_dir=run_dir)
+                          "remedy.steps=5", *overrides), task=factory(**kwargs), run_dir=run_dir)
     trainer.fit()
     events = _events(run_dir)
     remedy = [e for e in events if e["kind"] == "remedy"]

@@ -118,7 +118,7 @@ class Callback:
     def state_dict(self) -> dict[str, Any]:
         """This callback's own state, saved in checkpoints (plain values and tensors only).
 
-        Also read at every log interval's start, for the incident snapshot (``guard.memory_snapshot``): keep it cheap.
+        Also read at every log interval's start, for the incident snapshot (``capture.memory_snapshot``): keep it cheap.
         """
         return {}
 

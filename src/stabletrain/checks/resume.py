@@ -115,7 +115,7 @@ def _run_cfg(cfg: Config, run_dir: Path, steps: int, ckpt_every: int) -> Config:
     data["ckpt"]["every"] = ckpt_every
     data["log"].update(every=1, progress=False, tensorboard=False)
     data["eval"]["every"] = 0
-    data["guard"]["diagnose"] = False
+    data["capture"]["diagnose"] = False
     data["run"].update(dir=str(run_dir), overwrite=True)
     data["resume"] = None
     return config_from_dict(data)

@@ -27,8 +27,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         saved = Path(resume) / "config.yaml"
         if not saved.exists():
             raise FileNotFoundError(f"resume {resume!r}: no config.yaml there; is it a stabletrain run directory?")
-        base = load_yaml(saved.read_text(encoding="utf-8"), f"config file {str(saved)!r}") or {}
-        cfg = load_config(args.config, [*args.overrides, f"resume={resume}", f"run.dir={resume}"], base=base)
+        source = f"config file {str(saved)!r}"
+        base = load_yaml(saved.read_text(encoding="utf-8"), source) or {}
+        cfg = load_config(args.config, [*args.overrides, f"resume={resume}", f"run.dir={resume}"], base=base,
+                          base_source=source)
         run_dir = Path(resume)
     else:
         cfg = load_config(args.config, args.overrides)

@@ -23,10 +23,9 @@ __all__ = ["RESUME_SAFE_KEYS", "RESHARD_SAFE_KEYS", "resume_safe_text", "ABSENT"
 #: they change neither the math nor the data of the steps still to come. The world size may change
 #: (``dist.*``): the resume is then resharded, and :data:`RESHARD_SAFE_KEYS` may change as well.
 RESUME_SAFE_KEYS: tuple[str, ...] = (
-    "train.max_steps", "train.gc_freeze", "log.*", "ckpt.every", "ckpt.keep", "ckpt.max_failures", "eval.every", "run.*", "resume", "remedy",
-    "data.workers",
-    "guard.capture", "guard.memory_snapshot", "guard.snapshot_memory_fraction", "guard.diagnose", "dist.*", "callbacks",
-    "guard.capture_spikes", "guard.max_spike_captures", "guard.precursor*", "guard.on_stall", "guard.stall_steps",
+    "train.max_steps", "train.gc_freeze", "log.*", "ckpt.every", "ckpt.keep", "ckpt.max_failures", "eval.every", "run.*",
+    "resume", "remedy.apply", "data.workers", "capture.*", "dist.*", "callbacks", "guard.precursor*", "guard.on_stall",
+    "guard.stall_steps",
 )
 
 

@@ -6,16 +6,20 @@ and the value seen, whether the config comes from YAML, overrides or Python.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from ..console import StableTrainWarning
 from ..errors import brief
+from .moved import move_old_keys
 from .schema import Config
 from .values import ConfigError, coerce, type_hints
 
@@ -114,9 +118,13 @@ def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
-                base: dict[str, Any] | None = None) -> Config:
-    """Load a Config from ``base`` (plain dicts), then an optional YAML file, then dotted overrides; validate it."""
-    data: dict[str, Any] = dict(base or {})
+                base: dict[str, Any] | None = None, *, base_source: str = "the base config") -> Config:
+    """Load a Config from ``base`` (plain dicts), then an optional YAML file, then dotted overrides; validate it.
+
+    A key that moved (:data:`~stabletrain.config.moved.MOVED_KEYS`) is read at its new place, with one
+    :class:`~stabletrain.console.StableTrainWarning` line per source that used one (``base_source`` names the base).
+    """
+    data: dict[str, Any] = _moved(copy.deepcopy(base or {}), base_source)
     if path is not None:
         p = Path(path)
         try:
@@ -128,14 +136,23 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             loaded = {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(p)!r}: expected a mapping at the top, got {type(loaded).__name__}")
-        data = _deep_merge(data, loaded)
+        data = _deep_merge(data, _moved(loaded, f"config file {str(p)!r}"))
     overlay: dict[str, Any] = {}
     for override in overrides:
         apply_override(overlay, override)
-    data = _deep_merge(data, overlay)
+    data = _deep_merge(data, _moved(overlay, "the overrides"))
     return _build(Config, data).validate()
 
 
+def _moved(data: dict[str, Any], source: str) -> dict[str, Any]:
+    note = move_old_keys(data, source)
+    if note is not None:
+        warnings.warn(note, StableTrainWarning, stacklevel=3)
+    return data
+
+
 def config_from_dict(data: dict[str, Any]) -> Config:
-    """Rebuild a Config from plain dicts (e.g. a run dir's ``config.yaml``)."""
+    """Rebuild a Config from plain dicts (e.g. a run dir's ``config.yaml``); an old key is read at its new place."""
+    data = copy.deepcopy(data)
+    move_old_keys(data, "a saved config")
     return _build(Config, data).validate()

@@ -19,8 +19,8 @@ from ..errors import brief
 from .values import ConfigError, check_types, type_hints
 
 __all__ = ["Config", "TrainConfig", "AccumConfig", "ClipConfig", "OptimConfig", "SchedConfig", "DataConfig", "MlflowConfig",
-           "WandbConfig", "LogConfig", "EvalConfig", "CkptConfig", "GuardConfig", "DistConfig", "RunConfig", "TRACKERS",
-           "RANGES", "check_range", "describe_keys"]
+           "WandbConfig", "LogConfig", "EvalConfig", "CkptConfig", "GuardConfig", "CaptureConfig", "RemedyConfig",
+           "DistConfig", "RunConfig", "TRACKERS", "RANGES", "check_range", "describe_keys"]
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -37,14 +37,8 @@ def _section(cls: type, help: str) -> Any:
 class TrainConfig:
     max_steps: int = _f(300, "optimizer steps to run (a skipped step counts)")
     batch_size: int = _f(16, "samples per micro-batch per process")
-    gc_freeze: bool = _f(True, "keep the objects alive when fit() starts out of the garbage collector's full scans while "
-                               "it runs (gc.freeze; put back after): a full collection stalls a step at a moment no one "
-                               "chooses, and under DDP every rank waits for it at the next collective")
-    compile: bool = _f(False, "torch.compile the model the step calls (after the DDP or FSDP2 wrapping; the step, the "
-                              "guard and the metrics stay eager and add no graph break). Checkpoints hold the same keys "
-                              "as eager; an incident's diagnosis replays the model eagerly on the same weights and says "
-                              "so. Not resume-safe: compiled kernels round differently, so switching it on or off on a "
-                              "resume would end a run that is not bitwise the uninterrupted one")
+    gc_freeze: bool = _f(True, "keep the objects alive at fit() start out of the garbage collector's full scans (gc.freeze)")
+    compile: bool = _f(False, "torch.compile the model the step calls (the step, guard and metrics stay eager); not resume-safe")
 
 
 @dataclass
@@ -59,9 +53,9 @@ class ClipConfig:
 
 @dataclass
 class OptimConfig:
-    name: Literal["adamw", "adam", "sgd"] = _f("adamw", "the optimizer, built fused so a skipped step stays on the device: adamw, adam or sgd")
+    name: Literal["adamw", "adam", "sgd"] = _f("adamw", "the optimizer, built fused (a skip stays on the device): adamw, adam or sgd")
     lr: float = _f(1e-3, "peak learning rate")
-    weight_decay: float = _f(0.1, "weight decay on matrices (never on biases and norms), every optimizer: decoupled for adamw, L2 added to the gradient for adam and sgd")
+    weight_decay: float = _f(0.1, "weight decay on matrices, never on biases and norms (adamw: decoupled; adam, sgd: L2)")
     beta1: float = _f(0.9, "adam/adamw beta1")
     beta2: float = _f(0.95, "adam/adamw beta2")
     eps: float = _f(1e-8, "adam/adamw epsilon")
@@ -72,7 +66,7 @@ class OptimConfig:
 @dataclass
 class SchedConfig:
     warmup_steps: int = _f(20, "linear warmup from 0 to optim.lr over this many applied steps")
-    decay: Literal["cosine", "constant"] = _f("cosine", "shape after warmup: cosine to min_lr_ratio at train.max_steps, or constant")
+    decay: Literal["cosine", "constant"] = _f("cosine", "after warmup: cosine to min_lr_ratio at train.max_steps, or constant")
     min_lr_ratio: float = _f(0.1, "final LR as a fraction of optim.lr (cosine decay)")
 
 
@@ -88,14 +82,14 @@ TRACKERS: tuple[str, ...] = ("tensorboard", "mlflow", "wandb")
 
 @dataclass
 class MlflowConfig:
-    tracking_uri: str | None = _f(None, "MLflow tracking URI; null = MLflow's own default (MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working directory); e.g. sqlite:///runs/mlflow.db, or file:./mlruns (MLflow 3 refuses a file store unless MLFLOW_ALLOW_FILE_STORE=true)")
+    tracking_uri: str | None = _f(None, "MLflow tracking URI; null = MLflow's default (MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
     experiment: str = _f("stabletrain", "the MLflow experiment the run is logged in (created when missing)")
     run_name: str | None = _f(None, "the MLflow run's name; null = the run directory's name")
 
 
 @dataclass
 class WandbConfig:
-    mode: Literal["offline", "online"] = _f("offline", "offline: W&B writes the run under log.wandb.dir only, no network (upload it later with wandb sync); online: also streamed to the W&B server (needs the network and a login)")
+    mode: Literal["offline", "online"] = _f("offline", "offline: files under log.wandb.dir only, no network; online: also streamed")
     project: str = _f("stabletrain", "the W&B project")
     entity: str | None = _f(None, "the W&B entity (team or user); null = your default")
     dir: str | None = _f(None, "where W&B writes its files (DIR/wandb/offline-run-*); null = the run directory")
@@ -105,11 +99,12 @@ class WandbConfig:
 @dataclass
 class LogConfig:
     every: int = _f(10, "steps per log interval: metrics are reduced on the host once per interval")
-    trackers: list[Literal[TRACKERS]] = _f(["tensorboard"], "where each interval's metrics go besides metrics.jsonl (rank 0, once per log interval): tensorboard (RUN_DIR/tb), mlflow (log.mlflow.*), wandb (log.wandb.*); the trackers also get the config, incident/skip/rollback/stop/crash tags and the incidents' diagnosis.json; e.g. log.trackers=[tensorboard,mlflow]")
+    trackers: list[Literal[TRACKERS]] = _f(["tensorboard"], "where each interval's metrics go besides metrics.jsonl: "
+                                                            "tensorboard, mlflow, wandb")
     mlflow: MlflowConfig = _section(MlflowConfig, "MLflow, when log.trackers lists mlflow")
     wandb: WandbConfig = _section(WandbConfig, "Weights & Biases, when log.trackers lists wandb")
-    tensorboard: bool = _f(True, "write TensorBoard event files to RUN_DIR/tb when log.trackers lists tensorboard (the default); false turns TensorBoard off")
-    progress: bool = _f(True, "show progress with the latest figures: a bar when stderr is a terminal, else one line per log interval (step, loss, grad norm, lr, items/s, ETA) on stderr")
+    tensorboard: bool = _f(True, "write TensorBoard event files to RUN_DIR/tb when log.trackers lists tensorboard")
+    progress: bool = _f(True, "show progress on stderr: a bar on a terminal, else one line per log interval")
     top_layers: int = _f(3, "how many parameters to name as dominating the grad norm at each log")
 
 
@@ -121,69 +116,82 @@ class EvalConfig:
 
 @dataclass
 class CkptConfig:
-    every: int = _f(100, "steps between checkpoints (0 = only at the end and on SIGTERM/SIGINT); written only from a healthy state")
+    every: int = _f(100, "steps between checkpoints (0 = only at the end and on SIGTERM/SIGINT); healthy states only")
     keep: int = _f(3, "how many newest checkpoints to keep (the one LAST_GOOD names is never deleted)")
-    max_failures: int = _f(3, "stop the run with an error after this many checkpoint saves in a row failed (disk full, I/O error; each is printed, LAST_GOOD stays intact); 0 = never stop")
+    max_failures: int = _f(3, "stop the run after this many failed checkpoint saves in a row (0 = never stop)")
 
 
 @dataclass
 class GuardConfig:
-    on_nonfinite: Literal["skip", "stop", "rollback", "remedy"] = _f("skip", "a non-finite loss/grad norm/parameter: skip the step, stop cleanly, roll back to the last good checkpoint and skip that data window, or remedy: replay the incident under the remedies that need no code change (stabletrain remedy), apply the best that cures it and go on (else guard.remedy_fallback)")
-    on_spike: Literal["warn", "skip", "rollback", "remedy"] = _f("warn", "a loss spike: record an event, skip the step (decided on the device every step), roll back and skip the window (warn, rollback: the rule runs on the host at the log boundary), or remedy: skip it, then replay it under the remedies that fit its diagnosis and apply the best that cures it (else guard.remedy_fallback)")
+    on_nonfinite: Literal["skip", "stop", "rollback", "remedy"] = _f(
+        "skip", "a non-finite loss, grad norm or parameter: skip the step, stop, roll back, or apply a verified remedy")
+    on_spike: Literal["warn", "skip", "rollback", "remedy"] = _f(
+        "warn", "a loss spike: record it, skip the step, roll back, or skip it and apply a verified remedy")
     spike_window: int = _f(50, "recent finite, non-spike losses the spike rule compares against")
     spike_ratio: float = _f(2.0, "spike rule: loss > spike_ratio x median of the window ...")
-    spike_zscore: float = _f(6.0, "... and (loss - mean) / std of the window > spike_zscore (armed after 4 steps; until spike_window/2, also > spike_ratio^2 x the largest loss so far)")
-    capture_spikes: bool = _f(True, "capture and diagnose a loss spike as an incident (guard.capture): replayed from the interval's snapshot, its cause found by counterfactual replays; at most one capture per log interval")
-    max_spike_captures: int = _f(5, "capture at most this many spikes in a run (later ones are still events)")
+    spike_zscore: float = _f(6.0, "... and (loss - mean) / std of the window > spike_zscore (armed after 4 steps)")
     max_consecutive_skips: int = _f(20, "stop the run after this many skipped steps in a row")
-    stall_steps: int = _f(20, "a run is stalled when no update of this many recent steps moved the parameters: each skipped or applied with a zero gradient (an fp16 loss scale that cannot recover); see guard.on_stall")
-    on_stall: Literal["stop", "warn"] = _f("stop", "a stalled run (guard.stall_steps): stop with one line saying what to do, or warn once and train on")
+    stall_steps: int = _f(20, "stalled: no update of this many recent steps moved the parameters (see guard.on_stall)")
+    on_stall: Literal["stop", "warn"] = _f("stop", "a stalled run: stop with one line saying what to do, or warn once")
     max_rollbacks: int = _f(3, "stop the run after this many rollbacks")
-    check_params: bool = _f(True, "check on each log interval's last step that the parameters are finite (one fused pass, no sync); when a check fails, the capture's replay pins the update that broke them")
+    check_params: bool = _f(True, "check on each log interval's last step that the parameters are finite (no sync)")
     check_inputs: bool = _f(False, "check floating-point inputs of every micro-batch for NaN/Inf")
-    capture: bool = _f(True, "capture an incident bundle (RUN_DIR/incidents/step_N) for the first bad step of an interval, by replaying from the interval's snapshot (guard.memory_snapshot) or else from LAST_GOOD")
-    memory_snapshot: bool | Literal["auto"] = _f("auto", "copy the state into reused host buffers at every log interval's start (pinned, non-blocking from CUDA, on a side stream), so a capture replays at most log.every steps wherever the incident falls (costs one copy per interval and host memory for model + optimizer: this rank's share under DDP, its shards under FSDP); auto: on when that state, times the processes on this host, fits guard.snapshot_memory_fraction of the host memory available when the run starts, else off with one warning line; false: replay from LAST_GOOD, up to ckpt.every steps")
-    snapshot_memory_fraction: float = _f(0.25, "guard.memory_snapshot=auto: the share of the host memory available at the run's start (MemAvailable) that the snapshots of all processes on this host may take, in (0, 1]")
+    precursor: bool = _f(True, "warn before a loss spike: a layer whose update/weight ratio departs from its history")
+    precursor_window: int = _f(20, "precursor: the history a layer is compared with, in log intervals (an EMA)")
+    precursor_zscore: float = _f(3.0, "precursor: departs when log(update/weight) is this many stds above its mean ...")
+    precursor_ratio: float = _f(2.0, "... and its ratio is more than this many times its history's geometric mean")
+    precursor_warmup: int = _f(5, "precursor: log intervals of a layer's history before it can warn")
+
+
+@dataclass
+class CaptureConfig:
+    incidents: bool = _f(True, "capture the first bad step of an interval into RUN_DIR/incidents/step_N, replayed")
+    spikes: bool = _f(True, "capture a loss spike as an incident too, its cause found by counterfactual replays")
+    max_spikes: int = _f(5, "capture at most this many spikes in a run (later ones are still events)")
+    memory_snapshot: bool | Literal["auto"] = _f("auto", "stage the state in host memory at each interval's start "
+                                                         "(auto: when it fits); false: replay from LAST_GOOD")
+    snapshot_memory_fraction: float = _f(0.25, "capture.memory_snapshot=auto: the share of the host's memory the "
+                                               "snapshots may take")
     diagnose: bool = _f(True, "diagnose a captured incident right away (replay under the precise tools)")
-    remedy_steps: int = _f(20, "guard.on_nonfinite=remedy: windows each candidate is replayed over after the incident's (stabletrain remedy --steps)")
-    remedy_fallback: Literal["skip", "stop", "rollback"] = _f("skip", "guard.on_nonfinite=remedy: what to do when no candidate cures the incident (as guard.on_nonfinite)")
-    max_remedies: int = _f(3, "guard.on_nonfinite=remedy: apply at most this many remedies in a run; then guard.remedy_fallback")
-    precursor: bool = _f(True, "warn before a loss spike: at each log interval compare every parameter's update/weight ratio (at the interval's last step) and grad norm with its own recent history (an EMA z-score of their logs, ZClip's rule per layer); a layer whose update ratio departs writes a precursor event and one console line naming it. Read in the interval's one sync: no per-step cost. false turns it off")
-    precursor_window: int = _f(20, "precursor: the history a layer is compared with, in log intervals (an exponential moving mean and variance; a new interval weighs 1/window)")
-    precursor_zscore: float = _f(3.0, "precursor: a layer departs when log(its update/weight ratio) is more than this many standard deviations above its history's mean ...")
-    precursor_ratio: float = _f(2.0, "... and its ratio is more than this many times its history's typical (geometric mean) ratio")
-    precursor_warmup: int = _f(5, "precursor: log intervals of a layer's history before it can warn (the first updates and an LR warmup's start, where the update grows several-fold)")
+
+
+@dataclass
+class RemedyConfig:
+    apply: str | None = _f(None, "apply one verified remedy by hand: INCIDENT_DIR:NAME from that incident's remedy.json")
+    steps: int = _f(20, "guard.on_*=remedy: windows each candidate is replayed over after the incident's")
+    fallback: Literal["skip", "stop", "rollback"] = _f("skip", "guard.on_*=remedy: what to do when no candidate cures")
+    max_applied: int = _f(3, "guard.on_*=remedy: apply at most this many remedies in a run; then remedy.fallback")
 
 
 @dataclass
 class DistConfig:
-    nproc: int = _f(1, "processes to start on this machine: > 1 launches torchrun (--standalone) with this many; under torchrun it must be 1 or equal the world size")
+    nproc: int = _f(1, "processes to start on this machine: > 1 launches torchrun (--standalone) with this many")
     backend: Literal["auto", "gloo", "nccl"] = _f("auto", "torch.distributed backend: auto = nccl on CUDA, gloo on CPU")
-    strategy: Literal["ddp", "fsdp"] = _f("ddp", "with more than one process: ddp = DistributedDataParallel (every rank holds the whole model and optimizer); fsdp = FSDP2 fully_shard per block and at the root (parameters, grads and optimizer state sharded over the ranks; for models that do not fit one device)")
-    reshard_after_forward: bool = _f(True, "fsdp only: free each block's gathered parameters after its forward and gather them again for backward (less memory, one more all-gather per block); false keeps them until backward. The root always stays gathered: backward needs it first")
-    checkpoint: Literal["sharded", "full"] = _f("sharded", "fsdp with more than one process: sharded = each rank writes its own shards through torch.distributed.checkpoint (DCP), asynchronously, beside a small state file; full = rank 0 gathers the whole model and optimizer and writes one file, as DDP does. Either kind resumes under any strategy and world size")
-    timeout_s: float = _f(120.0, "seconds a collective waits for the other ranks before the run fails with a clear message (a dead or hung rank); must exceed rank 0's longest pause alone: a checkpoint write or an incident diagnosis")
+    strategy: Literal["ddp", "fsdp"] = _f("ddp", "with more than one process: ddp (DistributedDataParallel) or fsdp (FSDP2)")
+    reshard_after_forward: bool = _f(True, "fsdp only: free each block's gathered parameters after its forward")
+    checkpoint: Literal["sharded", "full"] = _f("sharded", "fsdp: each rank writes its shards (DCP), or rank 0 one full file")
+    timeout_s: float = _f(120.0, "seconds a collective waits for the other ranks before the run fails with a clear line")
 
 
 @dataclass
 class RunConfig:
     dir: str | None = _f(None, "the run directory; default runs/<task>-<timestamp>")
     overwrite: bool = _f(False, "allow writing into a run directory that already holds a run")
-    resume: Literal["never", "auto"] = _f("never", "auto: continue run.dir from its LAST_GOOD when it holds one (the same command submitted again: a Slurm requeue, a preempted VM), else start it, with one line saying which; a changed config is refused as --resume refuses it. never: start a new run")
-    max_restarts: int = _f(0, "when a process of the run dies (a signal, a non-zero exit, a lost peer), restart from LAST_GOOD by itself at most this many times (0: never; the default, on one process and under dist.nproc > 1 alike, so a new run fails fast; 3 suits a long job). dist.nproc > 1: torchrun's --max-restarts; one process: a supervisor process. SIGINT/SIGTERM still stop the run")
-    max_repeats: int = _f(2, "restarts in a row that may meet the same failure (the same crash or incident at the same step, or no new checkpoint) before the run stops with one line instead of restarting again")
+    resume: Literal["never", "auto"] = _f("never", "auto: continue run.dir from its LAST_GOOD when it holds one, else start it")
+    max_restarts: int = _f(0, "restart from LAST_GOOD by itself at most this many times when a process dies (0: never)")
+    max_repeats: int = _f(2, "restarts in a row that may meet the same failure before the run stops")
 
 
 @dataclass
 class Config:
     """The whole run configuration; ``config.yaml`` in the run dir is this, fully resolved."""
 
-    task: str = _f("gpt", "built-in task name (gpt, mlp) or a user factory 'module:function' returning a stabletrain.Task")
+    task: str = _f("gpt", "built-in task name (gpt, mlp) or a user factory 'module:function' returning a Task")
     task_args: dict = _f({}, "keyword arguments for the task factory (e.g. task_args.n_layer=6 for gpt)")
     seed: int = _f(0, "seed for python, numpy, torch (all devices) and dataloader workers")
-    deterministic: bool = _f(False, "torch.use_deterministic_algorithms(True) and deterministic cuDNN while fit() "
-                                    "runs (put back after it); false: no global torch setting is touched")
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = _f("auto", "auto = bf16 on CUDA where supported, else fp32; fp16 uses a GradScaler (allowed on CPU for testing the fp16 path: slow, and warned)")
+    deterministic: bool = _f(False, "deterministic algorithms and cuDNN while fit() runs (put back after)")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = _f("auto", "auto = bf16 on CUDA where supported, else fp32; "
+                                                                    "fp16 uses a GradScaler")
     device: str = _f("auto", "auto = cuda if available, else cpu; or an explicit torch device string")
     train: TrainConfig = _section(TrainConfig, "training length and batch")
     accum: AccumConfig = _section(AccumConfig, "gradient accumulation")
@@ -195,11 +203,12 @@ class Config:
     eval: EvalConfig = _section(EvalConfig, "validation")
     run: RunConfig = _section(RunConfig, "run directory")
     ckpt: CkptConfig = _section(CkptConfig, "checkpoints")
-    guard: GuardConfig = _section(GuardConfig, "NaN/Inf sentinel, loss-spike detection and what to do about them")
-    dist: DistConfig = _section(DistConfig, "more than one process (DDP or FSDP2 over torch.distributed, launched by torchrun; see dist.strategy); global batch = train.batch_size x accum.steps x world size")
+    guard: GuardConfig = _section(GuardConfig, "the NaN/Inf sentinel, loss spikes, stalls and skips")
+    capture: CaptureConfig = _section(CaptureConfig, "the incident snapshot, capture and diagnosis")
+    remedy: RemedyConfig = _section(RemedyConfig, "verified remedies: by hand, or the search and its fallback")
+    dist: DistConfig = _section(DistConfig, "more than one process (DDP or FSDP2, launched by torchrun)")
     resume: str | None = _f(None, "a run directory to continue from its LAST_GOOD checkpoint (same as --resume)")
-    remedy: str | None = _f(None, "apply one verified remedy by hand: INCIDENT_DIR:NAME, a candidate of that incident's remedy.json (stabletrain remedy); applied once when fit starts, kept in the checkpoints")
-    callbacks: list[str] = _f([], "your callbacks: a list of 'module:Class' entries, each built with no arguments (e.g. callbacks=[mypkg.cbs:LogGrads])")
+    callbacks: list[str] = _f([], "your callbacks: 'module:Class' entries, each built with no arguments")
 
     def validate(self) -> "Config":
         """Check the type of every key, then value ranges; raise ConfigError naming the dotted key and the value seen.
@@ -268,10 +277,10 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "guard.max_consecutive_skips": (lambda v: v >= 1, "an integer >= 1"),
     "guard.stall_steps": (lambda v: v >= 2, "an integer >= 2"),
     "guard.max_rollbacks": (lambda v: v >= 0, "an integer >= 0"),
-    "guard.remedy_steps": (lambda v: v >= 0, "an integer >= 0"),
-    "guard.max_remedies": (lambda v: v >= 0, "an integer >= 0"),
-    "guard.max_spike_captures": (lambda v: v >= 0, "an integer >= 0"),
-    "guard.snapshot_memory_fraction": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "remedy.steps": (lambda v: v >= 0, "an integer >= 0"),
+    "remedy.max_applied": (lambda v: v >= 0, "an integer >= 0"),
+    "capture.max_spikes": (lambda v: v >= 0, "an integer >= 0"),
+    "capture.snapshot_memory_fraction": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
     "guard.precursor_window": (lambda v: v >= 2, "an integer >= 2"),
     "guard.precursor_zscore": (lambda v: v > 0, "a number > 0"),
     "guard.precursor_ratio": (lambda v: v >= 1, "a number >= 1"),

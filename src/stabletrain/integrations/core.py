@@ -160,10 +160,11 @@ class RunSession:
             "clip": {"max_norm": self.clip_max_norm},
             "log": {"every": o.log_every, "tensorboard": o.tensorboard, "top_layers": o.top_layers, "mirror": o.mirror,
                     "trackers": o.tracker_names()},
-            "guard": {"on_nonfinite": o.on_nonfinite, "on_spike": o.on_spike, "capture": o.capture,
-                      "diagnose": o.diagnose, "check_params": o.check_params, "init_check": o.init_check,
+            "guard": {"on_nonfinite": o.on_nonfinite, "on_spike": o.on_spike, "check_params": o.check_params,
+                      "init_check": o.init_check,
                       **{k: getattr(self.cfg.guard, k) for k in ("spike_window", "spike_ratio", "spike_zscore",
                                                                  "max_consecutive_skips")}},
+            "capture": {"incidents": o.capture, "diagnose": o.diagnose},
             "optim": optimizer_config(self.optimizer) if self.optimizer is not None else {},
             "host": jsonable(self.host_config),
             **({"train": {"compile": True}} if self.cfg.train.compile else {}),  # the host compiled its model

@@ -31,8 +31,8 @@ class StopTraining(RuntimeError):
 
 #: An adapter's options that are keys of the built-in run's config: the same meaning, default, type, range and help
 #: (``stabletrain train --help`` lists them; a bad value is refused naming the option and its key).
-CONFIG_KEYS = {"log_every": "log.every", "on_spike": "guard.on_spike", "capture": "guard.capture",
-               "diagnose": "guard.diagnose", "check_params": "guard.check_params", "tensorboard": "log.tensorboard",
+CONFIG_KEYS = {"log_every": "log.every", "on_spike": "guard.on_spike", "capture": "capture.incidents",
+               "diagnose": "capture.diagnose", "check_params": "guard.check_params", "tensorboard": "log.tensorboard",
                "top_layers": "log.top_layers", "trackers": "log.trackers"}
 
 #: The options of a host's side that a built-in run has no key for: (default, meaning).

@@ -35,7 +35,7 @@ from . import Claim, LabResult, new_figure, save_figure
 
 # The divergence spikes before its first NaN (lab 8 meets those spikes): here the non-finite incidents alone are captured.
 COMMON = ["log.progress=false", "log.tensorboard=false", "train.batch_size=8", "log.every=5", "data.shuffle=false",
-          "eval.every=0", "guard.capture_spikes=false"]
+          "eval.every=0", "capture.spikes=false"]
 DIVERGE = ["optim.name=sgd", "optim.weight_decay=0", "clip.max_norm=null", "sched.warmup_steps=20", "sched.decay=constant",
            "ckpt.every=10", "ckpt.keep=10", "guard.max_consecutive_skips=3", "train.max_steps=60"]
 

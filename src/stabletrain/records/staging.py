@@ -352,7 +352,7 @@ def state_bytes(state: Any, *, share: int = 1) -> int:
 def host_memory_available() -> int | None:
     """Bytes of host memory available to new allocations without swapping now (Linux ``MemAvailable``); None where unknown.
 
-    What ``guard.memory_snapshot=auto`` measures once when a run starts (:func:`snapshot_fits`).
+    What ``capture.memory_snapshot=auto`` measures once when a run starts (:func:`snapshot_fits`).
     """
     try:
         with open("/proc/meminfo") as fh:

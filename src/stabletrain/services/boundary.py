@@ -87,8 +87,8 @@ class IntervalBoundary:
     def incident(self, decision: GuardDecision, rows: list[Any]) -> dict[str, Any] | None:
         """Capture the decision's first bad step (every rank); pin the decision to the update the replay found.
 
-        A non-finite step first; else the interval's first loss spike (``guard.capture_spikes``, at most
-        ``guard.max_spike_captures`` in a run): at most one capture per interval. Returns the incident's info for
+        A non-finite step first; else the interval's first loss spike (``capture.spikes``, at most
+        ``capture.max_spikes`` in a run): at most one capture per interval. Returns the incident's info for
         the caller (what ``on_incident`` got; ``anomaly``: "nonfinite" or "spike"), or None without one.
         """
         step, anomaly = decision.first_incident, "nonfinite"
@@ -111,7 +111,7 @@ class IntervalBoundary:
 
     def _spike(self, decision: GuardDecision) -> int | None:
         """The interval's spike to capture, or None (none, not asked for, or the run's captures spent)."""
-        cfg = self.state.cfg.guard
-        if not decision.spike_steps or not cfg.capture_spikes or self.guard.num_spike_captures >= cfg.max_spike_captures:
+        cfg = self.state.cfg.capture
+        if not decision.spike_steps or not cfg.spikes or self.guard.num_spike_captures >= cfg.max_spikes:
             return None
         return decision.spike_steps[0]

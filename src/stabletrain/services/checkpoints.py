@@ -22,6 +22,7 @@ size is resharded (the event says so, with both world sizes and global batches).
 
 from __future__ import annotations
 
+import copy
 import time
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from ..records.checkpoint.manager import LoadedCheckpoint
 from ..records.checkpoint.saves import PendingSave, SaveCosts
 from ..records.checkpoint.writer import running_writer
 from ..records.staging import state_bytes
-from ..config import (RESHARD_SAFE_KEYS, RESUME_SAFE_KEYS, config_hash, config_to_dict, diff_configs,
+from ..config import (RESHARD_SAFE_KEYS, RESUME_SAFE_KEYS, config_hash, config_to_dict, diff_configs, move_old_keys,
                       resume_refusal_message)
 from ..records.checkpoint.shards import ShardedSaver, local_tensors, split_for_dcp
 from ..callbacks import FitState
@@ -111,7 +112,8 @@ class CheckpointKeeper:
 
         path = state.dist.on_main(choose)
         loaded = chosen[0] if chosen else ckpt.load(path, verified=True)  # rank 0 verified it: memory-mapped here
-        saved_cfg = loaded.meta.get("config", {})
+        saved_cfg = copy.deepcopy(loaded.meta.get("config", {}))
+        move_old_keys(saved_cfg, "the checkpoint's config")  # a run from before a key moved: compared at its new place
         saved_world = int(loaded.meta.get("world_size", 1))
         resharded = saved_world != state.dist.world
         diffs = diff_configs(saved_cfg, config_to_dict(state.cfg),

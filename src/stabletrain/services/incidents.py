@@ -1,13 +1,13 @@
 """The incident recorder: the built-in loop's steps as the source of the one capture (:mod:`stabletrain.services.capture`).
 
-At each interval start (``guard.memory_snapshot``, the default) the capture stages the whole state into
+At each interval start (``capture.memory_snapshot``, the default) the capture stages the whole state into
 host buffers that are reused from one interval to the next (from CUDA pinned and non-blocking, so device
 memory does not double and the step does not wait; the run's strategy says how: under DDP each rank
 copies its share of the parameters and optimizer state, which every rank holds alike, and under FSDP its
 own shards). A capture replays from that snapshot to just before the bad step, on every rank together,
 with the same :class:`~stabletrain.step.TrainStep` the run uses (collectives included): at most
 ``log.every - 1`` steps, wherever the incident falls and however far the last checkpoint is. Without
-the snapshot (``guard.memory_snapshot=false``) it replays from LAST_GOOD instead, up to ``ckpt.every``
+the snapshot (``capture.memory_snapshot=false``) it replays from LAST_GOOD instead, up to ``ckpt.every``
 steps. The bundle holds the model and optimizer state before the step (FSDP: every rank writes its own
 shards with DCP into the bundle's ``dcp/`` folder); the diagnosis replays that step on one process under
 the precise tools (:func:`stabletrain.incident_replay.diagnose_incident`).
@@ -47,7 +47,7 @@ class LoopSteps:
     strategy = property(lambda self: self.ops.strategy)
     module = property(lambda self: self.ops.module)
     optimizer = property(lambda self: self.ops.optimizer)
-    diagnose = property(lambda self: bool(self.fit is not None and self.fit.cfg.guard.diagnose))
+    diagnose = property(lambda self: bool(self.fit is not None and self.fit.cfg.capture.diagnose))
 
     @property
     def run_dir(self) -> Path | None:
@@ -56,7 +56,7 @@ class LoopSteps:
 
     def capturing(self, fit: FitState) -> bool:
         self.fit = fit
-        return bool(fit.cfg.guard.capture and (fit.ckpt is not None or self.recorder.engine.snapshot.taken))
+        return bool(fit.cfg.capture.incidents and (fit.ckpt is not None or self.recorder.engine.snapshot.taken))
 
     def live_state(self) -> dict[str, Any]:
         return self.ops.state_dict(local=True)  # FSDP: this rank's shards (no collective)
@@ -150,7 +150,7 @@ class LoopSteps:
 
 
 class IncidentRecorder:
-    """On an incident, write ``incidents/step_N/bundle.pt`` and (``guard.diagnose``) its ``diagnosis.json``.
+    """On an incident, write ``incidents/step_N/bundle.pt`` and (``capture.diagnose``) its ``diagnosis.json``.
 
     A service the loop calls by name (:meth:`mark_interval_start` at fit start and at every log boundary,
     :meth:`capture` on an incident); ``ops`` is the trainer's state and step operations
@@ -163,7 +163,7 @@ class IncidentRecorder:
         self.ops, self.keeper = ops, keeper
         self.source = LoopSteps(self)
         self.engine = IncidentCapture(self.source)
-        self._enabled: bool | None = None  # guard.memory_snapshot=auto: decided once, at plan_snapshot
+        self._enabled: bool | None = None  # capture.memory_snapshot=auto: decided once, at plan_snapshot
 
     @property
     def snapshot(self) -> dict[str, Any] | None:
@@ -178,40 +178,40 @@ class IncidentRecorder:
     def plan_snapshot(self, state: FitState) -> None:
         """Decide once, when the run directory opens, whether the intervals are snapshot (every rank calls it).
 
-        ``guard.memory_snapshot=auto``: rank 0 decides for every rank (one broadcast, here, so no interval's
-        snapshot needs a collective): whether the snapshots on this host fit ``guard.snapshot_memory_fraction``
+        ``capture.memory_snapshot=auto``: rank 0 decides for every rank (one broadcast, here, so no interval's
+        snapshot needs a collective): whether the snapshots on this host fit ``capture.snapshot_memory_fraction``
         of the host memory available now (:func:`~stabletrain.records.staging.host_memory_available`). A
         snapshot is this process's state (DDP: its share of the parameters and optimizer state, and its own
         rest; FSDP: its shards), the optimizer's state estimated before its first step made it; the processes
         on this host are ``LOCAL_WORLD_SIZE``. When they do not fit: off, and one warning line says so and
         what an incident then costs.
         """
-        guard = state.cfg.guard
-        if guard.memory_snapshot == "auto" and guard.capture:
+        capture = state.cfg.capture
+        if capture.memory_snapshot == "auto" and capture.incidents:
             self._enabled = state.dist.on_main(lambda: self._fits(state))
         else:
-            self._enabled = bool(guard.memory_snapshot)
+            self._enabled = bool(capture.memory_snapshot)
 
     def _fits(self, state: FitState) -> bool:
         per_process = self.ops.strategy.snapshot_bytes(self.ops.state_dict(local=True), state.module, self.ops.optimizer)
         processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if state.dist.enabled else 1
-        fraction = state.cfg.guard.snapshot_memory_fraction
+        fraction = state.cfg.capture.snapshot_memory_fraction
         fits, budget = snapshot_fits(per_process, fraction, processes=processes)
         if not fits:
             mib = 2 ** 20
-            console.warn(f"guard.memory_snapshot=auto: the incident snapshot is off: {per_process / mib:.0f} MiB per "
-                         f"process x {processes} process(es) on this host exceed guard.snapshot_memory_fraction="
+            console.warn(f"capture.memory_snapshot=auto: the incident snapshot is off: {per_process / mib:.0f} MiB per "
+                         f"process x {processes} process(es) on this host exceed capture.snapshot_memory_fraction="
                          f"{fraction:g} of the host memory available at start ({budget / mib:.0f} MiB); an incident "
                          f"then replays from the last checkpoint (LAST_GOOD, up to ckpt.every={state.cfg.ckpt.every} "
                          f"steps) instead of the interval's start (at most log.every={state.cfg.log.every}); set "
-                         "guard.memory_snapshot=true to take it anyway")
+                         "capture.memory_snapshot=true to take it anyway")
         return fits
 
     def mark_interval_start(self, state: FitState) -> None:
-        """A new interval starts: stage the state into the snapshot's host buffers (``guard.memory_snapshot``)."""
-        guard = state.cfg.guard
-        self.engine.mark_interval_start(state.step, bool(guard.capture and guard.memory_snapshot and state.ckpt is not None
-                                                         and self._enabled))
+        """A new interval starts: stage the state into the snapshot's host buffers (``capture.memory_snapshot``)."""
+        capture = state.cfg.capture
+        self.engine.mark_interval_start(state.step, bool(capture.incidents and capture.memory_snapshot
+                                                         and state.ckpt is not None and self._enabled))
 
     def capture(self, state: FitState, info: dict[str, Any], rows: list[Any] = ()) -> dict[str, Any]:
         """Capture ``info["step"]`` (:meth:`IncidentCapture.capture`): every rank calls it; rank 0 writes."""

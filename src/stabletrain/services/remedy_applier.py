@@ -6,9 +6,9 @@ A service the loop calls by name:
   diagnosis, replay the incident under the remedies that need no code change
   (:func:`stabletrain.remedy_search.search_remedies`, ``live_only``: skip samples, one module in fp32, a lower LR,
   a tighter clip, a rollback with a lower LR), apply the best that cures it and record a ``remedy`` event
-  with its evidence; when none cures, say so and fall back to ``guard.remedy_fallback``.
-- :meth:`RemedyApplier.by_hand` when fit starts with ``remedy=INCIDENT_DIR:NAME`` (``stabletrain train
-  --resume RUN remedy=...``): apply that candidate of the incident's ``remedy.json``, once.
+  with its evidence; when none cures, say so and fall back to ``remedy.fallback``.
+- :meth:`RemedyApplier.by_hand` when fit starts with ``remedy.apply=INCIDENT_DIR:NAME`` (``stabletrain train
+  --resume RUN remedy.apply=...``): apply that candidate of the incident's ``remedy.json``, once.
 
 How a remedy acts on the run: the GradScaler's settings through the precision policy's state, a lower LR through :meth:`~stabletrain.policies.schedule.LRSchedule.scale`
 (the schedule's state holds it; it stays for the rest of the run — the replay verified it over K steps, and
@@ -80,20 +80,20 @@ class RemedyApplier:
         """``guard.on_nonfinite=remedy`` at an incident: search, apply the best cure; return whether one was applied.
 
         ``decision``: the guard's (its ``action`` becomes ``continue``, ``rollback`` (state restored by a
-        rollback remedy) or, when nothing cures, ``guard.remedy_fallback``). ``found``: the capture's result.
+        rollback remedy) or, when nothing cures, ``remedy.fallback``). ``found``: the capture's result.
         """
-        cfg = state.cfg.guard
+        cfg = state.cfg.remedy
         incident, why, record = found.get("path"), None, None
         if state.dist.enabled:
             why = "remedies are searched and applied on one process only"
         elif incident is None:
-            why = "the incident was not captured (guard.capture=false, or no run directory)"
-        elif len(self.applied) >= cfg.max_remedies:
-            why = f"{len(self.applied)} remedies applied already (guard.max_remedies={cfg.max_remedies})"
+            why = "the incident was not captured (capture.incidents=false, or no run directory)"
+        elif len(self.applied) >= cfg.max_applied:
+            why = f"{len(self.applied)} remedies applied already (remedy.max_applied={cfg.max_applied})"
         else:
             run_rng = rng_state()  # the replays seed and draw: the run's own streams must not notice
             try:
-                record = search_remedies(incident, state.task, steps=cfg.remedy_steps, device=str(state.device),
+                record = search_remedies(incident, state.task, steps=cfg.steps, device=str(state.device),
                                          live_only=True, drop=self.ops.stream.drop)
             except Exception as err:  # a search that fails must not take the run down with it
                 why = f"the remedy search failed ({type(err).__name__}: {err})"
@@ -114,11 +114,11 @@ class RemedyApplier:
             if best is None:
                 why = "no candidate cures it (" + ", ".join(f"{c['name']}: {c['verdict']}" for c in record["candidates"]) + ")"
         if best is None:
-            fallback = cfg.remedy_fallback
+            fallback = cfg.fallback
             decision.action = "stop" if fallback == "skip" and params_bad else "continue" if fallback == "skip" else fallback
-            decision.reason += f"; no remedy applied: {why}; guard.remedy_fallback={fallback}"
+            decision.reason += f"; no remedy applied: {why}; remedy.fallback={fallback}"
             state.event(state.step, "remedy", f"no remedy applied for the incident at step {decision.first_incident}: "
-                        f"{why}; falling back to guard.remedy_fallback={fallback}", incident=incident, applied=None)
+                        f"{why}; falling back to remedy.fallback={fallback}", incident=incident, applied=None)
             return False
         remedy = remedy_from_dict(best["remedy"])
         self.apply(state, remedy, incident, best, record)
@@ -126,27 +126,27 @@ class RemedyApplier:
         return True
 
     def by_hand(self, state: Any) -> None:
-        """Apply config key ``remedy`` (INCIDENT_DIR:NAME) when fit starts, unless it was applied already."""
-        spec = state.cfg.remedy
+        """Apply config key ``remedy.apply`` (INCIDENT_DIR:NAME) when fit starts, unless it was applied already."""
+        spec = state.cfg.remedy.apply
         if not spec:
             return
         incident, _, name = str(spec).rpartition(":")
         path = Path(incident) / REMEDY_FILE
         if not incident or not name:
-            raise ValueError(f"config key 'remedy': expected INCIDENT_DIR:NAME, got {spec!r}")
+            raise ValueError(f"config key 'remedy.apply': expected INCIDENT_DIR:NAME, got {spec!r}")
         if not path.is_file():
-            raise FileNotFoundError(f"config key 'remedy' ({spec!r}): no {REMEDY_FILE} in {incident!r}; run "
+            raise FileNotFoundError(f"config key 'remedy.apply' ({spec!r}): no {REMEDY_FILE} in {incident!r}; run "
                                     f"stabletrain remedy {incident} first")
         record = json.loads(path.read_text(encoding="utf-8"))
         row = next((c for c in record.get("candidates", []) if c.get("name") == name), None)
         if row is None:
-            raise ValueError(f"config key 'remedy' ({spec!r}): {REMEDY_FILE} has no candidate {name!r}; it has "
+            raise ValueError(f"config key 'remedy.apply' ({spec!r}): {REMEDY_FILE} has no candidate {name!r}; it has "
                              f"{', '.join(c.get('name', '?') for c in record.get('candidates', []))}")
         if any(a.get("incident") == str(Path(incident)) and a.get("name") == name for a in self.applied):
             return  # a resume of a run it was applied to already: it is in the checkpoint
         remedy = remedy_from_dict(row["remedy"])
         if not remedy.live:
-            raise ValueError(f"config key 'remedy' ({spec!r}): {name} needs a code change ({getattr(remedy, 'change', '')}) "
+            raise ValueError(f"config key 'remedy.apply' ({spec!r}): {name} needs a code change ({getattr(remedy, 'change', '')}) "
                              "or a restart with another config; it cannot be applied to a live run")
         self.apply(state, remedy, str(Path(incident)), row, record, by_hand=True)
 
@@ -174,7 +174,7 @@ class RemedyApplier:
                  "failure_class": record.get("failure_class"), "verdict": row.get("verdict"),
                  "evidence": row.get("evidence"), "by_hand": by_hand}
         self.applied.append(entry)
-        how = "by hand (config key 'remedy')" if by_hand else f"verified on {record.get('steps')} steps after it"
+        how = "by hand (config key 'remedy.apply')" if by_hand else f"verified on {record.get('steps')} steps after it"
         if state.run is not None:  # when it was applied (a rollback's own step is in its detail)
             console.say(f"remedy at step {from_step}: {remedy.name} ({remedy.detail}), {row.get('verdict')} on the replay")
         state.event(state.step, "remedy", f"applied {remedy.name} ({remedy.detail}) for the {record.get('failure_class')} "

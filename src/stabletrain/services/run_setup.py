@@ -49,4 +49,4 @@ def open_run(trainer: Any, run_dir: Path, resume: bool) -> None:
     if state.run is not None:
         state.run.record_launch(launch)
     trainer.callbacks.append(GoodputClock(run_dir / LEDGER_FILE, launch_record(run_dir if state.run is not None else None)))
-    trainer.recorder.plan_snapshot(state)  # guard.memory_snapshot=auto: decided once, here (a broadcast)
+    trainer.recorder.plan_snapshot(state)  # capture.memory_snapshot=auto: decided once, here (a broadcast)
