@@ -229,7 +229,7 @@ def blocking(args: argparse.Namespace, overrides: list[str], rounds: int) -> Non
 
         manager.save_async(state, 1, meta).result()  # the writer process starts: off the record
         for step in range(10, 10 + rounds):
-            pending = timed("blocked_manager", lambda: manager.save_async(state, step, meta))
+            pending = timed("blocked_manager", lambda step=step: manager.save_async(state, step, meta))
             res = pending.result()  # off the clock
             for k in ("write_s", "verify_s", "prune_s"):
                 background.setdefault(k, []).append(res.timings[k])
@@ -238,7 +238,7 @@ def blocking(args: argparse.Namespace, overrides: list[str], rounds: int) -> Non
             timed("plain_save", lambda: torch.save(state, plain))
             timed("stage", lambda: stager.stage(state))
             timed("check", lambda: first_nonfinite(state, ("model", "optimizer")))
-            timed("sync_save", lambda: sync_manager.save(state, step, meta))
+            timed("sync_save", lambda step=step: sync_manager.save(state, step, meta))
             timed("manager_load", lambda: manager.load())
             timed("plain_load", lambda: torch.load(plain))
         size = res.num_bytes

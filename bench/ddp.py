@@ -20,7 +20,8 @@ item count ride DDP's own gradient all-reduce as the gradient of a small paramet
 ``ratio``: the median, over every log interval of every round, of the built-in time over the bare
 steps' time in the same interval (as bench/overhead.py): a stall of another process on this shared
 machine spoils one interval, not the whole round; ``whole`` is the ratio of the whole timed windows
-(median over rounds), stalls included. Timed: the task's steps after its warm-up (gpt: 60 steps after 10; 20 steps were too few: one stall of
+(median over rounds), stalls included. Timed: the task's steps after its warm-up (gpt: 60 steps after 10;
+20 steps were too few: one stall of
 another process moved a round's ratio by 0.05); a multiple of log.every (10), so the built-in time holds
 its log intervals. Not timed: setup, the step-0 and final checkpoints. samples/s are global (all ranks).
 ``ms/step`` is the built-in loop's extra wall time per optimizer step: its per-step host work (sentinel,

@@ -365,7 +365,8 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["mlp", "gpt"], choices=["mlp", "gpt"])
     ap.add_argument("--contenders", nargs="+", default=list(DEFAULT), choices=list(CONTENDERS))
     ap.add_argument("--rounds", type=int, default=3, help="rounds per driver (default 3)")
-    ap.add_argument("--steps", type=int, default=0, help="timed steps per round, whole 10-step windows (default: mlp 200, gpt 30)")
+    ap.add_argument("--steps", type=int, default=0,
+                    help="timed steps per round, whole 10-step windows (default: mlp 200, gpt 30)")
     ap.add_argument("--warmup", type=int, default=0, help="untimed steps per round (default: mlp 20, gpt 5)")
     ap.add_argument("--noise", type=float, default=0.25, help="redo a round when other processes used more cores than this")
     ap.add_argument("--redo", type=int, default=1, help="redos of a noisy round before it is kept (and counted)")

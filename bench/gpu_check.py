@@ -10,7 +10,8 @@ pinned host memory, and prints tokens/s and the step-time ratio against a bare l
 optimizer (fused AdamW, or fused SGD with momentum).
 
 The ``snapshot`` case times the step with and without the interval's incident snapshot (its copies on a
-side stream into pinned memory; the ratio is what the snapshot costs training). The ``incident`` case plants a NaN loss weight on one sample late in a log interval: the capture must
+side stream into pinned memory; the ratio is what the snapshot costs training). The ``incident`` case
+plants a NaN loss weight on one sample late in a log interval: the capture must
 replay from the interval's host snapshot (at most log.every - 1 steps; CUDA -> pinned, non-blocking)
 and the diagnosis name the sample. The ``ddp`` case runs 2 processes on the one GPU (gloo: NCCL needs
 a device per rank) under torchrun: one collective per step (the gradient all-reduce, carrying the
@@ -398,7 +399,8 @@ def run_ddp(tmp: Path, failures: list[str]) -> None:
     if r is None:
         return
     if r["num_stray_syncs"]:
-        failures.append(f"ddp: {r['num_stray_syncs']} host conversions between boundaries on the training thread: {r['stray_syncs']}")
+        failures.append(f"ddp: {r['num_stray_syncs']} host conversions between boundaries on the training thread: "
+                        f"{r['stray_syncs']}")
     if r["python_all_reduce_in_step"] or set(r["collectives_beyond_buckets"]) != {"0"} or not r["rides_a_param"]:
         failures.append("ddp: a step ran more than DDP's own all-reduce of its buckets (the window's numbers ride a "
                         f"parameter): {r['python_all_reduce_in_step']}, {r['collectives_beyond_buckets']}, "
@@ -477,8 +479,8 @@ def run_fsdp(tmp: Path, failures: list[str]) -> None:
            or not set(c) <= set(FSDP_STEP_ALL_REDUCES)]
     if bad or r["steps_with_all_reduces"] != FSDP_STEPS:
         failures.append(f"fsdp: a step's all-reduces were {bad or r['step_all_reduces']} over {r['steps_with_all_reduces']} "
-                        f"of {FSDP_STEPS} steps; expected each of {sorted(required)} once (all_params_finite, update_norm at most "
-                        "once)")
+                        f"of {FSDP_STEPS} steps; expected each of {sorted(required)} once (all_params_finite, update_norm "
+                        "at most once)")
     if not r["last_loss"] < r["first_loss"]:
         failures.append(f"fsdp: loss did not fall ({r['first_loss']:.4f} -> {r['last_loss']:.4f})")
     if r["skipped"]:

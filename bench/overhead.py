@@ -67,11 +67,11 @@ import torch
 from torch.utils.data import DataLoader
 
 from stabletrain import Trainer, load_config, resolve_task
-from stabletrain.policies.accumulation import as_sum_count
 from stabletrain.callbacks import Callback, FitState
 from stabletrain.data import move_to
-from stabletrain.policies.metrics import peak_memory_mib
 from stabletrain.numerics import all_params_finite, grad_norms
+from stabletrain.policies.accumulation import as_sum_count
+from stabletrain.policies.metrics import peak_memory_mib
 from stabletrain.policies.precision import PrecisionPolicy
 from stabletrain.policies.schedule import LRSchedule
 
@@ -599,7 +599,8 @@ def main() -> None:
     ap.add_argument("--tasks", default="gpt,mlp")
     ap.add_argument("--rounds", type=int, default=0, help="lockstep rounds (default: 7)")
     ap.add_argument("--warmup", type=int, default=0, help="untimed steps per round (default: gpt 10, mlp 20)")
-    ap.add_argument("--steps", type=int, default=0, help="timed steps per round, a multiple of log.every (default: gpt 30, mlp 200)")
+    ap.add_argument("--steps", type=int, default=0,
+                    help="timed steps per round, a multiple of log.every (default: gpt 30, mlp 200)")
     ap.add_argument("--items", action=argparse.BooleanOptionalAction, default=True, help="per-item costs of the built-in step")
     ap.add_argument("--nonfused", action=argparse.BooleanOptionalAction, default=True,
                     help="on the first task, also rounds with a non-fused AdamW(foreach) from the task's optimizer factory")

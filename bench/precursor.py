@@ -123,7 +123,8 @@ def scenarios(args: argparse.Namespace) -> list[tuple[str, str | Callable[[], Ta
     out += [("regression", functools.partial(regression_task, s), ["train.batch_size=8", "sched.decay=constant", f"optim.lr={lr}",
                                                 "sched.warmup_steps=400", "train.max_steps=800", f"seed={s}"])
             for lr in (0.3, 1.0) for s in seeds]
-    out += [("outlier", functools.partial(outlier_task, s), ["data.shuffle=false", "train.max_steps=300", f"seed={s}"]) for s in seeds]
+    out += [("outlier", functools.partial(outlier_task, s), ["data.shuffle=false", "train.max_steps=300", f"seed={s}"])
+            for s in seeds]
     return out
 
 

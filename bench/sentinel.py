@@ -292,7 +292,8 @@ def part_b(task: Any, step_s: float | None, tmp: Path, bad_step: int = 20, repea
     found = diagnosis.get("bad_samples")
     print(f"(b) planted NaN in training sample {bad_index} (step {bad_step}); diagnosis says: {diagnosis.get('summary')}")
     print(f"    stage={diagnosis.get('stage')} op={diagnosis.get('op')} bad_samples={found} "
-          f"reproduces={diagnosis.get('reproduces')} -> {'correct' if found and bad_index in found else 'NOT the planted sample'}")
+          f"reproduces={diagnosis.get('reproduces')} -> "
+          f"{'correct' if found and bad_index in found else 'NOT the planted sample'}")
     print(f"    median step {step * 1e3:.2f} ms ({'from (a)' if step_s is not None else 'from this run'}; "
           f"this run's healthy steps {run_step * 1e3:.2f} ms)")
     source = "the interval's host snapshot" if cfg.capture.memory_snapshot else "LAST_GOOD"
@@ -335,7 +336,8 @@ def part_d(task: Any, step_s: float | None, tmp: Path, bad_step: int = 40, weigh
     d = info.get("diagnosis") or {}
     print(f"(d) a sample of step {bad_step} ({bad_index}) weighs x{weight:g} in the loss; the spike's diagnosis: "
           f"{d.get('summary')}")
-    print(f"    -> {'correct' if d.get('failure_class') == 'data' and bad_index in (d.get('bad_samples') or []) else 'NOT the planted sample'}"
+    correct = d.get("failure_class") == "data" and bad_index in (d.get("bad_samples") or [])
+    print(f"    -> {'correct' if correct else 'NOT the planted sample'}"
           f"; median step {step * 1e3:.2f} ms; capture replayed {info.get('replayed_steps')} steps in "
           f"{info.get('replay_s', 0.0):.2f} s")
     print(f"spike cost: capture + diagnosis = {clock.capture_s[0]:.2f} s = {clock.capture_s[0] / step:.1f} steps "

@@ -1,9 +1,8 @@
 """User tasks with planted mistakes, for the doctor's tests (importable as ``broken_tasks:NAME``)."""
 
 import torch
-from torch import nn
-
 from helpers import regression_task
+from torch import nn
 
 
 class DetachedFirstLayer(nn.Sequential):

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from multiproc import end_worker  # noqa: E402
 from integration_models import BAD_POSITION, Net, batches, loss_fn  # noqa: E402
+from multiproc import end_worker  # noqa: E402
 
 BAD_STEP, BAD_RANK, STEPS, LOG_EVERY = 3, 1, 8, 4
 
@@ -86,8 +86,8 @@ def monitor(out: Path, run_dir: Path) -> None:
 
 def transformers_main(out: Path, run_dir: Path) -> None:
     import transformers
-
     from integration_models import BATCH_HF, token_rows, trap_gpt2
+
     from stabletrain.integrations.transformers import StableTrainCallback
 
     transformers.logging.set_verbosity_error()

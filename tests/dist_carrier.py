@@ -17,11 +17,10 @@ import sys
 
 import torch
 import torch.distributed as dist
-
 from multiproc import end_worker
 
-from stabletrain.policies.accumulation import AccumulationWindow
 from stabletrain.distributed.carrier import data_parallel, register_carrier_hook
+from stabletrain.policies.accumulation import AccumulationWindow
 
 
 def main(argv: list[str]) -> None:

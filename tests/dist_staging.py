@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 from multiproc import end_worker
 
 from stabletrain.records.staging import StateStager, Withheld, fill_withheld

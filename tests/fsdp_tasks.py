@@ -15,9 +15,9 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch
+from helpers import VarLenSequences, varlen_loss
 from torch import nn
 
-from helpers import VarLenSequences, varlen_loss
 from stabletrain import Task
 
 

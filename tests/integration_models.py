@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
 import traceback
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F

@@ -10,12 +10,11 @@ import time
 
 import torch
 import torch.nn.functional as F
+from faults import L2Normalize, Stack
 from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
 from stabletrain import Task
-
-from faults import L2Normalize, Stack
 
 
 def _mse(model: nn.Module, batch) -> Tensor:

@@ -2,12 +2,12 @@
 
 import pytest
 import torch
+from helpers import cfg, regression_task, varlen_task
 from torch.utils.data import default_collate
 
-from helpers import cfg, regression_task, varlen_task
 from stabletrain import Trainer
-from stabletrain.policies.accumulation import AccumulationWindow, as_sum_count
 from stabletrain.distributed.carrier import WindowCarrier
+from stabletrain.policies.accumulation import AccumulationWindow, as_sum_count
 
 RTOL = 1e-5  # fp32: only summation order differs
 
@@ -134,7 +134,8 @@ def test_trainer_accumulation_matches_big_batch_across_an_epoch_tail(make):
 
 
 class FakeCarrier:
-    """Stands in for the comm hook's carrier (stabletrain.distributed.carrier.register_carrier_hook): takes what the window carries."""
+    """Stands in for the comm hook's carrier (stabletrain.distributed.carrier.register_carrier_hook): takes what the
+    window carries."""
 
     travels, averaged = True, False
 
@@ -192,7 +193,7 @@ def test_a_carrier_without_its_hook_is_ignored_and_an_unreduced_window_says_why(
     window.begin()
     window.normalize(loss_sum.detach(), count, last=True, carrier=carrier)
     with pytest.raises(RuntimeError, match="no gradient all-reduce ran after the last micro-batch"):
-        window.mean_loss
+        _ = window.mean_loss
 
 
 def test_a_carrier_parameter_takes_the_windows_numbers_as_its_gradient_and_leaves_the_models_alone():

@@ -12,7 +12,6 @@ import json
 
 import pytest
 import torch
-
 from multiproc import TESTS, TORCHRUN, run
 
 pytestmark = pytest.mark.slow  # two processes per test

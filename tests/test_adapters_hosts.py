@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from integration_models import BAD_POSITION, VOCAB, Net, TrapEmbedding, batches, token_rows, trap_gpt2
 from torch import nn
 
-from integration_models import BAD_POSITION, VOCAB, Net, TrapEmbedding, batches, token_rows, trap_gpt2
 from stabletrain import Monitor
 from stabletrain.report import load_run
 

@@ -4,16 +4,16 @@ import json
 
 import pytest
 import torch
-
 from helpers import HookLog, PoisonAt, cfg, regression_task
+
 from stabletrain import Trainer
 from stabletrain.callbacks import Callback, CallbackList, load_callbacks
-from stabletrain.services.checkpoints import CheckpointKeeper
-from stabletrain.records.staging import clone_state
-from stabletrain.services.incidents import IncidentRecorder
-from stabletrain.services.signals import SignalHandler
 from stabletrain.callbacks.sinks import EventLog, InitWatch, MetricsFile, ProgressBar, TensorBoardLog
 from stabletrain.records.checkpoint.writer import writer
+from stabletrain.records.staging import clone_state
+from stabletrain.services.checkpoints import CheckpointKeeper
+from stabletrain.services.incidents import IncidentRecorder
+from stabletrain.services.signals import SignalHandler
 from stabletrain.tasks import TaskError
 
 

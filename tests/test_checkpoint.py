@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import stabletrain
+from stabletrain.config import config_to_dict
 from stabletrain.records.checkpoint.files import CheckpointError, first_nonfinite, load_state_file
 from stabletrain.records.checkpoint.manager import CheckpointManager
-from stabletrain.config import config_to_dict
 from stabletrain.seeding import set_rng_state
 
 MLP = ["task=mlp", "train.max_steps=3", "log.every=1", "log.progress=false"]

@@ -13,14 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from multiproc import env, wait_for_step
+from multiproc import stabletrain as stabletrain_cmd
+from test_checkpoint import MLP, assert_same, dirs, tiny_state
 
 import stabletrain
-from multiproc import env, stabletrain as stabletrain_cmd, wait_for_step
 from stabletrain.records.checkpoint.arena import SharedStager, Slot, fill_slots
 from stabletrain.records.checkpoint.files import CheckpointError
 from stabletrain.records.checkpoint.manager import CheckpointManager
 from stabletrain.records.checkpoint.writer import WRITER_MODULE, WRITER_NICENESS, close_writer, running_writer
-from test_checkpoint import MLP, assert_same, dirs, tiny_state
 
 WRITER_SITE = Path(__file__).parent / "writer_site"  # its sitecustomize plants STABLETRAIN_TEST_WRITER_FAULT
 

@@ -2,10 +2,10 @@
 
 import torch
 import torch.nn.functional as F
+from helpers import cfg, regression_task
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from helpers import cfg, regression_task
 from stabletrain import Task
 from stabletrain.checks import CheckContext, format_table, run_checks
 
@@ -81,14 +81,15 @@ def lstm_task(rnn: str = "lstm") -> Task:
     def loss(m, b):
         (x,) = b
         logits = m(x[:, :-1])
-        return F.cross_entropy(logits.reshape(-1, 16), x[:, 1:].reshape(-1), reduction="sum"), torch.tensor(float(x[:, 1:].numel()))
+        return (F.cross_entropy(logits.reshape(-1, 16), x[:, 1:].reshape(-1), reduction="sum"),
+                torch.tensor(float(x[:, 1:].numel())))
 
     return Task(model=_LSTMLM(rnn, functional_p=0.1), train_data=TensorDataset(tokens), loss=loss, name=rnn)
 
 
 def test_accum_check_switches_off_a_modules_own_dropout_lstm_gru_attention_and_functional():
     for rnn in ("lstm", "gru"):
-        (result,) = run_checks(CheckContext(cfg("train.batch_size=8"), task_factory=lambda: lstm_task(rnn)), ["accum"])
+        (result,) = run_checks(CheckContext(cfg("train.batch_size=8"), task_factory=lambda rnn=rnn: lstm_task(rnn)), ["accum"])
         assert result.passed and not result.warning, (rnn, result.summary, result.details)
         assert result.numbers["max_param_diff"] <= result.numbers["tolerance"]
         off = next(d for d in result.details if d.startswith("dropout switched off"))

@@ -174,7 +174,8 @@ def test_check_report_and_compare_help_say_what_they_do_and_write(capsys):
     out = " ".join(_help(capsys, "report").split())
     assert "Write RUN_DIR/report.html" in out and "RUN_DIR/plots/NAME.png" in out
     out = " ".join(_help(capsys, "compare").split())
-    assert "Write one self-contained HTML page comparing two or more runs" in out and "default: the first run's directory, RUN_DIR/compare.html" in out
+    assert ("Write one self-contained HTML page comparing two or more runs" in out
+            and "default: the first run's directory, RUN_DIR/compare.html" in out)
     assert "task_args.NAME=VALUE" in " ".join(_help(capsys, "tasks").split())
 
 
@@ -226,7 +227,8 @@ def test_dist_nproc_says_it_starts_the_processes(tmp_path, monkeypatch, capsys):
     from stabletrain.distributed import launch
 
     launched = []
-    monkeypatch.setattr(launch, "launch", lambda nproc, argv, **kw: launched.append((nproc, argv)) or 0)  # torchrun itself: test_distributed
+    monkeypatch.setattr(launch, "launch",
+                        lambda nproc, argv, **kw: launched.append((nproc, argv)) or 0)  # torchrun itself: test_distributed
     assert main(["train", "task=mlp", "dist.nproc=2", "log.progress=false", f"run.dir={tmp_path / 'r'}"]) == 0
     assert launched == [(2, ["train", "task=mlp", "dist.nproc=2", "log.progress=false", f"run.dir={tmp_path / 'r'}"])]
     assert capsys.readouterr().out == ("stabletrain: starting 2 processes on this machine (torchrun, DDP): rank 0 prints "

@@ -7,16 +7,15 @@ import signal
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
-
-from torch.utils.data import TensorDataset
-
 from helpers import cfg, regression_task
 from integration_models import BAD_POSITION, BAD_STEP, Net, batches, loss_fn
+from test_resume import _assert_bitwise, _final_state, _kill_at, _start
+from torch._dynamo.utils import counters
+from torch.utils.data import TensorDataset
+
 from stabletrain import Monitor, Task, Trainer
 from stabletrain.records.checkpoint.manager import CheckpointManager
 from stabletrain.report import load_run
-from test_resume import _assert_bitwise, _final_state, _kill_at, _start
 
 pytestmark = pytest.mark.slow  # inductor compiles (a few seconds each, cached on disk)
 

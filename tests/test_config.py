@@ -208,7 +208,8 @@ def test_trackers_are_config_keys_named_in_errors():
     c = load_config(None, ["log.trackers=[tensorboard,mlflow]", "log.wandb.mode=offline"])
     assert c.log.trackers == ["tensorboard", "mlflow"] and c.log.mlflow.experiment == "stabletrain"
     assert load_config(None, []).log.trackers == ["tensorboard"] and c.log.wandb.dir is None
-    with pytest.raises(ConfigError, match=r"config key 'log.trackers\[1\]': expected one of tensorboard, mlflow, wandb, got 'comet'"):
+    with pytest.raises(ConfigError,
+                       match=r"config key 'log.trackers\[1\]': expected one of tensorboard, mlflow, wandb, got 'comet'"):
         load_config(None, ["log.trackers=[mlflow,comet]"])
     with pytest.raises(ConfigError, match=r"config key 'log.trackers\[1\]': wandb is listed twice"):
         load_config(None, ["log.trackers=[wandb,wandb]"])

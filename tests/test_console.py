@@ -10,14 +10,14 @@ import warnings
 from pathlib import Path
 
 import pytest
-
 from helpers import cfg, regression_task
 from multiproc import env
+
 from stabletrain import Trainer
-from stabletrain.records.checkpoint.manager import CheckpointManager
 from stabletrain.cli import main
 from stabletrain.config import ConfigError
 from stabletrain.console import StableTrainWarning
+from stabletrain.records.checkpoint.manager import CheckpointManager
 
 FP16_WARNING = ("stabletrain: warning: precision=fp16 on CPU: fp16 autocast and GradScaler('cpu') run, slowly; meant for "
                 "testing the fp16 path without a GPU (use bf16 or fp32 to train on CPU)")

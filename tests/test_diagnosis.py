@@ -160,8 +160,12 @@ def test_clipping_before_the_update_is_applied():
     torch.manual_seed(0)
     model = nn.Linear(8, 4)
     x = torch.randn(8, 8) * 1e3  # grads ~1e6: lr * grad overflows fp32 unless clipped to norm 1
-    opt = lambda: torch.optim.SGD(model.parameters(), lr=1e37)
-    loss = lambda m, b: m(b).pow(2).mean()
+    def opt():
+        return torch.optim.SGD(model.parameters(), lr=1e37)
+
+    def loss(m, b):
+        return m(b).pow(2).mean()
+
     unclipped = diagnose_step(model, loss, [(list(range(8)), x)], precision=FP32, optimizer_factory=opt)
     clipped = diagnose_step(model, loss, [(list(range(8)), x)], precision=FP32, optimizer_factory=opt, max_norm=1.0)
     assert unclipped["stage"] == "update" and clipped["stage"] == "none"
@@ -258,7 +262,7 @@ def test_trainer_step_with_a_nan_sample_is_diagnosed_at_its_step():
     cfg = load_config(None, ["device=cpu", "precision=fp32", "train.batch_size=4", "accum.steps=2", "log.progress=false",
                              "log.tensorboard=false", "train.max_steps=8"])
     trainer = Trainer(cfg, task=task)
-    for step in range(1, 9):
+    for step in range(1, 9):  # noqa: B007 (read after the loop: the step the sentinel fired at)
         window = trainer.stream.next_window()
         before, rng = snapshot(trainer.model), torch.get_rng_state()
         if not bool(trainer.train_step(window)["finite"]):

@@ -24,9 +24,9 @@ from helpers import cfg
 from multiproc import FAST, TORCHRUN, World, cli, descendants, env, events, run, stabletrain, steps_logged, wait_for_step
 
 from stabletrain import Trainer
-from stabletrain.records.checkpoint.manager import CheckpointManager
 from stabletrain.data import EpochOrder
 from stabletrain.records.bundles import load_bundle
+from stabletrain.records.checkpoint.manager import CheckpointManager
 
 pytestmark = pytest.mark.slow  # 2-process torchrun runs
 
@@ -121,7 +121,8 @@ def test_ddp_with_accumulation_equals_one_process_on_the_same_samples(world, tmp
     ddp = CheckpointManager(run_dir / "checkpoints").load()
     assert ddp.meta["step"] == 7 and ddp.meta["world_size"] == 2
     for key, value in single.module.state_dict().items():
-        assert torch.allclose(ddp.state["model"][key], value, rtol=0, atol=1e-6), (key, (ddp.state["model"][key] - value).abs().max())
+        assert torch.allclose(ddp.state["model"][key], value, rtol=0, atol=1e-6), \
+            (key, (ddp.state["model"][key] - value).abs().max())
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in single.history], rel=1e-5)
     assert [r["samples_seen"] for r in records] == [r["samples_seen"] for r in single.history]  # global counts
@@ -425,7 +426,7 @@ def test_a_lost_peer_is_told_by_the_exceptions_type_and_where_it_arose_not_by_it
 
     dist = one_rank_group
     for kind in (dist.DistBackendError, dist.DistNetworkError, dist.DistStoreError):  # c10d's own failure types
-        assert is_peer_failure(_raised(lambda: (_ for _ in ()).throw(kind("NCCL watchdog: collective timed out"))))
+        assert is_peer_failure(_raised(lambda kind=kind: (_ for _ in ()).throw(kind("NCCL watchdog: collective timed out"))))
     # A DataLoader that times out says "timed out": it is this rank's own data, not a peer.
     loader = torch.utils.data.DataLoader(_SlowSample(), num_workers=1, timeout=0.3)
     timeout = _raised(lambda: next(iter(loader)))

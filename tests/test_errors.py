@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import cfg, regression_task
 from multiproc import env as child_env
+
 from stabletrain import Trainer
 from stabletrain.errors import batch_note, format_task_error, raised_by_stabletrain, task_part, user_location
 

@@ -2,10 +2,10 @@
 
 import torch
 import torch.nn.functional as F
+from helpers import cfg
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from helpers import cfg
 from stabletrain import Task, Trainer
 from stabletrain.distributed.group import DistContext
 from stabletrain.evaluation import validation_loss

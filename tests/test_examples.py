@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import cfg
+
 from stabletrain.loop import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +41,8 @@ def test_my_task_learns_its_rule_in_300_steps(my_task):
 
 @pytest.mark.slow  # trains for seconds
 def test_the_readmes_callback_snippet_runs_as_written(tmp_path, monkeypatch, capsys):
-    """The "Callbacks" snippet of the docs (docs/your-code.md), run as written: its config comes from load_config, its hooks print."""
+    """The "Callbacks" snippet of the docs (docs/your-code.md), run as written: its config comes from load_config,
+    its hooks print."""
     import re
 
     section = (ROOT / "docs" / "your-code.md").read_text(encoding="utf-8").split("## Callbacks", 1)[1].split("\n#", 1)[0]

@@ -14,10 +14,10 @@ from remedy_tasks import fp16_overflow_task, sqrt_zero_task
 
 from stabletrain import Trainer
 from stabletrain.cli import main
-from stabletrain.report import write_report
 from stabletrain.diagnostics.failure_class import classify_failure, growth
-from stabletrain.policies.precision import PrecisionPolicy
 from stabletrain.incident_replay import diagnose_step
+from stabletrain.policies.precision import PrecisionPolicy
+from stabletrain.report import write_report
 
 DIVERGING = ("optim.name=sgd", "optim.lr=2.5", "optim.weight_decay=0", "clip.max_norm=null", "sched.warmup_steps=20",
              "sched.decay=constant", "ckpt.every=10", "guard.max_consecutive_skips=3")

@@ -17,11 +17,11 @@ from helpers import cfg
 from multiproc import FAST, World, cli, events
 
 from stabletrain import Trainer
-from stabletrain.records.checkpoint.manager import CheckpointManager
 from stabletrain.config import ConfigError
 from stabletrain.data import EpochOrder
 from stabletrain.distributed.fsdp import ShardedNumerics, default_blocks, shard_model
 from stabletrain.numerics import all_params_finite, grad_norms
+from stabletrain.records.checkpoint.manager import CheckpointManager
 from stabletrain.tasks.gpt import GPT
 
 pytestmark = pytest.mark.slow  # 2-process torchrun runs

@@ -25,8 +25,14 @@ from multiproc import FAST, World, cli, descendants, env, events, run, stabletra
 from stabletrain import Trainer
 from stabletrain.records.checkpoint.files import CheckpointError
 from stabletrain.records.checkpoint.manager import CheckpointManager
-from stabletrain.records.checkpoint.shards import (ShardedSave, ShardedSaver, read_full_tensors, read_metadata,
-                                            sharded_state_dicts, split_for_dcp)
+from stabletrain.records.checkpoint.shards import (
+    ShardedSave,
+    ShardedSaver,
+    read_full_tensors,
+    read_metadata,
+    sharded_state_dicts,
+    split_for_dcp,
+)
 
 pytestmark = pytest.mark.slow  # a process group in this process, and 2-process runs
 
@@ -69,7 +75,8 @@ def test_a_sharded_save_moves_last_good_only_once_its_shards_and_metadata_verify
     meta = json.loads((good / "meta.json").read_text())
     names = ("0.weight", "0.bias", "2.weight", "2.bias")
     assert meta["dcp"]["keys"] == sorted([*(f"model.{n}" for n in names),  # every tensor; the rest is in state.pt
-                                          *(f"optimizer.state.{n}.{k}" for n in names for k in ("step", "exp_avg", "exp_avg_sq"))])
+                                          *(f"optimizer.state.{n}.{k}" for n in names
+                                            for k in ("step", "exp_avg", "exp_avg_sq"))])
     assert set(result.timings) >= {"shard_stage_s", "shard_write_s", "stage_s", "write_s", "verify_s"}
     assert result.blocked_s < sum(result.timings.values())
     # loaded whole, in this process: the model and optimizer.state_dict() format, bitwise

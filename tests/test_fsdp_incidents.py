@@ -13,19 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from fsdp_tasks import BlockNet
 from helpers import PreStepState, cfg
 from multiproc import FAST, TORCHRUN, events, run
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from stabletrain.records.staging import StateStager
 from stabletrain.data import EpochOrder
 from stabletrain.distributed.fsdp import is_local_state, load_local_state_dicts, local_state_dicts, shard_model
-from stabletrain.records.bundles import load_bundle
 from stabletrain.numerics import unique_params
 from stabletrain.policies.optim import build_optimizer
 from stabletrain.policies.schedule import LRSchedule
+from stabletrain.records.bundles import load_bundle
+from stabletrain.records.staging import StateStager
 
 # -- the local-shard snapshot, on a one-process group ---------------------------------------------
 
@@ -141,13 +140,14 @@ def worker(argv: list[str]) -> None:
     """torchrun worker: OUT_DIR RUN_DIR key=value ...; the run with capture, then without (``capture.incidents=false``)."""
     import stabletrain.distributed.fsdp
     from stabletrain import Trainer, load_config
-    from stabletrain.distributed.group import process_group
     from stabletrain.distributed.fsdp import full_state_dicts
+    from stabletrain.distributed.group import process_group
 
     out, run_dir, overrides = Path(argv[0]), Path(argv[1]), argv[2:]
     with process_group("gloo", 120) as ctx:
         result, local = {}, []  # local: each snapshot and in-place load of this rank's shards, with its collectives
-        stabletrain.distributed.fsdp.load_local_state_dicts = recording(stabletrain.distributed.fsdp.load_local_state_dicts, local)
+        stabletrain.distributed.fsdp.load_local_state_dicts = recording(stabletrain.distributed.fsdp.load_local_state_dicts,
+                                                                        local)
         for name, extra in (("captured", []), ("uncaptured", ["capture.incidents=false"])):
             cfg = load_config(None, [*overrides, *extra])
             trainer = Trainer(cfg, run_dir=run_dir / name)

@@ -2,23 +2,23 @@
 
 import json
 import math
-import warnings
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-
 from helpers import PoisonAt, cfg, nan_sample_task, regression_task
 from multiproc import env as child_env
+
 from stabletrain import Trainer
-from stabletrain.records.checkpoint.manager import CheckpointManager
+from stabletrain.cli import main
 from stabletrain.config import GuardConfig
 from stabletrain.data import EpochOrder
-from stabletrain.cli import main
 from stabletrain.policies.guard import Guard
+from stabletrain.records.checkpoint.manager import CheckpointManager
 
 BAD = 37  # the dataset index holding a NaN in nan_sample_task
 

@@ -2,12 +2,12 @@
 
 import pytest
 import torch
-
 from helpers import PreStepState, cfg, nan_sample_task
 from test_checkpoint import assert_same
+
 from stabletrain import Trainer
-from stabletrain.records.bundles import BUNDLE_FILE, load_bundle, write_bundle
 from stabletrain.incident_replay import diagnose_incident
+from stabletrain.records.bundles import BUNDLE_FILE, load_bundle, write_bundle
 
 
 def test_bundle_round_trips_and_leaves_no_temporary_file(tmp_path):

@@ -10,9 +10,9 @@ from models_init import CustomInit, ResidualStack, single_thread  # noqa: F401  
 from torch import nn
 
 from stabletrain.diagnostics.initialization import InitChange, InitFingerprint
-from stabletrain.tasks.init_schemes import activation_gain, init_, recommend_scheme
 from stabletrain.tasks import gpt as gpt_task
 from stabletrain.tasks.gpt import GPT
+from stabletrain.tasks.init_schemes import activation_gain, init_, recommend_scheme
 from stabletrain.tasks.mlp import make_mlp
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -12,22 +12,23 @@ import yaml
 from torch.utils.data import DataLoader, TensorDataset
 
 L = pytest.importorskip("lightning")
+from integration_models import BAD_POSITION, Net, OurSyncs  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 
-from integration_models import BAD_POSITION, Net, OurSyncs  # noqa: E402
 from stabletrain.callbacks import Callback as StableCallback  # noqa: E402
-from stabletrain.records.events import EVENT_KINDS, METRIC_KEYS  # noqa: E402
 from stabletrain.incident_replay import diagnose_incident  # noqa: E402
 from stabletrain.integrations.lightning import StableTrainCallback  # noqa: E402
 from stabletrain.integrations.options import compiled_methods  # noqa: E402
 from stabletrain.records.captured import lightning_loss as _lightning_loss  # noqa: E402
+from stabletrain.records.events import EVENT_KINDS, METRIC_KEYS  # noqa: E402
 from stabletrain.records.jsonl import read_jsonl  # noqa: E402
 from stabletrain.report import load_run, write_report  # noqa: E402
 
 logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")]  # slow: a real Lightning Trainer per test
+pytestmark = [pytest.mark.slow,  # slow: a real Lightning Trainer per test
+              pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")]
 
 BATCH = 8
 

@@ -7,14 +7,15 @@ import re
 import warnings
 from pathlib import Path
 
+import integration_models  # noqa: F401  (sets the Hugging Face offline variables)
 import pytest
 
-import integration_models  # noqa: F401  (sets the Hugging Face offline variables)
 from stabletrain.records.jsonl import read_jsonl
 from stabletrain.report import write_compare, write_report
 
 README = Path(__file__).parents[1] / "docs" / "adapters.md"
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")]  # slow: the README's trainer snippets, run as written
+pytestmark = [pytest.mark.slow,  # slow: the README's trainer snippets, run as written
+              pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")]
 
 
 def snippets() -> list[str]:

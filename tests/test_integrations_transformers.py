@@ -12,15 +12,17 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from integration_models import TRAP_TOKEN, OurSyncs, gpt2, token_rows, trap_gpt2  # noqa: E402
+
 from stabletrain.callbacks import Callback as StableCallback  # noqa: E402
-from stabletrain.records.events import EVENT_KINDS, METRIC_KEYS  # noqa: E402
-from stabletrain.records.bundles import load_bundle  # noqa: E402
 from stabletrain.incident_replay import diagnose_incident  # noqa: E402
 from stabletrain.integrations.transformers import STATE_FILE, StableTrainCallback  # noqa: E402
+from stabletrain.records.bundles import load_bundle  # noqa: E402
+from stabletrain.records.events import EVENT_KINDS, METRIC_KEYS  # noqa: E402
 from stabletrain.records.jsonl import read_jsonl  # noqa: E402
 from stabletrain.report import load_run, write_report  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")]  # slow: a real Hugging Face Trainer per test
+pytestmark = [pytest.mark.slow,  # slow: a real Hugging Face Trainer per test
+              pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")]
 transformers.logging.set_verbosity_error()
 BATCH = 4
 

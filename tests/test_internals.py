@@ -37,7 +37,8 @@ def test_the_scalers_device_scale_and_growth_tracker_round_trip_without_a_sync()
 
 def test_our_verdict_joins_the_scalers_inf_check_and_the_step_is_skipped():
     model, opt, scaler = _fp16_setup(False)
-    assert internals.scaler_found_inf(scaler, opt) == [] and internals.join_scaler_found_inf(scaler, opt, torch.tensor(True)) is None
+    assert (internals.scaler_found_inf(scaler, opt) == []
+            and internals.join_scaler_found_inf(scaler, opt, torch.tensor(True)) is None)
     scaler.unscale_(opt)
     before = [p.detach().clone() for p in model.parameters()]
     own = internals.join_scaler_found_inf(scaler, opt, torch.tensor(True))

@@ -4,8 +4,8 @@ import os
 
 import pytest
 import torch
-
 from helpers import cfg
+
 from stabletrain import Callback, Trainer, resolve_task
 from stabletrain.tasks import TaskError
 

@@ -9,16 +9,14 @@ import warnings
 import pytest
 import torch
 import yaml
+from integration_models import BAD_POSITION, BAD_STEP, Net, batches, loss_fn
 
-from stabletrain import Monitor
-from stabletrain.records.events import EVENT_KINDS, METRIC_KEYS
+from stabletrain import Monitor, StopTraining
 from stabletrain.incident_replay import diagnose_incident
-from stabletrain import StopTraining
+from stabletrain.records.events import EVENT_KINDS, METRIC_KEYS
 from stabletrain.records.jsonl import read_jsonl
 from stabletrain.report import load_run, write_compare, write_report
 from stabletrain.syncs import SyncCounter
-
-from integration_models import BAD_POSITION, BAD_STEP, Net, batches, loss_fn
 
 
 def make(seed=0, fused=True, lr=1e-2):
@@ -224,7 +222,7 @@ def test_an_exception_in_the_loop_is_a_crash_event_and_the_run_is_closed(tmp_pat
     with pytest.raises(ZeroDivisionError):
         with Monitor(model, opt, run_dir=tmp_path / "run", log_every=10, init_check=False) as monitor:
             train(monitor, model, batches(3))
-            1 / 0
+            _ = 1 / 0
     events = read_jsonl(tmp_path / "run" / "events.jsonl")[0]
     assert events[-1]["kind"] == "crash" and events[-1]["error"] == "ZeroDivisionError"
     assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]] == [3]  # the partial interval

@@ -11,8 +11,8 @@ from torch import Tensor, nn
 from stabletrain.checks import CheckContext
 from stabletrain.checks.nan import check_nan
 from stabletrain.config import load_config
-from stabletrain.diagnostics.bisection import bisect_samples
 from stabletrain.diagnostics.anomaly import anomaly_trace
+from stabletrain.diagnostics.bisection import bisect_samples
 from stabletrain.diagnostics.nonfinite import NonFiniteLocator
 
 
@@ -250,7 +250,8 @@ def test_first_only_stops_at_the_first_op_but_still_follows_a_masked_origin():
     assert first.num_ops < full.num_ops
     masked_full, masked_first = locate(*faults.masked_log2()), locate(*faults.masked_log2(), first_only=True)
     for loc in (masked_full, masked_first):  # the first op is the origin: followed into backward either way
-        assert (loc.first.op, loc.first.masked_in_forward, loc.first.backward_op.op) == ("aten.log2.default", True, "aten.div.Tensor")
+        assert ((loc.first.op, loc.first.masked_in_forward, loc.first.backward_op.op)
+                == ("aten.log2.default", True, "aten.div.Tensor"))
 
 
 # -- bisection ---------------------------------------------------------------------------------------
@@ -321,7 +322,8 @@ def test_anomaly_trace_reuses_a_forward_first_op_already_located_and_locates_a_b
     head, anomaly = reused.split("\nanomaly mode: ")
     assert head == f"first non-finite op: {first.describe()}\nstack:\n{first.stack}"
     own_anomaly = own.split("\nanomaly mode: ")[1]
-    assert anomaly.splitlines()[0] == own_anomaly.splitlines()[0] == "Function 'PowBackward0' returned nan values in its 0th output."
+    assert (anomaly.splitlines()[0] == own_anomaly.splitlines()[0]
+            == "Function 'PowBackward0' returned nan values in its 0th output.")
     assert "return model(batch).float().pow(2).mean()" in anomaly  # the forward call of the function anomaly mode names
     model, x = faults.sqrt_at_zero()
     backward_first = locate(model, x).first  # backward: no forward stack outside anomaly mode

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from stabletrain.records.checkpoint.files import first_nonfinite
 from stabletrain.numerics import all_params_finite
+from stabletrain.records.checkpoint.files import first_nonfinite
 
 HUGE_FP32 = torch.full((1000,), 1e30)  # finite, but its L2 norm's squares (1e60) overflow fp32
 HUGE_BF16 = torch.full((64,), 1e35, dtype=torch.bfloat16)

@@ -6,10 +6,10 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import PoisonAt, cfg, params_of, regression_task
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from helpers import PoisonAt, cfg, params_of, regression_task
 from stabletrain import Task, Trainer
 from stabletrain.callbacks import Callback
 from stabletrain.config import ConfigError

@@ -22,7 +22,8 @@ something else was found this way:
 
 * The lr. stabletrain keeps the lr of a fused optimizer as a float32 tensor (it skips and schedules on the
   device, without a sync), and its schedule table holds the float32 nearest to ``lr x factor(n)`` computed
-  in float64 (fixed here: it was a chain of float32 ops, up to 4 ulp off here, 7 over 100k steps). The hand-written loop does what a
+  in float64 (fixed here: it was a chain of float32 ops, up to 4 ulp off here, 7 over 100k steps). The
+  hand-written loop does what a
   careful user of a sync-free fused optimizer writes, as nanoGPT sets ``param_group['lr'] = lr`` each step:
   it fills a float32 tensor lr with ``PEAK_LR * factor(n)``. A Python float lr is not the same lr: the
   fused kernels compute with it as a double (and on CUDA take a tensor lr only in float32), and
@@ -258,7 +259,8 @@ def differences(a: Run, b: Run) -> list[str]:
             continue
         out += [f"{name}: optimizer {k} differs" for k in sa if not torch.equal(bits(sa[k]), bits(sb[k]))]
     for i, (ga, gb) in enumerate(zip(a.optimizer.param_groups, b.optimizer.param_groups)):
-        if not torch.equal(bits(torch.as_tensor(ga["lr"], dtype=torch.float32)), bits(torch.as_tensor(gb["lr"], dtype=torch.float32))):
+        if not torch.equal(bits(torch.as_tensor(ga["lr"], dtype=torch.float32)),
+                           bits(torch.as_tensor(gb["lr"], dtype=torch.float32))):
             out.append(f"param group {i}: lr {float(ga['lr'])!r} vs {float(gb['lr'])!r}")
     if (a.scaler is None) != (b.scaler is None) or (a.scaler is not None and a.scaler.state_dict() != b.scaler.state_dict()):
         out.append(f"GradScaler state {a.scaler and a.scaler.state_dict()} vs {b.scaler and b.scaler.state_dict()}")

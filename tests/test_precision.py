@@ -5,11 +5,11 @@ import warnings
 
 import pytest
 import torch
-
 from helpers import PoisonAt, cfg, params_of, regression_task
+
 from stabletrain import Trainer
-from stabletrain.policies import precision as precision_module
 from stabletrain.callbacks import Callback
+from stabletrain.policies import precision as precision_module
 from stabletrain.policies.precision import PrecisionPolicy
 
 CPU = torch.device("cpu")

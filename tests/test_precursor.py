@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import cfg
+from integration_models import Net, batches, loss_fn
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from helpers import cfg
-from integration_models import Net, batches, loss_fn
 from stabletrain import Monitor, Task, Trainer, load_config
 from stabletrain.config import ConfigError, GuardConfig
 from stabletrain.distributed.fsdp import ShardedNumerics

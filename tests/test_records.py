@@ -4,8 +4,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from helpers import cfg
+
 from stabletrain.callbacks import Callback
 from stabletrain.records.jsonl import read_jsonl
 from stabletrain.records.provenance import build_snapshot
@@ -54,9 +54,9 @@ def test_snapshot_names_versions_device_and_config_hash():
 
 def test_a_directory_from_an_attempt_that_never_trained_is_reused_by_the_retry(tmp_path):
     import torch
+    from helpers import regression_task
 
     from stabletrain import Trainer
-    from helpers import regression_task
 
     task = regression_task()
     inner = task.loss
@@ -82,9 +82,9 @@ def test_a_directory_from_an_attempt_that_never_trained_is_reused_by_the_retry(t
 def test_a_resume_from_the_step_0_checkpoint_purges_the_steps_a_crash_left_in_tensorboard(tmp_path):
     # The first process logs steps 1-2 and crashes in step 3 before any checkpoint but step 0's (a background
     # save still in flight when a process is killed leaves the same); the resume trains steps 1.. again.
+    from helpers import regression_task
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from helpers import regression_task
     from stabletrain import Trainer
 
     calls = [0]

@@ -4,17 +4,26 @@ its class; the verdicts, the first bad steps and the ranking are asserted, not j
 from __future__ import annotations
 
 import json
-from pathlib import Path
-
 import re
+from pathlib import Path
 
 import pytest
 from helpers import cfg
 
 from stabletrain import Trainer
 from stabletrain.cli import main
-from stabletrain.diagnostics.cures import (EpsGuard, LowerLR, ModuleFP32, Precision, RollbackLR, Scaler, SkipSamples,
-                                              SkipStep, TighterClip, remedy_from_dict)
+from stabletrain.diagnostics.cures import (
+    EpsGuard,
+    LowerLR,
+    ModuleFP32,
+    Precision,
+    RollbackLR,
+    Scaler,
+    SkipSamples,
+    SkipStep,
+    TighterClip,
+    remedy_from_dict,
+)
 from stabletrain.remedy_search import LOSS_TOLERANCE, judge, search_remedies
 from stabletrain.report import write_report
 
@@ -156,7 +165,8 @@ def test_the_readme_worked_example_prints_what_the_readme_shows(tmp_path, capsys
     capsys.readouterr()
     assert main(["remedy", str(run / "incidents" / "step_000038"), "--steps", "4"]) == 0
     printed = capsys.readouterr().out.splitlines()
-    shown = readme.split("$ stabletrain remedy runs/diverge/incidents/step_000038 --steps 4\n", 1)[1].split("\n```", 1)[0].splitlines()
+    shown = (readme.split("$ stabletrain remedy runs/diverge/incidents/step_000038 --steps 4\n", 1)[1]
+             .split("\n```", 1)[0].splitlines())
     # What is the same on every CPU: the incident, the columns, the ranking, each verdict, what each candidate does and
     # the steps its evidence names. The page's numbers come from one machine (it says which); another CPU's last
     # digits differ (7.72e-08 for 7.717e-08), so numbers with a fraction or an exponent are compared within 5%.

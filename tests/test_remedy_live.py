@@ -61,7 +61,8 @@ def _start(run_dir, *extra, resume=False):
     args = ["task=remedy_tasks:sqrt_zero_task", "task_args.slow=true", "train.batch_size=8", "train.max_steps=16",
             "log.every=1", "ckpt.every=4", "data.shuffle=false", "log.progress=false", "log.tensorboard=false",
             "guard.on_nonfinite=remedy", "remedy.steps=6", *extra]
-    cmd = [sys.executable, "-m", "stabletrain", "train", *args] + (["--resume", str(run_dir)] if resume else [f"run.dir={run_dir}"])
+    cmd = ([sys.executable, "-m", "stabletrain", "train", *args]
+           + (["--resume", str(run_dir)] if resume else [f"run.dir={run_dir}"]))
     return subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -81,7 +82,8 @@ def test_the_remedy_and_its_evidence_survive_sigkill_and_resume(tmp_path):
     final = CheckpointManager(run_dir / "checkpoints").load()
     assert final.meta["step"] == 16
     (applied,) = final.state["remedies"]["applied"]
-    assert (applied["name"], applied["remedy"], applied["at_step"]) == ("skip-samples", {"kind": "skip-samples", "samples": [13]}, 2)
+    assert ((applied["name"], applied["remedy"], applied["at_step"])
+            == ("skip-samples", {"kind": "skip-samples", "samples": [13]}, 2))
     assert applied["verdict"] == "cures" and "baseline fails: non-finite grad norm at step 6" in applied["evidence"]
     kinds = [(e["kind"], e["step"]) for e in events(run_dir) if e["kind"] in ("remedy", "skip", "nonfinite", "resume")]
     assert kinds == [("nonfinite", 2), ("skip", 2), ("remedy", 2), ("resume", saved.meta["step"])]  # nothing bad after
@@ -107,7 +109,8 @@ def test_a_remedy_is_applied_by_hand_on_resume_once_and_refused_clearly(tmp_path
     assert main(["train", "--resume", str(run_dir), "train.max_steps=12", f"remedy.apply={incident}:nope"]) == 2
     assert "remedy.json has no candidate 'nope'; it has skip-samples, eps-guard" in capsys.readouterr().err
     for max_steps in (16, 20):  # the second resume keeps the remedy from the checkpoint and does not apply it twice
-        assert main(["train", "--resume", str(run_dir), f"train.max_steps={max_steps}", f"remedy.apply={incident}:skip-samples"]) == 0
+        assert main(["train", "--resume", str(run_dir), f"train.max_steps={max_steps}",
+                     f"remedy.apply={incident}:skip-samples"]) == 0
     bad = [(e["kind"], e["step"]) for e in events(run_dir) if e["kind"] in ("remedy", "skip")]
     assert bad == [("skip", 2), ("skip", 6), ("remedy", 8)]  # sample 13 is in steps 10, 14 and 18 too: dropped
     (event,) = [e for e in events(run_dir) if e["kind"] == "remedy"]

@@ -617,7 +617,8 @@ def test_a_few_huge_losses_do_not_make_the_loss_headline_read_as_a_run_that_got_
     means = [11259.0, *typical[1:-1], 33228.0]
     h, text = _loss_run(tmp_path / "spiky", means, [9000.0, *[0.9 * t for t in typical[1:]]], spikes=[96])
     assert (h.figures["loss_first"], h.figures["loss_last"]) == (11259.0, 33228.0)  # the interval means, as recorded
-    assert (h.figures["loss_start"], h.figures["loss_end"]) == (11259.0, 2600.0)  # the median of 33,228, 2,100, 2,300, 2,600, 3,000
+    assert (h.figures["loss_start"], h.figures["loss_end"]) == (11259.0, 2600.0)  # the median of 33,228, 2,100,
+                                                                                  # 2,300, 2,600, 3,000
     assert text.startswith("Train loss 11,259 → 2,600 (first interval → median of the last 5 intervals' means: the last "
                            "interval's mean, 33,228, is lifted by a loss spike at step 96)")
     # No spike event (the guard's window was still filling): the interval's smallest loss is typical, its mean is not.

@@ -12,9 +12,9 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from ckpt_worker import record_windows
 from helpers import cfg
 from multiproc import FAST, World, events
-from ckpt_worker import record_windows
 
 from stabletrain import Trainer
 from stabletrain.records.checkpoint.manager import CheckpointManager

@@ -7,17 +7,25 @@ import math
 
 import pytest
 import torch
-from models_init import (ResidualStack, classification_batch, classification_loss, lm_batch, lm_loss, make_lm_task,  # noqa: F401
-                         RNNModel, single_thread)
+from models_init import (  # noqa: F401
+    ResidualStack,
+    RNNModel,
+    classification_batch,
+    classification_loss,
+    lm_batch,
+    lm_loss,
+    make_lm_task,
+    single_thread,
+)
 from torch import nn
 from torch.utils.data import TensorDataset
 
 from stabletrain.checks import CheckContext, run_checks
 from stabletrain.config import load_config
-from stabletrain.tasks.init_schemes import init_
 from stabletrain.diagnostics.signal_display import format_comparison, format_report, format_updates, plot_signal
 from stabletrain.diagnostics.signal_propagation import SignalThresholds, signal_report
 from stabletrain.tasks import Task
+from stabletrain.tasks.init_schemes import init_
 from stabletrain.tasks.mlp import make_mlp
 
 pytestmark = pytest.mark.usefixtures("single_thread")

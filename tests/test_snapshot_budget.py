@@ -1,11 +1,12 @@
-"""capture.memory_snapshot=auto: the incident snapshot is taken when the state fits the host-memory budget, else off with one line."""
+"""capture.memory_snapshot=auto: the incident snapshot is taken when the state fits the host-memory budget, else off
+with one line."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import cfg, nan_sample_task, regression_task
+
 from stabletrain import Trainer
 from stabletrain.records.staging import snapshot_fits, state_bytes
 

@@ -15,9 +15,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from helpers import cfg
 from spike_tasks import offset_inputs_task, outlier_samples_task, rare_token_task, steady_regression_task
+
 from stabletrain import Trainer
 from stabletrain.config import GuardConfig
 from stabletrain.policies.guard import Guard, spike_test
@@ -163,8 +163,9 @@ def test_a_healthy_default_gpt_run_of_300_steps_has_no_spike():
 
 def test_an_adapter_spike_gets_the_same_doctor(tmp_path):
     """Monitor over a plain loop: the same capture and counterfactual replays; samples are positions in the step."""
-    from stabletrain import Monitor
     from spike_tasks import _mse
+
+    from stabletrain import Monitor
 
     task = outlier_samples_task()
     torch.manual_seed(0)
@@ -183,12 +184,13 @@ def test_an_adapter_spike_gets_the_same_doctor(tmp_path):
 
 
 def test_the_readme_spike_example_prints_what_the_readme_shows(tmp_path, capsys):
-    """The docs' worked example (docs/loss-spikes.md, examples/spike_task.py): the spike line and the remedy table's candidates, ranking,
-    verdicts and what each does, as on this page (its numbers within 5%: another CPU rounds the last digits)."""
+    """The docs' worked example (docs/loss-spikes.md, examples/spike_task.py): the spike line and the remedy table's candidates,
+    ranking, verdicts and what each does, as on this page (its numbers within 5%: another CPU rounds the last digits)."""
     from pathlib import Path
 
-    from stabletrain.cli import main
     from test_remedy import table_rows
+
+    from stabletrain.cli import main
 
     readme = (Path(__file__).parents[1] / "docs" / "loss-spikes.md").read_text(encoding="utf-8")
     block = readme.split("# Loss spikes", 1)[1].split("\n```\n", 2)[1]

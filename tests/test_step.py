@@ -6,8 +6,8 @@ import warnings
 
 import pytest
 import torch
-
 from helpers import PoisonAt, cfg, params_of, regression_task
+
 from stabletrain import Trainer
 from stabletrain.numerics import grad_norms
 from stabletrain.policies.clipping import GradClipper

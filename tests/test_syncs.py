@@ -1,8 +1,8 @@
 """No host-device sync between log intervals: count every Tensor->host conversion over many steps."""
 
 import pytest
-
 from helpers import cfg
+
 from stabletrain import Trainer
 from stabletrain.callbacks import Callback
 from stabletrain.records.checkpoint.writer import close_writer

@@ -181,7 +181,7 @@ def test_trackers_add_no_host_sync(tmp_path, store):
                                f"log.trackers={trackers}", f"log.mlflow.tracking_uri={store}",
                                "log.mlflow.experiment=syncs"])
         trainer = Trainer(c, run_dir=tmp_path / name)
-        with SyncCounter(lambda: trainer.step) as counter:
+        with SyncCounter(lambda trainer=trainer: trainer.step) as counter:
             trainer.fit()
         seen.append([(step, fn) for step, fn, _ in counter.calls])
     assert seen[0] and seen[1] == seen[0] and {s for s, _ in seen[0]} <= {0, 5, 10, 15, 20}  # the same syncs, at the boundaries
@@ -361,8 +361,8 @@ def test_the_wandb_reader_refuses_what_it_does_not_know_and_stops_at_a_truncated
 
 def test_monitor_writes_into_the_active_mlflow_run_and_leaves_it_to_its_owner(tmp_path, store, monkeypatch):
     import torch
-
     from integration_models import Net, batches, loss_fn
+
     from stabletrain import Monitor
 
     monkeypatch.chdir(tmp_path)  # MLflow's fluent API keeps artifacts under the working directory
@@ -401,10 +401,10 @@ def test_lightning_writes_into_its_own_mlflow_and_wandb_loggers_runs_once_per_in
     import torch
     import torch.nn.functional as F
     import wandb
+    from integration_models import Net
     from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, WandbLogger
     from torch.utils.data import DataLoader, TensorDataset
 
-    from integration_models import Net
     from stabletrain.integrations.lightning import StableTrainCallback
 
     class Lit(L.LightningModule):
@@ -462,6 +462,7 @@ def test_hugging_face_report_to_mlflow_gets_stabletrains_figures_in_the_same_run
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from integration_models import gpt2, token_rows
+
     from stabletrain.integrations.transformers import StableTrainCallback
 
     transformers.logging.set_verbosity_error()

@@ -2,11 +2,10 @@
 ``user_code_tasks:NAME``: the CLI must name the part of the task that raised and show these lines."""
 
 import torch
+from helpers import regression_task
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
-
-from helpers import regression_task
 
 
 def unpack_loss_task():

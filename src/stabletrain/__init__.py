@@ -59,32 +59,32 @@ _EXPORTS: dict[str, str] = {
 }
 
 if TYPE_CHECKING:  # what a type checker and an IDE see: the same names, imported eagerly
-    from .policies.accumulation import AccumulationWindow, as_sum_count
-    from .policies.clipping import GradClipper
+    from .callbacks import Callback, FitState
     from .config import Config, ConfigError, diff_configs, load_config
     from .console import StableTrainWarning
-    from .policies.metrics import StepMetrics
-    from .numerics import all_params_finite, first_nonfinite_grad, grad_norms, grad_total_norm
-    from .policies.precision import PrecisionPolicy
-    from .policies.schedule import LRSchedule
-    from .seeding import seed_everything
-    from .tasks import Task, resolve_task
-    from .step import TrainStep
-    from .policies.optim import build_optimizer
-    from .callbacks import Callback, FitState
-    from .loop import Trainer
-    from .records.checkpoint.files import CheckpointError
-    from .records.checkpoint.manager import CheckpointManager
-    from .policies.guard import Guard
-    from .incident_replay import diagnose_incident, diagnose_step
-    from .diagnostics.initialization import InitChange, InitFingerprint
-    from .tasks.init_schemes import init_
-    from .diagnostics.bisection import Bisection, bisect_samples
     from .diagnostics.anomaly import anomaly_trace
+    from .diagnostics.bisection import Bisection, bisect_samples
+    from .diagnostics.initialization import InitChange, InitFingerprint
     from .diagnostics.nonfinite import NonFiniteLocator, NonFiniteOp
     from .diagnostics.signal_display import plot_signal
     from .diagnostics.signal_propagation import SignalReport, SignalThresholds, signal_report
+    from .incident_replay import diagnose_incident, diagnose_step
     from .integrations.monitor import Monitor, StopTraining
+    from .loop import Trainer
+    from .numerics import all_params_finite, first_nonfinite_grad, grad_norms, grad_total_norm
+    from .policies.accumulation import AccumulationWindow, as_sum_count
+    from .policies.clipping import GradClipper
+    from .policies.guard import Guard
+    from .policies.metrics import StepMetrics
+    from .policies.optim import build_optimizer
+    from .policies.precision import PrecisionPolicy
+    from .policies.schedule import LRSchedule
+    from .records.checkpoint.files import CheckpointError
+    from .records.checkpoint.manager import CheckpointManager
+    from .seeding import seed_everything
+    from .step import TrainStep
+    from .tasks import Task, resolve_task
+    from .tasks.init_schemes import init_
 
 
 def __getattr__(name: str) -> Any:

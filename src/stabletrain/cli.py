@@ -18,14 +18,14 @@ import textwrap
 
 from . import console
 from ._version import __version__
-from .config import ConfigError, describe_keys, resume_safe_text
-from .errors import format_task_error, raised_by_stabletrain, task_part
 from .commands.check import check_help as _check_help
 from .commands.check import cmd_check
 from .commands.listing import cmd_lab, cmd_tasks
 from .commands.pages import cmd_compare, cmd_report
 from .commands.remedy import add_remedy_parser, cmd_remedy
 from .commands.train import cmd_train
+from .config import ConfigError, describe_keys, resume_safe_text
+from .errors import format_task_error, raised_by_stabletrain, task_part
 
 __all__ = ["main"]
 
@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_keys_help(),
                            description="Train the configured task; write config, snapshot, metrics, events and TensorBoard logs.")
     _add_config_args(train)
-    train.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its LAST_GOOD checkpoint (same as resume=RUN_DIR); "
+    train.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its LAST_GOOD checkpoint "
+                       "(same as resume=RUN_DIR); "
                        f"its config.yaml is the base, and only these keys may change on resume: {resume_safe_text()}")
     train.add_argument("--report", action="store_true", help="write RUN_DIR/report.html at the end of training")
 
@@ -112,8 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="where checks write files, such as init's init_signal.png and init_signal.json "
                             "(default: {default}/; created only when a check writes a file, with a .gitignore)")
 
-    diagnose = sub.add_parser("diagnose", help="replay a captured incident and name the first non-finite op, module, parameter and sample",
-                              description="Replay RUN_DIR/incidents/step_N under the precise tools; write diagnosis.json next to it.")
+    diagnose = sub.add_parser("diagnose",
+                              help="replay a captured incident and name the first non-finite op, module, parameter and sample",
+                              description="Replay RUN_DIR/incidents/step_N under the precise tools; "
+                                          "write diagnosis.json next to it.")
     diagnose.add_argument("incident", metavar="INCIDENT_DIR", help="RUN_DIR/incidents/step_N (or RUN_DIR: its newest incident)")
     diagnose.add_argument("--json", action="store_true", help="print the whole diagnosis as JSON")
     diagnose.add_argument("--device", metavar="DEVICE", help="replay on this device (default: the run's)")
@@ -146,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter,
                            description="List each built-in task (or the factory TASK) with its arguments: their "
                                        "types, defaults and meaning. Set one as task_args.NAME=VALUE.")
-    tasks.add_argument("task", nargs="?", metavar="TASK", help="a built-in task or module:function (default: every built-in task)")
+    tasks.add_argument("task", nargs="?", metavar="TASK",
+                       help="a built-in task or module:function (default: every built-in task)")
 
     lab = sub.add_parser("lab", help="run the course chapter's exercises, measured and checked",
                          description="Without LAB: list the labs. With LAB (1-6, accept, or all): run it, print its "

@@ -13,8 +13,8 @@ import re
 import sys
 import sysconfig
 import traceback
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 __all__ = ["user_frames", "user_location", "format_user_traceback", "task_part", "raised_by_stabletrain",
            "format_task_error", "batch_note", "TaskCodeError", "TASK_PARTS", "brief", "crash_event"]

@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .policies.accumulation import as_sum_count
+from .console import StableTrainWarning
 from .data import EpochOrder, move_to
 from .numerics import modes_kept
-from .console import StableTrainWarning
+from .policies.accumulation import as_sum_count
 from .policies.precision import PrecisionPolicy
 
 __all__ = ["validation_loss", "check_val_data"]

@@ -23,16 +23,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from .policies.accumulation import as_sum_count
-from .policies.clipping import GradClipper
 from .config import config_from_dict
 from .data import move_to
 from .diagnostics.diagnosis import run_diagnosis
 from .fileio import atomic_write
-from .records.bundles import DIAGNOSIS_FILE, load_bundle
 from .numerics import grad_norms, modes_kept, unique_params
+from .policies.accumulation import as_sum_count
+from .policies.clipping import GradClipper
 from .policies.guard import UNRECOVERABLE_SCALE
 from .policies.precision import PrecisionPolicy, resolve_device
+from .records.bundles import DIAGNOSIS_FILE, load_bundle
 from .replica import Replica, copy_precision, local
 from .seeding import rng_state, set_rng_state
 from .step import TrainStep

@@ -45,11 +45,11 @@ from .data import EpochOrder, Window, WindowStream, move_to
 from .diagnostics.candidates import candidates_for
 from .diagnostics.cures import CANDIDATE_NAMES, Remedy, SkipStep
 from .fileio import atomic_write
+from .incident_replay import diagnose_incident, run_history
 from .policies.guard import UNRECOVERABLE_SCALE, Guard
 from .policies.precision import resolve_device
-from .records.checkpoint.manager import CheckpointManager
 from .records.bundles import DIAGNOSIS_FILE, REMEDY_FILE, load_bundle
-from .incident_replay import diagnose_incident, run_history
+from .records.checkpoint.manager import CheckpointManager
 from .replica import KEEP, Replica
 from .seeding import set_rng_state
 from .tasks import Task, resolve_task
@@ -221,7 +221,8 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int) -> dict[str, Any]:
     return {"name": remedy.name, "remedy": remedy.to_dict(), "detail": remedy.detail, "live": remedy.live,
             "scope": remedy.scope,
             "change": getattr(remedy, "change", None), "first_step": first, "steps_replayed": len(rows),
-            "rewound_steps": inc.step - first if remedy.rollback_step is not None else 0, "dropped_samples": dropped, "total_samples": total,
+            "rewound_steps": inc.step - first if remedy.rollback_step is not None else 0,
+            "dropped_samples": dropped, "total_samples": total,
             "failed": failed, "end_loss": end, "trajectory": rows, "seconds": time.perf_counter() - start}
 
 

@@ -30,11 +30,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .data import move_to
+from .numerics import all_params_finite, both_finite, grad_norms, snapshot_params, unique_params, update_norms
 from .policies.accumulation import AccumulationWindow, as_sum_count, sums_safe
 from .policies.clipping import GradClipper
-from .data import move_to
 from .policies.guard import Guard, inputs_finite
-from .numerics import all_params_finite, both_finite, grad_norms, snapshot_params, unique_params, update_norms
 from .policies.precision import PrecisionPolicy
 from .policies.schedule import LRSchedule
 

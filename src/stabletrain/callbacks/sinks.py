@@ -27,7 +27,8 @@ class MetricsFile(Callback):
 
 
 class TensorBoardLog(Callback):
-    """Write each interval's scalars to ``RUN_DIR/tb``: one TensorBoard event per interval (:class:`~stabletrain.records.tb_events.TensorBoardSink`).
+    """Write each interval's scalars to ``RUN_DIR/tb``: one TensorBoard event per interval
+    (:class:`~stabletrain.records.tb_events.TensorBoardSink`).
 
     When ``log.trackers`` lists tensorboard (the default) and ``log.tensorboard`` is true.
     """

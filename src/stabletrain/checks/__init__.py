@@ -170,7 +170,8 @@ def _crashed(name: str, err: Exception, seen: dict[tuple[str, str, str], str]) -
     seen[key] = name
     summary = (str(TaskCodeError(part, err)).splitlines() or [""])[0]
     note = batch_note(err, part)  # a batch of strings: say so before the traceback
-    return CheckResult(name, False, summary, details=[*([note] if note else []), *format_user_traceback(err).rstrip().splitlines()])
+    return CheckResult(name, False, summary,
+                       details=[*([note] if note else []), *format_user_traceback(err).rstrip().splitlines()])
 
 
 def _fmt(v: Any) -> str:

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..policies.accumulation import as_sum_count
 from ..numerics import grad_norms, unique_params
+from ..policies.accumulation import as_sum_count
 from ..policies.precision import PrecisionPolicy
 from ..step import TrainStep
 from . import CheckContext, CheckResult, fixed_batch, register

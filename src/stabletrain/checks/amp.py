@@ -74,8 +74,8 @@ def check_amp(ctx: CheckContext) -> CheckResult:
     details = [f"low precision ({audited}): " + ", ".join(f"{k} x{v}" for k, v in recorder.low.most_common(12)),
                "fp32: " + ", ".join(f"{k} x{v}" for k, v in recorder.fp32.most_common(12))]
     if half_params:
-        details.append(f"{len(half_params)} parameter(s) are stored in half precision (e.g. {half_params[0]}): the model was cast "
-                       "wholesale (.half()/.bfloat16()); keep fp32 weights and let autocast choose per op")
+        details.append(f"{len(half_params)} parameter(s) are stored in half precision (e.g. {half_params[0]}): the model "
+                       "was cast wholesale (.half()/.bfloat16()); keep fp32 weights and let autocast choose per op")
     if not loss_fp32:
         details.append(f"the task loss is {raw_dtype}: reduce it in fp32 (e.g. cross_entropy(logits.float(), y))")
     if low_matmuls == 0:
@@ -84,7 +84,8 @@ def check_amp(ctx: CheckContext) -> CheckResult:
                f"({low_matmuls} matmul/conv), {sum(recorder.fp32.values())} in fp32; loss {raw_dtype}; "
                f"{len(half_params)} half-precision parameters")
     return CheckResult("amp", passed, summary,
-                       numbers={"audited": audited, "configured": ctx.cfg.precision, "low_precision_ops": sum(recorder.low.values()),
+                       numbers={"audited": audited, "configured": ctx.cfg.precision,
+                                "low_precision_ops": sum(recorder.low.values()),
                                 "low_precision_matmuls": low_matmuls, "fp32_ops": sum(recorder.fp32.values()),
                                 "loss_dtype": str(raw_dtype), "half_params": len(half_params)},
                        details=details)

@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from ..policies.accumulation import as_sum_count
 from ..numerics import grad_norms, unique_params
+from ..policies.accumulation import as_sum_count
 from ..policies.clipping import GradClipper
 from . import CheckContext, CheckResult, fixed_batch, register
 

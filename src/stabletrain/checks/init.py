@@ -17,12 +17,12 @@ import torch
 from torch import nn
 
 from ..config import Config
-from ..tasks.init_schemes import SCHEMES, init_
-from ..policies.optim import build_optimizer
-from ..seeding import seed_everything
 from ..diagnostics.signal_display import format_comparison, format_report, plot_signal
 from ..diagnostics.signal_propagation import SignalReport, signal_report
+from ..policies.optim import build_optimizer
+from ..seeding import seed_everything
 from ..tasks import Task
+from ..tasks.init_schemes import SCHEMES, init_
 from . import CheckContext, CheckResult, fixed_batch, register
 
 __all__ = ["check_init"]

@@ -15,10 +15,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import default_collate
 
-from ..policies.accumulation import as_sum_count
 from ..data import move_to
 from ..diagnostics.nonfinite import NonFiniteLocator
 from ..numerics import first_nonfinite_grad
+from ..policies.accumulation import as_sum_count
 from ..policies.precision import PrecisionPolicy
 from . import CheckContext, CheckResult, register
 

@@ -164,7 +164,8 @@ def check_resume(ctx: CheckContext) -> CheckResult:
         details.append(f"first divergence at step {step}: {component}")
         summary = f"resumed run diverges at step {step}: {component} differs; max |param diff| {max_diff:.3g}"
     else:
-        summary = f"checkpoint at step {N_STEPS}, {M_STEPS} more steps in a fresh process: bitwise equal (max |param diff| {max_diff:g})"
+        summary = (f"checkpoint at step {N_STEPS}, {M_STEPS} more steps in a fresh process: bitwise equal "
+                   f"(max |param diff| {max_diff:g})")
     return CheckResult("resume", passed, summary,
                        numbers={"checkpoint_step": N_STEPS, "steps_compared": len(resumed), "max_param_diff": max_diff,
                                 "diverged_component": divergence[1] if divergence else None,
@@ -203,8 +204,8 @@ def check_determinism(ctx: CheckContext) -> CheckResult:
 
 def _probe(argv: list[str]) -> int:
     """The fresh process of the resume check: restore step ``--from-step`` and trace the remaining steps."""
-    from ..records.checkpoint.manager import CheckpointManager
     from ..loop import Trainer
+    from ..records.checkpoint.manager import CheckpointManager
 
     ap = argparse.ArgumentParser(prog="python -m stabletrain.checks.resume")
     ap.add_argument("--probe", required=True, metavar="RUN_DIR")

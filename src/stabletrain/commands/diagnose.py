@@ -6,9 +6,8 @@ is named (:func:`replay_obstacles`) and the diagnosis written when it was captur
 
 from __future__ import annotations
 
-import sys
-
 import argparse
+import sys
 from pathlib import Path
 
 from .. import console

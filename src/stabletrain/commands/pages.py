@@ -16,7 +16,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     if not run_dir.exists():
         raise FileNotFoundError(f"run directory {str(run_dir)!r} does not exist")
     if not (run_dir / "metrics.jsonl").exists() and not (run_dir / "config.yaml").exists():
-        raise FileNotFoundError(f"run directory {str(run_dir)!r}: no metrics.jsonl or config.yaml there; is it a stabletrain run?")
+        raise FileNotFoundError(f"run directory {str(run_dir)!r}: no metrics.jsonl or config.yaml there; "
+                                "is it a stabletrain run?")
     write_report(run_dir)
     return 0
 

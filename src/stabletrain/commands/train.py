@@ -99,7 +99,6 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
 
 def write_report(run_dir: Path) -> None:
     from ..report import health_summary, load_run, write_report
-
     from ..report.goodput import read_goodput
 
     console.say(f"report written to {write_report(run_dir)}")

@@ -4,18 +4,49 @@ Unknown keys and bad values raise :class:`ConfigError`, naming the dotted key an
 whether the config comes from YAML, overrides or Python (:meth:`Config.validate`).
 
 This package is the one source for the config's keys, types, defaults, help and validation
-(:mod:`.schema`, :mod:`.values`), for loading it (:mod:`.loading`; a key that moved: :mod:`.moved`), and for flattening and diffing
+(:mod:`.schema`, :mod:`.values`), for loading it (:mod:`.loading`; a key that moved: :mod:`.moved`), and for
+flattening and diffing
 configs and the keys that may change when a run is resumed (:mod:`.diff`). ``stabletrain.config`` is
 its face: import these names from here.
 """
 
-from .diff import (ABSENT, RESHARD_SAFE_KEYS, RESUME_SAFE_KEYS, ConfigDiff, diff_configs, dotted_key, flatten_config,
-                   format_config_diff, resume_refusal_message, resume_safe_text)
+from .diff import (
+                   ABSENT,
+                   RESHARD_SAFE_KEYS,
+                   RESUME_SAFE_KEYS,
+                   ConfigDiff,
+                   diff_configs,
+                   dotted_key,
+                   flatten_config,
+                   format_config_diff,
+                   resume_refusal_message,
+                   resume_safe_text,
+)
 from .loading import apply_override, config_from_dict, config_hash, config_to_dict, load_config, load_yaml
 from .moved import MOVED_KEYS, move_old_keys
-from .schema import (RANGES, TRACKERS, AccumConfig, CaptureConfig, CkptConfig, ClipConfig, Config, DataConfig, DistConfig,
-                     EvalConfig, GuardConfig, LogConfig, MlflowConfig, OptimConfig, RemedyConfig, RunConfig, SchedConfig,
-                     TrainConfig, WandbConfig, check_range, describe_keys)
+from .schema import (
+                   RANGES,
+                   TRACKERS,
+                   AccumConfig,
+                   CaptureConfig,
+                   CkptConfig,
+                   ClipConfig,
+                   Config,
+                   DataConfig,
+                   DistConfig,
+                   EvalConfig,
+                   GuardConfig,
+                   LogConfig,
+                   MlflowConfig,
+                   OptimConfig,
+                   RemedyConfig,
+                   RunConfig,
+                   SchedConfig,
+                   TrainConfig,
+                   WandbConfig,
+                   check_range,
+                   describe_keys,
+)
 from .values import ConfigError
 
 __all__ = [

@@ -53,7 +53,8 @@ class ClipConfig:
 
 @dataclass
 class OptimConfig:
-    name: Literal["adamw", "adam", "sgd"] = _f("adamw", "the optimizer, built fused (a skip stays on the device): adamw, adam or sgd")
+    name: Literal["adamw", "adam", "sgd"] = _f("adamw", "the optimizer, built fused (a skip stays on the device): "
+                                                        "adamw, adam or sgd")
     lr: float = _f(1e-3, "peak learning rate")
     weight_decay: float = _f(0.1, "weight decay on matrices, never on biases and norms (adamw: decoupled; adam, sgd: L2)")
     beta1: float = _f(0.9, "adam/adamw beta1")
@@ -89,7 +90,8 @@ class MlflowConfig:
 
 @dataclass
 class WandbConfig:
-    mode: Literal["offline", "online"] = _f("offline", "offline: files under log.wandb.dir only, no network; online: also streamed")
+    mode: Literal["offline", "online"] = _f("offline", "offline: files under log.wandb.dir only, no network; "
+                                                       "online: also streamed")
     project: str = _f("stabletrain", "the W&B project")
     entity: str | None = _f(None, "the W&B entity (team or user); null = your default")
     dir: str | None = _f(None, "where W&B writes its files (DIR/wandb/offline-run-*); null = the run directory")
@@ -227,8 +229,8 @@ class Config:
         optim = self.optim
         if optim.name != "sgd" and (optim.momentum or optim.nesterov):
             key, value = ("optim.momentum", optim.momentum) if optim.momentum else ("optim.nesterov", optim.nesterov)
-            raise ConfigError(f"config key '{key}': applies to optim.name=sgd only, got {brief(value)} with optim.name={optim.name} "
-                              f"(remove it, or set optim.name=sgd)")
+            raise ConfigError(f"config key '{key}': applies to optim.name=sgd only, got {brief(value)} "
+                              f"with optim.name={optim.name} (remove it, or set optim.name=sgd)")
         if optim.nesterov and optim.momentum <= 0:
             raise ConfigError(f"config key 'optim.nesterov': Nesterov momentum needs optim.momentum > 0, got "
                               f"optim.nesterov=true with optim.momentum={optim.momentum!r}")
@@ -312,5 +314,6 @@ def describe_keys(cls: type = Config, prefix: str = "") -> list[tuple[str, str, 
             rows.extend(describe_keys(tp, key + "."))
         else:
             value = getattr(default, f.name)
-            rows.append((key, "null" if value is None else json.dumps(value) if not isinstance(value, str) else value, f.metadata.get("help", "")))
+            rows.append((key, "null" if value is None else json.dumps(value) if not isinstance(value, str) else value,
+                         f.metadata.get("help", "")))
     return rows

@@ -6,8 +6,21 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .cures import (AdamEps, EpsGuard, LowerLR, ModuleFP32, Precision, Remedy, RollbackLR, Scaler, SkipSamples, SkipStep,
-                    TighterClip, UpdateClip, guarded_op)
+from .cures import (
+    AdamEps,
+    EpsGuard,
+    LowerLR,
+    ModuleFP32,
+    Precision,
+    Remedy,
+    RollbackLR,
+    Scaler,
+    SkipSamples,
+    SkipStep,
+    TighterClip,
+    UpdateClip,
+    guarded_op,
+)
 
 __all__ = ["candidates_for"]
 

@@ -33,11 +33,11 @@ import torch
 from torch import Tensor
 from torch.utils.data import default_collate
 
-from .bisection import Bisection, bisect_samples
+from ..numerics import first_nonfinite_grad
 from .anomaly import anomaly_trace
+from .bisection import Bisection, bisect_samples
 from .failure_class import WEIGHT_DRIVEN_SHARE, classify_failure
 from .nonfinite import NonFiniteLocator, NonFiniteOp
-from ..numerics import first_nonfinite_grad
 
 __all__ = ["STAGES", "DIAGNOSIS_FIELDS", "run_diagnosis", "matches_observed"]
 
@@ -309,7 +309,8 @@ def _is_bad_fn(rep: Any, micro_batches: list[tuple[list[int], Any]], dataset: An
         rep.reset()
         passes["bisection"] += 1
         try:
-            with NonFiniteLocator(rep.model, capture_stack=False, first_only=True) if precise else contextlib.nullcontext() as loc:
+            with (NonFiniteLocator(rep.model, capture_stack=False, first_only=True) if precise
+                  else contextlib.nullcontext()) as loc:
                 _, loss = rep.forward_backward(groups, stop_at_nonfinite_loss=True)
         except RuntimeError:  # a subset the model cannot run (e.g. batch norm on one sample) blames no one
             return False
@@ -362,7 +363,8 @@ def _where(d: dict[str, Any], bisection: Bisection | None, *, samples: bool = Tr
     elif stage == "update":
         names = d["nonfinite_params_after_update"]
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        text = f"first non-finite value (update): forward and backward stay finite, the optimizer step makes {shown} non-finite (learning rate too high?)"
+        text = (f"first non-finite value (update): forward and backward stay finite, the optimizer step makes {shown} "
+                "non-finite (learning rate too high?)")
     else:
         text = f"first non-finite value ({stage})"
         if d["first_nonfinite_param"]:

@@ -46,8 +46,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..policies.accumulation import as_sum_count
 from ..numerics import unique_params
+from ..policies.accumulation import as_sum_count
 from ..tasks.init_schemes import activation_name, is_norm, recommend_scheme
 from .update_ratio import UpdateRatio, update_ratios
 
@@ -192,7 +192,8 @@ class SignalReport:
         attr = "forward_ratio" if direction == "forward" else "backward_ratio"
         verdict = first.forward if direction == "forward" else first.backward
         ratios = [(getattr(layer, attr), layer) for layer in self.layers if getattr(layer, attr) is not None]
-        extreme = max(ratios, key=lambda r: _log_ratio(r[0])) if verdict == EXPLODING else min(ratios, key=lambda r: _log_ratio(r[0]))
+        extreme = (max(ratios, key=lambda r: _log_ratio(r[0])) if verdict == EXPLODING
+                   else min(ratios, key=lambda r: _log_ratio(r[0])))
         what = "std" if direction == "forward" else "grad std"
         ref = repr(first.ref_forward if direction == "forward" else first.ref_backward)
         value = first.signal_std if direction == "forward" else first.grad_std
@@ -423,7 +424,8 @@ def _measure(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any]
         for h in handles:
             h.remove()
     if not calls:
-        raise ValueError("signal_report: no leaf module produced a floating-point tensor; is the model called in loss(model, batch)?")
+        raise ValueError("signal_report: no leaf module produced a floating-point tensor; "
+                         "is the model called in loss(model, batch)?")
 
     mains = [_main_param(module) for _, module, _, _ in calls]
     for main, row in zip(mains, stats):

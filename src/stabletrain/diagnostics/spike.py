@@ -166,7 +166,8 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
                 "evidence": (f"sample{'s' if n > 1 else ''} {', '.join(map(str, samples['indices']))} carr"
                              f"{'y' if n > 1 else 'ies'} {_pct(samples['share'])} of the window's loss; without "
                              f"{'them' if n > 1 else 'it'} "
-                             f"the step is normal (verified: loss {samples['without']['loss']:.4g}, x{samples['without']['ratio']:.3g} "
+                             f"the step is normal (verified: loss {samples['without']['loss']:.4g}, "
+                             f"x{samples['without']['ratio']:.3g} "
                              "the median)" + (f"; the window is high under the state of step {older['step']} too "
                                               f"({older['window']:.4g} vs {older['ordinary']:.4g})" if older else ""))}
     if high_before:

@@ -42,9 +42,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from ..policies.accumulation import AccumulationWindow
 from ..internals import fsdp_param_records, fsdp_pending_grads, scaler_found_inf
 from ..numerics import update_totals
+from ..policies.accumulation import AccumulationWindow
 from ..policies.precision import PrecisionPolicy
 
 __all__ = [

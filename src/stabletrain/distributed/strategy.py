@@ -268,8 +268,8 @@ class FSDPStrategy(Strategy):
 
     def load_state(self, module: nn.Module, optimizer: torch.optim.Optimizer,
                    named_params: list[tuple[str, nn.Parameter]], model_state: Any, optim_state: Any) -> None:
-        from .fsdp import is_local_state, load_full_state_dicts, load_local_state_dicts
         from ..records.checkpoint.shards import is_dcp_entry
+        from .fsdp import is_local_state, load_full_state_dicts, load_local_state_dicts
 
         if is_dcp_entry(model_state):
             super().load_state(module, optimizer, named_params, model_state, optim_state)

@@ -45,16 +45,16 @@ from ..callbacks import Callback, CallbackList, FitState
 from ..callbacks.sinks import EventLog, InitWatch, MetricsFile, TensorBoardLog
 from ..callbacks.trackers import build_trackers
 from ..config import ClipConfig, Config, TrainConfig
+from ..diagnostics.initialization import InitFingerprint
 from ..distributed.group import DistContext
+from ..distributed.strategy import strategy_for
 from ..errors import crash_event
 from ..fileio import atomic_write
-from ..diagnostics.initialization import InitFingerprint
-from ..policies.metrics import StepMetrics
 from ..numerics import snapshot_params, unique_params, update_norms
+from ..policies.metrics import StepMetrics
 from ..records.provenance import build_snapshot
 from ..records.rundir import RunDir
 from ..seeding import rng_state, set_rng_state
-from ..distributed.strategy import strategy_for
 from ..services.boundary import IntervalBoundary
 from ..services.capture import IncidentCapture
 from .host_steps import HostReplay, HostSteps

@@ -35,12 +35,12 @@ import torch
 from torch import Tensor, nn
 
 from ..internals import scaler_state, set_scaler_state
+from ..records.batches import CapturedRows, batch_nbytes, bundle_batch, plain_batch, to_host, unbundle_batch
+from ..records.captured import optimizer_recipe
 from ..records.staging import StateStager, load_optimizer_state_
 from ..seeding import rng_state, set_rng_state
 from ..tasks import Task
 from .options import eager_methods
-from ..records.batches import CapturedRows, batch_nbytes, bundle_batch, plain_batch, to_host, unbundle_batch
-from ..records.captured import optimizer_recipe
 
 __all__ = ["KeptStep", "StepKeeper", "HostReplay", "HostSteps"]
 

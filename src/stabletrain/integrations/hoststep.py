@@ -25,8 +25,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..internals import (clear_found_inf, found_inf_set, join_found_inf, join_scaler_found_inf, scaler_scale, scaler_state,
-                         set_found_inf, set_scaler_state, skips_on_device)
+from ..internals import (
+    clear_found_inf,
+    found_inf_set,
+    join_found_inf,
+    join_scaler_found_inf,
+    scaler_scale,
+    scaler_state,
+    set_found_inf,
+    set_scaler_state,
+    skips_on_device,
+)
 from ..numerics import all_params_finite, grad_norms
 from ..policies.accumulation import AccumulationWindow
 from ..policies.clipping import GradClipper

@@ -47,13 +47,13 @@ from ..data import move_to
 from ..diagnostics.initialization import InitFingerprint
 from ..internals import skips_on_device
 from ..numerics import grad_norms
-from ..seeding import rng_state
-from .host_steps import KeptStep
-from .core import RunSession
-from .options import AdapterOptions
-from .hoststep import HostStep
 from ..records.batches import batch_size, import_path, plain_batch
 from ..records.captured import lightning_loss
+from ..seeding import rng_state
+from .core import RunSession
+from .host_steps import KeptStep
+from .hoststep import HostStep
+from .options import AdapterOptions
 
 __all__ = ["StableTrainCallback"]
 

@@ -50,12 +50,12 @@ from torch import Tensor, nn
 from ..callbacks import Callback
 from ..data import move_to
 from ..policies.precision import PrecisionPolicy
+from ..records.batches import batch_size, import_path
 from ..seeding import rng_state
 from ..step import TrainStep, build_step
-from .host_steps import KeptStep
 from .core import RunSession
+from .host_steps import KeptStep
 from .options import AdapterOptions, StopTraining, unwrap
-from ..records.batches import batch_size, import_path
 
 __all__ = ["Monitor", "StopTraining"]
 

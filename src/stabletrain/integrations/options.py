@@ -17,8 +17,8 @@ from ..config import GuardConfig
 from ..internals import eager_module
 from ..policies.guard import Guard
 
-__all__ = ["AdapterOptions", "CONFIG_KEYS", "HOST_OPTIONS", "AdapterGuard", "StopTraining", "jsonable", "optimizer_config", "unwrap", "is_compiled",
-           "compiled_methods", "eager_methods"]
+__all__ = ["AdapterOptions", "CONFIG_KEYS", "HOST_OPTIONS", "AdapterGuard", "StopTraining", "jsonable", "optimizer_config",
+           "unwrap", "is_compiled", "compiled_methods", "eager_methods"]
 
 
 class StopTraining(RuntimeError):

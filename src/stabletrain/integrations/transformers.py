@@ -56,12 +56,12 @@ from ..data import move_to
 from ..diagnostics.initialization import InitFingerprint
 from ..internals import find_caller
 from ..numerics import grad_norms
-from ..seeding import rng_state
-from .host_steps import KeptStep
-from .core import RunSession
-from .options import AdapterOptions, is_compiled
-from .hoststep import HostStep
 from ..records.batches import batch_size, import_path
+from ..seeding import rng_state
+from .core import RunSession
+from .host_steps import KeptStep
+from .hoststep import HostStep
+from .options import AdapterOptions, is_compiled
 
 __all__ = ["StableTrainCallback", "STATE_FILE"]
 

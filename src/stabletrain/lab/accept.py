@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from ..checks import CheckContext, fixed_batch, run_checks
-from ..policies.clipping import GradClipper
 from ..config import load_config
 from ..numerics import unique_params
+from ..policies.clipping import GradClipper
 from ..policies.optim import build_optimizer
 from ..policies.precision import PrecisionPolicy
 from ..seeding import seed_everything

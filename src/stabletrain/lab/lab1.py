@@ -23,10 +23,10 @@ from pathlib import Path
 from torch import nn
 
 from ..checks import fixed_batch
-from ..tasks.init_schemes import init_
-from ..seeding import seed_everything
 from ..diagnostics.signal_display import plot_signal
 from ..diagnostics.signal_propagation import LayerSignal, SignalReport, signal_report
+from ..seeding import seed_everything
+from ..tasks.init_schemes import init_
 from ..tasks.mlp import make_task
 from . import Claim, LabResult
 

@@ -219,7 +219,8 @@ def _explain(per_window: list[dict[str, Any]], n: dict[str, Any], k: int, dropou
               f"({n['tail_sizes']}), so dividing by k happens to be right here.")
     out.append(s)
     out.append(f"With variable-length sequences ({'+'.join(map(str, tokens))} tokens per micro-batch) the (sum, count) "
-               f"loss gives the window's per-token mean (loss {sc_loss:.4g}) and matches the big batch to {n['diff_sum_count']:.3g}; "
+               f"loss gives the window's per-token mean (loss {sc_loss:.4g}) and matches the big batch to "
+               f"{n['diff_sum_count']:.3g}; "
                f"a per-token mean per micro-batch gives the mean of means ({mm_loss:.4g}), which weights a token of a "
                f"short micro-batch more, and moves the parameters {n['diff_mean_of_means']:.3g} away.")
     if n["logged_loss_rel_err"] <= 1e-6:

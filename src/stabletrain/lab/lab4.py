@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from ..checks import fixed_batch
-from ..policies.clipping import GradClipper
 from ..config import load_config
 from ..numerics import unique_params
+from ..policies.clipping import GradClipper
 from ..policies.optim import build_optimizer
 from ..policies.precision import PrecisionPolicy
 from ..seeding import seed_everything
@@ -160,7 +160,8 @@ def _explain(s: dict[tuple[str, float | None], dict[str, Any]], max_norm: float,
                f"{adam_shrink:.3g}x, for SGD {shrink:.3g}x. The optimizer, not only the clip threshold, sets how far one "
                "bad batch can move the weights.")
     out.append(f"The damage shows in the loss: the median loss of the 3 steps after the spike was {sgd_off['loss_after']:.4g} "
-               f"for SGD without clipping vs {sgd_on['loss_after']:.4g} with it (before the spike: {sgd_off['loss_before']:.4g}).")
+               f"for SGD without clipping vs {sgd_on['loss_after']:.4g} with it "
+               f"(before the spike: {sgd_off['loss_before']:.4g}).")
     out.append("Clipping bounds the size of a step; it does not make a bad batch good (the clipped step still points "
                "where the bad batch says) and it cannot repair a NaN: the loss itself should be found and fixed.")
     return out

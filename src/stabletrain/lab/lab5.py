@@ -21,13 +21,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..policies.accumulation import as_sum_count
-from ..tasks.init_schemes import init_
-from ..diagnostics.bisection import bisect_samples
 from ..diagnostics.anomaly import anomaly_trace
+from ..diagnostics.bisection import bisect_samples
 from ..diagnostics.nonfinite import NonFiniteLocator
 from ..numerics import first_nonfinite_grad, grad_total_norm
+from ..policies.accumulation import as_sum_count
 from ..seeding import seed_everything
+from ..tasks.init_schemes import init_
 from ..tasks.mlp import make_mlp, make_task
 from . import Claim, LabResult, new_figure, save_figure
 

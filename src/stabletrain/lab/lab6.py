@@ -17,8 +17,8 @@ import torch
 
 from ..config import load_config
 from ..loop import Trainer
-from ..syncs import SyncCounter
 from ..seeding import seed_everything
+from ..syncs import SyncCounter
 from ..tasks import resolve_task
 from . import Claim, LabResult, new_figure, save_figure
 

@@ -359,7 +359,8 @@ def _explain(met: dict[str, dict[str, Any]], by: dict[str, dict[str, Any]], beta
                    + ": there is nothing to diagnose or cure."
                    + (f" With beta1 = {beta1:g} Adam's first update of a row it never saw is lr x (1 - beta1) x "
                       f"sqrt((1 - 0.999^t) / 0.001) = {(1 - beta1) * _first_update(SPIKE_STEP - 1):.2g} lr at t = "
-                      f"{SPIKE_STEP - 1}, not {_first_update(SPIKE_STEP - 1):.2g} lr: momentum damps the surge." if beta1 else ""))
+                      f"{SPIKE_STEP - 1}, not {_first_update(SPIKE_STEP - 1):.2g} lr: momentum damps the surge."
+                      if beta1 else ""))
     else:
         warn = rare["warning"]
         lead = (f"Its warning came first: at step {warn['step']}, with the loss still at {warn['loss']:.3g} (normal by the "

@@ -52,7 +52,8 @@ def as_sum_count(out: Any, num_samples: int) -> tuple[Tensor, Tensor]:
     """Return (fp32 loss sum, fp32 count) from a task loss: a scalar mean or a ``(sum, count)`` pair."""
     if isinstance(out, Tensor):
         if out.dim() != 0:
-            raise ValueError(f"task loss returned a tensor of shape {tuple(out.shape)}; return a scalar mean or a (sum, count) pair")
+            raise ValueError(f"task loss returned a tensor of shape {tuple(out.shape)}; "
+                             "return a scalar mean or a (sum, count) pair")
         return out.float() * num_samples, torch.full((), float(num_samples), device=out.device)
     if isinstance(out, (tuple, list)) and len(out) == 2:
         loss_sum, count = out

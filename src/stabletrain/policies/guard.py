@@ -20,7 +20,8 @@ z-score against their mean and standard deviation exceeds ``spike_zscore``. The 
 make a shaky median and deviation (a small batch's loss 2.5x its window's median and 6.0 deviations above
 its mean is noise at step 6), but a loss four times as high as any before it is a spike from the fifth step
 on (a x1e4 loss at step 6 was missed when the rule armed only at half the window). Spikes are not added
-to the window, so a run of spikes does not raise the baseline. With ``guard.on_spike=skip`` the rule runs on the device every step (the skip must be
+to the window, so a run of spikes does not raise the baseline. With ``guard.on_spike=skip`` the rule
+runs on the device every step (the skip must be
 decided before the update); otherwise the host runs the same rule on the interval's losses at the
 log boundary (:meth:`Guard.mark_spikes`), so the step pays nothing for it.
 

@@ -75,7 +75,8 @@ _DTYPE = operator.attrgetter("dtype")  # a C-level read, for map()
 
 #: Columns a step may leave out, and their values then (the update norm is measured on some steps only; the
 #: parameters are checked on some steps only: NaN = not checked on that step).
-DEFAULTS = {"spike": 0.0, "params_finite": float("nan"), "overflow": 0.0, "update_norm": float("nan"), "update_ratio": float("nan")}
+DEFAULTS = {"spike": 0.0, "params_finite": float("nan"), "overflow": 0.0, "update_norm": float("nan"),
+            "update_ratio": float("nan")}
 _MISSING = object()  # a required column's "default": update() names it
 _SPEC = tuple((c, DEFAULTS.get(c, _MISSING)) for c in COLUMNS)
 
@@ -297,7 +298,8 @@ class StepMetrics:
             "loss_max": max(losses, default=float("nan")),
             "grad_norm": (sum(r["grad_norm"] for r in finite_rows) / len(finite_rows)) if finite_rows else float("nan"),
             "grad_norm_max": max((r["grad_norm"] for r in finite_rows), default=float("nan")),
-            "grad_norm_post_clip": (sum(r["post_clip_norm"] for r in finite_rows) / len(finite_rows)) if finite_rows else float("nan"),
+            "grad_norm_post_clip": ((sum(r["post_clip_norm"] for r in finite_rows) / len(finite_rows)) if finite_rows
+                                    else float("nan")),
             "clip_rate": sum(r.values["clipped"] for r in rows) / n,
             "lr": rows[-1].values["lr"],
             "loss_scale": rows[-1].values["loss_scale"],

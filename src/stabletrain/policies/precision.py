@@ -35,7 +35,8 @@ def resolve_device(spec: str = "auto") -> torch.device:
     except RuntimeError:
         raise ValueError(f"config key 'device': not a torch device, got {spec!r}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"config key 'device': {spec!r} asked for, but CUDA is not available on this machine; use device=cpu or auto")
+        raise ValueError(f"config key 'device': {spec!r} asked for, but CUDA is not available on this machine; "
+                         "use device=cpu or auto")
     return device
 
 
@@ -55,7 +56,8 @@ def resolve_precision(mode: str, device: torch.device) -> str:
         raise ValueError(f"config key 'precision': fp16 needs a CUDA device or the CPU, got precision=fp16 on {device.type}; "
                          "use precision=bf16 or fp32")
     if mode == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ValueError("config key 'precision': bf16 is not supported by this GPU; use precision=fp16 (with a GradScaler) or fp32")
+        raise ValueError("config key 'precision': bf16 is not supported by this GPU; "
+                         "use precision=fp16 (with a GradScaler) or fp32")
     if mode not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"config key 'precision': expected auto, fp32, bf16 or fp16, got {mode!r}")
     return mode

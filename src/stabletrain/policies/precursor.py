@@ -21,7 +21,8 @@ norm shrinks (a one-element bias crossing zero) from counting as an update that 
 evidence beside it, not a trigger: per layer it moves several-fold in healthy runs (bench/precursor.py).
 The first interval in which a layer departs gives one :class:`PrecursorWarning` (a ``precursor`` event and
 one console line) naming the layers, their ratios and how far they depart, with the grad norm's own
-z-score beside each; no new warning until an interval in which no layer departs. An interval whose loss already spiked or went non-finite gives none:
+z-score beside each; no new warning until an interval in which no layer departs. An interval whose loss
+already spiked or went non-finite gives none:
 the warning is for what comes before. The weight of a new interval is ``1 / min(n, guard.precursor_window)``
 (n: intervals seen), so the first intervals are an exact mean and variance and later ones an EMA.
 

@@ -151,5 +151,5 @@ def captured_task(batches: list[Any], model: dict[str, Any] | None = None, loss:
     """
     rows = CapturedRows([unbundle_batch(b) for b in batches])
     opt_factory = ((lambda named: build_optimizer_from_recipe(optimizer, named)) if optimizer else _sgd_noop)
-    return Task(model=model_from_recipe(model, name.partition(":")[0]), train_data=rows, loss=loss_from_recipe(loss), collate=rows.collate,
-                name=name, optimizer=opt_factory)
+    return Task(model=model_from_recipe(model, name.partition(":")[0]), train_data=rows, loss=loss_from_recipe(loss),
+                collate=rows.collate, name=name, optimizer=opt_factory)

@@ -16,22 +16,33 @@ __all__ = ["EVENT_KINDS", "REPLAY_KINDS", "METRIC_KEYS"]
 
 #: Event kind -> what it means (one line).
 EVENT_KINDS: dict[str, str] = {
-    "skip": "an optimizer step was not applied (non-finite loss/grad norm, fp16 overflow, or a spike under guard.on_spike=skip); parameters, optimizer state and LR untouched",
+    "skip": "an optimizer step was not applied (non-finite loss/grad norm, fp16 overflow, or a spike under guard.on_spike=skip); "
+            "parameters, optimizer state and LR untouched",
     "nonfinite": "a step had a non-finite loss, grad norm, input or (after the update) parameter; 'ranks' says where under DDP",
     "spike": "the loss rose above guard.spike_ratio x the recent median and guard.spike_zscore deviations above the mean",
-    "precursor": "a warning before a spike (guard.precursor): some layer's update/weight ratio departed from its own recent history while the loss had not; 'layers' names each with its ratio, typical ratio, factor and z-score (and its grad norm's)",
+    "precursor": "a warning before a spike (guard.precursor): some layer's update/weight ratio departed from its own recent "
+                 "history while the loss had not; 'layers' names each with its ratio, typical ratio, factor and z-score "
+                 "(and its grad norm's)",
     "incident": "a bad step was captured into incidents/step_N (and diagnosed unless capture.diagnose=false), or could not be",
     "checkpoint": "a checkpoint was written, verified, and LAST_GOOD moved to it",
-    "checkpoint_withheld": "no checkpoint was written because the state was not finite or was inside an incident; LAST_GOOD stays",
+    "checkpoint_withheld": "no checkpoint was written because the state was not finite or was inside an incident; "
+                           "LAST_GOOD stays",
     "checkpoint_failed": "writing a checkpoint failed (disk full, I/O error); the previous one and LAST_GOOD are untouched",
-    "checkpoint_skipped": "on resume or rollback a checkpoint did not verify (truncated, corrupted, refused) and an older one was used",
-    "restart": "a process of the run died and the run restarted by itself (run.max_restarts, torchrun): the cause (exit code or signal, rank, its last line), what the launch before met, the checkpoint resumed from, the steps to train again, a checkpoint no longer trusted",
-    "resume": "the run continued from a checkpoint at this step (metrics and events logged past it before are superseded; under another world size: resharded, with the old and new world size and global batch)",
+    "checkpoint_skipped": "on resume or rollback a checkpoint did not verify (truncated, corrupted, refused) "
+                          "and an older one was used",
+    "restart": "a process of the run died and the run restarted by itself (run.max_restarts, torchrun): the cause (exit code or "
+               "signal, rank, its last line), what the launch before met, the checkpoint resumed from, the steps to train again, "
+               "a checkpoint no longer trusted",
+    "resume": "the run continued from a checkpoint at this step (metrics and events logged past it before are superseded; "
+              "under another world size: resharded, with the old and new world size and global batch)",
     "rollback": "the guard rolled back to the last good checkpoint, skipping the offending data window",
-    "remedy": "guard.on_nonfinite=remedy (or config key 'remedy.apply'): a remedy verified on a replay of the incident was applied (what, from which step, the evidence), or none cured it and the fallback was taken",
+    "remedy": "guard.on_nonfinite=remedy (or config key 'remedy.apply'): a remedy verified on a replay of the incident "
+              "was applied (what, from which step, the evidence), or none cured it and the fallback was taken",
     "schedule_changed": "the LR schedule's horizon changed on resume (train.max_steps differs from the checkpoint's)",
-    "stall": "the run is not learning: no update of the last guard.stall_steps steps moved the parameters (skipped, or applied with a zero gradient) and guard.on_stall=warn trains on; with on_stall=stop it is the stop's reason",
-    "stop": "the run stopped before train.max_steps: a guard limit, SIGINT or SIGTERM, or a restart refused (the same failure again, run.max_repeats)",
+    "stall": "the run is not learning: no update of the last guard.stall_steps steps moved the parameters (skipped, or applied "
+             "with a zero gradient) and guard.on_stall=warn trains on; with on_stall=stop it is the stop's reason",
+    "stop": "the run stopped before train.max_steps: a guard limit, SIGINT or SIGTERM, or a restart refused "
+            "(the same failure again, run.max_repeats)",
     "crash": "an exception ended the run: its type, message and where in the user's code it was raised",
     "init_overwritten": "parameters changed between the task factory and the first step (an init was overwritten)",
 }
@@ -66,7 +77,8 @@ METRIC_KEYS: dict[str, str] = {
     "samples_seen": "samples trained on so far",
     "tokens_seen": "tokens (items the loss counts) trained on so far",
     "top_grad_layers": "the parameters with the largest share of the squared grad norm over the interval: [{name, share}]",
-    "top_update_layers": "the parameters with the largest update/weight ratio ||update|| / ||theta|| at the interval's last step: [{name, ratio}]",
+    "top_update_layers": "the parameters with the largest update/weight ratio ||update|| / ||theta|| "
+                         "at the interval's last step: [{name, ratio}]",
     "val_loss": "validation loss per item, every eval.every steps and at the end",
     "world_size": "processes training together (DDP runs only)",
 }

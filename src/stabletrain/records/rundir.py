@@ -96,7 +96,8 @@ class RunDir:
         atomic_write(self.path / "snapshot.json", json.dumps(json_safe(snapshot), indent=2) + "\n")
 
     def event(self, step: int, kind: str, reason: str, **fields: Any) -> dict[str, Any]:
-        """Append one line to events.jsonl and return it; ``kind`` must be one of :data:`~stabletrain.records.events.EVENT_KINDS`."""
+        """Append one line to events.jsonl and return it; ``kind`` must be one of
+        :data:`~stabletrain.records.events.EVENT_KINDS`."""
         if kind not in EVENT_KINDS:
             raise ValueError(f"event kind {kind!r} is not one of stabletrain.records.events.EVENT_KINDS "
                              f"({', '.join(EVENT_KINDS)}); add it there with its meaning")

@@ -19,7 +19,6 @@ from typing import Any
 from .rundata import RunData
 from .text import fmt_num, fmt_pct
 
-
 __all__ = ["clip_sentence", "CLIP_RARE", "CLIP_MOST", "CLIP_CUT"]
 
 #: Clip-rate bands: at most RARE of the steps is rare; more than MOST of the second half's steps is nearly always.

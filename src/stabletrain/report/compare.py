@@ -17,7 +17,7 @@ from ..config import ABSENT, flatten_config
 from ..fileio import atomic_write
 from .health import health_summary
 from .html import esc, figure, footer, page, problems_box, table, value_cell, write_plots
-from .plots import COMPARE_METRICS, COLORS, compare_plots, shared_unit
+from .plots import COLORS, COMPARE_METRICS, compare_plots, shared_unit
 from .rundata import RunData, load_run
 from .text import fmt_num, fmt_pct
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from .clip_verdict import clip_sentence
 from .rundata import Event, RunData
-from .text import fmt_num, fmt_pct, fmt_ranges, plural
+from .text import fmt_num, fmt_ranges, plural
 
 __all__ = ["Health", "health_summary", "incident_summary", "crash_summary", "crash_step", "LEVELS"]
 
@@ -169,7 +169,8 @@ def _why(row: tuple, spikes: list[int], end: str) -> str:
     """Why the headline did not take the ``end`` interval's mean: its value and what lifted it."""
     step, width, mean = row[:3]
     inside = [s for s in spikes if step - width < s <= step]
-    lifted = (f"a loss spike at step {fmt_ranges(inside)}" if len(inside) == 1 else f"loss spikes at steps {fmt_ranges(inside)}") \
+    lifted = (f"a loss spike at step {fmt_ranges(inside)}" if len(inside) == 1
+              else f"loss spikes at steps {fmt_ranges(inside)}") \
         if inside else "a few large losses"
     return f"the {end} interval's mean, {fmt_num(mean)}, is lifted by {lifted}"
 
@@ -322,7 +323,8 @@ def _losses(run: RunData, h: Health) -> None:
         if start is None and end is None:
             text += " (first → last interval)"
         else:
-            text += f" ({start or 'first interval'} → {end or 'last interval'}: {'; '.join(w for w in (start and _why(rows[0], spikes, 'first'), end and _why(rows[-1], spikes, 'last')) if w)})"
+            why = "; ".join(w for w in (start and _why(rows[0], spikes, "first"), end and _why(rows[-1], spikes, "last")) if w)
+            text += f" ({start or 'first interval'} → {end or 'last interval'}: {why})"
     steps, vals = run.series("val_loss")
     val = [(s, v) for s, v in zip(steps, vals) if math.isfinite(v)]
     level = "ok"

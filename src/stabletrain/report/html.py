@@ -19,9 +19,9 @@ from typing import Any
 from .. import console
 from .._version import __version__
 from ..config import flatten_config
-from ..records.events import EVENT_KINDS
-from ..records.bundles import REMEDY_FILE
 from ..fileio import atomic_write
+from ..records.bundles import REMEDY_FILE
+from ..records.events import EVENT_KINDS
 from .goodput import goodput_section
 from .health import Health, health_summary, incident_summary
 from .plots import RUN_PLOT_NAMES, Plot, run_plots

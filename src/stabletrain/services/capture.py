@@ -30,13 +30,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .. import console
-from ..console import StableTrainWarning
 from ..callbacks import FitState
+from ..console import StableTrainWarning
 from ..diagnostics.diagnosis import DIAGNOSIS_FIELDS
-from ..records.checkpoint.shards import is_dcp_entry
-from ..records.bundles import BUNDLE_DCP_DIR, STATE_IN, write_bundle
-from ..records.staging import IntervalSnapshot, clone_state, join_params, state_kept
 from ..incident_replay import diagnose_incident
+from ..records.bundles import BUNDLE_DCP_DIR, STATE_IN, write_bundle
+from ..records.checkpoint.shards import is_dcp_entry
+from ..records.staging import IntervalSnapshot, clone_state, join_params, state_kept
 from ..seeding import rng_state, set_rng_state
 
 __all__ = ["IncidentCapture", "StepSource", "incident_dir", "MAX_CONTEXT"]

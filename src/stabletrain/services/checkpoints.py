@@ -7,7 +7,8 @@ writes; every rank sends it its RNG state and data position.
 Saves run off the critical path (:meth:`CheckpointManager.save_async`): training waits only for the
 staging copy into shared memory; the writer process checks the copy's finiteness, writes, verifies,
 moves LAST_GOOD and prunes. At most one save is in flight. Until a writer runs, the first save (when
-small: :data:`INLINE_FIRST_BYTES`) and a save the loop waits for anyway are written in the loop's thread. What needs LAST_GOOD (a rollback, an incident
+small: :data:`INLINE_FIRST_BYTES`) and a save the loop waits for anyway are written in the loop's thread.
+What needs LAST_GOOD (a rollback, an incident
 replay from it, the run's last checkpoint, the end of the fit) waits for it first. A save's outcome
 (``checkpoint``, ``checkpoint_withheld`` from a non-finite copy, or ``checkpoint_failed`` when the write
 failed or the writer died) is handed to the loop by :meth:`CheckpointKeeper.finished` once it is known, so
@@ -28,15 +29,22 @@ from pathlib import Path
 from typing import Any
 
 from .. import console
+from ..callbacks import FitState
+from ..config import (
+    RESHARD_SAFE_KEYS,
+    RESUME_SAFE_KEYS,
+    config_hash,
+    config_to_dict,
+    diff_configs,
+    move_old_keys,
+    resume_refusal_message,
+)
 from ..records.checkpoint.files import CheckpointError, first_nonfinite
 from ..records.checkpoint.manager import LoadedCheckpoint
 from ..records.checkpoint.saves import PendingSave, SaveCosts
+from ..records.checkpoint.shards import ShardedSaver, local_tensors, split_for_dcp
 from ..records.checkpoint.writer import running_writer
 from ..records.staging import state_bytes
-from ..config import (RESHARD_SAFE_KEYS, RESUME_SAFE_KEYS, config_hash, config_to_dict, diff_configs, move_old_keys,
-                      resume_refusal_message)
-from ..records.checkpoint.shards import ShardedSaver, local_tensors, split_for_dcp
-from ..callbacks import FitState
 from . import TrainerOps
 
 __all__ = ["CheckpointKeeper", "schedule_change_note", "INLINE_FIRST_BYTES"]

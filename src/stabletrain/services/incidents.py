@@ -131,7 +131,8 @@ class LoopSteps:
         previous = ({"step": step - 1, "window": self._recent[-1], "epoch": self._last[0], "start": self._last[1],
                      **{k: prev[k] for k in ("model", "optimizer", "schedule", "precision", "rng")}}
                     if prev is not None and self._recent else None)
-        return {"previous": previous, "model": before["model"], "optimizer": before["optimizer"], "step": step, "rank": record["rank"],
+        return {"previous": previous, "model": before["model"], "optimizer": before["optimizer"], "step": step,
+                "rank": record["rank"],
                 "world_size": fit.dist.world, "config": config_to_dict(fit.cfg), "window": record["window"],
                 "rng": record["rng"], "schedule": before["schedule"], "precision": before["precision"],
                 "observed": {"after_update": info["after_update"], "interval_loss": interval_loss,

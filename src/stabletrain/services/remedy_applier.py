@@ -10,7 +10,8 @@ A service the loop calls by name:
 - :meth:`RemedyApplier.by_hand` when fit starts with ``remedy.apply=INCIDENT_DIR:NAME`` (``stabletrain train
   --resume RUN remedy.apply=...``): apply that candidate of the incident's ``remedy.json``, once.
 
-How a remedy acts on the run: the GradScaler's settings through the precision policy's state, a lower LR through :meth:`~stabletrain.policies.schedule.LRSchedule.scale`
+How a remedy acts on the run: the GradScaler's settings through the precision policy's state, a lower LR
+through :meth:`~stabletrain.policies.schedule.LRSchedule.scale`
 (the schedule's state holds it; it stays for the rest of the run — the replay verified it over K steps, and
 nothing says the old LR is safe after them), a rollback by loading that checkpoint (newer ones, from the bad
 trajectory, are discarded and LAST_GOOD moves back), skipped samples by the data stream's ``drop`` (its
@@ -146,7 +147,8 @@ class RemedyApplier:
             return  # a resume of a run it was applied to already: it is in the checkpoint
         remedy = remedy_from_dict(row["remedy"])
         if not remedy.live:
-            raise ValueError(f"config key 'remedy.apply' ({spec!r}): {name} needs a code change ({getattr(remedy, 'change', '')}) "
+            raise ValueError(f"config key 'remedy.apply' ({spec!r}): {name} needs a code change "
+                             f"({getattr(remedy, 'change', '')}) "
                              "or a restart with another config; it cannot be applied to a live run")
         self.apply(state, remedy, str(Path(incident)), row, record, by_hand=True)
 

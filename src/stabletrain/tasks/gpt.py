@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
-from .init_schemes import init_
 from . import Task
+from .init_schemes import init_
 
 __all__ = ["GPT", "ByteChunks", "stdlib_sources", "make_task"]
 

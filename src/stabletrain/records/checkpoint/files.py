@@ -26,13 +26,13 @@ from torch import Tensor
 
 from ..._version import __version__
 from ...config import dotted_key
-from .shards import attach_path, verify_dcp
 from ...fileio import atomic_write
 from ...internals import tree_flatten_with_keys
 from .checksummed import save_checksummed
+from .shards import attach_path, verify_dcp
 
-__all__ = ["CheckpointError", "dir_name", "first_nonfinite", "only_plain", "load_state_file", "load_checked", "write_files", "checked_meta",
-           "STATE_FILE", "META_FILE", "FORMAT_VERSION"]
+__all__ = ["CheckpointError", "dir_name", "first_nonfinite", "only_plain", "load_state_file", "load_checked", "write_files",
+           "checked_meta", "STATE_FILE", "META_FILE", "FORMAT_VERSION"]
 
 #: meta.json's "format". 2: state.pt's checksum is ``state_crc32`` (zlib's CRC32, 8 hex digits); 1 recorded
 #: ``state_sha256`` instead (still loaded). A newer format is refused with a line saying so.

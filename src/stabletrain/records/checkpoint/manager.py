@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .shards import DCP_DIR, ShardedSave, to_full_state
 from ...fileio import atomic_write, fsync_dir
 from .background import BackgroundSaves
 from .files import CheckpointError, checked_meta, dir_name, first_nonfinite, load_checked, only_plain, write_files
 from .saves import PendingSave, SaveResult
+from .shards import DCP_DIR, ShardedSave, to_full_state
 
 __all__ = ["CheckpointManager", "LoadedCheckpoint", "LAST_GOOD"]
 
@@ -92,7 +92,8 @@ class CheckpointManager:
         self.require_finite = tuple(require_finite) if require_finite is not None else None
         self._background = BackgroundSaves(self)
         self._in_flight: PendingSave | None = None
-        self._written: tuple[Path, bool] | None = None  # (the directory a save has just written, only_plain), while it verifies it
+        self._written: tuple[Path, bool] | None = None  # (the directory a save has just written, only_plain),
+                                                        # while it verifies it
 
     # -- saving -----------------------------------------------------------------------------
 
@@ -253,7 +254,9 @@ class CheckpointManager:
         pruned = self.prune()
         timings["prune_s"] = time.perf_counter() - t0
         size = num_bytes + int(meta.get("dcp", {}).get("bytes", 0))
-        return SaveResult(step, final, False, f"saved {name} ({f'{size / 2**20:.1f} MiB' if size >= 2**20 else f'{size / 2**10:.1f} KiB'}, verified); LAST_GOOD -> {name}",
+        return SaveResult(step, final, False,
+                          f"saved {name} ({f'{size / 2**20:.1f} MiB' if size >= 2**20 else f'{size / 2**10:.1f} KiB'}, "
+                          f"verified); LAST_GOOD -> {name}",
                           num_bytes=size, timings=timings, pruned=tuple(pruned), write_cpu_s=time.thread_time() - cpu0)
 
     def _point_last_good(self, name: str) -> None:

@@ -317,8 +317,12 @@ def load_dcp_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, mod
     before the first step) is loaded as ``optimizer.state_dict()`` format.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     targets: dict[str, Tensor] = {}
     model_now = get_model_state_dict(model)
