@@ -257,3 +257,10 @@ def test_the_docs_list_every_key_that_moved():
     page = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text(encoding="utf-8")
     for was, now in MOVED_KEYS.items():
         assert f"| `{was}`" in page and f"| `{now}` |" in page
+
+
+def test_an_override_below_a_value_names_the_value_and_the_override():
+    with pytest.raises(ConfigError, match=r"config key 'optim.lr' is a value, not a section \(override 'optim.lr.x=2'\)"):
+        load_config(None, ["optim.lr=1", "optim.lr.x=2"])
+    with pytest.raises(ConfigError, match=r"config key 'capture' is a value, not a section \(the overrides\)"):
+        load_config(None, ["capture=1", "guard.diagnose=false"])  # the old key's new place is taken by a value

@@ -1,6 +1,9 @@
 """The run directory: refuses to overwrite a run, names unknown event kinds (TensorBoard: test_tb_events.py)."""
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -188,3 +191,13 @@ def test_a_resume_is_refused_while_processes_of_an_earlier_launch_run_on_the_dir
     assert resumed.step == 2
     resumed.fit()
     assert resumed.step == 4 and not (run_dir / LAUNCH_FILE).exists()
+
+
+def test_stat_fields_read_a_process_state_parent_and_start_and_none_for_a_gone_one():
+    from stabletrain.process import stat_fields
+
+    fields = stat_fields(os.getpid())
+    assert fields[0] in "RS" and int(fields[1]) == os.getppid() and int(fields[19]) > 0
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # reaped: no such pid any more
+    assert stat_fields(child.pid) is None

@@ -1,7 +1,8 @@
 """What a fit changes in the whole process while it runs, and puts back when it returns or raises.
 
 Torch's deterministic algorithms are :func:`stabletrain.seeding.deterministic_mode` (``deterministic``);
-the garbage collector's frozen generation is :func:`gc_frozen` (``train.gc_freeze``).
+the garbage collector's frozen generation is :func:`gc_frozen` (``train.gc_freeze``). What Linux says of a
+process (its state, parent, start time) is :func:`stat_fields`.
 """
 
 from __future__ import annotations
@@ -9,8 +10,18 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Iterator
+from pathlib import Path
 
-__all__ = ["gc_frozen"]
+__all__ = ["gc_frozen", "stat_fields"]
+
+
+def stat_fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (0: state, 1: parent pid, 19: start time in clock ticks
+    after boot); None where there is no such process or no ``/proc``."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
 
 
 @contextlib.contextmanager

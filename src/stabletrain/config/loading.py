@@ -21,7 +21,7 @@ from ..console import StableTrainWarning
 from ..errors import brief
 from .moved import move_old_keys
 from .schema import Config
-from .values import ConfigError, coerce, type_hints
+from .values import ConfigError, coerce, section_at, type_hints
 
 __all__ = ["load_config", "load_yaml", "apply_override", "config_from_dict", "config_to_dict", "config_hash"]
 
@@ -95,16 +95,8 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     key = key.strip()
     if not key:
         raise ConfigError(f"override {override!r}: empty key")
-    parts = key.split(".")
-    node = data
-    for i, part in enumerate(parts[:-1]):
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            raise ConfigError(f"config key '{'.'.join(parts[: i + 1])}' is a value, not a section (override {override!r})")
-        node = child
-    node[parts[-1]] = _parse_value(text, f"override {override!r}")
+    *path, last = key.split(".")
+    section_at(data, path, f"override {override!r}")[last] = _parse_value(text, f"override {override!r}")
 
 
 def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

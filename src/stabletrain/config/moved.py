@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .values import ConfigError
+from .values import ConfigError, section_at
 
 __all__ = ["MOVED_KEYS", "move_old_keys"]
 
@@ -51,15 +51,8 @@ def move_old_keys(data: dict[str, Any], source: str) -> str | None:
         found, value = _pop(data, old.split("."))
         if not found:
             continue
-        node = data
         *path, last = new.split(".")
-        for part in path:
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            elif not isinstance(child, dict):
-                raise ConfigError(f"{source}: config key '{part}' is a section now, got {child!r}")
-            node = child
+        node = section_at(data, path, source)
         if last in node:
             raise ConfigError(f"{source}: config key '{old}' moved to '{new}', and both are set; keep '{new}'")
         node[last] = value

@@ -9,11 +9,27 @@ from typing import Any, Literal
 
 from ..errors import brief
 
-__all__ = ["ConfigError", "coerce", "check_types", "type_hints"]
+__all__ = ["ConfigError", "coerce", "check_types", "section_at", "type_hints"]
 
 
 class ConfigError(ValueError):
     """A config key is unknown or its value is invalid; the message names the dotted key."""
+
+
+def section_at(data: dict[str, Any], parts: list[str], where: str) -> dict[str, Any]:
+    """The section of plain nested dicts ``data`` at the dotted path ``parts``, made where missing (in place).
+
+    A value in the way is a ConfigError naming its dotted key and ``where`` the config came from.
+    """
+    node = data
+    for i, part in enumerate(parts):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"config key '{'.'.join(parts[: i + 1])}' is a value, not a section ({where})")
+        node = child
+    return node
 
 
 def coerce(key: str, value: Any, tp: Any) -> Any:

@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..process import stat_fields
+
 __all__ = ["launch", "supervise", "die_with_parent", "LAUNCHER_ENV", "RESTART_ENV", "LAUNCH_START_ENV",
            "SUPERVISED_ENV", "EXIT_GAVE_UP", "FINAL_EXITS", "death_record", "describe_exit", "process_start_time",
            "restart_backoff_s", "restarted_by_parent", "UNSHARED_STORE", "leave_word", "under_torchrun", "default_run_dir"]
@@ -93,10 +95,8 @@ def restart_backoff_s(restart: int) -> float:
 
 
 def _ppid_of(pid: int) -> int | None:
-    try:
-        return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
+    fields = stat_fields(pid)
+    return int(fields[1]) if fields is not None else None
 
 
 def die_with_parent(parent: int | None = None, grandparent: int | None = None) -> bool:
@@ -122,10 +122,10 @@ def die_with_parent(parent: int | None = None, grandparent: int | None = None) -
 
 def process_start_time(pid: int | None = None) -> float | None:
     """When process ``pid`` (default: this one) started, in seconds since the epoch (Linux ``/proc``); else None."""
+    fields = stat_fields(pid or os.getpid())
     try:  # its start in clock ticks after boot, against the boot clock now (/proc/stat's btime is whole seconds)
-        ticks = int((Path("/proc") / str(pid or os.getpid()) / "stat").read_text().rsplit(")", 1)[1].split()[19])
-        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError, AttributeError):
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK"))
+    except (TypeError, ValueError, AttributeError, OSError):
         return None
 
 

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..process import stat_fields
+
 __all__ = ["LAUNCH_FILE", "is_running", "refuse_if_running", "running_launch", "this_process"]
 
 #: when the run opens, removed when it closes. What a SIGKILL leaves behind names processes that are gone.
@@ -22,11 +24,8 @@ def this_process() -> dict[str, Any]:
 
 def _start_time(pid: int) -> int | None:
     """The process's start time in clock ticks after boot (Linux ``/proc``); None where unknown, gone or a zombie."""
-    try:
-        fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return int(fields[19]) if fields[0] != "Z" else None
+    fields = stat_fields(pid)
+    return int(fields[19]) if fields is not None and fields[0] != "Z" else None
 
 
 def is_running(proc: dict[str, Any]) -> bool:

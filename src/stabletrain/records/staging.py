@@ -22,16 +22,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["StateStager", "Withheld", "fill_withheld", "IntervalSnapshot", "load_optimizer_state_", "state_kept",
+__all__ = ["PLAIN_TYPES", "StateStager", "Withheld", "fill_withheld", "IntervalSnapshot", "load_optimizer_state_", "state_kept",
            "state_bytes", "host_memory_available", "snapshot_fits", "split_params", "join_params", "clone_state"]
 
 _PLAIN = (int, float, bool, str, bytes, complex, type(None))  # leaves that cannot change under a writer
-_PLAIN_TYPES = frozenset(_PLAIN)
+#: The types of a state's leaves that are copied as they are (no tensor: nothing to stage).
+PLAIN_TYPES = frozenset(_PLAIN)
 
 
 def _plain_sequence(x: Any) -> bool:
     """A tuple or list of plain values only (e.g. Python's RNG state): staged as one leaf."""
-    return type(x) in (tuple, list) and _PLAIN_TYPES.issuperset(map(type, x))  # C loops: Python's RNG has 625
+    return type(x) in (tuple, list) and PLAIN_TYPES.issuperset(map(type, x))  # C loops: Python's RNG has 625
 
 
 @dataclass(eq=False)
@@ -124,7 +125,7 @@ class StateStager:
             pair[1].append(x)
             return buf
 
-        plain = _PLAIN_TYPES
+        plain = PLAIN_TYPES
 
         def walk(x: Any) -> Any:
             t = type(x)
@@ -208,7 +209,7 @@ def fill_withheld(staged: Any, device: torch.device | str = "cpu") -> Any:
 
     def walk(x: Any) -> Any:
         t = type(x)
-        if t in _PLAIN_TYPES:
+        if t in PLAIN_TYPES:
             return x
         if isinstance(x, Withheld) or (isinstance(x, Tensor) and x.layout == torch.strided):
             return leaf(x)

@@ -27,10 +27,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..staging import PLAIN_TYPES
+
 __all__ = ["Slot", "Staged", "SharedBlock", "SharedStager", "slot_tensors", "fill_slots"]
 
 _ALIGN = 64  # bytes: every slice starts on a cache line (and so on any dtype's alignment)
-_PLAIN = frozenset((int, float, bool, str, bytes, complex, type(None)))
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ def fill_slots(skeleton: Any, tensors: Sequence[Tensor]) -> Any:
     """Return ``skeleton`` with each :class:`Slot` replaced by its tensor (the same object for the same slot)."""
     def walk(x: Any) -> Any:
         t = type(x)
-        if t in _PLAIN:
+        if t in PLAIN_TYPES:
             return x
         if t is Slot:
             return tensors[x.index]
@@ -190,18 +191,18 @@ class SharedStager:
 
         def walk(x: Any) -> Any:
             t = type(x)
-            if t in _PLAIN:
+            if t in PLAIN_TYPES:
                 return x
             if t is dict:  # comprehensions, not generators: a state has hundreds of entries
-                return {k: v if type(v) in _PLAIN else walk(v) for k, v in x.items()}
+                return {k: v if type(v) in PLAIN_TYPES else walk(v) for k, v in x.items()}
             if isinstance(x, Tensor):
                 return leaf(x)
             if t is OrderedDict:
-                return OrderedDict([(k, v if type(v) in _PLAIN else walk(v)) for k, v in x.items()])
+                return OrderedDict([(k, v if type(v) in PLAIN_TYPES else walk(v)) for k, v in x.items()])
             if t is list:
-                return [v if type(v) in _PLAIN else walk(v) for v in x]
+                return [v if type(v) in PLAIN_TYPES else walk(v) for v in x]
             if t is tuple:
-                return tuple([v if type(v) in _PLAIN else walk(v) for v in x])
+                return tuple([v if type(v) in PLAIN_TYPES else walk(v) for v in x])
             return x
 
         skeleton = walk(state)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ...fileio import atomic_write, fsync_dir
+from ...process import stat_fields
 from .background import BackgroundSaves
 from .files import CheckpointError, checked_meta, dir_name, first_nonfinite, load_checked, only_plain, write_files
 from .saves import PendingSave, SaveResult
@@ -57,10 +58,8 @@ def _pid_alive(pid: int) -> bool:
         return False
     except OSError:
         return True  # exists, owned by someone else
-    try:  # a zombie (a killed writer that init has not reaped yet) writes nothing more
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
+    fields = stat_fields(pid)  # a zombie (a killed writer that init has not reaped yet) writes nothing more
+    return fields is None or fields[0] != "Z"
 
 
 @dataclass
