@@ -1,4 +1,5 @@
 import os
+import subprocess
 import sys
 
 import pytest
@@ -37,3 +38,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs mounted for the test (root only); skipped where it cannot be mounted."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    try:
+        res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)], capture_output=True,
+                             text=True, timeout=30)
+    except (FileNotFoundError, subprocess.TimeoutExpired) as err:
+        pytest.skip(f"cannot mount a tmpfs here ({err}); the RLIMIT_FSIZE test covers a failing save")
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({(res.stderr or res.stdout).strip()}, exit {res.returncode}); the "
+                    "RLIMIT_FSIZE test covers a failing save")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, timeout=30)

@@ -231,6 +231,23 @@ def test_a_runs_checkpoint_events_say_what_each_background_save_cost(tmp_path):
 # -- failures ------------------------------------------------------------------------------------------
 
 
+def test_a_state_larger_than_the_space_left_is_refused_before_a_byte_is_written(small_disk):
+    manager = CheckpointManager(small_disk / "ckpt")
+    manager.save_async(tiny_state(1.0), 1).result()
+    filler = small_disk / "filler.bin"
+    with open(filler, "wb", buffering=0) as fh:  # the disk full but 256 KiB
+        with pytest.raises(OSError):
+            while True:
+                fh.write(b"\0" * (1 << 16))
+    os.truncate(filler, filler.stat().st_size - 256 * 1024)
+    free = os.statvfs(small_disk).f_bavail
+    big = {"model": {"w": torch.ones(128, 1024)}, "optimizer": {}}  # 512 KiB of tensors
+    with pytest.raises(CheckpointError, match=r"\[Errno 28\] No space left on device \(0\.50 MiB of tensors, 0\.2"):
+        manager.save_async(big, 2).result()
+    assert os.statvfs(small_disk).f_bavail == free  # no partial file took the rest
+    assert dirs(small_disk / "ckpt") == ["LAST_GOOD", "step_000001"]
+
+
 def test_a_failed_background_save_is_a_checkpoint_failed_event_and_training_goes_on(tmp_path, writer_fault):
     writer_fault("enospc:*/step_00000[2-9].tmp-*/state.pt.tmp-*")  # the disk is full from the step-2 save on
     run_dir = tmp_path / "run"

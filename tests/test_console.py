@@ -192,25 +192,6 @@ def test_failed_saves_are_printed_and_stop_the_run_file_size_limit(tmp_path):
     _assert_stopped_after_two_failed_saves(res, run_dir, r"\[Errno 27\] File too large")
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 4 MiB tmpfs mounted for the test (root only); skipped where it cannot be mounted."""
-    mount_point = tmp_path / "disk"
-    mount_point.mkdir()
-    try:
-        res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)], capture_output=True,
-                             text=True, timeout=30)
-    except (FileNotFoundError, subprocess.TimeoutExpired) as err:
-        pytest.skip(f"cannot mount a tmpfs here ({err}); the RLIMIT_FSIZE test covers a failing save")
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({(res.stderr or res.stdout).strip()}, exit {res.returncode}); the "
-                    "RLIMIT_FSIZE test covers a failing save")
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, timeout=30)
-
-
 @pytest.mark.slow
 def test_failed_saves_are_printed_and_stop_the_run_full_disk(small_disk):
     run_dir = small_disk / "r"

@@ -9,9 +9,11 @@ checkpoint directory: what verification and loading both apply.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
+import os
 import pickle
 import re
 import time
@@ -28,6 +30,7 @@ from ..._version import __version__
 from ...config import dotted_key
 from ...fileio import atomic_write
 from ...internals import tree_flatten_with_keys
+from ..staging import state_bytes
 from .checksummed import save_checksummed
 from .shards import attach_path, verify_dcp
 
@@ -196,8 +199,14 @@ def write_files(folder: Path, state: dict[str, Any], step: int, meta: dict[str, 
     """Write ``state`` to ``folder``/state.pt and its meta.json (each atomically, fsynced); return state.pt's size.
 
     meta.json holds the step, the time, state.pt's CRC32 and size, the versions, and ``meta``. An
-    OSError is the disk's own (ENOSPC, EIO, EFBIG), not torch's rewording of it.
+    OSError is the disk's own (ENOSPC, EIO, EFBIG), not torch's rewording of it. A state whose tensors alone
+    exceed the space left is refused with ENOSPC before a byte is written: a partial file would take the
+    last of it from the run's own logs while it is written (by the writer process, beside the training loop).
     """
+    need, stat = state_bytes(state), os.statvfs(folder)
+    if need > stat.f_bavail * stat.f_frsize:
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({need / 2**20:.2f} MiB of tensors, "
+                                    f"{stat.f_bavail * stat.f_frsize / 2**20:.2f} MiB free)", str(folder / STATE_FILE))
     written: list[tuple[int, int]] = []
     atomic_write(folder / STATE_FILE, lambda fh: written.append(save_checksummed(state, fh)))
     crc, num_bytes = written[0]
