@@ -36,6 +36,7 @@ _EXPORTS: dict[str, str] = {
     "build_optimizer": ".policies.optim",
     "Callback": ".callbacks",
     "FitState": ".callbacks",
+    "RunState": ".runstate",
     "Trainer": ".loop",
     "CheckpointError": ".records.checkpoint.files",
     "CheckpointManager": ".records.checkpoint.manager",
@@ -81,6 +82,7 @@ if TYPE_CHECKING:  # what a type checker and an IDE see: the same names, importe
     from .policies.schedule import LRSchedule
     from .records.checkpoint.files import CheckpointError
     from .records.checkpoint.manager import CheckpointManager
+    from .runstate import RunState
     from .seeding import seed_everything
     from .step import TrainStep
     from .tasks import Task, resolve_task

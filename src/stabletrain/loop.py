@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .callbacks import Callback, CallbackList, FitState, load_callbacks
+from .callbacks import Callback, CallbackList, load_callbacks
 from .callbacks.sinks import EventLog, InitWatch, MetricsFile, ProgressBar, TensorBoardLog
 from .callbacks.trackers import build_trackers
 from .config import Config
@@ -39,6 +39,7 @@ from .policies.optim import check_materialized, check_optimizer_holds
 from .policies.precision import resolve_device
 from .policies.schedule import LRSchedule
 from .process import gc_frozen
+from .runstate import RunState
 from .seeding import deterministic_mode, seed_everything
 from .services.boundary import IntervalBoundary
 from .services.checkpoints import CheckpointKeeper
@@ -48,12 +49,11 @@ from .services.run_setup import DEFAULT_RUN_DIR, default_run_dir, open_run
 from .services.signals import SignalHandler
 from .step import build_step
 from .tasks import Task, resolve_task
-from .trainstate import TrainState
 
 __all__ = ["Trainer"]
 
 
-class Trainer(TrainState):
+class Trainer:
     """Train ``task`` under ``cfg``: builds the strategy, the policies and the step, runs the loop, calls the services.
 
     ``run_dir=None`` writes nothing. ``resume=True`` continues ``run_dir`` from LAST_GOOD (a changed config key
@@ -63,62 +63,73 @@ class Trainer(TrainState):
 
     def __init__(self, cfg: Config, task: Task | None = None, run_dir: str | Path | None = None, *,
                  resume: bool = False, callbacks: Sequence[Callback] = ()) -> None:
-        self.cfg = cfg.validate()
+        cfg = cfg.validate()
         seed_everything(cfg.seed)
-        self.task = task if task is not None else resolve_task(cfg.task, cfg.task_args)
-        check_val_data(self.task)
-        check_materialized(self.task.model, self.task.name)  # lazy parameters: the optimizer could not hold them
-        fingerprint = InitFingerprint.take(self.task.model) if not resume else None  # before anything can touch it
-        self.dist = DistContext.current()
-        self.device = resolve_device(cfg.device)
-        if self.dist.enabled and self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())  # cuda:LOCAL_RANK (process_group set it)
-        self.module = self.task.model.to(self.device)
-        if not any(p.requires_grad for p in self.module.parameters()):
+        task = task if task is not None else resolve_task(cfg.task, cfg.task_args)
+        check_val_data(task)
+        check_materialized(task.model, task.name)  # lazy parameters: the optimizer could not hold them
+        fingerprint = InitFingerprint.take(task.model) if not resume else None  # before anything can touch it
+        dist, device = DistContext.current(), resolve_device(cfg.device)
+        if dist.enabled and device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())  # cuda:LOCAL_RANK (process_group set it)
+        module = task.model.to(device)
+        if not any(p.requires_grad for p in module.parameters()):
             raise ValueError(f"task {cfg.task!r}: the model has no trainable parameters")
-        self.strategy = strategy_for(cfg, self.dist, self.device)
-        parts, fingerprint = self.strategy.wrap(self.module, self.task, fingerprint)
-        self.model, self.precision, self.named_params = parts.model, parts.precision, parts.named_params
-        self.params = [p for _, p in self.named_params]
-        self.optimizer = self.strategy.optimizer(self.named_params, self.task)
-        self.schedule = LRSchedule(self.optimizer, cfg.sched.warmup_steps, cfg.train.max_steps, cfg.sched.decay,
-                                   cfg.sched.min_lr_ratio)
-        self.guard, self.window = Guard(cfg.guard, self.device), parts.window
-        self.step_fn = build_step(cfg, self.model, self.optimizer, self.precision, guard=self.guard,
-                                  schedule=self.schedule, params=self.params, window=self.window,
-                                  carrier=parts.carrier, numerics=parts.numerics)
-        self.clipper = self.step_fn.clipper
-        order = EpochOrder(len(self.task.train_data), cfg.train.batch_size, cfg.seed, cfg.data.shuffle,
-                           rank=self.dist.rank, world_size=self.dist.world)
-        self.stream = WindowStream(self.task.train_data, order, cfg.accum.steps, collate=self.task.collate,
-                                   workers=cfg.data.workers, pin_memory=self.device.type == "cuda")
-        self.metrics = StepMetrics(cfg.log.every, len(self.params), self.device, self.dist)
-        self.state = FitState(cfg=cfg, task=self.task, module=self.module, named_params=self.named_params,
-                              device=self.device, dist=self.dist, stream=self.stream, precision=self.precision.mode)
-        self.signals, self.keeper = SignalHandler(), CheckpointKeeper(self)
-        self.recorder, self.remedies = IncidentRecorder(self, self.keeper), RemedyApplier(self)
+        strategy = strategy_for(cfg, dist, device)
+        parts, fingerprint = strategy.wrap(module, task, fingerprint)
+        self.params, self.window = [p for _, p in parts.named_params], parts.window
+        optimizer = strategy.optimizer(parts.named_params, task)
+        schedule = LRSchedule(optimizer, cfg.sched.warmup_steps, cfg.train.max_steps, cfg.sched.decay, cfg.sched.min_lr_ratio)
+        guard = Guard(cfg.guard, device)
+        self.step_fn = build_step(cfg, parts.model, optimizer, parts.precision, guard=guard, schedule=schedule,
+                                  params=self.params, window=parts.window, carrier=parts.carrier, numerics=parts.numerics)
+        order = EpochOrder(len(task.train_data), cfg.train.batch_size, cfg.seed, cfg.data.shuffle, rank=dist.rank,
+                           world_size=dist.world)
+        stream = WindowStream(task.train_data, order, cfg.accum.steps, collate=task.collate, workers=cfg.data.workers,
+                              pin_memory=device.type == "cuda")
+        # The run's one state object: what the services and the callbacks are handed (stabletrain.runstate).
+        self.state = state = RunState(
+            cfg=cfg, task=task, module=module, named_params=parts.named_params, device=device, dist=dist, stream=stream,
+            precision=parts.precision.mode, model=parts.model, strategy=strategy, optimizer=optimizer, schedule=schedule,
+            precision_policy=parts.precision, clipper=self.step_fn.clipper, guard=guard, train_step=self.train_step,
+            metrics=StepMetrics(cfg.log.every, len(self.params), device, dist))
+        self.signals, self.keeper = SignalHandler(), CheckpointKeeper(state)
+        self.recorder, state.remedies = IncidentRecorder(state, self.keeper), RemedyApplier(state)
         builtin = [InitWatch(fingerprint), EventLog(), MetricsFile(), TensorBoardLog(),
                    *build_trackers(cfg.log.trackers, log=cfg.log), ProgressBar()]
-        self.callbacks = CallbackList([*builtin, *callbacks, *load_callbacks(cfg.callbacks)])
-        self.boundary = IntervalBoundary(self.state, self.metrics, self.guard, self.callbacks, self.recorder.capture,
-                                         top_layers=cfg.log.top_layers, epoch=lambda: self.stream.epoch)
+        state.callbacks = CallbackList([*builtin, *callbacks, *load_callbacks(cfg.callbacks)])
+        self.boundary = IntervalBoundary(state, state.metrics, guard, state.callbacks, self.recorder.capture,
+                                         top_layers=cfg.log.top_layers, epoch=lambda: stream.epoch)
         self._pending_eval: dict[str, float] = {}
         self._agreed_signal: int | None = None  # DDP: the largest signal any rank had at the last log boundary
         self._where = "setup"  # what the loop is doing, for a clear message when a peer is lost
-        self._params_held = self.strategy.sharded  # checked after the first step (FSDP: sharding needs them built)
+        self._params_held = strategy.sharded  # checked after the first step (FSDP: sharding needs them built)
         if run_dir == DEFAULT_RUN_DIR:
-            run_dir = default_run_dir(cfg, self.task.name)
+            run_dir = default_run_dir(cfg, task.name)
         if run_dir is not None:
-            open_run(self, Path(self.dist.on_main(lambda: str(run_dir))), resume)  # every rank: rank 0's directory
+            open_run(self, Path(dist.on_main(lambda: str(run_dir))), resume)  # every rank: rank 0's directory
         elif resume:
             raise ValueError("resume needs a run directory (--resume RUN_DIR)")
 
-    # The run's progress lives in the FitState the callbacks share; these read and write it.
+    # The run's setup, parts and progress live in its RunState (self.state); these read it (the counters write it too).
+    (cfg, task, module, model, named_params, device, dist, strategy, optimizer, schedule, clipper, guard, metrics, stream,
+     callbacks, remedies, history, stop_reason, run, ckpt) = (
+        property(lambda self, k=k: getattr(self.state, k)) for k in (
+            "cfg", "task", "module", "model", "named_params", "device", "dist", "strategy", "optimizer", "schedule",
+            "clipper", "guard", "metrics", "stream", "callbacks", "remedies", "history", "stop_reason", "run", "ckpt"))
+    precision = property(lambda self: self.state.precision_policy)  # the policy (state.precision: its mode)
     step = property(lambda self: self.state.step, lambda self, v: setattr(self.state, "step", v))
     samples_seen = property(lambda self: self.state.samples_seen, lambda self, v: setattr(self.state, "samples_seen", v))
     tokens_seen = property(lambda self: self.state.tokens_seen, lambda self, v: setattr(self.state, "tokens_seen", v))
-    history, stop_reason, run, ckpt = (property(lambda self, k=k: getattr(self.state, k))
-                                       for k in ("history", "stop_reason", "run", "ckpt"))
+
+    def state_dict(self, *, local: bool = False, dcp: bool = False) -> dict[str, Any]:
+        """Everything the next step depends on (:meth:`RunState.state_dict <stabletrain.runstate.RunState.state_dict>`)."""
+        return self.state.state_dict(local=local, dcp=dcp)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` or a checkpoint (:meth:`RunState.load_state_dict
+        <stabletrain.runstate.RunState.load_state_dict>`)."""
+        self.state.load_state_dict(state)
 
     def train_step(self, window: Window, *, measure_update: bool = False, check_params: bool = True) -> dict[str, Tensor]:
         """Run the one optimizer step on ``window``; return its figures as device tensors (no sync)."""
@@ -154,11 +165,11 @@ class Trainer(TrainState):
         try:
             self._where = "the step-0 checkpoint"
             fire("on_fit_start", state)
-            self.remedies.by_hand(state)  # config key 'remedy': INCIDENT_DIR:NAME, applied once
-            self.recorder.mark_interval_start(state)
+            self.remedies.by_hand()  # config key 'remedy': INCIDENT_DIR:NAME, applied once
+            self.recorder.mark_interval_start()
             if self.keeper.resumed_from is not None:
                 fire("on_resume", state, {"step": state.step, "path": str(self.keeper.resumed_from)})
-            if self.keeper.needs_first(state):
+            if self.keeper.needs_first():
                 self._checkpoint(healthy=True)
             while state.step < cfg.train.max_steps:
                 window = self.stream.next_window()
@@ -222,7 +233,7 @@ class Trainer(TrainState):
                 self._stop(f"stopped by {SignalHandler.name(stop_signal)} at step {state.step}")
                 return False
         state.positions = {s: p for s, p in state.positions.items() if s > state.step}
-        self.recorder.mark_interval_start(state)
+        self.recorder.mark_interval_start()
         return True
 
     def _peer_lost(self, err: BaseException) -> bool:
@@ -241,13 +252,13 @@ class Trainer(TrainState):
         """Capture the incident, then stop or roll back as decided; return whether the state is healthy."""
         state = self.state
         info = self.boundary.incident(decision, rows)  # every rank captures: the replay has collectives
-        if decision.action == "remedy" and self.remedies.act(state, decision, info or {}):
+        if decision.action == "remedy" and self.remedies.act(decision, info or {}):
             return True  # a cure verified on a replay
         if decision.action == "stop":
             self._stop(decision.reason)
             return False
         if decision.action == "rollback":
-            info = self.keeper.rollback(state, decision, self.guard.counters_kept)
+            info = self.keeper.rollback(decision, self.guard.counters_kept)
             if info is None:
                 self._stop(state.stop_reason or decision.reason)
                 return False
@@ -264,15 +275,15 @@ class Trainer(TrainState):
     def _checkpoint(self, healthy: bool, wait: bool = False) -> None:
         # The previous save's outcome first: after ckpt.max_failures failed saves in a row the run stops here.
         self._record_checkpoints(self.keeper.finished(wait=True))
-        self.keeper.check_failures(self.state)
-        self._record_checkpoints(self.keeper.save(self.state, healthy, wait=wait))
+        self.keeper.check_failures()
+        self._record_checkpoints(self.keeper.save(healthy, wait=wait))
         if wait:  # the run's last save: its outcome is known now
-            self.keeper.check_failures(self.state)
+            self.keeper.check_failures()
 
     def _record_checkpoints(self, outcomes: list[dict[str, Any]]) -> None:
         for info in outcomes:  # saves whose outcome is known (written, withheld, failed)
             self.state.event(info["step"], info["kind"], info["reason"], **info["fields"])
-            self.keeper.count_outcome(self.state, info)
+            self.keeper.count_outcome(info)
             self.callbacks.fire("on_checkpoint", self.state, info)
 
     def evaluate(self) -> dict[str, float]:

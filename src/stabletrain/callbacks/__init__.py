@@ -16,10 +16,11 @@ Where each hook fires, in the fit loop (:meth:`stabletrain.loop.Trainer.fit`)::
                                                 # later boundary (info["step"] is the save's), the run's last at once
     on_fit_end(state, record)                   # also after a stop or an exception (record may be {})
 
-A hook receives what it needs as arguments: the :class:`FitState` (counters, run dir, config) and the
-event's values. ``state_dict`` / ``load_state_dict`` round-trip each callback's own state through
-checkpoints. What acts on the run's state (the checkpoint keeper, the incident recorder, the signal
-handler) are services the loop calls by name (:mod:`stabletrain.services`), not callbacks.
+A hook receives what it needs as arguments: the run's state (:class:`~stabletrain.runstate.RunState`: its
+config, parts, counters and run dir; the same object the services are handed) and the event's values.
+``state_dict`` / ``load_state_dict`` round-trip each callback's own state through checkpoints. What acts
+on the run's state (the checkpoint keeper, the incident recorder, the signal handler) are services the loop
+calls by name (:mod:`stabletrain.services`), not callbacks.
 
 A callback that only observes must not read device tensors on the host in :meth:`Callback.on_step_end`
 (``float(out["loss"])`` is a host sync per step): accumulate on the device, read at :meth:`Callback.on_log`.
@@ -34,85 +35,47 @@ The built-in callbacks (always installed by the Trainer, in this order): :class:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from torch import Tensor, nn
+from torch import Tensor
 
-__all__ = ["Callback", "CallbackList", "FitState", "load_callbacks"]
+from ..runstate import RunState
+
+__all__ = ["Callback", "CallbackList", "FitState", "RunState", "load_callbacks"]
 
 
-@dataclass
-class FitState:
-    """What the fit loop shares with callbacks: the run's setup, its counters and its run directory.
-
-    Attributes:
-        cfg: the resolved :class:`~stabletrain.config.Config`.
-        task: the :class:`~stabletrain.tasks.Task` being trained.
-        module: the model itself (under DDP, not the wrapper).
-        named_params: the trainable (name, parameter) pairs the step covers.
-        precision: the resolved precision mode (fp32, bf16, fp16).
-        device, dist: the device and the :class:`~stabletrain.distributed.group.DistContext`.
-        run: the :class:`~stabletrain.records.rundir.RunDir` (rank 0 with a run dir), else None.
-        ckpt: the :class:`~stabletrain.records.checkpoint.CheckpointManager` (every rank with a run dir), else None.
-        stream: the :class:`~stabletrain.data.WindowStream` the loop reads windows from.
-        step, samples_seen, tokens_seen: progress (optimizer steps taken, skipped ones included).
-        history: every metrics record of this process.
-        positions: step -> (epoch, start) of its data window, for the current interval's steps.
-        stop_reason: set when the run stops early (guard, signal).
-    """
-
-    cfg: Any
-    task: Any
-    module: nn.Module
-    named_params: list[tuple[str, nn.Parameter]]
-    device: Any
-    dist: Any
-    stream: Any
-    run: Any = None
-    ckpt: Any = None
-    precision: str = "fp32"
-    step: int = 0
-    samples_seen: int = 0
-    tokens_seen: float = 0.0
-    history: list[dict[str, Any]] = field(default_factory=list)
-    positions: dict[int, tuple[int, int]] = field(default_factory=dict)
-    stop_reason: str | None = None
-
-    def event(self, step: int, kind: str, reason: str, **fields: Any) -> None:
-        """Record an event in ``events.jsonl`` (rank 0 with a run dir; a no-op elsewhere)."""
-        if self.run is not None:
-            self.run.event(step, kind, reason, **fields)
+#: The name hooks were annotated with before the run's state became one object (:class:`~stabletrain.runstate.RunState`).
+FitState = RunState
 
 
 class Callback:
     """Base class: every hook is a no-op; override the ones you need. See the module docstring."""
 
-    def on_fit_start(self, state: FitState) -> None:
+    def on_fit_start(self, state: RunState) -> None:
         """The run directory is open and the state restored (on resume); no step has run in this fit."""
 
-    def on_step_end(self, state: FitState, out: dict[str, Tensor]) -> None:
+    def on_step_end(self, state: RunState, out: dict[str, Tensor]) -> None:
         """One optimizer step ended; ``out`` holds its device tensors (``stabletrain.step.STEP_KEYS``). No sync here."""
 
-    def on_log(self, state: FitState, record: dict[str, Any], rows: list[Any]) -> None:
+    def on_log(self, state: RunState, record: dict[str, Any], rows: list[Any]) -> None:
         """A log interval ended: ``record`` is its metrics line, ``rows`` its per-step host values."""
 
-    def on_incident(self, state: FitState, info: dict[str, Any]) -> None:
+    def on_incident(self, state: RunState, info: dict[str, Any]) -> None:
         """The guard saw a bad step (``info``: step, after_update, ranks; the recorder adds path, diagnosis)."""
 
-    def on_checkpoint(self, state: FitState, info: dict[str, Any]) -> None:
+    def on_checkpoint(self, state: RunState, info: dict[str, Any]) -> None:
         """A checkpoint was written, withheld or failed (``info``: step, kind, reason, path where written)."""
 
-    def on_resume(self, state: FitState, info: dict[str, Any]) -> None:
+    def on_resume(self, state: RunState, info: dict[str, Any]) -> None:
         """The state was restored from a checkpoint (``info``: step, path)."""
 
-    def on_rollback(self, state: FitState, info: dict[str, Any]) -> None:
+    def on_rollback(self, state: RunState, info: dict[str, Any]) -> None:
         """The run went back to LAST_GOOD (``info``: from_step, to_step, path, skipped_windows, reason)."""
 
-    def on_stop(self, state: FitState, reason: str) -> None:
+    def on_stop(self, state: RunState, reason: str) -> None:
         """The run stops early (guard or signal); a final checkpoint may follow."""
 
-    def on_fit_end(self, state: FitState, record: dict[str, Any]) -> None:
+    def on_fit_end(self, state: RunState, record: dict[str, Any]) -> None:
         """The fit loop is leaving (normally, after a stop, or on an exception); release resources here."""
 
     def state_dict(self) -> dict[str, Any]:

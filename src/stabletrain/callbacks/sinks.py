@@ -13,7 +13,7 @@ from typing import Any
 from .. import console
 from ..diagnostics.initialization import InitFingerprint
 from ..records.tb_events import TensorBoardSink
-from . import Callback, FitState
+from . import Callback, RunState
 
 __all__ = ["MetricsFile", "TensorBoardLog", "ProgressBar", "EventLog", "InitWatch", "announce_precursor"]
 
@@ -21,7 +21,7 @@ __all__ = ["MetricsFile", "TensorBoardLog", "ProgressBar", "EventLog", "InitWatc
 class MetricsFile(Callback):
     """Append each interval's record to ``RUN_DIR/metrics.jsonl`` (rank 0 with a run dir)."""
 
-    def on_log(self, state: FitState, record: dict[str, Any], rows: list[Any]) -> None:
+    def on_log(self, state: RunState, record: dict[str, Any], rows: list[Any]) -> None:
         if state.run is not None:
             state.run.metrics.write(record)
 
@@ -36,7 +36,7 @@ class TensorBoardLog(Callback):
     def __init__(self) -> None:
         self._sink: TensorBoardSink | None = None
 
-    def on_fit_start(self, state: FitState) -> None:
+    def on_fit_start(self, state: RunState) -> None:
         log = state.cfg.log
         if state.run is not None and log.tensorboard and "tensorboard" in log.trackers and self._sink is None:
             # On a resume the steps after the checkpoint are written again: purge what a crash left of them
@@ -45,11 +45,11 @@ class TensorBoardLog(Callback):
             earlier = tb.is_dir() and any(tb.glob("events.out.tfevents.*"))
             self._sink = TensorBoardSink(tb, purge_step=state.step + 1 if earlier else None)
 
-    def on_log(self, state: FitState, record: dict[str, Any], rows: list[Any]) -> None:
+    def on_log(self, state: RunState, record: dict[str, Any], rows: list[Any]) -> None:
         if self._sink is not None:
             self._sink.write(record)
 
-    def on_fit_end(self, state: FitState, record: dict[str, Any]) -> None:
+    def on_fit_end(self, state: RunState, record: dict[str, Any]) -> None:
         if self._sink is not None:
             self._sink.close()
             self._sink = None
@@ -76,7 +76,7 @@ class ProgressBar(Callback):
         self._start = (0.0, 0)  # (time, step) the pace is measured from
         self._compiling = False  # train.compile: the first step compiles; the pace starts after it
 
-    def on_fit_start(self, state: FitState) -> None:
+    def on_fit_start(self, state: RunState) -> None:
         if not (state.cfg.log.progress and state.dist.is_main) or self._bar is not None or self._lines:
             return
         self._start = (time.perf_counter(), state.step)
@@ -93,7 +93,7 @@ class ProgressBar(Callback):
                          dynamic_ncols=True)
         console.show_bar(self._bar)
 
-    def on_step_end(self, state: FitState, out: dict[str, Any]) -> None:
+    def on_step_end(self, state: RunState, out: dict[str, Any]) -> None:
         if self._compiling:  # the first step is over, and its compilation with it: the pace counts from here
             self._start, self._compiling = (time.perf_counter(), state.step), None
             if self._bar is not None:  # the bar's rate afresh (its elapsed time stays whole), drawn at the next step
@@ -104,7 +104,7 @@ class ProgressBar(Callback):
         if self._bar is not None:
             self._bar.update(1)
 
-    def on_log(self, state: FitState, record: dict[str, Any], rows: list[Any]) -> None:
+    def on_log(self, state: RunState, record: dict[str, Any], rows: list[Any]) -> None:
         if self._bar is None and not self._lines:
             return
         unit = "tok/s" if getattr(state.task, "count_unit", "samples") == "tokens" else "samples/s"
@@ -117,7 +117,7 @@ class ProgressBar(Callback):
             shown["val"] = f"{record['val_loss']:.4f}"
         self._bar.set_postfix(shown, refresh=True)
 
-    def _line(self, state: FitState, record: dict[str, Any], unit: str) -> str:
+    def _line(self, state: RunState, record: dict[str, Any], unit: str) -> str:
         """The interval's line: step, loss, grad norm, lr, throughput, (val loss,) ETA."""
         total = state.cfg.train.max_steps
         t0, step0 = self._start
@@ -132,13 +132,13 @@ class ProgressBar(Callback):
             parts.append(f"val_loss {record['val_loss']:.4f}")
         return " | ".join([*parts, f"eta {eta}"])
 
-    def on_rollback(self, state: FitState, info: dict[str, Any]) -> None:
+    def on_rollback(self, state: RunState, info: dict[str, Any]) -> None:
         self._start = (time.perf_counter(), state.step)  # the pace is measured afresh from the restored step
         if self._bar is not None:
             self._bar.n = state.step
             self._bar.refresh()
 
-    def on_fit_end(self, state: FitState, record: dict[str, Any]) -> None:
+    def on_fit_end(self, state: RunState, record: dict[str, Any]) -> None:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -155,7 +155,7 @@ def _clock(seconds: float) -> str:
 class EventLog(Callback):
     """Turn each interval's per-step rows into events: non-finite values, spikes and skipped updates."""
 
-    def on_log(self, state: FitState, record: dict[str, Any], rows: list[Any]) -> None:
+    def on_log(self, state: RunState, record: dict[str, Any], rows: list[Any]) -> None:
         if state.run is None:
             return
         guard = state.cfg.guard
@@ -191,7 +191,7 @@ class EventLog(Callback):
                 state.event(step, "skip", f"optimizer step skipped: {reason}", loss_scale=values["loss_scale"])
 
 
-def announce_precursor(state: FitState, warning: Any) -> None:
+def announce_precursor(state: RunState, warning: Any) -> None:
     """Record a :class:`~stabletrain.policies.precursor.PrecursorWarning` as a ``precursor`` event and say its one
     line (rank 0); None: nothing. At a log boundary, after the interval's ``on_log``."""
     if warning is None:
@@ -211,7 +211,7 @@ class InitWatch(Callback):
     def __init__(self, fingerprint: InitFingerprint | None = None) -> None:
         self.fingerprint = fingerprint
 
-    def on_fit_start(self, state: FitState) -> None:
+    def on_fit_start(self, state: RunState) -> None:
         if self.fingerprint is None or state.step > 0:
             return
         changes = self.fingerprint.compare(state.module)

@@ -47,7 +47,7 @@ from typing import Any
 
 from .. import console
 from ..fileio import atomic_write
-from . import Callback, FitState
+from . import Callback, RunState
 
 __all__ = ["TrackerSink", "read_trackers_file", "failure_text", "TRACKERS_FILE", "TAGGED"]
 
@@ -157,7 +157,7 @@ class TrackerSink(Callback):
 
     # -- the hooks ---------------------------------------------------------------------------------
 
-    def on_fit_start(self, state: FitState) -> None:
+    def on_fit_start(self, state: RunState) -> None:
         if state.run is None or self.active:
             return
         self._run_dir = state.run.path
@@ -181,12 +181,12 @@ class TrackerSink(Callback):
         self._read_events()  # the whole file: a resumed run's tags count the events before it too
         self._ended = "FINISHED"  # ... but how this process ends is this process's own
 
-    def on_log(self, state: FitState, record: dict[str, Any], rows: list[Any]) -> None:
+    def on_log(self, state: RunState, record: dict[str, Any], rows: list[Any]) -> None:
         if self.active:
             self._write_record(record)
             self._read_events()
 
-    def on_incident(self, state: FitState, info: dict[str, Any]) -> None:
+    def on_incident(self, state: RunState, info: dict[str, Any]) -> None:
         if not self.active:
             return
         self._read_events()
@@ -196,15 +196,15 @@ class TrackerSink(Callback):
             if files:
                 self._write(f"incident {folder.name}'s files", self._log_files, files, f"incidents/{folder.name}")
 
-    def on_rollback(self, state: FitState, info: dict[str, Any]) -> None:
+    def on_rollback(self, state: RunState, info: dict[str, Any]) -> None:
         if self.active:
             self._read_events()
 
-    def on_stop(self, state: FitState, reason: str) -> None:
+    def on_stop(self, state: RunState, reason: str) -> None:
         if self.active:
             self._read_events()
 
-    def on_fit_end(self, state: FitState, record: dict[str, Any]) -> None:
+    def on_fit_end(self, state: RunState, record: dict[str, Any]) -> None:
         if not self.active:
             return
         self._read_events()

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
-from ..callbacks import Callback, FitState
+from ..callbacks import Callback, RunState
 from ..config import load_config
 from ..loop import Trainer
 from ..remedy_search import LOSS_TOLERANCE, search_remedies
@@ -116,7 +116,7 @@ class _UpdateRatios(Callback):
         self.ratios: list[tuple[int, Tensor]] = []
         self.losses: dict[int, tuple[float, bool]] = {}
 
-    def on_fit_start(self, state: FitState) -> None:
+    def on_fit_start(self, state: RunState) -> None:
         of = []
         for name, _ in state.named_params:
             layer = name.rpartition(".")[0] or name
@@ -126,7 +126,7 @@ class _UpdateRatios(Callback):
         self.before = [p.detach().clone() for _, p in state.named_params]
         self.of = torch.tensor(of, device=self.before[0].device)
 
-    def on_step_end(self, state: FitState, out: dict[str, Tensor]) -> None:
+    def on_step_end(self, state: RunState, out: dict[str, Tensor]) -> None:
         now = [p.detach() for _, p in state.named_params]
         zeros = torch.zeros(len(self.layers), device=self.of.device)
         moved = zeros.index_add(0, self.of, torch.stack([(p - b).float().pow(2).sum() for p, b in zip(now, self.before)]))
@@ -134,7 +134,7 @@ class _UpdateRatios(Callback):
         self.ratios.append((state.step, (moved / size.clamp_min(1e-24)).sqrt()))  # no host sync: read after the run
         self.before = [p.clone() for p in now]
 
-    def on_log(self, state: FitState, record: dict[str, Any], rows: list[Any]) -> None:
+    def on_log(self, state: RunState, record: dict[str, Any], rows: list[Any]) -> None:
         for row in rows:
             self.losses[row.step] = (float(row.values["loss"]), row.values.get("spike", 0.0) > 0.5)
 

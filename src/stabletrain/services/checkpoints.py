@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 from .. import console
-from ..callbacks import FitState
 from ..config import (
     RESHARD_SAFE_KEYS,
     RESUME_SAFE_KEYS,
@@ -45,7 +44,7 @@ from ..records.checkpoint.saves import PendingSave, SaveCosts
 from ..records.checkpoint.shards import ShardedSaver, local_tensors, split_for_dcp
 from ..records.checkpoint.writer import running_writer
 from ..records.staging import state_bytes
-from . import TrainerOps
+from ..runstate import RunState
 
 __all__ = ["CheckpointKeeper", "schedule_change_note", "INLINE_FIRST_BYTES"]
 
@@ -79,12 +78,12 @@ class CheckpointKeeper:
     """Checkpoint at step 0, every ``ckpt.every`` steps, at the end and on a signal; never from a bad state.
 
     A service the loop calls by name. Saves are written in the background (see the module docstring);
-    :meth:`finished` hands over their outcomes, :meth:`count_outcome` counts the failed ones. ``ops``: the
-    trainer's state operations (:class:`~stabletrain.services.TrainerOps`).
+    :meth:`finished` hands over their outcomes, :meth:`count_outcome` counts the failed ones. ``state``: the
+    run's :class:`~stabletrain.runstate.RunState` (what it saves, restores and reads its counters from).
     """
 
-    def __init__(self, ops: TrainerOps) -> None:
-        self.ops = ops
+    def __init__(self, state: RunState) -> None:
+        self.state = state
         self.resumed_from: Path | None = None
         self.problems: list[str] = []
         self.schedule_change: str | None = None  # set on a resume that changed train.max_steps
@@ -96,12 +95,12 @@ class CheckpointKeeper:
         self._saver: ShardedSaver | None = None  # FSDP: every rank's DCP saves (the strategy's, from the first save)
         self._saver_asked = False
         self._costs = SaveCosts()  # each save's wall cost to the steps while it is written (its event's fields)
-        self._fit: FitState | None = None  # the fit's state, whose step the boundaries' marks read
+        self._marking = False  # from the first save on, each boundary marks its step (the saves' costs)
         self._saved = False  # a (non-sharded) save was made: the next is not the first
 
     # -- resume ---------------------------------------------------------------------------------
 
-    def resume(self, state: FitState, run_dir: Path) -> None:
+    def resume(self, run_dir: Path) -> None:
         """Restore LAST_GOOD (or the newest checkpoint that verifies) into ``state``; refuse a changed config.
 
         Raises ValueError naming every differing key: only ``RESUME_SAFE_KEYS`` may change, and
@@ -109,6 +108,7 @@ class CheckpointKeeper:
         another world size is resharded (see :meth:`Trainer.load_state_dict`): :attr:`reshard` then
         holds the old and new world size and global batch, and :attr:`reshard_note` says so in a line.
         """
+        state = self.state
         if not (run_dir / "checkpoints").is_dir():
             raise FileNotFoundError(f"resume {str(run_dir)!r}: no checkpoints/ there; is it a stabletrain run directory?")
         ckpt = state.ckpt
@@ -128,7 +128,7 @@ class CheckpointKeeper:
                              RESUME_SAFE_KEYS + (RESHARD_SAFE_KEYS if resharded else ()))
         if diffs:
             raise ValueError(resume_refusal_message(run_dir, diffs))
-        self.ops.load_state_dict(loaded.state)
+        self.state.load_state_dict(loaded.state)
         self.resumed_from = loaded.path
         if resharded:
             self.reshard, self.reshard_note = _reshard_info(saved_cfg, saved_world, state)
@@ -136,13 +136,14 @@ class CheckpointKeeper:
         if old != state.cfg.train.max_steps and state.cfg.sched.decay != "constant":
             self.schedule_change = schedule_change_note(state.cfg, old, state.step)
 
-    def announce_resume(self, state: FitState) -> None:
+    def announce_resume(self) -> None:
         """Say where the run resumed from (rank 0, run directory open): the events and the console lines.
 
         Each checkpoint skipped on the way is a ``checkpoint_skipped`` event and a warning; the ``resume``
         event and line say the checkpoint, the world size and how many saved steps will be trained again;
         metrics lines after the resumed step are superseded; a reshard and a changed schedule are said too.
         """
+        state = self.state
         run, ckpt, step = state.run, state.ckpt, state.step
         for problem in self.problems:
             run.event(step, "checkpoint_skipped", problem)
@@ -165,9 +166,10 @@ class CheckpointKeeper:
 
     # -- acting ---------------------------------------------------------------------------------
 
-    def needs_first(self, state: FitState) -> bool:
+    def needs_first(self) -> bool:
         """Whether there is no verified checkpoint yet (the loop then saves step 0, so rollback and resume
         always have a state to return to). The same answer on every rank."""
+        state = self.state
         ckpt = state.ckpt
 
         def none_yet() -> bool:
@@ -176,7 +178,7 @@ class CheckpointKeeper:
 
         return ckpt is not None and bool(state.dist.on_main(none_yet))
 
-    def save(self, state: FitState, healthy: bool, *, wait: bool = False) -> list[dict[str, Any]]:
+    def save(self, healthy: bool, *, wait: bool = False) -> list[dict[str, Any]]:
         """Start a checkpoint from a healthy state (never from inside an incident); return the outcomes to record.
 
         Blocks for the previous save in flight (at most one), then for the staging copy; the check and
@@ -187,12 +189,14 @@ class CheckpointKeeper:
         waited for; the others come from :meth:`finished`. Nothing without a run directory. The time spent
         here is the save's ``blocked_s`` (and left out of the step times its cost is measured with).
         """
-        self._fit = state
+        state = self.state
+        self._marking = True
         self._costs.mark(state.step)
         with self._costs.blocked():
-            return self._save(state, healthy, wait)
+            return self._save(healthy, wait)
 
-    def _save(self, state: FitState, healthy: bool, wait: bool) -> list[dict[str, Any]]:
+    def _save(self, healthy: bool, wait: bool) -> list[dict[str, Any]]:
+        state = self.state
         ckpt = state.ckpt
         if ckpt is None:
             return []
@@ -204,8 +208,8 @@ class CheckpointKeeper:
                                       f"at {good.name if good else 'none'}"}]
         saver = self._sharded_saver()
         if saver is not None:
-            return self._save_sharded(state, saver, wait)
-        whole = self.ops.state_dict()
+            return self._save_sharded(saver, wait)
+        whole = self.state.state_dict()
         meta = {"config": config_to_dict(state.cfg), "config_hash": config_hash(state.cfg)}
         if state.dist.enabled:
             whole["ranks"] = state.dist.gather_objects({"rng": whole["rng"], "stream": whole["stream"]})
@@ -234,20 +238,21 @@ class CheckpointKeeper:
         Asked for at the first save, which every rank reaches together (it makes a process group).
         """
         if not self._saver_asked:
-            self._saver, self._saver_asked = self.ops.strategy.shard_saver(), True
+            self._saver, self._saver_asked = self.state.strategy.shard_saver(), True
         return self._saver
 
-    def _save_sharded(self, state: FitState, saver: ShardedSaver, wait: bool) -> list[dict[str, Any]]:
+    def _save_sharded(self, saver: ShardedSaver, wait: bool) -> list[dict[str, Any]]:
         """:meth:`save` through DCP (:mod:`stabletrain.records.checkpoint.shards`): every rank writes its own shards.
 
         Every rank checks its shards; the verdicts travel with the RNG states and data positions (the
         one all_gather_object), so every rank withholds the same checkpoint, before anything is staged.
         """
+        state = self.state
         ckpt = state.ckpt
         saver.wait()  # this rank's shards of the previous save
         done = self.finished(wait=True)  # rank 0: the previous checkpoint, before its directory is reused
         t0 = time.perf_counter()
-        tensors, whole = split_for_dcp(self.ops.state_dict(dcp=True))
+        tensors, whole = split_for_dcp(self.state.state_dict(dcp=True))
         bad = first_nonfinite(local_tensors(tensors))  # this rank's shards only: no collective
         check_s = time.perf_counter() - t0
         gathered = state.dist.gather_objects({"rng": whole["rng"], "stream": whole["stream"], "nonfinite": bad})
@@ -286,7 +291,7 @@ class CheckpointKeeper:
         beside (:class:`~stabletrain.records.checkpoint.saves.SaveCosts`), and ``waited_s`` when the loop
         waited here for it.
         """
-        now = self._fit.step if self._fit is not None else None
+        now = self.state.step if self._marking else None
         if now is not None:
             self._costs.mark(now)
         if wait and self._saver is not None:
@@ -314,8 +319,9 @@ class CheckpointKeeper:
         if self._pending is not None:
             self._pending.join()
 
-    def load_last_good(self, state: FitState) -> LoadedCheckpoint | None:
+    def load_last_good(self) -> LoadedCheckpoint | None:
         """Load LAST_GOOD on every rank (rank 0 picks it, after the save in flight), or return None when there is none."""
+        state = self.state
         ckpt = state.ckpt
         chosen: list[LoadedCheckpoint] = []
         if self._saver is not None:  # every rank: no DCP save may run beside the load's collectives
@@ -333,7 +339,7 @@ class CheckpointKeeper:
             return None
         return chosen[0] if chosen else ckpt.load(path, verified=True)  # rank 0 verified it: memory-mapped here
 
-    def rollback(self, state: FitState, decision: Any, restore_counters: Any) -> dict[str, Any] | None:
+    def rollback(self, decision: Any, restore_counters: Any) -> dict[str, Any] | None:
         """Restore LAST_GOOD and never train on the bad steps' data windows again; record the ``rollback`` event.
 
         ``decision``: the guard's (its bad steps, and its spikes under ``guard.on_spike=rollback``).
@@ -341,17 +347,18 @@ class CheckpointKeeper:
         (incidents, rollbacks, spikes). Returns the rollback info, or None (and sets ``state.stop_reason``)
         when there is no checkpoint to go back to.
         """
+        state = self.state
         spikes = decision.spike_steps if state.cfg.guard.on_spike == "rollback" else []
         bad_steps, reason = sorted(set(decision.bad_steps) | set(spikes)), decision.reason
         windows = {state.positions[s] for s in bad_steps if s in state.positions}
-        loaded = self.load_last_good(state)
+        loaded = self.load_last_good()
         if loaded is None:
             state.stop_reason = f"{reason}; no checkpoint to roll back to"
             return None
         from_step = state.step
         skip = state.stream.skip | windows
         with restore_counters():
-            self.ops.load_state_dict(loaded.state)
+            self.state.load_state_dict(loaded.state)
         state.stream.skip = skip
         info = {"from_step": from_step, "to_step": state.step, "path": str(loaded.path), "skipped_windows": sorted(windows),
                 "reason": f"{reason}: rolled back from step {from_step} to {loaded.path.name}; skipping data windows "
@@ -361,8 +368,9 @@ class CheckpointKeeper:
 
     # -- failed saves ----------------------------------------------------------------------------
 
-    def count_outcome(self, state: FitState, info: dict[str, Any]) -> None:
+    def count_outcome(self, info: dict[str, Any]) -> None:
         """Count the saves that failed in a row (a written one resets the count) and print each failure."""
+        state = self.state
         if info["kind"] == "checkpoint":
             self.failures_in_a_row, self._last_failure = 0, None
         elif info["kind"] == "checkpoint_failed":
@@ -375,12 +383,13 @@ class CheckpointKeeper:
             where = "" if "LAST_GOOD" in info["reason"] else f"; LAST_GOOD stays at {good.name if good else 'none'}"
             console.warn(f"{info['reason']}{where} ({self.failures_in_a_row} failed in a row{stop})")
 
-    def check_failures(self, state: FitState) -> None:
+    def check_failures(self) -> None:
         """Raise CheckpointError on every rank once ``ckpt.max_failures`` saves in a row have failed (0: never).
 
         Rank 0 knows the outcomes; one broadcast tells the others (every rank calls this at the same point).
         The error says where LAST_GOOD is (intact: a failed save never touches it) and how to resume.
         """
+        state = self.state
         limit = state.cfg.ckpt.max_failures
         if state.ckpt is None or not limit:
             return
@@ -399,7 +408,7 @@ class CheckpointKeeper:
         state.dist.on_main(verdict)
 
 
-def _reshard_info(saved_cfg: dict[str, Any], saved_world: int, state: FitState) -> tuple[dict[str, Any], str]:
+def _reshard_info(saved_cfg: dict[str, Any], saved_world: int, state: RunState) -> tuple[dict[str, Any], str]:
     """Return (the resume event's fields, a one-line note) for a resume under another world size."""
     train, accum = saved_cfg.get("train", {}), saved_cfg.get("accum", {})
     b_old = int(train.get("batch_size", state.cfg.train.batch_size))

@@ -21,11 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from .. import console
-from ..callbacks import FitState
 from ..config import config_to_dict
 from ..records.staging import StateStager, snapshot_fits
+from ..runstate import RunState
 from ..seeding import rng_state
-from . import TrainerOps
 from .capture import IncidentCapture
 from .checkpoints import CheckpointKeeper
 
@@ -36,17 +35,17 @@ class LoopSteps:
     """The built-in loop as a :class:`~stabletrain.services.capture.StepSource`: its data stream and its step."""
 
     def __init__(self, recorder: IncidentRecorder) -> None:
-        self.recorder = recorder  # ops are looked up there at each use (a test may swap them)
-        self.fit: FitState | None = None
+        self.recorder = recorder
+        self.fit: RunState | None = None
         self._window: Any = None
         self._recent: list[list[list[int]]] = []  # the last replayed windows' indices (a spike's ordinary windows)
         self._previous: dict[str, Any] | None = None  # a spike's: the state before the step before it
         self._skip: set = set()
 
-    ops = property(lambda self: self.recorder.ops)
-    strategy = property(lambda self: self.ops.strategy)
-    module = property(lambda self: self.ops.module)
-    optimizer = property(lambda self: self.ops.optimizer)
+    state = property(lambda self: self.recorder.state)
+    strategy = property(lambda self: self.state.strategy)
+    module = property(lambda self: self.state.module)
+    optimizer = property(lambda self: self.state.optimizer)
     diagnose = property(lambda self: bool(self.fit is not None and self.fit.cfg.capture.diagnose))
 
     @property
@@ -54,27 +53,27 @@ class LoopSteps:
         ckpt = self.fit.ckpt if self.fit is not None else None  # every rank with a run directory has its manager
         return ckpt.root.parent if ckpt is not None else None
 
-    def capturing(self, fit: FitState) -> bool:
+    def capturing(self, fit: RunState) -> bool:
         self.fit = fit
         return bool(fit.cfg.capture.incidents and (fit.ckpt is not None or self.recorder.engine.snapshot.taken))
 
     def live_state(self) -> dict[str, Any]:
-        return self.ops.state_dict(local=True)  # FSDP: this rank's shards (no collective)
+        return self.state.state_dict(local=True)  # FSDP: this rank's shards (no collective)
 
     def load_live_state(self, state: dict[str, Any]) -> None:
-        stream = self.fit.stream if self.fit is not None else self.ops.stream
+        stream = self.state.stream
         skip = set(stream.skip)
-        self.ops.load_state_dict(state)
+        self.state.load_state_dict(state)
         stream.skip = skip  # windows a rollback skipped after that state was saved stay skipped
 
-    def fallback_state(self, fit: FitState) -> tuple[dict[str, Any], int] | None:
-        loaded = self.recorder.keeper.load_last_good(fit)
+    def fallback_state(self, fit: RunState) -> tuple[dict[str, Any], int] | None:
+        loaded = self.recorder.keeper.load_last_good()
         return (loaded.state, int(loaded.state["counters"]["step"])) if loaded is not None else None
 
     def why_not(self, step: int, start: int) -> str | None:
         return None
 
-    def replay_to(self, fit: FitState, step: int, start: int, locate: tuple[int, int] | None,
+    def replay_to(self, fit: RunState, step: int, start: int, locate: tuple[int, int] | None,
                   rows: list[Any] = (), keep_previous: bool = False) -> tuple[int, dict | None]:
         """Replay from the loaded state to just before ``step``; pin an update that broke the parameters.
 
@@ -100,7 +99,7 @@ class LoopSteps:
             window = fit.stream.next_window()
             self._recent = [*self._recent[-2:], window.indices]
             self._last = (window.epoch, window.start)
-            out = self.ops.train_step(window)
+            out = self.state.train_step(window)
             fit.step += 1
             replayed += 1
             if before is not None and "params_finite" in out and not bool(out["params_finite"]):
@@ -109,7 +108,7 @@ class LoopSteps:
                 return replayed, found
         return replayed, None
 
-    def record(self, fit: FitState, step: int, context: int = 0) -> dict[str, Any]:
+    def record(self, fit: RunState, step: int, context: int = 0) -> dict[str, Any]:
         rng = rng_state()
         self._window = window = fit.stream.next_window()
         ordinary = self._recent[-context:] if context else []
@@ -118,13 +117,13 @@ class LoopSteps:
         return {"rank": fit.dist.rank, "rng": rng, "context": ordinary,
                 "window": {"epoch": window.epoch, "start": window.start, "indices": window.indices}}
 
-    def blame(self, fit: FitState) -> list[int] | None:
+    def blame(self, fit: RunState) -> list[int] | None:
         return self.strategy.nonfinite_gradient_ranks(fit.module, fit.task, fit.precision, self._window)
 
     def bundle_state(self, **kwargs: Any) -> dict[str, Any]:
-        return self.ops.state_dict(**kwargs)
+        return self.state.state_dict(**kwargs)
 
-    def bundle(self, fit: FitState, step: int, record: dict[str, Any], before: dict[str, Any],
+    def bundle(self, fit: RunState, step: int, record: dict[str, Any], before: dict[str, Any],
                info: dict[str, Any]) -> dict[str, Any]:
         interval_loss = fit.history[-1].get("loss") if fit.history else None
         prev = self._previous
@@ -154,14 +153,14 @@ class IncidentRecorder:
     """On an incident, write ``incidents/step_N/bundle.pt`` and (``capture.diagnose``) its ``diagnosis.json``.
 
     A service the loop calls by name (:meth:`mark_interval_start` at fit start and at every log boundary,
-    :meth:`capture` on an incident); ``ops`` is the trainer's state and step operations
-    (:class:`~stabletrain.services.TrainerOps`). Every rank takes part (the replay has collectives); rank 0
+    :meth:`capture` on an incident); ``state`` is the run's :class:`~stabletrain.runstate.RunState` (its parts
+    and its step). Every rank takes part (the replay has collectives); rank 0
     writes. The bundle holds the window and RNG state of the rank that saw the bad value, so its diagnosis
     replays on that rank's batch.
     """
 
-    def __init__(self, ops: TrainerOps, keeper: CheckpointKeeper) -> None:
-        self.ops, self.keeper = ops, keeper
+    def __init__(self, state: RunState, keeper: CheckpointKeeper) -> None:
+        self.state, self.keeper = state, keeper
         self.source = LoopSteps(self)
         self.engine = IncidentCapture(self.source)
         self._enabled: bool | None = None  # capture.memory_snapshot=auto: decided once, at plan_snapshot
@@ -176,7 +175,7 @@ class IncidentRecorder:
         """Steps the last capture replayed (None: no capture yet)."""
         return self.engine.replayed_steps
 
-    def plan_snapshot(self, state: FitState) -> None:
+    def plan_snapshot(self) -> None:
         """Decide once, when the run directory opens, whether the intervals are snapshot (every rank calls it).
 
         ``capture.memory_snapshot=auto``: rank 0 decides for every rank (one broadcast, here, so no interval's
@@ -187,14 +186,16 @@ class IncidentRecorder:
         on this host are ``LOCAL_WORLD_SIZE``. When they do not fit: off, and one warning line says so and
         what an incident then costs.
         """
+        state = self.state
         capture = state.cfg.capture
         if capture.memory_snapshot == "auto" and capture.incidents:
-            self._enabled = state.dist.on_main(lambda: self._fits(state))
+            self._enabled = state.dist.on_main(self._fits)
         else:
             self._enabled = bool(capture.memory_snapshot)
 
-    def _fits(self, state: FitState) -> bool:
-        per_process = self.ops.strategy.snapshot_bytes(self.ops.state_dict(local=True), state.module, self.ops.optimizer)
+    def _fits(self) -> bool:
+        state = self.state
+        per_process = state.strategy.snapshot_bytes(state.state_dict(local=True), state.module, state.optimizer)
         processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if state.dist.enabled else 1
         fraction = state.cfg.capture.snapshot_memory_fraction
         fits, budget = snapshot_fits(per_process, fraction, processes=processes)
@@ -208,12 +209,13 @@ class IncidentRecorder:
                          "capture.memory_snapshot=true to take it anyway")
         return fits
 
-    def mark_interval_start(self, state: FitState) -> None:
+    def mark_interval_start(self) -> None:
         """A new interval starts: stage the state into the snapshot's host buffers (``capture.memory_snapshot``)."""
+        state = self.state
         capture = state.cfg.capture
         self.engine.mark_interval_start(state.step, bool(capture.incidents and capture.memory_snapshot
                                                          and state.ckpt is not None and self._enabled))
 
-    def capture(self, state: FitState, info: dict[str, Any], rows: list[Any] = ()) -> dict[str, Any]:
+    def capture(self, state: RunState, info: dict[str, Any], rows: list[Any] = ()) -> dict[str, Any]:
         """Capture ``info["step"]`` (:meth:`IncidentCapture.capture`): every rank calls it; rank 0 writes."""
         return self.engine.capture(state, info, rows)

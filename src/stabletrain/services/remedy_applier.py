@@ -35,8 +35,8 @@ from .. import console
 from ..diagnostics.cures import Remedy, SkipSamples, remedy_from_dict
 from ..records.bundles import REMEDY_FILE
 from ..remedy_search import search_remedies
+from ..runstate import RunState
 from ..seeding import rng_state, set_rng_state
-from . import TrainerOps
 
 __all__ = ["RemedyApplier"]
 
@@ -44,11 +44,11 @@ __all__ = ["RemedyApplier"]
 class RemedyApplier:
     """Apply verified remedies to the live run and keep them across checkpoints (see the module docstring).
 
-    ``ops``: the trainer's operations, with its ``module``, ``schedule``, ``clipper``, ``guard`` and ``task``.
+    ``state``: the run's :class:`~stabletrain.runstate.RunState` (the parts a remedy acts on).
     """
 
-    def __init__(self, ops: TrainerOps) -> None:
-        self.ops = ops
+    def __init__(self, state: RunState) -> None:
+        self.state = state
         self.applied: list[dict[str, Any]] = []  # what was applied, when, and the evidence
         self._hooks = contextlib.ExitStack()
 
@@ -63,26 +63,27 @@ class RemedyApplier:
         Called after the data stream's and the schedule's own states are loaded (they hold dropped samples, LR).
         """
         self._hooks.close()
-        self.ops.clipper.max_norm = self.ops.cfg.clip.max_norm
+        self.state.clipper.max_norm = self.state.cfg.clip.max_norm
         self.applied = copy.deepcopy(list(state.get("applied", [])))
         for entry in self.applied:
             self._install(remedy_from_dict(entry["remedy"]))
 
     def _install(self, remedy: Remedy) -> None:
         if isinstance(remedy, SkipSamples):
-            self.ops.stream.drop |= set(remedy.samples)
-        self._hooks.enter_context(remedy.installed(self.ops.module, self.ops.optimizer))
+            self.state.stream.drop |= set(remedy.samples)
+        self._hooks.enter_context(remedy.installed(self.state.module, self.state.optimizer))
         if remedy.max_norm is not None:
-            self.ops.clipper.max_norm = remedy.max_norm
+            self.state.clipper.max_norm = remedy.max_norm
 
     # -- applying -----------------------------------------------------------------------------
 
-    def act(self, state: Any, decision: Any, found: dict[str, Any]) -> bool:
+    def act(self, decision: Any, found: dict[str, Any]) -> bool:
         """``guard.on_nonfinite=remedy`` at an incident: search, apply the best cure; return whether one was applied.
 
         ``decision``: the guard's (its ``action`` becomes ``continue``, ``rollback`` (state restored by a
         rollback remedy) or, when nothing cures, ``remedy.fallback``). ``found``: the capture's result.
         """
+        state = self.state
         cfg = state.cfg.remedy
         incident, why, record = found.get("path"), None, None
         if state.dist.enabled:
@@ -95,7 +96,7 @@ class RemedyApplier:
             run_rng = rng_state()  # the replays seed and draw: the run's own streams must not notice
             try:
                 record = search_remedies(incident, state.task, steps=cfg.steps, device=str(state.device),
-                                         live_only=True, drop=self.ops.stream.drop)
+                                         live_only=True, drop=self.state.stream.drop)
             except Exception as err:  # a search that fails must not take the run down with it
                 why = f"the remedy search failed ({type(err).__name__}: {err})"
             finally:
@@ -122,13 +123,13 @@ class RemedyApplier:
                         f"{why}; falling back to remedy.fallback={fallback}", incident=incident, applied=None)
             return False
         remedy = remedy_from_dict(best["remedy"])
-        self.apply(state, remedy, incident, best, record)
+        self.apply(remedy, incident, best, record)
         decision.action = "rollback" if remedy.rollback_step is not None else "continue"
         return True
 
-    def by_hand(self, state: Any) -> None:
+    def by_hand(self) -> None:
         """Apply config key ``remedy.apply`` (INCIDENT_DIR:NAME) when fit starts, unless it was applied already."""
-        spec = state.cfg.remedy.apply
+        spec = self.state.cfg.remedy.apply
         if not spec:
             return
         incident, _, name = str(spec).rpartition(":")
@@ -150,26 +151,27 @@ class RemedyApplier:
             raise ValueError(f"config key 'remedy.apply' ({spec!r}): {name} needs a code change "
                              f"({getattr(remedy, 'change', '')}) "
                              "or a restart with another config; it cannot be applied to a live run")
-        self.apply(state, remedy, str(Path(incident)), row, record, by_hand=True)
+        self.apply(remedy, str(Path(incident)), row, record, by_hand=True)
 
-    def apply(self, state: Any, remedy: Remedy, incident: str, row: dict[str, Any], record: dict[str, Any], *,
+    def apply(self, remedy: Remedy, incident: str, row: dict[str, Any], record: dict[str, Any], *,
               by_hand: bool = False) -> None:
         """Put ``remedy`` on the run now (a rollback first loads its checkpoint); record the ``remedy`` event."""
+        state = self.state
         from_step = state.step
         if remedy.rollback_step is not None:
             if state.ckpt is None:
                 raise ValueError(f"remedy {remedy.name}: a rollback needs the run's checkpoints (no run directory)")
             applied = self.applied
             loaded = state.ckpt.load(state.ckpt.root / f"step_{remedy.rollback_step:06d}")
-            with self.ops.guard.counters_kept():
-                self.ops.load_state_dict(loaded.state)  # also puts back the remedies that checkpoint had
+            with self.state.guard.counters_kept():
+                self.state.load_state_dict(loaded.state)  # also puts back the remedies that checkpoint had
             state.ckpt.discard_after(remedy.rollback_step)  # the checkpoints of the bad trajectory
             self.load_state_dict({"applied": applied})
         if remedy.lr_factor != 1.0:
-            self.ops.schedule.scale(remedy.lr_factor)
-        current = self.ops.precision.state_dict()
+            self.state.schedule.scale(remedy.lr_factor)
+        current = self.state.precision_policy.state_dict()
         if remedy.precision_state(current) is not current:  # the GradScaler's settings: its state holds them
-            self.ops.precision.load_state_dict(remedy.precision_state(current))
+            self.state.precision_policy.load_state_dict(remedy.precision_state(current))
         self._install(remedy)
         entry = {"name": remedy.name, "remedy": remedy.to_dict(), "detail": remedy.detail, "at_step": state.step,
                  "from_step": from_step, "incident": incident, "incident_step": record.get("step"),

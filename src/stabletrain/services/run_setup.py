@@ -31,13 +31,13 @@ def open_run(trainer: Any, run_dir: Path, resume: bool) -> None:
     dist.on_main(lambda: refuse_if_running(run_dir, exclude=launch))  # never two launches on one run
     state.ckpt = CheckpointManager(run_dir / "checkpoints", keep=cfg.ckpt.keep)
     if resume:
-        trainer.keeper.resume(state, run_dir)
+        trainer.keeper.resume(run_dir)
 
     def write() -> None:
         run = state.run = RunDir(run_dir, resume=resume, overwrite=cfg.run.overwrite)
         run.write_config(cfg)
         if resume:
-            trainer.keeper.announce_resume(state)
+            trainer.keeper.announce_resume()
             return
         task = trainer.task
         extra: dict[str, Any] = {"task_info": task.info, "task_name": task.name, "count_unit": task.count_unit,
@@ -49,4 +49,4 @@ def open_run(trainer: Any, run_dir: Path, resume: bool) -> None:
     if state.run is not None:
         state.run.record_launch(launch)
     trainer.callbacks.append(GoodputClock(run_dir / LEDGER_FILE, launch_record(run_dir if state.run is not None else None)))
-    trainer.recorder.plan_snapshot(state)  # capture.memory_snapshot=auto: decided once, here (a broadcast)
+    trainer.recorder.plan_snapshot()  # capture.memory_snapshot=auto: decided once, here (a broadcast)
