@@ -441,6 +441,19 @@ def test_a_lost_peer_is_told_by_the_exceptions_type_and_where_it_arose_not_by_it
     assert type(inside) is RuntimeError and is_peer_failure(inside)
 
 
+def test_a_lost_peer_line_says_resume_by_hand_only_when_no_restart_is_left(monkeypatch):
+    from stabletrain.distributed.peers import PeerLostError
+
+    def line(count, most):
+        for key, value in (("TORCHELASTIC_RESTART_COUNT", count), ("TORCHELASTIC_MAX_RESTARTS", most)):
+            monkeypatch.setenv(key, str(value))
+        return str(PeerLostError(0, "a training step", 7, "step_000006", "Connection closed by peer", "runs/a"))
+
+    assert line(0, 0).endswith("; resume with: stabletrain train --resume runs/a (Connection closed by peer)")
+    assert "; the launch restarts from LAST_GOOD (restart 2 of 3, run.max_restarts) (" in line(1, 3)
+    assert "resume with" in line(3, 3) and "restarts from" not in line(3, 3)  # the last restart is spent
+
+
 def test_out_of_a_ddp_backward_only_a_failed_gradient_all_reduce_is_a_lost_peer(one_rank_group):
     from stabletrain.distributed.carrier import data_parallel
     from stabletrain.distributed.peers import is_peer_failure
