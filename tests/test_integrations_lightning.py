@@ -20,7 +20,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 from stabletrain.callbacks import Callback as StableCallback  # noqa: E402
 from stabletrain.incident_replay import diagnose_incident  # noqa: E402
 from stabletrain.integrations.lightning import StableTrainCallback  # noqa: E402
-from stabletrain.integrations.options import compiled_methods  # noqa: E402
+from stabletrain.internals import compiled_methods  # noqa: E402
 from stabletrain.records.captured import lightning_loss as _lightning_loss  # noqa: E402
 from stabletrain.records.events import EVENT_KINDS, METRIC_KEYS  # noqa: E402
 from stabletrain.records.jsonl import read_jsonl  # noqa: E402

@@ -4,6 +4,7 @@ An error raised in a user's loss, model, dataset, collate or task factory must k
 file:line and say which part of the task raised it; an error stabletrain raises about its own input
 (config, task contract, files, checkpoints) stays one line. :func:`task_part` tells the two apart
 from the traceback alone: the frames of stabletrain, torch and the stdlib are never the user's.
+:class:`StopTraining` is what an adapter raises when the sentinel stops the host's run.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["user_frames", "user_location", "format_user_traceback", "task_part", "raised_by_stabletrain",
-           "format_task_error", "batch_note", "TaskCodeError", "TASK_PARTS", "brief", "crash_event"]
+           "format_task_error", "batch_note", "TaskCodeError", "TASK_PARTS", "brief", "crash_event", "StopTraining"]
 
 _PACKAGE = os.path.join(str(Path(__file__).resolve().parent), "")  # ".../stabletrain/", with its separator
 
@@ -321,3 +322,11 @@ def crash_event(err: BaseException, during: str) -> tuple[str, dict[str, Any]]:
     reason = f"{type(err).__name__}: {err}" + (f" (at {where})" if where else "")
     return reason, {"error": type(err).__name__, "message": str(err), "location": where, "during": during,
                     "part": task_part(err)}
+
+
+class StopTraining(RuntimeError):
+    """The sentinel stopped the run (``on_nonfinite="stop"`` or too many consecutive skips); ``step`` and ``reason`` say why."""
+
+    def __init__(self, step: int, reason: str) -> None:
+        self.step, self.reason = step, reason
+        super().__init__(f"stabletrain stopped the run at step {step}: {reason}")

@@ -19,6 +19,8 @@ reach                                  why there is no public way
 ``optimizer.found_inf``/``grad_scale``    the device flag a fused optimizer skips on (GradScaler's protocol)
 ``OptimizedModule._orig_mod``          the module inside ``torch.compile``'s wrapper (its eager forward and its
                                        own parameter names, without ``_orig_mod.``)
+a compiled method's ``__code__``       Lightning's ``torch.compile(module)`` wraps the module's own methods in
+(a file of ``torch._dynamo``)          place: a wrapper is told by its code's file (torch names none of them)
 ``sys._getframe``                      the Hugging Face ``Trainer`` that runs a callback: its callbacks are
                                        not handed the trainer (``StableTrainCallback(trainer=...)`` avoids it)
 ``torch.serialization._save``,         ``torch.save`` without the zip's per-record CRC32 for this one file
@@ -58,7 +60,8 @@ from torch import Tensor
 
 __all__ = ["InternalMissing", "scaler_scale", "scaler_state", "set_scaler_state", "scaler_found_inf", "join_found_inf",
            "join_scaler_found_inf", "skips_on_device", "set_found_inf", "clear_found_inf", "found_inf_set",
-           "fused_skip", "find_caller", "eager_module", "save_without_record_crcs", "dispatch_mode_base",
+           "fused_skip", "find_caller", "eager_module", "unwrap", "is_compiled", "compiled_methods",
+           "eager_methods", "save_without_record_crcs", "dispatch_mode_base",
            "op_writes_input", "in_backward", "current_autograd_node", "tensor_version", "queue_backward_callback",
            "fsdp_param_records", "fsdp_pending_grads", "tree_map", "tree_flatten", "tree_unflatten",
            "tree_flatten_with_keys", "restarting_agent", "restarts_left", "end_restarts", "use_elastic_agent",
@@ -220,6 +223,52 @@ def eager_module(model: torch.nn.Module) -> torch.nn.Module:
             raise InternalMissing("torch", "the module inside a torch.compile wrapper (OptimizedModule._orig_mod)") from None
     return model
 
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside ``DistributedDataParallel`` and ``torch.compile`` wrappers, in either order (``model`` when none):
+    what an adapter names, checks, snapshots and replays (no ``_orig_mod.``; the diagnosis runs it eagerly)."""
+    model = eager_module(model)
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = eager_module(model.module)
+    return model
+
+
+def is_compiled(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a ``torch.compile`` wrapper (``OptimizedModule``), outside or inside a DDP wrapper, or
+    a module whose own methods were compiled in place (:func:`compiled_methods`: Lightning's way)."""
+    if eager_module(model) is not model:
+        return True
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and eager_module(model.module) is not model.module:
+        return True
+    return bool(compiled_methods(unwrap(model)))
+
+
+def compiled_methods(model: torch.nn.Module) -> list[str]:
+    """The names of ``model``'s own methods that ``torch.compile`` wrapped in place, on the instance.
+
+    Lightning's ``trainer.fit(torch.compile(module))`` sets compiled wrappers of the module's ``forward``,
+    ``training_step``, ... as instance attributes: functions of torch's dynamo wrapping (``__wrapped__``) this very
+    module's method. A deep copy keeps them, running the live module's parameters (:func:`eager_methods` hides them).
+    """
+    cls, names = type(model), []
+    for name, fn in vars(model).items():
+        inner = getattr(fn, "__wrapped__", None)
+        if (getattr(inner, "__self__", None) is model and getattr(inner, "__func__", None) is getattr(cls, name, None)
+                and "_dynamo" in getattr(getattr(fn, "__code__", None), "co_filename", "")):
+            names.append(name)
+    return names
+
+
+@contextlib.contextmanager
+def eager_methods(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` with its in-place compiled methods (:func:`compiled_methods`) hidden meanwhile: its class's own
+    run, eagerly, on the parameters of whatever module calls them (a deep copy made meanwhile: its own)."""
+    saved = {name: vars(model).pop(name) for name in compiled_methods(model)}
+    try:
+        yield
+    finally:
+        vars(model).update(saved)
 
 # -- torch.save ------------------------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ configs and the keys that may change when a run is resumed (:mod:`.diff`). ``sta
 its face: import these names from here.
 """
 
+from .adapter import AdapterOptions
 from .diff import (
                    ABSENT,
                    RESHARD_SAFE_KEYS,
@@ -90,4 +91,5 @@ __all__ = [
     "resume_refusal_message",
     "MOVED_KEYS",
     "move_old_keys",
+    "AdapterOptions",
 ]

@@ -2,29 +2,29 @@
 
 An adapter (:class:`stabletrain.Monitor`, the Lightning and Hugging Face callbacks) measures the host's
 own optimizer step and hands a :class:`RunSession` the step's device tensors; the session does the rest
-with the pieces a built-in run uses (:class:`~stabletrain.policies.guard.Guard`,
-:class:`~stabletrain.policies.metrics.StepMetrics`, :class:`~stabletrain.records.rundir.RunDir` and the built-in
-callbacks that write it, the interval snapshot and :func:`~stabletrain.incident_replay.diagnose_incident`)::
+with the pieces a built-in run uses (the guard, :class:`~stabletrain.policies.metrics.StepMetrics`, the
+run directory and the built-in callbacks that write it, the loop's
+:class:`~stabletrain.services.boundary.IntervalBoundary` and
+:class:`~stabletrain.services.capture.IncidentCapture`, fed by the host's kept steps:
+:class:`~stabletrain.services.kept_steps.HostSteps`)::
 
     session.open(resume)                         # run dir (rank 0): config.yaml, snapshot.json (or a resume)
     session.begin()                              # on_fit_start: the init fingerprint is compared; interval snapshot
     each optimizer step (no host sync):
-        session.keep(micro_batches, rng, host)   # what a replay of this step needs (capture.py)
-        ok, finite, spike = session.guard.observe(loss, norm)      # the sentinel, on the device
-        session.before_update()                  # the snapshot's copies first (CUDA); ||update|| on the last step
+        session.pending.add(batch, count)        # a micro-batch (and the RNG state at the step's first)
+        session.before_host_step(norms)          # kept for a replay; HostStep.before_step: the sentinel, the skip on
+                                                 # the device; the snapshot's copies first; ||update|| on the last step
         ... the host applies the step, skipped on the device when not ok ...
-        session.record(out, num_samples, lr, loss_scale)           # StepMetrics.update, on_step_end
-        every log_every steps -> session.log():  # the interval's ONE host sync
-            reduce -> metrics record -> on_log (metrics.jsonl, TensorBoard, events) -> guard.decide
-            -> incident: the state before the bad step rebuilt from the interval snapshot by replaying the
-               host's steps (capture.py), incidents/step_N/bundle.pt + diagnosis.json
-            -> stop or warn (on_nonfinite); the next interval's snapshot
+        out = session.after_host_step()          # HostStep.after_step: applied, the parameter check
+        session.record_host_step(out, ...)       # StepMetrics.update, on_step_end; every log_every steps log():
+            the boundary (its ONE host sync; the capture and diagnosis of a bad step), then stop or warn
 
-A bad step is skipped (on the device) and nothing else: every healthy update is applied as the host
-would apply it. Under DDP (a process group of more than one rank) every rank runs a session: the
-verdict is the same on every rank without a collective of its own (a rank's non-finite loss reaches
-every rank's gradients, see :meth:`RunSession.watch_loss`), each interval's figures are gathered in
-one all-gather, and rank 0 alone writes the run directory.
+(:class:`~stabletrain.Monitor` runs the built-in ``TrainStep.update`` instead of a :class:`HostStep` and calls
+:meth:`RunSession.keep`, :meth:`~RunSession.before_update` and :meth:`~RunSession.record` itself.) A bad step is
+skipped (on the device) and nothing else: every healthy update is applied as the host would apply it. Under
+DDP every rank runs a session: the verdict is the same on every rank without a collective of its own (a rank's
+non-finite loss reaches every rank's gradients, see :meth:`RunSession.watch_loss`), each interval's figures are
+gathered in one all-gather, and rank 0 alone writes the run directory.
 """
 
 from __future__ import annotations
@@ -44,23 +44,76 @@ from .._version import __version__
 from ..callbacks import Callback, CallbackList, FitState
 from ..callbacks.sinks import EventLog, InitWatch, MetricsFile, TensorBoardLog
 from ..callbacks.trackers import build_trackers
-from ..config import ClipConfig, Config, TrainConfig
+from ..config import AdapterOptions, ClipConfig, Config, GuardConfig, TrainConfig
 from ..diagnostics.initialization import InitFingerprint
 from ..distributed.group import DistContext
 from ..distributed.strategy import strategy_for
 from ..errors import crash_event
 from ..fileio import atomic_write
+from ..host_step import HostStep
+from ..internals import eager_methods, is_compiled, unwrap
 from ..numerics import snapshot_params, unique_params, update_norms
+from ..policies.guard import Guard
 from ..policies.metrics import StepMetrics
-from ..records.provenance import build_snapshot
+from ..records.batches import batch_size, import_path
+from ..records.jsonl import json_safe
+from ..records.provenance import build_snapshot, installed_versions, optimizer_config
 from ..records.rundir import RunDir
 from ..seeding import rng_state, set_rng_state
 from ..services.boundary import IntervalBoundary
 from ..services.capture import IncidentCapture
-from .host_steps import HostReplay, HostSteps
-from .options import AdapterGuard, AdapterOptions, eager_methods, is_compiled, jsonable, optimizer_config, unwrap
+from ..services.kept_steps import HostReplay, HostSteps
 
-__all__ = ["RunSession"]
+__all__ = ["RunSession", "AdapterGuard", "PendingStep", "loss_recipe"]
+
+#: The host trainers' own distributions, whose versions a new run's snapshot records.
+HOST_LIBRARIES = {"lightning": ("lightning",), "transformers": ("transformers", "accelerate")}
+
+
+class AdapterGuard(Guard):
+    """The built-in guard, plus ``on_nonfinite="warn"``: no skip of its own (the host's own skips still happen)."""
+
+    def __init__(self, cfg: GuardConfig, device: torch.device, *, enforce: bool = True) -> None:
+        super().__init__(cfg, device)
+        self.enforce = enforce
+
+    def observe(self, loss: Tensor, grad_norm: Tensor, inputs_ok: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Return (ok, finite, spike) as device bools; no sync."""
+        ok, finite, spike = super().observe(loss, grad_norm, inputs_ok)
+        if not self.enforce:  # warn: only a spike skip when asked
+            ok = ~spike if self.cfg.on_spike == "skip" else torch.ones_like(finite)
+        return ok, finite, spike
+
+
+class PendingStep:
+    """The optimizer step a host is running: its micro-batches (kept for a capture), the RNG state where its
+    first forward began, its summed loss and item count, the host's own inputs to it (see each adapter)."""
+
+    def __init__(self) -> None:
+        self.micro: list[Any] = []
+        self.rng: dict[str, Any] | None = None
+        self.loss: Tensor | None = None
+        self.count: Tensor | float = 0.0
+        self.host: dict[str, Any] = {}
+
+    def add(self, batch: Any, count: Tensor | float, *, rng: bool) -> None:
+        """A micro-batch and the items its loss covers; ``rng``: take the RNG state at the step's first (no sync)."""
+        if rng and not self.micro:
+            self.rng = rng_state()
+        self.micro.append(batch)
+        self.count = self.count + (count.detach().float() if isinstance(count, Tensor) else float(count))
+
+    def add_loss(self, loss: Tensor) -> None:
+        self.loss = loss if self.loss is None else self.loss + loss
+
+
+def loss_recipe(loss_fn: Callable[..., Any] | None, default: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """How a new process gets the loss (:mod:`~stabletrain.records.captured`): ``loss_fn`` by its import path (None
+    when it has none: a lambda, a closure), or without one the host's own (``default``)."""
+    if loss_fn is None:
+        return default
+    path = import_path(loss_fn)
+    return {"kind": "function", "function": path} if path else None
 
 
 class RunSession:
@@ -70,13 +123,13 @@ class RunSession:
         run_dir: the run directory (None: measure and guard without writing anything).
         model: the module being trained (the host's; a ``DistributedDataParallel`` wrapper is looked through).
         host: "monitor", "lightning" or "transformers" (written to ``config.yaml`` and the snapshot).
-        options: :class:`AdapterOptions`.
+        options: :class:`~stabletrain.config.adapter.AdapterOptions`.
         precision: the precision the host really runs: "fp32", "bf16" or "fp16" (a GradScaler scales the loss).
         clip_max_norm: the global-norm clipping threshold in effect (None: no clipping).
         host_config: the host trainer's own arguments, written under ``host`` in ``config.yaml``.
         optimizer: the torch optimizer (not a host's wrapper).
         scaler: the host's ``GradScaler`` (fp16), else None.
-        replay: how to replay the host's step (:class:`~stabletrain.integrations.host_steps.HostReplay`); None:
+        replay: how to replay the host's step (:class:`~stabletrain.services.kept_steps.HostReplay`); None:
             only a bad step at an interval's start can be captured, none diagnosed.
         recipes: how to rebuild the model and loss in a new process (:mod:`~stabletrain.records.captured`).
         callbacks: stabletrain :class:`~stabletrain.callbacks.Callback` instances, fired after the built-in ones.
@@ -135,6 +188,8 @@ class RunSession:
                                          top_layers=options.top_layers, epoch=lambda: self.epoch, count_samples=True)
         self._poison: Tensor | None = None
         self._poison_hook = self._watch_losses() if self.dist.world > 1 else None
+        self.host_step: HostStep | None = None  # judge_host_steps: a host that steps its optimizer itself
+        self.pending = PendingStep()
 
     # The run's progress lives in the FitState its callbacks share.
     step = property(lambda self: self.state.step, lambda self, v: setattr(self.state, "step", v))
@@ -166,7 +221,7 @@ class RunSession:
                                                                  "max_consecutive_skips")}},
             "capture": {"incidents": o.capture, "diagnose": o.diagnose},
             "optim": optimizer_config(self.optimizer) if self.optimizer is not None else {},
-            "host": jsonable(self.host_config),
+            "host": json_safe(self.host_config),
             **({"train": {"compile": True}} if self.cfg.train.compile else {}),  # the host compiled its model
             **({"world_size": self.dist.world} if self.dist.world > 1 else {}),
         }
@@ -182,7 +237,7 @@ class RunSession:
         if not resume:
             extra = {"integration": self.host, "model": type(self.model).__name__,
                      "optimizer": optimizer_config(self.optimizer).get("name") if self.optimizer is not None else None,
-                     "host_versions": _host_versions(self.host)}
+                     "host_versions": installed_versions(*HOST_LIBRARIES.get(self.host, ()))}
             self.snapshot = build_snapshot(self.cfg, self.device, self.precision, None, extra)
             self.run.write_snapshot(self.snapshot)
 
@@ -226,7 +281,7 @@ class RunSession:
         line = {"passed": full["passed"], "summary": full["summary"], "advice": report.advice(),
                 "flagged": [layer.name for layer in report.flagged]}
         if self.run is not None:
-            atomic_write(self.run.path / "init_signal.json", json.dumps(jsonable(full), indent=2) + "\n")
+            atomic_write(self.run.path / "init_signal.json", json.dumps(json_safe(full), indent=2) + "\n")
             if self.snapshot:
                 self.snapshot["init_signal"] = line
                 self.run.write_snapshot(self.snapshot)
@@ -257,19 +312,35 @@ class RunSession:
         """Keep what a replay of the next step needs (its micro-batches, RNG state, lrs, loss scale; no sync)."""
         self.steps.keep(self.step + 1, micro_batches, rng, host)
 
-    def skip_on_host(self, ok: Tensor, hint: str) -> None:
-        """An optimizer that cannot skip on the device: drop a bad step's grads (one host read per step, warned once).
+    def judge_host_steps(self, optimizer: torch.optim.Optimizer, scaler: Any, *, host_clip: float | None,
+                         own_clip: float | None, skip_hint: str) -> HostStep:
+        """The host steps its optimizer itself: judge each of its steps with a :class:`~stabletrain.host_step.HostStep`."""
+        o = self.options
+        self.host_step = HostStep(self.model, optimizer, scaler, self.guard, self.params, host_clip=host_clip,
+                                  own_clip=own_clip, may_skip=o.on_nonfinite != "warn" or o.on_spike == "skip",
+                                  check_params=o.check_params, skip_hint=skip_hint)
+        return self.host_step
 
-        torch's optimizers skip a parameter without a grad: no update, no state change. ``hint``: how to get
-        a fused optimizer in this host trainer.
-        """
-        if not getattr(self, "_warned_sync", False):
-            warnings.warn(f"this optimizer cannot skip a step on the device ({hint}); the verdict is read on the host "
-                          "once per step (a sync)", console.StableTrainWarning, stacklevel=4)
-            self._warned_sync = True
-        if not bool(ok):  # the one documented per-step sync for a non-fused optimizer without a GradScaler
-            for p in self.params:
-                p.grad = None
+    def before_host_step(self, norm: Tensor, per_param: Tensor, *, grads_scaled: bool) -> None:
+        """Just before the host's optimizer step: keep the pending step, judge it (the skip on the device; no sync)."""
+        p = self.pending
+        self.keep(p.micro, p.rng, p.host)
+        self.host_step.before_step(p.loss, norm, per_param, grads_scaled=grads_scaled)
+        self.before_update()
+
+    def after_host_step(self, *, value_clipped: bool = False) -> dict[str, Tensor] | None:
+        """Once the host stepped: the step's device tensors (None after a micro-batch: no step was judged)."""
+        out = self.host_step.after_step(self.pending.count, value_clipped=value_clipped)
+        if out is not None:
+            self.after_update(out)
+        return out
+
+    def record_host_step(self, out: dict[str, Tensor], *, epoch: int, lr: Tensor | float) -> dict[str, Any] | None:
+        """Record the host's step (:meth:`record`); the next one starts. Returns the interval's record if it logged."""
+        micro, self.pending, self.epoch = self.pending.micro, PendingStep(), epoch
+        logged = self.record(out, num_samples=sum(batch_size(b) for b in micro), lr=lr,
+                             loss_scale=self.host_step.loss_scale())
+        return self.history[-1] if logged else None
 
     def before_update(self) -> None:
         """Before the host's optimizer step: the snapshot's copies come first; on an interval's last step copy the
@@ -301,6 +372,12 @@ class RunSession:
             return True
         return False
 
+    @staticmethod
+    def figures(record: dict[str, Any]) -> dict[str, Any]:
+        """An interval record's numbers for the host's own logger, as ``stabletrain/<key>``."""
+        return {f"stabletrain/{k}": v for k, v in record.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+
     # -- at a log boundary (one host sync) ---------------------------------------------------------
 
     def log(self) -> dict[str, Any]:
@@ -327,11 +404,19 @@ class RunSession:
 
     # -- end and state -----------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Log the last partial interval, fire ``on_fit_end``, close the run directory's files. Idempotent."""
+    def close(self, err: BaseException | None = None) -> None:
+        """Log the last partial interval, fire ``on_fit_end``, close the run directory's files. Idempotent.
+
+        ``err``: the exception that ended the host's run, recorded first as a ``crash`` event (with the user's file:line).
+        """
         if self.closed:
             return
         self.closed = True
+        if err is not None:
+            reason, fields = crash_event(err, "the host's training step")
+            self.state.event(self.step, "crash", reason, **fields)
+        if self.host_step is not None:
+            self.host_step.close()
         record: dict[str, Any] = {}
         try:
             if len(self.metrics):
@@ -343,11 +428,6 @@ class RunSession:
             self.callbacks.fire("on_fit_end", self.state, record or (self.history[-1] if self.history else {}))
             if self.run is not None:
                 self.run.close()
-
-    def crash(self, err: BaseException) -> None:
-        """Record the exception that ended the host's run as a ``crash`` event (with the user's file:line)."""
-        reason, fields = crash_event(err, "the host's training step")
-        self.state.event(self.step, "crash", reason, **fields)
 
     def state_dict(self) -> dict[str, Any]:
         """The session's state (progress, guard, the partial interval's metrics, callbacks): saved in the host's checkpoint."""
@@ -371,15 +451,3 @@ class RunSession:
                              f"{self.step}", path=path)
             self.say(f"resumed from step {self.step} ({path or 'the host trainer checkpoint'})")
 
-
-def _host_versions(host: str) -> dict[str, str]:
-    import importlib.metadata as md
-
-    names = {"lightning": ["lightning"], "transformers": ["transformers", "accelerate"]}.get(host, [])
-    out = {}
-    for name in names:
-        try:
-            out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            pass
-    return out

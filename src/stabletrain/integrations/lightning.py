@@ -43,17 +43,15 @@ import torch
 from torch import Tensor
 
 from ..callbacks import Callback as StableCallback
+from ..config import AdapterOptions
 from ..data import move_to
 from ..diagnostics.initialization import InitFingerprint
 from ..internals import skips_on_device
 from ..numerics import grad_norms
 from ..records.batches import batch_size, import_path, plain_batch
 from ..records.captured import lightning_loss
-from ..seeding import rng_state
-from .core import RunSession
-from .host_steps import KeptStep
-from .hoststep import HostStep
-from .options import AdapterOptions
+from ..services.kept_steps import KeptStep
+from .core import RunSession, loss_recipe
 
 __all__ = ["StableTrainCallback"]
 
@@ -81,7 +79,7 @@ class StableTrainCallback(pl.Callback):
             (default: the samples in the batch).
         overwrite: replace a run already in ``run_dir`` (a new fit, not a resume).
         callbacks: stabletrain :class:`~stabletrain.callbacks.Callback` instances fired with the built-in sinks.
-        options: :class:`~stabletrain.integrations.options.AdapterOptions` (``log_every``, ``on_nonfinite``, ...; with
+        options: :class:`~stabletrain.config.adapter.AdapterOptions` (``log_every``, ``on_nonfinite``, ...; with
             ``trackers=["mlflow"]`` (or "wandb") and the trainer's own ``MLFlowLogger`` (``WandbLogger``), stabletrain
             writes into that logger's run, and the mirror skips that logger: no figure twice).
     """
@@ -96,17 +94,8 @@ class StableTrainCallback(pl.Callback):
         self.options = AdapterOptions(**options)
         self.stable_callbacks = list(callbacks)
         self.session: RunSession | None = None
-        self.host_step: HostStep | None = None
         self._fingerprint: InitFingerprint | None = None
         self._loaded: dict[str, Any] | None = None
-        self._reset_step()
-
-    def _reset_step(self) -> None:
-        self._micro: list[Any] = []
-        self._indices: list[int] = []
-        self._rng: dict[str, Any] | None = None
-        self._loss: Tensor | None = None
-        self._count: Tensor | float = 0.0
 
     @property
     def state_key(self) -> str:
@@ -165,13 +154,10 @@ class StableTrainCallback(pl.Callback):
             optimizer=optimizer, scaler=scaler, replay=_LightningReplay(self), overwrite=self.overwrite,
             fingerprint=self._fingerprint,
             recipes={"model": {"kind": "lightning", "class": cls, "hparams": hparams} if cls and hparams is not None
-                     else None,
-                     "loss": ({"kind": "function", "function": import_path(self.loss_fn)} if self.loss_fn is not None
-                              and import_path(self.loss_fn) else None if self.loss_fn is not None
-                              else {"kind": "lightning"})},
+                     else None, "loss": loss_recipe(self.loss_fn, {"kind": "lightning"})},
             host_config=host, callbacks=self.stable_callbacks, tracker_hosts=_tracker_hosts(trainer))
-        self.host_step = HostStep(self.session, optimizer, scaler, host_clip=host_clip, own_clip=self.clip_max_norm,
-                                  skip_hint="use fused=True, e.g. torch.optim.AdamW(..., fused=True)")
+        self.session.judge_host_steps(optimizer, scaler, host_clip=host_clip, own_clip=self.clip_max_norm,
+                                      skip_hint="use fused=True, e.g. torch.optim.AdamW(..., fused=True)")
         self.session.open(resume=trainer.ckpt_path is not None)
         if self._loaded:
             self.session.load_state_dict(self._loaded, path=str(trainer.ckpt_path))
@@ -185,46 +171,36 @@ class StableTrainCallback(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         session = self.session
-        if session.step == 0 and not self._micro and self.options.init_check and session.started:
+        if session.step == 0 and not session.pending.micro and self.options.init_check and session.started:
             session.signal_check(batch, self.loss_fn or lightning_loss)
-        if self._rng is None and session.capturing:
-            self._rng = rng_state()
-        self._micro.append(batch)
-        self._indices.append(batch_idx)
-        n = self.count_fn(batch) if self.count_fn is not None else batch_size(batch)
-        self._count = self._count + (n.detach().float() if isinstance(n, Tensor) else float(n))
+        session.pending.add(batch, self.count_fn(batch) if self.count_fn is not None else batch_size(batch),
+                            rng=session.capturing)
+        session.pending.host.setdefault("batch_idx", []).append(batch_idx)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        if self.host_step is None or self.session.capture.replaying:
+        if self.session is None or self.session.capture.replaying:
             return
-        loss = self.host_step.unscale(loss.detach().float())  # Lightning hands the scaled loss under a GradScaler
+        loss = self.session.host_step.unscale(loss.detach().float())  # Lightning hands the scaled loss under a GradScaler
         self.session.watch_loss(loss)
-        self._loss = loss if self._loss is None else self._loss + loss
+        self.session.pending.add_loss(loss)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if self.session.capture.replaying:
             return
         norm, per = grad_norms(self.session.params)
         # A fused optimizer under a GradScaler unscales inside its step: its grads still hold the scale here.
-        scaled = self.scaler is not None and self.host_step.fused
-        self.session.keep(self._micro, self._rng, {"batch_idx": list(self._indices)})
-        self.host_step.before_step(self._loss, norm, per, grads_scaled=scaled)
+        self.session.before_host_step(norm, per, grads_scaled=self.scaler is not None and self.session.host_step.fused)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        out = self.host_step.after_step(self._count, value_clipped=self.value_clip)
+        session = self.session
+        out = session.after_host_step(value_clipped=self.value_clip)
         if out is None:  # an accumulation micro-batch: the optimizer has not stepped yet
             return
-        session = self.session
-        num_samples = sum(batch_size(b) for b in self._micro)
-        session.epoch = trainer.current_epoch
-        lr = trainer.optimizers[0].param_groups[0]["lr"]
-        self._reset_step()
-        if session.record(out, num_samples=num_samples, lr=lr, loss_scale=self.host_step.loss_scale()):
-            record = session.history[-1]
+        record = session.record_host_step(out, epoch=trainer.current_epoch, lr=trainer.optimizers[0].param_groups[0]["lr"])
+        if record is not None:
             if self.options.mirror and trainer.loggers:  # no logger: Lightning would warn at every call
-                figures = {f"stabletrain/{k}": float(v) for k, v in record.items()
-                           if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+                figures = {k: float(v) for k, v in session.figures(record).items()}
                 covered = {id(t.owner) for t in session.trackers if t.active and t.owner is not None}
                 if not covered:
                     pl_module.log_dict(figures, on_step=True, on_epoch=False, logger=True, sync_dist=False,
@@ -238,19 +214,13 @@ class StableTrainCallback(pl.Callback):
 
     # -- the end -----------------------------------------------------------------------------------
 
-    def _finish(self) -> None:
-        if self.host_step is not None:
-            self.host_step.close()
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.session is not None:
             self.session.close()
 
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._finish()
-
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if self.session is not None and not self.session.closed:
-            self.session.crash(exception)
-        self._finish()
+        if self.session is not None:
+            self.session.close(exception)
 
 
 def _tracker_hosts(trainer: pl.Trainer) -> dict[str, tuple[Callable[[], Any], Any]]:

@@ -12,16 +12,11 @@
             monitor.step()                    # unscale, measure, guard, clip, step (skipped on the device when bad),
                                               # zero the grads, metrics; the run dir every log_every steps
 
-``monitor.step`` is :meth:`stabletrain.step.TrainStep.update`, the same step a built-in run takes, on the
-gradients your backward left: unscale (your GradScaler's, if you pass one), measure the global and
-per-parameter grad norms, the sentinel (:class:`~stabletrain.policies.guard.Guard`: finite, spike), clip, apply
-the update (skipped on the device when the step is bad: a fused optimizer or a GradScaler skip without a
-sync; any other optimizer costs one host read per step, warned once), check the parameters. The figures
-stay on the device; every ``log_every`` steps one host sync writes ``metrics.jsonl``, ``events.jsonl``
-and TensorBoard, and a bad step is captured into ``incidents/step_N`` and diagnosed by replaying
-``loss_fn`` under the locator (the state from before it is rebuilt by replaying your steps from the
-interval's snapshot with ``loss_fn``: :mod:`stabletrain.integrations.host_steps`). ``stabletrain report``,
-``compare`` and ``diagnose`` read the folder as any run's.
+``monitor.step`` is :meth:`stabletrain.step.TrainStep.update`, the step a built-in run takes (see
+:mod:`stabletrain.step`), on the gradients your backward left; a bad step is skipped (on the device with a fused
+optimizer or a GradScaler, else by one host read per step, warned once). The figures
+stay on the device; every ``log_every`` steps one host sync writes the run directory, and a bad step is
+captured and diagnosed by replaying ``loss_fn`` (:mod:`stabletrain.services.kept_steps`).
 
 Your own clipping (e.g. ``accelerator.clip_grad_norm_``) may stay: pass the pre-clip norm it returned,
 ``monitor.step(batch, loss=loss, grad_norm=norm)``; stabletrain then records it and does not clip again.
@@ -48,14 +43,16 @@ import torch
 from torch import Tensor, nn
 
 from ..callbacks import Callback
+from ..config import AdapterOptions
 from ..data import move_to
+from ..errors import StopTraining
+from ..internals import unwrap
 from ..policies.precision import PrecisionPolicy
 from ..records.batches import batch_size, import_path
 from ..seeding import rng_state
+from ..services.kept_steps import KeptStep
 from ..step import TrainStep, build_step
-from .core import RunSession
-from .host_steps import KeptStep
-from .options import AdapterOptions, StopTraining, unwrap
+from .core import RunSession, loss_recipe
 
 __all__ = ["Monitor", "StopTraining"]
 
@@ -81,7 +78,7 @@ class Monitor:
         resume: reopen ``run_dir`` to continue a run (then call :meth:`load_state_dict`).
         overwrite: replace a run already in ``run_dir``.
         callbacks: stabletrain :class:`~stabletrain.callbacks.Callback` instances (``on_step_end``, ``on_log``, ...).
-        options: :class:`~stabletrain.integrations.options.AdapterOptions` (``log_every``, ``on_nonfinite``: "stop"
+        options: :class:`~stabletrain.config.adapter.AdapterOptions` (``log_every``, ``on_nonfinite``: "stop"
             raises :class:`StopTraining` at the log boundary, ``on_spike``, ``capture``, ``diagnose``, ...;
             ``trackers=["mlflow"]``: an MLflow or W&B run active in the process is written into).
     """
@@ -107,7 +104,7 @@ class Monitor:
             run_dir, model, host="monitor", options=options, precision=self.precision.mode, clip_max_norm=clip_max_norm,
             optimizer=inner, scaler=self.precision.scaler, replay=_MonitorReplay(self) if loss_fn is not None else None,
             overwrite=overwrite,
-            recipes={"model": _model_recipe(unwrap(model), model_factory), "loss": _loss_recipe(loss_fn)},
+            recipes={"model": _model_recipe(unwrap(model), model_factory), "loss": loss_recipe(loss_fn)},
             host_config={"log_every": options.log_every, "clip_max_norm": clip_max_norm, "scaler": scaler is not None},
             callbacks=callbacks)
         self.step_fn = build_step(self.session.cfg, model, inner, self.precision, guard=self.session.guard,
@@ -223,9 +220,7 @@ class Monitor:
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        if exc is not None and not isinstance(exc, StopTraining) and not self.session.closed:
-            self.session.crash(exc)
-        self.close()
+        self.session.close(exc if not isinstance(exc, StopTraining) else None)
 
     def state_dict(self) -> dict[str, Any]:
         """The monitor's state (progress, guard, the partial interval's metrics, loss scale): save it in your checkpoint."""
@@ -293,7 +288,3 @@ def _model_recipe(model: nn.Module, factory: str | Callable[[], nn.Module] | Non
     path = import_path(type(model))
     return {"kind": "class", "class": path} if path and not path.startswith("torch.nn.") else None
 
-
-def _loss_recipe(loss_fn: Callable[[nn.Module, Any], Any] | None) -> dict[str, Any] | None:
-    path = import_path(loss_fn) if loss_fn is not None else None
-    return {"kind": "function", "function": path} if path else None

@@ -51,17 +51,15 @@ from torch import Tensor, nn
 from transformers import Trainer, TrainerCallback
 
 from ..callbacks import Callback as StableCallback
+from ..config import AdapterOptions
 from ..console import StableTrainWarning
 from ..data import move_to
 from ..diagnostics.initialization import InitFingerprint
-from ..internals import find_caller
+from ..internals import find_caller, is_compiled
 from ..numerics import grad_norms
 from ..records.batches import batch_size, import_path
-from ..seeding import rng_state
-from .core import RunSession
-from .host_steps import KeptStep
-from .hoststep import HostStep
-from .options import AdapterOptions, is_compiled
+from ..services.kept_steps import KeptStep
+from .core import RunSession, loss_recipe
 
 __all__ = ["StableTrainCallback", "STATE_FILE"]
 
@@ -95,7 +93,7 @@ class StableTrainCallback(TrainerCallback):
         trainer: the ``Trainer`` this callback is added to (default: found when it starts the callback).
         overwrite: replace a run already in ``run_dir`` (a new training, not a resume).
         callbacks: stabletrain :class:`~stabletrain.callbacks.Callback` instances fired with the built-in sinks.
-        options: :class:`~stabletrain.integrations.options.AdapterOptions` (``log_every``, ``on_nonfinite``, ...; with
+        options: :class:`~stabletrain.config.adapter.AdapterOptions` (``log_every``, ``on_nonfinite``, ...; with
             ``trackers=["mlflow"]`` (or "wandb") and ``report_to=["mlflow"]``, stabletrain writes into the run the
             Trainer's own MLflow (W&B) callback started).
     """
@@ -108,20 +106,11 @@ class StableTrainCallback(TrainerCallback):
         self.stable_callbacks = list(callbacks)
         self.trainer = trainer
         self.session: RunSession | None = None
-        self.host_step: HostStep | None = None
         self._fingerprint: InitFingerprint | None = None
         self._record: dict[str, Any] | None = None
         self._out: dict[str, Tensor] | None = None
-        self._wrapped: list[str] = []
-        self._reset_step()
-
-    def _reset_step(self) -> None:
-        self._micro: list[Any] = []
-        self._rng: dict[str, Any] | None = None
-        self._loss: Tensor | None = None
-        self._count: Tensor | float = 0.0
         self._norms: tuple[Tensor, Tensor] | None = None
-        self._host: dict[str, Any] = {}
+        self._wrapped: list[str] = []
 
     # -- set-up --------------------------------------------------------------------------------------
 
@@ -160,8 +149,6 @@ class StableTrainCallback(TrainerCallback):
         config = getattr(model, "config", None)
         model_recipe = ({"kind": "transformers", "class": cls, "config": config.to_dict()}
                         if cls and config is not None and hasattr(type(model), "config_class") else None)
-        loss_recipe = (({"kind": "transformers"} if _default_compute_loss(trainer) else None) if self.loss_fn is None else
-                       {"kind": "function", "function": import_path(self.loss_fn)} if import_path(self.loss_fn) else None)
         host = {k: getattr(args, k, None) for k in (
             "output_dir", "max_steps", "num_train_epochs", "per_device_train_batch_size", "gradient_accumulation_steps",
             "learning_rate", "weight_decay", "max_grad_norm", "lr_scheduler_type", "warmup_steps", "optim", "fp16",
@@ -172,11 +159,12 @@ class StableTrainCallback(TrainerCallback):
             self.run_dir, model, host="transformers", options=self.options, precision=mode, clip_max_norm=clip,
             optimizer=inner, scaler=scaler, replay=_TransformersReplay(self), overwrite=self.overwrite,
             fingerprint=None if resumed else self._fingerprint,
-            recipes={"model": model_recipe, "loss": loss_recipe}, host_config=host, callbacks=self.stable_callbacks,
+            recipes={"model": model_recipe, "loss": loss_recipe(self.loss_fn, {"kind": "transformers"} if
+                                                                _default_compute_loss(trainer) else None)},
+            host_config=host, callbacks=self.stable_callbacks,
             compiled=bool(getattr(args, "torch_compile", False))  # the callbacks are handed the uncompiled model
             or is_compiled(getattr(trainer, "model_wrapped", model)))
-        self.host_step = HostStep(self.session, inner, scaler, host_clip=clip, own_clip=None,
-                                  skip_hint="use optim='adamw_torch_fused'")
+        self.session.judge_host_steps(inner, scaler, host_clip=clip, own_clip=None, skip_hint="use optim='adamw_torch_fused'")
         self.session.open(resume=resumed)
         if resumed:
             path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}", STATE_FILE)
@@ -211,19 +199,15 @@ class StableTrainCallback(TrainerCallback):
         session = self.session
         if session is None or session.capture.replaying:
             return self._call_training_step(model, inputs, num_items_in_batch)
-        if not self._micro:
-            if session.capturing:
-                self._rng = rng_state()
-            self._host = {"model": model, "num_items_in_batch": num_items_in_batch,
-                          "accumulation_steps": getattr(self.trainer, "current_gradient_accumulation_steps", None)}
+        pending = session.pending
+        if not pending.micro:
+            pending.host = {"model": model, "num_items_in_batch": num_items_in_batch,
+                            "accumulation_steps": getattr(self.trainer, "current_gradient_accumulation_steps", None)}
             if session.step == 0 and self.options.init_check and not session.history:
                 session.signal_check(dict(inputs), self.diagnosis_loss(num_items_in_batch))
-        self._micro.append(dict(inputs))
-        n = _count_tokens(inputs)
-        self._count = self._count + (n.detach().float() if isinstance(n, Tensor) else float(n))
+        pending.add(dict(inputs), _count_tokens(inputs), rng=session.capturing)
         loss = self._call_training_step(model, inputs, num_items_in_batch)
-        detached = loss.detach().float().reshape(())
-        self._loss = detached if self._loss is None else self._loss + detached
+        pending.add_loss(loss.detach().float().reshape(()))
         if self.trainer.accelerator.sync_gradients:  # the window's last backward: its pre-clip gradients
             self._norms = grad_norms(session.params)
         return loss
@@ -258,27 +242,22 @@ class StableTrainCallback(TrainerCallback):
         if self._norms is None:
             raise RuntimeError("StableTrainCallback: the optimizer steps, but the trainer's training_step did not run "
                                "through stabletrain's watch (was training_step replaced after train() began?)")
-        norm, per = self._norms
-        lr = self.host_step.optimizer.param_groups[0]["lr"]  # the step's: the Trainer's scheduler steps after it
+        (norm, per), self._norms = self._norms, None
+        lr = session.host_step.optimizer.param_groups[0]["lr"]  # the step's: the Trainer's scheduler steps after it
         self._lr = lr.detach().clone() if isinstance(lr, Tensor) else lr
-        session.keep(self._micro, self._rng, dict(self._host))
-        self.host_step.before_step(self._loss, norm, per, grads_scaled=self.host_step.scaler is not None)
+        session.before_host_step(norm, per, grads_scaled=session.host_step.scaler is not None)
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._out = self.host_step.after_step(self._count)
+        self._out = self.session.after_host_step()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         out, session = self._out, self.session
         if out is None:
             return
         self._out = None
-        num_samples = sum(batch_size(b) for b in self._micro)
-        session.epoch = int(state.epoch or 0)
-        lr = self._lr
-        loss_scale = self.host_step.loss_scale()
-        self._reset_step()
-        if session.record(out, num_samples=num_samples, lr=lr, loss_scale=loss_scale):
-            self._record = session.history[-1]
+        record = session.record_host_step(out, epoch=int(state.epoch or 0), lr=self._lr)
+        if record is not None:
+            self._record = record
             if session.stop_reason is not None:
                 control.should_training_stop = True
             if self.options.mirror:
@@ -288,8 +267,7 @@ class StableTrainCallback(TrainerCallback):
         record, self._record = self._record, None
         if record is None or logs is None or not self.options.mirror:
             return
-        ours = {f"stabletrain/{k}": v for k, v in record.items()
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+        ours = self.session.figures(record)
         logs.update(ours)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(ours)
@@ -305,8 +283,6 @@ class StableTrainCallback(TrainerCallback):
 
     def _detach(self) -> None:
         self._unwrap()
-        if self.host_step is not None:
-            self.host_step.close()
         if self.session is not None:
             self.session.close()
 

@@ -2,27 +2,39 @@
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
 __all__ = ["JsonlWriter", "json_safe", "read_jsonl"]
 
 
-def _json_leaf(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    return value
-
-
 def json_safe(value: Any) -> Any:
-    """Make a value JSON-safe: non-finite floats (in nested dicts, lists, tuples) become "nan", "inf", "-inf"."""
+    """``value`` as JSON and YAML can hold it: non-finite floats (nested too) as "nan", "inf", "-inf".
+
+    Also a one-element tensor as a float, an enum as its value (e.g. HF's SchedulerType, a str subclass YAML
+    cannot write), a dataclass as a dict, a tuple as a list, a key as a string; anything else by its repr.
+    """
+    if isinstance(value, enum.Enum):
+        return json_safe(value.value)
+    if isinstance(value, (bool, int, str)) or value is None:
+        return type(value)(value) if value is not None else None
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)  # "nan", "inf", "-inf"
     if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
+        return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [json_safe(v) for v in value]
-    return _json_leaf(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return json_safe(dataclasses.asdict(value))
+    torch = sys.modules.get("torch")  # a tensor comes only once torch is imported (not imported here: no cost)
+    if torch is not None and isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value)
+    return repr(value)
 
 
 class JsonlWriter:

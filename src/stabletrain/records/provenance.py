@@ -19,8 +19,10 @@ import torch
 
 from .._version import __version__
 from ..config import Config, config_hash
+from .jsonl import json_safe
 
-__all__ = ["OUTPUT_MARKER", "build_snapshot", "git_info", "is_stabletrain_output", "mark_output_dir"]
+__all__ = ["OUTPUT_MARKER", "build_snapshot", "git_info", "installed_versions", "is_stabletrain_output", "mark_output_dir",
+           "optimizer_config"]
 
 #: The file that marks a folder stabletrain writes outside a run directory (``check --out``, ``lab --out``),
 #: so that the snapshot's ``git.dirty`` does not count it as a change to the user's code.
@@ -128,3 +130,22 @@ def build_snapshot(cfg: Config, device: torch.device, precision: str, data_finge
     }
     snap.update(extra or {})
     return snap
+
+
+def installed_versions(*names: str) -> dict[str, str]:
+    """The installed version of each distribution in ``names`` (one not installed is left out)."""
+    import importlib.metadata as md
+
+    out = {}
+    for name in names:
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def optimizer_config(optimizer: Any) -> dict[str, Any]:
+    """The optimizer's class and default hyperparameters, for ``config.yaml``."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # an accelerate / Lightning wrapper holds the torch one
+    return {"name": type(inner).__name__, **{k: json_safe(v) for k, v in getattr(inner, "defaults", {}).items()}}

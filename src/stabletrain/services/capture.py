@@ -2,7 +2,7 @@
 
 The built-in loop and every adapter capture a bad step the same way; only where their steps come from
 differs (a :class:`StepSource`: the loop's data stream and step, :class:`~stabletrain.services.incidents.LoopSteps`;
-a host's kept steps and its own replay, :class:`~stabletrain.integrations.host_steps.HostSteps`)::
+a host's kept steps and its own replay, :class:`~stabletrain.services.kept_steps.HostSteps`)::
 
     at each interval's start        the snapshot of source.live_state(), split by the run's strategy: the
                                     parameters and optimizer state on a CUDA side stream that the optimizer's
@@ -36,10 +36,10 @@ from ..diagnostics.diagnosis import DIAGNOSIS_FIELDS
 from ..incident_replay import diagnose_incident
 from ..records.bundles import BUNDLE_DCP_DIR, STATE_IN, write_bundle
 from ..records.checkpoint.shards import is_dcp_entry
-from ..records.staging import IntervalSnapshot, clone_state, join_params, state_kept
+from ..records.staging import IntervalSnapshot, StateStager, clone_state, join_params, state_kept
 from ..seeding import rng_state, set_rng_state
 
-__all__ = ["IncidentCapture", "StepSource", "incident_dir", "MAX_CONTEXT"]
+__all__ = ["IncidentCapture", "StepSource", "incident_dir", "staged_now", "MAX_CONTEXT"]
 
 #: A spike's bundle keeps up to this many ordinary windows beside its own (its diagnosis compares against them).
 MAX_CONTEXT = 3
@@ -48,6 +48,14 @@ MAX_CONTEXT = 3
 def incident_dir(run_dir: Path, step: int) -> Path:
     """``RUN_DIR/incidents/step_N``."""
     return Path(run_dir) / "incidents" / f"step_{step:06d}"
+
+
+def staged_now(state: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``state`` in fresh host buffers, complete when it returns (a source keeps a state a replay moves past)."""
+    staged, ready = StateStager().stage(state)
+    for event in ready:
+        event.synchronize()
+    return staged
 
 
 class StepSource(Protocol):

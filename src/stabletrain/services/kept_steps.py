@@ -1,8 +1,9 @@
 """An adapter's host as the source of the one capture: the steps it kept this interval, replayed as the host ran them.
 
 The engine is the built-in loop's (:class:`~stabletrain.services.capture.IncidentCapture`: the interval
-snapshot, the replay to just before the bad step, the bundle, the diagnosis); :class:`HostSteps` feeds it
-with what the host ran instead of the built-in data stream::
+snapshot, the replay to just before the bad step, the bundle, the diagnosis), and the loop's own steps are
+its other source (:class:`~stabletrain.services.incidents.LoopSteps`); :class:`HostSteps` feeds it with what
+an adapter's host ran instead of the built-in data stream::
 
     every step (no sync)                      keeper.keep(step): the micro-batches (off the device), the RNG
                                               state at its forward, each group's lr, the loss scale, host inputs
@@ -34,13 +35,13 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from ..internals import scaler_state, set_scaler_state
+from ..internals import eager_methods, scaler_state, set_scaler_state
 from ..records.batches import CapturedRows, batch_nbytes, bundle_batch, plain_batch, to_host, unbundle_batch
 from ..records.captured import optimizer_recipe
-from ..records.staging import StateStager, load_optimizer_state_
+from ..records.staging import load_optimizer_state_
 from ..seeding import rng_state, set_rng_state
 from ..tasks import Task
-from .options import eager_methods
+from .capture import staged_now
 
 __all__ = ["KeptStep", "StepKeeper", "HostReplay", "HostSteps"]
 
@@ -122,7 +123,7 @@ class HostSteps:
     """A host's kept steps and its own replay of them, as a :class:`~stabletrain.services.capture.StepSource`.
 
     Args:
-        session: the adapter's :class:`~stabletrain.integrations.core.RunSession`.
+        session: the adapter's run (:class:`~stabletrain.integrations.core.RunSession`).
         replay: the host's :class:`HostReplay` (None: only a bad step at an interval's start can be captured).
         max_keep_mib: the budget for one interval's kept batches, in MiB.
     """
@@ -192,10 +193,7 @@ class HostSteps:
                 continue
             kept = self.keeper.steps[t]
             if keep_previous and t == step - 1:  # a spike's: the state before the step before it
-                staged, ready = StateStager().stage(self.live_state())
-                for event in ready:
-                    event.synchronize()
-                self._previous = (staged, kept)
+                self._previous = (staged_now(self.live_state()), kept)
             if kept.rng is not None:
                 set_rng_state(kept.rng)
             if self.optimizer is not None:

@@ -1,0 +1,108 @@
+"""An adapter's options (``Monitor(..., log_every=5)``, the host callbacks'): a projection of :class:`Config`.
+
+The options that are keys of the built-in run's config (:data:`CONFIG_KEYS`) take their meaning, default,
+type, range and help from it and are validated by it; the host's own (:data:`HOST_OPTIONS`) are the few a
+built-in run has no key for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import brief
+from .schema import TRACKERS, Config
+from .values import ConfigError
+
+__all__ = ["AdapterOptions", "CONFIG_KEYS", "HOST_OPTIONS"]
+
+#: An adapter's options that are keys of the built-in run's config: the same meaning, default, type, range and help
+#: (``stabletrain train --help`` lists them; a bad value is refused naming the option and its key).
+CONFIG_KEYS = {"log_every": "log.every", "on_spike": "guard.on_spike", "capture": "capture.incidents",
+               "diagnose": "capture.diagnose", "check_params": "guard.check_params", "tensorboard": "log.tensorboard",
+               "top_layers": "log.top_layers", "trackers": "log.trackers"}
+
+#: The options of a host's side that a built-in run has no key for: (default, meaning).
+HOST_OPTIONS: dict[str, tuple[Any, str]] = {
+    "on_nonfinite": ("skip", "a non-finite loss or grad norm: 'skip' the step on the device and go on, 'stop' (skipped, "
+                             "then the host stops at the log boundary) or 'warn' (recorded and warned only; the host's "
+                             "own skips, e.g. a GradScaler's, still happen)"),
+    "init_check": (True, "fingerprint the init and run the signal-propagation report on the first batch"),
+    "mirror": (True, "also hand each interval's figures to the host's own logger (Lightning log_dict when the trainer "
+                     "has a logger, Hugging Face logs)"),
+    "keep_max_mib": (1024.0, "host memory for one interval's kept micro-batches (what a capture replays): past it, that "
+                             "interval's incidents are recorded but not captured"),
+}
+
+
+class AdapterOptions:
+    """What an adapter does beyond measuring: the built-in run's config keys (:data:`CONFIG_KEYS`) and the host's own
+    (:data:`HOST_OPTIONS`), by keyword, e.g. ``Monitor(..., log_every=5, on_spike="skip")``.
+
+    ``trackers`` may also hold a configured :class:`~stabletrain.callbacks.tracker_sink.TrackerSink`
+    (``MLflowTracker(tracking_uri=...)``); where the host already has that tracker, its run is written into.
+    The run's :class:`~stabletrain.config.Config` is their projection (:meth:`apply`); an unknown option is a
+    TypeError and a bad value a ValueError naming the option and its config key.
+    """
+
+    def __init__(self, **options: Any) -> None:
+        unknown = sorted(set(options) - set(CONFIG_KEYS) - set(HOST_OPTIONS))
+        if unknown:
+            raise TypeError(f"unexpected option {', '.join(map(repr, unknown))}; the options are "
+                            f"{', '.join(sorted([*CONFIG_KEYS, *HOST_OPTIONS]))}")
+        trackers = options.pop("trackers", ("tensorboard",))
+        if isinstance(trackers, str) or not isinstance(trackers, Sequence):
+            raise ValueError(f"trackers: expected a list (e.g. trackers=['tensorboard', 'mlflow']), got {trackers!r}")
+        self.trackers = tuple(trackers)
+        _check_trackers(self.trackers)
+        for name, (default, _) in HOST_OPTIONS.items():
+            setattr(self, name, options.pop(name, default))
+        if self.on_nonfinite not in ("skip", "stop", "warn"):
+            raise ValueError(f"on_nonfinite: expected 'skip', 'stop' or 'warn', got {self.on_nonfinite!r} (a rollback "
+                             "needs the checkpoints the host trainer owns: resume it from its own checkpoint)")
+        if not isinstance(self.keep_max_mib, (int, float)) or isinstance(self.keep_max_mib, bool) or self.keep_max_mib < 0:
+            raise ValueError(f"keep_max_mib: expected a number >= 0, got {self.keep_max_mib!r}")
+        self._cfg = self.apply(Config(), {**options, "trackers": self.tracker_names()})
+        for name, key in CONFIG_KEYS.items():
+            if name != "trackers":
+                setattr(self, name, _get(self._cfg, key))
+        if self.on_spike not in ("warn", "skip"):
+            raise ValueError(f"on_spike: expected 'warn' or 'skip', got {self.on_spike!r} (config key guard.on_spike; a "
+                             "rollback or a remedy needs the checkpoints the host trainer owns)")
+
+    @staticmethod
+    def apply(cfg: Config, options: dict[str, Any]) -> Config:
+        """``cfg`` with the options that are config keys set, validated as the built-in run's (returned)."""
+        for name, value in options.items():
+            section, _, key = CONFIG_KEYS[name].partition(".")
+            setattr(getattr(cfg, section), key, list(value) if isinstance(value, tuple) else value)
+        try:
+            return cfg.validate()
+        except ConfigError as err:
+            named = next((n for n, k in CONFIG_KEYS.items() if f"'{k}'" in str(err)), None)
+            raise ValueError(f"{named}: {err}" if named else str(err)) from None
+
+    def project(self, cfg: Config) -> Config:
+        """``cfg`` (the session's) with these options' config keys (the log and guard sections) set and validated."""
+        return self.apply(cfg, {n: _get(self._cfg, k) for n, k in CONFIG_KEYS.items()})
+
+    def tracker_names(self) -> list[str]:
+        """The trackers' names ("tensorboard", "mlflow", "wandb"), as ``log.trackers`` lists them."""
+        return [t if isinstance(t, str) else t.name for t in self.trackers]
+
+
+def _check_trackers(specs: Sequence[Any]) -> None:
+    """Each entry a tracker's name or a configured sink (a ``TrackerSink``: it has its tracker's ``name``), none twice."""
+    seen: set[str] = set()
+    for i, spec in enumerate(specs):
+        name = spec if isinstance(spec, str) else getattr(spec, "name", None) if hasattr(spec, "on_log") else None
+        if name not in TRACKERS or (name == "tensorboard" and not isinstance(spec, str)):
+            raise ValueError(f"trackers[{i}]: expected one of {', '.join(TRACKERS)} or a TrackerSink, got {brief(spec)}")
+        if name in seen and name != "tensorboard":  # tensorboard twice: log.trackers' own check says so
+            raise ValueError(f"trackers[{i}]: {name} is listed twice")
+        seen.add(name)
+
+
+def _get(cfg: Config, key: str) -> Any:
+    section, _, name = key.partition(".")
+    return getattr(getattr(cfg, section), name)
