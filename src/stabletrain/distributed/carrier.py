@@ -3,6 +3,7 @@
 :func:`data_parallel` wraps a module in ``DistributedDataParallel`` with a :class:`WindowCarrier`;
 :func:`register_carrier_hook` sets one up on a module already wrapped. The accumulation window
 (:mod:`stabletrain.policies.accumulation`) hands the carrier its (loss sum, count[, inputs flag]).
+Where a host trainer runs the backward (the adapters), :class:`LossWatch` carries each rank's loss finiteness.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch import Tensor
 
 from ..internals import queue_backward_callback
 
-__all__ = ["WindowCarrier", "data_parallel", "register_carrier_hook"]
+__all__ = ["WindowCarrier", "LossWatch", "data_parallel", "register_carrier_hook"]
 
 
 class WindowCarrier:
@@ -185,3 +186,26 @@ def register_carrier_hook(ddp_model: torch.nn.parallel.DistributedDataParallel) 
     ddp_model.register_comm_hook(carrier, _allreduce_carrying)
     carrier.travels = True
     return carrier
+
+
+class LossWatch:
+    """A rank's non-finite loss through the gradient all-reduce of a backward a host trainer runs (DDP; no sync).
+
+    A gradient hook on the smallest parameter adds ``loss * 0`` (0, or NaN when the loss is not finite) to its
+    gradient before DDP all-reduces it: the all-reduced grad norm, which every rank's verdict reads, is then
+    non-finite on every rank, and every rank skips the step. No collective of its own.
+    """
+
+    def __init__(self, params: list[Tensor]) -> None:
+        self.poison: Tensor | None = None  # this step's loss * 0 (None: nothing to add)
+        self._hook = min(params, key=lambda p: p.numel()).register_hook(self._add)
+
+    def _add(self, grad: Tensor) -> Tensor:
+        return grad if self.poison is None else grad + self.poison.to(grad.dtype)
+
+    def watch(self, loss: Tensor) -> None:
+        """Before the host backpropagates a micro-batch's ``loss``."""
+        self.poison = loss.detach().float().reshape(()) * 0
+
+    def remove(self) -> None:
+        self._hook.remove()

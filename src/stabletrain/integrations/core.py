@@ -23,7 +23,7 @@ run directory and the built-in callbacks that write it, the loop's
 :meth:`RunSession.keep`, :meth:`~RunSession.before_update` and :meth:`~RunSession.record` itself.) A bad step is
 skipped (on the device) and nothing else: every healthy update is applied as the host would apply it. Under
 DDP every rank runs a session: the verdict is the same on every rank without a collective of its own (a rank's
-non-finite loss reaches every rank's gradients, see :meth:`RunSession.watch_loss`), each interval's figures are
+non-finite loss reaches every rank's gradients: :class:`~stabletrain.distributed.carrier.LossWatch`), each interval's figures are
 gathered in one all-gather, and rank 0 alone writes the run directory.
 """
 
@@ -46,6 +46,7 @@ from ..callbacks.sinks import EventLog, InitWatch, MetricsFile, TensorBoardLog
 from ..callbacks.trackers import build_trackers
 from ..config import AdapterOptions, ClipConfig, Config, GuardConfig, TrainConfig
 from ..diagnostics.initialization import InitFingerprint
+from ..distributed.carrier import LossWatch
 from ..distributed.group import DistContext
 from ..distributed.strategy import strategy_for
 from ..errors import crash_event
@@ -55,16 +56,16 @@ from ..internals import eager_methods, is_compiled, unwrap
 from ..numerics import snapshot_params, unique_params, update_norms
 from ..policies.guard import Guard
 from ..policies.metrics import StepMetrics
-from ..records.batches import batch_size, import_path
+from ..records.batches import batch_size
 from ..records.jsonl import json_safe
 from ..records.provenance import build_snapshot, installed_versions, optimizer_config
 from ..records.rundir import RunDir
 from ..seeding import rng_state, set_rng_state
 from ..services.boundary import IntervalBoundary
 from ..services.capture import IncidentCapture
-from ..services.kept_steps import HostReplay, HostSteps
+from ..services.kept_steps import HostReplay, HostSteps, PendingStep
 
-__all__ = ["RunSession", "AdapterGuard", "PendingStep", "loss_recipe"]
+__all__ = ["RunSession", "AdapterGuard"]
 
 #: The host trainers' own distributions, whose versions a new run's snapshot records.
 HOST_LIBRARIES = {"lightning": ("lightning",), "transformers": ("transformers", "accelerate")}
@@ -83,37 +84,6 @@ class AdapterGuard(Guard):
         if not self.enforce:  # warn: only a spike skip when asked
             ok = ~spike if self.cfg.on_spike == "skip" else torch.ones_like(finite)
         return ok, finite, spike
-
-
-class PendingStep:
-    """The optimizer step a host is running: its micro-batches (kept for a capture), the RNG state where its
-    first forward began, its summed loss and item count, the host's own inputs to it (see each adapter)."""
-
-    def __init__(self) -> None:
-        self.micro: list[Any] = []
-        self.rng: dict[str, Any] | None = None
-        self.loss: Tensor | None = None
-        self.count: Tensor | float = 0.0
-        self.host: dict[str, Any] = {}
-
-    def add(self, batch: Any, count: Tensor | float, *, rng: bool) -> None:
-        """A micro-batch and the items its loss covers; ``rng``: take the RNG state at the step's first (no sync)."""
-        if rng and not self.micro:
-            self.rng = rng_state()
-        self.micro.append(batch)
-        self.count = self.count + (count.detach().float() if isinstance(count, Tensor) else float(count))
-
-    def add_loss(self, loss: Tensor) -> None:
-        self.loss = loss if self.loss is None else self.loss + loss
-
-
-def loss_recipe(loss_fn: Callable[..., Any] | None, default: dict[str, Any] | None = None) -> dict[str, Any] | None:
-    """How a new process gets the loss (:mod:`~stabletrain.records.captured`): ``loss_fn`` by its import path (None
-    when it has none: a lambda, a closure), or without one the host's own (``default``)."""
-    if loss_fn is None:
-        return default
-    path = import_path(loss_fn)
-    return {"kind": "function", "function": path} if path else None
 
 
 class RunSession:
@@ -186,8 +156,7 @@ class RunSession:
         self.capture = IncidentCapture(self.steps)
         self.boundary = IntervalBoundary(self.state, self.metrics, self.guard, self.callbacks, self.capture.capture,
                                          top_layers=options.top_layers, epoch=lambda: self.epoch, count_samples=True)
-        self._poison: Tensor | None = None
-        self._poison_hook = self._watch_losses() if self.dist.world > 1 else None
+        self.loss_watch = LossWatch(self.params) if self.dist.world > 1 else None  # a rank's NaN reaches every rank
         self.host_step: HostStep | None = None  # judge_host_steps: a host that steps its optimizer itself
         self.pending = PendingStep()
 
@@ -289,24 +258,10 @@ class RunSession:
 
     # -- per step (no host sync) -------------------------------------------------------------------
 
-    def _watch_losses(self) -> Any:
-        """DDP: a rank's non-finite loss makes every rank's gradients non-finite, so every rank skips the step.
-
-        A gradient hook on the smallest parameter adds ``loss * 0`` (0, or NaN when the loss is not finite)
-        to its gradient before DDP all-reduces it: the all-reduced grad norm, which every rank's verdict
-        reads, is then non-finite on every rank. No collective of its own.
-        """
-        param = min(self.params, key=lambda p: p.numel())
-
-        def hook(grad: Tensor) -> Tensor:
-            return grad if self._poison is None else grad + self._poison.to(grad.dtype)
-
-        return param.register_hook(hook)
-
     def watch_loss(self, loss: Tensor) -> None:
-        """Before the host backpropagates a micro-batch's ``loss`` (DDP only; no sync): see :meth:`_watch_losses`."""
-        if self._poison_hook is not None:
-            self._poison = loss.detach().float().reshape(()) * 0
+        """Before the host backpropagates a micro-batch's ``loss`` (DDP only; no sync): :class:`LossWatch`."""
+        if self.loss_watch is not None:
+            self.loss_watch.watch(loss)
 
     def keep(self, micro_batches: list[Any], rng: dict[str, Any] | None, host: dict[str, Any] | None = None) -> None:
         """Keep what a replay of the next step needs (its micro-batches, RNG state, lrs, loss scale; no sync)."""
@@ -361,7 +316,8 @@ class RunSession:
 
         ``num_samples``, ``out["loss"]`` and ``out["count"]``: this rank's own (gathered at the boundary under DDP).
         """
-        self._poison = None
+        if self.loss_watch is not None:
+            self.loss_watch.poison = None
         self.step += 1
         if self.dist.world > 1:
             out = {**out, "local_nonfinite": out["loss"] * 0 != 0}  # this rank's own loss: names the rank
@@ -422,9 +378,9 @@ class RunSession:
             if len(self.metrics):
                 record = self.log()
         finally:
-            if self._poison_hook is not None:
-                self._poison_hook.remove()
-                self._poison_hook = None
+            if self.loss_watch is not None:
+                self.loss_watch.remove()
+                self.loss_watch = None
             self.callbacks.fire("on_fit_end", self.state, record or (self.history[-1] if self.history else {}))
             if self.run is not None:
                 self.run.close()

@@ -48,21 +48,12 @@ from ..data import move_to
 from ..diagnostics.initialization import InitFingerprint
 from ..internals import skips_on_device
 from ..numerics import grad_norms
-from ..records.batches import batch_size, import_path, plain_batch
-from ..records.captured import lightning_loss
+from ..records.batches import batch_size
+from ..records.captured import lightning_loss, loss_recipe, model_recipe
 from ..services.kept_steps import KeptStep
-from .core import RunSession, loss_recipe
+from .core import RunSession
 
 __all__ = ["StableTrainCallback"]
-
-
-def _plain_hparams(module: pl.LightningModule) -> dict[str, Any] | None:
-    try:
-        hparams = dict(module.hparams)
-        plain_batch(hparams)  # only values a safe bundle can hold
-        return hparams
-    except (TypeError, AttributeError):
-        return None
 
 
 class StableTrainCallback(pl.Callback):
@@ -140,8 +131,6 @@ class StableTrainCallback(pl.Callback):
         self.value_clip = clip is not None and algorithm != "norm"
         host_clip = float(clip) if clip is not None and not self.value_clip else None
         self.scaler = scaler
-        cls = import_path(type(pl_module))
-        hparams = _plain_hparams(pl_module)
         host = {"max_steps": trainer.max_steps, "max_epochs": trainer.max_epochs, "precision": precision,
                 "accumulate_grad_batches": trainer.accumulate_grad_batches,
                 "gradient_clip_val": trainer.gradient_clip_val, "gradient_clip_algorithm": algorithm,
@@ -153,8 +142,7 @@ class StableTrainCallback(pl.Callback):
             clip_max_norm=self.clip_max_norm if self.clip_max_norm is not None else host_clip,
             optimizer=optimizer, scaler=scaler, replay=_LightningReplay(self), overwrite=self.overwrite,
             fingerprint=self._fingerprint,
-            recipes={"model": {"kind": "lightning", "class": cls, "hparams": hparams} if cls and hparams is not None
-                     else None, "loss": loss_recipe(self.loss_fn, {"kind": "lightning"})},
+            recipes={"model": model_recipe(pl_module, "lightning"), "loss": loss_recipe(self.loss_fn, {"kind": "lightning"})},
             host_config=host, callbacks=self.stable_callbacks, tracker_hosts=_tracker_hosts(trainer))
         self.session.judge_host_steps(optimizer, scaler, host_clip=host_clip, own_clip=self.clip_max_norm,
                                       skip_hint="use fused=True, e.g. torch.optim.AdamW(..., fused=True)")

@@ -48,11 +48,12 @@ from ..data import move_to
 from ..errors import StopTraining
 from ..internals import unwrap
 from ..policies.precision import PrecisionPolicy
-from ..records.batches import batch_size, import_path
+from ..records.batches import batch_size
+from ..records.captured import loss_recipe, model_recipe
 from ..seeding import rng_state
 from ..services.kept_steps import KeptStep
 from ..step import TrainStep, build_step
-from .core import RunSession, loss_recipe
+from .core import RunSession
 
 __all__ = ["Monitor", "StopTraining"]
 
@@ -104,7 +105,7 @@ class Monitor:
             run_dir, model, host="monitor", options=options, precision=self.precision.mode, clip_max_norm=clip_max_norm,
             optimizer=inner, scaler=self.precision.scaler, replay=_MonitorReplay(self) if loss_fn is not None else None,
             overwrite=overwrite,
-            recipes={"model": _model_recipe(unwrap(model), model_factory), "loss": loss_recipe(loss_fn)},
+            recipes={"model": model_recipe(unwrap(model), "monitor", model_factory), "loss": loss_recipe(loss_fn)},
             host_config={"log_every": options.log_every, "clip_max_norm": clip_max_norm, "scaler": scaler is not None},
             callbacks=callbacks)
         self.step_fn = build_step(self.session.cfg, model, inner, self.precision, guard=self.session.guard,
@@ -277,14 +278,3 @@ def _as_backpropagated(loss: Tensor, backpropagated: Tensor | None, num_micro: i
     if bool(torch.equal((loss / num_micro).detach().float(), seen)):
         return loss / num_micro
     return loss * (seen / value).to(loss.dtype)
-
-
-def _model_recipe(model: nn.Module, factory: str | Callable[[], nn.Module] | None) -> dict[str, Any] | None:
-    if isinstance(factory, str):
-        return {"kind": "factory", "factory": factory, "kwargs": {}}
-    if factory is not None:
-        path = import_path(factory)
-        return {"kind": "factory", "factory": path, "kwargs": {}} if path else None
-    path = import_path(type(model))
-    return {"kind": "class", "class": path} if path and not path.startswith("torch.nn.") else None
-

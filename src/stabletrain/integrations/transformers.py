@@ -57,9 +57,10 @@ from ..data import move_to
 from ..diagnostics.initialization import InitFingerprint
 from ..internals import find_caller, is_compiled
 from ..numerics import grad_norms
-from ..records.batches import batch_size, import_path
+from ..records.batches import batch_size
+from ..records.captured import loss_recipe, model_recipe
 from ..services.kept_steps import KeptStep
-from .core import RunSession, loss_recipe
+from .core import RunSession
 
 __all__ = ["StableTrainCallback", "STATE_FILE"]
 
@@ -145,10 +146,6 @@ class StableTrainCallback(TrainerCallback):
                           StableTrainWarning, stacklevel=2)
         clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
         resumed = state.global_step > 0
-        cls = import_path(type(model))
-        config = getattr(model, "config", None)
-        model_recipe = ({"kind": "transformers", "class": cls, "config": config.to_dict()}
-                        if cls and config is not None and hasattr(type(model), "config_class") else None)
         host = {k: getattr(args, k, None) for k in (
             "output_dir", "max_steps", "num_train_epochs", "per_device_train_batch_size", "gradient_accumulation_steps",
             "learning_rate", "weight_decay", "max_grad_norm", "lr_scheduler_type", "warmup_steps", "optim", "fp16",
@@ -159,7 +156,7 @@ class StableTrainCallback(TrainerCallback):
             self.run_dir, model, host="transformers", options=self.options, precision=mode, clip_max_norm=clip,
             optimizer=inner, scaler=scaler, replay=_TransformersReplay(self), overwrite=self.overwrite,
             fingerprint=None if resumed else self._fingerprint,
-            recipes={"model": model_recipe, "loss": loss_recipe(self.loss_fn, {"kind": "transformers"} if
+            recipes={"model": model_recipe(model, "transformers"), "loss": loss_recipe(self.loss_fn, {"kind": "transformers"} if
                                                                 _default_compute_loss(trainer) else None)},
             host_config=host, callbacks=self.stable_callbacks,
             compiled=bool(getattr(args, "torch_compile", False))  # the callbacks are handed the uncompiled model

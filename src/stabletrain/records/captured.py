@@ -31,10 +31,10 @@ import torch
 from torch import Tensor, nn
 
 from ..tasks import Task, TaskError
-from .batches import CapturedRows, import_path, load_object, unbundle_batch
+from .batches import CapturedRows, import_path, load_object, plain_batch, unbundle_batch
 
 __all__ = ["captured_task", "TASK_SPEC", "TASK_SPECS", "REBUILD_HINT", "loss_from_recipe", "model_from_recipe",
-           "optimizer_recipe", "build_optimizer_from_recipe", "lightning_loss"]
+           "model_recipe", "loss_recipe", "optimizer_recipe", "build_optimizer_from_recipe", "lightning_loss"]
 
 TASK_SPEC = "stabletrain.records.captured:captured_task"
 #: Every name a bundle's config may give this task by (bundles written before it moved name the old module:
@@ -108,6 +108,41 @@ def model_from_recipe(recipe: dict[str, Any] | None, host: str | None = None) ->
                     "__main__ or inside a function; or one that needs constructor arguments); its diagnosis.json was "
                     "written when it was captured (`stabletrain diagnose` shows it). To replay it again, "
                     + REBUILD_HINT.get(host or "", REBUILD_HINT["monitor"]))
+
+
+def model_recipe(model: nn.Module, host: str, factory: str | Callable[[], nn.Module] | None = None) -> dict | None:
+    """How a new process rebuilds ``model`` (what :func:`model_from_recipe` reads; None: it cannot).
+
+    ``factory``: ``"module:function"`` or the function that builds it; else by the model's class as ``host``
+    (lightning, transformers, monitor) would build it: from its hyperparameters, its config, no arguments.
+    """
+    if factory is not None:
+        path = factory if isinstance(factory, str) else import_path(factory)
+        return {"kind": "factory", "factory": path, "kwargs": {}} if path else None
+    cls = import_path(type(model))
+    if not cls:
+        return None
+    if host == "lightning":
+        try:
+            hparams = dict(model.hparams)
+            plain_batch(hparams)  # only values a safe bundle can hold
+        except (TypeError, AttributeError):
+            return None
+        return {"kind": "lightning", "class": cls, "hparams": hparams}
+    if host == "transformers":
+        config = getattr(model, "config", None)
+        ok = config is not None and hasattr(type(model), "config_class")
+        return {"kind": "transformers", "class": cls, "config": config.to_dict()} if ok else None
+    return {"kind": "class", "class": cls} if not cls.startswith("torch.nn.") else None
+
+
+def loss_recipe(loss_fn: Callable[..., Any] | None, default: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """How a new process gets the loss: ``loss_fn`` by its import path (None when it has none: a lambda, a
+    closure), or without one the host's own (``default``, e.g. ``{"kind": "lightning"}``)."""
+    if loss_fn is None:
+        return default
+    path = import_path(loss_fn)
+    return {"kind": "function", "function": path} if path else None
 
 
 def optimizer_recipe(optimizer: torch.optim.Optimizer, named_params: list[tuple[str, nn.Parameter]]) -> dict | None:

@@ -5,8 +5,9 @@ snapshot, the replay to just before the bad step, the bundle, the diagnosis), an
 its other source (:class:`~stabletrain.services.incidents.LoopSteps`); :class:`HostSteps` feeds it with what
 an adapter's host ran instead of the built-in data stream::
 
-    every step (no sync)                      keeper.keep(step): the micro-batches (off the device), the RNG
-                                              state at its forward, each group's lr, the loss scale, host inputs
+    every step (no sync)                      the adapter's PendingStep (its micro-batches, the RNG state at its
+                                              first forward, the host's inputs), then keeper.keep(step): the
+                                              batches off the device, each group's lr, the loss scale
     at a boundary whose rows hold a bad step k:
         replay_to(k)                          every applied step of the interval before k, with the host's own
                                               step (HostReplay.replay_step), from the interval's snapshot
@@ -43,7 +44,29 @@ from ..seeding import rng_state, set_rng_state
 from ..tasks import Task
 from .capture import staged_now
 
-__all__ = ["KeptStep", "StepKeeper", "HostReplay", "HostSteps"]
+__all__ = ["PendingStep", "KeptStep", "StepKeeper", "HostReplay", "HostSteps"]
+
+
+class PendingStep:
+    """The optimizer step a host is running: its micro-batches (kept for a capture), the RNG state where its
+    first forward began, its summed loss and item count, the host's own inputs to it (see each adapter)."""
+
+    def __init__(self) -> None:
+        self.micro: list[Any] = []
+        self.rng: dict[str, Any] | None = None
+        self.loss: Tensor | None = None
+        self.count: Tensor | float = 0.0
+        self.host: dict[str, Any] = {}
+
+    def add(self, batch: Any, count: Tensor | float, *, rng: bool) -> None:
+        """A micro-batch and the items its loss covers; ``rng``: take the RNG state at the step's first (no sync)."""
+        if rng and not self.micro:
+            self.rng = rng_state()
+        self.micro.append(batch)
+        self.count = self.count + (count.detach().float() if isinstance(count, Tensor) else float(count))
+
+    def add_loss(self, loss: Tensor) -> None:
+        self.loss = loss if self.loss is None else self.loss + loss
 
 
 @dataclass
