@@ -7,7 +7,9 @@ subclass implements; :func:`stabletrain.internals.restarting_agent`):
 
 - when a worker has failed and the agent will restart the group, the failure it saw first (its global
   rank, pid, exit code or signal, and when) goes into the agent's environment as :data:`RESTART_ENV`,
-  which the restarted workers inherit; then it waits :func:`restart_backoff_s`;
+  which the restarted workers inherit; then it waits :func:`restart_backoff_s` (none after workers that ran
+  :data:`~.launch.QUICK_DEATH_S` or longer: the survivors, whose collectives fail at once on a dead peer, have
+  left or are stopped by the agent's SIGTERM, and the restarted ones resume from LAST_GOOD);
 - a worker that exits with one of :data:`FINAL_EXITS` (stabletrain refused its input, or refused to restart
   into the same failure again) ends the restarts: the agent stops as when ``--max-restarts`` is used up;
 - each attempt's ranks get a rendezvous store of their own (:data:`~.launch.UNSHARED_STORE`).
@@ -27,7 +29,7 @@ import time
 from typing import Any
 
 from ..internals import InternalMissing, end_restarts, restarting_agent, restarts_left, use_elastic_agent
-from .launch import FINAL_EXITS, LAUNCH_START_ENV, RESTART_ENV, UNSHARED_STORE, death_record, restart_backoff_s
+from .launch import FINAL_EXITS, LAUNCH_START_ENV, RESTART_ENV, UNSHARED_STORE, death_record, quick_deaths, restart_backoff_s
 
 __all__ = ["agent_class", "main"]
 
@@ -38,10 +40,11 @@ def agent_class() -> type:
     Raises :class:`~stabletrain.internals.InternalMissing` where torch lacks what it relies on (torchrun's agent
     built from a module-level name, its check on its workers, its count of restarts left: see the internals).
     """
-    restarts_seen = 0
+    restarts_seen = quick = 0
+    started = time.time()  # the first attempt's rendezvous and start follow: counted in its life, as a restart's are
 
     def failed(agent: Any, max_restarts: int, failures: dict[int, Any]) -> None:
-        nonlocal restarts_seen
+        nonlocal restarts_seen, quick, started
         if any(f.exitcode in FINAL_EXITS for f in failures.values()):
             end_restarts(agent)  # the run refused: restarting would meet the same refusal
             return
@@ -54,7 +57,9 @@ def agent_class() -> type:
             by="torchrun (stabletrain.distributed.elastic)", when=time.time(),
             last_line=_message(first)))
         os.environ.pop(LAUNCH_START_ENV, None)  # the restarted ranks' launch starts with them
-        time.sleep(restart_backoff_s(restarts_seen))
+        quick = quick_deaths(quick, time.time() - started)
+        time.sleep(restart_backoff_s(quick))
+        started = time.time()
 
     return restarting_agent(failed)
 

@@ -39,7 +39,8 @@ from ..process import stat_fields
 
 __all__ = ["launch", "supervise", "die_with_parent", "LAUNCHER_ENV", "RESTART_ENV", "LAUNCH_START_ENV",
            "SUPERVISED_ENV", "EXIT_GAVE_UP", "FINAL_EXITS", "death_record", "describe_exit", "process_start_time",
-           "restart_backoff_s", "restarted_by_parent", "UNSHARED_STORE", "leave_word", "under_torchrun", "default_run_dir"]
+           "restart_backoff_s", "quick_deaths", "QUICK_DEATH_S", "restarted_by_parent", "UNSHARED_STORE", "leave_word",
+           "under_torchrun", "default_run_dir"]
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 #: Set by :func:`launch` for torchrun and so its ranks: the launcher's pid (a rank checks its parent's parent).
@@ -85,13 +86,25 @@ def restarted_by_parent() -> bool:
     return bool(os.environ.get(SUPERVISED_ENV)) or "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def restart_backoff_s(restart: int) -> float:
-    """Seconds to wait before restart number ``restart`` (1, 2, ...): 1 s each.
+#: An attempt that died sooner than this after it started is a quick death: the wait before the next restart grows.
+QUICK_DEATH_S = 10.0
 
-    Short and not growing: a restart that cannot help is stopped by what the run's record shows
-    (:mod:`stabletrain.services.restarts`), not by waiting longer each time.
+
+def restart_backoff_s(quick: int) -> float:
+    """Seconds to wait before a restart, after ``quick`` attempts in a row that died within :data:`QUICK_DEATH_S`.
+
+    None after an attempt that ran longer (``quick`` 0: a failure after a healthy stretch; every second waited
+    is lost goodput, and the dead process's resources are already freed); then 1, 2, 4, ... s, at most 30 s,
+    for attempts dying in their start-up (a port, a device, a file system not yet back). A restart that
+    cannot help is stopped by what the run's record shows (:mod:`stabletrain.services.restarts`), not by
+    this wait.
     """
-    return 1.0
+    return 0.0 if quick <= 0 else min(2.0 ** (quick - 1), 30.0)
+
+
+def quick_deaths(quick: int, lived_s: float) -> int:
+    """The count of quick deaths in a row (:func:`restart_backoff_s`) after an attempt that lived ``lived_s`` seconds."""
+    return quick + 1 if lived_s < QUICK_DEATH_S else 0
 
 
 def _ppid_of(pid: int) -> int | None:
@@ -235,7 +248,8 @@ def supervise(argv: list[str], *, max_restarts: int) -> int:
     this process unchanged (so the child draws no progress bar: it prints a line per log interval), which
     keeps the last line it printed for the restart's record. A child that ends with one of
     :data:`FINAL_EXITS` is not restarted; nor is one after this process got SIGTERM or SIGINT, which it
-    passes on (the child checkpoints and stops). Before restart ``k`` it waits :func:`restart_backoff_s`.
+    passes on (the child checkpoints and stops). Before a restart it waits :func:`restart_backoff_s` (none after
+    a child that ran :data:`QUICK_DEATH_S` or longer).
     The child dies with this process (:func:`die_with_parent`), in a session of its own, so a terminal's
     Ctrl-C reaches it once, through here. Returns the child's exit code (1 once the restarts are used up).
     """
@@ -246,7 +260,7 @@ def supervise(argv: list[str], *, max_restarts: int) -> int:
     env = {**os.environ, SUPERVISED_ENV: "1", "PYTHONUNBUFFERED": "1",
            LAUNCH_START_ENV: os.environ.get(LAUNCH_START_ENV) or str(process_start_time() or time.time())}
     env.pop(RESTART_ENV, None)
-    restart = 0
+    restart = quick = 0
     proc: subprocess.Popen | None = None
 
     def forward(signum: int, frame: Any) -> None:
@@ -259,6 +273,7 @@ def supervise(argv: list[str], *, max_restarts: int) -> int:
     try:
         while True:
             lines: list[str] = []
+            started = time.time()
             proc = subprocess.Popen([sys.executable, "-m", "stabletrain", *argv], env=env, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, start_new_session=True,
                                     preexec_fn=lambda: die_with_parent(parent=me))
@@ -280,7 +295,8 @@ def supervise(argv: list[str], *, max_restarts: int) -> int:
                                                        max_restarts=max_restarts, last_line=lines[-1] if lines else None,
                                                        by="stabletrain's supervisor", when=ended))
             env.pop(LAUNCH_START_ENV, None)  # a restarted child's own start is its launch's
-            time.sleep(restart_backoff_s(restart))
+            quick = quick_deaths(quick, ended - started)
+            time.sleep(restart_backoff_s(quick))
             if stopping:
                 return code
     finally:
