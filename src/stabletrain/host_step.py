@@ -13,8 +13,8 @@ verdict to that step, so that a bad one is skipped on the device as
                                          the grads are dropped (one host read per step, warned once).
                                          stabletrain's own clipping where the host cannot clip (``own_clip``)
     [the host clips and steps]
-    after_step(count) -> out             applied, the parameter check; a skip of stabletrain's alone does
-                                         not back off the host's loss scale
+    after_step(count) -> out             applied, the parameter check, ||update|| (when asked before the step);
+                                         a skip of stabletrain's alone does not back off the host's loss scale
 
 No host sync on the way, except the one documented for an optimizer that cannot skip on the device.
 """
@@ -40,7 +40,7 @@ from .internals import (
     set_scaler_state,
     skips_on_device,
 )
-from .numerics import all_params_finite, grad_norms
+from .numerics import all_params_finite, grad_norms, snapshot_params, update_norms
 from .policies.accumulation import AccumulationWindow
 from .policies.clipping import GradClipper
 from .policies.guard import Guard
@@ -78,6 +78,7 @@ class HostStep:
                                window=AccumulationWindow(self.params), check_params=False).judge
         self.fused = skips_on_device(optimizer)
         self.pending: dict[str, Any] | None = None
+        self._before: list[Tensor] | None = None  # the parameters before the step, for ||update|| (reused)
         self._warned_sync = False
         self._hooks = [optimizer.register_step_pre_hook(self._pre_step),
                        optimizer.register_step_post_hook(self._post_step)]
@@ -96,11 +97,14 @@ class HostStep:
         scale = scaler_scale(self.scaler) if self.scaler is not None else None
         return scale if scale is not None else 1.0
 
-    def before_step(self, loss: Tensor | None, norm: Tensor, per_param: Tensor, *, grads_scaled: bool) -> None:
+    def before_step(self, loss: Tensor | None, norm: Tensor, per_param: Tensor, *, grads_scaled: bool,
+                    measure_update: bool = False) -> None:
         """The guard's verdict on the step and the skip it implies, before the host's optimizer step (no sync).
 
         ``norm``/``per_param``: the pre-clip norms of the step's gradients; ``grads_scaled``: they still hold
-        the loss scale (they are divided by it here).
+        the loss scale (they are divided by it here). ``measure_update``: copy the parameters, so that
+        :meth:`after_step` returns ``update_norm`` and ``update_ratio`` as :meth:`TrainStep.apply
+        <stabletrain.step.TrainStep.apply>` does (one copy, on this step only).
         """
         if grads_scaled:
             norm, per_param = self.unscale(norm), self.unscale(per_param)
@@ -117,7 +121,10 @@ class HostStep:
             ours = True
         elif own_found is None and not self.fused and self.may_skip:
             self._skip_on_host(ok)
-        self.pending = {**judged, "own_found": own_found, "ours": ours, "scale_before": scale_before}
+        self.pending = {**judged, "own_found": own_found, "ours": ours, "scale_before": scale_before,
+                        "measure": measure_update}
+        if measure_update:
+            self._before = snapshot_params(self.params, self._before)
 
     def _skip_on_host(self, ok: Tensor) -> None:
         """An optimizer that cannot skip on the device: drop a bad step's grads (one host read per step, warned once).
@@ -170,4 +177,6 @@ class HostStep:
                          else torch.full((), float(count), device=device))}
         if self.check_params:
             out["params_finite"] = all_params_finite(self.params)
+        if p["measure"]:  # also per parameter: the precursor's figures
+            out.update(update_norms(self.params, self._before))
         return out

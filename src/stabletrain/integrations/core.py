@@ -1,30 +1,23 @@
 """What every adapter adds to a host's run: the run directory, device-side metrics, the sentinel, incidents.
 
-An adapter (:class:`stabletrain.Monitor`, the Lightning and Hugging Face callbacks) measures the host's
-own optimizer step and hands a :class:`RunSession` the step's device tensors; the session does the rest
-with the pieces a built-in run uses (the guard, :class:`~stabletrain.policies.metrics.StepMetrics`, the
-run directory and the built-in callbacks that write it, the loop's
-:class:`~stabletrain.services.boundary.IntervalBoundary` and
-:class:`~stabletrain.services.capture.IncidentCapture`, fed by the host's kept steps:
-:class:`~stabletrain.services.kept_steps.HostSteps`)::
+An adapter (:class:`stabletrain.Monitor`, the Lightning and Hugging Face callbacks) hands a :class:`RunSession`
+the host's step; the session does the rest with a built-in run's pieces (the guard, the metrics, the run
+directory and the callbacks that write it, the loop's :class:`~stabletrain.services.boundary.IntervalBoundary`
+and :class:`~stabletrain.services.capture.IncidentCapture`, fed by :class:`~stabletrain.services.kept_steps.HostSteps`)::
 
-    session.open(resume)                         # run dir (rank 0): config.yaml, snapshot.json (or a resume)
-    session.begin()                              # on_fit_start: the init fingerprint is compared; interval snapshot
+    session.open(resume); session.begin()        # run dir (rank 0): config.yaml, snapshot.json; on_fit_start
     each optimizer step (no host sync):
         session.pending.add(batch, count)        # a micro-batch (and the RNG state at the step's first)
-        session.before_host_step(norms)          # kept for a replay; HostStep.before_step: the sentinel, the skip on
-                                                 # the device; the snapshot's copies first; ||update|| on the last step
-        ... the host applies the step, skipped on the device when not ok ...
-        out = session.after_host_step()          # HostStep.after_step: applied, the parameter check
+        session.before_host_step(norms)          # kept for a replay; the sentinel and the skip on the device
+        ... the host applies the step ...        # (HostStep.before_step; Monitor: TrainStep.update)
+        out = host_step.after_step(count)        # applied, the parameter check, ||update|| on an interval's last
         session.record_host_step(out, ...)       # StepMetrics.update, on_step_end; every log_every steps log():
             the boundary (its ONE host sync; the capture and diagnosis of a bad step), then stop or warn
 
-(:class:`~stabletrain.Monitor` runs the built-in ``TrainStep.update`` instead of a :class:`HostStep` and calls
-:meth:`RunSession.keep`, :meth:`~RunSession.before_update` and :meth:`~RunSession.record` itself.) A bad step is
-skipped (on the device) and nothing else: every healthy update is applied as the host would apply it. Under
-DDP every rank runs a session: the verdict is the same on every rank without a collective of its own (a rank's
-non-finite loss reaches every rank's gradients: :class:`~stabletrain.distributed.carrier.LossWatch`), each interval's figures are
-gathered in one all-gather, and rank 0 alone writes the run directory.
+A bad step is skipped (on the device) and nothing else: every healthy update is applied as the host would
+apply it. Under DDP every rank runs a session: the verdict is the same on every rank without a collective of
+its own (:class:`~stabletrain.distributed.carrier.LossWatch`), each interval's figures are gathered in one
+all-gather, and rank 0 alone writes the run directory.
 """
 
 from __future__ import annotations
@@ -53,7 +46,7 @@ from ..errors import crash_event
 from ..fileio import atomic_write
 from ..host_step import HostStep
 from ..internals import eager_methods, is_compiled, unwrap
-from ..numerics import snapshot_params, unique_params, update_norms
+from ..numerics import unique_params
 from ..policies.guard import Guard
 from ..policies.metrics import StepMetrics
 from ..records.batches import batch_size
@@ -144,8 +137,6 @@ class RunSession:
         self.snapshot: dict[str, Any] = {}
         self.run: RunDir | None = None
         self.started = self.closed = False
-        self._before: list[Tensor] | None = None
-        self._measuring = False
         self.state = FitState(cfg=self.cfg, task=None, module=self.model, named_params=self.named_params,
                               device=self.device, dist=self.dist, stream=None, precision=precision)
         self.trackers = build_trackers(options.trackers, hosts=tracker_hosts)
@@ -277,18 +268,13 @@ class RunSession:
         return self.host_step
 
     def before_host_step(self, norm: Tensor, per_param: Tensor, *, grads_scaled: bool) -> None:
-        """Just before the host's optimizer step: keep the pending step, judge it (the skip on the device; no sync)."""
+        """Just before the host's optimizer step: keep the pending step, judge it (the skip on the device; no sync);
+        ||update|| on an interval's last step."""
         p = self.pending
         self.keep(p.micro, p.rng, p.host)
-        self.host_step.before_step(p.loss, norm, per_param, grads_scaled=grads_scaled)
+        self.host_step.before_step(p.loss, norm, per_param, grads_scaled=grads_scaled,
+                                   measure_update=(self.step + 1) % self.options.log_every == 0)
         self.before_update()
-
-    def after_host_step(self, *, value_clipped: bool = False) -> dict[str, Tensor] | None:
-        """Once the host stepped: the step's device tensors (None after a micro-batch: no step was judged)."""
-        out = self.host_step.after_step(self.pending.count, value_clipped=value_clipped)
-        if out is not None:
-            self.after_update(out)
-        return out
 
     def record_host_step(self, out: dict[str, Tensor], *, epoch: int, lr: Tensor | float) -> dict[str, Any] | None:
         """Record the host's step (:meth:`record`); the next one starts. Returns the interval's record if it logged."""
@@ -298,18 +284,8 @@ class RunSession:
         return self.history[-1] if logged else None
 
     def before_update(self) -> None:
-        """Before the host's optimizer step: the snapshot's copies come first; on an interval's last step copy the
-        parameters for ||update|| (no sync)."""
+        """Just before the host's optimizer step: the interval snapshot's copies complete first (CUDA; no sync)."""
         self.capture.snapshot.before_update()
-        if (self.step + 1) % self.options.log_every == 0:
-            self._before = snapshot_params(self.params, self._before)
-            self._measuring = True
-
-    def after_update(self, out: dict[str, Tensor]) -> None:
-        """After the host's optimizer step: add ``update_norm``/``update_ratio`` to ``out`` where measured."""
-        if self._measuring:
-            out.update(update_norms(self.params, self._before))  # also per parameter: the precursor's figures
-            self._measuring = False
 
     def record(self, out: dict[str, Tensor], *, num_samples: int, lr: Tensor | float, loss_scale: Tensor | float) -> bool:
         """Record one optimizer step's device tensors; at a log boundary run :meth:`log`. Return whether it logged.

@@ -21,14 +21,9 @@ Where each hook does its part of the step (automatic optimization, one optimizer
                                 trainer has a logger), incident capture + diagnosis, ``trainer.should_stop``
     state_dict/load_state_dict  our state travels in Lightning's own checkpoint (callbacks[...])
 
-A capture rebuilds the state from before the bad step by replaying the interval's steps as Lightning ran
-them (``trainer.strategy.training_step``, the loss divided by ``accumulate_grad_batches``, the module's
-``backward``, the GradScaler, ``configure_gradient_clipping``, the optimizer); the diagnosis replays the
-module's own ``training_step``. With ``strategy="ddp"`` every rank runs the callback; rank 0 writes.
-
-Lightning cannot clip the gradients of a fused optimizer under ``16-mixed``/``bf16-mixed`` (it refuses):
-``StableTrainCallback(clip_max_norm=...)`` clips there instead. Lightning's LR scheduler still advances on
-a skipped step (its loop has no hook to hold it without a host read).
+A capture replays the interval's steps as Lightning ran them (``_LightningReplay``), the diagnosis the module's
+own ``training_step``. With ``strategy="ddp"`` every rank runs the callback; rank 0 writes. Lightning's LR
+scheduler still advances on a skipped step (its loop has no hook to hold it without a host read).
 """
 
 from __future__ import annotations
@@ -182,7 +177,7 @@ class StableTrainCallback(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         session = self.session
-        out = session.after_host_step(value_clipped=self.value_clip)
+        out = session.host_step.after_step(session.pending.count, value_clipped=self.value_clip)
         if out is None:  # an accumulation micro-batch: the optimizer has not stepped yet
             return
         record = session.record_host_step(out, epoch=trainer.current_epoch, lr=trainer.optimizers[0].param_groups[0]["lr"])
@@ -224,7 +219,9 @@ def _tracker_hosts(trainer: pl.Trainer) -> dict[str, tuple[Callable[[], Any], An
 
 
 class _LightningReplay:
-    """Replays a kept step as Lightning's automatic optimization ran it; the diagnosis replays ``training_step``."""
+    """Replays a kept step as Lightning's automatic optimization ran it (``trainer.strategy.training_step``, the loss
+    divided by ``accumulate_grad_batches``, the module's ``backward``, the GradScaler, ``configure_gradient_clipping``,
+    the optimizer); the diagnosis replays ``training_step``."""
 
     def __init__(self, callback: StableTrainCallback) -> None:
         self.cb = callback

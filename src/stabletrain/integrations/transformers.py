@@ -30,11 +30,9 @@ Then, per optimizer step::
     on_save                 our state in the checkpoint folder (``stabletrain_state.pt``); a Trainer resumed from
                             that checkpoint continues our step count, metrics and guard
 
-A capture replays the interval's steps with the Trainer's own ``training_step``, ``accelerator.clip_grad_norm_``
-and optimizer; the diagnosis replays its ``compute_loss``. Under ``torchrun`` every rank runs the callback
-(DDP): a rank's non-finite loss reaches every rank's gradients (``compute_loss`` is watched too), rank 0
-writes. A non-fused optimizer without a GradScaler skips a bad step by dropping its gradients, which reads
-the verdict on the host once per step (a sync; warned once).
+A capture replays the interval's steps with the Trainer's own step (``_TransformersReplay``), the diagnosis its
+``compute_loss``. Under ``torchrun`` every rank runs the callback (DDP): a rank's non-finite loss reaches every
+rank's gradients (``compute_loss`` is watched too), rank 0 writes.
 """
 
 from __future__ import annotations
@@ -245,7 +243,7 @@ class StableTrainCallback(TrainerCallback):
         session.before_host_step(norm, per, grads_scaled=session.host_step.scaler is not None)
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._out = self.session.after_host_step()
+        self._out = self.session.host_step.after_step(self.session.pending.count)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         out, session = self._out, self.session
