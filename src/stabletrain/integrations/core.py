@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from .. import console
 from .._version import __version__
-from ..callbacks import Callback, CallbackList, FitState
+from ..callbacks import Callback, CallbackList
 from ..callbacks.sinks import EventLog, InitWatch, MetricsFile, TensorBoardLog
 from ..callbacks.trackers import build_trackers
 from ..config import AdapterOptions, ClipConfig, Config, GuardConfig, TrainConfig
@@ -53,6 +53,7 @@ from ..records.batches import batch_size
 from ..records.jsonl import json_safe
 from ..records.provenance import build_snapshot, installed_versions, optimizer_config
 from ..records.rundir import RunDir
+from ..runstate import RunState
 from ..seeding import rng_state, set_rng_state
 from ..services.boundary import IntervalBoundary
 from ..services.capture import IncidentCapture
@@ -133,11 +134,9 @@ class RunSession:
         self.fingerprint = fingerprint if options.init_check else None
         self.replay = replay
         self.epoch = 0
-        self.stop_reason: str | None = None
         self.snapshot: dict[str, Any] = {}
-        self.run: RunDir | None = None
         self.started = self.closed = False
-        self.state = FitState(cfg=self.cfg, task=None, module=self.model, named_params=self.named_params,
+        self.state = RunState(cfg=self.cfg, task=None, module=self.model, named_params=self.named_params,
                               device=self.device, dist=self.dist, stream=None, precision=precision)
         self.trackers = build_trackers(options.trackers, hosts=tracker_hosts)
         self.callbacks = CallbackList([InitWatch(self.fingerprint), EventLog(), MetricsFile(), TensorBoardLog(),
@@ -151,11 +150,11 @@ class RunSession:
         self.host_step: HostStep | None = None  # judge_host_steps: a host that steps its optimizer itself
         self.pending = PendingStep()
 
-    # The run's progress lives in the FitState its callbacks share.
+    # The run's progress lives in the RunState its callbacks share.
     step = property(lambda self: self.state.step, lambda self, v: setattr(self.state, "step", v))
     samples_seen = property(lambda self: self.state.samples_seen, lambda self, v: setattr(self.state, "samples_seen", v))
     tokens_seen = property(lambda self: self.state.tokens_seen, lambda self, v: setattr(self.state, "tokens_seen", v))
-    history = property(lambda self: self.state.history)
+    history, run, stop_reason = (property(lambda self, k=k: getattr(self.state, k)) for k in ("history", "run", "stop_reason"))
 
     @property
     def capturing(self) -> bool:
@@ -192,7 +191,7 @@ class RunSession:
             return
         import yaml
 
-        self.run = self.state.run = RunDir(self.run_dir, resume=resume, overwrite=self.overwrite)
+        self.state.run = RunDir(self.run_dir, resume=resume, overwrite=self.overwrite)
         atomic_write(self.run.path / "config.yaml", yaml.safe_dump(self.config_dict(), sort_keys=False))
         if not resume:
             extra = {"integration": self.host, "model": type(self.model).__name__,
@@ -325,7 +324,6 @@ class RunSession:
                 warnings.warn(f"{decision.reason} (on_nonfinite='warn': training goes on)", console.StableTrainWarning,
                               stacklevel=3)
             else:
-                self.stop_reason = decision.reason
                 self.state.stop_reason = decision.reason
                 self.state.event(self.step, "stop", f"stopping: {decision.reason}")
                 self.callbacks.fire("on_stop", self.state, decision.reason)

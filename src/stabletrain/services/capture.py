@@ -30,13 +30,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .. import console
-from ..callbacks import FitState
 from ..console import StableTrainWarning
 from ..diagnostics.diagnosis import DIAGNOSIS_FIELDS
 from ..incident_replay import diagnose_incident
 from ..records.bundles import BUNDLE_DCP_DIR, STATE_IN, write_bundle
 from ..records.checkpoint.shards import is_dcp_entry
 from ..records.staging import IntervalSnapshot, StateStager, clone_state, join_params, state_kept
+from ..runstate import RunState
 from ..seeding import rng_state, set_rng_state
 
 __all__ = ["IncidentCapture", "StepSource", "incident_dir", "staged_now", "MAX_CONTEXT"]
@@ -67,7 +67,7 @@ class StepSource(Protocol):
     run_dir: Path | None  # the run directory, known on every rank (None: nothing is written)
     diagnose: bool  # diagnose a captured step right away
 
-    def capturing(self, fit: FitState) -> bool:
+    def capturing(self, fit: RunState) -> bool:
         """Whether a capture is asked for and can be written."""
 
     def live_state(self) -> dict[str, Any]:
@@ -76,30 +76,30 @@ class StepSource(Protocol):
     def load_live_state(self, state: dict[str, Any]) -> None:
         """Load what :meth:`live_state` returned (or the snapshot)."""
 
-    def fallback_state(self, fit: FitState) -> tuple[dict[str, Any], int] | None:
+    def fallback_state(self, fit: RunState) -> tuple[dict[str, Any], int] | None:
         """(state, its step) to replay from when there is no snapshot; None: none."""
 
     def why_not(self, step: int, start: int) -> str | None:
         """Why step ``step`` cannot be replayed from step ``start`` (None: it can)."""
 
-    def replay_to(self, fit: FitState, step: int, start: int, locate: tuple[int, int] | None,
+    def replay_to(self, fit: RunState, step: int, start: int, locate: tuple[int, int] | None,
                   rows: list[Any], keep_previous: bool = False) -> tuple[int, dict | None]:
         """Replay the steps after ``start`` up to just before ``step``: (steps replayed, the update it pinned or None).
 
         ``keep_previous``: stage the state before the last step replayed, for :meth:`bundle` (a spike's ``previous``).
         """
 
-    def record(self, fit: FitState, step: int, context: int = 0) -> dict[str, Any]:
+    def record(self, fit: RunState, step: int, context: int = 0) -> dict[str, Any]:
         """This rank's record of step ``step`` for its bundle (its window, its RNG state), the state being before it;
         ``context``: also up to that many ordinary windows (``context``) that :meth:`bundle` puts in ``observed``."""
 
-    def blame(self, fit: FitState) -> list[int] | None:
+    def blame(self, fit: RunState) -> list[int] | None:
         """The ranks whose own gradients of the recorded step are non-finite (a collective), or None."""
 
     def bundle_state(self, **kwargs: Any) -> dict[str, Any]:
         """The run's state before the step, in the one-process format the bundle holds (``dcp=True``: as DCP's)."""
 
-    def bundle(self, fit: FitState, step: int, record: dict[str, Any], before: dict[str, Any],
+    def bundle(self, fit: RunState, step: int, record: dict[str, Any], before: dict[str, Any],
                info: dict[str, Any]) -> dict[str, Any]:
         """The bundle of ``record``'s rank (``before``: :meth:`bundle_state`, staged)."""
 
@@ -141,7 +141,7 @@ class IncidentCapture:
         snap = self.snapshot
         return join_params(snap.side, snap.rest) if snap.taken else None
 
-    def _start(self, fit: FitState) -> tuple[dict[str, Any], int] | None:
+    def _start(self, fit: RunState) -> tuple[dict[str, Any], int] | None:
         """(a copy of the state to replay from, its step): the snapshot (DDP: completed, a collective) or the fallback."""
         snap = self.source.strategy
         if self.snapshot.taken:
@@ -162,7 +162,7 @@ class IncidentCapture:
 
     # -- at a boundary with a bad step -------------------------------------------------------------
 
-    def capture(self, fit: FitState, info: dict[str, Any], rows: list[Any] = ()) -> dict[str, Any]:
+    def capture(self, fit: RunState, info: dict[str, Any], rows: list[Any] = ()) -> dict[str, Any]:
         """Replay to just before ``info["step"]``, write its bundle, diagnose it, record the ``incident`` event.
 
         Every rank calls it. Returns what it found, for the boundary and the ``on_incident`` callbacks:
@@ -244,7 +244,7 @@ class IncidentCapture:
         fit.event(step, "incident", f"captured {what}{seen_note} into {folder}", **fields)
         return found
 
-    def _diagnose(self, fit: FitState, folder: Path, bundle: dict[str, Any], step: int, rank: int,
+    def _diagnose(self, fit: RunState, folder: Path, bundle: dict[str, Any], step: int, rank: int,
                   label: str) -> dict[str, Any]:
         """Diagnose the first bundle on this process, with the run's RNG streams kept; the event's fields."""
         run_rng = rng_state()  # the diagnosis seeds and replays: the run's own streams must not notice
