@@ -7,9 +7,10 @@ subclass implements; :func:`stabletrain.internals.restarting_agent`):
 
 - when a worker has failed and the agent will restart the group, the failure it saw first (its global
   rank, pid, exit code or signal, and when) goes into the agent's environment as :data:`RESTART_ENV`,
-  which the restarted workers inherit; then it waits :func:`restart_backoff_s` (none after workers that ran
-  :data:`~.launch.QUICK_DEATH_S` or longer: the survivors, whose collectives fail at once on a dead peer, have
-  left or are stopped by the agent's SIGTERM, and the restarted ones resume from LAST_GOOD);
+  which the restarted workers inherit; then it waits :func:`restart_backoff_s` (none before the first
+  restart, nor after restarted workers that ran :data:`~.launch.QUICK_DEATH_S` or longer: the survivors,
+  whose collectives fail at once on a dead peer, have left or are stopped by the agent's SIGTERM, and an
+  in-flight checkpoint of theirs is waited for as they exit);
 - a worker that exits with one of :data:`FINAL_EXITS` (stabletrain refused its input, or refused to restart
   into the same failure again) ends the restarts: the agent stops as when ``--max-restarts`` is used up;
 - each attempt's ranks get a rendezvous store of their own (:data:`~.launch.UNSHARED_STORE`).
@@ -41,7 +42,7 @@ def agent_class() -> type:
     built from a module-level name, its check on its workers, its count of restarts left: see the internals).
     """
     restarts_seen = quick = 0
-    started = time.time()  # the first attempt's rendezvous and start follow: counted in its life, as a restart's are
+    started = time.time()
 
     def failed(agent: Any, max_restarts: int, failures: dict[int, Any]) -> None:
         nonlocal restarts_seen, quick, started
@@ -57,7 +58,7 @@ def agent_class() -> type:
             by="torchrun (stabletrain.distributed.elastic)", when=time.time(),
             last_line=_message(first)))
         os.environ.pop(LAUNCH_START_ENV, None)  # the restarted ranks' launch starts with them
-        quick = quick_deaths(quick, time.time() - started)
+        quick = quick_deaths(quick, time.time() - started, restarted=restarts_seen > 1)
         time.sleep(restart_backoff_s(quick))
         started = time.time()
 

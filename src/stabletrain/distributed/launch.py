@@ -86,25 +86,28 @@ def restarted_by_parent() -> bool:
     return bool(os.environ.get(SUPERVISED_ENV)) or "TORCHELASTIC_RUN_ID" in os.environ
 
 
-#: An attempt that died sooner than this after it started is a quick death: the wait before the next restart grows.
+#: A restarted attempt that died sooner than this after it started is a quick death: the wait before the next grows.
 QUICK_DEATH_S = 10.0
 
 
 def restart_backoff_s(quick: int) -> float:
-    """Seconds to wait before a restart, after ``quick`` attempts in a row that died within :data:`QUICK_DEATH_S`.
+    """Seconds to wait before a restart, after ``quick`` restarted attempts in a row that died within :data:`QUICK_DEATH_S`.
 
-    None after an attempt that ran longer (``quick`` 0: a failure after a healthy stretch; every second waited
-    is lost goodput, and the dead process's resources are already freed); then 1, 2, 4, ... s, at most 30 s,
-    for attempts dying in their start-up (a port, a device, a file system not yet back). A restart that
-    cannot help is stopped by what the run's record shows (:mod:`stabletrain.services.restarts`), not by
-    this wait.
+    None before the first restart and after a restarted attempt that ran longer (``quick`` 0: a failure after a
+    healthy stretch; every second waited is lost goodput, and the dead process's resources are already freed);
+    then 1, 2, 4, ... s, at most 30 s, while the restarts keep dying in their start-up (a port, a device, a file
+    system not yet back). A restart that cannot help is stopped by what the run's record shows
+    (:mod:`stabletrain.services.restarts`), not by this wait.
     """
     return 0.0 if quick <= 0 else min(2.0 ** (quick - 1), 30.0)
 
 
-def quick_deaths(quick: int, lived_s: float) -> int:
-    """The count of quick deaths in a row (:func:`restart_backoff_s`) after an attempt that lived ``lived_s`` seconds."""
-    return quick + 1 if lived_s < QUICK_DEATH_S else 0
+def quick_deaths(quick: int, lived_s: float, *, restarted: bool) -> int:
+    """The count of quick deaths in a row (:func:`restart_backoff_s`) after an attempt that lived ``lived_s`` seconds.
+
+    ``restarted``: the attempt was itself a restart (a first attempt's death, however soon, counts none).
+    """
+    return quick + 1 if restarted and lived_s < QUICK_DEATH_S else 0
 
 
 def _ppid_of(pid: int) -> int | None:
@@ -248,8 +251,8 @@ def supervise(argv: list[str], *, max_restarts: int) -> int:
     this process unchanged (so the child draws no progress bar: it prints a line per log interval), which
     keeps the last line it printed for the restart's record. A child that ends with one of
     :data:`FINAL_EXITS` is not restarted; nor is one after this process got SIGTERM or SIGINT, which it
-    passes on (the child checkpoints and stops). Before a restart it waits :func:`restart_backoff_s` (none after
-    a child that ran :data:`QUICK_DEATH_S` or longer).
+    passes on (the child checkpoints and stops). Before a restart it waits :func:`restart_backoff_s` (none
+    before the first, nor after a restarted child that ran :data:`QUICK_DEATH_S` or longer).
     The child dies with this process (:func:`die_with_parent`), in a session of its own, so a terminal's
     Ctrl-C reaches it once, through here. Returns the child's exit code (1 once the restarts are used up).
     """
@@ -295,7 +298,7 @@ def supervise(argv: list[str], *, max_restarts: int) -> int:
                                                        max_restarts=max_restarts, last_line=lines[-1] if lines else None,
                                                        by="stabletrain's supervisor", when=ended))
             env.pop(LAUNCH_START_ENV, None)  # a restarted child's own start is its launch's
-            quick = quick_deaths(quick, ended - started)
+            quick = quick_deaths(quick, ended - started, restarted=restart > 1)
             time.sleep(restart_backoff_s(quick))
             if stopping:
                 return code
