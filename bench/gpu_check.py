@@ -91,10 +91,10 @@ class SyncGuard(Callback):
 
     def attach(self, trainer: Trainer) -> None:
         """Arm after each interval start (the recorder's snapshot is the last thing a boundary does)."""
-        recorder, mark = trainer.recorder, trainer.recorder.mark_interval_start
+        recorder, mark, state = trainer.recorder, trainer.recorder.mark_interval_start, trainer.state
 
-        def marked(state: FitState) -> None:
-            mark(state)
+        def marked() -> None:
+            mark()
             if self.fitting and state.step < state.cfg.train.max_steps:
                 self._set(True)
 
@@ -416,7 +416,7 @@ FSDP_ARGS = [*DDP_ARGS, "dist.strategy=fsdp"]
 #: The all-reduces stabletrain issues inside an FSDP step, each at most once, by the function that issues it:
 #: the window's (loss sum, count) (accumulation), the global grad norm and the post-update check (fsdp.py),
 #: and ||update|| on a log interval's last step. FSDP2's own all-gathers and reduce-scatters are not all-reduces.
-FSDP_STEP_ALL_REDUCES = ("normalize", "grad_norms", "all_params_finite", "update_norm")
+FSDP_STEP_ALL_REDUCES = ("normalize", "grad_norms", "all_params_finite", "update_norms")
 
 
 def fsdp_worker(out: Path) -> None:
@@ -479,7 +479,7 @@ def run_fsdp(tmp: Path, failures: list[str]) -> None:
            or not set(c) <= set(FSDP_STEP_ALL_REDUCES)]
     if bad or r["steps_with_all_reduces"] != FSDP_STEPS:
         failures.append(f"fsdp: a step's all-reduces were {bad or r['step_all_reduces']} over {r['steps_with_all_reduces']} "
-                        f"of {FSDP_STEPS} steps; expected each of {sorted(required)} once (all_params_finite, update_norm "
+                        f"of {FSDP_STEPS} steps; expected each of {sorted(required)} once (all_params_finite, update_norms "
                         "at most once)")
     if not r["last_loss"] < r["first_loss"]:
         failures.append(f"fsdp: loss did not fall ({r['first_loss']:.4f} -> {r['last_loss']:.4f})")

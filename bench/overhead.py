@@ -445,7 +445,7 @@ def per_item_costs(name: str, bare_step_s: float, reps: int = 5, rounds: int = 2
                                  lambda: all_params_finite(params), None, 1 / cfg.log.every))
         if cfg.capture.memory_snapshot:  # on by default: a capture replays at most one interval
             per_interval.append(("snapshot: state copy into host buffers for incident capture (capture.memory_snapshot)",
-                                 lambda: trainer.recorder.mark_interval_start(state), None, 1 / cfg.log.every))
+                                 lambda: trainer.recorder.mark_interval_start(), None, 1 / cfg.log.every))
         # Not a piece of the default step: what an optimizer that cannot skip on the device pays instead.
         aside = [("non-fused AdamW(foreach): precision.step + schedule.step (host reads) vs step() + LambdaLR",
                   nonfused_step, nonfused_bare, 1)]
@@ -460,7 +460,7 @@ def per_item_costs(name: str, bare_step_s: float, reps: int = 5, rounds: int = 2
         ckpt_s = []
         for _ in range(3):
             t0 = time.perf_counter()
-            trainer.keeper.save(state, True)  # what the step waits for: the check and the staging copy
+            trainer.keeper.save(True)  # what the step waits for: the check and the staging copy
             ckpt_s.append(time.perf_counter() - t0)
             trainer.keeper.finished(wait=True)  # the background write, off the clock
         with contextlib.redirect_stderr(devnull):
