@@ -154,8 +154,8 @@ class StableTrainCallback(TrainerCallback):
             self.run_dir, model, host="transformers", options=self.options, precision=mode, clip_max_norm=clip,
             optimizer=inner, scaler=scaler, replay=_TransformersReplay(self), overwrite=self.overwrite,
             fingerprint=None if resumed else self._fingerprint,
-            recipes={"model": model_recipe(model, "transformers"), "loss": loss_recipe(self.loss_fn, {"kind": "transformers"} if
-                                                                _default_compute_loss(trainer) else None)},
+            recipes={"model": model_recipe(model, "transformers"),
+                     "loss": loss_recipe(self.loss_fn, {"kind": "transformers"} if _default_compute_loss(trainer) else None)},
             host_config=host, callbacks=self.stable_callbacks,
             compiled=bool(getattr(args, "torch_compile", False))  # the callbacks are handed the uncompiled model
             or is_compiled(getattr(trainer, "model_wrapped", model)))
