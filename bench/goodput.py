@@ -10,8 +10,9 @@ bitwise equal to the uninterrupted run's. Target: goodput >= 90% for the killed 
 
 Start-up is most of what a restart costs on a small machine: every restarted rank imports torch and builds
 its Trainer again (``--quick`` shows it plainly: a small gpt, 60 steps, a kill every 25: not a measurement).
-2026-12-03, 2 cores, load 2.5-3.5: 71.0% (3 kills in 300 steps), uninterrupted 92.4%; ``--steps 600 --every
-300``: 81.7% vs 93.2%; bitwise equal both times (docs/benchmarks.md).
+2026-12-03, 2 cores, load 1.3-2.3: 72.1% (3 kills in 300 steps), uninterrupted 90.4%; ``--steps 600 --every
+300``: 85.3% vs 94.3%; ``--steps 1200 --every 600``: 91.6% vs 96.0% (>= 90% at a kill per ~600 steps, not at
+the default's one per 100); bitwise equal every time (docs/benchmarks.md: where a restart's 1.8-2.6 s go).
 
     python bench/goodput.py [--steps 300] [--every 100] [--nproc 2] [--dir DIR] [--quick]
 """
