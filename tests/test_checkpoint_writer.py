@@ -228,6 +228,24 @@ def test_a_runs_checkpoint_events_say_what_each_background_save_cost(tmp_path):
         assert e["slowdown"] == pytest.approx(e["step_time_s_after"] / e["step_time_s_before"], rel=0.01)
 
 
+def test_the_writer_starts_beside_the_steps_after_the_first_save_only_when_a_periodic_save_follows(tmp_path):
+    close_writer()
+    at_first_save = []
+
+    class Probe(stabletrain.Callback):
+        def on_checkpoint(self, state, info):
+            if info["step"] == 0:
+                at_first_save.append(running_writer() is not None)
+
+    for name, every in (("short", "100"), ("periodic", "4")):  # max_steps 6: a save at step 4 only for the second
+        stabletrain.Trainer(stabletrain.load_config(None, [*MLP, "train.max_steps=6", "log.every=2", f"ckpt.every={every}"]),
+                            run_dir=tmp_path / name, callbacks=[Probe()]).fit()
+        if name == "short":
+            assert running_writer() is None  # steps 0 and 6 written in the loop's thread: no process started
+    assert at_first_save == [False, True]  # started right after the step-0 save, before the step-4 one needs it
+    close_writer()
+
+
 # -- failures ------------------------------------------------------------------------------------------
 
 
