@@ -56,7 +56,7 @@ _EXPORTS: dict[str, str] = {
     "SignalThresholds": ".diagnostics.signal_propagation",
     "signal_report": ".diagnostics.signal_propagation",
     "Monitor": ".integrations.monitor",
-    "StopTraining": ".integrations.monitor",
+    "StopTraining": ".errors",
 }
 
 if TYPE_CHECKING:  # what a type checker and an IDE see: the same names, imported eagerly

@@ -98,8 +98,8 @@ class Trainer:
         builtin = [InitWatch(fingerprint), EventLog(), MetricsFile(), TensorBoardLog(),
                    *build_trackers(cfg.log.trackers, log=cfg.log), ProgressBar()]
         state.callbacks = CallbackList([*builtin, *callbacks, *load_callbacks(cfg.callbacks)])
-        self.boundary = IntervalBoundary(state, state.metrics, guard, state.callbacks, self.recorder.capture,
-                                         top_layers=cfg.log.top_layers, epoch=lambda: stream.epoch)
+        self.boundary = IntervalBoundary(state, self.recorder.capture, top_layers=cfg.log.top_layers,
+                                         epoch=lambda: stream.epoch)
         self._pending_eval: dict[str, float] = {}
         self._agreed_signal: int | None = None  # DDP: the largest signal any rank had at the last log boundary
         self._where = "setup"  # what the loop is doing, for a clear message when a peer is lost
@@ -230,7 +230,7 @@ class Trainer:
                 self._checkpoint(healthy, wait=done or bool(stop_signal))  # the last one is waited for
             if stop_signal:
                 self.signals.agree(stop_signal)
-                self._stop(f"stopped by {SignalHandler.name(stop_signal)} at step {state.step}")
+                state.stop(f"stopped by {SignalHandler.name(stop_signal)} at step {state.step}")
                 return False
         state.positions = {s: p for s, p in state.positions.items() if s > state.step}
         self.recorder.mark_interval_start()
@@ -255,22 +255,17 @@ class Trainer:
         if decision.action == "remedy" and self.remedies.act(decision, info or {}):
             return True  # a cure verified on a replay
         if decision.action == "stop":
-            self._stop(decision.reason)
+            state.stop(decision.reason)
             return False
         if decision.action == "rollback":
             info = self.keeper.rollback(decision, self.guard.counters_kept)
             if info is None:
-                self._stop(state.stop_reason or decision.reason)
+                state.stop(state.stop_reason or decision.reason)
                 return False
             self.callbacks.fire("on_rollback", state, info)
             return True
         # A skipped step leaves the healthy pre-step state: only an applied update that broke the parameters is unsafe.
         return decision.params_bad_at is None and not decision.after_update
-
-    def _stop(self, reason: str) -> None:
-        self.state.stop_reason = reason
-        self.state.event(self.step, "stop", f"stopping: {reason}")
-        self.callbacks.fire("on_stop", self.state, reason)
 
     def _checkpoint(self, healthy: bool, wait: bool = False) -> None:
         # The previous save's outcome first: after ckpt.max_failures failed saves in a row the run stops here.

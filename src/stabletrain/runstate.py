@@ -100,6 +100,13 @@ class RunState:
         if self.run is not None:
             self.run.event(step, kind, reason, **fields)
 
+    def stop(self, reason: str) -> None:
+        """Stop the run early (the guard, a signal): the reason, a ``stop`` event and the callbacks' ``on_stop``."""
+        self.stop_reason = reason
+        self.event(self.step, "stop", f"stopping: {reason}")
+        if self.callbacks is not None:
+            self.callbacks.fire("on_stop", self, reason)
+
     def state_dict(self, *, local: bool = False, dcp: bool = False) -> dict[str, Any]:
         """Everything the next step depends on (model, optimizer, the parts, data position, RNG, counters).
 

@@ -136,16 +136,18 @@ class RunSession:
         self.epoch = 0
         self.snapshot: dict[str, Any] = {}
         self.started = self.closed = False
-        self.state = RunState(cfg=self.cfg, task=None, module=self.model, named_params=self.named_params,
-                              device=self.device, dist=self.dist, stream=None, precision=precision)
         self.trackers = build_trackers(options.trackers, hosts=tracker_hosts)
         self.callbacks = CallbackList([InitWatch(self.fingerprint), EventLog(), MetricsFile(), TensorBoardLog(),
                                        *self.trackers, *callbacks])
+        # The run's state has the parts an adapter measures with; the host owns the rest (model, optimizer, data).
+        self.state = RunState(cfg=self.cfg, task=None, module=self.model, named_params=self.named_params,
+                              device=self.device, dist=self.dist, precision=precision, guard=self.guard,
+                              metrics=self.metrics, callbacks=self.callbacks)
         self.strategy = strategy_for(self.cfg, self.dist, self.device)  # DDP under a process group: snapshot shares
         self.steps = HostSteps(self, replay, options.keep_max_mib)
         self.capture = IncidentCapture(self.steps)
-        self.boundary = IntervalBoundary(self.state, self.metrics, self.guard, self.callbacks, self.capture.capture,
-                                         top_layers=options.top_layers, epoch=lambda: self.epoch, count_samples=True)
+        self.boundary = IntervalBoundary(self.state, self.capture.capture, top_layers=options.top_layers,
+                                         epoch=lambda: self.epoch, count_samples=True)
         self.loss_watch = LossWatch(self.params) if self.dist.world > 1 else None  # a rank's NaN reaches every rank
         self.host_step: HostStep | None = None  # judge_host_steps: a host that steps its optimizer itself
         self.pending = PendingStep()
@@ -324,9 +326,7 @@ class RunSession:
                 warnings.warn(f"{decision.reason} (on_nonfinite='warn': training goes on)", console.StableTrainWarning,
                               stacklevel=3)
             else:
-                self.state.stop_reason = decision.reason
-                self.state.event(self.step, "stop", f"stopping: {decision.reason}")
-                self.callbacks.fire("on_stop", self.state, decision.reason)
+                self.state.stop(decision.reason)
         elif decision.bad_steps and self.options.on_nonfinite == "warn":
             warnings.warn(f"non-finite loss or grad norm at step(s) {decision.bad_steps} "
                           "(on_nonfinite='warn': not skipped by stabletrain)", console.StableTrainWarning, stacklevel=3)

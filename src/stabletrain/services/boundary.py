@@ -19,10 +19,9 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import console
-from ..callbacks import CallbackList
 from ..callbacks.sinks import announce_precursor
-from ..policies.guard import Guard, GuardDecision
-from ..policies.metrics import StepMetrics, interval_record, peak_memory_mib
+from ..policies.guard import GuardDecision
+from ..policies.metrics import interval_record, peak_memory_mib
 from ..policies.precursor import Precursor
 from ..runstate import RunState
 
@@ -33,18 +32,18 @@ class IntervalBoundary:
     """One interval's boundary over a run's metrics, guard, callbacks and capture (see the module docstring).
 
     Args:
-        state: the run's :class:`~stabletrain.runstate.RunState` (its counters, history and record).
-        metrics, guard, callbacks: the run's :class:`StepMetrics`, :class:`Guard` and :class:`CallbackList`.
+        state: the run's :class:`~stabletrain.runstate.RunState`: its counters, history and record, and the parts
+            the boundary runs (``metrics``, ``guard``, ``callbacks``; it adds the ``precursor``).
         capture: ``capture(state, info, rows) -> found`` (:meth:`IncidentCapture.capture`).
         top_layers: how many parameters to name as dominating the grad norm (``log.top_layers``).
         epoch: the data's current epoch.
         count_samples: add the interval's samples to ``state.samples_seen`` here (an adapter; the loop counts per step).
     """
 
-    def __init__(self, state: RunState, metrics: StepMetrics, guard: Guard, callbacks: CallbackList,
-                 capture: Callable[[RunState, dict[str, Any], list[Any]], dict[str, Any]], *, top_layers: int,
-                 epoch: Callable[[], int], count_samples: bool = False) -> None:
-        self.state, self.metrics, self.guard, self.callbacks, self._capture = state, metrics, guard, callbacks, capture
+    def __init__(self, state: RunState, capture: Callable[[RunState, dict[str, Any], list[Any]], dict[str, Any]], *,
+                 top_layers: int, epoch: Callable[[], int], count_samples: bool = False) -> None:
+        self.state, self.metrics, self.guard, self.callbacks = state, state.metrics, state.guard, state.callbacks
+        self._capture = capture
         self.top_layers, self.epoch, self.count_samples = top_layers, epoch, count_samples
         self.names = [n for n, _ in state.named_params]
         self.precursor = state.precursor = Precursor(state.cfg.guard, self.names)  # a warning before the spike (guard.precursor)

@@ -25,7 +25,7 @@ from ..config import config_to_dict
 from ..records.staging import StateStager, snapshot_fits
 from ..runstate import RunState
 from ..seeding import rng_state
-from .capture import IncidentCapture
+from .capture import IncidentCapture, staged_now
 from .checkpoints import CheckpointKeeper
 
 __all__ = ["IncidentRecorder", "LoopSteps"]
@@ -87,10 +87,7 @@ class LoopSteps:
         self._recent, self._previous = [], None
         while fit.step < step - 1:
             if keep_previous and fit.step == step - 2 and self.strategy.one_process_model({}) is not None:
-                staged, ready = StateStager().stage(self.live_state())  # before the step before the spike
-                for event in ready:
-                    event.synchronize()
-                self._previous = staged
+                self._previous = staged_now(self.live_state())  # before the step before the spike
             before = None
             if stager is not None and fit.step + 1 >= locate[0]:
                 before, ready = stager.stage(self.live_state())
