@@ -81,7 +81,7 @@ def _kill_three_times(cmd, run_dir, seed, victim, timeout=240):
                 time.sleep(0.01)
             pid = victim(proc.pid, rng)
             os.kill(pid, signal.SIGKILL)
-            time.sleep(0.3)  # no rank can finish another step now; the restart drops lines only after its 1 s wait
+            time.sleep(0.3)  # no rank can finish another step now; the restart drops lines only once its ranks started (~2 s)
             killed.append((max((r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")[0]), default=0), pid))
         out, err = proc.communicate(timeout=timeout)
     finally:
