@@ -161,3 +161,48 @@ def test_fingerprint_state_dict_round_trips_and_skips_meta_parameters():
     assert [c.name for c in restored.compare(model)] == ["proj.weight"]
     meta = CustomInit(width=8).to("meta")
     assert InitFingerprint.take(meta).skipped == ["proj.weight", "proj.bias"]
+
+
+def test_a_new_run_reports_its_init_at_step_0_and_trains_bitwise_as_without_it(tmp_path):
+    import json
+
+    from helpers import cfg
+
+    from stabletrain import Trainer
+
+    trained = {}
+    for on in ("true", "false"):  # dropout: the report's forward must not move the run's RNG streams
+        trainer = Trainer(cfg("task_args.dropout=0.1", "train.max_steps=4", f"log.init_signal={on}"),
+                          run_dir=tmp_path / on)
+        trainer.fit()
+        trained[on] = trainer.module.state_dict()
+    line = json.loads((tmp_path / "true" / "snapshot.json").read_text())["init_signal"]
+    assert line["passed"] is True and line["summary"] == ["forward: ok", "backward: ok"] and line["flagged"] == []
+    layers = json.loads((tmp_path / "true" / "init_signal.json").read_text())["layers"]
+    assert [layer["name"] for layer in layers][:2] == ["0", "1"] and all(layer["out_std"] > 0 for layer in layers)
+    assert not (tmp_path / "false" / "init_signal.json").exists()
+    assert "init_signal" not in json.loads((tmp_path / "false" / "snapshot.json").read_text())
+    for name, value in trained["true"].items():
+        assert torch.equal(value, trained["false"][name]), name  # bitwise: the report left the run as it found it
+
+
+def test_a_deep_relu_mlp_whose_signal_vanishes_is_told_at_step_0_with_the_init_to_use(tmp_path, capfd):
+    from helpers import cfg
+
+    from stabletrain import Trainer
+
+    Trainer(cfg("task_args.depth=12", "train.max_steps=1"), run_dir=tmp_path / "run").fit()
+    lines = [line for line in capfd.readouterr().out.splitlines() if "init at step 0" in line]
+    assert len(lines) == 1 and lines[0].startswith("stabletrain: init at step 0: forward: vanishes at #5"), lines
+    assert "recommended init: init_(model, 'kaiming')" in lines[0] and lines[0].endswith("(init_signal.json)")
+
+
+def test_auto_reports_the_built_in_tasks_and_a_users_task_only_when_asked(tmp_path):
+    from helpers import cfg, regression_task
+
+    from stabletrain import Trainer
+
+    for mode in ("auto", "true"):  # a user's loss may count its calls: auto does not run it once more
+        Trainer(cfg("train.max_steps=1", f"log.init_signal={mode}"), task=regression_task(),
+                run_dir=tmp_path / mode).fit()
+    assert [(tmp_path / m / "init_signal.json").exists() for m in ("auto", "true")] == [False, True]

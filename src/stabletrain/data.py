@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from .internals import tree_map
 from .seeding import seed_worker
 
-__all__ = ["EpochOrder", "Window", "WindowStream", "move_to"]
+__all__ = ["EpochOrder", "Window", "WindowStream", "move_to", "fixed_batch"]
 
 
 _SCALARS = frozenset((int, float, bool, str, bytes, type(None)))
@@ -248,3 +248,11 @@ class WindowStream:
             first, last = (lo - base) // g, (hi - base - 1) // g  # the new micro-batches holding its samples
             self.skip |= {(e, j * k) for j in range(first // k, last // k + 1)}
 
+
+def fixed_batch(task: Any, num_samples: int, device: torch.device | None = None, start: int = 0) -> tuple[list[int], Any]:
+    """Return (dataset indices, collated batch) of ``num_samples`` consecutive training samples of ``task``."""
+    n = min(num_samples, len(task.train_data) - start)
+    indices = list(range(start, start + n))
+    collate = task.collate or default_collate
+    batch = collate([task.train_data[i] for i in indices])
+    return indices, (move_to(batch, device) if device is not None else batch)

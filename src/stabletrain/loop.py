@@ -44,6 +44,7 @@ from .seeding import deterministic_mode, seed_everything
 from .services.boundary import IntervalBoundary
 from .services.checkpoints import CheckpointKeeper
 from .services.incidents import IncidentRecorder
+from .services.init_signal import run_init_signal
 from .services.remedy_applier import RemedyApplier
 from .services.run_setup import DEFAULT_RUN_DIR, default_run_dir, open_run
 from .services.signals import SignalHandler
@@ -166,6 +167,7 @@ class Trainer:
             self._where = "the step-0 checkpoint"
             fire("on_fit_start", state)
             self.remedies.by_hand()  # config key 'remedy': INCIDENT_DIR:NAME, applied once
+            run_init_signal(state)  # a new run's step 0: which layers vanish or explode (log.init_signal)
             self.recorder.mark_interval_start()
             if self.keeper.resumed_from is not None:
                 fire("on_resume", state, {"step": state.step, "path": str(self.keeper.resumed_from)})

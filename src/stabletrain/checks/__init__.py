@@ -29,7 +29,7 @@ from ..records.provenance import mark_output_dir
 from ..seeding import seed_everything
 from ..tasks import Task, resolve_task
 
-__all__ = ["CheckResult", "CheckContext", "register", "CHECKS", "run_checks", "format_table", "DEFAULT_CHECKS", "fixed_batch",
+__all__ = ["CheckResult", "CheckContext", "register", "CHECKS", "run_checks", "format_table", "DEFAULT_CHECKS",
            "DEFAULT_OUT_DIR"]
 
 #: Where checks write their files without ``options["out_dir"]``: a folder of its own, never loose files in the cwd.
@@ -97,19 +97,6 @@ class CheckContext:
         if self.task_factory is not None:
             return self.task_factory()
         return resolve_task(self.cfg.task, self.cfg.task_args)
-
-
-def fixed_batch(task: Task, num_samples: int, device: torch.device | None = None, start: int = 0) -> tuple[list[int], Any]:
-    """Return (dataset indices, collated batch) of ``num_samples`` consecutive training samples."""
-    n = min(num_samples, len(task.train_data) - start)
-    indices = list(range(start, start + n))
-    collate = task.collate or torch.utils.data.default_collate
-    batch = collate([task.train_data[i] for i in indices])
-    if device is not None:
-        from ..data import move_to
-
-        batch = move_to(batch, device)
-    return indices, batch
 
 
 CHECKS: dict[str, Callable[[CheckContext], CheckResult]] = {}

@@ -21,11 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ..data import fixed_batch
 from ..numerics import grad_norms, unique_params
 from ..policies.accumulation import as_sum_count
 from ..policies.precision import PrecisionPolicy
 from ..step import TrainStep
-from . import CheckContext, CheckResult, fixed_batch, register
+from . import CheckContext, CheckResult, register
 
 #: Equivalence tolerance in fp32: |g_accum - g_big| <= ATOL + RTOL * max|g_big| (summation order only).
 RTOL = 1e-4

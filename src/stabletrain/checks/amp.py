@@ -7,10 +7,11 @@ from collections import Counter
 
 import torch
 
+from ..data import fixed_batch
 from ..internals import dispatch_mode_base
 from ..policies.accumulation import as_sum_count
 from ..policies.precision import PrecisionPolicy
-from . import CheckContext, CheckResult, fixed_batch, register
+from . import CheckContext, CheckResult, register
 
 __all__ = ["OpDtypeRecorder", "check_amp"]
 

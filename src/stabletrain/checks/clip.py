@@ -7,10 +7,11 @@ import math
 
 import torch
 
+from ..data import fixed_batch
 from ..numerics import grad_norms, unique_params
 from ..policies.accumulation import as_sum_count
 from ..policies.clipping import GradClipper
-from . import CheckContext, CheckResult, fixed_batch, register
+from . import CheckContext, CheckResult, register
 
 REL_TOL = 1e-5
 

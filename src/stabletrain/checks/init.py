@@ -17,13 +17,14 @@ import torch
 from torch import nn
 
 from ..config import Config
+from ..data import fixed_batch
 from ..diagnostics.signal_display import format_comparison, format_report, plot_signal
 from ..diagnostics.signal_propagation import SignalReport, signal_report
 from ..policies.optim import build_optimizer
 from ..seeding import seed_everything
 from ..tasks import Task
 from ..tasks.init_schemes import SCHEMES, init_
-from . import CheckContext, CheckResult, fixed_batch, register
+from . import CheckContext, CheckResult, register
 
 __all__ = ["check_init"]
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from ..data import fixed_batch
 from ..numerics import unique_params
 from ..policies.precision import PrecisionPolicy
 from ..step import TrainStep
-from . import CheckContext, CheckResult, fixed_batch, register
+from . import CheckContext, CheckResult, register
 
 #: The loss must fall below initial / FACTOR within STEPS steps on one fixed batch.
 FACTOR = 2.0

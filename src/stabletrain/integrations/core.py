@@ -22,8 +22,6 @@ all-gather, and rank 0 alone writes the run directory.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -45,7 +43,7 @@ from ..distributed.strategy import strategy_for
 from ..errors import crash_event
 from ..fileio import atomic_write
 from ..host_step import HostStep
-from ..internals import eager_methods, is_compiled, unwrap
+from ..internals import is_compiled, unwrap
 from ..numerics import unique_params
 from ..policies.guard import Guard
 from ..policies.metrics import StepMetrics
@@ -54,9 +52,9 @@ from ..records.jsonl import json_safe
 from ..records.provenance import build_snapshot, installed_versions, optimizer_config
 from ..records.rundir import RunDir
 from ..runstate import RunState
-from ..seeding import rng_state, set_rng_state
 from ..services.boundary import IntervalBoundary
 from ..services.capture import IncidentCapture
+from ..services.init_signal import first_batch_signal, record_signal
 from ..services.kept_steps import HostReplay, HostSteps, PendingStep
 
 __all__ = ["RunSession", "AdapterGuard"]
@@ -218,35 +216,15 @@ class RunSession:
             console.say(message)
 
     def signal_check(self, batch: Any, loss_fn: Callable[[nn.Module, Any], Any]) -> dict[str, Any] | None:
-        """Run the signal-propagation report on ``batch``; write ``RUN_DIR/init_signal.json`` and a line in the snapshot.
-
-        The RNG state is put back, so the run draws the same random numbers as without it. Forces a few
-        host syncs, once.
-        """
+        """The signal-propagation report on ``batch`` (:mod:`~stabletrain.services.init_signal`), once: the RNG kept,
+        ``RUN_DIR/init_signal.json`` and a line in the snapshot written. Forces a few host syncs."""
         if not self.options.init_check or self.step > 0:
             return None
-        from ..diagnostics.signal_propagation import signal_report
-
-        rng = rng_state()
-        try:
-            with self.replay.replaying() if self.replay is not None else contextlib.nullcontext(), \
-                    eager_methods(self.model):  # its hooks on the module's own eager forward, no recompile of the host's
-                report = signal_report(self.model, batch, loss_fn, label=f"{type(self.model).__name__} at step 0")
-        except Exception as err:  # the report must never take the run down
-            warnings.warn(f"the signal-propagation report failed ({type(err).__name__}: {err})", console.StableTrainWarning,
-                          stacklevel=2)
-            return None
-        finally:
-            set_rng_state(rng)
-        full = report.to_dict()
-        line = {"passed": full["passed"], "summary": full["summary"], "advice": report.advice(),
-                "flagged": [layer.name for layer in report.flagged]}
-        if self.run is not None:
-            atomic_write(self.run.path / "init_signal.json", json.dumps(json_safe(full), indent=2) + "\n")
-            if self.snapshot:
-                self.snapshot["init_signal"] = line
-                self.run.write_snapshot(self.snapshot)
-        return line
+        found = first_batch_signal(self.model, batch, loss_fn, label=f"{type(self.model).__name__} at step 0",
+                                   context=self.replay.replaying() if self.replay is not None else None)
+        if found is not None and self.run is not None:
+            record_signal(self.run, *found, self.snapshot)
+        return found[1] if found is not None else None
 
     # -- per step (no host sync) -------------------------------------------------------------------
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..checks import CheckContext, fixed_batch, run_checks
+from ..checks import CheckContext, run_checks
 from ..config import load_config
+from ..data import fixed_batch
 from ..numerics import unique_params
 from ..policies.clipping import GradClipper
 from ..policies.optim import build_optimizer

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from torch import nn
 
-from ..checks import fixed_batch
+from ..data import fixed_batch
 from ..diagnostics.signal_display import plot_signal
 from ..diagnostics.signal_propagation import LayerSignal, SignalReport, signal_report
 from ..seeding import seed_everything

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from ..checks import fixed_batch
 from ..checks.amp import OpDtypeRecorder
 from ..config import load_config
+from ..data import fixed_batch
 from ..numerics import unique_params
 from ..policies.optim import build_optimizer
 from ..policies.precision import PrecisionPolicy, resolve_device

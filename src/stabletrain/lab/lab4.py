@@ -14,8 +14,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from ..checks import fixed_batch
 from ..config import load_config
+from ..data import fixed_batch
 from ..numerics import unique_params
 from ..policies.clipping import GradClipper
 from ..policies.optim import build_optimizer

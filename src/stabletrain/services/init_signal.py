@@ -1,0 +1,106 @@
+"""The signal-propagation report on a run's first batch: which layers vanish or explode at step 0, and the init to use.
+
+A new built-in run (``log.init_signal``: by default for the built-in tasks, one process) and every adapter (``init_check``) run
+:func:`~stabletrain.diagnostics.signal_propagation.signal_report` once, before the first step: one forward and
+backward with hooks on every leaf module, and one step of a throw-away optimizer for the update/weight ratios.
+The model, its gradients and buffers and the RNG streams are left exactly as found (the built-in run measures a
+copy of its model, so a forward with side effects of its own is not run an extra time), so the run trains
+bitwise as without it. What it found goes to ``RUN_DIR/init_signal.json`` (every layer's numbers) and a line in
+``snapshot.json`` (``init_signal``: passed, the summary, the advice, the flagged layers); a flagged init is
+one console line. A report that fails is a warning, never the run's end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from .. import console
+from ..data import fixed_batch
+from ..diagnostics.signal_propagation import signal_report
+from ..fileio import atomic_write
+from ..internals import eager_methods
+from ..policies.optim import build_optimizer
+from ..records.jsonl import json_safe
+from ..runstate import RunState
+from ..seeding import rng_state, set_rng_state
+
+__all__ = ["first_batch_signal", "record_signal", "run_init_signal", "SIGNAL_FILE"]
+
+#: The report's per-layer numbers, in the run directory.
+SIGNAL_FILE = "init_signal.json"
+
+
+def first_batch_signal(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any], *, label: str,
+                       make_optimizer: Callable[[list[nn.Parameter]], Any] | None = None,
+                       context: contextlib.AbstractContextManager | None = None) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """(the report as a dict, its snapshot line) for ``batch``, or None when the report failed (warned once).
+
+    The RNG state is put back. ``context``: what the model needs around its forward (a host's replay mode).
+    """
+    rng = rng_state()
+    try:
+        with context or contextlib.nullcontext(), eager_methods(model):  # the module's own eager forward, no recompile
+            report = signal_report(model, batch, loss_fn, label=label, make_optimizer=make_optimizer)
+    except Exception as err:  # the report must never take the run down
+        warnings.warn(f"the signal-propagation report failed ({type(err).__name__}: {err})", console.StableTrainWarning,
+                      stacklevel=3)
+        return None
+    finally:
+        set_rng_state(rng)
+    full = report.to_dict()
+    return full, {"passed": full["passed"], "summary": full["summary"], "advice": report.advice(),
+                  "flagged": [layer.name for layer in report.flagged]}
+
+
+def record_signal(run: Any, full: dict[str, Any], line: dict[str, Any], snapshot: dict[str, Any] | None) -> None:
+    """Write ``init_signal.json`` into ``run`` (a RunDir) and the line into ``snapshot`` (rewritten; None: read back)."""
+    atomic_write(run.path / SIGNAL_FILE, json.dumps(json_safe(full), indent=2) + "\n")
+    if snapshot is None:
+        path = run.path / "snapshot.json"
+        snapshot = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    if snapshot:
+        snapshot["init_signal"] = line
+        run.write_snapshot(snapshot)
+
+
+def run_init_signal(state: RunState) -> dict[str, Any] | None:
+    """The built-in run's report at step 0 (``log.init_signal``, one process, rank 0 with a run directory).
+
+    ``auto`` (the default): for a task whose loss is stabletrain's own (the built-in tasks); ``true``: any task,
+    whose loss then runs once more at step 0 (a loss that counts its calls would see one more).
+
+    On a copy of the model (its own Python state is not touched) and the task's first ``train.batch_size``
+    training samples, with the run's own optimizer (at its peak LR) for the update ratios; a flagged init is one
+    line. Returns the snapshot line, or None when not run.
+    """
+    cfg, task, module = state.cfg, state.task, state.module
+    if not cfg.log.init_signal or state.run is None or state.dist.world > 1 or state.step != 0:
+        return None
+    if cfg.log.init_signal == "auto" and not getattr(task.loss, "__module__", "").startswith("stabletrain."):
+        return None  # auto: a loss of the user's own may count its calls; log.init_signal=true runs it once more
+    try:  # a copy: the model's own Python state (a forward counter, a cache) must not see an extra forward
+        model = copy.deepcopy(module)
+    except Exception as err:
+        warnings.warn(f"the signal-propagation report was skipped: the model cannot be copied ({type(err).__name__}: "
+                      f"{err}); log.init_signal=false turns it off", console.StableTrainWarning, stacklevel=2)
+        return None
+    names = {id(p): n for n, p in model.named_parameters()}
+    _, batch = fixed_batch(task, cfg.train.batch_size, state.device)
+    found = first_batch_signal(
+        model, batch, task.loss, label=f"{task.name} at step 0",
+        make_optimizer=lambda params: build_optimizer([(names.get(id(p), "?"), p) for p in params], cfg.optim,
+                                                      state.device, getattr(task, "optimizer", None)))
+    if found is None:
+        return None
+    full, line = found
+    record_signal(state.run, full, line, None)
+    if not line["passed"]:
+        console.say(f"init at step 0: {'; '.join(line['summary'])}; {line['advice']} ({SIGNAL_FILE})")
+    return line
