@@ -683,3 +683,20 @@ def test_a_remedy_that_rolled_back_is_in_the_health_summary_with_what_it_undid(t
     assert '<span class="badge warn">worth a look</span>' in page and "Remedy applied: rollback-lr-x0.1" in page
     assert "a remedy rolled the run back past this step" in page  # the timeline says why the incident's row is grey
     assert re.search(r"saved step_000010 \(\d+\.\d KiB, verified\)", page)  # a small checkpoint: KiB, not "0.0 MiB"
+
+
+def test_the_health_summary_says_what_the_init_report_found_at_step_0(tmp_path):
+    from helpers import cfg
+
+    from stabletrain import Trainer
+    from stabletrain.report.health import health_summary
+    from stabletrain.report.rundata import load_run
+
+    for name, extra in (("ok", []), ("deep", ["task_args.depth=12"])):
+        Trainer(cfg("train.max_steps=2", "log.every=1", *extra), run_dir=tmp_path / name).fit()
+    ok, deep = (health_summary(load_run(tmp_path / n)) for n in ("ok", "deep"))
+    assert ("ok", "At step 0 the signal held through every layer, forward and backward.") in ok.sentences
+    assert ok.figures["init_signal_passed"] is True and deep.figures["init_signal_passed"] is False
+    said = [text for level, text in deep.sentences if text.startswith("At step 0 ")]
+    assert len(said) == 1 and "forward: vanishes at #5" in said[0] and "init_(model, 'kaiming')" in said[0]
+    assert ("warn", said[0]) in deep.sentences

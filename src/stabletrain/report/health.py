@@ -76,6 +76,7 @@ def health_summary(run: RunData) -> Health:
     _crash(run, h)
     _progress(run, h)
     _losses(run, h)
+    _init(run, h)
     clip_sentence(run, h)
 
     # Skipped steps: the count from the metrics, the steps and reasons from the events.
@@ -145,6 +146,19 @@ def health_summary(run: RunData) -> Health:
     if run.problems:
         h.say("warn", f"{plural(len(run.problems), 'problem')} reading the run's files (listed under Data problems).")
     return h
+
+
+def _init(run: RunData, h: Health) -> None:
+    """The step-0 signal report's verdict (``snapshot.json``'s ``init_signal``: log.init_signal, an adapter's init_check)."""
+    line = run.snapshot.get("init_signal")
+    if not isinstance(line, dict) or "passed" not in line:
+        return
+    h.figures["init_signal_passed"] = bool(line["passed"])
+    if line["passed"]:
+        h.say("ok", "At step 0 the signal held through every layer, forward and backward.")
+    else:
+        found = "; ".join(part for part in line.get("summary", []) if not part.endswith(": ok"))
+        h.say("warn", f"At step 0 {found}; {line.get('advice', '')} (init_signal.json).")
 
 
 def _robust_end(rows: list[tuple], spikes: list[int], ratio: float, end: str) -> tuple[float, str | None]:
