@@ -377,7 +377,7 @@ def test_each_rank_syncs_only_at_log_eval_and_checkpoint_boundaries(world):
     world.check("syncs")
     out = world.root / "syncs_out"
     # the keeper's save and its failed-saves verdict (rank 0 broadcasts it per checkpoint); InitWatch's one-time compare
-    boundary = ("_log", "evaluate", "save", "check_failures", "on_fit_start")
+    boundary = ("_log", "evaluate", "save", "check_failures", "on_fit_start", "run_init_signal")  # + the step-0 report
     for rank in (0, 1):
         calls = torch.load(out / f"rank_{rank}.pt", weights_only=False)["syncs"]
         stray = [(s, f, w[-6:]) for s, f, w in calls if not any(b in w for b in boundary)
@@ -387,6 +387,7 @@ def test_each_rank_syncs_only_at_log_eval_and_checkpoint_boundaries(world):
         assert {s: logged.count(s) for s in set(logged)} == {5: 1, 10: 1, 15: 1, 20: 1, 25: 1}  # one per interval
         evals = [s for s, _, w in calls if "evaluate" in w]
         assert {s: evals.count(s) for s in set(evals)} == {10: 1, 20: 1, 25: 1}
+    assert json.loads((world.root / "syncs" / "snapshot.json").read_text())["init_signal"]["passed"] is True  # rank 0's
 
 
 # -- what counts as a lost peer --------------------------------------------------------------------

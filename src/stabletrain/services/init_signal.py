@@ -1,13 +1,14 @@
 """The signal-propagation report on a run's first batch: which layers vanish or explode at step 0, and the init to use.
 
-A new built-in run (``log.init_signal``: by default for the built-in tasks, one process) and every adapter (``init_check``) run
-:func:`~stabletrain.diagnostics.signal_propagation.signal_report` once, before the first step: one forward and
-backward with hooks on every leaf module, and one step of a throw-away optimizer for the update/weight ratios.
-The model, its gradients and buffers and the RNG streams are left exactly as found (the built-in run measures a
-copy of its model, so a forward with side effects of its own is not run an extra time), so the run trains
-bitwise as without it. What it found goes to ``RUN_DIR/init_signal.json`` (every layer's numbers) and a line in
-``snapshot.json`` (``init_signal``: passed, the summary, the advice, the flagged layers); a flagged init is
-one console line. A report that fails is a warning, never the run's end.
+A new built-in run (``log.init_signal``: by default for the built-in tasks; one process or DDP) and every
+adapter (``init_check``) run :func:`~stabletrain.diagnostics.signal_propagation.signal_report` once, before
+the first step: one forward and backward with hooks on every leaf module, and one step of a throw-away
+optimizer for the update/weight ratios. The model, its gradients and buffers and the RNG streams are left
+exactly as found (the built-in run measures a copy of its model, so a forward with side effects of its own
+is not run an extra time), so the run trains bitwise as without it. What it found goes to
+``RUN_DIR/init_signal.json`` (every layer's numbers) and a line in ``snapshot.json`` (``init_signal``:
+passed, the summary, the advice, the flagged layers); a flagged init is one console line. A report that
+fails is a warning, never the run's end.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ def record_signal(run: Any, full: dict[str, Any], line: dict[str, Any], snapshot
 
 
 def run_init_signal(state: RunState) -> dict[str, Any] | None:
-    """The built-in run's report at step 0 (``log.init_signal``, one process, rank 0 with a run directory).
+    """The built-in run's report at step 0 (``log.init_signal``; rank 0 with a run directory, on its own: under DDP
+    on a copy of the model it holds whole; not under FSDP).
 
     ``auto`` (the default): for a task whose loss is stabletrain's own (the built-in tasks); ``true``: any task,
     whose loss then runs once more at step 0 (a loss that counts its calls would see one more).
@@ -81,8 +83,10 @@ def run_init_signal(state: RunState) -> dict[str, Any] | None:
     line. Returns the snapshot line, or None when not run.
     """
     cfg, task, module = state.cfg, state.task, state.module
-    if not cfg.log.init_signal or state.run is None or state.dist.world > 1 or state.step != 0:
+    if not cfg.log.init_signal or state.run is None or state.step != 0:
         return None
+    if state.strategy is not None and state.strategy.one_process_model({}) is None:
+        return None  # FSDP: this rank holds its shards only, and a forward of them is a collective
     if cfg.log.init_signal == "auto" and not getattr(task.loss, "__module__", "").startswith("stabletrain."):
         return None  # auto: a loss of the user's own may count its calls; log.init_signal=true runs it once more
     try:  # a copy: the model's own Python state (a forward counter, a cache) must not see an extra forward
