@@ -45,7 +45,7 @@ from ..internals import skips_on_device
 from ..numerics import grad_norms
 from ..records.batches import batch_size
 from ..records.captured import lightning_loss, loss_recipe, model_recipe
-from ..services.kept_steps import KeptStep
+from ..services.kept_steps import HostReplay, KeptStep
 from .core import RunSession
 
 __all__ = ["StableTrainCallback"]
@@ -218,7 +218,7 @@ def _tracker_hosts(trainer: pl.Trainer) -> dict[str, tuple[Callable[[], Any], An
     return hosts
 
 
-class _LightningReplay:
+class _LightningReplay(HostReplay):
     """Replays a kept step as Lightning's automatic optimization ran it (``trainer.strategy.training_step``, the loss
     divided by ``accumulate_grad_batches``, the module's ``backward``, the GradScaler, ``configure_gradient_clipping``,
     the optimizer); the diagnosis replays ``training_step``."""

@@ -51,7 +51,7 @@ from ..policies.precision import PrecisionPolicy
 from ..records.batches import batch_size
 from ..records.captured import loss_recipe, model_recipe
 from ..seeding import rng_state
-from ..services.kept_steps import KeptStep
+from ..services.kept_steps import HostReplay, KeptStep
 from ..step import TrainStep, build_step
 from .core import RunSession
 
@@ -233,7 +233,7 @@ class Monitor:
         self.precision.load_state_dict(state["precision"])
 
 
-class _MonitorReplay:
+class _MonitorReplay(HostReplay):
     """Replays one of the user's steps with ``loss_fn``, through the Monitor's own update (no guard: a replayed step
     was applied), for a capture; ``loss_fn`` is also the diagnosis's loss."""
 
@@ -256,12 +256,6 @@ class _MonitorReplay:
 
     def diagnosis_loss(self, kept: KeptStep) -> Callable[[nn.Module, Any], Any]:
         return self.monitor.loss_fn
-
-    def replaying(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-    def detached(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
 
 
 def _as_backpropagated(loss: Tensor, backpropagated: Tensor | None, num_micro: int) -> Tensor:

@@ -57,7 +57,7 @@ from ..internals import find_caller, is_compiled
 from ..numerics import grad_norms
 from ..records.batches import batch_size
 from ..records.captured import loss_recipe, model_recipe
-from ..services.kept_steps import KeptStep
+from ..services.kept_steps import HostReplay, KeptStep
 from .core import RunSession
 
 __all__ = ["StableTrainCallback", "STATE_FILE"]
@@ -285,7 +285,7 @@ class StableTrainCallback(TrainerCallback):
         self._detach()
 
 
-class _TransformersReplay:
+class _TransformersReplay(HostReplay):
     """Replays a kept step with the Trainer's own ``training_step``, clipping and optimizer; diagnoses ``compute_loss``."""
 
     def __init__(self, callback: StableTrainCallback) -> None:
@@ -315,9 +315,3 @@ class _TransformersReplay:
 
     def diagnosis_loss(self, kept: KeptStep) -> Callable[[nn.Module, Any], Any]:
         return self.cb.diagnosis_loss(kept.host.get("num_items_in_batch"))
-
-    def replaying(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-    def detached(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -113,20 +113,24 @@ class StepKeeper:
         self.steps, self.nbytes, self.overflow_at = {}, 0, None
 
 
-class HostReplay(Protocol):
-    """How an adapter replays its host's step (see each adapter)."""
+class HostReplay:
+    """How an adapter replays its host's step (each adapter's subclass); by default nothing to switch off or detach."""
 
     def replay_step(self, kept: KeptStep) -> None:
         """Run the kept step's forward/backward, clipping and update exactly as the host ran them."""
+        raise NotImplementedError
 
     def diagnosis_loss(self, kept: KeptStep) -> Callable[[nn.Module, Any], Any] | None:
         """``loss(model, batch)`` as the host computed the kept step's loss (None: no diagnosis)."""
+        raise NotImplementedError
 
     def replaying(self) -> contextlib.AbstractContextManager:
         """The adapter's own hooks and the host's logging off, while the capture replays."""
+        return contextlib.nullcontext()
 
     def detached(self) -> contextlib.AbstractContextManager:
         """The model as a plain module (no trainer attached), while the diagnosis deep-copies and replays it."""
+        return contextlib.nullcontext()
 
 
 def current_lrs(optimizer: torch.optim.Optimizer) -> list[Any]:
