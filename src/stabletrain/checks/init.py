@@ -13,33 +13,17 @@ from __future__ import annotations
 import copy
 import json
 
-import torch
-from torch import nn
-
-from ..config import Config
 from ..data import fixed_batch
 from ..diagnostics.signal_display import format_comparison, format_report, plot_signal
 from ..diagnostics.signal_propagation import SignalReport, signal_report
-from ..policies.optim import build_optimizer
+from ..policies.optim import optimizer_factory
 from ..seeding import seed_everything
-from ..tasks import Task
 from ..tasks.init_schemes import SCHEMES, init_
 from . import CheckContext, CheckResult, register
 
 __all__ = ["check_init"]
 
 AS_BUILT = "as built"
-
-
-def _optimizer_factory(cfg: Config, task: Task, model: nn.Module, device: torch.device):
-    """Return ``params -> the run's optimizer`` at its peak lr (``optim.name``, or the task's own), as the loop builds it."""
-    names = {id(p): n for n, p in model.named_parameters()}
-
-    def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-        named = [(names.get(id(p), "?"), p) for p in params]
-        return build_optimizer(named, cfg.optim, device, getattr(task, "optimizer", None))
-
-    return make
 
 
 def _schemes(option: object) -> list[str]:
@@ -90,15 +74,16 @@ def check_init(ctx: CheckContext) -> CheckResult:
     _, batch = fixed_batch(task, ctx.cfg.train.batch_size, device)
 
     base = task.model.to(device)
+    own = getattr(task, "optimizer", None)  # the run's optimizer, at its peak lr, for the update ratios
     reports = [signal_report(base, batch, task.loss, label=AS_BUILT,
-                             make_optimizer=_optimizer_factory(ctx.cfg, task, base, device))]
+                             make_optimizer=optimizer_factory(base, ctx.cfg.optim, device, own))]
     by_scheme: dict[str, SignalReport] = {}
     for scheme in schemes:
         model = copy.deepcopy(base)  # keeps tied weights tied
         seed_everything(ctx.cfg.seed)
         init_(model, scheme)
         by_scheme[scheme] = signal_report(model, batch, task.loss, label=f"init_({scheme!r})",
-                                          make_optimizer=_optimizer_factory(ctx.cfg, task, model, device))
+                                          make_optimizer=optimizer_factory(model, ctx.cfg.optim, device, own))
         reports.append(by_scheme[scheme])
 
     plot = plot_signal(reports, ctx.output_path("init_signal.png"))

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..numerics import unique_params
 
-__all__ = ["build_optimizer", "OptimizerFactory", "check_materialized", "check_optimizer_holds"]
+__all__ = ["build_optimizer", "optimizer_factory", "OptimizerFactory", "check_materialized", "check_optimizer_holds"]
 
 OptimizerFactory = Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
 
@@ -57,6 +57,18 @@ def build_optimizer(named_params: list[tuple[str, nn.Parameter]], optim: Any, de
             return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum, nesterov=optim.nesterov, foreach=True)
         return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum, nesterov=optim.nesterov, fused=fused)
     raise ValueError(f"config key 'optim.name': expected adamw, adam or sgd, got {name!r}")
+
+
+def optimizer_factory(model: nn.Module, optim: Any, device: torch.device,
+                      factory: OptimizerFactory | None = None) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
+    """``params -> the run's optimizer`` over some of ``model``'s parameters, named as the model names them (the
+    signal report's one throw-away step: the update ratios the run's own optimizer, at its peak lr, would give)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+
+    def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return build_optimizer([(names.get(id(p), "?"), p) for p in params], optim, device, factory)
+
+    return make
 
 
 def _listed(names: list[str], limit: int = 4) -> str:

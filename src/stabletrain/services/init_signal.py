@@ -27,7 +27,7 @@ from ..data import fixed_batch
 from ..diagnostics.signal_propagation import signal_report
 from ..fileio import atomic_write
 from ..internals import eager_methods
-from ..policies.optim import build_optimizer
+from ..policies.optim import optimizer_factory
 from ..records.jsonl import json_safe
 from ..runstate import RunState
 from ..seeding import rng_state, set_rng_state
@@ -95,12 +95,10 @@ def run_init_signal(state: RunState) -> dict[str, Any] | None:
         warnings.warn(f"the signal-propagation report was skipped: the model cannot be copied ({type(err).__name__}: "
                       f"{err}); log.init_signal=false turns it off", console.StableTrainWarning, stacklevel=2)
         return None
-    names = {id(p): n for n, p in model.named_parameters()}
     _, batch = fixed_batch(task, cfg.train.batch_size, state.device)
     found = first_batch_signal(
         model, batch, task.loss, label=f"{task.name} at step 0",
-        make_optimizer=lambda params: build_optimizer([(names.get(id(p), "?"), p) for p in params], cfg.optim,
-                                                      state.device, getattr(task, "optimizer", None)))
+        make_optimizer=optimizer_factory(model, cfg.optim, state.device, getattr(task, "optimizer", None)))
     if found is None:
         return None
     full, line = found
