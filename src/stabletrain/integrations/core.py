@@ -132,7 +132,6 @@ class RunSession:
         self.fingerprint = fingerprint if options.init_check else None
         self.replay = replay
         self.epoch = 0
-        self.snapshot: dict[str, Any] = {}
         self.started = self.closed = False
         self.trackers = build_trackers(options.trackers, hosts=tracker_hosts)
         self.callbacks = CallbackList([InitWatch(self.fingerprint), EventLog(), MetricsFile(), TensorBoardLog(),
@@ -197,8 +196,7 @@ class RunSession:
             extra = {"integration": self.host, "model": type(self.model).__name__,
                      "optimizer": optimizer_config(self.optimizer).get("name") if self.optimizer is not None else None,
                      "host_versions": installed_versions(*HOST_LIBRARIES.get(self.host, ()))}
-            self.snapshot = build_snapshot(self.cfg, self.device, self.precision, None, extra)
-            self.run.write_snapshot(self.snapshot)
+            self.run.write_snapshot(build_snapshot(self.cfg, self.device, self.precision, None, extra))
 
     def begin(self) -> None:
         """The host's fit starts: fire ``on_fit_start`` (the init fingerprint is compared: one host read, once)."""
@@ -223,7 +221,7 @@ class RunSession:
         found = first_batch_signal(self.model, batch, loss_fn, label=f"{type(self.model).__name__} at step 0",
                                    context=self.replay.replaying() if self.replay is not None else None)
         if found is not None and self.run is not None:
-            record_signal(self.run, *found, self.snapshot)
+            record_signal(self.run, *found)
         return found[1] if found is not None else None
 
     # -- per step (no host sync) -------------------------------------------------------------------

@@ -95,6 +95,12 @@ class RunDir:
         """Write ``snapshot.json``, atomically."""
         atomic_write(self.path / "snapshot.json", json.dumps(json_safe(snapshot), indent=2) + "\n")
 
+    def update_snapshot(self, **fields: Any) -> None:
+        """Add ``fields`` to ``snapshot.json`` (rewritten atomically); nothing when there is none (a run written without)."""
+        path = self.path / "snapshot.json"
+        if path.is_file():
+            self.write_snapshot({**json.loads(path.read_text(encoding="utf-8")), **fields})
+
     def event(self, step: int, kind: str, reason: str, **fields: Any) -> dict[str, Any]:
         """Append one line to events.jsonl and return it; ``kind`` must be one of
         :data:`~stabletrain.records.events.EVENT_KINDS`."""

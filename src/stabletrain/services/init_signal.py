@@ -60,15 +60,10 @@ def first_batch_signal(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Modul
                   "flagged": [layer.name for layer in report.flagged]}
 
 
-def record_signal(run: Any, full: dict[str, Any], line: dict[str, Any], snapshot: dict[str, Any] | None) -> None:
-    """Write ``init_signal.json`` into ``run`` (a RunDir) and the line into ``snapshot`` (rewritten; None: read back)."""
+def record_signal(run: Any, full: dict[str, Any], line: dict[str, Any]) -> None:
+    """Write ``init_signal.json`` into ``run`` (a RunDir) and the line into its ``snapshot.json``."""
     atomic_write(run.path / SIGNAL_FILE, json.dumps(json_safe(full), indent=2) + "\n")
-    if snapshot is None:
-        path = run.path / "snapshot.json"
-        snapshot = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
-    if snapshot:
-        snapshot["init_signal"] = line
-        run.write_snapshot(snapshot)
+    run.update_snapshot(init_signal=line)
 
 
 def run_init_signal(state: RunState) -> dict[str, Any] | None:
@@ -102,7 +97,7 @@ def run_init_signal(state: RunState) -> dict[str, Any] | None:
     if found is None:
         return None
     full, line = found
-    record_signal(state.run, full, line, None)
+    record_signal(state.run, full, line)
     if not line["passed"]:
         console.say(f"init at step 0: {'; '.join(line['summary'])}; {line['advice']} ({SIGNAL_FILE})")
     return line
