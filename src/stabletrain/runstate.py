@@ -120,6 +120,19 @@ class RunState:
                 **{key: getattr(self, attr).state_dict() for key, attr in PARTS}, "rng": rng_state(),
                 "counters": {"step": self.step, "samples_seen": self.samples_seen, "tokens_seen": self.tokens_seen}}
 
+    def progress_state(self, *parts: str) -> dict[str, Any]:
+        """The counters and the named parts' state dicts, in one flat dict (an adapter's, in its host's checkpoint)."""
+        return {"step": self.step, "samples_seen": self.samples_seen, "tokens_seen": self.tokens_seen,
+                **{key: getattr(self, attr).state_dict() for key, attr in PARTS if key in parts}}
+
+    def load_progress_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`progress_state`: the counters and each part it holds (a newer part it lacks: afresh)."""
+        self.step, self.samples_seen = int(state["step"]), int(state["samples_seen"])
+        self.tokens_seen = float(state["tokens_seen"])
+        for key, attr in PARTS:
+            if getattr(self, attr) is not None and (key in state or key in _NEWER):
+                getattr(self, attr).load_state_dict(state.get(key, {}))
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (or a checkpoint: this rank's RNG and data position from ``ranks``).
 

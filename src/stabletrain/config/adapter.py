@@ -86,6 +86,15 @@ class AdapterOptions:
         """``cfg`` (the session's) with these options' config keys (the log and guard sections) set and validated."""
         return self.apply(cfg, {n: _get(self._cfg, k) for n, k in CONFIG_KEYS.items()})
 
+    def sections(self, cfg: Config) -> dict[str, Any]:
+        """The ``log``, ``guard`` and ``capture`` sections of an adapter's ``config.yaml`` (``cfg``: its run's config)."""
+        guard = {k: getattr(cfg.guard, k) for k in ("spike_window", "spike_ratio", "spike_zscore", "max_consecutive_skips")}
+        return {"log": {"every": self.log_every, "tensorboard": self.tensorboard, "top_layers": self.top_layers,
+                        "mirror": self.mirror, "trackers": self.tracker_names()},
+                "guard": {"on_nonfinite": self.on_nonfinite, "on_spike": self.on_spike, "check_params": self.check_params,
+                          "init_check": self.init_check, **guard},
+                "capture": {"incidents": self.capture, "diagnose": self.diagnose}}
+
     def tracker_names(self) -> list[str]:
         """The trackers' names ("tensorboard", "mlflow", "wandb"), as ``log.trackers`` lists them."""
         return [t if isinstance(t, str) else t.name for t in self.trackers]

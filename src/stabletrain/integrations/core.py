@@ -35,7 +35,7 @@ from .._version import __version__
 from ..callbacks import Callback, CallbackList
 from ..callbacks.sinks import EventLog, InitWatch, MetricsFile, TensorBoardLog
 from ..callbacks.trackers import build_trackers
-from ..config import AdapterOptions, ClipConfig, Config, GuardConfig, TrainConfig
+from ..config import AdapterOptions, ClipConfig, Config, TrainConfig
 from ..diagnostics.initialization import InitFingerprint
 from ..distributed.carrier import LossWatch
 from ..distributed.group import DistContext
@@ -57,25 +57,10 @@ from ..services.capture import IncidentCapture
 from ..services.init_signal import first_batch_signal, record_signal
 from ..services.kept_steps import HostReplay, HostSteps, PendingStep
 
-__all__ = ["RunSession", "AdapterGuard"]
+__all__ = ["RunSession"]
 
 #: The host trainers' own distributions, whose versions a new run's snapshot records.
 HOST_LIBRARIES = {"lightning": ("lightning",), "transformers": ("transformers", "accelerate")}
-
-
-class AdapterGuard(Guard):
-    """The built-in guard, plus ``on_nonfinite="warn"``: no skip of its own (the host's own skips still happen)."""
-
-    def __init__(self, cfg: GuardConfig, device: torch.device, *, enforce: bool = True) -> None:
-        super().__init__(cfg, device)
-        self.enforce = enforce
-
-    def observe(self, loss: Tensor, grad_norm: Tensor, inputs_ok: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """Return (ok, finite, spike) as device bools; no sync."""
-        ok, finite, spike = super().observe(loss, grad_norm, inputs_ok)
-        if not self.enforce:  # warn: only a spike skip when asked
-            ok = ~spike if self.cfg.on_spike == "skip" else torch.ones_like(finite)
-        return ok, finite, spike
 
 
 class RunSession:
@@ -125,7 +110,7 @@ class RunSession:
         cfg.log.progress = False  # the host shows its own progress
         cfg.guard.on_nonfinite = "skip" if options.on_nonfinite == "warn" else options.on_nonfinite
         self.cfg = options.project(cfg)  # the options as the built-in run's keys, validated as they are there
-        self.guard = AdapterGuard(self.cfg.guard, self.device, enforce=options.on_nonfinite != "warn")
+        self.guard = Guard(self.cfg.guard, self.device, enforce=options.on_nonfinite != "warn")
         self.metrics = StepMetrics(options.log_every, len(self.params), self.device, self.dist, local=("loss", "count"))
         if fingerprint == "take":
             fingerprint = InitFingerprint.take(self.model) if options.init_check else None
@@ -164,25 +149,12 @@ class RunSession:
 
     def config_dict(self) -> dict[str, Any]:
         """What ``config.yaml`` holds: the adapter's arguments, in the built-in config's key names where they exist."""
-        o = self.options
-        return {
-            "integration": self.host,
-            "task": type(self.model).__name__,
-            "precision": self.precision,
-            "device": str(self.device),
-            "clip": {"max_norm": self.clip_max_norm},
-            "log": {"every": o.log_every, "tensorboard": o.tensorboard, "top_layers": o.top_layers, "mirror": o.mirror,
-                    "trackers": o.tracker_names()},
-            "guard": {"on_nonfinite": o.on_nonfinite, "on_spike": o.on_spike, "check_params": o.check_params,
-                      "init_check": o.init_check,
-                      **{k: getattr(self.cfg.guard, k) for k in ("spike_window", "spike_ratio", "spike_zscore",
-                                                                 "max_consecutive_skips")}},
-            "capture": {"incidents": o.capture, "diagnose": o.diagnose},
-            "optim": optimizer_config(self.optimizer) if self.optimizer is not None else {},
-            "host": json_safe(self.host_config),
-            **({"train": {"compile": True}} if self.cfg.train.compile else {}),  # the host compiled its model
-            **({"world_size": self.dist.world} if self.dist.world > 1 else {}),
-        }
+        return {"integration": self.host, "task": type(self.model).__name__, "precision": self.precision,
+                "device": str(self.device), "clip": {"max_norm": self.clip_max_norm}, **self.options.sections(self.cfg),
+                "optim": optimizer_config(self.optimizer) if self.optimizer is not None else {},
+                "host": json_safe(self.host_config),
+                **({"train": {"compile": True}} if self.cfg.train.compile else {}),  # the host compiled its model
+                **({"world_size": self.dist.world} if self.dist.world > 1 else {})}
 
     def open(self, resume: bool = False) -> None:
         """Create (or, resuming, reopen) the run directory; write config.yaml and, on a new run, snapshot.json."""
@@ -207,11 +179,6 @@ class RunSession:
         self.callbacks.fire("on_fit_start", self.state)
         self.fingerprint = None
         self.capture.mark_interval_start(self.step, self.capturing)
-
-    def say(self, message: str) -> None:
-        """One line for the user on the console (rank 0)."""
-        if self.dist.rank == 0:
-            console.say(message)
 
     def signal_check(self, batch: Any, loss_fn: Callable[[nn.Module, Any], Any]) -> dict[str, Any] | None:
         """The signal-propagation report on ``batch`` (:mod:`~stabletrain.services.init_signal`), once: the RNG kept,
@@ -337,23 +304,16 @@ class RunSession:
 
     def state_dict(self) -> dict[str, Any]:
         """The session's state (progress, guard, the partial interval's metrics, callbacks): saved in the host's checkpoint."""
-        return {"version": __version__, "step": self.step, "samples_seen": self.samples_seen,
-                "tokens_seen": self.tokens_seen, "guard": self.guard.state_dict(), "metrics": self.metrics.state_dict(),
-                "callbacks": self.callbacks.state_dict(), "precursor": self.boundary.precursor.state_dict()}
+        return {"version": __version__, **self.state.progress_state("guard", "metrics", "callbacks", "precursor")}
 
     def load_state_dict(self, state: dict[str, Any], *, event: bool = True, path: str | None = None) -> None:
         """Restore :meth:`state_dict` (the host resumed from its checkpoint); record a ``resume`` event."""
-        self.step = int(state["step"])
-        self.samples_seen = int(state["samples_seen"])
-        self.tokens_seen = float(state["tokens_seen"])
-        self.guard.load_state_dict(state["guard"])
-        self.metrics.load_state_dict(state["metrics"])
-        self.callbacks.load_state_dict(state.get("callbacks", {}))
-        self.boundary.precursor.load_state_dict(state.get("precursor", {}))
+        self.state.load_progress_state(state)
         self.fingerprint = None  # the host loaded its weights: that is no overwritten init
         self.started = False
         if event:
             self.state.event(self.step, "resume", f"resumed from {path or 'the host trainer checkpoint'} at step "
                              f"{self.step}", path=path)
-            self.say(f"resumed from step {self.step} ({path or 'the host trainer checkpoint'})")
+            if self.dist.rank == 0:
+                console.say(f"resumed from step {self.step} ({path or 'the host trainer checkpoint'})")
 

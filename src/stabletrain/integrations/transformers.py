@@ -55,7 +55,7 @@ from ..data import move_to
 from ..diagnostics.initialization import InitFingerprint
 from ..internals import find_caller, is_compiled
 from ..numerics import grad_norms
-from ..records.batches import batch_size
+from ..records.batches import count_tokens
 from ..records.captured import loss_recipe, model_recipe
 from ..services.kept_steps import HostReplay, KeptStep
 from .core import RunSession
@@ -64,17 +64,6 @@ __all__ = ["StableTrainCallback", "STATE_FILE"]
 
 #: Our state's file in each of the Trainer's checkpoint folders.
 STATE_FILE = "stabletrain_state.pt"
-
-
-def _count_tokens(inputs: dict[str, Any]) -> Tensor | int:
-    labels, mask, ids = inputs.get("labels"), inputs.get("attention_mask"), inputs.get("input_ids")
-    if isinstance(labels, Tensor) and labels.dtype in (torch.long, torch.int):
-        return (labels != -100).sum()
-    if isinstance(mask, Tensor):
-        return mask.sum()
-    if isinstance(ids, Tensor):
-        return ids.numel()
-    return batch_size(inputs)
 
 
 def _default_compute_loss(trainer: Trainer) -> bool:
@@ -200,7 +189,7 @@ class StableTrainCallback(TrainerCallback):
                             "accumulation_steps": getattr(self.trainer, "current_gradient_accumulation_steps", None)}
             if session.step == 0 and self.options.init_check and not session.history:
                 session.signal_check(dict(inputs), self.diagnosis_loss(num_items_in_batch))
-        pending.add(dict(inputs), _count_tokens(inputs), rng=session.capturing)
+        pending.add(dict(inputs), count_tokens(inputs), rng=session.capturing)
         loss = self._call_training_step(model, inputs, num_items_in_batch)
         pending.add_loss(loss.detach().float().reshape(()))
         if self.trainer.accelerator.sync_gradients:  # the window's last backward: its pre-clip gradients

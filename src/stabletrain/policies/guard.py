@@ -146,8 +146,9 @@ class Guard:
     :meth:`mark_spikes` runs it on the host once per interval and the per-step work is the finite check.
     """
 
-    def __init__(self, cfg: GuardConfig, device: torch.device) -> None:
+    def __init__(self, cfg: GuardConfig, device: torch.device, *, enforce: bool = True) -> None:
         self.cfg = cfg
+        self.enforce = enforce  # False: an adapter's on_nonfinite="warn" (no skip of its own; the host's still happen)
         self.on_device = cfg.on_spike in ("skip", "remedy")  # the spike must be skipped before its update
         where = device if self.on_device else torch.device("cpu")
         self.window = torch.full((cfg.spike_window,), float("nan"), device=where)
@@ -178,8 +179,15 @@ class Guard:
         """Return (ok, finite, spike) as device bools for this step. No sync.
 
         Off the device (``on_spike`` warn or rollback) ``spike`` is a constant False here: the host
-        decides it from the interval's rows (:meth:`mark_spikes`).
+        decides it from the interval's rows (:meth:`mark_spikes`). Not ``enforce``: ``ok`` skips only a spike,
+        and only under ``on_spike=skip``.
         """
+        ok, finite, spike = self._judge(loss, grad_norm, inputs_ok)
+        if not self.enforce:
+            ok = ~spike if self.cfg.on_spike == "skip" else torch.ones_like(finite)
+        return ok, finite, spike
+
+    def _judge(self, loss: Tensor, grad_norm: Tensor, inputs_ok: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         finite = both_finite(loss, grad_norm)
         if inputs_ok is not None:
             finite = finite & inputs_ok

@@ -18,7 +18,7 @@ from torch import Tensor
 from ..internals import tree_flatten, tree_unflatten
 
 __all__ = ["import_path", "load_object", "plain_batch", "bundle_batch", "unbundle_batch", "to_host", "batch_nbytes",
-           "batch_size", "CapturedRows", "NAMEDTUPLE"]
+           "batch_size", "count_tokens", "CapturedRows", "NAMEDTUPLE"]
 
 
 def import_path(obj: Any) -> str | None:
@@ -143,6 +143,17 @@ def batch_size(batch: Any) -> int:
         if isinstance(leaf, Tensor) and leaf.dim() > 0:
             return int(leaf.shape[0])
     return 1
+
+
+def count_tokens(inputs: Mapping[str, Any]) -> Tensor | int:
+    """The tokens a Hugging Face style batch's loss covers (on the device, no sync): ``labels != -100``, else the
+    attention mask's ones, else the input ids, else the samples."""
+    labels, mask, ids = inputs.get("labels"), inputs.get("attention_mask"), inputs.get("input_ids")
+    if isinstance(labels, Tensor) and labels.dtype in (torch.long, torch.int):
+        return (labels != -100).sum()
+    if isinstance(mask, Tensor):
+        return mask.sum()
+    return ids.numel() if isinstance(ids, Tensor) else batch_size(inputs)
 
 
 class CapturedRows(torch.utils.data.Dataset):
