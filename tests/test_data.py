@@ -115,3 +115,24 @@ def test_skipped_windows_of_the_old_layout_skip_every_new_window_that_shares_a_s
     trained = {i for e, idx in seen if e == 0 for i in idx}
     order = EpochOrder(60, 3, 5).order(0)
     assert not trained & set(order[32:40].tolist()) and set(order[16:28].tolist()) <= trained
+
+
+def test_a_tensor_dataset_is_gathered_bitwise_as_the_dataloader_collates_it():
+    """A TensorDataset with torch's own collate is read by one gather per tensor, not a DataLoader: the same
+    batches, bitwise (types, dtypes, shapes, strides), over epochs, a short last micro-batch and dropped samples."""
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(37, 3, 2, generator=g).transpose(1, 2), torch.randint(0, 9, (37,), generator=g),
+                         torch.randn(37, generator=g).double())
+    order = EpochOrder(37, batch_size=5, seed=1)
+    fast = WindowStream(data, order, accum_steps=2)
+    slow = WindowStream(data, order, accum_steps=2, collate=torch.utils.data.default_collate)  # the DataLoader path
+    assert fast._tensors is not None and slow._tensors is None
+    fast.drop = slow.drop = {4, 11}
+    for _ in range(12):  # 8 micro-batches an epoch (the last of 2 samples): three epochs
+        a, b = fast.next_window(), slow.next_window()
+        assert (a.epoch, a.start, a.indices) == (b.epoch, b.start, b.indices)
+        for x, y in zip(a.batches, b.batches):
+            assert type(x) is type(y) is list and len(x) == len(y) == 3
+            for u, v in zip(x, y):
+                assert u.dtype == v.dtype and u.shape == v.shape and u.stride() == v.stride() and torch.equal(u, v)
+    assert not isinstance(fast._iter, torch.utils.data.dataloader._BaseDataLoaderIter)

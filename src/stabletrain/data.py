@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 
 from .internals import tree_map
 from .seeding import seed_worker
@@ -146,9 +146,21 @@ class WindowStream:
         self.drop: set[int] = set()  # dataset indices never to train on (a remedy's skipped samples)
         self._iter: Iterator[Any] | None = None
         self._batches: list[list[int]] = []
+        # A TensorDataset read in this process with torch's own collate: one gather per tensor, bitwise what
+        # default_collate stacks from its rows, without a DataLoader's per-sample __getitem__ (~8x the time at 64 rows).
+        plain = (isinstance(dataset, TensorDataset) and type(dataset).__getitem__ is TensorDataset.__getitem__
+                 and collate is None and not workers and not pin_memory)
+        self._tensors: tuple[torch.Tensor, ...] | None = dataset.tensors if plain else None
+
+    def _fetch(self, indices: list[int]) -> list[torch.Tensor]:
+        index = torch.as_tensor(indices, dtype=torch.long)
+        return [t[index].contiguous() for t in self._tensors]  # contiguous, as torch.stack makes it
 
     def _open(self) -> None:
         self._batches = self.order.micro_batches(self.epoch, self.origin)
+        if self._tensors is not None:
+            self._iter = iter(())  # opened: the windows are gathered (_fetch)
+            return
         remaining = self._batches[self.pos:]
         # Each rank's workers draw their own streams (rank 0's are those of a single process).
         g = torch.Generator().manual_seed(self.order.seed * 7919 + self.epoch + self.order.rank * 1_000_003)
@@ -171,7 +183,8 @@ class WindowStream:
             take = min(self.accum_steps, len(self._batches) - self.pos)
             indices = self._batches[self.pos:self.pos + take]
             assert self._iter is not None
-            batches = [next(self._iter) for _ in range(take)]
+            batches = ([self._fetch(i) for i in indices] if self._tensors is not None
+                       else [next(self._iter) for _ in range(take)])
             total = (sum(self.order.global_size(self.pos + i, self.origin) for i in range(take)) if self.order.world_size > 1
                      else sum(len(i) for i in indices))
             window = Window(self.epoch, self.pos, indices, batches, total)
