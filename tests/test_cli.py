@@ -261,7 +261,8 @@ def test_a_missing_folder_and_a_run_without_incidents_are_said_in_words(tmp_path
 
 @pytest.mark.parametrize("args, code", [(["--version"], 0), (["--help"], 0), (["train", "--help"], 0),
                                         (["remedy", "--help"], 0), (["train", "optim.lrr=1"], 2),
-                                        (["train", "train.max_steps=many"], 2), (["check", "clip.max_norm=-1"], 2)])
+                                        (["train", "train.max_steps=many"], 2), (["check", "clip.max_norm=-1"], 2),
+                                        (["train", "task=nope"], 2)])
 def test_version_help_and_a_config_error_do_not_import_torch(args, code):
     # The console script's path (python -m stabletrain: the package, the CLI, argparse, the config): every module
     # imported is listed by -X importtime; torch (3 s quiet, 6-9 s under load) must not be among them.

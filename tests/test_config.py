@@ -264,3 +264,16 @@ def test_an_override_below_a_value_names_the_value_and_the_override():
         load_config(None, ["optim.lr=1", "optim.lr.x=2"])
     with pytest.raises(ConfigError, match=r"config key 'capture' is a value, not a section \(the overrides\)"):
         load_config(None, ["capture=1", "guard.diagnose=false"])  # the old key's new place is taken by a value
+
+
+def test_the_config_knows_the_built_in_task_names_without_torch():
+    """The config refuses a task that is neither built in nor 'module:function' itself (before torch is imported):
+    its list of the built-in names is the tasks'."""
+    from stabletrain.config.schema import BUILTIN_TASKS
+    from stabletrain.tasks import BUILTIN_TASKS as built
+
+    assert BUILTIN_TASKS == built
+    with pytest.raises(ConfigError, match=r"config key 'task': expected a built-in task \(gpt, mlp\) or "
+                                          r"'module:function', got 'nope'"):
+        load_config(None, ["task=nope"])
+    assert load_config(None, ["task=mlp"]).task == "mlp" and load_config(None, ["task=pkg.mod:make"]).task == "pkg.mod:make"

@@ -151,15 +151,18 @@ class WindowStream:
         plain = (isinstance(dataset, TensorDataset) and type(dataset).__getitem__ is TensorDataset.__getitem__
                  and collate is None and not workers and not pin_memory)
         self._tensors: tuple[torch.Tensor, ...] | None = dataset.tensors if plain else None
+        self._index: tuple[torch.Tensor, ...] = ()  # the epoch's micro-batches' indices (a gathered TensorDataset)
 
-    def _fetch(self, indices: list[int]) -> list[torch.Tensor]:
-        index = torch.as_tensor(indices, dtype=torch.long)
-        return [t[index].contiguous() for t in self._tensors]  # contiguous, as torch.stack makes it
+    def _fetch(self, b: int) -> list[torch.Tensor]:
+        """Micro-batch ``b`` of the epoch, gathered (contiguous, as torch.stack makes it)."""
+        return [torch.index_select(t, 0, self._index[b]).contiguous() for t in self._tensors]
 
     def _open(self) -> None:
         self._batches = self.order.micro_batches(self.epoch, self.origin)
-        if self._tensors is not None:
-            self._iter = iter(())  # opened: the windows are gathered (_fetch)
+        if self._tensors is not None:  # opened: the windows are gathered (_fetch), each by its view of one index
+            self._iter = iter(())
+            flat = torch.as_tensor([i for b in self._batches for i in b], dtype=torch.long)
+            self._index = flat.split([len(b) for b in self._batches])
             return
         remaining = self._batches[self.pos:]
         # Each rank's workers draw their own streams (rank 0's are those of a single process).
@@ -183,7 +186,7 @@ class WindowStream:
             take = min(self.accum_steps, len(self._batches) - self.pos)
             indices = self._batches[self.pos:self.pos + take]
             assert self._iter is not None
-            batches = ([self._fetch(i) for i in indices] if self._tensors is not None
+            batches = ([self._fetch(self.pos + j) for j in range(take)] if self._tensors is not None
                        else [next(self._iter) for _ in range(take)])
             total = (sum(self.order.global_size(self.pos + i, self.origin) for i in range(take)) if self.order.world_size > 1
                      else sum(len(i) for i in indices))

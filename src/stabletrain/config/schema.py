@@ -79,6 +79,8 @@ class DataConfig:
 
 #: What ``log.trackers`` may list: TensorBoard (RUN_DIR/tb) and the trackers of :mod:`stabletrain.callbacks.trackers`.
 TRACKERS: tuple[str, ...] = ("tensorboard", "mlflow", "wandb")
+#: The built-in tasks' names (:data:`stabletrain.tasks.BUILTIN_TASKS`, which imports torch): a bad one is refused here.
+BUILTIN_TASKS: tuple[str, ...] = ("gpt", "mlp")
 
 
 @dataclass
@@ -226,8 +228,9 @@ class Config:
             for part in key.split("."):
                 value = getattr(value, part)
             check_range(key, value)
-        if not self.task:
-            raise ConfigError("config key 'task': expected a built-in task name or 'module:function', got ''")
+        if self.task not in BUILTIN_TASKS and ":" not in self.task:  # a factory is imported later, with torch
+            raise ConfigError(f"config key 'task': expected a built-in task ({', '.join(BUILTIN_TASKS)}) or "
+                              f"'module:function', got {self.task!r}")
         optim = self.optim
         if optim.name != "sgd" and (optim.momentum or optim.nesterov):
             key, value = ("optim.momentum", optim.momentum) if optim.momentum else ("optim.nesterov", optim.nesterov)
