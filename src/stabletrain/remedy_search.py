@@ -50,6 +50,7 @@ from .policies.guard import UNRECOVERABLE_SCALE, Guard
 from .policies.precision import resolve_device
 from .records.bundles import DIAGNOSIS_FILE, REMEDY_FILE, load_bundle
 from .records.checkpoint.manager import CheckpointManager
+from .records.jsonl import json_safe
 from .replica import KEEP, Replica
 from .seeding import set_rng_state
 from .tasks import Task, resolve_task
@@ -338,20 +339,9 @@ def search_remedies(directory: str | Path, task: Task | None = None, *, steps: i
         "timings": {"load_s": load_s, "replay_s": time.perf_counter() - start - load_s, "total_s": time.perf_counter() - start,
                     "steps_replayed": total_steps},
     }
-    record = _json_safe(record)  # what remedy.json holds: strict JSON ("nan", "inf" as strings)
+    record = json_safe(record)  # what remedy.json holds: strict JSON ("nan", "inf" as strings)
     atomic_write(directory / REMEDY_FILE, json.dumps(record, indent=2, default=str, allow_nan=False) + "\n")
     return record
-
-
-def _json_safe(obj: Any) -> Any:
-    """``obj`` with every non-finite float written as its string ("nan", "inf"), as diagnosis.json does."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return obj
 
 
 def format_table(record: dict[str, Any]) -> str:

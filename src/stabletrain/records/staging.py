@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["PLAIN_TYPES", "StateStager", "Withheld", "fill_withheld", "IntervalSnapshot", "load_optimizer_state_", "state_kept",
-           "state_bytes", "host_memory_available", "snapshot_fits", "split_params", "join_params", "clone_state"]
+__all__ = ["PLAIN_TYPES", "StateStager", "Withheld", "fill_withheld", "map_leaves", "IntervalSnapshot",
+           "load_optimizer_state_", "state_kept", "state_bytes", "host_memory_available", "snapshot_fits", "split_params",
+           "join_params", "clone_state"]
 
 _PLAIN = (int, float, bool, str, bytes, complex, type(None))  # leaves that cannot change under a writer
 #: The types of a state's leaves that are copied as they are (no tensor: nothing to stage).
@@ -207,21 +208,26 @@ def fill_withheld(staged: Any, device: torch.device | str = "cpu") -> Any:
                 done[key] = move(x, rank)
         return done[key]
 
+    return map_leaves(staged, lambda x: leaf(x) if isinstance(x, Withheld) or (isinstance(x, Tensor) and
+                                                                            x.layout == torch.strided) else x)
+
+
+def map_leaves(state: Any, fn: Callable[[Any], Any]) -> Any:
+    """Return ``state`` with its containers (dicts, OrderedDicts, lists, tuples) rebuilt and every leaf but the plain
+    values (:data:`PLAIN_TYPES`) replaced by ``fn(leaf)``, visited in order (the same order on every rank)."""
     def walk(x: Any) -> Any:
         t = type(x)
         if t in PLAIN_TYPES:
             return x
-        if isinstance(x, Withheld) or (isinstance(x, Tensor) and x.layout == torch.strided):
-            return leaf(x)
         if t is dict or t is OrderedDict:
             return t((k, walk(v)) for k, v in x.items())
         if t is list:
             return [walk(v) for v in x]
         if t is tuple:
             return tuple(walk(v) for v in x)
-        return x
+        return fn(x)
 
-    return walk(staged)
+    return walk(state)
 
 
 def clone_state(state: Any) -> Any:

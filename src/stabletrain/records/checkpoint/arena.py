@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..staging import PLAIN_TYPES
+from ..staging import PLAIN_TYPES, map_leaves
 
 __all__ = ["Slot", "Staged", "SharedBlock", "SharedStager", "slot_tensors", "fill_slots"]
 
@@ -74,21 +74,7 @@ def slot_tensors(buffer: Any, specs: Sequence[tuple[tuple[int, ...], torch.dtype
 
 def fill_slots(skeleton: Any, tensors: Sequence[Tensor]) -> Any:
     """Return ``skeleton`` with each :class:`Slot` replaced by its tensor (the same object for the same slot)."""
-    def walk(x: Any) -> Any:
-        t = type(x)
-        if t in PLAIN_TYPES:
-            return x
-        if t is Slot:
-            return tensors[x.index]
-        if t is dict or t is OrderedDict:
-            return t((k, walk(v)) for k, v in x.items())
-        if t is list:
-            return [walk(v) for v in x]
-        if t is tuple:
-            return tuple(walk(v) for v in x)
-        return x
-
-    return walk(skeleton)
+    return map_leaves(skeleton, lambda x: tensors[x.index] if type(x) is Slot else x)
 
 
 class SharedBlock:
