@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -197,12 +198,24 @@ def test_a_deep_relu_mlp_whose_signal_vanishes_is_told_at_step_0_with_the_init_t
     assert "recommended init: init_(model, 'kaiming')" in lines[0] and lines[0].endswith("(init_signal.json)")
 
 
-def test_auto_reports_the_built_in_tasks_and_a_users_task_only_when_asked(tmp_path):
+def test_auto_reports_a_users_task_too_unless_its_copy_would_crowd_the_memory(tmp_path, monkeypatch):
     from helpers import cfg, regression_task
 
     from stabletrain import Trainer
+    from stabletrain.services import init_signal
 
-    for mode in ("auto", "true"):  # a user's loss may count its calls: auto does not run it once more
+    calls = []
+    task = regression_task()
+    loss = task.loss
+    task.loss = lambda model, batch: calls.append(1) or loss(model, batch)
+    Trainer(cfg("train.max_steps=1", "log.init_signal=auto"), task=task, run_dir=tmp_path / "auto").fit()
+    assert json.loads((tmp_path / "auto" / "init_signal.json").read_text())["layers"]
+    assert len(calls) == 2  # the report's one forward (on a copy of the model), then the step's
+    size = sum(p.numel() * p.element_size() for p in task.model.parameters())
+    assert init_signal.copy_fits(task.model, torch.device("cpu"), free=16 * size)  # 4 x its bytes in a quarter
+    assert not init_signal.copy_fits(task.model, torch.device("cpu"), free=16 * size - 1)
+    monkeypatch.setattr(init_signal, "host_memory_available", lambda: 16 * size - 1)  # a host with too little free
+    for mode in ("auto", "true"):  # true: whatever it takes
         Trainer(cfg("train.max_steps=1", f"log.init_signal={mode}"), task=regression_task(),
-                run_dir=tmp_path / mode).fit()
-    assert [(tmp_path / m / "init_signal.json").exists() for m in ("auto", "true")] == [False, True]
+                run_dir=tmp_path / mode / "small").fit()
+    assert [(tmp_path / m / "small" / "init_signal.json").exists() for m in ("auto", "true")] == [False, True]

@@ -111,7 +111,7 @@ class LogConfig:
     progress: bool = _f(True, "show progress on stderr: a bar on a terminal, else one line per log interval")
     top_layers: int = _f(3, "how many parameters to name as dominating the grad norm at each log")
     init_signal: bool | Literal["auto"] = _f("auto", "report which layers vanish or explode on a new run's first batch "
-                                                     "(auto: the built-in tasks)")
+                                                     "(auto: when a copy of the model fits)")
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The signal-propagation report on a run's first batch: which layers vanish or explode at step 0, and the init to use.
 
-A new built-in run (``log.init_signal``: by default for the built-in tasks; one process or DDP) and every
+A new built-in run (``log.init_signal``: by default for any task whose model's copy fits; one process or DDP) and every
 adapter (``init_check``) run :func:`~stabletrain.diagnostics.signal_propagation.signal_report` once, before
 the first step: one forward and backward with hooks on every leaf module, and one step of a throw-away
 optimizer for the update/weight ratios. The model, its gradients and buffers and the RNG streams are left
@@ -20,6 +20,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from .. import console
@@ -29,10 +30,11 @@ from ..fileio import atomic_write
 from ..internals import eager_methods
 from ..policies.optim import optimizer_factory
 from ..records.jsonl import json_safe
+from ..records.staging import host_memory_available
 from ..runstate import RunState
 from ..seeding import rng_state, set_rng_state
 
-__all__ = ["first_batch_signal", "record_signal", "run_init_signal", "SIGNAL_FILE"]
+__all__ = ["copy_fits", "first_batch_signal", "record_signal", "run_init_signal", "SIGNAL_FILE"]
 
 #: The report's per-layer numbers, in the run directory.
 SIGNAL_FILE = "init_signal.json"
@@ -43,13 +45,16 @@ def first_batch_signal(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Modul
                        context: contextlib.AbstractContextManager | None = None) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """(the report as a dict, its snapshot line) for ``batch``, or None when the report failed (warned once).
 
-    The RNG state is put back. ``context``: what the model needs around its forward (a host's replay mode).
+    The RNG state is put back. ``context``: what the model needs around its forward (a host's replay mode). An
+    error raised in ``loss_fn`` itself is not warned of: the first step meets it and says it with the user's line.
     """
     rng = rng_state()
     try:
         with context or contextlib.nullcontext(), eager_methods(model):  # the module's own eager forward, no recompile
             report = signal_report(model, batch, loss_fn, label=label, make_optimizer=make_optimizer)
     except Exception as err:  # the report must never take the run down
+        if _raised_in(err, loss_fn):  # the loss itself fails: the first step raises it with the user's own line
+            return None
         warnings.warn(f"the signal-propagation report failed ({type(err).__name__}: {err})", console.StableTrainWarning,
                       stacklevel=3)
         return None
@@ -60,18 +65,51 @@ def first_batch_signal(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Modul
                   "flagged": [layer.name for layer in report.flagged]}
 
 
+def _raised_in(err: BaseException, fn: Any) -> bool:
+    """Whether ``err`` went through a frame of the function ``fn`` (a plain function, or a bound method's)."""
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    tb = err.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is code:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def record_signal(run: Any, full: dict[str, Any], line: dict[str, Any]) -> None:
     """Write ``init_signal.json`` into ``run`` (a RunDir) and the line into its ``snapshot.json``."""
     atomic_write(run.path / SIGNAL_FILE, json.dumps(json_safe(full), indent=2) + "\n")
     run.update_snapshot(init_signal=line)
 
 
+#: ``log.init_signal=auto``: the copy's share of its device's free memory at most.
+FIT_FRACTION = 0.25
+#: The copy's bytes, its gradients and a throw-away Adam's two slots: four times the model's.
+COPY_FACTOR = 4
+
+
+def copy_fits(module: nn.Module, device: torch.device, free: int | None = None) -> bool:
+    """Whether the report's copy of ``module`` (with its gradients and a throw-away Adam's state: :data:`COPY_FACTOR`
+    times its parameters' and buffers' bytes) fits :data:`FIT_FRACTION` of ``device``'s free memory.
+
+    ``free``: that memory in bytes (default: measured now, CUDA's ``mem_get_info`` or the host's ``MemAvailable``);
+    where it is unknown, the copy is taken.
+    """
+    if free is None:
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else host_memory_available()
+    if free is None:
+        return True
+    size = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+    return size * COPY_FACTOR <= free * FIT_FRACTION
+
+
 def run_init_signal(state: RunState) -> dict[str, Any] | None:
     """The built-in run's report at step 0 (``log.init_signal``; rank 0 with a run directory, on its own: under DDP
     on a copy of the model it holds whole; not under FSDP).
 
-    ``auto`` (the default): for a task whose loss is stabletrain's own (the built-in tasks); ``true``: any task,
-    whose loss then runs once more at step 0 (a loss that counts its calls would see one more).
+    ``auto`` (the default): for any task, built-in or the user's, when the copy fits (:func:`copy_fits`); ``true``:
+    whatever it takes. The task's loss runs once more at step 0, on the copy (a loss that counts its calls sees one
+    more; ``log.init_signal=false`` for it).
 
     On a copy of the model (its own Python state is not touched) and the task's first ``train.batch_size``
     training samples, with the run's own optimizer (at its peak LR) for the update ratios; a flagged init is one
@@ -82,8 +120,8 @@ def run_init_signal(state: RunState) -> dict[str, Any] | None:
         return None
     if state.strategy is not None and state.strategy.one_process_model({}) is None:
         return None  # FSDP: this rank holds its shards only, and a forward of them is a collective
-    if cfg.log.init_signal == "auto" and not getattr(task.loss, "__module__", "").startswith("stabletrain."):
-        return None  # auto: a loss of the user's own may count its calls; log.init_signal=true runs it once more
+    if cfg.log.init_signal == "auto" and not copy_fits(module, state.device):
+        return None  # auto: not where the copy could crowd the run out of memory; log.init_signal=true runs it anyway
     try:  # a copy: the model's own Python state (a forward counter, a cache) must not see an extra forward
         model = copy.deepcopy(module)
     except Exception as err:
