@@ -24,7 +24,7 @@ from stabletrain.diagnostics.cures import (
     TighterClip,
     remedy_from_dict,
 )
-from stabletrain.remedy_search import LOSS_TOLERANCE, judge, search_remedies
+from stabletrain.remedy_search import LOSS_TOLERANCE, format_table, judge, search_remedies
 from stabletrain.report import write_report
 
 DIVERGING = ("optim.name=sgd", "optim.lr=2.5", "optim.weight_decay=0", "clip.max_norm=null", "sched.warmup_steps=20",
@@ -151,6 +151,22 @@ def test_a_spike_candidate_is_held_to_the_runs_level_before_the_spike():
     verdict, evidence = judge({**ok, "end_loss": 0.0793}, failed, typical=1.33e-3)
     assert verdict == "worse" and "end loss 0.0793 vs 0.00133, the run's before the spike" in evidence
     assert judge({**ok, "end_loss": 1.2e-3}, failed, typical=1.33e-3)[0] == "cures"
+
+
+def test_the_tables_last_line_says_when_skipping_the_step_is_all_it_needs():
+    def row(name, verdict, baseline=False):
+        return {"name": name, "verdict": verdict, "baseline": baseline, "end_loss": 0.1, "detail": f"{name} detail",
+                "evidence": "", "change": None}
+
+    record = {"step": 75, "failure_class": "state", "evidence": "e", "note": None, "steps": 4,
+              "timings": {"steps_replayed": 9, "total_s": 0.1}, "best": None,
+              "candidates": [row("skip-step", "cures", True), row("lr-x0.5", "fails")]}
+    assert format_table(record).splitlines()[-1] == ("no candidate cures it beyond the baseline: skip-step detail "
+                                                     "(skip-step) is all it needs")
+    record["candidates"][0]["verdict"] = "fails"
+    assert format_table(record).splitlines()[-1] == "no candidate cures this incident"
+    record["best"] = "lr-x0.5"
+    assert format_table(record).splitlines()[-1] == "best: lr-x0.5"
 
 
 def test_the_readme_worked_example_prints_what_the_readme_shows(tmp_path, capsys):

@@ -107,6 +107,33 @@ def test_the_remedy_search_finds_a_cure_that_fits_the_class(spiked):
 
 
 
+@pytest.mark.parametrize("cls", ["state", "optimizer-state"])
+def test_a_spike_on_its_intervals_first_step_replays_from_the_snapshot_before(cls, tmp_path):
+    """log.every=2 puts the spike right after a boundary: no step of its interval before it, and the interval's start
+    is the spike's own pre-step state. The capture replays from the previous interval's start instead (verified to
+    come back bitwise to the interval's snapshot), so the update before the spike and an older state are at hand."""
+    factory, kwargs, overrides, step = CASES[cls]
+    assert (step - 1) % 2 == 0
+    run_dir = tmp_path / "run"
+    Trainer(cfg("train.batch_size=8", "log.every=2", "data.shuffle=false", *overrides), task=factory(**kwargs),
+            run_dir=run_dir).fit()
+    incident = next(e for e in _events(run_dir) if e["kind"] == "incident")
+    assert incident["step"] == step and incident["replayed_steps"] == 2  # from step - 3 to step - 1
+    folder = run_dir / "incidents" / f"step_{step:06d}"
+    d = json.loads((folder / "diagnosis.json").read_text())
+    assert d["failure_class"] == cls and d["reproduces"] is True, d["summary"]
+    bundle = load_bundle(folder)
+    assert bundle["previous"]["step"] == step - 1 and bundle["reference"]["step"] == step - 3
+    if cls == "optimizer-state":
+        assert d["blamed_layer"] == "embed.weight" and d["surges"][0]["step"] == step - 1
+    else:
+        assert d["older"] is not None and not d["older"]["window_high"] and d["bad_samples"] is None
+    record = search_remedies(folder, factory(**kwargs), steps=6)
+    cured = {c["name"] for c in record["candidates"] if c["verdict"] == "cures"}
+    assert CURES[cls] & cured, record["candidates"]
+    assert next(c for c in record["candidates"] if c["name"] == "lr-x0.1")["first_step"] == step - 1
+
+
 def test_on_spike_remedy_finishes_the_run_with_the_remedy_event(tmp_path):
     run_dir = tmp_path / "run"
     factory, kwargs, overrides, step = CASES["data"]
@@ -119,6 +146,19 @@ def test_on_spike_remedy_finishes_the_run_with_the_remedy_event(tmp_path):
     assert sorted(trainer.stream.drop) == [153, 157]
     skipped = [e["step"] for e in events if e["kind"] == "skip"]
     assert skipped == [step]  # on_spike=remedy skips the spike on the device, then cures what caused it
+
+
+def test_an_uncaptured_spike_under_on_spike_remedy_says_its_step_and_why(tmp_path):
+    """capture.max_spikes spent: the remedy event names the spike's step and that reason (not 'step None', not
+    capture.incidents=false)."""
+    run_dir = tmp_path / "run"
+    factory, kwargs, overrides, step = CASES["data"]
+    Trainer(cfg("train.batch_size=8", "log.every=10", "data.shuffle=false", "guard.on_spike=remedy",
+                "capture.max_spikes=0", *overrides), task=factory(**kwargs), run_dir=run_dir).fit()
+    remedy = [e for e in _events(run_dir) if e["kind"] == "remedy"]
+    assert len(remedy) == 1 and remedy[0]["reason"].startswith(
+        f"no remedy applied for the incident at step {step}: the incident was not captured (the run's spike captures "
+        "are spent: capture.max_spikes=0)"), remedy
 
 
 def test_a_spike_in_the_first_steps_is_flagged_and_falling_losses_are_not():

@@ -238,7 +238,7 @@ def _diagnose(bench: _Bench, bundle: dict[str, Any], cfg: Any, observed: dict[st
                f"the median, z {test.get('zscore', float('nan')):.3g})")
     replays_s = time.perf_counter() - start
     m: dict[str, Any] = {"reproduces": why is None, "why_not_reproducible": why, "loss": here["loss"],
-                         "precision": precision}
+                         "precision": precision, "step": bundle["step"]}
     samples_rows, m["samples"] = _samples(bench, spike, rule, here.get("grads")) if why is None else ([], None)
     samples_s = time.perf_counter() - start - replays_s
     ordinary = bench.step(context[0]) if context else None

@@ -359,7 +359,10 @@ def format_table(record: dict[str, Any]) -> str:
     widths = [max(len(row[c]) for row in rows) for c in range(5)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:5], widths)) + "  " + row[5] for row in rows]
     best = record["best"]
-    tail = [f"best: {best}" if best else "no candidate cures this incident"]
+    base = next((r for r in record["candidates"] if r["baseline"]), None)
+    tail = [f"best: {best}" if best else
+            f"no candidate cures it beyond the baseline: {base['detail']} ({base['name']}) is all it needs"
+            if base is not None and base["verdict"] == "cures" else "no candidate cures this incident"]
     tail += [f"code change ({r['name']}, {r['verdict']}): {r['change']}" for r in record["candidates"]
              if r.get("change") and r["verdict"] == "cures"]
     return "\n".join([head, *lines, *tail])

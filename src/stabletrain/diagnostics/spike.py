@@ -142,7 +142,8 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     ``loss``, ``precision``, ``fp32`` (the fp32 replay's rule test, or None), ``samples`` (the verified set:
     ``indices``, ``share``, ``without``; or None), ``older`` (the window and ordinary windows under the older
     state: ``step``, ``window``, ``ordinary``, ``current_ordinary``, ``window_high``, ``ordinary_high``; or None),
-    ``surges`` (:func:`surge_rows` with ``step``: of the step before the spike and of the spike's own),
+    ``surges`` (:func:`surge_rows` with ``step``: of the step before the spike and of the spike's own; only the
+    former can be a cause), ``step`` (the spike's),
     ``where`` (:func:`departures`) and ``jumps`` (:func:`jumps` of ``grad_norm`` and ``update_ratio``).
     """
     out: dict[str, Any] = {"blamed_samples": None, "blamed_layer": None, "blamed_module": None}
@@ -170,20 +171,24 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
                              f"x{samples['without']['ratio']:.3g} "
                              "the median)" + (f"; the window is high under the state of step {older['step']} too "
                                               f"({older['window']:.4g} vs {older['ordinary']:.4g})" if older else ""))}
-    if high_before:
+    # Only an update before the spike's loss can have caused it: the step before's (the spike's own comes after it).
+    blamed = _surging_layer([r for r in m.get("surges") or [] if r.get("step", -1) < m.get("step", 0)])
+    if high_before and blamed is None:  # (a surge in the update before is a cause; a high window, one by elimination)
         return {**out, "failure_class": "data",
                 "evidence": (f"the whole window is high under the state of step {older['step']} too ({older['window']:.4g} "
                              f"vs {older['ordinary']:.4g} on ordinary windows) and no small set of its samples carries "
                              "it: the batch itself is an outlier")}
     drift = ""
-    if older is not None:
+    if high_before:  # (with a surge before it: the surge is the cause named)
+        drift = (f"; the window is high under the state of step {older['step']} too ({older['window']:.4g} vs "
+                 f"{older['ordinary']:.4g})")
+    elif older is not None:
         drift = (f"; the window is normal under the state of step {older['step']} ({older['window']:.4g}) and ordinary "
                  f"windows are {'high' if older['ordinary_high'] else 'at'} {older['current_ordinary']:.4g} under this "
                  f"one (vs {older['ordinary']:.4g})")
     if samples is not None:
         drift += (f"; samples {', '.join(map(str, samples['indices']))} carry {_pct(samples['share'])} of the loss, "
                   "but only under the current state")
-    blamed = _surging_layer(m.get("surges") or [])
     if blamed is not None:
         out["blamed_layer"] = blamed["name"]
         return {**out, "failure_class": "optimizer-state",

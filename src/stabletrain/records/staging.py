@@ -24,7 +24,7 @@ from torch import Tensor
 
 __all__ = ["PLAIN_TYPES", "StateStager", "Withheld", "fill_withheld", "map_leaves", "IntervalSnapshot",
            "load_optimizer_state_", "state_kept", "state_bytes", "host_memory_available", "snapshot_fits", "split_params",
-           "join_params", "clone_state"]
+           "join_params", "clone_state", "equal_states"]
 
 _PLAIN = (int, float, bool, str, bytes, complex, type(None))  # leaves that cannot change under a writer
 #: The types of a state's leaves that are copied as they are (no tensor: nothing to stage).
@@ -230,6 +230,18 @@ def map_leaves(state: Any, fn: Callable[[Any], Any]) -> Any:
     return walk(state)
 
 
+def equal_states(a: Any, b: Any) -> bool:
+    """Whether two nested states hold the same values: dicts by key, sequences in order, tensors bitwise (shape, dtype)."""
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return (isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and a.dtype == b.dtype
+                and torch.equal(a.detach().cpu(), b.detach().cpu()))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(equal_states(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(equal_states(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
 def clone_state(state: Any) -> Any:
     """Return a deep copy of a nested state (dicts, lists, tuples): tensors cloned on their device, containers rebuilt."""
     if isinstance(state, Tensor):
@@ -279,8 +291,13 @@ class IntervalSnapshot:
     host memory it holds.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, keep_previous: bool = False) -> None:
         self._side, self._rest = StateStager(), StateStager()
+        #: Keep the snapshot before this one too (one process: twice the host memory, no more copies), so a capture of
+        #: a step right after an interval's start has an earlier state to replay from (:meth:`get_previous`).
+        self.keep_previous = keep_previous
+        self.previous: tuple[Any, Any, int, list[Any]] | None = None
+        self._spare = (StateStager(), StateStager())  # the previous snapshot's stagers (keep_previous)
         self._stream: Any = None  # the side stream (CUDA)
         self._events: list[Any] = []  # CUDA events the side part's copies complete at
         self._rest_events: list[Any] = []
@@ -293,7 +310,7 @@ class IntervalSnapshot:
 
     @property
     def num_bytes(self) -> int:
-        return self._side.num_bytes + self._rest.num_bytes
+        return sum(stager.num_bytes for stager in (self._side, self._rest, *self._spare))
 
     @property
     def taken(self) -> bool:
@@ -340,9 +357,24 @@ class IntervalSnapshot:
         return self.side, self.rest
 
     def clear(self) -> None:
+        """Drop the snapshot (``keep_previous``: keep it as :attr:`previous`; its buffers are not written next)."""
         self.before_update()
+        if self.keep_previous and self.taken and self.share is None:
+            self.previous = (self.side, self.rest, self.step, [*self._events, *self._rest_events])
+            self._side, self._rest, self._spare = *self._spare, (self._side, self._rest)
+        else:
+            self.previous = None
         self.side = self.rest = self.step = self.share = None
         self._events, self._rest_events = [], []
+
+    def get_previous(self) -> tuple[Any, Any, int] | None:
+        """(side, rest, step) of the snapshot before this one (``keep_previous``), its copies complete; or None."""
+        if self.previous is None:
+            return None
+        side, rest, step, events = self.previous
+        for event in events:
+            event.synchronize()
+        return side, rest, step
 
 
 def state_bytes(state: Any, *, share: int = 1) -> int:

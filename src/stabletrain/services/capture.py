@@ -35,7 +35,7 @@ from ..diagnostics.diagnosis import DIAGNOSIS_FIELDS
 from ..incident_replay import diagnose_incident
 from ..records.bundles import BUNDLE_DCP_DIR, STATE_IN, write_bundle
 from ..records.checkpoint.shards import is_dcp_entry
-from ..records.staging import IntervalSnapshot, StateStager, clone_state, join_params, state_kept
+from ..records.staging import IntervalSnapshot, StateStager, clone_state, equal_states, join_params, state_kept
 from ..runstate import RunState
 from ..seeding import rng_state, set_rng_state
 
@@ -119,6 +119,7 @@ class IncidentCapture:
         self.replayed_steps: int | None = None  # steps the last capture replayed (None: no capture yet)
         self.replaying = False  # a capture is replaying: the source's own per-step hooks stand by
         self.warned = False  # a step that could not be captured was said once
+        self._pinned: dict[str, Any] | None = None  # what the last replay pinned
 
     # -- per interval ------------------------------------------------------------------------------
 
@@ -188,9 +189,9 @@ class IncidentCapture:
             return found
         t0 = time.perf_counter()
         with state_kept(src.live_state, src.load_live_state), self._replaying():
-            src.load_live_state(start[0])
             spike = info.get("anomaly") == "spike"  # its diagnosis also replays the step before it: keep that state
-            self.replayed_steps, pinned = src.replay_to(fit, step, start[1], info.get("locate"), rows, keep_previous=spike)
+            start = self._replay(fit, step, start, info, rows, spike)
+            pinned = self._pinned
             if pinned is None and info.get("locate") is not None and after_update:
                 pinned = {"step": step}  # no earlier update broke them: the checked step's own did
             if pinned is not None:
@@ -243,6 +244,28 @@ class IncidentCapture:
         what = f"the loss spike at step {step}" if spike else f"step {step}"
         fit.event(step, "incident", f"captured {what}{seen_note} into {folder}", **fields)
         return found
+
+    def _replay(self, fit: RunState, step: int, start: tuple[dict[str, Any], int], info: dict[str, Any], rows: list[Any],
+                spike: bool) -> tuple[dict[str, Any], int]:
+        """Load ``start`` and replay to just before ``step``; return the (state, step) the replay began from.
+
+        A spike on its interval's first step has no step before it in the interval, nor an older state to weigh its
+        window under: it replays from the snapshot before (:meth:`IntervalSnapshot.get_previous`), kept only if
+        that replay comes back bitwise to the interval's own snapshot (no rollback or remedy in between).
+        """
+        src, locate = self.source, info.get("locate")
+        earlier = self.snapshot.get_previous() if spike and start[1] >= step - 1 else None
+        if earlier is not None:
+            side, rest, at = earlier
+            src.load_live_state(clone_state(join_params(side, rest)))
+            replayed, self._pinned = src.replay_to(fit, step, at, locate, rows, keep_previous=True)
+            live = src.live_state()
+            if equal_states({k: live[k] for k in ("model", "optimizer")}, {k: start[0][k] for k in ("model", "optimizer")}):
+                self.replayed_steps = replayed
+                return clone_state(join_params(side, rest)), at
+        src.load_live_state(start[0])
+        self.replayed_steps, self._pinned = src.replay_to(fit, step, start[1], locate, rows, keep_previous=spike)
+        return start
 
     def _diagnose(self, fit: RunState, folder: Path, bundle: dict[str, Any], step: int, rank: int,
                   label: str) -> dict[str, Any]:

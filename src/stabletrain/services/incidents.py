@@ -189,6 +189,10 @@ class IncidentRecorder:
             self._enabled = state.dist.on_main(self._fits)
         else:
             self._enabled = bool(capture.memory_snapshot)
+        if self._enabled and capture.spikes and not state.dist.enabled:  # one process, twice the bytes fit: a spike on
+            # its interval's first step replays from the snapshot before (IncidentCapture._replay)
+            per_process = state.strategy.snapshot_bytes(state.state_dict(local=True), state.module, state.optimizer)
+            self.engine.snapshot.keep_previous = snapshot_fits(2 * per_process, capture.snapshot_memory_fraction)[0]
 
     def _fits(self) -> bool:
         state = self.state

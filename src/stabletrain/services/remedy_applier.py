@@ -89,7 +89,7 @@ class RemedyApplier:
         if state.dist.enabled:
             why = "remedies are searched and applied on one process only"
         elif incident is None:
-            why = "the incident was not captured (capture.incidents=false, or no run directory)"
+            why = f"the incident was not captured ({self._uncaptured(decision)})"
         elif len(self.applied) >= cfg.max_applied:
             why = f"{len(self.applied)} remedies applied already (remedy.max_applied={cfg.max_applied})"
         else:
@@ -119,13 +119,29 @@ class RemedyApplier:
             fallback = cfg.fallback
             decision.action = "stop" if fallback == "skip" and params_bad else "continue" if fallback == "skip" else fallback
             decision.reason += f"; no remedy applied: {why}; remedy.fallback={fallback}"
-            state.event(state.step, "remedy", f"no remedy applied for the incident at step {decision.first_incident}: "
+            at = found.get("step", decision.first_incident if decision.first_incident is not None else
+                           next(iter(decision.spike_steps), state.step))
+            state.event(state.step, "remedy", f"no remedy applied for the incident at step {at}: "
                         f"{why}; falling back to remedy.fallback={fallback}", incident=incident, applied=None)
             return False
         remedy = remedy_from_dict(best["remedy"])
         self.apply(remedy, incident, best, record)
         decision.action = "rollback" if remedy.rollback_step is not None else "continue"
         return True
+
+    def _uncaptured(self, decision: Any) -> str:
+        """Why the decision's incident has no capture (its ``found`` is empty)."""
+        state = self.state
+        capture = state.cfg.capture
+        if not capture.incidents:
+            return "capture.incidents=false"
+        if state.run is None:
+            return "no run directory"
+        if decision.first_incident is None and not capture.spikes:  # a spike
+            return "capture.spikes=false"
+        if decision.first_incident is None and state.guard.num_spike_captures >= capture.max_spikes:
+            return f"the run's spike captures are spent: capture.max_spikes={capture.max_spikes}"
+        return "no good state to replay from"
 
     def by_hand(self) -> None:
         """Apply config key ``remedy.apply`` (INCIDENT_DIR:NAME) when fit starts, unless it was applied already."""
