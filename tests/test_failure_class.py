@@ -70,6 +70,27 @@ def test_a_divergence_is_divergence_with_its_growth_never_not_reproducible(tmp_p
     assert "failure_class" in page and "divergence: " in page and f"{metric} grew x" in page
 
 
+def test_a_divergence_inside_one_interval_is_divergence_from_its_steps_losses(tmp_path):
+    """No interval record before the incident shows the growth (one interval of 60 steps): the bundle carries the
+    interval's per-step losses before it (observed["recent"]), from which the live and the offline diagnosis see it."""
+    event, d = first_incident(tmp_path, "remedy_tasks:diverging_task", "train.max_steps=60", *DIVERGING,
+                              "log.every=60", "ckpt.every=0")  # (a checkpoint's step is a log boundary too)
+    assert d["failure_class"] == "divergence" and event["diagnosis"]["failure_class"] == "divergence", d["summary"]
+    g = d["growth"]
+    assert 0 < g["since_step"] < g["until_step"] < d["step"] and g["total_factor"] > 1e3
+    folder = tmp_path / "run" / "incidents" / f"step_{d['step']:06d}"
+    assert main(["diagnose", str(folder)]) == 0 and json.loads((folder / "diagnosis.json").read_text())["growth"] == g
+
+
+def test_an_op_outside_any_module_is_said_so_not_module_none():
+    first = {"op": "aten.mse_loss.default", "direction": "forward", "module": None, "origin": True, "kind": "inf"}
+    d = {"reproduces": True, "stage": "loss", "first_op": first, "num_samples": 8, "bad_samples": [3], "loss": "inf",
+         "grad_norm": "inf"}
+    out = classify_failure(d)
+    assert out["failure_class"] == "op" and out["evidence"] == (
+        "aten.mse_loss.default in forward outside any module makes a inf from finite inputs, at sample 3")
+
+
 def test_a_sqrt_of_zero_is_op_with_its_sample_not_data(tmp_path):
     _, d = first_incident(tmp_path, sqrt_zero_task(bad_index=13), "train.max_steps=4")
     assert (d["failure_class"], d["step"], d["bad_samples"]) == ("op", 2, [13])

@@ -254,7 +254,8 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
     ``task``: reuse an already built task (its model is deep-copied, never touched); by default the
     task is rebuilt from the bundle's config, as ``stabletrain diagnose`` does in a fresh process.
     ``bundle``: the bundle already in memory (a live capture's; the file in ``directory`` is its record).
-    ``history``: the run's metrics records (default: its ``metrics.jsonl``), for the divergence's growth.
+    ``history``: the run's metrics records (default: its ``metrics.jsonl``), for the divergence's growth, with the
+    losses and grad norms of the steps of the incident's interval before it (the bundle's ``observed["recent"]``).
     """
     start = time.perf_counter()
     directory = Path(directory)
@@ -290,7 +291,10 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
                            device=dev, dataset=task.train_data, collate=task.collate, observed_loss=observed.get("loss"),
                            observed_grad_norm=_comparable_norm(observed.get("grad_norm"), bundle.get("world_size", 1)),
                            bisect=bisect, anomaly=anomaly,
-                           history=history if history is not None else run_history(directory), step=bundle["step"])
+                           history=[*(history if history is not None else run_history(directory)),
+                                    *({"step": s, "loss": loss, "grad_norm": norm}
+                                      for s, loss, norm in observed.get("recent") or [])],
+                           step=bundle["step"])
     result = {"step": bundle["step"], "rank": bundle.get("rank", 0), "epoch": bundle["window"]["epoch"],
               **result, "observed": observed, "sample_unit": bundle.get("sample_unit", "dataset index")}
     where = getattr(task.train_data, "where", None)  # an adapter's step: sample numbers -> (micro-batch, position)

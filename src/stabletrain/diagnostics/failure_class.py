@@ -119,7 +119,9 @@ def classify_failure(d: dict[str, Any], history: list[dict[str, Any]] | None = N
     if first and first.get("origin"):
         out["blamed_module"] = module if weight_driven else None
         node = f" ({first['autograd_node']})" if first.get("autograd_node") else ""
-        text = f"{first['op']}{node} in {first['direction']} of module '{module}' makes a {first['kind']} from finite inputs"
+        at = ("outside any module" if module is None else "of the root module" if module == "" else
+              f"of module '{module}'")
+        text = f"{first['op']}{node} in {first['direction']} {at} makes a {first['kind']} from finite inputs"
         if weight_driven:
             text += f"; {share}"
         elif samples:

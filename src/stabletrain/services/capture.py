@@ -222,6 +222,10 @@ class IncidentCapture:
         bundles = []
         for n, r in enumerate(seen):
             bundle = src.bundle(fit, step, records[r], before, info)
+            # The interval's steps before it, as the run saw them: a divergence's growth within the interval (the
+            # metrics records hold only the intervals' means).
+            bundle["observed"]["recent"] = [[row.step, row.values["loss"], row.values["grad_norm"]] for row in rows
+                                            if row.step < step]
             if spike:  # what the spike's counterfactual replays need: the rule's window, the older state
                 bundle["observed"].update(anomaly="spike", spike_window=list(info.get("spike_window") or []))
                 # FSDP: shards only; a spike right after the interval's start: that state is the spike's own.
