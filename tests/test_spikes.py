@@ -148,6 +148,22 @@ def test_on_spike_remedy_finishes_the_run_with_the_remedy_event(tmp_path):
     assert skipped == [step]  # on_spike=remedy skips the spike on the device, then cures what caused it
 
 
+def test_the_device_rules_spike_window_is_the_one_it_judged_the_spike_with(tmp_path):
+    """guard.on_spike=skip runs the rule on the device, whose window at the boundary holds the interval's later losses:
+    the capture reads it once its replay stands just before the spike. The same window as the host rule's (on_spike=warn)
+    on the same run up to the spike; the diagnosis's rule test then agrees with the run's (it reproduces)."""
+    factory, kwargs, overrides, step = CASES["data"]  # the spike at step 20, its boundary at 21 (a normal step)
+    windows = {}
+    for action in ("warn", "skip"):
+        run_dir = tmp_path / action
+        Trainer(cfg("train.batch_size=8", "log.every=7", "data.shuffle=false", f"guard.on_spike={action}", *overrides),
+                task=factory(**kwargs), run_dir=run_dir).fit()
+        folder = run_dir / "incidents" / f"step_{step:06d}"
+        windows[action] = sorted(load_bundle(folder)["observed"]["spike_window"])
+        assert json.loads((folder / "diagnosis.json").read_text())["reproduces"] is True
+    assert len(windows["skip"]) >= 10 and windows["skip"] == windows["warn"]
+
+
 def test_an_uncaptured_spike_under_on_spike_remedy_says_its_step_and_why(tmp_path):
     """capture.max_spikes spent: the remedy event names the spike's step and that reason (not 'step None', not
     capture.incidents=false)."""

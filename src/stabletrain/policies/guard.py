@@ -292,8 +292,9 @@ class Guard:
     def window_before(self, step: int, rows: list[Any]) -> list[float]:
         """The finite non-spike losses the rule held when it judged step ``step``: the window at the interval's
         start, then the interval's rows before ``step`` (host rule). With the rule on the device
-        (``guard.on_spike=skip``) the window as it is at the boundary (it holds the interval's later losses too):
-        one small read, made only for a spike's capture.
+        (``guard.on_spike=skip``) the window as it is now: a capture reads it once its replay stands just before
+        ``step`` (the exact window; at the boundary it would hold the interval's later losses too). One small read,
+        made only for a spike's capture.
         """
         if self.on_device or self._start is None:
             return [float(v) for v in self.window.detach().cpu().tolist() if not math.isnan(v)]

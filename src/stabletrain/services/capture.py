@@ -192,6 +192,9 @@ class IncidentCapture:
             spike = info.get("anomaly") == "spike"  # its diagnosis also replays the step before it: keep that state
             start = self._replay(fit, step, start, info, rows, spike)
             pinned = self._pinned
+            if spike and fit.guard is not None and fit.guard.on_device:  # the rule's window just before the spike, as
+                # the replay left it (the boundary's holds the interval's later losses, and has let go of older ones)
+                info = {**info, "spike_window": fit.guard.window_before(step, rows)}
             if pinned is None and info.get("locate") is not None and after_update:
                 pinned = {"step": step}  # no earlier update broke them: the checked step's own did
             if pinned is not None:
