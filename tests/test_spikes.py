@@ -164,6 +164,21 @@ def test_the_device_rules_spike_window_is_the_one_it_judged_the_spike_with(tmp_p
     assert len(windows["skip"]) >= 10 and windows["skip"] == windows["warn"]
 
 
+def test_the_intervals_largest_spike_is_the_one_captured(tmp_path):
+    """Two spikes in one interval: two outlier samples at step 17, four at step 19 (a larger loss): one capture per
+    interval, of the larger (the first may be an aftershock of an earlier one and must not hide a new one)."""
+    run_dir = tmp_path / "run"
+    task = outlier_samples_task(bad=(129, 133, 145, 146, 147, 149))
+    Trainer(cfg("train.batch_size=8", "log.every=10", "data.shuffle=false", "train.max_steps=20", "optim.lr=0.01"),
+            task=task, run_dir=run_dir).fit()
+    events = _events(run_dir)
+    spikes = {e["step"]: e["loss"] for e in events if e["kind"] == "spike"}
+    assert {17, 19} <= set(spikes) and spikes[19] > spikes[17]
+    assert [e["step"] for e in events if e["kind"] == "incident"] == [19]
+    d = json.loads((run_dir / "incidents" / "step_000019" / "diagnosis.json").read_text())
+    assert d["failure_class"] == "data" and d["step"] == 19, d["summary"]  # (step 17's outliers left every window high)
+
+
 def test_an_uncaptured_spike_under_on_spike_remedy_says_its_step_and_why(tmp_path):
     """capture.max_spikes spent: the remedy event names the spike's step and that reason (not 'step None', not
     capture.incidents=false)."""

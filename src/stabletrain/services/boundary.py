@@ -87,13 +87,13 @@ class IntervalBoundary:
     def incident(self, decision: GuardDecision, rows: list[Any]) -> dict[str, Any] | None:
         """Capture the decision's first bad step (every rank); pin the decision to the update the replay found.
 
-        A non-finite step first; else the interval's first loss spike (``capture.spikes``, at most
+        A non-finite step first; else the interval's largest loss spike (``capture.spikes``, at most
         ``capture.max_spikes`` in a run): at most one capture per interval. Returns the incident's info for
         the caller (what ``on_incident`` got; ``anomaly``: "nonfinite" or "spike"), or None without one.
         """
         step, anomaly = decision.first_incident, "nonfinite"
         if step is None:
-            step, anomaly = self._spike(decision), "spike"
+            step, anomaly = self._spike(decision, rows), "spike"
         if step is None:
             return None
         row = next(r for r in rows if r.step == step)
@@ -109,9 +109,11 @@ class IntervalBoundary:
         self.callbacks.fire("on_incident", self.state, info)
         return info
 
-    def _spike(self, decision: GuardDecision) -> int | None:
-        """The interval's spike to capture, or None (none, not asked for, or the run's captures spent)."""
+    def _spike(self, decision: GuardDecision, rows: list[Any]) -> int | None:
+        """The interval's spike to capture: its largest loss (an aftershock of an earlier spike must not hide a new,
+        larger one; the first on a tie), or None (none, not asked for, or the run's captures spent)."""
         cfg = self.state.cfg.capture
         if not decision.spike_steps or not cfg.spikes or self.guard.num_spike_captures >= cfg.max_spikes:
             return None
-        return decision.spike_steps[0]
+        loss = {r.step: r.values["loss"] for r in rows}
+        return max(decision.spike_steps, key=lambda s: (loss.get(s, float("-inf")), -s))
