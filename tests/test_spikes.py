@@ -20,6 +20,7 @@ from spike_tasks import offset_inputs_task, outlier_samples_task, rare_token_tas
 
 from stabletrain import Trainer
 from stabletrain.config import GuardConfig
+from stabletrain.diagnostics.spike import classify_spike
 from stabletrain.policies.guard import Guard, spike_test
 from stabletrain.records.bundles import load_bundle
 from stabletrain.remedy_search import search_remedies
@@ -162,6 +163,15 @@ def test_the_device_rules_spike_window_is_the_one_it_judged_the_spike_with(tmp_p
         windows[action] = sorted(load_bundle(folder)["observed"]["spike_window"])
         assert json.loads((folder / "diagnosis.json").read_text())["reproduces"] is True
     assert len(windows["skip"]) >= 10 and windows["skip"] == windows["warn"]
+
+
+def test_a_state_spikes_evidence_names_only_gradients_that_jumped():
+    m = {"reproduces": True, "loss": 2.0, "precision": "fp32", "step": 9, "samples": None, "older": None, "surges": [],
+         "where": {}, "jumps": {"grad_norm": [["0.bias", 61.7, 6.17, 0.1], ["2.weight", 1.04, 1.04, 1.0]]}}
+    out = classify_spike(m)
+    assert out["failure_class"] == "state" and out["evidence"].endswith("; gradient jumps: 0.bias x61.7")
+    m["jumps"]["grad_norm"] = [["2.bias", 1.0, 1.0, 1.0]]
+    assert "gradient jumps" not in classify_spike(m)["evidence"]
 
 
 def test_the_intervals_largest_spike_is_the_one_captured(tmp_path):

@@ -39,6 +39,9 @@ SURGE_FACTOR = 10.0
 #: as far as its other coordinates in that update.
 MIN_SHARE = 1e-3
 UPDATE_JUMP = 3.0
+#: A layer's gradient norm on the spike's window at least this many times its norm on an ordinary one is named as a
+#: jump in the evidence (x1 is no jump).
+GRAD_JUMP = 1.5
 
 
 def adam_surges(named_params: list[tuple[str, torch.nn.Parameter]], optimizer: torch.optim.Optimizer,
@@ -200,7 +203,7 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     if where.get("first"):
         out["blamed_module"] = where["first"]
         text += f"; first module whose output departs: '{where['first']}' (x{where['first_factor']:.3g})"
-    grads = (m.get("jumps") or {}).get("grad_norm") or []
+    grads = [j for j in (m.get("jumps") or {}).get("grad_norm") or [] if j[1] >= GRAD_JUMP]
     if grads:
         text += "; gradient jumps: " + ", ".join(f"{n} x{f:.3g}" for n, f, *_ in grads)
     return {**out, "failure_class": "state", "evidence": text}
