@@ -20,6 +20,7 @@ from spike_tasks import offset_inputs_task, outlier_samples_task, rare_token_tas
 
 from stabletrain import Trainer
 from stabletrain.config import GuardConfig
+from stabletrain.diagnostics.candidates import candidates_for
 from stabletrain.diagnostics.spike import classify_spike
 from stabletrain.policies.guard import Guard, spike_test
 from stabletrain.records.bundles import load_bundle
@@ -172,6 +173,23 @@ def test_a_state_spikes_evidence_names_only_gradients_that_jumped():
     assert out["failure_class"] == "state" and out["evidence"].endswith("; gradient jumps: 0.bias x61.7")
     m["jumps"]["grad_norm"] = [["2.bias", 1.0, 1.0, 1.0]]
     assert "gradient jumps" not in classify_spike(m)["evidence"]
+
+
+def test_a_spikes_rollback_goes_to_a_checkpoint_before_what_caused_it():
+    """optimizer-state: before the surging update (its checkpoint after it cannot undo it); state: before the step
+    before the spike (a lower LR from there is its own candidate). None when no checkpoint is that old."""
+    surges = [{"name": "embed.weight", "step": 75, "coord_factor": 90.0}, {"name": "embed.weight", "step": 72,
+                                                                          "coord_factor": 84.0}]
+    d = {"anomaly": "spike", "reproduces": True, "step": 75, "failure_class": "optimizer-state",
+         "blamed_layer": "embed.weight", "surges": surges, "jumps": {}}
+
+    def rollbacks(diagnosis, steps):
+        return sorted({c.step for c in candidates_for(diagnosis, "fp32", [], steps) if c.kind == "rollback-lr"})
+
+    assert rollbacks(d, [0, 60, 72, 74]) == [60]
+    d.update(failure_class="state", blamed_layer=None)
+    assert rollbacks(d, [0, 60, 72, 74]) == [72]
+    assert rollbacks(d, [74]) == []
 
 
 def test_the_intervals_largest_spike_is_the_one_captured(tmp_path):

@@ -94,8 +94,15 @@ def _spike_candidates(diagnosis: dict[str, Any], history: list[dict[str, Any]], 
         out.append(AdamEps(layer, float(root) if root else 1e-4))
     out += [LowerLR(0.5), LowerLR(0.1)]
     if cls in ("state", "optimizer-state"):
-        if rollback_steps:
-            out += [RollbackLR(0.5, step=max(rollback_steps)), RollbackLR(0.1, step=max(rollback_steps))]
+        # Back to a checkpoint before what a lower LR from the step before cannot undo: the surging update (its state
+        # before it), or the step before the spike (a lower LR from there is a candidate of its own).
+        step = diagnosis.get("step", 0)
+        surge = min((r["step"] for r in diagnosis.get("surges") or [] if r.get("name") == layer
+                     and isinstance(r.get("step"), int) and r["step"] < step), default=None)
+        limit = surge if cls == "optimizer-state" and surge is not None else step - 1
+        before = [s for s in rollback_steps if s < limit]
+        if before:
+            out += [RollbackLR(0.5, step=max(before)), RollbackLR(0.1, step=max(before))]
         norms = [r["grad_norm"] for r in history if isinstance(r.get("grad_norm"), (int, float))
                  and r["grad_norm"] == r["grad_norm"]]
         if norms:
