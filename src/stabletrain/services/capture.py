@@ -262,7 +262,7 @@ class IncidentCapture:
         """
         src, locate = self.source, info.get("locate")
         earlier = self.snapshot.get_previous() if spike and start[1] >= step - 1 else None
-        if earlier is not None:
+        if earlier is not None and earlier[2] < start[1]:  # (after a rollback the one before may be later)
             side, rest, at = earlier
             src.load_live_state(clone_state(join_params(side, rest)))
             replayed, self._pinned = src.replay_to(fit, step, at, locate, rows, keep_previous=True)
