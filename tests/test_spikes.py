@@ -175,6 +175,38 @@ def test_a_state_spikes_evidence_names_only_gradients_that_jumped():
     assert "gradient jumps" not in classify_spike(m)["evidence"]
 
 
+def test_samples_are_verified_only_when_the_step_without_them_is_within_the_rules_ratio():
+    """A noisy window keeps a step x3 its median under the rule's z-score: that is no 'normal' step. The samples are
+    named only once the step without them is also within spike_ratio x the median (here: both outliers dropped)."""
+    from stabletrain.counterfactual import _samples
+
+    losses = {0: 40.0, 1: 16.0, **{i: 1.0 for i in range(2, 8)}}  # per-sample losses of the window's 8 samples
+
+    class Bench:  # the per-sample loss sums and the replayed step's mean loss of a planted window
+        def groups(self, indices):
+            return [(idx, None) for idx in indices]
+
+        def sums(self, groups):
+            return sum(losses[i] for idx, _ in groups for i in idx), sum(len(idx) for idx, _ in groups)
+
+        def step(self, groups):
+            s, c = self.sums(groups)
+            return {"loss": s / c, "grad_norm": 1.0}
+
+    window = [1.0] * 30 + [0.2] * 10 + [2.4] * 10  # median 1, std ~0.6: x3 is z ~3.4, no spike by the rule
+    cfg = GuardConfig()
+
+    def rule(x):
+        return spike_test(x, window, cfg)
+
+    assert not rule(3.0)["spike"] and rule(8.0)["spike"]
+    bench = Bench()
+    _, found = _samples(bench, bench.groups([list(range(8))]), rule, None, cfg.spike_ratio)
+    assert found["indices"] == [0, 1] and found["without"]["ratio"] <= cfg.spike_ratio  # [0] alone leaves x3.3
+    _, loose = _samples(bench, bench.groups([list(range(8))]), rule, None, math.inf)  # the rule's own bar alone
+    assert loose["indices"] == [0]
+
+
 def test_a_spikes_rollback_goes_to_a_checkpoint_before_what_caused_it():
     """optimizer-state: before the surging update (its checkpoint after it cannot undo it); state: before the step
     before the spike (a lower LR from there is its own candidate). None when no checkpoint is that old."""

@@ -134,9 +134,16 @@ class _Bench:
         return {k: sum(v) / len(v) for k, v in stats.items()}, order
 
 
-def _samples(bench: _Bench, groups: list[tuple[list[int], Any]], rule: Any, grads: dict[str, torch.Tensor] | None
-             ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    """Per-sample losses (and gradient shares), and the fewest top samples whose removal makes the step normal."""
+def _samples(bench: _Bench, groups: list[tuple[list[int], Any]], rule: Any, grads: dict[str, torch.Tensor] | None,
+             bound: float) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Per-sample losses (and gradient shares), and the fewest top samples whose removal makes the step normal: no
+    spike by the rule and at most ``bound`` (``guard.spike_ratio``) times the window's median (a z-score that a
+    noisy window keeps under the rule's is not enough: x9 the median is no normal step)."""
+
+    def normal(loss: float) -> bool:
+        verdict = rule(loss)
+        return not verdict["spike"] and verdict.get("ratio", 0.0) <= bound
+
     rows, total_sum, total_count = [], 0.0, 0.0
     for idx, _ in groups:
         for i in idx:
@@ -154,13 +161,13 @@ def _samples(bench: _Bench, groups: list[tuple[list[int], Any]], rule: Any, grad
     for k in range(1, min(limit, len(rows) - 1) + 1):
         rest_sum = total_sum - sum(r["loss_sum"] for r in rows[:k])
         rest_count = total_count - sum(r["count"] for r in rows[:k])
-        if not rest_count or rule(rest_sum / rest_count)["spike"]:
+        if not rest_count or not normal(rest_sum / rest_count):
             continue  # not even by the per-sample sums: more samples
         drop = {r["sample"] for r in rows[:k]}
         kept = [[i for i in idx if i not in drop] for idx, _ in groups]
         replayed = bench.step(bench.groups(kept))  # verified on the run's own step, without them
         verdict = rule(replayed["loss"])
-        if not verdict["spike"]:
+        if normal(replayed["loss"]):
             found = {"indices": sorted(drop), "share": sum(r["share"] for r in rows[:k]),
                      "without": {"loss": replayed["loss"], "grad_norm": replayed["grad_norm"], "ratio": verdict["ratio"],
                                  "zscore": verdict["zscore"]}}
@@ -239,7 +246,8 @@ def _diagnose(bench: _Bench, bundle: dict[str, Any], cfg: Any, observed: dict[st
     replays_s = time.perf_counter() - start
     m: dict[str, Any] = {"reproduces": why is None, "why_not_reproducible": why, "loss": here["loss"],
                          "precision": precision, "step": bundle["step"]}
-    samples_rows, m["samples"] = _samples(bench, spike, rule, here.get("grads")) if why is None else ([], None)
+    samples_rows, m["samples"] = (_samples(bench, spike, rule, here.get("grads"), cfg.guard.spike_ratio) if why is None
+                                  else ([], None))
     samples_s = time.perf_counter() - start - replays_s
     ordinary = bench.step(context[0]) if context else None
     m["older"], m["where"] = _older(bench, bundle, cfg, spike, context, rule) if why is None else (None, {})
