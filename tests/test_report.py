@@ -686,6 +686,21 @@ def test_a_remedy_that_rolled_back_is_in_the_health_summary_with_what_it_undid(t
     assert re.search(r"saved step_000010 \(\d+\.\d KiB, verified\)", page)  # a small checkpoint: KiB, not "0.0 MiB"
 
 
+def test_remedies_not_applied_for_the_same_reason_are_one_line(run_copy):
+    why = ("the incident was not captured (the run's spike captures are spent: capture.max_spikes=5); falling back to "
+           "remedy.fallback=skip")
+    append_events(run_copy, *({"step": s + 1, "kind": "remedy", "reason": f"no remedy applied for the incident at step {s}: "
+                               f"{why}", "applied": None} for s in (17, 23, 31)),
+                  {"step": 36, "kind": "remedy", "reason": "no remedy applied for the incident at step 35: no candidate "
+                   "cures it (skip-step: fails); falling back to remedy.fallback=skip", "applied": None})
+    h = health_summary(load_run(run_copy))
+    lines = [t for _, t in h.sentences if t.startswith("No remedy applied")]
+    assert lines == [f"No remedy applied for the incidents at steps 17, 23, 31: {why}.",
+                     "No remedy applied for the incident at step 35: no candidate cures it (skip-step: fails); falling "
+                     "back to remedy.fallback=skip."], lines
+    assert len(h.figures["remedies"]) == 4
+
+
 def test_the_health_summary_says_what_the_init_report_found_at_step_0(tmp_path):
     from helpers import cfg
 

@@ -10,6 +10,7 @@ them against ``metrics.jsonl`` directly.
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -216,6 +217,7 @@ def _remedies(run: RunData, h: Health) -> None:
     """Each remedy event: what was applied (the run's config changed mid-run: worth a look), or why none was."""
     f = h.figures
     f["remedies"] = []
+    unapplied: dict[str, list[tuple[str, str]]] = {}  # the reason but its step -> [(step, reason)]: said once each
     for e in run.counted_events("remedy"):
         x = e.extra
         if isinstance(x.get("name"), str):  # applied
@@ -231,8 +233,15 @@ def _remedies(run: RunData, h: Health) -> None:
             h.say("warn", text + ".")
         else:  # none applied: not needed (skipping the step cured it), or none cured it and the fallback was taken
             f["remedies"].append({"name": None, "reason": e.reason})
-            needed = not e.reason.startswith("no remedy needed")
-            h.say("warn" if needed else "ok", _one_line(e.reason[:1].upper() + e.reason[1:]).rstrip(".") + ".")
+            at = re.search(r" at step ([\d,]+)", e.reason)
+            key = e.reason if at is None else e.reason[:at.start()] + " at step {}" + e.reason[at.end():]
+            unapplied.setdefault(key, []).append((at.group(1) if at else "", e.reason))
+    for key, seen in unapplied.items():  # the same reason for several incidents (spike captures spent): one line
+        steps = ", ".join(s for s, _ in seen)
+        reason = seen[0][1] if len(seen) == 1 else key.replace("incident at step {}", f"incidents at steps {steps}").replace(
+            " at step {}", f" at steps {steps}")
+        needed = not reason.startswith("no remedy needed")
+        h.say("warn" if needed else "ok", _one_line(reason[:1].upper() + reason[1:]).rstrip(".") + ".")
 
 
 def _final(run: RunData, kind: str) -> Event | None:
