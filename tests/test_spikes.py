@@ -25,6 +25,7 @@ from stabletrain.diagnostics.spike import classify_spike
 from stabletrain.policies.guard import Guard, spike_test
 from stabletrain.records.bundles import load_bundle
 from stabletrain.remedy_search import search_remedies
+from stabletrain.services.boundary import spike_to_capture
 
 #: task factory, its config, the spike's step, its class
 CASES = {
@@ -224,19 +225,23 @@ def test_a_spikes_rollback_goes_to_a_checkpoint_before_what_caused_it():
     assert rollbacks(d, [74]) == []
 
 
-def test_the_intervals_largest_spike_is_the_one_captured(tmp_path):
-    """Two spikes in one interval: two outlier samples at step 17, four at step 19 (a larger loss): one capture per
-    interval, of the larger (the first may be an aftershock of an earlier one and must not hide a new one)."""
+def test_the_onset_of_the_intervals_largest_burst_is_the_spike_captured(tmp_path):
+    """Two spikes apart in one interval: two outlier samples at step 14, four at step 19 (a larger loss): one capture
+    per interval, of the larger (the first may be an aftershock of an earlier one and must not hide a new one). A burst
+    on consecutive steps (a divergence) is captured at its first step."""
+    assert spike_to_capture([64, 65, 66, 67, 68, 69], {64: 0.8, 65: 0.85, 66: 1.2, 67: 3.0, 68: 9.0, 69: 30.0}) == 64
+    assert spike_to_capture([101, 103], {101: 0.3, 103: 3.6}) == 103
+    assert spike_to_capture([12, 13, 17], {12: 5.0, 13: 2.0, 17: 5.0}) == 12  # a tie: the earlier
     run_dir = tmp_path / "run"
-    task = outlier_samples_task(bad=(129, 133, 145, 146, 147, 149))
+    task = outlier_samples_task(bad=(105, 109, 145, 146, 147, 149))
     Trainer(cfg("train.batch_size=8", "log.every=10", "data.shuffle=false", "train.max_steps=20", "optim.lr=0.01"),
             task=task, run_dir=run_dir).fit()
     events = _events(run_dir)
     spikes = {e["step"]: e["loss"] for e in events if e["kind"] == "spike"}
-    assert {17, 19} <= set(spikes) and spikes[19] > spikes[17]
+    assert {14, 19} <= set(spikes) and 18 not in spikes and spikes[19] > spikes[14], spikes
     assert [e["step"] for e in events if e["kind"] == "incident"] == [19]
     d = json.loads((run_dir / "incidents" / "step_000019" / "diagnosis.json").read_text())
-    assert d["failure_class"] == "data" and d["step"] == 19, d["summary"]  # (step 17's outliers left every window high)
+    assert d["failure_class"] == "data" and d["step"] == 19, d["summary"]
 
 
 def test_an_uncaptured_spike_under_on_spike_remedy_says_its_step_and_why(tmp_path):

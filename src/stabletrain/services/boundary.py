@@ -25,7 +25,7 @@ from ..policies.metrics import interval_record, peak_memory_mib
 from ..policies.precursor import Precursor
 from ..runstate import RunState
 
-__all__ = ["IntervalBoundary"]
+__all__ = ["IntervalBoundary", "spike_to_capture"]
 
 
 class IntervalBoundary:
@@ -87,7 +87,7 @@ class IntervalBoundary:
     def incident(self, decision: GuardDecision, rows: list[Any]) -> dict[str, Any] | None:
         """Capture the decision's first bad step (every rank); pin the decision to the update the replay found.
 
-        A non-finite step first; else the interval's largest loss spike (``capture.spikes``, at most
+        A non-finite step first; else the onset of the interval's largest burst of spikes (``capture.spikes``, at most
         ``capture.max_spikes`` in a run): at most one capture per interval. Returns the incident's info for
         the caller (what ``on_incident`` got; ``anomaly``: "nonfinite" or "spike"), or None without one.
         """
@@ -110,10 +110,25 @@ class IntervalBoundary:
         return info
 
     def _spike(self, decision: GuardDecision, rows: list[Any]) -> int | None:
-        """The interval's spike to capture: its largest loss (an aftershock of an earlier spike must not hide a new,
-        larger one; the first on a tie), or None (none, not asked for, or the run's captures spent)."""
+        """The interval's spike to capture (:func:`spike_to_capture`), or None (none, not asked for, or the run's
+        captures spent)."""
         cfg = self.state.cfg.capture
         if not decision.spike_steps or not cfg.spikes or self.guard.num_spike_captures >= cfg.max_spikes:
             return None
-        loss = {r.step: r.values["loss"] for r in rows}
-        return max(decision.spike_steps, key=lambda s: (loss.get(s, float("-inf")), -s))
+        return spike_to_capture(decision.spike_steps, {r.step: r.values["loss"] for r in rows})
+
+
+def spike_to_capture(steps: list[int], losses: dict[int, float]) -> int:
+    """The onset of the interval's largest burst of spikes (a burst: spikes on consecutive steps).
+
+    A divergence's burst is captured at its first step, where it began (its later, larger losses are its course);
+    an aftershock of an earlier spike does not hide a new, larger burst after it. Ties: the earlier burst.
+    """
+    bursts: list[list[int]] = []
+    for s in sorted(steps):
+        if bursts and s == bursts[-1][-1] + 1:
+            bursts[-1].append(s)
+        else:
+            bursts.append([s])
+    peak = [max(losses.get(s, float("-inf")) for s in burst) for burst in bursts]
+    return bursts[peak.index(max(peak))][0]
