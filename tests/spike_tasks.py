@@ -117,3 +117,16 @@ def offset_inputs_task(bad: tuple[int, ...] = (553, 554, 555, 557, 558, 559), of
     first.requires_grad_(False)
     model = nn.Sequential(first, Standardize(), nn.Linear(16, 1), nn.Tanh())
     return Task(model=model, train_data=TensorDataset(x, y), loss=_mse, name="offset-inputs")
+
+
+def sgd_regression_task(n: int = 4096) -> Task:
+    """state, live: a clean regression MLP that plain SGD at an LR warmed up towards 1.0 drives into spikes from step 64
+    on (batch 32); under guard.on_spike=remedy every flagged step is skipped, so only a cure that starts where the run
+    stands (or rolls back to a checkpoint) can help it (a user's case: a lower LR verified from the step before was
+    applied three times while the run skipped its way to a stop)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 16, generator=g)
+    y = x @ (torch.randn(16, 1, generator=g) / 4) + 0.1 * torch.randn(n, 1, generator=g)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+    return Task(model=model, train_data=TensorDataset(x, y), loss=_mse, name="sgd-regression")

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import cfg
-from spike_tasks import offset_inputs_task, outlier_samples_task, rare_token_task, steady_regression_task
+from spike_tasks import offset_inputs_task, outlier_samples_task, rare_token_task, sgd_regression_task, steady_regression_task
 
 from stabletrain import Trainer
 from stabletrain.config import GuardConfig
@@ -242,6 +242,24 @@ def test_the_onset_of_the_intervals_largest_burst_is_the_spike_captured(tmp_path
     assert [e["step"] for e in events if e["kind"] == "incident"] == [19]
     d = json.loads((run_dir / "incidents" / "step_000019" / "diagnosis.json").read_text())
     assert d["failure_class"] == "data" and d["step"] == 19, d["summary"]
+
+
+def test_on_spike_remedy_applies_live_only_what_starts_where_its_replay_did_and_never_twice(tmp_path):
+    """Every flagged step is skipped live: a lower LR verified from the step before the spike changes an update the
+    run has made already. Applied live it cured nothing, the same spikes came back and it was applied again, until 20
+    skipped steps stopped the run. Now the cure applied rolls back to a checkpoint, and the run trains to its end."""
+    run_dir = tmp_path / "run"
+    trainer = Trainer(cfg("optim.name=sgd", "optim.lr=1.0", "optim.weight_decay=0", "clip.max_norm=null",
+                          "sched.warmup_steps=300", "sched.decay=constant", "train.batch_size=32", "train.max_steps=100",
+                          "log.every=7", "ckpt.every=21", "guard.on_spike=remedy"), task=sgd_regression_task(),
+                      run_dir=run_dir)
+    trainer.fit()
+    applied = [e for e in _events(run_dir) if e["kind"] == "remedy" and e.get("name")]
+    assert trainer.step == 100 and trainer.state.stop_reason is None
+    assert applied and applied[0]["incident_step"] == 64 and applied[0]["remedy"]["kind"] == "rollback-lr", applied
+    assert applied[0]["at_step"] < 63  # back to a checkpoint before the update that led into the spike
+    pairs = [(e["incident_step"], e["name"]) for e in applied]
+    assert len(pairs) == len(set(pairs))
 
 
 def test_an_uncaptured_spike_under_on_spike_remedy_says_its_step_and_why(tmp_path):

@@ -157,8 +157,6 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int) -> dict[str, Any]:
     model = replica.model
     precision = (replica.precision(mode=remedy.precision) if remedy.precision is not None
                  else replica.precision(state=remedy.precision_state(state["precision"])))
-    step = replica.step(precision=precision, lr_factor=remedy.lr_factor,
-                        max_norm=remedy.max_norm if remedy.max_norm is not None else KEEP)
     guard = Guard(dataclasses.replace(cfg.guard, on_spike="warn"), torch.device("cpu"))  # the host spike rule
     window = inc.bundle.get("observed", {}).get("spike_window")
     if remedy.rollback_step is not None and "guard" in state:
@@ -168,6 +166,12 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int) -> dict[str, Any]:
     else:  # seeded with the run's interval losses before the incident
         guard.mark_spikes([SimpleNamespace(values={"loss": float(r["loss"]), "finite": 1.0})
                            for r in inc.history if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"])])
+    live = None  # guard.on_spike=skip or remedy: the run skips a flagged step's update, so the replay does too (the
+    if cfg.guard.on_spike in ("skip", "remedy") and not inc.adapter:  # same rule on the device, from the same window)
+        live = Guard(cfg.guard, dev)
+        live.load_state_dict(guard.state_dict())
+    step = replica.step(precision=precision, lr_factor=remedy.lr_factor,
+                        max_norm=remedy.max_norm if remedy.max_norm is not None else KEEP, guard=live)
     windows = _windows(inc, stream_state, first)
     set_rng_state(state["rng"])
     rows: list[dict[str, Any]] = []

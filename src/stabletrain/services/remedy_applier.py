@@ -104,7 +104,14 @@ class RemedyApplier:
         params_bad = decision.params_bad_at is not None or decision.after_update
         best = None
         if record is not None:
+            # A remedy applied for this incident's step before, which it met again, did not cure it live: not again.
+            tried = {(e["incident_step"], json.dumps(e["remedy"], sort_keys=True)) for e in self.applied}
+            # Applied live, a cure must start where its replay did: at the incident's step (the run stands there), or
+            # from a checkpoint it rolls back to. One replayed from the step before changed an update the run has
+            # made already: applied now it would not be what was verified (stabletrain remedy still lists it).
             best = next((c for c in record["candidates"] if c["verdict"] == "cures" and not c["baseline"]
+                         and (record["step"], json.dumps(c["remedy"], sort_keys=True)) not in tried
+                         and (c["remedy"]["kind"] == "rollback-lr" or c.get("first_step", record["step"]) >= record["step"])
                          and (not params_bad or c["remedy"]["kind"] == "rollback-lr")), None)
             skip = next(c for c in record["candidates"] if c["baseline"])
             if best is None and skip["verdict"] == "cures" and not params_bad:  # the step's skip was all it needed
@@ -114,7 +121,10 @@ class RemedyApplier:
                             incident=incident, applied=None)
                 return True
             if best is None:
-                why = "no candidate cures it (" + ", ".join(f"{c['name']}: {c['verdict']}" for c in record["candidates"]) + ")"
+                why = "no candidate cures it (" + ", ".join(
+                    f"{c['name']}: {c['verdict']}" + (", applied for this step before" if
+                                                      (record["step"], json.dumps(c["remedy"], sort_keys=True)) in tried
+                                                      else "") for c in record["candidates"]) + ")"
         if best is None:
             fallback = cfg.fallback
             decision.action = "stop" if fallback == "skip" and params_bad else "continue" if fallback == "skip" else fallback
