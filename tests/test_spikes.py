@@ -262,6 +262,25 @@ def test_on_spike_remedy_applies_live_only_what_starts_where_its_replay_did_and_
     assert len(pairs) == len(set(pairs))
 
 
+def test_after_skipped_steps_no_update_is_blamed_and_no_older_state_compared(tmp_path):
+    """guard.on_spike=skip skips every step of a burst: the spike captured in the next interval follows steps that
+    made no update. Its diagnosis must not blame 'the update of step 70' (never made) nor weigh it against 'the state of
+    step 63' (the same weights: 'high 0.83 under this one (vs 0.83)')."""
+    run_dir = tmp_path / "run"
+    Trainer(cfg("optim.name=sgd", "optim.lr=1.0", "optim.weight_decay=0", "clip.max_norm=null", "sched.warmup_steps=300",
+                "sched.decay=constant", "train.batch_size=32", "train.max_steps=77", "log.every=7", "ckpt.every=21",
+                "guard.on_spike=skip", "guard.max_consecutive_skips=100"), task=sgd_regression_task(), run_dir=run_dir).fit()
+    events = _events(run_dir)
+    skipped = {e["step"] for e in events if e["kind"] == "skip"}
+    assert set(range(64, 72)) <= skipped
+    assert [e["step"] for e in events if e["kind"] == "incident"][:2] == [64, 71]
+    folder = run_dir / "incidents" / "step_000071"
+    bundle = load_bundle(folder)
+    assert bundle["previous"] is None and bundle["reference"] is None
+    d = json.loads((folder / "diagnosis.json").read_text())
+    assert d["older"] is None and "in the update of step" not in d["summary"] and d["failure_class"] == "state", d["summary"]
+
+
 def test_an_uncaptured_spike_under_on_spike_remedy_says_its_step_and_why(tmp_path):
     """capture.max_spikes spent: the remedy event names the spike's step and that reason (not 'step None', not
     capture.incidents=false)."""

@@ -231,8 +231,15 @@ class IncidentCapture:
                                             if row.step < step]
             if spike:  # what the spike's counterfactual replays need: the rule's window, the older state
                 bundle["observed"].update(anomaly="spike", spike_window=list(info.get("spike_window") or []))
-                # FSDP: shards only; a spike right after the interval's start: that state is the spike's own.
+                # A state the run made no update from since (its steps skipped) is the spike's own: the step before
+                # then led nothing into the spike, and the older state is no other (FSDP: shards only; right after
+                # the interval's start: the spike's own too).
+                now = bundle.get("model")
+                if bundle.get("previous") is not None and equal_states(bundle["previous"]["model"], now):
+                    bundle["previous"] = None
                 older = src.strategy.one_process_model(start[0]["model"]) if start[1] < step - 1 else None
+                if older is not None and equal_states(older, now):
+                    older = None
                 bundle["reference"] = {"step": start[1], "model": older} if older is not None else None
             if n > 0:  # the model and optimizer (the same on every rank) once, in the first bundle; a later one names it
                 bundle = {**{k: v for k, v in bundle.items() if k not in ("model", "optimizer")}, STATE_IN: ".."}
