@@ -208,6 +208,16 @@ def test_samples_are_verified_only_when_the_step_without_them_is_within_the_rule
     assert loose["indices"] == [0]
 
 
+def test_what_is_usual_comes_from_every_ordinary_window_not_the_first():
+    """The update clip's limit is twice the layer's usual update ratio: the smallest over the ordinary windows, one
+    of which may hold the surging update itself (the first of them did at log.every=1: a limit 10x too loose)."""
+    from stabletrain.counterfactual import _typical
+
+    steps = [{"grad_norms": {"embed.weight": g}, "update_ratios": {"embed.weight": r}}
+             for g, r in ((3.0, 0.0617), (1.0, 0.0183), (1.2, 0.0062))]
+    assert _typical(steps) == {"grad_norms": {"embed.weight": 1.2}, "update_ratios": {"embed.weight": 0.0062}}
+
+
 def test_a_spikes_rollback_goes_to_a_checkpoint_before_what_caused_it():
     """optimizer-state: before the surging update (its checkpoint after it cannot undo it); state: before the step
     before the spike (a lower LR from there is its own candidate). None when no checkpoint is that old."""

@@ -11,7 +11,7 @@ windows) and replays, each time from the same saved state and RNG streams, on a 
 3. the window and ordinary windows under the older state (the interval's start): is the batch itself an
    outlier, or did the state drift?
 4. each module's output magnitude on the window under both states (where it departs first), each parameter's
-   gradient and update against an ordinary window's (which layers jumped), Adam's second moment against the
+   gradient and update against the ordinary windows' median (which layers jumped), Adam's second moment against the
    gradients of the spike's step and of the step before it, replayed from the state before that one
    (:func:`~stabletrain.diagnostics.spike.adam_surges`);
 5. under bf16/fp16, the step in fp32: normal there?
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import math
+import statistics
 import time
 from typing import Any
 
@@ -249,7 +250,7 @@ def _diagnose(bench: _Bench, bundle: dict[str, Any], cfg: Any, observed: dict[st
     samples_rows, m["samples"] = (_samples(bench, spike, rule, here.get("grads"), cfg.guard.spike_ratio) if why is None
                                   else ([], None))
     samples_s = time.perf_counter() - start - replays_s
-    ordinary = bench.step(context[0]) if context else None
+    ordinary = _typical([bench.step(c) for c in context]) if context else None
     m["older"], m["where"] = _older(bench, bundle, cfg, spike, context, rule) if why is None else (None, {})
     m["jumps"] = ({"grad_norm": jumps(here["grad_norms"], ordinary["grad_norms"]),
                    "update_ratio": jumps(here["update_ratios"], ordinary["update_ratios"])} if ordinary else {})
@@ -287,6 +288,17 @@ def _diagnose(bench: _Bench, bundle: dict[str, Any], cfg: Any, observed: dict[st
     out["summary"] = spike_summary(out)
     out["timings"] = {"replays_s": replays_s, "samples_s": samples_s, "total_s": time.perf_counter() - start}
     out["passes"] = bench.passes
+    return out
+
+
+def _typical(steps: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per parameter, what the ordinary windows' steps show as usual: the median grad norm, and the smallest update
+    ratio (an update clip holds the layer at twice it). A window next to the spike may be part of it (the surging
+    update's own, another with the rare rows), so no single window sets either."""
+    out: dict[str, dict[str, float]] = {}
+    for key, pick in (("grad_norms", statistics.median), ("update_ratios", min)):
+        names = steps[0].get(key, {})
+        out[key] = {n: pick([s[key][n] for s in steps if n in s.get(key, {})]) for n in names}
     return out
 
 
