@@ -355,3 +355,17 @@ def test_an_fp16_run_whose_scaler_collapsed_stops_instead_of_reporting_success(t
     out = capsys.readouterr()
     assert out.err.count("stabletrain: warning: the run is stalled at step 60") == 1
     assert "trained 100 steps; loss=" in out.out and "; 90 of 100 steps skipped (90%: see events.jsonl)" in out.out
+
+
+def test_the_final_line_counts_the_steps_an_earlier_launch_skipped(tmp_path, capsys):
+    """A run resumed after a skipped step ends with a line that says so (it said 'no step skipped': this launch's)."""
+    from stabletrain.cli import main
+
+    run_dir = tmp_path / "run"
+    args = ["task=helpers:nan_sample_task", "train.batch_size=8", "data.shuffle=false", "log.every=4", "ckpt.every=4",
+            "capture.incidents=false", "log.progress=false", "log.tensorboard=false"]
+    assert main(["train", *args, "train.max_steps=8", f"run.dir={run_dir}"]) == 0  # sample 37: step 5
+    assert "trained 8 steps; " in (out := capsys.readouterr().out) and "; 1 of 8 steps skipped" in out
+    assert main(["train", "--resume", str(run_dir), "train.max_steps=12"]) == 0
+    out = capsys.readouterr().out
+    assert "trained 12 steps; " in out and "; 1 of 12 steps skipped (8%: see events.jsonl)" in out, out

@@ -88,13 +88,24 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
                     f"{run_dir / 'incidents'}", sys.stderr)
         return 1
     shown = ", ".join(f"{k}={record[k]:.4g}" for k in ("loss", "val_loss", "grad_norm") if isinstance(record.get(k), float))
-    skipped = sum(int(r.get("num_skipped", 0)) for r in trainer.history)
+    skipped = sum(int(r.get("num_skipped", 0)) for r in trainer.history) + _earlier_skips(run_dir)
     skipped_note = (f"{skipped} of {trainer.step} steps skipped ({100 * skipped / max(trainer.step, 1):.0f}%: see events.jsonl)"
                     if skipped else "no step skipped")
     console.say(f"trained {trainer.step} steps; {shown}; {skipped_note}; run directory: {run_dir}")
     if args.report:
         write_report(run_dir)
     return 0
+
+
+def _earlier_skips(run_dir: Path) -> int:
+    """Steps the run's earlier launches skipped that still count (not redone after a resume): 0 on a first launch."""
+    from ..report.rundata import load_run
+
+    events = load_run(run_dir).events
+    last = max((i for i, e in enumerate(events) if e.kind == "resume"), default=None)
+    if last is None:
+        return 0
+    return len({e.step for e in events[:last] if e.kind == "skip" and not e.superseded})
 
 
 def write_report(run_dir: Path) -> None:
