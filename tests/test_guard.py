@@ -85,11 +85,13 @@ def test_stop_policy_writes_no_checkpoint_after_the_incident_and_resume_continue
     assert max(e["step"] for e in _events(run_dir) if e["kind"] == "checkpoint") == last_good
 
 
-def test_rollback_restores_last_good_and_skips_the_offending_window(tmp_path):
+def test_rollback_restores_last_good_and_skips_the_offending_window(tmp_path, capsys):
     bad_step = _step_of_sample(BAD)
     run_dir = tmp_path / "run"
     trainer = _trainer(run_dir, "guard.on_nonfinite=rollback")
     trainer.fit()
+    said = [line for line in capsys.readouterr().out.splitlines() if "rolled back" in line]
+    assert len(said) == 1 and said[0].startswith("stabletrain: ") and f"skipping data windows [(0, {bad_step - 1})]" in said[0]
     assert trainer.step == 8 and trainer.stop_reason is None
     events = _events(run_dir)
     rollback = next(e for e in events if e["kind"] == "rollback")

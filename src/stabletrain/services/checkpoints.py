@@ -371,6 +371,8 @@ class CheckpointKeeper:
                 "reason": f"{reason}: rolled back from step {from_step} to {loaded.path.name}; skipping data windows "
                           f"{sorted(windows)}"}
         state.event(state.step, "rollback", info["reason"], **{k: v for k, v in info.items() if k != "reason"})
+        if state.dist.is_main:  # the run changed course: said, as an incident is
+            console.say(info["reason"])
         return info
 
     # -- failed saves ----------------------------------------------------------------------------
