@@ -219,3 +219,28 @@ def test_auto_reports_a_users_task_too_unless_its_copy_would_crowd_the_memory(tm
         Trainer(cfg("train.max_steps=1", f"log.init_signal={mode}"), task=regression_task(),
                 run_dir=tmp_path / mode / "small").fit()
     assert [(tmp_path / m / "small" / "init_signal.json").exists() for m in ("auto", "true")] == [False, True]
+
+
+def test_auto_passes_quietly_over_a_model_its_loss_never_calls(tmp_path):
+    """A loss that reads the parameters without calling the model (no leaf module's output to measure): auto passes
+    it over without a warning; log.init_signal=true says the report failed."""
+    import warnings
+
+    from helpers import cfg, regression_task
+
+    from stabletrain import Trainer
+    from stabletrain.console import StableTrainWarning
+
+    def task():
+        t = regression_task()
+        t.model = nn.Linear(4, 1)
+        t.loss = lambda m, b: ((b[0] @ m.weight.T + m.bias - b[1]) ** 2).mean()
+        return t
+
+    for mode in ("auto", "true"):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            Trainer(cfg("train.max_steps=1", f"log.init_signal={mode}"), task=task(), run_dir=tmp_path / mode).fit()
+        said = [str(w.message) for w in seen if issubclass(w.category, StableTrainWarning) and "signal" in str(w.message)]
+        assert said == ([] if mode == "auto" else [said[0]]) and not (tmp_path / mode / "init_signal.json").exists()
+    assert "no leaf module produced a floating-point tensor" in said[0]

@@ -52,6 +52,7 @@ from ..tasks.init_schemes import activation_name, is_norm, recommend_scheme
 from .update_ratio import UpdateRatio, update_ratios
 
 __all__ = [
+    "NothingToMeasure",
     "SignalThresholds",
     "LayerSignal",
     "SignalReport",
@@ -348,6 +349,10 @@ def _ratio(value: float | None, ref: float | None) -> float | None:
     return value / ref
 
 
+class NothingToMeasure(ValueError):
+    """No leaf module of the model produced a floating-point tensor in the loss's forward (nothing to report on)."""
+
+
 def signal_report(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any], *, label: str = "",
                   make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
                   thresholds: SignalThresholds = SignalThresholds()) -> SignalReport:
@@ -424,8 +429,8 @@ def _measure(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any]
         for h in handles:
             h.remove()
     if not calls:
-        raise ValueError("signal_report: no leaf module produced a floating-point tensor; "
-                         "is the model called in loss(model, batch)?")
+        raise NothingToMeasure("signal_report: no leaf module produced a floating-point tensor; "
+                               "is the model called in loss(model, batch)?")
 
     mains = [_main_param(module) for _, module, _, _ in calls]
     for main, row in zip(mains, stats):

@@ -25,7 +25,7 @@ from torch import nn
 
 from .. import console
 from ..data import fixed_batch
-from ..diagnostics.signal_propagation import signal_report
+from ..diagnostics.signal_propagation import NothingToMeasure, signal_report
 from ..fileio import atomic_write
 from ..internals import eager_methods
 from ..policies.optim import optimizer_factory
@@ -42,11 +42,13 @@ SIGNAL_FILE = "init_signal.json"
 
 def first_batch_signal(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any], *, label: str,
                        make_optimizer: Callable[[list[nn.Parameter]], Any] | None = None,
-                       context: contextlib.AbstractContextManager | None = None) -> tuple[dict[str, Any], dict[str, Any]] | None:
+                       context: contextlib.AbstractContextManager | None = None,
+                       asked: bool = True) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """(the report as a dict, its snapshot line) for ``batch``, or None when the report failed (warned once).
 
     The RNG state is put back. ``context``: what the model needs around its forward (a host's replay mode). An
     error raised in ``loss_fn`` itself is not warned of: the first step meets it and says it with the user's line.
+    ``asked=False`` (``log.init_signal=auto``): a model with no leaf module to measure is passed over quietly.
     """
     rng = rng_state()
     try:
@@ -54,6 +56,8 @@ def first_batch_signal(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Modul
             report = signal_report(model, batch, loss_fn, label=label, make_optimizer=make_optimizer)
     except Exception as err:  # the report must never take the run down
         if _raised_in(err, loss_fn):  # the loss itself fails: the first step raises it with the user's own line
+            return None
+        if not asked and isinstance(err, NothingToMeasure):  # log.init_signal=auto on a model it cannot see into
             return None
         warnings.warn(f"the signal-propagation report failed ({type(err).__name__}: {err})", console.StableTrainWarning,
                       stacklevel=3)
@@ -131,7 +135,8 @@ def run_init_signal(state: RunState) -> dict[str, Any] | None:
     _, batch = fixed_batch(task, cfg.train.batch_size, state.device)
     found = first_batch_signal(
         model, batch, task.loss, label=f"{task.name} at step 0",
-        make_optimizer=optimizer_factory(model, cfg.optim, state.device, getattr(task, "optimizer", None)))
+        make_optimizer=optimizer_factory(model, cfg.optim, state.device, getattr(task, "optimizer", None)),
+        asked=cfg.log.init_signal is True)
     if found is None:
         return None
     full, line = found
