@@ -686,6 +686,15 @@ def test_a_remedy_that_rolled_back_is_in_the_health_summary_with_what_it_undid(t
     assert re.search(r"saved step_000010 \(\d+\.\d KiB, verified\)", page)  # a small checkpoint: KiB, not "0.0 MiB"
 
 
+def test_the_spike_line_says_when_the_runs_spike_captures_were_spent(run_copy):
+    append_events(run_copy, *({"step": s, "kind": "spike", "reason": f"loss spike: {s}", "loss": 9.0} for s in range(20, 31)),
+                  *({"step": s, "kind": "incident", "reason": f"captured the loss spike at step {s}", "anomaly": "spike"}
+                    for s in (20, 22, 24, 26, 28)))
+    h = health_summary(load_run(run_copy))
+    assert ("warn", "11 loss spikes at step 20-30; capture.max_spikes=5 was spent at step 28: the 2 spikes after it went "
+                    "uncaptured.") in h.sentences
+
+
 def test_remedies_not_applied_for_the_same_reason_are_one_line(run_copy):
     why = ("the incident was not captured (the run's spike captures are spent: capture.max_spikes=5); falling back to "
            "remedy.fallback=skip")

@@ -126,7 +126,14 @@ def health_summary(run: RunData) -> Health:
     spikes = run.counted_events("spike")
     f["spike_steps"] = sorted({e.step for e in spikes})
     if spikes:
-        h.say("warn", f"{plural(len(f['spike_steps']), 'loss spike')} at step {fmt_ranges(f['spike_steps'])}.")
+        text = f"{plural(len(f['spike_steps']), 'loss spike')} at step {fmt_ranges(f['spike_steps'])}"
+        captured = [e.step for e in run.events if e.kind == "incident" and e.extra.get("anomaly") == "spike"]
+        cap = run.cfg("capture.max_spikes")
+        later = [s for s in f["spike_steps"] if captured and s > max(captured)]
+        if isinstance(cap, int) and run.cfg("capture.spikes", True) and len(captured) >= cap and later:
+            text += (f"; capture.max_spikes={cap} was spent at step {max(captured)}: the {plural(len(later), 'spike')} "
+                     "after it went uncaptured")
+        h.say("warn", text + ".")
 
     incidents = run.counted_events("incident")
     f["incidents"] = [(e.step, incident_summary(e)) for e in incidents]
