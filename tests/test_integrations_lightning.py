@@ -79,7 +79,7 @@ def fit(module, callback, n_steps, *, bad_index=None, ckpt_path=None, max_steps=
 def test_clean_run_metrics_mirror_and_report(tmp_path):
     torch.manual_seed(0)
     cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=5)
-    trainer = fit(LitNet(), cb, 12, gradient_clip_val=0.05, logger=CSVLogger(tmp_path / "csv"))
+    trainer = fit(LitNet(), cb, 12, gradient_clip_val=0.05, logger=CSVLogger(tmp_path / "csv"), log_every_n_steps=1)
     records, problems = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert not problems and [r["step"] for r in records] == [5, 10, 12]
     assert set(records[0]) <= set(METRIC_KEYS)
@@ -88,8 +88,16 @@ def test_clean_run_metrics_mirror_and_report(tmp_path):
     assert records[-1]["samples_seen"] == 12 * BATCH and records[0]["top_grad_layers"]
     # ||update|| of each interval's last step, measured around the host's own optimizer step.
     assert all(0 < r["update_norm"] and 0 < r["update_ratio"] < 1 for r in records[:2])
-    # Mirrored into Lightning's own logging at the boundaries.
+    # Mirrored into Lightning's own logging at the boundaries, and only there (a logger writing every step must not
+    # repeat an interval's figures at each: it did, from log_dict in the batch-end hook).
     assert trainer.callback_metrics["stabletrain/grad_norm"] == pytest.approx(records[1]["grad_norm"], rel=1e-6)
+    import csv
+
+    (rows_file,) = (tmp_path / "csv").rglob("metrics.csv")
+    mirrored = [r for r in csv.DictReader(rows_file.open()) if r.get("stabletrain/grad_norm")]
+    assert [int(r["step"]) for r in mirrored] == [5, 10]  # (the last, short interval is closed after the last batch)
+    assert [float(r["stabletrain/grad_norm"]) for r in mirrored] == pytest.approx([r["grad_norm"] for r in records[:2]],
+                                                                                  rel=1e-6)
     config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert config["integration"] == "lightning" and config["host"]["gradient_clip_val"] == 0.05
     assert config["clip"]["max_norm"] == 0.05 and config["optim"]["name"] == "AdamW"

@@ -184,11 +184,12 @@ class StableTrainCallback(pl.Callback):
         if record is not None:
             if self.options.mirror and trainer.loggers:  # no logger: Lightning would warn at every call
                 figures = {k: float(v) for k, v in session.figures(record).items()}
+                # In callback_metrics (a checkpoint or early stop may monitor them), and in the loggers at this step only
+                # (log_dict(logger=True) from a batch-end hook: Lightning wrote it again at every step until the next).
+                pl_module.log_dict(figures, on_step=True, on_epoch=False, logger=False, sync_dist=False,
+                                   rank_zero_only=True)
                 covered = {id(t.owner) for t in session.trackers if t.active and t.owner is not None}
-                if not covered:
-                    pl_module.log_dict(figures, on_step=True, on_epoch=False, logger=True, sync_dist=False,
-                                       rank_zero_only=True)
-                else:  # a tracker writes into that logger's run already: the other loggers alone get the mirror
+                if trainer.is_global_zero:  # (a tracker writing into a logger's run already: that logger is left out)
                     for logger in trainer.loggers:
                         if id(logger) not in covered:
                             logger.log_metrics(figures, step=trainer.global_step)
