@@ -371,3 +371,8 @@ def test_the_final_line_counts_the_steps_an_earlier_launch_skipped(tmp_path, cap
     assert main(["train", "--resume", str(run_dir), "train.max_steps=12"]) == 0
     out = capsys.readouterr().out
     assert "trained 12 steps; " in out and "; 1 of 12 steps skipped (8%: see events.jsonl)" in out, out
+    for steps in (12, 10):  # at or past train.max_steps: nothing to train, said so (it said 'trained 12 steps; ; ...')
+        assert main(["train", "--resume", str(run_dir), f"train.max_steps={steps}"]) == 0
+        out = capsys.readouterr().out
+        assert f"stabletrain: nothing to train: the run is at step 12 and train.max_steps={steps} (raise " in out, out
+        assert "trained" not in out

@@ -87,6 +87,12 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
         console.say(f"the run stopped early: {trainer.stop_reason}. See {run_dir / 'events.jsonl'} and "
                     f"{run_dir / 'incidents'}", sys.stderr)
         return 1
+    if not trainer.history:  # resumed at or past train.max_steps: this launch trained nothing
+        console.say(f"nothing to train: the run is at step {trainer.step} and train.max_steps={trainer.cfg.train.max_steps} "
+                    f"(raise train.max_steps to train on); run directory: {run_dir}")
+        if args.report:
+            write_report(run_dir)
+        return 0
     shown = ", ".join(f"{k}={record[k]:.4g}" for k in ("loss", "val_loss", "grad_norm") if isinstance(record.get(k), float))
     skipped = sum(int(r.get("num_skipped", 0)) for r in trainer.history) + _earlier_skips(run_dir)
     skipped_note = (f"{skipped} of {trainer.step} steps skipped ({100 * skipped / max(trainer.step, 1):.0f}%: see events.jsonl)"

@@ -219,8 +219,14 @@ def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
             signal.signal(sig, handler)
 
 
+#: How a restarted child starts its output (its restart's own line): not the last line of its own a death quotes.
+_ANNOUNCED = b"stabletrain: restart "
+
+
 class _Tee(threading.Thread):
-    """Copy a child's output stream to ours as it comes (bytes, unchanged), keeping its last line."""
+    """Copy a child's output stream to ours as it comes (bytes, unchanged), keeping its last line (not the line that
+    announces its own restart: a child killed in its start-up printed nothing else, and quoting that line nested
+    every earlier restart's text into the next)."""
 
     def __init__(self, source: Any, fd: int, lines: list[str]) -> None:
         super().__init__(daemon=True)
@@ -238,7 +244,8 @@ class _Tee(threading.Thread):
             with contextlib.suppress(OSError):
                 os.write(self.fd, chunk)
             tail = (tail + chunk)[-4096:]
-            done = [line for line in tail.replace(b"\r", b"\n").split(b"\n")[:-1] if line.strip()]
+            done = [line for line in tail.replace(b"\r", b"\n").split(b"\n")[:-1]
+                    if line.strip() and not line.startswith(_ANNOUNCED)]
             if done:
                 self.lines.append(done[-1].decode("utf-8", "replace").strip()[-300:])
                 del self.lines[:-1]
