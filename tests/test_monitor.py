@@ -262,6 +262,9 @@ def test_without_loss_fn_an_incident_it_cannot_capture_is_said_once_and_a_captur
                     "to replay them)"]
     events = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl")[0] if e["kind"] == "incident"]
     assert [e["step"] for e in events] == [BAD_STEP, 17] and all("not captured" in e["reason"] for e in events)
+    later = [line for line in capsys.readouterr().out.splitlines() if "not captured" in line]  # each later one: a line
+    assert len(later) == 1 and later[0].startswith("stabletrain: incident at step 17 (loss ") and later[0].endswith(
+        "not captured: no replay of the host's steps (pass loss_fn= to replay them)"), later
     model, opt = make()
     with Monitor(model, opt, run_dir=tmp_path / "quiet", log_every=10, loss_fn=loss_fn, diagnose=False) as monitor:
         train(monitor, model, batches(10, bad_step=BAD_STEP))

@@ -182,10 +182,12 @@ class IncidentCapture:
         if why is not None:
             fit.event(step, "incident", f"step {step} not captured: {why}", after_update=after_update,
                       **({"ranks": ranks} if fit.dist.enabled else {}))
-            if not self.warned and fit.dist.is_main:  # once, the first time it matters (then the events say it)
+            what = "spike" if info.get("anomaly") == "spike" else "incident"
+            if not self.warned and fit.dist.is_main:  # a warning the first time it matters (what to do about it)
                 self.warned = True
-                warnings.warn(f"the {'spike' if info.get('anomaly') == 'spike' else 'incident'} at step {step} was not "
-                              f"captured: {why}", StableTrainWarning, stacklevel=2)
+                warnings.warn(f"the {what} at step {step} was not captured: {why}", StableTrainWarning, stacklevel=2)
+            elif fit.dist.is_main:  # then one line each, as a captured one gets
+                console.say(f"{what} at step {step} (loss {info.get('loss', float('nan')):.4g}) not captured: {why}")
             return found
         t0 = time.perf_counter()
         with state_kept(src.live_state, src.load_live_state), self._replaying():
