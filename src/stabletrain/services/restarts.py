@@ -211,7 +211,9 @@ def _restart(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_checkp
     try:
         why = refusal(failure, chain, cfg.run.max_repeats)
         if why is None and not has_checkpoint:
-            why = f"it failed before its first checkpoint was written ({failure.text}): there is nothing to restart from"
+            met = "" if failure.kind == "exit" else f" ({failure.text})"  # (an exit's cause is named already)
+            why = (f"it failed before its first checkpoint was written{met}: there is nothing to restart from; start "
+                   "the run again")
         distrusted: dict[str, Any] = {}
         ckpt = CheckpointManager(run_dir / "checkpoints", keep=cfg.ckpt.keep)
         good = ckpt.latest_good()
