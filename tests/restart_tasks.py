@@ -84,3 +84,11 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
+
+
+def slow_start_task(sleep: float = 3.0, **kwargs) -> Task:
+    """The built-in mlp task whose factory takes ``sleep`` s (a launch a test kills before its first checkpoint)."""
+    from stabletrain.tasks.mlp import make_task
+
+    time.sleep(sleep)
+    return make_task(**kwargs)

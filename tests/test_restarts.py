@@ -166,6 +166,37 @@ def test_sigterm_to_a_run_that_restarts_itself_still_stops_it_with_a_checkpoint(
 
 
 @pytest.mark.slow
+def test_a_launch_killed_before_its_first_checkpoint_starts_over_and_keeps_its_record(tmp_path):
+    """A preemption in the first seconds: nothing to resume, so the run starts again from step 0 in the same directory
+    (it refused: 'there is nothing to restart from'), keeps the dead launch's record, and ends bitwise as a run that
+    was never killed."""
+    args = ["task=restart_tasks:slow_start_task", "task_args.sleep=2.5", "task_args.num_samples=64", "train.batch_size=8",
+            "train.max_steps=6", "log.every=2", "ckpt.every=2", "eval.every=0", *FAST]
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "stabletrain", "train", *args, "run.max_restarts=2",
+                             f"run.dir={run_dir}"], env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.time()
+    while not children(proc.pid):
+        assert proc.poll() is None and time.time() - t0 < 60, proc.communicate()
+        time.sleep(0.01)
+    time.sleep(1.0)  # in its imports or its task's factory: no checkpoint yet
+    assert not (run_dir / "checkpoints").is_dir() or not CheckpointManager(run_dir / "checkpoints").checkpoints()
+    for child in children(proc.pid):
+        os.kill(child, signal.SIGKILL)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    restarts = [e for e in events(run_dir) if e["kind"] == "restart"]
+    assert len(restarts) == 1 and restarts[0]["reason"].endswith(
+        "no checkpoint was written yet: starting the run again from step 0"), restarts
+    assert "was killed by SIGKILL" in restarts[0]["reason"] and restarts[0]["reason"] in out
+    ref = tmp_path / "ref"
+    assert subprocess.run([sys.executable, "-m", "stabletrain", "train", *args, f"run.dir={ref}"], env=env(),
+                          capture_output=True, timeout=240).returncode == 0
+    a, b = (CheckpointManager(d / "checkpoints").load().state for d in (run_dir, ref))
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in b["model"]) and a["counters"] == b["counters"]
+
+
+@pytest.mark.slow
 def test_the_same_crash_after_a_restart_stops_the_run_with_one_line(tmp_path):
     run_dir = tmp_path / "run"
     # Sample 45 raises when read: step 6 (batch 8, no shuffle) crashes on every launch; checkpoints at 0, 2, 4.

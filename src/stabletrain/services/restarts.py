@@ -17,7 +17,8 @@ from ``events.jsonl``: its ``crash``, its ``stop`` and the ``incident`` before i
    wrote none since: that checkpoint is not trusted again. It is moved whole to ``checkpoints/distrusted/``
    (evidence, not deleted) and LAST_GOOD goes back to the one before it; with none before it left
    (``ckpt.keep``), no restart;
-3. nothing to restart from (no checkpoint was ever written): no restart.
+3. nothing to resume (the launch died before its first checkpoint): the run starts again from step 0 in the same
+   directory, its record of the death kept (:func:`_start_over`).
 
 Then a ``restart`` event and one console line: the cause (exit code or signal, rank, the last line it
 printed), what it met, the checkpoint resumed from and the steps to train again. The evidence of the
@@ -210,10 +211,8 @@ def _restart(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_checkp
     run = RunDir(run_dir, resume=True)
     try:
         why = refusal(failure, chain, cfg.run.max_repeats)
-        if why is None and not has_checkpoint:
-            met = "" if failure.kind == "exit" else f" ({failure.text})"  # (an exit's cause is named already)
-            why = (f"it failed before its first checkpoint was written{met}: there is nothing to restart from; start "
-                   "the run again")
+        if why is None and not has_checkpoint:  # nothing to resume: the run starts again from step 0, in place
+            return _start_over(run, run_dir, failure, number, limit, who, cause)
         distrusted: dict[str, Any] = {}
         ckpt = CheckpointManager(run_dir / "checkpoints", keep=cfg.ckpt.keep)
         good = ckpt.latest_good()
@@ -247,6 +246,26 @@ def _restart(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_checkp
         return Launch(True, run_dir)
     finally:
         run.close()
+
+
+def _start_over(run: RunDir, run_dir: Path, failure: Failure, number: int, limit: int, who: str,
+                cause: dict[str, Any] | None) -> Launch:
+    """A launch died before its first checkpoint: start the run again from step 0 in the same directory.
+
+    Its record stays: ``events.jsonl`` (with this ``restart`` event: the crash-loop rule counts it), the goodput
+    ledger, and its ``config.yaml`` renamed ``config.failed-start-N.yaml`` (a directory holding a ``config.yaml``
+    and no trained step would be replaced by a new run's).
+    """
+    old = run_dir / "config.yaml"
+    if old.exists():
+        old.rename(run_dir / f"config.failed-start-{number}.yaml")
+    met = "" if failure.kind == "exit" else f"; the launch {failure.text}"
+    reason = (f"restart {number}{f' of {limit}' if limit else ''} after {who}{met}; no checkpoint was written yet: "
+              "starting the run again from step 0")
+    run.event(0, "restart", reason, restart=number, max_restarts=limit, cause=cause, failure=failure.record(),
+              checkpoint=None, redone=failure.last_step)
+    console.say(reason)
+    return Launch(False, run_dir)
 
 
 def _who(cause: dict[str, Any] | None, number: int) -> str:
