@@ -235,6 +235,20 @@ def test_a_spikes_rollback_goes_to_a_checkpoint_before_what_caused_it():
     assert rollbacks(d, [74]) == []
 
 
+def test_a_state_spikes_evidence_does_not_call_lower_losses_high_against_a_higher_older_state():
+    """The older state may itself be in a spike: ordinary windows then are high by the rule under this state and higher
+    still under that one; 'high 0.2589 under this one (vs 0.8836)' read as a contradiction."""
+    base = {"reproduces": True, "loss": 2.0, "precision": "fp32", "step": 146, "samples": None, "surges": [], "where": {},
+            "jumps": {}}
+    older = {"step": 140, "window": 0.8755, "ordinary": 0.8836, "current_ordinary": 0.2589, "window_high": False,
+             "ordinary_high": True}
+    text = classify_spike({**base, "older": older})["evidence"]
+    assert "ordinary windows are high 0.2589 under this one (high by the rule; 0.8836 under that state, itself no calm " \
+           "one)" in text, text
+    text = classify_spike({**base, "older": {**older, "ordinary": 0.1, "current_ordinary": 0.9}})["evidence"]
+    assert "ordinary windows are high 0.9 under this one (vs 0.1)" in text, text
+
+
 def test_the_onset_of_the_intervals_largest_burst_is_the_spike_captured(tmp_path):
     """Two spikes apart in one interval: two outlier samples at step 14, four at step 19 (a larger loss): one capture
     per interval, of the larger (the first may be an aftershock of an earlier one and must not hide a new one). A burst

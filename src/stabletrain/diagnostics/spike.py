@@ -186,9 +186,11 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
         drift = (f"; the window is high under the state of step {older['step']} too ({older['window']:.4g} vs "
                  f"{older['ordinary']:.4g})")
     elif older is not None:
+        now, then = older["current_ordinary"], older["ordinary"]
+        versus = (f"vs {then:.4g}" if not older["ordinary_high"] or now > then else
+                  f"high by the rule; {then:.4g} under that state, itself no calm one")
         drift = (f"; the window is normal under the state of step {older['step']} ({older['window']:.4g}) and ordinary "
-                 f"windows are {'high' if older['ordinary_high'] else 'at'} {older['current_ordinary']:.4g} under this "
-                 f"one (vs {older['ordinary']:.4g})")
+                 f"windows are {'high' if older['ordinary_high'] else 'at'} {now:.4g} under this one ({versus})")
     if samples is not None:
         drift += (f"; samples {', '.join(map(str, samples['indices']))} carry {_pct(samples['share'])} of the loss, "
                   "but only under the current state")
