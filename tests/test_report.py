@@ -698,10 +698,13 @@ def test_the_spike_line_says_when_the_runs_spike_captures_were_spent(run_copy):
 def test_remedies_not_applied_for_the_same_reason_are_one_line(run_copy):
     why = ("the incident was not captured (the run's spike captures are spent: capture.max_spikes=5); falling back to "
            "remedy.fallback=skip")
+    cause = why.removesuffix("; falling back to remedy.fallback=skip")  # as the run's events hold them
     append_events(run_copy, *({"step": s + 1, "kind": "remedy", "reason": f"no remedy applied for the incident at step {s}: "
-                               f"{why}", "applied": None} for s in (17, 23, 31)),
+                               f"{why}", "applied": None, "incident_step": s, "why": cause, "fallback": "skip"}
+                              for s in (17, 23, 31)),
                   {"step": 36, "kind": "remedy", "reason": "no remedy applied for the incident at step 35: no candidate "
-                   "cures it (skip-step: fails); falling back to remedy.fallback=skip", "applied": None})
+                   "cures it (skip-step: fails); falling back to remedy.fallback=skip", "applied": None,
+                   "incident_step": 35, "why": "no candidate cures it (skip-step: fails)", "fallback": "skip"})
     h = health_summary(load_run(run_copy))
     lines = [t for _, t in h.sentences if t.startswith("No remedy applied")]
     assert lines == [f"No remedy applied for the incidents at steps 17, 23, 31: {why}.",

@@ -316,6 +316,8 @@ def test_an_uncaptured_spike_under_on_spike_remedy_says_its_step_and_why(tmp_pat
     assert len(remedy) == 1 and remedy[0]["reason"].startswith(
         f"no remedy applied for the incident at step {step}: the incident was not captured (the run's spike captures "
         "are spent: capture.max_spikes=0)"), remedy
+    assert remedy[0]["incident_step"] == step and remedy[0]["fallback"] == "skip"  # what the report groups by
+    assert remedy[0]["why"].startswith("the incident was not captured (the run's spike captures are spent")
 
 
 def test_a_spike_in_the_first_steps_is_flagged_and_falling_losses_are_not():

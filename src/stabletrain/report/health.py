@@ -10,7 +10,6 @@ them against ``metrics.jsonl`` directly.
 from __future__ import annotations
 
 import math
-import re
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -224,7 +223,7 @@ def _remedies(run: RunData, h: Health) -> None:
     """Each remedy event: what was applied (the run's config changed mid-run: worth a look), or why none was."""
     f = h.figures
     f["remedies"] = []
-    unapplied: dict[str, list[tuple[str, str]]] = {}  # the reason but its step -> [(step, reason)]: said once each
+    unapplied: dict[tuple[str, str], list[int]] = {}  # (why, fallback) -> the incidents' steps: one line for them all
     for e in run.counted_events("remedy"):
         x = e.extra
         if isinstance(x.get("name"), str):  # applied
@@ -240,15 +239,14 @@ def _remedies(run: RunData, h: Health) -> None:
             h.say("warn", text + ".")
         else:  # none applied: not needed (skipping the step cured it), or none cured it and the fallback was taken
             f["remedies"].append({"name": None, "reason": e.reason})
-            at = re.search(r" at step ([\d,]+)", e.reason)
-            key = e.reason if at is None else e.reason[:at.start()] + " at step {}" + e.reason[at.end():]
-            unapplied.setdefault(key, []).append((at.group(1) if at else "", e.reason))
-    for key, seen in unapplied.items():  # the same reason for several incidents (spike captures spent): one line
-        steps = ", ".join(s for s, _ in seen)
-        reason = seen[0][1] if len(seen) == 1 else key.replace("incident at step {}", f"incidents at steps {steps}").replace(
-            " at step {}", f" at steps {steps}")
-        needed = not reason.startswith("no remedy needed")
-        h.say("warn" if needed else "ok", _one_line(reason[:1].upper() + reason[1:]).rstrip(".") + ".")
+            if isinstance(x.get("why"), str) and isinstance(x.get("incident_step"), int):  # grouped below
+                unapplied.setdefault((x["why"], str(x.get("fallback"))), []).append(x["incident_step"])
+                continue
+            needed = not e.reason.startswith("no remedy needed")
+            h.say("warn" if needed else "ok", _one_line(e.reason[:1].upper() + e.reason[1:]).rstrip(".") + ".")
+    for (why, fallback), steps in unapplied.items():  # the same reason for several incidents (captures spent): one line
+        at = f"the incident at step {steps[0]}" if len(steps) == 1 else f"the incidents at steps {', '.join(map(str, steps))}"
+        h.say("warn", _one_line(f"No remedy applied for {at}: {why}; falling back to remedy.fallback={fallback}") + ".")
 
 
 def _final(run: RunData, kind: str) -> Event | None:

@@ -119,7 +119,6 @@ class IncidentCapture:
         self.replayed_steps: int | None = None  # steps the last capture replayed (None: no capture yet)
         self.replaying = False  # a capture is replaying: the source's own per-step hooks stand by
         self.warned = False  # a step that could not be captured was said once
-        self._pinned: dict[str, Any] | None = None  # what the last replay pinned
 
     # -- per interval ------------------------------------------------------------------------------
 
@@ -192,8 +191,7 @@ class IncidentCapture:
         t0 = time.perf_counter()
         with state_kept(src.live_state, src.load_live_state), self._replaying():
             spike = info.get("anomaly") == "spike"  # its diagnosis also replays the step before it: keep that state
-            start = self._replay(fit, step, start, info, rows, spike)
-            pinned = self._pinned
+            start, pinned = self._replay(fit, step, start, info, rows, spike)
             if spike and fit.guard is not None and fit.guard.on_device:  # the rule's window just before the spike, as
                 # the replay left it (the boundary's holds the interval's later losses, and has let go of older ones)
                 info = {**info, "spike_window": fit.guard.window_before(step, rows)}
@@ -262,8 +260,9 @@ class IncidentCapture:
         return found
 
     def _replay(self, fit: RunState, step: int, start: tuple[dict[str, Any], int], info: dict[str, Any], rows: list[Any],
-                spike: bool) -> tuple[dict[str, Any], int]:
-        """Load ``start`` and replay to just before ``step``; return the (state, step) the replay began from.
+                spike: bool) -> tuple[tuple[dict[str, Any], int], dict[str, Any] | None]:
+        """Load ``start`` and replay to just before ``step``; return ((state, step) the replay began from, what it
+        pinned: :meth:`StepSource.replay_to`'s).
 
         A spike on its interval's first step has no step before it in the interval, nor an older state to weigh its
         window under: it replays from the snapshot before (:meth:`IntervalSnapshot.get_previous`), kept only if
@@ -274,14 +273,14 @@ class IncidentCapture:
         if earlier is not None and earlier[2] < start[1]:  # (after a rollback the one before may be later)
             side, rest, at = earlier
             src.load_live_state(clone_state(join_params(side, rest)))
-            replayed, self._pinned = src.replay_to(fit, step, at, locate, rows, keep_previous=True)
+            replayed, pinned = src.replay_to(fit, step, at, locate, rows, keep_previous=True)
             live = src.live_state()
             if equal_states({k: live[k] for k in ("model", "optimizer")}, {k: start[0][k] for k in ("model", "optimizer")}):
                 self.replayed_steps = replayed
-                return clone_state(join_params(side, rest)), at
+                return (clone_state(join_params(side, rest)), at), pinned
         src.load_live_state(start[0])
-        self.replayed_steps, self._pinned = src.replay_to(fit, step, start[1], locate, rows, keep_previous=spike)
-        return start
+        self.replayed_steps, pinned = src.replay_to(fit, step, start[1], locate, rows, keep_previous=spike)
+        return start, pinned
 
     def _diagnose(self, fit: RunState, folder: Path, bundle: dict[str, Any], step: int, rank: int,
                   label: str) -> dict[str, Any]:

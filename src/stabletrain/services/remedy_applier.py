@@ -105,12 +105,15 @@ class RemedyApplier:
         best = None
         if record is not None:
             # A remedy applied for this incident's step before, which it met again, did not cure it live: not again.
-            tried = {(e["incident_step"], json.dumps(e["remedy"], sort_keys=True)) for e in self.applied}
+            def key(remedy: dict[str, Any], at: Any) -> tuple[Any, str]:
+                return at, json.dumps(remedy, sort_keys=True)
+
+            tried = {key(e["remedy"], e["incident_step"]) for e in self.applied}
             # Applied live, a cure must start where its replay did: at the incident's step (the run stands there), or
             # from a checkpoint it rolls back to. One replayed from the step before changed an update the run has
             # made already: applied now it would not be what was verified (stabletrain remedy still lists it).
             best = next((c for c in record["candidates"] if c["verdict"] == "cures" and not c["baseline"]
-                         and (record["step"], json.dumps(c["remedy"], sort_keys=True)) not in tried
+                         and key(c["remedy"], record["step"]) not in tried
                          and (c["remedy"]["kind"] == "rollback-lr" or c.get("first_step", record["step"]) >= record["step"])
                          and (not params_bad or c["remedy"]["kind"] == "rollback-lr")), None)
             skip = next(c for c in record["candidates"] if c["baseline"])
@@ -122,9 +125,9 @@ class RemedyApplier:
                 return True
             if best is None:
                 why = "no candidate cures it (" + ", ".join(
-                    f"{c['name']}: {c['verdict']}" + (", applied for this step before" if
-                                                      (record["step"], json.dumps(c["remedy"], sort_keys=True)) in tried
-                                                      else "") for c in record["candidates"]) + ")"
+                    f"{c['name']}: {c['verdict']}" + (", applied for this step before"
+                                                      if key(c["remedy"], record["step"]) in tried else "")
+                    for c in record["candidates"]) + ")"
         if best is None:
             fallback = cfg.fallback
             decision.action = "stop" if fallback == "skip" and params_bad else "continue" if fallback == "skip" else fallback
@@ -132,7 +135,8 @@ class RemedyApplier:
             at = found.get("step", decision.first_incident if decision.first_incident is not None else
                            next(iter(decision.spike_steps), state.step))
             state.event(state.step, "remedy", f"no remedy applied for the incident at step {at}: "
-                        f"{why}; falling back to remedy.fallback={fallback}", incident=incident, applied=None)
+                        f"{why}; falling back to remedy.fallback={fallback}", incident=incident, applied=None,
+                        incident_step=at, why=why, fallback=fallback)
             return False
         remedy = remedy_from_dict(best["remedy"])
         self.apply(remedy, incident, best, record)
