@@ -114,7 +114,7 @@ class Strategy:
     # -- the incident snapshot and bundle (stabletrain.services.capture) ------------------------------------------
 
     def snapshot_parts(self, local: dict[str, Any], module: nn.Module) -> tuple[Any, Any, tuple[int, int] | None]:
-        """(side, rest, share) of this rank's state for :class:`~stabletrain.records.staging.IntervalSnapshot`: the
+        """(side, rest, share) of this rank's state for :class:`~stabletrain.records.snapshot.IntervalSnapshot`: the
         parameters and optimizer state apart from the rest (:func:`~stabletrain.records.staging.split_params`)."""
         return (*split_params(local, self._param_names(module, local)), None)
 

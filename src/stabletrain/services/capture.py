@@ -35,7 +35,8 @@ from ..diagnostics.diagnosis import DIAGNOSIS_FIELDS
 from ..incident_replay import diagnose_incident
 from ..records.bundles import BUNDLE_DCP_DIR, STATE_IN, write_bundle
 from ..records.checkpoint.shards import is_dcp_entry
-from ..records.staging import IntervalSnapshot, StateStager, clone_state, equal_states, join_params, state_kept
+from ..records.snapshot import IntervalSnapshot
+from ..records.staging import StateStager, clone_state, equal_states, join_params, state_kept
 from ..runstate import RunState
 from ..seeding import rng_state, set_rng_state
 
