@@ -375,3 +375,30 @@ def test_goodput_splits_the_wall_time_of_every_launch_and_the_wait_before_a_rest
                                        "eval": 1.0, "incident": 0.0, "other": 0.6})
     assert g.line() == ("goodput 35.9% over 2 launches (lost: 28.6% start-up, 25.0% redone after 1 restart, 3.6% "
                         "evaluation, 3.2% checkpoint stalls, 2.1% other, 1.6% skipped steps)")
+
+
+def test_goodput_counts_a_launch_that_died_in_its_start_up(tmp_path):
+    # Launch 1 (100-117, killed); launch 2 starts, writes its restart event at 120 and dies at 123 before its ledger's
+    # first line; launch 3 writes its restart event at 125 (its own start 124), is ready at 126 and ends at 130.
+    ledger = [{"kind": "launch", "start": 100.0, "ready": 104.0, "step": 0},
+              {"kind": "interval", "t": 110.0, "step": 10, "steps": 10, "wall_s": 6.0, "eval_s": 0.0, "checkpoint_s": 0.0,
+               "incident_s": 0.0, "skipped": 0},
+              {"kind": "launch", "start": 124.0, "ready": 126.0, "step": 10},
+              {"kind": "end", "t": 130.0, "step": 10, "wall_s": 4.0, "checkpoint_s": 0.0, "incident_s": 0.0}]
+    (tmp_path / "goodput.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ledger))
+    restarts = [{"kind": "restart", "step": 10, "time": 120.0, "cause": {"time": 117.0}},
+                {"kind": "restart", "step": 10, "time": 125.0, "cause": {"time": 123.0}}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in restarts))
+    g = read_goodput(tmp_path)
+    assert (g.launches, g.restarts) == (3, 2) and "over 3 launches" in g.line() and "after 2 restarts" in g.line()
+    # launch 1's 17 s, the 7 s from its death to launch 3's start (launch 2's life), launch 3's 6 s
+    assert g.total_s == pytest.approx(30.0) and g.seconds["startup"] == pytest.approx(4.0 + 7.0 + 2.0)
+    # The first launch died in its start-up, the second ran: two launches, one restart.
+    (tmp_path / "goodput.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ledger[2:]))
+    (tmp_path / "events.jsonl").write_text(json.dumps(restarts[1]) + "\n")
+    assert (read_goodput(tmp_path).launches, read_goodput(tmp_path).restarts) == (2, 1)
+    # The last restarted launch died in its start-up too (the run then stopped): counted, and alive until its event.
+    (tmp_path / "goodput.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ledger[:2]))
+    (tmp_path / "events.jsonl").write_text(json.dumps(restarts[0]) + "\n")
+    g = read_goodput(tmp_path)
+    assert (g.launches, g.restarts) == (2, 1) and g.total_s == pytest.approx(20.0)

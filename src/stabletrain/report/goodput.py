@@ -8,7 +8,8 @@ wait between a launch's death and its restart (a person's resume, days later, is
 A launch killed outright writes no ``end`` line: it ends when its launcher saw it die (the restart event's
 ``cause.time``) or, with no launcher's word, at its last line; the time after its last log interval is
 ``redone`` (those steps were trained and lost). Steps are ``redone`` when a later launch resumed from, or a
-rollback went back to, a step before them.
+rollback went back to, a step before them. A launch that died in its start-up (before its ledger's first line) is
+known by its ``restart`` event alone: it is counted among the launches, and its time is start-up (the wait).
 """
 
 from __future__ import annotations
@@ -93,8 +94,8 @@ def read_goodput(run_dir: str | Path) -> Goodput | None:
         sec["startup"] += max(0.0, ready - start)
         last = max([ready] + [float(r["t"]) for r in launch["intervals"] + launch["rollbacks"]])
         nxt = launches[i + 1]["line"] if i + 1 < len(launches) else None
-        restart = next((e for e in restarts if nxt is not None and ready <= float(e.get("time") or 0) <= float(nxt["ready"])),
-                       None)
+        until = float(nxt["ready"]) if nxt is not None else math.inf
+        restart = next((e for e in restarts if ready <= float(e.get("time") or 0) <= until), None)
         if end is not None:
             finish = float(end["t"])
             sec["checkpoint"] += float(end.get("checkpoint_s") or 0.0)
@@ -104,15 +105,28 @@ def read_goodput(run_dir: str | Path) -> Goodput | None:
             finish = max(last, float(died)) if died else last
             sec["redone"] += finish - last
         total += finish - start
-        if restart is not None and nxt is not None:  # the wait before an automatic restart is the run's
-            wait = max(0.0, float(nxt.get("start") or nxt["ready"]) - finish)
+        if restart is not None:  # the wait before an automatic restart is the run's; after the last launch recorded,
+            # the launches that died in their start-up lived at least until their restart events
+            until = (float(nxt.get("start") or nxt["ready"]) if nxt is not None
+                     else max(float(e.get("time") or 0) for e in restarts))
+            wait = max(0.0, until - finish)
             sec["startup"] += wait
             total += wait
         later = min((int(n["line"].get("step") or 0) for n in launches[i + 1:]), default=math.inf)
         for row in launch["intervals"]:
             _interval(row, later, launch["rollbacks"], sec)
     sec["other"] += max(0.0, total - sum(sec.values()))
-    return Goodput(sec, total, len(launches), len(restarts))
+    return Goodput(sec, total, len(launches) + _unrecorded(launches, restarts), len(restarts))
+
+
+def _unrecorded(launches: list[dict[str, Any]], restarts: list[dict[str, Any]]) -> int:
+    """How many launches died in their start-up, before the ledger's first line. Each ``restart`` event follows the
+    death of the launch before it (the restarted launch writes it as it starts): one with no launch ready since the
+    event before it followed such a launch; so did a last restart after which no launch became ready."""
+    readies = [float(n["line"].get("ready") or 0.0) for n in launches]
+    times = sorted(float(e.get("time") or 0.0) for e in restarts)
+    dead = sum(not any(a <= r < b for r in readies) for a, b in zip([-math.inf, *times], times))
+    return dead + bool(times and not any(r >= times[-1] for r in readies))
 
 
 def _interval(row: dict[str, Any], later_resume: float, rollbacks: list[dict[str, Any]], sec: dict[str, float]) -> None:
