@@ -25,6 +25,7 @@ from stabletrain.diagnostics.spike import classify_spike
 from stabletrain.policies.guard import Guard, spike_test
 from stabletrain.records.bundles import load_bundle
 from stabletrain.remedy_search import search_remedies
+from stabletrain.report.goodput import read_goodput
 from stabletrain.services.boundary import spike_to_capture
 
 #: task factory, its config, the spike's step, its class
@@ -284,6 +285,17 @@ def test_on_spike_remedy_applies_live_only_what_starts_where_its_replay_did_and_
     assert applied[0]["at_step"] < 63  # back to a checkpoint before the update that led into the spike
     pairs = [(e["incident_step"], e["name"]) for e in applied]
     assert len(pairs) == len(set(pairs))
+    # Goodput: the remedy's rollback is in the ledger (the steps trained again are redone, none counted twice), and
+    # the search before it is incident time.
+    ledger = [json.loads(x) for x in (run_dir / "goodput.jsonl").read_text().splitlines()]
+    back = [r for r in ledger if r["kind"] == "rollback"]
+    assert [(r["from"], r["to"]) for r in back][:1] == [(applied[0]["from_step"], applied[0]["at_step"])], back
+    assert all(r["steps"] >= 0 and r["eval_s"] <= r["wall_s"] for r in ledger if r["kind"] == "interval")
+    after = next(r for r in ledger if r["kind"] == "interval" and r["t"] > back[0]["t"])
+    assert after["incident_s"] > 0.5 * after["wall_s"]
+    g = read_goodput(run_dir)
+    assert g.seconds["redone"] > 0 and sum(g.seconds.values()) == pytest.approx(g.total_s)
+    assert all(0 <= g.share(p) <= 1 for p in g.seconds)
 
 
 def test_after_skipped_steps_no_update_is_blamed_and_no_older_state_compared(tmp_path):
@@ -411,3 +423,41 @@ def test_the_readme_spike_example_prints_what_the_readme_shows(tmp_path, capsys)
         return [float(x) for x in (line[start:].split()[0] for line in lines[1:9]) if x != "-"]
 
     assert end_losses(printed) == pytest.approx(end_losses(shown), rel=0.05)
+
+
+@pytest.mark.parametrize("steps", [(22, 23, 24), (18, 20, 21)])
+def test_a_data_spike_among_other_spikes_is_judged_against_ordinary_windows(tmp_path, steps):
+    """Outlier samples on several steps near each other: a spike early in its interval (its ordinary windows come
+    from the steps after it, spikes too) or right after spikes of the interval before (a replay from an older state
+    passes them): the windows the diagnosis calls ordinary are none of the flagged steps', and the verdict is data."""
+    bad = tuple(i for s in steps for i in ((s - 1) * 8 + 1, (s - 1) * 8 + 5))
+    run_dir = tmp_path / "run"
+    Trainer(cfg("train.batch_size=8", "log.every=10", "data.shuffle=false", "train.max_steps=30", "optim.lr=0.01"),
+            task=outlier_samples_task(bad=bad), run_dir=run_dir).fit()
+    events = _events(run_dir)
+    flagged = {e["step"] for e in events if e["kind"] == "spike"}
+    assert set(steps) <= flagged, flagged
+    captured = [e["step"] for e in events if e["kind"] == "incident"]
+    assert captured and set(captured) <= set(steps), captured
+    for step in captured:
+        bundle = load_bundle(run_dir / "incidents" / f"step_{step:06d}")
+        ordinary = {w[0][0] // 8 + 1 for w in bundle["observed"]["context"]}  # each window's step
+        assert ordinary and not ordinary & flagged, (step, ordinary, flagged)
+        d = json.loads((run_dir / "incidents" / f"step_{step:06d}" / "diagnosis.json").read_text())
+        assert d["failure_class"] == "data", (step, d["summary"])
+        assert d["samples"]["indices"] and set(d["samples"]["indices"]) <= {(step - 1) * 8 + 1, (step - 1) * 8 + 5}
+
+
+def test_an_fp16_spike_that_overflows_the_gradients_is_still_a_spike(tmp_path):
+    """Under fp16 a large spike's gradients overflow: the GradScaler skips the step as a routine overflow, yet its
+    finite loss is a spike by the rule, captured and diagnosed as any other."""
+    run_dir = tmp_path / "run"
+    Trainer(cfg("train.batch_size=8", "log.every=10", "data.shuffle=false", "train.max_steps=30", "optim.lr=0.01",
+                "precision=fp16"), task=outlier_samples_task(), run_dir=run_dir).fit()
+    events = _events(run_dir)
+    skipped = {e["step"] for e in events if e["kind"] == "skip"}
+    assert 20 in skipped and "overflow" in next(e["reason"] for e in events if e["kind"] == "skip" and e["step"] == 20)
+    assert [e["step"] for e in events if e["kind"] == "spike"] == [20]
+    assert [e["step"] for e in events if e["kind"] == "incident"] == [20]
+    d = json.loads((run_dir / "incidents" / "step_000020" / "diagnosis.json").read_text())
+    assert d["failure_class"] == "data" and set(d["samples"]["indices"]) <= {153, 157}, d["summary"]

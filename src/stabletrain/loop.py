@@ -254,8 +254,10 @@ class Trainer:
         """Capture the incident, then stop or roll back as decided; return whether the state is healthy."""
         state = self.state
         info = self.boundary.incident(decision, rows)  # every rank captures: the replay has collectives
-        if decision.action == "remedy" and self.remedies.act(decision, info or {}):
-            return True  # a cure verified on a replay
+        if decision.action == "remedy" and self.remedies.act(decision, info or {}):  # a cure verified on a replay
+            if decision.action == "rollback":  # the cure's own rollback: the run went back to its checkpoint
+                self.callbacks.fire("on_rollback", state, self.remedies.last_rollback)
+            return True
         if decision.action == "stop":
             state.stop(decision.reason)
             return False

@@ -65,6 +65,7 @@ class GoodputClock(Callback):
         self._t = 0.0
         self._step = 0
         self._checkpoint_s = self._incident_s = 0.0
+        self._incident_at: float | None = None  # when the last on_incident came, until the next boundary
 
     def _write(self, kind: str, **fields: Any) -> None:
         if self._file is not None:
@@ -91,16 +92,22 @@ class GoodputClock(Callback):
                     checkpoint_s=self._checkpoint_s, incident_s=self._incident_s, skipped=int(record.get("num_skipped") or 0))
         self._t, self._step = now, state.step
         self._checkpoint_s = self._incident_s = 0.0
+        self._incident_at = None
 
     def on_incident(self, state: FitState, info: dict[str, Any]) -> None:
-        self._incident_s += max(0.0, time.time() - self._t)  # the capture and diagnosis ran since on_log
+        self._incident_at = time.time()
+        self._incident_s += max(0.0, self._incident_at - self._t)  # the capture and diagnosis ran since on_log
 
     def on_checkpoint(self, state: FitState, info: dict[str, Any]) -> None:
         fields = info.get("fields") or {}  # the save itself, and a wait for the one before it
         self._checkpoint_s += float(fields.get("blocked_s") or 0.0) + float(fields.get("waited_s") or 0.0)
 
     def on_rollback(self, state: FitState, info: dict[str, Any]) -> None:
-        self._write("rollback", t=time.time(), **{"from": info.get("from_step"), "to": info.get("to_step")})
+        now = time.time()
+        if self._incident_at is not None:  # the rollback follows the incident at once: its remedy search, its load
+            self._incident_s += max(0.0, now - self._incident_at)
+            self._incident_at = None
+        self._write("rollback", t=now, **{"from": info.get("from_step"), "to": info.get("to_step")})
         self._step = state.step
 
     def on_fit_end(self, state: FitState, record: dict[str, Any]) -> None:

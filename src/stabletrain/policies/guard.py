@@ -57,6 +57,9 @@ EARLY_ARM = 4
 #: gradients do not fit float16 even unscaled (or are NaN whatever the scale), and backing off cannot fix that.
 UNRECOVERABLE_SCALE = 1.0
 
+#: The flagged steps (spikes, non-finite steps) the guard remembers: a spike's capture takes no ordinary window among them.
+UNORDINARY_KEPT = 64
+
 
 def spike_test(loss: float, window: list[float], cfg: GuardConfig) -> dict[str, Any]:
     """The spike rule on the host for one loss against ``window`` (the finite non-spike losses before it).
@@ -166,6 +169,7 @@ class Guard:
         # The last guard.stall_steps steps as (applied, grad norm, loss scale): a run that goes on without learning.
         self._recent: deque[tuple[bool, float, float]] = deque(maxlen=cfg.stall_steps)
         self.stall_warned = False
+        self.unordinary: deque[int] = deque(maxlen=UNORDINARY_KEPT)  # the last steps flagged (spikes, bad steps)
 
     @property
     def _armed_at(self) -> int:
@@ -233,10 +237,12 @@ class Guard:
         for row, loss in zip(rows, losses.tolist()):
             v = row.values
             finite = v["finite"] > 0.5 and math.isfinite(loss)
+            # fp16: a step the GradScaler skipped for overflow has a finite loss, and a large spike overflows: tested too
+            testable = finite or (v.get("overflow", 0.0) > 0.5 and math.isfinite(loss))
             spike = False
             # The ratio test first, on the kept order (a bisect per step, not a sort): most steps stop there. In
             # float64 it decides every loss clear of the float32 product; one within a float32 step is tested exactly.
-            if finite and seen >= self._armed_at:
+            if testable and seen >= self._armed_at:
                 median = kept[(len(kept) - 1) // 2]
                 bound = float(ratio) * median
                 if loss > bound * (1 - 1e-6) and np.float32(loss) > ratio * np.float32(median):
@@ -345,6 +351,7 @@ class Guard:
             self._recent.append((v["applied"] >= 0.5, float(v.get("grad_norm", math.nan)), float(v.get("loss_scale", 1.0))))
         if d.locate is not None and d.first_incident < d.locate[0]:
             d.locate = None  # an earlier loss incident comes first; the broken update is a later one
+        self.unordinary.extend(sorted({*d.spike_steps, *d.bad_steps}))
         self.num_incidents += 1 if d.bad_steps else 0
         self.num_spikes += len(d.spike_steps)
         if d.action == "stop":
@@ -389,7 +396,7 @@ class Guard:
         return {"window": self.window.clone(), "num_seen": self.num_seen.clone(), "consecutive_skips": self.consecutive_skips,
                 "num_rollbacks": self.num_rollbacks, "num_incidents": self.num_incidents, "num_spikes": self.num_spikes,
                 "num_spike_captures": self.num_spike_captures, "recent": [list(r) for r in self._recent],
-                "stall_warned": self.stall_warned}
+                "stall_warned": self.stall_warned, "unordinary": list(self.unordinary)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.window.copy_(state["window"])
@@ -404,3 +411,5 @@ class Guard:
         self._recent.clear()
         self._recent.extend((bool(a), float(g), float(sc)) for a, g, sc in state.get("recent", []))
         self.stall_warned = bool(state.get("stall_warned", False))
+        self.unordinary.clear()
+        self.unordinary.extend(int(s) for s in state.get("unordinary", []))

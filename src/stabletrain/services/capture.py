@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -44,6 +44,14 @@ __all__ = ["IncidentCapture", "StepSource", "incident_dir", "staged_now", "MAX_C
 
 #: A spike's bundle keeps up to this many ordinary windows beside its own (its diagnosis compares against them).
 MAX_CONTEXT = 3
+
+
+def unordinary(fit: RunState, rows: list[Any]) -> set[int]:
+    """The steps whose windows are no ordinary ones: the interval's spikes, non-finite or skipped steps, and the
+    steps the guard flagged before (a replay from an older state passes them)."""
+    return {*(fit.guard.unordinary if fit.guard is not None else ()),
+            *(r.step for r in rows if r.values.get("spike", 0.0) > 0.5 or r.values.get("finite", 1.0) < 0.5
+              or r.values.get("applied", 1.0) < 0.5)}
 
 
 def incident_dir(run_dir: Path, step: int) -> Path:
@@ -90,9 +98,10 @@ class StepSource(Protocol):
         ``keep_previous``: stage the state before the last step replayed, for :meth:`bundle` (a spike's ``previous``).
         """
 
-    def record(self, fit: RunState, step: int, context: int = 0) -> dict[str, Any]:
+    def record(self, fit: RunState, step: int, context: int = 0, avoid: Collection[int] = ()) -> dict[str, Any]:
         """This rank's record of step ``step`` for its bundle (its window, its RNG state), the state being before it;
-        ``context``: also up to that many ordinary windows (``context``) that :meth:`bundle` puts in ``observed``."""
+        ``context``: also up to that many ordinary windows (``context``) that :meth:`bundle` puts in ``observed``,
+        none of the steps in ``avoid`` (the interval's spikes and skipped steps: no ordinary windows)."""
 
     def blame(self, fit: RunState) -> list[int] | None:
         """The ranks whose own gradients of the recorded step are non-finite (a collective), or None."""
@@ -190,6 +199,7 @@ class IncidentCapture:
                 console.say(f"{what} at step {step} (loss {info.get('loss', float('nan')):.4g}) not captured: {why}")
             return found
         t0 = time.perf_counter()
+        avoid = unordinary(fit, rows)  # before the replay loads an older state (the guard's included)
         with state_kept(src.live_state, src.load_live_state), self._replaying():
             spike = info.get("anomaly") == "spike"  # its diagnosis also replays the step before it: keep that state
             start, pinned = self._replay(fit, step, start, info, rows, spike)
@@ -206,7 +216,7 @@ class IncidentCapture:
                               f"loss and grad norm were finite; the check at step {info['locate'][1]} found them, "
                               "the capture's replay pinned the step)", after_update=True, pinned_by_replay=True,
                               **{k: v for k, v in pinned.items() if k != "step"})
-            record = src.record(fit, step, context=MAX_CONTEXT if info.get("anomaly") == "spike" else 0)
+            record = src.record(fit, step, context=MAX_CONTEXT if spike else 0, avoid=avoid)
             if fit.dist.enabled and not ranks and not after_update:
                 blamed = src.blame(fit)  # every rank's loss was finite: whose own gradients?
                 if blamed is not None:

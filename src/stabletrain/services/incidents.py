@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,8 @@ from .capture import IncidentCapture, staged_now
 from .checkpoints import CheckpointKeeper
 
 __all__ = ["IncidentRecorder", "LoopSteps"]
+
+RECENT = 12  # windows a spike's capture looks through for ordinary ones (before it, then after it)
 
 
 class LoopSteps:
@@ -94,7 +97,7 @@ class LoopSteps:
                 for event in ready:
                     event.synchronize()
             window = fit.stream.next_window()
-            self._recent = [*self._recent[-2:], window.indices]
+            self._recent = [*self._recent[-RECENT + 1:], (fit.step + 1, window.indices)]
             self._last = (window.epoch, window.start)
             out = self.state.train_step(window)
             fit.step += 1
@@ -105,12 +108,16 @@ class LoopSteps:
                 return replayed, found
         return replayed, None
 
-    def record(self, fit: RunState, step: int, context: int = 0) -> dict[str, Any]:
+    def record(self, fit: RunState, step: int, context: int = 0, avoid: Collection[int] = ()) -> dict[str, Any]:
         rng = rng_state()
         self._window = window = fit.stream.next_window()
-        ordinary = self._recent[-context:] if context else []
-        while len(ordinary) < context:  # a spike early in its interval: the windows after it (the stream is put back)
-            ordinary.append(fit.stream.next_window().indices)
+        ordinary = [w for s, w in self._recent if s not in avoid][-context:] if context else []
+        after = step
+        while len(ordinary) < context and after < step + RECENT:  # a spike early in its interval: the windows after
+            after += 1  # it that the interval saw as ordinary (the stream is put back)
+            later = fit.stream.next_window().indices
+            if after not in avoid:
+                ordinary.append(later)
         return {"rank": fit.dist.rank, "rng": rng, "context": ordinary,
                 "window": {"epoch": window.epoch, "start": window.start, "indices": window.indices}}
 
@@ -124,7 +131,7 @@ class LoopSteps:
                info: dict[str, Any]) -> dict[str, Any]:
         interval_loss = fit.history[-1].get("loss") if fit.history else None
         prev = self._previous
-        previous = ({"step": step - 1, "window": self._recent[-1], "epoch": self._last[0], "start": self._last[1],
+        previous = ({"step": step - 1, "window": self._recent[-1][1], "epoch": self._last[0], "start": self._last[1],
                      **{k: prev[k] for k in ("model", "optimizer", "schedule", "precision", "rng")}}
                     if prev is not None and self._recent else None)
         return {"previous": previous, "model": before["model"], "optimizer": before["optimizer"], "step": step,

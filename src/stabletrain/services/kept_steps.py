@@ -29,7 +29,7 @@ to rank 0, which writes the bundle and diagnoses it on one process.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -232,9 +232,9 @@ class HostSteps:
             replayed += 1
         return replayed, None
 
-    def record(self, fit: Any, step: int, context: int = 0) -> dict[str, Any]:
+    def record(self, fit: Any, step: int, context: int = 0, avoid: Collection[int] = ()) -> dict[str, Any]:
         self._kept = kept = self.keeper.steps[step]
-        earlier = [self.keeper.steps[t] for t in sorted(self.keeper.steps, reverse=True) if t < step][:context]
+        earlier = [self.keeper.steps[t] for t in sorted(self.keeper.steps, reverse=True) if t < step and t not in avoid][:context]
         return {"rank": fit.dist.rank, "micro": [plain_batch(b) for b in kept.batches()], "rng": kept.rng,
                 "context": [[plain_batch(b) for b in k.batches()] for k in reversed(earlier)],
                 "lrs": [float(lr) for lr in kept.lrs],

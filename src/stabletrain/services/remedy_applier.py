@@ -50,6 +50,7 @@ class RemedyApplier:
     def __init__(self, state: RunState) -> None:
         self.state = state
         self.applied: list[dict[str, Any]] = []  # what was applied, when, and the evidence
+        self.last_rollback: dict[str, Any] | None = None  # the last rollback a remedy made (an on_rollback's info)
         self._hooks = contextlib.ExitStack()
 
     # -- the run's record ---------------------------------------------------------------------
@@ -197,6 +198,8 @@ class RemedyApplier:
                 self.state.load_state_dict(loaded.state)  # also puts back the remedies that checkpoint had
             state.ckpt.discard_after(remedy.rollback_step)  # the checkpoints of the bad trajectory
             self.load_state_dict({"applied": applied})
+            self.last_rollback = {"from_step": from_step, "to_step": state.step, "path": str(loaded.path),
+                                  "skipped_windows": [], "reason": f"remedy {remedy.name}: rolled back to step {state.step}"}
         if remedy.lr_factor != 1.0:
             self.state.schedule.scale(remedy.lr_factor)
         current = self.state.precision_policy.state_dict()
