@@ -104,6 +104,26 @@ def test_rollback_restores_last_good_and_skips_the_offending_window(tmp_path, ca
     assert trainer.history[-1]["num_rollbacks"] == 1
 
 
+def test_a_rollbacks_skipped_window_and_count_outlive_a_resume_from_a_checkpoint_before_it(tmp_path):
+    """A restart (or a resume) from a checkpoint written before a rollback: the window the rollback skipped stays
+    skipped, and the rollback counts toward guard.max_rollbacks (else the run trains into it and rolls back again)."""
+    bad_step = _step_of_sample(BAD)
+    run_dir = tmp_path / "run"
+    trainer = _trainer(run_dir, "guard.on_nonfinite=rollback", "ckpt.keep=10")
+    trainer.fit()
+    rollback = next(e for e in _events(run_dir) if e["kind"] == "rollback")
+    ckpt = CheckpointManager(run_dir / "checkpoints")
+    for path in sorted(ckpt.checkpoints(), reverse=True):  # as if killed before a checkpoint after the rollback was written
+        if int(path.name.removeprefix("step_")) > rollback["to_step"]:
+            ckpt.set_aside(path, folder="later")
+    resumed = Trainer(trainer.cfg, task=nan_sample_task(BAD), run_dir=run_dir, resume=True)
+    assert resumed.step == rollback["to_step"] and (0, bad_step - 1) in resumed.stream.skip
+    assert resumed.guard.num_rollbacks == 1
+    resumed.fit()
+    assert [e["kind"] for e in _events(run_dir)].count("rollback") == 1 and resumed.stop_reason is None
+    assert all(torch.isfinite(p).all() for p in resumed.model.parameters())
+
+
 def test_a_run_that_ends_on_a_skipped_step_checkpoints_it_and_a_resume_continues_from_there(tmp_path):
     """A skipped step leaves the pre-step state, which is healthy: the last save is not withheld."""
     bad_step = _step_of_sample(BAD)

@@ -197,6 +197,44 @@ def test_a_launch_killed_before_its_first_checkpoint_starts_over_and_keeps_its_r
 
 
 @pytest.mark.slow
+def test_restarts_whose_launches_die_in_their_start_up_each_get_their_event_and_line(tmp_path):
+    """The trainer is killed after a checkpoint, then the two processes restarted after it are killed in their
+    imports, before they record anything: the launch that lives records all three restarts (each its cause), and
+    goodput counts four launches."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "stabletrain", "train", *ARGS, *RESTARTS, f"run.dir={run_dir}"],
+                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed = []
+    try:
+        t0 = time.time()
+        while steps_logged(run_dir) < 5:  # a checkpoint at step 4
+            assert proc.poll() is None and time.time() - t0 < 120, proc.communicate()
+            time.sleep(0.01)
+        for n in range(3):
+            t0 = time.time()
+            while not (now := [c for c in children(proc.pid) if c not in killed]):
+                assert proc.poll() is None and time.time() - t0 < 60, proc.communicate()
+                time.sleep(0.005)
+            if n:
+                time.sleep(0.05)  # in its imports: a restarted process records its restart ~1 s after it starts
+            os.kill(now[0], signal.SIGKILL)
+            killed.append(now[0])
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    restarts = [e for e in events(run_dir) if e["kind"] == "restart"]
+    assert [e["restart"] for e in restarts] == [1, 2, 3], [e["reason"] for e in restarts]
+    assert [e["cause"]["pid"] for e in restarts] == killed and [e.get("late", False) for e in restarts] == [True, True, False]
+    assert all(e["reason"] in out for e in restarts)  # one line each
+    assert restarts[0]["checkpoint"] is not None and len({e["checkpoint"] for e in restarts}) == 1
+    assert _final(run_dir)["counters"]["step"] == 20
+    goodput = read_goodput(run_dir)
+    assert (goodput.launches, goodput.restarts) == (4, 3), goodput.line()
+
+
+@pytest.mark.slow
 def test_the_same_crash_after_a_restart_stops_the_run_with_one_line(tmp_path):
     run_dir = tmp_path / "run"
     # Sample 45 raises when read: step 6 (batch 8, no shuffle) crashes on every launch; checkpoints at 0, 2, 4.

@@ -6,8 +6,8 @@ with two things added where the agent checks on its workers (``_monitor_workers`
 subclass implements; :func:`stabletrain.internals.restarting_agent`):
 
 - when a worker has failed and the agent will restart the group, the failure it saw first (its global
-  rank, pid, exit code or signal, and when) goes into the agent's environment as :data:`RESTART_ENV`,
-  which the restarted workers inherit; then it waits :func:`restart_backoff_s` (none before the first
+  rank, pid, exit code or signal, and when) joins the deaths before it in the agent's environment
+  (:data:`RESTART_ENV`), which the restarted workers inherit; then it waits :func:`restart_backoff_s` (none before the first
   restart, nor after restarted workers that ran :data:`~.launch.QUICK_DEATH_S` or longer: the survivors,
   whose collectives fail at once on a dead peer, have left or are stopped by the agent's SIGTERM, and an
   in-flight checkpoint of theirs is waited for as they exit);
@@ -22,7 +22,6 @@ restarts still happen, their records then say less about the cause.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -30,7 +29,16 @@ import time
 from typing import Any
 
 from ..internals import InternalMissing, end_restarts, restarting_agent, restarts_left, use_elastic_agent
-from .launch import FINAL_EXITS, LAUNCH_START_ENV, RESTART_ENV, UNSHARED_STORE, death_record, quick_deaths, restart_backoff_s
+from .launch import (
+    FINAL_EXITS,
+    LAUNCH_START_ENV,
+    RESTART_ENV,
+    UNSHARED_STORE,
+    death_record,
+    quick_deaths,
+    restart_backoff_s,
+    with_death,
+)
 
 __all__ = ["agent_class", "main"]
 
@@ -53,7 +61,7 @@ def agent_class() -> type:
             return
         restarts_seen += 1
         rank, first = min(failures.items(), key=lambda item: _secondary(item[1]))
-        os.environ[RESTART_ENV] = json.dumps(death_record(
+        os.environ[RESTART_ENV] = with_death(os.environ.get(RESTART_ENV), death_record(
             first.exitcode, rank=rank, pid=first.pid, restart=restarts_seen, max_restarts=max_restarts,
             by="torchrun (stabletrain.distributed.elastic)", when=time.time(),
             last_line=_message(first)))

@@ -14,7 +14,7 @@ Either way the restarted process finds the run's LAST_GOOD and continues from it
 whether the restart may go ahead (:mod:`stabletrain.services.restarts`: the same failure again, a
 checkpoint that is not trusted). What the launcher knows of the death (the exit code or signal, the rank,
 its pid, the last line it printed, when) reaches the restarted processes in their environment
-(:data:`RESTART_ENV`, a JSON object: :func:`death_record`).
+(:data:`RESTART_ENV`, a JSON list of every death so far: :func:`death_record`).
 
 A run that ends with one of :data:`FINAL_EXITS` is never restarted: it finished or was stopped by a
 signal (0), stabletrain refused its input (2), it refused to restart into the same failure
@@ -40,7 +40,7 @@ from ..process import stat_fields
 __all__ = ["launch", "supervise", "die_with_parent", "LAUNCHER_ENV", "RESTART_ENV", "LAUNCH_START_ENV",
            "SUPERVISED_ENV", "EXIT_GAVE_UP", "FINAL_EXITS", "death_record", "describe_exit", "process_start_time",
            "restart_backoff_s", "quick_deaths", "QUICK_DEATH_S", "restarted_by_parent", "UNSHARED_STORE", "leave_word",
-           "under_torchrun", "default_run_dir"]
+           "under_torchrun", "default_run_dir", "with_death"]
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 #: Set by :func:`launch` for torchrun and so its ranks: the launcher's pid (a rank checks its parent's parent).
@@ -156,7 +156,8 @@ def describe_exit(code: int) -> str:
 
 def death_record(code: int, *, rank: int | None, pid: int | None, restart: int, max_restarts: int,
                  last_line: str | None = None, by: str, when: float | None = None) -> dict[str, Any]:
-    """What :data:`RESTART_ENV` holds: how a process of the run ended, and which restart follows.
+    """What :data:`RESTART_ENV` holds for each death (:func:`with_death`): how a process of the run ended, and which
+    restart follows.
 
     ``code``: its exit code (negative: the signal that killed it); ``rank``: its global rank (None: unknown);
     ``restart``: the number of the restart that follows (1 for the first); ``by``: who saw it (the supervisor,
@@ -168,6 +169,23 @@ def death_record(code: int, *, rank: int | None, pid: int | None, restart: int, 
 
 
 _SIGNALS = {s.value for s in signal.Signals}
+
+#: The deaths :data:`RESTART_ENV` keeps (the newest): enough for every restart of a run.
+DEATHS_KEPT = 64
+
+
+def with_death(held: str | None, record: dict[str, Any]) -> str:
+    """:data:`RESTART_ENV`'s new value: the deaths it ``held`` (a JSON list) and ``record`` after them.
+
+    Every death, not only the last: a restarted process that dies in its own start-up records nothing, and the
+    one restarted after it records each restart the run went through (:mod:`stabletrain.services.restarts`).
+    """
+    try:
+        deaths = json.loads(held) if held else []
+    except ValueError:
+        deaths = []
+    deaths = deaths if isinstance(deaths, list) else [deaths]
+    return json.dumps([*deaths, record][-DEATHS_KEPT:])
 
 
 def leave_word(err: BaseException) -> None:
@@ -301,9 +319,9 @@ def supervise(argv: list[str], *, max_restarts: int) -> int:
                               f"(run.max_restarts={max_restarts}); not restarted again")
                 return 1 if code >= 0 else 128 - code
             restart += 1
-            env[RESTART_ENV] = json.dumps(death_record(code, rank=0, pid=proc.pid, restart=restart,
-                                                       max_restarts=max_restarts, last_line=lines[-1] if lines else None,
-                                                       by="stabletrain's supervisor", when=ended))
+            env[RESTART_ENV] = with_death(env.get(RESTART_ENV), death_record(
+                code, rank=0, pid=proc.pid, restart=restart, max_restarts=max_restarts,
+                last_line=lines[-1] if lines else None, by="stabletrain's supervisor", when=ended))
             env.pop(LAUNCH_START_ENV, None)  # a restarted child's own start is its launch's
             quick = quick_deaths(quick, ended - started, restarted=restart > 1)
             time.sleep(restart_backoff_s(quick))

@@ -44,6 +44,7 @@ from ..records.checkpoint.manager import LoadedCheckpoint
 from ..records.checkpoint.saves import PendingSave, SaveCosts
 from ..records.checkpoint.shards import ShardedSaver, local_tensors, split_for_dcp
 from ..records.checkpoint.writer import WriterDied, running_writer, writer
+from ..records.jsonl import read_jsonl
 from ..records.staging import state_bytes
 from ..runstate import RunState
 
@@ -132,12 +133,28 @@ class CheckpointKeeper:
         if diffs:
             raise ValueError(resume_refusal_message(run_dir, diffs))
         self.state.load_state_dict(loaded.state)
+        self._keep_rollbacks(run_dir)
         self.resumed_from = loaded.path
         if resharded:
             self.reshard, self.reshard_note = _reshard_info(saved_cfg, saved_world, state)
         old = int(saved_cfg.get("train", {}).get("max_steps", state.cfg.train.max_steps))
         if old != state.cfg.train.max_steps and state.cfg.sched.decay != "constant":
             self.schedule_change = schedule_change_note(state.cfg, old, state.step)
+
+    def _keep_rollbacks(self, run_dir: Path) -> None:
+        """What the run's rollbacks decided outlives a checkpoint written before them: the data windows they skipped
+        stay skipped and they count toward ``guard.max_rollbacks`` (a restart from LAST_GOOD would train into the same
+        spike again, and roll back without limit). Rank 0 reads ``events.jsonl``; every rank applies it."""
+        state = self.state
+
+        def read() -> tuple[list[list[int]], int]:
+            rollbacks = [e for e in read_jsonl(run_dir / "events.jsonl")[0] if e.get("kind") == "rollback"]
+            return [w for e in rollbacks for w in e.get("skipped_windows") or []], len(rollbacks)
+
+        windows, count = state.dist.on_main(read)
+        state.stream.skip |= {(int(epoch), int(start)) for epoch, start in windows}
+        if state.guard is not None:
+            state.guard.num_rollbacks = max(state.guard.num_rollbacks, count)
 
     def announce_resume(self) -> None:
         """Say where the run resumed from (rank 0, run directory open): the events and the console lines.

@@ -47,6 +47,9 @@ from ..records.rundir import RunDir
 
 __all__ = ["begin_launch", "Launch", "Failure", "last_failure", "refusal", "SOON_AFTER_LOAD", "EXIT_GAVE_UP"]
 
+#: A restart recorded by the launch after it: the launch it started died in its start-up, before recording it.
+LATE = " (recorded by a later launch: the one this restart started died in its start-up)"
+
 #: A checkpoint whose load is followed this many steps or fewer by a non-finite step is not trusted again.
 SOON_AFTER_LOAD = 10
 
@@ -145,10 +148,12 @@ def _restart_chain(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _env_record() -> dict[str, Any]:
     try:
-        cause = json.loads(os.environ[RESTART_ENV]) if RESTART_ENV in os.environ else None
+        causes = json.loads(os.environ[RESTART_ENV]) if RESTART_ENV in os.environ else []
     except ValueError:
-        cause = None
-    return {"cause": cause, "count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+        causes = []
+    causes = causes if isinstance(causes, list) else [causes]  # a launcher of an earlier version: the last death
+    return {"causes": [c for c in causes if isinstance(c, dict)],
+            "count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
             "max": int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0),
             "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}
 
@@ -175,7 +180,7 @@ def begin_launch(cfg: Any, run_dir: Path | None, resume: bool, ctx: Any) -> Laun
         if run_dir is None:
             return Launch(resume, run_dir)
         ids = {r["run_id"] for r in everyone if r["run_id"]}
-        restart = (any(r["cause"] for r in everyone) or any(r["count"] for r in everyone)
+        restart = (any(r["causes"] for r in everyone) or any(r["count"] for r in everyone)
                    or bool(ids & {e.get("run_id") for e in _ledger(run_dir)}))
         has_checkpoint = bool(CheckpointManager(run_dir / "checkpoints").checkpoints())
         if restart:
@@ -192,19 +197,44 @@ def begin_launch(cfg: Any, run_dir: Path | None, resume: bool, ctx: Any) -> Laun
     return ctx.on_main(decide)
 
 
-def _cause(everyone: list[dict[str, Any]], since: float | None) -> dict[str, Any] | None:
-    """The death this restart follows: of those the ranks' launchers saw, the first after ``since``."""
-    causes = [r["cause"] for r in everyone if r["cause"] and (since is None or r["cause"].get("time", 0) >= since)]
-    return min(causes, key=lambda c: c.get("time", 0)) if causes else None
+def _causes(everyone: list[dict[str, Any]], since: float | None) -> list[dict[str, Any]]:
+    """The deaths the ranks' launchers saw after ``since``, one per restart (of a restart's, the first), oldest first."""
+    first: dict[Any, dict[str, Any]] = {}
+    for cause in (c for r in everyone for c in r["causes"] if since is None or c.get("time", 0) >= since):
+        number = cause.get("restart")
+        if number not in first or cause.get("time", 0) < first[number].get("time", 0):
+            first[number] = cause
+    return sorted(first.values(), key=lambda c: c.get("time", 0))
 
 
 def _restart(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_checkpoint: bool) -> Launch:
+    """Check and record this restart, and first each restart before it whose launch died before recording it.
+
+    A restarted process that dies in its start-up (before :func:`begin_launch`) writes no ``restart`` event; its
+    launcher's record of the death before it reaches the next restart with its own (:data:`RESTART_ENV` holds
+    every death): each gets its event and line, and the crash-loop rule counts it.
+    """
+    events, _ = read_jsonl(run_dir / "events.jsonl")
+    launches = _ledger(run_dir)
+    recorded = {(e.get("cause") or {}).get("time") for e in events if e.get("kind") == "restart"}
+    causes = _causes(everyone, launches[-1].get("start") if launches else None)
+    missed = [c for c in causes[:-1] if c.get("time") not in recorded]
+    for cause in missed:
+        launch = _restart_after(cfg, run_dir, everyone, has_checkpoint, cause, late=True)
+        if launch.refused is not None:
+            return launch
+        has_checkpoint = has_checkpoint or launch.resume
+    return _restart_after(cfg, run_dir, everyone, has_checkpoint, causes[-1] if causes else None, late=False)
+
+
+def _restart_after(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_checkpoint: bool,
+                   cause: dict[str, Any] | None, late: bool) -> Launch:
+    """Check and record the restart after the death ``cause`` (None: no launcher's word); ``late``: the launch it
+    started died in its start-up before recording it."""
     events, _ = read_jsonl(run_dir / "events.jsonl")
     metrics, _ = read_jsonl(run_dir / "metrics.jsonl")
     failure = last_failure(events, max((int(m.get("step", 0)) for m in metrics), default=0))
     chain = _restart_chain(events)
-    launches = _ledger(run_dir)
-    cause = _cause(everyone, launches[-1].get("start") if launches else None)
     number = (cause or {}).get("restart") or max([r["count"] for r in everyone] + [len(chain) + 1])
     limit = (cause or {}).get("max_restarts") or max(r["max"] for r in everyone) or cfg.run.max_restarts
     who = _who(cause, number)
@@ -212,7 +242,7 @@ def _restart(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_checkp
     try:
         why = refusal(failure, chain, cfg.run.max_repeats)
         if why is None and not has_checkpoint:  # nothing to resume: the run starts again from step 0, in place
-            return _start_over(run, run_dir, failure, number, limit, who, cause)
+            return _start_over(run, run_dir, failure, number, limit, who, cause, late)
         distrusted: dict[str, Any] = {}
         ckpt = CheckpointManager(run_dir / "checkpoints", keep=cfg.ckpt.keep)
         good = ckpt.latest_good()
@@ -237,11 +267,13 @@ def _restart(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_checkp
                 f"{failure.nonfinite_step - failure.resumed_step} after its load: not trusted again (moved to "
                 f"{distrusted['distrusted']}), resuming from the checkpoint before it" if distrusted else "")
         met = "" if failure.kind == "exit" else f"; the launch {failure.text}"
+        # A killed launch's last steps are known only up to its last record (a log line, an event): it may have got further.
+        beyond = f", and any it trained after step {failure.last_step}, its last record" if failure.kind == "exit" else ""
         reason = (f"restart {number}{f' of {limit}' if limit else ''} after {who}{met}{note}; resuming from "
-                  f"{good.name if good else '?'}: {redone} step(s) to train again")
+                  f"{good.name if good else '?'}: {redone} step(s) to train again{beyond}{LATE if late else ''}")
         run.event(resumed, "restart", reason, restart=number, max_restarts=limit, cause=cause,
                   failure=failure.record(), checkpoint=good.name if good else None, redone=redone,
-                  **distrusted, **({"incidents_kept": kept} if kept else {}))
+                  **distrusted, **({"incidents_kept": kept} if kept else {}), **({"late": True} if late else {}))
         console.say(reason)
         return Launch(True, run_dir)
     finally:
@@ -249,7 +281,7 @@ def _restart(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_checkp
 
 
 def _start_over(run: RunDir, run_dir: Path, failure: Failure, number: int, limit: int, who: str,
-                cause: dict[str, Any] | None) -> Launch:
+                cause: dict[str, Any] | None, late: bool = False) -> Launch:
     """A launch died before its first checkpoint: start the run again from step 0 in the same directory.
 
     Its record stays: ``events.jsonl`` (with this ``restart`` event: the crash-loop rule counts it), the goodput
@@ -261,9 +293,9 @@ def _start_over(run: RunDir, run_dir: Path, failure: Failure, number: int, limit
         old.rename(run_dir / f"config.failed-start-{number}.yaml")
     met = "" if failure.kind == "exit" else f"; the launch {failure.text}"
     reason = (f"restart {number}{f' of {limit}' if limit else ''} after {who}{met}; no checkpoint was written yet: "
-              "starting the run again from step 0")
+              f"starting the run again from step 0{LATE if late else ''}")
     run.event(0, "restart", reason, restart=number, max_restarts=limit, cause=cause, failure=failure.record(),
-              checkpoint=None, redone=failure.last_step)
+              checkpoint=None, redone=failure.last_step, **({"late": True} if late else {}))
     console.say(reason)
     return Launch(False, run_dir)
 
