@@ -1,4 +1,4 @@
-"""The wait before a restart: none after a healthy stretch, growing while attempts die in their start-up."""
+"""Launchers: the wait before a restart (none after a healthy stretch, growing while attempts die in their start-up), and what a death record carries."""
 
 from __future__ import annotations
 
@@ -35,3 +35,22 @@ def test_a_deaths_last_line_is_the_childs_own_not_its_restart_announcement(tmp_p
         tee.join(timeout=10)
         sink.close()
         assert lines == last, output
+
+
+def test_a_sigkilled_ranks_death_carries_what_its_peer_said():
+    """A SIGKILLed rank leaves no error file; the rank that lost it says where the run was: the death record keeps
+    that line, and the restart's line quotes it."""
+    from types import SimpleNamespace
+
+    from stabletrain.distributed.elastic import _peer_line
+    from stabletrain.distributed.launch import death_record
+    from stabletrain.services.restarts import _who
+
+    lost = "PeerLostError: rank 1: another rank exited or became unreachable during a training step after step 57"
+    failures = {0: SimpleNamespace(exitcode=-9, error_file_data={}),
+                1: SimpleNamespace(exitcode=1, error_file_data={"message": {"message": lost}})}
+    assert _peer_line(failures, 0) == lost and _peer_line({0: failures[0]}, 0) is None
+    cause = death_record(-9, rank=0, pid=42, restart=1, max_restarts=3, by="torchrun", peer_line=_peer_line(failures, 0))
+    assert _who(cause, 1) == f"rank 0 (pid 42) was killed by SIGKILL; then {lost!r}"
+    other = {0: failures[0], 1: SimpleNamespace(exitcode=1, error_file_data={"message": "RuntimeError: boom"})}
+    assert _peer_line(other, 0) == "rank 1: RuntimeError: boom"

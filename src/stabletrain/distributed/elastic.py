@@ -64,7 +64,7 @@ def agent_class() -> type:
         os.environ[RESTART_ENV] = with_death(os.environ.get(RESTART_ENV), death_record(
             first.exitcode, rank=rank, pid=first.pid, restart=restarts_seen, max_restarts=max_restarts,
             by="torchrun (stabletrain.distributed.elastic)", when=time.time(),
-            last_line=_message(first)))
+            last_line=_message(first), peer_line=_peer_line(failures, rank)))
         os.environ.pop(LAUNCH_START_ENV, None)  # the restarted ranks' launch starts with them
         quick = quick_deaths(quick, time.time() - started, restarted=restarts_seen > 1)
         time.sleep(restart_backoff_s(quick))
@@ -82,6 +82,13 @@ def _secondary(failure: Any) -> int:
     if failure.exitcode < 0:
         return 2 if -failure.exitcode == signal.SIGTERM else 0
     return 2 if (_message(failure) or "").startswith("PeerLostError") else 1
+
+
+def _peer_line(failures: dict[int, Any], root: int) -> str | None:
+    """What another failed rank said (its error file) when it lost rank ``root``: a SIGKILLed rank says nothing, and
+    its peer's line tells where the run was ('... after step 57')."""
+    said = [(rank, _message(f)) for rank, f in sorted(failures.items()) if rank != root]
+    return next((text if f"rank {rank}:" in text else f"rank {rank}: {text}" for rank, text in said if text), None)
 
 
 def _message(failure: Any) -> str | None:

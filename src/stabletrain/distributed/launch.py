@@ -155,17 +155,20 @@ def describe_exit(code: int) -> str:
 
 
 def death_record(code: int, *, rank: int | None, pid: int | None, restart: int, max_restarts: int,
-                 last_line: str | None = None, by: str, when: float | None = None) -> dict[str, Any]:
+                 last_line: str | None = None, by: str, when: float | None = None,
+                 peer_line: str | None = None) -> dict[str, Any]:
     """What :data:`RESTART_ENV` holds for each death (:func:`with_death`): how a process of the run ended, and which
     restart follows.
 
     ``code``: its exit code (negative: the signal that killed it); ``rank``: its global rank (None: unknown);
     ``restart``: the number of the restart that follows (1 for the first); ``by``: who saw it (the supervisor,
-    torchrun); ``when``: when it was seen to end (default: now).
+    torchrun); ``when``: when it was seen to end (default: now); ``peer_line``: what another rank that failed with
+    it said ("rank 1: ...").
     """
     return {"exitcode": code, "signal": signal.Signals(-code).name if code < 0 and -code in _SIGNALS else None,
             "rank": rank, "pid": pid, "last_line": last_line, "restart": restart, "max_restarts": max_restarts,
-            "by": by, "time": round(when if when is not None else time.time(), 3)}
+            "by": by, "time": round(when if when is not None else time.time(), 3),
+            **({"peer_line": peer_line} if peer_line else {})}
 
 
 _SIGNALS = {s.value for s in signal.Signals}

@@ -306,7 +306,8 @@ def _who(cause: dict[str, Any] | None, number: int) -> str:
         return f"a process of the run ended (torchrun restarted the ranks: restart count {number})"
     rank = f"rank {cause['rank']}" if cause.get("rank") is not None else "a process"
     pid = f" (pid {cause['pid']})" if cause.get("pid") else ""
-    last = f"; its last line: {cause['last_line']!r}" if cause.get("last_line") else ""
+    last = (f"; its last line: {cause['last_line']!r}" if cause.get("last_line") else
+            f"; then {cause['peer_line']!r}" if cause.get("peer_line") else "")
     return f"{rank}{pid} {describe_exit(int(cause.get('exitcode', 1)))}{last}"
 
 
