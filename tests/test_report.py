@@ -629,6 +629,13 @@ def test_a_few_huge_losses_do_not_make_the_loss_headline_read_as_a_run_that_got_
     rising = [3.0, 2.5, 2.2, 2.1, 2.0, 2.4, 5.0, 40.0, 900.0, 5e4]
     h, text = _loss_run(tmp_path / "diverging", rising, [0.8 * m for m in rising])
     assert (h.figures["loss_start"], h.figures["loss_end"]) == (3.0, 5e4) and "(first → last interval)" in text
+    # Spikes that recur (a bad sample each epoch) lift most of the first intervals' means: their median would be lifted
+    # too; the intervals without a spike tell the typical loss.
+    means = [40.0, 1.0, 30.0, 0.8, 25.0, 0.5, 0.4, 0.3]
+    h, text = _loss_run(tmp_path / "recurring", means, [1.2, 0.9, 0.7, 0.7, 0.5, 0.4, 0.35, 0.25], spikes=[5, 25, 45])
+    assert h.figures["loss_start"] == 0.9 and text.startswith(
+        "Train loss 0.9 → 0.3 (median of the means of the 2 of the first 5 intervals without a loss spike → last "
+        "interval: the first interval's mean, 40, is lifted by a loss spike at step 5)"), text
     # A loss that falls fast at the start keeps its first interval's mean too.
     falling = [5.1, 1.3, 0.22, 0.03, 0.0005, 1e-4, 3e-5, 1e-5]
     h, text = _loss_run(tmp_path / "falling", falling, [0.5 * m for m in falling])

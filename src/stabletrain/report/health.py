@@ -170,7 +170,8 @@ def _init(run: RunData, h: Health) -> None:
 
 def _robust_end(rows: list[tuple], spikes: list[int], ratio: float, end: str) -> tuple[float, str | None]:
     """The loss at one end of the run: its end interval's mean, unless a few large losses made that mean and not the
-    interval's typical loss; then the median of the :data:`LOSS_ENDS` end intervals' means, and the words saying so.
+    interval's typical loss; then the median of the :data:`LOSS_ENDS` end intervals' means (of those without a spike
+    event when spikes lift most of them: spikes that recur every epoch), and the words saying so.
 
     A few large losses: the interval holds a loss spike (an event), or its mean is above ``ratio`` times that median
     (the guard's spike ratio) while its smallest loss is not (most of its steps are typical). A run whose loss is
@@ -183,6 +184,10 @@ def _robust_end(rows: list[tuple], spikes: list[int], ratio: float, end: str) ->
     spiky = any(step - width < s <= step for s in spikes) or (mean > ratio * median and low <= ratio * median)
     if len(near) < 3 or not spiky:
         return mean, None
+    quiet = [r[2] for r in rows[:LOSS_ENDS] if not any(r[0] - r[1] < s <= r[0] for s in spikes)]
+    if quiet and 2 * (len(near) - len(quiet)) >= len(near):  # spikes recur (every epoch): most means are lifted
+        return statistics.median(quiet), (f"median of the means of the {len(quiet)} of the {end} {len(near)} "
+                                          "intervals without a loss spike")
     return median, f"median of the {end} {len(near)} intervals' means"
 
 
