@@ -1,4 +1,5 @@
-"""Launchers: the wait before a restart (none after a healthy stretch, growing while attempts die in their start-up), and what a death record carries."""
+"""Launchers: the wait before a restart (none after a healthy stretch, growing while attempts die in their start-up),
+and what a death record carries."""
 
 from __future__ import annotations
 
