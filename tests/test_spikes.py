@@ -461,3 +461,5 @@ def test_an_fp16_spike_that_overflows_the_gradients_is_still_a_spike(tmp_path):
     assert [e["step"] for e in events if e["kind"] == "incident"] == [20]
     d = json.loads((run_dir / "incidents" / "step_000020" / "diagnosis.json").read_text())
     assert d["failure_class"] == "data" and set(d["samples"]["indices"]) <= {153, 157}, d["summary"]
+    lines = {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    assert (lines[10]["num_incidents"], lines[20]["num_incidents"], lines[30]["num_incidents"]) == (0, 1, 1)

@@ -352,7 +352,7 @@ class Guard:
         if d.locate is not None and d.first_incident < d.locate[0]:
             d.locate = None  # an earlier loss incident comes first; the broken update is a later one
         self.unordinary.extend(sorted({*d.spike_steps, *d.bad_steps}))
-        self.num_incidents += 1 if d.bad_steps else 0
+        self.num_incidents += 1 if d.bad_steps or d.spike_steps else 0  # an interval's non-finite steps or spikes
         self.num_spikes += len(d.spike_steps)
         if d.action == "stop":
             return d

@@ -22,7 +22,7 @@ num_nonfinite          steps with a non-finite loss or grad norm, or whose param
 num_spikes             loss spikes in the interval (rule: stabletrain.policies.guard)
 update_norm,           ||theta_t - theta_(t-1)|| of the interval's last step, and its ratio to ||theta_(t-1)||
 update_ratio           (measured on that step only: one parameter copy per interval)
-num_incidents,         incidents and rollbacks so far in the run (added by the loop)
+num_incidents,         intervals with an incident (non-finite steps or spikes) and rollbacks so far (the loop adds them)
 num_rollbacks
 tokens_per_s,          throughput over the interval's wall time (tokens = items the loss counts)
 samples_per_s

@@ -67,7 +67,7 @@ METRIC_KEYS: dict[str, str] = {
     "num_skipped": "steps whose update was skipped in the interval (non-finite, overflow, spike)",
     "num_nonfinite": "steps with a non-finite loss, grad norm or (after the update) parameter in the interval",
     "num_spikes": "loss spikes in the interval (rule: stabletrain.policies.guard)",
-    "num_incidents": "incidents so far in the run",
+    "num_incidents": "intervals with an incident (non-finite steps or loss spikes) so far in the run",
     "num_rollbacks": "rollbacks so far in the run",
     "tokens_per_s": "tokens per second over the interval's wall time (tokens = items a (sum, count) loss counts)",
     "samples_per_s": "samples per second over the interval's wall time",
