@@ -463,3 +463,19 @@ def test_an_fp16_spike_that_overflows_the_gradients_is_still_a_spike(tmp_path):
     assert d["failure_class"] == "data" and set(d["samples"]["indices"]) <= {153, 157}, d["summary"]
     lines = {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
     assert (lines[10]["num_incidents"], lines[20]["num_incidents"], lines[30]["num_incidents"]) == (0, 1, 1)
+
+
+def test_on_spike_remedy_does_not_roll_back_when_skipping_the_step_cures(tmp_path):
+    """A rare token's Adam spike: skipping its step cures it on the replay, and so would rolling back 14 steps under
+    half the LR. The rollback trains that stretch again and slows the rest of the run (the issue's run ended x3 worse
+    than one that skipped): applied live only when the skip does not cure."""
+    run_dir = tmp_path / "run"
+    Trainer(cfg("train.batch_size=8", "log.every=10", "data.shuffle=false", "train.max_steps=100", "sched.warmup_steps=0",
+                "sched.decay=constant", "guard.on_spike=remedy", "ckpt.every=20"), task=rare_token_task(lr=0.03),
+            run_dir=run_dir).fit()
+    record = json.loads((run_dir / "incidents" / "step_000075" / "remedy.json").read_text())
+    verdicts = {c["name"]: c["verdict"] for c in record["candidates"]}
+    assert verdicts["skip-step"] == "cures" and verdicts["rollback-lr-x0.5"] == "cures", verdicts  # the choice was real
+    remedies = [e for e in _events(run_dir) if e["kind"] == "remedy"]
+    assert [e.get("applied") for e in remedies] == [None] and "no remedy needed" in remedies[0]["reason"], remedies
+    assert not [e for e in _events(run_dir) if e["kind"] == "rollback"]

@@ -113,12 +113,15 @@ class RemedyApplier:
             # Applied live, a cure must start where its replay did: at the incident's step (the run stands there), or
             # from a checkpoint it rolls back to. One replayed from the step before changed an update the run has
             # made already: applied now it would not be what was verified (stabletrain remedy still lists it).
+            skip = next(c for c in record["candidates"] if c["baseline"])
+            # A rollback trains its stretch again (under a lower LR): worth it only when skipping the step does not cure.
+            skip_cures = skip["verdict"] == "cures" and not params_bad
             best = next((c for c in record["candidates"] if c["verdict"] == "cures" and not c["baseline"]
                          and key(c["remedy"], record["step"]) not in tried
                          and (c["remedy"]["kind"] == "rollback-lr" or c.get("first_step", record["step"]) >= record["step"])
-                         and (not params_bad or c["remedy"]["kind"] == "rollback-lr")), None)
-            skip = next(c for c in record["candidates"] if c["baseline"])
-            if best is None and skip["verdict"] == "cures" and not params_bad:  # the step's skip was all it needed
+                         and (not params_bad or c["remedy"]["kind"] == "rollback-lr")
+                         and not (skip_cures and c["remedy"]["kind"] == "rollback-lr")), None)
+            if best is None and skip_cures:  # the step's skip was all it needed
                 decision.action = "continue"
                 state.event(state.step, "remedy", f"no remedy needed for the {record['failure_class']} incident at step "
                             f"{record['step']}: skipping its step cures it on the replay ({skip['evidence']})",
