@@ -130,6 +130,14 @@ def test_task_args_are_converted_to_the_factory_types():
         resolve_task("mlp", {"depth": 2.5})
     with pytest.raises(TaskError, match=r"^config key 'task_args.n_layer': expected an integer, got True$"):
         resolve_task("gpt", {"n_layer": True})
+    # A string argument typed as a number on the command line (task_args.activation=30 reads as an int): the string.
+    with pytest.raises(TaskError, match=r"^config key 'task_args.activation': expected one of relu, tanh, gelu, got 30$"):
+        resolve_task("mlp", {"activation": 30})
+    from stabletrain.tasks import _coerce_arg
+
+    assert _coerce_arg("steps", 30, str) == "30" and _coerce_arg("steps", "6,7", str) == "6,7"
+    with pytest.raises(TaskError, match=r"^config key 'task_args.steps': expected a string, got True$"):
+        _coerce_arg("steps", True, str)
     # A user factory is checked by its annotations, or by its defaults' types where it has none.
     args = {a.name: a for a in task_arguments("helpers:make_user_task")}
     assert all(a.annotation is not None for a in args.values())

@@ -257,11 +257,12 @@ def _coerce_arg(name: str, value: Any, tp: Any) -> Any:
         bool: isinstance(value, bool),
         int: isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and value.is_integer(),
         float: isinstance(value, (int, float)) and not isinstance(value, bool),
-        str: isinstance(value, str),
+        # An integer typed on the command line (task_args.steps=30) is read as one: as the string it was typed as.
+        str: isinstance(value, str) or isinstance(value, int) and not isinstance(value, bool),
     }[tp]
     if not ok:
         raise TaskError(f"{key}: expected {_SIMPLE[tp]}, got {brief(value)}")
-    return tp(value) if tp in (int, float) else value
+    return tp(value) if tp in (int, float, str) else value
 
 
 def resolve_task(spec: str, task_args: dict[str, Any] | None = None) -> Task:
