@@ -355,6 +355,8 @@ def test_text_helpers():
     assert fmt_ranges(range(0, 40, 2), limit=2) == "0, 2, and 18 more"
     assert (fmt_pct(0.37), fmt_pct(0.004), fmt_pct(0.996), fmt_pct(0.0), fmt_pct(1.0)) == ("37%", "0.4%", "99.6%", "0%", "100%")
     assert [fmt_num(x) for x in (10366.1, 2.2971, math.nan, None, 40.0)] == ["10,366", "2.297", "nan", "—", "40"]
+    assert [fmt_num(x) for x in (226312448.0, 3.2e9, 1e30, 9999999.0, 12345678)] == [
+        "2.263e+08", "3.2e+09", "1e+30", "9,999,999", "12,345,678"]  # a huge loss short; a count whole
 
 
 # -- a crash, a stop, and the task's unit ---------------------------------------------------------

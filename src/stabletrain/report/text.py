@@ -8,13 +8,23 @@ from collections.abc import Iterable
 __all__ = ["fmt_num", "fmt_pct", "step_ranges", "fmt_ranges", "plural"]
 
 
+#: Floats from here on are written in scientific notation by :func:`fmt_num`.
+SCIENTIFIC_FROM = 1e7
+
+
 def fmt_num(x: float | int | None, digits: int = 4) -> str:
-    """Return ``x`` short and readable: ``2.297``, ``1.2e-04``, ``10,366``; "—" for None."""
+    """Return ``x`` short and readable: ``2.297``, ``1.2e-04``, ``10,366``, ``2.263e+08``; "—" for None.
+
+    A float from 1e7 on is in scientific notation (a diverging loss of 226,312,448 reads as 2.263e+08); an int
+    (a count, a step) keeps every digit.
+    """
     if x is None:
         return "—"
     if isinstance(x, float) and not math.isfinite(x):
         return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
-    if isinstance(x, int) or (isinstance(x, float) and x.is_integer() and abs(x) < 1e15):
+    if isinstance(x, float) and abs(x) >= SCIENTIFIC_FROM:
+        return f"{x:.{digits}g}"
+    if isinstance(x, int) or (isinstance(x, float) and x.is_integer()):
         return f"{int(x):,}"
     if abs(x) >= 10 ** digits:
         return f"{x:,.0f}"
