@@ -373,6 +373,8 @@ def test_an_fp16_run_whose_scaler_collapsed_stops_instead_of_reporting_success(t
     err = capsys.readouterr().err
     assert "the run stopped early: the run is stalled at step 60: 18 of the last 20 steps were skipped" in err
     assert "Try precision=bf16" in err
+    assert main([*args, f"run.dir={tmp_path / 'end'}", "train.max_steps=60"]) == 1  # the stop at the last boundary
+    assert "the run stopped at its last step: the run is stalled at step 60" in capsys.readouterr().err
     assert main([*args, f"run.dir={tmp_path / 'warn'}", "guard.on_stall=warn"]) == 0
     out = capsys.readouterr()
     assert out.err.count("stabletrain: warning: the run is stalled at step 60") == 1

@@ -84,7 +84,9 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
         console.say(f"{trainer.stop_reason}; checkpointed. Resume with: stabletrain train --resume {run_dir}")
         return 0
     if trainer.stop_reason is not None:
-        console.say(f"the run stopped early: {trainer.stop_reason}. See {run_dir / 'events.jsonl'} and "
+        when = ("at its last step" if trainer.step >= trainer.cfg.train.max_steps  # the stop came at the end's boundary
+                else "early")
+        console.say(f"the run stopped {when}: {trainer.stop_reason}. See {run_dir / 'events.jsonl'} and "
                     f"{run_dir / 'incidents'}", sys.stderr)
         return 1
     if not trainer.history:  # resumed at or past train.max_steps: this launch trained nothing
