@@ -102,6 +102,11 @@ def test_rollback_restores_last_good_and_skips_the_offending_window(tmp_path, ca
     assert [e["step"] for e in events if e["kind"] == "skip"] == [bad_step]
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     assert trainer.history[-1]["num_rollbacks"] == 1
+    # metrics.jsonl holds each step once (the stretch trained again); the rolled-back lines are kept aside
+    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    aside = [json.loads(x)["step"] for x in (run_dir / "metrics.superseded.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)) and steps[-1] == 8 and aside and min(aside) > rollback["to_step"]
+    assert rollback["superseded_metrics"] == len(aside)
 
 
 def test_a_rollbacks_skipped_window_and_count_outlive_a_resume_from_a_checkpoint_before_it(tmp_path):

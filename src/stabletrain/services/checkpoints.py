@@ -384,7 +384,10 @@ class CheckpointKeeper:
         with restore_counters():
             self.state.load_state_dict(loaded.state)
         state.stream.skip = skip
+        # The rolled-back steps' lines go to metrics.superseded.jsonl (kept, as a resume keeps them): one line per step.
+        dropped = state.run.drop_metrics_after(state.step) if state.run is not None else 0
         info = {"from_step": from_step, "to_step": state.step, "path": str(loaded.path), "skipped_windows": sorted(windows),
+                "superseded_metrics": dropped,
                 "reason": f"{reason}: rolled back from step {from_step} to {loaded.path.name}; skipping data windows "
                           f"{sorted(windows)}"}
         state.event(state.step, "rollback", info["reason"], **{k: v for k, v in info.items() if k != "reason"})
