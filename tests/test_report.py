@@ -737,3 +737,22 @@ def test_the_health_summary_says_what_the_init_report_found_at_step_0(tmp_path):
     said = [text for level, text in deep.sentences if text.startswith("At step 0 ")]
     assert len(said) == 1 and "forward: vanishes at #5" in said[0] and "init_(model, 'kaiming')" in said[0]
     assert ("warn", said[0]) in deep.sentences
+
+
+def test_spikes_and_incidents_a_rollback_went_back_past_are_said_once_each(tmp_path):
+    """A state that spikes at the same step after each of 3 rollbacks, then trains past it: the summary says the
+    spikes before the rollback (not nothing), and the incident once with how often it was met (not 3 times)."""
+    (tmp_path / "config.yaml").write_text("train:\n  max_steps: 100\n")
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(10, 101, 10)))
+    diagnosis = {"summary": "data: samples 3, 11 carry 99% of the window's loss"}
+    events = []
+    for _ in range(3):
+        events += [{"step": 65, "kind": "spike", "reason": "loss spike"},
+                   {"step": 65, "kind": "incident", "reason": "spike", "anomaly": "spike", "diagnosis": diagnosis},
+                   {"step": 60, "kind": "rollback", "reason": "loss spike at step 65: rolled back"}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    h = health_summary(load_run(tmp_path))
+    texts = [t for _, t in h.sentences]
+    assert "No loss spikes since the rollback; before it, 1 loss spike at step 65." in texts, texts
+    undone = next(t for t in texts if t.startswith("1 incident before the rollback"))
+    assert undone.count("at step 65") == 1 and "(met 3 times)" in undone, undone

@@ -124,6 +124,11 @@ def health_summary(run: RunData) -> Health:
 
     spikes = run.counted_events("spike")
     f["spike_steps"] = sorted({e.step for e in spikes})
+    undone_spikes = run.undone_events("spike")
+    f["spike_steps_undone"] = sorted({e.step for e in undone_spikes})
+    if undone_spikes and not spikes:
+        h.say("warn", f"No loss spikes since {_went_back(undone_spikes)}; before it, "
+                      f"{plural(len(f['spike_steps_undone']), 'loss spike')} at step {fmt_ranges(f['spike_steps_undone'])}.")
     if spikes:
         text = f"{plural(len(f['spike_steps']), 'loss spike')} at step {fmt_ranges(f['spike_steps'])}"
         captured = [e.step for e in run.events if e.kind == "incident" and e.extra.get("anomaly") == "spike"]
@@ -132,17 +137,19 @@ def health_summary(run: RunData) -> Health:
         if isinstance(cap, int) and run.cfg("capture.spikes", True) and len(captured) >= cap and later:
             text += (f"; capture.max_spikes={cap} was spent at step {max(captured)}: the {plural(len(later), 'spike')} "
                      "after it went uncaptured")
+        if undone_spikes:
+            text += f"; before {_went_back(undone_spikes)}, at step {fmt_ranges(f['spike_steps_undone'])}"
         h.say("warn", text + ".")
 
     incidents = run.counted_events("incident")
     f["incidents"] = [(e.step, incident_summary(e)) for e in incidents]
     undone = run.undone_events("incident")  # the run went back past them (a rollback, a remedy's rollback)
-    f["incidents_undone"] = [(e.step, incident_summary(e)) for e in undone]
+    f["incidents_undone"] = _once([(e.step, incident_summary(e)) for e in undone])
     if incidents:
         h.say("bad", f"{plural(len(incidents), 'incident')}: {_listed(f['incidents'])}.")
     if undone:
-        h.say("warn", f"{plural(len(undone), 'incident')} before {_went_back(undone)} (the run went back and trained "
-                      f"that stretch again): {_listed(f['incidents_undone'])}.")
+        h.say("warn", f"{plural(len(f['incidents_undone']), 'incident')} before {_went_back(undone)} (the run went back and "
+                      f"trained that stretch again): {_listed(f['incidents_undone'])}.")
     if not incidents and not undone:
         h.say("ok", "No incidents.")
     _remedies(run, h)
@@ -217,6 +224,14 @@ def _went_back(events: list[Event]) -> str:
     kinds = sorted({e.superseded_by for e in events if e.superseded_by})
     names = {"rollback": "the rollback", "remedy": "the remedy's rollback"}
     return " and ".join(names.get(k, k) for k in kinds) or "the rollback"
+
+
+def _once(incidents: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    """Each (step, summary) once, in order, with how often it was met (a run that went back into it again)."""
+    counts: dict[tuple[int, str], int] = {}
+    for item in incidents:
+        counts[item] = counts.get(item, 0) + 1
+    return [(step, summary.rstrip(".") + (f" (met {n} times)" if n > 1 else "")) for (step, summary), n in counts.items()]
 
 
 def _listed(incidents: list[tuple[int, str]], limit: int = 5) -> str:
