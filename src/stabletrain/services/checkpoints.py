@@ -388,8 +388,8 @@ class CheckpointKeeper:
         dropped = state.run.drop_metrics_after(state.step) if state.run is not None else 0
         info = {"from_step": from_step, "to_step": state.step, "path": str(loaded.path), "skipped_windows": sorted(windows),
                 "superseded_metrics": dropped,
-                "reason": f"{reason}: rolled back from step {from_step} to {loaded.path.name}; skipping data windows "
-                          f"{sorted(windows)}"}
+                "reason": f"{reason}: rolled back from step {from_step} to {loaded.path.name}; "
+                          f"{_never_again(bad_steps, state.positions)}"}
         state.event(state.step, "rollback", info["reason"], **{k: v for k, v in info.items() if k != "reason"})
         if state.dist.is_main:  # the run changed course: said, as an incident is
             console.say(info["reason"])
@@ -457,3 +457,13 @@ def _reshard_info(saved_cfg: dict[str, Any], saved_world: int, state: RunState) 
 def _failed(step: int, err: BaseException) -> dict[str, Any]:
     return {"step": step, "kind": "checkpoint_failed", "fields": {"error": type(err).__name__},
             "reason": f"checkpoint at step {step} failed: {err}"}
+
+
+def _never_again(steps: list[int], positions: dict[int, tuple[int, int]]) -> str:
+    """"never training on the data of step 65 again (data windows [(0, 64)]: (epoch, start))" for a rollback's line."""
+    known = [s for s in steps if s in positions]
+    if not known:
+        return "no data window to skip (the bad steps' windows are not known)"
+    which = f"step {known[0]}" if len(known) == 1 else f"steps {', '.join(map(str, known))}"
+    windows = sorted({positions[s] for s in known})
+    return f"never training on the data of {which} again (data windows {windows}: (epoch, start))"
