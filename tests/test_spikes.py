@@ -448,12 +448,14 @@ def test_a_data_spike_among_other_spikes_is_judged_against_ordinary_windows(tmp_
         assert d["samples"]["indices"] and set(d["samples"]["indices"]) <= {(step - 1) * 8 + 1, (step - 1) * 8 + 5}
 
 
-def test_an_fp16_spike_that_overflows_the_gradients_is_still_a_spike(tmp_path):
+@pytest.mark.parametrize("on_spike", ["warn", "skip"])
+def test_an_fp16_spike_that_overflows_the_gradients_is_still_a_spike(tmp_path, on_spike):
     """Under fp16 a large spike's gradients overflow: the GradScaler skips the step as a routine overflow, yet its
-    finite loss is a spike by the rule, captured and diagnosed as any other."""
+    finite loss is a spike by the rule (the host's, and the device's under guard.on_spike=skip), captured and
+    diagnosed as any other."""
     run_dir = tmp_path / "run"
     Trainer(cfg("train.batch_size=8", "log.every=10", "data.shuffle=false", "train.max_steps=30", "optim.lr=0.01",
-                "precision=fp16"), task=outlier_samples_task(), run_dir=run_dir).fit()
+                "precision=fp16", f"guard.on_spike={on_spike}"), task=outlier_samples_task(), run_dir=run_dir).fit()
     events = _events(run_dir)
     skipped = {e["step"] for e in events if e["kind"] == "skip"}
     assert 20 in skipped and "overflow" in next(e["reason"] for e in events if e["kind"] == "skip" and e["step"] == 20)

@@ -149,9 +149,11 @@ class Guard:
     :meth:`mark_spikes` runs it on the host once per interval and the per-step work is the finite check.
     """
 
-    def __init__(self, cfg: GuardConfig, device: torch.device, *, enforce: bool = True) -> None:
+    def __init__(self, cfg: GuardConfig, device: torch.device, *, enforce: bool = True, scaled: bool = False) -> None:
         self.cfg = cfg
         self.enforce = enforce  # False: an adapter's on_nonfinite="warn" (no skip of its own; the host's still happen)
+        # fp16 with a GradScaler: a step whose gradients overflow (grad norm inf) has a finite loss the spike rule tests
+        self.scaled = scaled
         self.on_device = cfg.on_spike in ("skip", "remedy")  # the spike must be skipped before its update
         where = device if self.on_device else torch.device("cpu")
         self.window = torch.full((cfg.spike_window,), float("nan"), device=where)
@@ -205,7 +207,9 @@ class Guard:
         mean = torch.nanmean(w)
         std = torch.sqrt(torch.nanmean((w - mean) ** 2))
         z = (loss - mean) / (std + 1e-12)
-        spike = armed & finite & (loss > self.cfg.spike_ratio * median) & (z > self.cfg.spike_zscore)
+        # fp16: a large spike's gradients overflow: its loss is tested still (the host rule tests the overflow rows too)
+        testable = finite | (torch.isfinite(loss) & ~torch.isfinite(grad_norm)) if self.scaled else finite
+        spike = armed & testable & (loss > self.cfg.spike_ratio * median) & (z > self.cfg.spike_zscore)
         early = self.num_seen < self._full_at
         largest = torch.where(torch.isnan(w), torch.full_like(w, float("-inf")), w).max()
         spike = spike & (~early | (loss > self.cfg.spike_ratio ** 2 * largest))
