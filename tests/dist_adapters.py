@@ -25,6 +25,7 @@ from integration_models import BAD_POSITION, Net, batches, loss_fn  # noqa: E402
 from multiproc import end_worker  # noqa: E402
 
 BAD_STEP, BAD_RANK, STEPS, LOG_EVERY = 3, 1, 8, 4
+SPIKE_STEP = 7  # the second interval: the spike rule is armed
 
 
 def _seq() -> int:
@@ -45,13 +46,15 @@ def monitor(out: Path, run_dir: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     saved = {}
-    for name, bad_in, loss in (("sqrt", "x", loss_fn), ("detached", "y", detached_nan_loss)):
+    for name, bad_in, loss in (("sqrt", "x", loss_fn), ("detached", "y", detached_nan_loss), ("spike", "spike", loss_fn)):
         torch.manual_seed(0)
         model = Net()
         ddp = DDP(model)
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, fused=True)
         data = batches(STEPS, seed=10 + rank)
-        if rank == BAD_RANK:
+        if rank == BAD_RANK and bad_in == "spike":  # a finite spike: one huge target on rank 1 at SPIKE_STEP
+            data[SPIKE_STEP - 1][1][BAD_POSITION, 0] = 300.0
+        elif rank == BAD_RANK:
             x, y = data[BAD_STEP - 1]
             if bad_in == "x":
                 x[BAD_POSITION, 0] = -100.0

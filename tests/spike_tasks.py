@@ -38,6 +38,11 @@ def outlier_samples_task(bad: tuple[int, ...] = (153, 157), scale: float = 40.0,
     return Task(model=model, train_data=TensorDataset(x, y), loss=_mse, name="outlier-samples")
 
 
+def outliers_at_task(bad: str = "153,157", scale: float = 40.0, n: int = 256) -> Task:
+    """:func:`outlier_samples_task` with its samples as a comma-separated string (a command line's task_args)."""
+    return outlier_samples_task(tuple(int(i) for i in bad.split(",")), scale, n)
+
+
 def steady_regression_task(n: int = 512, seed: int = 0) -> Task:
     """state: an ordinary regression; with an LR that the warmup raises too high (AdamW at 0.5 over a 50-step warmup)
     the loss spikes as the state drifts (step 39 at batch 8), on every window alike (no sample to blame)."""

@@ -12,6 +12,7 @@ import json
 
 import pytest
 import torch
+from integration_models import BAD_POSITION
 from multiproc import TESTS, TORCHRUN, run
 
 pytestmark = pytest.mark.slow  # two processes per test
@@ -60,6 +61,11 @@ def test_monitor_around_a_ddp_model_under_torchrun(tmp_path):
     assert a["history"][0]["num_skipped"] == 1 and a["counts"][:3] == ranks[0]["bare_counts"][:3]
     events = _events(run_dir / "detached")
     assert [e["ranks"] for e in events if e["kind"] == "nonfinite"] == [[1]]
+    # A finite spike only rank 1's batch carries: found on rank 1 by its own loss, its sample named.
+    incident = next(e for e in _events(run_dir / "spike") if e["kind"] == "incident")
+    assert incident["step"] == 7 and incident["ranks"] == [1] and incident["diagnosis"]["rank"] == 1, incident
+    d = json.loads((run_dir / "spike" / "incidents" / "step_000007" / "diagnosis.json").read_text())
+    assert d["failure_class"] == "data" and d["samples"]["indices"] == [BAD_POSITION], d["summary"]
 
 
 def test_the_hugging_face_trainer_under_torchrun(tmp_path):

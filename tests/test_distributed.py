@@ -67,6 +67,8 @@ COMMON = ["accum.steps=3", "train.max_steps=7", "log.every=1", "ckpt.every=0", "
 #: Steps 3 and 5 (batch 4 per rank, accum 1) read global micro-batches 2 and 4; rank 1 takes the second half.
 BAD_AT_3 = EpochOrder(64, 4, seed=0, shuffle=True, rank=1, world_size=2).micro_batches(0)[2][1]
 BAD_AT_5 = EpochOrder(64, 4, seed=0, shuffle=True, rank=1, world_size=2).micro_batches(0)[4][1]
+#: Step 14 (batch 8 per rank, no shuffle): rank 1's micro-batch; two of its samples carry a finite spike.
+SPIKE_ON_1 = EpochOrder(256, 8, seed=0, shuffle=False, rank=1, world_size=2).micro_batches(0)[13][2:6:3]
 #: test_the_carried_numbers_are_exact_every_way_and_in_any_bucket_dtype: (way, dtype, tolerance, rides a param)
 CARRIERS = [("param", "float32", 1e-6, True), ("param", "float64", 1e-6, True), ("param", "bfloat16", 2e-2, False),
             ("hook", "float32", 1e-6, False), ("hook-scaled", "float32", 1e-6, False),
@@ -86,6 +88,9 @@ def _scenarios(root):
             ("rollback", "dist_tasks:main", [root / "rollback_out", *nan, f"task_args.bad_index={BAD_AT_3}", "ckpt.every=2",
                                              "guard.on_nonfinite=rollback", "capture.diagnose=false",
                                              f"run.dir={root / 'rollback'}"]),
+            ("spike", *cli("task=spike_tasks:outliers_at_task", f"task_args.bad={','.join(map(str, SPIKE_ON_1))}",
+                           "train.batch_size=8", "train.max_steps=16", "log.every=10", "data.shuffle=false",
+                           "optim.lr=0.01", "ckpt.every=0", "eval.every=0", "dist.nproc=2", f"run.dir={root / 'spike'}")),
             ("reference", *cli(*RESUME, f"run.dir={root / 'reference'}")),  # the SIGKILL test's uninterrupted run
             ("grad-nan", "dist_tasks:main", [root / "grad_nan_out", "task=helpers:grad_nan_sample_task",
                                              f"task_args.bad_index={BAD_AT_3}", "train.batch_size=4", "train.max_steps=3",
@@ -164,6 +169,20 @@ def test_a_nan_only_rank_1_sees_skips_the_step_on_both_ranks_and_the_diagnosis_n
     assert incident["diagnosis"]["bad_samples"] == [bad], incident["diagnosis"]
     bundle = load_bundle(run_dir / "incidents" / "step_000003")
     assert bundle["rank"] == 1 and bad in bundle["window"]["indices"][0]
+
+
+def test_a_finite_spike_only_rank_1s_samples_carry_is_diagnosed_on_rank_1s_batch(world):
+    """The step's loss is the mean over the ranks: its capture must find the rank whose own loss spiked (a finite spike
+    has no non-finite gradients to tell it by), and name that rank's samples, not call rank 0's batch not
+    reproducible."""
+    assert not set(SPIKE_ON_1) & set(EpochOrder(256, 8, seed=0, shuffle=False, rank=0, world_size=2).micro_batches(0)[13])
+    world.check("spike")
+    events = _events(world.root / "spike")
+    incident = next(e for e in events if e["kind"] == "incident")
+    assert incident["step"] == 14 and incident["ranks"] == [1] and incident["diagnosis"]["rank"] == 1, incident
+    assert incident["diagnosis"]["failure_class"] == "data", incident["diagnosis"]["summary"]
+    diagnosis = json.loads((world.root / "spike" / "incidents" / "step_000014" / "diagnosis.json").read_text())
+    assert diagnosis["samples"]["indices"] and set(diagnosis["samples"]["indices"]) <= set(SPIKE_ON_1), diagnosis["summary"]
 
 
 def test_a_state_every_rank_holds_alike_is_staged_in_shares_and_completed_bitwise_on_every_rank(world):

@@ -158,6 +158,29 @@ class Strategy:
         (a collective under DDP); None: nothing to tell apart."""
         return None
 
+    def spike_ranks(self, module: nn.Module, task: Any, precision: str, window: Any) -> list[int] | None:
+        """The rank whose own loss on ``window`` (its micro-batches, the state before the step) is the largest: the one
+        that carried a finite spike the step's loss averaged over the ranks. A forward per micro-batch under the run's
+        autocast, no gradients, the RNG put back; one collective (FSDP's forward gathers too: every rank calls it).
+        None on one process."""
+        if not self.dist.enabled:
+            return None
+        from ..data import move_to
+        from ..policies.accumulation import as_sum_count
+        from ..seeding import rng_state, set_rng_state
+
+        rng, total, count = rng_state(), 0.0, 0.0
+        try:
+            with torch.no_grad(), PrecisionPolicy(precision, self.device).autocast():
+                for indices, batch in zip(window.indices, window.batches):
+                    loss_sum, n = as_sum_count(task.loss(module, move_to(batch, self.device)), len(indices))
+                    total, count = total + float(loss_sum), count + float(n)  # a host read per micro-batch
+        finally:
+            set_rng_state(rng)
+        mean = total / count if count else float("nan")
+        losses = [v if v == v else float("-inf") for v in self.dist.gather_objects(mean)]  # NaN: never the largest
+        return [max(range(len(losses)), key=losses.__getitem__)] if max(losses) > float("-inf") else None
+
     def replay_task(self, task: Any, named_params: list[tuple[str, nn.Parameter]]) -> Any:
         """The task a one-process diagnosis replays (the run's own; FSDP: a model the task factory builds)."""
         return task

@@ -103,8 +103,9 @@ class StepSource(Protocol):
         ``context``: also up to that many ordinary windows (``context``) that :meth:`bundle` puts in ``observed``,
         none of the steps in ``avoid`` (the interval's spikes and skipped steps: no ordinary windows)."""
 
-    def blame(self, fit: RunState) -> list[int] | None:
-        """The ranks whose own gradients of the recorded step are non-finite (a collective), or None."""
+    def blame(self, fit: RunState, spike: bool = False) -> list[int] | None:
+        """The ranks whose own gradients of the recorded step are non-finite (a collective), or None; ``spike``: the
+        rank whose own loss on it is the largest (a finite spike's)."""
 
     def bundle_state(self, **kwargs: Any) -> dict[str, Any]:
         """The run's state before the step, in the one-process format the bundle holds (``dcp=True``: as DCP's)."""
@@ -218,7 +219,7 @@ class IncidentCapture:
                               **{k: v for k, v in pinned.items() if k != "step"})
             record = src.record(fit, step, context=MAX_CONTEXT if spike else 0, avoid=avoid)
             if fit.dist.enabled and not ranks and not after_update:
-                blamed = src.blame(fit)  # every rank's loss was finite: whose own gradients?
+                blamed = src.blame(fit, spike)  # every rank's loss was finite: whose own gradients (or loss) were bad?
                 if blamed is not None:
                     ranks = found["ranks"] = blamed
             seen = ranks or [0]

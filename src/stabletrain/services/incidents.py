@@ -121,8 +121,9 @@ class LoopSteps:
         return {"rank": fit.dist.rank, "rng": rng, "context": ordinary,
                 "window": {"epoch": window.epoch, "start": window.start, "indices": window.indices}}
 
-    def blame(self, fit: RunState) -> list[int] | None:
-        return self.strategy.nonfinite_gradient_ranks(fit.module, fit.task, fit.precision, self._window)
+    def blame(self, fit: RunState, spike: bool = False) -> list[int] | None:
+        ranks = self.strategy.spike_ranks if spike else self.strategy.nonfinite_gradient_ranks
+        return ranks(fit.module, fit.task, fit.precision, self._window)
 
     def bundle_state(self, **kwargs: Any) -> dict[str, Any]:
         return self.state.state_dict(**kwargs)

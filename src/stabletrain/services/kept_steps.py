@@ -242,8 +242,29 @@ class HostSteps:
                 "host": {k: (v.item() if isinstance(v, Tensor) else v) for k, v in kept.host.items()
                          if k in ("num_items_in_batch", "accumulation_steps")}}
 
-    def blame(self, fit: Any) -> None:
-        return None
+    def blame(self, fit: Any, spike: bool = False) -> list[int] | None:
+        """A finite spike under DDP: the rank whose own loss on its kept batches is the largest (the host's loss as
+        the diagnosis computes it, no gradients, the step's RNG, one collective); None otherwise."""
+        s = self.session
+        if not spike or s.dist.world <= 1:
+            return None
+        loss = self.replay.diagnosis_loss(self._kept) if self.replay is not None and self._kept is not None else None
+        values: list[float] = []
+        if loss is not None:
+            from ..data import move_to
+            from ..policies.precision import PrecisionPolicy
+
+            rng = rng_state()
+            try:
+                if self._kept.rng is not None:
+                    set_rng_state(self._kept.rng)
+                with torch.no_grad(), PrecisionPolicy(s.precision, s.device).autocast():
+                    values = [float(loss(s.model, move_to(b, s.device))) for b in self._kept.batches()]
+            finally:
+                set_rng_state(rng)
+        mean = sum(values) / len(values) if values else float("nan")
+        losses = [v if v == v else float("-inf") for v in s.dist.gather_objects(mean)]  # NaN (none known): never
+        return [max(range(len(losses)), key=losses.__getitem__)] if max(losses) > float("-inf") else None
 
     def bundle(self, fit: Any, step: int, record: dict[str, Any], before: dict[str, Any],
                info: dict[str, Any]) -> dict[str, Any]:
