@@ -257,6 +257,8 @@ def test_the_onset_of_the_intervals_largest_burst_is_the_spike_captured(tmp_path
     assert spike_to_capture([64, 65, 66, 67, 68, 69], {64: 0.8, 65: 0.85, 66: 1.2, 67: 3.0, 68: 9.0, 69: 30.0}) == 64
     assert spike_to_capture([101, 103], {101: 0.3, 103: 3.6}) == 103
     assert spike_to_capture([12, 13, 17], {12: 5.0, 13: 2.0, 17: 5.0}) == 12  # a tie: the earlier
+    # A divergence's spikes with a calm step between: the later one about as large is its course, not a new burst
+    assert spike_to_capture([101, 102, 104], {101: 0.21, 102: 0.2373, 104: 0.2555}) == 101
     run_dir = tmp_path / "run"
     task = outlier_samples_task(bad=(105, 109, 145, 146, 147, 149))
     Trainer(cfg("train.batch_size=8", "log.every=10", "data.shuffle=false", "train.max_steps=20", "optim.lr=0.01"),
@@ -481,3 +483,21 @@ def test_on_spike_remedy_does_not_roll_back_when_skipping_the_step_cures(tmp_pat
     remedies = [e for e in _events(run_dir) if e["kind"] == "remedy"]
     assert [e.get("applied") for e in remedies] == [None] and "no remedy needed" in remedies[0]["reason"], remedies
     assert not [e for e in _events(run_dir) if e["kind"] == "rollback"]
+
+
+def test_without_an_older_state_a_few_samples_name_a_data_spike_only_when_they_carry_most_of_it():
+    """A spike with no older state to weigh it against (an adapter's interval's first step): dropping a drifted
+    window's largest losses 'cures' it too, so a sample carrying 29% is no data verdict, nor are samples when the
+    ordinary windows are spikes under this state as well; planted outliers carrying 99% still are."""
+    def m(share, ordinary_now=None):
+        return {"reproduces": True, "step": 91, "older": None, "fp32": None, "surges": [], "where": {}, "jumps": {},
+                "samples": {"indices": [7], "share": share, "without": {"loss": 0.16, "ratio": 1.9}},
+                **({"ordinary_now": ordinary_now} if ordinary_now else {})}
+
+    weak = classify_spike(m(0.29))
+    assert weak["failure_class"] == "state" and weak["blamed_samples"] is None
+    assert "no older state to weigh the window against, and no few samples carry most of it" in weak["evidence"]
+    drifted = classify_spike(m(0.9, {"loss": 0.5, "spike": True}))
+    assert drifted["failure_class"] == "state" and "ordinary windows are high under this state too" in drifted["evidence"]
+    data = classify_spike(m(0.99, {"loss": 0.08, "spike": False}))
+    assert data["failure_class"] == "data" and data["blamed_samples"] == [7]

@@ -252,6 +252,9 @@ def _diagnose(bench: _Bench, bundle: dict[str, Any], cfg: Any, observed: dict[st
     samples_s = time.perf_counter() - start - replays_s
     ordinary = _typical([bench.step(c) for c in context]) if context else None
     m["older"], m["where"] = _older(bench, bundle, cfg, spike, context, rule) if why is None else (None, {})
+    if m["older"] is None and context and why is None:  # no older state: are the ordinary windows high under this one?
+        now = sum(bench.loss(c) for c in context) / len(context)
+        m["ordinary_now"] = {"loss": now, "spike": bool(rule(now)["spike"])}
     m["jumps"] = ({"grad_norm": jumps(here["grad_norms"], ordinary["grad_norms"]),
                    "update_ratio": jumps(here["update_ratios"], ordinary["update_ratios"])} if ordinary else {})
     m["surges"] = [{**r, "step": bundle["step"]} for r in here.get("surges", [])]
@@ -279,6 +282,7 @@ def _diagnose(bench: _Bench, bundle: dict[str, Any], cfg: Any, observed: dict[st
            **verdict, "bad_samples": verdict["blamed_samples"], "samples": m["samples"],
            "sample_losses": [{k: v for k, v in r.items()} for r in samples_rows[:10]],
            "num_samples": len(samples_rows) or sum(len(i) for i, _ in spike), "older": m["older"], "where": m["where"],
+           "ordinary_now": m.get("ordinary_now"),
            "jumps": m["jumps"], "surges": top, "fp32": m["fp32"], "precision": precision,
            "spike_window": {"size": len(bundle.get("observed", {}).get("spike_window") or []),
                             "median": test.get("median"), "mean": test.get("mean"), "std": test.get("std")},

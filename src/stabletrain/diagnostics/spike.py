@@ -39,6 +39,10 @@ SURGE_FACTOR = 10.0
 #: as far as its other coordinates in that update.
 MIN_SHARE = 1e-3
 UPDATE_JUMP = 3.0
+
+#: Without an older state, a data spike's few samples must carry at least this share of the window's loss.
+DATA_SHARE = 0.5
+
 #: A layer's gradient norm on the spike's window at least this many times its norm on an ordinary one is named as a
 #: jump in the evidence (x1 is no jump).
 GRAD_JUMP = 1.5
@@ -145,7 +149,8 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     ``loss``, ``precision``, ``fp32`` (the fp32 replay's rule test, or None), ``samples`` (the verified set:
     ``indices``, ``share``, ``without``; or None), ``older`` (the window and ordinary windows under the older
     state: ``step``, ``window``, ``ordinary``, ``current_ordinary``, ``window_high``, ``ordinary_high``; or None),
-    ``surges`` (:func:`surge_rows` with ``step``: of the step before the spike and of the spike's own; only the
+    ``ordinary_now`` (without an older state: the ordinary windows' loss under this one and whether the rule calls it a
+    spike; or None), ``surges`` (:func:`surge_rows` with ``step``: of the step before the spike and of the spike's own; only the
     former can be a cause), ``step`` (the spike's),
     ``where`` (:func:`departures`) and ``jumps`` (:func:`jumps` of ``grad_norm`` and ``update_ratio``).
     """
@@ -163,7 +168,14 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
                              f"{m['loss']:.4g}" + (f"; the first module whose output departs from fp32's: '{module}' "
                                                    f"(x{m['where']['first_factor']:.3g} its fp32 magnitude)" if module else ""))}
     high_before = older is not None and older["window_high"]
-    if samples is not None and (older is None or high_before):
+    # No older state to weigh the window against: ordinary windows that are spikes by the rule under this state say
+    # the state drifted (then dropping a drifted window's largest losses "cures" it too: no sample is to blame).
+    now = m.get("ordinary_now") if older is None else None
+    drifted = now is not None and now["spike"]
+    # Nor, without one, do a few samples that carry a small share of the loss name a data spike: in a drifted state
+    # dropping the window's largest losses brings any window under the rule's bar.
+    weak = older is None and samples is not None and samples["share"] < DATA_SHARE
+    if samples is not None and (older is None and not drifted and not weak or high_before):
         out["blamed_samples"] = samples["indices"]
         n = len(samples["indices"])
         return {**out, "failure_class": "data",
@@ -185,13 +197,19 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     if high_before:  # (with a surge before it: the surge is the cause named)
         drift = (f"; the window is high under the state of step {older['step']} too ({older['window']:.4g} vs "
                  f"{older['ordinary']:.4g})")
+    elif drifted:
+        drift = (f"; ordinary windows are high under this state too ({now['loss']:.4g}, a spike by the guard's rule; "
+                 "no older state to weigh them against)")
+    elif weak:
+        drift = (f"; no older state to weigh the window against, and no few samples carry most of it (the "
+                 f"{len(samples['indices'])} largest: {_pct(samples['share'])})")
     elif older is not None:
         now, then = older["current_ordinary"], older["ordinary"]
         versus = (f"vs {then:.4g}" if not older["ordinary_high"] or now > then else
                   f"high by the rule; {then:.4g} under that state, itself no calm one")
         drift = (f"; the window is normal under the state of step {older['step']} ({older['window']:.4g}) and ordinary "
                  f"windows are {'high' if older['ordinary_high'] else 'at'} {now:.4g} under this one ({versus})")
-    if samples is not None:
+    if samples is not None and not weak:
         drift += (f"; samples {', '.join(map(str, samples['indices']))} carry {_pct(samples['share'])} of the loss, "
                   "but only under the current state")
     if blamed is not None:

@@ -118,11 +118,18 @@ class IntervalBoundary:
         return spike_to_capture(decision.spike_steps, {r.step: r.values["loss"] for r in rows})
 
 
+#: A later burst of spikes in an interval is captured instead of an earlier one only when its peak loss is at least
+#: this many times the earlier's: a burst about as large is the earlier one's aftershock (its course), not a new one.
+LARGER_BURST = 1.5
+
+
 def spike_to_capture(steps: list[int], losses: dict[int, float]) -> int:
     """The onset of the interval's largest burst of spikes (a burst: spikes on consecutive steps).
 
     A divergence's burst is captured at its first step, where it began (its later, larger losses are its course);
-    an aftershock of an earlier spike does not hide a new, larger burst after it. Ties: the earlier burst.
+    an aftershock of an earlier spike does not hide a new, clearly larger burst after it (:data:`LARGER_BURST`
+    times the earlier's peak); one about as large (a divergence's spikes with a calm step between) does not take
+    the capture from where the trouble began.
     """
     bursts: list[list[int]] = []
     for s in sorted(steps):
@@ -131,4 +138,8 @@ def spike_to_capture(steps: list[int], losses: dict[int, float]) -> int:
         else:
             bursts.append([s])
     peak = [max(losses.get(s, float("-inf")) for s in burst) for burst in bursts]
-    return bursts[peak.index(max(peak))][0]
+    best = 0
+    for i in range(1, len(bursts)):
+        if peak[i] > LARGER_BURST * peak[best]:
+            best = i
+    return bursts[best][0]
