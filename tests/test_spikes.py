@@ -501,3 +501,22 @@ def test_without_an_older_state_a_few_samples_name_a_data_spike_only_when_they_c
     assert drifted["failure_class"] == "state" and "ordinary windows are high under this state too" in drifted["evidence"]
     data = classify_spike(m(0.99, {"loss": 0.08, "spike": False}))
     assert data["failure_class"] == "data" and data["blamed_samples"] == [7]
+
+
+def test_a_spike_rollback_also_drops_the_samples_its_diagnosis_named(tmp_path):
+    """guard.on_spike=rollback on outlier samples that come back every epoch (in other windows): skipping the spike's
+    window alone met them again each epoch until guard.max_rollbacks stopped the run; the samples the diagnosis named
+    (and verified) are dropped too, so one rollback suffices, and a resume keeps them dropped."""
+    run_dir = tmp_path / "run"
+    c = cfg("train.batch_size=8", "log.every=10", "data.shuffle=false", "train.max_steps=70", "optim.lr=0.01",
+            "ckpt.every=10", "guard.on_spike=rollback", "ckpt.keep=10")
+    trainer = Trainer(c, task=outlier_samples_task(), run_dir=run_dir)
+    trainer.fit()
+    events = _events(run_dir)
+    rollbacks = [e for e in events if e["kind"] == "rollback"]
+    assert len(rollbacks) == 1 and rollbacks[0]["dropped_samples"] and set(rollbacks[0]["dropped_samples"]) <= {153, 157}
+    assert "which the diagnosis named" in rollbacks[0]["reason"]
+    assert trainer.step == 70 and trainer.state.stop_reason is None
+    assert not [e for e in events if e["kind"] == "spike" and e["step"] > 20]  # step 52 (epoch 2) met them no more
+    resumed = Trainer(c, task=outlier_samples_task(), run_dir=run_dir, resume=True)
+    assert set(rollbacks[0]["dropped_samples"]) <= resumed.stream.drop

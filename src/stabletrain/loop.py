@@ -262,7 +262,7 @@ class Trainer:
             state.stop(decision.reason)
             return False
         if decision.action == "rollback":
-            info = self.keeper.rollback(decision, self.guard.counters_kept)
+            info = self.keeper.rollback(decision, self.guard.counters_kept, info)
             if info is None:
                 state.stop(state.stop_reason or decision.reason)
                 return False

@@ -88,8 +88,10 @@ class GoodputClock(Callback):
         steps = state.step - self._step
         wall = now - self._t
         stepping = float(record.get("step_time_s") or 0.0) * steps  # the loop's interval time, validation left out
+        # A save waited for inside a rollback is in both: the incident's time is what the checkpoint's leaves of the wall
+        incident = min(self._incident_s, max(0.0, wall - self._checkpoint_s))
         self._write("interval", t=now, step=state.step, steps=steps, wall_s=wall, eval_s=max(0.0, wall - stepping),
-                    checkpoint_s=self._checkpoint_s, incident_s=self._incident_s, skipped=int(record.get("num_skipped") or 0))
+                    checkpoint_s=self._checkpoint_s, incident_s=incident, skipped=int(record.get("num_skipped") or 0))
         self._t, self._step = now, state.step
         self._checkpoint_s = self._incident_s = 0.0
         self._incident_at = None

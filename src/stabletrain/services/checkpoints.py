@@ -143,16 +143,19 @@ class CheckpointKeeper:
 
     def _keep_rollbacks(self, run_dir: Path) -> None:
         """What the run's rollbacks decided outlives a checkpoint written before them: the data windows they skipped
-        stay skipped and they count toward ``guard.max_rollbacks`` (a restart from LAST_GOOD would train into the same
-        spike again, and roll back without limit). Rank 0 reads ``events.jsonl``; every rank applies it."""
+        stay skipped, the samples they dropped dropped, and they count toward ``guard.max_rollbacks`` (a restart from
+        LAST_GOOD would train into the same spike again, and roll back without limit). Rank 0 reads ``events.jsonl``;
+        every rank applies it."""
         state = self.state
 
-        def read() -> tuple[list[list[int]], int]:
+        def read() -> tuple[list[list[int]], list[int], int]:
             rollbacks = [e for e in read_jsonl(run_dir / "events.jsonl")[0] if e.get("kind") == "rollback"]
-            return [w for e in rollbacks for w in e.get("skipped_windows") or []], len(rollbacks)
+            return ([w for e in rollbacks for w in e.get("skipped_windows") or []],
+                    [i for e in rollbacks for i in e.get("dropped_samples") or []], len(rollbacks))
 
-        windows, count = state.dist.on_main(read)
+        windows, samples, count = state.dist.on_main(read)
         state.stream.skip |= {(int(epoch), int(start)) for epoch, start in windows}
+        state.stream.drop |= {int(i) for i in samples}
         if state.guard is not None:
             state.guard.num_rollbacks = max(state.guard.num_rollbacks, count)
 
@@ -363,12 +366,15 @@ class CheckpointKeeper:
             return None
         return chosen[0] if chosen else ckpt.load(path, verified=True)  # rank 0 verified it: memory-mapped here
 
-    def rollback(self, decision: Any, restore_counters: Any) -> dict[str, Any] | None:
+    def rollback(self, decision: Any, restore_counters: Any, found: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """Restore LAST_GOOD and never train on the bad steps' data windows again; record the ``rollback`` event.
 
         ``decision``: the guard's (its bad steps, and its spikes under ``guard.on_spike=rollback``).
         ``restore_counters(loaded_state)`` puts back the run-wide counters a rollback must not undo
-        (incidents, rollbacks, spikes). Returns the rollback info, or None (and sets ``state.stop_reason``)
+        (incidents, rollbacks, spikes). ``found``: the incident's capture; when its diagnosis is ``data`` with the
+        samples named (a spike's verified by their removal), those samples are never trained on again either (they
+        come back every epoch, in other windows; one process: a remedy's drop, see :mod:`stabletrain.data`). Returns
+        the rollback info, or None (and sets ``state.stop_reason``)
         when there is no checkpoint to go back to.
         """
         state = self.state
@@ -381,15 +387,22 @@ class CheckpointKeeper:
             return None
         from_step = state.step
         skip = state.stream.skip | windows
+        diagnosis = (found or {}).get("diagnosis") or {}
+        samples = sorted({int(i) for i in diagnosis.get("bad_samples") or []}
+                         if diagnosis.get("failure_class") == "data" and not state.dist.enabled else set())
+        drop = state.stream.drop | set(samples)
         with restore_counters():
             self.state.load_state_dict(loaded.state)
-        state.stream.skip = skip
+        state.stream.skip, state.stream.drop = skip, drop
         # The rolled-back steps' lines go to metrics.superseded.jsonl (kept, as a resume keeps them): one line per step.
         dropped = state.run.drop_metrics_after(state.step) if state.run is not None else 0
         info = {"from_step": from_step, "to_step": state.step, "path": str(loaded.path), "skipped_windows": sorted(windows),
-                "superseded_metrics": dropped,
+                "superseded_metrics": dropped, "dropped_samples": samples,
                 "reason": f"{reason}: rolled back from step {from_step} to {loaded.path.name}; "
-                          f"{_never_again(bad_steps, state.positions)}"}
+                          f"{_never_again(bad_steps, state.positions)}"
+                          + (f"; nor on sample{'s' * (len(samples) > 1)} {', '.join(map(str, samples))}, which the "
+                             f"diagnosis named ({'they come' if len(samples) > 1 else 'it comes'} back every epoch)"
+                             if samples else "")}
         state.event(state.step, "rollback", info["reason"], **{k: v for k, v in info.items() if k != "reason"})
         if state.dist.is_main:  # the run changed course: said, as an incident is
             console.say(info["reason"])
