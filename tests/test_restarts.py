@@ -440,3 +440,15 @@ def test_goodput_counts_a_launch_that_died_in_its_start_up(tmp_path):
     (tmp_path / "events.jsonl").write_text(json.dumps(restarts[0]) + "\n")
     g = read_goodput(tmp_path)
     assert (g.launches, g.restarts) == (2, 1) and g.total_s == pytest.approx(20.0)
+
+
+def test_goodput_parts_that_overlap_in_an_interval_stay_within_its_wall_time(tmp_path):
+    # A save waited for inside a rollback's incident time was in both: 0.63 s checkpoint and 0.67 s incident in 0.68 s.
+    ledger = [{"kind": "launch", "start": 100.0, "ready": 101.0, "step": 0},
+              {"kind": "interval", "t": 101.68, "step": 10, "steps": 10, "wall_s": 0.68, "eval_s": 0.0,
+               "checkpoint_s": 0.63, "incident_s": 0.67, "skipped": 0},
+              {"kind": "end", "t": 102.0, "step": 10, "wall_s": 0.32, "checkpoint_s": 0.0, "incident_s": 0.0}]
+    (tmp_path / "goodput.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ledger))
+    g = read_goodput(tmp_path)
+    assert g.seconds["checkpoint"] + g.seconds["incident"] == pytest.approx(0.68)
+    assert sum(g.seconds.values()) == pytest.approx(g.total_s) and sum(g.share(p) for p in g.seconds) == pytest.approx(1.0)
