@@ -7,6 +7,7 @@ import json
 import math
 import re
 import shutil
+import statistics
 from pathlib import Path
 
 import pytest
@@ -636,8 +637,12 @@ def test_a_few_huge_losses_do_not_make_the_loss_headline_read_as_a_run_that_got_
     means = [40.0, 1.0, 30.0, 0.8, 25.0, 0.5, 0.4, 0.3]
     h, text = _loss_run(tmp_path / "recurring", means, [1.2, 0.9, 0.7, 0.7, 0.5, 0.4, 0.35, 0.25], spikes=[5, 25, 45])
     assert h.figures["loss_start"] == 0.9 and text.startswith(
-        "Train loss 0.9 → 0.3 (median of the means of the 2 of the first 5 intervals without a loss spike → last "
+        "Train loss 0.9 → 0.3 (median of the means of the 2 of the first 4 intervals without a loss spike → last "
         "interval: the first interval's mean, 40, is lifted by a loss spike at step 5)"), text
+    # A short run (6 intervals): each end's median is over its own 3 intervals, never the same ones ("0.13 → 0.13").
+    means = [9.0, 0.5, 0.4, 0.2, 0.1, 7.0]
+    h, text = _loss_run(tmp_path / "short", means, [0.4, 0.45, 0.35, 0.18, 0.09, 0.08], spikes=[5, 60])
+    assert (h.figures["loss_start"], h.figures["loss_end"]) == (0.5, 0.2), text
     # A loss that falls fast at the start keeps its first interval's mean too.
     falling = [5.1, 1.3, 0.22, 0.03, 0.0005, 1e-4, 3e-5, 1e-5]
     h, text = _loss_run(tmp_path / "falling", falling, [0.5 * m for m in falling])
@@ -652,10 +657,12 @@ def test_a_real_run_with_a_huge_loss_heads_with_its_typical_loss(tmp_path):
     records, _ = read_jsonl(run / "metrics.jsonl")
     means = [r["loss"] for r in records]
     assert h.figures["spike_steps"] == [38] and means[-1] > 100 * means[-2]
-    assert h.figures["loss_last"] == means[-1] and h.figures["loss_end"] == pytest.approx(sorted(means[-5:])[2])
+    ends = min(5, len(means) // 2)  # the last 5 intervals, fewer where they would overlap the first ones
+    assert ends >= 3 and h.figures["loss_last"] == means[-1]
+    assert h.figures["loss_end"] == pytest.approx(statistics.median(means[-ends:]))
     text = next(t for _, t in h.sentences if t.startswith("Train loss"))
     assert text.startswith(f"Train loss {fmt_num(means[0])} → {fmt_num(h.figures['loss_end'])} (first interval → median "
-                           f"of the last 5 intervals' means: the last interval's mean, {fmt_num(means[-1])}, is lifted "
+                           f"of the last {ends} intervals' means: the last interval's mean, {fmt_num(means[-1])}, is lifted "
                            "by a loss spike at step 38)")
     assert h.figures["loss_end"] < means[0]  # the run's typical loss fell; the interval means alone said it rose
 
@@ -744,9 +751,9 @@ def test_spikes_and_incidents_a_rollback_went_back_past_are_said_once_each(tmp_p
     spikes before the rollback (not nothing), and the incident once with how often it was met (not 3 times)."""
     (tmp_path / "config.yaml").write_text("train:\n  max_steps: 100\n")
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(10, 101, 10)))
-    diagnosis = {"summary": "data: samples 3, 11 carry 99% of the window's loss"}
     events = []
-    for _ in range(3):
+    for share in (99, 98, 97):  # the evidence's numbers differ a little each time
+        diagnosis = {"summary": f"data: samples 3, 11 carry {share}% of the window's loss"}
         events += [{"step": 65, "kind": "spike", "reason": "loss spike"},
                    {"step": 65, "kind": "incident", "reason": "spike", "anomaly": "spike", "diagnosis": diagnosis},
                    {"step": 60, "kind": "rollback", "reason": "loss spike at step 65: rolled back"}]

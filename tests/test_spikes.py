@@ -483,6 +483,8 @@ def test_on_spike_remedy_does_not_roll_back_when_skipping_the_step_cures(tmp_pat
     remedies = [e for e in _events(run_dir) if e["kind"] == "remedy"]
     assert [e.get("applied") for e in remedies] == [None] and "no remedy needed" in remedies[0]["reason"], remedies
     assert not [e for e in _events(run_dir) if e["kind"] == "rollback"]
+    skips = [e["reason"] for e in _events(run_dir) if e["kind"] == "skip"]  # the policy the run had, said as such
+    assert skips == ["optimizer step skipped: loss spike (guard.on_spike=remedy)"], skips
 
 
 def test_without_an_older_state_a_few_samples_name_a_data_spike_only_when_they_carry_most_of_it():

@@ -183,7 +183,7 @@ class EventLog(Callback):
                             loss=values["loss"], action=guard.on_spike)
             if values["applied"] < 0.5:
                 if values["finite"] >= 0.5 and values["spike"] > 0.5:
-                    reason = "loss spike (guard.on_spike=skip)"
+                    reason = f"loss spike (guard.on_spike={guard.on_spike})"
                 elif values["overflow"] > 0.5:
                     reason = "fp16 overflow (GradScaler backs off the loss scale)"
                 else:

@@ -186,12 +186,13 @@ def _robust_end(rows: list[tuple], spikes: list[int], ratio: float, end: str) ->
     ``rows`` are (step, interval steps, mean loss, smallest loss) from that end inward.
     """
     step, width, mean, low = rows[0]
-    near = [r[2] for r in rows[:LOSS_ENDS]]
+    ends = min(LOSS_ENDS, len(rows) // 2)  # a short run: the two ends' intervals do not overlap
+    near = [r[2] for r in rows[:ends]]
     median = statistics.median(near)
     spiky = any(step - width < s <= step for s in spikes) or (mean > ratio * median and low <= ratio * median)
     if len(near) < 3 or not spiky:
         return mean, None
-    quiet = [r[2] for r in rows[:LOSS_ENDS] if not any(r[0] - r[1] < s <= r[0] for s in spikes)]
+    quiet = [r[2] for r in rows[:ends] if not any(r[0] - r[1] < s <= r[0] for s in spikes)]
     if quiet and 2 * (len(near) - len(quiet)) >= len(near):  # spikes recur (every epoch): most means are lifted
         return statistics.median(quiet), (f"median of the means of the {len(quiet)} of the {end} {len(near)} "
                                           "intervals without a loss spike")
@@ -227,11 +228,15 @@ def _went_back(events: list[Event]) -> str:
 
 
 def _once(incidents: list[tuple[int, str]]) -> list[tuple[int, str]]:
-    """Each (step, summary) once, in order, with how often it was met (a run that went back into it again)."""
+    """Each incident once, in order, with how often it was met (a run that went back into it again): the same step
+    and class ("state: ..."; the evidence's numbers may differ in their last digits), its first summary."""
+    first: dict[tuple[int, str], str] = {}
     counts: dict[tuple[int, str], int] = {}
-    for item in incidents:
-        counts[item] = counts.get(item, 0) + 1
-    return [(step, summary.rstrip(".") + (f" (met {n} times)" if n > 1 else "")) for (step, summary), n in counts.items()]
+    for step, summary in incidents:
+        key = (step, summary.split(":", 1)[0])
+        first.setdefault(key, summary)
+        counts[key] = counts.get(key, 0) + 1
+    return [(key[0], first[key].rstrip(".") + (f" (met {n} times)" if n > 1 else "")) for key, n in counts.items()]
 
 
 def _listed(incidents: list[tuple[int, str]], limit: int = 5) -> str:
