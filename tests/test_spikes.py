@@ -396,6 +396,30 @@ def test_an_adapter_spike_gets_the_same_doctor(tmp_path):
     assert d["bad_positions"] == [{"micro_batch": 0, "position": 1}, {"micro_batch": 0, "position": 5}]
 
 
+def test_an_adapters_spike_window_under_on_spike_skip_is_the_one_the_rule_judged(tmp_path):
+    """Under guard.on_spike=skip the rule runs on the device; an adapter's replay does not run it, so the window at
+    the capture was the boundary's (the interval's later losses in it): the spike's diagnosis read another median
+    than under warn for the same history. Rebuilt from the interval's start, it is the same window."""
+    from spike_tasks import _mse
+
+    from stabletrain import Monitor
+
+    windows = {}
+    for on_spike in ("warn", "skip"):
+        task = outlier_samples_task(bad=(113, 117))  # step 15, mid-interval
+        torch.manual_seed(0)
+        opt = torch.optim.AdamW(task.model.parameters(), lr=0.01, fused=True)
+        run_dir = tmp_path / on_spike
+        with Monitor(task.model, opt, run_dir=run_dir, log_every=10, loss_fn=_mse, on_spike=on_spike) as monitor:
+            for step in range(30):
+                batch = task.train_data[step * 8:(step + 1) * 8]
+                loss = _mse(task.model, batch)
+                monitor.backward(loss, batch)
+                monitor.step()
+        windows[on_spike] = load_bundle(run_dir / "incidents" / "step_000015")["observed"]["spike_window"]
+    assert len(windows["warn"]) == 14 and sorted(windows["skip"]) == sorted(windows["warn"])
+
+
 def test_the_readme_spike_example_prints_what_the_readme_shows(tmp_path, capsys):
     """The docs' worked example (docs/loss-spikes.md, examples/spike_task.py): the spike line and the remedy table's candidates,
     ranking, verdicts and what each does, as on this page (its numbers within 5%: another CPU rounds the last digits)."""

@@ -168,6 +168,9 @@ class Guard:
         self.num_spike_captures = 0
         self._no_spike: Tensor | None = None
         self._start: tuple[Any, int] | None = None  # the host window and count at the last interval's start
+        # On the device: (window, count) at the last two boundaries: the current interval's start, the next's
+        self._device_starts: tuple[Any, Any] = (None, None)
+        self._device_starts_from_here()
         # The last guard.stall_steps steps as (applied, grad norm, loss scale): a run that goes on without learning.
         self._recent: deque[tuple[bool, float, float]] = deque(maxlen=cfg.stall_steps)
         self.stall_warned = False
@@ -228,7 +231,8 @@ class Guard:
         population standard deviation of the window's finite values. Nothing to do when the rule ran
         on the device (``guard.on_spike=skip``).
         """
-        if self.on_device:
+        if self.on_device:  # the window as this interval ends starts the next: window_before rebuilds from it
+            self._device_starts = (self._device_starts[1], (self.window.clone(), self.num_seen.clone()))
             return
         w = self._host_window  # a view: the tensor (and so state_dict) follows
         seen = self._host_seen
@@ -299,25 +303,46 @@ class Guard:
         return (f"the run is stalled at step {step}: {what}: no update moved the parameters (guard.stall_steps={n}). "
                 f"Try {advice}; guard.on_stall=warn trains on")
 
+    def _device_starts_from_here(self) -> None:
+        """The next interval starts from the window as it is now (at the start, after a load)."""
+        if self.on_device:
+            self._device_starts = (None, (self.window.clone(), self.num_seen.clone()))
+
     def window_before(self, step: int, rows: list[Any]) -> list[float]:
         """The finite non-spike losses the rule held when it judged step ``step``: the window at the interval's
         start, then the interval's rows before ``step`` (host rule). With the rule on the device
         (``guard.on_spike=skip``) the window as it is now: a capture reads it once its replay stands just before
-        ``step`` (the exact window; at the boundary it would hold the interval's later losses too). One small read,
-        made only for a spike's capture.
+        ``step`` (the exact window); where the window is still the boundary's (an adapter's replay does not run the
+        rule: it would hold the interval's later losses too), the one rebuilt from the interval's start as the host
+        rule does. One small read, made only for a spike's capture.
         """
-        if self.on_device or self._start is None:
+        if self.on_device:
+            now = self.window.detach().cpu().numpy()
+            start = self._device_starts[0]
+            if start is not None:  # a replay that did not run the rule (an adapter's) left the boundary's window: rebuild
+                w, seen = start[0].cpu().numpy(), int(start[1])
+                before, end = self._kept(w, seen, rows, step), self._kept(w, seen, rows, None)
+                if np.array_equal(end, now, equal_nan=True):
+                    return [float(x) for x in before.tolist() if not math.isnan(x)]
+            return [float(v) for v in now.tolist() if not math.isnan(v)]
+        if self._start is None:
             return [float(v) for v in self.window.detach().cpu().tolist() if not math.isnan(v)]
-        w, seen = self._start[0].copy(), self._start[1]
+        return [float(x) for x in self._kept(*self._start, rows, step).tolist() if not math.isnan(x)]
+
+    @staticmethod
+    def _kept(window: Any, seen: int, rows: list[Any], step: int | None) -> Any:
+        """``window`` (with ``seen`` losses kept so far) after the rows before ``step`` (None: all), as the rule keeps
+        them: the finite non-spike losses, in float32."""
+        w = window.copy()
         for row in rows:
-            if row.step >= step:
+            if step is not None and row.step >= step:
                 break
             v = row.values
             loss = float(np.float32(v["loss"]))
             if v["finite"] > 0.5 and math.isfinite(loss) and v.get("spike", 0.0) < 0.5:
                 w[seen % len(w)] = loss
                 seen += 1
-        return [float(x) for x in w.tolist() if not math.isnan(x)]
+        return w
 
     def decide(self, rows: list[Any]) -> GuardDecision:
         """Read one interval's per-step rows (host values) and return what to do. Updates the counters.
@@ -415,5 +440,6 @@ class Guard:
         self._recent.clear()
         self._recent.extend((bool(a), float(g), float(sc)) for a, g, sc in state.get("recent", []))
         self.stall_warned = bool(state.get("stall_warned", False))
+        self._device_starts_from_here()
         self.unordinary.clear()
         self.unordinary.extend(int(s) for s in state.get("unordinary", []))
