@@ -396,6 +396,22 @@ def test_an_adapter_spike_gets_the_same_doctor(tmp_path):
     assert d["bad_positions"] == [{"micro_batch": 0, "position": 1}, {"micro_batch": 0, "position": 5}]
 
 
+def test_the_rank_with_the_largest_loss_is_found_and_a_ranks_failure_reaches_every_rank():
+    from types import SimpleNamespace
+
+    from stabletrain.distributed.strategy import largest_loss_rank
+
+    def group(*answers):
+        return SimpleNamespace(gather_objects=lambda mine: [mine, *answers])
+
+    assert largest_loss_rank(group((9.0, None), (1.0, None)), 0.5, None) == [1]
+    assert largest_loss_rank(group((float("nan"), None)), float("nan"), None) is None
+    with pytest.raises(RuntimeError, match=r"^rank 1 failed computing its own loss on the spike's window: OSError: gone$"):
+        largest_loss_rank(group((float("nan"), "OSError: gone")), 0.5, None)  # this rank answered, rank 1 raised
+    with pytest.raises(ValueError, match="mine"):
+        largest_loss_rank(group((1.0, None)), float("nan"), ValueError("mine"))
+
+
 def test_an_adapters_spike_window_under_on_spike_skip_is_the_one_the_rule_judged(tmp_path):
     """Under guard.on_spike=skip the rule runs on the device; an adapter's replay does not run it, so the window at
     the capture was the boundary's (the interval's later losses in it): the spike's diagnosis read another median
@@ -474,7 +490,7 @@ def test_a_data_spike_among_other_spikes_is_judged_against_ordinary_windows(tmp_
         assert d["samples"]["indices"] and set(d["samples"]["indices"]) <= {(step - 1) * 8 + 1, (step - 1) * 8 + 5}
 
 
-@pytest.mark.parametrize("on_spike", ["warn", "skip"])
+@pytest.mark.parametrize("on_spike", ["warn", "skip", "remedy"])
 def test_an_fp16_spike_that_overflows_the_gradients_is_still_a_spike(tmp_path, on_spike):
     """Under fp16 a large spike's gradients overflow: the GradScaler skips the step as a routine overflow, yet its
     finite loss is a spike by the rule (the host's, and the device's under guard.on_spike=skip), captured and
@@ -491,6 +507,9 @@ def test_an_fp16_spike_that_overflows_the_gradients_is_still_a_spike(tmp_path, o
     assert d["failure_class"] == "data" and set(d["samples"]["indices"]) <= {153, 157}, d["summary"]
     lines = {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
     assert (lines[10]["num_incidents"], lines[20]["num_incidents"], lines[30]["num_incidents"]) == (0, 1, 1)
+    if on_spike == "remedy":  # the search's replays see the overflowing spike as the run did: skipping its samples cures
+        (remedy,) = [e for e in events if e["kind"] == "remedy"]
+        assert remedy.get("name") == "skip-samples", remedy["reason"]
 
 
 def test_on_spike_remedy_does_not_roll_back_when_skipping_the_step_cures(tmp_path):

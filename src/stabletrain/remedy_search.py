@@ -168,7 +168,7 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int) -> dict[str, Any]:
                            for r in inc.history if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"])])
     live = None  # guard.on_spike=skip or remedy: the run skips a flagged step's update, so the replay does too (the
     if cfg.guard.on_spike in ("skip", "remedy") and not inc.adapter:  # same rule on the device, from the same window)
-        live = Guard(cfg.guard, dev)
+        live = Guard(cfg.guard, dev, scaled=precision.scaler is not None)  # fp16: an overflowing spike is one too
         live.load_state_dict(guard.state_dict())
     step = replica.step(precision=precision, lr_factor=remedy.lr_factor,
                         max_norm=remedy.max_norm if remedy.max_norm is not None else KEEP, guard=live)
@@ -199,7 +199,8 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int) -> dict[str, Any]:
             overflow = bool(out["overflow"]) and float(precision.loss_scale()) >= UNRECOVERABLE_SCALE
             params_ok = bool(out.get("params_finite", torch.tensor(True)))
             row = {"step": n, "loss": loss, "grad_norm": norm, "applied": bool(out["applied"])}
-            marked = SimpleNamespace(values={"loss": loss, "finite": float(math.isfinite(loss) and math.isfinite(norm))})
+            marked = SimpleNamespace(values={"loss": loss, "finite": float(math.isfinite(loss) and math.isfinite(norm)),
+                                             "overflow": float(bool(out["overflow"]))})  # the rule tests its loss too
             with np.errstate(over="ignore", invalid="ignore"):  # a diverging loss squared overflows float32
                 guard.mark_spikes([marked])
             rows.append(row)

@@ -169,17 +169,17 @@ class Strategy:
         from ..policies.accumulation import as_sum_count
         from ..seeding import rng_state, set_rng_state
 
-        rng, total, count = rng_state(), 0.0, 0.0
+        rng, total, count, error = rng_state(), 0.0, 0.0, None
         try:
             with torch.no_grad(), PrecisionPolicy(precision, self.device).autocast():
                 for indices, batch in zip(window.indices, window.batches):
                     loss_sum, n = as_sum_count(task.loss(module, move_to(batch, self.device)), len(indices))
                     total, count = total + float(loss_sum), count + float(n)  # a host read per micro-batch
+        except Exception as err:  # this rank still answers the gather (the others wait in it), then all raise
+            error = err
         finally:
             set_rng_state(rng)
-        mean = total / count if count else float("nan")
-        losses = [v if v == v else float("-inf") for v in self.dist.gather_objects(mean)]  # NaN: never the largest
-        return [max(range(len(losses)), key=losses.__getitem__)] if max(losses) > float("-inf") else None
+        return largest_loss_rank(self.dist, total / count if count else float("nan"), error)
 
     def replay_task(self, task: Any, named_params: list[tuple[str, nn.Parameter]]) -> Any:
         """The task a one-process diagnosis replays (the run's own; FSDP: a model the task factory builds)."""
@@ -197,6 +197,19 @@ class Strategy:
     def _seed_rank(self) -> None:
         """Each rank its own random stream, reproducible from (seed, rank), once the model is the same on all."""
         seed_everything(int(np.random.SeedSequence([self.cfg.seed, self.dist.rank]).generate_state(1)[0]))
+
+
+def largest_loss_rank(dist: Any, loss: float, error: BaseException | None) -> list[int] | None:
+    """[the rank whose ``loss`` is the largest] over every rank (one gather; NaN is never the largest; None when no
+    rank has one). A rank's ``error`` is raised on every rank after the gather, so none waits on a collective."""
+    answers = dist.gather_objects((loss, None if error is None else f"{type(error).__name__}: {error}"))
+    failed = next(((r, why) for r, (_, why) in enumerate(answers) if why is not None), None)
+    if failed is not None:
+        if error is not None:
+            raise error
+        raise RuntimeError(f"rank {failed[0]} failed computing its own loss on the spike's window: {failed[1]}")
+    losses = [v if v == v else float("-inf") for v, _ in answers]
+    return [max(range(len(losses)), key=losses.__getitem__)] if max(losses) > float("-inf") else None
 
 
 class DDPStrategy(Strategy):

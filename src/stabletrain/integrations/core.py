@@ -110,7 +110,7 @@ class RunSession:
         cfg.log.progress = False  # the host shows its own progress
         cfg.guard.on_nonfinite = "skip" if options.on_nonfinite == "warn" else options.on_nonfinite
         self.cfg = options.project(cfg)  # the options as the built-in run's keys, validated as they are there
-        self.guard = Guard(self.cfg.guard, self.device, enforce=options.on_nonfinite != "warn")
+        self.guard = Guard(self.cfg.guard, self.device, enforce=options.on_nonfinite != "warn", scaled=scaler is not None)
         self.metrics = StepMetrics(options.log_every, len(self.params), self.device, self.dist, local=("loss", "count"))
         if fingerprint == "take":
             fingerprint = InitFingerprint.take(self.model) if options.init_check else None

@@ -186,7 +186,7 @@ def _robust_end(rows: list[tuple], spikes: list[int], ratio: float, end: str) ->
     ``rows`` are (step, interval steps, mean loss, smallest loss) from that end inward.
     """
     step, width, mean, low = rows[0]
-    ends = min(LOSS_ENDS, len(rows) // 2)  # a short run: the two ends' intervals do not overlap
+    ends = max(1, min(LOSS_ENDS, len(rows) // 2))  # a short run: the two ends' intervals do not overlap
     near = [r[2] for r in rows[:ends]]
     median = statistics.median(near)
     spiky = any(step - width < s <= step for s in spikes) or (mean > ratio * median and low <= ratio * median)

@@ -101,6 +101,7 @@ class CheckpointKeeper:
         self._costs = SaveCosts()  # each save's wall cost to the steps while it is written (its event's fields)
         self._marking = False  # from the first save on, each boundary marks its step (the saves' costs)
         self._saved = False  # a (non-sharded) save was made: the next is not the first
+        self.dropped_by_rollbacks: set[int] = set()  # samples a rollback's data diagnosis named: never trained on again
 
     # -- resume ---------------------------------------------------------------------------------
 
@@ -155,7 +156,12 @@ class CheckpointKeeper:
 
         windows, samples, count = state.dist.on_main(read)
         state.stream.skip |= {(int(epoch), int(start)) for epoch, start in windows}
-        state.stream.drop |= {int(i) for i in samples}
+        if samples and state.dist.enabled:  # a drop is one-process (stabletrain.data): resumed on several, not kept
+            console.warn(f"the run's rollbacks dropped samples {sorted(set(samples))}; resumed on {state.dist.world} "
+                         "processes they are trained on again (dropping samples is one-process)")
+        elif samples:
+            self.dropped_by_rollbacks |= {int(i) for i in samples}
+            state.stream.drop |= self.dropped_by_rollbacks
         if state.guard is not None:
             state.guard.num_rollbacks = max(state.guard.num_rollbacks, count)
 
@@ -390,10 +396,11 @@ class CheckpointKeeper:
         diagnosis = (found or {}).get("diagnosis") or {}
         samples = sorted({int(i) for i in diagnosis.get("bad_samples") or []}
                          if diagnosis.get("failure_class") == "data" and not state.dist.enabled else set())
-        drop = state.stream.drop | set(samples)
+        self.dropped_by_rollbacks |= set(samples)
         with restore_counters():
             self.state.load_state_dict(loaded.state)
-        state.stream.skip, state.stream.drop = skip, drop
+        state.stream.skip = skip  # (a remedy's drops after the checkpoint go with the remedy the load undid)
+        state.stream.drop |= self.dropped_by_rollbacks
         # The rolled-back steps' lines go to metrics.superseded.jsonl (kept, as a resume keeps them): one line per step.
         dropped = state.run.drop_metrics_after(state.step) if state.run is not None else 0
         info = {"from_step": from_step, "to_step": state.step, "path": str(loaded.path), "skipped_windows": sorted(windows),

@@ -248,8 +248,11 @@ class HostSteps:
         s = self.session
         if not spike or s.dist.world <= 1:
             return None
+        from ..distributed.strategy import largest_loss_rank
+
         loss = self.replay.diagnosis_loss(self._kept) if self.replay is not None and self._kept is not None else None
         values: list[float] = []
+        error = None
         if loss is not None:
             from ..data import move_to
             from ..policies.precision import PrecisionPolicy
@@ -260,11 +263,11 @@ class HostSteps:
                     set_rng_state(self._kept.rng)
                 with torch.no_grad(), PrecisionPolicy(s.precision, s.device).autocast():
                     values = [float(loss(s.model, move_to(b, s.device))) for b in self._kept.batches()]
+            except Exception as err:  # answered in the gather, then raised on every rank
+                error = err
             finally:
                 set_rng_state(rng)
-        mean = sum(values) / len(values) if values else float("nan")
-        losses = [v if v == v else float("-inf") for v in s.dist.gather_objects(mean)]  # NaN (none known): never
-        return [max(range(len(losses)), key=losses.__getitem__)] if max(losses) > float("-inf") else None
+        return largest_loss_rank(s.dist, sum(values) / len(values) if values else float("nan"), error)
 
     def bundle(self, fit: Any, step: int, record: dict[str, Any], before: dict[str, Any],
                info: dict[str, Any]) -> dict[str, Any]:

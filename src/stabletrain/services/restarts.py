@@ -219,21 +219,24 @@ def _restart(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_checkp
     recorded = {(e.get("cause") or {}).get("time") for e in events if e.get("kind") == "restart"}
     causes = _causes(everyone, launches[-1].get("start") if launches else None)
     missed = [c for c in causes[:-1] if c.get("time") not in recorded]
-    for cause in missed:
-        launch = _restart_after(cfg, run_dir, everyone, has_checkpoint, cause, late=True)
+    for n, cause in enumerate(missed):
+        # After a missed restart the launch it started died in its start-up: it trained nothing (the metrics lines
+        # are the launch's before it)
+        launch = _restart_after(cfg, run_dir, everyone, has_checkpoint, cause, late=True, trained=n == 0)
         if launch.refused is not None:
             return launch
         has_checkpoint = has_checkpoint or launch.resume
-    return _restart_after(cfg, run_dir, everyone, has_checkpoint, causes[-1] if causes else None, late=False)
+    return _restart_after(cfg, run_dir, everyone, has_checkpoint, causes[-1] if causes else None, late=False,
+                          trained=not missed)
 
 
 def _restart_after(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_checkpoint: bool,
-                   cause: dict[str, Any] | None, late: bool) -> Launch:
+                   cause: dict[str, Any] | None, late: bool, trained: bool = True) -> Launch:
     """Check and record the restart after the death ``cause`` (None: no launcher's word); ``late``: the launch it
-    started died in its start-up before recording it."""
+    started died in its start-up before recording it; not ``trained``: the launch that died did (it trained nothing)."""
     events, _ = read_jsonl(run_dir / "events.jsonl")
     metrics, _ = read_jsonl(run_dir / "metrics.jsonl")
-    failure = last_failure(events, max((int(m.get("step", 0)) for m in metrics), default=0))
+    failure = last_failure(events, max((int(m.get("step", 0)) for m in metrics), default=0) if trained else 0)
     chain = _restart_chain(events)
     number = (cause or {}).get("restart") or max([r["count"] for r in everyone] + [len(chain) + 1])
     limit = (cause or {}).get("max_restarts") or max(r["max"] for r in everyone) or cfg.run.max_restarts
@@ -268,7 +271,8 @@ def _restart_after(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_
                 f"{distrusted['distrusted']}), resuming from the checkpoint before it" if distrusted else "")
         met = "" if failure.kind == "exit" else f"; the launch {failure.text}"
         # A killed launch's last steps are known only up to its last record (a log line, an event): it may have got further.
-        beyond = f", and any it trained after step {failure.last_step}, its last record" if failure.kind == "exit" else ""
+        beyond = (f", and any it trained after step {failure.last_step}, its last record" if failure.kind == "exit" and trained
+                  else "")
         reason = (f"restart {number}{f' of {limit}' if limit else ''} after {who}{met}{note}; resuming from "
                   f"{good.name if good else '?'}: {redone} step(s) to train again{beyond}{LATE if late else ''}")
         run.event(resumed, "restart", reason, restart=number, max_restarts=limit, cause=cause,
