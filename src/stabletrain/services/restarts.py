@@ -216,9 +216,13 @@ def _restart(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_checkp
     """
     events, _ = read_jsonl(run_dir / "events.jsonl")
     launches = _ledger(run_dir)
-    recorded = {(e.get("cause") or {}).get("time") for e in events if e.get("kind") == "restart"}
-    causes = _causes(everyone, launches[-1].get("start") if launches else None)
-    missed = [c for c in causes[:-1] if c.get("time") not in recorded]
+    since = launches[-1].get("start") if launches else None
+    restarts = [e for e in events if e.get("kind") == "restart"]
+    recorded = {(e.get("cause") or {}).get("time") for e in restarts}
+    # (and by number since the last launch recorded: another node's agent saw the same restart a moment apart)
+    numbers = {e.get("restart") for e in restarts if since is None or float(e.get("time") or 0) >= since}
+    causes = _causes(everyone, since)
+    missed = [c for c in causes[:-1] if c.get("time") not in recorded and c.get("restart") not in numbers]
     for n, cause in enumerate(missed):
         # After a missed restart the launch it started died in its start-up: it trained nothing (the metrics lines
         # are the launch's before it)
