@@ -95,7 +95,7 @@ class SyncGuard(Callback):
 
         def marked() -> None:
             mark()
-            if self.fitting and state.step < state.cfg.train.max_steps:
+            if self.fitting and 0 < state.step < state.cfg.train.max_steps:  # (at fit start the step-0 checkpoint follows)
                 self._set(True)
 
         recorder.mark_interval_start = marked
@@ -314,7 +314,8 @@ def run_snapshot(tmp: Path, failures: list[str]) -> None:
 
 
 #: The loop's designed sync points (frames): a host conversion outside all of them is a stray sync.
-SYNC_BOUNDARIES = ("_log", "evaluate", "save", "on_fit_start", "on_main", "mark_interval_start")
+SYNC_BOUNDARIES = ("_log", "evaluate", "save", "on_fit_start", "on_main", "mark_interval_start",
+                   "run_init_signal")  # (the step-0 signal report on the first batch, once: log.init_signal)
 DDP_STEPS = 60 if not CPU_SMOKE else 40
 DDP_ARGS = ["precision=bf16", "device=cuda", "dist.backend=gloo", f"train.max_steps={DDP_STEPS}", "log.every=20",
             "ckpt.every=20", "eval.every=0", "train.batch_size=16", "accum.steps=2", "log.progress=false"]

@@ -164,6 +164,15 @@ class ShardedSave:
                 "bytes": sum(files.values()), "metadata_sha256": _sha256(folder / METADATA)}
 
 
+def _done(result: Any) -> Any:
+    """A finished future holding ``result`` (a synchronous save's, read by :meth:`ShardedSave.finish` as async_save's)."""
+    from concurrent.futures import Future
+
+    future: Future = Future()
+    future.set_result(result)
+    return future
+
+
 class ShardedSaver:
     """Every rank's side of DCP saves: a dedicated gloo group, a reused staging copy, at most one save in flight.
 
@@ -188,6 +197,7 @@ class ShardedSaver:
         self.stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=True,
                                                    use_async_staging=False, use_non_blocking_copy=False))
         self.in_flight: ShardedSave | None = None
+        self.synchronous = False  # DCP's background staging failed once: each save is written before start returns
 
     def start(self, tensors: dict[str, Tensor], tmp: Path, step: int) -> ShardedSave:
         """Stage ``tensors`` (blocking) and write them to ``tmp/dcp`` in the background; every rank calls it.
@@ -200,9 +210,24 @@ class ShardedSaver:
 
         self.wait()
         t0 = time.perf_counter()
-        future = dcp.async_save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp / DCP_DIR)),
-                                process_group=self.group, async_stager=self.stager, planner=planner(),
-                                async_checkpointer_type=PROCESS)
+        writer = dcp.FileSystemWriter(str(tmp / DCP_DIR))
+        if self.synchronous:
+            future = _done(dcp.save(tensors, storage_writer=writer, process_group=self.group, planner=planner()))
+        else:
+            try:
+                future = dcp.async_save(tensors, storage_writer=writer, process_group=self.group,
+                                        async_stager=self.stager, planner=planner(), async_checkpointer_type=PROCESS)
+            except (KeyError, TypeError) as err:  # DCP's staging copy failed (every rank alike) before any collective
+                # torch 2.11's stager cannot deep-copy a CUDA DTensor's pickled form (KeyError: <class 'type'>): save
+                # in the loop's thread from now on (training waits for the write), said once
+                from ...console import StableTrainWarning
+
+                self.synchronous = True
+                warnings.warn(f"sharded checkpoints: DCP's background staging failed on torch {torch.__version__} "
+                              f"({type(err).__name__}: {err}); they are written synchronously from now on (training "
+                              "waits for each write)", StableTrainWarning, stacklevel=2)
+                future = _done(dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp / DCP_DIR)),
+                                        process_group=self.group, planner=planner()))
         timings = {"shard_stage_s": time.perf_counter() - t0}
         self.in_flight = ShardedSave(step, tmp, sorted(tensors), future, timings)
         return self.in_flight
