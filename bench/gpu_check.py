@@ -361,7 +361,8 @@ def ddp_worker(out: Path) -> None:
         def counted_step(*args: Any, **kwargs: Any) -> Any:  # every collective of the step, DDP's C++ all-reduce too
             before = group._get_sequence_number_for_group()
             out = train_step(*args, **kwargs)
-            buckets = len(trainer.model._get_ddp_logging_data().get("bucket_sizes", "").split(","))
+            data = trainer.model._get_ddp_logging_data()  # after the second step's rebuild its first bucket is capped
+            buckets = len(str(data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes", "")).split(","))  # (1 MiB)
             if trainer.step != 1:  # the second step also has DDP's one-time bucket rebuild (two broadcasts)
                 ran = group._get_sequence_number_for_group() - before - buckets
                 extra[ran] = extra.get(ran, 0) + 1
