@@ -368,6 +368,11 @@ def test_a_launch_is_told_by_its_record_and_the_same_failure_k_times_in_a_row_is
                                                               "checkpoint (the last ended without a record of why)")
     moving = {"kind": "restart", "failure": {**killed.record(), "progress": True}}
     assert refusal(killed, [stuck, moving, stuck], max_repeats=2) is None  # progress in between resets the count
+    # A launch that recorded its restart (from step 6) and died before resuming trained nothing: the metrics lines up
+    # to step 9 are the launch's before it; one that resumed reached them itself.
+    recorded = {"kind": "restart", "step": 6, "checkpoint": "step_000006"}
+    assert last_failure([ckpt, recorded], last_logged=9).last_step == 6
+    assert last_failure([ckpt, recorded, {"kind": "resume", "step": 6}], last_logged=9).last_step == 9
 
 
 def test_a_guard_stop_is_identified_by_its_incident_and_a_nonfinite_step_after_a_load_is_seen():

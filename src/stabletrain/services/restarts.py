@@ -85,6 +85,9 @@ def last_failure(events: list[dict[str, Any]], last_logged: int = 0) -> Failure:
     own = events[marks[-1] + 1:] if marks else events
     resumed = int(events[marks[-1]]["step"]) if marks else None  # a restart's and a resume's step: the one resumed
     steps = [int(e["step"]) for e in own if isinstance(e.get("step"), int)]
+    mark = events[marks[-1]] if marks else {}
+    if mark.get("kind") == "restart" and mark.get("checkpoint") is not None:
+        last_logged = 0  # it recorded its restart and died before resuming: the metrics lines are the launch's before
     last = max([last_logged, *steps, resumed or 0])
     progress = any(e.get("kind") == "checkpoint" and (resumed is None or int(e["step"]) > resumed) for e in own)
     nonfinite = next((int(e["step"]) for e in own if e.get("kind") == "nonfinite"), None)
