@@ -26,6 +26,7 @@ from stabletrain import Trainer
 from stabletrain.cli import main
 from stabletrain.records.checkpoint.manager import CheckpointManager
 from stabletrain.records.jsonl import read_jsonl
+from stabletrain.report import health_summary, load_run
 from stabletrain.report.goodput import read_goodput
 from stabletrain.services.restarts import Failure, last_failure, refusal
 
@@ -233,6 +234,10 @@ def test_restarts_whose_launches_die_in_their_start_up_each_get_their_event_and_
     assert _final(run_dir)["counters"]["step"] == 20
     goodput = read_goodput(run_dir)
     assert (goodput.launches, goodput.restarts) == (4, 3), goodput.line()
+    texts = [t for _, t in health_summary(load_run(run_dir)).sentences]  # the report says it, not "Resumed once"
+    assert any(t.startswith("Restarted itself 3 times after its process died (rank 0 was killed by SIGKILL, 3 times), "
+                            f"from {restarts[0]['checkpoint']}") for t in texts), texts
+    assert not any(t.startswith("Resumed") for t in texts), texts
 
 
 @pytest.mark.slow

@@ -397,6 +397,26 @@ def _losses(run: RunData, h: Health) -> None:
         h.say(level, text + ".")
 
 
+def _restarts(run: RunData, h: Health) -> None:
+    """The restarts the run made by itself (``run.max_restarts``): how many, after which deaths, from where."""
+    from ..distributed.launch import describe_exit
+
+    restarts = [e for e in run.events if e.kind == "restart"]
+    h.figures["restarts"] = len(restarts)
+    if not restarts:
+        return
+    deaths: dict[str, int] = {}
+    for e in restarts:
+        cause = e.extra.get("cause") if isinstance(e.extra.get("cause"), dict) else {}
+        who = f"rank {cause['rank']} " if cause.get("rank") is not None else ""
+        what = who + (describe_exit(int(cause["exitcode"])) if isinstance(cause.get("exitcode"), int) else "ended")
+        deaths[what] = deaths.get(what, 0) + 1
+    said = "; ".join(what + (f", {n} times" if n > 1 else "") for what, n in deaths.items())
+    froms = sorted({str(e.extra.get("checkpoint") or "step 0") for e in restarts})
+    h.say("warn", f"Restarted itself {plural(len(restarts), 'time')} after its process died ({said}), from "
+                  f"{', '.join(froms)} (run.max_restarts; what each cost: the goodput line).")
+
+
 def _records(run: RunData, h: Health) -> None:
     f = h.figures
     ckpts = run.counted_events("checkpoint")
@@ -417,7 +437,9 @@ def _records(run: RunData, h: Health) -> None:
         moves = ", ".join(f"{e.extra['from_step']:,} → {e.step:,}" if isinstance(e.extra.get("from_step"), int)
                           else f"to {e.step:,}" for e in rollbacks[:5])
         h.say("warn", f"Rolled back {plural(len(rollbacks), 'time')} (step {moves}).")
-    resumes = [e for e in run.events if e.kind == "resume"]
+    _restarts(run, h)
+    marks = [e for e in run.events if e.kind in ("restart", "resume")]  # a restart's own resume follows its event
+    resumes = [e for i, e in enumerate(marks) if e.kind == "resume" and (i == 0 or marks[i - 1].kind != "restart")]
     f["resume_steps"] = [e.step for e in resumes]
     if resumes:
         times = "once" if len(resumes) == 1 else f"{len(resumes)} times"
