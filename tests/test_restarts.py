@@ -463,3 +463,24 @@ def test_goodput_parts_that_overlap_in_an_interval_stay_within_its_wall_time(tmp
     g = read_goodput(tmp_path)
     assert g.seconds["checkpoint"] + g.seconds["incident"] == pytest.approx(0.68)
     assert sum(g.seconds.values()) == pytest.approx(g.total_s) and sum(g.share(p) for p in g.seconds) == pytest.approx(1.0)
+
+
+def test_goodput_leaves_out_the_wait_after_a_refused_restart_and_counts_the_refusing_launch(tmp_path):
+    # Launch 1 dies at 111; the 3 launches restarted after it die in their start-up (their restarts recorded late, at
+    # 120, by the 5th, which refuses to loop); a person resumes at 200: the 80 s between are nobody's run time.
+    ledger = [{"kind": "launch", "start": 100.0, "ready": 101.0, "step": 0},
+              {"kind": "interval", "t": 110.0, "step": 10, "steps": 10, "wall_s": 9.0, "eval_s": 0.0, "checkpoint_s": 0.0,
+               "incident_s": 0.0, "skipped": 0},
+              {"kind": "launch", "start": 200.0, "ready": 201.0, "step": 10},
+              {"kind": "end", "t": 210.0, "step": 10, "wall_s": 9.0, "checkpoint_s": 0.0, "incident_s": 0.0}]
+    (tmp_path / "goodput.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ledger))
+    events = [{"kind": "restart", "step": 10, "time": 120.0, "restart": n, "cause": {"time": t}}
+              for n, t in ((1, 111.0), (2, 113.0), (3, 116.0))]
+    events += [{"kind": "stop", "step": 10, "time": 120.0, "reason": "restart refused: 3 launches in a row ...",
+                "cause": {"time": 119.0}},
+               {"kind": "resume", "step": 10, "time": 201.0, "reason": "resumed"}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    g = read_goodput(tmp_path)
+    assert (g.launches, g.restarts) == (6, 3), g.line()
+    assert g.total_s == pytest.approx(11.0 + 9.0 + 10.0)  # launch 1 to its death, the restarts until the refusal, the resume
+    assert g.seconds["startup"] == pytest.approx(1.0 + 9.0 + 1.0)

@@ -84,7 +84,10 @@ def read_goodput(run_dir: str | Path) -> Goodput | None:
     launches = _launches(read_jsonl(run_dir / LEDGER_FILE)[0])
     if not launches:
         return None
-    restarts = [e for e in read_jsonl(run_dir / "events.jsonl")[0] if e.get("kind") == "restart"]
+    events = read_jsonl(run_dir / "events.jsonl")[0]
+    restarts = [e for e in events if e.get("kind") == "restart"]
+    # A launch that refused to restart (a crash loop) ended the run's own time: after it, a person's resume
+    refusals = [e for e in events if e.get("kind") == "stop" and str(e.get("reason", "")).startswith("restart refused")]
     sec = dict.fromkeys(PARTS, 0.0)
     total = 0.0
     for i, launch in enumerate(launches):
@@ -108,7 +111,9 @@ def read_goodput(run_dir: str | Path) -> Goodput | None:
         if restart is not None:  # the wait before an automatic restart is the run's; after the last launch recorded,
             # the launches that died in their start-up lived at least until their restart events
             until = (float(nxt.get("start") or nxt["ready"]) if nxt is not None
-                     else max(float(e.get("time") or 0) for e in restarts))
+                     else max(float(e.get("time") or 0) for e in [*restarts, *refusals]))
+            refused = [float(e.get("time") or 0) for e in refusals if finish <= float(e.get("time") or 0) <= until]
+            until = min(refused, default=until)  # the restarts ended there; a person resumed later
             wait = max(0.0, until - finish)
             sec["startup"] += wait
             total += wait
@@ -116,7 +121,9 @@ def read_goodput(run_dir: str | Path) -> Goodput | None:
         for row in launch["intervals"]:
             _interval(row, later, launch["rollbacks"], sec)
     sec["other"] += max(0.0, total - sum(sec.values()))
-    return Goodput(sec, total, len(launches) + _unrecorded(launches, restarts), len(restarts))
+    # Each refusal follows the death of the launch before it, as a restart event does, and is a launch of its own
+    unrecorded = _unrecorded(launches, [*restarts, *refusals]) + len(refusals)
+    return Goodput(sec, total, len(launches) + unrecorded, len(restarts))
 
 
 def _unrecorded(launches: list[dict[str, Any]], restarts: list[dict[str, Any]]) -> int:
