@@ -565,3 +565,28 @@ def test_a_spike_rollback_also_drops_the_samples_its_diagnosis_named(tmp_path):
     assert not [e for e in events if e["kind"] == "spike" and e["step"] > 20]  # step 52 (epoch 2) met them no more
     resumed = Trainer(c, task=outlier_samples_task(), run_dir=run_dir, resume=True)
     assert set(rollbacks[0]["dropped_samples"]) <= resumed.stream.drop
+
+
+def test_candidates_are_judged_before_a_later_incident_every_one_past_this_one_meets_alike():
+    """A data spike at step 45 and an unrelated NaN sample at step 63, inside the 20 steps the search replays: every
+    candidate that gets past the spike (the baseline too) fails at 63, so none 'cured' it. They are judged on the
+    steps before 63; those that failed on the spike itself keep their failure. A divergence's cures, which do not all
+    fail at one later step, are left as they are."""
+    from stabletrain.remedy_search import _before_later_incident
+
+    def result(name, failed_at, losses):
+        rows = [{"step": s, "loss": v, "grad_norm": 1.0, "applied": True} for s, v in losses]
+        failed = {"step": failed_at, "why": f"non-finite loss at step {failed_at}"} if failed_at else None
+        return {"name": name, "failed": failed, "trajectory": rows, "steps_replayed": len(rows), "end_loss": float("nan")}
+
+    trained = [(s, 0.02) for s in range(45, 63)] + [(63, float("nan"))]
+    results = [result("skip-step", 63, trained), result("lr-x0.5", 45, [(44, 0.02), (45, 210.0)]),
+               result("skip-samples", 63, trained)]
+    assert _before_later_incident(results, 45) == 63
+    assert results[0]["failed"] is None and results[0]["end_loss"] == pytest.approx(0.02)
+    assert results[0]["steps_replayed"] == 18 and results[2]["failed"] is None
+    assert results[1]["failed"]["step"] == 45  # it never got past the spike
+    cured = [result("skip-step", 63, trained), result("lr-x0.1", None, trained[:-1] + [(63, 0.5)])]
+    assert _before_later_incident(cured, 45) is None and cured[0]["failed"]["step"] == 63  # a cure went past 63
+    soon = [result("skip-step", 48, trained[:4]), result("skip-samples", 48, trained[:4])]
+    assert _before_later_incident(soon, 45) is None  # the incident's own course: no later incident

@@ -219,17 +219,39 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int) -> dict[str, Any]:
             if spike and (recovered or loss > cfg.guard.spike_ratio * start_loss):
                 failed = {"step": n, "why": f"loss spike at step {n} by the guard's rule (loss {loss:.4g})"}
                 break
-    # The end loss over the windows after the incident's, which every candidate trains on alike (the incident's own
-    # window only when there is none after it).
-    after = [r["loss"] for r in rows if "loss" in r and r["step"] > inc.step] or [r["loss"] for r in rows if "loss" in r]
-    tail = after[-END_STEPS:]
-    end = sum(tail) / len(tail) if tail and failed is None else float("nan")
+    end = _end_loss(rows, inc.step) if failed is None else float("nan")
     return {"name": remedy.name, "remedy": remedy.to_dict(), "detail": remedy.detail, "live": remedy.live,
             "scope": remedy.scope,
             "change": getattr(remedy, "change", None), "first_step": first, "steps_replayed": len(rows),
             "rewound_steps": inc.step - first if remedy.rollback_step is not None else 0,
             "dropped_samples": dropped, "total_samples": total,
             "failed": failed, "end_loss": end, "trajectory": rows, "seconds": time.perf_counter() - start}
+
+
+def _end_loss(rows: list[dict[str, Any]], step: int) -> float:
+    """The end loss over the windows after the incident's (``step``), which every candidate trains on alike (the
+    incident's own window only when there is none after it)."""
+    after = [r["loss"] for r in rows if "loss" in r and r["step"] > step] or [r["loss"] for r in rows if "loss" in r]
+    tail = after[-END_STEPS:]
+    return sum(tail) / len(tail) if tail else float("nan")
+
+
+def _before_later_incident(results: list[dict[str, Any]], step: int) -> int | None:
+    """Judge the candidates before a later incident that every one that got past this one, the baseline too, fails
+    at alike: one the remedies do not touch (a NaN sample 18 steps on), which failed every cure of this one.
+    Truncates those results in place and returns that step; None (nothing changed) when the baseline fails no
+    later than :data:`END_STEPS` windows after the incident's, or a candidate past it does not fail there (a
+    divergence's cures do not fail, or fail elsewhere). Those that failed on the incident itself keep their failure."""
+    later = (results[0]["failed"] or {}).get("step")  # the baseline's
+    if later is None or later <= step + END_STEPS:
+        return None
+    past = [r for r in results if r["failed"] is None or r["failed"]["step"] > step]  # those that got past this one
+    if any((r["failed"] or {}).get("step") != later for r in past):
+        return None
+    for r in past:
+        rows = [row for row in r["trajectory"] if row["step"] < later]
+        r.update(trajectory=rows, steps_replayed=len(rows), failed=None, end_loss=_end_loss(rows, step))
+    return later
 
 
 def judge(result: dict[str, Any], baseline: dict[str, Any], healthy: tuple[int, float] | None = None,
@@ -325,6 +347,7 @@ def search_remedies(directory: str | Path, task: Task | None = None, *, steps: i
         pool = [c for c in pool if c.live]
     load_s = time.perf_counter() - start
     results = [_replay(inc, c, steps) for c in pool]
+    later = _before_later_incident(results, inc.step) if len(results) > 1 else None
     baseline = results[0]
     healthy = _healthy(inc.history, diagnosis)
     typical = (diagnosis.get("spike_window") or {}).get("median")
@@ -339,6 +362,7 @@ def search_remedies(directory: str | Path, task: Task | None = None, *, steps: i
         "tolerance": LOSS_TOLERANCE, "end_steps": END_STEPS, "baseline": baseline["name"],
         "note": ("an adapter's bundle keeps only its own step: the verdicts are on that step alone, reported, not "
                  "applied" if inc.adapter else None),
+        "later_incident": later,  # every candidate met it alike: judged on the steps before it
         "best": next((r["name"] for r in ranked if r["verdict"] == "cures" and not r["baseline"]), None),
         "candidates": ranked,
         "timings": {"load_s": load_s, "replay_s": time.perf_counter() - start - load_s, "total_s": time.perf_counter() - start,
@@ -353,6 +377,9 @@ def format_table(record: dict[str, Any]) -> str:
     """The console table of a search, ranked by verdict and cost."""
     after = f"the incident's window and the {record['steps']} after it" if not record.get("note") else (
         f"the incident's window only ({record['note']})")
+    if record.get("later_incident"):
+        after += (f", judged up to step {record['later_incident'] - 1} (every candidate, the baseline too, meets a "
+                  f"later incident at step {record['later_incident']} alike: not this one's)")
     head = (f"incident step {record['step']}: {record['failure_class']} ({record['evidence']})\n"
             f"replayed {after} under {len(record['candidates'])} "
             f"candidates ({record['timings']['steps_replayed']} steps, {record['timings']['total_s']:.1f} s)")
