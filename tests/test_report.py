@@ -766,3 +766,18 @@ def test_spikes_and_incidents_a_rollback_went_back_past_are_said_once_each(tmp_p
     assert "No loss spikes since the rollback; before it, 1 loss spike at step 65." in texts, texts
     undone = next(t for t in texts if t.startswith("1 incident before the rollback"))
     assert undone.count("at step 65") == 1 and "(met 3 times)" in undone, undone
+
+
+def test_the_remedies_section_marks_a_search_a_restart_went_back_past(tmp_path):
+    _loss_run(tmp_path, [1.0, 0.5, 0.4], [0.9, 0.4, 0.3])
+    record = {"step": 45, "failure_class": "data", "evidence": "samples 3, 11", "steps": 20, "best": "skip-samples",
+              "later_incident": 63, "timings": {"steps_replayed": 40, "total_s": 0.5},
+              "candidates": [{"name": "skip-samples", "verdict": "cures", "end_loss": 0.02, "detail": "drop 3, 11",
+                              "evidence": "steps 45-62 finite"}]}
+    for name in ("step_000045.superseded-1", "step_000045"):
+        (tmp_path / "incidents" / name).mkdir(parents=True)
+        (tmp_path / "incidents" / name / "remedy.json").write_text(json.dumps(record))
+    text = html.unescape(write_report(tmp_path).read_text(encoding="utf-8"))
+    assert text.count("<h3>Step 45: data") == 2
+    assert text.count("(superseded: restart 1 went back past it; step_000045.superseded-1)") == 1
+    assert text.count("judged up to step 62: every candidate past it met a later incident at step 63 alike") == 2

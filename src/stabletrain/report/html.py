@@ -431,11 +431,18 @@ def _remedies(run: RunData) -> str:
                 for i, c in enumerate(record.get("candidates") or [], 1) if isinstance(c, dict)]
         timings = record.get("timings") or {}
         best = record.get("best")
+        later = record.get("later_incident")
+        # A restart went back past it (its folder renamed step_N.superseded-R): the search of a stretch trained again
+        superseded = ".superseded-" in path.parent.name
         parts.append(
-            f"<h3>Step {esc(record.get('step'))}: {esc(record.get('failure_class'))}</h3>"
+            f"<h3>Step {esc(record.get('step'))}: {esc(record.get('failure_class'))}"
+            + (f" <small>(superseded: restart {esc(path.parent.name.rsplit('-', 1)[-1])} went back past it; "
+               f"{esc(path.parent.name)})</small>" if superseded else "") + "</h3>"
             f'<p class="detail">{esc(record.get("evidence"))}. Replayed the incident\'s window and the '
             f"{esc(record.get('steps'))} after it ({esc(timings.get('steps_replayed'))} steps, "
-            f"{esc(fmt_num(as_number(timings.get('total_s'))))} s). "
+            f"{esc(fmt_num(as_number(timings.get('total_s'))))} s)"
+            + (f", judged up to step {esc(later - 1)}: every candidate past it met a later incident at step "
+               f"{esc(later)} alike" if isinstance(later, int) else "") + ". "
             + (f"Best: <code>{esc(best)}</code>." if best else "No candidate cures it.") + "</p>"
             + table(["#", "candidate", "verdict", "end loss", "what it does", "evidence"], rows,
                     ["num", "nowrap", "nowrap", "num", "", ""]))
