@@ -339,6 +339,11 @@ def test_run_resume_auto_starts_the_run_then_continues_it(tmp_path, capsys):
     ledger = [json.loads(x) for x in (run_dir / "goodput.jsonl").read_text().splitlines()]
     assert [(r["kind"], r["step"]) for r in ledger if r["kind"] != "interval"] == [("launch", 0), ("end", 4),
                                                                                    ("launch", 4), ("end", 8)]
+    before = [(run_dir / f).read_text() for f in ("events.jsonl", "goodput.jsonl", "metrics.jsonl")]
+    assert main([*args, "train.max_steps=8"]) == 0  # submitted again once it finished: nothing to train, nothing written
+    assert f"run.resume=auto: {run_dir} has finished (LAST_GOOD step_000008, train.max_steps=8): nothing to train" in (
+        capsys.readouterr().out)
+    assert [(run_dir / f).read_text() for f in ("events.jsonl", "goodput.jsonl", "metrics.jsonl")] == before
     assert main([*args, "train.max_steps=8", "optim.lr=0.5"]) == 2  # a changed config is refused as --resume does
     assert "optim.lr: checkpoint 0.001, now 0.5" in capsys.readouterr().err
     assert main(["train", "task=mlp", "run.resume=auto"]) == 2

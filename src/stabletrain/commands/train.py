@@ -54,6 +54,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         launch = begin_launch(cfg, run_dir, bool(resume), ctx)  # run.resume=auto, and a restart's checks and record
         if launch.refused:
             return launcher.EXIT_GAVE_UP
+        if launch.finished:
+            return 0
         return _train(args, cfg, launch.run_dir, launch.resume, ctx)
 
 

@@ -61,6 +61,7 @@ class Launch:
     resume: bool
     run_dir: Path | None
     refused: str | None = None
+    finished: bool = False  # run.resume=auto on a run that reached train.max_steps: nothing to train, nothing written
 
 
 @dataclass
@@ -190,6 +191,12 @@ def begin_launch(cfg: Any, run_dir: Path | None, resume: bool, ctx: Any) -> Laun
             return _restart(cfg, run_dir, everyone, has_checkpoint)
         if cfg.run.resume == "auto" and not resume:
             name = CheckpointManager(run_dir / "checkpoints").latest_good()
+            at = int(name.name.split(".")[0].removeprefix("step_")) if name is not None else None
+            if at is not None and at >= cfg.train.max_steps and _same_config(cfg, name):  # a resubmitted finished run:
+                # its record stays as it is (a changed config goes on to the resume, which refuses it)
+                console.say(f"run.resume=auto: {run_dir} has finished (LAST_GOOD {name.name}, train.max_steps="
+                            f"{cfg.train.max_steps}): nothing to train (raise train.max_steps to train on)")
+                return Launch(False, run_dir, finished=True)
             if has_checkpoint:
                 console.say(f"run.resume=auto: {run_dir} holds {f'LAST_GOOD ({name.name})' if name else 'checkpoints'}: "
                             "continuing it")
@@ -198,6 +205,20 @@ def begin_launch(cfg: Any, run_dir: Path | None, resume: bool, ctx: Any) -> Laun
         return Launch(resume, run_dir)
 
     return ctx.on_main(decide)
+
+
+def _same_config(cfg: Any, checkpoint: Path) -> bool:
+    """Whether ``checkpoint``'s config (its meta.json) differs from ``cfg`` in no key a resume refuses a change of."""
+    from ..config import config_to_dict, move_old_keys
+    from ..config.diff import diff_configs
+    from ..records.checkpoint.files import META_FILE
+
+    try:
+        saved = json.loads((checkpoint / META_FILE).read_text(encoding="utf-8")).get("config") or {}
+    except (OSError, ValueError):
+        return False
+    move_old_keys(saved, "the checkpoint's config")
+    return not diff_configs(saved, config_to_dict(cfg))
 
 
 def _causes(everyone: list[dict[str, Any]], since: float | None) -> list[dict[str, Any]]:
