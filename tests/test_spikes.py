@@ -319,9 +319,9 @@ def test_after_skipped_steps_no_update_is_blamed_and_no_older_state_compared(tmp
     assert d["older"] is None and "in the update of step" not in d["summary"] and d["failure_class"] == "state", d["summary"]
 
 
-def test_an_uncaptured_spike_under_on_spike_remedy_says_its_step_and_why(tmp_path):
+def test_an_uncaptured_spike_under_on_spike_remedy_says_its_step_and_why(tmp_path, capsys):
     """capture.max_spikes spent: the remedy event names the spike's step and that reason (not 'step None', not
-    capture.incidents=false)."""
+    capture.incidents=false), and the console says it too."""
     run_dir = tmp_path / "run"
     factory, kwargs, overrides, step = CASES["data"]
     Trainer(cfg("train.batch_size=8", "log.every=10", "data.shuffle=false", "guard.on_spike=remedy",
@@ -332,6 +332,7 @@ def test_an_uncaptured_spike_under_on_spike_remedy_says_its_step_and_why(tmp_pat
         "are spent: capture.max_spikes=0)"), remedy
     assert remedy[0]["incident_step"] == step and remedy[0]["fallback"] == "skip"  # what the report groups by
     assert remedy[0]["why"].startswith("the incident was not captured (the run's spike captures are spent")
+    assert f"stabletrain: {remedy[0]['reason']}" in capsys.readouterr().out
 
 
 def test_a_spike_in_the_first_steps_is_flagged_and_falling_losses_are_not():

@@ -138,9 +138,11 @@ class RemedyApplier:
             decision.reason += f"; no remedy applied: {why}; remedy.fallback={fallback}"
             at = found.get("step", decision.first_incident if decision.first_incident is not None else
                            next(iter(decision.spike_steps), state.step))
-            state.event(state.step, "remedy", f"no remedy applied for the incident at step {at}: "
-                        f"{why}; falling back to remedy.fallback={fallback}", incident=incident, applied=None,
-                        incident_step=at, why=why, fallback=fallback)
+            line = f"no remedy applied for the incident at step {at}: {why}; falling back to remedy.fallback={fallback}"
+            state.event(state.step, "remedy", line, incident=incident, applied=None, incident_step=at, why=why,
+                        fallback=fallback)
+            if state.dist.is_main and state.run is not None:  # said as an applied one is (under DDP too)
+                console.say(line)
             return False
         remedy = remedy_from_dict(best["remedy"])
         self.apply(remedy, incident, best, record)
