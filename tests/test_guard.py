@@ -387,6 +387,20 @@ def test_an_fp16_run_whose_scaler_collapsed_stops_instead_of_reporting_success(t
     assert "trained 100 steps; loss=" in out.out and "; 90 of 100 steps skipped (90%: see events.jsonl)" in out.out
 
 
+def test_the_final_line_counts_skips_a_rollback_went_back_past_apart(tmp_path, capsys):
+    """guard.on_nonfinite=rollback: the NaN step's skip was rolled back past and that stretch trained again; the final
+    line says no step is skipped, and that one was before the rollback (it said '1 of 8 steps skipped', and a resume
+    of the same run then 'no step skipped')."""
+    from stabletrain.cli import main
+
+    run_dir = tmp_path / "run"
+    args = ["task=helpers:nan_sample_task", "train.batch_size=8", "data.shuffle=false", "log.every=2", "ckpt.every=2",
+            "capture.incidents=false", "log.progress=false", "log.tensorboard=false", "guard.on_nonfinite=rollback"]
+    assert main(["train", *args, "train.max_steps=8", f"run.dir={run_dir}"]) == 0
+    out = capsys.readouterr().out
+    assert "; no step skipped (1 before a rollback went back past them: trained again); run directory" in out, out
+
+
 def test_the_final_line_counts_the_steps_an_earlier_launch_skipped(tmp_path, capsys):
     """A run resumed after a skipped step ends with a line that says so (it said 'no step skipped': this launch's)."""
     from stabletrain.cli import main

@@ -98,24 +98,26 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
             write_report(run_dir)
         return 0
     shown = ", ".join(f"{k}={record[k]:.4g}" for k in ("loss", "val_loss", "grad_norm") if isinstance(record.get(k), float))
-    skipped = sum(int(r.get("num_skipped", 0)) for r in trainer.history) + _earlier_skips(run_dir)
+    skipped, undone = (_skips(run_dir) if (run_dir / "events.jsonl").is_file()
+                       else (sum(int(r.get("num_skipped", 0)) for r in trainer.history), 0))
     skipped_note = (f"{skipped} of {trainer.step} steps skipped ({100 * skipped / max(trainer.step, 1):.0f}%: see events.jsonl)"
                     if skipped else "no step skipped")
+    if undone:
+        skipped_note += f" ({'and ' * bool(skipped)}{undone} before a rollback went back past them: trained again)"
     console.say(f"trained {trainer.step} steps; {shown}; {skipped_note}; run directory: {run_dir}")
     if args.report:
         write_report(run_dir)
     return 0
 
 
-def _earlier_skips(run_dir: Path) -> int:
-    """Steps the run's earlier launches skipped that still count (not redone after a resume): 0 on a first launch."""
+def _skips(run_dir: Path) -> tuple[int, int]:
+    """(the run's skipped steps that still count, every launch's: none a resume or rollback went back past, as the
+    report counts them; the skipped steps a rollback, or a remedy's, went back past: that stretch was trained again)."""
     from ..report.rundata import load_run
 
-    events = load_run(run_dir).events
-    last = max((i for i, e in enumerate(events) if e.kind == "resume"), default=None)
-    if last is None:
-        return 0
-    return len({e.step for e in events[:last] if e.kind == "skip" and not e.superseded})
+    run = load_run(run_dir)
+    counted = {e.step for e in run.counted_events("skip")}
+    return len(counted), len({e.step for e in run.undone_events("skip")} - counted)
 
 
 def write_report(run_dir: Path) -> None:
