@@ -781,3 +781,13 @@ def test_the_remedies_section_marks_a_search_a_restart_went_back_past(tmp_path):
     assert text.count("<h3>Step 45: data") == 2
     assert text.count("(superseded: restart 1 went back past it; step_000045.superseded-1)") == 1
     assert text.count("judged up to step 62: every candidate past it met a later incident at step 63 alike") == 2
+
+
+def test_an_incident_whose_folder_a_restart_renamed_points_to_where_it_is(tmp_path):
+    _loss_run(tmp_path, [1.0, 0.5, 0.4], [0.9, 0.4, 0.3])
+    folder = tmp_path / "incidents" / "step_000015"
+    (tmp_path / "incidents" / "step_000015.superseded-1").mkdir(parents=True)
+    (tmp_path / "events.jsonl").write_text(json.dumps({"step": 15, "kind": "incident", "time": 1.0, "path": str(folder),
+                                                       "reason": f"captured the loss spike at step 15 into {folder}"}) + "\n")
+    text = html.unescape(write_report(tmp_path).read_text(encoding="utf-8"))
+    assert f"its folder is now {folder}.superseded-1 (a restart went back past it)" in text

@@ -323,12 +323,24 @@ def _timeline(run: RunData) -> str:
         what = esc(first.reason) + _details(first, run)
         if first.superseded:
             what += f'<div class="detail">superseded: {_SUPERSEDED.get(first.superseded_by, _SUPERSEDED["resume"])}</div>'
+        moved = _moved_incident(first)
+        if moved:
+            what += f'<div class="detail">its folder is now {esc(moved)} (a restart went back past it)</div>'
         rows.append([steps, f'<span class="kind {esc(first.kind)}">{esc(first.kind)}</span>{count}', what, when])
         classes.append("superseded" if first.superseded else "")
     more = ""
     if len(groups) > MAX_TIMELINE_ROWS:
         more = f'<p class="detail">and {len(groups) - MAX_TIMELINE_ROWS} more rows in events.jsonl</p>'
     return table(["step", "kind", "what happened", "time"], rows, ["num", "kindcol", "", "time"], classes) + more
+
+
+def _moved_incident(event: Event) -> str | None:
+    """Where an incident event's folder went when a restart renamed it ``step_N.superseded-R`` (None: where it says)."""
+    path = event.extra.get("path") if event.kind == "incident" else None
+    if not isinstance(path, str) or Path(path).exists():
+        return None
+    moved = sorted(Path(path).parent.glob(Path(path).name + ".superseded-*"))
+    return str(moved[0]) if moved else None
 
 
 def _details(event: Event, run: RunData) -> str:
