@@ -71,6 +71,12 @@ def monitor(out: Path, run_dir: Path) -> None:
                 counts.append(_seq() - before)
         saved[name] = {"params": [p.detach().clone() for p in model.parameters()], "counts": counts,
                        "steps": mon.num_steps, "history": mon.history}
+    try:  # the spike rule on each rank's own loss would split the ranks on skipping a step: refused
+        probe = DDP(Net())
+        Monitor(probe, torch.optim.SGD(probe.parameters(), lr=0.1), on_spike="skip")
+        saved["skip_refused"] = None
+    except ValueError as err:
+        saved["skip_refused"] = str(err)
     torch.manual_seed(0)  # the host alone: a plain DDP loop's own collectives per step
     model = Net()
     ddp = DDP(model)

@@ -61,6 +61,7 @@ def test_monitor_around_a_ddp_model_under_torchrun(tmp_path):
     assert a["history"][0]["num_skipped"] == 1 and a["counts"][:3] == ranks[0]["bare_counts"][:3]
     events = _events(run_dir / "detached")
     assert [e["ranks"] for e in events if e["kind"] == "nonfinite"] == [[1]]
+    assert all(r["skip_refused"].startswith("on_spike='skip' under torch.distributed (world size 2): ") for r in ranks)
     # A finite spike only rank 1's batch carries: found on rank 1 by its own loss, its sample named.
     incident = next(e for e in _events(run_dir / "spike") if e["kind"] == "incident")
     assert incident["step"] == 7 and incident["ranks"] == [1] and incident["diagnosis"]["rank"] == 1, incident

@@ -92,6 +92,10 @@ class RunSession:
                  tracker_hosts: dict[str, tuple[Callable[[], Any], Any]] | None = None, compiled: bool = False) -> None:
         self.options = options
         self.dist = DistContext.current()
+        if self.dist.world > 1 and options.on_spike == "skip":  # the rule would judge each rank's own loss
+            raise ValueError(f"on_spike='skip' under torch.distributed (world size {self.dist.world}): the spike rule runs "
+                             "on each rank's own loss before the step, and the ranks would disagree on skipping it; use "
+                             "on_spike='warn' (the rule runs at the log boundary on the losses every rank shares)")
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.model = unwrap(model)
         self.host, self.precision, self.optimizer, self.scaler = host, precision, optimizer, scaler
