@@ -643,9 +643,14 @@ def test_a_few_huge_losses_do_not_make_the_loss_headline_read_as_a_run_that_got_
     means = [9.0, 0.5, 0.4, 0.2, 0.1, 7.0]
     h, text = _loss_run(tmp_path / "short", means, [0.4, 0.45, 0.35, 0.18, 0.09, 0.08], spikes=[5, 60])
     assert (h.figures["loss_start"], h.figures["loss_end"]) == (0.5, 0.2), text
-    # One interval: its mean at both ends (no median of nothing)
+    # One interval: its mean at both ends (no median of nothing), said once, with what lifted it
     h, text = _loss_run(tmp_path / "one", [2.5], [1.0], spikes=[4])
     assert (h.figures["loss_start"], h.figures["loss_end"]) == (2.5, 2.5), text
+    assert text == "Train loss 2.5 (one interval) (the only interval's mean, 2.5, is lifted by a loss spike at step 4).", text
+    # Two intervals, a spike in the first: too few for a median; the mean stands and the words say what lifted it
+    h, text = _loss_run(tmp_path / "two", [564.0, 0.14], [0.3, 0.1], spikes=[7])
+    assert text.startswith("Train loss 564 → 0.14 (first interval → last interval: the first interval's mean, 564, is "
+                           "lifted by a loss spike at step 7)"), text
     # A loss that falls fast at the start keeps its first interval's mean too.
     falling = [5.1, 1.3, 0.22, 0.03, 0.0005, 1e-4, 3e-5, 1e-5]
     h, text = _loss_run(tmp_path / "falling", falling, [0.5 * m for m in falling])

@@ -103,7 +103,8 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
     skipped_note = (f"{skipped} of {trainer.step} steps skipped ({100 * skipped / max(trainer.step, 1):.0f}%: see events.jsonl)"
                     if skipped else "no step skipped")
     if undone:
-        skipped_note += f" ({'and ' * bool(skipped)}{undone} before a rollback went back past them: trained again)"
+        skipped_note += (f" ({'and ' * bool(skipped)}{undone} before a rollback went back past "
+                         f"{'it' if undone == 1 else 'them'}: trained again)")
     console.say(f"trained {trainer.step} steps; {shown}; {skipped_note}; run directory: {run_dir}")
     if args.report:
         write_report(run_dir)

@@ -186,12 +186,14 @@ def _robust_end(rows: list[tuple], spikes: list[int], ratio: float, end: str) ->
     ``rows`` are (step, interval steps, mean loss, smallest loss) from that end inward.
     """
     step, width, mean, low = rows[0]
-    ends = max(1, min(LOSS_ENDS, len(rows) // 2))  # a short run: the two ends' intervals do not overlap
+    ends = min(LOSS_ENDS, max(3, len(rows) // 2))  # a short run: the two ends share as few intervals as they can
     near = [r[2] for r in rows[:ends]]
     median = statistics.median(near)
     spiky = any(step - width < s <= step for s in spikes) or (mean > ratio * median and low <= ratio * median)
-    if len(near) < 3 or not spiky:
+    if not spiky:
         return mean, None
+    if len(near) < 3:  # too few intervals for a typical value: the mean stands, and the words say what lifted it
+        return mean, f"{end} interval"
     quiet = [r[2] for r in rows[:ends] if not any(r[0] - r[1] < s <= r[0] for s in spikes)]
     if quiet and 2 * (len(near) - len(quiet)) >= len(near):  # spikes recur (every epoch): most means are lifted
         return statistics.median(quiet), (f"median of the means of the {len(quiet)} of the {end} {len(near)} "
@@ -373,7 +375,10 @@ def _losses(run: RunData, h: Health) -> None:
         (f["loss_start"], start), (f["loss_end"], end) = (_robust_end(rows, spikes, ratio, "first"),
                                                           _robust_end(rows[::-1], spikes, ratio, "last"))
         text = f"Train loss {fmt_num(f['loss_start'])} → {fmt_num(f['loss_end'])}"
-        if start is None and end is None:
+        if len(rows) == 1:  # one interval: no "X → X"
+            text = f"Train loss {fmt_num(f['loss_start'])} (one interval)" + (
+                f" ({_why(rows[0], spikes, 'only')})" if start else "")
+        elif start is None and end is None:
             text += " (first → last interval)"
         else:
             why = "; ".join(w for w in (start and _why(rows[0], spikes, "first"), end and _why(rows[-1], spikes, "last")) if w)
@@ -413,7 +418,8 @@ def _restarts(run: RunData, h: Health) -> None:
         deaths[what] = deaths.get(what, 0) + 1
     said = "; ".join(what + (f", {n} times" if n > 1 else "") for what, n in deaths.items())
     froms = sorted({str(e.extra.get("checkpoint") or "step 0") for e in restarts})
-    h.say("warn", f"Restarted itself {plural(len(restarts), 'time')} after its process died ({said}), from "
+    times = "once" if len(restarts) == 1 else f"{len(restarts)} times"
+    h.say("warn", f"Restarted itself {times} after its process died ({said}), from "
                   f"{', '.join(froms)} (run.max_restarts; what each cost: the goodput line).")
 
 
@@ -436,7 +442,7 @@ def _records(run: RunData, h: Health) -> None:
     if rollbacks:
         moves = ", ".join(f"{e.extra['from_step']:,} → {e.step:,}" if isinstance(e.extra.get("from_step"), int)
                           else f"to {e.step:,}" for e in rollbacks[:5])
-        h.say("warn", f"Rolled back {plural(len(rollbacks), 'time')} (step {moves}).")
+        h.say("warn", f"Rolled back {'once' if len(rollbacks) == 1 else f'{len(rollbacks)} times'} (step {moves}).")
     _restarts(run, h)
     marks = [e for e in run.events if e.kind in ("restart", "resume")]  # a restart's own resume follows its event
     resumes = [e for i, e in enumerate(marks) if e.kind == "resume" and (i == 0 or marks[i - 1].kind != "restart")]
