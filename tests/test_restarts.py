@@ -431,15 +431,25 @@ def test_goodput_splits_the_wall_time_of_every_launch_and_the_wait_before_a_rest
                         "evaluation, 3.2% checkpoint stalls, 2.1% other, 1.6% skipped steps)")
 
 
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _two_launches(ready, wall, start, ready2, end, wall2):
+    """A ledger of a launch (from 100, ready at ``ready``, one 10-step interval logged at 110 after ``wall`` s) and a
+    later one (``start``, ``ready2``, ending at ``end`` after ``wall2`` s)."""
+    return [{"kind": "launch", "start": 100.0, "ready": ready, "step": 0},
+            {"kind": "interval", "t": 110.0, "step": 10, "steps": 10, "wall_s": wall, "eval_s": 0.0, "checkpoint_s": 0.0,
+             "incident_s": 0.0, "skipped": 0},
+            {"kind": "launch", "start": start, "ready": ready2, "step": 10},
+            {"kind": "end", "t": end, "step": 10, "wall_s": wall2, "checkpoint_s": 0.0, "incident_s": 0.0}]
+
+
 def test_goodput_counts_a_launch_that_died_in_its_start_up(tmp_path):
     # Launch 1 (100-117, killed); launch 2 starts, writes its restart event at 120 and dies at 123 before its ledger's
     # first line; launch 3 writes its restart event at 125 (its own start 124), is ready at 126 and ends at 130.
-    ledger = [{"kind": "launch", "start": 100.0, "ready": 104.0, "step": 0},
-              {"kind": "interval", "t": 110.0, "step": 10, "steps": 10, "wall_s": 6.0, "eval_s": 0.0, "checkpoint_s": 0.0,
-               "incident_s": 0.0, "skipped": 0},
-              {"kind": "launch", "start": 124.0, "ready": 126.0, "step": 10},
-              {"kind": "end", "t": 130.0, "step": 10, "wall_s": 4.0, "checkpoint_s": 0.0, "incident_s": 0.0}]
-    (tmp_path / "goodput.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ledger))
+    ledger = _two_launches(104.0, 6.0, 124.0, 126.0, 130.0, 4.0)
+    _jsonl(tmp_path / "goodput.jsonl", ledger)
     restarts = [{"kind": "restart", "step": 10, "time": 120.0, "cause": {"time": 117.0}},
                 {"kind": "restart", "step": 10, "time": 125.0, "cause": {"time": 123.0}}]
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in restarts))
@@ -473,12 +483,7 @@ def test_goodput_parts_that_overlap_in_an_interval_stay_within_its_wall_time(tmp
 def test_goodput_leaves_out_the_wait_after_a_refused_restart_and_counts_the_refusing_launch(tmp_path):
     # Launch 1 dies at 111; the 3 launches restarted after it die in their start-up (their restarts recorded late, at
     # 120, by the 5th, which refuses to loop); a person resumes at 200: the 80 s between are nobody's run time.
-    ledger = [{"kind": "launch", "start": 100.0, "ready": 101.0, "step": 0},
-              {"kind": "interval", "t": 110.0, "step": 10, "steps": 10, "wall_s": 9.0, "eval_s": 0.0, "checkpoint_s": 0.0,
-               "incident_s": 0.0, "skipped": 0},
-              {"kind": "launch", "start": 200.0, "ready": 201.0, "step": 10},
-              {"kind": "end", "t": 210.0, "step": 10, "wall_s": 9.0, "checkpoint_s": 0.0, "incident_s": 0.0}]
-    (tmp_path / "goodput.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ledger))
+    _jsonl(tmp_path / "goodput.jsonl", _two_launches(101.0, 9.0, 200.0, 201.0, 210.0, 9.0))
     events = [{"kind": "restart", "step": 10, "time": 120.0, "restart": n, "cause": {"time": t}}
               for n, t in ((1, 111.0), (2, 113.0), (3, 116.0))]
     events += [{"kind": "stop", "step": 10, "time": 120.0, "reason": "restart refused: 3 launches in a row ...",

@@ -75,6 +75,7 @@ class Failure:
     resumed_step: int | None  # the step it resumed from (None: it started the run)
     last_step: int  # the last step it is known to have reached
     nonfinite_step: int | None = None  # its first non-finite step
+    trained: bool = True  # False: it recorded its restart and died before resuming (in its start-up)
 
     def record(self) -> dict[str, Any]:
         return {"kind": self.kind, "text": self.text, "key": self.key, "progress": self.progress}
@@ -87,14 +88,16 @@ def last_failure(events: list[dict[str, Any]], last_logged: int = 0) -> Failure:
     resumed = int(events[marks[-1]]["step"]) if marks else None  # a restart's and a resume's step: the one resumed
     steps = [int(e["step"]) for e in own if isinstance(e.get("step"), int)]
     mark = events[marks[-1]] if marks else {}
-    if mark.get("kind") == "restart" and mark.get("checkpoint") is not None:
-        last_logged = 0  # it recorded its restart and died before resuming: the metrics lines are the launch's before
+    trained = not (mark.get("kind") == "restart" and mark.get("checkpoint") is not None)
+    if not trained:  # it recorded its restart and died before resuming: the metrics lines are the launch's before
+        last_logged = 0
     last = max([last_logged, *steps, resumed or 0])
     progress = any(e.get("kind") == "checkpoint" and (resumed is None or int(e["step"]) > resumed) for e in own)
     nonfinite = next((int(e["step"]) for e in own if e.get("kind") == "nonfinite"), None)
     crash = next((e for e in reversed(own) if e.get("kind") == "crash"), None)
     stop = next((e for e in reversed(own) if e.get("kind") == "stop"), None)
-    common = {"progress": progress, "resumed_step": resumed, "last_step": last, "nonfinite_step": nonfinite}
+    common = {"progress": progress, "resumed_step": resumed, "last_step": last, "nonfinite_step": nonfinite,
+              "trained": trained}
     if crash is not None:
         step = int(crash.get("failed_step", crash["step"]))
         return Failure("crash", f"crashed at step {step}: {crash['reason']}",
@@ -247,24 +250,22 @@ def _restart(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_checkp
     numbers = {e.get("restart") for e in restarts if since is None or float(e.get("time") or 0) >= since}
     causes = _causes(everyone, since)
     missed = [c for c in causes[:-1] if c.get("time") not in recorded and c.get("restart") not in numbers]
-    for n, cause in enumerate(missed):
-        # After a missed restart the launch it started died in its start-up: it trained nothing (the metrics lines
-        # are the launch's before it)
-        launch = _restart_after(cfg, run_dir, everyone, has_checkpoint, cause, late=True, trained=n == 0)
+    for cause in missed:  # (each recorded restart marks the launch after it: one that died in its start-up, see
+        # last_failure's ``trained``)
+        launch = _restart_after(cfg, run_dir, everyone, has_checkpoint, cause, late=True)
         if launch.refused is not None:
             return launch
         has_checkpoint = has_checkpoint or launch.resume
-    return _restart_after(cfg, run_dir, everyone, has_checkpoint, causes[-1] if causes else None, late=False,
-                          trained=not missed)
+    return _restart_after(cfg, run_dir, everyone, has_checkpoint, causes[-1] if causes else None, late=False)
 
 
 def _restart_after(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_checkpoint: bool,
-                   cause: dict[str, Any] | None, late: bool, trained: bool = True) -> Launch:
+                   cause: dict[str, Any] | None, late: bool) -> Launch:
     """Check and record the restart after the death ``cause`` (None: no launcher's word); ``late``: the launch it
-    started died in its start-up before recording it; not ``trained``: the launch that died did (it trained nothing)."""
+    started died in its start-up before recording it."""
     events, _ = read_jsonl(run_dir / "events.jsonl")
     metrics, _ = read_jsonl(run_dir / "metrics.jsonl")
-    failure = last_failure(events, max((int(m.get("step", 0)) for m in metrics), default=0) if trained else 0)
+    failure = last_failure(events, max((int(m.get("step", 0)) for m in metrics), default=0))
     chain = _restart_chain(events)
     number = (cause or {}).get("restart") or max([r["count"] for r in everyone] + [len(chain) + 1])
     limit = (cause or {}).get("max_restarts") or max(r["max"] for r in everyone) or cfg.run.max_restarts
@@ -299,8 +300,8 @@ def _restart_after(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_
                 f"{distrusted['distrusted']}), resuming from the checkpoint before it" if distrusted else "")
         met = "" if failure.kind == "exit" else f"; the launch {failure.text}"
         # A killed launch's last steps are known only up to its last record (a log line, an event): it may have got further.
-        beyond = (f", and any it trained after step {failure.last_step}, its last record" if failure.kind == "exit" and trained
-                  else "")
+        beyond = (f", and any it trained after step {failure.last_step}, its last record"
+                  if failure.kind == "exit" and failure.trained else "")
         reason = (f"restart {number}{f' of {limit}' if limit else ''} after {who}{met}{note}; resuming from "
                   f"{good.name if good else '?'}: {redone} step(s) to train again{beyond}{LATE if late else ''}")
         run.event(resumed, "restart", reason, restart=number, max_restarts=limit, cause=cause,
