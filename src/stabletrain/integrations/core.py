@@ -203,8 +203,10 @@ class RunSession:
             self.loss_watch.watch(loss)
 
     def keep(self, micro_batches: list[Any], rng: dict[str, Any] | None, host: dict[str, Any] | None = None) -> None:
-        """Keep what a replay of the next step needs (its micro-batches, RNG state, lrs, loss scale; no sync)."""
+        """Just before the host's optimizer step: keep what a replay of it needs (its micro-batches, RNG state, lrs, loss
+        scale), and let the interval snapshot's copies complete first (CUDA; no sync)."""
         self.steps.keep(self.step + 1, micro_batches, rng, host)
+        self.capture.snapshot.before_update()
 
     def judge_host_steps(self, optimizer: torch.optim.Optimizer, scaler: Any, *, host_clip: float | None,
                          own_clip: float | None, skip_hint: str) -> HostStep:
@@ -222,7 +224,6 @@ class RunSession:
         self.keep(p.micro, p.rng, p.host)
         self.host_step.before_step(p.loss, norm, per_param, grads_scaled=grads_scaled,
                                    measure_update=(self.step + 1) % self.options.log_every == 0)
-        self.before_update()
 
     def record_host_step(self, out: dict[str, Tensor], *, epoch: int, lr: Tensor | float) -> dict[str, Any] | None:
         """Record the host's step (:meth:`record`); the next one starts. Returns the interval's record if it logged."""
@@ -230,10 +231,6 @@ class RunSession:
         logged = self.record(out, num_samples=sum(batch_size(b) for b in micro), lr=lr,
                              loss_scale=self.host_step.loss_scale())
         return self.history[-1] if logged else None
-
-    def before_update(self) -> None:
-        """Just before the host's optimizer step: the interval snapshot's copies complete first (CUDA; no sync)."""
-        self.capture.snapshot.before_update()
 
     def record(self, out: dict[str, Tensor], *, num_samples: int, lr: Tensor | float, loss_scale: Tensor | float) -> bool:
         """Record one optimizer step's device tensors; at a log boundary run :meth:`log`. Return whether it logged.

@@ -183,7 +183,6 @@ class Monitor:
                  else torch.full((), float(count), device=loss.device))
         session.keep(micro, self._rng, {"backward": self._backward if not given else [loss], "autocast": self._autocast,
                                         "loss": loss, "count": count, "clipped_by_user": grad_norm is not None})
-        session.before_update()
         last_of_interval = (session.step + 1) % session.options.log_every == 0
         norm = torch.as_tensor(grad_norm).detach().float().reshape(()) if grad_norm is not None else None
         out = self.step_fn.update(loss=loss, count=count, measure_update=last_of_interval, grad_norm=norm)
