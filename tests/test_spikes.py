@@ -152,6 +152,37 @@ def test_on_spike_remedy_finishes_the_run_with_the_remedy_event(tmp_path):
     assert skipped == [step]  # on_spike=remedy skips the spike on the device, then cures what caused it
 
 
+def test_a_burst_of_bad_samples_over_consecutive_steps_is_cured_by_dropping_each_windows_outliers(tmp_path):
+    """Bad samples in the windows of steps 20, 21 and 22: the diagnosis names step 20's, and dropping those alone
+    fails at step 21 (it was 'no remedy applied', and the samples came back every epoch). The skip-samples candidate
+    takes the next windows' outliers too, along the burst, and is applied: no later incident, no skipped step after."""
+    run_dir = tmp_path / "run"
+    trainer = Trainer(cfg("train.batch_size=8", "log.every=10", "data.shuffle=false", "guard.on_spike=remedy",
+                          "remedy.steps=5", "train.max_steps=30", "optim.lr=0.01"),
+                      task=outlier_samples_task(bad=(153, 157, 165, 171)), run_dir=run_dir)
+    trainer.fit()
+    events = _events(run_dir)
+    remedy = [e for e in events if e["kind"] == "remedy"]
+    assert len(remedy) == 1 and remedy[0]["name"] == "skip-samples", remedy
+    assert sorted(trainer.stream.drop) == [153, 157, 165, 171]
+    assert [e["step"] for e in events if e["kind"] in ("skip", "incident")] == [20, 20]
+    record = json.loads((run_dir / "incidents" / "step_000020" / "remedy.json").read_text())
+    skip = next(c for c in record["candidates"] if c["name"] == "skip-samples")
+    assert skip["extended"] == [{"step": 21, "samples": [165]}, {"step": 22, "samples": [171]}]
+    assert skip["evidence"].endswith("with the outliers of the windows after it: sample 165 at step 21, sample 171 at step 22")
+
+
+def test_outlier_sets_come_fewest_first_with_non_finite_samples_always_in():
+    from stabletrain.diagnostics.spike import outlier_sets
+
+    rows = [{"sample": i, "loss_sum": v, "count": 1.0} for i, v in enumerate([1.0, 30.0, 1.2, 20.0, 0.9, 1.1, 1.0, 0.8])]
+    normal = lambda loss: loss < 2.0  # noqa: E731
+    assert list(outlier_sets(rows, normal)) == [[1, 3]]  # the largest alone leaves 20 in: not normal; at most 2 (8 // 4)
+    rows[6]["loss_sum"] = float("nan")
+    assert next(outlier_sets(rows, normal)) == [6, 1, 3]
+    assert next(outlier_sets(rows, lambda loss: loss < 0.5), None) is None
+
+
 def test_the_device_rules_spike_window_is_the_one_it_judged_the_spike_with(tmp_path):
     """guard.on_spike=skip runs the rule on the device, whose window at the boundary holds the interval's later losses:
     the capture reads it once its replay stands just before the spike. The same window as the host rule's (on_spike=warn)

@@ -34,7 +34,7 @@ from torch import nn
 from .config import config_from_dict
 from .data import move_to
 from .diagnostics.diagnosis import matches_observed
-from .diagnostics.spike import adam_surges, classify_spike, departures, jumps, spike_summary, surge_rows
+from .diagnostics.spike import adam_surges, classify_spike, departures, jumps, outlier_sets, spike_summary, surge_rows
 from .policies.accumulation import as_sum_count
 from .policies.guard import spike_test
 from .policies.precision import resolve_device
@@ -157,19 +157,13 @@ def _samples(bench: _Bench, groups: list[tuple[list[int], Any]], rule: Any, grad
     if grads is not None and len(rows) <= MAX_GRAD_SAMPLES:
         _gradient_shares(bench, rows, grads, total_count)
     rows.sort(key=lambda r: -r["loss_sum"])
-    limit = max(2, min(16, len(rows) // 4))
     found = None
-    for k in range(1, min(limit, len(rows) - 1) + 1):
-        rest_sum = total_sum - sum(r["loss_sum"] for r in rows[:k])
-        rest_count = total_count - sum(r["count"] for r in rows[:k])
-        if not rest_count or not normal(rest_sum / rest_count):
-            continue  # not even by the per-sample sums: more samples
-        drop = {r["sample"] for r in rows[:k]}
+    for drop in outlier_sets(rows, normal):  # fewest first, each normal by the per-sample sums
         kept = [[i for i in idx if i not in drop] for idx, _ in groups]
         replayed = bench.step(bench.groups(kept))  # verified on the run's own step, without them
         verdict = rule(replayed["loss"])
         if normal(replayed["loss"]):
-            found = {"indices": sorted(drop), "share": sum(r["share"] for r in rows[:k]),
+            found = {"indices": sorted(drop), "share": sum(r["share"] for r in rows if r["sample"] in drop),
                      "without": {"loss": replayed["loss"], "grad_norm": replayed["grad_norm"], "ratio": verdict["ratio"],
                                  "zscore": verdict["zscore"]}}
             break

@@ -43,10 +43,12 @@ import torch
 from .config import config_from_dict
 from .data import EpochOrder, Window, WindowStream, move_to
 from .diagnostics.candidates import candidates_for
-from .diagnostics.cures import CANDIDATE_NAMES, Remedy, SkipStep
+from .diagnostics.cures import CANDIDATE_NAMES, Remedy, SkipSamples, SkipStep
+from .diagnostics.spike import outlier_sets
 from .fileio import atomic_write
 from .incident_replay import diagnose_incident, run_history
-from .policies.guard import UNRECOVERABLE_SCALE, Guard
+from .policies.accumulation import as_sum_count
+from .policies.guard import UNRECOVERABLE_SCALE, Guard, spike_test
 from .policies.precision import resolve_device
 from .records.bundles import DIAGNOSIS_FILE, REMEDY_FILE, load_bundle
 from .records.checkpoint.manager import CheckpointManager
@@ -62,6 +64,8 @@ LOSS_TOLERANCE = 0.10
 #: The end loss: the mean of the last this many replayed steps' losses.
 END_STEPS = 5
 VERDICTS = ("cures", "worse", "fails")
+#: A skip-samples candidate takes the outliers of at most this many later windows too (:func:`_extended`).
+MAX_EXTENSIONS = 3
 
 
 class _Incident:
@@ -148,8 +152,11 @@ def _dropped_before(run_dir: Path, step: int) -> set[int]:
     return out
 
 
-def _replay(inc: _Incident, remedy: Remedy, num_after: int) -> dict[str, Any]:
-    """Replay from ``remedy``'s start through the incident's window and ``num_after`` more; the per-step record."""
+def _replay(inc: _Incident, remedy: Remedy, num_after: int, probe: int | None = None) -> dict[str, Any]:
+    """Replay from ``remedy``'s start through the incident's window and ``num_after`` more; the per-step record.
+
+    ``probe``: stop before that step's update and return its samples' own losses under the state it met, and the
+    losses the rule judges it against (``result["probe"]``: :func:`_extended`)."""
     start = time.perf_counter()
     cfg, task, dev = inc.cfg, inc.task, inc.device
     state, first, stream_state = inc.start(remedy)
@@ -193,6 +200,9 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int) -> dict[str, Any]:
             if not groups:
                 rows.append({"step": n, "dropped": True})
                 continue
+            if n == probe:
+                return {"probe": _sample_losses(inc, model, precision, [k for k, _ in groups]),
+                        "window": [float(v) for v in guard.window.tolist() if math.isfinite(v)]}
             out = step([(len(k), b) for k, b in groups], task.loss, check_params=True)
             loss, norm = float(out["loss"]), float(out["grad_norm"])
             # fp16: the scaler's routine skip-and-back-off, unless it backs off below UNRECOVERABLE_SCALE (as the guard)
@@ -208,7 +218,8 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int) -> dict[str, Any]:
                 what = ("loss" if not math.isfinite(loss) else "parameters" if not params_ok else
                         f"grad norm (the GradScaler backs off to {float(precision.loss_scale()):g}: it cannot recover)"
                         if bool(out["overflow"]) else "grad norm")
-                failed = {"step": n, "why": f"non-finite {what} at step {n} (loss {loss:.4g}, grad norm {norm:.4g})"}
+                failed = {"step": n, "why": f"non-finite {what} at step {n} (loss {loss:.4g}, grad norm {norm:.4g})",
+                          "kind": what}
                 break
             # From a rollback point the losses start where that state is (a divergence under way): until they are back
             # under the rule's bound once, that is recovery, unless the loss climbs past spike_ratio x where it started;
@@ -217,7 +228,7 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int) -> dict[str, Any]:
             recovered = recovered or not spike
             start_loss = loss if start_loss is None else start_loss
             if spike and (recovered or loss > cfg.guard.spike_ratio * start_loss):
-                failed = {"step": n, "why": f"loss spike at step {n} by the guard's rule (loss {loss:.4g})"}
+                failed = {"step": n, "why": f"loss spike at step {n} by the guard's rule (loss {loss:.4g})", "kind": "spike"}
                 break
     end = _end_loss(rows, inc.step) if failed is None else float("nan")
     return {"name": remedy.name, "remedy": remedy.to_dict(), "detail": remedy.detail, "live": remedy.live,
@@ -226,6 +237,45 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int) -> dict[str, Any]:
             "rewound_steps": inc.step - first if remedy.rollback_step is not None else 0,
             "dropped_samples": dropped, "total_samples": total,
             "failed": failed, "end_loss": end, "trajectory": rows, "seconds": time.perf_counter() - start}
+
+
+def _sample_losses(inc: _Incident, model: torch.nn.Module, precision: Any, groups: list[list[int]]) -> list[dict[str, Any]]:
+    """Each sample's own loss (a sum over its items, and their count) under ``model`` as it stands: forward only."""
+    rows = []
+    with torch.no_grad(), precision.autocast():
+        for i in (i for g in groups for i in g):
+            s, c = as_sum_count(inc.task.loss(model, move_to(inc.collate([inc.task.train_data[i]]), inc.device)), 1)
+            rows.append({"sample": i, "loss_sum": float(s), "count": float(c)})
+    return rows
+
+
+def _extended(inc: _Incident, remedy: SkipSamples, result: dict[str, Any], num_after: int) -> dict[str, Any]:
+    """A skip-samples candidate that fails at the next window by its loss (a burst of bad samples over consecutive
+    windows: the diagnosis names the first window's), replayed again with that window's outliers dropped too
+    (:func:`~stabletrain.diagnostics.spike.outlier_sets`: the fewest whose rest is normal by the guard's rule), along
+    the burst's windows, at most :data:`MAX_EXTENSIONS` of them. A later failure after a calm window is another
+    incident's, left to it. Returns the last replay's result, with ``extended``: [{step, samples}, ...]."""
+    extended: list[dict[str, Any]] = []
+    cfg, last = inc.cfg.guard, inc.step
+    for _ in range(MAX_EXTENSIONS):
+        failed = result["failed"]
+        if failed is None or failed["step"] != last + 1 or failed.get("kind") not in ("spike", "loss"):
+            break
+        last = failed["step"]
+        probe = _replay(inc, remedy, num_after, probe=failed["step"])
+        window = probe.get("window", [])
+
+        def normal(loss: float, window: list[float] = window) -> bool:  # as the diagnosis's: no spike, under x spike_ratio
+            verdict = spike_test(loss, window, cfg)
+            return not verdict["spike"] and verdict.get("ratio", 0.0) <= cfg.spike_ratio
+
+        more = next(outlier_sets(probe.get("probe", []), normal), None)
+        if not more:
+            break
+        extended.append({"step": failed["step"], "samples": sorted(more)})
+        remedy = SkipSamples(tuple(sorted({*remedy.samples, *more})))
+        result = _replay(inc, remedy, num_after)
+    return {**result, "extended": extended} if extended else result
 
 
 def _end_loss(rows: list[dict[str, Any]], step: int) -> float:
@@ -347,12 +397,17 @@ def search_remedies(directory: str | Path, task: Task | None = None, *, steps: i
         pool = [c for c in pool if c.live]
     load_s = time.perf_counter() - start
     results = [_replay(inc, c, steps) for c in pool]
+    results = [_extended(inc, c, r, steps) if isinstance(c, SkipSamples) else r for c, r in zip(pool, results)]
     later = _before_later_incident(results, inc.step) if len(results) > 1 else None
     baseline = results[0]
     healthy = _healthy(inc.history, diagnosis)
     typical = (diagnosis.get("spike_window") or {}).get("median")
     for r in results:
         r["verdict"], r["evidence"] = judge(r, baseline, healthy, typical)
+        if r.get("extended"):  # the burst's later windows' outliers, dropped too
+            r["evidence"] += "; with the outliers of the windows after it: " + ", ".join(
+                f"sample{'s' if len(e['samples']) > 1 else ''} {', '.join(map(str, e['samples']))} at step {e['step']}"
+                for e in r["extended"])
         r["baseline"] = r is baseline
     ranked = sorted(results, key=_rank_key)
     total_steps = sum(r["steps_replayed"] for r in results)

@@ -24,12 +24,13 @@ tensors and per-module statistics into the evidence.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 __all__ = ["SPIKE_CLASSES", "classify_spike", "adam_surges", "surge_rows", "departures", "jumps", "spike_summary",
-           "SURGE_FACTOR", "UPDATE_JUMP"]
+           "outlier_sets", "SURGE_FACTOR", "UPDATE_JUMP"]
 
 SPIKE_CLASSES = ("data", "state", "optimizer-state", "precision", "not reproducible")
 
@@ -136,6 +137,24 @@ def jumps(spike: dict[str, float], ordinary: dict[str, float], top: int = 3) -> 
         rows.append([name, value / base, value, base])
     rows.sort(key=lambda r: -r[1])
     return [r for r in rows[:top] if r[1] >= 1.0]
+
+
+def outlier_sets(rows: list[dict[str, Any]], normal: Callable[[float], bool]) -> Iterator[list[int]]:
+    """The sets of a window's samples worth dropping to make its step normal, fewest first.
+
+    ``rows``: one per sample, ``{"sample", "loss_sum", "count"}`` (a sample's loss as a sum over its items, as the
+    step sums them). Yields the samples with a non-finite loss, with the k largest losses after them (k = 0, 1, ...,
+    at most a quarter of the window, 16 at most), each set whose rest's mean loss ``normal`` accepts; nothing when
+    no such set leaves a sample. A caller verifies a set by replaying the step without it.
+    """
+    bad = [r for r in rows if not math.isfinite(r["loss_sum"])]
+    good = sorted((r for r in rows if math.isfinite(r["loss_sum"])), key=lambda r: -r["loss_sum"])
+    limit = max(2, min(16, len(rows) // 4))
+    for k in range(0 if bad else 1, min(limit, len(good) - 1) + 1):
+        rest = good[k:]
+        count = sum(r["count"] for r in rest)
+        if count and normal(sum(r["loss_sum"] for r in rest) / count):
+            yield [r["sample"] for r in bad + good[:k]]
 
 
 def _pct(x: float) -> str:
