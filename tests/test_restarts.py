@@ -231,6 +231,8 @@ def test_restarts_whose_launches_die_in_their_start_up_each_get_their_event_and_
     assert all(e["reason"] in out for e in restarts)  # one line each
     assert restarts[0]["checkpoint"] is not None and len({e["checkpoint"] for e in restarts}) == 1
     assert [e["redone"] for e in restarts][1:] == [0, 0]  # the launches that died in their start-up trained nothing
+    assert all(f"resuming from {e['checkpoint']}: no step to train again" in e["reason"] for e in restarts[1:]), \
+        [e["reason"] for e in restarts]  # (not '0 step(s) to train again, and any it trained after ...')
     assert _final(run_dir)["counters"]["step"] == 20
     goodput = read_goodput(run_dir)
     assert (goodput.launches, goodput.restarts) == (4, 3), goodput.line()

@@ -300,10 +300,13 @@ def _restart_after(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_
                 f"{distrusted['distrusted']}), resuming from the checkpoint before it" if distrusted else "")
         met = "" if failure.kind == "exit" else f"; the launch {failure.text}"
         # A killed launch's last steps are known only up to its last record (a log line, an event): it may have got further.
-        beyond = (f", and any it trained after step {failure.last_step}, its last record"
-                  if failure.kind == "exit" and failure.trained else "")
+        again = f"{redone} step{'s' if redone != 1 else ''} to train again" if redone else "no step to train again"
+        if failure.kind == "exit" and failure.trained:
+            again = (f"{redone} step{'s' if redone != 1 else ''}, and any it trained after step {failure.last_step}, its "
+                     "last record, to train again" if redone else
+                     f"any steps it trained after step {failure.last_step}, its last record, to train again")
         reason = (f"restart {number}{f' of {limit}' if limit else ''} after {who}{met}{note}; resuming from "
-                  f"{good.name if good else '?'}: {redone} step(s) to train again{beyond}{LATE if late else ''}")
+                  f"{good.name if good else '?'}: {again}{LATE if late else ''}")
         run.event(resumed, "restart", reason, restart=number, max_restarts=limit, cause=cause,
                   failure=failure.record(), checkpoint=good.name if good else None, redone=redone,
                   **distrusted, **({"incidents_kept": kept} if kept else {}), **({"late": True} if late else {}))
