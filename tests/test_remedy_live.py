@@ -119,7 +119,7 @@ def test_a_remedy_is_applied_by_hand_on_resume_once_and_refused_clearly(tmp_path
     assert final.meta["step"] == 20 and [a["name"] for a in final.state["remedies"]["applied"]] == ["skip-samples"]
 
 
-def test_a_transient_fault_needs_no_remedy_and_a_run_past_max_remedies_falls_back(tmp_path):
+def test_a_transient_fault_needs_no_remedy_and_a_run_past_max_remedies_falls_back(tmp_path, capsys):
     from helpers import PoisonAt, regression_task
 
     task = regression_task()
@@ -129,6 +129,7 @@ def test_a_transient_fault_needs_no_remedy_and_a_run_past_max_remedies_falls_bac
     (event,) = [e for e in events(tmp_path / "transient") if e["kind"] == "remedy"]
     assert event["applied"] is None and event["reason"].startswith(
         "no remedy needed for the not reproducible incident at step 3: skipping its step cures it on the replay")
+    assert event["reason"] in capsys.readouterr().out  # on the console too, in one line
     stopped = train(tmp_path / "capped", "remedy_tasks:diverging_task", "train.max_steps=60", *DIVERGING,
                     "guard.on_nonfinite=remedy", "remedy.max_applied=0", "remedy.fallback=stop")
     assert stopped.step == 40 and "no remedy applied: 0 remedies applied already (remedy.max_applied=0); " \

@@ -123,9 +123,11 @@ class RemedyApplier:
                          and not (skip_cures and c["remedy"]["kind"] == "rollback-lr")), None)
             if best is None and skip_cures:  # the step's skip was all it needed
                 decision.action = "continue"
-                state.event(state.step, "remedy", f"no remedy needed for the {record['failure_class']} incident at step "
-                            f"{record['step']}: skipping its step cures it on the replay ({skip['evidence']})",
-                            incident=incident, applied=None)
+                line = (f"no remedy needed for the {record['failure_class']} incident at step {record['step']}: skipping "
+                        f"its step cures it on the replay ({skip['evidence']})")
+                state.event(state.step, "remedy", line, incident=incident, applied=None)
+                if state.run is not None:  # said as an applied one is
+                    console.say(line)
                 return True
             if best is None:
                 why = "no candidate cures it (" + ", ".join(
