@@ -41,16 +41,27 @@ class StepLosses(StableCallback):
 def trainer_for(model, callback, tmp_path, *, max_steps, rows=None, **kw):
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "hf"), max_steps=max_steps, per_device_train_batch_size=BATCH, learning_rate=1e-3,
-        use_cpu=True, report_to=[], logging_steps=1000, save_strategy=kw.pop("save_strategy", "no"),
+        use_cpu=True, report_to=[], logging_steps=kw.pop("logging_steps", 1000), save_strategy=kw.pop("save_strategy", "no"),
         train_sampling_strategy="sequential", seed=0, dataloader_num_workers=0, disable_tqdm=True, **kw)
     return transformers.Trainer(model=model, args=args, train_dataset=rows or token_rows(max_steps * BATCH),
                                 callbacks=[callback])
 
 
+def test_the_mirror_leaves_the_trainers_own_logging_as_it_is(tmp_path):
+    """Our figures ride the Trainer's own logs at its logging_steps: it logs no more often for them (it logged at every
+    one of our intervals, its loss then averaged over 4 steps instead of its 1000, its trackers written 250x as often)."""
+    cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=4)
+    trainer = trainer_for(gpt2(), cb, tmp_path, max_steps=10)
+    trainer.train()
+    assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]] == [4, 8, 10]
+    assert [h["step"] for h in trainer.state.log_history] == [10]  # the Trainer's own end-of-training summary only
+    assert "train_runtime" in trainer.state.log_history[0] and "loss" not in trainer.state.log_history[0]
+
+
 def test_clean_run_metrics_mirror_and_report(tmp_path):
     figures = StepLosses()
     cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=4, callbacks=[figures])
-    trainer = trainer_for(gpt2(), cb, tmp_path, max_steps=10, max_grad_norm=0.05)
+    trainer = trainer_for(gpt2(), cb, tmp_path, max_steps=10, max_grad_norm=0.05, logging_steps=4)
     trainer.train()
     records, problems = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert not problems and [r["step"] for r in records] == [4, 8, 10]

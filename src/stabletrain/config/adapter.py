@@ -28,8 +28,8 @@ HOST_OPTIONS: dict[str, tuple[Any, str]] = {
                              "then the host stops at the log boundary) or 'warn' (recorded and warned only; the host's "
                              "own skips, e.g. a GradScaler's, still happen)"),
     "init_check": (True, "fingerprint the init and run the signal-propagation report on the first batch"),
-    "mirror": (True, "also hand each interval's figures to the host's own logger (Lightning log_dict when the trainer "
-                     "has a logger, Hugging Face logs)"),
+    "mirror": (True, "also hand the intervals' figures to the host's own logger (Lightning: each interval's, when the "
+                     "trainer has a logger; Hugging Face: the latest one's, at the Trainer's own logging steps)"),
     "keep_max_mib": (1024.0, "host memory for one interval's kept micro-batches (what a capture replays): past it, that "
                              "interval's incidents are recorded but not captured"),
 }

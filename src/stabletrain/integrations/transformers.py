@@ -26,7 +26,8 @@ Then, per optimizer step::
     on_optimizer_step       applied flag, params check
     on_step_end             StepMetrics.update; every log_every steps the interval's one sync: metrics.jsonl,
                             events, TensorBoard, incident capture and diagnosis, ``should_training_stop`` on
-                            "stop"; ``should_log``: the Trainer logs, ``on_log`` adds our figures
+                            "stop"
+    on_log                  (the Trainer's own logging steps) the latest interval's figures added to its logs
     on_save                 our state in the checkpoint folder (``stabletrain_state.pt``); a Trainer resumed from
                             that checkpoint continues our step count, metrics and guard
 
@@ -244,10 +245,10 @@ class StableTrainCallback(TrainerCallback):
             self._record = record
             if session.stop_reason is not None:
                 control.should_training_stop = True
-            if self.options.mirror:
-                control.should_log = True  # the Trainer logs now; on_log adds our figures
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        """At the Trainer's own logging steps (``logging_steps``: its cadence and its loss's averaging are left as they
+        are), add the latest interval's figures not handed over yet."""
         record, self._record = self._record, None
         if record is None or logs is None or not self.options.mirror:
             return
