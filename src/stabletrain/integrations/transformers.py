@@ -247,8 +247,7 @@ class StableTrainCallback(TrainerCallback):
                 control.should_training_stop = True
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        """At the Trainer's own logging steps (``logging_steps``: its cadence and its loss's averaging are left as they
-        are), add the latest interval's figures not handed over yet."""
+        """At the Trainer's own logging steps (its cadence and its loss left as they are): the latest interval's figures."""
         record, self._record = self._record, None
         if record is None or logs is None or not self.options.mirror:
             return
