@@ -262,7 +262,10 @@ def _extended(inc: _Incident, remedy: SkipSamples, result: dict[str, Any], num_a
         if failed is None or failed["step"] != last + 1 or failed.get("kind") not in ("spike", "loss"):
             break
         last = failed["step"]
-        probe = _replay(inc, remedy, num_after, probe=failed["step"])
+        try:  # (a model that cannot take one sample alone, BatchNorm in training, has no per-sample losses)
+            probe = _replay(inc, remedy, num_after, probe=failed["step"])
+        except Exception:  # noqa: BLE001 (the candidate keeps its verdict without the extension)
+            break
         window = probe.get("window", [])
 
         def normal(loss: float, window: list[float] = window) -> bool:  # as the diagnosis's: no spike, under x spike_ratio
