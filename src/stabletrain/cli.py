@@ -114,9 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: {default}/; created only when a check writes a file, with a .gitignore)")
 
     diagnose = sub.add_parser("diagnose",
-                              help="replay a captured incident and name the first non-finite op, module, parameter and sample",
-                              description="Replay RUN_DIR/incidents/step_N under the precise tools; "
-                                          "write diagnosis.json next to it.")
+                              help="replay a captured incident and name its cause: a NaN/Inf's op, module, parameter and "
+                                   "sample, a loss spike's class and evidence",
+                              description="Replay RUN_DIR/incidents/step_N under the precise tools (a loss spike: under "
+                                          "counterfactual replays); write diagnosis.json next to it.")
     diagnose.add_argument("incident", metavar="INCIDENT_DIR", help="RUN_DIR/incidents/step_N (or RUN_DIR: its newest incident)")
     diagnose.add_argument("--json", action="store_true", help="print the whole diagnosis as JSON")
     diagnose.add_argument("--device", metavar="DEVICE", help="replay on this device (default: the run's)")
