@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -325,7 +326,11 @@ def test_on_spike_remedy_applies_live_only_what_starts_where_its_replay_did_and_
     assert [(r["from"], r["to"]) for r in back][:1] == [(applied[0]["from_step"], applied[0]["at_step"])], back
     assert all(r["steps"] >= 0 and r["eval_s"] <= r["wall_s"] for r in ledger if r["kind"] == "interval")
     after = next(r for r in ledger if r["kind"] == "interval" and r["t"] > back[0]["t"])
-    assert after["incident_s"] > 0.5 * after["wall_s"]
+    search_s = json.loads((Path(applied[0]["incident"]) / "remedy.json").read_text())["timings"]["total_s"]
+    assert after["incident_s"] >= 0.9 * search_s, (after, search_s)
+    # The rest of that interval's wall is the save the capture waited for (slow under load: it failed the test once
+    # when the incident alone was asked to be half of it) and its few steps.
+    assert after["incident_s"] + after["checkpoint_s"] > 0.5 * after["wall_s"], after
     g = read_goodput(run_dir)
     assert g.seconds["redone"] > 0 and sum(g.seconds.values()) == pytest.approx(g.total_s)
     assert all(0 <= g.share(p) <= 1 for p in g.seconds)
@@ -426,6 +431,31 @@ def test_an_adapter_spike_gets_the_same_doctor(tmp_path):
     d = incident["diagnosis"]
     assert (incident["step"], incident["anomaly"], d["failure_class"], d["bad_samples"]) == (20, "spike", "data", [1, 5])
     assert d["bad_positions"] == [{"micro_batch": 0, "position": 1}, {"micro_batch": 0, "position": 5}]
+
+
+def test_an_adapter_spikes_summary_says_where_in_the_step_each_blamed_sample_is(tmp_path):
+    """An adapter numbers a step's samples by their place in it: with two micro-batches 'sample 5' alone did not say
+    which; the summary (the console line) says micro-batch and position, as diagnosis.json's bad_positions do."""
+    from spike_tasks import _mse
+
+    from stabletrain import Monitor
+
+    task = outlier_samples_task()  # samples 153 and 157: step 20's micro-batches (152-155, 156-159), position 1 of each
+    torch.manual_seed(0)
+    opt = torch.optim.AdamW(task.model.parameters(), lr=0.01, fused=True)
+    with Monitor(task.model, opt, run_dir=tmp_path / "run", log_every=10, loss_fn=_mse) as monitor:
+        for step in range(30):
+            for lo in (step * 8, step * 8 + 4):
+                batch = task.train_data[lo:lo + 4]
+                with monitor.autocast():
+                    loss = _mse(task.model, batch) / 2
+                monitor.backward(loss, batch)
+            monitor.step()
+    d = json.loads((tmp_path / "run" / "incidents" / "step_000020" / "diagnosis.json").read_text())
+    assert d["failure_class"] == "data" and d["bad_positions"] == [{"micro_batch": 0, "position": 1},
+                                                                   {"micro_batch": 1, "position": 1}]
+    assert d["summary"].endswith("(in the step's batch: sample 1 is micro-batch 0, position 1; sample 5 is micro-batch 1, "
+                                 "position 1)"), d["summary"]
 
 
 def test_the_rank_with_the_largest_loss_is_found_and_a_ranks_failure_reaches_every_rank():

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -223,6 +224,20 @@ def diagnose_step(
 
 
 
+def _positions(result: dict[str, Any], task: Task) -> None:
+    """An adapter's step numbers its samples by their place in the step: say which micro-batch and position each
+    blamed one is (``bad_positions``), in the summary too ('sample 11' alone did not say where in a step of 2)."""
+    where = getattr(task.train_data, "where", None)
+    if where is None:
+        return
+    samples = result.get("bad_samples") or []
+    result["bad_positions"] = [where(i) for i in samples]
+    if samples and re.search(rf"\bsamples? (\d+, )*{samples[0]}\b", result.get("summary") or ""):  # it names them
+        result["summary"] += " (in the step's batch: " + "; ".join(
+            f"sample {i} is micro-batch {p['micro_batch']}, position {p['position']}"
+            for i, p in zip(samples, result["bad_positions"])) + ")"
+
+
 def _comparable_norm(norm: Any, world_size: int) -> float | None:
     """The run's grad norm a one-process replay can be held to: under DDP/FSDP the run's is the global one, the
     replay's one rank's, so only a non-finite one (the replayed rank is the one that saw it) is compared."""
@@ -271,9 +286,7 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
         result = diagnose_spike(bundle, task, device=str(dev))
         result["timings"] = {"load_s": load_s, **result["timings"], "total_s": time.perf_counter() - start}
         result["sample_unit"] = bundle.get("sample_unit", "dataset index")
-        where = getattr(task.train_data, "where", None)  # an adapter's step: sample numbers -> (micro-batch, position)
-        if where is not None:
-            result["bad_positions"] = [where(i) for i in result.get("bad_samples") or []]
+        _positions(result, task)
         atomic_write(directory / DIAGNOSIS_FILE, json.dumps(result, indent=2, default=str) + "\n")
         return result
     replica = Replica(cfg, task, bundle, dev)
@@ -297,9 +310,7 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
                            step=bundle["step"])
     result = {"step": bundle["step"], "rank": bundle.get("rank", 0), "epoch": bundle["window"]["epoch"],
               **result, "observed": observed, "sample_unit": bundle.get("sample_unit", "dataset index")}
-    where = getattr(task.train_data, "where", None)  # an adapter's step: sample numbers -> (micro-batch, position)
-    if where is not None:
-        result["bad_positions"] = [where(i) for i in result.get("bad_samples") or []]
+    _positions(result, task)
     result["timings"] = {"load_s": load_s, **result["timings"], "total_s": time.perf_counter() - start}
     # A compiled run (train.compile, or a host's torch.compile) is diagnosed on the module itself, eagerly, on the
     # bundle's weights: module names carry no '_orig_mod.', and a finite loss may differ from the run's in its last bits.
