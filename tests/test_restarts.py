@@ -496,3 +496,16 @@ def test_goodput_leaves_out_the_wait_after_a_refused_restart_and_counts_the_refu
     assert (g.launches, g.restarts) == (6, 3), g.line()
     assert g.total_s == pytest.approx(11.0 + 9.0 + 10.0)  # launch 1 to its death, the restarts until the refusal, the resume
     assert g.seconds["startup"] == pytest.approx(1.0 + 9.0 + 1.0)
+
+
+def test_a_restart_sets_aside_every_capture_of_the_steps_it_trains_again(tmp_path):
+    """A step captured twice (step_N, then step_N.2 after a rollback) is set aside whole when a restart goes back
+    past it; an earlier step's capture and a folder set aside before stay as they are."""
+    from stabletrain.services.restarts import _keep_incidents
+
+    for name in ("step_000005", "step_000020", "step_000020.2", "step_000020.superseded-1"):
+        (tmp_path / "incidents" / name).mkdir(parents=True)
+    kept = _keep_incidents(tmp_path, 10, 2)
+    assert kept == ["step_000020.superseded-2", "step_000020.2.superseded-2"]
+    assert sorted(p.name for p in (tmp_path / "incidents").iterdir()) == [
+        "step_000005", "step_000020.2.superseded-2", "step_000020.superseded-1", "step_000020.superseded-2"]

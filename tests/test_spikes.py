@@ -173,6 +173,25 @@ def test_a_burst_of_bad_samples_over_consecutive_steps_is_cured_by_dropping_each
     assert skip["evidence"].endswith("with the outliers of the windows after it: sample 165 at step 21, sample 171 at step 22")
 
 
+def test_a_step_met_again_after_each_rollback_keeps_every_capture_in_a_folder_of_its_own(tmp_path):
+    """guard.on_spike=rollback over a burst: each rollback skips the spiking window and step 20 meets the next one. The
+    three captures of step 20 went into one folder, each overwriting the one before (two diagnoses lost, and the
+    events pointed the three incidents at the last); now step_000020, .2, .3, each with its own samples named."""
+    run_dir = tmp_path / "run"
+    Trainer(cfg("train.batch_size=8", "log.every=10", "data.shuffle=false", "guard.on_spike=rollback", "ckpt.every=10",
+                "train.max_steps=30", "optim.lr=0.01"), task=outlier_samples_task(bad=(153, 157, 165, 171)),
+            run_dir=run_dir).fit()
+    incidents = [e for e in _events(run_dir) if e["kind"] == "incident"]
+    assert [Path(e["path"]).name for e in incidents] == ["step_000020", "step_000020.2", "step_000020.3"]
+    named = [json.loads((Path(e["path"]) / "diagnosis.json").read_text())["bad_samples"] for e in incidents]
+    assert named == [[153, 157], [165], [171]]
+    from stabletrain.report import health_summary, load_run
+
+    text = health_summary(load_run(run_dir)).text  # three incidents, not one 'met 3 times' naming the first's samples
+    assert "3 incidents before the rollback" in text and "(met" not in text, text
+    assert all(f"data: {s} carr" in text for s in ("samples 153, 157", "sample 165", "sample 171")), text
+
+
 def test_outlier_sets_come_fewest_first_with_non_finite_samples_always_in():
     from stabletrain.diagnostics.spike import outlier_sets
 

@@ -10,6 +10,7 @@ them against ``metrics.jsonl`` directly.
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -231,11 +232,14 @@ def _went_back(events: list[Event]) -> str:
 
 def _once(incidents: list[tuple[int, str]]) -> list[tuple[int, str]]:
     """Each incident once, in order, with how often it was met (a run that went back into it again): the same step
-    and class ("state: ..."; the evidence's numbers may differ in their last digits), its first summary."""
-    first: dict[tuple[int, str], str] = {}
-    counts: dict[tuple[int, str], int] = {}
+    and class ("state: ..."; the evidence's numbers may differ in their last digits), its first summary. A data
+    incident's named samples are part of it (after a rollback that skipped its window, the step's next one is another
+    incident)."""
+    first: dict[tuple[int, str, str], str] = {}
+    counts: dict[tuple[int, str, str], int] = {}
     for step, summary in incidents:
-        key = (step, summary.split(":", 1)[0])
+        named = re.match(r"data: samples? ([\d, ]+) carr", summary)
+        key = (step, summary.split(":", 1)[0], named.group(1) if named else "")
         first.setdefault(key, summary)
         counts[key] = counts.get(key, 0) + 1
     return [(key[0], first[key].rstrip(".") + (f" (met {n} times)" if n > 1 else "")) for key, n in counts.items()]

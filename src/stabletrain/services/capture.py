@@ -55,8 +55,14 @@ def unordinary(fit: RunState, rows: list[Any]) -> set[int]:
 
 
 def incident_dir(run_dir: Path, step: int) -> Path:
-    """``RUN_DIR/incidents/step_N``."""
-    return Path(run_dir) / "incidents" / f"step_{step:06d}"
+    """``RUN_DIR/incidents/step_N``; ``step_N.2``, ``step_N.3``, ... where the run captured step N before (a rollback
+    or a resume went back past it and the run met it again): an earlier capture is never overwritten."""
+    base = folder = Path(run_dir) / "incidents" / f"step_{step:06d}"
+    k = 1
+    while folder.exists():
+        k += 1
+        folder = base.with_name(f"{base.name}.{k}")
+    return folder
 
 
 def staged_now(state: dict[str, Any]) -> dict[str, Any]:
@@ -223,8 +229,9 @@ class IncidentCapture:
                 if blamed is not None:
                     ranks = found["ranks"] = blamed
             seen = ranks or [0]
-            records = fit.dist.gather_objects(record if fit.dist.rank in seen else None)
+            # Named before the gather: no rank writes it until every rank has looked (the same name on every rank).
             folder = incident_dir(src.run_dir, step) if src.run_dir is not None else None
+            records = fit.dist.gather_objects(record if fit.dist.rank in seen else None)
             before = src.strategy.bundle_state(src.bundle_state, folder / BUNDLE_DCP_DIR if folder else None)
         replay_s = time.perf_counter() - t0
         if fit.run is None or before is None:

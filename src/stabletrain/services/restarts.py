@@ -358,7 +358,9 @@ def _keep_incidents(run_dir: Path, resumed: int, number: int) -> list[str]:
     """Rename the incidents after step ``resumed`` (the redone steps may capture them again) to ``step_N.superseded-R``."""
     kept = []
     for folder in sorted((run_dir / "incidents").glob("step_*")):
-        if folder.is_dir() and folder.name[5:].isdigit() and int(folder.name[5:]) > resumed:
+        parts = folder.name[5:].split(".")  # step_N, or step_N.k: its k-th capture in the run
+        if (folder.is_dir() and parts[0].isdigit() and (len(parts) == 1 or parts[1].isdigit())
+                and int(parts[0]) > resumed):
             target = folder.with_name(f"{folder.name}.superseded-{number}")
             os.replace(folder, target)
             kept.append(target.name)
