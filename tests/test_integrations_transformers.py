@@ -55,7 +55,11 @@ def test_the_mirror_leaves_the_trainers_own_logging_as_it_is(tmp_path):
     trainer.train()
     assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]] == [4, 8, 10]
     assert [h["step"] for h in trainer.state.log_history] == [10]  # the Trainer's own end-of-training summary only
-    assert "train_runtime" in trainer.state.log_history[0] and "loss" not in trainer.state.log_history[0]
+    summary = trainer.state.log_history[0]
+    assert "train_runtime" in summary and "loss" not in summary
+    # Neither the summary (train() returns it) nor an evaluation's metrics get our figures
+    metrics = trainer.evaluate(eval_dataset=token_rows(8))
+    assert "eval_loss" in metrics and not [k for d in (summary, metrics) for k in d if k.startswith("stabletrain/")]
 
 
 def test_clean_run_metrics_mirror_and_report(tmp_path):

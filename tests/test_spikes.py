@@ -192,6 +192,33 @@ def test_a_step_met_again_after_each_rollback_keeps_every_capture_in_a_folder_of
     assert all(f"data: {s} carr" in text for s in ("samples 153, 157", "sample 165", "sample 171")), text
 
 
+@pytest.mark.parametrize("further", [True, False])
+def test_a_burst_extension_is_taken_only_when_it_gets_past_the_window_it_dropped_from(monkeypatch, further):
+    import stabletrain.remedy_search as rs
+    from stabletrain.diagnostics.cures import SkipSamples
+
+    inc = SimpleNamespace(step=20, cfg=SimpleNamespace(guard=GuardConfig()))
+    first = {"failed": {"step": 21, "kind": "spike"}, "steps_replayed": 2, "seconds": 0.5, "first_step": 20}
+    rows = [{"sample": i, "loss_sum": 500.0 if i == 165 else 1.0, "count": 1.0} for i in range(160, 168)]
+    replays = []
+
+    def fake_replay(inc, remedy, num_after, probe=None):
+        replays.append((remedy.samples, probe))
+        if probe is not None:
+            return {"probe": rows, "window": [1.0 + 0.01 * i for i in range(40)]}
+        return {"failed": None if further else {"step": 21, "kind": "spike"}, "steps_replayed": 7, "seconds": 1.0,
+                "first_step": 20}
+
+    monkeypatch.setattr(rs, "_replay", fake_replay)
+    out = rs._extended(inc, SkipSamples((153, 157)), first, 6)
+    assert replays == [((153, 157), 21), ((153, 157, 165), None)]
+    assert out["steps_replayed"] == 2 + 1 + 7 and out["seconds"] == 1.5  # every replay of the candidate counted
+    if further:
+        assert out["extended"] == [{"step": 21, "samples": [165]}] and out["failed"] is None
+    else:  # dropping 165 too still fails at step 21: the candidate stays as it was, its failure its own
+        assert "extended" not in out and out["failed"] == first["failed"]
+
+
 def test_outlier_sets_come_fewest_first_with_non_finite_samples_always_in():
     from stabletrain.diagnostics.spike import outlier_sets
 

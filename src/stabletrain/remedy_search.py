@@ -257,6 +257,7 @@ def _extended(inc: _Incident, remedy: SkipSamples, result: dict[str, Any], num_a
     incident's, left to it. Returns the last replay's result, with ``extended``: [{step, samples}, ...]."""
     extended: list[dict[str, Any]] = []
     cfg, last = inc.cfg.guard, inc.step
+    replayed, seconds, why = result["steps_replayed"], result["seconds"], None
     for _ in range(MAX_EXTENSIONS):
         failed = result["failed"]
         if failed is None or failed["step"] != last + 1 or failed.get("kind") not in ("spike", "loss"):
@@ -264,7 +265,8 @@ def _extended(inc: _Incident, remedy: SkipSamples, result: dict[str, Any], num_a
         last = failed["step"]
         try:  # (a model that cannot take one sample alone, BatchNorm in training, has no per-sample losses)
             probe = _replay(inc, remedy, num_after, probe=failed["step"])
-        except Exception:  # noqa: BLE001 (the candidate keeps its verdict without the extension)
+        except Exception as err:  # noqa: BLE001 (the candidate keeps its verdict without the extension; said in it)
+            why = f"the samples of step {last} could not be weighed one by one ({type(err).__name__}: {err})"
             break
         window = probe.get("window", [])
 
@@ -275,10 +277,16 @@ def _extended(inc: _Incident, remedy: SkipSamples, result: dict[str, Any], num_a
         more = next(outlier_sets(probe.get("probe", []), normal), None)
         if not more:
             break
-        extended.append({"step": failed["step"], "samples": sorted(more)})
-        remedy = SkipSamples(tuple(sorted({*remedy.samples, *more})))
-        result = _replay(inc, remedy, num_after)
-    return {**result, "extended": extended} if extended else result
+        wider = SkipSamples(tuple(sorted({*remedy.samples, *more})))
+        again = _replay(inc, wider, num_after)
+        replayed += failed["step"] - result["first_step"] + again["steps_replayed"]  # the probe's and the new replay's
+        seconds += again["seconds"]
+        if again["failed"] is not None and again["failed"]["step"] <= last:  # no further without them: not taken
+            break
+        extended.append({"step": last, "samples": sorted(more)})
+        remedy, result = wider, again
+    out = {**result, "steps_replayed": replayed, "seconds": seconds}  # every replay of the candidate, counted
+    return {**out, "extended": extended, **({"extension_error": why} if why else {})} if extended or why else out
 
 
 def _end_loss(rows: list[dict[str, Any]], step: int) -> float:
@@ -411,6 +419,8 @@ def search_remedies(directory: str | Path, task: Task | None = None, *, steps: i
             r["evidence"] += "; with the outliers of the windows after it: " + ", ".join(
                 f"sample{'s' if len(e['samples']) > 1 else ''} {', '.join(map(str, e['samples']))} at step {e['step']}"
                 for e in r["extended"])
+        if r.get("extension_error"):
+            r["evidence"] += f"; {r['extension_error']}"
         r["baseline"] = r is baseline
     ranked = sorted(results, key=_rank_key)
     total_steps = sum(r["steps_replayed"] for r in results)

@@ -247,11 +247,10 @@ class StableTrainCallback(TrainerCallback):
                 control.should_training_stop = True
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        """At the Trainer's own logging steps (its cadence and its loss left as they are): the latest interval's figures."""
-        record, self._record = self._record, None
-        if record is None or logs is None or not self.options.mirror:
-            return
-        ours = self.session.figures(record)
+        """At the Trainer's own logging steps (its cadence and loss left as they are): the latest interval's figures."""
+        if self._record is None or logs is None or "loss" not in logs or not self.options.mirror:
+            return  # (an evaluation's metrics, the run's summary: not ours)
+        ours, self._record = self.session.figures(self._record), None
         logs.update(ours)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(ours)

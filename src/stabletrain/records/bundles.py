@@ -34,7 +34,8 @@ import torch
 from ..fileio import atomic_write
 from .checkpoint.shards import is_dcp_entry, to_full_state
 
-__all__ = ["write_bundle", "load_bundle", "BUNDLE_FILE", "BUNDLE_DCP_DIR", "DIAGNOSIS_FILE", "REMEDY_FILE", "STATE_IN"]
+__all__ = ["write_bundle", "load_bundle", "incident_order", "BUNDLE_FILE", "BUNDLE_DCP_DIR", "DIAGNOSIS_FILE", "REMEDY_FILE",
+           "STATE_IN"]
 
 BUNDLE_FILE = "bundle.pt"
 BUNDLE_DCP_DIR = "dcp"
@@ -43,6 +44,15 @@ REMEDY_FILE = "remedy.json"
 #: A bundle whose model and optimizer are another bundle's (a DDP incident's later ranks, ``rank_R/``: every rank
 #: holds the same ones) names that bundle's directory, relative to its own, under this key instead of holding them.
 STATE_IN = "model_and_optimizer_in"
+
+
+def incident_order(folder: Path) -> tuple[int, int, bool, str]:
+    """Sort key of ``RUN_DIR/incidents`` folders: ``step_N`` and ``step_N.k`` (the run's k-th capture of step N) by
+    step and capture, numerically (``.10`` after ``.9``), one a restart set aside (``.superseded-R``) after its own."""
+    parts = folder.name.removeprefix("step_").split(".")
+    step = int(parts[0]) if parts[0].isdigit() else -1
+    k = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 1
+    return (step, k, ".superseded-" in folder.name, folder.name)
 
 
 def write_bundle(directory: Path, bundle: dict[str, Any]) -> Path:

@@ -20,7 +20,7 @@ from .. import console
 from .._version import __version__
 from ..config import flatten_config
 from ..fileio import atomic_write
-from ..records.bundles import REMEDY_FILE
+from ..records.bundles import REMEDY_FILE, incident_order
 from ..records.events import EVENT_KINDS
 from .goodput import goodput_section
 from .health import Health, health_summary, incident_summary
@@ -431,7 +431,7 @@ def _top_layers(run: RunData) -> str:
 def _remedies(run: RunData) -> str:
     """The "Remedies" section: each incident's ``remedy.json`` (``stabletrain remedy``), its candidates ranked."""
     parts = []
-    for path in sorted((run.path / "incidents").glob(f"step_*/{REMEDY_FILE}")):
+    for path in sorted((run.path / "incidents").glob(f"step_*/{REMEDY_FILE}"), key=lambda p: incident_order(p.parent)):
         try:
             record = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as err:

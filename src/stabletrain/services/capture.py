@@ -229,9 +229,13 @@ class IncidentCapture:
                 if blamed is not None:
                     ranks = found["ranks"] = blamed
             seen = ranks or [0]
-            # Named before the gather: no rank writes it until every rank has looked (the same name on every rank).
-            folder = incident_dir(src.run_dir, step) if src.run_dir is not None else None
-            records = fit.dist.gather_objects(record if fit.dist.rank in seen else None)
+            # Rank 0 names the folder (the first free step_N[.k]) and every rank gets its name in the same gather (a
+            # rank on another node may see another listing of a shared filesystem); nobody writes it before the gather.
+            name = incident_dir(src.run_dir, step) if src.run_dir is not None and fit.dist.rank == 0 else None
+            gathered = fit.dist.gather_objects((record if fit.dist.rank in seen else None, name and str(name)))
+            records = [r for r, _ in gathered]
+            folder = (Path(gathered[0][1]) if gathered[0][1] is not None else incident_dir(src.run_dir, step)
+                      ) if src.run_dir is not None else None
             before = src.strategy.bundle_state(src.bundle_state, folder / BUNDLE_DCP_DIR if folder else None)
         replay_s = time.perf_counter() - t0
         if fit.run is None or before is None:

@@ -359,8 +359,8 @@ def _keep_incidents(run_dir: Path, resumed: int, number: int) -> list[str]:
     kept = []
     for folder in sorted((run_dir / "incidents").glob("step_*")):
         parts = folder.name[5:].split(".")  # step_N, or step_N.k: its k-th capture in the run
-        if (folder.is_dir() and parts[0].isdigit() and (len(parts) == 1 or parts[1].isdigit())
-                and int(parts[0]) > resumed):
+        if (folder.is_dir() and parts[0].isdigit() and (len(parts) == 1 or len(parts) == 2 and parts[1].isdigit())
+                and int(parts[0]) > resumed):  # (one set aside before, step_N[.k].superseded-R, stays as it is)
             target = folder.with_name(f"{folder.name}.superseded-{number}")
             os.replace(folder, target)
             kept.append(target.name)
