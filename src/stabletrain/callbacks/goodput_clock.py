@@ -88,13 +88,19 @@ class GoodputClock(Callback):
         steps = state.step - self._step
         wall = now - self._t
         stepping = float(record.get("step_time_s") or 0.0) * steps  # the loop's interval time, validation left out
-        # A save waited for inside a rollback is in both: the incident's time is what the checkpoint's leaves of the wall
-        incident = min(self._incident_s, max(0.0, wall - self._checkpoint_s))
+        checkpoint, incident = self._within(wall)
         self._write("interval", t=now, step=state.step, steps=steps, wall_s=wall, eval_s=max(0.0, wall - stepping),
-                    checkpoint_s=self._checkpoint_s, incident_s=incident, skipped=int(record.get("num_skipped") or 0))
+                    checkpoint_s=checkpoint, incident_s=incident, skipped=int(record.get("num_skipped") or 0))
         self._t, self._step = now, state.step
         self._checkpoint_s = self._incident_s = 0.0
         self._incident_at = None
+
+    def _within(self, wall: float) -> tuple[float, float]:
+        """(checkpoint, incident) seconds of a line whose wall time is ``wall``, together within it: a save's blocked
+        time is counted when its outcome is known (the next boundary, or the run's end: the line after the one it
+        blocked in), and a save waited for inside a rollback is in both (the incident's is what the save's leaves)."""
+        checkpoint = min(self._checkpoint_s, wall)
+        return checkpoint, min(self._incident_s, max(0.0, wall - checkpoint))
 
     def on_incident(self, state: FitState, info: dict[str, Any]) -> None:
         self._incident_at = time.time()
@@ -116,7 +122,7 @@ class GoodputClock(Callback):
         if self._file is None:
             return
         now = time.time()
-        self._write("end", t=now, step=state.step, wall_s=now - self._t, checkpoint_s=self._checkpoint_s,
-                    incident_s=self._incident_s)
+        checkpoint, incident = self._within(now - self._t)
+        self._write("end", t=now, step=state.step, wall_s=now - self._t, checkpoint_s=checkpoint, incident_s=incident)
         self._file.close()
         self._file = None

@@ -78,6 +78,10 @@ def _launches(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return launches
 
 
+#: How far a ledger line's rounded times may be off (its values are rounded to 0.1 ms, a launch's start to 1 ms).
+ROUNDING_S = 1e-3
+
+
 def read_goodput(run_dir: str | Path) -> Goodput | None:
     """Where the run's wall time went (module docstring), or None when it has no ledger (an older run)."""
     run_dir = Path(run_dir)
@@ -121,6 +125,11 @@ def read_goodput(run_dir: str | Path) -> Goodput | None:
         for row in launch["intervals"]:
             _interval(row, later, launch["rollbacks"], sec)
     sec["other"] += max(0.0, total - sum(sec.values()))
+    # The ledger's times are rounded (0.1 ms, a launch's start 1 ms): parts that overshoot the wall by that much, line
+    # by line, make the wall their sum (the shares then add up to 100%); a larger overshoot is left to show
+    lines = sum(1 + len(n["intervals"]) + len(n["rollbacks"]) + (n["end"] is not None) for n in launches)
+    if 0.0 < sum(sec.values()) - total <= ROUNDING_S * lines:
+        total = sum(sec.values())
     # Each refusal follows the death of the launch before it, as a restart event does, and is a launch of its own
     unrecorded = _unrecorded(launches, [*restarts, *refusals]) + len(refusals)
     return Goodput(sec, total, len(launches) + unrecorded, len(restarts))
