@@ -41,7 +41,8 @@ class StepLosses(StableCallback):
 def trainer_for(model, callback, tmp_path, *, max_steps, rows=None, **kw):
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "hf"), max_steps=max_steps, per_device_train_batch_size=BATCH, learning_rate=1e-3,
-        use_cpu=True, report_to=[], logging_steps=kw.pop("logging_steps", 1000), save_strategy=kw.pop("save_strategy", "no"),
+        use_cpu=True, report_to=kw.pop("report_to", []), logging_steps=kw.pop("logging_steps", 1000),
+        save_strategy=kw.pop("save_strategy", "no"),
         train_sampling_strategy="sequential", seed=0, dataloader_num_workers=0, disable_tqdm=True, **kw)
     return transformers.Trainer(model=model, args=args, train_dataset=rows or token_rows(max_steps * BATCH),
                                 callbacks=[callback])
@@ -60,6 +61,20 @@ def test_the_mirror_leaves_the_trainers_own_logging_as_it_is(tmp_path):
     # Neither the summary (train() returns it) nor an evaluation's metrics get our figures
     metrics = trainer.evaluate(eval_dataset=token_rows(8))
     assert "eval_loss" in metrics and not [k for d in (summary, metrics) for k in d if k.startswith("stabletrain/")]
+
+
+def test_the_mirror_reaches_the_trainers_own_trackers(tmp_path):
+    """report_to's trackers ran their on_log before ours and never saw the figures the mirror added: TensorBoard's
+    now has them, at the Trainer's logging steps."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=4)
+    trainer = trainer_for(gpt2(), cb, tmp_path, max_steps=8, logging_steps=4, report_to=["tensorboard"])
+    trainer.train()
+    (events,) = {p.parent for p in (tmp_path / "hf").rglob("events.out.tfevents.*")}
+    acc = EventAccumulator(str(events)).Reload()
+    assert [e.step for e in acc.Scalars("train/stabletrain/grad_norm_max")] == [4, 8]
+    assert [e.step for e in acc.Scalars("train/loss")] == [4, 8]  # the Trainer's own, as it logged them
 
 
 def test_clean_run_metrics_mirror_and_report(tmp_path):

@@ -24,10 +24,10 @@ Then, per optimizer step::
                             reads it as found_inf; under a GradScaler it joins the scaler's found_inf (the Trainer
                             then also holds its LR scheduler: optimizer_step_was_skipped)
     on_optimizer_step       applied flag, params check
-    on_step_end             StepMetrics.update; every log_every steps the interval's one sync: metrics.jsonl,
-                            events, TensorBoard, incident capture and diagnosis, ``should_training_stop`` on
-                            "stop"
-    on_log                  (the Trainer's own logging steps) the latest interval's figures added to its logs
+    on_step_end             StepMetrics.update; every log_every steps the interval's one sync: the run directory,
+                            incident capture and diagnosis, ``should_training_stop`` on "stop"
+    on_log                  (the Trainer's own logging steps) the latest interval's figures added to its logs,
+                            before its trackers (``report_to``) write them: our callback is moved before theirs
     on_save                 our state in the checkpoint folder (``stabletrain_state.pt``); a Trainer resumed from
                             that checkpoint continues our step count, metrics and guard
 
@@ -138,8 +138,7 @@ class StableTrainCallback(TrainerCallback):
             "output_dir", "max_steps", "num_train_epochs", "per_device_train_batch_size", "gradient_accumulation_steps",
             "learning_rate", "weight_decay", "max_grad_norm", "lr_scheduler_type", "warmup_steps", "optim", "fp16",
             "bf16", "label_smoothing_factor", "seed", "logging_steps", "save_steps", "torch_compile")}
-        host["trainer_class"] = f"{type(trainer).__module__}.{type(trainer).__qualname__}"
-        host["world_size"] = args.world_size
+        host.update(trainer_class=f"{type(trainer).__module__}.{type(trainer).__qualname__}", world_size=args.world_size)
         self.session = RunSession(
             self.run_dir, model, host="transformers", options=self.options, precision=mode, clip_max_norm=clip,
             optimizer=inner, scaler=scaler, replay=_TransformersReplay(self), overwrite=self.overwrite,
@@ -166,6 +165,10 @@ class StableTrainCallback(TrainerCallback):
     # -- the trainer's own training_step (and compute_loss under DDP), watched ---------------------------
 
     def _wrap(self, trainer: Trainer) -> None:
+        cbs = trainer.callback_handler.callbacks  # our on_log before the trackers' (report_to): the mirror reaches them
+        at = next((i for i, cb in enumerate(cbs) if type(cb).__module__.startswith("transformers.integrations")), None)
+        if self.options.mirror and at is not None and self in cbs and cbs.index(self) > at:
+            cbs.insert(at, cbs.pop(cbs.index(self)))
         self._training_step = trainer.training_step  # bound: a subclass's override is what runs
         trainer.training_step = self._watched_training_step
         self._wrapped = ["training_step"]
@@ -213,12 +216,7 @@ class StableTrainCallback(TrainerCallback):
         if self.loss_fn is not None:
             return self.loss_fn
         compute = getattr(self, "_compute_loss", None) or self.trainer.compute_loss
-        items = num_items_in_batch
-
-        def loss(model: nn.Module, batch: Any) -> Tensor:
-            return compute(model, dict(batch), num_items_in_batch=items)
-
-        return loss
+        return lambda model, batch: compute(model, dict(batch), num_items_in_batch=num_items_in_batch)
 
     # -- the Trainer's step ----------------------------------------------------------------------------
 
