@@ -264,6 +264,32 @@ def test_a_missing_folder_and_a_run_without_incidents_are_said_in_words(tmp_path
                                            f"{command}\n")
 
 
+def test_an_incident_of_a_task_handed_over_as_an_object_is_refused_in_one_line_by_the_cli(tmp_path, capsys):
+    """Trainer(cfg, task=my_task): config.yaml names the default task, and the CLI's replay of it failed in
+    load_state_dict with a traceback. It says what happened and how to replay it; from Python with the task it works."""
+    import torch
+    from helpers import cfg, regression_task
+
+    from stabletrain import Trainer
+    from stabletrain.cli import main
+    from stabletrain.incident_replay import diagnose_incident
+
+    task = regression_task()
+    task.name = "my-regression"
+    with torch.no_grad():
+        task.train_data.tensors[0][13, 0] = float("nan")  # step 2 at batch 8
+    run_dir = tmp_path / "run"
+    Trainer(cfg("train.batch_size=8", "train.max_steps=4", "log.every=4", "data.shuffle=false"), task=task,
+            run_dir=run_dir).fit()
+    for command in ("diagnose", "remedy"):
+        assert main([command, str(run_dir)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("stabletrain: error: incident ") and (
+            "the run trained task 'my-regression' (handed to the Trainer as an object), but its config names task "
+            "'mlp'; replay it from Python with that task") in err, err
+    assert diagnose_incident(run_dir / "incidents" / "step_000002", task)["bad_samples"] == [13]
+
+
 # -- what answers without torch ----------------------------------------------------------------------
 
 

@@ -224,6 +224,24 @@ def diagnose_step(
 
 
 
+def task_of_run(cfg: Any, directory: Path) -> Task:
+    """The task of the run an incident ``directory`` comes from, rebuilt from its config: refused in one line when the
+    run trained another one (a ``Task`` handed to the ``Trainer`` as an object: its config names the default task, and
+    replaying that one failed deep in ``load_state_dict``)."""
+    task = resolve_task(cfg.task, cfg.task_args)
+    try:
+        trained = json.loads((Path(directory).resolve().parent.parent / "snapshot.json").read_text())["task_name"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return task
+    if trained and task.name and trained != task.name:
+        spec = f"{cfg.task!r}" + (f" ({task.name!r})" if task.name != cfg.task else "")
+        raise ValueError(f"incident {str(directory)!r}: the run trained task {trained!r} (handed to the Trainer as an "
+                         f"object), but its config names task {spec}; replay it from Python with that task: "
+                         "stabletrain.incident_replay.diagnose_incident(DIR, task) or "
+                         "stabletrain.remedy_search.search_remedies(DIR, task)")
+    return task
+
+
 def _positions(result: dict[str, Any], task: Task) -> None:
     """An adapter's step numbers its samples by their place in the step: say which micro-batch and position each
     blamed one is (``bad_positions``), in the summary too ('sample 11' alone did not say where in a step of 2)."""
@@ -278,7 +296,7 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
     cfg = config_from_dict(bundle["config"])
     dev = resolve_device(device or cfg.device)
     if task is None:
-        task = resolve_task(cfg.task, cfg.task_args)
+        task = task_of_run(cfg, directory)
     if bundle.get("observed", {}).get("anomaly") == "spike":  # a finite spike: its counterfactual replays
         from .counterfactual import diagnose_spike
 

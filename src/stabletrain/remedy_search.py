@@ -46,7 +46,7 @@ from .diagnostics.candidates import candidates_for
 from .diagnostics.cures import CANDIDATE_NAMES, Remedy, SkipSamples, SkipStep
 from .diagnostics.spike import outlier_sets
 from .fileio import atomic_write
-from .incident_replay import diagnose_incident, run_history
+from .incident_replay import diagnose_incident, run_history, task_of_run
 from .policies.accumulation import as_sum_count
 from .policies.guard import UNRECOVERABLE_SCALE, Guard, spike_test
 from .policies.precision import resolve_device
@@ -55,7 +55,7 @@ from .records.checkpoint.manager import CheckpointManager
 from .records.jsonl import json_safe
 from .replica import KEEP, Replica
 from .seeding import set_rng_state
-from .tasks import Task, resolve_task
+from .tasks import Task
 
 __all__ = ["search_remedies", "format_table", "REMEDY_FILE", "LOSS_TOLERANCE", "END_STEPS", "VERDICTS"]
 
@@ -79,7 +79,7 @@ class _Incident:
                              "stabletrain remedy replays one process's run only (the global window is not in the bundle)")
         self.cfg = config_from_dict(self.bundle["config"])
         self.device = resolve_device(device or self.cfg.device)
-        self.task = task if task is not None else resolve_task(self.cfg.task, self.cfg.task_args)
+        self.task = task if task is not None else task_of_run(self.cfg, directory)
         self.collate = self.task.collate or torch.utils.data.default_collate
         self.step = int(self.bundle["step"])
         # An adapter's bundle (it names its host) keeps only its own step: no stream to draw the K windows after from.
