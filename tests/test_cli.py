@@ -288,6 +288,12 @@ def test_an_incident_of_a_task_handed_over_as_an_object_is_refused_in_one_line_b
             "the run trained task 'my-regression' (handed to the Trainer as an object), but its config names task "
             "'mlp'; replay it from Python with that task") in err, err
     assert diagnose_incident(run_dir / "incidents" / "step_000002", task)["bad_samples"] == [13]
+    assert main(["train", "--resume", str(run_dir), "train.max_steps=6"]) == 2  # the same for a resume from the CLI
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"stabletrain: error: resume {str(run_dir)!r}: the run trained task "
+                                                     "'my-regression' (handed to the Trainer as an object)"), err
+    assert Trainer(cfg("train.batch_size=8", "train.max_steps=6", "log.every=4", "data.shuffle=false"), task=task,
+                   run_dir=run_dir, resume=True).fit()["step"] == 6  # from Python with that task, it resumes
 
 
 # -- what answers without torch ----------------------------------------------------------------------

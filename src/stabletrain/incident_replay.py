@@ -34,6 +34,7 @@ from .policies.clipping import GradClipper
 from .policies.guard import UNRECOVERABLE_SCALE
 from .policies.precision import PrecisionPolicy, resolve_device
 from .records.bundles import DIAGNOSIS_FILE, load_bundle
+from .records.provenance import other_task
 from .replica import Replica, copy_precision, local
 from .seeding import rng_state, set_rng_state
 from .step import TrainStep
@@ -226,17 +227,12 @@ def diagnose_step(
 
 def task_of_run(cfg: Any, directory: Path) -> Task:
     """The task of the run an incident ``directory`` comes from, rebuilt from its config: refused in one line when the
-    run trained another one (a ``Task`` handed to the ``Trainer`` as an object: its config names the default task, and
-    replaying that one failed deep in ``load_state_dict``)."""
+    run trained another one (a ``Task`` handed to the ``Trainer`` as an object; replaying the config's failed deep in
+    ``load_state_dict``)."""
     task = resolve_task(cfg.task, cfg.task_args)
-    try:
-        trained = json.loads((Path(directory).resolve().parent.parent / "snapshot.json").read_text())["task_name"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return task
-    if trained and task.name and trained != task.name:
-        spec = f"{cfg.task!r}" + (f" ({task.name!r})" if task.name != cfg.task else "")
-        raise ValueError(f"incident {str(directory)!r}: the run trained task {trained!r} (handed to the Trainer as an "
-                         f"object), but its config names task {spec}; replay it from Python with that task: "
+    why = other_task(Path(directory).resolve().parent.parent, task, cfg.task)
+    if why is not None:
+        raise ValueError(f"incident {str(directory)!r}: {why}; replay it from Python with that task: "
                          "stabletrain.incident_replay.diagnose_incident(DIR, task) or "
                          "stabletrain.remedy_search.search_remedies(DIR, task)")
     return task

@@ -7,6 +7,7 @@ The snapshot's ``git.dirty`` counts the user's changes only: folders stabletrain
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import platform
 import subprocess
@@ -22,7 +23,7 @@ from ..config import Config, config_hash
 from .jsonl import json_safe
 
 __all__ = ["OUTPUT_MARKER", "build_snapshot", "git_info", "installed_versions", "is_stabletrain_output", "mark_output_dir",
-           "optimizer_config"]
+           "optimizer_config", "other_task"]
 
 #: The file that marks a folder stabletrain writes outside a run directory (``check --out``, ``lab --out``),
 #: so that the snapshot's ``git.dirty`` does not count it as a change to the user's code.
@@ -149,3 +150,17 @@ def optimizer_config(optimizer: Any) -> dict[str, Any]:
     """The optimizer's class and default hyperparameters, for ``config.yaml``."""
     inner = getattr(optimizer, "optimizer", optimizer)  # an accelerate / Lightning wrapper holds the torch one
     return {"name": type(inner).__name__, **{k: json_safe(v) for k, v in getattr(inner, "defaults", {}).items()}}
+
+
+def other_task(run_dir: str | Path, task: Any, spec: str) -> str | None:
+    """Why ``task``, built from the config's task ``spec``, is not the task the run in ``run_dir`` trained (its snapshot's
+    ``task_name``: a ``Task`` handed to the ``Trainer`` as an object is not in the config); None when it is, or unknown."""
+    try:
+        trained = json.loads((Path(run_dir) / "snapshot.json").read_text(encoding="utf-8")).get("task_name")
+    except (OSError, ValueError, AttributeError):
+        return None
+    name = getattr(task, "name", None)
+    if not trained or not name or trained == name:
+        return None
+    return (f"the run trained task {trained!r} (handed to the Trainer as an object), but its config names task "
+            f"{spec!r}" + (f" ({name!r})" if name != spec else ""))

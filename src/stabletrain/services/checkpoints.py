@@ -45,6 +45,7 @@ from ..records.checkpoint.saves import PendingSave, SaveCosts
 from ..records.checkpoint.shards import ShardedSaver, local_tensors, split_for_dcp
 from ..records.checkpoint.writer import WriterDied, running_writer, writer
 from ..records.jsonl import read_jsonl
+from ..records.provenance import other_task
 from ..records.staging import state_bytes
 from ..runstate import RunState
 
@@ -133,7 +134,14 @@ class CheckpointKeeper:
                              RESUME_SAFE_KEYS + (RESHARD_SAFE_KEYS if resharded else ()))
         if diffs:
             raise ValueError(resume_refusal_message(run_dir, diffs))
-        self.state.load_state_dict(loaded.state)
+        try:
+            self.state.load_state_dict(loaded.state)
+        except RuntimeError as err:  # the model does not fit: a Task handed to the Trainer as an object, not its config's?
+            why = other_task(run_dir, state.task, state.cfg.task)
+            if why is None:
+                raise
+            raise ValueError(f"resume {str(run_dir)!r}: {why}; resume with that task: Trainer(cfg, task=..., "
+                             "run_dir=..., resume=True)") from err
         self._keep_rollbacks(run_dir)
         self.resumed_from = loaded.path
         if resharded:
