@@ -35,7 +35,7 @@ from .config import config_from_dict
 from .data import move_to
 from .diagnostics.diagnosis import matches_observed
 from .diagnostics.spike import adam_surges, classify_spike, departures, jumps, outlier_sets, spike_summary, surge_rows
-from .policies.accumulation import as_sum_count
+from .policies.accumulation import as_sum_count, loss_sums
 from .policies.guard import spike_test
 from .policies.precision import resolve_device
 from .replica import Replica
@@ -67,13 +67,9 @@ class _Bench:
         """(loss sum, item count) of ``groups`` under ``model`` (default: the replica's), forward only."""
         model = model if model is not None else self.replica.model
         self.replica.reset()
-        total, count = 0.0, 0.0
-        with torch.no_grad(), (precision or self.precision).autocast():
-            for idx, batch in groups:
-                s, c = as_sum_count(self.task.loss(model, batch), len(idx))
-                total, count = total + float(s), count + float(c)
-                self.passes["forward"] += 1
-        return total, count
+        sums = loss_sums(self.task.loss, model, groups, (precision or self.precision).autocast())
+        self.passes["forward"] += len(sums)
+        return sum(s for s, _ in sums), sum(c for _, c in sums)
 
     def loss(self, groups: list[tuple[list[int], Any]], model: nn.Module | None = None, precision: Any = None) -> float:
         total, count = self.sums(groups, model, precision)

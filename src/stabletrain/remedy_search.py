@@ -47,7 +47,7 @@ from .diagnostics.cures import CANDIDATE_NAMES, Remedy, SkipSamples, SkipStep
 from .diagnostics.spike import outlier_sets
 from .fileio import atomic_write
 from .incident_replay import diagnose_incident, run_history, task_of_run
-from .policies.accumulation import as_sum_count
+from .policies.accumulation import loss_sums
 from .policies.guard import UNRECOVERABLE_SCALE, Guard, spike_test
 from .policies.precision import resolve_device
 from .records.bundles import DIAGNOSIS_FILE, REMEDY_FILE, load_bundle
@@ -241,12 +241,9 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int, probe: int | None = 
 
 def _sample_losses(inc: _Incident, model: torch.nn.Module, precision: Any, groups: list[list[int]]) -> list[dict[str, Any]]:
     """Each sample's own loss (a sum over its items, and their count) under ``model`` as it stands: forward only."""
-    rows = []
-    with torch.no_grad(), precision.autocast():
-        for i in (i for g in groups for i in g):
-            s, c = as_sum_count(inc.task.loss(model, move_to(inc.collate([inc.task.train_data[i]]), inc.device)), 1)
-            rows.append({"sample": i, "loss_sum": float(s), "count": float(c)})
-    return rows
+    samples = [([i], move_to(inc.collate([inc.task.train_data[i]]), inc.device)) for g in groups for i in g]
+    sums = loss_sums(inc.task.loss, model, samples, precision.autocast())
+    return [{"sample": i[0], "loss_sum": s, "count": c} for (i, _), (s, c) in zip(samples, sums)]
 
 
 def _extended(inc: _Incident, remedy: SkipSamples, result: dict[str, Any], num_after: int) -> dict[str, Any]:

@@ -166,20 +166,15 @@ class Strategy:
         if not self.dist.enabled:
             return None
         from ..data import move_to
-        from ..policies.accumulation import as_sum_count
-        from ..seeding import rng_state, set_rng_state
+        from ..policies.accumulation import loss_sums
 
-        rng, total, count, error = rng_state(), 0.0, 0.0, None
-        try:
-            with torch.no_grad(), PrecisionPolicy(precision, self.device).autocast():
-                for indices, batch in zip(window.indices, window.batches):
-                    loss_sum, n = as_sum_count(task.loss(module, move_to(batch, self.device)), len(indices))
-                    total, count = total + float(loss_sum), count + float(n)  # a host read per micro-batch
-        except Exception as err:  # this rank still answers the gather (the others wait in it), then all raise
-            error = err
-        finally:
-            set_rng_state(rng)
-        return largest_loss_rank(self.dist, total / count if count else float("nan"), error)
+        def own() -> float:
+            groups = [(i, move_to(b, self.device)) for i, b in zip(window.indices, window.batches)]
+            sums = loss_sums(task.loss, module, groups, PrecisionPolicy(precision, self.device).autocast())
+            count = sum(c for _, c in sums)
+            return sum(s for s, _ in sums) / count if count else float("nan")
+
+        return own_loss_rank(self.dist, own)
 
     def replay_task(self, task: Any, named_params: list[tuple[str, nn.Parameter]]) -> Any:
         """The task a one-process diagnosis replays (the run's own; FSDP: a model the task factory builds)."""
@@ -197,6 +192,23 @@ class Strategy:
     def _seed_rank(self) -> None:
         """Each rank its own random stream, reproducible from (seed, rank), once the model is the same on all."""
         seed_everything(int(np.random.SeedSequence([self.cfg.seed, self.dist.rank]).generate_state(1)[0]))
+
+
+def own_loss_rank(dist: Any, own: Any, rng: dict[str, Any] | None = None) -> list[int] | None:
+    """:func:`largest_loss_rank` of ``own()``, this rank's own loss (forward only), run with the RNG streams put back
+    after it (set to ``rng`` first, when given); an error in it is answered in the gather, then raised on every rank."""
+    from ..seeding import rng_state, set_rng_state
+
+    saved, loss, error = rng_state(), float("nan"), None
+    try:
+        if rng is not None:
+            set_rng_state(rng)
+        loss = own()
+    except Exception as err:  # this rank still answers the gather (the others wait in it), then all raise
+        error = err
+    finally:
+        set_rng_state(saved)
+    return largest_loss_rank(dist, loss, error)
 
 
 def largest_loss_rank(dist: Any, loss: float, error: BaseException | None) -> list[int] | None:

@@ -45,7 +45,7 @@ from torch import Tensor
 
 from ..numerics import constant
 
-__all__ = ["AccumulationWindow", "as_sum_count", "sums_safe"]
+__all__ = ["AccumulationWindow", "as_sum_count", "loss_sums", "sums_safe"]
 
 
 def as_sum_count(out: Any, num_samples: int) -> tuple[Tensor, Tensor]:
@@ -65,6 +65,17 @@ def as_sum_count(out: Any, num_samples: int) -> tuple[Tensor, Tensor]:
             count = torch.full((), float(count), dtype=torch.float32, device=loss_sum.device)
         return loss_sum.float(), count.float()
     raise ValueError(f"task loss returned {type(out).__name__}; return a scalar mean or a (sum, count) pair")
+
+
+def loss_sums(loss: Any, model: Any, groups: Any, autocast: Any) -> list[tuple[float, float]]:
+    """(loss sum, item count) of each ``(indices, batch)`` of ``groups`` under ``model``: forward only, no gradients, in
+    the ``autocast`` context given (a precision's); one host read each. What a replay weighs windows and samples with."""
+    out = []
+    with torch.no_grad(), autocast:
+        for indices, batch in groups:
+            loss_sum, count = as_sum_count(loss(model, batch), len(indices))
+            out.append((float(loss_sum), float(count)))
+    return out
 
 
 def sums_safe(params: list[Tensor], precision: Any) -> bool:

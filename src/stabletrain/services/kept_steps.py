@@ -248,26 +248,20 @@ class HostSteps:
         s = self.session
         if not spike or s.dist.world <= 1:
             return None
-        from ..distributed.strategy import largest_loss_rank
+        from ..data import move_to
+        from ..distributed.strategy import own_loss_rank
+        from ..policies.precision import PrecisionPolicy
 
         loss = self.replay.diagnosis_loss(self._kept) if self.replay is not None and self._kept is not None else None
-        values: list[float] = []
-        error = None
-        if loss is not None:
-            from ..data import move_to
-            from ..policies.precision import PrecisionPolicy
 
-            rng = rng_state()
-            try:
-                if self._kept.rng is not None:
-                    set_rng_state(self._kept.rng)
-                with torch.no_grad(), PrecisionPolicy(s.precision, s.device).autocast():
-                    values = [float(loss(s.model, move_to(b, s.device))) for b in self._kept.batches()]
-            except Exception as err:  # answered in the gather, then raised on every rank
-                error = err
-            finally:
-                set_rng_state(rng)
-        return largest_loss_rank(s.dist, sum(values) / len(values) if values else float("nan"), error)
+        def own() -> float:  # the host's loss per micro-batch (its own normalization), their mean
+            if loss is None:
+                return float("nan")
+            with torch.no_grad(), PrecisionPolicy(s.precision, s.device).autocast():
+                values = [float(loss(s.model, move_to(b, s.device))) for b in self._kept.batches()]
+            return sum(values) / len(values) if values else float("nan")
+
+        return own_loss_rank(s.dist, own, self._kept.rng if self._kept is not None else None)
 
     def bundle(self, fit: Any, step: int, record: dict[str, Any], before: dict[str, Any],
                info: dict[str, Any]) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from typing import Any
 from .. import console
 from ..callbacks.goodput_clock import LEDGER_FILE
 from ..distributed.launch import EXIT_GAVE_UP, RESTART_ENV, default_run_dir, describe_exit
+from ..records.bundles import incident_order
 from ..records.checkpoint.files import CheckpointError
 from ..records.checkpoint.manager import CheckpointManager
 from ..records.jsonl import read_jsonl
@@ -358,9 +359,8 @@ def _keep_incidents(run_dir: Path, resumed: int, number: int) -> list[str]:
     """Rename the incidents after step ``resumed`` (the redone steps may capture them again) to ``step_N.superseded-R``."""
     kept = []
     for folder in sorted((run_dir / "incidents").glob("step_*")):
-        parts = folder.name[5:].split(".")  # step_N, or step_N.k: its k-th capture in the run
-        if (folder.is_dir() and parts[0].isdigit() and (len(parts) == 1 or len(parts) == 2 and parts[1].isdigit())
-                and int(parts[0]) > resumed):  # (one set aside before, step_N[.k].superseded-R, stays as it is)
+        step, _, aside, _ = incident_order(folder)  # step_N, or step_N.k (its k-th capture in the run)
+        if folder.is_dir() and not aside and step > resumed:  # (one set aside before, step_N[.k].superseded-R, stays)
             target = folder.with_name(f"{folder.name}.superseded-{number}")
             os.replace(folder, target)
             kept.append(target.name)
