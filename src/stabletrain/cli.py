@@ -1,4 +1,7 @@
-"""The ``stabletrain`` command line: train, check, diagnose, remedy, report, compare.
+"""The ``stabletrain`` command line: train, check, diagnose, remedy, report, compare, tasks, lab.
+
+Here: the top-level parser, the dispatch and the error handling every command shares; each subcommand's parser
+(``add_NAME_parser``) and handler (``cmd_NAME``) live together in its module under :mod:`stabletrain.commands`.
 
 A user error (bad config key or value, missing file, unusable task) prints one line
 ``stabletrain: error: ...`` and exits with code 2; an exception raised in the task's own code (its
@@ -18,13 +21,13 @@ import textwrap
 
 from . import console
 from ._version import __version__
-from .commands.check import check_help as _check_help
-from .commands.check import cmd_check
-from .commands.listing import cmd_lab, cmd_tasks
-from .commands.pages import cmd_compare, cmd_report
+from .commands.check import add_check_parser, cmd_check
+from .commands.diagnose import add_diagnose_parser, cmd_diagnose
+from .commands.listing import add_lab_parser, add_tasks_parser, cmd_lab, cmd_tasks
+from .commands.pages import add_compare_parser, add_report_parser, cmd_compare, cmd_report
 from .commands.remedy import add_remedy_parser, cmd_remedy
-from .commands.train import cmd_train
-from .config import ConfigError, describe_keys, resume_safe_text
+from .commands.train import add_train_parser, cmd_train
+from .config import ConfigError
 from .errors import format_task_error, raised_by_stabletrain, task_part
 
 __all__ = ["main"]
@@ -54,23 +57,6 @@ def _loaded_instance(err: BaseException, module: str, name: str) -> bool:
     return isinstance(cls, type) and isinstance(err, cls)
 
 
-def _keys_help() -> str:
-    rows = describe_keys()
-    width = max(len(k) for k, _, _ in rows)
-    lines = ["config keys (set in --config YAML or as dotted key=value overrides):", ""]
-    for key, default, help_text in rows:
-        wrapped = textwrap.wrap(help_text, 100 - width - 4) or [""]
-        lines.append(f"  {key:<{width}}  {wrapped[0]}")
-        lines.extend(f"  {'':<{width}}  {w}" for w in wrapped[1:])
-        lines.append(f"  {'':<{width}}  default: {default}")
-    return "\n".join(lines)
-
-
-def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", help="YAML config file; overrides on the command line win")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, e.g. optim.lr=3e-4 accum.steps=4")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="stabletrain",
@@ -90,76 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"stabletrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    train = sub.add_parser("train", help="train a task and write its run directory",
-                           formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_keys_help(),
-                           description="Train the configured task; write config, snapshot, metrics, events and TensorBoard logs.")
-    _add_config_args(train)
-    train.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its LAST_GOOD checkpoint "
-                       "(same as resume=RUN_DIR); "
-                       f"its config.yaml is the base, and only these keys may change on resume: {resume_safe_text()}")
-    train.add_argument("--report", action="store_true", help="write RUN_DIR/report.html at the end of training")
-
-    check = sub.add_parser("check", help="run the doctor: sanity checks on the configured task",
-                           formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_keys_help(),
-                           description="Run sanity checks (default: all) on the configured task; exit 1 if any fails.",
-                           help_later=_check_help)
-    check.add_argument("names", nargs="*", metavar="CHECK|key=value",
-                       help="checks to run (default: every default check); key=value items are config overrides")
-    check.add_argument("--config", metavar="FILE", help="YAML config file")
-    check.add_argument("--json", action="store_true", help="print the results as JSON")
-    check.add_argument("--list", action="store_true", help="list the available checks and exit")
-    check.add_argument("--compare", metavar="A,B,...", help="init check: compare these init schemes on one plot")
-    check.add_argument("--out", "--out-dir", dest="out_dir", metavar="DIR", default=None,
-                       help="where checks write files, such as init's init_signal.png and init_signal.json "
-                            "(default: {default}/; created only when a check writes a file, with a .gitignore)")
-
-    diagnose = sub.add_parser("diagnose",
-                              help="replay a captured incident and name its cause: a NaN/Inf's op, module, parameter and "
-                                   "sample, a loss spike's class and evidence",
-                              description="Replay RUN_DIR/incidents/step_N under the precise tools (a loss spike: under "
-                                          "counterfactual replays); write diagnosis.json next to it.")
-    diagnose.add_argument("incident", metavar="INCIDENT_DIR", help="RUN_DIR/incidents/step_N (or RUN_DIR: its newest incident)")
-    diagnose.add_argument("--json", action="store_true", help="print the whole diagnosis as JSON")
-    diagnose.add_argument("--device", metavar="DEVICE", help="replay on this device (default: the run's)")
-    diagnose.add_argument("--no-bisect", action="store_true", help="skip the bisection over the batch's samples")
-
-    add_remedy_parser(sub)
-
-    report = sub.add_parser("report", help="write RUN_DIR/report.html from a run directory",
-                            description="Write RUN_DIR/report.html, one self-contained page (no network): a health "
-                                        "summary, the curves (loss, grad norm, clip rate, LR, loss scale, throughput, "
-                                        "memory), the events (skips, clips, spikes, incidents, checkpoints, resumes), "
-                                        "the layers dominating the grad norm, the config and the snapshot; and each "
-                                        "plot as RUN_DIR/plots/NAME.png. Reads only the run directory's files (it works "
-                                        "on a run in progress too); prints the health summary.")
-    report.add_argument("run_dir", metavar="RUN_DIR")
-
-    compare = sub.add_parser("compare", help="compare runs: config differences and overlaid curves",
-                             description="Write one self-contained HTML page comparing two or more runs: the config "
-                                         "keys that differ, the code, libraries, device and data that differ, a "
-                                         "summary per run, and the curves (loss, val loss, grad norm, clip rate, LR, "
-                                         "...) overlaid by step and by tokens (or samples) seen; each plot is also "
-                                         "written as PAGE_STEM_plots/METRIC.png next to the page. Writes nothing to "
-                                         "the current directory unless --out says so.")
-    compare.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    compare.add_argument("--out", metavar="DIR|FILE.html",
-                         help="a directory (the page is DIR/compare.html) or an .html file (default: the first run's "
-                              "directory, RUN_DIR/compare.html: the first run is the baseline)")
-
-    tasks = sub.add_parser("tasks", help="list the built-in tasks and their task_args",
-                           formatter_class=argparse.RawDescriptionHelpFormatter,
-                           description="List each built-in task (or the factory TASK) with its arguments: their "
-                                       "types, defaults and meaning. Set one as task_args.NAME=VALUE.")
-    tasks.add_argument("task", nargs="?", metavar="TASK",
-                       help="a built-in task or module:function (default: every built-in task)")
-
-    lab = sub.add_parser("lab", help="run the course chapter's exercises, measured and checked",
-                         description="Without LAB: list the labs. With LAB (1-6, accept, or all): run it, print its "
-                                     "numbers, the observations checked and an explanation written from the numbers, "
-                                     "write its plots to --out; exit 1 if an observation does not hold. 'all' also "
-                                     "writes DIR/index.html with every lab on one page.")
-    lab.add_argument("lab", nargs="?", metavar="LAB", help="1..6, accept or all (default: list the labs)")
-    lab.add_argument("--out", metavar="DIR", default="labs", help="where the plots (and index.html) go (default: labs)")
+    for add_parser in (add_train_parser, add_check_parser, add_diagnose_parser, add_remedy_parser, add_report_parser,
+                       add_compare_parser, add_tasks_parser, add_lab_parser):  # in the order --help lists them
+        add_parser(sub)
     return parser
 
 
@@ -167,12 +86,6 @@ def _rank_prefix() -> str:
     import os
 
     return f"rank {os.environ['RANK']}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ else ""
-
-
-def cmd_diagnose(args: argparse.Namespace) -> int:
-    from .commands.diagnose import cmd_diagnose as diagnose
-
-    return diagnose(args)
 
 
 COMMANDS = {"train": cmd_train, "check": cmd_check, "diagnose": cmd_diagnose, "remedy": cmd_remedy, "report": cmd_report,

@@ -1,10 +1,30 @@
-"""The subcommands of ``stabletrain`` that need more than a few lines (:mod:`stabletrain.cli` parses and dispatches)."""
+"""The subcommands of ``stabletrain``: each module builds its subcommand's parser (``add_NAME_parser``) next to
+its handler (``cmd_NAME``); :mod:`stabletrain.cli` holds the top-level parser, the dispatch and the error handling.
+
+A module here imports torch only inside its handler: building the parsers must not (``--help``, ``--version``).
+"""
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
-__all__ = ["incident_dir"]
+from ..config import describe_keys
+
+__all__ = ["incident_dir", "keys_help"]
+
+
+def keys_help() -> str:
+    """Return the config keys, their meaning and defaults: the epilog of the commands that take a config."""
+    rows = describe_keys()
+    width = max(len(k) for k, _, _ in rows)
+    lines = ["config keys (set in --config YAML or as dotted key=value overrides):", ""]
+    for key, default, help_text in rows:
+        wrapped = textwrap.wrap(help_text, 100 - width - 4) or [""]
+        lines.append(f"  {key:<{width}}  {wrapped[0]}")
+        lines.extend(f"  {'':<{width}}  {w}" for w in wrapped[1:])
+        lines.append(f"  {'':<{width}}  default: {default}")
+    return "\n".join(lines)
 
 
 def incident_dir(path: str | Path, *, newest: bool, command: str) -> Path:

@@ -7,8 +7,26 @@ import sys
 
 from .. import console
 from ..config import load_config
+from . import keys_help
 
-__all__ = ["cmd_check", "check_help"]
+__all__ = ["cmd_check", "add_check_parser", "check_help"]
+
+
+def add_check_parser(sub: argparse._SubParsersAction) -> None:
+    """Add ``check``; ``sub`` must make parsers that take ``help_later`` (the cli's): the list of checks imports torch."""
+    p = sub.add_parser("check", help="run the doctor: sanity checks on the configured task",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=keys_help(),
+                       description="Run sanity checks (default: all) on the configured task; exit 1 if any fails.",
+                       help_later=check_help)
+    p.add_argument("names", nargs="*", metavar="CHECK|key=value",
+                   help="checks to run (default: every default check); key=value items are config overrides")
+    p.add_argument("--config", metavar="FILE", help="YAML config file")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--list", action="store_true", help="list the available checks and exit")
+    p.add_argument("--compare", metavar="A,B,...", help="init check: compare these init schemes on one plot")
+    p.add_argument("--out", "--out-dir", dest="out_dir", metavar="DIR", default=None,
+                   help="where checks write files, such as init's init_signal.png and init_signal.json "
+                        "(default: {default}/; created only when a check writes a file, with a .gitignore)")
 
 
 def check_help(check: argparse.ArgumentParser) -> None:

@@ -12,9 +12,20 @@ from pathlib import Path
 
 from .. import console
 from ..errors import brief
-from ..tasks import TaskError
 
-__all__ = ["cmd_diagnose", "replay_obstacles", "stored_diagnosis"]
+__all__ = ["cmd_diagnose", "add_diagnose_parser", "replay_obstacles", "stored_diagnosis"]
+
+
+def add_diagnose_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("diagnose",
+                       help="replay a captured incident and name its cause: a NaN/Inf's op, module, parameter and "
+                            "sample, a loss spike's class and evidence",
+                       description="Replay RUN_DIR/incidents/step_N under the precise tools (a loss spike: under "
+                                   "counterfactual replays); write diagnosis.json next to it.")
+    p.add_argument("incident", metavar="INCIDENT_DIR", help="RUN_DIR/incidents/step_N (or RUN_DIR: its newest incident)")
+    p.add_argument("--json", action="store_true", help="print the whole diagnosis as JSON")
+    p.add_argument("--device", metavar="DEVICE", help="replay on this device (default: the run's)")
+    p.add_argument("--no-bisect", action="store_true", help="skip the bisection over the batch's samples")
 
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
@@ -110,6 +121,7 @@ def stored_diagnosis(incident: Path, obstacles: list[str]) -> dict:
     import json
 
     from ..records.bundles import DIAGNOSIS_FILE
+    from ..tasks import TaskError  # torch: not at import, where the parser is built
 
     stored = incident / DIAGNOSIS_FILE
     why = "; ".join(obstacles)

@@ -6,7 +6,15 @@ import argparse
 
 from .. import console
 
-__all__ = ["cmd_tasks", "cmd_lab", "tasks_help"]
+__all__ = ["cmd_tasks", "add_tasks_parser", "cmd_lab", "add_lab_parser", "tasks_help"]
+
+
+def add_tasks_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("tasks", help="list the built-in tasks and their task_args",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="List each built-in task (or the factory TASK) with its arguments: their "
+                                   "types, defaults and meaning. Set one as task_args.NAME=VALUE.")
+    p.add_argument("task", nargs="?", metavar="TASK", help="a built-in task or module:function (default: every built-in task)")
 
 
 def tasks_help(specs: list[str]) -> str:
@@ -36,6 +44,16 @@ def cmd_tasks(args: argparse.Namespace) -> int:
 
     print(tasks_help([args.task] if args.task else list(BUILTIN_TASKS)))
     return 0
+
+
+def add_lab_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("lab", help="run the course chapter's exercises, measured and checked",
+                       description="Without LAB: list the labs. With LAB (1-6, accept, or all): run it, print its "
+                                   "numbers, the observations checked and an explanation written from the numbers, "
+                                   "write its plots to --out; exit 1 if an observation does not hold. 'all' also "
+                                   "writes DIR/index.html with every lab on one page.")
+    p.add_argument("lab", nargs="?", metavar="LAB", help="1..6, accept or all (default: list the labs)")
+    p.add_argument("--out", metavar="DIR", default="labs", help="where the plots (and index.html) go (default: labs)")
 
 
 def cmd_lab(args: argparse.Namespace) -> int:

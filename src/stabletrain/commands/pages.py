@@ -8,7 +8,18 @@ from pathlib import Path
 from .. import console
 from .train import write_report
 
-__all__ = ["cmd_report", "cmd_compare"]
+__all__ = ["cmd_report", "add_report_parser", "cmd_compare", "add_compare_parser"]
+
+
+def add_report_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="write RUN_DIR/report.html from a run directory",
+                       description="Write RUN_DIR/report.html, one self-contained page (no network): a health "
+                                   "summary, the curves (loss, grad norm, clip rate, LR, loss scale, throughput, "
+                                   "memory), the events (skips, clips, spikes, incidents, checkpoints, resumes), "
+                                   "the layers dominating the grad norm, the config and the snapshot; and each "
+                                   "plot as RUN_DIR/plots/NAME.png. Reads only the run directory's files (it works "
+                                   "on a run in progress too); prints the health summary.")
+    p.add_argument("run_dir", metavar="RUN_DIR")
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -20,6 +31,20 @@ def cmd_report(args: argparse.Namespace) -> int:
                                 "is it a stabletrain run?")
     write_report(run_dir)
     return 0
+
+
+def add_compare_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compare", help="compare runs: config differences and overlaid curves",
+                       description="Write one self-contained HTML page comparing two or more runs: the config "
+                                   "keys that differ, the code, libraries, device and data that differ, a "
+                                   "summary per run, and the curves (loss, val loss, grad norm, clip rate, LR, "
+                                   "...) overlaid by step and by tokens (or samples) seen; each plot is also "
+                                   "written as PAGE_STEM_plots/METRIC.png next to the page. Writes nothing to "
+                                   "the current directory unless --out says so.")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    p.add_argument("--out", metavar="DIR|FILE.html",
+                   help="a directory (the page is DIR/compare.html) or an .html file (default: the first run's "
+                        "directory, RUN_DIR/compare.html: the first run is the baseline)")
 
 
 def cmd_compare(args: argparse.Namespace) -> int:

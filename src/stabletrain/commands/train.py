@@ -7,9 +7,22 @@ import sys
 from pathlib import Path
 
 from .. import console
-from ..config import load_config, load_yaml
+from ..config import load_config, load_yaml, resume_safe_text
+from . import keys_help
 
-__all__ = ["cmd_train", "write_report"]
+__all__ = ["cmd_train", "add_train_parser", "write_report"]
+
+
+def add_train_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a task and write its run directory",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=keys_help(),
+                       description="Train the configured task; write config, snapshot, metrics, events and TensorBoard logs.")
+    p.add_argument("--config", metavar="FILE", help="YAML config file; overrides on the command line win")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, e.g. optim.lr=3e-4 accum.steps=4")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its LAST_GOOD checkpoint "
+                   "(same as resume=RUN_DIR); "
+                   f"its config.yaml is the base, and only these keys may change on resume: {resume_safe_text()}")
+    p.add_argument("--report", action="store_true", help="write RUN_DIR/report.html at the end of training")
 
 
 def _resume_target(args: argparse.Namespace) -> str | None:
