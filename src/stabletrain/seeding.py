@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["seed_everything", "deterministic_mode", "seed_worker", "rng_state", "set_rng_state"]
+__all__ = ["seed_everything", "deterministic_mode", "seed_worker", "rng_state", "set_rng_state", "kept_rng"]
 
 
 def seed_everything(seed: int) -> None:
@@ -80,3 +80,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@contextlib.contextmanager
+def kept_rng() -> Iterator[None]:
+    """Let the block draw from every RNG (python, numpy, torch CPU and CUDA); on exit, also on an exception, put
+    back the states they had on entry, so code after the block draws the same numbers as if it had not run.
+
+    The block may set another state itself (a replay from a saved one): the run's own comes back at exit.
+    """
+    saved = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(saved)

@@ -197,17 +197,16 @@ class Strategy:
 def own_loss_rank(dist: Any, own: Any, rng: dict[str, Any] | None = None) -> list[int] | None:
     """:func:`largest_loss_rank` of ``own()``, this rank's own loss (forward only), run with the RNG streams put back
     after it (set to ``rng`` first, when given); an error in it is answered in the gather, then raised on every rank."""
-    from ..seeding import rng_state, set_rng_state
+    from ..seeding import kept_rng, set_rng_state
 
-    saved, loss, error = rng_state(), float("nan"), None
+    loss, error = float("nan"), None
     try:
-        if rng is not None:
-            set_rng_state(rng)
-        loss = own()
+        with kept_rng():
+            if rng is not None:
+                set_rng_state(rng)
+            loss = own()
     except Exception as err:  # this rank still answers the gather (the others wait in it), then all raise
         error = err
-    finally:
-        set_rng_state(saved)
     return largest_loss_rank(dist, loss, error)
 
 
@@ -260,23 +259,23 @@ class DDPStrategy(Strategy):
         from ..data import move_to
         from ..numerics import first_nonfinite_grad
         from ..policies.accumulation import as_sum_count
-        from ..seeding import rng_state, set_rng_state
+        from ..seeding import kept_rng
 
         params = [p for p in module.parameters() if p.requires_grad]
-        rng, bad = rng_state(), False
-        try:
-            with PrecisionPolicy(precision, self.device).autocast():
-                for indices, batch in zip(window.indices, window.batches):
-                    loss_sum, _ = as_sum_count(task.loss(module, move_to(batch, self.device)), len(indices))
-                    if not bool(torch.isfinite(loss_sum)):
-                        bad = True
-                        break
-                    loss_sum.backward()
-            bad = bad or first_nonfinite_grad(module) is not None  # one host read
-        finally:
-            for p in params:
-                p.grad = None
-            set_rng_state(rng)
+        bad = False
+        with kept_rng():
+            try:
+                with PrecisionPolicy(precision, self.device).autocast():
+                    for indices, batch in zip(window.indices, window.batches):
+                        loss_sum, _ = as_sum_count(task.loss(module, move_to(batch, self.device)), len(indices))
+                        if not bool(torch.isfinite(loss_sum)):
+                            bad = True
+                            break
+                        loss_sum.backward()
+                bad = bad or first_nonfinite_grad(module) is not None  # one host read
+            finally:
+                for p in params:
+                    p.grad = None
         return [r for r, flag in enumerate(self.dist.gather_objects(bad)) if flag]
 
 

@@ -380,16 +380,13 @@ def state_kept(get: Callable[[], Any], put: Callable[[Any], None]) -> Iterator[N
     The state is staged into host buffers of its own (device memory stays flat). The RNG streams are put
     back too, so code after the block draws the same numbers as if it had not run.
     """
-    from ..seeding import rng_state, set_rng_state
+    from ..seeding import kept_rng
 
-    rng = rng_state()
-    saved, ready = StateStager().stage(get())
-    for event in ready:
-        event.synchronize()
-    try:
-        yield
-    finally:
+    with kept_rng():
+        saved, ready = StateStager().stage(get())
+        for event in ready:
+            event.synchronize()
         try:
-            put(saved)
+            yield
         finally:
-            set_rng_state(rng)
+            put(saved)

@@ -38,7 +38,7 @@ from ..records.checkpoint.shards import is_dcp_entry
 from ..records.snapshot import IntervalSnapshot
 from ..records.staging import StateStager, clone_state, equal_states, join_params, state_kept
 from ..runstate import RunState
-from ..seeding import rng_state, set_rng_state
+from ..seeding import kept_rng
 
 __all__ = ["IncidentCapture", "StepSource", "incident_dir", "staged_now", "MAX_CONTEXT"]
 
@@ -308,19 +308,18 @@ class IncidentCapture:
     def _diagnose(self, fit: RunState, folder: Path, bundle: dict[str, Any], step: int, rank: int,
                   label: str) -> dict[str, Any]:
         """Diagnose the first bundle on this process, with the run's RNG streams kept; the event's fields."""
-        run_rng = rng_state()  # the diagnosis seeds and replays: the run's own streams must not notice
-        try:
-            task, context, extra = self.source.diagnosis(bundle)
-            in_memory = None if is_dcp_entry(bundle.get("model")) else bundle  # FSDP: read whole from its shards
-            with self._replaying(), context:  # the run's own history in memory: its newest rows may not be on disk yet
-                diagnosis = diagnose_incident(folder, task, device=str(fit.device), bundle=in_memory,
-                                              history=list(fit.history))
-            on_rank = f" (rank {rank})" if fit.dist.enabled else ""
-            console.say(f"{label} at step {step}{on_rank}: {diagnosis.get('summary')}")
-            return {"diagnosis": {**{k: diagnosis.get(k) for k in DIAGNOSIS_FIELDS},
-                                  **{k: diagnosis.get(k) for k in extra}}}
-        except Exception as err:  # a diagnosis that fails must not take the run down with it
-            text = str(err).strip()
-            return {"diagnosis_error": f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"}
-        finally:
-            set_rng_state(run_rng)
+        # The diagnosis (and the task it replays: FSDP builds a model) seeds and draws: the run's own streams must not notice.
+        with kept_rng():
+            try:
+                task, context, extra = self.source.diagnosis(bundle)
+                in_memory = None if is_dcp_entry(bundle.get("model")) else bundle  # FSDP: read whole from its shards
+                with self._replaying(), context:  # the run's own history in memory: its newest rows may not be on disk yet
+                    diagnosis = diagnose_incident(folder, task, device=str(fit.device), bundle=in_memory,
+                                                  history=list(fit.history))
+                on_rank = f" (rank {rank})" if fit.dist.enabled else ""
+                console.say(f"{label} at step {step}{on_rank}: {diagnosis.get('summary')}")
+                return {"diagnosis": {**{k: diagnosis.get(k) for k in DIAGNOSIS_FIELDS},
+                                      **{k: diagnosis.get(k) for k in extra}}}
+            except Exception as err:  # a diagnosis that fails must not take the run down with it
+                text = str(err).strip()
+                return {"diagnosis_error": f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"}

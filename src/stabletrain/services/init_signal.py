@@ -32,7 +32,7 @@ from ..policies.optim import optimizer_factory
 from ..records.jsonl import json_safe
 from ..records.staging import host_memory_available
 from ..runstate import RunState
-from ..seeding import rng_state, set_rng_state
+from ..seeding import kept_rng
 
 __all__ = ["copy_fits", "first_batch_signal", "record_signal", "run_init_signal", "SIGNAL_FILE"]
 
@@ -50,9 +50,9 @@ def first_batch_signal(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Modul
     error raised in ``loss_fn`` itself is not warned of: the first step meets it and says it with the user's line.
     ``asked=False`` (``log.init_signal=auto``): a model with no leaf module to measure is passed over quietly.
     """
-    rng = rng_state()
     try:
-        with context or contextlib.nullcontext(), eager_methods(model):  # the module's own eager forward, no recompile
+        # The module's own eager forward (no recompile); the RNG streams put back after it.
+        with kept_rng(), context or contextlib.nullcontext(), eager_methods(model):
             report = signal_report(model, batch, loss_fn, label=label, make_optimizer=make_optimizer)
     except Exception as err:  # the report must never take the run down
         if _raised_in(err, loss_fn):  # the loss itself fails: the first step raises it with the user's own line
@@ -62,8 +62,6 @@ def first_batch_signal(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Modul
         warnings.warn(f"the signal-propagation report failed ({type(err).__name__}: {err})", console.StableTrainWarning,
                       stacklevel=3)
         return None
-    finally:
-        set_rng_state(rng)
     full = report.to_dict()
     return full, {"passed": full["passed"], "summary": full["summary"], "advice": report.advice(),
                   "flagged": [layer.name for layer in report.flagged]}

@@ -36,7 +36,7 @@ from ..diagnostics.cures import Remedy, SkipSamples, remedy_from_dict
 from ..records.bundles import REMEDY_FILE
 from ..remedy_search import search_remedies
 from ..runstate import RunState
-from ..seeding import rng_state, set_rng_state
+from ..seeding import kept_rng
 
 __all__ = ["RemedyApplier"]
 
@@ -94,14 +94,12 @@ class RemedyApplier:
         elif len(self.applied) >= cfg.max_applied:
             why = f"{len(self.applied)} remedies applied already (remedy.max_applied={cfg.max_applied})"
         else:
-            run_rng = rng_state()  # the replays seed and draw: the run's own streams must not notice
             try:
-                record = search_remedies(incident, state.task, steps=cfg.steps, device=str(state.device),
-                                         live_only=True, drop=self.state.stream.drop)
+                with kept_rng():  # the replays seed and draw: the run's own streams must not notice
+                    record = search_remedies(incident, state.task, steps=cfg.steps, device=str(state.device),
+                                             live_only=True, drop=self.state.stream.drop)
             except Exception as err:  # a search that fails must not take the run down with it
                 why = f"the remedy search failed ({type(err).__name__}: {err})"
-            finally:
-                set_rng_state(run_rng)
         params_bad = decision.params_bad_at is not None or decision.after_update
         best = None
         if record is not None:
