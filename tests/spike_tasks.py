@@ -135,3 +135,47 @@ def sgd_regression_task(n: int = 4096) -> Task:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
     return Task(model=model, train_data=TensorDataset(x, y), loss=_mse, name="sgd-regression")
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, factor: float) -> Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad * ctx.factor, None
+
+
+class Glitch(nn.Module):
+    """A transient fault (a flipped bit, a bad device): at its ``at``-th call under training it scales its input by
+    ``factor`` in the forward, or (``backward``) the gradient through it. Once: a copy made after that call, or a
+    replay that calls it again, never glitches."""
+
+    def __init__(self, at: int, factor: float, backward: bool = False) -> None:
+        super().__init__()
+        self.at, self.factor, self.backward, self.calls = at, factor, backward, 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not (self.training and torch.is_grad_enabled()):
+            return x
+        self.calls += 1
+        if self.calls != self.at:
+            return x
+        return _ScaleGrad.apply(x, self.factor) if self.backward else x * self.factor
+
+
+def transient_spike_task(step: int = 20, where: str = "forward", n: int = 256, seed: int = 0) -> Task:
+    """not reproducible: a clean regression whose hidden layer glitches once, in the live run's step ``step`` (one
+    forward per step: batch 8, no accumulation). ``where="forward"``: the step's loss spikes and a replay's does not.
+    ``where="backward"``: samples 153 and 157 (step 20) spike the loss as in :func:`outlier_samples_task`, and the
+    glitch scales that step's gradients x1000: a replay has the same loss and another grad norm."""
+    x, y = _regression(n, 8, seed)
+    if where == "backward":
+        for i in (153, 157):
+            y[i] = y[i] * 40.0 + 40.0
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), Glitch(step, 30.0 if where == "forward" else 1000.0,
+                                                              backward=where == "backward"), nn.Linear(32, 1))
+    return Task(model=model, train_data=TensorDataset(x, y), loss=_mse, name=f"transient-{where}")

@@ -137,6 +137,34 @@ def test_planted_nan_is_skipped_captured_and_traced(tmp_path):
                                                                                       "net.fc1.weight")
 
 
+
+@pytest.mark.parametrize("on_spike", ["warn", "skip"])
+def test_a_loss_spike_is_captured_and_its_samples_named_and_verified(tmp_path, on_spike):
+    """Samples at positions 1 and 5 of step 15 (mid-interval) carry targets x40 off: the spike is captured from the
+    interval's start, diagnosed as data with those positions named and their removal verified (the step without them
+    normal by the guard's rule), as in the built-in loop; under on_spike=skip the step is skipped on the device."""
+    n, step = 30, 15
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.rand(n * BATCH, 4, generator=g), torch.randn(n * BATCH, 1, generator=g)
+    for i in ((step - 1) * BATCH + 1, (step - 1) * BATCH + 5):
+        y[i] = 40.0
+    cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=10, on_spike=on_spike)
+    module = LitNet()
+    torch.manual_seed(0)
+    trainer = L.Trainer(max_steps=n, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[cb], enable_checkpointing=False)
+    trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False))
+    run = load_run(tmp_path / "run")
+    (incident,) = run.counted_events("incident")
+    d = incident.extra["diagnosis"]
+    assert (incident.step, incident.extra["anomaly"], d["failure_class"], d["bad_samples"]) == (step, "spike", "data", [1, 5])
+    assert d["bad_positions"] == [{"micro_batch": 0, "position": 1}, {"micro_batch": 0, "position": 5}]
+    full = json.loads((tmp_path / "run" / "incidents" / f"step_{step:06d}" / "diagnosis.json").read_text())
+    assert full["reproduces"] is True and full["samples"]["without"]["ratio"] < 2.0, full["summary"]
+    assert run.metrics[1]["num_skipped"] == (1 if on_spike == "skip" else 0)
+    assert [e.step for e in run.counted_events("spike")] == [step]
+
+
 class NoLogNet(LitNet):
     """LitNet without ``self.log`` in ``training_step``: Lightning 2.6's ``self.log`` does not trace under torch
     2.13's dynamo (it inspects the signature of the compiled method), with or without stabletrain."""

@@ -135,6 +135,41 @@ def test_planted_nan_is_skipped_captured_and_traced(tmp_path):
     assert fresh["first_nonfinite_param"] is not None
 
 
+
+class Regressor(torch.nn.Module):
+    """A model the Trainer trains as it trains any: ``forward(**batch)`` returns its loss."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = torch.nn.Linear(4, 16), torch.nn.Linear(16, 1)
+
+    def forward(self, x, labels=None):
+        out = self.fc2(torch.tanh(self.fc1(x)))
+        return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
+
+
+@pytest.mark.parametrize("on_spike", ["warn", "skip"])
+def test_a_loss_spike_is_captured_and_its_samples_named_and_verified(tmp_path, on_spike):
+    """Samples at positions 1 and 2 of step 15 (mid-interval) carry targets x40 off: captured from the interval's
+    start, diagnosed as data with those positions named and their removal verified, as in the built-in loop."""
+    n, step = 30, 15
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.rand(n * BATCH, 4, generator=g), torch.randn(n * BATCH, 1, generator=g)
+    for i in ((step - 1) * BATCH + 1, (step - 1) * BATCH + 2):
+        y[i] = 40.0
+    cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=10, on_spike=on_spike)
+    trainer_for(Regressor(), cb, tmp_path, max_steps=n, rows=[{"x": a, "labels": b} for a, b in zip(x, y)]).train()
+    run = load_run(tmp_path / "run")
+    (incident,) = run.counted_events("incident")
+    d = json.loads((tmp_path / "run" / "incidents" / f"step_{step:06d}" / "diagnosis.json").read_text())
+    assert (incident.step, d["anomaly"], d["failure_class"], d["bad_samples"]) == (step, "spike", "data", [1, 2])
+    assert d["bad_positions"] == [{"micro_batch": 0, "position": 1}, {"micro_batch": 0, "position": 2}]
+    assert d["reproduces"] is True and d["samples"]["without"]["ratio"] < 2.0, d["summary"]
+    assert run.metrics[1]["num_skipped"] == (1 if on_spike == "skip" else 0)
+    assert [e.step for e in run.counted_events("spike")] == [step]
+
+
 def test_a_model_the_trainer_compiles_is_recorded_compiled_and_diagnosed_eagerly(tmp_path):
     # torch_compile=True: the Trainer trains a torch.compile wrapper, and its callbacks are handed the model inside
     # it; the record says the run was compiled (the replay is eager and does not compare a finite loss bitwise).

@@ -17,7 +17,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import cfg
-from spike_tasks import offset_inputs_task, outlier_samples_task, rare_token_task, sgd_regression_task, steady_regression_task
+from spike_tasks import (
+    offset_inputs_task,
+    outlier_samples_task,
+    rare_token_task,
+    sgd_regression_task,
+    steady_regression_task,
+    transient_spike_task,
+)
 
 from stabletrain import Trainer
 from stabletrain.config import GuardConfig
@@ -78,9 +85,16 @@ def test_each_class_carries_its_evidence(spiked):
         assert d["bad_samples"] == [153, 157] and d["samples"]["share"] > 0.9
         assert d["samples"]["without"]["ratio"] < 2.0  # the step without them, replayed: normal by the rule
         assert d["older"]["window_high"] and "without them the step is normal (verified" in d["summary"]
+        shares = {r["sample"]: r["grad_share"] for r in d["sample_losses"]}  # each sample's share of the window's gradient
+        assert shares[153] + shares[157] > 0.9 and max(v for k, v in shares.items() if k not in (153, 157)) < 0.05, shares
     elif cls == "state":
         assert d["bad_samples"] is None and d["blamed_layer"] is None
         assert not d["older"]["window_high"] and d["older"]["ordinary_high"]
+        # where: the first module (forward order) whose output departs from the older state's, and the layers whose
+        # gradient and update/weight ratio jumped against an ordinary window's, by name
+        assert d["where"]["first"] is not None and f"first module whose output departs: '{d['where']['first']}'" in d["summary"]
+        top = d["jumps"]["update_ratio"][0]  # Adam's update did not jump: the LR's drift, not one surging layer
+        assert top[1] < 1.5 and f"no layer's update/weight ratio jumped (largest: {top[0]} x{top[1]:.3g})" in d["summary"]
     elif cls == "optimizer-state":
         assert d["blamed_layer"] == "embed.weight" and d["bad_samples"] is None
         top = d["surges"][0]
@@ -110,6 +124,61 @@ def test_the_remedy_search_finds_a_cure_that_fits_the_class(spiked):
         lr = next(c for c in record["candidates"] if c["name"] == "lr-x0.1")
         assert lr["first_step"] == incident["step"] - 1
 
+
+
+
+def _spike_diagnosis(task, tmp_path, *overrides):
+    """(the spike incidents' steps, the first one's diagnosis) of a 30-step run of ``task`` at batch 8."""
+    run_dir = tmp_path / "run"
+    Trainer(cfg("train.batch_size=8", "log.every=10", "data.shuffle=false", "train.max_steps=30", "optim.lr=0.01",
+                *overrides), task=task, run_dir=run_dir).fit()
+    steps = [e["step"] for e in _events(run_dir) if e["kind"] == "incident"]
+    return steps, json.loads((run_dir / "incidents" / f"step_{steps[0]:06d}" / "diagnosis.json").read_text())
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_spike_the_replay_does_not_reproduce_is_named_not_reproducible(tmp_path, where):
+    """A transient fault in the live step (tests/spike_tasks.Glitch, once): in the forward the replay's loss is not
+    the run's; in the backward of a data spike the loss is the same (bitwise) and the grad norm is not. Neither is
+    blamed on samples, a layer or the state."""
+    steps, d = _spike_diagnosis(transient_spike_task(where=where), tmp_path)
+    assert steps == [20] and d["failure_class"] == "not reproducible" and d["reproduces"] is False, d["summary"]
+    assert (d["bad_samples"], d["blamed_layer"], d["blamed_module"]) == (None, None, None)
+    if where == "forward":
+        assert d["evidence"].startswith("the replay's loss ") and "differs from the observed" in d["evidence"]
+    else:
+        assert d["evidence"].startswith("the replay's grad norm ") and d["evidence"].endswith("(the loss is the same)")
+        assert d["grad_norm"] < d["observed"]["grad_norm"] / 100  # x1000 on one layer's gradients, live only
+
+
+def test_a_batch_high_as_a_whole_under_the_older_state_is_an_outlier_batch(tmp_path):
+    """Every sample of step 20's window is off (no few of them carry it): class data, no sample named, the batch
+    itself the outlier, by its loss under the interval's older state."""
+    steps, d = _spike_diagnosis(outlier_samples_task(bad=tuple(range(152, 160)), scale=10.0), tmp_path)
+    assert steps == [20] and d["failure_class"] == "data" and d["samples"] is None and d["bad_samples"] is None
+    assert d["older"]["window_high"] and d["older"]["window"] > 100 * d["older"]["ordinary"]
+    assert "no small set of its samples carries it: the batch itself is an outlier" in d["evidence"]
+
+
+def test_diagnose_and_remedy_on_a_spike_from_the_command_line(tmp_path, capsys):
+    """The CLI on a spike's incident, as on a NaN's: diagnose prints its class and the verified samples, remedy the
+    candidates that fit a data spike with skip-samples best."""
+    from stabletrain.cli import main
+
+    run = tmp_path / "run"
+    assert main(["train", "task=spike_tasks:outliers_at_task", "train.batch_size=8", "train.max_steps=30", "log.every=10",
+                 "data.shuffle=false", "optim.lr=0.01", f"run.dir={run}", "log.progress=false",
+                 "log.tensorboard=false"]) == 0
+    capsys.readouterr()
+    assert main(["diagnose", str(run)]) == 0
+    printed = capsys.readouterr().out
+    assert "incidents/step_000020 (step 20, rank 0)" in printed and "failure_class                  data" in printed
+    assert "bad_samples                    [153, 157]" in printed and "without them the step is normal (verified" in printed
+    assert main(["remedy", str(run), "--steps", "5"]) == 0
+    printed = capsys.readouterr().out
+    rows = [line.split()[:3] for line in printed.splitlines() if line[:1].isdigit()]
+    assert rows[0] == ["1", "skip-samples", "cures"] and "drop samples 153, 157" in printed, printed
+    assert "best: skip-samples" in printed
 
 
 @pytest.mark.parametrize("cls", ["state", "optimizer-state"])
@@ -151,6 +220,23 @@ def test_on_spike_remedy_finishes_the_run_with_the_remedy_event(tmp_path):
     assert sorted(trainer.stream.drop) == [153, 157]
     skipped = [e["step"] for e in events if e["kind"] == "skip"]
     assert skipped == [step]  # on_spike=remedy skips the spike on the device, then cures what caused it
+
+
+
+def test_on_spike_remedy_puts_the_module_that_loses_precision_in_fp32_for_the_rest_of_the_run(tmp_path):
+    """A precision spike under guard.on_spike=remedy: module-fp32 for the module that made the value in float16 is
+    verified and applied live, so the same samples in the next epoch (step 150 at batch 8) no longer spike."""
+    run_dir = tmp_path / "run"
+    factory, kwargs, overrides, step = CASES["precision"]
+    trainer = Trainer(cfg("train.batch_size=8", "log.every=10", "data.shuffle=false", "guard.on_spike=remedy",
+                          "remedy.steps=5", *overrides, "train.max_steps=160"), task=factory(**kwargs), run_dir=run_dir)
+    trainer.fit()
+    events = _events(run_dir)
+    (remedy,) = [e for e in events if e["kind"] == "remedy"]
+    assert (remedy["step"], remedy["name"], remedy["detail"]) == (step, "module-fp32",
+                                                                  "module '0' in fp32 (autocast off around it)")
+    assert remedy["reason"].startswith("applied module-fp32"), remedy["reason"]
+    assert [e["step"] for e in events if e["kind"] == "spike"] == [step] and trainer.step == 160
 
 
 def test_a_burst_of_bad_samples_over_consecutive_steps_is_cured_by_dropping_each_windows_outliers(tmp_path):
@@ -573,6 +659,15 @@ def test_the_readme_spike_example_prints_what_the_readme_shows(tmp_path, capsys)
         return [float(x) for x in (line[start:].split()[0] for line in lines[1:9]) if x != "-"]
 
     assert end_losses(printed) == pytest.approx(end_losses(shown), rel=0.05)
+    # The README's short version of the same example: its lines are the page's (checked above), cut short.
+    front = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    short = front.split("### Loss spikes", 1)[1].split("\n```\n", 2)[1].splitlines()
+    page = block.splitlines()
+    assert short[:2] == page[:2] and short[-1] == page[-2] == "best: update-clip"
+    line = next(x for x in short if x.startswith("stabletrain: spike at step 75"))
+    assert line.endswith("; ...") and spike_line.startswith(line[:-len("; ...")])
+    header = page.index(next(x for x in page if x.startswith("#  candidate")))
+    assert short[short.index(page[header]):-1] == page[header:header + 4]  # the header and the first three rows
 
 
 @pytest.mark.parametrize("steps", [(22, 23, 24), (18, 20, 21)])

@@ -89,7 +89,8 @@ class _Bench:
                                "grad_norms": dict(zip(names, judged["per_param_norms"].tolist()))}
         masks = {}
         if signature:  # the true gradients against the optimizer's moments, before the update moves them
-            grads = {n: (p.grad.detach().float() * scale if scale is not None else p.grad.detach().float())
+            # (a copy: the clip below scales the gradients in place, and the shares are of the pre-clip gradient)
+            grads = {n: (p.grad.detach().float() * scale if scale is not None else p.grad.detach().float().clone())
                      for n, p in rep.named_params if p.grad is not None}
             masks = adam_surges(rep.named_params, step.optimizer, grads)
             out["grads"] = grads
@@ -226,11 +227,15 @@ def _diagnose(bench: _Bench, bundle: dict[str, Any], cfg: Any, observed: dict[st
     context = [c for c in context if c]
     here = bench.step(spike, signature=True)
     test = rule(here["loss"])
-    seen = {"loss": observed["loss"]} if observed.get("loss") is not None else {}
-    same = matches_observed(here["loss"], here["grad_norm"], seen, precision) if seen else True
+    # The loss and grad norm the run saw (one process: under DDP they are the global ones, a replay sees one rank's).
+    seen = ({k: observed[k] for k in ("loss", "grad_norm") if observed.get(k) is not None}
+            if observed.get("loss") is not None else {})
     why = None
-    if not same:
+    if seen and not matches_observed(here["loss"], float("nan"), {"loss": seen["loss"]}, precision):
         why = f"the replay's loss {here['loss']:.6g} differs from the observed {float(observed['loss']):.6g}"
+    elif seen and not matches_observed(here["loss"], here["grad_norm"], seen, precision):
+        why = (f"the replay's grad norm {here['grad_norm']:.6g} differs from the observed "
+               f"{float(observed['grad_norm']):.6g} (the loss is the same)")
     elif not test["spike"]:
         why = (f"the replay's loss {here['loss']:.4g} is no spike by the guard's rule (x{test.get('ratio', float('nan')):.3g} "
                f"the median, z {test.get('zscore', float('nan')):.3g})")

@@ -245,6 +245,12 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     grads = [j for j in (m.get("jumps") or {}).get("grad_norm") or [] if j[1] >= GRAD_JUMP]
     if grads:
         text += "; gradient jumps: " + ", ".join(f"{n} x{f:.3g}" for n, f, *_ in grads)
+    ratios = (m.get("jumps") or {}).get("update_ratio") or []  # the spike step's update/weight against an ordinary one's
+    updates = [j for j in ratios if j[1] >= GRAD_JUMP]
+    if updates:
+        text += "; update/weight jumps: " + ", ".join(f"{n} x{f:.3g} ({v:.2g} vs {b:.2g})" for n, f, v, b in updates)
+    elif ratios:
+        text += f"; no layer's update/weight ratio jumped (largest: {ratios[0][0]} x{ratios[0][1]:.3g})"
     return {**out, "failure_class": "state", "evidence": text}
 
 
