@@ -179,3 +179,17 @@ def transient_spike_task(step: int = 20, where: str = "forward", n: int = 256, s
     model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), Glitch(step, 30.0 if where == "forward" else 1000.0,
                                                               backward=where == "backward"), nn.Linear(32, 1))
     return Task(model=model, train_data=TensorDataset(x, y), loss=_mse, name=f"transient-{where}")
+
+
+def batchnorm_outlier_task(bad: int = 3173, scale: float = 50.0, n: int = 3520, seed: int = 0) -> Task:
+    """data, coupled: a linear regression through a batch norm (batch statistics in training) where sample ``bad``
+    (step 100, position 5 at batch 32) has inputs ``scale`` times too large. Its batch's statistics squash every
+    other sample of the window towards the mean (the loss of all of them jumps), and the model refuses a batch of one
+    in training: no sample's own loss says which one it is (bisection does)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    y = x @ torch.randn(8, 1, generator=g)
+    x[bad] = x[bad] * scale
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.Linear(32, 1))
+    return Task(model=model, train_data=TensorDataset(x, y), loss=_mse, name="batchnorm-outlier")

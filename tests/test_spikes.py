@@ -18,6 +18,7 @@ import pytest
 import torch
 from helpers import cfg
 from spike_tasks import (
+    batchnorm_outlier_task,
     offset_inputs_task,
     outlier_samples_task,
     rare_token_task,
@@ -158,6 +159,22 @@ def test_a_batch_high_as_a_whole_under_the_older_state_is_an_outlier_batch(tmp_p
     assert steps == [20] and d["failure_class"] == "data" and d["samples"] is None and d["bad_samples"] is None
     assert d["older"]["window_high"] and d["older"]["window"] > 100 * d["older"]["ordinary"]
     assert "no small set of its samples carries it: the batch itself is an outlier" in d["evidence"]
+
+
+
+def test_a_sample_whose_cost_a_batch_norm_spreads_over_its_window_is_found_by_bisection(tmp_path):
+    """One sample with inputs x50 in a batch norm's window (step 100, batch 32): the batch statistics squash every
+    other sample, and the model refuses a batch of one in training, so no sample's own loss says which one it is
+    (the diagnosis raised 'Expected more than 1 value per channel'). The halves weighed on their own narrow it down,
+    and the step without that sample alone, replayed, is normal."""
+    run_dir = tmp_path / "run"
+    Trainer(cfg("train.batch_size=32", "log.every=10", "data.shuffle=false", "train.max_steps=110", "optim.lr=0.001"),
+            task=batchnorm_outlier_task(), run_dir=run_dir).fit()
+    assert [e["step"] for e in _events(run_dir) if e["kind"] == "incident"] == [100]
+    d = json.loads((run_dir / "incidents" / "step_000100" / "diagnosis.json").read_text())
+    assert d["failure_class"] == "data" and d["bad_samples"] == [3173] and d["samples"]["how"] == "bisection", d["summary"]
+    assert d["samples"]["without"]["ratio"] < 2.0 and "found by bisection" in d["summary"]
+    assert d["passes"]["forward"] < 80  # the halves, not every subset
 
 
 def test_diagnose_and_remedy_on_a_spike_from_the_command_line(tmp_path, capsys):

@@ -7,7 +7,8 @@ windows) and replays, each time from the same saved state and RNG streams, on a 
 1. the step itself, with the run's own step: the same loss (bitwise in fp32)? a spike by the guard's rule?
 2. each sample alone (forward; a backward each for its share of the window's gradient, up to
    :data:`MAX_GRAD_SAMPLES`): which samples carry the loss; the step without the fewest that could, replayed:
-   normal by the rule? (greedy by loss is exact for a mean-loss rule: no other set of that size lowers it more)
+   normal by the rule? (greedy by loss is exact for a mean-loss rule: no other set of that size lowers it more;
+   where the loss couples the samples, a batch norm's statistics, by bisection: :func:`_bisect`)
 3. the window and ordinary windows under the older state (the interval's start): is the batch itself an
    outlier, or did the state drift?
 4. each module's output magnitude on the window under both states (where it departs first), each parameter's
@@ -39,7 +40,7 @@ from .policies.accumulation import as_sum_count, loss_sums
 from .policies.guard import spike_test
 from .policies.precision import resolve_device
 from .replica import Replica
-from .seeding import rng_state, set_rng_state
+from .seeding import kept_rng
 
 __all__ = ["diagnose_spike", "MAX_GRAD_SAMPLES", "MAX_CONTEXT"]
 
@@ -47,6 +48,11 @@ __all__ = ["diagnose_spike", "MAX_GRAD_SAMPLES", "MAX_CONTEXT"]
 MAX_GRAD_SAMPLES = 64
 #: Ordinary windows compared against (the interval's steps before the spike, else the next ones).
 MAX_CONTEXT = 3
+#: The samples' own losses that add up to the window's within this share are independent (greedy by loss is exact);
+#: further apart, the loss couples them and bisection finds the few that carry it.
+COUPLED_RTOL = 1e-3
+#: At most this many forward replays of the window in one bisection.
+MAX_BISECT_REPLAYS = 64
 
 
 class _Bench:
@@ -143,28 +149,89 @@ def _samples(bench: _Bench, groups: list[tuple[list[int], Any]], rule: Any, grad
         return not verdict["spike"] and verdict.get("ratio", 0.0) <= bound
 
     rows, total_sum, total_count = [], 0.0, 0.0
-    for idx, _ in groups:
-        for i in idx:
-            s, c = bench.sums(bench.groups([[i]]))
-            rows.append({"sample": i, "loss_sum": s, "count": c})
-            total_sum, total_count = total_sum + s, total_count + c
+    try:
+        for idx, _ in groups:
+            for i in idx:
+                s, c = bench.sums(bench.groups([[i]]))
+                rows.append({"sample": i, "loss_sum": s, "count": c})
+                total_sum, total_count = total_sum + s, total_count + c
+    except Exception:  # a model that refuses a batch of one (a batch norm in training): found by bisection below
+        rows = []
+    window_sum, _ = bench.sums(groups)
+    # The samples' own losses add up to the window's unless the loss couples them (batch statistics, an in-batch
+    # loss): then no sample's own loss says which ones carry the window's, and the replays of the window decide.
+    coupled = not rows or not math.isclose(total_sum, window_sum, rel_tol=COUPLED_RTOL, abs_tol=1e-12)
     for r in rows:
         r["loss"] = r["loss_sum"] / r["count"] if r["count"] else float("nan")
         r["share"] = r["loss_sum"] / total_sum if total_sum else 0.0
-    if grads is not None and len(rows) <= MAX_GRAD_SAMPLES:
+    if grads is not None and len(rows) <= MAX_GRAD_SAMPLES and not coupled:
         _gradient_shares(bench, rows, grads, total_count)
     rows.sort(key=lambda r: -r["loss_sum"])
+    if coupled:
+        drop = _bisect(bench, groups, normal, bound)
+        sets = [drop] if drop else []
+    else:
+        sets = outlier_sets(rows, normal)  # fewest first, each normal by the per-sample sums
     found = None
-    for drop in outlier_sets(rows, normal):  # fewest first, each normal by the per-sample sums
+    for drop in sets:
         kept = [[i for i in idx if i not in drop] for idx, _ in groups]
         replayed = bench.step(bench.groups(kept))  # verified on the run's own step, without them
         verdict = rule(replayed["loss"])
         if normal(replayed["loss"]):
-            found = {"indices": sorted(drop), "share": sum(r["share"] for r in rows if r["sample"] in drop),
+            share = (sum(r["share"] for r in rows if r["sample"] in drop) if not coupled else
+                     1.0 - bench.sums(bench.groups(kept))[0] / window_sum if window_sum else 0.0)
+            found = {"indices": sorted(drop), "share": share, **({"how": "bisection"} if coupled else {}),
                      "without": {"loss": replayed["loss"], "grad_norm": replayed["grad_norm"], "ratio": verdict["ratio"],
                                  "zscore": verdict["zscore"]}}
             break
     return rows, found
+
+
+def _bisect(bench: _Bench, groups: list[tuple[list[int], Any]], normal: Any, ratio: float) -> list[int] | None:
+    """The few samples whose removal makes the window normal, where the loss couples them (batch statistics).
+
+    Dropping half a coupled window changes what the rest computes (a batch norm's statistics over half the samples),
+    so each half is weighed on its own instead, and the halves whose loss is more than ``ratio`` times the other's
+    are narrowed further (down to the smallest group the model takes); the groups left are then dropped from the
+    whole window, replayed, and each sample that need not go is given back. About 2 log2 N + 2k forward passes for
+    k of N. None when none stands out, more than a quarter of the window (16 at most) would go, or the rest is
+    not normal.
+    """
+    flat = [i for idx, _ in groups for i in idx]
+    limit, calls = max(2, min(16, len(flat) // 4)), [0]
+
+    def loss_of(samples: list[int]) -> float | None:
+        if calls[0] >= MAX_BISECT_REPLAYS:
+            return None
+        calls[0] += 1
+        try:
+            return bench.loss(bench.groups([samples]))
+        except Exception:  # a group the model refuses (one sample for a batch norm in training)
+            return None
+
+    def normal_without(drop: set[int]) -> bool:
+        kept = [i for i in flat if i not in drop]
+        loss = loss_of(kept) if kept else None
+        return loss is not None and normal(loss)
+
+    def narrow(cands: list[int]) -> list[int]:
+        if len(cands) <= 1:
+            return cands
+        halves = (cands[:len(cands) // 2], cands[len(cands) // 2:])
+        losses = [loss_of(h) for h in halves]
+        if None in losses or not all(math.isfinite(x) for x in losses):
+            return cands  # the halves cannot be weighed apart: the group stays whole
+        low = min(losses)
+        high = [h for h, x in zip(halves, losses) if x > ratio * low]
+        return [i for h in high for i in narrow(h)] if high else cands
+
+    found = narrow(flat)
+    if not 0 < len(found) <= limit or len(found) == len(flat) or not normal_without(set(found)):
+        return None
+    for i in list(found):  # give back each sample whose removal is not needed
+        if len(found) > 1 and normal_without(set(found) - {i}):
+            found.remove(i)
+    return sorted(found)
 
 
 def _gradient_shares(bench: _Bench, rows: list[dict[str, Any]], grads: dict[str, torch.Tensor], count: float) -> None:
@@ -201,7 +268,7 @@ def diagnose_spike(bundle: dict[str, Any], task: Any, *, device: str | None = No
     shares), ``older``, ``where``, ``jumps``, ``surges`` (the five parameters whose surging coordinates moved
     the most, in the spike's update and the one before it), ``fp32``, ``timings`` and ``passes``.
     """
-    start, run_rng = time.perf_counter(), rng_state()
+    start = time.perf_counter()
     cfg = config_from_dict(bundle["config"])
     dev = resolve_device(device or cfg.device)
     observed = bundle.get("observed", {})
@@ -210,13 +277,9 @@ def diagnose_spike(bundle: dict[str, Any], task: Any, *, device: str | None = No
     def rule(loss: float) -> dict[str, Any]:
         return spike_test(loss, window, cfg.guard)
 
-    replica = Replica(cfg, task, bundle, dev)
-    bench = _Bench(replica, task)
-    try:
-        with torch.enable_grad():
-            return _diagnose(bench, bundle, cfg, observed, rule, start)
-    finally:
-        set_rng_state(run_rng)
+    with kept_rng(), torch.enable_grad():  # the replays draw from the run's RNG streams: they are put back
+        replica = Replica(cfg, task, bundle, dev)
+        return _diagnose(_Bench(replica, task), bundle, cfg, observed, rule, start)
 
 
 def _diagnose(bench: _Bench, bundle: dict[str, Any], cfg: Any, observed: dict[str, Any], rule: Any,

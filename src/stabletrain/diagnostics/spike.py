@@ -199,7 +199,10 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
         n = len(samples["indices"])
         return {**out, "failure_class": "data",
                 "evidence": (f"sample{'s' if n > 1 else ''} {', '.join(map(str, samples['indices']))} carr"
-                             f"{'y' if n > 1 else 'ies'} {_pct(samples['share'])} of the window's loss; without "
+                             f"{'y' if n > 1 else 'ies'} {_pct(samples['share'])} of the window's loss"
+                             + ("" if samples.get("how") != "bisection" else
+                                " (found by bisection: the loss couples the window's samples, batch statistics or an "
+                                "in-batch loss, so no sample's own loss says which)") + "; without "
                              f"{'them' if n > 1 else 'it'} "
                              f"the step is normal (verified: loss {samples['without']['loss']:.4g}, "
                              f"x{samples['without']['ratio']:.3g} "
