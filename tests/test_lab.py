@@ -184,6 +184,11 @@ def test_lab8_measures_the_rise_before_the_spike_and_agrees_with_the_doctors_rep
     by = {c["name"]: c for c in rare["remedies"]["candidates"]}
     assert rare["remedies"]["best"] == "update-clip" and by["update-clip"]["verdict"] == "cures"
     assert by["skip-step"]["failed"]["step"] == 76
+    # stabletrain's own precursor, reading every step's update, warns at step 74 naming the embedding, and not before
+    # the data spike; at the default log.every=10 (steps 70 and 80 read) it stays silent before either.
+    assert [w for w in rare["watched"] if w["step"] >= 70] == [{"step": 74, "layers": ["embed.weight"]}]
+    assert not [w for w in bad["watched"] if w["step"] >= 70] and rare["precursors"] == bad["precursors"] == []
+    assert "stabletrain's own precursor said so too" in " ".join(result.explanation)
     assert [p.name for p in result.plots] == ["lab8_rare_token.png", "lab8_mislabelled.png", "lab8_remedies.png"]
 
 
@@ -193,6 +198,7 @@ def test_lab8_fails_under_momentum_where_the_rare_token_does_not_spike():
     assert not result.passed
     claims = _claims(result)
     assert result.numbers["rare"]["step"] is None and result.numbers["rare"]["warning"] is None
+    assert not next(ok for text, ok in claims.items() if text.startswith("stabletrain's own precursor"))
     assert not next(ok for text, ok in claims.items() if text.startswith("the rare token's spike is optimizer-state"))
     # The data spike does not depend on the optimizer: its observations still hold.
     assert next(ok for text, ok in claims.items() if text.startswith("the mislabelled window's spike is data"))

@@ -48,7 +48,7 @@ def cmd_tasks(args: argparse.Namespace) -> int:
 
 def add_lab_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("lab", help="run the course chapter's exercises, measured and checked",
-                       description="Without LAB: list the labs. With LAB (1-6, accept, or all): run it, print its "
+                       description="Without LAB: list the labs. With LAB (1-8, accept, or all): run it, print its "
                                    "numbers, the observations checked and an explanation written from the numbers, "
                                    "write its plots to --out; exit 1 if an observation does not hold. 'all' also "
                                    "writes DIR/index.html with every lab on one page.")

@@ -16,8 +16,11 @@ under the remedies that fit its class (:func:`stabletrain.remedy_search.search_r
   under any weights; no update before it could have warned (OLMo 2 traced its gradient spikes to data too).
 
 The per-layer update/weight ratio ``||theta_t - theta_{t-1}|| / ||theta_{t-1}||`` is measured on every step by
-this lab's own callback (its own measurement, not the run's precursor rule), and compared with the same layer's
-median over the steps before.
+this lab's own callback, and compared with the same layer's median over the steps before. The run's own warning
+(``guard.precursor``) reads the update of each log interval's last step: a third and a fourth run train the same
+two tasks with a log boundary on every step (``log.every=1``, ``guard.precursor_zscore=2.5``: a step's update
+is noisier than an interval's), so its ``precursor`` events are what stabletrain itself says before each spike;
+the two main runs (``log.every=10``) show what the default reads.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ HISTORY = 20
 #: How many steps before the spike a departure counts as its warning.
 LOOKBACK = 5
 STEPS = 80
+#: The precursor's z-score in the watch runs (the default 3 is set for one update per log interval).
+PRECURSOR_Z = 2.5
 COMMON = ["device=cpu", "log.progress=false", "log.tensorboard=false", "train.batch_size=8", "log.every=10", "data.shuffle=false",
           "eval.every=0", "sched.warmup_steps=0", "sched.decay=constant", f"train.max_steps={STEPS}"]
 RUNS = ("rare token", "mislabelled")
@@ -170,6 +175,23 @@ def _warning(trace: list[dict[str, Any]], spike: int | None) -> dict[str, Any] |
     return None
 
 
+#: The watch runs: the run's own precursor reading every step's update (no capture: only its warnings are read).
+WATCH = ["log.every=1", f"guard.precursor_zscore={PRECURSOR_Z}", "capture.incidents=false", "guard.on_spike=warn"]
+
+
+def _precursors(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's precursor events before SPIKE_STEP: [{"step", "layers": [names]}, ...]."""
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text(encoding="utf-8").splitlines()]
+    return [{"step": e["step"], "layers": [layer["name"] for layer in e.get("layers", [])]}
+            for e in events if e["kind"] == "precursor" and e["step"] < SPIKE_STEP]
+
+
+def _watch(run: str, seed: int, lr: float, beta1: float, run_dir: Path) -> list[dict[str, Any]]:
+    """Train ``run`` with a log boundary on every step (WATCH): the run's own precursor events before the spike."""
+    Trainer(load_config(None, [*COMMON, f"seed={seed}", *WATCH]), task=_task(run, seed, lr, beta1), run_dir=run_dir).fit()
+    return _precursors(run_dir)
+
+
 def _meet(run: str, seed: int, lr: float, beta1: float, steps: int, run_dir: Path) -> dict[str, Any]:
     """Train ``run``, read its first spike incident's diagnosis and search its remedies; the per-step trace."""
     task = _task(run, seed, lr, beta1)
@@ -184,6 +206,8 @@ def _meet(run: str, seed: int, lr: float, beta1: float, steps: int, run_dir: Pat
         out["step"] = int(out["diagnosis"]["step"])
         out["remedies"] = search_remedies(incidents[0], task, steps=steps, device="cpu")
     out["warning"] = _warning(trace, out["step"])
+    out["precursors"] = _precursors(run_dir)  # at log.every=10
+    out["watched"] = _watch(run, seed, lr, beta1, run_dir.with_name(run_dir.name + "-watch"))  # at log.every=1
     return out
 
 
@@ -225,6 +249,11 @@ def run(out_dir: Path | None = None, seed: int = 0, *, lr: float = 0.03, beta1: 
               else f"no layer departed in the {LOOKBACK} steps before step {rare['step']}",
               f"embed > x{DEPARTURE:g}, lead >= 1",
               warn is not None and warn["layer"] == "embed" == _layer(d_rare.get("blamed_layer")) and warn["lead"] >= 1),
+        Claim("stabletrain's own precursor, reading every step's update (log.every=1), warns before the spike and names "
+              "that layer",
+              "; ".join(f"step {w['step']}: {', '.join(w['layers'])}" for w in rare["watched"]) or "no precursor event",
+              f"a precursor at step {SPIKE_STEP - 5}..{SPIKE_STEP - 1} naming embed.weight",
+              any(SPIKE_STEP - LOOKBACK <= w["step"] < SPIKE_STEP and "embed.weight" in w["layers"] for w in rare["watched"])),
         Claim("the remedy replay verifies a cure for it, and skipping the spike's step is none (the moved row remains)",
               f"best: {cure} {verdict('rare token', cure) if cure else ''}; skip-step: {verdict('rare token', 'skip-step')} "
               f"({why('rare token', 'skip-step')})", "a cure that fits the class; skip-step fails",
@@ -239,6 +268,11 @@ def run(out_dir: Path | None = None, seed: int = 0, *, lr: float = 0.03, beta1: 
               (f"largest: {before_bad[0]} x{before_bad[1]:.3g} at step {before_bad[2]}" if before_bad else "no steps")
               + (f"; warned at step {calm['step']}" if calm else ""), f"<= x{DEPARTURE:g}",
               bad["step"] is not None and calm is None),
+        Claim("nor did stabletrain's own precursor warn of the data spike, reading every step's update",
+              "; ".join(f"step {w['step']}: {', '.join(w['layers'])}" for w in bad["watched"]
+                        if w["step"] >= SPIKE_STEP - LOOKBACK) or "no precursor event",
+              f"none in steps {SPIKE_STEP - LOOKBACK}..{SPIKE_STEP - 1}",
+              bad["step"] is not None and not [w for w in bad["watched"] if w["step"] >= SPIKE_STEP - LOOKBACK]),
         Claim("dropping the named samples cures the data spike; a lower LR does not",
               f"skip-samples: {verdict('mislabelled', 'skip-samples')}; lr-x0.1: {verdict('mislabelled', 'lr-x0.1')}",
               "cures; fails", verdict("mislabelled", "skip-samples") == "cures" and verdict("mislabelled", "lr-x0.1") == "fails"),
@@ -256,7 +290,8 @@ def run(out_dir: Path | None = None, seed: int = 0, *, lr: float = 0.03, beta1: 
              f"{STEPS} steps, log every 10, seed {seed}; run 1: token {RARE} first appears at step {SPIKE_STEP - 1} "
              f"(samples {RARE_SAMPLES[0]}..{RARE_SAMPLES[-1]}, 4 a window); run 2: samples {MISLABELLED[0]}, "
              f"{MISLABELLED[1]} mislabelled (y x20 + 20); each first spike replayed by stabletrain remedy over its "
-             f"window and the {steps} after it; update ratios measured every step by the lab")
+             f"window and the {steps} after it; update ratios measured every step by the lab; the run's own "
+             f"precursor read in one more run of each with log.every=1, guard.precursor_zscore={PRECURSOR_Z:g}")
     numbers = {"rare": rare, "mislabelled": bad, "departure": DEPARTURE, "history": HISTORY}
     return LabResult("8", setup, columns, rows, claims, _explain(met, by, beta1), plots, numbers, tables)
 
@@ -319,6 +354,10 @@ def _plots(met: dict[str, dict[str, Any]], out_dir: Path) -> list[Path]:
             if warn is not None:
                 ax.axvline(warn["step"], color="tab:purple", linestyle=":", linewidth=1.5,
                            label=f"{warn['layer']}: x{warn['factor']:.2g} its median (step {warn['step']})")
+            own = [w for w in record["watched"] if w["step"] >= SPIKE_STEP - LOOKBACK]
+            if own:  # the run's own warning (log.every=1)
+                ax.axvline(own[0]["step"], color="tab:green", linestyle="-.", linewidth=1.2, alpha=0.8,
+                           label=f"stabletrain precursor (step {own[0]['step']})")
             ax.set_xlabel("step")
             ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
         cls = record["diagnosis"].get("failure_class", "no incident")
@@ -369,8 +408,16 @@ def _explain(met: dict[str, dict[str, Any]], by: dict[str, dict[str, Any]], beta
                 + ", ".join(f"{n}'s x{f:.2g}" for n, f in warn["others"].items()) + "): the spike is made by an update, "
                 "so the update shows it before the loss does." if warn else
                 f"No layer's update ratio rose above x{DEPARTURE:g} its median in the {LOOKBACK} steps before it.")
+        own = [w for w in rare["watched"] if w["step"] >= SPIKE_STEP - LOOKBACK]
+        default = [w["step"] for w in rare["precursors"]]
+        said = ((f" stabletrain's own precursor said so too, reading every step's update: 'precursor at step "
+                 f"{own[0]['step']}' naming {', '.join(own[0]['layers'])}" if own else
+                 " stabletrain's own precursor, reading every step's update, did not warn")
+                + ("; at the default log.every=10 it reads the update of steps 70 and 80 only, and "
+                   + (f"warned at step{'s' if len(default) > 1 else ''} {', '.join(map(str, default))}." if default else
+                      "stayed silent: a surge inside an interval is the spike capture's to explain.")))
         out.append(f"The rare-token run spiked at step {rare['step']} (loss {d['loss']:.4g}, x{d['spike_test']['ratio']:.3g} "
-                   f"the median of the losses before). {lead}")
+                   f"the median of the losses before). {lead}{said}")
         surge = _first_update(SPIKE_STEP - 1)
         out.append(f"The diagnosis replayed the spike's step and the one before it from their exact states and said "
                    f"{d['failure_class']}: {d['evidence']}. Token {RARE} had no gradient until step {SPIKE_STEP - 1}, so "
