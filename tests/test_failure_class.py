@@ -9,10 +9,15 @@ import math
 
 import faults
 import pytest
+import torch
+import torch.nn.functional as F
+from faults import Stack
 from helpers import PoisonAt, cfg, nan_sample_task, regression_task
-from remedy_tasks import fp16_overflow_task, sqrt_zero_task
+from remedy_tasks import Rescaled, _mse, fp16_overflow_task, sqrt_zero_task
+from torch import nn
+from torch.utils.data import TensorDataset
 
-from stabletrain import Trainer
+from stabletrain import Task, Trainer
 from stabletrain.cli import main
 from stabletrain.diagnostics.failure_class import classify_failure, growth
 from stabletrain.incident_replay import diagnose_step
@@ -110,6 +115,54 @@ def test_an_fp16_overflow_in_one_module_is_overflow_of_its_weights_not_bad_sampl
     assert len(d["bad_samples"]) == 8  # every sample overflows through it: the class is not "data"
     assert "computes in float16 from finite inputs and overflows it (max 65504); 8 of 8 samples go bad through it: " \
            "the module's weights" in d["evidence"]
+
+
+def _scaled_loss(model, batch):
+    x, y = batch
+    return F.mse_loss((model(x).half() * 60000).float(), y)  # float16 overflows outside any module, in the loss
+
+
+def test_an_fp16_overflow_outside_any_module_says_so_and_blames_no_weights(tmp_path, capsys):
+    """Issue 33 item 7: a loss's own float16 op that overflows was "aten.mul.Tensor in module 'None' ... the module's
+    weights, not the samples" after "outside any module"."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 8, generator=g) * 4, torch.randn(32, 1, generator=g)
+    torch.manual_seed(0)
+    task = Task(model=Stack(nn.Linear(8, 16), nn.Linear(16, 1)), train_data=TensorDataset(x, y), loss=_scaled_loss,
+                name="scaled-loss")
+    event, d = first_incident(tmp_path, task, "train.max_steps=2", "precision=fp16")
+    assert (d["failure_class"], d["op"], d["module"], d["blamed_module"]) == ("overflow", "aten.mul.Tensor", None, None)
+    assert d["evidence"] == ("aten.mul.Tensor outside any module computes in float16 from finite inputs and overflows it "
+                             "(max 65504); 8 of 8 samples go bad through it: the computation outside any module, "
+                             "not the samples")
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("stabletrain: incident at")]
+    for text in (d["summary"], event["diagnosis"]["summary"], *printed):
+        assert "outside any module" in text and "None" not in text and "module's weights" not in text, text
+    assert len(printed) == 1
+
+
+def test_a_weight_driven_fp16_overflow_of_most_samples_leads_with_the_verdict(tmp_path, capsys):
+    """Issue 33 item 6: when 13-15 of 16 samples overflow through a module's weights the summary opened with 'at
+    samples 0, 1, 2, 3, ...'. Here 13 of 16 samples overflow layers.1.fc's float16 output (their fp32 output exceeds
+    65504; three a million times smaller do not), and one of those three goes bad in the scaled backward too."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 8, generator=g) * 4
+    x[[3, 9, 12]] *= 1e-6
+    torch.manual_seed(0)
+    model = Stack(nn.Linear(8, 16, bias=False), Rescaled(16, 1e-5), nn.Linear(16, 1))
+    with torch.no_grad():
+        model.layers[1].fc.bias.zero_()  # (with a bias every sample overflows)
+    task = Task(model=model, train_data=TensorDataset(x, torch.randn(32, 1, generator=g)), loss=_mse, name="most")
+    event, d = first_incident(tmp_path, task, "train.max_steps=2", "train.batch_size=16", "precision=fp16")
+    assert (d["failure_class"], d["blamed_module"], d["num_samples"]) == ("overflow", "layers.1.fc", 16)
+    bad = d["bad_samples"]
+    assert 13 <= len(bad) <= 15 and not {0, 1, 2, 4, 5, 6, 7, 8, 10, 11, 13, 14, 15} - set(bad)  # most, not all
+    verdict = ("overflow: aten.addmm.default in module 'layers.1.fc' computes in float16 from finite inputs and overflows "
+               f"it (max 65504); {len(bad)} of 16 samples go bad through it: the module's weights, not the samples; ")
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("stabletrain: incident at")]
+    assert printed == [f"stabletrain: incident at step {event['step']}: {d['summary']}"]
+    assert d["summary"].startswith(verdict) and event["diagnosis"]["summary"] == d["summary"]
+    assert "at sample" not in d["summary"]  # the samples are the evidence's count, not the headline
 
 
 def test_a_log_of_zero_in_fp32_is_op_not_overflow():

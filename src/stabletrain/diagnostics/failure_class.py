@@ -108,20 +108,23 @@ def classify_failure(d: dict[str, Any], history: list[dict[str, Any]] | None = N
         return {**out, "failure_class": "divergence", "evidence": _symptom(d, first)}
     module = first.get("module")
     weight_driven = num > 1 and len(samples) >= WEIGHT_DRIVEN_SHARE * num
-    share = f"{len(samples)} of {num} samples go bad through it: the module's weights, not the samples"
+    # Outside any module (the loss, a scale applied to the model's output) there are no weights to blame: the
+    # computation itself is, whatever the samples.
+    share = f"{len(samples)} of {num} samples go bad through it: " + (
+        "the computation outside any module, not the samples" if module is None else
+        "the module's weights, not the samples")
     if first and first.get("origin") and first.get("kind") == "inf" and any(
             t in _LOW_PRECISION for t in first.get("output_dtypes") or []):
         out["blamed_module"] = module
         dtype = next(t for t in first["output_dtypes"] if t in _LOW_PRECISION).removeprefix("torch.")
-        text = (f"{first['op']} in module '{module}' computes in {dtype} from finite inputs and overflows it "
+        text = (f"{first['op']} {_place(module, 'in')} computes in {dtype} from finite inputs and overflows it "
                 f"(max {65504 if dtype == 'float16' else 3.4e38:g})")
         return {**out, "failure_class": "overflow", "evidence": text + (f"; {share}" if weight_driven else "")}
     if first and first.get("origin"):
         out["blamed_module"] = module if weight_driven else None
         node = f" ({first['autograd_node']})" if first.get("autograd_node") else ""
-        at = ("outside any module" if module is None else "of the root module" if module == "" else
-              f"of module '{module}'")
-        text = f"{first['op']}{node} in {first['direction']} {at} makes a {first['kind']} from finite inputs"
+        text = (f"{first['op']}{node} in {first['direction']} {_place(module, 'of')} makes a {first['kind']} "
+                "from finite inputs")
         if weight_driven:
             text += f"; {share}"
         elif samples:
@@ -147,9 +150,15 @@ def _symptom(d: dict[str, Any], first: dict[str, Any]) -> str:
         return (f"every gradient is finite but their total norm is {d.get('grad_norm')} (the sum of squares "
                 "overflows float32: the gradients are huge)")
     if first:
-        where = "outside any module" if first.get("module") is None else f"in module '{first.get('module')}'"
-        return f"{first.get('kind')} at {first.get('op')} {where}"
+        return f"{first.get('kind')} at {first.get('op')} {_place(first.get('module'), 'in')}"
     return ""
+
+
+def _place(module: str | None, preposition: str) -> str:
+    """Where an op ran: 'outside any module' (None, never "module 'None'"), the root module ('') or a named one."""
+    if module is None:
+        return "outside any module"
+    return f"{preposition} the root module" if module == "" else f"{preposition} module '{module}'"
 
 
 def _growth_text(g: dict[str, Any]) -> str:
