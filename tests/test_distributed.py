@@ -91,6 +91,10 @@ def _scenarios(root):
             ("spike", *cli("task=spike_tasks:outliers_at_task", f"task_args.bad={','.join(map(str, SPIKE_ON_1))}",
                            "train.batch_size=8", "train.max_steps=16", "log.every=10", "data.shuffle=false",
                            "optim.lr=0.01", "ckpt.every=0", "eval.every=0", "dist.nproc=2", f"run.dir={root / 'spike'}")),
+            ("spike-fsdp", *cli("task=spike_tasks:outliers_at_task", f"task_args.bad={','.join(map(str, SPIKE_ON_1))}",
+                                "train.batch_size=8", "train.max_steps=16", "log.every=10", "data.shuffle=false",
+                                "optim.lr=0.01", "ckpt.every=0", "eval.every=0", "dist.nproc=2", "dist.strategy=fsdp",
+                                f"run.dir={root / 'spike-fsdp'}")),
             ("reference", *cli(*RESUME, f"run.dir={root / 'reference'}")),  # the SIGKILL test's uninterrupted run
             ("grad-nan", "dist_tasks:main", [root / "grad_nan_out", "task=helpers:grad_nan_sample_task",
                                              f"task_args.bad_index={BAD_AT_3}", "train.batch_size=4", "train.max_steps=3",
@@ -171,17 +175,18 @@ def test_a_nan_only_rank_1_sees_skips_the_step_on_both_ranks_and_the_diagnosis_n
     assert bundle["rank"] == 1 and bad in bundle["window"]["indices"][0]
 
 
-def test_a_finite_spike_only_rank_1s_samples_carry_is_diagnosed_on_rank_1s_batch(world):
+@pytest.mark.parametrize("name", ["spike", "spike-fsdp"])
+def test_a_finite_spike_only_rank_1s_samples_carry_is_diagnosed_on_rank_1s_batch(world, name):
     """The step's loss is the mean over the ranks: its capture must find the rank whose own loss spiked (a finite spike
     has no non-finite gradients to tell it by), and name that rank's samples, not call rank 0's batch not
-    reproducible."""
+    reproducible. Under DDP and under FSDP2 (each rank's shards; the diagnosis replays the whole model)."""
     assert not set(SPIKE_ON_1) & set(EpochOrder(256, 8, seed=0, shuffle=False, rank=0, world_size=2).micro_batches(0)[13])
-    world.check("spike")
-    events = _events(world.root / "spike")
+    world.check(name)
+    events = _events(world.root / name)
     incident = next(e for e in events if e["kind"] == "incident")
     assert incident["step"] == 14 and incident["ranks"] == [1] and incident["diagnosis"]["rank"] == 1, incident
     assert incident["diagnosis"]["failure_class"] == "data", incident["diagnosis"]["summary"]
-    diagnosis = json.loads((world.root / "spike" / "incidents" / "step_000014" / "diagnosis.json").read_text())
+    diagnosis = json.loads((world.root / name / "incidents" / "step_000014" / "diagnosis.json").read_text())
     assert diagnosis["samples"]["indices"] and set(diagnosis["samples"]["indices"]) <= set(SPIKE_ON_1), diagnosis["summary"]
 
 

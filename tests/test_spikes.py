@@ -177,6 +177,16 @@ def test_a_sample_whose_cost_a_batch_norm_spreads_over_its_window_is_found_by_bi
     assert d["passes"]["forward"] < 80  # the halves, not every subset
 
 
+
+def test_a_data_spike_under_bf16_autocast_is_diagnosed_as_in_fp32(tmp_path):
+    """bf16 autocast (no scaler): the replay reproduces within bf16's tolerance, the fp32 step spikes too (no precision
+    verdict), and the two planted samples are named and their removal verified."""
+    steps, d = _spike_diagnosis(outlier_samples_task(), tmp_path, "precision=bf16")
+    assert steps == [20] and d["precision"] == "bf16" and d["reproduces"] is True, d["summary"]
+    assert d["fp32"]["spike"] is True and d["failure_class"] == "data" and d["bad_samples"] == [153, 157], d["summary"]
+    assert d["samples"]["without"]["ratio"] < 2.0
+
+
 def test_diagnose_and_remedy_on_a_spike_from_the_command_line(tmp_path, capsys):
     """The CLI on a spike's incident, as on a NaN's: diagnose prints its class and the verified samples, remedy the
     candidates that fit a data spike with skip-samples best."""
