@@ -159,3 +159,22 @@ def test_a_second_incident_after_a_skip_samples_remedy_is_captured_on_the_window
     for key in ("model", "optimizer", "schedule", "rng"):
         assert_same(bundle[key], pre.state[key], key)
     assert pre.state["stream"]["drop"] == [13] and trainer.stream.drop == {13, 28} and trainer.step == 12
+
+
+def test_the_live_remedy_searches_the_capture_s_bundle_and_diagnosis_in_memory(tmp_path, monkeypatch):
+    # The incident's files are its record, not the bus: a live search reads neither bundle.pt nor diagnosis.json back.
+    import stabletrain.remedy_search as remedy_search
+
+    def read_back(*args, **kwargs):
+        raise AssertionError("the live remedy search read the incident back from disk")
+
+    monkeypatch.setattr(remedy_search, "load_bundle", read_back)
+    monkeypatch.setattr(remedy_search, "diagnose_incident", read_back)
+    monkeypatch.setattr(remedy_search, "DIAGNOSIS_FILE", "not-read.json")
+    run_dir = tmp_path / "run"
+    train(run_dir, "remedy_tasks:sqrt_zero_task", "train.max_steps=8", "log.every=1", "ckpt.every=4",
+          "guard.on_nonfinite=remedy", "remedy.steps=4")
+    (event,) = [e for e in events(run_dir) if e["kind"] == "remedy"]
+    assert event["name"] == "skip-samples" and event["verdict"] == "cures"
+    incident = run_dir / "incidents" / f"step_{event['incident_step']:06d}"
+    assert {"bundle.pt", "diagnosis.json", "remedy.json"} <= {p.name for p in incident.iterdir()}

@@ -69,11 +69,15 @@ MAX_EXTENSIONS = 3
 
 
 class _Incident:
-    """What every candidate's replay starts from: the bundle, the config, the task, the run's history."""
+    """What every candidate's replay starts from: the bundle, the config, the task, the run's history.
 
-    def __init__(self, directory: Path, task: Task | None, device: str | None) -> None:
+    ``bundle``: the bundle already in memory (a live capture's); None: read from ``directory``.
+    """
+
+    def __init__(self, directory: Path, task: Task | None, device: str | None,
+                 bundle: dict[str, Any] | None = None) -> None:
         self.dir = directory
-        self.bundle = load_bundle(directory)
+        self.bundle = bundle if bundle is not None else load_bundle(directory)
         if int(self.bundle.get("world_size", 1)) > 1:
             raise ValueError(f"incident {str(directory)!r} comes from a run of {self.bundle['world_size']} processes; "
                              "stabletrain remedy replays one process's run only (the global window is not in the bundle)")
@@ -371,7 +375,8 @@ def _rank_key(r: dict[str, Any]) -> tuple:
 
 
 def search_remedies(directory: str | Path, task: Task | None = None, *, steps: int = 20, only: list[str] | None = None,
-                    device: str | None = None, live_only: bool = False, drop: set[int] | None = None) -> dict[str, Any]:
+                    device: str | None = None, live_only: bool = False, drop: set[int] | None = None,
+                    bundle: dict[str, Any] | None = None, diagnosis: dict[str, Any] | None = None) -> dict[str, Any]:
     """Replay ``directory``'s incident under each candidate that fits it and the skip-step baseline; write ``remedy.json``.
 
     ``steps``: K, the windows replayed after the incident's. ``only``: candidate names
@@ -379,7 +384,10 @@ def search_remedies(directory: str | Path, task: Task | None = None, *, steps: i
     built task (its model is deep-copied, never touched). ``live_only``: only the candidates a live run can
     apply without a code change or a restart (``guard.on_nonfinite=remedy``). ``drop``: the samples the run
     already never trains on (its stream's ``drop``; default: those of the skip-samples remedies its events.jsonl
-    records before the incident). Returns the record written.
+    records before the incident). ``bundle``, ``diagnosis``: the incident's bundle and its diagnosis already in
+    memory (a live capture's, as :func:`~stabletrain.incident_replay.diagnose_incident` takes the bundle): neither is
+    read back from ``directory``, whose files stay their record (default: ``bundle.pt``, and ``diagnosis.json`` or a
+    diagnosis made here when it has none). Returns the record written.
     """
     if steps < 0:
         raise ValueError(f"--steps: expected an integer >= 0, got {steps}")
@@ -388,12 +396,13 @@ def search_remedies(directory: str | Path, task: Task | None = None, *, steps: i
         raise ValueError(f"--only: unknown candidate {', '.join(unknown)}; the candidates are {', '.join(CANDIDATE_NAMES)}")
     start = time.perf_counter()
     directory = Path(directory)
-    inc = _Incident(directory, task, device)
+    inc = _Incident(directory, task, device, bundle)
     inc.drop = set(drop) if drop is not None else _dropped_before(inc.run_dir, inc.step)
-    diagnosis_path = directory / DIAGNOSIS_FILE
-    diagnosis = json.loads(diagnosis_path.read_text(encoding="utf-8")) if diagnosis_path.is_file() else {}
+    if diagnosis is None:
+        diagnosis_path = directory / DIAGNOSIS_FILE
+        diagnosis = json.loads(diagnosis_path.read_text(encoding="utf-8")) if diagnosis_path.is_file() else {}
     if "failure_class" not in diagnosis:
-        diagnosis = diagnose_incident(directory, inc.task, device=str(inc.device))
+        diagnosis = diagnose_incident(directory, inc.task, device=str(inc.device), bundle=inc.bundle)
     pool = candidates_for(diagnosis, inc.cfg.precision, inc.history, inc.rollback_steps)
     if only:
         missing = [n for n in only if n not in {c.name for c in pool}]

@@ -184,7 +184,9 @@ class IncidentCapture:
 
         Every rank calls it. Returns what it found, for the boundary and the ``on_incident`` callbacks:
         ``pinned`` (the step whose update broke the parameters, when the replay pinned one), ``ranks``,
-        ``path``, ``replayed_steps``, ``diagnosis`` or ``diagnosis_error`` ({} when nothing was captured).
+        ``path``, ``replayed_steps``, ``diagnosis`` or ``diagnosis_error`` ({} when nothing was captured); and, for a
+        live remedy's search, ``bundle`` and ``diagnosis_record``: the first bundle and its whole diagnosis as this
+        process holds them (what bundle.pt and diagnosis.json record; None where it holds no whole bundle or diagnosis).
         ``rows``: the interval's per-step rows (a host's skipped steps are not replayed).
         """
         src, found = self.source, {}
@@ -271,8 +273,11 @@ class IncidentCapture:
         if spike:
             fields["anomaly"] = "spike"
         label = "spike" if spike else "incident"
+        in_memory = None if is_dcp_entry(bundles[0].get("model")) else bundles[0]  # FSDP: read whole from its shards
+        diagnosis = None
         if src.diagnose:
-            fields.update(self._diagnose(fit, folder, bundles[0], step, seen[0], label))
+            event_fields, diagnosis = self._diagnose(fit, folder, bundles[0], in_memory, step, seen[0], label)
+            fields.update(event_fields)
         if "diagnosis" not in fields:  # every incident reaches the console in one line
             why_not = fields.get("diagnosis_error") or "not diagnosed: the diagnosis is off; stabletrain diagnose replays it"
             console.say(f"{label} at step {step} captured into {folder} ({why_not})")
@@ -280,6 +285,7 @@ class IncidentCapture:
         seen_note = f" (seen on rank(s) {ranks})" if fit.dist.enabled and ranks else ""
         what = f"the loss spike at step {step}" if spike else f"step {step}"
         fit.event(step, "incident", f"captured {what}{seen_note} into {folder}", **fields)
+        found.update(bundle=in_memory, diagnosis_record=diagnosis)  # not the event's: held in memory for a remedy
         return found
 
     def _replay(self, fit: RunState, step: int, start: tuple[dict[str, Any], int], info: dict[str, Any], rows: list[Any],
@@ -305,21 +311,21 @@ class IncidentCapture:
         self.replayed_steps, pinned = src.replay_to(fit, step, start[1], locate, rows, keep_previous=spike)
         return start, pinned
 
-    def _diagnose(self, fit: RunState, folder: Path, bundle: dict[str, Any], step: int, rank: int,
-                  label: str) -> dict[str, Any]:
-        """Diagnose the first bundle on this process, with the run's RNG streams kept; the event's fields."""
+    def _diagnose(self, fit: RunState, folder: Path, bundle: dict[str, Any], in_memory: dict[str, Any] | None, step: int,
+                  rank: int, label: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """Diagnose the first bundle on this process, with the run's RNG streams kept: (the event's fields, the whole
+        diagnosis or None). ``in_memory``: the bundle whole (None: read from ``folder``)."""
         # The diagnosis (and the task it replays: FSDP builds a model) seeds and draws: the run's own streams must not notice.
         with kept_rng():
             try:
                 task, context, extra = self.source.diagnosis(bundle)
-                in_memory = None if is_dcp_entry(bundle.get("model")) else bundle  # FSDP: read whole from its shards
                 with self._replaying(), context:  # the run's own history in memory: its newest rows may not be on disk yet
                     diagnosis = diagnose_incident(folder, task, device=str(fit.device), bundle=in_memory,
                                                   history=list(fit.history))
                 on_rank = f" (rank {rank})" if fit.dist.enabled else ""
                 console.say(f"{label} at step {step}{on_rank}: {diagnosis.get('summary')}")
                 return {"diagnosis": {**{k: diagnosis.get(k) for k in DIAGNOSIS_FIELDS},
-                                      **{k: diagnosis.get(k) for k in extra}}}
+                                      **{k: diagnosis.get(k) for k in extra}}}, diagnosis
             except Exception as err:  # a diagnosis that fails must not take the run down with it
                 text = str(err).strip()
-                return {"diagnosis_error": f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"}
+                return {"diagnosis_error": f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"}, None

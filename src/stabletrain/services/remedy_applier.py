@@ -96,8 +96,10 @@ class RemedyApplier:
         else:
             try:
                 with kept_rng():  # the replays seed and draw: the run's own streams must not notice
+                    # The capture's bundle and diagnosis as it holds them: its files are their record, not read back.
                     record = search_remedies(incident, state.task, steps=cfg.steps, device=str(state.device),
-                                             live_only=True, drop=self.state.stream.drop)
+                                             live_only=True, drop=self.state.stream.drop, bundle=found.get("bundle"),
+                                             diagnosis=found.get("diagnosis_record"))
             except Exception as err:  # a search that fails must not take the run down with it
                 why = f"the remedy search failed ({type(err).__name__}: {err})"
         params_bad = decision.params_bad_at is not None or decision.after_update
