@@ -10,8 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import PoisonAt, cfg, nan_sample_task, regression_task
 from multiproc import env as child_env
+from remedy_tasks import fp16_stall_task
 
 from stabletrain import Trainer
 from stabletrain.cli import main
@@ -365,6 +367,63 @@ def test_a_run_is_stalled_when_no_update_of_the_last_steps_moved_the_parameters(
     clone.load_state_dict(Guard(GuardConfig(on_stall="stop"), torch.device("cpu")).state_dict())
     clone.load_state_dict({**clone.state_dict(), "recent": [[False, float("inf"), 1.0]] * 19})
     assert clone.decide(_stall_rows([1], 0.0, start=20)).action == "stop"
+
+
+def test_a_collapsed_scale_with_tiny_applied_gradients_is_a_stall_and_a_healthy_one_is_not():
+    """Issue 33 item 4: the applied gradients of a collapsed GradScaler can underflow to a tiny remainder, not exactly 0
+    (an fp32 term of the loss): at a scale below 1, with most steps skipped and every applied grad norm at most 1e-3 x
+    the run's earlier ones, the run is stalled too. Not when the scale is healthy, nor when the gradients still count,
+    nor when fewer than half of the steps were skipped, nor with no earlier grad norm to compare with."""
+    nine_of_ten, healthy = [0] * 9 + [1], _stall_rows([1] * 10, 2.6, scale=128.0)  # steps 1-10 at scale 128
+
+    def decide(pattern, norm, scale, before=healthy):
+        g = Guard(GuardConfig(on_stall="stop"), torch.device("cpu"))
+        g.decide(before)
+        return g, g.decide(_stall_rows(pattern, norm, start=len(before) + 1, scale=scale))
+
+    _, d = decide(nine_of_ten * 2, 9.5e-6, 3.6e-12)
+    assert d.action == "stop" and d.reason == (
+        "the run is stalled at step 30: 18 of the last 20 steps were skipped and the 2 applied had gradient norms of at "
+        "most 9.5e-06, under 0.001 x the run's earlier 2.6 (they underflowed at the loss scale); the GradScaler's scale "
+        "is 3.6e-12: no update moved the parameters measurably (guard.stall_steps=20). Try precision=bf16 (no loss "
+        "scale), the overflowing module in fp32 (stabletrain remedy names it), or guard.on_nonfinite=remedy; "
+        "guard.on_stall=warn trains on")
+    for pattern, norm, scale, before in (
+            (nine_of_ten * 2, 9.5e-6, 2.0**14, healthy),   # a healthy scale: small gradients are the run's own
+            (nine_of_ten * 2, 9.5e-6, 1.0, healthy),       # fp32 (scale 1): the rule is fp16's
+            (nine_of_ten * 2, 0.01, 3.6e-12, healthy),     # 0.4% of the earlier norms: the updates still count
+            ([0, 1] * 10, 9.5e-6, 3.6e-12, healthy),       # half the steps applied: not "most steps skipped"
+            (nine_of_ten * 2, 9.5e-6, 3.6e-12, [])):       # no earlier grad norm to compare with
+        _, d = decide(pattern, norm, scale, before)
+        assert d.action == "continue" and d.stall is None, (pattern, norm, scale, d.reason)
+    g, _ = decide(nine_of_ten, 9.5e-6, 3.6e-12)  # the earlier norms travel in checkpoints
+    clone = Guard(GuardConfig(on_stall="stop"), torch.device("cpu"))
+    clone.load_state_dict(g.state_dict())
+    assert clone.state_dict()["norm_reference"] == [2.6] * 10
+    assert clone.decide(_stall_rows(nine_of_ten, 9.5e-6, start=21, scale=3.6e-12)).action == "stop"
+
+
+def _tiny_remainder_loss(model, batch):
+    x, y = batch
+    # A small fp32 penalty: its gradient is all that survives the fp16 path's underflow at a collapsed scale.
+    return F.mse_loss(model(x).float(), y) + 1e-4 * model.layers[1].bias.float().square().sum()
+
+
+@pytest.mark.slow
+def test_an_fp16_run_whose_applied_gradients_underflowed_to_a_tiny_remainder_stops(tmp_path):
+    """fp16_stall_task with a small fp32 term in its loss: at the collapsed scale the applied steps' grad norms are
+    ~1e-5, not 0 (the old rule, "every applied gradient exactly 0", missed it and the run trained 100 steps)."""
+    task = fp16_stall_task()
+    task.loss = _tiny_remainder_loss
+    c = cfg("precision=fp16", "train.batch_size=8", "train.max_steps=100", "log.every=10", "data.shuffle=false",
+            "capture.incidents=false")
+    with pytest.warns(UserWarning, match="precision=fp16 on CPU"):
+        Trainer(c, task=task, run_dir=tmp_path / "run").fit()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 60 and 0 < rows[-1]["grad_norm"] < 1e-4 and rows[0]["grad_norm"] > 1  # tiny, not 0
+    stop = next(e for e in _events(tmp_path / "run") if e["kind"] == "stop")
+    assert stop["step"] == 60 and "the run is stalled at step 60: 18 of the last 20 steps were skipped and the 2 " \
+        "applied had gradient norms of at most 9.5e-06, under 0.001 x the run's earlier 2.6" in stop["reason"]
 
 
 @pytest.mark.slow

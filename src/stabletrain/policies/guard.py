@@ -48,7 +48,7 @@ from torch import Tensor
 from ..config import GuardConfig
 from ..numerics import both_finite
 
-__all__ = ["Guard", "GuardDecision", "inputs_finite", "UNRECOVERABLE_SCALE", "EARLY_ARM", "spike_test"]
+__all__ = ["Guard", "GuardDecision", "inputs_finite", "UNRECOVERABLE_SCALE", "EARLY_ARM", "spike_test", "NEGLIGIBLE_GRAD"]
 
 #: The spike rule is armed once the window holds this many losses (with a stricter test until it is half full).
 EARLY_ARM = 4
@@ -56,6 +56,12 @@ EARLY_ARM = 4
 #: fp16: an overflow after which the GradScaler's scale is below this is an incident, not the routine skip: the
 #: gradients do not fit float16 even unscaled (or are NaN whatever the scale), and backing off cannot fix that.
 UNRECOVERABLE_SCALE = 1.0
+
+#: fp16 stall: at a collapsed loss scale (below :data:`UNRECOVERABLE_SCALE`), applied gradients whose norms are all at
+#: most this share of the run's earlier grad norms (the median of its last :data:`REFERENCE_KEPT` applied steps at a
+#: scale of at least 1) underflowed: the updates are negligible, the run does not learn (:meth:`Guard.stalled`).
+NEGLIGIBLE_GRAD = 1e-3
+REFERENCE_KEPT = 64
 
 #: The flagged steps (spikes, non-finite steps) the guard remembers: a spike's capture takes no ordinary window among them.
 UNORDINARY_KEPT = 64
@@ -174,6 +180,8 @@ class Guard:
         # The last guard.stall_steps steps as (applied, grad norm, loss scale): a run that goes on without learning.
         self._recent: deque[tuple[bool, float, float]] = deque(maxlen=cfg.stall_steps)
         self.stall_warned = False
+        # The grad norms of the last applied steps before any collapse of the loss scale: what "negligible" is against.
+        self._norm_reference: deque[float] = deque(maxlen=REFERENCE_KEPT)
         self.unordinary: deque[int] = deque(maxlen=UNORDINARY_KEPT)  # the last steps flagged (spikes, bad steps)
 
     @property
@@ -280,27 +288,48 @@ class Guard:
     def stalled(self, step: int) -> str | None:
         """Why the run stopped learning over its last ``guard.stall_steps`` steps, or None (host values; no sync).
 
-        Stalled: no update of those steps moved the parameters: each was skipped or applied with a zero
-        gradient. Under fp16 a GradScaler that cannot recover does that (most steps overflow and back off the
-        scale; at the scale left the few applied gradients underflow to 0) without ever making
-        ``guard.max_consecutive_skips`` skips in a row: the run would end "successfully" without learning. An
-        early back-off while the scale calibrates is not a stall (its applied steps move the parameters).
+        Stalled: no update of those steps moved the parameters (some were applied: none is
+        ``guard.max_consecutive_skips``' case), either
+
+        - each was skipped or applied with a zero gradient, or
+        - under fp16, the GradScaler's scale is below :data:`UNRECOVERABLE_SCALE`, more than half of the steps were
+          skipped and every applied one had a grad norm of at most :data:`NEGLIGIBLE_GRAD` x the run's earlier
+          ones (the median of the last applied steps at a scale of at least 1; none seen: this test is not made).
+
+        A GradScaler that cannot recover does that (most steps overflow and back off the scale; at the scale left
+        the few applied gradients underflow to 0, or to a tiny remainder, e.g. of an fp32 term of the loss) without
+        ever making ``guard.max_consecutive_skips`` skips in a row: the run would end "successfully" without
+        learning. An early back-off while the scale calibrates is not a stall: the scale stays above 1 and its
+        applied steps move the parameters; a healthy fp16 run's scale does not fall below 1.
         """
         recent = self._recent
         if len(recent) < recent.maxlen:
             return None
         applied = [r for r in recent if r[0]]
-        if not applied or any(r[1] != 0.0 for r in applied):  # none applied: guard.max_consecutive_skips' case
+        if not applied:  # none applied: guard.max_consecutive_skips' case
             return None
         skipped, n, scale = len(recent) - len(applied), len(recent), recent[-1][2]
-        what = f"{skipped} of the last {n} steps were skipped and the {len(applied)} applied had a zero gradient"
+        norms = [r[1] for r in applied]
+        largest = max(norms) if all(math.isfinite(x) for x in norms) else math.nan
+        reference = float(np.median(self._norm_reference)) if self._norm_reference else math.nan
+        moved = "no update moved the parameters"
+        if largest == 0.0:
+            what = f"{skipped} of the last {n} steps were skipped and the {len(applied)} applied had a zero gradient"
+        elif (scale < UNRECOVERABLE_SCALE and skipped > n / 2 and reference > 0
+              and largest <= NEGLIGIBLE_GRAD * reference):  # (a NaN largest or reference fails this)
+            what = (f"{skipped} of the last {n} steps were skipped and the {len(applied)} applied had gradient norms of "
+                    f"at most {largest:.2g}, under {NEGLIGIBLE_GRAD:g} x the run's earlier {reference:.2g} (they "
+                    "underflowed at the loss scale)")
+            moved = "no update moved the parameters measurably"
+        else:
+            return None
         if scale != 1.0:
             what += f"; the GradScaler's scale is {scale:.2g}"
             advice = ("precision=bf16 (no loss scale), the overflowing module in fp32 (stabletrain remedy names it), "
                       "or guard.on_nonfinite=remedy")
         else:
             advice = "a look at the skip events and the loss (is it constant?), or guard.on_nonfinite=remedy"
-        return (f"the run is stalled at step {step}: {what}: no update moved the parameters (guard.stall_steps={n}). "
+        return (f"the run is stalled at step {step}: {what}: {moved} (guard.stall_steps={n}). "
                 f"Try {advice}; guard.on_stall=warn trains on")
 
     def _device_starts_from_here(self) -> None:
@@ -377,7 +406,10 @@ class Guard:
             if self.consecutive_skips >= self.cfg.max_consecutive_skips and d.action == "continue":
                 d.action, d.reason = "stop", (f"{self.consecutive_skips} consecutive skipped steps (guard.max_consecutive_skips="
                                               f"{self.cfg.max_consecutive_skips}) at step {row.step}: the run is not recovering")
-            self._recent.append((v["applied"] >= 0.5, float(v.get("grad_norm", math.nan)), float(v.get("loss_scale", 1.0))))
+            applied, norm, scale = v["applied"] >= 0.5, float(v.get("grad_norm", math.nan)), float(v.get("loss_scale", 1.0))
+            self._recent.append((applied, norm, scale))
+            if applied and scale >= UNRECOVERABLE_SCALE and math.isfinite(norm) and norm > 0:
+                self._norm_reference.append(norm)
         if d.locate is not None and d.first_incident < d.locate[0]:
             d.locate = None  # an earlier loss incident comes first; the broken update is a later one
         self.unordinary.extend(sorted({*d.spike_steps, *d.bad_steps}))
@@ -425,7 +457,8 @@ class Guard:
         return {"window": self.window.clone(), "num_seen": self.num_seen.clone(), "consecutive_skips": self.consecutive_skips,
                 "num_rollbacks": self.num_rollbacks, "num_incidents": self.num_incidents, "num_spikes": self.num_spikes,
                 "num_spike_captures": self.num_spike_captures, "recent": [list(r) for r in self._recent],
-                "stall_warned": self.stall_warned, "unordinary": list(self.unordinary)}
+                "stall_warned": self.stall_warned, "unordinary": list(self.unordinary),
+                "norm_reference": list(self._norm_reference)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.window.copy_(state["window"])
@@ -440,6 +473,8 @@ class Guard:
         self._recent.clear()
         self._recent.extend((bool(a), float(g), float(sc)) for a, g, sc in state.get("recent", []))
         self.stall_warned = bool(state.get("stall_warned", False))
+        self._norm_reference.clear()
+        self._norm_reference.extend(float(x) for x in state.get("norm_reference", []))  # (older checkpoints: none)
         self._device_starts_from_here()
         self.unordinary.clear()
         self.unordinary.extend(int(s) for s in state.get("unordinary", []))
