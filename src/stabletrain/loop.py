@@ -108,7 +108,8 @@ class Trainer:
         if run_dir == DEFAULT_RUN_DIR:
             run_dir = default_run_dir(cfg, task.name)
         if run_dir is not None:
-            open_run(self, Path(dist.on_main(lambda: str(run_dir))), resume)  # every rank: rank 0's directory
+            open_run(state, self.keeper, self.recorder, Path(dist.on_main(lambda: str(run_dir))),  # every rank: rank
+                     resume)  # 0's directory
         elif resume:
             raise ValueError("resume needs a run directory (--resume RUN_DIR)")
 

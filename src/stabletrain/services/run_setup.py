@@ -18,35 +18,36 @@ __all__ = ["open_run", "default_run_dir", "DEFAULT_RUN_DIR"]
 DEFAULT_RUN_DIR = "<default run dir>"
 
 
-def open_run(trainer: Any, run_dir: Path, resume: bool) -> None:
-    """Open ``run_dir`` for ``trainer`` (every rank calls it; rank 0 writes).
+def open_run(state: Any, keeper: Any, recorder: Any, run_dir: Path, resume: bool) -> None:
+    """Open ``run_dir`` for the run whose :class:`~stabletrain.runstate.RunState` is ``state`` (every rank calls it;
+    rank 0 writes); ``keeper`` and ``recorder``: its checkpoint and incident services.
 
     Refuses a run directory an earlier launch still runs on; restores the checkpoint to resume from
     (the keeper: :meth:`~stabletrain.services.checkpoints.CheckpointKeeper.resume`); writes the resolved
     config, and the snapshot of a new run or the resume's events and lines; records this launch's processes;
     adds the :class:`~stabletrain.callbacks.goodput_clock.GoodputClock` that writes this launch's goodput ledger.
     """
-    state, dist, cfg = trainer.state, trainer.dist, trainer.cfg
+    dist, cfg = state.dist, state.cfg
     launch = dist.gather_objects(this_process())  # recorded in the run dir while this launch runs
     dist.on_main(lambda: refuse_if_running(run_dir, exclude=launch))  # never two launches on one run
     state.ckpt = CheckpointManager(run_dir / "checkpoints", keep=cfg.ckpt.keep)
     if resume:
-        trainer.keeper.resume(run_dir)
+        keeper.resume(run_dir)
 
     def write() -> None:
         run = state.run = RunDir(run_dir, resume=resume, overwrite=cfg.run.overwrite)
         run.write_config(cfg)
         if resume:
-            trainer.keeper.announce_resume()
+            keeper.announce_resume()
             return
-        task = trainer.task
+        task = state.task
         extra: dict[str, Any] = {"task_info": task.info, "task_name": task.name, "count_unit": task.count_unit,
-                                 "optimizer": type(trainer.optimizer).__name__,
+                                 "optimizer": type(state.optimizer).__name__,
                                  **({"world_size": dist.world} if dist.enabled else {})}
-        run.write_snapshot(build_snapshot(cfg, trainer.device, trainer.precision.mode, task.data_fingerprint, extra))
+        run.write_snapshot(build_snapshot(cfg, state.device, state.precision, task.data_fingerprint, extra))
 
     dist.on_main(write)
     if state.run is not None:
         state.run.record_launch(launch)
-    trainer.callbacks.append(GoodputClock(run_dir / LEDGER_FILE, launch_record(run_dir if state.run is not None else None)))
-    trainer.recorder.plan_snapshot()  # capture.memory_snapshot=auto: decided once, here (a broadcast)
+    state.callbacks.append(GoodputClock(run_dir / LEDGER_FILE, launch_record(run_dir if state.run is not None else None)))
+    recorder.plan_snapshot()  # capture.memory_snapshot=auto: decided once, here (a broadcast)
