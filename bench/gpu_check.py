@@ -55,7 +55,7 @@ from typing import Any
 import torch
 
 from stabletrain import Trainer, load_config, resolve_task
-from stabletrain.callbacks import Callback, FitState
+from stabletrain.callbacks import Callback, RunState
 
 STEPS = 200
 CPU_SMOKE = os.environ.get("GPU_CHECK_CPU_SMOKE") == "1"  # --cpu-smoke (inherited by the ddp workers)
@@ -106,22 +106,22 @@ class SyncGuard(Callback):
         self.armed = armed
 
     @staticmethod
-    def _boundary(state: FitState) -> bool:
+    def _boundary(state: RunState) -> bool:
         cfg, step = state.cfg, state.step
         return (step >= cfg.train.max_steps or step % cfg.log.every == 0 or bool(cfg.eval.every and step % cfg.eval.every == 0)
                 or bool(cfg.ckpt.every and step % cfg.ckpt.every == 0))
 
-    def on_fit_start(self, state: FitState) -> None:
+    def on_fit_start(self, state: RunState) -> None:
         self.fitting = True  # the step-0 checkpoint follows; armed at the first on_step_end
 
-    def on_step_end(self, state: FitState, out: dict[str, Any]) -> None:
+    def on_step_end(self, state: RunState, out: dict[str, Any]) -> None:
         self.armed_steps += self.armed
         if self._boundary(state):
             self._set(False)
         elif not self.armed:
             self._set(True)
 
-    def on_fit_end(self, state: FitState, record: dict[str, Any]) -> None:
+    def on_fit_end(self, state: RunState, record: dict[str, Any]) -> None:
         self.fitting = False
         self._set(False)
 

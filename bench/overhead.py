@@ -67,7 +67,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from stabletrain import Trainer, load_config, resolve_task
-from stabletrain.callbacks import Callback, FitState
+from stabletrain.callbacks import Callback, RunState
 from stabletrain.data import move_to
 from stabletrain.numerics import all_params_finite, grad_norms
 from stabletrain.policies.accumulation import as_sum_count
@@ -193,10 +193,10 @@ class Lockstep(Callback):
         self.excluded = 0.0
         self.mark = 0.0
 
-    def on_fit_start(self, state: FitState) -> None:
+    def on_fit_start(self, state: RunState) -> None:
         self.mark = time.perf_counter()
 
-    def on_step_end(self, state: FitState, out: dict[str, Any]) -> None:
+    def on_step_end(self, state: RunState, out: dict[str, Any]) -> None:
         self.entries.append(time.perf_counter() - self.excluded)
         for name, loop in self.bare.items():
             t0 = time.perf_counter()
@@ -206,10 +206,10 @@ class Lockstep(Callback):
             self.bare_s[name].append(dt)
             self.excluded += dt
 
-    def on_log(self, state: FitState, record: dict[str, Any], rows: list[Any]) -> None:
+    def on_log(self, state: RunState, record: dict[str, Any], rows: list[Any]) -> None:
         self.mark = time.perf_counter()
 
-    def on_checkpoint(self, state: FitState, info: dict[str, Any]) -> None:
+    def on_checkpoint(self, state: RunState, info: dict[str, Any]) -> None:
         dt = time.perf_counter() - self.mark
         self.ckpt_s.append(dt)
         self.excluded += dt  # periodic checkpoints are shown amortized on their own line
@@ -511,7 +511,7 @@ class _Profile(Callback):
     def __init__(self, prof: cProfile.Profile, warmup: int, steps: int) -> None:
         self.prof, self.warmup, self.steps = prof, warmup, steps
 
-    def on_step_end(self, state: FitState, out: dict[str, Any]) -> None:
+    def on_step_end(self, state: RunState, out: dict[str, Any]) -> None:
         if state.step == self.warmup:
             self.prof.enable()
         elif state.step == self.warmup + self.steps:

@@ -47,7 +47,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from stabletrain import Task, Trainer, load_config, resolve_task
-from stabletrain.callbacks import Callback, FitState
+from stabletrain.callbacks import Callback, RunState
 
 FAST = ["log.progress=false", "log.tensorboard=false", "eval.every=0", "ckpt.every=0", "capture.incidents=false"]
 QUICK_GPT = ["task_args.n_layer=2", "task_args.n_embd=64", "task_args.seq_len=64", "task_args.max_bytes=300000"]
@@ -56,7 +56,7 @@ QUICK_GPT = ["task_args.n_layer=2", "task_args.n_embd=64", "task_args.seq_len=64
 class StopAtFirstBad(Callback):
     """Stop the run at the first log boundary whose interval holds a spike or a non-finite step."""
 
-    def on_log(self, state: FitState, record: dict[str, Any], rows: list[Any]) -> None:
+    def on_log(self, state: RunState, record: dict[str, Any], rows: list[Any]) -> None:
         if any(r.values["spike"] > 0.5 or r.values["finite"] < 0.5 for r in rows):
             state.stop_reason = "bench: the first spike or non-finite step"
 

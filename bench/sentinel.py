@@ -61,7 +61,7 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from stabletrain import Trainer, load_config, resolve_task
-from stabletrain.callbacks import Callback, FitState
+from stabletrain.callbacks import Callback, RunState
 from stabletrain.data import EpochOrder
 from stabletrain.incident_replay import diagnose_incident
 
@@ -163,11 +163,11 @@ class SentinelToggle(Callback):
         t.step_fn.check_params = on  # the step's post-update parameter check (guard.check_params at build time)
         t.cfg.capture.incidents = on  # read at each boundary (and the interval's host snapshot with it)
 
-    def on_fit_start(self, state: FitState) -> None:
+    def on_fit_start(self, state: RunState) -> None:
         self.set_mode(True)
         self.last = self.mark = time.perf_counter()
 
-    def on_log(self, state: FitState, record: dict[str, Any], rows: list[Any]) -> None:
+    def on_log(self, state: RunState, record: dict[str, Any], rows: list[Any]) -> None:
         self.mark = time.perf_counter()
         now = self.mark - self.excluded
         if state.step > self.warmup:
@@ -176,7 +176,7 @@ class SentinelToggle(Callback):
         self.last = now
         self.set_mode(self.on_for(self.k))
 
-    def on_checkpoint(self, state: FitState, info: dict[str, Any]) -> None:
+    def on_checkpoint(self, state: RunState, info: dict[str, Any]) -> None:
         self.excluded += time.perf_counter() - self.mark
 
 
@@ -251,13 +251,13 @@ class IncidentClock(Callback):
         self.infos: list[dict[str, Any]] = []
         self.mark = 0.0
 
-    def on_step_end(self, state: FitState, out: dict[str, Any]) -> None:
+    def on_step_end(self, state: RunState, out: dict[str, Any]) -> None:
         self.stamps.append(time.perf_counter())
 
-    def on_log(self, state: FitState, record: dict[str, Any], rows: list[Any]) -> None:
+    def on_log(self, state: RunState, record: dict[str, Any], rows: list[Any]) -> None:
         self.mark = time.perf_counter()
 
-    def on_incident(self, state: FitState, info: dict[str, Any]) -> None:
+    def on_incident(self, state: RunState, info: dict[str, Any]) -> None:
         self.capture_s.append(time.perf_counter() - self.mark)
         self.infos.append(dict(info))
 

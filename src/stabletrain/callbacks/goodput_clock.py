@@ -28,7 +28,7 @@ from typing import Any
 
 from ..distributed.launch import LAUNCH_START_ENV, RESTART_ENV, process_start_time
 from ..records.jsonl import JsonlWriter, read_jsonl
-from . import Callback, FitState
+from . import Callback, RunState
 
 __all__ = ["GoodputClock", "LEDGER_FILE", "launch_record"]
 
@@ -71,7 +71,7 @@ class GoodputClock(Callback):
         if self._file is not None:
             self._file.write({"kind": kind, **{k: round(v, 4) if isinstance(v, float) else v for k, v in fields.items()}})
 
-    def on_fit_start(self, state: FitState) -> None:
+    def on_fit_start(self, state: RunState) -> None:
         if state.run is None:
             return
         self._file = JsonlWriter(self.path)
@@ -81,7 +81,7 @@ class GoodputClock(Callback):
         self._write("launch", start=start if start is not None else self._t, ready=self._t, step=state.step,
                     run_id=self.launch.get("run_id"), world_size=state.dist.world)
 
-    def on_log(self, state: FitState, record: dict[str, Any], rows: list[Any]) -> None:
+    def on_log(self, state: RunState, record: dict[str, Any], rows: list[Any]) -> None:
         if self._file is None:
             return
         now = time.time()
@@ -102,15 +102,15 @@ class GoodputClock(Callback):
         checkpoint = min(self._checkpoint_s, wall)
         return checkpoint, min(self._incident_s, max(0.0, wall - checkpoint))
 
-    def on_incident(self, state: FitState, info: dict[str, Any]) -> None:
+    def on_incident(self, state: RunState, info: dict[str, Any]) -> None:
         self._incident_at = time.time()
         self._incident_s += max(0.0, self._incident_at - self._t)  # the capture and diagnosis ran since on_log
 
-    def on_checkpoint(self, state: FitState, info: dict[str, Any]) -> None:
+    def on_checkpoint(self, state: RunState, info: dict[str, Any]) -> None:
         fields = info.get("fields") or {}  # the save itself, and a wait for the one before it
         self._checkpoint_s += float(fields.get("blocked_s") or 0.0) + float(fields.get("waited_s") or 0.0)
 
-    def on_rollback(self, state: FitState, info: dict[str, Any]) -> None:
+    def on_rollback(self, state: RunState, info: dict[str, Any]) -> None:
         now = time.time()
         if self._incident_at is not None:  # the rollback follows the incident at once: its remedy search, its load
             self._incident_s += max(0.0, now - self._incident_at)
@@ -118,7 +118,7 @@ class GoodputClock(Callback):
         self._write("rollback", t=now, **{"from": info.get("from_step"), "to": info.get("to_step")})
         self._step = state.step
 
-    def on_fit_end(self, state: FitState, record: dict[str, Any]) -> None:
+    def on_fit_end(self, state: RunState, record: dict[str, Any]) -> None:
         if self._file is None:
             return
         now = time.time()
