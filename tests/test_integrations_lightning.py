@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pytest
 import torch
@@ -117,7 +118,7 @@ def test_no_host_sync_between_log_boundaries(tmp_path):
     assert sum(1 for s, _ in counter.calls if s == 10) == 1
 
 
-def test_planted_nan_is_skipped_captured_and_traced(tmp_path):
+def test_planted_nan_is_skipped_captured_and_traced(tmp_path, capfd):
     bad_step = 3
     cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=5)
     module = LitNet()
@@ -131,6 +132,10 @@ def test_planted_nan_is_skipped_captured_and_traced(tmp_path):
     assert (d["stage"], d["op"], d["direction"], d["module"]) == ("activations", "aten.sqrt.default", "forward",
                                                                   "net.root")
     assert d["bad_positions"] == [{"micro_batch": 0, "position": BAD_POSITION}] and d["reproduces"] is True
+    lines = console_incident_lines(capfd)  # the host's console: exactly one line, as the built-in loop's
+    assert len(lines) == 1 and lines[0].startswith(
+        f"stabletrain: incident at step {bad_step}: op: first non-finite value (activations): aten.sqrt.default in "
+        "forward of module "), lines
     # `stabletrain diagnose` in a fresh state: the LightningModule is rebuilt from its class and hparams.
     fresh = diagnose_incident(tmp_path / "run" / "incidents" / f"step_{bad_step:06d}")
     assert (fresh["module"], fresh["bad_samples"], fresh["first_nonfinite_param"]) == ("net.root", [BAD_POSITION],
@@ -139,7 +144,7 @@ def test_planted_nan_is_skipped_captured_and_traced(tmp_path):
 
 
 @pytest.mark.parametrize("on_spike", ["warn", "skip"])
-def test_a_loss_spike_is_captured_and_its_samples_named_and_verified(tmp_path, on_spike):
+def test_a_loss_spike_is_captured_and_its_samples_named_and_verified(tmp_path, on_spike, capfd):
     """Samples at positions 1 and 5 of step 15 (mid-interval) carry targets x40 off: the spike is captured from the
     interval's start, diagnosed as data with those positions named and their removal verified (the step without them
     normal by the guard's rule), as in the built-in loop; under on_spike=skip the step is skipped on the device."""
@@ -163,6 +168,8 @@ def test_a_loss_spike_is_captured_and_its_samples_named_and_verified(tmp_path, o
     assert full["reproduces"] is True and full["samples"]["without"]["ratio"] < 2.0, full["summary"]
     assert run.metrics[1]["num_skipped"] == (1 if on_spike == "skip" else 0)
     assert [e.step for e in run.counted_events("spike")] == [step]
+    lines = console_incident_lines(capfd)  # the host's console: exactly one line, as the built-in loop's
+    assert len(lines) == 1 and lines[0].startswith(f"stabletrain: spike at step {step}: data: samples 1, 5 carry "), lines
 
 
 class NoLogNet(LitNet):
@@ -291,3 +298,9 @@ def test_unsupported_setups_get_one_line_saying_what_works(tmp_path, setup):
     with pytest.raises(ValueError, match=message) as err:
         fit(Manual(), StableTrainCallback(run_dir=tmp_path / "run"), 2)
     assert "\n" not in str(err.value) and "stabletrain.Monitor" in str(err.value)
+
+
+def console_incident_lines(capfd) -> list[str]:
+    """The lines on the console (stdout and stderr, at the file descriptors) that announce an incident or a spike."""
+    out, err = capfd.readouterr()
+    return [x for x in (out + err).splitlines() if re.match(r"stabletrain: (incident|spike) at step \d+: ", x)]

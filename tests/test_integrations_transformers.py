@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -113,7 +114,7 @@ def test_no_host_sync_between_log_boundaries(tmp_path):
     assert sum(1 for s, _ in counter.calls if s == 8) == 1
 
 
-def test_planted_nan_is_skipped_captured_and_traced(tmp_path):
+def test_planted_nan_is_skipped_captured_and_traced(tmp_path, capfd):
     bad_sample = 2 * BATCH + 1  # step 3, position 1 (sequential sampling)
     cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=5)
     model = trap_gpt2()
@@ -127,6 +128,10 @@ def test_planted_nan_is_skipped_captured_and_traced(tmp_path):
     assert (d["stage"], d["op"], d["direction"], d["module"]) == ("activations", "aten.sqrt.default", "forward",
                                                                   "transformer.wte")
     assert d["bad_positions"] == [{"micro_batch": 0, "position": 1}] and d["reproduces"] is True
+    lines = console_incident_lines(capfd)  # the host's console: exactly one line, as the built-in loop's
+    assert len(lines) == 1 and lines[0].startswith(
+        "stabletrain: incident at step 3: op: first non-finite value (activations): aten.sqrt.default in "
+        "forward of module "), lines
     folder = tmp_path / "run" / "incidents" / "step_000003"
     batch = load_bundle(folder)["config"]["task_args"]["batches"][0]
     assert (batch["input_ids"] == TRAP_TOKEN).any(1).tolist() == [False, True, False, False]
@@ -150,7 +155,7 @@ class Regressor(torch.nn.Module):
 
 
 @pytest.mark.parametrize("on_spike", ["warn", "skip"])
-def test_a_loss_spike_is_captured_and_its_samples_named_and_verified(tmp_path, on_spike):
+def test_a_loss_spike_is_captured_and_its_samples_named_and_verified(tmp_path, on_spike, capfd):
     """Samples at positions 1 and 2 of step 15 (mid-interval) carry targets x40 off: captured from the interval's
     start, diagnosed as data with those positions named and their removal verified, as in the built-in loop."""
     n, step = 30, 15
@@ -168,6 +173,8 @@ def test_a_loss_spike_is_captured_and_its_samples_named_and_verified(tmp_path, o
     assert d["reproduces"] is True and d["samples"]["without"]["ratio"] < 2.0, d["summary"]
     assert run.metrics[1]["num_skipped"] == (1 if on_spike == "skip" else 0)
     assert [e.step for e in run.counted_events("spike")] == [step]
+    lines = console_incident_lines(capfd)  # the host's console: exactly one line, as the built-in loop's
+    assert len(lines) == 1 and lines[0].startswith(f"stabletrain: spike at step {step}: data: samples 1, 2 carry "), lines
 
 
 def test_a_model_the_trainer_compiles_is_recorded_compiled_and_diagnosed_eagerly(tmp_path):
@@ -248,3 +255,9 @@ def test_the_record_says_the_precision_that_ran_fp16_asked_on_a_cpu_runs_fp32(tm
         trainer.train()
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["precision"] == "fp32"
     assert json.loads((tmp_path / "run" / "snapshot.json").read_text())["precision"] == "fp32"
+
+
+def console_incident_lines(capfd) -> list[str]:
+    """The lines on the console (stdout and stderr, at the file descriptors) that announce an incident or a spike."""
+    out, err = capfd.readouterr()
+    return [x for x in (out + err).splitlines() if re.match(r"stabletrain: (incident|spike) at step \d+: ", x)]
