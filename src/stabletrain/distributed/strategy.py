@@ -8,6 +8,7 @@ config and the process group (:func:`strategy_for`)::
     optimizer = strategy.optimizer(parts.named_params, task)
     model_state, optim_state = strategy.state(module, optimizer, named_params, local=..., dcp=...)
     strategy.load_state(module, optimizer, named_params, model_state, optim_state)
+    save = strategy.save_checkpoint(state_dict, ckpt, step)   # a checkpoint in its format (the keeper writes it)
 
 ============  ===============================================================================================
 single        the model as it is; state dicts as torch makes them (``train.compile``: every strategy's step calls
@@ -21,13 +22,16 @@ fsdp          FSDP2 ``fully_shard`` per block and at the root (:mod:`~stabletrai
               (``dcp``) for a sharded checkpoint
 ============  ===============================================================================================
 
-A sharded (DCP) checkpoint loads under any strategy and world size; a full one too (FSDP: rank 0's full
-state is broadcast and each rank keeps its shards).
+A checkpoint is one whole state that rank 0 writes (under DDP with every rank's RNG state and data position),
+except FSDP's under ``dist.checkpoint=sharded``: every rank writes its own shards through DCP and rank 0 the
+rest (:meth:`Strategy.save_checkpoint`). A sharded (DCP) checkpoint loads under any strategy and world size
+(:meth:`Strategy.load_state`); a full one too (FSDP: rank 0's full state is broadcast and each rank keeps its shards).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -44,7 +48,7 @@ from ..policies.precision import PrecisionPolicy
 from ..records.staging import StateStager, fill_withheld, split_params, state_bytes
 from ..seeding import seed_everything
 
-__all__ = ["Strategy", "DDPStrategy", "FSDPStrategy", "Parts", "strategy_for"]
+__all__ = ["Strategy", "DDPStrategy", "FSDPStrategy", "Parts", "CheckpointSave", "strategy_for"]
 
 
 @dataclass
@@ -57,6 +61,22 @@ class Parts:
     window: AccumulationWindow
     carrier: Any = None  # DDP, FSDP: the WindowCarrier (stabletrain.distributed.carrier)
     numerics: Any = None  # FSDP: ShardedNumerics (norms and checks over DTensor shards)
+
+
+@dataclass
+class CheckpointSave:
+    """One checkpoint as a strategy makes it (:meth:`Strategy.save_checkpoint`), for the keeper to write."""
+
+    whole: dict[str, Any]  # what rank 0 writes as the checkpoint's state (DCP: markers for the model and optimizer)
+    meta: dict[str, Any] = field(default_factory=dict)  # meta.json's keys from the strategy (world_size)
+    shards: Any = None  # this rank's part written in the background (DCP's ShardedSave), passed to save_async
+    withheld: str | None = None  # why nothing is written (the same on every rank), else None
+    fields: dict[str, Any] = field(default_factory=dict)  # the withheld event's fields
+
+    @property
+    def inline_ok(self) -> bool:
+        """Whether the keeper may write it in the loop's thread (a part written in the background needs the writer)."""
+        return self.shards is None
 
 
 class Strategy:
@@ -142,12 +162,22 @@ class Strategy:
             event.synchronize()
         return staged
 
-    def shard_saver(self) -> Any:
-        """The checkpoint's writer of this rank's own shards (DCP), or None when a checkpoint is one whole state.
+    # -- checkpoints (stabletrain.services.checkpoints) ------------------------------------------------------------
 
-        Called at the first save, which every rank reaches together (it may make a process group).
+    def save_checkpoint(self, state_dict: Any, ckpt: Any, step: int) -> CheckpointSave:
+        """The checkpoint of the run's state at ``step`` in this strategy's format; every rank calls it.
+
+        One whole state in the one-process format (``state_dict()``: the run's), which rank 0 writes; under DDP
+        with every rank's RNG state and data position (one gather). ``ckpt``: the run's CheckpointManager.
         """
-        return None
+        whole, meta = state_dict(), {}
+        if self.dist.enabled:
+            whole["ranks"] = self.dist.gather_objects({"rng": whole["rng"], "stream": whole["stream"]})
+            whole["world_size"] = meta["world_size"] = self.dist.world
+        return CheckpointSave(whole, meta)
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait for this rank's own part of the checkpoint save in flight, if any (none here). Raises nothing."""
 
     def one_process_model(self, model_state: Any) -> Any:
         """A snapshot's model state in the one-process format (None where it holds only this rank's shards)."""
@@ -284,6 +314,7 @@ class FSDPStrategy(Strategy):
 
     name = "fsdp"
     sharded = True
+    _saver: Any = None  # dist.checkpoint=sharded: DCP's ShardedSaver, made at the first save
 
     def _wrap(self, module: nn.Module, task: Any, fingerprint: Any) -> tuple[Parts, Any]:
         from .carrier import WindowCarrier
@@ -329,12 +360,43 @@ class FSDPStrategy(Strategy):
     def snapshot_parts(self, local: dict[str, Any], module: nn.Module) -> tuple[Any, Any, tuple[int, int] | None]:
         return None, local, None  # this rank's own shards, all on the compute stream
 
-    def shard_saver(self) -> Any:
-        """DCP's saver under ``dist.checkpoint=sharded`` (every rank writes its shards), else None (a full state)."""
+    def save_checkpoint(self, state_dict: Any, ckpt: Any, step: int) -> CheckpointSave:
+        """``dist.checkpoint=sharded``: every rank writes its own shards of the model and optimizer through DCP
+        (:mod:`stabletrain.records.checkpoint.shards`), in the background, and rank 0 the rest; else a full state.
+
+        Every rank checks its shards; the verdicts travel with the RNG states and data positions (the one
+        all_gather_object), so every rank withholds the same checkpoint, before anything is staged. The first
+        save makes DCP's saver (a process group: every rank reaches it together).
+        """
         if self.cfg.dist.checkpoint != "sharded":
-            return None
-        from ..records.checkpoint.shards import ShardedSaver
-        return ShardedSaver(self.cfg.dist.timeout_s)
+            return super().save_checkpoint(state_dict, ckpt, step)
+        from ..records.checkpoint.files import first_nonfinite
+        from ..records.checkpoint.shards import ShardedSaver, local_tensors, split_for_dcp
+
+        if self._saver is None:
+            self._saver = ShardedSaver(self.cfg.dist.timeout_s)
+        t0 = time.perf_counter()
+        tensors, whole = split_for_dcp(state_dict(dcp=True))
+        bad = first_nonfinite(local_tensors(tensors))  # this rank's shards only: no collective
+        check_s = time.perf_counter() - t0
+        gathered = self.dist.gather_objects({"rng": whole["rng"], "stream": whole["stream"], "nonfinite": bad})
+        whole["ranks"] = [{"rng": g["rng"], "stream": g["stream"]} for g in gathered]
+        whole["world_size"] = self.dist.world
+        meta = {"world_size": self.dist.world}
+        bad_ranks = [(r, g["nonfinite"]) for r, g in enumerate(gathered) if g["nonfinite"] is not None]
+        if bad_ranks:  # the same list on every rank: none writes anything
+            rank, key = bad_ranks[0]
+            return CheckpointSave(whole, meta, withheld=f"rank {rank}'s shard of {key} is not finite (NaN/Inf)",
+                                  fields={"rank": rank, "key": key})
+        tmp = Path(self.dist.on_main(lambda: str(ckpt.begin_sharded(step))))
+        shards = self._saver.start(tensors, tmp, step)  # blocks for the staging copy only
+        shards.timings["shard_check_s"] = check_s
+        return CheckpointSave(whole, meta, shards=shards)
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait for this rank's DCP shards of the save in flight, if any. Raises nothing (rank 0's outcome says it)."""
+        if self._saver is not None:
+            self._saver.wait()
 
     def one_process_model(self, model_state: Any) -> Any:
         return None  # this rank's shards

@@ -15,17 +15,17 @@ failed or the writer died) is handed to the loop by :meth:`CheckpointKeeper.fini
 rank 0's main thread records the event, with what the save cost training (blocked, the writer's wall and
 CPU, the steps' time while it was written against before it).
 
-Under FSDP with more than one rank (``dist.checkpoint=sharded``) every rank writes its own shards of
-the model and optimizer through DCP (:mod:`stabletrain.records.checkpoint.shards`) and rank 0 the rest; a
-non-finite shard on any rank withholds the checkpoint on every rank. A resume under another world
-size is resharded (the event says so, with both world sizes and global batches).
+The checkpoint's format is the strategy's (:meth:`~stabletrain.distributed.strategy.Strategy.save_checkpoint`):
+one whole state, or under FSDP with ``dist.checkpoint=sharded`` every rank's own shards through DCP beside
+rank 0's rest (a non-finite shard on any rank withholds the checkpoint on every rank); the keeper writes what
+it makes. A resume under another world size is resharded (the event says so, with both world sizes and
+global batches).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import time
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +39,9 @@ from ..config import (
     move_old_keys,
     resume_refusal_message,
 )
-from ..records.checkpoint.files import CheckpointError, first_nonfinite
+from ..records.checkpoint.files import CheckpointError
 from ..records.checkpoint.manager import LoadedCheckpoint
 from ..records.checkpoint.saves import PendingSave, SaveCosts
-from ..records.checkpoint.shards import ShardedSaver, local_tensors, split_for_dcp
 from ..records.checkpoint.writer import WriterDied, running_writer, writer
 from ..records.jsonl import read_jsonl
 from ..records.provenance import other_task
@@ -97,11 +96,9 @@ class CheckpointKeeper:
         self._pending: PendingSave | None = None  # rank 0: the save started and not yet reported
         self.failures_in_a_row = 0  # rank 0: saves that failed since the last one written
         self._last_failure: dict[str, Any] | None = None
-        self._saver: ShardedSaver | None = None  # FSDP: every rank's DCP saves (the strategy's, from the first save)
-        self._saver_asked = False
         self._costs = SaveCosts()  # each save's wall cost to the steps while it is written (its event's fields)
         self._marking = False  # from the first save on, each boundary marks its step (the saves' costs)
-        self._saved = False  # a (non-sharded) save was made: the next is not the first
+        self._saved = False  # a save was made: the next is not the first
         self.dropped_by_rollbacks: set[int] = set()  # samples a rollback's data diagnosis named: never trained on again
 
     # -- resume ---------------------------------------------------------------------------------
@@ -237,25 +234,23 @@ class CheckpointKeeper:
         ckpt = state.ckpt
         if ckpt is None:
             return []
-        if not healthy:
-            done = self.finished(wait=True)  # LAST_GOOD may be about to move; say where it really is
-            good = ckpt.latest_good()
-            return done + [{"step": state.step, "kind": "checkpoint_withheld", "fields": {},
-                            "reason": f"checkpoint at step {state.step} withheld: inside an incident; LAST_GOOD stays "
-                                      f"at {good.name if good else 'none'}"}]
-        saver = self._sharded_saver()
-        if saver is not None:
-            return self._save_sharded(saver, wait)
-        whole = self.state.state_dict()
-        meta = {"config": config_to_dict(state.cfg), "config_hash": config_hash(state.cfg)}
-        if state.dist.enabled:
-            whole["ranks"] = state.dist.gather_objects({"rng": whole["rng"], "stream": whole["stream"]})
-            whole["world_size"] = meta["world_size"] = state.dist.world
-        if state.run is None:  # only rank 0 writes
-            return []
+        # The previous save first: LAST_GOOD may be about to move (say where it really is), its directory be reused.
         done = self.finished(wait=True)
+        save = state.strategy.save_checkpoint(state.state_dict, ckpt, state.step) if healthy else None  # may gather
+        why, fields = ("inside an incident", {}) if save is None else (save.withheld, save.fields)
+        if why is not None:  # the same verdict on every rank: none writes anything
+            good = ckpt.latest_good()
+            return done + [{"step": state.step, "kind": "checkpoint_withheld", "fields": fields,
+                            "reason": f"checkpoint at step {state.step} withheld: {why}; LAST_GOOD stays "
+                                      f"at {good.name if good else 'none'}"}]
+        if state.run is None:  # only rank 0 writes (a strategy's own part of it, if any, in the background)
+            if wait:
+                state.strategy.wait_for_checkpoint()
+            return []
+        whole = save.whole
+        meta = {"config": config_to_dict(state.cfg), "config_hash": config_hash(state.cfg), **save.meta}
         first, self._saved = not self._saved, True
-        if running_writer() is None and (wait or (first and state_bytes(whole) <= INLINE_FIRST_BYTES)):
+        if save.inline_ok and running_writer() is None and (wait or (first and state_bytes(whole) <= INLINE_FIRST_BYTES)):
             try:  # no writer process yet: a save waited for anyway, or a small first one, is written here
                 result = ckpt.save(whole, state.step, meta)
             except Exception as err:  # the previous checkpoint is intact
@@ -267,58 +262,9 @@ class CheckpointKeeper:
             return done + [{"step": result.step, "kind": result.kind, "reason": result.reason,
                             "fields": result.event_fields()}]
         try:
-            self._pending = ckpt.save_async(whole, state.step, meta)
+            self._pending = ckpt.save_async(whole, state.step, meta, shards=save.shards)
         except Exception as err:  # the staging copy or the hand-over failed; the previous checkpoint is intact
-            return done + [_failed(state.step, err)]
-        self._costs.started(state.step)
-        return done + self.finished(wait=wait)
-
-    def _sharded_saver(self) -> ShardedSaver | None:
-        """The strategy's writer of each rank's shards (FSDP, ``dist.checkpoint=sharded``), else None.
-
-        Asked for at the first save, which every rank reaches together (it makes a process group).
-        """
-        if not self._saver_asked:
-            self._saver, self._saver_asked = self.state.strategy.shard_saver(), True
-        return self._saver
-
-    def _save_sharded(self, saver: ShardedSaver, wait: bool) -> list[dict[str, Any]]:
-        """:meth:`save` through DCP (:mod:`stabletrain.records.checkpoint.shards`): every rank writes its own shards.
-
-        Every rank checks its shards; the verdicts travel with the RNG states and data positions (the
-        one all_gather_object), so every rank withholds the same checkpoint, before anything is staged.
-        """
-        state = self.state
-        ckpt = state.ckpt
-        saver.wait()  # this rank's shards of the previous save
-        done = self.finished(wait=True)  # rank 0: the previous checkpoint, before its directory is reused
-        t0 = time.perf_counter()
-        tensors, whole = split_for_dcp(self.state.state_dict(dcp=True))
-        bad = first_nonfinite(local_tensors(tensors))  # this rank's shards only: no collective
-        check_s = time.perf_counter() - t0
-        gathered = state.dist.gather_objects({"rng": whole["rng"], "stream": whole["stream"], "nonfinite": bad})
-        whole["ranks"] = [{"rng": g["rng"], "stream": g["stream"]} for g in gathered]
-        meta = {"config": config_to_dict(state.cfg), "config_hash": config_hash(state.cfg),
-                "world_size": state.dist.world}
-        whole["world_size"] = state.dist.world
-        bad_ranks = [(r, g["nonfinite"]) for r, g in enumerate(gathered) if g["nonfinite"] is not None]
-        if bad_ranks:  # the same list on every rank: none writes anything
-            rank, key = bad_ranks[0]
-            good = ckpt.latest_good()
-            return done + [{"step": state.step, "kind": "checkpoint_withheld", "fields": {"rank": rank, "key": key},
-                            "reason": f"checkpoint at step {state.step} withheld: rank {rank}'s shard of {key} is not "
-                                      f"finite (NaN/Inf); LAST_GOOD stays at {good.name if good else 'none'}"}]
-        tmp = Path(state.dist.on_main(lambda: str(ckpt.begin_sharded(state.step))))
-        shards = saver.start(tensors, tmp, state.step)  # blocks for the staging copy only
-        shards.timings["shard_check_s"] = check_s
-        if state.run is None:  # the other ranks: their shards are written in the background
-            if wait:
-                saver.wait()
-            return []
-        try:
-            self._pending = ckpt.save_async(whole, state.step, meta, shards=shards)
-        except Exception as err:  # the small state's check or staging failed; the previous checkpoint is intact
-            saver.wait()
+            state.strategy.wait_for_checkpoint()
             return done + [_failed(state.step, err)]
         self._costs.started(state.step)
         return done + self.finished(wait=wait)
@@ -326,7 +272,7 @@ class CheckpointKeeper:
     def finished(self, *, wait: bool = False) -> list[dict[str, Any]]:
         """Return the outcome of the save in flight once it is known (``[]`` while it runs, or with none).
 
-        ``wait``: wait for it (and for this rank's DCP shards). Each outcome is returned once; the loop
+        ``wait``: wait for it (and for this rank's own part of it, the strategy's). Each outcome is returned once; the loop
         records it (rank 0) and fires ``on_checkpoint``. A background write that failed is a
         ``checkpoint_failed`` outcome. A written one's fields add what it cost the steps it was written
         beside (:class:`~stabletrain.records.checkpoint.saves.SaveCosts`), and ``waited_s`` when the loop
@@ -335,8 +281,8 @@ class CheckpointKeeper:
         now = self.state.step if self._marking else None
         if now is not None:
             self._costs.mark(now)
-        if wait and self._saver is not None:
-            self._saver.wait()
+        if wait:
+            self.state.strategy.wait_for_checkpoint()
         pending = self._pending
         if pending is None or not (wait or pending.done()):
             return []
@@ -355,8 +301,7 @@ class CheckpointKeeper:
 
     def _join(self) -> None:
         """Wait for the save in flight without taking its outcome (:meth:`finished` still reports it)."""
-        if self._saver is not None:
-            self._saver.wait()
+        self.state.strategy.wait_for_checkpoint()
         if self._pending is not None:
             self._pending.join()
 
@@ -365,8 +310,7 @@ class CheckpointKeeper:
         state = self.state
         ckpt = state.ckpt
         chosen: list[LoadedCheckpoint] = []
-        if self._saver is not None:  # every rank: no DCP save may run beside the load's collectives
-            self._saver.wait()
+        self.state.strategy.wait_for_checkpoint()  # every rank: no save of its own may run beside the load's collectives
 
         def choose() -> str | None:
             self._join()  # a save in flight may be about to move LAST_GOOD
