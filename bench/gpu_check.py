@@ -1,4 +1,5 @@
-"""GPU check (run on a CUDA machine, in one call, under 5 minutes): bf16, fp16, fp16+SGD, an incident, DDP, FSDP2, parity.
+"""GPU check (run on a CUDA machine, in one call, under 5 minutes): bf16, fp16, fp16+SGD, an incident, a spike, DDP, FSDP2,
+parity.
 
 For each precision case it trains the default ``gpt`` task through ``Trainer``, asserts that no
 host-device sync happens between log intervals (``torch.cuda.set_sync_debug_mode("error")`` armed by
@@ -13,7 +14,9 @@ The ``snapshot`` case times the step with and without the interval's incident sn
 side stream into pinned memory; the ratio is what the snapshot costs training). The ``incident`` case
 plants a NaN loss weight on one sample late in a log interval: the capture must
 replay from the interval's host snapshot (at most log.every - 1 steps; CUDA -> pinned, non-blocking)
-and the diagnosis name the sample. The ``ddp`` case runs 2 processes on the one GPU (gloo: NCCL needs
+and the diagnosis name the sample. The ``spike`` case weights one sample's loss x200 at step 78 (bf16): captured
+as a finite spike, its counterfactual replays on the GPU must reproduce it, name that sample and verify the step without
+it normal. The ``ddp`` case runs 2 processes on the one GPU (gloo: NCCL needs
 a device per rank) under torchrun: one collective per step (the gradient all-reduce, carrying the
 window's numbers), no host conversion between boundaries on the training thread (counted with
 :class:`stabletrain.syncs.SyncCounter`: gloo's CUDA path synchronizes in its own worker thread by
@@ -281,6 +284,46 @@ def run_incident(tmp: Path, failures: list[str]) -> None:
         failures.append("incident: the bundle is of another step")
 
 
+
+def run_spike(tmp: Path, failures: list[str]) -> None:
+    """A finite spike: one sample of step 78 with its loss weighted x200 (late in the interval (60, 80]), bf16. The
+    capture replays from the interval's host snapshot, and the counterfactual replays on the GPU must reproduce the
+    step (within bf16's tolerance), name the sample and verify that the step without it is normal."""
+    from sentinel import WeightedChunks, weighted_lm_loss  # bench/ is the script's directory
+
+    from stabletrain.data import EpochOrder
+
+    bad_step, every = 78, 20
+    cfg = load_config(None, ["precision=bf16", "train.max_steps=80", f"log.every={every}", "eval.every=0",
+                             "train.batch_size=32", "log.progress=false", *SMOKE_ARGS])
+    task = resolve_task(cfg.task, cfg.task_args)
+    order = EpochOrder(len(task.train_data), cfg.train.batch_size, cfg.seed, cfg.data.shuffle)
+    bad_index = order.micro_batches(0)[bad_step - 1][5]
+    task.train_data, task.loss, task.val_data = WeightedChunks(task.train_data, bad_index, 200.0), weighted_lm_loss, None
+    trainer, guard = guarded_trainer(cfg, task, tmp / "spike")
+    t0 = time.perf_counter()
+    if not fit_guarded(trainer, guard, "spike", failures):
+        return
+    events = [json.loads(x) for x in (trainer.run.path / "events.jsonl").read_text().splitlines() if x.strip()]
+    incident = next((e for e in events if e["kind"] == "incident"), None)
+    folder = trainer.run.path / "incidents" / f"step_{bad_step:06d}"
+    d = json.loads((folder / "diagnosis.json").read_text()) if (folder / "diagnosis.json").exists() else {}
+    print(json.dumps({"case": "spike", "step": (incident or {}).get("step"), "anomaly": (incident or {}).get("anomaly"),
+                      "replayed_steps": trainer.recorder.replayed_steps, "failure_class": d.get("failure_class"),
+                      "bad_samples": d.get("bad_samples"), "planted": bad_index, "reproduces": d.get("reproduces"),
+                      "without_ratio": ((d.get("samples") or {}).get("without") or {}).get("ratio"),
+                      "diagnosis_s": round((d.get("timings") or {}).get("total_s", float("nan")), 2),
+                      "wall_s": round(time.perf_counter() - t0, 1), "summary": d.get("summary")}), flush=True)
+    if incident is None or incident.get("anomaly") != "spike" or incident["step"] != bad_step:
+        failures.append(f"spike: not captured at step {bad_step} ({[(e['kind'], e['step']) for e in events]})")
+        return
+    if trainer.recorder.replayed_steps is None or trainer.recorder.replayed_steps > every - 1:
+        failures.append(f"spike: the capture replayed {trainer.recorder.replayed_steps} steps (at most {every - 1})")
+    if (d.get("failure_class"), d.get("bad_samples"), d.get("reproduces")) != ("data", [bad_index], True):
+        failures.append(f"spike: diagnosed {d.get('failure_class')}, samples {d.get('bad_samples')}, reproduces "
+                        f"{d.get('reproduces')}; planted sample {bad_index} ({d.get('summary')})")
+
+
 def run_snapshot(tmp: Path, failures: list[str]) -> None:
     """The incident snapshot's cost: the same bf16 gpt with ``capture.memory_snapshot=true`` and ``false``, 3 rounds each.
 
@@ -517,7 +560,7 @@ def run_parity(failures: list[str]) -> None:
 
 
 def main() -> int:
-    all_cases = [n for n, _ in CASES] + ["incident", "snapshot", "ddp", "fsdp", "parity"]
+    all_cases = [n for n, _ in CASES] + ["incident", "spike", "snapshot", "ddp", "fsdp", "parity"]
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", nargs="+", default=all_cases, choices=all_cases)
     ap.add_argument("--cpu-smoke", action="store_true",
@@ -545,6 +588,8 @@ def main() -> int:
                 run_case(name, overrides, Path(tmp), failures)
         if "incident" in args.cases:
             run_incident(Path(tmp), failures)
+        if "spike" in args.cases:
+            run_spike(Path(tmp), failures)
         if "snapshot" in args.cases:
             run_snapshot(Path(tmp), failures)
         if "ddp" in args.cases:
