@@ -35,7 +35,7 @@ from .errors import crash_event
 from .evaluation import check_val_data, validation_loss
 from .policies.guard import Guard, GuardDecision
 from .policies.metrics import StepMetrics
-from .policies.optim import check_materialized, check_optimizer_holds
+from .policies.optim import check_materialized
 from .policies.precision import resolve_device
 from .policies.schedule import LRSchedule
 from .process import gc_frozen
@@ -104,7 +104,7 @@ class Trainer:
         self._pending_eval: dict[str, float] = {}
         self._agreed_signal: int | None = None  # DDP: the largest signal any rank had at the last log boundary
         self._where = "setup"  # what the loop is doing, for a clear message when a peer is lost
-        self._params_held = strategy.sharded  # checked after the first step (FSDP: sharding needs them built)
+        self._params_held = False  # checked after the first step (the strategy's check_after_first_step)
         if run_dir == DEFAULT_RUN_DIR:
             run_dir = default_run_dir(cfg, task.name)
         if run_dir is not None:
@@ -138,7 +138,7 @@ class Trainer:
         out = self.step_fn(list(zip(map(len, window.indices), window.batches)), self.task.loss,
                            measure_update=measure_update, check_params=check_params)
         if not self._params_held:  # once: layers the first forward made would never train
-            check_optimizer_holds(self.module, self.optimizer, len(self.params), self.task.name)
+            self.strategy.check_after_first_step(self.module, self.optimizer, len(self.params), self.task.name)
             self._params_held = True
         return out
 

@@ -43,7 +43,7 @@ from torch import nn
 from ..internals import eager_module
 from ..numerics import unique_params
 from ..policies.accumulation import AccumulationWindow, sums_safe
-from ..policies.optim import build_optimizer
+from ..policies.optim import build_optimizer, check_optimizer_holds
 from ..policies.precision import PrecisionPolicy
 from ..records.staging import StateStager, fill_withheld, split_params, state_bytes
 from ..seeding import seed_everything
@@ -132,6 +132,12 @@ class Strategy:
             optimizer.load_state_dict(optim_state)
 
     # -- the incident snapshot and bundle (stabletrain.services.capture) ------------------------------------------
+
+    def check_after_first_step(self, module: nn.Module, optimizer: torch.optim.Optimizer, built_with: int,
+                               task_name: str) -> None:
+        """After the run's first step: the optimizer holds every parameter the model has now (a layer its first
+        forward made would never train: :func:`~stabletrain.policies.optim.check_optimizer_holds`)."""
+        check_optimizer_holds(module, optimizer, built_with, task_name)
 
     def snapshot_parts(self, local: dict[str, Any], module: nn.Module) -> tuple[Any, Any, tuple[int, int] | None]:
         """(side, rest, share) of this rank's state for :class:`~stabletrain.records.snapshot.IntervalSnapshot`: the
@@ -315,6 +321,10 @@ class FSDPStrategy(Strategy):
     name = "fsdp"
     sharded = True
     _saver: Any = None  # dist.checkpoint=sharded: DCP's ShardedSaver, made at the first save
+
+    def check_after_first_step(self, module: nn.Module, optimizer: torch.optim.Optimizer, built_with: int,
+                               task_name: str) -> None:
+        """Nothing to check: sharding needs every parameter built before the optimizer is (``check_materialized``)."""
 
     def _wrap(self, module: nn.Module, task: Any, fingerprint: Any) -> tuple[Parts, Any]:
         from .carrier import WindowCarrier
