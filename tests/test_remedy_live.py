@@ -171,9 +171,19 @@ def test_the_live_remedy_searches_the_capture_s_bundle_and_diagnosis_in_memory(t
     monkeypatch.setattr(remedy_search, "load_bundle", read_back)
     monkeypatch.setattr(remedy_search, "diagnose_incident", read_back)
     monkeypatch.setattr(remedy_search, "DIAGNOSIS_FILE", "not-read.json")
+    from stabletrain.callbacks import Callback
+
+    class Seen(Callback):  # what a user's on_incident gets: the incident's fields, not the bundle held for the remedy
+        keys: list = []
+
+        def on_incident(self, state, info):
+            self.keys.append(sorted(info))
+
     run_dir = tmp_path / "run"
-    train(run_dir, "remedy_tasks:sqrt_zero_task", "train.max_steps=8", "log.every=1", "ckpt.every=4",
-          "guard.on_nonfinite=remedy", "remedy.steps=4")
+    Trainer(cfg("train.batch_size=8", "log.every=1", "data.shuffle=false", "train.max_steps=8", "ckpt.every=4",
+                "guard.on_nonfinite=remedy", "remedy.steps=4", task="remedy_tasks:sqrt_zero_task"), run_dir=run_dir,
+            callbacks=[Seen()]).fit()
+    assert Seen.keys and all("diagnosis" in k and "bundle" not in k and "diagnosis_record" not in k for k in Seen.keys)
     (event,) = [e for e in events(run_dir) if e["kind"] == "remedy"]
     assert event["name"] == "skip-samples" and event["verdict"] == "cures"
     incident = run_dir / "incidents" / f"step_{event['incident_step']:06d}"

@@ -106,7 +106,8 @@ class IntervalBoundary:
         info.update(self._capture(self.state, info, rows))
         if info.get("pinned") is not None:  # the capture's replay found the update that broke the parameters
             decision.pin(info["pinned"])
-        self.callbacks.fire("on_incident", self.state, info)
+        # The capture's bundle and whole diagnosis stay with the caller (a live remedy's search), not the callbacks'.
+        self.callbacks.fire("on_incident", self.state, {k: v for k, v in info.items() if k not in IN_MEMORY})
         return info
 
     def _spike(self, decision: GuardDecision, rows: list[Any]) -> int | None:
@@ -121,6 +122,10 @@ class IntervalBoundary:
 #: A later burst of spikes in an interval is captured instead of an earlier one only when its peak loss is at least
 #: this many times the earlier's: a burst about as large is the earlier one's aftershock (its course), not a new one.
 LARGER_BURST = 1.5
+
+
+#: What a capture hands its caller in memory only (:meth:`IncidentCapture.capture`): not an ``on_incident`` field.
+IN_MEMORY = ("bundle", "diagnosis_record")
 
 
 def spike_to_capture(steps: list[int], losses: dict[int, float]) -> int:
