@@ -133,7 +133,7 @@ def test_task_args_are_converted_to_the_factory_types():
     # A string argument typed as a number on the command line (task_args.activation=30 reads as an int): the string.
     with pytest.raises(TaskError, match=r"^config key 'task_args.activation': expected one of relu, tanh, gelu, got 30$"):
         resolve_task("mlp", {"activation": 30})
-    from stabletrain.tasks import _coerce_arg
+    from stabletrain.tasks.arguments import _coerce_arg
 
     assert _coerce_arg("steps", 30, str) == "30" and _coerce_arg("steps", "6,7", str) == "6,7"
     with pytest.raises(TaskError, match=r"^config key 'task_args.steps': expected a string, got True$"):
@@ -141,6 +141,26 @@ def test_task_args_are_converted_to_the_factory_types():
     # A user factory is checked by its annotations, or by its defaults' types where it has none.
     args = {a.name: a for a in task_arguments("helpers:make_user_task")}
     assert all(a.annotation is not None for a in args.values())
+
+
+def test_the_builtin_tasks_arguments_are_described_without_torch_as_their_factories_declare_them():
+    # The config checks a built-in task's task_args from this description, before torch: it must be the signature.
+    from stabletrain.tasks import BUILTIN_TASKS, task_arguments
+    from stabletrain.tasks.arguments import BUILTIN_TASK_ARGS, builtin_task_arguments
+
+    assert tuple(BUILTIN_TASK_ARGS) == BUILTIN_TASKS
+    for spec in BUILTIN_TASKS:
+        described = [(a.name, a.annotation, a.default) for a in builtin_task_arguments(spec)]
+        assert described == [(a.name, a.annotation, a.default) for a in task_arguments(spec)], spec
+        assert all(a.annotation is not None for a in builtin_task_arguments(spec))
+
+
+def test_a_user_tasks_args_are_checked_when_its_module_is_imported(tmp_path):
+    # Not described without torch: importing the factory's module (which may import torch) is how they are known.
+    res = run("train", "task=helpers:make_user_task", "task_args.nope=1", "log.progress=false", f"run.dir={tmp_path / 'r'}")
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip() == ("stabletrain: error: unknown config key 'task_args.nope' for task 'helpers:make_user_task' "
+                                  "(it takes: width)")
 
 
 def test_tasks_lists_every_builtin_argument_with_type_default_and_meaning(capsys):
@@ -173,9 +193,11 @@ def _help(capsys, *args: str) -> str:
 
 
 def test_check_report_and_compare_help_say_what_they_do_and_write(capsys):
-    from stabletrain.checks import CHECKS
+    from stabletrain.checks import CHECKS, _load_builtin_checks
 
     lines = _help(capsys, "check").splitlines()
+    _load_builtin_checks()  # the help reads the registry (torch-free); it shows what the checks' modules register
+    assert len(CHECKS) >= 8
     for name, fn in CHECKS.items():  # every check, with the first line of its docstring
         first = fn.__doc__.strip().splitlines()[0].replace("``", "")
         assert any(line.split()[:1] == [name] and first in line for line in lines), name
@@ -302,7 +324,9 @@ def test_an_incident_of_a_task_handed_over_as_an_object_is_refused_in_one_line_b
 @pytest.mark.parametrize("args, code", [(["--version"], 0), (["--help"], 0), (["train", "--help"], 0),
                                         (["remedy", "--help"], 0), (["train", "optim.lrr=1"], 2),
                                         (["train", "train.max_steps=many"], 2), (["check", "clip.max_norm=-1"], 2),
-                                        (["train", "task=nope"], 2)])
+                                        (["train", "task=nope"], 2), (["check", "--help"], 0),
+                                        (["check", "init", "--help"], 0), (["check", "nosuch"], 2),
+                                        (["train", "task_args.depth=abc"], 2), (["train", "task_args.nope=1"], 2)])
 def test_version_help_and_a_config_error_do_not_import_torch(args, code):
     # The console script's path (python -m stabletrain: the package, the CLI, argparse, the config): every module
     # imported is listed by -X importtime; torch (3 s quiet, 6-9 s under load) must not be among them.

@@ -31,7 +31,7 @@ from stabletrain.config import (
 def test_defaults_and_overrides(tmp_path):
     path = tmp_path / "my.yaml"
     path.write_text("optim:\n  lr: 0.01\naccum:\n  steps: 2\ntask_args:\n  depth: 5\n")
-    cfg = load_config(path, ["optim.lr=3e-4", "precision=bf16", "clip.max_norm=null", "task_args.width=8"])
+    cfg = load_config(path, ["optim.lr=3e-4", "precision=bf16", "clip.max_norm=null", "task_args.width=8", "task=mlp"])
     assert cfg.optim.lr == 3e-4 and isinstance(cfg.optim.lr, float)
     assert cfg.accum.steps == 2 and cfg.precision == "bf16" and cfg.clip.max_norm is None
     assert cfg.task_args == {"depth": 5, "width": 8}
@@ -89,7 +89,7 @@ def test_every_key_is_described():
 def test_a_yaml_file_reads_exponent_numbers_as_floats(tmp_path):
     # PyYAML (YAML 1.1) reads 3e-4 as the string "3e-4"; the command line reads it as a number, so does a file.
     path = tmp_path / "my.yaml"
-    path.write_text("optim:\n  lr: 3e-4\n  eps: 1E-6\ntask_args:\n  scale: -2e3\n  name: 1e\n")
+    path.write_text("optim:\n  lr: 3e-4\n  eps: 1E-6\ntask: pkg.mod:make\ntask_args:\n  scale: -2e3\n  name: 1e\n")
     cfg = load_config(path)
     assert cfg.optim.lr == 3e-4 and isinstance(cfg.optim.lr, float) and cfg.optim.eps == 1e-6
     assert cfg.task_args == {"scale": -2000.0, "name": "1e"}

@@ -8,6 +8,9 @@ A check that writes files asks :meth:`CheckContext.output_path` for each: they g
 ``options["out_dir"]`` (``stabletrain check --out DIR``; default :data:`DEFAULT_OUT_DIR`), and the CLI
 prints where. A check that raises fails; when the exception came from the task's own code the
 result names the part of the task (loss, dataset item, ...) and shows the user's frames, once.
+
+Importing this package does not import torch: the built-in checks' modules do, and they are imported when a check
+runs; ``stabletrain check --help`` and ``--list`` read their names and one-line descriptions from :mod:`.registry`.
 """
 
 from __future__ import annotations
@@ -18,16 +21,15 @@ import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..config import Config
 from ..errors import TaskCodeError, batch_note, format_user_traceback, task_part, user_location
-from ..policies.precision import resolve_device
-from ..records.provenance import mark_output_dir
-from ..seeding import seed_everything
 from ..tasks import Task, resolve_task
+from .registry import require_known
+
+if TYPE_CHECKING:  # torch: imported where a check needs it, so that --help and --list answer without it
+    import torch
 
 __all__ = ["CheckResult", "CheckContext", "register", "CHECKS", "run_checks", "format_table", "DEFAULT_CHECKS",
            "DEFAULT_OUT_DIR"]
@@ -69,6 +71,8 @@ class CheckContext:
 
     @property
     def device(self) -> torch.device:
+        from ..policies.precision import resolve_device
+
         return resolve_device(self.cfg.device)
 
     @property
@@ -82,6 +86,8 @@ class CheckContext:
         A folder the checks create gets a ``.gitignore`` that ignores everything in it: ``stabletrain check`` run
         inside a repository leaves nothing for ``git status`` to list. A folder that was there before is left so.
         """
+        from ..records.provenance import mark_output_dir
+
         created = not self.out_dir.exists()
         mark_output_dir(self.out_dir)
         if created:
@@ -93,6 +99,8 @@ class CheckContext:
 
     def make_task(self, seed: int | None = None) -> Task:
         """Return a freshly built task (new model with its init) after seeding every RNG."""
+        from ..seeding import seed_everything
+
         seed_everything(self.cfg.seed if seed is None else seed)
         if self.task_factory is not None:
             return self.task_factory()
@@ -126,9 +134,7 @@ def run_checks(ctx: CheckContext, names: list[str] | None = None) -> list[CheckR
     """Run the named checks (default: every default check) in order; an exception fails that check."""
     _load_builtin_checks()
     names = names or list(DEFAULT_CHECKS)
-    unknown = [n for n in names if n not in CHECKS]
-    if unknown:
-        raise ValueError(f"unknown check {unknown[0]!r}; known checks: {', '.join(CHECKS)}")
+    require_known(names, CHECKS)
     results = []
     seen: dict[tuple[str, str, str], str] = {}  # a task error -> the first check it failed
     for name in names:

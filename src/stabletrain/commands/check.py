@@ -1,4 +1,4 @@
-"""``stabletrain check``: the doctor on the configured task (its help lists the checks, imported when shown)."""
+"""``stabletrain check``: the doctor on the configured task (its help lists the checks, from a torch-free registry)."""
 
 from __future__ import annotations
 
@@ -6,18 +6,19 @@ import argparse
 import sys
 
 from .. import console
+from ..checks import DEFAULT_OUT_DIR, CheckContext, format_table, run_checks, to_json
+from ..checks.registry import BUILTIN_CHECKS, require_known
 from ..config import load_config
 from . import keys_help
 
-__all__ = ["cmd_check", "add_check_parser", "check_help"]
+__all__ = ["cmd_check", "add_check_parser", "checks_help"]
 
 
 def add_check_parser(sub: argparse._SubParsersAction) -> None:
-    """Add ``check``; ``sub`` must make parsers that take ``help_later`` (the cli's): the list of checks imports torch."""
     p = sub.add_parser("check", help="run the doctor: sanity checks on the configured task",
                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=keys_help(),
-                       description="Run sanity checks (default: all) on the configured task; exit 1 if any fails.",
-                       help_later=check_help)
+                       description="Run sanity checks (default: all) on the configured task; exit 1 if any fails."
+                                   f"\n\n{checks_help()}")
     p.add_argument("names", nargs="*", metavar="CHECK|key=value",
                    help="checks to run (default: every default check); key=value items are config overrides")
     p.add_argument("--config", metavar="FILE", help="YAML config file")
@@ -26,31 +27,15 @@ def add_check_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compare", metavar="A,B,...", help="init check: compare these init schemes on one plot")
     p.add_argument("--out", "--out-dir", dest="out_dir", metavar="DIR", default=None,
                    help="where checks write files, such as init's init_signal.png and init_signal.json "
-                        "(default: {default}/; created only when a check writes a file, with a .gitignore)")
+                        f"(default: {DEFAULT_OUT_DIR}/; created only when a check writes a file, with a .gitignore)")
 
 
-def check_help(check: argparse.ArgumentParser) -> None:
-    """Complete the check command's help: the list of checks, and where they write by default."""
-    from ..checks import DEFAULT_OUT_DIR
-    from ..internals import parser_actions
-
-    check.description = f"{check.description}\n\n{_checks_help()}"
-    for action in parser_actions(check):
-        if action.dest == "out_dir":
-            action.help = action.help.format(default=DEFAULT_OUT_DIR)
-
-
-def _checks_help() -> str:
-    from ..checks import CHECKS, DEFAULT_CHECKS, _load_builtin_checks
-
-    _load_builtin_checks()
-    width = max(len(name) for name in CHECKS)
+def checks_help() -> str:
+    """Return the list of checks the check command's help shows: each name and the first line of its docstring."""
+    width = max(len(c.name) for c in BUILTIN_CHECKS)
     lines = ["checks (run by name; with none named, every one not marked otherwise, in this order):"]
-    for name in sorted(CHECKS, key=lambda n: DEFAULT_CHECKS.index(n) if n in DEFAULT_CHECKS else len(CHECKS)):
-        fn = CHECKS[name]
-        doc = (fn.__doc__ or "").strip().splitlines()
-        line = doc[0].replace("``", "") if doc else ""
-        lines.append(f"  {name:<{width}}  {line}{'' if name in DEFAULT_CHECKS else ' (not run by default)'}")
+    for c in sorted(BUILTIN_CHECKS, key=lambda c: (not c.default, c.order)):
+        lines.append(f"  {c.name:<{width}}  {c.description.replace('``', '')}{'' if c.default else ' (not run by default)'}")
     return "\n".join(lines)
 
 
@@ -62,15 +47,12 @@ def _split_check_args(items: list[str]) -> tuple[list[str], list[str]]:
 
 def cmd_check(args: argparse.Namespace) -> int:
     names, overrides = _split_check_args(args.names)
-    cfg = load_config(args.config, overrides) if not args.list else None  # torch: only once the config is valid
-    from ..checks import CHECKS, CheckContext, _load_builtin_checks, format_table, run_checks, to_json
-
-    _load_builtin_checks()
     if args.list:
-        for name in CHECKS:
-            doc = (CHECKS[name].__doc__ or "").strip().splitlines()
-            print(f"{name:<12} {doc[0] if doc else ''}")
+        for c in BUILTIN_CHECKS:
+            print(f"{c.name:<12} {c.description}")
         return 0
+    cfg = load_config(args.config, overrides)
+    require_known(names)  # a name that is no check: one line, before the checks (and torch) are imported
     options = {"compare": args.compare.split(",") if args.compare else None, "out_dir": args.out_dir}
     ctx = CheckContext(cfg, options=options)
     results = run_checks(ctx, names or None)

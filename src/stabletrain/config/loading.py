@@ -19,6 +19,7 @@ import yaml
 
 from ..console import StableTrainWarning
 from ..errors import brief
+from ..tasks.arguments import TaskError, check_builtin_task_args
 from .moved import move_old_keys
 from .schema import Config
 from .values import ConfigError, coerce, section_at, type_hints
@@ -115,6 +116,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
     A key that moved (:data:`~stabletrain.config.moved.MOVED_KEYS`) is read at its new place, with one
     :class:`~stabletrain.console.StableTrainWarning` line per source that used one (``base_source`` names the base).
+    A built-in task's ``task_args`` are checked here too, without torch (names and types; the values are kept as
+    given): a Config built in Python, or read back from a run, is left to :func:`stabletrain.tasks.resolve_task`.
     """
     data: dict[str, Any] = _moved(copy.deepcopy(base or {}), base_source)
     if path is not None:
@@ -133,7 +136,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for override in overrides:
         apply_override(overlay, override)
     data = _deep_merge(data, _moved(overlay, "the overrides"))
-    return _build(Config, data).validate()
+    cfg = _build(Config, data).validate()
+    try:
+        check_builtin_task_args(cfg.task, cfg.task_args)
+    except TaskError as err:
+        raise ConfigError(str(err)) from None
+    return cfg
 
 
 def _moved(data: dict[str, Any], source: str) -> dict[str, Any]:

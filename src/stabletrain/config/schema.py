@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..errors import brief
+from ..tasks.arguments import BUILTIN_TASKS  # torch-free: a task that is neither built in nor 'module:function' is refused here
 from .values import ConfigError, check_types, type_hints
 
 __all__ = ["Config", "TrainConfig", "AccumConfig", "ClipConfig", "OptimConfig", "SchedConfig", "DataConfig", "MlflowConfig",
@@ -79,8 +80,6 @@ class DataConfig:
 
 #: What ``log.trackers`` may list: TensorBoard (RUN_DIR/tb) and the trackers of :mod:`stabletrain.callbacks.trackers`.
 TRACKERS: tuple[str, ...] = ("tensorboard", "mlflow", "wandb")
-#: The built-in tasks' names (:data:`stabletrain.tasks.BUILTIN_TASKS`, which imports torch): a bad one is refused here.
-BUILTIN_TASKS: tuple[str, ...] = ("gpt", "mlp")
 
 
 @dataclass

@@ -27,6 +27,8 @@ unknown name is an error, and a value is converted to the parameter's annotated 
 type of its default) or rejected naming the key (``config key 'task_args.depth': expected an integer,
 got 'abc'``). Other annotations are passed through unchecked. ``stabletrain tasks`` lists each
 argument with its type, default and the one-line meaning from the factory docstring's ``Args:``.
+A built-in task's ``task_args`` are checked with the rest of the config, before torch is imported
+(:mod:`.arguments` describes the built-in factories' arguments); importing this package does not import torch.
 """
 
 from __future__ import annotations
@@ -35,22 +37,19 @@ import importlib
 import inspect
 import os
 import sys
-import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
-
-from torch import nn
-from torch.utils.data import Dataset
+from typing import TYPE_CHECKING, Any
 
 from ..errors import brief, user_frames, user_location
+from .arguments import _SIMPLE, BUILTIN_TASKS, TaskArg, TaskError, _checkable, check_task_args
+
+if TYPE_CHECKING:  # torch: imported by the factories and resolve_task, not here (the config checks task_args without it)
+    from torch import nn
+    from torch.utils.data import Dataset
 
 __all__ = ["Task", "TaskError", "TaskArg", "resolve_task", "task_arguments", "task_factory", "BUILTIN_TASKS"]
-
-
-class TaskError(ValueError):
-    """A task spec cannot be resolved or its factory returned something unusable."""
 
 
 @dataclass
@@ -93,9 +92,6 @@ def _builtin(name: str) -> Callable[..., Task]:
     else:  # pragma: no cover - guarded by BUILTIN_TASKS
         raise KeyError(name)
     return make_task
-
-
-BUILTIN_TASKS = ("gpt", "mlp")
 
 
 def import_object(spec: str, key: str, expected: str = "'module:function'", kind: str = "callable") -> Any:
@@ -146,53 +142,6 @@ def task_factory(spec: str) -> Callable[..., Task]:
     return _builtin(spec) if spec in BUILTIN_TASKS else _import_factory(MOVED.get(spec, spec))
 
 
-@dataclass(frozen=True)
-class TaskArg:
-    """One argument of a task factory, for help and validation.
-
-    Attributes:
-        name: the keyword (set as ``task_args.<name>``).
-        annotation: the type it is checked against (None: not checked).
-        default: its default (``inspect.Parameter.empty`` when it has none).
-        help: its one-line meaning, from the factory docstring's ``Args:`` section ("" when absent).
-    """
-
-    name: str
-    annotation: Any
-    default: Any
-    help: str
-
-    @property
-    def type_text(self) -> str:
-        """Return the type as help shows it: ``int``, ``float``, ``relu | tanh | gelu``, ``int | None``."""
-        return _type_text(self.annotation)
-
-    @property
-    def required(self) -> bool:
-        return self.default is inspect.Parameter.empty
-
-
-_SIMPLE = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
-
-
-def _type_text(tp: Any) -> str:
-    if tp is None:
-        return "any"
-    if typing.get_origin(tp) is Literal:
-        return " | ".join(map(str, typing.get_args(tp)))
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        return " | ".join("None" if a is type(None) else _type_text(a) for a in typing.get_args(tp))
-    return getattr(tp, "__name__", str(tp))
-
-
-def _checkable(tp: Any) -> bool:
-    if tp in _SIMPLE or typing.get_origin(tp) is Literal:
-        return True
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        return all(a is type(None) or _checkable(a) for a in typing.get_args(tp))
-    return False
-
-
 def _arg_help(doc: str | None) -> dict[str, str]:
     """Return {name: one-line meaning} from a docstring's Google-style ``Args:`` section."""
     out: dict[str, str] = {}
@@ -235,52 +184,16 @@ def task_arguments(spec_or_factory: str | Callable[..., Task]) -> list[TaskArg]:
     return args
 
 
-def _coerce_arg(name: str, value: Any, tp: Any) -> Any:
-    """Return ``value`` as the type ``tp`` (as config keys are converted) or raise TaskError naming the key."""
-    key = f"config key 'task_args.{name}'"
-    if typing.get_origin(tp) is Literal:
-        if value not in typing.get_args(tp):
-            raise TaskError(f"{key}: expected one of {', '.join(map(str, typing.get_args(tp)))}, got {brief(value)}")
-        return value
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        if value is None and type(None) in typing.get_args(tp):
-            return None
-        errors = []
-        for arg in (a for a in typing.get_args(tp) if a is not type(None)):
-            try:
-                return _coerce_arg(name, value, arg)
-            except TaskError as err:
-                errors.append(str(err).split(": expected ", 1)[1].split(", got ")[0])
-        raise TaskError(f"{key}: expected {' or '.join(errors)}{' or null' if type(None) in typing.get_args(tp) else ''}, "
-                        f"got {brief(value)}")
-    ok = {
-        bool: isinstance(value, bool),
-        int: isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and value.is_integer(),
-        float: isinstance(value, (int, float)) and not isinstance(value, bool),
-        # An integer typed on the command line (task_args.steps=30) is read as one: as the string it was typed as.
-        str: isinstance(value, str) or isinstance(value, int) and not isinstance(value, bool),
-    }[tp]
-    if not ok:
-        raise TaskError(f"{key}: expected {_SIMPLE[tp]}, got {brief(value)}")
-    return tp(value) if tp in (int, float, str) else value
-
-
 def resolve_task(spec: str, task_args: dict[str, Any] | None = None) -> Task:
     """Build the task named by ``spec`` (a built-in name or ``module:function``) with ``task_args``.
 
     The arguments are checked and converted first (see the module docstring); a bad one is a TaskError.
     """
-    task_args = dict(task_args or {})
+    from torch import nn
+
     factory = task_factory(spec)
-    params = inspect.signature(factory).parameters
-    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    for key in task_args:
-        if key not in params and not takes_kwargs:
-            known = ", ".join(params) or "none"
-            raise TaskError(f"unknown config key 'task_args.{key}' for task {spec!r} (it takes: {known})")
-    for arg in task_arguments(factory):
-        if arg.name in task_args and arg.annotation is not None:
-            task_args[arg.name] = _coerce_arg(arg.name, task_args[arg.name], arg.annotation)
+    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(factory).parameters.values())
+    task_args = check_task_args(spec, task_args or {}, task_arguments(factory), takes_kwargs=takes_kwargs)
     try:
         task = factory(**task_args)
     except TaskError:
