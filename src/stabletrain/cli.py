@@ -33,24 +33,6 @@ from .errors import format_task_error, raised_by_stabletrain, task_part
 __all__ = ["main"]
 
 
-class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose help may be completed when it is shown: ``help_later(parser)`` runs then, once.
-
-    The check command's help lists the checks, which imports them (and torch); ``--version``, ``--help`` and
-    a config error must not wait for that.
-    """
-
-    def __init__(self, *args, help_later=None, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._help_later = help_later
-
-    def format_help(self) -> str:
-        if self._help_later is not None:
-            self._help_later(self)
-            self._help_later = None
-        return super().format_help()
-
-
 def _loaded_instance(err: BaseException, module: str, name: str) -> bool:
     """Whether ``err`` is a ``module.name`` — False when that module was never imported (then nothing raised one)."""
     cls = getattr(sys.modules.get(module), name, None)
@@ -58,7 +40,7 @@ def _loaded_instance(err: BaseException, module: str, name: str) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = argparse.ArgumentParser(
         prog="stabletrain",
         description="Make PyTorch training stable, observable and debuggable.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
