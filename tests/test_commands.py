@@ -71,9 +71,10 @@ def test_the_check_registry_is_what_the_check_modules_register():
 
     checks._load_builtin_checks()
     builtin = {name: fn for name, fn in checks.CHECKS.items() if fn.__module__.startswith("stabletrain.checks.")}
-    registered = [(name, fn.__doc__.strip().splitlines()[0], checks._ORDER[name], name in checks.DEFAULT_CHECKS)
-                  for name, fn in builtin.items()]
-    assert [(c.name, c.description, c.order, c.default) for c in BUILTIN_CHECKS] == registered
+    # (by name: the modules register in the order something first imported them, another test's import first)
+    registered = {name: (fn.__doc__.strip().splitlines()[0], checks._ORDER[name], name in checks.DEFAULT_CHECKS)
+                  for name, fn in builtin.items()}
+    assert {c.name: (c.description, c.order, c.default) for c in BUILTIN_CHECKS} == registered
     assert [n for n in checks.DEFAULT_CHECKS if n in builtin] == [
         c.name for c in sorted(BUILTIN_CHECKS, key=lambda c: c.order) if c.default]
 
