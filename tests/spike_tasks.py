@@ -27,14 +27,17 @@ def _regression(n: int, dim: int, seed: int) -> tuple[Tensor, Tensor]:
     return x, y
 
 
-def outlier_samples_task(bad: tuple[int, ...] = (153, 157), scale: float = 40.0, n: int = 256, seed: int = 0) -> Task:
+def outlier_samples_task(bad: tuple[int, ...] = (153, 157), scale: float = 40.0, n: int = 256, seed: int = 0,
+                         dropout: float = 0.0) -> Task:
     """data: samples ``bad`` (step 20 at batch 8) have targets ``scale`` times too large: the window's loss spikes
-    under any weights, and the step without them is normal."""
+    under any weights, and the step without them is normal. ``dropout``: a dropout layer after the hidden one (a
+    sample's own loss then draws other masks than the window's)."""
     x, y = _regression(n, 8, seed)
     for i in bad:
         y[i] = y[i] * scale + scale
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    layers = [nn.Linear(8, 32), nn.Tanh(), *([nn.Dropout(dropout)] if dropout else []), nn.Linear(32, 1)]
+    model = nn.Sequential(*layers)
     return Task(model=model, train_data=TensorDataset(x, y), loss=_mse, name="outlier-samples")
 
 
@@ -181,15 +184,16 @@ def transient_spike_task(step: int = 20, where: str = "forward", n: int = 256, s
     return Task(model=model, train_data=TensorDataset(x, y), loss=_mse, name=f"transient-{where}")
 
 
-def batchnorm_outlier_task(bad: int = 3173, scale: float = 50.0, n: int = 3520, seed: int = 0) -> Task:
-    """data, coupled: a linear regression through a batch norm (batch statistics in training) where sample ``bad``
-    (step 100, position 5 at batch 32) has inputs ``scale`` times too large. Its batch's statistics squash every
+def batchnorm_outlier_task(bad: tuple[int, ...] = (3173,), scale: float = 50.0, n: int = 3520, seed: int = 0) -> Task:
+    """data, coupled: a linear regression through a batch norm (batch statistics in training) where samples ``bad``
+    (step 100, position 5 at batch 32) have inputs ``scale`` times too large. Its batch's statistics squash every
     other sample of the window towards the mean (the loss of all of them jumps), and the model refuses a batch of one
     in training: no sample's own loss says which one it is (bisection does)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 8, generator=g)
     y = x @ torch.randn(8, 1, generator=g)
-    x[bad] = x[bad] * scale
+    for i in bad:
+        x[i] = x[i] * scale
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.Linear(32, 1))
     return Task(model=model, train_data=TensorDataset(x, y), loss=_mse, name="batchnorm-outlier")

@@ -162,20 +162,29 @@ def test_a_batch_high_as_a_whole_under_the_older_state_is_an_outlier_batch(tmp_p
 
 
 
-def test_a_sample_whose_cost_a_batch_norm_spreads_over_its_window_is_found_by_bisection(tmp_path):
-    """One sample with inputs x50 in a batch norm's window (step 100, batch 32): the batch statistics squash every
-    other sample, and the model refuses a batch of one in training, so no sample's own loss says which one it is
-    (the diagnosis raised 'Expected more than 1 value per channel'). The halves weighed on their own narrow it down,
-    and the step without that sample alone, replayed, is normal."""
+@pytest.mark.parametrize("bad", [(3173,), (3170, 3190)])
+def test_samples_whose_cost_a_batch_norm_spreads_over_their_window_are_found_by_their_removal(tmp_path, bad):
+    """Samples with inputs x50 in a batch norm's window (step 100, batch 32; two of them in either half of it): the
+    batch statistics squash every other sample, and the model refuses a batch of one in training, so no sample's own
+    loss says which (the diagnosis raised 'Expected more than 1 value per channel'). Each sample dropped from the
+    whole window in turn finds them, and the step without them, replayed, is normal."""
     run_dir = tmp_path / "run"
     Trainer(cfg("train.batch_size=32", "log.every=10", "data.shuffle=false", "train.max_steps=110", "optim.lr=0.001"),
-            task=batchnorm_outlier_task(), run_dir=run_dir).fit()
+            task=batchnorm_outlier_task(bad=bad), run_dir=run_dir).fit()
     assert [e["step"] for e in _events(run_dir) if e["kind"] == "incident"] == [100]
     d = json.loads((run_dir / "incidents" / "step_000100" / "diagnosis.json").read_text())
-    assert d["failure_class"] == "data" and d["bad_samples"] == [3173] and d["samples"]["how"] == "bisection", d["summary"]
-    assert d["samples"]["without"]["ratio"] < 2.0 and "found by bisection" in d["summary"]
-    assert d["passes"]["forward"] < 80  # the halves, not every subset
+    assert d["failure_class"] == "data" and d["bad_samples"] == list(bad) and d["samples"]["how"] == "removal", d["summary"]
+    assert d["samples"]["why"].startswith("weighing one sample alone failed (ValueError: Expected more than 1 value")
+    assert d["samples"]["without"]["ratio"] < 2.0 and "found by dropping samples from the whole window" in d["summary"]
+    assert d["passes"]["forward"] < 96  # one pass per sample of the window, and a few more
 
+
+def test_a_dropout_models_outliers_are_named_by_their_own_losses(tmp_path):
+    """Dropout draws other masks for a sample alone than in its window: its own loss still ranks the outliers, and the
+    step without them, replayed, is normal (no search by removal needed)."""
+    steps, d = _spike_diagnosis(outlier_samples_task(dropout=0.1), tmp_path)
+    assert steps == [20] and d["failure_class"] == "data" and d["bad_samples"] == [153, 157], d["summary"]
+    assert "how" not in d["samples"] and "carry 100% of the window's loss; without them" in d["summary"]
 
 
 def test_a_data_spike_under_bf16_autocast_is_diagnosed_as_in_fp32(tmp_path):
@@ -184,7 +193,7 @@ def test_a_data_spike_under_bf16_autocast_is_diagnosed_as_in_fp32(tmp_path):
     steps, d = _spike_diagnosis(outlier_samples_task(), tmp_path, "precision=bf16")
     assert steps == [20] and d["precision"] == "bf16" and d["reproduces"] is True, d["summary"]
     assert d["fp32"]["spike"] is True and d["failure_class"] == "data" and d["bad_samples"] == [153, 157], d["summary"]
-    assert d["samples"]["without"]["ratio"] < 2.0
+    assert d["samples"]["without"]["ratio"] < 2.0 and "how" not in d["samples"]  # ranked by the samples' own losses
 
 
 def test_diagnose_and_remedy_on_a_spike_from_the_command_line(tmp_path, capsys):
@@ -394,9 +403,9 @@ def test_samples_are_verified_only_when_the_step_without_them_is_within_the_rule
 
     assert not rule(3.0)["spike"] and rule(8.0)["spike"]
     bench = Bench()
-    _, found = _samples(bench, bench.groups([list(range(8))]), rule, None, cfg.spike_ratio)
+    _, found, _ = _samples(bench, bench.groups([list(range(8))]), rule, None, cfg.spike_ratio)
     assert found["indices"] == [0, 1] and found["without"]["ratio"] <= cfg.spike_ratio  # [0] alone leaves x3.3
-    _, loose = _samples(bench, bench.groups([list(range(8))]), rule, None, math.inf)  # the rule's own bar alone
+    _, loose, _ = _samples(bench, bench.groups([list(range(8))]), rule, None, math.inf)  # the rule's own bar alone
     assert loose["indices"] == [0]
 
 

@@ -8,7 +8,7 @@ windows) and replays, each time from the same saved state and RNG streams, on a 
 2. each sample alone (forward; a backward each for its share of the window's gradient, up to
    :data:`MAX_GRAD_SAMPLES`): which samples carry the loss; the step without the fewest that could, replayed:
    normal by the rule? (greedy by loss is exact for a mean-loss rule: no other set of that size lowers it more;
-   where the loss couples the samples, a batch norm's statistics, by bisection: :func:`_bisect`)
+   where the loss couples the samples, a batch norm's statistics, by their removal from the window: :func:`_bisect`)
 3. the window and ordinary windows under the older state (the interval's start): is the batch itself an
    outlier, or did the state drift?
 4. each module's output magnitude on the window under both states (where it departs first), each parameter's
@@ -48,11 +48,11 @@ __all__ = ["diagnose_spike", "MAX_GRAD_SAMPLES", "MAX_CONTEXT"]
 MAX_GRAD_SAMPLES = 64
 #: Ordinary windows compared against (the interval's steps before the spike, else the next ones).
 MAX_CONTEXT = 3
-#: The samples' own losses that add up to the window's within this share are independent (greedy by loss is exact);
-#: further apart, the loss couples them and bisection finds the few that carry it.
-COUPLED_RTOL = 1e-3
 #: At most this many forward replays of the window in one bisection.
-MAX_BISECT_REPLAYS = 64
+MAX_BISECT_REPLAYS = 96
+#: Windows of at most this many samples are searched by each sample's removal (one forward pass each); larger ones
+#: by halves.
+MAX_LEAVE_ONE_OUT = 64
 
 
 class _Bench:
@@ -139,74 +139,96 @@ class _Bench:
 
 
 def _samples(bench: _Bench, groups: list[tuple[list[int], Any]], rule: Any, grads: dict[str, torch.Tensor] | None,
-             bound: float) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    """Per-sample losses (and gradient shares), and the fewest top samples whose removal makes the step normal: no
+             bound: float) -> tuple[list[dict[str, Any]], dict[str, Any] | None, str | None]:
+    """(per-sample losses (and gradient shares), and the fewest samples whose removal makes the step normal: no
     spike by the rule and at most ``bound`` (``guard.spike_ratio``) times the window's median (a z-score that a
-    noisy window keeps under the rule's is not enough: x9 the median is no normal step)."""
+    noisy window keeps under the rule's is not enough: x9 the median is no normal step), and when no set is found
+    a note on why the search stopped short (None: it did not).
+
+    The samples' own largest losses first (greedy: exact for a mean-loss rule); where none of those sets makes the
+    step normal (the loss couples the samples: a batch norm's statistics) or a sample cannot be weighed alone (a
+    model that refuses a batch of one), by their removal from the window (:func:`_bisect`): the found set's ``how``
+    is then "removal", ``why`` says why and ``search`` how it searched.
+    """
 
     def normal(loss: float) -> bool:
         verdict = rule(loss)
         return not verdict["spike"] and verdict.get("ratio", 0.0) <= bound
 
-    rows, total_sum, total_count = [], 0.0, 0.0
+    rows, total_sum, total_count, failed = [], 0.0, 0.0, None
     try:
         for idx, _ in groups:
             for i in idx:
                 s, c = bench.sums(bench.groups([[i]]))
                 rows.append({"sample": i, "loss_sum": s, "count": c})
                 total_sum, total_count = total_sum + s, total_count + c
-    except Exception:  # a model that refuses a batch of one (a batch norm in training): found by bisection below
-        rows = []
-    window_sum, _ = bench.sums(groups)
-    # The samples' own losses add up to the window's unless the loss couples them (batch statistics, an in-batch
-    # loss): then no sample's own loss says which ones carry the window's, and the replays of the window decide.
-    coupled = not rows or not math.isclose(total_sum, window_sum, rel_tol=COUPLED_RTOL, abs_tol=1e-12)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as exc:  # e.g. a batch norm in training refuses a batch of one: the window decides (bisection)
+        rows, failed = [], f"weighing one sample alone failed ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
     for r in rows:
         r["loss"] = r["loss_sum"] / r["count"] if r["count"] else float("nan")
         r["share"] = r["loss_sum"] / total_sum if total_sum else 0.0
-    if grads is not None and len(rows) <= MAX_GRAD_SAMPLES and not coupled:
+    if grads is not None and rows and len(rows) <= MAX_GRAD_SAMPLES:
         _gradient_shares(bench, rows, grads, total_count)
     rows.sort(key=lambda r: -r["loss_sum"])
-    if coupled:
-        drop = _bisect(bench, groups, normal, bound)
-        sets = [drop] if drop else []
-    else:
-        sets = outlier_sets(rows, normal)  # fewest first, each normal by the per-sample sums
-    found = None
+    found = _verified(bench, groups, rule, normal, outlier_sets(rows, normal))  # fewest first, by the samples' own losses
+    if found is not None:
+        share = sum(r["share"] for r in rows if r["sample"] in found["indices"])
+        return rows, {"indices": found["indices"], "share": share, "without": found["without"]}, None
+    window_sum, _ = bench.sums(groups)
+    median = rule(0.0).get("median") or float("nan")
+    drop, note = _bisect(bench, groups, normal, bound, bound * median)
+    found = _verified(bench, groups, rule, normal, [drop] if drop else [])
+    if found is None:
+        return rows, None, "; ".join(x for x in (failed, note) if x) or None
+    kept = [[i for i in idx if i not in found["indices"]] for idx, _ in groups]
+    share = 1.0 - bench.sums(bench.groups(kept))[0] / window_sum if window_sum else 0.0
+    why = failed or "no few of the samples' own largest losses made the step normal: the loss couples them"
+    return rows, {"indices": found["indices"], "share": share, "without": found["without"], "how": "removal",
+                  "why": why, "search": note}, None
+
+
+def _verified(bench: _Bench, groups: list[tuple[list[int], Any]], rule: Any, normal: Any, sets: Any) -> dict[str, Any] | None:
+    """The first of ``sets`` whose removal the run's own step, replayed without them, finds normal (None: none)."""
     for drop in sets:
         kept = [[i for i in idx if i not in drop] for idx, _ in groups]
-        replayed = bench.step(bench.groups(kept))  # verified on the run's own step, without them
+        replayed = bench.step(bench.groups(kept))
         verdict = rule(replayed["loss"])
         if normal(replayed["loss"]):
-            share = (sum(r["share"] for r in rows if r["sample"] in drop) if not coupled else
-                     1.0 - bench.sums(bench.groups(kept))[0] / window_sum if window_sum else 0.0)
-            found = {"indices": sorted(drop), "share": share, **({"how": "bisection"} if coupled else {}),
-                     "without": {"loss": replayed["loss"], "grad_norm": replayed["grad_norm"], "ratio": verdict["ratio"],
-                                 "zscore": verdict["zscore"]}}
-            break
-    return rows, found
+            return {"indices": sorted(drop), "without": {"loss": replayed["loss"], "grad_norm": replayed["grad_norm"],
+                                                         "ratio": verdict["ratio"], "zscore": verdict["zscore"]}}
+    return None
 
 
-def _bisect(bench: _Bench, groups: list[tuple[list[int], Any]], normal: Any, ratio: float) -> list[int] | None:
-    """The few samples whose removal makes the window normal, where the loss couples them (batch statistics).
+def _bisect(bench: _Bench, groups: list[tuple[list[int], Any]], normal: Any, ratio: float, level: float
+            ) -> tuple[list[int] | None, str | None]:
+    """The few samples whose removal makes the window normal, found by weighing groups of them: (samples or None, a
+    note on what stopped it, or None).
 
-    Dropping half a coupled window changes what the rest computes (a batch norm's statistics over half the samples),
-    so each half is weighed on its own instead, and the halves whose loss is more than ``ratio`` times the other's
-    are narrowed further (down to the smallest group the model takes); the groups left are then dropped from the
-    whole window, replayed, and each sample that need not go is given back. About 2 log2 N + 2k forward passes for
-    k of N. None when none stands out, more than a quarter of the window (16 at most) would go, or the rest is
-    not normal.
+    A window of at most :data:`MAX_LEAVE_ONE_OUT` samples: each sample is dropped from the whole window in turn
+    (the rest keeps nearly all of it: a batch norm's statistics barely move), and the fewest of those whose
+    removal lowers the loss most that leave a normal window are the set. A larger window: each half is weighed on
+    its own; where one half's loss is more than ``ratio`` times the other's, that half is narrowed; where the two are
+    alike, each above ``level`` (``spike_ratio`` x the rule's median) is; down to the smallest group the model takes.
+    Either way the set is dropped from the whole window and replayed, and each sample that need not go is given
+    back. At most :data:`MAX_BISECT_REPLAYS` forward passes; None when none stands out, more than a quarter of the
+    window (16 at most) would go, or the rest is not normal. The note says how it searched (and why it stopped).
     """
     flat = [i for idx, _ in groups for i in idx]
-    limit, calls = max(2, min(16, len(flat) // 4)), [0]
+    limit, calls, notes = max(2, min(16, len(flat) // 4)), [0], []
 
     def loss_of(samples: list[int]) -> float | None:
         if calls[0] >= MAX_BISECT_REPLAYS:
+            if not notes:
+                notes.append(f"stopped at its budget of {MAX_BISECT_REPLAYS} forward passes")
             return None
         calls[0] += 1
         try:
             return bench.loss(bench.groups([samples]))
-        except Exception:  # a group the model refuses (one sample for a batch norm in training)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception:  # a group the model refuses (one sample for a batch norm in training): not split further
             return None
 
     def normal_without(drop: set[int]) -> bool:
@@ -221,17 +243,29 @@ def _bisect(bench: _Bench, groups: list[tuple[list[int], Any]], normal: Any, rat
         losses = [loss_of(h) for h in halves]
         if None in losses or not all(math.isfinite(x) for x in losses):
             return cands  # the halves cannot be weighed apart: the group stays whole
-        low = min(losses)
-        high = [h for h, x in zip(halves, losses) if x > ratio * low]
-        return [i for h in high for i in narrow(h)] if high else cands
+        if max(losses) > ratio * min(losses):  # one half stands out
+            high = [h for h, x in zip(halves, losses) if x == max(losses)]
+        else:  # alike: each is judged against the ordinary level (two outliers, one in each half)
+            high = [h for h, x in zip(halves, losses) if not x <= level]
+        return [i for h in high for i in narrow(h)]
 
-    found = narrow(flat)
-    if not 0 < len(found) <= limit or len(found) == len(flat) or not normal_without(set(found)):
-        return None
+    if len(flat) <= MAX_LEAVE_ONE_OUT:  # each sample's removal from the whole window: how far the window's loss falls
+        base = loss_of(flat)
+        falls = [(base - x, i) for i in flat if base is not None and (x := loss_of([j for j in flat if j != i])) is not None]
+        order = [i for _, i in sorted(falls, reverse=True)]
+        found = next((order[:k] for k in range(1, min(limit, len(order)) + 1) if normal_without(set(order[:k]))), [])
+        how = "each sample's removal from the whole window, the largest falls first"
+    else:
+        found = narrow(flat)
+        how = "halves of the window weighed on their own, narrowed"
+    if not found or len(found) == len(flat) or not normal_without(set(found)):
+        return None, (notes[0] if notes else None)
     for i in list(found):  # give back each sample whose removal is not needed
         if len(found) > 1 and normal_without(set(found) - {i}):
             found.remove(i)
-    return sorted(found)
+    if len(found) > limit:
+        return None, f"{len(found)} samples would have to go (more than {limit})"
+    return sorted(found), "; ".join([how, *notes])
 
 
 def _gradient_shares(bench: _Bench, rows: list[dict[str, Any]], grads: dict[str, torch.Tensor], count: float) -> None:
@@ -293,10 +327,12 @@ def _diagnose(bench: _Bench, bundle: dict[str, Any], cfg: Any, observed: dict[st
     # The loss and grad norm the run saw (one process: under DDP they are the global ones, a replay sees one rank's).
     seen = ({k: observed[k] for k in ("loss", "grad_norm") if observed.get(k) is not None}
             if observed.get("loss") is not None else {})
+    # A compiled run's kernels round differently from the eager replay: compared within a tolerance, not bitwise.
+    tolerance = "compiled" if cfg.train.compile else precision
     why = None
-    if seen and not matches_observed(here["loss"], float("nan"), {"loss": seen["loss"]}, precision):
+    if seen and not matches_observed(here["loss"], float("nan"), {"loss": seen["loss"]}, tolerance):
         why = f"the replay's loss {here['loss']:.6g} differs from the observed {float(observed['loss']):.6g}"
-    elif seen and not matches_observed(here["loss"], here["grad_norm"], seen, precision):
+    elif seen and not matches_observed(here["loss"], here["grad_norm"], seen, tolerance):
         why = (f"the replay's grad norm {here['grad_norm']:.6g} differs from the observed "
                f"{float(observed['grad_norm']):.6g} (the loss is the same)")
     elif not test["spike"]:
@@ -305,8 +341,8 @@ def _diagnose(bench: _Bench, bundle: dict[str, Any], cfg: Any, observed: dict[st
     replays_s = time.perf_counter() - start
     m: dict[str, Any] = {"reproduces": why is None, "why_not_reproducible": why, "loss": here["loss"],
                          "precision": precision, "step": bundle["step"]}
-    samples_rows, m["samples"] = (_samples(bench, spike, rule, here.get("grads"), cfg.guard.spike_ratio) if why is None
-                                  else ([], None))
+    samples_rows, m["samples"], m["samples_note"] = (_samples(bench, spike, rule, here.get("grads"), cfg.guard.spike_ratio)
+                                                     if why is None else ([], None, None))
     samples_s = time.perf_counter() - start - replays_s
     ordinary = _typical([bench.step(c) for c in context]) if context else None
     m["older"], m["where"] = _older(bench, bundle, cfg, spike, context, rule) if why is None else (None, {})

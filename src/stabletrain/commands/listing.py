@@ -52,7 +52,7 @@ def add_lab_parser(sub: argparse._SubParsersAction) -> None:
                                    "numbers, the observations checked and an explanation written from the numbers, "
                                    "write its plots to --out; exit 1 if an observation does not hold. 'all' also "
                                    "writes DIR/index.html with every lab on one page.")
-    p.add_argument("lab", nargs="?", metavar="LAB", help="1..6, accept or all (default: list the labs)")
+    p.add_argument("lab", nargs="?", metavar="LAB", help="1..8, accept or all (default: list the labs)")
     p.add_argument("--out", metavar="DIR", default="labs", help="where the plots (and index.html) go (default: labs)")
 
 

@@ -200,9 +200,8 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
         return {**out, "failure_class": "data",
                 "evidence": (f"sample{'s' if n > 1 else ''} {', '.join(map(str, samples['indices']))} carr"
                              f"{'y' if n > 1 else 'ies'} {_pct(samples['share'])} of the window's loss"
-                             + ("" if samples.get("how") != "bisection" else
-                                " (found by bisection: the loss couples the window's samples, batch statistics or an "
-                                "in-batch loss, so no sample's own loss says which)") + "; without "
+                             + ("" if samples.get("how") != "removal" else
+                                f" (found by dropping samples from the whole window: {samples.get('why')})") + "; without "
                              f"{'them' if n > 1 else 'it'} "
                              f"the step is normal (verified: loss {samples['without']['loss']:.4g}, "
                              f"x{samples['without']['ratio']:.3g} "
@@ -214,7 +213,8 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
         return {**out, "failure_class": "data",
                 "evidence": (f"the whole window is high under the state of step {older['step']} too ({older['window']:.4g} "
                              f"vs {older['ordinary']:.4g} on ordinary windows) and no small set of its samples carries "
-                             "it: the batch itself is an outlier")}
+                             "it: the batch itself is an outlier"
+                             + (f" (the search for a few: {m['samples_note']})" if m.get("samples_note") else ""))}
     drift = ""
     if high_before:  # (with a surge before it: the surge is the cause named)
         drift = (f"; the window is high under the state of step {older['step']} too ({older['window']:.4g} vs "
@@ -248,12 +248,14 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     grads = [j for j in (m.get("jumps") or {}).get("grad_norm") or [] if j[1] >= GRAD_JUMP]
     if grads:
         text += "; gradient jumps: " + ", ".join(f"{n} x{f:.3g}" for n, f, *_ in grads)
-    ratios = (m.get("jumps") or {}).get("update_ratio") or []  # the spike step's update/weight against an ordinary one's
+    measured = m.get("jumps") or {}
+    ratios = measured.get("update_ratio") or []  # the spike step's update/weight against an ordinary one's (x >= 1)
     updates = [j for j in ratios if j[1] >= GRAD_JUMP]
     if updates:
         text += "; update/weight jumps: " + ", ".join(f"{n} x{f:.3g} ({v:.2g} vs {b:.2g})" for n, f, v, b in updates)
-    elif ratios:
-        text += f"; no layer's update/weight ratio jumped (largest: {ratios[0][0]} x{ratios[0][1]:.3g})"
+    elif "update_ratio" in measured:
+        text += "; no layer's update/weight ratio jumped" + (f" (largest: {ratios[0][0]} x{ratios[0][1]:.3g})" if ratios
+                                                              else " (none above an ordinary step's)")
     return {**out, "failure_class": "state", "evidence": text}
 
 

@@ -60,8 +60,9 @@ LOOKBACK = 5
 STEPS = 80
 #: The precursor's z-score in the watch runs (the default 3 is set for one update per log interval).
 PRECURSOR_Z = 2.5
-COMMON = ["device=cpu", "log.progress=false", "log.tensorboard=false", "train.batch_size=8", "log.every=10", "data.shuffle=false",
-          "eval.every=0", "sched.warmup_steps=0", "sched.decay=constant", f"train.max_steps={STEPS}"]
+EVERY = 10  # log.every of the two main runs
+COMMON = ["device=cpu", "log.progress=false", "log.tensorboard=false", "train.batch_size=8", f"log.every={EVERY}",
+          "data.shuffle=false", "eval.every=0", "sched.warmup_steps=0", "sched.decay=constant", f"train.max_steps={STEPS}"]
 RUNS = ("rare token", "mislabelled")
 
 
@@ -287,7 +288,7 @@ def run(out_dir: Path | None = None, seed: int = 0, *, lr: float = 0.03, beta1: 
     plots = _plots(met, out_dir) if out_dir is not None else []
     setup = (f"a bag-of-tokens regression (vocabulary {VOCAB}, 8 tokens a sample, {NUM_SAMPLES} samples, embedding 16 "
              f"+ linear head) under AdamW (lr {lr:g}, betas ({beta1:g}, 0.999), eps 1e-8), batch 8, no shuffle, "
-             f"{STEPS} steps, log every 10, seed {seed}; run 1: token {RARE} first appears at step {SPIKE_STEP - 1} "
+             f"{STEPS} steps, log every {EVERY}, seed {seed}; run 1: token {RARE} first appears at step {SPIKE_STEP - 1} "
              f"(samples {RARE_SAMPLES[0]}..{RARE_SAMPLES[-1]}, 4 a window); run 2: samples {MISLABELLED[0]}, "
              f"{MISLABELLED[1]} mislabelled (y x20 + 20); each first spike replayed by stabletrain remedy over its "
              f"window and the {steps} after it; update ratios measured every step by the lab; the run's own "
@@ -410,10 +411,11 @@ def _explain(met: dict[str, dict[str, Any]], by: dict[str, dict[str, Any]], beta
                 f"No layer's update ratio rose above x{DEPARTURE:g} its median in the {LOOKBACK} steps before it.")
         own = [w for w in rare["watched"] if w["step"] >= SPIKE_STEP - LOOKBACK]
         default = [w["step"] for w in rare["precursors"]]
+        read = (SPIKE_STEP // EVERY * EVERY, (SPIKE_STEP // EVERY + 1) * EVERY)  # the interval ends around the spike
         said = ((f" stabletrain's own precursor said so too, reading every step's update: 'precursor at step "
                  f"{own[0]['step']}' naming {', '.join(own[0]['layers'])}" if own else
                  " stabletrain's own precursor, reading every step's update, did not warn")
-                + ("; at the default log.every=10 it reads the update of steps 70 and 80 only, and "
+                + (f"; at the default log.every={EVERY} it reads the update of steps {read[0]} and {read[1]} only, and "
                    + (f"warned at step{'s' if len(default) > 1 else ''} {', '.join(map(str, default))}." if default else
                       "stayed silent: a surge inside an interval is the spike capture's to explain.")))
         out.append(f"The rare-token run spiked at step {rare['step']} (loss {d['loss']:.4g}, x{d['spike_test']['ratio']:.3g} "

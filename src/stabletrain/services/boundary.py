@@ -24,6 +24,7 @@ from ..policies.guard import GuardDecision
 from ..policies.metrics import interval_record, peak_memory_mib
 from ..policies.precursor import Precursor
 from ..runstate import RunState
+from .capture import IN_MEMORY
 
 __all__ = ["IntervalBoundary", "spike_to_capture"]
 
@@ -122,10 +123,6 @@ class IntervalBoundary:
 #: A later burst of spikes in an interval is captured instead of an earlier one only when its peak loss is at least
 #: this many times the earlier's: a burst about as large is the earlier one's aftershock (its course), not a new one.
 LARGER_BURST = 1.5
-
-
-#: What a capture hands its caller in memory only (:meth:`IncidentCapture.capture`): not an ``on_incident`` field.
-IN_MEMORY = ("bundle", "diagnosis_record")
 
 
 def spike_to_capture(steps: list[int], losses: dict[int, float]) -> int:

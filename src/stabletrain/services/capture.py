@@ -40,7 +40,11 @@ from ..records.staging import StateStager, clone_state, equal_states, join_param
 from ..runstate import RunState
 from ..seeding import kept_rng
 
-__all__ = ["IncidentCapture", "StepSource", "incident_dir", "staged_now", "MAX_CONTEXT"]
+__all__ = ["IncidentCapture", "StepSource", "incident_dir", "staged_now", "MAX_CONTEXT", "IN_MEMORY"]
+
+#: What :meth:`IncidentCapture.capture` hands its caller in memory only (a live remedy's search reads them): the
+#: first bundle and its whole diagnosis; no event's or ``on_incident``'s field.
+IN_MEMORY = ("bundle", "diagnosis_record")
 
 #: A spike's bundle keeps up to this many ordinary windows beside its own (its diagnosis compares against them).
 MAX_CONTEXT = 3
@@ -285,7 +289,7 @@ class IncidentCapture:
         seen_note = f" (seen on rank(s) {ranks})" if fit.dist.enabled and ranks else ""
         what = f"the loss spike at step {step}" if spike else f"step {step}"
         fit.event(step, "incident", f"captured {what}{seen_note} into {folder}", **fields)
-        found.update(bundle=in_memory, diagnosis_record=diagnosis)  # not the event's: held in memory for a remedy
+        found.update(zip(IN_MEMORY, (in_memory, diagnosis)))  # not the event's: held in memory for a remedy
         return found
 
     def _replay(self, fit: RunState, step: int, start: tuple[dict[str, Any], int], info: dict[str, Any], rows: list[Any],

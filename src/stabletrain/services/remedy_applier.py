@@ -37,6 +37,7 @@ from ..records.bundles import REMEDY_FILE
 from ..remedy_search import search_remedies
 from ..runstate import RunState
 from ..seeding import kept_rng
+from .capture import IN_MEMORY
 
 __all__ = ["RemedyApplier"]
 
@@ -97,9 +98,10 @@ class RemedyApplier:
             try:
                 with kept_rng():  # the replays seed and draw: the run's own streams must not notice
                     # The capture's bundle and diagnosis as it holds them: its files are their record, not read back.
+                    bundle, diagnosis = (found.get(key) for key in IN_MEMORY)  # the capture's, in memory
                     record = search_remedies(incident, state.task, steps=cfg.steps, device=str(state.device),
-                                             live_only=True, drop=self.state.stream.drop, bundle=found.get("bundle"),
-                                             diagnosis=found.get("diagnosis_record"))
+                                             live_only=True, drop=self.state.stream.drop, bundle=bundle,
+                                             diagnosis=diagnosis)
             except Exception as err:  # a search that fails must not take the run down with it
                 why = f"the remedy search failed ({type(err).__name__}: {err})"
         params_bad = decision.params_bad_at is not None or decision.after_update
