@@ -417,8 +417,7 @@ def test_an_fp16_run_whose_applied_gradients_underflowed_to_a_tiny_remainder_sto
     task.loss = _tiny_remainder_loss
     c = cfg("precision=fp16", "train.batch_size=8", "train.max_steps=100", "log.every=10", "data.shuffle=false",
             "capture.incidents=false")
-    with pytest.warns(UserWarning, match="precision=fp16 on CPU"):
-        Trainer(c, task=task, run_dir=tmp_path / "run").fit()
+    Trainer(c, task=task, run_dir=tmp_path / "run").fit()  # (fp16 on CPU warns once a process: not asserted here)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 60 and 0 < rows[-1]["grad_norm"] < 1e-4 and rows[0]["grad_norm"] > 1  # tiny, not 0
     stop = next(e for e in _events(tmp_path / "run") if e["kind"] == "stop")
