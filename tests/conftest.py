@@ -19,8 +19,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 #: one worker from starting a long file when the other is nearly done. From a clean clone's whole run on the
 #: 2-core machine (2026-12-02, others' load ~3-4): test_resume 110 s, test_distributed 94, test_cli 68,
 #: test_trackers 49, test_fsdp_checkpoint 45, test_compile 45, test_adapters_distributed 44, test_report 40, ...
-#: test_restarts (issue 34; alone, others' load ~6): ~110 CPU-s, ~260 s of wall time at that load.
-LONGEST_FIRST = ["test_restarts.py", "test_resume.py", "test_distributed.py", "test_cli.py", "test_trackers.py",
+#: test_restarts (issue 34; alone, others' load ~6): ~110 CPU-s, ~260 s of wall time at that load. 2026-12-04, quiet:
+#: test_restarts ~215 s, test_spikes ~140 s (its healthy 300-step gpt alone 63 s), test_resume ~100 s.
+LONGEST_FIRST = ["test_restarts.py", "test_spikes.py", "test_resume.py", "test_distributed.py", "test_cli.py", "test_trackers.py",
                  "test_fsdp_checkpoint.py", "test_compile.py", "test_adapters_distributed.py", "test_report.py", "test_fsdp.py",
                  "test_check_resume.py", "test_console.py", "test_errors.py", "test_bench_fsdp.py", "test_internals.py",
                  "test_lab.py", "test_integrations_readme.py", "test_loop.py", "test_incident_once.py"]
