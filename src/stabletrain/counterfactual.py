@@ -18,7 +18,8 @@ windows) and replays, each time from the same saved state and RNG streams, on a 
 5. under bf16/fp16, the step in fp32: normal there?
 
 :func:`~stabletrain.diagnostics.spike.classify_spike` reads them. The model, the RNG streams and the task are
-left as they were. Cost: about 2N + 8 forward passes and N + 4 backward passes for a window of N samples.
+left as they were. Cost: about 2N + 8 forward passes and N + 4 backward passes for a window of N samples, and up to
+:data:`MAX_BISECT_REPLAYS` forward passes more where the samples are found by their removal (N + a few, N <= 64).
 """
 
 from __future__ import annotations
