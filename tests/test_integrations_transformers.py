@@ -154,7 +154,7 @@ class Regressor(torch.nn.Module):
         return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
 
 
-@pytest.mark.parametrize("on_spike", ["warn", "skip"])
+@pytest.mark.parametrize("on_spike", ["skip"])  # (warn, the default: the Lightning test)
 def test_a_loss_spike_is_captured_and_its_samples_named_and_verified(tmp_path, on_spike, capfd):
     """Samples at positions 1 and 2 of step 15 (mid-interval) carry targets x40 off: captured from the interval's
     start, diagnosed as data with those positions named and their removal verified, as in the built-in loop."""
