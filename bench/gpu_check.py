@@ -248,25 +248,39 @@ def run_case(name: str, overrides: list[str], tmp: Path, failures: list[str]) ->
         failures.append(f"{name}: {skipped} skipped steps")
 
 
-def run_incident(tmp: Path, failures: list[str]) -> None:
-    """A NaN loss weight on one sample of step 38, late in the interval (20, 40]: captured from the host snapshot."""
+def planted_run(name: str, bad_step: int, position: int, weight: float, every: int, tmp: Path,
+                failures: list[str]) -> tuple[Trainer, int, list[dict[str, Any]], float] | None:
+    """Train the bf16 gpt to ``bad_step + 2`` with the loss of the sample at ``position`` of step ``bad_step`` weighted by
+    ``weight`` (NaN: a non-finite step), under the sync guard: (trainer, that sample, the run's events, start time), or
+    None when the run failed (said in ``failures``)."""
     from sentinel import WeightedChunks, weighted_lm_loss  # bench/ is the script's directory
 
     from stabletrain.data import EpochOrder
-    from stabletrain.records.bundles import load_bundle
 
-    bad_step, every = 38, 20
-    cfg = load_config(None, ["precision=bf16", "train.max_steps=40", f"log.every={every}", "eval.every=0",
+    cfg = load_config(None, ["precision=bf16", f"train.max_steps={bad_step + 2}", f"log.every={every}", "eval.every=0",
                              "train.batch_size=32", "log.progress=false", *SMOKE_ARGS])
     task = resolve_task(cfg.task, cfg.task_args)
     order = EpochOrder(len(task.train_data), cfg.train.batch_size, cfg.seed, cfg.data.shuffle)
-    bad_index = order.micro_batches(0)[bad_step - 1][3]
-    task.train_data, task.loss, task.val_data = WeightedChunks(task.train_data, bad_index), weighted_lm_loss, None
-    trainer, guard = guarded_trainer(cfg, task, tmp / "incident")
+    bad_index = order.micro_batches(0)[bad_step - 1][position]
+    task.train_data, task.loss, task.val_data = WeightedChunks(task.train_data, bad_index, weight), weighted_lm_loss, None
+    trainer, guard = guarded_trainer(cfg, task, tmp / name)
     t0 = time.perf_counter()
-    if not fit_guarded(trainer, guard, "incident", failures):
-        return
+    if not fit_guarded(trainer, guard, name, failures):
+        return None
     events = [json.loads(x) for x in (trainer.run.path / "events.jsonl").read_text().splitlines() if x.strip()]
+    return trainer, bad_index, events, t0
+
+
+def run_incident(tmp: Path, failures: list[str]) -> None:
+    """A NaN loss weight on one sample of step 38, late in the interval (20, 40]: captured from the host snapshot."""
+
+    from stabletrain.records.bundles import load_bundle
+
+    bad_step, every = 38, 20
+    planted = planted_run("incident", bad_step, 3, float("nan"), every, tmp, failures)
+    if planted is None:
+        return
+    trainer, bad_index, events, t0 = planted
     incident = next((e for e in events if e["kind"] == "incident"), None)
     bundle_dir = trainer.run.path / "incidents" / f"step_{bad_step:06d}"
     found = (incident or {}).get("diagnosis", {}).get("bad_samples")
@@ -289,22 +303,13 @@ def run_spike(tmp: Path, failures: list[str]) -> None:
     """A finite spike: one sample of step 78 with its loss weighted x200 (late in the interval (60, 80]), bf16. The
     capture replays from the interval's host snapshot, and the counterfactual replays on the GPU must reproduce the
     step (within bf16's tolerance), name the sample and verify that the step without it is normal."""
-    from sentinel import WeightedChunks, weighted_lm_loss  # bench/ is the script's directory
 
-    from stabletrain.data import EpochOrder
 
     bad_step, every = 78, 20
-    cfg = load_config(None, ["precision=bf16", "train.max_steps=80", f"log.every={every}", "eval.every=0",
-                             "train.batch_size=32", "log.progress=false", *SMOKE_ARGS])
-    task = resolve_task(cfg.task, cfg.task_args)
-    order = EpochOrder(len(task.train_data), cfg.train.batch_size, cfg.seed, cfg.data.shuffle)
-    bad_index = order.micro_batches(0)[bad_step - 1][5]
-    task.train_data, task.loss, task.val_data = WeightedChunks(task.train_data, bad_index, 200.0), weighted_lm_loss, None
-    trainer, guard = guarded_trainer(cfg, task, tmp / "spike")
-    t0 = time.perf_counter()
-    if not fit_guarded(trainer, guard, "spike", failures):
+    planted = planted_run("spike", bad_step, 5, 200.0, every, tmp, failures)
+    if planted is None:
         return
-    events = [json.loads(x) for x in (trainer.run.path / "events.jsonl").read_text().splitlines() if x.strip()]
+    trainer, bad_index, events, t0 = planted
     incident = next((e for e in events if e["kind"] == "incident"), None)
     folder = trainer.run.path / "incidents" / f"step_{bad_step:06d}"
     d = json.loads((folder / "diagnosis.json").read_text()) if (folder / "diagnosis.json").exists() else {}
