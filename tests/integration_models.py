@@ -47,6 +47,16 @@ def loss_fn(model, batch):
     return F.mse_loss(model(x), y)
 
 
+def outlier_pairs(n_steps, step, positions, batch_size, seed=0):
+    """(x, y) of ``n_steps`` batches of random regression pairs, the samples at ``positions`` of ``step`` with a target
+    of 40 (a loss spike that those samples alone carry)."""
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.rand(n_steps * batch_size, 4, generator=g), torch.randn(n_steps * batch_size, 1, generator=g)
+    for position in positions:
+        y[(step - 1) * batch_size + position] = 40.0
+    return x, y
+
+
 def batches(n_steps, bad_step=None, batch_size=8, seed=0):
     """One (x, y) per step; x[:, 0] >= 0, except one planted sample at ``bad_step``."""
     g = torch.Generator().manual_seed(seed)

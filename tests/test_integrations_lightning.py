@@ -13,7 +13,7 @@ import yaml
 from torch.utils.data import DataLoader, TensorDataset
 
 L = pytest.importorskip("lightning")
-from integration_models import BAD_POSITION, Net, OurSyncs  # noqa: E402
+from integration_models import BAD_POSITION, Net, OurSyncs, outlier_pairs  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
@@ -149,10 +149,7 @@ def test_a_loss_spike_is_captured_and_its_samples_named_and_verified(tmp_path, o
     interval's start, diagnosed as data with those positions named and their removal verified (the step without them
     normal by the guard's rule), as in the built-in loop; under on_spike=skip the step is skipped on the device."""
     n, step = 30, 15
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.rand(n * BATCH, 4, generator=g), torch.randn(n * BATCH, 1, generator=g)
-    for i in ((step - 1) * BATCH + 1, (step - 1) * BATCH + 5):
-        y[i] = 40.0
+    x, y = outlier_pairs(n, step, (1, 5), BATCH)
     cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=10, on_spike=on_spike)
     module = LitNet()
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ import yaml
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from integration_models import TRAP_TOKEN, OurSyncs, gpt2, token_rows, trap_gpt2  # noqa: E402
+from integration_models import TRAP_TOKEN, OurSyncs, gpt2, outlier_pairs, token_rows, trap_gpt2  # noqa: E402
 
 from stabletrain.callbacks import Callback as StableCallback  # noqa: E402
 from stabletrain.incident_replay import diagnose_incident  # noqa: E402
@@ -159,10 +159,7 @@ def test_a_loss_spike_is_captured_and_its_samples_named_and_verified(tmp_path, o
     """Samples at positions 1 and 2 of step 15 (mid-interval) carry targets x40 off: captured from the interval's
     start, diagnosed as data with those positions named and their removal verified, as in the built-in loop."""
     n, step = 30, 15
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.rand(n * BATCH, 4, generator=g), torch.randn(n * BATCH, 1, generator=g)
-    for i in ((step - 1) * BATCH + 1, (step - 1) * BATCH + 2):
-        y[i] = 40.0
+    x, y = outlier_pairs(n, step, (1, 2), BATCH)
     cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=10, on_spike=on_spike)
     trainer_for(Regressor(), cb, tmp_path, max_steps=n, rows=[{"x": a, "labels": b} for a, b in zip(x, y)]).train()
     run = load_run(tmp_path / "run")
