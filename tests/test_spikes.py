@@ -504,10 +504,11 @@ def test_on_spike_remedy_applies_live_only_what_starts_where_its_replay_did_and_
     assert all(0 <= g.share(p) <= 1 for p in g.seconds)
 
 
-def test_after_skipped_steps_no_update_is_blamed_and_no_older_state_compared(tmp_path):
+def test_after_skipped_steps_no_update_is_blamed_and_an_older_checkpoint_is_the_older_state(tmp_path):
     """guard.on_spike=skip skips every step of a burst: the spike captured in the next interval follows steps that
     made no update. Its diagnosis must not blame 'the update of step 70' (never made) nor weigh it against 'the state of
-    step 63' (the same weights: 'high 0.83 under this one (vs 0.83)')."""
+    step 63' (the same weights: 'high 0.83 under this one (vs 0.83)'): the older state is the newest checkpoint whose
+    weights differ (step 42; step 63's are the spike's own), under which the window is normal."""
     run_dir = tmp_path / "run"
     Trainer(cfg("optim.name=sgd", "optim.lr=1.0", "optim.weight_decay=0", "clip.max_norm=null", "sched.warmup_steps=300",
                 "sched.decay=constant", "train.batch_size=32", "train.max_steps=77", "log.every=7", "ckpt.every=21",
@@ -518,9 +519,11 @@ def test_after_skipped_steps_no_update_is_blamed_and_no_older_state_compared(tmp
     assert [e["step"] for e in events if e["kind"] == "incident"][:2] == [64, 71]
     folder = run_dir / "incidents" / "step_000071"
     bundle = load_bundle(folder)
-    assert bundle["previous"] is None and bundle["reference"] is None
+    assert bundle["previous"] is None and (bundle["reference"]["step"], bundle["reference"]["from"]) == (42, "checkpoint")
     d = json.loads((folder / "diagnosis.json").read_text())
-    assert d["older"] is None and "in the update of step" not in d["summary"] and d["failure_class"] == "state", d["summary"]
+    assert "in the update of step" not in d["summary"] and d["failure_class"] == "state", d["summary"]
+    assert (d["older"]["step"], d["older"]["from"], d["older"]["window_high"]) == (42, "checkpoint", False)
+    assert "the window is normal under the state of step 42" in d["summary"]
 
 
 def test_an_uncaptured_spike_under_on_spike_remedy_says_its_step_and_why(tmp_path, capsys):

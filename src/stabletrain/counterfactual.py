@@ -403,7 +403,8 @@ def _typical(steps: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 def _older(bench: _Bench, bundle: dict[str, Any], cfg: Any, spike: list, context: list, rule: Any
            ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    """The window and ordinary windows under the older state (the interval's start), and where the outputs depart."""
+    """The window and ordinary windows under the older state (the interval's start, else an older checkpoint: ``from``),
+    and where the outputs depart."""
     ref = bundle.get("reference")
     if not ref or ref.get("model") is None:
         return None, {}
@@ -416,7 +417,7 @@ def _older(bench: _Bench, bundle: dict[str, Any], cfg: Any, spike: list, context
     else:  # no ordinary window at hand: the guard's window stands for both
         ordinary_old = ordinary_now = rule(0.0).get("median") or float("nan")
     ratio = cfg.guard.spike_ratio
-    info = {"step": int(ref.get("step", 0)), "window": window_old, "ordinary": ordinary_old,
+    info = {"step": int(ref.get("step", 0)), "from": ref.get("from", "snapshot"), "window": window_old, "ordinary": ordinary_old,
             "current_ordinary": ordinary_now,
             "window_high": bool(math.isfinite(window_old) and window_old > ratio * ordinary_old),
             "ordinary_high": bool(math.isfinite(ordinary_now) and (ordinary_now > ratio * ordinary_old

@@ -101,6 +101,10 @@ class StepSource(Protocol):
     def why_not(self, step: int, start: int) -> str | None:
         """Why step ``step`` cannot be replayed from step ``start`` (None: it can)."""
 
+    def reference_state(self, fit: RunState, before: int, unlike: dict[str, Any]) -> tuple[dict[str, Any], int] | None:
+        """(a one-process model state older than step ``before`` whose weights differ from ``unlike``, its step): a
+        spike's older state when its interval holds none (the run's newest such checkpoint); None: none."""
+
     def replay_to(self, fit: RunState, step: int, start: int, locate: tuple[int, int] | None,
                   rows: list[Any], keep_previous: bool = False) -> tuple[int, dict | None]:
         """Replay the steps after ``start`` up to just before ``step``: (steps replayed, the update it pinned or None).
@@ -269,7 +273,11 @@ class IncidentCapture:
                 older = src.strategy.one_process_model(start[0]["model"]) if start[1] < step - 1 else None
                 if older is not None and equal_states(older, now):
                     older = None
-                bundle["reference"] = {"step": start[1], "model": older} if older is not None else None
+                reference = {"step": start[1], "model": older} if older is not None else None
+                if reference is None and n == 0 and fit.dist.is_main and now is not None and not is_dcp_entry(now):
+                    found_ref = src.reference_state(fit, start[1] if start[1] < step - 1 else step - 1, now)
+                    reference = {"step": found_ref[1], "model": found_ref[0], "from": "checkpoint"} if found_ref else None
+                bundle["reference"] = reference
             if n > 0:  # the model and optimizer (the same on every rank) once, in the first bundle; a later one names it
                 bundle = {**{k: v for k, v in bundle.items() if k not in ("model", "optimizer")}, STATE_IN: ".."}
             write_bundle(folder if n == 0 else folder / f"rank_{r}", bundle)

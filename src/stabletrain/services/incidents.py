@@ -23,7 +23,9 @@ from typing import Any
 
 from .. import console
 from ..config import config_to_dict
-from ..records.staging import StateStager, snapshot_fits
+from ..records.checkpoint.files import CheckpointError
+from ..records.checkpoint.shards import is_dcp_entry
+from ..records.staging import StateStager, equal_states, snapshot_fits
 from ..runstate import RunState
 from ..seeding import rng_state
 from .capture import IncidentCapture, staged_now
@@ -31,6 +33,8 @@ from .checkpoints import CheckpointKeeper
 
 __all__ = ["IncidentRecorder", "LoopSteps"]
 
+#: How many checkpoints a spike's capture reads at most looking for an older state (:meth:`LoopSteps.reference_state`).
+MAX_REFERENCE_LOADS = 3
 RECENT = 12  # windows a spike's capture looks through for ordinary ones (before it, then after it)
 
 
@@ -74,6 +78,23 @@ class LoopSteps:
         return (loaded.state, int(loaded.state["counters"]["step"])) if loaded is not None else None
 
     def why_not(self, step: int, start: int) -> str | None:
+        return None
+
+    def reference_state(self, fit: RunState, before: int, unlike: dict[str, Any]) -> tuple[dict[str, Any], int] | None:
+        """The newest verified checkpoint before step ``before`` (LAST_GOOD or older) whose model differs from
+        ``unlike``: a spike after skipped steps, or on the run's first steps, is weighed against it (the issue's
+        "an older checkpoint"). At most :data:`MAX_REFERENCE_LOADS` are read; a sharded one gives None."""
+        ckpt = fit.ckpt
+        for path in ckpt.good_before(before)[:MAX_REFERENCE_LOADS] if ckpt is not None else []:
+            try:
+                loaded = ckpt.load(path)
+            except CheckpointError:
+                continue
+            model = loaded.state["model"]
+            if is_dcp_entry(model):
+                return None
+            if not equal_states(model, unlike):
+                return model, int(loaded.state["counters"]["step"])
         return None
 
     def replay_to(self, fit: RunState, step: int, start: int, locate: tuple[int, int] | None,

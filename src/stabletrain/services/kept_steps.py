@@ -199,6 +199,9 @@ class HostSteps:
     def fallback_state(self, fit: Any) -> None:
         return None  # the host owns its checkpoints
 
+    def reference_state(self, fit: Any, before: int, unlike: Any) -> None:
+        return None  # the host owns its checkpoints
+
     def why_not(self, step: int, start: int) -> str | None:
         missing = [t for t in range(start + 1, step + 1) if t not in self.keeper.steps]
         if self.keeper.overflow_at is not None:

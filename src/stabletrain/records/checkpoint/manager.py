@@ -354,6 +354,15 @@ class CheckpointManager:
         found = [p for p in self.root.iterdir() if _FINAL.match(p.name) and p.is_dir()]
         return sorted(found, key=_step_of, reverse=True)
 
+    def good_before(self, step: int) -> list[Path]:
+        """Return the checkpoint directories before ``step`` that LAST_GOOD covers (none newer than it), newest
+        first; [] without a LAST_GOOD. Verifies nothing (:meth:`load` each)."""
+        good = self.latest_good()
+        if good is None:
+            return []
+        limit = _step_of(good)
+        return [d for d in self.checkpoints() if _step_of(d) <= limit and _step_of(d) < step]
+
     def latest_good(self) -> Path | None:
         """Return the directory LAST_GOOD names, or None (no LAST_GOOD, or it names no directory).
 
