@@ -188,3 +188,22 @@ def test_the_live_remedy_searches_the_capture_s_bundle_and_diagnosis_in_memory(t
     assert event["name"] == "skip-samples" and event["verdict"] == "cures"
     incident = run_dir / "incidents" / f"step_{event['incident_step']:06d}"
     assert {"bundle.pt", "diagnosis.json", "remedy.json"} <= {p.name for p in incident.iterdir()}
+
+
+def test_a_divergence_after_a_resume_is_measured_over_the_whole_run_and_rolled_back_before_it(tmp_path, capsys):
+    """The live diagnosis reads this launch's records from memory: after a resume it must also see the earlier
+    launch's on disk. Without them the growth began 'since step 35' (already 2.9e34) and the remedy rolled back to step
+    30, inside the divergence, and called that cured (the run ended at loss 1.7e22)."""
+    args = ["task=examples.diverging_task:make_task", "optim.name=sgd", "optim.lr=2.5", "optim.weight_decay=0",
+            "clip.max_norm=null", "sched.decay=constant", "train.batch_size=8", "log.every=5", "ckpt.every=10",
+            "ckpt.keep=10", "data.shuffle=false", "guard.on_nonfinite=remedy", "log.progress=false"]
+    run_dir = tmp_path / "run"
+    assert main(["train", *args, "train.max_steps=30", f"run.dir={run_dir}"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run_dir), *args, "train.max_steps=60"]) == 0
+    out = capsys.readouterr().out
+    assert "loss grew x13.5 per step since step 5 (2.7 -> 4.47e+36 by step 37" in out, out
+    (event,) = [e for e in events(run_dir) if e["kind"] == "remedy"]
+    assert (event["name"], event["step"], event["from_step"], event["incident_step"]) == ("rollback-lr-x0.1", 0, 40, 38)
+    final = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    assert final["step"] == 60 and final["loss"] < FINAL_LOSS_BAND

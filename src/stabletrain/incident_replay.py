@@ -40,7 +40,7 @@ from .seeding import rng_state, set_rng_state
 from .step import TrainStep
 from .tasks import Task, resolve_task
 
-__all__ = ["diagnose_step", "diagnose_incident", "run_history"]
+__all__ = ["diagnose_step", "diagnose_incident", "launch_history", "run_history"]
 
 
 class _NonFiniteLoss(Exception):
@@ -273,6 +273,15 @@ def run_history(incident_dir: str | Path) -> list[dict[str, Any]]:
         except ValueError:  # a line cut short by a crash
             continue
     return [r for r in rows if isinstance(r, dict)]
+
+
+def launch_history(incident_dir: str | Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The run's history as a live diagnosis sees it: ``rows`` (this launch's records in memory, the newest maybe not
+    on disk yet) after the run's earlier records on disk (``metrics.jsonl``'s rows before them: a resumed run's earlier
+    launches, whose rows this process never held)."""
+    first = next((r["step"] for r in rows if isinstance(r.get("step"), int)), None)
+    earlier = [r for r in run_history(incident_dir) if isinstance(r.get("step"), int) and (first is None or r["step"] < first)]
+    return [*earlier, *rows]
 
 
 def diagnose_incident(directory: str | Path, task: Task | None = None, *, device: str | None = None,

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 from .. import console
 from ..console import StableTrainWarning
 from ..diagnostics.diagnosis import DIAGNOSIS_FIELDS
-from ..incident_replay import diagnose_incident
+from ..incident_replay import diagnose_incident, launch_history
 from ..records.bundles import BUNDLE_DCP_DIR, STATE_IN, write_bundle
 from ..records.checkpoint.shards import is_dcp_entry
 from ..records.snapshot import IntervalSnapshot
@@ -333,7 +333,7 @@ class IncidentCapture:
                 task, context, extra = self.source.diagnosis(bundle)
                 with self._replaying(), context:  # the run's own history in memory: its newest rows may not be on disk yet
                     diagnosis = diagnose_incident(folder, task, device=str(fit.device), bundle=in_memory,
-                                                  history=list(fit.history))
+                                                  history=launch_history(folder, list(fit.history)))
                 on_rank = f" (rank {rank})" if fit.dist.enabled else ""
                 console.say(f"{label} at step {step}{on_rank}: {diagnosis.get('summary')}")
                 return {"diagnosis": {**{k: diagnosis.get(k) for k in DIAGNOSIS_FIELDS},
