@@ -270,3 +270,24 @@ def test_without_loss_fn_an_incident_it_cannot_capture_is_said_once_and_a_captur
         train(monitor, model, batches(10, bad_step=BAD_STEP))
     line = f"stabletrain: incident at step {BAD_STEP} captured into {tmp_path / 'quiet' / 'incidents'}"
     assert line in capsys.readouterr().out
+
+
+def test_an_empty_batch_is_diagnosed_as_one_and_remedy_says_there_is_nothing_to_replay(tmp_path, capsys):
+    """A loop that reads past its data's end hands the Monitor an empty batch: its loss is NaN (a mean over nothing).
+    The diagnosis names that (it crashed on collating no rows before), and so do `diagnose` and `remedy`."""
+    from stabletrain.cli import main
+
+    model, opt = make()
+    data = batches(12)
+    data[8] = tuple(t[:0] for t in data[8])  # step 9: no samples
+    with Monitor(model, opt, run_dir=tmp_path / "run", log_every=10, loss_fn=loss_fn) as monitor:
+        train(monitor, model, data)
+    (incident,) = load_run(tmp_path / "run").counted_events("incident")
+    d = incident.extra["diagnosis"]
+    assert incident.step == 9 and (d["failure_class"], d["stage"]) == ("data", "inputs"), d
+    assert d["summary"].startswith("empty batch: its batch holds no samples; a mean loss over no samples is NaN")
+    assert "stabletrain: incident at step 9: empty batch: its batch holds no samples" in capsys.readouterr().out
+    folder = tmp_path / "run" / "incidents" / "step_000009"
+    assert main(["diagnose", str(folder)]) == 0 and "empty batch" in capsys.readouterr().out
+    assert main(["remedy", str(folder)]) != 0
+    assert "step 9's batch holds no samples (micro-batch 0 empty): no remedy to replay" in capsys.readouterr().err

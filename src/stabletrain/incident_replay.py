@@ -252,6 +252,22 @@ def _positions(result: dict[str, Any], task: Task) -> None:
             for i, p in zip(samples, result["bad_positions"])) + ")"
 
 
+def _empty_batch(bundle: dict[str, Any], empty: list[int]) -> dict[str, Any]:
+    """The diagnosis of a step with an empty micro-batch (a host's loop read past its data's end): no replay."""
+    parts = len(bundle["window"]["indices"])
+    which = ("its batch holds no samples" if parts == 1 else
+             f"{'all' if len(empty) == parts else len(empty)} of its {parts} micro-batches hold no samples "
+             f"(micro-batch{'es' if len(empty) > 1 else ''} {', '.join(map(str, empty))})")
+    summary = (f"empty batch: {which}; a mean loss over no samples is NaN whatever the weights (does the loop read past "
+               "its data's end? a last short slice, or a sampler with fewer samples than steps)")
+    return {"step": bundle["step"], "rank": bundle.get("rank", 0), "epoch": bundle["window"]["epoch"],
+            "summary": summary, "failure_class": "data", "stage": "inputs", "op": None, "direction": None,
+            "module": None, "origin": "inputs", "first_nonfinite_param": None, "bad_samples": None,
+            "reproduces": None, "evidence": f"the step's window: {bundle['window']['indices']} (no replay: nothing to run)",
+            "empty_micro_batches": empty, "observed": bundle.get("observed", {}),
+            "sample_unit": bundle.get("sample_unit", "dataset index")}
+
+
 def _comparable_norm(norm: Any, world_size: int) -> float | None:
     """The run's grad norm a one-process replay can be held to: under DDP/FSDP the run's is the global one, the
     replay's one rank's, so only a non-finite one (the replayed rank is the one that saw it) is compared."""
@@ -300,6 +316,12 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
     bundle = bundle if bundle is not None else load_bundle(directory)
     cfg = config_from_dict(bundle["config"])
     dev = resolve_device(device or cfg.device)
+    empty = [m for m, idx in enumerate(bundle["window"]["indices"]) if not idx]
+    if empty:  # nothing to replay: a mean over no samples is NaN, whatever the weights
+        result = _empty_batch(bundle, empty)
+        result["timings"] = {"total_s": time.perf_counter() - start}
+        atomic_write(directory / DIAGNOSIS_FILE, json.dumps(result, indent=2, default=str) + "\n")
+        return result
     if task is None:
         task = task_of_run(cfg, directory)
     if bundle.get("observed", {}).get("anomaly") == "spike":  # a finite spike: its counterfactual replays

@@ -81,6 +81,10 @@ class _Incident:
         if int(self.bundle.get("world_size", 1)) > 1:
             raise ValueError(f"incident {str(directory)!r} comes from a run of {self.bundle['world_size']} processes; "
                              "stabletrain remedy replays one process's run only (the global window is not in the bundle)")
+        empty = [m for m, idx in enumerate(self.bundle["window"]["indices"]) if not idx]
+        if empty:
+            raise ValueError(f"incident {str(directory)!r}: step {self.bundle['step']}'s batch holds no samples (micro-batch "
+                             f"{', '.join(map(str, empty))} empty): no remedy to replay; skip empty batches in the loop")
         self.cfg = config_from_dict(self.bundle["config"])
         self.device = resolve_device(device or self.cfg.device)
         self.task = task if task is not None else task_of_run(self.cfg, directory)
