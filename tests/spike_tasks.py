@@ -41,6 +41,11 @@ def outlier_samples_task(bad: tuple[int, ...] = (153, 157), scale: float = 40.0,
     return Task(model=model, train_data=TensorDataset(x, y), loss=_mse, name="outlier-samples")
 
 
+def regression_mlp() -> nn.Module:
+    """:func:`outlier_samples_task`'s model (no dropout), as an adapter's ``model_factory`` rebuilds it."""
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+
+
 def outliers_at_task(bad: str = "153,157", scale: float = 40.0, n: int = 256) -> Task:
     """:func:`outlier_samples_task` with its samples as a comma-separated string (a command line's task_args)."""
     return outlier_samples_task(tuple(int(i) for i in bad.split(",")), scale, n)

@@ -604,6 +604,33 @@ def test_an_adapter_spike_gets_the_same_doctor(tmp_path):
     assert d["bad_positions"] == [{"micro_batch": 0, "position": 1}, {"micro_batch": 0, "position": 5}]
 
 
+def test_an_adapter_spike_opening_its_interval_gets_untestable_not_fails_for_remedies_that_change_updates(tmp_path):
+    """log_every=19 puts the spike (step 20) first in its interval: the bundle holds its step alone. A lower LR or a
+    clip changes only the update after the spike's loss: its one-step replay cannot show an effect ('untestable'),
+    where 'fails' said it had been tried and found wanting; dropping the named samples is testable and cures."""
+    from spike_tasks import _mse
+
+    from stabletrain import Monitor
+
+    task = outlier_samples_task()
+    torch.manual_seed(0)
+    opt = torch.optim.AdamW(task.model.parameters(), lr=0.01, fused=True)
+    with Monitor(task.model, opt, run_dir=tmp_path / "run", log_every=19, loss_fn=_mse,
+                 model_factory="spike_tasks:regression_mlp") as monitor:
+        for step in range(24):
+            batch = task.train_data[step * 8:(step + 1) * 8]
+            loss = _mse(task.model, batch)
+            monitor.backward(loss, batch)
+            monitor.step()
+    (incident,) = [e for e in _events(tmp_path / "run") if e["kind"] == "incident"]
+    assert incident["step"] == 20 and incident["diagnosis"]["failure_class"] == "data"
+    record = search_remedies(tmp_path / "run" / "incidents" / "step_000020")
+    verdicts = {c["name"]: c["verdict"] for c in record["candidates"]}
+    assert verdicts["skip-samples"] == "cures", record["candidates"]
+    changes_updates = {n for n in verdicts if n.startswith(("lr-", "clip", "update-clip", "adam-eps"))}
+    assert changes_updates and {verdicts[n] for n in changes_updates} == {"untestable"}, verdicts
+
+
 def test_an_adapter_spikes_summary_says_where_in_the_step_each_blamed_sample_is(tmp_path):
     """An adapter numbers a step's samples by their place in it: with two micro-batches 'sample 5' alone did not say
     which; the summary (the console line) says micro-batch and position, as diagnosis.json's bad_positions do."""
@@ -788,6 +815,24 @@ def test_without_an_older_state_a_few_samples_name_a_data_spike_only_when_they_c
     assert drifted["failure_class"] == "state" and "ordinary windows are high under this state too" in drifted["evidence"]
     data = classify_spike(m(0.99, {"loss": 0.08, "spike": False}))
     assert data["failure_class"] == "data" and data["blamed_samples"] == [7]
+
+
+def test_without_an_older_state_a_window_reaching_rarely_trained_coordinates_is_optimizer_state_not_drift():
+    """An adapter's spike on its interval's first step (no update before it replayed, no older state) whose ordinary
+    windows are normal under this state: Monitor called a rare-token spike 'state: drifted' though nothing said so. The
+    window's own surge into coordinates with a tiny sqrt(v) names the layer; with none, the verdict says it could not
+    tell the state from the window."""
+    surge = {"name": "encoder.tok.weight", "numel": 1024, "surge_share": 0.0146, "coord_factor": 78.5, "step": 151}
+    m = {"reproduces": True, "step": 151, "older": None, "fp32": None, "where": {}, "jumps": {}, "samples": None,
+         "ordinary_now": {"loss": 0.61, "spike": False}}
+    opt = classify_spike({**m, "surges": [surge]})
+    assert (opt["failure_class"], opt["blamed_layer"]) == ("optimizer-state", "encoder.tok.weight"), opt
+    assert "which step moved them is not measured" in opt["evidence"]
+    plain = classify_spike({**m, "surges": []})
+    assert plain["failure_class"] == "state" and plain["evidence"].startswith("the model or optimizer state, or this window")
+    assert "ordinary windows are normal under this state (0.61)" in plain["evidence"]
+    drifted = classify_spike({**m, "surges": [surge], "ordinary_now": {"loss": 5.0, "spike": True}})
+    assert drifted["failure_class"] == "state" and drifted["blamed_layer"] is None  # the whole state is off: no layer
 
 
 def test_a_spike_rollback_also_drops_the_samples_its_diagnosis_named(tmp_path):

@@ -63,7 +63,7 @@ __all__ = ["search_remedies", "format_table", "REMEDY_FILE", "LOSS_TOLERANCE", "
 LOSS_TOLERANCE = 0.10
 #: The end loss: the mean of the last this many replayed steps' losses.
 END_STEPS = 5
-VERDICTS = ("cures", "worse", "fails")
+VERDICTS = ("cures", "worse", "fails", "untestable")
 #: A skip-samples candidate takes the outliers of at most this many later windows too (:func:`_extended`).
 MAX_EXTENSIONS = 3
 
@@ -423,7 +423,15 @@ def search_remedies(directory: str | Path, task: Task | None = None, *, steps: i
     baseline = results[0]
     healthy = _healthy(inc.history, diagnosis)
     typical = (diagnosis.get("spike_window") or {}).get("median")
-    for r in results:
+    # An adapter's spike bundle with no step before it: a remedy that changes updates starts at the spike's own step,
+    # whose loss came before any update, and nothing after it is replayed: its one step cannot show an effect.
+    untestable = inc.adapter and inc.bundle.get("observed", {}).get("anomaly") == "spike" and not inc.bundle.get("previous")
+    for c, r in zip(pool, results):
+        if untestable and c.earlier and c.rollback_step is None and r is not baseline:
+            r["verdict"], r["evidence"], r["baseline"] = "untestable", (
+                "it changes the updates, which come after the spike's loss; this adapter bundle holds the spike's step "
+                "alone (no step before it to start from, none after it to judge)"), False
+            continue
         r["verdict"], r["evidence"] = judge(r, baseline, healthy, typical)
         if r.get("extended"):  # the burst's later windows' outliers, dropped too
             r["evidence"] += "; with the outliers of the windows after it: " + ", ".join(

@@ -225,6 +225,9 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     elif weak:
         drift = (f"; no older state to weigh the window against, and no few samples carry most of it (the "
                  f"{len(samples['indices'])} largest: {_pct(samples['share'])})")
+    elif older is None and now is not None:
+        drift = (f"; ordinary windows are normal under this state ({now['loss']:.4g}) and no older state is at hand to "
+                 "weigh the window against (the spike opens its log interval): the window itself may carry it")
     elif older is not None:
         now, then = older["current_ordinary"], older["ordinary"]
         versus = (f"vs {then:.4g}" if not older["ordinary_high"] or now > then else
@@ -240,8 +243,20 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
                 "evidence": (f"Adam's second moment: in the update of step {blamed['step']}, {_pct(blamed['surge_share'])} of "
                              f"{blamed['name']}'s coordinates got a gradient past {SURGE_FACTOR:g}x sqrt(v) after tiny "
                              f"gradients and moved x{blamed['coord_factor']:.3g} as far as its others" + drift)}
+    own = (_surging_layer([r for r in m.get("surges") or [] if r.get("step") == m.get("step")])
+           if older is None and now is not None and not drifted else None)
+    if own is not None:  # no update before it was replayed: the window's own reach into rarely trained coordinates
+        out["blamed_layer"] = own["name"]
+        return {**out, "failure_class": "optimizer-state",
+                "evidence": (f"Adam's second moment: this window's gradients reach {_pct(own['surge_share'])} of "
+                             f"{own['name']}'s coordinates past {SURGE_FACTOR:g}x sqrt(v), rarely trained ones (its update "
+                             f"moves them x{own['coord_factor']:.3g} as far as its others), while ordinary windows are "
+                             f"normal under this state ({now['loss']:.4g}); the update before the spike was not replayed "
+                             "(it opens its log interval: no older state), so which step moved them is not measured")}
     where = m.get("where") or {}
-    text = "the model or optimizer state drifted (a divergence onset, or an LR too high)" + drift
+    untold = older is None and now is not None and not drifted  # ordinary windows normal, no older state
+    text = ("the model or optimizer state, or this window (not told apart)" if untold else
+            "the model or optimizer state drifted (a divergence onset, or an LR too high)") + drift
     if where.get("first"):
         out["blamed_module"] = where["first"]
         text += f"; first module whose output departs: '{where['first']}' (x{where['first_factor']:.3g})"
