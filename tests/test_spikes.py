@@ -346,10 +346,19 @@ def test_outlier_sets_come_fewest_first_with_non_finite_samples_always_in():
 
     rows = [{"sample": i, "loss_sum": v, "count": 1.0} for i, v in enumerate([1.0, 30.0, 1.2, 20.0, 0.9, 1.1, 1.0, 0.8])]
     normal = lambda loss: loss < 2.0  # noqa: E731
-    assert list(outlier_sets(rows, normal)) == [[1, 3]]  # the largest alone leaves 20 in: not normal; at most 2 (8 // 4)
+    assert list(outlier_sets(rows, normal)) == [[1, 3], [1, 3, 2]]  # the largest alone leaves 20 in; at most 3 of 8
     rows[6]["loss_sum"] = float("nan")
     assert next(outlier_sets(rows, normal)) == [6, 1, 3]
     assert next(outlier_sets(rows, lambda loss: loss < 0.5), None) is None
+
+
+def test_three_bad_samples_of_eight_are_a_few_and_larger_sets_stay_below_half():
+    """3 flipped labels in a window of 8 carried 99.99% of its loss and were never named (the bar was 2 = 8 // 4)."""
+    from stabletrain.diagnostics.spike import max_outliers, outlier_sets
+
+    assert [max_outliers(n) for n in (2, 4, 6, 8, 16, 64, 256)] == [1, 2, 3, 3, 4, 16, 16]
+    rows = [{"sample": i, "loss_sum": v, "count": 1.0} for i, v in enumerate([0.1, 9.0, 0.1, 8.0, 7.5, 0.1, 0.2, 0.1])]
+    assert next(outlier_sets(rows, lambda loss: loss < 0.5)) == [1, 3, 4]
 
 
 def test_the_device_rules_spike_window_is_the_one_it_judged_the_spike_with(tmp_path):

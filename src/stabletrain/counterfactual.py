@@ -36,7 +36,16 @@ from torch import nn
 from .config import config_from_dict
 from .data import move_to
 from .diagnostics.diagnosis import matches_observed
-from .diagnostics.spike import adam_surges, classify_spike, departures, jumps, outlier_sets, spike_summary, surge_rows
+from .diagnostics.spike import (
+    adam_surges,
+    classify_spike,
+    departures,
+    jumps,
+    max_outliers,
+    outlier_sets,
+    spike_summary,
+    surge_rows,
+)
 from .policies.accumulation import as_sum_count, loss_sums
 from .policies.guard import spike_test
 from .policies.precision import resolve_device
@@ -182,7 +191,9 @@ def _samples(bench: _Bench, groups: list[tuple[list[int], Any]], rule: Any, grad
     drop, note = _bisect(bench, groups, normal, bound, bound * median)
     found = _verified(bench, groups, rule, normal, [drop] if drop else [])
     if found is None:
-        return rows, None, "; ".join(x for x in (failed, note) if x) or None
+        n = sum(len(idx) for idx, _ in groups)
+        note = note or f"no set of up to {max_outliers(n)} of the window's {n} samples makes the step normal"
+        return rows, None, "; ".join(x for x in (failed, note) if x)
     kept = [[i for i in idx if i not in found["indices"]] for idx, _ in groups]
     share = 1.0 - bench.sums(bench.groups(kept))[0] / window_sum if window_sum else 0.0
     why = failed or "no few of the samples' own largest losses made the step normal: the loss couples them"
@@ -217,7 +228,7 @@ def _bisect(bench: _Bench, groups: list[tuple[list[int], Any]], normal: Any, rat
     window (16 at most) would go, or the rest is not normal. The note says how it searched (and why it stopped).
     """
     flat = [i for idx, _ in groups for i in idx]
-    limit, calls, notes = max(2, min(16, len(flat) // 4)), [0], []
+    limit, calls, notes = max_outliers(len(flat)), [0], []
 
     def loss_of(samples: list[int]) -> float | None:
         if calls[0] >= MAX_BISECT_REPLAYS:

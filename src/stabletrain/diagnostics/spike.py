@@ -139,17 +139,23 @@ def jumps(spike: dict[str, float], ordinary: dict[str, float], top: int = 3) -> 
     return [r for r in rows[:top] if r[1] >= 1.0]
 
 
+def max_outliers(n: int) -> int:
+    """How many of a window's ``n`` samples a data spike's set may hold: a quarter of them, at least 3 (3 of 8 bad
+    labels were never named under a bar of 2) but never more than half (more is no "few"), 16 at most."""
+    return max(1, min(max(3, min(16, n // 4)), n // 2))
+
+
 def outlier_sets(rows: list[dict[str, Any]], normal: Callable[[float], bool]) -> Iterator[list[int]]:
     """The sets of a window's samples worth dropping to make its step normal, fewest first.
 
     ``rows``: one per sample, ``{"sample", "loss_sum", "count"}`` (a sample's loss as a sum over its items, as the
     step sums them). Yields the samples with a non-finite loss, with the k largest losses after them (k = 0, 1, ...,
-    at most a quarter of the window, 16 at most), each set whose rest's mean loss ``normal`` accepts; nothing when
+    at most :func:`max_outliers`), each set whose rest's mean loss ``normal`` accepts; nothing when
     no such set leaves a sample. A caller verifies a set by replaying the step without it.
     """
     bad = [r for r in rows if not math.isfinite(r["loss_sum"])]
     good = sorted((r for r in rows if math.isfinite(r["loss_sum"])), key=lambda r: -r["loss_sum"])
-    limit = max(2, min(16, len(rows) // 4))
+    limit = max_outliers(len(rows))
     for k in range(0 if bad else 1, min(limit, len(good) - 1) + 1):
         rest = good[k:]
         count = sum(r["count"] for r in rest)
