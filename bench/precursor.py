@@ -16,7 +16,8 @@ events back (events.jsonl: ``precursor``, ``spike``, ``nonfinite``), so it measu
     first_bad = the first spike or non-finite step; lead = first_bad - the step of the last precursor
     before it; "warned" when that lead is at most --horizon steps (5 log intervals by default: an older
     warning is counted with the run's earlier warnings, not as this spike's).
-(b) False alarms per 10,000 steps on healthy runs: the default gpt (300 steps, and 2000) and the default mlp
+(b) False alarms per 10,000 steps on healthy runs (the precursor's; the spike rule's on the same runs are
+    counted too): the default gpt (300 steps, and 2000) and the default mlp
     (300 steps, and 3000), several seeds each, with every default (log.every=10, the guard's precursor keys);
     only validation, checkpoints and incident capture are off (none touches what the precursor reads).
 
@@ -98,7 +99,8 @@ def run(task: str | Callable[[], Task], overrides: list[str], *, stop: bool) -> 
     warned = [e["step"] for e in events if e["kind"] == "precursor"]
     bad = min((e["step"] for e in events if e["kind"] in ("spike", "nonfinite")), default=None)
     layers = [e["layers"][0]["name"] for e in events if e["kind"] == "precursor"]
-    return {"steps": trainer.step, "warned": warned, "first_bad": bad, "layers": layers,
+    spikes = [e["step"] for e in events if e["kind"] == "spike"]
+    return {"steps": trainer.step, "warned": warned, "first_bad": bad, "layers": layers, "spikes": spikes,
             "seconds": time.perf_counter() - t0}
 
 
@@ -188,14 +190,16 @@ def main() -> None:
     totals: dict[str, list[int]] = {}
     for name, task, overrides in healthy(args):
         result = run(task, [*overrides, *args.set], stop=False)
-        t = totals.setdefault(name, [0, 0, 0])
+        t = totals.setdefault(name, [0, 0, 0, 0])
         t[0], t[1], t[2] = t[0] + 1, t[1] + result["steps"], t[2] + len(result["warned"])
+        t[3] += len(result["spikes"])
         print(f"  {name:9s} {overrides[-1]:8s} steps {result['steps']:5d}  precursors {result['warned']} "
-              f"{result['layers']}  ({result['seconds']:.0f} s)", flush=True)
+              f"{result['layers']}  spikes {result['spikes']}  ({result['seconds']:.0f} s)", flush=True)
     steps = sum(t[1] for t in totals.values())
     alarms = sum(t[2] for t in totals.values())
-    for name, (runs, n, k) in totals.items():
+    for name, (runs, n, k, _) in totals.items():
         print(f"  {name:9s} {runs:2d} runs, {n:6d} steps, {k} false alarms = {1e4 * k / n:.2f} per 10,000 steps")
+    print(f"  the spike rule on the same healthy runs: {sum(t[3] for t in totals.values())} spikes in {steps} steps")
     bound = f" (none seen: fewer than {3e4 / steps:.1f} per 10,000 steps at 95% confidence)" if not alarms else ""
     print(f"  all healthy: {alarms} false alarms in {steps} steps = {1e4 * alarms / steps:.2f} per 10,000 steps{bound}")
     print(f"\n{load_average()} at the end")

@@ -202,3 +202,24 @@ def batchnorm_outlier_task(bad: tuple[int, ...] = (3173,), scale: float = 50.0, 
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.Linear(32, 1))
     return Task(model=model, train_data=TensorDataset(x, y), loss=_mse, name="batchnorm-outlier")
+
+
+def _ce(model: nn.Module, batch) -> Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x).float(), y)
+
+
+def flipped_labels_task(bad: tuple[int, ...] = (802, 805, 806), n: int = 1280, seed: int = 1) -> Task:
+    """data, then aftershocks: an MLP classifier on 6 gaussian blobs learns them to a loss of ~6e-5 within 50 steps
+    (batch 16); samples ``bad`` (step 51) carry a wrong label, a loss x4e4 its window's median that the window's
+    deviation hid (its first, much larger losses are still in it). Under guard.on_spike=warn the step's update is
+    applied, and later windows spike under the state it left."""
+    g = torch.Generator().manual_seed(seed)
+    centers = torch.randn(6, 12, generator=g) * 2.0
+    y = torch.randint(0, 6, (n,), generator=g)
+    x = centers[y] + 0.5 * torch.randn(n, 12, generator=g)
+    for i in bad:
+        y[i] = (y[i] + 3) % 6
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(12, 64), nn.ReLU(), nn.Linear(64, 6))
+    return Task(model=model, train_data=TensorDataset(x, y), loss=_ce, name="flipped-labels")

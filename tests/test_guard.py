@@ -19,7 +19,7 @@ from stabletrain import Trainer
 from stabletrain.cli import main
 from stabletrain.config import GuardConfig
 from stabletrain.data import EpochOrder
-from stabletrain.policies.guard import Guard
+from stabletrain.policies.guard import Guard, spike_test
 from stabletrain.records.checkpoint.manager import CheckpointManager
 
 BAD = 37  # the dataset index holding a NaN in nan_sample_task
@@ -476,3 +476,24 @@ def test_the_final_line_counts_the_steps_an_earlier_launch_skipped(tmp_path, cap
         out = capsys.readouterr().out
         assert f"stabletrain: nothing to train: the run is at step 12 and train.max_steps={steps} (raise " in out, out
         assert "trained" not in out
+
+
+def test_a_huge_loss_after_a_fast_fall_is_a_spike_that_the_windows_deviation_hid_on_every_side():
+    """A loss that fell from 2 to 6e-5 over the window's 50 steps: the early losses make its deviation ~0.5, so a loss
+    of 2.3 (x4e4 the median) had a z-score of 4 and was no spike. Past spike_ratio ** 5 (32x) times the median the
+    robust z-score (median, MAD) decides too; the device rule, the host's interval rule and spike_test agree, and
+    ordinary noise on the same fall (x2) is still none."""
+    fall = [2.0 * (3e-5 ** (i / 49)) for i in range(50)]
+    cfg = GuardConfig(spike_window=50, on_spike="skip")
+    before = spike_test(2.33, fall, cfg)
+    assert before["spike"] and before["zscore"] < cfg.spike_zscore < before["robust_zscore"], before
+    assert not spike_test(2.0 * fall[-1], fall, cfg)["spike"]
+    for loss, want in ((2.33, True), (2.0 * fall[-1], False), (20 * fall[-1], False)):
+        device = Guard(cfg, torch.device("cpu"))
+        for v in fall:
+            device.observe(torch.tensor(v), torch.tensor(1.0))
+        host = Guard(GuardConfig(spike_window=50, on_spike="warn"), torch.device("cpu"))
+        rows = _rows([*fall, loss], [True] * 51)
+        host.mark_spikes(rows)
+        on_device = bool(device.observe(torch.tensor(loss), torch.tensor(1.0))[2])
+        assert (on_device, rows[-1].values["spike"] > 0.5, spike_test(loss, fall, cfg)["spike"]) == (want,) * 3, loss

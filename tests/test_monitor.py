@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -260,6 +261,9 @@ def test_without_loss_fn_an_incident_it_cannot_capture_is_said_once_and_a_captur
     said = [str(w.message) for w in caught if "not captured" in str(w.message)]
     assert said == [f"the incident at step {BAD_STEP} was not captured: no replay of the host's steps (pass loss_fn= "
                     "to replay them)"]
+    # It points at the user's own line that called into stabletrain (monitor.step in train() here), not at ours.
+    assert [(Path(w.filename).name, w.lineno) for w in caught if "not captured" in str(w.message)] == [
+        ("test_monitor.py", train.__code__.co_firstlineno + 5)]
     events = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl")[0] if e["kind"] == "incident"]
     assert [e["step"] for e in events] == [BAD_STEP, 17] and all("not captured" in e["reason"] for e in events)
     later = [line for line in capsys.readouterr().out.splitlines() if "not captured" in line]  # each later one: a line

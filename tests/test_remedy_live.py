@@ -207,3 +207,21 @@ def test_a_divergence_after_a_resume_is_measured_over_the_whole_run_and_rolled_b
     assert (event["name"], event["step"], event["from_step"], event["incident_step"]) == ("rollback-lr-x0.1", 0, 40, 38)
     final = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
     assert final["step"] == 60 and final["loss"] < FINAL_LOSS_BAND
+
+
+def test_remedy_apply_names_one_of_several_rows_of_the_same_name_by_its_number():
+    """A precision incident lists module-fp32 once per module it tried; remedy.apply=DIR:module-fp32 took the first
+    silently. Now one name for several rows is refused naming each row, and DIR:N applies row N of the table."""
+    from stabletrain.services.remedy_applier import _candidate
+
+    rows = [{"name": "module-fp32", "detail": "module 'merge' in fp32", "verdict": "cures", "remedy": {"module": "merge"}},
+            {"name": "skip-step", "detail": "drop the incident's window", "verdict": "cures", "remedy": {}},
+            {"name": "module-fp32", "detail": "module 'route' in fp32", "verdict": "cures", "remedy": {"module": "route"}}]
+    with pytest.raises(ValueError) as err:
+        _candidate(rows, "module-fp32", "inc:module-fp32", "inc")
+    assert ("'module-fp32' names 2 candidates (row 1: module 'merge' in fp32, cures; row 3: module 'route' in fp32, "
+            "cures); name one by its row: remedy.apply=inc:1") in str(err.value)
+    assert _candidate(rows, "3", "inc:3", "inc")["remedy"] == {"module": "route"}
+    assert _candidate(rows, "skip-step", "inc:skip-step", "inc") is rows[1]
+    with pytest.raises(ValueError, match="has rows 1-3, not 4"):
+        _candidate(rows, "4", "inc:4", "inc")

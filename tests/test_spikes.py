@@ -19,6 +19,7 @@ import torch
 from helpers import cfg
 from spike_tasks import (
     batchnorm_outlier_task,
+    flipped_labels_task,
     offset_inputs_task,
     outlier_samples_task,
     rare_token_task,
@@ -886,3 +887,22 @@ def test_candidates_are_judged_before_a_later_incident_every_one_past_this_one_m
     assert _before_later_incident(cured, 45) is None and cured[0]["failed"]["step"] == 63  # a cure went past 63
     soon = [result("skip-step", 48, trained[:4]), result("skip-samples", 48, trained[:4])]
     assert _before_later_incident(soon, 45) is None  # the incident's own course: no later incident
+
+
+def test_a_spike_after_a_fast_fall_is_caught_named_and_its_aftershocks_linked_to_it(tmp_path):
+    """The loss fell from ~2 to ~6e-5 in 50 steps; 3 flipped labels at step 51 make a loss x4e4 the median that the
+    rule missed (the window's deviation, from its first losses, put it at z 4). It is a spike now, its 3 samples named
+    (3 of 16: a few), and under guard.on_spike=warn its update is applied: a later spike within 50 steps says it may be
+    that spike's aftershock (a later one's samples were blamed with no word of the earlier spike)."""
+    run_dir = tmp_path / "run"
+    Trainer(cfg("train.batch_size=16", "train.max_steps=72", "optim.lr=0.02", "log.every=10", "data.shuffle=false",
+                "sched.warmup_steps=0", "sched.decay=constant"), task=flipped_labels_task(), run_dir=run_dir).fit()
+    incidents = [e for e in _events(run_dir) if e["kind"] == "incident"]
+    first, *later = incidents
+    assert first["step"] == 51 and first["diagnosis"]["failure_class"] == "data"
+    assert first["diagnosis"]["bad_samples"] == [802, 805, 806]
+    assert [e["step"] for e in later] == [61, 71]  # one capture per interval; the state it left spikes on
+    assert "10 steps after the spike at step 51 (data), whose update was applied: this may be its aftershock" in (
+        later[0]["diagnosis"]["summary"])
+    assert "10 steps after the spike at step 61 (" in later[1]["diagnosis"]["summary"]
+    assert "aftershock" not in first["diagnosis"]["summary"]

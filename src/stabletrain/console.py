@@ -17,13 +17,15 @@ Python API alike.
 from __future__ import annotations
 
 import contextlib
+import inspect
+import os
 import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any, TextIO
 
 __all__ = ["say", "warn", "error", "write_line", "show_bar", "is_interactive", "one_line_warnings",
-           "StableTrainWarning", "PREFIX"]
+           "StableTrainWarning", "PREFIX", "user_stacklevel"]
 
 PREFIX = "stabletrain: "
 
@@ -32,6 +34,20 @@ _bar: Any = None  # the tqdm bar being drawn (ProgressBar), which a message must
 
 class StableTrainWarning(UserWarning):
     """A warning from stabletrain meant for the person running it (the CLI shows it as one line)."""
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a ``warnings.warn`` in the caller point at the first frame outside stabletrain: the
+    user's own line that called into it (``monitor.step()``), not stabletrain's file where the warning is made."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = inspect.currentframe(), 0
+    frame = frame.f_back if frame is not None else None  # the caller: stacklevel 1
+    while frame is not None:
+        level += 1
+        if not os.path.abspath(frame.f_code.co_filename).startswith(package):
+            return level
+        frame = frame.f_back
+    return 1
 
 
 def write_line(text: str, file: TextIO | None = None) -> None:

@@ -380,6 +380,11 @@ def _diagnose(bench: _Bench, bundle: dict[str, Any], cfg: Any, observed: dict[st
             high, _ = bench.module_rms(spike, replica.model, fp32)
             m["where"] = departures(low, high, order)
     verdict = classify_spike(m)
+    after = observed.get("after_spike")
+    if after and m["reproduces"]:  # an earlier spike's update, applied, may have left the state off: say so
+        verdict["evidence"] += (f"; {bundle['step'] - after['step']} steps after the spike at step {after['step']}"
+                                + (f" ({after['class']})" if after.get("class") else "")
+                                + ", whose update was applied: this may be its aftershock")
     for row in m["surges"]:  # what an update clip for that layer would hold it to
         row["ordinary_ratio"] = (ordinary or {}).get("update_ratios", {}).get(row["name"])
     top = sorted(m["surges"], key=lambda r: -r["coord_factor"])[:5]

@@ -468,7 +468,8 @@ def format_table(record: dict[str, Any]) -> str:
                   f"later incident at step {record['later_incident']} alike: not this one's)")
     head = (f"incident step {record['step']}: {record['failure_class']} ({record['evidence']})\n"
             f"replayed {after} under {len(record['candidates'])} "
-            f"candidates ({record['timings']['steps_replayed']} steps, {record['timings']['total_s']:.1f} s)")
+            f"candidate{'s' if len(record['candidates']) != 1 else ''} ({record['timings']['steps_replayed']} steps, "
+            f"{record['timings']['total_s']:.1f} s)")
     rows = [("#", "candidate", "verdict", "end loss", "what it does", "evidence")]
     for i, r in enumerate(record["candidates"], 1):
         end = f"{r['end_loss']:.4g}" if isinstance(r["end_loss"], float) and math.isfinite(r["end_loss"]) else "-"

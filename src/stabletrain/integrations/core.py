@@ -268,12 +268,13 @@ class RunSession:
         if decision.action == "stop":
             if self.options.on_nonfinite == "warn":
                 warnings.warn(f"{decision.reason} (on_nonfinite='warn': training goes on)", console.StableTrainWarning,
-                              stacklevel=3)
+                              stacklevel=console.user_stacklevel())
             else:
                 self.state.stop(decision.reason)
         elif decision.bad_steps and self.options.on_nonfinite == "warn":
             warnings.warn(f"non-finite loss or grad norm at step(s) {decision.bad_steps} "
-                          "(on_nonfinite='warn': not skipped by stabletrain)", console.StableTrainWarning, stacklevel=3)
+                          "(on_nonfinite='warn': not skipped by stabletrain)", console.StableTrainWarning,
+                          stacklevel=console.user_stacklevel())
         return record
 
     # -- end and state -----------------------------------------------------------------------------

@@ -14,7 +14,11 @@ capture, stop or rollback (:meth:`Guard.decide`).
 
 Spike rule, stated: a step's loss is a spike when it exceeds ``spike_ratio`` times the median (the
 lower middle value, as ``torch.median``) of the last ``spike_window`` finite non-spike losses AND its
-z-score against their mean and standard deviation exceeds ``spike_zscore``. The rule is armed from
+z-score against their mean and standard deviation exceeds ``spike_zscore`` -- or, for a loss above
+``spike_ratio ** FAR`` times the median (32x with the defaults), its robust z-score (against the median and the
+median absolute deviation times 1.4826) does: a window that still holds a run's first, much larger losses has a
+deviation that hides a x4e4 loss (z 4 at step 51 of a loss that fell from 2 to 6e-5), never its median and MAD.
+The rule is armed from
 :data:`EARLY_ARM` losses on; until half the window is filled it also asks that the loss exceed
 ``spike_ratio`` squared times the largest loss seen so far: a run's first losses fall fast and a few of them
 make a shaky median and deviation (a small batch's loss 2.5x its window's median and 6.0 deviations above
@@ -84,12 +88,28 @@ def spike_test(loss: float, window: list[float], cfg: GuardConfig) -> dict[str, 
         mean = values.mean(dtype=np.float32)
         std = np.sqrt(((values - mean) ** 2).mean(dtype=np.float32))
         z = (x - mean) / (std + np.float32(1e-12))
+        robust = _robust_z(x, values, median)
     early = len(values) < max(cfg.spike_window // 2, 2)
     early_bound = np.float32(cfg.spike_ratio ** 2) * values.max()
-    spike = out["armed"] and bool(x > ratio * median) and bool(z > zscore) and (not early or bool(x > early_bound))
+    far = bool(x > np.float32(cfg.spike_ratio ** FAR) * median) and bool(robust > zscore)
+    spike = (out["armed"] and bool(x > ratio * median) and (bool(z > zscore) or far)
+             and (not early or bool(x > early_bound)))
     out.update(spike=spike, median=float(median), mean=float(mean), std=float(std), zscore=float(z),
-               ratio=float(x / median) if median > 0 else float("inf"))
+               robust_zscore=float(robust), ratio=float(x / median) if median > 0 else float("inf"))
     return out
+
+
+#: The median absolute deviation times this is the standard deviation of normal noise (the robust z-score's scale).
+MAD_TO_STD = 1.4826
+#: A loss above ``spike_ratio ** FAR`` times the median is tested by its robust z-score too (32x with the defaults).
+FAR = 5
+
+
+def _robust_z(x: Any, values: np.ndarray, median: Any) -> Any:
+    """(x - median) / (MAD_TO_STD x the lower median of |values - median|), in float32 (as the device computes it)."""
+    dev = np.sort(np.abs(values - median))
+    mad = dev[(len(dev) - 1) // 2]
+    return (np.float32(x) - median) / (np.float32(MAD_TO_STD) * mad + np.float32(1e-12))
 
 
 def inputs_finite(batch: Any) -> Tensor | None:
@@ -218,9 +238,11 @@ class Guard:
         mean = torch.nanmean(w)
         std = torch.sqrt(torch.nanmean((w - mean) ** 2))
         z = (loss - mean) / (std + 1e-12)
+        robust = (loss - median) / (MAD_TO_STD * torch.nanmedian((w - median).abs()) + 1e-12)
+        far = (loss > self.cfg.spike_ratio ** FAR * median) & (robust > self.cfg.spike_zscore)
         # fp16: a large spike's gradients overflow: its loss is tested still (the host rule tests the overflow rows too)
         testable = finite | (torch.isfinite(loss) & ~torch.isfinite(grad_norm)) if self.scaled else finite
-        spike = armed & testable & (loss > self.cfg.spike_ratio * median) & (z > self.cfg.spike_zscore)
+        spike = armed & testable & (loss > self.cfg.spike_ratio * median) & ((z > self.cfg.spike_zscore) | far)
         early = self.num_seen < self._full_at
         largest = torch.where(torch.isnan(w), torch.full_like(w, float("-inf")), w).max()
         spike = spike & (~early | (loss > self.cfg.spike_ratio ** 2 * largest))
@@ -268,7 +290,9 @@ class Guard:
                         mean = window.mean(dtype=np.float32)
                         std = np.sqrt(((window - mean) ** 2).mean(dtype=np.float32))
                         z = (np.float32(loss) - mean) / (std + np.float32(1e-12))
-                    spike = bool(z > zscore)
+                        spike = bool(z > zscore) or (
+                            bool(np.float32(loss) > np.float32(self.cfg.spike_ratio ** FAR) * np.float32(median))
+                            and bool(_robust_z(loss, window, np.float32(median)) > zscore))
                     if spike and seen < self._full_at:  # early: also above spike_ratio^2 x the largest loss so far
                         spike = bool(np.float32(loss) > np.float32(self.cfg.spike_ratio ** 2) * np.float32(kept[-1]))
             v["spike"] = 1.0 if spike else 0.0

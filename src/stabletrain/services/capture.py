@@ -48,6 +48,8 @@ IN_MEMORY = ("bundle", "diagnosis_record")
 
 #: A spike's bundle keeps up to this many ordinary windows beside its own (its diagnosis compares against them).
 MAX_CONTEXT = 3
+#: A spike this many steps or fewer after an applied one (guard.on_spike=warn) says it may be its aftershock.
+AFTERSHOCK_STEPS = 50
 
 
 def unordinary(fit: RunState, rows: list[Any]) -> set[int]:
@@ -144,6 +146,7 @@ class IncidentCapture:
         self.replayed_steps: int | None = None  # steps the last capture replayed (None: no capture yet)
         self.replaying = False  # a capture is replaying: the source's own per-step hooks stand by
         self.warned = False  # a step that could not be captured was said once
+        self.last_spike: dict[str, Any] | None = None  # the last captured spike whose update was applied
 
     # -- per interval ------------------------------------------------------------------------------
 
@@ -211,7 +214,8 @@ class IncidentCapture:
             what = "spike" if info.get("anomaly") == "spike" else "incident"
             if not self.warned and fit.dist.is_main:  # a warning the first time it matters (what to do about it)
                 self.warned = True
-                warnings.warn(f"the {what} at step {step} was not captured: {why}", StableTrainWarning, stacklevel=2)
+                warnings.warn(f"the {what} at step {step} was not captured: {why}", StableTrainWarning,
+                              stacklevel=console.user_stacklevel())
             elif fit.dist.is_main:  # then one line each, as a captured one gets
                 console.say(f"{what} at step {step} (loss {info.get('loss', float('nan')):.4g}) not captured: {why}")
             return found
@@ -264,6 +268,8 @@ class IncidentCapture:
                                             if row.step < step]
             if spike:  # what the spike's counterfactual replays need: the rule's window, the older state
                 bundle["observed"].update(anomaly="spike", spike_window=list(info.get("spike_window") or []))
+                if self.last_spike is not None and 0 < step - self.last_spike["step"] <= AFTERSHOCK_STEPS:
+                    bundle["observed"]["after_spike"] = dict(self.last_spike)
                 # A state the run made no update from since (its steps skipped) is the spike's own: the step before
                 # then led nothing into the spike, and the older state is no other (FSDP: shards only; right after
                 # the interval's start: the spike's own too).
@@ -290,6 +296,10 @@ class IncidentCapture:
         if src.diagnose:
             event_fields, diagnosis = self._diagnose(fit, folder, bundles[0], in_memory, step, seen[0], label)
             fields.update(event_fields)
+        if spike:  # its update applied (guard.on_spike=warn): a spike soon after may be its aftershock
+            applied = fit.cfg.guard.on_spike == "warn" and any(r.step == step and r.values.get("applied", 1.0) >= 0.5
+                                                               for r in rows)
+            self.last_spike = {"step": step, "class": (diagnosis or {}).get("failure_class")} if applied else None
         if "diagnosis" not in fields:  # every incident reaches the console in one line
             why_not = fields.get("diagnosis_error") or "not diagnosed: the diagnosis is off; stabletrain diagnose replays it"
             console.say(f"{label} at step {step} captured into {folder} ({why_not})")

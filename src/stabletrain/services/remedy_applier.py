@@ -168,7 +168,8 @@ class RemedyApplier:
         return "no good state to replay from"
 
     def by_hand(self) -> None:
-        """Apply config key ``remedy.apply`` (INCIDENT_DIR:NAME) when fit starts, unless it was applied already."""
+        """Apply config key ``remedy.apply`` (INCIDENT_DIR:NAME, or INCIDENT_DIR:N for the table's row N) when fit
+        starts, unless it was applied already."""
         spec = self.state.cfg.remedy.apply
         if not spec:
             return
@@ -180,11 +181,8 @@ class RemedyApplier:
             raise FileNotFoundError(f"config key 'remedy.apply' ({spec!r}): no {REMEDY_FILE} in {incident!r}; run "
                                     f"stabletrain remedy {incident} first")
         record = json.loads(path.read_text(encoding="utf-8"))
-        row = next((c for c in record.get("candidates", []) if c.get("name") == name), None)
-        if row is None:
-            raise ValueError(f"config key 'remedy.apply' ({spec!r}): {REMEDY_FILE} has no candidate {name!r}; it has "
-                             f"{', '.join(c.get('name', '?') for c in record.get('candidates', []))}")
-        if any(a.get("incident") == str(Path(incident)) and a.get("name") == name for a in self.applied):
+        row = _candidate(record.get("candidates", []), name, spec, incident)
+        if any(a.get("incident") == str(Path(incident)) and a.get("remedy") == row["remedy"] for a in self.applied):
             return  # a resume of a run it was applied to already: it is in the checkpoint
         remedy = remedy_from_dict(row["remedy"])
         if not remedy.live:
@@ -228,3 +226,22 @@ class RemedyApplier:
         state.event(state.step, "remedy", f"applied {remedy.name} ({remedy.detail}) for the {record.get('failure_class')} "
                     f"incident at step {record.get('step')}, {how}: {row.get('verdict')}, {row.get('evidence')}",
                     **{k: v for k, v in entry.items() if k != "evidence"}, candidate_evidence=row.get("evidence"))
+
+
+def _candidate(candidates: list[dict[str, Any]], name: str, spec: str, incident: str) -> dict[str, Any]:
+    """The remedy.json row ``remedy.apply`` names: by its name, or by its number in the table (``stabletrain remedy``'s
+    ``#`` column) where one name covers several (module-fp32 for each module it tried)."""
+    where = f"config key 'remedy.apply' ({spec!r})"
+    if name.isdigit():
+        if not 1 <= int(name) <= len(candidates):
+            raise ValueError(f"{where}: {REMEDY_FILE} has rows 1-{len(candidates)}, not {name}")
+        return candidates[int(name) - 1]
+    rows = [(n, c) for n, c in enumerate(candidates, 1) if c.get("name") == name]
+    if not rows:
+        raise ValueError(f"{where}: {REMEDY_FILE} has no candidate {name!r}; it has "
+                         f"{', '.join(c.get('name', '?') for c in candidates)}")
+    if len(rows) > 1:
+        raise ValueError(f"{where}: {name!r} names {len(rows)} candidates ("
+                         + "; ".join(f"row {n}: {c.get('detail')}, {c.get('verdict')}" for n, c in rows)
+                         + f"); name one by its row: remedy.apply={incident}:{rows[0][0]}")
+    return rows[0][1]
