@@ -295,3 +295,15 @@ def test_an_empty_batch_is_diagnosed_as_one_and_remedy_says_there_is_nothing_to_
     assert main(["diagnose", str(folder)]) == 0 and "empty batch" in capsys.readouterr().out
     assert main(["remedy", str(folder)]) != 0
     assert "step 9's batch holds no samples (micro-batch 0 empty): no remedy to replay" in capsys.readouterr().err
+
+
+def test_a_second_monitor_into_a_run_it_would_replace_is_told_what_to_pass_in_python(tmp_path):
+    """A Python user refused a run directory was told '--resume' and 'run.overwrite=true' (the CLI's words)."""
+    model, opt = make()
+    with Monitor(model, opt, run_dir=tmp_path / "run", log_every=5) as monitor:
+        train(monitor, model, batches(5))
+    with pytest.raises(FileExistsError) as err:
+        Monitor(model, opt, run_dir=tmp_path / "run", log_every=5).__enter__()
+    assert "pass another run_dir= or overwrite=True" in str(err.value) and "--resume" not in str(err.value)
+    with Monitor(model, opt, run_dir=tmp_path / "run", log_every=5, overwrite=True) as monitor:
+        train(monitor, model, batches(5))

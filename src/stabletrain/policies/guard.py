@@ -51,11 +51,9 @@ from torch import Tensor
 
 from ..config import GuardConfig
 from ..numerics import both_finite
+from .spike_rule import EARLY_ARM, FAR, MAD_TO_STD, robust_z, spike_test
 
 __all__ = ["Guard", "GuardDecision", "inputs_finite", "UNRECOVERABLE_SCALE", "EARLY_ARM", "spike_test", "NEGLIGIBLE_GRAD"]
-
-#: The spike rule is armed once the window holds this many losses (with a stricter test until it is half full).
-EARLY_ARM = 4
 
 #: fp16: an overflow after which the GradScaler's scale is below this is an incident, not the routine skip: the
 #: gradients do not fit float16 even unscaled (or are NaN whatever the scale), and backing off cannot fix that.
@@ -69,47 +67,6 @@ REFERENCE_KEPT = 64
 
 #: The flagged steps (spikes, non-finite steps) the guard remembers: a spike's capture takes no ordinary window among them.
 UNORDINARY_KEPT = 64
-
-
-def spike_test(loss: float, window: list[float], cfg: GuardConfig) -> dict[str, Any]:
-    """The spike rule on the host for one loss against ``window`` (the finite non-spike losses before it).
-
-    Returns ``{"spike", "armed", "median", "mean", "std", "zscore", "ratio"}`` (ratio: loss / median), in
-    float32 as the rule runs (:meth:`Guard.mark_spikes` agrees with it). What a diagnosis and a remedy's
-    replay judge "normal by the guard's own rule" with.
-    """
-    values = np.asarray([v for v in window if math.isfinite(v)][-cfg.spike_window:], dtype=np.float32)
-    out: dict[str, Any] = {"spike": False, "armed": len(values) >= min(EARLY_ARM, max(cfg.spike_window // 2, 2))}
-    if not len(values) or not math.isfinite(loss):
-        return out
-    ratio, zscore, x = np.float32(cfg.spike_ratio), np.float32(cfg.spike_zscore), np.float32(loss)
-    median = np.sort(values)[(len(values) - 1) // 2]
-    with np.errstate(over="ignore", invalid="ignore"):
-        mean = values.mean(dtype=np.float32)
-        std = np.sqrt(((values - mean) ** 2).mean(dtype=np.float32))
-        z = (x - mean) / (std + np.float32(1e-12))
-        robust = _robust_z(x, values, median)
-    early = len(values) < max(cfg.spike_window // 2, 2)
-    early_bound = np.float32(cfg.spike_ratio ** 2) * values.max()
-    far = bool(x > np.float32(cfg.spike_ratio ** FAR) * median) and bool(robust > zscore)
-    spike = (out["armed"] and bool(x > ratio * median) and (bool(z > zscore) or far)
-             and (not early or bool(x > early_bound)))
-    out.update(spike=spike, median=float(median), mean=float(mean), std=float(std), zscore=float(z),
-               robust_zscore=float(robust), ratio=float(x / median) if median > 0 else float("inf"))
-    return out
-
-
-#: The median absolute deviation times this is the standard deviation of normal noise (the robust z-score's scale).
-MAD_TO_STD = 1.4826
-#: A loss above ``spike_ratio ** FAR`` times the median is tested by its robust z-score too (32x with the defaults).
-FAR = 5
-
-
-def _robust_z(x: Any, values: np.ndarray, median: Any) -> Any:
-    """(x - median) / (MAD_TO_STD x the lower median of |values - median|), in float32 (as the device computes it)."""
-    dev = np.sort(np.abs(values - median))
-    mad = dev[(len(dev) - 1) // 2]
-    return (np.float32(x) - median) / (np.float32(MAD_TO_STD) * mad + np.float32(1e-12))
 
 
 def inputs_finite(batch: Any) -> Tensor | None:
@@ -292,7 +249,7 @@ class Guard:
                         z = (np.float32(loss) - mean) / (std + np.float32(1e-12))
                         spike = bool(z > zscore) or (
                             bool(np.float32(loss) > np.float32(self.cfg.spike_ratio ** FAR) * np.float32(median))
-                            and bool(_robust_z(loss, window, np.float32(median)) > zscore))
+                            and bool(robust_z(loss, window, np.float32(median)) > zscore))
                     if spike and seen < self._full_at:  # early: also above spike_ratio^2 x the largest loss so far
                         spike = bool(np.float32(loss) > np.float32(self.cfg.spike_ratio ** 2) * np.float32(kept[-1]))
             v["spike"] = 1.0 if spike else 0.0

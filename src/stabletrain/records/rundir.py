@@ -38,13 +38,16 @@ class RunDir:
     Only the writing process (rank 0) should create one.
     """
 
-    def __init__(self, path: str | Path, *, resume: bool = False, overwrite: bool = False) -> None:
+    def __init__(self, path: str | Path, *, resume: bool = False, overwrite: bool = False, adapter: bool = False) -> None:
+        """``adapter``: opened by an adapter (Monitor, a host's callback), whose user sets ``run_dir=`` and
+        ``overwrite=`` in Python and resumes through the host's checkpoint: the refusal says so in those terms."""
         self.path = Path(path)
         if not resume and not overwrite and self.holds_trained_run(self.path):
             raise FileExistsError(
-                f"run directory {str(self.path)!r} already holds a run; resume it with --resume {self.path}, "
-                "pick another run.dir, or pass run.overwrite=true"
-            )
+                f"run directory {str(self.path)!r} already holds a run; " + (
+                    "pass another run_dir= or overwrite=True (to continue that run, resume the host from its "
+                    "checkpoint: stabletrain's state is in it)" if adapter else
+                    f"resume it with --resume {self.path}, pick another run.dir, or pass run.overwrite=true"))
         # A directory that holds a run (it has config.yaml) is replaced when asked to, and so is one from an
         # attempt that never logged a trained step (it failed at start): it is not a run, the retry reuses it.
         if not resume and (self.path / "config.yaml").exists():

@@ -1,0 +1,62 @@
+"""The spike rule on the host, for one loss against a window (:func:`spike_test`), and its constants.
+
+The rule itself is stated in :mod:`stabletrain.policies.guard`, which runs it on the device every step
+(``guard.on_spike=skip``) or on the host over an interval's rows (:meth:`~stabletrain.policies.guard.Guard.mark_spikes`);
+this function is the same rule for one loss, in float32 as the rule runs: what a diagnosis and a remedy's replay
+judge "normal by the guard's own rule" with.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ..config import GuardConfig
+
+__all__ = ["spike_test", "robust_z", "EARLY_ARM", "MAD_TO_STD", "FAR"]
+
+#: The spike rule is armed once the window holds this many losses (with a stricter test until it is half full).
+EARLY_ARM = 4
+
+
+def spike_test(loss: float, window: list[float], cfg: GuardConfig) -> dict[str, Any]:
+    """The spike rule on the host for one loss against ``window`` (the finite non-spike losses before it).
+
+    Returns ``{"spike", "armed", "median", "mean", "std", "zscore", "robust_zscore", "ratio"}`` (ratio: loss /
+    median), in float32 as the rule runs (:meth:`Guard.mark_spikes` agrees with it). What a diagnosis and a remedy's
+    replay judge "normal by the guard's own rule" with.
+    """
+    values = np.asarray([v for v in window if math.isfinite(v)][-cfg.spike_window:], dtype=np.float32)
+    out: dict[str, Any] = {"spike": False, "armed": len(values) >= min(EARLY_ARM, max(cfg.spike_window // 2, 2))}
+    if not len(values) or not math.isfinite(loss):
+        return out
+    ratio, zscore, x = np.float32(cfg.spike_ratio), np.float32(cfg.spike_zscore), np.float32(loss)
+    median = np.sort(values)[(len(values) - 1) // 2]
+    with np.errstate(over="ignore", invalid="ignore"):
+        mean = values.mean(dtype=np.float32)
+        std = np.sqrt(((values - mean) ** 2).mean(dtype=np.float32))
+        z = (x - mean) / (std + np.float32(1e-12))
+        robust = robust_z(x, values, median)
+    early = len(values) < max(cfg.spike_window // 2, 2)
+    early_bound = np.float32(cfg.spike_ratio ** 2) * values.max()
+    far = bool(x > np.float32(cfg.spike_ratio ** FAR) * median) and bool(robust > zscore)
+    spike = (out["armed"] and bool(x > ratio * median) and (bool(z > zscore) or far)
+             and (not early or bool(x > early_bound)))
+    out.update(spike=spike, median=float(median), mean=float(mean), std=float(std), zscore=float(z),
+               robust_zscore=float(robust), ratio=float(x / median) if median > 0 else float("inf"))
+    return out
+
+
+#: The median absolute deviation times this is the standard deviation of normal noise (the robust z-score's scale).
+MAD_TO_STD = 1.4826
+#: A loss above ``spike_ratio ** FAR`` times the median is tested by its robust z-score too (32x with the defaults).
+FAR = 5
+
+
+def robust_z(x: Any, values: np.ndarray, median: Any) -> Any:
+    """(x - median) / (MAD_TO_STD x the lower median of |values - median|), in float32 (as the device computes it)."""
+    dev = np.sort(np.abs(values - median))
+    mad = dev[(len(dev) - 1) // 2]
+    return (np.float32(x) - median) / (np.float32(MAD_TO_STD) * mad + np.float32(1e-12))
