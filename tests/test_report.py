@@ -523,11 +523,13 @@ def test_update_panel_draws_the_norm_and_the_ratio_on_separate_axes(real_run, mo
     assert list(ratio.get_ydata()) == run.series("update_ratio")[1]
 
 
-def _clip_run(tmp_path, rates, norms, peaks, optimizer="adamw", threshold=1.0, every=10, post=None):
+def _clip_run(tmp_path, rates, norms, peaks, optimizer="adamw", threshold=1.0, every=10, post=None, integration=None):
     """A run directory holding only what the clip verdict reads: config and metrics, one record per interval
-    (``post``: the post-clip norms; without them the record is one written before that key existed)."""
+    (``post``: the post-clip norms; without them the record is one written before that key existed; ``integration``:
+    an adapter's run)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    (tmp_path / "config.yaml").write_text(f"clip:\n  max_norm: {threshold}\noptim:\n  name: {optimizer}\n")
+    (tmp_path / "config.yaml").write_text((f"integration: {integration}\n" if integration else "")
+                                          + f"clip:\n  max_norm: {threshold}\noptim:\n  name: {optimizer}\n")
     (tmp_path / "metrics.jsonl").write_text("".join(
         json.dumps({"step": every * (i + 1), "loss": 1.0, "clip_rate": r, "grad_norm": n, "grad_norm_max": m,
                     **({"grad_norm_post_clip": post[i]} if post is not None else {})}) + "\n"
@@ -555,6 +557,16 @@ def test_clip_rate_health_line_gives_a_verdict_with_its_reason(tmp_path):
     assert "threshold is below the typical grad norm (median 2.5)" in text and "no longer tells a spike" in text
     sgd = _clip_run(tmp_path / "c", [1.0] * 10, [2.5] * 10, [3.0] * 10, optimizer="sgd")
     assert "as if the learning rate were about 0.4x as large" in _clip_sentence(sgd)[1]
+    # An adapter records the optimizer's class ("AdamW", not "adamw"): Adam all the same (it was told "with SGD"),
+    # and it is told its host's own keys, not the built-in loop's.
+    lightning = _clip_sentence(_clip_run(tmp_path / "g", [1.0] * 10, [2.5] * 10, [3.0] * 10,
+                                                     optimizer="AdamW", integration="lightning"))[1]
+    assert "with Adam the update size barely changes" in lightning and "SGD" not in lightning
+    assert "set Trainer(gradient_clip_val=) to about 3" in lightning and "clip.max_norm" not in lightning
+    assert "lower the optimizer's lr instead" in lightning and "optim.lr" not in lightning
+    hf = _clip_sentence(_clip_run(tmp_path / "h", [1.0] * 10, [2.5] * 10, [3.0] * 10, optimizer="SGD",
+                                  integration="transformers"))[1]
+    assert "with SGD the update shrinks" in hf and "TrainingArguments.max_grad_norm" in hf
 
     # Only the first steps (their large gradients): healthy; rarely or never: healthy.
     early = _clip_run(tmp_path / "d", [1.0, 1.0, 0.5] + [0.0] * 7, [3.0, 2.0, 1.1] + [0.5] * 7, [4.0, 3.0, 2.0] + [0.7] * 7)

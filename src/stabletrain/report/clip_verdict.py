@@ -28,6 +28,13 @@ CLIP_RARE, CLIP_MOST = 0.1, 0.5
 CLIP_CUT = 0.2
 
 
+#: Optimizers that divide by a running RMS of the gradients (the clip barely changes their update size), by class name.
+ADAPTIVE = ("adam", "nadam", "radam", "adagrad", "adadelta", "adafactor", "rmsprop", "lamb")
+#: (the clip's key, the learning rate's) in each adapter's own terms (the built-in loop's: clip.max_norm, optim.lr).
+HOST_KEYS = {"lightning": ("Trainer(gradient_clip_val=)", "the optimizer's lr"),
+             "transformers": ("TrainingArguments.max_grad_norm", "TrainingArguments.learning_rate"),
+             "monitor": ("Monitor(clip_max_norm=)", "the optimizer's lr")}
+
 def _finite(values: list[float]) -> list[float]:
     return [v for v in values if math.isfinite(v)]
 
@@ -68,9 +75,10 @@ def clip_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
             f"threshold {fmt_num(threshold)})")
     typical = f" (median {fmt_num(f['grad_norm_median'])})" if norms else ""
     cuts = f", cutting the gradient norm there by {fmt_pct(cut)} on average" if cut is not None else ""
-    retune = (f"set clip.max_norm to about {fmt_num(f['grad_norm_max_median'], 2)} (the median of each interval's "
+    clip_key, lr_key = HOST_KEYS.get(str(run.cfg("integration", "")), ("clip.max_norm", "optim.lr"))
+    retune = (f"set {clip_key} to about {fmt_num(f['grad_norm_max_median'], 2)} (the median of each interval's "
               "largest grad norm)" if peaks and f["grad_norm_max_median"] > threshold
-              else "raise clip.max_norm above the typical grad norm")
+              else f"raise {clip_key} above the typical grad norm")
     if rate == 0:
         f["clip_verdict"] = "never"
         h.say("ok", f"{head}: healthy, a guard that was never needed (every grad norm stayed below it).")
@@ -82,16 +90,20 @@ def clip_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
                     "would then size the updates).")
     elif late_rate > CLIP_MOST:
         f["clip_verdict"] = "most"
-        if str(run.cfg("optim.name", "")).startswith("adam"):
+        optimizer = str(run.cfg("optim.name", "")).lower()  # the built-in loop's "adamw"; an adapter's class, "AdamW"
+        factor = f" about {fmt_num(threshold / f['grad_norm_median'], 2)}x" if norms and f["grad_norm_median"] > 0 else ""
+        if optimizer.startswith(ADAPTIVE):
             effect = ("with Adam the update size barely changes (it divides by the clipped gradients' RMS), but every "
                       "gradient is rescaled to the same norm, so the clip no longer tells a spike from an ordinary step")
-        else:
-            factor = f" about {fmt_num(threshold / f['grad_norm_median'], 2)}x" if norms and f["grad_norm_median"] > 0 else ""
+        elif "sgd" in optimizer:
             effect = f"with SGD the update shrinks as if the learning rate were{factor} as large"
+        else:
+            effect = (f"with {run.cfg('optim.name')} every gradient is rescaled to the same norm (for a plain gradient "
+                      f"step, as if the learning rate were{factor} as large)")
         h.say("warn", f"{head}, {fmt_pct(late_rate)} in the second half{cuts}: too often. The threshold is below the "
                       f"typical grad norm{typical}, so the clip, not the gradient, sets the size of most updates; {effect}. "
                       f"To clip only spikes, {retune}; if the smaller steps are what keeps the run stable, lower "
-                      "optim.lr instead.")
+                      f"{lr_key} instead.")
     elif late_rate > CLIP_RARE:
         f["clip_verdict"] = "frequent"
         h.say("warn", f"{head}, {fmt_pct(late_rate)} in the second half{cuts}: often. The threshold is close to the "
