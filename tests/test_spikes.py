@@ -906,3 +906,15 @@ def test_a_spike_after_a_fast_fall_is_caught_named_and_its_aftershocks_linked_to
         later[0]["diagnosis"]["summary"])
     assert "10 steps after the spike at step 61 (" in later[1]["diagnosis"]["summary"]
     assert "aftershock" not in first["diagnosis"]["summary"]
+
+
+def test_the_same_samples_spiking_again_next_epoch_are_said_to_come_back_not_called_an_aftershock(tmp_path):
+    """Under guard.on_spike=warn samples 153 and 157 spike at step 20 and again at step 52, the next epoch: the second
+    line said 'this may be its aftershock'; it is the same samples coming back."""
+    run_dir = tmp_path / "run"
+    Trainer(cfg("train.batch_size=8", "train.max_steps=60", "optim.lr=0.01", "log.every=10", "data.shuffle=false"),
+            task=outlier_samples_task(), run_dir=run_dir).fit()
+    first, again = [e for e in _events(run_dir) if e["kind"] == "incident"]
+    assert (first["step"], again["step"]) == (20, 52) and again["diagnosis"]["bad_samples"] == [153, 157]
+    summary = again["diagnosis"]["summary"]
+    assert "samples 153, 157 carried the spike at step 20 too: they come back" in summary and "aftershock" not in summary

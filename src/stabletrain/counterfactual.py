@@ -381,7 +381,11 @@ def _diagnose(bench: _Bench, bundle: dict[str, Any], cfg: Any, observed: dict[st
             m["where"] = departures(low, high, order)
     verdict = classify_spike(m)
     after = observed.get("after_spike")
-    if after and m["reproduces"]:  # an earlier spike's update, applied, may have left the state off: say so
+    again = sorted(set(verdict["blamed_samples"] or []) & set(after.get("samples") or [])) if after else []
+    if again and m["reproduces"]:  # the same samples as an earlier spike's: they come back (each epoch), no aftershock
+        verdict["evidence"] += (f"; sample{'s' if len(again) > 1 else ''} {', '.join(map(str, again))} carried the spike "
+                                f"at step {after['step']} too: {'they come' if len(again) > 1 else 'it comes'} back")
+    elif after and m["reproduces"]:  # an earlier spike's update, applied, may have left the state off: say so
         verdict["evidence"] += (f"; {bundle['step'] - after['step']} steps after the spike at step {after['step']}"
                                 + (f" ({after['class']})" if after.get("class") else "")
                                 + ", whose update was applied: this may be its aftershock")

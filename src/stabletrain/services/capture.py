@@ -299,7 +299,8 @@ class IncidentCapture:
         if spike:  # its update applied (guard.on_spike=warn): a spike soon after may be its aftershock
             applied = fit.cfg.guard.on_spike == "warn" and any(r.step == step and r.values.get("applied", 1.0) >= 0.5
                                                                for r in rows)
-            self.last_spike = {"step": step, "class": (diagnosis or {}).get("failure_class")} if applied else None
+            self.last_spike = ({"step": step, "class": (diagnosis or {}).get("failure_class"),
+                                "samples": list((diagnosis or {}).get("bad_samples") or [])} if applied else None)
         if "diagnosis" not in fields:  # every incident reaches the console in one line
             why_not = fields.get("diagnosis_error") or "not diagnosed: the diagnosis is off; stabletrain diagnose replays it"
             console.say(f"{label} at step {step} captured into {folder} ({why_not})")
