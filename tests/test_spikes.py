@@ -257,6 +257,13 @@ def test_on_spike_remedy_finishes_the_run_with_the_remedy_event(tmp_path):
     assert sorted(trainer.stream.drop) == [153, 157]
     skipped = [e["step"] for e in events if e["kind"] == "skip"]
     assert skipped == [step]  # on_spike=remedy skips the spike on the device, then cures what caused it
+    # Its report: worth a look (a remedy changed the run mid-way), not 'problems' for an incident the remedy cured.
+    from stabletrain.report import health_summary, load_run
+
+    health = health_summary(load_run(run_dir))
+    assert health.level == "warn", health.sentences
+    assert any(t.startswith("1 incident: at step 20") and "(cured: a remedy was applied for each, below)" in t
+               for _, t in health.sentences)
 
 
 

@@ -146,8 +146,13 @@ def health_summary(run: RunData) -> Health:
     f["incidents"] = [(e.step, incident_summary(e)) for e in incidents]
     undone = run.undone_events("incident")  # the run went back past them (a rollback, a remedy's rollback)
     f["incidents_undone"] = _once([(e.step, incident_summary(e)) for e in undone])
+    # An incident that a remedy applied after it cured (verified on a replay, the run finished with it) is a run worth a
+    # look (its config changed mid-run), not one with problems; the remedy's own line follows.
+    cured = {e.extra.get("incident_step") for e in run.counted_events("remedy") if isinstance(e.extra.get("name"), str)}
     if incidents:
-        h.say("bad", f"{plural(len(incidents), 'incident')}: {_listed(f['incidents'])}.")
+        remedied = all(e.step in cured for e in incidents)
+        h.say("warn" if remedied else "bad", f"{plural(len(incidents), 'incident')}: {_listed(f['incidents'])}"
+              + (" (cured: a remedy was applied for each, below)" if remedied else "") + ".")
     if undone:
         h.say("warn", f"{plural(len(f['incidents_undone']), 'incident')} before {_went_back(undone)} (the run went back and "
                       f"trained that stretch again): {_listed(f['incidents_undone'])}.")
