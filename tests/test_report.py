@@ -808,3 +808,23 @@ def test_an_incident_whose_folder_a_restart_renamed_points_to_where_it_is(tmp_pa
                                                        "reason": f"captured the loss spike at step 15 into {folder}"}) + "\n")
     text = html.unescape(write_report(tmp_path).read_text(encoding="utf-8"))
     assert f"its folder is now {folder}.superseded-1 (a restart went back past it)" in text
+
+
+def test_a_spike_a_rollback_went_back_past_stays_on_the_loss_and_grad_norm_plots(tmp_path, monkeypatch):
+    """After a rollback the curves held only the retrained history: the spike that caused it (loss 5.2) was on no
+    plot. The superseded records that differ from the kept ones are drawn faded, with their interval's range; a
+    resume's bitwise repeats are not."""
+    row = {"loss": 1.3, "loss_min": 1.2, "loss_max": 1.4, "grad_norm": 1.0, "grad_norm_max": 1.5}
+    kept = [{"step": s, **row} for s in (10, 20, 30, 40)]
+    (tmp_path / "config.yaml").write_text("clip:\n  max_norm: 1.0\n")
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    superseded = [{"step": 30, **row}, {"step": 40, **row, "loss": 1.72, "loss_max": 5.2, "grad_norm_max": 40.0}]
+    (tmp_path / "metrics.superseded.jsonl").write_text("".join(json.dumps(r) + "\n" for r in superseded))
+    run = load_run(tmp_path)
+    assert [(r["step"], r["loss"]) for r in run.abandoned] == [(40, 1.72)]  # step 30: a resume's repeat, not drawn
+    figs = _figures_of(monkeypatch)
+    names = [p.name for p in run_plots(run)]
+    for name, top in (("loss", 5.2), ("grad_norm", 40.0)):
+        ax = figs[names.index(name)].axes[0]
+        (faded,) = [line for line in ax.get_lines() if line.get_label() == "before a rollback (trained again)"]
+        assert list(faded.get_xdata()) == [40] and ax.get_ylim()[1] >= top

@@ -68,6 +68,9 @@ class RunData:
     metrics: list[dict[str, Any]] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    #: metrics records a rollback (or a remedy's) went back past: the trajectory the run abandoned, not trained again
+    #: the same way (``metrics.superseded.jsonl``, less a resume's bitwise repeats); the plots draw them faded.
+    abandoned: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -150,7 +153,20 @@ def load_run(run_dir: str | Path) -> RunData:
     run.snapshot = _read_snapshot(path / "snapshot.json", run.problems)
     run.metrics = _read_metrics(path / "metrics.jsonl", run.problems)
     run.events = _read_events(path / "events.jsonl", run.problems)
+    run.abandoned = _abandoned(path / "metrics.superseded.jsonl", run.metrics)
     return run
+
+
+def _abandoned(path: Path, kept: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The superseded records whose loss is not the kept record's of their step (a resume re-logs a step bitwise)."""
+    if not path.is_file():
+        return []
+    now = {r["step"]: r.get("loss") for r in kept}
+    out = []
+    for rec in _read_metrics(path, []):  # (a malformed line there is evidence, not the run's data: skipped)
+        if rec["step"] not in now or rec.get("loss") != now[rec["step"]]:
+            out.append(rec)
+    return out
 
 
 # -- readers ------------------------------------------------------------------------------------
