@@ -21,6 +21,7 @@ from stabletrain.config import GuardConfig
 from stabletrain.data import EpochOrder
 from stabletrain.policies.guard import Guard, spike_test
 from stabletrain.records.checkpoint.manager import CheckpointManager
+from stabletrain.report import load_run
 
 BAD = 37  # the dataset index holding a NaN in nan_sample_task
 
@@ -111,6 +112,9 @@ def test_rollback_restores_last_good_and_skips_the_offending_window(tmp_path, ca
     aside = [json.loads(x)["step"] for x in (run_dir / "metrics.superseded.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps)) and steps[-1] == 8 and aside and min(aside) > rollback["to_step"]
     assert rollback["superseded_metrics"] == len(aside)
+    assert {json.loads(x)["superseded_by"] for x in (run_dir / "metrics.superseded.jsonl").read_text().splitlines()} == {
+        "rollback"}  # (the report draws a rollback's lines faded; a resume's repeats are not drawn)
+    assert [r["step"] for r in load_run(run_dir).abandoned] == aside
 
 
 def test_a_rollbacks_skipped_window_and_count_outlive_a_resume_from_a_checkpoint_before_it(tmp_path):
@@ -498,3 +502,23 @@ def test_a_huge_loss_after_a_fast_fall_is_a_spike_that_the_windows_deviation_hid
         host.mark_spikes(rows)
         on_device = bool(device.observe(torch.tensor(loss), torch.tensor(1.0))[2])
         assert (on_device, rows[-1].values["spike"] > 0.5, spike_test(loss, fall, cfg)["spike"]) == (want,) * 3, loss
+
+
+def test_a_window_whose_median_is_zero_or_below_makes_no_far_spike():
+    """A hinge loss is 0 on most steps (an NLL can be negative): '32x the median' then holds for any loss, and a MAD of
+    0 made every positive loss a robust-z spike (1182 of 3000 healthy hinge draws). The far path needs a positive
+    median; the ordinary z-score still decides, on every side alike."""
+    hinge = [0.0 if i % 3 else 0.05 + 0.001 * i for i in range(50)]  # two thirds 0: median 0, MAD 0
+    cases = [(hinge, 0.1)]
+    for window, loss in cases:
+        cfg = GuardConfig(spike_window=50, on_spike="skip")
+        device = Guard(cfg, torch.device("cpu"))
+        for v in window:
+            device.observe(torch.tensor(v), torch.tensor(1.0))
+        host = Guard(GuardConfig(spike_window=50, on_spike="warn"), torch.device("cpu"))
+        rows = _rows([*window, loss], [True] * 51)
+        host.mark_spikes(rows)
+        assert not any(r.values["spike"] > 0.5 for r in rows[:-1])  # the window itself is all in the rule's window
+        on_device = bool(device.observe(torch.tensor(loss), torch.tensor(1.0))[2])
+        assert (on_device, rows[-1].values["spike"] > 0.5, spike_test(loss, window, cfg)["spike"]) == (False,) * 3, window
+        assert spike_test(loss, window, cfg)["robust_zscore"] > cfg.spike_zscore  # the far path alone would have fired

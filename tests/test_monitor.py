@@ -305,5 +305,6 @@ def test_a_second_monitor_into_a_run_it_would_replace_is_told_what_to_pass_in_py
     with pytest.raises(FileExistsError) as err:
         Monitor(model, opt, run_dir=tmp_path / "run", log_every=5).__enter__()
     assert "pass another run_dir= or overwrite=True" in str(err.value) and "--resume" not in str(err.value)
+    assert "Monitor(..., resume=True), then load_state_dict" in str(err.value)
     with Monitor(model, opt, run_dir=tmp_path / "run", log_every=5, overwrite=True) as monitor:
         train(monitor, model, batches(5))

@@ -818,7 +818,8 @@ def test_a_spike_a_rollback_went_back_past_stays_on_the_loss_and_grad_norm_plots
     kept = [{"step": s, **row} for s in (10, 20, 30, 40)]
     (tmp_path / "config.yaml").write_text("clip:\n  max_norm: 1.0\n")
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
-    superseded = [{"step": 30, **row}, {"step": 40, **row, "loss": 1.72, "loss_max": 5.2, "grad_norm_max": 40.0}]
+    superseded = [{"step": 30, **row}, {"step": 40, **row, "loss": 1.72, "loss_max": 5.2, "grad_norm_max": 40.0},
+                  {"step": 20, **row, "loss": 1.31, "superseded_by": "resume"}]  # a resume's (a GPU's last bits)
     (tmp_path / "metrics.superseded.jsonl").write_text("".join(json.dumps(r) + "\n" for r in superseded))
     run = load_run(tmp_path)
     assert [(r["step"], r["loss"]) for r in run.abandoned] == [(40, 1.72)]  # step 30: a resume's repeat, not drawn
@@ -828,3 +829,24 @@ def test_a_spike_a_rollback_went_back_past_stays_on_the_loss_and_grad_norm_plots
         ax = figs[names.index(name)].axes[0]
         (faded,) = [line for line in ax.get_lines() if line.get_label() == "before a rollback (trained again)"]
         assert list(faded.get_xdata()) == [40] and ax.get_ylim()[1] >= top
+        # the scale holds them: grad norms of 1-1.5 beside the abandoned 40 span over 20x, a log axis (not a flat line)
+        assert ax.get_yscale() == ("log" if name == "grad_norm" else "linear")
+
+
+@pytest.mark.parametrize("verdict,incident,level", [("cures", "own", "warn"), ("fails", "own", "bad"),
+                                                    ("cures", "other", "bad")])
+def test_an_incident_reads_cured_only_for_a_remedy_that_cured_it_in_this_run(tmp_path, verdict, incident, level):
+    """A remedy applied by hand (remedy.apply=DIR:N) may be a row that fails, or come from another run's incident at the
+    same step: neither makes this run's incident 'cured'."""
+    run = tmp_path / "run"
+    (run / "incidents" / "step_000051").mkdir(parents=True)
+    (run / "config.yaml").write_text("clip:\n  max_norm: 1.0\n")
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 60, "loss": 1.0}) + "\n")
+    folder = run / "incidents" / "step_000051" if incident == "own" else tmp_path / "elsewhere" / "incidents" / "step_000051"
+    events = [{"step": 51, "kind": "incident", "reason": "captured the loss spike at step 51"},
+              {"step": 60, "kind": "remedy", "reason": "applied", "name": "lr-x0.1", "verdict": verdict,
+               "incident": str(folder), "incident_step": 51, "failure_class": "data", "at_step": 60, "from_step": 60}]
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    health = health_summary(load_run(run))
+    (said,) = [(lvl, t) for lvl, t in health.sentences if t.startswith("1 incident")]
+    assert said[0] == level and (("cured" in said[1]) == (level == "warn")), said

@@ -381,7 +381,10 @@ def _diagnose(bench: _Bench, bundle: dict[str, Any], cfg: Any, observed: dict[st
             m["where"] = departures(low, high, order)
     verdict = classify_spike(m)
     after = observed.get("after_spike")
-    again = sorted(set(verdict["blamed_samples"] or []) & set(after.get("samples") or [])) if after else []
+    # (an adapter numbers samples by their place in the step: the same number in another step is another sample)
+    by_index = after and after.get("sample_unit", "dataset index") == bundle.get("sample_unit", "dataset index") == (
+        "dataset index")
+    again = sorted(set(verdict["blamed_samples"] or []) & set(after.get("samples") or [])) if by_index else []
     if again and m["reproduces"]:  # the same samples as an earlier spike's: they come back (each epoch), no aftershock
         verdict["evidence"] += (f"; sample{'s' if len(again) > 1 else ''} {', '.join(map(str, again))} carried the spike "
                                 f"at step {after['step']} too: {'they come' if len(again) > 1 else 'it comes'} back")

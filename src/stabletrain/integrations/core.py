@@ -166,7 +166,7 @@ class RunSession:
             return
         import yaml
 
-        self.state.run = RunDir(self.run_dir, resume=resume, overwrite=self.overwrite, adapter=True)
+        self.state.run = RunDir(self.run_dir, resume=resume, overwrite=self.overwrite, host=self.host)
         atomic_write(self.run.path / "config.yaml", yaml.safe_dump(self.config_dict(), sort_keys=False))
         if not resume:
             extra = {"integration": self.host, "model": type(self.model).__name__,

@@ -196,7 +196,7 @@ class Guard:
         std = torch.sqrt(torch.nanmean((w - mean) ** 2))
         z = (loss - mean) / (std + 1e-12)
         robust = (loss - median) / (MAD_TO_STD * torch.nanmedian((w - median).abs()) + 1e-12)
-        far = (loss > self.cfg.spike_ratio ** FAR * median) & (robust > self.cfg.spike_zscore)
+        far = (median > 0) & (loss > self.cfg.spike_ratio ** FAR * median) & (robust > self.cfg.spike_zscore)
         # fp16: a large spike's gradients overflow: its loss is tested still (the host rule tests the overflow rows too)
         testable = finite | (torch.isfinite(loss) & ~torch.isfinite(grad_norm)) if self.scaled else finite
         spike = armed & testable & (loss > self.cfg.spike_ratio * median) & ((z > self.cfg.spike_zscore) | far)
@@ -247,7 +247,7 @@ class Guard:
                         mean = window.mean(dtype=np.float32)
                         std = np.sqrt(((window - mean) ** 2).mean(dtype=np.float32))
                         z = (np.float32(loss) - mean) / (std + np.float32(1e-12))
-                        spike = bool(z > zscore) or (
+                        spike = bool(z > zscore) or (median > 0 and
                             bool(np.float32(loss) > np.float32(self.cfg.spike_ratio ** FAR) * np.float32(median))
                             and bool(robust_z(loss, window, np.float32(median)) > zscore))
                     if spike and seen < self._full_at:  # early: also above spike_ratio^2 x the largest loss so far

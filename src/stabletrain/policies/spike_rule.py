@@ -41,7 +41,7 @@ def spike_test(loss: float, window: list[float], cfg: GuardConfig) -> dict[str, 
         robust = robust_z(x, values, median)
     early = len(values) < max(cfg.spike_window // 2, 2)
     early_bound = np.float32(cfg.spike_ratio ** 2) * values.max()
-    far = bool(x > np.float32(cfg.spike_ratio ** FAR) * median) and bool(robust > zscore)
+    far = bool(median > 0) and bool(x > np.float32(cfg.spike_ratio ** FAR) * median) and bool(robust > zscore)
     spike = (out["armed"] and bool(x > ratio * median) and (bool(z > zscore) or far)
              and (not early or bool(x > early_bound)))
     out.update(spike=spike, median=float(median), mean=float(mean), std=float(std), zscore=float(z),
@@ -51,7 +51,8 @@ def spike_test(loss: float, window: list[float], cfg: GuardConfig) -> dict[str, 
 
 #: The median absolute deviation times this is the standard deviation of normal noise (the robust z-score's scale).
 MAD_TO_STD = 1.4826
-#: A loss above ``spike_ratio ** FAR`` times the median is tested by its robust z-score too (32x with the defaults).
+#: A loss above ``spike_ratio ** FAR`` times a positive median is tested by its robust z-score too (32x with the
+#: defaults; a median of 0 or below, as a hinge or an NLL loss can have, makes no "far").
 FAR = 5
 
 

@@ -38,15 +38,16 @@ class RunDir:
     Only the writing process (rank 0) should create one.
     """
 
-    def __init__(self, path: str | Path, *, resume: bool = False, overwrite: bool = False, adapter: bool = False) -> None:
-        """``adapter``: opened by an adapter (Monitor, a host's callback), whose user sets ``run_dir=`` and
-        ``overwrite=`` in Python and resumes through the host's checkpoint: the refusal says so in those terms."""
+    def __init__(self, path: str | Path, *, resume: bool = False, overwrite: bool = False, host: str | None = None) -> None:
+        """``host``: the adapter that opens it ("monitor", "lightning", "transformers"), whose user sets ``run_dir=``
+        and ``overwrite=`` in Python and resumes its own way: the refusal says so in those terms."""
         self.path = Path(path)
         if not resume and not overwrite and self.holds_trained_run(self.path):
+            cont = ("Monitor(..., resume=True), then load_state_dict(the state you saved)" if host == "monitor" else
+                    "resume the host from its checkpoint: stabletrain's state is in it")
             raise FileExistsError(
                 f"run directory {str(self.path)!r} already holds a run; " + (
-                    "pass another run_dir= or overwrite=True (to continue that run, resume the host from its "
-                    "checkpoint: stabletrain's state is in it)" if adapter else
+                    f"pass another run_dir= or overwrite=True (to continue that run: {cont})" if host else
                     f"resume it with --resume {self.path}, pick another run.dir, or pass run.overwrite=true"))
         # A directory that holds a run (it has config.yaml) is replaced when asked to, and so is one from an
         # attempt that never logged a trained step (it failed at start): it is not a run, the retry reuses it.
@@ -65,12 +66,13 @@ class RunDir:
             return True
         return any(p.name.startswith("step_") and p.name != "step_000000" for p in (path / "checkpoints").glob("step_*"))
 
-    def drop_metrics_after(self, step: int) -> int:
+    def drop_metrics_after(self, step: int, by: str = "resume") -> int:
         """Remove the metrics lines of steps after ``step`` (a resume supersedes them); return how many.
 
         After a crash the steps between the last checkpoint and the crash are trained again: each step
         then appears once in metrics.jsonl, with the values of the run that continued. The removed lines
-        are appended to ``metrics.superseded.jsonl`` (a crash's evidence is never deleted).
+        are appended to ``metrics.superseded.jsonl`` (a crash's evidence is never deleted), each with
+        ``superseded_by``: ``by`` (``resume``, ``rollback`` or ``remedy``: the report draws a rollback's faded).
         """
         path = self.path / "metrics.jsonl"
         self.metrics.close()
@@ -85,7 +87,8 @@ class RunDir:
         kept = [line for line in lines if not after(line)]
         if len(kept) != len(lines):  # the dropped lines are kept as evidence: what the run lost to the crash
             with open(self.path / "metrics.superseded.jsonl", "a", encoding="utf-8") as fh:
-                fh.write("".join(line if line.endswith("\n") else line + "\n" for line in lines if after(line)))
+                fh.write("".join(json.dumps({**json.loads(line), "superseded_by": by}) + "\n" for line in lines
+                                 if after(line)))
             atomic_write(path, "".join(kept))
         self.metrics = JsonlWriter(path)
         return len(lines) - len(kept)

@@ -13,6 +13,7 @@ import math
 import re
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .clip_verdict import clip_sentence
@@ -148,7 +149,8 @@ def health_summary(run: RunData) -> Health:
     f["incidents_undone"] = _once([(e.step, incident_summary(e)) for e in undone])
     # An incident that a remedy applied after it cured (verified on a replay, the run finished with it) is a run worth a
     # look (its config changed mid-run), not one with problems; the remedy's own line follows.
-    cured = {e.extra.get("incident_step") for e in run.counted_events("remedy") if isinstance(e.extra.get("name"), str)}
+    cured = {e.extra.get("incident_step") for e in run.counted_events("remedy")
+             if isinstance(e.extra.get("name"), str) and e.extra.get("verdict") == "cures" and _own(run, e.extra.get("incident"))}
     if incidents:
         remedied = all(e.step in cured for e in incidents)
         h.say("warn" if remedied else "bad", f"{plural(len(incidents), 'incident')}: {_listed(f['incidents'])}"
@@ -253,6 +255,18 @@ def _once(incidents: list[tuple[int, str]]) -> list[tuple[int, str]]:
 def _listed(incidents: list[tuple[int, str]], limit: int = 5) -> str:
     listed = "; ".join(f"at step {s:,}, {summary.rstrip('.')}" for s, summary in incidents[:limit])
     return listed + (f"; and {len(incidents) - limit} more" if len(incidents) > limit else "")
+
+
+def _own(run: RunData, incident: Any) -> bool:
+    """Whether ``incident`` (a remedy event's incident folder) is one of this run's (a remedy applied by hand may come
+    from another run's incident at the same step)."""
+    path = Path(str(incident))
+    if path.parent.name != "incidents" or not (run.path / "incidents" / path.name).is_dir():
+        return False
+    try:  # an absolute path names its run; a relative one was relative to where the run was started
+        return not path.is_absolute() or path.resolve().parent.parent == run.path.resolve()
+    except OSError:
+        return False
 
 
 def _remedies(run: RunData, h: Health) -> None:

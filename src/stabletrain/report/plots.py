@@ -184,23 +184,25 @@ def _loss(run: RunData) -> Plot:
         top = float(np.nanmax(shown)) if np.isfinite(shown).any() else 0.0
         ax.plot(x[bad], np.full(int(bad.sum()), top), "x", color="#d62728", markersize=7, mew=2,
                 label="non-finite loss in interval")
-    _abandoned(ax, run, "loss")
+    gone = _abandoned(ax, run, "loss")
     _mark_events(ax, run)
-    _auto_log(ax, loss, val)
+    _auto_log(ax, loss, val, gone)
     _finish(fig, ax, "Loss", "loss per item")
     return Plot("loss", "Train and validation loss", _png(fig))
 
 
-def _abandoned(ax, run: RunData, key: str) -> None:
+def _abandoned(ax, run: RunData, key: str) -> np.ndarray:
     """The intervals a rollback went back past (the run trained them again, another way), as faded points: a spike
-    that a rollback undid stays on the plot."""
+    that a rollback undid stays on the plot. Returns the values drawn (the axis scale must hold them)."""
     rows = [r for r in run.abandoned if isinstance(r.get(key), float)]
-    if rows:  # the interval's mean, and a line up to its largest value (the spike itself)
-        steps = [r["step"] for r in rows]
-        ax.vlines(steps, [r.get(f"{key}_min", r[key]) for r in rows], [r.get(f"{key}_max", r[key]) for r in rows],
-                  color="0.6", linewidth=1.2)
-        ax.plot(steps, [r[key] for r in rows], linestyle="none", marker="o", markersize=3.5, color="0.6",
-                label="before a rollback (trained again)")
+    if not rows:
+        return np.empty(0)
+    steps = [r["step"] for r in rows]  # the interval's mean, and a line over its range (up to the spike itself)
+    low, high = [r.get(f"{key}_min", r[key]) for r in rows], [r.get(f"{key}_max", r[key]) for r in rows]
+    ax.vlines(steps, low, high, color="0.6", linewidth=1.2)
+    ax.plot(steps, [r[key] for r in rows], linestyle="none", marker="o", markersize=3.5, color="0.6",
+            label="before a rollback (trained again)")
+    return np.asarray([*low, *high], dtype=float)
 
 
 def _grad_norm(run: RunData) -> Plot:
@@ -212,9 +214,9 @@ def _grad_norm(run: RunData) -> Plot:
     threshold = run.cfg("clip.max_norm")
     if isinstance(threshold, (int, float)) and not isinstance(threshold, bool):
         ax.axhline(float(threshold), color="#d62728", linestyle="--", linewidth=1.1, label=f"clip threshold ({threshold:g})")
-    _abandoned(ax, run, "grad_norm")
+    gone = _abandoned(ax, run, "grad_norm")
     _mark_events(ax, run)
-    _auto_log(ax, pre, pre_max, post)
+    _auto_log(ax, pre, pre_max, post, gone)
     _finish(fig, ax, "Gradient norm", "global L2 norm")
     return Plot("grad_norm", "Grad norm before and after clipping", _png(fig))
 

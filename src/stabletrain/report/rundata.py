@@ -158,15 +158,23 @@ def load_run(run_dir: str | Path) -> RunData:
 
 
 def _abandoned(path: Path, kept: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The superseded records whose loss is not the kept record's of their step (a resume re-logs a step bitwise)."""
+    """The superseded records a rollback or a remedy's rollback went back past (``superseded_by``), every one (a
+    second rollback over the same steps keeps the first's); a line written before that field: one whose loss is not
+    the kept record's of its step (a resume re-logs a step bitwise)."""
     if not path.is_file():
         return []
     now = {r["step"]: r.get("loss") for r in kept}
     out = []
-    for rec in _read_metrics(path, []):  # (a malformed line there is evidence, not the run's data: skipped)
-        if rec["step"] not in now or rec.get("loss") != now[rec["step"]]:
+    for raw in read_jsonl(path)[0]:  # (a malformed line there is evidence, not the run's data: skipped)
+        step = _step_of(raw)
+        if step is None:
+            continue
+        rec = {"step": step, **{k: v for k, v in ((k, as_number(v)) for k, v in raw.items() if k != "step")
+                                if v is not None}}
+        by = raw.get("superseded_by")
+        if by in ("rollback", "remedy") or (by is None and (step not in now or rec.get("loss") != now[step])):
             out.append(rec)
-    return out
+    return sorted(out, key=lambda r: r["step"])
 
 
 # -- readers ------------------------------------------------------------------------------------

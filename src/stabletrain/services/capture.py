@@ -158,6 +158,8 @@ class IncidentCapture:
         of this rank's share of what every rank holds).
         """
         self.snapshot.clear()
+        if self.last_spike is not None and step < self.last_spike["step"]:  # a rollback went back past it: undone
+            self.last_spike = None
         if enabled:
             src = self.source
             side, rest, share = src.strategy.snapshot_parts(src.live_state(), src.module)
@@ -296,11 +298,11 @@ class IncidentCapture:
         if src.diagnose:
             event_fields, diagnosis = self._diagnose(fit, folder, bundles[0], in_memory, step, seen[0], label)
             fields.update(event_fields)
-        if spike:  # its update applied (guard.on_spike=warn): a spike soon after may be its aftershock
-            applied = fit.cfg.guard.on_spike == "warn" and any(r.step == step and r.values.get("applied", 1.0) >= 0.5
-                                                               for r in rows)
-            self.last_spike = ({"step": step, "class": (diagnosis or {}).get("failure_class"),
-                                "samples": list((diagnosis or {}).get("bad_samples") or [])} if applied else None)
+        if spike and fit.cfg.guard.on_spike == "warn" and any(r.step == step and r.values.get("applied", 1.0) >= 0.5
+                                                              for r in rows):  # applied: a spike soon after may be
+            self.last_spike = {"step": step, "class": (diagnosis or {}).get("failure_class"),  # its aftershock
+                               "samples": list((diagnosis or {}).get("bad_samples") or []),
+                               "sample_unit": (diagnosis or {}).get("sample_unit", "dataset index")}
         if "diagnosis" not in fields:  # every incident reaches the console in one line
             why_not = fields.get("diagnosis_error") or "not diagnosed: the diagnosis is off; stabletrain diagnose replays it"
             console.say(f"{label} at step {step} captured into {folder} ({why_not})")

@@ -354,7 +354,7 @@ class CheckpointKeeper:
         state.stream.skip = skip  # (a remedy's drops after the checkpoint go with the remedy the load undid)
         state.stream.drop |= self.dropped_by_rollbacks
         # The rolled-back steps' lines go to metrics.superseded.jsonl (kept, as a resume keeps them): one line per step.
-        dropped = state.run.drop_metrics_after(state.step) if state.run is not None else 0
+        dropped = state.run.drop_metrics_after(state.step, by="rollback") if state.run is not None else 0
         info = {"from_step": from_step, "to_step": state.step, "path": str(loaded.path), "skipped_windows": sorted(windows),
                 "superseded_metrics": dropped, "dropped_samples": samples,
                 "reason": f"{reason}: rolled back from step {from_step} to {loaded.path.name}; "

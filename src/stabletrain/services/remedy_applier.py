@@ -205,7 +205,7 @@ class RemedyApplier:
                 self.state.load_state_dict(loaded.state)  # also puts back the remedies that checkpoint had
             state.ckpt.discard_after(remedy.rollback_step)  # the checkpoints of the bad trajectory
             if state.run is not None:  # its metrics lines: to metrics.superseded.jsonl, as a rollback's
-                state.run.drop_metrics_after(state.step)
+                state.run.drop_metrics_after(state.step, by="remedy")
             self.load_state_dict({"applied": applied})
             self.last_rollback = {"from_step": from_step, "to_step": state.step, "path": str(loaded.path),
                                   "skipped_windows": [], "reason": f"remedy {remedy.name}: rolled back to step {state.step}"}
