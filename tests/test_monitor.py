@@ -308,3 +308,23 @@ def test_a_second_monitor_into_a_run_it_would_replace_is_told_what_to_pass_in_py
     assert "Monitor(..., resume=True), then load_state_dict" in str(err.value)
     with Monitor(model, opt, run_dir=tmp_path / "run", log_every=5, overwrite=True) as monitor:
         train(monitor, model, batches(5))
+
+
+def test_one_empty_micro_batch_among_others_is_left_out_of_the_replay_and_said(tmp_path):
+    """A step of two micro-batches, the second empty (a loop's last short slice): the replay runs the first, whose
+    planted NaN it traces as ever, and the summary says the other held no samples (the whole diagnosis was 'empty
+    batch' before, the NaN's own cause unnamed)."""
+    model, opt = make()
+    data = batches(12, bad_step=BAD_STEP)
+    with Monitor(model, opt, run_dir=tmp_path / "run", log_every=10, loss_fn=loss_fn) as monitor:
+        for step, batch in enumerate(data, 1):
+            parts = [batch, tuple(t[:0] for t in batch)] if step == BAD_STEP else [batch]
+            for part in parts:
+                loss = loss_fn(model, part) if len(part[0]) else (model(part[0]).sum() * 0.0)
+                monitor.backward(loss, part)
+            monitor.step()
+    (incident,) = load_run(tmp_path / "run").counted_events("incident")
+    d = incident.extra["diagnosis"]
+    assert incident.step == BAD_STEP and (d["module"], d["bad_samples"]) == ("root", [BAD_POSITION]), d
+    assert "; micro-batch 1 of the step held no samples (left out of the replay; a mean loss over none is NaN)" in (
+        d["summary"])

@@ -117,6 +117,16 @@ def test_a_remedy_is_applied_by_hand_on_resume_once_and_refused_clearly(tmp_path
     assert event["by_hand"] is True and event["remedy"] == {"kind": "skip-samples", "samples": [13]}
     final = CheckpointManager(run_dir / "checkpoints").load()
     assert final.meta["step"] == 20 and [a["name"] for a in final.state["remedies"]["applied"]] == ["skip-samples"]
+    # By its row (remedy.apply=DIR:1 is skip-samples): applied once. remedy.json then ranked again (row 1 another
+    # candidate): the same spec on a resume is refused, not a second remedy applied on top of the first.
+    record = json.loads((incident / "remedy.json").read_text())
+    assert record["candidates"][0]["name"] == "skip-samples"
+    assert main(["train", "--resume", str(run_dir), "train.max_steps=22", f"remedy.apply={incident}:1"]) == 0
+    record["candidates"] = record["candidates"][::-1]
+    (incident / "remedy.json").write_text(json.dumps(record))
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run_dir), "train.max_steps=24", f"remedy.apply={incident}:1"]) == 2
+    assert "row 1 of remedy.json is now" in capsys.readouterr().err
 
 
 def test_a_transient_fault_needs_no_remedy_and_a_run_past_max_remedies_falls_back(tmp_path, capsys):

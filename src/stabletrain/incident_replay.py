@@ -317,7 +317,7 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
     cfg = config_from_dict(bundle["config"])
     dev = resolve_device(device or cfg.device)
     empty = [m for m, idx in enumerate(bundle["window"]["indices"]) if not idx]
-    if empty:  # nothing to replay: a mean over no samples is NaN, whatever the weights
+    if empty and len(empty) == len(bundle["window"]["indices"]):  # nothing to replay: a mean over none is NaN
         result = _empty_batch(bundle, empty)
         result["timings"] = {"total_s": time.perf_counter() - start}
         atomic_write(directory / DIAGNOSIS_FILE, json.dumps(result, indent=2, default=str) + "\n")
@@ -337,7 +337,9 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
     replica = Replica(cfg, task, bundle, dev)
     model, precision = replica.model, replica.precision()
     collate = task.collate or torch.utils.data.default_collate
-    micro_batches = [(idx, move_to(collate([task.train_data[i] for i in idx]), dev)) for idx in bundle["window"]["indices"]]
+    # An empty micro-batch adds nothing to a (sum, count) loss (a rank or a micro-batch with no samples): left out.
+    micro_batches = [(idx, move_to(collate([task.train_data[i] for i in idx]), dev))
+                     for idx in bundle["window"]["indices"] if idx]
 
     set_rng_state(bundle["rng"])
     observed = bundle.get("observed", {})
@@ -355,6 +357,10 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
                            step=bundle["step"])
     result = {"step": bundle["step"], "rank": bundle.get("rank", 0), "epoch": bundle["window"]["epoch"],
               **result, "observed": observed, "sample_unit": bundle.get("sample_unit", "dataset index")}
+    if empty:  # said: with a per-item mean loss the run's NaN may be that empty micro-batch's, which the replay left out
+        note = (f"micro-batch{'es' if len(empty) > 1 else ''} {', '.join(map(str, empty))} of the step held no samples "
+                "(left out of the replay; a mean loss over none is NaN)")
+        result["summary"], result["empty_micro_batches"] = f"{result.get('summary')}; {note}", empty
     _positions(result, task)
     result["timings"] = {"load_s": load_s, **result["timings"], "total_s": time.perf_counter() - start}
     # A compiled run (train.compile, or a host's torch.compile) is diagnosed on the module itself, eagerly, on the

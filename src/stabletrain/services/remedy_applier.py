@@ -182,8 +182,14 @@ class RemedyApplier:
                                     f"stabletrain remedy {incident} first")
         record = json.loads(path.read_text(encoding="utf-8"))
         row = _candidate(record.get("candidates", []), name, spec, incident)
-        if any(a.get("incident") == str(Path(incident)) and a.get("remedy") == row["remedy"] for a in self.applied):
+        earlier = [a for a in self.applied if a.get("incident") == str(Path(incident)) and a.get("by_hand")]
+        if any(a.get("remedy") == row["remedy"] for a in earlier):
             return  # a resume of a run it was applied to already: it is in the checkpoint
+        if earlier and name.isdigit():  # the same spec on a resume, but remedy.json was ranked again since
+            raise ValueError(f"config key 'remedy.apply' ({spec!r}): row {name} of {REMEDY_FILE} is now {row['name']} "
+                             f"({row.get('detail')}), but {earlier[-1].get('name')} ({earlier[-1].get('detail')}) was "
+                             "applied by hand for that incident (the file was written again since?); name it by its "
+                             "name, or leave remedy.apply out on this resume")
         remedy = remedy_from_dict(row["remedy"])
         if not remedy.live:
             raise ValueError(f"config key 'remedy.apply' ({spec!r}): {name} needs a code change "
