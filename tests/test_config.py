@@ -277,3 +277,22 @@ def test_the_config_knows_the_built_in_task_names_without_torch():
                                           r"'module:function', got 'nope'"):
         load_config(None, ["task=nope"])
     assert load_config(None, ["task=mlp"]).task == "mlp" and load_config(None, ["task=pkg.mod:make"]).task == "pkg.mod:make"
+
+
+def test_optim_keys_a_task_with_its_own_optimizer_does_not_use_are_said_once(tmp_path):
+    """optim.lr=5e-3 was recorded in config.yaml and silently not used: the task built its own optimizer (lr 1e-3)."""
+    import torch
+
+    from stabletrain import StableTrainWarning, Trainer
+    from stabletrain.tasks import Task
+
+    def task():
+        model = torch.nn.Linear(4, 1)
+        data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+        return Task(model=model, train_data=data, loss=lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
+                    optimizer=lambda named: torch.optim.AdamW([p for _, p in named], lr=1e-3))
+
+    with pytest.warns(StableTrainWarning, match=r"config key optim.lr=0.005 not used: the task builds its own optimizer "
+                                                r"\(Task.optimizer: AdamW, lr 0.001\)"):
+        Trainer(load_config(None, ["train.max_steps=2", "optim.lr=0.005", "log.progress=false"]), task=task(),
+                run_dir=tmp_path / "run").fit()

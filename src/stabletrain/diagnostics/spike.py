@@ -274,9 +274,10 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     updates = [j for j in ratios if j[1] >= GRAD_JUMP]
     if updates:
         text += "; update/weight jumps: " + ", ".join(f"{n} x{f:.3g} ({v:.2g} vs {b:.2g})" for n, f, v, b in updates)
-    elif "update_ratio" in measured:
-        text += "; no layer's update/weight ratio jumped" + (f" (largest: {ratios[0][0]} x{ratios[0][1]:.3g})" if ratios
-                                                              else " (none above an ordinary step's)")
+    elif "update_ratio" in measured:  # (against ordinary windows under this state: its LR too, whatever raised it)
+        text += ("; no layer's update/weight ratio jumped" + (f" (largest: {ratios[0][0]} x{ratios[0][1]:.3g})" if ratios
+                                                               else " (none above an ordinary step's)")
+                 + " against ordinary windows under this state and its LR")
     return {**out, "failure_class": "state", "evidence": text}
 
 

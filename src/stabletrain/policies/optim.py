@@ -9,12 +9,15 @@ be anything: one that cannot skip on the device costs one host sync per step
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..console import StableTrainWarning
 from ..numerics import unique_params
 
 __all__ = ["build_optimizer", "optimizer_factory", "OptimizerFactory", "check_materialized", "check_optimizer_holds"]
@@ -44,6 +47,7 @@ def build_optimizer(named_params: list[tuple[str, nn.Parameter]], optim: Any, de
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"Task.optimizer returned {type(optimizer).__name__}, expected a torch.optim.Optimizer "
                             "built over the named parameters it was given")
+        _unused_keys(optim, optimizer)
         return optimizer
     fused = device.type in ("cuda", "cpu")
     groups = _groups(named_params, optim.weight_decay)
@@ -57,6 +61,20 @@ def build_optimizer(named_params: list[tuple[str, nn.Parameter]], optim: Any, de
             return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum, nesterov=optim.nesterov, foreach=True)
         return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum, nesterov=optim.nesterov, fused=fused)
     raise ValueError(f"config key 'optim.name': expected adamw, adam or sgd, got {name!r}")
+
+
+def _unused_keys(optim: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Say once that the ``optim.*`` keys set away from their defaults do nothing: the task built its own optimizer."""
+    if not dataclasses.is_dataclass(optim):
+        return
+    default = type(optim)()
+    changed = [f"optim.{f.name}={getattr(optim, f.name)}" for f in dataclasses.fields(optim)
+               if getattr(optim, f.name) != getattr(default, f.name)]
+    if changed:
+        lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
+        warnings.warn(f"config key{'s' if len(changed) > 1 else ''} {', '.join(changed)} not used: the task builds its "
+                      f"own optimizer (Task.optimizer: {type(optimizer).__name__}, lr {lr}); its lr is the peak the "
+                      "LR schedule scales: set it there", StableTrainWarning, stacklevel=2)
 
 
 def optimizer_factory(model: nn.Module, optim: Any, device: torch.device,

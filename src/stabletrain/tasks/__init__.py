@@ -66,7 +66,8 @@ class Task:
         data_fingerprint: optional string identifying the data (recorded in ``snapshot.json``).
         count_unit: what ``count`` counts in a ``(sum, count)`` loss ("tokens" or "samples").
         optimizer: optional ``optimizer(named_params) -> torch.optim.Optimizer`` replacing the config's
-            ``optim.name`` (the LR schedule still drives its lr; fused optimizers skip on the device).
+            ``optim.name`` and the other ``optim.*`` keys (its own lr is the peak the LR schedule scales; fused
+            optimizers skip on the device).
         blocks: optional submodules of ``model`` that ``dist.strategy=fsdp`` shards one by one (each its own
             ``fully_shard`` unit); default: the children of every outermost ``nn.ModuleList`` (a transformer's blocks).
     """
