@@ -126,6 +126,12 @@ def test_a_candidate_that_drops_most_samples_only_hides_the_symptom_and_one_endi
     verdict, evidence = judge({**base, "end_loss": 1.0 + 2 * LOSS_TOLERANCE}, base)
     assert verdict == "worse" and "vs baseline 1" in evidence
     assert judge({**base, "end_loss": 1.0 + LOSS_TOLERANCE / 2}, base)[0] == "cures"
+    # A spike's cure may end above the baseline but within the run's own level before the spike: said that way (it
+    # read "x2.31, tolerance x1.1, or the run's ...", a failure at first sight).
+    verdict, evidence = judge({**base, "end_loss": 2.3}, base, typical=2.25)
+    assert verdict == "cures" and "end loss 2.3, within x1.1 of the run's 2.25 before the spike (x1.02; the baseline's 1 " \
+        "is lower)" in evidence
+    assert judge({**base, "end_loss": 1.05}, base, typical=2.25)[1].endswith("or the run's 2.25 before the spike")
 
 
 def test_where_the_baseline_fails_on_a_divergence_a_finite_end_far_above_the_last_healthy_loss_is_worse():
