@@ -223,3 +223,32 @@ def flipped_labels_task(bad: tuple[int, ...] = (802, 805, 806), n: int = 1280, s
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(12, 64), nn.ReLU(), nn.Linear(64, 6))
     return Task(model=model, train_data=TensorDataset(x, y), loss=_ce, name="flipped-labels")
+
+
+class QuadrantCNN(nn.Module):
+    """Two conv blocks with batch norm, then dropout: a sample's cost is spread over its window, and masks differ."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                               nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                               nn.Flatten(), nn.Dropout(0.2), nn.Linear(16, 4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.f(x)
+
+
+def mislabelled_quadrants_task(bad: tuple[int, ...] = (953, 955, 957), n: int = 1200) -> Task:
+    """data, not verifiable by removal: 8x8 images whose bright quadrant is the class; samples ``bad`` (step 120 at
+    batch 8) carry another class. Without them the window keeps a few % of its loss (batch norm re-normalises the
+    rest, dropout draws new masks), still over the rule's bar: no set is verified and none is named."""
+    g = torch.Generator().manual_seed(2)
+    y = torch.randint(0, 4, (n,), generator=g)
+    x = 0.3 * torch.randn(n, 1, 8, 8, generator=g)
+    for c in range(4):
+        r, s = divmod(c, 2)
+        x[y == c, :, 4 * r:4 * r + 4, 4 * s:4 * s + 4] += 3.0
+    for i in bad:
+        y[i] = (y[i] + 2) % 4
+    torch.manual_seed(0)
+    return Task(model=QuadrantCNN(), train_data=TensorDataset(x, y), loss=_ce, name="mislabelled-quadrants")
