@@ -431,6 +431,9 @@ def test_goodput_splits_the_wall_time_of_every_launch_and_the_wait_before_a_rest
                                        "eval": 1.0, "incident": 0.0, "other": 0.6})
     assert g.line() == ("goodput 35.9% over 2 launches (lost: 28.6% start-up, 25.0% redone after 1 restart, 3.6% "
                         "evaluation, 3.2% checkpoint stalls, 2.1% other, 1.6% skipped steps)")
+    # 28 s in all, 29% of it start-up: the report's section says what weighs on the figure (a 4 s run showed 14%, bare)
+    from stabletrain.report.goodput import goodput_section
+    assert "28.0 s of wall time in all. A run this short spends much of it starting up" in goodput_section(tmp_path)
 
 
 def _jsonl(path, rows):

@@ -39,6 +39,10 @@ PARTS: dict[str, tuple[str, str]] = {
 }
 
 
+#: Under this many seconds of wall time in all, the report says that start-up weighs on the figure.
+SHORT_RUN_S = 60.0
+
+
 @dataclass
 class Goodput:
     """Seconds per part of :data:`PARTS` (they add up to ``total_s``), over ``launches`` launches and ``restarts``."""
@@ -174,6 +178,8 @@ def goodput_section(run_dir: str | Path) -> str:
     rows = "".join(f'<tr><td>{html.escape(PARTS[p][0])}</td><td class="num">{g.seconds[p]:,.1f}</td>'
                    f'<td class="num">{g.share(p):.1%}</td><td class="detail">{html.escape(PARTS[p][1])}</td></tr>'
                    for p in PARTS)
-    return (f'<h2 id="goodput">Goodput</h2><p>{html.escape(g.line())}, {g.total_s:,.1f} s of wall time in all.</p>'
+    short = (" A run this short spends much of it starting up (imports, the task, the first checkpoint): goodput means "
+             "more over minutes of training." if g.total_s < SHORT_RUN_S and g.share("startup") >= 0.2 else "")
+    return (f'<h2 id="goodput">Goodput</h2><p>{html.escape(g.line())}, {g.total_s:,.1f} s of wall time in all.{short}</p>'
             f'<div class="narrow"><table><thead><tr><th>where the time went</th><th>seconds</th><th>share</th><th></th>'
             f"</tr></thead><tbody>{rows}</tbody></table></div>")
