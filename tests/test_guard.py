@@ -494,14 +494,23 @@ def test_a_huge_loss_after_a_fast_fall_is_a_spike_that_the_windows_deviation_hid
     assert before["spike"] and before["zscore"] < cfg.spike_zscore < before["robust_zscore"], before
     assert not spike_test(2.0 * fall[-1], fall, cfg)["spike"]
     for loss, want in ((2.33, True), (2.0 * fall[-1], False), (20 * fall[-1], False)):
-        device = Guard(cfg, torch.device("cpu"))
-        for v in fall:
-            device.observe(torch.tensor(v), torch.tensor(1.0))
-        host = Guard(GuardConfig(spike_window=50, on_spike="warn"), torch.device("cpu"))
-        rows = _rows([*fall, loss], [True] * 51)
-        host.mark_spikes(rows)
-        on_device = bool(device.observe(torch.tensor(loss), torch.tensor(1.0))[2])
-        assert (on_device, rows[-1].values["spike"] > 0.5, spike_test(loss, fall, cfg)["spike"]) == (want,) * 3, loss
+        verdicts, _ = _three_rules(fall, loss)
+        assert verdicts == (want,) * 3, loss
+
+
+def _three_rules(window, loss, spike_window=50):
+    """((the device rule, the host's interval rule, spike_test) on ``loss`` after ``window``, whether the host rule
+    flagged any of the window's own losses)."""
+    cfg = GuardConfig(spike_window=spike_window, on_spike="skip")
+    device = Guard(cfg, torch.device("cpu"))
+    for v in window:
+        device.observe(torch.tensor(v), torch.tensor(1.0))
+    host = Guard(GuardConfig(spike_window=spike_window, on_spike="warn"), torch.device("cpu"))
+    rows = _rows([*window, loss], [True] * (len(window) + 1))
+    host.mark_spikes(rows)
+    on_device = bool(device.observe(torch.tensor(loss), torch.tensor(1.0))[2])
+    verdicts = (on_device, rows[-1].values["spike"] > 0.5, spike_test(loss, window, cfg)["spike"])
+    return verdicts, any(r.values["spike"] > 0.5 for r in rows[:-1])
 
 
 def test_a_window_whose_median_is_zero_or_below_makes_no_far_spike():
@@ -509,16 +518,8 @@ def test_a_window_whose_median_is_zero_or_below_makes_no_far_spike():
     0 made every positive loss a robust-z spike (1182 of 3000 healthy hinge draws). The far path needs a positive
     median; the ordinary z-score still decides, on every side alike."""
     hinge = [0.0 if i % 3 else 0.05 + 0.001 * i for i in range(50)]  # two thirds 0: median 0, MAD 0
-    cases = [(hinge, 0.1)]
-    for window, loss in cases:
-        cfg = GuardConfig(spike_window=50, on_spike="skip")
-        device = Guard(cfg, torch.device("cpu"))
-        for v in window:
-            device.observe(torch.tensor(v), torch.tensor(1.0))
-        host = Guard(GuardConfig(spike_window=50, on_spike="warn"), torch.device("cpu"))
-        rows = _rows([*window, loss], [True] * 51)
-        host.mark_spikes(rows)
-        assert not any(r.values["spike"] > 0.5 for r in rows[:-1])  # the window itself is all in the rule's window
-        on_device = bool(device.observe(torch.tensor(loss), torch.tensor(1.0))[2])
-        assert (on_device, rows[-1].values["spike"] > 0.5, spike_test(loss, window, cfg)["spike"]) == (False,) * 3, window
-        assert spike_test(loss, window, cfg)["robust_zscore"] > cfg.spike_zscore  # the far path alone would have fired
+    verdicts, window_flagged = _three_rules(hinge, 0.1)
+    assert not window_flagged  # the window itself is all in the rule's window
+    assert verdicts == (False,) * 3, hinge
+    cfg = GuardConfig(spike_window=50)
+    assert spike_test(0.1, hinge, cfg)["robust_zscore"] > cfg.spike_zscore  # the far path alone would have fired

@@ -24,12 +24,10 @@ left as they were. Cost: about 2N + 8 forward passes and N + 4 backward passes f
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import statistics
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -49,6 +47,7 @@ from .diagnostics.spike import (
     surge_rows,
 )
 from .policies.accumulation import as_sum_count, loss_sums
+from .policies.dropout import dropout_off
 from .policies.guard import spike_test
 from .policies.precision import resolve_device
 from .replica import Replica
@@ -264,7 +263,7 @@ def _bisect(bench: _Bench, groups: list[tuple[list[int], Any]], normal: Any, rat
         return [i for h in high for i in narrow(h)]
 
     if len(flat) <= MAX_LEAVE_ONE_OUT:  # each sample's removal from the whole window: how far the window's loss falls
-        with _no_dropout(bench.replica.model):  # (a row removed shifts every later row's mask: the falls would be noise)
+        with dropout_off(bench.replica.model):  # (a row removed shifts every later row's mask: the falls would be noise)
             base = loss_of(flat)
             falls = [(base - x, i) for i in flat
                      if base is not None and (x := loss_of([j for j in flat if j != i])) is not None]
@@ -288,24 +287,6 @@ def _bisect(bench: _Bench, groups: list[tuple[list[int], Any]], normal: Any, rat
     if len(found) > limit:
         return None, f"{len(found)} samples would have to go (more than {limit})"
     return sorted(found), "; ".join([how, *notes])
-
-
-#: The dropout layers (torch's public classes) the removal search turns off.
-DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
-
-
-@contextlib.contextmanager
-def _no_dropout(model: nn.Module) -> Iterator[None]:
-    """Dropout layers in eval mode while the block runs (batch norms stay as they are): the same sample weighs the same
-    in every forward of the removal search."""
-    layers = [m for m in model.modules() if isinstance(m, DROPOUT) and m.training]
-    for m in layers:
-        m.eval()
-    try:
-        yield
-    finally:
-        for m in layers:
-            m.train()
 
 
 def _gradient_shares(bench: _Bench, rows: list[dict[str, Any]], grads: dict[str, torch.Tensor], count: float) -> None:

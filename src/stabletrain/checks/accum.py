@@ -13,17 +13,13 @@ measured difference (a warning).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from ..data import fixed_batch
 from ..numerics import grad_norms, unique_params
 from ..policies.accumulation import as_sum_count
+from ..policies.dropout import dropout_off
 from ..policies.precision import PrecisionPolicy
 from ..step import TrainStep
 from . import CheckContext, CheckResult, register
@@ -38,64 +34,6 @@ _BATCH_STATS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LazyBatchNorm
 
 def _grads(params: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
-
-
-#: Modules whose own float attribute ``dropout`` draws a mask inside their forward (not an nn.Dropout child).
-_OWN_DROPOUT = (nn.RNNBase, nn.MultiheadAttention)
-#: Functional dropouts; under :class:`_NoFunctionalDropout` each returns its input.
-_FUNCTIONAL_DROPOUT = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout}
-
-
-class _NoFunctionalDropout(TorchFunctionMode):
-    """Make the user's functional dropout the identity (and sdpa's ``dropout_p`` 0); count the calls that had p > 0."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func in _FUNCTIONAL_DROPOUT:
-            p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
-            training = kwargs.get("training", args[2] if len(args) > 2 else True)
-            if training and p > 0:
-                self.calls += 1
-                return args[0] if args else kwargs["input"]
-        elif func is F.scaled_dot_product_attention:
-            if len(args) > 4 and args[4]:  # (query, key, value, attn_mask, dropout_p, ...)
-                self.calls += 1
-                args = (*args[:4], 0.0, *args[5:])
-            elif kwargs.get("dropout_p"):
-                self.calls += 1
-                kwargs["dropout_p"] = 0.0
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def _dropout_off(model: nn.Module) -> Iterator[tuple[list[str], _NoFunctionalDropout]]:
-    """Switch every dropout off for the duration (training mode stays on); yield what was switched off.
-
-    nn.Dropout modules get ``p = 0``; LSTM/GRU/RNN and MultiheadAttention get their own ``dropout = 0``;
-    functional dropout runs as the identity (the yielded mode counts those calls). Everything is put back.
-    """
-    saved: list[tuple[nn.Module, str, float]] = []
-    names = []
-    for name, m in model.named_modules():
-        if isinstance(m, (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)):
-            saved.append((m, "p", m.p))
-            names.append(name)
-        elif isinstance(m, _OWN_DROPOUT) and m.dropout:
-            saved.append((m, "dropout", m.dropout))
-            names.append(f"{name} (dropout={m.dropout:g})")
-    for m, attr, _ in saved:
-        setattr(m, attr, 0.0)
-    mode = _NoFunctionalDropout()
-    try:
-        with mode:
-            yield names, mode
-    finally:
-        for m, attr, value in saved:
-            setattr(m, attr, value)
 
 
 @register("accum", order=20)
@@ -138,7 +76,7 @@ def check_accum(ctx: CheckContext) -> CheckResult:
         return _grads(params)
 
     devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), _dropout_off(model) as (dropouts, functional):
+    with torch.random.fork_rng(devices=devices), dropout_off(model) as (dropouts, functional):
         g_big = run("big")
         functional_calls = functional.calls  # in one forward of the big batch
         g_acc, g_naive = run("accum"), run("naive")
