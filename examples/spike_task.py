@@ -2,8 +2,8 @@
 
 Token 31 appears only in the samples of steps 74 and 75 (batch 8, in order). Its embedding row had no
 gradient before, so Adam's second moment there is 0 and its first gradient, however small, moves it many
-times as far as any other row (with beta1 = 0, as RMSprop-like setups run; with the default 0.9 the same
-shows after some thousand steps): the next step's loss spikes. Try::
+times as far as any other row (with beta1 = 0, as RMSprop-like setups run; with the default 0.9 the first
+moment passes on a tenth of that gradient and this small task shows no spike): the next step's loss spikes. Try::
 
     stabletrain train task=examples.spike_task:make_task train.batch_size=8 train.max_steps=80 log.every=10 \\
         data.shuffle=false sched.warmup_steps=0 sched.decay=constant run.dir=runs/spike

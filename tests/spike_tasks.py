@@ -78,7 +78,7 @@ def rare_token_task(vocab: int = 32, length: int = 8, n: int = 640, first: int =
     """optimizer-state: token ``vocab - 1`` appears only in samples ``first`` .. ``first + count - 1`` (steps
     74 and 75 at batch 8). Its embedding row had no gradient until then, so Adam's second moment there is 0: its first
     gradient, however small, makes an update of about lr x sqrt(t) per coordinate (bias-corrected, with beta1 = 0
-    as RMSprop-like setups run; with beta1 = 0.9 the same shows after some thousand steps), several times the
+    as RMSprop-like setups run; with beta1 = 0.9 the first moment passes on a tenth of it: no spike here), several times the
     other rows' moves, and the next step's loss on those samples spikes. The target ignores the rare token."""
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab - 1, (n, length), generator=g)
@@ -252,3 +252,39 @@ def mislabelled_quadrants_task(bad: tuple[int, ...] = (953, 955, 957), n: int = 
         y[i] = (y[i] + 2) % 4
     torch.manual_seed(0)
     return Task(model=QuadrantCNN(), train_data=TensorDataset(x, y), loss=_ce, name="mislabelled-quadrants")
+
+
+class StepCountedAdamW(torch.optim.AdamW):
+    """AdamW whose own schedule multiplies the LR by ``factor`` from its ``jump_at``-th update on, inside ``step``
+    (a schedule bug the param groups never show: their lr stays). It reads Adam's step count, so a replay sees it."""
+
+    def __init__(self, params, jump_at: int, factor: float, **kwargs) -> None:
+        super().__init__(params, **kwargs)
+        self.jump_at, self.factor = jump_at, factor
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        steps = next((int(s["step"]) for s in self.state.values() if "step" in s), 0)
+        if steps < self.jump_at:
+            return super().step(closure)
+        kept = [g["lr"] for g in self.param_groups]
+        for g in self.param_groups:
+            g["lr"] = g["lr"] * self.factor
+        try:
+            return super().step(closure)
+        finally:
+            for g, lr in zip(self.param_groups, kept):
+                g["lr"] = lr
+
+
+def hidden_lr_jump_task(jump_at: int = 150, factor: float = 30.0, lr: float = 3e-3, n: int = 2048) -> Task:
+    """state: a tanh regression under :class:`StepCountedAdamW`: from update 151 on its steps are 30x; the loss spikes
+    at step 153 (batch 32), ordinary windows too; 0.27% of one layer's coordinates surge x5.5 (not the cause)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 16, generator=g)
+    y = torch.tanh(x @ torch.randn(16, 1, generator=g) / 4) + 0.05 * torch.randn(n, 1, generator=g)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 1))
+    return Task(model=model, train_data=TensorDataset(x, y), loss=_mse, name="hidden-lr-jump",
+                optimizer=lambda named: StepCountedAdamW([p for _, p in named], jump_at, factor, lr=lr, weight_decay=0.0,
+                                                         fused=True))

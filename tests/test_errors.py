@@ -213,7 +213,7 @@ def test_brief_shows_a_tensors_shape_never_its_values():
     assert len(long) == 200 and long.endswith("...") and "\n" not in long
 
 
-def _monitor_incident(run_dir: Path) -> Path:
+def _monitor_incident(run_dir: Path, model_factory=None) -> Path:
     """The README's Monitor snippet (an nn.Sequential, a loss_fn that is not importable) with a NaN in step 3's batch."""
     import torch
 
@@ -229,7 +229,8 @@ def _monitor_incident(run_dir: Path) -> Path:
         x, y = batch
         return torch.nn.functional.mse_loss(model(x), y)
 
-    with stabletrain.Monitor(model, optimizer, run_dir=run_dir, log_every=3, loss_fn=loss_fn) as monitor:
+    with stabletrain.Monitor(model, optimizer, run_dir=run_dir, log_every=3, loss_fn=loss_fn,
+                             model_factory=model_factory) as monitor:
         for batch in loader:
             monitor.backward(loss_fn(model, batch))
             monitor.step(batch)
@@ -268,6 +269,23 @@ def test_diagnose_names_what_cannot_be_rebuilt_prints_no_tensor_and_shows_the_st
     assert "written to" not in out  # nothing was replayed or written
     assert main(["diagnose", "--json", str(incident)]) == 0
     assert json.loads(capsys.readouterr().out) == stored
+
+
+def test_a_model_factory_a_new_process_cannot_import_is_named_as_given_not_as_none_given(tmp_path):
+    """model_factory=make_model, a function of the user's script (or, here, of a function): 'the adapter recorded no
+    way to build it ... pass model_factory=' told someone who had passed one."""
+    from stabletrain.commands.diagnose import replay_obstacles
+
+    def make_model():
+        return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+
+    import torch
+
+    incident = _monitor_incident(tmp_path / "loop", model_factory=make_model)
+    assert replay_obstacles(incident)[0] == (
+        "the model_factory given, test_a_model_factory_a_new_process_cannot_import_is_named_as_given_not_as_none_given."
+        "<locals>.make_model, is defined inside a function (a lambda or a closure): a new process cannot import it; "
+        "define it in a module and pass it, or 'module:function'")
 
 
 # -- importing the task's module ----------------------------------------------------------------

@@ -124,3 +124,27 @@ def test_the_basename_rule_itself(tmp_path, monkeypatch):
     monkeypatch.setattr(__import__(__name__), "PACKAGE", tmp_path)
     with pytest.raises(AssertionError, match="remedy"):
         test_no_two_modules_share_a_basename()
+
+
+def private_imports(path: Path) -> list[str]:
+    """``from X import _name`` in ``path`` where X is a module of the package (relative, or ``stabletrain.``...)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("stabletrain")):
+            found += [f"{'.' * node.level}{node.module or ''}:{a.name}" for a in node.names
+                      if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+def test_no_module_imports_another_modules_private_names():
+    """A private name is its module's own: another module that needs it names a public one (issue 35: the replay
+    imported the captured module's _sgd_noop; the tasks package the arguments module's _SIMPLE and _checkable)."""
+    found = {module: names for module, path in _modules().items() if (names := private_imports(path))}
+    assert not found, f"private names imported from another module (make them public, or move the code): {found}"
+
+
+def test_the_private_import_rule_itself(tmp_path):
+    source = tmp_path / "mod.py"
+    source.write_text("from .captured import _sgd_noop, build\nfrom stabletrain.tasks import _SIMPLE\n"
+                      "from torch.nn import _reduction\nfrom __future__ import annotations\n")
+    assert private_imports(source) == [".captured:_sgd_noop", "stabletrain.tasks:_SIMPLE"]

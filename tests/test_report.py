@@ -644,6 +644,15 @@ def test_a_few_huge_losses_do_not_make_the_loss_headline_read_as_a_run_that_got_
     rising = [3.0, 2.5, 2.2, 2.1, 2.0, 2.4, 5.0, 40.0, 900.0, 5e4]
     h, text = _loss_run(tmp_path / "diverging", rising, [0.8 * m for m in rising])
     assert (h.figures["loss_start"], h.figures["loss_end"]) == (3.0, 5e4) and "(first → last interval)" in text
+    assert text.endswith("; it rose x2.5e+04 from its best interval's mean, 2 at step 50."), text
+    # ... also where the guard called its last steps spikes: each is high, no few large losses lift the mean (an LR
+    # jumped 30x at step 150: "0.4184 → 0.02072 (... lifted by loss spikes at steps 161-170)" hid the divergence).
+    means = [0.4184, 0.05, 0.03, 0.025, 0.021, 0.0207, 0.02, 0.021, 0.15, 0.3812]
+    h, text = _loss_run(tmp_path / "jumped", means, [0.3, 0.04, 0.02, 0.02, 0.018, 0.018, 0.017, 0.018, 0.012, 0.147],
+                        spikes=[*range(153, 158), *range(161, 171)], every=17)
+    assert h.figures["loss_end"] == 0.3812 and "lifted" not in text, text
+    assert text.endswith("(first → last interval); it rose x19.1 from its best interval's mean, 0.02 at step 119."), text
+    assert ("warn", text) in h.sentences
     # Spikes that recur (a bad sample each epoch) lift most of the first intervals' means: their median would be lifted
     # too; the intervals without a spike tell the typical loss.
     means = [40.0, 1.0, 30.0, 0.8, 25.0, 0.5, 0.4, 0.3]

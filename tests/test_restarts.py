@@ -544,11 +544,15 @@ def test_a_restart_sets_aside_every_capture_of_the_steps_it_trains_again(tmp_pat
         "step_000021.2.superseded-1"]
 
 
-def test_diagnose_and_remedy_on_a_run_directory_pick_its_captures_by_step_and_number(tmp_path):
-    """'newest' is the last step's last capture, numerically (step_N.10 after step_N.9), not one a restart set aside."""
+def test_diagnose_and_remedy_on_a_run_directory_pick_its_captures_by_step_and_number(tmp_path, capsys):
+    """'newest' is the last step's last capture, numerically (step_N.10 after step_N.9), not one a restart set aside;
+    each says which it took of how many (diagnose takes the newest, remedy the first: not to be taken for one)."""
     from stabletrain.commands import incident_dir
 
     for name in ("step_000020", "step_000020.9", "step_000020.10", "step_000007.superseded-1", "step_000021.superseded-1"):
         (tmp_path / "incidents" / name).mkdir(parents=True)
     assert incident_dir(tmp_path, newest=True, command="diagnose").name == "step_000020.10"
+    assert capsys.readouterr().err == (f"stabletrain: diagnose: {tmp_path} holds 3 incidents; this is the newest, "
+                                       f"step_000020.10 (give {tmp_path / 'incidents' / 'step_000020'} for the first)\n")
     assert incident_dir(tmp_path, newest=False, command="remedy").name == "step_000020"
+    assert "this is the first, step_000020 (give" in capsys.readouterr().err

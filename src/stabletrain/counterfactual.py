@@ -41,6 +41,7 @@ from .diagnostics.spike import (
     classify_spike,
     departures,
     jumps,
+    lr_change,
     max_outliers,
     outlier_sets,
     spike_summary,
@@ -113,8 +114,9 @@ class _Bench:
             out["grads"] = grads
         judged["clipped"] = step.clipper.clip_(step.params, judged["grad_norm"], judged["finite"], grad_scale=scale)
         step.apply(judged, check_params=False)
-        out["update_ratios"] = {n: float((p.detach() - b).norm()) / max(float(b.norm()), 1e-12)
-                                for (n, p), b in zip(rep.named_params, before)}
+        moved = [(float((p.detach() - b).norm()), float(b.norm())) for (_, p), b in zip(rep.named_params, before)]
+        out["update_ratios"] = {n: d / max(w, 1e-12) for (n, _), (d, w) in zip(rep.named_params, moved)}
+        out["update_ratio"] = math.hypot(*(d for d, _ in moved)) / max(math.hypot(*(w for _, w in moved)), 1e-12)
         if signature:
             out["surges"] = surge_rows(masks, {n: (p.detach() - b).abs() for (n, p), b in zip(rep.named_params, before)})
         for p in rep.params:
@@ -365,7 +367,9 @@ def _diagnose(bench: _Bench, bundle: dict[str, Any], cfg: Any, observed: dict[st
     samples_rows, m["samples"], m["samples_note"] = (_samples(bench, spike, rule, here.get("grads"), cfg.guard.spike_ratio)
                                                      if why is None else ([], None, None))
     samples_s = time.perf_counter() - start - replays_s
-    ordinary = _typical([bench.step(c) for c in context]) if context else None
+    ordinary_steps = [bench.step(c) for c in context]
+    ordinary = _typical(ordinary_steps) if context else None
+    m["steps"] = _step_sizes(observed.get("history") or [], ordinary_steps or [here]) if why is None else None
     m["older"], m["where"] = _older(bench, bundle, cfg, spike, context, rule) if why is None else (None, {})
     if m["older"] is None and context and why is None:  # no older state: are the ordinary windows high under this one?
         now = sum(bench.loss(c) for c in context) / len(context)
@@ -398,7 +402,8 @@ def _diagnose(bench: _Bench, bundle: dict[str, Any], cfg: Any, observed: dict[st
         verdict["evidence"] += (f"; sample{'s' if len(again) > 1 else ''} {', '.join(map(str, again))} carried the spike "
                                 f"at step {after['step']} too: {'they come' if len(again) > 1 else 'it comes'} back")
     elif after and m["reproduces"]:  # an earlier spike's update, applied, may have left the state off: say so
-        verdict["evidence"] += (f"; {bundle['step'] - after['step']} steps after the spike at step {after['step']}"
+        gap = bundle["step"] - after["step"]
+        verdict["evidence"] += (f"; {gap} step{'s' if gap != 1 else ''} after the spike at step {after['step']}"
                                 + (f" ({after['class']})" if after.get("class") else "")
                                 + ", whose update was applied: this may be its aftershock")
     for row in m["surges"]:  # what an update clip for that layer would hold it to
@@ -409,7 +414,7 @@ def _diagnose(bench: _Bench, bundle: dict[str, Any], cfg: Any, observed: dict[st
            **verdict, "bad_samples": verdict["blamed_samples"], "samples": m["samples"],
            "sample_losses": [{k: v for k, v in r.items()} for r in samples_rows[:10]],
            "num_samples": len(samples_rows) or sum(len(i) for i, _ in spike), "older": m["older"], "where": m["where"],
-           "ordinary_now": m.get("ordinary_now"),
+           "ordinary_now": m.get("ordinary_now"), "steps": m["steps"],
            "jumps": m["jumps"], "surges": top, "fp32": m["fp32"], "precision": precision,
            "spike_window": {"size": len(bundle.get("observed", {}).get("spike_window") or []),
                             "median": test.get("median"), "mean": test.get("mean"), "std": test.get("std")},
@@ -420,6 +425,17 @@ def _diagnose(bench: _Bench, bundle: dict[str, Any], cfg: Any, observed: dict[st
     out["timings"] = {"replays_s": replays_s, "samples_s": samples_s, "total_s": time.perf_counter() - start}
     out["passes"] = bench.passes
     return out
+
+
+def _step_sizes(history: list[list[Any]], steps: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The whole model's update/weight ratio on ordinary windows under this state (the median of their replayed
+    steps) against the run's before the spike (the median of the last intervals' records: ``[step, lr, ratio]``);
+    None without two such records."""
+    before = [(int(t), r) for t, _, r in history if isinstance(r, (int, float)) and math.isfinite(r) and r > 0]
+    if len(before) < 2:
+        return None
+    return {"now": statistics.median(s["update_ratio"] for s in steps), "before": statistics.median(r for _, r in before),
+            "upto": before[-1][0]}
 
 
 def _typical(steps: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -450,7 +466,7 @@ def _older(bench: _Bench, bundle: dict[str, Any], cfg: Any, spike: list, context
         ordinary_old = ordinary_now = rule(0.0).get("median") or float("nan")
     ratio = cfg.guard.spike_ratio
     info = {"step": int(ref.get("step", 0)), "from": ref.get("from", "snapshot"), "window": window_old, "ordinary": ordinary_old,
-            "current_ordinary": ordinary_now,
+            "current_ordinary": ordinary_now, "lr": lr_change(ref.get("optimizer"), bundle.get("optimizer")),
             "window_high": bool(math.isfinite(window_old) and window_old > ratio * ordinary_old),
             "ordinary_high": bool(math.isfinite(ordinary_now) and (ordinary_now > ratio * ordinary_old
                                                                      or rule(ordinary_now)["spike"]))}

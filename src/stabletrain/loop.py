@@ -255,7 +255,10 @@ class Trainer:
         """Capture the incident, then stop or roll back as decided; return whether the state is healthy."""
         state = self.state
         info = self.boundary.incident(decision, rows)  # every rank captures: the replay has collectives
-        if decision.action == "remedy" and self.remedies.act(decision, info or {}):  # a cure verified on a replay
+        t0 = time.perf_counter()
+        cured = decision.action == "remedy" and self.remedies.act(decision, info or {})  # a cure verified on a replay
+        self.boundary.excluded += time.perf_counter() - t0  # the search's time is not the next interval's throughput
+        if cured:
             if decision.action == "rollback":  # the cure's own rollback: the run went back to its checkpoint
                 self.callbacks.fire("on_rollback", state, self.remedies.last_rollback)
             return True

@@ -48,7 +48,7 @@ from .diagnostics.spike import outlier_sets
 from .fileio import atomic_write
 from .incident_replay import diagnose_incident, run_history, task_of_run
 from .policies.accumulation import loss_sums
-from .policies.guard import UNRECOVERABLE_SCALE, Guard, spike_test
+from .policies.guard import Guard, routine_overflow, spike_test
 from .policies.precision import resolve_device
 from .records.bundles import DIAGNOSIS_FILE, REMEDY_FILE, load_bundle
 from .records.checkpoint.manager import CheckpointManager
@@ -213,8 +213,7 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int, probe: int | None = 
                         "window": [float(v) for v in guard.window.tolist() if math.isfinite(v)]}
             out = step([(len(k), b) for k, b in groups], task.loss, check_params=True)
             loss, norm = float(out["loss"]), float(out["grad_norm"])
-            # fp16: the scaler's routine skip-and-back-off, unless it backs off below UNRECOVERABLE_SCALE (as the guard)
-            overflow = bool(out["overflow"]) and float(precision.loss_scale()) >= UNRECOVERABLE_SCALE
+            overflow = routine_overflow(bool(out["overflow"]), float(precision.loss_scale()))  # (fp16, as the guard)
             params_ok = bool(out.get("params_finite", torch.tensor(True)))
             row = {"step": n, "loss": loss, "grad_norm": norm, "applied": bool(out["applied"])}
             marked = SimpleNamespace(values={"loss": loss, "finite": float(math.isfinite(loss) and math.isfinite(norm)),

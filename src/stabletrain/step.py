@@ -16,9 +16,11 @@ The step, in the order it runs (DESIGN.md, "the data's path")::
     schedule.step(applied)                         # the LR schedule holds on a skipped step
 
 Nothing here reads a device value on the host, except where the optimizer cannot skip on the device
-(:meth:`PrecisionPolicy.step` documents it). :meth:`TrainStep.forward_backward` and
-:meth:`TrainStep.update` are the two halves, so an adapter whose host trainer runs its own
-forward/backward can still call the same update, and a replay can run the halves under its tools.
+(:meth:`PrecisionPolicy.step` documents it). :meth:`TrainStep.forward_backward` runs the micro-batches;
+:meth:`TrainStep.update` is :meth:`TrainStep.judge` (unscale, measure, guard, clip) then
+:meth:`TrainStep.apply` (the optimizer step on that verdict, the schedule): an adapter whose host trainer runs its
+own forward/backward calls the same update (or, where the host steps its optimizer itself, the judging half alone:
+:mod:`stabletrain.host_step`), and a replay can run the parts under its tools.
 """
 
 from __future__ import annotations

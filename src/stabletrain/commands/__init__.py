@@ -6,6 +6,7 @@ A module here imports torch only inside its handler: building the parsers must n
 
 from __future__ import annotations
 
+import sys
 import textwrap
 from pathlib import Path
 
@@ -41,7 +42,12 @@ def incident_dir(path: str | Path, *, newest: bool, command: str) -> Path:
     found = sorted((path / "incidents").glob("step_*"), key=incident_order) if (path / "incidents").is_dir() else []
     live = [f for f in found if ".superseded-" not in f.name] or found  # not one a restart set aside, where others are
     if live:
-        return live[-1] if newest else live[0]
+        chosen = live[-1] if newest else live[0]
+        if len(live) > 1:  # said, so that diagnose (the newest) and remedy (the first) on a run are not taken for one
+            print(f"stabletrain: {command}: {path} holds {len(live)} incidents; this is the {'newest' if newest else 'first'}"
+                  f", {chosen.name} (give {path / 'incidents' / live[0 if newest else -1].name} for the "
+                  f"{'first' if newest else 'newest'})", file=sys.stderr)
+        return chosen
     if any((path / name).exists() for name in ("events.jsonl", "metrics.jsonl", "config.yaml")):
         raise FileNotFoundError(f"{command} {str(path)!r}: the run has no incidents (no step was captured: no "
                                 f"{path / 'incidents' / 'step_N'}), so there is nothing to {command}")

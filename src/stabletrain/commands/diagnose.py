@@ -94,6 +94,8 @@ def replay_obstacles(incident: Path) -> list[str]:
         else:
             found.append(f"the model's class{f' {cls}' if cls else ''} cannot be imported in a new process (defined in "
                          f"__main__ or inside a function) or needs constructor arguments: {fix}")
+    elif model.get("kind") == "none":  # the reason was recorded at capture (a model_factory in __main__)
+        found.append(model["why"])
     else:
         try:
             model_from_recipe(model, host)

@@ -17,9 +17,14 @@ after it (the same batches the run would see next). Each candidate gets a verdic
   fails   its first bad step (non-finite loss, grad norm or parameters, or a spike); a candidate that drops
           more than half of the samples, or has most of its steps skipped, only hides the symptom and fails
   worse   finite, but its end loss is more than 10% worse than that
+  untestable  an adapter's spike captured alone (no step before it): a fix that changes updates cannot show
+          an effect on its one step
 Candidates: skip-step (the baseline), skip-samples, eps-guard (op), module-fp32, bf16 and scaler (overflow),
-lr-x0.5 and lr-x0.1 (every class), rollback-lr-x0.5, rollback-lr-x0.1 and clip (divergence).
-Writes remedy.json in the incident directory. Time: about (K+1) x candidates steps plus one load."""
+lr-x0.5 and lr-x0.1 (every class), rollback-lr-x0.5, rollback-lr-x0.1 and clip (divergence); for a loss
+spike: skip-samples (data), module-fp32 (precision), update-clip and adam-eps for the named layer
+(optimizer-state), lr-x0.5, lr-x0.1, and rollback-lr and clip (state, optimizer-state).
+Writes remedy.json in the incident directory (replacing an earlier one). Time: about (K+1) x candidates
+steps plus one load."""
 
 
 def add_remedy_parser(sub: argparse._SubParsersAction) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 __all__ = ["SPIKE_CLASSES", "classify_spike", "adam_surges", "surge_rows", "departures", "jumps", "spike_summary",
-           "outlier_sets", "SURGE_FACTOR", "UPDATE_JUMP"]
+           "lr_change", "lr_groups", "outlier_sets", "SURGE_FACTOR", "UPDATE_JUMP"]
 
 SPIKE_CLASSES = ("data", "state", "optimizer-state", "precision", "not reproducible")
 
@@ -47,6 +47,10 @@ DATA_SHARE = 0.5
 #: A layer's gradient norm on the spike's window at least this many times its norm on an ordinary one is named as a
 #: jump in the evidence (x1 is no jump).
 GRAD_JUMP = 1.5
+#: A state spike's evidence names the LR's rise since the older state from this factor on.
+LR_RISE = 2.0
+#: ... and the growth of the whole model's update/weight ratio against the run's intervals before, from this factor on.
+STEP_GROWTH = 4.0
 
 
 def adam_surges(named_params: list[tuple[str, torch.nn.Parameter]], optimizer: torch.optim.Optimizer,
@@ -164,7 +168,39 @@ def outlier_sets(rows: list[dict[str, Any]], normal: Callable[[float], bool]) ->
 
 
 def _pct(x: float) -> str:
-    return f"{100 * x:.0f}%" if x >= 0.01 else f"{100 * x:.2g}%"
+    if x < 0.01:
+        return f"{100 * x:.2g}%"
+    whole = f"{100 * x:.0f}"
+    return f"{whole}%" if whole != "100" or x >= 1 else f"{math.floor(1000 * x) / 10:.1f}%"  # never "100%" of a part
+
+
+def lr_change(then: Any, now: Any) -> dict[str, float] | None:
+    """The learning rate in two optimizer ``state_dict``s: ``{"then", "now"}`` of the param group whose LR changed
+    the most (by ratio), or None where either holds none (a sharded entry, no optimizer)."""
+    a, b = _group_lrs(then), _group_lrs(now)
+    if a is None or b is None or len(a) != len(b):
+        return None
+    pairs = [(x, y) for x, y in zip(a, b) if x > 0 and y > 0]
+    if not pairs:
+        return None
+    x, y = max(pairs, key=lambda p: max(p[1] / p[0], p[0] / p[1]))
+    return {"then": x, "now": y}
+
+
+def lr_groups(state: Any) -> dict[str, Any] | None:
+    """What :func:`lr_change` reads of an optimizer ``state_dict``, alone (a bundle's older state keeps only this)."""
+    lrs = _group_lrs(state)
+    return None if lrs is None else {"param_groups": [{"lr": lr} for lr in lrs]}
+
+
+def _group_lrs(state: Any) -> list[float] | None:
+    groups = state.get("param_groups") if isinstance(state, dict) else None
+    if not isinstance(groups, list) or not groups or not all(isinstance(g, dict) and "lr" in g for g in groups):
+        return None
+    try:
+        return [float(g["lr"]) for g in groups]
+    except (TypeError, ValueError, RuntimeError):
+        return None
 
 
 def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
@@ -215,12 +251,25 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
                                               f"({older['window']:.4g} vs {older['ordinary']:.4g})" if older else ""))}
     # Only an update before the spike's loss can have caused it: the step before's (the spike's own comes after it).
     blamed = _surging_layer([r for r in m.get("surges") or [] if r.get("step", -1) < m.get("step", 0)])
+    lr = (older or {}).get("lr")
+    rise = lr["now"] / lr["then"] if lr else 1.0
+    sizes = m.get("steps")
+    growth = sizes["now"] / sizes["before"] if sizes else 1.0
+    acquit = ""  # why a surge is not the cause: every coordinate moved further, or its update lowered this window's loss
+    if blamed is not None and (rise >= LR_RISE or growth >= STEP_GROWTH) and max(rise, growth) >= blamed["coord_factor"]:
+        acquit = (f"; a few of {blamed['name']}'s coordinates surged in the update of step {blamed['step']} (x"
+                  f"{blamed['coord_factor']:.3g} as far as its others), less than every coordinate's steps grew")
+    elif blamed is not None and older is not None and math.isfinite(older["window"]) and older["window"] >= m["loss"]:
+        acquit = (f"; {blamed['name']}'s surging update of step {blamed['step']} lowered this window's loss ("
+                  f"{older['window']:.4g} under the state of step {older['step']}, {m['loss']:.4g} now): not its cause")
+    if acquit:
+        blamed = None
     if high_before and blamed is None:  # (a surge in the update before is a cause; a high window, one by elimination)
         return {**out, "failure_class": "data",
                 "evidence": (f"the whole window is high under the state of step {older['step']} too ({older['window']:.4g} "
                              f"vs {older['ordinary']:.4g} on ordinary windows) and no small set of its samples carries "
                              "it: the batch itself is an outlier"
-                             + (f" (the search for a few: {m['samples_note']})" if m.get("samples_note") else ""))}
+                             + (f" (the search for a few: {m['samples_note']})" if m.get("samples_note") else "") + acquit)}
     drift = ""
     if high_before:  # (with a surge before it: the surge is the cause named)
         drift = (f"; the window is high under the state of step {older['step']} too ({older['window']:.4g} vs "
@@ -239,7 +288,7 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
         versus = (f"vs {then:.4g}" if not older["ordinary_high"] or now > then else
                   f"high by the rule; {then:.4g} under that state, itself no calm one")
         drift = (f"; the window is normal under the state of step {older['step']} ({older['window']:.4g}) and ordinary "
-                 f"windows are {'high' if older['ordinary_high'] else 'at'} {now:.4g} under this one ({versus})")
+                 f"windows are {'high at' if older['ordinary_high'] else 'at'} {now:.4g} under this one ({versus})")
     if samples is not None and not weak:
         drift += (f"; samples {', '.join(map(str, samples['indices']))} carry {_pct(samples['share'])} of the loss, "
                   "but only under the current state")
@@ -261,8 +310,14 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
                              "(it opens its log interval: no older state), so which step moved them is not measured")}
     where = m.get("where") or {}
     untold = older is None and now is not None and not drifted  # ordinary windows normal, no older state
-    text = ("the model or optimizer state, or this window (not told apart)" if untold else
-            "the model or optimizer state drifted (a divergence onset, or an LR too high)") + drift
+    alone = older is not None and not older["window_high"] and not older["ordinary_high"]  # only this window rose
+    if alone:
+        text = (f"the updates since step {older['step']} raised this window's loss, not ordinary windows' (the state and "
+                "this window, not told apart)")
+    else:
+        text = ("the model or optimizer state, or this window (not told apart)" if untold else
+                "the model or optimizer state drifted (a divergence onset, or an LR too high)")
+    text += _lr_rise(older) + _steps_grew(sizes, older) + drift + acquit
     if where.get("first"):
         out["blamed_module"] = where["first"]
         text += f"; first module whose output departs: '{where['first']}' (x{where['first_factor']:.3g})"
@@ -279,6 +334,25 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
                                                                else " (none above an ordinary step's)")
                  + " against ordinary windows under this state and its LR")
     return {**out, "failure_class": "state", "evidence": text}
+
+
+def _lr_rise(older: dict[str, Any] | None) -> str:
+    """The LR's rise since the older state, where it at least doubled (a schedule's jump, a warmup's climb)."""
+    lr = (older or {}).get("lr")
+    if not lr or lr["now"] < LR_RISE * lr["then"]:
+        return ""
+    return f"; the LR rose x{lr['now'] / lr['then']:.3g} since step {older['step']} ({lr['then']:.3g} -> {lr['now']:.3g})"
+
+
+def _steps_grew(sizes: dict[str, Any] | None, older: dict[str, Any] | None) -> str:
+    """The whole model's update/weight ratio against the run's before, where it grew :data:`STEP_GROWTH` times or more."""
+    if not sizes or sizes["now"] < STEP_GROWTH * sizes["before"]:
+        return ""
+    lr = (older or {}).get("lr")
+    same = " at the same LR" if lr and max(lr["now"] / lr["then"], lr["then"] / lr["now"]) < 1.01 else ""
+    return (f"; the optimizer's steps grew x{sizes['now'] / sizes['before']:.3g}{same}: update/weight {sizes['now']:.2g} on "
+            f"ordinary windows under this state against {sizes['before']:.2g} in the run's intervals up to step "
+            f"{sizes['upto']}")
 
 
 def _surging_layer(rows: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -14,8 +14,8 @@ config and the process group (:func:`strategy_for`)::
 single        the model as it is; state dicts as torch makes them (``train.compile``: every strategy's step calls
               ``torch.compile`` of its wrapped model; the state stays the eager module's)
 ddp           ``DistributedDataParallel`` (:func:`~stabletrain.distributed.carrier.data_parallel`: the window's
-              numbers ride the gradient all-reduce); every rank holds the same parameters and optimizer state
-              (``replicated``), so state dicts are one process's
+              numbers ride the gradient all-reduce); every rank holds the same parameters and optimizer state,
+              so state dicts are one process's
 fsdp          FSDP2 ``fully_shard`` per block and at the root (:mod:`~stabletrain.distributed.fsdp`); parameters
               are DTensor shards (``sharded``); the state is gathered whole for a full checkpoint (a collective),
               read as this rank's shards for the incident snapshot (``local``), or as DCP's sharded state dicts
@@ -83,8 +83,7 @@ class Strategy:
     """One process: the model as it is. The base of the others; see the module docstring."""
 
     name = "single"
-    sharded = False  # parameters are DTensor shards (FSDP2)
-    replicated = False  # every rank holds the same parameters and optimizer state (DDP over several ranks)
+    sharded = False  # parameters are DTensor shards (FSDP2): what build_optimizer is told (fused SGD has no DTensor rule)
 
     def __init__(self, cfg: Any, dist: Any, device: torch.device) -> None:
         self.cfg, self.dist, self.device = cfg, dist, device
@@ -263,7 +262,6 @@ class DDPStrategy(Strategy):
     """``DistributedDataParallel`` over the process group; see the module docstring."""
 
     name = "ddp"
-    replicated = True
 
     def _wrap(self, module: nn.Module, task: Any, fingerprint: Any) -> tuple[Parts, Any]:
         from .carrier import data_parallel

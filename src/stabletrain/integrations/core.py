@@ -264,7 +264,6 @@ class RunSession:
         record, decision, rows, _ = self.boundary.log()
         self.boundary.incident(decision, rows)
         self.capture.mark_interval_start(self.step, self.capturing)
-        self.boundary.restart()  # the capture's time is not the next interval's
         if decision.action == "stop":
             if self.options.on_nonfinite == "warn":
                 warnings.warn(f"{decision.reason} (on_nonfinite='warn': training goes on)", console.StableTrainWarning,

@@ -181,11 +181,13 @@ class Monitor:
         count = num_tokens if num_tokens is not None else n
         count = (count.detach().float().reshape(()) if isinstance(count, Tensor)
                  else torch.full((), float(count), device=loss.device))
-        session.keep(micro, self._rng, {"backward": self._backward if not given else [loss], "autocast": self._autocast,
-                                        "loss": loss, "count": count, "clipped_by_user": grad_norm is not None})
+        host = {"backward": self._backward if not given else [loss], "autocast": self._autocast, "loss": loss, "count": count}
+        session.keep(micro, self._rng, host)
         last_of_interval = (session.step + 1) % session.options.log_every == 0
         norm = torch.as_tensor(grad_norm).detach().float().reshape(()) if grad_norm is not None else None
         out = self.step_fn.update(loss=loss, count=count, measure_update=last_of_interval, grad_norm=norm)
+        if norm is not None:  # your clip, for a replay: the norm before it and of the grads it left (device tensors)
+            host["user_clip"] = (norm, torch.linalg.vector_norm(out["per_param_norms"]))
         self.optimizer.zero_grad(set_to_none=True)
         self.last_applied = out["applied"]
         self._reset()
@@ -250,7 +252,13 @@ class _MonitorReplay(HostReplay):
             with m.precision.autocast() if kept.host["autocast"] else contextlib.nullcontext():
                 loss = m.loss_fn(m.model, batch)
             m.precision.backward(_as_backpropagated(loss, backward[i] if i < len(backward) else None, len(kept.micro)))
-        step.update(loss=kept.host["loss"], count=kept.host["count"])
+        clip = kept.host.get("user_clip")
+        if clip is not None:  # your own clip, as it scaled the grads (not bitwise: its threshold is yours)
+            before, after = clip
+            grads = [p.grad for p in m.session.params if p.grad is not None]
+            if grads and bool(after < before * (1 - 1e-6)):  # untouched by it (norm under your threshold): as they are
+                torch._foreach_mul_(grads, (after / before).to(grads[0].device))
+        step.update(loss=kept.host["loss"], count=kept.host["count"], grad_norm=None if clip is None else clip[0])
         m.optimizer.zero_grad(set_to_none=True)
 
     def diagnosis_loss(self, kept: KeptStep) -> Callable[[nn.Module, Any], Any]:

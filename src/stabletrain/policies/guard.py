@@ -53,7 +53,8 @@ from ..config import GuardConfig
 from ..numerics import both_finite
 from .spike_rule import EARLY_ARM, FAR, MAD_TO_STD, robust_z, spike_test
 
-__all__ = ["Guard", "GuardDecision", "inputs_finite", "UNRECOVERABLE_SCALE", "EARLY_ARM", "spike_test", "NEGLIGIBLE_GRAD"]
+__all__ = ["Guard", "GuardDecision", "inputs_finite", "UNRECOVERABLE_SCALE", "EARLY_ARM", "spike_test", "NEGLIGIBLE_GRAD",
+           "routine_overflow"]
 
 #: fp16: an overflow after which the GradScaler's scale is below this is an incident, not the routine skip: the
 #: gradients do not fit float16 even unscaled (or are NaN whatever the scale), and backing off cannot fix that.
@@ -366,8 +367,7 @@ class Guard:
         params_bad_at = None
         for row in rows:
             v = row.values
-            # fp16: the scaler's routine skip, not an incident -- unless it has backed off below UNRECOVERABLE_SCALE.
-            overflow = v.get("overflow", 0.0) > 0.5 and v.get("loss_scale", 1.0) >= UNRECOVERABLE_SCALE
+            overflow = routine_overflow(v.get("overflow", 0.0) > 0.5, v.get("loss_scale", 1.0))
             loss_bad = v["finite"] < 0.5 and not overflow
             checked = v.get("params_finite", 1.0)
             params_bad = checked < 0.5
@@ -459,3 +459,9 @@ class Guard:
         self._device_starts_from_here()
         self.unordinary.clear()
         self.unordinary.extend(int(s) for s in state.get("unordinary", []))
+
+
+def routine_overflow(overflow: bool, loss_scale: float) -> bool:
+    """fp16: whether a step's overflow is the GradScaler's routine skip-and-back-off, not an incident: it is, unless the
+    scale it left is below :data:`UNRECOVERABLE_SCALE` (the guard and the remedy search's replay judge it alike)."""
+    return bool(overflow) and float(loss_scale) >= UNRECOVERABLE_SCALE

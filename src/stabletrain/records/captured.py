@@ -34,7 +34,8 @@ from ..tasks import Task, TaskError
 from .batches import CapturedRows, import_path, load_object, plain_batch, unbundle_batch
 
 __all__ = ["captured_task", "TASK_SPEC", "TASK_SPECS", "REBUILD_HINT", "loss_from_recipe", "model_from_recipe",
-           "model_recipe", "loss_recipe", "optimizer_recipe", "build_optimizer_from_recipe", "lightning_loss"]
+           "model_recipe", "loss_recipe", "optimizer_recipe", "build_optimizer_from_recipe", "lightning_loss",
+           "noop_optimizer", "optimizer_factory"]
 
 TASK_SPEC = "stabletrain.records.captured:captured_task"
 #: Every name a bundle's config may give this task by (bundles written before it moved name the old module:
@@ -103,6 +104,9 @@ def model_from_recipe(recipe: dict[str, Any] | None, host: str | None = None) ->
         return load_object(recipe["factory"])(**recipe.get("kwargs", {}))
     if kind == "class":
         return load_object(recipe["class"])()
+    if kind == "none":
+        raise TaskError(f"the model cannot be rebuilt in a new process: {recipe['why']}; its diagnosis.json was written "
+                        "when it was captured (`stabletrain diagnose` shows it)")
     raise TaskError("the model cannot be rebuilt in a new process: the adapter recorded no way to build it (a "
                     "torch.nn container such as nn.Sequential, whose layers are not recorded; a class defined in "
                     "__main__ or inside a function; or one that needs constructor arguments); its diagnosis.json was "
@@ -118,7 +122,13 @@ def model_recipe(model: nn.Module, host: str, factory: str | Callable[[], nn.Mod
     """
     if factory is not None:
         path = factory if isinstance(factory, str) else import_path(factory)
-        return {"kind": "factory", "factory": path, "kwargs": {}} if path else None
+        if path:
+            return {"kind": "factory", "factory": path, "kwargs": {}}
+        name = getattr(factory, "__qualname__", repr(factory))
+        where = ("in __main__ (the script you ran)" if getattr(factory, "__module__", None) == "__main__" else
+                 "inside a function (a lambda or a closure)")
+        return {"kind": "none", "why": f"the model_factory given, {name}, is defined {where}: a new process cannot import "
+                                       "it; define it in a module and pass it, or 'module:function'"}
     cls = import_path(type(model))
     if not cls:
         return None
@@ -169,9 +179,14 @@ def build_optimizer_from_recipe(recipe: dict[str, Any], named_params: list[tuple
     return cls(groups, **{k: v for k, v in recipe["defaults"].items() if k in accepted})
 
 
-def _sgd_noop(named_params: list[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
+def noop_optimizer(named_params: list[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
     """The stand-in when the host's optimizer cannot be rebuilt: an lr-0 SGD (the update stage then finds nothing)."""
     return torch.optim.SGD([p for _, p in named_params], lr=0.0)
+
+
+def optimizer_factory(recipe: dict[str, Any] | None) -> Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]:
+    """A Task's ``optimizer`` from an optimizer recipe: the host's optimizer rebuilt, or :func:`noop_optimizer`."""
+    return (lambda named: build_optimizer_from_recipe(recipe, named)) if recipe else noop_optimizer
 
 
 def captured_task(batches: list[Any], model: dict[str, Any] | None = None, loss: dict[str, Any] | None = None,
@@ -185,6 +200,5 @@ def captured_task(batches: list[Any], model: dict[str, Any] | None = None, loss:
         host: the host's own inputs to the step (``num_items_in_batch`` for a Hugging Face loss).
     """
     rows = CapturedRows([unbundle_batch(b) for b in batches])
-    opt_factory = ((lambda named: build_optimizer_from_recipe(optimizer, named)) if optimizer else _sgd_noop)
     return Task(model=model_from_recipe(model, name.partition(":")[0]), train_data=rows, loss=loss_from_recipe(loss),
-                collate=rows.collate, name=name, optimizer=opt_factory)
+                collate=rows.collate, name=name, optimizer=optimizer_factory(optimizer))

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .clip_verdict import clip_sentence
+from .loss_headline import loss_sentence
 from .rundata import Event, RunData
 from .text import fmt_num, fmt_ranges, plural
 
@@ -77,7 +78,7 @@ def health_summary(run: RunData) -> Health:
     f["count_unit"] = run.count_unit
     _crash(run, h)
     _progress(run, h)
-    _losses(run, h)
+    loss_sentence(run, h)
     _init(run, h)
     clip_sentence(run, h)
 
@@ -181,42 +182,6 @@ def _init(run: RunData, h: Health) -> None:
     else:
         found = "; ".join(part for part in line.get("summary", []) if not part.endswith(": ok"))
         h.say("warn", f"At step 0 {found}; {line.get('advice', '')} (init_signal.json).")
-
-
-def _robust_end(rows: list[tuple], spikes: list[int], ratio: float, end: str) -> tuple[float, str | None]:
-    """The loss at one end of the run: its end interval's mean, unless a few large losses made that mean and not the
-    interval's typical loss; then the median of the :data:`LOSS_ENDS` end intervals' means (of those without a spike
-    event when spikes lift most of them: spikes that recur every epoch), and the words saying so.
-
-    A few large losses: the interval holds a loss spike (an event), or its mean is above ``ratio`` times that median
-    (the guard's spike ratio) while its smallest loss is not (most of its steps are typical). A run whose loss is
-    still falling fast at the start, or that diverges at the end, has its smallest losses high too: its mean stands.
-    ``rows`` are (step, interval steps, mean loss, smallest loss) from that end inward.
-    """
-    step, width, mean, low = rows[0]
-    ends = min(LOSS_ENDS, max(3, len(rows) // 2))  # a short run: the two ends share as few intervals as they can
-    near = [r[2] for r in rows[:ends]]
-    median = statistics.median(near)
-    spiky = any(step - width < s <= step for s in spikes) or (mean > ratio * median and low <= ratio * median)
-    if not spiky:
-        return mean, None
-    if len(near) < 3:  # too few intervals for a typical value: the mean stands, and the words say what lifted it
-        return mean, f"{end} interval"
-    quiet = [r[2] for r in rows[:ends] if not any(r[0] - r[1] < s <= r[0] for s in spikes)]
-    if quiet and 2 * (len(near) - len(quiet)) >= len(near):  # spikes recur (every epoch): most means are lifted
-        return statistics.median(quiet), (f"median of the means of the {len(quiet)} of the {end} {len(near)} "
-                                          "intervals without a loss spike")
-    return median, f"median of the {end} {len(near)} intervals' means"
-
-
-def _why(row: tuple, spikes: list[int], end: str) -> str:
-    """Why the headline did not take the ``end`` interval's mean: its value and what lifted it."""
-    step, width, mean = row[:3]
-    inside = [s for s in spikes if step - width < s <= step]
-    lifted = (f"a loss spike at step {fmt_ranges(inside)}" if len(inside) == 1
-              else f"loss spikes at steps {fmt_ranges(inside)}") \
-        if inside else "a few large losses"
-    return f"the {end} interval's mean, {fmt_num(mean)}, is lifted by {lifted}"
 
 
 def _skip_places(events: list[Event]) -> str:
@@ -382,49 +347,6 @@ def _progress(run: RunData, h: Health) -> None:
 
 
 #: Interval means the headline's robust figure looks at, at each end of the run.
-LOSS_ENDS = 5
-
-
-def _losses(run: RunData, h: Health) -> None:
-    f = h.figures
-    rows = [(int(r["step"]), r["interval_steps"], r["loss"], r.get("loss_min", r["loss"])) for r in run.metrics
-            if isinstance(r.get("loss"), float) and math.isfinite(r["loss"])]
-    text = ""
-    if rows:
-        f["loss_first"], f["loss_last"] = rows[0][2], rows[-1][2]  # the interval means, as metrics.jsonl has them
-        spikes = sorted({e.step for e in run.counted_events("spike")})
-        ratio = run.cfg("guard.spike_ratio", 2.0)
-        ratio = float(ratio) if isinstance(ratio, (int, float)) and ratio > 1 else 2.0
-        (f["loss_start"], start), (f["loss_end"], end) = (_robust_end(rows, spikes, ratio, "first"),
-                                                          _robust_end(rows[::-1], spikes, ratio, "last"))
-        text = f"Train loss {fmt_num(f['loss_start'])} → {fmt_num(f['loss_end'])}"
-        if len(rows) == 1:  # one interval: no "X → X"
-            text = f"Train loss {fmt_num(f['loss_start'])} (one interval)" + (
-                f" ({_why(rows[0], spikes, 'only')})" if start else "")
-        elif start is None and end is None:
-            text += " (first → last interval)"
-        else:
-            why = "; ".join(w for w in (start and _why(rows[0], spikes, "first"), end and _why(rows[-1], spikes, "last")) if w)
-            text += f" ({start or 'first interval'} → {end or 'last interval'}: {why})"
-    steps, vals = run.series("val_loss")
-    val = [(s, v) for s, v in zip(steps, vals) if math.isfinite(v)]
-    level = "ok"
-    if val:
-        best_step, best = min(val, key=lambda sv: sv[1])
-        f.update(val_first=val[0][1], val_last=val[-1][1], val_best=best, val_best_step=int(best_step))
-        if len(val) == 1:
-            part = f"validation loss {fmt_num(val[0][1])} at step {int(val[0][0]):,}"
-        else:
-            f["val_fell"] = val[-1][1] < val[0][1]
-            trend = "fell" if f["val_fell"] else "did not fall"
-            level = "ok" if f["val_fell"] else "warn"
-            part = (f"validation loss {trend}: {fmt_num(val[0][1])} at step {int(val[0][0]):,} → {fmt_num(val[-1][1])} at step "
-                    f"{int(val[-1][0]):,}, best {fmt_num(best)} at step {int(best_step):,}")
-        text = f"{text}; {part}" if text else part[0].upper() + part[1:]
-    if text:
-        h.say(level, text + ".")
-
-
 def _restarts(run: RunData, h: Health) -> None:
     """The restarts the run made by itself (``run.max_restarts``): how many, after which deaths, from where."""
     from ..distributed.launch import describe_exit

@@ -48,6 +48,7 @@ class IntervalBoundary:
         self.top_layers, self.epoch, self.count_samples = top_layers, epoch, count_samples
         self.names = [n for n, _ in state.named_params]
         self.precursor = state.precursor = Precursor(state.cfg.guard, self.names)  # a warning before the spike (guard.precursor)
+        self.small_spikes_said = False  # the line for a spike too small to capture: once
         self.started = time.perf_counter()
         self.excluded = 0.0  # seconds of this interval not spent training (validation): not in its throughput
 
@@ -97,6 +98,7 @@ class IntervalBoundary:
             step, anomaly = self._spike(decision, rows), "spike"
         if step is None:
             return None
+        t0 = time.perf_counter()
         row = next(r for r in rows if r.step == step)
         info = {"step": row.step, "after_update": decision.after_update, "ranks": list(row.ranks or []),
                 "loss": row.values["loss"], "grad_norm": row.values["grad_norm"], "locate": decision.locate,
@@ -109,20 +111,35 @@ class IntervalBoundary:
             decision.pin(info["pinned"])
         # The capture's bundle and whole diagnosis stay with the caller (a live remedy's search), not the callbacks'.
         self.callbacks.fire("on_incident", self.state, {k: v for k, v in info.items() if k not in IN_MEMORY})
+        self.excluded += time.perf_counter() - t0  # the capture's time is not the next interval's throughput
         return info
 
     def _spike(self, decision: GuardDecision, rows: list[Any]) -> int | None:
-        """The interval's spike to capture (:func:`spike_to_capture`), or None (none, not asked for, or the run's
-        captures spent)."""
+        """The interval's spike to capture (:func:`spike_to_capture`), or None (none, not asked for, the run's
+        captures spent, or every spike of the interval below :data:`NEGLIGIBLE_SPIKE` of the run's first logged loss)."""
         cfg = self.state.cfg.capture
         if not decision.spike_steps or not cfg.spikes or self.guard.num_spike_captures >= cfg.max_spikes:
             return None
-        return spike_to_capture(decision.spike_steps, {r.step: r.values["loss"] for r in rows})
+        losses = {r.step: r.values["loss"] for r in rows}
+        first = self.state.history[0].get("loss") if self.state.history else None
+        floor = NEGLIGIBLE_SPIKE * first if isinstance(first, (int, float)) and first > 0 else 0.0
+        if all(losses.get(s, 0.0) < floor for s in decision.spike_steps):  # (a NaN loss is not below it)
+            if not self.small_spikes_said and self.state.dist.is_main and self.state.run is not None:
+                self.small_spikes_said = True
+                console.say(f"spike at step {decision.spike_steps[0]} not captured: its loss, "
+                            f"{losses.get(decision.spike_steps[0], float('nan')):.3g}, is below {NEGLIGIBLE_SPIKE:g} x "
+                            f"the run's first logged loss ({first:.4g}): a jump between negligible losses (such spikes are "
+                            "counted and logged, not captured; said once)")
+            return None
+        return spike_to_capture(decision.spike_steps, losses)
 
 
 #: A later burst of spikes in an interval is captured instead of an earlier one only when its peak loss is at least
 #: this many times the earlier's: a burst about as large is the earlier one's aftershock (its course), not a new one.
 LARGER_BURST = 1.5
+#: A spike whose loss is below this fraction of the run's first logged loss is not captured: a jump between
+#: negligible losses (Adam's wander near zero loss: 1e-8 to 5e-7) would spend the run's captures (capture.max_spikes).
+NEGLIGIBLE_SPIKE = 1e-3
 
 
 def spike_to_capture(steps: list[int], losses: dict[int, float]) -> int:

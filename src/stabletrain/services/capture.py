@@ -32,6 +32,7 @@ from typing import Any, Protocol
 from .. import console
 from ..console import StableTrainWarning
 from ..diagnostics.diagnosis import DIAGNOSIS_FIELDS
+from ..diagnostics.spike import lr_groups
 from ..incident_replay import diagnose_incident, launch_history
 from ..records.bundles import BUNDLE_DCP_DIR, STATE_IN, write_bundle
 from ..records.checkpoint.shards import is_dcp_entry
@@ -48,6 +49,8 @@ IN_MEMORY = ("bundle", "diagnosis_record")
 
 #: A spike's bundle keeps up to this many ordinary windows beside its own (its diagnosis compares against them).
 MAX_CONTEXT = 3
+#: How many of the run's interval records before a spike its bundle holds (their step, LR and update/weight ratio).
+HISTORY_INTERVALS = 5
 #: A spike this many steps or fewer after an applied one (guard.on_spike=warn) says it may be its aftershock.
 AFTERSHOCK_STEPS = 50
 
@@ -103,9 +106,11 @@ class StepSource(Protocol):
     def why_not(self, step: int, start: int) -> str | None:
         """Why step ``step`` cannot be replayed from step ``start`` (None: it can)."""
 
-    def reference_state(self, fit: RunState, before: int, unlike: dict[str, Any]) -> tuple[dict[str, Any], int] | None:
-        """(a one-process model state older than step ``before`` whose weights differ from ``unlike``, its step): a
-        spike's older state when its interval holds none (the run's newest such checkpoint); None: none."""
+    def reference_state(self, fit: RunState, before: int, unlike: dict[str, Any]
+                        ) -> tuple[dict[str, Any], int, dict[str, Any] | None] | None:
+        """(a one-process model state older than step ``before`` whose weights differ from ``unlike``, its step, the
+        optimizer state saved with it): a spike's older state when its interval holds none (the run's newest such
+        checkpoint); None: none."""
 
     def replay_to(self, fit: RunState, step: int, start: int, locate: tuple[int, int] | None,
                   rows: list[Any], keep_previous: bool = False) -> tuple[int, dict | None]:
@@ -268,8 +273,10 @@ class IncidentCapture:
             # metrics records hold only the intervals' means).
             bundle["observed"]["recent"] = [[row.step, row.values["loss"], row.values["grad_norm"]] for row in rows
                                             if row.step < step]
-            if spike:  # what the spike's counterfactual replays need: the rule's window, the older state
-                bundle["observed"].update(anomaly="spike", spike_window=list(info.get("spike_window") or []))
+            if spike:  # what the spike's counterfactual replays need: the rule's window, the older state, the run's steps
+                bundle["observed"].update(anomaly="spike", spike_window=list(info.get("spike_window") or []),
+                                          history=[[r["step"], r.get("lr"), r.get("update_ratio")] for r in
+                                                   fit.history if r["step"] < step][-HISTORY_INTERVALS:])
                 if self.last_spike is not None and 0 < step - self.last_spike["step"] <= AFTERSHOCK_STEPS:
                     bundle["observed"]["after_spike"] = dict(self.last_spike)
                 # A state the run made no update from since (its steps skipped) is the spike's own: the step before
@@ -281,10 +288,12 @@ class IncidentCapture:
                 older = src.strategy.one_process_model(start[0]["model"]) if start[1] < step - 1 else None
                 if older is not None and equal_states(older, now):
                     older = None
-                reference = {"step": start[1], "model": older} if older is not None else None
+                reference = ({"step": start[1], "model": older, "optimizer": lr_groups(start[0].get("optimizer"))}
+                             if older is not None else None)
                 if reference is None and n == 0 and fit.dist.is_main and now is not None and not is_dcp_entry(now):
                     found_ref = src.reference_state(fit, start[1] if start[1] < step - 1 else step - 1, now)
-                    reference = {"step": found_ref[1], "model": found_ref[0], "from": "checkpoint"} if found_ref else None
+                    reference = ({"step": found_ref[1], "model": found_ref[0], "optimizer": lr_groups(found_ref[2]),
+                                  "from": "checkpoint"} if found_ref else None)
                 bundle["reference"] = reference
             if n > 0:  # the model and optimizer (the same on every rank) once, in the first bundle; a later one names it
                 bundle = {**{k: v for k, v in bundle.items() if k not in ("model", "optimizer")}, STATE_IN: ".."}

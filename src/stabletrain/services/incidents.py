@@ -80,11 +80,14 @@ class LoopSteps:
     def why_not(self, step: int, start: int) -> str | None:
         return None
 
-    def reference_state(self, fit: RunState, before: int, unlike: dict[str, Any]) -> tuple[dict[str, Any], int] | None:
+    def reference_state(self, fit: RunState, before: int, unlike: dict[str, Any]
+                        ) -> tuple[dict[str, Any], int, dict[str, Any] | None] | None:
         """The newest verified checkpoint before step ``before`` (LAST_GOOD or older) whose model differs from
         ``unlike``: a spike after skipped steps, or on the run's first steps, is weighed against it (the issue's
         "an older checkpoint"). At most :data:`MAX_REFERENCE_LOADS` are read; a sharded one gives None."""
         ckpt = fit.ckpt
+        if ckpt is not None:
+            ckpt.wait()  # a save still in flight (the first one starts its writer: a second or so) is the newest
         for path in ckpt.good_before(before)[:MAX_REFERENCE_LOADS] if ckpt is not None else []:
             try:
                 loaded = ckpt.load(path)
@@ -94,7 +97,7 @@ class LoopSteps:
             if is_dcp_entry(model):
                 return None
             if not equal_states(model, unlike):
-                return model, int(loaded.state["counters"]["step"])
+                return model, int(loaded.state["counters"]["step"]), loaded.state.get("optimizer")
         return None
 
     def replay_to(self, fit: RunState, step: int, start: int, locate: tuple[int, int] | None,
@@ -110,8 +113,10 @@ class LoopSteps:
         replayed = 0
         self._recent, self._previous = [], None
         while fit.step < step - 1:
-            if keep_previous and fit.step == step - 2 and self.strategy.one_process_model({}) is not None:
-                self._previous = staged_now(self.live_state())  # before the step before the spike
+            if keep_previous and fit.step == step - 2:  # the state before the step before the spike (FSDP: shards)
+                live = self.live_state()
+                if self.strategy.one_process_model(live["model"]) is not None:
+                    self._previous = staged_now(live)
             before = None
             if stager is not None and fit.step + 1 >= locate[0]:
                 before, ready = stager.stage(self.live_state())
@@ -220,12 +225,17 @@ class IncidentRecorder:
             self._enabled = bool(capture.memory_snapshot)
         if self._enabled and capture.spikes and not state.dist.enabled:  # one process, twice the bytes fit: a spike on
             # its interval's first step replays from the snapshot before (IncidentCapture._replay)
-            per_process = state.strategy.snapshot_bytes(state.state_dict(local=True), state.module, state.optimizer)
-            self.engine.snapshot.keep_previous = snapshot_fits(2 * per_process, capture.snapshot_memory_fraction)[0]
+            self.engine.snapshot.keep_previous = snapshot_fits(2 * self._snapshot_bytes(),
+                                                               capture.snapshot_memory_fraction)[0]
+
+    def _snapshot_bytes(self) -> int:
+        """The bytes one interval snapshot of this process takes (the strategy's count)."""
+        state = self.state
+        return state.strategy.snapshot_bytes(state.state_dict(local=True), state.module, state.optimizer)
 
     def _fits(self) -> bool:
         state = self.state
-        per_process = state.strategy.snapshot_bytes(state.state_dict(local=True), state.module, state.optimizer)
+        per_process = self._snapshot_bytes()
         processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if state.dist.enabled else 1
         fraction = state.cfg.capture.snapshot_memory_fraction
         fits, budget = snapshot_fits(per_process, fraction, processes=processes)

@@ -120,7 +120,7 @@ def run_init_signal(state: RunState) -> dict[str, Any] | None:
     cfg, task, module = state.cfg, state.task, state.module
     if not cfg.log.init_signal or state.run is None or state.step != 0:
         return None
-    if state.strategy is not None and state.strategy.one_process_model({}) is None:
+    if state.strategy is not None and state.strategy.one_process_model(module.state_dict()) is None:
         return None  # FSDP: this rank holds its shards only, and a forward of them is a collective
     if cfg.log.init_signal == "auto" and not copy_fits(module, state.device):
         return None  # auto: not where the copy could crowd the run out of memory; log.init_signal=true runs it anyway

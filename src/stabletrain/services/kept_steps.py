@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from ..internals import eager_methods, scaler_state, set_scaler_state
 from ..records.batches import CapturedRows, batch_nbytes, bundle_batch, plain_batch, to_host, unbundle_batch
-from ..records.captured import optimizer_recipe
+from ..records.captured import noop_optimizer, optimizer_factory, optimizer_recipe
 from ..records.staging import load_optimizer_state_
 from ..seeding import rng_state, set_rng_state
 from ..tasks import Task
@@ -297,7 +297,7 @@ class HostSteps:
             prev, kept = self._previous
             previous = {"step": step - 1, "window": ordinary[-1], "model": prev["model"], "rng": kept.rng,
                         "optimizer": prev.get("optimizer") if opt_recipe is not None else
-                        torch.optim.SGD(s.params, lr=0.0).state_dict(),
+                        noop_optimizer(s.named_params).state_dict(),
                         "schedule": {"applied_steps": torch.zeros(()), "base_lrs": [float(lr) for lr in kept.lrs]},
                         "precision": {"mode": s.precision, "scaler": _scaler_dict(
                             s.scaler, (float(kept.scaler[0]), int(kept.scaler[1])) if kept.scaler is not None else None)}}
@@ -308,7 +308,7 @@ class HostSteps:
             "rng": record["rng"] if record["rng"] is not None else rng_state(),
             "model": before["model"],
             "optimizer": before["optimizer"] if opt is not None and opt_recipe is not None else
-            torch.optim.SGD(s.params, lr=0.0).state_dict(),
+            noop_optimizer(s.named_params).state_dict(),
             "schedule": {"applied_steps": torch.zeros(()), "base_lrs": record["lrs"] if opt_recipe is not None else [0.0]},
             "precision": {"mode": s.precision, "scaler": _scaler_dict(s.scaler, record["scaler"])},
             "observed": {"after_update": info["after_update"], "host_loss": info.get("loss"),
@@ -324,7 +324,7 @@ class HostSteps:
         rows = CapturedRows([unbundle_batch(b) for b in bundle["config"]["task_args"]["batches"]])
         recipe = bundle["config"]["task_args"]["optimizer"]
         task = Task(model=s.model, train_data=rows, loss=loss, collate=rows.collate,
-                    name=f"{s.host}:{type(s.model).__name__}", optimizer=_live_optimizer_factory(recipe))
+                    name=f"{s.host}:{type(s.model).__name__}", optimizer=optimizer_factory(recipe))
         # Eagerly, on the bundle's weights in a copy: a module compiled in place (Lightning) runs its class's methods.
         context = contextlib.ExitStack()
         context.enter_context(self.replay.detached())
@@ -345,9 +345,4 @@ def _scaler_dict(scaler: Any, state: tuple[float, int] | None) -> dict[str, Any]
     return out
 
 
-def _live_optimizer_factory(recipe: dict[str, Any] | None) -> Callable[[list], torch.optim.Optimizer]:
-    from ..records.captured import _sgd_noop, build_optimizer_from_recipe
 
-    if recipe is None:
-        return _sgd_noop
-    return lambda named: build_optimizer_from_recipe(recipe, named)

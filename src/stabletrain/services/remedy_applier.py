@@ -95,6 +95,8 @@ class RemedyApplier:
         elif len(self.applied) >= cfg.max_applied:
             why = f"{len(self.applied)} remedies applied already (remedy.max_applied={cfg.max_applied})"
         else:
+            if state.ckpt is not None:
+                state.ckpt.wait()  # a save in flight is a rollback point the search should see
             try:
                 with kept_rng():  # the replays seed and draw: the run's own streams must not notice
                     # The capture's bundle and diagnosis as it holds them: its files are their record, not read back.
@@ -118,11 +120,18 @@ class RemedyApplier:
             skip = next(c for c in record["candidates"] if c["baseline"])
             # A rollback trains its stretch again (under a lower LR): worth it only when skipping the step does not cure.
             skip_cures = skip["verdict"] == "cures" and not params_bad
+            def unusable(c: dict[str, Any]) -> str | None:  # why a cure cannot be applied live, or None
+                rollback = c["remedy"]["kind"] == "rollback-lr"
+                if key(c["remedy"], record["step"]) in tried:
+                    return "applied for this step before"
+                if not rollback and c.get("first_step", record["step"]) < record["step"]:
+                    return f"from the update of step {c['first_step']}, which the run has made already"
+                if params_bad and not rollback:
+                    return "the parameters are bad already: only a rollback can apply"
+                return None
+
             best = next((c for c in record["candidates"] if c["verdict"] == "cures" and not c["baseline"]
-                         and key(c["remedy"], record["step"]) not in tried
-                         and (c["remedy"]["kind"] == "rollback-lr" or c.get("first_step", record["step"]) >= record["step"])
-                         and (not params_bad or c["remedy"]["kind"] == "rollback-lr")
-                         and not (skip_cures and c["remedy"]["kind"] == "rollback-lr")), None)
+                         and unusable(c) is None and not (skip_cures and c["remedy"]["kind"] == "rollback-lr")), None)
             if best is None and skip_cures:  # the step's skip was all it needed
                 decision.action = "continue"
                 line = (f"no remedy needed for the {record['failure_class']} incident at step {record['step']}: skipping "
@@ -132,9 +141,11 @@ class RemedyApplier:
                     console.say(line)
                 return True
             if best is None:
-                why = "no candidate cures it (" + ", ".join(
-                    f"{c['name']}: {c['verdict']}" + (", applied for this step before"
-                                                      if key(c["remedy"], record["step"]) in tried else "")
+                cures = any(c["verdict"] == "cures" and not c["baseline"] for c in record["candidates"])
+                why = ("no cure can be applied now (" if cures else "no candidate cures it (") + ", ".join(
+                    f"{c['name']}: {c['verdict']}" + (f" ({unusable(c)})" if c["verdict"] == "cures" and unusable(c) else
+                                                      " (applied for this step before)" if unusable(c) ==
+                                                      "applied for this step before" else "")
                     for c in record["candidates"]) + ")"
         if best is None:
             fallback = cfg.fallback

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import brief, user_frames, user_location
-from .arguments import _SIMPLE, BUILTIN_TASKS, TaskArg, TaskError, _checkable, check_task_args
+from .arguments import BUILTIN_TASKS, SIMPLE_TYPES, TaskArg, TaskError, check_task_args, checkable
 
 if TYPE_CHECKING:  # torch: imported by the factories and resolve_task, not here (the config checks task_args without it)
     from torch import nn
@@ -179,9 +179,9 @@ def task_arguments(spec_or_factory: str | Callable[..., Task]) -> list[TaskArg]:
         if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
             continue
         tp = hints.get(p.name)
-        if tp is None and p.default is not p.empty and p.default is not None and type(p.default) in _SIMPLE:
+        if tp is None and p.default is not p.empty and p.default is not None and type(p.default) in SIMPLE_TYPES:
             tp = type(p.default)
-        args.append(TaskArg(p.name, tp if tp is not None and _checkable(tp) else None, p.default, docs.get(p.name, "")))
+        args.append(TaskArg(p.name, tp if tp is not None and checkable(tp) else None, p.default, docs.get(p.name, "")))
     return args
 
 

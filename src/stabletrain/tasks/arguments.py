@@ -19,7 +19,7 @@ from typing import Any, Literal
 from ..errors import brief
 
 __all__ = ["TaskError", "TaskArg", "BUILTIN_TASKS", "BUILTIN_TASK_ARGS", "builtin_task_arguments", "check_task_args",
-           "check_builtin_task_args"]
+           "check_builtin_task_args", "SIMPLE_TYPES", "checkable"]
 
 
 class TaskError(ValueError):
@@ -97,7 +97,7 @@ def check_builtin_task_args(spec: str, task_args: dict[str, Any]) -> None:
         check_task_args(spec, task_args, builtin_task_arguments(spec))
 
 
-_SIMPLE = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+SIMPLE_TYPES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
 
 def _type_text(tp: Any) -> str:
@@ -110,11 +110,11 @@ def _type_text(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _checkable(tp: Any) -> bool:
-    if tp in _SIMPLE or typing.get_origin(tp) is Literal:
+def checkable(tp: Any) -> bool:
+    if tp in SIMPLE_TYPES or typing.get_origin(tp) is Literal:
         return True
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        return all(a is type(None) or _checkable(a) for a in typing.get_args(tp))
+        return all(a is type(None) or checkable(a) for a in typing.get_args(tp))
     return False
 
 
@@ -144,5 +144,5 @@ def _coerce_arg(name: str, value: Any, tp: Any) -> Any:
         str: isinstance(value, str) or isinstance(value, int) and not isinstance(value, bool),
     }[tp]
     if not ok:
-        raise TaskError(f"{key}: expected {_SIMPLE[tp]}, got {brief(value)}")
+        raise TaskError(f"{key}: expected {SIMPLE_TYPES[tp]}, got {brief(value)}")
     return tp(value) if tp in (int, float, str) else value

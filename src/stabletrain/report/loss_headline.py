@@ -1,0 +1,104 @@
+"""The health summary's loss sentence: the train loss from one end of the run to the other, read robustly.
+
+An interval's mean is the headline's figure at each end unless a few large losses (a spike) lifted it; then the
+median of the end intervals' means, and the words saying so. A run that got worse since its best interval says how
+far. Then the validation loss's trend.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+from .rundata import RunData
+from .text import fmt_num, fmt_ranges
+
+__all__ = ["loss_sentence", "LOSS_ENDS"]
+
+LOSS_ENDS = 5
+
+
+def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (which imports this module)
+    """The sentence on the train loss (from its first interval to its last, robust to a few huge losses) and the
+    validation loss, into ``h``."""
+    f = h.figures
+    rows = [(int(r["step"]), r["interval_steps"], r["loss"], r.get("loss_min", r["loss"])) for r in run.metrics
+            if isinstance(r.get("loss"), float) and math.isfinite(r["loss"])]
+    text = ""
+    if rows:
+        f["loss_first"], f["loss_last"] = rows[0][2], rows[-1][2]  # the interval means, as metrics.jsonl has them
+        spikes = sorted({e.step for e in run.counted_events("spike")})
+        ratio = run.cfg("guard.spike_ratio", 2.0)
+        ratio = float(ratio) if isinstance(ratio, (int, float)) and ratio > 1 else 2.0
+        (f["loss_start"], start), (f["loss_end"], end) = (_robust_end(rows, spikes, ratio, "first"),
+                                                          _robust_end(rows[::-1], spikes, ratio, "last"))
+        text = f"Train loss {fmt_num(f['loss_start'])} → {fmt_num(f['loss_end'])}"
+        if len(rows) == 1:  # one interval: no "X → X"
+            text = f"Train loss {fmt_num(f['loss_start'])} (one interval)" + (
+                f" ({_why(rows[0], spikes, 'only')})" if start else "")
+        elif start is None and end is None:
+            text += " (first → last interval)"
+        else:
+            why = "; ".join(w for w in (start and _why(rows[0], spikes, "first"), end and _why(rows[-1], spikes, "last")) if w)
+            text += f" ({start or 'first interval'} → {end or 'last interval'}: {why})"
+    level = "ok"
+    if len(rows) > 2:
+        best_step, _, best, _ = min(rows, key=lambda r: r[2])
+        if f["loss_end"] > ratio * best and best_step != rows[-1][0]:  # the run got worse since: say how far
+            level = "warn"
+            text += (f"; it rose x{f['loss_end'] / best:.3g} from its best interval's mean, {fmt_num(best)} at step "
+                     f"{best_step:,}")
+    steps, vals = run.series("val_loss")
+    val = [(s, v) for s, v in zip(steps, vals) if math.isfinite(v)]
+    if val:
+        best_step, best = min(val, key=lambda sv: sv[1])
+        f.update(val_first=val[0][1], val_last=val[-1][1], val_best=best, val_best_step=int(best_step))
+        if len(val) == 1:
+            part = f"validation loss {fmt_num(val[0][1])} at step {int(val[0][0]):,}"
+        else:
+            f["val_fell"] = val[-1][1] < val[0][1]
+            trend = "fell" if f["val_fell"] else "did not fall"
+            level = level if f["val_fell"] else "warn"
+            part = (f"validation loss {trend}: {fmt_num(val[0][1])} at step {int(val[0][0]):,} → {fmt_num(val[-1][1])} at step "
+                    f"{int(val[-1][0]):,}, best {fmt_num(best)} at step {int(best_step):,}")
+        text = f"{text}; {part}" if text else part[0].upper() + part[1:]
+    if text:
+        h.say(level, text + ".")
+
+
+def _robust_end(rows: list[tuple], spikes: list[int], ratio: float, end: str) -> tuple[float, str | None]:
+    """The loss at one end of the run: its end interval's mean, unless a few large losses made that mean and not the
+    interval's typical loss; then the median of the :data:`LOSS_ENDS` end intervals' means (of those without a spike
+    event when spikes lift most of them: spikes that recur every epoch), and the words saying so.
+
+    A few large losses: the interval holds a loss spike (an event), or its mean is above ``ratio`` times that median
+    (the guard's spike ratio) while its smallest loss is not (most of its steps are typical). A run whose loss is
+    still falling fast at the start, or that diverges at the end, has its smallest losses high too: its mean stands.
+    ``rows`` are (step, interval steps, mean loss, smallest loss) from that end inward.
+    """
+    step, width, mean, low = rows[0]
+    ends = min(LOSS_ENDS, max(3, len(rows) // 2))  # a short run: the two ends share as few intervals as they can
+    near = [r[2] for r in rows[:ends]]
+    median = statistics.median(near)
+    # (its smallest loss high too: most of its steps are, a divergence's course, not a few large losses)
+    spiky = (any(step - width < s <= step for s in spikes) or mean > ratio * median) and low <= ratio * median
+    if not spiky:
+        return mean, None
+    if len(near) < 3:  # too few intervals for a typical value: the mean stands, and the words say what lifted it
+        return mean, f"{end} interval"
+    quiet = [r[2] for r in rows[:ends] if not any(r[0] - r[1] < s <= r[0] for s in spikes)]
+    if quiet and 2 * (len(near) - len(quiet)) >= len(near):  # spikes recur (every epoch): most means are lifted
+        return statistics.median(quiet), (f"median of the means of the {len(quiet)} of the {end} {len(near)} "
+                                          "intervals without a loss spike")
+    return median, f"median of the {end} {len(near)} intervals' means"
+
+
+def _why(row: tuple, spikes: list[int], end: str) -> str:
+    """Why the headline did not take the ``end`` interval's mean: its value and what lifted it."""
+    step, width, mean = row[:3]
+    inside = [s for s in spikes if step - width < s <= step]
+    lifted = (f"a loss spike at step {fmt_ranges(inside)}" if len(inside) == 1
+              else f"loss spikes at steps {fmt_ranges(inside)}") \
+        if inside else "a few large losses"
+    return f"the {end} interval's mean, {fmt_num(mean)}, is lifted by {lifted}"
