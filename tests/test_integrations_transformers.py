@@ -258,3 +258,30 @@ def console_incident_lines(capfd) -> list[str]:
     """The lines on the console (stdout and stderr, at the file descriptors) that announce an incident or a spike."""
     out, err = capfd.readouterr()
     return [x for x in (out + err).splitlines() if re.match(r"stabletrain: (incident|spike) at step \d+: ", x)]
+
+
+def test_a_gpt2_spike_rediagnosed_from_its_bundle_gives_the_live_numbers(tmp_path):
+    """A tiny GPT-2 learns 'the next token is this one + 1'; samples 1 and 2 of step 95 get labels shifted by 32. The
+    Trainer divides each micro-batch's summed token loss by num_items_in_batch (the labels counted: 128 here, where the
+    shifted loss has 120 terms): a fresh replay from the bundle took the model's own mean instead (x128/120), and
+    said 'reproduces' with other numbers than the live diagnosis."""
+    from integration_models import SEQ
+
+    n, step, batch = 100, 95, 8
+    g = torch.Generator().manual_seed(0)
+    starts = torch.randint(0, 64, (n * batch,), generator=g)
+    ids = (starts[:, None] + torch.arange(SEQ)[None]) % 64
+    bad = ((step - 1) * batch + 1, (step - 1) * batch + 2)
+    rows = [{"input_ids": r, "labels": (r + 32) % 64 if i in bad else r.clone()} for i, r in enumerate(ids)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"), max_steps=n, per_device_train_batch_size=batch, learning_rate=3e-2, use_cpu=True,
+        report_to=[], logging_steps=1000, save_strategy="no", train_sampling_strategy="sequential", seed=0,
+        dataloader_num_workers=0, disable_tqdm=True, warmup_steps=0, lr_scheduler_type="constant")
+    cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=10)
+    transformers.Trainer(model=gpt2(), args=args, train_dataset=rows, callbacks=[cb]).train()
+    folder = tmp_path / "run" / "incidents" / f"step_{step:06d}"
+    live = json.loads((folder / "diagnosis.json").read_text())
+    assert (live["failure_class"], live["bad_samples"], live["reproduces"]) == ("data", [1, 2], True), live["summary"]
+    assert load_bundle(folder)["config"]["task_args"]["host"]["num_items_in_batch"] == batch * SEQ
+    fresh = diagnose_incident(folder)  # the model rebuilt from its class and config, the loss from the recipe
+    assert fresh["loss"] == live["loss"] and fresh["samples"] == live["samples"], (fresh["summary"], live["summary"])

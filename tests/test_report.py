@@ -859,3 +859,38 @@ def test_an_incident_reads_cured_only_for_a_remedy_that_cured_it_in_this_run(tmp
     health = health_summary(load_run(run))
     (said,) = [(lvl, t) for lvl, t in health.sentences if t.startswith("1 incident")]
     assert said[0] == level and (("cured" in said[1]) == (level == "warn")), said
+
+
+def test_precursor_warnings_are_in_the_health_summary_with_the_spike_each_came_before(tmp_path):
+    """The console said 'precursor at step N'; the report said nothing of it (the events table only)."""
+    h, _ = _loss_run(tmp_path / "run", [1.0, 0.9, 0.8, 0.7], [0.9, 0.8, 0.7, 0.6], spikes=[37])
+    events = (tmp_path / "run" / "events.jsonl").read_text() + "".join(
+        json.dumps({"step": s, "kind": "precursor", "reason": "update/weight ratio departs"}) + "\n" for s in (20, 30))
+    (tmp_path / "run" / "events.jsonl").write_text(events)
+    h = health_summary(load_run(tmp_path / "run"))
+    assert h.figures["precursor_steps"] == [20, 30]
+    assert ("ok", "2 precursor warnings (a layer's update/weight ratio departed from its history) at step 20 (17 steps "
+                  "before the spike at step 37); step 30 (7 steps before the spike at step 37).") in h.sentences
+
+
+def test_several_incidents_are_listed_by_their_class_and_headline_only(tmp_path):
+    from stabletrain.report.health import _listed
+
+    long = "state: the model or optimizer state drifted (a divergence onset, or an LR too high); the LR rose x30; more"
+    assert _listed([(5, long)]) == f"at step 5, {long}"
+    assert _listed([(5, long), (9, "data: samples 1, 2 carry 90%; without them the step is normal")]) == (
+        "at step 5, state: the model or optimizer state drifted (a divergence onset, or an LR too high); at step 9, data: "
+        "samples 1, 2 carry 90%")
+
+
+def test_the_loss_plot_marks_each_spike_at_its_own_step_and_loss(tmp_path):
+    """The curve holds interval means at the intervals' ends: a spike at step 37 showed at 40 (where a remedy's line
+    may stand, as if the remedy had made it). Its event's own loss is marked at its step."""
+    from stabletrain.report.plots import run_plots, spike_points
+
+    _loss_run(tmp_path / "run", [1.0, 0.9, 0.8, 3.0], [0.9, 0.8, 0.7, 0.6], spikes=[])
+    (tmp_path / "run" / "events.jsonl").write_text(json.dumps({"step": 37, "kind": "spike", "reason": "loss spike",
+                                                               "loss": 12.5}) + "\n")
+    run = load_run(tmp_path / "run")
+    assert spike_points(run) == [(37, 12.5)]
+    assert run_plots(run)[0].name == "loss"

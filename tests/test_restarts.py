@@ -556,3 +556,8 @@ def test_diagnose_and_remedy_on_a_run_directory_pick_its_captures_by_step_and_nu
                                        f"step_000020.10 (give {tmp_path / 'incidents' / 'step_000020'} for the first)\n")
     assert incident_dir(tmp_path, newest=False, command="remedy").name == "step_000020"
     assert "this is the first, step_000020 (give" in capsys.readouterr().err
+    # The console says "step 20": RUN/incidents/step_20 names step_000020 (and step_20.9 its ninth capture).
+    assert incident_dir(tmp_path / "incidents" / "step_20", newest=True, command="diagnose").name == "step_000020"
+    assert incident_dir(tmp_path / "incidents" / "step_20.9", newest=True, command="diagnose").name == "step_000020.9"
+    with pytest.raises(FileNotFoundError, match="step_21'.*does not exist"):
+        incident_dir(tmp_path / "incidents" / "step_21", newest=True, command="diagnose")

@@ -1150,3 +1150,27 @@ def spike_tasks_mse():
     from spike_tasks import _mse
 
     return _mse
+
+
+def test_a_candidate_from_the_step_before_is_not_failed_by_that_steps_own_earlier_spike(tmp_path):
+    """Bad samples at steps 20 and 21, log.every=20: step 21's capture; a lower LR replays from step 20, whose loss (an
+    earlier spike, applied) comes before the lower LR's first update: every such candidate 'failed' on 'loss spike at
+    step 20' (the helper's rare-token run: five candidates, one identical verdict). They are judged on step 21 on."""
+    task = outlier_samples_task(bad=(153, 157, 161, 165))
+    Trainer(cfg("train.batch_size=8", "log.every=20", "data.shuffle=false", "train.max_steps=30", "optim.lr=0.01"),
+            task=task, run_dir=tmp_path / "run").fit()
+    record = search_remedies(tmp_path / "run" / "incidents" / "step_000021", task, steps=5)
+    lower = {c["name"]: c for c in record["candidates"] if c["name"].startswith("lr-")}
+    assert lower and all(c["first_step"] == 20 for c in lower.values()), record["candidates"]
+    assert all(c["verdict"] == "fails" and c["evidence"].startswith("loss spike at step 21 ") for c in lower.values()), lower
+    assert next(c for c in record["candidates"] if c["name"] == "skip-samples")["verdict"] == "cures"
+
+
+def test_a_skipped_spike_step_does_not_count_in_the_clip_rate(tmp_path):
+    """guard.on_spike=skip: step 20's gradients (norm ~60, past clip.max_norm=10) were clipped and then discarded; the
+    interval's clip rate counted it (10%: the HF run's 11% out of one skipped step). It is over the applied steps."""
+    Trainer(cfg("train.batch_size=8", "log.every=10", "data.shuffle=false", "train.max_steps=20", "optim.lr=0.01",
+                "clip.max_norm=10", "guard.on_spike=skip"), task=outlier_samples_task(), run_dir=tmp_path / "run").fit()
+    records = {r["step"]: r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())}
+    assert records[20]["num_skipped"] == 1 and records[20]["grad_norm_max"] > 10
+    assert records[20]["clip_rate"] == 0.0, records[20]

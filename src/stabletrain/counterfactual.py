@@ -352,9 +352,14 @@ def _diagnose(bench: _Bench, bundle: dict[str, Any], cfg: Any, observed: dict[st
             if observed.get("loss") is not None else {})
     # A compiled run's kernels round differently from the eager replay: compared within a tolerance, not bitwise.
     tolerance = "compiled" if cfg.train.compile else precision
+    if not seen and observed.get("host_loss") is not None and len(spike) == 1 and bundle.get("world_size", 1) == 1:
+        # An adapter's step of one micro-batch on one process: its loss is the host's own (of several micro-batches the
+        # host sums what the replay averages; under DDP it is the ranks' mean): the replay must give it, or it replays
+        # another loss than the run's (a Hugging Face loss without its num_items_in_batch did).
+        seen, tolerance = {"loss": observed["host_loss"]}, "host" if tolerance == "fp32" else tolerance
     why = None
     if seen and not matches_observed(here["loss"], float("nan"), {"loss": seen["loss"]}, tolerance):
-        why = f"the replay's loss {here['loss']:.6g} differs from the observed {float(observed['loss']):.6g}"
+        why = f"the replay's loss {here['loss']:.6g} differs from the observed {float(seen['loss']):.6g}"
     elif seen and not matches_observed(here["loss"], here["grad_norm"], seen, tolerance):
         why = (f"the replay's grad norm {here['grad_norm']:.6g} differs from the observed "
                f"{float(observed['grad_norm']):.6g} (the loss is the same)")

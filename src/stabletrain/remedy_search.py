@@ -231,7 +231,9 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int, probe: int | None = 
             # From a rollback point the losses start where that state is (a divergence under way): until they are back
             # under the rule's bound once, that is recovery, unless the loss climbs past spike_ratio x where it started;
             # after it, a spike is the candidate's own.
-            spike = marked.values["spike"] > 0.5
+            # A candidate that starts at the step before the incident changes that step's update, which comes after its
+            # loss: a spike there is the run's own (an earlier spike, applied), not the candidate's.
+            spike = marked.values["spike"] > 0.5 and not (n == first < inc.step and remedy.rollback_step is None)
             recovered = recovered or not spike
             start_loss = loss if start_loss is None else start_loss
             if spike and (recovered or loss > cfg.guard.spike_ratio * start_loss):

@@ -6,6 +6,7 @@ A module here imports torch only inside its handler: building the parsers must n
 
 from __future__ import annotations
 
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -35,6 +36,10 @@ def incident_dir(path: str | Path, *, newest: bool, command: str) -> Path:
     from ..records.bundles import BUNDLE_FILE, incident_order
 
     path = Path(path)
+    padded = re.fullmatch(r"step_(\d+)((?:\.\S+)?)", path.name)
+    if not path.exists() and padded:  # "step_121", as the console says it: the folder is step_000121
+        full = path.with_name(f"step_{int(padded[1]):06d}{padded[2]}")
+        path = full if full.exists() else path
     if not path.exists():
         raise FileNotFoundError(f"{command} {str(path)!r}: it does not exist (give RUN_DIR or RUN_DIR/incidents/step_N)")
     if (path / BUNDLE_FILE).exists():

@@ -254,7 +254,8 @@ def run_diagnosis(rep: Any, micro_batches: list[tuple[list[int], Any]],
 
 
 #: Relative tolerance of a replayed figure against the observed one, by precision (fp32: the loss bitwise).
-OBSERVED_RTOL = {"fp32": 0.0, "bf16": 1e-2, "fp16": 1e-2}
+#: "host": an adapter's fp32 step, whose loss the host computed (its own op order, a division by a tensor count).
+OBSERVED_RTOL = {"fp32": 0.0, "bf16": 1e-2, "fp16": 1e-2, "host": 1e-4}
 GRAD_NORM_RTOL_FP32 = 1e-4  # the replay may accumulate a window's gradients in another order
 
 

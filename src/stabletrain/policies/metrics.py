@@ -13,7 +13,7 @@ loss_max
 grad_norm,             mean / max of the pre-clip global grad norm over finite steps
 grad_norm_max
 grad_norm_post_clip    mean post-clip norm over finite steps
-clip_rate              fraction of steps where clipping fired
+clip_rate              fraction of the applied steps where clipping fired
 lr                     learning rate after the interval's last step
 loss_scale             GradScaler scale (1.0 without a scaler)
 num_skipped            steps whose update was skipped in the interval (non-finite, overflow, spike)
@@ -300,7 +300,10 @@ class StepMetrics:
             "grad_norm_max": max((r["grad_norm"] for r in finite_rows), default=float("nan")),
             "grad_norm_post_clip": ((sum(r["post_clip_norm"] for r in finite_rows) / len(finite_rows)) if finite_rows
                                     else float("nan")),
-            "clip_rate": sum(r.values["clipped"] for r in rows) / n,
+            # over the applied steps: a skipped step's gradients were discarded, clipped or not (a skipped spike step
+            # counted, and made a clip rate of 11% out of one step)
+            "clip_rate": (sum(r.values["clipped"] for r in rows if r.values["applied"] >= 0.5)
+                          / max(sum(1 for r in rows if r.values["applied"] >= 0.5), 1)),
             "lr": rows[-1].values["lr"],
             "loss_scale": rows[-1].values["loss_scale"],
             "num_skipped": int(sum(1 for r in rows if r.values["applied"] < 0.5)),

@@ -15,7 +15,9 @@ log space (a ratio departs by a factor, whatever its scale), once per interval. 
     z_l = (log r_l - mean_l) / std_l > guard.precursor_zscore   and   r_l > guard.precursor_ratio x exp(mean_l)
     and ||update_l|| > guard.precursor_ratio x its own typical (geometric mean) update norm
 
-after ``guard.precursor_warmup`` intervals of its history. The factor keeps a smooth trend (an LR warmup's
+after ``guard.precursor_warmup`` intervals of its history, for the parameters of :data:`MIN_DIM` or more
+dimensions (a weight matrix, an embedding: a gain's or a bias's ratio wobbles in healthy runs).
+The factor keeps a smooth trend (an LR warmup's
 ramp) and a very steady layer's small wobbles from counting; the update's own factor keeps a weight whose
 norm shrinks (a one-element bias crossing zero) from counting as an update that grew. The grad norm is
 evidence beside it, not a trigger: per layer it moves several-fold in healthy runs (bench/precursor.py).
@@ -38,11 +40,15 @@ from typing import Any
 
 from ..config import GuardConfig, check_range
 
-__all__ = ["Precursor", "PrecursorWarning", "layer_figures"]
+__all__ = ["Precursor", "PrecursorWarning", "layer_figures", "MIN_DIM"]
 
 #: The smallest standard deviation (of a natural log) a z-score divides by: a layer whose ratio has not moved
 #: by 1% in its whole history is not "thousands of deviations" away when it moves by 20%.
 MIN_STD = 0.01
+#: Only parameters of at least this many dimensions are watched (weight matrices, embeddings, convolutions): a
+#: LayerNorm gain's or a bias's update/weight ratio wobbles 2x in healthy training (a GPT-2's ln_2 gain warned at
+#: z 5.6 on a run that never spiked; a one-element bias crossing zero at "1.9e3x its typical").
+MIN_DIM = 2
 
 
 @dataclass
@@ -63,7 +69,8 @@ class PrecursorWarning:
     @property
     def line(self) -> str:
         """The console line (:func:`stabletrain.console.say` puts ``stabletrain:`` before it)."""
-        return f"precursor at step {self.step}: {self.reason}; a loss spike may follow"
+        return (f"precursor at step {self.step}: {self.reason}; a loss spike may follow (if it does and the class is "
+                "state: a lower LR or a longer warmup; guard.precursor=false silences this)")
 
     def fields(self) -> dict[str, Any]:
         """The event's fields besides step, kind and reason."""
@@ -71,10 +78,11 @@ class PrecursorWarning:
 
 
 def _describe(layer: dict[str, Any]) -> str:
-    grad = (f", grad norm {layer['grad_factor']:.2g}x (z {layer['grad_z']:.1f})"
+    grad = (f"; its grad norm {layer['grad_factor']:.2g}x its typical, z {layer['grad_z']:.1f}: "
+            f"{'the gradient grew with it' if layer['grad_z'] > 2 else 'not the gradient: the step size grew'}"
             if layer.get("grad_z") is not None else "")
-    return (f"{layer['name']} ({layer['ratio']:.3g}, {layer['factor']:.2g}x its typical {layer['typical']:.3g}, "
-            f"z {layer['z']:.1f}{grad})")
+    return (f"{layer['name']} (update/weight {layer['ratio']:.3g}, {layer['factor']:.2g}x its typical {layer['typical']:.3g}, "
+            f"z {layer['z']:.1f} standard deviations above its history{grad})")
 
 
 def layer_figures(summary: dict[str, Any], param_sq: Sequence[float]) -> tuple[list[float], list[float], list[float]]:
@@ -136,8 +144,10 @@ class Precursor:
     ``names``: the parameter names, in the order of the interval's per-parameter figures.
     """
 
-    def __init__(self, cfg: GuardConfig, names: Sequence[str]) -> None:
+    def __init__(self, cfg: GuardConfig, names: Sequence[str], dims: Sequence[int] | None = None) -> None:
         self.enabled = bool(cfg.precursor)
+        # (``dims``: each parameter's number of dimensions; those under MIN_DIM are not watched)
+        self.watched = [d >= MIN_DIM for d in dims] if dims is not None else [True] * len(names)
         self.window = check_range("guard.precursor_window", cfg.precursor_window)
         self.zscore = check_range("guard.precursor_zscore", cfg.precursor_zscore)
         self.ratio = check_range("guard.precursor_ratio", cfg.precursor_ratio)
@@ -166,7 +176,7 @@ class Precursor:
         for i, name in enumerate(self.names):
             x, ux = _log(ratios[i]), _log(updates[i])
             gx = _log(grads[i]) if i < len(grads) else None
-            armed = self.ratios.armed(i, self.warmup) and self.updates.armed(i, self.warmup)
+            armed = self.ratios.armed(i, self.warmup) and self.updates.armed(i, self.warmup) and self.watched[i]
             if x is not None and ux is not None and armed:
                 z, d = self.ratios.z(i, x)
                 _, ud = self.updates.z(i, ux)

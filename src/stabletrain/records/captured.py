@@ -23,6 +23,7 @@ Samples are numbered by their position in the step: micro-batch 0's rows first, 
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -43,10 +44,22 @@ TASK_SPEC = "stabletrain.records.captured:captured_task"
 TASK_SPECS = (TASK_SPEC, "stabletrain.integrations.replay:captured_task")
 
 
-def _transformers_loss(model: nn.Module, batch: Any) -> Tensor:
-    """The Hugging Face Trainer's default ``compute_loss``: the model's ``loss`` (a ModelOutput, a dict or a tuple)."""
-    outputs = model(**batch)
+def _transformers_loss(model: nn.Module, batch: Any, num_items_in_batch: Any = None) -> Tensor:
+    """The Hugging Face Trainer's default ``compute_loss``: the model's ``loss`` (a ModelOutput, a dict or a tuple),
+    with ``num_items_in_batch`` passed as the Trainer passes it (to a model that takes loss kwargs: the loss is then
+    the micro-batch's sum over the whole window's item count, not its own mean)."""
+    inputs = dict(batch)
+    if num_items_in_batch is not None and _accepts_loss_kwargs(model):
+        inputs["num_items_in_batch"] = num_items_in_batch
+    outputs = model(**inputs)
     return outputs["loss"] if isinstance(outputs, Mapping) else outputs[0]
+
+
+def _accepts_loss_kwargs(model: nn.Module) -> bool:
+    """Whether the Trainer would pass loss kwargs to ``model`` (its own rule: the attribute, else a ``**kwargs``)."""
+    if hasattr(model, "accepts_loss_kwargs"):
+        return bool(model.accepts_loss_kwargs)
+    return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values())
 
 
 def lightning_loss(model: nn.Module, batch: Any) -> Tensor:
@@ -66,11 +79,13 @@ def lightning_loss(model: nn.Module, batch: Any) -> Tensor:
     return out["loss"] if isinstance(out, Mapping) else out
 
 
-def loss_from_recipe(recipe: dict[str, Any] | None) -> Callable[[nn.Module, Any], Any]:
-    """Return ``loss(model, batch)`` for a loss recipe (see the module docstring)."""
+def loss_from_recipe(recipe: dict[str, Any] | None, host: dict[str, Any] | None = None) -> Callable[[nn.Module, Any], Any]:
+    """Return ``loss(model, batch)`` for a loss recipe (see the module docstring); ``host``: the captured step's own
+    inputs to it (a Hugging Face step's ``num_items_in_batch``)."""
     kind = (recipe or {}).get("kind")
     if kind == "transformers":
-        return _transformers_loss
+        items = (host or {}).get("num_items_in_batch")
+        return _transformers_loss if items is None else functools.partial(_transformers_loss, num_items_in_batch=items)
     if kind == "lightning":
         return lightning_loss
     if kind == "function":
@@ -200,5 +215,5 @@ def captured_task(batches: list[Any], model: dict[str, Any] | None = None, loss:
         host: the host's own inputs to the step (``num_items_in_batch`` for a Hugging Face loss).
     """
     rows = CapturedRows([unbundle_batch(b) for b in batches])
-    return Task(model=model_from_recipe(model, name.partition(":")[0]), train_data=rows, loss=loss_from_recipe(loss),
+    return Task(model=model_from_recipe(model, name.partition(":")[0]), train_data=rows, loss=loss_from_recipe(loss, host),
                 collate=rows.collate, name=name, optimizer=optimizer_factory(optimizer))

@@ -59,7 +59,7 @@ METRIC_KEYS: dict[str, str] = {
     "grad_norm": "mean pre-clip global L2 grad norm over the interval's finite steps",
     "grad_norm_max": "max pre-clip global L2 grad norm over the interval's finite steps",
     "grad_norm_post_clip": "mean post-clip global L2 grad norm over the interval's finite steps",
-    "clip_rate": "fraction of the interval's steps where clipping fired",
+    "clip_rate": "fraction of the interval's applied steps where clipping fired (a skipped step's gradients were discarded)",
     "update_norm": "L2 norm of the last applied update of the interval, ||theta_t - theta_{t-1}||",
     "update_ratio": "update_norm / parameter norm at that step",
     "lr": "learning rate after the interval's last step",

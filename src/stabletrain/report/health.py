@@ -143,6 +143,7 @@ def health_summary(run: RunData) -> Health:
         if undone_spikes:
             text += f"; before {_went_back(undone_spikes)}, at step {fmt_ranges(f['spike_steps_undone'])}"
         h.say("warn", text + ".")
+    _precursors(run, h)
 
     incidents = run.counted_events("incident")
     f["incidents"] = [(e.step, incident_summary(e)) for e in incidents]
@@ -169,6 +170,26 @@ def health_summary(run: RunData) -> Health:
     if run.problems:
         h.say("warn", f"{plural(len(run.problems), 'problem')} reading the run's files (listed under Data problems).")
     return h
+
+
+#: A precursor is said to have come before a spike when the spike followed within this many steps.
+PRECURSOR_LEAD = 100
+
+
+def _precursors(run: RunData, h: Health) -> None:
+    """The precursor warnings (guard.precursor): each with the spike it came before, if one followed."""
+    steps = sorted({e.step for e in run.counted_events("precursor")})
+    h.figures["precursor_steps"] = steps
+    if not steps:
+        return
+    spikes = h.figures.get("spike_steps") or []
+    parts = []
+    for p in steps:
+        after = next((s for s in spikes if p < s <= p + PRECURSOR_LEAD), None)
+        parts.append(f"step {p:,} ({after - p} steps before the spike at step {after:,})" if after is not None
+                     else f"step {p:,} (no spike followed within {PRECURSOR_LEAD} steps)")
+    h.say("ok", f"{plural(len(steps), 'precursor warning')} (a layer's update/weight ratio departed from its history) at "
+                + "; ".join(parts) + ".")
 
 
 def _init(run: RunData, h: Health) -> None:
@@ -218,7 +239,12 @@ def _once(incidents: list[tuple[int, str]]) -> list[tuple[int, str]]:
 
 
 def _listed(incidents: list[tuple[int, str]], limit: int = 5) -> str:
-    listed = "; ".join(f"at step {s:,}, {summary.rstrip('.')}" for s, summary in incidents[:limit])
+    """Each incident's summary; of several, each one's class and first clause (the incidents table has the rest: five
+    whole summaries made a 16-line paragraph)."""
+    def head(summary: str) -> str:
+        return summary if len(incidents) == 1 else summary.split("; ")[0]
+
+    listed = "; ".join(f"at step {s:,}, {head(summary).rstrip('.')}" for s, summary in incidents[:limit])
     return listed + (f"; and {len(incidents) - limit} more" if len(incidents) > limit else "")
 
 

@@ -117,9 +117,10 @@ def _auto_log(ax, *arrays: np.ndarray) -> None:
 
 # How each marked event kind (of stabletrain.records.events.EVENT_KINDS) is drawn on the curves: a vertical line per step.
 EVENT_MARKS: dict[str, dict[str, Any]] = {
-    "skip": {"color": "#ff9f1c", "linewidth": 0.8, "alpha": 0.6, "label": "skipped step"},
-    "spike": {"color": "#9467bd", "linewidth": 1.0, "linestyles": ":", "label": "loss spike"},
-    "incident": {"color": "#d62728", "linewidth": 1.4, "label": "incident"},
+    # (the thin marks in front of an incident's line at the same step: they were hidden under it)
+    "skip": {"color": "#ff9f1c", "linewidth": 0.8, "alpha": 0.6, "label": "skipped step", "zorder": 2.6},
+    "spike": {"color": "#9467bd", "linewidth": 1.0, "linestyles": ":", "label": "loss spike", "zorder": 2.7},
+    "incident": {"color": "#d62728", "linewidth": 1.4, "alpha": 0.8, "label": "incident", "zorder": 1.5},
     "resume": {"color": "#555555", "linewidth": 1.0, "linestyles": "--", "label": "resume"},
     "rollback": {"color": "#8c564b", "linewidth": 1.2, "linestyles": "--", "label": "rollback"},
     "remedy": {"color": "#087f5b", "linewidth": 1.2, "linestyles": "-.", "label": "remedy applied"},
@@ -186,9 +187,21 @@ def _loss(run: RunData) -> Plot:
                 label="non-finite loss in interval")
     gone = _abandoned(ax, run, "loss")
     _mark_events(ax, run)
-    _auto_log(ax, loss, val, gone)
+    # Each spike's own loss at its own step: the curve is of interval means at the intervals' ends, so a spike at step
+    # 121 showed at 130 (on a remedy's line there, as if the remedy had made it).
+    own = spike_points(run)
+    spiked = np.array([v for _, v in own]) if own else np.array([])
+    if own:
+        ax.plot([t for t, _ in own], spiked, "v", color="#9467bd", markersize=5, zorder=3, label="a spike's own loss")
+    _auto_log(ax, loss, val, gone, spiked)
     _finish(fig, ax, "Loss", "loss per item")
     return Plot("loss", "Train and validation loss", _png(fig))
+
+
+def spike_points(run: RunData) -> list[tuple[int, float]]:
+    """(step, loss) of each loss spike the run kept (its event's own loss), for the loss plot."""
+    return sorted((e.step, float(e.extra["loss"])) for e in run.events if e.kind == "spike" and not e.superseded
+                  and isinstance(e.extra.get("loss"), (int, float)) and math.isfinite(e.extra["loss"]))
 
 
 def _abandoned(ax, run: RunData, key: str) -> np.ndarray:
