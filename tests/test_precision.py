@@ -139,3 +139,18 @@ def test_fp16_resume_restores_the_scaler_and_ends_bitwise_equal(tmp_path):
     assert float(straight.precision.loss_scale()) == float(resumed.precision.loss_scale()) != 2.0**16
     for a, b in zip(straight.module.parameters(), resumed.module.parameters()):
         assert torch.equal(a, b)
+
+
+def test_the_fp16_on_cpu_warning_is_said_by_rank_0_only(monkeypatch):
+    """Under dist.nproc=2 each rank printed it: the same line twice."""
+    import warnings
+
+    import stabletrain.policies.precision as precision_module
+
+    for rank, expected in (("1", 0), ("0", 1)):
+        monkeypatch.setattr(precision_module, "_warned_fp16_cpu", False)
+        monkeypatch.setenv("RANK", rank)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            precision_module.resolve_precision("fp16", torch.device("cpu"))
+        assert sum("precision=fp16 on CPU" in str(w.message) for w in caught) == expected, rank

@@ -263,7 +263,10 @@ def test_an_adapters_incident_gets_verdicts_on_its_own_step_only(tmp_path):
     assert all(r["steps_replayed"] == 1 and r["first_step"] == BAD_STEP for r in c.values())  # no window after it
     assert c["skip-samples"]["remedy"]["samples"] == [BAD_POSITION] and c["skip-samples"]["verdict"] == "cures"
     assert c["eps-guard"]["verdict"] == "cures" and c["lr-x0.1"]["verdict"] == "fails"
-    assert c["skip-step"]["evidence"] == "hides the symptom: drops 8 of the 8 samples it replays"
+    # Skipping the lone step leaves nothing to judge: no verdict ('fails: hides the symptom' read as a finding).
+    assert (c["skip-step"]["verdict"], c["skip-step"]["baseline"]) == ("untestable", True)
+    assert c["skip-step"]["evidence"].startswith("skipping the step leaves nothing of this adapter bundle to replay")
+    assert c["skip-samples"]["evidence"].endswith("(the baseline has no step to judge)"), c["skip-samples"]["evidence"]
 
 
 def test_an_fp16_scaler_that_cannot_recover_is_an_incident_and_only_the_eps_guard_cures_it(tmp_path):

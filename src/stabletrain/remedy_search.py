@@ -339,7 +339,8 @@ def judge(result: dict[str, Any], baseline: dict[str, Any], healthy: tuple[int, 
     if trained and sum(r["applied"] for r in trained) * 2 < len(trained):
         return "fails", (f"hides the symptom: {sum(r['applied'] for r in trained)} of its {len(trained)} steps were "
                          "applied (the rest skipped)")
-    steps = f"steps {result['first_step']}-{result['trajectory'][-1]['step']} finite, no spike"
+    last = result["trajectory"][-1]["step"]
+    steps = (f"steps {result['first_step']}-{last}" if last != result["first_step"] else f"step {last}") + " finite, no spike"
     base, end, bar = baseline["end_loss"], result["end_loss"], 1 + LOSS_TOLERANCE
     if result is baseline:
         return "cures", f"{steps}; end loss {end:.4g}"
@@ -353,7 +354,8 @@ def judge(result: dict[str, Any], baseline: dict[str, Any], healthy: tuple[int, 
                 text += f", or the run's {typical:.4g} before the spike"
             base = typical
         return ("cures" if end <= base * bar + 1e-12 else "worse"), text
-    fails = f"the baseline fails: {baseline['failed']['why']}" if baseline["failed"] else "the baseline fails"
+    fails = (f"the baseline fails: {baseline['failed']['why']}" if baseline["failed"] else
+             "the baseline has no step to judge" if baseline.get("verdict") == "untestable" else "the baseline fails")
     if healthy is None and typical is not None:  # a spike: no worse than the run's own level before it
         text = f"{steps}; end loss {end:.4g} vs {typical:.4g}, the run's before the spike ({fails})"
         return ("cures" if end <= typical * bar + 1e-12 else "worse"), text
@@ -432,6 +434,11 @@ def search_remedies(directory: str | Path, task: Task | None = None, *, steps: i
     # whose loss came before any update, and nothing after it is replayed: its one step cannot show an effect.
     untestable = inc.adapter and inc.bundle.get("observed", {}).get("anomaly") == "spike" and not inc.bundle.get("previous")
     for c, r in zip(pool, results):
+        if inc.adapter and r is baseline and r["dropped_samples"] == r["total_samples"]:  # the lone step skipped
+            r["verdict"], r["evidence"], r["baseline"] = "untestable", (
+                "skipping the step leaves nothing of this adapter bundle to replay (it holds the incident's step alone); "
+                "on_spike='skip' does this live"), True
+            continue
         if untestable and c.earlier and c.rollback_step is None and r is not baseline:
             r["verdict"], r["evidence"], r["baseline"] = "untestable", (
                 "it changes the updates, which come after the spike's loss; this adapter bundle holds the spike's step "

@@ -10,6 +10,7 @@ in every precision.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from typing import Any
 
@@ -48,7 +49,7 @@ def resolve_precision(mode: str, device: torch.device) -> str:
         return "fp32"
     global _warned_fp16_cpu
     if mode == "fp16" and device.type == "cpu":
-        if not _warned_fp16_cpu:
+        if not _warned_fp16_cpu and os.environ.get("RANK", "0") == "0":  # once per run: rank 0 says it (not each rank)
             _warned_fp16_cpu = True  # once per process: replays and checks build more policies
             warnings.warn("precision=fp16 on CPU: fp16 autocast and GradScaler('cpu') run, slowly; meant for testing the "
                       "fp16 path without a GPU (use bf16 or fp32 to train on CPU)", StableTrainWarning, stacklevel=3)

@@ -15,9 +15,8 @@ log space (a ratio departs by a factor, whatever its scale), once per interval. 
     z_l = (log r_l - mean_l) / std_l > guard.precursor_zscore   and   r_l > guard.precursor_ratio x exp(mean_l)
     and ||update_l|| > guard.precursor_ratio x its own typical (geometric mean) update norm
 
-after ``guard.precursor_warmup`` intervals of its history, for the parameters of :data:`MIN_DIM` or more
-dimensions (a weight matrix, an embedding: a gain's or a bias's ratio wobbles in healthy runs).
-The factor keeps a smooth trend (an LR warmup's
+after ``guard.precursor_warmup`` intervals of its history, for the parameters of :data:`MIN_NUMEL` elements or
+more. The factor keeps a smooth trend (an LR warmup's
 ramp) and a very steady layer's small wobbles from counting; the update's own factor keeps a weight whose
 norm shrinks (a one-element bias crossing zero) from counting as an update that grew. The grad norm is
 evidence beside it, not a trigger: per layer it moves several-fold in healthy runs (bench/precursor.py).
@@ -40,15 +39,15 @@ from typing import Any
 
 from ..config import GuardConfig, check_range
 
-__all__ = ["Precursor", "PrecursorWarning", "layer_figures", "MIN_DIM"]
+__all__ = ["Precursor", "PrecursorWarning", "layer_figures", "MIN_NUMEL"]
 
 #: The smallest standard deviation (of a natural log) a z-score divides by: a layer whose ratio has not moved
 #: by 1% in its whole history is not "thousands of deviations" away when it moves by 20%.
 MIN_STD = 0.01
-#: Only parameters of at least this many dimensions are watched (weight matrices, embeddings, convolutions): a
-#: LayerNorm gain's or a bias's update/weight ratio wobbles 2x in healthy training (a GPT-2's ln_2 gain warned at
-#: z 5.6 on a run that never spiked; a one-element bias crossing zero at "1.9e3x its typical").
-MIN_DIM = 2
+#: A parameter with fewer elements is not watched: a scalar's or a tiny bias's update/weight ratio swings by orders of
+#: magnitude as it crosses zero (a regression head's one-element bias warned at "1.9e3x its typical"). LayerNorm gains
+#: are watched: the default gpt's warnings before its spikes came from them (bench/precursor.py).
+MIN_NUMEL = 8
 
 
 @dataclass
@@ -144,10 +143,10 @@ class Precursor:
     ``names``: the parameter names, in the order of the interval's per-parameter figures.
     """
 
-    def __init__(self, cfg: GuardConfig, names: Sequence[str], dims: Sequence[int] | None = None) -> None:
+    def __init__(self, cfg: GuardConfig, names: Sequence[str], sizes: Sequence[int] | None = None) -> None:
         self.enabled = bool(cfg.precursor)
-        # (``dims``: each parameter's number of dimensions; those under MIN_DIM are not watched)
-        self.watched = [d >= MIN_DIM for d in dims] if dims is not None else [True] * len(names)
+        # (``sizes``: each parameter's element count; those under MIN_NUMEL are not watched)
+        self.watched = [n >= MIN_NUMEL for n in sizes] if sizes is not None else [True] * len(names)
         self.window = check_range("guard.precursor_window", cfg.precursor_window)
         self.zscore = check_range("guard.precursor_zscore", cfg.precursor_zscore)
         self.ratio = check_range("guard.precursor_ratio", cfg.precursor_ratio)

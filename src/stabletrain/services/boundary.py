@@ -48,7 +48,7 @@ class IntervalBoundary:
         self.top_layers, self.epoch, self.count_samples = top_layers, epoch, count_samples
         self.names = [n for n, _ in state.named_params]
         self.precursor = state.precursor = Precursor(state.cfg.guard, self.names,  # a warning before the spike
-                                                     [p.dim() for _, p in state.named_params])
+                                                     [p.numel() for _, p in state.named_params])
         self.small_spikes_said = False  # the line for a spike too small to capture: once
         self.started = time.perf_counter()
         self.excluded = 0.0  # seconds of this interval not spent training (validation): not in its throughput
