@@ -148,3 +148,18 @@ def test_the_private_import_rule_itself(tmp_path):
     source.write_text("from .captured import _sgd_noop, build\nfrom stabletrain.tasks import _SIMPLE\n"
                       "from torch.nn import _reduction\nfrom __future__ import annotations\n")
     assert private_imports(source) == [".captured:_sgd_noop", "stabletrain.tasks:_SIMPLE"]
+
+
+#: The sizes the house keeps (issue 35; DESIGN.md asks for ~400-line modules): past them a module is split by concern.
+MAX_MODULE_LINES, MAX_LOOP_LINES, MAX_INTEGRATIONS_LINES = 500, 300, 1200
+
+
+def test_no_module_outgrows_the_house_sizes():
+    """Every module <= 500 lines, the loop <= 300, the adapters (integrations/) <= 1,200 together: the adapters reuse
+    the loop's services instead of growing a second trainer."""
+    lines = {module: len(path.read_text().splitlines()) for module, path in _modules().items()}
+    big = {m: n for m, n in lines.items() if n > MAX_MODULE_LINES}
+    assert not big, f"modules over {MAX_MODULE_LINES} lines (split them by concern): {big}"
+    assert lines["loop"] <= MAX_LOOP_LINES, lines["loop"]
+    adapters = sum(n for m, n in lines.items() if m == "integrations" or m.startswith("integrations."))
+    assert adapters <= MAX_INTEGRATIONS_LINES, adapters

@@ -47,7 +47,7 @@ from .policies.guard import Guard
 from .policies.precision import PrecisionPolicy
 from .step import TrainStep
 
-__all__ = ["HostStep"]
+__all__ = ["HostStep", "as_backpropagated", "redo_user_clip"]
 
 
 class HostStep:
@@ -180,3 +180,31 @@ class HostStep:
         if p["measure"]:  # also per parameter: the precursor's figures
             out.update(update_norms(self.params, self._before))
         return out
+
+
+def as_backpropagated(loss: Tensor, backpropagated: Tensor | None, num_micro: int) -> Tensor:
+    """``loss_fn``'s loss as the user backpropagated it: as it is, divided by the micro-batches, or rescaled.
+
+    Compared bitwise on the host (a capture's replay may sync): the first two forms replay the user's
+    gradients exactly; any other normalization is matched by the ratio of the two values.
+    """
+    if backpropagated is None:
+        return loss
+    value, seen = loss.detach().float(), backpropagated.to(loss.device)
+    if bool(torch.equal(value, seen)):
+        return loss
+    if bool(torch.equal((loss / num_micro).detach().float(), seen)):
+        return loss / num_micro
+    return loss * (seen / value).to(loss.dtype)
+
+
+def redo_user_clip(params: Sequence[nn.Parameter], clip: tuple[Tensor, Tensor] | None) -> None:
+    """Scale ``params``' gradients as the user's own clip scaled them: ``clip`` is (the norm before it, the norm of the
+    gradients it left), as kept when the step ran; None (no clip of theirs) or a clip that left them alone: nothing.
+    Not bitwise: the threshold is theirs, the factor is the ratio of the two norms."""
+    if clip is None:
+        return
+    before, after = clip
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads and bool(after < before * (1 - 1e-6)):
+        torch._foreach_mul_(grads, (after / before).to(grads[0].device))

@@ -46,6 +46,7 @@ from ..callbacks import Callback
 from ..config import AdapterOptions
 from ..data import move_to
 from ..errors import StopTraining
+from ..host_step import as_backpropagated, redo_user_clip
 from ..internals import unwrap
 from ..policies.precision import PrecisionPolicy
 from ..records.batches import batch_size
@@ -251,31 +252,12 @@ class _MonitorReplay(HostReplay):
             batch = move_to(batch, m.precision.device)
             with m.precision.autocast() if kept.host["autocast"] else contextlib.nullcontext():
                 loss = m.loss_fn(m.model, batch)
-            m.precision.backward(_as_backpropagated(loss, backward[i] if i < len(backward) else None, len(kept.micro)))
+            m.precision.backward(as_backpropagated(loss, backward[i] if i < len(backward) else None, len(kept.micro)))
         clip = kept.host.get("user_clip")
-        if clip is not None:  # your own clip, as it scaled the grads (not bitwise: its threshold is yours)
-            before, after = clip
-            grads = [p.grad for p in m.session.params if p.grad is not None]
-            if grads and bool(after < before * (1 - 1e-6)):  # untouched by it (norm under your threshold): as they are
-                torch._foreach_mul_(grads, (after / before).to(grads[0].device))
+        redo_user_clip(m.session.params, clip)  # your own clip, as it scaled the grads
         step.update(loss=kept.host["loss"], count=kept.host["count"], grad_norm=None if clip is None else clip[0])
         m.optimizer.zero_grad(set_to_none=True)
 
     def diagnosis_loss(self, kept: KeptStep) -> Callable[[nn.Module, Any], Any]:
         return self.monitor.loss_fn
 
-
-def _as_backpropagated(loss: Tensor, backpropagated: Tensor | None, num_micro: int) -> Tensor:
-    """``loss_fn``'s loss as the user backpropagated it: as it is, divided by the micro-batches, or rescaled.
-
-    Compared bitwise on the host (a capture's replay may sync): the first two forms replay the user's
-    gradients exactly; any other normalization is matched by the ratio of the two values.
-    """
-    if backpropagated is None:
-        return loss
-    value, seen = loss.detach().float(), backpropagated.to(loss.device)
-    if bool(torch.equal(value, seen)):
-        return loss
-    if bool(torch.equal((loss / num_micro).detach().float(), seen)):
-        return loss / num_micro
-    return loss * (seen / value).to(loss.dtype)

@@ -216,15 +216,7 @@ class IncidentCapture:
         why = ("no good state to replay from (no verified checkpoint yet; was the state non-finite from the start?)"
                if start is None else src.why_not(step, start[1]))
         if why is not None:
-            fit.event(step, "incident", f"step {step} not captured: {why}", after_update=after_update,
-                      **({"ranks": ranks} if fit.dist.enabled else {}))
-            what = "spike" if info.get("anomaly") == "spike" else "incident"
-            if not self.warned and fit.dist.is_main:  # a warning the first time it matters (what to do about it)
-                self.warned = True
-                warnings.warn(f"the {what} at step {step} was not captured: {why}", StableTrainWarning,
-                              stacklevel=console.user_stacklevel())
-            elif fit.dist.is_main:  # then one line each, as a captured one gets
-                console.say(f"{what} at step {step} (loss {info.get('loss', float('nan')):.4g}) not captured: {why}")
+            self._not_captured(fit, info, ranks, why)
             return found
         t0 = time.perf_counter()
         avoid = unordinary(fit, rows)  # before the replay loads an older state (the guard's included)
@@ -266,39 +258,7 @@ class IncidentCapture:
         if fit.dist.enabled:
             fields["ranks"] = ranks
         info = {**info, **found, "step": step, "after_update": after_update, "ranks": ranks}
-        bundles = []
-        for n, r in enumerate(seen):
-            bundle = src.bundle(fit, step, records[r], before, info)
-            # The interval's steps before it, as the run saw them: a divergence's growth within the interval (the
-            # metrics records hold only the intervals' means).
-            bundle["observed"]["recent"] = [[row.step, row.values["loss"], row.values["grad_norm"]] for row in rows
-                                            if row.step < step]
-            if spike:  # what the spike's counterfactual replays need: the rule's window, the older state, the run's steps
-                bundle["observed"].update(anomaly="spike", spike_window=list(info.get("spike_window") or []),
-                                          history=[[r["step"], r.get("lr"), r.get("update_ratio")] for r in
-                                                   fit.history if r["step"] < step][-HISTORY_INTERVALS:])
-                if self.last_spike is not None and 0 < step - self.last_spike["step"] <= AFTERSHOCK_STEPS:
-                    bundle["observed"]["after_spike"] = dict(self.last_spike)
-                # A state the run made no update from since (its steps skipped) is the spike's own: the step before
-                # then led nothing into the spike, and the older state is no other (FSDP: shards only; right after
-                # the interval's start: the spike's own too).
-                now = bundle.get("model")
-                if bundle.get("previous") is not None and equal_states(bundle["previous"]["model"], now):
-                    bundle["previous"] = None
-                older = src.strategy.one_process_model(start[0]["model"]) if start[1] < step - 1 else None
-                if older is not None and equal_states(older, now):
-                    older = None
-                reference = ({"step": start[1], "model": older, "optimizer": lr_groups(start[0].get("optimizer"))}
-                             if older is not None else None)
-                if reference is None and n == 0 and fit.dist.is_main and now is not None and not is_dcp_entry(now):
-                    found_ref = src.reference_state(fit, start[1] if start[1] < step - 1 else step - 1, now)
-                    reference = ({"step": found_ref[1], "model": found_ref[0], "optimizer": lr_groups(found_ref[2]),
-                                  "from": "checkpoint"} if found_ref else None)
-                bundle["reference"] = reference
-            if n > 0:  # the model and optimizer (the same on every rank) once, in the first bundle; a later one names it
-                bundle = {**{k: v for k, v in bundle.items() if k not in ("model", "optimizer")}, STATE_IN: ".."}
-            write_bundle(folder if n == 0 else folder / f"rank_{r}", bundle)
-            bundles.append(bundle)
+        bundles = self._write_bundles(fit, folder, info, [records[r] for r in seen], before, rows, start, spike)
         if spike:
             fields["anomaly"] = "spike"
         label = "spike" if spike else "incident"
@@ -321,6 +281,70 @@ class IncidentCapture:
         fit.event(step, "incident", f"captured {what}{seen_note} into {folder}", **fields)
         found.update(zip(IN_MEMORY, (in_memory, diagnosis)))  # not the event's: held in memory for a remedy
         return found
+
+    def _write_bundles(self, fit: RunState, folder: Path, info: dict[str, Any], records: list[dict[str, Any]],
+                       before: dict[str, Any], rows: list[Any], start: tuple[dict[str, Any], int], spike: bool
+                       ) -> list[dict[str, Any]]:
+        """Write a bundle per rank that saw the incident (``records``, in the order of ``info["ranks"]`` or rank 0's
+        alone): the first into ``folder`` with the model and optimizer, each later one into ``rank_R`` naming it."""
+        src, step = self.source, info["step"]
+        seen = info["ranks"] or [0]
+        bundles = []
+        for n, (r, record) in enumerate(zip(seen, records)):
+            bundle = src.bundle(fit, step, record, before, info)
+            # The interval's steps before it, as the run saw them: a divergence's growth within the interval (the
+            # metrics records hold only the intervals' means).
+            bundle["observed"]["recent"] = [[row.step, row.values["loss"], row.values["grad_norm"]] for row in rows
+                                            if row.step < step]
+            if spike:  # what the spike's counterfactual replays need: the rule's window, the older state, the run's steps
+                self._spike_parts(fit, bundle, step, start, info, first=n == 0)
+            if n > 0:  # the model and optimizer (the same on every rank) once, in the first bundle; a later one names it
+                bundle = {**{k: v for k, v in bundle.items() if k not in ("model", "optimizer")}, STATE_IN: ".."}
+            write_bundle(folder if n == 0 else folder / f"rank_{r}", bundle)
+            bundles.append(bundle)
+        return bundles
+
+    def _not_captured(self, fit: RunState, info: dict[str, Any], ranks: list[int], why: str) -> None:
+        """Record and say why the incident at ``info["step"]`` was not captured: a warning the first time it matters
+        (what to do about it), then one line each, as a captured one gets."""
+        step = info["step"]
+        fit.event(step, "incident", f"step {step} not captured: {why}", after_update=info["after_update"],
+                  **({"ranks": ranks} if fit.dist.enabled else {}))
+        what = "spike" if info.get("anomaly") == "spike" else "incident"
+        if not self.warned and fit.dist.is_main:
+            self.warned = True
+            warnings.warn(f"the {what} at step {step} was not captured: {why}", StableTrainWarning,
+                          stacklevel=console.user_stacklevel())
+        elif fit.dist.is_main:
+            console.say(f"{what} at step {step} (loss {info.get('loss', float('nan')):.4g}) not captured: {why}")
+
+    def _spike_parts(self, fit: RunState, bundle: dict[str, Any], step: int, start: tuple[dict[str, Any], int],
+                     info: dict[str, Any], *, first: bool) -> None:
+        """Add what a spike's counterfactual replays need to ``bundle``: the rule's window, the run's last interval
+        records (step, LR, update/weight ratio), an earlier spike it may be the aftershock of, and the older state (the
+        interval's start, else an older checkpoint: ``first``, rank 0's bundle, looks one up) with its LR."""
+        src = self.source
+        bundle["observed"].update(anomaly="spike", spike_window=list(info.get("spike_window") or []),
+                                  history=[[r["step"], r.get("lr"), r.get("update_ratio")] for r in fit.history
+                                           if r["step"] < step][-HISTORY_INTERVALS:])
+        if self.last_spike is not None and 0 < step - self.last_spike["step"] <= AFTERSHOCK_STEPS:
+            bundle["observed"]["after_spike"] = dict(self.last_spike)
+        # A state the run made no update from since (its steps skipped) is the spike's own: the step before then led
+        # nothing into the spike, and the older state is no other (FSDP: shards only; right after the interval's
+        # start: the spike's own too).
+        now = bundle.get("model")
+        if bundle.get("previous") is not None and equal_states(bundle["previous"]["model"], now):
+            bundle["previous"] = None
+        older = src.strategy.one_process_model(start[0]["model"]) if start[1] < step - 1 else None
+        if older is not None and equal_states(older, now):
+            older = None
+        reference = ({"step": start[1], "model": older, "optimizer": lr_groups(start[0].get("optimizer"))}
+                     if older is not None else None)
+        if reference is None and first and fit.dist.is_main and now is not None and not is_dcp_entry(now):
+            found = src.reference_state(fit, start[1] if start[1] < step - 1 else step - 1, now)
+            reference = ({"step": found[1], "model": found[0], "optimizer": lr_groups(found[2]), "from": "checkpoint"}
+                         if found else None)
+        bundle["reference"] = reference
 
     def _replay(self, fit: RunState, step: int, start: tuple[dict[str, Any], int], info: dict[str, Any], rows: list[Any],
                 spike: bool) -> tuple[tuple[dict[str, Any], int], dict[str, Any] | None]:
