@@ -79,9 +79,10 @@ def expected_figures(run_dir: Path) -> dict:
     records, problems = read_jsonl(run_dir / "metrics.jsonl")
     assert not problems
     prev, clipped, steps = 0, 0.0, 0
-    for r in records:
-        clipped += r["clip_rate"] * (r["step"] - prev)
-        steps += r["step"] - prev
+    for r in records:  # clip_rate is over each interval's applied steps
+        applied = r["step"] - prev - r["num_skipped"]
+        clipped += r["clip_rate"] * applied
+        steps += applied
         prev = r["step"]
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     return {
@@ -894,3 +895,23 @@ def test_the_loss_plot_marks_each_spike_at_its_own_step_and_loss(tmp_path):
     run = load_run(tmp_path / "run")
     assert spike_points(run) == [(37, 12.5)]
     assert run_plots(run)[0].name == "loss"
+
+
+
+def test_a_best_interval_loss_of_zero_or_below_says_no_rise_and_does_not_crash(tmp_path):
+    h, text = _loss_run(tmp_path / "zero", [1.0, 0.5, 0.0, 0.2], [0.9, 0.4, 0.0, 0.1])
+    assert "rose" not in text, text
+    h, text = _loss_run(tmp_path / "negative", [-0.2, -1.0, -0.8, -0.5], [-0.3, -1.1, -0.9, -0.6])
+    assert "rose" not in text, text
+
+
+def test_the_run_clip_rate_weighs_each_interval_by_its_applied_steps(tmp_path):
+    """clip_rate is over an interval's applied steps: an interval of 10 steps with 9 skipped and its one applied step
+    clipped counts 1 clipped of 1, not 10 of 10."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "config.yaml").write_text("clip:\n  max_norm: 1.0\n")
+    rows = [{"step": 10, "loss": 1.0, "interval_steps": 10, "clip_rate": 0.0, "num_skipped": 0},
+            {"step": 20, "loss": 1.0, "interval_steps": 10, "clip_rate": 1.0, "num_skipped": 9}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    h = health_summary(load_run(tmp_path))
+    assert (h.figures["clipped_steps"], h.figures["clip_steps_seen"]) == (1, 11)

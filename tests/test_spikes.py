@@ -1061,8 +1061,13 @@ def test_a_surging_update_that_lowered_the_windows_loss_is_not_its_cause():
     case["loss"] = 0.0448
     out = classify_spike(case)
     assert out["failure_class"] == "data" and out["blamed_layer"] is None, out
-    assert "the batch itself is an outlier" in out["evidence"] and "2.weight's surging update of step 152 lowered this " \
-        "window's loss (0.2183 under the state of step 150, 0.0448 now): not its cause" in out["evidence"], out["evidence"]
+    assert "the batch itself is an outlier" in out["evidence"] and "2.weight's surging update of step 152 is not its " \
+        "cause: the window was as high under the state of step 150 (0.2183; 0.0448 now)" in out["evidence"], out["evidence"]
+    # An older state from far back (every loss higher then) is no measure of one update: the window no higher than
+    # ordinary windows there, the surge stays the cause.
+    far = _surge_case(window=5.0, ordinary=5.0, current_ordinary=2.0, window_high=False, ordinary_high=False)
+    far["loss"] = 4.0
+    assert classify_spike(far)["failure_class"] == "optimizer-state"
 
 
 def test_a_window_that_rose_alone_is_not_called_a_drifted_state():
@@ -1071,7 +1076,7 @@ def test_a_window_that_rose_alone_is_not_called_a_drifted_state():
     case = {**_surge_case(window_high=False, ordinary_high=False, ordinary=0.0085, current_ordinary=0.0054), "surges": []}
     out = classify_spike(case)
     assert out["failure_class"] == "state" and out["evidence"].startswith(
-        "the updates since step 150 raised this window's loss, not ordinary windows' (the state and this window, not "
+        "the updates since step 150 raised this window's loss against ordinary windows' (the state and this window, not "
         "told apart); the window is normal under the state of step 150 (0.0124) and ordinary windows are at 0.0054 under "
         "this one (vs 0.0085)"), out["evidence"]
 
@@ -1139,7 +1144,7 @@ def test_a_spike_between_negligible_losses_is_logged_but_spends_no_capture(tmp_p
     events = _events(tmp_path / "run")
     assert [e["step"] for e in events if e["kind"] == "spike"][0] == 61
     incidents = [e["step"] for e in events if e["kind"] == "incident"]
-    said = "spike at step 61 not captured: its loss, 1.25e-05, is below 0.001 x the run's first logged loss (0.4933)"
+    said = "spike at step 61 not captured: its loss, 1.25e-05, is below 0.0001 x the run's first logged loss (0.4933)"
     if captured:
         assert incidents == [61] and "not captured" not in capsys.readouterr().out
     else:
@@ -1174,3 +1179,46 @@ def test_a_skipped_spike_step_does_not_count_in_the_clip_rate(tmp_path):
     records = {r["step"]: r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())}
     assert records[20]["num_skipped"] == 1 and records[20]["grad_norm_max"] > 10
     assert records[20]["clip_rate"] == 0.0, records[20]
+
+
+
+def test_spikes_between_negligible_losses_under_on_spike_remedy_take_no_fallback(tmp_path):
+    """guard.on_spike=remedy: an uncaptured negligible spike said 'no remedy applied ... (no good state to replay from)'
+    and took remedy.fallback (stop or rollback) on a spike the floor means to ignore."""
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    from stabletrain import Task
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(640, 4, generator=g)
+    y = x @ torch.randn(4, 1, generator=g)
+    y[485] += 0.01
+    torch.manual_seed(0)
+    task = Task(model=nn.Linear(4, 1), train_data=TensorDataset(x, y), loss=spike_tasks_mse(), name="noiseless")
+    trainer = Trainer(cfg("train.batch_size=8", "log.every=10", "data.shuffle=false", "train.max_steps=70", "optim.name=sgd",
+                          "optim.lr=0.2", "optim.weight_decay=0", "clip.max_norm=null", "sched.warmup_steps=0",
+                          "sched.decay=constant", "guard.on_spike=remedy", "remedy.fallback=stop"),
+                      task=task, run_dir=tmp_path / "run")
+    trainer.fit()
+    events = _events(tmp_path / "run")
+    assert trainer.step == 70 and [e for e in events if e["kind"] in ("remedy", "incident", "stop")] == [], events
+    assert 61 in [e["step"] for e in events if e["kind"] == "spike"]
+    assert trainer.guard.first_loss == pytest.approx(0.4933, rel=1e-3)
+    assert trainer.guard.state_dict()["first_loss"] == trainer.guard.first_loss  # a resumed run measures against it
+
+
+def test_lr_change_names_the_largest_rise_not_a_larger_fall():
+    from stabletrain.diagnostics.spike import lr_change
+
+    then = {"param_groups": [{"lr": 1.0}, {"lr": 0.01}]}
+    now = {"param_groups": [{"lr": 0.1}, {"lr": 0.02}]}  # one group fell x10, the other rose x2
+    assert lr_change(then, now) == {"then": 0.01, "now": 0.02}
+
+
+def test_the_steps_growth_is_measured_on_ordinary_windows_only():
+    from stabletrain.counterfactual import _step_sizes
+
+    history = [[10, 0.1, 0.004], [20, 0.1, 0.004]]
+    assert _step_sizes(history, []) is None  # no ordinary window: the spike's own step is no 'ordinary window'
+    assert _step_sizes(history, [{"update_ratio": 0.2}])["now"] == 0.2

@@ -352,10 +352,12 @@ def _diagnose(bench: _Bench, bundle: dict[str, Any], cfg: Any, observed: dict[st
             if observed.get("loss") is not None else {})
     # A compiled run's kernels round differently from the eager replay: compared within a tolerance, not bitwise.
     tolerance = "compiled" if cfg.train.compile else precision
-    if not seen and observed.get("host_loss") is not None and len(spike) == 1 and bundle.get("world_size", 1) == 1:
-        # An adapter's step of one micro-batch on one process: its loss is the host's own (of several micro-batches the
-        # host sums what the replay averages; under DDP it is the ranks' mean): the replay must give it, or it replays
-        # another loss than the run's (a Hugging Face loss without its num_items_in_batch did).
+    if (not seen and observed.get("host_loss") is not None and len(spike) == 1 and bundle.get("world_size", 1) == 1
+            and bundle.get("host") == "transformers"):
+        # A Hugging Face step of one micro-batch on one process: its loss is the Trainer's own (of several micro-batches
+        # it sums what the replay averages; under DDP it is the ranks' mean): the replay must give it, or it replays
+        # another loss than the run's (one without its num_items_in_batch did). (Monitor's is the user's backward,
+        # whose RNG point may be the previous step's end: not compared.)
         seen, tolerance = {"loss": observed["host_loss"]}, "host" if tolerance == "fp32" else tolerance
     why = None
     if seen and not matches_observed(here["loss"], float("nan"), {"loss": seen["loss"]}, tolerance):
@@ -374,7 +376,7 @@ def _diagnose(bench: _Bench, bundle: dict[str, Any], cfg: Any, observed: dict[st
     samples_s = time.perf_counter() - start - replays_s
     ordinary_steps = [bench.step(c) for c in context]
     ordinary = _typical(ordinary_steps) if context else None
-    m["steps"] = _step_sizes(observed.get("history") or [], ordinary_steps or [here]) if why is None else None
+    m["steps"] = _step_sizes(observed.get("history") or [], ordinary_steps) if why is None else None
     m["older"], m["where"] = _older(bench, bundle, cfg, spike, context, rule) if why is None else (None, {})
     if m["older"] is None and context and why is None:  # no older state: are the ordinary windows high under this one?
         now = sum(bench.loss(c) for c in context) / len(context)
@@ -435,9 +437,9 @@ def _diagnose(bench: _Bench, bundle: dict[str, Any], cfg: Any, observed: dict[st
 def _step_sizes(history: list[list[Any]], steps: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The whole model's update/weight ratio on ordinary windows under this state (the median of their replayed
     steps) against the run's before the spike (the median of the last intervals' records: ``[step, lr, ratio]``);
-    None without two such records."""
+    None without two such records or without an ordinary window."""
     before = [(int(t), r) for t, _, r in history if isinstance(r, (int, float)) and math.isfinite(r) and r > 0]
-    if len(before) < 2:
+    if len(before) < 2 or not steps:
         return None
     return {"now": statistics.median(s["update_ratio"] for s in steps), "before": statistics.median(r for _, r in before),
             "upto": before[-1][0]}

@@ -175,15 +175,15 @@ def _pct(x: float) -> str:
 
 
 def lr_change(then: Any, now: Any) -> dict[str, float] | None:
-    """The learning rate in two optimizer ``state_dict``s: ``{"then", "now"}`` of the param group whose LR changed
-    the most (by ratio), or None where either holds none (a sharded entry, no optimizer)."""
+    """The learning rate in two optimizer ``state_dict``s: ``{"then", "now"}`` of the param group whose LR rose the most
+    (by ratio), or None where either holds none (a sharded entry, no optimizer)."""
     a, b = _group_lrs(then), _group_lrs(now)
     if a is None or b is None or len(a) != len(b):
         return None
     pairs = [(x, y) for x, y in zip(a, b) if x > 0 and y > 0]
     if not pairs:
         return None
-    x, y = max(pairs, key=lambda p: max(p[1] / p[0], p[0] / p[1]))
+    x, y = max(pairs, key=lambda p: p[1] / p[0])  # the largest rise (a fall in one group must not hide it)
     return {"then": x, "now": y}
 
 
@@ -259,9 +259,10 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     if blamed is not None and (rise >= LR_RISE or growth >= STEP_GROWTH) and max(rise, growth) >= blamed["coord_factor"]:
         acquit = (f"; a few of {blamed['name']}'s coordinates surged in the update of step {blamed['step']} (x"
                   f"{blamed['coord_factor']:.3g} as far as its others), less than every coordinate's steps grew")
-    elif blamed is not None and older is not None and math.isfinite(older["window"]) and older["window"] >= m["loss"]:
-        acquit = (f"; {blamed['name']}'s surging update of step {blamed['step']} lowered this window's loss ("
-                  f"{older['window']:.4g} under the state of step {older['step']}, {m['loss']:.4g} now): not its cause")
+    elif (blamed is not None and older is not None and older["window_high"] and math.isfinite(older["window"])
+          and older["window"] >= m["loss"]):  # (high against ordinary windows there too: the batch's, not the update's)
+        acquit = (f"; {blamed['name']}'s surging update of step {blamed['step']} is not its cause: the window was as high "
+                  f"under the state of step {older['step']} ({older['window']:.4g}; {m['loss']:.4g} now)")
     if acquit:
         blamed = None
     if high_before and blamed is None:  # (a surge in the update before is a cause; a high window, one by elimination)
@@ -312,8 +313,8 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     untold = older is None and now is not None and not drifted  # ordinary windows normal, no older state
     alone = older is not None and not older["window_high"] and not older["ordinary_high"]  # only this window rose
     if alone:
-        text = (f"the updates since step {older['step']} raised this window's loss, not ordinary windows' (the state and "
-                "this window, not told apart)")
+        text = (f"the updates since step {older['step']} raised this window's loss against ordinary windows' (the state "
+                "and this window, not told apart)")
     else:
         text = ("the model or optimizer state, or this window (not told apart)" if untold else
                 "the model or optimizer state drifted (a divergence onset, or an LR too high)")

@@ -104,6 +104,7 @@ class GuardDecision:
     locate: tuple[int, int] | None = None
     params_bad_at: int | None = None  # the first step whose post-update check found a non-finite parameter
     stall: str | None = None  # guard.on_stall=warn: why the run is not learning (said once)
+    negligible: bool = False  # the interval's spikes were all between negligible losses: not captured, nothing to cure
     _policy: str | None = None  # how a non-finite reason names the action taken (None: not such a decision)
 
     def pin(self, step: int) -> None:
@@ -150,6 +151,7 @@ class Guard:
         self.num_incidents = 0
         self.num_spikes = 0
         self.num_spike_captures = 0
+        self.first_loss: float | None = None  # the run's first logged (finite) interval loss: what 'negligible' is of
         self._no_spike: Tensor | None = None
         self._start: tuple[Any, int] | None = None  # the host window and count at the last interval's start
         # On the device: (window, count) at the last two boundaries: the current interval's start, the next's
@@ -439,7 +441,7 @@ class Guard:
                 "num_rollbacks": self.num_rollbacks, "num_incidents": self.num_incidents, "num_spikes": self.num_spikes,
                 "num_spike_captures": self.num_spike_captures, "recent": [list(r) for r in self._recent],
                 "stall_warned": self.stall_warned, "unordinary": list(self.unordinary),
-                "norm_reference": list(self._norm_reference)}
+                "norm_reference": list(self._norm_reference), "first_loss": self.first_loss}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.window.copy_(state["window"])
@@ -459,6 +461,7 @@ class Guard:
         self._device_starts_from_here()
         self.unordinary.clear()
         self.unordinary.extend(int(s) for s in state.get("unordinary", []))
+        self.first_loss = state.get("first_loss")  # (older checkpoints: none; the first interval logged after it)
 
 
 def routine_overflow(overflow: bool, loss_scale: float) -> bool:

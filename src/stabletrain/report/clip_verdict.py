@@ -39,6 +39,11 @@ def _finite(values: list[float]) -> list[float]:
     return [v for v in values if math.isfinite(v)]
 
 
+def _applied(row: dict[str, Any]) -> int:
+    """An interval's applied steps: what its ``clip_rate`` is over (a skipped step's gradients were discarded)."""
+    return max(int(row["interval_steps"]) - int(row.get("num_skipped", 0) or 0), 0)
+
+
 def clip_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (which imports this module)
     """Say the clip rate with a verdict and its reason; put the figures behind it in ``h.figures``.
 
@@ -50,10 +55,10 @@ def clip_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
     threshold = run.cfg("clip.max_norm")
     f["clip_threshold"] = threshold
     rows = [r for r in run.metrics if math.isfinite(r.get("clip_rate", math.nan))]
-    steps = sum(r["interval_steps"] for r in rows)
+    steps = sum(_applied(r) for r in rows)
     if not rows or steps <= 0:
         return
-    clipped = sum(r["clip_rate"] * r["interval_steps"] for r in rows)  # weighted by interval length
+    clipped = sum(r["clip_rate"] * _applied(r) for r in rows)  # clip_rate is over each interval's applied steps
     f["clip_rate"] = clipped / steps
     f["clipped_steps"], f["clip_steps_seen"] = int(round(clipped)), int(steps)
     norms = _finite(run.series("grad_norm")[1])
@@ -68,7 +73,7 @@ def clip_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
         return
     half = max(int(r["step"]) for r in rows) / 2
     late = [r for r in rows if r["step"] - r["interval_steps"] >= half] or rows[-1:]  # intervals in the second half
-    f["clip_rate_late"] = sum(r["clip_rate"] * r["interval_steps"] for r in late) / sum(r["interval_steps"] for r in late)
+    f["clip_rate_late"] = sum(r["clip_rate"] * _applied(r) for r in late) / max(sum(_applied(r) for r in late), 1)
     f["clip_cut_late"] = _cut(late)
     rate, late_rate, cut = f["clip_rate"], f["clip_rate_late"], f["clip_cut_late"]
     head = (f"Clipping fired on {fmt_pct(rate)} of steps ({f['clipped_steps']:,} of {f['clip_steps_seen']:,}; "

@@ -186,7 +186,7 @@ def _precursors(run: RunData, h: Health) -> None:
     parts = []
     for p in steps:
         after = next((s for s in spikes if p < s <= p + PRECURSOR_LEAD), None)
-        parts.append(f"step {p:,} ({after - p} steps before the spike at step {after:,})" if after is not None
+        parts.append(f"step {p:,} ({plural(after - p, 'step')} before the spike at step {after:,})" if after is not None
                      else f"step {p:,} (no spike followed within {PRECURSOR_LEAD} steps)")
     h.say("ok", f"{plural(len(steps), 'precursor warning')} (a layer's update/weight ratio departed from its history) at "
                 + "; ".join(parts) + ".")

@@ -45,7 +45,7 @@ def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
     level = "ok"
     if len(rows) > 2:
         best_step, _, best, _ = min(rows, key=lambda r: r[2])
-        if f["loss_end"] > ratio * best and best_step != rows[-1][0]:  # the run got worse since: say how far
+        if best > 0 and f["loss_end"] > ratio * best and best_step != rows[-1][0]:  # it got worse since: how far
             level = "warn"
             text += (f"; it rose x{f['loss_end'] / best:.3g} from its best interval's mean, {fmt_num(best)} at step "
                      f"{best_step:,}")

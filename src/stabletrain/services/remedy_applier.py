@@ -87,6 +87,9 @@ class RemedyApplier:
         """
         state = self.state
         cfg = state.cfg.remedy
+        if decision.negligible and decision.first_incident is None:  # spikes between negligible losses: nothing to cure
+            decision.action = "continue"  # (their steps were skipped on the device, as on_spike=skip does)
+            return True
         incident, why, record = found.get("path"), None, None
         if state.dist.enabled:
             why = "remedies are searched and applied on one process only"
