@@ -267,6 +267,13 @@ def test_an_adapters_incident_gets_verdicts_on_its_own_step_only(tmp_path):
     assert (c["skip-step"]["verdict"], c["skip-step"]["baseline"]) == ("untestable", True)
     assert c["skip-step"]["evidence"].startswith("skipping the step leaves nothing of this adapter bundle to replay")
     assert c["skip-samples"]["evidence"].endswith("(the baseline has no step to judge)"), c["skip-samples"]["evidence"]
+    import html
+
+    from stabletrain.report import write_report
+
+    page = html.unescape(write_report(tmp_path / "run").read_text(encoding="utf-8"))  # it says what was replayed
+    assert "Replayed the incident's window only (an adapter's bundle keeps only its own step" in page
+    assert "Replayed the incident's window and the" not in page
 
 
 def test_an_fp16_scaler_that_cannot_recover_is_an_incident_and_only_the_eps_guard_cures_it(tmp_path):

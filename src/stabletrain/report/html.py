@@ -450,8 +450,10 @@ def _remedies(run: RunData) -> str:
             f"<h3>Step {esc(record.get('step'))}: {esc(record.get('failure_class'))}"
             + (f" <small>(superseded: restart {esc(path.parent.name.rsplit('-', 1)[-1])} went back past it; "
                f"{esc(path.parent.name)})</small>" if superseded else "") + "</h3>"
-            f'<p class="detail">{esc(record.get("evidence"))}. Replayed the incident\'s window and the '
-            f"{esc(record.get('steps'))} after it ({esc(timings.get('steps_replayed'))} steps, "
+            f'<p class="detail">{esc(record.get("evidence"))}. '
+            + (f"Replayed the incident's window only ({esc(record['note'])}; " if record.get("note") else
+               f"Replayed the incident's window and the {esc(record.get('steps'))} after it (")
+            + f"{esc(timings.get('steps_replayed'))} steps, "
             f"{esc(fmt_num(as_number(timings.get('total_s'))))} s)"
             + (f", judged up to step {esc(later - 1)}: every candidate past it met a later incident at step "
                f"{esc(later)} alike" if isinstance(later, int) else "") + ". "
