@@ -187,7 +187,7 @@ class Monitor:
         last_of_interval = (session.step + 1) % session.options.log_every == 0
         norm = torch.as_tensor(grad_norm).detach().float().reshape(()) if grad_norm is not None else None
         out = self.step_fn.update(loss=loss, count=count, measure_update=last_of_interval, grad_norm=norm)
-        if norm is not None:  # your clip, for a replay: the norm before it and of the grads it left (device tensors)
+        if norm is not None and session.capturing:  # your clip, for a replay: the norms before and after it (device)
             host["user_clip"] = (norm, torch.linalg.vector_norm(out["per_param_norms"]))
         self.optimizer.zero_grad(set_to_none=True)
         self.last_applied = out["applied"]

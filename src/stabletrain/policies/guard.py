@@ -51,10 +51,15 @@ from torch import Tensor
 
 from ..config import GuardConfig
 from ..numerics import both_finite
-from .spike_rule import EARLY_ARM, FAR, MAD_TO_STD, robust_z, spike_test
+from .spike_rule import EARLY_ARM, FAR, MAD_TO_STD, far_spike, spike_test
 
 __all__ = ["Guard", "GuardDecision", "inputs_finite", "UNRECOVERABLE_SCALE", "EARLY_ARM", "spike_test", "NEGLIGIBLE_GRAD",
-           "routine_overflow"]
+           "routine_overflow", "NEGLIGIBLE_SPIKE"]
+
+#: A spike whose loss is below this fraction of the run's first logged loss is negligible (:attr:`GuardDecision.negligible`:
+#: not captured, nothing to cure): a jump between negligible losses (Adam's wander near zero loss: 1e-8 to 5e-7) would
+#: spend the run's captures (capture.max_spikes). (A regression that falls 1e4 -> 0.5 and spikes x16 to 8 is at 8e-4.)
+NEGLIGIBLE_SPIKE = 1e-4
 
 #: fp16: an overflow after which the GradScaler's scale is below this is an incident, not the routine skip: the
 #: gradients do not fit float16 even unscaled (or are NaN whatever the scale), and backing off cannot fix that.
@@ -151,7 +156,7 @@ class Guard:
         self.num_incidents = 0
         self.num_spikes = 0
         self.num_spike_captures = 0
-        self.first_loss: float | None = None  # the run's first logged (finite) interval loss: what 'negligible' is of
+        self.first_loss: float | None = None  # the run's first logged interval loss: what 'negligible' is of (decide)
         self._no_spike: Tensor | None = None
         self._start: tuple[Any, int] | None = None  # the host window and count at the last interval's start
         # On the device: (window, count) at the last two boundaries: the current interval's start, the next's
@@ -250,9 +255,7 @@ class Guard:
                         mean = window.mean(dtype=np.float32)
                         std = np.sqrt(((window - mean) ** 2).mean(dtype=np.float32))
                         z = (np.float32(loss) - mean) / (std + np.float32(1e-12))
-                        spike = bool(z > zscore) or (median > 0 and
-                            bool(np.float32(loss) > np.float32(self.cfg.spike_ratio ** FAR) * np.float32(median))
-                            and bool(robust_z(loss, window, np.float32(median)) > zscore))
+                        spike = bool(z > zscore) or far_spike(loss, window, median, self.cfg)
                     if spike and seen < self._full_at:  # early: also above spike_ratio^2 x the largest loss so far
                         spike = bool(np.float32(loss) > np.float32(self.cfg.spike_ratio ** 2) * np.float32(kept[-1]))
             v["spike"] = 1.0 if spike else 0.0
@@ -395,6 +398,12 @@ class Guard:
                 self._norm_reference.append(norm)
         if d.locate is not None and d.first_incident < d.locate[0]:
             d.locate = None  # an earlier loss incident comes first; the broken update is a later one
+        losses = {r.step: r.values["loss"] for r in rows}
+        if self.first_loss is None:  # the run's first logged loss (its interval's mean over finite steps, as recorded)
+            finite = [x for x in losses.values() if math.isfinite(x)]
+            self.first_loss = sum(finite) / len(finite) if finite and sum(finite) > 0 else None
+        floor = NEGLIGIBLE_SPIKE * self.first_loss if self.first_loss is not None else 0.0
+        d.negligible = bool(d.spike_steps) and all(losses.get(s, 0.0) < floor for s in d.spike_steps)  # (NaN: not below)
         self.unordinary.extend(sorted({*d.spike_steps, *d.bad_steps}))
         self.num_incidents += 1 if d.bad_steps or d.spike_steps else 0  # an interval's non-finite steps or spikes
         self.num_spikes += len(d.spike_steps)

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..config import GuardConfig
 
-__all__ = ["spike_test", "robust_z", "EARLY_ARM", "MAD_TO_STD", "FAR"]
+__all__ = ["spike_test", "robust_z", "far_spike", "EARLY_ARM", "MAD_TO_STD", "FAR"]
 
 #: The spike rule is armed once the window holds this many losses (with a stricter test until it is half full).
 EARLY_ARM = 4
@@ -41,7 +41,7 @@ def spike_test(loss: float, window: list[float], cfg: GuardConfig) -> dict[str, 
         robust = robust_z(x, values, median)
     early = len(values) < max(cfg.spike_window // 2, 2)
     early_bound = np.float32(cfg.spike_ratio ** 2) * values.max()
-    far = bool(median > 0) and bool(x > np.float32(cfg.spike_ratio ** FAR) * median) and bool(robust > zscore)
+    far = far_spike(x, values, median, cfg)
     spike = (out["armed"] and bool(x > ratio * median) and (bool(z > zscore) or far)
              and (not early or bool(x > early_bound)))
     out.update(spike=spike, median=float(median), mean=float(mean), std=float(std), zscore=float(z),
@@ -61,3 +61,11 @@ def robust_z(x: Any, values: np.ndarray, median: Any) -> Any:
     dev = np.sort(np.abs(values - median))
     mad = dev[(len(dev) - 1) // 2]
     return (np.float32(x) - median) / (np.float32(MAD_TO_STD) * mad + np.float32(1e-12))
+
+
+def far_spike(x: Any, values: np.ndarray, median: Any, cfg: GuardConfig) -> bool:
+    """The rule's far arm: ``x`` above ``spike_ratio ** FAR`` times a positive ``median`` of ``values`` (float32) and
+    its robust z-score above ``spike_zscore`` (:func:`spike_test` and :meth:`Guard.mark_spikes` alike)."""
+    median = np.float32(median)
+    return (bool(median > 0) and bool(np.float32(x) > np.float32(cfg.spike_ratio ** FAR) * median)
+            and bool(robust_z(x, values, median) > np.float32(cfg.spike_zscore)))

@@ -14,14 +14,13 @@ decision, an adapter stops its host or warns.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from typing import Any
 
 from .. import console
 from ..callbacks.sinks import announce_precursor
-from ..policies.guard import GuardDecision
+from ..policies.guard import NEGLIGIBLE_SPIKE, GuardDecision
 from ..policies.metrics import interval_record, peak_memory_mib
 from ..policies.precursor import Precursor
 from ..runstate import RunState
@@ -84,9 +83,6 @@ class IntervalBoundary:
         record = interval_record(summary, param_sq, self.names, elapsed, top_layers=self.top_layers,
                                  progress=progress, extra=extra or None)
         state.history.append(record)
-        loss = record.get("loss")
-        if self.guard.first_loss is None and isinstance(loss, float) and math.isfinite(loss) and loss > 0:
-            self.guard.first_loss = loss  # the run's first logged loss: what a negligible spike is measured against
         self.callbacks.fire("on_log", state, record, rows)
         announce_precursor(state, self.precursor.observe(state.step, summary, param_sq, rows))
         return record, decision, rows, summary
@@ -126,10 +122,8 @@ class IntervalBoundary:
         if not decision.spike_steps or not cfg.spikes or self.guard.num_spike_captures >= cfg.max_spikes:
             return None
         losses = {r.step: r.values["loss"] for r in rows}
-        first = self.guard.first_loss  # (kept in the guard's state: a resumed run's is the run's first, not its own)
-        floor = NEGLIGIBLE_SPIKE * first if first is not None else 0.0
-        if all(losses.get(s, 0.0) < floor for s in decision.spike_steps):  # (a NaN loss is not below it)
-            decision.negligible = True
+        if decision.negligible:  # (the guard's verdict: every spike below NEGLIGIBLE_SPIKE x the run's first loss)
+            first = self.guard.first_loss
             if not self.small_spikes_said and self.state.dist.is_main and self.state.run is not None:
                 self.small_spikes_said = True
                 console.say(f"spike at step {decision.spike_steps[0]} not captured: its loss, "
@@ -143,10 +137,6 @@ class IntervalBoundary:
 #: A later burst of spikes in an interval is captured instead of an earlier one only when its peak loss is at least
 #: this many times the earlier's: a burst about as large is the earlier one's aftershock (its course), not a new one.
 LARGER_BURST = 1.5
-#: A spike whose loss is below this fraction of the run's first logged loss is not captured: a jump between
-#: negligible losses (Adam's wander near zero loss: 1e-8 to 5e-7) would spend the run's captures (capture.max_spikes).
-#: (A regression that falls 1e4 -> 0.5 and spikes x16 to 8 is at 8e-4 of its first loss: captured.)
-NEGLIGIBLE_SPIKE = 1e-4
 
 
 def spike_to_capture(steps: list[int], losses: dict[int, float]) -> int:
