@@ -174,6 +174,40 @@ def test_a_loss_spike_is_captured_and_its_samples_named_and_verified(tmp_path, o
     assert len(lines) == 1 and lines[0].startswith(f"stabletrain: spike at step {step}: data: samples 1, 2 carry "), lines
 
 
+def test_a_spike_under_gradient_accumulation_is_weighed_on_its_own_items(tmp_path):
+    """gradient_accumulation_steps=2: the Trainer divides each micro-batch's token loss by the whole window's
+    num_items_in_batch and sums the two. The replay averaged them (half the Trainer's loss: 'not reproducible: no spike
+    by the guard's rule'), and a window without some samples kept the whole window's count (any removal looked like a
+    cure). Now the step's loss is the Trainer's own, and the samples are named, verified on their own items' mean."""
+    from integration_models import SEQ
+
+    n, step, batch, accum = 100, 95, 4, 2
+    g = torch.Generator().manual_seed(0)
+    starts = torch.randint(0, 64, (n * batch * accum,), generator=g)
+    ids = (starts[:, None] + torch.arange(SEQ)[None]) % 64
+    bad = ((step - 1) * batch * accum + 1, (step - 1) * batch * accum + 2)
+    rows = [{"input_ids": r, "labels": (r + 32) % 64 if i in bad else r.clone()} for i, r in enumerate(ids)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"), max_steps=n, per_device_train_batch_size=batch, gradient_accumulation_steps=accum,
+        learning_rate=3e-2, use_cpu=True, report_to=[], logging_steps=1000, save_strategy="no",
+        train_sampling_strategy="sequential", seed=0, dataloader_num_workers=0, disable_tqdm=True, warmup_steps=0,
+        lr_scheduler_type="constant")
+    cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=10)
+    transformers.Trainer(model=gpt2(), args=args, train_dataset=rows, callbacks=[cb]).train()
+    folder = tmp_path / "run" / "incidents" / f"step_{step:06d}"
+    live = json.loads((folder / "diagnosis.json").read_text())
+    assert (live["failure_class"], live["bad_samples"], live["reproduces"]) == ("data", [1, 2], True), live["summary"]
+    bundle = load_bundle(folder)
+    host = bundle["config"]["task_args"]["host"]
+    # the replay's loss is the Trainer's (the sum of its two micro-batch losses), checked within OBSERVED_RTOL["host"]
+    assert abs(live["loss"] - bundle["observed"]["host_loss"]) <= 1e-4 * abs(live["loss"]), live
+    assert host["window_items"] == batch * accum * SEQ  # the labels of both micro-batches counted
+    # without samples 1 and 2 the window is the ordinary windows' level, on its own 6 rows' tokens
+    assert live["samples"]["without"]["ratio"] < 1.5, live["samples"]
+    fresh = diagnose_incident(folder)  # in a new process's way: the model and loss rebuilt from their recipes
+    assert fresh["loss"] == live["loss"] and fresh["samples"] == live["samples"], (fresh["summary"], live["summary"])
+
+
 def test_a_model_the_trainer_compiles_is_recorded_compiled_and_diagnosed_eagerly(tmp_path):
     # torch_compile=True: the Trainer trains a torch.compile wrapper, and its callbacks are handed the model inside
     # it; the record says the run was compiled (the replay is eager and does not compare a finite loss bitwise).

@@ -352,12 +352,14 @@ def _diagnose(bench: _Bench, bundle: dict[str, Any], cfg: Any, observed: dict[st
             if observed.get("loss") is not None else {})
     # A compiled run's kernels round differently from the eager replay: compared within a tolerance, not bitwise.
     tolerance = "compiled" if cfg.train.compile else precision
-    if (not seen and observed.get("host_loss") is not None and len(spike) == 1 and bundle.get("world_size", 1) == 1
-            and bundle.get("host") == "transformers"):
-        # A Hugging Face step of one micro-batch on one process: its loss is the Trainer's own (of several micro-batches
-        # it sums what the replay averages; under DDP it is the ranks' mean): the replay must give it, or it replays
-        # another loss than the run's (one without its num_items_in_batch did). (Monitor's is the user's backward,
-        # whose RNG point may be the previous step's end: not compared.)
+    items = ((cfg.task_args or {}).get("host") or {}).get("window_items")
+    if (not seen and observed.get("host_loss") is not None and (len(spike) == 1 or items)
+            and bundle.get("world_size", 1) == 1 and bundle.get("host") == "transformers"):
+        # A Hugging Face step on one process whose loss the replay computes as the Trainer did (one micro-batch, or a
+        # loss divided by the window's num_items_in_batch, summed over its micro-batches; under DDP it is the ranks'
+        # mean): the replay must give the Trainer's loss, or it replays another loss than the run's (one without its
+        # num_items_in_batch did). (Monitor's is the user's backward, whose RNG point may be the previous step's end:
+        # not compared.)
         seen, tolerance = {"loss": observed["host_loss"]}, "host" if tolerance == "fp32" else tolerance
     why = None
     if seen and not matches_observed(here["loss"], float("nan"), {"loss": seen["loss"]}, tolerance):

@@ -56,7 +56,7 @@ from ..data import move_to
 from ..diagnostics.initialization import InitFingerprint
 from ..internals import find_caller, is_compiled
 from ..numerics import grad_norms
-from ..records.batches import count_tokens
+from ..records.batches import count_tokens, items_normalized, window_items
 from ..records.captured import loss_recipe, model_recipe
 from ..services.kept_steps import HostReplay, KeptStep
 from .core import RunSession
@@ -190,7 +190,8 @@ class StableTrainCallback(TrainerCallback):
         pending = session.pending
         if not pending.micro:
             pending.host = {"model": model, "num_items_in_batch": num_items_in_batch,
-                            "accumulation_steps": getattr(self.trainer, "current_gradient_accumulation_steps", None)}
+                            "accumulation_steps": getattr(self.trainer, "current_gradient_accumulation_steps", None),
+                            "items_normalized": self._items_normalized(num_items_in_batch)}
             if session.step == 0 and self.options.init_check and not session.history:
                 session.signal_check(dict(inputs), self.diagnosis_loss(num_items_in_batch))
         pending.add(dict(inputs), count_tokens(inputs), rng=session.capturing)
@@ -211,12 +212,24 @@ class StableTrainCallback(TrainerCallback):
             self.session.watch_loss(out[0] if isinstance(out, tuple) else out)
         return out
 
-    def diagnosis_loss(self, num_items_in_batch: Any) -> Callable[[nn.Module, Any], Any]:
-        """``loss(model, batch)`` as the trainer computes it (its ``compute_loss``), or the user's ``loss_fn``."""
+    def _items_normalized(self, num_items_in_batch: Any) -> bool:
+        """Whether the Trainer divides each micro-batch's loss by the window's ``num_items_in_batch`` (its own rule)."""
+        trainer = self.trainer
+        return num_items_in_batch is not None and self.loss_fn is None and bool(
+            getattr(trainer, "model_accepts_loss_kwargs", False) or getattr(trainer, "compute_loss_func", None) is not None)
+
+    def diagnosis_loss(self, num_items_in_batch: Any, window_items: float | None = None) -> Callable[[nn.Module, Any], Any]:
+        """``loss(model, batch)`` as the trainer computes it (its ``compute_loss``), or the user's ``loss_fn``; given
+        the window's items, one the Trainer divides by ``num_items_in_batch`` is the pair of
+        :func:`~stabletrain.records.batches.items_normalized` (any part of the window on its own items)."""
         if self.loss_fn is not None:
             return self.loss_fn
         compute = getattr(self, "_compute_loss", None) or self.trainer.compute_loss
-        return lambda model, batch: compute(model, dict(batch), num_items_in_batch=num_items_in_batch)
+
+        def loss(model: nn.Module, batch: Any) -> Any:
+            return compute(model, dict(batch), num_items_in_batch=num_items_in_batch)
+
+        return items_normalized(loss, window_items) if window_items and self._items_normalized(num_items_in_batch) else loss
 
     # -- the Trainer's step ----------------------------------------------------------------------------
 
@@ -300,4 +313,5 @@ class _TransformersReplay(HostReplay):
                 trainer.current_gradient_accumulation_steps = saved
 
     def diagnosis_loss(self, kept: KeptStep) -> Callable[[nn.Module, Any], Any]:
-        return self.cb.diagnosis_loss(kept.host.get("num_items_in_batch"))
+        return self.cb.diagnosis_loss(kept.host.get("num_items_in_batch"),
+                                      window_items(kept.batches()) if kept.host.get("items_normalized") else None)

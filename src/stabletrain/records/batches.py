@@ -9,7 +9,7 @@ again, one item per row, numbered across micro-batches, so the diagnosis's bisec
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -17,8 +17,8 @@ from torch import Tensor
 
 from ..internals import tree_flatten, tree_unflatten
 
-__all__ = ["import_path", "load_object", "plain_batch", "bundle_batch", "unbundle_batch", "to_host", "batch_nbytes",
-           "batch_size", "count_tokens", "CapturedRows", "NAMEDTUPLE"]
+__all__ = ["window_items", "items_normalized", "import_path", "load_object", "plain_batch", "bundle_batch",
+           "unbundle_batch", "to_host", "batch_nbytes", "batch_size", "count_tokens", "CapturedRows", "NAMEDTUPLE"]
 
 
 def import_path(obj: Any) -> str | None:
@@ -154,6 +154,28 @@ def count_tokens(inputs: Mapping[str, Any]) -> Tensor | int:
     if isinstance(mask, Tensor):
         return mask.sum()
     return ids.numel() if isinstance(ids, Tensor) else batch_size(inputs)
+
+
+def window_items(batches: list[Any]) -> float:
+    """The items (:func:`count_tokens`) a whole optimizer step's micro-batches cover, as a host number."""
+    return float(sum(float(count_tokens(b)) for b in batches))
+
+
+def items_normalized(loss: Callable[[Any, Any], Any], items: float,
+                     applies: Callable[[Any], bool] = lambda model: True) -> Callable[[Any, Any], Any]:
+    """A loss divided by the whole window's item count (a Hugging Face loss given ``num_items_in_batch``), as the pair
+    (the micro-batch's loss x the window's ``items``, the micro-batch's own items): summed over the window it is the
+    host's loss, and a part of the window (one sample, the window without some, another step's window) gets its own
+    items' mean on the same scale (the scalar, divided by the window's count, made any part look small). A model for
+    which ``applies(model)`` is false (the host did not pass it the count) keeps the scalar."""
+
+    def pair(model: Any, batch: Any) -> Any:
+        out = loss(model, batch)
+        if not isinstance(out, Tensor) or out.dim() != 0 or not applies(model):
+            return out
+        return out.float() * items, count_tokens(batch)
+
+    return pair
 
 
 class CapturedRows(torch.utils.data.Dataset):

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from ..tasks import Task, TaskError
-from .batches import CapturedRows, import_path, load_object, plain_batch, unbundle_batch
+from .batches import CapturedRows, import_path, items_normalized, load_object, plain_batch, unbundle_batch
 
 __all__ = ["captured_task", "TASK_SPEC", "TASK_SPECS", "REBUILD_HINT", "loss_from_recipe", "model_from_recipe",
            "model_recipe", "loss_recipe", "optimizer_recipe", "build_optimizer_from_recipe", "lightning_loss",
@@ -84,8 +84,12 @@ def loss_from_recipe(recipe: dict[str, Any] | None, host: dict[str, Any] | None 
     inputs to it (a Hugging Face step's ``num_items_in_batch``)."""
     kind = (recipe or {}).get("kind")
     if kind == "transformers":
-        items = (host or {}).get("num_items_in_batch")
-        return _transformers_loss if items is None else functools.partial(_transformers_loss, num_items_in_batch=items)
+        items, window = (host or {}).get("num_items_in_batch"), (host or {}).get("window_items")
+        if items is None:
+            return _transformers_loss
+        loss = functools.partial(_transformers_loss, num_items_in_batch=items)
+        # (a bundle written before window_items was kept: the scalar, right for its whole window only)
+        return items_normalized(loss, window, _accepts_loss_kwargs) if window else loss
     if kind == "lightning":
         return lightning_loss
     if kind == "function":

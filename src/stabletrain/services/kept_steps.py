@@ -37,7 +37,8 @@ import torch
 from torch import Tensor, nn
 
 from ..internals import eager_methods, scaler_state, set_scaler_state
-from ..records.batches import CapturedRows, batch_nbytes, bundle_batch, plain_batch, to_host, unbundle_batch
+from ..policies.accumulation import as_sum_count
+from ..records.batches import CapturedRows, batch_nbytes, bundle_batch, plain_batch, to_host, unbundle_batch, window_items
 from ..records.captured import noop_optimizer, optimizer_factory, optimizer_recipe
 from ..records.staging import load_optimizer_state_
 from ..seeding import rng_state, set_rng_state
@@ -242,8 +243,10 @@ class HostSteps:
                 "context": [[plain_batch(b) for b in k.batches()] for k in reversed(earlier)],
                 "lrs": [float(lr) for lr in kept.lrs],
                 "scaler": (float(kept.scaler[0]), int(kept.scaler[1])) if kept.scaler is not None else None,
-                "host": {k: (v.item() if isinstance(v, Tensor) else v) for k, v in kept.host.items()
-                         if k in ("num_items_in_batch", "accumulation_steps")}}
+                "host": {**{k: (v.item() if isinstance(v, Tensor) else v) for k, v in kept.host.items()
+                            if k in ("num_items_in_batch", "accumulation_steps")},
+                         # a loss divided by the window's item count: the count its parts are weighed on
+                         **({"window_items": window_items(kept.batches())} if kept.host.get("items_normalized") else {})}}
 
     def blame(self, fit: Any, spike: bool = False) -> list[int] | None:
         """A finite spike under DDP: the rank whose own loss on its kept batches is the largest (the host's loss as
@@ -257,12 +260,13 @@ class HostSteps:
 
         loss = self.replay.diagnosis_loss(self._kept) if self.replay is not None and self._kept is not None else None
 
-        def own() -> float:  # the host's loss per micro-batch (its own normalization), their mean
+        def own() -> float:  # the host's loss on this rank's window (its own normalization)
             if loss is None:
                 return float("nan")
             with torch.no_grad(), PrecisionPolicy(s.precision, s.device).autocast():
-                values = [float(loss(s.model, move_to(b, s.device))) for b in self._kept.batches()]
-            return sum(values) / len(values) if values else float("nan")
+                sums = [as_sum_count(loss(s.model, move_to(b, s.device)), 1) for b in self._kept.batches()]
+            count = sum(float(c) for _, c in sums)
+            return sum(float(x) for x, _ in sums) / count if count else float("nan")
 
         return own_loss_rank(s.dist, own, self._kept.rng if self._kept is not None else None)
 
