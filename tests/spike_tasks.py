@@ -288,3 +288,15 @@ def hidden_lr_jump_task(jump_at: int = 150, factor: float = 30.0, lr: float = 3e
     return Task(model=model, train_data=TensorDataset(x, y), loss=_mse, name="hidden-lr-jump",
                 optimizer=lambda named: StepCountedAdamW([p for _, p in named], jump_at, factor, lr=lr, weight_decay=0.0,
                                                          fused=True))
+
+
+def dropout_draw_task(n: int = 2048, width: int = 8, p: float = 0.003, seed: int = 0) -> Task:
+    """dropout: a clean regression (y = the inputs' sum, no noise) through ``width`` hidden units with a rare dropout
+    (``p``) after them. Trained to a tiny loss, a step whose masks drop a unit for one sample spikes on that sample's
+    error alone; with dropout off the same window is normal: the draw made the spike, not its samples."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g)
+    y = x.sum(dim=1, keepdim=True)
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, width), nn.Dropout(p), nn.Linear(width, 1))
+    return Task(model=model, train_data=TensorDataset(x, y), loss=_mse, name="dropout-draw")

@@ -331,6 +331,30 @@ def test_a_model_that_cannot_be_rebuilt_is_told_what_its_own_host_needs(host, hi
     assert ("model_factory" in str(err.value)) == (host == "monitor")
 
 
+def test_a_model_class_of_the_script_run_is_named_so_not_asked_to_move_to_module_level():
+    """A LightningModule defined at the top of `python train.py` (module level, save_hyperparameters called): remedy
+    said 'define the LightningModule at module level and call self.save_hyperparameters()', which it already did; it
+    lives in __main__, which a new process cannot import."""
+    from torch import nn
+
+    from stabletrain.records.captured import model_from_recipe, model_recipe
+    from stabletrain.tasks import TaskError
+
+    script = type("LitModel", (nn.Linear,), {"__module__": "__main__"})
+    recipe = model_recipe(script(2, 2), "lightning")
+    assert recipe == {"kind": "none", "why": "the model's class, LitModel, is defined in __main__ (the script you ran): a "
+                      "new process cannot import it; move it into a module and import it from there"}
+    with pytest.raises(TaskError, match=r"cannot be rebuilt in a new process: the model's class, LitModel, is defined in "
+                                        r"__main__ \(the script you ran\)"):
+        model_from_recipe(recipe, "lightning")
+
+    class Local(nn.Linear):
+        pass
+
+    assert "is defined inside a function: a new process cannot import it; move it into a module and import it from " \
+        "there, or pass model_factory='module:function'" in model_recipe(Local(2, 2), "monitor")["why"]
+
+
 def test_library_frames_installed_outside_this_environment_are_not_the_users(monkeypatch):
     # .ci/run's venv sees torch through a .pth file (the outer environment's site-packages), a venv made with
     # --system-site-packages sees the system's: torch's DataLoader frames there were taken for the user's code, and a

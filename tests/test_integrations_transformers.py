@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import sys
 
 import pytest
 import torch
@@ -174,7 +176,7 @@ def test_a_loss_spike_is_captured_and_its_samples_named_and_verified(tmp_path, o
     assert len(lines) == 1 and lines[0].startswith(f"stabletrain: spike at step {step}: data: samples 1, 2 carry "), lines
 
 
-def test_a_spike_under_gradient_accumulation_is_weighed_on_its_own_items(tmp_path):
+def test_a_spike_under_gradient_accumulation_is_weighed_on_its_own_items(tmp_path, capfd):
     """gradient_accumulation_steps=2: the Trainer divides each micro-batch's token loss by the whole window's
     num_items_in_batch and sums the two. The replay averaged them (half the Trainer's loss: 'not reproducible: no spike
     by the guard's rule'), and a window without some samples kept the whole window's count (any removal looked like a
@@ -190,13 +192,18 @@ def test_a_spike_under_gradient_accumulation_is_weighed_on_its_own_items(tmp_pat
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "hf"), max_steps=n, per_device_train_batch_size=batch, gradient_accumulation_steps=accum,
         learning_rate=3e-2, use_cpu=True, report_to=[], logging_steps=1000, save_strategy="no",
-        train_sampling_strategy="sequential", seed=0, dataloader_num_workers=0, disable_tqdm=True, warmup_steps=0,
+        train_sampling_strategy="sequential", seed=0, dataloader_num_workers=0, disable_tqdm=False, warmup_steps=0,
         lr_scheduler_type="constant")
     cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=10)
-    transformers.Trainer(model=gpt2(), args=args, train_dataset=rows, callbacks=[cb]).train()
+    with contextlib.redirect_stderr(sys.stdout):  # one log of both streams, as `python train.py > log 2>&1` writes
+        transformers.Trainer(model=gpt2(), args=args, train_dataset=rows, callbacks=[cb]).train()
     folder = tmp_path / "run" / "incidents" / f"step_{step:06d}"
     live = json.loads((folder / "diagnosis.json").read_text())
     assert (live["failure_class"], live["bad_samples"], live["reproduces"]) == ("data", [1, 2], True), live["summary"]
+    # The Trainer's own bar drawn into that log (carriage returns, no newline): the line starts on a line of its own,
+    # not inside the bar's last redraw (it read '...162.21it/s]stabletrain: spike at step 250').
+    lines = capfd.readouterr().out.split("\n")
+    assert any(x.startswith(f"stabletrain: spike at step {step}: data: samples 1, 2 carry ") for x in lines), lines[-20:]
     bundle = load_bundle(folder)
     host = bundle["config"]["task_args"]["host"]
     # the replay's loss is the Trainer's (the sum of its two micro-batch losses), checked within OBSERVED_RTOL["host"]

@@ -882,6 +882,10 @@ def test_several_incidents_are_listed_by_their_class_and_headline_only(tmp_path)
     assert _listed([(5, long), (9, "data: samples 1, 2 carry 90%; without them the step is normal")]) == (
         "at step 5, state: the model or optimizer state drifted (a divergence onset, or an LR too high); at step 9, data: "
         "samples 1, 2 carry 90%")
+    # a clause's own aside keeps its brackets: it was cut at the "; " inside them ('... (61% of it gone; at step 125')
+    aside = "data: the whole window is high (the search: 61% of it gone; dropout off); more"
+    assert _listed([(5, aside), (9, long)]).startswith(
+        "at step 5, data: the whole window is high (the search: 61% of it gone; dropout off); at step 9, state: ")
 
 
 def test_the_loss_plot_marks_each_spike_at_its_own_step_and_loss(tmp_path):

@@ -19,6 +19,7 @@ import torch
 from helpers import cfg
 from spike_tasks import (
     batchnorm_outlier_task,
+    dropout_draw_task,
     flipped_labels_task,
     mislabelled_quadrants_task,
     offset_inputs_task,
@@ -928,19 +929,21 @@ def test_the_same_samples_spiking_again_next_epoch_are_said_to_come_back_not_cal
     assert "samples 153, 157 carried the spike at step 20 too: they come back" in summary and "aftershock" not in summary
 
 
-def test_samples_whose_removal_takes_most_of_the_loss_but_not_all_are_said_unverified_not_left_out(tmp_path):
-    """Batch norm and dropout: without the 3 mislabelled samples the window keeps a few % of its loss, still no normal
-    step. The verdict stays 'the batch itself is an outlier' (nothing verified, nothing named, no skip-samples), and the
-    evidence says which samples take most of it away. The removal search runs with dropout off: with it on, removing a
-    row shifted every later row's mask and the 'largest falls' were noise (952, 953, 957: 23%)."""
+def test_samples_found_by_removal_under_batch_norm_and_dropout_are_verified_with_dropout_off(tmp_path):
+    """Batch norm and dropout: the 3 mislabelled samples cannot be weighed alone (a batch norm's statistics), so they are
+    found by their removal from the window, and that removal is replayed with every dropout off: with it on, a row
+    removed drew other masks for every other row, the window without them kept a few % of its loss ('not verified,
+    not named'), and the 'largest falls' were noise (952, 953, 957: 23%)."""
     run_dir = tmp_path / "run"
     Trainer(cfg("train.batch_size=8", "train.max_steps=121", "optim.lr=0.01", "log.every=10", "data.shuffle=false",
                 "sched.warmup_steps=0", "sched.decay=constant"), task=mislabelled_quadrants_task(), run_dir=run_dir).fit()
     (incident,) = [e for e in _events(run_dir) if e["kind"] == "incident"]
     d = incident["diagnosis"]
-    assert incident["step"] == 120 and d["failure_class"] == "data" and d["bad_samples"] is None, d["summary"]
-    assert "without samples 953, 955, 957 (the largest falls) the window's loss falls from " in d["evidence"], d["evidence"]
-    assert "still no normal step by the rule: not verified, not named" in d["evidence"]
+    assert incident["step"] == 120 and d["failure_class"] == "data" and d["bad_samples"] == [953, 955, 957], d["summary"]
+    full = json.loads((run_dir / "incidents" / "step_000120" / "diagnosis.json").read_text())
+    assert full["samples"]["how"] == "removal" and full["samples"]["without"]["ratio"] < 2.0, full["samples"]
+    assert "(found by dropping samples from the whole window: " in d["evidence"], d["evidence"]
+    assert "without them the step is normal (verified" in d["evidence"] and full["dropout"]["normal"] is False
 
 
 def test_a_state_spike_after_the_users_lr_jump_names_the_rise_since_the_older_state(tmp_path):
@@ -1068,6 +1071,45 @@ def test_a_surging_update_that_lowered_the_windows_loss_is_not_its_cause():
     far = _surge_case(window=5.0, ordinary=5.0, current_ordinary=2.0, window_high=False, ordinary_high=False)
     far["loss"] = 4.0
     assert classify_spike(far)["failure_class"] == "optimizer-state"
+
+
+def test_a_surge_during_a_divergence_is_its_symptom_not_its_cause():
+    """An LR warmup overshooting on a small gpt (a new user's case): every capture was named optimizer-state, a
+    different layer each time, while remedies cured it with a lower LR. Surges in several layers in one update, a loss
+    already climbing before it, or ordinary windows already a spike under the older state make it a divergence."""
+    rows = [{"name": n, "step": 152, "surge_share": 0.01, "coord_factor": 9.0} for n in ("a.weight", "b.weight", "wte")]
+    out = classify_spike({**_surge_case(), "surges": rows})
+    assert (out["failure_class"], out["blamed_layer"]) == ("state", None), out
+    assert ("coordinates of 3 layers surged in the update of step 152 at once (a.weight, b.weight, wte): every layer's "
+            "gradients rose, not one layer's rarely trained coordinates") in out["evidence"], out["evidence"]
+    assert classify_spike({**_surge_case(), "surges": rows[:2]})["failure_class"] == "optimizer-state"  # two: not yet
+    climb = {**_surge_case(), "climb": [[149, 3.5, 1.0], [150, 5.07, 1.47], [151, 5.51, 1.6], [152, 5.81, 1.68]]}
+    out = classify_spike(climb)
+    assert out["failure_class"] == "state" and ("the loss was already climbing before the update of step 152 (x1.47, "
+                                                "x1.6, x1.68 the rule's median at steps 150-152)") in out["evidence"], out
+    wobble = {**_surge_case(), "climb": [[150, 5.07, 1.47], [151, 4.9, 1.4], [152, 5.81, 1.68]]}  # not a climb
+    assert classify_spike(wobble)["failure_class"] == "optimizer-state"
+    then = _surge_case(ordinary=8.57, ordinary_then_high=True)
+    out = classify_spike(then)
+    assert out["failure_class"] == "state" and ("ordinary windows were already a spike by the guard's rule under the "
+                                                "state of step 150 (8.57), before that update") in out["evidence"], out
+
+
+def test_a_spike_made_by_the_dropout_draw_is_named_so_not_blamed_on_samples(tmp_path):
+    """A clean regression with a rare dropout: a step whose masks drop a unit for one sample spikes on that sample's
+    error. That sample's removal "verified" a data verdict (another draw for the rest); with every dropout off the
+    window is normal, so the draw is named and no sample is blamed, nor is a later draw an earlier one's aftershock."""
+    run_dir = tmp_path / "run"
+    Trainer(cfg("train.batch_size=8", "train.max_steps=150", "optim.lr=0.01", "log.every=10", "data.shuffle=false"),
+            task=dropout_draw_task(), run_dir=run_dir).fit()
+    incidents = [e for e in _events(run_dir) if e["kind"] == "incident"]
+    assert len(incidents) >= 2, [e["step"] for e in incidents]
+    for e in incidents:
+        d = json.loads((run_dir / "incidents" / f"step_{e['step']:06d}" / "diagnosis.json").read_text())
+        assert (d["failure_class"], d["bad_samples"], d["reproduces"]) == ("dropout", None, True), d["summary"]
+        assert d["dropout"]["normal"] and d["dropout"]["loss"] < d["loss"] / 10, d["dropout"]
+        assert d["summary"].startswith("dropout: with every dropout off the window's loss is ") and (
+            "the draw made the spike, not the samples nor the state" in d["summary"]) and "aftershock" not in d["summary"]
 
 
 def test_a_window_that_rose_alone_is_not_called_a_drifted_state():

@@ -53,11 +53,13 @@ def user_stacklevel() -> int:
 def write_line(text: str, file: TextIO | None = None) -> None:
     """Write ``text`` and a newline to ``file`` (default: stdout), flushed, above the progress bar if one is drawn."""
     stream = file if file is not None else sys.stdout
-    if _bar is not None:
+    if _bar is None:
+        print(text, file=stream, flush=True)
+    elif is_interactive(getattr(_bar, "fp", None) or sys.stderr):
         with _bar.external_write_mode(file=stream):
             print(text, file=stream, flush=True)
-    else:
-        print(text, file=stream, flush=True)
+    else:  # a host's bar drawn into a log (carriage returns, no newline): the line starts after it, not inside it
+        print("\n" + text, file=stream, flush=True)
 
 
 def say(message: str, file: TextIO | None = None) -> None:
@@ -76,7 +78,8 @@ def error(message: str) -> None:
 
 
 def show_bar(bar: Any) -> None:
-    """Say that ``bar`` (a tqdm bar) is being drawn, or that none is (None): messages are written above it."""
+    """Say that ``bar`` (a tqdm bar: ours, or a host's) is being drawn, or that none is (None): messages are written
+    above it (on a terminal), or after a newline that ends its pending redraws (a host's bar in a log file)."""
     global _bar
     _bar = bar
 

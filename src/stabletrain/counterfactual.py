@@ -15,7 +15,9 @@ windows) and replays, each time from the same saved state and RNG streams, on a 
    gradient and update against the ordinary windows' median (which layers jumped), Adam's second moment against the
    gradients of the spike's step and of the step before it, replayed from the state before that one
    (:func:`~stabletrain.diagnostics.spike.adam_surges`);
-5. under bf16/fp16, the step in fp32: normal there?
+5. under bf16/fp16, the step in fp32: normal there? (and each module's output against its fp32 output: where the low
+   precision first loses it)
+6. with dropout, the window with every dropout off: a spike still? (else the step's own masks made it)
 
 :func:`~stabletrain.diagnostics.spike.classify_spike` reads them. The model, the RNG streams and the task are
 left as they were. Cost: about 2N + 8 forward passes and N + 4 backward passes for a window of N samples, and up to
@@ -24,6 +26,7 @@ left as they were. Cost: about 2N + 8 forward passes and N + 4 backward passes f
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import statistics
@@ -31,28 +34,26 @@ import time
 from typing import Any
 
 import torch
-from torch import nn
 
 from .config import config_from_dict
-from .data import move_to
 from .diagnostics.diagnosis import matches_observed
 from .diagnostics.spike import (
-    adam_surges,
     classify_spike,
     departures,
     jumps,
     lr_change,
     max_outliers,
     outlier_sets,
+    precision_departures,
     spike_summary,
-    surge_rows,
 )
-from .policies.accumulation import as_sum_count, loss_sums
+from .policies.accumulation import as_sum_count
 from .policies.dropout import dropout_off
 from .policies.guard import spike_test
 from .policies.precision import resolve_device
 from .replica import Replica
 from .seeding import kept_rng
+from .services.replay_bench import ReplayBench
 
 __all__ = ["diagnose_spike", "MAX_GRAD_SAMPLES", "MAX_CONTEXT"]
 
@@ -67,92 +68,28 @@ MAX_BISECT_REPLAYS = 96
 MAX_LEAVE_ONE_OUT = 64
 
 
-class _Bench:
-    """Replays on a replica, each from the saved state and RNG streams (see the module docstring)."""
-
-    def __init__(self, replica: Replica, task: Any) -> None:
-        self.replica, self.task = replica, task
-        self.collate = task.collate or torch.utils.data.default_collate
-        self.precision = replica.precision()
-        self.passes = {"forward": 0, "backward": 0, "steps": 0}
-
-    def groups(self, indices: list[list[int]]) -> list[tuple[list[int], Any]]:
-        dev = self.replica.device
-        return [(list(idx), move_to(self.collate([self.task.train_data[i] for i in idx]), dev)) for idx in indices if idx]
-
-    def sums(self, groups: list[tuple[list[int], Any]], model: nn.Module | None = None,
-             precision: Any = None) -> tuple[float, float]:
-        """(loss sum, item count) of ``groups`` under ``model`` (default: the replica's), forward only."""
-        model = model if model is not None else self.replica.model
-        self.replica.reset()
-        sums = loss_sums(self.task.loss, model, groups, (precision or self.precision).autocast())
-        self.passes["forward"] += len(sums)
-        return sum(s for s, _ in sums), sum(c for _, c in sums)
-
-    def loss(self, groups: list[tuple[list[int], Any]], model: nn.Module | None = None, precision: Any = None) -> float:
-        total, count = self.sums(groups, model, precision)
-        return total / count if count else float("nan")
-
-    def step(self, groups: list[tuple[list[int], Any]], precision: Any = None, *, signature: bool = False) -> dict[str, Any]:
-        """The run's step on ``groups``: its loss, grad norm, per-parameter grad norms and update ratios (state kept)."""
-        rep = self.replica
-        rep.reset()
-        step = rep.step(precision=precision)
-        before = [p.detach().clone() for p in rep.params]
-        step.forward_backward([(len(idx), b) for idx, b in groups], self.task.loss)
-        judged = step.judge(clip=False)
-        scale = step.window.grad_scale
-        names = [n for n, _ in rep.named_params]
-        out: dict[str, Any] = {"loss": float(judged["loss"]), "grad_norm": float(judged["grad_norm"]),
-                               "grad_norms": dict(zip(names, judged["per_param_norms"].tolist()))}
-        masks = {}
-        if signature:  # the true gradients against the optimizer's moments, before the update moves them
-            # (a copy: the clip below scales the gradients in place, and the shares are of the pre-clip gradient)
-            grads = {n: (p.grad.detach().float() * scale if scale is not None else p.grad.detach().float().clone())
-                     for n, p in rep.named_params if p.grad is not None}
-            masks = adam_surges(rep.named_params, step.optimizer, grads)
-            out["grads"] = grads
-        judged["clipped"] = step.clipper.clip_(step.params, judged["grad_norm"], judged["finite"], grad_scale=scale)
-        step.apply(judged, check_params=False)
-        moved = [(float((p.detach() - b).norm()), float(b.norm())) for (_, p), b in zip(rep.named_params, before)]
-        out["update_ratios"] = {n: d / max(w, 1e-12) for (n, _), (d, w) in zip(rep.named_params, moved)}
-        out["update_ratio"] = math.hypot(*(d for d, _ in moved)) / max(math.hypot(*(w for _, w in moved)), 1e-12)
-        if signature:
-            out["surges"] = surge_rows(masks, {n: (p.detach() - b).abs() for (n, p), b in zip(rep.named_params, before)})
-        for p in rep.params:
-            p.grad = None
-        self.passes["forward"] += len(groups)
-        self.passes["backward"] += len(groups)
-        self.passes["steps"] += 1
-        rep.reset()
-        return out
-
-    def module_rms(self, groups: list[tuple[list[int], Any]], model: nn.Module,
-                   precision: Any = None) -> tuple[dict[str, float], list[str]]:
-        """Each module's output RMS on ``groups`` (mean over micro-batches) and the modules in the order they ran."""
-        stats: dict[str, list[float]] = {}
-        order: list[str] = []
-
-        def hook(name: str):
-            def record(_module: nn.Module, _args: Any, output: Any) -> None:
-                t = output[0] if isinstance(output, (tuple, list)) and output else output
-                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
-                    if name not in stats:
-                        order.append(name)
-                    stats.setdefault(name, []).append(float(t.detach().float().pow(2).mean().sqrt()))
-            return record
-
-        handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if n]
-        try:
-            self.loss(groups, model, precision)
-        finally:
-            for h in handles:
-                h.remove()
-        return {k: sum(v) / len(v) for k, v in stats.items()}, order
+def _dropout_draw(bench: ReplayBench, groups: list[tuple[list[int], Any]], rule: Any, bound: float) -> dict[str, Any] | None:
+    """The window's loss with every dropout off (None: the model draws none): ``loss``, ``ratio``, ``zscore`` and
+    ``normal`` (no spike by the rule, at most ``bound`` times its median: the step's own draw made the spike)."""
+    with dropout_off(bench.replica.model) as (names, mode):
+        quiet = bench.loss(groups)
+    if not names and not mode.calls:
+        return None
+    test = rule(quiet)
+    return {"loss": quiet, "ratio": test.get("ratio"), "zscore": test.get("zscore"),
+            "normal": not test["spike"] and test.get("ratio", 0.0) <= bound}
 
 
-def _samples(bench: _Bench, groups: list[tuple[list[int], Any]], rule: Any, grads: dict[str, torch.Tensor] | None,
-             bound: float) -> tuple[list[dict[str, Any]], dict[str, Any] | None, str | None]:
+def _samples(bench: ReplayBench, groups: list[tuple[list[int], Any]], rule: Any, grads: dict[str, torch.Tensor] | None,
+             bound: float, *, dropout: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any] | None, str | None]:
+    """:func:`_weigh_samples`, with every dropout off where the model has some (``dropout``): a row removed draws other
+    masks for every other row, so a removal "verified" under dropout could be a luckier draw (it was)."""
+    with dropout_off(bench.replica.model) if dropout else contextlib.nullcontext():
+        return _weigh_samples(bench, groups, rule, grads, bound, dropout)
+
+
+def _weigh_samples(bench: ReplayBench, groups: list[tuple[list[int], Any]], rule: Any, grads: dict[str, torch.Tensor] | None,
+                   bound: float, dropout: bool) -> tuple[list[dict[str, Any]], dict[str, Any] | None, str | None]:
     """(per-sample losses (and gradient shares), and the fewest samples whose removal makes the step normal: no
     spike by the rule and at most ``bound`` (``guard.spike_ratio``) times the window's median (a z-score that a
     noisy window keeps under the rule's is not enough: x9 the median is no normal step), and when no set is found
@@ -191,7 +128,7 @@ def _samples(bench: _Bench, groups: list[tuple[list[int], Any]], rule: Any, grad
         return rows, {"indices": found["indices"], "share": share, "without": found["without"]}, None
     window_sum, _ = bench.sums(groups)
     median = rule(0.0).get("median") or float("nan")
-    drop, note = _bisect(bench, groups, normal, bound, bound * median)
+    drop, note = _bisect(bench, groups, normal, bound, bound * median, dropout)
     found = _verified(bench, groups, rule, normal, [drop] if drop else [])
     if found is None:
         n = sum(len(idx) for idx, _ in groups)
@@ -204,7 +141,8 @@ def _samples(bench: _Bench, groups: list[tuple[list[int], Any]], rule: Any, grad
                   "why": why, "search": note}, None
 
 
-def _verified(bench: _Bench, groups: list[tuple[list[int], Any]], rule: Any, normal: Any, sets: Any) -> dict[str, Any] | None:
+def _verified(bench: ReplayBench, groups: list[tuple[list[int], Any]], rule: Any, normal: Any, sets: Any
+              ) -> dict[str, Any] | None:
     """The first of ``sets`` whose removal the run's own step, replayed without them, finds normal (None: none)."""
     for drop in sets:
         kept = [[i for i in idx if i not in drop] for idx, _ in groups]
@@ -216,8 +154,8 @@ def _verified(bench: _Bench, groups: list[tuple[list[int], Any]], rule: Any, nor
     return None
 
 
-def _bisect(bench: _Bench, groups: list[tuple[list[int], Any]], normal: Any, ratio: float, level: float
-            ) -> tuple[list[int] | None, str | None]:
+def _bisect(bench: ReplayBench, groups: list[tuple[list[int], Any]], normal: Any, ratio: float, level: float,
+            dropout: bool = False) -> tuple[list[int] | None, str | None]:
     """The few samples whose removal makes the window normal, found by weighing groups of them: (samples or None, a
     note on what stopped it, or None).
 
@@ -276,7 +214,8 @@ def _bisect(bench: _Bench, groups: list[tuple[list[int], Any]], normal: Any, rat
         how = "each sample's removal from the whole window, the largest falls first"
         if not found and rest is not None and base and math.isfinite(base) and rest <= base / 2:  # most of it: say so
             notes.append(f"without samples {', '.join(map(str, top))} (the largest falls) the window's loss falls from "
-                         f"{base:.4g} to {rest:.4g} ({100 * (1 - rest / base):.0f}% of it gone; dropout off), still no "
+                         f"{base:.4g} to {rest:.4g} ({100 * (1 - rest / base):.0f}% of it gone"
+                         f"{'; dropout off' if dropout else ''}), still no "
                          "normal step by the rule: not verified, not named")
     else:
         found = narrow(flat)
@@ -291,7 +230,7 @@ def _bisect(bench: _Bench, groups: list[tuple[list[int], Any]], normal: Any, rat
     return sorted(found), "; ".join([how, *notes])
 
 
-def _gradient_shares(bench: _Bench, rows: list[dict[str, Any]], grads: dict[str, torch.Tensor], count: float) -> None:
+def _gradient_shares(bench: ReplayBench, rows: list[dict[str, Any]], grads: dict[str, torch.Tensor], count: float) -> None:
     """Each sample's share of the window's gradient G: <g_i / count, G> / ||G||^2 (they sum to 1)."""
     rep = bench.replica
     g_sq = sum(float((g * g).sum()) for g in grads.values())
@@ -336,10 +275,10 @@ def diagnose_spike(bundle: dict[str, Any], task: Any, *, device: str | None = No
 
     with kept_rng(), torch.enable_grad():  # the replays draw from the run's RNG streams: they are put back
         replica = Replica(cfg, task, bundle, dev)
-        return _diagnose(_Bench(replica, task), bundle, cfg, observed, rule, start)
+        return _diagnose(ReplayBench(replica, task), bundle, cfg, observed, rule, start)
 
 
-def _diagnose(bench: _Bench, bundle: dict[str, Any], cfg: Any, observed: dict[str, Any], rule: Any,
+def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: dict[str, Any], rule: Any,
               start: float) -> dict[str, Any]:
     replica, precision = bench.replica, bench.precision.mode
     spike = bench.groups(bundle["window"]["indices"])
@@ -373,8 +312,11 @@ def _diagnose(bench: _Bench, bundle: dict[str, Any], cfg: Any, observed: dict[st
     replays_s = time.perf_counter() - start
     m: dict[str, Any] = {"reproduces": why is None, "why_not_reproducible": why, "loss": here["loss"],
                          "precision": precision, "step": bundle["step"]}
-    samples_rows, m["samples"], m["samples_note"] = (_samples(bench, spike, rule, here.get("grads"), cfg.guard.spike_ratio)
-                                                     if why is None else ([], None, None))
+    # A model with dropout: is the window a spike with it off? (else the step's own draw made it: no sample is to blame)
+    m["dropout"] = _dropout_draw(bench, spike, rule, cfg.guard.spike_ratio) if why is None else None
+    samples_rows, m["samples"], m["samples_note"] = (
+        _samples(bench, spike, rule, here.get("grads"), cfg.guard.spike_ratio, dropout=m["dropout"] is not None)
+        if why is None and not (m["dropout"] or {}).get("normal") else ([], None, None))
     samples_s = time.perf_counter() - start - replays_s
     ordinary_steps = [bench.step(c) for c in context]
     ordinary = _typical(ordinary_steps) if context else None
@@ -386,9 +328,12 @@ def _diagnose(bench: _Bench, bundle: dict[str, Any], cfg: Any, observed: dict[st
     m["jumps"] = ({"grad_norm": jumps(here["grad_norms"], ordinary["grad_norms"]),
                    "update_ratio": jumps(here["update_ratios"], ordinary["update_ratios"])} if ordinary else {})
     m["surges"] = [{**r, "step": bundle["step"]} for r in here.get("surges", [])]
+    # the interval's losses before the spike, against the rule's window (a climb before a surging update)
+    m["climb"] = [[int(t), float(x), rule(float(x)).get("ratio", float("nan"))] for t, x, *_ in observed.get("recent") or []
+                  if x is not None and math.isfinite(float(x))]
     prev = bundle.get("previous")
     if prev and why is None:  # the update that led into the spike, replayed from the state before it
-        before = _Bench(Replica(cfg, bench.task, prev, replica.device), bench.task)
+        before = ReplayBench(Replica(cfg, bench.task, prev, replica.device), bench.task)
         m["surges"] += [{**r, "step": prev["step"]} for r in before.step(before.groups(prev["window"]), signature=True)["surges"]]
         for k, v in before.passes.items():
             bench.passes[k] += v
@@ -398,9 +343,7 @@ def _diagnose(bench: _Bench, bundle: dict[str, Any], cfg: Any, observed: dict[st
         full = bench.step(spike, fp32)
         m["fp32"] = {"loss": full["loss"], **{k: v for k, v in rule(full["loss"]).items() if k != "armed"}}
         if not m["fp32"]["spike"]:  # where the low-precision outputs first part from fp32's
-            low, order = bench.module_rms(spike, replica.model)
-            high, _ = bench.module_rms(spike, replica.model, fp32)
-            m["where"] = departures(low, high, order)
+            m["where"] = precision_departures(*bench.module_errors(spike, replica.model, bench.precision, fp32))
     verdict = classify_spike(m)
     after = observed.get("after_spike")
     # (an adapter numbers samples by their place in the step: the same number in another step is another sample)
@@ -410,7 +353,8 @@ def _diagnose(bench: _Bench, bundle: dict[str, Any], cfg: Any, observed: dict[st
     if again and m["reproduces"]:  # the same samples as an earlier spike's: they come back (each epoch), no aftershock
         verdict["evidence"] += (f"; sample{'s' if len(again) > 1 else ''} {', '.join(map(str, again))} carried the spike "
                                 f"at step {after['step']} too: {'they come' if len(again) > 1 else 'it comes'} back")
-    elif after and m["reproduces"]:  # an earlier spike's update, applied, may have left the state off: say so
+    elif after and m["reproduces"] and not _rules_out_aftershock(verdict["failure_class"], m["older"], after["step"]):
+        # an earlier spike's update, applied, may have left the state off: say so
         gap = bundle["step"] - after["step"]
         verdict["evidence"] += (f"; {gap} step{'s' if gap != 1 else ''} after the spike at step {after['step']}"
                                 + (f" ({after['class']})" if after.get("class") else "")
@@ -424,7 +368,7 @@ def _diagnose(bench: _Bench, bundle: dict[str, Any], cfg: Any, observed: dict[st
            "sample_losses": [{k: v for k, v in r.items()} for r in samples_rows[:10]],
            "num_samples": len(samples_rows) or sum(len(i) for i, _ in spike), "older": m["older"], "where": m["where"],
            "ordinary_now": m.get("ordinary_now"), "steps": m["steps"],
-           "jumps": m["jumps"], "surges": top, "fp32": m["fp32"], "precision": precision,
+           "jumps": m["jumps"], "surges": top, "fp32": m["fp32"], "precision": precision, "dropout": m["dropout"],
            "spike_window": {"size": len(bundle.get("observed", {}).get("spike_window") or []),
                             "median": test.get("median"), "mean": test.get("mean"), "std": test.get("std")},
            "observed": observed and {k: v for k, v in observed.items() if k not in ("spike_window", "context")},
@@ -434,6 +378,12 @@ def _diagnose(bench: _Bench, bundle: dict[str, Any], cfg: Any, observed: dict[st
     out["timings"] = {"replays_s": replays_s, "samples_s": samples_s, "total_s": time.perf_counter() - start}
     out["passes"] = bench.passes
     return out
+
+
+def _rules_out_aftershock(cls: str, older: dict[str, Any] | None, earlier: int) -> bool:
+    """Whether the verdict rules out that an earlier spike's applied update made this one: a dropout draw, a precision
+    loss, or a window that was high under a state from before that update (the interval's start at or before it)."""
+    return cls in ("dropout", "precision") or (cls == "data" and older is not None and older["step"] <= earlier)
 
 
 def _step_sizes(history: list[list[Any]], steps: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -458,7 +408,7 @@ def _typical(steps: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return out
 
 
-def _older(bench: _Bench, bundle: dict[str, Any], cfg: Any, spike: list, context: list, rule: Any
+def _older(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, spike: list, context: list, rule: Any
            ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """The window and ordinary windows under the older state (the interval's start, else an older checkpoint: ``from``),
     and where the outputs depart."""
@@ -477,6 +427,7 @@ def _older(bench: _Bench, bundle: dict[str, Any], cfg: Any, spike: list, context
     info = {"step": int(ref.get("step", 0)), "from": ref.get("from", "snapshot"), "window": window_old, "ordinary": ordinary_old,
             "current_ordinary": ordinary_now, "lr": lr_change(ref.get("optimizer"), bundle.get("optimizer")),
             "window_high": bool(math.isfinite(window_old) and window_old > ratio * ordinary_old),
+            "ordinary_then_high": bool(context and rule(ordinary_old)["spike"]),
             "ordinary_high": bool(math.isfinite(ordinary_now) and (ordinary_now > ratio * ordinary_old
                                                                      or rule(ordinary_now)["spike"]))}
     now, order = bench.module_rms(spike, bench.replica.model)

@@ -7,12 +7,16 @@ time, and hands the measurements to :func:`classify_spike`; the verdict and its 
 - ``not reproducible``: the replay's loss is not the run's (bitwise in fp32), or it is no spike by the
   guard's own rule: suspect nondeterminism or hardware.
 - ``precision``: under bf16/fp16 the same step in fp32 is normal by the rule.
+- ``dropout``: with every dropout off the window is normal by the rule: the step's own masks made the spike (the
+  samples are then weighed, and their removal verified, with dropout off: a row removed draws other masks).
 - ``data``: a few samples carry the window's loss and the step without them is normal by the rule (verified by
   a replay), and the window is high under the older state too (the samples are bad whatever the weights); or
   no small set carries it but the whole window is high under the older state: the batch is an outlier.
 - ``optimizer-state``: Adam's second moment: in the update of the step before the spike (or of the spike's
   own), a layer's coordinates whose gradients were tiny for long get a large one (``|g| >> sqrt(v)``) and
-  move many times as far as the layer's others; the window is not an outlier under the older state.
+  move many times as far as the layer's others; the window is not an outlier under the older state, and no
+  divergence was under way (surges in several layers at once, the loss climbing before that update, or ordinary
+  windows already high under the older state make the surge a symptom: ``state``).
 - ``state``: the same window is normal under the older state and ordinary windows are high under this one:
   the model or the optimizer state drifted (a divergence onset, an LR too high). Also the verdict when nothing
   more specific holds.
@@ -29,10 +33,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["SPIKE_CLASSES", "classify_spike", "adam_surges", "surge_rows", "departures", "jumps", "spike_summary",
-           "lr_change", "lr_groups", "outlier_sets", "SURGE_FACTOR", "UPDATE_JUMP"]
+__all__ = ["SPIKE_CLASSES", "classify_spike", "adam_surges", "surge_rows", "departures", "precision_departures",
+           "jumps", "spike_summary", "lr_change", "lr_groups", "outlier_sets", "SURGE_FACTOR", "UPDATE_JUMP"]
 
-SPIKE_CLASSES = ("data", "state", "optimizer-state", "precision", "not reproducible")
+SPIKE_CLASSES = ("data", "state", "optimizer-state", "precision", "dropout", "not reproducible")
 
 #: A coordinate's gradient this many times sqrt(v) (Adam's second moment, bias-corrected) is a surge.
 SURGE_FACTOR = 10.0
@@ -47,6 +51,13 @@ DATA_SHARE = 0.5
 #: A layer's gradient norm on the spike's window at least this many times its norm on an ordinary one is named as a
 #: jump in the evidence (x1 is no jump).
 GRAD_JUMP = 1.5
+#: A module whose low-precision output differs from its fp32 output by this share (relative L2 error) departs.
+PRECISION_ERROR = 0.05
+#: Surges in this many layers in one update are the whole model's rise, not one layer's rarely trained coordinates.
+MANY_LAYERS = 3
+#: The loss "already climbing" before a surging update: its last CLIMB_STEPS steps' losses each higher than the one
+#: before, each at least CLIMB_RATIO times the rule's median and the last CLIMB_LAST times it.
+CLIMB_STEPS, CLIMB_RATIO, CLIMB_LAST = 3, 1.25, 1.5
 #: A state spike's evidence names the LR's rise since the older state from this factor on.
 LR_RISE = 2.0
 #: ... and the growth of the whole model's update/weight ratio against the run's intervals before, from this factor on.
@@ -130,6 +141,23 @@ def departures(current: dict[str, float], older: dict[str, float], order: list[s
             "upstream": before[-2:][::-1]}
 
 
+def precision_departures(errors: dict[str, float], order: list[str]) -> dict[str, Any]:
+    """Where a low-precision forward first parts from fp32's: the first module (in the order they ran) whose output's
+    relative error against its fp32 output is at least :data:`PRECISION_ERROR` (else the largest error's), the
+    largest, the top five as ``[name, error]``, and ``upstream``: the two modules that ran just before the first
+    (nearest first, its own parents left out), where a value whose lost low bits only show downstream may have been
+    made (an offset that rounds away the signal and cancels later has a small error of its own).
+    """
+    ran = [k for k in order if k in errors]
+    if not ran:
+        return {"first": None, "first_error": None, "largest": None, "largest_error": None, "top": [], "upstream": []}
+    largest = max(ran, key=lambda k: errors[k])
+    first = next((k for k in ran if errors[k] >= PRECISION_ERROR), largest)
+    before = [k for k in ran[:ran.index(first)] if not first.startswith(k + ".")]
+    return {"first": first, "first_error": errors[first], "largest": largest, "largest_error": errors[largest],
+            "top": [[k, errors[k]] for k in sorted(ran, key=lambda k: -errors[k])[:5]], "upstream": before[-2:][::-1]}
+
+
 def jumps(spike: dict[str, float], ordinary: dict[str, float], top: int = 3) -> list[list[Any]]:
     """The ``top`` names whose figure on the spike's window is the most times its figure on an ordinary window:
     ``[[name, factor, spike value, ordinary value], ...]`` (factor >= 1 only)."""
@@ -207,13 +235,16 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     """Return ``{"failure_class", "evidence", "blamed_samples", "blamed_layer", "blamed_module"}`` for the measurements ``m``.
 
     ``m`` (from :func:`stabletrain.counterfactual.diagnose_spike`): ``reproduces``, ``why_not_reproducible``,
-    ``loss``, ``precision``, ``fp32`` (the fp32 replay's rule test, or None), ``samples`` (the verified set:
+    ``loss``, ``precision``, ``fp32`` (the fp32 replay's rule test, or None), ``dropout`` (the window with dropout off,
+    or None), ``samples`` (the verified set:
     ``indices``, ``share``, ``without``; or None), ``older`` (the window and ordinary windows under the older
     state: ``step``, ``window``, ``ordinary``, ``current_ordinary``, ``window_high``, ``ordinary_high``; or None),
     ``ordinary_now`` (without an older state: the ordinary windows' loss under this one and whether the rule calls it a
     spike; or None), ``surges`` (:func:`surge_rows` with ``step``: of the step before the spike and of the spike's own; only the
     former can be a cause), ``step`` (the spike's),
-    ``where`` (:func:`departures`) and ``jumps`` (:func:`jumps` of ``grad_norm`` and ``update_ratio``).
+    ``where`` (:func:`departures`), ``jumps`` (:func:`jumps` of ``grad_norm`` and ``update_ratio``) and ``climb``
+    (``[step, loss, ratio to the rule's median]`` of the interval's steps before the spike; ``older`` may also hold
+    ``ordinary_then_high``: its ordinary windows a spike by the rule).
     """
     out: dict[str, Any] = {"blamed_samples": None, "blamed_layer": None, "blamed_module": None}
     older, samples = m.get("older"), m.get("samples")
@@ -227,7 +258,13 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
                 "evidence": (f"the same step in fp32 has loss {fp32['loss']:.4g}, normal by the guard's rule (x"
                              f"{fp32['ratio']:.3g} the window's median, z {fp32['zscore']:.3g}); in {m['precision']} it is "
                              f"{m['loss']:.4g}" + (f"; the first module whose output departs from fp32's: '{module}' "
-                                                   f"(x{m['where']['first_factor']:.3g} its fp32 magnitude)" if module else ""))}
+                                                   f"(relative error {m['where']['first_error']:.3g})" if module else ""))}
+    draw = m.get("dropout")
+    if draw is not None and draw["normal"]:
+        return {**out, "failure_class": "dropout",
+                "evidence": (f"with every dropout off the window's loss is {draw['loss']:.4g}, normal by the guard's rule (x"
+                             f"{draw['ratio']:.3g} the window's median, z {draw['zscore']:.3g}); under the step's own "
+                             f"dropout masks it is {m['loss']:.4g}: the draw made the spike, not the samples nor the state")}
     high_before = older is not None and older["window_high"]
     # No older state to weigh the window against: ordinary windows that are spikes by the rule under this state say
     # the state drifted (then dropping a drifted window's largest losses "cures" it too: no sample is to blame).
@@ -263,6 +300,7 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
           and older["window"] >= m["loss"]):  # (high against ordinary windows there too: the batch's, not the update's)
         acquit = (f"; {blamed['name']}'s surging update of step {blamed['step']} is not its cause: the window was as high "
                   f"under the state of step {older['step']} ({older['window']:.4g}; {m['loss']:.4g} now)")
+    acquit = acquit or (_whole_model_rise(m, blamed, older) if blamed is not None else "")
     if acquit:
         blamed = None
     if high_before and blamed is None:  # (a surge in the update before is a cause; a high window, one by elimination)
@@ -356,9 +394,35 @@ def _steps_grew(sizes: dict[str, Any] | None, older: dict[str, Any] | None) -> s
             f"{sizes['upto']}")
 
 
+def _whole_model_rise(m: dict[str, Any], blamed: dict[str, Any], older: dict[str, Any] | None) -> str:
+    """Why a surge in the update before the spike is not its cause though nothing grew by the LR's or the steps' bars
+    (empty: it is): surges in :data:`MANY_LAYERS` layers at once (every layer's gradients rose, not one layer's rarely
+    trained coordinates), the loss already climbing over the steps before that update, or ordinary windows already
+    a spike by the guard's rule under the older state: a divergence under way, of which the surge is a symptom."""
+    at = blamed["step"]
+    layers = sorted({r["name"] for r in _passing(m.get("surges") or []) if r.get("step") == at})
+    if len(layers) >= MANY_LAYERS:
+        shown = ", ".join(layers[:4]) + (f" and {len(layers) - 4} more" if len(layers) > 4 else "")
+        return (f"; coordinates of {len(layers)} layers surged in the update of step {at} at once ({shown}): every "
+                "layer's gradients rose, not one layer's rarely trained coordinates")
+    climb = [r for r in m.get("climb") or [] if r[0] <= at][-CLIMB_STEPS:]
+    if (len(climb) == CLIMB_STEPS and all(a[1] < b[1] for a, b in zip(climb, climb[1:]))
+            and all(r[2] >= CLIMB_RATIO for r in climb) and climb[-1][2] >= CLIMB_LAST):
+        return (f"; the loss was already climbing before the update of step {at} (x"
+                + ", x".join(f"{r[2]:.3g}" for r in climb) + f" the rule's median at steps {climb[0][0]}-{climb[-1][0]})")
+    if older is not None and older.get("ordinary_then_high"):
+        return (f"; ordinary windows were already a spike by the guard's rule under the state of step {older['step']} "
+                f"({older['ordinary']:.4g}), before that update")
+    return ""
+
+
+def _passing(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in rows if r["surge_share"] >= MIN_SHARE and r["coord_factor"] >= UPDATE_JUMP]
+
+
 def _surging_layer(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The layer whose surging coordinates moved the most times its others, among those that pass the bars, or None."""
-    fit = [r for r in rows if r["surge_share"] >= MIN_SHARE and r["coord_factor"] >= UPDATE_JUMP]
+    fit = _passing(rows)
     return max(fit, key=lambda r: r["coord_factor"]) if fit else None
 
 

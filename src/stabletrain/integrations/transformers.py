@@ -51,13 +51,13 @@ from transformers import Trainer, TrainerCallback
 
 from ..callbacks import Callback as StableCallback
 from ..config import AdapterOptions
-from ..console import StableTrainWarning
+from ..console import StableTrainWarning, show_bar
 from ..data import move_to
 from ..diagnostics.initialization import InitFingerprint
 from ..internals import find_caller, is_compiled
 from ..numerics import grad_norms
 from ..records.batches import count_tokens, items_normalized, window_items
-from ..records.captured import loss_recipe, model_recipe
+from ..records.captured import divides_by_items, loss_recipe, model_recipe
 from ..services.kept_steps import HostReplay, KeptStep
 from .core import RunSession
 
@@ -100,6 +100,7 @@ class StableTrainCallback(TrainerCallback):
         self._out: dict[str, Tensor] | None = None
         self._norms: tuple[Tensor, Tensor] | None = None
         self._wrapped: list[str] = []
+        self._bar: Any = None  # the Trainer's own progress bar (False: it draws none), which our lines go above
 
     # -- set-up --------------------------------------------------------------------------------------
 
@@ -191,7 +192,7 @@ class StableTrainCallback(TrainerCallback):
         if not pending.micro:
             pending.host = {"model": model, "num_items_in_batch": num_items_in_batch,
                             "accumulation_steps": getattr(self.trainer, "current_gradient_accumulation_steps", None),
-                            "items_normalized": self._items_normalized(num_items_in_batch)}
+                            "items_normalized": self.loss_fn is None and divides_by_items(self.trainer, num_items_in_batch)}
             if session.step == 0 and self.options.init_check and not session.history:
                 session.signal_check(dict(inputs), self.diagnosis_loss(num_items_in_batch))
         pending.add(dict(inputs), count_tokens(inputs), rng=session.capturing)
@@ -212,12 +213,6 @@ class StableTrainCallback(TrainerCallback):
             self.session.watch_loss(out[0] if isinstance(out, tuple) else out)
         return out
 
-    def _items_normalized(self, num_items_in_batch: Any) -> bool:
-        """Whether the Trainer divides each micro-batch's loss by the window's ``num_items_in_batch`` (its own rule)."""
-        trainer = self.trainer
-        return num_items_in_batch is not None and self.loss_fn is None and bool(
-            getattr(trainer, "model_accepts_loss_kwargs", False) or getattr(trainer, "compute_loss_func", None) is not None)
-
     def diagnosis_loss(self, num_items_in_batch: Any, window_items: float | None = None) -> Callable[[nn.Module, Any], Any]:
         """``loss(model, batch)`` as the trainer computes it (its ``compute_loss``), or the user's ``loss_fn``; given
         the window's items, one the Trainer divides by ``num_items_in_batch`` is the pair of
@@ -225,11 +220,9 @@ class StableTrainCallback(TrainerCallback):
         if self.loss_fn is not None:
             return self.loss_fn
         compute = getattr(self, "_compute_loss", None) or self.trainer.compute_loss
-
-        def loss(model: nn.Module, batch: Any) -> Any:
-            return compute(model, dict(batch), num_items_in_batch=num_items_in_batch)
-
-        return items_normalized(loss, window_items) if window_items and self._items_normalized(num_items_in_batch) else loss
+        loss = lambda model, batch: compute(model, dict(batch), num_items_in_batch=num_items_in_batch)  # noqa: E731
+        divides = window_items and divides_by_items(self.trainer, num_items_in_batch)
+        return items_normalized(loss, window_items) if divides else loss
 
     # -- the Trainer's step ----------------------------------------------------------------------------
 
@@ -248,6 +241,10 @@ class StableTrainCallback(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         out, session = self._out, self.session
+        if self._bar is None:  # drawn by now (the Trainer's ProgressCallback): a line of ours never lands inside it
+            self._bar = next((c.training_bar for c in self.trainer.callback_handler.callbacks
+                              if getattr(c, "training_bar", None) is not None), False)
+            show_bar(self._bar or None)
         if out is None:
             return
         self._out = None
@@ -277,6 +274,8 @@ class StableTrainCallback(TrainerCallback):
 
     def _detach(self) -> None:
         self._unwrap()
+        if self._bar:
+            self._bar = show_bar(None)
         if self.session is not None:
             self.session.close()
 

@@ -50,7 +50,8 @@ class NoFunctionalDropout(TorchFunctionMode):
 
 @contextlib.contextmanager
 def dropout_off(model: nn.Module) -> Iterator[tuple[list[str], NoFunctionalDropout]]:
-    """Switch every dropout off for the duration (training mode stays on); yield what was switched off.
+    """Switch every dropout off for the duration (training mode stays on); yield what was switched off (the modules
+    whose p was above 0, and the functional mode, whose ``calls`` count the functional dropouts met).
 
     nn.Dropout modules get ``p = 0``; LSTM/GRU/RNN and MultiheadAttention get their own ``dropout = 0``;
     functional dropout runs as the identity (the yielded mode counts those calls). Everything is put back.
@@ -58,7 +59,7 @@ def dropout_off(model: nn.Module) -> Iterator[tuple[list[str], NoFunctionalDropo
     saved: list[tuple[nn.Module, str, float]] = []
     names = []
     for name, m in model.named_modules():
-        if isinstance(m, (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)):
+        if isinstance(m, (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)) and m.p:
             saved.append((m, "p", m.p))
             names.append(name)
         elif isinstance(m, _OWN_DROPOUT) and m.dropout:

@@ -34,9 +34,9 @@ from torch import Tensor, nn
 from ..tasks import Task, TaskError
 from .batches import CapturedRows, import_path, items_normalized, load_object, plain_batch, unbundle_batch
 
-__all__ = ["captured_task", "TASK_SPEC", "TASK_SPECS", "REBUILD_HINT", "loss_from_recipe", "model_from_recipe",
-           "model_recipe", "loss_recipe", "optimizer_recipe", "build_optimizer_from_recipe", "lightning_loss",
-           "noop_optimizer", "optimizer_factory"]
+__all__ = ["divides_by_items", "captured_task", "TASK_SPEC", "TASK_SPECS", "REBUILD_HINT", "loss_from_recipe",
+           "model_from_recipe", "model_recipe", "loss_recipe", "optimizer_recipe", "build_optimizer_from_recipe",
+           "lightning_loss", "noop_optimizer", "optimizer_factory"]
 
 TASK_SPEC = "stabletrain.records.captured:captured_task"
 #: Every name a bundle's config may give this task by (bundles written before it moved name the old module:
@@ -53,6 +53,13 @@ def _transformers_loss(model: nn.Module, batch: Any, num_items_in_batch: Any = N
         inputs["num_items_in_batch"] = num_items_in_batch
     outputs = model(**inputs)
     return outputs["loss"] if isinstance(outputs, Mapping) else outputs[0]
+
+
+def divides_by_items(trainer: Any, num_items_in_batch: Any) -> bool:
+    """Whether a Hugging Face Trainer divides each micro-batch's loss by the window's ``num_items_in_batch`` (its own
+    rule: a model that takes loss kwargs, or a ``compute_loss_func``)."""
+    return num_items_in_batch is not None and bool(getattr(trainer, "model_accepts_loss_kwargs", False)
+                                                   or getattr(trainer, "compute_loss_func", None) is not None)
 
 
 def _accepts_loss_kwargs(model: nn.Module) -> bool:
@@ -149,6 +156,12 @@ def model_recipe(model: nn.Module, host: str, factory: str | Callable[[], nn.Mod
         return {"kind": "none", "why": f"the model_factory given, {name}, is defined {where}: a new process cannot import "
                                        "it; define it in a module and pass it, or 'module:function'"}
     cls = import_path(type(model))
+    kind = type(model)
+    if not cls and (kind.__module__ == "__main__" or "<locals>" in kind.__qualname__):
+        where = "in __main__ (the script you ran)" if kind.__module__ == "__main__" else "inside a function"
+        return {"kind": "none", "why": f"the model's class, {kind.__qualname__}, is defined {where}: a new process cannot "
+                                       "import it; move it into a module and import it from there"
+                                       + (", or pass model_factory='module:function'" if host == "monitor" else "")}
     if not cls:
         return None
     if host == "lightning":

@@ -238,11 +238,21 @@ def _once(incidents: list[tuple[int, str]]) -> list[tuple[int, str]]:
     return [(key[0], first[key].rstrip(".") + (f" (met {n} times)" if n > 1 else "")) for key, n in counts.items()]
 
 
+def first_clause(text: str) -> str:
+    """``text`` up to its first ``"; "`` outside parentheses (a clause's own aside keeps its brackets closed)."""
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += (ch == "(") - (ch == ")")
+        if depth <= 0 and text.startswith("; ", i):
+            return text[:i]
+    return text
+
+
 def _listed(incidents: list[tuple[int, str]], limit: int = 5) -> str:
     """Each incident's summary; of several, each one's class and first clause (the incidents table has the rest: five
     whole summaries made a 16-line paragraph)."""
     def head(summary: str) -> str:
-        return summary if len(incidents) == 1 else summary.split("; ")[0]
+        return summary if len(incidents) == 1 else first_clause(summary)
 
     listed = "; ".join(f"at step {s:,}, {head(summary).rstrip('.')}" for s, summary in incidents[:limit])
     return listed + (f"; and {len(incidents) - limit} more" if len(incidents) > limit else "")
