@@ -290,3 +290,24 @@ def test_an_fp16_scaler_that_cannot_recover_is_an_incident_and_only_the_eps_guar
     for name in ("lr-x0.5", "lr-x0.1"):
         assert (c[name]["verdict"], c[name]["failed"]["step"]) == ("fails", 17)
         assert "the GradScaler backs off to 0.5: it cannot recover" in c[name]["evidence"]
+
+
+def test_the_baseline_skips_a_burst_of_bad_windows_as_on_spike_skip_would(tmp_path):
+    """Steps 20-22 hold only outliers (no few samples carry any of them): skipping step 20 alone failed at 21 ('no
+    candidate cures it') while the live fallback, skipping each flagged step, gave a clean run. The baseline now drops
+    the windows of the burst that spike right after the incident's, at most 3 more, and says so."""
+    from spike_tasks import outliers_at_task
+
+    def task():
+        return outliers_at_task(bad=",".join(map(str, range(152, 176))))  # the windows of steps 20, 21, 22
+
+    run = tmp_path / "run"
+    Trainer(cfg("train.batch_size=8", "log.every=10", "data.shuffle=false", "train.max_steps=30", "optim.lr=0.01"),
+            task=task(), run_dir=run).fit()
+    record = search_remedies(run / "incidents" / "step_000020", task(), steps=6)
+    base = next(c for c in record["candidates"] if c["baseline"])
+    assert (base["remedy"], base["verdict"]) == ({"kind": "skip-step", "windows": 3}, "cures"), base
+    assert base["detail"] == "drop the incident's window and the 2 after it (a burst)" and base["dropped_samples"] == 24
+    assert [r["step"] for r in base["trajectory"] if r.get("dropped")] == [20, 21, 22]
+    assert format_table(record).endswith("no candidate cures it beyond the baseline: drop the incident's window and the 2 "
+                                         "after it (a burst) (skip-step) is all it needs")

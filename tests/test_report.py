@@ -654,6 +654,14 @@ def test_a_few_huge_losses_do_not_make_the_loss_headline_read_as_a_run_that_got_
     assert h.figures["loss_end"] == 0.3812 and "lifted" not in text, text
     assert text.endswith("(first → last interval); it rose x19.1 from its best interval's mean, 0.02 at step 119."), text
     assert ("warn", text) in h.sentences
+    # ... and where the loss rose to a level and stayed (an LR warmup overshooting: the rule, its window frozen below,
+    # flags every step after 69; the lows are high too, within x2 of the last intervals' median): "the last interval's
+    # mean, 31.99, is lifted by loss spikes at steps 69-150" read as a few bad steps in a run at ~30.
+    means = [4.26, 3.5, 3.4, 3.29, 3.3, 3.35, 7.6, 19.2, 24.0, 27.5, 29.0, 30.1, 30.5, 31.0, 31.99]
+    lows = [3.6, 3.3, 3.2, 3.1, 3.1, 3.2, 3.3, 15.0, 20.0, 22.0, 24.0, 25.0, 25.5, 26.0, 27.0]
+    h, text = _loss_run(tmp_path / "level", means, lows, spikes=range(69, 151))
+    assert h.figures["loss_end"] == 31.99 and "lifted" not in text, text
+    assert text.endswith("(first → last interval); it rose x9.72 from its best interval's mean, 3.29 at step 40."), text
     # Spikes that recur (a bad sample each epoch) lift most of the first intervals' means: their median would be lifted
     # too; the intervals without a spike tell the typical loss.
     means = [40.0, 1.0, 30.0, 0.8, 25.0, 0.5, 0.4, 0.3]

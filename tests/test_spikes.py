@@ -878,7 +878,7 @@ def test_candidates_are_judged_before_a_later_incident_every_one_past_this_one_m
     candidate that gets past the spike (the baseline too) fails at 63, so none 'cured' it. They are judged on the
     steps before 63; those that failed on the spike itself keep their failure. A divergence's cures, which do not all
     fail at one later step, are left as they are."""
-    from stabletrain.remedy_search import _before_later_incident
+    from stabletrain.diagnostics.remedy_verdicts import before_later_incident as _before_later_incident
 
     def result(name, failed_at, losses):
         rows = [{"step": s, "loss": v, "grad_norm": 1.0, "applied": True} for s, v in losses]

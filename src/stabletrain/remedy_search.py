@@ -44,6 +44,17 @@ from .config import config_from_dict
 from .data import EpochOrder, Window, WindowStream, move_to
 from .diagnostics.candidates import candidates_for
 from .diagnostics.cures import CANDIDATE_NAMES, Remedy, SkipSamples, SkipStep
+from .diagnostics.remedy_verdicts import (
+    END_STEPS,
+    LOSS_TOLERANCE,
+    VERDICTS,
+    before_later_incident,
+    end_loss,
+    format_table,
+    healthy_bar,
+    judge,
+    rank_key,
+)
 from .diagnostics.spike import outlier_sets
 from .fileio import atomic_write
 from .incident_replay import diagnose_incident, run_history, task_of_run
@@ -57,13 +68,8 @@ from .replica import KEEP, Replica
 from .seeding import set_rng_state
 from .tasks import Task
 
-__all__ = ["search_remedies", "format_table", "REMEDY_FILE", "LOSS_TOLERANCE", "END_STEPS", "VERDICTS"]
+__all__ = ["search_remedies", "format_table", "judge", "REMEDY_FILE", "LOSS_TOLERANCE", "END_STEPS", "VERDICTS"]
 
-#: A cure's end loss may exceed the baseline's by at most this fraction.
-LOSS_TOLERANCE = 0.10
-#: The end loss: the mean of the last this many replayed steps' losses.
-END_STEPS = 5
-VERDICTS = ("cures", "worse", "fails", "untestable")
 #: A skip-samples candidate takes the outliers of at most this many later windows too (:func:`_extended`).
 MAX_EXTENSIONS = 3
 
@@ -200,7 +206,7 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int, probe: int | None = 
                 raise ValueError(f"incident {str(inc.dir)!r}: the data stream's window at step {n} holds samples "
                                  f"{window.indices[0][:4]}..., not the bundle's {inc.bundle['window']['indices'][0][:4]}... "
                                  "(the run skipped windows after a rollback, or its data changed)")
-            kept = remedy.keep(window.indices, n == inc.step)
+            kept = remedy.keep(window.indices, n - inc.step)
             total += window.num_samples
             dropped += window.num_samples - sum(map(len, kept))
             groups = [(k, b if k == i else move_to(inc.collate([task.train_data[j] for j in k]), dev))
@@ -239,7 +245,7 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int, probe: int | None = 
             if spike and (recovered or loss > cfg.guard.spike_ratio * start_loss):
                 failed = {"step": n, "why": f"loss spike at step {n} by the guard's rule (loss {loss:.4g})", "kind": "spike"}
                 break
-    end = _end_loss(rows, inc.step) if failed is None else float("nan")
+    end = end_loss(rows, inc.step) if failed is None else float("nan")
     return {"name": remedy.name, "remedy": remedy.to_dict(), "detail": remedy.detail, "live": remedy.live,
             "scope": remedy.scope,
             "change": getattr(remedy, "change", None), "first_step": first, "steps_replayed": len(rows),
@@ -295,94 +301,17 @@ def _extended(inc: _Incident, remedy: SkipSamples, result: dict[str, Any], num_a
     return {**out, "extended": extended, **({"extension_error": why} if why else {})} if extended or why else out
 
 
-def _end_loss(rows: list[dict[str, Any]], step: int) -> float:
-    """The end loss over the windows after the incident's (``step``), which every candidate trains on alike (the
-    incident's own window only when there is none after it)."""
-    after = [r["loss"] for r in rows if "loss" in r and r["step"] > step] or [r["loss"] for r in rows if "loss" in r]
-    tail = after[-END_STEPS:]
-    return sum(tail) / len(tail) if tail else float("nan")
-
-
-def _before_later_incident(results: list[dict[str, Any]], step: int) -> int | None:
-    """Judge the candidates before a later incident that every one that got past this one, the baseline too, fails
-    at alike: one the remedies do not touch (a NaN sample 18 steps on), which failed every cure of this one.
-    Truncates those results in place and returns that step; None (nothing changed) when the baseline fails no
-    later than :data:`END_STEPS` windows after the incident's, or a candidate past it does not fail there (a
-    divergence's cures do not fail, or fail elsewhere). Those that failed on the incident itself keep their failure."""
-    later = (results[0]["failed"] or {}).get("step")  # the baseline's
-    if later is None or later <= step + END_STEPS:
-        return None
-    past = [r for r in results if r["failed"] is None or r["failed"]["step"] > step]  # those that got past this one
-    if any((r["failed"] or {}).get("step") != later for r in past):
-        return None
-    for r in past:
-        rows = [row for row in r["trajectory"] if row["step"] < later]
-        r.update(trajectory=rows, steps_replayed=len(rows), failed=None, end_loss=_end_loss(rows, step))
-    return later
-
-
-def judge(result: dict[str, Any], baseline: dict[str, Any], healthy: tuple[int, float] | None = None,
-          typical: float | None = None) -> tuple[str, str]:
-    """(verdict, evidence) of one candidate's replay against the baseline's (module docstring).
-
-    ``healthy``: (step, loss) of the run's last healthy interval, the bar when the baseline itself fails
-    (a finite end far above it is no cure: the run stays diverged). ``typical``: a spike's, the median of the
-    losses the rule judged it against: an end loss within tolerance of the run's own level before the spike is
-    no worse, whatever the baseline's happens to be (near a loss of 1e-3 the noise alone is x2).
-    """
-    if result["failed"] is not None:
-        return "fails", result["failed"]["why"]
-    if result["dropped_samples"] * 2 > result["total_samples"]:
-        return "fails", (f"hides the symptom: drops {result['dropped_samples']} of the {result['total_samples']} samples "
-                         "it replays")
-    trained = [r for r in result["trajectory"] if "applied" in r]
-    if trained and sum(r["applied"] for r in trained) * 2 < len(trained):
-        return "fails", (f"hides the symptom: {sum(r['applied'] for r in trained)} of its {len(trained)} steps were "
-                         "applied (the rest skipped)")
-    last = result["trajectory"][-1]["step"]
-    steps = (f"steps {result['first_step']}-{last}" if last != result["first_step"] else f"step {last}") + " finite, no spike"
-    base, end, bar = baseline["end_loss"], result["end_loss"], 1 + LOSS_TOLERANCE
-    if result is baseline:
-        return "cures", f"{steps}; end loss {end:.4g}"
-    if math.isfinite(base):
-        text = f"{steps}; end loss {end:.4g} vs baseline {base:.4g} (x{end / base if base > 0 else 1.0:.3g}, tolerance x{bar:g})"
-        if typical is not None and typical > base:  # a spike's: no worse than the run's own level before it will do
-            if end > base * bar + 1e-12 and end <= typical * bar + 1e-12:  # (the baseline alone would have said worse)
-                text = (f"{steps}; end loss {end:.4g}, within x{bar:g} of the run's {typical:.4g} before the spike (x"
-                        f"{end / typical:.3g}; the baseline's {base:.4g} is lower)")
-            else:
-                text += f", or the run's {typical:.4g} before the spike"
-            base = typical
-        return ("cures" if end <= base * bar + 1e-12 else "worse"), text
-    fails = (f"the baseline fails: {baseline['failed']['why']}" if baseline["failed"] else
-             "the baseline has no step to judge" if baseline.get("verdict") == "untestable" else "the baseline fails")
-    if healthy is None and typical is not None:  # a spike: no worse than the run's own level before it
-        text = f"{steps}; end loss {end:.4g} vs {typical:.4g}, the run's before the spike ({fails})"
-        return ("cures" if end <= typical * bar + 1e-12 else "worse"), text
-    if healthy is None:
-        return "cures", f"{steps}; end loss {end:.4g} ({fails})"
-    text = f"{steps}; end loss {end:.4g} vs {healthy[1]:.4g} at step {healthy[0]}, the last healthy interval ({fails})"
-    return ("cures" if end <= healthy[1] * bar + 1e-12 else "worse"), text
-
-
-def _healthy(history: list[dict[str, Any]], diagnosis: dict[str, Any]) -> tuple[int, float] | None:
-    """(step, loss) of a divergence's last logged interval before its growth began; None for any other class.
-
-    Only a divergence needs the bar: there a finite end can still be far off (the run stays diverged); for
-    the other classes, one interval's loss on other batches would be too noisy a bar.
-    """
-    since = (diagnosis.get("growth") or {}).get("since_step")
-    if diagnosis.get("failure_class") != "divergence" or since is None:
-        return None
-    rows = [r for r in history if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"]) and r["step"] <= since]
-    return (int(rows[-1]["step"]), float(rows[-1]["loss"])) if rows else None
-
-
-def _rank_key(r: dict[str, Any]) -> tuple:
-    """Verdict first; then no code change before one, fewer samples dropped and steps rewound, local before run-wide."""
-    cost = r["dropped_samples"] + r["rewound_steps"] * 1_000_000  # a rollback loses steps: costlier than samples
-    end = r["end_loss"] if math.isfinite(r["end_loss"]) else math.inf
-    return (VERDICTS.index(r["verdict"]), not r["live"], cost, r["scope"], end)
+def _burst(inc: _Incident, remedy: SkipStep, result: dict[str, Any], num_after: int) -> dict[str, Any]:
+    """A data incident's skip-step baseline that fails by a spike at the window right after the ones it drops (a burst
+    of bad windows, none of whose few samples carries it), replayed again with that window dropped too, as
+    ``guard.on_spike=skip`` does live, along the burst, at most :data:`MAX_EXTENSIONS` windows more."""
+    replayed, seconds = result["steps_replayed"], result["seconds"]
+    while (result["failed"] is not None and result["failed"].get("kind") == "spike" and remedy.windows <= MAX_EXTENSIONS
+           and result["failed"]["step"] == inc.step + remedy.windows):
+        remedy = SkipStep(windows=remedy.windows + 1)
+        result = _replay(inc, remedy, num_after)
+        replayed, seconds = replayed + result["steps_replayed"], seconds + result["seconds"]
+    return {**result, "steps_replayed": replayed, "seconds": seconds}  # every replay of the baseline, counted
 
 
 def search_remedies(directory: str | Path, task: Task | None = None, *, steps: int = 20, only: list[str] | None = None,
@@ -425,10 +354,12 @@ def search_remedies(directory: str | Path, task: Task | None = None, *, steps: i
         pool = [c for c in pool if c.live]
     load_s = time.perf_counter() - start
     results = [_replay(inc, c, steps) for c in pool]
-    results = [_extended(inc, c, r, steps) if isinstance(c, SkipSamples) else r for c, r in zip(pool, results)]
-    later = _before_later_incident(results, inc.step) if len(results) > 1 else None
+    burst = diagnosis.get("failure_class") == "data"  # (bad windows; a state's next spikes are no burst to skip)
+    results = [_extended(inc, c, r, steps) if isinstance(c, SkipSamples) else _burst(inc, c, r, steps)
+               if isinstance(c, SkipStep) and burst else r for c, r in zip(pool, results)]
+    later = before_later_incident(results, inc.step) if len(results) > 1 else None
     baseline = results[0]
-    healthy = _healthy(inc.history, diagnosis)
+    healthy = healthy_bar(inc.history, diagnosis)
     typical = (diagnosis.get("spike_window") or {}).get("median")
     # An adapter's spike bundle with no step before it: a remedy that changes updates starts at the spike's own step,
     # whose loss came before any update, and nothing after it is replayed: its one step cannot show an effect.
@@ -452,7 +383,7 @@ def search_remedies(directory: str | Path, task: Task | None = None, *, steps: i
         if r.get("extension_error"):
             r["evidence"] += f"; {r['extension_error']}"
         r["baseline"] = r is baseline
-    ranked = sorted(results, key=_rank_key)
+    ranked = sorted(results, key=rank_key)
     total_steps = sum(r["steps_replayed"] for r in results)
     record = {
         "incident": str(directory), "step": inc.step, "failure_class": diagnosis.get("failure_class"),
@@ -469,31 +400,3 @@ def search_remedies(directory: str | Path, task: Task | None = None, *, steps: i
     record = json_safe(record)  # what remedy.json holds: strict JSON ("nan", "inf" as strings)
     atomic_write(directory / REMEDY_FILE, json.dumps(record, indent=2, default=str, allow_nan=False) + "\n")
     return record
-
-
-def format_table(record: dict[str, Any]) -> str:
-    """The console table of a search, ranked by verdict and cost."""
-    after = f"the incident's window and the {record['steps']} after it" if not record.get("note") else (
-        f"the incident's window only ({record['note']})")
-    if record.get("later_incident"):
-        after += (f", judged up to step {record['later_incident'] - 1} (every candidate, the baseline too, meets a "
-                  f"later incident at step {record['later_incident']} alike: not this one's)")
-    head = (f"incident step {record['step']}: {record['failure_class']} ({record['evidence']})\n"
-            f"replayed {after} under {len(record['candidates'])} "
-            f"candidate{'s' if len(record['candidates']) != 1 else ''} ({record['timings']['steps_replayed']} steps, "
-            f"{record['timings']['total_s']:.1f} s)")
-    rows = [("#", "candidate", "verdict", "end loss", "what it does", "evidence")]
-    for i, r in enumerate(record["candidates"], 1):
-        end = f"{r['end_loss']:.4g}" if isinstance(r["end_loss"], float) and math.isfinite(r["end_loss"]) else "-"
-        name = r["name"] + (" (baseline)" if r["baseline"] else "")
-        rows.append((str(i), name, r["verdict"], end, r["detail"], r["evidence"]))
-    widths = [max(len(row[c]) for row in rows) for c in range(5)]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:5], widths)) + "  " + row[5] for row in rows]
-    best = record["best"]
-    base = next((r for r in record["candidates"] if r["baseline"]), None)
-    tail = [f"best: {best}" if best else
-            f"no candidate cures it beyond the baseline: {base['detail']} ({base['name']}) is all it needs"
-            if base is not None and base["verdict"] == "cures" else "no candidate cures this incident"]
-    tail += [f"code change ({r['name']}, {r['verdict']}): {r['change']}" for r in record["candidates"]
-             if r.get("change") and r["verdict"] == "cures"]
-    return "\n".join([head, *lines, *tail])

@@ -56,8 +56,9 @@ class Remedy:
         """Plain JSON values (a tuple as a list): what remedy.json, an event and a checkpoint hold."""
         return {"kind": self.kind, **{k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}}
 
-    def keep(self, indices: list[list[int]], first: bool) -> list[list[int]]:
-        """The dataset indices of a window's micro-batches to train on (``first``: the incident's own window)."""
+    def keep(self, indices: list[list[int]], at: int) -> list[list[int]]:
+        """The dataset indices of a window's micro-batches to train on (``at``: its place after the incident's own
+        window, 0; the step before it, -1)."""
         return indices
 
     @contextlib.contextmanager
@@ -79,16 +80,19 @@ class Remedy:
 
 @dataclass(frozen=True)
 class SkipStep(Remedy):
-    """The "just skip the step" baseline: drop the incident's window, train on the rest as before."""
+    """The "just skip the step" baseline: drop the incident's window (and the ``windows - 1`` after it, a burst of
+    spikes by the rule, as ``guard.on_spike=skip`` would), train on the rest as before."""
 
+    windows: int = 1
     kind: ClassVar[str] = "skip-step"
 
     @property
     def detail(self) -> str:
-        return "drop the incident's window"
+        more = self.windows - 1
+        return "drop the incident's window" + (f" and the {more} after it (a burst)" if more else "")
 
-    def keep(self, indices: list[list[int]], first: bool) -> list[list[int]]:
-        return [[] for _ in indices] if first else indices
+    def keep(self, indices: list[list[int]], at: int) -> list[list[int]]:
+        return [[] for _ in indices] if 0 <= at < self.windows else indices
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,7 @@ class SkipSamples(Remedy):
     def detail(self) -> str:
         return f"drop sample{'s' if len(self.samples) > 1 else ''} {', '.join(map(str, self.samples))}"
 
-    def keep(self, indices: list[list[int]], first: bool) -> list[list[int]]:
+    def keep(self, indices: list[list[int]], at: int) -> list[list[int]]:
         drop = set(self.samples)
         return [[i for i in group if i not in drop] for group in indices]
 

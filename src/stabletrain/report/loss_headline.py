@@ -74,15 +74,18 @@ def _robust_end(rows: list[tuple], spikes: list[int], ratio: float, end: str) ->
 
     A few large losses: the interval holds a loss spike (an event), or its mean is above ``ratio`` times that median
     (the guard's spike ratio) while its smallest loss is not (most of its steps are typical). A run whose loss is
-    still falling fast at the start, or that diverges at the end, has its smallest losses high too: its mean stands.
+    still falling fast at the start, or that diverges at the end, has its smallest losses high too (or spike events on
+    half its steps or more): its mean stands.
     ``rows`` are (step, interval steps, mean loss, smallest loss) from that end inward.
     """
     step, width, mean, low = rows[0]
     ends = min(LOSS_ENDS, max(3, len(rows) // 2))  # a short run: the two ends share as few intervals as they can
     near = [r[2] for r in rows[:ends]]
     median = statistics.median(near)
-    # (its smallest loss high too: most of its steps are, a divergence's course, not a few large losses)
-    spiky = (any(step - width < s <= step for s in spikes) or mean > ratio * median) and low <= ratio * median
+    # (its smallest loss high too: most of its steps are, a divergence's course, not a few large losses; so are
+    # spikes on half its steps or more: a loss that rose and stayed, above the rule's frozen window)
+    inside = sum(step - width < s <= step for s in spikes)
+    spiky = ((inside or mean > ratio * median) and low <= ratio * median and 2 * inside < width)
     if not spiky:
         return mean, None
     if len(near) < 3:  # too few intervals for a typical value: the mean stands, and the words say what lifted it
