@@ -927,3 +927,22 @@ def test_the_run_clip_rate_weighs_each_interval_by_its_applied_steps(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     h = health_summary(load_run(tmp_path))
     assert (h.figures["clipped_steps"], h.figures["clip_steps_seen"]) == (1, 11)
+
+
+def test_data_spikes_each_on_other_single_samples_are_said_to_be_a_heavy_tail():
+    """A healthy regression with Student-t noise at batch 4 spent every capture on natural tail samples and read as
+    'problems' with nothing to say why: 3+ data spikes, each one or two samples, none twice, get the hint."""
+    from stabletrain.report.health import _scattered
+    from stabletrain.report.rundata import Event
+
+    def spike(step, samples, cls="data"):
+        return Event(step, "incident", "", None, {"anomaly": "spike", "diagnosis": {"failure_class": cls,
+                                                                                    "bad_samples": samples}})
+
+    tail = [spike(94, [371]), spike(125, [498, 501]), spike(166, [662])]
+    assert _scattered(tail).startswith(" 3 data spikes each carried by one or two samples, never the same: a loss with a "
+                                       "heavy tail (noisy targets or labels, a small batch)")
+    assert _scattered(tail[:2]) == ""  # two are no pattern
+    assert _scattered([*tail[:2], spike(166, [371])]) == ""  # the same sample again: it comes back, a bad sample
+    assert _scattered([*tail[:2], spike(166, None, "state")]) == ""
+    assert _scattered([*tail[:2], spike(166, [1, 2, 3])]) == ""  # a few samples together: a bad batch's

@@ -1112,6 +1112,16 @@ def test_a_spike_made_by_the_dropout_draw_is_named_so_not_blamed_on_samples(tmp_
             "the draw made the spike, not the samples nor the state" in d["summary"]) and "aftershock" not in d["summary"]
 
 
+def test_ordinary_windows_high_under_both_states_read_as_unsettled_not_as_a_drift_that_fell():
+    """Ordinary windows a spike by the rule now (2.4e-4) and higher still under the older state (5.0e-4): it read
+    'high at 0.0002407 under this one (high by the rule; 0.0004962 under that state, itself no calm one)'."""
+    case = {**_surge_case(ordinary=0.0004962, current_ordinary=0.0002407, window=0.0001), "surges": []}
+    out = classify_spike(case)
+    assert out["failure_class"] == "state" and ("ordinary windows are a spike by the guard's rule at 0.0002407 under this "
+                                                "one, and higher still under that state (0.0004962): the loss has been "
+                                                "unsettled since") in out["evidence"], out["evidence"]
+
+
 def test_a_window_that_rose_alone_is_not_called_a_drifted_state():
     """Normal under the older state, ordinary windows no higher under this one: the updates since raised this window
     alone; 'the state drifted' (ordinary windows high) was not what was measured."""

@@ -324,10 +324,13 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
                  "weigh the window against (the spike opens its log interval): the window itself may carry it")
     elif older is not None:
         now, then = older["current_ordinary"], older["ordinary"]
-        versus = (f"vs {then:.4g}" if not older["ordinary_high"] or now > then else
-                  f"high by the rule; {then:.4g} under that state, itself no calm one")
+        if older["ordinary_high"] and now <= then:  # a spike by the rule now, and higher still then: no calm state
+            where = (f"a spike by the guard's rule at {now:.4g} under this one, and higher still under that state "
+                     f"({then:.4g}): the loss has been unsettled since")
+        else:
+            where = f"{'high at' if older['ordinary_high'] else 'at'} {now:.4g} under this one (vs {then:.4g})"
         drift = (f"; the window is normal under the state of step {older['step']} ({older['window']:.4g}) and ordinary "
-                 f"windows are {'high at' if older['ordinary_high'] else 'at'} {now:.4g} under this one ({versus})")
+                 f"windows are {where}")
     if samples is not None and not weak:
         drift += (f"; samples {', '.join(map(str, samples['indices']))} carry {_pct(samples['share'])} of the loss, "
                   "but only under the current state")

@@ -156,7 +156,7 @@ def health_summary(run: RunData) -> Health:
     if incidents:
         remedied = all(e.step in cured for e in incidents)
         h.say("warn" if remedied else "bad", f"{plural(len(incidents), 'incident')}: {_listed(f['incidents'])}"
-              + (" (cured: a remedy was applied for each, below)" if remedied else "") + ".")
+              + (" (cured: a remedy was applied for each, below)" if remedied else "") + "." + _scattered(incidents))
     if undone:
         h.say("warn", f"{plural(len(f['incidents_undone']), 'incident')} before {_went_back(undone)} (the run went back and "
                       f"trained that stretch again): {_listed(f['incidents_undone'])}.")
@@ -256,6 +256,19 @@ def _listed(incidents: list[tuple[int, str]], limit: int = 5) -> str:
 
     listed = "; ".join(f"at step {s:,}, {head(summary).rstrip('.')}" for s, summary in incidents[:limit])
     return listed + (f"; and {len(incidents) - limit} more" if len(incidents) > limit else "")
+
+
+def _scattered(incidents: list[Event]) -> str:
+    """A note where 3 or more data spikes each name one or two samples and no sample twice: a heavy tail of the loss
+    (noisy targets or labels, a small batch) more likely than a few bad samples (empty otherwise)."""
+    named = [(e.extra.get("diagnosis") or {}).get("bad_samples") or [] for e in incidents
+             if e.extra.get("anomaly") == "spike" and (e.extra.get("diagnosis") or {}).get("failure_class") == "data"]
+    flat = [i for n in named for i in n]
+    if len(named) < 3 or not all(1 <= len(n) <= 2 for n in named) or len(set(flat)) < len(flat):
+        return ""
+    return (f" {len(named)} data spikes each carried by one or two samples, never the same: a loss with a heavy tail "
+            "(noisy targets or labels, a small batch) more likely than a few bad samples; a robust loss (Huber) or a "
+            "larger batch calms it, a higher guard.spike_ratio stops flagging it.")
 
 
 def _own(run: RunData, incident: Any) -> bool:
