@@ -880,6 +880,14 @@ def test_precursor_warnings_are_in_the_health_summary_with_the_spike_each_came_b
     assert h.figures["precursor_steps"] == [20, 30]
     assert ("ok", "2 precursor warnings (a layer's update/weight ratio departed from its history) at step 20 (17 steps "
                   "before the spike at step 37); step 30 (7 steps before the spike at step 37).") in h.sentences
+    # A rollback to step 30 went back past the spike (undone, trained again without it): it still followed the warning
+    # at step 20 and the one at 30 (they read 'no spike followed').
+    (tmp_path / "run" / "events.jsonl").write_text(events + json.dumps({"step": 30, "kind": "rollback", "reason": "back"})
+                                                   + "\n")
+    h = health_summary(load_run(tmp_path / "run"))
+    assert ("ok", "2 precursor warnings (a layer's update/weight ratio departed from its history) at step 20 (17 steps "
+                  "before the spike at step 37, which the run went back past); step 30 (7 steps before the spike at step "
+                  "37, which the run went back past).") in h.sentences, h.sentences
 
 
 def test_several_incidents_are_listed_by_their_class_and_headline_only(tmp_path):

@@ -182,12 +182,14 @@ def _precursors(run: RunData, h: Health) -> None:
     h.figures["precursor_steps"] = steps
     if not steps:
         return
-    spikes = h.figures.get("spike_steps") or []
+    undone = {e.step for e in run.undone_events("spike")}  # a spike the run went back past still followed it
+    spikes = sorted({*(h.figures.get("spike_steps") or []), *undone})
     parts = []
     for p in steps:
         after = next((s for s in spikes if p < s <= p + PRECURSOR_LEAD), None)
-        parts.append(f"step {p:,} ({plural(after - p, 'step')} before the spike at step {after:,})" if after is not None
-                     else f"step {p:,} (no spike followed within {PRECURSOR_LEAD} steps)")
+        gone = ", which the run went back past" if after in undone else ""
+        parts.append(f"step {p:,} ({plural(after - p, 'step')} before the spike at step {after:,}{gone})"
+                     if after is not None else f"step {p:,} (no spike followed within {PRECURSOR_LEAD} steps)")
     h.say("ok", f"{plural(len(steps), 'precursor warning')} (a layer's update/weight ratio departed from its history) at "
                 + "; ".join(parts) + ".")
 
