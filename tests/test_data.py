@@ -136,3 +136,20 @@ def test_a_tensor_dataset_is_gathered_bitwise_as_the_dataloader_collates_it():
             for u, v in zip(x, y):
                 assert u.dtype == v.dtype and u.shape == v.shape and u.stride() == v.stride() and torch.equal(u, v)
     assert not isinstance(fast._iter, torch.utils.data.dataloader._BaseDataLoaderIter)
+
+
+def test_dropped_samples_under_ddp_keep_every_rank_in_step_and_count_the_global_window():
+    """A rollback's named samples, dropped under 2 ranks: each rank weighs every rank's share from the epoch's order
+    (no collective), so both count the window's global samples alike; where a rank would keep nothing of a micro-batch
+    (no forward for the gradient all-reduce), both read past the whole window."""
+    ds = TensorDataset(torch.arange(64).float()[:, None])
+    order = EpochOrder(64, 4, seed=0, shuffle=True, rank=0, world_size=2)
+    streams = [WindowStream(ds, EpochOrder(64, 4, seed=0, shuffle=True, rank=r, world_size=2), 2) for r in (0, 1)]
+    two_of_rank_1, all_of_rank_0 = order.shares(0, 0)[1][:2], order.shares(0, 2)[0]
+    for s in streams:
+        s.drop = {*two_of_rank_1, *all_of_rank_0}
+    first, second = ([s.next_window() for s in streams] for _ in range(2))
+    assert [w.start for w in first] == [0, 0] and [w.global_num_samples for w in first] == [14, 14]
+    assert first[0].indices == order.shares(0, 0)[0:1] + order.shares(0, 1)[0:1]  # rank 0 keeps its own
+    assert first[1].indices[0] == [i for i in order.shares(0, 0)[1] if i not in two_of_rank_1]
+    assert [w.start for w in second] == [4, 4] and [w.global_num_samples for w in second] == [16, 16]  # 2-3 read past

@@ -95,6 +95,10 @@ def _scenarios(root):
                                 "train.batch_size=8", "train.max_steps=16", "log.every=10", "data.shuffle=false",
                                 "optim.lr=0.01", "ckpt.every=0", "eval.every=0", "dist.nproc=2", "dist.strategy=fsdp",
                                 f"run.dir={root / 'spike-fsdp'}")),
+            ("spike-rollback", *cli("task=spike_tasks:outliers_at_task", f"task_args.bad={','.join(map(str, SPIKE_ON_1))}",
+                                    "train.batch_size=8", "train.max_steps=40", "log.every=10", "data.shuffle=false",
+                                    "optim.lr=0.01", "ckpt.every=10", "ckpt.keep=10", "eval.every=0",
+                                    "guard.on_spike=rollback", "dist.nproc=2", f"run.dir={root / 'spike-rollback'}")),
             ("reference", *cli(*RESUME, f"run.dir={root / 'reference'}")),  # the SIGKILL test's uninterrupted run
             ("grad-nan", "dist_tasks:main", [root / "grad_nan_out", "task=helpers:grad_nan_sample_task",
                                              f"task_args.bad_index={BAD_AT_3}", "train.batch_size=4", "train.max_steps=3",
@@ -188,6 +192,21 @@ def test_a_finite_spike_only_rank_1s_samples_carry_is_diagnosed_on_rank_1s_batch
     assert incident["diagnosis"]["failure_class"] == "data", incident["diagnosis"]["summary"]
     diagnosis = json.loads((world.root / name / "incidents" / "step_000014" / "diagnosis.json").read_text())
     assert diagnosis["samples"]["indices"] and set(diagnosis["samples"]["indices"]) <= set(SPIKE_ON_1), diagnosis["summary"]
+
+
+def test_a_spike_rollback_under_ddp_drops_the_samples_rank_1s_diagnosis_named_on_every_rank(world):
+    """guard.on_spike=rollback on 2 ranks: the samples only rank 1 carried, named by the diagnosis on rank 0, are
+    dropped on both ranks (the window alone was skipped: they came back next epoch, at step 30), and the ranks stay
+    in step (each weighs the other's share of a window from the epoch's order)."""
+    world.check("spike-rollback")
+    run_dir = world.root / "spike-rollback"
+    events = _events(run_dir)
+    (rollback,) = [e for e in events if e["kind"] == "rollback"]
+    assert rollback["dropped_samples"] and set(rollback["dropped_samples"]) <= set(SPIKE_ON_1), rollback
+    assert "which the diagnosis named" in rollback["reason"]
+    assert [e["step"] for e in events if e["kind"] == "spike" and not e.get("superseded")] == [14]  # not again at 30
+    last = CheckpointManager(run_dir / "checkpoints").load()
+    assert last.meta["step"] == 40 and set(rollback["dropped_samples"]) <= set(last.state["stream"]["drop"])
 
 
 def test_a_state_every_rank_holds_alike_is_staged_in_shares_and_completed_bitwise_on_every_rank(world):

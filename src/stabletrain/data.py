@@ -75,12 +75,16 @@ class EpochOrder:
         self.rank, self.world_size = rank, world_size
         self.global_batch = batch_size * world_size
         self.batches_per_epoch = math.ceil(num_samples / self.global_batch)
+        self._kept: tuple[int, np.ndarray] | None = None  # the last epoch's order (a permutation is O(samples))
 
     def order(self, epoch: int) -> np.ndarray:
-        """Return the sample order of ``epoch``: a pure function of (seed, epoch), computed on the host."""
+        """Return the sample order of ``epoch``: a pure function of (seed, epoch), computed on the host (the last
+        epoch's kept)."""
         if not self.shuffle:
             return np.arange(self.num_samples)
-        return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+        if self._kept is None or self._kept[0] != epoch:
+            self._kept = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.num_samples))
+        return self._kept[1]
 
     def micro_batches(self, epoch: int, origin: int = 0) -> list[list[int]]:
         """Return this rank's micro-batches (dataset indices) of ``epoch``, in order, cut from sample ``origin`` on."""
@@ -90,11 +94,17 @@ class EpochOrder:
             chunk = order[b * self.global_batch:(b + 1) * self.global_batch]
             if len(chunk) < self.world_size:
                 break  # too few samples left for every rank to get one: dropped (at most W-1 per epoch)
-            # A short last chunk is split as evenly as the ranks allow.
-            lo = self.rank * len(chunk) // self.world_size
-            hi = (self.rank + 1) * len(chunk) // self.world_size
-            out.append(chunk[lo:hi].tolist())
+            out.append(self._share(chunk, self.rank).tolist())
         return out
+
+    def shares(self, epoch: int, b: int, origin: int = 0) -> list[list[int]]:
+        """Every rank's share of global micro-batch ``b`` of ``epoch`` (counted from sample ``origin``)."""
+        chunk = self.order(epoch)[origin + b * self.global_batch:origin + (b + 1) * self.global_batch]
+        return [self._share(chunk, r).tolist() for r in range(self.world_size)]
+
+    def _share(self, chunk: np.ndarray, rank: int) -> np.ndarray:
+        # A short last chunk is split as evenly as the ranks allow.
+        return chunk[rank * len(chunk) // self.world_size:(rank + 1) * len(chunk) // self.world_size]
 
     def global_size(self, b: int, origin: int = 0) -> int:
         """Return how many samples global micro-batch ``b`` (counted from ``origin``) holds over all ranks (arithmetic)."""
@@ -202,14 +212,23 @@ class WindowStream:
     def _without_dropped(self, window: Window) -> Window:
         """``window`` without the samples in :attr:`drop` (their micro-batches re-collated; empty ones left out).
 
-        One process: under DDP the window's global count would need every rank's drops (a remedy is one-process).
+        Under DDP every rank weighs every rank's share of the window from the epoch's order (no collective): the
+        window's global count is what the ranks keep, and where a rank would keep nothing of a micro-batch (it could
+        not run the forward the others' gradient all-reduce waits for) every rank reads past the whole window.
         """
         kept = [[i for i in group if i not in self.drop] for group in window.indices]
-        if kept == window.indices:
+        total = -1
+        if self.order.world_size > 1:
+            shares = [self.order.shares(window.epoch, window.start + j, self.origin) for j in range(len(window.indices))]
+            left = [[len([i for i in share if i not in self.drop]) for share in ranks] for ranks in shares]
+            if any(n == 0 for ranks in left for n in ranks):
+                return Window(window.epoch, window.start, [], [])
+            total = sum(map(sum, left))
+        if kept == window.indices and total in (-1, window.global_num_samples):
             return window
         batches = [b if k == g else self.collate([self.dataset[i] for i in k])
                    for k, g, b in zip(kept, window.indices, window.batches) if k]
-        return Window(window.epoch, window.start, [k for k in kept if k], batches)
+        return Window(window.epoch, window.start, [k for k in kept if k], batches, total)
 
     def _layout(self) -> dict[str, int]:
         return {"global_batch": self.order.global_batch, "world_size": self.order.world_size,

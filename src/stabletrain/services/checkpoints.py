@@ -331,7 +331,8 @@ class CheckpointKeeper:
         ``restore_counters(loaded_state)`` puts back the run-wide counters a rollback must not undo
         (incidents, rollbacks, spikes). ``found``: the incident's capture; when its diagnosis is ``data`` with the
         samples named (a spike's verified by their removal), those samples are never trained on again either (they
-        come back every epoch, in other windows; one process: a remedy's drop, see :mod:`stabletrain.data`). Returns
+        come back every epoch, in other windows: the data stream's drop, on every rank, see :mod:`stabletrain.data`).
+        Returns
         the rollback info, or None (and sets ``state.stop_reason``)
         when there is no checkpoint to go back to.
         """
@@ -345,9 +346,9 @@ class CheckpointKeeper:
             return None
         from_step = state.step
         skip = state.stream.skip | windows
-        diagnosis = (found or {}).get("diagnosis") or {}
-        samples = sorted({int(i) for i in diagnosis.get("bad_samples") or []}
-                         if diagnosis.get("failure_class") == "data" and not state.dist.enabled else set())
+        diagnosis = (found or {}).get("diagnosis") or {}  # (rank 0's: it diagnosed the capture)
+        samples = state.dist.on_main(lambda: sorted({int(i) for i in diagnosis.get("bad_samples") or []}
+                                                    if diagnosis.get("failure_class") == "data" else set()))
         self.dropped_by_rollbacks |= set(samples)
         with restore_counters():
             self.state.load_state_dict(loaded.state)
