@@ -362,7 +362,7 @@ def test_a_run_is_stalled_when_no_update_of_the_last_steps_moved_the_parameters(
         assert (d.action == "stop" and "stalled" in d.reason) is stalled, (pattern, norm, d.reason)
     d = Guard(GuardConfig(), torch.device("cpu")).decide(_stall_rows(nine_of_ten * 2, 0.0, scale=3.6e-12))
     assert d.reason == ("the run is stalled at step 20: 18 of the last 20 steps were skipped and the 2 applied had a zero "
-                        "gradient; the GradScaler's scale is 3.6e-12: no update moved the parameters (guard.stall_steps="
+                        "gradient; the GradScaler's scale is 3.6e-12: no gradient reached the parameters (guard.stall_steps="
                         "20). Try precision=bf16 (no loss scale), the overflowing module in fp32 (stabletrain remedy names "
                         "it), or guard.on_nonfinite=remedy; guard.on_stall=warn trains on")
     warn = Guard(GuardConfig(on_stall="warn"), torch.device("cpu"))
@@ -372,6 +372,26 @@ def test_a_run_is_stalled_when_no_update_of_the_last_steps_moved_the_parameters(
     clone.load_state_dict(Guard(GuardConfig(on_stall="stop"), torch.device("cpu")).state_dict())
     clone.load_state_dict({**clone.state_dict(), "recent": [[False, float("inf"), 1.0]] * 19})
     assert clone.decide(_stall_rows([1], 0.0, start=20)).action == "stop"
+
+
+def test_a_loss_of_zero_is_convergence_and_every_step_skipped_at_a_dead_scale_is_a_stall():
+    """A hinge loss whose margins are all met: loss and gradients exactly 0 on every step; it stopped as 'stalled ...
+    Try precision=bf16' at a healthy scale, its trained weights never saved. And with guard.max_consecutive_skips raised
+    past them, 400 steps all skipped at a scale of 0 ended 'trained 400 steps', exit 0; at the default limit its stop
+    gave no advice."""
+    converged = [SimpleNamespace(**{**vars(r), "values": {**r.values, "loss": 0.0}})
+                 for r in _stall_rows([1] * 20, 0.0, scale=1.6e4)]
+    assert Guard(GuardConfig(on_stall="stop"), torch.device("cpu")).decide(converged).action == "continue"
+    raised = Guard(GuardConfig(on_stall="stop", max_consecutive_skips=1000), torch.device("cpu"))
+    d = raised.decide(_stall_rows([0] * 20, 0.0, scale=0.0))
+    assert d.action == "stop" and d.reason.startswith("the run is stalled at step 20: all of the last 20 steps were "
+                                                      "skipped; the GradScaler's scale is 0: no gradient reached"), d.reason
+    assert Guard(GuardConfig(max_consecutive_skips=1000), torch.device("cpu")).decide(  # a healthy scale: the limit's
+        _stall_rows([0] * 20, 0.0, scale=2.0**10)).action == "continue"
+    d = Guard(GuardConfig(), torch.device("cpu")).decide(_stall_rows([0] * 20, 0.0, scale=7e-18))
+    assert d.action == "stop" and d.reason.endswith(
+        ": the run is not recovering; the GradScaler's scale is 7e-18: it cannot recover. Try precision=bf16 (no loss "
+        "scale), the overflowing module in fp32 (stabletrain remedy names it), or guard.on_nonfinite=remedy"), d.reason
 
 
 def test_a_collapsed_scale_with_tiny_applied_gradients_is_a_stall_and_a_healthy_one_is_not():
@@ -390,7 +410,7 @@ def test_a_collapsed_scale_with_tiny_applied_gradients_is_a_stall_and_a_healthy_
     assert d.action == "stop" and d.reason == (
         "the run is stalled at step 30: 18 of the last 20 steps were skipped and the 2 applied had gradient norms of at "
         "most 9.5e-06, under 0.001 x the run's earlier 2.6 (they underflowed at the loss scale); the GradScaler's scale "
-        "is 3.6e-12: no update moved the parameters measurably (guard.stall_steps=20). Try precision=bf16 (no loss "
+        "is 3.6e-12: no gradient reached the parameters measurably (guard.stall_steps=20). Try precision=bf16 (no loss "
         "scale), the overflowing module in fp32 (stabletrain remedy names it), or guard.on_nonfinite=remedy; "
         "guard.on_stall=warn trains on")
     for pattern, norm, scale, before in (

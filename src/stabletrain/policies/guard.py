@@ -69,6 +69,9 @@ UNRECOVERABLE_SCALE = 1.0
 #: most this share of the run's earlier grad norms (the median of its last :data:`REFERENCE_KEPT` applied steps at a
 #: scale of at least 1) underflowed: the updates are negligible, the run does not learn (:meth:`Guard.stalled`).
 NEGLIGIBLE_GRAD = 1e-3
+#: What to try when fp16's GradScaler cannot recover (a stall, or every step skipped).
+FP16_ADVICE = ("precision=bf16 (no loss scale), the overflowing module in fp32 (stabletrain remedy names it), or "
+               "guard.on_nonfinite=remedy")
 REFERENCE_KEPT = 64
 
 #: The flagged steps (spikes, non-finite steps) the guard remembers: a spike's capture takes no ordinary window among them.
@@ -163,7 +166,7 @@ class Guard:
         self._device_starts: tuple[Any, Any] = (None, None)
         self._device_starts_from_here()
         # The last guard.stall_steps steps as (applied, grad norm, loss scale): a run that goes on without learning.
-        self._recent: deque[tuple[bool, float, float]] = deque(maxlen=cfg.stall_steps)
+        self._recent: deque[tuple[bool, float, float, float]] = deque(maxlen=cfg.stall_steps)  # applied, norm, scale, loss
         self.stall_warned = False
         # The grad norms of the last applied steps before any collapse of the loss scale: what "negligible" is against.
         self._norm_reference: deque[float] = deque(maxlen=REFERENCE_KEPT)
@@ -275,13 +278,14 @@ class Guard:
     def stalled(self, step: int) -> str | None:
         """Why the run stopped learning over its last ``guard.stall_steps`` steps, or None (host values; no sync).
 
-        Stalled: no update of those steps moved the parameters (some were applied: none is
-        ``guard.max_consecutive_skips``' case), either
+        Stalled: no gradient of those steps reached the parameters, either
 
-        - each was skipped or applied with a zero gradient, or
+        - each was skipped or applied with a zero gradient, its loss not 0 (a loss of exactly 0, a hinge's margins
+          all met, is convergence), some applied (none applied is ``guard.max_consecutive_skips``' case), or
         - under fp16, the GradScaler's scale is below :data:`UNRECOVERABLE_SCALE`, more than half of the steps were
           skipped and every applied one had a grad norm of at most :data:`NEGLIGIBLE_GRAD` x the run's earlier
-          ones (the median of the last applied steps at a scale of at least 1; none seen: this test is not made).
+          ones (the median of the last applied steps at a scale of at least 1; none seen: this test is not made), or
+        - every step was skipped at such a scale (``guard.max_consecutive_skips`` raised past them).
 
         A GradScaler that cannot recover does that (most steps overflow and back off the scale; at the scale left
         the few applied gradients underflow to 0, or to a tiny remainder, e.g. of an fp32 term of the loss) without
@@ -293,27 +297,26 @@ class Guard:
         if len(recent) < recent.maxlen:
             return None
         applied = [r for r in recent if r[0]]
-        if not applied:  # none applied: guard.max_consecutive_skips' case
-            return None
         skipped, n, scale = len(recent) - len(applied), len(recent), recent[-1][2]
         norms = [r[1] for r in applied]
-        largest = max(norms) if all(math.isfinite(x) for x in norms) else math.nan
+        largest = max(norms) if norms and all(math.isfinite(x) for x in norms) else math.nan
         reference = float(np.median(self._norm_reference)) if self._norm_reference else math.nan
-        moved = "no update moved the parameters"
-        if largest == 0.0:
+        moved = "no gradient reached the parameters"
+        if not applied and scale < UNRECOVERABLE_SCALE:
+            what = f"all of the last {n} steps were skipped"
+        elif largest == 0.0 and not all(r[3] == 0.0 for r in applied):
             what = f"{skipped} of the last {n} steps were skipped and the {len(applied)} applied had a zero gradient"
-        elif (scale < UNRECOVERABLE_SCALE and skipped > n / 2 and reference > 0
+        elif (applied and scale < UNRECOVERABLE_SCALE and skipped > n / 2 and reference > 0
               and largest <= NEGLIGIBLE_GRAD * reference):  # (a NaN largest or reference fails this)
             what = (f"{skipped} of the last {n} steps were skipped and the {len(applied)} applied had gradient norms of "
                     f"at most {largest:.2g}, under {NEGLIGIBLE_GRAD:g} x the run's earlier {reference:.2g} (they "
                     "underflowed at the loss scale)")
-            moved = "no update moved the parameters measurably"
+            moved = "no gradient reached the parameters measurably"
         else:
             return None
         if scale != 1.0:
             what += f"; the GradScaler's scale is {scale:.2g}"
-            advice = ("precision=bf16 (no loss scale), the overflowing module in fp32 (stabletrain remedy names it), "
-                      "or guard.on_nonfinite=remedy")
+            advice = FP16_ADVICE
         else:
             advice = "a look at the skip events and the loss (is it constant?), or guard.on_nonfinite=remedy"
         return (f"the run is stalled at step {step}: {what}: {moved} (guard.stall_steps={n}). "
@@ -390,10 +393,13 @@ class Guard:
                 d.spike_steps.append(row.step)
             self.consecutive_skips = self.consecutive_skips + 1 if v["applied"] < 0.5 else 0
             if self.consecutive_skips >= self.cfg.max_consecutive_skips and d.action == "continue":
+                scale = float(v.get("loss_scale", 1.0))
                 d.action, d.reason = "stop", (f"{self.consecutive_skips} consecutive skipped steps (guard.max_consecutive_skips="
-                                              f"{self.cfg.max_consecutive_skips}) at step {row.step}: the run is not recovering")
+                                              f"{self.cfg.max_consecutive_skips}) at step {row.step}: the run is not recovering"
+                                              + (f"; the GradScaler's scale is {scale:.2g}: it cannot recover. Try "
+                                                 f"{FP16_ADVICE}" if scale < UNRECOVERABLE_SCALE else ""))
             applied, norm, scale = v["applied"] >= 0.5, float(v.get("grad_norm", math.nan)), float(v.get("loss_scale", 1.0))
-            self._recent.append((applied, norm, scale))
+            self._recent.append((applied, norm, scale, float(v.get("loss", math.nan))))
             if applied and scale >= UNRECOVERABLE_SCALE and math.isfinite(norm) and norm > 0:
                 self._norm_reference.append(norm)
         if d.locate is not None and d.first_incident < d.locate[0]:
@@ -463,7 +469,8 @@ class Guard:
         self.num_spikes = int(state["num_spikes"])
         self.num_spike_captures = int(state.get("num_spike_captures", 0))  # checkpoints from before spike captures
         self._recent.clear()
-        self._recent.extend((bool(a), float(g), float(sc)) for a, g, sc in state.get("recent", []))
+        self._recent.extend((bool(a), float(g), float(sc), float(rest[0]) if rest else math.nan)
+                            for a, g, sc, *rest in state.get("recent", []))  # (a checkpoint before the loss was kept)
         self.stall_warned = bool(state.get("stall_warned", False))
         self._norm_reference.clear()
         self._norm_reference.extend(float(x) for x in state.get("norm_reference", []))  # (older checkpoints: none)
