@@ -276,6 +276,30 @@ def test_without_loss_fn_an_incident_it_cannot_capture_is_said_once_and_a_captur
     assert line in capsys.readouterr().out
 
 
+def test_a_capture_whose_replay_fails_never_ends_the_users_loop(tmp_path):
+    """loss_fn takes (x, y) but the loop hands step() its inputs alone: the capture's replay raised inside monitor.step
+    and ended the user's training (its crash event said 'the host's training step'). Now the loss function's failure
+    is said at the first step, with the user's line, and the incident is recorded as not captured; the loop trains on."""
+    from stabletrain import StableTrainWarning
+
+    model, opt = make()
+    data = batches(20, bad_step=BAD_STEP)
+    with pytest.warns(StableTrainWarning) as caught:
+        with Monitor(model, opt, run_dir=tmp_path / "run", log_every=5, loss_fn=loss_fn) as monitor:
+            for x, y in data:
+                loss = loss_fn(model, (x, y))
+                monitor.backward(loss)
+                monitor.step(x)  # the inputs alone: not what loss_fn takes
+    said = [str(w.message) for w in caught]
+    assert any(m.startswith("the loss function that replays incidents fails on the step's batch (ValueError: ") and
+               "integration_models.py" in m for m in said), said
+    assert f"the incident at step {BAD_STEP} was not captured: its replay failed (ValueError: " in "".join(said), said
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")[0]
+    assert [e["step"] for e in events if e["kind"] == "incident"] == [BAD_STEP] and not [e for e in events
+                                                                                       if e["kind"] == "crash"]
+    assert read_jsonl(tmp_path / "run" / "metrics.jsonl")[0][-1]["step"] == 20  # trained to the end
+
+
 def test_an_empty_batch_is_diagnosed_as_one_and_remedy_says_there_is_nothing_to_replay(tmp_path, capsys):
     """A loop that reads past its data's end hands the Monitor an empty batch: its loss is NaN (a mean over nothing).
     The diagnosis names that (it crashed on collating no rows before), and so do `diagnose` and `remedy`."""

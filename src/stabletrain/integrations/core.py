@@ -11,8 +11,7 @@ and :class:`~stabletrain.services.capture.IncidentCapture`, fed by :class:`~stab
         session.before_host_step(norms)          # kept for a replay; the sentinel and the skip on the device
         ... the host applies the step ...        # (HostStep.before_step; Monitor: TrainStep.update)
         out = host_step.after_step(count)        # applied, the parameter check, ||update|| on an interval's last
-        session.record_host_step(out, ...)       # StepMetrics.update, on_step_end; every log_every steps log():
-            the boundary (its ONE host sync; the capture and diagnosis of a bad step), then stop or warn
+        session.record_host_step(out, ...)       # StepMetrics.update, on_step_end; each log_every: the boundary (ONE sync)
 
 A bad step is skipped (on the device) and nothing else: every healthy update is applied as the host would
 apply it. Under DDP every rank runs a session: the verdict is the same on every rank without a collective of
@@ -189,8 +188,9 @@ class RunSession:
         ``RUN_DIR/init_signal.json`` and a line in the snapshot written. Forces a few host syncs."""
         if not self.options.init_check or self.step > 0:
             return None
+        replaying = self.replay.replaying() if self.replay is not None else None  # (the host's step runs its own loss)
         found = first_batch_signal(self.model, batch, loss_fn, label=f"{type(self.model).__name__} at step 0",
-                                   context=self.replay.replaying() if self.replay is not None else None)
+                                   context=replaying, step_runs_loss=False)
         if found is not None and self.run is not None:
             record_signal(self.run, *found)
         return found[1] if found is not None else None

@@ -33,6 +33,7 @@ from .. import console
 from ..console import StableTrainWarning
 from ..diagnostics.diagnosis import DIAGNOSIS_FIELDS
 from ..diagnostics.spike import lr_groups
+from ..errors import user_location
 from ..incident_replay import diagnose_incident, launch_history
 from ..records.bundles import BUNDLE_DCP_DIR, STATE_IN, write_bundle
 from ..records.checkpoint.shards import is_dcp_entry
@@ -198,6 +199,21 @@ class IncidentCapture:
     # -- at a boundary with a bad step -------------------------------------------------------------
 
     def capture(self, fit: RunState, info: dict[str, Any], rows: list[Any] = ()) -> dict[str, Any]:
+        """:meth:`_capture`; on one process a capture that fails is an incident not captured (a warning the first
+        time, then a line; the live state put back), never the end of the run (an adapter's host trains on). Under
+        DDP every rank is in the replay's collectives: it is raised, as a training step's error is."""
+        try:
+            return self._capture(fit, info, rows)
+        except Exception as err:
+            if fit.dist.enabled:
+                raise
+            where = user_location(err)
+            text = (str(err).strip().splitlines() or [""])[0][:200]
+            why = f"its replay failed ({type(err).__name__}: {text}{f', at {where}' if where else ''})"
+            self._not_captured(fit, info, sorted(info.get("ranks") or []), why)
+            return {}
+
+    def _capture(self, fit: RunState, info: dict[str, Any], rows: list[Any] = ()) -> dict[str, Any]:
         """Replay to just before ``info["step"]``, write its bundle, diagnose it, record the ``incident`` event.
 
         Every rank calls it. Returns what it found, for the boundary and the ``on_incident`` callbacks:

@@ -26,6 +26,7 @@ from torch import nn
 from .. import console
 from ..data import fixed_batch
 from ..diagnostics.signal_propagation import NothingToMeasure, signal_report
+from ..errors import user_location
 from ..fileio import atomic_write
 from ..internals import eager_methods
 from ..policies.optim import optimizer_factory
@@ -43,11 +44,13 @@ SIGNAL_FILE = "init_signal.json"
 def first_batch_signal(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any], *, label: str,
                        make_optimizer: Callable[[list[nn.Parameter]], Any] | None = None,
                        context: contextlib.AbstractContextManager | None = None,
-                       asked: bool = True) -> tuple[dict[str, Any], dict[str, Any]] | None:
+                       asked: bool = True, step_runs_loss: bool = True) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """(the report as a dict, its snapshot line) for ``batch``, or None when the report failed (warned once).
 
     The RNG state is put back. ``context``: what the model needs around its forward (a host's replay mode). An
-    error raised in ``loss_fn`` itself is not warned of: the first step meets it and says it with the user's line.
+    error raised in ``loss_fn`` itself is not warned of where the first step runs that loss too (``step_runs_loss``:
+    it says it with the user's line); an adapter's ``loss_fn`` only replays incidents: its error is warned of now,
+    with the user's line (every capture would fail on it).
     ``asked=False`` (``log.init_signal=auto``): a model with no leaf module to measure is passed over quietly.
     """
     try:
@@ -55,7 +58,14 @@ def first_batch_signal(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Modul
         with kept_rng(), context or contextlib.nullcontext(), eager_methods(model):
             report = signal_report(model, batch, loss_fn, label=label, make_optimizer=make_optimizer)
     except Exception as err:  # the report must never take the run down
-        if _raised_in(err, loss_fn):  # the loss itself fails: the first step raises it with the user's own line
+        if _raised_in(err, loss_fn) and step_runs_loss:  # the first step raises it with the user's own line
+            return None
+        if _raised_in(err, loss_fn):
+            where = user_location(err)
+            warnings.warn(f"the loss function that replays incidents fails on the step's batch ({type(err).__name__}: "
+                          f"{err}{f', at {where}' if where else ''}): no incident can be captured with it; it is called "
+                          "as loss_fn(model, batch), batch as the step was given it", console.StableTrainWarning,
+                          stacklevel=console.user_stacklevel())
             return None
         if not asked and isinstance(err, NothingToMeasure):  # log.init_signal=auto on a model it cannot see into
             return None
