@@ -352,3 +352,32 @@ def test_one_empty_micro_batch_among_others_is_left_out_of_the_replay_and_said(t
     assert incident.step == BAD_STEP and (d["module"], d["bad_samples"]) == ("root", [BAD_POSITION]), d
     assert "; micro-batch 1 of the step held no samples (left out of the replay; a mean loss over none is NaN)" in (
         d["summary"])
+
+
+def test_resume_into_a_directory_holding_another_run_is_refused_and_an_empty_one_is_said(tmp_path, capsys):
+    """Monitor(resume=True) on a built-in run's directory replaced its config.yaml (integration: monitor) and appended
+    its metrics after step 10000; `stabletrain train --resume` then refused the directory. Now it is refused, naming
+    what the directory holds, with nothing written; a directory with no run says a new one starts there."""
+    from stabletrain import Trainer
+
+    built_in = tmp_path / "built-in"
+    Trainer(cfg_mlp(), run_dir=built_in).fit()
+    before = {p.name: p.read_bytes() for p in built_in.iterdir() if p.is_file()}
+    model, opt = make()
+    with pytest.raises(ValueError, match=r"resume=True: .*built-in holds a built-in run of task mlp, not a monitor run of "
+                                         r"Net: give another run_dir \(or overwrite=True without resume\)"):
+        Monitor(model, opt, run_dir=built_in, log_every=10, resume=True)
+    assert {p.name: p.read_bytes() for p in built_in.iterdir() if p.is_file()} == before  # nothing written
+    with Monitor(model, opt, run_dir=tmp_path / "new", log_every=10, resume=True, init_check=False) as monitor:
+        train(monitor, model, batches(3))
+    assert f"stabletrain: resume=True: {tmp_path / 'new'} holds no run to resume (no config.yaml); a new run starts there" \
+        in capsys.readouterr().out
+    with Monitor(model, opt, run_dir=tmp_path / "new", log_every=10, resume=True, init_check=False) as monitor:
+        train(monitor, model, batches(3))  # its own run: reopened (load_state_dict would carry its step on)
+    assert len(read_jsonl(tmp_path / "new" / "metrics.jsonl")[0]) == 2
+
+
+def cfg_mlp():
+    from helpers import cfg
+
+    return cfg("train.max_steps=3", "log.every=3", "ckpt.every=0", "eval.every=0")

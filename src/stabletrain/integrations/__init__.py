@@ -6,8 +6,7 @@
 
 What they share (:mod:`.core`): the run directory, device-side metrics reduced once per interval, the
 guard, the loop's interval boundary and incident capture fed by the host's kept steps; their options are
-:class:`~stabletrain.config.adapter.AdapterOptions`. The host-specific modules import their trainer;
-importing this package imports neither.
+:class:`~stabletrain.config.adapter.AdapterOptions`. The host modules import their trainer; this package, neither.
 """
 
 from ..config import AdapterOptions

@@ -165,8 +165,9 @@ class RunSession:
             return
         import yaml
 
-        self.state.run = RunDir(self.run_dir, resume=resume, overwrite=self.overwrite, host=self.host)
-        atomic_write(self.run.path / "config.yaml", yaml.safe_dump(self.config_dict(), sort_keys=False))
+        config = self.config_dict()  # (resuming, the directory must hold this host's run of this model)
+        self.state.run = RunDir(self.run_dir, resume=resume, overwrite=self.overwrite, host=self.host, model=config["task"])
+        atomic_write(self.run.path / "config.yaml", yaml.safe_dump(config, sort_keys=False))
         if not resume:
             extra = {"integration": self.host, "model": type(self.model).__name__,
                      "optimizer": optimizer_config(self.optimizer).get("name") if self.optimizer is not None else None,

@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from .. import console
 from ..config import Config, config_to_dict
 from ..fileio import atomic_write
 from .events import EVENT_KINDS
@@ -32,16 +33,37 @@ __all__ = ["RunDir"]
 
 
 
+def _check_resumable(path: Path, host: str, model: str | None) -> None:
+    """An adapter resuming into ``path``: it must hold ``host``'s run of ``model`` (a built-in run's or another's
+    would get this config and its metrics mixed in); one that holds none starts a new run, said."""
+    config = path / "config.yaml"
+    if not config.is_file():
+        return console.say(f"resume=True: {path} holds no run to resume (no config.yaml); a new run starts there")
+    try:
+        old = yaml.safe_load(config.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as err:
+        raise ValueError(f"resume=True: {config} cannot be read ({type(err).__name__}: {err})") from None
+    held = (old.get("integration"), old.get("task")) if isinstance(old, dict) else (None, None)
+    if held != (host, model):
+        what = f"a {held[0]} run of {held[1]}" if held[0] else f"a built-in run of task {held[1]}"
+        raise ValueError(f"resume=True: {path} holds {what}, not a {host} run of {model}: give another run_dir (or "
+                         "overwrite=True without resume)")
+
+
 class RunDir:
     """A run directory: creates it, writes config and snapshot, and owns the metric/event sinks.
 
     Only the writing process (rank 0) should create one.
     """
 
-    def __init__(self, path: str | Path, *, resume: bool = False, overwrite: bool = False, host: str | None = None) -> None:
+    def __init__(self, path: str | Path, *, resume: bool = False, overwrite: bool = False, host: str | None = None,
+                 model: str | None = None) -> None:
         """``host``: the adapter that opens it ("monitor", "lightning", "transformers"), whose user sets ``run_dir=``
-        and ``overwrite=`` in Python and resumes its own way: the refusal says so in those terms."""
+        and ``overwrite=`` in Python and resumes its own way: the refusal says so in those terms. ``model``: the
+        class name of the host's model (resuming, the directory must hold that host's run of it)."""
         self.path = Path(path)
+        if resume and host:
+            _check_resumable(self.path, host, model)
         if not resume and not overwrite and self.holds_trained_run(self.path):
             cont = ("Monitor(..., resume=True), then load_state_dict(the state you saved)" if host == "monitor" else
                     "resume the host from its checkpoint: stabletrain's state is in it")
