@@ -350,16 +350,45 @@ def test_a_launcher_killed_outright_takes_torchrun_and_every_rank_with_it(tmp_pa
         proc.communicate(timeout=60)
 
 
-def test_sigterm_to_the_launcher_checkpoints_every_rank_at_the_same_log_boundary(tmp_path):
+@pytest.mark.parametrize("name, to_group", [("SIGTERM", False), ("SIGINT", True)])
+def test_sigterm_to_the_launcher_checkpoints_every_rank_at_the_same_log_boundary(tmp_path, name, to_group):
+    """SIGTERM to the launcher, and a terminal's Ctrl-C (SIGINT to its whole process group): each rank checkpoints at
+    the boundary they agree on and the launch exits 0. Ctrl-C reached torchrun twice (the group's, then the launcher's),
+    the ranks SIGINT then SIGTERM (a second signal: exit at once, often before the checkpoint), and torchrun's
+    SignalException traceback ended the launch with exit 1."""
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(_stabletrain(*SLOW, "log.every=3", "ckpt.every=0", "dist.nproc=2", f"run.dir={run_dir}"),
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     wait_for_step(proc, run_dir, 3)
-    proc.send_signal(signal.SIGTERM)  # passed on to torchrun, which passes it to both ranks
+    sig = getattr(signal, name)
+    os.killpg(proc.pid, sig) if to_group else proc.send_signal(sig)  # passed on once, to both ranks
     out, err = proc.communicate(timeout=120)
-    assert "stabletrain: stopped by SIGTERM at step" in out, (out, err[-2000:])
+    assert f"stabletrain: stopped by {name} at step" in out, (out, err[-2000:])
+    assert proc.returncode == 0 and "Traceback" not in err and "SignalException" not in err, (proc.returncode, err[-3000:])
     loaded = CheckpointManager(run_dir / "checkpoints").load()
     assert loaded.meta["step"] % 3 == 0 and loaded.meta["step"] == steps_logged(run_dir) and len(loaded.state["ranks"]) == 2
+
+
+def test_an_agent_killed_outright_is_said_with_how_to_continue(tmp_path):
+    """SIGKILL to torchrun's agent (run.max_restarts=3): its ranks die with it and nothing restarts them; the launcher
+    exited 247 (-9 & 0xff) without a word."""
+    from stabletrain.distributed.launch import children
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(_stabletrain(*SLOW, "log.every=3", "ckpt.every=3", "dist.nproc=2", "run.max_restarts=3",
+                                         f"run.dir={run_dir}"), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        wait_for_step(proc, run_dir, 3)
+        (agent,) = children(proc.pid)
+        os.kill(agent, signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + 9, (proc.returncode, err[-2000:])
+    assert (f"stabletrain: error: torchrun's agent (pid {agent}) was killed by SIGKILL; its ranks stopped with it and "
+            "nothing restarts them. Continue the run: the same command with run.resume=auto") in err, err[-2000:]
 
 
 def test_a_nan_only_in_rank_1s_own_gradients_is_traced_to_rank_1_by_the_capture(world):

@@ -211,10 +211,12 @@ def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
 
     ``max_restarts`` > 0: torchrun's elastic agent restarts every rank when one dies, at most that many
     times (``--max-restarts``), through :mod:`stabletrain.distributed.elastic`, which tells the restarted
-    ranks what died. SIGTERM and SIGINT are passed on to torchrun, which passes them to every rank (each
-    checkpoints at its next log boundary and exits; no restart). A launcher killed outright (SIGKILL) takes
-    torchrun and the ranks with it (:func:`die_with_parent`): none is left running, holding the devices and
-    the run directory.
+    ranks what died. torchrun runs in a session of its own, so a terminal's Ctrl-C reaches the launcher alone:
+    SIGTERM and SIGINT are passed on once, to the ranks themselves (each checkpoints at the boundary they agree on
+    and exits 0, so the agent ends as a finished launch: no restart, no traceback; torchrun's agent, which would
+    signal them again and call the stop a failure, only where its ranks cannot be found). A launcher killed outright
+    (SIGKILL) takes torchrun and the ranks with it (:func:`die_with_parent`): none is left running, holding the
+    devices and the run directory. An agent that dies of a signal itself is said, with how to continue.
     """
     agent = "stabletrain.distributed.elastic" if max_restarts else "torch.distributed.run"
     cmd = [sys.executable, "-m", agent, "--standalone", f"--nproc_per_node={nproc}",
@@ -226,18 +228,39 @@ def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
         env.setdefault(*UNSHARED_STORE)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     # In the child between fork and exec (the launcher runs no other thread): the mark survives the exec.
-    proc = subprocess.Popen(cmd, env=env, preexec_fn=lambda: die_with_parent(parent=launcher))
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=lambda: die_with_parent(parent=launcher), start_new_session=True)
 
     def forward(signum: int, frame: Any) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signum)
+        for pid in children(proc.pid) or [proc.pid]:  # the ranks; the agent where none can be found
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
 
     old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return proc.wait()
+        code = proc.wait()
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
+    if code < 0:  # the agent itself died of a signal (its ranks with it): no restart can come from it
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        print(f"stabletrain: error: torchrun's agent (pid {proc.pid}) was killed by {name}; its ranks stopped with it "
+              "and nothing restarts them. Continue the run: the same command with run.resume=auto (or stabletrain "
+              "train --resume RUN_DIR)", file=sys.stderr, flush=True)
+        return 128 + -code
+    return code
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (``/proc``; empty where there is none)."""
+    out = []
+    for entry in Path("/proc").glob("[0-9]*") if Path("/proc").is_dir() else []:
+        fields = stat_fields(int(entry.name))
+        if fields is not None and len(fields) > 1 and fields[1] == str(pid):
+            out.append(int(entry.name))
+    return out
 
 
 #: How a restarted child starts its output (its restart's own line): not the last line of its own a death quotes.
