@@ -502,6 +502,19 @@ def test_goodput_counts_a_launch_that_died_in_its_start_up(tmp_path):
     assert (g.launches, g.restarts) == (2, 1) and g.total_s == pytest.approx(20.0)
 
 
+def test_goodput_counts_the_launch_that_refused_once(tmp_path):
+    """A crash loop: 3 launches got ready (the 2nd and 3rd restarted), a 4th refused to loop at its start: 'over 5
+    launches' (the refusing launch counted twice)."""
+    ledger = [{"kind": "launch", "start": 100.0 + 10 * i, "ready": 101.0 + 10 * i, "step": 0} for i in range(3)]
+    _jsonl(tmp_path / "goodput.jsonl", ledger)
+    events = [{"kind": "restart", "step": 0, "time": 100.5 + 10 * i, "cause": {"time": 99.0 + 10 * i}} for i in (1, 2)]
+    events.append({"kind": "stop", "step": 0, "time": 130.5, "reason": "restart refused: the same failure ...",
+                   "cause": {"time": 129.0}})
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    g = read_goodput(tmp_path)
+    assert (g.launches, g.restarts) == (4, 2) and "over 4 launches" in g.line(), g.line()
+
+
 def test_goodput_parts_that_overlap_in_an_interval_stay_within_its_wall_time(tmp_path):
     # A save waited for inside a rollback's incident time was in both: 0.63 s checkpoint and 0.67 s incident in 0.68 s.
     ledger = [{"kind": "launch", "start": 100.0, "ready": 101.0, "step": 0},

@@ -134,19 +134,26 @@ def read_goodput(run_dir: str | Path) -> Goodput | None:
     lines = sum(1 + len(n["intervals"]) + len(n["rollbacks"]) + (n["end"] is not None) for n in launches)
     if 0.0 < sum(sec.values()) - total <= ROUNDING_S * lines:
         total = sum(sec.values())
-    # Each refusal follows the death of the launch before it, as a restart event does, and is a launch of its own
-    unrecorded = _unrecorded(launches, [*restarts, *refusals]) + len(refusals)
-    return Goodput(sec, total, len(launches) + unrecorded, len(restarts))
+    return Goodput(sec, total, _count_launches(launches, restarts, refusals), len(restarts))
 
 
-def _unrecorded(launches: list[dict[str, Any]], restarts: list[dict[str, Any]]) -> int:
-    """How many launches died in their start-up, before the ledger's first line. Each ``restart`` event follows the
-    death of the launch before it (the restarted launch writes it as it starts): one with no launch ready since the
-    event before it followed such a launch; so did a last restart after which no launch became ready."""
-    readies = [float(n["line"].get("ready") or 0.0) for n in launches]
-    times = sorted(float(e.get("time") or 0.0) for e in restarts)
-    dead = sum(not any(a <= r < b for r in readies) for a, b in zip([-math.inf, *times], times))
-    return dead + bool(times and not any(r >= times[-1] for r in readies))
+def _count_launches(launches: list[dict[str, Any]], restarts: list[dict[str, Any]], refusals: list[dict[str, Any]]) -> int:
+    """Every launch of the run, those that died in their start-up (before the ledger's first line) too, from the
+    launches that got ready (R), the ``restart`` events (S: each written by the launch it started, as it starts) and
+    the refusals (F: each by the launch that refused to loop), in time order: each S and each F is a launch; an R is
+    one unless an S just before it was its own start; and an S or F with nothing before it, or right after an F, follows
+    the death of a launch a person started that never got ready. (A refusing launch may write the restarts' events
+    late, all at once: they still count one each.)"""
+    rank = {"S": 0, "F": 1, "R": 2}
+    items = sorted([(float(e.get("time") or 0.0), "S") for e in restarts] + [(float(e.get("time") or 0.0), "F")
+                   for e in refusals] + [(float(n["line"].get("ready") or 0.0), "R") for n in launches],
+                   key=lambda x: (x[0], rank[x[1]]))
+    count, prev = 0, None
+    for _, kind in items:
+        count += 1 if kind != "R" or prev != "S" else 0
+        count += kind != "R" and prev in (None, "F")
+        prev = kind
+    return count
 
 
 def _interval(row: dict[str, Any], later_resume: float, rollbacks: list[dict[str, Any]], sec: dict[str, float]) -> None:
