@@ -398,3 +398,16 @@ def test_a_run_from_before_the_guard_split_resumes_with_one_line_naming_the_move
     assert moved[1] == ("stabletrain: warning: the overrides: read old config keys at their new places (guard.diagnose "
                         "-> capture.diagnose); rename them to stop this line")
     assert yaml.safe_load(saved.read_text())["capture"]["diagnose"] is False  # written back in the new layout
+
+
+def test_resume_with_another_run_dir_is_refused_naming_both(tmp_path, capsys):
+    """`stabletrain train --resume A run.dir=B` ran in A without a word about B."""
+    from stabletrain.cli import main
+
+    assert main(["train", "task=mlp", "train.max_steps=2", "log.every=1", "eval.every=0", f"run.dir={tmp_path / 'a'}"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", str(tmp_path / "a"), f"run.dir={tmp_path / 'b'}", "train.max_steps=4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"stabletrain: error: config key 'run.dir': {str(tmp_path / 'b')!r}, but --resume "
+                          f"{str(tmp_path / 'a')!r} continues the run in ") and not (tmp_path / "b").exists(), err
+    assert main(["train", "--resume", str(tmp_path / "a"), f"run.dir={tmp_path / 'a'}", "train.max_steps=4"]) == 0

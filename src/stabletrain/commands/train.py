@@ -37,6 +37,10 @@ def _resume_target(args: argparse.Namespace) -> str | None:
 def cmd_train(args: argparse.Namespace) -> int:
     resume = _resume_target(args)
     if resume:
+        other = [x.split("=", 1)[1] for x in args.overrides if x.startswith("run.dir=")]
+        if other and Path(other[-1]).resolve() != Path(resume).resolve():
+            raise ValueError(f"config key 'run.dir': {other[-1]!r}, but --resume {resume!r} continues the run in "
+                             f"{resume!r}: drop run.dir= (or resume {other[-1]!r})")
         saved = Path(resume) / "config.yaml"
         if not saved.exists():
             raise FileNotFoundError(f"resume {resume!r}: no config.yaml there; is it a stabletrain run directory?")
