@@ -387,3 +387,24 @@ def test_sgd_update_ratios_use_the_fixed_band():
     assert all(u.mark == "large" for u in report.updates if u.ratio is not None)
     assert format_updates(report)[0].startswith("update/weight (rms) after one SGD(lr=100) step (lr x |grad| / |w|): "
                                                 "band 0.0001 to 0.01")
+
+
+class _Log(nn.Module):
+    def forward(self, x):
+        return torch.log(x)
+
+
+def test_a_first_batch_with_a_non_finite_value_gets_no_init_verdict():
+    """One sample of the first batch makes a NaN at a log: the report said 'explodes at #1 ... std nan = infx ...,
+    recommended init: init_(model, 'auto')', blaming the init for the data (the step's incident names the sample)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), _Log(), nn.Linear(8, 1))
+    x = torch.rand(8, 4)
+    with torch.no_grad():
+        model[0].bias.fill_(0.1)
+    x[3] = -100.0  # relu(...) is 0 there: log(0) = -inf
+    report = signal_report(model, (x, torch.randn(8, 1)), lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
+    assert report.summary("forward") == ("forward: non-finite at #2 '2' (_Log) on this batch (std nan): a sample or an "
+                                         "op makes it, not the init's scale")
+    assert report.advice().startswith("no init advice: this batch makes non-finite values"), report.advice()
+    assert "recommended init" not in report.advice()

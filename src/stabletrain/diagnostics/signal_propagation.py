@@ -203,6 +203,9 @@ class SignalReport:
         if direction == "backward" and first.role == "recurrent" and first.time_grad_first is not None:
             what, value, ref = ("through time: grad std at its input's first time step", first.time_grad_first,
                                 "at its middle one")
+        if value is not None and not math.isfinite(value):  # a NaN/inf of the batch (a sample, an op): no init's scale
+            return (f"{direction}: non-finite at #{first.index} {first.name!r} ({first.kind}) on this batch ({what} "
+                    f"{value:.3g}): a sample or an op makes it, not the init's scale")
         verb = "explodes" if verdict == EXPLODING else "vanishes"
         return (f"{direction}: {verb} at #{first.index} {first.name!r} ({first.kind}): {what} {value:.3g} = "
                 f"{_x(getattr(first, attr))} that {'of ' if ref.startswith(chr(39)) else ''}{ref}; most extreme "
@@ -211,6 +214,9 @@ class SignalReport:
     def advice(self) -> str:
         """Return one line recommending an init scheme from the activations seen."""
         seen = ", ".join(f"{n} x{c}" for n, c in self.activations.items()) or "no activation modules"
+        if any(x is not None and not math.isfinite(x) for layer in self.layers for x in (layer.signal_std, layer.grad_std)):
+            return ("no init advice: this batch makes non-finite values, which no init's scale explains (the step's own "
+                    "incident names the sample or the op)")
         if self.passed:
             line = f"init holds; the scheme for these activations would be init_(model, {self.recommended!r}) (saw {seen})"
         else:
