@@ -261,6 +261,22 @@ def test_the_same_crash_after_a_restart_stops_the_run_with_one_line(tmp_path):
     assert "tried: 1 restart(s) so far, the last from step_000004 (run.max_restarts=5, run.max_repeats=1)" in refused[0]
 
 
+def test_the_same_crash_of_rank_1_under_ddp_stops_with_exit_3_and_one_line(tmp_path):
+    """Rank 1 crashes reading sample 45 on every launch; rank 0 writes the events and only saw a peer lost, so the crash
+    was 'ended without a record of why' and only the no-checkpoint rule stopped the loop (5 launches), and torchrun
+    ended exit 1 with its ChildFailedError banner. The launcher's record of the death names it: the same failure."""
+    run_dir = tmp_path / "run"
+    res = subprocess.run([sys.executable, "-m", "stabletrain", "train", "task=restart_tasks:unreadable_sample_task",
+                          "train.batch_size=8", "data.shuffle=false", "train.max_steps=12", "ckpt.every=1", "log.every=1",
+                          "eval.every=0", "run.max_restarts=5", "run.max_repeats=1", "dist.nproc=2",
+                          f"run.dir={run_dir}", *FAST], env=env(), capture_output=True, text=True, timeout=240)
+    assert res.returncode == 3 and "ChildFailedError" not in res.stderr, res.stderr[-3000:]
+    assert [e["kind"] for e in events(run_dir) if e["kind"] in ("restart", "stop")] == ["restart", "stop"]
+    refused = [line for line in res.stderr.splitlines() if "not restarting" in line]
+    assert len(refused) == 1 and "the same failure ended 2 launches in a row (ended as rank 1 exited with code 1 (its " \
+        "last line: " in refused[0], refused
+
+
 @pytest.mark.slow
 def test_a_checkpoint_that_leads_to_a_nonfinite_step_right_after_its_load_is_not_trusted_again(tmp_path):
     run_dir = tmp_path / "run"

@@ -30,6 +30,7 @@ from typing import Any
 
 from ..internals import InternalMissing, end_restarts, restarting_agent, restarts_left, use_elastic_agent
 from .launch import (
+    EXIT_GAVE_UP,
     FINAL_EXITS,
     LAUNCH_START_ENV,
     RESTART_ENV,
@@ -111,7 +112,16 @@ def main(argv: list[str] | None = None) -> None:
     except InternalMissing as err:
         print(f"stabletrain: warning: {err}; running plain torchrun (restarts still happen; their records say less "
               "about the cause)", file=sys.stderr, flush=True)
-    torchrun.main(argv)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        torchrun.main(argv)
+    except ChildFailedError as err:  # a rank refused (its input, or to restart into the same failure): it said why
+        codes = {getattr(f, "exitcode", None) for f in getattr(err, "failures", {}).values()}
+        final = next((code for code in (EXIT_GAVE_UP, 2) if code in codes), None)
+        if final is None:
+            raise
+        sys.exit(final)  # its exit code, without torchrun's banner of a failure the rank has told already
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -267,6 +267,11 @@ def _restart_after(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_
     events, _ = read_jsonl(run_dir / "events.jsonl")
     metrics, _ = read_jsonl(run_dir / "metrics.jsonl")
     failure = last_failure(events, max((int(m.get("step", 0)) for m in metrics), default=0))
+    if failure.kind == "exit" and (cause or {}).get("last_line"):  # no record of why (another rank's crash, rank 0
+        # writes the events): the launcher's word names it, and the same death again is the same failure
+        ended = describe_exit(int(cause.get("exitcode", 1)))
+        failure = replace(failure, text=f"ended as rank {cause.get('rank')} {ended} (its last line: {cause['last_line']!r})",
+                          key=["exit", cause.get("rank"), cause.get("exitcode"), cause["last_line"]])
     chain = _restart_chain(events)
     number = (cause or {}).get("restart") or max([r["count"] for r in everyone] + [len(chain) + 1])
     limit = (cause or {}).get("max_restarts") or max(r["max"] for r in everyone) or cfg.run.max_restarts
