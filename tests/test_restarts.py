@@ -366,6 +366,16 @@ def test_run_resume_auto_starts_the_run_then_continues_it(tmp_path, capsys):
     assert "optim.lr: checkpoint 0.001, now 0.5" in capsys.readouterr().err
     assert main(["train", "task=mlp", "run.resume=auto"]) == 2
     assert "config key 'run.resume': auto continues or starts run.dir, but run.dir is not set" in capsys.readouterr().err
+    # A finished run whose last checkpoint is damaged (a byte flipped) is no finished run: it said 'has finished', exit 0;
+    # the resume falls back to the checkpoint before it (saying why) and trains the last steps again.
+    state = run_dir / "checkpoints" / "step_000008" / "state.pt"
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    state.write_bytes(bytes(data))
+    assert main([*args, "train.max_steps=8"]) == 0
+    out, err = capsys.readouterr()
+    assert "has finished" not in out and "step_000008" in err, (out, err)
+    assert [(e["kind"], e["step"]) for e in events(run_dir) if e["kind"] == "resume"][-1] == ("resume", 6)
 
 
 # -- what ended a launch, and when not to restart (no processes) ------------------------------------------------

@@ -194,10 +194,13 @@ def begin_launch(cfg: Any, run_dir: Path | None, resume: bool, ctx: Any) -> Laun
         if restart:
             return _restart(cfg, run_dir, everyone, has_checkpoint)
         if cfg.run.resume == "auto" and not resume:
-            name = CheckpointManager(run_dir / "checkpoints").latest_good()
+            manager = CheckpointManager(run_dir / "checkpoints")
+            name = manager.latest_good()
             at = int(name.name.split(".")[0].removeprefix("step_")) if name is not None else None
-            if at is not None and at >= cfg.train.max_steps and _same_config(cfg, name):  # a resubmitted finished run:
-                # its record stays as it is (a changed config goes on to the resume, which refuses it)
+            # A resubmitted finished run: its record stays as it is (a changed config goes on to the resume, which
+            # refuses it; a damaged last checkpoint too, which falls back to the one before it and trains the rest)
+            if (at is not None and at >= cfg.train.max_steps and _same_config(cfg, name)
+                    and not manager.verify(name)):
                 console.say(f"run.resume=auto: {run_dir} has finished (LAST_GOOD {name.name}, train.max_steps="
                             f"{cfg.train.max_steps}): nothing to train (raise train.max_steps to train on)")
                 return Launch(False, run_dir, finished=True)
