@@ -361,6 +361,9 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
         note = (f"micro-batch{'es' if len(empty) > 1 else ''} {', '.join(map(str, empty))} of the step held no samples "
                 "(left out of the replay; a mean loss over none is NaN)")
         result["summary"], result["empty_micro_batches"] = f"{result.get('summary')}; {note}", empty
+    if result.get("stage") == "none" and bundle.get("host") == "monitor":  # the step's own batch, or not all of it?
+        result["summary"] += ("; Monitor: the replay ran the batch the step was given: with accumulation and your own "
+                              "backward, give them all: monitor.step(micro_batches=[...], loss=...)")
     _positions(result, task)
     result["timings"] = {"load_s": load_s, **result["timings"], "total_s": time.perf_counter() - start}
     # A compiled run (train.compile, or a host's torch.compile) is diagnosed on the module itself, eagerly, on the

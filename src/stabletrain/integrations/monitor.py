@@ -12,11 +12,10 @@
             monitor.step()                    # unscale, measure, guard, clip, step (skipped on the device when bad),
                                               # zero the grads, metrics; the run dir every log_every steps
 
-``monitor.step`` is :meth:`stabletrain.step.TrainStep.update`, the step a built-in run takes (see
-:mod:`stabletrain.step`), on the gradients your backward left; a bad step is skipped (on the device with a fused
-optimizer or a GradScaler, else by one host read per step, warned once). The figures
-stay on the device; every ``log_every`` steps one host sync writes the run directory, and a bad step is
-captured and diagnosed by replaying ``loss_fn`` (:mod:`stabletrain.services.kept_steps`).
+``monitor.step`` is :meth:`stabletrain.step.TrainStep.update` (:mod:`stabletrain.step`) on the gradients your backward
+left; a bad step is skipped (on the device with a fused optimizer or a GradScaler, else by one host read per step,
+warned once). Every ``log_every`` steps one host sync writes the run directory, and a bad step is captured and
+diagnosed by replaying ``loss_fn`` on the step's batches (your own backward with accumulation: ``micro_batches=``).
 
 Your own clipping (e.g. ``accelerator.clip_grad_norm_``) may stay: pass the pre-clip norm it returned,
 ``monitor.step(batch, loss=loss, grad_norm=norm)``; stabletrain then records it and does not clip again.
@@ -154,11 +153,12 @@ class Monitor:
         if batch is not None:
             self._micro.append(batch)
 
-    def step(self, batch: Any = None, *, loss: Tensor | None = None, num_samples: int | None = None,
-             num_tokens: int | Tensor | None = None, grad_norm: Tensor | None = None) -> dict[str, Tensor]:
+    def step(self, batch: Any = None, *, loss: Tensor | None = None, num_samples: int | None = None, num_tokens: int |
+             Tensor | None = None, grad_norm: Tensor | None = None, micro_batches: list[Any] | None = None) -> dict[str, Tensor]:
         """Unscale, measure, guard, clip, step (skipped on the device when bad), zero the grads; record the step.
 
-        ``batch``: the step's batch (kept for a capture; shapes give the sample count). ``loss``: the step's
+        ``batch``: the step's batch (kept for a capture; shapes give the sample count); ``micro_batches``: instead,
+        the step's micro-batches in order (accumulation with your own backward). ``loss``: the step's
         loss when you called backward yourself. ``num_samples`` / ``num_tokens``: what the step covered
         (default: the batch's leading dimension). ``grad_norm``: the pre-clip norm your own clipping returned
         (the grads are clipped already: stabletrain records it and does not clip again). Returns the step's
@@ -173,7 +173,7 @@ class Monitor:
         if loss is None:
             raise ValueError("Monitor.step(): no loss for this step; call monitor.backward(loss) first, or pass "
                              "monitor.step(batch, loss=loss) when you ran backward yourself")
-        micro = self._micro or ([batch] if batch is not None else [])
+        micro = self._micro or list(micro_batches or []) or ([batch] if batch is not None else [])
         if not session.started:
             session.begin()
             if self.loss_fn is not None and micro:

@@ -210,6 +210,9 @@ class HostSteps:
                     f"{self.keeper.overflow_at}")
         if missing:
             return f"the batches of steps {missing} were not kept"
+        if not self.keeper.steps[step].micro:
+            return ("the step's batch was not given (Monitor: monitor.step(batch, ...), or with accumulation "
+                    "monitor.backward(loss, batch) per micro-batch or monitor.step(micro_batches=[...], ...))")
         if step - 1 > start and self.replay is None:
             return "no replay of the host's steps (pass loss_fn= to replay them)"
         return None
