@@ -25,7 +25,10 @@ def test_a_deaths_last_line_is_the_childs_own_not_its_restart_announcement(tmp_p
     for output, last in ((b"step 3/10\nstabletrain: restart 2 of 3 after rank 0 (pid 1) was killed\n", ["step 3/10"]),
                          (b"stabletrain: restart 2 of 3 after rank 0 (pid 1) was killed; its last line: 'x'\n", []),
                          (b"stabletrain: restart 1 of 3 ...\nTraceback (most recent call last)\nValueError: bad\n",
-                          ["ValueError: bad"])):
+                          ["ValueError: bad"]),
+                         # a message's continuation line is not its last word: the line it continues is
+                         (b"stabletrain: stopped at step 9: stalled\n  (recorded in runs/x; see: stabletrain report)\n",
+                          ["stabletrain: stopped at step 9: stalled"])):
         read, write = os.pipe()
         sink = open(os.devnull, "wb")
         lines: list[str] = []

@@ -290,8 +290,9 @@ class _Tee(threading.Thread):
             tail = (tail + chunk)[-4096:]
             done = [line for line in tail.replace(b"\r", b"\n").split(b"\n")[:-1]
                     if line.strip() and not line.startswith(_ANNOUNCED)]
+            heads = [line for line in done if line[:1] not in (b" ", b"\t", b"(")]  # not a message's continuation
             if done:
-                self.lines.append(done[-1].decode("utf-8", "replace").strip()[-300:])
+                self.lines.append((heads or done)[-1].decode("utf-8", "replace").strip()[-300:])
                 del self.lines[:-1]
 
 
