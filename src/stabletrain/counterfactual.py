@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from .config import config_from_dict
+from .diagnostics.cures import ModuleFP32
 from .diagnostics.diagnosis import matches_observed
 from .diagnostics.spike import (
     classify_spike,
@@ -63,21 +64,28 @@ MAX_GRAD_SAMPLES = 64
 MAX_CONTEXT = 3
 #: At most this many forward replays of the window in one bisection.
 MAX_BISECT_REPLAYS = 96
+#: A spike whose window keeps at most 1/DRAW_SHARE of its loss with every dropout off was made by the step's masks.
+DRAW_SHARE = 10.0
 #: Windows of at most this many samples are searched by each sample's removal (one forward pass each); larger ones
 #: by halves.
 MAX_LEAVE_ONE_OUT = 64
 
 
-def _dropout_draw(bench: ReplayBench, groups: list[tuple[list[int], Any]], rule: Any, bound: float) -> dict[str, Any] | None:
-    """The window's loss with every dropout off (None: the model draws none): ``loss``, ``ratio``, ``zscore`` and
-    ``normal`` (no spike by the rule, at most ``bound`` times its median: the step's own draw made the spike)."""
+def _dropout_draw(bench: ReplayBench, groups: list[tuple[list[int], Any]], rule: Any, bound: float,
+                  loss: float) -> dict[str, Any] | None:
+    """The window's loss with every dropout off (None: the model draws none): ``loss``, ``ratio``, ``zscore``,
+    ``normal`` (no spike by the rule, at most ``bound`` times its median) and ``made_by_draw`` (normal, or at most
+    1/:data:`DRAW_SHARE` of the spike's ``loss``: the step's own draw made the spike)."""
     with dropout_off(bench.replica.model) as (names, mode):
         quiet = bench.loss(groups)
     if not names and not mode.calls:
         return None
     test = rule(quiet)
-    return {"loss": quiet, "ratio": test.get("ratio"), "zscore": test.get("zscore"),
-            "normal": not test["spike"] and test.get("ratio", 0.0) <= bound}
+    # Normal by the rule, or most of the window's loss gone with the masks: near a tiny loss, dropout off (no 1/(1-p)
+    # noise, the mean of the masks instead) shifts a trained model's outputs enough to miss the rule's bar by itself
+    normal = not test["spike"] and test.get("ratio", 0.0) <= bound
+    return {"loss": quiet, "ratio": test.get("ratio"), "zscore": test.get("zscore"), "normal": normal,
+            "made_by_draw": normal or quiet * DRAW_SHARE <= loss}
 
 
 def _samples(bench: ReplayBench, groups: list[tuple[list[int], Any]], rule: Any, grads: dict[str, torch.Tensor] | None,
@@ -313,10 +321,10 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
     m: dict[str, Any] = {"reproduces": why is None, "why_not_reproducible": why, "loss": here["loss"],
                          "precision": precision, "step": bundle["step"]}
     # A model with dropout: is the window a spike with it off? (else the step's own draw made it: no sample is to blame)
-    m["dropout"] = _dropout_draw(bench, spike, rule, cfg.guard.spike_ratio) if why is None else None
+    m["dropout"] = _dropout_draw(bench, spike, rule, cfg.guard.spike_ratio, here["loss"]) if why is None else None
     samples_rows, m["samples"], m["samples_note"] = (
         _samples(bench, spike, rule, here.get("grads"), cfg.guard.spike_ratio, dropout=m["dropout"] is not None)
-        if why is None and not (m["dropout"] or {}).get("normal") else ([], None, None))
+        if why is None and not (m["dropout"] or {}).get("made_by_draw") else ([], None, None))
     samples_s = time.perf_counter() - start - replays_s
     ordinary_steps = [bench.step(c) for c in context]
     ordinary = _typical(ordinary_steps) if context else None
@@ -342,8 +350,9 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
         fp32 = replica.precision(mode="fp32")
         full = bench.step(spike, fp32)
         m["fp32"] = {"loss": full["loss"], **{k: v for k, v in rule(full["loss"]).items() if k != "armed"}}
-        if not m["fp32"]["spike"]:  # where the low-precision outputs first part from fp32's
-            m["where"] = precision_departures(*bench.module_errors(spike, replica.model, bench.precision, fp32))
+        if not m["fp32"]["spike"]:  # where the low-precision outputs first part from fp32's, and where it is lost
+            m["where"] = _fp32_cure(bench, spike, rule, precision_departures(
+                *bench.module_errors(spike, replica.model, bench.precision, fp32)))
     verdict = classify_spike(m)
     after = observed.get("after_spike")
     # (an adapter numbers samples by their place in the step: the same number in another step is another sample)
@@ -380,10 +389,24 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
     return out
 
 
+def _fp32_cure(bench: ReplayBench, spike: list, rule: Any, where: dict[str, Any]) -> dict[str, Any]:
+    """``where`` with ``cured_by`` (and ``cured_loss``): of the first module whose output departs from fp32's and the
+    two that ran before it (nearest first), the first that, alone in fp32, makes the window no spike by the rule (a
+    forward each): a value made in low precision may only show downstream (an offset added, rounding the signal
+    away, then taken off: the module that takes it off departs, the one that added it loses it)."""
+    for name in [where["first"], *where.get("upstream", [])] if where.get("first") else []:
+        with ModuleFP32(name).installed(bench.replica.model):
+            loss = bench.loss(spike)
+        if math.isfinite(loss) and not rule(loss)["spike"]:
+            return {**where, "cured_by": name, "cured_loss": loss}
+    return where
+
+
 def _rules_out_aftershock(cls: str, older: dict[str, Any] | None, earlier: int) -> bool:
     """Whether the verdict rules out that an earlier spike's applied update made this one: a dropout draw, a precision
-    loss, or a window that was high under a state from before that update (the interval's start at or before it)."""
-    return cls in ("dropout", "precision") or (cls == "data" and older is not None and older["step"] <= earlier)
+    loss, or a window that was high under a state from before that update (the state of step N is the one after step
+    N's update: an interval's start before the earlier spike's step)."""
+    return cls in ("dropout", "precision") or (cls == "data" and older is not None and older["step"] < earlier)
 
 
 def _step_sizes(history: list[list[Any]], steps: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -80,8 +80,10 @@ def _spike_candidates(diagnosis: dict[str, Any], history: list[dict[str, Any]], 
     cls, out = diagnosis.get("failure_class"), []
     if cls == "data" and diagnosis.get("bad_samples"):
         out.append(SkipSamples(tuple(diagnosis["bad_samples"])))
-    if cls == "precision" and diagnosis.get("blamed_module"):  # the module whose output departs, and the two before it
-        for module in [diagnosis["blamed_module"], *((diagnosis.get("where") or {}).get("upstream") or [])]:
+    if cls == "precision" and diagnosis.get("blamed_module"):  # the module named, the first departing and the two
+        where = diagnosis.get("where") or {}  # before it, each once
+        for module in dict.fromkeys([diagnosis["blamed_module"], *filter(None, [where.get("first")]),
+                                     *(where.get("upstream") or [])]):
             out.append(ModuleFP32(module))
     layer = diagnosis.get("blamed_layer")
     if cls == "optimizer-state" and layer:

@@ -252,19 +252,25 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
         return {**out, "failure_class": "not reproducible", "evidence": m.get("why_not_reproducible") or "the replay differs"}
     fp32 = m.get("fp32")
     if fp32 is not None and not fp32["spike"]:
-        module = (m.get("where") or {}).get("first")
-        out["blamed_module"] = module
-        return {**out, "failure_class": "precision",
-                "evidence": (f"the same step in fp32 has loss {fp32['loss']:.4g}, normal by the guard's rule (x"
-                             f"{fp32['ratio']:.3g} the window's median, z {fp32['zscore']:.3g}); in {m['precision']} it is "
-                             f"{m['loss']:.4g}" + (f"; the first module whose output departs from fp32's: '{module}' "
-                                                   f"(relative error {m['where']['first_error']:.3g})" if module else ""))}
+        where = m.get("where") or {}
+        first, cured = where.get("first"), where.get("cured_by")
+        out["blamed_module"] = cured or first
+        text = (f"the same step in fp32 has loss {fp32['loss']:.4g}, no spike by the guard's rule (x{fp32['ratio']:.3g} the "
+                f"window's median, z {fp32['zscore']:.3g}); in {m['precision']} it is {m['loss']:.4g}")
+        if first:
+            text += f"; the first module whose output departs from fp32's: '{first}' (relative error {where['first_error']:.3g})"
+        if cured:
+            text += (f"; '{cured}' alone in fp32 makes the step no spike (loss {where['cured_loss']:.4g}, verified)"
+                     + (f": its output loses what '{first}' shows" if cured != first else ""))
+        return {**out, "failure_class": "precision", "evidence": text}
     draw = m.get("dropout")
-    if draw is not None and draw["normal"]:
+    if draw is not None and draw.get("made_by_draw", draw["normal"]):
+        how = (f"normal by the guard's rule (x{draw['ratio']:.3g} the window's median, z {draw['zscore']:.3g})"
+               if draw["normal"] else f"{_pct(1 - draw['loss'] / m['loss'])} of it gone")
         return {**out, "failure_class": "dropout",
-                "evidence": (f"with every dropout off the window's loss is {draw['loss']:.4g}, normal by the guard's rule (x"
-                             f"{draw['ratio']:.3g} the window's median, z {draw['zscore']:.3g}); under the step's own "
-                             f"dropout masks it is {m['loss']:.4g}: the draw made the spike, not the samples nor the state")}
+                "evidence": (f"with every dropout off the window's loss is {draw['loss']:.4g}, {how}; under the step's "
+                             f"own dropout masks it is {m['loss']:.4g}: the draw made the spike, not the samples nor "
+                             "the state")}
     high_before = older is not None and older["window_high"]
     # No older state to weigh the window against: ordinary windows that are spikes by the rule under this state say
     # the state drifted (then dropping a drifted window's largest losses "cures" it too: no sample is to blame).

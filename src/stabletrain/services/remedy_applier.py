@@ -135,10 +135,12 @@ class RemedyApplier:
 
             best = next((c for c in record["candidates"] if c["verdict"] == "cures" and not c["baseline"]
                          and unusable(c) is None and not (skip_cures and c["remedy"]["kind"] == "rollback-lr")), None)
-            if best is None and skip_cures:  # the step's skip was all it needed
+            draw = record["failure_class"] == "dropout" and not params_bad  # another step draws other masks
+            if best is None and (skip_cures or draw):  # the step's skip was all it needed
                 decision.action = "continue"
                 line = (f"no remedy needed for the {record['failure_class']} incident at step {record['step']}: skipping "
-                        f"its step cures it on the replay ({skip['evidence']})")
+                        + (f"its step cures it on the replay ({skip['evidence']})" if skip_cures else
+                           "its step was all (its dropout masks made it; the next steps draw their own)"))
                 state.event(state.step, "remedy", line, incident=incident, applied=None)
                 if state.run is not None:  # said as an applied one is
                     console.say(line)
