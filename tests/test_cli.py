@@ -1,6 +1,7 @@
 """The CLI as a user runs it: a subprocess, exit codes, one-line errors, a real run directory."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -411,3 +412,16 @@ def test_resume_with_another_run_dir_is_refused_naming_both(tmp_path, capsys):
     assert err.startswith(f"stabletrain: error: config key 'run.dir': {str(tmp_path / 'b')!r}, but --resume "
                           f"{str(tmp_path / 'a')!r} continues the run in ") and not (tmp_path / "b").exists(), err
     assert main(["train", "--resume", str(tmp_path / "a"), f"run.dir={tmp_path / 'a'}", "train.max_steps=4"]) == 0
+
+
+def test_the_last_line_says_a_spike_lifted_the_last_intervals_loss(tmp_path, capsys):
+    """A healthy run whose last interval held a skipped spike ended 'trained 150 steps; loss=2.605' (the interval's
+    mean with the spike's 26.05; its healthy level ~4e-4): the line says what the mean holds and the interval's smallest."""
+    from stabletrain.cli import main
+
+    assert main(["train", "task=spike_tasks:outliers_at_task", "train.batch_size=8", "train.max_steps=20", "log.every=10",
+                 "data.shuffle=false", "optim.lr=0.01", "eval.every=0", "guard.on_spike=skip", "capture.incidents=false",
+                 f"run.dir={tmp_path / 'run'}"]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("stabletrain: trained 20 steps; ")]
+    assert re.match(r"stabletrain: trained 20 steps; loss=[\d.e+-]+ \(the last interval's mean, with 1 loss spike in it; "
+                    r"its smallest [\d.e+-]+\), grad_norm=", line), line

@@ -115,6 +115,12 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
             write_report(run_dir)
         return 0
     shown = ", ".join(f"{k}={record[k]:.4g}" for k in ("loss", "val_loss", "grad_norm") if isinstance(record.get(k), float))
+    if record.get("num_spikes") and isinstance(record.get("loss_min"), float):  # the last interval's mean: a spike in it
+        from ..report.text import plural
+
+        said = f"loss={record['loss']:.4g}"
+        shown = shown.replace(said, f"{said} (the last interval's mean, with {plural(int(record['num_spikes']), 'loss spike')}"
+                              f" in it; its smallest {record['loss_min']:.4g})", 1)
     skipped, undone = (_skips(run_dir) if (run_dir / "events.jsonl").is_file()
                        else (sum(int(r.get("num_skipped", 0)) for r in trainer.history), 0))
     skipped_note = (f"{skipped} of {trainer.step} steps skipped ({100 * skipped / max(trainer.step, 1):.0f}%: see events.jsonl)"
