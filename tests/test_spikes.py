@@ -1286,3 +1286,36 @@ def test_the_steps_growth_is_measured_on_ordinary_windows_only():
     history = [[10, 0.1, 0.004], [20, 0.1, 0.004]]
     assert _step_sizes(history, []) is None  # no ordinary window: the spike's own step is no 'ordinary window'
     assert _step_sizes(history, [{"update_ratio": 0.2}])["now"] == 0.2
+
+
+def test_a_hand_made_drop_path_is_switched_off_as_dropout_is():
+    """timm's DropPath draws its mask with bernoulli_ and divides by the keep probability: dropout_off did not see it
+    (a spike its draw made was 'data: the batch an outlier', 'dropout: null'). Its mask is now its expectation: the
+    identity, as in eval mode, and the draw is counted (so the model is known to draw)."""
+    from torch import nn
+
+    from stabletrain.policies.dropout import dropout_off
+
+    class DropPath(nn.Module):  # timm's drop_path, as written there
+        def __init__(self, p):
+            super().__init__()
+            self.p = p
+
+        def forward(self, x):
+            keep = 1 - self.p
+            mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
+            return x * mask.div_(keep)
+
+    class Bern(nn.Module):  # torch.bernoulli of probabilities
+        def forward(self, x):
+            return x * torch.bernoulli(torch.full_like(x, 0.8)) / 0.8
+
+    torch.manual_seed(0)
+    x = torch.randn(16, 4)
+    for module in (DropPath(0.3), Bern()):
+        model = nn.Sequential(nn.Linear(4, 4), module, nn.Linear(4, 1)).train()
+        with dropout_off(model) as (names, mode):
+            off = model(x)
+        assert mode.calls == 1 and names == []
+        assert torch.allclose(off, model[2](model[0](x)), atol=1e-6), module  # the identity, as timm's in eval mode
+        assert not torch.allclose(model(x), off)  # outside it, it draws again

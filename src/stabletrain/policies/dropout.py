@@ -1,8 +1,9 @@
 """Dropout switched off for a comparison whose sides differ in batch shape (their masks cannot match).
 
-``nn.Dropout`` modules, a module's own ``dropout`` (LSTM, GRU, RNN, MultiheadAttention) and functional dropout in
-the user's forward (``F.dropout`` and friends, ``scaled_dot_product_attention``'s ``dropout_p``); every other layer
-(a batch norm) behaves as in training. Used by the ``accum`` check and by a spike's removal search.
+``nn.Dropout`` modules, a module's own ``dropout`` (LSTM, GRU, RNN, MultiheadAttention), functional dropout in
+the user's forward (``F.dropout`` and friends, ``scaled_dot_product_attention``'s ``dropout_p``) and hand-made masks
+(``bernoulli_``, ``torch.bernoulli``: their expectation, e.g. timm's DropPath); every other layer (a batch norm)
+behaves as in training. Used by the ``accum`` check and by a spike's removal search.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -24,7 +26,9 @@ _FUNCTIONAL_DROPOUT = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha
 
 
 class NoFunctionalDropout(TorchFunctionMode):
-    """Make the user's functional dropout the identity (and sdpa's ``dropout_p`` 0); count the calls that had p > 0."""
+    """Make the user's functional dropout the identity (and sdpa's ``dropout_p`` 0), and a hand-made mask its
+    expectation (``bernoulli_(p)`` fills p, ``torch.bernoulli(probs)`` gives probs: timm's DropPath, which divides by
+    the keep probability, is then the identity); count the calls that drew."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -38,6 +42,16 @@ class NoFunctionalDropout(TorchFunctionMode):
             if training and p > 0:
                 self.calls += 1
                 return args[0] if args else kwargs["input"]
+        elif func is torch.Tensor.bernoulli_:
+            p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+            self.calls += 1
+            with torch.no_grad():
+                return args[0].fill_(p) if isinstance(p, (int, float)) else args[0].copy_(p)
+        elif func is torch.bernoulli:
+            source = kwargs.get("input", args[0] if args else None)
+            p = kwargs.get("p", args[1] if len(args) > 1 else None)
+            self.calls += 1
+            return source.detach().clone() if p is None else torch.full_like(source, p)
         elif func is F.scaled_dot_product_attention:
             if len(args) > 4 and args[4]:  # (query, key, value, attn_mask, dropout_p, ...)
                 self.calls += 1
