@@ -1319,3 +1319,6 @@ def test_a_hand_made_drop_path_is_switched_off_as_dropout_is():
         assert mode.calls == 1 and names == []
         assert torch.allclose(off, model[2](model[0](x)), atol=1e-6), module  # the identity, as timm's in eval mode
         assert not torch.allclose(model(x), off)  # outside it, it draws again
+    with dropout_off(nn.Linear(1, 1)) as (_, mode):  # an integer mask is drawn as it is (fill(0.9) would zero it)
+        drawn = torch.zeros(1000, dtype=torch.long).bernoulli_(0.9)
+    assert mode.calls == 0 and 800 < int(drawn.sum()) < 1000

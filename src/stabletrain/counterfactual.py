@@ -72,20 +72,30 @@ MAX_LEAVE_ONE_OUT = 64
 
 
 def _dropout_draw(bench: ReplayBench, groups: list[tuple[list[int], Any]], rule: Any, bound: float,
-                  loss: float) -> dict[str, Any] | None:
+                  loss: float, context: list[list[tuple[list[int], Any]]]) -> dict[str, Any] | None:
     """The window's loss with every dropout off (None: the model draws none): ``loss``, ``ratio``, ``zscore``,
-    ``normal`` (no spike by the rule, at most ``bound`` times its median) and ``made_by_draw`` (normal, or at most
-    1/:data:`DRAW_SHARE` of the spike's ``loss``: the step's own draw made the spike)."""
+    ``normal`` and ``made_by_draw`` (the step's own draw made the spike).
+
+    Normal: no spike by the rule and at most ``bound`` times its median; where ordinary windows (``context``) are at
+    hand, at most ``bound`` times their loss with dropout off too (dropout off lowers every window's loss: against
+    the rule's window, recorded with dropout on, a bad sample's window could pass). Made by the draw: normal, or at
+    most 1/:data:`DRAW_SHARE` of the spike's positive ``loss`` left (near a tiny loss, dropout off shifts a trained
+    model's outputs enough to miss the bar by itself). A non-finite loss with dropout off is neither.
+    """
     with dropout_off(bench.replica.model) as (names, mode):
         quiet = bench.loss(groups)
+        ordinary = [bench.loss(c) for c in context]
     if not names and not mode.calls:
         return None
     test = rule(quiet)
-    # Normal by the rule, or most of the window's loss gone with the masks: near a tiny loss, dropout off (no 1/(1-p)
-    # noise, the mean of the masks instead) shifts a trained model's outputs enough to miss the rule's bar by itself
-    normal = not test["spike"] and test.get("ratio", 0.0) <= bound
-    return {"loss": quiet, "ratio": test.get("ratio"), "zscore": test.get("zscore"), "normal": normal,
-            "made_by_draw": normal or quiet * DRAW_SHARE <= loss}
+    if not math.isfinite(quiet) or "ratio" not in test or not test.get("armed"):
+        return {"loss": quiet, "ratio": None, "zscore": None, "normal": False, "made_by_draw": False}
+    ordinary = [x for x in ordinary if math.isfinite(x)]
+    base = statistics.median(ordinary) if ordinary else None
+    normal = not test["spike"] and test["ratio"] <= bound and (base is None or base <= 0 or quiet <= bound * base)
+    made = normal or (quiet >= 0 and loss > 0 and quiet * DRAW_SHARE <= loss)
+    return {"loss": quiet, "ratio": test["ratio"], "zscore": test.get("zscore"), "normal": normal, "made_by_draw": made,
+            **({"ordinary": base} if base is not None else {})}
 
 
 def _samples(bench: ReplayBench, groups: list[tuple[list[int], Any]], rule: Any, grads: dict[str, torch.Tensor] | None,
@@ -321,7 +331,7 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
     m: dict[str, Any] = {"reproduces": why is None, "why_not_reproducible": why, "loss": here["loss"],
                          "precision": precision, "step": bundle["step"]}
     # A model with dropout: is the window a spike with it off? (else the step's own draw made it: no sample is to blame)
-    m["dropout"] = _dropout_draw(bench, spike, rule, cfg.guard.spike_ratio, here["loss"]) if why is None else None
+    m["dropout"] = _dropout_draw(bench, spike, rule, cfg.guard.spike_ratio, here["loss"], context) if why is None else None
     samples_rows, m["samples"], m["samples_note"] = (
         _samples(bench, spike, rule, here.get("grads"), cfg.guard.spike_ratio, dropout=m["dropout"] is not None)
         if why is None and not (m["dropout"] or {}).get("made_by_draw") else ([], None, None))

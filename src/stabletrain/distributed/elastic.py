@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     except ChildFailedError as err:  # a rank refused (its input, or to restart into the same failure): it said why
         codes = {getattr(f, "exitcode", None) for f in getattr(err, "failures", {}).values()}
         final = next((code for code in (EXIT_GAVE_UP, 2) if code in codes), None)
-        if final is None:
+        if final is None or not codes <= {EXIT_GAVE_UP, 2, -signal.SIGTERM}:  # another rank's crash: torchrun's table
             raise
         sys.exit(final)  # its exit code, without torchrun's banner of a failure the rank has told already
 

@@ -230,7 +230,10 @@ def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
     # In the child between fork and exec (the launcher runs no other thread): the mark survives the exec.
     proc = subprocess.Popen(cmd, env=env, preexec_fn=lambda: die_with_parent(parent=launcher), start_new_session=True)
 
+    sent: list[int] = []
+
     def forward(signum: int, frame: Any) -> None:
+        sent.append(signum)
         for pid in children(proc.pid) or [proc.pid]:  # the ranks; the agent where none can be found
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
@@ -241,6 +244,9 @@ def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
+    if code < 0 and -code in sent:  # the stop asked for, before any rank had started to take it
+        print(f"stabletrain: stopped by {signal.Signals(-code).name} before the ranks started", file=sys.stderr, flush=True)
+        return 128 + -code
     if code < 0:  # the agent itself died of a signal (its ranks with it): no restart can come from it
         try:
             name = signal.Signals(-code).name

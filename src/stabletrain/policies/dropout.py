@@ -42,12 +42,12 @@ class NoFunctionalDropout(TorchFunctionMode):
             if training and p > 0:
                 self.calls += 1
                 return args[0] if args else kwargs["input"]
-        elif func is torch.Tensor.bernoulli_:
+        elif func is torch.Tensor.bernoulli_ and args and args[0].is_floating_point():  # (an integer mask: drawn)
             p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
             self.calls += 1
             with torch.no_grad():
                 return args[0].fill_(p) if isinstance(p, (int, float)) else args[0].copy_(p)
-        elif func is torch.bernoulli:
+        elif func is torch.bernoulli and (kwargs.get("input", args[0] if args else None)).is_floating_point():
             source = kwargs.get("input", args[0] if args else None)
             p = kwargs.get("p", args[1] if len(args) > 1 else None)
             self.calls += 1

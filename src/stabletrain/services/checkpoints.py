@@ -161,10 +161,7 @@ class CheckpointKeeper:
 
         windows, samples, count = state.dist.on_main(read)
         state.stream.skip |= {(int(epoch), int(start)) for epoch, start in windows}
-        if samples and state.dist.enabled:  # a drop is one-process (stabletrain.data): resumed on several, not kept
-            console.warn(f"the run's rollbacks dropped samples {sorted(set(samples))}; resumed on {state.dist.world} "
-                         "processes they are trained on again (dropping samples is one-process)")
-        elif samples:
+        if samples:  # (on every rank: each weighs every rank's share of a window, stabletrain.data)
             self.dropped_by_rollbacks |= {int(i) for i in samples}
             state.stream.drop |= self.dropped_by_rollbacks
         if state.guard is not None:

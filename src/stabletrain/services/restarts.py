@@ -272,9 +272,10 @@ def _restart_after(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_
     failure = last_failure(events, max((int(m.get("step", 0)) for m in metrics), default=0))
     if failure.kind == "exit" and (cause or {}).get("last_line"):  # no record of why (another rank's crash, rank 0
         # writes the events): the launcher's word names it, and the same death again is the same failure
-        ended = describe_exit(int(cause.get("exitcode", 1)))
-        failure = replace(failure, text=f"ended as rank {cause.get('rank')} {ended} (its last line: {cause['last_line']!r})",
-                          key=["exit", cause.get("rank"), cause.get("exitcode"), cause["last_line"]])
+        code = cause.get("exitcode") if isinstance(cause.get("exitcode"), int) else 1
+        failure = replace(failure, text=f"ended as rank {cause.get('rank')} {describe_exit(code)} (its last line: "
+                          f"{cause['last_line']!r})",  # (its last step too: the same words later on are another failure)
+                          key=["exit", cause.get("rank"), code, cause["last_line"], failure.last_step])
     chain = _restart_chain(events)
     number = (cause or {}).get("restart") or max([r["count"] for r in everyone] + [len(chain) + 1])
     limit = (cause or {}).get("max_restarts") or max(r["max"] for r in everyone) or cfg.run.max_restarts
