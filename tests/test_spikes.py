@@ -1322,3 +1322,27 @@ def test_a_hand_made_drop_path_is_switched_off_as_dropout_is():
     with dropout_off(nn.Linear(1, 1)) as (_, mode):  # an integer mask is drawn as it is (fill(0.9) would zero it)
         drawn = torch.zeros(1000, dtype=torch.long).bernoulli_(0.9)
     assert mode.calls == 0 and 800 < int(drawn.sum()) < 1000
+
+
+def test_the_dropout_draw_verdict_needs_a_finite_loss_and_weighs_ordinary_windows_with_dropout_off_too():
+    """A review found: a NaN with dropout off passed as 'normal' (the rule returns no ratio for it), so the spike was
+    blamed on the draw; and a bad sample's window under heavy dropout, judged against the rule's window (recorded with
+    dropout on, higher), could pass too. Ordinary windows with dropout off are the bar as well."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from stabletrain.counterfactual import _dropout_draw
+
+    window = [1.0 + 0.01 * i for i in range(30)]
+    rule = lambda loss: spike_test(loss, window, GuardConfig())  # noqa: E731
+    losses = {"spike": float("nan"), "ordinary": 0.2}
+    bench = SimpleNamespace(replica=SimpleNamespace(model=nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5))),
+                            loss=lambda groups: losses[groups])
+    nan = _dropout_draw(bench, "spike", rule, 2.0, 9.0, ["ordinary"])
+    assert (nan["normal"], nan["made_by_draw"]) == (False, False), nan
+    losses["spike"] = 1.5  # under the rule's bar (x1.5 its median), but x7.5 the ordinary windows with dropout off
+    bad = _dropout_draw(bench, "spike", rule, 2.0, 9.0, ["ordinary"])
+    assert (bad["normal"], bad["made_by_draw"], bad["ordinary"]) == (False, False, 0.2), bad
+    losses["spike"] = 0.25  # as ordinary with dropout off: the draw made it
+    assert _dropout_draw(bench, "spike", rule, 2.0, 9.0, ["ordinary"])["made_by_draw"] is True
