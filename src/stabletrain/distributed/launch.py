@@ -244,29 +244,26 @@ def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
+    from .. import console
+
     if code < 0 and -code in sent:  # the stop asked for, before any rank had started to take it
-        print(f"stabletrain: stopped by {signal.Signals(-code).name} before the ranks started", file=sys.stderr, flush=True)
+        console.say(f"stopped by {signal.Signals(-code).name} before the ranks started", sys.stderr)
         return 128 + -code
     if code < 0:  # the agent itself died of a signal (its ranks with it): no restart can come from it
         try:
             name = signal.Signals(-code).name
         except ValueError:
             name = f"signal {-code}"
-        print(f"stabletrain: error: torchrun's agent (pid {proc.pid}) was killed by {name}; its ranks stopped with it "
-              "and nothing restarts them. Continue the run: the same command with run.resume=auto (or stabletrain "
-              "train --resume RUN_DIR)", file=sys.stderr, flush=True)
+        console.error(f"torchrun's agent (pid {proc.pid}) was killed by {name}; its ranks stopped with it and nothing "
+                      "restarts them. Continue the run: the same command with run.resume=auto (or stabletrain train "
+                      "--resume RUN_DIR)")
         return 128 + -code
     return code
 
 
 def children(pid: int) -> list[int]:
     """The processes whose parent is ``pid`` (``/proc``; empty where there is none)."""
-    out = []
-    for entry in Path("/proc").glob("[0-9]*") if Path("/proc").is_dir() else []:
-        fields = stat_fields(int(entry.name))
-        if fields is not None and len(fields) > 1 and fields[1] == str(pid):
-            out.append(int(entry.name))
-    return out
+    return [int(e.name) for e in (Path("/proc").glob("[0-9]*") if Path("/proc").is_dir() else []) if _ppid_of(int(e.name)) == pid]
 
 
 #: How a restarted child starts its output (its restart's own line): not the last line of its own a death quotes.

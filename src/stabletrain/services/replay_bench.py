@@ -9,6 +9,7 @@ state and RNG streams and leaves them so; ``passes`` counts the forward and back
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -85,19 +86,14 @@ class ReplayBench:
         rep.reset()
         return out
 
-    def module_rms(self, groups: list[tuple[list[int], Any]], model: nn.Module,
-                   precision: Any = None) -> tuple[dict[str, float], list[str]]:
-        """Each module's output RMS on ``groups`` (mean over micro-batches) and the modules in the order they ran."""
-        stats: dict[str, list[float]] = {}
-        order: list[str] = []
-
+    def _outputs(self, groups: list[tuple[list[int], Any]], model: nn.Module, precision: Any,
+                 seen: Callable[[str, torch.Tensor | None], None]) -> None:
+        """Run ``groups`` forward (:meth:`loss`) calling ``seen(name, output)`` at each named module's every call:
+        its first floating output tensor, or None where it has none."""
         def hook(name: str):
             def record(_module: nn.Module, _args: Any, output: Any) -> None:
                 t = output[0] if isinstance(output, (tuple, list)) and output else output
-                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
-                    if name not in stats:
-                        order.append(name)
-                    stats.setdefault(name, []).append(float(t.detach().float().pow(2).mean().sqrt()))
+                seen(name, t if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() else None)
             return record
 
         handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if n]
@@ -106,8 +102,18 @@ class ReplayBench:
         finally:
             for h in handles:
                 h.remove()
-        return {k: sum(v) / len(v) for k, v in stats.items()}, order
 
+    def module_rms(self, groups: list[tuple[list[int], Any]], model: nn.Module,
+                   precision: Any = None) -> tuple[dict[str, float], list[str]]:
+        """Each module's output RMS on ``groups`` (mean over micro-batches) and the modules in the order they ran."""
+        stats: dict[str, list[float]] = {}
+
+        def record(name: str, t: torch.Tensor | None) -> None:
+            if t is not None:
+                stats.setdefault(name, []).append(float(t.detach().float().pow(2).mean().sqrt()))
+
+        self._outputs(groups, model, precision, record)
+        return {k: sum(v) / len(v) for k, v in stats.items()}, list(stats)
 
     def module_errors(self, groups: list[tuple[list[int], Any]], model: nn.Module, low: Any, high: Any
                       ) -> tuple[dict[str, float], list[str]]:
@@ -118,41 +124,26 @@ class ReplayBench:
         kept: dict[tuple[str, int], torch.Tensor] = {}
         calls: dict[str, int] = {}
         errors: dict[str, float] = {}
-        order: list[str] = []
         room = [MAX_KEPT_OUTPUTS]
 
-        def first_tensor(output: Any) -> torch.Tensor | None:
-            t = output[0] if isinstance(output, (tuple, list)) and output else output
-            return t if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() else None
+        def call(name: str) -> int:
+            calls[name] = calls.get(name, 0) + 1
+            return calls[name] - 1
 
-        def keep(name: str):
-            def record(_module: nn.Module, _args: Any, output: Any) -> None:
-                t, k = first_tensor(output), calls.get(name, 0)
-                calls[name] = k + 1
-                if t is not None and t.numel() <= room[0]:
-                    room[0] -= t.numel()
-                    kept[(name, k)] = t.detach().float().clone()
-            return record
+        def keep(name: str, t: torch.Tensor | None) -> None:
+            k = call(name)
+            if t is not None and t.numel() <= room[0]:
+                room[0] -= t.numel()
+                kept[(name, k)] = t.detach().float().clone()
 
-        def compare(name: str):
-            def record(_module: nn.Module, _args: Any, output: Any) -> None:
-                t, k = first_tensor(output), calls.get(name, 0)
-                calls[name] = k + 1
-                ref = kept.get((name, k))
-                if t is None or ref is None or ref.shape != t.shape:
-                    return
-                if name not in errors:
-                    order.append(name)
-                err = float((t.detach().float() - ref).norm() / ref.norm().clamp_min(1e-30))
-                errors[name] = max(errors.get(name, 0.0), err if math.isfinite(err) else float("inf"))
-            return record
+        def compare(name: str, t: torch.Tensor | None) -> None:
+            ref = kept.get((name, call(name)))
+            if t is None or ref is None or ref.shape != t.shape:
+                return
+            err = float((t.detach().float() - ref).norm() / ref.norm().clamp_min(1e-30))
+            errors[name] = max(errors.get(name, 0.0), err if math.isfinite(err) else float("inf"))
 
-        for hook, precision in ((keep, high), (compare, low)):
+        for seen, precision in ((keep, high), (compare, low)):
             calls.clear()
-            handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if n]
-            try:
-                self.loss(groups, model, precision)
-            finally:
-                for h in handles:
-                    h.remove()
-        return errors, order
+            self._outputs(groups, model, precision, seen)
+        return errors, list(errors)
