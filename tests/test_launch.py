@@ -3,6 +3,8 @@ and what a death record carries."""
 
 from __future__ import annotations
 
+import signal
+
 from stabletrain.distributed.launch import QUICK_DEATH_S, quick_deaths, restart_backoff_s
 
 
@@ -39,6 +41,24 @@ def test_a_deaths_last_line_is_the_childs_own_not_its_restart_announcement(tmp_p
         tee.join(timeout=10)
         sink.close()
         assert lines == last, output
+
+
+def test_a_refusal_exits_with_its_own_code_unless_another_rank_crashed_too():
+    """Ranks that refused (3: the same failure again; 2: bad input) and said why exit with that code, the others
+    stopped by torchrun's SIGTERM; a rank that crashed beside them keeps torchrun's table of failures (None)."""
+    from types import SimpleNamespace
+
+    from stabletrain.distributed.elastic import told_exit
+
+    def err(*codes):
+        return SimpleNamespace(failures={rank: SimpleNamespace(exitcode=code) for rank, code in enumerate(codes)})
+
+    assert told_exit(err(3, -signal.SIGTERM)) == 3
+    assert told_exit(err(2, 2)) == 2
+    assert told_exit(err(3, 2)) == 3
+    assert told_exit(err(3, 1)) is None  # another rank's crash
+    assert told_exit(err(1, -signal.SIGTERM)) is None
+    assert told_exit(err(-signal.SIGKILL)) is None
 
 
 def test_a_sigkilled_ranks_death_carries_what_its_peer_said():

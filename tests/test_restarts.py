@@ -600,3 +600,32 @@ def test_diagnose_and_remedy_on_a_run_directory_pick_its_captures_by_step_and_nu
     assert incident_dir(tmp_path / "incidents" / "step_20.9", newest=True, command="diagnose").name == "step_000020.9"
     with pytest.raises(FileNotFoundError, match="step_21'.*does not exist"):
         incident_dir(tmp_path / "incidents" / "step_21", newest=True, command="diagnose")
+
+
+def test_a_ranks_death_named_by_its_launcher_is_the_same_failure_only_at_the_same_last_step(tmp_path):
+    """Rank 1 dies with the same last line twice: at the same last step it is the same failure (refused at
+    run.max_repeats=1); after the restart trained on past it, the same words are another failure (a restart)."""
+    from stabletrain.services.restarts import _restart_after
+
+    def launch(last_logged: int, code) -> object:
+        run_dir = tmp_path / f"run{last_logged}"
+        run_dir.mkdir()
+        earlier = {"kind": "exit", "text": "ended as rank 1 ...", "progress": True,
+                   "key": ["exit", 1, 1, "RuntimeError: boom", 5]}
+        events = [{"kind": "checkpoint", "step": 4, "time": 1.0},
+                  {"kind": "restart", "step": 4, "time": 2.0, "restart": 1, "failure": earlier, "checkpoint": "step_000004"},
+                  {"kind": "resume", "step": 4, "time": 3.0}]
+        (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, last_logged + 1)))
+        cause = {"rank": 1, "exitcode": code, "last_line": "RuntimeError: boom", "restart": 2, "max_restarts": 5, "time": 4.0}
+        everyone = [{"causes": [cause], "count": 2, "max": 5, "run_id": None}]
+        return _restart_after(cfg("run.max_repeats=1"), run_dir, everyone, False, cause, late=False)
+
+    same = launch(5, 1)
+    assert "the same failure ended 2 launches in a row (ended as rank 1 exited with code 1" in (same.refused or "")
+    later = launch(12, 1)
+    assert later.refused is None
+    assert "ended as rank 1 exited with code 1 (its last line: 'RuntimeError: boom')" in (
+        tmp_path / "run12" / "events.jsonl").read_text()
+    # A record without an exit code (a launcher that could not read it) is taken as exit 1, not a crash of the launch
+    assert launch(6, None).refused is None

@@ -116,12 +116,19 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         torchrun.main(argv)
-    except ChildFailedError as err:  # a rank refused (its input, or to restart into the same failure): it said why
-        codes = {getattr(f, "exitcode", None) for f in getattr(err, "failures", {}).values()}
-        final = next((code for code in (EXIT_GAVE_UP, 2) if code in codes), None)
-        if final is None or not codes <= {EXIT_GAVE_UP, 2, -signal.SIGTERM}:  # another rank's crash: torchrun's table
+    except ChildFailedError as err:
+        final = told_exit(err)
+        if final is None:
             raise
         sys.exit(final)  # its exit code, without torchrun's banner of a failure the rank has told already
+
+
+def told_exit(err: Any) -> int | None:
+    """The exit code of a launch whose ranks refused (their input: 2, or to restart into the same failure: 3) and said
+    why; None where another rank crashed as well (torchrun's table of failures is then what tells it)."""
+    codes = {getattr(f, "exitcode", None) for f in getattr(err, "failures", {}).values()}
+    final = next((code for code in (EXIT_GAVE_UP, 2) if code in codes), None)
+    return final if final is not None and codes <= {EXIT_GAVE_UP, 2, -signal.SIGTERM} else None
 
 
 if __name__ == "__main__":

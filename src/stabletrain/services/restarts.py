@@ -272,7 +272,7 @@ def _restart_after(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_
     failure = last_failure(events, max((int(m.get("step", 0)) for m in metrics), default=0))
     if failure.kind == "exit" and (cause or {}).get("last_line"):  # no record of why (another rank's crash, rank 0
         # writes the events): the launcher's word names it, and the same death again is the same failure
-        code = cause.get("exitcode") if isinstance(cause.get("exitcode"), int) else 1
+        code = _exitcode(cause)
         failure = replace(failure, text=f"ended as rank {cause.get('rank')} {describe_exit(code)} (its last line: "
                           f"{cause['last_line']!r})",  # (its last step too: the same words later on are another failure)
                           key=["exit", cause.get("rank"), code, cause["last_line"], failure.last_step])
@@ -354,7 +354,13 @@ def _who(cause: dict[str, Any] | None, number: int) -> str:
     pid = f" (pid {cause['pid']})" if cause.get("pid") else ""
     last = (f"; its last line: {cause['last_line']!r}" if cause.get("last_line") else
             f"; then {cause['peer_line']!r}" if cause.get("peer_line") else "")
-    return f"{rank}{pid} {describe_exit(int(cause.get('exitcode', 1)))}{last}"
+    return f"{rank}{pid} {describe_exit(_exitcode(cause))}{last}"
+
+
+def _exitcode(cause: dict[str, Any]) -> int:
+    """The death's exit code (a launcher that could not read it wrote None: taken as 1)."""
+    code = cause.get("exitcode")
+    return code if isinstance(code, int) else 1
 
 
 def _loaded_then_nonfinite(failure: Failure, good: Path) -> bool:
