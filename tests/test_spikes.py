@@ -932,6 +932,18 @@ def test_the_same_samples_spiking_again_next_epoch_are_said_to_come_back_not_cal
     assert "samples 153, 157 carried the spike at step 20 too: they come back" in summary and "aftershock" not in summary
 
 
+def test_a_sample_coming_back_after_other_spikes_is_said_to_come_back(tmp_path):
+    """Samples 153, 157 spike at steps 20 and 52, sample 200 at steps 26 and 58: at step 58 the last spike was 52's
+    (other samples), and the line said 'this may be its aftershock'; sample 200 carried the spike at step 26 too."""
+    run_dir = tmp_path / "run"
+    Trainer(cfg("train.batch_size=8", "train.max_steps=60", "optim.lr=0.01", "log.every=5", "data.shuffle=false"),
+            task=outlier_samples_task(bad=(153, 157, 200)), run_dir=run_dir).fit()
+    incidents = {e["step"]: e["diagnosis"] for e in _events(run_dir) if e["kind"] == "incident"}
+    assert sorted(incidents) == [20, 26, 52, 58] and incidents[58]["bad_samples"] == [200], incidents.keys()
+    assert "sample 200 carried the spike at step 26 too: it comes back" in incidents[58]["summary"]
+    assert "aftershock" not in incidents[58]["summary"], incidents[58]["summary"]
+
+
 def test_samples_found_by_removal_under_batch_norm_and_dropout_are_verified_with_dropout_off(tmp_path):
     """Batch norm and dropout: the 3 mislabelled samples cannot be weighed alone (a batch norm's statistics), so they are
     found by their removal from the window, and that removal is replayed with every dropout off: with it on, a row
@@ -1124,7 +1136,8 @@ def test_a_draw_that_made_most_of_the_spike_is_dropout_though_dropout_off_misses
     from stabletrain.counterfactual import _rules_out_aftershock
 
     draw = {"loss": 0.00992, "ratio": 17.0, "zscore": 30.0, "normal": False, "made_by_draw": True}
-    case = {**_surge_case(window=26.0, window_high=True), "loss": 26.05, "surges": [], "dropout": draw}
+    case = {**_surge_case(window=26.0, window_high=True, ordinary_high=False, current_ordinary=0.013), "loss": 26.05,
+            "surges": [], "dropout": draw}
     out = classify_spike(case)
     assert out["failure_class"] == "dropout" and out["evidence"].startswith(
         "with every dropout off the window's loss is 0.00992, 99.9% of it gone; under the step's own dropout masks it "
@@ -1346,3 +1359,28 @@ def test_the_dropout_draw_verdict_needs_a_finite_loss_and_weighs_ordinary_window
     assert (bad["normal"], bad["made_by_draw"], bad["ordinary"]) == (False, False, 0.2), bad
     losses["spike"] = 0.25  # as ordinary with dropout off: the draw made it
     assert _dropout_draw(bench, "spike", rule, 2.0, 9.0, ["ordinary"])["made_by_draw"] is True
+
+
+def test_a_window_high_under_the_older_state_is_no_data_spike_where_ordinary_windows_rose_since():
+    """A x30 LR from step 60 (the optimizer's): at step 62 the window was already high under the state of step 60
+    (its first update at the new LR), and 3 of its samples carry 90% of it, but ordinary windows are a spike under this
+    state too (3.25 against 0.26): the state drifted; it was 'data: samples 342, 705, 1454' (a trial), and SGD's one
+    x50 step 'data: the batch itself is an outlier' with ordinary windows x72 under the new weights."""
+    samples = {"indices": [342, 705, 1454], "share": 0.9, "without": {"loss": 0.3404, "ratio": 0.829}}
+    case = {**_surge_case(window=1.742, ordinary=0.2604, current_ordinary=3.254, window_high=True, ordinary_high=True),
+            "loss": 2.1, "surges": [], "samples": samples}
+    out = classify_spike(case)
+    assert out["failure_class"] == "state" and out["blamed_samples"] is None, out
+    assert ("the window is high under the state of step 150 too (1.742 vs 0.2604) and ordinary windows are high at 3.254 "
+            "under this one (vs 0.2604); samples 342, 705, 1454 carry 90% of the loss, but ordinary windows are high under "
+            "this state too") in out["evidence"], out["evidence"]
+    batch = classify_spike({**case, "samples": None})
+    assert batch["failure_class"] == "state" and "the batch itself" not in batch["evidence"]
+    # ordinary windows as they were: the samples are to blame
+    calm = classify_spike({**case, "older": {**case["older"], "current_ordinary": 0.27, "ordinary_high": False}})
+    assert calm["failure_class"] == "data" and calm["blamed_samples"] == [342, 705, 1454]
+    # a window no higher than ordinary windows that were no calm level under the older state is not called normal
+    unsettled = classify_spike({**case, "samples": None, "older": {**case["older"], "window": 3.194, "ordinary": 3.151,
+                                                                    "window_high": False, "ordinary_then_high": True}})
+    assert "the window is no higher than ordinary windows under the state of step 150 (3.194 vs 3.151)" in (
+        unsettled["evidence"]), unsettled["evidence"]

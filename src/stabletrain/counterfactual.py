@@ -368,11 +368,19 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
     # (an adapter numbers samples by their place in the step: the same number in another step is another sample)
     by_index = after and after.get("sample_unit", "dataset index") == bundle.get("sample_unit", "dataset index") == (
         "dataset index")
-    again = sorted(set(verdict["blamed_samples"] or []) & set(after.get("samples") or [])) if by_index else []
+    # The samples earlier spikes named (one process: by dataset index), the last one's too where it was an applied spike.
+    earlier = {int(i): int(t) for i, t in observed.get("earlier_samples") or []} if bundle.get(
+        "sample_unit", "dataset index") == "dataset index" else {}
+    if by_index:
+        earlier.update((int(i), int(after["step"])) for i in after.get("samples") or [])
+    again = sorted(i for i in verdict["blamed_samples"] or [] if i in earlier)
     if again and m["reproduces"]:  # the same samples as an earlier spike's: they come back (each epoch), no aftershock
-        verdict["evidence"] += (f"; sample{'s' if len(again) > 1 else ''} {', '.join(map(str, again))} carried the spike "
-                                f"at step {after['step']} too: {'they come' if len(again) > 1 else 'it comes'} back")
-    elif after and m["reproduces"] and not _rules_out_aftershock(verdict["failure_class"], m["older"], after["step"]):
+        steps = sorted({earlier[i] for i in again})
+        verdict["evidence"] += (f"; sample{'s' if len(again) > 1 else ''} {', '.join(map(str, again))} carried the "
+                                f"spike{'s' if len(steps) > 1 else ''} at step{'s' if len(steps) > 1 else ''} "
+                                f"{', '.join(map(str, steps))} too: {'they come' if len(again) > 1 else 'it comes'} back")
+    elif after and m["reproduces"] and not _rules_out_aftershock(verdict["failure_class"], m["older"], after["step"],
+                                                                 bool(verdict["blamed_samples"])):
         # an earlier spike's update, applied, may have left the state off: say so
         gap = bundle["step"] - after["step"]
         verdict["evidence"] += (f"; {gap} step{'s' if gap != 1 else ''} after the spike at step {after['step']}"
@@ -412,11 +420,12 @@ def _fp32_cure(bench: ReplayBench, spike: list, rule: Any, where: dict[str, Any]
     return where
 
 
-def _rules_out_aftershock(cls: str, older: dict[str, Any] | None, earlier: int) -> bool:
+def _rules_out_aftershock(cls: str, older: dict[str, Any] | None, earlier: int, named: bool = False) -> bool:
     """Whether the verdict rules out that an earlier spike's applied update made this one: a dropout draw, a precision
-    loss, or a window that was high under a state from before that update (the state of step N is the one after step
-    N's update: an interval's start before the earlier spike's step)."""
-    return cls in ("dropout", "precision") or (cls == "data" and older is not None and older["step"] < earlier)
+    loss, a few samples ``named`` whose removal makes the step normal under this state (ordinary windows are normal
+    under it: the update left no state off), or a window that was high under a state from before that update (the
+    state of step N is the one after step N's update: an interval's start before the earlier spike's step)."""
+    return cls in ("dropout", "precision") or (cls == "data" and (named or older is not None and older["step"] < earlier))
 
 
 def _step_sizes(history: list[list[Any]], steps: list[dict[str, Any]]) -> dict[str, Any] | None:

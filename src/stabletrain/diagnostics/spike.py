@@ -271,7 +271,9 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
                 "evidence": (f"with every dropout off the window's loss is {draw['loss']:.4g}, {how}; under the step's "
                              f"own dropout masks it is {m['loss']:.4g}: the draw made the spike, not the samples nor "
                              "the state")}
-    high_before = older is not None and older["window_high"]
+    # The window high under the older state too names the batch, unless ordinary windows are now high as well: the
+    # state then drifted (and dropping a drifted window's largest losses brings it under the rule's bar too).
+    high_before = older is not None and older["window_high"] and not older["ordinary_high"]
     # No older state to weigh the window against: ordinary windows that are spikes by the rule under this state say
     # the state drifted (then dropping a drifted window's largest losses "cures" it too: no sample is to blame).
     now = m.get("ordinary_now") if older is None else None
@@ -335,11 +337,18 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
                      f"({then:.4g}): the loss has been unsettled since")
         else:
             where = f"{'high at' if older['ordinary_high'] else 'at'} {now:.4g} under this one (vs {then:.4g})"
-        drift = (f"; the window is normal under the state of step {older['step']} ({older['window']:.4g}) and ordinary "
-                 f"windows are {where}")
+        if older["window_high"]:  # (and ordinary windows rose since: high_before is off)
+            window = f"the window is high under the state of step {older['step']} too ({older['window']:.4g} vs {then:.4g})"
+        elif older.get("ordinary_then_high"):  # (no higher than ordinary windows there, which are no calm level)
+            window = (f"the window is no higher than ordinary windows under the state of step {older['step']} "
+                      f"({older['window']:.4g} vs {then:.4g})")
+        else:
+            window = f"the window is normal under the state of step {older['step']} ({older['window']:.4g})"
+        drift = f"; {window} and ordinary windows are {where}"
     if samples is not None and not weak:
         drift += (f"; samples {', '.join(map(str, samples['indices']))} carry {_pct(samples['share'])} of the loss, "
-                  "but only under the current state")
+                  + ("but ordinary windows are high under this state too" if older is not None and older["window_high"]
+                     else "but only under the current state"))
     if blamed is not None:
         out["blamed_layer"] = blamed["name"]
         return {**out, "failure_class": "optimizer-state",

@@ -54,6 +54,7 @@ MAX_CONTEXT = 3
 HISTORY_INTERVALS = 5
 #: A spike this many steps or fewer after an applied one (guard.on_spike=warn) says it may be its aftershock.
 AFTERSHOCK_STEPS = 50
+MAX_EARLIER_SAMPLES = 256  # earlier spikes' named samples a spike's bundle carries (the newest)
 
 
 def unordinary(fit: RunState, rows: list[Any]) -> set[int]:
@@ -153,6 +154,9 @@ class IncidentCapture:
         self.replaying = False  # a capture is replaying: the source's own per-step hooks stand by
         self.warned = False  # a step that could not be captured was said once
         self.last_spike: dict[str, Any] | None = None  # the last captured spike whose update was applied
+        #: The samples earlier spikes' diagnoses named (dataset index -> the spike's step): a spike they carry again is
+        #: theirs coming back, however many spikes came in between.
+        self.spiked_samples: dict[int, int] = {}
 
     # -- per interval ------------------------------------------------------------------------------
 
@@ -283,6 +287,8 @@ class IncidentCapture:
         if src.diagnose:
             event_fields, diagnosis = self._diagnose(fit, folder, bundles[0], in_memory, step, seen[0], label)
             fields.update(event_fields)
+        if spike and (diagnosis or {}).get("sample_unit", "dataset index") == "dataset index":
+            self.spiked_samples.update((int(i), step) for i in (diagnosis or {}).get("bad_samples") or [])
         if spike and fit.cfg.guard.on_spike == "warn" and any(r.step == step and r.values.get("applied", 1.0) >= 0.5
                                                               for r in rows):  # applied: a spike soon after may be
             self.last_spike = {"step": step, "class": (diagnosis or {}).get("failure_class"),  # its aftershock
@@ -345,6 +351,9 @@ class IncidentCapture:
                                            if r["step"] < step][-HISTORY_INTERVALS:])
         if self.last_spike is not None and 0 < step - self.last_spike["step"] <= AFTERSHOCK_STEPS:
             bundle["observed"]["after_spike"] = dict(self.last_spike)
+        earlier = sorted((t, i) for i, t in self.spiked_samples.items() if t < step)[-MAX_EARLIER_SAMPLES:]
+        if earlier:
+            bundle["observed"]["earlier_samples"] = [[i, t] for t, i in earlier]
         # A state the run made no update from since (its steps skipped) is the spike's own: the step before then led
         # nothing into the spike, and the older state is no other (FSDP: shards only; right after the interval's
         # start: the spike's own too).
