@@ -266,6 +266,30 @@ def test_resume_from_lightnings_checkpoint_keeps_metrics_and_guard(tmp_path):
     assert [e.kind for e in run.events].count("resume") == 1
 
 
+class RampNet(LitNet):
+    """A training_step whose loss weight ramps with its own call count (a curriculum): one extra call changes training."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def training_step(self, batch, batch_idx):
+        self.calls += 1
+        return min(1.0, self.calls / 5) * super().training_step(batch, batch_idx)
+
+
+def test_the_init_check_runs_the_training_step_on_a_copy_and_the_host_trains_bitwise_as_without_it(tmp_path):
+    """The step-0 signal report called the live module's training_step once more: a counter-driven loss weight
+    then trained other parameters (31 calls for 30 steps). On a copy: the same calls, bitwise the same parameters."""
+    plain, attached = RampNet(), RampNet()
+    fit(plain, L.Callback(), 10)
+    fit(attached, StableTrainCallback(run_dir=tmp_path / "run", log_every=5), 10)
+    assert (tmp_path / "run" / "init_signal.json").exists()
+    assert plain.calls == attached.calls == 10
+    for a, b in zip(plain.parameters(), attached.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_an_init_overwritten_by_a_host_hook_is_an_event(tmp_path):
     fit(LitNet(reinit=True), StableTrainCallback(run_dir=tmp_path / "run", log_every=5), 5)
     events = [e for e in load_run(tmp_path / "run").events if e.kind == "init_overwritten"]

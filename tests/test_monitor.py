@@ -211,6 +211,9 @@ def test_bad_arguments_say_what_to_do():
     model, opt = make()
     with pytest.raises(ValueError, match="rollback needs the checkpoints"):
         Monitor(model, opt, on_nonfinite="rollback")
+    for bad in ("sikp", "rollback", "remedy"):  # a typo was offered rollback and remedy, which are then refused
+        with pytest.raises(ValueError, match=f"^on_spike: expected 'warn' or 'skip', got '{bad}'"):
+            Monitor(model, opt, on_spike=bad)
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
         Monitor(model, object())
     monitor = Monitor(model, opt, init_check=False)
@@ -410,3 +413,19 @@ def test_your_own_backward_with_accumulation_hands_the_micro_batches_to_step(tmp
     with pytest.warns(StableTrainWarning, match=r"not captured: the step's batch was not given \(Monitor: monitor.step"
                                                 r"\(batch, \.\.\.\), or with accumulation"):
         run("none", lambda micro: {})
+
+
+def test_a_monitor_with_its_defaults_leaves_the_loops_updates_as_without_it(tmp_path):
+    """Monitor clipped to 1.0 by default: wrapping a loop changed its updates (clip_rate 1.0). By default it measures;
+    the parameters are bitwise those of the plain loop (a run directory written, the init check run)."""
+    plain, opt = make()
+    for batch in batches(12):
+        opt.zero_grad()
+        loss_fn(plain, batch).backward()
+        opt.step()
+    model, opt = make()
+    with Monitor(model, opt, run_dir=tmp_path / "run", log_every=4, loss_fn=loss_fn) as monitor:
+        train(monitor, model, batches(12))
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), model.parameters()))
+    metrics = load_run(tmp_path / "run").metrics
+    assert [r["clip_rate"] for r in metrics] == [0.0, 0.0, 0.0] and max(r["grad_norm"] for r in metrics) > 1.0

@@ -62,13 +62,13 @@ class AdapterOptions:
                              "needs the checkpoints the host trainer owns: resume it from its own checkpoint)")
         if not isinstance(self.keep_max_mib, (int, float)) or isinstance(self.keep_max_mib, bool) or self.keep_max_mib < 0:
             raise ValueError(f"keep_max_mib: expected a number >= 0, got {self.keep_max_mib!r}")
+        if options.get("on_spike", "warn") not in ("warn", "skip"):  # (before the config's own check, which offers more)
+            raise ValueError(f"on_spike: expected 'warn' or 'skip', got {options['on_spike']!r} (config key guard.on_spike; "
+                             "a rollback or a remedy needs the checkpoints the host trainer owns)")
         self._cfg = self.apply(Config(), {**options, "trackers": self.tracker_names()})
         for name, key in CONFIG_KEYS.items():
             if name != "trackers":
                 setattr(self, name, _get(self._cfg, key))
-        if self.on_spike not in ("warn", "skip"):
-            raise ValueError(f"on_spike: expected 'warn' or 'skip', got {self.on_spike!r} (config key guard.on_spike; a "
-                             "rollback or a remedy needs the checkpoints the host trainer owns)")
 
     @staticmethod
     def apply(cfg: Config, options: dict[str, Any]) -> Config:

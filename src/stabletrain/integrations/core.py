@@ -53,7 +53,7 @@ from ..records.rundir import RunDir
 from ..runstate import RunState
 from ..services.boundary import IntervalBoundary
 from ..services.capture import IncidentCapture
-from ..services.init_signal import first_batch_signal, record_signal
+from ..services.init_signal import host_signal, record_signal
 from ..services.kept_steps import HostReplay, HostSteps, PendingStep
 
 __all__ = ["RunSession"]
@@ -189,9 +189,7 @@ class RunSession:
         ``RUN_DIR/init_signal.json`` and a line in the snapshot written. Forces a few host syncs."""
         if not self.options.init_check or self.step > 0:
             return None
-        replaying = self.replay.replaying() if self.replay is not None else None  # (the host's step runs its own loss)
-        found = first_batch_signal(self.model, batch, loss_fn, label=f"{type(self.model).__name__} at step 0",
-                                   context=replaying, step_runs_loss=False)
+        found = host_signal(self.model, batch, loss_fn, label=f"{type(self.model).__name__} at step 0", replay=self.replay)
         if found is not None and self.run is not None:
             record_signal(self.run, *found)
         return found[1] if found is not None else None

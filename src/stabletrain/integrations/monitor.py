@@ -66,7 +66,8 @@ class Monitor:
         optimizer: its torch optimizer (``fused=True`` AdamW/Adam/SGD skip a bad step without a host sync); an
             accelerate ``AcceleratedOptimizer`` is looked through.
         run_dir: the run directory (None: guard and measure, write nothing).
-        clip_max_norm: global L2 grad-norm threshold; None measures without clipping.
+        clip_max_norm: global L2 grad-norm threshold the monitor clips to (default None: it measures without clipping,
+            and your loop's updates are as without it; pass your own clip's norm to ``step(grad_norm=)``).
         scaler: your ``torch.amp.GradScaler`` (fp16; accelerate's is ``accelerator.scaler``); the monitor unscales
             (unless you did) and steps through it; do not call ``scaler.step``/``scaler.update`` yourself.
         precision: "fp32", "bf16" or "fp16" for :meth:`autocast` and the record (default: fp16 with a scaler,
@@ -85,7 +86,7 @@ class Monitor:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, run_dir: str | Path | None = None, *,
-                 clip_max_norm: float | None = 1.0, scaler: torch.amp.GradScaler | None = None,
+                 clip_max_norm: float | None = None, scaler: torch.amp.GradScaler | None = None,
                  precision: str | None = None, loss_fn: Callable[[nn.Module, Any], Any] | None = None,
                  model_factory: str | Callable[[], nn.Module] | None = None, resume: bool = False,
                  overwrite: bool = False, callbacks: Sequence[Callback] = (), **options: Any) -> None:

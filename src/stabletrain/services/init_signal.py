@@ -5,7 +5,8 @@ adapter (``init_check``) run :func:`~stabletrain.diagnostics.signal_propagation.
 the first step: one forward and backward with hooks on every leaf module, and one step of a throw-away
 optimizer for the update/weight ratios. The model, its gradients and buffers and the RNG streams are left
 exactly as found (the built-in run measures a copy of its model, so a forward with side effects of its own
-is not run an extra time), so the run trains bitwise as without it. What it found goes to
+is not run an extra time; an adapter's too where the copy fits: :func:`host_signal`), so the run trains bitwise as
+without it. What it found goes to
 ``RUN_DIR/init_signal.json`` (every layer's numbers) and a line in ``snapshot.json`` (``init_signal``:
 passed, the summary, the advice, the flagged layers); a flagged init is one console line. A report that
 fails is a warning, never the run's end.
@@ -35,7 +36,7 @@ from ..records.staging import host_memory_available
 from ..runstate import RunState
 from ..seeding import kept_rng
 
-__all__ = ["copy_fits", "first_batch_signal", "record_signal", "run_init_signal", "SIGNAL_FILE"]
+__all__ = ["copy_fits", "first_batch_signal", "host_signal", "record_signal", "run_init_signal", "SIGNAL_FILE"]
 
 #: The report's per-layer numbers, in the run directory.
 SIGNAL_FILE = "init_signal.json"
@@ -113,6 +114,25 @@ def copy_fits(module: nn.Module, device: torch.device, free: int | None = None) 
         return True
     size = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
     return size * COPY_FACTOR <= free * FIT_FRACTION
+
+
+def host_signal(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any], *, label: str,
+                replay: Any = None) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """An adapter's report at step 0 (:func:`first_batch_signal`): on a copy of the host's model where it fits
+    (:func:`copy_fits`) and can be copied, made and run under ``replay.detached()`` (Lightning: no trainer, its
+    ``self.log`` calls quiet), so the model's own Python state (a call counter, a cache) sees no extra call and the host
+    trains as without it; else on the live model under ``replay.replaying()`` (its parameters, gradients, buffers and
+    RNG put back). ``replay``: the adapter's :class:`~stabletrain.services.kept_steps.HostReplay`, or None."""
+    detached = replay.detached if replay is not None else contextlib.nullcontext
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    copied = None
+    if copy_fits(model, device):
+        with contextlib.suppress(Exception), detached(), eager_methods(model):  # (the copy's methods its own)
+            copied = copy.deepcopy(model)
+    if copied is not None:
+        return first_batch_signal(copied, batch, loss_fn, label=label, context=detached(), step_runs_loss=False)
+    return first_batch_signal(model, batch, loss_fn, label=label, context=replay.replaying() if replay is not None else None,
+                              step_runs_loss=False)
 
 
 def run_init_signal(state: RunState) -> dict[str, Any] | None:
