@@ -629,3 +629,26 @@ def test_a_ranks_death_named_by_its_launcher_is_the_same_failure_only_at_the_sam
         tmp_path / "run12" / "events.jsonl").read_text()
     # A record without an exit code (a launcher that could not read it) is taken as exit 1, not a crash of the launch
     assert launch(6, None).refused is None
+
+
+def test_a_stop_asked_for_after_the_ranks_finished_leaves_the_finished_run_at_exit_0(tmp_path):
+    """SIGINT to the launcher after the ranks trained and exited, while torchrun's agent was ending: it went to the
+    agent, which died of it: 'stopped by SIGINT before the ranks started', exit 130, for a finished run. Now the
+    stop waits for the agent to end by itself."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "stabletrain", "train", *ARGS, "train.max_steps=4", "ckpt.every=0",
+                             "dist.nproc=2", f"run.dir={run_dir}"], env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    t0, agent, ranks_seen = time.time(), None, False
+    while True:  # the agent alive, its ranks gone after they ran
+        assert proc.poll() is None and time.time() - t0 < 120, proc.communicate()
+        agent = agent or next(iter(children(proc.pid)), None)
+        ranks = children(agent) if agent else []
+        ranks_seen = ranks_seen or bool(ranks)
+        if ranks_seen and not ranks:
+            break
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "before the ranks started" not in err, err[-2000:]
+    assert "trained 4 steps" in out

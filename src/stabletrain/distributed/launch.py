@@ -214,7 +214,8 @@ def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
     ranks what died. torchrun runs in a session of its own, so a terminal's Ctrl-C reaches the launcher alone:
     SIGTERM and SIGINT are passed on once, to the ranks themselves (each checkpoints at the boundary they agree on
     and exits 0, so the agent ends as a finished launch: no restart, no traceback; torchrun's agent, which would
-    signal them again and call the stop a failure, only where its ranks cannot be found). A launcher killed outright
+    signal them again and call the stop a failure, only where no rank has started yet, or :data:`GRACE_S` after the
+    ranks ended without the agent ending: a finished run's agent exits 0 by itself). A launcher killed outright
     (SIGKILL) takes torchrun and the ranks with it (:func:`die_with_parent`): none is left running, holding the
     devices and the run directory. An agent that dies of a signal itself is said, with how to continue.
     """
@@ -231,23 +232,49 @@ def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
     proc = subprocess.Popen(cmd, env=env, preexec_fn=lambda: die_with_parent(parent=launcher), start_new_session=True)
 
     sent: list[int] = []
+    # A stop asked for while no rank runs after some did: the run finished and the agent is ending (it exits 0 by
+    # itself), or the agent is between restarts (it is told after GRACE_S): (signal, when)
+    pending: list[tuple[int, float]] = []
+    seen = [False]  # ranks were found running
+
+    def deliver(signum: int) -> bool:
+        ranks = children(proc.pid)
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+        seen[0] = seen[0] or bool(ranks)
+        return bool(ranks)
 
     def forward(signum: int, frame: Any) -> None:
         sent.append(signum)
-        for pid in children(proc.pid) or [proc.pid]:  # the ranks; the agent where none can be found
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signum)
+        if deliver(signum):  # the ranks
+            return
+        if seen[0]:
+            pending.append((signum, time.monotonic()))
+            return
+        with contextlib.suppress(ProcessLookupError):  # none started yet: the agent
+            os.kill(proc.pid, signum)
 
     old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        code = proc.wait()
+        while True:
+            try:
+                code = proc.wait(timeout=POLL_S)
+                break
+            except subprocess.TimeoutExpired:
+                if pending and time.monotonic() - pending[0][1] > GRACE_S:  # not ending by itself: a restart's gap
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(proc.pid, pending.pop()[0])
+                elif not seen[0]:
+                    deliver(0)  # (signal 0: only looks)
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
     from .. import console
 
-    if code < 0 and -code in sent:  # the stop asked for, before any rank had started to take it
-        console.say(f"stopped by {signal.Signals(-code).name} before the ranks started", sys.stderr)
+    if code < 0 and -code in sent:  # the stop asked for where no rank was running to take it
+        when = "between torchrun's restarts of the ranks" if seen[0] else "before the ranks started"
+        console.say(f"stopped by {signal.Signals(-code).name} {when}", sys.stderr)
         return 128 + -code
     if code < 0:  # the agent itself died of a signal (its ranks with it): no restart can come from it
         try:
@@ -259,6 +286,12 @@ def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
                       "--resume RUN_DIR)")
         return 128 + -code
     return code
+
+
+#: How often the launcher looks for its ranks (``/proc``) and for a stop it holds.
+POLL_S = 0.5
+#: A stop asked for after the ranks ended is held this long for the agent to end by itself (a finished run), then sent.
+GRACE_S = 3.0
 
 
 def children(pid: int) -> list[int]:
