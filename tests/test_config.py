@@ -1,5 +1,6 @@
 """Config: YAML + dotted overrides, every default written out, errors naming the dotted key and value."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,9 +13,11 @@ from stabletrain.config import (
     ABSENT,
     RESUME_SAFE_KEYS,
     AccumConfig,
+    ClipConfig,
     Config,
     ConfigError,
     OptimConfig,
+    RunConfig,
     TrainConfig,
     config_from_dict,
     config_to_dict,
@@ -109,6 +112,49 @@ def test_a_yaml_syntax_error_names_the_file_line_and_column(tmp_path):
     assert "\n" not in message
     with pytest.raises(ConfigError, match=r"override 'optim.lr=\[1,': not valid YAML at line 1, column 4"):
         load_config(None, ["optim.lr=[1,"])
+
+
+def test_an_error_in_a_yaml_file_names_the_file_and_the_line_of_its_key(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("task: mlp\ntrain:\n  max_steps: 20\n  batch_sz: 4\noptim:\n  lr: 1e-3\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value).startswith(f"config file {str(path)!r}, line 4: unknown config key 'train.batch_sz' (known here: ")
+    path.write_text("callbacks:\n  - a.b:C\n  - 3\ntask_args:\n  depth: deep\n")
+    with pytest.raises(ConfigError, match=rf"^config file {re.escape(repr(str(path)))}, line 3: config key 'callbacks\[1\]': "):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"^config file .*, line 5: config key 'task_args.depth': expected an integer"):
+        load_config(path, ["callbacks=[]", "task=mlp"])  # a built-in task's task_args, checked with the config
+    with pytest.raises(ConfigError, match=r"^config key 'callbacks\[0\]': expected a string, got 3$"):
+        load_config(path, ["callbacks=[3]"])  # the bad value came from the command line: no file line
+
+
+def test_a_key_set_twice_in_one_yaml_mapping_is_an_error_naming_both_lines(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text("task: mlp\noptim:\n  lr: 1e-3\n  lr: 2e-3\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == (f"config file {str(path)!r}: config key 'optim.lr' is set twice, on lines 3 and 4 "
+                              "(the last would win); keep one")
+    path.write_text("task: mlp\noptim: {lr: 1e-3}\ntask_args:\n  <<: {width: 8, depth: 2}\n  depth: 3\n")
+    assert load_config(path).task_args == {"width": 8, "depth": 3}  # a merge key's value is meant to be overridden
+
+
+def test_null_for_a_nullable_number_is_said_and_python_s_none_is_read_as_null_on_the_command_line(tmp_path):
+    assert load_config(None, ["clip.max_norm=none"]).clip.max_norm is None
+    assert load_config(None, ["clip.max_norm=None"]).clip.max_norm is None
+    assert load_config(None, ["run.dir=none"]).run.dir == "none"  # a key that takes a string: the string
+    with pytest.raises(ConfigError, match=r"^config key 'clip.max_norm': expected a number or null, got 'nil' "
+                                          r"\(null is written null or ~\)$"):
+        load_config(None, ["clip.max_norm=nil"])
+    path = tmp_path / "my.yaml"
+    path.write_text("clip:\n  max_norm: none\n")  # YAML's nulls are null, ~, Null, NULL: none is a string there
+    with pytest.raises(ConfigError, match=r"line 2: config key 'clip.max_norm': expected a number or null, got 'none'"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"config key 'clip.max_norm': expected a number or null, got 'x'"):
+        Config(clip=ClipConfig(max_norm="x")).validate()
+    with pytest.raises(ConfigError, match=r"config key 'run.dir': expected a string or null, got 3$"):
+        Config(run=RunConfig(dir=3)).validate()
 
 
 @pytest.mark.parametrize("cfg, message", [

@@ -15,7 +15,7 @@ from helpers import cfg, regression_task
 from multiproc import env as child_env
 
 from stabletrain import Trainer
-from stabletrain.errors import batch_note, format_task_error, raised_by_stabletrain, task_part, user_location
+from stabletrain.errors import batch_note, defined_at, format_task_error, raised_by_stabletrain, task_part, user_location
 
 pytestmark = pytest.mark.slow  # most tests start the CLI in a fresh process
 
@@ -127,6 +127,31 @@ def test_stabletrain_own_errors_are_not_the_tasks():
     assert task_part(info.value) is None and raised_by_stabletrain(info.value)
     err = error_of("unpack_loss_task")
     assert not raised_by_stabletrain(err)
+
+
+def test_a_loss_that_breaks_the_contract_is_one_line_naming_where_the_user_defined_it():
+    err = error_of("loss_not_scalar_task")
+    assert type(err) is ValueError and raised_by_stabletrain(err) and task_part(err) is None  # stabletrain's word: one line
+    assert str(err).startswith(f"task loss (defined at {TASKS}:{line_of('no .mean()')} in <lambda>) returned a tensor "
+                               "of shape (16, 1); return a scalar mean or a (sum, count) pair")
+
+
+def test_defined_at_names_the_users_def_through_partials_and_methods_and_never_a_library():
+    import functools
+
+    import torch
+
+    def loss(model, batch, scale):
+        return scale * model(batch).mean()
+
+    class Loss:
+        def __call__(self, model, batch):
+            return model(batch).mean()
+
+    here, line = Path(__file__), loss.__code__.co_firstlineno
+    assert defined_at(functools.partial(loss, scale=2.0)) == f"{here}:{line} in loss"
+    assert defined_at(Loss()) == f"{here}:{Loss.__call__.__code__.co_firstlineno} in __call__"
+    assert defined_at(torch.nn.functional.mse_loss) is None and defined_at(torch.nn.MSELoss()) is None
 
 
 # -- the command line ---------------------------------------------------------------------------

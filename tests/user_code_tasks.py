@@ -140,3 +140,10 @@ def loss_raises_when_asked_task(bad_index: int = 37):
 
     task.loss = loss
     return task
+
+
+def loss_not_scalar_task():
+    """A loss that forgets to reduce: the task contract (a scalar mean or a (sum, count) pair) is broken."""
+    task = regression_task()
+    task.loss = lambda model, batch: (model(batch[0]) - batch[1]) ** 2  # the user's bug: no .mean()
+    return task

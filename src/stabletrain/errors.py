@@ -9,6 +9,8 @@ from the traceback alone: the frames of stabletrain, torch and the stdlib are ne
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import re
 import sys
@@ -17,8 +19,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-__all__ = ["user_frames", "user_location", "format_user_traceback", "task_part", "raised_by_stabletrain",
-           "format_task_error", "batch_note", "TaskCodeError", "TASK_PARTS", "brief", "crash_event", "StopTraining"]
+__all__ = ["user_frames", "user_location", "defined_at", "caller_loss_note", "format_user_traceback", "task_part",
+           "raised_by_stabletrain", "format_task_error", "batch_note", "TaskCodeError", "TASK_PARTS", "brief", "crash_event",
+           "StopTraining"]
 
 _PACKAGE = os.path.join(str(Path(__file__).resolve().parent), "")  # ".../stabletrain/", with its separator
 
@@ -155,6 +158,43 @@ def user_location(err: BaseException) -> str | None:
         return None
     f = frames[-1]
     return f"{f.filename}:{f.lineno} in {f.name}"
+
+
+def defined_at(fn: Any) -> str | None:
+    """``file:line in name`` where the user's callable ``fn`` is defined, or None when it is not the user's code.
+
+    Through ``functools.partial`` and ``functools.wraps``; a bound method is its function's, a callable object its
+    class's ``forward`` (a module) or ``__call__``. The line is the ``def`` (or the ``lambda``), not a line inside it.
+    """
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = inspect.unwrap(fn) if callable(fn) else fn
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None and callable(fn):  # a callable object: an nn.Module's forward, else its class's __call__
+        code = getattr(getattr(type(fn), "forward", None) or type(fn).__call__, "__code__", None)
+    if code is None or not _is_user(code.co_filename):
+        return None
+    return f"{code.co_filename}:{code.co_firstlineno} in {code.co_name}"
+
+
+def caller_loss_note(depth: int = 2) -> str:
+    """`` (defined at file:line in name)`` for the user's loss function (:func:`defined_at`) that the stabletrain frame
+    ``depth`` levels up called, read from that frame's locals (``loss_fn``, ``loss``, ``task.loss``, ``<x>.task.loss``);
+    "" when there is none. For checking what a loss returned after its own frame is gone: the message names its line.
+    """
+    frame = sys._getframe(depth)
+    try:
+        found = [frame.f_locals.get(name) for name in ("loss_fn", "loss")]
+        for name, value in frame.f_locals.items():
+            task = value if name == "task" else getattr(value, "task", None)
+            found.append(getattr(task, "loss", None))
+        where = next((where for fn in found if callable(fn) and (where := defined_at(fn))), None)
+    except Exception:  # an object's own __getattr__: the note is a courtesy, never a second error
+        where = None
+    finally:
+        del frame  # a frame kept in a local is a reference cycle
+    return f" (defined at {where})" if where else ""
 
 
 def format_user_traceback(err: BaseException) -> str:

@@ -11,9 +11,11 @@ import dataclasses
 import hashlib
 import json
 import re
+import types
+import typing
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -73,19 +75,77 @@ _YamlLoader.add_implicit_resolver(
 
 
 def load_yaml(text: str, source: str = "<string>") -> Any:
-    """Parse YAML ``text`` (``3e-4`` is a float); a syntax error is a ConfigError naming ``source``, line and column."""
+    """Parse YAML ``text`` (``3e-4`` is a float); a syntax error is a ConfigError naming ``source``, line and column.
+
+    A key set twice in one mapping is a ConfigError naming both lines (YAML would keep the last silently).
+    """
+    return _parse_yaml(text, source)[0]
+
+
+def _parse_yaml(text: str, source: str) -> tuple[Any, dict[str, int]]:
+    """(the data of ``text``, {dotted key: its 1-based line}); a list item's key is ``key[i]``."""
+    loader = _YamlLoader(text)
     try:
-        return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 (a SafeLoader subclass)
+        node = loader.get_single_node()
+        lines: dict[str, int] = {}
+        _key_lines(node, "", source, lines, ())
+        return loader.construct_document(node) if node is not None else None, lines  # merges `<<` after _key_lines
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise ConfigError(f"{source}: not valid YAML{where}: {problem}") from None
+    finally:
+        loader.dispose()
 
 
-def _parse_value(text: str, source: str) -> Any:
+def _key_lines(node: Any, path: str, source: str, lines: dict[str, int], above: tuple[int, ...]) -> None:
+    """Record in ``lines`` the line of each key under the YAML ``node`` at dotted ``path``; a key twice is a ConfigError.
+
+    ``above``: the ids of the nodes above, so that an alias of an enclosing node (a recursive structure) ends the walk.
+    """
+    if id(node) in above:
+        return
+    above = (*above, id(node))
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *defaults` is overridden by the keys beside it, as YAML means it
+            key, line = f"{path}.{key_node.value}" if path else key_node.value, key_node.start_mark.line + 1
+            if key_node.value in seen:
+                raise ConfigError(f"{source}: config key '{key}' is set twice, on lines {seen[key_node.value]} and {line} "
+                                  "(the last would win); keep one", key=key)
+            seen[key_node.value] = lines[key] = line
+            _key_lines(value_node, key, source, lines, above)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            lines[f"{path}[{i}]"] = item.start_mark.line + 1
+            _key_lines(item, f"{path}[{i}]", source, lines, above)
+
+
+#: How Python writes null; on the command line it means null for a key that takes null and no string (clip.max_norm).
+_PYTHON_NULLS = ("none", "None")
+
+
+def _parse_value(text: str, source: str, parts: list[str]) -> Any:
     # A YAML scalar or flow collection: 3e-4 -> float, true -> bool, null -> None, [1, 2] -> list.
+    if text.strip() in _PYTHON_NULLS and _takes_null_not_string(parts):
+        return None
     return load_yaml(text, source) if text != "" else ""
+
+
+def _takes_null_not_string(parts: list[str]) -> bool:
+    """Whether the config key at the dotted path ``parts`` is declared ``X | None`` with no string among its types."""
+    cls: Any = Config
+    for part in parts:
+        if not dataclasses.is_dataclass(cls):
+            return False
+        cls = type_hints(cls).get(part)
+    if typing.get_origin(cls) not in (typing.Union, types.UnionType):
+        return False
+    args = typing.get_args(cls)
+    return type(None) in args and not any(a is str or typing.get_origin(a) is Literal for a in args)
 
 
 def apply_override(data: dict[str, Any], override: str) -> None:
@@ -97,7 +157,7 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     if not key:
         raise ConfigError(f"override {override!r}: empty key")
     *path, last = key.split(".")
-    section_at(data, path, f"override {override!r}")[last] = _parse_value(text, f"override {override!r}")
+    section_at(data, path, f"override {override!r}")[last] = _parse_value(text, f"override {override!r}", [*path, last])
 
 
 def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -120,28 +180,47 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     given): a Config built in Python, or read back from a run, is left to :func:`stabletrain.tasks.resolve_task`.
     """
     data: dict[str, Any] = _moved(copy.deepcopy(base or {}), base_source)
+    source, lines = "", {}  # the file's, and {dotted key: line} of the keys set in it
     if path is not None:
         p = Path(path)
+        source = f"config file {str(p)!r}"
         try:
             text = p.read_text()
         except OSError as err:
-            raise ConfigError(f"config file {str(p)!r}: cannot read it ({err.strerror})") from None
-        loaded = load_yaml(text, f"config file {str(p)!r}")
+            raise ConfigError(f"{source}: cannot read it ({err.strerror})") from None
+        loaded, lines = _parse_yaml(text, source)
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(p)!r}: expected a mapping at the top, got {type(loaded).__name__}")
-        data = _deep_merge(data, _moved(loaded, f"config file {str(p)!r}"))
+            raise ConfigError(f"{source}: expected a mapping at the top, got {type(loaded).__name__}")
+        data = _deep_merge(data, _moved(loaded, source))
     overlay: dict[str, Any] = {}
     for override in overrides:
         apply_override(overlay, override)
     data = _deep_merge(data, _moved(overlay, "the overrides"))
-    cfg = _build(Config, data).validate()
     try:
-        check_builtin_task_args(cfg.task, cfg.task_args)
-    except TaskError as err:
-        raise ConfigError(str(err)) from None
+        cfg = _build(Config, data).validate()
+        try:
+            check_builtin_task_args(cfg.task, cfg.task_args)
+        except TaskError as err:
+            raise ConfigError(str(err)) from None
+    except ConfigError as err:
+        key = err.key or ""
+        line = lines.get(key)
+        if line is None or _set_in(overlay, key):  # about no key of the file, or its value came from the command line
+            raise
+        raise ConfigError(f"{source}, line {line}: {err}", key=err.key) from None
     return cfg
+
+
+def _set_in(data: dict[str, Any], key: str) -> bool:
+    """Whether the plain nested dicts ``data`` hold the dotted ``key`` (a list item, ``callbacks[1]``: the list)."""
+    node: Any = data
+    for part in re.sub(r"\[\d+\]", "", key).split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
 
 
 def _moved(data: dict[str, Any], source: str) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from typing import Any, Literal
@@ -13,7 +14,19 @@ __all__ = ["ConfigError", "coerce", "check_types", "section_at", "type_hints"]
 
 
 class ConfigError(ValueError):
-    """A config key is unknown or its value is invalid; the message names the dotted key."""
+    """A config key is unknown or its value is invalid; the message names the dotted key.
+
+    ``key``: the dotted key it is about (``callbacks[1]`` for a list item), as given, else the one the message starts
+    with (``config key 'optim.lr': ...``); None for an error about no one key (a file that is not YAML).
+    """
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        named = _NAMED_KEY.match(message)
+        self.key = key if key is not None else named[1] if named else None
+
+
+_NAMED_KEY = re.compile(r"(?:unknown )?config key '([^']+)'")
 
 
 def section_at(data: dict[str, Any], parts: list[str], where: str) -> dict[str, Any]:
@@ -42,7 +55,8 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
         return value
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
-        if value is None and type(None) in args:
+        nullable = type(None) in args
+        if value is None and nullable:
             return None
         errors: list[ConfigError] = []
         for arg in args:
@@ -52,10 +66,13 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
                 return coerce(key, value, arg)
             except ConfigError as err:
                 errors.append(err)
-        if len(errors) == 1:
+        if len(errors) == 1 and not nullable:
             raise errors[0]
         wants = [str(e).split(": expected ", 1)[1].rsplit(", got ", 1)[0] for e in errors]  # "one of auto", "true or false"
-        raise ConfigError(f"config key '{key}': expected {' or '.join(wants)}, got {brief(value)}")
+        # A string where null is allowed may be an attempt at writing null (none, None): say how YAML writes it.
+        how = " (null is written null or ~)" if nullable and isinstance(value, str) else ""
+        raise ConfigError(f"config key '{key}': expected {' or '.join([*wants, 'null'] if nullable else wants)}, "
+                          f"got {brief(value)}{how}")
     if tp is bool:
         if isinstance(value, bool):
             return value
