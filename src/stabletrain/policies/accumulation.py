@@ -46,27 +46,33 @@ from torch import Tensor
 from ..errors import caller_loss_note
 from ..numerics import constant
 
-__all__ = ["AccumulationWindow", "as_sum_count", "loss_sums", "sums_safe"]
+__all__ = ["AccumulationWindow", "LossContractError", "as_sum_count", "loss_sums", "sums_safe"]
+
+
+class LossContractError(ValueError):
+    """A task's loss returned something other than a scalar mean or a ``(sum, count)`` pair (its message names where
+    the user defined it)."""
 
 
 def as_sum_count(out: Any, num_samples: int) -> tuple[Tensor, Tensor]:
     """Return (fp32 loss sum, fp32 count) from a task loss: a scalar mean or a ``(sum, count)`` pair."""
     if isinstance(out, Tensor):
         if out.dim() != 0:
-            raise ValueError(f"task loss{caller_loss_note()} returned a tensor of shape {tuple(out.shape)}; "
+            raise LossContractError(f"task loss{caller_loss_note()} returned a tensor of shape {tuple(out.shape)}; "
                              "return a scalar mean or a (sum, count) pair")
         return out.float() * num_samples, torch.full((), float(num_samples), device=out.device)
     if isinstance(out, (tuple, list)) and len(out) == 2:
         loss_sum, count = out
         if not isinstance(loss_sum, Tensor) or loss_sum.dim() != 0:
-            raise ValueError(f"task loss{caller_loss_note()} returned a pair whose first element is not a scalar tensor "
+            raise LossContractError(f"task loss{caller_loss_note()} returned a pair whose first element is not a scalar tensor "
                              "(the loss sum)")
         if isinstance(count, Tensor):
             count = count.to(device=loss_sum.device, dtype=torch.float32).reshape(())
         else:  # a host number: fill on the device rather than copy from host memory
             count = torch.full((), float(count), dtype=torch.float32, device=loss_sum.device)
         return loss_sum.float(), count.float()
-    raise ValueError(f"task loss{caller_loss_note()} returned {type(out).__name__}; return a scalar mean or a (sum, count) pair")
+    raise LossContractError(f"task loss{caller_loss_note()} returned {type(out).__name__}; return a scalar mean or a "
+                            "(sum, count) pair")
 
 
 def loss_sums(loss: Any, model: Any, groups: Any, autocast: Any) -> list[tuple[float, float]]:

@@ -30,6 +30,7 @@ from ..diagnostics.signal_propagation import NothingToMeasure, signal_report
 from ..errors import user_location
 from ..fileio import atomic_write
 from ..internals import eager_methods
+from ..policies.accumulation import LossContractError
 from ..policies.optim import optimizer_factory
 from ..records.jsonl import json_safe
 from ..records.staging import host_memory_available
@@ -59,9 +60,10 @@ def first_batch_signal(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Modul
         with kept_rng(), context or contextlib.nullcontext(), eager_methods(model):
             report = signal_report(model, batch, loss_fn, label=label, make_optimizer=make_optimizer)
     except Exception as err:  # the report must never take the run down
-        if _raised_in(err, loss_fn) and step_runs_loss:  # the first step raises it with the user's own line
+        own = _raised_in(err, loss_fn) or isinstance(err, LossContractError)  # (what it returned: the same)
+        if own and step_runs_loss:  # the first step raises it with the user's own line
             return None
-        if _raised_in(err, loss_fn):
+        if own:
             where = user_location(err)
             warnings.warn(f"the loss function that replays incidents fails on the step's batch ({type(err).__name__}: "
                           f"{err}{f', at {where}' if where else ''}): no incident can be captured with it; it is called "
