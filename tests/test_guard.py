@@ -389,9 +389,25 @@ def test_a_loss_of_zero_is_convergence_and_every_step_skipped_at_a_dead_scale_is
     assert Guard(GuardConfig(max_consecutive_skips=1000), torch.device("cpu")).decide(  # a healthy scale: the limit's
         _stall_rows([0] * 20, 0.0, scale=2.0**10)).action == "continue"
     d = Guard(GuardConfig(), torch.device("cpu")).decide(_stall_rows([0] * 20, 0.0, scale=7e-18))
+    # (it said 'it cannot recover': a loss x1e6 recovered at a scale of 2^-6, two halvings past the default limit)
     assert d.action == "stop" and d.reason.endswith(
-        ": the run is not recovering; the GradScaler's scale is 7e-18: it cannot recover. Try precision=bf16 (no loss "
-        "scale), the overflowing module in fp32 (stabletrain remedy names it), or guard.on_nonfinite=remedy"), d.reason
+        ": the run is not recovering; the GradScaler's scale is 7e-18: the gradients overflow float16 even unscaled (a "
+        "lower scale may fit them: guard.max_consecutive_skips higher lets it back off further, a skipped step each time). "
+        "Try precision=bf16 (no loss scale), the overflowing module in fp32 (stabletrain remedy names it), or "
+        "guard.on_nonfinite=remedy"), d.reason
+    forward = [SimpleNamespace(**{**vars(r), "values": {**r.values, "loss": math.inf, "finite": 0.0}})
+               for r in _stall_rows([0] * 20, 0.0, scale=7e-18)]
+    d = Guard(GuardConfig(), torch.device("cpu")).decide(forward)
+    assert "; the loss itself is non-finite in float16 (the forward overflows) and the GradScaler's scale is 7e-18: no " \
+           "loss scale makes it finite. Try precision=bf16" in d.reason, d.reason
+
+
+def test_zero_gradients_at_a_healthy_fp16_scale_are_said_to_underflow_not_to_overflow():
+    """A loss x1e-14 under fp16: every applied gradient 0 at a scale of 65536; the stall said 'Try ... the overflowing
+    module in fp32', of a run where nothing overflowed."""
+    d = Guard(GuardConfig(on_stall="stop"), torch.device("cpu")).decide(_stall_rows([1] * 20, 0.0, scale=65536.0))
+    assert d.action == "stop" and "the GradScaler's scale is 6.6e+04: in float16 the gradients underflow to 0" in d.reason
+    assert "overflowing" not in d.reason and "precision=bf16 (float32's range, no loss scale)" in d.reason, d.reason
 
 
 def test_a_collapsed_scale_with_tiny_applied_gradients_is_a_stall_and_a_healthy_one_is_not():
@@ -462,6 +478,7 @@ def test_an_fp16_run_whose_scaler_collapsed_stops_instead_of_reporting_success(t
     err = capsys.readouterr().err
     assert "the run stopped early: the run is stalled at step 60: 18 of the last 20 steps were skipped" in err
     assert "Try precision=bf16" in err
+    assert f"See {tmp_path / 'stop' / 'events.jsonl'}\n" in err  # (no capture: it pointed at an incidents folder it had not made)
     assert main([*args, f"run.dir={tmp_path / 'end'}", "train.max_steps=60"]) == 1  # the stop at the last boundary
     assert "the run stopped at its last step: the run is stalled at step 60" in capsys.readouterr().err
     assert main([*args, f"run.dir={tmp_path / 'warn'}", "guard.on_stall=warn"]) == 0
@@ -543,3 +560,20 @@ def test_a_window_whose_median_is_zero_or_below_makes_no_far_spike():
     assert verdicts == (False,) * 3, hinge
     cfg = GuardConfig(spike_window=50)
     assert spike_test(0.1, hinge, cfg)["robust_zscore"] > cfg.spike_zscore  # the far path alone would have fired
+
+
+def test_fp16_overflows_are_not_hidden_behind_no_non_finite_steps_in_the_report(tmp_path):
+    """A loss x1e6 under fp16: its gradients overflow until the GradScaler backs off below 1 (the loss stays finite).
+    The report said 'No non-finite losses or grad norms' beside every grad norm NaN: the overflows are named."""
+    from stabletrain import Trainer
+    from stabletrain.report import health_summary, load_run
+
+    task = regression_task()
+    loss = task.loss
+    task.loss = lambda model, batch: loss(model, batch) * 1e6
+    Trainer(cfg("precision=fp16", "train.max_steps=30", "log.every=10", "guard.max_consecutive_skips=40",
+                "guard.on_stall=warn", "capture.incidents=false"), task=task, run_dir=tmp_path / "run").fit()
+    text = health_summary(load_run(tmp_path / "run")).text
+    skipped = [e for e in _events(tmp_path / "run") if e["kind"] == "skip"]
+    assert skipped and all("fp16 overflow" in e["reason"] for e in skipped)
+    assert f"No non-finite losses or grad norms besides {len(skipped)} fp16 overflows (skipped, above)." in text, text

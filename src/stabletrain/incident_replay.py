@@ -373,8 +373,10 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
     scaler = (bundle.get("precision") or {}).get("scaler") or {}
     after = float(scaler.get("scale", 1.0)) * float(scaler.get("backoff_factor", 1.0))  # the scale this step backs off to
     if scaler and after < UNRECOVERABLE_SCALE and result.get("failure_class") in ("overflow", "op"):
+        why = ("it cannot recover (the gradients are NaN whatever the scale)" if result.get("failure_class") == "op" else
+               "the gradients do not fit float16 unscaled (a lower scale may fit them, a skipped step each halving)")
         result["evidence"] += (f"; the GradScaler had backed off to {float(scaler['scale']):g} and this step's overflow "
-                               f"takes it to {after:g}: it cannot recover (the gradients do not fit float16 unscaled)")
+                               f"takes it to {after:g}: {why}")
     if observed.get("after_update") and result.get("stage") not in ("update",):
         result["note"] = "the run saw the bad value only in the parameters after the update"
     atomic_write(directory / DIAGNOSIS_FILE, json.dumps(result, indent=2, default=str) + "\n")

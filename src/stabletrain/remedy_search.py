@@ -229,7 +229,7 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int, probe: int | None = 
             rows.append(row)
             if not math.isfinite(loss) or not params_ok or (not math.isfinite(norm) and not overflow):
                 what = ("loss" if not math.isfinite(loss) else "parameters" if not params_ok else
-                        f"grad norm (the GradScaler backs off to {float(precision.loss_scale()):g}: it cannot recover)"
+                        f"grad norm (the GradScaler backs off to {float(precision.loss_scale()):g}, below 1)"
                         if bool(out["overflow"]) else "grad norm")
                 failed = {"step": n, "why": f"non-finite {what} at step {n} (loss {loss:.4g}, grad norm {norm:.4g})",
                           "kind": what}

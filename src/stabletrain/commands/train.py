@@ -105,8 +105,8 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
     if trainer.stop_reason is not None:
         when = ("at its last step" if trainer.step >= trainer.cfg.train.max_steps  # the stop came at the end's boundary
                 else "early")
-        console.say(f"the run stopped {when}: {trainer.stop_reason}. See {run_dir / 'events.jsonl'} and "
-                    f"{run_dir / 'incidents'}", sys.stderr)
+        captured = f" and {run_dir / 'incidents'}" if (run_dir / "incidents").is_dir() else ""
+        console.say(f"the run stopped {when}: {trainer.stop_reason}. See {run_dir / 'events.jsonl'}{captured}", sys.stderr)
         return 1
     if not trainer.history:  # resumed at or past train.max_steps: this launch trained nothing
         console.say(f"nothing to train: the run is at step {trainer.step} and train.max_steps={trainer.cfg.train.max_steps} "

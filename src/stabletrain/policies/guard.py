@@ -124,6 +124,17 @@ class GuardDecision:
             self.reason = _nonfinite_reason(self)
 
 
+def _scale_note(scale: float, loss: float) -> str:
+    """What a stop after consecutive skips says of fp16's GradScaler at ``scale`` (the last step's ``loss``)."""
+    if scale >= UNRECOVERABLE_SCALE:
+        return ""
+    if not math.isfinite(loss):  # the loss itself overflowed: it is not scaled yet, no scale makes it finite
+        return (f"; the loss itself is non-finite in float16 (the forward overflows) and the GradScaler's scale is {scale:.2g}: "
+                f"no loss scale makes it finite. Try {FP16_ADVICE}")
+    return (f"; the GradScaler's scale is {scale:.2g}: the gradients overflow float16 even unscaled (a lower scale may fit "
+            f"them: guard.max_consecutive_skips higher lets it back off further, a skipped step each time). Try {FP16_ADVICE}")
+
+
 def _nonfinite_reason(d: GuardDecision) -> str:
     if d.after_update and d.locate is not None:
         where = f"in the parameters after an update of steps {d.locate[0]}-{d.locate[1]}"
@@ -314,7 +325,11 @@ class Guard:
             moved = "no gradient reached the parameters measurably"
         else:
             return None
-        if scale != 1.0:
+        if scale != 1.0 and scale >= UNRECOVERABLE_SCALE and largest == 0.0:  # zero gradients at a healthy scale
+            what += f"; the GradScaler's scale is {scale:.2g}: in float16 the gradients underflow to 0"
+            advice = ("precision=bf16 (float32's range, no loss scale), a larger loss (a sum, not a mean of tiny terms), or "
+                      "a look at whether the loss depends on the parameters")
+        elif scale != 1.0:
             what += f"; the GradScaler's scale is {scale:.2g}"
             advice = FP16_ADVICE
         else:
@@ -393,11 +408,9 @@ class Guard:
                 d.spike_steps.append(row.step)
             self.consecutive_skips = self.consecutive_skips + 1 if v["applied"] < 0.5 else 0
             if self.consecutive_skips >= self.cfg.max_consecutive_skips and d.action == "continue":
-                scale = float(v.get("loss_scale", 1.0))
                 d.action, d.reason = "stop", (f"{self.consecutive_skips} consecutive skipped steps (guard.max_consecutive_skips="
                                               f"{self.cfg.max_consecutive_skips}) at step {row.step}: the run is not recovering"
-                                              + (f"; the GradScaler's scale is {scale:.2g}: it cannot recover. Try "
-                                                 f"{FP16_ADVICE}" if scale < UNRECOVERABLE_SCALE else ""))
+                                              + _scale_note(float(v.get("loss_scale", 1.0)), float(v.get("loss", math.nan))))
             applied, norm, scale = v["applied"] >= 0.5, float(v.get("grad_norm", math.nan)), float(v.get("loss_scale", 1.0))
             self._recent.append((applied, norm, scale, float(v.get("loss", math.nan))))
             if applied and scale >= UNRECOVERABLE_SCALE and math.isfinite(norm) and norm > 0:

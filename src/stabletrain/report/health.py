@@ -110,6 +110,9 @@ def health_summary(run: RunData) -> Health:
     f["nonfinite_steps_undone"] = sorted({e.step for e in undone})
     before = (f"before {_went_back(undone)}, {plural(len(f['nonfinite_steps_undone']), 'step')} had one (first at step "
               f"{f['nonfinite_steps_undone'][0]:,})" if undone else "")
+    # fp16 overflows (the GradScaler's skipped steps) are not counted as non-finite steps: said as what they are
+    overflows = len({e.step for e in skip_events if _skip_reason(e).startswith("fp16 overflow")})
+    besides = f" besides {plural(overflows, 'fp16 overflow')} (skipped, above)" if overflows else ""
     if f["nonfinite_steps"]:
         first = min((e.step for e in nonfinite_events), default=None)
         if first is None:
@@ -121,9 +124,9 @@ def health_summary(run: RunData) -> Health:
         h.say("warn", f"{plural(f['nonfinite_steps'], 'step')} had a non-finite loss or grad norm ({where})"
                       + (f"; {before}" if before else "") + ".")
     elif undone:
-        h.say("warn", f"No non-finite losses or grad norms since {_went_back(undone)}; {before}.")
+        h.say("warn", f"No non-finite losses or grad norms{besides} since {_went_back(undone)}; {before}.")
     else:
-        h.say("ok", "No non-finite losses or grad norms.")
+        h.say("ok", f"No non-finite losses or grad norms{besides}.")
 
     spikes = run.counted_events("spike")
     f["spike_steps"] = sorted({e.step for e in spikes})
