@@ -971,7 +971,7 @@ def test_a_state_spike_after_the_users_lr_jump_names_the_rise_since_the_older_st
     task = steady_regression_task()
     torch.manual_seed(0)
     opt = torch.optim.AdamW(task.model.parameters(), lr=0.003, fused=True)
-    with Monitor(task.model, opt, run_dir=tmp_path / "run", log_every=10, loss_fn=_mse) as monitor:
+    with Monitor(task.model, opt, run_dir=tmp_path / "run", log_every=10, loss_fn=_mse, clip_max_norm=1.0) as monitor:
         for step in range(30):
             if step == 23:
                 for group in opt.param_groups:
@@ -1367,18 +1367,24 @@ def test_a_window_high_under_the_older_state_is_no_data_spike_where_ordinary_win
     state too (3.25 against 0.26): the state drifted; it was 'data: samples 342, 705, 1454' (a trial), and SGD's one
     x50 step 'data: the batch itself is an outlier' with ordinary windows x72 under the new weights."""
     samples = {"indices": [342, 705, 1454], "share": 0.9, "without": {"loss": 0.3404, "ratio": 0.829}}
-    case = {**_surge_case(window=1.742, ordinary=0.2604, current_ordinary=3.254, window_high=True, ordinary_high=True),
-            "loss": 2.1, "surges": [], "samples": samples}
+    case = {**_surge_case(window=1.742, ordinary=0.2604, current_ordinary=3.254, window_high=True, ordinary_high=True,
+                          ordinary_spike_now=True, window_not_above_now=True), "loss": 2.1, "surges": [], "samples": samples}
     out = classify_spike(case)
     assert out["failure_class"] == "state" and out["blamed_samples"] is None, out
     assert ("the window is high under the state of step 150 too (1.742 vs 0.2604) and ordinary windows are high at 3.254 "
-            "under this one (vs 0.2604); samples 342, 705, 1454 carry 90% of the loss, but ordinary windows are high under "
-            "this state too") in out["evidence"], out["evidence"]
+            "under this one (vs 0.2604), as high as the window's 2.1; samples 342, 705, 1454 carry 90% of the loss, but "
+            "ordinary windows are high under this state too") in out["evidence"], out["evidence"]
     batch = classify_spike({**case, "samples": None})
     assert batch["failure_class"] == "state" and "the batch itself" not in batch["evidence"]
     # ordinary windows as they were: the samples are to blame
-    calm = classify_spike({**case, "older": {**case["older"], "current_ordinary": 0.27, "ordinary_high": False}})
+    calm = classify_spike({**case, "older": {**case["older"], "current_ordinary": 0.27, "ordinary_high": False,
+                                             "ordinary_spike_now": False, "window_not_above_now": False}})
     assert calm["failure_class"] == "data" and calm["blamed_samples"] == [342, 705, 1454]
+    # ordinary windows doubled from a tiny loss (0.0008 -> 0.0017), far under a window of 17: still the samples (lab 8)
+    tiny = classify_spike({**case, "loss": 17.42, "older": {**case["older"], "window": 17.27, "ordinary": 0.0008289,
+                                                            "current_ordinary": 0.001664, "ordinary_spike_now": False,
+                                                            "window_not_above_now": False}})
+    assert tiny["failure_class"] == "data" and tiny["blamed_samples"] == [342, 705, 1454], tiny
     # a window no higher than ordinary windows that were no calm level under the older state is not called normal
     unsettled = classify_spike({**case, "samples": None, "older": {**case["older"], "window": 3.194, "ordinary": 3.151,
                                                                     "window_high": False, "ordinary_then_high": True}})

@@ -339,7 +339,7 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
     ordinary_steps = [bench.step(c) for c in context]
     ordinary = _typical(ordinary_steps) if context else None
     m["steps"] = _step_sizes(observed.get("history") or [], ordinary_steps) if why is None else None
-    m["older"], m["where"] = _older(bench, bundle, cfg, spike, context, rule) if why is None else (None, {})
+    m["older"], m["where"] = _older(bench, bundle, cfg, spike, context, rule, here["loss"]) if why is None else (None, {})
     if m["older"] is None and context and why is None:  # no older state: are the ordinary windows high under this one?
         now = sum(bench.loss(c) for c in context) / len(context)
         m["ordinary_now"] = {"loss": now, "spike": bool(rule(now)["spike"])}
@@ -450,10 +450,11 @@ def _typical(steps: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return out
 
 
-def _older(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, spike: list, context: list, rule: Any
+def _older(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, spike: list, context: list, rule: Any, loss: float
            ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """The window and ordinary windows under the older state (the interval's start, else an older checkpoint: ``from``),
-    and where the outputs depart."""
+    and where the outputs depart; ``loss``: the spike window's under this state (whether ordinary windows are as high
+    now, or a spike by the rule: the state moved on, not the window)."""
     ref = bundle.get("reference")
     if not ref or ref.get("model") is None:
         return None, {}
@@ -471,7 +472,9 @@ def _older(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, spike: list, co
             "window_high": bool(math.isfinite(window_old) and window_old > ratio * ordinary_old),
             "ordinary_then_high": bool(context and rule(ordinary_old)["spike"]),
             "ordinary_high": bool(math.isfinite(ordinary_now) and (ordinary_now > ratio * ordinary_old
-                                                                     or rule(ordinary_now)["spike"]))}
+                                                                     or rule(ordinary_now)["spike"])),
+            "ordinary_spike_now": bool(context and math.isfinite(ordinary_now) and rule(ordinary_now)["spike"]),
+            "window_not_above_now": bool(context and math.isfinite(ordinary_now) and loss <= ratio * ordinary_now)}
     now, order = bench.module_rms(spike, bench.replica.model)
     then, _ = bench.module_rms(spike, older)
     return info, departures(now, then, order)

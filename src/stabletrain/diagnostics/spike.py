@@ -271,9 +271,11 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
                 "evidence": (f"with every dropout off the window's loss is {draw['loss']:.4g}, {how}; under the step's "
                              f"own dropout masks it is {m['loss']:.4g}: the draw made the spike, not the samples nor "
                              "the state")}
-    # The window high under the older state too names the batch, unless ordinary windows are now high as well: the
-    # state then drifted (and dropping a drifted window's largest losses brings it under the rule's bar too).
-    high_before = older is not None and older["window_high"] and not older["ordinary_high"]
+    # The window high under the older state too names the batch, unless ordinary windows are now a spike by the rule
+    # as well, or as high as the window: the state then drifted (and dropping a drifted window's largest losses brings
+    # it under the rule's bar too).
+    drifted_now = older is not None and bool(older.get("ordinary_spike_now") or older.get("window_not_above_now"))
+    high_before = older is not None and older["window_high"] and not drifted_now
     # No older state to weigh the window against: ordinary windows that are spikes by the rule under this state say
     # the state drifted (then dropping a drifted window's largest losses "cures" it too: no sample is to blame).
     now = m.get("ordinary_now") if older is None else None
@@ -339,6 +341,8 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
             where = f"{'high at' if older['ordinary_high'] else 'at'} {now:.4g} under this one (vs {then:.4g})"
         if older["window_high"]:  # (and ordinary windows rose since: high_before is off)
             window = f"the window is high under the state of step {older['step']} too ({older['window']:.4g} vs {then:.4g})"
+            where += (f", {'as high as' if older.get('window_not_above_now') else 'a spike by the rule against'} the "
+                      f"window's {m['loss']:.4g}")
         elif older.get("ordinary_then_high"):  # (no higher than ordinary windows there, which are no calm level)
             window = (f"the window is no higher than ordinary windows under the state of step {older['step']} "
                       f"({older['window']:.4g} vs {then:.4g})")
@@ -347,7 +351,7 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
         drift = f"; {window} and ordinary windows are {where}"
     if samples is not None and not weak:
         drift += (f"; samples {', '.join(map(str, samples['indices']))} carry {_pct(samples['share'])} of the loss, "
-                  + ("but ordinary windows are high under this state too" if older is not None and older["window_high"]
+                  + ("but ordinary windows are high under this state too" if drifted_now
                      else "but only under the current state"))
     if blamed is not None:
         out["blamed_layer"] = blamed["name"]
