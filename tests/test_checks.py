@@ -1,5 +1,7 @@
 """The doctor's checks in-process: accum in training mode (dropout handled, BatchNorm warned), overfit on the one step."""
 
+import math
+
 import torch
 import torch.nn.functional as F
 from helpers import cfg, regression_task
@@ -117,3 +119,80 @@ def test_accum_check_never_blames_the_loss_when_randomness_it_cannot_switch_off_
     assert "inconclusive" in result.summary and "randomness" in result.summary, result.summary
     assert result.numbers["residual_randomness"] > result.numbers["tolerance"]
     assert not any("the loss may depend on the batch" in d for d in result.details)
+
+
+def _classification(loss_reduction: str = "mean", model: nn.Module | None = None) -> Task:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 8, generator=g)
+    y = (x[:, 0] > 0).long()
+    model = model or nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    return Task(model=model, train_data=TensorDataset(x, y),
+                loss=lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction=loss_reduction), name="cls")
+
+
+def test_accum_check_names_a_scalar_loss_that_sums_over_the_batch():
+    """reduction='sum' returned as a scalar: the check blamed in-batch negatives or an inconsistent (sum, count)."""
+    (result,) = run_checks(CheckContext(cfg("train.batch_size=8"), task_factory=lambda: _classification("sum")), ["accum"])
+    assert not result.passed and result.summary.endswith("the scalar loss sums over the batch instead of averaging")
+    assert result.numbers["max_param_diff"] > 100 * result.numbers["tolerance"]
+    [cause] = [d for d in result.details if d.startswith("the scalar loss scales with the batch size")]
+    assert cause.endswith("it sums instead of averaging; use reduction='mean', or return (sum, count)")
+    assert not any("in-batch negatives" in d for d in result.details)
+    (mean,) = run_checks(CheckContext(cfg("train.batch_size=8"), task_factory=_classification), ["accum"])
+    assert mean.passed and not mean.warning, mean.summary
+
+
+class _Counter(nn.Module):
+    """A forward that changes with a Python call counter (no randomness): state outside the inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 2)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x) * (1.0 + 0.01 * self.calls)
+
+
+def test_accum_check_says_two_identical_forwards_differ_without_claiming_randomness():
+    task = lambda: _classification(model=_Counter())  # noqa: E731
+    (result,) = run_checks(CheckContext(cfg("train.batch_size=8"), task_factory=task), ["accum"])
+    assert result.passed and result.warning, result.summary
+    assert result.summary.startswith("inconclusive: two identical forward/backward passes (the same batch, the same RNG "
+                                     "state) differ by"), result.summary
+    assert result.numbers["repeat_diff"] > result.numbers["tolerance"]
+    assert "randomness" not in result.summary
+    assert any(d.startswith("the forward depends on something besides its inputs") and "a counter" in d
+               for d in result.details)
+
+
+def _fp16_overflow() -> Task:
+    """Every parameter x 1000: the fp16 forward overflows (inf) in the second Linear ('2'); finite in fp32."""
+    task = regression_task()
+    task.model = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    with torch.no_grad():
+        for p in task.model.parameters():
+            p.mul_(1000.0)
+    return task
+
+
+def test_amp_check_fails_when_the_fp16_forward_overflows_and_names_the_module():
+    (result,) = run_checks(CheckContext(cfg("precision=fp16", "train.batch_size=8"), task_factory=_fp16_overflow), ["amp"])
+    assert not result.passed and result.summary.startswith("the loss is not finite under fp16 autocast (")
+    [why] = [d for d in result.details if d.startswith("the loss is ")]
+    assert "in fp32: the forward exceeds fp16's range (max 65504)" in why, why
+    assert "aten.addmm.default in forward of module '2' (origin: inputs finite" in why, why
+    (ok,) = run_checks(CheckContext(cfg("precision=fp16", "train.batch_size=8"), task_factory=regression_task), ["amp"])
+    assert ok.passed and math.isfinite(ok.numbers["loss"])
+
+
+def test_overfit_check_says_the_loss_is_not_finite_not_that_gradients_are_missing():
+    (result,) = run_checks(CheckContext(cfg("precision=fp16"), task_factory=_fp16_overflow), ["overfit"])
+    assert not result.passed
+    assert result.numbers["num_params_without_grad"] == 0  # NaN gradients are gradients
+    assert result.numbers["num_nonfinite_losses"] == result.numbers["num_skipped_steps"] == 5  # stopped early
+    assert not any("detached graph" in d or d.startswith("no gradient") for d in result.details)
+    [why] = [d for d in result.details if d.startswith("the loss is ")]
+    assert "from step 0 on (precision=fp16): non-finite values, not a missing gradient" in why
+    assert "in the forward: aten.addmm.default in forward of module '2'" in why, why

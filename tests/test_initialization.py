@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import pytest
 import torch
-from models_init import CustomInit, ResidualStack, single_thread  # noqa: F401  (fixture)
+from models_init import CustomInit, FunctionalReLUStack, MixedActivations, ResidualStack, single_thread  # noqa: F401
 from torch import nn
 
+from stabletrain.console import StableTrainWarning
 from stabletrain.diagnostics.initialization import InitChange, InitFingerprint
 from stabletrain.tasks import gpt as gpt_task
 from stabletrain.tasks.gpt import GPT
-from stabletrain.tasks.init_schemes import activation_gain, init_, recommend_scheme
+from stabletrain.tasks.init_schemes import ActivationTrace, activation_gain, init_, recommend_scheme
 from stabletrain.tasks.mlp import make_mlp
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -107,6 +109,42 @@ def test_init_errors_name_the_value():
         init_(model, "kaiming", residual=["blocks.*.proj"])
     with pytest.raises(ValueError, match="init std: expected a positive number, got -1"):
         init_(model, "normal", std=-1)
+
+
+def test_kaiming_on_a_model_whose_relus_are_functions_assumes_relu_and_auto_warns_it_sees_none():
+    """torch.relu in forward, no activation module: 'kaiming' used to give gain 1 (std 1/8 = 0.125 at width 64), the same
+    as xavier and auto on square layers; Kaiming is sqrt(2 / 64) = 0.177."""
+    torch.manual_seed(0)
+    model = FunctionalReLUStack(depth=8, width=64)
+    decisions = init_(model, "kaiming")
+    assert all(d.assumed and d.activation == "relu" and d.gain == pytest.approx(math.sqrt(2)) for d in decisions)
+    assert model.layers[0].weight.std().item() == pytest.approx(math.sqrt(2 / 64), rel=0.05)
+    with pytest.warns(StableTrainWarning, match="saw no activation after any of its 9 layers.*pass trace="):
+        decisions = init_(model, "auto")
+    assert {(d.gain, d.assumed) for d in decisions} == {(1.0, False)}
+    x = torch.randn(16, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # traced: nothing to warn about
+        decisions = init_(model, "auto", trace=lambda m: m(x))
+    assert [(d.activation, d.scheme) for d in decisions] == [("relu", "kaiming")] * 8 + [("linear", "kaiming")]
+    assert [d.std for d in decisions] == pytest.approx([math.sqrt(2 / 64)] * 8 + [1 / 8])
+    assert not any(d.assumed for d in decisions)
+
+
+def test_activation_trace_reads_each_layers_activation_as_the_forward_applies_it():
+    model = MixedActivations()
+    with ActivationTrace(model) as trace:
+        model(torch.randn(2, 8))
+    followers = trace.followers()
+    # a: h * sigmoid(h) goes into two ops, so it is left out; d: the GELU module is registered after it, but d's output
+    # goes into a residual sum; c: looked through F.dropout to F.leaky_relu(0.2).
+    assert sorted(followers) == ["b", "c", "d"] and followers["d"] is None
+    assert type(followers["b"]) is nn.ReLU and followers["c"].negative_slope == 0.2
+    assert trace.functional == [("torch.sigmoid", "sigmoid"), ("Tensor.relu", "relu"), ("F.leaky_relu", "leaky_relu")]
+    decisions = {d.name: d for d in init_(model, "kaiming", trace=lambda m: m(torch.randn(2, 8)))}
+    assert [decisions[n].activation for n in "abcd"] == ["linear", "relu", "leaky_relu", "linear"]
+    assert decisions["c"].gain == pytest.approx(math.sqrt(2 / (1 + 0.2**2)))
+    assert [d.activation for d in init_(model, "kaiming")][2:4] == ["linear", "gelu"]  # registration order alone
 
 
 def test_recommend_scheme_from_activations():

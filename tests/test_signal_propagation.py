@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 from models_init import (  # noqa: F401
+    FunctionalReLUStack,
     ResidualStack,
     RNNModel,
     classification_batch,
@@ -335,6 +336,24 @@ def test_compare_never_recommends_a_scheme_that_failed(tmp_path):
     assert result.details[-1] == ("no init scheme compared passes (init_(model, 'kaiming'), init_(model, 'xavier') fail "
                                   "too): none is recommended; look at the first flagged layer above, the init alone "
                                   "does not fix it")
+
+
+def test_compare_on_a_model_calling_torch_relu_traces_it_and_recommends_kaiming(tmp_path):
+    """A ModuleList of Linear(64, 64) + torch.relu at N(0, 0.02^2): init_ saw no activation module, so auto, xavier and
+    kaiming all drew std 1/8 and failed alike (7 flagged layers each, 'the init alone does not fix it')."""
+    def make_task() -> Task:
+        x, y = classification_batch(num=64, in_dim=64)
+        return Task(model=FunctionalReLUStack(depth=8, width=64), train_data=TensorDataset(x, y), loss=classification_loss)
+
+    cfg = load_config(None, ["task=mypkg:make_task"])
+    options = {"compare": ["auto", "xavier", "kaiming"], "out_dir": str(tmp_path)}
+    [result] = run_checks(CheckContext(cfg, task_factory=make_task, options=options), ["init"])
+    n = result.numbers
+    assert n["flagged"] == 8 and n["recommended"] == "kaiming"
+    assert (n["init_('auto').flagged"], n["init_('xavier').flagged"], n["init_('kaiming').flagged"]) == (0, 0, 0)
+    assert result.details[-1] == "recommended init: init_(model, 'kaiming') (it passes here; saw torch.relu x8)"
+    saved = json.loads((tmp_path / "init_signal.json").read_text())
+    assert saved[0]["activations"] == {"torch.relu": 8}
 
 
 # -- update/weight ratios, calibrated to the optimizer ---------------------------------------------------

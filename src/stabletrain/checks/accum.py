@@ -4,11 +4,13 @@ The model runs in training mode, as the run does. Dropout is switched off for th
 masks cannot match across batch shapes): ``nn.Dropout`` modules, a module's own ``dropout`` (LSTM,
 GRU, RNN, MultiheadAttention) and functional dropout in the user's forward (``F.dropout`` and friends,
 ``scaled_dot_product_attention``'s ``dropout_p``); every other layer behaves as in training. Each side
-runs from the same RNG state, and the big batch runs a second time from another one: randomness the
-check could not switch off shows there, and then the check says it is inconclusive rather than
-blaming the loss. A model whose loss depends on the whole batch beyond per-sample terms (BatchNorm's
-batch statistics) does not give the same gradient from micro-batches: the check says so with the
-measured difference (a warning).
+runs from the same RNG state, and the big batch runs again from the same state and from another one:
+a forward that keeps state of its own (a counter) shows in the first, randomness the check could not
+switch off in the second, and then the check says it is inconclusive rather than blaming the loss. A
+scalar loss that adds up over the batch (``reduction="sum"`` returned as if it were a mean) is named
+as such: the whole batch's loss equals the sum of its micro-batches' losses. A model whose loss
+depends on the whole batch beyond per-sample terms (BatchNorm's batch statistics) does not give the
+same gradient from micro-batches: the check says so with the measured difference (a warning).
 """
 
 from __future__ import annotations
@@ -34,6 +36,12 @@ _BATCH_STATS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LazyBatchNorm
 
 def _grads(params: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
+
+
+def _sums(big: float, micro: list[float], sizes: list[int], rtol: float = 1e-3) -> bool:
+    """Whether a scalar loss adds up over the batch (the batch's = the sum of its parts', not their weighted mean)."""
+    mean = sum(n * v for n, v in zip(sizes, micro)) / sum(sizes)
+    return abs(big - sum(micro)) <= rtol * abs(big) < abs(big - mean)
 
 
 @register("accum", order=20)
@@ -75,24 +83,44 @@ def check_accum(ctx: CheckContext) -> CheckResult:
                 (loss_sum / count / len(micro)).backward()
         return _grads(params)
 
+    def scalar_losses() -> tuple[float, list[float]] | None:
+        """The loss of the whole batch and of each micro-batch, when the task returns a scalar (else None)."""
+        model.load_state_dict(saved)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            outs = [task.loss(model, batch) for batch in [big] + [b_ for _, b_ in micro]]
+        if not all(isinstance(o, torch.Tensor) and o.dim() == 0 for o in outs):
+            return None
+        values = torch.stack([o.detach().float() for o in outs]).cpu().tolist()
+        return values[0], values[1:]
+
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), dropout_off(model) as (dropouts, functional):
         g_big = run("big")
         functional_calls = functional.calls  # in one forward of the big batch
         g_acc, g_naive = run("accum"), run("naive")
-        g_again = run("big", seed=1)  # the same batch from another RNG state: what randomness is left
+        g_same = run("big")  # the same batch from the same RNG state: state outside the inputs shows here
+        g_again = run("big", seed=1)  # ... and from another RNG state: what randomness is left
+        losses = scalar_losses()
     model.load_state_dict(saved)
     scale = float(g_big.abs().max())
     tol = ATOL + RTOL * scale
     diff = float((g_acc - g_big).abs().max())
     naive = float((g_naive - g_big).abs().max())
     noise = float((g_again - g_big).abs().max())
-    random = noise > tol
+    repeat = float((g_same - g_big).abs().max())
+    stateful = repeat > tol  # two identical forwards differ: the forward is not a function of its inputs and the RNG
+    random = noise > tol or stateful
     passed = diff <= tol
+    summed = not passed and not random and losses is not None and _sums(*losses, sizes)
     warning = not passed and (bool(batch_stats) or random)
     if passed:
         summary = (f"{k} micro-batches (sizes {sizes}) vs one batch of {total}: max |param diff| after an SGD step "
                    f"(lr=1) {diff:.3g} <= tol {tol:.3g}")
+    elif stateful:
+        summary = (f"inconclusive: two identical forward/backward passes (the same batch, the same RNG state) differ by "
+                   f"{repeat:.3g} ({repeat / tol:.3g}x tol {tol:.3g}), so the {k} micro-batches' difference of {diff:.3g} "
+                   f"from one batch of {total} says nothing about accumulation")
     elif random:
         summary = (f"inconclusive: the model's forward draws randomness the check could not switch off: the same batch "
                    f"from two RNG states differs by {noise:.3g} ({noise / tol:.3g}x tol {tol:.3g}), so the "
@@ -104,15 +132,24 @@ def check_accum(ctx: CheckContext) -> CheckResult:
                    "variance, so accumulation is not one big batch for this model")
     else:
         summary = f"{k} micro-batches vs one batch of {total}: max |param diff| {diff:.3g} exceeds tol {tol:.3g}"
+        if summed:
+            summary += "; the scalar loss sums over the batch instead of averaging"
     details = [f"naive mean-of-means would differ by {naive:.3g} ({naive / max(tol, 1e-30):.3g}x the tolerance)"]
     if dropouts or functional_calls:
         off = [f"{', '.join(dropouts[:4])}{' ...' if len(dropouts) > 4 else ''}"] if dropouts else []
         if functional_calls:
             off.append(f"functional dropout calls in one forward: {functional_calls}")
         details.append(f"dropout switched off for the comparison: {'; '.join(off)}")
-    if random and passed:
+    if stateful and passed:
+        details.append(f"two identical forward/backward passes differ by {repeat:.3g}: the forward keeps state of its "
+                       "own; the sides still matched")
+    elif random and passed:
         details.append(f"the forward draws randomness the check could not switch off (the same batch from two RNG states "
                        f"differs by {noise:.3g}); the sides still matched: each drew the same numbers from one RNG state")
+    elif stateful:
+        details.append("the forward depends on something besides its inputs and torch's RNG: state it changes per call "
+                       "(a counter, a cache, an attribute not in the state_dict) or randomness of its own (a generator "
+                       "seeded from the clock): make the forward a function of the batch, or keep that state fixed")
     elif random:
         details.append("a random op outside nn.Dropout, a module's own dropout and F.dropout (a mask drawn by hand, "
                        "noise injection, random augmentation in the forward): make it depend on self.training, or "
@@ -120,11 +157,17 @@ def check_accum(ctx: CheckContext) -> CheckResult:
     elif warning:
         details.append("to make k micro-batches match one batch: GroupNorm/LayerNorm instead of BatchNorm, or SyncBatchNorm "
                        "statistics over the whole window; otherwise keep micro-batches large enough for stable statistics")
+    elif summed:
+        big_loss, micro_losses = losses
+        details.append(f"the scalar loss scales with the batch size: {big_loss:.4g} on the batch of {total} = the sum of "
+                       f"its micro-batches' losses ({sum(micro_losses):.4g}), not their size-weighted mean "
+                       f"({sum(n * v for n, v in zip(sizes, micro_losses)) / total:.4g}): it sums instead of averaging; "
+                       "use reduction='mean', or return (sum, count)")
     elif not passed:
         details.append("the loss may depend on the batch beyond per-sample terms (e.g. in-batch negatives), "
                        "or the task's (sum, count) is inconsistent")
     return CheckResult("accum", passed or warning, summary, warning=warning,
                        numbers={"k": k, "max_param_diff": diff, "tolerance": tol, "naive_max_param_diff": naive,
                                 "grad_norm": float(grad_norms(params)[0]), "batch_stat_layers": len(batch_stats),
-                                "residual_randomness": noise},
+                                "residual_randomness": noise, "repeat_diff": repeat},
                        details=details)

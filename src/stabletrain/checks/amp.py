@@ -1,19 +1,27 @@
-"""``amp``: under autocast, which ops ran in low precision and which in fp32; the loss is fp32;
-a model cast wholesale with ``.half()`` is flagged."""
+"""``amp``: under autocast, which ops ran in low precision and which in fp32; the loss is fp32 and finite;
+a model cast wholesale with ``.half()`` is flagged.
+
+A loss that is not finite under autocast fails the check: the forward is run again under
+:class:`~stabletrain.diagnostics.nonfinite.NonFiniteLocator` (a sync per op, on this failure only) to
+name the op and module where the first non-finite value appears, and once in fp32 to tell an overflow
+of the low precision's range from a model that is not finite in any precision.
+"""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import torch
 
 from ..data import fixed_batch
+from ..diagnostics.nonfinite import NonFiniteLocator
 from ..internals import dispatch_mode_base
 from ..policies.accumulation import as_sum_count
 from ..policies.precision import PrecisionPolicy
 from . import CheckContext, CheckResult, register
 
-__all__ = ["OpDtypeRecorder", "check_amp"]
+__all__ = ["OpDtypeRecorder", "check_amp", "first_nonfinite_forward"]
 
 _LOW = (torch.float16, torch.bfloat16)
 _MATMUL = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_dot_product", "convolution", "conv")
@@ -51,6 +59,22 @@ def _raw_dtype(task, model, batch, policy: PrecisionPolicy) -> torch.dtype:
     return (out[0] if isinstance(out, (tuple, list)) else out).dtype
 
 
+def first_nonfinite_forward(task, model, batch, policy: PrecisionPolicy) -> str:
+    """Run the task's forward once under ``policy``'s autocast; return where its first non-finite value appears.
+
+    One line: the op, its module, whether it made the value from finite inputs (an overflow) or was given
+    one, and the dtype. A sync per op: call it on a failure only.
+    """
+    with torch.no_grad(), policy.autocast(), NonFiniteLocator(model, capture_stack=False, first_only=True) as loc:
+        task.loss(model, batch)
+    first = loc.first_origin or loc.first
+    return "no op of the forward made one (the batch or a parameter holds it)" if first is None else first.describe()
+
+
+def _loss_value(loss_sum: torch.Tensor, count: torch.Tensor) -> float:
+    return float((loss_sum.detach().float() / count).cpu())
+
+
 @register("amp", order=30)
 def check_amp(ctx: CheckContext) -> CheckResult:
     """Audit op dtypes under autocast, the loss dtype and the parameter dtypes."""
@@ -67,11 +91,13 @@ def check_amp(ctx: CheckContext) -> CheckResult:
     _, batch = fixed_batch(task, ctx.cfg.train.batch_size, device)
     recorder = OpDtypeRecorder()
     with policy.autocast(), recorder:
-        as_sum_count(task.loss(model, batch), ctx.cfg.train.batch_size)
+        low_sum_count = as_sum_count(task.loss(model, batch), ctx.cfg.train.batch_size)
+    low_loss = _loss_value(*low_sum_count)
+    finite = math.isfinite(low_loss)
     low_matmuls = sum(v for k, v in recorder.low.items() if any(m in k for m in _MATMUL))
     raw_dtype = _raw_dtype(task, model, batch, policy)
     loss_fp32 = raw_dtype == torch.float32
-    passed = not half_params and loss_fp32 and low_matmuls > 0
+    passed = not half_params and loss_fp32 and low_matmuls > 0 and finite
     details = [f"low precision ({audited}): " + ", ".join(f"{k} x{v}" for k, v in recorder.low.most_common(12)),
                "fp32: " + ", ".join(f"{k} x{v}" for k, v in recorder.fp32.most_common(12))]
     if half_params:
@@ -79,14 +105,27 @@ def check_amp(ctx: CheckContext) -> CheckResult:
                        "was cast wholesale (.half()/.bfloat16()); keep fp32 weights and let autocast choose per op")
     if not loss_fp32:
         details.append(f"the task loss is {raw_dtype}: reduce it in fp32 (e.g. cross_entropy(logits.float(), y))")
+    if not finite:
+        with torch.no_grad():
+            fp32_loss = _loss_value(*as_sum_count(task.loss(model, batch), ctx.cfg.train.batch_size))
+        where = first_nonfinite_forward(task, model, batch, policy)
+        if math.isfinite(fp32_loss):
+            limit = torch.finfo(policy.dtype).max
+            details.append(f"the loss is {low_loss} under {audited} autocast but {fp32_loss:.4g} in fp32: the forward "
+                           f"exceeds {audited}'s range (max {limit:.6g}); first non-finite value: {where}; scale that "
+                           f"module's weights or inputs down, run it in fp32, or use bf16 (fp32's range)")
+        else:
+            details.append(f"the loss is {low_loss} under {audited} autocast and {fp32_loss} in fp32 too: not the low "
+                           f"precision; first non-finite value: {where}")
     if low_matmuls == 0:
         details.append("no matmul/conv ran in low precision: autocast is not reaching the model's compute")
-    summary = (f"autocast {audited} on {device.type}: {sum(recorder.low.values())} ops low precision "
+    summary = (("" if finite else f"the loss is not finite under {audited} autocast ({low_loss}); ") +
+               f"autocast {audited} on {device.type}: {sum(recorder.low.values())} ops low precision "
                f"({low_matmuls} matmul/conv), {sum(recorder.fp32.values())} in fp32; loss {raw_dtype}; "
                f"{len(half_params)} half-precision parameters")
     return CheckResult("amp", passed, summary,
                        numbers={"audited": audited, "configured": ctx.cfg.precision,
                                 "low_precision_ops": sum(recorder.low.values()),
                                 "low_precision_matmuls": low_matmuls, "fp32_ops": sum(recorder.fp32.values()),
-                                "loss_dtype": str(raw_dtype), "half_params": len(half_params)},
+                                "loss_dtype": str(raw_dtype), "half_params": len(half_params), "loss": low_loss},
                        details=details)

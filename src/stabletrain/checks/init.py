@@ -2,10 +2,10 @@
 
 Runs :func:`stabletrain.diagnostics.signal_propagation.signal_report` on the task's model as built, on one batch of
 ``train.batch_size`` samples; with ``--compare normal,xavier,kaiming`` also on copies of that model
-re-initialized by :func:`stabletrain.tasks.init_schemes.init_` with each scheme. Writes the per-layer std
-plot (``init_signal.png``) and the full per-layer numbers (``init_signal.json``) to ``--out DIR``
-(default: ``stabletrain-check/``; see :meth:`CheckContext.output_path`). Passes when no layer of the
-model as built is flagged.
+re-initialized by :func:`stabletrain.tasks.init_schemes.init_` with each scheme, traced on the same batch (so an
+activation the forward calls as a function, ``torch.relu``, sets the gain as a module would). Writes the per-layer
+std plot (``init_signal.png``) and the full per-layer numbers (``init_signal.json``) to ``--out DIR`` (default:
+``stabletrain-check/``; see :meth:`CheckContext.output_path`). Passes when no layer of the model as built is flagged.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _where(report: SignalReport, direction: str) -> str:
 
 def _compare_advice(built: SignalReport, by_scheme: dict[str, SignalReport]) -> str:
     """Return the advice line of a comparison: never recommend a scheme that failed this same test."""
-    seen = ", ".join(f"{n} x{c}" for n, c in built.activations.items()) or "no activation modules"
+    seen = ", ".join(f"{n} x{c}" for n, c in built.activations.items()) or "no activation module or function"
     passing = [s for s, r in by_scheme.items() if r.passed]
     failing = [s for s, r in by_scheme.items() if not r.passed]
     suggested = built.recommended
@@ -61,8 +61,10 @@ def _compare_advice(built: SignalReport, by_scheme: dict[str, SignalReport]) -> 
     if passing:
         return f"recommended init: init_(model, {passing[0]!r}), the first scheme that passes here (saw {seen}){failed_note}"
     untried = "" if suggested in by_scheme else f"; init_(model, {suggested!r}) was not compared (--compare {suggested})"
-    return (f"no init scheme compared passes ({', '.join(f'init_(model, {s!r})' for s in failing)} fail too): none is "
-            f"recommended; look at the first flagged layer above, the init alone does not fix it{untried}")
+    if not built.activations and "kaiming" not in by_scheme:  # kaiming assumes ReLU where none is seen
+        untried += "; init_(model, 'kaiming') (ReLU assumed) was not compared (--compare kaiming)"
+    return (f"no init scheme compared passes ({', '.join(f'init_(model, {s!r})' for s in failing)} fail too): "
+            f"none is recommended; look at the first flagged layer above, the init alone does not fix it{untried}")
 
 
 @register("init", order=50)
@@ -81,7 +83,7 @@ def check_init(ctx: CheckContext) -> CheckResult:
     for scheme in schemes:
         model = copy.deepcopy(base)  # keeps tied weights tied
         seed_everything(ctx.cfg.seed)
-        init_(model, scheme)
+        init_(model, scheme, trace=lambda m: task.loss(m, batch))  # reads activations called as functions too
         by_scheme[scheme] = signal_report(model, batch, task.loss, label=f"init_({scheme!r})",
                                           make_optimizer=optimizer_factory(model, ctx.cfg.optim, device, own))
         reports.append(by_scheme[scheme])

@@ -1,6 +1,12 @@
-"""``overfit``: can the model memorize one tiny fixed batch, and does every parameter get a gradient?"""
+"""``overfit``: can the model memorize one tiny fixed batch, and does every parameter get a gradient?
+
+A loss or gradients that are not finite are said so (with the op where the forward's first non-finite
+value appears), not taken for missing gradients: a NaN gradient is a gradient, and no lr fixes a NaN loss.
+"""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -9,11 +15,14 @@ from ..numerics import unique_params
 from ..policies.precision import PrecisionPolicy
 from ..step import TrainStep
 from . import CheckContext, CheckResult, register
+from .amp import first_nonfinite_forward
 
 #: The loss must fall below initial / FACTOR within STEPS steps on one fixed batch.
 FACTOR = 2.0
 STEPS = 150
 LR = 3e-3
+#: Stop after this many non-finite losses in a row: every one of those steps was skipped, nothing changes.
+NONFINITE_STOP = 5
 
 
 @register("overfit", order=10)
@@ -30,26 +39,43 @@ def check_overfit(ctx: CheckContext) -> CheckResult:
     micro = [(len(indices), batch)]
 
     step.forward_backward(micro, task.loss)
-    no_grad = [n for n, p in named if p.grad is None or not bool(p.grad.abs().sum() > 0)]
+    no_grad = [n for n, p in named if p.grad is None or not bool(p.grad.ne(0).any())]  # NaN != 0: a (bad) gradient
+    nonfinite_grad = [n for n, p in named if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
     initial = float(step.window.mean_loss)
     target = initial / FACTOR
     losses = [initial]
-    step.update()
+    skipped = int(not bool(step.update()["applied"]))  # a non-finite loss or gradient: the step is skipped
     for _ in range(STEPS):
         out = step(micro, task.loss)  # the loss of this step's forward: the parameters after the previous update
         losses.append(float(out["loss"]))
-        if losses[-1] <= target:
+        skipped += not bool(out["applied"])
+        if losses[-1] <= target or (len(losses) >= NONFINITE_STOP
+                                    and not any(math.isfinite(v) for v in losses[-NONFINITE_STOP:])):
             break
     fell = losses[-1] <= target
+    nonfinite = [i for i, v in enumerate(losses) if not math.isfinite(v)]
     passed = fell and not no_grad
     steps = len(losses) - 1  # updates applied before the loss that reached the target
     summary = (f"loss {initial:.4g} -> {losses[-1]:.4g} in {steps} steps (target < initial/{FACTOR:g} within {STEPS})"
-               + ("" if not no_grad else f"; {len(no_grad)} parameter(s) got no gradient"))
+               + ("" if not no_grad else f"; {len(no_grad)} parameter(s) got no gradient")
+               + ("" if not nonfinite else f"; the loss is not finite at {len(nonfinite)} of {len(losses)} steps"))
     details = [f"no gradient: {name}" for name in no_grad]
-    if not fell:
+    if nonfinite:
+        where = first_nonfinite_forward(task, model, batch, precision) if nonfinite[0] == 0 else ""
+        details.append(f"the loss is {losses[nonfinite[0]]} from step {nonfinite[0]} on (precision={precision.mode}): "
+                       "non-finite values, not a missing gradient; those steps were skipped"
+                       + (f"; first non-finite value in the forward: {where}" if where else "")
+                       + ("; under fp16 see `stabletrain check amp precision=fp16`, or use bf16" if
+                          precision.mode == "fp16" else ""))
+    elif skipped and not fell:  # (fp16: the scaled gradients of the first step may overflow by design)
+        first = f" ({len(nonfinite_grad)} parameter(s) at the first step, e.g. {nonfinite_grad[0]})" if nonfinite_grad else ""
+        details.append(f"{skipped} of {len(losses)} steps were skipped: their gradients were not finite{first} while the "
+                       "loss was: the backward overflows or divides by zero")
+    elif not fell:
         details.append("the loss did not fall enough on one fixed batch: look for a detached graph, a frozen model, "
                        "a wrong loss/target pairing, or an lr far off")
     return CheckResult("overfit", passed, summary,
                        numbers={"initial_loss": initial, "final_loss": losses[-1], "steps": steps, "factor": FACTOR,
-                                "num_params_without_grad": len(no_grad)},
+                                "num_params_without_grad": len(no_grad), "num_nonfinite_losses": len(nonfinite),
+                                "num_skipped_steps": skipped},
                        details=details)

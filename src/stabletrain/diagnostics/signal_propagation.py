@@ -48,7 +48,7 @@ from torch import Tensor, nn
 
 from ..numerics import unique_params
 from ..policies.accumulation import as_sum_count
-from ..tasks.init_schemes import activation_name, is_norm, recommend_scheme
+from ..tasks.init_schemes import ActivationTrace, activation_name, is_norm, recommend_scheme
 from .update_ratio import UpdateRatio, update_ratios
 
 __all__ = [
@@ -164,7 +164,7 @@ class SignalReport:
     updates: list[UpdateRatio] = field(default_factory=list)
     optimizer: str = ""
     recommended: str = "auto"
-    activations: dict[str, int] = field(default_factory=dict)  # activation name -> times seen
+    activations: dict[str, int] = field(default_factory=dict)  # module class or function call (torch.relu) -> times seen
     adaptive: bool = False  # the optimizer is Adam-like: the update bands are relative to lr / rms(w)
 
     @property
@@ -213,7 +213,7 @@ class SignalReport:
 
     def advice(self) -> str:
         """Return one line recommending an init scheme from the activations seen."""
-        seen = ", ".join(f"{n} x{c}" for n, c in self.activations.items()) or "no activation modules"
+        seen = ", ".join(f"{n} x{c}" for n, c in self.activations.items()) or "no activation module or function"
         if any(x is not None and not math.isfinite(x) for layer in self.layers for x in (layer.signal_std, layer.grad_std)):
             return ("no init advice: this batch makes non-finite values, which no init's scale explains (the step's own "
                     "incident names the sample or the op)")
@@ -221,6 +221,8 @@ class SignalReport:
             line = f"init holds; the scheme for these activations would be init_(model, {self.recommended!r}) (saw {seen})"
         else:
             line = f"recommended init: init_(model, {self.recommended!r}) (saw {seen})"
+        if any("." in kind for kind in self.activations):  # torch.relu & co: no module for init_ to read
+            line += "; init_ reads activations called as functions with trace=lambda m: m(example_input)"
         if any(layer.is_norm and layer.forward == EXPLODING for layer in self.layers):
             line += ("; the input of normalization layers grows with depth: mark the residual branches' output "
                      "projections (residual_branch_out = True) so init_ scales them by 1/sqrt(number of branches)")
@@ -376,7 +378,7 @@ def signal_report(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any],
     try:
         for p in params:
             p.grad = None
-        layers, loss_value = _measure(model, batch, loss)
+        layers, loss_value, functional = _measure(model, batch, loss)
         updates, opt_name, adaptive = update_ratios(model, params, make_optimizer, thresholds.update_band)
     finally:
         for p, g in zip(params, saved_grads):
@@ -386,15 +388,15 @@ def signal_report(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any],
                 b.copy_(saved)
     _assign_references(layers, thresholds)
     activations: dict[str, int] = {}
-    for layer in layers:
-        if layer.activation is not None:
-            activations[layer.kind] = activations.get(layer.kind, 0) + 1
-    recommended = recommend_scheme(layer.activation for layer in layers)
+    for kind in [layer.kind for layer in layers if layer.activation is not None] + [call for call, _ in functional]:
+        activations[kind] = activations.get(kind, 0) + 1
+    recommended = recommend_scheme([layer.activation for layer in layers] + [name for _, name in functional])
     return SignalReport(label, layers, thresholds, loss_value, updates, opt_name, recommended, activations, adaptive)
 
 
-def _measure(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any]) -> tuple[list[LayerSignal], float]:
-    """Run forward and backward with hooks on every leaf module; return the layers (no ratios yet) and the loss."""
+def _measure(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any]) -> tuple[list[LayerSignal], float, list]:
+    """Run forward and backward with hooks on every leaf module; return the layers (no ratios yet), the loss and the
+    activations the forward called as functions (:attr:`ActivationTrace.functional`)."""
     leaves = [(n, m) for n, m in model.named_modules() if not list(m.children())]
     calls: list[tuple[str, nn.Module, tuple | None, tuple]] = []  # name, module, input shape, output shape
     stats: list[dict[str, Tensor]] = []
@@ -428,7 +430,8 @@ def _measure(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any]
 
     handles = [m.register_forward_hook(on_forward(n)) for n, m in leaves]
     try:
-        loss_sum, count = as_sum_count(loss(model, batch), 1)
+        with ActivationTrace(model) as trace:
+            loss_sum, count = as_sum_count(loss(model, batch), 1)
         mean_loss = loss_sum / count
         mean_loss.backward()
     finally:
@@ -478,7 +481,7 @@ def _measure(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any]
             time_grad_mid=time_grad[1],
             in_shape=in_shape, out_shape=out_shape))
         segment += recurrent
-    return layers, loss_value
+    return layers, loss_value, trace.functional
 
 
 def _repeated_unit(ids: list[int], key: int, num_calls: dict[int, int]) -> bool:

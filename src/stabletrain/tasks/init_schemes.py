@@ -1,8 +1,10 @@
 """Init schemes that read the activation after each layer (what a task's model factory calls).
 
 ``init_`` re-initializes a model in place. For every Linear / Conv layer it looks at the activation
-module that follows it (the next leaf module in registration order, skipping Dropout and Identity)
-and picks the gain and fan mode from it; biases are zeroed; normalization layers get weight 1 and
+that follows it and picks the gain and fan mode from it: the next leaf module in registration order
+(skipping Dropout and Identity) or, given ``trace=`` (a function running one forward),
+the activation the forward applies to the layer's output, functional calls such as ``torch.relu``
+included (:class:`ActivationTrace`). Biases are zeroed; normalization layers get weight 1 and
 bias 0; the output projections of residual branches are scaled by ``1/sqrt(number of residual
 branches)`` so that the residual stream does not grow with depth (GPT-2's ``1/sqrt(2 * n_layer)``:
 a transformer block has two branches). A residual branch's output projection is marked by the
@@ -16,17 +18,24 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Iterable
+import warnings
+import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from ..console import StableTrainWarning
 
 __all__ = [
     "SCHEMES",
     "RESIDUAL_MARKER",
     "InitDecision",
+    "ActivationTrace",
     "init_",
     "activation_name",
     "activation_gain",
@@ -49,6 +58,8 @@ SATURATING = frozenset({"tanh", "softsign", "sigmoid"})
 # Modules that pass the signal through unchanged in scale at init (looked through when finding the activation).
 _TRANSPARENT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.Identity, nn.Flatten,
                 nn.Unflatten)
+# The layers init_ draws a fan-based init for.
+_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d,
           nn.LazyBatchNorm1d, nn.LazyBatchNorm2d, nn.LazyBatchNorm3d, nn.SyncBatchNorm, nn.InstanceNorm1d,
           nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LazyInstanceNorm1d, nn.LazyInstanceNorm2d, nn.LazyInstanceNorm3d)
@@ -103,6 +114,141 @@ def _second_moment_gain(module: nn.Module) -> float:
     return 1.0 / math.sqrt(second_moment)
 
 
+# Activation functions a forward may call on a layer's output, as the module init_ reads the gain from.
+def _slope(args: tuple, kwargs: dict) -> float:
+    return kwargs.get("negative_slope", args[1] if len(args) > 1 else 0.01)
+
+
+_ACTIVATION_FUNCTIONS: dict[str, Callable[[tuple, dict], nn.Module]] = {
+    "relu": lambda a, k: nn.ReLU(), "relu_": lambda a, k: nn.ReLU(), "relu6": lambda a, k: nn.ReLU6(),
+    "leaky_relu": lambda a, k: nn.LeakyReLU(_slope(a, k)), "leaky_relu_": lambda a, k: nn.LeakyReLU(_slope(a, k)),
+    "gelu": lambda a, k: nn.GELU(approximate=k.get("approximate", "none")), "silu": lambda a, k: nn.SiLU(),
+    "mish": lambda a, k: nn.Mish(), "elu": lambda a, k: nn.ELU(), "elu_": lambda a, k: nn.ELU(),
+    "selu": lambda a, k: nn.SELU(), "selu_": lambda a, k: nn.SELU(), "celu": lambda a, k: nn.CELU(),
+    "hardswish": lambda a, k: nn.Hardswish(), "softplus": lambda a, k: nn.Softplus(),
+    "tanh": lambda a, k: nn.Tanh(), "tanh_": lambda a, k: nn.Tanh(), "hardtanh": lambda a, k: nn.Hardtanh(),
+    "hardtanh_": lambda a, k: nn.Hardtanh(), "softsign": lambda a, k: nn.Softsign(),
+    "sigmoid": lambda a, k: nn.Sigmoid(), "sigmoid_": lambda a, k: nn.Sigmoid(), "hardsigmoid": lambda a, k: nn.Hardsigmoid(),
+}
+_FUNCTIONS: dict[Any, tuple[str, Callable[[tuple, dict], nn.Module]]] = {
+    getattr(owner, name): (f"{prefix}.{name}", make) for name, make in _ACTIVATION_FUNCTIONS.items()
+    for owner, prefix in ((Tensor, "Tensor"), (F, "F"), (torch, "torch")) if callable(getattr(owner, name, None))}
+# Functions that pass a layer's output on unchanged in scale: the activation is looked for after them.
+_LOOKED_THROUGH = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, torch.dropout, torch.flatten,
+                   torch.reshape, *(getattr(Tensor, n) for n in ("view", "reshape", "flatten", "unflatten", "transpose",
+                                                              "permute", "contiguous", "to", "float", "__getitem__"))}
+
+
+def _tensors(x: Any) -> list[Tensor]:
+    if isinstance(x, Tensor):
+        return [x]
+    items = x.values() if isinstance(x, dict) else x if isinstance(x, (tuple, list)) else ()
+    return [t for item in items for t in _tensors(item)]
+
+
+class ActivationTrace(TorchFunctionMode):
+    """Record, during a forward, which activation each Linear / Conv layer's output goes through.
+
+    ``with ActivationTrace(model) as trace: loss(model, batch)``; then ``trace.followers()`` maps each
+    layer's name to the activation module its output went through (a module built for a functional
+    call: ``torch.relu(x)`` gives ``nn.ReLU()``), or None when it went into anything else (a linear op, a
+    residual sum, the loss). A layer is left out when its output went both into an activation and into
+    something else (``x * torch.sigmoid(x)``: not sigmoid), or into nothing. Dropout, reshapes and casts
+    are looked through. ``functional`` lists the activations called as functions outside any activation
+    module (``[("torch.relu", "relu"), ...]``, one per call). Reads no device value (no sync).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.functional: list[tuple[str, str]] = []  # (the call as written, the activation's name)
+        self._pending: dict[int, tuple[weakref.ref, str]] = {}  # a layer's output (or a view of it) -> the layer
+        self._seen: dict[str, set[Any]] = {}  # layer -> what its outputs went into (an activation module's class, or None)
+        self._made: dict[str, nn.Module] = {}
+        self._in_activation = 0
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> ActivationTrace:  # noqa: PYI034 (typing.Self needs Python 3.11)
+        for name, module in self.model.named_modules():
+            if isinstance(module, _LAYERS):
+                self._handles.append(module.register_forward_hook(self._on_layer(name)))
+            elif activation_name(module) is not None:  # its own F.relu is not a functional call of the user's
+                self._handles += [module.register_forward_pre_hook(lambda *_: self._enter_activation(1)),
+                                  module.register_forward_hook(lambda *_: self._enter_activation(-1))]
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._pending.clear()
+
+    def _enter_activation(self, step: int) -> None:
+        self._in_activation += step
+
+    def _on_layer(self, name: str) -> Callable:
+        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+            for t in _tensors(output)[:1]:
+                self._pending[id(t)] = (weakref.ref(t), name)  # weak: a no-grad forward frees its activations
+        return hook
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        known = _FUNCTIONS.get(func)
+        if known is not None and not self._in_activation:
+            self.functional.append((known[0], activation_name(known[1](args, kwargs)) or ""))
+        results = _tensors(out)
+        if not results:  # .shape, .dim(), .item(): reads, not a use of the value
+            return out
+        for t in _tensors((args, kwargs)):
+            pending = self._pending.get(id(t))
+            if pending is None or pending[0]() is not t:
+                continue
+            layer = pending[1]
+            if func in _LOOKED_THROUGH:
+                for r in results:
+                    if id(r) not in self._pending or self._pending[id(r)][0]() is None:
+                        self._pending[id(r)] = (weakref.ref(r), layer)
+                continue
+            if known is not None:
+                module = known[1](args, kwargs)
+                self._made.setdefault(layer, module)
+                self._seen.setdefault(layer, set()).add(type(module))
+                if any(r is t for r in results):  # in place: what flows on is the activation's output
+                    del self._pending[id(t)]
+            else:
+                self._seen.setdefault(layer, set()).add(None)
+        return out
+
+    def followers(self) -> dict[str, nn.Module | None]:
+        """Return layer name -> the activation its output went through (None: none); see the class docstring."""
+        out: dict[str, nn.Module | None] = {}
+        for layer, kinds in self._seen.items():
+            if kinds == {None}:
+                out[layer] = None
+            elif len(kinds) == 1:
+                out[layer] = self._made[layer]
+        return out
+
+
+def trace_activations(model: nn.Module, run: Callable[[nn.Module], Any]) -> dict[str, nn.Module | None]:
+    """Run ``run(model)`` once (no grad) under :class:`ActivationTrace`; return its ``followers()``.
+
+    The model's buffers (BatchNorm statistics) are put back after the forward.
+    """
+    saved = [b.detach().clone() for b in model.buffers()]
+    try:
+        with torch.no_grad(), ActivationTrace(model) as trace:
+            run(model)
+    finally:
+        with torch.no_grad():
+            for b, value in zip(model.buffers(), saved):
+                b.copy_(value)
+    return trace.followers()
+
+
 @dataclass
 class InitDecision:
     """What ``init_`` did to one module: the scheme, the activation it read, the std it drew from."""
@@ -115,6 +261,7 @@ class InitDecision:
     fan_mode: str | None = None  # fan_in | fan_avg
     std: float | None = None  # of the weight, after the residual scale
     residual_scale: float = 1.0
+    assumed: bool = False  # kaiming on a model where no activation was seen: ReLU assumed (He et al.'s, torch's default)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -143,7 +290,7 @@ def _is_residual_out(name: str, module: nn.Module, patterns: list[str]) -> bool:
 
 @torch.no_grad()
 def init_(model: nn.Module, scheme: str = "auto", *, std: float = 1.0, residual: Iterable[str] = (),
-          num_residual_branches: int | None = None) -> list[InitDecision]:
+          num_residual_branches: int | None = None, trace: Callable[[nn.Module], Any] | None = None) -> list[InitDecision]:
     """Re-initialize ``model`` in place with ``scheme``; return what was done to each module.
 
     Schemes (weights drawn from a normal distribution, biases zeroed, norms set to weight 1, bias 0):
@@ -155,8 +302,13 @@ def init_(model: nn.Module, scheme: str = "auto", *, std: float = 1.0, residual:
     - ``normal``: N(0, std^2) for every weight, whatever follows (``std=0.02`` is GPT-2's).
 
     The activation that follows a layer is the next leaf module in registration order, skipping
-    Dropout / Identity / Flatten; an activation called functionally in ``forward`` cannot be seen,
-    and such a layer is treated as followed by none (gain 1). Embeddings (a lookup: fan-in 1) get
+    Dropout / Identity / Flatten. An activation called as a function in ``forward`` (``torch.relu``,
+    ``F.gelu``) is no module: pass ``trace``, a function that runs one forward (``lambda m: m(x)``), and
+    each layer gets the activation its output goes through in that forward (:class:`ActivationTrace`;
+    a layer the trace says nothing about keeps the registration-order answer). Where no activation is
+    seen at all (no module, nothing traced), ``kaiming`` assumes ReLU after every layer (gain sqrt(2),
+    torch's ``kaiming_normal_`` default; ``assumed=True`` in the decision), while ``auto`` and ``xavier``
+    use gain 1, and warn when not traced (a model without activations is rarely deep). Embeddings (a lookup: fan-in 1) get
     N(0, 1), or N(0, std^2) under ``normal``. Residual branch outputs (``residual_branch_out = True``
     or a name matching a glob in ``residual``) get their std times ``1/sqrt(num_residual_branches)``
     (default: the number of such modules). A weight shared by several modules (tied embeddings) is
@@ -176,15 +328,27 @@ def init_(model: nn.Module, scheme: str = "auto", *, std: float = 1.0, residual:
     if residual_outs and branches < 1:
         raise ValueError(f"init num_residual_branches: expected an integer >= 1, got {num_residual_branches!r}")
     residual_scale = 1.0 / math.sqrt(branches) if residual_outs else 1.0
+    traced = trace_activations(model, trace) if trace is not None else {}
+    followers = {name: traced[name] if name in traced else _following(leaves, i) for i, (name, m) in enumerate(leaves)
+                 if isinstance(m, _LAYERS)}
+    # No activation anywhere: functional ones init_ was not shown (trace=), or truly none.
+    unseen = len(followers) > 1 and all(f is None for f in followers.values()) and \
+        not any(activation_name(m) for _, m in leaves)
+    if unseen and scheme in ("auto", "xavier") and trace is None:
+        warnings.warn(f"init_(model, {scheme!r}): saw no activation after any of its {len(followers)} layers, so every "
+                      "layer gets gain 1; if forward calls one as a function (torch.relu, F.gelu), pass trace=lambda m: "
+                      "m(example_input) to read it, or use 'kaiming' (assumes ReLU)", StableTrainWarning, stacklevel=3)
 
     decisions: list[InitDecision] = []
-    for i, (name, module) in enumerate(leaves):
+    for name, module in leaves:
         kind = type(module).__name__
         weight = getattr(module, "weight", None)
         bias = getattr(module, "bias", None)
-        if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
-                               nn.ConvTranspose3d)):
-            follower = _following(leaves, i)
+        if isinstance(module, _LAYERS):
+            follower = followers[name]
+            assumed = unseen and scheme == "kaiming"
+            if assumed:
+                follower = nn.ReLU()
             act = activation_name(follower) if follower is not None else "linear"
             scale = residual_scale if name in residual_outs else 1.0
             if scheme == "normal":
@@ -195,7 +359,7 @@ def init_(model: nn.Module, scheme: str = "auto", *, std: float = 1.0, residual:
                 fan_in, fan_out = _fans(module, weight)
                 base = gain / math.sqrt(fan_in) if chosen == "kaiming" else gain * math.sqrt(2.0 / (fan_in + fan_out))
                 decision = InitDecision(name, kind, chosen, act, gain, "fan_in" if chosen == "kaiming" else "fan_avg",
-                                        base * scale, scale)
+                                        base * scale, scale, assumed)
             nn.init.normal_(weight, 0.0, decision.std)
             if bias is not None:
                 nn.init.zeros_(bias)
