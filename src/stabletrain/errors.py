@@ -183,8 +183,12 @@ def caller_loss_note(depth: int = 2) -> str:
     ``depth`` levels up called, read from that frame's locals (``loss_fn``, ``loss``, ``task.loss``, ``<x>.task.loss``);
     "" when there is none. For checking what a loss returned after its own frame is gone: the message names its line.
     """
-    frame = sys._getframe(depth)
+    frame = inspect.currentframe()
+    for _ in range(depth):
+        frame = frame.f_back if frame is not None else None
     try:
+        if frame is None:
+            return ""
         found = [frame.f_locals.get(name) for name in ("loss_fn", "loss")]
         for name, value in frame.f_locals.items():
             task = value if name == "task" else getattr(value, "task", None)
