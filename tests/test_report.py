@@ -669,6 +669,12 @@ def test_a_few_huge_losses_do_not_make_the_loss_headline_read_as_a_run_that_got_
     assert h.figures["loss_start"] == 0.9 and text.startswith(
         "Train loss 0.9 → 0.3 (median of the means of the 2 of the first 4 intervals without a loss spike → last "
         "interval: the first interval's mean, 40, is lifted by a loss spike at step 5)"), text
+    # ... but not where the intervals with spikes are high throughout (an LR x30 at step 80: the loss rose and stayed;
+    # 'the median of the means of the 2 of the last 5 intervals without a loss spike', 0.1542, from before it)
+    means = [1.0, 0.5, 0.3, 0.2, 0.17, 0.15, 0.144, 0.165, 2.18, 1.59, 1.181]
+    lows = [0.8, 0.4, 0.25, 0.18, 0.15, 0.13, 0.12, 0.14, 0.9, 0.6, 0.3906]
+    h, text = _loss_run(tmp_path / "risen", means, lows, spikes=[81, 82, 84, 85, 95, 105])
+    assert h.figures["loss_end"] == 1.181 and "lifted" not in text and "without a loss spike" not in text, text
     # A short run (6 intervals): each end's median is over its own 3 intervals, never the same ones ("0.13 → 0.13").
     means = [9.0, 0.5, 0.4, 0.2, 0.1, 7.0]
     h, text = _loss_run(tmp_path / "short", means, [0.4, 0.45, 0.35, 0.18, 0.09, 0.08], spikes=[5, 60])
@@ -954,3 +960,20 @@ def test_data_spikes_each_on_other_single_samples_are_said_to_be_a_heavy_tail():
     assert _scattered([*tail[:2], spike(166, [371])]) == ""  # the same sample again: it comes back, a bad sample
     assert _scattered([*tail[:2], spike(166, None, "state")]) == ""
     assert _scattered([*tail[:2], spike(166, [1, 2, 3])]) == ""  # a few samples together: a bad batch's
+    # Planted corrupt samples read as a heavy tail (a trial): each at 1e4 x the median, in a run of under one epoch or
+    # with the samples dropped, so they could not come back. A gross outlier is no tail; the samples must have had an
+    # epoch to come back in, and not been dropped.
+    from types import SimpleNamespace
+
+    gross = [Event(e.step, e.kind, "", None, {**e.extra, "diagnosis": {**e.extra["diagnosis"], "spike_test": {"ratio": r}}})
+             for e, r in zip(tail, (4.0, 2e4, 5.0))]
+    assert _scattered(gross) == "" and _scattered(gross[:1] + [tail[1]] + gross[2:]).startswith(" 3 data spikes")
+    tail = [Event(e.step, e.kind, "", None, {**e.extra, "diagnosis": {**e.extra["diagnosis"], "epoch": 0}}) for e in tail]
+
+    def run(last_epoch, events=()):
+        return SimpleNamespace(metrics=[{"epoch": 0}, {"epoch": last_epoch}],
+                               counted_events=lambda *kinds: [e for e in events if e.kind in kinds])
+
+    assert _scattered(tail, run(2)).startswith(" 3 data spikes") and _scattered(tail, run(0)) == ""
+    drop = Event(130, "remedy", "", None, {"remedy": {"kind": "skip-samples", "samples": [498, 501]}})
+    assert _scattered(tail, run(2, [drop])) == ""

@@ -63,7 +63,7 @@ from .policies.guard import Guard, routine_overflow, spike_test
 from .policies.precision import resolve_device
 from .records.bundles import DIAGNOSIS_FILE, REMEDY_FILE, load_bundle
 from .records.checkpoint.manager import CheckpointManager
-from .records.jsonl import json_safe
+from .records.jsonl import json_safe, read_jsonl
 from .replica import KEEP, Replica
 from .seeding import set_rng_state
 from .tasks import Task
@@ -153,17 +153,18 @@ def _windows(inc: _Incident, stream_state: dict[str, Any], first: int) -> Iterat
 
 def _dropped_before(run_dir: Path, step: int) -> set[int]:
     """The samples the run's applied skip-samples remedies (its ``remedy`` events before ``step``) took out."""
-    path = run_dir / "events.jsonl"
     out: set[int] = set()
-    for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
-        try:
-            e = json.loads(line)
-        except ValueError:
-            continue
-        remedy = e.get("remedy") if isinstance(e, dict) and e.get("kind") == "remedy" else None
+    for e in read_jsonl(run_dir / "events.jsonl")[0]:
+        remedy = e.get("remedy") if e.get("kind") == "remedy" else None
         if isinstance(remedy, dict) and remedy.get("kind") == "skip-samples" and e.get("step", step) < step:
             out |= {int(i) for i in remedy.get("samples", [])}
     return out
+
+
+def _flagged_after(run_dir: Path, step: int) -> set[int]:
+    """The steps after ``step`` the run itself flagged as loss spikes (its ``spike`` events), captured or not."""
+    return {int(e["step"]) for e in read_jsonl(run_dir / "events.jsonl")[0]
+            if e.get("kind") == "spike" and isinstance(e.get("step"), int) and e["step"] > step}
 
 
 def _replay(inc: _Incident, remedy: Remedy, num_after: int, probe: int | None = None) -> dict[str, Any]:
@@ -357,7 +358,7 @@ def search_remedies(directory: str | Path, task: Task | None = None, *, steps: i
     burst = diagnosis.get("failure_class") == "data"  # (bad windows; a state's next spikes are no burst to skip)
     results = [_extended(inc, c, r, steps) if isinstance(c, SkipSamples) else _burst(inc, c, r, steps)
                if isinstance(c, SkipStep) and burst else r for c, r in zip(pool, results)]
-    later = before_later_incident(results, inc.step) if len(results) > 1 else None
+    later = before_later_incident(results, inc.step, _flagged_after(inc.run_dir, inc.step)) if len(results) > 1 else None
     baseline = results[0]
     healthy = healthy_bar(inc.history, diagnosis)
     typical = (diagnosis.get("spike_window") or {}).get("median")

@@ -87,9 +87,10 @@ class GoodputClock(Callback):
         now = time.time()
         steps = state.step - self._step
         wall = now - self._t
-        stepping = float(record.get("step_time_s") or 0.0) * steps  # the loop's interval time, validation left out
+        # the loop's interval time: validation, captures and remedy searches left out (a save's blocked time kept in)
+        stepping = float(record.get("step_time_s") or 0.0) * steps
         checkpoint, incident = self._within(wall)
-        self._write("interval", t=now, step=state.step, steps=steps, wall_s=wall, eval_s=max(0.0, wall - stepping),
+        self._write("interval", t=now, step=state.step, steps=steps, wall_s=wall, eval_s=max(0.0, wall - stepping - incident),
                     checkpoint_s=checkpoint, incident_s=incident, skipped=int(record.get("num_skipped") or 0))
         self._t, self._step = now, state.step
         self._checkpoint_s = self._incident_s = 0.0

@@ -30,14 +30,16 @@ def end_loss(rows: list[dict[str, Any]], step: int) -> float:
     return sum(tail) / len(tail) if tail else float("nan")
 
 
-def before_later_incident(results: list[dict[str, Any]], step: int) -> int | None:
+def before_later_incident(results: list[dict[str, Any]], step: int, flagged: set[int] | frozenset[int] = frozenset()
+                          ) -> int | None:
     """Judge the candidates before a later incident that every one that got past this one, the baseline too, fails
     at alike: one the remedies do not touch (a NaN sample 18 steps on), which failed every cure of this one.
     Truncates those results in place and returns that step; None (nothing changed) when the baseline fails no
-    later than :data:`END_STEPS` windows after the incident's, or a candidate past it does not fail there (a
+    later than :data:`END_STEPS` windows after the incident's (unless the run flagged that step as a spike of its own:
+    ``flagged``, another sample's spike in the same interval), or a candidate past it does not fail there (a
     divergence's cures do not fail, or fail elsewhere). Those that failed on the incident itself keep their failure."""
     later = (results[0]["failed"] or {}).get("step")  # the baseline's
-    if later is None or later <= step + END_STEPS:
+    if later is None or (later <= step + END_STEPS and later not in flagged):
         return None
     past = [r for r in results if r["failed"] is None or r["failed"]["step"] > step]  # those that got past this one
     if any((r["failed"] or {}).get("step") != later for r in past):

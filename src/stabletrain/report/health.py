@@ -159,7 +159,7 @@ def health_summary(run: RunData) -> Health:
     if incidents:
         remedied = all(e.step in cured for e in incidents)
         h.say("warn" if remedied else "bad", f"{plural(len(incidents), 'incident')}: {_listed(f['incidents'])}"
-              + (" (cured: a remedy was applied for each, below)" if remedied else "") + "." + _scattered(incidents))
+              + (" (cured: a remedy was applied for each, below)" if remedied else "") + "." + _scattered(incidents, run))
     if undone:
         h.say("warn", f"{plural(len(f['incidents_undone']), 'incident')} before {_went_back(undone)} (the run went back and "
                       f"trained that stretch again): {_listed(f['incidents_undone'])}.")
@@ -263,17 +263,35 @@ def _listed(incidents: list[tuple[int, str]], limit: int = 5) -> str:
     return listed + (f"; and {len(incidents) - limit} more" if len(incidents) > limit else "")
 
 
-def _scattered(incidents: list[Event]) -> str:
+def _scattered(incidents: list[Event], run: RunData | None = None) -> str:
     """A note where 3 or more data spikes each name one or two samples and no sample twice: a heavy tail of the loss
-    (noisy targets or labels, a small batch) more likely than a few bad samples (empty otherwise)."""
-    named = [(e.extra.get("diagnosis") or {}).get("bad_samples") or [] for e in incidents
-             if e.extra.get("anomaly") == "spike" and (e.extra.get("diagnosis") or {}).get("failure_class") == "data"]
+    (noisy targets or labels, a small batch) more likely than a few bad samples (empty otherwise). Only where those
+    samples could have come back (the run trained a later epoch, none dropped by a remedy or a rollback) and none
+    is a gross outlier (a loss :data:`GROSS_OUTLIER` times the rule's median or more: a corrupt sample, no tail)."""
+    data = [e for e in incidents
+            if e.extra.get("anomaly") == "spike" and (e.extra.get("diagnosis") or {}).get("failure_class") == "data"]
+    named = [(e.extra.get("diagnosis") or {}).get("bad_samples") or [] for e in data]
     flat = [i for n in named for i in n]
     if len(named) < 3 or not all(1 <= len(n) <= 2 for n in named) or len(set(flat)) < len(flat):
         return ""
+    ratios = [((e.extra.get("diagnosis") or {}).get("spike_test") or {}).get("ratio") for e in data]
+    if any(isinstance(r, (int, float)) and r >= GROSS_OUTLIER for r in ratios):
+        return ""
+    if run is not None:
+        dropped = {int(i) for e in run.counted_events("rollback") for i in e.extra.get("dropped_samples") or []}
+        dropped |= {int(i) for e in run.counted_events("remedy") if (e.extra.get("remedy") or {}).get("kind") == "skip-samples"
+                    for i in (e.extra.get("remedy") or {}).get("samples") or []}
+        epochs = [(e.extra.get("diagnosis") or {}).get("epoch") for e in data]
+        last = max((int(r["epoch"]) for r in run.metrics if isinstance(r.get("epoch"), int)), default=None)
+        if dropped & set(flat) or last is None or any(not isinstance(x, int) or x >= last for x in epochs):
+            return ""
     return (f" {len(named)} data spikes each carried by one or two samples, never the same: a loss with a heavy tail "
             "(noisy targets or labels, a small batch) more likely than a few bad samples; a robust loss (Huber) or a "
             "larger batch calms it, a higher guard.spike_ratio stops flagging it.")
+
+
+#: A data spike this many times the rule's median or more is a gross outlier (a corrupt sample), not a heavy tail.
+GROSS_OUTLIER = 100.0
 
 
 def _own(run: RunData, incident: Any) -> bool:

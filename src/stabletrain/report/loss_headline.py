@@ -91,9 +91,12 @@ def _robust_end(rows: list[tuple], spikes: list[int], ratio: float, end: str) ->
     if len(near) < 3:  # too few intervals for a typical value: the mean stands, and the words say what lifted it
         return mean, f"{end} interval"
     quiet = [r[2] for r in rows[:ends] if not any(r[0] - r[1] < s <= r[0] for s in spikes)]
-    if quiet and 2 * (len(near) - len(quiet)) >= len(near):  # spikes recur (every epoch): most means are lifted
-        return statistics.median(quiet), (f"median of the means of the {len(quiet)} of the {end} {len(near)} "
-                                          "intervals without a loss spike")
+    lifted = [r for r in rows[:ends] if any(r[0] - r[1] < s <= r[0] for s in spikes)]
+    if quiet and 2 * len(lifted) >= len(near):  # spikes on most of the end intervals
+        if all(r[3] <= ratio * statistics.median(quiet) for r in lifted):  # they recur (every epoch), their lows typical
+            return statistics.median(quiet), (f"median of the means of the {len(quiet)} of the {end} {len(near)} "
+                                              "intervals without a loss spike")
+        return mean, None  # their smallest losses high too: the loss rose past the quiet ones and stayed (a divergence)
     return median, f"median of the {end} {len(near)} intervals' means"
 
 

@@ -50,6 +50,7 @@ class IntervalBoundary:
         self.precursor = state.precursor = Precursor(state.cfg.guard, self.names,  # a warning before the spike
                                                      [p.numel() for _, p in state.named_params])
         self.small_spikes_said = False  # the line for a spike too small to capture: once
+        self.spent_said = False  # the line for a spike after the run's captures are spent: once
         self.started = time.perf_counter()
         self.excluded = 0.0  # seconds of this interval not spent training (validation): not in its throughput
 
@@ -113,13 +114,26 @@ class IntervalBoundary:
         # The capture's bundle and whole diagnosis stay with the caller (a live remedy's search), not the callbacks'.
         self.callbacks.fire("on_incident", self.state, {k: v for k, v in info.items() if k not in IN_MEMORY})
         self.excluded += time.perf_counter() - t0  # the capture's time is not the next interval's throughput
+        others = [t for t in decision.spike_steps if t != step]
+        if others and self.state.dist.is_main and self.state.run is not None:  # (each was an event only, no word)
+            losses = {r.step: r.values["loss"] for r in rows}
+            shown = ", ".join(f"{t} ({losses.get(t, float('nan')):.4g})" for t in others[:6])
+            console.say(f"{len(others)} more loss spike{'s' if len(others) > 1 else ''} in the interval to step "
+                        f"{rows[-1].step}, at step{'s' if len(others) > 1 else ''} {shown}"
+                        f"{' ...' if len(others) > 6 else ''}: not captured (one capture per interval; events.jsonl)")
         return info
 
     def _spike(self, decision: GuardDecision, rows: list[Any]) -> int | None:
         """The interval's spike to capture (:func:`spike_to_capture`), or None (none, not asked for, the run's
         captures spent, or every spike of the interval below :data:`NEGLIGIBLE_SPIKE` of the run's first logged loss)."""
         cfg = self.state.cfg.capture
-        if not decision.spike_steps or not cfg.spikes or self.guard.num_spike_captures >= cfg.max_spikes:
+        if not decision.spike_steps or not cfg.spikes:
+            return None
+        if self.guard.num_spike_captures >= cfg.max_spikes:
+            if not self.spent_said and self.state.dist.is_main and self.state.run is not None:
+                self.spent_said = True
+                console.say(f"spike at step {decision.spike_steps[0]} not captured: the run's {cfg.max_spikes} spike captures "
+                            "are spent (capture.max_spikes); later spikes are logged in events.jsonl (said once)")
             return None
         losses = {r.step: r.values["loss"] for r in rows}
         if decision.negligible:  # (the guard's verdict: every spike below NEGLIGIBLE_SPIKE x the run's first loss)

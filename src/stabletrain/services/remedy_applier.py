@@ -242,7 +242,10 @@ class RemedyApplier:
                  "failure_class": record.get("failure_class"), "verdict": row.get("verdict"),
                  "evidence": row.get("evidence"), "by_hand": by_hand}
         self.applied.append(entry)
-        how = "by hand (config key 'remedy.apply')" if by_hand else f"verified on {record.get('steps')} steps after it"
+        later = record.get("later_incident")  # judged only up to a later incident every candidate met alike
+        how = ("by hand (config key 'remedy.apply')" if by_hand else
+               f"verified on the steps up to {later - 1}, before a later incident at step {later}" if later else
+               f"verified on {record.get('steps')} steps after it")
         if state.run is not None:  # when it was applied (a rollback's own step is in its detail)
             console.say(f"remedy at step {from_step}: {remedy.name} ({remedy.detail}), {row.get('verdict')} on the replay")
         state.event(state.step, "remedy", f"applied {remedy.name} ({remedy.detail}) for the {record.get('failure_class')} "
