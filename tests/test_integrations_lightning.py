@@ -290,10 +290,34 @@ def test_the_init_check_runs_the_training_step_on_a_copy_and_the_host_trains_bit
         assert torch.equal(a, b)
 
 
-def test_an_init_overwritten_by_a_host_hook_is_an_event(tmp_path):
+class JumpNet(LitNet):
+    """A per-step schedule that multiplies the LR by 50 from step 11, an interval's first step at log_every=5."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 if s < 10 else 50.0)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def test_a_per_step_schedule_is_recorded_at_the_lr_each_step_ran_at(tmp_path):
+    """Lightning steps a per-step scheduler before the batch-end hook: the interval to step 10 was recorded at the
+    next step's LR (0.5, which only step 11 ran at), and a spike's older state (the snapshot at step 10) read 0.5
+    too: 'the optimizer's steps grew x37 at the same LR' for an LR x50."""
+    fit(JumpNet(), StableTrainCallback(run_dir=tmp_path / "run", log_every=5), 20)
+    run = load_run(tmp_path / "run")
+    assert [r["lr"] for r in run.metrics][:3] == pytest.approx([1e-2, 1e-2, 0.5])
+    (spike,) = [e for e in run.counted_events("incident") if e.extra.get("anomaly") == "spike"]
+    summary = spike.extra["diagnosis"]["summary"]
+    assert spike.step == 12 and summary.startswith("state:") and "the LR rose x50 since step 10 (0.01 -> 0.5)" in summary
+
+
+def test_an_init_overwritten_by_a_host_hook_is_an_event(tmp_path, capfd):
     fit(LitNet(reinit=True), StableTrainCallback(run_dir=tmp_path / "run", log_every=5), 5)
     events = [e for e in load_run(tmp_path / "run").events if e.kind == "init_overwritten"]
     assert events and {p["name"] for p in events[0].extra["params"]} == {"net.fc2.weight", "net.fc2.bias"}
+    # and one line on the console (it was an event only)
+    assert "stabletrain: init overwritten: 2 parameter(s) changed between the model's init and the first step" in (
+        capfd.readouterr().out)
 
 
 @pytest.mark.parametrize("setup", ["manual", "two optimizers"])

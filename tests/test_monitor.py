@@ -429,3 +429,20 @@ def test_a_monitor_with_its_defaults_leaves_the_loops_updates_as_without_it(tmp_
     assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), model.parameters()))
     metrics = load_run(tmp_path / "run").metrics
     assert [r["clip_rate"] for r in metrics] == [0.0, 0.0, 0.0] and max(r["grad_norm"] for r in metrics) > 1.0
+
+
+def test_the_kept_steps_do_not_pile_up_over_the_run(tmp_path):
+    """An adapter kept every step's batches for the whole run: past keep_max_mib (a long run) no capture could replay
+    any more. It keeps the steps of the last two intervals (a spike on an interval's first step replays from the one
+    before)."""
+    model, opt = make()
+    with Monitor(model, opt, run_dir=tmp_path / "run", log_every=5, loss_fn=loss_fn) as monitor:
+        for i, batch in enumerate(batches(40)):
+            with monitor.autocast():
+                loss = loss_fn(model, batch)
+            monitor.backward(loss)
+            monitor.step(batch)
+            kept = monitor.session.steps.keeper
+            assert len(kept.steps) <= 10 and kept.nbytes == sum(
+                sum(b.numel() * b.element_size() for b in s.micro[0]) for s in kept.steps.values()), (i, sorted(kept.steps))
+    assert sorted(kept.steps) == list(range(36, 41))  # the steps after the snapshot before the last (at 35)

@@ -217,5 +217,7 @@ class InitWatch(Callback):
         changes = self.fingerprint.compare(state.module)
         self.fingerprint = None
         if changes:
-            state.event(state.step, "init_overwritten", InitFingerprint.describe(changes),
-                        params=[c.as_dict() for c in changes])
+            text = InitFingerprint.describe(changes)
+            state.event(state.step, "init_overwritten", text, params=[c.as_dict() for c in changes])
+            if state.dist.is_main:  # (it was an event only: the run trained on another init without a word)
+                console.say(f"init overwritten: {text}")

@@ -45,7 +45,7 @@ from ..internals import skips_on_device
 from ..numerics import grad_norms
 from ..records.batches import batch_size
 from ..records.captured import lightning_loss, loss_recipe, model_recipe
-from ..services.kept_steps import HostReplay, KeptStep
+from ..services.kept_steps import HostReplay, KeptStep, current_lrs
 from .core import RunSession
 
 __all__ = ["StableTrainCallback"]
@@ -171,6 +171,7 @@ class StableTrainCallback(pl.Callback):
         if self.session.capture.replaying:
             return
         norm, per = grad_norms(self.session.params)
+        self._lr = current_lrs(self.session.host_step.optimizer)[0]  # the step's: Lightning's scheduler steps before batch end
         # A fused optimizer under a GradScaler unscales inside its step: its grads still hold the scale here.
         self.session.before_host_step(norm, per, grads_scaled=self.scaler is not None and self.session.host_step.fused)
 
@@ -180,7 +181,7 @@ class StableTrainCallback(pl.Callback):
         out = session.host_step.after_step(session.pending.count, value_clipped=self.value_clip)
         if out is None:  # an accumulation micro-batch: the optimizer has not stepped yet
             return
-        record = session.record_host_step(out, epoch=trainer.current_epoch, lr=trainer.optimizers[0].param_groups[0]["lr"])
+        record = session.record_host_step(out, epoch=trainer.current_epoch, lr=self._lr)
         if record is not None:
             if self.options.mirror and trainer.loggers:  # no logger: Lightning would warn at every call
                 figures = {k: float(v) for k, v in session.figures(record).items()}

@@ -108,6 +108,11 @@ class StepSource(Protocol):
     def why_not(self, step: int, start: int) -> str | None:
         """Why step ``step`` cannot be replayed from step ``start`` (None: it can)."""
 
+    def interval_started(self, retired: int | None, step: int) -> list[float] | None:
+        """A new interval starts after ``step``; no replay starts at or before ``retired`` any more (the snapshot before
+        the last: what the source kept of those steps can go). Returns the param groups' lrs step ``step`` ran at, where
+        the live optimizer's show the next step's (a host's scheduler steps before the boundary); None: they are it."""
+
     def reference_state(self, fit: RunState, before: int, unlike: dict[str, Any]
                         ) -> tuple[dict[str, Any], int, dict[str, Any] | None] | None:
         """(a one-process model state older than step ``before`` whose weights differ from ``unlike``, its step, the
@@ -157,6 +162,7 @@ class IncidentCapture:
         #: The samples earlier spikes' diagnoses named (dataset index -> the spike's step): a spike they carry again is
         #: theirs coming back, however many spikes came in between.
         self.spiked_samples: dict[int, int] = {}
+        self.start_lrs: list[float] | None = None  # the lrs the snapshot's step ran at, where the optimizer's are the next's
 
     # -- per interval ------------------------------------------------------------------------------
 
@@ -167,6 +173,7 @@ class IncidentCapture:
         stream) and waited for only by a capture; on CPU it is one copy of the state per interval (under DDP,
         of this rank's share of what every rank holds).
         """
+        self.start_lrs = self.source.interval_started(self.snapshot.step if self.snapshot.taken else None, step)
         self.snapshot.clear()
         if self.last_spike is not None and step < self.last_spike["step"]:  # a rollback went back past it: undone
             self.last_spike = None
@@ -363,8 +370,9 @@ class IncidentCapture:
         older = src.strategy.one_process_model(start[0]["model"]) if start[1] < step - 1 else None
         if older is not None and equal_states(older, now):
             older = None
-        reference = ({"step": start[1], "model": older, "optimizer": lr_groups(start[0].get("optimizer"))}
-                     if older is not None else None)
+        ran = ({"param_groups": [{"lr": lr} for lr in self.start_lrs]} if self.start_lrs and self.snapshot.taken
+               and start[1] == self.snapshot.step else start[0].get("optimizer"))  # (a host's scheduler stepped on)
+        reference = {"step": start[1], "model": older, "optimizer": lr_groups(ran)} if older is not None else None
         if reference is None and first and fit.dist.is_main and now is not None and not is_dcp_entry(now):
             found = src.reference_state(fit, start[1] if start[1] < step - 1 else step - 1, now)
             reference = ({"step": found[1], "model": found[0], "optimizer": lr_groups(found[2]), "from": "checkpoint"}

@@ -80,6 +80,9 @@ class LoopSteps:
     def why_not(self, step: int, start: int) -> str | None:
         return None
 
+    def interval_started(self, retired: int | None, step: int) -> None:
+        return None  # the stream replays any window; the schedule writes a step's lr before it
+
     def reference_state(self, fit: RunState, before: int, unlike: dict[str, Any]
                         ) -> tuple[dict[str, Any], int, dict[str, Any] | None] | None:
         """The newest verified checkpoint before step ``before`` (LAST_GOOD or older) whose model differs from

@@ -113,6 +113,14 @@ class StepKeeper:
     def clear(self) -> None:
         self.steps, self.nbytes, self.overflow_at = {}, 0, None
 
+    def drop_through(self, cut: int, start: int) -> None:
+        """Drop the steps up to ``cut`` (no replay starts before them any more); an interval starting after ``start``
+        keeps its steps again after one went past the budget."""
+        for t in [t for t in self.steps if t <= cut]:
+            self.nbytes -= sum(batch_nbytes(b) for b in self.steps.pop(t).micro)
+        if self.overflow_at is not None and self.overflow_at <= start:
+            self.overflow_at = None
+
 
 class HostReplay:
     """How an adapter replays its host's step (each adapter's subclass); by default nothing to switch off or detach."""
@@ -202,6 +210,13 @@ class HostSteps:
 
     def reference_state(self, fit: Any, before: int, unlike: Any) -> None:
         return None  # the host owns its checkpoints
+
+    def interval_started(self, retired: int | None, step: int) -> list[float] | None:
+        """Drop the kept steps no replay needs (they piled up over the run: past the budget, every later capture
+        failed); the lrs step ``step`` ran at (kept before the host's scheduler stepped)."""
+        kept = self.keeper.steps.get(step)
+        self.keeper.drop_through(retired if retired is not None else -1, step)
+        return [float(lr) for lr in kept.lrs] if kept is not None and kept.lrs else None
 
     def why_not(self, step: int, start: int) -> str | None:
         missing = [t for t in range(start + 1, step + 1) if t not in self.keeper.steps]
