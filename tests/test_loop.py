@@ -117,6 +117,34 @@ def test_a_crash_in_the_users_loss_is_recorded_with_the_users_file_and_line(tmp_
     assert crash["part"] == "loss" and crash["failed_step"] == 3
 
 
+def test_a_data_error_right_after_a_log_boundary_is_the_next_steps(tmp_path):
+    """The dataset raises on sample 44, read for step 6 right after the boundary at step 5: the crash said 'during the
+    log-interval reduce', failed_step 5 (the window's read kept the boundary's label)."""
+    import json
+
+    from helpers import regression_task
+
+    class Fails(torch.utils.data.Dataset):
+        def __init__(self, data):
+            self.data = data
+
+        def __len__(self):
+            return len(self.data)
+
+        def __getitem__(self, i):
+            if i == 44:
+                raise OSError("sample 44 is unreadable")
+            return self.data[i]
+
+    task = regression_task()
+    task.train_data = Fails(task.train_data)
+    with pytest.raises(OSError, match="unreadable"):
+        Trainer(cfg("train.batch_size=8", "train.max_steps=8", "log.every=5", "data.shuffle=false"), task=task,
+                run_dir=tmp_path / "r").fit()
+    crash = [json.loads(x) for x in (tmp_path / "r" / "events.jsonl").read_text().splitlines()][-1]
+    assert crash["kind"] == "crash" and crash["failed_step"] == 6 and crash["during"].startswith("a training step"), crash
+
+
 def test_a_config_built_in_python_is_validated_by_the_trainer():
     from stabletrain.config import AccumConfig, Config, ConfigError
 

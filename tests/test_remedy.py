@@ -129,9 +129,11 @@ def test_a_candidate_that_drops_most_samples_only_hides_the_symptom_and_one_endi
     # A spike's cure may end above the baseline but within the run's own level before the spike: said that way (it
     # read "x2.31, tolerance x1.1, or the run's ...", a failure at first sight).
     verdict, evidence = judge({**base, "end_loss": 2.3}, base, typical=2.25)
-    assert verdict == "cures" and "end loss 2.3, within x1.1 of the run's 2.25 before the spike (x1.02; the baseline's 1 " \
-        "is lower)" in evidence
-    assert judge({**base, "end_loss": 1.05}, base, typical=2.25)[1].endswith("or the run's 2.25 before the spike")
+    # (and what that level is: the median the rule judged the spike against, not the steps just before it)
+    assert verdict == "cures" and "end loss 2.3, within x1.1 of the run's 2.25 before the spike (the median its rule " \
+        "judged the spike against; x1.02; the baseline's 1 is lower)" in evidence
+    assert judge({**base, "end_loss": 1.05}, base, typical=2.25)[1].endswith(
+        "or the run's 2.25 before the spike (the median its rule judged the spike against)")
 
 
 def test_where_the_baseline_fails_on_a_divergence_a_finite_end_far_above_the_last_healthy_loss_is_worse():
@@ -311,3 +313,19 @@ def test_the_baseline_skips_a_burst_of_bad_windows_as_on_spike_skip_would(tmp_pa
     assert [r["step"] for r in base["trajectory"] if r.get("dropped")] == [20, 21, 22]
     assert format_table(record).endswith("no candidate cures it beyond the baseline: drop the incident's window and the 2 "
                                          "after it (a burst) (skip-step) is all it needs")
+
+
+def test_an_adapters_samples_are_dropped_by_their_place_in_the_step_and_said_so():
+    """An adapter names a step's samples by their place in its batch: the remedy table read 'drop samples 3, 7, 11'
+    (dataset indices, to a reader); the unit is said, and kept through remedy.json."""
+    from stabletrain.diagnostics.candidates import candidates_for
+    from stabletrain.diagnostics.cures import remedy_from_dict
+
+    diagnosis = {"anomaly": "spike", "failure_class": "data", "bad_samples": [3, 7, 11],
+                 "sample_unit": "position in the step's batch"}
+    (skip,) = [c for c in candidates_for(diagnosis, "fp32", [], []) if isinstance(c, SkipSamples)]
+    assert skip.detail == "drop positions 3, 7, 11 of the step's batch"
+    assert remedy_from_dict(skip.to_dict()) == skip
+    (own,) = [c for c in candidates_for({**diagnosis, "sample_unit": "dataset index"}, "fp32", [], [])
+              if isinstance(c, SkipSamples)]
+    assert own.detail == "drop samples 3, 7, 11"

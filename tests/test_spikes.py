@@ -976,6 +976,7 @@ def test_samples_found_by_removal_under_batch_norm_and_dropout_are_verified_with
     assert full["samples"]["how"] == "removal" and full["samples"]["without"]["ratio"] < 2.0, full["samples"]
     assert "(found by dropping samples from the whole window: " in d["evidence"], d["evidence"]
     assert "without them the step is normal (verified" in d["evidence"] and full["dropout"]["normal"] is False
+    assert "(verified with dropout off: loss " in d["evidence"]  # (it said 'verified' of a loss measured that way)
 
 
 def test_a_state_spike_after_the_users_lr_jump_names_the_rise_since_the_older_state(tmp_path):

@@ -175,9 +175,9 @@ class Trainer:
             if self.keeper.needs_first():
                 self._checkpoint(healthy=True)
             while state.step < cfg.train.max_steps:
+                self._where = "a training step (window or gradient all-reduce)"  # (the window's read is the step's)
                 window = self.stream.next_window()
                 state.positions[state.step + 1] = (window.epoch, window.start)
-                self._where = "a training step (window or gradient all-reduce)"
                 nxt = state.step + 1
                 # On the interval's last step only: ||update|| (one parameter copy) and the parameter check (one
                 # pass; a failed check is pinned to its step by the capture's replay). No sync.

@@ -290,7 +290,7 @@ def _extended(inc: _Incident, remedy: SkipSamples, result: dict[str, Any], num_a
         more = next(outlier_sets(probe.get("probe", []), normal), None)
         if not more:
             break
-        wider = SkipSamples(tuple(sorted({*remedy.samples, *more})))
+        wider = dataclasses.replace(remedy, samples=tuple(sorted({*remedy.samples, *more})))
         again = _replay(inc, wider, num_after)
         replayed += failed["step"] - result["first_step"] + again["steps_replayed"]  # the probe's and the new replay's
         seconds += again["seconds"]

@@ -51,7 +51,7 @@ def candidates_for(diagnosis: dict[str, Any], precision: str, history: list[dict
     if diagnosis.get("anomaly") == "spike":
         return out + _spike_candidates(diagnosis, history, rollback_steps)
     if cls in ("op", "data") and samples and not diagnosis.get("blamed_module"):
-        out.append(SkipSamples(samples))
+        out.append(SkipSamples(samples, positions=_positions(diagnosis)))
     if cls == "op" and module is not None:
         op = guarded_op(diagnosis.get("op"), diagnosis.get("autograd_node"))
         if op is not None:
@@ -75,11 +75,16 @@ def candidates_for(diagnosis: dict[str, Any], precision: str, history: list[dict
     return out
 
 
+def _positions(diagnosis: dict[str, Any]) -> bool:
+    """Whether the diagnosis names samples by their place in the step's batch (an adapter's), not by dataset index."""
+    return diagnosis.get("sample_unit", "dataset index") != "dataset index"
+
+
 def _spike_candidates(diagnosis: dict[str, Any], history: list[dict[str, Any]], rollback_steps: list[int]) -> list[Remedy]:
     """A finite spike's candidates by its class (:mod:`stabletrain.diagnostics.spike`), after the skip-step baseline."""
     cls, out = diagnosis.get("failure_class"), []
     if cls == "data" and diagnosis.get("bad_samples"):
-        out.append(SkipSamples(tuple(diagnosis["bad_samples"])))
+        out.append(SkipSamples(tuple(diagnosis["bad_samples"]), positions=_positions(diagnosis)))
     if cls == "precision" and diagnosis.get("blamed_module"):  # the module named, the first departing and the two
         where = diagnosis.get("where") or {}  # before it, each once
         for module in dict.fromkeys([diagnosis["blamed_module"], *filter(None, [where.get("first")]),

@@ -100,11 +100,15 @@ class SkipSamples(Remedy):
     """Drop the named samples from every window they are in (from now on)."""
 
     samples: tuple[int, ...] = ()
+    positions: bool = False  # the samples are places in the step's batch (an adapter's), not dataset indices
     kind: ClassVar[str] = "skip-samples"
 
     @property
     def detail(self) -> str:
-        return f"drop sample{'s' if len(self.samples) > 1 else ''} {', '.join(map(str, self.samples))}"
+        many = len(self.samples) > 1
+        if self.positions:
+            return f"drop position{'s' if many else ''} {', '.join(map(str, self.samples))} of the step's batch"
+        return f"drop sample{'s' if many else ''} {', '.join(map(str, self.samples))}"
 
     def keep(self, indices: list[list[int]], at: int) -> list[list[int]]:
         drop = set(self.samples)

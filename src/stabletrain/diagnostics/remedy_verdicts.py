@@ -77,16 +77,17 @@ def judge(result: dict[str, Any], baseline: dict[str, Any], healthy: tuple[int, 
         text = f"{steps}; end loss {end:.4g} vs baseline {base:.4g} (x{end / base if base > 0 else 1.0:.3g}, tolerance x{bar:g})"
         if typical is not None and typical > base:  # a spike's: no worse than the run's own level before it will do
             if end > base * bar + 1e-12 and end <= typical * bar + 1e-12:  # (the baseline alone would have said worse)
-                text = (f"{steps}; end loss {end:.4g}, within x{bar:g} of the run's {typical:.4g} before the spike (x"
-                        f"{end / typical:.3g}; the baseline's {base:.4g} is lower)")
+                text = (f"{steps}; end loss {end:.4g}, within x{bar:g} of the run's {typical:.4g} before the spike (the "
+                        f"median its rule judged the spike against; x{end / typical:.3g}; the baseline's {base:.4g} is lower)")
             else:
-                text += f", or the run's {typical:.4g} before the spike"
+                text += f", or the run's {typical:.4g} before the spike (the median its rule judged the spike against)"
             base = typical
         return ("cures" if end <= base * bar + 1e-12 else "worse"), text
     fails = (f"the baseline fails: {baseline['failed']['why']}" if baseline["failed"] else
              "the baseline has no step to judge" if baseline.get("verdict") == "untestable" else "the baseline fails")
     if healthy is None and typical is not None:  # a spike: no worse than the run's own level before it
-        text = f"{steps}; end loss {end:.4g} vs {typical:.4g}, the run's before the spike ({fails})"
+        text = (f"{steps}; end loss {end:.4g} vs {typical:.4g}, the run's before the spike (the median its rule judged the "
+                f"spike against; {fails})")
         return ("cures" if end <= typical * bar + 1e-12 else "worse"), text
     if healthy is None:
         return "cures", f"{steps}; end loss {end:.4g} ({fails})"

@@ -292,7 +292,8 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
                              + ("" if samples.get("how") != "removal" else
                                 f" (found by dropping samples from the whole window: {samples.get('why')})") + "; without "
                              f"{'them' if n > 1 else 'it'} "
-                             f"the step is normal (verified: loss {samples['without']['loss']:.4g}, "
+                             f"the step is normal (verified{' with dropout off' if m.get('dropout') is not None else ''}: "
+                             f"loss {samples['without']['loss']:.4g}, "
                              f"x{samples['without']['ratio']:.3g} "
                              "the median)" + (f"; the window is high under the state of step {older['step']} too "
                                               f"({older['window']:.4g} vs {older['ordinary']:.4g})" if older else ""))}
