@@ -398,8 +398,8 @@ def test_a_loss_of_zero_is_convergence_and_every_step_skipped_at_a_dead_scale_is
     forward = [SimpleNamespace(**{**vars(r), "values": {**r.values, "loss": math.inf, "finite": 0.0}})
                for r in _stall_rows([0] * 20, 0.0, scale=7e-18)]
     d = Guard(GuardConfig(), torch.device("cpu")).decide(forward)
-    assert "; the loss itself is non-finite in float16 (the forward overflows) and the GradScaler's scale is 7e-18: no " \
-           "loss scale makes it finite. Try precision=bf16" in d.reason, d.reason
+    assert "; the loss itself is non-finite in float16 (an overflow in the forward, or an invalid op) and the " \
+           "GradScaler's scale is 7e-18: no loss scale makes it finite. Try precision=bf16" in d.reason, d.reason
 
 
 def test_zero_gradients_at_a_healthy_fp16_scale_are_said_to_underflow_not_to_overflow():

@@ -282,3 +282,32 @@ def test_auto_passes_quietly_over_a_model_its_loss_never_calls(tmp_path):
         said = [str(w.message) for w in seen if issubclass(w.category, StableTrainWarning) and "signal" in str(w.message)]
         assert said == ([] if mode == "auto" else [said[0]]) and not (tmp_path / mode / "init_signal.json").exists()
     assert "no leaf module produced a floating-point tensor" in said[0]
+
+
+def test_the_trace_reads_an_activation_module_it_has_no_function_for_and_looks_through_shape_ops():
+    """A review: nn.PReLU (F.prelu is no activation function the trace names) and a ReLU after .unsqueeze().squeeze()
+    read as 'nothing follows' (gain 1) with trace=; a manual swish and a sigmoid in the loss counted as functional
+    activations of the model (recommending xavier)."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.act_a, self.b, self.act_b, self.c = nn.Linear(8, 8), nn.PReLU(), nn.Linear(8, 8), nn.ReLU(), \
+                nn.Linear(8, 1)
+
+        def forward(self, x):
+            h = self.act_a(self.a(x))
+            h = self.act_b(self.b(h).unsqueeze(1).squeeze(1))
+            return self.c(h * torch.sigmoid(h))  # a swish on the input of c, not on a layer's output
+
+    model = Net()
+    with ActivationTrace(model) as trace:
+        torch.sigmoid(model(torch.randn(4, 8)))  # the loss's own sigmoid
+    followers = trace.followers()
+    # (the swish is on an activation's output, not a layer's: not counted; the loss's sigmoid is on c's: c's activation)
+    assert followers["a"] is model.act_a and followers["b"] is model.act_b
+    assert trace.functional == [("torch.sigmoid", "sigmoid")] and type(followers["c"]) is nn.Sigmoid
+    traced = {d.name: d for d in init_(model, "kaiming", trace=lambda m: m(torch.randn(4, 8)))}
+    plain = {d.name: d for d in init_(model, "kaiming")}
+    assert [traced[n].gain for n in "ab"] == pytest.approx([plain[n].gain for n in "ab"]) and traced["b"].gain == \
+        pytest.approx(math.sqrt(2))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import warnings
 
 import pytest
 import torch
@@ -288,6 +289,24 @@ def test_the_init_check_runs_the_training_step_on_a_copy_and_the_host_trains_bit
     assert plain.calls == attached.calls == 10
     for a, b in zip(plain.parameters(), attached.parameters()):
         assert torch.equal(a, b)
+
+
+class TrainerNet(LitNet):
+    """A training_step that asks its trainer for the optimizer (a copy of the module has no trainer)."""
+
+    def training_step(self, batch, batch_idx):
+        assert self.optimizers() is not None
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_init_check_falls_back_to_the_live_module_where_the_training_step_needs_its_trainer(tmp_path):
+    """A review: a training_step calling self.optimizers() failed on the detached copy ('the loss function that replays
+    incidents fails ...') and the run had no init report; it is measured on the live module instead."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fit(TrainerNet(), StableTrainCallback(run_dir=tmp_path / "run", log_every=5), 5)
+    assert (tmp_path / "run" / "init_signal.json").exists()
+    assert not [w for w in seen if "replays incidents fails" in str(w.message)], [str(w.message) for w in seen]
 
 
 class JumpNet(LitNet):

@@ -379,8 +379,11 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
         verdict["evidence"] += (f"; sample{'s' if len(again) > 1 else ''} {', '.join(map(str, again))} carried the "
                                 f"spike{'s' if len(steps) > 1 else ''} at step{'s' if len(steps) > 1 else ''} "
                                 f"{', '.join(map(str, steps))} too: {'they come' if len(again) > 1 else 'it comes'} back")
-    elif after and m["reproduces"] and not _rules_out_aftershock(verdict["failure_class"], m["older"], after["step"],
-                                                                 bool(verdict["blamed_samples"])):
+    # (a few named samples rule it out only where ordinary windows were measured normal under this state)
+    measured = m["older"] is not None or (m.get("ordinary_now") or {}).get("spike") is False
+    named = bool(verdict["blamed_samples"]) and measured
+    if not again and after and m["reproduces"] and not _rules_out_aftershock(verdict["failure_class"], m["older"],
+                                                                             after["step"], named):
         # an earlier spike's update, applied, may have left the state off: say so
         gap = bundle["step"] - after["step"]
         verdict["evidence"] += (f"; {gap} step{'s' if gap != 1 else ''} after the spike at step {after['step']}"
@@ -474,7 +477,8 @@ def _older(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, spike: list, co
             "ordinary_high": bool(math.isfinite(ordinary_now) and (ordinary_now > ratio * ordinary_old
                                                                      or rule(ordinary_now)["spike"])),
             "ordinary_spike_now": bool(context and math.isfinite(ordinary_now) and rule(ordinary_now)["spike"]),
-            "window_not_above_now": bool(context and math.isfinite(ordinary_now) and loss <= ratio * ordinary_now)}
+            "window_not_above_now": bool(context and math.isfinite(ordinary_now) and loss <= ratio * ordinary_now),
+            "ratio": ratio}
     now, order = bench.module_rms(spike, bench.replica.model)
     then, _ = bench.module_rms(spike, older)
     return info, departures(now, then, order)

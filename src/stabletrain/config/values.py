@@ -66,8 +66,11 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
                 return coerce(key, value, arg)
             except ConfigError as err:
                 errors.append(err)
-        if len(errors) == 1 and not nullable:
+        plain = [e for e in errors if f"config key '{key}': expected " in str(e) and ", got " in str(e)]
+        if len(errors) == 1 and (not nullable or not plain):  # (an inner key's error, or another's: as it is)
             raise errors[0]
+        if len(plain) < len(errors):
+            raise next(e for e in errors if e not in plain)
         wants = [str(e).split(": expected ", 1)[1].rsplit(", got ", 1)[0] for e in errors]  # "one of auto", "true or false"
         # A string where null is allowed may be an attempt at writing null (none, None): say how YAML writes it.
         how = " (null is written null or ~)" if nullable and isinstance(value, str) else ""

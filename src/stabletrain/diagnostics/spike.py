@@ -274,7 +274,8 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     # The window high under the older state too names the batch, unless ordinary windows are now a spike by the rule
     # as well, or as high as the window: the state then drifted (and dropping a drifted window's largest losses brings
     # it under the rule's bar too).
-    drifted_now = older is not None and bool(older.get("ordinary_spike_now") or older.get("window_not_above_now"))
+    drifted_now = older is not None and bool(older.get("ordinary_spike_now")
+                                              or (older["ordinary_high"] and older.get("window_not_above_now")))
     high_before = older is not None and older["window_high"] and not drifted_now
     # No older state to weigh the window against: ordinary windows that are spikes by the rule under this state say
     # the state drifted (then dropping a drifted window's largest losses "cures" it too: no sample is to blame).
@@ -342,8 +343,9 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
             where = f"{'high at' if older['ordinary_high'] else 'at'} {now:.4g} under this one (vs {then:.4g})"
         if older["window_high"]:  # (and ordinary windows rose since: high_before is off)
             window = f"the window is high under the state of step {older['step']} too ({older['window']:.4g} vs {then:.4g})"
-            where += (f", {'as high as' if older.get('window_not_above_now') else 'a spike by the rule against'} the "
-                      f"window's {m['loss']:.4g}")
+            near = f"within x{older['ratio']:g} of" if older.get("ratio") else "near"  # (guard.spike_ratio)
+            where += (f", {near if older.get('window_not_above_now') else 'a spike by the rule against'} the window's "
+                      f"{m['loss']:.4g}")
         elif older.get("ordinary_then_high"):  # (no higher than ordinary windows there, which are no calm level)
             window = (f"the window is no higher than ordinary windows under the state of step {older['step']} "
                       f"({older['window']:.4g} vs {then:.4g})")

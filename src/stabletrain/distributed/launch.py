@@ -263,8 +263,9 @@ def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
                 break
             except subprocess.TimeoutExpired:
                 if pending and time.monotonic() - pending[0][1] > GRACE_S:  # not ending by itself: a restart's gap
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(proc.pid, pending.pop()[0])
+                    with contextlib.suppress(ProcessLookupError):  # (once, the first asked for: its ranks in start-up
+                        os.kill(proc.pid, pending[0][0])  # may not take a signal yet; the agent stops them)
+                    pending.clear()
                 elif not seen[0]:
                     deliver(0)  # (signal 0: only looks)
     finally:

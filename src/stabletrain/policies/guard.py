@@ -129,8 +129,8 @@ def _scale_note(scale: float, loss: float) -> str:
     if scale >= UNRECOVERABLE_SCALE:
         return ""
     if not math.isfinite(loss):  # the loss itself overflowed: it is not scaled yet, no scale makes it finite
-        return (f"; the loss itself is non-finite in float16 (the forward overflows) and the GradScaler's scale is {scale:.2g}: "
-                f"no loss scale makes it finite. Try {FP16_ADVICE}")
+        return (f"; the loss itself is non-finite in float16 (an overflow in the forward, or an invalid op) and the "
+                f"GradScaler's scale is {scale:.2g}: no loss scale makes it finite. Try {FP16_ADVICE}")
     return (f"; the GradScaler's scale is {scale:.2g}: the gradients overflow float16 even unscaled (a lower scale may fit "
             f"them: guard.max_consecutive_skips higher lets it back off further, a skipped step each time). Try {FP16_ADVICE}")
 
@@ -326,7 +326,8 @@ class Guard:
         else:
             return None
         if scale != 1.0 and scale >= UNRECOVERABLE_SCALE and largest == 0.0:  # zero gradients at a healthy scale
-            what += f"; the GradScaler's scale is {scale:.2g}: in float16 the gradients underflow to 0"
+            what += (f"; the GradScaler's scale is {scale:.2g}: in float16 the gradients underflow to 0 (or the loss does "
+                     "not reach the parameters)")
             advice = ("precision=bf16 (float32's range, no loss scale), a larger loss (a sum, not a mean of tiny terms), or "
                       "a look at whether the loss depends on the parameters")
         elif scale != 1.0:

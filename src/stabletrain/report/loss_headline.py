@@ -23,8 +23,9 @@ def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
     """The sentence on the train loss (from its first interval to its last, robust to a few huge losses) and the
     validation loss, into ``h``."""
     f = h.figures
-    rows = [(int(r["step"]), r["interval_steps"], r["loss"], r.get("loss_min", r["loss"])) for r in run.metrics
-            if isinstance(r.get("loss"), float) and math.isfinite(r["loss"])]
+    rows = [(int(r["step"]), r["interval_steps"], r["loss"],
+             r["loss_min"] if isinstance(r.get("loss_min"), (int, float)) else r["loss"])  # (a null one: the mean)
+            for r in run.metrics if isinstance(r.get("loss"), float) and math.isfinite(r["loss"])]
     text = ""
     if rows:
         f["loss_first"], f["loss_last"] = rows[0][2], rows[-1][2]  # the interval means, as metrics.jsonl has them

@@ -118,9 +118,11 @@ class IntervalBoundary:
         if others and self.state.dist.is_main and self.state.run is not None:  # (each was an event only, no word)
             losses = {r.step: r.values["loss"] for r in rows}
             shown = ", ".join(f"{t} ({losses.get(t, float('nan')):.4g})" for t in others[:6])
-            console.say(f"{len(others)} more loss spike{'s' if len(others) > 1 else ''} in the interval to step "
+            more = "more " if anomaly == "spike" else ""
+            why = "one capture per interval" if anomaly == "spike" else f"the interval's capture is step {step}'s, non-finite"
+            console.say(f"{len(others)} {more}loss spike{'s' if len(others) > 1 else ''} in the interval to step "
                         f"{rows[-1].step}, at step{'s' if len(others) > 1 else ''} {shown}"
-                        f"{' ...' if len(others) > 6 else ''}: not captured (one capture per interval; events.jsonl)")
+                        f"{' ...' if len(others) > 6 else ''}: not captured ({why}; events.jsonl)")
         return info
 
     def _spike(self, decision: GuardDecision, rows: list[Any]) -> int | None:

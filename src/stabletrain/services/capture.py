@@ -109,9 +109,9 @@ class StepSource(Protocol):
         """Why step ``step`` cannot be replayed from step ``start`` (None: it can)."""
 
     def interval_started(self, retired: int | None, step: int) -> list[float] | None:
-        """A new interval starts after ``step``; no replay starts at or before ``retired`` any more (the snapshot before
-        the last: what the source kept of those steps can go). Returns the param groups' lrs step ``step`` ran at, where
-        the live optimizer's show the next step's (a host's scheduler steps before the boundary); None: they are it."""
+        """A new interval starts after ``step``; no replay needs step ``retired`` or any before it (what the source kept
+        of them can go). Returns the param groups' lrs step ``step`` ran at, where the live optimizer's show the next
+        step's (a host's scheduler steps before the boundary); ``[]``: not known; None: the optimizer's are it."""
 
     def reference_state(self, fit: RunState, before: int, unlike: dict[str, Any]
                         ) -> tuple[dict[str, Any], int, dict[str, Any] | None] | None:
@@ -173,7 +173,10 @@ class IncidentCapture:
         stream) and waited for only by a capture; on CPU it is one copy of the state per interval (under DDP,
         of this rank's share of what every rank holds).
         """
-        self.start_lrs = self.source.interval_started(self.snapshot.step if self.snapshot.taken else None, step)
+        # What the next replays need: the steps after the snapshot they start from (this one; the one before it too,
+        # kept where twice the snapshot fits) and the MAX_CONTEXT steps before it (a spike's ordinary windows).
+        oldest = self.snapshot.step if self.snapshot.keep_previous and self.snapshot.taken else step
+        self.start_lrs = self.source.interval_started(None if oldest is None else oldest - MAX_CONTEXT, step)
         self.snapshot.clear()
         if self.last_spike is not None and step < self.last_spike["step"]:  # a rollback went back past it: undone
             self.last_spike = None
@@ -370,8 +373,9 @@ class IncidentCapture:
         older = src.strategy.one_process_model(start[0]["model"]) if start[1] < step - 1 else None
         if older is not None and equal_states(older, now):
             older = None
-        ran = ({"param_groups": [{"lr": lr} for lr in self.start_lrs]} if self.start_lrs and self.snapshot.taken
-               and start[1] == self.snapshot.step else start[0].get("optimizer"))  # (a host's scheduler stepped on)
+        ran = start[0].get("optimizer")  # the lrs its last step ran at; a host's scheduler may have stepped on since:
+        if self.start_lrs is not None and self.snapshot.taken and start[1] == self.snapshot.step:  # the source's word
+            ran = {"param_groups": [{"lr": lr} for lr in self.start_lrs]} if self.start_lrs else None  # ([]: unknown)
         reference = {"step": start[1], "model": older, "optimizer": lr_groups(ran)} if older is not None else None
         if reference is None and first and fit.dist.is_main and now is not None and not is_dcp_entry(now):
             found = src.reference_state(fit, start[1] if start[1] < step - 1 else step - 1, now)

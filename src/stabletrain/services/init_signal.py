@@ -46,7 +46,8 @@ SIGNAL_FILE = "init_signal.json"
 def first_batch_signal(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any], *, label: str,
                        make_optimizer: Callable[[list[nn.Parameter]], Any] | None = None,
                        context: contextlib.AbstractContextManager | None = None,
-                       asked: bool = True, step_runs_loss: bool = True) -> tuple[dict[str, Any], dict[str, Any]] | None:
+                       asked: bool = True, step_runs_loss: bool = True, raises: bool = False,
+                       ) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """(the report as a dict, its snapshot line) for ``batch``, or None when the report failed (warned once).
 
     The RNG state is put back. ``context``: what the model needs around its forward (a host's replay mode). An
@@ -60,6 +61,8 @@ def first_batch_signal(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Modul
         with kept_rng(), context or contextlib.nullcontext(), eager_methods(model):
             report = signal_report(model, batch, loss_fn, label=label, make_optimizer=make_optimizer)
     except Exception as err:  # the report must never take the run down
+        if raises:  # (the caller tries another way first)
+            raise
         own = _raised_in(err, loss_fn) or isinstance(err, LossContractError)  # (what it returned: the same)
         if own and step_runs_loss:  # the first step raises it with the user's own line
             return None
@@ -132,7 +135,17 @@ def host_signal(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any]
         with contextlib.suppress(Exception), detached(), eager_methods(model):  # (the copy's methods its own)
             copied = copy.deepcopy(model)
     if copied is not None:
-        return first_batch_signal(copied, batch, loss_fn, label=label, context=detached(), step_runs_loss=False)
+        # A loss that needs what the copy lacks (Lightning's self.trainer, self.optimizers()) or that reaches the live
+        # model (a closure over it) fails there: measured on the live model instead, its gradients put back first.
+        grads = [(p, p.grad if p.grad is None else p.grad.clone()) for p in model.parameters()]
+        try:
+            return first_batch_signal(copied, batch, loss_fn, label=label, context=detached(), step_runs_loss=False,
+                                      raises=True)
+        except Exception:
+            for p, g in grads:
+                p.grad = g
+        finally:
+            del copied
     return first_batch_signal(model, batch, loss_fn, label=label, context=replay.replaying() if replay is not None else None,
                               step_runs_loss=False)
 

@@ -213,10 +213,10 @@ class HostSteps:
 
     def interval_started(self, retired: int | None, step: int) -> list[float] | None:
         """Drop the kept steps no replay needs (they piled up over the run: past the budget, every later capture
-        failed); the lrs step ``step`` ran at (kept before the host's scheduler stepped)."""
+        failed); the lrs step ``step`` ran at (kept before the host's scheduler stepped; ``[]``: not kept)."""
         kept = self.keeper.steps.get(step)
         self.keeper.drop_through(retired if retired is not None else -1, step)
-        return [float(lr) for lr in kept.lrs] if kept is not None and kept.lrs else None
+        return [float(lr) for lr in kept.lrs] if kept is not None and kept.lrs else []
 
     def why_not(self, step: int, start: int) -> str | None:
         missing = [t for t in range(start + 1, step + 1) if t not in self.keeper.steps]

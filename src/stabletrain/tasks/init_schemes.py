@@ -135,8 +135,11 @@ _FUNCTIONS: dict[Any, tuple[str, Callable[[tuple, dict], nn.Module]]] = {
     for owner, prefix in ((Tensor, "Tensor"), (F, "F"), (torch, "torch")) if callable(getattr(owner, name, None))}
 # Functions that pass a layer's output on unchanged in scale: the activation is looked for after them.
 _LOOKED_THROUGH = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, torch.dropout, torch.flatten,
-                   torch.reshape, *(getattr(Tensor, n) for n in ("view", "reshape", "flatten", "unflatten", "transpose",
-                                                              "permute", "contiguous", "to", "float", "__getitem__"))}
+                   torch.reshape, torch.squeeze, torch.unsqueeze, torch.transpose, torch.permute, torch.movedim,
+                   *(getattr(Tensor, n) for n in ("view", "view_as", "reshape", "reshape_as", "flatten", "unflatten",
+                                                  "transpose", "permute", "movedim", "squeeze", "unsqueeze", "expand",
+                                                  "expand_as", "contiguous", "to", "float", "half", "bfloat16", "type_as",
+                                                  "__getitem__"))}
 
 
 def _tensors(x: Any) -> list[Tensor]:
@@ -165,16 +168,15 @@ class ActivationTrace(TorchFunctionMode):
         self._pending: dict[int, tuple[weakref.ref, str]] = {}  # a layer's output (or a view of it) -> the layer
         self._seen: dict[str, set[Any]] = {}  # layer -> what its outputs went into (an activation module's class, or None)
         self._made: dict[str, nn.Module] = {}
-        self._in_activation = 0
+        self._active: list[nn.Module] = []  # the activation modules running now (innermost last)
         self._handles: list[Any] = []
 
     def __enter__(self) -> ActivationTrace:  # noqa: PYI034 (typing.Self needs Python 3.11)
         for name, module in self.model.named_modules():
             if isinstance(module, _LAYERS):
                 self._handles.append(module.register_forward_hook(self._on_layer(name)))
-            elif activation_name(module) is not None:  # its own F.relu is not a functional call of the user's
-                self._handles += [module.register_forward_pre_hook(lambda *_: self._enter_activation(1)),
-                                  module.register_forward_hook(lambda *_: self._enter_activation(-1))]
+            elif activation_name(module) is not None:  # what runs inside it (F.relu, F.prelu) is the module's
+                self._handles += [module.register_forward_pre_hook(self._enter), module.register_forward_hook(self._leave)]
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
@@ -184,8 +186,11 @@ class ActivationTrace(TorchFunctionMode):
         self._handles.clear()
         self._pending.clear()
 
-    def _enter_activation(self, step: int) -> None:
-        self._in_activation += step
+    def _enter(self, module: nn.Module, *_: Any) -> None:
+        self._active.append(module)
+
+    def _leave(self, *_: Any) -> None:  # (returns None: the module's own output stands)
+        self._active.pop()
 
     def _on_layer(self, name: str) -> Callable:
         def hook(module: nn.Module, inputs: Any, output: Any) -> None:
@@ -196,9 +201,7 @@ class ActivationTrace(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        known = _FUNCTIONS.get(func)
-        if known is not None and not self._in_activation:
-            self.functional.append((known[0], activation_name(known[1](args, kwargs)) or ""))
+        known = None if self._active else _FUNCTIONS.get(func)  # (inside an activation module: the module's)
         results = _tensors(out)
         if not results:  # .shape, .dim(), .item(): reads, not a use of the value
             return out
@@ -212,8 +215,10 @@ class ActivationTrace(TorchFunctionMode):
                     if id(r) not in self._pending or self._pending[id(r)][0]() is None:
                         self._pending[id(r)] = (weakref.ref(r), layer)
                 continue
-            if known is not None:
-                module = known[1](args, kwargs)
+            if self._active or known is not None:  # an activation module's op, or one called as a function
+                module = self._active[-1] if self._active else known[1](args, kwargs)
+                if not self._active:  # the user's own functional call on a layer's output
+                    self.functional.append((known[0], activation_name(module) or ""))
                 self._made.setdefault(layer, module)
                 self._seen.setdefault(layer, set()).add(type(module))
                 if any(r is t for r in results):  # in place: what flows on is the activation's output
