@@ -894,6 +894,10 @@ def test_precursor_warnings_are_in_the_health_summary_with_the_spike_each_came_b
     assert ("ok", "2 precursor warnings (a layer's update/weight ratio departed from its history) at step 20 (17 steps "
                   "before the spike at step 37, which the run went back past); step 30 (7 steps before the spike at step "
                   "37, which the run went back past).") in h.sentences, h.sentences
+    # A warning near the run's end with no spike after it: the run ended 20 steps on (it read 'within 100 steps')
+    (tmp_path / "run" / "events.jsonl").write_text(json.dumps({"step": 20, "kind": "precursor", "reason": "departs"}) + "\n")
+    h = health_summary(load_run(tmp_path / "run"))
+    assert any("at step 20 (no spike followed in the 20 steps the run went on)" in t for _, t in h.sentences), h.sentences
 
 
 def test_several_incidents_are_listed_by_their_class_and_headline_only(tmp_path):

@@ -110,6 +110,12 @@ class SkipSamples(Remedy):
             return f"drop position{'s' if many else ''} {', '.join(map(str, self.samples))} of the step's batch"
         return f"drop sample{'s' if many else ''} {', '.join(map(str, self.samples))}"
 
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        if not self.positions:  # (dataset indices: the record as it always was)
+            del out["positions"]
+        return out
+
     def keep(self, indices: list[list[int]], at: int) -> list[list[int]]:
         drop = set(self.samples)
         return [[i for i in group if i not in drop] for group in indices]

@@ -188,11 +188,15 @@ def _precursors(run: RunData, h: Health) -> None:
     undone = {e.step for e in run.undone_events("spike")}  # a spike the run went back past still followed it
     spikes = sorted({*(h.figures.get("spike_steps") or []), *undone})
     parts = []
+    last = max((int(r["step"]) for r in run.metrics if isinstance(r.get("step"), int)), default=None)
     for p in steps:
         after = next((s for s in spikes if p < s <= p + PRECURSOR_LEAD), None)
         gone = ", which the run went back past" if after in undone else ""
+        # (a run that ended sooner had fewer steps in which one could follow: said so)
+        within = (f"in the {plural(last - p, 'step')} the run went on" if last is not None and last - p < PRECURSOR_LEAD
+                  else f"within {PRECURSOR_LEAD} steps")
         parts.append(f"step {p:,} ({plural(after - p, 'step')} before the spike at step {after:,}{gone})"
-                     if after is not None else f"step {p:,} (no spike followed within {PRECURSOR_LEAD} steps)")
+                     if after is not None else f"step {p:,} (no spike followed {within})")
     h.say("ok", f"{plural(len(steps), 'precursor warning')} (a layer's update/weight ratio departed from its history) at "
                 + "; ".join(parts) + ".")
 

@@ -51,6 +51,8 @@ class IntervalBoundary:
                                                      [p.numel() for _, p in state.named_params])
         self.small_spikes_said = False  # the line for a spike too small to capture: once
         self.spent_said = False  # the line for a spike after the run's captures are spent: once
+        # The last captured burst of spikes: its first step, its last so far, its class, and whether its going on was said
+        self.burst: dict[str, Any] | None = None
         self.started = time.perf_counter()
         self.excluded = 0.0  # seconds of this interval not spent training (validation): not in its throughput
 
@@ -109,6 +111,8 @@ class IntervalBoundary:
             info["spike_window"] = self.guard.window_before(step, rows)
             self.guard.num_spike_captures += 1
         info.update(self._capture(self.state, info, rows))
+        if anomaly == "spike" and self.burst is not None and self.burst["first"] == step:
+            self.burst["class"] = (info.get("diagnosis") or {}).get("failure_class")
         if info.get("pinned") is not None:  # the capture's replay found the update that broke the parameters
             decision.pin(info["pinned"])
         # The capture's bundle and whole diagnosis stay with the caller (a live remedy's search), not the callbacks'.
@@ -147,8 +151,32 @@ class IntervalBoundary:
                             f"the run's first logged loss ({first:.4g}): a jump between negligible losses (such spikes are "
                             "counted and logged, not captured; said once)")
             return None
-        return spike_to_capture(decision.spike_steps, losses)
+        steps, burst = decision.spike_steps, self.burst
+        if burst is not None and steps[0] == burst["last"] + 1 and self._course(burst):  # a divergence's course
+            n = next((i for i, t in enumerate(steps) if t != steps[0] + i), len(steps))
+            if not burst["said"] and self.state.dist.is_main and self.state.run is not None:  # (said once a burst)
+                console.say(f"the burst of loss spikes captured at step {burst['first']} ({burst['class']}) goes on "
+                            f"(steps {steps[0]}-{steps[n - 1]}, ...): not captured again while it lasts (events.jsonl)")
+            burst.update(last=steps[n - 1], said=True)
+            steps = steps[n:]
+            if not steps:
+                return None
+        step = spike_to_capture(steps, losses)
+        end = step
+        while end + 1 in steps:
+            end += 1
+        self.burst = {"first": step, "last": end, "class": None, "said": False}  # (its class: once diagnosed)
+        return step
 
+    def _course(self, burst: dict[str, Any]) -> bool:
+        """Whether spikes going on from a captured burst are its course, not captured again: its update applied
+        (guard.on_spike=warn), and diagnosed as the state's or the optimizer's (a data burst's next windows may hold
+        other bad samples; a skip, rollback or remedy that did not stop it is news)."""
+        return self.state.cfg.guard.on_spike == "warn" and burst["class"] in COURSE_CLASSES
+
+
+#: The classes whose burst of spikes, going on past its capture under guard.on_spike=warn, is that cause's course.
+COURSE_CLASSES = ("state", "optimizer-state", "precision")
 
 #: A later burst of spikes in an interval is captured instead of an earlier one only when its peak loss is at least
 #: this many times the earlier's: a burst about as large is the earlier one's aftershock (its course), not a new one.

@@ -163,6 +163,22 @@ class IncidentCapture:
         #: theirs coming back, however many spikes came in between.
         self.spiked_samples: dict[int, int] = {}
         self.start_lrs: list[float] | None = None  # the lrs the snapshot's step ran at, where the optimizer's are the next's
+        self.history: list[dict[str, Any]] = []  # interval records of the launches before a resume (:meth:`remember`)
+
+    def remember(self, history: list[dict[str, Any]], spikes: list[dict[str, Any]], applied: bool) -> None:
+        """On a resume, what the launches before knew: their last interval ``history`` records, and their captured
+        ``spikes`` (``incident`` events, oldest first): the samples each named and, where a spike's update was applied
+        (``applied``: guard.on_spike=warn), the last one's step, class and samples."""
+        self.history = list(history)
+        for e in spikes:
+            d = e.get("diagnosis") or {}
+            if d.get("sample_unit", "dataset index") == "dataset index":
+                self.spiked_samples.update((int(i), int(e["step"])) for i in d.get("bad_samples") or [])
+        if spikes and applied:
+            d = spikes[-1].get("diagnosis") or {}
+            self.last_spike = {"step": int(spikes[-1]["step"]), "class": d.get("failure_class"),
+                               "samples": list(d.get("bad_samples") or []),
+                               "sample_unit": d.get("sample_unit", "dataset index")}
 
     # -- per interval ------------------------------------------------------------------------------
 
@@ -357,7 +373,7 @@ class IncidentCapture:
         interval's start, else an older checkpoint: ``first``, rank 0's bundle, looks one up) with its LR."""
         src = self.source
         bundle["observed"].update(anomaly="spike", spike_window=list(info.get("spike_window") or []),
-                                  history=[[r["step"], r.get("lr"), r.get("update_ratio")] for r in fit.history
+                                  history=[[r["step"], r.get("lr"), r.get("update_ratio")] for r in [*self.history, *fit.history]
                                            if r["step"] < step][-HISTORY_INTERVALS:])
         if self.last_spike is not None and 0 < step - self.last_spike["step"] <= AFTERSHOCK_STEPS:
             bundle["observed"]["after_spike"] = dict(self.last_spike)

@@ -25,10 +25,11 @@ from .. import console
 from ..config import config_to_dict
 from ..records.checkpoint.files import CheckpointError
 from ..records.checkpoint.shards import is_dcp_entry
+from ..records.jsonl import read_jsonl
 from ..records.staging import StateStager, equal_states, snapshot_fits
 from ..runstate import RunState
 from ..seeding import rng_state
-from .capture import IncidentCapture, staged_now
+from .capture import HISTORY_INTERVALS, IncidentCapture, staged_now
 from .checkpoints import CheckpointKeeper
 
 __all__ = ["IncidentRecorder", "LoopSteps"]
@@ -208,6 +209,24 @@ class IncidentRecorder:
     def replayed_steps(self) -> int | None:
         """Steps the last capture replayed (None: no capture yet)."""
         return self.engine.replayed_steps
+
+    def resume(self, run_dir: Path) -> None:
+        """What the run's earlier launches knew when it resumes (every rank calls it; rank 0 reads the record): the
+        interval records a spike's diagnosis weighs its step sizes against, the samples earlier spikes named (a spike
+        they carry again comes back) and the last spike whose update was applied (a later one may be its
+        aftershock), up to the step resumed from (:meth:`IncidentCapture.remember`)."""
+        step = self.state.step
+
+        def read() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+            def upto(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+                return [r for r in records if isinstance(r.get("step"), int) and r["step"] <= step]
+
+            spikes = [e for e in upto(read_jsonl(run_dir / "events.jsonl")[0])
+                      if e.get("kind") == "incident" and e.get("anomaly") == "spike"]
+            return upto(read_jsonl(run_dir / "metrics.jsonl")[0])[-HISTORY_INTERVALS:], spikes
+
+        history, spikes = self.state.dist.on_main(read)
+        self.engine.remember(history, spikes, applied=self.state.cfg.guard.on_spike == "warn")
 
     def plan_snapshot(self) -> None:
         """Decide once, when the run directory opens, whether the intervals are snapshot (every rank calls it).

@@ -33,6 +33,7 @@ def open_run(state: Any, keeper: Any, recorder: Any, run_dir: Path, resume: bool
     state.ckpt = CheckpointManager(run_dir / "checkpoints", keep=cfg.ckpt.keep)
     if resume:
         keeper.resume(run_dir)
+        recorder.resume(run_dir)  # what the launches before knew of the run's spikes and intervals
 
     def write() -> None:
         run = state.run = RunDir(run_dir, resume=resume, overwrite=cfg.run.overwrite)
