@@ -311,3 +311,23 @@ def test_the_trace_reads_an_activation_module_it_has_no_function_for_and_looks_t
     plain = {d.name: d for d in init_(model, "kaiming")}
     assert [traced[n].gain for n in "ab"] == pytest.approx([plain[n].gain for n in "ab"]) and traced["b"].gain == \
         pytest.approx(math.sqrt(2))
+
+
+def test_an_init_a_users_callback_overwrites_at_fit_start_is_reported(tmp_path):
+    """A trial: a callback re-initializing every Linear in on_fit_start gave no init_overwritten event (the watch ran
+    its check before the user's callbacks)."""
+    from helpers import cfg
+
+    from stabletrain import Callback, Trainer
+    from stabletrain.records.jsonl import read_jsonl
+
+    class Reinit(Callback):
+        def on_fit_start(self, state):
+            with torch.no_grad():
+                for m in state.module.modules():
+                    if isinstance(m, nn.Linear):
+                        m.weight.normal_(0, 1.0)
+
+    Trainer(cfg("train.max_steps=2", "log.every=2"), run_dir=tmp_path / "run", callbacks=[Reinit()]).fit()
+    events = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl")[0] if e["kind"] == "init_overwritten"]
+    assert events and all(p["why"] == "values changed" for p in events[0]["params"]), events

@@ -96,9 +96,9 @@ class Trainer:
             metrics=StepMetrics(cfg.log.every, len(self.params), device, dist))
         self.signals, self.keeper = SignalHandler(), CheckpointKeeper(state)
         self.recorder, state.remedies = IncidentRecorder(state, self.keeper), RemedyApplier(state)
-        builtin = [InitWatch(fingerprint), EventLog(), MetricsFile(), TensorBoardLog(),
-                   *build_trackers(cfg.log.trackers, log=cfg.log), ProgressBar()]
-        state.callbacks = CallbackList([*builtin, *callbacks, *load_callbacks(cfg.callbacks)])
+        builtin = [EventLog(), MetricsFile(), TensorBoardLog(), *build_trackers(cfg.log.trackers, log=cfg.log), ProgressBar()]
+        # (the init's check last: after the user's on_fit_start, which may re-initialize the model too)
+        state.callbacks = CallbackList([*builtin, *callbacks, *load_callbacks(cfg.callbacks), InitWatch(fingerprint)])
         self.boundary = IntervalBoundary(state, self.recorder.capture, top_layers=cfg.log.top_layers,
                                          epoch=lambda: stream.epoch)
         self._pending_eval: dict[str, float] = {}

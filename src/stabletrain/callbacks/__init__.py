@@ -25,11 +25,11 @@ calls by name (:mod:`stabletrain.services`), not callbacks.
 A callback that only observes must not read device tensors on the host in :meth:`Callback.on_step_end`
 (``float(out["loss"])`` is a host sync per step): accumulate on the device, read at :meth:`Callback.on_log`.
 
-The built-in callbacks (always installed by the Trainer, in this order): :class:`~.sinks.InitWatch`,
-:class:`~.sinks.EventLog`, :class:`~.sinks.MetricsFile`, :class:`~.sinks.TensorBoardLog`, the trackers
-``log.trackers`` names (:class:`~.trackers.MLflowTracker`, :class:`~.trackers.WandbTracker`),
-:class:`~.sinks.ProgressBar`; then the user's (``Trainer(cfg, callbacks=[...])`` and the config key
-``callbacks: [module:Class, ...]``).
+The built-in callbacks (always installed by the Trainer, in this order): :class:`~.sinks.EventLog`,
+:class:`~.sinks.MetricsFile`, :class:`~.sinks.TensorBoardLog`, the trackers ``log.trackers`` names
+(:class:`~.trackers.MLflowTracker`, :class:`~.trackers.WandbTracker`), :class:`~.sinks.ProgressBar`; then the
+user's (``Trainer(cfg, callbacks=[...])`` and the config key ``callbacks: [module:Class, ...]``); then
+:class:`~.sinks.InitWatch`, last, so that an init a user's ``on_fit_start`` overwrote is seen too.
 """
 
 from __future__ import annotations
