@@ -90,8 +90,10 @@ def test_check_help_and_list_show_every_check_in_order(capsys):
     assert "  init         Report per-layer signal propagation at step 0 (and per init scheme with compare); pass if " \
            "nothing is flagged." in listed
     assert "(default: stabletrain-check/; created only" in " ".join(help_text.split())
-    assert cli.main(["check", "--list"]) == 0
-    assert capsys.readouterr().out.splitlines()[:2] == [
+    assert cli.main(["check", "--list"]) == 0  # (the help's order and words: it was alphabetical, with reST quotes)
+    listing = capsys.readouterr().out.splitlines()
+    assert [row.split()[0] for row in listing] == [row.split()[0] for row in listed]
+    assert listing[:2] == [
+        "overfit      Overfit one tiny fixed batch; name every trainable parameter that got no gradient.",
         "accum        Compare the gradient of k accumulated micro-batches with that of one big batch (fp32, train mode, "
-        "dropout off).",
-        "amp          Audit op dtypes under autocast, the loss dtype and the parameter dtypes."]
+        "dropout off)."] and "``" not in "\n".join(listing)

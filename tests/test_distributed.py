@@ -192,6 +192,8 @@ def test_a_finite_spike_only_rank_1s_samples_carry_is_diagnosed_on_rank_1s_batch
     assert incident["diagnosis"]["failure_class"] == "data", incident["diagnosis"]["summary"]
     diagnosis = json.loads((world.root / name / "incidents" / "step_000014" / "diagnosis.json").read_text())
     assert diagnosis["samples"]["indices"] and set(diagnosis["samples"]["indices"]) <= set(SPIKE_ON_1), diagnosis["summary"]
+    # (the evidence's losses are rank 1's, twice the event's mean over 2 ranks: said so)
+    assert "the losses above are rank 1's own window's (the step's logged loss is the ranks' mean)" in diagnosis["summary"]
 
 
 def test_a_spike_rollback_under_ddp_drops_the_samples_rank_1s_diagnosis_named_on_every_rank(world):

@@ -47,9 +47,9 @@ def _split_check_args(items: list[str]) -> tuple[list[str], list[str]]:
 
 def cmd_check(args: argparse.Namespace) -> int:
     names, overrides = _split_check_args(args.names)
-    if args.list:
-        for c in BUILTIN_CHECKS:
-            print(f"{c.name:<12} {c.description}")
+    if args.list:  # (the help's order and words: run order, no reST quotes)
+        for c in sorted(BUILTIN_CHECKS, key=lambda c: (not c.default, c.order)):
+            print(f"{c.name:<12} {c.description.replace('``', '')}{'' if c.default else ' (not run by default)'}")
         return 0
     cfg = load_config(args.config, overrides)
     if ":" not in cfg.task:  # a name that is no check: one line, before the checks (and torch) are imported (a
