@@ -58,7 +58,7 @@ from ..internals import find_caller, is_compiled
 from ..numerics import grad_norms
 from ..records.batches import count_tokens, items_normalized, window_items
 from ..records.captured import divides_by_items, loss_recipe, model_recipe
-from ..services.kept_steps import HostReplay, KeptStep
+from ..services.kept_steps import HostReplay, KeptStep, current_lrs
 from .core import RunSession
 
 __all__ = ["StableTrainCallback", "STATE_FILE"]
@@ -232,8 +232,7 @@ class StableTrainCallback(TrainerCallback):
             raise RuntimeError("StableTrainCallback: the optimizer steps, but the trainer's training_step did not run "
                                "through stabletrain's watch (was training_step replaced after train() began?)")
         (norm, per), self._norms = self._norms, None
-        lr = session.host_step.optimizer.param_groups[0]["lr"]  # the step's: the Trainer's scheduler steps after it
-        self._lr = lr.detach().clone() if isinstance(lr, Tensor) else lr
+        self._lr = current_lrs(session.host_step.optimizer)[0]  # the step's: the Trainer's scheduler steps after it
         session.before_host_step(norm, per, grads_scaled=session.host_step.scaler is not None)
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -170,15 +170,19 @@ class IncidentCapture:
         ``spikes`` (``incident`` events, oldest first): the samples each named and, where a spike's update was applied
         (``applied``: guard.on_spike=warn), the last one's step, class and samples."""
         self.history = list(history)
-        for e in spikes:
-            d = e.get("diagnosis") or {}
-            if d.get("sample_unit", "dataset index") == "dataset index":
-                self.spiked_samples.update((int(i), int(e["step"])) for i in d.get("bad_samples") or [])
-        if spikes and applied:
-            d = spikes[-1].get("diagnosis") or {}
-            self.last_spike = {"step": int(spikes[-1]["step"]), "class": d.get("failure_class"),
-                               "samples": list(d.get("bad_samples") or []),
-                               "sample_unit": d.get("sample_unit", "dataset index")}
+        for i, e in enumerate(spikes):
+            self._note_spike(int(e["step"]), e.get("diagnosis"), applied=applied and i == len(spikes) - 1)
+
+    def _note_spike(self, step: int, diagnosis: dict[str, Any] | None, applied: bool) -> None:
+        """A captured spike's diagnosis: the samples it named (by dataset index), and, where its update was
+        ``applied``, itself as the spike a later one may be the aftershock of."""
+        d = diagnosis or {}
+        unit = d.get("sample_unit", "dataset index")
+        if unit == "dataset index":
+            self.spiked_samples.update((int(i), step) for i in d.get("bad_samples") or [])
+        if applied:
+            self.last_spike = {"step": step, "class": d.get("failure_class"), "samples": list(d.get("bad_samples") or []),
+                               "sample_unit": unit}
 
     # -- per interval ------------------------------------------------------------------------------
 
@@ -313,13 +317,9 @@ class IncidentCapture:
         if src.diagnose:
             event_fields, diagnosis = self._diagnose(fit, folder, bundles[0], in_memory, step, seen[0], label)
             fields.update(event_fields)
-        if spike and (diagnosis or {}).get("sample_unit", "dataset index") == "dataset index":
-            self.spiked_samples.update((int(i), step) for i in (diagnosis or {}).get("bad_samples") or [])
-        if spike and fit.cfg.guard.on_spike == "warn" and any(r.step == step and r.values.get("applied", 1.0) >= 0.5
-                                                              for r in rows):  # applied: a spike soon after may be
-            self.last_spike = {"step": step, "class": (diagnosis or {}).get("failure_class"),  # its aftershock
-                               "samples": list((diagnosis or {}).get("bad_samples") or []),
-                               "sample_unit": (diagnosis or {}).get("sample_unit", "dataset index")}
+        if spike:  # (applied: a spike soon after may be its aftershock)
+            self._note_spike(step, diagnosis, applied=fit.cfg.guard.on_spike == "warn" and any(
+                r.step == step and r.values.get("applied", 1.0) >= 0.5 for r in rows))
         if "diagnosis" not in fields:  # every incident reaches the console in one line
             why_not = fields.get("diagnosis_error") or "not diagnosed: the diagnosis is off; stabletrain diagnose replays it"
             console.say(f"{label} at step {step} captured into {folder} ({why_not})")
