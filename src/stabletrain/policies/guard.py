@@ -52,6 +52,7 @@ from torch import Tensor
 from ..config import GuardConfig
 from ..numerics import both_finite
 from .spike_rule import EARLY_ARM, FAR, MAD_TO_STD, far_spike, spike_test
+from .stall import NEGLIGIBLE_GRAD, UNRECOVERABLE_SCALE, StallWatch, routine_overflow, scale_note
 
 __all__ = ["Guard", "GuardDecision", "inputs_finite", "UNRECOVERABLE_SCALE", "EARLY_ARM", "spike_test", "NEGLIGIBLE_GRAD",
            "routine_overflow", "NEGLIGIBLE_SPIKE"]
@@ -60,19 +61,6 @@ __all__ = ["Guard", "GuardDecision", "inputs_finite", "UNRECOVERABLE_SCALE", "EA
 #: not captured, nothing to cure): a jump between negligible losses (Adam's wander near zero loss: 1e-8 to 5e-7) would
 #: spend the run's captures (capture.max_spikes). (A regression that falls 1e4 -> 0.5 and spikes x16 to 8 is at 8e-4.)
 NEGLIGIBLE_SPIKE = 1e-4
-
-#: fp16: an overflow after which the GradScaler's scale is below this is an incident, not the routine skip: the
-#: gradients do not fit float16 even unscaled (or are NaN whatever the scale), and backing off cannot fix that.
-UNRECOVERABLE_SCALE = 1.0
-
-#: fp16 stall: at a collapsed loss scale (below :data:`UNRECOVERABLE_SCALE`), applied gradients whose norms are all at
-#: most this share of the run's earlier grad norms (the median of its last :data:`REFERENCE_KEPT` applied steps at a
-#: scale of at least 1) underflowed: the updates are negligible, the run does not learn (:meth:`Guard.stalled`).
-NEGLIGIBLE_GRAD = 1e-3
-#: What to try when fp16's GradScaler cannot recover (a stall, or every step skipped).
-FP16_ADVICE = ("precision=bf16 (no loss scale), the overflowing module in fp32 (stabletrain remedy names it), or "
-               "guard.on_nonfinite=remedy")
-REFERENCE_KEPT = 64
 
 #: The flagged steps (spikes, non-finite steps) the guard remembers: a spike's capture takes no ordinary window among them.
 UNORDINARY_KEPT = 64
@@ -124,17 +112,6 @@ class GuardDecision:
             self.reason = _nonfinite_reason(self)
 
 
-def _scale_note(scale: float, loss: float) -> str:
-    """What a stop after consecutive skips says of fp16's GradScaler at ``scale`` (the last step's ``loss``)."""
-    if scale >= UNRECOVERABLE_SCALE:
-        return ""
-    if not math.isfinite(loss):  # the loss itself overflowed: it is not scaled yet, no scale makes it finite
-        return (f"; the loss itself is non-finite in float16 (an overflow in the forward, or an invalid op) and the "
-                f"GradScaler's scale is {scale:.2g}: no loss scale makes it finite. Try {FP16_ADVICE}")
-    return (f"; the GradScaler's scale is {scale:.2g}: the gradients overflow float16 even unscaled (a lower scale may fit "
-            f"them: guard.max_consecutive_skips higher lets it back off further, a skipped step each time). Try {FP16_ADVICE}")
-
-
 def _nonfinite_reason(d: GuardDecision) -> str:
     if d.after_update and d.locate is not None:
         where = f"in the parameters after an update of steps {d.locate[0]}-{d.locate[1]}"
@@ -176,11 +153,8 @@ class Guard:
         # On the device: (window, count) at the last two boundaries: the current interval's start, the next's
         self._device_starts: tuple[Any, Any] = (None, None)
         self._device_starts_from_here()
-        # The last guard.stall_steps steps as (applied, grad norm, loss scale): a run that goes on without learning.
-        self._recent: deque[tuple[bool, float, float, float]] = deque(maxlen=cfg.stall_steps)  # applied, norm, scale, loss
+        self.stall = StallWatch(cfg.stall_steps)  # the last guard.stall_steps steps: a run that goes on without learning
         self.stall_warned = False
-        # The grad norms of the last applied steps before any collapse of the loss scale: what "negligible" is against.
-        self._norm_reference: deque[float] = deque(maxlen=REFERENCE_KEPT)
         self.unordinary: deque[int] = deque(maxlen=UNORDINARY_KEPT)  # the last steps flagged (spikes, bad steps)
 
     @property
@@ -286,58 +260,6 @@ class Guard:
         self._host_seen = seen
         self.num_seen.fill_(seen)
 
-    def stalled(self, step: int) -> str | None:
-        """Why the run stopped learning over its last ``guard.stall_steps`` steps, or None (host values; no sync).
-
-        Stalled: no gradient of those steps reached the parameters, either
-
-        - each was skipped or applied with a zero gradient, its loss not 0 (a loss of exactly 0, a hinge's margins
-          all met, is convergence), some applied (none applied is ``guard.max_consecutive_skips``' case), or
-        - under fp16, the GradScaler's scale is below :data:`UNRECOVERABLE_SCALE`, more than half of the steps were
-          skipped and every applied one had a grad norm of at most :data:`NEGLIGIBLE_GRAD` x the run's earlier
-          ones (the median of the last applied steps at a scale of at least 1; none seen: this test is not made), or
-        - every step was skipped at such a scale (``guard.max_consecutive_skips`` raised past them).
-
-        A GradScaler that cannot recover does that (most steps overflow and back off the scale; at the scale left
-        the few applied gradients underflow to 0, or to a tiny remainder, e.g. of an fp32 term of the loss) without
-        ever making ``guard.max_consecutive_skips`` skips in a row: the run would end "successfully" without
-        learning. An early back-off while the scale calibrates is not a stall: the scale stays above 1 and its
-        applied steps move the parameters; a healthy fp16 run's scale does not fall below 1.
-        """
-        recent = self._recent
-        if len(recent) < recent.maxlen:
-            return None
-        applied = [r for r in recent if r[0]]
-        skipped, n, scale = len(recent) - len(applied), len(recent), recent[-1][2]
-        norms = [r[1] for r in applied]
-        largest = max(norms) if norms and all(math.isfinite(x) for x in norms) else math.nan
-        reference = float(np.median(self._norm_reference)) if self._norm_reference else math.nan
-        moved = "no gradient reached the parameters"
-        if not applied and scale < UNRECOVERABLE_SCALE:
-            what = f"all of the last {n} steps were skipped"
-        elif largest == 0.0 and not all(r[3] == 0.0 for r in applied):
-            what = f"{skipped} of the last {n} steps were skipped and the {len(applied)} applied had a zero gradient"
-        elif (applied and scale < UNRECOVERABLE_SCALE and skipped > n / 2 and reference > 0
-              and largest <= NEGLIGIBLE_GRAD * reference):  # (a NaN largest or reference fails this)
-            what = (f"{skipped} of the last {n} steps were skipped and the {len(applied)} applied had gradient norms of "
-                    f"at most {largest:.2g}, under {NEGLIGIBLE_GRAD:g} x the run's earlier {reference:.2g} (they "
-                    "underflowed at the loss scale)")
-            moved = "no gradient reached the parameters measurably"
-        else:
-            return None
-        if scale != 1.0 and scale >= UNRECOVERABLE_SCALE and largest == 0.0:  # zero gradients at a healthy scale
-            what += (f"; the GradScaler's scale is {scale:.2g}: in float16 the gradients underflow to 0 (or the loss does "
-                     "not reach the parameters)")
-            advice = ("precision=bf16 (float32's range, no loss scale), a larger loss (a sum, not a mean of tiny terms), or "
-                      "a look at whether the loss depends on the parameters")
-        elif scale != 1.0:
-            what += f"; the GradScaler's scale is {scale:.2g}"
-            advice = FP16_ADVICE
-        else:
-            advice = "a look at the skip events and the loss (is it constant?), or guard.on_nonfinite=remedy"
-        return (f"the run is stalled at step {step}: {what}: {moved} (guard.stall_steps={n}). "
-                f"Try {advice}; guard.on_stall=warn trains on")
-
     def _device_starts_from_here(self) -> None:
         """The next interval starts from the window as it is now (at the start, after a load)."""
         if self.on_device:
@@ -411,11 +333,9 @@ class Guard:
             if self.consecutive_skips >= self.cfg.max_consecutive_skips and d.action == "continue":
                 d.action, d.reason = "stop", (f"{self.consecutive_skips} consecutive skipped steps (guard.max_consecutive_skips="
                                               f"{self.cfg.max_consecutive_skips}) at step {row.step}: the run is not recovering"
-                                              + _scale_note(float(v.get("loss_scale", 1.0)), float(v.get("loss", math.nan))))
+                                              + scale_note(float(v.get("loss_scale", 1.0)), float(v.get("loss", math.nan))))
             applied, norm, scale = v["applied"] >= 0.5, float(v.get("grad_norm", math.nan)), float(v.get("loss_scale", 1.0))
-            self._recent.append((applied, norm, scale, float(v.get("loss", math.nan))))
-            if applied and scale >= UNRECOVERABLE_SCALE and math.isfinite(norm) and norm > 0:
-                self._norm_reference.append(norm)
+            self.stall.record(applied, norm, scale, float(v.get("loss", math.nan)))
         if d.locate is not None and d.first_incident < d.locate[0]:
             d.locate = None  # an earlier loss incident comes first; the broken update is a later one
         losses = {r.step: r.values["loss"] for r in rows}
@@ -429,7 +349,7 @@ class Guard:
         self.num_spikes += len(d.spike_steps)
         if d.action == "stop":
             return d
-        stalled = self.stalled(rows[-1].step if rows else 0)
+        stalled = self.stall.stalled(rows[-1].step if rows else 0)
         if stalled is not None and self.cfg.on_stall == "stop":
             d.action, d.reason = "stop", stalled
             return d
@@ -468,9 +388,8 @@ class Guard:
     def state_dict(self) -> dict[str, Any]:
         return {"window": self.window.clone(), "num_seen": self.num_seen.clone(), "consecutive_skips": self.consecutive_skips,
                 "num_rollbacks": self.num_rollbacks, "num_incidents": self.num_incidents, "num_spikes": self.num_spikes,
-                "num_spike_captures": self.num_spike_captures, "recent": [list(r) for r in self._recent],
-                "stall_warned": self.stall_warned, "unordinary": list(self.unordinary),
-                "norm_reference": list(self._norm_reference), "first_loss": self.first_loss}
+                "num_spike_captures": self.num_spike_captures, **self.stall.state_dict(),
+                "stall_warned": self.stall_warned, "unordinary": list(self.unordinary), "first_loss": self.first_loss}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.window.copy_(state["window"])
@@ -482,19 +401,9 @@ class Guard:
         self.num_incidents = int(state["num_incidents"])
         self.num_spikes = int(state["num_spikes"])
         self.num_spike_captures = int(state.get("num_spike_captures", 0))  # checkpoints from before spike captures
-        self._recent.clear()
-        self._recent.extend((bool(a), float(g), float(sc), float(rest[0]) if rest else math.nan)
-                            for a, g, sc, *rest in state.get("recent", []))  # (a checkpoint before the loss was kept)
+        self.stall.load_state_dict(state)
         self.stall_warned = bool(state.get("stall_warned", False))
-        self._norm_reference.clear()
-        self._norm_reference.extend(float(x) for x in state.get("norm_reference", []))  # (older checkpoints: none)
         self._device_starts_from_here()
         self.unordinary.clear()
         self.unordinary.extend(int(s) for s in state.get("unordinary", []))
         self.first_loss = state.get("first_loss")  # (older checkpoints: none; the first interval logged after it)
-
-
-def routine_overflow(overflow: bool, loss_scale: float) -> bool:
-    """fp16: whether a step's overflow is the GradScaler's routine skip-and-back-off, not an incident: it is, unless the
-    scale it left is below :data:`UNRECOVERABLE_SCALE` (the guard and the remedy search's replay judge it alike)."""
-    return bool(overflow) and float(loss_scale) >= UNRECOVERABLE_SCALE
