@@ -300,3 +300,42 @@ def dropout_draw_task(n: int = 2048, width: int = 8, p: float = 0.003, seed: int
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(4, width), nn.Dropout(p), nn.Linear(width, 1))
     return Task(model=model, train_data=TensorDataset(x, y), loss=_mse, name="dropout-draw")
+
+
+def level_shift_task(at_step: int = 30, shift: float = 3.0, n: int = 1024, seed: int = 0) -> Task:
+    """data, a level shift: from step ``at_step`` on (batch 8, no shuffle) every target is ``shift`` higher, and stays so:
+    the loss moves to a new level (x70) under any weights; no few samples carry it."""
+    x, y = _regression(n, 8, seed)
+    y[(at_step - 1) * 8:] += shift
+    torch.manual_seed(seed)
+    return Task(model=regression_mlp(), train_data=TensorDataset(x, y), loss=_mse, name="level-shift")
+
+
+class _HiddenBumpAdamW(torch.optim.AdamW):
+    """AdamW whose LR is multiplied by ``factor`` inside ``step()`` from its ``at``-th call on, counted outside its
+    state_dict: a replay from a checkpoint does not see it (its step count starts afresh), the live run does."""
+
+    def __init__(self, params, at: int, factor: float, **kwargs) -> None:
+        super().__init__(params, **kwargs)
+        self.at, self.factor, self.calls = at, factor, 0
+
+    def step(self, closure=None):
+        self.calls += 1
+        saved = [g["lr"] for g in self.param_groups]
+        if self.calls >= self.at:
+            for g in self.param_groups:
+                g["lr"] = g["lr"] * self.factor
+        try:
+            return super().step(closure)
+        finally:
+            for g, lr in zip(self.param_groups, saved):
+                g["lr"] = lr
+
+
+def hidden_bump_task(at: int = 50, factor: float = 1000.0, n: int = 2048) -> Task:
+    """state, out of the replay's reach: from the optimizer's ``at``-th step its LR is x``factor`` (state it keeps
+    outside its state_dict): the live run spikes, a replay from a checkpoint before ``at`` (a rollback's) does not."""
+    x, y = _regression(n, 8, 0)
+    torch.manual_seed(0)
+    return Task(model=regression_mlp(), train_data=TensorDataset(x, y), loss=_mse, name="hidden-bump",
+                optimizer=lambda named: _HiddenBumpAdamW([p for _, p in named], at, factor, lr=1e-3, fused=True))

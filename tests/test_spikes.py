@@ -22,6 +22,7 @@ from spike_tasks import (
     batchnorm_outlier_task,
     dropout_draw_task,
     flipped_labels_task,
+    level_shift_task,
     mislabelled_quadrants_task,
     offset_inputs_task,
     outlier_samples_task,
@@ -1459,3 +1460,26 @@ def test_another_samples_spike_the_run_flagged_soon_after_is_not_held_against_th
     applied = next(e for e in _events(live) if e["kind"] == "remedy" and e.get("name"))
     assert applied["incident_step"] == 22 and "verified on the steps up to 25, before a later incident at step 26" in (
         applied["reason"]), applied["reason"]
+
+
+def test_a_loss_at_a_new_level_is_data_not_a_drifted_state_and_the_stop_says_the_level_moved(tmp_path):
+    """Targets shifted from step 30 on: every step after is a spike against the level before. Under on_spike=skip no
+    update is applied after step 29, so a later spike (step 41, its interval's first) cannot be a drifted state: it is
+    data at a new level, no sample blamed; no window the run never trained counts as ordinary (the run stops at 49);
+    the stop after 20 skipped spikes says the loss moved to a new level."""
+    run_dir = tmp_path / "run"
+    trainer = Trainer(cfg("train.batch_size=8", "log.every=10", "data.shuffle=false", "train.max_steps=80",
+                          "sched.warmup_steps=0", "sched.decay=constant", "optim.lr=0.01", "guard.on_spike=skip"),
+                      task=level_shift_task(), run_dir=run_dir)
+    trainer.fit()
+    events = _events(run_dir)
+    incidents = {e["step"]: e for e in events if e["kind"] == "incident"}
+    assert 30 in incidents and 41 in incidents, sorted(incidents)
+    assert incidents[30]["diagnosis"]["failure_class"] == "data"
+    later = json.loads((run_dir / "incidents" / "step_000041" / "diagnosis.json").read_text())
+    assert later["failure_class"] == "data" and later["bad_samples"] is None, later["summary"]
+    assert "since step 30 (11 flagged steps in a row" in later["evidence"] and "new level" in later["evidence"]
+    assert not load_bundle(run_dir / "incidents" / "step_000041")["observed"].get("context")  # 42-49 spikes, 50+ unseen
+    (stop,) = [e for e in events if e["kind"] == "stop"]
+    assert "20 consecutive skipped steps" in stop["reason"] and "at step 49" in stop["reason"], stop["reason"]
+    assert "every one of them was a loss spike against the level before step 30" in stop["reason"]

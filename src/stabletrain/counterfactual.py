@@ -71,6 +71,9 @@ DRAW_SHARE = 10.0
 MAX_LEAVE_ONE_OUT = 64
 
 
+#: A data spike with no sample to blame, right after this many flagged steps in a row, is a level shift (the data moved).
+LEVEL_RUN = 5
+
 def _dropout_draw(bench: ReplayBench, groups: list[tuple[list[int], Any]], rule: Any, bound: float,
                   loss: float, context: list[list[tuple[list[int], Any]]]) -> dict[str, Any] | None:
     """The window's loss with every dropout off (None: the model draws none): ``loss``, ``ratio``, ``zscore``,
@@ -379,6 +382,13 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
         verdict["evidence"] += (f"; sample{'s' if len(again) > 1 else ''} {', '.join(map(str, again))} carried the "
                                 f"spike{'s' if len(steps) > 1 else ''} at step{'s' if len(steps) > 1 else ''} "
                                 f"{', '.join(map(str, steps))} too: {'they come' if len(again) > 1 else 'it comes'} back")
+    burst = observed.get("flagged_before") or {}
+    if (verdict["failure_class"] == "data" and not verdict["blamed_samples"] and m["reproduces"]
+            and burst.get("steps", 0) >= LEVEL_RUN):  # every window since is as high: a new level, not one batch
+        verdict["evidence"] = verdict["evidence"].replace(": the batch itself is an outlier", ": not one outlier batch") + (
+            f"; the loss has been at this level since step {burst['since']} ({burst['steps']} flagged steps in a row "
+            "before this one): the data moved to a new level (a change in its distribution or targets), and the rule "
+            "keeps flagging it against the level before (guard.on_spike=warn trains on)")
     # (a few named samples rule it out only where ordinary windows were measured normal under this state)
     measured = m["older"] is not None or (m.get("ordinary_now") or {}).get("spike") is False
     named = bool(verdict["blamed_samples"]) and measured
@@ -481,7 +491,7 @@ def _older(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, spike: list, co
                                                                      or rule(ordinary_now)["spike"])),
             "ordinary_spike_now": bool(context and math.isfinite(ordinary_now) and rule(ordinary_now)["spike"]),
             "window_not_above_now": bool(context and math.isfinite(ordinary_now) and loss <= ratio * ordinary_now),
-            "ratio": ratio}
+            "ratio": ratio, **({} if context else {"no_context": True})}
     now, order = bench.module_rms(spike, bench.replica.model)
     then, _ = bench.module_rms(spike, older)
     return info, departures(now, then, order)

@@ -195,6 +195,12 @@ def outlier_sets(rows: list[dict[str, Any]], normal: Callable[[float], bool]) ->
             yield [r["sample"] for r in bad + good[:k]]
 
 
+def _ordinary_what(older: dict[str, Any]) -> str:
+    """What ``older["ordinary"]`` is: ordinary windows' loss under the older state, or (none at hand: the run stopped, or
+    every window near the spike was flagged) the guard's median, the run's level before the spike."""
+    return ", the rule's median: the run's level before it" if older.get("no_context") else " on ordinary windows"
+
+
 def _pct(x: float) -> str:
     if x < 0.01:
         return f"{100 * x:.2g}%"
@@ -318,7 +324,7 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     if high_before and blamed is None:  # (a surge in the update before is a cause; a high window, one by elimination)
         return {**out, "failure_class": "data",
                 "evidence": (f"the whole window is high under the state of step {older['step']} too ({older['window']:.4g} "
-                             f"vs {older['ordinary']:.4g} on ordinary windows) and no small set of its samples carries "
+                             f"vs {older['ordinary']:.4g}{_ordinary_what(older)}) and no small set of its samples carries "
                              "it: the batch itself is an outlier"
                              + (f" (the search for a few: {m['samples_note']})" if m.get("samples_note") else "") + acquit)}
     drift = ""

@@ -143,6 +143,7 @@ class Guard:
         self._host_window = None if self.on_device else self.window.numpy()
         self._host_seen = 0
         self.consecutive_skips = 0
+        self.spike_skips = 0  # of them, how many in a row were spikes (a loss at a new level: every step a spike)
         self.num_rollbacks = 0
         self.num_incidents = 0
         self.num_spikes = 0
@@ -330,9 +331,11 @@ class Guard:
             if v.get("spike", 0.0) > 0.5:
                 d.spike_steps.append(row.step)
             self.consecutive_skips = self.consecutive_skips + 1 if v["applied"] < 0.5 else 0
+            self.spike_skips = self.spike_skips + 1 if v["applied"] < 0.5 and v.get("spike", 0.0) > 0.5 else 0
             if self.consecutive_skips >= self.cfg.max_consecutive_skips and d.action == "continue":
                 d.action, d.reason = "stop", (f"{self.consecutive_skips} consecutive skipped steps (guard.max_consecutive_skips="
                                               f"{self.cfg.max_consecutive_skips}) at step {row.step}: the run is not recovering"
+                                              + self._level_note(row.step)
                                               + scale_note(float(v.get("loss_scale", 1.0)), float(v.get("loss", math.nan))))
             applied, norm, scale = v["applied"] >= 0.5, float(v.get("grad_norm", math.nan)), float(v.get("loss_scale", 1.0))
             self.stall.record(applied, norm, scale, float(v.get("loss", math.nan)))
@@ -375,6 +378,14 @@ class Guard:
             self.num_rollbacks += 1
         return d
 
+    def _level_note(self, step: int) -> str:
+        """What a stop after consecutive skips says where every one of them was a spike: the loss is at a new level."""
+        if self.spike_skips < self.consecutive_skips:
+            return ""
+        return (f"; every one of them was a loss spike against the level before step {step - self.spike_skips + 1}: the "
+                "loss moved to a new level and stayed (a change in the data, or a divergence: stabletrain diagnose "
+                "names which); guard.on_spike=warn trains on at the new level")
+
     @contextlib.contextmanager
     def counters_kept(self) -> Iterator[None]:
         """Keep the run-wide counters (rollbacks, incidents, spikes) across a state restore inside the block.
@@ -387,6 +398,7 @@ class Guard:
 
     def state_dict(self) -> dict[str, Any]:
         return {"window": self.window.clone(), "num_seen": self.num_seen.clone(), "consecutive_skips": self.consecutive_skips,
+                "spike_skips": self.spike_skips,
                 "num_rollbacks": self.num_rollbacks, "num_incidents": self.num_incidents, "num_spikes": self.num_spikes,
                 "num_spike_captures": self.num_spike_captures, **self.stall.state_dict(),
                 "stall_warned": self.stall_warned, "unordinary": list(self.unordinary), "first_loss": self.first_loss}
@@ -397,6 +409,7 @@ class Guard:
         if not self.on_device:
             self._host_seen = int(self.num_seen)
         self.consecutive_skips = int(state["consecutive_skips"])
+        self.spike_skips = int(state.get("spike_skips", 0))  # (older checkpoints: none)
         self.num_rollbacks = int(state["num_rollbacks"])
         self.num_incidents = int(state["num_incidents"])
         self.num_spikes = int(state["num_spikes"])

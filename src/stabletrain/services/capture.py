@@ -126,10 +126,12 @@ class StepSource(Protocol):
         ``keep_previous``: stage the state before the last step replayed, for :meth:`bundle` (a spike's ``previous``).
         """
 
-    def record(self, fit: RunState, step: int, context: int = 0, avoid: Collection[int] = ()) -> dict[str, Any]:
+    def record(self, fit: RunState, step: int, context: int = 0, avoid: Collection[int] = (), seen: int | None = None
+               ) -> dict[str, Any]:
         """This rank's record of step ``step`` for its bundle (its window, its RNG state), the state being before it;
         ``context``: also up to that many ordinary windows (``context``) that :meth:`bundle` puts in ``observed``,
-        none of the steps in ``avoid`` (the interval's spikes and skipped steps: no ordinary windows)."""
+        none of the steps in ``avoid`` (the interval's spikes and skipped steps: no ordinary windows) nor after ``seen``
+        (the last step the run trained: a window it never saw is no ordinary one)."""
 
     def blame(self, fit: RunState, spike: bool = False) -> list[int] | None:
         """The ranks whose own gradients of the recorded step are non-finite (a collective), or None; ``spike``: the
@@ -286,7 +288,8 @@ class IncidentCapture:
                               f"loss and grad norm were finite; the check at step {info['locate'][1]} found them, "
                               "the capture's replay pinned the step)", after_update=True, pinned_by_replay=True,
                               **{k: v for k, v in pinned.items() if k != "step"})
-            record = src.record(fit, step, context=MAX_CONTEXT if spike else 0, avoid=avoid)
+            record = src.record(fit, step, context=MAX_CONTEXT if spike else 0, avoid=avoid,
+                                seen=rows[-1].step if rows else None)
             if fit.dist.enabled and not ranks and not after_update:
                 blamed = src.blame(fit, spike)  # every rank's loss was finite: whose own gradients (or loss) were bad?
                 if blamed is not None:
@@ -346,6 +349,10 @@ class IncidentCapture:
                                             if row.step < step]
             if spike:  # what the spike's counterfactual replays need: the rule's window, the older state, the run's steps
                 self._spike_parts(fit, bundle, step, start, info, first=n == 0)
+                flagged = unordinary(fit, rows)  # the flagged steps right before it: a burst (a loss at a new level)
+                run = next(k for k in range(step) if step - 1 - k not in flagged)
+                if run:
+                    bundle["observed"]["flagged_before"] = {"since": step - run, "steps": run}
             if n > 0:  # the model and optimizer (the same on every rank) once, in the first bundle; a later one names it
                 bundle = {**{k: v for k, v in bundle.items() if k not in ("model", "optimizer")}, STATE_IN: ".."}
             write_bundle(folder if n == 0 else folder / f"rank_{r}", bundle)

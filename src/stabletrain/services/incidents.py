@@ -138,13 +138,14 @@ class LoopSteps:
                 return replayed, found
         return replayed, None
 
-    def record(self, fit: RunState, step: int, context: int = 0, avoid: Collection[int] = ()) -> dict[str, Any]:
+    def record(self, fit: RunState, step: int, context: int = 0, avoid: Collection[int] = (), seen: int | None = None
+               ) -> dict[str, Any]:
         rng = rng_state()
         self._window = window = fit.stream.next_window()
         ordinary = [w for s, w in self._recent if s not in avoid][-context:] if context else []
-        after = step
-        while len(ordinary) < context and after < step + RECENT:  # a spike early in its interval: the windows after
-            after += 1  # it that the interval saw as ordinary (the stream is put back)
+        after, last = step, min(step + RECENT, seen if seen is not None else step + RECENT)
+        while len(ordinary) < context and after < last:  # a spike early in its interval: the windows after it that
+            after += 1  # the interval saw as ordinary (the stream is put back); none it never trained (a run stopped)
             later = fit.stream.next_window().indices
             if after not in avoid:
                 ordinary.append(later)

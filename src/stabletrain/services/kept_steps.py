@@ -254,7 +254,8 @@ class HostSteps:
             replayed += 1
         return replayed, None
 
-    def record(self, fit: Any, step: int, context: int = 0, avoid: Collection[int] = ()) -> dict[str, Any]:
+    def record(self, fit: Any, step: int, context: int = 0, avoid: Collection[int] = (), seen: int | None = None
+               ) -> dict[str, Any]:
         self._kept = kept = self.keeper.steps[step]
         earlier = [self.keeper.steps[t] for t in sorted(self.keeper.steps, reverse=True) if t < step and t not in avoid][:context]
         return {"rank": fit.dist.rank, "micro": [plain_batch(b) for b in kept.batches()], "rng": kept.rng,
