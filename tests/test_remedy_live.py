@@ -235,3 +235,24 @@ def test_remedy_apply_names_one_of_several_rows_of_the_same_name_by_its_number()
     assert _candidate(rows, "skip-step", "inc:skip-step", "inc") is rows[1]
     with pytest.raises(ValueError, match="has rows 1-3, not 4"):
         _candidate(rows, "4", "inc:4", "inc")
+
+
+def test_a_cure_whose_replay_the_live_run_departs_from_is_not_applied_again(tmp_path, capsys):
+    """The optimizer's LR jumps x1000 from its 50th step, counted outside its state_dict: the rollback to step 40 with a
+    lower LR cures on the replay (whose optimizer counts afresh), yet the live run spikes again on a step that replay
+    verified clean. The next incident is not searched and cured again on the same replay: one line says the live run
+    departs from it, and the run falls back (remedy.fallback)."""
+    from spike_tasks import hidden_bump_task
+
+    run_dir = tmp_path / "run"
+    Trainer(cfg("train.batch_size=16", "log.every=10", "data.shuffle=false", "train.max_steps=90", "ckpt.every=20",
+                "sched.warmup_steps=0", "sched.decay=constant", "guard.on_spike=remedy"),
+            task=hidden_bump_task(), run_dir=run_dir).fit()
+    remedies = [e for e in events(run_dir) if e["kind"] == "remedy"]
+    applied = [e for e in remedies if e.get("applied") is not None or e.get("name")]
+    assert len(applied) == 1 and applied[0]["name"].startswith("rollback-lr"), remedies
+    first, last = applied[0]["verified_steps"]
+    refused = [e for e in remedies if "departs from the replay" in e["reason"]]
+    assert refused and first <= refused[0]["incident_step"] <= last, remedies
+    assert f"steps {first}-{last} were finite with no spike" in refused[0]["reason"]
+    assert "departs from the replay that verified rollback-lr" in capsys.readouterr().out

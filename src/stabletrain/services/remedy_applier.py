@@ -91,7 +91,10 @@ class RemedyApplier:
             decision.action = "continue"  # (their steps were skipped on the device, as on_spike=skip does)
             return True
         incident, why, record = found.get("path"), None, None
-        if state.dist.enabled:
+        contradicted = self._contradicted(decision)
+        if contradicted is not None:
+            why = contradicted
+        elif state.dist.enabled:
             why = "remedies are searched and applied on one process only"
         elif incident is None:
             why = f"the incident was not captured ({self._uncaptured(decision)})"
@@ -169,6 +172,20 @@ class RemedyApplier:
         decision.action = "rollback" if remedy.rollback_step is not None else "continue"
         return True
 
+    def _contradicted(self, decision: Any) -> str | None:
+        """Why the last applied cure's replay does not hold for the live run, or None: the run met this incident on a
+        step that replay verified finite and free of spikes (the replay does not reproduce the run: a state outside
+        the checkpoint, a nondeterministic step). Searching again would verify on the same replay: not done."""
+        last = self.applied[-1] if self.applied else None
+        span = last.get("verified_steps") if last is not None and not last.get("by_hand") else None
+        at = decision.first_incident if decision.first_incident is not None else next(iter(decision.spike_steps), None)
+        if span is None or at is None or not span[0] <= at <= span[1]:
+            return None
+        return (f"the live run departs from the replay that verified {last['name']} (applied at step {last['from_step']}): "
+                f"there steps {span[0]}-{span[1]} were finite with no spike, here step {at} is an incident; the replay "
+                "does not reproduce the run (state outside the checkpoint? stabletrain check resume names it), so a "
+                "search would verify on it again")
+
     def _uncaptured(self, decision: Any) -> str:
         """Why the decision's incident has no capture (its ``found`` is empty)."""
         state = self.state
@@ -240,7 +257,13 @@ class RemedyApplier:
         entry = {"name": remedy.name, "remedy": remedy.to_dict(), "detail": remedy.detail, "at_step": state.step,
                  "from_step": from_step, "incident": incident, "incident_step": record.get("step"),
                  "failure_class": record.get("failure_class"), "verdict": row.get("verdict"),
-                 "evidence": row.get("evidence"), "by_hand": by_hand}
+                 "evidence": row.get("evidence"), "by_hand": by_hand,
+                 # the steps its replay judged finite and spike-free (a later incident among them: the replay was not
+                 # the run's; see _contradicted)
+                 **({"verified_steps": [int(row["first_step"]), min(int(row["trajectory"][-1]["step"]),
+                                                                    int(record.get("later_incident") or 1 << 62) - 1)]}
+                    if row.get("first_step") is not None and row.get("trajectory") and row.get("verdict") == "cures"
+                    else {})}
         self.applied.append(entry)
         later = record.get("later_incident")  # judged only up to a later incident every candidate met alike
         how = ("by hand (config key 'remedy.apply')" if by_hand else
