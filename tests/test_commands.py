@@ -97,3 +97,10 @@ def test_check_help_and_list_show_every_check_in_order(capsys):
         "overfit      Overfit one tiny fixed batch; name every trainable parameter that got no gradient.",
         "accum        Compare the gradient of k accumulated micro-batches with that of one big batch (fp32, train mode, "
         "dropout off)."] and "``" not in "\n".join(listing)
+
+
+def test_the_end_lines_share_of_skipped_steps_never_reads_0_percent_for_a_skipped_step():
+    from stabletrain.commands.train import share_text
+
+    assert [share_text(p, w) for p, w in [(1, 300), (1, 12), (90, 100), (300, 300), (1, 30000), (0, 10)]] == [
+        "0.3%", "8%", "90%", "100%", "0.003%", "0%"]

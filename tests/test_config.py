@@ -306,10 +306,12 @@ def test_the_docs_list_every_key_that_moved():
 
 
 def test_an_override_below_a_value_names_the_value_and_the_override():
-    with pytest.raises(ConfigError, match=r"config key 'optim.lr' is a value, not a section \(override 'optim.lr.x=2'\)"):
+    with pytest.raises(ConfigError, match=r"config key 'optim.lr' holds a value \(1\), so override 'optim.lr.x=2' cannot"):
         load_config(None, ["optim.lr=1", "optim.lr.x=2"])
-    with pytest.raises(ConfigError, match=r"config key 'capture' is a value, not a section \(the overrides\)"):
+    with pytest.raises(ConfigError, match=r"config key 'capture' holds a value \(1\), so the overrides cannot set"):
         load_config(None, ["capture=1", "guard.diagnose=false"])  # the old key's new place is taken by a value
+    with pytest.raises(ConfigError, match=r"config key 'train' holds a value \(5\), so override 'train.max_steps=3' cannot"):
+        load_config(None, ["train=5", "train.max_steps=3"])
 
 
 def test_the_config_knows_the_built_in_task_names_without_torch():

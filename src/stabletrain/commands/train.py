@@ -10,7 +10,7 @@ from .. import console
 from ..config import load_config, load_yaml, resume_safe_text
 from . import keys_help
 
-__all__ = ["cmd_train", "add_train_parser", "write_report"]
+__all__ = ["cmd_train", "add_train_parser", "write_report", "share_text"]
 
 
 def add_train_parser(sub: argparse._SubParsersAction) -> None:
@@ -123,7 +123,7 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
                               f" in it; its smallest {record['loss_min']:.4g})", 1)
     skipped, undone = (_skips(run_dir) if (run_dir / "events.jsonl").is_file()
                        else (sum(int(r.get("num_skipped", 0)) for r in trainer.history), 0))
-    skipped_note = (f"{skipped} of {trainer.step} steps skipped ({100 * skipped / max(trainer.step, 1):.0f}%: see events.jsonl)"
+    skipped_note = (f"{skipped} of {trainer.step} steps skipped ({share_text(skipped, trainer.step)}: see events.jsonl)"
                     if skipped else "no step skipped")
     if undone:
         skipped_note += (f" ({'and ' * bool(skipped)}{undone} before a rollback went back past "
@@ -153,3 +153,10 @@ def write_report(run_dir: Path) -> None:
     goodput = read_goodput(run_dir)
     if goodput is not None:
         print(goodput.line())
+
+
+def share_text(part: int, whole: int) -> str:
+    """``part`` of ``whole`` in percent as the end line says it: whole percents from 1% on, one digit below (1 of 300:
+    "0.3%", never "0%" for a step that was skipped)."""
+    share = 100 * part / max(whole, 1)
+    return f"{share:.0f}%" if share >= 1 or share == 0 else f"{share:.1g}%"

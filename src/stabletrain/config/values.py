@@ -40,7 +40,8 @@ def section_at(data: dict[str, Any], parts: list[str], where: str) -> dict[str, 
         if child is None:
             child = node[part] = {}
         if not isinstance(child, dict):
-            raise ConfigError(f"config key '{'.'.join(parts[: i + 1])}' is a value, not a section ({where})")
+            key = '.'.join(parts[: i + 1])
+            raise ConfigError(f"config key '{key}' holds a value ({child!r}), so {where} cannot set a key under it")
         node = child
     return node
 
