@@ -102,3 +102,29 @@ def fp16_stall_task(n: int = 80, seed: int = 0) -> Task:
     torch.manual_seed(seed)
     return Task(model=Stack(nn.Linear(8, 16), nn.Linear(16, 1)), train_data=TensorDataset(x, y), loss=_mse,
                 name="fp16-stall")
+
+
+def lr_jump_task(jump_at: int = 20, factor: float = 1000.0, n: int = 256, seed: int = 0) -> Task:
+    """state, a burst that goes on: a regression under :class:`~spike_tasks.StepCountedAdamW`, whose updates are x1000
+    from its 20th on (a schedule bug inside the optimizer; batch 8, constant LR): the loss spikes at step 24 and at
+    every step after it."""
+    from spike_tasks import StepCountedAdamW
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    y = x @ torch.randn(8, 1, generator=g)
+    torch.manual_seed(seed)
+    return Task(model=Stack(nn.Linear(8, 16), nn.Linear(16, 1)), train_data=TensorDataset(x, y), loss=_mse, name="lr-jump",
+                optimizer=lambda named: StepCountedAdamW([p for _, p in named], jump_at, factor, lr=1e-3, weight_decay=0.0,
+                                                         fused=True))
+
+
+def fp16_big_loss_task(factor: float = 1e6, n: int = 64, seed: int = 0) -> Task:
+    """overflow outside any module: the loss is ``factor`` x the MSE (in fp32), so the gradients entering the float16
+    matmuls' backward overflow at every scale the GradScaler backs off to, down to below 1 (step 17 from 65536)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    y = torch.randn(n, 1, generator=g)
+    torch.manual_seed(seed)
+    return Task(model=Stack(nn.Linear(8, 16), nn.Linear(16, 1)), train_data=TensorDataset(x, y),
+                loss=lambda m, b: factor * _mse(m, b), name="fp16-big-loss")

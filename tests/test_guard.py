@@ -363,8 +363,8 @@ def test_a_run_is_stalled_when_no_update_of_the_last_steps_moved_the_parameters(
     d = Guard(GuardConfig(), torch.device("cpu")).decide(_stall_rows(nine_of_ten * 2, 0.0, scale=3.6e-12))
     assert d.reason == ("the run is stalled at step 20: 18 of the last 20 steps were skipped and the 2 applied had a zero "
                         "gradient; the GradScaler's scale is 3.6e-12: no gradient reached the parameters (guard.stall_steps="
-                        "20). Try precision=bf16 (no loss scale), the overflowing module in fp32 (stabletrain remedy names "
-                        "it), or guard.on_nonfinite=remedy; guard.on_stall=warn trains on")
+                        "20). Try precision=bf16 (no loss scale), the overflowing module in fp32 (where stabletrain "
+                        "diagnose names one), or guard.on_nonfinite=remedy; guard.on_stall=warn trains on")
     warn = Guard(GuardConfig(on_stall="warn"), torch.device("cpu"))
     first, again = warn.decide(_stall_rows(nine_of_ten * 2, 0.0)), warn.decide(_stall_rows(nine_of_ten, 0.0, start=21))
     assert first.action == "continue" and first.stall.startswith("the run is stalled at step 20") and again.stall is None
@@ -393,7 +393,7 @@ def test_a_loss_of_zero_is_convergence_and_every_step_skipped_at_a_dead_scale_is
     assert d.action == "stop" and d.reason.endswith(
         ": the run is not recovering; the GradScaler's scale is 7e-18: the gradients overflow float16 even unscaled (a "
         "lower scale may fit them: guard.max_consecutive_skips higher lets it back off further, a skipped step each time). "
-        "Try precision=bf16 (no loss scale), the overflowing module in fp32 (stabletrain remedy names it), or "
+        "Try precision=bf16 (no loss scale), the overflowing module in fp32 (where stabletrain diagnose names one), or "
         "guard.on_nonfinite=remedy"), d.reason
     forward = [SimpleNamespace(**{**vars(r), "values": {**r.values, "loss": math.inf, "finite": 0.0}})
                for r in _stall_rows([0] * 20, 0.0, scale=7e-18)]
@@ -427,7 +427,7 @@ def test_a_collapsed_scale_with_tiny_applied_gradients_is_a_stall_and_a_healthy_
         "the run is stalled at step 30: 18 of the last 20 steps were skipped and the 2 applied had gradient norms of at "
         "most 9.5e-06, under 0.001 x the run's earlier 2.6 (they underflowed at the loss scale); the GradScaler's scale "
         "is 3.6e-12: no gradient reached the parameters measurably (guard.stall_steps=20). Try precision=bf16 (no loss "
-        "scale), the overflowing module in fp32 (stabletrain remedy names it), or guard.on_nonfinite=remedy; "
+        "scale), the overflowing module in fp32 (where stabletrain diagnose names one), or guard.on_nonfinite=remedy; "
         "guard.on_stall=warn trains on")
     for pattern, norm, scale, before in (
             (nine_of_ten * 2, 9.5e-6, 2.0**14, healthy),   # a healthy scale: small gradients are the run's own

@@ -24,6 +24,7 @@ from stabletrain.diagnostics.cures import (
     TighterClip,
     remedy_from_dict,
 )
+from stabletrain.diagnostics.remedy_verdicts import before_later_incident
 from stabletrain.remedy_search import LOSS_TOLERANCE, format_table, judge, search_remedies
 from stabletrain.report import write_report
 
@@ -329,3 +330,81 @@ def test_an_adapters_samples_are_dropped_by_their_place_in_the_step_and_said_so(
     (own,) = [c for c in candidates_for({**diagnosis, "sample_unit": "dataset index"}, "fp32", [], [])
               if isinstance(c, SkipSamples)]
     assert own.detail == "drop samples 3, 7, 11"
+
+
+def test_a_burst_that_goes_on_is_the_incidents_course_and_no_candidate_cures_with_no_step_judged(tmp_path):
+    """An LR x1000 inside the optimizer: the loss spikes at step 24 and at every step after it (the run flags 24-30).
+    The baseline and lr-x0.5 both meet step 25's spike: read as another flagged spike, a later incident, it cut every
+    trajectory to step 24, and the baseline, which drops that window, was 'cures ... end loss nan' with no step judged
+    (lab: a level shift, an LR x1000; the live search, with no later events to read, said the baseline fails at 25)."""
+    run = tmp_path / "run"
+    Trainer(cfg("train.batch_size=8", "log.every=10", "data.shuffle=false", "train.max_steps=30", "sched.warmup_steps=0",
+                "sched.decay=constant", task="remedy_tasks:lr_jump_task"), run_dir=run).fit()
+    events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["kind"] == "spike"] == list(range(24, 31))
+    record = search_remedies(run / "incidents" / "step_000024", steps=6, only=["lr-x0.5"])
+    c = by_name(record)
+    assert (record["failure_class"], record["later_incident"]) == ("state", None)
+    for name in ("skip-step", "lr-x0.5"):
+        assert (c[name]["verdict"], c[name]["failed"]["step"]) == ("fails", 25), c[name]
+    assert format_table(record).endswith("no candidate cures this incident")
+
+
+def test_a_later_incident_is_set_apart_only_after_a_calm_step_and_a_replay_with_no_step_trained_is_untestable():
+    def result(failed_at, rows, dropped=(24,)):
+        return {"failed": {"step": failed_at, "why": f"loss spike at step {failed_at}"}, "dropped_samples": 8 * len(dropped),
+                "total_samples": 8 * (len(rows) + len(dropped)), "end_loss": float("nan"), "first_step": 24,
+                "trajectory": [{"step": s, "dropped": True} for s in dropped] + [{"step": s, "loss": 0.5} for s in rows]}
+
+    # The run flagged 25-30 (a burst from the incident's next step on): 25 is the incident's course, whatever the flags
+    results = [result(25, [25]), result(25, [24, 25], dropped=())]
+    assert before_later_incident(results, 24, set(range(25, 31))) is None and results[0]["failed"]["step"] == 25
+    # ... and so is 28 after the run's unbroken 25-28, though the baseline trained 25-27 calmly
+    assert before_later_incident([result(28, [25, 26, 27, 28]), result(28, [24, 25, 26, 27, 28], dropped=())], 24,
+                                 {25, 26, 27, 28}) is None
+    # Another sample's spike the run flagged at 28 after its calm 25-27 (the exemption's case): set apart, judged to 27
+    results = [result(28, [25, 26, 27, 28]), result(28, [24, 25, 26, 27, 28], dropped=())]
+    assert before_later_incident(results, 24, {28}) == 28
+    assert [r["step"] for r in results[0]["trajectory"]] == [24, 25, 26, 27] and results[0]["end_loss"] == 0.5
+    # A NaN 18 steps on that every candidate meets alike, unflagged: set apart as before
+    assert before_later_incident([result(42, range(25, 43)), result(42, range(24, 43), dropped=())], 24, set()) == 42
+    # A replay cut to the windows it drops has no step to judge: untestable (it was 'cures', end loss nan)
+    cut = {**result(25, []), "failed": None}
+    assert judge(cut, cut) == ("untestable", "no step to judge: it drops the window of step 24, all it replays")
+    assert judge({**cut, "trajectory": [{"step": 24, "dropped": True}, {"step": 25, "dropped": True}]}, cut)[1] == (
+        "no step to judge: it drops the windows of steps 24-25, all it replays")
+
+
+def test_an_fp16_overflow_outside_any_module_gets_the_run_wide_bf16_and_scaler_candidates(tmp_path):
+    """A loss x1e6 overflows float16 in the backward of its cast, outside any module: the stop line says 'try
+    precision=bf16', but bf16 and the scaler were offered only with a module named (lr-x0.5, lr-x0.1 and the baseline,
+    all failing). bf16 cures it."""
+    from stabletrain.diagnostics.candidates import candidates_for
+
+    incident = incident_of(tmp_path, "remedy_tasks:fp16_big_loss_task", "train.max_steps=20", "precision=fp16")
+    record = search_remedies(incident, steps=2, only=["bf16", "scaler"])
+    c = by_name(record)
+    assert (incident.name, record["failure_class"]) == ("step_000017", "overflow") and "outside any module" in (
+        record["evidence"])
+    assert list(c) == ["bf16", "scaler", "skip-step"] and record["best"] == "bf16"
+    assert c["bf16"]["verdict"] == "cures" and c["bf16"]["steps_replayed"] == 3  # steps 17-19
+    assert c["scaler"]["verdict"] == "fails" and c["skip-step"]["failed"]["step"] == 18
+    # The module's own fp32 only where one is named; run-wide ones only under fp16
+    names = [r.name for r in candidates_for({"failure_class": "overflow", "module": "layers.1"}, "fp16", [], [])]
+    assert names == ["skip-step", "module-fp32", "bf16", "scaler", "lr-x0.5", "lr-x0.1"]
+    assert [r.name for r in candidates_for({"failure_class": "overflow"}, "bf16", [], [])] == ["skip-step", "lr-x0.5", "lr-x0.1"]
+
+
+def test_a_precision_spike_gets_the_run_wide_precisions_above_the_runs():
+    """fp16_offset (a trial): only 'module act in fp32' was tried for a precision spike, and failed; precision=fp32
+    for the whole run cures it (end loss 0.1538 vs the baseline's 0.1536, 'best: fp32')."""
+    from stabletrain.diagnostics.candidates import candidates_for
+
+    spike = {"anomaly": "spike", "failure_class": "precision", "blamed_module": "act", "where": {"first": "act"}}
+    names = [(r.name, r.detail) for r in candidates_for({**spike, "precision": "fp16"}, "fp16", [], [])]
+    assert names[:4] == [("skip-step", "drop the incident's window"), ("module-fp32", "module 'act' in fp32 (autocast off "
+                         "around it)"), ("bf16", "precision=bf16"), ("fp32", "precision=fp32")]
+    # the run's mode, not the config's (auto resolved to bf16); and with no module named
+    assert [r.name for r in candidates_for({**spike, "blamed_module": None, "precision": "bf16"}, "auto", [], [])][:2] == [
+        "skip-step", "fp32"]
+    assert remedy_from_dict(Precision("fp32").to_dict()) == Precision("fp32")

@@ -18,10 +18,11 @@ after it (the same batches the run would see next). Each candidate gets a verdic
           more than half of the samples, or has most of its steps skipped, only hides the symptom and fails
   worse   finite, but its end loss is more than 10% worse than that
   untestable  an adapter's spike captured alone (no step before it): a fix that changes updates cannot show
-          an effect on its one step; an adapter's skip-step baseline (its lone step skipped: nothing to judge)
-Candidates: skip-step (the baseline), skip-samples, eps-guard (op), module-fp32, bf16 and scaler (overflow),
-lr-x0.5 and lr-x0.1 (every class), rollback-lr-x0.5, rollback-lr-x0.1 and clip (divergence); for a loss
-spike: skip-samples (data), module-fp32 (precision), update-clip and adam-eps for the named layer
+          an effect on its one step; a replay that drops every window it replays (nothing to judge)
+Candidates: skip-step (the baseline), skip-samples, eps-guard (op), module-fp32 (overflow in a named module),
+bf16 and scaler (overflow under fp16), lr-x0.5 and lr-x0.1 (every class), rollback-lr-x0.5, rollback-lr-x0.1 and
+clip (divergence); for a loss spike: skip-samples (data), module-fp32 and the whole run in bf16 or fp32
+(precision), update-clip and adam-eps for the named layer
 (optimizer-state), lr-x0.5, lr-x0.1, and rollback-lr and clip (state, optimizer-state).
 Writes remedy.json in the incident directory (replacing an earlier one). Time: about (K+1) x candidates
 steps plus one load."""

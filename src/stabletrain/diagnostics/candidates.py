@@ -43,13 +43,14 @@ def candidates_for(diagnosis: dict[str, Any], precision: str, history: list[dict
     incident (a rollback goes to the newest one at or before the growth's start, else the oldest).
     """
     cls = diagnosis.get("failure_class")
+    precision = diagnosis.get("precision") or precision  # the mode the run trained in (the config's may read auto)
     samples = tuple(diagnosis.get("bad_samples") or ())
     module = diagnosis.get("blamed_module") or diagnosis.get("module")
     out: list[Remedy] = [SkipStep()]
     if cls == "not reproducible":  # the replay shows nothing to cure: the baseline's verdict says whether a skip does
         return out
     if diagnosis.get("anomaly") == "spike":
-        return out + _spike_candidates(diagnosis, history, rollback_steps)
+        return out + _spike_candidates(diagnosis, precision, history, rollback_steps)
     if cls in ("op", "data") and samples and not diagnosis.get("blamed_module"):
         out.append(SkipSamples(samples, positions=_positions(diagnosis)))
     if cls == "op" and module is not None:
@@ -58,8 +59,8 @@ def candidates_for(diagnosis: dict[str, Any], precision: str, history: list[dict
             out.append(EpsGuard(module, op, 1e-12 if op != "div" else 1e-6, _user_line(diagnosis)))
     if cls == "overflow" and module:
         out.append(ModuleFP32(module))
-        if precision == "fp16":
-            out += [Precision("bf16"), Scaler()]
+    if cls == "overflow" and precision == "fp16":  # run-wide: they need no module (one outside any module, a loss x1e6)
+        out += [Precision("bf16"), Scaler()]
     out += [LowerLR(0.5), LowerLR(0.1)]
     if cls == "divergence":
         grew = diagnosis.get("growth") or {}
@@ -80,8 +81,13 @@ def _positions(diagnosis: dict[str, Any]) -> bool:
     return diagnosis.get("sample_unit", "dataset index") != "dataset index"
 
 
-def _spike_candidates(diagnosis: dict[str, Any], history: list[dict[str, Any]], rollback_steps: list[int]) -> list[Remedy]:
-    """A finite spike's candidates by its class (:mod:`stabletrain.diagnostics.spike`), after the skip-step baseline."""
+def _spike_candidates(diagnosis: dict[str, Any], precision: str, history: list[dict[str, Any]],
+                      rollback_steps: list[int]) -> list[Remedy]:
+    """A finite spike's candidates by its class (:mod:`stabletrain.diagnostics.spike`), after the skip-step baseline.
+
+    ``precision``: the run's mode; a ``precision`` spike (the same step normal in fp32) gets the run-wide modes above
+    it too (fp16: bf16, fp32; bf16: fp32), the module named or not: the module first departing need not be the one
+    whose rounding carries the spike."""
     cls, out = diagnosis.get("failure_class"), []
     if cls == "data" and diagnosis.get("bad_samples"):
         out.append(SkipSamples(tuple(diagnosis["bad_samples"]), positions=_positions(diagnosis)))
@@ -90,6 +96,8 @@ def _spike_candidates(diagnosis: dict[str, Any], history: list[dict[str, Any]], 
         for module in dict.fromkeys([diagnosis["blamed_module"], *filter(None, [where.get("first")]),
                                      *(where.get("upstream") or [])]):
             out.append(ModuleFP32(module))
+    if cls == "precision":
+        out += [Precision(mode) for mode in {"fp16": ("bf16", "fp32"), "bf16": ("fp32",)}.get(precision, ())]
     layer = diagnosis.get("blamed_layer")
     if cls == "optimizer-state" and layer:
         ordinary = {r[0]: r[3] for r in (diagnosis.get("jumps") or {}).get("update_ratio") or []}

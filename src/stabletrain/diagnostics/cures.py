@@ -161,9 +161,10 @@ class ModuleFP32(Remedy):
 
 @dataclass(frozen=True)
 class Precision(Remedy):
-    """Train in another precision (bf16 instead of fp16: the same exponent range as fp32, no loss scale).
+    """Train the whole run in another precision: bf16 instead of fp16 (the same exponent range as fp32, no loss scale),
+    or fp32 (a ``precision`` spike: the same step normal in fp32). Its name is the mode (``bf16``, ``fp32``).
 
-    Not applied to a live run (its precision policy is built with it): restart with ``precision=bf16``.
+    Not applied to a live run (its precision policy is built with it): restart with ``precision=bf16`` (or fp32).
     """
 
     mode: str = "bf16"
@@ -432,7 +433,7 @@ class AdamEps(Remedy):
 _KINDS: dict[str, type[Remedy]] = {c.kind: c for c in (SkipStep, SkipSamples, ModuleFP32, Precision, Scaler, LowerLR,
                                                        RollbackLR, TighterClip, EpsGuard, UpdateClip, AdamEps)}
 #: The candidate names ``--only`` accepts (a lower LR and a rollback carry their factor: lr-x0.5, rollback-lr-x0.1).
-CANDIDATE_NAMES = ("skip-step", "skip-samples", "module-fp32", "bf16", "scaler", "lr-x0.5", "lr-x0.1", "rollback-lr-x0.5",
+CANDIDATE_NAMES = ("skip-step", "skip-samples", "module-fp32", "bf16", "fp32", "scaler", "lr-x0.5", "lr-x0.1", "rollback-lr-x0.5",
                    "rollback-lr-x0.1", "clip", "eps-guard", "update-clip", "adam-eps")
 
 

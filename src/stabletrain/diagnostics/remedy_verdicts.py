@@ -1,10 +1,10 @@
 """How a remedy candidate's replay is judged against the skip-step baseline's, ranked and shown (pure: no replay).
 
 :func:`~stabletrain.remedy_search.search_remedies` replays each candidate; :func:`judge` gives its verdict
-(``cures``, ``worse``, ``fails``, ``untestable``) and the evidence: a failure (a non-finite value, a spike by the
-guard's rule), a symptom hidden (most samples dropped, most steps skipped), else its end loss (the mean of the last
-:data:`END_STEPS` windows after the incident's) within :data:`LOSS_TOLERANCE` of the baseline's (or, for a spike,
-of the run's own level before it; for a divergence whose baseline fails, of its last healthy interval).
+(``cures``, ``worse``, ``fails``, ``untestable``: no step it trained to judge) and the evidence: a failure (a non-finite
+value, a spike by the guard's rule), a symptom hidden (most samples dropped, most steps skipped), else its end loss (the
+mean of the last :data:`END_STEPS` windows after the incident's) within :data:`LOSS_TOLERANCE` of the baseline's (or,
+for a spike, of the run's own level before it; for a divergence whose baseline fails, of its last healthy interval).
 """
 
 from __future__ import annotations
@@ -37,9 +37,19 @@ def before_later_incident(results: list[dict[str, Any]], step: int, flagged: set
     Truncates those results in place and returns that step; None (nothing changed) when the baseline fails no
     later than :data:`END_STEPS` windows after the incident's (unless the run flagged that step as a spike of its own:
     ``flagged``, another sample's spike in the same interval), or a candidate past it does not fail there (a
-    divergence's cures do not fail, or fail elsewhere). Those that failed on the incident itself keep their failure."""
+    divergence's cures do not fail, or fail elsewhere). Those that failed on the incident itself keep their failure.
+
+    A later incident is a separate one only after a calm step: one between the incident's and it that the baseline
+    trained without a spike and the run did not flag. A burst (the run's spikes on every step from the incident's
+    next on: a level shift, an LR x1000; or the baseline's own spike on the first window it trains) is this incident's
+    course, however far it goes: set apart, it cut every trajectory to the incident's window, and the baseline, which
+    skips that window, was called a cure with no step judged.
+    """
     later = (results[0]["failed"] or {}).get("step")  # the baseline's
     if later is None or (later <= step + END_STEPS and later not in flagged):
+        return None
+    calm = {r["step"] for r in results[0]["trajectory"] if "loss" in r and step < r["step"] < later} - set(flagged)
+    if not calm:
         return None
     past = [r for r in results if r["failed"] is None or r["failed"]["step"] > step]  # those that got past this one
     if any((r["failed"] or {}).get("step") != later for r in past):
@@ -61,6 +71,14 @@ def judge(result: dict[str, Any], baseline: dict[str, Any], healthy: tuple[int, 
     """
     if result["failed"] is not None:
         return "fails", result["failed"]["why"]
+    # Every window it replayed dropped (the baseline cut to the incident's window read 'cures ... end loss nan'): no
+    # step trained, none to judge, whatever share of the samples that is.
+    if all(r.get("dropped") for r in result["trajectory"]):
+        dropped = [r["step"] for r in result["trajectory"]]
+        if not dropped:
+            return "untestable", "no step to judge: it replays none"
+        where = f"the window of step {dropped[0]}" if len(dropped) == 1 else f"the windows of steps {dropped[0]}-{dropped[-1]}"
+        return "untestable", f"no step to judge: it drops {where}, all it replays"
     if result["dropped_samples"] * 2 > result["total_samples"]:
         return "fails", (f"hides the symptom: drops {result['dropped_samples']} of the {result['total_samples']} samples "
                          "it replays")

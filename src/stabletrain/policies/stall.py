@@ -26,7 +26,7 @@ UNRECOVERABLE_SCALE = 1.0
 #: scale of at least 1) underflowed: the updates are negligible, the run does not learn (:meth:`StallWatch.stalled`).
 NEGLIGIBLE_GRAD = 1e-3
 #: What to try when fp16's GradScaler cannot recover (a stall, or every step skipped).
-FP16_ADVICE = ("precision=bf16 (no loss scale), the overflowing module in fp32 (stabletrain remedy names it), or "
+FP16_ADVICE = ("precision=bf16 (no loss scale), the overflowing module in fp32 (where stabletrain diagnose names one), or "
                "guard.on_nonfinite=remedy")
 REFERENCE_KEPT = 64
 
