@@ -195,6 +195,47 @@ def test_a_bad_config_key_is_still_one_line_exit_2():
     assert res.stderr.strip().splitlines() == [res.stderr.strip()] and "unknown config key 'optim.lrr'" in res.stderr
 
 
+@pytest.mark.parametrize("task, line, said", [
+    ("loss_detached_task", "the user's bug: .detach()", "returned a tensor that does not require grad (detached, "
+                                                        "or not computed from the model's parameters); "),
+    ("loss_int_task", "the user's bug: .long()", "returned an int64 tensor; "),
+    ("loss_swapped_pair_task", "the count first", "returned a pair whose first element (the sum) is a tensor that does "
+                                                  "not require grad while its second requires grad: that looks like "
+                                                  "(count, sum); return (sum, count)"),
+    ("loss_zero_count_task", "the user's bug: 0", "returned a pair whose count (the second element) is 0; "),
+])
+def test_a_loss_that_cannot_be_backpropagated_is_one_line_naming_its_definition_exit_2(task, line, said, tmp_path):
+    # Said before autograd's "element 0 of tensors does not require grad" (or, for the count, a later 'op' incident)
+    res = run("train", f"task=user_code_tasks:{task}", "train.max_steps=3", "log.progress=false", f"run.dir={tmp_path / 'r'}")
+    assert res.returncode == 2, res.stderr
+    # One line, no traceback (the step-0 signal-propagation report, whose backward meets the loss first, leaves it to the
+    # step: no warning of its own before it)
+    said_lines = res.stderr.strip().splitlines()
+    assert len(said_lines) == 1 and "Traceback" not in res.stderr, res.stderr
+    assert said_lines[0].startswith(f"stabletrain: error: task loss (defined at {TASKS}:{line_of(line)} in <lambda>) {said}")
+
+
+def test_a_loss_is_checked_for_a_backward_only_where_one_follows_and_grad_is_enabled():
+    import torch
+
+    from stabletrain import as_sum_count
+    from stabletrain.policies.accumulation import LossContractError
+
+    detached, counted = torch.tensor(0.5), (torch.tensor(2.0), torch.tensor(0.0))
+    with pytest.raises(LossContractError, match="returned a tensor that does not require grad"):
+        as_sum_count(detached, 4, backward=True)
+    with pytest.raises(LossContractError, match="returned an int64 tensor"):
+        as_sum_count(torch.tensor(3), 4, backward=True)
+    assert [float(x) for x in as_sum_count(detached, 4)] == [2.0, 4.0]  # evaluated only (a validation pass)
+    with torch.no_grad():  # a replay: nothing is backpropagated
+        assert [float(x) for x in as_sum_count(torch.tensor(3), 4, backward=True)] == [12.0, 4.0]
+        with pytest.raises(LossContractError, match=r"count \(the second element\) is -1;"):  # a plain count: always
+            as_sum_count((torch.tensor(2.0), -1), 4)
+        with pytest.raises(LossContractError, match=r"count \(the second element\) is nan;"):
+            as_sum_count((torch.tensor(2.0), float("nan")), 4)
+    assert [float(x) for x in as_sum_count(counted, 4)] == [2.0, 0.0]  # a tensor count is not read (a sync)
+
+
 def test_check_shows_the_users_frames_once(tmp_path):
     res = run("check", "overfit", "amp", "init", "task=user_code_tasks:unpack_loss_task", cwd=tmp_path)
     assert res.returncode == 1

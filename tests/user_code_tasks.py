@@ -147,3 +147,32 @@ def loss_not_scalar_task():
     task = regression_task()
     task.loss = lambda model, batch: (model(batch[0]) - batch[1]) ** 2  # the user's bug: no .mean()
     return task
+
+
+def loss_detached_task():
+    """A loss cut from the graph: nothing to backpropagate."""
+    task = regression_task()
+    task.loss = lambda model, batch: F.mse_loss(model(batch[0]), batch[1]).detach()  # the user's bug: .detach()
+    return task
+
+
+def loss_int_task():
+    """A loss cast to an integer tensor (which has no gradient)."""
+    task = regression_task()
+    task.loss = lambda model, batch: F.mse_loss(model(batch[0]), batch[1]).long()  # the user's bug: .long()
+    return task
+
+
+def loss_swapped_pair_task():
+    """A (count, sum) pair where the contract is (sum, count)."""
+    task = regression_task()
+    task.loss = lambda model, batch: (torch.tensor(float(len(batch[0]))),  # the user's bug: the count first
+                                      F.mse_loss(model(batch[0]), batch[1], reduction="sum"))
+    return task
+
+
+def loss_zero_count_task():
+    """A (sum, count) pair whose count is a plain 0: every window would divide by zero."""
+    task = regression_task()
+    task.loss = lambda model, batch: (F.mse_loss(model(batch[0]), batch[1], reduction="sum"), 0)  # the user's bug: 0
+    return task

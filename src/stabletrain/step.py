@@ -129,10 +129,12 @@ class TrainStep:
                 inputs_ok = flag if inputs_ok is None or flag is None else inputs_ok & flag
             with self._sync_context(last), self.precision.autocast():
                 out = loss_fn(model, batch)
-                if isinstance(out, Tensor) and out.dim() == 0 and self.window.takes_mean(last, self.carrier):
+                # A mean that does not require grad takes the long way: as_sum_count says what is wrong with it.
+                if isinstance(out, Tensor) and out.dim() == 0 and out.requires_grad \
+                        and self.window.takes_mean(last, self.carrier):
                     loss = self.window.take_mean(out, self._count(num_samples, out.device), inputs_ok)
                 else:  # DDP: the window's numbers go with the grads
-                    loss_sum, count = as_sum_count(out, num_samples)
+                    loss_sum, count = as_sum_count(out, num_samples, backward=True)
                     loss = self.window.normalize(loss_sum, count, last, inputs_ok if last else None,
                                                  carrier=self.carrier)
             self.precision.backward(loss)

@@ -431,7 +431,7 @@ def _measure(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any]
     handles = [m.register_forward_hook(on_forward(n)) for n, m in leaves]
     try:
         with ActivationTrace(model) as trace:
-            loss_sum, count = as_sum_count(loss(model, batch), 1)
+            loss_sum, count = as_sum_count(loss(model, batch), 1, backward=True)  # (a detached loss: the contract's line)
         mean_loss = loss_sum / count
         mean_loss.backward()
     finally:

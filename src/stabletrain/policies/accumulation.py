@@ -37,6 +37,8 @@ loss is then non-finite on every rank.
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 import torch
@@ -54,25 +56,66 @@ class LossContractError(ValueError):
     the user defined it)."""
 
 
-def as_sum_count(out: Any, num_samples: int) -> tuple[Tensor, Tensor]:
-    """Return (fp32 loss sum, fp32 count) from a task loss: a scalar mean or a ``(sum, count)`` pair."""
+def as_sum_count(out: Any, num_samples: int, *, backward: bool = False) -> tuple[Tensor, Tensor]:
+    """Return (fp32 loss sum, fp32 count) from a task loss: a scalar mean or a ``(sum, count)`` pair.
+
+    ``backward``: the sum is about to be backpropagated (the step's): while grad is enabled, a loss that cannot be (an
+    integer tensor, one that does not require grad) is a :class:`LossContractError` here, not autograd's error at the
+    backward. Off by default: a loss only evaluated (a validation pass, which may run with grad enabled) is not checked.
+    A plain-number count must be finite and positive; a tensor count is not checked (reading it would be a host sync
+    per call). Attribute reads only.
+    """
     if isinstance(out, Tensor):
         if out.dim() != 0:
             raise LossContractError(f"task loss{caller_loss_note()} returned a tensor of shape {tuple(out.shape)}; "
                              "return a scalar mean or a (sum, count) pair")
+        problem = _not_backpropagatable(out) if backward else None
+        if problem:
+            raise LossContractError(f"task loss{caller_loss_note()} returned {problem}; {_COMPUTE_IT}")
         return out.float() * num_samples, torch.full((), float(num_samples), device=out.device)
     if isinstance(out, (tuple, list)) and len(out) == 2:
         loss_sum, count = out
         if not isinstance(loss_sum, Tensor) or loss_sum.dim() != 0:
             raise LossContractError(f"task loss{caller_loss_note()} returned a pair whose first element is not a scalar tensor "
                              "(the loss sum)")
+        problem = _not_backpropagatable(loss_sum) if backward else None
+        if problem and isinstance(count, Tensor) and count.requires_grad:  # the count is what carries the graph
+            raise LossContractError(f"task loss{caller_loss_note()} returned a pair whose first element (the sum) is "
+                                    f"{problem.split(' (')[0]} while its second requires grad: that looks like (count, sum); "
+                                    "return (sum, count)")
+        if problem:
+            raise LossContractError(f"task loss{caller_loss_note()} returned a pair whose first element (the sum) is "
+                                    f"{problem}; {_COMPUTE_IT}")
         if isinstance(count, Tensor):
             count = count.to(device=loss_sum.device, dtype=torch.float32).reshape(())
+        elif not isinstance(count, numbers.Real):
+            raise LossContractError(f"task loss{caller_loss_note()} returned a pair whose second element (the count) is "
+                                    f"{type(count).__name__}; return (sum, count), count a number or a scalar tensor")
+        elif not (math.isfinite(count) and count > 0):  # the sum / count division would be 0/0, inf or negative
+            raise LossContractError(f"task loss{caller_loss_note()} returned a pair whose count (the second element) is "
+                                    f"{count!r}; return (sum, count), count the number of items the sum covers (> 0; "
+                                    "a micro-batch that covers none: its count as a tensor)")
         else:  # a host number: fill on the device rather than copy from host memory
             count = torch.full((), float(count), dtype=torch.float32, device=loss_sum.device)
         return loss_sum.float(), count.float()
     raise LossContractError(f"task loss{caller_loss_note()} returned {type(out).__name__}; return a scalar mean or a "
                             "(sum, count) pair")
+
+
+_COMPUTE_IT = ("return a floating-point scalar mean or (sum, count) pair computed from the model's output (no .detach(), "
+               ".item(), integer cast or torch.no_grad() on the way)")
+
+
+def _not_backpropagatable(loss: Tensor) -> str | None:
+    """Why ``loss`` cannot be backpropagated ("an int64 tensor", ...), or None; only while grad is enabled."""
+    if not torch.is_grad_enabled():
+        return None
+    if not loss.is_floating_point():
+        name = str(loss.dtype).removeprefix("torch.")
+        return f"{'an' if name.startswith('int') else 'a'} {name} tensor"
+    if not loss.requires_grad:
+        return "a tensor that does not require grad (detached, or not computed from the model's parameters)"
+    return None
 
 
 def loss_sums(loss: Any, model: Any, groups: Any, autocast: Any) -> list[tuple[float, float]]:
