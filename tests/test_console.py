@@ -248,3 +248,20 @@ def test_a_compiled_run_says_it_compiles_and_its_eta_leaves_the_compile_time_out
     # Paced from step 1 to 4, not from the start: an ETA that counted the first step would be >= 396 x took / 4.
     with_compile = first.took / 4 * 396
     assert first.took > 0.05 and 3600 * h + 60 * m + s < with_compile / 4, (lines[0], first.took)
+
+
+def test_the_non_finite_steps_an_interval_does_not_capture_get_one_line_and_the_report_says_why(tmp_path, capsys):
+    """Two NaN samples (steps 2 and 5, batch 8, no shuffle) in one 10-step interval: step 2 is captured, step 5 skipped
+    with a line of its own (the skip event alone said nothing), and the report says why 2 non-finite steps have 1 incident."""
+    from stabletrain.report import write_report
+
+    task = regression_task(n=80)  # 10 steps an epoch: each sample once in the run
+    task.train_data.tensors[0][[13, 37]] = float("nan")
+    Trainer(cfg("train.batch_size=8", "data.shuffle=false", "log.every=10", "train.max_steps=10"), task=task,
+            run_dir=tmp_path / "run").fit()
+    out = capsys.readouterr().out
+    assert "1 more non-finite step in the interval to step 10, at step 5: not captured (one capture per interval: step " \
+           "2's; events.jsonl)" in out, out
+    page = write_report(tmp_path / "run").read_text()
+    assert "2 steps had a non-finite loss or grad norm (first at step 2); an incident captures the first of its log " \
+           "interval (1 below)." in page

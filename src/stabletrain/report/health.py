@@ -121,8 +121,10 @@ def health_summary(run: RunData) -> Health:
         else:
             where = f"first at step {first:,}"
         f["first_nonfinite_step"] = first
+        caught = sum(1 for e in run.counted_events("incident") if e.extra.get("anomaly") != "spike")
         h.say("warn", f"{plural(f['nonfinite_steps'], 'step')} had a non-finite loss or grad norm ({where})"
-                      + (f"; {before}" if before else "") + ".")
+                      + (f"; {before}" if before else "") + ("; an incident captures the first of its log interval "
+                      f"({caught} below)" if 0 < caught < f["nonfinite_steps"] else "") + ".")
     elif undone:
         h.say("warn", f"No non-finite losses or grad norms{besides} since {_went_back(undone)}; {before}.")
     else:

@@ -127,6 +127,12 @@ class IntervalBoundary:
             console.say(f"{len(others)} {more}loss spike{'s' if len(others) > 1 else ''} in the interval to step "
                         f"{rows[-1].step}, at step{'s' if len(others) > 1 else ''} {shown}"
                         f"{' ...' if len(others) > 6 else ''}: not captured ({why}; events.jsonl)")
+        bad = [t for t in decision.bad_steps if t != step]
+        if bad and self.state.dist.is_main and self.state.run is not None:  # (the skip events alone said nothing)
+            shown = ", ".join(map(str, bad[:6])) + (" ..." if len(bad) > 6 else "")
+            console.say(f"{len(bad)} more non-finite step{'s' if len(bad) > 1 else ''} in the interval to step "
+                        f"{rows[-1].step}, at step{'s' if len(bad) > 1 else ''} {shown}: not captured (one capture per "
+                        f"interval: step {step}'s; events.jsonl)")
         return info
 
     def _spike(self, decision: GuardDecision, rows: list[Any]) -> int | None:
