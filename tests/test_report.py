@@ -120,7 +120,8 @@ def test_report_of_a_real_run_has_every_plot_and_true_health_figures(real_run):
     assert (f"Clipping fired on {fmt_pct(want['clip_rate'])} of steps ({want['clipped_steps']} of {want['steps']}; "
             "threshold 0.8)") in page
     assert "2 steps skipped at 12-13 (non-finite loss or grad norm)." in page
-    assert "2 steps had a non-finite loss or grad norm (first at step 12)." in page
+    assert ("2 steps had a non-finite loss or grad norm (first at step 12); an incident captures the first of its log "
+            "interval (1 below).") in page
     (s0, v0), (s1, v1) = want["val"][0], want["val"][-1]
     trend = "fell" if v1 < v0 else "did not fall"
     assert (f"validation loss {trend}: {fmt_num(v0)} at step {s0} → {fmt_num(v1)} at step {s1}, "
