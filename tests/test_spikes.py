@@ -1483,3 +1483,17 @@ def test_a_loss_at_a_new_level_is_data_not_a_drifted_state_and_the_stop_says_the
     (stop,) = [e for e in events if e["kind"] == "stop"]
     assert "20 consecutive skipped steps" in stop["reason"] and "at step 49" in stop["reason"], stop["reason"]
     assert "every one of them was a loss spike against the level before step 30" in stop["reason"]
+
+
+def test_a_step_that_moved_nothing_shows_no_surge():
+    """An fp16 overflow's skipped step moves no coordinate: its gradients past 10 sqrt(v) are no optimizer-state surge
+    (it read 'moves them xinf as far as its others' on a planted data spike at an interval's first step). A layer whose
+    other coordinates stayed still while the surging ones moved (a rare embedding row under Adam, beta1=0) still is."""
+    from stabletrain.diagnostics.spike import surge_rows
+
+    mask = torch.tensor([True, False, False, False])
+    assert surge_rows({"w": (mask, 1e-3)}, {"w": torch.zeros(4)}) == []
+    (row,) = surge_rows({"w": (mask, 1e-3)}, {"w": torch.tensor([0.5, 0.0, 0.0, 0.0])})
+    assert row["coord_factor"] == math.inf and row["surge_share"] == 0.25
+    (row,) = surge_rows({"w": (mask, 1e-3)}, {"w": torch.tensor([0.5, 0.01, 0.01, 0.01])})
+    assert row["coord_factor"] == pytest.approx(50.0)

@@ -108,9 +108,11 @@ def surge_rows(masks: dict[str, tuple[torch.Tensor, float]], moved: dict[str, to
             continue
         d = moved[name].detach().float().to(mask.device)
         rest = d[~mask]
-        base = float(rest.mean()) if rest.numel() else 0.0
+        base, surging = (float(rest.mean()) if rest.numel() else 0.0), float(d[mask].mean())
+        if not (math.isfinite(surging) and surging > 0):  # nothing moved (a skipped step: an fp16 overflow): no surge
+            continue
         rows.append({"name": name, "numel": n, "surge_share": k / n, "typical_sqrt_v": typical,
-                     "coord_factor": float(d[mask].mean()) / base if base > 0 else float("inf")})
+                     "coord_factor": surging / base if base > 0 else float("inf")})
     return rows
 
 
