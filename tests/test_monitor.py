@@ -445,3 +445,22 @@ def test_the_kept_steps_do_not_pile_up_over_the_run(tmp_path):
             assert len(kept.steps) <= 5 + 3 and kept.nbytes == sum(
                 sum(b.numel() * b.element_size() for b in s.micro[0]) for s in kept.steps.values()), (i, sorted(kept.steps))
     assert sorted(kept.steps) == list(range(38, 41))  # the 3 before the next interval's
+
+
+def test_your_own_clip_is_recorded_as_it_cut_and_the_report_says_so(tmp_path):
+    """Your loop clips at 0.05 with clip_grad_norm_ and passes its pre-clip norm: the post-clip norm recorded is what
+    your clip left (not the pre-clip norm again), every step clipped, and the report names your own clipping and its
+    threshold, not "Clipping is off"."""
+    model, opt = make()
+    with Monitor(model, opt, run_dir=tmp_path / "run", log_every=10) as monitor:
+        for batch in batches(20):
+            loss = loss_fn(model, batch)
+            monitor.backward(loss)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            monitor.step(batch, grad_norm=norm)
+    records, _ = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["clip_rate"] for r in records] == [1.0, 1.0]
+    assert all(r["grad_norm"] > 0.05 and r["grad_norm_post_clip"] == pytest.approx(0.05, rel=1e-5) for r in records)
+    html = write_report(tmp_path / "run").read_text()
+    assert "Your own clipping fired on 100% of steps (20 of 20; threshold about 0.05, from the post-clip norms)" in html
+    assert "Clipping is off" not in html

@@ -44,6 +44,9 @@ __all__ = ["TrainStep", "LossFn", "STEP_KEYS", "build_step"]
 
 LossFn = Callable[[nn.Module, Any], Any]
 _NULL = contextlib.nullcontext()  # reusable: nullcontext keeps no state
+#: A caller's own clip cut the gradients where the norm it left is below the pre-clip norm by more than this share
+#: (float rounding of an uncut norm stays far below it).
+CLIPPED_BELOW = 1e-4
 
 #: The device tensors a step returns (``per_param_norms`` is 1-D; the rest are 0-dim). ``params_finite`` only
 #: on a step whose parameters were checked (see ``check_params``).
@@ -157,16 +160,17 @@ class TrainStep:
         if self.optimizer is None:
             raise ValueError("TrainStep.update() needs an optimizer; this step was built with optimizer=None "
                              "(forward/backward only)")
-        norms = None
+        norms = post = None
         if grad_norm is not None:  # clipped by the caller: per-parameter shares are those of the pre-clip grads
             self.precision.unscale_(self.optimizer)
-            norm, per_param = self._grad_norms(self.params)
-            norms = (grad_norm.to(norm.device), per_param)
-        judged = self.judge(loss=loss, count=count, norms=norms, unscale=norms is None, clip=grad_norm is None)
+            post, per_param = self._grad_norms(self.params)  # the norm the caller's clip left: measured
+            norms = (grad_norm.to(post.device), per_param)
+        judged = self.judge(loss=loss, count=count, norms=norms, unscale=norms is None, clip=grad_norm is None, post_clip=post)
         return self.apply(judged, measure_update=measure_update, check_params=check_params)
 
     def judge(self, *, loss: Tensor | None = None, count: Tensor | None = None,
-              norms: tuple[Tensor, Tensor] | None = None, unscale: bool = True, clip: bool = True) -> dict[str, Tensor]:
+              norms: tuple[Tensor, Tensor] | None = None, unscale: bool = True, clip: bool = True,
+              post_clip: Tensor | None = None) -> dict[str, Tensor]:
         """The judging half of the step: unscale, measure, guard, clip. No optimizer step; no sync.
 
         Returns the step's device tensors so far (``loss``, ``count``, ``grad_norm``, ``per_param_norms``,
@@ -174,7 +178,8 @@ class TrainStep:
         :meth:`apply` steps on. ``norms``: the (total, per-parameter) pre-clip norms of the true gradients,
         measured by the caller (a host trainer's); ``unscale``: divide the grads by the loss scale first;
         ``clip``: clip them at the clipper's threshold, else only record the clip that threshold implies (the
-        caller, or its host trainer, clips).
+        caller, or its host trainer, clips). ``post_clip``: the norm the caller's own clip left (measured): the step
+        records it and that clip (clipped where it is below the pre-clip norm), whatever ``clip.max_norm`` says.
         """
         params = self.params
         grad_scale = None
@@ -202,10 +207,14 @@ class TrainStep:
                     else self._flag(False, norm.device))
         if clip:  # a non-finite norm is never "clipped" (a host's warn-only verdict may let such a step through)
             clipped = self.clipper.clip_(params, norm, finite, grad_scale=grad_scale)
+        elif post_clip is not None:  # the caller clipped at a threshold of its own: what it left says whether it cut
+            post_clip = post_clip.to(norm.device) * grad_scale if grad_scale is not None else post_clip.to(norm.device)
+            clipped = finite & (post_clip < norm * (1 - CLIPPED_BELOW))
         else:
             limit = self.clipper.max_norm
             clipped = finite & (norm > limit) if limit is not None else self._flag(False, norm.device)
-        return {"loss": loss.detach(), "grad_norm": norm, "post_clip_norm": self.clipper.post_clip_norm(norm, after_clip=clip),
+        post = self.clipper.post_clip_norm(norm, after_clip=clip) if post_clip is None else post_clip
+        return {"loss": loss.detach(), "grad_norm": norm, "post_clip_norm": post,
                 "clipped": clipped, "ok": ok, "finite": finite, "spike": spike, "overflow": overflow, "count": count,
                 "per_param_norms": per_param}
 

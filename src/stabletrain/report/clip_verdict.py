@@ -67,6 +67,10 @@ def clip_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
     peaks = _finite(run.series("grad_norm_max")[1])  # each interval's largest pre-clip norm
     if peaks:
         f["grad_norm_max_median"] = statistics.median(peaks)
+    own = None  # no threshold of stabletrain's, yet steps were clipped: the loop's own clip (Monitor's step(grad_norm=))
+    if threshold is None and clipped > 0:
+        posts = _finite(run.series("grad_norm_post_clip")[1])
+        own = threshold = max(posts) if posts else None  # its ceiling, as near as the intervals' mean post-clip norms show
     if threshold is None:
         median = f" (median grad norm {fmt_num(f['grad_norm_median'])})" if norms else ""
         h.say("ok", f"Clipping is off (clip.max_norm is null){median}.")
@@ -76,11 +80,13 @@ def clip_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
     f["clip_rate_late"] = sum(r["clip_rate"] * _applied(r) for r in late) / max(sum(_applied(r) for r in late), 1)
     f["clip_cut_late"] = _cut(late)
     rate, late_rate, cut = f["clip_rate"], f["clip_rate_late"], f["clip_cut_late"]
-    head = (f"Clipping fired on {fmt_pct(rate)} of steps ({f['clipped_steps']:,} of {f['clip_steps_seen']:,}; "
-            f"threshold {fmt_num(threshold)})")
+    head = (f"{'Your own clipping' if own is not None else 'Clipping'} fired on {fmt_pct(rate)} of steps "
+            f"({f['clipped_steps']:,} of {f['clip_steps_seen']:,}; threshold "
+            + (f"about {fmt_num(own, 2)}, from the post-clip norms)" if own is not None else f"{fmt_num(threshold)})"))
     typical = f" (median {fmt_num(f['grad_norm_median'])})" if norms else ""
     cuts = f", cutting the gradient norm there by {fmt_pct(cut)} on average" if cut is not None else ""
     clip_key, lr_key = HOST_KEYS.get(str(run.cfg("integration", "")), ("clip.max_norm", "optim.lr"))
+    clip_key = "your clip's max_norm" if own is not None else clip_key
     retune = (f"set {clip_key} to about {fmt_num(f['grad_norm_max_median'], 2)} (the median of each interval's "
               "largest grad norm)" if peaks and f["grad_norm_max_median"] > threshold
               else f"raise {clip_key} above the typical grad norm")
