@@ -142,7 +142,11 @@ def test_a_rank_sigkilled_at_3_random_points_restarts_by_itself_and_ends_bitwise
     if kind == "one process":  # where the report says it: its page and its printed line
         assert main(["report", str(run_dir)]) == 0
         printed = capsys.readouterr().out.splitlines()[-1]
-        assert printed == goodput.line() and printed.startswith("goodput ") and " over 4 launches (lost: " in printed
+        assert printed.startswith("goodput ") and " over 4 launches (lost: " in printed
+        # a run of seconds: the line says it is too short to judge by (a 4 s run's "goodput 1.6%" alarmed a student)
+        assert printed == goodput.line() + (f"; {goodput.total_s:.0f} s in all: a run this short spends much of it "
+                                            "starting up (imports, the task, the first checkpoint): goodput means more "
+                                            "over minutes of training" if goodput.short_note() else "")
         assert "redone after 3 restarts" in printed and 'id="goodput"' in (run_dir / "report.html").read_text()
 
 

@@ -152,7 +152,8 @@ def write_report(run_dir: Path) -> None:
     print(health_summary(load_run(run_dir)).text)
     goodput = read_goodput(run_dir)
     if goodput is not None:
-        print(goodput.line())
+        note = goodput.short_note()  # (a 4 s run's "goodput 1.6%" alarmed: said why)
+        print(goodput.line() + (f"; {goodput.total_s:.0f} s in all: {note[0].lower()}{note[1:-1]}" if note else ""))
 
 
 def share_text(part: int, whole: int) -> str:

@@ -59,6 +59,11 @@ class Goodput:
     def share(self, part: str) -> float:
         return self.seconds[part] / self.total_s if self.total_s > 0 else 0.0
 
+    def short_note(self) -> str:
+        """What a run too short to judge by its goodput is told ("" for one of minutes, or one not mostly start-up)."""
+        return ("A run this short spends much of it starting up (imports, the task, the first checkpoint): goodput means "
+                "more over minutes of training." if self.total_s < SHORT_RUN_S and self.share("startup") >= 0.2 else "")
+
     def line(self) -> str:
         """``goodput 94.2% over 3 launches (lost: 3.1% redone after 2 restarts, 1.4% checkpoint stalls, ...)``."""
         lost = sorted((p for p in PARTS if p != "productive" and self.share(p) >= 0.0005), key=self.share, reverse=True)
@@ -185,8 +190,7 @@ def goodput_section(run_dir: str | Path) -> str:
     rows = "".join(f'<tr><td>{html.escape(PARTS[p][0])}</td><td class="num">{g.seconds[p]:,.1f}</td>'
                    f'<td class="num">{g.share(p):.1%}</td><td class="detail">{html.escape(PARTS[p][1])}</td></tr>'
                    for p in PARTS)
-    short = (" A run this short spends much of it starting up (imports, the task, the first checkpoint): goodput means "
-             "more over minutes of training." if g.total_s < SHORT_RUN_S and g.share("startup") >= 0.2 else "")
+    short = " " + g.short_note() if g.short_note() else ""
     return (f'<h2 id="goodput">Goodput</h2><p>{html.escape(g.line())}, {g.total_s:,.1f} s of wall time in all.{short}</p>'
             f'<div class="narrow"><table><thead><tr><th>where the time went</th><th>seconds</th><th>share</th><th></th>'
             f"</tr></thead><tbody>{rows}</tbody></table></div>")
