@@ -586,3 +586,19 @@ def test_a_sharded_save_whose_background_staging_fails_is_written_synchronously(
         loaded = {"w": torch.zeros(6)}
         dcp.load(loaded, checkpoint_id=str(folder / meta["dir"]))
         assert torch.equal(loaded["w"], torch.arange(6.0) * step)
+
+
+def test_a_lost_peer_is_news_not_an_error_when_the_launch_restarts(monkeypatch, capsys):
+    """A surviving rank's line under run.max_restarts with a restart left reads as what happens next, not a failure."""
+    from stabletrain import cli
+    from stabletrain.distributed.peers import PeerLostError
+
+    def lost(args):
+        raise PeerLostError(0, "a training step", 7, "step_000006", "Connection closed by peer", "runs/a")
+
+    monkeypatch.setitem(cli.COMMANDS, "train", lost)
+    for count, most, head in ((0, 2, "stabletrain: rank 0: "), (2, 2, "stabletrain: error: rank 0: ")):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(count))
+        monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", str(most))
+        assert cli.main(["train"]) == 1
+        assert capsys.readouterr().err.startswith(head)

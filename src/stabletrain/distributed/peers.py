@@ -23,7 +23,8 @@ class PeerLostError(RuntimeError):
         self.rank, self.where, self.step, self.last_good, self.cause = rank, where, step, last_good, cause
         saved = (f"no checkpoint was written after {last_good} (LAST_GOOD)" if last_good else "no checkpoint was written")
         done, most = (int(os.environ.get(k, "0") or 0) for k in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"))
-        if done < most:  # torchrun's agent restarts the ranks (run.max_restarts): no one needs to resume by hand
+        self.restarts = done < most
+        if self.restarts:  # torchrun's agent restarts the ranks (run.max_restarts): no one needs to resume by hand
             hint = f"; the launch restarts from LAST_GOOD (restart {done + 1} of {most}, run.max_restarts)"
         else:
             hint = f"; resume with: stabletrain train --resume {run_dir}" if run_dir and last_good else ""
