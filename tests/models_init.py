@@ -170,3 +170,64 @@ def make_lm_task(tie_weights: bool = False, rnn_type: str = "LSTM"):
 
     model = RNNModel(rnn_type, ntoken=100, ninp=32, nhid=32, nlayers=2, dropout=0.2, tie_weights=tie_weights)
     return Task(model=model, train_data=list(lm_batch(num=64)), loss=lm_loss, count_unit="tokens")
+
+
+# -- zero-initialized layers and unseeded data randomness (the doctor's checks) ----------------------------
+
+
+class ZeroHeadLM(nn.Module):
+    """``embed`` -> ``body`` (Linear std 0.02, GELU) -> ``head`` whose weight and bias start at 0 (a GPT/DiT-style
+    zero-init output layer): at step 0 the logits are 0 and no gradient reaches ``embed`` or ``body``."""
+
+    def __init__(self, vocab: int = 16, width: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.body = nn.Sequential(nn.Linear(width, width), nn.GELU())
+        self.head = nn.Linear(width, vocab)
+        nn.init.normal_(self.body[0].weight, std=0.02)
+        nn.init.zeros_(self.body[0].bias)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.body(self.embed(x)))
+
+
+def _next_token_loss(model: nn.Module, batch: tuple[Tensor, Tensor]):
+    x, y = batch
+    logits = model(x)
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum"), torch.tensor(float(y.numel()))
+
+
+class AugmentedTokens(torch.utils.data.Dataset):
+    """64 fixed sequences of 8 tokens; ``augment``: each item's input has one token set to 0 at a position drawn from
+    an unseeded ``np.random.default_rng()`` (the same index gives other inputs at every fetch and in every run)."""
+
+    def __init__(self, augment: bool = True, vocab: int = 16) -> None:
+        import numpy as np
+
+        g = torch.Generator().manual_seed(0)
+        self.tokens = torch.randint(1, vocab, (64, 9), generator=g)
+        self.rng = np.random.default_rng() if augment else None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        x = self.tokens[i, :-1].clone()
+        if self.rng is not None:
+            x[int(self.rng.integers(0, len(x)))] = 0
+        return x, self.tokens[i, 1:]
+
+
+def zero_head_task(augment: bool = False):
+    """``ZeroHeadLM`` on ``AugmentedTokens`` with a (sum, count) loss over tokens."""
+    from stabletrain.tasks import Task
+
+    return Task(model=ZeroHeadLM(), train_data=AugmentedTokens(augment), loss=_next_token_loss, count_unit="tokens",
+                name="zero-head")
+
+
+def augmented_task():
+    """``zero_head_task`` with the unseeded augmentation on (for ``task=models_init:augmented_task``)."""
+    return zero_head_task(augment=True)

@@ -7,8 +7,9 @@ import sys
 import pytest
 from multiproc import env
 
-pytestmark = pytest.mark.slow  # the doctor in a subprocess, with a fresh-process resume
+from stabletrain.checks.resume import DATA_COMPONENT
 
+pytestmark = pytest.mark.slow  # the doctor in a subprocess, with a fresh-process resume
 
 
 def check(*args):
@@ -35,9 +36,21 @@ def test_resume_names_state_outside_the_checkpoint():
 
 
 def test_determinism_catches_unseeded_randomness():
-    rc, results = check("determinism", "task=broken_tasks:unseeded_noise_task")
+    rc, results = check("determinism", "task=broken_tasks:unseeded_noise_task")  # SystemRandom noise in __getitem__
     assert rc == 1
-    assert "unseeded randomness" in results["determinism"]["numbers"]["diverged_component"]
+    assert results["determinism"]["numbers"]["diverged_component"] == DATA_COMPONENT
+
+
+def test_resume_names_unseeded_augmentation_in_the_dataset_as_the_data_not_the_optimizer():
+    """A zero-init head makes the step-5 loss independent of the input: the first difference past the batch was the
+    optimizer's state ('optimizer differs'), although the augmentation's inputs were the cause."""
+    # (log.init_signal=false: the run's own step-0 report of the zero head prints a line on stdout, before the JSON)
+    rc, results = check("resume", "task=models_init:augmented_task", "train.batch_size=8", "log.init_signal=false")
+    assert rc == 1
+    r = results["resume"]
+    assert r["numbers"]["diverged_component"] == DATA_COMPONENT
+    assert r["summary"].startswith("resumed run diverges at step 5: the data (the batches differ for the same indices")
+    assert r["details"][-1].startswith("draw the dataset's randomness from the RNGs the run seeds and checkpoints")
 
 
 def test_resume_check_gives_the_per_step_losses_as_numbers():

@@ -1,15 +1,20 @@
-"""The doctor's checks in-process: accum in training mode (dropout handled, BatchNorm warned), overfit on the one step."""
+"""The doctor's checks in-process: accum in training mode (dropout handled, BatchNorm warned), overfit over its steps,
+init and determinism on a zero-initialized head and unseeded data randomness."""
 
+import json
 import math
 
 import torch
 import torch.nn.functional as F
+from broken_tasks import frozen_layer_task
 from helpers import cfg, regression_task
+from models_init import augmented_task, zero_head_task
 from torch import nn
 from torch.utils.data import TensorDataset
 
 from stabletrain import Task
 from stabletrain.checks import CheckContext, format_table, run_checks
+from stabletrain.checks.resume import DATA_COMPONENT
 
 
 def bn_task() -> Task:
@@ -43,17 +48,94 @@ def test_accum_check_passes_in_training_mode_with_dropout_switched_off_for_it():
     assert result.numbers["max_param_diff"] <= result.numbers["tolerance"]
 
 
-def test_overfit_check_runs_the_one_step_and_names_a_parameter_without_gradient():
-    def frozen_out():
+def test_overfit_check_names_a_parameter_that_never_gets_a_gradient_not_one_behind_a_zero_weight():
+    def zero_out():
         task = regression_task()
         task.model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1), nn.Linear(1, 1))
-        task.model[3].weight.data.zero_()  # no gradient reaches layer 2 through a zero weight
+        task.model[3].weight.data.zero_()  # no gradient reaches layers 0 and 2 at step 0; from step 1 on it does
         return task
 
     (ok,) = run_checks(CheckContext(cfg(), task_factory=regression_task), ["overfit"])
     assert ok.passed and ok.numbers["final_loss"] <= ok.numbers["initial_loss"] / 2
-    (bad,) = run_checks(CheckContext(cfg(), task_factory=frozen_out), ["overfit"])
-    assert not bad.passed and "no gradient: 2.weight" in bad.details
+    assert ok.numbers["num_params_with_late_grad"] == 0 and len(ok.details) == 0
+    (late,) = run_checks(CheckContext(cfg(), task_factory=zero_out), ["overfit"])
+    assert late.passed, late.summary
+    assert (late.numbers["num_params_without_grad"], late.numbers["num_params_with_late_grad"]) == (0, 4)
+    [note] = late.details
+    assert note.startswith("4 parameter(s) got no gradient at the first step and got one later: 0.weight (step 1), "
+                           "0.bias (step 1), 2.weight (step 1), 2.bias (step 1); zero at init: 3.weight"), note
+    (bad,) = run_checks(CheckContext(cfg(), task_factory=frozen_layer_task), ["overfit"])  # layer 0's output detached
+    assert not bad.passed and bad.details[:2] == ["no gradient: 0.weight", "no gradient: 0.bias"], bad.details
+    assert bad.summary.endswith(f"; 2 parameter(s) got no gradient in any of the {bad.numbers['steps'] + 1} steps")
+
+
+def test_a_zero_initialized_output_layer_passes_overfit_and_init_with_a_note(tmp_path):
+    """GPT/DiT-style zero head: as built, init read 'forward vanishing at head (0x), backward vanishing at body.0 (0x)'
+    and overfit 'embed.weight, body.0.* got no gradient' (from the first backward alone)."""
+    ctx = CheckContext(cfg("train.batch_size=16"), task_factory=zero_head_task, options={"out_dir": str(tmp_path)})
+    overfit, init = run_checks(ctx, ["overfit", "init"])
+    assert overfit.passed and overfit.numbers["num_params_without_grad"] == 0, overfit.summary
+    assert overfit.numbers["num_params_with_late_grad"] == 3  # embed.weight, body.0.weight, body.0.bias: from step 1
+    assert overfit.details[0].endswith("zero at init: head.weight (a zero-initialized layer passes no gradient to the "
+                                       "layers before it until its weight moves)")
+    assert init.passed and not init.warning, init.summary
+    assert init.summary == ("no layer flagged: the signal holds forward and backward (zero-initialized on purpose, "
+                            "judged without the output layer head)")
+    assert init.numbers["zero_init"] == ["head (the output layer)"] and init.numbers["flagged"] == 0
+    assert init.details[0].startswith("head: zero-initialized output layer (head.weight all 0), taken as deliberate")
+    assert init.details[1].endswith("As built (weight 0): 2 of 4 layers flagged: forward vanishing at #3 head (0x), "
+                                    "backward vanishing at #1 body.0 (0x)"), init.details[1]
+    rows = {d.split()[1]: d.split() for d in init.details if d.split()[0].isdigit()}
+    assert rows["head"][7] == rows["head"][9] == "-" and rows["body.0"][9] == "1x"  # head: no ratio; body.0: its own ref
+    saved = json.loads((tmp_path / "init_signal.json").read_text())
+    assert [r["label"] for r in saved] == ["as built", "as built, zero-init layers excluded"]
+    assert not saved[0]["passed"] and saved[1]["passed"]
+
+
+def test_a_zero_layer_nothing_gets_around_still_fails_init_and_says_so(tmp_path):
+    def chain():
+        task = zero_head_task()
+        task.model = nn.Sequential(nn.Embedding(16, 16), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                                   nn.Linear(16, 16))
+        nn.init.zeros_(task.model[3].weight)  # the middle of a plain chain: layers 4 and 5 get no input signal
+        return task
+
+    (result,) = run_checks(CheckContext(cfg("train.batch_size=16"), task_factory=chain, options={"out_dir": str(tmp_path)}),
+                           ["init"])
+    assert not result.passed and result.numbers["zero_init"] == ["3 (nothing gets around it)"], result.summary
+    assert result.details[0].startswith("3: 3.weight is all 0 and nothing gets around it (neither the output layer nor")
+    assert "zero-initialized on purpose" not in result.summary
+
+
+def test_unseeded_augmentation_in_the_dataset_is_named_as_the_data_and_does_not_fail_accum():
+    ctx = CheckContext(cfg("train.batch_size=8"), task_factory=augmented_task)
+    accum, determinism = run_checks(ctx, ["accum", "determinism"])
+    assert accum.passed and not accum.warning, accum.summary  # both sides collate one fetch of the samples
+    assert accum.numbers["items_random"] and not accum.numbers["collate_random"]
+    assert accum.numbers["max_param_diff"] <= accum.numbers["tolerance"]
+    assert any(d.startswith("the dataset returns different items for the same index") for d in accum.details)
+    assert not determinism.passed
+    assert determinism.numbers["diverged_component"] == DATA_COMPONENT
+    assert determinism.summary.startswith("two runs from scratch differ first at step 1 in the data (the batches differ "
+                                          "for the same indices: randomness in the dataset or collate not seeded by the "
+                                          "run, e.g. a np.random.default_rng()"), determinism.summary
+    (same,) = run_checks(CheckContext(cfg("train.batch_size=8"), task_factory=zero_head_task), ["determinism"])
+    assert same.passed, same.summary  # the same task without the augmentation
+
+
+def test_accum_check_calls_randomness_in_collate_inconclusive_not_the_loss():
+    def random_collate_task():
+        task = _classification()
+        task.collate = lambda items: (torch.stack([x for x, _ in items]) + 0.1 * torch.randn(len(items), 8),
+                                      torch.stack([y for _, y in items]))  # noise drawn per collation
+        return task
+
+    (result,) = run_checks(CheckContext(cfg("train.batch_size=8"), task_factory=random_collate_task), ["accum"])
+    assert result.passed and result.warning, result.summary
+    assert result.numbers["collate_random"] and not result.numbers["items_random"]
+    assert result.summary.startswith("inconclusive: the batches differ between the two sides, not the loss "
+                                     "normalization: the same samples collated twice give different batches")
+    assert not any("the loss may depend on the batch" in d for d in result.details)
 
 
 class _LSTMLM(nn.Module):

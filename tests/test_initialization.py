@@ -331,3 +331,40 @@ def test_an_init_a_users_callback_overwrites_at_fit_start_is_reported(tmp_path):
     Trainer(cfg("train.max_steps=2", "log.every=2"), run_dir=tmp_path / "run", callbacks=[Reinit()]).fit()
     events = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl")[0] if e["kind"] == "init_overwritten"]
     assert events and all(p["why"] == "values changed" for p in events[0]["params"]), events
+
+
+def test_zero_initialized_layers_are_told_apart_output_residual_end_or_nothing_around_it():
+    from models_init import classification_batch, classification_loss
+
+    from stabletrain.diagnostics.initialization import OUTPUT_LAYER, RESIDUAL_END, excluding, zero_init_layers, zero_layers_small
+    from stabletrain.diagnostics.signal_propagation import signal_report
+
+    torch.manual_seed(0)
+    model = ResidualStack(in_dim=16, width=32, depth=3, num_classes=10)
+    for block in model.blocks:  # every branch end at 0 (GPT-style), and the classifier
+        nn.init.zeros_(block.out.weight)
+    nn.init.zeros_(model.head.weight)
+    batch = classification_batch(num=32, in_dim=16)
+    built = signal_report(model, batch, classification_loss)
+    zero = zero_init_layers(model, built)
+    assert [(z.name, z.param, z.role) for z in zero] == [("blocks.0.out", "blocks.0.out.weight", RESIDUAL_END),
+                                                          ("blocks.1.out", "blocks.1.out.weight", RESIDUAL_END),
+                                                          ("blocks.2.out", "blocks.2.out.weight", RESIDUAL_END),
+                                                          ("head", "head.weight", OUTPUT_LAYER)]
+    with torch.no_grad():  # the stream past blocks.0: embed's output + the zero layer's bias (its default init)
+        assert zero[0].around == pytest.approx(float((model.embed(batch[0]) + model.blocks[0].out.bias).std()), rel=1e-4)
+    probe = zero_layers_small(model, zero, seed=0)
+    assert float(probe.head.weight.detach().std()) == pytest.approx(1e-3 / math.sqrt(32), rel=0.1)
+    assert not model.head.weight.any() and model.blocks[0].out.bias.equal(probe.blocks[0].out.bias)  # weights only
+    judged = excluding(signal_report(probe, batch, classification_loss), zero, label="x", as_built=built)
+    rows = {layer.name: layer for layer in judged.layers}
+    assert all(rows[n].forward_ratio is None and rows[n].backward_ratio is None for n in ("blocks.0.out", "head"))
+    assert rows["blocks.0.fc"].param_grad_std > 0 and rows["blocks.0.fc"].ref_backward == "blocks.2.fc"  # a gradient now
+    assert 0.9 < rows["blocks.0.fc"].backward_ratio < 1.1 and rows["blocks.2.norm"].ref_forward == "blocks.0.norm"
+    assert judged.passed and {u.name: u.ratio for u in judged.updates}["head.weight"] is None  # as built: 0, no ratio
+
+    chain = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10))
+    nn.init.zeros_(chain[2].weight)
+    nn.init.zeros_(chain[2].bias)
+    [middle] = zero_init_layers(chain, signal_report(chain, batch, classification_loss))
+    assert (middle.name, middle.role, middle.deliberate) == ("2", "", False)  # the next layer's input std is 0

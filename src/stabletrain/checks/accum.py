@@ -11,20 +11,28 @@ scalar loss that adds up over the batch (``reduction="sum"`` returned as if it w
 as such: the whole batch's loss equals the sum of its micro-batches' losses. A model whose loss
 depends on the whole batch beyond per-sample terms (BatchNorm's batch statistics) does not give the
 same gradient from micro-batches: the check says so with the measured difference (a warning).
+
+Both sides hold the same samples, fetched once: the big batch collates them all, each micro-batch its share. A
+dataset that draws randomness of its own in ``__getitem__`` (an unseeded augmentation) therefore cannot make the
+sides differ; the check fetches the samples a second time and says so when they differ. A collate function that
+draws randomness does make the sides differ (each side is collated on its own): the big batch collated twice shows
+it, and a difference is then called inconclusive (the batches differ, not the loss normalization).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.data import default_collate
 
-from ..data import fixed_batch
+from ..data import move_to
 from ..numerics import grad_norms, unique_params
 from ..policies.accumulation import as_sum_count
 from ..policies.dropout import dropout_off
 from ..policies.precision import PrecisionPolicy
 from ..step import TrainStep
 from . import CheckContext, CheckResult, register
+from .resume import batch_digest
 
 #: Equivalence tolerance in fp32: |g_accum - g_big| <= ATOL + RTOL * max|g_big| (summation order only).
 RTOL = 1e-4
@@ -59,12 +67,18 @@ def check_accum(ctx: CheckContext) -> CheckResult:
     if total > len(task.train_data):
         sizes = [max(1, len(task.train_data) // (k + 1))] * k
         total = sum(sizes)
-    _, big = fixed_batch(task, total, device)
+    collate = task.collate or default_collate
+    items = [task.train_data[i] for i in range(total)]  # one fetch: the big batch and the micro-batches share it
+    big_host = collate(items)
+    big = move_to(big_host, device)
     micro = []
     start = 0
     for s in sizes:
-        micro.append((s, fixed_batch(task, s, device, start=start)[1]))
+        micro.append((s, move_to(collate(items[start:start + s]), device)))
         start += s
+    digest = batch_digest(big_host)
+    items_random = batch_digest([task.train_data[i] for i in range(total)]) != batch_digest(items)  # __getitem__ draws
+    collate_random = batch_digest(collate(items)) != digest  # the sides' batches differ: each is collated on its own
     batch_stats = [n for n, m in model.named_modules() if isinstance(m, _BATCH_STATS)]
     saved = {k_: v.detach().clone() for k_, v in model.state_dict().items()}  # BatchNorm running stats move
 
@@ -112,11 +126,16 @@ def check_accum(ctx: CheckContext) -> CheckResult:
     stateful = repeat > tol  # two identical forwards differ: the forward is not a function of its inputs and the RNG
     random = noise > tol or stateful
     passed = diff <= tol
-    summed = not passed and not random and losses is not None and _sums(*losses, sizes)
-    warning = not passed and (bool(batch_stats) or random)
+    summed = not passed and not random and not collate_random and losses is not None and _sums(*losses, sizes)
+    warning = not passed and (bool(batch_stats) or random or collate_random)
     if passed:
         summary = (f"{k} micro-batches (sizes {sizes}) vs one batch of {total}: max |param diff| after an SGD step "
                    f"(lr=1) {diff:.3g} <= tol {tol:.3g}")
+    elif collate_random:
+        summary = (f"inconclusive: the batches differ between the two sides, not the loss normalization: the same "
+                   f"samples collated twice give different batches (randomness in the collate function), so the {k} "
+                   f"micro-batches' difference of {diff:.3g} ({diff / tol:.3g}x tol {tol:.3g}) from one batch of "
+                   f"{total} says nothing about accumulation")
     elif stateful:
         summary = (f"inconclusive: two identical forward/backward passes (the same batch, the same RNG state) differ by "
                    f"{repeat:.3g} ({repeat / tol:.3g}x tol {tol:.3g}), so the {k} micro-batches' difference of {diff:.3g} "
@@ -140,7 +159,14 @@ def check_accum(ctx: CheckContext) -> CheckResult:
         if functional_calls:
             off.append(f"functional dropout calls in one forward: {functional_calls}")
         details.append(f"dropout switched off for the comparison: {'; '.join(off)}")
-    if stateful and passed:
+    if items_random:
+        details.append("the dataset returns different items for the same index (randomness in __getitem__ not seeded "
+                       "by the run): both sides were collated from one fetch of the samples, so it does not show here; "
+                       "see the determinism check")
+    if collate_random:
+        details.append("the collate function draws randomness: each side is collated on its own, so their batches "
+                       "differ; seed it from the run's RNG state or compare with it off")
+    elif stateful and passed:
         details.append(f"two identical forward/backward passes differ by {repeat:.3g}: the forward keeps state of its "
                        "own; the sides still matched")
     elif random and passed:
@@ -169,5 +195,6 @@ def check_accum(ctx: CheckContext) -> CheckResult:
     return CheckResult("accum", passed or warning, summary, warning=warning,
                        numbers={"k": k, "max_param_diff": diff, "tolerance": tol, "naive_max_param_diff": naive,
                                 "grad_norm": float(grad_norms(params)[0]), "batch_stat_layers": len(batch_stats),
-                                "residual_randomness": noise, "repeat_diff": repeat},
+                                "residual_randomness": noise, "repeat_diff": repeat, "items_random": items_random,
+                                "collate_random": collate_random},
                        details=details)

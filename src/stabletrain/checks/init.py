@@ -6,6 +6,14 @@ re-initialized by :func:`stabletrain.tasks.init_schemes.init_` with each scheme,
 activation the forward calls as a function, ``torch.relu``, sets the gain as a module would). Writes the per-layer
 std plot (``init_signal.png``) and the full per-layer numbers (``init_signal.json``) to ``--out DIR`` (default:
 ``stabletrain-check/``; see :meth:`CheckContext.output_path`). Passes when no layer of the model as built is flagged.
+
+A zero-initialized output layer, or a zero-initialized last layer of a residual branch (GPT/DiT/ReZero-style), is
+taken as deliberate (:func:`stabletrain.diagnostics.initialization.zero_init_layers`): it is said so, and the
+layers around it are judged without it, on a copy whose zero weights are at 1e-3 x a fan-in init (about their
+first update: the forward is as built, and the gradient reaches the layers before them), those layers' own rows
+neither judged nor anyone's reference. As built, such a layer reads "forward vanishing (0x)" and the layers
+before it "backward vanishing (0x)": what a zero layer does at step 0, not a fault. A zero layer nothing gets
+around (the middle of a plain chain) is judged as built, and said so.
 """
 
 from __future__ import annotations
@@ -14,6 +22,14 @@ import copy
 import json
 
 from ..data import fixed_batch
+from ..diagnostics.initialization import (
+    OUTPUT_LAYER,
+    ZERO_INIT_SCALE,
+    ZeroInitLayer,
+    excluding,
+    zero_init_layers,
+    zero_layers_small,
+)
 from ..diagnostics.signal_display import format_comparison, format_report, plot_signal
 from ..diagnostics.signal_propagation import SignalReport, signal_report
 from ..policies.optim import optimizer_factory
@@ -67,6 +83,51 @@ def _compare_advice(built: SignalReport, by_scheme: dict[str, SignalReport]) -> 
             f"none is recommended; look at the first flagged layer above, the init alone does not fix it{untried}")
 
 
+def _names(zero: list[ZeroInitLayer], limit: int = 3) -> str:
+    return ", ".join(z.name for z in zero[:limit]) + (f" and {len(zero) - limit} more" if len(zero) > limit else "")
+
+
+def _excluded(deliberate: list[ZeroInitLayer]) -> str:
+    """Return the summary's note on the deliberate zero layers the verdict was judged without ('' when none)."""
+    if not deliberate:
+        return ""
+    out = [z for z in deliberate if z.role == OUTPUT_LAYER]
+    ends = [z for z in deliberate if z.role != OUTPUT_LAYER]
+    parts = ([f"the output layer {_names(out)}"] if out else []) + (
+        [f"the last layer of {len(ends)} residual branch(es): {_names(ends)}"] if ends else [])
+    return f" (zero-initialized on purpose, judged without {'; '.join(parts)})"
+
+
+def _zero_notes(zero: list[ZeroInitLayer], built: SignalReport) -> list[str]:
+    """Return the lines on the zero-initialized layers: deliberate (and how they are judged) or not, and what they do."""
+    lines = []
+    out = [z for z in zero if z.role == OUTPUT_LAYER]
+    ends = [z for z in zero if z.deliberate and z.role != OUTPUT_LAYER]
+    if out:
+        lines.append(f"{_names(out)}: zero-initialized output layer ({', '.join(z.param for z in out[:3])} all 0), taken as "
+                     "deliberate (GPT/DiT-style zero-init head): at step 0 the output is 0 and no gradient reaches the "
+                     "layers before it; they get one from the first update on")
+    if ends:
+        stream = sorted(z.around for z in ends if z.around is not None)
+        lines.append(f"{_names(ends)}: zero-initialized last layer of {len(ends)} residual branch(es) (weight all 0; the "
+                     f"signal goes around it: the next layer's input std is {stream[0]:.3g}"
+                     f"{f'..{stream[-1]:.3g}' if stream[-1] != stream[0] else ''}), taken as deliberate "
+                     "(GPT/DiT/ReZero-style): a branch adds 0 at step 0 and its layers get a gradient from the first "
+                     "update on")
+    for z in zero:
+        if not z.deliberate:
+            lines.append(f"{z.name}: {z.param} is all 0 and nothing gets around it (neither the output layer nor the last "
+                         "layer of a residual branch): the layers after it get no input signal and those before it no "
+                         "gradient at step 0; zero-init only an output layer or a residual branch's last layer")
+    if out or ends:
+        lines.append(f"judged without them: measured with the zero weights at {ZERO_INIT_SCALE:g} x a fan-in init (about "
+                     "their first update: the forward is as built and the gradient reaches the layers before them); "
+                     "their own rows are neither judged nor any layer's reference (no ratio). As built (weight 0): "
+                     f"{len(built.flagged)} of {len(built.layers)} layers flagged: forward {_where(built, 'forward')}, "
+                     f"backward {_where(built, 'backward')}")
+    return lines
+
+
 @register("init", order=50)
 def check_init(ctx: CheckContext) -> CheckResult:
     """Report per-layer signal propagation at step 0 (and per init scheme with ``compare``); pass if nothing is flagged."""
@@ -79,6 +140,15 @@ def check_init(ctx: CheckContext) -> CheckResult:
     own = getattr(task, "optimizer", None)  # the run's optimizer, at its peak lr, for the update ratios
     reports = [signal_report(base, batch, task.loss, label=AS_BUILT,
                              make_optimizer=optimizer_factory(base, ctx.cfg.optim, device, own))]
+    zero = zero_init_layers(base, reports[0])
+    deliberate = [z for z in zero if z.deliberate]
+    if deliberate:  # judged without them: on a copy where their weight is small, not 0
+        probe = zero_layers_small(base, deliberate, seed=ctx.cfg.seed)
+        measured = signal_report(probe, batch, task.loss, label=AS_BUILT,
+                                 make_optimizer=optimizer_factory(probe, ctx.cfg.optim, device, own))
+        del probe
+        reports.append(excluding(measured, deliberate, label=f"{AS_BUILT}, zero-init layers excluded", as_built=reports[0]))
+    judged = reports[-1]
     by_scheme: dict[str, SignalReport] = {}
     for scheme in schemes:
         model = copy.deepcopy(base)  # keeps tied weights tied
@@ -92,21 +162,25 @@ def check_init(ctx: CheckContext) -> CheckResult:
     data = ctx.output_path("init_signal.json")
     data.write_text(json.dumps([r.to_dict() for r in reports], indent=1, default=str))
 
-    built = reports[0]
+    built = judged  # the model as built: without its deliberate zero layers, if it has any
     numbers: dict[str, object] = {"layers": len(built.layers), "flagged": len(built.flagged),
                                   "forward": _where(built, "forward"), "backward": _where(built, "backward")}
+    if zero:
+        numbers["zero_init"] = [f"{z.name} ({z.role or 'nothing gets around it'})" for z in zero]
+    excluded = _excluded(deliberate)
+    notes = _zero_notes(zero, reports[0])
     if schemes:
-        for r in reports[1:]:
+        for r in by_scheme.values():
             numbers[f"{r.label}.flagged"] = len(r.flagged)
-        details = format_comparison(reports)
-        passing = [r.label for r in reports[1:] if r.passed]
+        details = [*notes, *format_comparison([built, *by_scheme.values()])]
+        passing = [r.label for r in by_scheme.values() if r.passed]
         details.append(_compare_advice(built, by_scheme))
-        summary = (f"as built: {'ok' if built.passed else f'{len(built.flagged)} layer(s) flagged'}; "
+        summary = (f"as built: {'ok' if built.passed else f'{len(built.flagged)} layer(s) flagged'}{excluded}; "
                    f"schemes without a flagged layer: {', '.join(passing) or 'none'}")
     else:
-        details = format_report(built)
+        details = [*notes, *format_report(built)]
         summary = ("no layer flagged: the signal holds forward and backward" if built.passed else
                    f"{len(built.flagged)} of {len(built.layers)} layers flagged: forward {numbers['forward']}, "
-                   f"backward {numbers['backward']}")
+                   f"backward {numbers['backward']}") + excluded
     numbers.update({"recommended": built.recommended, "plot": str(plot), "json": str(data)})
     return CheckResult("init", built.passed, summary, numbers=numbers, details=details)

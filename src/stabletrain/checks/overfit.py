@@ -1,5 +1,10 @@
 """``overfit``: can the model memorize one tiny fixed batch, and does every parameter get a gradient?
 
+"No gradient" is judged over every step the check runs: a parameter is named when its gradient is zero (or
+None) at each of them. Behind a zero-initialized layer (a GPT/DiT/ReZero-style zero output layer or residual
+branch end) the layers before it get no gradient at the first step and do from the second on, once the zero
+weight has moved: they pass, and a detail line says from which step they got one.
+
 A loss or gradients that are not finite are said so (with the op where the forward's first non-finite
 value appears), not taken for missing gradients: a NaN gradient is a gradient, and no lr fixes a NaN loss.
 """
@@ -38,8 +43,20 @@ def check_overfit(ctx: CheckContext) -> CheckResult:
     step = TrainStep(model, optimizer, precision, params=[p for _, p in named])  # the run's step, no clipping
     micro = [(len(indices), batch)]
 
+    zero_at_init = [n for n, p in named if not n.endswith("bias") and not bool(p.detach().ne(0).any())]  # weights
+    first_grad: dict[str, int] = {}  # parameter -> the first step (0-based) at which its gradient was nonzero
+
+    def note_gradients(at: int) -> None:
+        pending = [(n, p) for n, p in named if n not in first_grad]
+        if not pending:
+            return
+        # NaN != 0: a (bad) gradient. One host sync for all the parameters still without one.
+        got = torch.stack([p.grad.ne(0).any() if p.grad is not None else torch.zeros((), dtype=torch.bool, device=p.device)
+                           for _, p in pending]).tolist()
+        first_grad.update({n: at for (n, _), g in zip(pending, got) if g})
+
     step.forward_backward(micro, task.loss)
-    no_grad = [n for n, p in named if p.grad is None or not bool(p.grad.ne(0).any())]  # NaN != 0: a (bad) gradient
+    note_gradients(0)
     nonfinite_grad = [n for n, p in named if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
     initial = float(step.window.mean_loss)
     target = initial / FACTOR
@@ -48,18 +65,28 @@ def check_overfit(ctx: CheckContext) -> CheckResult:
     for _ in range(STEPS):
         out = step(micro, task.loss)  # the loss of this step's forward: the parameters after the previous update
         losses.append(float(out["loss"]))
+        note_gradients(len(losses) - 1)
         skipped += not bool(out["applied"])
         if losses[-1] <= target or (len(losses) >= NONFINITE_STOP
                                     and not any(math.isfinite(v) for v in losses[-NONFINITE_STOP:])):
             break
+    no_grad = [n for n, _ in named if n not in first_grad]
+    late = [n for n, _ in named if first_grad.get(n, 0) > 0]
     fell = losses[-1] <= target
     nonfinite = [i for i, v in enumerate(losses) if not math.isfinite(v)]
     passed = fell and not no_grad
     steps = len(losses) - 1  # updates applied before the loss that reached the target
     summary = (f"loss {initial:.4g} -> {losses[-1]:.4g} in {steps} steps (target < initial/{FACTOR:g} within {STEPS})"
-               + ("" if not no_grad else f"; {len(no_grad)} parameter(s) got no gradient")
+               + ("" if not no_grad else f"; {len(no_grad)} parameter(s) got no gradient in any of the {len(losses)} steps")
                + ("" if not nonfinite else f"; the loss is not finite at {len(nonfinite)} of {len(losses)} steps"))
     details = [f"no gradient: {name}" for name in no_grad]
+    if late:
+        shown = ", ".join(f"{n} (step {first_grad[n]})" for n in late[:6]) + (f" and {len(late) - 6} more" if len(late) > 6
+                                                                              else "")
+        zeros = ", ".join(zero_at_init[:4]) + (" ..." if len(zero_at_init) > 4 else "")
+        details.append(f"{len(late)} parameter(s) got no gradient at the first step and got one later: {shown}"
+                       + (f"; zero at init: {zeros} (a zero-initialized layer passes no gradient to the layers "
+                          "before it until its weight moves)" if zero_at_init else ""))
     if nonfinite:
         where = first_nonfinite_forward(task, model, batch, precision) if nonfinite[0] == 0 else ""
         details.append(f"the loss is {losses[nonfinite[0]]} from step {nonfinite[0]} on (precision={precision.mode}): "
@@ -76,6 +103,7 @@ def check_overfit(ctx: CheckContext) -> CheckResult:
                        "a wrong loss/target pairing, or an lr far off")
     return CheckResult("overfit", passed, summary,
                        numbers={"initial_loss": initial, "final_loss": losses[-1], "steps": steps, "factor": FACTOR,
-                                "num_params_without_grad": len(no_grad), "num_nonfinite_losses": len(nonfinite),
+                                "num_params_without_grad": len(no_grad), "num_params_with_late_grad": len(late),
+                                "num_nonfinite_losses": len(nonfinite),
                                 "num_skipped_steps": skipped},
                        details=details)

@@ -1,10 +1,14 @@
 """``resume`` and ``determinism``: does a restored checkpoint reproduce the next steps exactly?
 
 ``resume``: train N steps and checkpoint; continue M steps; restore the checkpoint in a fresh process
-and run the same M steps. Each step is traced (data order, RNG state, lr, loss scale, loss, optimizer
-state, parameters); the losses are shown side by side, with the max parameter difference, and the
-first component that differs is named. On CPU the two must be bitwise equal. The per-step losses are
-in ``numbers["losses"]``: ``[[step, continuous loss, resumed loss, bitwise equal], ...]``.
+and run the same M steps. Each step is traced (data order, RNG state, the batches' contents, lr, loss
+scale, loss, optimizer state, parameters); the losses are shown side by side, with the max parameter
+difference, and the first component that differs is named. The batches are digested as the loop reads
+them, so a dataset that draws unseeded randomness (``np.random.default_rng()`` in ``__getitem__``) is
+named as the data, not as whatever its different inputs reach first (the loss, or the optimizer when the
+loss does not depend on the input at step 0, as with a zero-initialized output layer). On CPU the two
+must be bitwise equal. The per-step losses are in ``numbers["losses"]``: ``[[step, continuous loss,
+resumed loss, bitwise equal], ...]``.
 
 ``determinism``: the same config twice from scratch gives identical metrics and parameters.
 
@@ -31,11 +35,19 @@ from ..callbacks import Callback
 from ..config import Config, config_from_dict, config_to_dict
 from . import CheckContext, CheckResult, register
 
-__all__ = ["StepTrace", "first_divergence", "COMPONENTS"]
+__all__ = ["StepTrace", "first_divergence", "COMPONENTS", "DATA_COMPONENT", "batch_digest"]
 
 N_STEPS, M_STEPS = 4, 3
-#: Trace fields in the order the state flows through a step, and the component each one belongs to.
-COMPONENTS = [("indices", "data order"), ("rng", "RNG"), ("lr", "LR scheduler"), ("loss_scale", "grad scaler"),
+#: The component named when the batches' contents differ for the same indices (and the same RNG state).
+DATA_COMPONENT = ("the data (the batches differ for the same indices: randomness in the dataset or collate not seeded "
+                  "by the run, e.g. a np.random.default_rng() / random.Random() without a seed in __getitem__)")
+#: What to do about it.
+DATA_ADVICE = ("draw the dataset's randomness from the RNGs the run seeds and checkpoints (torch.rand, np.random, random), "
+               "or from a generator seeded per item (np.random.default_rng((seed, index)))")
+#: Trace fields in the order the state flows through a step, and the component each one belongs to. The RNG state
+#: comes before the batch: a dataset that draws from the global (seeded) RNG differs because the RNG did.
+COMPONENTS = [("indices", "data order"), ("rng", "RNG"), ("batch", DATA_COMPONENT), ("lr", "LR scheduler"),
+              ("loss_scale", "grad scaler"),
               ("loss", "the forward pass (state outside the checkpoint: a model attribute not in its state_dict, "
                        "or unseeded randomness in the data or model)"),
               ("optimizer", "optimizer"), ("params", "model parameters")]
@@ -45,6 +57,36 @@ def _digest(tensors: list[torch.Tensor]) -> str:
     h = hashlib.sha256()
     for t in tensors:
         h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def batch_digest(batch: Any) -> str:
+    """Return a digest of a collated batch's contents: every tensor's dtype, shape and bytes (tuples, lists and dicts
+    walked in order; numpy arrays by their bytes; anything else by its repr). One host copy of the batch."""
+    import numpy as np
+
+    h = hashlib.sha256()
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            t = x.detach().cpu().contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(x, np.ndarray):
+            h.update(f"{x.dtype}{x.shape}".encode())
+            h.update(np.ascontiguousarray(x).tobytes())
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                h.update(repr(k).encode())
+                walk(v)
+        elif isinstance(x, (tuple, list)):
+            h.update(f"{type(x).__name__}{len(x)}".encode())
+            for v in x:
+                walk(v)
+        else:
+            h.update(repr(x).encode())
+
+    walk(batch)
     return h.hexdigest()[:16]
 
 
@@ -70,13 +112,17 @@ class StepTrace(Callback):
     """Append one record per step after ``from_step`` to ``trace``: what went into the step and what came out.
 
     A checking tool, not an observer: it reads the loss and digests the state on the host every step.
-    What goes into step n (RNG state, lr, loss scale) is read when step n-1 ends (or at fit start).
+    What goes into step n (RNG state, lr, loss scale) is read when step n-1 ends (or at fit start); the
+    contents of its batches when the loop reads its window (the stream's ``next_window``, wrapped from fit
+    start to fit end), as collated, before the step moves them to the device.
     """
 
     def __init__(self, trainer: Any, trace: list[dict[str, Any]], from_step: int = 0) -> None:
         self.schedule, self.precision, self.optimizer = trainer.schedule, trainer.precision, trainer.optimizer
         self.trace, self.from_step = trace, from_step
         self.before: dict[str, Any] = {}
+        self.batch: str | None = None  # the digest of the last window read
+        self._stream: Any = None
 
     def _read_before(self) -> None:
         self.before = {"rng": _rng_digest(), "lr": float(self.schedule.lr()),
@@ -84,6 +130,21 @@ class StepTrace(Callback):
 
     def on_fit_start(self, state: Any) -> None:
         self._read_before()
+        stream = getattr(state, "stream", None)
+        if stream is not None and "next_window" not in vars(stream):  # an instance attribute: this run's stream only
+            read = stream.next_window
+
+            def next_window() -> Any:
+                window = read()
+                self.batch = batch_digest(window.batches)
+                return window
+
+            stream.next_window, self._stream = next_window, stream
+
+    def on_fit_end(self, state: Any, record: dict[str, Any]) -> None:
+        if self._stream is not None:
+            del self._stream.next_window  # the class's method again
+            self._stream = None
 
     def on_step_end(self, state: Any, out: dict[str, Any]) -> None:
         if state.step > self.from_step:
@@ -93,7 +154,8 @@ class StepTrace(Callback):
             opt = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
             self.trace.append({"step": state.step,
                                "indices": hashlib.sha256(json.dumps(indices).encode()).hexdigest()[:16],
-                               **self.before, "loss": _hex(loss), "loss_value": loss, "optimizer": _digest(opt),
+                               "batch": self.batch, **self.before, "loss": _hex(loss), "loss_value": loss,
+                               "optimizer": _digest(opt),
                                "params": _digest([p for _, p in state.named_params])})
         self._read_before()
 
@@ -162,6 +224,8 @@ def check_resume(ctx: CheckContext) -> CheckResult:
     if divergence:
         step, component = divergence
         details.append(f"first divergence at step {step}: {component}")
+        if component == DATA_COMPONENT:
+            details.append(DATA_ADVICE)
         summary = f"resumed run diverges at step {step}: {component} differs; max |param diff| {max_diff:.3g}"
     else:
         summary = (f"checkpoint at step {N_STEPS}, {M_STEPS} more steps in a fresh process: bitwise equal "
@@ -191,11 +255,17 @@ def check_determinism(ctx: CheckContext) -> CheckResult:
     max_diff = max(float((a.double() - b.double()).abs().max()) for a, b in zip(*finals))
     divergence = first_divergence(*traces)
     passed = divergence is None and max_diff == 0.0
-    summary = (f"two runs of {N_STEPS + M_STEPS} steps from scratch: identical (losses, RNG, data order, parameters)" if passed
+    summary = (f"two runs of {N_STEPS + M_STEPS} steps from scratch: identical (losses, RNG, data order, batches, "
+               "parameters)" if passed
                else f"two runs from scratch differ{f' first at step {divergence[0]} in {divergence[1]}' if divergence else ''}; "
                     f"max |param diff| {max_diff:.3g}")
-    details = [] if passed else ["nondeterminism: set deterministic=true, check for unseeded RNG (e.g. in the dataset) "
-                                 "or nondeterministic kernels (scatter_add, index_add on CUDA)"]
+    if passed:
+        details = []
+    elif divergence and divergence[1] == DATA_COMPONENT:
+        details = [DATA_ADVICE]
+    else:
+        details = ["nondeterminism: set deterministic=true, check for unseeded RNG (e.g. in the dataset) "
+                   "or nondeterministic kernels (scatter_add, index_add on CUDA)"]
     return CheckResult("determinism", passed, summary,
                        numbers={"steps": N_STEPS + M_STEPS, "max_param_diff": max_diff,
                                 "diverged_component": divergence[1] if divergence else None},

@@ -5,18 +5,33 @@ right after the user's init and compared again before the first step: it names e
 whose values changed in between (a ``reset_parameters()`` call, a meta-device ``to_empty`` +
 ``reset_parameters`` path or a wrapper that re-creates the modules; pytorch #104187, #90465). The init
 schemes themselves (``init_``) are :mod:`stabletrain.tasks.init_schemes`.
+
+Zero-initialized layers: :func:`zero_init_layers` finds the layers of a signal report whose weight is all 0
+and tells the deliberate ones (an output layer, or the last layer of a residual branch: GPT/DiT/ReZero-style
+zero-init, where the model's output or the branch starts at 0 and moves from the first update on) from a zero
+layer nothing gets around. A deliberate zero layer makes the signal report meaningless at step 0 (its output
+is 0 and no gradient reaches the layers before it); :func:`zero_layers_small` and :func:`excluding` measure
+the rest of the model without it: its weight at :data:`ZERO_INIT_SCALE` x a fan-in init, and its own rows
+neither judged nor anyone's reference.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import hashlib
+import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-__all__ = ["ParamFingerprint", "InitChange", "InitFingerprint"]
+if TYPE_CHECKING:
+    from .signal_propagation import SignalReport
+
+__all__ = ["ParamFingerprint", "InitChange", "InitFingerprint", "ZeroInitLayer", "zero_init_layers", "zero_layers_small",
+           "excluding", "ZERO_INIT_SCALE", "OUTPUT_LAYER", "RESIDUAL_END"]
 
 
 # -- the fingerprint ---------------------------------------------------------------------------------
@@ -141,3 +156,121 @@ class InitFingerprint:
         self.params = {n: ParamFingerprint(tuple(f["shape"]), f["dtype"], f["std"], f["digest"])
                        for n, f in state["params"].items()}
         self.skipped = list(state["skipped"])
+
+
+# -- zero-initialized layers -------------------------------------------------------------------------
+
+#: A deliberate zero weight is measured at this fraction of a fan-in init (std scale / sqrt(fan_in); a 1-d weight:
+#: filled with it): about its first update's size (Adam moves each element by about lr), small enough that the forward
+#: is as built (a residual branch still adds ~nothing), nonzero so that the gradient reaches the layers before it.
+ZERO_INIT_SCALE = 1e-3
+OUTPUT_LAYER = "the output layer"
+RESIDUAL_END = "the last layer of a residual branch"
+
+
+@dataclass
+class ZeroInitLayer:
+    """A leaf module whose weight (the parameter a signal report describes it by) is all 0 as built.
+
+    Attributes:
+        name: the module's name.
+        param: its zero parameter's name.
+        layers: its calls' names in the signal report (``name``, or ``name#k`` for a module called several times).
+        role: :data:`OUTPUT_LAYER` (no layer with a parameter runs after it), :data:`RESIDUAL_END` (the signal goes
+            around it: the next layer's input std is more than ``SignalThresholds.explode`` x its output std, and
+            nonzero), or ``""`` (neither: nothing gets around it, every call of it must be one of the two).
+        around: for :data:`RESIDUAL_END`, the input std of the layer after it (the residual stream).
+    """
+
+    name: str
+    param: str
+    layers: list[str]
+    role: str
+    around: float | None = None
+
+    @property
+    def deliberate(self) -> bool:
+        return bool(self.role)
+
+
+def zero_init_layers(model: nn.Module, report: SignalReport) -> list[ZeroInitLayer]:
+    """Return the layers of ``report`` (measured on ``model``) whose weight is all 0, in execution order."""
+    from ..tasks.init_schemes import TRANSPARENT
+
+    modules = dict(model.named_modules(remove_duplicate=False))
+    params = dict(model.named_parameters(remove_duplicate=False))
+    layers = report.layers
+    calls: dict[str, list[int]] = {}
+    for i, layer in enumerate(layers):
+        calls.setdefault(layer.name.split("#")[0], []).append(i)
+    found = []
+    for name, at in calls.items():
+        param = params.get(layers[at[0]].param_name or "")
+        if param is None or param.numel() == 0 or not param.is_floating_point() or bool(param.detach().ne(0).any()):
+            continue
+        roles, around = [], None
+        for i in at:
+            after = layers[i + 1:]
+            if not any(layer.param_name for layer in after):
+                roles.append(OUTPUT_LAYER)
+                continue
+            nxt = next((layer for layer in after if not isinstance(modules.get(layer.name.split("#")[0]), TRANSPARENT)),
+                       None)
+            if (nxt is not None and nxt.in_std is not None and math.isfinite(nxt.in_std) and nxt.in_std > 0
+                    and nxt.in_std > report.thresholds.explode * layers[i].out_std):
+                roles.append(RESIDUAL_END)
+                around = nxt.in_std if around is None else min(around, nxt.in_std)
+            else:
+                roles.append("")
+        role = roles[0] if all(roles) and len(set(roles)) == 1 else RESIDUAL_END if all(roles) else ""
+        found.append(ZeroInitLayer(name, layers[at[0]].param_name or "", [layers[i].name for i in at], role,
+                                   around if role == RESIDUAL_END else None))
+    return found
+
+
+def zero_layers_small(model: nn.Module, zero: list[ZeroInitLayer], scale: float = ZERO_INIT_SCALE,
+                      seed: int = 0) -> nn.Module:
+    """Return a copy of ``model`` (tied weights stay tied) whose ``zero`` layers' weight is ``scale`` x a fan-in init:
+    N(0, scale^2 / fan_in) for a weight of 2 dimensions or more, filled with ``scale`` for a 1-d one (a norm's gain).
+    Drawn from a generator seeded with ``seed``: the caller's RNG is left as it was."""
+    twin = copy.deepcopy(model)
+    params = dict(twin.named_parameters(remove_duplicate=False))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for z in zero:
+            p = params[z.param]
+            if p.dim() >= 2:
+                fan_in = p.numel() // p.shape[0]
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(scale / math.sqrt(fan_in)))
+            else:
+                p.fill_(scale)
+    return twin
+
+
+def excluding(report: SignalReport, zero: list[ZeroInitLayer], *, label: str,
+              as_built: SignalReport | None = None) -> SignalReport:
+    """Return ``report`` judged without the ``zero`` layers: their rows get no ratio and no verdict, and no other layer
+    is compared with them (a layer they were pooled with is compared with its other counterparts, or with none).
+    ``as_built``: the report of the model as built, whose update ratios the zero layers' parameters keep (0 at init:
+    no ratio; the measured copy's weights are not theirs)."""
+    from .signal_propagation import OK, assign_references
+
+    names = {name for z in zero for name in z.layers}
+    layers = copy.deepcopy(report.layers)
+    for layer in layers:
+        layer.ref_forward = layer.ref_backward = ""
+        layer.forward_ratio = layer.backward_ratio = layer.param_std_ratio = layer.param_grad_ratio = None
+        layer.forward = layer.backward = OK
+        layer.own_reference = layer.own_reference or layer.name in names  # a group of its own
+    assign_references(layers, report.thresholds)
+    for layer in layers:
+        if layer.name in names:
+            layer.ref_forward = layer.ref_backward = ""
+            layer.forward_ratio = layer.backward_ratio = layer.param_std_ratio = layer.param_grad_ratio = None
+            layer.forward = layer.backward = OK
+    updates = report.updates
+    if as_built is not None:
+        built = {u.name: u for u in as_built.updates}
+        params = {z.param for z in zero}
+        updates = [built.get(u.name, u) if u.name in params else u for u in report.updates]
+    return dataclasses.replace(report, label=label, layers=layers, updates=updates)

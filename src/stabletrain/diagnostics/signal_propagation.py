@@ -57,6 +57,7 @@ __all__ = [
     "LayerSignal",
     "SignalReport",
     "signal_report",
+    "assign_references",
 ]
 
 OK, VANISHING, EXPLODING = "ok", "vanishing", "exploding"
@@ -311,7 +312,7 @@ def _group_key(layer: LayerSignal) -> tuple:
     return layer.kind, pattern, layer.in_shape, layer.out_shape, None if layer.role == "recurrent" else layer.segment
 
 
-def _assign_references(layers: list[LayerSignal], thresholds: SignalThresholds) -> None:
+def assign_references(layers: list[LayerSignal], thresholds: SignalThresholds) -> None:
     groups: dict[tuple, list[LayerSignal]] = {}
     for layer in layers:
         groups.setdefault(_group_key(layer), []).append(layer)
@@ -386,7 +387,7 @@ def signal_report(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any],
         with torch.no_grad():
             for b, saved in zip(model.buffers(), saved_buffers):
                 b.copy_(saved)
-    _assign_references(layers, thresholds)
+    assign_references(layers, thresholds)
     activations: dict[str, int] = {}
     for kind in [layer.kind for layer in layers if layer.activation is not None] + [call for call, _ in functional]:
         activations[kind] = activations.get(kind, 0) + 1

@@ -36,6 +36,7 @@ __all__ = [
     "RESIDUAL_MARKER",
     "InitDecision",
     "ActivationTrace",
+    "TRANSPARENT",
     "init_",
     "activation_name",
     "activation_gain",
@@ -56,8 +57,8 @@ _ACTIVATIONS: dict[type, str] = {
 # Saturating activations: Glorot's analysis (fan_avg) is the one made for them.
 SATURATING = frozenset({"tanh", "softsign", "sigmoid"})
 # Modules that pass the signal through unchanged in scale at init (looked through when finding the activation).
-_TRANSPARENT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.Identity, nn.Flatten,
-                nn.Unflatten)
+TRANSPARENT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.Identity, nn.Flatten,
+               nn.Unflatten)
 # The layers init_ draws a fan-based init for.
 _LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d,
@@ -283,7 +284,7 @@ def _fans(module: nn.Module, weight: Tensor) -> tuple[int, int]:
 def _following(leaves: list[tuple[str, nn.Module]], i: int) -> nn.Module | None:
     """Return the activation module after leaves[i] (registration order), or None when none follows."""
     for _, module in leaves[i + 1:]:
-        if isinstance(module, _TRANSPARENT):
+        if isinstance(module, TRANSPARENT):
             continue
         return module if activation_name(module) is not None else None
     return None
