@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import faults
 import pytest
@@ -115,7 +116,7 @@ def test_nan_sample_is_named_by_bisection(recollate):
     assert d["num_micro_batches"] == 2 and d["num_samples"] == 16
 
 
-def test_the_record_counts_its_passes_and_a_subset_with_a_nan_loss_skips_its_backward():
+def test_the_record_counts_its_passes_and_the_subsets_of_a_nan_loss_run_no_backward():
     ds = faults.dataset_with_nan(bad_index=37)
     torch.manual_seed(0)
     model = faults.Classifier()
@@ -126,11 +127,11 @@ def test_the_record_counts_its_passes_and_a_subset_with_a_nan_loss_skips_its_bac
                       dataset=ds)
     assert d["bad_samples"] == [37] and d["stage"] == "inputs"
     # The whole window is the first replay, not asked again: subsets of 8, 8, 4, 4, 2, 2, 1, 1, half of them bad.
-    assert d["passes"] == {"replays": 2, "updates": 0, "bisection": 8, "bisection_forward_only": 4, "anomaly": 1}
-    assert forwards == [16, 16, 8, 8, 4, 4, 2, 2, 1, 1, 16]
-    # Backward: the two replays and the four good subsets; not the bad subsets (their loss is NaN), nor the anomaly
-    # pass (anomaly mode stops at the first backward function returning NaN, in the loss, before the model).
-    assert len(backwards) == 2 + 4
+    assert d["passes"] == {"replays": 2, "updates": 0, "bisection": 8, "bisection_forward_only": 8, "anomaly": 1}
+    assert forwards == [16, 16, 8, 8, 4, 4, 2, 2, 1, 1, 16] and d["bisection"]["judged_on"] == "loss"
+    # Backward: the two replays alone. The window's loss is NaN: a subset is judged on its loss, its forward alone;
+    # nor the anomaly pass (anomaly mode stops at the first backward function returning NaN, in the loss, before the model).
+    assert len(backwards) == 2
     assert set(d["timings"]) == {"replays_s", "bisection_s", "anomaly_s", "total_s"}
     assert d["timings"]["total_s"] >= d["timings"]["replays_s"] + d["timings"]["bisection_s"] + d["timings"]["anomaly_s"]
 
@@ -293,3 +294,137 @@ def test_the_frames_shown_for_the_first_bad_op_are_only_the_users(build):
     assert len(files) >= 2, d["anomaly_trace"]
     assert {f.replace("\\", "/").rsplit("/", 1)[-1] for f, _ in files} == {"faults.py"}, d["anomaly_trace"]
     assert "x = layer(x)" in d["anomaly_trace"]  # Stack.forward, the user's own loop over layers, stays
+
+
+# -- the user's own loop (stabletrain.Monitor): BatchNorm, fp16 with a GradScaler, an output object ---------------
+
+
+def test_own_loop_with_batchnorm_fp16_and_an_output_object_names_the_one_bad_sample(tmp_path):
+    """Accumulation over 3 micro-batches of 8, the user's GradScaler and clip, a model with BatchNorm returning a
+    SimpleNamespace: the planted log(-1) (step 3, micro-batch 1, position 5) is sample 13 alone, in forward.
+
+    BatchNorm cannot run one sample in training mode: sample 13 is judged with a sample of its micro-batch found good.
+    The subsets are judged on their loss (the step's failure), not on gradients the GradScaler's scale overflows."""
+    from nan_tasks import WeightedNet, weighted_batches, weighted_loss
+
+    from stabletrain import Monitor
+    from stabletrain.report import load_run
+
+    torch.manual_seed(0)
+    model = WeightedNet(batch_norm=True, output="namespace")
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)  # gradients scaled by it overflow float16
+    data = weighted_batches(4 * 3)
+    data[2 * 3 + 1]["w"][5] = -1.0
+    with warnings.catch_warnings():  # fp16 on CPU: meant for testing (warned once a process)
+        warnings.simplefilter("ignore")
+        monitor = Monitor(model, opt, run_dir=tmp_path / "run", scaler=scaler, precision="fp16", loss_fn=weighted_loss,
+                          log_every=10)
+    with monitor:
+        for step in range(4):
+            micro, total = data[3 * step:3 * step + 3], 0.0
+            for batch in micro:
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = weighted_loss(model, batch) / 3
+                total = total + loss.detach()
+                scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            monitor.step(micro_batches=micro, loss=total, grad_norm=norm)
+    incident = load_run(tmp_path / "run").counted_events("incident")[0]
+    d = incident.extra["diagnosis"]
+    assert incident.step == 3 and d["failure_class"] == "op"
+    assert (d["stage"], d["op"], d["direction"], d["module"]) == ("activations", "aten.log.default", "forward", "")
+    assert d["bad_samples"] == [13] and d["bad_positions"] == [{"micro_batch": 1, "position": 5}]
+    full = json.loads((tmp_path / "run" / "incidents" / "step_000003" / "diagnosis.json").read_text())
+    assert full["masked_in_forward"] is False and full["replay_loss_scale"] == 1.0  # 2**22 overflows micro-batch 0's
+    assert full["bisection"]["judged_on"] == "loss" and full["bisection"]["judged_with"] == {"13": [8]}
+    assert ("aten.log.default in forward of the root module (origin: inputs finite), at sample 13 (judged with a sample "
+            "of its micro-batch found good: 13 with 8; one sample alone cannot be replayed: BatchNorm in training mode "
+            "needs more than one value per channel); reproduces on replay") in d["summary"]
+    assert "masked" not in d["summary"]
+
+
+def weighted_window(batch_norm: bool, output: str = "namespace", sizes: tuple[int, ...] = (8, 8), bad: int = 13):
+    """A WeightedNet and a window of micro-batches of ``sizes`` (samples 40, 41, ...) whose sample 40 + ``bad`` has w = -1."""
+    from nan_tasks import WeightedNet, weighted_batches
+
+    torch.manual_seed(0)
+    model = WeightedNet(batch_norm=batch_norm, output=output)
+    batches = [weighted_batches(1, size, seed=i)[0] for i, size in enumerate(sizes)]
+    starts = [40 + sum(sizes[:i]) for i in range(len(sizes))]
+    window = [(list(range(start, start + size)), b) for start, size, b in zip(starts, sizes, batches)]
+    for indices, b in window:
+        if 40 + bad in indices:
+            b["w"][indices.index(40 + bad)] = -1.0
+    return model, window
+
+
+def fp16_at(scale: float) -> PrecisionPolicy:
+    """fp16 with a GradScaler at ``scale`` (a run's scale after many clean steps; its warning on CPU silenced)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        policy = PrecisionPolicy("fp16", "cpu")
+    policy.scaler.load_state_dict({**policy.scaler.state_dict(), "scale": scale})
+    return policy
+
+
+def test_batchnorm_cannot_run_one_sample_so_it_is_judged_with_a_sample_of_its_micro_batch_found_good():
+    """BatchNorm in training mode raises ValueError on one sample: sample 53 is judged with 48 (found good before)."""
+    from nan_tasks import weighted_loss
+
+    model, window = weighted_window(batch_norm=True)
+    d = diagnose_step(model, weighted_loss, window, precision=FP32, anomaly=False)
+    assert (d["stage"], d["op"], d["module"], d["bad_samples"], d["bad_sample_groups"]) == (
+        "activations", "aten.log.default", "", [53], [])
+    assert d["bisection"]["judged_with"] == {"53": [48]} and d["bisection"]["unrunnable_subsets"] == 0
+    assert d["bisection"]["cannot_run_alone"].startswith("ValueError: Expected more than 1 value per channel")
+    assert ("at sample 53 (judged with a sample of its micro-batch found good: 53 with 48; one sample alone cannot be "
+            "replayed: BatchNorm in training mode needs more than one value per channel); reproduces") in d["summary"]
+    # Micro-batches of 2: no sample of 41's micro-batch is ever found good, so no single one can be judged; the
+    # smallest set found is said to be that, not a set bad only together.
+    model, window = weighted_window(batch_norm=True, sizes=(2, 2), bad=1)
+    d = diagnose_step(model, weighted_loss, window, precision=FP32, anomaly=False)
+    assert d["bad_samples"] == [] and d["bad_sample_groups"] == [[40, 41]] and d["bisection"]["unrunnable_subsets"] == 2
+    assert ("aten.log.default in forward of the root module (origin: inputs finite), smallest set found: samples 40, 41 "
+            "(a smaller one cannot be replayed: BatchNorm in training mode needs more than one value per channel)"
+            ) in d["summary"]
+    assert "samples 40, 41 are the smallest set found bad (2 smaller subsets could not be replayed)" in (
+        d["bisection"]["summary"])
+
+
+def test_fp16_subsets_are_judged_on_the_failure_not_on_scaled_gradients_that_overflow():
+    """At a GradScaler scale of 2**24 every subset's scaled gradients overflow float16 (the scaler's routine skip).
+
+    A NaN loss (sample 53's log(-1)): subsets are judged on their forward loss, and the replays run at scale 1, where
+    micro-batch 0's backward no longer overflows before micro-batch 1's forward. A NaN gradient (sample 45's sqrt
+    at 0): subsets are judged at scale 1. Each names its one sample and its own op, as in fp32."""
+    from nan_tasks import weighted_loss
+
+    model, window = weighted_window(batch_norm=False, output="dict")
+    d = diagnose_step(model, weighted_loss, window, precision=fp16_at(2.0**24), anomaly=False)
+    assert (d["failure_class"], d["stage"], d["op"], d["direction"]) == ("op", "activations", "aten.log.default", "forward")
+    assert d["bad_samples"] == [53] and d["replay_loss_scale"] == 1.0 and d["bisection"]["judged_on"] == "loss"
+    assert "at sample 53; reproduces on replay" in d["summary"]
+
+    model, x = faults.sqrt_at_zero(zero_row=5)
+    d = diagnose_step(model, faults.regression_loss, [(list(range(40, 48)), x)], precision=fp16_at(2.0**30), anomaly=False)
+    assert (d["failure_class"], d["op"], d["autograd_node"], d["module"]) == ("op", "aten.div.Tensor", "SqrtBackward0",
+                                                                              "layers.1")
+    assert d["bad_samples"] == [45] and d["bisection"]["judged_on"] == "gradients"
+    assert d["bisection"]["loss_scale"] == 1.0 and d["replay_loss_scale"] == 1.0
+    assert d["summary"].endswith("of module 'layers.1' (origin: inputs finite), at sample 45; reproduces on replay")
+
+
+@pytest.mark.parametrize("output, masked", [("namespace", False), ("dataclass", False), ("opaque", None)])
+def test_a_nan_loss_in_an_output_object_is_never_called_masked(output, masked):
+    """The loss inside a SimpleNamespace or a dataclass: the locator reads the root module's output (the NaN reached it).
+    An output it cannot read (slots): unknown, and the loss is NaN anyway, so nothing is called masked."""
+    from nan_tasks import weighted_loss
+
+    model, window = weighted_window(batch_norm=False, output=output)
+    d = diagnose_step(model, weighted_loss, window, precision=FP32, anomaly=False)
+    assert (d["stage"], d["op"], d["module"], d["bad_samples"]) == ("activations", "aten.log.default", "", [53])
+    assert d["masked_in_forward"] is masked and d["backward_op"] is None and "masked" not in d["summary"]
+    assert d["summary"] == ("op: first non-finite value (activations): aten.log.default in forward of the root module "
+                            "(origin: inputs finite), at sample 53; reproduces on replay")

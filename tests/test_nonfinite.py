@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import types
+from dataclasses import dataclass
+from typing import NamedTuple
+
 import faults
 import pytest
 import torch
@@ -368,3 +372,57 @@ def test_nan_check_fails_on_a_model_that_is_already_broken():
     result = check_nan(CheckContext(cfg, task_factory=factory))
     assert not result.passed and "not finite before planting" in result.summary
     assert result.numbers == {"op": "aten.log.default", "module": "layers.2"}
+
+
+class Pair(NamedTuple):
+    logits: Tensor
+    extra: object
+
+
+@dataclass
+class Record:
+    logits: Tensor
+
+
+class Slots:
+    __slots__ = ("logits",)
+
+    def __init__(self, logits: Tensor) -> None:
+        self.logits = logits
+
+
+WRAPS = {"namespace": lambda t: types.SimpleNamespace(logits=t, note="x"), "dataclass": Record,
+         "namedtuple": lambda t: Pair(t, None), "nested": lambda t: {"out": [types.SimpleNamespace(logits=t)]}}
+
+
+class RootOrigin(nn.Module):
+    """The origin in the root module's own forward, its output wrapped: log of a ReLU's zeros (the -inf reaches the
+    output) or ``where(h > 2, log2(h), 2h)`` at a zero row (masked out of it, NaN in Log2Backward0)."""
+
+    def __init__(self, wrap, masked: bool) -> None:
+        super().__init__()
+        self.fc, self.wrap, self.masked = nn.Linear(8, 8, bias=False), wrap, masked
+        with torch.no_grad():
+            self.fc.weight.copy_(torch.eye(8))
+
+    def forward(self, x: Tensor):
+        h = self.fc(x)
+        return self.wrap(torch.where(h > 2, torch.log2(h), 2 * h) if self.masked else torch.log(F.relu(h)))
+
+
+@pytest.mark.parametrize("wrap", [*WRAPS, "slots"])
+@pytest.mark.parametrize("masked", [False, True], ids=["reaches", "masked"])
+def test_masked_in_forward_reads_the_tensors_inside_the_root_modules_output_object(wrap, masked):
+    """A SimpleNamespace, a dataclass, a named tuple, a list in a dict: read like a tensor output. An object whose
+    tensors cannot be read (slots, no ``__dict__``) leaves it unknown (None): never "masked" on no evidence."""
+    model = RootOrigin(WRAPS.get(wrap, Slots), masked)
+    x = torch.rand(8, 8, generator=torch.Generator().manual_seed(0)) * 4
+    x[5] = 0.0
+    with NonFiniteLocator(model) as loc:
+        out = model(x)
+        (out.logits if hasattr(out, "logits") else out["out"][0].logits).pow(2).mean().backward()
+    origin = loc.first_origin
+    assert (origin.op, origin.module) == ("aten.log2.default" if masked else "aten.log.default", "")
+    assert origin.masked_in_forward is (None if wrap == "slots" else masked)
+    assert (origin.backward_op.autograd_node if origin.backward_op else None) == (
+        "Log2Backward0" if masked and wrap != "slots" else None)

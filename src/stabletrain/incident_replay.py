@@ -43,12 +43,13 @@ from .tasks import Task, resolve_task
 __all__ = ["diagnose_step", "diagnose_incident", "launch_history", "run_history"]
 
 
-class _NonFiniteLoss(Exception):
-    """Raised from the loss, inside the step's forward/backward, to skip the backward of a micro-batch already bad."""
+class _BeforeBackward(Exception):
+    """Raised from the loss, inside the step's forward/backward, to skip the backward of a micro-batch (one already bad,
+    or every one of a forward-only replay): its loss sum and its count."""
 
-    def __init__(self, loss_sum: float) -> None:
+    def __init__(self, loss_sum: float, count: float = 0.0) -> None:
         super().__init__(loss_sum)
-        self.loss_sum = loss_sum
+        self.loss_sum, self.count = loss_sum, count
 
 
 class _Replayer:
@@ -88,15 +89,37 @@ class _Replayer:
         # can overflow the norm's sum of squares where its mean does not).
         return local(step)
 
-    def forward_backward(self, groups: list[tuple[list[int], Any]],
-                         stop_at_nonfinite_loss: bool = False) -> tuple[list[float], float]:
+    @property
+    def judging_scale(self) -> float | None:
+        """The loss scale a replay judged on its gradients runs at, where it is not the run's own; else None.
+
+        fp16 with a GradScaler above :data:`UNRECOVERABLE_SCALE`: gradients that overflow only scaled are the scaler's
+        routine skip (the guard raises no incident for them), not the step's NaN; at that scale an overflow is one the
+        scaler cannot fix. None in fp32 and bf16, and where the run's scale is at or below it already.
+        """
+        scaler = self.precision.scaler
+        if scaler is None or scaler.get_scale() <= UNRECOVERABLE_SCALE:
+            return None
+        return UNRECOVERABLE_SCALE
+
+    def forward_backward(self, groups: list[tuple[list[int], Any]], stop_at_nonfinite_loss: bool = False, *,
+                         forward_only: bool = False, loss_scale: float | None = None) -> tuple[list[float], float]:
         """Run the window through the step's forward/backward; return the per-micro-batch loss sums and the mean loss.
 
         Losses are returned as Python floats (one sync per micro-batch). ``stop_at_nonfinite_loss``: return
         at the first micro-batch whose loss sum is not finite, before its backward (the sums so far and that
         non-finite sum as the mean): all that a search asking "is this subset bad?" needs of a bad one.
+        ``forward_only``: run each micro-batch's forward alone, through the step (its autocast and modes), and no
+        backward (no gradients): the mean is the sums' total over the counts. ``loss_scale``: fp16, run at this
+        GradScaler scale instead of the run's (see :attr:`judging_scale`); ignored without a scaler.
         """
         self.step = step = self._fresh_step()
+        if loss_scale is not None and step.precision.scaler is not None:  # on a copy: a factory's policy is left as is
+            step.precision = copy_precision(step.precision, step.precision.device)
+            scaler = step.precision.scaler
+            scaler.load_state_dict({**scaler.state_dict(), "scale": float(loss_scale)})
+        if forward_only:
+            return self._forwards(step, groups, stop_at_nonfinite_loss)
         outputs: list[Any] = []
 
         def recorded(model: nn.Module, batch: Any) -> Any:
@@ -104,16 +127,36 @@ class _Replayer:
             if stop_at_nonfinite_loss:
                 loss_sum = float(as_sum_count(outputs[-1], len(groups[len(outputs) - 1][0]))[0].detach())
                 if not math.isfinite(loss_sum):
-                    raise _NonFiniteLoss(loss_sum)
+                    raise _BeforeBackward(loss_sum)
             return outputs[-1]
 
         try:
             step.forward_backward([(len(indices), batch) for indices, batch in groups], recorded)
-        except _NonFiniteLoss as stop:
+        except _BeforeBackward as stop:
             done = [float(as_sum_count(o, len(indices))[0].detach()) for o, (indices, _) in zip(outputs[:-1], groups)]
             return [*done, stop.loss_sum], stop.loss_sum
         sums = [float(as_sum_count(o, len(indices))[0].detach()) for o, (indices, _) in zip(outputs, groups)]
         return sums, float(step.window.mean_loss)
+
+    def _forwards(self, step: TrainStep, groups: list[tuple[list[int], Any]],
+                  stop_at_nonfinite_loss: bool) -> tuple[list[float], float]:
+        """Each micro-batch's forward through ``step`` (a window of its own), stopped before its backward."""
+        sums: list[float] = []
+        count = 0.0
+        for indices, batch in groups:
+
+            def forward(model: nn.Module, batch: Any, n: int = len(indices)) -> Any:
+                loss_sum, num = as_sum_count(self.loss_fn(model, batch), n)
+                raise _BeforeBackward(float(loss_sum.detach()), float(num))
+
+            try:
+                step.forward_backward([(len(indices), batch)], forward)
+            except _BeforeBackward as stop:
+                sums.append(stop.loss_sum)
+                count += stop.count
+            if stop_at_nonfinite_loss and not math.isfinite(sums[-1]):
+                return sums, sums[-1]
+        return sums, sum(sums) / count if count else float("nan")
 
     def grad_norm(self) -> float:
         """The pre-clip norm of the true (unscaled) gradients, as the step measures it."""
@@ -189,14 +232,19 @@ def diagnose_step(
     Returns keys: ``stage``, ``op``, ``direction``, ``module``, ``origin``, ``kind``, ``autograd_node``,
     ``first_op`` and ``first_origin_op`` (full records), ``first_nonfinite_param``,
     ``nonfinite_params_after_update``, ``bad_samples`` (bisection), ``bad_input_samples`` (rows of the
-    batch holding NaN/Inf), ``bad_sample_groups``, ``bisection``, ``masked_in_forward`` (the first
-    non-finite forward value never reached its module's output; None when unknown), ``backward_node``
-    and ``backward_op`` (where it then became non-finite in backward), ``anomaly_trace``,
+    batch holding NaN/Inf), ``bad_sample_groups``, ``bisection`` (its search: ``judged_on`` loss, gradients or
+    precise, at ``loss_scale``; where one sample alone cannot run, ``cannot_run_alone``, ``judged_with`` and
+    ``unrunnable_subsets``: see :class:`~stabletrain.diagnostics.bisection.SubsetJudge`), ``replay_loss_scale``
+    (fp16: the scale the replays ran at where it is not the run's: :attr:`_Replayer.judging_scale`),
+    ``masked_in_forward`` (the first non-finite forward value never reached its module's output; None when
+    unknown, and never True where the loss is non-finite), ``backward_node`` and ``backward_op`` (where it then
+    became non-finite in backward), ``anomaly_trace``,
     ``reproduces``, ``replays``, ``loss``, ``grad_norm``, ``failure_class`` (op, data, overflow, divergence,
     not reproducible) with its ``evidence``, ``growth`` and ``blamed_module``, ``summary``, and what the diagnosis cost:
     ``timings`` (seconds: ``replays_s``, ``bisection_s``, ``anomaly_s``, ``total_s``) and ``passes``
     (forward/backward replays: ``replays``, ``updates``, ``bisection`` subsets, of which
-    ``bisection_forward_only`` stopped at a non-finite loss before their backward, ``anomaly``).
+    ``bisection_forward_only`` ran no backward: a loss judged non-finite, or every subset of a step whose
+    loss is, ``anomaly``).
     The model's parameters, buffers, gradients and mode, and the RNG state, are restored on return.
     """
     if num_replays < 1:

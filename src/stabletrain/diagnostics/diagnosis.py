@@ -23,7 +23,6 @@ train/eval mode and the RNG are restored when it returns. Replay only: it syncs 
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -31,11 +30,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import default_collate
 
 from ..numerics import first_nonfinite_grad
 from .anomaly import anomaly_trace
-from .bisection import Bisection, bisect_samples
+from .bisection import Bisection, SubsetJudge, bisect_samples
 from .failure_class import WEIGHT_DRIVEN_SHARE, classify_failure
 from .nonfinite import NonFiniteLocator, NonFiniteOp
 
@@ -80,18 +78,6 @@ def _floating_leaves(batch: Any) -> list[Tensor]:
     return []
 
 
-def _select(batch: Any, positions: list[int], n: int) -> Any:
-    """Return the rows ``positions`` of every tensor in ``batch`` whose first dimension is ``n``."""
-    if isinstance(batch, Tensor):
-        return batch[positions] if batch.dim() > 0 and batch.shape[0] == n else batch
-    if isinstance(batch, dict):
-        return {k: _select(v, positions, n) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        items = [_select(v, positions, n) for v in batch]
-        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
-    return batch
-
-
 def _bad_inputs(micro_batches: list[tuple[list[int], Any]]) -> tuple[bool, list[int]]:
     """Return (some input is non-finite, the dataset indices of the samples whose rows hold it)."""
     any_bad, samples = False, []
@@ -127,8 +113,9 @@ def run_diagnosis(rep: Any, micro_batches: list[tuple[list[int], Any]],
     """Replay ``num_replays`` times under the locator, bisect the samples, replay under anomaly mode; return the record.
 
     ``rep``: a replayer with ``model``, ``precision``, ``step_factory`` (None: no update stage),
-    ``reset()``, ``forward_backward(groups, stop_at_nonfinite_loss=False) -> (loss sums, mean loss)``,
-    ``grad_norm()`` and ``update() -> (names of parameters made non-finite, grad norm)`` (see
+    ``reset()``, ``forward_backward(groups, stop_at_nonfinite_loss=False, *, forward_only=False, loss_scale=None)
+    -> (loss sums, mean loss)``, ``grad_norm()``, ``update() -> (names of parameters made non-finite, grad norm)``
+    and ``judging_scale`` (the fp16 loss scale subsets judged on their gradients replay at; None: the run's) (see
     :mod:`stabletrain.incident_replay`). The keys are those :func:`stabletrain.incident_replay.diagnose_step` documents.
 
     ``observed``: what the run saw of the step (``loss``, ``grad_norm``; either may be missing): the
@@ -139,8 +126,9 @@ def run_diagnosis(rep: Any, micro_batches: list[tuple[list[int], Any]],
     What it costs, in forward/backward passes: ``num_replays`` under the locator (the first one
     follows the value to its origin and records the stack; the others, which only check that it
     reproduces, stop at the first non-finite op), one update where everything stayed finite, the
-    bisection's subsets (the whole window is the first replay; a subset whose loss is already
-    non-finite skips its backward) and one anomaly-mode pass; ``timings`` and ``passes`` in the
+    bisection's subsets (the whole window is the first replay, unless fp16 judges subsets at another loss
+    scale; where the window's loss is non-finite a subset runs its forwards only, elsewhere a subset whose
+    loss is already non-finite skips its backward) and one anomaly-mode pass; ``timings`` and ``passes`` in the
     record say how much each took.
     """
     start = time.perf_counter()
@@ -148,11 +136,21 @@ def run_diagnosis(rep: Any, micro_batches: list[tuple[list[int], Any]],
     inputs_bad, input_samples = _bad_inputs(micro_batches)
     replays = []
     first_rec = origin_rec = None
-    for r in range(num_replays):
+    judging = getattr(rep, "judging_scale", None)
+    scaled: dict[str, float] = {}  # the loss scale the replays run at: the run's ({}) or the judging scale
+    r = 0
+    while r < num_replays:
         rep.reset()
         with NonFiniteLocator(rep.model, capture_stack=r == 0, first_only=r > 0) as loc:
-            sums, loss = rep.forward_backward(micro_batches)
+            sums, loss = rep.forward_backward(micro_batches, **scaled)
         passes["replays"] += 1
+        if (r == 0 and not scaled and judging is not None and loc.first is not None
+                and loc.first.direction == "backward" and _bad_at(rep, micro_batches, judging, passes)):
+            # fp16: the first non-finite value is in a backward scaled by more than the judging scale, and the window
+            # is bad at that scale too: the scaled overflow came first (the GradScaler's routine), the step's own
+            # failure later. The replays run at the judging scale, where the first non-finite value is that failure.
+            scaled = {"loss_scale": judging}
+            continue
         grad_name = first_nonfinite_grad(rep.model)
         after_update: list[str] = []
         grad_norm = rep.grad_norm()
@@ -170,6 +168,7 @@ def run_diagnosis(rep: Any, micro_batches: list[tuple[list[int], Any]],
             "first_nonfinite_param": grad_name, "nonfinite_params_after_update": after_update,
             "_sums": sums,
         })
+        r += 1
     head = replays[0]
     stage = head["stage"]
     keys = ("stage", "op", "direction", "module", "first_nonfinite_param", "nonfinite_params_after_update")
@@ -188,16 +187,21 @@ def run_diagnosis(rep: Any, micro_batches: list[tuple[list[int], Any]],
     # Which samples: bisection over the window (rows holding a non-finite input are also read directly).
     bisection: Bisection | None = None
     bad_samples: list[int] | None = input_samples if stage == "inputs" and input_samples else None
+    judge: SubsetJudge | None = None
     if bisect and stage in ("inputs", "activations", "loss", "gradients"):
-        # The bisection replays many subsets: where the whole window's bad value reaches the loss or the
-        # gradients, a plain finiteness check on those tells bad from good, without the op-by-op locator.
-        reaches = not math.isfinite(float(replays[0]["loss"])) or replays[0]["first_nonfinite_param"] is not None
-        # The whole window is not asked again: it was the first replay (bad: it reached the loss or the gradients,
-        # or, as the precise check also counts, the locator saw a non-finite value at all).
-        bisection = bisect_samples(_is_bad_fn(rep, micro_batches, dataset, collate, precise=not reaches, passes=passes),
-                                   [i for indices, _ in micro_batches for i in indices],
-                                   whole_bad=reaches or first_rec is not None)
-        bad_samples = bisection.samples
+        # A subset is bad for the failure the whole window showed: a non-finite loss (judged on the forwards alone),
+        # else a non-finite gradient (a plain finiteness check, without the op-by-op locator), else any non-finite
+        # value the locator sees. The whole window is not asked again where it ran as the subsets do: it was the
+        # first replay (bad: it reached the loss or the gradients, or the locator saw a non-finite value at all).
+        loss_bad = not math.isfinite(float(replays[0]["loss"]))
+        reaches = loss_bad or replays[0]["first_nonfinite_param"] is not None
+        scale = None if loss_bad else judging
+        judge = SubsetJudge(rep, micro_batches, dataset, collate, "loss" if loss_bad else "gradients" if reaches
+                             else "precise", scale, passes)
+        known = loss_bad or scale == scaled.get("loss_scale")  # a loss is the same at any scale
+        bisection = bisect_samples(judge, [i for indices, _ in micro_batches for i in indices],
+                                   whole_bad=reaches or first_rec is not None if known else None)
+        bisection.unjudged, bad_samples = judge.unrunnable, bisection.samples
     bisection_s = time.perf_counter() - start - replays_s
 
     trace = None
@@ -205,10 +209,16 @@ def run_diagnosis(rep: Any, micro_batches: list[tuple[list[int], Any]],
         rep.reset()
         # Where the replays agree on a first op in forward, the first replay's record (and stack) is the anomaly
         # pass's own: that pass then only runs anomaly mode, for the backward function it reports.
-        trace = anomaly_trace(lambda: rep.forward_backward(micro_batches), rep.model, located=first_rec if same else None)
+        trace = anomaly_trace(lambda: rep.forward_backward(micro_batches, **scaled), rep.model,
+                              located=first_rec if same else None)
         passes["anomaly"] += 1
     anomaly_s = time.perf_counter() - start - replays_s - bisection_s
 
+    # Masked out of its module's output in forward, as the locator read it: never where the loss itself is non-finite
+    # (the bad value reached it; a module output whose tensors the locator could not read is left unknown, None).
+    masked = origin_rec.masked_in_forward if origin_rec else None
+    if masked and not math.isfinite(float(head["loss"])):
+        masked = None
     out: dict[str, Any] = {
         "stage": stage,
         "op": first_rec.op if first_rec else None,
@@ -218,9 +228,9 @@ def run_diagnosis(rep: Any, micro_batches: list[tuple[list[int], Any]],
         "kind": first_rec.kind if first_rec else None,
         "autograd_node": first_rec.autograd_node if first_rec else None,
         # A forward origin masked out of its module's output (torch.where): where it turns non-finite in backward.
-        "masked_in_forward": origin_rec.masked_in_forward if origin_rec else None,
-        "backward_node": (origin_rec.backward_op.autograd_node if origin_rec and origin_rec.backward_op else None),
-        "backward_op": origin_rec.backward_op.op if origin_rec and origin_rec.backward_op else None,
+        "masked_in_forward": masked,
+        "backward_node": origin_rec.backward_op.autograd_node if masked and origin_rec.backward_op else None,
+        "backward_op": origin_rec.backward_op.op if masked and origin_rec.backward_op else None,
         "first_op": first_rec.to_dict() if first_rec else None,
         "first_origin_op": origin_rec.to_dict() if origin_rec and origin_rec is not first_rec else None,
         "first_nonfinite_param": head["first_nonfinite_param"],
@@ -230,7 +240,9 @@ def run_diagnosis(rep: Any, micro_batches: list[tuple[list[int], Any]],
         "bad_input_samples": input_samples,
         "bad_sample_groups": bisection.combinations if bisection else [],
         "bisection": ({"evaluations": bisection.num_evals, "whole_batch_bad": bisection.whole_bad,
-                       "exhausted": bisection.exhausted, "summary": bisection.summary()} if bisection else None),
+                       "exhausted": bisection.exhausted, "summary": bisection.summary(), "judged_on": judge.mode,
+                       "loss_scale": judge.loss_scale, **_companion_record(judge, bisection)}
+                      if bisection and judge else None),
         "anomaly_trace": trace,
         "reproduces": reproduces,
         "replays_agree": same,
@@ -242,6 +254,7 @@ def run_diagnosis(rep: Any, micro_batches: list[tuple[list[int], Any]],
         "loss": head["loss"],
         "grad_norm": head["grad_norm"],
         "precision": rep.precision.mode,
+        "replay_loss_scale": scaled.get("loss_scale"),  # fp16: the replays' scale where it is not the run's
         "num_micro_batches": len(micro_batches),
         "num_samples": sum(len(i) for i, _ in micro_batches),
         "timings": {"replays_s": replays_s, "bisection_s": bisection_s, "anomaly_s": anomaly_s,
@@ -282,45 +295,27 @@ def matches_observed(loss: float, grad_norm: float, observed: dict[str, Any], pr
     return True
 
 
-def _is_bad_fn(rep: Any, micro_batches: list[tuple[list[int], Any]], dataset: Any,
-               collate: Callable[[list[Any]], Any] | None, precise: bool = True,
-               passes: dict[str, int] | None = None) -> Callable[[list[int]], bool]:
-    """Return ``is_bad(subset)``: replay only those dataset indices, each in its own micro-batch's group.
+def _bad_at(rep: Any, micro_batches: list[tuple[list[int], Any]], loss_scale: float, passes: dict[str, int]) -> bool:
+    """Whether the window's loss or a gradient is non-finite at ``loss_scale`` (one plain replay, counted as one)."""
+    rep.reset()
+    _, loss = rep.forward_backward(micro_batches, loss_scale=loss_scale)
+    passes["replays"] += 1
+    return not math.isfinite(loss) or first_nonfinite_grad(rep.model) is not None
 
-    ``precise``: also count a non-finite value that never reaches the loss or the gradients (the
-    op-by-op locator); otherwise a subset is bad when its loss or a gradient is non-finite (cheaper).
-    A subset whose loss is already non-finite is bad either way: its backward is skipped. ``passes``:
-    counts the replays (``bisection``) and those that stopped before a backward (``bisection_forward_only``).
-    """
-    passes = passes if passes is not None else {"bisection": 0, "bisection_forward_only": 0}
-    collate = collate or default_collate
 
-    def is_bad(subset: list[int]) -> bool:
-        wanted = set(subset)
-        groups = []
-        for indices, batch in micro_batches:
-            positions = [k for k, i in enumerate(indices) if i in wanted]
-            if not positions:
-                continue
-            kept = [indices[k] for k in positions]
-            sub = collate([dataset[i] for i in kept]) if dataset is not None else _select(batch, positions, len(indices))
-            groups.append((kept, sub))
-        if not groups:
-            return False
-        rep.reset()
-        passes["bisection"] += 1
-        try:
-            with (NonFiniteLocator(rep.model, capture_stack=False, first_only=True) if precise
-                  else contextlib.nullcontext()) as loc:
-                _, loss = rep.forward_backward(groups, stop_at_nonfinite_loss=True)
-        except RuntimeError:  # a subset the model cannot run (e.g. batch norm on one sample) blames no one
-            return False
-        if not math.isfinite(loss):
-            passes["bisection_forward_only"] += 1
-            return True
-        return (loc is not None and loc.found) or first_nonfinite_grad(rep.model) is not None
+def _companion_record(judge: SubsetJudge, bisection: Bisection) -> dict[str, Any]:
+    """What the bisection record says of subsets the model could not run alone (see :class:`SubsetJudge`)."""
+    if judge.error is None:
+        return {}
+    return {"cannot_run_alone": judge.error, "unrunnable_subsets": len(judge.unrunnable),
+            "judged_with": {str(i): judge.companions[(i,)] for i in bisection.samples if (i,) in judge.companions}}
 
-    return is_bad
+
+def _alone_reason(error: str) -> str:
+    """Why a subset cannot run, for the summary (the record keeps the error)."""
+    if "more than 1 value per channel" in error:
+        return "BatchNorm in training mode needs more than one value per channel"
+    return error
 
 
 def _summary(d: dict[str, Any], bisection: Bisection | None) -> str:
@@ -340,7 +335,7 @@ def _where(d: dict[str, Any], bisection: Bisection | None, *, samples: bool = Tr
 
     ``samples``: name the samples the bisection found; ``evidence``: end with the class's evidence.
     """
-    stage = d["stage"]
+    stage, record = d["stage"], d.get("bisection") or {}
     if stage == "none" and d["failure_class"] == "divergence":
         return f"{d['evidence']}; reproduces on replay"
     if stage == "none":
@@ -382,6 +377,14 @@ def _where(d: dict[str, Any], bisection: Bisection | None, *, samples: bool = Tr
         pass
     elif d["bad_samples"]:
         text += f", at sample{'s' if len(d['bad_samples']) > 1 else ''} {', '.join(map(str, d['bad_samples']))}"
+        paired = record.get("judged_with") or {}
+        if paired:
+            text += (" (judged with a sample of its micro-batch found good: " + "; ".join(
+                f"{i} with {', '.join(map(str, c))}" for i, c in paired.items())
+                + f"; one sample alone cannot be replayed: {_alone_reason(record['cannot_run_alone'])})")
+    elif bisection is not None and bisection.combinations and bisection.unjudged:
+        text += (f", smallest set found: samples {', '.join(map(str, bisection.combinations[0]))} (a smaller one cannot "
+                 f"be replayed: {_alone_reason(record['cannot_run_alone'])})")
     elif bisection is not None and bisection.combinations:
         text += f", only in combination: samples {', '.join(map(str, bisection.combinations[0]))} (no single sample is bad)"
     elif bisection is not None and bisection.whole_bad:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any
 
 import torch
@@ -66,7 +66,8 @@ class NonFiniteOp:
             autograd node (backward; only under ``torch.autograd.detect_anomaly``), else None.
         masked_in_forward: for the first origin, in forward, inside a module: True when the output of
             that module call held only finite values (the bad value was masked out, e.g. by
-            ``torch.where``, and never reached the module's output), False when it did not; else None.
+            ``torch.where``, and never reached the module's output), False when it did not; else None
+            (None too where that output holds no tensor the locator can read: see :func:`_output_tensors`).
         backward_op: when ``masked_in_forward``: the first op of the backward pass whose output was
             non-finite (a masked branch still gets a gradient: ``0 / 0`` in ``Log2Backward0``), or None.
     """
@@ -131,6 +132,27 @@ def _leaves(tree: Any) -> list[Any]:
     if isinstance(tree, dict):
         return [leaf for item in tree.values() for leaf in _leaves(item)]
     return [tree]
+
+
+def _output_tensors(out: Any, depth: int = 6, seen: set[int] | None = None) -> list[Tensor]:
+    """The tensors of a module call's output: also inside a dataclass, a named tuple, a dict (Hugging Face's
+    ``ModelOutput`` is both) or a plain object's attributes (``types.SimpleNamespace``); not inside another module,
+    nor past ``depth`` levels (the op-level :func:`_leaves` walks containers only: it runs on every op)."""
+    if isinstance(out, Tensor):
+        return [out]
+    seen = seen if seen is not None else set()
+    if depth == 0 or id(out) in seen or isinstance(out, (str, bytes, nn.Module, type)):
+        return []
+    seen.add(id(out))
+    if isinstance(out, dict):
+        items = list(out.values())
+    elif isinstance(out, (tuple, list, set, frozenset)):
+        items = list(out)
+    elif is_dataclass(out):
+        items = [getattr(out, f.name, None) for f in fields(out)]
+    else:
+        items = list(getattr(out, "__dict__", {}).values())
+    return [t for item in items for t in _output_tensors(item, depth - 1, seen)]
 
 
 def _floating(tensors: list[Any]) -> list[Tensor]:
@@ -342,7 +364,8 @@ class NonFiniteLocator:
         if self._watch is None or module is not self._watch or self.first_origin is None:
             return
         self._watch = None
-        self.first_origin.masked_in_forward = all(_all_finite(_floating(_leaves(output))))
+        outputs = _floating(_output_tensors(output))  # none readable: unknown (None), never "masked"
+        self.first_origin.masked_in_forward = all(_all_finite(outputs)) if outputs else None
 
     def _following_backward(self) -> bool:
         origin = self.first_origin
