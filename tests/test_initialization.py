@@ -368,3 +368,19 @@ def test_zero_initialized_layers_are_told_apart_output_residual_end_or_nothing_a
     nn.init.zeros_(chain[2].bias)
     [middle] = zero_init_layers(chain, signal_report(chain, batch, classification_loss))
     assert (middle.name, middle.role, middle.deliberate) == ("2", "", False)  # the next layer's input std is 0
+
+
+def test_a_zero_initialized_head_is_not_told_at_step_0_as_a_vanishing_signal(tmp_path, capfd):
+    """The run's own step-0 report judges a deliberate zero layer (an output head at 0, as GPT/DiT/ReZero do) as check
+    init does: without it. It said 'init at step 0: forward: vanishes at #4 head' on every such run."""
+    from helpers import cfg
+    from models_init import zero_head_task
+
+    from stabletrain import Trainer
+
+    Trainer(cfg("train.max_steps=1", "log.init_signal=true"), task=zero_head_task(), run_dir=tmp_path / "run").fit()
+    assert "init at step 0" not in capfd.readouterr().out
+    report = json.loads((tmp_path / "run" / "init_signal.json").read_text())
+    assert report["passed"] is True
+    head = [layer for layer in report["layers"] if layer["name"].startswith("head")]
+    assert head and all(layer.get("forward_ratio") is None for layer in head)  # no verdict on the zero layer

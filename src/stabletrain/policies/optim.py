@@ -86,6 +86,7 @@ def optimizer_factory(model: nn.Module, optim: Any, device: torch.device,
     def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
         return build_optimizer([(names.get(id(p), "?"), p) for p in params], optim, device, factory)
 
+    make.rebind = lambda other: optimizer_factory(other, optim, device, factory)  # type: ignore[attr-defined]  # a copy's
     return make
 
 

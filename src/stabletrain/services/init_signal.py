@@ -26,6 +26,7 @@ from torch import nn
 
 from .. import console
 from ..data import fixed_batch
+from ..diagnostics.initialization import excluding, zero_init_layers, zero_layers_small
 from ..diagnostics.signal_propagation import NothingToMeasure, signal_report
 from ..errors import user_location
 from ..fileio import atomic_write
@@ -60,6 +61,13 @@ def first_batch_signal(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Modul
         # The module's own eager forward (no recompile); the RNG streams put back after it.
         with kept_rng(), context or contextlib.nullcontext(), eager_methods(model):
             report = signal_report(model, batch, loss_fn, label=label, make_optimizer=make_optimizer)
+            zero = [z for z in zero_init_layers(model, report) if z.deliberate]
+            if zero:  # a zero-initialized output layer or branch end is deliberate: judged without it, as check init does
+                probe = zero_layers_small(model, zero)
+                rebind = getattr(make_optimizer, "rebind", None)
+                measured = signal_report(probe, batch, loss_fn, label=label,
+                                         make_optimizer=rebind(probe) if rebind is not None else make_optimizer)
+                report = excluding(measured, zero, label=label, as_built=report)
     except Exception as err:  # the report must never take the run down
         if raises:  # (the caller tries another way first)
             raise
