@@ -278,3 +278,29 @@ def test_overfit_check_says_the_loss_is_not_finite_not_that_gradients_are_missin
     [why] = [d for d in result.details if d.startswith("the loss is ")]
     assert "from step 0 on (precision=fp16): non-finite values, not a missing gradient" in why
     assert "in the forward: aten.addmm.default in forward of module '2'" in why, why
+
+
+def _token_mean_task() -> Task:
+    """Sequences of 2 to 16 tokens (padding 0 masked out) and a loss averaged over this batch's tokens, returned as a
+    scalar: under accumulation each micro-batch is weighed by its samples, not its tokens."""
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(1, 16, (64, 16), generator=g)
+    lengths = torch.randint(2, 17, (64,), generator=g)
+    tokens[torch.arange(16)[None, :] >= lengths[:, None]] = 0
+    model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16))
+
+    def loss(m, batch):
+        (t,) = batch if isinstance(batch, (list, tuple)) else (batch,)
+        per = F.cross_entropy(m(t[:, :-1]).flatten(0, 1), t[:, 1:].flatten(), reduction="none")
+        mask = (t[:, 1:] != 0).flatten().float()
+        return (per * mask).sum() / mask.sum()
+
+    return Task(model=model, train_data=TensorDataset(tokens), loss=loss, count_unit="tokens", name="token-mean")
+
+
+def test_accum_check_names_a_scalar_mean_over_tokens_and_says_to_return_sum_and_count():
+    (result,) = run_checks(CheckContext(cfg("train.batch_size=8"), task_factory=_token_mean_task), ["accum"])
+    assert not result.passed and result.summary.endswith(
+        "; the scalar loss is a mean over another unit than samples (tokens?): return (sum, count)"), result.summary
+    [cause] = [d for d in result.details if d.startswith("the scalar loss is ")]
+    assert "averages over another unit than samples" in cause and cause.endswith("weighs each by what it holds")

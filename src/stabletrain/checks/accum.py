@@ -21,6 +21,8 @@ it, and a difference is then called inconclusive (the batches differ, not the lo
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.utils.data import default_collate
@@ -37,6 +39,9 @@ from .resume import batch_digest
 #: Equivalence tolerance in fp32: |g_accum - g_big| <= ATOL + RTOL * max|g_big| (summation order only).
 RTOL = 1e-4
 ATOL = 1e-7
+#: A scalar loss whose whole-batch value is off its micro-batches' sample-weighted mean by more than this share averages
+#: over another unit than samples.
+UNIT_RTOL = 1e-3
 
 _BATCH_STATS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LazyBatchNorm1d, nn.LazyBatchNorm2d,
                 nn.LazyBatchNorm3d, nn.SyncBatchNorm)
@@ -127,6 +132,11 @@ def check_accum(ctx: CheckContext) -> CheckResult:
     random = noise > tol or stateful
     passed = diff <= tol
     summed = not passed and not random and not collate_random and losses is not None and _sums(*losses, sizes)
+    # A scalar that is a mean over another unit than samples (tokens of varying length): the window weighs a scalar by
+    # its micro-batch's samples, so the whole batch's loss is not its micro-batches' sample-weighted mean.
+    weighted = sum(n * v for n, v in zip(sizes, losses[1])) / total if losses is not None else math.nan
+    per_unit = (not passed and not summed and not random and not collate_random and not batch_stats and losses is not None
+                and abs(losses[0] - weighted) > UNIT_RTOL * max(abs(losses[0]), 1e-12))
     warning = not passed and (bool(batch_stats) or random or collate_random)
     if passed:
         summary = (f"{k} micro-batches (sizes {sizes}) vs one batch of {total}: max |param diff| after an SGD step "
@@ -153,6 +163,8 @@ def check_accum(ctx: CheckContext) -> CheckResult:
         summary = f"{k} micro-batches vs one batch of {total}: max |param diff| {diff:.3g} exceeds tol {tol:.3g}"
         if summed:
             summary += "; the scalar loss sums over the batch instead of averaging"
+        elif per_unit:
+            summary += "; the scalar loss is a mean over another unit than samples (tokens?): return (sum, count)"
     details = [f"naive mean-of-means would differ by {naive:.3g} ({naive / max(tol, 1e-30):.3g}x the tolerance)"]
     if dropouts or functional_calls:
         off = [f"{', '.join(dropouts[:4])}{' ...' if len(dropouts) > 4 else ''}"] if dropouts else []
@@ -189,6 +201,11 @@ def check_accum(ctx: CheckContext) -> CheckResult:
                        f"its micro-batches' losses ({sum(micro_losses):.4g}), not their size-weighted mean "
                        f"({sum(n * v for n, v in zip(sizes, micro_losses)) / total:.4g}): it sums instead of averaging; "
                        "use reduction='mean', or return (sum, count)")
+    elif per_unit:
+        details.append(f"the scalar loss is {losses[0]:.4g} on the batch of {total}, while its micro-batches' losses weighed "
+                       f"by their samples give {weighted:.4g}: it averages over another unit than samples (tokens of "
+                       "varying length, masked positions), and a scalar is weighed by its micro-batch's samples; return "
+                       "(sum, count) with count in that unit (the tokens), so the window weighs each by what it holds")
     elif not passed:
         details.append("the loss may depend on the batch beyond per-sample terms (e.g. in-batch negatives), "
                        "or the task's (sum, count) is inconsistent")
