@@ -326,3 +326,28 @@ def test_a_gpt2_spike_rediagnosed_from_its_bundle_gives_the_live_numbers(tmp_pat
     assert load_bundle(folder)["config"]["task_args"]["host"]["num_items_in_batch"] == batch * SEQ
     fresh = diagnose_incident(folder)  # the model rebuilt from its class and config, the loss from the recipe
     assert fresh["loss"] == live["loss"] and fresh["samples"] == live["samples"], (fresh["summary"], live["summary"])
+
+
+class ItemsIgnoringRegressor(Regressor):
+    """Takes loss kwargs (so the Trainer takes its loss as divided by num_items_in_batch) yet returns a plain mean."""
+
+    def forward(self, x, labels=None, **kwargs):
+        return super().forward(x, labels)
+
+
+@pytest.mark.parametrize("model, warned", [(ItemsIgnoringRegressor, True), (Regressor, False)])
+def test_a_loss_the_trainer_takes_as_divided_by_its_items_but_is_a_mean_is_warned_of_once(tmp_path, model, warned):
+    """gradient_accumulation_steps=2 and a model taking **kwargs: the Trainer does not divide by the 2 steps (it takes the
+    loss as divided by num_items_in_batch), so a mean loss sums its micro-batches' means: said once, at the first step.
+    A model without **kwargs gets the Trainer's own division: nothing to say."""
+    from stabletrain.console import StableTrainWarning
+
+    x, y = outlier_pairs(8, 100, (), BATCH)
+    cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=2)
+    with pytest.warns(StableTrainWarning) if warned else contextlib.nullcontext() as caught:
+        trainer_for(model(), cb, tmp_path, max_steps=3, rows=[{"x": a, "labels": b} for a, b in zip(x, y)],
+                    gradient_accumulation_steps=2).train()
+    said = [str(w.message) for w in (caught or []) if "ignores num_items_in_batch" in str(w.message)]
+    assert len(said) == (1 if warned else 0), said
+    if warned:
+        assert "does not divide it by gradient_accumulation_steps=2" in said[0] and "2 micro-batches' means" in said[0]

@@ -133,10 +133,9 @@ class StableTrainCallback(pl.Callback):
                 "ckpt_path": str(trainer.ckpt_path) if trainer.ckpt_path else None}
         self.trainer, self.pl_module = trainer, pl_module
         self.session = RunSession(
-            self.run_dir, pl_module, host="lightning", options=self.options, precision=mode,
+            self.run_dir, pl_module, host="lightning", options=self.options, precision=mode, fingerprint=self._fingerprint,
             clip_max_norm=self.clip_max_norm if self.clip_max_norm is not None else host_clip,
             optimizer=optimizer, scaler=scaler, replay=_LightningReplay(self), overwrite=self.overwrite,
-            fingerprint=self._fingerprint,
             recipes={"model": model_recipe(pl_module, "lightning"), "loss": loss_recipe(self.loss_fn, {"kind": "lightning"})},
             host_config=host, callbacks=self.stable_callbacks, tracker_hosts=_tracker_hosts(trainer))
         self.session.judge_host_steps(optimizer, scaler, host_clip=host_clip, own_clip=self.clip_max_norm,

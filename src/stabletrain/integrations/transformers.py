@@ -54,6 +54,7 @@ from ..config import AdapterOptions
 from ..console import StableTrainWarning, show_bar
 from ..data import move_to
 from ..diagnostics.initialization import InitFingerprint
+from ..host_step import warn_if_items_ignored
 from ..internals import find_caller, is_compiled
 from ..numerics import grad_norms
 from ..records.batches import count_tokens, items_normalized, window_items
@@ -193,8 +194,9 @@ class StableTrainCallback(TrainerCallback):
             pending.host = {"model": model, "num_items_in_batch": num_items_in_batch,
                             "accumulation_steps": getattr(self.trainer, "current_gradient_accumulation_steps", None),
                             "items_normalized": self.loss_fn is None and divides_by_items(self.trainer, num_items_in_batch)}
-            if session.step == 0 and self.options.init_check and not session.history:
+            if session.step == 0 and not session.history:  # once: the step-0 report; a loss that ignores its items
                 session.signal_check(dict(inputs), self.diagnosis_loss(num_items_in_batch))
+                warn_if_items_ignored(pending.host, model, dict(inputs), self.diagnosis_loss)
         pending.add(dict(inputs), count_tokens(inputs), rng=session.capturing)
         loss = self._call_training_step(model, inputs, num_items_in_batch)
         pending.add_loss(loss.detach().float().reshape(()))
