@@ -1497,3 +1497,16 @@ def test_a_step_that_moved_nothing_shows_no_surge():
     assert row["coord_factor"] == math.inf and row["surge_share"] == 0.25
     (row,) = surge_rows({"w": (mask, 1e-3)}, {"w": torch.tensor([0.5, 0.01, 0.01, 0.01])})
     assert row["coord_factor"] == pytest.approx(50.0)
+
+
+def test_under_warn_a_loss_at_a_new_level_goes_on_as_its_course_once_diagnosed(tmp_path, capsys):
+    """on_spike=warn: every step after the shift is a spike against the level before; once a capture says the loss
+    moved to a new level (5+ flagged steps in a row before it), the burst's later intervals are its course: one line,
+    not a capture each (they spent capture.max_spikes)."""
+    run_dir = tmp_path / "run"
+    Trainer(cfg("train.batch_size=8", "log.every=10", "data.shuffle=false", "train.max_steps=60", "sched.warmup_steps=0",
+                "sched.decay=constant", "optim.lr=0.001"), task=level_shift_task(), run_dir=run_dir).fit()
+    incidents = [e["step"] for e in _events(run_dir) if e["kind"] == "incident"]
+    assert incidents == [30, 31, 41], incidents  # the shift, its next interval's start, then the one that names the level
+    out = capsys.readouterr().out
+    assert "the burst of loss spikes captured at step 41 (data: a loss at a new level) goes on (steps 51-60, ...)" in out, out

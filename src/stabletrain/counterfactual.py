@@ -385,6 +385,7 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
     burst = observed.get("flagged_before") or {}
     if (verdict["failure_class"] == "data" and not verdict["blamed_samples"] and m["reproduces"]
             and burst.get("steps", 0) >= LEVEL_RUN):  # every window since is as high: a new level, not one batch
+        verdict["level_shift"] = {"since": burst["since"], "steps": burst["steps"]}  # its burst goes on as its course
         verdict["evidence"] = verdict["evidence"].replace(": the batch itself is an outlier", ": not one outlier batch") + (
             f"; the loss has been at this level since step {burst['since']} ({burst['steps']} flagged steps in a row "
             "before this one): the data moved to a new level (a change in its distribution or targets), and the rule "

@@ -112,7 +112,8 @@ class IntervalBoundary:
             self.guard.num_spike_captures += 1
         info.update(self._capture(self.state, info, rows))
         if anomaly == "spike" and self.burst is not None and self.burst["first"] == step:
-            self.burst["class"] = (info.get("diagnosis") or {}).get("failure_class")
+            diagnosis = info.get("diagnosis_record") or info.get("diagnosis") or {}  # (the whole one, in memory)
+            self.burst.update({"class": diagnosis.get("failure_class"), "level": bool(diagnosis.get("level_shift"))})
         if info.get("pinned") is not None:  # the capture's replay found the update that broke the parameters
             decision.pin(info["pinned"])
         # The capture's bundle and whole diagnosis stay with the caller (a live remedy's search), not the callbacks'.
@@ -161,7 +162,8 @@ class IntervalBoundary:
         if burst is not None and steps[0] == burst["last"] + 1 and self._course(burst):  # a divergence's course
             n = next((i for i, t in enumerate(steps) if t != steps[0] + i), len(steps))
             if not burst["said"] and self.state.dist.is_main and self.state.run is not None:  # (said once a burst)
-                console.say(f"the burst of loss spikes captured at step {burst['first']} ({burst['class']}) goes on "
+                console.say(f"the burst of loss spikes captured at step {burst['first']} ({burst['class']}"
+                            f"{': a loss at a new level' if burst.get('level') else ''}) goes on "
                             f"(steps {steps[0]}-{steps[n - 1]}, ...): not captured again while it lasts (events.jsonl)")
             burst.update(last=steps[n - 1], said=True)
             steps = steps[n:]
@@ -176,9 +178,9 @@ class IntervalBoundary:
 
     def _course(self, burst: dict[str, Any]) -> bool:
         """Whether spikes going on from a captured burst are its course, not captured again: its update applied
-        (guard.on_spike=warn), and diagnosed as the state's or the optimizer's (a data burst's next windows may hold
-        other bad samples; a skip, rollback or remedy that did not stop it is news)."""
-        return self.state.cfg.guard.on_spike == "warn" and burst["class"] in COURSE_CLASSES
+        (guard.on_spike=warn), and diagnosed as the state's or the optimizer's, or a loss at a new level (a data burst's
+        next windows may hold other bad samples; a skip, rollback or remedy that did not stop it is news)."""
+        return self.state.cfg.guard.on_spike == "warn" and (burst["class"] in COURSE_CLASSES or burst.get("level", False))
 
 
 #: The classes whose burst of spikes, going on past its capture under guard.on_spike=warn, is that cause's course.
