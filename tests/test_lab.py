@@ -252,3 +252,19 @@ def test_readme_lists_every_lab():
             break
         listed.append(line.split("|")[1].strip().strip("`"))
     assert listed == list(LABS)
+
+
+def test_a_labs_own_model_is_where_its_values_are_made_not_the_console_script():
+    """The labs' and built-in tasks' models live in the package: their frames are the code that made a value (lab 7's
+    eps-guard named '.venv/bin/stabletrain:8', the console script, as where to keep sqrt's input away from 0)."""
+    import os
+
+    import stabletrain
+    from stabletrain.diagnostics.stacks import keep_user_entries
+
+    package = os.path.dirname(stabletrain.__file__)
+    frames = [("/venv/bin/stabletrain", 8, "<module>"), (os.path.join(package, "cli.py"), 90, "main"),
+              (os.path.join(package, "loop.py"), 120, "fit"), (os.path.join(package, "lab", "lab7.py"), 51, "forward"),
+              (os.path.join(package, "diagnostics", "nonfinite.py"), 200, "__torch_dispatch__")]
+    entries = [f'  File "{f}", line {n}, in {fn}\n    code\n' for f, n, fn in frames]
+    assert keep_user_entries(entries) == entries[3]

@@ -21,15 +21,23 @@ _STDLIB_DIR = os.path.join(os.path.realpath(sysconfig.get_paths()["stdlib"]), ""
 _SITE_DIRS = tuple({os.path.join(os.path.realpath(sysconfig.get_paths()[k]), "") for k in ("purelib", "platlib")})
 
 
+#: stabletrain's own models (the built-in tasks, the labs): their code is where a value is made, as a user's would be.
+_MODEL_DIRS = tuple(os.path.join(_PACKAGE_DIR, d, "") for d in ("tasks", "lab"))
+
+
 def _is_ours(filename: str) -> bool:
-    return os.path.realpath(filename).startswith(_PACKAGE_DIR)
+    path = os.path.realpath(filename)
+    return path.startswith(_PACKAGE_DIR) and not path.startswith(_MODEL_DIRS)
 
 
 def _is_user_frame(filename: str) -> bool:
-    """Whether a frame's file is the user's: not stabletrain, torch, the stdlib or a frozen module."""
+    """Whether a frame's file is the user's: not stabletrain (but for its own models: the built-in tasks, the labs),
+    torch, the stdlib or a frozen module. (A lab's model had no frame of its own: the console script was named.)"""
     if filename.startswith("<frozen"):
         return False
     path = os.path.realpath(filename)
+    if path.startswith(_MODEL_DIRS):
+        return True
     if path.startswith(_PACKAGE_DIR) or path.startswith(_TORCH_DIR):
         return False
     return not path.startswith(_STDLIB_DIR) or path.startswith(_SITE_DIRS)
