@@ -22,7 +22,11 @@ def test_missing_and_unsafe_bundles_are_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no bundle.pt there"):
         load_bundle(tmp_path)
     torch.save({"fn": print}, tmp_path / BUNDLE_FILE)  # needs pickle beyond weights_only
-    with pytest.raises(ValueError, match="cannot be loaded safely"):
+    with pytest.raises(ValueError, match="cannot be loaded safely") as unsafe:
+        load_bundle(tmp_path)
+    assert "weights_only" not in str(unsafe.value)  # (torch's first line advised weights_only=False)
+    (tmp_path / BUNDLE_FILE).write_bytes(b"garbage")  # truncated or corrupt: no safety question at all
+    with pytest.raises(ValueError, match=r"is not a readable torch file \(7 bytes: corrupt or truncated\?\)"):
         load_bundle(tmp_path)
 
 

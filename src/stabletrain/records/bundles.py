@@ -26,6 +26,7 @@ The batches are re-collated from the dataset indices, so a user's collate output
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,13 @@ def load_bundle(directory: str | Path) -> dict[str, Any]:
     try:
         bundle = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # unpickling errors have many types; report them as one clear line
-        raise ValueError(f"incident bundle {str(path)!r} cannot be loaded safely: {str(err).splitlines()[0]}") from None
+        if not zipfile.is_zipfile(path):  # (torch's own first line then advised weights_only=False: unsafe, and no help)
+            raise ValueError(f"incident bundle {str(path)!r} is not a readable torch file ({path.stat().st_size} bytes: "
+                             "corrupt or truncated?)") from None
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        detail = next((line for line in lines if "WeightsUnpickler error" in line or "Unsupported global" in line), lines[0]
+                      if lines else type(err).__name__)
+        raise ValueError(f"incident bundle {str(path)!r} cannot be loaded safely: {detail}") from None
     if STATE_IN in bundle:
         first = load_bundle(Path(directory) / bundle.pop(STATE_IN))
         bundle["model"], bundle["optimizer"] = first["model"], first["optimizer"]
