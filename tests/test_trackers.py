@@ -108,6 +108,7 @@ def test_mlflow_holds_the_metrics_config_tags_and_each_diagnosis(incident_run):
     assert run.data.params["optim.lr"] == "0.001" and run.data.params["log.trackers"] == '["mlflow", "wandb"]'
     tags = run.data.tags
     assert tags["stabletrain.skips"] == "2" and tags["stabletrain.incidents"] == "2"
+    assert tags["stabletrain.rollbacks"] == tags["stabletrain.stops"] == tags["stabletrain.crashes"] == "0"  # filterable
     assert tags["stabletrain.last_skip"].startswith("step 7: optimizer step skipped")
     assert tags["stabletrain.last_incident"].startswith("step 7: captured step 7")
     for step in (3, 7):
@@ -130,6 +131,7 @@ def test_wandb_offline_run_holds_the_metrics_config_tags_and_each_diagnosis(inci
     assert w.config == config
     assert set(w.tags) == {"incident", "skip"}
     assert w.summary["stabletrain/skips"] == 2 and w.summary["stabletrain/incidents"] == 2
+    assert w.summary["stabletrain/rollbacks"] == w.summary["stabletrain/crashes"] == 0  # (no run tag for a 0)
     assert w.summary["stabletrain/last_incident"].startswith("step 7: captured step 7")
     assert {"incidents/step_000003/diagnosis.json", "incidents/step_000007/diagnosis.json"} <= set(w.files)
     saved = w.path.parent / "files" / "incidents" / "step_000007" / "diagnosis.json"

@@ -179,6 +179,9 @@ class TrackerSink(Callback):
         self._write("the config", self._log_params, self._config())
         self._catch_up(state.step)
         self._read_events()  # the whole file: a resumed run's tags count the events before it too
+        unseen = {TAGGED[k]: 0 for k in TAGGED if k not in self._counts}  # a clean run's counts too (filterable at 0)
+        if unseen:
+            self._write("tags", self._set_tags, unseen, {}, set())
         self._ended = "FINISHED"  # ... but how this process ends is this process's own
 
     def on_log(self, state: RunState, record: dict[str, Any], rows: list[Any]) -> None:
