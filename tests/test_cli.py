@@ -425,3 +425,13 @@ def test_the_last_line_says_a_spike_lifted_the_last_intervals_loss(tmp_path, cap
     (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("stabletrain: trained 20 steps; ")]
     assert re.match(r"stabletrain: trained 20 steps; loss=[\d.e+-]+ \(the last interval's mean, with 1 loss spike in it; "
                     r"its smallest [\d.e+-]+\), grad_norm=", line), line
+
+
+def test_resume_of_a_folder_that_does_not_exist_says_so(tmp_path, capsys):
+    from stabletrain.cli import main
+
+    assert main(["train", "--resume", str(tmp_path / "nowhere")]) == 2
+    assert f"resume '{tmp_path / 'nowhere'}': it does not exist" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["train", "--resume", str(tmp_path / "empty")]) == 2
+    assert "no config.yaml there; is it a stabletrain run directory?" in capsys.readouterr().err

@@ -43,6 +43,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                              f"{resume!r}: drop run.dir= (or resume {other[-1]!r})")
         saved = Path(resume) / "config.yaml"
         if not saved.exists():
+            if not Path(resume).exists():
+                raise FileNotFoundError(f"resume {resume!r}: it does not exist (give a run directory: RUN_DIR)")
             raise FileNotFoundError(f"resume {resume!r}: no config.yaml there; is it a stabletrain run directory?")
         source = f"config file {str(saved)!r}"
         base = load_yaml(saved.read_text(encoding="utf-8"), source) or {}
