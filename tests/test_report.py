@@ -8,6 +8,8 @@ import math
 import re
 import shutil
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -220,6 +222,16 @@ def test_report_of_a_run_in_progress(real_run, tmp_path):
     assert "Logged up to step 10 of 40 (still running, or stopped early)." in page
     assert f"{run_dir / 'metrics.jsonl'}:3: malformed JSON" in page and "the run may still be writing it" in page
     assert f"{run_dir / 'snapshot.json'}: missing" in page
+    # With the launch's record: its process alive (this one), or gone with no stop or crash recorded (killed outright)
+    from stabletrain.records.launches import LAUNCH_FILE, this_process
+
+    (run_dir / LAUNCH_FILE).write_text(json.dumps({"processes": [this_process()]}))
+    assert "Logged up to step 10 of 40 (still running)." in write_report(run_dir).read_text(encoding="utf-8")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (run_dir / LAUNCH_FILE).write_text(json.dumps({"processes": [{**this_process(), "pid": gone.pid, "start": None}]}))
+    assert ("Logged up to step 10 of 40 (its processes are gone with no stop or crash recorded: killed? stabletrain train "
+            "--resume RUN_DIR continues it).") in write_report(run_dir).read_text(encoding="utf-8")
     assert "No events: events.jsonl is empty or missing" in page
 
     just_started = tmp_path / "just_started"

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..process import stat_fields
 
-__all__ = ["LAUNCH_FILE", "is_running", "refuse_if_running", "running_launch", "this_process"]
+__all__ = ["unfinished_note", "LAUNCH_FILE", "is_running", "refuse_if_running", "running_launch", "this_process"]
 
 #: when the run opens, removed when it closes. What a SIGKILL leaves behind names processes that are gone.
 LAUNCH_FILE = "launch.json"
@@ -65,3 +65,14 @@ def refuse_if_running(run_dir: str | Path, exclude: Sequence[dict[str, Any]] = (
         raise ValueError(f"run directory {str(run_dir)!r} is in use: {len(running)} process(es) of an earlier launch "
                          f"still run on it (pid {pids} on {running[0]['host']}); stop them (kill {pids}) or wait for "
                          "them to end, then start again")
+
+
+def unfinished_note(run_dir: str | Path) -> str:
+    """What a run that logged short of its last step and recorded no stop or crash is: still running (its launch's
+    processes live), gone without a word (killed: they no longer run), or unknown (no launch record)."""
+    if not (Path(run_dir) / LAUNCH_FILE).exists():
+        return "still running, or stopped early"
+    if running_launch(run_dir):
+        return "still running"
+    return ("its processes are gone with no stop or crash recorded: killed? stabletrain train --resume RUN_DIR "
+            "continues it")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..records.launches import unfinished_note
 from .clip_verdict import clip_sentence
 from .loss_headline import loss_sentence
 from .rundata import Event, RunData
@@ -419,7 +420,8 @@ def _progress(run: RunData, h: Health) -> None:
     elif isinstance(f["max_steps"], int) and f["last_step"] >= f["max_steps"]:
         h.say("ok", f"Reached step {f['last_step']:,} of {f['max_steps']:,}.")
     elif isinstance(f["max_steps"], int):
-        h.say("ok", f"Logged up to step {f['last_step']:,} of {f['max_steps']:,} (still running, or stopped early).")
+        note = unfinished_note(run.path)  # (a run killed outright read "still running, or stopped early")
+        h.say("warn" if "gone" in note else "ok", f"Logged up to step {f['last_step']:,} of {f['max_steps']:,} ({note}).")
     else:
         h.say("ok", f"Logged up to step {f['last_step']:,}.")
 
