@@ -156,11 +156,15 @@ def _cell(value: Any) -> str:
 
 
 def _ending(f: dict[str, Any]) -> str:
-    """How a run ended, for the summary: a crash (step and error type), a stop, or "—" (still going or done)."""
+    """How a run ended, for the summary: a crash (step and error type), a stop, its last step reached ("finished"), or
+    short of it with neither ("not finished": still going, or killed)."""
     if "crash" in f:
         return f"crash at step {f['crash']['step']:,} ({f['crash']['error'] or 'error'})"
     if "stop" in f:
         return f"stop at step {f['stop']['step']:,}"
+    last, most = f.get("last_step"), f.get("max_steps")
+    if isinstance(last, int) and isinstance(most, int):
+        return "finished" if last >= most else f"not finished ({last:,} of {most:,}: still going, or killed)"
     return "—"
 
 
