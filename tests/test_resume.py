@@ -185,3 +185,13 @@ def test_resume_with_another_log_every_continues_and_trains_as_the_uninterrupted
     straight.fit()
     for (name, a), b in zip(resumed.module.state_dict().items(), straight.module.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_a_new_horizon_on_resume_gives_both_lrs_or_says_they_are_the_same():
+    from helpers import cfg
+
+    from stabletrain.services.checkpoints import schedule_change_note
+
+    c = cfg("train.max_steps=600", "sched.warmup_steps=20", "sched.decay=cosine", "optim.lr=1e-3")
+    assert schedule_change_note(c, 300, 0).endswith("the LR at step 0 is 5e-05 on both horizons")  # (warm-up's start)
+    assert schedule_change_note(c, 300, 200).endswith("the LR at step 200 is 0.000803 (it was 0.000355 on the old horizon)")

@@ -73,9 +73,10 @@ def schedule_change_note(cfg: Any, old_max_steps: int, step: int) -> str:
     n = torch.tensor(float(step))  # applied steps ~ steps (a skipped step holds the LR)
     before = float(lr_factor(n, s.warmup_steps, old_max_steps, s.decay, s.min_lr_ratio)) * lr
     after = float(lr_factor(n, s.warmup_steps, cfg.train.max_steps, s.decay, s.min_lr_ratio)) * lr
+    now = (f"the LR at step {step} is {after:.3g} (it was {before:.3g} on the old horizon)" if f"{after:.3g}" != f"{before:.3g}"
+           else f"the LR at step {step} is {after:.3g} on both horizons")  # (it read "5e-05 (it was 5e-05 ...)")
     return (f"train.max_steps changed from {old_max_steps} to {cfg.train.max_steps} on resume: the {s.decay} schedule "
-            f"now decays over {cfg.train.max_steps} steps; the LR at step {step} is {after:.3g} "
-            f"(it was {before:.3g} on the old horizon)")
+            f"now decays over {cfg.train.max_steps} steps; {now}")
 
 
 class CheckpointKeeper:
