@@ -171,7 +171,9 @@ def run(out_dir: Path | None = None, seed: int = 0, *, schemes: dict[str, tuple[
 
     setup = (f"{depth}-layer MLP (the mlp task's make_mlp: {depth} Linear layers), width {width}, activations "
              f"{', '.join(activations)}; each scheme ({', '.join(schemes)}; Xavier as in the chapter: xavier_uniform_, "
-             f"gain 1); signal_report on one batch of {batch_size} at step 0, seed {seed}")
+             f"gain 1); signal_report on one batch of {batch_size} at step 0, seed {seed}; the table's drifts are over "
+             f"the hidden layers, {first} to {last} ({width} in, {width} out; the others map to and from the data's "
+             "dimensions), the plots show all of them")
     numbers = {f"{act}/{label}/{k}": v for (act, label), m in measured.items() for k, v in m.items()}
     return LabResult("1", setup, columns, rows, claims, _explain(measured, stds, width, depth), plots, numbers)
 
