@@ -195,3 +195,30 @@ def test_a_new_horizon_on_resume_gives_both_lrs_or_says_they_are_the_same():
     c = cfg("train.max_steps=600", "sched.warmup_steps=20", "sched.decay=cosine", "optim.lr=1e-3")
     assert schedule_change_note(c, 300, 0).endswith("the LR at step 0 is 5e-05 on both horizons")  # (warm-up's start)
     assert schedule_change_note(c, 300, 200).endswith("the LR at step 200 is 0.000803 (it was 0.000355 on the old horizon)")
+
+
+@pytest.mark.parametrize("swap, said", [
+    (lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.0), "group 0: momentum 0.9 -> 0.0"),  # (was put back in silence)
+    (lambda ps: torch.optim.Adam(ps, lr=0.01), "its Adam's settings differ from the checkpoint's optimizer (group 0: "),
+])
+def test_resume_refuses_a_task_optimizer_that_is_not_the_one_the_run_trained_with(tmp_path, swap, said):
+    """A task's own optimizer has no config key: a resume with another one was trained with the checkpoint's settings in
+    silence (SGD momentum 0 ran at 0.9), or failed inside torch (KeyError 'step'). Now one line names what differs."""
+    from helpers import cfg, regression_task
+
+    from stabletrain import Trainer
+
+    def task(make):
+        t = regression_task()
+        t.optimizer = lambda named: make([p for _, p in named])
+        return t
+
+    c = cfg("train.max_steps=4", "log.every=2", "train.batch_size=8")
+    Trainer(c, task=task(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)), run_dir=tmp_path / "run").fit()
+    with pytest.raises(ValueError, match="the task's optimizer is not the one the run trained with") as refused:
+        Trainer(cfg("train.max_steps=6", "log.every=2", "train.batch_size=8"), task=task(swap), run_dir=tmp_path / "run",
+                resume=True)
+    assert said in str(refused.value), str(refused.value)
+    same = Trainer(cfg("train.max_steps=6", "log.every=2", "train.batch_size=8"),
+                   task=task(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)), run_dir=tmp_path / "run", resume=True)
+    assert same.fit() and same.step == 6  # the same optimizer resumes

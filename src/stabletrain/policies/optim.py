@@ -20,7 +20,8 @@ from torch import nn
 from ..console import StableTrainWarning
 from ..numerics import unique_params
 
-__all__ = ["build_optimizer", "optimizer_factory", "OptimizerFactory", "check_materialized", "check_optimizer_holds"]
+__all__ = ["build_optimizer", "optimizer_factory", "OptimizerFactory", "check_materialized", "check_optimizer_holds",
+           "optimizer_change"]
 
 OptimizerFactory = Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
 
@@ -121,3 +122,39 @@ def check_optimizer_holds(model: nn.Module, optimizer: torch.optim.Optimizer, bu
         raise ValueError(f"task {task_name!r}: the first step created or replaced {len(missing)} trainable parameter(s) "
                          f"the optimizer was not built with ({_listed(missing)}; {built_with} when the optimizer was "
                          f"built, {len(named)} after the first step): they would never train; {_BUILD_FIRST}")
+
+
+#: Parameter-group keys a resume may see change: the parameters, the LR (the schedule's; optim.lr is a config key, checked
+#: there) and how the step is computed, not what it computes.
+_RESUMABLE_GROUP_KEYS = frozenset({"params", "lr", "initial_lr", "foreach", "fused", "capturable", "differentiable"})
+
+
+def optimizer_change(saved: Any, optimizer: torch.optim.Optimizer) -> str | None:
+    """How ``optimizer`` (the resumed run's, as its task builds it) differs from the checkpoint's state ``saved``: its
+    parameter groups' number or settings (momentum, betas, eps, weight decay, another optimizer's keys); None when they
+    agree or ``saved`` is no plain state dict (a sharded one). ``load_state_dict`` would put the old settings back in
+    silence (a task's new SGD(momentum=0) trained with the checkpoint's 0.9), or fail inside torch."""
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(groups, list):
+        return None
+    now = optimizer.param_groups
+    name = type(optimizer).__name__
+    if len(groups) != len(now):
+        return f"its {name} has {len(now)} parameter group(s), the checkpoint's optimizer {len(groups)}"
+
+    def same(a: Any, b: Any) -> bool:
+        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        try:
+            return bool(a == b) or float(a) == float(b)
+        except (TypeError, ValueError, RuntimeError):
+            return False
+
+    for i, (old, new) in enumerate(zip(groups, now)):
+        keys = sorted((set(old) | set(new)) - _RESUMABLE_GROUP_KEYS)
+        changed = [k for k in keys if k not in old or k not in new or not same(old[k], new[k])]
+        if changed:
+            shown = ", ".join(f"{k} {old.get(k, 'absent')!r} -> {new.get(k, 'absent')!r}" for k in changed[:4])
+            return (f"its {name}'s settings differ from the checkpoint's optimizer (group {i}: {shown}"
+                    f"{', ...' if len(changed) > 4 else ''})")
+    return None

@@ -39,6 +39,7 @@ from ..config import (
     move_old_keys,
     resume_refusal_message,
 )
+from ..policies.optim import optimizer_change
 from ..records.checkpoint.files import CheckpointError
 from ..records.checkpoint.manager import LoadedCheckpoint
 from ..records.checkpoint.saves import PendingSave, SaveCosts
@@ -132,6 +133,11 @@ class CheckpointKeeper:
                              RESUME_SAFE_KEYS + (RESHARD_SAFE_KEYS if resharded else ()))
         if diffs:
             raise ValueError(resume_refusal_message(run_dir, diffs))
+        changed = optimizer_change(loaded.state.get("optimizer"), state.optimizer)  # a task's own: no config key says it
+        if changed is not None:
+            raise ValueError(f"resume {str(run_dir)!r}: the task's optimizer is not the one the run trained with: {changed}; "
+                             "the checkpoint would put its own back: resume with the optimizer it was trained with, or "
+                             "start a new run")
         try:
             self.state.load_state_dict(loaded.state)
         except RuntimeError as err:  # the model does not fit: a Task handed to the Trainer as an object, not its config's?
