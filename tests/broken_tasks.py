@@ -66,3 +66,15 @@ def unseeded_noise_task():
     task = regression_task()
     task.train_data = NoisyData(task.train_data)
     return task
+
+
+def iterable_data_task():
+    """A dataset without __len__ and __getitem__ (an IterableDataset): the task contract refuses it."""
+    task = regression_task()
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(task.train_data)
+
+    task.train_data = Stream()
+    return task

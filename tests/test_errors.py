@@ -440,3 +440,12 @@ def test_library_frames_installed_outside_this_environment_are_not_the_users(mon
     assert not errors._is_user(fetch) and errors._is_user(str(TASKS))
     monkeypatch.setattr(sys, "path", [*sys.path, "/opt/py/lib/python3.11/site-packages", "/usr/lib/python3/dist-packages"])
     assert {"/opt/py/lib/python3.11/site-packages/", "/usr/lib/python3/dist-packages/"} <= set(errors._library_dirs())
+
+
+def test_check_on_a_task_that_breaks_its_contract_is_one_line_exit_2_as_train(tmp_path):
+    """It failed all 8 checks with the same stabletrain-internal traceback each (rc 1)."""
+    res = run("check", "task=broken_tasks:iterable_data_task", cwd=tmp_path)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert res.stderr.strip().splitlines() == [
+        "stabletrain: error: task 'broken_tasks:iterable_data_task': Task.train_data must be a map-style Dataset "
+        "(__len__ and __getitem__)"], res.stderr

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import Config
 from ..errors import TaskCodeError, batch_note, format_user_traceback, task_part, user_location
-from ..tasks import Task, resolve_task
+from ..tasks import Task, TaskError, resolve_task
 from .registry import require_known
 
 if TYPE_CHECKING:  # torch: imported where a check needs it, so that --help and --list answer without it
@@ -141,6 +141,8 @@ def run_checks(ctx: CheckContext, names: list[str] | None = None) -> list[CheckR
         t0 = time.perf_counter()
         try:
             result = CHECKS[name](ctx)
+        except TaskError:  # the task breaks its contract (a dataset without __len__): one line, exit 2, as train says it
+            raise
         except Exception as err:  # a check that crashes is a failed check, with the reason
             result = _crashed(name, err, seen)
         result.seconds = round(time.perf_counter() - t0, 3)
