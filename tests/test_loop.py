@@ -145,6 +145,27 @@ def test_a_data_error_right_after_a_log_boundary_is_the_next_steps(tmp_path):
     assert crash["kind"] == "crash" and crash["failed_step"] == 6 and crash["during"].startswith("a training step"), crash
 
 
+def test_a_crash_in_a_users_on_step_end_is_that_callbacks_after_its_step(tmp_path):
+    """Step 3 was applied, then the user's on_step_end raised: the crash said 'during a training step', failed_step 4."""
+    import json
+
+    from helpers import regression_task
+
+    from stabletrain.callbacks import Callback
+
+    class Raises(Callback):
+        def on_step_end(self, state, out):
+            if state.step == 3:
+                raise RuntimeError("the user's callback")
+
+    with pytest.raises(RuntimeError, match="the user's callback"):
+        Trainer(cfg("train.batch_size=8", "train.max_steps=8", "log.every=5"), task=regression_task(),
+                run_dir=tmp_path / "r", callbacks=[Raises()]).fit()
+    crash = [json.loads(x) for x in (tmp_path / "r" / "events.jsonl").read_text().splitlines()][-1]
+    assert (crash["kind"], crash["step"], crash["failed_step"]) == ("crash", 3, 3), crash
+    assert crash["during"] == "a callback's on_step_end after step 3" and crash["location"].endswith("in on_step_end")
+
+
 def test_a_config_built_in_python_is_validated_by_the_trainer():
     from stabletrain.config import AccumConfig, Config, ConfigError
 

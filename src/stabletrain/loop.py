@@ -187,6 +187,7 @@ class Trainer:
                 state.step, state.samples_seen = nxt, state.samples_seen + window.global_num_samples
                 self.metrics.update(state.step, num_samples=window.global_num_samples, lr=self.schedule.lr(),
                                     loss_scale=self.precision.loss_scale(), **out)
+                self._where = f"a callback's on_step_end after step {nxt}"  # (the step itself is done: not its crash)
                 fire("on_step_end", state, out)
                 if not self._boundary():
                     break
