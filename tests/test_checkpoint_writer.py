@@ -212,6 +212,12 @@ def test_save_costs_compare_the_steps_a_save_was_written_beside_with_as_many_bef
     assert costs.fields(30, 40) == {}  # each save's fields once
     costs.started(40)
     assert costs.fields(40, 40) == {}  # waited for at once (the run's last): no step after it
+    with costs.blocked():  # a save begun inside a wait (a crash's), the wait longer than the step after it: its time
+        now[0] += 0.5  # taken off would make the step's negative (-0.4 s): not measurable, no field
+        costs.started(41)
+        now[0] += 0.5
+    now[0] += 0.1
+    assert costs.fields(41, 42) == {}
 
 
 def test_a_runs_checkpoint_events_say_what_each_background_save_cost(tmp_path):

@@ -184,6 +184,8 @@ class SaveCosts:
             return {}
         self.mark(now)
         after = (self._clock() - began) / n
+        if after <= 0:  # the blocked time taken off exceeds the window (a crash's wait for the save): not measurable
+            return {}
         before_marks = [m for m in self._marks if m[0] < step]
         if not before_marks:
             return {"steps_after": n, "step_time_s_after": round(after, 6)}
