@@ -268,3 +268,14 @@ def test_a_labs_own_model_is_where_its_values_are_made_not_the_console_script():
               (os.path.join(package, "diagnostics", "nonfinite.py"), 200, "__torch_dispatch__")]
     entries = [f'  File "{f}", line {n}, in {fn}\n    code\n' for f, n, fn in frames]
     assert keep_user_entries(entries) == entries[3]
+
+
+def test_the_labs_folder_stays_out_of_the_users_git_status(tmp_path):
+    import subprocess
+
+    from stabletrain.lab import run_lab
+
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    run_lab("accept", out_dir=tmp_path / "labs")
+    status = subprocess.run(["git", "status", "--porcelain"], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert status.stdout == "", status.stdout  # it showed '?? labs/'

@@ -760,7 +760,8 @@ def test_the_readme_spike_example_prints_what_the_readme_shows(tmp_path, capsys)
     line = next(x for x in short if x.startswith("stabletrain: spike at step 75"))
     assert line.endswith("; ...") and spike_line.startswith(line[:-len("; ...")])
     header = page.index(next(x for x in page if x.startswith("#  candidate")))
-    assert short[short.index(page[header]):-1] == page[header:header + 4]  # the header and the first three rows
+    assert short[short.index(page[header]):-2] == page[header:header + 4]  # the header and the first three rows,
+    assert len(table_rows(printed)[0]) > 3 and short[-2] == "... (the other candidates and their verdicts)", short[-2]
 
 
 @pytest.mark.parametrize("steps", [(22, 23, 24), (18, 20, 21)])

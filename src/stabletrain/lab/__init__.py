@@ -141,7 +141,10 @@ def run_lab(key: str, out_dir: str | Path | None = None, **settings: Any) -> Lab
     module = importlib.import_module(f"{__name__}.{LABS[key].module}")
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
+        created = not out.exists()
         mark_output_dir(out)  # stabletrain's output: a run's git.dirty does not count it
+        if created:  # nor the user's git status (it showed '?? labs/'), as check's folder
+            (out / ".gitignore").write_text("# written by stabletrain lab: its output, not your code\n*\n", encoding="utf-8")
     t0 = time.perf_counter()
     result = module.run(out_dir=out, **settings)
     result.seconds = time.perf_counter() - t0
