@@ -262,10 +262,13 @@ class StepCountedAdamW(torch.optim.AdamW):
         super().__init__(params, **kwargs)
         self.jump_at, self.factor = jump_at, factor
 
+    def updates_so_far(self) -> int:
+        """Adam's own step count: in the state_dict, so a replay from a checkpoint counts as the run did."""
+        return next((int(s["step"]) for s in self.state.values() if "step" in s), 0)
+
     @torch.no_grad()
     def step(self, closure=None):
-        steps = next((int(s["step"]) for s in self.state.values() if "step" in s), 0)
-        if steps < self.jump_at:
+        if self.updates_so_far() < self.jump_at:
             return super().step(closure)
         kept = [g["lr"] for g in self.param_groups]
         for g in self.param_groups:
@@ -311,25 +314,22 @@ def level_shift_task(at_step: int = 30, shift: float = 3.0, n: int = 1024, seed:
     return Task(model=regression_mlp(), train_data=TensorDataset(x, y), loss=_mse, name="level-shift")
 
 
-class _HiddenBumpAdamW(torch.optim.AdamW):
-    """AdamW whose LR is multiplied by ``factor`` inside ``step()`` from its ``at``-th call on, counted outside its
-    state_dict: a replay from a checkpoint does not see it (its step count starts afresh), the live run does."""
+class CallCountedAdamW(StepCountedAdamW):
+    """:class:`StepCountedAdamW` counting its calls on the Python object, outside its state_dict: a replay from a
+    checkpoint does not see the jump (its count starts afresh), the live run does."""
 
-    def __init__(self, params, at: int, factor: float, **kwargs) -> None:
-        super().__init__(params, **kwargs)
-        self.at, self.factor, self.calls = at, factor, 0
+    def __init__(self, params, jump_at: int, factor: float, **kwargs) -> None:
+        super().__init__(params, jump_at, factor, **kwargs)
+        self.calls = 0
+
+    def updates_so_far(self) -> int:
+        return self.calls
 
     def step(self, closure=None):
-        self.calls += 1
-        saved = [g["lr"] for g in self.param_groups]
-        if self.calls >= self.at:
-            for g in self.param_groups:
-                g["lr"] = g["lr"] * self.factor
         try:
             return super().step(closure)
         finally:
-            for g, lr in zip(self.param_groups, saved):
-                g["lr"] = lr
+            self.calls += 1
 
 
 def hidden_bump_task(at: int = 50, factor: float = 1000.0, n: int = 2048) -> Task:
@@ -338,4 +338,4 @@ def hidden_bump_task(at: int = 50, factor: float = 1000.0, n: int = 2048) -> Tas
     x, y = _regression(n, 8, 0)
     torch.manual_seed(0)
     return Task(model=regression_mlp(), train_data=TensorDataset(x, y), loss=_mse, name="hidden-bump",
-                optimizer=lambda named: _HiddenBumpAdamW([p for _, p in named], at, factor, lr=1e-3, fused=True))
+                optimizer=lambda named: CallCountedAdamW([p for _, p in named], at - 1, factor, lr=1e-3, fused=True))

@@ -159,7 +159,8 @@ def write_report(run_dir: Path) -> None:
 
 
 def share_text(part: int, whole: int) -> str:
-    """``part`` of ``whole`` in percent as the end line says it: whole percents from 1% on, one digit below (1 of 300:
+    """``part`` of ``whole`` in percent as the end line says it (:func:`~stabletrain.report.text.fmt_pct`: 1 of 300 is
     "0.3%", never "0%" for a step that was skipped)."""
-    share = 100 * part / max(whole, 1)
-    return f"{share:.0f}%" if share >= 1 or share == 0 else f"{share:.1g}%"
+    from ..report.text import fmt_pct
+
+    return fmt_pct(part / max(whole, 1))

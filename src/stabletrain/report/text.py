@@ -32,8 +32,11 @@ def fmt_num(x: float | int | None, digits: int = 4) -> str:
 
 
 def fmt_pct(fraction: float) -> str:
-    """Return a fraction as a percentage: whole percent, one decimal near 0% and 100% (never a false 0% or 100%)."""
+    """Return a fraction as a percentage: whole percent, one decimal near 0% and 100%, one significant digit below 0.05%
+    (never a false 0% or 100%: 1 of 30,000 is "0.003%")."""
     value = 100.0 * fraction
+    if 0 < value < 0.05:
+        return f"{value:.1g}%"
     if 0 < value < 1 or 99 < value < 100:
         return f"{value:.1f}%"
     return f"{value:.0f}%"

@@ -350,7 +350,7 @@ class IncidentCapture:
             if spike:  # what the spike's counterfactual replays need: the rule's window, the older state, the run's steps
                 self._spike_parts(fit, bundle, step, start, info, first=n == 0)
                 flagged = unordinary(fit, rows)  # the flagged steps right before it: a burst (a loss at a new level)
-                run = next(k for k in range(step) if step - 1 - k not in flagged)
+                run = next((k for k in range(step) if step - 1 - k not in flagged), step)
                 if run:
                     bundle["observed"]["flagged_before"] = {"since": step - run, "steps": run}
             if n > 0:  # the model and optimizer (the same on every rank) once, in the first bundle; a later one names it
