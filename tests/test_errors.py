@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import cfg, regression_task
 from multiproc import env as child_env
 
@@ -448,4 +449,38 @@ def test_check_on_a_task_that_breaks_its_contract_is_one_line_exit_2_as_train(tm
     assert res.returncode == 2, res.stdout + res.stderr
     assert res.stderr.strip().splitlines() == [
         "stabletrain: error: task 'broken_tasks:iterable_data_task': Task.train_data must be a map-style Dataset "
-        "(__len__ and __getitem__)"], res.stderr
+        "(__len__ and __getitem__), got Stream"], res.stderr
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        yield from ((torch.randn(4), torch.randn(1)) for _ in range(8))
+
+
+@pytest.mark.parametrize("change, said", [
+    ({"train_data": _Stream()}, "Task.train_data must be a map-style Dataset (__len__ and __getitem__), got _Stream"),
+    ({"train_data": []}, "Task.train_data is empty"),
+    ({"loss": None}, "Task.loss must be callable as loss(model, batch), got NoneType"),
+    ({"model": "not a model"}, "Task.model is str, expected a torch.nn.Module"),
+])
+def test_a_task_object_given_to_the_trainer_is_held_to_the_contract_a_factorys_is(change, said):
+    """Trainer(cfg, task=obj) checks what resolve_task checks (it skipped them: a raw TypeError from the loop)."""
+    import dataclasses
+
+    from stabletrain.tasks import TaskError
+
+    task = dataclasses.replace(regression_task(), **change)
+    with pytest.raises(TaskError) as err:
+        Trainer(cfg("train.max_steps=2"), task=task)
+    assert str(err.value) == f"Trainer(task=...): {said}"
+    with pytest.raises(TaskError, match=r"^Trainer\(task=\.\.\.\): expected a stabletrain.Task, got dict$"):
+        Trainer(cfg("train.max_steps=2"), task={"model": None})
+
+
+def test_a_second_fit_of_the_same_trainer_is_one_clear_error_not_an_empty_record(tmp_path):
+    trainer = Trainer(cfg("train.max_steps=2", "log.every=1"), task=regression_task(), run_dir=tmp_path / "run")
+    assert trainer.fit()["step"] == 2
+    with pytest.raises(RuntimeError, match=r"already ran its fit \(to step 2, its run closed\); to train on, resume "
+                                           r"its run directory in a new Trainer\(cfg, run_dir=\.\.\., resume=True\)"):
+        trainer.fit()
+    assert trainer.step == 2

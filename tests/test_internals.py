@@ -207,6 +207,25 @@ def test_fsdp2s_unsharded_gradients_between_syncs_are_found_and_a_torch_without_
         internals.fsdp_param_records(model)
 
 
+def test_dcps_checkpoint_process_is_ended_by_its_own_termination_and_a_torch_without_it_is_one_line(one_rank, tmp_path,
+                                                                                                  monkeypatch):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import _async_process_executor as executor
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    dcp.async_save({"w": torch.arange(4.0)}, storage_writer=dcp.FileSystemWriter(str(tmp_path / "dcp")),
+                   async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+    process = executor._CHECKPOINT_PROCESS._save_process
+    assert process.is_alive()
+    internals.end_dcp_process()
+    assert not process.is_alive() and process.exitcode == 0  # it left its serving loop on TERMINATE, no EOFError
+    assert executor._CHECKPOINT_PROCESS is None
+    internals.end_dcp_process()  # none left: nothing to do
+    monkeypatch.delattr(executor, "_CHECKPOINT_PROCESS")
+    with pytest.raises(InternalMissing, match=r"DCP's checkpoint process \(module._CHECKPOINT_PROCESS\), which torch \d"):
+        internals.end_dcp_process()
+
+
 # -- torch's pytree ---------------------------------------------------------------------------------------
 
 

@@ -197,6 +197,25 @@ def test_a_new_horizon_on_resume_gives_both_lrs_or_says_they_are_the_same():
     assert schedule_change_note(c, 300, 200).endswith("the LR at step 200 is 0.000803 (it was 0.000355 on the old horizon)")
 
 
+def test_the_new_horizons_lrs_are_those_of_the_tasks_own_optimizer_not_optim_lr(tmp_path):
+    """A task's optimizer sets the peak LR the schedule scales (here 1e-2, while optim.lr says 1e-3)."""
+    from helpers import cfg, regression_task
+
+    from stabletrain import Trainer
+
+    def trainer(steps, resume=False):
+        task = regression_task()
+        task.optimizer = lambda named: torch.optim.SGD([p for _, p in named], lr=1e-2, fused=True)
+        c = cfg(f"train.max_steps={steps}", "sched.warmup_steps=2", "sched.decay=cosine", "optim.lr=1e-3", "log.every=4",
+                "ckpt.every=4")
+        return Trainer(c, task=task, run_dir=tmp_path / "run", resume=resume)
+
+    trainer(8).fit()
+    resumed = trainer(16, resume=True)
+    assert resumed.keeper.schedule_change.endswith(f"the LR at step 8 is {resumed.schedule.lr():.3g} (it was 0.001 on the "
+                                                   "old horizon)")  # (8 of 8 steps: the cosine's floor, 0.1 x 1e-2)
+
+
 @pytest.mark.parametrize("swap, said", [
     (lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.0), "group 0: momentum 0.9 -> 0.0"),  # (was put back in silence)
     (lambda ps: torch.optim.Adam(ps, lr=0.01), "its Adam's settings differ from the checkpoint's optimizer (group 0: "),

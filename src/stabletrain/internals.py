@@ -43,6 +43,8 @@ a compiled method's ``__code__``       Lightning's ``torch.compile(module)`` wra
 ``_monitor_workers`` and               restarts on a refusal (torchrun has no hook for either); the name
 ``_remaining_restarts``;               ``torch.distributed.launcher.api`` builds its agent from
 ``launcher.api.LocalElasticAgent``
+``_async_process_executor``'s          DCP's checkpoint process, ended as its own ``__del__`` ends it before the
+``_CHECKPOINT_PROCESS``                rank exits (else it dies on a closed pipe with an EOFError traceback)
 ``ArgumentParser._actions``            the actions of a parser, to complete one's help when it is shown
 =====================================  ==================================================================
 """
@@ -65,7 +67,7 @@ __all__ = ["InternalMissing", "scaler_scale", "scaler_state", "set_scaler_state"
            "op_writes_input", "in_backward", "current_autograd_node", "tensor_version", "queue_backward_callback",
            "fsdp_param_records", "fsdp_pending_grads", "tree_map", "tree_flatten", "tree_unflatten",
            "tree_flatten_with_keys", "restarting_agent", "restarts_left", "end_restarts", "use_elastic_agent",
-           "parser_actions"]
+           "parser_actions", "end_dcp_process"]
 
 T = TypeVar("T")
 
@@ -188,11 +190,7 @@ def fused_skip(optimizer: torch.optim.Optimizer, skip: Tensor) -> Iterator[None]
 # -- Python: the caller that runs us --------------------------------------------------------------------
 
 def find_caller(predicate: Callable[[Any], bool], max_depth: int = 40) -> Any:
-    """Return the ``self`` of the nearest calling frame for which ``predicate(self)`` holds, else None.
-
-    Used to find the Hugging Face ``Trainer`` that calls a ``TrainerCallback`` (the Trainer hands its
-    callbacks the model and optimizer, never itself).
-    """
+    """The ``self`` of the nearest calling frame for which ``predicate(self)`` holds, else None (the HF Trainer)."""
     getframe = getattr(sys, "_getframe", None)
     if getframe is None:
         raise InternalMissing("python", "sys._getframe", "pass the trainer explicitly")
@@ -222,7 +220,6 @@ def eager_module(model: torch.nn.Module) -> torch.nn.Module:
         except (AttributeError, KeyError):  # the wrapper's own __getattr__ raises KeyError for it
             raise InternalMissing("torch", "the module inside a torch.compile wrapper (OptimizedModule._orig_mod)") from None
     return model
-
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -429,11 +426,8 @@ def tree_flatten_with_keys(tree: Any) -> tuple[list[tuple[tuple[str, ...], Any]]
     mapping, sequence, attr = pytree.MappingKey, pytree.SequenceKey, pytree.GetAttrKey
 
     def part(k: Any) -> str:
-        if isinstance(k, mapping):
-            return str(k.key)
-        if isinstance(k, sequence):
-            return str(k.idx)
-        return k.name if isinstance(k, attr) else str(k)
+        return str(k.key if isinstance(k, mapping) else k.idx if isinstance(k, sequence) else k.name if isinstance(k, attr)
+                   else k)
 
     leaves, spec = pytree.tree_flatten_with_path(tree)
     return [(tuple(part(k) for k in path), leaf) for path, leaf in leaves], spec
@@ -486,6 +480,17 @@ def use_elastic_agent(cls: type) -> None:
     from torch.distributed.launcher import api
 
     api.LocalElasticAgent = cls
+
+
+# -- torch.distributed.checkpoint ----------------------------------------------------------------------
+
+def end_dcp_process() -> None:
+    """End this process's DCP checkpoint process (``async_save``'s PROCESS kind) as its ``__del__`` does: TERMINATE, join."""
+    executor = sys.modules.get("torch.distributed.checkpoint._async_process_executor")  # not imported: none started
+    process = None if executor is None else _require(executor, "_CHECKPOINT_PROCESS", "torch", "DCP's checkpoint process")
+    if process is not None:
+        executor._CHECKPOINT_PROCESS = None
+        process.__del__()
 
 
 # -- argparse --------------------------------------------------------------------------------------------

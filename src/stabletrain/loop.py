@@ -49,7 +49,7 @@ from .services.remedy_applier import RemedyApplier
 from .services.run_setup import DEFAULT_RUN_DIR, default_run_dir, open_run
 from .services.signals import SignalHandler
 from .step import build_step
-from .tasks import Task, resolve_task
+from .tasks import Task, check_task, resolve_task
 
 __all__ = ["Trainer"]
 
@@ -66,7 +66,7 @@ class Trainer:
                  resume: bool = False, callbacks: Sequence[Callback] = ()) -> None:
         cfg = cfg.validate()
         seed_everything(cfg.seed)
-        task = task if task is not None else resolve_task(cfg.task, cfg.task_args)
+        task = check_task(task) if task is not None else resolve_task(cfg.task, cfg.task_args)
         check_val_data(task)
         check_materialized(task.model, task.name)  # lazy parameters: the optimizer could not hold them
         fingerprint = InitFingerprint.take(task.model) if not resume else None  # before anything can touch it
@@ -161,7 +161,7 @@ class Trainer:
 
     def _fit(self) -> dict[str, Any]:
         cfg, state, fire = self.cfg, self.state, self.callbacks.fire
-        self._record = {}  # the last metrics record
+        self._record = state.begin_fit()  # {}: the last metrics record (a Trainer fits once)
         self.boundary.restart()
         self.signals.install()
         try:

@@ -60,6 +60,7 @@ class RunState:
         history: every metrics record of this process.
         positions: step -> (epoch, start) of its data window, for the current interval's steps.
         stop_reason: set when the run stops early (guard, signal).
+        fitted: whether ``fit()`` began (a Trainer fits once: :meth:`begin_fit`).
     """
 
     cfg: Any
@@ -90,6 +91,7 @@ class RunState:
     history: list[dict[str, Any]] = field(default_factory=list)
     positions: dict[int, tuple[int, int]] = field(default_factory=dict)
     stop_reason: str | None = None
+    fitted: bool = False
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -99,6 +101,15 @@ class RunState:
         """Record an event in ``events.jsonl`` (rank 0 with a run dir; a no-op elsewhere)."""
         if self.run is not None:
             self.run.event(step, kind, reason, **fields)
+
+    def begin_fit(self) -> dict[str, Any]:
+        """Mark the fit begun (an empty metrics record); a second ``fit()`` of the same Trainer is one clear error."""
+        if self.fitted:
+            raise RuntimeError(f"Trainer.fit(): this Trainer already ran its fit (to step {self.step}, its run closed); "
+                               f"to train on, resume its run directory in a new Trainer(cfg, run_dir=..., resume=True) "
+                               f"with a larger train.max_steps")
+        self.fitted = True
+        return {}
 
     def stop(self, reason: str) -> None:
         """Stop the run early (the guard, a signal): the reason, a ``stop`` event and the callbacks' ``on_stop``."""

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..internals import InternalMissing, end_dcp_process
 from .launch import LAUNCHER_ENV, die_with_parent, leave_word, under_torchrun
 
 __all__ = ["DistContext", "process_group"]
@@ -165,6 +166,7 @@ def process_group(backend: str = "auto", timeout_s: float = 120.0, nproc: int = 
         leave_word(err)  # for torchrun's agent: why this rank ends (stabletrain.distributed.elastic passes it on)
         with contextlib.suppress(Exception):  # a dead peer must not turn a clear error into a second one
             dist.destroy_process_group()
+        _end_checkpoint_process()
         raise
     else:
         # No rank tears its process group down while another still has a collective in flight: gloo's
@@ -173,3 +175,13 @@ def process_group(backend: str = "auto", timeout_s: float = 120.0, nproc: int = 
             dist.barrier()
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+        _end_checkpoint_process()
+
+
+def _end_checkpoint_process() -> None:
+    """End DCP's checkpoint process of this rank (sharded checkpoints), its last save already waited for.
+
+    Left to the rank's exit it would read a closed pipe and die on an EOFError traceback on the console.
+    """
+    with contextlib.suppress(InternalMissing):  # a torch without it: only that traceback at exit
+        end_dcp_process()

@@ -60,17 +60,18 @@ __all__ = ["CheckpointKeeper", "schedule_change_note", "INLINE_FIRST_BYTES"]
 INLINE_FIRST_BYTES = 64 << 20
 
 
-def schedule_change_note(cfg: Any, old_max_steps: int, step: int) -> str:
+def schedule_change_note(cfg: Any, old_max_steps: int, step: int, lr: float | None = None) -> str:
     """Say how a new ``train.max_steps`` on resume reshapes the cosine schedule, with the LR at ``step`` both ways.
 
     The schedule follows the new horizon (the decay stretches or shrinks from here on); the note gives
-    the numbers so the change is never silent.
+    the numbers so the change is never silent. ``lr``: the peak LR the run's schedule holds (its first group's:
+    a task's own optimizer sets it, not ``optim.lr``); ``optim.lr`` when not given.
     """
     import torch
 
     from ..policies.schedule import lr_factor
 
-    s, lr = cfg.sched, cfg.optim.lr
+    s, lr = cfg.sched, cfg.optim.lr if lr is None else lr
     n = torch.tensor(float(step))  # applied steps ~ steps (a skipped step holds the LR)
     before = float(lr_factor(n, s.warmup_steps, old_max_steps, s.decay, s.min_lr_ratio)) * lr
     after = float(lr_factor(n, s.warmup_steps, cfg.train.max_steps, s.decay, s.min_lr_ratio)) * lr
@@ -152,7 +153,7 @@ class CheckpointKeeper:
             self.reshard, self.reshard_note = _reshard_info(saved_cfg, saved_world, state)
         old = int(saved_cfg.get("train", {}).get("max_steps", state.cfg.train.max_steps))
         if old != state.cfg.train.max_steps and state.cfg.sched.decay != "constant":
-            self.schedule_change = schedule_change_note(state.cfg, old, state.step)
+            self.schedule_change = schedule_change_note(state.cfg, old, state.step, state.schedule.base_lrs[0])
 
     def _keep_rollbacks(self, run_dir: Path) -> None:
         """What the run's rollbacks decided outlives a checkpoint written before them: the data windows they skipped

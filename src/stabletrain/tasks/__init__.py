@@ -49,7 +49,7 @@ if TYPE_CHECKING:  # torch: imported by the factories and resolve_task, not here
     from torch import nn
     from torch.utils.data import Dataset
 
-__all__ = ["Task", "TaskError", "TaskArg", "resolve_task", "task_arguments", "task_factory", "BUILTIN_TASKS"]
+__all__ = ["Task", "TaskError", "TaskArg", "resolve_task", "check_task", "task_arguments", "task_factory", "BUILTIN_TASKS"]
 
 
 @dataclass
@@ -190,8 +190,6 @@ def resolve_task(spec: str, task_args: dict[str, Any] | None = None) -> Task:
 
     The arguments are checked and converted first (see the module docstring); a bad one is a TaskError.
     """
-    from torch import nn
-
     factory = task_factory(spec)
     takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(factory).parameters.values())
     task_args = check_task_args(spec, task_args or {}, task_arguments(factory), takes_kwargs=takes_kwargs)
@@ -205,14 +203,25 @@ def resolve_task(spec: str, task_args: dict[str, Any] | None = None) -> Task:
         raise TaskError(f"task {spec!r} with task_args {brief(task_args)}: {err}") from None
     if not isinstance(task, Task):
         raise TaskError(f"task factory {spec!r} returned {type(task).__name__}, expected a stabletrain.Task")
-    if not isinstance(task.model, nn.Module):
-        raise TaskError(f"task {spec!r}: Task.model is {type(task.model).__name__}, expected a torch.nn.Module")
-    if not hasattr(task.train_data, "__len__") or not hasattr(task.train_data, "__getitem__"):
-        raise TaskError(f"task {spec!r}: Task.train_data must be a map-style Dataset (__len__ and __getitem__)")
-    if len(task.train_data) == 0:
-        raise TaskError(f"task {spec!r}: Task.train_data is empty")
-    if not callable(task.loss):
-        raise TaskError(f"task {spec!r}: Task.loss must be callable as loss(model, batch)")
+    check_task(task, f"task {spec!r}")
     if task.name == "task":
         task.name = spec if spec in BUILTIN_TASKS else spec.split(":")[-1]
+    return task
+
+
+def check_task(task: Task, what: str = "Trainer(task=...)") -> Task:
+    """``task`` as the loop can train it, else a TaskError naming ``what`` and the part that is not (``task`` itself)."""
+    from torch import nn
+
+    if not isinstance(task, Task):
+        raise TaskError(f"{what}: expected a stabletrain.Task, got {type(task).__name__}")
+    if not isinstance(task.model, nn.Module):
+        raise TaskError(f"{what}: Task.model is {type(task.model).__name__}, expected a torch.nn.Module")
+    if not hasattr(task.train_data, "__len__") or not hasattr(task.train_data, "__getitem__"):
+        raise TaskError(f"{what}: Task.train_data must be a map-style Dataset (__len__ and __getitem__), got "
+                        f"{type(task.train_data).__name__}")
+    if len(task.train_data) == 0:
+        raise TaskError(f"{what}: Task.train_data is empty")
+    if not callable(task.loss):
+        raise TaskError(f"{what}: Task.loss must be callable as loss(model, batch), got {type(task.loss).__name__}")
     return task

@@ -11,6 +11,8 @@ the ranks exchange no plans while the shards' layout stays the same.
 travels with every save request) it makes that process exit when its parent, the rank, is gone. DCP's
 own process leaves only at the rank's normal exit or on a closed pipe, which a rank killed outright
 leaves open until a save in flight (and its collectives with the other ranks' checkpoint processes) ends.
+It also quiets that process's INFO lines from then on (three per save per rank); the rank ends the process
+when its process group is torn down (:mod:`stabletrain.distributed.group`), before a closed pipe would.
 
 DCP starts its process with multiprocessing's ``spawn``, which imports the rank's main module again: a script
 that trains with sharded checkpoints must keep its training under ``if __name__ == "__main__":`` (``python -m
@@ -19,6 +21,7 @@ stabletrain`` and torchrun's own entry points do).
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -41,6 +44,13 @@ class WatchedSavePlanner(DefaultSavePlanner):
         if state.get("_rank_pid") not in (None, os.getpid()) and not _watching:  # unpickled in the checkpoint process
             _watching.append(state["_rank_pid"])
             exit_with_parent(state["_rank_pid"])
+            logging.getLogger().addFilter(_quiet_info)
+
+
+def _quiet_info(record: logging.LogRecord) -> bool:
+    """DCP's checkpoint process logs each request it waits for, receives and completes at INFO on the rank's console
+    (it gives its root logger a handler of its own): keep its warnings and errors only, from its first request on."""
+    return record.levelno >= logging.WARNING or not record.pathname.endswith("_async_process_executor.py")
 
 
 def planner() -> WatchedSavePlanner:
