@@ -108,6 +108,11 @@ def test_a_remedy_is_applied_by_hand_on_resume_once_and_refused_clearly(tmp_path
     assert "needs a code change (keep the input of sqrt away from 0 at " in capsys.readouterr().err
     assert main(["train", "--resume", str(run_dir), "train.max_steps=12", f"remedy.apply={incident}:nope"]) == 2
     assert "remedy.json has no candidate 'nope'; it has skip-samples, eps-guard" in capsys.readouterr().err
+    missing = run_dir / "incidents" / "step_000099"  # a folder that is not there: said so, not "run remedy on it first"
+    assert main(["train", "--resume", str(run_dir), "train.max_steps=12", f"remedy.apply={missing}:skip-samples"]) == 2
+    assert f"no incident folder {str(missing)!r} (it does not exist)" in capsys.readouterr().err
+    assert main(["remedy", str(incident / "bundle.pt"), "--steps", "2"]) == 2  # the bundle's path, not its folder's
+    assert f"that is the bundle itself: give its incident folder, {str(incident)!r}" in capsys.readouterr().err
     for max_steps in (16, 20):  # the second resume keeps the remedy from the checkpoint and does not apply it twice
         assert main(["train", "--resume", str(run_dir), f"train.max_steps={max_steps}",
                      f"remedy.apply={incident}:skip-samples"]) == 0

@@ -538,13 +538,16 @@ def test_update_panel_draws_the_norm_and_the_ratio_on_separate_axes(real_run, mo
     assert list(ratio.get_ydata()) == run.series("update_ratio")[1]
 
 
-def _clip_run(tmp_path, rates, norms, peaks, optimizer="adamw", threshold=1.0, every=10, post=None, integration=None):
+def _clip_run(tmp_path, rates, norms, peaks, optimizer="adamw", threshold=1.0, every=10, post=None, integration=None,
+              stepped=None):
     """A run directory holding only what the clip verdict reads: config and metrics, one record per interval
     (``post``: the post-clip norms; without them the record is one written before that key existed; ``integration``:
     an adapter's run)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "config.yaml").write_text((f"integration: {integration}\n" if integration else "")
                                           + f"clip:\n  max_norm: {threshold}\noptim:\n  name: {optimizer}\n")
+    if stepped is not None:  # the optimizer the run stepped (a task's own), as snapshot.json records it
+        (tmp_path / "snapshot.json").write_text(json.dumps({"optimizer": stepped}))
     (tmp_path / "metrics.jsonl").write_text("".join(
         json.dumps({"step": every * (i + 1), "loss": 1.0, "clip_rate": r, "grad_norm": n, "grad_norm_max": m,
                     **({"grad_norm_post_clip": post[i]} if post is not None else {})}) + "\n"
@@ -582,6 +585,9 @@ def test_clip_rate_health_line_gives_a_verdict_with_its_reason(tmp_path):
     hf = _clip_sentence(_clip_run(tmp_path / "h", [1.0] * 10, [2.5] * 10, [3.0] * 10, optimizer="SGD",
                                   integration="transformers"))[1]
     assert "with SGD the update shrinks" in hf and "TrainingArguments.max_grad_norm" in hf
+    # A task's own optimizer (snapshot.json) is what stepped, whatever optim.name says: plain SGD is told SGD's effect
+    task_sgd = _clip_sentence(_clip_run(tmp_path / "i", [1.0] * 10, [2.5] * 10, [3.0] * 10, stepped="JumpLR_SGD"))[1]
+    assert "with SGD the update shrinks" in task_sgd and "Adam" not in task_sgd
 
     # Only the first steps (their large gradients): healthy; rarely or never: healthy.
     early = _clip_run(tmp_path / "d", [1.0, 1.0, 0.5] + [0.0] * 7, [3.0, 2.0, 1.1] + [0.5] * 7, [4.0, 3.0, 2.0] + [0.7] * 7)

@@ -264,6 +264,11 @@ def test_on_spike_remedy_finishes_the_run_with_the_remedy_event(tmp_path):
     assert sorted(trainer.stream.drop) == [153, 157]
     skipped = [e["step"] for e in events if e["kind"] == "skip"]
     assert skipped == [step]  # on_spike=remedy skips the spike on the device, then cures what caused it
+    # The goodput ledger books the search to the incident, not to validation (it was the residual 'eval_s')
+    ledger = [json.loads(x) for x in (run_dir / "goodput.jsonl").read_text().splitlines()]
+    searched = trainer.state.remedies.seconds
+    assert searched > 0.01 and sum(r.get("incident_s", 0.0) for r in ledger) >= searched
+    assert sum(r.get("eval_s", 0.0) for r in ledger) <= 0.5 * searched  # (this task has no validation data)
     # Its report: worth a look (a remedy changed the run mid-way), not 'problems' for an incident the remedy cured.
     from stabletrain.report import health_summary, load_run
 
@@ -1511,3 +1516,47 @@ def test_under_warn_a_loss_at_a_new_level_goes_on_as_its_course_once_diagnosed(t
     assert incidents == [30, 31, 41], incidents  # the shift, its next interval's start, then the one that names the level
     out = capsys.readouterr().out
     assert "the burst of loss spikes captured at step 41 (data: a loss at a new level) goes on (steps 51-60, ...)" in out, out
+
+
+def test_a_rollback_for_a_state_spike_says_that_skipping_its_data_may_not_cure_it(tmp_path):
+    """guard.on_spike=rollback on an LR too high: the rollback skips the windows as ever, and its line says the
+    diagnosis blames the state, not that data (a user saw the same divergence met after each rollback, unexplained)."""
+    run_dir = tmp_path / "run"
+    factory, kwargs, overrides, step = CASES["state"]
+    Trainer(cfg("train.batch_size=8", "log.every=10", "data.shuffle=false", "guard.on_spike=rollback", "ckpt.every=10",
+                *overrides), task=factory(**kwargs), run_dir=run_dir).fit()
+    events = _events(run_dir)
+    rollbacks = [e for e in events if e["kind"] == "rollback"]
+    classes = [json.loads((Path(e["path"]) / "diagnosis.json").read_text())["failure_class"]
+               for e in events if e["kind"] == "incident"]
+    assert rollbacks and classes[0] == "state", classes
+    assert "never training on the data of step" in rollbacks[0]["reason"]
+    assert rollbacks[0]["reason"].endswith("; the diagnosis names the state, not this data: going back without changing "
+                                           "the LR, the clip or Adam's epsilon may meet it again (guard.on_spike/"
+                                           "on_nonfinite=remedy tries those, verified by replay)"), rollbacks[0]["reason"]
+    cured = run_dir.parent / "data"  # a data spike's rollback has no such clause
+    Trainer(cfg("train.batch_size=8", "log.every=10", "data.shuffle=false", "guard.on_spike=rollback", "ckpt.every=10",
+                "train.max_steps=30", "optim.lr=0.01"), task=outlier_samples_task(), run_dir=cured).fit()
+    assert all("diagnosis names" not in e["reason"] for e in _events(cured) if e["kind"] == "rollback")
+    assert any(e["kind"] == "rollback" for e in _events(cured))
+
+
+def test_a_huge_loss_before_the_rule_arms_is_said_once_and_an_ordinary_start_is_not(tmp_path, capsys):
+    """A x1000 loss at step 3 or 4 passed in silence (the rule arms after 4 losses): one line and an event now,
+    nothing skipped; a healthy run's falling first losses (and the steps after arming) get no such line."""
+    for step in (3, 4):
+        run_dir = tmp_path / f"at{step}"
+        first = 8 * (step - 1)  # data.shuffle=false, batch 8: the step's window
+        trainer = Trainer(cfg("train.batch_size=8", "log.every=5", "data.shuffle=false", "train.max_steps=5"),
+                          task=outlier_samples_task(bad=tuple(range(first, first + 3)), scale=300.0), run_dir=run_dir)
+        trainer.fit()
+        said = [e for e in _events(run_dir) if e["kind"] == "early_outlier"]
+        assert [e["step"] for e in said] == [step] and said[0]["factor"] > 32, said
+        assert said[0]["reason"].startswith(f"step {step}'s loss ") and "not judged (the spike rule arms after 4 losses)" \
+            in said[0]["reason"]
+        assert not [e for e in _events(run_dir) if e["kind"] in ("skip", "incident")]
+        assert f"step {step}'s loss" in capsys.readouterr().err
+    healthy = tmp_path / "healthy"
+    Trainer(cfg("train.batch_size=2", "log.every=5", "train.max_steps=10"), task=outlier_samples_task(bad=()),
+            run_dir=healthy).fit()
+    assert not [e for e in _events(healthy) if e["kind"] == "early_outlier"]

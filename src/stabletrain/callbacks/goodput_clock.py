@@ -15,8 +15,9 @@ end         the fit ended (normally, by a stop or a crash): ``t``, ``step``, ``w
             line and the ``checkpoint_s``, ``incident_s`` in it (a process killed outright writes none)
 ==========  ==========================================================================================
 
-The interval's steps took ``wall_s - eval_s - checkpoint_s - incident_s``. The remedy search (rare) and
-the host work of a boundary count as steps. One line per interval, flushed, not fsynced (as metrics.jsonl).
+The interval's steps took ``wall_s - eval_s - checkpoint_s - incident_s``. A live remedy's search (and the
+rollback it makes) counts as the incident's; the host work of a boundary as steps. One line per interval,
+flushed, not fsynced (as metrics.jsonl).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class GoodputClock(Callback):
         self._step = 0
         self._checkpoint_s = self._incident_s = 0.0
         self._incident_at: float | None = None  # when the last on_incident came, until the next boundary
+        self._remedy_mark = 0.0  # the remedy applier's seconds already booked
 
     def _write(self, kind: str, **fields: Any) -> None:
         if self._file is not None:
@@ -77,6 +79,7 @@ class GoodputClock(Callback):
         self._file = JsonlWriter(self.path)
         self._t, self._step = time.time(), state.step
         self._checkpoint_s = self._incident_s = 0.0
+        self._remedy_mark = float(getattr(state.remedies, "seconds", 0.0) or 0.0)
         start = self.launch.get("start")
         self._write("launch", start=start if start is not None else self._t, ready=self._t, step=state.step,
                     run_id=self.launch.get("run_id"), world_size=state.dist.world)
@@ -89,6 +92,7 @@ class GoodputClock(Callback):
         wall = now - self._t
         # the loop's interval time: validation, captures and remedy searches left out (a save's blocked time kept in)
         stepping = float(record.get("step_time_s") or 0.0) * steps
+        self._incident_s += self._remedy_seconds(state)  # a live remedy's search, unless a rollback booked it already
         checkpoint, incident = self._within(wall)
         self._write("interval", t=now, step=state.step, steps=steps, wall_s=wall, eval_s=max(0.0, wall - stepping - incident),
                     checkpoint_s=checkpoint, incident_s=incident, skipped=int(record.get("num_skipped") or 0))
@@ -103,6 +107,12 @@ class GoodputClock(Callback):
         checkpoint = min(self._checkpoint_s, wall)
         return checkpoint, min(self._incident_s, max(0.0, wall - checkpoint))
 
+    def _remedy_seconds(self, state: RunState) -> float:
+        """Seconds the run's remedy applier spent since the last call (``guard.on_*=remedy``; 0 without one)."""
+        total = float(getattr(state.remedies, "seconds", 0.0) or 0.0)
+        spent, self._remedy_mark = max(0.0, total - self._remedy_mark), total
+        return spent
+
     def on_incident(self, state: RunState, info: dict[str, Any]) -> None:
         self._incident_at = time.time()
         self._incident_s += max(0.0, self._incident_at - self._t)  # the capture and diagnosis ran since on_log
@@ -116,6 +126,7 @@ class GoodputClock(Callback):
         if self._incident_at is not None:  # the rollback follows the incident at once: its remedy search, its load
             self._incident_s += max(0.0, now - self._incident_at)
             self._incident_at = None
+            self._remedy_seconds(state)  # (that search is in it)
         self._write("rollback", t=now, **{"from": info.get("from_step"), "to": info.get("to_step")})
         self._step = state.step
 
@@ -123,6 +134,7 @@ class GoodputClock(Callback):
         if self._file is None:
             return
         now = time.time()
+        self._incident_s += self._remedy_seconds(state)
         checkpoint, incident = self._within(now - self._t)
         self._write("end", t=now, step=state.step, wall_s=now - self._t, checkpoint_s=checkpoint, incident_s=incident)
         self._file.close()

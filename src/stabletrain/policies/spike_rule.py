@@ -15,7 +15,7 @@ import numpy as np
 
 from ..config import GuardConfig
 
-__all__ = ["spike_test", "robust_z", "far_spike", "EARLY_ARM", "MAD_TO_STD", "FAR"]
+__all__ = ["spike_test", "robust_z", "far_spike", "unjudged_outliers", "EARLY_ARM", "MAD_TO_STD", "FAR"]
 
 #: The spike rule is armed once the window holds this many losses (with a stricter test until it is half full).
 EARLY_ARM = 4
@@ -69,3 +69,22 @@ def far_spike(x: Any, values: np.ndarray, median: Any, cfg: GuardConfig) -> bool
     median = np.float32(median)
     return (bool(median > 0) and bool(np.float32(x) > np.float32(cfg.spike_ratio ** FAR) * median)
             and bool(robust_z(x, values, median) > np.float32(cfg.spike_zscore)))
+
+
+def unjudged_outliers(rows: list[Any], cfg: GuardConfig) -> list[tuple[int, float, float]]:
+    """The losses among a run's first :data:`EARLY_ARM` (before the rule arms) that exceed ``spike_ratio ** FAR`` (32x
+    with the defaults) times every finite loss before them: ``(step, loss, that factor)``, for a line that says so.
+
+    A run's first losses fall; one that is 32 times all of them is not its start. Told, not acted on: the rule is not
+    armed on so few losses (a small batch's early losses spread widely), so nothing is skipped or captured.
+    """
+    out, before = [], []
+    for row in rows:
+        loss = float(row.values["loss"])
+        if row.step > EARLY_ARM or not math.isfinite(loss):
+            break
+        top = max(before, default=0.0)
+        if before and top > 0 and loss > cfg.spike_ratio ** FAR * top:
+            out.append((row.step, loss, loss / top))
+        before.append(loss)
+    return out

@@ -73,7 +73,10 @@ def load_bundle(directory: str | Path) -> dict[str, Any]:
     """
     path = Path(directory) / BUNDLE_FILE
     if not path.exists():
-        raise FileNotFoundError(f"incident {str(directory)!r}: no {BUNDLE_FILE} there; expected RUN_DIR/incidents/step_N")
+        given = Path(directory)
+        hint = (f"that is the bundle itself: give its incident folder, {str(given.parent)!r}"
+                if given.name == BUNDLE_FILE and given.is_file() else "expected RUN_DIR/incidents/step_N")
+        raise FileNotFoundError(f"incident {str(directory)!r}: no {BUNDLE_FILE} there; {hint}")
     try:
         bundle = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # unpickling errors have many types; report them as one clear line

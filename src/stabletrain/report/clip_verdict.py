@@ -101,7 +101,8 @@ def clip_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
                     "would then size the updates).")
     elif late_rate > CLIP_MOST:
         f["clip_verdict"] = "most"
-        optimizer = str(run.cfg("optim.name", "")).lower()  # the built-in loop's "adamw"; an adapter's class, "AdamW"
+        # the optimizer the run stepped (snapshot.json: a task's own one too), else the config's name (an adapter's class)
+        optimizer = str(run.snapshot.get("optimizer") or run.cfg("optim.name", "")).lower()
         factor = f" about {fmt_num(threshold / f['grad_norm_median'], 2)}x" if norms and f["grad_norm_median"] > 0 else ""
         if optimizer.startswith(ADAPTIVE):
             effect = ("with Adam the update size barely changes (it divides by the clipped gradients' RMS), but every "
@@ -109,8 +110,8 @@ def clip_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
         elif "sgd" in optimizer:
             effect = f"with SGD the update shrinks as if the learning rate were{factor} as large"
         else:
-            effect = (f"with {run.cfg('optim.name')} every gradient is rescaled to the same norm (for a plain gradient "
-                      f"step, as if the learning rate were{factor} as large)")
+            effect = (f"with {run.snapshot.get('optimizer') or run.cfg('optim.name')} every gradient is rescaled to the "
+                      f"same norm (for a plain gradient step, as if the learning rate were{factor} as large)")
         h.say("warn", f"{head}, {fmt_pct(late_rate)} in the second half{cuts}: too often. The threshold is below the "
                       f"typical grad norm{typical}, so the clip, not the gradient, sets the size of most updates; {effect}. "
                       f"To clip only spikes, {retune}; if the smaller steps are what keeps the run stable, lower "

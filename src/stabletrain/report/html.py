@@ -106,6 +106,7 @@ KIND_COLORS: dict[str, tuple[str, str]] = {
     "nonfinite": ("#ffe3e3", "#a61e4d"),
     "spike": ("#f3d9fa", "#862e9c"),
     "precursor": ("#fff9db", "#862e9c"),
+    "early_outlier": ("#f8f0fc", "#862e9c"),
     "stall": ("#ffe8cc", "#c92a2a"),
     "incident": ("#d6336c", "#fff"),
     "checkpoint": ("#d3f9d8", "#2b8a3e"),

@@ -23,6 +23,7 @@ from ..callbacks.sinks import announce_precursor
 from ..policies.guard import NEGLIGIBLE_SPIKE, GuardDecision
 from ..policies.metrics import interval_record, peak_memory_mib
 from ..policies.precursor import Precursor
+from ..policies.spike_rule import EARLY_ARM, unjudged_outliers
 from ..runstate import RunState
 from .capture import IN_MEMORY
 
@@ -76,6 +77,12 @@ class IntervalBoundary:
         if self.count_samples:
             state.samples_seen += summary["interval_samples"]
         decision = self.guard.decide(rows)
+        if rows and rows[0].step <= EARLY_ARM:  # a run's first losses, which the spike rule does not judge
+            for step, loss, factor in unjudged_outliers(rows, self.guard.cfg):
+                text = (f"step {step}'s loss {loss:.4g} is x{factor:.3g} every loss before it: not judged (the spike rule "
+                        f"arms after {EARLY_ARM} losses), not skipped or captured")
+                state.event(step, "early_outlier", text, loss=loss, factor=factor)
+                console.warn(text)
         if decision.stall is not None:  # guard.on_stall=warn: said once (stop: the caller stops with it)
             state.event(state.step, "stall", decision.stall)
             console.warn(decision.stall)

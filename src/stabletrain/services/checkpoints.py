@@ -367,7 +367,7 @@ class CheckpointKeeper:
                           f"{_never_again(bad_steps, state.positions)}"
                           + (f"; nor on sample{'s' * (len(samples) > 1)} {', '.join(map(str, samples))}, which the "
                              f"diagnosis named ({'they come' if len(samples) > 1 else 'it comes'} back every epoch)"
-                             if samples else "")}
+                             if samples else "") + _not_the_data(diagnosis.get("failure_class"))}
         state.event(state.step, "rollback", info["reason"], **{k: v for k, v in info.items() if k != "reason"})
         if state.dist.is_main:  # the run changed course: said, as an incident is
             console.say(info["reason"])
@@ -435,6 +435,14 @@ def _reshard_info(saved_cfg: dict[str, Any], saved_world: int, state: RunState) 
 def _failed(step: int, err: BaseException) -> dict[str, Any]:
     return {"step": step, "kind": "checkpoint_failed", "fields": {"error": type(err).__name__},
             "reason": f"checkpoint at step {step} failed: {err}"}
+
+
+def _not_the_data(failure_class: Any) -> str:
+    """The rollback line's warning when the diagnosis blames the model or optimizer state, not the skipped data."""
+    if failure_class not in ("state", "divergence", "optimizer-state"):
+        return ""
+    return (f"; the diagnosis names the {failure_class}, not this data: going back without changing the LR, the clip or "
+            "Adam's epsilon may meet it again (guard.on_spike/on_nonfinite=remedy tries those, verified by replay)")
 
 
 def _never_again(steps: list[int], positions: dict[int, tuple[int, int]]) -> str:

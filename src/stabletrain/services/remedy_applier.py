@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,7 @@ class RemedyApplier:
         self.applied: list[dict[str, Any]] = []  # what was applied, when, and the evidence
         self.last_rollback: dict[str, Any] | None = None  # the last rollback a remedy made (an on_rollback's info)
         self._hooks = contextlib.ExitStack()
+        self.seconds = 0.0  # wall time spent in act(): searches, applying, their rollbacks
 
     # -- the run's record ---------------------------------------------------------------------
 
@@ -83,8 +85,16 @@ class RemedyApplier:
         """``guard.on_nonfinite=remedy`` at an incident: search, apply the best cure; return whether one was applied.
 
         ``decision``: the guard's (its ``action`` becomes ``continue``, ``rollback`` (state restored by a
-        rollback remedy) or, when nothing cures, ``remedy.fallback``). ``found``: the capture's result.
+        rollback remedy) or, when nothing cures, ``remedy.fallback``). ``found``: the capture's result. Its wall
+        time adds to :attr:`seconds` (the goodput ledger books it to the incident, not to validation).
         """
+        t0 = time.perf_counter()
+        try:
+            return self._act(decision, found)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _act(self, decision: Any, found: dict[str, Any]) -> bool:
         state = self.state
         cfg = state.cfg.remedy
         if decision.negligible and decision.first_incident is None:  # spikes between negligible losses: nothing to cure
@@ -210,6 +220,9 @@ class RemedyApplier:
         path = Path(incident) / REMEDY_FILE
         if not incident or not name:
             raise ValueError(f"config key 'remedy.apply': expected INCIDENT_DIR:NAME, got {spec!r}")
+        if not Path(incident).is_dir():
+            raise FileNotFoundError(f"config key 'remedy.apply' ({spec!r}): no incident folder {incident!r} (it does not "
+                                    "exist); expected RUN_DIR/incidents/step_N:NAME")
         if not path.is_file():
             raise FileNotFoundError(f"config key 'remedy.apply' ({spec!r}): no {REMEDY_FILE} in {incident!r}; run "
                                     f"stabletrain remedy {incident} first")
