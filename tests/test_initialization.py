@@ -171,6 +171,7 @@ def test_reset_parameters_overwriting_a_custom_init_is_reported_by_name():
     reason = InitFingerprint.describe(changes)
     assert reason.startswith("2 parameter(s) changed between the model's init and the first step: proj.weight (std 0.02")
     assert "reset_parameters()" in reason
+    assert "or a load_state_dict): a deliberate load of trained weights is fine" in reason  # (it said "re-initialized")
 
 
 def test_fingerprint_ignores_wrapping_and_same_values_and_reports_new_and_missing():

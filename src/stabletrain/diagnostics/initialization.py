@@ -146,8 +146,9 @@ class InitFingerprint:
         shown = ", ".join(one(c) for c in changes[:limit])
         more = f" and {len(changes) - limit} more" if len(changes) > limit else ""
         return (f"{len(changes)} parameter(s) changed between the model's init and the first step: {shown}{more}; "
-                "something re-initialized them (a reset_parameters() call, to_empty() on a meta-device model, "
-                "or a wrapper that rebuilds modules): initialize after that, or not before it")
+                "something overwrote them (a reset_parameters() call, to_empty() on a meta-device model, a wrapper "
+                "that rebuilds modules, or a load_state_dict): a deliberate load of trained weights is fine; otherwise "
+                "initialize after that, or not before it")
 
     def state_dict(self) -> dict[str, Any]:
         return {"params": {n: asdict(f) for n, f in self.params.items()}, "skipped": list(self.skipped)}
