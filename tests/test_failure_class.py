@@ -69,8 +69,19 @@ def test_a_divergence_is_divergence_with_its_growth_never_not_reproducible(tmp_p
     # The printed line of `stabletrain diagnose` (a fresh replay from the bundle) and report.html say it too.
     capsys.readouterr()
     assert main(["diagnose", str(tmp_path / "run" / "incidents" / f"step_{d['step']:06d}")]) == 0
-    printed = capsys.readouterr().out
+    printed, warned = capsys.readouterr()
     assert "  failure_class                  divergence\n" in printed and f"since step {since}" in printed
+    # The capture's diagnosis.json stays the record; the replay goes beside it. A replay that disagrees with it
+    # (a model rebuilt without what was changed after it was built) says so: planted here by editing the record.
+    folder = tmp_path / "run" / "incidents" / f"step_{d['step']:06d}"
+    assert "diagnosis.replayed.json (the capture's diagnosis.json is kept)" in printed and "this replay" not in warned
+    assert json.loads((folder / "diagnosis.json").read_text()) == d
+    (folder / "diagnosis.json").write_text(json.dumps({**d, "failure_class": "op", "summary": "op: planted"}))
+    assert main(["diagnose", str(folder)]) == 0
+    warned = capsys.readouterr().err
+    assert ("this replay in a new process says 'divergence', the diagnosis written when the incident was captured says "
+            "'op' (diagnosis.json: op: planted): the model or loss rebuilt here may not be the one that trained") in warned
+    assert json.loads((folder / "diagnosis.json").read_text())["summary"] == "op: planted"
     page = write_report(tmp_path / "run").read_text()
     assert "failure_class" in page and "divergence: " in page and f"{metric} grew x" in page
 
@@ -84,7 +95,7 @@ def test_a_divergence_inside_one_interval_is_divergence_from_its_steps_losses(tm
     g = d["growth"]
     assert 0 < g["since_step"] < g["until_step"] < d["step"] and g["total_factor"] > 1e3
     folder = tmp_path / "run" / "incidents" / f"step_{d['step']:06d}"
-    assert main(["diagnose", str(folder)]) == 0 and json.loads((folder / "diagnosis.json").read_text())["growth"] == g
+    assert main(["diagnose", str(folder)]) == 0 and json.loads((folder / "diagnosis.replayed.json").read_text())["growth"] == g
 
 
 def test_an_op_outside_any_module_is_said_so_not_module_none():

@@ -350,8 +350,8 @@ def launch_history(incident_dir: str | Path, rows: list[dict[str, Any]]) -> list
 
 def diagnose_incident(directory: str | Path, task: Task | None = None, *, device: str | None = None,
                       bisect: bool = True, anomaly: bool = True, bundle: dict[str, Any] | None = None,
-                      history: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Replay the bundled step under the precise tools; write and return ``diagnosis.json``.
+                      history: list[dict[str, Any]] | None = None, out: str = DIAGNOSIS_FILE) -> dict[str, Any]:
+    """Replay the bundled step under the precise tools; write (as ``out`` in ``directory``) and return ``diagnosis.json``.
 
     ``task``: reuse an already built task (its model is deep-copied, never touched); by default the
     task is rebuilt from the bundle's config, as ``stabletrain diagnose`` does in a fresh process.
@@ -368,7 +368,7 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
     if empty and len(empty) == len(bundle["window"]["indices"]):  # nothing to replay: a mean over none is NaN
         result = _empty_batch(bundle, empty)
         result["timings"] = {"total_s": time.perf_counter() - start}
-        atomic_write(directory / DIAGNOSIS_FILE, json.dumps(result, indent=2, default=str) + "\n")
+        atomic_write(directory / out, json.dumps(result, indent=2, default=str) + "\n")
         return result
     if task is None:
         task = task_of_run(cfg, directory)
@@ -380,7 +380,7 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
         result["timings"] = {"load_s": load_s, **result["timings"], "total_s": time.perf_counter() - start}
         result["sample_unit"] = bundle.get("sample_unit", "dataset index")
         _positions(result, task)
-        atomic_write(directory / DIAGNOSIS_FILE, json.dumps(result, indent=2, default=str) + "\n")
+        atomic_write(directory / out, json.dumps(result, indent=2, default=str) + "\n")
         return result
     replica = Replica(cfg, task, bundle, dev)
     model, precision = replica.model, replica.precision()
@@ -427,5 +427,5 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
                                f"takes it to {after:g}: {why}")
     if observed.get("after_update") and result.get("stage") not in ("update",):
         result["note"] = "the run saw the bad value only in the parameters after the update"
-    atomic_write(directory / DIAGNOSIS_FILE, json.dumps(result, indent=2, default=str) + "\n")
+    atomic_write(directory / out, json.dumps(result, indent=2, default=str) + "\n")
     return result

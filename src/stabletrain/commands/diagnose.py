@@ -21,7 +21,8 @@ def add_diagnose_parser(sub: argparse._SubParsersAction) -> None:
                        help="replay a captured incident and name its cause: a NaN/Inf's op, module, parameter and "
                             "sample, a loss spike's class and evidence",
                        description="Replay RUN_DIR/incidents/step_N under the precise tools (a loss spike: under "
-                                   "counterfactual replays); write diagnosis.json next to it.")
+                                   "counterfactual replays); write diagnosis.json next to it, or diagnosis.replayed.json "
+                                   "where the capture's diagnosis.json is there (it stays the record).")
     p.add_argument("incident", metavar="INCIDENT_DIR", help="RUN_DIR/incidents/step_N (or RUN_DIR: its newest incident)")
     p.add_argument("--json", action="store_true", help="print the whole diagnosis as JSON")
     p.add_argument("--device", metavar="DEVICE", help="replay on this device (default: the run's)")
@@ -32,11 +33,14 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     import json
 
     from ..incident_replay import diagnose_incident
+    from ..records.bundles import DIAGNOSIS_FILE, REPLAYED_FILE
     from . import incident_dir
 
     path = incident_dir(args.incident, newest=True, command="diagnose")
+    captured = _read_json(path / DIAGNOSIS_FILE)  # the capture's diagnosis: the record, never overwritten here
+    out = REPLAYED_FILE if captured is not None else DIAGNOSIS_FILE
     try:
-        result = diagnose_incident(path, device=args.device, bisect=not args.no_bisect)
+        result = diagnose_incident(path, device=args.device, bisect=not args.no_bisect, out=out)
     except Exception:
         obstacles = replay_obstacles(path)
         if not obstacles:
@@ -61,8 +65,24 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     if anomaly:
         print(f"  replay under detect_anomaly: {anomaly[0].removeprefix('anomaly mode: ')}")
     if replayed:
-        print(f"  written to {path / 'diagnosis.json'}")
+        print(f"  written to {path / out}" + (f" (the capture's {DIAGNOSIS_FILE} is kept)" if captured is not None else ""))
+        then, now = (captured or {}).get("failure_class"), result.get("failure_class")
+        if captured is not None and then is not None and then != now:
+            console.warn(f"this replay in a new process says {now!r}, the diagnosis written when the incident was "
+                         f"captured says {then!r} ({DIAGNOSIS_FILE}: {captured.get('summary')}): the model or loss rebuilt "
+                         "here may not be the one that trained (a hook or a change made after the model was built)")
     return 0
+
+
+def _read_json(path: Path) -> dict | None:
+    """The JSON object in ``path``, or None when there is none (no file, or not a whole JSON object)."""
+    import json
+
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def replay_obstacles(incident: Path) -> list[str]:

@@ -36,11 +36,14 @@ from ..fileio import atomic_write
 from .checkpoint.shards import is_dcp_entry, to_full_state
 
 __all__ = ["write_bundle", "load_bundle", "incident_order", "BUNDLE_FILE", "BUNDLE_DCP_DIR", "DIAGNOSIS_FILE", "REMEDY_FILE",
-           "STATE_IN"]
+           "STATE_IN", "REPLAYED_FILE"]
 
 BUNDLE_FILE = "bundle.pt"
 BUNDLE_DCP_DIR = "dcp"
 DIAGNOSIS_FILE = "diagnosis.json"
+#: ``stabletrain diagnose`` on an incident that has its capture's diagnosis.json writes its replay here: the
+#: capture's stays the record (an adapter's model rebuilt in a new process may not be the one that trained).
+REPLAYED_FILE = "diagnosis.replayed.json"
 REMEDY_FILE = "remedy.json"
 #: A bundle whose model and optimizer are another bundle's (a DDP incident's later ranks, ``rank_R/``: every rank
 #: holds the same ones) names that bundle's directory, relative to its own, under this key instead of holding them.
