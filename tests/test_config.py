@@ -344,3 +344,22 @@ def test_optim_keys_a_task_with_its_own_optimizer_does_not_use_are_said_once(tmp
                                                 r"\(Task.optimizer: AdamW, lr 0.001\)"):
         Trainer(load_config(None, ["train.max_steps=2", "optim.lr=0.005", "log.progress=false"]), task=task(),
                 run_dir=tmp_path / "run").fit()
+
+
+def test_a_trainer_without_run_dir_writes_into_the_configs_run_dir_and_with_neither_writes_nothing(tmp_path, monkeypatch):
+    """Trainer(cfg) with run.dir set trained and wrote nothing, silently (the CLI wrote there)."""
+    from helpers import regression_task
+
+    from stabletrain import Trainer, load_config
+
+    monkeypatch.chdir(tmp_path)
+    chosen = tmp_path / "apidir" / "myrun"
+    Trainer(load_config(None, ["train.max_steps=4", "log.every=2", "ckpt.every=2", f"run.dir={chosen}"]),
+            task=regression_task()).fit()
+    assert (chosen / "config.yaml").is_file() and (chosen / "checkpoints" / "LAST_GOOD").is_file()
+    other = tmp_path / "given"  # an explicit run_dir wins over run.dir
+    Trainer(load_config(None, ["train.max_steps=2", f"run.dir={tmp_path / 'unused'}"]), task=regression_task(),
+            run_dir=other).fit()
+    assert (other / "config.yaml").is_file() and not (tmp_path / "unused").exists()
+    Trainer(load_config(None, ["train.max_steps=2"]), task=regression_task()).fit()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["apidir", "given"]  # neither: nothing written

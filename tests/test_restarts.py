@@ -543,6 +543,8 @@ def test_goodput_counts_the_launch_that_refused_once(tmp_path):
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     g = read_goodput(tmp_path)
     assert (g.launches, g.restarts) == (4, 2) and "over 4 launches" in g.line(), g.line()
+    # a user counted 3 launch lines and 2 restarts against "4 launches": the line says which one the 4th was
+    assert "over 4 launches (the last refused to restart, a crash loop; lost: " in g.line(), g.line()
 
 
 def test_goodput_parts_that_overlap_in_an_interval_stay_within_its_wall_time(tmp_path):
@@ -656,3 +658,22 @@ def test_a_stop_asked_for_after_the_ranks_finished_leaves_the_finished_run_at_ex
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0 and "before the ranks started" not in err, err[-2000:]
     assert "trained 4 steps" in out
+
+
+def test_a_second_trainer_in_one_process_starts_its_launch_when_it_is_built_not_with_the_process(tmp_path):
+    """Two Trainers in one script (a fit, a pause, a resume): the second launch's start-up was counted from the
+    process's start, the first fit and the pause in it ('86.8% start-up' over more seconds than the script ran)."""
+    from helpers import regression_task
+
+    run_dir = tmp_path / "run"
+    overrides = ("log.every=2", "ckpt.every=2", "train.batch_size=8")
+    Trainer(cfg("train.max_steps=4", *overrides), task=regression_task(), run_dir=run_dir).fit()
+    time.sleep(1.0)  # the script's own time between the fits: nobody's start-up
+    Trainer(cfg("train.max_steps=8", *overrides), task=regression_task(), run_dir=run_dir, resume=True).fit()
+    ledger = read_jsonl(run_dir / "goodput.jsonl")[0]
+    first_end = next(r for r in ledger if r["kind"] == "end")["t"]
+    second = [r for r in ledger if r["kind"] == "launch"][1]
+    assert second["start"] >= first_end + 0.9 and second["ready"] - second["start"] < 2.0, ledger
+    g = read_goodput(run_dir)
+    last_end = [r for r in ledger if r["kind"] == "end"][-1]["t"]
+    assert g.launches == 2 and g.total_s <= last_end - ledger[0]["start"] - 0.9, g.line()  # the pause is not counted

@@ -57,7 +57,7 @@ __all__ = ["Trainer"]
 class Trainer:
     """Train ``task`` under ``cfg``: builds the strategy, the policies and the step, runs the loop, calls the services.
 
-    ``run_dir=None`` writes nothing. ``resume=True`` continues ``run_dir`` from LAST_GOOD (a changed config key
+    ``run_dir``: default the config's ``run.dir``; with neither, nothing is written. ``resume=True`` continues ``run_dir`` from LAST_GOOD (a changed config key
     outside ``config.RESUME_SAFE_KEYS`` is refused). ``callbacks`` fire after the built-in ones. Under DDP
     ``self.model`` is the DDP wrapper, ``self.module`` the model; every rank constructs it and calls :meth:`fit`.
     """
@@ -105,6 +105,7 @@ class Trainer:
         self._agreed_signal: int | None = None  # DDP: the largest signal any rank had at the last log boundary
         self._where = "setup"  # what the loop is doing, for a clear message when a peer is lost
         self._params_held = False  # checked after the first step (the strategy's check_after_first_step)
+        run_dir = cfg.run.dir if run_dir is None else run_dir  # (Trainer(cfg) with run.dir set wrote nothing, silently)
         if run_dir == DEFAULT_RUN_DIR:
             run_dir = default_run_dir(cfg, task.name)
         if run_dir is not None:

@@ -35,6 +35,7 @@ __all__ = ["GoodputClock", "LEDGER_FILE", "launch_record"]
 
 #: The ledger's file in the run directory.
 LEDGER_FILE = "goodput.jsonl"
+_launches_here = 0  # launches this process recorded: only its first started with the process
 
 
 def launch_record(run_dir: Path | None = None) -> dict[str, Any]:
@@ -43,7 +44,13 @@ def launch_record(run_dir: Path | None = None) -> dict[str, Any]:
     The start is the outermost stabletrain process's (:data:`~stabletrain.distributed.launch.LAUNCH_START_ENV`,
     imports and all) for a launch a command started; a restarted process's own start otherwise (the wait before
     it is the restart's). ``run_dir``: where to look for an earlier launch, whose start a stale variable would be.
+    A second Trainer in the same process starts now (after its task was built): the process's start, the first
+    fit and whatever ran between are not its start-up.
     """
+    global _launches_here
+    _launches_here += 1
+    if _launches_here > 1:  # a later Trainer of this process (a resume after a first fit): from its own set-up on
+        return {"start": round(time.time(), 3), "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}
     start = process_start_time()
     given = os.environ.get(LAUNCH_START_ENV)
     if given and RESTART_ENV not in os.environ and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0"):

@@ -19,6 +19,7 @@ the config (a built-in task or ``module:function``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -183,6 +184,11 @@ def _run_cfg(cfg: Config, run_dir: Path, steps: int, ckpt_every: int) -> Config:
     return config_from_dict(data)
 
 
+def _no_run_dir(cfg: Config) -> Config:
+    """``cfg`` without ``run.dir``: a Trainer of it writes nothing (a Trainer takes the config's run.dir by default)."""
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=None))
+
+
 def _params(trainer: Any) -> list[torch.Tensor]:
     return [p.detach().cpu().clone() for p in trainer.params]
 
@@ -246,7 +252,7 @@ def check_determinism(ctx: CheckContext) -> CheckResult:
     for _ in range(2):
         with tempfile.TemporaryDirectory(prefix="stabletrain-det-") as tmp:
             cfg = _run_cfg(ctx.cfg, Path(tmp) / "run", N_STEPS + M_STEPS, 0)
-            trainer = Trainer(cfg, task=ctx.make_task() if ctx.task_factory else None)
+            trainer = Trainer(_no_run_dir(cfg), task=ctx.make_task() if ctx.task_factory else None)
             trace: list[dict[str, Any]] = []
             trainer.callbacks.append(StepTrace(trainer, trace))
             trainer.fit()
@@ -287,7 +293,7 @@ def _probe(argv: list[str]) -> int:
     manager = CheckpointManager(run_dir / "checkpoints")
     loaded = manager.load(run_dir / "checkpoints" / f"step_{args.from_step:06d}")
     cfg = config_from_dict(loaded.meta["config"])
-    trainer = Trainer(cfg)  # no run dir: the probe writes nothing there
+    trainer = Trainer(_no_run_dir(cfg))  # no run dir: the probe writes nothing there (its run.dir is the probe's)
     trainer.load_state_dict(loaded.state)
     trace: list[dict[str, Any]] = []
     trainer.callbacks.append(StepTrace(trainer, trace))

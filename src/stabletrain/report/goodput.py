@@ -51,6 +51,7 @@ class Goodput:
     total_s: float
     launches: int
     restarts: int
+    refused: int = 0  # launches that refused to restart the run (a crash loop), each at its start
 
     @property
     def goodput(self) -> float:
@@ -70,7 +71,10 @@ class Goodput:
         words = [f"{self.share(p):.1%} {PARTS[p][0]}" + (f" after {self.restarts} restart{'s' * (self.restarts != 1)}"
                                                           if p == "redone" and self.restarts else "") for p in lost]
         launches = f"{self.launches} launch{'es' * (self.launches != 1)}"
-        return f"goodput {self.goodput:.1%} over {launches} ({'lost: ' + ', '.join(words) if words else 'nothing lost'})"
+        refused = ("the last refused to restart, a crash loop; " if self.refused == 1 else
+                   f"{self.refused} refused to restart, crash loops; " if self.refused else "")
+        return (f"goodput {self.goodput:.1%} over {launches} ({refused}"
+                f"{'lost: ' + ', '.join(words) if words else 'nothing lost'})")
 
 
 def _launches(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -139,7 +143,7 @@ def read_goodput(run_dir: str | Path) -> Goodput | None:
     lines = sum(1 + len(n["intervals"]) + len(n["rollbacks"]) + (n["end"] is not None) for n in launches)
     if 0.0 < sum(sec.values()) - total <= ROUNDING_S * lines:
         total = sum(sec.values())
-    return Goodput(sec, total, _count_launches(launches, restarts, refusals), len(restarts))
+    return Goodput(sec, total, _count_launches(launches, restarts, refusals), len(restarts), len(refusals))
 
 
 def _count_launches(launches: list[dict[str, Any]], restarts: list[dict[str, Any]], refusals: list[dict[str, Any]]) -> int:
