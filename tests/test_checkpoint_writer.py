@@ -326,6 +326,24 @@ def test_the_writer_runs_below_trainings_priority_and_outlives_sigint_and_sigter
     assert wait_until(lambda: not writers_of(os.getpid()), 10)
 
 
+def test_a_writer_whose_training_process_is_gone_exits_without_a_traceback_on_the_shared_console():
+    """Its reply to a save met a closed socket (the training process SIGKILLed): the BrokenPipeError's traceback went
+    to the console it shares with training, and a restart's line quoted it as the killed rank's last line."""
+    import socket
+
+    from stabletrain.records.checkpoint.writer import send
+
+    ours, theirs = socket.socketpair()
+    proc = subprocess.Popen([sys.executable, "-m", WRITER_MODULE, str(theirs.fileno()), str(os.getpid()), "0"],
+                            pass_fds=[theirs.fileno()], env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    theirs.close()
+    send(ours, {"op": "save", "rid": 1, "drop": [], "block": None, "specs": None, "skeleton": b"not a pickle"})
+    ours.close()  # gone before its reply (it imports torch first): the reply meets a closed socket
+    out, err = proc.communicate(timeout=60)
+    assert (proc.returncode, out, err) == (1, "", "")
+
+
 # -- lifetime: a killed run, a killed writer -------------------------------------------------------------
 
 

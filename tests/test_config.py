@@ -56,6 +56,8 @@ def test_roundtrip_through_plain_dicts():
     ("accum.steps=2.5", "config key 'accum.steps': expected an integer, got 2.5"),
     ("precision=fp8", "config key 'precision': expected one of auto, fp32, bf16, fp16, got 'fp8'"),
     ("deterministic=maybe", "config key 'deterministic': expected true or false, got 'maybe'"),
+    ("run.resume=yes", "config key 'run.resume': expected one of never, auto, got True (YAML reads yes/no/on/off/true/"
+                       "false as a boolean)"),
     ("optim=3", "config key 'optim': expected a mapping, got 3"),
     ("optim.lr.x=3", "config key 'optim.lr': expected a number, got {'x': 3}"),
     ("justakey", "expected dotted key=value"),

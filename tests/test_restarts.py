@@ -367,7 +367,8 @@ def test_run_resume_auto_starts_the_run_then_continues_it(tmp_path, capsys):
         capsys.readouterr().out)
     assert [(run_dir / f).read_text() for f in ("events.jsonl", "goodput.jsonl", "metrics.jsonl")] == before
     assert main([*args, "train.max_steps=8", "optim.lr=0.5"]) == 2  # a changed config is refused as --resume does
-    assert "optim.lr: checkpoint 0.001, now 0.5" in capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert "optim.lr: checkpoint 0.001, now 0.5" in err and "continuing it" not in out  # (it said so, then refused)
     assert main(["train", "task=mlp", "run.resume=auto"]) == 2
     assert "config key 'run.resume': auto continues or starts run.dir, but run.dir is not set" in capsys.readouterr().err
     # A finished run whose last checkpoint is damaged (a byte flipped) is no finished run: it said 'has finished', exit 0;

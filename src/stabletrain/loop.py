@@ -57,9 +57,9 @@ __all__ = ["Trainer"]
 class Trainer:
     """Train ``task`` under ``cfg``: builds the strategy, the policies and the step, runs the loop, calls the services.
 
-    ``run_dir``: default the config's ``run.dir``; with neither, nothing is written. ``resume=True`` continues ``run_dir`` from LAST_GOOD (a changed config key
-    outside ``config.RESUME_SAFE_KEYS`` is refused). ``callbacks`` fire after the built-in ones. Under DDP
-    ``self.model`` is the DDP wrapper, ``self.module`` the model; every rank constructs it and calls :meth:`fit`.
+    ``run_dir``: default ``run.dir``; with neither nothing is written. ``resume=True`` continues ``run_dir`` from
+    LAST_GOOD (a changed key outside ``config.RESUME_SAFE_KEYS`` is refused). ``callbacks`` fire after the built-in
+    ones. Under DDP ``self.model`` is the DDP wrapper, ``self.module`` the model; every rank builds it and calls fit().
     """
 
     def __init__(self, cfg: Config, task: Task | None = None, run_dir: str | Path | None = None, *,

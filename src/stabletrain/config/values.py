@@ -52,7 +52,10 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
-            raise ConfigError(f"config key '{key}': expected one of {', '.join(map(str, choices))}, got {brief(value)}")
+            read = (" (YAML reads yes/no/on/off/true/false as a boolean)"
+                    if isinstance(value, bool) and all(isinstance(c, str) for c in choices) else "")
+            raise ConfigError(f"config key '{key}': expected one of {', '.join(map(str, choices))}, got "
+                              f"{brief(value)}{read}")
         return value
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)

@@ -205,8 +205,9 @@ def begin_launch(cfg: Any, run_dir: Path | None, resume: bool, ctx: Any) -> Laun
                             f"{cfg.train.max_steps}): nothing to train (raise train.max_steps to train on)")
                 return Launch(False, run_dir, finished=True)
             if has_checkpoint:
-                console.say(f"run.resume=auto: {run_dir} holds {f'LAST_GOOD ({name.name})' if name else 'checkpoints'}: "
-                            "continuing it")
+                if name is None or _same_config(cfg, name):  # (else the resume refuses the change in its own line)
+                    console.say(f"run.resume=auto: {run_dir} holds {f'LAST_GOOD ({name.name})' if name else 'checkpoints'}"
+                                ": continuing it")
                 return Launch(True, run_dir)
             console.say(f"run.resume=auto: {run_dir} holds no checkpoint: starting it")
         return Launch(resume, run_dir)

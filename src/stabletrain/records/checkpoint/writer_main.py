@@ -87,7 +87,12 @@ def main(argv: list[str]) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):  # meant for training, which saves once more: we write that save
         signal.signal(sig, signal.SIG_IGN)
     _lower_priority()
-    serve(socket.socket(fileno=fd))
+    try:
+        serve(socket.socket(fileno=fd))
+    except (OSError, EOFError):  # the socket broke: the training process is gone (killed) or has given up on us
+        # Quietly: a traceback here lands on the training process's console, where a restart's line quoted it as the
+        # dead rank's last words. The training process, if alive, reports a writer that died as a failed save.
+        os._exit(1)
 
 
 if __name__ == "__main__":
