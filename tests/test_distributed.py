@@ -525,7 +525,8 @@ def test_a_lost_peer_line_says_resume_by_hand_only_when_no_restart_is_left(monke
         return str(PeerLostError(0, "a training step", 7, "step_000006", "Connection closed by peer", "runs/a"))
 
     assert line(0, 0).endswith("; resume with: stabletrain train --resume runs/a (Connection closed by peer)")
-    assert "; the launch restarts from LAST_GOOD (restart 2 of 3, run.max_restarts) (" in line(1, 3)
+    assert ("; the launch restarts from LAST_GOOD (restart 2 of 3, run.max_restarts), unless the same failure keeps "
+            "coming back (run.max_repeats) (") in line(1, 3)
     assert "resume with" in line(3, 3) and "restarts from" not in line(3, 3)  # the last restart is spent
 
 
