@@ -97,3 +97,8 @@ def test_the_two_process_example_names_rank_1_and_its_sample(tmp_path):
     (incident,) = [e for e in events if e["kind"] == "incident"]
     assert incident["step"] == 7 and incident["ranks"] == [1]
     assert incident["diagnosis"]["bad_positions"] == [{"micro_batch": 0, "position": 5}]
+    # the report names the rank as the console did ("incident at step 7 (rank 1)")
+    from stabletrain.report import health_summary, load_run
+
+    text = health_summary(load_run(tmp_path / "runs" / "ddp-loop")).text
+    assert "1 incident: at step 7, on rank 1, data: first non-finite value (inputs)" in text, text

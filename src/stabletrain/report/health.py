@@ -62,14 +62,13 @@ def _skip_reason(event: Event) -> str:
 
 
 def incident_summary(event: Event) -> str:
-    """Return an incident's diagnosis summary, else why the diagnosis failed, else its reason."""
-    diagnosis = event.extra.get("diagnosis")
+    """An incident's diagnosis summary, else why the diagnosis failed, else its reason; under DDP the ranks first."""
+    diagnosis, ranks = event.extra.get("diagnosis"), [r for r in event.extra.get("ranks") or [] if isinstance(r, int)]
+    where = f"on rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}, " if ranks else ""  # (the console's "(rank 1)")
     if isinstance(diagnosis, dict) and isinstance(diagnosis.get("summary"), str) and diagnosis["summary"]:
-        return diagnosis["summary"]
+        return where + diagnosis["summary"]
     error = event.extra.get("diagnosis_error")
-    if error:
-        return f"the diagnosis failed ({error})"
-    return event.reason or "no diagnosis recorded"
+    return where + (f"the diagnosis failed ({error})" if error else event.reason or "no diagnosis recorded")
 
 
 def health_summary(run: RunData) -> Health:
