@@ -339,3 +339,40 @@ def hidden_bump_task(at: int = 50, factor: float = 1000.0, n: int = 2048) -> Tas
     torch.manual_seed(0)
     return Task(model=regression_mlp(), train_data=TensorDataset(x, y), loss=_mse, name="hidden-bump",
                 optimizer=lambda named: CallCountedAdamW([p for _, p in named], at - 1, factor, lr=1e-3, fused=True))
+
+
+def _sine_regression(n: int, dim: int = 16, seed: int = 0) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim, generator=g)
+    w = torch.randn(dim, 1, generator=g) / dim ** 0.5
+    return x, torch.sin(x @ w * 2) + 0.05 * torch.randn(n, 1, generator=g)
+
+
+class JumpSGD(torch.optim.Optimizer):
+    """Plain SGD whose update is x``factor`` from its ``at``-th step on (its groups' lr stays): an LR too high mid-run.
+    ``in_state``: the count lives in its param groups (a replay sees the jump); else on the Python object (a replay from a
+    checkpoint counts afresh: the live run's spikes after it do not reproduce there)."""
+
+    def __init__(self, params, lr: float, at: int, factor: float, in_state: bool) -> None:
+        super().__init__(params, dict(lr=lr, calls=0))
+        self.at, self.factor, self.in_state, self.calls = at, factor, in_state, 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.calls += 1
+        for g in self.param_groups:
+            g["calls"] += 1
+            mult = self.factor if (g["calls"] if self.in_state else self.calls) >= self.at else 1.0
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-g["lr"] * mult)
+
+
+def lr_jump_task(at: int = 55, factor: float = 60.0, in_state: bool = False, n: int = 4096, lr: float = 0.05) -> Task:
+    """state, a divergence: SGD whose update is x``factor`` from its ``at``-th step on (:class:`JumpSGD`); at batch 16
+    every window is a spike a few steps later, under any data (a new-user trial's, which read 'data: the data moved')."""
+    x, y = _sine_regression(n)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+    return Task(model=model, train_data=TensorDataset(x, y), loss=_mse, name="lr-jump",
+                optimizer=lambda named: JumpSGD([p for _, p in named], lr, at, factor, in_state))

@@ -9,8 +9,8 @@ windows) and replays, each time from the same saved state and RNG streams, on a 
    :data:`MAX_GRAD_SAMPLES`): which samples carry the loss; the step without the fewest that could, replayed:
    normal by the rule? (greedy by loss is exact for a mean-loss rule: no other set of that size lowers it more;
    where the loss couples the samples, a batch norm's statistics, by their removal from the window: :func:`_bisect`)
-3. the window and ordinary windows under the older state (the interval's start): is the batch itself an
-   outlier, or did the state drift?
+3. the window and ordinary windows under the older state (the interval's start; without ordinary windows, what stands for
+   them there, if anything): is the batch itself an outlier, or did the state drift?
 4. each module's output magnitude on the window under both states (where it departs first), each parameter's
    gradient and update against the ordinary windows' median (which layers jumped), Adam's second moment against the
    gradients of the spike's step and of the step before it, replayed from the state before that one
@@ -43,7 +43,9 @@ from .diagnostics.spike import (
     departures,
     jumps,
     lr_change,
+    lr_groups,
     max_outliers,
+    ordinary_stand_in,
     outlier_sets,
     precision_departures,
     spike_summary,
@@ -66,13 +68,11 @@ MAX_CONTEXT = 3
 MAX_BISECT_REPLAYS = 96
 #: A spike whose window keeps at most 1/DRAW_SHARE of its loss with every dropout off was made by the step's masks.
 DRAW_SHARE = 10.0
-#: Windows of at most this many samples are searched by each sample's removal (one forward pass each); larger ones
-#: by halves.
+#: Windows of at most this many samples are searched by each sample's removal (one forward pass each); larger, by halves.
 MAX_LEAVE_ONE_OUT = 64
-
-
 #: A data spike with no sample to blame, right after this many flagged steps in a row, is a level shift (the data moved).
 LEVEL_RUN = 5
+
 
 def _dropout_draw(bench: ReplayBench, groups: list[tuple[list[int], Any]], rule: Any, bound: float,
                   loss: float, context: list[list[tuple[list[int], Any]]]) -> dict[str, Any] | None:
@@ -236,8 +236,7 @@ def _bisect(bench: ReplayBench, groups: list[tuple[list[int], Any]], normal: Any
         if not found and rest is not None and base and math.isfinite(base) and rest <= base / 2:  # most of it: say so
             notes.append(f"without samples {', '.join(map(str, top))} (the largest falls) the window's loss falls from "
                          f"{base:.4g} to {rest:.4g} ({100 * (1 - rest / base):.0f}% of it gone"
-                         f"{'; dropout off' if dropout else ''}), still no "
-                         "normal step by the rule: not verified, not named")
+                         f"{'; dropout off' if dropout else ''}), still no normal step by the rule: not verified, not named")
     else:
         found = narrow(flat)
         how = "halves of the window weighed on their own, narrowed"
@@ -303,8 +302,7 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
               start: float) -> dict[str, Any]:
     replica, precision = bench.replica, bench.precision.mode
     spike = bench.groups(bundle["window"]["indices"])
-    context = [bench.groups(w) for w in (observed.get("context") or [])[:MAX_CONTEXT]]
-    context = [c for c in context if c]
+    context = [c for w in (observed.get("context") or [])[:MAX_CONTEXT] if (c := bench.groups(w))]
     here = bench.step(spike, signature=True)
     test = rule(here["loss"])
     # The loss and grad norm the run saw (one process: under DDP they are the global ones, a replay sees one rank's).
@@ -315,11 +313,10 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
     items = ((cfg.task_args or {}).get("host") or {}).get("window_items")
     if (not seen and observed.get("host_loss") is not None and (len(spike) == 1 or items)
             and bundle.get("world_size", 1) == 1 and bundle.get("host") == "transformers"):
-        # A Hugging Face step on one process whose loss the replay computes as the Trainer did (one micro-batch, or a
-        # loss divided by the window's num_items_in_batch, summed over its micro-batches; under DDP it is the ranks'
-        # mean): the replay must give the Trainer's loss, or it replays another loss than the run's (one without its
-        # num_items_in_batch did). (Monitor's is the user's backward, whose RNG point may be the previous step's end:
-        # not compared.)
+        # A Hugging Face step on one process whose loss the replay computes as the Trainer did (one micro-batch, or a loss divided
+        # by the window's num_items_in_batch, summed over its micro-batches; under DDP it is the ranks' mean): the replay must
+        # give the Trainer's loss, or it replays another loss than the run's (one without its num_items_in_batch did).
+        # (Monitor's is the user's backward, whose RNG point may be the previous step's end: not compared.)
         seen, tolerance = {"loss": observed["host_loss"]}, "host" if tolerance == "fp32" else tolerance
     why = None
     if seen and not matches_observed(here["loss"], float("nan"), {"loss": seen["loss"]}, tolerance):
@@ -341,7 +338,7 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
     samples_s = time.perf_counter() - start - replays_s
     ordinary_steps = [bench.step(c) for c in context]
     ordinary = _typical(ordinary_steps) if context else None
-    m["steps"] = _step_sizes(observed.get("history") or [], ordinary_steps) if why is None else None
+    m["steps"] = _step_sizes(observed.get("history") or [], ordinary_steps or [here], not ordinary_steps) if why is None else None
     m["older"], m["where"] = _older(bench, bundle, cfg, spike, context, rule, here["loss"]) if why is None else (None, {})
     if m["older"] is None and context and why is None:  # no older state: are the ordinary windows high under this one?
         now = sum(bench.loss(c) for c in context) / len(context)
@@ -367,14 +364,11 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
             m["where"] = _fp32_cure(bench, spike, rule, precision_departures(
                 *bench.module_errors(spike, replica.model, bench.precision, fp32)))
     verdict = classify_spike(m)
-    after = observed.get("after_spike")
-    # (an adapter numbers samples by their place in the step: the same number in another step is another sample)
-    by_index = after and after.get("sample_unit", "dataset index") == bundle.get("sample_unit", "dataset index") == (
-        "dataset index")
-    # The samples earlier spikes named (one process: by dataset index), the last one's too where it was an applied spike.
-    earlier = {int(i): int(t) for i, t in observed.get("earlier_samples") or []} if bundle.get(
-        "sample_unit", "dataset index") == "dataset index" else {}
-    if by_index:
+    after, by_index = observed.get("after_spike"), bundle.get("sample_unit", "dataset index") == "dataset index"
+    # The samples earlier spikes named (one process: by dataset index), the last one's too where it was an applied spike
+    # (an adapter numbers samples by their place in the step: the same number in another step is another sample).
+    earlier = {int(i): int(t) for i, t in observed.get("earlier_samples") or []} if by_index else {}
+    if by_index and after and after.get("sample_unit", "dataset index") == "dataset index":
         earlier.update((int(i), int(after["step"])) for i in after.get("samples") or [])
     again = sorted(i for i in verdict["blamed_samples"] or [] if i in earlier)
     if again and m["reproduces"]:  # the same samples as an earlier spike's: they come back (each epoch), no aftershock
@@ -391,8 +385,8 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
             "before this one): the data moved to a new level (a change in its distribution or targets), and the rule "
             "keeps flagging it against the level before (guard.on_spike=warn trains on)")
     # (a few named samples rule it out only where ordinary windows were measured normal under this state)
-    measured = m["older"] is not None or (m.get("ordinary_now") or {}).get("spike") is False
-    named = bool(verdict["blamed_samples"]) and measured
+    named = bool(verdict["blamed_samples"]) and (m["older"] is not None and "no_context" not in m["older"]
+                                                 or (m.get("ordinary_now") or {}).get("spike") is False)
     if not again and after and m["reproduces"] and not _rules_out_aftershock(verdict["failure_class"], m["older"],
                                                                              after["step"], named):
         # an earlier spike's update, applied, may have left the state off: say so
@@ -408,13 +402,12 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
     top = sorted(m["surges"], key=lambda r: -r["coord_factor"])[:5]
     out = {"step": bundle["step"], "rank": bundle.get("rank", 0), "epoch": bundle["window"]["epoch"], "anomaly": "spike",
            "loss": here["loss"], "grad_norm": here["grad_norm"], "spike_test": test, "reproduces": m["reproduces"],
-           **verdict, "bad_samples": verdict["blamed_samples"], "samples": m["samples"],
-           "sample_losses": [{k: v for k, v in r.items()} for r in samples_rows[:10]],
+           **verdict, "bad_samples": verdict["blamed_samples"], "samples": m["samples"], "sample_losses": samples_rows[:10],
            "num_samples": len(samples_rows) or sum(len(i) for i, _ in spike), "older": m["older"], "where": m["where"],
-           "ordinary_now": m.get("ordinary_now"), "steps": m["steps"],
-           "jumps": m["jumps"], "surges": top, "fp32": m["fp32"], "precision": precision, "dropout": m["dropout"],
-           "spike_window": {"size": len(bundle.get("observed", {}).get("spike_window") or []),
-                            "median": test.get("median"), "mean": test.get("mean"), "std": test.get("std")},
+           "ordinary_now": m.get("ordinary_now"), "steps": m["steps"], "jumps": m["jumps"], "surges": top, "fp32": m["fp32"],
+           "precision": precision, "dropout": m["dropout"],
+           "spike_window": {"size": len(observed.get("spike_window") or []), "median": test.get("median"),
+                            "mean": test.get("mean"), "std": test.get("std")},
            "observed": observed and {k: v for k, v in observed.items() if k not in ("spike_window", "context")},
            "stage": "none", "op": None, "direction": None, "module": verdict["blamed_module"], "origin": None,
            "first_nonfinite_param": None}
@@ -445,15 +438,15 @@ def _rules_out_aftershock(cls: str, older: dict[str, Any] | None, earlier: int, 
     return cls in ("dropout", "precision") or (cls == "data" and (named or older is not None and older["step"] < earlier))
 
 
-def _step_sizes(history: list[list[Any]], steps: list[dict[str, Any]]) -> dict[str, Any] | None:
+def _step_sizes(history: list[list[Any]], steps: list[dict[str, Any]], own: bool = False) -> dict[str, Any] | None:
     """The whole model's update/weight ratio on ordinary windows under this state (the median of their replayed
-    steps) against the run's before the spike (the median of the last intervals' records: ``[step, lr, ratio]``);
-    None without two such records or without an ordinary window."""
+    steps; without one, the spike's own step's: ``own``) against the run's before the spike (the median of the last
+    intervals' records: ``[step, lr, ratio]``); None without two such records."""
     before = [(int(t), r) for t, _, r in history if isinstance(r, (int, float)) and math.isfinite(r) and r > 0]
     if len(before) < 2 or not steps:
         return None
     return {"now": statistics.median(s["update_ratio"] for s in steps), "before": statistics.median(r for _, r in before),
-            "upto": before[-1][0]}
+            "upto": before[-1][0], **({"own": True} if own else {})}
 
 
 def _typical(steps: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -469,30 +462,38 @@ def _typical(steps: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 def _older(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, spike: list, context: list, rule: Any, loss: float
            ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    """The window and ordinary windows under the older state (the interval's start, else an older checkpoint: ``from``),
-    and where the outputs depart; ``loss``: the spike window's under this state (whether ordinary windows are as high
-    now, or a spike by the rule: the state moved on, not the window)."""
+    """The window and ordinary windows under the older state (the interval's start, else an older checkpoint: ``from``), and
+    where the outputs depart; ``loss``: the spike window's now (ordinary windows as high, or a spike by the rule: the state
+    moved on). Without ordinary windows: what stands for them there (``ordinary_from``, see
+    :func:`~stabletrain.diagnostics.spike.ordinary_stand_in`), the rule's median now. ``lr``: since then, or ``since``."""
     ref = bundle.get("reference")
     if not ref or ref.get("model") is None:
         return None, {}
     older = copy.deepcopy(bench.replica.model)
     older.load_state_dict(ref["model"])
     window_old = bench.loss(spike, older)
+    seen, step, ratio = bundle.get("observed") or {}, int(ref.get("step", 0)), cfg.guard.spike_ratio
+    since, after = int((seen.get("flagged_before") or {}).get("since", bundle["step"])), seen.get("after_spike") or {}
     if context:
-        ordinary_old = sum(bench.loss(c, older) for c in context) / len(context)
+        source, ordinary_old = "windows", sum(bench.loss(c, older) for c in context) / len(context)
         ordinary_now = sum(bench.loss(c) for c in context) / len(context)
-    else:  # no ordinary window at hand: the guard's window stands for both
-        ordinary_old = ordinary_now = rule(0.0).get("median") or float("nan")
-    ratio = cfg.guard.spike_ratio
-    info = {"step": int(ref.get("step", 0)), "from": ref.get("from", "snapshot"), "window": window_old, "ordinary": ordinary_old,
-            "current_ordinary": ordinary_now, "lr": lr_change(ref.get("optimizer"), bundle.get("optimizer")),
-            "window_high": bool(math.isfinite(window_old) and window_old > ratio * ordinary_old),
+    else:
+        ordinary_now = rule(0.0).get("median") or float("nan")
+        source, ordinary_old = ordinary_stand_in(step, since, seen.get("spike_window") or [], after, ordinary_now,
+                                                 loss <= ratio * window_old)
+    high = window_old > ratio * ordinary_old if ordinary_old is not None and math.isfinite(ordinary_old) else source == "capture"
+    lrs = {g["lr"] for g in (lr_groups(bundle.get("optimizer")) or {}).get("param_groups", [])}  # (one LR: the records')
+    ran = [(int(t), float(x)) for t, x, *_ in seen.get("history") or [] if step < t < since and isinstance(x, float) and x > 0]
+    lr = ({"then": ran[-1][1], "now": lrs.pop(), "since": ran[-1][0]} if ran and len(lrs) == 1 and min(lrs) > 0
+          else lr_change(ref.get("optimizer"), bundle.get("optimizer")))
+    spike_now = bool(context and math.isfinite(ordinary_now) and rule(ordinary_now)["spike"])
+    info = {"step": step, "from": ref.get("from", "snapshot"), "window": window_old, "ordinary": ordinary_old,
+            "current_ordinary": ordinary_now, "ordinary_from": source, "lr": lr,
+            "window_high": bool(math.isfinite(window_old) and high), "ordinary_spike_now": spike_now,
             "ordinary_then_high": bool(context and rule(ordinary_old)["spike"]),
-            "ordinary_high": bool(math.isfinite(ordinary_now) and (ordinary_now > ratio * ordinary_old
-                                                                     or rule(ordinary_now)["spike"])),
-            "ordinary_spike_now": bool(context and math.isfinite(ordinary_now) and rule(ordinary_now)["spike"]),
+            "ordinary_high": spike_now or bool(context and math.isfinite(ordinary_now) and ordinary_now > ratio * ordinary_old),
             "window_not_above_now": bool(context and math.isfinite(ordinary_now) and loss <= ratio * ordinary_now),
-            "ratio": ratio, **({} if context else {"no_context": True})}
+            "ratio": ratio, **({} if context else {"no_context": True}),
+            "ordinary_step": {"step": step + 1, "capture": after.get("step")}.get(source)}
     now, order = bench.module_rms(spike, bench.replica.model)
-    then, _ = bench.module_rms(spike, older)
-    return info, departures(now, then, order)
+    return info, departures(now, bench.module_rms(spike, older)[0], order)

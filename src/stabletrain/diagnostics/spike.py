@@ -11,7 +11,9 @@ time, and hands the measurements to :func:`classify_spike`; the verdict and its 
   samples are then weighed, and their removal verified, with dropout off: a row removed draws other masks).
 - ``data``: a few samples carry the window's loss and the step without them is normal by the rule (verified by
   a replay), and the window is high under the older state too (the samples are bad whatever the weights); or
-  no small set carries it but the whole window is high under the older state: the batch is an outlier.
+  no small set carries it but the whole window is high under the older state: the batch is an outlier. High against
+  ordinary windows under that same state, or what stands for them (:func:`ordinary_stand_in`); nothing else (not the
+  rule's median under step 0's weights, where every window is high): the window is then not weighed there.
 - ``optimizer-state``: Adam's second moment: in the update of the step before the spike (or of the spike's
   own), a layer's coordinates whose gradients were tiny for long get a large one (``|g| >> sqrt(v)``) and
   move many times as far as the layer's others; the window is not an outlier under the older state, and no
@@ -34,7 +36,7 @@ from typing import Any
 import torch
 
 __all__ = ["SPIKE_CLASSES", "classify_spike", "adam_surges", "surge_rows", "departures", "precision_departures",
-           "jumps", "spike_summary", "lr_change", "lr_groups", "outlier_sets", "SURGE_FACTOR", "UPDATE_JUMP"]
+           "jumps", "spike_summary", "lr_change", "lr_groups", "outlier_sets", "ordinary_stand_in", "SURGE_FACTOR", "UPDATE_JUMP"]
 
 SPIKE_CLASSES = ("data", "state", "optimizer-state", "precision", "dropout", "not reproducible")
 
@@ -68,11 +70,10 @@ def adam_surges(named_params: list[tuple[str, torch.nn.Parameter]], optimizer: t
                 grads: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, float]]:
     """Per parameter with Adam state: the coordinates whose gradient surges past sqrt(v) (:data:`SURGE_FACTOR`).
 
-    ``optimizer``: an Adam/AdamW holding the state before the step; ``grads``: the step's true (unscaled)
-    gradients by name. Returns name -> (bool mask, the median sqrt(v) of the other coordinates) (empty for an
-    optimizer without ``exp_avg_sq``). A coordinate
-    whose gradients were tiny (or zero) for long has a tiny sqrt(v): its first large gradient makes an update
-    of about lr x sqrt(t) times (1 - beta1) / sqrt(1 - beta2)-ish where a steady coordinate's is about lr.
+    ``optimizer``: an Adam/AdamW holding the state before the step; ``grads``: the step's true (unscaled) gradients by name.
+    Returns name -> (bool mask, the median sqrt(v) of the other coordinates) (empty for an optimizer without ``exp_avg_sq``). A
+    coordinate whose gradients were tiny (or zero) for long has a tiny sqrt(v): its first large gradient makes an update of
+    about lr x sqrt(t) times (1 - beta1) / sqrt(1 - beta2)-ish where a steady coordinate's is about lr.
     """
     out = {}
     by_param = {id(p): n for n, p in named_params}
@@ -197,10 +198,16 @@ def outlier_sets(rows: list[dict[str, Any]], normal: Callable[[float], bool]) ->
             yield [r["sample"] for r in bad + good[:k]]
 
 
-def _ordinary_what(older: dict[str, Any]) -> str:
-    """What ``older["ordinary"]`` is: ordinary windows' loss under the older state, or (none at hand: the run stopped, or
-    every window near the spike was flagged) the guard's median, the run's level before the spike."""
-    return ", the rule's median: the run's level before it" if older.get("no_context") else " on ordinary windows"
+def _against(older: dict[str, Any], named: bool = True) -> str:
+    """The window's loss under the older state against what stands for ordinary windows there (``ordinary_from``:
+    :func:`ordinary_stand_in`), for a parenthesis; ``named``: say that ordinary windows were measured."""
+    what, at = older.get("ordinary_from", "median" if older.get("no_context") else "windows"), older.get("ordinary_step")
+    if what == "capture":
+        return (f"{older['window']:.4g}, no ordinary window at hand: the capture at step {at}, in this run of flagged steps, "
+                "found its whole batch high under an older state")
+    return f"{older['window']:.4g} vs {older['ordinary']:.4g}" + {
+        "windows": " on ordinary windows" if named else "", "median": ", the rule's median: the run's level before it",
+        "step": f", the run's own loss at step {at}, under that state"}[what]
 
 
 def _pct(x: float) -> str:
@@ -208,6 +215,24 @@ def _pct(x: float) -> str:
         return f"{100 * x:.2g}%"
     whole = f"{100 * x:.0f}"
     return f"{whole}%" if whole != "100" or x >= 1 else f"{math.floor(1000 * x) / 10:.1f}%"  # never "100%" of a part
+
+
+def ordinary_stand_in(step: int, since: int, kept: list[float], after: dict[str, Any], median: float, as_high: bool
+                      ) -> tuple[str | None, float | None]:
+    """What stands for ordinary windows' loss under the older state of step ``step`` where none is at hand (all near the
+    spike flagged, or the run stopped): ``(ordinary_from, loss)``; ``since``: the first of the flagged steps right before
+    the spike (else the spike's), ``kept``: the rule's window, ``after``: the last captured spike's record, ``as_high``: the
+    window under that state no lower than 1/spike_ratio of its loss now. "step": the run's own loss at the step after it
+    (the rule's window holds every loss since step 1); "median": the rule's, for a trained state it spans from before the
+    flagged steps (under step 0's weights every window is high, under one among them any may be); "capture" (loss None):
+    an earlier capture among them found its whole batch high (data, no sample named); else ``(None, None)``: not weighed."""
+    if len(kept) == since - 1 and step < len(kept):  # (no loss left out since step 1: kept[step] was step + 1's)
+        return "step", float(kept[step])
+    if 1 <= step <= since - 2 and step + 1 >= since - len(kept):
+        return "median", median
+    if since <= after.get("step", 0) and after.get("class") == "data" and not after.get("samples") and as_high:
+        return "capture", None
+    return None, None
 
 
 def lr_change(then: Any, now: Any) -> dict[str, float] | None:
@@ -242,14 +267,13 @@ def _group_lrs(state: Any) -> list[float] | None:
 def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     """Return ``{"failure_class", "evidence", "blamed_samples", "blamed_layer", "blamed_module"}`` for the measurements ``m``.
 
-    ``m`` (from :func:`stabletrain.counterfactual.diagnose_spike`): ``reproduces``, ``why_not_reproducible``,
-    ``loss``, ``precision``, ``fp32`` (the fp32 replay's rule test, or None), ``dropout`` (the window with dropout off,
-    or None), ``samples`` (the verified set:
-    ``indices``, ``share``, ``without``; or None), ``older`` (the window and ordinary windows under the older
-    state: ``step``, ``window``, ``ordinary``, ``current_ordinary``, ``window_high``, ``ordinary_high``; or None),
-    ``ordinary_now`` (without an older state: the ordinary windows' loss under this one and whether the rule calls it a
-    spike; or None), ``surges`` (:func:`surge_rows` with ``step``: of the step before the spike and of the spike's own; only the
-    former can be a cause), ``step`` (the spike's),
+    ``m`` (from :func:`stabletrain.counterfactual.diagnose_spike`): ``reproduces``, ``why_not_reproducible``, ``loss``,
+    ``precision``, ``fp32`` (the fp32 replay's rule test, or None), ``dropout`` (the window with dropout off, or None),
+    ``samples`` (the verified set: ``indices``, ``share``, ``without``; or None), ``older`` (the window and ordinary windows
+    under the older state: ``step``, ``window``, ``ordinary``, ``current_ordinary``, ``window_high``, ``ordinary_high``,
+    ``ordinary_from``: None where nothing stood for them; or None), ``ordinary_now`` (without an older state: the ordinary
+    windows' loss under this one and whether the rule calls it a spike; or None), ``surges`` (:func:`surge_rows` with
+    ``step``: of the step before the spike and of the spike's own; only the former can be a cause), ``step`` (the spike's),
     ``where`` (:func:`departures`), ``jumps`` (:func:`jumps` of ``grad_norm`` and ``update_ratio``) and ``climb``
     (``[step, loss, ratio to the rule's median]`` of the interval's steps before the spike; ``older`` may also hold
     ``ordinary_then_high``: its ordinary windows a spike by the rule).
@@ -282,6 +306,7 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     # The window high under the older state too names the batch, unless ordinary windows are now a spike by the rule
     # as well, or as high as the window: the state then drifted (and dropping a drifted window's largest losses brings
     # it under the rule's bar too).
+    weighed = older is not None and older.get("ordinary_from", "windows") is not None  # (against what stands for them)
     drifted_now = older is not None and bool(older.get("ordinary_spike_now")
                                               or (older["ordinary_high"] and older.get("window_not_above_now")))
     high_before = older is not None and older["window_high"] and not drifted_now
@@ -305,13 +330,13 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
                              f"loss {samples['without']['loss']:.4g}, "
                              f"x{samples['without']['ratio']:.3g} "
                              "the median)" + (f"; the window is high under the state of step {older['step']} too "
-                                              f"({older['window']:.4g} vs {older['ordinary']:.4g})" if older else ""))}
+                                              f"({_against(older, False)})" if older else ""))}
     # Only an update before the spike's loss can have caused it: the step before's (the spike's own comes after it).
     blamed = _surging_layer([r for r in m.get("surges") or [] if r.get("step", -1) < m.get("step", 0)])
     lr = (older or {}).get("lr")
     rise = lr["now"] / lr["then"] if lr else 1.0
     sizes = m.get("steps")
-    growth = sizes["now"] / sizes["before"] if sizes else 1.0
+    growth = sizes["now"] / sizes["before"] if sizes and not sizes.get("own") else 1.0  # (a window's own: its gradient too)
     acquit = ""  # why a surge is not the cause: every coordinate moved further, or its update lowered this window's loss
     if blamed is not None and (rise >= LR_RISE or growth >= STEP_GROWTH) and max(rise, growth) >= blamed["coord_factor"]:
         acquit = (f"; a few of {blamed['name']}'s coordinates surged in the update of step {blamed['step']} (x"
@@ -325,14 +350,12 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
         blamed = None
     if high_before and blamed is None:  # (a surge in the update before is a cause; a high window, one by elimination)
         return {**out, "failure_class": "data",
-                "evidence": (f"the whole window is high under the state of step {older['step']} too ({older['window']:.4g} "
-                             f"vs {older['ordinary']:.4g}{_ordinary_what(older)}) and no small set of its samples carries "
-                             "it: the batch itself is an outlier"
+                "evidence": (f"the whole window is high under the state of step {older['step']} too ({_against(older)}) "
+                             "and no small set of its samples carries it: the batch itself is an outlier"
                              + (f" (the search for a few: {m['samples_note']})" if m.get("samples_note") else "") + acquit)}
     drift = ""
     if high_before:  # (with a surge before it: the surge is the cause named)
-        drift = (f"; the window is high under the state of step {older['step']} too ({older['window']:.4g} vs "
-                 f"{older['ordinary']:.4g})")
+        drift = f"; the window is high under the state of step {older['step']} too ({_against(older, False)})"
     elif drifted:
         drift = (f"; ordinary windows are high under this state too ({now['loss']:.4g}, a spike by the guard's rule; "
                  "no older state to weigh them against)")
@@ -342,6 +365,12 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     elif older is None and now is not None:
         drift = (f"; ordinary windows are normal under this state ({now['loss']:.4g}) and no older state is at hand to "
                  "weigh the window against (the spike opens its log interval): the window itself may carry it")
+    elif older is not None and older.get("no_context"):  # (no ordinary window measured under either state)
+        window = (f"the window is normal under the state of step {older['step']} ({_against(older)})" if weighed else
+                  f"the window's loss is {older['window']:.4g} under the state of step {older['step']}, with no ordinary "
+                  "window at hand to weigh it against there")
+        drift = (f"; {window}; the rule's median, the run's level before it, stands for ordinary windows under this state "
+                 f"({older['current_ordinary']:.4g})")
     elif older is not None:
         now, then = older["current_ordinary"], older["ordinary"]
         if older["ordinary_high"] and now <= then:  # a spike by the rule now, and higher still then: no calm state
@@ -354,16 +383,17 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
             near = f"within x{older['ratio']:g} of" if older.get("ratio") else "near"  # (guard.spike_ratio)
             where += (f", {near if older.get('window_not_above_now') else 'a spike by the rule against'} the window's "
                       f"{m['loss']:.4g}")
-        elif older.get("ordinary_then_high"):  # (no higher than ordinary windows there, which are no calm level)
-            window = (f"the window is no higher than ordinary windows under the state of step {older['step']} "
-                      f"({older['window']:.4g} vs {then:.4g})")
+        elif older.get("ordinary_then_high"):  # (not a spike ratio above ordinary windows there, which are no calm level)
+            bar = f"x{older['ratio']:g} (guard.spike_ratio)" if older.get("ratio") else "guard.spike_ratio times"
+            window = (f"the window is not {bar} above ordinary windows under the state of step {older['step']} "
+                      f"({older['window']:.4g} vs {then:.4g}, themselves a spike by the guard's rule there)")
         else:
             window = f"the window is normal under the state of step {older['step']} ({older['window']:.4g})"
         drift = f"; {window} and ordinary windows are {where}"
     if samples is not None and not weak:
         drift += (f"; samples {', '.join(map(str, samples['indices']))} carry {_pct(samples['share'])} of the loss, "
-                  + ("but ordinary windows are high under this state too" if drifted_now
-                     else "but only under the current state"))
+                  + ("but ordinary windows are high under this state too" if drifted_now else "but only under the current "
+                     "state" if weighed else "but the window is weighed against no ordinary window under the older state"))
     if blamed is not None:
         out["blamed_layer"] = blamed["name"]
         return {**out, "failure_class": "optimizer-state",
@@ -382,13 +412,15 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
                              "(it opens its log interval: no older state), so which step moved them is not measured")}
     where = m.get("where") or {}
     untold = older is None and now is not None and not drifted  # ordinary windows normal, no older state
-    alone = older is not None and not older["window_high"] and not older["ordinary_high"]  # only this window rose
-    if alone:
-        text = (f"the updates since step {older['step']} raised this window's loss against ordinary windows' (the state "
-                "and this window, not told apart)")
+    alone = weighed and not older["window_high"] and not older["ordinary_high"]  # only this window rose
+    rose = older is not None and not weighed and 0 < older["ratio"] * older["window"] < m["loss"]  # (the same window: a fact)
+    if alone or rose:
+        text = (f"the updates since step {older['step']} raised this window's loss "
+                + ("against ordinary windows'" if alone else f"x{m['loss'] / older['window']:.3g}")
+                + " (the state and this window, not told apart)")
     else:
-        text = ("the model or optimizer state, or this window (not told apart)" if untold else
-                "the model or optimizer state drifted (a divergence onset, or an LR too high)")
+        text = ("the model or optimizer state, or this window (not told apart)" if untold or older is not None and not weighed
+                else "the model or optimizer state drifted (a divergence onset, or an LR too high)")
     text += _lr_rise(older) + _steps_grew(sizes, older) + drift + acquit
     if where.get("first"):
         out["blamed_module"] = where["first"]
@@ -409,11 +441,12 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
 
 
 def _lr_rise(older: dict[str, Any] | None) -> str:
-    """The LR's rise since the older state, where it at least doubled (a schedule's jump, a warmup's climb)."""
+    """The LR's rise since the older state (or ``since`` a later record), where it at least doubled (a warmup's climb, a jump)."""
     lr = (older or {}).get("lr")
     if not lr or lr["now"] < LR_RISE * lr["then"]:
         return ""
-    return f"; the LR rose x{lr['now'] / lr['then']:.3g} since step {older['step']} ({lr['then']:.3g} -> {lr['now']:.3g})"
+    return (f"; the LR rose x{lr['now'] / lr['then']:.3g} since step {lr.get('since', older['step'])} ({lr['then']:.3g} -> "
+            f"{lr['now']:.3g})")
 
 
 def _steps_grew(sizes: dict[str, Any] | None, older: dict[str, Any] | None) -> str:
@@ -422,9 +455,9 @@ def _steps_grew(sizes: dict[str, Any] | None, older: dict[str, Any] | None) -> s
         return ""
     lr = (older or {}).get("lr")
     same = " at the same LR" if lr and max(lr["now"] / lr["then"], lr["then"] / lr["now"]) < 1.01 else ""
+    on = "the spike's own window (no ordinary one at hand: its gradient counts too)" if sizes.get("own") else "ordinary windows"
     return (f"; the optimizer's steps grew x{sizes['now'] / sizes['before']:.3g}{same}: update/weight {sizes['now']:.2g} on "
-            f"ordinary windows under this state against {sizes['before']:.2g} in the run's intervals up to step "
-            f"{sizes['upto']}")
+            f"{on} under this state against {sizes['before']:.2g} in the run's intervals up to step {sizes['upto']}")
 
 
 def _whole_model_rise(m: dict[str, Any], blamed: dict[str, Any], older: dict[str, Any] | None) -> str:

@@ -1,0 +1,130 @@
+"""A spike window is weighed against ordinary windows under the same older state, or against what truly stands for them.
+
+A new-user trial (an LR x60 inside SGD at step 55, every window a spike from then on) read 'data: the whole window is high
+under the state of step 0 too (0.5397 vs 0.2158, the rule's median) ... the data moved to a new level': the window under
+the untrained weights of step 0 against the run's trained level. These runs (tests/spike_tasks.py: lr_jump_task) and the
+pure rules behind them (stabletrain.diagnostics.spike: ordinary_stand_in, classify_spike) pin what may stand for ordinary
+windows there, and what the evidence says when nothing does.
+"""
+
+from __future__ import annotations
+
+import json
+
+from helpers import cfg
+from spike_tasks import lr_jump_task
+
+from stabletrain import Trainer
+from stabletrain.diagnostics.spike import classify_spike
+
+RUN = ("train.batch_size=16", "log.every=10", "sched.warmup_steps=5", "sched.decay=constant")
+
+
+def _diagnosis(run_dir, step):
+    return json.loads((run_dir / "incidents" / f"step_{step:06d}" / "diagnosis.json").read_text())
+
+
+def test_a_divergence_weighed_only_under_step_0s_weights_is_no_data_spike(tmp_path):
+    """The trial's run: the capture at step 61 (its interval's first, every window near it flagged since step 56) has only
+    the step-0 checkpoint as its older state and a full rule window: no ordinary window under step 0's weights is at hand,
+    so the window is not weighed there (it was 'data ... the data moved to a new level'). The same window's loss rose x3
+    from step 0's weights to these: the state, or this window, not told apart; the rule's median says what it is."""
+    run_dir = tmp_path / "run"
+    Trainer(cfg(*RUN, "train.max_steps=70"), task=lr_jump_task(), run_dir=run_dir).fit()
+    d = _diagnosis(run_dir, 61)
+    assert d["reproduces"] and d["failure_class"] == "state", d["summary"]
+    assert "level_shift" not in d and "new level" not in d["evidence"] and "outlier" not in d["evidence"], d["evidence"]
+    older = d["older"]
+    assert (older["step"], older["ordinary_from"], older["ordinary"], older["window_high"]) == (0, None, None, False), older
+    assert d["evidence"].startswith("the updates since step 0 raised this window's loss x3.01 (the state and this window, "
+                                    "not told apart); the window's loss is 0.5397 under the state of step 0, with no "
+                                    "ordinary window at hand to weigh it against there; the rule's median, the run's level "
+                                    "before it, stands for ordinary windows under this state (0.2158)"), d["evidence"]
+    # the warmup 55 steps before is no LR rise: the run's record at step 50, before its flagged steps, ran at this LR
+    assert older["lr"]["since"] == 50 and "LR rose" not in d["evidence"], older["lr"]
+
+
+def test_a_divergence_under_skip_names_its_step_growth_and_labels_the_rules_median(tmp_path):
+    """The count in the optimizer's state (a replay sees the x60), guard.on_spike=skip: steps 59-78 all spike, and the
+    capture at step 71 has no ordinary window and only step 0's weights. It read 'ordinary windows are at 0.2158 under
+    this one (vs 0.2158)' (the rule's median for both, unsaid) and 'the LR rose x5 since step 0' (the warmup) while the
+    x60 in the optimizer that steps 59 and 61 named was gone: now the median is labelled, the LR is the run's at step 50,
+    and the spike's own step says how far the optimizer's steps grew."""
+    run_dir = tmp_path / "run"
+    Trainer(cfg(*RUN, "train.max_steps=80", "guard.on_spike=skip"), task=lr_jump_task(in_state=True),
+            run_dir=run_dir).fit()
+    d = _diagnosis(run_dir, 71)
+    assert d["reproduces"] and d["failure_class"] == "state", d["summary"]
+    assert "under this one (vs" not in d["evidence"] and "LR rose" not in d["evidence"], d["evidence"]
+    assert ("the optimizer's steps grew x59.9 at the same LR: update/weight 0.4 on the spike's own window (no ordinary one "
+            "at hand: its gradient counts too) under this state against 0.0066 in the run's intervals up to step 50"
+            ) in d["evidence"], d["evidence"]
+    assert "the rule's median, the run's level before it, stands for ordinary windows under this state (0.2158)" in (
+        d["evidence"])
+    assert d["steps"]["own"] is True and d["older"]["lr"]["since"] == 50
+    # with ordinary windows at hand (step 59's capture) the growth is measured on them, as before
+    assert "update/weight 0.4 on ordinary windows under this state" in _diagnosis(run_dir, 59)["evidence"]
+
+
+def test_what_stands_for_ordinary_windows_under_an_older_state():
+    """Only a loss the run itself had under that very state, the rule's median for a trained state from before the
+    flagged steps, or an earlier capture among them that found its whole batch high; nothing for step 0's weights."""
+    from stabletrain.diagnostics.spike import ordinary_stand_in
+
+    full, median = [0.2] * 50, 0.2158
+    # the trial: step 0's checkpoint, flagged since 56, a full rule window: nothing stands for them
+    assert ordinary_stand_in(0, 56, full, {"step": 56, "class": "not reproducible"}, median, False) == (None, None)
+    # a rule window that holds every loss since step 1 (a run flagged from step 30 on): step 1's loss was step 0's
+    early = [0.93, *[0.3] * 28]
+    assert ordinary_stand_in(0, 30, early, {}, 0.276, True) == ("step", 0.93)
+    assert ordinary_stand_in(12, 30, early, {}, 0.276, True) == ("step", 0.3)
+    assert ordinary_stand_in(0, 31, early, {}, 0.276, True) == (None, None)  # a loss left out: no entry is step 1's
+    # a trained state from before the flagged steps, within the rule window's reach: its median
+    assert ordinary_stand_in(50, 56, full, {}, median, False) == ("median", median)
+    assert ordinary_stand_in(55, 56, full, {}, median, False) == (None, None)  # its own step's loss was flagged
+    assert ordinary_stand_in(2, 56, full, {}, median, False) == (None, None)  # older than anything the window holds
+    # a state among the flagged steps: an earlier capture among them that found its whole batch high (data, no sample)
+    data = {"step": 31, "class": "data", "samples": []}
+    assert ordinary_stand_in(30, 30, early, data, 0.74, True) == ("capture", None)
+    assert ordinary_stand_in(30, 30, early, data, 0.74, False) == (None, None)  # the window rose x2+ since that state
+    assert ordinary_stand_in(30, 30, early, {**data, "samples": [3]}, 0.74, True) == (None, None)
+    assert ordinary_stand_in(30, 30, early, {**data, "step": 29}, 0.74, True) == (None, None)  # before these flagged steps
+
+
+def test_an_unweighed_window_is_never_a_data_spike_and_a_weighed_one_says_against_what():
+    base = {"reproduces": True, "loss": 1.627, "precision": "fp32", "step": 61, "samples": None, "surges": [], "where": {},
+            "jumps": {}}
+    unweighed = {"step": 0, "window": 0.5397, "ordinary": None, "current_ordinary": 0.2158, "ordinary_from": None,
+                 "window_high": False, "ordinary_high": False, "ratio": 2.0, "no_context": True}
+    out = classify_spike({**base, "older": unweighed})
+    assert out["failure_class"] == "state" and "no ordinary window at hand to weigh it against there" in out["evidence"]
+    # a few samples that carry it name no data spike where the window was not weighed, and say why
+    samples = {"indices": [3, 7], "share": 0.8, "without": {"loss": 0.3, "ratio": 1.2}}
+    named = classify_spike({**base, "older": unweighed, "samples": samples})
+    assert named["failure_class"] == "state" and named["blamed_samples"] is None
+    assert "but the window is weighed against no ordinary window under the older state" in named["evidence"]
+    # the run's own loss at step 1 under step 0's weights: a data spike, said against what
+    step = {**unweighed, "window": 10.61, "ordinary": 0.9292, "ordinary_from": "step", "ordinary_step": 1,
+            "window_high": True}
+    out = classify_spike({**base, "loss": 9.615, "older": step})
+    assert out["failure_class"] == "data", out
+    assert ("the whole window is high under the state of step 0 too (10.61 vs 0.9292, the run's own loss at step 1, under "
+            "that state)") in out["evidence"], out["evidence"]
+    capture = {**unweighed, "step": 30, "window": 10.74, "ordinary_from": "capture", "ordinary_step": 31, "window_high": True}
+    out = classify_spike({**base, "loss": 10.49, "older": capture})
+    assert out["failure_class"] == "data" and ("(10.74, no ordinary window at hand: the capture at step 31, in this run of "
+                                               "flagged steps, found its whole batch high under an older state)"
+                                               ) in out["evidence"], out["evidence"]
+
+
+def test_a_window_under_the_rules_ratio_of_unsettled_ordinary_windows_is_not_called_no_higher():
+    """A trial's 'the window is no higher than ordinary windows under the state of step 50 (5.079 vs 3.763)': 35% higher.
+    The test was the rule's ratio: the evidence says so."""
+    older = {"step": 50, "window": 5.079, "ordinary": 3.763, "current_ordinary": 11.47, "window_high": False,
+             "ordinary_high": True, "ordinary_then_high": True, "ordinary_spike_now": True, "window_not_above_now": True,
+             "ratio": 2.0, "lr": None}
+    out = classify_spike({"reproduces": True, "loss": 12.0, "precision": "fp32", "step": 59, "samples": None, "surges": [],
+                          "where": {}, "jumps": {}, "older": older})
+    assert "no higher" not in out["evidence"], out["evidence"]
+    assert ("the window is not x2 (guard.spike_ratio) above ordinary windows under the state of step 50 (5.079 vs 3.763, "
+            "themselves a spike by the guard's rule there)") in out["evidence"], out["evidence"]
