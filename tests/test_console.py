@@ -265,3 +265,10 @@ def test_the_non_finite_steps_an_interval_does_not_capture_get_one_line_and_the_
     page = write_report(tmp_path / "run").read_text()
     assert "2 steps had a non-finite loss or grad norm (first at step 2); an incident captures the first of its log " \
            "interval (1 below)." in page
+    assert 'alt="Train loss"' in page and "validation loss" not in page  # no validation data
+    # with capture.incidents=false there is no "interval's capture" to point to (it claimed step 2's)
+    Trainer(cfg("train.batch_size=8", "data.shuffle=false", "log.every=10", "train.max_steps=10", "capture.incidents=false"),
+            task=task, run_dir=tmp_path / "off").fit()
+    out = capsys.readouterr().out
+    assert "1 more non-finite step in the interval to step 10, at step 5: not captured (capture.incidents=false; " \
+           "events.jsonl)" in out, out

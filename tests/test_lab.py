@@ -235,6 +235,7 @@ def test_cli_lists_runs_one_and_rejects_an_unknown_lab(tmp_path, capsys):
     assert main(["lab"]) == 0
     listing = capsys.readouterr().out
     assert all(f"{k} " in listing for k in LABS)
+    assert main(["lab", "--list"]) == 0 and capsys.readouterr().out == listing  # as check --list (it was an error)
     assert main(["lab", "5", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "lab 5: PASS" in out and (tmp_path / "lab5_cost.png").exists()

@@ -54,12 +54,13 @@ def add_lab_parser(sub: argparse._SubParsersAction) -> None:
                                    "writes DIR/index.html with every lab on one page.")
     p.add_argument("lab", nargs="?", metavar="LAB", help="1..8, accept or all (default: list the labs)")
     p.add_argument("--out", metavar="DIR", default="labs", help="where the plots (and index.html) go (default: labs)")
+    p.add_argument("--list", action="store_true", help="list the labs and exit (as without LAB; as check --list)")
 
 
 def cmd_lab(args: argparse.Namespace) -> int:
     from ..lab import LABS, format_list, format_result, run_lab
 
-    if args.lab is None:
+    if args.lab is None or args.list:
         print(format_list())
         return 0
     if args.lab != "all" and args.lab not in LABS:

@@ -195,7 +195,7 @@ def _loss(run: RunData) -> Plot:
         ax.plot([t for t, _ in own], spiked, "v", color="#9467bd", markersize=5, zorder=3, label="a spike's own loss")
     _auto_log(ax, loss, val, gone, spiked)
     _finish(fig, ax, "Loss", "loss per item")
-    return Plot("loss", "Train and validation loss", _png(fig))
+    return Plot("loss", "Train and validation loss" if vx.size else "Train loss", _png(fig))
 
 
 def spike_points(run: RunData) -> list[tuple[int, float]]:

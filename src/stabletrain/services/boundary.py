@@ -127,20 +127,24 @@ class IntervalBoundary:
         self.callbacks.fire("on_incident", self.state, {k: v for k, v in info.items() if k not in IN_MEMORY})
         self.excluded += time.perf_counter() - t0  # the capture's time is not the next interval's throughput
         others = [t for t in decision.spike_steps if t != step]
+        # (with capture.incidents=false, or a capture that failed, there is no "interval's capture" to point to)
+        held = (None if info.get("path") else "capture.incidents=false" if not self.state.cfg.capture.incidents
+                else f"nor was step {step}")
         if others and self.state.dist.is_main and self.state.run is not None:  # (each was an event only, no word)
             losses = {r.step: r.values["loss"] for r in rows}
             shown = ", ".join(f"{t} ({losses.get(t, float('nan')):.4g})" for t in others[:6])
             more = "more " if anomaly == "spike" else ""
-            why = "one capture per interval" if anomaly == "spike" else f"the interval's capture is step {step}'s, non-finite"
+            why = held or ("one capture per interval" if anomaly == "spike"
+                           else f"the interval's capture is step {step}'s, non-finite")
             console.say(f"{len(others)} {more}loss spike{'s' if len(others) > 1 else ''} in the interval to step "
                         f"{rows[-1].step}, at step{'s' if len(others) > 1 else ''} {shown}"
                         f"{' ...' if len(others) > 6 else ''}: not captured ({why}; events.jsonl)")
         bad = [t for t in decision.bad_steps if t != step]
         if bad and self.state.dist.is_main and self.state.run is not None:  # (the skip events alone said nothing)
             shown = ", ".join(map(str, bad[:6])) + (" ..." if len(bad) > 6 else "")
+            said = held or f"one capture per interval: step {step}'s"
             console.say(f"{len(bad)} more non-finite step{'s' if len(bad) > 1 else ''} in the interval to step "
-                        f"{rows[-1].step}, at step{'s' if len(bad) > 1 else ''} {shown}: not captured (one capture per "
-                        f"interval: step {step}'s; events.jsonl)")
+                        f"{rows[-1].step}, at step{'s' if len(bad) > 1 else ''} {shown}: not captured ({said}; events.jsonl)")
         return info
 
     def _spike(self, decision: GuardDecision, rows: list[Any]) -> int | None:
