@@ -304,3 +304,24 @@ def test_accum_check_names_a_scalar_mean_over_tokens_and_says_to_return_sum_and_
         "; the scalar loss is a mean over another unit than samples (tokens?): return (sum, count)"), result.summary
     [cause] = [d for d in result.details if d.startswith("the scalar loss is ")]
     assert "averages over another unit than samples" in cause and cause.endswith("weighs each by what it holds")
+
+
+def _dead_relu_task() -> Task:
+    """A ReLU stack whose hidden biases are -5: every ReLU is off at step 0."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                          nn.Linear(32, 2))
+    for layer in list(model)[:-1]:
+        if isinstance(layer, nn.Linear):
+            nn.init.constant_(layer.bias, -5.0)
+    return Task(model=model, train_data=TensorDataset(x, (x[:, 0] > 0).long()), loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+
+
+def test_init_check_fails_a_net_whose_relus_are_all_dead_at_the_first_relu(tmp_path):
+    """Every ReLU output 0: the first ReLU, dead too, was their reference (0 / 0: no ratio) and init said 'forward: ok'."""
+    ctx = CheckContext(cfg("train.batch_size=16"), task_factory=_dead_relu_task, options={"out_dir": str(tmp_path)})
+    [init] = run_checks(ctx, ["init"])
+    assert not init.passed and init.numbers["forward"] == "vanishing at #1 1 (0x)", init.summary
+    assert "forward: vanishes (0) at #1 '1' (ReLU): its output is all 0 (dead units), no signal goes past it" in init.details

@@ -427,3 +427,60 @@ def test_a_first_batch_with_a_non_finite_value_gets_no_init_verdict():
                                          "op makes it, not the init's scale")
     assert report.advice().startswith("no init advice: this batch makes non-finite values"), report.advice()
     assert "recommended init" not in report.advice()
+
+
+# -- dead units; the scheme a comparison recommends ---------------------------------------------------------
+
+
+def _relu_stack(hidden_bias: float) -> nn.Sequential:
+    """32 -> 5 x 64 ReLU -> 10, kaiming weights, every hidden bias ``hidden_bias`` (-10: every ReLU is off)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for i in range(5) for m in (nn.Linear(64 if i else 32, 64), nn.ReLU())], nn.Linear(64, 10))
+    init_(model, "kaiming")
+    for layer in list(model)[:-1]:
+        if isinstance(layer, nn.Linear):
+            nn.init.constant_(layer.bias, hidden_bias)
+    return model
+
+
+def test_a_net_whose_relus_are_all_dead_vanishes_forward_at_the_first_relu():
+    """Hidden biases -10: every output from the first ReLU on is 0 (the first ReLU, itself dead, is the others' reference:
+    0 / 0, no ratio), and the report read 'forward: ok'."""
+    report = signal_report(_relu_stack(-10.0), classification_batch(), classification_loss)
+    first = report.first_forward
+    assert (first.index, first.name, first.forward, first.forward_ratio, first.out_absmax) == (1, "1", "vanishing", 0.0, 0.0)
+    assert [layer.forward for layer in report.layers] == ["ok"] + ["vanishing"] * 10  # 2..8: a constant -10; 10: 0
+    assert report.summary("forward") == ("forward: vanishes (0) at #1 '1' (ReLU): its output is all 0 (dead units), no "
+                                         "signal goes past it")
+    assert not report.passed and "; every unit of #1 '1' (ReLU) is off on this batch" in report.advice()
+    healthy = signal_report(_relu_stack(0.0), classification_batch(), classification_loss)
+    assert healthy.passed and healthy.summary("forward") == "forward: ok"
+    assert "is off on this batch" not in healthy.advice()
+
+
+class _Fold(nn.Module):
+    """Sums the 4 quarters of the features, / 2: keeps the std of independent features, and a layer's fan-out 4x its
+    fan-in, so that xavier (fan average) draws a weight std 0.63x kaiming's (fan-in)."""
+
+    def forward(self, x):
+        return x.unflatten(-1, (4, -1)).sum(-2) / 2
+
+
+def test_compare_names_the_scheme_that_passed_in_the_numbers_the_json_and_the_text(tmp_path):
+    """A tanh net whose layers expand 4x: xavier, the scheme for tanh, shrinks it (16 layers flagged); kaiming holds.
+    The text recommended kaiming, but the numbers and every report of init_signal.json said 'xavier'."""
+    def make_task() -> Task:
+        model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(32, 128), _Fold(), nn.Tanh())], nn.Linear(32, 10))
+        x, y = classification_batch(num=64)
+        return Task(model=model, train_data=TensorDataset(x, y), loss=classification_loss)
+
+    cfg = load_config(None, ["task=mypkg:make_task"])
+    options = {"compare": ["xavier", "kaiming"], "out_dir": str(tmp_path)}
+    [result] = run_checks(CheckContext(cfg, task_factory=make_task, options=options), ["init"])
+    n = result.numbers
+    assert (n["init_('xavier').flagged"], n["init_('kaiming').flagged"]) == (16, 0)
+    assert n["recommended"] == "kaiming"
+    assert result.details[-1] == ("recommended init: init_(model, 'kaiming'), the first scheme that passes here (saw Tanh "
+                                  "x6); init_(model, 'xavier'), the scheme for these activations, fails here too")
+    saved = json.loads((tmp_path / "init_signal.json").read_text())
+    assert [r["recommended"] for r in saved] == ["kaiming"] * 3

@@ -6,6 +6,8 @@ re-initialized by :func:`stabletrain.tasks.init_schemes.init_` with each scheme,
 activation the forward calls as a function, ``torch.relu``, sets the gain as a module would). Writes the per-layer
 std plot (``init_signal.png``) and the full per-layer numbers (``init_signal.json``) to ``--out DIR`` (default:
 ``stabletrain-check/``; see :meth:`CheckContext.output_path`). Passes when no layer of the model as built is flagged.
+With ``--compare``, the scheme recommended (the text, ``recommended`` in the numbers and in ``init_signal.json``) is
+one that passed here: the one for the activations seen if it passed, else the first compared that did.
 
 A zero-initialized output layer, or a zero-initialized last layer of a residual branch (GPT/DiT/ReZero-style), is
 taken as deliberate (:func:`stabletrain.diagnostics.initialization.zero_init_layers`): it is said so, and the
@@ -59,11 +61,16 @@ def _where(report: SignalReport, direction: str) -> str:
         return "ok"
     ratio = first.forward_ratio if direction == "forward" else first.backward_ratio
     verdict = first.forward if direction == "forward" else first.backward
-    return f"{verdict} at #{first.index} {first.name} ({ratio:.3g}x)"
+    return f"{verdict} at #{first.index} {first.name} ({'-' if ratio is None else f'{ratio:.3g}x'})"
 
 
-def _compare_advice(built: SignalReport, by_scheme: dict[str, SignalReport]) -> str:
-    """Return the advice line of a comparison: never recommend a scheme that failed this same test."""
+def _compare_advice(built: SignalReport, by_scheme: dict[str, SignalReport]) -> tuple[str, str]:
+    """Return (the scheme a comparison recommends, its advice line): never a scheme that failed this same test.
+
+    The scheme is the one for the activations seen (``built.recommended``) when it passes here, else the first
+    compared scheme that passes; when none is to be switched to (the model passes as built, or no compared scheme
+    passes) it stays ``built.recommended`` and the line says whether that one failed here.
+    """
     seen = ", ".join(f"{n} x{c}" for n, c in built.activations.items()) or "no activation module or function"
     passing = [s for s, r in by_scheme.items() if r.passed]
     failing = [s for s, r in by_scheme.items() if not r.passed]
@@ -71,16 +78,18 @@ def _compare_advice(built: SignalReport, by_scheme: dict[str, SignalReport]) -> 
     failed_note = f"; init_(model, {suggested!r}), the scheme for these activations, fails here too" \
         if suggested in failing else ""
     if built.passed:
-        return f"init holds as built: keep it (saw {seen}){failed_note}"
+        return suggested, f"init holds as built: keep it (saw {seen}){failed_note}"
     if suggested in passing:
-        return f"recommended init: init_(model, {suggested!r}) (it passes here; saw {seen})"
+        return suggested, f"recommended init: init_(model, {suggested!r}) (it passes here; saw {seen})"
     if passing:
-        return f"recommended init: init_(model, {passing[0]!r}), the first scheme that passes here (saw {seen}){failed_note}"
+        return passing[0], (f"recommended init: init_(model, {passing[0]!r}), the first scheme that passes here "
+                            f"(saw {seen}){failed_note}")
     untried = "" if suggested in by_scheme else f"; init_(model, {suggested!r}) was not compared (--compare {suggested})"
     if not built.activations and "kaiming" not in by_scheme:  # kaiming assumes ReLU where none is seen
         untried += "; init_(model, 'kaiming') (ReLU assumed) was not compared (--compare kaiming)"
-    return (f"no init scheme compared passes ({', '.join(f'init_(model, {s!r})' for s in failing)} fail too): "
-            f"none is recommended; look at the first flagged layer above, the init alone does not fix it{untried}")
+    return suggested, (f"no init scheme compared passes ({', '.join(f'init_(model, {s!r})' for s in failing)} fail "
+                       f"too): none is recommended; look at the first flagged layer above, the init alone does not fix "
+                       f"it{untried}")
 
 
 def _names(zero: list[ZeroInitLayer], limit: int = 3) -> str:
@@ -158,11 +167,13 @@ def check_init(ctx: CheckContext) -> CheckResult:
                                           make_optimizer=optimizer_factory(model, ctx.cfg.optim, device, own))
         reports.append(by_scheme[scheme])
 
+    built = judged  # the model as built: without its deliberate zero layers, if it has any
+    # With a comparison, the scheme it recommends (one that passed here) is what the JSON, numbers and text all name.
+    recommended, advice = _compare_advice(built, by_scheme) if schemes else (built.recommended, "")
     plot = plot_signal(reports, ctx.output_path("init_signal.png"))
     data = ctx.output_path("init_signal.json")
-    data.write_text(json.dumps([r.to_dict() for r in reports], indent=1, default=str))
+    data.write_text(json.dumps([{**r.to_dict(), "recommended": recommended} for r in reports], indent=1, default=str))
 
-    built = judged  # the model as built: without its deliberate zero layers, if it has any
     numbers: dict[str, object] = {"layers": len(built.layers), "flagged": len(built.flagged),
                                   "forward": _where(built, "forward"), "backward": _where(built, "backward")}
     if zero:
@@ -174,7 +185,7 @@ def check_init(ctx: CheckContext) -> CheckResult:
             numbers[f"{r.label}.flagged"] = len(r.flagged)
         details = [*notes, *format_comparison([built, *by_scheme.values()])]
         passing = [r.label for r in by_scheme.values() if r.passed]
-        details.append(_compare_advice(built, by_scheme))
+        details.append(advice)
         summary = (f"as built: {'ok' if built.passed else f'{len(built.flagged)} layer(s) flagged'}{excluded}; "
                    f"schemes without a flagged layer: {', '.join(passing) or 'none'}")
     else:
@@ -182,5 +193,5 @@ def check_init(ctx: CheckContext) -> CheckResult:
         summary = ("no layer flagged: the signal holds forward and backward" if built.passed else
                    f"{len(built.flagged)} of {len(built.layers)} layers flagged: forward {numbers['forward']}, "
                    f"backward {numbers['backward']}") + excluded
-    numbers.update({"recommended": built.recommended, "plot": str(plot), "json": str(data)})
+    numbers.update({"recommended": recommended, "plot": str(plot), "json": str(data)})
     return CheckResult("init", built.passed, summary, numbers=numbers, details=details)

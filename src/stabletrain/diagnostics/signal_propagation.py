@@ -29,7 +29,9 @@ compared with no other layer. Some layers are judged by what they are:
   time step is a repeated unit: its calls are compared, which is the same question.
 
 A layer is ``exploding`` when its std ratio to its reference is above ``SignalThresholds.explode`` (or not
-finite), ``vanishing`` when below ``1 / SignalThresholds.explode``, else ``ok``. The report names the first
+finite), ``vanishing`` when below ``1 / SignalThresholds.explode``, else ``ok``; a layer with no forward signal
+(its output all 0, dead units, or constant because its input is) is ``vanishing`` (0x) even when its reference
+has none either (the first ReLU of a net whose ReLUs are all dead is its own reference). The report names the first
 layer where the signal leaves that band, forward (scanning from the input) and backward (scanning
 from the loss), and by how much; after one optimizer step on a copy of the state it gives every
 parameter's update/weight ratio (:mod:`.update_ratio`), and it recommends an init scheme from the
@@ -39,6 +41,7 @@ activations it saw. :mod:`.signal_display` shows a report as text tables and a p
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -51,14 +54,7 @@ from ..policies.accumulation import as_sum_count
 from ..tasks.init_schemes import ActivationTrace, activation_name, is_norm, recommend_scheme
 from .update_ratio import UpdateRatio, update_ratios
 
-__all__ = [
-    "NothingToMeasure",
-    "SignalThresholds",
-    "LayerSignal",
-    "SignalReport",
-    "signal_report",
-    "assign_references",
-]
+__all__ = ["NothingToMeasure", "SignalThresholds", "LayerSignal", "SignalReport", "signal_report", "assign_references"]
 
 OK, VANISHING, EXPLODING = "ok", "vanishing", "exploding"
 
@@ -90,11 +86,9 @@ class SignalThresholds:
             raise ValueError(f"SignalThresholds.explode: expected a number > 1, got {self.explode!r}")
 
     def verdict(self, ratio: float | None) -> str:
-        if ratio is None:
-            return OK
-        if not math.isfinite(ratio) or ratio > self.explode:
+        if ratio is not None and (not math.isfinite(ratio) or ratio > self.explode):
             return EXPLODING
-        return VANISHING if ratio < 1 / self.explode else OK
+        return VANISHING if ratio is not None and ratio < 1 / self.explode else OK
 
     def update_band(self, adaptive: bool, lr: float | None, weight_rms: float) -> tuple[float, float]:
         """Return the (low, high) update/weight band after one step, for an Adam-like optimizer or not."""
@@ -153,6 +147,11 @@ class LayerSignal:
     def flagged(self) -> bool:
         return self.forward != OK or self.backward != OK
 
+    @property
+    def silent(self) -> bool:
+        """No forward signal: its output is all 0 (dead units), or constant because its input is."""
+        return self.signal_std == 0 and (self.out_absmax == 0 or self.in_std == 0)
+
 
 @dataclass
 class SignalReport:
@@ -207,6 +206,10 @@ class SignalReport:
         if value is not None and not math.isfinite(value):  # a NaN/inf of the batch (a sample, an op): no init's scale
             return (f"{direction}: non-finite at #{first.index} {first.name!r} ({first.kind}) on this batch ({what} "
                     f"{value:.3g}): a sample or an op makes it, not the init's scale")
+        if direction == "forward" and first.silent:  # 0, whatever its reference: no ratio says more
+            what = (f"its output is all 0{' (dead units)' if first.activation else ''}" if first.out_absmax == 0
+                    else "its output is constant (its input is)")
+            return f"forward: vanishes (0) at #{first.index} {first.name!r} ({first.kind}): {what}, no signal goes past it"
         verb = "explodes" if verdict == EXPLODING else "vanishes"
         return (f"{direction}: {verb} at #{first.index} {first.name!r} ({first.kind}): {what} {value:.3g} = "
                 f"{_x(getattr(first, attr))} that {'of ' if ref.startswith(chr(39)) else ''}{ref}; most extreme "
@@ -224,6 +227,12 @@ class SignalReport:
             line = f"recommended init: init_(model, {self.recommended!r}) (saw {seen})"
         if any("." in kind for kind in self.activations):  # torch.relu & co: no module for init_ to read
             line += "; init_ reads activations called as functions with trace=lambda m: m(example_input)"
+        dead = self.first_forward
+        if dead is not None and dead.silent:
+            line += (f"; every unit of #{dead.index} {dead.name!r} ({dead.kind}) is off on this batch: its input is below "
+                     "the activation's threshold everywhere (look at the biases and the scale of the layer before it; "
+                     "init_ zeroes biases)" if dead.activation and dead.out_absmax == 0 else
+                     f"; #{dead.index} {dead.name!r} ({dead.kind}) outputs no signal: a weight of 0, or an input of 0")
         if any(layer.is_norm and layer.forward == EXPLODING for layer in self.layers):
             line += ("; the input of normalization layers grows with depth: mark the residual branches' output "
                      "projections (residual_branch_out = True) so init_ scales them by 1/sqrt(number of branches)")
@@ -264,9 +273,7 @@ class SignalReport:
 
 
 def _log_ratio(r: float) -> float:
-    if r is None or math.isnan(r):
-        return math.inf
-    return math.log(r) if r > 0 else -math.inf
+    return math.inf if r is None or math.isnan(r) else math.log(r) if r > 0 else -math.inf
 
 
 def _x(r: float | None) -> str:
@@ -292,12 +299,7 @@ def _std(x: Tensor) -> Tensor:
 def _main_param(module: nn.Module) -> tuple[str, nn.Parameter] | None:
     """Return the parameter that describes a layer: its ``weight``, else its largest own parameter."""
     own = list(module.named_parameters(recurse=False))
-    if not own:
-        return None
-    for name, p in own:
-        if name == "weight":
-            return name, p
-    return max(own, key=lambda np_: np_[1].numel())
+    return next(((n, p) for n, p in own if n == "weight"), max(own, key=lambda np_: np_[1].numel()) if own else None)
 
 
 def _group_key(layer: LayerSignal) -> tuple:
@@ -344,6 +346,8 @@ def assign_references(layers: list[LayerSignal], thresholds: SignalThresholds) -
             if layer.role == "recurrent" and layer.time_grad_first is not None:
                 layer.ref_backward = f"{layer.name} at its middle time step"
                 layer.backward_ratio = _ratio(layer.time_grad_first, layer.time_grad_mid)
+            if layer.forward_ratio is None and layer.ref_forward and layer.silent:  # 0 vs a reference of 0 (dead too)
+                layer.forward_ratio = 0.0
             layer.forward = thresholds.verdict(layer.forward_ratio)
             layer.backward = thresholds.verdict(layer.backward_ratio)
 
@@ -388,9 +392,7 @@ def signal_report(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any],
             for b, saved in zip(model.buffers(), saved_buffers):
                 b.copy_(saved)
     assign_references(layers, thresholds)
-    activations: dict[str, int] = {}
-    for kind in [layer.kind for layer in layers if layer.activation is not None] + [call for call, _ in functional]:
-        activations[kind] = activations.get(kind, 0) + 1
+    activations = dict(Counter([layer.kind for layer in layers if layer.activation is not None] + [c for c, _ in functional]))
     recommended = recommend_scheme([layer.activation for layer in layers] + [name for _, name in functional])
     return SignalReport(label, layers, thresholds, loss_value, updates, opt_name, recommended, activations, adaptive)
 
@@ -459,9 +461,7 @@ def _measure(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any]
     loss_value = next(values)
 
     ids = [id(module) for _, module, _, _ in calls]
-    num_calls: dict[int, int] = {}
-    for key in ids:
-        num_calls[key] = num_calls.get(key, 0) + 1
+    num_calls = Counter(ids)
     seen: dict[int, int] = {}
     segment = 0
     layers = []
