@@ -435,3 +435,29 @@ def test_resume_of_a_folder_that_does_not_exist_says_so(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["train", "--resume", str(tmp_path / "empty")]) == 2
     assert "no config.yaml there; is it a stabletrain run directory?" in capsys.readouterr().err
+
+
+def test_the_last_line_and_the_report_say_a_run_stalled_that_guard_on_stall_warn_trained_on(tmp_path, capsys):
+    """remedy_tasks' fp16_stall_task (9 of 10 batches overflow the float16 forward; the GradScaler's scale collapses and
+    the tenth batch's gradient underflows to 0): with guard.on_stall=warn its last line read 'trained 80 steps; loss=...,
+    grad_norm=0; 72 of 80 steps skipped' and its report 'healthy' but for the skips. Now both say it stalled, since when,
+    what the guard saw; with the default guard.on_stall=stop the report reads 'problems' too."""
+    from stabletrain.cli import main
+    from stabletrain.report import health_summary, load_run
+
+    args = ["train", "task=remedy_tasks:fp16_stall_task", "precision=fp16", "train.batch_size=8", "log.every=10",
+            "data.shuffle=false", "capture.incidents=false", "log.progress=false", "log.tensorboard=false", "eval.every=0"]
+    assert main([*args, "train.max_steps=80", "guard.on_stall=warn", f"run.dir={tmp_path / 'warn'}"]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("stabletrain: trained 80 steps; ")]
+    assert re.search(r"; 72 of 80 steps skipped \(90%: see events\.jsonl\); stalled since step 41 \(guard\.on_stall=warn: "
+                     r"trained on\): at step 60, 18 of the last 20 steps were skipped and the 2 applied had a zero gradient; "
+                     r"the GradScaler's scale is [\d.e+-]+; run directory: ", line), line
+    h = health_summary(load_run(tmp_path / "warn"))
+    assert h.level == "bad" and h.figures["stall"]["since"] == 41
+    said = "Stalled since step 41, and trained on stalled to step 80 (guard.on_stall=warn): at step 60, 18 of the last 20 steps"
+    assert any(level == "bad" and text.startswith(said) for level, text in h.sentences), h.sentences
+    assert main([*args, "train.max_steps=60", f"run.dir={tmp_path / 'stop'}"]) == 1  # stopped at its last step
+    h = health_summary(load_run(tmp_path / "stop"))
+    loss = next((level, text) for level, text in h.sentences if text.startswith("Train loss"))
+    assert h.level == "bad" and loss[0] == "warn" and loss[1].endswith("; no gradient reached the parameters from step 41 on "
+                                                                       "(stalled, above).")

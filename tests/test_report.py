@@ -1006,3 +1006,82 @@ def test_data_spikes_each_on_other_single_samples_are_said_to_be_a_heavy_tail():
     assert _scattered(tail, run(2)).startswith(" 3 data spikes") and _scattered(tail, run(0)) == ""
     drop = Event(130, "remedy", "", None, {"remedy": {"kind": "skip-samples", "samples": [498, 501]}})
     assert _scattered(tail, run(2, [drop])) == ""
+
+
+#: The stall guard's reason for fp16tasks' tiny task (a loss of ~1e-14: its gradients underflow float16 to 0 at any scale).
+STALL_REASON = ("the run is stalled at step 20: 0 of the last 20 steps were skipped and the 20 applied had a zero gradient; the "
+                "GradScaler's scale is 6.6e+04: in float16 the gradients underflow to 0 (or the loss does not reach the "
+                "parameters): no gradient reached the parameters (guard.stall_steps=20). Try precision=bf16 (float32's range, "
+                "no loss scale), a larger loss (a sum, not a mean of tiny terms), or a look at whether the loss depends on the "
+                "parameters; guard.on_stall=warn trains on")
+
+
+def _stall_run(path, grad_norms, *events, scale=65536.0):
+    """A 60-step fp16 run directory (intervals of 10) with these grad norms, a constant loss of 7.4e-15, and ``events``."""
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text("train:\n  max_steps: 60\nguard:\n  stall_steps: 20\n")
+    (path / "metrics.jsonl").write_text("".join(json.dumps({"step": 10 * (i + 1), "interval_steps": 10, "loss": 7.4e-15,
+                                                            "loss_min": 7.4e-15, "grad_norm": g, "loss_scale": scale}) + "\n"
+                                                for i, g in enumerate(grad_norms)))
+    append_events(path, *events)
+    h = health_summary(load_run(path))
+    return h, {text.split(" ", 2)[1] if text.startswith("Train loss") else text[:8]: (level, text) for level, text in h.sentences}
+
+
+def test_a_stall_the_run_trained_on_through_is_a_problem_said_with_since_when_and_what_to_do(tmp_path):
+    """guard.on_stall=warn (a trial: fp16tasks' tiny task): the stall event was in events.jsonl only, the report read
+    'healthy' and the loss line 'ok'. Now the stall is one bad sentence: since when, what the guard saw, what to try."""
+    h, said = _stall_run(tmp_path / "warn", [0.0] * 6, {"step": 20, "kind": "stall", "reason": STALL_REASON})
+    assert h.level == "bad" and h.figures["stall"]["since"] == 1 and h.figures["stall"]["recovered"] is None
+    assert said["Stalled "] == ("bad", (
+        "Stalled since step 1, and trained on stalled to step 60 (guard.on_stall=warn): at step 20, 0 of the last 20 steps "
+        "were skipped and the 20 applied had a zero gradient; the GradScaler's scale is 6.6e+04: in float16 the gradients "
+        "underflow to 0 (or the loss does not reach the parameters): no gradient reached the parameters. Try precision=bf16 "
+        "(float32's range, no loss scale), a larger loss (a sum, not a mean of tiny terms), or a look at whether the loss "
+        "depends on the parameters; guard.on_stall=stop stops such a run at once."))
+    assert said["loss"] == ("warn", "Train loss 7.4e-15 → 7.4e-15 (first → last interval); no gradient reached the "
+                                    "parameters on any step (stalled, above).")
+    assert [t for _, t in h.sentences].index(said["Stalled "][1]) == 1  # right after the run's progress
+    # Gradients that came back (the scale recovered) by the last interval: worth a look, not a problem; the loss line ok.
+    h, said = _stall_run(tmp_path / "back", [0.0] * 4 + [0.3, 0.2], {"step": 20, "kind": "stall", "reason": STALL_REASON})
+    assert h.level == "warn" and said["Stalled "] == ("warn", (
+        "Stalled from step 1 (at step 20, 0 of the last 20 steps were skipped and the 20 applied had a zero gradient; the "
+        "GradScaler's scale is 6.6e+04: in float16 the gradients underflow to 0 (or the loss does not reach the parameters): "
+        "no gradient reached the parameters); gradients reached the parameters again by step 50 (guard.on_stall=warn "
+        "trained on)."))
+    assert said["loss"][0] == "ok"
+    # A non-zero grad norm at a collapsed loss scale (an underflowed remainder) is no recovery.
+    h, _ = _stall_run(tmp_path / "remainder", [0.0] * 4 + [3e-6] * 2, {"step": 20, "kind": "stall", "reason": STALL_REASON},
+                      scale=3.6e-12)
+    assert h.level == "bad" and h.figures["stall"]["recovered"] is None
+
+
+def test_a_run_the_stall_guard_stopped_is_a_problem_and_its_loss_line_is_not_ok(tmp_path):
+    """guard.on_stall=stop (the default) read 'worth a look', with 'Train loss 7.357e-15 → 7.492e-15' an ok line, while
+    a run the consecutive-skip guard stopped read 'problems'. A stop for any other reason (a signal) stays a warning."""
+    h, said = _stall_run(tmp_path / "stop", [0.0] * 2, {"step": 20, "kind": "stop", "reason": f"stopping: {STALL_REASON}"})
+    assert h.level == "bad" and h.figures["stall"]["stopped"] is True
+    assert said["Stopped "] == ("bad", f"Stopped at step 20: {STALL_REASON}.")
+    assert said["loss"] == ("warn", "Train loss 7.4e-15 → 7.4e-15 (first → last interval); no gradient reached the "
+                                    "parameters on any step (stalled, above).")
+    assert not any(t.startswith("Stalled") for _, t in h.sentences)  # the stop's sentence says it once
+    h, said = _stall_run(tmp_path / "signal", [0.5] * 2, {"step": 20, "kind": "stop", "reason": "stopped by SIGTERM at step 20"})
+    assert h.level == "warn" and said["Stopped "] == ("warn", "Stopped at step 20 by SIGTERM.") and said["loss"][0] == "ok"
+    assert h.figures["stall"] is None
+
+
+def test_stall_parts_reads_each_wording_of_the_stall_guard():
+    from stabletrain.report.text import stall_parts
+
+    assert stall_parts(STALL_REASON) == {
+        "step": 20, "since": 1, "gist": "0 of the last 20 steps were skipped and the 20 applied had a zero gradient; the "
+        "GradScaler's scale is 6.6e+04", "what": STALL_REASON.split(": ", 1)[1].split(" (guard.stall_steps")[0],
+        "advice": STALL_REASON.split("Try ")[1].removesuffix("; guard.on_stall=warn trains on")}
+    collapsed = ("the run is stalled at step 60: 18 of the last 20 steps were skipped and the 2 applied had gradient norms of "
+                 "at most 9.5e-06, under 0.001 x the run's earlier 2.6 (they underflowed at the loss scale); the GradScaler's "
+                 "scale is 3.6e-12: no gradient reached the parameters measurably (guard.stall_steps=20). Try precision=bf16; "
+                 "guard.on_stall=warn trains on")
+    parts = stall_parts(f"stopping: {collapsed}")
+    assert (parts["step"], parts["since"], parts["advice"]) == (60, 41, "precision=bf16")
+    assert parts["gist"].endswith("(they underflowed at the loss scale); the GradScaler's scale is 3.6e-12")
+    assert stall_parts("20 consecutive skipped steps (guard.max_consecutive_skips=20) at step 57") is None

@@ -5,10 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .. import console
 from ..config import load_config, load_yaml, resume_safe_text
 from . import keys_help
+
+if TYPE_CHECKING:
+    from ..report.rundata import RunData
 
 __all__ = ["cmd_train", "add_train_parser", "write_report", "share_text"]
 
@@ -123,25 +127,29 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
         said = f"loss={record['loss']:.4g}"
         shown = shown.replace(said, f"{said} (the last interval's mean, with {plural(int(record['num_spikes']), 'loss spike')}"
                               f" in it; its smallest {record['loss_min']:.4g})", 1)
-    skipped, undone = (_skips(run_dir) if (run_dir / "events.jsonl").is_file()
-                       else (sum(int(r.get("num_skipped", 0)) for r in trainer.history), 0))
+    from ..report.health import stall_figures
+    from ..report.rundata import load_run
+
+    run = load_run(run_dir) if (run_dir / "events.jsonl").is_file() else None
+    skipped, undone = _skips(run) if run is not None else (sum(int(r.get("num_skipped", 0)) for r in trainer.history), 0)
     skipped_note = (f"{skipped} of {trainer.step} steps skipped ({share_text(skipped, trainer.step)}: see events.jsonl)"
                     if skipped else "no step skipped")
     if undone:
         skipped_note += (f" ({'and ' * bool(skipped)}{undone} before a rollback went back past "
                          f"{'it' if undone == 1 else 'them'}: trained again)")
+    stall = stall_figures(run) if run is not None else None  # guard.on_stall=warn trained on through one
+    if stall is not None and stall["recovered"] is None:
+        skipped_note += (f"; stalled since step {stall['since']} (guard.on_stall=warn: trained on): at step {stall['step']}, "
+                         f"{stall['gist']}")
     console.say(f"trained {trainer.step} steps; {shown}; {skipped_note}; run directory: {run_dir}")
     if args.report:
         write_report(run_dir)
     return 0
 
 
-def _skips(run_dir: Path) -> tuple[int, int]:
+def _skips(run: RunData) -> tuple[int, int]:
     """(the run's skipped steps that still count, every launch's: none a resume or rollback went back past, as the
     report counts them; the skipped steps a rollback, or a remedy's, went back past: that stretch was trained again)."""
-    from ..report.rundata import load_run
-
-    run = load_run(run_dir)
     counted = {e.step for e in run.counted_events("skip")}
     return len(counted), len({e.step for e in run.undone_events("skip")} - counted)
 

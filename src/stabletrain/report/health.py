@@ -20,9 +20,9 @@ from ..records.launches import unfinished_note
 from .clip_verdict import clip_sentence
 from .loss_headline import loss_sentence
 from .rundata import Event, RunData
-from .text import fmt_num, fmt_ranges, plural
+from .text import first_clause, fmt_num, fmt_ranges, one_line, plural, skip_places, skip_reason, stall_parts
 
-__all__ = ["Health", "health_summary", "incident_summary", "crash_summary", "crash_step", "LEVELS"]
+__all__ = ["Health", "health_summary", "incident_summary", "crash_summary", "crash_step", "stall_figures", "LEVELS"]
 
 LEVELS = ("ok", "warn", "bad")
 
@@ -56,11 +56,6 @@ def _total(run: RunData, key: str) -> int:
     return int(sum(r[key] for r in run.metrics if math.isfinite(r.get(key, math.nan))))
 
 
-def _skip_reason(event: Event) -> str:
-    reason = event.reason or "no reason given"
-    return reason.split("skipped: ", 1)[1] if "skipped: " in reason else reason
-
-
 def incident_summary(event: Event) -> str:
     """An incident's diagnosis summary, else why the diagnosis failed, else its reason; under DDP the ranks first."""
     diagnosis, ranks = event.extra.get("diagnosis"), [r for r in event.extra.get("ranks") or [] if isinstance(r, int)]
@@ -78,6 +73,7 @@ def health_summary(run: RunData) -> Health:
     f["count_unit"] = run.count_unit
     _crash(run, h)
     _progress(run, h)
+    _stall(run, h)
     loss_sentence(run, h)
     _init(run, h)
     clip_sentence(run, h)
@@ -89,17 +85,17 @@ def health_summary(run: RunData) -> Health:
     undone = run.undone_events("skip")  # skipped before a rollback: that stretch was trained again
     f["skip_steps_undone"] = sorted({e.step for e in undone})
     if f["skipped_steps"] or skip_events:
-        text = f"{plural(f['skipped_steps'], 'step')} skipped" + _skip_places(skip_events)
+        text = f"{plural(f['skipped_steps'], 'step')} skipped" + skip_places(skip_events)
         if not skip_events:
             text += " (events.jsonl does not say which)"
         elif len(f["skip_steps"]) != f["skipped_steps"]:
             text += f" (events.jsonl names {plural(len(f['skip_steps']), 'step')})"
         if undone:
-            text += f"; before {_went_back(undone)}, {plural(len(f['skip_steps_undone']), 'more step')}" + _skip_places(undone)
+            text += f"; before {_went_back(undone)}, {plural(len(f['skip_steps_undone']), 'more step')}" + skip_places(undone)
         h.say("warn", text + ".")
     elif undone:
         h.say("warn", f"No steps skipped since {_went_back(undone)}; before it {plural(len(f['skip_steps_undone']), 'step')} "
-                      f"{'was' if len(f['skip_steps_undone']) == 1 else 'were'} skipped{_skip_places(undone)}, and that "
+                      f"{'was' if len(f['skip_steps_undone']) == 1 else 'were'} skipped{skip_places(undone)}, and that "
                       "stretch was trained again.")
     else:
         h.say("ok", "No steps skipped.")
@@ -111,7 +107,7 @@ def health_summary(run: RunData) -> Health:
     before = (f"before {_went_back(undone)}, {plural(len(f['nonfinite_steps_undone']), 'step')} had one (first at step "
               f"{f['nonfinite_steps_undone'][0]:,})" if undone else "")
     # fp16 overflows (the GradScaler's skipped steps) are not counted as non-finite steps: said as what they are
-    overflows = len({e.step for e in skip_events if _skip_reason(e).startswith("fp16 overflow")})
+    overflows = len({e.step for e in skip_events if skip_reason(e.reason).startswith("fp16 overflow")})
     besides = f" besides {plural(overflows, 'fp16 overflow')} (skipped, above)" if overflows else ""
     if f["nonfinite_steps"]:
         first = min((e.step for e in nonfinite_events), default=None)
@@ -216,17 +212,6 @@ def _init(run: RunData, h: Health) -> None:
         h.say("warn", f"At step 0 {found}; {line.get('advice', '')} (init_signal.json).")
 
 
-def _skip_places(events: list[Event]) -> str:
-    """ " at 812-813 (fp16 overflow); at 900 (loss spike ...)": the skipped steps, grouped by reason ("" for none)."""
-    by_reason: dict[str, list[int]] = {}
-    for e in events:
-        by_reason.setdefault(_skip_reason(e), []).append(e.step)
-    # "at 812-813 (fp16 overflow)"; a reason with its own parentheses follows a colon instead
-    parts = [f"at {fmt_ranges(steps)}" + (f": {reason}" if "(" in reason else f" ({reason})")
-             for reason, steps in by_reason.items()]
-    return " " + "; ".join(parts) if parts else ""
-
-
 def _went_back(events: list[Event]) -> str:
     """What went back past ``events`` (undone ones): "the rollback", "the remedy's rollback", or both."""
     kinds = sorted({e.superseded_by for e in events if e.superseded_by})
@@ -247,16 +232,6 @@ def _once(incidents: list[tuple[int, str]]) -> list[tuple[int, str]]:
         first.setdefault(key, summary)
         counts[key] = counts.get(key, 0) + 1
     return [(key[0], first[key].rstrip(".") + (f" (met {n} times)" if n > 1 else "")) for key, n in counts.items()]
-
-
-def first_clause(text: str) -> str:
-    """``text`` up to its first ``"; "`` outside parentheses (a clause's own aside keeps its brackets closed)."""
-    depth = 0
-    for i, ch in enumerate(text):
-        depth += (ch == "(") - (ch == ")")
-        if depth <= 0 and text.startswith("; ", i):
-            return text[:i]
-    return text
 
 
 def _listed(incidents: list[tuple[int, str]], limit: int = 5) -> str:
@@ -336,10 +311,10 @@ def _remedies(run: RunData, h: Health) -> None:
                 unapplied.setdefault((x["why"], str(x.get("fallback"))), []).append(x["incident_step"])
                 continue
             needed = not e.reason.startswith("no remedy needed")
-            h.say("warn" if needed else "ok", _one_line(e.reason[:1].upper() + e.reason[1:]).rstrip(".") + ".")
+            h.say("warn" if needed else "ok", one_line(e.reason[:1].upper() + e.reason[1:]).rstrip(".") + ".")
     for (why, fallback), steps in unapplied.items():  # the same reason for several incidents (captures spent): one line
         at = f"the incident at step {steps[0]}" if len(steps) == 1 else f"the incidents at steps {', '.join(map(str, steps))}"
-        h.say("warn", _one_line(f"No remedy applied for {at}: {why}; falling back to remedy.fallback={fallback}") + ".")
+        h.say("warn", one_line(f"No remedy applied for {at}: {why}; falling back to remedy.fallback={fallback}") + ".")
 
 
 def _final(run: RunData, kind: str) -> Event | None:
@@ -351,11 +326,6 @@ def _final(run: RunData, kind: str) -> Event | None:
         elif e.kind == "resume" and last is not None:
             last = None  # the run went on from a checkpoint
     return last
-
-
-def _one_line(text: str, limit: int = 300) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
 def crash_step(event: Event) -> int:
@@ -371,9 +341,9 @@ def crash_summary(event: Event) -> str:
     """Return "ValueError: message (at file:line in fn)" for a crash event (its fields, else its reason)."""
     error, message = event.extra.get("error"), event.extra.get("message")
     if not isinstance(error, str) or not error:
-        return _one_line(event.reason) or "no reason recorded"
+        return one_line(event.reason) or "no reason recorded"
     location = event.extra.get("location")
-    text = f"{error}: {_one_line(str(message or ''))}".rstrip(": ")
+    text = f"{error}: {one_line(str(message or ''))}".rstrip(": ")
     return text + (f" (at {location})" if isinstance(location, str) and location else "")
 
 
@@ -400,15 +370,46 @@ def _stop_text(event: Event) -> str:
         f"Stopped at step {event.step:,}: {reason}"
 
 
+def stall_figures(run: RunData) -> dict[str, Any] | None:
+    """The run's stall (:func:`~.text.stall_parts`: its stop for one, guard.on_stall=stop, else its ``stall`` event), with
+    ``stopped`` and ``recovered``: the first logged step after it whose interval had a gradient (a finite grad norm above
+    0, at a loss scale of at least 1) when the last interval had one too, else None. None without a stall."""
+    stop = _final(run, "stop")
+    stopped = stop is not None and stall_parts(stop.reason) is not None
+    events = [stop] if stopped else run.counted_events("stall")
+    stall = stall_parts(events[-1].reason) if events else None
+    if stall is None:
+        return None
+    moving = [int(r["step"]) for r in run.metrics if r["step"] > stall["step"] and isinstance(r.get("grad_norm"), float)
+              and 0 < r["grad_norm"] < math.inf and r.get("loss_scale", 1.0) >= 1.0]
+    last = max((int(r["step"]) for r in run.metrics), default=0)
+    return {**stall, "stopped": stopped, "recovered": moving[0] if last in moving else None}
+
+
+def _stall(run: RunData, h: Health) -> None:
+    """A stall that guard.on_stall=warn trained on through: since when, what the guard saw, what to do (a stop for one:
+    :func:`_progress`)."""
+    s = h.figures["stall"] = stall_figures(run)
+    if s is None or s["stopped"]:
+        return
+    if s["recovered"] is not None:
+        h.say("warn", f"Stalled from step {s['since']:,} (at step {s['step']:,}, {s['what']}); gradients reached the "
+                      f"parameters again by step {s['recovered']:,} (guard.on_stall=warn trained on).")
+    else:
+        h.say("bad", f"Stalled since step {s['since']:,}, and trained on stalled to step {h.figures['last_step']:,} "
+                     f"(guard.on_stall=warn): at step {s['step']:,}, {s['what']}. Try {s['advice']}; guard.on_stall=stop "
+                     "stops such a run at once.")
+
+
 def _progress(run: RunData, h: Health) -> None:
     f = h.figures
     steps = [int(r["step"]) for r in run.metrics] or [e.step for e in run.events] or [0]
     f["last_step"] = max(steps)
     f["max_steps"] = run.cfg("train.max_steps")
     stop = _final(run, "stop")
-    if stop is not None:
+    if stop is not None:  # a stall stop (guard.on_stall=stop): a run that was not learning, stopped without learning
         f["stop"] = {"step": stop.step, "reason": stop.reason}
-        h.say("warn", _stop_text(stop) + ".")
+        h.say("bad" if stall_parts(stop.reason) else "warn", _stop_text(stop) + ".")
     elif "crash" in f:
         if not run.metrics:
             h.say("warn", "No metrics were logged before the crash.")
@@ -425,7 +426,6 @@ def _progress(run: RunData, h: Health) -> None:
         h.say("ok", f"Logged up to step {f['last_step']:,}.")
 
 
-#: Interval means the headline's robust figure looks at, at each end of the run.
 def _restarts(run: RunData, h: Health) -> None:
     """The restarts the run made by itself (``run.max_restarts``): how many, after which deaths, from where."""
     from ..distributed.launch import describe_exit

@@ -2,7 +2,7 @@
 
 An interval's mean is the headline's figure at each end unless a few large losses (a spike) lifted it; then the
 median of the end intervals' means, and the words saying so. A run that got worse since its best interval says how
-far. Then the validation loss's trend.
+far; a run that stalled (no gradient reached the parameters), since when. Then the validation loss's trend.
 """
 
 from __future__ import annotations
@@ -50,6 +50,11 @@ def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
             level = "warn"
             text += (f"; it rose x{f['loss_end'] / best:.3g} from its best interval's mean, {fmt_num(best)} at step "
                      f"{best_step:,}")
+    stall = f.get("stall")  # (health's, said above it): an end loss the parameters stopped moving at is not learning's
+    if rows and stall and stall["recovered"] is None:
+        level = "warn"
+        since = "on any step" if stall["since"] <= rows[0][0] - rows[0][1] + 1 else f"from step {stall['since']:,} on"
+        text += f"; no gradient reached the parameters {since} (stalled, above)"
     steps, vals = run.series("val_loss")
     val = [(s, v) for s, v in zip(steps, vals) if math.isfinite(v)]
     if val:

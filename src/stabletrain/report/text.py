@@ -1,11 +1,15 @@
-"""Plain-text formatting shared by the report pages: numbers, percentages, step ranges."""
+"""Plain-text formatting shared by the report pages: numbers, percentages, step ranges, the parts of
+an event's reason."""
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
+from typing import Any
 
-__all__ = ["fmt_num", "fmt_pct", "step_ranges", "fmt_ranges", "plural"]
+__all__ = ["fmt_num", "fmt_pct", "step_ranges", "fmt_ranges", "plural", "first_clause", "one_line", "skip_reason", "skip_places",
+           "stall_parts"]
 
 
 #: Floats from here on are written in scientific notation by :func:`fmt_num`.
@@ -65,3 +69,53 @@ def fmt_ranges(steps: Iterable[int], limit: int = 8) -> str:
 def plural(n: int, word: str, words: str | None = None) -> str:
     """Return "1 step" / "2 steps"."""
     return f"{n:,} {word if n == 1 else (words or word + 's')}"
+
+
+def first_clause(text: str) -> str:
+    """``text`` up to its first ``"; "`` outside parentheses (a clause's own aside keeps its brackets closed)."""
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += (ch == "(") - (ch == ")")
+        if depth <= 0 and text.startswith("; ", i):
+            return text[:i]
+    return text
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    """The first line of ``text``, cut to ``limit`` characters with "…" ("" for blank text)."""
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+#: A stall as :meth:`~stabletrain.policies.stall.StallWatch.stalled` words it: its step, what the guard saw, what to try.
+STALL = re.compile(r"the run is stalled at step (\d+): (.*): (no gradient reached the parameters(?: measurably)?) "
+                   r"\(guard\.stall_steps=(\d+)\)\. Try (.*?); guard\.on_stall=warn trains on")
+
+
+def stall_parts(reason: str | None) -> dict[str, Any] | None:
+    """A stall guard's reason (a ``stall`` event's, a stop's) in parts: ``step`` (where the guard saw it), ``since`` (the
+    first step of the ``guard.stall_steps`` it looked at), ``what`` it saw, its ``gist`` (to the first colon: the steps,
+    the loss scale) and ``advice`` (what to try); None for any other reason."""
+    found = STALL.search(reason or "")
+    if found is None:
+        return None
+    step = int(found[1])
+    return {"step": step, "since": max(step - int(found[4]) + 1, 1), "what": f"{found[2]}: {found[3]}",
+            "gist": found[2].split(": ")[0], "advice": found[5]}
+
+
+def skip_reason(reason: str | None) -> str:
+    """A skip event's reason, from what follows "skipped: " ("fp16 overflow ...")."""
+    reason = reason or "no reason given"
+    return reason.split("skipped: ", 1)[1] if "skipped: " in reason else reason
+
+
+def skip_places(events: Iterable[Any]) -> str:
+    """ " at 812-813 (fp16 overflow); at 900 (loss spike ...)": skip events' steps, grouped by reason ("" for none)."""
+    by_reason: dict[str, list[int]] = {}
+    for e in events:
+        by_reason.setdefault(skip_reason(e.reason), []).append(e.step)
+    # "at 812-813 (fp16 overflow)"; a reason with its own parentheses follows a colon instead
+    parts = [f"at {fmt_ranges(steps)}" + (f": {reason}" if "(" in reason else f" ({reason})")
+             for reason, steps in by_reason.items()]
+    return " " + "; ".join(parts) if parts else ""
