@@ -241,7 +241,7 @@ def test_report_of_a_run_in_progress(real_run, tmp_path):
     assert "No metrics logged yet" in page and "data:image/png" not in page
 
 
-def test_malformed_lines_are_reported_with_file_and_line_never_raised(run_copy):
+def test_malformed_lines_are_reported_with_file_and_line_never_raised(run_copy, capsys):
     with open(run_copy / "metrics.jsonl", "a", encoding="utf-8") as fh:
         fh.write("{not json\n[1, 2]\n")
         fh.write(json.dumps({"step": "late", "loss": 1.0}) + "\n")
@@ -264,6 +264,13 @@ def test_malformed_lines_are_reported_with_file_and_line_never_raised(run_copy):
     run = load_run(run_copy)
     assert run.metrics[-1]["step"] == 45 and "loss" not in run.metrics[-1]  # the good values of the line are kept
     assert all(f'id="plot-{n}"' in page for n in RUN_PLOT_NAMES if n not in ("other_metrics", "loss_scale"))
+    from stabletrain.cli import main  # the console's summary says so too (it was on the page only)
+
+    capsys.readouterr()
+    assert main(["report", str(run_copy)]) == 0
+    said = capsys.readouterr().err
+    assert said.startswith("stabletrain: warning: the run's files have 8 unreadable parts, left out of the summary: "
+                           f"{run_copy / 'config.yaml'}:3: malformed YAML") and "and 7 more (the page lists them" in said
 
 
 def test_unknown_numeric_metric_keys_get_their_own_plot(run_copy):

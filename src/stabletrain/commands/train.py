@@ -159,7 +159,12 @@ def write_report(run_dir: Path) -> None:
     from ..report.goodput import read_goodput
 
     console.say(f"report written to {write_report(run_dir)}")
-    print(health_summary(load_run(run_dir)).text)
+    run = load_run(run_dir)
+    if run.problems:  # (listed on the page only: a console reader took the summary for whole)
+        more = f" and {len(run.problems) - 1} more" if len(run.problems) > 1 else ""
+        console.warn(f"the run's files have {len(run.problems)} unreadable part{'s' * (len(run.problems) > 1)}, left out "
+                     f"of the summary: {run.problems[0]}{more} (the page lists them under 'Data problems')")
+    print(health_summary(run).text)
     goodput = read_goodput(run_dir)
     if goodput is not None:
         note = goodput.short_note()  # (a 4 s run's "goodput 1.6%" alarmed: said why)
