@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import json
 
+import torch
 from helpers import cfg
 from spike_tasks import lr_jump_task
 
 from stabletrain import Trainer
 from stabletrain.diagnostics.spike import classify_spike
+from stabletrain.records.snapshot import IntervalSnapshot
+from stabletrain.services.capture import IncidentCapture
 
 RUN = ("train.batch_size=16", "log.every=10", "sched.warmup_steps=5", "sched.decay=constant")
 
@@ -49,7 +52,7 @@ def test_a_divergence_under_skip_names_its_step_growth_and_labels_the_rules_medi
     capture at step 71 has no ordinary window and only step 0's weights. It read 'ordinary windows are at 0.2158 under
     this one (vs 0.2158)' (the rule's median for both, unsaid) and 'the LR rose x5 since step 0' (the warmup) while the
     x60 in the optimizer that steps 59 and 61 named was gone: now the median is labelled, the LR is the run's at step 50,
-    and the spike's own step says how far the optimizer's steps grew."""
+    and the spike's own step says how far the optimizer's steps grew (the older state is step 50's now: see below)."""
     run_dir = tmp_path / "run"
     Trainer(cfg(*RUN, "train.max_steps=80", "guard.on_spike=skip"), task=lr_jump_task(in_state=True),
             run_dir=run_dir).fit()
@@ -61,7 +64,8 @@ def test_a_divergence_under_skip_names_its_step_growth_and_labels_the_rules_medi
             ) in d["evidence"], d["evidence"]
     assert "the rule's median, the run's level before it, stands for ordinary windows under this state (0.2158)" in (
         d["evidence"])
-    assert d["steps"]["own"] is True and d["older"]["lr"]["since"] == 50
+    # (the older state is step 50's own now, held from before the flagged steps: its LR is step 50's, no record's since)
+    assert d["steps"]["own"] is True and d["older"]["step"] == 50 and d["older"]["lr"] == {"then": 0.05, "now": 0.05}
     # with ordinary windows at hand (step 59's capture) the growth is measured on them, as before
     assert "update/weight 0.4 on ordinary windows under this state" in _diagnosis(run_dir, 59)["evidence"]
 
@@ -128,3 +132,59 @@ def test_a_window_under_the_rules_ratio_of_unsettled_ordinary_windows_is_not_cal
     assert "no higher" not in out["evidence"], out["evidence"]
     assert ("the window is not x2 (guard.spike_ratio) above ordinary windows under the state of step 50 (5.079 vs 3.763, "
             "themselves a spike by the guard's rule there)") in out["evidence"], out["evidence"]
+
+
+def test_a_divergence_under_skip_is_weighed_under_the_state_from_before_its_flagged_steps(tmp_path):
+    """A user's run (guard.on_spike=skip, the divergence from step 56): by step 71 every update since step 58 was skipped,
+    so the interval's starts at steps 60 and 70 are the spike's own state. Its older state was step 0's untrained
+    checkpoint ('the window's loss is 0.3913 under the state of step 0, with no ordinary window at hand'); now it is the
+    snapshot of step 50, held from the interval in which the flagged steps began: the window is normal there."""
+    run_dir = tmp_path / "run"
+    Trainer(cfg(*RUN, "train.max_steps=100", "guard.on_spike=skip"), task=lr_jump_task(in_state=True),
+            run_dir=run_dir).fit()
+    d = _diagnosis(run_dir, 71)
+    older = d["older"]
+    assert d["reproduces"] and d["failure_class"] == "state", d["summary"]
+    assert (older["step"], older["from"], older["ordinary_from"], older["window_high"]) == (50, "snapshot", "median", False)
+    assert "the window is normal under the state of step 50 (0.2027 vs 0.2158, the rule's median" in d["evidence"], (
+        d["evidence"])
+    assert "step 0" not in d["evidence"], d["evidence"]
+
+
+def test_a_run_without_flagged_steps_holds_no_snapshot(tmp_path, monkeypatch):
+    """The snapshot from before a run of flagged steps costs a healthy run nothing: no boundary holds one."""
+    held = []
+    monkeypatch.setattr(IntervalSnapshot, "hold", lambda self: held.append(self.step))
+    trainer = Trainer(cfg(*RUN, "train.max_steps=40"), task=lr_jump_task(at=1000), run_dir=tmp_path / "run")
+    trainer.fit()
+    assert trainer.state.guard.num_spikes == 0 and held == [] and trainer.recorder.engine.snapshot.held is None
+
+
+def test_the_snapshot_before_a_run_of_flagged_steps_is_held_while_it_lasts():
+    """Held at the boundary that ends the interval in which the run began, kept bitwise while the next snapshots take
+    their turns (one more state in host memory), let go at the first boundary whose step is not flagged."""
+    capture = IncidentCapture(source=None)
+    snap = capture.snapshot
+    snap.keep_previous = True  # (the recorder sets both where the host's memory budget allows two and three states)
+    snap.may_hold = True
+
+    def take(step: int) -> None:
+        snap.clear()
+        snap.take(None, {"w": torch.full((4,), float(step))}, step)
+
+    take(50)
+    capture._hold_before_run(50, [])  # nothing flagged: nothing held, no buffer more
+    assert snap.held is None and snap.num_bytes == 16
+    capture._hold_before_run(60, [56, 57, 59, 60])  # the run since step 59 began after step 50's snapshot
+    take(60)
+    capture._hold_before_run(70, [56, 57, *range(59, 71)])  # it goes on: the same one stays held
+    for step in (70, 80):
+        take(step)
+    assert snap.get_held()[2] == 50 and torch.equal(snap.get_held()[1]["w"], torch.full((4,), 50.0))
+    assert snap.num_bytes == 3 * 16  # the snapshot, the one before it, the held one
+    capture._hold_before_run(90, [*range(59, 85)])  # step 90 was not flagged: the run ended
+    assert snap.held is None and snap.num_bytes == 2 * 16
+    snap.may_hold = False  # a host whose memory budget holds two states, not three: nothing is held
+    take(100)
+    capture._hold_before_run(110, [*range(101, 111)])
+    assert snap.held is None and snap.num_bytes == 2 * 16

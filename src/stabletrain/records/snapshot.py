@@ -27,7 +27,8 @@ class IntervalSnapshot:
     no host sync). Under DDP it is the same on every rank: ``share=(rank, world)`` copies this rank's share
     (:meth:`StateStager.stage`), and the capture completes it with one broadcast per tensor. ``rest``: what
     a forward may change too (buffers, counters, RNG; small), on the compute stream. ``num_bytes``: the
-    host memory it holds.
+    host memory it holds. While a run of flagged steps goes on, the snapshot from before it may be :meth:`hold`-ed
+    (one more state in host memory, no copy: the next snapshots stage into new buffers) until :meth:`release`.
     """
 
     def __init__(self, keep_previous: bool = False) -> None:
@@ -37,6 +38,9 @@ class IntervalSnapshot:
         self.keep_previous = keep_previous
         self.previous: tuple[Any, Any, int, list[Any]] | None = None
         self._spare = (StateStager(), StateStager())  # the previous snapshot's stagers (keep_previous)
+        self.held: tuple[Any, Any, int, list[Any]] | None = None  # a snapshot from before a run of flagged steps (hold)
+        self.may_hold = False  # a third state fits the host's memory budget (set by the incident recorder)
+        self._held: tuple[StateStager, ...] = ()  # its stagers, out of the rotation while it is held
         self._stream: Any = None  # the side stream (CUDA)
         self._events: list[Any] = []  # CUDA events the side part's copies complete at
         self._rest_events: list[Any] = []
@@ -49,7 +53,7 @@ class IntervalSnapshot:
 
     @property
     def num_bytes(self) -> int:
-        return sum(stager.num_bytes for stager in (self._side, self._rest, *self._spare))
+        return sum(stager.num_bytes for stager in (self._side, self._rest, *self._spare, *self._held))
 
     @property
     def taken(self) -> bool:
@@ -105,6 +109,27 @@ class IntervalSnapshot:
             self.previous = None
         self.side = self.rest = self.step = self.share = None
         self._events, self._rest_events = [], []
+
+    def hold(self) -> None:
+        """Keep this snapshot as :attr:`held` until :meth:`release` (any held before is released): its buffers leave the
+        rotation and the next snapshot stages into new ones, one more state in host memory. One process only (no share)."""
+        self.release()
+        if self.taken and self.share is None:
+            self.held = (self.side, self.rest, self.step, [*self._events, *self._rest_events])
+            self._held, (self._side, self._rest) = (self._side, self._rest), (StateStager(), StateStager())
+
+    def release(self) -> None:
+        """Let go of the :attr:`held` snapshot and its buffers (nothing held: nothing to do)."""
+        self.held, self._held = None, ()
+
+    def get_held(self) -> tuple[Any, Any, int] | None:
+        """(side, rest, step) of the :attr:`held` snapshot, its copies complete; or None."""
+        if self.held is None:
+            return None
+        side, rest, step, events = self.held
+        for event in events:
+            event.synchronize()
+        return side, rest, step
 
     def get_previous(self) -> tuple[Any, Any, int] | None:
         """(side, rest, step) of the snapshot before this one (``keep_previous``), its copies complete; or None."""

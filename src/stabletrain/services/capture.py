@@ -165,6 +165,7 @@ class IncidentCapture:
         #: theirs coming back, however many spikes came in between.
         self.spiked_samples: dict[int, int] = {}
         self.start_lrs: list[float] | None = None  # the lrs the snapshot's step ran at, where the optimizer's are the next's
+        self.held_lrs: list[float] | None = None  # the same for the snapshot held before a run of flagged steps
         self.history: list[dict[str, Any]] = []  # interval records of the launches before a resume (:meth:`remember`)
 
     def remember(self, history: list[dict[str, Any]], spikes: list[dict[str, Any]], applied: bool) -> None:
@@ -188,13 +189,16 @@ class IncidentCapture:
 
     # -- per interval ------------------------------------------------------------------------------
 
-    def mark_interval_start(self, step: int, enabled: bool) -> None:
+    def mark_interval_start(self, step: int, enabled: bool, flagged: Collection[int] = ()) -> None:
         """A new interval starts after ``step``: stage the state into the snapshot's host buffers (``enabled``).
 
         On CUDA the copies are queued (pinned, non-blocking; the parameters and optimizer state on a side
         stream) and waited for only by a capture; on CPU it is one copy of the state per interval (under DDP,
-        of this rank's share of what every rank holds).
+        of this rank's share of what every rank holds). ``flagged``: the steps the guard flagged lately
+        (``guard.unordinary``): while a run of them goes on past ``step``, the snapshot from before it is held
+        (:meth:`_hold_before_run`).
         """
+        self._hold_before_run(step, flagged)  # (before interval_started: start_lrs are still the snapshot's)
         # What the next replays need: the steps after the snapshot they start from (this one; the one before it too,
         # kept where twice the snapshot fits) and the MAX_CONTEXT steps before it (a spike's ordinary windows).
         oldest = self.snapshot.step if self.snapshot.keep_previous and self.snapshot.taken else step
@@ -206,6 +210,30 @@ class IncidentCapture:
             src = self.source
             side, rest, share = src.strategy.snapshot_parts(src.live_state(), src.module)
             self.snapshot.take(side, rest, step, share=share, optimizer=src.optimizer)
+
+    def _hold_before_run(self, step: int, flagged: Collection[int]) -> None:
+        """Hold the last snapshot taken before the run of flagged steps that ``step`` ends, while it goes on; let go of it
+        once a boundary's step is not flagged (the run ended, or a rollback went back before it).
+
+        Under guard.on_spike=skip every step of a divergence may be flagged and skipped: the interval's start (and the one
+        before it) is then the spike's own state, and the snapshot from before the run is the trained state a spike's
+        window is weighed under (:meth:`_spike_parts`), not the untrained step 0's checkpoint. One process, where thrice
+        the snapshot fits the memory budget (``may_hold``): one more state in host memory while the run lasts; a run
+        without flagged steps holds nothing.
+        """
+        snap = self.snapshot
+        if step not in flagged:
+            snap.release()
+            return
+        flagged = set(flagged)
+        since = step  # the run's first step
+        while since - 1 in flagged:
+            since -= 1
+        if snap.may_hold and snap.taken and snap.step < since:  # the run began in the interval just ended
+            snap.hold()
+            self.held_lrs = self.start_lrs
+        elif snap.held is not None and snap.held[2] >= since:  # (held from after the run began: a rollback)
+            snap.release()
 
     @property
     def state(self) -> dict[str, Any] | None:
@@ -377,7 +405,8 @@ class IncidentCapture:
                      info: dict[str, Any], *, first: bool) -> None:
         """Add what a spike's counterfactual replays need to ``bundle``: the rule's window, the run's last interval
         records (step, LR, update/weight ratio), an earlier spike it may be the aftershock of, and the older state (the
-        interval's start, else an older checkpoint: ``first``, rank 0's bundle, looks one up) with its LR."""
+        interval's start; where the run skipped every update since, the snapshot from before its run of flagged steps;
+        else an older checkpoint: ``first``, rank 0's bundle, looks one up) with its LR."""
         src = self.source
         bundle["observed"].update(anomaly="spike", spike_window=list(info.get("spike_window") or []),
                                   history=[[r["step"], r.get("lr"), r.get("update_ratio")] for r in [*self.history, *fit.history]
@@ -394,17 +423,33 @@ class IncidentCapture:
         if bundle.get("previous") is not None and equal_states(bundle["previous"]["model"], now):
             bundle["previous"] = None
         older = src.strategy.one_process_model(start[0]["model"]) if start[1] < step - 1 else None
-        if older is not None and equal_states(older, now):
-            older = None
         ran = start[0].get("optimizer")  # the lrs its last step ran at; a host's scheduler may have stepped on since:
         if self.start_lrs is not None and self.snapshot.taken and start[1] == self.snapshot.step:  # the source's word
             ran = {"param_groups": [{"lr": lr} for lr in self.start_lrs]} if self.start_lrs else None  # ([]: unknown)
-        reference = {"step": start[1], "model": older, "optimizer": lr_groups(ran)} if older is not None else None
+        at = start[1]
+        if older is not None and equal_states(older, now):  # the run skipped every update since: its steps were flagged
+            older, at, ran = self._before_run(start[1], now)
+        reference = {"step": at, "model": older, "optimizer": lr_groups(ran)} if older is not None else None
         if reference is None and first and fit.dist.is_main and now is not None and not is_dcp_entry(now):
             found = src.reference_state(fit, start[1] if start[1] < step - 1 else step - 1, now)
             reference = ({"step": found[1], "model": found[0], "optimizer": lr_groups(found[2]), "from": "checkpoint"}
                          if found else None)
         bundle["reference"] = reference
+
+    def _before_run(self, before: int, now: Any) -> tuple[Any, int, Any]:
+        """(model, step, optimizer lrs) of the snapshot held from before the run of flagged steps
+        (:meth:`_hold_before_run`), where it is older than step ``before`` and its model unlike ``now``; else (None, ...)."""
+        held = self.snapshot.get_held()
+        if held is None or held[2] >= before or now is None:
+            return None, before, None
+        state = join_params(*held[:2])
+        model = self.source.strategy.one_process_model(state["model"])
+        if model is None or equal_states(model, now):
+            return None, before, None
+        ran = state.get("optimizer")
+        if self.held_lrs is not None:  # the source's word (see start_lrs)
+            ran = {"param_groups": [{"lr": lr} for lr in self.held_lrs]} if self.held_lrs else None
+        return model, held[2], ran
 
     def _replay(self, fit: RunState, step: int, start: tuple[dict[str, Any], int], info: dict[str, Any], rows: list[Any],
                 spike: bool) -> tuple[tuple[dict[str, Any], int], dict[str, Any] | None]:

@@ -248,8 +248,10 @@ class IncidentRecorder:
             self._enabled = bool(capture.memory_snapshot)
         if self._enabled and capture.spikes and not state.dist.enabled:  # one process, twice the bytes fit: a spike on
             # its interval's first step replays from the snapshot before (IncidentCapture._replay)
-            self.engine.snapshot.keep_previous = snapshot_fits(2 * self._snapshot_bytes(),
-                                                               capture.snapshot_memory_fraction)[0]
+            one = self._snapshot_bytes()
+            self.engine.snapshot.keep_previous = snapshot_fits(2 * one, capture.snapshot_memory_fraction)[0]
+            # and thrice: the snapshot from before a run of flagged steps is held while it goes on (IncidentCapture)
+            self.engine.snapshot.may_hold = snapshot_fits(3 * one, capture.snapshot_memory_fraction)[0]
 
     def _snapshot_bytes(self) -> int:
         """The bytes one interval snapshot of this process takes (the strategy's count)."""
@@ -277,7 +279,8 @@ class IncidentRecorder:
         state = self.state
         capture = state.cfg.capture
         self.engine.mark_interval_start(state.step, bool(capture.incidents and capture.memory_snapshot
-                                                         and state.ckpt is not None and self._enabled))
+                                                         and state.ckpt is not None and self._enabled),
+                                        state.guard.unordinary if state.guard is not None else ())
 
     def capture(self, state: RunState, info: dict[str, Any], rows: list[Any] = ()) -> dict[str, Any]:
         """Capture ``info["step"]`` (:meth:`IncidentCapture.capture`): every rank calls it; rank 0 writes."""
