@@ -866,6 +866,13 @@ def test_without_an_older_state_a_window_reaching_rarely_trained_coordinates_is_
     assert "ordinary windows are normal under this state (0.61)" in plain["evidence"]
     drifted = classify_spike({**m, "surges": [surge], "ordinary_now": {"loss": 5.0, "spike": True}})
     assert drifted["failure_class"] == "state" and drifted["blamed_layer"] is None  # the whole state is off: no layer
+    # A whole batch of bad labels on an interval's first step (HF): every sample a spike by the rule alone. Its large
+    # gradients reach coordinates with a small sqrt(v) too; that named 'optimizer-state' (remedy found no cure).
+    outlier = classify_spike({**m, "surges": [{**surge, "coord_factor": 5.82}], "spread": 1.0})
+    assert outlier["failure_class"] == "state" and outlier["blamed_layer"] is None, outlier
+    assert "the window itself may carry it (100% of its samples are a spike by the rule alone: an outlier batch)" in \
+        outlier["evidence"]
+    assert classify_spike({**m, "surges": [surge], "spread": 0.125})["failure_class"] == "optimizer-state"  # a few
 
 
 def test_a_spike_rollback_also_drops_the_samples_its_diagnosis_named(tmp_path):

@@ -335,7 +335,8 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
     samples_rows, m["samples"], m["samples_note"] = (
         _samples(bench, spike, rule, here.get("grads"), cfg.guard.spike_ratio, dropout=m["dropout"] is not None)
         if why is None and not (m["dropout"] or {}).get("made_by_draw") else ([], None, None))
-    samples_s = time.perf_counter() - start - replays_s
+    samples_s = time.perf_counter() - start - replays_s  # (spread: the share of samples a spike by the rule alone)
+    m["spread"] = sum(rule(r["loss_sum"] / (r["count"] or 1))["spike"] for r in samples_rows) / max(len(samples_rows), 1)
     ordinary_steps = [bench.step(c) for c in context]
     ordinary = _typical(ordinary_steps) if context else None
     m["steps"] = _step_sizes(observed.get("history") or [], ordinary_steps or [here], not ordinary_steps) if why is None else None

@@ -98,10 +98,8 @@ def adam_surges(named_params: list[tuple[str, torch.nn.Parameter]], optimizer: t
 def surge_rows(masks: dict[str, tuple[torch.Tensor, float]], moved: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
     """Per parameter with surging coordinates: their share, and how far they moved against the parameter's others.
 
-    ``moved``: name -> |theta_after - theta_before| of the step. Returns ``[{"name", "numel", "surge_share",
-    "coord_factor", "typical_sqrt_v"}, ...]`` where coord_factor = mean move of the surging coordinates / mean move
-    of the rest.
-    """
+    ``moved``: name -> |theta_after - theta_before| of the step. Returns ``[{"name", "numel", "surge_share", "coord_factor",
+    "typical_sqrt_v"}, ...]`` where coord_factor = mean move of the surging coordinates / mean move of the rest."""
     rows = []
     for name, (mask, typical) in masks.items():
         n, k = mask.numel(), int(mask.sum())
@@ -110,10 +108,9 @@ def surge_rows(masks: dict[str, tuple[torch.Tensor, float]], moved: dict[str, to
         d = moved[name].detach().float().to(mask.device)
         rest = d[~mask]
         base, surging = (float(rest.mean()) if rest.numel() else 0.0), float(d[mask].mean())
-        if not (math.isfinite(surging) and surging > 0):  # nothing moved (a skipped step: an fp16 overflow): no surge
-            continue
-        rows.append({"name": name, "numel": n, "surge_share": k / n, "typical_sqrt_v": typical,
-                     "coord_factor": surging / base if base > 0 else float("inf")})
+        if math.isfinite(surging) and surging > 0:  # (nothing moved: a skipped step, an fp16 overflow: no surge)
+            rows.append({"name": name, "numel": n, "surge_share": k / n, "typical_sqrt_v": typical,
+                         "coord_factor": surging / base if base > 0 else float("inf")})
     return rows
 
 
@@ -363,8 +360,10 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
         drift = (f"; no older state to weigh the window against, and no few samples carry most of it (the "
                  f"{len(samples['indices'])} largest: {_pct(samples['share'])})")
     elif older is None and now is not None:
+        spread = m.get("spread") or 0.0  # (most samples a spike alone: the batch, not a few rarely trained coordinates)
         drift = (f"; ordinary windows are normal under this state ({now['loss']:.4g}) and no older state is at hand to "
-                 "weigh the window against (the spike opens its log interval): the window itself may carry it")
+                 "weigh the window against (the spike opens its log interval): the window itself may carry it"
+                 + (f" ({_pct(spread)} of its samples are a spike by the rule alone: an outlier batch)" if spread >= 0.5 else ""))
     elif older is not None and older.get("no_context"):  # (no ordinary window measured under either state)
         window = (f"the window is normal under the state of step {older['step']} ({_against(older)})" if weighed else
                   f"the window's loss is {older['window']:.4g} under the state of step {older['step']}, with no ordinary "
@@ -401,7 +400,7 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
                              f"{blamed['name']}'s coordinates got a gradient past {SURGE_FACTOR:g}x sqrt(v) after tiny "
                              f"gradients and moved x{blamed['coord_factor']:.3g} as far as its others" + drift)}
     own = (_surging_layer([r for r in m.get("surges") or [] if r.get("step") == m.get("step")])
-           if older is None and now is not None and not drifted else None)
+           if older is None and now is not None and not drifted and (m.get("spread") or 0.0) < 0.5 else None)
     if own is not None:  # no update before it was replayed: the window's own reach into rarely trained coordinates
         out["blamed_layer"] = own["name"]
         return {**out, "failure_class": "optimizer-state",
