@@ -720,6 +720,23 @@ def test_a_few_huge_losses_do_not_make_the_loss_headline_read_as_a_run_that_got_
     assert h.figures["loss_start"] == 5.1 and "(first → last interval)" in text
 
 
+def test_a_short_runs_end_without_its_spike_steps_own_losses_not_a_median_reaching_back_to_the_start(tmp_path):
+    """Three intervals (a Monitor run of 30 steps, 3 samples x100 at step 27): the median of the last 3 intervals' means
+    was the first's: 'Train loss 10.39 -> 10.39; it rose x2.51 from its best interval's mean' for a loss that fell."""
+    run = tmp_path / "late"
+    run.mkdir()
+    (run / "config.yaml").write_text("guard:\n  spike_ratio: 2.0\n")
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": 10 * (i + 1), "interval_steps": 10, "loss": m,
+                                                           "loss_min": lo}) + "\n"
+                                               for i, (m, lo) in enumerate([(10.39, 3.2), (4.143, 1.9), (1328.0, 0.224)])))
+    (run / "events.jsonl").write_text(json.dumps({"step": 27, "kind": "spike", "reason": "loss spike", "loss": 13270.0}) + "\n")
+    h = health_summary(load_run(run))
+    text = next(t for _, t in h.sentences if t.startswith("Train loss"))
+    assert h.figures["loss_end"] == pytest.approx((13280.0 - 13270.0) / 9)
+    assert text.startswith("Train loss 10.39 → 1.111 (first interval → last interval without its spike step: the last "
+                           "interval's mean, 1,328, is lifted by a loss spike at step 27)") and "rose" not in text, text
+
+
 def test_a_real_run_with_a_huge_loss_heads_with_its_typical_loss(tmp_path):
     # Step 38 of a real 40-step run has its loss x 1e4 (a spike by the guard's rule): the last interval's mean is
     # ~1e3 times the others', while its other steps are as typical as theirs.

@@ -29,11 +29,13 @@ def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
     text = ""
     if rows:
         f["loss_first"], f["loss_last"] = rows[0][2], rows[-1][2]  # the interval means, as metrics.jsonl has them
-        spikes = sorted({e.step for e in run.counted_events("spike")})
+        events = run.counted_events("spike")
+        spikes = sorted({e.step for e in events})
+        own = {e.step: float(e.extra["loss"]) for e in events if isinstance(e.extra.get("loss"), (int, float))}
         ratio = run.cfg("guard.spike_ratio", 2.0)
         ratio = float(ratio) if isinstance(ratio, (int, float)) and ratio > 1 else 2.0
-        (f["loss_start"], start), (f["loss_end"], end) = (_robust_end(rows, spikes, ratio, "first"),
-                                                          _robust_end(rows[::-1], spikes, ratio, "last"))
+        (f["loss_start"], start), (f["loss_end"], end) = (_robust_end(rows, spikes, ratio, "first", own),
+                                                          _robust_end(rows[::-1], spikes, ratio, "last", own))
         text = f"Train loss {fmt_num(f['loss_start'])} → {fmt_num(f['loss_end'])}"
         if len(rows) == 1:  # one interval: no "X → X"
             text = f"Train loss {fmt_num(f['loss_start'])} (one interval)" + (
@@ -73,7 +75,8 @@ def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
         h.say(level, text + ".")
 
 
-def _robust_end(rows: list[tuple], spikes: list[int], ratio: float, end: str) -> tuple[float, str | None]:
+def _robust_end(rows: list[tuple], spikes: list[int], ratio: float, end: str,
+                own: dict[int, float] | None = None) -> tuple[float, str | None]:
     """The loss at one end of the run: its end interval's mean, unless a few large losses made that mean and not the
     interval's typical loss; then the median of the :data:`LOSS_ENDS` end intervals' means (of those without a spike
     event when spikes lift most of them: spikes that recur every epoch), and the words saying so.
@@ -82,7 +85,10 @@ def _robust_end(rows: list[tuple], spikes: list[int], ratio: float, end: str) ->
     (the guard's spike ratio) while its smallest loss is not (most of its steps are typical). A run whose loss is
     still falling fast at the start, or that diverges at the end, has its smallest losses high too (or spike events on
     half its steps or more): its mean stands.
-    ``rows`` are (step, interval steps, mean loss, smallest loss) from that end inward.
+    ``rows`` are (step, interval steps, mean loss, smallest loss) from that end inward. A run of fewer than 6
+    intervals has no end intervals of its own to take a median of (it reached back to the other end: "10.39 → 10.39,
+    rose x2.51" for a loss that fell): the end interval's mean without its spike steps' own losses (``own``: the spike
+    events'), where each is known.
     """
     step, width, mean, low = rows[0]
     ends = min(LOSS_ENDS, max(3, len(rows) // 2))  # a short run: the two ends share as few intervals as they can
@@ -94,6 +100,9 @@ def _robust_end(rows: list[tuple], spikes: list[int], ratio: float, end: str) ->
     spiky = ((inside or mean > ratio * median) and low <= ratio * median and 2 * inside < width)
     if not spiky:
         return mean, None
+    mine = [own.get(s) for s in spikes if step - width < s <= step] if own else []
+    if len(rows) < 6 and mine and None not in mine and width > len(mine):
+        return (mean * width - sum(mine)) / (width - len(mine)), f"{end} interval without its spike step{'s' * (len(mine) > 1)}"
     if len(near) < 3:  # too few intervals for a typical value: the mean stands, and the words say what lifted it
         return mean, f"{end} interval"
     quiet = [r[2] for r in rows[:ends] if not any(r[0] - r[1] < s <= r[0] for s in spikes)]
