@@ -317,6 +317,7 @@ def test_compare_two_real_runs(real_run, other_run, tmp_path, monkeypatch):
     assert "by samples seen" in page and "<script" not in page  # mlp's loss counts samples
     # The summary row states each run's skipped steps.
     assert re.search(r"<td class=\"\">skipped steps</td><td class=\"num\">2</td><td class=\"num\">0</td>", page)
+    assert "<td class=\"\">non-finite steps (fp16 overflows aside)</td>" in page  # (beside overflow incidents: "0")
     assert page.count(">finished</td>") == 2  # how each ended ("—" for a run that finished: read as unknown)
 
     custom = write_compare([real_run, other_run], out=tmp_path / "sub" / "ab.html")

@@ -180,7 +180,7 @@ def _summary(runs: Sequence[RunData], head: Sequence[str]) -> str:
         ("best val loss (step)", lambda f: f"{fmt_num(f['val_best'])} ({f['val_best_step']:,})" if "val_best" in f else "—"),
         ("clip rate", lambda f: fmt_pct(f["clip_rate"]) if "clip_rate" in f else "—"),
         ("skipped steps", lambda f: fmt_num(f.get("skipped_steps"))),
-        ("non-finite steps", lambda f: fmt_num(f.get("nonfinite_steps"))),
+        ("non-finite steps (fp16 overflows aside)", lambda f: fmt_num(f.get("nonfinite_steps"))),
         ("incidents", lambda f: fmt_num(len(f.get("incidents", []))) + (
             f" (+{len(f['incidents_undone'])} rolled back past)" if f.get("incidents_undone") else "")),
         ("median throughput", lambda f: f"{fmt_num(round(f['tokens_per_s_median']))} {f['count_unit']}/s"
