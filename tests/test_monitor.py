@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from integration_models import BAD_POSITION, BAD_STEP, Net, batches, loss_fn
+from integration_models import BAD_POSITION, BAD_STEP, Net, batches, loss_fn, outlier_pairs
 
 from stabletrain import Monitor, StopTraining
 from stabletrain.incident_replay import diagnose_incident
@@ -431,9 +431,11 @@ def test_a_monitor_with_its_defaults_leaves_the_loops_updates_as_without_it(tmp_
     assert [r["clip_rate"] for r in metrics] == [0.0, 0.0, 0.0] and max(r["grad_norm"] for r in metrics) > 1.0
 
 
-def test_the_kept_steps_do_not_pile_up_over_the_run(tmp_path):
+def test_the_kept_steps_do_not_pile_up_over_the_run(tmp_path, monkeypatch):
     """An adapter kept every step's batches for the whole run: past keep_max_mib (a long run) no capture could replay
-    any more. It keeps the interval's steps and the 3 before it (a spike's ordinary windows)."""
+    any more. It keeps the interval's steps and the 3 before it (a spike's ordinary windows), where one snapshot alone
+    fits the host's memory (where two do, the interval before's too: the next test)."""
+    monkeypatch.setattr("stabletrain.records.staging.host_memory_available", lambda: 0)
     model, opt = make()
     with Monitor(model, opt, run_dir=tmp_path / "run", log_every=5, loss_fn=loss_fn) as monitor:
         for i, batch in enumerate(batches(40)):
@@ -464,3 +466,53 @@ def test_your_own_clip_is_recorded_as_it_cut_and_the_report_says_so(tmp_path):
     html = write_report(tmp_path / "run").read_text()
     assert "Your own clipping fired on 100% of steps (20 of 20; threshold about 0.05, from the post-clip norms)" in html
     assert "Clipping is off" not in html
+
+
+def test_a_whole_window_outlier_on_its_intervals_first_step_is_data_under_the_snapshot_before(tmp_path, monkeypatch):
+    """Every sample of step 11 (the first of the interval from step 10) has a target x40 off. It opens its interval: no
+    step before it there, and it was "state ... not told apart". Where twice the snapshot fits the host's memory the
+    Monitor keeps the one before (step 5) and the batches since it, replays from there bitwise, and weighs the window
+    under step 5's state: data, the batch itself an outlier. Where only one fits it keeps neither."""
+    step = 11
+    x, y = outlier_pairs(15, step, range(8), 8)
+
+    def run(name, available):
+        monkeypatch.setattr("stabletrain.records.staging.host_memory_available", lambda: available)
+        model, opt = make()
+        with Monitor(model, opt, run_dir=tmp_path / name, log_every=5, loss_fn=loss_fn) as monitor:
+            for i in range(15):
+                train(monitor, model, [(x[8 * i:8 * i + 8], y[8 * i:8 * i + 8])])
+                assert len(monitor.session.steps.keeper.steps) <= 2 * 5 + 3, i
+        (incident,) = [e for e in read_jsonl(tmp_path / name / "events.jsonl")[0] if e["kind"] == "incident"]
+        folder = tmp_path / name / "incidents" / f"step_{step:06d}"
+        return monitor, incident, json.loads((folder / "diagnosis.json").read_text())
+
+    monitor, incident, full = run("twice", None)  # (None: the host's memory unknown, every snapshot fits)
+    snapshot = monitor.session.capture.snapshot
+    assert snapshot.keep_previous and incident["replayed_steps"] == 5
+    assert incident["diagnosis"]["failure_class"] == "data", incident["diagnosis"]["summary"]
+    assert full["older"]["step"] == 5 and "under the state of step 5" in full["summary"], full["summary"]
+    assert sorted(monitor.session.steps.keeper.steps) == list(range(8, 16))  # since the snapshot before (10), and 3 before
+    one = snapshot.num_bytes // 2
+    monitor, _, alone = run("once", 6 * one)  # capture.snapshot_memory_fraction=0.25 of it: one and a half snapshots
+    assert not monitor.session.capture.snapshot.keep_previous and monitor.session.capture.snapshot.num_bytes == one
+    assert sorted(monitor.session.steps.keeper.steps) == list(range(13, 16))
+    assert alone["older"] is None and alone["failure_class"] == "state", alone["summary"]
+    assert "no older state is at hand to weigh the window against" in alone["summary"]
+
+
+
+def test_the_interval_befores_kept_steps_go_first_where_keep_max_mib_is_reached():
+    """Kept for a replay from the snapshot before, the interval before's steps share keep_max_mib with the interval's
+    own: past it they go (that replay is then not possible), and the interval's own stay capturable."""
+    from stabletrain.services.kept_steps import StepKeeper
+
+    batch = (torch.zeros(8, 4), torch.zeros(8, 1))
+    keeper = StepKeeper(8 * (32 + 8) * 4)  # 8 steps' batches
+    for start in (0, 5, 10):  # interval_started after step `start`: what the snapshot before it needs stays
+        keeper.drop_through(start - 5 - 3, start)
+        keeper.spare_through = start - 3
+        for t in range(start + 1, start + 6):
+            keeper.keep(t, [batch], None, [], None)
+            assert keeper.overflow_at is None and keeper.nbytes <= keeper.max_bytes, t
+    assert sorted(keeper.steps) == [8, 9, 10, 11, 12, 13, 14, 15]  # 1, 2 went at step 9, 3..7 at 11; the 3 before 10 stay

@@ -167,6 +167,9 @@ class IncidentCapture:
         self.start_lrs: list[float] | None = None  # the lrs the snapshot's step ran at, where the optimizer's are the next's
         self.held_lrs: list[float] | None = None  # the same for the snapshot held before a run of flagged steps
         self.history: list[dict[str, Any]] = []  # interval records of the launches before a resume (:meth:`remember`)
+        # A source's wish to keep the snapshot before the interval's too (HostSteps.wants_previous), asked at the first
+        # interval start it snapshots (its optimizer's state is there, or estimated); the built-in loop's sets it itself.
+        self._wants_previous = getattr(source, "wants_previous", None)
 
     def remember(self, history: list[dict[str, Any]], spikes: list[dict[str, Any]], applied: bool) -> None:
         """On a resume, what the launches before knew: their last interval ``history`` records, and their captured
@@ -198,6 +201,8 @@ class IncidentCapture:
         (``guard.unordinary``): while a run of them goes on past ``step``, the snapshot from before it is held
         (:meth:`_hold_before_run`).
         """
+        if enabled and self._wants_previous is not None:
+            self.snapshot.keep_previous, self._wants_previous = bool(self._wants_previous()), None
         self._hold_before_run(step, flagged)  # (before interval_started: start_lrs are still the snapshot's)
         # What the next replays need: the steps after the snapshot they start from (this one; the one before it too,
         # kept where twice the snapshot fits) and the MAX_CONTEXT steps before it (a spike's ordinary windows).

@@ -21,9 +21,12 @@ So no update is held back: the run loses exactly its bad steps. The live state, 
 What it costs: the snapshot, once per interval, holds the model, the optimizer state and the loss scale in
 host memory; the kept batches hold one interval of the host's micro-batches in host memory, at most
 ``keep_max_mib`` (beyond that, the interval's incidents are recorded but not captured, and an event says
-so). A capture replays at most ``log_every - 1`` steps. Under DDP every rank replays together (the host's
-gradient all-reduce runs in the replay too); the rank that saw the bad value sends its step (batches, RNG)
-to rank 0, which writes the bundle and diagnoses it on one process.
+so). A capture replays at most ``log_every - 1`` steps. On one process, where twice the snapshot fits
+``capture.snapshot_memory_fraction`` (:meth:`HostSteps.wants_previous`), the snapshot before is kept too, and
+the batches since it, within the same ``keep_max_mib`` (past it, the interval before's go first): a spike on
+its interval's first step replays from there (``log_every`` steps) to be weighed under an older state.
+Under DDP every rank replays together (the host's gradient all-reduce runs in the replay too); the rank that
+saw the bad value sends its step (batches, RNG) to rank 0, which writes the bundle and diagnoses it on one process.
 """
 
 from __future__ import annotations
@@ -40,10 +43,10 @@ from ..internals import eager_methods, scaler_state, set_scaler_state
 from ..policies.accumulation import as_sum_count
 from ..records.batches import CapturedRows, batch_nbytes, bundle_batch, plain_batch, to_host, unbundle_batch, window_items
 from ..records.captured import noop_optimizer, optimizer_factory, optimizer_recipe
-from ..records.staging import load_optimizer_state_
+from ..records.staging import load_optimizer_state_, snapshot_fits, state_bytes
 from ..seeding import rng_state, set_rng_state
 from ..tasks import Task
-from .capture import staged_now
+from .capture import MAX_CONTEXT, staged_now
 
 __all__ = ["PendingStep", "KeptStep", "StepKeeper", "HostReplay", "HostSteps"]
 
@@ -90,19 +93,23 @@ class KeptStep:
 
 
 class StepKeeper:
-    """The current interval's :class:`KeptStep` s, their batches off the device, within ``max_bytes``."""
+    """The current interval's :class:`KeptStep` s, their batches off the device, within ``max_bytes``; the steps up to
+    ``spare_through`` (the interval before's, kept for a replay from the snapshot before) go first where they do not fit."""
 
     def __init__(self, max_bytes: float) -> None:
         self.max_bytes = max_bytes
         self.steps: dict[int, KeptStep] = {}
         self.nbytes = 0
         self.overflow_at: int | None = None  # the step whose batches went past the budget (nothing kept after it)
+        self.spare_through = -1
 
     def keep(self, step: int, micro: list[Any], rng: dict[str, Any] | None, lrs: list[Any],
              scaler: tuple[Tensor, Tensor] | None, host: dict[str, Any] | None = None) -> None:
         if self.overflow_at is not None:
             return
         size = sum(batch_nbytes(b) for b in micro)
+        if self.nbytes + size > self.max_bytes:
+            self._drop(self.spare_through)
         if self.nbytes + size > self.max_bytes:
             self.overflow_at, self.steps, self.nbytes = step, {}, 0
             return
@@ -116,10 +123,13 @@ class StepKeeper:
     def drop_through(self, cut: int, start: int) -> None:
         """Drop the steps up to ``cut`` (no replay starts before them any more); an interval starting after ``start``
         keeps its steps again after one went past the budget."""
-        for t in [t for t in self.steps if t <= cut]:
-            self.nbytes -= sum(batch_nbytes(b) for b in self.steps.pop(t).micro)
+        self._drop(cut)
         if self.overflow_at is not None and self.overflow_at <= start:
             self.overflow_at = None
+
+    def _drop(self, cut: int) -> None:
+        for t in [t for t in self.steps if t <= cut]:
+            self.nbytes -= sum(batch_nbytes(b) for b in self.steps.pop(t).micro)
 
 
 class HostReplay:
@@ -196,6 +206,18 @@ class HostSteps:
 
     bundle_state = live_state
 
+    def wants_previous(self) -> bool:
+        """Whether the snapshot before the interval's is kept too (``IntervalSnapshot.keep_previous``, read by the capture
+        at the first interval start it snapshots): on one process where spikes are captured and replayed, if twice the
+        snapshot (the model and optimizer state; the optimizer's estimated before its first step made it) fits
+        ``capture.snapshot_memory_fraction`` of the host memory available now."""
+        s = self.session
+        if s.dist.world > 1 or self.replay is None or not (s.cfg.capture.spikes and self.capturing()):
+            return False
+        one = (self.strategy.snapshot_bytes(self.live_state(), self.module, self.optimizer) if self.optimizer is not None
+               else state_bytes(self.live_state()))
+        return snapshot_fits(2 * one, s.cfg.capture.snapshot_memory_fraction)[0]
+
     def keep(self, step: int, micro: list[Any], rng: dict[str, Any] | None, host: dict[str, Any] | None = None) -> None:
         """Keep what a replay of ``step`` needs (batches copied off the device without a sync)."""
         if not self.capturing():
@@ -216,6 +238,7 @@ class HostSteps:
         failed); the lrs step ``step`` ran at (kept before the host's scheduler stepped; ``[]``: not kept)."""
         kept = self.keeper.steps.get(step)
         self.keeper.drop_through(retired if retired is not None else -1, step)
+        self.keeper.spare_through = step - MAX_CONTEXT  # what only a replay from the snapshot before needs
         return [float(lr) for lr in kept.lrs] if kept is not None and kept.lrs else []
 
     def why_not(self, step: int, start: int) -> str | None:
@@ -237,6 +260,8 @@ class HostSteps:
         applied = {r.step: r.values["applied"] >= 0.5 for r in rows}
         replayed = 0
         self._previous = None
+        if any(t not in self.keeper.steps for t in range(start + 1, step) if applied.get(t, True)):
+            return 0, None  # from the snapshot before, its steps let go (keep_max_mib): the capture finds it not come back
         for t in range(start + 1, step):
             if not applied.get(t, True):  # skipped live: parameters and optimizer state did not move
                 continue
@@ -252,6 +277,8 @@ class HostSteps:
             kept.batches()
             self.replay.replay_step(kept)
             replayed += 1
+        if self.optimizer is not None and step in self.keeper.steps:  # the lrs as the host's scheduler left them: step's
+            set_lrs(self.optimizer, self.keeper.steps[step].lrs)
         return replayed, None
 
     def record(self, fit: Any, step: int, context: int = 0, avoid: Collection[int] = (), seen: int | None = None
