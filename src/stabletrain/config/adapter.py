@@ -30,7 +30,8 @@ HOST_OPTIONS: dict[str, tuple[Any, str]] = {
     "init_check": (True, "fingerprint the init and run the signal-propagation report on the first batch"),
     "mirror": (True, "also hand the intervals' figures to the host's own logger (Lightning: each interval's, when the "
                      "trainer has a logger; Hugging Face: the latest one's, at the Trainer's own logging steps)"),
-    "keep_max_mib": (1024.0, "host memory for one interval's kept micro-batches (what a capture replays): past it, that "
+    "keep_max_mib": (1024.0, "host memory for the kept micro-batches (what a capture replays: the interval's, and the "
+                             "interval before's where its snapshot is kept too, those going first): past it, that "
                              "interval's incidents are recorded but not captured"),
 }
 
