@@ -66,6 +66,8 @@ def test_tensorboard_files_hold_the_scalars(trained):
     (["train", "task=mlp", "task_args.wdith=3"], "unknown config key 'task_args.wdith'"),
     (["train", "--config", "/nonexistent.yaml"], "config file '/nonexistent.yaml': cannot read it"),
     (["check", "nosuchcheck", "task=mlp"], "unknown check 'nosuchcheck'"),
+    (["check", "init", "--compare", "normal,foo", "task=mlp"],  # (it was the init check's FAIL, a traceback, exit 1)
+     "--compare: unknown init scheme 'foo' in 'normal,foo'; known: auto, xavier, kaiming, normal"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(args, needle, tmp_path):
     res = run(*args, "log.progress=false", f"run.dir={tmp_path / 'r'}") if args[0] == "train" else run(*args)

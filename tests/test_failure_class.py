@@ -216,3 +216,27 @@ def test_a_summary_leads_with_its_verdict_and_a_divergence_names_no_samples(tmp_
 def _weight_driven():
     model, x = faults.log_of_zero()  # 8 of 8 samples go bad through layers.2: the module, not the samples
     return model, faults.regression_loss, [(list(range(8)), x)]
+
+
+class _LogOfMinusOne(nn.Module):
+    """No weights, a buffer: log(c - 1) with c = 0 is NaN for every sample, from finite inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("c", torch.zeros(()))
+
+    def forward(self, x):
+        return x * torch.log(self.c - 1)
+
+
+def test_a_module_without_weights_that_makes_the_nan_is_blamed_for_its_computation_not_its_weights(tmp_path):
+    """A user's NaN-making module holding only a buffer was told 'the module's weights, not the samples'."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)
+    torch.manual_seed(0)
+    task = Task(model=Stack(nn.Linear(8, 16), _LogOfMinusOne(), nn.Linear(16, 1)), train_data=TensorDataset(x, y),
+                loss=_mse, name="noweights")
+    _, d = first_incident(tmp_path, task, "train.max_steps=2")
+    assert (d["failure_class"], d["module"], d["module_params"]) == ("op", "layers.1", 0), d["summary"]
+    assert "8 of 8 samples go bad through it: the module's own computation (it holds no weights), not the samples" \
+        in d["evidence"], d["evidence"]

@@ -224,6 +224,7 @@ def run_diagnosis(rep: Any, micro_batches: list[tuple[list[int], Any]],
         "op": first_rec.op if first_rec else None,
         "direction": first_rec.direction if first_rec else None,
         "module": first_rec.module if first_rec else None,
+        "module_params": _num_params(rep.model, first_rec.module if first_rec else None),  # (0: no weights to blame)
         "origin": first_rec.origin if first_rec else None,
         "kind": first_rec.kind if first_rec else None,
         "autograd_node": first_rec.autograd_node if first_rec else None,
@@ -270,6 +271,14 @@ def run_diagnosis(rep: Any, micro_batches: list[tuple[list[int], Any]],
 #: "host": an adapter's fp32 step, whose loss the host computed (its own op order, a division by a tensor count).
 OBSERVED_RTOL = {"fp32": 0.0, "bf16": 1e-2, "fp16": 1e-2, "host": 1e-4}
 GRAD_NORM_RTOL_FP32 = 1e-4  # the replay may accumulate a window's gradients in another order
+
+
+def _num_params(model: Any, name: str | None) -> int | None:
+    """The parameters of module ``name`` of ``model``, its children's too (None: no such module, or none named)."""
+    try:
+        return None if name is None else sum(p.numel() for p in model.get_submodule(name).parameters())
+    except (AttributeError, TypeError):  # (a name the locator gave that the model does not resolve)
+        return None
 
 
 def matches_observed(loss: float, grad_norm: float, observed: dict[str, Any], precision: str) -> bool:

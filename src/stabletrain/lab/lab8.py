@@ -289,7 +289,8 @@ def run(out_dir: Path | None = None, seed: int = 0, *, lr: float = 0.03, beta1: 
     setup = (f"a bag-of-tokens regression (vocabulary {VOCAB}, 8 tokens a sample, {NUM_SAMPLES} samples, embedding 16 "
              f"+ linear head) under AdamW (lr {lr:g}, betas ({beta1:g}, 0.999), eps 1e-8), batch 8, no shuffle, "
              f"{STEPS} steps, log every {EVERY}, seed {seed}; run 1: token {RARE} first appears at step {SPIKE_STEP - 1} "
-             f"(samples {RARE_SAMPLES[0]}..{RARE_SAMPLES[-1]}, 4 a window); run 2: samples {MISLABELLED[0]}, "
+             f"(samples {', '.join(f'{RARE_SAMPLES[i]}-{RARE_SAMPLES[i + 3]}' for i in range(0, len(RARE_SAMPLES), 4))}: "
+             f"4 in each of steps {SPIKE_STEP - 1}-{SPIKE_STEP + 1}); run 2: samples {MISLABELLED[0]}, "
              f"{MISLABELLED[1]} mislabelled (y x20 + 20); each first spike replayed by stabletrain remedy over its "
              f"window and the {steps} after it; update ratios measured every step by the lab; the run's own "
              f"precursor read in one more run of each with log.every=1, guard.precursor_zscore={PRECURSOR_Z:g}")
