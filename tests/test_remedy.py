@@ -63,6 +63,20 @@ def test_a_sqrt_of_zero_is_cured_by_the_eps_guard_and_by_skipping_its_sample_not
     assert json.loads((incident / "remedy.json").read_text()) == record
 
 
+def test_an_eps_guard_on_a_negative_log_input_is_no_cure_by_the_rules_early_bar(tmp_path, monkeypatch):
+    """examples/nan_task.py: sample 37 is -1, and log(-1) is NaN at step 7, before the spike rule arms. Clamped to
+    1e-12 the input gives log(1e-12) = -27.6, a loss x22 the run's: 'cures' (the rule could not yet judge it), and
+    its code change told the user to clamp a negative input. The early bar: x8 every loss before it, two at least."""
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # (examples/ is the repository's, not installed)
+    incident = incident_of(tmp_path, "examples.nan_task:make_task", "train.max_steps=8", "train.batch_size=16")
+    record = search_remedies(incident, steps=6)
+    c = by_name(record)
+    assert c["skip-samples"]["verdict"] == "cures" and c["eps-guard"]["verdict"] == "fails", c["eps-guard"]["evidence"]
+    assert (c["eps-guard"]["failed"]["step"], c["eps-guard"]["failed"]["kind"]) == (record["step"], "spike")
+    assert re.search(r"loss 2\d\.\d+, x\d+(\.\d+)? every loss before it: the rule's early bar\)$",
+                     c["eps-guard"]["evidence"]), c["eps-guard"]["evidence"]
+
+
 def test_a_divergence_is_cured_by_a_lower_lr_from_before_the_growth_not_by_skipping(tmp_path, capsys):
     incident = incident_of(tmp_path, "remedy_tasks:diverging_task", "train.max_steps=60", *DIVERGING)
     capsys.readouterr()

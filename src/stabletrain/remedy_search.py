@@ -59,7 +59,7 @@ from .diagnostics.spike import outlier_sets
 from .fileio import atomic_write
 from .incident_replay import diagnose_incident, run_history, task_of_run
 from .policies.accumulation import loss_sums
-from .policies.guard import Guard, routine_overflow, spike_test
+from .policies.guard import EARLY_ARM, Guard, routine_overflow, spike_test
 from .policies.precision import resolve_device
 from .records.bundles import DIAGNOSIS_FILE, REMEDY_FILE, load_bundle
 from .records.checkpoint.manager import CheckpointManager
@@ -199,6 +199,7 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int, probe: int | None = 
     rows: list[dict[str, Any]] = []
     failed: dict[str, Any] | None = None
     recovered, start_loss = remedy.rollback_step is None, None
+    recent = [float(r[1]) for r in inc.bundle.get("observed", {}).get("recent") or [] if math.isfinite(float(r[1]))]
     dropped = total = 0
     last = inc.step + (0 if inc.adapter else num_after)
     with remedy.installed(model, step.optimizer):
@@ -225,8 +226,15 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int, probe: int | None = 
             row = {"step": n, "loss": loss, "grad_norm": norm, "applied": bool(out["applied"])}
             marked = SimpleNamespace(values={"loss": loss, "finite": float(math.isfinite(loss) and math.isfinite(norm)),
                                              "overflow": float(bool(out["overflow"]))})  # the rule tests its loss too
+            window_now = [v for v in guard.window.tolist() if math.isfinite(v)]  # (the rule's losses before this one)
             with np.errstate(over="ignore", invalid="ignore"):  # a diverging loss squared overflows float32
                 guard.mark_spikes([marked])
+            # Before the rule arms (a run's first steps): spike_ratio^3 x every loss before it, the run's last steps
+            # too, at least 2 (an eps-guard's log(1e-12) at step 7, x22 the run's loss, 'cured' a NaN the rule could not
+            # yet judge; one loss before is too few: a batch of 8's second loss was x5 its first).
+            before = window_now + recent
+            early = (marked.values["spike"] <= 0.5 and len(window_now) < EARLY_ARM and len(before) >= 2
+                     and math.isfinite(loss) and loss > cfg.guard.spike_ratio ** 3 * max(before))
             rows.append(row)
             if not math.isfinite(loss) or not params_ok or (not math.isfinite(norm) and not overflow):
                 what = ("loss" if not math.isfinite(loss) else "parameters" if not params_ok else
@@ -240,11 +248,13 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int, probe: int | None = 
             # after it, a spike is the candidate's own.
             # A candidate that starts at the step before the incident changes that step's update, which comes after its
             # loss: a spike there is the run's own (an earlier spike, applied), not the candidate's.
-            spike = marked.values["spike"] > 0.5 and not (n == first < inc.step and remedy.rollback_step is None)
+            spike = (marked.values["spike"] > 0.5 or early) and not (n == first < inc.step and remedy.rollback_step is None)
             recovered = recovered or not spike
             start_loss = loss if start_loss is None else start_loss
             if spike and (recovered or loss > cfg.guard.spike_ratio * start_loss):
-                failed = {"step": n, "why": f"loss spike at step {n} by the guard's rule (loss {loss:.4g})", "kind": "spike"}
+                failed = {"step": n, "why": f"loss spike at step {n} by the guard's rule (loss {loss:.4g}" + (
+                    f", x{loss / max(before):.3g} every loss before it: the rule's early bar" if early else "") + ")",
+                          "kind": "spike"}
                 break
     end = end_loss(rows, inc.step) if failed is None else float("nan")
     return {"name": remedy.name, "remedy": remedy.to_dict(), "detail": remedy.detail, "live": remedy.live,
