@@ -61,6 +61,23 @@ def test_lab3_plots_its_windows_on_integer_ticks(tmp_path, monkeypatch):
     assert ticks and all(float(t).is_integer() for t in ticks), ticks
 
 
+def test_lab7_plots_every_candidate_those_non_finite_from_their_first_step_too(tmp_path, monkeypatch):
+    """The divergence panel showed 2 of its 6 candidates: those non-finite from their first replayed step had no point."""
+    from stabletrain.lab import lab7, save_figure
+
+    legends = []
+
+    def spy(fig, path):
+        legends.extend([t.get_text() for t in ax.get_legend().get_texts()] for ax in fig.axes)
+        return save_figure(fig, path)
+
+    monkeypatch.setattr(lab7, "save_figure", spy)
+    result = run_lab("7", tmp_path)
+    for labels, record in zip(legends, (result.numbers["divergence"], result.numbers["sqrt"])):
+        assert len(labels) == len(record["candidates"]), labels
+    assert any("non-finite at step" in label for label in legends[0]), legends[0]
+
+
 # -- each observation can fail: the lab run with the setting that breaks it ---------------------------
 
 

@@ -120,6 +120,9 @@ def run(out_dir: Path | None = None, seed: int = 0, *, lr: float = 2.5, steps: i
                        and math.isfinite(r["loss"]) and r["loss"] > 0]
                 if pts:
                     ax.plot(*zip(*pts), marker=".", label=f"{c['name']} ({c['verdict']})")
+                elif c.get("failed"):  # non-finite from its first replayed step: a cross at that step, on the axis' top
+                    ax.plot([c["failed"]["step"]], [1.0], "x", transform=ax.get_xaxis_transform(), clip_on=False,
+                            label=f"{c['name']} ({c['verdict']}: non-finite at step {c['failed']['step']})")
             ax.set_yscale("log")
             ax.set_xlabel("step")
             ax.set_ylabel("loss (replay)")
