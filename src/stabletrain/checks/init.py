@@ -39,12 +39,13 @@ from ..seeding import seed_everything
 from ..tasks.init_schemes import SCHEMES, init_
 from . import CheckContext, CheckResult, register
 
-__all__ = ["check_init"]
+__all__ = ["check_init", "compare_schemes"]
 
 AS_BUILT = "as built"
 
 
-def _schemes(option: object) -> list[str]:
+def compare_schemes(option: object) -> list[str]:
+    """The init schemes ``--compare`` names (a comma-separated string or a list); an unknown one is a ValueError."""
     if option is None:
         return []
     names = [s.strip() for s in option.split(",")] if isinstance(option, str) else [str(s).strip() for s in option]
@@ -140,7 +141,7 @@ def _zero_notes(zero: list[ZeroInitLayer], built: SignalReport) -> list[str]:
 @register("init", order=50)
 def check_init(ctx: CheckContext) -> CheckResult:
     """Report per-layer signal propagation at step 0 (and per init scheme with ``compare``); pass if nothing is flagged."""
-    schemes = _schemes(ctx.options.get("compare"))
+    schemes = compare_schemes(ctx.options.get("compare"))
     task = ctx.make_task()
     device = ctx.device
     _, batch = fixed_batch(task, ctx.cfg.train.batch_size, device)

@@ -54,13 +54,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides)
     if ":" not in cfg.task:  # a name that is no check: one line, before the checks (and torch) are imported (a
         require_known(names)  # user's task module may register checks of its own: run_checks knows them once imported)
-    compare = [s.strip() for s in args.compare.split(",") if s.strip()] if args.compare else None
-    if compare:  # a bad scheme is the command line's error (one line, exit 2), not the init check's failure
-        from ..tasks.init_schemes import SCHEMES
+    compare = None
+    if args.compare:  # a bad scheme is the command line's error (one line, exit 2), not the init check's failure
+        from ..checks.init import compare_schemes
 
-        bad = [s for s in compare if s not in SCHEMES]
-        if bad:
-            raise ValueError(f"--compare: unknown init scheme {bad[0]!r} in {args.compare!r}; known: {', '.join(SCHEMES)}")
+        compare = compare_schemes(args.compare)
         if names and "init" not in names:
             console.warn(f"--compare {args.compare} is the init check's, which is not run here (checks: {', '.join(names)})")
     options = {"compare": compare, "out_dir": args.out_dir}

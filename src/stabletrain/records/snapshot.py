@@ -124,18 +124,18 @@ class IntervalSnapshot:
 
     def get_held(self) -> tuple[Any, Any, int] | None:
         """(side, rest, step) of the :attr:`held` snapshot, its copies complete; or None."""
-        if self.held is None:
-            return None
-        side, rest, step, events = self.held
-        for event in events:
-            event.synchronize()
-        return side, rest, step
+        return _completed(self.held)
 
     def get_previous(self) -> tuple[Any, Any, int] | None:
         """(side, rest, step) of the snapshot before this one (``keep_previous``), its copies complete; or None."""
-        if self.previous is None:
-            return None
-        side, rest, step, events = self.previous
-        for event in events:
-            event.synchronize()
-        return side, rest, step
+        return _completed(self.previous)
+
+
+def _completed(kept: tuple[Any, Any, int, list[Any]] | None) -> tuple[Any, Any, int] | None:
+    """(side, rest, step) of a kept snapshot once its copies' CUDA events completed; None for none."""
+    if kept is None:
+        return None
+    side, rest, step, events = kept
+    for event in events:
+        event.synchronize()
+    return side, rest, step
