@@ -325,3 +325,76 @@ def test_init_check_fails_a_net_whose_relus_are_all_dead_at_the_first_relu(tmp_p
     [init] = run_checks(ctx, ["init"])
     assert not init.passed and init.numbers["forward"] == "vanishing at #1 1 (0x)", init.summary
     assert "forward: vanishes (0) at #1 '1' (ReLU): its output is all 0 (dead units), no signal goes past it" in init.details
+
+
+class _TiedLM(nn.Module):
+    """An embedding of std ``std`` whose transpose is the head: logits of std ~ std**2 * sqrt(width)."""
+
+    def __init__(self, vocab: int = 32, width: int = 64, std: float = 1.0) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        nn.init.normal_(self.emb.weight, std=std)
+        self.mix = nn.Linear(width, width)
+
+    def forward(self, x):
+        return torch.tanh(self.mix(self.emb(x))) @ self.emb.weight.T
+
+
+def _tied_task(std: float) -> Task:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 32, (64, 8), generator=g)
+    torch.manual_seed(0)
+    return Task(model=_TiedLM(std=std), train_data=TensorDataset(x, x.roll(1, dims=1)),
+                loss=lambda m, b: F.cross_entropy(m(b[0]).flatten(0, 1), b[1].flatten()))
+
+
+def test_init_check_fails_a_first_loss_far_above_an_uninformed_guess_and_passes_a_head_near_it(tmp_path):
+    """A head tied to an embedding of std 1 starts at ~2.2x ln 32; the same model at std 0.02 starts at ln 32."""
+    bad = CheckContext(cfg("train.batch_size=16"), task_factory=lambda: _tied_task(1.0), options={"out_dir": str(tmp_path)})
+    [init] = run_checks(bad, ["init"])
+    n = init.numbers
+    assert n["flagged"] == 0 and not init.passed, init.summary
+    assert abs(n["uninformed_loss"] - math.log(32)) < 1e-5 and n["first_loss"] > 2 * math.log(32), n
+    assert init.summary.endswith(f"; but the first loss {n['first_loss']:.4g} is {n['first_loss'] / math.log(32):.2g}x an "
+                                 f"uninformed output's {math.log(32):.4g}: the output starts confidently wrong"), init.summary
+    assert any("init the embedding at std ~0.02" in d for d in init.details)
+    good = CheckContext(cfg("train.batch_size=16"), task_factory=lambda: _tied_task(0.02), options={"out_dir": str(tmp_path)})
+    [init] = run_checks(good, ["init"])
+    assert init.passed and abs(init.numbers["first_loss"] - math.log(32)) < 0.01, init.numbers
+    assert any(d.startswith(f"the first loss {init.numbers['first_loss']:.4g} is 1x an uninformed output's") and
+               d.endswith("starts near an uninformed guess") for d in init.details), init.details
+
+
+def test_uninformed_loss_says_nothing_of_a_model_whose_output_is_not_one_tensor_and_puts_back_batchnorm_stats():
+    from stabletrain.checks.init import uninformed_loss
+
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.lin(x), x.sum()
+
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    assert uninformed_loss(Pair(), (x, y), lambda m, b: F.cross_entropy(m(b[0])[0], b[1])) is None
+    bn = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 3))
+    before = bn[1].running_mean.clone()
+    zero, std, classes = uninformed_loss(bn, (x, y), lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    assert abs(zero - math.log(3)) < 1e-6 and std > 0 and classes == 3 and torch.equal(bn[1].running_mean, before)
+
+
+def test_the_loss_at_init_is_not_judged_where_an_uninformed_output_is_not_a_uniform_guess(tmp_path):
+    """A regression whose output starts far above its targets: its loss's scale is the targets', not ln C: not judged."""
+
+    def loud_regression() -> Task:
+        task = regression_task()
+        with torch.no_grad():
+            list(task.model.parameters())[-2].mul_(30.0)
+        return task
+
+    ctx = CheckContext(cfg("train.batch_size=16"), task_factory=loud_regression, options={"out_dir": str(tmp_path)})
+    [init] = run_checks(ctx, ["init"])
+    n = init.numbers
+    assert n["first_loss"] > 10 * n["uninformed_loss"], n
+    assert any("not judged: not a uniform guess's ln C" in d for d in init.details), init.details

@@ -22,6 +22,11 @@ from __future__ import annotations
 
 import copy
 import json
+import math
+from typing import Any
+
+import torch
+from torch import nn
 
 from ..data import fixed_batch
 from ..diagnostics.initialization import (
@@ -34,14 +39,20 @@ from ..diagnostics.initialization import (
 )
 from ..diagnostics.signal_display import format_comparison, format_report, plot_signal
 from ..diagnostics.signal_propagation import SignalReport, signal_report
+from ..policies.accumulation import as_sum_count
 from ..policies.optim import optimizer_factory
 from ..seeding import seed_everything
 from ..tasks.init_schemes import SCHEMES, init_
 from . import CheckContext, CheckResult, register
 
-__all__ = ["check_init", "compare_schemes"]
+__all__ = ["check_init", "compare_schemes", "uninformed_loss", "LOSS_AT_INIT_LIMIT"]
 
 AS_BUILT = "as built"
+#: A classifier's first loss this many times a uniform guess's (its logits set to 0: ln C) fails the check: the output
+#: starts confidently wrong (Karpathy's "verify the loss at init"). Healthy heads start within ~1.1x (the mlp 1.02x,
+#: the gpt 0.99x; init_(model, 'kaiming') on a ReLU MLP of ten classes 1.6x, its head at gain 1); a head tied to an
+#: embedding of std 1 reaches 2.2x (tanh features) to 16x.
+LOSS_AT_INIT_LIMIT = 2.0
 
 
 def compare_schemes(option: object) -> list[str]:
@@ -91,6 +102,62 @@ def _compare_advice(built: SignalReport, by_scheme: dict[str, SignalReport]) -> 
     return suggested, (f"no init scheme compared passes ({', '.join(f'init_(model, {s!r})' for s in failing)} fail "
                        f"too): none is recommended; look at the first flagged layer above, the init alone does not fix "
                        f"it{untried}")
+
+
+def uninformed_loss(model: nn.Module, batch: Any, loss: Any) -> tuple[float, float, int] | None:
+    """(the loss with the model's output set to 0, the output's std as built, its last dim), or None where the loss does
+    not call the model once for one floating-point tensor (an HF ``ModelOutput``, a tuple; a loss that calls submodules).
+
+    A zero output is the uninformed guess: a uniform distribution for a classifier's logits (the loss is ln C), 0 for a
+    regression. One forward without grad; the model's buffers (BatchNorm's running statistics) are put back.
+    """
+    seen: list[tuple[float, int] | None] = []
+
+    def zero(module: nn.Module, args: Any, out: Any) -> Any:
+        if isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel() > 1:
+            seen.append((float(out.detach().float().std()), out.shape[-1] if out.dim() else 1))
+            return torch.zeros_like(out)
+        seen.append(None)
+        return None
+
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    handle = model.register_forward_hook(zero)
+    try:
+        with torch.no_grad():
+            total, count = as_sum_count(loss(model, batch), 1)
+            value = float(total / count)
+    finally:
+        handle.remove()
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
+    if len(seen) != 1 or seen[0] is None or not math.isfinite(value):
+        return None
+    return value, *seen[0]
+
+
+def _loss_at_init(first: float, probe: tuple[float, float, int] | None) -> tuple[dict[str, float], str | None, bool]:
+    """(the numbers, the line, whether it fails) of the first loss against an uninformed output's (no probe: no line).
+
+    Judged only where the uninformed loss is a uniform guess's, ln C over the output's last dim of C classes (a
+    cross-entropy on logits) or ln 2 (a binary or multi-label one on logits): a regression's scale is its targets'.
+    """
+    if probe is None:
+        return {}, None, False
+    zero, std, classes = probe
+    numbers = {"first_loss": first, "uninformed_loss": zero, "output_std": std}
+    uniform = next((c for c in (classes, 2) if c > 1 and math.isclose(zero, math.log(c), rel_tol=1e-3)), None)
+    ratio = f"{first / zero:.2g}x" if zero > 0 else "vs"
+    head = f"the first loss {first:.4g} is {ratio} an uninformed output's {zero:.4g} (the model's output set to 0"
+    if uniform is None:
+        return numbers, f"{head}; not judged: not a uniform guess's ln C, the loss is not a cross-entropy on logits)", False
+    head += f": a uniform guess over {uniform} classes, ln {uniform})"
+    if not (math.isfinite(first) and first >= LOSS_AT_INIT_LIMIT * zero):
+        return numbers, f"{head}: ok, the output (std {std:.3g}) starts near an uninformed guess", False
+    return numbers, (f"{head}: the output starts confidently wrong, its std {std:.3g} at step 0. Scale the output layer's "
+                     "init down (std ~0.02, or zero-init it); a head tied to an embedding of std 1 gives logits of std "
+                     "~sqrt(width): init the embedding at std ~0.02"), True
 
 
 def _names(zero: list[ZeroInitLayer], limit: int = 3) -> str:
@@ -169,6 +236,7 @@ def check_init(ctx: CheckContext) -> CheckResult:
         reports.append(by_scheme[scheme])
 
     built = judged  # the model as built: without its deliberate zero layers, if it has any
+    loss_numbers, loss_line, loss_fails = _loss_at_init(reports[0].loss, uninformed_loss(base, batch, task.loss))
     # With a comparison, the scheme it recommends (one that passed here) is what the JSON, numbers and text all name.
     recommended, advice = _compare_advice(built, by_scheme) if schemes else (built.recommended, "")
     plot = plot_signal(reports, ctx.output_path("init_signal.png"))
@@ -176,7 +244,7 @@ def check_init(ctx: CheckContext) -> CheckResult:
     data.write_text(json.dumps([{**r.to_dict(), "recommended": recommended} for r in reports], indent=1, default=str))
 
     numbers: dict[str, object] = {"layers": len(built.layers), "flagged": len(built.flagged),
-                                  "forward": _where(built, "forward"), "backward": _where(built, "backward")}
+                                  "forward": _where(built, "forward"), "backward": _where(built, "backward"), **loss_numbers}
     if zero:
         numbers["zero_init"] = [f"{z.name} ({z.role or 'nothing gets around it'})" for z in zero]
     excluded = _excluded(deliberate)
@@ -194,5 +262,9 @@ def check_init(ctx: CheckContext) -> CheckResult:
         summary = ("no layer flagged: the signal holds forward and backward" if built.passed else
                    f"{len(built.flagged)} of {len(built.layers)} layers flagged: forward {numbers['forward']}, "
                    f"backward {numbers['backward']}") + excluded
+    if loss_line is not None:
+        details.append(loss_line)
+    if loss_fails:
+        summary += f"; but {loss_line.split(' (the model')[0]}: the output starts confidently wrong"
     numbers.update({"recommended": recommended, "plot": str(plot), "json": str(data)})
-    return CheckResult("init", built.passed, summary, numbers=numbers, details=details)
+    return CheckResult("init", built.passed and not loss_fails, summary, numbers=numbers, details=details)
