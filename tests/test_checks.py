@@ -355,13 +355,14 @@ def test_init_check_fails_a_first_loss_far_above_an_uninformed_guess_and_passes_
     n = init.numbers
     assert n["flagged"] == 0 and not init.passed, init.summary
     assert abs(n["uninformed_loss"] - math.log(32)) < 1e-5 and n["first_loss"] > 2 * math.log(32), n
-    assert init.summary.endswith(f"; but the first loss {n['first_loss']:.4g} is {n['first_loss'] / math.log(32):.2g}x an "
+    assert init.summary.endswith(f"; but the first loss {n['first_loss']:.4g} is {n['first_loss'] / math.log(32):.3g}x an "
                                  f"uninformed output's {math.log(32):.4g}: the output starts confidently wrong"), init.summary
     assert any("init the embedding at std ~0.02" in d for d in init.details)
     good = CheckContext(cfg("train.batch_size=16"), task_factory=lambda: _tied_task(0.02), options={"out_dir": str(tmp_path)})
     [init] = run_checks(good, ["init"])
     assert init.passed and abs(init.numbers["first_loss"] - math.log(32)) < 0.01, init.numbers
-    assert any(d.startswith(f"the first loss {init.numbers['first_loss']:.4g} is 1x an uninformed output's") and
+    assert any(d.startswith(f"the first loss {init.numbers['first_loss']:.4g} is "
+                            f"{init.numbers['first_loss'] / init.numbers['uninformed_loss']:.3g}x an uninformed output's") and
                d.endswith("starts near an uninformed guess") for d in init.details), init.details
 
 

@@ -484,3 +484,30 @@ def test_compare_names_the_scheme_that_passed_in_the_numbers_the_json_and_the_te
                                   "x6); init_(model, 'xavier'), the scheme for these activations, fails here too")
     saved = json.loads((tmp_path / "init_signal.json").read_text())
     assert [r["recommended"] for r in saved] == ["kaiming"] * 3
+
+
+def test_multihead_attention_is_measured_as_a_layer_and_an_overscaled_one_is_named():
+    """nn.MultiheadAttention computes from its own weights (its out_proj is never called): it was invisible to the report;
+    an attention whose in_proj_weight is 30x too large is now the first forward explosion, by name."""
+    class Encoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(32, 64)
+            layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+            self.enc = nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
+            self.head = nn.Linear(64, 32)
+
+        def forward(self, x):
+            return self.head(self.enc(self.emb(x)))
+
+    torch.manual_seed(0)
+    model, x = Encoder(), torch.randint(0, 32, (8, 16))
+    loss = lambda m, b: torch.nn.functional.cross_entropy(m(b[0]).flatten(0, 1), b[1].flatten())  # noqa: E731
+    report = signal_report(model, (x, x), loss)
+    attn = [layer for layer in report.layers if layer.kind == "MultiheadAttention"]
+    assert [a.param_name for a in attn] == [f"enc.layers.{i}.self_attn.in_proj_weight" for i in range(3)] and report.passed
+    with torch.no_grad():
+        model.enc.layers[1].self_attn.in_proj_weight.mul_(30)
+    report = signal_report(model, (x, x), loss)
+    first = report.first_forward
+    assert (first.name, first.forward) == ("enc.layers.1.self_attn", "exploding") and first.forward_ratio > 10, first

@@ -148,7 +148,7 @@ def _loss_at_init(first: float, probe: tuple[float, float, int] | None) -> tuple
     zero, std, classes = probe
     numbers = {"first_loss": first, "uninformed_loss": zero, "output_std": std}
     uniform = next((c for c in (classes, 2) if c > 1 and math.isclose(zero, math.log(c), rel_tol=1e-3)), None)
-    ratio = f"{first / zero:.2g}x" if zero > 0 else "vs"
+    ratio = f"{first / zero:.3g}x" if zero > 0 else "vs"
     head = f"the first loss {first:.4g} is {ratio} an uninformed output's {zero:.4g} (the model's output set to 0"
     if uniform is None:
         return numbers, f"{head}; not judged: not a uniform guess's ln C, the loss is not a cross-entropy on logits)", False
@@ -262,8 +262,8 @@ def check_init(ctx: CheckContext) -> CheckResult:
         summary = ("no layer flagged: the signal holds forward and backward" if built.passed else
                    f"{len(built.flagged)} of {len(built.layers)} layers flagged: forward {numbers['forward']}, "
                    f"backward {numbers['backward']}") + excluded
-    if loss_line is not None:
-        details.append(loss_line)
+    if loss_line is not None:  # (before a comparison's advice, which stays the last line)
+        details.insert(len(details) - 1 if schemes else len(details), loss_line)
     if loss_fails:
         summary += f"; but {loss_line.split(' (the model')[0]}: the output starts confidently wrong"
     numbers.update({"recommended": recommended, "plot": str(plot), "json": str(data)})

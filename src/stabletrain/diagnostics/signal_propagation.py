@@ -400,7 +400,8 @@ def signal_report(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any],
 def _measure(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any]) -> tuple[list[LayerSignal], float, list]:
     """Run forward and backward with hooks on every leaf module; return the layers (no ratios yet), the loss and the
     activations the forward called as functions (:attr:`ActivationTrace.functional`)."""
-    leaves = [(n, m) for n, m in model.named_modules() if not list(m.children())]
+    # nn.MultiheadAttention is a leaf here: its forward is a function of its own weights (out_proj is never called)
+    leaves = [(n, m) for n, m in model.named_modules() if not list(m.children()) or isinstance(m, nn.MultiheadAttention)]
     calls: list[tuple[str, nn.Module, tuple | None, tuple]] = []  # name, module, input shape, output shape
     stats: list[dict[str, Tensor]] = []
 
