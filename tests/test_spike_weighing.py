@@ -188,3 +188,66 @@ def test_the_snapshot_before_a_run_of_flagged_steps_is_held_while_it_lasts():
     take(100)
     capture._hold_before_run(110, [*range(101, 111)])
     assert snap.held is None and snap.num_bytes == 2 * 16
+
+
+def _lr_jump_monitor(run_dir, jump: int, on_spike: str = "warn", steps: int = 250):
+    """A new user's case: an MLP regression (sin + noise) in their own loop under Monitor; their LambdaLR multiplies the
+    LR by 30 from the update of step ``jump`` on. Returns the incident events and the StopTraining, if any."""
+    from torch import nn
+
+    from stabletrain import Monitor
+    from stabletrain.errors import StopTraining
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32 * steps, 16, generator=g)
+    y = torch.sin(x @ torch.randn(16, 1, generator=g) / 2) + 0.1 * torch.randn(32 * steps, 1, generator=g)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 30.0 if s >= jump - 1 else 1.0)
+
+    def loss_fn(m, b):
+        return nn.functional.mse_loss(m(b[0]), b[1])
+
+    stopped = None
+    try:
+        with Monitor(model, opt, run_dir=run_dir, clip_max_norm=1.0, loss_fn=loss_fn, on_spike=on_spike, log_every=10) as mon:
+            for s in range(steps):
+                b = (x[s * 32:(s + 1) * 32], y[s * 32:(s + 1) * 32])
+                mon.backward(loss_fn(model, b))
+                mon.step(b)
+                sched.step()
+    except StopTraining as err:
+        stopped = err
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    return {e["step"]: e for e in events if e["kind"] == "incident" and e.get("diagnosis")}, stopped
+
+
+def test_an_lr_jump_is_no_data_spike_whether_it_lands_inside_an_interval_or_at_its_end(tmp_path):
+    """A new user's LR x30 (their scheduler) at step 130, an interval's last update: the interval's start (step 130)
+    already took an update at the new LR, and the spike at 132 was 'data: samples 5, 31 carry 30%' (the top of a
+    uniformly inflated window; dropping it took x2.1 to x1.87). Now the older state is the snapshot before (step 120,
+    the old LR): state, the LR's rise named. At 150 the rise was 'the optimizer's steps grew x28.5 at the same LR', and
+    a later spike whose older state ran 10 steps at the new LR was 'data' again."""
+    spikes, _ = _lr_jump_monitor(tmp_path / "j130", 130)
+    first = spikes[min(spikes)]
+    assert (first["step"], first["diagnosis"]["failure_class"]) == (132, "state"), first["reason"]
+    assert first["diagnosis"]["bad_samples"] is None
+    assert "the LR rose x30 since step 120 (0.002 -> 0.06)" in first["diagnosis"]["evidence"], first["diagnosis"]["evidence"]
+    spikes, _ = _lr_jump_monitor(tmp_path / "j150", 150)
+    assert {d["diagnosis"]["failure_class"] for d in spikes.values()} == {"state"}, {t: d["reason"] for t, d in spikes.items()}
+    evidence = [d["diagnosis"]["evidence"] for d in spikes.values()]
+    assert not any("at the same LR" in e for e in evidence), evidence
+    assert any("the LR rose x30 since step 140 (0.002 -> 0.06); the optimizer's steps grew" in e and " with it: " in e
+               for e in evidence), evidence
+    assert any("already ran at x30 the LR of the run's intervals before it" in e for e in evidence), evidence
+
+
+def test_a_stop_after_spike_skips_of_a_diverging_run_says_divergence_not_a_new_level(tmp_path):
+    """Under guard.on_spike=skip an LR x30 makes every step a spike; the stop said 'the loss moved to a new level ...
+    guard.on_spike=warn trains on at the new level' while every capture had said state."""
+    spikes, stopped = _lr_jump_monitor(tmp_path / "skip", 150, "skip", 200)
+    assert stopped is not None and {d["diagnosis"]["failure_class"] for d in spikes.values()} == {"state"}
+    text = str(stopped)
+    assert "found the state drifted (state): a divergence, not a new level: lower the LR (optim.lr)" in text, text
+    assert "trains on at the new level" not in text, text

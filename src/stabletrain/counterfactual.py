@@ -5,23 +5,20 @@ guard's window of losses the rule judged it against, the state at the interval's
 windows) and replays, each time from the same saved state and RNG streams, on a :class:`~stabletrain.replica.Replica`:
 
 1. the step itself, with the run's own step: the same loss (bitwise in fp32)? a spike by the guard's rule?
-2. each sample alone (forward; a backward each for its share of the window's gradient, up to
-   :data:`MAX_GRAD_SAMPLES`): which samples carry the loss; the step without the fewest that could, replayed:
-   normal by the rule? (greedy by loss is exact for a mean-loss rule: no other set of that size lowers it more;
-   where the loss couples the samples, a batch norm's statistics, by their removal from the window: :func:`_bisect`)
+2. each sample alone (forward; a backward each for its share of the window's gradient, up to :data:`MAX_GRAD_SAMPLES`):
+   which samples carry the loss; the step without the fewest that could, replayed: normal by the rule? (greedy by loss
+   is exact for a mean-loss rule; where the loss couples the samples, a batch norm's, by removal: :func:`_bisect`)
 3. the window and ordinary windows under the older state (the interval's start; without ordinary windows, what stands for
    them there, if anything): is the batch itself an outlier, or did the state drift?
-4. each module's output magnitude on the window under both states (where it departs first), each parameter's
-   gradient and update against the ordinary windows' median (which layers jumped), Adam's second moment against the
-   gradients of the spike's step and of the step before it, replayed from the state before that one
-   (:func:`~stabletrain.diagnostics.spike.adam_surges`);
-5. under bf16/fp16, the step in fp32: normal there? (and each module's output against its fp32 output: where the low
-   precision first loses it)
+4. each module's output magnitude on the window under both states (where it departs first), each parameter's gradient
+   and update against the ordinary windows' median (which layers jumped), Adam's second moment against the gradients
+   of the spike's step and of the step before it, replayed from the state before that one (:func:`~.spike.adam_surges`);
+5. under bf16/fp16, the step in fp32: normal there? (and each module against its fp32 output: where precision loses it)
 6. with dropout, the window with every dropout off: a spike still? (else the step's own masks made it)
 
-:func:`~stabletrain.diagnostics.spike.classify_spike` reads them. The model, the RNG streams and the task are
-left as they were. Cost: about 2N + 8 forward passes and N + 4 backward passes for a window of N samples, and up to
-:data:`MAX_BISECT_REPLAYS` forward passes more where the samples are found by their removal (N + a few, N <= 64).
+:func:`~stabletrain.diagnostics.spike.classify_spike` reads them; the model, RNG streams and task are left as they were.
+Cost: about 2N + 8 forward and N + 4 backward passes for a window of N samples, and up to :data:`MAX_BISECT_REPLAYS`
+forward passes more where the samples are found by their removal (N + a few, N <= 64).
 """
 
 from __future__ import annotations
@@ -39,6 +36,7 @@ from .config import config_from_dict
 from .diagnostics.cures import ModuleFP32
 from .diagnostics.diagnosis import matches_observed
 from .diagnostics.spike import (
+    LR_RISE,
     classify_spike,
     departures,
     jumps,
@@ -64,8 +62,7 @@ __all__ = ["diagnose_spike", "MAX_GRAD_SAMPLES", "MAX_CONTEXT"]
 MAX_GRAD_SAMPLES = 64
 #: Ordinary windows compared against (the interval's steps before the spike, else the next ones).
 MAX_CONTEXT = 3
-#: At most this many forward replays of the window in one bisection.
-MAX_BISECT_REPLAYS = 96
+MAX_BISECT_REPLAYS = 96  #: At most this many forward replays of the window in one bisection.
 #: A spike whose window keeps at most 1/DRAW_SHARE of its loss with every dropout off was made by the step's masks.
 DRAW_SHARE = 10.0
 #: Windows of at most this many samples are searched by each sample's removal (one forward pass each); larger, by halves.
@@ -113,8 +110,8 @@ def _weigh_samples(bench: ReplayBench, groups: list[tuple[list[int], Any]], rule
                    bound: float, dropout: bool) -> tuple[list[dict[str, Any]], dict[str, Any] | None, str | None]:
     """(per-sample losses (and gradient shares), and the fewest samples whose removal makes the step normal: no
     spike by the rule and at most ``bound`` (``guard.spike_ratio``) times the window's median (a z-score that a
-    noisy window keeps under the rule's is not enough: x9 the median is no normal step), and when no set is found
-    a note on why the search stopped short (None: it did not).
+    noisy window keeps under the rule's is not enough: x9 the median is no normal step), and when no set is found a
+    note on why the search stopped short (None: it did not).
 
     The samples' own largest losses first (greedy: exact for a mean-loss rule); where none of those sets makes the
     step normal (the loss couples the samples: a batch norm's statistics) or a sample cannot be weighed alone (a
@@ -277,12 +274,11 @@ def _gradient_shares(bench: ReplayBench, rows: list[dict[str, Any]], grads: dict
 def diagnose_spike(bundle: dict[str, Any], task: Any, *, device: str | None = None) -> dict[str, Any]:
     """Replay a spike's step under counterfactuals and return its diagnosis (JSON-safe; module docstring).
 
-    Returns keys: ``anomaly`` ("spike"), ``loss``, ``grad_norm``, ``spike_test`` (the rule on the replay's loss),
-    ``reproduces``, ``failure_class`` (:data:`~stabletrain.diagnostics.spike.SPIKE_CLASSES`), ``evidence``,
-    ``summary``, ``bad_samples`` (the verified samples, for ``data``), ``blamed_layer``, ``blamed_module``,
-    ``samples`` (the verified set and the step without it), ``sample_losses`` (the ten largest, with gradient
-    shares), ``older``, ``where``, ``jumps``, ``surges`` (the five parameters whose surging coordinates moved
-    the most, in the spike's update and the one before it), ``fp32``, ``timings`` and ``passes``.
+    Returns keys: ``anomaly`` ("spike"), ``loss``, ``grad_norm``, ``spike_test`` (the rule on the replay's loss), ``reproduces``,
+    ``failure_class`` (:data:`~stabletrain.diagnostics.spike.SPIKE_CLASSES`), ``evidence``, ``summary``, ``bad_samples``
+    (``data``'s verified samples), ``blamed_layer``, ``blamed_module``, ``samples`` (the verified set and the step without
+    it), ``sample_losses`` (the ten largest, with gradient shares), ``older``, ``where``, ``jumps``, ``surges`` (the five
+    parameters whose surging coordinates moved most, in the spike's update and the one before), ``fp32``, ``timings``, ``passes``.
     """
     start = time.perf_counter()
     cfg = config_from_dict(bundle["config"])
@@ -294,8 +290,7 @@ def diagnose_spike(bundle: dict[str, Any], task: Any, *, device: str | None = No
         return spike_test(loss, window, cfg.guard)
 
     with kept_rng(), torch.enable_grad():  # the replays draw from the run's RNG streams: they are put back
-        replica = Replica(cfg, task, bundle, dev)
-        return _diagnose(ReplayBench(replica, task), bundle, cfg, observed, rule, start)
+        return _diagnose(ReplayBench(Replica(cfg, task, bundle, dev), task), bundle, cfg, observed, rule, start)
 
 
 def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: dict[str, Any], rule: Any,
@@ -440,14 +435,15 @@ def _rules_out_aftershock(cls: str, older: dict[str, Any] | None, earlier: int, 
 
 
 def _step_sizes(history: list[list[Any]], steps: list[dict[str, Any]], own: bool = False) -> dict[str, Any] | None:
-    """The whole model's update/weight ratio on ordinary windows under this state (the median of their replayed
-    steps; without one, the spike's own step's: ``own``) against the run's before the spike (the median of the last
-    intervals' records: ``[step, lr, ratio]``); None without two such records."""
-    before = [(int(t), r) for t, _, r in history if isinstance(r, (int, float)) and math.isfinite(r) and r > 0]
+    """The whole model's update/weight ratio on ordinary windows under this state (their replayed steps' median; without
+    one, the spike's own step's: ``own``) against the run's before it (the median of the last intervals' records: ``[step,
+    lr, ratio]``) and the LR those ran at (``lr``, their median); None without two such records."""
+    before = [(int(t), r, lr) for t, lr, r in history if isinstance(r, (int, float)) and math.isfinite(r) and r > 0]
+    lrs = [float(lr) for *_, lr in before if isinstance(lr, (int, float)) and lr > 0]
     if len(before) < 2 or not steps:
         return None
-    return {"now": statistics.median(s["update_ratio"] for s in steps), "before": statistics.median(r for _, r in before),
-            "upto": before[-1][0], **({"own": True} if own else {})}
+    return {"now": statistics.median(s["update_ratio"] for s in steps), "before": statistics.median(r for _, r, _ in before),
+            "upto": before[-1][0], **({"own": True} if own else {}), **({"lr": statistics.median(lrs)} if lrs else {})}
 
 
 def _typical(steps: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -463,10 +459,9 @@ def _typical(steps: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 def _older(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, spike: list, context: list, rule: Any, loss: float
            ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    """The window and ordinary windows under the older state (the interval's start, else an older checkpoint: ``from``), and
-    where the outputs depart; ``loss``: the spike window's now (ordinary windows as high, or a spike by the rule: the state
-    moved on). Without ordinary windows: what stands for them there (``ordinary_from``, see
-    :func:`~stabletrain.diagnostics.spike.ordinary_stand_in`), the rule's median now. ``lr``: since then, or ``since``."""
+    """The window and ordinary windows under the older state (``from``: the snapshot, else an older checkpoint), and where
+    the outputs depart; ``loss``: the spike window's now. Without ordinary windows: what stands for them there
+    (``ordinary_from``: :func:`~.spike.ordinary_stand_in`), the rule's median now. ``lr``: since then, or ``since``."""
     ref = bundle.get("reference")
     if not ref or ref.get("model") is None:
         return None, {}
@@ -484,8 +479,10 @@ def _older(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, spike: list, co
                                                  loss <= ratio * window_old)
     high = window_old > ratio * ordinary_old if ordinary_old is not None and math.isfinite(ordinary_old) else source == "capture"
     lrs = {g["lr"] for g in (lr_groups(bundle.get("optimizer")) or {}).get("param_groups", [])}  # (one LR: the records')
-    ran = [(int(t), float(x)) for t, x, *_ in seen.get("history") or [] if step < t < since and isinstance(x, float) and x > 0]
-    lr = ({"then": ran[-1][1], "now": lrs.pop(), "since": ran[-1][0]} if ran and len(lrs) == 1 and min(lrs) > 0
+    kept = [(int(t), float(x)) for t, x, *_ in seen.get("history") or [] if step <= t < since and isinstance(x, float) and x > 0]
+    ran, now_lr = [r for r in kept if r[0] > step], lrs.pop() if len(lrs) == 1 and min(lrs) > 0 else None
+    low = [r for r in kept if r[1] * LR_RISE <= now_lr] if ran and now_lr else []  # the last record before a jump
+    lr = ({"then": (low or ran)[-1][1], "now": now_lr, "since": (low or ran)[-1][0]} if ran and now_lr
           else lr_change(ref.get("optimizer"), bundle.get("optimizer")))
     spike_now = bool(context and math.isfinite(ordinary_now) and rule(ordinary_now)["spike"])
     info = {"step": step, "from": ref.get("from", "snapshot"), "window": window_old, "ordinary": ordinary_old,

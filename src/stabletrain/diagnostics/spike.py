@@ -4,27 +4,25 @@
 time, and hands the measurements to :func:`classify_spike`; the verdict and its evidence go into
 ``diagnosis.json`` as a non-finite step's do. The classes, tested in this order:
 
-- ``not reproducible``: the replay's loss is not the run's (bitwise in fp32), or it is no spike by the
-  guard's own rule: suspect nondeterminism or hardware.
+- ``not reproducible``: the replay's loss is not the run's (bitwise in fp32), or no spike by the rule: nondeterminism?
 - ``precision``: under bf16/fp16 the same step in fp32 is normal by the rule.
 - ``dropout``: with every dropout off the window is normal by the rule: the step's own masks made the spike (the
   samples are then weighed, and their removal verified, with dropout off: a row removed draws other masks).
-- ``data``: a few samples carry the window's loss and the step without them is normal by the rule (verified by
-  a replay), and the window is high under the older state too (the samples are bad whatever the weights); or
-  no small set carries it but the whole window is high under the older state: the batch is an outlier. High against
-  ordinary windows under that same state, or what stands for them (:func:`ordinary_stand_in`); nothing else (not the
-  rule's median under step 0's weights, where every window is high): the window is then not weighed there.
-- ``optimizer-state``: Adam's second moment: in the update of the step before the spike (or of the spike's
-  own), a layer's coordinates whose gradients were tiny for long get a large one (``|g| >> sqrt(v)``) and
-  move many times as far as the layer's others; the window is not an outlier under the older state, and no
-  divergence was under way (surges in several layers at once, the loss climbing before that update, or ordinary
-  windows already high under the older state make the surge a symptom: ``state``).
-- ``state``: the same window is normal under the older state and ordinary windows are high under this one:
-  the model or the optimizer state drifted (a divergence onset, an LR too high). Also the verdict when nothing
-  more specific holds.
+- ``data``: a few samples carry the window's loss and the step without them is normal by the rule (verified by a
+  replay), and the window is high under the older state too (the samples are bad whatever the weights; not a state
+  that ran at an LR the run's intervals before it did not); or no small set carries it but the whole window is high
+  under the older state: the batch is an outlier. High against ordinary windows under that same state, or what stands
+  for them (:func:`ordinary_stand_in`); nothing else (not the rule's median under step 0's weights).
+- ``optimizer-state``: Adam's second moment: in the update of the step before the spike (or of the spike's own), a
+  layer's coordinates whose gradients were tiny for long get a large one (``|g| >> sqrt(v)``) and move many times as
+  far as the layer's others; the window is not an outlier under the older state, and no divergence was under way
+  (surges in several layers at once, the loss climbing before that update, or ordinary windows already high under the
+  older state make the surge a symptom: ``state``).
+- ``state``: the same window is normal under the older state and ordinary windows are high under this one: the model
+  or the optimizer state drifted (a divergence onset, an LR too high). Also the verdict when nothing more specific holds.
 
-Pure: no replay, no state. :func:`adam_surges`, :func:`surge_rows`, :func:`departures` and :func:`jumps` turn
-tensors and per-module statistics into the evidence.
+Pure: no replay, no state. :func:`adam_surges`, :func:`surge_rows`, :func:`departures` and :func:`jumps` turn tensors
+and per-module statistics into the evidence.
 """
 
 from __future__ import annotations
@@ -36,34 +34,28 @@ from typing import Any
 import torch
 
 __all__ = ["SPIKE_CLASSES", "classify_spike", "adam_surges", "surge_rows", "departures", "precision_departures",
-           "jumps", "spike_summary", "lr_change", "lr_groups", "outlier_sets", "ordinary_stand_in", "SURGE_FACTOR", "UPDATE_JUMP"]
+           "jumps", "spike_summary", "lr_change", "lr_groups", "outlier_sets", "ordinary_stand_in", "SURGE_FACTOR", "UPDATE_JUMP",
+           "LR_RISE"]
 
 SPIKE_CLASSES = ("data", "state", "optimizer-state", "precision", "dropout", "not reproducible")
 
-#: A coordinate's gradient this many times sqrt(v) (Adam's second moment, bias-corrected) is a surge.
-SURGE_FACTOR = 10.0
+SURGE_FACTOR = 10.0  #: A coordinate's gradient this many times sqrt(v) (Adam's second moment, bias-corrected) is a surge.
 #: A layer is blamed when at least this share of its coordinates surges and they move at least UPDATE_JUMP times
 #: as far as its other coordinates in that update.
-MIN_SHARE = 1e-3
-UPDATE_JUMP = 3.0
-
+MIN_SHARE, UPDATE_JUMP = 1e-3, 3.0
 #: Without an older state, a data spike's few samples must carry at least this share of the window's loss.
 DATA_SHARE = 0.5
-
 #: A layer's gradient norm on the spike's window at least this many times its norm on an ordinary one is named as a
 #: jump in the evidence (x1 is no jump).
 GRAD_JUMP = 1.5
-#: A module whose low-precision output differs from its fp32 output by this share (relative L2 error) departs.
-PRECISION_ERROR = 0.05
-#: Surges in this many layers in one update are the whole model's rise, not one layer's rarely trained coordinates.
-MANY_LAYERS = 3
+PRECISION_ERROR = 0.05  #: A module whose low-precision output differs from fp32's by this share (relative L2) departs.
+MANY_LAYERS = 3  #: Surges in this many layers in one update are the whole model's rise, not one layer's rarely trained.
 #: The loss "already climbing" before a surging update: its last CLIMB_STEPS steps' losses each higher than the one
 #: before, each at least CLIMB_RATIO times the rule's median and the last CLIMB_LAST times it.
 CLIMB_STEPS, CLIMB_RATIO, CLIMB_LAST = 3, 1.25, 1.5
-#: A state spike's evidence names the LR's rise since the older state from this factor on.
-LR_RISE = 2.0
-#: ... and the growth of the whole model's update/weight ratio against the run's intervals before, from this factor on.
-STEP_GROWTH = 4.0
+#: A state spike's evidence names the LR's rise since the older state from LR_RISE on, and the growth of the whole
+#: model's update/weight ratio against the run's intervals before from STEP_GROWTH on.
+LR_RISE, STEP_GROWTH = 2.0, 4.0
 
 
 def adam_surges(named_params: list[tuple[str, torch.nn.Parameter]], optimizer: torch.optim.Optimizer,
@@ -306,7 +298,11 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     weighed = older is not None and older.get("ordinary_from", "windows") is not None  # (against what stands for them)
     drifted_now = older is not None and bool(older.get("ordinary_spike_now")
                                               or (older["ordinary_high"] and older.get("window_not_above_now")))
-    high_before = older is not None and older["window_high"] and not drifted_now
+    # The older state ran at an LR the run's intervals before it did not (x LR_RISE): it took updates at the new one, and a
+    # window it finds high is no outlier batch for that (a divergence amplifies some batches more than others).
+    sizes, lr = m.get("steps"), (older or {}).get("lr")
+    fresh = bool(sizes and sizes.get("lr") and lr and LR_RISE * lr["then"] >= lr["now"] >= LR_RISE * sizes["lr"])
+    high_before = older is not None and older["window_high"] and not drifted_now and not fresh
     # No older state to weigh the window against: ordinary windows that are spikes by the rule under this state say
     # the state drifted (then dropping a drifted window's largest losses "cures" it too: no sample is to blame).
     now = m.get("ordinary_now") if older is None else None
@@ -330,9 +326,7 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
                                               f"({_against(older, False)})" if older else ""))}
     # Only an update before the spike's loss can have caused it: the step before's (the spike's own comes after it).
     blamed = _surging_layer([r for r in m.get("surges") or [] if r.get("step", -1) < m.get("step", 0)])
-    lr = (older or {}).get("lr")
     rise = lr["now"] / lr["then"] if lr else 1.0
-    sizes = m.get("steps")
     growth = sizes["now"] / sizes["before"] if sizes and not sizes.get("own") else 1.0  # (a window's own: its gradient too)
     acquit = ""  # why a surge is not the cause: every coordinate moved further, or its update lowered this window's loss
     if blamed is not None and (rise >= LR_RISE or growth >= STEP_GROWTH) and max(rise, growth) >= blamed["coord_factor"]:
@@ -391,8 +385,10 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
         drift = f"; {window} and ordinary windows are {where}"
     if samples is not None and not weak:
         drift += (f"; samples {', '.join(map(str, samples['indices']))} carry {_pct(samples['share'])} of the loss, "
-                  + ("but ordinary windows are high under this state too" if drifted_now else "but only under the current "
-                     "state" if weighed else "but the window is weighed against no ordinary window under the older state"))
+                  + ("but ordinary windows are high under this state too" if drifted_now else f"but the state of step "
+                     f"{older['step']} already ran at x{lr['now'] / sizes['lr']:.3g} the LR of the run's intervals before "
+                     "it: none from before the rise to weigh them under" if fresh else "but only under the current state"
+                     if weighed else "but the window is weighed against no ordinary window under the older state"))
     if blamed is not None:
         out["blamed_layer"] = blamed["name"]
         return {**out, "failure_class": "optimizer-state",
@@ -449,11 +445,14 @@ def _lr_rise(older: dict[str, Any] | None) -> str:
 
 
 def _steps_grew(sizes: dict[str, Any] | None, older: dict[str, Any] | None) -> str:
-    """The whole model's update/weight ratio against the run's before, where it grew :data:`STEP_GROWTH` times or more."""
+    """The whole model's update/weight ratio against the run's before, where it grew :data:`STEP_GROWTH` times or more,
+    and the LR now against the one those intervals ran at (the older state's where they did not record one)."""
     if not sizes or sizes["now"] < STEP_GROWTH * sizes["before"]:
         return ""
-    lr = (older or {}).get("lr")
-    same = " at the same LR" if lr and max(lr["now"] / lr["then"], lr["then"] / lr["now"]) < 1.01 else ""
+    lr, was = (older or {}).get("lr"), sizes.get("lr")
+    f = lr["now"] / (was or lr["then"]) if lr else 1.0  # (an LR that jumped at the older state's step: theirs was lower)
+    same = ("" if not lr else " at the same LR" if max(f, 1 / f) < 1.01 else " with it" if _lr_rise(older) else
+            f" with the LR (x{f:.3g}: {was:.3g} -> {lr['now']:.3g})" if was and f >= LR_RISE else "")
     on = "the spike's own window (no ordinary one at hand: its gradient counts too)" if sizes.get("own") else "ordinary windows"
     return (f"; the optimizer's steps grew x{sizes['now'] / sizes['before']:.3g}{same}: update/weight {sizes['now']:.2g} on "
             f"{on} under this state against {sizes['before']:.2g} in the run's intervals up to step {sizes['upto']}")

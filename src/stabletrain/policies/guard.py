@@ -148,6 +148,7 @@ class Guard:
         self.num_incidents = 0
         self.num_spikes = 0
         self.num_spike_captures = 0
+        self.spike_class: tuple[int, str] | None = None  # the last captured spike's (step, class), set by the boundary
         self.first_loss: float | None = None  # the run's first logged interval loss: what 'negligible' is of (decide)
         self._no_spike: Tensor | None = None
         self._start: tuple[Any, int] | None = None  # the host window and count at the last interval's start
@@ -382,9 +383,13 @@ class Guard:
         """What a stop after consecutive skips says where every one of them was a spike: the loss is at a new level."""
         if self.spike_skips < self.consecutive_skips:
             return ""
-        return (f"; every one of them was a loss spike against the level before step {step - self.spike_skips + 1}: the "
-                "loss moved to a new level and stayed (a change in the data, or a divergence: stabletrain diagnose "
-                "names which); guard.on_spike=warn trains on at the new level")
+        since = step - self.spike_skips + 1
+        note = f"; every one of them was a loss spike against the level before step {since}"
+        if self.spike_class is not None and self.spike_class[1] in ("state", "optimizer-state"):  # (diagnosed already)
+            return (f"{note}, and the capture at step {self.spike_class[0]} found the state drifted ({self.spike_class[1]}): "
+                    f"a divergence, not a new level: lower the LR (optim.lr), from a checkpoint before step {since}")
+        return (f"{note}: the loss moved to a new level and stayed (a change in the data, or a divergence: stabletrain "
+                "diagnose names which); guard.on_spike=warn trains on at the new level")
 
     @contextlib.contextmanager
     def counters_kept(self) -> Iterator[None]:

@@ -118,8 +118,10 @@ class IntervalBoundary:
             info["spike_window"] = self.guard.window_before(step, rows)
             self.guard.num_spike_captures += 1
         info.update(self._capture(self.state, info, rows))
+        diagnosis = info.get("diagnosis_record") or info.get("diagnosis") or {}  # (the whole one, in memory)
+        if anomaly == "spike" and diagnosis.get("failure_class"):  # (what a stop after spike skips then says)
+            self.guard.spike_class = (step, diagnosis["failure_class"])
         if anomaly == "spike" and self.burst is not None and self.burst["first"] == step:
-            diagnosis = info.get("diagnosis_record") or info.get("diagnosis") or {}  # (the whole one, in memory)
             self.burst.update({"class": diagnosis.get("failure_class"), "level": bool(diagnosis.get("level_shift"))})
         if info.get("pinned") is not None:  # the capture's replay found the update that broke the parameters
             decision.pin(info["pinned"])

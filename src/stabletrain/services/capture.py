@@ -32,7 +32,6 @@ from typing import Any, Protocol
 from .. import console
 from ..console import StableTrainWarning
 from ..diagnostics.diagnosis import DIAGNOSIS_FIELDS
-from ..diagnostics.spike import lr_groups
 from ..errors import user_location
 from ..incident_replay import diagnose_incident, launch_history
 from ..records.bundles import BUNDLE_DCP_DIR, STATE_IN, write_bundle
@@ -41,6 +40,7 @@ from ..records.snapshot import IntervalSnapshot
 from ..records.staging import StateStager, clone_state, equal_states, join_params, state_kept
 from ..runstate import RunState
 from ..seeding import kept_rng
+from .spike_reference import spike_parts
 
 __all__ = ["IncidentCapture", "StepSource", "incident_dir", "staged_now", "MAX_CONTEXT", "IN_MEMORY"]
 
@@ -50,11 +50,6 @@ IN_MEMORY = ("bundle", "diagnosis_record")
 
 #: A spike's bundle keeps up to this many ordinary windows beside its own (its diagnosis compares against them).
 MAX_CONTEXT = 3
-#: How many of the run's interval records before a spike its bundle holds (their step, LR and update/weight ratio).
-HISTORY_INTERVALS = 5
-#: A spike this many steps or fewer after an applied one (guard.on_spike=warn) says it may be its aftershock.
-AFTERSHOCK_STEPS = 50
-MAX_EARLIER_SAMPLES = 256  # earlier spikes' named samples a spike's bundle carries (the newest)
 
 
 def unordinary(fit: RunState, rows: list[Any]) -> set[int]:
@@ -222,9 +217,9 @@ class IncidentCapture:
 
         Under guard.on_spike=skip every step of a divergence may be flagged and skipped: the interval's start (and the one
         before it) is then the spike's own state, and the snapshot from before the run is the trained state a spike's
-        window is weighed under (:meth:`_spike_parts`), not the untrained step 0's checkpoint. One process, where thrice
-        the snapshot fits the memory budget (``may_hold``): one more state in host memory while the run lasts; a run
-        without flagged steps holds nothing.
+        window is weighed under (:func:`~.spike_reference.spike_parts`), not the untrained step 0's checkpoint. One
+        process, where thrice the snapshot fits the memory budget (``may_hold``): one more state in host memory while the
+        run lasts; a run without flagged steps holds nothing.
         """
         snap = self.snapshot
         if step not in flagged:
@@ -381,7 +376,7 @@ class IncidentCapture:
             bundle["observed"]["recent"] = [[row.step, row.values["loss"], row.values["grad_norm"]] for row in rows
                                             if row.step < step]
             if spike:  # what the spike's counterfactual replays need: the rule's window, the older state, the run's steps
-                self._spike_parts(fit, bundle, step, start, info, first=n == 0)
+                spike_parts(self, fit, bundle, step, start, info, first=n == 0)
                 flagged = unordinary(fit, rows)  # the flagged steps right before it: a burst (a loss at a new level)
                 run = next((k for k in range(step) if step - 1 - k not in flagged), step)
                 if run:
@@ -405,56 +400,6 @@ class IncidentCapture:
                           stacklevel=console.user_stacklevel())
         elif fit.dist.is_main:
             console.say(f"{what} at step {step} (loss {info.get('loss', float('nan')):.4g}) not captured: {why}")
-
-    def _spike_parts(self, fit: RunState, bundle: dict[str, Any], step: int, start: tuple[dict[str, Any], int],
-                     info: dict[str, Any], *, first: bool) -> None:
-        """Add what a spike's counterfactual replays need to ``bundle``: the rule's window, the run's last interval
-        records (step, LR, update/weight ratio), an earlier spike it may be the aftershock of, and the older state (the
-        interval's start; where the run skipped every update since, the snapshot from before its run of flagged steps;
-        else an older checkpoint: ``first``, rank 0's bundle, looks one up) with its LR."""
-        src = self.source
-        bundle["observed"].update(anomaly="spike", spike_window=list(info.get("spike_window") or []),
-                                  history=[[r["step"], r.get("lr"), r.get("update_ratio")] for r in [*self.history, *fit.history]
-                                           if r["step"] < step][-HISTORY_INTERVALS:])
-        if self.last_spike is not None and 0 < step - self.last_spike["step"] <= AFTERSHOCK_STEPS:
-            bundle["observed"]["after_spike"] = dict(self.last_spike)
-        earlier = sorted((t, i) for i, t in self.spiked_samples.items() if t < step)[-MAX_EARLIER_SAMPLES:]
-        if earlier:
-            bundle["observed"]["earlier_samples"] = [[i, t] for t, i in earlier]
-        # A state the run made no update from since (its steps skipped) is the spike's own: the step before then led
-        # nothing into the spike, and the older state is no other (FSDP: shards only; right after the interval's
-        # start: the spike's own too).
-        now = bundle.get("model")
-        if bundle.get("previous") is not None and equal_states(bundle["previous"]["model"], now):
-            bundle["previous"] = None
-        older = src.strategy.one_process_model(start[0]["model"]) if start[1] < step - 1 else None
-        ran = start[0].get("optimizer")  # the lrs its last step ran at; a host's scheduler may have stepped on since:
-        if self.start_lrs is not None and self.snapshot.taken and start[1] == self.snapshot.step:  # the source's word
-            ran = {"param_groups": [{"lr": lr} for lr in self.start_lrs]} if self.start_lrs else None  # ([]: unknown)
-        at = start[1]
-        if older is not None and equal_states(older, now):  # the run skipped every update since: its steps were flagged
-            older, at, ran = self._before_run(start[1], now)
-        reference = {"step": at, "model": older, "optimizer": lr_groups(ran)} if older is not None else None
-        if reference is None and first and fit.dist.is_main and now is not None and not is_dcp_entry(now):
-            found = src.reference_state(fit, start[1] if start[1] < step - 1 else step - 1, now)
-            reference = ({"step": found[1], "model": found[0], "optimizer": lr_groups(found[2]), "from": "checkpoint"}
-                         if found else None)
-        bundle["reference"] = reference
-
-    def _before_run(self, before: int, now: Any) -> tuple[Any, int, Any]:
-        """(model, step, optimizer lrs) of the snapshot held from before the run of flagged steps
-        (:meth:`_hold_before_run`), where it is older than step ``before`` and its model unlike ``now``; else (None, ...)."""
-        held = self.snapshot.get_held()
-        if held is None or held[2] >= before or now is None:
-            return None, before, None
-        state = join_params(*held[:2])
-        model = self.source.strategy.one_process_model(state["model"])
-        if model is None or equal_states(model, now):
-            return None, before, None
-        ran = state.get("optimizer")
-        if self.held_lrs is not None:  # the source's word (see start_lrs)
-            ran = {"param_groups": [{"lr": lr} for lr in self.held_lrs]} if self.held_lrs else None
-        return model, held[2], ran
 
     def _replay(self, fit: RunState, step: int, start: tuple[dict[str, Any], int], info: dict[str, Any], rows: list[Any],
                 spike: bool) -> tuple[tuple[dict[str, Any], int], dict[str, Any] | None]:

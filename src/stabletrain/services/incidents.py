@@ -29,8 +29,9 @@ from ..records.jsonl import read_jsonl
 from ..records.staging import StateStager, equal_states, snapshot_fits
 from ..runstate import RunState
 from ..seeding import rng_state
-from .capture import HISTORY_INTERVALS, IncidentCapture, staged_now
+from .capture import IncidentCapture, staged_now
 from .checkpoints import CheckpointKeeper
+from .spike_reference import HISTORY_INTERVALS
 
 __all__ = ["IncidentRecorder", "LoopSteps"]
 

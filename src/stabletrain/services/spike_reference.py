@@ -1,0 +1,108 @@
+"""What a spike's bundle holds besides the state before its step: the older state its window is weighed under.
+
+:func:`spike_parts` adds to a spike's bundle the rule's window, the run's last interval records (step, LR,
+update/weight ratio), an earlier spike it may be the aftershock of, the samples earlier spikes named, and the
+older state with the LR its step ran at. The older state is the interval's start, unless
+
+- the run skipped every update since (its steps were flagged): the snapshot held from before that run of flagged
+  steps (:func:`before_run`);
+- the LR jumped in the interval that ended at it (its record's LR at least
+  :data:`~stabletrain.diagnostics.spike.LR_RISE` times the record's before): that state already took updates at the
+  new LR, and a window it finds high is no outlier batch for that (a jump x30 on step 130, a spike at 132: its
+  window high under step 130's state, "data"); the snapshot before it (:meth:`IntervalSnapshot.get_previous`), where
+  kept, ran at the old LR (:func:`before_jump`);
+- there is none (a spike right after the interval's start): an older checkpoint (rank 0's bundle looks one up).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..diagnostics.spike import LR_RISE, lr_groups
+from ..records.checkpoint.shards import is_dcp_entry
+from ..records.staging import equal_states, join_params
+from ..runstate import RunState
+
+__all__ = ["spike_parts", "before_run", "before_jump", "lr_jumped_at", "HISTORY_INTERVALS", "AFTERSHOCK_STEPS",
+           "MAX_EARLIER_SAMPLES"]
+
+#: How many of the run's interval records before a spike its bundle holds (their step, LR and update/weight ratio).
+HISTORY_INTERVALS = 5
+#: A spike this many steps or fewer after an applied one (guard.on_spike=warn) says it may be its aftershock.
+AFTERSHOCK_STEPS = 50
+MAX_EARLIER_SAMPLES = 256  # earlier spikes' named samples a spike's bundle carries (the newest)
+
+
+def spike_parts(engine: Any, fit: RunState, bundle: dict[str, Any], step: int, start: tuple[dict[str, Any], int],
+                info: dict[str, Any], *, first: bool) -> None:
+    """Add what a spike's counterfactual replays need to ``bundle`` (module docstring); ``engine``: the
+    :class:`~stabletrain.services.capture.IncidentCapture`, ``start``: the state the capture replayed from and its step,
+    ``first``: rank 0's bundle (it may look an older checkpoint up)."""
+    src = engine.source
+    bundle["observed"].update(anomaly="spike", spike_window=list(info.get("spike_window") or []),
+                              history=[[r["step"], r.get("lr"), r.get("update_ratio")] for r in [*engine.history, *fit.history]
+                                       if r["step"] < step][-HISTORY_INTERVALS:])
+    if engine.last_spike is not None and 0 < step - engine.last_spike["step"] <= AFTERSHOCK_STEPS:
+        bundle["observed"]["after_spike"] = dict(engine.last_spike)
+    earlier = sorted((t, i) for i, t in engine.spiked_samples.items() if t < step)[-MAX_EARLIER_SAMPLES:]
+    if earlier:
+        bundle["observed"]["earlier_samples"] = [[i, t] for t, i in earlier]
+    # A state the run made no update from since (its steps skipped) is the spike's own: the step before then led
+    # nothing into the spike, and the older state is no other (FSDP: shards only; right after the interval's
+    # start: the spike's own too).
+    now = bundle.get("model")
+    if bundle.get("previous") is not None and equal_states(bundle["previous"]["model"], now):
+        bundle["previous"] = None
+    older = src.strategy.one_process_model(start[0]["model"]) if start[1] < step - 1 else None
+    ran = start[0].get("optimizer")  # the lrs its last step ran at; a host's scheduler may have stepped on since:
+    if engine.start_lrs is not None and engine.snapshot.taken and start[1] == engine.snapshot.step:  # the source's word
+        ran = {"param_groups": [{"lr": lr} for lr in engine.start_lrs]} if engine.start_lrs else None  # ([]: unknown)
+    at = start[1]
+    if older is not None and equal_states(older, now):  # the run skipped every update since: its steps were flagged
+        older, at, ran = before_run(engine, start[1], now)
+    elif older is not None and lr_jumped_at(bundle["observed"]["history"], at):
+        older, at, ran = before_jump(engine, at, now) or (older, at, ran)
+    reference = {"step": at, "model": older, "optimizer": lr_groups(ran)} if older is not None else None
+    if reference is None and first and fit.dist.is_main and now is not None and not is_dcp_entry(now):
+        found = src.reference_state(fit, start[1] if start[1] < step - 1 else step - 1, now)
+        reference = ({"step": found[1], "model": found[0], "optimizer": lr_groups(found[2]), "from": "checkpoint"}
+                     if found else None)
+    bundle["reference"] = reference
+
+
+def before_run(engine: Any, before: int, now: Any) -> tuple[Any, int, Any]:
+    """(model, step, optimizer lrs) of the snapshot held from before the run of flagged steps
+    (:meth:`IncidentCapture._hold_before_run`), where it is older than step ``before`` and its model unlike ``now``;
+    else (None, ...)."""
+    held = engine.snapshot.get_held()
+    if held is None or held[2] >= before or now is None:
+        return None, before, None
+    state = join_params(*held[:2])
+    model = engine.source.strategy.one_process_model(state["model"])
+    if model is None or equal_states(model, now):
+        return None, before, None
+    ran = state.get("optimizer")
+    if engine.held_lrs is not None:  # the source's word (see start_lrs)
+        ran = {"param_groups": [{"lr": lr} for lr in engine.held_lrs]} if engine.held_lrs else None
+    return model, held[2], ran
+
+
+def lr_jumped_at(history: list[list[Any]], at: int) -> bool:
+    """Whether the interval record of step ``at`` (``[step, lr, ratio]``) has an LR :data:`LR_RISE` times or more the
+    record's before it: the LR jumped in the interval that ended at step ``at``."""
+    lrs = {int(t): lr for t, lr, *_ in history if isinstance(lr, (int, float)) and lr > 0}
+    older = [t for t in lrs if t < at]
+    return at in lrs and bool(older) and lrs[at] >= LR_RISE * lrs[max(older)]
+
+
+def before_jump(engine: Any, at: int, now: Any) -> tuple[Any, int, Any] | None:
+    """(model, step, optimizer state) of the snapshot before the one of step ``at`` (kept where twice the snapshot fits),
+    whose model is unlike ``now``; None where there is none."""
+    previous = engine.snapshot.get_previous()
+    if previous is None or previous[2] >= at or now is None:
+        return None
+    state = join_params(*previous[:2])
+    model = engine.source.strategy.one_process_model(state["model"])
+    if model is None or equal_states(model, now):
+        return None
+    return model, previous[2], state.get("optimizer")
