@@ -38,6 +38,8 @@ def test_accum_check_warns_on_batchnorm_with_the_measured_difference():
     assert result.numbers["max_param_diff"] > result.numbers["tolerance"]
     assert "batch statistics (1)" in result.summary and "not one big batch for this model" in result.summary
     assert "WARN" in format_table([result]) and "(1 with a warning)" in format_table([result])
+    [advice] = [d for d in result.details if d.startswith("to make k micro-batches match one batch")]
+    assert "GroupNorm/LayerNorm instead of BatchNorm" in advice and "SyncBatchNorm pools them across ranks, not" in advice
 
 
 def test_accum_check_passes_in_training_mode_with_dropout_switched_off_for_it():

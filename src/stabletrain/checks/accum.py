@@ -193,8 +193,9 @@ def check_accum(ctx: CheckContext) -> CheckResult:
                        "noise injection, random augmentation in the forward): make it depend on self.training, or "
                        "compare with it off; the check switches dropout off by those three routes only")
     elif warning:
-        details.append("to make k micro-batches match one batch: GroupNorm/LayerNorm instead of BatchNorm, or SyncBatchNorm "
-                       "statistics over the whole window; otherwise keep micro-batches large enough for stable statistics")
+        details.append("to make k micro-batches match one batch: GroupNorm/LayerNorm instead of BatchNorm (a batch norm's "
+                       "statistics are each micro-batch's own; SyncBatchNorm pools them across ranks, not across a window's "
+                       "micro-batches); otherwise keep micro-batches large enough for stable statistics")
     elif summed:
         big_loss, micro_losses = losses
         details.append(f"the scalar loss scales with the batch size: {big_loss:.4g} on the batch of {total} = the sum of "
