@@ -511,3 +511,49 @@ def test_multihead_attention_is_measured_as_a_layer_and_an_overscaled_one_is_nam
     report = signal_report(model, (x, x), loss)
     first = report.first_forward
     assert (first.name, first.forward) == ("enc.layers.1.self_attn", "exploding") and first.forward_ratio > 10, first
+
+
+def test_a_broadcast_position_embedding_is_no_backward_reference_for_the_token_embedding():
+    """GPT-2's wpe runs on positions of shape (1, T): its output gradient is summed over the batch, and as the token
+    embedding's backward reference it made wte 'vanishing' at 1/sqrt(batch) (0.248x at 16, 0.126x at 64)."""
+    class PosLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.wpe, self.head = nn.Embedding(32, 16), nn.Embedding(8, 16), nn.Linear(16, 32)
+
+        def forward(self, x):
+            return self.head(self.wte(x) + self.wpe(torch.arange(x.shape[1])[None]))
+
+    torch.manual_seed(0)
+    x = torch.randint(0, 32, (64, 8))
+    report = signal_report(PosLM(), (x, x), lambda m, b: torch.nn.functional.cross_entropy(m(b[0]).flatten(0, 1),
+                                                                                        b[1].flatten()))
+    wte, wpe = report.layers[0], report.layers[1]
+    assert (wte.name, wte.lead, wpe.name, wpe.lead) == ("wte", 64, "wpe", 1)
+    assert report.passed and wte.ref_backward != "wpe" and wte.backward == "ok", report.summary("backward")
+
+
+def test_a_layer_with_no_counterpart_is_judged_against_its_own_input():
+    """One attention block with in_proj and out_proj x30 made the signal 390x its input; with itself as its only
+    reference nothing was flagged (and the LayerNorm after it took the 390x in silence)."""
+    class OneBlock(nn.Module):
+        def __init__(self, k: float):
+            super().__init__()
+            self.attn, self.norm, self.head = nn.MultiheadAttention(32, 4, batch_first=True), nn.LayerNorm(32), nn.Linear(32, 5)
+            with torch.no_grad():
+                self.attn.in_proj_weight.mul_(k)
+                self.attn.out_proj.weight.mul_(k)
+
+        def forward(self, x):
+            return self.head(self.norm(x + self.attn(x, x, x, need_weights=False)[0])).mean(1)
+
+    def report(k: float):
+        torch.manual_seed(0)
+        x, y = torch.randn(8, 10, 32), torch.randint(0, 5, (8,))
+        return signal_report(OneBlock(k), (x, y), lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]))
+
+    assert report(1.0).passed
+    bad = report(30.0)
+    assert not bad.passed and bad.first_forward.name == "attn" and bad.first_forward.forward_ratio > 100
+    assert bad.summary("forward").startswith("forward: explodes at #0 'attn' (MultiheadAttention): std ")
+    assert "x that of its own input;" in bad.summary("forward")

@@ -254,7 +254,8 @@ def excluding(report: SignalReport, zero: list[ZeroInitLayer], *, label: str,
     is compared with them (a layer they were pooled with is compared with its other counterparts, or with none).
     ``as_built``: the report of the model as built, whose update ratios the zero layers' parameters keep (0 at init:
     no ratio; the measured copy's weights are not theirs)."""
-    from .signal_propagation import OK, assign_references
+    from .signal_propagation import OK
+    from .signal_verdicts import assign_references
 
     names = {name for z in zero for name in z.layers}
     layers = copy.deepcopy(report.layers)

@@ -52,6 +52,7 @@ from torch import Tensor, nn
 from ..numerics import unique_params
 from ..policies.accumulation import as_sum_count
 from ..tasks.init_schemes import ActivationTrace, activation_name, is_norm, recommend_scheme
+from .signal_verdicts import OWN_INPUT, assign_references
 from .update_ratio import UpdateRatio, update_ratios
 
 __all__ = ["NothingToMeasure", "SignalThresholds", "LayerSignal", "SignalReport", "signal_report", "assign_references"]
@@ -129,6 +130,7 @@ class LayerSignal:
     time_grad_mid: float | None = None  # recurrent: ... and at its middle one
     in_shape: tuple[int, ...] | None = None  # without the leading (batch) dimension
     out_shape: tuple[int, ...] = ()
+    lead: int | None = None  # the output's leading (batch) size: a broadcast one (GPT-2's wpe, 1) no full batch's peer
     ref_forward: str = ""
     ref_backward: str = ""
     forward_ratio: float | None = None
@@ -196,7 +198,8 @@ class SignalReport:
         extreme = (max(ratios, key=lambda r: _log_ratio(r[0])) if verdict == EXPLODING
                    else min(ratios, key=lambda r: _log_ratio(r[0])))
         what = "std" if direction == "forward" else "grad std"
-        ref = repr(first.ref_forward if direction == "forward" else first.ref_backward)
+        ref = first.ref_forward if direction == "forward" else first.ref_backward
+        ref = f"of {ref}" if ref == OWN_INPUT else repr(ref)
         value = first.signal_std if direction == "forward" else first.grad_std
         if direction == "forward" and first.role == "recurrent" and first.time_out_mid is not None:
             what, value, ref = "through time: output std at its last time step", first.time_out_last, "at its middle one"
@@ -302,66 +305,6 @@ def _main_param(module: nn.Module) -> tuple[str, nn.Parameter] | None:
     return next(((n, p) for n, p in own if n == "weight"), max(own, key=lambda np_: np_[1].numel()) if own else None)
 
 
-def _group_key(layer: LayerSignal) -> tuple:
-    """Return (class, name with list indices as '*', input shape, output shape, segment): a layer's counterparts.
-
-    A recurrent layer's counterparts are the recurrent layers of any segment; a call of a module reused
-    in different roles has none (its key is its own).
-    """
-    if layer.own_reference:
-        return layer.kind, layer.name, layer.in_shape, layer.out_shape, layer.index
-    pattern = ".".join("*" if part.isdigit() else part for part in layer.name.split("#")[0].split("."))
-    return layer.kind, pattern, layer.in_shape, layer.out_shape, None if layer.role == "recurrent" else layer.segment
-
-
-def assign_references(layers: list[LayerSignal], thresholds: SignalThresholds) -> None:
-    groups: dict[tuple, list[LayerSignal]] = {}
-    for layer in layers:
-        groups.setdefault(_group_key(layer), []).append(layer)
-    pooled: dict[tuple, list[LayerSignal]] = {}
-    for key, members in groups.items():  # a layer with no counterpart joins the others of its class and shapes
-        alone = len(members) == 1 and not members[0].own_reference
-        pooled.setdefault((key[0], None, *key[2:]) if alone else key, []).extend(members)
-    for members in pooled.values():
-        members.sort(key=lambda layer: layer.index)
-        fwd_ref = members[0]
-        with_grad = [m for m in members if m.grad_std is not None]
-        bwd_ref = with_grad[-1] if with_grad else None
-        for layer in members:
-            if layer.role != "embedding":  # a lookup: its output scale is its init, there is no input to preserve
-                layer.ref_forward = fwd_ref.name
-                layer.forward_ratio = _ratio(layer.signal_std, fwd_ref.signal_std)
-            layer.param_std_ratio = _ratio(layer.param_std, fwd_ref.param_std)
-            if bwd_ref is not None and layer.grad_std is not None:
-                layer.param_grad_ratio = _ratio(layer.param_grad_std, bwd_ref.param_grad_std)
-                if layer.role != "recurrent":
-                    layer.ref_backward = bwd_ref.name
-                    layer.backward_ratio = _ratio(layer.grad_std, bwd_ref.grad_std)
-            # Through time, not through depth: the output at the last time step vs the middle one, and the
-            # gradient reaching the input's first time step vs the middle one. The middle (not the other end)
-            # keeps out the zero initial state forward and the last steps' short future backward.
-            if layer.role == "recurrent" and layer.time_out_mid is not None:
-                layer.ref_forward = f"{layer.name} at its middle time step"
-                layer.forward_ratio = _ratio(layer.time_out_last, layer.time_out_mid)
-            if layer.role == "recurrent" and layer.time_grad_first is not None:
-                layer.ref_backward = f"{layer.name} at its middle time step"
-                layer.backward_ratio = _ratio(layer.time_grad_first, layer.time_grad_mid)
-            if layer.forward_ratio is None and layer.ref_forward and layer.silent:  # 0 vs a reference of 0 (dead too)
-                layer.forward_ratio = 0.0
-            layer.forward = thresholds.verdict(layer.forward_ratio)
-            layer.backward = thresholds.verdict(layer.backward_ratio)
-
-
-def _ratio(value: float | None, ref: float | None) -> float | None:
-    if value is None or ref is None:
-        return None
-    if not (math.isfinite(value) and math.isfinite(ref)):
-        return math.inf
-    if ref == 0:
-        return None if value == 0 else math.inf
-    return value / ref
-
-
 class NothingToMeasure(ValueError):
     """No leaf module of the model produced a floating-point tensor in the loss's forward (nothing to report on)."""
 
@@ -402,7 +345,7 @@ def _measure(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any]
     activations the forward called as functions (:attr:`ActivationTrace.functional`)."""
     # nn.MultiheadAttention is a leaf here: its forward is a function of its own weights (out_proj is never called)
     leaves = [(n, m) for n, m in model.named_modules() if not list(m.children()) or isinstance(m, nn.MultiheadAttention)]
-    calls: list[tuple[str, nn.Module, tuple | None, tuple]] = []  # name, module, input shape, output shape
+    calls: list[tuple[str, nn.Module, tuple | None, tuple, int | None]] = []  # name, module, in/out shape, out's lead
     stats: list[dict[str, Tensor]] = []
 
     def on_forward(name: str) -> Callable:
@@ -428,7 +371,8 @@ def _measure(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any]
                         def time_hook(g: Tensor, row: dict = row, t_axis: int = t_axis, mid: int = mid) -> None:
                             row["time_grad"] = torch.stack([_std(g.select(t_axis, 0)), _std(g.select(t_axis, mid))])
                         seq.register_hook(time_hook)
-            calls.append((name, module, None if x is None else tuple(x.shape[1:]), tuple(out.shape[1:])))
+            calls.append((name, module, None if x is None else tuple(x.shape[1:]), tuple(out.shape[1:]),
+                          out.shape[0] if out.dim() else None))
             stats.append(row)
         return hook
 
@@ -445,7 +389,7 @@ def _measure(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any]
         raise NothingToMeasure("signal_report: no leaf module produced a floating-point tensor; "
                                "is the model called in loss(model, batch)?")
 
-    mains = [_main_param(module) for _, module, _, _ in calls]
+    mains = [_main_param(call[1]) for call in calls]
     for main, row in zip(mains, stats):
         if main is not None:
             row["param_std"] = _std(main[1])
@@ -461,12 +405,12 @@ def _measure(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any]
         got[i][k] = [next(values) for _ in range(stats[i][k].numel())] if stats[i][k].dim() else next(values)
     loss_value = next(values)
 
-    ids = [id(module) for _, module, _, _ in calls]
+    ids = [id(call[1]) for call in calls]
     num_calls = Counter(ids)
     seen: dict[int, int] = {}
     segment = 0
     layers = []
-    for i, ((name, module, in_shape, out_shape), main, row) in enumerate(zip(calls, mains, got)):
+    for i, ((name, module, in_shape, out_shape, lead), main, row) in enumerate(zip(calls, mains, got)):
         param_name = None if main is None else ".".join(filter(None, (name, main[0])))
         call = seen[ids[i]] = seen.get(ids[i], -1) + 1
         reused = num_calls[ids[i]] > 1
@@ -481,7 +425,7 @@ def _measure(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any]
             call=call if reused else None, own_reference=reused and not _repeated_unit(ids, ids[i], num_calls),
             segment=segment, time_out_mid=time_out[0], time_out_last=time_out[1], time_grad_first=time_grad[0],
             time_grad_mid=time_grad[1],
-            in_shape=in_shape, out_shape=out_shape))
+            in_shape=in_shape, out_shape=out_shape, lead=lead))
         segment += recurrent
     return layers, loss_value, trace.functional
 

@@ -1,0 +1,87 @@
+"""Each layer's reference and verdict in a :class:`~stabletrain.diagnostics.signal_propagation.SignalReport`.
+
+A layer is compared with its counterparts (the same class, name pattern, shapes and leading size, in the same
+recurrent segment): forward with the shallowest, backward with the deepest; a norm layer on its input; a recurrent
+layer through time. A layer with no counterpart at all (one attention block, one head) is its own reference, which
+no depth comparison can flag: it is judged against its own input instead, exploding where a weighted layer's output
+std is more than :data:`GAIN_LIMIT` times its input's (a 30x ``in_proj_weight`` made one attention block 386x).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["assign_references", "GAIN_LIMIT", "OWN_INPUT"]
+
+#: A weighted layer with no counterpart whose output std is more than this many times its input's explodes (PyTorch's
+#: default Linear/Conv init gives ~0.6x, Kaiming ~1.4x; N(0, 1) weights of fan-in 256 give ~16x).
+GAIN_LIMIT = 16.0
+OWN_INPUT = "its own input"  # the reference of a layer judged against its input
+
+
+def _group_key(layer: Any) -> tuple:
+    """Return (class, name with list indices as '*', input shape, output shape, segment): a layer's counterparts.
+
+    A recurrent layer's counterparts are the recurrent layers of any segment; a call of a module reused
+    in different roles has none (its key is its own).
+    """
+    out = (layer.out_shape, layer.lead)
+    if layer.own_reference:
+        return layer.kind, layer.name, layer.in_shape, out, layer.index
+    pattern = ".".join("*" if part.isdigit() else part for part in layer.name.split("#")[0].split("."))
+    return layer.kind, pattern, layer.in_shape, out, None if layer.role == "recurrent" else layer.segment
+
+
+def assign_references(layers: list[Any], thresholds: Any) -> None:
+    """Set each :class:`~.signal_propagation.LayerSignal`'s references, ratios and verdicts (module docstring) under
+    ``thresholds`` (:class:`~.signal_propagation.SignalThresholds`)."""
+    groups: dict[tuple, list[Any]] = {}
+    for layer in layers:
+        groups.setdefault(_group_key(layer), []).append(layer)
+    pooled: dict[tuple, list[Any]] = {}
+    for key, members in groups.items():  # a layer with no counterpart joins the others of its class and shapes
+        alone = len(members) == 1 and not members[0].own_reference
+        pooled.setdefault((key[0], None, *key[2:]) if alone else key, []).extend(members)
+    for members in pooled.values():
+        members.sort(key=lambda layer: layer.index)
+        fwd_ref = members[0]
+        with_grad = [m for m in members if m.grad_std is not None]
+        bwd_ref = with_grad[-1] if with_grad else None
+        for layer in members:
+            if layer.role != "embedding":  # a lookup: its output scale is its init, there is no input to preserve
+                layer.ref_forward = fwd_ref.name
+                layer.forward_ratio = _ratio(layer.signal_std, fwd_ref.signal_std)
+            layer.param_std_ratio = _ratio(layer.param_std, fwd_ref.param_std)
+            if bwd_ref is not None and layer.grad_std is not None:
+                layer.param_grad_ratio = _ratio(layer.param_grad_std, bwd_ref.param_grad_std)
+                if layer.role != "recurrent":
+                    layer.ref_backward = bwd_ref.name
+                    layer.backward_ratio = _ratio(layer.grad_std, bwd_ref.grad_std)
+            # Through time, not through depth: the output at the last time step vs the middle one, and the
+            # gradient reaching the input's first time step vs the middle one. The middle (not the other end)
+            # keeps out the zero initial state forward and the last steps' short future backward.
+            if layer.role == "recurrent" and layer.time_out_mid is not None:
+                layer.ref_forward = f"{layer.name} at its middle time step"
+                layer.forward_ratio = _ratio(layer.time_out_last, layer.time_out_mid)
+            if layer.role == "recurrent" and layer.time_grad_first is not None:
+                layer.ref_backward = f"{layer.name} at its middle time step"
+                layer.backward_ratio = _ratio(layer.time_grad_first, layer.time_grad_mid)
+            if layer.forward_ratio is None and layer.ref_forward and layer.silent:  # 0 vs a reference of 0 (dead too)
+                layer.forward_ratio = 0.0
+            gain = _ratio(layer.out_std, layer.in_std)
+            if (len(members) == 1 and not layer.role and not layer.is_norm and layer.param_name is not None
+                    and gain is not None and gain > GAIN_LIMIT):  # no counterpart: against its own input
+                layer.ref_forward, layer.forward_ratio = OWN_INPUT, gain
+            layer.forward = thresholds.verdict(layer.forward_ratio)
+            layer.backward = thresholds.verdict(layer.backward_ratio)
+
+
+def _ratio(value: float | None, ref: float | None) -> float | None:
+    if value is None or ref is None:
+        return None
+    if not (math.isfinite(value) and math.isfinite(ref)):
+        return math.inf
+    if ref == 0:
+        return None if value == 0 else math.inf
+    return value / ref
