@@ -385,3 +385,36 @@ def test_a_zero_initialized_head_is_not_told_at_step_0_as_a_vanishing_signal(tmp
     assert report["passed"] is True
     head = [layer for layer in report["layers"] if layer["name"].startswith("head")]
     assert head and all(layer.get("forward_ratio") is None for layer in head)  # no verdict on the zero layer
+
+
+@pytest.mark.parametrize("signal", ["false", "true"])
+def test_an_init_a_lazy_first_forward_overwrites_is_reported_once(tmp_path, capfd, signal):
+    """A new user's model zero-inits its head on purpose, then calls reset_parameters() on it inside its first forward
+    (a lazy re-init): the watch compared before the first forward, and nothing was said."""
+    from helpers import cfg, regression_task
+
+    from stabletrain import Trainer
+    from stabletrain.records.jsonl import read_jsonl
+
+    class LazyReset(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.l2, self.done = nn.Linear(4, 16), nn.Linear(16, 1), False
+            nn.init.zeros_(self.l2.weight)
+
+        def forward(self, x):
+            if not self.done:
+                self.done = True
+                self.l2.reset_parameters()
+            return self.l2(torch.tanh(self.l1(x)))
+
+    def task():
+        t = regression_task()
+        t.model = LazyReset()
+        return t
+
+    Trainer(cfg("train.max_steps=4", "log.every=2", f"log.init_signal={signal}"), task=task(), run_dir=tmp_path / "run").fit()
+    events = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl")[0] if e["kind"] == "init_overwritten"]
+    assert len(events) == 1 and [p["name"] for p in events[0]["params"]] == ["l2.weight", "l2.bias"], events
+    assert events[0]["reason"].endswith(" in the model's first forward"), events[0]["reason"]
+    assert "stabletrain: init overwritten in the model's first forward: " in capfd.readouterr().out

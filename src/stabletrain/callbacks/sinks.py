@@ -205,19 +205,34 @@ class InitWatch(Callback):
     """Fingerprint every parameter right after the task factory; report any init changed before the first step.
 
     A ``reset_parameters()``, a wrapper or a meta-device materialization that silently re-initializes is
-    an ``init_overwritten`` event naming each parameter. One host read, once, before the first step.
+    an ``init_overwritten`` event naming each parameter. One host read at the fit's start, and, where nothing had
+    changed by then, one more right after the model's first forward (a lazy re-init on the first call; not under
+    ``train.compile``, where a hook would be traced into the compiled forward), before its backward.
     """
 
     def __init__(self, fingerprint: InitFingerprint | None = None) -> None:
         self.fingerprint = fingerprint
 
     def on_fit_start(self, state: RunState) -> None:
-        if self.fingerprint is None or state.step > 0:
+        fingerprint, self.fingerprint = self.fingerprint, None
+        if fingerprint is None or state.step > 0:
             return
-        changes = self.fingerprint.compare(state.module)
-        self.fingerprint = None
+        changes = fingerprint.compare(state.module)
         if changes:
-            text = InitFingerprint.describe(changes)
-            state.event(state.step, "init_overwritten", text, params=[c.as_dict() for c in changes])
-            if state.dist.is_main:  # (it was an event only: the run trained on another init without a word)
-                console.say(f"init overwritten: {text}")
+            _say_overwritten(state, changes, "")
+        elif not getattr(getattr(state.cfg, "train", None), "compile", False):
+
+            def after_first_forward(module: Any, args: Any, out: Any) -> None:
+                handle.remove()
+                changes = fingerprint.compare(module)
+                if changes:
+                    _say_overwritten(state, changes, " in the model's first forward")
+
+            handle = state.module.register_forward_hook(after_first_forward)
+
+
+def _say_overwritten(state: RunState, changes: list[Any], when: str) -> None:
+    text = InitFingerprint.describe(changes)
+    state.event(state.step, "init_overwritten", f"{text}{when}", params=[c.as_dict() for c in changes])
+    if state.dist.is_main:  # (it was an event only: the run trained on another init without a word)
+        console.say(f"init overwritten{when}: {text}")
