@@ -120,6 +120,13 @@ def test_default_collate_failing_on_the_users_samples_is_the_collate_without_use
     assert "torch's default_collate" in head and "Task.collate" in head
 
 
+def test_one_item_of_another_shape_is_named_by_its_dataset_index_not_blamed_on_the_collate():
+    """A new user's dataset returned (4, 3) for item 17 and (4,) for the rest: the line said to write a collate."""
+    err = error_of("one_odd_item_task", "data.shuffle=false", "train.batch_size=8")
+    head = format_task_error(err, task_part(err)).splitlines()[0]
+    assert "dataset item 5 is ((4, 3), (1,)) where the batch's other " in head and "fix the item, or pad them" in head, head
+
+
 def test_stabletrain_own_errors_are_not_the_tasks():
     task = regression_task()
     for p in task.model.parameters():

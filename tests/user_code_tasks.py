@@ -103,6 +103,22 @@ def ragged_data_task():
     return task
 
 
+class OneOdd(Dataset):
+    """Every item (4,) but item 5, (4, 3): the data's fault, which default_collate reports as a stack of unequal sizes."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i):
+        return torch.zeros(4, 3) if i == 5 else torch.zeros(4), torch.zeros(1)
+
+
+def one_odd_item_task():
+    task = regression_task()
+    task.train_data = OneOdd()
+    return task
+
+
 def bad_val_item_task():
     """Training works; the validation dataset's __getitem__ raises."""
     task = regression_task()

@@ -299,9 +299,40 @@ def format_task_error(err: BaseException, part: str) -> str:
     subject = f"the {part}" if part.endswith("module") else f"the task's {part}"
     head = f"{subject} raised {type(err).__name__}" + (f" at {where}" if where else "")
     if part.startswith("collate") and where is None:
-        head += (" in torch's default_collate, which cannot batch these samples: give the task a "
-                 "collate(samples) -> batch (Task.collate)")
+        odd = _odd_items(err)
+        head += (f" in torch's default_collate: {odd}; default_collate stacks items of one shape: fix the item, or pad "
+                 "them in a collate(samples) -> batch (Task.collate)" if odd else
+                 " in torch's default_collate, which cannot batch these samples: give the task a collate(samples) -> "
+                 "batch (Task.collate)")
     return "\n".join(x for x in (head, batch_note(err, part), format_user_traceback(err).rstrip("\n")) if x)
+
+
+def _odd_items(err: BaseException) -> str | None:
+    """Which dataset items of the batch default_collate failed on differ in shape from the rest ("dataset item 17 is
+    (4, 3) where the batch's other 7 are (4,)"), from the DataLoader fetcher's frame (its indices and items); None where
+    that frame is not in the traceback (a worker process's error) or no item stands out."""
+    torch = sys.modules.get("torch")
+    tb = err.__traceback__
+    while tb is not None and torch is not None:
+        local = tb.tb_frame.f_locals
+        if tb.tb_frame.f_code.co_name == "fetch" and isinstance(local.get("data"), list) and "possibly_batched_index" in local:
+            def shape(x: Any) -> Any:
+                if isinstance(x, torch.Tensor):
+                    return tuple(x.shape)
+                if isinstance(x, dict):
+                    return tuple((k, shape(v)) for k, v in x.items())
+                return tuple(shape(v) for v in x) if isinstance(x, (tuple, list)) else type(x).__name__
+
+            items, indices = local["data"], list(local["possibly_batched_index"])
+            shapes = [shape(x) for x in items]
+            usual = max(set(shapes), key=shapes.count)
+            odd = [(i, sh) for i, sh in zip(indices, shapes) if sh != usual]
+            if not odd or len(odd) * 2 > len(shapes) or len(indices) != len(shapes):
+                return None
+            listed = ", ".join(f"{i} is {sh}" for i, sh in odd[:3]) + (" ..." if len(odd) > 3 else "")
+            return f"dataset item {listed} where the batch's other {len(shapes) - len(odd)} are {usual}"
+        tb = tb.tb_next
+    return None
 
 
 def batch_note(err: BaseException, part: str) -> str | None:
