@@ -10,7 +10,6 @@ import yaml
 
 import stabletrain
 from stabletrain.config import (
-    ABSENT,
     RESUME_SAFE_KEYS,
     AccumConfig,
     ClipConfig,
@@ -220,12 +219,13 @@ def test_diff_configs_lists_differing_keys_and_ignores_resume_safe_ones():
     current = load_config(None, ["task=gpt", "optim.lr=3e-4", "train.max_steps=900", "log.every=5",
                                  "eval.every=7", "run.dir=elsewhere", "task_args.n_head=2", "callbacks=[a:B]"])
     diffs = diff_configs(config_to_dict(saved), current)  # plain dicts and Config objects both work
+    # (task_args compare with the gpt factory's defaults filled in: n_layer 4 and n_head 4 where a side leaves them out)
     assert [(d.key, d.saved, d.current) for d in diffs] == [
-        ("task_args.n_layer", 2, ABSENT), ("optim.lr", 1e-3, 3e-4), ("task_args.n_head", ABSENT, 2)]
+        ("task_args.n_layer", 2, 4), ("task_args.n_head", 4, 2), ("optim.lr", 1e-3, 3e-4)]
     text = format_config_diff(diffs)
     assert text.splitlines()[0] == "3 config keys differ from the checkpoint's:"
-    assert text.splitlines()[2] == "  optim.lr           checkpoint: 0.001  now: 0.0003"
-    assert text.splitlines()[3] == "  task_args.n_head   checkpoint: (absent)  now: 2"
+    assert text.splitlines()[3] == "  optim.lr           checkpoint: 0.001  now: 0.0003"
+    assert text.splitlines()[2] == "  task_args.n_head   checkpoint: 4  now: 2"
     assert diff_configs(saved, saved) == [] and format_config_diff([]) == ""
     assert diff_configs(saved, current, safe=("optim", "task_args.*", "callbacks")) == [
         ("train.max_steps", 300, 900), ("log.every", 10, 5), ("eval.every", 100, 7), ("run.dir", None, "elsewhere")]

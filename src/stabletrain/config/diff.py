@@ -17,7 +17,7 @@ from ..errors import brief
 from .loading import config_to_dict
 
 __all__ = ["RESUME_SAFE_KEYS", "RESHARD_SAFE_KEYS", "resume_safe_text", "ABSENT", "ConfigDiff", "dotted_key",
-           "flatten_config", "diff_configs", "format_config_diff", "resume_refusal_message"]
+           "flatten_config", "with_task_defaults", "diff_configs", "format_config_diff", "resume_refusal_message"]
 
 #: Config keys (exact, ``fnmatch`` globs, or a section name) that may differ when a run is resumed:
 #: they change neither the math nor the data of the steps still to come. The world size may change
@@ -85,14 +85,30 @@ def flatten_config(cfg: Any, *, keep_empty: bool = False) -> dict[str, Any]:
     return flat
 
 
+def with_task_defaults(cfg: Any) -> Any:
+    """``cfg`` (a Config or plain dicts) with its task factory's defaults in ``task_args`` for the arguments it leaves
+    out (:func:`~stabletrain.tasks.task_defaults`), as plain dicts: a key set to its default is the config that leaves it
+    out. Unchanged where there is no task, or its factory's signature cannot be read."""
+    from ..tasks import task_defaults
+
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        cfg = config_to_dict(cfg)
+    args = cfg.get("task_args") if isinstance(cfg, dict) else None
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("task"), str) or not isinstance(args or {}, dict):
+        return cfg
+    defaults = task_defaults(cfg["task"])
+    return {**cfg, "task_args": {**defaults, **(args or {})}} if defaults else cfg
+
+
 def diff_configs(saved: Any, current: Any, safe: Sequence[str] = RESUME_SAFE_KEYS) -> list[ConfigDiff]:
     """Return each dotted key whose value differs between two configs (Config objects or plain dicts).
 
     Keys matching a ``safe`` pattern (exact, ``fnmatch`` glob, or a section name) are ignored; pass
     ``safe=()`` to compare everything. A key present on one side only has ``ABSENT`` on the other.
-    Order: the saved config's keys, then new ones.
+    ``task_args`` are compared with each side's task factory's defaults filled in (:func:`with_task_defaults`): a key
+    set to its default is no difference. Order: the saved config's keys, then new ones.
     """
-    a, b = flatten_config(saved), flatten_config(current)
+    a, b = flatten_config(with_task_defaults(saved)), flatten_config(with_task_defaults(current))
 
     def is_safe(key: str) -> bool:
         return any(fnmatch.fnmatchcase(key, p) or key.startswith(p + ".") for p in safe)

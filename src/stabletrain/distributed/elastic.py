@@ -13,7 +13,9 @@ subclass implements; :func:`stabletrain.internals.restarting_agent`):
   in-flight checkpoint of theirs is waited for as they exit);
 - a worker that exits with one of :data:`FINAL_EXITS` (stabletrain refused its input, or refused to restart
   into the same failure again) ends the restarts: the agent stops as when ``--max-restarts`` is used up;
-- each attempt's ranks get a rendezvous store of their own (:data:`~.launch.UNSHARED_STORE`).
+- each attempt's ranks get a rendezvous store of their own (:data:`~.launch.UNSHARED_STORE`);
+- a failure once the restarts are used up ends in one line that names the rank that died first, recorded in the run
+  directory as a ``stop`` (:func:`~.launch.restarts_used_up`), not in torchrun's traceback.
 
 ``stabletrain train dist.nproc=N run.max_restarts=K`` runs this. Where torch no longer has the pieces
 this relies on (:func:`agent_class` checks them), it says so in one line and runs plain torchrun: the
@@ -38,6 +40,8 @@ from .launch import (
     death_record,
     quick_deaths,
     restart_backoff_s,
+    restarts_used_up,
+    run_dir_note,
     with_death,
 )
 
@@ -114,13 +118,23 @@ def main(argv: list[str] | None = None) -> None:
               "about the cause)", file=sys.stderr, flush=True)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    note = run_dir_note(os.environ)  # rank 0 names its run directory there (the ranks inherit this environment)
     try:
         torchrun.main(argv)
     except ChildFailedError as err:
         final = told_exit(err)
+        failures = getattr(err, "failures", None) or {}
+        if final is None and failures and not any(f.exitcode in FINAL_EXITS for f in failures.values()):
+            rank, first = min(failures.items(), key=lambda item: _secondary(item[1]))  # the restarts are used up
+            final = restarts_used_up(death_record(
+                first.exitcode, rank=rank, pid=first.pid, restart=None, max_restarts=torchrun.parse_args(argv).max_restarts,
+                by="torchrun (stabletrain.distributed.elastic)", last_line=_message(first),
+                peer_line=_peer_line(failures, rank)), note, who=f"rank {rank}")
         if final is None:
             raise
         sys.exit(final)  # its exit code, without torchrun's banner of a failure the rank has told already
+    finally:
+        note.unlink(missing_ok=True)
 
 
 def told_exit(err: Any) -> int | None:

@@ -14,7 +14,8 @@ Either way the restarted process finds the run's LAST_GOOD and continues from it
 whether the restart may go ahead (:mod:`stabletrain.services.restarts`: the same failure again, a
 checkpoint that is not trusted). What the launcher knows of the death (the exit code or signal, the rank,
 its pid, the last line it printed, when) reaches the restarted processes in their environment
-(:data:`RESTART_ENV`, a JSON list of every death so far: :func:`death_record`).
+(:data:`RESTART_ENV`, a JSON list of every death so far: :func:`death_record`). A death once the restarts are used
+up is said in one line and recorded in the run directory as a ``stop`` (:func:`restarts_used_up`).
 
 A run that ends with one of :data:`FINAL_EXITS` is never restarted: it finished or was stopped by a
 signal (0), stabletrain refused its input (2), it refused to restart into the same failure
@@ -30,6 +31,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -40,7 +42,8 @@ from ..process import stat_fields
 __all__ = ["launch", "supervise", "die_with_parent", "LAUNCHER_ENV", "RESTART_ENV", "LAUNCH_START_ENV",
            "SUPERVISED_ENV", "EXIT_GAVE_UP", "FINAL_EXITS", "death_record", "describe_exit", "process_start_time",
            "restart_backoff_s", "quick_deaths", "QUICK_DEATH_S", "restarted_by_parent", "UNSHARED_STORE", "leave_word",
-           "under_torchrun", "default_run_dir", "with_death"]
+           "under_torchrun", "default_run_dir", "with_death", "RUN_DIR_NOTE_ENV", "note_run_dir", "run_dir_note",
+           "restarts_used_up"]
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 #: Set by :func:`launch` for torchrun and so its ranks: the launcher's pid (a rank checks its parent's parent).
@@ -61,6 +64,10 @@ FINAL_EXITS = (0, 2, EXIT_GAVE_UP, 130)
 #: attempt before and fail to connect (gloo: "connectFullMesh failed ... Connection refused";
 #: pytorch/pytorch#135712, seen with torch 2.13 on every restart here).
 UNSHARED_STORE = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+#: Set by a launcher that restarts the run (:func:`supervise`, :mod:`.elastic`) for its processes: a file where the one
+#: that opens the run directory writes its path (:func:`note_run_dir`), for the launcher to record there a death it
+#: does not restart (:func:`restarts_used_up`).
+RUN_DIR_NOTE_ENV = "STABLETRAIN_RUN_DIR_NOTE"
 
 
 def under_torchrun() -> bool:
@@ -154,16 +161,16 @@ def describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
-def death_record(code: int, *, rank: int | None, pid: int | None, restart: int, max_restarts: int,
+def death_record(code: int, *, rank: int | None, pid: int | None, restart: int | None, max_restarts: int,
                  last_line: str | None = None, by: str, when: float | None = None,
                  peer_line: str | None = None) -> dict[str, Any]:
     """What :data:`RESTART_ENV` holds for each death (:func:`with_death`): how a process of the run ended, and which
     restart follows.
 
     ``code``: its exit code (negative: the signal that killed it); ``rank``: its global rank (None: unknown);
-    ``restart``: the number of the restart that follows (1 for the first); ``by``: who saw it (the supervisor,
-    torchrun); ``when``: when it was seen to end (default: now); ``peer_line``: what another rank that failed with
-    it said ("rank 1: ...").
+    ``restart``: the number of the restart that follows (1 for the first; None: none, they are used up); ``by``: who
+    saw it (the supervisor, torchrun); ``when``: when it was seen to end (default: now); ``peer_line``: what another
+    rank that failed with it said ("rank 1: ...").
     """
     return {"exitcode": code, "signal": signal.Signals(-code).name if code < 0 and -code in _SIGNALS else None,
             "rank": rank, "pid": pid, "last_line": last_line, "restart": restart, "max_restarts": max_restarts,
@@ -189,6 +196,61 @@ def with_death(held: str | None, record: dict[str, Any]) -> str:
         deaths = []
     deaths = deaths if isinstance(deaths, list) else [deaths]
     return json.dumps([*deaths, record][-DEATHS_KEPT:])
+
+
+def note_run_dir(path: str | Path) -> None:
+    """Tell the launcher that restarts this process which run directory it opened (:data:`RUN_DIR_NOTE_ENV`), once: the
+    first one a process of the run opens is the run's (a trial's opened after it is not). Never raises."""
+    note = os.environ.get(RUN_DIR_NOTE_ENV)
+    with contextlib.suppress(OSError):
+        if note and not Path(note).read_text(encoding="utf-8").strip():
+            Path(note).write_text(str(Path(path).resolve()), encoding="utf-8")
+
+
+def run_dir_note(env: Any) -> Path:
+    """A new empty file for :func:`note_run_dir`, named in ``env`` (the run's processes' environment); the launcher
+    removes it when the run ends."""
+    fd, name = tempfile.mkstemp(prefix="stabletrain-run-dir-")
+    os.close(fd)
+    env[RUN_DIR_NOTE_ENV] = name
+    return Path(name)
+
+
+def restarts_used_up(death: dict[str, Any], note: Path, *, who: str) -> int:
+    """Say in one line that ``who`` died (``death``: its :func:`death_record`) and the run's restarts are used up, record
+    it as a ``stop`` event in the run directory :func:`note_run_dir` named in ``note`` (where one did), and return the
+    launcher's exit code: 1, or 128 + the signal that killed it."""
+    from .. import console
+    from ..records.jsonl import read_jsonl
+    from ..records.rundir import RunDir
+
+    code, limit, pid, last = death["exitcode"], death["max_restarts"], death.get("pid"), death.get("last_line")
+    noted = ""
+    with contextlib.suppress(OSError):
+        noted = note.read_text(encoding="utf-8").strip()
+    run_dir = Path(noted) if noted and Path(noted).is_dir() else None
+    step = None
+    if run_dir is not None:  # its last record: the metrics lines, and the events since the last launch began
+        events = read_jsonl(run_dir / "events.jsonl")[0]
+        marks = [i for i, e in enumerate(events) if e.get("kind") in ("restart", "resume")]
+        records = [*read_jsonl(run_dir / "metrics.jsonl")[0], *events[marks[-1] if marks else 0:]]
+        step = max((r["step"] for r in records if isinstance(r.get("step"), int)), default=0)
+    died = f"{who}{f' (pid {pid})' if pid else ''} {describe_exit(code)}{f' (its last line: {last!r})' if last else ''}"
+    line = f"{died}, and its {limit} restart(s) are used up (run.max_restarts={limit}); not restarted again"
+    if run_dir is not None:  # (not "restart refused: ...", the reason of a launch that refused: the goodput counts those)
+        try:
+            run = RunDir(run_dir, resume=True)
+            try:
+                run.event(step or 0, "stop", f"the run's {limit} restart(s) were used up (run.max_restarts={limit}) when "
+                          f"{died}; not restarted again", cause=death)
+            finally:
+                run.close()
+            line += f". Recorded in {run_dir / 'events.jsonl'} (its last record: step {step})"
+        except (OSError, ValueError) as err:  # (a full disk): the line still says it
+            line += f". Not recorded in {run_dir} ({type(err).__name__}: {err})"
+        line += f"; continue the run: stabletrain train --resume {run_dir}"
+    console.error(line)
+    return 1 if code >= 0 else 128 - code
 
 
 def leave_word(err: BaseException) -> None:
@@ -345,13 +407,12 @@ def supervise(argv: list[str], *, max_restarts: int) -> int:
     The child dies with this process (:func:`die_with_parent`), in a session of its own, so a terminal's
     Ctrl-C reaches it once, through here. Returns the child's exit code (1 once the restarts are used up).
     """
-    from .. import console
-
     me = os.getpid()
     stopping: list[int] = []
     env = {**os.environ, SUPERVISED_ENV: "1", "PYTHONUNBUFFERED": "1",
            LAUNCH_START_ENV: os.environ.get(LAUNCH_START_ENV) or str(process_start_time() or time.time())}
     env.pop(RESTART_ENV, None)
+    note = run_dir_note(env)
     restart = quick = 0
     proc: subprocess.Popen | None = None
 
@@ -379,9 +440,9 @@ def supervise(argv: list[str], *, max_restarts: int) -> int:
             if stopping or code in FINAL_EXITS:
                 return code
             if restart >= max_restarts:
-                console.error(f"the run's process {describe_exit(code)} and its {max_restarts} restart(s) are used up "
-                              f"(run.max_restarts={max_restarts}); not restarted again")
-                return 1 if code >= 0 else 128 - code
+                return restarts_used_up(death_record(
+                    code, rank=0, pid=proc.pid, restart=None, max_restarts=max_restarts, last_line=lines[-1] if lines
+                    else None, by="stabletrain's supervisor", when=ended), note, who="the run's process")
             restart += 1
             env[RESTART_ENV] = with_death(env.get(RESTART_ENV), death_record(
                 code, rank=0, pid=proc.pid, restart=restart, max_restarts=max_restarts,
@@ -392,5 +453,6 @@ def supervise(argv: list[str], *, max_restarts: int) -> int:
             if stopping:
                 return code
     finally:
+        note.unlink(missing_ok=True)
         for sig, handler in old.items():
             signal.signal(sig, handler)

@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from .. import console
-from ..config import Config, config_to_dict
+from ..config import Config, ConfigError, config_to_dict
 from ..fileio import atomic_write
 from .events import EVENT_KINDS
 from .jsonl import JsonlWriter, json_safe
@@ -31,6 +31,25 @@ from .launches import LAUNCH_FILE
 
 __all__ = ["RunDir"]
 
+
+def _refused(path: Path, host: str | None, why: str) -> ValueError:
+    """The error for a run directory ``path`` that cannot be one (``why``), named as the user gave it: the config key
+    ``run.dir``, or an adapter's ``run_dir=``."""
+    if host:
+        return ValueError(f"run_dir={str(path)!r}: {why}")
+    return ConfigError(f"config key 'run.dir': {str(path)!r} {why}", key="run.dir")
+
+
+def _check_folder(path: Path, host: str | None) -> None:
+    """Refuse a run directory that is a file or lies under one, in a line naming it (not the OS's '[Errno 17] File
+    exists' or '[Errno 20] Not a directory')."""
+    for at in (path, *path.parents):
+        if at.is_dir():
+            return
+        if at.exists():
+            where = "is a file" if at == path else f"lies under {str(at)!r}, which is a file"
+            raise _refused(path, host, f"{where}, not a folder: give a folder for the run directory (a new or an "
+                                       "existing one)")
 
 
 def _check_resumable(path: Path, host: str, model: str | None) -> None:
@@ -62,6 +81,7 @@ class RunDir:
         and ``overwrite=`` in Python and resumes its own way: the refusal says so in those terms. ``model``: the
         class name of the host's model (resuming, the directory must hold that host's run of it)."""
         self.path = Path(path)
+        _check_folder(self.path, host)
         if resume and host:
             _check_resumable(self.path, host, model)
         if not resume and not overwrite and self.holds_trained_run(self.path):
@@ -75,7 +95,10 @@ class RunDir:
         # attempt that never logged a trained step (it failed at start): it is not a run, the retry reuses it.
         if not resume and (self.path / "config.yaml").exists():
             shutil.rmtree(self.path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:  # (a folder without write permission, a read-only file system)
+            raise _refused(self.path, host, f"cannot be created: {err.strerror or err}") from None
         self.metrics = JsonlWriter(self.path / "metrics.jsonl")
         self.events = JsonlWriter(self.path / "events.jsonl")
         self._launch_recorded = False

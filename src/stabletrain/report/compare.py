@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ABSENT, flatten_config
+from ..config.diff import with_task_defaults
 from ..fileio import atomic_write
 from .health import health_summary
 from .html import esc, figure, footer, page, problems_box, table, value_cell, write_plots
@@ -44,9 +45,11 @@ def run_labels(runs: Sequence[RunData]) -> list[str]:
 def config_diff(trees: Sequence[dict[str, Any]], only: Sequence[str] | None = None) -> list[tuple[str, list[Any]]]:
     """Return ``[(dotted key, [value per tree])]`` for the keys whose values differ (a missing key is ``ABSENT``).
 
-    ``only`` keeps keys equal to, or starting with, one of its prefixes (a prefix ends with ".").
+    ``only`` keeps keys equal to, or starting with, one of its prefixes (a prefix ends with "."). ``task_args`` with each
+    run's task factory's defaults filled in (:func:`~stabletrain.config.diff.with_task_defaults`): a key set to its
+    default is no difference.
     """
-    flats = [flatten_config(t, keep_empty=True) for t in trees]
+    flats = [flatten_config(with_task_defaults(t), keep_empty=True) for t in trees]
     keys: dict[str, None] = {}
     for flat in flats:
         keys.update(dict.fromkeys(flat))

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from ..callbacks.goodput_clock import LEDGER_FILE, GoodputClock, launch_record
-from ..distributed.launch import default_run_dir
+from ..distributed.launch import default_run_dir, note_run_dir
 from ..records.checkpoint.manager import CheckpointManager
 from ..records.launches import refuse_if_running, this_process
 from ..records.provenance import build_snapshot
@@ -37,6 +37,7 @@ def open_run(state: Any, keeper: Any, recorder: Any, run_dir: Path, resume: bool
 
     def write() -> None:
         run = state.run = RunDir(run_dir, resume=resume, overwrite=cfg.run.overwrite)
+        note_run_dir(run_dir)  # for a launcher that restarts the run: where to record a death it does not restart
         run.write_config(cfg)
         if resume:
             keeper.announce_resume()

@@ -43,13 +43,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import brief, user_frames, user_location
-from .arguments import BUILTIN_TASKS, SIMPLE_TYPES, TaskArg, TaskError, check_task_args, checkable
+from .arguments import BUILTIN_TASKS, SIMPLE_TYPES, TaskArg, TaskError, builtin_task_arguments, check_task_args, checkable
 
 if TYPE_CHECKING:  # torch: imported by the factories and resolve_task, not here (the config checks task_args without it)
     from torch import nn
     from torch.utils.data import Dataset
 
-__all__ = ["Task", "TaskError", "TaskArg", "resolve_task", "check_task", "task_arguments", "task_factory", "BUILTIN_TASKS"]
+__all__ = ["Task", "TaskError", "TaskArg", "resolve_task", "check_task", "task_arguments", "task_defaults", "task_factory",
+           "BUILTIN_TASKS"]
 
 
 @dataclass
@@ -183,6 +184,17 @@ def task_arguments(spec_or_factory: str | Callable[..., Task]) -> list[TaskArg]:
             tp = type(p.default)
         args.append(TaskArg(p.name, tp if tp is not None and checkable(tp) else None, p.default, docs.get(p.name, "")))
     return args
+
+
+def task_defaults(spec: str) -> dict[str, Any] | None:
+    """The defaults of task ``spec``'s factory, ``{name: default}`` for each argument that has a plain one (None, a bool,
+    number or string): what a ``task_args`` key left out is. A built-in task's without torch; None where the factory's
+    signature cannot be read (it cannot be imported, or has none)."""
+    try:
+        args = builtin_task_arguments(spec) if spec in BUILTIN_TASKS else task_arguments(spec)
+    except Exception:  # (importing a user's module may raise anything: then nothing is known of its defaults)
+        return None
+    return {a.name: a.default for a in args if a.default is None or type(a.default) in SIMPLE_TYPES}
 
 
 def resolve_task(spec: str, task_args: dict[str, Any] | None = None) -> Task:

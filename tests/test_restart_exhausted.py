@@ -1,0 +1,88 @@
+"""A run whose restarts are used up (run.max_restarts): its launcher says what died in one line, records it in the run
+directory as a ``stop`` (the report says so, not "killed?"), and exits non-zero, without torchrun's traceback.
+
+Real processes: the one-process supervisor's child, or rank 0 under torchrun (DDP, 2 ranks on gloo), is SIGKILLed
+twice with run.max_restarts=1: once after a checkpoint (restarted, resumed), once after its resume.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from multiproc import FAST, env, events, steps_logged
+from restart_tasks import children, ranks_of, wait_gone
+
+from stabletrain.report import health_summary, load_run
+
+ARGS = ["task=helpers:slow_mlp_task", "task_args.sleep=0.01", "task_args.num_samples=64", "task_args.width=16",
+        "train.batch_size=8", "train.max_steps=2000", "log.every=1", "ckpt.every=2", "eval.every=0", "run.max_restarts=1",
+        *FAST]
+
+
+def _trainer(launcher: int, ddp: bool) -> int:
+    """The process to kill: the supervisor's child, or rank 0 of torchrun's agent (the launcher's child)."""
+    t0 = time.time()
+    while time.time() - t0 < 30:
+        kids = children(launcher)
+        ranks = ranks_of(kids[0]) if ddp and kids else {}
+        if ddp and len(ranks) == 2:
+            return ranks[0]
+        if not ddp and kids:
+            return kids[0]
+        time.sleep(0.01)
+    raise AssertionError("the run's processes never started")
+
+
+def _events(run_dir):
+    return events(run_dir) if (run_dir / "events.jsonl").exists() else []
+
+
+def _wait(proc, ready, what: str, timeout: float = 60) -> None:
+    t0 = time.time()
+    while not ready():
+        assert proc.poll() is None, f"the run ended before {what}: {proc.communicate()[1][-3000:]}"
+        assert time.time() - t0 < timeout, f"never {what}"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("ddp", [False, True], ids=["one process", "ddp"])
+def test_a_death_once_the_restarts_are_used_up_is_said_in_one_line_and_recorded(tmp_path, ddp):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "stabletrain", "train", *ARGS, *(["dist.nproc=2"] if ddp else []),
+                             f"run.dir={run_dir}"], env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed = []
+    try:
+        _wait(proc, lambda: any(e["kind"] == "checkpoint" and e["step"] >= 2 for e in _events(run_dir)), "a checkpoint")
+        killed.append(_trainer(proc.pid, ddp))
+        os.kill(killed[-1], signal.SIGKILL)
+        resumed = lambda: next((e["step"] for e in _events(run_dir) if e["kind"] == "resume"), None)  # noqa: E731
+        _wait(proc, lambda: resumed() is not None and steps_logged(run_dir) > resumed(), "a step after the resume")
+        pid = _trainer(proc.pid, ddp)
+        assert pid != killed[-1]
+        killed.append(pid)
+        os.kill(pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 128 + signal.SIGKILL, err[-3000:]
+    assert "Traceback" not in err and "ChildFailedError" not in err and "Root Cause" not in err, err[-3000:]
+    said = [line for line in err.splitlines() if "used up" in line]
+    who = "rank 0" if ddp else "the run's process"
+    assert len(said) == 1 and said[0].startswith(f"stabletrain: error: {who} (pid {killed[1]}) was killed by SIGKILL"), said
+    assert "its 1 restart(s) are used up (run.max_restarts=1); not restarted again" in said[0], said
+    assert f"Recorded in {run_dir / 'events.jsonl'}" in said[0] and f"--resume {run_dir}" in said[0], said
+    kinds = [e["kind"] for e in events(run_dir) if e["kind"] in ("restart", "resume", "stop", "crash")]
+    assert kinds[-3:] == ["restart", "resume", "stop"], kinds
+    stop = events(run_dir)[-1]
+    assert stop["kind"] == "stop" and stop["cause"]["pid"] == killed[1] and stop["cause"]["signal"] == "SIGKILL"
+    assert stop["cause"]["rank"] == 0 and stop["cause"]["restart"] is None and stop["step"] > resumed() >= 2
+    texts = [t for _, t in health_summary(load_run(run_dir)).sentences]
+    assert any(t.startswith(f"Stopped at step {stop['step']:,}: the run's 1 restart(s) were used up (run.max_restarts=1) "
+                            f"when {who} (pid {killed[1]}) was killed by SIGKILL") for t in texts), texts
+    assert not any("killed?" in t for t in texts), texts
+    assert not wait_gone(killed)
