@@ -451,7 +451,8 @@ def test_each_rank_syncs_only_at_log_eval_and_checkpoint_boundaries(world):
     world.check("syncs")
     out = world.root / "syncs_out"
     # the keeper's save and its failed-saves verdict (rank 0 broadcasts it per checkpoint); InitWatch's one-time compare
-    boundary = ("_log", "evaluate", "save", "check_failures", "on_fit_start", "run_init_signal")  # + the step-0 report
+    boundary = ("_log", "evaluate", "save", "check_failures", "on_fit_start", "after_first_forward",  # (InitWatch, once)
+                "run_init_signal")  # + the step-0 report
     for rank in (0, 1):
         calls = torch.load(out / f"rank_{rank}.pt", weights_only=False)["syncs"]
         stray = [(s, f, w[-6:]) for s, f, w in calls if not any(b in w for b in boundary)
@@ -514,6 +515,13 @@ def test_a_lost_peer_is_told_by_the_exceptions_type_and_where_it_arose_not_by_it
     # A RuntimeError raised inside a collective (here gloo refusing a sparse MAX all-reduce) is the collective's.
     inside = _raised(lambda: dist.all_reduce(torch.ones(1).to_sparse(), op=dist.ReduceOp.MAX))
     assert type(inside) is RuntimeError and is_peer_failure(inside)
+    # DDP's forward broadcasts its buffers through a C++ call: gloo's failure there has DDP's function innermost (a peer
+    # SIGKILLed during a forward read "the task's model forward raised RuntimeError"); its reducer's errors do not.
+    ddp_file = torch.nn.parallel.distributed.__file__
+    for name, lost in (("_sync_module_buffers", True), ("_pre_forward", False)):
+        scope: dict = {}
+        exec(compile(f"def {name}():\n    raise RuntimeError('Read error: Connection reset by peer')", ddp_file, "exec"), scope)
+        assert is_peer_failure(_raised(scope[name])) is lost, name
 
 
 def test_a_lost_peer_line_says_resume_by_hand_only_when_no_restart_is_left(monkeypatch):

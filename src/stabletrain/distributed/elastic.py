@@ -24,6 +24,7 @@ restarts still happen, their records then say less about the cause.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -119,6 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     note = run_dir_note(os.environ)  # rank 0 names its run directory there (the ranks inherit this environment)
+    for name in ("api", "errors.error_handler"):
+        logging.getLogger(f"torch.distributed.elastic.multiprocessing.{name}").addFilter(_said_here)
     try:
         torchrun.main(argv)
     except ChildFailedError as err:
@@ -135,6 +138,13 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(final)  # its exit code, without torchrun's banner of a failure the rank has told already
     finally:
         note.unlink(missing_ok=True)
+
+
+def _said_here(record: logging.LogRecord) -> bool:
+    """Keep the agent's log lines but those about a failure that a rank's own line or this launcher's says already:
+    "failed (exitcode: 2) local_rank: 0 ...", the error file's format notes, "Sending process N closing signal"."""
+    text = record.getMessage()
+    return not (record.name.endswith("error_handler") or text.startswith("failed (exitcode") or "closing signal" in text)
 
 
 def told_exit(err: Any) -> int | None:

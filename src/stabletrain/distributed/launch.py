@@ -236,13 +236,15 @@ def restarts_used_up(death: dict[str, Any], note: Path, *, who: str) -> int:
         records = [*read_jsonl(run_dir / "metrics.jsonl")[0], *events[marks[-1] if marks else 0:]]
         step = max((r["step"] for r in records if isinstance(r.get("step"), int)), default=0)
     died = f"{who}{f' (pid {pid})' if pid else ''} {describe_exit(code)}{f' (its last line: {last!r})' if last else ''}"
-    line = f"{died}, and its {limit} restart(s) are used up (run.max_restarts={limit}); not restarted again"
+    line = (f"{died}, and its {limit} restart(s) are used up (run.max_restarts={limit}); not restarted again" if limit else
+            f"{died}; not restarted (run.max_restarts=0)")
     if run_dir is not None:  # (not "restart refused: ...", the reason of a launch that refused: the goodput counts those)
         try:
             run = RunDir(run_dir, resume=True)
             try:
                 run.event(step or 0, "stop", f"the run's {limit} restart(s) were used up (run.max_restarts={limit}) when "
-                          f"{died}; not restarted again", cause=death)
+                          f"{died}; not restarted again" if limit else f"{died}; not restarted (run.max_restarts=0)",
+                          cause=death)
             finally:
                 run.close()
             line += f". Recorded in {run_dir / 'events.jsonl'} (its last record: step {step})"
@@ -281,9 +283,9 @@ def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
     (SIGKILL) takes torchrun and the ranks with it (:func:`die_with_parent`): none is left running, holding the
     devices and the run directory. An agent that dies of a signal itself is said, with how to continue.
     """
-    agent = "stabletrain.distributed.elastic" if max_restarts else "torch.distributed.run"
-    cmd = [sys.executable, "-m", agent, "--standalone", f"--nproc_per_node={nproc}",
-           *([f"--max-restarts={max_restarts}"] if max_restarts else []), "-m", "stabletrain", *argv]
+    # (without restarts too: a rank's refusal or death then ends in its own line, not in torchrun's traceback)
+    cmd = [sys.executable, "-m", "stabletrain.distributed.elastic", "--standalone", f"--nproc_per_node={nproc}",
+           f"--max-restarts={max_restarts}", "-m", "stabletrain", *argv]
     launcher = os.getpid()
     env = {**os.environ, LAUNCHER_ENV: str(launcher)}
     env.setdefault(LAUNCH_START_ENV, str(process_start_time() or time.time()))

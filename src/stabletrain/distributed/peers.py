@@ -46,6 +46,12 @@ def short_cause(message: str) -> str:
 
 _DIST_DIR = os.path.dirname(dist.__file__) + os.sep
 _ENGINE_FILE = os.path.normcase(os.path.abspath(torch.autograd.graph.__file__))
+_DDP_FILE = os.path.normcase(os.path.abspath(torch.nn.parallel.distributed.__file__))
+#: DDP's own functions that run a collective in its forward (its buffers' broadcast, its grad-sync agreement): a gloo
+#: failure there (a plain RuntimeError from the C++ call) is the collective's; DDP's reducer's errors (unused
+#: parameters) arise in others.
+_DDP_COLLECTIVES = frozenset({"_distributed_broadcast_coalesced", "_default_broadcast_coalesced", "_sync_module_buffers",
+                              "_check_global_requires_backward_grad_sync", "_find_common_rank"})
 
 
 def is_peer_failure(err: BaseException, *, in_gradient_sync: bool = False) -> bool:
@@ -58,7 +64,8 @@ def is_peer_failure(err: BaseException, *, in_gradient_sync: bool = False) -> bo
     - a :class:`torch.distributed.DistError` (``DistBackendError``: NCCL's failed or timed-out
       collectives; ``DistNetworkError``; ``DistStoreError``): c10d's own types for a failed communication;
     - a plain ``RuntimeError`` (gloo's failures are exactly that) raised inside a collective: its
-      innermost frame is in ``torch.distributed`` (an explicit collective, FSDP's, DCP's), or it came out
+      innermost frame is in ``torch.distributed`` (an explicit collective, FSDP's, DCP's) or in one of DDP's forward
+      collectives (:data:`_DDP_COLLECTIVES`: a peer that died during a forward's buffer broadcast), or it came out
       of the autograd engine while DDP waited on its gradient all-reduce, after the backward's graph had
       run (``in_gradient_sync``: :attr:`WindowCarrier.in_gradient_sync`). An error of the graph itself
       (an in-place modification, a user's backward) arises before that and is the user's.
@@ -69,5 +76,7 @@ def is_peer_failure(err: BaseException, *, in_gradient_sync: bool = False) -> bo
         return True
     if type(err) is not RuntimeError or err.__traceback__ is None:
         return False
-    innermost = os.path.normcase(os.path.abspath(traceback.extract_tb(err.__traceback__)[-1].filename))
-    return innermost.startswith(os.path.normcase(_DIST_DIR)) or (in_gradient_sync and innermost == _ENGINE_FILE)
+    frame = traceback.extract_tb(err.__traceback__)[-1]
+    innermost = os.path.normcase(os.path.abspath(frame.filename))
+    return (innermost.startswith(os.path.normcase(_DIST_DIR)) or (in_gradient_sync and innermost == _ENGINE_FILE)
+            or (innermost == _DDP_FILE and frame.name in _DDP_COLLECTIVES))
