@@ -69,6 +69,8 @@ BAD_AT_3 = EpochOrder(64, 4, seed=0, shuffle=True, rank=1, world_size=2).micro_b
 BAD_AT_5 = EpochOrder(64, 4, seed=0, shuffle=True, rank=1, world_size=2).micro_batches(0)[4][1]
 #: Step 14 (batch 8 per rank, no shuffle): rank 1's micro-batch; two of its samples carry a finite spike.
 SPIKE_ON_1 = EpochOrder(256, 8, seed=0, shuffle=False, rank=1, world_size=2).micro_batches(0)[13][2:6:3]
+#: ... and one sample on each rank at step 14.
+SPIKE_ON_BOTH = [EpochOrder(256, 8, seed=0, shuffle=False, rank=0, world_size=2).micro_batches(0)[13][3], SPIKE_ON_1[0]]
 #: test_the_carried_numbers_are_exact_every_way_and_in_any_bucket_dtype: (way, dtype, tolerance, rides a param)
 CARRIERS = [("param", "float32", 1e-6, True), ("param", "float64", 1e-6, True), ("param", "bfloat16", 2e-2, False),
             ("hook", "float32", 1e-6, False), ("hook-scaled", "float32", 1e-6, False),
@@ -95,7 +97,7 @@ def _scenarios(root):
                                 "train.batch_size=8", "train.max_steps=16", "log.every=10", "data.shuffle=false",
                                 "optim.lr=0.01", "ckpt.every=0", "eval.every=0", "dist.nproc=2", "dist.strategy=fsdp",
                                 f"run.dir={root / 'spike-fsdp'}")),
-            ("spike-rollback", *cli("task=spike_tasks:outliers_at_task", f"task_args.bad={','.join(map(str, SPIKE_ON_1))}",
+            ("spike-rollback", *cli("task=spike_tasks:outliers_at_task", f"task_args.bad={','.join(map(str, SPIKE_ON_BOTH))}",
                                     "train.batch_size=8", "train.max_steps=40", "log.every=10", "data.shuffle=false",
                                     "optim.lr=0.01", "ckpt.every=10", "ckpt.keep=10", "eval.every=0",
                                     "guard.on_spike=rollback", "dist.nproc=2", f"run.dir={root / 'spike-rollback'}")),
@@ -181,30 +183,35 @@ def test_a_nan_only_rank_1_sees_skips_the_step_on_both_ranks_and_the_diagnosis_n
 
 @pytest.mark.parametrize("name", ["spike", "spike-fsdp"])
 def test_a_finite_spike_only_rank_1s_samples_carry_is_diagnosed_on_rank_1s_batch(world, name):
-    """The step's loss is the mean over the ranks: its capture must find the rank whose own loss spiked (a finite spike
-    has no non-finite gradients to tell it by), and name that rank's samples, not call rank 0's batch not
-    reproducible. Under DDP and under FSDP2 (each rank's shards; the diagnosis replays the whole model)."""
+    """The step's loss is the mean over the ranks: its capture weighs the step's whole batch (every rank's window, as a
+    one-process replay of the DDP step), names the samples that carry it and the rank each was on (here rank 1's
+    alone), not call rank 0's batch not reproducible. Under DDP and under FSDP2 (each rank's shards; the diagnosis
+    replays the whole model). (It weighed only the rank with the largest own loss: samples on two ranks were half named.)"""
     assert not set(SPIKE_ON_1) & set(EpochOrder(256, 8, seed=0, shuffle=False, rank=0, world_size=2).micro_batches(0)[13])
     world.check(name)
     events = _events(world.root / name)
     incident = next(e for e in events if e["kind"] == "incident")
-    assert incident["step"] == 14 and incident["ranks"] == [1] and incident["diagnosis"]["rank"] == 1, incident
+    assert incident["step"] == 14 and incident["ranks"] == [1], incident
     assert incident["diagnosis"]["failure_class"] == "data", incident["diagnosis"]["summary"]
     diagnosis = json.loads((world.root / name / "incidents" / "step_000014" / "diagnosis.json").read_text())
     assert diagnosis["samples"]["indices"] and set(diagnosis["samples"]["indices"]) <= set(SPIKE_ON_1), diagnosis["summary"]
-    # (the evidence's losses are rank 1's, twice the event's mean over 2 ranks: said so)
-    assert "the losses above are rank 1's own window's (the step's logged loss is the ranks' mean)" in diagnosis["summary"]
+    bundle = load_bundle(world.root / name / "incidents" / "step_000014")
+    assert bundle["window"]["ranks"] == [0, 1] and len(bundle["window"]["indices"]) == 2  # the step's whole batch
+    assert "rank 1's own window" not in diagnosis["summary"]
 
 
-def test_a_spike_rollback_under_ddp_drops_the_samples_rank_1s_diagnosis_named_on_every_rank(world):
-    """guard.on_spike=rollback on 2 ranks: the samples only rank 1 carried, named by the diagnosis on rank 0, are
-    dropped on both ranks (the window alone was skipped: they came back next epoch, at step 30), and the ranks stay
-    in step (each weighs the other's share of a window from the epoch's order)."""
+def test_a_spike_rollback_under_ddp_drops_the_samples_of_every_rank_the_diagnosis_named_on_every_rank(world):
+    """guard.on_spike=rollback on 2 ranks, a bad sample on each: both are named (the step's whole batch is weighed; only
+    the rank with the larger own loss was, and the other's sample spiked again next epoch) and dropped on both ranks
+    (the window alone was skipped: they came back next epoch, at step 30), and the ranks stay in step (each weighs the
+    other's share of a window from the epoch's order)."""
     world.check("spike-rollback")
     run_dir = world.root / "spike-rollback"
     events = _events(run_dir)
     (rollback,) = [e for e in events if e["kind"] == "rollback"]
-    assert rollback["dropped_samples"] and set(rollback["dropped_samples"]) <= set(SPIKE_ON_1), rollback
+    assert sorted(rollback["dropped_samples"]) == sorted(SPIKE_ON_BOTH), rollback
+    incident = next(e for e in events if e["kind"] == "incident")
+    assert incident["ranks"] == [0, 1] and incident["diagnosis"]["failure_class"] == "data", incident
     assert "which the diagnosis named" in rollback["reason"]
     assert [e["step"] for e in events if e["kind"] == "spike" and not e.get("superseded")] == [14]  # not again at 30
     last = CheckpointManager(run_dir / "checkpoints").load()

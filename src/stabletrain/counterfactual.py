@@ -390,7 +390,7 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
         verdict["evidence"] += (f"; {gap} step{'s' if gap != 1 else ''} after the spike at step {after['step']}"
                                 + (f" ({after['class']})" if after.get("class") else "")
                                 + ", whose update was applied: this may be its aftershock")
-    if bundle.get("world_size", 1) > 1 and m["reproduces"]:  # (the event's loss is the ranks' mean: said, not a riddle)
+    if bundle.get("world_size", 1) > 1 and m["reproduces"] and "ranks" not in bundle["window"]:  # (one rank's window)
         verdict["evidence"] += (f"; the losses above are rank {bundle.get('rank', 0)}'s own window's (the step's logged "
                                 "loss is the ranks' mean)")
     for row in m["surges"]:  # what an update clip for that layer would hold it to

@@ -42,7 +42,8 @@ from ..runstate import RunState
 from ..seeding import kept_rng
 from .spike_reference import spike_parts
 
-__all__ = ["IncidentCapture", "StepSource", "incident_dir", "staged_now", "MAX_CONTEXT", "IN_MEMORY"]
+__all__ = ["IncidentCapture", "StepSource", "incident_dir", "staged_now", "global_record", "sample_ranks", "MAX_CONTEXT",
+           "IN_MEMORY"]
 
 #: What :meth:`IncidentCapture.capture` hands its caller in memory only (a live remedy's search reads them): the
 #: first bundle and its whole diagnosis; no event's or ``on_incident``'s field.
@@ -71,6 +72,27 @@ def incident_dir(run_dir: Path, step: int) -> Path:
     return folder
 
 
+def global_record(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every rank's record of one step (rank order) as one: its window the step's whole batch (each rank's micro-batches
+    in turn, ``ranks`` naming each one's rank), its ordinary windows and the window before it likewise; the RNG state,
+    epoch and start rank 0's. A one-process replay of it is the step DDP took (the mean over every rank's samples)."""
+    first = records[0]
+    k = min(len(r.get("context") or []) for r in records)
+    out = {**first, "context": [[idx for r in records for idx in r["context"][j]] for j in range(k)],
+           "window": {**first["window"], "indices": [idx for r in records for idx in r["window"]["indices"]],
+                      "ranks": [r["rank"] for r in records for _ in r["window"]["indices"]]}}
+    if all(r.get("previous_window") is not None for r in records):
+        out["previous_window"] = [idx for r in records for idx in r["previous_window"]]
+    return out
+
+
+def sample_ranks(window: dict[str, Any], diagnosis: dict[str, Any]) -> dict[int, int]:
+    """The rank each sample a diagnosis named (``bad_samples``, dataset indices) was on, in a :func:`global_record`'s
+    window."""
+    on = {i: r for idx, r in zip(window["indices"], window["ranks"]) for i in idx}
+    return {int(i): on[int(i)] for i in diagnosis.get("bad_samples") or [] if int(i) in on}
+
+
 def staged_now(state: dict[str, Any]) -> dict[str, Any]:
     """A copy of ``state`` in fresh host buffers, complete when it returns (a source keeps a state a replay moves past)."""
     staged, ready = StateStager().stage(state)
@@ -87,6 +109,9 @@ class StepSource(Protocol):
     optimizer: Any  # the run's torch optimizer (its step waits for the snapshot's side copies)
     run_dir: Path | None  # the run directory, known on every rank (None: nothing is written)
     diagnose: bool  # diagnose a captured step right away
+    #: (optional) its records of a step on every rank join into one global window: a DDP/FSDP spike is weighed on the
+    #: step's whole batch (:func:`global_record`), not on the one rank whose own loss was the largest
+    global_spikes: bool
 
     def capturing(self, fit: RunState) -> bool:
         """Whether a capture is asked for and can be written."""
@@ -323,11 +348,14 @@ class IncidentCapture:
                 if blamed is not None:
                     ranks = found["ranks"] = blamed
             seen = ranks or [0]
+            whole = spike and fit.dist.enabled and bool(getattr(src, "global_spikes", False))  # every rank's window
             # Rank 0 names the folder (the first free step_N[.k]) and every rank gets its name in the same gather (a
             # rank on another node may see another listing of a shared filesystem); nobody writes it before the gather.
             name = incident_dir(src.run_dir, step) if src.run_dir is not None and fit.dist.rank == 0 else None
-            gathered = fit.dist.gather_objects((record if fit.dist.rank in seen else None, name and str(name)))
+            gathered = fit.dist.gather_objects((record if whole or fit.dist.rank in seen else None, name and str(name)))
             records = [r for r, _ in gathered]
+            if whole and fit.dist.rank == 0:
+                records, seen = [global_record(records)], [0]
             folder = (Path(gathered[0][1]) if gathered[0][1] is not None else incident_dir(src.run_dir, step)
                       ) if src.run_dir is not None else None
             before = src.strategy.bundle_state(src.bundle_state, folder / BUNDLE_DCP_DIR if folder else None)
@@ -347,6 +375,8 @@ class IncidentCapture:
         diagnosis = None
         if src.diagnose:
             event_fields, diagnosis = self._diagnose(fit, folder, bundles[0], in_memory, step, seen[0], label)
+            if diagnosis is not None and fit.dist.enabled and "ranks" in bundles[0]["window"]:
+                ranks = fields["ranks"] = sorted(set(sample_ranks(bundles[0]["window"], diagnosis).values()) or ranks)
             fields.update(event_fields)
         if spike:  # (applied: a spike soon after may be its aftershock)
             self._note_spike(step, diagnosis, applied=fit.cfg.guard.on_spike == "warn" and any(
@@ -436,6 +466,11 @@ class IncidentCapture:
                     diagnosis = diagnose_incident(folder, task, device=str(fit.device), bundle=in_memory,
                                                   history=launch_history(folder, list(fit.history)))
                 on_rank = f" (rank {rank})" if fit.dist.enabled else ""
+                if fit.dist.enabled and "ranks" in bundle["window"]:  # the step's whole batch: each named sample's rank
+                    where = sample_ranks(bundle["window"], diagnosis)
+                    on_rank = (" (every rank's batch: " + "; ".join(
+                        f"rank {r}: {', '.join(str(i) for i, at in where.items() if at == r)}" for r in sorted(set(
+                            where.values()))) + ")") if where else " (every rank's batch)"
                 console.say(f"{label} at step {step}{on_rank}: {diagnosis.get('summary')}")
                 return {"diagnosis": {**{k: diagnosis.get(k) for k in DIAGNOSIS_FIELDS},
                                       **{k: diagnosis.get(k) for k in extra}}}, diagnosis

@@ -56,6 +56,7 @@ class LoopSteps:
     module = property(lambda self: self.state.module)
     optimizer = property(lambda self: self.state.optimizer)
     diagnose = property(lambda self: bool(self.fit is not None and self.fit.cfg.capture.diagnose))
+    global_spikes = True  # a DDP/FSDP spike's bundle holds the step's whole batch (every rank's window)
 
     @property
     def run_dir(self) -> Path | None:
@@ -151,7 +152,8 @@ class LoopSteps:
             if after not in avoid:
                 ordinary.append(later)
         return {"rank": fit.dist.rank, "rng": rng, "context": ordinary,
-                "window": {"epoch": window.epoch, "start": window.start, "indices": window.indices}}
+                "window": {"epoch": window.epoch, "start": window.start, "indices": window.indices},
+                "previous_window": self._recent[-1][1] if self._recent else None}
 
     def blame(self, fit: RunState, spike: bool = False) -> list[int] | None:
         ranks = self.strategy.spike_ranks if spike else self.strategy.nonfinite_gradient_ranks
@@ -164,7 +166,8 @@ class LoopSteps:
                info: dict[str, Any]) -> dict[str, Any]:
         interval_loss = fit.history[-1].get("loss") if fit.history else None
         prev = self._previous
-        previous = ({"step": step - 1, "window": self._recent[-1][1], "epoch": self._last[0], "start": self._last[1],
+        previous = ({"step": step - 1, "window": record.get("previous_window") or self._recent[-1][1], "epoch": self._last[0],
+                     "start": self._last[1],
                      **{k: prev[k] for k in ("model", "optimizer", "schedule", "precision", "rng")}}
                     if prev is not None and self._recent else None)
         return {"previous": previous, "model": before["model"], "optimizer": before["optimizer"], "step": step,
