@@ -428,3 +428,27 @@ def test_a_nan_loss_in_an_output_object_is_never_called_masked(output, masked):
     assert d["masked_in_forward"] is masked and d["backward_op"] is None and "masked" not in d["summary"]
     assert d["summary"] == ("op: first non-finite value (activations): aten.log.default in forward of the root module "
                             "(origin: inputs finite), at sample 53; reproduces on replay")
+
+
+def test_a_replica_keeps_the_optimizer_kernel_it_built_whatever_the_saved_groups_say():
+    """FSDP2 builds SGD foreach (no fused DTensor rule) and saves fused=False; the one-process replica builds a fused SGD,
+    and loading that state made it a foreach SGD that still took a found_inf: every FSDP+SGD diagnosis crashed with
+    'Expected grad_scale and found_inf to be None'."""
+    from helpers import cfg, regression_task
+
+    from stabletrain.replica import Replica
+
+    task = regression_task()
+    run_cfg = cfg("optim.name=sgd", "optim.weight_decay=0")
+    from stabletrain.policies.optim import build_optimizer
+
+    saved = build_optimizer(list(task.model.named_parameters()), run_cfg.optim, torch.device("cpu")).state_dict()
+    for group in saved["param_groups"]:  # as FSDP2's foreach SGD saves them
+        group.update(fused=False, foreach=True)
+    state = {"model": task.model.state_dict(), "optimizer": saved}
+    optimizer = Replica(run_cfg, task, state, "cpu").optimizer()
+    assert all(g["fused"] and not g["foreach"] for g in optimizer.param_groups)
+    for p in optimizer.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    optimizer.found_inf, optimizer.grad_scale = torch.zeros(()), None  # the skip flag PrecisionPolicy.step sets
+    optimizer.step()

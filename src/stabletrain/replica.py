@@ -35,6 +35,8 @@ __all__ = ["Replica", "LocalWindow", "local", "copy_precision", "KEEP"]
 
 #: ``Replica.step(max_norm=KEEP)``: the run's own clipping threshold.
 KEEP: Any = object()
+#: The param-group keys that choose an optimizer's kernel: a replica keeps the ones it was built with.
+_KERNEL = ("fused", "foreach", "capturable", "differentiable")
 
 
 class LocalWindow(AccumulationWindow):
@@ -87,8 +89,11 @@ class Replica:
         optimizer = build_optimizer(self.named_params, self.cfg.optim, self.device, self.task.optimizer)
         # torch's load_state_dict keeps the given tensors where device and dtype match: the saved state would be
         # updated in place by this replay and seen by the next one. Each optimizer gets its own copy.
+        built = [{k: g.get(k) for k in _KERNEL} for g in optimizer.param_groups]
         optimizer.load_state_dict(clone_state(self.state["optimizer"]))
-        return optimizer
+        for group, kernel in zip(optimizer.param_groups, built):  # the kernel this process built, not the run's: FSDP's
+            group.update(kernel)  # foreach SGD (no fused DTensor rule) saved fused=False into a fused one, which then took
+        return optimizer  # a found_inf it cannot read ("Expected grad_scale and found_inf to be None")
 
     def step(self, *, optimizer: bool = True, precision: PrecisionPolicy | None = None, lr_factor: float = 1.0,
              max_norm: Any = KEEP, guard: Any = None) -> TrainStep:
