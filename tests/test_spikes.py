@@ -372,6 +372,18 @@ def test_outlier_sets_come_fewest_first_with_non_finite_samples_always_in():
     assert next(outlier_sets(rows, lambda loss: loss < 0.5), None) is None
 
 
+def test_outlier_sets_never_split_a_tie():
+    """A new user's LM: one junk sample (2.98) and six clean ones at exactly 0.009025; the set that made the step normal
+    took the junk one and three of the six by their order ('samples 250, 408, 793, 845'), naming clean samples."""
+    from stabletrain.diagnostics.spike import outlier_sets
+
+    losses = [2.98, *[0.009025] * 6, *[0.001] * 9]
+    rows = [{"sample": i, "loss_sum": x, "count": 1} for i, x in enumerate(losses)]
+    normal = lambda loss: loss < 0.0035  # noqa: E731 - the junk one alone leaves 0.0042 (the six tied ones in)
+    assert list(outlier_sets(rows, normal)) == []  # every set under the limit (4 of 16) splits the tie
+    assert list(outlier_sets(rows, lambda loss: loss < 0.005)) == [[0]]
+
+
 def test_three_bad_samples_of_eight_are_a_few_and_larger_sets_stay_below_half():
     """3 flipped labels in a window of 8 carried 99.99% of its loss and were never named (the bar was 2 = 8 // 4)."""
     from stabletrain.diagnostics.spike import max_outliers, outlier_sets

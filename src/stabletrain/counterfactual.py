@@ -225,10 +225,13 @@ def _bisect(bench: ReplayBench, groups: list[tuple[list[int], Any]], normal: Any
             base = loss_of(flat)
             falls = [(base - x, i) for i in flat
                      if base is not None and (x := loss_of([j for j in flat if j != i])) is not None]
-            top = sorted(i for _, i in sorted(falls, reverse=True)[:limit])
+            ranked = sorted(falls, reverse=True)  # (a set that splits a tie of falls names a sample by the tie's order)
+            whole = [k for k in range(1, min(limit, len(ranked)) + 1)
+                     if not (k < len(ranked) and math.isclose(ranked[k - 1][0], ranked[k][0], rel_tol=1e-6))]
+            top = sorted(i for _, i in ranked[:whole[-1]]) if whole else []
             rest = loss_of([i for i in flat if i not in top]) if top else None
-        order = [i for _, i in sorted(falls, reverse=True)]
-        found = next((order[:k] for k in range(1, min(limit, len(order)) + 1) if normal_without(set(order[:k]))), [])
+        order = [i for _, i in ranked]
+        found = next((order[:k] for k in whole if normal_without(set(order[:k]))), [])
         how = "each sample's removal from the whole window, the largest falls first"
         if not found and rest is not None and base and math.isfinite(base) and rest <= base / 2:  # most of it: say so
             notes.append(f"without samples {', '.join(map(str, top))} (the largest falls) the window's loss falls from "

@@ -174,13 +174,15 @@ def outlier_sets(rows: list[dict[str, Any]], normal: Callable[[float], bool]) ->
 
     ``rows``: one per sample, ``{"sample", "loss_sum", "count"}`` (a sample's loss as a sum over its items, as the
     step sums them). Yields the samples with a non-finite loss, with the k largest losses after them (k = 0, 1, ...,
-    at most :func:`max_outliers`), each set whose rest's mean loss ``normal`` accepts; nothing when
+    at most :func:`max_outliers`; never splitting a tie), each set whose rest's mean loss ``normal`` accepts; nothing when
     no such set leaves a sample. A caller verifies a set by replaying the step without it.
     """
     bad = [r for r in rows if not math.isfinite(r["loss_sum"])]
     good = sorted((r for r in rows if math.isfinite(r["loss_sum"])), key=lambda r: -r["loss_sum"])
     limit = max_outliers(len(rows))
     for k in range(0 if bad else 1, min(limit, len(good) - 1) + 1):
+        if k and math.isclose(good[k - 1]["loss_sum"], good[k]["loss_sum"], rel_tol=1e-6):
+            continue  # a set that leaves out a sample as high as its last names clean samples by a tie's order
         rest = good[k:]
         count = sum(r["count"] for r in rest)
         if count and normal(sum(r["loss_sum"] for r in rest) / count):
