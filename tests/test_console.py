@@ -272,3 +272,17 @@ def test_the_non_finite_steps_an_interval_does_not_capture_get_one_line_and_the_
     out = capsys.readouterr().out
     assert "1 more non-finite step in the interval to step 10, at step 5: not captured (capture.incidents=false; " \
            "events.jsonl)" in out, out
+
+
+def test_under_torchrun_a_rank_other_than_0_shows_only_the_warnings_that_name_it(monkeypatch, capsys):
+    """FSDP's SGD warning was printed once per rank (the docs say once): rank 0 says a config's warnings for all."""
+    from stabletrain.console import one_line_warnings
+
+    for rank, shown in (("0", ["same on every rank", "rank 1: its own"]), ("1", ["rank 1: its own"])):
+        monkeypatch.setenv("RANK", rank)
+        with one_line_warnings(), warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("same on every rank", StableTrainWarning, stacklevel=1)
+            warnings.warn("rank 1: its own", StableTrainWarning, stacklevel=1)
+        err = capsys.readouterr().err
+        assert [line.split("warning: ")[1] for line in err.splitlines()] == shown, (rank, err)

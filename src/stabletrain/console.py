@@ -104,14 +104,18 @@ def one_line_warnings() -> Iterator[None]:
     """While the block runs, show each :class:`StableTrainWarning` as ``stabletrain: warning: ...`` (one line, stderr).
 
     Other warnings are shown as Python shows them. For the CLI's entry point: it replaces
-    ``warnings.showwarning`` for the block and puts it back after.
+    ``warnings.showwarning`` for the block and puts it back after. Under torchrun a rank other than 0 shows only the
+    ones that name it ("rank 1: ..."): every rank meets the same config's warnings, and rank 0 says them once.
     """
     original = warnings.showwarning
+    rank = os.environ.get("RANK")
 
     def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
              file: TextIO | None = None, line: str | None = None) -> None:
         if issubclass(category, StableTrainWarning):
-            warn(" ".join(str(message).split()))
+            text = " ".join(str(message).split())
+            if rank in (None, "", "0") or f"rank {rank}" in text:
+                warn(text)
         else:
             original(message, category, filename, lineno, file, line)
 
