@@ -463,3 +463,14 @@ def test_the_last_line_and_the_report_say_a_run_stalled_that_guard_on_stall_warn
     loss = next((level, text) for level, text in h.sentences if text.startswith("Train loss"))
     assert h.level == "bad" and loss[0] == "warn" and loss[1].endswith("; no gradient reached the parameters from step 41 on "
                                                                        "(stalled, above).")
+
+
+def test_a_stray_argument_to_a_subcommand_shows_that_subcommands_usage(capsys):
+    """`stabletrain report --compare A B` printed the top-level usage, which does not list report's arguments."""
+    from stabletrain.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["report", "--compare", "a", "b"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("usage: stabletrain report [-h] RUN_DIR"), err
+    assert "stabletrain report: error: unrecognized arguments: --compare b" in err

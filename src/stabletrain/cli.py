@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     for add_parser in (add_train_parser, add_check_parser, add_diagnose_parser, add_remedy_parser, add_report_parser,
                        add_compare_parser, add_tasks_parser, add_lab_parser):  # in the order --help lists them
         add_parser(sub)
+    parser.set_defaults(subcommands=sub.choices)  # (a stray argument is the subcommand's: its usage, not the top's)
     return parser
 
 
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     stray = [e for e in extra if "=" not in e or e.startswith("-")]
     if stray or (extra and args.command not in ("train", "check")):
-        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+        (args.subcommands.get(args.command) or parser).error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:
         target = "overrides" if args.command == "train" else "names"
         setattr(args, target, [*getattr(args, target), *extra])
