@@ -525,10 +525,13 @@ def test_a_lost_peer_is_told_by_the_exceptions_type_and_where_it_arose_not_by_it
     # DDP's forward broadcasts its buffers through a C++ call: gloo's failure there has DDP's function innermost (a peer
     # SIGKILLed during a forward read "the task's model forward raised RuntimeError"); its reducer's errors do not.
     ddp_file = torch.nn.parallel.distributed.__file__
-    for name, lost in (("_sync_module_buffers", True), ("_pre_forward", False)):
-        scope: dict = {}
-        exec(compile(f"def {name}():\n    raise RuntimeError('Read error: Connection reset by peer')", ddp_file, "exec"), scope)
-        assert is_peer_failure(_raised(scope[name])) is lost, name
+    gloo = "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error 127.0.0.1: Connection reset by peer"
+    unused = "Expected to have finished reduction in the prior iteration before starting a new one"
+    for name, text, lost in (("_sync_module_buffers", "Connection reset", True), ("_pre_forward", gloo, True),
+                             ("_pre_forward", unused, False)):  # (_pre_forward's bucket rebuild: a broadcast, or the
+        scope: dict = {}  # user's unused parameters, on one line)
+        exec(compile(f"def {name}():\n    raise RuntimeError({text!r})", ddp_file, "exec"), scope)
+        assert is_peer_failure(_raised(scope[name])) is lost, (name, text)
 
 
 def test_a_lost_peer_line_says_resume_by_hand_only_when_no_restart_is_left(monkeypatch):

@@ -48,10 +48,12 @@ _DIST_DIR = os.path.dirname(dist.__file__) + os.sep
 _ENGINE_FILE = os.path.normcase(os.path.abspath(torch.autograd.graph.__file__))
 _DDP_FILE = os.path.normcase(os.path.abspath(torch.nn.parallel.distributed.__file__))
 #: DDP's own functions that run a collective in its forward (its buffers' broadcast, its grad-sync agreement): a gloo
-#: failure there (a plain RuntimeError from the C++ call) is the collective's; DDP's reducer's errors (unused
-#: parameters) arise in others.
+#: failure there (a plain RuntimeError from the C++ call) is the collective's.
 _DDP_COLLECTIVES = frozenset({"_distributed_broadcast_coalesced", "_default_broadcast_coalesced", "_sync_module_buffers",
                               "_check_global_requires_backward_grad_sync", "_find_common_rank"})
+#: Where gloo's transport raises (its C++ source, in the message): inside DDP's ``_pre_forward`` the reducer's bucket
+#: rebuild both broadcasts (a lost peer: gloo's error) and raises the user's unused-parameter error, on one line.
+_GLOO_TRANSPORT = "gloo/transport/"
 
 
 def is_peer_failure(err: BaseException, *, in_gradient_sync: bool = False) -> bool:
@@ -65,7 +67,8 @@ def is_peer_failure(err: BaseException, *, in_gradient_sync: bool = False) -> bo
       collectives; ``DistNetworkError``; ``DistStoreError``): c10d's own types for a failed communication;
     - a plain ``RuntimeError`` (gloo's failures are exactly that) raised inside a collective: its
       innermost frame is in ``torch.distributed`` (an explicit collective, FSDP's, DCP's) or in one of DDP's forward
-      collectives (:data:`_DDP_COLLECTIVES`: a peer that died during a forward's buffer broadcast), or it came out
+      collectives (:data:`_DDP_COLLECTIVES`: a peer that died during a forward's buffer broadcast; in its
+      ``_pre_forward``, where the same line raises a user's unused-parameter error, only gloo's transport error), or it came out
       of the autograd engine while DDP waited on its gradient all-reduce, after the backward's graph had
       run (``in_gradient_sync``: :attr:`WindowCarrier.in_gradient_sync`). An error of the graph itself
       (an in-place modification, a user's backward) arises before that and is the user's.
@@ -79,4 +82,4 @@ def is_peer_failure(err: BaseException, *, in_gradient_sync: bool = False) -> bo
     frame = traceback.extract_tb(err.__traceback__)[-1]
     innermost = os.path.normcase(os.path.abspath(frame.filename))
     return (innermost.startswith(os.path.normcase(_DIST_DIR)) or (in_gradient_sync and innermost == _ENGINE_FILE)
-            or (innermost == _DDP_FILE and frame.name in _DDP_COLLECTIVES))
+            or (innermost == _DDP_FILE and (frame.name in _DDP_COLLECTIVES or _GLOO_TRANSPORT in str(err))))
