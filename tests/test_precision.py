@@ -154,3 +154,35 @@ def test_the_fp16_on_cpu_warning_is_said_by_rank_0_only(monkeypatch):
             warnings.simplefilter("always")
             precision_module.resolve_precision("fp16", torch.device("cpu"))
         assert sum("precision=fp16 on CPU" in str(w.message) for w in caught) == expected, rank
+
+
+class _Grows(torch.nn.Module):
+    """An output trained toward 2e5 through exp(s) * 100: it outgrows float16 (65504) partway through a run."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.s = torch.nn.Linear(16, 1), torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, x):
+        return self.lin(x) * torch.exp(self.s).to(x.dtype) * 100.0
+
+
+def test_an_fp16_output_that_outgrows_float16_mid_run_stops_with_the_fp16_advice(tmp_path):
+    """A new user's run: the loss fell, then the forward overflowed float16 every step; the loss scale stayed at 65536
+    (the scaler backs off on its gradients' overflow only) and the stop after 20 skips said nothing of fp16."""
+    from stabletrain.tasks import Task
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1024, 16, generator=g)
+    torch.manual_seed(0)
+    task = Task(model=_Grows(), train_data=torch.utils.data.TensorDataset(x, torch.full((1024, 1), 2e5)),
+                loss=lambda m, b: torch.nn.functional.l1_loss(m(b[0]).float(), b[1]) / 1e4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (fp16 on CPU is for testing: said once)
+        trainer = Trainer(cfg("precision=fp16", "optim.lr=0.05", "sched.warmup_steps=0", "sched.decay=constant",
+                              "clip.max_norm=null", "train.max_steps=300", "log.every=20", "capture.incidents=false"),
+                          task=task, run_dir=tmp_path / "run")
+        trainer.fit()
+    reason = trainer.stop_reason or ""
+    assert "consecutive skipped steps" in reason and "GradScaler's scale is 6.6e+04" in reason, reason
+    assert "the loss itself is non-finite in float16" in reason and "Try precision=bf16" in reason, reason

@@ -32,12 +32,14 @@ REFERENCE_KEPT = 64
 
 
 def scale_note(scale: float, loss: float) -> str:
-    """What a stop after consecutive skips says of fp16's GradScaler at ``scale`` (the last step's ``loss``)."""
-    if scale >= UNRECOVERABLE_SCALE:
-        return ""
-    if not math.isfinite(loss):  # the loss itself overflowed: it is not scaled yet, no scale makes it finite
+    """What a stop after consecutive skips says of fp16's GradScaler at ``scale`` (the last step's ``loss``; a scale other
+    than 1: fp16's). A non-finite loss under fp16 is the forward's overflow whatever the scale (it stays where it was:
+    the scaler backs off on its gradients' overflow only), e.g. an output that outgrew float16 as it trained."""
+    if not math.isfinite(loss) and scale != 1.0:  # the loss itself overflowed: it is not scaled yet, no scale makes it finite
         return (f"; the loss itself is non-finite in float16 (an overflow in the forward, or an invalid op) and the "
                 f"GradScaler's scale is {scale:.2g}: no loss scale makes it finite. Try {FP16_ADVICE}")
+    if scale >= UNRECOVERABLE_SCALE:
+        return ""
     return (f"; the GradScaler's scale is {scale:.2g}: the gradients overflow float16 even unscaled (a lower scale may fit "
             f"them: guard.max_consecutive_skips higher lets it back off further, a skipped step each time). Try {FP16_ADVICE}")
 
