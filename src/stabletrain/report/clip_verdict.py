@@ -4,10 +4,10 @@ Clipping guards against the occasional large gradient. Firing often is normal ea
 the grad norm is still large or settling toward the threshold (the default ``clip.max_norm=1`` on a
 model whose grad norm hovers near 1 trims its peaks on a third of the steps); what matters is how much
 it cuts the gradients late in the run. :data:`CLIP_CUT` is the line: when the clip shortens the second
-half's gradients by a fifth or more on average (post-clip / pre-clip norm, interval means), the clip, not
-the gradient, sizes the updates (with SGD that is a smaller LR; with Adam every gradient is rescaled to
-one norm, so the clip stops telling a spike from an ordinary step) — that is worth a look. A smaller cut
-is the clip trimming peaks, which is what it is for.
+half's gradients by a fifth or more (the median over its log intervals of 1 - post-clip / pre-clip norm,
+so one spike's interval does not decide it), the clip, not the gradient, sizes the updates (with SGD that
+is a smaller LR; with Adam every gradient is rescaled to one norm, so the clip stops telling a spike from
+an ordinary step) — that is worth a look. A smaller cut is the clip trimming peaks, which is what it is for.
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ ADAPTIVE = ("adam", "nadam", "radam", "adagrad", "adadelta", "adafactor", "rmspr
 HOST_KEYS = {"lightning": ("Trainer(gradient_clip_val=)", "the optimizer's lr"),
              "transformers": ("TrainingArguments.max_grad_norm", "TrainingArguments.learning_rate"),
              "monitor": ("Monitor(clip_max_norm=)", "the optimizer's lr")}
+#: A Lightning run clipped by the callback (``StableTrainCallback(clip_max_norm=)``, the only clip Lightning allows a fused
+#: optimizer under mixed precision), not by the Trainer: its config's ``host.gradient_clip_val`` is null.
+LIGHTNING_OWN_CLIP = "StableTrainCallback(clip_max_norm=)"
 
 def _finite(values: list[float]) -> list[float]:
     return [v for v in values if math.isfinite(v)]
@@ -80,12 +83,13 @@ def clip_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
     f["clip_rate_late"] = sum(r["clip_rate"] * _applied(r) for r in late) / max(sum(_applied(r) for r in late), 1)
     f["clip_cut_late"] = _cut(late)
     rate, late_rate, cut = f["clip_rate"], f["clip_rate_late"], f["clip_cut_late"]
+    cut_text, cut = _judged_pct(cut, CLIP_CUT) if cut is not None else ("", None)  # the verdict follows the printed figure
     head = (f"{'Your own clipping' if own is not None else 'Clipping'} fired on {fmt_pct(rate)} of steps "
             f"({f['clipped_steps']:,} of {f['clip_steps_seen']:,}; threshold "
             + (f"about {fmt_num(own, 2)}, from the post-clip norms)" if own is not None else f"{fmt_num(threshold)})"))
     typical = f" (median {fmt_num(f['grad_norm_median'])})" if norms else ""
-    cuts = f", cutting the gradient norm there by {fmt_pct(cut)} on average" if cut is not None else ""
-    clip_key, lr_key = HOST_KEYS.get(str(run.cfg("integration", "")), ("clip.max_norm", "optim.lr"))
+    cuts = f", a median cut of {cut_text} to the gradient norm there (over its log intervals)" if cut is not None else ""
+    clip_key, lr_key = _host_keys(run)
     clip_key = "your clip's max_norm" if own is not None else clip_key
     retune = (f"set {clip_key} to about {fmt_num(f['grad_norm_max_median'], 2)} (the median of each interval's "
               "largest grad norm)" if peaks and f["grad_norm_max_median"] > threshold
@@ -97,8 +101,8 @@ def clip_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
         f["clip_verdict"] = "trims"
         h.say("ok", f"{head}, {fmt_pct(late_rate)} in the second half{cuts}: healthy. The grad norm{typical} sits near "
                     f"the threshold and the clip trims its peaks, as is usual while training settles; it would need a "
-                    f"look if it cut the late gradients by {fmt_pct(CLIP_CUT)} or more (the clip, not the gradient, "
-                    "would then size the updates).")
+                    f"look if its median cut of the late gradients reached {fmt_pct(CLIP_CUT)} (the clip, not the "
+                    "gradient, would then size the updates).")
     elif late_rate > CLIP_MOST:
         f["clip_verdict"] = "most"
         # the optimizer the run stepped (snapshot.json: a task's own one too), else the config's name (an adapter's class)
@@ -130,11 +134,53 @@ def clip_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
         h.say("ok", f"{head}: healthy, it trims the occasional large gradient.")
 
 
+def _host_keys(run: RunData) -> tuple[str, str]:
+    """(the clip's key, the learning rate's) as this run set them: the built-in loop's, or its adapter's own.
+
+    A Lightning run names the knob that clipped it: the Trainer's ``gradient_clip_val`` when its config records one
+    (``host.gradient_clip_val``), else the callback's ``clip_max_norm`` (Lightning refuses to clip a fused optimizer's
+    gradients under mixed precision, so the callback clips; advising ``gradient_clip_val`` there names a setting that
+    the callback would refuse).
+    """
+    integration = str(run.cfg("integration", ""))
+    clip_key, lr_key = HOST_KEYS.get(integration, ("clip.max_norm", "optim.lr"))
+    trainer_clip = run.cfg("host.gradient_clip_val", "unrecorded")  # (a config without it: the Trainer's, as before)
+    if integration == "lightning" and not trainer_clip and run.cfg("clip.max_norm") is not None:
+        clip_key = LIGHTNING_OWN_CLIP
+    return clip_key, lr_key
+
+
+def _judged_pct(value: float, line: float) -> tuple[str, float]:
+    """``value`` as a percentage with as many decimals as it takes for the printed figure to fall on the same side of
+    ``line`` as ``value`` (19.5% is not "20%" beside "a look from 20%"), and the value the verdict is to judge: ``value``,
+    or past two decimals the printed figure itself (so the sentence never contradicts the number it shows)."""
+    text = fmt_pct(value)
+    for decimals in (1, 2):
+        if (float(text.rstrip("%")) / 100 >= line) == (value >= line):
+            return text, value
+        text = f"{100 * value:.{decimals}f}%"
+    printed = float(text.rstrip("%")) / 100
+    return text, value if (printed >= line) == (value >= line) else printed
+
+
 def _cut(rows: list[dict]) -> float | None:
-    """1 - (post-clip / pre-clip) of the rows' interval-mean grad norms, weighted by interval length (None without them)."""
-    pairs = [(r["grad_norm"] * r["interval_steps"], r["grad_norm_post_clip"] * r["interval_steps"]) for r in rows
-             if math.isfinite(r.get("grad_norm", math.nan)) and math.isfinite(r.get("grad_norm_post_clip", math.nan))]
-    pre = sum(p for p, _ in pairs)
-    if not pairs or pre <= 0:
+    """The median over ``rows`` (log intervals, each weighed by its applied steps) of 1 - post-clip / pre-clip grad norm
+    (interval means); None without them.
+
+    A median, not the ratio of the sums: one spike's interval (a pre-clip mean of 308 clipped to 1) would otherwise
+    read as a cut of 99% over the whole second half, where the other intervals cut a third.
+    """
+    cuts = sorted((max(0.0, 1.0 - r["grad_norm_post_clip"] / r["grad_norm"]), _applied(r)) for r in rows
+                  if math.isfinite(r.get("grad_norm", math.nan)) and math.isfinite(r.get("grad_norm_post_clip", math.nan))
+                  and r["grad_norm"] > 0 and _applied(r) > 0)
+    total = sum(w for _, w in cuts)
+    if not cuts or total <= 0:
         return None
-    return max(0.0, 1.0 - sum(q for _, q in pairs) / pre)
+    seen = 0
+    for i, (cut, weight) in enumerate(cuts):
+        seen += weight
+        if 2 * seen > total:
+            return cut
+        if 2 * seen == total:  # exactly half the steps at or below it: the middle of the two (statistics.median's rule)
+            return (cut + cuts[i + 1][0]) / 2
+    return cuts[-1][0]

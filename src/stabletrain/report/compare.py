@@ -18,7 +18,7 @@ from ..config.diff import with_task_defaults
 from ..fileio import atomic_write
 from .health import health_summary
 from .html import esc, figure, footer, page, problems_box, table, value_cell, write_plots
-from .plots import COLORS, COMPARE_METRICS, compare_plots, shared_unit
+from .plots import COLORS, COMPARE_METRICS, compare_plots, items_note
 from .rundata import RunData, load_run
 from .text import fmt_num, fmt_pct
 
@@ -47,7 +47,8 @@ def config_diff(trees: Sequence[dict[str, Any]], only: Sequence[str] | None = No
 
     ``only`` keeps keys equal to, or starting with, one of its prefixes (a prefix ends with "."). ``task_args`` with each
     run's task factory's defaults filled in (:func:`~stabletrain.config.diff.with_task_defaults`): a key set to its
-    default is no difference.
+    default is no difference, and neither is a key every run has absent or empty (``task_args: {}`` of a factory that
+    takes none, beside runs whose ``task_args.*`` hold values: those keys are the differences).
     """
     flats = [flatten_config(with_task_defaults(t), keep_empty=True) for t in trees]
     keys: dict[str, None] = {}
@@ -58,7 +59,7 @@ def config_diff(trees: Sequence[dict[str, Any]], only: Sequence[str] | None = No
         if only is not None and not any(key == p or (p.endswith(".") and key.startswith(p)) for p in only):
             continue
         values = [flat.get(key, ABSENT) for flat in flats]
-        if any(v != values[0] for v in values[1:]):
+        if any(v != values[0] for v in values[1:]) and not all(v is ABSENT or v in ({}, []) for v in values):
             out.append((key, values))
     return out
 
@@ -108,8 +109,8 @@ def render_compare(runs: Sequence[RunData], labels: Sequence[str], plots=None, f
     else:
         config_html = '<p class="empty">The configs are identical.</p>' + hosts_note
     snap_diff = config_diff([run.snapshot for run in runs], only=_SNAPSHOT_KEYS)
-    snap_html = (table(["snapshot key", *head], ([esc(k), *(_cell(v) for v in vals)] for k, vals in snap_diff),
-                       ["key", *["val"] * len(runs)]) if snap_diff
+    snap_html = (table(["snapshot key", *head], ([esc(k), *(_snap_cell(k, v) for v in vals)] for k, vals in snap_diff),
+                       ["key", *["val"] * len(runs)]) + _unfingerprinted(snap_diff, runs, labels) if snap_diff
                  else '<p class="empty">Same code version, libraries, device and data.</p>')
 
     problems = [p for run in runs for p in run.problems]
@@ -125,8 +126,7 @@ def render_compare(runs: Sequence[RunData], labels: Sequence[str], plots=None, f
         snap_html,
         '<h2 id="summary">Summary</h2>',
         _summary(runs, head),
-        f'<h2 id="curves">Curves</h2><p class="detail">Left: by optimizer step. Right: by {esc(shared_unit(list(runs)))} '
-        "seen (the items each run's loss counts), which lines up runs with different batch sizes or accumulation.</p>",
+        f'<h2 id="curves">Curves</h2><p class="detail">Left: by optimizer step. {esc(items_note(list(runs), list(labels)))}</p>',
         (f'<div class="plots wide">{"".join(figure(p, files.get(p.name)) for p in plots)}</div>' if plots
          else '<p class="empty">No metrics logged yet in any of the runs.</p>'),
         footer(", ".join(f"<code>{esc(run.path.resolve())}</code>" for run in runs)),
@@ -156,6 +156,31 @@ def _host_aware(diff: list[tuple[str, list[Any]]], runs: Sequence[RunData]) -> t
 
 def _cell(value: Any) -> str:
     return '<span class="empty">absent</span>' if value is ABSENT else value_cell(value)
+
+
+def _snap_cell(key: str, value: Any) -> str:
+    """A snapshot value; a data fingerprint the run did not record is "not recorded" (said why under the table), not a
+    null that reads as a value."""
+    return '<span class="empty">not recorded</span>' if key == "data_fingerprint" and value is None else _cell(value)
+
+
+def _unfingerprinted(snap_diff: list[tuple[str, list[Any]]], runs: Sequence[RunData], labels: Sequence[str]) -> str:
+    """Why a run has no data fingerprint (when the runs' fingerprints differ): its task declares none, or it is an adapter's
+    run (the host's data is not fingerprinted); so whether it read the others' data is unknown."""
+    values = dict(snap_diff).get("data_fingerprint")
+    if values is None:
+        return ""
+    parts = []
+    for run, label, value in zip(runs, labels, values):
+        if value is None:
+            host = run.cfg("integration")
+            why = (f"a {host} run: the adapter does not fingerprint the host's data" if host
+                   else f"whose task, {run.cfg('task')}, declares no Task.data_fingerprint")
+            parts.append(f"<b>{esc(label)}</b>, {esc(why)}")
+    if not parts:
+        return ""
+    return (f'<p class="detail">data_fingerprint is not recorded for {"; for ".join(parts)}: whether '
+            f'{"it" if len(parts) == 1 else "they"} read the same data as the others is unknown.</p>')
 
 
 def _ending(f: dict[str, Any]) -> str:

@@ -20,7 +20,7 @@ from matplotlib.ticker import EngFormatter, MaxNLocator, PercentFormatter
 
 from .rundata import RunData
 
-__all__ = ["Plot", "run_plots", "compare_plots", "shared_unit", "RUN_PLOT_NAMES", "COMPARE_METRICS"]
+__all__ = ["Plot", "run_plots", "compare_plots", "shared_unit", "item_panels", "items_note", "RUN_PLOT_NAMES", "COMPARE_METRICS"]
 
 DPI = 110
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
@@ -353,33 +353,77 @@ def shared_unit(runs: list[RunData]) -> str:
     return units[0] if len(units) == 1 else " or ".join(units)
 
 
+def _logs(run: RunData, key: str) -> bool:
+    return any(isinstance(r.get(key), (int, float)) for r in run.metrics)
+
+
+def _panels_by_unit(runs: list[RunData]) -> list[tuple[str, str, list[int]]]:
+    """``[(x key, unit, run indices)]``, one per count unit of the runs (their own items seen), in first-seen order."""
+    units = [run.count_unit for run in runs]
+    return [("tokens_seen", unit, [i for i, u in enumerate(units) if u == unit]) for unit in dict.fromkeys(units)]
+
+
+def item_panels(runs: list[RunData]) -> list[tuple[str, str, list[int]]]:
+    """The compare plots' panels by items seen: ``[(x key, unit, indices of the runs drawn)]``.
+
+    One panel by the runs' count unit when they share it (``tokens_seen``: the items each loss counts). When they count
+    different items (tokens for one, samples for another: 640k tokens beside 3k samples on one axis squash the samples'
+    curves flat), one panel by samples seen, which every run logs; failing that, one panel per unit.
+    """
+    by_unit = _panels_by_unit(runs)
+    if len(by_unit) > 1 and all(_logs(run, "samples_seen") for run in runs):
+        return [("samples_seen", "samples", list(range(len(runs))))]
+    return by_unit
+
+
+def items_note(runs: list[RunData], labels: list[str]) -> str:
+    """What the compare plots' right-hand panels are drawn against, in a sentence for the page (plain text)."""
+    panels = item_panels(runs)
+    units = ", ".join(f"{unit} for {', '.join(labels[i] for i in idx)}" for _, unit, idx in _panels_by_unit(runs))
+    if len(panels) > 1:
+        return (f"Right: one panel per item the runs' losses count ({units}), by the items seen in each: not every run "
+                "logs the samples it trained on, so they have no common unit.")
+    if panels[0][0] == "samples_seen":
+        rates = " (and the throughput in samples/s)" if all(_logs(run, "samples_per_s") for run in runs) else ""
+        return (f"Right: by samples seen. The runs' losses count different items ({units}), so each run is drawn against "
+                f"the samples it trained on, which every run logs{rates}.")
+    return (f"Right: by {panels[0][1]} seen (the items each run's loss counts), which lines up runs with different batch "
+            "sizes or accumulation.")
+
+
 def compare_plots(runs: list[RunData], labels: list[str]) -> list[Plot]:
     """Return one plot per metric any run has: the runs overlaid, against steps (left) and items seen (right).
 
-    Items are the runs' count unit (:func:`shared_unit`): tokens for a token-level loss, samples otherwise.
+    Items are the runs' count unit (:func:`item_panels`): tokens for a token-level loss, samples otherwise; samples for
+    runs that count different items (or one panel per unit where a run logs no samples seen).
     """
     plots = []
-    unit = shared_unit(runs)
+    panels = item_panels(runs)
+    unit = panels[0][1] if len(panels) == 1 else shared_unit(runs)
     for key, (title, ylabel) in COMPARE_METRICS.items():
         if not any(run.series(key)[0] for run in runs):
             continue
-        ylabel = ylabel.format(unit=unit)
-        fig, (by_step, by_tokens) = _figure(width=11.0, height=3.4, ncols=2)
+        ykey = key
+        if key == "tokens_per_s" and panels[0][0] == "samples_seen" and all(_logs(run, "samples_per_s") for run in runs):
+            ykey = "samples_per_s"  # throughputs in one unit too
+        ylabel = ylabel.format(unit="samples" if ykey == "samples_per_s" else unit)
+        fig, (by_step, *by_items) = _figure(width=5.5 * (1 + len(panels)), height=3.4, ncols=1 + len(panels))
         arrays = []
         for i, (run, label) in enumerate(zip(runs, labels)):
             color = COLORS[i % len(COLORS)]
             marker = {"marker": "o", "markersize": 3} if key == "val_loss" or len(run.metrics) <= 30 else {}
-            for ax, x in ((by_step, "step"), (by_tokens, "tokens_seen")):
-                xs, ys = _column(run, key, x)
+            axes = [(by_step, "step")] + [(ax, x) for ax, (x, _, idx) in zip(by_items, panels) if i in idx]
+            for ax, x in axes:
+                xs, ys = _column(run, ykey, x)
                 if xs.size:
                     ax.plot(xs, ys, color=color, linewidth=1.4, label=label, **marker)
                     arrays.append(ys)
             threshold = run.cfg("clip.max_norm")
             if key in ("grad_norm", "grad_norm_post_clip") and isinstance(threshold, (int, float)) \
                     and not isinstance(threshold, bool):
-                for ax in (by_step, by_tokens):
+                for ax, _ in axes:
                     ax.axhline(float(threshold), color=color, linestyle="--", linewidth=1.0, alpha=0.8)
-        for ax, xlabel in ((by_step, "step"), (by_tokens, f"{unit} seen")):
+        for ax, xlabel in ((by_step, "step"), *((ax, f"{u} seen") for ax, (_, u, _) in zip(by_items, panels))):
             if key in ("loss", "val_loss", "grad_norm", "grad_norm_post_clip"):
                 _auto_log(ax, *arrays)
             if key == "grad_norm_post_clip" and ax.get_yscale() == "linear":
@@ -392,8 +436,9 @@ def compare_plots(runs: list[RunData], labels: list[str]) -> list[Plot]:
             ax.xaxis.set_major_formatter(EngFormatter(sep=""))  # tokens seen reach millions
             ax.set_xlabel(xlabel, fontsize=8)
             ax.set_ylabel(ylabel, fontsize=8)
+            if ax is not by_step:
+                ax.set_title(f"{title} by {xlabel}", fontsize=10, loc="left")
         by_step.set_title(f"{title} by step", fontsize=10, loc="left")
-        by_tokens.set_title(f"{title} by {unit} seen", fontsize=10, loc="left")
         if key in ("grad_norm", "grad_norm_post_clip"):
             by_step.plot([], [], color="#555555", linestyle="--", linewidth=1.0, label="clip threshold")
         _legend(by_step)

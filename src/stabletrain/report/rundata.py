@@ -25,7 +25,7 @@ import yaml
 from ..records.events import EVENT_KINDS, METRIC_KEYS, REPLAY_KINDS
 from ..records.jsonl import read_jsonl
 
-__all__ = ["RunData", "Event", "load_run", "as_number", "KNOWN_METRIC_KEYS"]
+__all__ = ["RunData", "Event", "load_run", "not_stabletrain", "as_number", "KNOWN_METRIC_KEYS"]
 
 # The documented keys (stabletrain.records.events.METRIC_KEYS) plus the interval length this reader derives;
 # any other numeric key (a later version's, a user's) is shown under "other metrics".
@@ -140,7 +140,8 @@ def load_run(run_dir: str | Path) -> RunData:
     """Read ``run_dir``; raise only when it is not a run directory at all.
 
     Raises FileNotFoundError when the folder does not exist and ValueError when it holds none of
-    config.yaml, snapshot.json, metrics.jsonl, events.jsonl. Everything else is a ``problem``.
+    config.yaml, snapshot.json, metrics.jsonl, events.jsonl, or when what it holds is another tool's (see
+    :func:`not_stabletrain`). Everything else is a ``problem``.
     """
     path = Path(run_dir)
     if not path.is_dir():
@@ -154,7 +155,43 @@ def load_run(run_dir: str | Path) -> RunData:
     run.metrics = _read_metrics(path / "metrics.jsonl", run.problems)
     run.events = _read_events(path / "events.jsonl", run.problems)
     run.abandoned = _abandoned(path / "metrics.superseded.jsonl", run.metrics)
+    why = not_stabletrain(run)
+    if why is not None:
+        raise ValueError(f"{str(path)!r} is not a stabletrain run directory: {why}")
     return run
+
+
+def not_stabletrain(run: RunData) -> str | None:
+    """Why ``run``'s files are another tool's (None when they are stabletrain's): no line of its metrics.jsonl has a
+    step, no line of its events.jsonl is a stabletrain event, its snapshot.json has no config hash, and its config.yaml
+    holds no stabletrain key (a key of a section of stabletrain's config, ``clip.max_norm``, ``log.every``, ..., or an
+    adapter's ``integration``). A run that has not logged yet passes on its config.yaml alone."""
+    if run.metrics or any(e.kind in EVENT_KINDS for e in run.events) or "config_hash" in run.snapshot \
+            or _stabletrain_keys(run.config):
+        return None
+    metrics = run.path / "metrics.jsonl"
+    if not metrics.is_file():
+        said = "there is no metrics.jsonl"
+    else:
+        first = next((line.strip() for line in metrics.open(encoding="utf-8", errors="replace") if line.strip()), None)
+        said = ("its metrics.jsonl is empty" if first is None else "no line of its metrics.jsonl has a 'step' (line 1: "
+                + (first if len(first) <= 80 else first[:79] + "…") + ")")
+    if not (run.path / "config.yaml").is_file():
+        said += ", and there is no config.yaml"
+    else:
+        keys = list(run.config)
+        held = ", ".join(map(str, keys[:6])) + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
+        said += ", and its config.yaml holds no stabletrain key" + (f" (it holds {held})" if keys else " (it is empty)")
+    return said
+
+
+def _stabletrain_keys(config: dict[str, Any]) -> list[str]:
+    """The keys of ``config`` (a config.yaml's mapping) that are stabletrain's own: a section's key (``clip.max_norm``), or
+    an adapter's ``integration``."""
+    from ..config import Config, flatten_config
+
+    ours = {k for k in flatten_config(Config()) if "." in k}
+    return [k for k in flatten_config(config) if k in ours or k == "integration"]
 
 
 def _abandoned(path: Path, kept: list[dict[str, Any]]) -> list[dict[str, Any]]:
