@@ -138,13 +138,14 @@ def uninformed_loss(model: nn.Module, batch: Any, loss: Any) -> tuple[float, flo
 
 
 def _loss_at_init(first: float, probe: tuple[float, float, int] | None) -> tuple[dict[str, float], str | None, bool]:
-    """(the numbers, the line, whether it fails) of the first loss against an uninformed output's (no probe: no line).
+    """(the numbers, the line, whether it fails) of the first loss against an uninformed output's (no probe: why not).
 
     Judged only where the uninformed loss is a uniform guess's, ln C over the output's last dim of C classes (a
     cross-entropy on logits) or ln 2 (a binary or multi-label one on logits): a regression's scale is its targets'.
     """
     if probe is None:
-        return {}, None, False
+        return {}, ("the loss at init is not verified: the loss does not call the model once for one floating-point "
+                    "tensor (its output is a tuple or an HF ModelOutput, or the loss calls its submodules)"), False
     zero, std, classes = probe
     numbers = {"first_loss": first, "uninformed_loss": zero, "output_std": std}
     uniform = next((c for c in (classes, 2) if c > 1 and math.isclose(zero, math.log(c), rel_tol=1e-3)), None)
