@@ -231,3 +231,40 @@ def zero_head_task(augment: bool = False):
 def augmented_task():
     """``zero_head_task`` with the unseeded augmentation on (for ``task=models_init:augmented_task``)."""
     return zero_head_task(augment=True)
+
+
+class BNBlock(nn.Module):
+    """conv-BN-ReLU-conv-BN plus the identity, then ReLU (torch.relu as a function): a torchvision BasicBlock."""
+
+    def __init__(self, c: int):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.c2, self.b2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return torch.relu(x + self.b2(self.c2(torch.relu(self.b1(self.c1(x))))))
+
+
+class BNResNet(nn.Module):
+    def __init__(self, c: int = 16, blocks: int = 4, zero_init_residual: bool = False):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU())
+        self.blocks = nn.Sequential(*[BNBlock(c) for _ in range(blocks)])
+        self.head = nn.Linear(c, 10)
+        if zero_init_residual:
+            for block in self.blocks:
+                nn.init.zeros_(block.b2.weight)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.stem(x)).mean((2, 3)))
+
+
+def bn_resnet_task(zero_init_residual: bool = False):
+    """A new user's textbook BN ResNet (PyTorch's default init, normalized inputs)."""
+    from stabletrain import Task
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(256, 3, 16, 16, generator=g), torch.randint(0, 10, (256,), generator=g)
+    torch.manual_seed(0)
+    return Task(model=BNResNet(zero_init_residual=zero_init_residual), train_data=torch.utils.data.TensorDataset(x, y),
+                loss=lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]), name="bn-resnet")

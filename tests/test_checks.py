@@ -403,3 +403,28 @@ def test_the_loss_at_init_is_not_judged_where_an_uninformed_output_is_not_a_unif
     n = init.numbers
     assert n["first_loss"] > 10 * n["uninformed_loss"], n
     assert any("not judged: not a uniform guess's ln C" in d for d in init.details), init.details
+
+
+def test_a_bn_resnets_backward_growth_is_the_architectures_not_a_failed_init(tmp_path, capsys):
+    """A textbook BN ResNet failed init (backward 5.8x toward the input over 4 blocks) and was told to re-init with
+    kaiming, which fails the same (4.9x): its norms undo any conv init's scale. Now: a warning that names the
+    architecture and the fix that holds (zero-init each block's last BN weight: then it passes), no init advice; and a
+    run of it says nothing at step 0."""
+    from models_init import bn_resnet_task
+
+    from stabletrain import Trainer
+
+    ctx = CheckContext(cfg("train.batch_size=16"), task_factory=bn_resnet_task, options={"out_dir": str(tmp_path)})
+    [init] = run_checks(ctx, ["init"])
+    assert init.passed and init.warning and init.summary.startswith("no init's fault: backward explodes at #3 'blocks.0.c1'")
+    assert "whatever the init: the architecture's, not the init's" in init.numbers["architecture"]
+    assert not any(d.startswith("recommended init:") for d in init.details) and "zero_init_residual=True" in init.details[-2]
+    fixed = CheckContext(cfg("train.batch_size=16"), task_factory=lambda: bn_resnet_task(zero_init_residual=True),
+                         options={"out_dir": str(tmp_path)})
+    [init] = run_checks(fixed, ["init"])
+    assert init.passed and not init.warning, init.summary
+    capsys.readouterr()
+    Trainer(cfg("train.max_steps=2", "log.every=2", "train.batch_size=16"), task=bn_resnet_task(), run_dir=tmp_path / "run").fit()
+    assert "init at step 0" not in capsys.readouterr().out
+    signal = json.loads((tmp_path / "run" / "snapshot.json").read_text())["init_signal"]
+    assert not signal["passed"] and "the architecture's, not the init's" in signal["architecture"], signal

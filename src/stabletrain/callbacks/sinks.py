@@ -223,12 +223,15 @@ class InitWatch(Callback):
         elif not getattr(getattr(state.cfg, "train", None), "compile", False):
 
             def after_first_forward(module: Any, args: Any, out: Any) -> None:
+                if module is not watched:  # a copy (the step-0 report's deepcopy carries the hook): not the run's model
+                    return
                 handle.remove()
                 changes = fingerprint.compare(module)
                 if changes:
                     _say_overwritten(state, changes, " in the model's first forward")
 
-            handle = state.module.register_forward_hook(after_first_forward)
+            watched = state.module
+            handle = watched.register_forward_hook(after_first_forward)
 
 
 def _say_overwritten(state: RunState, changes: list[Any], when: str) -> None:

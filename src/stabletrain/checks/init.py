@@ -33,6 +33,7 @@ from ..diagnostics.initialization import (
     OUTPUT_LAYER,
     ZERO_INIT_SCALE,
     ZeroInitLayer,
+    architectures,
     excluding,
     zero_init_layers,
     zero_layers_small,
@@ -237,6 +238,17 @@ def check_init(ctx: CheckContext) -> CheckResult:
         reports.append(by_scheme[scheme])
 
     built = judged  # the model as built: without its deliberate zero layers, if it has any
+    architecture = None  # a flag that the recommended scheme leaves as it is: the architecture's (a BN ResNet's backward)
+    if not built.passed and not deliberate:
+        reinit = by_scheme.get(built.recommended)
+        if reinit is None:  # not compared: measured now, on a copy re-initialized as the advice would have it
+            model = copy.deepcopy(base)
+            seed_everything(ctx.cfg.seed)
+            init_(model, built.recommended, trace=lambda m: task.loss(m, batch))
+            reinit = signal_report(model, batch, task.loss, label=f"init_({built.recommended!r})",
+                                   make_optimizer=optimizer_factory(model, ctx.cfg.optim, device, own))
+            del model
+        architecture = architectures(built, reinit)
     loss_numbers, loss_line, loss_fails = _loss_at_init(reports[0].loss, uninformed_loss(base, batch, task.loss))
     # With a comparison, the scheme it recommends (one that passed here) is what the JSON, numbers and text all name.
     recommended, advice = _compare_advice(built, by_scheme) if schemes else (built.recommended, "")
@@ -263,9 +275,14 @@ def check_init(ctx: CheckContext) -> CheckResult:
         summary = ("no layer flagged: the signal holds forward and backward" if built.passed else
                    f"{len(built.flagged)} of {len(built.layers)} layers flagged: forward {numbers['forward']}, "
                    f"backward {numbers['backward']}") + excluded
+    if architecture is not None:  # no init advice: the architecture's (passes, with a warning)
+        details = [d for d in details if not d.startswith("recommended init:")] + [architecture]
+        summary = f"no init's fault: {architecture.split(' whatever the init')[0]} whatever the init (the architecture's)"
+        numbers["architecture"] = architecture
     if loss_line is not None:  # (before a comparison's advice, which stays the last line)
         details.insert(len(details) - 1 if schemes else len(details), loss_line)
     if loss_fails:
         summary += f"; but {loss_line.split(' (the model')[0]}: the output starts confidently wrong"
     numbers.update({"recommended": recommended, "plot": str(plot), "json": str(data)})
-    return CheckResult("init", built.passed and not loss_fails, summary, numbers=numbers, details=details)
+    return CheckResult("init", (built.passed or architecture is not None) and not loss_fails, summary, numbers=numbers,
+                       details=details, warning=architecture is not None)

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from .signal_propagation import SignalReport
 
 __all__ = ["ParamFingerprint", "InitChange", "InitFingerprint", "ZeroInitLayer", "zero_init_layers", "zero_layers_small",
-           "excluding", "ZERO_INIT_SCALE", "OUTPUT_LAYER", "RESIDUAL_END"]
+           "excluding", "architectures", "ZERO_INIT_SCALE", "OUTPUT_LAYER", "RESIDUAL_END", "ARCHITECTURE_BAND"]
 
 
 # -- the fingerprint ---------------------------------------------------------------------------------
@@ -276,3 +276,34 @@ def excluding(report: SignalReport, zero: list[ZeroInitLayer], *, label: str,
         params = {z.param for z in zero}
         updates = [built.get(u.name, u) if u.name in params else u for u in report.updates]
     return dataclasses.replace(report, label=label, layers=layers, updates=updates)
+
+
+#: A flag that a re-initialization with the recommended scheme leaves at the same layer, in the same direction, within
+#: this factor of its ratio, is the architecture's, not the init's.
+ARCHITECTURE_BAND = 2.0
+
+
+def architectures(built: SignalReport, reinit: SignalReport) -> str | None:
+    """Why ``built``'s flag is the architecture's and no init's (None: it is not): ``reinit``, the same model re-initialized
+    with the recommended scheme (:attr:`SignalReport.recommended`), is flagged at the same first layer in the same
+    direction within :data:`ARCHITECTURE_BAND` of its ratio. A BatchNorm ResNet's gradient grows toward the input
+    through its residual additions (5.8x over 4 blocks) whatever the convolutions' init: the norms undo their scale."""
+    said = []
+    for direction in ("forward", "backward"):
+        a = built.first_forward if direction == "forward" else built.first_backward
+        if a is None:
+            continue
+        b = reinit.first_forward if direction == "forward" else reinit.first_backward
+        x, y = getattr(a, f"{direction}_ratio"), getattr(b, f"{direction}_ratio") if b is not None else None
+        if (b is None or b.name != a.name or x is None or y is None or not (x > 0 and y > 0)
+                or max(x / y, y / x) > ARCHITECTURE_BAND):
+            return None
+        verb = "explodes" if getattr(a, direction) == "exploding" else "vanishes"
+        said.append(f"{direction} {verb} at #{a.index} {a.name!r} ({x:.3g}x; init_(model, {built.recommended!r}): {y:.3g}x)")
+    if not said:
+        return None
+    norms = any(layer.is_norm for layer in built.layers)
+    return (f"{' and '.join(said)} whatever the init: the architecture's, not the init's" + (
+        " (residual additions grow the gradient toward the input where norm layers undo the weights' scale; "
+        "zero-initializing the last norm layer's weight in each residual block, torchvision's zero_init_residual=True, "
+        "starts each block as the identity)" if norms else ""))

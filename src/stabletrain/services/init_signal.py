@@ -26,7 +26,7 @@ from torch import nn
 
 from .. import console
 from ..data import fixed_batch
-from ..diagnostics.initialization import excluding, zero_init_layers, zero_layers_small
+from ..diagnostics.initialization import architectures, excluding, zero_init_layers, zero_layers_small
 from ..diagnostics.signal_propagation import NothingToMeasure, signal_report
 from ..errors import user_location
 from ..fileio import atomic_write
@@ -37,6 +37,7 @@ from ..records.jsonl import json_safe
 from ..records.staging import host_memory_available
 from ..runstate import RunState
 from ..seeding import kept_rng
+from ..tasks.init_schemes import init_
 
 __all__ = ["copy_fits", "first_batch_signal", "host_signal", "record_signal", "run_init_signal", "SIGNAL_FILE"]
 
@@ -47,7 +48,7 @@ SIGNAL_FILE = "init_signal.json"
 def first_batch_signal(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any], *, label: str,
                        make_optimizer: Callable[[list[nn.Parameter]], Any] | None = None,
                        context: contextlib.AbstractContextManager | None = None,
-                       asked: bool = True, step_runs_loss: bool = True, raises: bool = False,
+                       asked: bool = True, step_runs_loss: bool = True, raises: bool = False, disposable: bool = False,
                        ) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """(the report as a dict, its snapshot line) for ``batch``, or None when the report failed (warned once).
 
@@ -56,7 +57,11 @@ def first_batch_signal(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Modul
     it says it with the user's line); an adapter's ``loss_fn`` only replays incidents: its error is warned of now,
     with the user's line (every capture would fail on it).
     ``asked=False`` (``log.init_signal=auto``): a model with no leaf module to measure is passed over quietly.
+    ``disposable``: ``model`` is a copy the caller drops after: a flagged init is measured again on it re-initialized
+    with the recommended scheme, and a flag that stays is the architecture's (``architecture`` in both dicts:
+    :func:`~stabletrain.diagnostics.initialization.architectures`), said by no console line.
     """
+    architecture = None
     try:
         # The module's own eager forward (no recompile); the RNG streams put back after it.
         with kept_rng(), context or contextlib.nullcontext(), eager_methods(model):
@@ -68,6 +73,11 @@ def first_batch_signal(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Modul
                 measured = signal_report(probe, batch, loss_fn, label=label,
                                          make_optimizer=rebind(probe) if rebind is not None else make_optimizer)
                 report = excluding(measured, zero, label=label, as_built=report)
+            elif disposable and not report.passed:  # (kept_rng: the re-init draws; a re-init that fails: no word)
+                with contextlib.suppress(Exception):
+                    init_(model, report.recommended, trace=lambda m: loss_fn(m, batch))
+                    architecture = architectures(report, signal_report(model, batch, loss_fn, label=label,
+                                                                       make_optimizer=make_optimizer))
     except Exception as err:  # the report must never take the run down
         if raises:  # (the caller tries another way first)
             raise
@@ -87,8 +97,9 @@ def first_batch_signal(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Modul
                       stacklevel=3)
         return None
     full = report.to_dict()
-    return full, {"passed": full["passed"], "summary": full["summary"], "advice": report.advice(),
-                  "flagged": [layer.name for layer in report.flagged]}
+    extra = {"architecture": architecture} if architecture else {}
+    return {**full, **extra}, {"passed": full["passed"], "summary": full["summary"], "advice": report.advice(),
+                               "flagged": [layer.name for layer in report.flagged], **extra}
 
 
 def _raised_in(err: BaseException, fn: Any) -> bool:
@@ -187,11 +198,11 @@ def run_init_signal(state: RunState) -> dict[str, Any] | None:
     found = first_batch_signal(
         model, batch, task.loss, label=f"{task.name} at step 0",
         make_optimizer=optimizer_factory(model, cfg.optim, state.device, getattr(task, "optimizer", None)),
-        asked=cfg.log.init_signal is True)
+        asked=cfg.log.init_signal is True, disposable=True)
     if found is None:
         return None
     full, line = found
     record_signal(state.run, full, line)
-    if not line["passed"]:
+    if not line["passed"] and not line.get("architecture"):  # (no init fixes it: a BN ResNet's backward, no word)
         console.say(f"init at step 0: {'; '.join(line['summary'])}; {line['advice']} ({SIGNAL_FILE})")
     return line
