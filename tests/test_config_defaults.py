@@ -58,3 +58,13 @@ def test_run_dir_naming_a_file_is_one_line_naming_the_key_and_the_path(tmp_path,
     with pytest.raises(ValueError, match=f"^run_dir={str(run_dir)!r}: {where}, not a folder"):
         stabletrain.Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1), run_dir=run_dir)
     assert file.read_text() == "keep me\n"
+
+
+def test_resuming_another_tools_run_directory_names_its_config_file(tmp_path, capsys):
+    """`train --resume hydrarun` said only "unknown config key 'model'", where --config names the file."""
+    from stabletrain.cli import main
+
+    (tmp_path / "config.yaml").write_text("model: {name: resnet50}\nlr: 0.1\nepochs: 90\n")
+    assert main(["train", "--resume", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"stabletrain: error: config file {str(tmp_path / 'config.yaml')!r}: unknown config key 'model'"), err

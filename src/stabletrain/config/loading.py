@@ -207,6 +207,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     except ConfigError as err:
         key = err.key or ""
         line = lines.get(key)
+        if key and base and line is None and not _set_in(overlay, key) and _set_in(base, key):  # the base's (a resumed
+            raise ConfigError(f"{base_source}: {err}", key=err.key) from None  # run's config.yaml): named, as a file's is
         if line is None or _set_in(overlay, key):  # about no key of the file, or its value came from the command line
             raise
         raise ConfigError(f"{source}, line {line}: {err}", key=err.key) from None
