@@ -117,11 +117,13 @@ def plot_signal(reports: Iterable[SignalReport], path: str | Path, xlabel: str =
         ax.set_ylabel(ylabel)
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
-    ax_f.legend(fontsize=8)
-    if reports:
+    if reports:  # below both panels, never over a curve (one legend box sat on lab 1's tanh lines)
+        fig.legend(*ax_f.get_legend_handles_labels(), loc="lower center", ncol=min(len(reports), 4), fontsize=8,
+                   frameon=False)
         fig.suptitle(f"signal propagation at step 0 (flagged outside {1 / reports[0].thresholds.explode:g}x.."
                      f"{reports[0].thresholds.explode:g}x of the reference layer)", fontsize=10)
-    fig.tight_layout()
+    rows = -(-len(reports) // 4)  # the legend's rows, under the panels
+    fig.tight_layout(rect=(0, 0.06 * rows, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
