@@ -159,7 +159,7 @@ def host_signal(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any]
         grads = [(p, p.grad if p.grad is None else p.grad.clone()) for p in model.parameters()]
         try:
             return first_batch_signal(copied, batch, loss_fn, label=label, context=detached(), step_runs_loss=False,
-                                      raises=True)
+                                      raises=True, disposable=True)
         except Exception:
             for p, g in grads:
                 p.grad = g
