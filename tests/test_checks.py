@@ -383,6 +383,9 @@ def test_uninformed_loss_says_nothing_of_a_model_whose_output_is_not_one_tensor_
     assert uninformed_loss(Pair(), (x, y), lambda m, b: F.cross_entropy(m(b[0])[0], b[1])) is None
     from stabletrain.checks.init import _loss_at_init
     assert _loss_at_init(1.0, None)[1].startswith("the loss at init is not verified: the loss does not call the model once")
+    for first in (float("inf"), float("nan")):  # a non-finite first loss fails, never "ok"
+        _, line, fails = _loss_at_init(first, (math.log(10), 1.0, 10))
+        assert fails and line.endswith("the first loss is non-finite (a NaN/Inf in the forward or the loss at init)"), line
     bn = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 3))
     before = bn[1].running_mean.clone()
     zero, std, classes = uninformed_loss(bn, (x, y), lambda m, b: F.cross_entropy(m(b[0]), b[1]))

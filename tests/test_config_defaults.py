@@ -68,3 +68,20 @@ def test_resuming_another_tools_run_directory_names_its_config_file(tmp_path, ca
     assert main(["train", "--resume", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"stabletrain: error: config file {str(tmp_path / 'config.yaml')!r}: unknown config key 'model'"), err
+
+
+def test_task_defaults_survive_a_module_that_exits_and_compare_imports_no_user_module(tmp_path, monkeypatch):
+    """A task module that parses sys.argv at import raised SystemExit out of compare; compare ran the user's code."""
+    import sys
+
+    from stabletrain.config.diff import with_task_defaults
+    from stabletrain.tasks import task_defaults
+
+    (tmp_path / "exits_at_import.py").write_text("import sys\nsys.exit(2)\ndef make(width=4):\n    pass\n")
+    (tmp_path / "plain_task.py").write_text("def make(width=4):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert task_defaults("exits_at_import:make") is None
+    config = {"task": "plain_task:make", "task_args": {}}
+    assert with_task_defaults(config, imports=False) == config and "plain_task" not in sys.modules
+    assert with_task_defaults(config)["task_args"] == {"width": 4}
+    assert with_task_defaults({"task": "mlp", "task_args": {}}, imports=False)["task_args"]["width"] == 128

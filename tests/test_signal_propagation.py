@@ -557,3 +557,20 @@ def test_a_layer_with_no_counterpart_is_judged_against_its_own_input():
     assert not bad.passed and bad.first_forward.name == "attn" and bad.first_forward.forward_ratio > 100
     assert bad.summary("forward").startswith("forward: explodes at #0 'attn' (MultiheadAttention): std ")
     assert "x that of its own input;" in bad.summary("forward")
+
+
+def test_a_layer_with_no_counterpart_and_an_input_of_zero_is_not_judged_against_it():
+    """A lone weighted layer fed zeros (a zero conditioning vector) has an output std from its bias alone: no gain."""
+    class Cond(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.cond, self.head = nn.Linear(8, 8), nn.Linear(4, 8), nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.head(self.body(x) + self.cond(torch.zeros(x.shape[0], 4)))
+
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+    report = signal_report(Cond(), (x, y), lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]))
+    cond = next(layer for layer in report.layers if layer.name == "cond")
+    assert cond.in_std == 0 and cond.forward == "ok" and report.passed, report.summary("forward")

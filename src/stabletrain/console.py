@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import re
 import sys
 import warnings
 from collections.abc import Iterator
@@ -114,7 +115,7 @@ def one_line_warnings() -> Iterator[None]:
              file: TextIO | None = None, line: str | None = None) -> None:
         if issubclass(category, StableTrainWarning):
             text = " ".join(str(message).split())
-            if rank in (None, "", "0") or f"rank {rank}" in text:
+            if rank in (None, "", "0") or re.search(rf"\brank {rank}\b", text):
                 warn(text)
         else:
             original(message, category, filename, lineno, file, line)

@@ -327,7 +327,8 @@ def _odd_items(err: BaseException) -> str | None:
             shapes = [shape(x) for x in items]
             usual = max(set(shapes), key=shapes.count)
             odd = [(i, sh) for i, sh in zip(indices, shapes) if sh != usual]
-            if not odd or len(odd) * 2 > len(shapes) or len(indices) != len(shapes):
+            if not odd or len(odd) * 2 > len(shapes) or len(indices) != len(shapes) or not all(
+                    isinstance(i, int) for i in indices):  # (an IterableDataset's fetcher: no index, None each)
                 return None
             listed = ", ".join(f"{i} is {sh}" for i, sh in odd[:3]) + (" ..." if len(odd) > 3 else "")
             return f"dataset item {listed} where the batch's other {len(shapes) - len(odd)} are {usual}"

@@ -89,7 +89,7 @@ class Replica:
         optimizer = build_optimizer(self.named_params, self.cfg.optim, self.device, self.task.optimizer)
         # torch's load_state_dict keeps the given tensors where device and dtype match: the saved state would be
         # updated in place by this replay and seen by the next one. Each optimizer gets its own copy.
-        built = [{k: g.get(k) for k in _KERNEL} for g in optimizer.param_groups]
+        built = [{k: g[k] for k in _KERNEL if k in g} for g in optimizer.param_groups]
         optimizer.load_state_dict(clone_state(self.state["optimizer"]))
         for group, kernel in zip(optimizer.param_groups, built):  # the kernel this process built, not the run's: FSDP's
             group.update(kernel)  # foreach SGD (no fused DTensor rule) saved fused=False into a fused one, which then took

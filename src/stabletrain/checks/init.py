@@ -155,7 +155,9 @@ def _loss_at_init(first: float, probe: tuple[float, float, int] | None) -> tuple
     if uniform is None:
         return numbers, f"{head}; not judged: not a uniform guess's ln C, the loss is not a cross-entropy on logits)", False
     head += f": a uniform guess over {uniform} classes, ln {uniform})"
-    if not (math.isfinite(first) and first >= LOSS_AT_INIT_LIMIT * zero):
+    if not math.isfinite(first):
+        return numbers, f"{head}: the first loss is non-finite (a NaN/Inf in the forward or the loss at init)", True
+    if first < LOSS_AT_INIT_LIMIT * zero:
         return numbers, f"{head}: ok, the output (std {std:.3g}) starts near an uninformed guess", False
     return numbers, (f"{head}: the output starts confidently wrong, its std {std:.3g} at step 0. Scale the output layer's "
                      "init down (std ~0.02, or zero-init it); a head tied to an embedding of std 1 gives logits of std "

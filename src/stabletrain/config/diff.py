@@ -85,10 +85,11 @@ def flatten_config(cfg: Any, *, keep_empty: bool = False) -> dict[str, Any]:
     return flat
 
 
-def with_task_defaults(cfg: Any) -> Any:
+def with_task_defaults(cfg: Any, *, imports: bool = True) -> Any:
     """``cfg`` (a Config or plain dicts) with its task factory's defaults in ``task_args`` for the arguments it leaves
     out (:func:`~stabletrain.tasks.task_defaults`), as plain dicts: a key set to its default is the config that leaves it
-    out. Unchanged where there is no task, or its factory's signature cannot be read."""
+    out. Unchanged where there is no task, or its factory's signature cannot be read (``imports=False``: or it would import
+    a module not imported yet)."""
     from ..tasks import task_defaults
 
     if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
@@ -96,7 +97,7 @@ def with_task_defaults(cfg: Any) -> Any:
     args = cfg.get("task_args") if isinstance(cfg, dict) else None
     if not isinstance(cfg, dict) or not isinstance(cfg.get("task"), str) or not isinstance(args or {}, dict):
         return cfg
-    defaults = task_defaults(cfg["task"])
+    defaults = task_defaults(cfg["task"], imports=imports)
     return {**cfg, "task_args": {**defaults, **(args or {})}} if defaults else cfg
 
 

@@ -295,9 +295,9 @@ def architectures(built: SignalReport, reinit: SignalReport) -> str | None:
             continue
         b = reinit.first_forward if direction == "forward" else reinit.first_backward
         x, y = getattr(a, f"{direction}_ratio"), getattr(b, f"{direction}_ratio") if b is not None else None
-        if (b is None or b.name != a.name or x is None or y is None or not (x > 0 and y > 0)
-                or max(x / y, y / x) > ARCHITECTURE_BAND):
-            return None
+        if (b is None or b.name != a.name or getattr(b, direction) != getattr(a, direction) or x is None or y is None
+                or not (0 < x < math.inf and 0 < y < math.inf) or max(x / y, y / x) > ARCHITECTURE_BAND):
+            return None  # (a non-finite ratio: the batch's NaN/Inf, no architecture's)
         verb = "explodes" if getattr(a, direction) == "exploding" else "vanishes"
         said.append(f"{direction} {verb} at #{a.index} {a.name!r} ({x:.3g}x; init_(model, {built.recommended!r}): {y:.3g}x)")
     if not said:

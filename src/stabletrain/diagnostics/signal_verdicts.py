@@ -69,7 +69,7 @@ def assign_references(layers: list[Any], thresholds: Any) -> None:
                 layer.backward_ratio = _ratio(layer.time_grad_first, layer.time_grad_mid)
             if layer.forward_ratio is None and layer.ref_forward and layer.silent:  # 0 vs a reference of 0 (dead too)
                 layer.forward_ratio = 0.0
-            gain = _ratio(layer.out_std, layer.in_std)
+            gain = _ratio(layer.out_std, layer.in_std) if layer.in_std else None  # (an input of 0: no gain to speak of)
             if (len(members) == 1 and not layer.role and not layer.is_norm and layer.param_name is not None
                     and gain is not None and gain > GAIN_LIMIT):  # no counterpart: against its own input
                 layer.ref_forward, layer.forward_ratio = OWN_INPUT, gain

@@ -115,8 +115,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         use_elastic_agent(agent_class())
     except InternalMissing as err:
-        print(f"stabletrain: warning: {err}; running plain torchrun (restarts still happen; their records say less "
-              "about the cause)", file=sys.stderr, flush=True)
+        restarts = " (restarts still happen; their records say less about the cause)" if torchrun.parse_args(
+            argv).max_restarts else ""
+        print(f"stabletrain: warning: {err}; running plain torchrun{restarts}", file=sys.stderr, flush=True)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     note = run_dir_note(os.environ)  # rank 0 names its run directory there (the ranks inherit this environment)

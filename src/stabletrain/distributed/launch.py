@@ -229,16 +229,21 @@ def restarts_used_up(death: dict[str, Any], note: Path, *, who: str) -> int:
     with contextlib.suppress(OSError):
         noted = note.read_text(encoding="utf-8").strip()
     run_dir = Path(noted) if noted and Path(noted).is_dir() else None
-    step = None
+    step, told = None, False
     if run_dir is not None:  # its last record: the metrics lines, and the events since the last launch began
         events = read_jsonl(run_dir / "events.jsonl")[0]
         marks = [i for i, e in enumerate(events) if e.get("kind") in ("restart", "resume")]
         records = [*read_jsonl(run_dir / "metrics.jsonl")[0], *events[marks[-1] if marks else 0:]]
         step = max((r["step"] for r in records if isinstance(r.get("step"), int)), default=0)
+        told = any(e.get("kind") in ("crash", "stop") for e in events[marks[-1] if marks else 0:])
+    if told and not limit:  # a rank recorded and said its own crash (or stop): nothing to add, no second record
+        return 1 if code >= 0 else 128 - code
     died = f"{who}{f' (pid {pid})' if pid else ''} {describe_exit(code)}{f' (its last line: {last!r})' if last else ''}"
     line = (f"{died}, and its {limit} restart(s) are used up (run.max_restarts={limit}); not restarted again" if limit else
             f"{died}; not restarted (run.max_restarts=0)")
-    if run_dir is not None:  # (not "restart refused: ...", the reason of a launch that refused: the goodput counts those)
+    if run_dir is not None and told:  # its crash is the record (a stop beside it would hide it in the report)
+        line += f"; its crash is recorded in {run_dir / 'events.jsonl'}; continue the run: stabletrain train --resume {run_dir}"
+    elif run_dir is not None:  # (not "restart refused: ...", a launch that refused: the goodput counts those)
         try:
             run = RunDir(run_dir, resume=True)
             try:

@@ -385,7 +385,8 @@ class Guard:
             return ""
         since = step - self.spike_skips + 1
         note = f"; every one of them was a loss spike against the level before step {since}"
-        if self.spike_class is not None and self.spike_class[1] in ("state", "optimizer-state"):  # (diagnosed already)
+        if (self.spike_class is not None and self.spike_class[1] in ("state", "optimizer-state")
+                and self.spike_class[0] >= since):  # (a capture of this run of spikes, not an older one's)
             return (f"{note}, and the capture at step {self.spike_class[0]} found the state drifted ({self.spike_class[1]}): "
                     f"a divergence, not a new level: lower the LR (optim.lr), from a checkpoint before step {since}")
         return (f"{note}: the loss moved to a new level and stayed (a change in the data, or a divergence: stabletrain "

@@ -50,7 +50,7 @@ def config_diff(trees: Sequence[dict[str, Any]], only: Sequence[str] | None = No
     default is no difference, and neither is a key every run has absent or empty (``task_args: {}`` of a factory that
     takes none, beside runs whose ``task_args.*`` hold values: those keys are the differences).
     """
-    flats = [flatten_config(with_task_defaults(t), keep_empty=True) for t in trees]
+    flats = [flatten_config(with_task_defaults(t, imports=False), keep_empty=True) for t in trees]  # (no user code run)
     keys: dict[str, None] = {}
     for flat in flats:
         keys.update(dict.fromkeys(flat))

@@ -186,13 +186,18 @@ def task_arguments(spec_or_factory: str | Callable[..., Task]) -> list[TaskArg]:
     return args
 
 
-def task_defaults(spec: str) -> dict[str, Any] | None:
+def task_defaults(spec: str, *, imports: bool = True) -> dict[str, Any] | None:
     """The defaults of task ``spec``'s factory, ``{name: default}`` for each argument that has a plain one (None, a bool,
     number or string): what a ``task_args`` key left out is. A built-in task's without torch; None where the factory's
-    signature cannot be read (it cannot be imported, or has none)."""
+    signature cannot be read (it cannot be imported, or has none), and, with ``imports=False``, where reading it would
+    import a module not imported yet (a report or a compare runs no user code)."""
+    if not imports and spec not in BUILTIN_TASKS and spec.split(":")[0] not in sys.modules:
+        return None
     try:
         args = builtin_task_arguments(spec) if spec in BUILTIN_TASKS else task_arguments(spec)
-    except Exception:  # (importing a user's module may raise anything: then nothing is known of its defaults)
+    except KeyboardInterrupt:
+        raise
+    except BaseException:  # (importing a user's module may raise anything, a SystemExit of its argparse too)
         return None
     return {a.name: a.default for a in args if a.default is None or type(a.default) in SIMPLE_TYPES}
 
