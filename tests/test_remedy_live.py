@@ -43,10 +43,14 @@ def test_a_divergence_that_stops_the_run_today_is_remedied_and_the_run_finishes_
                      "guard.on_nonfinite=remedy", "remedy.steps=4")
     assert remedied.step == 60 and remedied.stop_reason is None
     # The line says when the remedy was applied (step 40), its rollback's own step in what it does (issue 33).
-    assert "stabletrain: remedy at step 40: rollback-lr-x0.1 (back to step 10, lr x0.1)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "stabletrain: remedy at step 40: rollback-lr-x0.1 (back to step 10, lr x0.1)" in out
     (event,) = [e for e in events(tmp_path / "remedied") if e["kind"] == "remedy"]
     assert (event["name"], event["step"], event["from_step"], event["incident_step"]) == ("rollback-lr-x0.1", 10, 40, 38)
     assert event["verdict"] == "cures" and event["failure_class"] == "divergence"
+    search = event["search"]  # what the live search cost (the candidates' replays), in the event and on the line
+    assert search["steps_replayed"] > 0 and search["seconds"] > 0, event
+    assert f"on the replay; the search replayed {search['steps_replayed']} steps in " in out, out
     assert remedied.schedule.base_lrs == [pytest.approx(0.25)] * 2  # the LR x0.1 (both groups), in the schedule state
     assert CheckpointManager(tmp_path / "remedied" / "checkpoints").latest_good().name == "step_000060"
     cured = train(tmp_path / "cured", "remedy_tasks:diverging_task", "train.max_steps=60", *DIVERGING, "optim.lr=0.25")
@@ -113,6 +117,15 @@ def test_a_remedy_is_applied_by_hand_on_resume_once_and_refused_clearly(tmp_path
     assert f"no incident folder {str(missing)!r} (it does not exist)" in capsys.readouterr().err
     assert main(["remedy", str(incident / "bundle.pt"), "--steps", "2"]) == 2  # the bundle's path, not its folder's
     assert f"that is the bundle itself: give its incident folder, {str(incident)!r}" in capsys.readouterr().err
+    other = tmp_path / "other"  # another run's incident: its cure was verified on that run's state and data
+    assert main([*base[:1], f"run.dir={other}", *base[2:]]) == 0
+    assert main(["train", "--resume", str(other), "train.max_steps=12", f"remedy.apply={incident}:skip-samples"]) == 2
+    assert f"the incident belongs to another run ({str(run_dir.resolve())!r}), not this one" in capsys.readouterr().err
+    import shutil  # an incident moved out of its run directory: its replays lack the run's losses, said so
+
+    moved = shutil.copytree(incident, tmp_path / "moved" / "step_000002")
+    assert main(["diagnose", str(moved)]) == 0
+    assert "is not in its run directory (no metrics.jsonl two levels up)" in capsys.readouterr().err
     for max_steps in (16, 20):  # the second resume keeps the remedy from the checkpoint and does not apply it twice
         assert main(["train", "--resume", str(run_dir), f"train.max_steps={max_steps}",
                      f"remedy.apply={incident}:skip-samples"]) == 0

@@ -43,6 +43,10 @@ def incident_dir(path: str | Path, *, newest: bool, command: str) -> Path:
     if not path.exists():
         raise FileNotFoundError(f"{command} {str(path)!r}: it does not exist (give RUN_DIR or RUN_DIR/incidents/step_N)")
     if (path / BUNDLE_FILE).exists():
+        if not (path.resolve().parent.parent / "metrics.jsonl").is_file():  # (moved out of RUN_DIR/incidents/)
+            print(f"stabletrain: warning: {command}: {str(path)!r} is not in its run directory (no metrics.jsonl two "
+                  "levels up): the spike rule judges the replays without the run's losses before the step, its bundle's "
+                  "few alone, and may judge otherwise than in place", file=sys.stderr)
         return path
     found = sorted((path / "incidents").glob("step_*"), key=incident_order) if (path / "incidents").is_dir() else []
     live = [f for f in found if ".superseded-" not in f.name] or found  # not one a restart set aside, where others are

@@ -226,6 +226,12 @@ class RemedyApplier:
         if not path.is_file():
             raise FileNotFoundError(f"config key 'remedy.apply' ({spec!r}): no {REMEDY_FILE} in {incident!r}; run "
                                     f"stabletrain remedy {incident} first")
+        run = self.state.run
+        owner = Path(incident).resolve().parent.parent
+        if run is not None and owner != Path(run.path).resolve():  # a cure verified on another run's state and data
+            raise ValueError(f"config key 'remedy.apply' ({spec!r}): the incident belongs to another run ({str(owner)!r}), "
+                             f"not this one ({str(run.path)!r}): its cure was verified on that run's state and data; "
+                             "apply a cure of this run's own incidents (RUN_DIR/incidents/step_N)")
         record = json.loads(path.read_text(encoding="utf-8"))
         row = _candidate(record.get("candidates", []), name, spec, incident)
         earlier = [a for a in self.applied if a.get("incident") == str(Path(incident)) and a.get("by_hand")]
@@ -252,7 +258,11 @@ class RemedyApplier:
             if state.ckpt is None:
                 raise ValueError(f"remedy {remedy.name}: a rollback needs the run's checkpoints (no run directory)")
             applied = self.applied
-            loaded = state.ckpt.load(state.ckpt.root / f"step_{remedy.rollback_step:06d}")
+            target = state.ckpt.root / f"step_{remedy.rollback_step:06d}"
+            if not target.is_dir():  # (pruned by ckpt.keep, or never written): said, not "meta.json is missing"
+                raise ValueError(f"remedy {remedy.name}: it rolls back to the checkpoint of step {remedy.rollback_step}, "
+                                 f"which is gone ({target} does not exist: pruned by ckpt.keep={state.cfg.ckpt.keep}?)")
+            loaded = state.ckpt.load(target)
             with self.state.guard.counters_kept():
                 self.state.load_state_dict(loaded.state)  # also puts back the remedies that checkpoint had
             state.ckpt.discard_after(remedy.rollback_step)  # the checkpoints of the bad trajectory
@@ -282,8 +292,14 @@ class RemedyApplier:
         how = ("by hand (config key 'remedy.apply')" if by_hand else
                f"verified on the steps up to {later - 1}, before a later incident at step {later}" if later else
                f"verified on {record.get('steps')} steps after it")
+        cost = record.get("timings") or {}  # the search's: every candidate's replay (by hand: the offline search's)
+        if cost.get("steps_replayed") is not None:
+            entry["search"] = {"steps_replayed": cost["steps_replayed"], "seconds": round(float(cost.get("total_s", 0)), 3)}
         if state.run is not None:  # when it was applied (a rollback's own step is in its detail)
-            console.say(f"remedy at step {from_step}: {remedy.name} ({remedy.detail}), {row.get('verdict')} on the replay")
+            spent = (f"; the search replayed {cost['steps_replayed']} steps in {float(cost.get('total_s', 0)):.2f} s"
+                     if "search" in entry and not by_hand else "")
+            console.say(f"remedy at step {from_step}: {remedy.name} ({remedy.detail}), {row.get('verdict')} on the "
+                        f"replay{spent}")
         state.event(state.step, "remedy", f"applied {remedy.name} ({remedy.detail}) for the {record.get('failure_class')} "
                     f"incident at step {record.get('step')}, {how}: {row.get('verdict')}, {row.get('evidence')}",
                     **{k: v for k, v in entry.items() if k != "evidence"}, candidate_evidence=row.get("evidence"))
