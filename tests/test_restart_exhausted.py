@@ -48,6 +48,7 @@ def _wait(proc, ready, what: str, timeout: float = 60) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.slow  # real processes killed twice: 7-20 s each
 @pytest.mark.parametrize("ddp", [False, True], ids=["one process", "ddp"])
 def test_a_death_once_the_restarts_are_used_up_is_said_in_one_line_and_recorded(tmp_path, ddp):
     run_dir = tmp_path / "run"
