@@ -230,27 +230,25 @@ def check_init(ctx: CheckContext) -> CheckResult:
         del probe
         reports.append(excluding(measured, deliberate, label=f"{AS_BUILT}, zero-init layers excluded", as_built=reports[0]))
     judged = reports[-1]
-    by_scheme: dict[str, SignalReport] = {}
-    for scheme in schemes:
+
+    def reinitialized(scheme: str) -> SignalReport:
+        """The report of a copy of the model re-initialized with ``scheme``, traced on the same batch."""
         model = copy.deepcopy(base)  # keeps tied weights tied
         seed_everything(ctx.cfg.seed)
         init_(model, scheme, trace=lambda m: task.loss(m, batch))  # reads activations called as functions too
-        by_scheme[scheme] = signal_report(model, batch, task.loss, label=f"init_({scheme!r})",
-                                          make_optimizer=optimizer_factory(model, ctx.cfg.optim, device, own))
+        return signal_report(model, batch, task.loss, label=f"init_({scheme!r})",
+                             make_optimizer=optimizer_factory(model, ctx.cfg.optim, device, own))
+
+    by_scheme: dict[str, SignalReport] = {}
+    for scheme in schemes:
+        by_scheme[scheme] = reinitialized(scheme)
         reports.append(by_scheme[scheme])
 
     built = judged  # the model as built: without its deliberate zero layers, if it has any
     architecture = None  # a flag that the recommended scheme leaves as it is: the architecture's (a BN ResNet's backward)
     if not built.passed and not deliberate:
-        reinit = by_scheme.get(built.recommended)
-        if reinit is None:  # not compared: measured now, on a copy re-initialized as the advice would have it
-            model = copy.deepcopy(base)
-            seed_everything(ctx.cfg.seed)
-            init_(model, built.recommended, trace=lambda m: task.loss(m, batch))
-            reinit = signal_report(model, batch, task.loss, label=f"init_({built.recommended!r})",
-                                   make_optimizer=optimizer_factory(model, ctx.cfg.optim, device, own))
-            del model
-        architecture = architectures(built, reinit)
+        # (not compared: measured now, on a copy re-initialized as the advice would have it)
+        architecture = architectures(built, by_scheme.get(built.recommended) or reinitialized(built.recommended))
     loss_numbers, loss_line, loss_fails = _loss_at_init(reports[0].loss, uninformed_loss(base, batch, task.loss))
     # With a comparison, the scheme it recommends (one that passed here) is what the JSON, numbers and text all name.
     recommended, advice = _compare_advice(built, by_scheme) if schemes else (built.recommended, "")

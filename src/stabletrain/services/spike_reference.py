@@ -74,17 +74,12 @@ def before_run(engine: Any, before: int, now: Any) -> tuple[Any, int, Any]:
     """(model, step, optimizer lrs) of the snapshot held from before the run of flagged steps
     (:meth:`IncidentCapture._hold_before_run`), where it is older than step ``before`` and its model unlike ``now``;
     else (None, ...)."""
-    held = engine.snapshot.get_held()
-    if held is None or held[2] >= before or now is None:
+    found = _kept_older(engine, engine.snapshot.get_held(), before, now)
+    if found is None:
         return None, before, None
-    state = join_params(*held[:2])
-    model = engine.source.strategy.one_process_model(state["model"])
-    if model is None or equal_states(model, now):
-        return None, before, None
-    ran = state.get("optimizer")
     if engine.held_lrs is not None:  # the source's word (see start_lrs)
-        ran = {"param_groups": [{"lr": lr} for lr in engine.held_lrs]} if engine.held_lrs else None
-    return model, held[2], ran
+        found = (*found[:2], {"param_groups": [{"lr": lr} for lr in engine.held_lrs]} if engine.held_lrs else None)
+    return found
 
 
 def lr_jumped_at(history: list[list[Any]], at: int) -> bool:
@@ -98,11 +93,16 @@ def lr_jumped_at(history: list[list[Any]], at: int) -> bool:
 def before_jump(engine: Any, at: int, now: Any) -> tuple[Any, int, Any] | None:
     """(model, step, optimizer state) of the snapshot before the one of step ``at`` (kept where twice the snapshot fits),
     whose model is unlike ``now``; None where there is none."""
-    previous = engine.snapshot.get_previous()
-    if previous is None or previous[2] >= at or now is None:
+    return _kept_older(engine, engine.snapshot.get_previous(), at, now)
+
+
+def _kept_older(engine: Any, kept: tuple[Any, Any, int] | None, before: int, now: Any) -> tuple[Any, int, Any] | None:
+    """(model, step, optimizer state) of a kept snapshot ``kept`` ((side, rest, step): held or previous) older than step
+    ``before`` whose one-process model is unlike ``now``; None otherwise."""
+    if kept is None or kept[2] >= before or now is None:
         return None
-    state = join_params(*previous[:2])
+    state = join_params(*kept[:2])
     model = engine.source.strategy.one_process_model(state["model"])
     if model is None or equal_states(model, now):
         return None
-    return model, previous[2], state.get("optimizer")
+    return model, kept[2], state.get("optimizer")
