@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("integrations", ("integrations",)),
     ("lab, checks, report", ("lab", "checks", "report")),
     ("loop", ("loop",)),
-    ("services", ("services", "incident_replay", "remedy_search", "counterfactual")),
+    ("services", ("services", "incident_replay", "remedy_search", "counterfactual", "spike_samples")),
     ("callbacks", ("callbacks",)),
     ("state", ("runstate",)),
     ("strategy", ("distributed",)),

@@ -362,7 +362,7 @@ def test_a_burst_extension_is_taken_only_when_it_gets_past_the_window_it_dropped
 
 
 def test_outlier_sets_come_fewest_first_with_non_finite_samples_always_in():
-    from stabletrain.diagnostics.spike import outlier_sets
+    from stabletrain.diagnostics.spike_evidence import outlier_sets
 
     rows = [{"sample": i, "loss_sum": v, "count": 1.0} for i, v in enumerate([1.0, 30.0, 1.2, 20.0, 0.9, 1.1, 1.0, 0.8])]
     normal = lambda loss: loss < 2.0  # noqa: E731
@@ -375,7 +375,7 @@ def test_outlier_sets_come_fewest_first_with_non_finite_samples_always_in():
 def test_outlier_sets_never_split_a_tie():
     """A new user's LM: one junk sample (2.98) and six clean ones at exactly 0.009025; the set that made the step normal
     took the junk one and three of the six by their order ('samples 250, 408, 793, 845'), naming clean samples."""
-    from stabletrain.diagnostics.spike import outlier_sets
+    from stabletrain.diagnostics.spike_evidence import outlier_sets
 
     losses = [2.98, *[0.009025] * 6, *[0.001] * 9]
     rows = [{"sample": i, "loss_sum": x, "count": 1} for i, x in enumerate(losses)]
@@ -386,7 +386,7 @@ def test_outlier_sets_never_split_a_tie():
 
 def test_three_bad_samples_of_eight_are_a_few_and_larger_sets_stay_below_half():
     """3 flipped labels in a window of 8 carried 99.99% of its loss and were never named (the bar was 2 = 8 // 4)."""
-    from stabletrain.diagnostics.spike import max_outliers, outlier_sets
+    from stabletrain.diagnostics.spike_evidence import max_outliers, outlier_sets
 
     assert [max_outliers(n) for n in (2, 4, 6, 8, 16, 64, 256)] == [1, 2, 3, 3, 4, 16, 16]
     rows = [{"sample": i, "loss_sum": v, "count": 1.0} for i, v in enumerate([0.1, 9.0, 0.1, 8.0, 7.5, 0.1, 0.2, 0.1])]
@@ -421,7 +421,7 @@ def test_a_state_spikes_evidence_names_only_gradients_that_jumped():
 def test_samples_are_verified_only_when_the_step_without_them_is_within_the_rules_ratio():
     """A noisy window keeps a step x3 its median under the rule's z-score: that is no 'normal' step. The samples are
     named only once the step without them is also within spike_ratio x the median (here: both outliers dropped)."""
-    from stabletrain.counterfactual import _samples
+    from stabletrain.spike_samples import weigh_samples as _samples
 
     losses = {0: 40.0, 1: 16.0, **{i: 1.0 for i in range(2, 8)}}  # per-sample losses of the window's 8 samples
 
@@ -1050,7 +1050,8 @@ def test_a_state_spike_after_the_users_lr_jump_names_the_rise_since_the_older_st
 
 
 def test_lr_change_reads_the_group_that_moved_most_and_a_share_short_of_all_never_prints_as_100_percent():
-    from stabletrain.diagnostics.spike import _pct, lr_change, lr_groups
+    from stabletrain.diagnostics.spike import _pct
+    from stabletrain.diagnostics.spike_evidence import lr_change, lr_groups
 
     then = {"param_groups": [{"lr": 0.1, "params": [0]}, {"lr": torch.tensor(0.01), "params": [1]}]}
     now = {"param_groups": [{"lr": 0.2, "params": [0]}, {"lr": 0.5, "params": [1]}]}
@@ -1348,7 +1349,7 @@ def test_spikes_between_negligible_losses_under_on_spike_remedy_take_no_fallback
 
 
 def test_lr_change_names_the_largest_rise_not_a_larger_fall():
-    from stabletrain.diagnostics.spike import lr_change
+    from stabletrain.diagnostics.spike_evidence import lr_change
 
     then = {"param_groups": [{"lr": 1.0}, {"lr": 0.01}]}
     now = {"param_groups": [{"lr": 0.1}, {"lr": 0.02}]}  # one group fell x10, the other rose x2
@@ -1407,7 +1408,7 @@ def test_the_dropout_draw_verdict_needs_a_finite_loss_and_weighs_ordinary_window
 
     from torch import nn
 
-    from stabletrain.counterfactual import _dropout_draw
+    from stabletrain.spike_samples import dropout_draw as _dropout_draw
 
     window = [1.0 + 0.01 * i for i in range(30)]
     rule = lambda loss: spike_test(loss, window, GuardConfig())  # noqa: E731
@@ -1519,7 +1520,7 @@ def test_a_step_that_moved_nothing_shows_no_surge():
     """An fp16 overflow's skipped step moves no coordinate: its gradients past 10 sqrt(v) are no optimizer-state surge
     (it read 'moves them xinf as far as its others' on a planted data spike at an interval's first step). A layer whose
     other coordinates stayed still while the surging ones moved (a rare embedding row under Adam, beta1=0) still is."""
-    from stabletrain.diagnostics.spike import surge_rows
+    from stabletrain.diagnostics.spike_evidence import surge_rows
 
     mask = torch.tensor([True, False, False, False])
     assert surge_rows({"w": (mask, 1e-3)}, {"w": torch.zeros(4)}) == []

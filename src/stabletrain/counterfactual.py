@@ -5,25 +5,25 @@ guard's window of losses the rule judged it against, the state at the interval's
 windows) and replays, each time from the same saved state and RNG streams, on a :class:`~stabletrain.replica.Replica`:
 
 1. the step itself, with the run's own step: the same loss (bitwise in fp32)? a spike by the guard's rule?
-2. each sample alone (forward; a backward each for its share of the window's gradient, up to :data:`MAX_GRAD_SAMPLES`):
-   which samples carry the loss; the step without the fewest that could, replayed: normal by the rule? (greedy by loss
-   is exact for a mean-loss rule; where the loss couples the samples, a batch norm's, by removal: :func:`_bisect`)
+2. each sample alone (forward; a backward each for its share of the window's gradient, up to
+   :data:`~.spike_samples.MAX_GRAD_SAMPLES` samples): which samples carry the loss; the step without the fewest that
+   could, replayed: normal by the rule? (greedy by loss is exact for a mean-loss rule; where the loss couples the
+   samples, a batch norm's, by removal: :mod:`.spike_samples`)
 3. the window and ordinary windows under the older state (the interval's start; without ordinary windows, what stands for
    them there, if anything): is the batch itself an outlier, or did the state drift?
 4. each module's output magnitude on the window under both states (where it departs first), each parameter's gradient
    and update against the ordinary windows' median (which layers jumped), Adam's second moment against the gradients
-   of the spike's step and of the step before it, replayed from the state before that one (:func:`~.spike.adam_surges`);
+   of the spike's step and of the step before it, replayed from the state before that one (:func:`~.spike_evidence.adam_surges`);
 5. under bf16/fp16, the step in fp32: normal there? (and each module against its fp32 output: where precision loses it)
 6. with dropout, the window with every dropout off: a spike still? (else the step's own masks made it)
 
 :func:`~stabletrain.diagnostics.spike.classify_spike` reads them; the model, RNG streams and task are left as they were.
-Cost: about 2N + 8 forward and N + 4 backward passes for a window of N samples, and up to :data:`MAX_BISECT_REPLAYS`
-forward passes more where the samples are found by their removal (N + a few, N <= 64).
+Cost: about 2N + 8 forward and N + 4 backward passes for a window of N samples, and up to
+:data:`~.spike_samples.MAX_BISECT_REPLAYS` forward passes more where the samples are found by their removal (N + a few, N <= 64).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import statistics
@@ -35,243 +35,20 @@ import torch
 from .config import config_from_dict
 from .diagnostics.cures import ModuleFP32
 from .diagnostics.diagnosis import matches_observed
-from .diagnostics.spike import (
-    LR_RISE,
-    classify_spike,
-    departures,
-    jumps,
-    lr_change,
-    lr_groups,
-    max_outliers,
-    ordinary_stand_in,
-    outlier_sets,
-    precision_departures,
-    spike_summary,
-)
-from .policies.accumulation import as_sum_count
-from .policies.dropout import dropout_off
+from .diagnostics.spike import LR_RISE, classify_spike, ordinary_stand_in, spike_summary
+from .diagnostics.spike_evidence import departures, jumps, lr_change, lr_groups, precision_departures
 from .policies.guard import spike_test
 from .policies.precision import resolve_device
 from .replica import Replica
 from .seeding import kept_rng
 from .services.replay_bench import ReplayBench
+from .services.spike_reference import MAX_CONTEXT
+from .spike_samples import dropout_draw, weigh_samples
 
-__all__ = ["diagnose_spike", "MAX_GRAD_SAMPLES", "MAX_CONTEXT"]
+__all__ = ["diagnose_spike"]
 
-#: Per-sample gradient shares are measured for windows of at most this many samples (one backward each).
-MAX_GRAD_SAMPLES = 64
-#: Ordinary windows compared against (the interval's steps before the spike, else the next ones).
-MAX_CONTEXT = 3
-MAX_BISECT_REPLAYS = 96  #: At most this many forward replays of the window in one bisection.
-#: A spike whose window keeps at most 1/DRAW_SHARE of its loss with every dropout off was made by the step's masks.
-DRAW_SHARE = 10.0
-#: Windows of at most this many samples are searched by each sample's removal (one forward pass each); larger, by halves.
-MAX_LEAVE_ONE_OUT = 64
 #: A data spike with no sample to blame, right after this many flagged steps in a row, is a level shift (the data moved).
 LEVEL_RUN = 5
-
-
-def _dropout_draw(bench: ReplayBench, groups: list[tuple[list[int], Any]], rule: Any, bound: float,
-                  loss: float, context: list[list[tuple[list[int], Any]]]) -> dict[str, Any] | None:
-    """The window's loss with every dropout off (None: the model draws none): ``loss``, ``ratio``, ``zscore``,
-    ``normal`` and ``made_by_draw`` (the step's own draw made the spike).
-
-    Normal: no spike by the rule and at most ``bound`` times its median; where ordinary windows (``context``) are at
-    hand, at most ``bound`` times their loss with dropout off too (dropout off lowers every window's loss: against
-    the rule's window, recorded with dropout on, a bad sample's window could pass). Made by the draw: normal, or at
-    most 1/:data:`DRAW_SHARE` of the spike's positive ``loss`` left (near a tiny loss, dropout off shifts a trained
-    model's outputs enough to miss the bar by itself). A non-finite loss with dropout off is neither.
-    """
-    with dropout_off(bench.replica.model) as (names, mode):
-        quiet = bench.loss(groups)
-        ordinary = [bench.loss(c) for c in context]
-    if not names and not mode.calls:
-        return None
-    test = rule(quiet)
-    if not math.isfinite(quiet) or "ratio" not in test or not test.get("armed"):
-        return {"loss": quiet, "ratio": None, "zscore": None, "normal": False, "made_by_draw": False}
-    ordinary = [x for x in ordinary if math.isfinite(x)]
-    base = statistics.median(ordinary) if ordinary else None
-    normal = not test["spike"] and test["ratio"] <= bound and (base is None or base <= 0 or quiet <= bound * base)
-    made = normal or (quiet >= 0 and loss > 0 and quiet * DRAW_SHARE <= loss)
-    return {"loss": quiet, "ratio": test["ratio"], "zscore": test.get("zscore"), "normal": normal, "made_by_draw": made,
-            **({"ordinary": base} if base is not None else {})}
-
-
-def _samples(bench: ReplayBench, groups: list[tuple[list[int], Any]], rule: Any, grads: dict[str, torch.Tensor] | None,
-             bound: float, *, dropout: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any] | None, str | None]:
-    """:func:`_weigh_samples`, with every dropout off where the model has some (``dropout``): a row removed draws other
-    masks for every other row, so a removal "verified" under dropout could be a luckier draw (it was)."""
-    with dropout_off(bench.replica.model) if dropout else contextlib.nullcontext():
-        return _weigh_samples(bench, groups, rule, grads, bound, dropout)
-
-
-def _weigh_samples(bench: ReplayBench, groups: list[tuple[list[int], Any]], rule: Any, grads: dict[str, torch.Tensor] | None,
-                   bound: float, dropout: bool) -> tuple[list[dict[str, Any]], dict[str, Any] | None, str | None]:
-    """(per-sample losses (and gradient shares), and the fewest samples whose removal makes the step normal: no
-    spike by the rule and at most ``bound`` (``guard.spike_ratio``) times the window's median (a z-score that a
-    noisy window keeps under the rule's is not enough: x9 the median is no normal step), and when no set is found a
-    note on why the search stopped short (None: it did not).
-
-    The samples' own largest losses first (greedy: exact for a mean-loss rule); where none of those sets makes the
-    step normal (the loss couples the samples: a batch norm's statistics) or a sample cannot be weighed alone (a
-    model that refuses a batch of one), by their removal from the window (:func:`_bisect`): the found set's ``how``
-    is then "removal", ``why`` says why and ``search`` how it searched.
-    """
-
-    def normal(loss: float) -> bool:
-        verdict = rule(loss)
-        return not verdict["spike"] and verdict.get("ratio", 0.0) <= bound
-
-    rows, total_sum, total_count, failed = [], 0.0, 0.0, None
-    try:
-        for idx, _ in groups:
-            for i in idx:
-                s, c = bench.sums(bench.groups([[i]]))
-                rows.append({"sample": i, "loss_sum": s, "count": c})
-                total_sum, total_count = total_sum + s, total_count + c
-    except torch.cuda.OutOfMemoryError:
-        raise
-    except Exception as exc:  # e.g. a batch norm in training refuses a batch of one: the window decides (bisection)
-        rows, failed = [], f"weighing one sample alone failed ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
-    for r in rows:
-        r["loss"] = r["loss_sum"] / r["count"] if r["count"] else float("nan")
-        r["share"] = r["loss_sum"] / total_sum if total_sum else 0.0
-    if grads is not None and rows and len(rows) <= MAX_GRAD_SAMPLES:
-        _gradient_shares(bench, rows, grads, total_count)
-    rows.sort(key=lambda r: -r["loss_sum"])
-    found = _verified(bench, groups, rule, normal, outlier_sets(rows, normal))  # fewest first, by the samples' own losses
-    if found is not None:
-        share = sum(r["share"] for r in rows if r["sample"] in found["indices"])
-        return rows, {"indices": found["indices"], "share": share, "without": found["without"]}, None
-    window_sum, _ = bench.sums(groups)
-    median = rule(0.0).get("median") or float("nan")
-    drop, note = _bisect(bench, groups, normal, bound, bound * median, dropout)
-    found = _verified(bench, groups, rule, normal, [drop] if drop else [])
-    if found is None:
-        n = sum(len(idx) for idx, _ in groups)
-        note = note or f"no set of up to {max_outliers(n)} of the window's {n} samples makes the step normal"
-        return rows, None, "; ".join(x for x in (failed, note) if x)
-    kept = [[i for i in idx if i not in found["indices"]] for idx, _ in groups]
-    share = 1.0 - bench.sums(bench.groups(kept))[0] / window_sum if window_sum else 0.0
-    why = failed or "no few of the samples' own largest losses made the step normal: the loss couples them"
-    return rows, {"indices": found["indices"], "share": share, "without": found["without"], "how": "removal",
-                  "why": why, "search": note}, None
-
-
-def _verified(bench: ReplayBench, groups: list[tuple[list[int], Any]], rule: Any, normal: Any, sets: Any
-              ) -> dict[str, Any] | None:
-    """The first of ``sets`` whose removal the run's own step, replayed without them, finds normal (None: none)."""
-    for drop in sets:
-        kept = [[i for i in idx if i not in drop] for idx, _ in groups]
-        replayed = bench.step(bench.groups(kept))
-        verdict = rule(replayed["loss"])
-        if normal(replayed["loss"]):
-            return {"indices": sorted(drop), "without": {"loss": replayed["loss"], "grad_norm": replayed["grad_norm"],
-                                                         "ratio": verdict["ratio"], "zscore": verdict["zscore"]}}
-    return None
-
-
-def _bisect(bench: ReplayBench, groups: list[tuple[list[int], Any]], normal: Any, ratio: float, level: float,
-            dropout: bool = False) -> tuple[list[int] | None, str | None]:
-    """The few samples whose removal makes the window normal, found by weighing groups of them: (samples or None, a
-    note on what stopped it, or None).
-
-    A window of at most :data:`MAX_LEAVE_ONE_OUT` samples: each sample is dropped from the whole window in turn
-    (the rest keeps nearly all of it: a batch norm's statistics barely move), and the fewest of those whose
-    removal lowers the loss most that leave a normal window are the set. A larger window: each half is weighed on
-    its own; where one half's loss is more than ``ratio`` times the other's, that half is narrowed; where the two are
-    alike, each above ``level`` (``spike_ratio`` x the rule's median) is; down to the smallest group the model takes.
-    Either way the set is dropped from the whole window and replayed, and each sample that need not go is given
-    back. At most :data:`MAX_BISECT_REPLAYS` forward passes; None when none stands out, more than a quarter of the
-    window (16 at most) would go, or the rest is not normal. The note says how it searched (and why it stopped).
-    """
-    flat = [i for idx, _ in groups for i in idx]
-    limit, calls, notes = max_outliers(len(flat)), [0], []
-
-    def loss_of(samples: list[int]) -> float | None:
-        if calls[0] >= MAX_BISECT_REPLAYS:
-            if not notes:
-                notes.append(f"stopped at its budget of {MAX_BISECT_REPLAYS} forward passes")
-            return None
-        calls[0] += 1
-        try:
-            return bench.loss(bench.groups([samples]))
-        except torch.cuda.OutOfMemoryError:
-            raise
-        except Exception:  # a group the model refuses (one sample for a batch norm in training): not split further
-            return None
-
-    def normal_without(drop: set[int]) -> bool:
-        kept = [i for i in flat if i not in drop]
-        loss = loss_of(kept) if kept else None
-        return loss is not None and normal(loss)
-
-    def narrow(cands: list[int]) -> list[int]:
-        if len(cands) <= 1:
-            return cands
-        halves = (cands[:len(cands) // 2], cands[len(cands) // 2:])
-        losses = [loss_of(h) for h in halves]
-        if None in losses or not all(math.isfinite(x) for x in losses):
-            return cands  # the halves cannot be weighed apart: the group stays whole
-        if max(losses) > ratio * min(losses):  # one half stands out
-            high = [h for h, x in zip(halves, losses) if x == max(losses)]
-        else:  # alike: each is judged against the ordinary level (two outliers, one in each half)
-            high = [h for h, x in zip(halves, losses) if not x <= level]
-        return [i for h in high for i in narrow(h)]
-
-    if len(flat) <= MAX_LEAVE_ONE_OUT:  # each sample's removal from the whole window: how far the window's loss falls
-        with dropout_off(bench.replica.model):  # (a row removed shifts every later row's mask: the falls would be noise)
-            base = loss_of(flat)
-            falls = [(base - x, i) for i in flat
-                     if base is not None and (x := loss_of([j for j in flat if j != i])) is not None]
-            ranked = sorted(falls, reverse=True)  # (a set that splits a tie of falls names a sample by the tie's order)
-            whole = [k for k in range(1, min(limit, len(ranked)) + 1)
-                     if not (k < len(ranked) and math.isclose(ranked[k - 1][0], ranked[k][0], rel_tol=1e-6))]
-            top = sorted(i for _, i in ranked[:whole[-1]]) if whole else []
-            rest = loss_of([i for i in flat if i not in top]) if top else None
-        order = [i for _, i in ranked]
-        found = next((order[:k] for k in whole if normal_without(set(order[:k]))), [])
-        how = "each sample's removal from the whole window, the largest falls first"
-        if not found and rest is not None and base and math.isfinite(base) and rest <= base / 2:  # most of it: say so
-            notes.append(f"without samples {', '.join(map(str, top))} (the largest falls) the window's loss falls from "
-                         f"{base:.4g} to {rest:.4g} ({100 * (1 - rest / base):.0f}% of it gone"
-                         f"{'; dropout off' if dropout else ''}), still no normal step by the rule: not verified, not named")
-    else:
-        found = narrow(flat)
-        how = "halves of the window weighed on their own, narrowed"
-    if not found or len(found) == len(flat) or not normal_without(set(found)):
-        return None, (notes[0] if notes else None)
-    for i in list(found):  # give back each sample whose removal is not needed
-        if len(found) > 1 and normal_without(set(found) - {i}):
-            found.remove(i)
-    if len(found) > limit:
-        return None, f"{len(found)} samples would have to go (more than {limit})"
-    return sorted(found), "; ".join([how, *notes])
-
-
-def _gradient_shares(bench: ReplayBench, rows: list[dict[str, Any]], grads: dict[str, torch.Tensor], count: float) -> None:
-    """Each sample's share of the window's gradient G: <g_i / count, G> / ||G||^2 (they sum to 1)."""
-    rep = bench.replica
-    g_sq = sum(float((g * g).sum()) for g in grads.values())
-    if not g_sq:
-        return
-    for r in rows:
-        rep.reset()
-        for p in rep.params:
-            p.grad = None
-        (idx, batch), = bench.groups([[r["sample"]]])
-        with bench.precision.autocast():
-            s, _ = as_sum_count(bench.task.loss(rep.model, batch), len(idx))
-        (s / count).backward()
-        bench.passes["forward"] += 1
-        bench.passes["backward"] += 1
-        dot = sum(float((p.grad.detach().float() * grads[n]).sum()) for n, p in rep.named_params
-                  if p.grad is not None and n in grads)
-        r["grad_share"] = dot / g_sq
-    for p in rep.params:
-        p.grad = None
-    rep.reset()
 
 
 def diagnose_spike(bundle: dict[str, Any], task: Any, *, device: str | None = None) -> dict[str, Any]:
@@ -329,9 +106,9 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
     m: dict[str, Any] = {"reproduces": why is None, "why_not_reproducible": why, "loss": here["loss"],
                          "precision": precision, "step": bundle["step"]}
     # A model with dropout: is the window a spike with it off? (else the step's own draw made it: no sample is to blame)
-    m["dropout"] = _dropout_draw(bench, spike, rule, cfg.guard.spike_ratio, here["loss"], context) if why is None else None
+    m["dropout"] = dropout_draw(bench, spike, rule, cfg.guard.spike_ratio, here["loss"], context) if why is None else None
     samples_rows, m["samples"], m["samples_note"] = (
-        _samples(bench, spike, rule, here.get("grads"), cfg.guard.spike_ratio, dropout=m["dropout"] is not None)
+        weigh_samples(bench, spike, rule, here.get("grads"), cfg.guard.spike_ratio, dropout=m["dropout"] is not None)
         if why is None and not (m["dropout"] or {}).get("made_by_draw") else ([], None, None))
     samples_s = time.perf_counter() - start - replays_s  # (spread: the share of samples a spike by the rule alone)
     m["spread"] = sum(rule(r["loss_sum"] / (r["count"] or 1))["spike"] for r in samples_rows) / max(len(samples_rows), 1)

@@ -55,7 +55,7 @@ from .diagnostics.remedy_verdicts import (
     judge,
     rank_key,
 )
-from .diagnostics.spike import outlier_sets
+from .diagnostics.spike_evidence import outlier_sets
 from .fileio import atomic_write
 from .incident_replay import diagnose_incident, run_history, task_of_run
 from .policies.accumulation import loss_sums
@@ -275,7 +275,7 @@ def _sample_losses(inc: _Incident, model: torch.nn.Module, precision: Any, group
 def _extended(inc: _Incident, remedy: SkipSamples, result: dict[str, Any], num_after: int) -> dict[str, Any]:
     """A skip-samples candidate that fails at the next window by its loss (a burst of bad samples over consecutive
     windows: the diagnosis names the first window's), replayed again with that window's outliers dropped too
-    (:func:`~stabletrain.diagnostics.spike.outlier_sets`: the fewest whose rest is normal by the guard's rule), along
+    (:func:`~stabletrain.diagnostics.spike_evidence.outlier_sets`: the fewest whose rest is normal by the guard's rule), along
     the burst's windows, at most :data:`MAX_EXTENSIONS` of them. A later failure after a calm window is another
     incident's, left to it. Returns the last replay's result, with ``extended``: [{step, samples}, ...]."""
     extended: list[dict[str, Any]] = []

@@ -40,17 +40,14 @@ from ..records.snapshot import IntervalSnapshot
 from ..records.staging import StateStager, clone_state, equal_states, join_params, state_kept
 from ..runstate import RunState
 from ..seeding import kept_rng
-from .spike_reference import spike_parts
+from .spike_reference import MAX_CONTEXT, spike_parts
 
-__all__ = ["IncidentCapture", "StepSource", "incident_dir", "staged_now", "global_record", "sample_ranks", "MAX_CONTEXT",
+__all__ = ["IncidentCapture", "StepSource", "incident_dir", "staged_now", "global_record", "sample_ranks",
            "IN_MEMORY"]
 
 #: What :meth:`IncidentCapture.capture` hands its caller in memory only (a live remedy's search reads them): the
 #: first bundle and its whole diagnosis; no event's or ``on_incident``'s field.
 IN_MEMORY = ("bundle", "diagnosis_record")
-
-#: A spike's bundle keeps up to this many ordinary windows beside its own (its diagnosis compares against them).
-MAX_CONTEXT = 3
 
 
 def unordinary(fit: RunState, rows: list[Any]) -> set[int]:

@@ -46,7 +46,8 @@ from ..records.captured import noop_optimizer, optimizer_factory, optimizer_reci
 from ..records.staging import load_optimizer_state_, snapshot_fits, state_bytes
 from ..seeding import rng_state, set_rng_state
 from ..tasks import Task
-from .capture import MAX_CONTEXT, staged_now
+from .capture import staged_now
+from .spike_reference import MAX_CONTEXT
 
 __all__ = ["PendingStep", "KeptStep", "StepKeeper", "HostReplay", "HostSteps"]
 

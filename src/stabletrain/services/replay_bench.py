@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..data import move_to
-from ..diagnostics.spike import adam_surges, surge_rows
+from ..diagnostics.spike_evidence import adam_surges, surge_rows
 from ..policies.accumulation import loss_sums
 from ..replica import Replica
 

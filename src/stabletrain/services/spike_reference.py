@@ -18,14 +18,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..diagnostics.spike import LR_RISE, lr_groups
+from ..diagnostics.spike import LR_RISE
+from ..diagnostics.spike_evidence import lr_groups
 from ..records.checkpoint.shards import is_dcp_entry
 from ..records.staging import equal_states, join_params
 from ..runstate import RunState
 
 __all__ = ["spike_parts", "before_run", "before_jump", "lr_jumped_at", "HISTORY_INTERVALS", "AFTERSHOCK_STEPS",
-           "MAX_EARLIER_SAMPLES"]
+           "MAX_EARLIER_SAMPLES", "MAX_CONTEXT"]
 
+#: Ordinary windows a spike's bundle holds to compare against (the interval's steps before the spike, else the next ones).
+MAX_CONTEXT = 3
 #: How many of the run's interval records before a spike its bundle holds (their step, LR and update/weight ratio).
 HISTORY_INTERVALS = 5
 #: A spike this many steps or fewer after an applied one (guard.on_spike=warn) says it may be its aftershock.
