@@ -73,6 +73,12 @@ def test_the_hugging_face_trainer_under_torchrun(tmp_path):
     out, run_dir = tmp_path / "out", tmp_path / "run"
     run([*TORCHRUN, str(TESTS / "dist_adapters.py"), "transformers", str(out), str(run_dir)], timeout=300)
     _check(_load(out, "transformers"), run_dir, 3, 1, "transformer.wte")
+    # The Trainer multiplied each rank's loss by the 2 processes (its items were both ranks'): a replay on one process
+    # (stabletrain diagnose) multiplies by what the bundle says, or it replays a spike at half its loss.
+    from stabletrain.records.bundles import load_bundle
+
+    host = load_bundle(run_dir / "incidents" / "step_000003")["config"]["task_args"]["host"]
+    assert host["loss_factor"] == 2 and host["num_items_in_batch"] > 0, host
 
 
 def test_lightning_with_strategy_ddp(tmp_path):

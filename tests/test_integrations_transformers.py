@@ -328,6 +328,23 @@ def test_a_gpt2_spike_rediagnosed_from_its_bundle_gives_the_live_numbers(tmp_pat
     assert fresh["loss"] == live["loss"] and fresh["samples"] == live["samples"], (fresh["summary"], live["summary"])
 
 
+def test_a_replay_multiplies_its_loss_by_the_processes_the_trainer_multiplied_by(tmp_path):
+    """Under DDP the Trainer divides by all ranks' items and multiplies by the processes (its own rule): the bundle's
+    loss_factor (2 in tests/test_adapters_distributed.py) is applied by a replay on one process; a one-process Trainer
+    records none (1)."""
+    from stabletrain.records.captured import host_loss_factor, loss_from_recipe
+
+    batch = {"input_ids": torch.arange(16).reshape(2, 8), "labels": torch.arange(16).reshape(2, 8)}
+    model = gpt2().eval()  # (no dropout draw between the two forwards)
+    one = loss_from_recipe({"kind": "transformers"}, {"num_items_in_batch": 32})(model, batch)
+    two = loss_from_recipe({"kind": "transformers"}, {"num_items_in_batch": 32, "loss_factor": 2})(model, batch)
+    assert torch.isfinite(one) and torch.equal(two, 2 * one)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), use_cpu=True, report_to=[])
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=token_rows(4))
+    assert trainer.model_accepts_loss_kwargs and host_loss_factor(trainer, torch.tensor(32)) == 1
+    assert host_loss_factor(trainer, None) == 1
+
+
 class ItemsIgnoringRegressor(Regressor):
     """Takes loss kwargs (so the Trainer takes its loss as divided by num_items_in_batch) yet returns a plain mean."""
 

@@ -58,7 +58,7 @@ from ..host_step import warn_if_items_ignored
 from ..internals import find_caller, is_compiled
 from ..numerics import grad_norms
 from ..records.batches import count_tokens, items_normalized, window_items
-from ..records.captured import divides_by_items, loss_recipe, model_recipe
+from ..records.captured import divides_by_items, host_loss_factor, loss_recipe, model_recipe
 from ..services.kept_steps import HostReplay, KeptStep, current_lrs
 from .core import RunSession
 
@@ -144,8 +144,7 @@ class StableTrainCallback(TrainerCallback):
         self.session = RunSession(
             self.run_dir, model, host="transformers", options=self.options, precision=mode, clip_max_norm=clip,
             optimizer=inner, scaler=scaler, replay=_TransformersReplay(self), overwrite=self.overwrite,
-            fingerprint=None if resumed else self._fingerprint,
-            recipes={"model": model_recipe(model, "transformers"),
+            fingerprint=None if resumed else self._fingerprint, recipes={"model": model_recipe(model, "transformers"),
                      "loss": loss_recipe(self.loss_fn, {"kind": "transformers"} if _default_compute_loss(trainer) else None)},
             host_config=host, callbacks=self.stable_callbacks,
             compiled=bool(getattr(args, "torch_compile", False))  # the callbacks are handed the uncompiled model
@@ -193,7 +192,8 @@ class StableTrainCallback(TrainerCallback):
         if not pending.micro:
             pending.host = {"model": model, "num_items_in_batch": num_items_in_batch,
                             "accumulation_steps": getattr(self.trainer, "current_gradient_accumulation_steps", None),
-                            "items_normalized": self.loss_fn is None and divides_by_items(self.trainer, num_items_in_batch)}
+                            "items_normalized": self.loss_fn is None and divides_by_items(self.trainer, num_items_in_batch),
+                            "loss_factor": host_loss_factor(self.trainer, num_items_in_batch) if self.loss_fn is None else 1}
             if session.step == 0 and not session.history:  # once: the step-0 report; a loss that ignores its items
                 session.signal_check(dict(inputs), self.diagnosis_loss(num_items_in_batch))
                 warn_if_items_ignored(pending.host, model, dict(inputs), self.diagnosis_loss)

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from ..tasks import Task, TaskError
 from .batches import CapturedRows, import_path, items_normalized, load_object, plain_batch, unbundle_batch
 
-__all__ = ["divides_by_items", "captured_task", "TASK_SPEC", "TASK_SPECS", "REBUILD_HINT", "loss_from_recipe",
+__all__ = ["divides_by_items", "host_loss_factor", "captured_task", "TASK_SPEC", "TASK_SPECS", "REBUILD_HINT", "loss_from_recipe",
            "model_from_recipe", "model_recipe", "loss_recipe", "optimizer_recipe", "build_optimizer_from_recipe",
            "lightning_loss", "noop_optimizer", "optimizer_factory"]
 
@@ -44,15 +44,18 @@ TASK_SPEC = "stabletrain.records.captured:captured_task"
 TASK_SPECS = (TASK_SPEC, "stabletrain.integrations.replay:captured_task")
 
 
-def _transformers_loss(model: nn.Module, batch: Any, num_items_in_batch: Any = None) -> Tensor:
+def _transformers_loss(model: nn.Module, batch: Any, num_items_in_batch: Any = None, factor: int = 1) -> Tensor:
     """The Hugging Face Trainer's default ``compute_loss``: the model's ``loss`` (a ModelOutput, a dict or a tuple),
     with ``num_items_in_batch`` passed as the Trainer passes it (to a model that takes loss kwargs: the loss is then
-    the micro-batch's sum over the whole window's item count, not its own mean)."""
+    the micro-batch's sum over the whole window's item count, not its own mean), times the Trainer's
+    :func:`host_loss_factor` when it passed it (the run's processes: its items were all ranks')."""
     inputs = dict(batch)
-    if num_items_in_batch is not None and _accepts_loss_kwargs(model):
+    passed = num_items_in_batch is not None and _accepts_loss_kwargs(model)
+    if passed:
         inputs["num_items_in_batch"] = num_items_in_batch
     outputs = model(**inputs)
-    return outputs["loss"] if isinstance(outputs, Mapping) else outputs[0]
+    loss = outputs["loss"] if isinstance(outputs, Mapping) else outputs[0]
+    return loss * factor if passed and factor != 1 else loss
 
 
 def divides_by_items(trainer: Any, num_items_in_batch: Any) -> bool:
@@ -60,6 +63,20 @@ def divides_by_items(trainer: Any, num_items_in_batch: Any) -> bool:
     rule: a model that takes loss kwargs, or a ``compute_loss_func``)."""
     return num_items_in_batch is not None and bool(getattr(trainer, "model_accepts_loss_kwargs", False)
                                                    or getattr(trainer, "compute_loss_func", None) is not None)
+
+
+def host_loss_factor(trainer: Any, num_items_in_batch: Any) -> int:
+    """The factor a Hugging Face Trainer's ``compute_loss`` multiplies its loss by (its own rule): under
+    ``average_tokens_across_devices`` with a loss divided by the window's ``num_items_in_batch`` (all ranks' items),
+    the processes' count (less tensor parallelism's), or ``n_gpu`` for DataParallel; else 1. A replay on one process
+    multiplies by it too: without it a 2-rank run's spike replayed at half its loss (no spike by the rule)."""
+    args = getattr(trainer, "args", None)
+    if (not getattr(args, "average_tokens_across_devices", False) or not divides_by_items(trainer, num_items_in_batch)):
+        return 1
+    if getattr(args, "n_gpu", 1) > 1:
+        return int(args.n_gpu)
+    tp = trainer.get_tp_size() if callable(getattr(trainer, "get_tp_size", None)) else 1
+    return max(1, int(getattr(trainer.accelerator, "num_processes", 1)) // max(1, int(tp)))
 
 
 def _accepts_loss_kwargs(model: nn.Module) -> bool:
@@ -94,7 +111,7 @@ def loss_from_recipe(recipe: dict[str, Any] | None, host: dict[str, Any] | None 
         items, window = (host or {}).get("num_items_in_batch"), (host or {}).get("window_items")
         if items is None:
             return _transformers_loss
-        loss = functools.partial(_transformers_loss, num_items_in_batch=items)
+        loss = functools.partial(_transformers_loss, num_items_in_batch=items, factor=(host or {}).get("loss_factor", 1))
         # (a bundle written before window_items was kept: the scalar, right for its whole window only)
         return items_normalized(loss, window, _accepts_loss_kwargs) if window else loss
     if kind == "lightning":

@@ -291,7 +291,7 @@ class HostSteps:
                 "lrs": [float(lr) for lr in kept.lrs],
                 "scaler": (float(kept.scaler[0]), int(kept.scaler[1])) if kept.scaler is not None else None,
                 "host": {**{k: (v.item() if isinstance(v, Tensor) else v) for k, v in kept.host.items()
-                            if k in ("num_items_in_batch", "accumulation_steps")},
+                            if k in ("num_items_in_batch", "accumulation_steps") or (k == "loss_factor" and v != 1)},
                          # a loss divided by the window's item count: the count its parts are weighed on
                          **({"window_items": window_items(kept.batches())} if kept.host.get("items_normalized") else {})}}
 
