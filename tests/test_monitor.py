@@ -69,6 +69,25 @@ def test_clean_run_writes_a_run_directory_that_report_and_compare_read(tmp_path)
     assert write_compare(runs, tmp_path / "compare.html").exists()
 
 
+def test_the_init_watch_speaks_of_a_reset_before_the_first_step_never_of_the_first_update(tmp_path, capsys):
+    """Monitor's fit starts in its first step(), after the model's first forward: the watch compares there, once. Its
+    hook for a first forward then met step 2's, after the first update, and called every parameter overwritten."""
+    def overwritten(run):
+        return [e for e in read_jsonl(run / "events.jsonl")[0] if e["kind"] == "init_overwritten"]
+
+    model, opt = make()
+    with Monitor(model, opt, run_dir=tmp_path / "plain", log_every=5, loss_fn=loss_fn) as monitor:
+        train(monitor, model, batches(6))
+    assert overwritten(tmp_path / "plain") == [] and "init overwritten" not in capsys.readouterr().err
+    model, opt = make()
+    with Monitor(model, opt, run_dir=tmp_path / "reset", log_every=5, loss_fn=loss_fn) as monitor:
+        torch.manual_seed(1)
+        model.fc1.reset_parameters()  # after the fingerprint, before the first step
+        train(monitor, model, batches(6))
+    (event,) = overwritten(tmp_path / "reset")
+    assert event["step"] == 0 and {p["name"] for p in event["params"]} == {"fc1.weight", "fc1.bias"}, event
+
+
 def test_no_host_sync_between_log_boundaries_and_a_non_fused_optimizer_costs_one(tmp_path):
     model, opt = make(fused=True)
     monitor = Monitor(model, opt, run_dir=tmp_path / "run", log_every=5, loss_fn=loss_fn)

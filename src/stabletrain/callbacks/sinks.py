@@ -226,6 +226,8 @@ class InitWatch(Callback):
                 if module is not watched:  # a copy (the step-0 report's deepcopy carries the hook): not the run's model
                     return
                 handle.remove()
+                if state.step > 0:  # a host whose fit starts in its first step (Monitor): its first forward came before
+                    return  # the comparison above, and this one is after an update (every parameter "changed")
                 changes = fingerprint.compare(module)
                 if changes:
                     _say_overwritten(state, changes, " in the model's first forward")
