@@ -29,6 +29,21 @@ class SlowSteps(Callback):
         time.sleep(float(os.environ.get("STABLETRAIN_TEST_SLEEP", "0")))
 
 
+class WriterReady(Callback):
+    """At the fit's start, start this process's checkpoint writer and wait until it serves (its imports done), so the
+    run's saves go to it from the first: a small save that comes before it serves is written by training itself."""
+
+    def on_fit_start(self, state):
+        import time
+
+        from stabletrain.records.checkpoint.writer import writer
+
+        channel, deadline = writer(), time.monotonic() + 120
+        while not channel.ready and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert channel.ready, "the checkpoint writer did not start serving within 120 s"
+
+
 class PlantNaN(Callback):
     """After step ``STABLETRAIN_TEST_NAN_STEP`` (default 2), write a NaN into rank 1's shard of ``layers.1.fc.weight``.
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ckpt_worker import WriterReady
 from multiproc import env, wait_for_step
 from multiproc import stabletrain as stabletrain_cmd
 from test_checkpoint import MLP, assert_same, dirs, tiny_state
@@ -223,7 +224,7 @@ def test_save_costs_compare_the_steps_a_save_was_written_beside_with_as_many_bef
 def test_a_runs_checkpoint_events_say_what_each_background_save_cost(tmp_path):
     run_dir = tmp_path / "run"
     stabletrain.Trainer(stabletrain.load_config(None, [*MLP, "train.max_steps=12", "log.every=2", "ckpt.every=4"]),
-                        run_dir=run_dir).fit()
+                        run_dir=run_dir, callbacks=[WriterReady()]).fit()
     saves = {e["step"]: e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
              if e["kind"] == "checkpoint"}
     assert sorted(saves) == [0, 4, 8, 12]
@@ -252,6 +253,33 @@ def test_the_writer_starts_beside_the_steps_after_the_first_save_only_when_a_per
     close_writer()
 
 
+def test_a_save_before_the_writer_serves_is_written_at_once_by_training_not_queued_for_it(tmp_path, writer_fault):
+    """A fresh writer imports torch first (~1-2 s beside busy training): a save handed to it meanwhile was not durable
+    until then (a restart went back to the save before), and the next save waited for it. Until it serves, a small
+    save is written by training itself; then the writer takes them."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    writer_fault(f"slow:{gate}")
+    good = []
+
+    class Probe(stabletrain.Callback):
+        def on_checkpoint(self, state, info):
+            good.append((info["step"], (state.ckpt.root / "LAST_GOOD").read_text().strip()))
+            if info["step"] == 4:  # the writer may serve from now on
+                (gate / "release").touch()
+                WriterReady().on_fit_start(state)
+
+    run_dir = tmp_path / "run"
+    stabletrain.Trainer(stabletrain.load_config(None, [*MLP, "train.max_steps=8", "log.every=2", "ckpt.every=2"]),
+                        run_dir=run_dir, callbacks=[Probe()]).fit()
+    saves = {e["step"]: e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
+             if e["kind"] == "checkpoint"}
+    assert sorted(saves) == [0, 2, 4, 6, 8]
+    assert good[:3] == [(0, "step_000000"), (2, "step_000002"), (4, "step_000004")]  # durable at once, each
+    # (written by training: the loop blocked for the whole save; by the writer: for its staging copy only)
+    assert [s for s, e in sorted(saves.items()) if e["blocked_s"] < e["seconds"]] == [6, 8], saves
+
+
 # -- failures ------------------------------------------------------------------------------------------
 
 
@@ -277,7 +305,8 @@ def test_a_failed_background_save_is_a_checkpoint_failed_event_and_training_goes
     run_dir = tmp_path / "run"
     # ckpt.max_failures=0: never stop (stopping after N failures in a row: tests/test_console.py)
     trainer = stabletrain.Trainer(stabletrain.load_config(None, [*MLP, "train.max_steps=6", "log.every=2",
-                                                                  "ckpt.every=2", "ckpt.max_failures=0"]), run_dir=run_dir)
+                                                                  "ckpt.every=2", "ckpt.max_failures=0"]), run_dir=run_dir,
+                                  callbacks=[WriterReady()])
     trainer.fit()
     assert trainer.step == 6
     events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
@@ -355,7 +384,8 @@ def test_sigkill_while_a_background_save_is_in_flight_takes_the_writer_and_resum
     gate.mkdir()
     fault_env = {**env(), "PYTHONPATH": os.pathsep.join([str(WRITER_SITE), env().get("PYTHONPATH", "")]),
                  "STABLETRAIN_TEST_WRITER_FAULT": f"hold:{gate}:step_000004", "STABLETRAIN_TEST_SLEEP": "0.2"}
-    proc = subprocess.Popen(stabletrain_cmd(*args, f"run.dir={run_dir}", "callbacks=[ckpt_worker:SlowSteps]"),
+    proc = subprocess.Popen(stabletrain_cmd(*args, f"run.dir={run_dir}",
+                                            "callbacks=[ckpt_worker:SlowSteps,ckpt_worker:WriterReady]"),
                             env=fault_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert wait_until(lambda: (gate / "reached").exists() or proc.poll() is not None, 120), proc.communicate()
@@ -390,7 +420,7 @@ def test_a_run_whose_writer_dies_says_so_in_one_line_trains_on_and_leaves_no_pro
     fault_env = {**env(), "PYTHONPATH": os.pathsep.join([str(WRITER_SITE), env().get("PYTHONPATH", "")]),
                  "STABLETRAIN_TEST_WRITER_FAULT": "die:*/step_000004.tmp-*/state.pt.tmp-*"}
     proc = subprocess.Popen(stabletrain_cmd(*MLP, "train.max_steps=8", "log.every=2", "ckpt.every=2",
-                                            "log.tensorboard=false", f"run.dir={run_dir}"),
+                                            "log.tensorboard=false", f"run.dir={run_dir}", "callbacks=[ckpt_worker:WriterReady]"),
                             env=fault_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err

@@ -144,6 +144,29 @@ def test_planted_nan_is_skipped_captured_and_traced(tmp_path, capfd):
 
 
 
+class SelfCallNet(LitNet):
+    """The usual pattern: ``training_step`` calls ``self(x)``, the module's own forward."""
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+
+def test_a_training_step_that_calls_self_is_replayed_and_traced(tmp_path):
+    # The replay runs training_step as the module's call: its self(x) ran training_step again, on x (a ValueError
+    # unpacking it): no step-0 report, and every incident 'captured' without an op, module or sample.
+    bad_step = 3
+    fit(SelfCallNet(), StableTrainCallback(run_dir=tmp_path / "run", log_every=5), 8,
+        bad_index=(bad_step - 1) * BATCH + BAD_POSITION)
+    d = load_run(tmp_path / "run").counted_events("incident")[0].extra["diagnosis"]
+    assert (d["op"], d["module"], d["bad_positions"]) == ("aten.sqrt.default", "net.root",
+                                                         [{"micro_batch": 0, "position": BAD_POSITION}]), d
+    assert (tmp_path / "run" / "init_signal.json").exists()
+
+
 @pytest.mark.parametrize("on_spike", ["warn"])  # (the device-side skip: the Hugging Face test)
 def test_a_loss_spike_is_captured_and_its_samples_named_and_verified(tmp_path, on_spike, capfd):
     """Samples at positions 1 and 5 of step 15 (mid-interval) carry targets x40 off: the spike is captured from the

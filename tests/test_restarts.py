@@ -277,8 +277,12 @@ def test_the_same_crash_of_rank_1_under_ddp_stops_with_exit_3_and_one_line(tmp_p
     assert res.returncode == 3 and "ChildFailedError" not in res.stderr, res.stderr[-3000:]
     assert [e["kind"] for e in events(run_dir) if e["kind"] in ("restart", "stop")] == ["restart", "stop"]
     refused = [line for line in res.stderr.splitlines() if "not restarting" in line]
-    assert len(refused) == 1 and "the same failure ended 2 launches in a row (ended as rank 1 exited with code 1 (its " \
-        "last line: " in refused[0], refused
+    assert len(refused) == 1 and "the same failure ended 2 launches in a row (crashed at step 3: rank 1: OSError: sample " \
+        "45: read error" in refused[0], refused
+    # Rank 1 records its own crash (rank 0 only saw a peer lost): the error and the user's file:line, as on one process.
+    crashes = [e for e in events(run_dir) if e["kind"] == "crash"]
+    assert len(crashes) == 2 and all(e["rank"] == 1 and e["error"] == "OSError" and e["failed_step"] == 3
+                                     and e["location"].endswith("restart_tasks.py:25 in __getitem__") for e in crashes)
 
 
 @pytest.mark.slow

@@ -197,7 +197,7 @@ class Trainer:
                 self._record_checkpoints(self.keeper.finished(wait=True))  # the crash stays the last event
                 reason, fields = crash_event(err, self._where)
                 failed = state.step + 1 if self._where.startswith("a training step") else state.step
-                state.event(state.step, "crash", reason, failed_step=failed, **fields)
+                state.event(state.step, "crash", reason, own=True, failed_step=failed, **fields)
             raise
         finally:
             try:

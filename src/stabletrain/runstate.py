@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 from torch import nn
 
+from .records.rundir import append_event
 from .seeding import rng_state, seed_everything, set_rng_state
 
 __all__ = ["RunState"]
@@ -97,10 +98,14 @@ class RunState:
         if self.model is None:
             self.model = self.module
 
-    def event(self, step: int, kind: str, reason: str, **fields: Any) -> None:
-        """Record an event in ``events.jsonl`` (rank 0 with a run dir; a no-op elsewhere)."""
+    def event(self, step: int, kind: str, reason: str, *, own: bool = False, **fields: Any) -> None:
+        """Record an event in ``events.jsonl`` (rank 0 with a run dir; a no-op elsewhere). ``own``: what only this rank
+        knows (its own crash): another rank of a run with a run dir appends it there itself, naming itself."""
         if self.run is not None:
             self.run.event(step, kind, reason, **fields)
+        elif own and self.dist.enabled and self.ckpt is not None:
+            append_event(self.ckpt.root.parent, step, kind, f"rank {self.dist.rank}: {reason}", rank=self.dist.rank,
+                         **fields)
 
     def begin_fit(self) -> dict[str, Any]:
         """Mark the fit begun (an empty metrics record); a second ``fit()`` of the same Trainer is one clear error."""

@@ -8,7 +8,8 @@ same environment is untouched:
 * ``die:PATTERN``     ``os.fsync`` of such a file SIGKILLs the writer (it dies mid-save);
 * ``hold:DIR:NAME``   before checkpoint NAME's (e.g. step_000002) temporary directory is renamed into place
   (written and verified, LAST_GOOD not moved yet) the writer writes its pid to DIR/reached and waits for
-  DIR/release (up to 120 s).
+  DIR/release (up to 120 s);
+* ``slow:DIR``        the writer's start (its imports) takes until DIR/release exists (up to 120 s).
 """
 
 import os
@@ -50,5 +51,9 @@ if _FAULT and "stabletrain.records.checkpoint.writer_main" in getattr(sys, "orig
             return real_replace(src, dst, *a, **k)
 
         os.replace = replace
+    elif kind == "slow":
+        deadline = time.time() + 120
+        while not os.path.exists(os.path.join(arg, "release")) and time.time() < deadline:
+            time.sleep(0.01)
     else:
         raise SystemExit(f"STABLETRAIN_TEST_WRITER_FAULT: unknown kind {kind!r}")

@@ -287,7 +287,7 @@ class RunSession:
         self.closed = True
         if err is not None:
             reason, fields = crash_event(err, "the host's training step")
-            self.state.event(self.step, "crash", reason, **fields)
+            self.state.event(self.step, "crash", reason, own=True, **fields)
         if self.host_step is not None:
             self.host_step.close()
         record: dict[str, Any] = {}

@@ -90,10 +90,23 @@ def lightning_loss(model: nn.Module, batch: Any) -> Tensor:
     """``model.training_step(batch, 0)``'s loss, run as the module's own call.
 
     Run through ``model(...)`` so that module names under the locator (torch's ModuleTracker names modules
-    from the first module called) are rooted at the LightningModule: ``net.root``, not ``Net.root``.
+    from the first module called) are rooted at the LightningModule: ``net.root``, not ``Net.root``. A
+    ``self(x)`` inside ``training_step`` (the usual pattern) runs the module's own ``forward``.
     """
     own = vars(model).get("forward")  # one the host set on the instance (Lightning's compiled forward) is put back
-    model.forward = lambda b: model.training_step(b, 0)  # an instance attribute, removed below
+    inner = own if own is not None else type(model).forward.__get__(model)
+    depth = [0]
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if depth[0]:  # training_step's own self(x): the module's forward, not training_step again on x
+            return inner(*args, **kwargs)
+        depth[0] += 1
+        try:
+            return model.training_step(*args, 0)
+        finally:
+            depth[0] -= 1
+
+    model.forward = forward  # an instance attribute, removed below
     try:
         out = model(batch)
     finally:

@@ -15,6 +15,7 @@ Everything a run knows lands here in plain formats (DESIGN.md, principle 5; the 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -29,7 +30,7 @@ from .events import EVENT_KINDS
 from .jsonl import JsonlWriter, json_safe
 from .launches import LAUNCH_FILE
 
-__all__ = ["RunDir"]
+__all__ = ["RunDir", "append_event"]
 
 
 def _refused(path: Path, host: str | None, why: str) -> ValueError:
@@ -173,3 +174,21 @@ class RunDir:
         if self._launch_recorded:  # the run is over: nothing of this launch runs on the directory any more
             (self.path / LAUNCH_FILE).unlink(missing_ok=True)
             self._launch_recorded = False
+
+
+def append_event(run_dir: Path, step: int, kind: str, reason: str, **fields: Any) -> None:
+    """Append one event to ``run_dir``'s ``events.jsonl`` from a process that does not hold the run open (a rank other
+    than 0, recording its own crash): one line in one ``O_APPEND`` write, which another process's lines do not split.
+    Never raises (the crash it records is what matters)."""
+    if kind not in EVENT_KINDS:
+        raise ValueError(f"event kind {kind!r} is not one of stabletrain.records.events.EVENT_KINDS")
+    record = {"step": step, "kind": kind, "reason": reason, "time": round(time.time(), 3), **fields}
+    line = (json.dumps(json_safe(record)) + "\n").encode("utf-8")
+    try:
+        fd = os.open(Path(run_dir) / "events.jsonl", os.O_WRONLY | os.O_APPEND)  # (never created here: rank 0 did)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass

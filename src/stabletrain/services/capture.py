@@ -379,7 +379,8 @@ class IncidentCapture:
             self._note_spike(step, diagnosis, applied=fit.cfg.guard.on_spike == "warn" and any(
                 r.step == step and r.values.get("applied", 1.0) >= 0.5 for r in rows))
         if "diagnosis" not in fields:  # every incident reaches the console in one line
-            why_not = fields.get("diagnosis_error") or "not diagnosed: the diagnosis is off; stabletrain diagnose replays it"
+            why_not = (f"its diagnosis failed: {fields['diagnosis_error']}" if fields.get("diagnosis_error")
+                       else "not diagnosed: the diagnosis is off; stabletrain diagnose replays it")
             console.say(f"{label} at step {step} captured into {folder} ({why_not})")
         found.update(fields)
         seen_note = f" (seen on rank(s) {ranks})" if fit.dist.enabled and ranks else ""

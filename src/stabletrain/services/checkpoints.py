@@ -56,7 +56,9 @@ __all__ = ["CheckpointKeeper", "schedule_change_note", "INLINE_FIRST_BYTES"]
 #: the background (a short one, ckpt.every beyond its end) starts no process (~1.3 CPU-seconds: a fresh
 #: interpreter importing torch), and its last save does not wait for one to start. A run with a periodic save
 #: ahead starts its writer right after that first save, so the process starts beside the steps instead of
-#: holding up the next saves (bench/goodput.py: a launch's checkpoint stalls 2.2 s -> 0.7 s).
+#: holding up the next saves (bench/goodput.py: a launch's checkpoint stalls 2.2 s -> 0.7 s); a save of this size
+#: that comes before the writer's imports are done is written here too (it was handed over and the next save waited
+#: ~2 s for the writer to start: its checkpoint not durable meanwhile, a restart going back further).
 INLINE_FIRST_BYTES = 64 << 20
 
 
@@ -255,13 +257,16 @@ class CheckpointKeeper:
         whole = save.whole
         meta = {"config": config_to_dict(state.cfg), "config_hash": config_hash(state.cfg), **save.meta}
         first, self._saved = not self._saved, True
-        if save.inline_ok and running_writer() is None and (wait or (first and state_bytes(whole) <= INLINE_FIRST_BYTES)):
-            try:  # no writer process yet: a save waited for anyway, or a small first one, is written here
+        running = running_writer()
+        if save.inline_ok and not (running is not None and running.ready) and (
+                wait or ((first or running is not None) and state_bytes(whole) <= INLINE_FIRST_BYTES)):
+            try:  # no writer serving yet: a save waited for anyway, or a small first one (or one before the writer's
+                # imports are done: it would wait for them), is written here
                 result = ckpt.save(whole, state.step, meta)
             except Exception as err:  # the previous checkpoint is intact
                 return done + [_failed(state.step, err)]
             cfg = state.cfg
-            if not wait and cfg.ckpt.every and state.step + cfg.ckpt.every < cfg.train.max_steps:
+            if not wait and running is None and cfg.ckpt.every and state.step + cfg.ckpt.every < cfg.train.max_steps:
                 with contextlib.suppress(WriterDied):  # a periodic save follows: its writer starts beside the steps
                     writer()  # (not blocking; a writer that cannot start is the next save's failure to report)
             return done + [{"step": result.step, "kind": result.kind, "reason": result.reason,

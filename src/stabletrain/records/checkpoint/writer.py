@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["Writer", "WriterDied", "writer", "running_writer", "close_writer", "exit_with_parent", "WRITER_MODULE",
-           "WRITER_NICENESS"]
+           "WRITER_NICENESS", "READY_ID"]
 
 WRITER_MODULE = "stabletrain.records.checkpoint.writer_main"  # the writer process's entry point
 #: How much lower (in nice steps) the writer runs than training, where the OS allows it.
@@ -52,6 +52,8 @@ _PARENT_POLL_S = 0.2
 _RANK_VARS = frozenset(("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                         "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT"))
 _HEADER = struct.Struct("<Q")
+#: The id of the writer's first message, sent once its imports are done: it serves from then on (requests count from 1).
+READY_ID = 0
 
 
 class WriterDied(RuntimeError):
@@ -121,6 +123,17 @@ class Writer:
         self._replies: dict[int, dict[str, Any]] = {}
         self._ids = 0
         self._drops: list[int] = []  # shared blocks released here, to release there with the next message
+        self._ready = False  # its READY_ID message came: it imported what it needs and serves
+
+    @property
+    def ready(self) -> bool:
+        """Whether the writer serves already (a fresh interpreter imports torch first: ~1-2 s). Never blocks."""
+        if not self._ready:
+            try:
+                self._ready = self.poll(READY_ID) is not None
+            except WriterDied:
+                return False
+        return self._ready
 
     @property
     def pid(self) -> int:

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from .writer import WRITER_NICENESS, exit_with_parent, recv, send
+from .writer import READY_ID, WRITER_NICENESS, exit_with_parent, recv, send
 
 __all__ = ["serve", "main"]
 
@@ -38,6 +38,7 @@ def serve(sock: socket.socket) -> None:
     from .manager import CheckpointManager
 
     blocks: dict[int, list[Any]] = {}  # id -> [mmap, slot tensors of its current layout]
+    send(sock, {"rid": READY_ID})  # imported: serving from now on (a save meanwhile is written by training itself)
 
     def drop(bid: int) -> None:
         entry = blocks.pop(bid, None)
