@@ -308,6 +308,22 @@ def test_accum_check_names_a_scalar_mean_over_tokens_and_says_to_return_sum_and_
     assert "averages over another unit than samples" in cause and cause.endswith("weighs each by what it holds")
 
 
+def _alike_token_mean_task() -> Task:
+    """The token-mean task with its output layer initialized small: every token's loss near ln 16 at step 0, so the
+    whole batch's mean is off its micro-batches' sample-weighted mean by 5e-4 only (a tiny GPT at init: 8e-4)."""
+    task = _token_mean_task()
+    with torch.no_grad():
+        task.model[1].weight.mul_(0.1)
+        task.model[1].bias.zero_()
+    return task
+
+
+def test_accum_check_names_a_token_mean_whose_losses_are_still_alike_at_init():
+    (result,) = run_checks(CheckContext(cfg("train.batch_size=8"), task_factory=_alike_token_mean_task), ["accum"])
+    assert not result.passed and result.summary.endswith(
+        "; the scalar loss is a mean over another unit than samples (tokens?): return (sum, count)"), result.summary
+
+
 def _dead_relu_task() -> Task:
     """A ReLU stack whose hidden biases are -5: every ReLU is off at step 0."""
     g = torch.Generator().manual_seed(0)
@@ -366,6 +382,33 @@ def test_init_check_fails_a_first_loss_far_above_an_uninformed_guess_and_passes_
     assert any(d.startswith(f"the first loss {init.numbers['first_loss']:.4g} is "
                             f"{init.numbers['first_loss'] / init.numbers['uninformed_loss']:.3g}x an uninformed output's") and
                d.endswith("starts near an uninformed guess") for d in init.details), init.details
+
+
+def _deep_std1_task() -> Task:
+    """12 Linear+ReLU layers of width 32 initialized N(0, 1): the forward explodes (x ~4 a layer), the logits with it."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(12):
+        layers += [nn.Linear(32, 32), nn.ReLU()]
+    model = nn.Sequential(*layers, nn.Linear(32, 10))
+    with torch.no_grad():
+        for m in model:
+            if isinstance(m, nn.Linear):
+                m.weight.normal_(0, 1.0)
+                m.bias.zero_()
+    g = torch.Generator().manual_seed(0)
+    return Task(model=model, train_data=TensorDataset(torch.randn(64, 32, generator=g), torch.randint(0, 10, (64,), generator=g)),
+                loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+
+
+def test_init_check_blames_a_huge_first_loss_on_the_exploding_forward_not_the_output_layer(tmp_path):
+    """Scaling the head down (the advice for a head too large) leaves the 12 layers before it exploding."""
+    [init] = run_checks(CheckContext(cfg("train.batch_size=16"), task_factory=_deep_std1_task,
+                                     options={"out_dir": str(tmp_path)}), ["init"])
+    assert not init.passed and init.numbers["forward"].startswith("exploding at #"), init.numbers
+    [line] = [d for d in init.details if d.startswith("the first loss ")]
+    assert "because the forward explodes before it (exploding at #" in line and "Scale the output layer" not in line, line
+    assert "; and so the first loss " in init.summary and "; but " not in init.summary, init.summary
 
 
 def test_uninformed_loss_says_nothing_of_a_model_whose_output_is_not_one_tensor_and_puts_back_batchnorm_stats():

@@ -416,5 +416,5 @@ def test_an_init_a_lazy_first_forward_overwrites_is_reported_once(tmp_path, capf
     Trainer(cfg("train.max_steps=4", "log.every=2", f"log.init_signal={signal}"), task=task(), run_dir=tmp_path / "run").fit()
     events = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl")[0] if e["kind"] == "init_overwritten"]
     assert len(events) == 1 and [p["name"] for p in events[0]["params"]] == ["l2.weight", "l2.bias"], events
-    assert events[0]["reason"].endswith(" in the model's first forward"), events[0]["reason"]
+    assert events[0]["reason"].startswith("init overwritten in the model's first forward: "), events[0]["reason"]
     assert "stabletrain: init overwritten in the model's first forward: " in capfd.readouterr().out

@@ -574,3 +574,15 @@ def test_a_layer_with_no_counterpart_and_an_input_of_zero_is_not_judged_against_
     report = signal_report(Cond(), (x, y), lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]))
     cond = next(layer for layer in report.layers if layer.name == "cond")
     assert cond.in_std == 0 and cond.forward == "ok" and report.passed, report.summary("forward")
+
+
+def test_the_adam_update_band_is_never_empty_nor_inverted_for_a_weight_as_small_as_the_lr():
+    """A weight of rms <= lr (init std 0.001 at lr 1e-3) had the band 0.0995..0.1 or 0.101..0.1: nothing in it, or less."""
+    from stabletrain.diagnostics.signal_propagation import SignalThresholds
+
+    th = SignalThresholds()
+    assert th.update_band(True, 1e-3, 0.05) == pytest.approx((2e-3, 0.1))  # a usual weight: 0.1 x lr/rms(w)
+    for rms in (1e-2, 1.005e-3, 1e-3, 9.9e-4, 1e-5):
+        low, high = th.update_band(True, 1e-3, rms)
+        assert low == pytest.approx(min(0.1 * 1e-3 / rms, 0.01)) and low <= high / 10 * (1 + 1e-9), (rms, low, high)
+

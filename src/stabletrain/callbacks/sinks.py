@@ -238,6 +238,6 @@ class InitWatch(Callback):
 
 def _say_overwritten(state: RunState, changes: list[Any], when: str) -> None:
     text = InitFingerprint.describe(changes)
-    state.event(state.step, "init_overwritten", f"{text}{when}", params=[c.as_dict() for c in changes])
+    state.event(state.step, "init_overwritten", f"init overwritten{when}: {text}", params=[c.as_dict() for c in changes])
     if state.dist.is_main:  # (it was an event only: the run trained on another init without a word)
         console.say(f"init overwritten{when}: {text}")

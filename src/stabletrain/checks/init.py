@@ -39,7 +39,7 @@ from ..diagnostics.initialization import (
     zero_layers_small,
 )
 from ..diagnostics.signal_display import format_comparison, format_report, plot_signal
-from ..diagnostics.signal_propagation import SignalReport, signal_report
+from ..diagnostics.signal_propagation import EXPLODING, SignalReport, signal_report
 from ..policies.accumulation import as_sum_count
 from ..policies.optim import optimizer_factory
 from ..seeding import seed_everything
@@ -138,8 +138,10 @@ def uninformed_loss(model: nn.Module, batch: Any, loss: Any) -> tuple[float, flo
     return value, *seen[0]
 
 
-def _loss_at_init(first: float, probe: tuple[float, float, int] | None) -> tuple[dict[str, float], str | None, bool]:
+def _loss_at_init(first: float, probe: tuple[float, float, int] | None, exploding: str | None = None
+                  ) -> tuple[dict[str, float], str | None, bool]:
     """(the numbers, the line, whether it fails) of the first loss against an uninformed output's (no probe: why not).
+    ``exploding``: where the forward explodes before the output (the output's scale is then its input's, not its own).
 
     Judged only where the uninformed loss is a uniform guess's, ln C over the output's last dim of C classes (a
     cross-entropy on logits) or ln 2 (a binary or multi-label one on logits): a regression's scale is its targets'.
@@ -159,6 +161,10 @@ def _loss_at_init(first: float, probe: tuple[float, float, int] | None) -> tuple
         return numbers, f"{head}: the first loss is non-finite (a NaN/Inf in the forward or the loss at init)", True
     if first < LOSS_AT_INIT_LIMIT * zero:
         return numbers, f"{head}: ok, the output (std {std:.3g}) starts near an uninformed guess", False
+    if exploding is not None:  # (scaling the head down leaves the layers before it exploding)
+        return numbers, (f"{head}: the output starts confidently wrong, its std {std:.3g} at step 0, because the forward "
+                         f"explodes before it ({exploding}): fix the init of the layers before it (the verdicts above), not the "
+                         "output layer alone"), True
     return numbers, (f"{head}: the output starts confidently wrong, its std {std:.3g} at step 0. Scale the output layer's "
                      "init down (std ~0.02, or zero-init it); a head tied to an embedding of std 1 gives logits of std "
                      "~sqrt(width): init the embedding at std ~0.02"), True
@@ -249,7 +255,9 @@ def check_init(ctx: CheckContext) -> CheckResult:
     if not built.passed and not deliberate:
         # (not compared: measured now, on a copy re-initialized as the advice would have it)
         architecture = architectures(built, by_scheme.get(built.recommended) or reinitialized(built.recommended))
-    loss_numbers, loss_line, loss_fails = _loss_at_init(reports[0].loss, uninformed_loss(base, batch, task.loss))
+    first = built.first_forward
+    exploding = _where(built, "forward") if first is not None and first.forward == EXPLODING else None
+    loss_numbers, loss_line, loss_fails = _loss_at_init(reports[0].loss, uninformed_loss(base, batch, task.loss), exploding)
     # With a comparison, the scheme it recommends (one that passed here) is what the JSON, numbers and text all name.
     recommended, advice = _compare_advice(built, by_scheme) if schemes else (built.recommended, "")
     plot = plot_signal(reports, ctx.output_path("init_signal.png"))
@@ -282,7 +290,8 @@ def check_init(ctx: CheckContext) -> CheckResult:
     if loss_line is not None:  # (before a comparison's advice, which stays the last line)
         details.insert(len(details) - 1 if schemes else len(details), loss_line)
     if loss_fails:
-        summary += f"; but {loss_line.split(' (the model')[0]}: the output starts confidently wrong"
+        summary += (f"; and so {loss_line.split(' (the model')[0]}" if exploding is not None
+                    else f"; but {loss_line.split(' (the model')[0]}: the output starts confidently wrong")
     numbers.update({"recommended": recommended, "plot": str(plot), "json": str(data)})
     return CheckResult("init", (built.passed or architecture is not None) and not loss_fails, summary, numbers=numbers,
                        details=details, warning=architecture is not None)

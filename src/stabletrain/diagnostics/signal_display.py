@@ -44,9 +44,9 @@ def format_updates(report: SignalReport) -> list[str]:
     th = report.thresholds
     if report.adaptive:
         title = (f"update/weight (rms) after one {report.optimizer} step: an Adam-like first step moves each element "
-                 f"by about lr, so a ratio is about lr/rms(w); band per parameter: {th.adaptive_low:g} x lr/rms(w) "
-                 f"(below: most elements got no gradient) to {th.adaptive_high:g} (above: lr is large for the "
-                 "weight's scale):")
+                 f"by about lr, so a ratio is about lr/rms(w); band per parameter: {th.adaptive_low:g} x lr/rms(w), "
+                 f"at most {th.adaptive_low * th.adaptive_high:g} (below: most elements got no gradient, or one under "
+                 f"the optimizer's eps) to {th.adaptive_high:g} (above: lr is large for the weight's scale):")
     else:
         title = (f"update/weight (rms) after one {report.optimizer} step (lr x |grad| / |w|): band {th.update_low:g} "
                  f"to {th.update_high:g}, around the ~1e-3 rule of thumb for SGD-like updates:")

@@ -73,7 +73,10 @@ class SignalThresholds:
             whatever its gradient), a ratio above this is ``large``: the first step is its largest
             relative move (later ``|m / sqrt(v)| < 1``), hence 10x the SGD band's top.
         adaptive_low: ... and a ratio below this times ``lr / rms(w)`` (what the first step gives a weight
-            whose every element has a gradient) is ``small``: most of its elements got no gradient.
+            whose every element has a gradient) is ``small``: most of its elements got no gradient, or one below
+            the optimizer's eps. Where ``lr / rms(w)`` is above ``adaptive_high`` (a weight of rms below 10 x lr: its
+            normal first step is already ``large``), the low bound is ``adaptive_low x adaptive_high``: the band
+            was empty or inverted (0.0995..0.1, 0.101..0.1).
     """
 
     explode: float = 4.0
@@ -94,7 +97,7 @@ class SignalThresholds:
     def update_band(self, adaptive: bool, lr: float | None, weight_rms: float) -> tuple[float, float]:
         """Return the (low, high) update/weight band after one step, for an Adam-like optimizer or not."""
         if adaptive and lr is not None and weight_rms > 0:
-            return self.adaptive_low * lr / weight_rms, self.adaptive_high
+            return self.adaptive_low * min(lr / weight_rms, self.adaptive_high), self.adaptive_high
         return self.update_low, self.update_high
 
     def describe(self) -> str:
