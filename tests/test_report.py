@@ -531,7 +531,9 @@ def test_loss_scale_panel_only_where_a_loss_scale_is_in_play(real_run, other_run
     assert "loss_scale" in names and "skipped" not in names
     scale_ax = figs[names.index("loss_scale")].axes[0]
     assert list(scale_ax.get_lines()[0].get_ydata()) == scales and scale_ax.get_yscale() == "log"
-    assert 'id="no-loss-scale"' not in write_report(run_copy).read_text(encoding="utf-8")
+    page = write_report(run_copy).read_text(encoding="utf-8")
+    assert 'id="no-loss-scale"' not in page
+    assert "skipped" in page and "; the fp16 loss scale went 65,536 -&gt; 32,768 (lowest 16,384)." in page  # (said)
 
 
 def test_update_panel_draws_the_norm_and_the_ratio_on_separate_axes(real_run, monkeypatch):

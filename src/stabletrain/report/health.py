@@ -20,7 +20,7 @@ from ..records.launches import unfinished_note
 from .clip_verdict import clip_sentence
 from .loss_headline import loss_sentence
 from .rundata import Event, RunData
-from .text import first_clause, fmt_num, fmt_ranges, one_line, plural, skip_places, skip_reason, stall_parts
+from .text import first_clause, fmt_num, fmt_ranges, one_line, plural, scale_note, skip_places, skip_reason, stall_parts
 
 __all__ = ["Health", "health_summary", "incident_summary", "crash_summary", "crash_step", "stall_figures", "LEVELS"]
 
@@ -92,7 +92,7 @@ def health_summary(run: RunData) -> Health:
             text += f" (events.jsonl names {plural(len(f['skip_steps']), 'step')})"
         if undone:
             text += f"; before {_went_back(undone)}, {plural(len(f['skip_steps_undone']), 'more step')}" + skip_places(undone)
-        h.say("warn", text + ".")
+        h.say("warn", text + scale_note(run.metrics) + ".")
     elif undone:
         h.say("warn", f"No steps skipped since {_went_back(undone)}; before it {plural(len(f['skip_steps_undone']), 'step')} "
                       f"{'was' if len(f['skip_steps_undone']) == 1 else 'were'} skipped{skip_places(undone)}, and that "

@@ -119,3 +119,13 @@ def skip_places(events: Iterable[Any]) -> str:
     parts = [f"at {fmt_ranges(steps)}" + (f": {reason}" if "(" in reason else f" ({reason})")
              for reason, steps in by_reason.items()]
     return " " + "; ".join(parts) if parts else ""
+
+
+def scale_note(metrics: Iterable[dict[str, Any]]) -> str:
+    """ "; the fp16 loss scale went 65,536 -> 8 (lowest 8)": the GradScaler's scale over the records, where it moved."""
+    scales = [float(r["loss_scale"]) for r in metrics
+              if isinstance(r.get("loss_scale"), (int, float)) and math.isfinite(r["loss_scale"])]
+    if len(set(scales)) <= 1:
+        return ""
+    return f"; the fp16 loss scale went {scales[0]:,.6g} -> {scales[-1]:,.6g} (lowest {min(scales):,.6g})"
+
