@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import warnings
@@ -536,3 +537,35 @@ def test_the_interval_befores_kept_steps_go_first_where_keep_max_mib_is_reached(
             keeper.keep(t, [batch], None, [], None)
             assert keeper.overflow_at is None and keeper.nbytes <= keeper.max_bytes, t
     assert sorted(keeper.steps) == [8, 9, 10, 11, 12, 13, 14, 15]  # 1, 2 went at step 9, 3..7 at 11; the 3 before 10 stay
+
+
+def test_a_loss_that_enters_autocast_itself_leaves_precision_open_not_ruled_out(tmp_path):
+    """fp16 spike (offset inputs near float16's limit at step 70) under a loss function that enters torch.autocast itself:
+    the 'fp32' replay ran in fp16 too (the same loss, bitwise) and the spike was called data. The replay sees the
+    autocast in the model's forward and says precision is not ruled out; with monitor.autocast() it is precision."""
+    from spike_tasks import offset_inputs_task
+
+    def run(own_autocast):
+        task = offset_inputs_task()
+        model, data = task.model, task.train_data
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.03, fused=True)
+
+        def loss_fn(m, b):
+            with torch.autocast("cpu", dtype=torch.float16) if own_autocast else contextlib.nullcontext():
+                return torch.nn.functional.mse_loss(m(b[0]).float(), b[1])
+
+        with Monitor(model, opt, run_dir=tmp_path / str(own_autocast), loss_fn=loss_fn, scaler=torch.amp.GradScaler("cpu"),
+                     precision="fp16", log_every=10) as monitor:
+            for s in range(72):
+                batch = data[s * 8:(s + 1) * 8]
+                with monitor.autocast():
+                    loss = loss_fn(model, batch)
+                monitor.backward(loss, batch)
+                monitor.step()
+        return json.loads((tmp_path / str(own_autocast) / "incidents" / "step_000070" / "diagnosis.json").read_text())
+
+    own = run(True)
+    assert own["fp32"] is None and "precision is not ruled out: a replay of the step in fp32 runs in fp16 too" in \
+        own["evidence"], own["summary"]
+    assert run(False)["failure_class"] == "precision"
+

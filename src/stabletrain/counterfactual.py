@@ -132,7 +132,8 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
         for k, v in before.passes.items():
             bench.passes[k] += v
     m["fp32"] = None
-    if precision != "fp32" and why is None:
+    blocked = precision != "fp32" and why is None and bench.autocast_inside(spike, replica.precision(mode="fp32"))
+    if precision != "fp32" and why is None and not blocked:  # (the loss's own autocast: no fp32 step to weigh; said below)
         fp32 = replica.precision(mode="fp32")
         full = bench.step(spike, fp32)
         m["fp32"] = {"loss": full["loss"], **{k: v for k, v in rule(full["loss"]).items() if k != "armed"}}
@@ -140,6 +141,10 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
             m["where"] = _fp32_cure(bench, spike, rule, precision_departures(
                 *bench.module_errors(spike, replica.model, bench.precision, fp32)))
     verdict = classify_spike(m)
+    if blocked:
+        verdict["evidence"] += (f"; precision is not ruled out: a replay of the step in fp32 runs in {precision} too (the "
+                                "loss function turns torch.autocast on itself; enter it through the adapter, e.g. "
+                                "Monitor.autocast(), and a replay can turn it off)")
     after, by_index = observed.get("after_spike"), bundle.get("sample_unit", "dataset index") == "dataset index"
     # The samples earlier spikes named (one process: by dataset index), the last one's too where it was an applied spike
     # (an adapter numbers samples by their place in the step: the same number in another step is another sample).

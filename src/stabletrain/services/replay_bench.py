@@ -52,6 +52,17 @@ class ReplayBench:
         total, count = self.sums(groups, model, precision)
         return total / count if count else float("nan")
 
+    def autocast_inside(self, groups: list[tuple[list[int], Any]], precision: Any) -> bool:
+        """Whether the loss turns autocast on itself: the model's forward runs under it though ``precision`` (fp32) sets
+        none (a Monitor user's loss function that enters ``torch.autocast``): a replay cannot then leave low precision."""
+        dev, seen = self.replica.device.type, []
+        handle = self.replica.model.register_forward_pre_hook(lambda *_: seen.append(torch.is_autocast_enabled(dev)))
+        try:
+            self.sums(groups[:1], precision=precision)
+        finally:
+            handle.remove()
+        return any(seen)
+
     def step(self, groups: list[tuple[list[int], Any]], precision: Any = None, *, signature: bool = False) -> dict[str, Any]:
         """The run's step on ``groups``: its loss, grad norm, per-parameter grad norms and update ratios (state kept)."""
         rep = self.replica
