@@ -725,6 +725,21 @@ def test_a_few_huge_losses_do_not_make_the_loss_headline_read_as_a_run_that_got_
     assert h.figures["loss_start"] == 5.1 and "(first → last interval)" in text
 
 
+def test_a_runs_first_interval_that_falls_fast_within_it_heads_the_loss_unless_a_spike_or_early_outlier_lifts_it(tmp_path):
+    """34 -> 0.04 within the first 10 steps: the first interval's mean, 11.02, was 'lifted by a few large losses' and the
+    headline started at the median of the first 5 intervals, 0.1259: not where the run started."""
+    means, lows = [11.02, 0.9, 0.13, 0.12, 0.1259, 0.11, 0.05, 0.03, 0.02, 0.014], [0.04, 0.1, 0.1, 0.1, 0.1, 0.09, 0.04,
+                                                                                     0.02, 0.015, 0.01]
+    h, text = _loss_run(tmp_path / "warm", means, lows)
+    assert h.figures["loss_start"] == 11.02 and "lifted" not in text, text
+    # an early outlier in it (a bad batch before the rule arms) still lifts it
+    (tmp_path / "warm" / "events.jsonl").write_text(json.dumps({"step": 6, "kind": "early_outlier", "reason": "...",
+                                                                "loss": 100.0, "factor": 40.0}) + "\n")
+    h = health_summary(load_run(tmp_path / "warm"))
+    text = next(text for _, text in h.sentences if text.startswith("Train loss"))
+    assert h.figures["loss_start"] == 0.13 and "the first interval's mean, 11.02, is lifted by a loss spike at step 6" in text
+
+
 def test_a_short_runs_end_without_its_spike_steps_own_losses_not_a_median_reaching_back_to_the_start(tmp_path):
     """Three intervals (a Monitor run of 30 steps, 3 samples x100 at step 27): the median of the last 3 intervals' means
     was the first's: 'Train loss 10.39 -> 10.39; it rose x2.51 from its best interval's mean' for a loss that fell."""
@@ -825,6 +840,26 @@ def test_remedies_not_applied_for_the_same_reason_are_one_line(run_copy):
                      "No remedy applied for the incident at step 35: no candidate cures it (skip-step: fails); falling "
                      "back to remedy.fallback=skip."], lines
     assert len(h.figures["remedies"]) == 4
+
+
+def test_the_health_summary_says_a_runs_early_outliers_which_no_incident_covers(tmp_path):
+    """lr=3 with no clip: the mlp's loss jumps x1e4-1e5 at step 2, before the spike rule arms: an early_outlier event in
+    the timeline only, and the summary said "No incidents" and nothing of it."""
+    from helpers import cfg
+
+    from stabletrain import Trainer
+    from stabletrain.report.health import health_summary
+    from stabletrain.report.rundata import load_run
+
+    Trainer(cfg("train.max_steps=6", "log.every=6", "optim.lr=3", "sched.warmup_steps=0", "sched.decay=constant",
+                "clip.max_norm=null"), run_dir=tmp_path / "run").fit()
+    run = load_run(tmp_path / "run")
+    [event] = run.counted_events("early_outlier")
+    h = health_summary(run)
+    [said] = [text for level, text in h.sentences if level == "warn" and "early outlier" in text]
+    assert said.startswith(f"1 early outlier before the spike rule armed: step {event.step} (loss ") and \
+        "may be diverging from the start (an LR too high for it?)." in said, said
+    assert h.figures["early_outlier_steps"] == [event.step]
 
 
 def test_the_health_summary_says_what_the_init_report_found_at_step_0(tmp_path):

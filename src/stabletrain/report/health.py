@@ -18,6 +18,7 @@ from typing import Any
 
 from ..records.launches import unfinished_note
 from .clip_verdict import clip_sentence
+from .early_signs import early_outlier_sentence, precursor_sentence
 from .loss_headline import loss_sentence
 from .rundata import Event, RunData
 from .text import first_clause, fmt_num, fmt_ranges, one_line, plural, scale_note, skip_places, skip_reason, stall_parts
@@ -144,7 +145,8 @@ def health_summary(run: RunData) -> Health:
         if undone_spikes:
             text += f"; before {_went_back(undone_spikes)}, at step {fmt_ranges(f['spike_steps_undone'])}"
         h.say("warn", text + ".")
-    _precursors(run, h)
+    precursor_sentence(run, h)
+    early_outlier_sentence(run, h)
 
     incidents = run.counted_events("incident")
     f["incidents"] = [(e.step, incident_summary(e)) for e in incidents]
@@ -171,32 +173,6 @@ def health_summary(run: RunData) -> Health:
     if run.problems:
         h.say("warn", f"{plural(len(run.problems), 'problem')} reading the run's files (listed under Data problems).")
     return h
-
-
-#: A precursor is said to have come before a spike when the spike followed within this many steps.
-PRECURSOR_LEAD = 100
-
-
-def _precursors(run: RunData, h: Health) -> None:
-    """The precursor warnings (guard.precursor): each with the spike it came before, if one followed."""
-    steps = sorted({e.step for e in run.counted_events("precursor")})
-    h.figures["precursor_steps"] = steps
-    if not steps:
-        return
-    undone = {e.step for e in run.undone_events("spike")}  # a spike the run went back past still followed it
-    spikes = sorted({*(h.figures.get("spike_steps") or []), *undone})
-    parts = []
-    last = max((int(r["step"]) for r in run.metrics if isinstance(r.get("step"), int)), default=None)
-    for p in steps:
-        after = next((s for s in spikes if p < s <= p + PRECURSOR_LEAD), None)
-        gone = ", which the run went back past" if after in undone else ""
-        # (a run that ended sooner had fewer steps in which one could follow: said so)
-        within = (f"in the {plural(last - p, 'step')} the run went on" if last is not None and last - p < PRECURSOR_LEAD
-                  else f"within {PRECURSOR_LEAD} steps")
-        parts.append(f"step {p:,} ({plural(after - p, 'step')} before the spike at step {after:,}{gone})"
-                     if after is not None else f"step {p:,} (no spike followed {within})")
-    h.say("ok", f"{plural(len(steps), 'precursor warning')} (a layer's update/weight ratio departed from its history) at "
-                + "; ".join(parts) + ".")
 
 
 def _init(run: RunData, h: Health) -> None:

@@ -34,7 +34,9 @@ def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
         own = {e.step: float(e.extra["loss"]) for e in events if isinstance(e.extra.get("loss"), (int, float))}
         ratio = run.cfg("guard.spike_ratio", 2.0)
         ratio = float(ratio) if isinstance(ratio, (int, float)) and ratio > 1 else 2.0
-        (f["loss_start"], start), (f["loss_end"], end) = (_robust_end(rows, spikes, ratio, "first", own),
+        # The run's first interval holds its descent: only a spike or an early outlier (the rule not armed yet) lifts it
+        early = sorted({*spikes, *(e.step for e in run.counted_events("early_outlier"))})
+        (f["loss_start"], start), (f["loss_end"], end) = (_robust_end(rows, early, ratio, "first", own, descent=True),
                                                           _robust_end(rows[::-1], spikes, ratio, "last", own))
         text = f"Train loss {fmt_num(f['loss_start'])} → {fmt_num(f['loss_end'])}"
         if len(rows) == 1:  # one interval: no "X → X"
@@ -43,7 +45,7 @@ def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
         elif start is None and end is None:
             text += " (first → last interval)"
         else:
-            why = "; ".join(w for w in (start and _why(rows[0], spikes, "first"), end and _why(rows[-1], spikes, "last")) if w)
+            why = "; ".join(w for w in (start and _why(rows[0], early, "first"), end and _why(rows[-1], spikes, "last")) if w)
             text += f" ({start or 'first interval'} → {end or 'last interval'}: {why})"
     level = "ok"
     if len(rows) > 2:
@@ -76,7 +78,7 @@ def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
 
 
 def _robust_end(rows: list[tuple], spikes: list[int], ratio: float, end: str,
-                own: dict[int, float] | None = None) -> tuple[float, str | None]:
+                own: dict[int, float] | None = None, descent: bool = False) -> tuple[float, str | None]:
     """The loss at one end of the run: its end interval's mean, unless a few large losses made that mean and not the
     interval's typical loss; then the median of the :data:`LOSS_ENDS` end intervals' means (of those without a spike
     event when spikes lift most of them: spikes that recur every epoch), and the words saying so.
@@ -88,7 +90,9 @@ def _robust_end(rows: list[tuple], spikes: list[int], ratio: float, end: str,
     ``rows`` are (step, interval steps, mean loss, smallest loss) from that end inward. A run of fewer than 6
     intervals has no end intervals of its own to take a median of (it reached back to the other end: "10.39 → 10.39,
     rose x2.51" for a loss that fell): the end interval's mean without its spike steps' own losses (``own``: the spike
-    events'), where each is known.
+    events'), where each is known. ``descent``: ``rows[0]`` is the run's first interval, whose first losses are its
+    fast fall (34 -> 0.04 in 10 steps was "lifted by a few large losses"): its mean stands unless ``spikes`` (and early
+    outliers) fall in it.
     """
     step, width, mean, low = rows[0]
     ends = min(LOSS_ENDS, max(3, len(rows) // 2))  # a short run: the two ends share as few intervals as they can
@@ -97,6 +101,8 @@ def _robust_end(rows: list[tuple], spikes: list[int], ratio: float, end: str,
     # (its smallest loss high too: most of its steps are, a divergence's course, not a few large losses; so are
     # spikes on half its steps or more: a loss that rose and stayed, above the rule's frozen window)
     inside = sum(step - width < s <= step for s in spikes)
+    if descent and not inside and step - width <= 0:
+        return mean, None
     spiky = ((inside or mean > ratio * median) and low <= ratio * median and 2 * inside < width)
     if not spiky:
         return mean, None

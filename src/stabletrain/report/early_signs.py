@@ -1,0 +1,53 @@
+"""What came before trouble, in the report's health summary: the precursor's warnings and a run's early outliers.
+
+``h``: the summary being written (:class:`~stabletrain.report.health.Health`: ``figures`` and ``say``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .rundata import RunData
+from .text import fmt_num, plural
+
+__all__ = ["precursor_sentence", "early_outlier_sentence", "PRECURSOR_LEAD"]
+
+
+#: A precursor is said to have come before a spike when the spike followed within this many steps.
+PRECURSOR_LEAD = 100
+
+
+def precursor_sentence(run: RunData, h: Any) -> None:
+    """The precursor warnings (guard.precursor): each with the spike it came before, if one followed."""
+    steps = sorted({e.step for e in run.counted_events("precursor")})
+    h.figures["precursor_steps"] = steps
+    if not steps:
+        return
+    undone = {e.step for e in run.undone_events("spike")}  # a spike the run went back past still followed it
+    spikes = sorted({*(h.figures.get("spike_steps") or []), *undone})
+    parts = []
+    last = max((int(r["step"]) for r in run.metrics if isinstance(r.get("step"), int)), default=None)
+    for p in steps:
+        after = next((s for s in spikes if p < s <= p + PRECURSOR_LEAD), None)
+        gone = ", which the run went back past" if after in undone else ""
+        # (a run that ended sooner had fewer steps in which one could follow: said so)
+        within = (f"in the {plural(last - p, 'step')} the run went on" if last is not None and last - p < PRECURSOR_LEAD
+                  else f"within {PRECURSOR_LEAD} steps")
+        parts.append(f"step {p:,} ({plural(after - p, 'step')} before the spike at step {after:,}{gone})"
+                     if after is not None else f"step {p:,} (no spike followed {within})")
+    h.say("ok", f"{plural(len(steps), 'precursor warning')} (a layer's update/weight ratio departed from its history) at "
+                + "; ".join(parts) + ".")
+
+
+def early_outlier_sentence(run: RunData, h: Any) -> None:
+    """A run's first losses far above every loss before them (``early_outlier`` events: before the spike rule arms, not
+    judged, skipped or captured). They were in the timeline only: a run whose LR diverged it at step 2 said "No incidents"."""
+    events = run.counted_events("early_outlier")
+    h.figures["early_outlier_steps"] = [e.step for e in events]
+    if not events:
+        return
+    shown = [f"step {e.step:,} (loss {fmt_num(e.extra.get('loss'))}, x{fmt_num(e.extra.get('factor'))} every loss "
+             f"before it)" for e in events[:4]]
+    h.say("warn", f"{plural(len(events), 'early outlier')} before the spike rule armed: {'; '.join(shown)}"
+                  f"{' ...' if len(events) > 4 else ''}: not judged, skipped or captured; a run that jumps this far in its "
+                  "first steps may be diverging from the start (an LR too high for it?).")
