@@ -161,6 +161,24 @@ def test_where_the_baseline_fails_on_a_divergence_a_finite_end_far_above_the_las
     assert judge(still_diverged, failed)[0] == "cures"  # no bar (not a divergence): finite and no spike
 
 
+def test_a_divergence_whose_intervals_before_its_growth_all_held_spikes_is_judged_against_its_first_loss():
+    """SGD at lr 1.2: the loss x4 a step from step 1; its first logged interval (step 10) held 6 spikes at 5.1e5, and
+    that was 'the last healthy interval' every candidate ending below it 'cured'."""
+    from stabletrain.diagnostics.remedy_verdicts import healthy_bar
+
+    divergence = {"failure_class": "divergence", "growth": {"since_step": 10}}
+    history = [{"step": 10, "loss": 5.145e5, "loss_min": 34.0, "num_spikes": 6},
+               {"step": 20, "loss": 3e9, "loss_min": 1e8, "num_spikes": 10}]
+    bar = healthy_bar(history, divergence)
+    assert bar[:2] == (10, 34.0) and bar[2].startswith("the lowest loss of the run's first interval"), bar
+    assert healthy_bar([{"step": 5, "loss": 2.7, "loss_min": 2.5, "num_spikes": 0}, *history], divergence) == (
+        5, 2.7, "the last healthy interval")
+    failed = {"failed": {"step": 38, "why": "non-finite loss at step 38"}, "end_loss": float("nan")}
+    verdict, evidence = judge({"failed": None, "dropped_samples": 0, "total_samples": 88, "end_loss": 76.7,
+                               "first_step": 5, "trajectory": [{"step": 11}]}, failed, healthy=bar)
+    assert verdict == "worse" and "vs 34 at step 10, the lowest loss of the run's first interval" in evidence, evidence
+
+
 def test_a_spike_candidate_is_held_to_the_runs_level_before_the_spike():
     """A spike's bar is the median of the losses its rule judged it against: where the baseline cures, a candidate no
     worse than that level cures (near 1e-3, noise alone is x2 between replays); where it fails (the spike comes back),

@@ -64,7 +64,8 @@ def judge(result: dict[str, Any], baseline: dict[str, Any], healthy: tuple[int, 
           typical: float | None = None) -> tuple[str, str]:
     """(verdict, evidence) of one candidate's replay against the baseline's (module docstring).
 
-    ``healthy``: (step, loss) of the run's last healthy interval, the bar when the baseline itself fails
+    ``healthy``: (step, loss[, what it is]) of the run's last healthy interval (:func:`healthy_bar`), the bar when the
+    baseline itself fails
     (a finite end far above it is no cure: the run stays diverged). ``typical``: a spike's, the median of the
     losses the rule judged it against: an end loss within tolerance of the run's own level before the spike is
     no worse, whatever the baseline's happens to be (near a loss of 1e-3 the noise alone is x2).
@@ -109,21 +110,30 @@ def judge(result: dict[str, Any], baseline: dict[str, Any], healthy: tuple[int, 
         return ("cures" if end <= typical * bar + 1e-12 else "worse"), text
     if healthy is None:
         return "cures", f"{steps}; end loss {end:.4g} ({fails})"
-    text = f"{steps}; end loss {end:.4g} vs {healthy[1]:.4g} at step {healthy[0]}, the last healthy interval ({fails})"
+    what = healthy[2] if len(healthy) > 2 else "the last healthy interval"
+    text = f"{steps}; end loss {end:.4g} vs {healthy[1]:.4g} at step {healthy[0]}, {what} ({fails})"
     return ("cures" if end <= healthy[1] * bar + 1e-12 else "worse"), text
 
 
-def healthy_bar(history: list[dict[str, Any]], diagnosis: dict[str, Any]) -> tuple[int, float] | None:
-    """(step, loss) of a divergence's last logged interval before its growth began; None for any other class.
+def healthy_bar(history: list[dict[str, Any]], diagnosis: dict[str, Any]) -> tuple[int, float, str] | None:
+    """(step, loss, what it is) of a divergence's last logged interval before its growth began that held no spike nor
+    non-finite step; None for any other class.
 
     Only a divergence needs the bar: there a finite end can still be far off (the run stays diverged); for
-    the other classes, one interval's loss on other batches would be too noisy a bar.
+    the other classes, one interval's loss on other batches would be too noisy a bar. A run that diverged within its
+    first interval has none (its interval at step 10 held 6 spikes at x1.5e4 its first loss, and every candidate with
+    an end below 5e5 'cured' it): the lowest loss of its first interval is the bar.
     """
     since = (diagnosis.get("growth") or {}).get("since_step")
     if diagnosis.get("failure_class") != "divergence" or since is None:
         return None
-    rows = [r for r in history if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"]) and r["step"] <= since]
-    return (int(rows[-1]["step"]), float(rows[-1]["loss"])) if rows else None
+    rows = [r for r in history if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"]) and r["step"] <= since
+            and not r.get("num_spikes") and not r.get("num_nonfinite")]
+    if rows:
+        return int(rows[-1]["step"]), float(rows[-1]["loss"]), "the last healthy interval"
+    first = next((r for r in history if isinstance(r.get("loss_min"), (int, float)) and math.isfinite(r["loss_min"])), None)
+    return (int(first["step"]), float(first["loss_min"]), "the lowest loss of the run's first interval (every interval "
+            "before the growth held a spike)") if first is not None else None
 
 
 def rank_key(r: dict[str, Any]) -> tuple:
