@@ -252,3 +252,15 @@ def test_a_parameter_of_a_few_elements_is_not_watched():
     assert [s for s, _ in feed(precursor(), updates, weights)] == [320]
     assert [s for s, _ in feed(Precursor(GuardConfig(), NAMES, sizes=[64, 32, 1]), updates, weights)] == [320]
     assert feed(Precursor(GuardConfig(), NAMES, sizes=[64, 4, 64]), updates, weights) == []
+
+
+def test_the_warning_says_the_gradient_grew_where_it_grew_by_half_the_updates_factor_whatever_its_z():
+    """Constant-LR SGD (update = lr x grad): a grad 2x its typical at z 1.1 beside an update 2.2x read 'not the gradient:
+    the step size grew'."""
+    from stabletrain.policies.precursor import _describe
+
+    layer = {"name": "fc.weight", "ratio": 0.02, "factor": 2.2, "typical": 0.009, "z": 3.4}
+    assert "the gradient grew with it" in _describe({**layer, "grad_factor": 2.0, "grad_z": 1.1})
+    assert "the gradient grew with it" in _describe({**layer, "grad_factor": 1.2, "grad_z": 2.5})
+    assert "not the gradient: the step size grew" in _describe({**layer, "grad_factor": 1.05, "grad_z": 0.3})
+

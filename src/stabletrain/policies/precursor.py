@@ -77,8 +77,12 @@ class PrecursorWarning:
 
 
 def _describe(layer: dict[str, Any]) -> str:
+    """One layer's part of the warning. The gradient grew with the update where its z-score is high, or where it grew by
+    half the update's factor or more (a noisy layer's z stays low: under a constant-LR SGD, whose update is lr x grad, a
+    grad 2x its typical at z 1.1 read 'not the gradient: the step size grew')."""
+    grew = layer.get("grad_z") is not None and (layer["grad_z"] > 2 or layer["grad_factor"] >= max(1.5, layer["factor"] / 2))
     grad = (f"; its grad norm {layer['grad_factor']:.2g}x its typical, z {layer['grad_z']:.1f}: "
-            f"{'the gradient grew with it' if layer['grad_z'] > 2 else 'not the gradient: the step size grew'}"
+            f"{'the gradient grew with it' if grew else 'not the gradient: the step size grew'}"
             if layer.get("grad_z") is not None else "")
     return (f"{layer['name']} (update/weight {layer['ratio']:.3g}, {layer['factor']:.2g}x its typical {layer['typical']:.3g}, "
             f"z {layer['z']:.1f} standard deviations above its history{grad})")
