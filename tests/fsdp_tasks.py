@@ -62,6 +62,34 @@ def nan_blocks_task(bad_index: int = 37) -> Task:
     return task
 
 
+class TanhStemNet(nn.Module):
+    """A stem whose output a tanh squashes: an inf input makes the stem's output inf, the tanh 1, the loss finite, and
+    only the stem's gradient NaN (d tanh = 0 times the inf input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(16, 32)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(2))
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.stem(x))
+        for layer in self.layers:
+            h = h + layer(h)
+        return self.head(h)
+
+
+def grads_only_nan_task(bad_index: int = 91, n: int = 256) -> Task:
+    """A regression whose sample ``bad_index`` holds an inf feature: a finite loss, NaN gradients (:class:`TanhStemNet`)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 16, generator=g)
+    y = x @ torch.randn(16, 1, generator=g)
+    x[bad_index, 3] = float("inf")
+    torch.manual_seed(0)
+    return Task(model=TanhStemNet(), train_data=torch.utils.data.TensorDataset(x, y), name="grads-only-nan",
+                loss=lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
+
+
 def main(argv: list[str]) -> None:
     from stabletrain import Trainer, load_config
     from stabletrain.distributed.group import process_group

@@ -228,3 +228,21 @@ def test_a_nan_only_rank_1_sees_is_captured_on_both_ranks_diagnosed_by_name_and_
 
 if __name__ == "__main__":
     worker(sys.argv[1:])
+
+
+@pytest.mark.slow
+def test_a_nan_only_one_ranks_gradients_hold_is_found_on_that_rank_under_fsdp(tmp_path):
+    """An inf input a tanh squashes: the loss finite on every rank, rank 1's gradients NaN. FSDP had no way to tell the
+    ranks' gradients apart (reduce-scattered as they are made): rank 0 replayed its own batch and called the step 'not
+    reproducible: a hardware fault'. Each rank now reads what its own micro-batches make (outputs and their gradients)."""
+    from multiproc import stabletrain as stabletrain_cmd
+
+    run_dir = tmp_path / "run"
+    run(stabletrain_cmd("task=fsdp_tasks:grads_only_nan_task", "dist.nproc=2", "dist.strategy=fsdp", "train.batch_size=8",
+                        "data.shuffle=false", "train.max_steps=8", "log.every=4", "ckpt.every=0", f"run.dir={run_dir}"),
+        timeout=300)
+    [incident] = [e for e in events(run_dir) if e["kind"] == "incident"]
+    d = incident["diagnosis"]
+    assert incident["step"] == 6 and incident["ranks"] == [1] and d["rank"] == 1, incident
+    assert (d["bad_samples"], d["module"], d["reproduces"]) == ([91], "stem", True), d
+

@@ -324,6 +324,40 @@ class FSDPStrategy(Strategy):
                                task_name: str) -> None:
         """Nothing to check: sharding needs every parameter built before the optimizer is (``check_materialized``)."""
 
+    def nonfinite_gradient_ranks(self, module: nn.Module, task: Any, precision: str, window: Any) -> list[int] | None:
+        """:meth:`DDPStrategy.nonfinite_gradient_ranks` where no rank's parameter gradients are its own (reduce-scattered
+        as they are made): what a rank's micro-batches make on it, a non-finite loss, module output or output gradient
+        (hooks). Every rank runs every forward and backward (the step's collectives) at the step's RNG state; the
+        gradients are dropped, the RNG put back. One host read, one gather (the default answered rank 0, 'not reproducible')."""
+        from ..data import move_to
+        from ..policies.accumulation import as_sum_count
+        from ..records.staging import tensors_in
+        from ..seeding import kept_rng
+
+        flags: list[torch.Tensor] = []
+
+        def seen(_m: nn.Module, _args: Any, out: Any) -> None:
+            for t in tensors_in(out):
+                if t.is_floating_point():
+                    flags.append(~torch.isfinite(t.detach()).all())
+                    if t.requires_grad:
+                        t.register_hook(lambda g: flags.append(~torch.isfinite(g).all()))
+
+        handles = [m.register_forward_hook(seen) for m in module.modules()]
+        try:
+            with kept_rng(), PrecisionPolicy(precision, self.device).autocast():
+                for indices, batch in zip(window.indices, window.batches):
+                    loss_sum, _ = as_sum_count(task.loss(module, move_to(batch, self.device)), len(indices))
+                    flags.append(~torch.isfinite(loss_sum.detach()))
+                    loss_sum.backward()  # (never skipped: every rank's backward joins the same reduce-scatters)
+            bad = bool(torch.stack([f.reshape(()) for f in flags]).any()) if flags else False
+        finally:
+            for h in handles:
+                h.remove()
+            for p in module.parameters():
+                p.grad = None
+        return [r for r, flag in enumerate(self.dist.gather_objects(bad)) if flag]
+
     def _wrap(self, module: nn.Module, task: Any, fingerprint: Any) -> tuple[Parts, Any]:
         from .carrier import WindowCarrier
         from .fsdp import ShardedNumerics, ShardedPrecision, ShardedWindow, shard_model
@@ -332,8 +366,7 @@ class FSDPStrategy(Strategy):
         if fingerprint is not None:  # the init watch compares plain tensors: compare now, before sharding
             changes = fingerprint.compare(module)
             fingerprint = SimpleNamespace(compare=lambda m: changes)
-        shard_model(module, task.blocks, reshard_after_forward=self.cfg.dist.reshard_after_forward,
-                    precision=precision.mode)
+        shard_model(module, task.blocks, reshard_after_forward=self.cfg.dist.reshard_after_forward, precision=precision.mode)
         named = unique_params(module)  # the same names, now DTensor shards
         params = [p for _, p in named]
         # The carrier carries nothing under FSDP: it names the rank whose own loss or inputs were non-finite.
