@@ -90,6 +90,16 @@ def grads_only_nan_task(bad_index: int = 91, n: int = 256) -> Task:
                 loss=lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
 
 
+def two_nan_task(first: int = 83, second: int = 91, n: int = 256) -> Task:
+    """:func:`grads_only_nan_task`'s model with a NaN feature at ``first`` and ``second``: at batch 8 a rank, in order,
+    both in step 6, one on each of 2 ranks."""
+    task = grads_only_nan_task(bad_index=0, n=n)
+    x = task.train_data.tensors[0]
+    x[0, 3] = x[1, 3]  # (the inf the other task planted: gone)
+    x[first, 3] = x[second, 3] = float("nan")
+    return task
+
+
 def main(argv: list[str]) -> None:
     from stabletrain import Trainer, load_config
     from stabletrain.distributed.group import process_group

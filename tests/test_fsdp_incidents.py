@@ -246,3 +246,19 @@ def test_a_nan_only_one_ranks_gradients_hold_is_found_on_that_rank_under_fsdp(tm
     assert incident["step"] == 6 and incident["ranks"] == [1] and d["rank"] == 1, incident
     assert (d["bad_samples"], d["module"], d["reproduces"]) == ([91], "stem", True), d
 
+
+@pytest.mark.slow
+def test_a_step_two_ranks_saw_go_bad_names_each_ranks_samples_and_a_rollback_drops_them_all(tmp_path):
+    """NaN samples 83 (rank 0) and 91 (rank 1) in step 6: the capture diagnosed rank 0's window alone, named 83, and the
+    rollback dropped 83 only: 91 came back the next epoch with an incident of its own."""
+    from multiproc import stabletrain as stabletrain_cmd
+
+    run_dir = tmp_path / "run"
+    run(stabletrain_cmd("task=fsdp_tasks:two_nan_task", "dist.nproc=2", "train.batch_size=8", "data.shuffle=false",
+                        "train.max_steps=12", "log.every=5", "ckpt.every=5", "guard.on_nonfinite=rollback",
+                        f"run.dir={run_dir}"), timeout=300)
+    [incident] = [e for e in events(run_dir) if e["kind"] == "incident"]
+    assert incident["step"] == 6 and incident["ranks"] == [0, 1] and incident["diagnosis"]["bad_samples"] == [83, 91]
+    [rollback] = [e for e in events(run_dir) if e["kind"] == "rollback"]
+    assert rollback["dropped_samples"] == [83, 91], rollback
+

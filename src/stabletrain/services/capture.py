@@ -345,7 +345,8 @@ class IncidentCapture:
                 if blamed is not None:
                     ranks = found["ranks"] = blamed
             seen = ranks or [0]
-            whole = spike and fit.dist.enabled and bool(getattr(src, "global_spikes", False))  # every rank's window
+            # every rank's window: a spike's, and a step several ranks saw go bad (each one's samples named, not the first's)
+            whole = (spike or len(seen) > 1) and fit.dist.enabled and bool(getattr(src, "global_spikes", False))
             # Rank 0 names the folder (the first free step_N[.k]) and every rank gets its name in the same gather (a
             # rank on another node may see another listing of a shared filesystem); nobody writes it before the gather.
             name = incident_dir(src.run_dir, step) if src.run_dir is not None and fit.dist.rank == 0 else None
