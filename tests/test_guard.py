@@ -342,6 +342,36 @@ def test_check_inputs_catches_a_bad_input_the_loss_never_sees(tmp_path):
         assert [e["step"] for e in _events(tmp_path / check) if e["kind"] == "skip"] == expected
 
 
+def test_an_incident_guard_check_inputs_flagged_is_diagnosed_as_the_data_not_the_check(tmp_path):
+    """The replay traced the guard's own isfinite ('first used by aten.abs.default outside any module'); an input no op
+    reads was 'not reproducible' (the run's loss non-finite by the check, the replay's finite)."""
+    from helpers import nan_sample_task
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    trainer = Trainer(cfg("train.batch_size=8", "train.max_steps=8", "log.every=4", "guard.check_inputs=true"),
+                      task=nan_sample_task(BAD), run_dir=tmp_path / "used")
+    trainer.fit()
+    [d] = [e["diagnosis"] for e in _events(tmp_path / "used") if e["kind"] == "incident"]
+    assert (d["stage"], d["op"], d["module"], d["bad_samples"], d["reproduces"]) == (
+        "inputs", "aten.addmm.default", "0", [BAD], True), d
+    torch.manual_seed(0)
+    task = regression_task(n=64)
+    x, y = task.train_data.tensors
+    x = torch.cat([x, torch.zeros(64, 1)], dim=1)
+    x[BAD, 4] = float("inf")  # an unused feature: the loss stays finite
+    task.train_data = TensorDataset(x, y)
+    inner = task.model
+    task.model = nn.Sequential()
+    task.model.add_module("body", inner)
+    task.model.forward = lambda inp: inner(inp[:, :4])
+    Trainer(cfg("train.batch_size=8", "train.max_steps=8", "log.every=4", "guard.check_inputs=true"), task=task,
+            run_dir=tmp_path / "unused").fit()
+    [d] = [e["diagnosis"] for e in _events(tmp_path / "unused") if e["kind"] == "incident"]
+    assert (d["failure_class"], d["bad_samples"], d["reproduces"]) == ("data", [BAD], True), d
+    assert d["summary"].endswith("no op of the model reads it (its loss stays finite): guard.check_inputs flagged the step")
+
+
 def _stall_rows(pattern, grad_norm, start=1, scale=1.0):
     """Rows of steps ``start``.. with ``applied`` from ``pattern`` (1 applied, 0 skipped) and this grad norm when applied."""
     return [SimpleNamespace(step=start + i, ranks=[], values={"loss": 1.0, "finite": 1.0, "applied": float(a),

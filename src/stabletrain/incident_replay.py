@@ -31,7 +31,7 @@ from .fileio import atomic_write
 from .numerics import grad_norms, modes_kept, unique_params
 from .policies.accumulation import as_sum_count
 from .policies.clipping import GradClipper
-from .policies.guard import UNRECOVERABLE_SCALE
+from .policies.guard import UNRECOVERABLE_SCALE, inputs_finite
 from .policies.precision import PrecisionPolicy, resolve_device
 from .records.bundles import DIAGNOSIS_FILE, load_bundle
 from .records.provenance import other_task
@@ -86,7 +86,9 @@ class _Replayer:
         else:
             step = TrainStep(self.model, None, copy_precision(self.precision, self.device), params=self.params)
         # A replay must not enter a collective; it accumulates as the run did (raw sums or not: a window's sum
-        # can overflow the norm's sum of squares where its mean does not).
+        # can overflow the norm's sum of squares where its mean does not). The guard's own input check is no op of the
+        # run's to trace (guard.check_inputs: its isfinite was 'the first op to use the NaN', outside any module).
+        step.check_inputs = False
         return local(step)
 
     @property
@@ -394,6 +396,10 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
     if cfg.train.compile and observed.get("loss") is not None and math.isfinite(float(observed["loss"])):
         # Compiled kernels round differently: an eager replay's finite loss is not bitwise the run's (not compared).
         observed = {k: v for k, v in observed.items() if k != "loss"}
+    checked = cfg.guard.check_inputs and any(flag is not None and not bool(flag)
+                                             for flag in (inputs_finite(b) for _, b in micro_batches))
+    if checked:  # guard.check_inputs made the step's loss and norm non-finite: the model's own may be finite (not compared)
+        observed = {k: v for k, v in observed.items() if k not in ("loss", "grad_norm")}
     load_s = time.perf_counter() - start
     result = diagnose_step(model, task.loss, micro_batches, precision=precision, step_factory=replica.step,
                            device=dev, dataset=task.train_data, collate=task.collate, observed_loss=observed.get("loss"),
@@ -409,6 +415,8 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
         note = (f"micro-batch{'es' if len(empty) > 1 else ''} {', '.join(map(str, empty))} of the step held no samples "
                 "(left out of the replay; a mean loss over none is NaN)")
         result["summary"], result["empty_micro_batches"] = f"{result.get('summary')}; {note}", empty
+    if checked and result.get("stage") == "inputs" and result.get("op") is None:
+        result["summary"] += "; no op of the model reads it (its loss stays finite): guard.check_inputs flagged the step"
     if result.get("stage") == "none" and bundle.get("host") == "monitor":  # the step's own batch, or not all of it?
         result["summary"] += ("; Monitor: the replay ran the batch the step was given: with accumulation and your own "
                               "backward, give them all: monitor.step(micro_batches=[...], loss=...)")

@@ -202,6 +202,8 @@ def run_diagnosis(rep: Any, micro_batches: list[tuple[list[int], Any]],
         bisection = bisect_samples(judge, [i for indices, _ in micro_batches for i in indices],
                                    whole_bad=reaches or first_rec is not None if known else None)
         bisection.unjudged, bad_samples = judge.unrunnable, bisection.samples
+        if not bad_samples and stage == "inputs" and input_samples:  # no op reads them (guard.check_inputs flagged them)
+            bad_samples = input_samples
     bisection_s = time.perf_counter() - start - replays_s
 
     trace = None
