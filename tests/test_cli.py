@@ -474,3 +474,23 @@ def test_a_stray_argument_to_a_subcommand_shows_that_subcommands_usage(capsys):
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.startswith("usage: stabletrain report [-h] RUN_DIR"), err
     assert "stabletrain report: error: unrecognized arguments: --compare b" in err
+
+
+def test_a_config_error_every_rank_meets_is_said_by_rank_0_alone(monkeypatch, capsys):
+    """dist.nproc=2 device=cuda on a CPU machine: both ranks printed the error, into one line."""
+    import torch
+
+    from stabletrain.cli import _report_error
+    from stabletrain.policies.precision import resolve_device
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    with pytest.raises(ValueError) as raised:
+        resolve_device("cuda")  # (the error as stabletrain raises it)
+    err = raised.value
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank, said in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)
+        assert _report_error(err) == 2
+        assert (f"error: rank 0: {err}" in capsys.readouterr().err) is said
+

@@ -148,6 +148,8 @@ def _report_error(err: Exception) -> int | None:
     ValueErrors and TypeErrors it raises itself) is one line, exit 2. An exception from the task's own
     code (any type) names the part of the task that raised it and shows the user's frames, exit 1.
     """
+    if _rank_prefix() not in ("", "rank 0: ") and (isinstance(err, ConfigError) or str(err).startswith("config key ")):
+        return 2  # every rank reads the same config: rank 0 says it (two ranks' lines ran into one line)
     if isinstance(err, ConfigError) or _loaded_instance(err, "stabletrain.tasks", "TaskError") \
             or _loaded_instance(err, "stabletrain.records.checkpoint.files", "CheckpointError"):
         console.error(f"{_rank_prefix()}{err}")
