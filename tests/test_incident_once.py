@@ -31,4 +31,6 @@ def test_a_ddp_incident_seen_by_both_ranks_writes_the_model_and_optimizer_once(t
     assert (window[bad[0]], window[bad[1]]) == (0, 1), window
     diagnosis = json.loads((incident / "diagnosis.json").read_text())
     assert sorted(diagnosis["bad_samples"]) == sorted(bad), diagnosis["summary"]
+    # its rank: none alone (it said 'rank 0', the first window's); each named sample's
+    assert diagnosis["rank"] is None and diagnosis["sample_ranks"] == {str(bad[0]): 0, str(bad[1]): 1}, diagnosis
     assert all(torch.isfinite(v).all() for v in bundle["model"].values())

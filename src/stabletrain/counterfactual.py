@@ -39,6 +39,7 @@ from .diagnostics.spike import LR_RISE, classify_spike, ordinary_stand_in, spike
 from .diagnostics.spike_evidence import departures, jumps, lr_change, lr_groups, precision_departures
 from .policies.guard import spike_test
 from .policies.precision import resolve_device
+from .records.bundles import with_sample_ranks
 from .replica import Replica
 from .seeding import kept_rng
 from .services.replay_bench import ReplayBench
@@ -195,7 +196,7 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
     out["summary"] = spike_summary(out)
     out["timings"] = {"replays_s": replays_s, "samples_s": samples_s, "total_s": time.perf_counter() - start}
     out["passes"] = bench.passes
-    return out
+    return with_sample_ranks(out, bundle)
 
 
 def _fp32_cure(bench: ReplayBench, spike: list, rule: Any, where: dict[str, Any]) -> dict[str, Any]:

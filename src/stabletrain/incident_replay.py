@@ -33,7 +33,7 @@ from .policies.accumulation import as_sum_count
 from .policies.clipping import GradClipper
 from .policies.guard import UNRECOVERABLE_SCALE, inputs_finite
 from .policies.precision import PrecisionPolicy, resolve_device
-from .records.bundles import DIAGNOSIS_FILE, load_bundle
+from .records.bundles import DIAGNOSIS_FILE, load_bundle, with_sample_ranks
 from .records.provenance import other_task
 from .replica import Replica, copy_precision, local
 from .seeding import rng_state, set_rng_state
@@ -409,8 +409,9 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
                                     *({"step": s, "loss": loss, "grad_norm": norm}
                                       for s, loss, norm in observed.get("recent") or [])],
                            step=bundle["step"])
-    result = {"step": bundle["step"], "rank": bundle.get("rank", 0), "epoch": bundle["window"]["epoch"],
-              **result, "observed": observed, "sample_unit": bundle.get("sample_unit", "dataset index")}
+    result = with_sample_ranks({"step": bundle["step"], "rank": bundle.get("rank", 0), "epoch": bundle["window"]["epoch"],
+                                **result, "observed": observed, "sample_unit": bundle.get("sample_unit", "dataset index")},
+                               bundle)
     if empty:  # said: with a per-item mean loss the run's NaN may be that empty micro-batch's, which the replay left out
         note = (f"micro-batch{'es' if len(empty) > 1 else ''} {', '.join(map(str, empty))} of the step held no samples "
                 "(left out of the replay; a mean loss over none is NaN)")

@@ -52,7 +52,10 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2, default=str))
         return 0
-    print(f"incident: {path} (step {result['step']}, rank {result['rank']})")
+    on = result.get("sample_ranks") or {}  # (a bundle of every rank's window: its named samples' ranks)
+    where = (f"rank {result['rank']}" if result.get("rank") is not None else "every rank's batch: " + "; ".join(
+        f"sample {i} on rank {r}" for i, r in on.items()) if on else "every rank's batch")
+    print(f"incident: {path} (step {result['step']}, {where})")
     for key in ("summary", "failure_class", "evidence", "stage", "op", "direction", "module", "origin", "first_nonfinite_param",
                 "nonfinite_params_after_update", "bad_samples", "reproduces"):
         if result.get(key) not in (None, [], ""):

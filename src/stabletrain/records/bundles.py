@@ -35,8 +35,8 @@ import torch
 from ..fileio import atomic_write
 from .checkpoint.shards import is_dcp_entry, to_full_state
 
-__all__ = ["write_bundle", "load_bundle", "incident_order", "BUNDLE_FILE", "BUNDLE_DCP_DIR", "DIAGNOSIS_FILE", "REMEDY_FILE",
-           "STATE_IN", "REPLAYED_FILE"]
+__all__ = ["write_bundle", "load_bundle", "incident_order", "sample_ranks", "with_sample_ranks", "BUNDLE_FILE",
+           "BUNDLE_DCP_DIR", "DIAGNOSIS_FILE", "REMEDY_FILE", "STATE_IN", "REPLAYED_FILE"]
 
 BUNDLE_FILE = "bundle.pt"
 BUNDLE_DCP_DIR = "dcp"
@@ -103,3 +103,21 @@ def load_bundle(directory: str | Path) -> dict[str, Any]:
         if is_dcp_entry(bundle.get(key)):
             bundle[key]["path"] = str(folder)
     return to_full_state(bundle)
+
+
+def sample_ranks(window: dict[str, Any], diagnosis: dict[str, Any]) -> dict[int, int]:
+    """The rank each sample a diagnosis named (``bad_samples``, dataset indices) was on, in a :func:`global_record`'s
+    window."""
+    on = {i: r for idx, r in zip(window["indices"], window["ranks"]) for i in idx}
+    return {int(i): on[int(i)] for i in diagnosis.get("bad_samples") or [] if int(i) in on}
+
+
+def with_sample_ranks(result: dict[str, Any], bundle: dict[str, Any]) -> dict[str, Any]:
+    """A diagnosis of a bundle holding every rank's window (``window["ranks"]``): its ``rank`` the one rank its named
+    samples were on (None: several, or none named), and ``sample_ranks`` each one's. Another bundle's: as it is."""
+    if "ranks" in bundle["window"]:
+        on = sample_ranks(bundle["window"], result)
+        result["sample_ranks"] = {str(i): r for i, r in on.items()}
+        result["rank"] = next(iter(set(on.values()))) if len(set(on.values())) == 1 else None
+    return result
+

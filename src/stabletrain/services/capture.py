@@ -34,7 +34,7 @@ from ..console import StableTrainWarning
 from ..diagnostics.diagnosis import DIAGNOSIS_FIELDS
 from ..errors import user_location
 from ..incident_replay import diagnose_incident, launch_history
-from ..records.bundles import BUNDLE_DCP_DIR, STATE_IN, write_bundle
+from ..records.bundles import BUNDLE_DCP_DIR, STATE_IN, sample_ranks, write_bundle
 from ..records.checkpoint.shards import is_dcp_entry
 from ..records.snapshot import IntervalSnapshot
 from ..records.staging import StateStager, clone_state, equal_states, join_params, state_kept
@@ -42,7 +42,7 @@ from ..runstate import RunState
 from ..seeding import kept_rng
 from .spike_reference import MAX_CONTEXT, spike_parts
 
-__all__ = ["IncidentCapture", "StepSource", "incident_dir", "staged_now", "global_record", "sample_ranks",
+__all__ = ["IncidentCapture", "StepSource", "incident_dir", "staged_now", "global_record",
            "IN_MEMORY"]
 
 #: What :meth:`IncidentCapture.capture` hands its caller in memory only (a live remedy's search reads them): the
@@ -81,13 +81,6 @@ def global_record(records: list[dict[str, Any]]) -> dict[str, Any]:
     if all(r.get("previous_window") is not None for r in records):
         out["previous_window"] = [idx for r in records for idx in r["previous_window"]]
     return out
-
-
-def sample_ranks(window: dict[str, Any], diagnosis: dict[str, Any]) -> dict[int, int]:
-    """The rank each sample a diagnosis named (``bad_samples``, dataset indices) was on, in a :func:`global_record`'s
-    window."""
-    on = {i: r for idx, r in zip(window["indices"], window["ranks"]) for i in idx}
-    return {int(i): on[int(i)] for i in diagnosis.get("bad_samples") or [] if int(i) in on}
 
 
 def staged_now(state: dict[str, Any]) -> dict[str, Any]:
