@@ -365,3 +365,19 @@ def test_a_trainer_without_run_dir_writes_into_the_configs_run_dir_and_with_neit
     assert (other / "config.yaml").is_file() and not (tmp_path / "unused").exists()
     Trainer(load_config(None, ["train.max_steps=2"]), task=regression_task()).fit()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["apidir", "given"]  # neither: nothing written
+
+
+def test_an_fsdp_only_key_given_under_ddp_is_said_to_have_no_effect(tmp_path):
+    """dist.checkpoint=sharded with dist.strategy=ddp was accepted without a word (its help says 'fsdp only')."""
+    import warnings
+
+    from stabletrain import load_config
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        load_config(None, ["dist.checkpoint=sharded", "dist.reshard_after_forward=false"])
+        load_config(None, ["dist.checkpoint=sharded", "dist.strategy=fsdp"])  # its own strategy: nothing to say
+        load_config(None, [], base={"dist": {"checkpoint": "full", "strategy": "ddp"}})  # a resumed run's: not given now
+    assert [str(w.message) for w in seen] == [
+        "config keys dist.checkpoint, dist.reshard_after_forward: fsdp only, no effect under dist.strategy=ddp"]
+

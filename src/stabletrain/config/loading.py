@@ -212,6 +212,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if line is None or _set_in(overlay, key):  # about no key of the file, or its value came from the command line
             raise
         raise ConfigError(f"{source}, line {line}: {err}", key=err.key) from None
+    given = [k for k in ("dist.checkpoint", "dist.reshard_after_forward") if _set_in(overlay, k) or k in lines]
+    if given and cfg.dist.strategy != "fsdp":  # (a resumed run's config.yaml holds every key: only what was given now)
+        warnings.warn(f"config key{'s' * (len(given) > 1)} {', '.join(given)}: fsdp only, no effect under dist.strategy="
+                      f"{cfg.dist.strategy}", StableTrainWarning, stacklevel=2)
     return cfg
 
 
