@@ -177,11 +177,13 @@ def test_an_fsdp_run_killed_with_sigkill_and_resumed_from_sharded_checkpoints_is
     assert len(helpers) == 3, [_cmdline(pid) for pid in below]
     for pid in [*(p for p in below if p not in helpers and b"multiprocessing" not in _cmdline(p)), proc.pid]:
         os.kill(pid, signal.SIGKILL)  # the launcher, torchrun and both ranks, at once; not their helpers
-    proc.communicate(timeout=60)
+    killed = proc.communicate(timeout=60)
     t0 = time.time()
     while [pid for pid in below if _alive(pid)] and time.time() - t0 < 10:
         time.sleep(0.05)
     assert not [_cmdline(pid) for pid in below if _alive(pid)], "a checkpoint helper outlived its rank by 10 s"
+    # DCP's checkpoint processes, their ranks gone, print no traceback of the pipe they read (EOFError)
+    assert "EOFError" not in killed[1] and "Traceback" not in killed[1], killed[1][-3000:]
     assert CheckpointManager(run_dir / "checkpoints").load().meta["step"] < 14
     resumed = run(stabletrain("--resume", str(run_dir)))  # dist.nproc=2 and the rest from config.yaml
     # each rank ends its DCP checkpoint process itself (no EOFError at exit), whose INFO lines stop at the first save
@@ -240,3 +242,21 @@ def test_a_sharded_checkpoint_resumes_on_one_process_and_a_damaged_one_is_skippe
     if damage:
         skipped = [e for e in events(run_dir) if e["kind"] == "checkpoint_skipped"]
         assert damage in skipped[-1]["reason"]
+
+
+def test_the_checkpoint_process_prints_a_crash_while_its_rank_lives_and_nothing_once_it_is_gone():
+    import io
+
+    from stabletrain.records.checkpoint.dcp_process import OrphanQuiet
+
+    alive, gone = io.StringIO(), io.StringIO()
+    mine = OrphanQuiet(alive, os.getppid())  # its parent alive: a crash report is printed (after the wait)
+    mine.wait_s = 0.05
+    for text in ("Process SpawnProcess-1:\n", "Traceback (most recent call last):\n"):
+        mine.write(text)
+    orphan = OrphanQuiet(gone, -1)  # its parent gone (reparented): silent from the report on
+    orphan.write("a warning before it\n")
+    for text in ("Process SpawnProcess-1:\n", "Traceback (most recent call last):\n", "EOFError\n"):
+        orphan.write(text)
+    assert alive.getvalue().count("\n") == 2 and gone.getvalue() == "a warning before it\n"
+
