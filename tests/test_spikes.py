@@ -1585,3 +1585,17 @@ def test_a_huge_loss_before_the_rule_arms_is_said_once_and_an_ordinary_start_is_
     Trainer(cfg("train.batch_size=2", "log.every=5", "train.max_steps=10"), task=outlier_samples_task(bad=()),
             run_dir=healthy).fit()
     assert not [e for e in _events(healthy) if e["kind"] == "early_outlier"]
+
+
+def test_a_spike_in_a_window_of_one_sample_names_that_sample(tmp_path):
+    """Batch size 1: the outlier batch is its one sample; it was 'no set of up to 1 of the window's 1 samples makes the
+    step normal' and named no sample (the index only in sample_losses): no skip-samples, no rollback to drop it."""
+    from spike_tasks import outliers_at_task
+
+    Trainer(cfg("train.batch_size=1", "log.every=10", "data.shuffle=false", "train.max_steps=160"),
+            task=outliers_at_task(bad="153"), run_dir=tmp_path / "run").fit()
+    [incident] = [e for e in _events(tmp_path / "run") if e["kind"] == "incident"]
+    d = incident["diagnosis"]
+    assert incident["step"] == 154 and (d["failure_class"], d["bad_samples"]) == ("data", [153]), d
+    assert d["evidence"].endswith("the window is one sample, 153: the batch is that sample"), d["evidence"]
+

@@ -142,6 +142,10 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
             m["where"] = _fp32_cure(bench, spike, rule, precision_departures(
                 *bench.module_errors(spike, replica.model, bench.precision, fp32)))
     verdict = classify_spike(m)
+    alone = [i for idx, _ in spike for i in idx]
+    if verdict["failure_class"] == "data" and not verdict["blamed_samples"] and len(alone) == 1 and m["reproduces"]:
+        verdict["blamed_samples"] = alone  # a window of one sample: the outlier batch is that sample (batch size 1)
+        verdict["evidence"] += f"; the window is one sample, {alone[0]}: the batch is that sample"
     if blocked:
         verdict["evidence"] += (f"; precision is not ruled out: a replay of the step in fp32 runs in {precision} too (the "
                                 "loss function turns torch.autocast on itself; enter it through the adapter, e.g. "
