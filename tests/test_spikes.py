@@ -707,7 +707,7 @@ def test_an_adapter_spikes_summary_says_where_in_the_step_each_blamed_sample_is(
 def test_the_rank_with_the_largest_loss_is_found_and_a_ranks_failure_reaches_every_rank():
     from types import SimpleNamespace
 
-    from stabletrain.distributed.strategy import largest_loss_rank
+    from stabletrain.distributed.blame import largest_loss_rank
 
     def group(*answers):
         return SimpleNamespace(gather_objects=lambda mine: [mine, *answers])

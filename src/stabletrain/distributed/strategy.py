@@ -209,6 +209,8 @@ class Strategy:
             count = sum(c for _, c in sums)
             return sum(s for s, _ in sums) / count if count else float("nan")
 
+        from .blame import own_loss_rank
+
         return own_loss_rank(self.dist, own)
 
     def replay_task(self, task: Any, named_params: list[tuple[str, nn.Parameter]]) -> Any:
@@ -227,35 +229,6 @@ class Strategy:
     def _seed_rank(self) -> None:
         """Each rank its own random stream, reproducible from (seed, rank), once the model is the same on all."""
         seed_everything(int(np.random.SeedSequence([self.cfg.seed, self.dist.rank]).generate_state(1)[0]))
-
-
-def own_loss_rank(dist: Any, own: Any, rng: dict[str, Any] | None = None) -> list[int] | None:
-    """:func:`largest_loss_rank` of ``own()``, this rank's own loss (forward only), run with the RNG streams put back
-    after it (set to ``rng`` first, when given); an error in it is answered in the gather, then raised on every rank."""
-    from ..seeding import kept_rng, set_rng_state
-
-    loss, error = float("nan"), None
-    try:
-        with kept_rng():
-            if rng is not None:
-                set_rng_state(rng)
-            loss = own()
-    except Exception as err:  # this rank still answers the gather (the others wait in it), then all raise
-        error = err
-    return largest_loss_rank(dist, loss, error)
-
-
-def largest_loss_rank(dist: Any, loss: float, error: BaseException | None) -> list[int] | None:
-    """[the rank whose ``loss`` is the largest] over every rank (one gather; NaN is never the largest; None when no
-    rank has one). A rank's ``error`` is raised on every rank after the gather, so none waits on a collective."""
-    answers = dist.gather_objects((loss, None if error is None else f"{type(error).__name__}: {error}"))
-    failed = next(((r, why) for r, (_, why) in enumerate(answers) if why is not None), None)
-    if failed is not None:
-        if error is not None:
-            raise error
-        raise RuntimeError(f"rank {failed[0]} failed computing its own loss on the spike's window: {failed[1]}")
-    losses = [v if v == v else float("-inf") for v, _ in answers]
-    return [max(range(len(losses)), key=losses.__getitem__)] if max(losses) > float("-inf") else None
 
 
 class DDPStrategy(Strategy):
@@ -285,31 +258,10 @@ class DDPStrategy(Strategy):
 
     def nonfinite_gradient_ranks(self, module: nn.Module, task: Any, precision: str, window: Any) -> list[int] | None:
         """Every rank's loss was finite but the all-reduced grad norm was not: whose own gradients are non-finite?
+        (:func:`~.blame.own_gradients_bad`: one collective, every rank answers)."""
+        from .blame import own_gradients_bad
 
-        Each rank backpropagates its own micro-batches through the unwrapped module (DDP's hooks stay idle
-        outside its forward: no all-reduce) under the run's autocast, at the step's RNG state, then drops
-        the gradients and restores the RNG. One collective: every rank answers.
-        """
-        from ..data import move_to
-        from ..numerics import first_nonfinite_grad
-        from ..policies.accumulation import as_sum_count
-        from ..seeding import kept_rng
-
-        params = [p for p in module.parameters() if p.requires_grad]
-        bad = False
-        with kept_rng():
-            try:
-                with PrecisionPolicy(precision, self.device).autocast():
-                    for indices, batch in zip(window.indices, window.batches):
-                        loss_sum, _ = as_sum_count(task.loss(module, move_to(batch, self.device)), len(indices))
-                        if not bool(torch.isfinite(loss_sum)):
-                            bad = True
-                            break
-                        loss_sum.backward()
-                bad = bad or first_nonfinite_grad(module) is not None  # one host read
-            finally:
-                for p in params:
-                    p.grad = None
+        bad = own_gradients_bad(module, task, PrecisionPolicy(precision, self.device), window, self.device)
         return [r for r, flag in enumerate(self.dist.gather_objects(bad)) if flag]
 
 
@@ -326,36 +278,10 @@ class FSDPStrategy(Strategy):
 
     def nonfinite_gradient_ranks(self, module: nn.Module, task: Any, precision: str, window: Any) -> list[int] | None:
         """:meth:`DDPStrategy.nonfinite_gradient_ranks` where no rank's parameter gradients are its own (reduce-scattered
-        as they are made): what a rank's micro-batches make on it, a non-finite loss, module output or output gradient
-        (hooks). Every rank runs every forward and backward (the step's collectives) at the step's RNG state; the
-        gradients are dropped, the RNG put back. One host read, one gather (the default answered rank 0, 'not reproducible')."""
-        from ..data import move_to
-        from ..policies.accumulation import as_sum_count
-        from ..records.staging import tensors_in
-        from ..seeding import kept_rng
+        as they are made): :func:`~.blame.own_outputs_bad` (every rank runs every forward and backward)."""
+        from .blame import own_outputs_bad
 
-        flags: list[torch.Tensor] = []
-
-        def seen(_m: nn.Module, _args: Any, out: Any) -> None:
-            for t in tensors_in(out):
-                if t.is_floating_point():
-                    flags.append(~torch.isfinite(t.detach()).all())
-                    if t.requires_grad:
-                        t.register_hook(lambda g: flags.append(~torch.isfinite(g).all()))
-
-        handles = [m.register_forward_hook(seen) for m in module.modules()]
-        try:
-            with kept_rng(), PrecisionPolicy(precision, self.device).autocast():
-                for indices, batch in zip(window.indices, window.batches):
-                    loss_sum, _ = as_sum_count(task.loss(module, move_to(batch, self.device)), len(indices))
-                    flags.append(~torch.isfinite(loss_sum.detach()))
-                    loss_sum.backward()  # (never skipped: every rank's backward joins the same reduce-scatters)
-            bad = bool(torch.stack([f.reshape(()) for f in flags]).any()) if flags else False
-        finally:
-            for h in handles:
-                h.remove()
-            for p in module.parameters():
-                p.grad = None
+        bad = own_outputs_bad(module, task, PrecisionPolicy(precision, self.device), window, self.device)
         return [r for r, flag in enumerate(self.dist.gather_objects(bad)) if flag]
 
     def _wrap(self, module: nn.Module, task: Any, fingerprint: Any) -> tuple[Parts, Any]:

@@ -302,7 +302,7 @@ class HostSteps:
         if not spike or s.dist.world <= 1:
             return None
         from ..data import move_to
-        from ..distributed.strategy import own_loss_rank
+        from ..distributed.blame import own_loss_rank
         from ..policies.precision import PrecisionPolicy
 
         loss = self.replay.diagnosis_loss(self._kept) if self.replay is not None and self._kept is not None else None
