@@ -254,3 +254,19 @@ def test_a_trainer_leaves_the_process_torch_settings_alone_unless_asked_and_puts
     with pytest.raises(RuntimeError, match="boom"):
         trainer.fit()
     assert _torch_settings() == user_torch_settings  # also after an exception
+
+
+def test_an_interval_a_checkpoint_ends_between_log_boundaries_has_its_update_measured(tmp_path):
+    """ckpt.every=15 with log.every=10: the interval ending at step 15 (the checkpoint's) recorded update_norm NaN."""
+    import json
+    import math
+
+    from helpers import cfg
+
+    from stabletrain import Trainer
+
+    Trainer(cfg("train.max_steps=30", "log.every=10", "ckpt.every=15"), run_dir=tmp_path / "run").fit()
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [10, 15, 20, 30]
+    assert all(isinstance(r["update_norm"], float) and math.isfinite(r["update_norm"]) for r in records), records
+

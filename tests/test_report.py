@@ -526,6 +526,9 @@ def test_loss_scale_panel_only_where_a_loss_scale_is_in_play(real_run, other_run
     records, _ = read_jsonl(run_copy / "metrics.jsonl")
     scales = [65536.0, 65536.0, 16384.0, 16384.0, 16384.0, 32768.0, 32768.0, 32768.0]
     (run_copy / "metrics.jsonl").write_text("".join(json.dumps({**r, "loss_scale": s}) + "\n" for r, s in zip(records, scales)))
+    events, _ = read_jsonl(run_copy / "events.jsonl")  # its skips (steps 12-13), at the scale of their interval
+    (run_copy / "events.jsonl").write_text("".join(json.dumps({**e, "loss_scale": 16384.0} if e["kind"] == "skip" else e)
+                                                   + "\n" for e in events))
     figs.clear()
     names = [p.name for p in run_plots(load_run(run_copy))]
     assert "loss_scale" in names and "skipped" not in names
@@ -534,6 +537,13 @@ def test_loss_scale_panel_only_where_a_loss_scale_is_in_play(real_run, other_run
     page = write_report(run_copy).read_text(encoding="utf-8")
     assert 'id="no-loss-scale"' not in page
     assert "skipped" in page and "; the fp16 loss scale went 65,536 -&gt; 32,768 (lowest 16,384)." in page  # (said)
+    # A back-off within the first interval is in its skip events: the records alone (each an interval's last scale,
+    # 64 throughout) said nothing of it
+    (run_copy / "metrics.jsonl").write_text("".join(json.dumps({**r, "loss_scale": 64.0}) + "\n" for r in records))
+    skips = iter([(1, 32768.0), (2, 16384.0)])
+    (run_copy / "events.jsonl").write_text("".join(json.dumps(
+        {**e, **dict(zip(("step", "loss_scale"), next(skips)))} if e["kind"] == "skip" else e) + "\n" for e in events))
+    assert "; the fp16 loss scale went 32,768 -&gt; 64 (lowest 64)." in write_report(run_copy).read_text(encoding="utf-8")
 
 
 def test_update_panel_draws_the_norm_and_the_ratio_on_separate_axes(real_run, monkeypatch):

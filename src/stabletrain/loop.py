@@ -180,11 +180,10 @@ class Trainer:
                 window = self.stream.next_window()
                 state.positions[state.step + 1] = (window.epoch, window.start)
                 nxt = state.step + 1
-                # On the interval's last step only: ||update|| (one parameter copy) and the parameter check (one
-                # pass; a failed check is pinned to its step by the capture's replay). No sync.
-                last = nxt % cfg.log.every == 0 or nxt == cfg.train.max_steps
-                out = self.train_step(window, measure_update=last,
-                                      check_params=last or bool(cfg.ckpt.every and nxt % cfg.ckpt.every == 0))
+                # On an interval's last step only (a checkpoint's too): ||update|| (one parameter copy) and the parameter
+                # check (one pass; a failed check is pinned to its step by the capture's replay). No sync.
+                last = nxt % cfg.log.every == 0 or nxt == cfg.train.max_steps or bool(cfg.ckpt.every and not nxt % cfg.ckpt.every)
+                out = self.train_step(window, measure_update=last, check_params=last)
                 state.step, state.samples_seen = nxt, state.samples_seen + window.global_num_samples
                 self.metrics.update(state.step, num_samples=window.global_num_samples, lr=self.schedule.lr(),
                                     loss_scale=self.precision.loss_scale(), **out)

@@ -93,7 +93,7 @@ def health_summary(run: RunData) -> Health:
             text += f" (events.jsonl names {plural(len(f['skip_steps']), 'step')})"
         if undone:
             text += f"; before {_went_back(undone)}, {plural(len(f['skip_steps_undone']), 'more step')}" + skip_places(undone)
-        h.say("warn", text + scale_note(run.metrics) + ".")
+        h.say("warn", text + scale_note(run.metrics, skip_events) + ".")
     elif undone:
         h.say("warn", f"No steps skipped since {_went_back(undone)}; before it {plural(len(f['skip_steps_undone']), 'step')} "
                       f"{'was' if len(f['skip_steps_undone']) == 1 else 'were'} skipped{skip_places(undone)}, and that "

@@ -121,10 +121,13 @@ def skip_places(events: Iterable[Any]) -> str:
     return " " + "; ".join(parts) if parts else ""
 
 
-def scale_note(metrics: Iterable[dict[str, Any]]) -> str:
-    """ "; the fp16 loss scale went 65,536 -> 8 (lowest 8)": the GradScaler's scale over the records, where it moved."""
-    scales = [float(r["loss_scale"]) for r in metrics
-              if isinstance(r.get("loss_scale"), (int, float)) and math.isfinite(r["loss_scale"])]
+def scale_note(metrics: Iterable[dict[str, Any]], skips: Iterable[Any] = ()) -> str:
+    """ "; the fp16 loss scale went 32,768 -> 8 (lowest 8)": the GradScaler's scale over the records and the skip events
+    (``skips``: each its step's; the records hold an interval's last, and a back-off within the first one said nothing),
+    in step order, where it moved."""
+    seen = [(int(r["step"]), r["loss_scale"]) for r in metrics if isinstance(r.get("step"), int)]
+    seen += [(e.step, e.extra.get("loss_scale")) for e in skips]
+    scales = [float(s) for _, s in sorted(seen, key=lambda x: x[0]) if isinstance(s, (int, float)) and math.isfinite(s)]
     if len(set(scales)) <= 1:
         return ""
     return f"; the fp16 loss scale went {scales[0]:,.6g} -> {scales[-1]:,.6g} (lowest {min(scales):,.6g})"
