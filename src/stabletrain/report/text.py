@@ -125,7 +125,7 @@ def scale_note(metrics: Iterable[dict[str, Any]], skips: Iterable[Any] = ()) -> 
     """ "; the fp16 loss scale went 32,768 -> 8 (lowest 8)": the GradScaler's scale over the records and the skip events
     (``skips``: each its step's; the records hold an interval's last, and a back-off within the first one said nothing),
     in step order, where it moved."""
-    seen = [(int(r["step"]), r["loss_scale"]) for r in metrics if isinstance(r.get("step"), int)]
+    seen = [(int(r["step"]), r.get("loss_scale")) for r in metrics if isinstance(r.get("step"), int)]
     seen += [(e.step, e.extra.get("loss_scale")) for e in skips]
     scales = [float(s) for _, s in sorted(seen, key=lambda x: x[0]) if isinstance(s, (int, float)) and math.isfinite(s)]
     if len(set(scales)) <= 1:
