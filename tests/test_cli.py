@@ -494,3 +494,20 @@ def test_a_config_error_every_rank_meets_is_said_by_rank_0_alone(monkeypatch, ca
         assert _report_error(err) == 2
         assert (f"error: rank 0: {err}" in capsys.readouterr().err) is said
 
+
+def test_an_out_that_is_a_file_is_one_line_and_exit_2_for_compare_check_and_lab(tmp_path):
+    """A file given as --out: compare's NotADirectoryError traceback, check's 'init FAIL: the check raised
+    FileExistsError', lab's raw '[Errno 17] File exists'."""
+    from stabletrain.cli import main
+    from stabletrain.fileio import check_folder
+
+    afile = tmp_path / "afile"
+    afile.write_text("mine\n")
+    for path in (afile, afile / "c.html", afile / "deeper" / "x"):
+        with pytest.raises(ValueError, match=rf"^--out '{path}': '{afile}' is a file, not a folder; give a folder"):
+            check_folder(path)
+    assert check_folder(tmp_path / "new" / "folder") == tmp_path / "new" / "folder"  # (not there yet: fine)
+    for argv in (["check", "--out", str(afile), "init", "task=mlp"], ["lab", "3", "--out", str(afile)]):
+        assert main(argv) == 2, argv
+    assert afile.read_text() == "mine\n"  # nothing lost
+

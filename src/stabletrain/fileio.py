@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["atomic_write", "fsync_dir"]
+__all__ = ["atomic_write", "fsync_dir", "check_folder"]
 
 
 def fsync_dir(path: str | Path) -> None:
@@ -65,3 +65,17 @@ def atomic_write(path: str | Path, data: bytes | str | Callable[[IO[bytes]], Any
     if fsync:
         fsync_dir(path.parent)
     return path
+
+
+def check_folder(path: str | Path, what: str = "--out") -> Path:
+    """``path`` as a folder to write into: it, or its nearest existing parent, must be a folder. Raises ValueError
+    naming ``what`` and the file in the way (a file given as --out: a traceback, NotADirectoryError, or a check that
+    'raised FileExistsError')."""
+    path = Path(path)
+    at = path
+    while not at.exists() and at != at.parent:
+        at = at.parent
+    if at.exists() and not at.is_dir():
+        raise ValueError(f"{what} {str(path)!r}: {str(at)!r} is a file, not a folder; give a folder (or a new path)")
+    return path
+

@@ -61,6 +61,10 @@ def cmd_check(args: argparse.Namespace) -> int:
         compare = compare_schemes(args.compare)
         if names and "init" not in names:
             console.warn(f"--compare {args.compare} is the init check's, which is not run here (checks: {', '.join(names)})")
+    if args.out_dir is not None:  # a file in the way is the command line's error, not every check's failure
+        from ..fileio import check_folder
+
+        check_folder(args.out_dir)
     options = {"compare": compare, "out_dir": args.out_dir}
     ctx = CheckContext(cfg, options=options)
     results = run_checks(ctx, names or None)

@@ -20,6 +20,7 @@ import torch
 
 from .._version import __version__
 from ..config import Config, config_hash
+from ..fileio import check_folder
 from .jsonl import json_safe
 
 __all__ = ["OUTPUT_MARKER", "build_snapshot", "git_info", "installed_versions", "is_stabletrain_output", "mark_output_dir",
@@ -34,7 +35,7 @@ _RUN_FILES = ("metrics.jsonl", "events.jsonl")
 
 def mark_output_dir(path: str | Path) -> Path:
     """Create ``path`` (parents too) and mark it as stabletrain's output (:data:`OUTPUT_MARKER`); return it."""
-    path = Path(path)
+    path = check_folder(path)
     path.mkdir(parents=True, exist_ok=True)
     marker = path / OUTPUT_MARKER
     if not marker.exists():

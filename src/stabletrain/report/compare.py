@@ -15,7 +15,7 @@ from typing import Any
 
 from ..config import ABSENT, flatten_config
 from ..config.diff import with_task_defaults
-from ..fileio import atomic_write
+from ..fileio import atomic_write, check_folder
 from .health import health_summary
 from .html import esc, figure, footer, page, problems_box, table, value_cell, write_plots
 from .plots import COLORS, COMPARE_METRICS, compare_plots, items_note
@@ -70,7 +70,9 @@ def compare_path(run_dirs: Sequence[str | Path], out: str | Path | None = None) 
     if out is None:
         return Path(run_dirs[0]) / COMPARE_FILE
     out = Path(out)
-    return out if out.suffix.lower() in (".html", ".htm") and not out.is_dir() else out / COMPARE_FILE
+    page = out if out.suffix.lower() in (".html", ".htm") and not out.is_dir() else out / COMPARE_FILE
+    check_folder(page.parent)
+    return page
 
 
 def write_compare(run_dirs: Sequence[str | Path], out: str | Path | None = None) -> Path:
