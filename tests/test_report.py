@@ -579,6 +579,17 @@ def _clip_sentence(h):
     return next((lvl, text) for lvl, text in h.sentences if text.startswith("Clipping fired on"))
 
 
+def test_the_clip_advice_of_a_run_whose_optimizer_is_unknown_names_none(tmp_path):
+    """A config without optim.name and no snapshot: 'with None every gradient is rescaled to the same norm'."""
+    run = tmp_path / "bare"
+    run.mkdir()
+    (run / "config.yaml").write_text("clip:\n  max_norm: 1.0\n")
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": 10 * (i + 1), "loss": 1.0, "clip_rate": 1.0,
+                                                           "grad_norm": 3.0, "grad_norm_max": 4.0}) + "\n" for i in range(6)))
+    level, text = _clip_sentence(health_summary(load_run(run)))
+    assert "with this optimizer every gradient is rescaled to the same norm" in text and "None" not in text, text
+
+
 def test_clip_rate_health_line_gives_a_verdict_with_its_reason(tmp_path):
     # The issue's run: 100% of the first 20 steps, 44% overall (30% of the rest), grad norms around the threshold.
     h = _clip_run(tmp_path / "a", [1.0, 1.0] + [0.3] * 8, [2.5, 1.8] + [0.95] * 8, [4.0, 2.2] + [1.6] * 8)

@@ -114,7 +114,8 @@ def clip_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
         elif "sgd" in optimizer:
             effect = f"with SGD the update shrinks as if the learning rate were{factor} as large"
         else:
-            effect = (f"with {run.snapshot.get('optimizer') or run.cfg('optim.name')} every gradient is rescaled to the "
+            named = run.snapshot.get("optimizer") or run.cfg("optim.name")  # (neither: a run of an unknown optimizer)
+            effect = (f"with {named or 'this optimizer'} every gradient is rescaled to the "
                       f"same norm (for a plain gradient step, as if the learning rate were{factor} as large)")
         h.say("warn", f"{head}, {fmt_pct(late_rate)} in the second half{cuts}: too often. The threshold is below the "
                       f"typical grad norm{typical}, so the clip, not the gradient, sets the size of most updates; {effect}. "
