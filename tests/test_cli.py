@@ -511,3 +511,16 @@ def test_an_out_that_is_a_file_is_one_line_and_exit_2_for_compare_check_and_lab(
         assert main(argv) == 2, argv
     assert afile.read_text() == "mine\n"  # nothing lost
 
+
+def test_train_report_writes_the_report_of_a_run_that_crashed(tmp_path, monkeypatch, capsys):
+    """--report wrote nothing when the run crashed (only 'see: stabletrain report RUN'): the run it helps most."""
+    from stabletrain.cli import main
+
+    monkeypatch.setenv("STABLETRAIN_TEST_RAISE", "1")
+    run_dir = tmp_path / "run"
+    assert main(["train", "task=user_code_tasks:loss_raises_when_asked_task", "train.max_steps=4", "log.progress=false",
+                 f"run.dir={run_dir}", "--report"]) == 1
+    page = (run_dir / "report.html").read_text(encoding="utf-8")
+    assert "crashed" in page and "the loss was asked to raise" in page
+    assert f"its report: {run_dir / 'report.html'}" in capsys.readouterr().err
+

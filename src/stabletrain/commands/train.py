@@ -100,11 +100,19 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
     except Exception as err:
         if ctx.is_main and trainer.run is not None:  # the loop recorded a 'crash' event: say where to read it
             note = f"(recorded in {run_dir}; see: stabletrain report {run_dir})"
+            if args.report:  # (the crashed run's report is where it helps most; one that fails says so, the crash stands)
+                try:
+                    write_report(run_dir)
+                    note = f"(recorded in {run_dir}; its report: {run_dir / 'report.html'})"
+                except Exception as failed:  # noqa: BLE001
+                    console.warn(f"--report: the report of the crashed run failed ({type(failed).__name__}: {failed})")
             err.__notes__ = [*getattr(err, "__notes__", []), note]  # err.add_note(note), which Python 3.10 lacks
         raise
     signalled = trainer.signals.received is not None
     if not ctx.is_main:
         return 1 if trainer.stop_reason is not None and not signalled else 0
+    if trainer.stop_reason is not None and args.report:  # a stopped run's report too (a signal's, the guard's)
+        write_report(run_dir)
     if trainer.stop_reason is not None and signalled:
         console.say(f"{trainer.stop_reason}; checkpointed. Resume with: stabletrain train --resume {run_dir}")
         return 0
