@@ -761,6 +761,16 @@ def test_a_runs_first_interval_that_falls_fast_within_it_heads_the_loss_unless_a
     assert h.figures["loss_start"] == 0.13 and "the first interval's mean, 11.02, is lifted by a loss spike at step 6" in text
 
 
+def test_a_loss_that_fell_to_its_last_interval_is_not_said_to_have_risen_from_its_best(tmp_path):
+    """The README's spike example: the last interval lifted by its spike, the end read as the median of the last 4
+    intervals' means (0.001785, reaching back to where the loss was still falling), and 'it rose x3.71 from its best
+    interval's mean, 0.0004816 at step 70' for a loss that only fell (the last interval's smallest, 0.00068)."""
+    means = [0.1629, 0.05, 0.02, 0.008, 0.00237, 0.0012, 0.0004816, 0.35]
+    lows = [0.05, 0.02, 0.01, 0.004, 0.0015, 0.0008, 0.0003, 0.00068]
+    h, text = _loss_run(tmp_path / "fell", means, lows, spikes=[78])
+    assert "lifted by a loss spike at step 78" in text and "rose" not in text, text
+
+
 def test_a_short_runs_end_without_its_spike_steps_own_losses_not_a_median_reaching_back_to_the_start(tmp_path):
     """Three intervals (a Monitor run of 30 steps, 3 samples x100 at step 27): the median of the last 3 intervals' means
     was the first's: 'Train loss 10.39 -> 10.39; it rose x2.51 from its best interval's mean' for a loss that fell."""

@@ -50,7 +50,10 @@ def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
     level = "ok"
     if len(rows) > 2:
         best_step, _, best, _ = min(rows, key=lambda r: r[2])
-        if best > 0 and f["loss_end"] > ratio * best and best_step != rows[-1][0]:  # it got worse since: how far
+        # (an end read as a median of the last intervals reaches back to where the loss was still falling: whether the
+        # loss rose since its best is the last interval's own smallest loss's to say; 'rose x3.71' for one that fell)
+        now = rows[-1][3] if end is not None and len(rows) > 1 else f["loss_end"]
+        if best > 0 and now > ratio * best and best_step != rows[-1][0]:  # it got worse since: how far
             level = "warn"
             text += (f"; it rose x{f['loss_end'] / best:.3g} from its best interval's mean, {fmt_num(best)} at step "
                      f"{best_step:,}")
