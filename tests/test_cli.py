@@ -491,8 +491,13 @@ def test_a_config_error_every_rank_meets_is_said_by_rank_0_alone(monkeypatch, ca
     monkeypatch.setenv("WORLD_SIZE", "2")
     for rank, said in (("1", False), ("0", True)):
         monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("LOCAL_RANK", rank)
         assert _report_error(err) == 2
         assert (f"error: rank 0: {err}" in capsys.readouterr().err) is said
+    # ... but a machine's own cause is said by each machine (rank 2 is local rank 0 of a second node)
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert _report_error(err) == 2 and f"error: rank 2: {err}" in capsys.readouterr().err
 
 
 def test_an_out_that_is_a_file_is_one_line_and_exit_2_for_compare_check_and_lab(tmp_path):

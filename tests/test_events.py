@@ -63,3 +63,28 @@ def test_run_dir_refuses_an_unknown_event_kind(tmp_path):
     records, problems = read_jsonl(tmp_path / "run" / "events.jsonl")
     assert not problems and [(r["step"], r["kind"], r["loss"]) for r in records] == [(3, "skip", "nan")]
     assert record["kind"] == "skip"
+
+
+def test_a_rank_other_than_0_appends_its_own_crash_to_the_run_and_every_host_knows_the_run_dir(tmp_path):
+    """Rank 1's crash was written nowhere (only rank 0 holds the run open); the adapters' sessions never knew the run
+    directory on rank 1 (the built-in loop's path came from its checkpoints)."""
+    import json
+    from types import SimpleNamespace
+
+    import torch
+
+    from stabletrain import Monitor
+    from stabletrain.runstate import RunState
+
+    (tmp_path / "events.jsonl").write_text(json.dumps({"step": 3, "kind": "resume", "reason": "rank 0's"}) + "\n")
+    state = RunState(cfg=None, task=None, module=torch.nn.Linear(2, 2), named_params=[], device=torch.device("cpu"),
+                     dist=SimpleNamespace(enabled=True, rank=1), precision="fp32", run_dir=tmp_path)
+    state.event(7, "crash", "OSError: gone", own=True, error="OSError")
+    state.event(7, "skip", "not its own")  # (rank 0 records what every rank knows)
+    lines = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [(e["kind"], e.get("rank")) for e in lines] == [("resume", None), ("crash", 1)]
+    assert lines[1]["reason"] == "rank 1: OSError: gone" and lines[1]["error"] == "OSError"
+    model = torch.nn.Linear(2, 1)
+    with Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1), run_dir=tmp_path / "mon") as monitor:
+        assert monitor.session.state.run_dir == tmp_path / "mon"
+

@@ -262,3 +262,46 @@ def test_a_step_two_ranks_saw_go_bad_names_each_ranks_samples_and_a_rollback_dro
     [rollback] = [e for e in events(run_dir) if e["kind"] == "rollback"]
     assert rollback["dropped_samples"] == [83, 91], rollback
 
+
+def test_a_ranks_own_outputs_are_bad_for_a_nan_or_a_plus_inf_not_for_a_minus_inf_mask_and_its_error_reaches_every_rank():
+    """own_outputs_bad (FSDP's answer to whose gradients went bad) flagged any inf: a -inf attention or vocabulary mask
+    blamed every rank; an error on one rank left the others waiting in the gather."""
+    from types import SimpleNamespace
+
+    from fsdp_tasks import TanhStemNet
+    from torch import nn
+
+    from stabletrain.distributed.blame import answered_ranks, own_outputs_bad
+    from stabletrain.policies.precision import PrecisionPolicy
+
+    class Masked(nn.Module):  # logits of padded classes set to -inf by design
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.head(x).masked_fill(torch.tensor([False, False, True, True]), float("-inf"))
+
+    def bad(model, x, loss):
+        torch.manual_seed(0)
+        window = SimpleNamespace(indices=[list(range(len(x)))], batches=[(x,)])
+        return own_outputs_bad(model, SimpleNamespace(loss=loss), PrecisionPolicy("fp32", torch.device("cpu")), window,
+                               torch.device("cpu"))
+
+    ce = lambda m, b: nn.functional.cross_entropy(m(b[0]), torch.zeros(len(b[0]), dtype=torch.long))  # noqa: E731
+    x = torch.randn(4, 16)
+    assert not bad(Masked(), x, ce)
+    x_inf = x.clone()
+    x_inf[1, 3] = float("inf")  # through the stem: +inf and NaN outputs, a finite loss (tanh)
+    mse = lambda m, b: m(b[0]).square().mean()  # noqa: E731
+    assert bad(TanhStemNet(), x_inf, mse) and not bad(TanhStemNet(), x, mse)
+
+    def group(*answers):
+        return SimpleNamespace(gather_objects=lambda mine: [mine, *answers])
+
+    assert answered_ranks(group((True, None)), lambda: False) == [1]
+    with pytest.raises(RuntimeError, match=r"^rank 1 failed replaying its own micro-batches of the bad step: OSError: x$"):
+        answered_ranks(group((False, "OSError: x")), lambda: False)  # this rank answered the gather, then raised
+    with pytest.raises(ValueError, match="mine"):
+        answered_ranks(group((False, None)), lambda: (_ for _ in ()).throw(ValueError("mine")))
+

@@ -769,6 +769,10 @@ def test_a_loss_that_fell_to_its_last_interval_is_not_said_to_have_risen_from_it
     lows = [0.05, 0.02, 0.01, 0.004, 0.0015, 0.0008, 0.0003, 0.00068]
     h, text = _loss_run(tmp_path / "fell", means, lows, spikes=[78])
     assert "lifted by a loss spike at step 78" in text and "rose" not in text, text
+    # one whose last interval's smallest loss did rise: said by that loss's own factor (not the median's, below the bar)
+    h, text = _loss_run(tmp_path / "rose", means, [*lows[:-1], 0.002], spikes=[78])
+    assert text.endswith("; it rose x4.15 (its last interval's smallest loss, 0.002) from its best interval's mean, "
+                         "0.0004816 at step 70."), text
 
 
 def test_a_short_runs_end_without_its_spike_steps_own_losses_not_a_median_reaching_back_to_the_start(tmp_path):

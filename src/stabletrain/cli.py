@@ -148,8 +148,13 @@ def _report_error(err: Exception) -> int | None:
     ValueErrors and TypeErrors it raises itself) is one line, exit 2. An exception from the task's own
     code (any type) names the part of the task that raised it and shows the user's frames, exit 1.
     """
-    if _rank_prefix() not in ("", "rank 0: ") and (isinstance(err, ConfigError) or str(err).startswith("config key ")):
-        return 2  # every rank reads the same config: rank 0 says it (two ranks' lines ran into one line)
+    import os
+
+    # Every rank reads the same config: rank 0 says a ConfigError; a value this machine cannot run (device=cuda, nccl)
+    # is said by each machine's local rank 0 (two ranks' lines ran into one; another node's cause would go unsaid).
+    if _rank_prefix() not in ("", "rank 0: ") and (isinstance(err, ConfigError) or (
+            str(err).startswith("config key ") and os.environ.get("LOCAL_RANK", "0") != "0")):
+        return 2
     if isinstance(err, ConfigError) or _loaded_instance(err, "stabletrain.tasks", "TaskError") \
             or _loaded_instance(err, "stabletrain.records.checkpoint.files", "CheckpointError"):
         console.error(f"{_rank_prefix()}{err}")

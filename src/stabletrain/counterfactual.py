@@ -142,10 +142,6 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
             m["where"] = _fp32_cure(bench, spike, rule, precision_departures(
                 *bench.module_errors(spike, replica.model, bench.precision, fp32)))
     verdict = classify_spike(m)
-    alone = [i for idx, _ in spike for i in idx]
-    if verdict["failure_class"] == "data" and not verdict["blamed_samples"] and len(alone) == 1 and m["reproduces"]:
-        verdict["blamed_samples"] = alone  # a window of one sample: the outlier batch is that sample (batch size 1)
-        verdict["evidence"] += f"; the window is one sample, {alone[0]}: the batch is that sample"
     if blocked:
         verdict["evidence"] += (f"; precision is not ruled out: a replay of the step in fp32 runs in {precision} too (the "
                                 "loss function turns torch.autocast on itself; enter it through the adapter, e.g. "
@@ -170,6 +166,11 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
             f"; the loss has been at this level since step {burst['since']} ({burst['steps']} flagged steps in a row "
             "before this one): the data moved to a new level (a change in its distribution or targets), and the rule "
             "keeps flagging it against the level before (guard.on_spike=warn trains on)")
+    alone = [i for idx, _ in spike for i in idx]  # (not a level shift's: the data moved, not one sample)
+    if (verdict["failure_class"] == "data" and not verdict["blamed_samples"] and len(alone) == 1 and m["reproduces"]
+            and "level_shift" not in verdict):
+        verdict["blamed_samples"] = alone  # a window of one sample: the outlier batch is that sample (batch size 1)
+        verdict["evidence"] += f"; the window is one sample, {alone[0]}: the batch is that sample"
     # (a few named samples rule it out only where ordinary windows were measured normal under this state)
     named = bool(verdict["blamed_samples"]) and (m["older"] is not None and "no_context" not in m["older"]
                                                  or (m.get("ordinary_now") or {}).get("spike") is False)

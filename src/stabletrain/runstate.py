@@ -73,6 +73,7 @@ class RunState:
     stream: Any = None
     run: Any = None
     ckpt: Any = None
+    run_dir: Any = None  # the run directory's path, on every rank (rank 0 alone holds ``run``)
     precision: str = "fp32"
     model: Any = None
     strategy: Any = None
@@ -103,9 +104,8 @@ class RunState:
         knows (its own crash): another rank of a run with a run dir appends it there itself, naming itself."""
         if self.run is not None:
             self.run.event(step, kind, reason, **fields)
-        elif own and self.dist.enabled and self.ckpt is not None:
-            append_event(self.ckpt.root.parent, step, kind, f"rank {self.dist.rank}: {reason}", rank=self.dist.rank,
-                         **fields)
+        elif own and self.dist.enabled and self.run_dir is not None:
+            append_event(self.run_dir, step, kind, f"rank {self.dist.rank}: {reason}", rank=self.dist.rank, **fields)
 
     def begin_fit(self) -> dict[str, Any]:
         """Mark the fit begun (an empty metrics record); a second ``fit()`` of the same Trainer is one clear error."""

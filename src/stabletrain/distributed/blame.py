@@ -20,7 +20,7 @@ from ..policies.accumulation import as_sum_count
 from ..records.staging import tensors_in
 from ..seeding import kept_rng, set_rng_state
 
-__all__ = ["own_gradients_bad", "own_outputs_bad", "own_loss_rank", "largest_loss_rank"]
+__all__ = ["own_gradients_bad", "own_outputs_bad", "answered_ranks", "own_loss_rank", "largest_loss_rank"]
 
 
 def own_gradients_bad(module: nn.Module, task: Any, precision: Any, window: Any, device: torch.device) -> bool:
@@ -47,16 +47,16 @@ def own_gradients_bad(module: nn.Module, task: Any, precision: Any, window: Any,
 
 def own_outputs_bad(module: nn.Module, task: Any, precision: Any, window: Any, device: torch.device) -> bool:
     """:func:`own_gradients_bad` where no rank's parameter gradients are its own (FSDP: reduce-scattered as they are
-    made): what this rank's micro-batches make on it, a non-finite loss, module output (forward hook) or output
-    gradient (tensor hook). Every rank runs every forward and backward (the step's collectives); the gradients are
-    dropped, the RNG put back. One host read. (Without it the run answered rank 0, 'not reproducible: a hardware
-    fault', for an inf that made only one rank's gradients NaN.)"""
+    made): what this rank's micro-batches make on it, a non-finite loss, a NaN or +inf module output (forward hook; a
+    -inf is a mask's, by design) or a non-finite output gradient (tensor hook). Every rank runs every forward and
+    backward (the step's collectives); the gradients are dropped, the RNG put back. One host read. (Without it the run
+    answered rank 0, 'not reproducible: a hardware fault', for an inf that made only one rank's gradients NaN.)"""
     flags: list[torch.Tensor] = []
 
     def seen(_m: nn.Module, _args: Any, out: Any) -> None:
         for t in tensors_in(out):
             if t.is_floating_point():
-                flags.append(~torch.isfinite(t.detach()).all())
+                flags.append((torch.isnan(t.detach()) | (t.detach() == float("inf"))).any())
                 if t.requires_grad:
                     t.register_hook(lambda g: flags.append(~torch.isfinite(g).all()))
 
@@ -73,6 +73,23 @@ def own_outputs_bad(module: nn.Module, task: Any, precision: Any, window: Any, d
             h.remove()
         for p in module.parameters():
             p.grad = None
+
+
+def answered_ranks(dist: Any, bad: Any) -> list[int]:
+    """The ranks whose ``bad()`` is true, in one gather every rank answers: an error in it on one rank is answered too,
+    then raised on every rank (a rank that left before the gather had the others wait in it to ``dist.timeout_s``)."""
+    flag, error = False, None
+    try:
+        flag = bool(bad())
+    except Exception as err:  # this rank still answers the gather (the others wait in it), then all raise
+        error = err
+    answers = dist.gather_objects((flag, None if error is None else f"{type(error).__name__}: {error}"))
+    failed = next(((r, why) for r, (_, why) in enumerate(answers) if why is not None), None)
+    if failed is not None:
+        if error is not None:
+            raise error
+        raise RuntimeError(f"rank {failed[0]} failed replaying its own micro-batches of the bad step: {failed[1]}")
+    return [r for r, (f, _) in enumerate(answers) if f]
 
 
 def own_loss_rank(dist: Any, own: Any, rng: dict[str, Any] | None = None) -> list[int] | None:

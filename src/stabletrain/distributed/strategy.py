@@ -259,10 +259,10 @@ class DDPStrategy(Strategy):
     def nonfinite_gradient_ranks(self, module: nn.Module, task: Any, precision: str, window: Any) -> list[int] | None:
         """Every rank's loss was finite but the all-reduced grad norm was not: whose own gradients are non-finite?
         (:func:`~.blame.own_gradients_bad`: one collective, every rank answers)."""
-        from .blame import own_gradients_bad
+        from .blame import answered_ranks, own_gradients_bad
 
-        bad = own_gradients_bad(module, task, PrecisionPolicy(precision, self.device), window, self.device)
-        return [r for r, flag in enumerate(self.dist.gather_objects(bad)) if flag]
+        return answered_ranks(self.dist, lambda: own_gradients_bad(module, task, PrecisionPolicy(precision, self.device),
+                                                                   window, self.device))
 
 
 class FSDPStrategy(Strategy):
@@ -279,10 +279,10 @@ class FSDPStrategy(Strategy):
     def nonfinite_gradient_ranks(self, module: nn.Module, task: Any, precision: str, window: Any) -> list[int] | None:
         """:meth:`DDPStrategy.nonfinite_gradient_ranks` where no rank's parameter gradients are its own (reduce-scattered
         as they are made): :func:`~.blame.own_outputs_bad` (every rank runs every forward and backward)."""
-        from .blame import own_outputs_bad
+        from .blame import answered_ranks, own_outputs_bad
 
-        bad = own_outputs_bad(module, task, PrecisionPolicy(precision, self.device), window, self.device)
-        return [r for r, flag in enumerate(self.dist.gather_objects(bad)) if flag]
+        return answered_ranks(self.dist, lambda: own_outputs_bad(module, task, PrecisionPolicy(precision, self.device),
+                                                                 window, self.device))
 
     def _wrap(self, module: nn.Module, task: Any, fingerprint: Any) -> tuple[Parts, Any]:
         from .carrier import WindowCarrier

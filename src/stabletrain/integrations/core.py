@@ -127,7 +127,7 @@ class RunSession:
         # The run's state has the parts an adapter measures with; the host owns the rest (model, optimizer, data).
         self.state = RunState(cfg=self.cfg, task=None, module=self.model, named_params=self.named_params,
                               device=self.device, dist=self.dist, precision=precision, guard=self.guard,
-                              metrics=self.metrics, callbacks=self.callbacks)
+                              metrics=self.metrics, callbacks=self.callbacks, run_dir=self.run_dir)
         self.strategy = strategy_for(self.cfg, self.dist, self.device)  # DDP under a process group: snapshot shares
         self.steps = HostSteps(self, replay, options.keep_max_mib)
         self.capture = IncidentCapture(self.steps)

@@ -55,7 +55,8 @@ def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
         now = rows[-1][3] if end is not None and len(rows) > 1 else f["loss_end"]
         if best > 0 and now > ratio * best and best_step != rows[-1][0]:  # it got worse since: how far
             level = "warn"
-            text += (f"; it rose x{f['loss_end'] / best:.3g} from its best interval's mean, {fmt_num(best)} at step "
+            own = "" if now == f["loss_end"] else f" (its last interval's smallest loss, {fmt_num(now)})"
+            text += (f"; it rose x{now / best:.3g}{own} from its best interval's mean, {fmt_num(best)} at step "
                      f"{best_step:,}")
     stall = f.get("stall")  # (health's, said above it): an end loss the parameters stopped moving at is not learning's
     if rows and stall and stall["recovered"] is None:

@@ -31,6 +31,7 @@ def open_run(state: Any, keeper: Any, recorder: Any, run_dir: Path, resume: bool
     launch = dist.gather_objects(this_process())  # recorded in the run dir while this launch runs
     dist.on_main(lambda: refuse_if_running(run_dir, exclude=launch))  # never two launches on one run
     state.ckpt = CheckpointManager(run_dir / "checkpoints", keep=cfg.ckpt.keep)
+    state.run_dir = run_dir
     if resume:
         keeper.resume(run_dir)
         recorder.resume(run_dir)  # what the launches before knew of the run's spikes and intervals
