@@ -440,3 +440,17 @@ def test_a_precision_spike_gets_the_run_wide_precisions_above_the_runs():
     assert [r.name for r in candidates_for({**spike, "blamed_module": None, "precision": "bf16"}, "auto", [], [])][:2] == [
         "skip-step", "fp32"]
     assert remedy_from_dict(Precision("fp32").to_dict()) == Precision("fp32")
+
+
+def test_a_tighter_clip_candidate_is_below_the_runs_own_clip():
+    """A host's gradient_clip_val=1.0 and grad norms around 4: the 'clip' cure was clip.max_norm=4.14, looser than the
+    run's own (a replay under it unclipped the step)."""
+    from stabletrain.diagnostics.candidates import candidates_for
+
+    spike = {"failure_class": "state", "step": 47, "anomaly": "spike"}
+    history = [{"step": 10 * i, "grad_norm": 4.14} for i in range(1, 5)]
+    [clip] = [c for c in candidates_for(spike, "fp32", history, [], 1.0) if c.kind == "clip"]
+    assert clip.max_norm == 0.5, clip.detail
+    [clip] = [c for c in candidates_for(spike, "fp32", history, []) if c.kind == "clip"]  # no clip of its own
+    assert clip.max_norm == 4.14
+

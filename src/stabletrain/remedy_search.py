@@ -354,7 +354,7 @@ def search_remedies(directory: str | Path, task: Task | None = None, *, steps: i
         diagnosis = json.loads(diagnosis_path.read_text(encoding="utf-8")) if diagnosis_path.is_file() else {}
     if "failure_class" not in diagnosis:
         diagnosis = diagnose_incident(directory, inc.task, device=str(inc.device), bundle=inc.bundle)
-    pool = candidates_for(diagnosis, inc.cfg.precision, inc.history, inc.rollback_steps)
+    pool = candidates_for(diagnosis, inc.cfg.precision, inc.history, inc.rollback_steps, inc.cfg.clip.max_norm)
     if only:
         missing = [n for n in only if n not in {c.name for c in pool}]
         if missing:

@@ -35,12 +35,14 @@ def _user_line(diagnosis: dict[str, Any]) -> str:
 
 
 def candidates_for(diagnosis: dict[str, Any], precision: str, history: list[dict[str, Any]],
-                   rollback_steps: list[int]) -> list[Remedy]:
+                   rollback_steps: list[int], clip: float | None = None) -> list[Remedy]:
     """The candidates that fit ``diagnosis``'s failure class, the skip-step baseline first (alone when not reproducible).
 
     A lower LR (x0.5, x0.1) is tried for every class: it is the usual first guess, and its verdict says
     whether the class needs it. ``rollback_steps``: the steps of the checkpoints the run kept before the
-    incident (a rollback goes to the newest one at or before the growth's start, else the oldest).
+    incident (a rollback goes to the newest one at or before the growth's start, else the oldest). ``clip``: the
+    run's own ``clip.max_norm``: a tighter clip is below it (half of it at most; one from the grad norms alone was
+    looser than a host's gradient_clip_val=1.0: 4.14).
     """
     cls = diagnosis.get("failure_class")
     precision = diagnosis.get("precision") or precision  # the mode the run trained in (the config's may read auto)
@@ -50,7 +52,7 @@ def candidates_for(diagnosis: dict[str, Any], precision: str, history: list[dict
     if cls == "not reproducible":  # the replay shows nothing to cure: the baseline's verdict says whether a skip does
         return out
     if diagnosis.get("anomaly") == "spike":
-        return out + _spike_candidates(diagnosis, precision, history, rollback_steps)
+        return out + _spike_candidates(diagnosis, precision, history, rollback_steps, clip)
     if cls in ("op", "data") and samples and not diagnosis.get("blamed_module"):
         out.append(SkipSamples(samples, positions=_positions(diagnosis)))
     if cls == "op" and module is not None:
@@ -72,8 +74,13 @@ def candidates_for(diagnosis: dict[str, Any], precision: str, history: list[dict
         healthy = [r for r in history if isinstance(r.get("grad_norm"), (int, float)) and r["grad_norm"] == r["grad_norm"]
                    and (since is None or r.get("step", 0) <= since)]
         if healthy:
-            out.append(TighterClip(float(healthy[-1]["grad_norm"])))
+            out.append(TighterClip(_tighter(float(healthy[-1]["grad_norm"]), clip)))
     return out
+
+
+def _tighter(limit: float, clip: float | None) -> float:
+    """A clip threshold from the grad norms (``limit``), no looser than half the run's own ``clip`` where it has one."""
+    return min(limit, 0.5 * clip) if clip else limit
 
 
 def _positions(diagnosis: dict[str, Any]) -> bool:
@@ -82,7 +89,7 @@ def _positions(diagnosis: dict[str, Any]) -> bool:
 
 
 def _spike_candidates(diagnosis: dict[str, Any], precision: str, history: list[dict[str, Any]],
-                      rollback_steps: list[int]) -> list[Remedy]:
+                      rollback_steps: list[int], clip: float | None = None) -> list[Remedy]:
     """A finite spike's candidates by its class (:mod:`stabletrain.diagnostics.spike`), after the skip-step baseline.
 
     ``precision``: the run's mode; a ``precision`` spike (the same step normal in fp32) gets the run-wide modes above
@@ -121,5 +128,5 @@ def _spike_candidates(diagnosis: dict[str, Any], precision: str, history: list[d
         norms = [r["grad_norm"] for r in history if isinstance(r.get("grad_norm"), (int, float))
                  and r["grad_norm"] == r["grad_norm"]]
         if norms:
-            out.append(TighterClip(float(sorted(norms)[len(norms) // 2])))
+            out.append(TighterClip(_tighter(float(sorted(norms)[len(norms) // 2]), clip)))
     return out
