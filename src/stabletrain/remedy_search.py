@@ -400,7 +400,7 @@ def search_remedies(directory: str | Path, task: Task | None = None, *, steps: i
         "incident": str(directory), "step": inc.step, "failure_class": diagnosis.get("failure_class"),
         "evidence": diagnosis.get("evidence"), "summary": diagnosis.get("summary"), "steps": steps,
         "tolerance": LOSS_TOLERANCE, "end_steps": END_STEPS, "baseline": baseline["name"],
-        "note": ("an adapter's bundle keeps only its own step: the verdicts are on that step alone, reported, not "
+        "note": ("an adapter's bundle keeps only its own step (and the one before it): the verdicts are on those, reported, not "
                  "applied" if inc.adapter else None),
         "later_incident": later,  # every candidate met it alike: judged on the steps before it
         "best": next((r["name"] for r in ranked if r["verdict"] == "cures" and not r["baseline"]), None),
