@@ -1540,7 +1540,7 @@ def test_under_warn_a_loss_at_a_new_level_goes_on_as_its_course_once_diagnosed(t
     incidents = [e["step"] for e in _events(run_dir) if e["kind"] == "incident"]
     assert incidents == [30, 31, 41], incidents  # the shift, its next interval's start, then the one that names the level
     out = capsys.readouterr().out
-    assert "the burst of loss spikes captured at step 41 (data: a loss at a new level) goes on (steps 51-60, ...)" in out, out
+    assert "the burst of loss spikes captured at step 41 (data: a loss at a new level) goes on (steps 51-60 so far)" in out, out
 
 
 def test_a_rollback_for_a_state_spike_says_that_skipping_its_data_may_not_cure_it(tmp_path):

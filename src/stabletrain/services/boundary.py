@@ -177,7 +177,8 @@ class IntervalBoundary:
             if not burst["said"] and self.state.dist.is_main and self.state.run is not None:  # (said once a burst)
                 console.say(f"the burst of loss spikes captured at step {burst['first']} ({burst['class']}"
                             f"{': a loss at a new level' if burst.get('level') else ''}) goes on "
-                            f"(steps {steps[0]}-{steps[n - 1]}, ...): not captured again while it lasts (events.jsonl)")
+                            f"({f'steps {steps[0]}-{steps[n - 1]}' if n > 1 else f'step {steps[0]}'} so far): not captured "
+                            "again while it lasts (events.jsonl)")
             burst.update(last=steps[n - 1], said=True)
             steps = steps[n:]
             if not steps:
