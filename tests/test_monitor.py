@@ -569,3 +569,14 @@ def test_a_loss_that_enters_autocast_itself_leaves_precision_open_not_ruled_out(
         own["evidence"], own["summary"]
     assert run(False)["failure_class"] == "precision"
 
+
+def test_the_spike_rules_keys_are_adapter_options_as_the_docs_say(tmp_path):
+    """docs/loss-spikes.md tells a user to shorten guard.spike_window; StableTrainCallback(spike_window=20) was a
+    TypeError ('unexpected option')."""
+    model, opt = make()
+    with Monitor(model, opt, run_dir=tmp_path / "run", spike_window=20, spike_ratio=3.0, spike_zscore=5.0) as monitor:
+        guard = monitor.session.cfg.guard
+        assert (guard.spike_window, guard.spike_ratio, guard.spike_zscore) == (20, 3.0, 5.0)
+    with pytest.raises(ValueError, match=r"^spike_window: config key 'guard.spike_window': expected an integer >= 4, got 2$"):
+        Monitor(model, opt, run_dir=None, spike_window=2)
+

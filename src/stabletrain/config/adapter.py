@@ -20,7 +20,8 @@ __all__ = ["AdapterOptions", "CONFIG_KEYS", "HOST_OPTIONS"]
 #: (``stabletrain train --help`` lists them; a bad value is refused naming the option and its key).
 CONFIG_KEYS = {"log_every": "log.every", "on_spike": "guard.on_spike", "capture": "capture.incidents",
                "diagnose": "capture.diagnose", "check_params": "guard.check_params", "tensorboard": "log.tensorboard",
-               "top_layers": "log.top_layers", "trackers": "log.trackers"}
+               "top_layers": "log.top_layers", "trackers": "log.trackers", "spike_window": "guard.spike_window",
+               "spike_ratio": "guard.spike_ratio", "spike_zscore": "guard.spike_zscore"}
 
 #: The options of a host's side that a built-in run has no key for: (default, meaning).
 HOST_OPTIONS: dict[str, tuple[Any, str]] = {
