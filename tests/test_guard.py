@@ -320,7 +320,8 @@ def test_decide_pins_the_range_of_updates_a_failed_parameter_check_covers():
     assert stop.action == "stop" and stop.reason == "non-finite value in the parameters after the update at step 41"
 
 
-def test_check_inputs_catches_a_bad_input_the_loss_never_sees(tmp_path):
+def _unused_inf_feature_task():
+    """The regression task with a fifth feature the model never reads, inf at sample ``BAD``: the loss stays finite."""
     from torch import nn
     from torch.utils.data import TensorDataset
 
@@ -334,6 +335,11 @@ def test_check_inputs_catches_a_bad_input_the_loss_never_sees(tmp_path):
     task.model = nn.Sequential()
     task.model.add_module("body", inner)
     task.model.forward = lambda inp: inner(inp[:, :4])
+    return task
+
+
+def test_check_inputs_catches_a_bad_input_the_loss_never_sees(tmp_path):
+    task = _unused_inf_feature_task()
     bad_step = _step_of_sample(BAD)
     for check, expected in (("false", []), ("true", [bad_step])):
         trainer = Trainer(cfg("train.batch_size=8", "train.max_steps=8", "log.every=4", f"guard.check_inputs={check}",
@@ -346,8 +352,6 @@ def test_an_incident_guard_check_inputs_flagged_is_diagnosed_as_the_data_not_the
     """The replay traced the guard's own isfinite ('first used by aten.abs.default outside any module'); an input no op
     reads was 'not reproducible' (the run's loss non-finite by the check, the replay's finite)."""
     from helpers import nan_sample_task
-    from torch import nn
-    from torch.utils.data import TensorDataset
 
     trainer = Trainer(cfg("train.batch_size=8", "train.max_steps=8", "log.every=4", "guard.check_inputs=true"),
                       task=nan_sample_task(BAD), run_dir=tmp_path / "used")
@@ -355,16 +359,7 @@ def test_an_incident_guard_check_inputs_flagged_is_diagnosed_as_the_data_not_the
     [d] = [e["diagnosis"] for e in _events(tmp_path / "used") if e["kind"] == "incident"]
     assert (d["stage"], d["op"], d["module"], d["bad_samples"], d["reproduces"]) == (
         "inputs", "aten.addmm.default", "0", [BAD], True), d
-    torch.manual_seed(0)
-    task = regression_task(n=64)
-    x, y = task.train_data.tensors
-    x = torch.cat([x, torch.zeros(64, 1)], dim=1)
-    x[BAD, 4] = float("inf")  # an unused feature: the loss stays finite
-    task.train_data = TensorDataset(x, y)
-    inner = task.model
-    task.model = nn.Sequential()
-    task.model.add_module("body", inner)
-    task.model.forward = lambda inp: inner(inp[:, :4])
+    task = _unused_inf_feature_task()
     Trainer(cfg("train.batch_size=8", "train.max_steps=8", "log.every=4", "guard.check_inputs=true"), task=task,
             run_dir=tmp_path / "unused").fit()
     [d] = [e["diagnosis"] for e in _events(tmp_path / "unused") if e["kind"] == "incident"]

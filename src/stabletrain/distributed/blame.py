@@ -83,13 +83,8 @@ def answered_ranks(dist: Any, bad: Any) -> list[int]:
         flag = bool(bad())
     except Exception as err:  # this rank still answers the gather (the others wait in it), then all raise
         error = err
-    answers = dist.gather_objects((flag, None if error is None else f"{type(error).__name__}: {error}"))
-    failed = next(((r, why) for r, (_, why) in enumerate(answers) if why is not None), None)
-    if failed is not None:
-        if error is not None:
-            raise error
-        raise RuntimeError(f"rank {failed[0]} failed replaying its own micro-batches of the bad step: {failed[1]}")
-    return [r for r, (f, _) in enumerate(answers) if f]
+    flags = _gathered(dist, flag, error, "replaying its own micro-batches of the bad step")
+    return [r for r, f in enumerate(flags) if f]
 
 
 def own_loss_rank(dist: Any, own: Any, rng: dict[str, Any] | None = None) -> list[int] | None:
@@ -109,11 +104,19 @@ def own_loss_rank(dist: Any, own: Any, rng: dict[str, Any] | None = None) -> lis
 def largest_loss_rank(dist: Any, loss: float, error: BaseException | None) -> list[int] | None:
     """[the rank whose ``loss`` is the largest] over every rank (one gather; NaN is never the largest; None when no
     rank has one). A rank's ``error`` is raised on every rank after the gather, so none waits on a collective."""
-    answers = dist.gather_objects((loss, None if error is None else f"{type(error).__name__}: {error}"))
+    losses = [v if v == v else float("-inf")
+              for v in _gathered(dist, loss, error, "computing its own loss on the spike's window")]
+    return [max(range(len(losses)), key=losses.__getitem__)] if max(losses) > float("-inf") else None
+
+
+def _gathered(dist: Any, value: Any, error: BaseException | None, doing: str) -> list[Any]:
+    """Every rank's ``value`` in one gather that every rank answers; a rank's ``error`` is raised on every rank after it
+    (this rank's own as it is, another's as a RuntimeError naming the rank and what it was ``doing``)."""
+    answers = dist.gather_objects((value, None if error is None else f"{type(error).__name__}: {error}"))
     failed = next(((r, why) for r, (_, why) in enumerate(answers) if why is not None), None)
     if failed is not None:
         if error is not None:
             raise error
-        raise RuntimeError(f"rank {failed[0]} failed computing its own loss on the spike's window: {failed[1]}")
-    losses = [v if v == v else float("-inf") for v, _ in answers]
-    return [max(range(len(losses)), key=losses.__getitem__)] if max(losses) > float("-inf") else None
+        raise RuntimeError(f"rank {failed[0]} failed {doing}: {failed[1]}")
+    return [v for v, _ in answers]
+
