@@ -376,3 +376,35 @@ def lr_jump_task(at: int = 55, factor: float = 60.0, in_state: bool = False, n: 
     model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
     return Task(model=model, train_data=TensorDataset(x, y), loss=_mse, name="lr-jump",
                 optimizer=lambda named: JumpSGD([p for _, p in named], lr, at, factor, in_state))
+
+
+class OneStepAdamW(torch.optim.AdamW):
+    """AdamW that takes its ``at``-th step at x``factor`` its LR and the rest at its own (the count from its own state: a
+    replay sees it): one huge update inside the optimizer, which no record's LR shows (a new-user trial's)."""
+
+    def __init__(self, params, at: int, factor: float, **kw) -> None:
+        super().__init__(params, **kw)
+        self.at, self.factor = at, factor
+
+    def step(self, closure=None):
+        count = self.state.get(self.param_groups[0]["params"][0], {}).get("step")
+        if (int(count) if count is not None else 0) + 1 != self.at:
+            return super().step(closure)
+        lrs = [g["lr"] for g in self.param_groups]
+        for g in self.param_groups:
+            g["lr"] *= self.factor
+        try:
+            return super().step(closure)
+        finally:
+            for g, lr in zip(self.param_groups, lrs):
+                g["lr"] = lr
+
+
+def one_step_jump_task(at: int = 60, factor: float = 200.0, n: int = 4096) -> Task:
+    """state: one update at x``factor`` the LR at step ``at`` (:class:`OneStepAdamW`), then the run's own; the damaged
+    model errs most on a few samples of the windows after it (which read 'data: samples 1018, 1020 carry 90%')."""
+    x, y = _sine_regression(n)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.SiLU(), nn.Linear(64, 64), nn.SiLU(), nn.Linear(64, 1))
+    return Task(model=model, train_data=TensorDataset(x, y), loss=_mse, name="one-step-jump",
+                optimizer=lambda named: OneStepAdamW([p for _, p in named], at, factor, lr=1e-3, weight_decay=0.0))

@@ -13,7 +13,7 @@ import json
 
 import torch
 from helpers import cfg
-from spike_tasks import lr_jump_task
+from spike_tasks import lr_jump_task, one_step_jump_task
 
 from stabletrain import Trainer
 from stabletrain.diagnostics.spike import classify_spike
@@ -251,3 +251,46 @@ def test_a_stop_after_spike_skips_of_a_diverging_run_says_divergence_not_a_new_l
     text = str(stopped)
     assert "found the state drifted (state): a divergence, not a new level: lower the LR (optim.lr)" in text, text
     assert "trains on at the new level" not in text, text
+
+
+def test_one_huge_update_inside_the_optimizer_is_state_and_named_at_an_intervals_end_or_inside_it(tmp_path):
+    """A new-user trial: an AdamW subclass that takes its 60th step at x200 its LR (the interval's last, the update its
+    record measures). The spike at 64 read 'data: samples 1018, 1020 carry 90% of the window's loss ... the window is high
+    under the state of step 60 too (4.768 vs 1.349)': that state already held the update, and ordinary windows were x4
+    the run's level there. Now the older state is step 50's (before the jump) and the verdict state, naming the update.
+    At step 55 (inside an interval, no record measured it) the weights' move since step 50 names it."""
+    run = ("train.batch_size=16", "log.every=10", "sched.warmup_steps=0", "sched.decay=constant", "data.shuffle=false",
+           "guard.precursor=false", "train.max_steps=70")
+    Trainer(cfg(*run), task=one_step_jump_task(60), run_dir=tmp_path / "j60").fit()
+    found = sorted((tmp_path / "j60" / "incidents").glob("step_*/diagnosis.json"))
+    assert found, "no spike captured"
+    d = json.loads(found[0].read_text())
+    assert d["failure_class"] == "state" and d["bad_samples"] is None, d["summary"]
+    assert d["older"]["step"] == 50, d["older"]
+    assert "the update of step 60 (its interval's measured one) was x" in d["evidence"], d["evidence"]
+    assert "the run's before it at the same LR" in d["evidence"], d["evidence"]
+    Trainer(cfg(*run), task=one_step_jump_task(55), run_dir=tmp_path / "j55").fit()
+    d = json.loads(sorted((tmp_path / "j55" / "incidents").glob("step_*/diagnosis.json"))[0].read_text())
+    assert d["failure_class"] == "state" and d["bad_samples"] is None and d["older"]["step"] == 50, d["summary"]
+    gap = d["step"] - 51
+    assert "the weights moved" in d["evidence"] and f"in the {gap} updates since step 50" in d["evidence"], d["evidence"]
+
+
+def test_a_window_high_under_an_older_state_names_no_batch_where_ordinary_windows_are_far_above_the_runs_level():
+    """The trial's numbers where no snapshot before the jump is kept (the older state is step 60's, which holds it):
+    ordinary windows at x4 the rule's median under it and x3.8 under this one. The window's being high there names no
+    batch (it read 'data'); with ordinary windows at the run's level the same window is data, its samples named."""
+    samples = {"indices": [1018, 1020], "share": 0.9, "without": {"loss": 0.5356, "ratio": 1.58}}
+    older = {"step": 60, "window": 4.768, "ordinary": 1.349, "current_ordinary": 1.288, "ordinary_from": "windows",
+             "window_high": True, "ordinary_high": False, "ordinary_spike_now": False, "window_not_above_now": False,
+             "ratio": 2.0, "levels": [3.98, 3.8], "median": 0.339}
+    base = {"reproduces": True, "loss": 4.591, "precision": "fp32", "step": 64, "samples": samples, "surges": [],
+            "where": {}, "jumps": {}}
+    out = classify_spike({**base, "older": older})
+    assert out["failure_class"] == "state" and out["blamed_samples"] is None, out
+    assert "x3.8 the run's level before the spike under this one (0.339, the rule's median; x3.98 under that state)" in (
+        out["evidence"]), out["evidence"]
+    assert "but ordinary windows are far above the run's level before under this state too: the state drifted" in (
+        out["evidence"]), out["evidence"]
+    calm = classify_spike({**base, "older": {**older, "ordinary": 0.33, "current_ordinary": 0.35, "levels": [0.97, 1.03]}})
+    assert calm["failure_class"] == "data" and calm["blamed_samples"] == [1018, 1020], calm

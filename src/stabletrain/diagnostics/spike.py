@@ -138,7 +138,12 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     # window it finds high is no outlier batch for that (a divergence amplifies some batches more than others).
     sizes, lr = m.get("steps"), (older or {}).get("lr")
     fresh = bool(sizes and sizes.get("lr") and lr and LR_RISE * lr["then"] >= lr["now"] >= LR_RISE * sizes["lr"])
-    high_before = older is not None and older["window_high"] and not drifted_now and not fresh
+    # Ordinary windows under this state guard.spike_ratio times the run's level before the spike (the rule's median; the
+    # full rule's z-score may pass them, its window's spread grown), and as high under the older state or risen that much
+    # since: the state drifted, whatever the window shows under the older state (a damaged model errs most on some samples).
+    levels = (older or {}).get("levels") or [0.0, 0.0]
+    risen = levels[1] > (older or {}).get("ratio", math.inf) and (levels[0] > older["ratio"] or older["ordinary_high"])
+    high_before = older is not None and older["window_high"] and not drifted_now and not fresh and not risen
     # No older state to weigh the window against: ordinary windows that are spikes by the rule under this state say
     # the state drifted (then dropping a drifted window's largest losses "cures" it too: no sample is to blame).
     now = m.get("ordinary_now") if older is None else None
@@ -207,6 +212,9 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
                      f"({then:.4g}): the loss has been unsettled since")
         else:
             where = f"{'high at' if older['ordinary_high'] else 'at'} {now:.4g} under this one (vs {then:.4g})"
+        if risen and older["window_high"]:  # (what tells this state from a calm one that finds the window high too)
+            where += (f", x{levels[1]:.3g} the run's level before the spike under this one ({older['median']:.4g}, the "
+                      f"rule's median; x{levels[0]:.3g} under that state)")
         if older["window_high"]:  # (and ordinary windows rose since: high_before is off)
             window = f"the window is high under the state of step {older['step']} too ({older['window']:.4g} vs {then:.4g})"
             near = f"within x{older['ratio']:g} of" if older.get("ratio") else "near"  # (guard.spike_ratio)
@@ -221,7 +229,9 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
         drift = f"; {window} and ordinary windows are {where}"
     if samples is not None and not weak:
         drift += (f"; samples {', '.join(map(str, samples['indices']))} carry {_pct(samples['share'])} of the loss, "
-                  + ("but ordinary windows are high under this state too" if drifted_now else f"but the state of step "
+                  + ("but ordinary windows are high under this state too" if drifted_now else
+                     "but ordinary windows are far above the run's level before under this state too: the state "
+                     "drifted" if risen else f"but the state of step "
                      f"{older['step']} already ran at x{lr['now'] / sizes['lr']:.3g} the LR of the run's intervals before "
                      "it: none from before the rise to weigh them under" if fresh else "but only under the current state"
                      if weighed else "but the window is weighed against no ordinary window under the older state"))
@@ -252,7 +262,8 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     else:
         text = ("the model or optimizer state, or this window (not told apart)" if untold or older is not None and not weighed
                 else "the model or optimizer state drifted (a divergence onset, or an LR too high)")
-    text += _lr_rise(older) + _steps_grew(sizes, older) + drift + acquit
+    text += (_lr_rise(older) + _steps_grew(sizes, older) + drift + acquit + _update_jump(m.get("update_jump"), older)
+             + _moved(older, sizes, m.get("update_jump"), m.get("step", 0)))
     if where.get("first"):
         out["blamed_module"] = where["first"]
         text += f"; first module whose output departs: '{where['first']}' (x{where['first_factor']:.3g})"
@@ -292,6 +303,33 @@ def _steps_grew(sizes: dict[str, Any] | None, older: dict[str, Any] | None) -> s
     on = "the spike's own window (no ordinary one at hand: its gradient counts too)" if sizes.get("own") else "ordinary windows"
     return (f"; the optimizer's steps grew x{sizes['now'] / sizes['before']:.3g}{same}: update/weight {sizes['now']:.2g} on "
             f"{on} under this state against {sizes['before']:.2g} in the run's intervals up to step {sizes['upto']}")
+
+
+def _update_jump(jump: dict[str, Any] | None, older: dict[str, Any] | None) -> str:
+    """The interval record whose measured update jumped (``update_jump`` of :func:`~stabletrain.counterfactual.diagnose_spike`),
+    with its LR against the record's before: one large step (an LR raised inside the optimizer, a bad update) made the state."""
+    if not jump:
+        return ""
+    lr, was = jump.get("lr"), jump.get("lr_before")
+    f = lr / was if isinstance(lr, (int, float)) and isinstance(was, (int, float)) and was > 0 else None
+    same = "" if f is None else " at the same LR" if abs(f - 1) < 0.01 else f" with the LR x{f:.3g}" if f >= LR_RISE else ""
+    held = f": the state of step {older['step']} holds it" if older is not None and older["step"] >= jump["step"] else ""
+    return (f"; the update of step {jump['step']} (its interval's measured one) was x{jump['ratio'] / jump['typical']:.3g} the "
+            f"run's before it{same} (whole-model update/weight {jump['ratio']:.2g} vs {jump['typical']:.2g}){held}")
+
+
+def _moved(older: dict[str, Any] | None, sizes: dict[str, Any] | None, jump: dict[str, Any] | None, step: int) -> str:
+    """How far the weights moved since the older state (``moved``: ||theta - theta_then|| / ||theta_then||) against as many of
+    the run's typical steps (``sizes["before"]``, per step) could move them, where :data:`STEP_GROWTH` times or more: a
+    large update since then that no interval record measured (one inside an interval); not where one did (``jump``)."""
+    n = step - 1 - older["step"] if older is not None else 0  # the updates between that state and the spike's
+    moved, per = (older or {}).get("moved"), (sizes or {}).get("before")
+    if (n < 1 or not isinstance(moved, (int, float)) or not per or moved < STEP_GROWTH * n * per
+            or jump and jump["step"] > older["step"]):
+        return ""
+    return (f"; the weights moved {moved:.2g} of their norm in the {n} update{'s' if n > 1 else ''} since step {older['step']}, "
+            f"x{moved / (n * per):.3g} as far as {n} of the run's typical steps could ({per:.2g} each, its interval records): "
+            "a large update, or several, among them")
 
 
 def _whole_model_rise(m: dict[str, Any], blamed: dict[str, Any], older: dict[str, Any] | None) -> str:

@@ -7,10 +7,12 @@ older state with the LR its step ran at. The older state is the interval's start
 - the run skipped every update since (its steps were flagged): the snapshot held from before that run of flagged
   steps (:func:`before_run`);
 - the LR jumped in the interval that ended at it (its record's LR at least
-  :data:`~stabletrain.diagnostics.spike.LR_RISE` times the record's before): that state already took updates at the
-  new LR, and a window it finds high is no outlier batch for that (a jump x30 on step 130, a spike at 132: its
-  window high under step 130's state, "data"); the snapshot before it (:meth:`IntervalSnapshot.get_previous`), where
-  kept, ran at the old LR (:func:`before_jump`);
+  :data:`~stabletrain.diagnostics.spike.LR_RISE` times the record's before), or the update its record measured (that
+  interval's last, the one the state was made by) was :data:`~stabletrain.diagnostics.spike.STEP_GROWTH` times the
+  records' before it: that state already took the large update, and a window it finds high is no outlier batch for
+  that (a jump x30 on step 130, a spike at 132: its window high under step 130's state, "data"; an optimizer that
+  ran one step at x200 its LR on step 60, the interval's last, and a spike at 64: "data", two samples named); the
+  snapshot before it (:meth:`IntervalSnapshot.get_previous`), where kept, ran before it (:func:`before_jump`);
 - there is none (a spike right after the interval's start): an older checkpoint (rank 0's bundle looks one up).
 """
 
@@ -18,14 +20,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..diagnostics.spike import LR_RISE
+from ..diagnostics.spike import LR_RISE, STEP_GROWTH
 from ..diagnostics.spike_evidence import lr_groups
 from ..records.checkpoint.shards import is_dcp_entry
 from ..records.staging import equal_states, join_params
 from ..runstate import RunState
 
-__all__ = ["spike_parts", "before_run", "before_jump", "lr_jumped_at", "HISTORY_INTERVALS", "AFTERSHOCK_STEPS",
-           "MAX_EARLIER_SAMPLES", "MAX_CONTEXT"]
+__all__ = ["spike_parts", "before_run", "before_jump", "lr_jumped_at", "update_jumped_at", "HISTORY_INTERVALS",
+           "AFTERSHOCK_STEPS", "MAX_EARLIER_SAMPLES", "MAX_CONTEXT"]
 
 #: Ordinary windows a spike's bundle holds to compare against (the interval's steps before the spike, else the next ones).
 MAX_CONTEXT = 3
@@ -63,7 +65,8 @@ def spike_parts(engine: Any, fit: RunState, bundle: dict[str, Any], step: int, s
     at = start[1]
     if older is not None and equal_states(older, now):  # the run skipped every update since: its steps were flagged
         older, at, ran = before_run(engine, start[1], now)
-    elif older is not None and lr_jumped_at(bundle["observed"]["history"], at):
+    elif older is not None and (lr_jumped_at(bundle["observed"]["history"], at)
+                                or update_jumped_at(bundle["observed"]["history"], at)):
         older, at, ran = before_jump(engine, at, now) or (older, at, ran)
     reference = {"step": at, "model": older, "optimizer": lr_groups(ran)} if older is not None else None
     if reference is None and first and fit.dist.is_main and now is not None and not is_dcp_entry(now):
@@ -91,6 +94,15 @@ def lr_jumped_at(history: list[list[Any]], at: int) -> bool:
     lrs = {int(t): lr for t, lr, *_ in history if isinstance(lr, (int, float)) and lr > 0}
     older = [t for t in lrs if t < at]
     return at in lrs and bool(older) and lrs[at] >= LR_RISE * lrs[max(older)]
+
+
+def update_jumped_at(history: list[list[Any]], at: int) -> bool:
+    """Whether the interval record of step ``at`` (``[step, lr, ratio]``) measured a whole-model update/weight ratio
+    :data:`STEP_GROWTH` times or more the median of the records' before it (two at least): step ``at``'s own update,
+    which made the state of step ``at``, jumped."""
+    ratios = {int(t): r for t, _, r, *_ in history if isinstance(r, (int, float)) and r > 0}
+    before = sorted(r for t, r in ratios.items() if t < at)
+    return at in ratios and len(before) >= 2 and ratios[at] >= STEP_GROWTH * before[(len(before) - 1) // 2]
 
 
 def before_jump(engine: Any, at: int, now: Any) -> tuple[Any, int, Any] | None:
