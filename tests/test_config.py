@@ -381,3 +381,17 @@ def test_an_fsdp_only_key_given_under_ddp_is_said_to_have_no_effect(tmp_path):
     assert [str(w.message) for w in seen] == [
         "config keys dist.checkpoint, dist.reshard_after_forward: fsdp only, no effect under dist.strategy=ddp"]
 
+
+
+@pytest.mark.parametrize("overrides, key, off", [
+    (["guard.on_spike=remedy", "capture.spikes=false"], "guard.on_spike", "capture.spikes"),
+    (["guard.on_spike=remedy", "capture.incidents=false"], "guard.on_spike", "capture.incidents"),
+    (["guard.on_nonfinite=remedy", "capture.incidents=false"], "guard.on_nonfinite", "capture.incidents"),
+])
+def test_a_remedy_without_the_capture_it_is_searched_from_is_refused_naming_both_keys(overrides, key, off):
+    """A new-user trial: guard.on_spike=remedy with capture.spikes=false ran, exit 0, every spike falling back to a skip."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert str(err.value) == (f"config key '{key}': remedy is searched from the incident's capture, but {off}=false "
+                              f"(set {off}=true, or {key}=skip)")
+    load_config(None, [overrides[0].replace("remedy", "skip"), overrides[1]])  # skipping needs no capture

@@ -238,6 +238,13 @@ class Config:
         if optim.nesterov and optim.momentum <= 0:
             raise ConfigError(f"config key 'optim.nesterov': Nesterov momentum needs optim.momentum > 0, got "
                               f"optim.nesterov=true with optim.momentum={optim.momentum!r}")
+        # A remedy is searched from the incident's capture: none, no remedy (every incident fell back, said per incident).
+        off = [k for k, on in (("capture.incidents", self.capture.incidents), ("capture.spikes", self.capture.spikes)) if not on]
+        for key, value, needs in (("guard.on_nonfinite", self.guard.on_nonfinite, off[:1] if not self.capture.incidents else []),
+                                  ("guard.on_spike", self.guard.on_spike, off)):
+            if value == "remedy" and needs:
+                raise ConfigError(f"config key '{key}': remedy is searched from the incident's capture, but {needs[0]}=false "
+                                  f"(set {needs[0]}=true, or {key}=skip)")
         if self.run.resume == "auto" and not self.run.dir:
             raise ConfigError("config key 'run.resume': auto continues or starts run.dir, but run.dir is not set "
                               "(set run.dir=DIR)")
