@@ -76,8 +76,10 @@ def test_the_remedy_and_its_evidence_survive_sigkill_and_resume(tmp_path):
     # and is in every checkpoint after it (4, 8, ...: saved in the background, so LAST_GOOD may lag the kill); killed
     # after step 9, the resumed run must still drop it at steps 10 and 14 (and at 6, resumed from step 4).
     run_dir = tmp_path / "run"
-    rc, _, err = _kill_at(_start(run_dir), run_dir, 9)
+    rc, out, err = _kill_at(_start(run_dir), run_dir, 9)
     assert rc == -signal.SIGKILL, err
+    # live, step 2 was skipped as it ran (its replay trained it without sample 13): the line says so
+    assert "; step 2 itself was skipped as it ran, the samples are left out of every window from now on" in out + err, out + err
     saved = CheckpointManager(run_dir / "checkpoints").load()
     assert saved.meta["step"] in (4, 8, 12) and saved.state["remedies"]["applied"][0]["name"] == "skip-samples"
     proc = _start(run_dir, resume=True)
@@ -115,6 +117,10 @@ def test_a_remedy_is_applied_by_hand_on_resume_once_and_refused_clearly(tmp_path
     missing = run_dir / "incidents" / "step_000099"  # a folder that is not there: said so, not "run remedy on it first"
     assert main(["train", "--resume", str(run_dir), "train.max_steps=12", f"remedy.apply={missing}:skip-samples"]) == 2
     assert f"no incident folder {str(missing)!r} (it does not exist)" in capsys.readouterr().err
+    # the run directory for one of its incidents: said, with its incidents (it said "run stabletrain remedy RUN first")
+    assert main(["train", "--resume", str(run_dir), "train.max_steps=12", f"remedy.apply={run_dir}:1"]) == 2
+    assert (f"{str(run_dir)!r} is a run directory, not an incident folder; its incidents: step_000002, step_000006 "
+            f"(remedy.apply={incident}:1)") in capsys.readouterr().err
     assert main(["remedy", str(incident / "bundle.pt"), "--steps", "2"]) == 2  # the bundle's path, not its folder's
     assert f"that is the bundle itself: give its incident folder, {str(incident)!r}" in capsys.readouterr().err
     other = tmp_path / "other"  # another run's incident: its cure was verified on that run's state and data

@@ -34,7 +34,7 @@ from typing import Any
 
 from .. import console
 from ..diagnostics.cures import Remedy, SkipSamples, remedy_from_dict
-from ..records.bundles import REMEDY_FILE
+from ..records.bundles import BUNDLE_FILE, REMEDY_FILE
 from ..remedy_search import search_remedies
 from ..runstate import RunState
 from ..seeding import kept_rng
@@ -223,6 +223,12 @@ class RemedyApplier:
         if not Path(incident).is_dir():
             raise FileNotFoundError(f"config key 'remedy.apply' ({spec!r}): no incident folder {incident!r} (it does not "
                                     "exist); expected RUN_DIR/incidents/step_N:NAME")
+        folder, folders = Path(incident), sorted((Path(incident) / "incidents").glob("step_*"))
+        if (not path.is_file() and not (folder / BUNDLE_FILE).is_file()
+                and ((folder / "incidents").is_dir() or (folder / "metrics.jsonl").is_file())):  # a run dir for an incident
+            raise FileNotFoundError(f"config key 'remedy.apply' ({spec!r}): {incident!r} is a run directory, not an incident "
+                                    "folder; " + (f"its incidents: {', '.join(f.name for f in folders)} (remedy.apply="
+                                                  f"{folders[0]}:{name})" if folders else "the run has no incidents to remedy"))
         if not path.is_file():
             raise FileNotFoundError(f"config key 'remedy.apply' ({spec!r}): no {REMEDY_FILE} in {incident!r}; run "
                                     f"stabletrain remedy {incident} first")
@@ -298,8 +304,13 @@ class RemedyApplier:
         if state.run is not None:  # when it was applied (a rollback's own step is in its detail)
             spent = (f"; the search replayed {cost['steps_replayed']} steps in {float(cost.get('total_s', 0)):.2f} s"
                      if "search" in entry and not by_hand else "")
+            # Live, the incident's own step was skipped as it ran (its replay trained it without them): said, so the run's
+            # skip count and this line agree (a new user read 'cures on the replay' beside '1 of 100 steps skipped').
+            at = record.get("step")
+            live = (f"; step {at} itself was skipped as it ran, the samples are left out of every window from now on"
+                    if isinstance(remedy, SkipSamples) and not by_hand and isinstance(at, int) and at <= from_step else "")
             console.say(f"remedy at step {from_step}: {remedy.name} ({remedy.detail}), {row.get('verdict')} on the "
-                        f"replay{spent}")
+                        f"replay{spent}{live}")
         state.event(state.step, "remedy", f"applied {remedy.name} ({remedy.detail}) for the {record.get('failure_class')} "
                     f"incident at step {record.get('step')}, {how}: {row.get('verdict')}, {row.get('evidence')}",
                     **{k: v for k, v in entry.items() if k != "evidence"}, candidate_evidence=row.get("evidence"))
