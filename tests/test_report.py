@@ -587,7 +587,7 @@ def test_the_clip_advice_of_a_run_whose_optimizer_is_unknown_names_none(tmp_path
     (run / "metrics.jsonl").write_text("".join(json.dumps({"step": 10 * (i + 1), "loss": 1.0, "clip_rate": 1.0,
                                                            "grad_norm": 3.0, "grad_norm_max": 4.0}) + "\n" for i in range(6)))
     level, text = _clip_sentence(health_summary(load_run(run)))
-    assert "with this optimizer every gradient is rescaled to the same norm" in text and "None" not in text, text
+    assert "with this optimizer every clipped gradient is rescaled to the same norm" in text and "None" not in text, text
 
 
 def test_clip_rate_health_line_gives_a_verdict_with_its_reason(tmp_path):

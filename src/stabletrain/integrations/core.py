@@ -48,7 +48,7 @@ from ..policies.guard import Guard
 from ..policies.metrics import StepMetrics
 from ..records.batches import batch_size
 from ..records.jsonl import json_safe
-from ..records.provenance import build_snapshot, installed_versions, optimizer_config
+from ..records.provenance import build_snapshot, installed_versions, optimizer_config, optimizer_names
 from ..records.rundir import RunDir
 from ..runstate import RunState
 from ..services.boundary import IntervalBoundary
@@ -170,7 +170,7 @@ class RunSession:
         atomic_write(self.run.path / "config.yaml", yaml.safe_dump(config, sort_keys=False))
         if not resume:
             extra = {"integration": self.host, "model": type(self.model).__name__,
-                     "optimizer": optimizer_config(self.optimizer).get("name") if self.optimizer is not None else None,
+                     **optimizer_names(self.optimizer),
                      "host_versions": installed_versions(*HOST_LIBRARIES.get(self.host, ()))}
             self.run.write_snapshot(build_snapshot(self.cfg, self.device, self.precision, None, extra))
 

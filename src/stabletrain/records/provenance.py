@@ -24,7 +24,7 @@ from ..fileio import check_folder
 from .jsonl import json_safe
 
 __all__ = ["OUTPUT_MARKER", "build_snapshot", "git_info", "installed_versions", "is_stabletrain_output", "mark_output_dir",
-           "optimizer_config", "other_task"]
+           "optimizer_names", "optimizer_config", "other_task"]
 
 #: The file that marks a folder stabletrain writes outside a run directory (``check --out``, ``lab --out``),
 #: so that the snapshot's ``git.dirty`` does not count it as a change to the user's code.
@@ -145,6 +145,15 @@ def installed_versions(*names: str) -> dict[str, str]:
         except md.PackageNotFoundError:
             pass
     return out
+
+
+def optimizer_names(optimizer: Any) -> dict[str, Any]:
+    """snapshot.json's ``optimizer`` (its class name; None without one) and ``optimizer_bases`` (the class and its bases, by
+    name: a subclass under a name of its own, ``class LRBump(AdamW)``, is known by its base's)."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # an accelerate / Lightning wrapper holds the torch one
+    if inner is None:
+        return {"optimizer": None}
+    return {"optimizer": type(inner).__name__, "optimizer_bases": [c.__name__ for c in type(inner).__mro__ if c is not object]}
 
 
 def optimizer_config(optimizer: Any) -> dict[str, Any]:

@@ -8,6 +8,11 @@ half's gradients by a fifth or more (the median over its log intervals of 1 - po
 so one spike's interval does not decide it), the clip, not the gradient, sizes the updates (with SGD that
 is a smaller LR; with Adam every gradient is rescaled to one norm, so the clip stops telling a spike from
 an ordinary step) — that is worth a look. A smaller cut is the clip trimming peaks, which is what it is for.
+
+Where the threshold sits against the typical (median) grad norm says why it fires: below it, on ordinary steps; above
+it (by more than :data:`CLIP_NEAR`), only on the tail of the grad norms — a surge (an LR jump, bad data) or a heavy tail
+— and the line says which steps, and advises no threshold the run already has. The optimizer's family is what it
+stepped as: its class and bases as snapshot.json recorded them (``class LRBump(AdamW)`` is Adam's), else its name.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ CLIP_RARE, CLIP_MOST = 0.1, 0.5
 #: A cut of the second half's gradient norms (1 - post-clip / pre-clip) from which frequent clipping is a problem:
 #: a fifth, smaller than the step between the LRs of a sweep (2-3x), larger than the trimming of peaks.
 CLIP_CUT = 0.2
+#: The typical grad norm within this factor of the threshold (either way) is "close to" it; beyond, the threshold is
+#: below it (the clip sizes ordinary steps) or above it (the clip fires on the tail only).
+CLIP_NEAR = 1.25
 
 
 #: Optimizers that divide by a running RMS of the gradients (the clip barely changes their update size), by class name.
@@ -91,41 +99,39 @@ def clip_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
     cuts = f", a median cut of {cut_text} to the gradient norm there (over its log intervals)" if cut is not None else ""
     clip_key, lr_key = _host_keys(run)
     clip_key = "your clip's max_norm" if own is not None else clip_key
-    retune = (f"set {clip_key} to about {fmt_num(f['grad_norm_max_median'], 2)} (the median of each interval's "
-              "largest grad norm)" if peaks and f["grad_norm_max_median"] > threshold
-              else f"raise {clip_key} above the typical grad norm")
+    where = _where(threshold, f.get("grad_norm_median"))
+    peak = f.get("grad_norm_max_median")
+    retune = (f"set {clip_key} to about {fmt_num(peak, 2)} (the median of each interval's largest grad norm)"
+              if peak is not None and peak >= 1.1 * threshold else None)  # (never "about 1" to a run clipping at 1)
     if rate == 0:
         f["clip_verdict"] = "never"
         h.say("ok", f"{head}: healthy, a guard that was never needed (every grad norm stayed below it).")
     elif late_rate > CLIP_RARE and cut is not None and cut < CLIP_CUT:
         f["clip_verdict"] = "trims"
-        h.say("ok", f"{head}, {fmt_pct(late_rate)} in the second half{cuts}: healthy. The grad norm{typical} sits near "
+        sits = {"below": "sits above", "above": "sits below"}.get(where, "sits near")
+        h.say("ok", f"{head}, {fmt_pct(late_rate)} in the second half{cuts}: healthy. The grad norm{typical} {sits} "
                     f"the threshold and the clip trims its peaks, as is usual while training settles; it would need a "
                     f"look if its median cut of the late gradients reached {fmt_pct(CLIP_CUT)} (the clip, not the "
                     "gradient, would then size the updates).")
+    elif late_rate > CLIP_RARE and where == "above":
+        f["clip_verdict"] = "tail"
+        h.say("warn", _tail_text(late, f, head + f", {fmt_pct(late_rate)} in the second half{cuts}", threshold, clip_key,
+                                 retune))
     elif late_rate > CLIP_MOST:
         f["clip_verdict"] = "most"
-        # the optimizer the run stepped (snapshot.json: a task's own one too), else the config's name (an adapter's class)
-        optimizer = str(run.snapshot.get("optimizer") or run.cfg("optim.name", "")).lower()
-        factor = f" about {fmt_num(threshold / f['grad_norm_median'], 2)}x" if norms and f["grad_norm_median"] > 0 else ""
-        if optimizer.startswith(ADAPTIVE):
-            effect = ("with Adam the update size barely changes (it divides by the clipped gradients' RMS), but every "
-                      "gradient is rescaled to the same norm, so the clip no longer tells a spike from an ordinary step")
-        elif "sgd" in optimizer:
-            effect = f"with SGD the update shrinks as if the learning rate were{factor} as large"
-        else:
-            named = run.snapshot.get("optimizer") or run.cfg("optim.name")  # (neither: a run of an unknown optimizer)
-            effect = (f"with {named or 'this optimizer'} every gradient is rescaled to the "
-                      f"same norm (for a plain gradient step, as if the learning rate were{factor} as large)")
-        h.say("warn", f"{head}, {fmt_pct(late_rate)} in the second half{cuts}: too often. The threshold is below the "
-                      f"typical grad norm{typical}, so the clip, not the gradient, sets the size of most updates; {effect}. "
-                      f"To clip only spikes, {retune}; if the smaller steps are what keeps the run stable, lower "
-                      f"{lr_key} instead.")
+        effect = _effect(run, threshold, f.get("grad_norm_median"))
+        place = (f"The threshold is {'below' if where == 'below' else 'close to'} the typical grad norm{typical}"
+                 if where else "Most late steps' grad norms exceeded the threshold")
+        advice = retune or f"raise {clip_key} above the typical grad norm"
+        h.say("warn", f"{head}, {fmt_pct(late_rate)} in the second half{cuts}: too often. {place}, so the clip, not the "
+                      f"gradient, sets the size of most updates; {effect}. To clip only spikes, {advice}; if the clip is "
+                      f"what keeps the run stable, lower {lr_key} instead.")
     elif late_rate > CLIP_RARE:
         f["clip_verdict"] = "frequent"
-        h.say("warn", f"{head}, {fmt_pct(late_rate)} in the second half{cuts}: often. The threshold is close to the "
-                      f"typical grad norm{typical}, so it shrinks ordinary updates, not only spikes; to clip only spikes, "
-                      f"{retune}.")
+        place = f"{'below' if where == 'below' else 'close to'} the typical grad norm{typical}"
+        h.say("warn", f"{head}, {fmt_pct(late_rate)} in the second half{cuts}: often. The threshold is {place}, so it "
+                      f"shrinks ordinary updates, not only spikes; to clip only spikes, "
+                      f"{retune or f'raise {clip_key} above the typical grad norm'}.")
     elif rate > CLIP_RARE:
         f["clip_verdict"] = "early"
         h.say("ok", f"{head}, {fmt_pct(late_rate)} in the second half: healthy. It clipped the large gradients of the "
@@ -133,6 +139,73 @@ def clip_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
     else:
         f["clip_verdict"] = "rare"
         h.say("ok", f"{head}: healthy, it trims the occasional large gradient.")
+
+
+def _where(threshold: float, median: float | None) -> str | None:
+    """Where the threshold sits against the typical grad norm: "below", "near" (within :data:`CLIP_NEAR`), "above"."""
+    if median is None or median <= 0:
+        return None
+    return "below" if median > CLIP_NEAR * threshold else "above" if CLIP_NEAR * median < threshold else "near"
+
+
+def _effect(run: RunData, threshold: float, median: float | None) -> str:
+    """What rescaling most gradients to the threshold does to this run's updates, by its optimizer's family. A clip only
+    shrinks a gradient: the equivalent learning rate is told only where it is smaller (the median above the threshold)."""
+    name = run.snapshot.get("optimizer") or run.cfg("optim.name") or ""  # the optimizer the run stepped, else the config's
+    family = _family(run, str(name))
+    factor = f" about {fmt_num(threshold / median, 2)}x" if median and median > threshold else ""
+    if family == "adaptive":
+        who = "Adam" if str(name).lower().startswith("adam") else f"{name or 'this optimizer'}, an optimizer of Adam's family,"
+        return (f"with {who} the update size barely changes (it divides by the clipped gradients' RMS), but every "
+                "clipped gradient is rescaled to the same norm, so the clip no longer tells a spike from an ordinary step")
+    if family == "sgd":
+        who = "SGD" if "sgd" in str(name).lower() else f"{name or 'this optimizer'}, an optimizer of SGD's family,"
+        return (f"with {who} the update shrinks as if the learning rate were{factor} as large" if factor
+                else f"with {who} the clipped updates shrink")
+    return (f"with {name or 'this optimizer'} every clipped gradient is rescaled to the same norm"
+            + (f" (for a plain gradient step, as if the learning rate were{factor} as large)" if factor else ""))
+
+
+def _family(run: RunData, name: str) -> str | None:
+    """"adaptive" (a running RMS divides the update), "sgd", or None: by the optimizer's class and its bases, as the run's
+    snapshot recorded them (a subclass under a name of its own, ``class LRBump(AdamW)``, is its base's), else its name."""
+    bases = [str(b).lower() for b in run.snapshot.get("optimizer_bases") or [name]]
+    return ("adaptive" if any(b.startswith(ADAPTIVE) for b in bases) else "sgd" if any("sgd" in b for b in bases)
+            else None)
+
+
+def _tail_text(rows: list[dict[str, Any]], f: dict[str, Any], head: str, threshold: float, clip_key: str,
+               retune: str | None) -> str:
+    """The clip line of a threshold above the typical grad norm: its rate is the tail of the grad norms, the steps whose
+    norm exceeded it; where most of a late interval's steps (``rows``: the second half's) were clipped (a surge), which
+    steps and how high the norm rose."""
+    median = f["grad_norm_median"]
+    bursts: list[list[Any]] = []  # [first step, last step, clipped steps, largest interval mean grad norm]
+    for r in rows:
+        if r["clip_rate"] <= CLIP_MOST:
+            continue
+        first, norm = int(r["step"] - r["interval_steps"]) + 1, r.get("grad_norm", math.nan)
+        if bursts and bursts[-1][1] == first - 1:
+            peak = max((v for v in (bursts[-1][3], norm) if math.isfinite(v)), default=math.nan)
+            bursts[-1][1:] = [int(r["step"]), bursts[-1][2] + r["clip_rate"] * _applied(r), peak]
+        else:
+            bursts.append([first, int(r["step"]), r["clip_rate"] * _applied(r), norm])
+    f["clip_surges"] = [(a, b) for a, b, _, _ in bursts]
+    tail = (f"The threshold is above the typical grad norm (median {fmt_num(median)}), so the clip fired only on the tail, "
+            f"the {fmt_pct(f['clip_rate'])} of steps whose grad norm exceeded {fmt_num(threshold)}")
+    if not bursts:
+        return (f"{head}: often, from the tail of the grad norm. {tail}, spread over the second half (none of its log "
+                "intervals had most of its steps clipped)" + (f"; to clip fewer of them, {retune}." if retune else "."))
+
+    def surge(a: int, b: int, n: float, m: float) -> str:
+        rose = f", where the grad norm's interval mean rose to {fmt_num(m)} (x{fmt_num(m / median, 3)} the median)"
+        return f"{int(round(n)):,} in " + (f"steps {a:,}-{b:,}" if b > a else f"step {a:,}") + (rose if math.isfinite(m) else "")
+
+    more = f", and {len(bursts) - 3} more such stretches" if len(bursts) > 3 else ""
+    return (f"{head}: a surge of the grad norm, not a low threshold. {tail}: "
+            + "; ".join(surge(*b) for b in bursts[:3]).replace(" in step", " of them in step", 1) + f"{more}. There the "
+            f"clip capped the gradients' norm at {fmt_num(threshold)}, as a guard should; what needs a look is why the grad "
+            f"norm rose (the spikes and incidents of those steps, a learning rate too high, bad data), not {clip_key}.")
 
 
 def _host_keys(run: RunData) -> tuple[str, str]:

@@ -9,7 +9,7 @@ from ..callbacks.goodput_clock import LEDGER_FILE, GoodputClock, launch_record
 from ..distributed.launch import default_run_dir, note_run_dir
 from ..records.checkpoint.manager import CheckpointManager
 from ..records.launches import refuse_if_running, this_process
-from ..records.provenance import build_snapshot
+from ..records.provenance import build_snapshot, optimizer_names
 from ..records.rundir import RunDir
 
 __all__ = ["open_run", "default_run_dir", "DEFAULT_RUN_DIR"]
@@ -45,7 +45,7 @@ def open_run(state: Any, keeper: Any, recorder: Any, run_dir: Path, resume: bool
             return
         task = state.task
         extra: dict[str, Any] = {"task_info": task.info, "task_name": task.name, "count_unit": task.count_unit,
-                                 "optimizer": type(state.optimizer).__name__,
+                                 **optimizer_names(state.optimizer),
                                  **({"world_size": dist.world} if dist.enabled else {})}
         run.write_snapshot(build_snapshot(cfg, state.device, state.precision, task.data_fingerprint, extra))
 

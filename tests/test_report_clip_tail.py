@@ -1,0 +1,111 @@
+"""The clip verdict says what its numbers say: a threshold above the typical grad norm fires on the tail (a surge), never
+advises the value it already has, names the optimizer's family by its class and bases (an AdamW subclass is Adam's),
+and never tells of a clip that enlarges a step."""
+
+import json
+
+import pytest
+import torch
+
+from stabletrain.records.provenance import optimizer_names
+from stabletrain.report import health_summary, load_run
+
+# The issue's run (an AdamW subclass, LRBump, whose LR jumps x200 at step 60; clip.max_norm=1): its 12 log intervals of
+# 10 steps as recorded, (clip_rate, grad_norm, grad_norm_max, grad_norm_post_clip).
+LRJUMP = [(0.1, 0.6508, 1.1885, 0.6320), (0.0, 0.5903, 0.8853, 0.5903), (0.0, 0.6409, 0.9958, 0.6409),
+          (0.0, 0.5996, 0.8970, 0.5996), (0.1, 0.6147, 1.0234, 0.6123), (0.0, 0.6618, 0.9117, 0.6618),
+          (1.0, 8.8878, 14.6366, 1.0), (1.0, 3.3741, 7.5122, 1.0), (1.0, 1.4083, 2.1340, 1.0),
+          (0.4, 0.9035, 1.5215, 0.7930), (0.1, 0.6441, 1.0015, 0.6439), (0.0, 0.6032, 0.9772, 0.6032)]
+
+
+def _run(path, rows, optimizer="LRBump", threshold=1.0, bases=None):
+    """A run directory with what the clip verdict reads: config, the snapshot's optimizer (``bases``: its class and bases
+    as a run records them), one metrics record per 10-step interval."""
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(f"clip:\n  max_norm: {threshold}\noptim:\n  name: adamw\n")
+    (path / "snapshot.json").write_text(json.dumps({"optimizer": optimizer, **({"optimizer_bases": bases} if bases else {})}))
+    (path / "metrics.jsonl").write_text("".join(json.dumps(
+        {"step": 10 * (i + 1), "loss": 1.0, "clip_rate": r, "grad_norm": n, "grad_norm_max": m, "grad_norm_post_clip": p})
+        + "\n" for i, (r, n, m, p) in enumerate(rows)))
+    h = health_summary(load_run(path))
+    return h, next((lvl, text) for lvl, text in h.sentences if text.startswith("Clipping fired on"))
+
+
+class LRBump(torch.optim.AdamW):
+    """An AdamW under a name of its own (the issue's)."""
+
+
+class Plain(torch.optim.SGD):
+    """An SGD under a name that does not say so."""
+
+
+def test_a_threshold_above_the_typical_grad_norm_is_said_to_clip_the_tail_not_ordinary_steps(tmp_path):
+    h, (level, text) = _run(tmp_path / "lrjump", LRJUMP)
+    f = h.figures
+    assert f["grad_norm_median"] == pytest.approx(0.6475, abs=1e-4) and f["clip_rate"] == pytest.approx(37 / 120)
+    assert f["clip_rate_late"] == pytest.approx(3.5 / 6) and f["clip_cut_late"] == pytest.approx(0.2061, abs=1e-3)
+    assert text == ("Clipping fired on 31% of steps (37 of 120; threshold 1), 58% in the second half, a median cut of 21% "
+                    "to the gradient norm there (over its log intervals): a surge of the grad norm, not a low threshold. "
+                    "The threshold is above the typical grad norm (median 0.6475), so the clip fired only on the tail, the "
+                    "31% of steps whose grad norm exceeded 1: 30 of them in steps 61-90, where the grad norm's interval "
+                    "mean rose to 8.888 (x13.7 the median). There the clip capped the gradients' norm at 1, as a guard "
+                    "should; what needs a look is why the grad norm rose (the spikes and incidents of those steps, a "
+                    "learning rate too high, bad data), not clip.max_norm.")
+    assert (level, f["clip_verdict"], f["clip_surges"]) == ("warn", "tail", [(61, 90)])
+    # what the line said: false against its own numbers
+    for wrong in ("below the typical grad norm", "to about 1 ", "as if the learning rate", "too often"):
+        assert wrong not in text, wrong
+
+    # No surge, a heavy tail: 30% of every late interval clipped at a median of 0.5; its peaks (2.5) are worth a retune
+    h, (level, text) = _run(tmp_path / "heavy", [(0.3, 0.5, 2.5, 0.4)] * 10)
+    assert (level, h.figures["clip_verdict"]) == ("warn", "tail")
+    assert ("often, from the tail of the grad norm. The threshold is above the typical grad norm (median 0.5), so the clip "
+            "fired only on the tail, the 30% of steps whose grad norm exceeded 1, spread over the second half (none of its "
+            "log intervals had most of its steps clipped); to clip fewer of them, set clip.max_norm to about 2.5 (the "
+            "median of each interval's largest grad norm).") in text
+    # ... whose peaks are the threshold itself: no advice to set the value it has
+    text = _run(tmp_path / "peaks", [(0.3, 0.5, 1.02, 0.4)] * 10)[1][1]
+    assert text.endswith("(none of its log intervals had most of its steps clipped).") and "set clip.max_norm" not in text
+
+
+def test_the_clip_effect_names_the_family_the_optimizer_stepped_as_and_never_a_larger_step(tmp_path):
+    below = [(1.0, 2.5, 3.0, 1.0)] * 10  # every step clipped, the grad norm 2.5x the threshold
+    # An AdamW subclass under its own name, as a run records it (its bases): Adam's effect, by its name
+    h, (level, text) = _run(tmp_path / "bump", below, bases=optimizer_names(LRBump([torch.nn.Parameter(torch.ones(1))]))[
+        "optimizer_bases"])
+    assert (level, h.figures["clip_verdict"]) == ("warn", "most")
+    assert ("The threshold is below the typical grad norm (median 2.5), so the clip, not the gradient, sets the size of "
+            "most updates; with LRBump, an optimizer of Adam's family, the update size barely changes (it divides by the "
+            "clipped gradients' RMS)") in text
+    assert "learning rate were" not in text and "plain gradient step" not in text
+    # An SGD subclass whose name does not say so: SGD's smaller step, 1/2.5 = 0.4x
+    plain = optimizer_names(Plain([torch.nn.Parameter(torch.ones(1))], lr=0.1))["optimizer_bases"]
+    text = _run(tmp_path / "plain", below, optimizer="Plain", bases=plain)[1][1]
+    assert "with Plain, an optimizer of SGD's family, the update shrinks as if the learning rate were about 0.4x as large" in text
+    # No bases recorded (a run from before they were): the name alone, and the plain gradient step's LR a smaller one
+    text = _run(tmp_path / "unknown", below)[1][1]
+    assert "with LRBump every clipped gradient is rescaled to the same norm (for a plain gradient step, as if the " \
+           "learning rate were about 0.4x as large)" in text
+    # Most late steps clipped by a threshold just above the median (0.9): a close threshold, and no LR factor (it
+    # would be 1/0.9 = 1.1x, a clip that enlarged the step)
+    text = _run(tmp_path / "close", [(0.8, 0.9, 1.5, 0.6)] * 10, optimizer="SGD")[1][1]
+    assert "The threshold is close to the typical grad norm (median 0.9)" in text
+    assert "with SGD the clipped updates shrink" in text and "learning rate were" not in text
+
+
+def test_a_run_records_its_optimizers_class_and_bases_in_its_snapshot(tmp_path):
+    """What the clip verdict names the family by: the built-in loop's own optimizer, and an adapter's (Monitor)."""
+    from helpers import cfg
+
+    from stabletrain import Monitor, Trainer
+
+    Trainer(cfg("train.max_steps=2", "eval.every=0", "ckpt.every=0"), run_dir=tmp_path / "run").fit()
+    snapshot = json.loads((tmp_path / "run" / "snapshot.json").read_text())
+    assert snapshot["optimizer"] == "AdamW" and snapshot["optimizer_bases"][0] == "AdamW", snapshot
+    assert "Optimizer" in snapshot["optimizer_bases"], snapshot
+    model = torch.nn.Linear(2, 1)
+    with Monitor(model, LRBump(model.parameters()), run_dir=tmp_path / "mon", log_every=1) as mon:
+        mon.backward(model(torch.ones(1, 2)).sum())
+        mon.step()
+    snapshot = json.loads((tmp_path / "mon" / "snapshot.json").read_text())
+    assert snapshot["optimizer"] == "LRBump" and snapshot["optimizer_bases"][:2] == ["LRBump", "AdamW"]
