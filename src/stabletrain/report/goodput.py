@@ -8,8 +8,10 @@ wait between a launch's death and its restart (a person's resume, days later, is
 A launch killed outright writes no ``end`` line: it ends when its launcher saw it die (the restart event's
 ``cause.time``) or, with no launcher's word, at its last line; the time after its last log interval is
 ``redone`` (those steps were trained and lost). Steps are ``redone`` when a later launch resumed from, or a
-rollback went back to, a step before them. A launch that died in its start-up (before its ledger's first line) is
-known by its ``restart`` event alone: it is counted among the launches, and its time is start-up (the wait).
+rollback went back to, a step before them, or when the launch that trained them ended in an exception (a ``crash``
+event) before it checkpointed them: its ``end`` line's time in the steps after its last log interval is redone too.
+A launch that died in its start-up (before its ledger's first line) is known by its ``restart`` event alone: it is
+counted among the launches, and its time is start-up (the wait).
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ __all__ = ["Goodput", "read_goodput", "goodput_section", "PARTS"]
 #: Where the wall time went: part -> (its words in the printed line, what it counts).
 PARTS: dict[str, tuple[str, str]] = {
     "productive": ("productive", "steps the run kept, their updates applied"),
-    "redone": ("redone", "steps trained again after a restart or a rollback, and a dead launch's time after its last "
-                         "log interval"),
+    "redone": ("redone", "steps trained again after a restart or a rollback (a crashed launch's after its last log "
+                         "interval too), and a dead launch's time after its last log interval"),
     "skipped": ("skipped steps", "steps kept whose update was skipped (non-finite, overflow, a spike)"),
     "checkpoint": ("checkpoint stalls", "the loop blocked by checkpoint saves (the check and the staging copy)"),
     "startup": ("start-up", "from each launch's first process to its first step (imports, process group, task, "
@@ -116,10 +118,13 @@ def read_goodput(run_dir: str | Path) -> Goodput | None:
         nxt = launches[i + 1]["line"] if i + 1 < len(launches) else None
         until = float(nxt["ready"]) if nxt is not None else math.inf
         restart = next((e for e in restarts if ready <= float(e.get("time") or 0) <= until), None)
+        later = min((int(n["line"].get("step") or 0) for n in launches[i + 1:]), default=math.inf)
         if end is not None:
             finish = float(end["t"])
             sec["checkpoint"] += float(end.get("checkpoint_s") or 0.0)
             sec["incident"] += float(end.get("incident_s") or 0.0)
+            later = min(later, _crashed_from(launch, events))
+            sec["redone"] += _end_redone(launch, later)
         else:  # killed outright: it ended when its launcher saw it die, else at its last line
             died = (restart.get("cause") or {}).get("time") if restart else None
             finish = max(last, float(died)) if died else last
@@ -134,7 +139,6 @@ def read_goodput(run_dir: str | Path) -> Goodput | None:
             wait = max(0.0, until - finish)
             sec["startup"] += wait
             total += wait
-        later = min((int(n["line"].get("step") or 0) for n in launches[i + 1:]), default=math.inf)
         for row in launch["intervals"]:
             _interval(row, later, launch["rollbacks"], sec)
     sec["other"] += max(0.0, total - sum(sec.values()))
@@ -163,6 +167,33 @@ def _count_launches(launches: list[dict[str, Any]], restarts: list[dict[str, Any
         count += kind != "R" and prev in (None, "F")
         prev = kind
     return count
+
+
+def _crashed_from(launch: dict[str, Any], events: list[dict[str, Any]]) -> float:
+    """For a launch that ended in an exception (its ``crash`` event, between its ledger's first and last lines): the
+    step of its last checkpoint (the one it resumed from, or saved), from which its steps are trained again; else inf."""
+    ready, finish = float(launch["line"].get("ready") or 0.0), float(launch["end"]["t"])
+    within = [e for e in events if ready - ROUNDING_S <= float(e.get("time") or 0.0) <= finish + ROUNDING_S]
+    if not any(e.get("kind") == "crash" for e in within):
+        return math.inf
+    saved = [int(e.get("step") or 0) for e in within if e.get("kind") == "checkpoint"]
+    return max([int(launch["line"].get("step") or 0), *saved])
+
+
+def _end_redone(launch: dict[str, Any], later_resume: float) -> float:
+    """The seconds of a launch's ``end`` line (less its checkpoint and incident parts) that went into steps trained after
+    its last line and to be trained again (``later_resume``: a later launch resumed from, or the launch crashed past its
+    last checkpoint at, a step before the end's): redone, as a killed launch's time after its last line is."""
+    end = launch["end"]
+    lines = sorted(launch["intervals"] + launch["rollbacks"], key=lambda r: float(r["t"]))
+    last = lines[-1] if lines else launch["line"]
+    since = int((last.get("to") if last.get("kind") == "rollback" else last.get("step")) or 0)  # where the end counts from
+    trained = int(end.get("step") or 0) - since
+    if trained <= 0 or later_resume >= since + trained:
+        return 0.0
+    wall = float(end.get("wall_s") or 0.0)
+    stepping = max(0.0, wall - float(end.get("checkpoint_s") or 0.0) - float(end.get("incident_s") or 0.0))
+    return stepping * min(1.0, (since + trained - max(later_resume, since)) / trained)
 
 
 def _interval(row: dict[str, Any], later_resume: float, rollbacks: list[dict[str, Any]], sec: dict[str, float]) -> None:
