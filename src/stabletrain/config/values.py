@@ -93,7 +93,9 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        raise ConfigError(f"config key '{key}': expected a number, got {brief(value)}")
+        word = value.strip().lower().lstrip("+-") if isinstance(value, str) else ""
+        how = " (YAML writes infinity .inf, not-a-number .nan)" if word in ("inf", "infinity", "nan") else ""
+        raise ConfigError(f"config key '{key}': expected a number, got {brief(value)}{how}")
     if tp is str:
         if isinstance(value, str):
             return value

@@ -451,11 +451,13 @@ def _not_the_data(failure_class: Any) -> str:
 
 
 def _never_again(steps: list[int], positions: dict[int, tuple[int, int]]) -> str:
-    """"never training on the data of step 65 again (data windows [(0, 64)]: (epoch, first micro-batch of the epoch))" for a
-    rollback's line: a window is named by its epoch and the number of its first micro-batch there, not a sample."""
+    """"never training on the data of step 65 again (data windows [(0, 64)]: (epoch, the number of the window's first
+    micro-batch in that epoch))" for a rollback's line: a window is named by its epoch and the number of its first
+    micro-batch there, not a sample."""
     known = [s for s in steps if s in positions]
     if not known:
         return "no data window to skip (the bad steps' windows are not known)"
     which = f"step {known[0]}" if len(known) == 1 else f"steps {', '.join(map(str, known))}"
     windows = sorted({positions[s] for s in known})
-    return f"never training on the data of {which} again (data windows {windows}: (epoch, first micro-batch of the epoch))"
+    return (f"never training on the data of {which} again (data windows {windows}: (epoch, the number of the window's first "
+            "micro-batch in that epoch))")
