@@ -395,3 +395,10 @@ def test_a_remedy_without_the_capture_it_is_searched_from_is_refused_naming_both
     assert str(err.value) == (f"config key '{key}': remedy is searched from the incident's capture, but {off}=false "
                               f"(set {off}=true, or {key}=skip)")
     load_config(None, [overrides[0].replace("remedy", "skip"), overrides[1]])  # skipping needs no capture
+
+
+def test_inf_for_a_number_key_says_how_yaml_writes_infinity():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["guard.spike_ratio=inf"])
+    assert str(err.value) == ("config key 'guard.spike_ratio': expected a number, got 'inf' (YAML writes infinity .inf, "
+                              "not-a-number .nan)")
