@@ -322,7 +322,9 @@ def _moved(older: dict[str, Any] | None, sizes: dict[str, Any] | None, jump: dic
     """How far the weights moved since the older state (``moved``: ||theta - theta_then|| / ||theta_then||) against as many of
     the run's typical steps (``sizes["before"]``, per step) could move them, where :data:`STEP_GROWTH` times or more: a
     large update since then that no interval record measured (one inside an interval); not where one did (``jump``)."""
-    n = step - 1 - older["step"] if older is not None else 0  # the updates between that state and the spike's
+    # the updates between that state and the spike's (an interval snapshot's: an older checkpoint's stretch may hold a
+    # run's first, larger steps, which its recent records do not measure)
+    n = step - 1 - older["step"] if older is not None and older.get("from", "snapshot") == "snapshot" else 0
     moved, per = (older or {}).get("moved"), (sizes or {}).get("before")
     if (n < 1 or not isinstance(moved, (int, float)) or not per or moved < STEP_GROWTH * n * per
             or jump and jump["step"] > older["step"]):
