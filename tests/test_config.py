@@ -395,6 +395,11 @@ def test_a_remedy_without_the_capture_it_is_searched_from_is_refused_naming_both
     assert str(err.value) == (f"config key '{key}': remedy is searched from the incident's capture, but {off}=false "
                               f"(set {off}=true, or {key}=skip)")
     load_config(None, [overrides[0].replace("remedy", "skip"), overrides[1]])  # skipping needs no capture
+    # a config read back from a run or a bundle written before the check still loads (diagnose, remedy, check resume)
+    saved = config_to_dict(load_config(None, [overrides[0].replace("remedy", "skip"), overrides[1]]))
+    section, _, name = key.partition(".")
+    saved[section][name] = "remedy"
+    assert getattr(getattr(config_from_dict(saved), section), name) == "remedy"
 
 
 def test_inf_for_a_number_key_says_how_yaml_writes_infinity():

@@ -21,7 +21,7 @@ from .values import ConfigError, check_types, type_hints
 
 __all__ = ["Config", "TrainConfig", "AccumConfig", "ClipConfig", "OptimConfig", "SchedConfig", "DataConfig", "MlflowConfig",
            "WandbConfig", "LogConfig", "EvalConfig", "CkptConfig", "GuardConfig", "CaptureConfig", "RemedyConfig",
-           "DistConfig", "RunConfig", "TRACKERS", "RANGES", "check_range", "describe_keys"]
+           "DistConfig", "RunConfig", "TRACKERS", "RANGES", "check_range", "describe_keys", "check_remedy_capture"]
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -238,13 +238,6 @@ class Config:
         if optim.nesterov and optim.momentum <= 0:
             raise ConfigError(f"config key 'optim.nesterov': Nesterov momentum needs optim.momentum > 0, got "
                               f"optim.nesterov=true with optim.momentum={optim.momentum!r}")
-        # A remedy is searched from the incident's capture: none, no remedy (every incident fell back, said per incident).
-        off = [k for k, on in (("capture.incidents", self.capture.incidents), ("capture.spikes", self.capture.spikes)) if not on]
-        for key, value, needs in (("guard.on_nonfinite", self.guard.on_nonfinite, off[:1] if not self.capture.incidents else []),
-                                  ("guard.on_spike", self.guard.on_spike, off)):
-            if value == "remedy" and needs:
-                raise ConfigError(f"config key '{key}': remedy is searched from the incident's capture, but {needs[0]}=false "
-                                  f"(set {needs[0]}=true, or {key}=skip)")
         if self.run.resume == "auto" and not self.run.dir:
             raise ConfigError("config key 'run.resume': auto continues or starts run.dir, but run.dir is not set "
                               "(set run.dir=DIR)")
@@ -256,6 +249,18 @@ class Config:
                 raise ConfigError(f"config key 'callbacks[{i}]': expected 'module:Class' (e.g. mypkg.callbacks:LogGrads), "
                                   f"got {entry!r}")
         return self
+
+
+def check_remedy_capture(cfg: Config) -> None:
+    """A remedy is searched from the incident's capture: ``guard.on_spike``/``on_nonfinite=remedy`` without it is a
+    ConfigError naming both keys (every incident would fall back, said one by one). For the configs a run is started
+    or resumed with (:func:`~.loading.load_config`), not for one read back from a saved run or bundle."""
+    off = [k for k, on in (("capture.incidents", cfg.capture.incidents), ("capture.spikes", cfg.capture.spikes)) if not on]
+    for key, value, needs in (("guard.on_nonfinite", cfg.guard.on_nonfinite, off[:1] if not cfg.capture.incidents else []),
+                              ("guard.on_spike", cfg.guard.on_spike, off)):
+        if value == "remedy" and needs:
+            raise ConfigError(f"config key '{key}': remedy is searched from the incident's capture, but {needs[0]}=false "
+                              f"(set {needs[0]}=true, or {key}=skip)", key=key)
 
 
 _CALLBACK_ENTRY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
