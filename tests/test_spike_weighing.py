@@ -294,3 +294,7 @@ def test_a_window_high_under_an_older_state_names_no_batch_where_ordinary_window
         out["evidence"]), out["evidence"]
     calm = classify_spike({**base, "older": {**older, "ordinary": 0.33, "current_ordinary": 0.35, "levels": [0.97, 1.03]}})
     assert calm["failure_class"] == "data" and calm["blamed_samples"] == [1018, 1020], calm
+    # a loss whose median is 0 or below (an NLL): every ratio to it is inf and says nothing of a level (the rule's own
+    # ratio test is off there): the window high under the older state names the batch, as before
+    nll = classify_spike({**base, "older": {**older, "levels": [float("inf"), float("inf")], "median": -3.2}})
+    assert nll["failure_class"] == "data" and nll["blamed_samples"] == [1018, 1020], nll

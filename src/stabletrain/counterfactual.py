@@ -35,7 +35,7 @@ import torch
 from .config import config_from_dict
 from .diagnostics.cures import ModuleFP32
 from .diagnostics.diagnosis import matches_observed
-from .diagnostics.spike import LR_RISE, STEP_GROWTH, classify_spike, ordinary_stand_in, spike_summary
+from .diagnostics.spike import LR_RISE, classify_spike, ordinary_stand_in, spike_summary
 from .diagnostics.spike_evidence import departures, jumps, lr_change, lr_groups, precision_departures
 from .policies.guard import spike_test
 from .policies.precision import resolve_device
@@ -43,7 +43,7 @@ from .records.bundles import with_sample_ranks
 from .replica import Replica
 from .seeding import kept_rng
 from .services.replay_bench import ReplayBench
-from .services.spike_reference import MAX_CONTEXT
+from .services.spike_reference import MAX_CONTEXT, update_jump
 from .spike_samples import dropout_draw, weigh_samples
 
 __all__ = ["diagnose_spike"]
@@ -116,7 +116,7 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
     ordinary_steps = [bench.step(c) for c in context]
     ordinary = _typical(ordinary_steps) if context else None
     m["steps"] = _step_sizes(observed.get("history") or [], ordinary_steps or [here], not ordinary_steps) if why is None else None
-    m["update_jump"] = _update_jump(observed.get("history") or [])
+    m["update_jump"] = update_jump(observed.get("history") or [])
     m["older"], m["where"] = _older(bench, bundle, cfg, spike, context, rule, here["loss"]) if why is None else (None, {})
     if m["older"] is None and context and why is None:  # no older state: are the ordinary windows high under this one?
         now = sum(bench.loss(c) for c in context) / len(context)
@@ -238,20 +238,6 @@ def _step_sizes(history: list[list[Any]], steps: list[dict[str, Any]], own: bool
             "upto": before[-1][0], **({"own": True} if own else {}), **({"lr": statistics.median(lrs)} if lrs else {})}
 
 
-def _update_jump(history: list[list[Any]]) -> dict[str, Any] | None:
-    """The first interval record (``[step, lr, ratio]``) whose measured update (its interval's last step's) had a whole-model
-    update/weight ratio :data:`~.diagnostics.spike.STEP_GROWTH` times or more the median of the records before it (two at
-    least): ``{"step", "ratio", "typical", "lr", "lr_before"}`` (``lr_before``: the median LR of those records); None."""
-    rows = [(int(t), lr, float(r)) for t, lr, r, *_ in history if isinstance(r, (int, float)) and math.isfinite(r) and r > 0]
-    for i in range(2, len(rows)):
-        typical = statistics.median(r for _, _, r in rows[:i])
-        if rows[i][2] >= STEP_GROWTH * typical:
-            lrs = [lr for _, lr, _ in rows[:i] if isinstance(lr, (int, float)) and lr > 0]
-            return {"step": rows[i][0], "ratio": rows[i][2], "typical": typical, "lr": rows[i][1],
-                    "lr_before": statistics.median(lrs) if lrs else None}
-    return None
-
-
 def _typical(steps: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Per parameter, what the ordinary windows' steps show as usual: the median grad norm, and the smallest update
     ratio (an update clip holds the layer at twice it). A window next to the spike may be part of it (the surging
@@ -302,9 +288,11 @@ def _older(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, spike: list, co
             "window_not_above_now": bool(context and math.isfinite(ordinary_now) and loss <= ratio * ordinary_now),
             "ratio": ratio, **({} if context else {"no_context": True}),
             "ordinary_step": {"step": step + 1, "capture": after.get("step")}.get(source)}
-    with torch.no_grad():  # how far the weights moved since then, against their norm there (the whole model's)
-        pairs = [(p.detach().float(), q.detach().float()) for p, q in zip(bench.replica.model.parameters(), older.parameters())]
-        norm = math.sqrt(sum(float((q * q).sum()) for _, q in pairs))
-        info["moved"] = math.sqrt(sum(float(((p - q) ** 2).sum()) for p, q in pairs)) / norm if norm > 0 else None
+    moved = norm = 0.0
+    with torch.no_grad():  # how far the weights moved since then, against their norm there (a tensor at a time)
+        for p, q in zip(bench.replica.model.parameters(), older.parameters()):
+            norm += float(q.detach().float().square().sum())
+            moved += float((p.detach().float() - q.detach().float()).square().sum())
+    info["moved"] = math.sqrt(moved / norm) if norm > 0 else None
     now, order = bench.module_rms(spike, bench.replica.model)
     return info, departures(now, bench.module_rms(spike, older)[0], order)

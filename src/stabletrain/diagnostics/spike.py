@@ -142,7 +142,8 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     # full rule's z-score may pass them, its window's spread grown), and as high under the older state or risen that much
     # since: the state drifted, whatever the window shows under the older state (a damaged model errs most on some samples).
     levels = (older or {}).get("levels") or [0.0, 0.0]
-    risen = levels[1] > (older or {}).get("ratio", math.inf) and (levels[0] > older["ratio"] or older["ordinary_high"])
+    risen = ((older or {}).get("median") or 0) > 0 and levels[1] > older["ratio"] and (levels[0] > older["ratio"]
+                                                                                         or older["ordinary_high"])
     high_before = older is not None and older["window_high"] and not drifted_now and not fresh and not risen
     # No older state to weigh the window against: ordinary windows that are spikes by the rule under this state say
     # the state drifted (then dropping a drifted window's largest losses "cures" it too: no sample is to blame).
@@ -231,7 +232,7 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
         drift += (f"; samples {', '.join(map(str, samples['indices']))} carry {_pct(samples['share'])} of the loss, "
                   + ("but ordinary windows are high under this state too" if drifted_now else
                      "but ordinary windows are far above the run's level before under this state too: the state "
-                     "drifted" if risen else f"but the state of step "
+                     "drifted" if risen and older["window_high"] else f"but the state of step "
                      f"{older['step']} already ran at x{lr['now'] / sizes['lr']:.3g} the LR of the run's intervals before "
                      "it: none from before the rise to weigh them under" if fresh else "but only under the current state"
                      if weighed else "but the window is weighed against no ordinary window under the older state"))

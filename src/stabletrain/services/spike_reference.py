@@ -18,6 +18,8 @@ older state with the LR its step ran at. The older state is the interval's start
 
 from __future__ import annotations
 
+import math
+import statistics
 from typing import Any
 
 from ..diagnostics.spike import LR_RISE, STEP_GROWTH
@@ -26,7 +28,7 @@ from ..records.checkpoint.shards import is_dcp_entry
 from ..records.staging import equal_states, join_params
 from ..runstate import RunState
 
-__all__ = ["spike_parts", "before_run", "before_jump", "lr_jumped_at", "update_jumped_at", "HISTORY_INTERVALS",
+__all__ = ["spike_parts", "before_run", "before_jump", "lr_jumped_at", "update_jump", "update_jumped_at", "HISTORY_INTERVALS",
            "AFTERSHOCK_STEPS", "MAX_EARLIER_SAMPLES", "MAX_CONTEXT"]
 
 #: Ordinary windows a spike's bundle holds to compare against (the interval's steps before the spike, else the next ones).
@@ -96,13 +98,25 @@ def lr_jumped_at(history: list[list[Any]], at: int) -> bool:
     return at in lrs and bool(older) and lrs[at] >= LR_RISE * lrs[max(older)]
 
 
+def update_jump(history: list[list[Any]]) -> dict[str, Any] | None:
+    """The first interval record (``[step, lr, ratio]``) whose measured update (its interval's last step's, which made the
+    state of its step) had a whole-model update/weight ratio :data:`STEP_GROWTH` times or more the median of the finite
+    records before it (two at least): ``{"step", "ratio", "typical", "lr", "lr_before"}`` (``lr_before``: the median LR of
+    those records); None where none did. What sends a spike's older state back one snapshot and what its evidence names."""
+    rows = [(int(t), lr, float(r)) for t, lr, r, *_ in history if isinstance(r, (int, float)) and math.isfinite(r) and r > 0]
+    for i in range(2, len(rows)):
+        typical = statistics.median(r for _, _, r in rows[:i])
+        if rows[i][2] >= STEP_GROWTH * typical:
+            lrs = [lr for _, lr, _ in rows[:i] if isinstance(lr, (int, float)) and lr > 0]
+            return {"step": rows[i][0], "ratio": rows[i][2], "typical": typical, "lr": rows[i][1],
+                    "lr_before": statistics.median(lrs) if lrs else None}
+    return None
+
+
 def update_jumped_at(history: list[list[Any]], at: int) -> bool:
-    """Whether the interval record of step ``at`` (``[step, lr, ratio]``) measured a whole-model update/weight ratio
-    :data:`STEP_GROWTH` times or more the median of the records' before it (two at least): step ``at``'s own update,
-    which made the state of step ``at``, jumped."""
-    ratios = {int(t): r for t, _, r, *_ in history if isinstance(r, (int, float)) and r > 0}
-    before = sorted(r for t, r in ratios.items() if t < at)
-    return at in ratios and len(before) >= 2 and ratios[at] >= STEP_GROWTH * before[(len(before) - 1) // 2]
+    """Whether the interval record of step ``at`` is where the measured update jumped (:func:`update_jump`)."""
+    jump = update_jump([r for r in history if int(r[0]) <= at])
+    return jump is not None and jump["step"] == at
 
 
 def before_jump(engine: Any, at: int, now: Any) -> tuple[Any, int, Any] | None:
