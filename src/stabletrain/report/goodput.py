@@ -29,8 +29,8 @@ __all__ = ["Goodput", "read_goodput", "goodput_section", "PARTS"]
 #: Where the wall time went: part -> (its words in the printed line, what it counts).
 PARTS: dict[str, tuple[str, str]] = {
     "productive": ("productive", "steps the run kept, their updates applied"),
-    "redone": ("redone", "steps trained again after a restart or a rollback (a crashed launch's after its last log "
-                         "interval too), and a dead launch's time after its last log interval"),
+    "redone": ("redone", "steps trained again after a restart or a rollback, or lost: a killed or crashed launch's "
+                         "steps after its last checkpoint"),
     "skipped": ("skipped steps", "steps kept whose update was skipped (non-finite, overflow, a spike)"),
     "checkpoint": ("checkpoint stalls", "the loop blocked by checkpoint saves (the check and the staging copy)"),
     "startup": ("start-up", "from each launch's first process to its first step (imports, process group, task, "
@@ -176,8 +176,8 @@ def _crashed_from(launch: dict[str, Any], events: list[dict[str, Any]]) -> float
     within = [e for e in events if ready - ROUNDING_S <= float(e.get("time") or 0.0) <= finish + ROUNDING_S]
     if not any(e.get("kind") == "crash" for e in within):
         return math.inf
-    saved = [int(e.get("step") or 0) for e in within if e.get("kind") == "checkpoint"]
-    return max([int(launch["line"].get("step") or 0), *saved])
+    saved = [int(e.get("step") or 0) for e in within if e.get("kind") == "checkpoint"]  # (in time order: the last one
+    return saved[-1] if saved else int(launch["line"].get("step") or 0)  # written, not the largest a rollback left behind)
 
 
 def _end_redone(launch: dict[str, Any], later_resume: float) -> float:

@@ -34,7 +34,7 @@ from typing import Any
 
 from .. import console
 from ..diagnostics.cures import Remedy, SkipSamples, remedy_from_dict
-from ..records.bundles import BUNDLE_FILE, REMEDY_FILE
+from ..records.bundles import BUNDLE_FILE, REMEDY_FILE, incident_order
 from ..remedy_search import search_remedies
 from ..runstate import RunState
 from ..seeding import kept_rng
@@ -223,7 +223,8 @@ class RemedyApplier:
         if not Path(incident).is_dir():
             raise FileNotFoundError(f"config key 'remedy.apply' ({spec!r}): no incident folder {incident!r} (it does not "
                                     "exist); expected RUN_DIR/incidents/step_N:NAME")
-        folder, folders = Path(incident), sorted((Path(incident) / "incidents").glob("step_*"))
+        folder = Path(incident)
+        folders = sorted((f for f in (folder / "incidents").glob("step_*") if ".superseded-" not in f.name), key=incident_order)
         if (not path.is_file() and not (folder / BUNDLE_FILE).is_file()
                 and ((folder / "incidents").is_dir() or (folder / "metrics.jsonl").is_file())):  # a run dir for an incident
             raise FileNotFoundError(f"config key 'remedy.apply' ({spec!r}): {incident!r} is a run directory, not an incident "
