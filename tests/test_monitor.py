@@ -242,6 +242,31 @@ def test_bad_arguments_say_what_to_do():
         monitor.step()
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    # a new-user trial: each was accepted, and loss_fn="x" lost the first incident ("its replay failed (TypeError: 'str'
+    # object is not callable)"); init_check="no" ran the init report as if True
+    ({"loss_fn": "x"}, "loss_fn: expected a function, got 'x'"),
+    ({"init_check": "no"}, "init_check: expected True or False, got 'no'"),
+    ({"mirror": 0}, "mirror: expected True or False, got 0"),
+    ({"model_factory": "nomod_xyz:Nope"}, "model_factory: no module 'nomod_xyz' (from 'nomod_xyz:Nope'); is it on PYTHONPATH?"),
+    ({"model_factory": "nomod"}, "model_factory: expected 'module:function' or a function that builds the model, got 'nomod'"),
+    ({"clip_max_norm": -1}, "clip_max_norm: expected a number > 0 or None, got -1 (config key clip.max_norm)"),
+    ({"clip_max_norm": "1"}, "clip_max_norm: expected a number > 0 or None, got '1' (config key clip.max_norm)"),
+    ({"precision": "fp8"}, "precision: expected 'fp32', 'bf16', 'fp16' or None, got 'fp8' (config key precision)"),
+])
+def test_an_adapters_own_arguments_are_checked_when_it_is_built_naming_the_argument(kwargs, message):
+    model, opt = make()
+    with pytest.raises(ValueError) as err:
+        Monitor(model, opt, **kwargs)
+    assert str(err.value) == message
+    from stabletrain.integrations.lightning import StableTrainCallback
+
+    if set(kwargs) <= {"loss_fn", "init_check", "mirror", "clip_max_norm"}:  # the Lightning callback's, the same line
+        with pytest.raises(ValueError) as err:
+            StableTrainCallback(**kwargs)
+        assert str(err.value) == message
+
+
 def test_an_exception_in_the_loop_is_a_crash_event_and_the_run_is_closed(tmp_path):
     model, opt = make()
     with pytest.raises(ZeroDivisionError):

@@ -7,6 +7,9 @@ built-in run has no key for.
 
 from __future__ import annotations
 
+import importlib.util
+import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,7 +17,7 @@ from ..errors import brief
 from .schema import TRACKERS, Config
 from .values import ConfigError
 
-__all__ = ["AdapterOptions", "CONFIG_KEYS", "HOST_OPTIONS"]
+__all__ = ["AdapterOptions", "CONFIG_KEYS", "HOST_OPTIONS", "ARG_KEYS"]
 
 #: An adapter's options that are keys of the built-in run's config: the same meaning, default, type, range and help
 #: (``stabletrain train --help`` lists them; a bad value is refused naming the option and its key).
@@ -35,6 +38,11 @@ HOST_OPTIONS: dict[str, tuple[Any, str]] = {
                              "interval before's where its snapshot is kept too, those going first): past it, that "
                              "interval's incidents are recorded but not captured"),
 }
+
+
+#: An adapter constructor's own arguments that are keys of the built-in run's config (a bad value names both).
+ARG_KEYS = {"clip_max_norm": "clip.max_norm", "precision": "precision"}
+_FACTORY = re.compile(r"([A-Za-z_][\w.]*):[A-Za-z_]\w*")
 
 
 class AdapterOptions:
@@ -62,6 +70,9 @@ class AdapterOptions:
         if self.on_nonfinite not in ("skip", "stop", "warn"):
             raise ValueError(f"on_nonfinite: expected 'skip', 'stop' or 'warn', got {self.on_nonfinite!r} (a rollback "
                              "needs the checkpoints the host trainer owns: resume it from its own checkpoint)")
+        for name in ("init_check", "mirror"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected True or False, got {brief(getattr(self, name))}")
         if not isinstance(self.keep_max_mib, (int, float)) or isinstance(self.keep_max_mib, bool) or self.keep_max_mib < 0:
             raise ValueError(f"keep_max_mib: expected a number >= 0, got {self.keep_max_mib!r}")
         if options.get("on_spike", "warn") not in ("warn", "skip"):  # (before the config's own check, which offers more)
@@ -71,6 +82,30 @@ class AdapterOptions:
         for name, key in CONFIG_KEYS.items():
             if name != "trackers":
                 setattr(self, name, _get(self._cfg, key))
+
+    def checked(self, **args: Any) -> AdapterOptions:
+        """Check the adapter constructor's own arguments (``clip_max_norm``, ``precision``, ``loss_fn``, ``count_fn``,
+        ``model_factory``; None: not given) as the options are: a bad value is a ValueError naming the argument (and its
+        config key, :data:`ARG_KEYS`), when the adapter is built, not at the first incident. Returns ``self``."""
+        for name, value in args.items():
+            if value is None:
+                continue
+            if name == "clip_max_norm":
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+                want = "a number > 0 or None"
+            elif name == "precision":
+                ok, want = value in ("fp32", "bf16", "fp16"), "'fp32', 'bf16', 'fp16' or None"
+            elif name == "model_factory":
+                found = _FACTORY.fullmatch(value) if isinstance(value, str) else None
+                ok, want = callable(value) or found is not None, "'module:function' or a function that builds the model"
+                if found is not None and _no_module(found.group(1)):
+                    raise ValueError(f"model_factory: no module {found.group(1)!r} (from {value!r}); is it on PYTHONPATH?")
+            else:  # loss_fn, count_fn
+                ok, want = callable(value), "a function"
+            if not ok:
+                key = f" (config key {ARG_KEYS[name]})" if name in ARG_KEYS else ""
+                raise ValueError(f"{name}: expected {want}, got {brief(value)}{key}")
+        return self
 
     @staticmethod
     def apply(cfg: Config, options: dict[str, Any]) -> Config:
@@ -112,6 +147,14 @@ def _check_trackers(specs: Sequence[Any]) -> None:
         if name in seen and name != "tensorboard":  # tensorboard twice: log.trackers' own check says so
             raise ValueError(f"trackers[{i}]: {name} is listed twice")
         seen.add(name)
+
+
+def _no_module(name: str) -> bool:
+    """Whether no module ``name`` can be found (its parent packages are imported to look; nothing of its own runs)."""
+    try:
+        return importlib.util.find_spec(name) is None
+    except (ImportError, ValueError):
+        return True
 
 
 def _get(cfg: Config, key: str) -> Any:

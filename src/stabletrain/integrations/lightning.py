@@ -73,11 +73,9 @@ class StableTrainCallback(pl.Callback):
     def __init__(self, run_dir: str | Path | None = None, *, clip_max_norm: float | None = None,
                  loss_fn: Callable[[Any, Any], Any] | None = None, count_fn: Callable[[Any], Any] | None = None,
                  overwrite: bool = False, callbacks: Sequence[StableCallback] = (), **options: Any) -> None:
-        if clip_max_norm is not None and not clip_max_norm > 0:
-            raise ValueError(f"clip_max_norm: expected a number > 0 or None, got {clip_max_norm!r}")
         self.run_dir, self.loss_fn, self.count_fn, self.overwrite = run_dir, loss_fn, count_fn, overwrite
         self.clip_max_norm = clip_max_norm
-        self.options = AdapterOptions(**options)
+        self.options = AdapterOptions(**options).checked(clip_max_norm=clip_max_norm, loss_fn=loss_fn, count_fn=count_fn)
         self.stable_callbacks = list(callbacks)
         self.session: RunSession | None = None
         self._fingerprint: InitFingerprint | None = None

@@ -96,7 +96,8 @@ class Monitor:
         if not isinstance(inner, torch.optim.Optimizer):
             raise TypeError(f"Monitor(optimizer=...): expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.model, self.optimizer, self.loss_fn = model, inner, loss_fn
-        options = AdapterOptions(**options)
+        options = AdapterOptions(**options).checked(clip_max_norm=clip_max_norm, precision=precision, loss_fn=loss_fn,
+                                                    model_factory=model_factory)
         device = next(p.device for p in model.parameters())
         mode = precision or ("fp16" if scaler is not None else "fp32")
         self.precision = PrecisionPolicy(mode, device)
