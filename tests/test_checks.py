@@ -474,3 +474,32 @@ def test_a_bn_resnets_backward_growth_is_the_architectures_not_a_failed_init(tmp
     assert "init at step 0" not in capsys.readouterr().out
     signal = json.loads((tmp_path / "run" / "snapshot.json").read_text())["init_signal"]
     assert not signal["passed"] and "the architecture's, not the init's" in signal["architecture"], signal
+
+
+class _ConfidentlyWrong(nn.Module):
+    """Logits w * c: class 0 at a margin of 1e4 over the others, w (trainable) from 0.6: the loss is ~w x 1e4 on labels
+    1-3, and a uniform guess's ln 4 only once w reaches 0 (200 of the check's steps at its lr 3e-3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor(0.6))
+
+    def forward(self, x):
+        return self.w * torch.tensor([1e4, 0.0, 0.0, 0.0]).expand(len(x), 4)
+
+
+def test_overfit_does_not_pass_a_loss_halved_far_above_a_uniform_guess():
+    """A new-user trial: 'overfit PASS loss 2.256e+05 -> 1.045e+05' (chance: ln 4 = 1.39). Halving proves nothing
+    memorized where the loss starts far above a uniform guess's: the target is below ln C too."""
+    def task():
+        x, y = torch.zeros(16, 3), torch.ones(16, dtype=torch.long)
+        return Task(model=_ConfidentlyWrong(), train_data=TensorDataset(x, y),
+                    loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+
+    (res,) = run_checks(CheckContext(cfg(), task_factory=task), ["overfit"])
+    assert not res.passed and math.isclose(res.numbers["target"], math.log(4), rel_tol=1e-6)
+    assert res.numbers["final_loss"] < res.numbers["initial_loss"] / 2
+    assert "(target < 1.386 within 150: a uniform guess's ln 4, below initial/2)" in res.summary, res.summary
+    assert any("but stays" in d and "a uniform guess's 1.386" in d and "check init" in d for d in res.details), res.details
+    (ok,) = run_checks(CheckContext(cfg(), task_factory=regression_task), ["overfit"])  # a regression: initial/2, as before
+    assert ok.passed and "(target < initial/2 within 150)" in ok.summary, ok.summary

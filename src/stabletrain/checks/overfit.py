@@ -21,6 +21,7 @@ from ..policies.precision import PrecisionPolicy
 from ..step import TrainStep
 from . import CheckContext, CheckResult, register
 from .amp import first_nonfinite_forward
+from .init import uninformed_loss
 
 #: The loss must fall below initial / FACTOR within STEPS steps on one fixed batch.
 FACTOR = 2.0
@@ -28,6 +29,16 @@ STEPS = 150
 LR = 3e-3
 #: Stop after this many non-finite losses in a row: every one of those steps was skipped, nothing changes.
 NONFINITE_STOP = 5
+
+
+def _uniform_guess(probe: tuple[float, float, int] | None) -> tuple[float, int] | None:
+    """(the loss, C) where an uninformed output's loss (``probe``: :func:`~.init.uninformed_loss`) is a uniform guess's
+    over C classes, ln C (or ln 2: a binary or multi-label one on logits); else None (a regression: no such bar)."""
+    if probe is None:
+        return None
+    zero, _, classes = probe
+    found = next((c for c in (classes, 2) if c > 1 and math.isclose(zero, math.log(c), rel_tol=1e-3)), None)
+    return (zero, found) if found is not None else None
 
 
 @register("overfit", order=10)
@@ -55,11 +66,15 @@ def check_overfit(ctx: CheckContext) -> CheckResult:
                            for _, p in pending]).tolist()
         first_grad.update({n: at for (n, _), g in zip(pending, got) if g})
 
+    chance = _uniform_guess(uninformed_loss(model, batch, task.loss))  # (before the first step: the loss at init's)
     step.forward_backward(micro, task.loss)
     note_gradients(0)
     nonfinite_grad = [n for n, p in named if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
     initial = float(step.window.mean_loss)
-    target = initial / FACTOR
+    # Halving a loss that starts far above a uniform guess's proves nothing memorized (2.3e5 -> 1.0e5 'passed' where ln 4
+    # is 1.39): the target is below the guess's too, where the loss is a cross-entropy on logits.
+    by_chance = chance is not None and chance[0] < initial / FACTOR  # (False for a non-finite first loss)
+    target = chance[0] if chance is not None and by_chance else initial / FACTOR
     losses = [initial]
     skipped = int(not bool(step.update()["applied"]))  # a non-finite loss or gradient: the step is skipped
     for _ in range(STEPS):
@@ -76,7 +91,9 @@ def check_overfit(ctx: CheckContext) -> CheckResult:
     nonfinite = [i for i, v in enumerate(losses) if not math.isfinite(v)]
     passed = fell and not no_grad
     steps = len(losses) - 1  # updates applied before the loss that reached the target
-    summary = (f"loss {initial:.4g} -> {losses[-1]:.4g} in {steps} steps (target < initial/{FACTOR:g} within {STEPS})"
+    bar = (f"{target:.4g} within {STEPS}: a uniform guess's ln {chance[1]}, below initial/{FACTOR:g}" if chance and by_chance
+           else f"initial/{FACTOR:g} within {STEPS}")
+    summary = (f"loss {initial:.4g} -> {losses[-1]:.4g} in {steps} steps (target < {bar})"
                + ("" if not no_grad else f"; {len(no_grad)} parameter(s) got no gradient in any of the {len(losses)} steps")
                + ("" if not nonfinite else f"; the loss is not finite at {len(nonfinite)} of {len(losses)} steps"))
     details = [f"no gradient: {name}" for name in no_grad]
@@ -98,11 +115,16 @@ def check_overfit(ctx: CheckContext) -> CheckResult:
         first = f" ({len(nonfinite_grad)} parameter(s) at the first step, e.g. {nonfinite_grad[0]})" if nonfinite_grad else ""
         details.append(f"{skipped} of {len(losses)} steps were skipped: their gradients were not finite{first} while the "
                        "loss was: the backward overflows or divides by zero")
+    elif not fell and losses[-1] <= initial / FACTOR:  # halved, yet still above a uniform guess's
+        details.append(f"the loss fell x{initial / losses[-1]:.3g} but stays {losses[-1] / target:.3g}x a uniform guess's "
+                       f"{target:.4g} (the model's output set to 0): the model starts far off, confidently wrong; see "
+                       "`stabletrain check init`")
     elif not fell:
         details.append("the loss did not fall enough on one fixed batch: look for a detached graph, a frozen model, "
                        "a wrong loss/target pairing, or an lr far off")
     return CheckResult("overfit", passed, summary,
                        numbers={"initial_loss": initial, "final_loss": losses[-1], "steps": steps, "factor": FACTOR,
+                                "target": target,
                                 "num_params_without_grad": len(no_grad), "num_params_with_late_grad": len(late),
                                 "num_nonfinite_losses": len(nonfinite),
                                 "num_skipped_steps": skipped},
