@@ -503,3 +503,44 @@ def test_overfit_does_not_pass_a_loss_halved_far_above_a_uniform_guess():
     assert any("but stays" in d and "a uniform guess's 1.386" in d and "check init" in d for d in res.details), res.details
     (ok,) = run_checks(CheckContext(cfg(), task_factory=regression_task), ["overfit"])  # a regression: initial/2, as before
     assert ok.passed and "(target < initial/2 within 150)" in ok.summary, ok.summary
+
+
+class _LazyRedraw(nn.Module):
+    """An MLP whose first forward re-draws its weights N(0, 1) (a lazy init): whatever init it was built with is gone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+        for m in self.body:
+            if isinstance(m, nn.Linear):
+                nn.init.kaiming_normal_(m.weight)
+        self.drawn = False
+
+    def forward(self, x):
+        if not self.drawn:
+            self.drawn = True
+            with torch.no_grad():
+                for m in self.body:
+                    if isinstance(m, nn.Linear):
+                        m.weight.normal_()
+        return self.body(x)
+
+
+def _lazy_redraw_task() -> Task:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 8, generator=g), torch.randint(0, 4, (64,), generator=g)
+    torch.manual_seed(0)
+    return Task(model=_LazyRedraw(), train_data=TensorDataset(x, y), loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+
+
+def test_check_init_says_an_init_the_first_forward_overwrites_and_recommends_no_scheme(capsys):
+    """A new-user trial: Kaiming, then the first forward re-draws N(0, 1): 'init FAIL ... recommended init: init_(model,
+    'kaiming')' (the init it has), the overwrite unsaid there, and the runs' own line printed once per run of the doctor."""
+    init, determinism = run_checks(CheckContext(cfg(), task_factory=_lazy_redraw_task), ["init", "determinism"])
+    assert not init.passed and init.summary.startswith("the model's first forward re-initialized 3 parameter(s); ")
+    assert [c["name"] for c in init.numbers["init_overwritten"]] == ["body.0.weight", "body.2.weight", "body.4.weight"]
+    assert any(d.startswith("init overwritten in the model's first forward: 3 parameter(s)") and "remove the "
+               "re-initialization from the forward" in d for d in init.details), init.details
+    assert not any(d.startswith("recommended init:") for d in init.details), init.details
+    printed = capsys.readouterr()
+    assert (printed.out + printed.err).count("init overwritten in the model's first forward") == 1  # two runs, one line

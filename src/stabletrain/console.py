@@ -25,12 +25,13 @@ import warnings
 from collections.abc import Iterator
 from typing import Any, TextIO
 
-__all__ = ["say", "warn", "error", "write_line", "show_bar", "is_interactive", "one_line_warnings",
+__all__ = ["say", "warn", "error", "write_line", "show_bar", "is_interactive", "one_line_warnings", "each_once",
            "StableTrainWarning", "PREFIX", "user_stacklevel"]
 
 PREFIX = "stabletrain: "
 
 _bar: Any = None  # the tqdm bar being drawn (ProgressBar), which a message must not land inside
+_said: set[str] | None = None  # inside each_once(): the lines said so far, each said once
 
 
 class StableTrainWarning(UserWarning):
@@ -64,8 +65,24 @@ def write_line(text: str, file: TextIO | None = None) -> None:
 
 
 def say(message: str, file: TextIO | None = None) -> None:
-    """Print ``stabletrain: message`` on a line of its own (default: stdout)."""
+    """Print ``stabletrain: message`` on a line of its own (default: stdout); inside :func:`each_once`, once."""
+    if _said is not None:
+        if message in _said:
+            return
+        _said.add(message)
     write_line(PREFIX + message, file)
+
+
+@contextlib.contextmanager
+def each_once() -> Iterator[None]:
+    """Say each line once while inside (the doctor's checks train the same task several times: a run's line about the
+    task, e.g. an init its forward overwrites, came once per run)."""
+    global _said
+    outer, _said = _said, set() if _said is None else _said
+    try:
+        yield
+    finally:
+        _said = outer
 
 
 def warn(message: str) -> None:

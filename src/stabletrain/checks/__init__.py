@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .. import console
 from ..config import Config
 from ..errors import TaskCodeError, batch_note, format_user_traceback, task_part, user_location
 from ..tasks import Task, TaskError, resolve_task
@@ -137,16 +138,17 @@ def run_checks(ctx: CheckContext, names: list[str] | None = None) -> list[CheckR
     require_known(names, CHECKS)
     results = []
     seen: dict[tuple[str, str, str], str] = {}  # a task error -> the first check it failed
-    for name in names:
-        t0 = time.perf_counter()
-        try:
-            result = CHECKS[name](ctx)
-        except TaskError:  # the task breaks its contract (a dataset without __len__): one line, exit 2, as train says it
-            raise
-        except Exception as err:  # a check that crashes is a failed check, with the reason
-            result = _crashed(name, err, seen)
-        result.seconds = round(time.perf_counter() - t0, 3)
-        results.append(result)
+    with console.each_once():  # (the checks' runs of one task say the same line about it once, not once per run)
+        for name in names:
+            t0 = time.perf_counter()
+            try:
+                result = CHECKS[name](ctx)
+            except TaskError:  # the task breaks its contract (a dataset without __len__): one line, exit 2, as train says it
+                raise
+            except Exception as err:  # a check that crashes is a failed check, with the reason
+                result = _crashed(name, err, seen)
+            result.seconds = round(time.perf_counter() - t0, 3)
+            results.append(result)
     return results
 
 

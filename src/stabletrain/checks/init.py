@@ -32,6 +32,7 @@ from ..data import fixed_batch
 from ..diagnostics.initialization import (
     OUTPUT_LAYER,
     ZERO_INIT_SCALE,
+    InitFingerprint,
     ZeroInitLayer,
     architectures,
     excluding,
@@ -225,8 +226,12 @@ def check_init(ctx: CheckContext) -> CheckResult:
 
     base = task.model.to(device)
     own = getattr(task, "optimizer", None)  # the run's optimizer, at its peak lr, for the update ratios
+    before = InitFingerprint.take(base)
     reports = [signal_report(base, batch, task.loss, label=AS_BUILT,
                              make_optimizer=optimizer_factory(base, ctx.cfg.optim, device, own))]
+    # The measuring forward and backward change no parameter: one that did was re-drawn by the model's own forward (a
+    # lazy init on the first call). What was measured is that init, and no scheme applied before it survives it.
+    overwritten = before.compare(base)
     zero = zero_init_layers(base, reports[0])
     deliberate = [z for z in zero if z.deliberate]
     if deliberate:  # judged without them: on a copy where their weight is small, not 0
@@ -289,9 +294,18 @@ def check_init(ctx: CheckContext) -> CheckResult:
         numbers["architecture"] = architecture
     if loss_line is not None:  # (before a comparison's advice, which stays the last line)
         details.insert(len(details) - 1 if schemes else len(details), loss_line)
+    if overwritten:  # (the scheme advice would change nothing: the forward draws again)
+        text = InitFingerprint.describe(overwritten)
+        details = [d for d in details if not d.startswith("recommended init:")] + [
+            f"init overwritten in the model's first forward: {text}; the layers above were measured with the weights it "
+            "drew, and no init applied before the forward survives it: remove the re-initialization from the forward "
+            "(a lazy init on the first call), then compare schemes"]
+        summary = f"the model's first forward re-initialized {len(overwritten)} parameter(s); " + summary
+        numbers["init_overwritten"] = [c.as_dict() for c in overwritten]
     if loss_fails:
         summary += (f"; and so {loss_line.split(' (the model')[0]}" if exploding is not None
                     else f"; but {loss_line.split(' (the model')[0]}: the output starts confidently wrong")
     numbers.update({"recommended": recommended, "plot": str(plot), "json": str(data)})
-    return CheckResult("init", (built.passed or architecture is not None) and not loss_fails, summary, numbers=numbers,
+    return CheckResult("init", (built.passed or architecture is not None) and not loss_fails and not overwritten, summary,
+                       numbers=numbers,
                        details=details, warning=architecture is not None)
