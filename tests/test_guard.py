@@ -95,8 +95,8 @@ def test_rollback_restores_last_good_and_skips_the_offending_window(tmp_path, ca
     trainer.fit()
     said = [line for line in capsys.readouterr().out.splitlines() if "rolled back" in line]
     assert len(said) == 1 and said[0].startswith("stabletrain: ") and (
-        f"never training on the data of step {bad_step} again (data windows [(0, {bad_step - 1})]: (epoch, first "
-        "micro-batch of the epoch))" in said[0])
+        f"never training on the data of step {bad_step} again (data windows [(0, {bad_step - 1})]: (epoch, the number "
+        "of the window's first micro-batch in that epoch))" in said[0])
     assert trainer.step == 8 and trainer.stop_reason is None
     events = _events(run_dir)
     rollback = next(e for e in events if e["kind"] == "rollback")
