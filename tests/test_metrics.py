@@ -139,3 +139,25 @@ def test_every_value_lands_in_its_row_and_column_whatever_mixes_them(odd):
     _, rows, _ = m.reduce()
     got = [{c: r.values[c] for c in COLUMNS} for r in rows]
     assert repr(got) == repr(expect)  # repr: NaN equals itself
+
+
+def test_an_interval_whose_measured_step_was_skipped_records_no_update_not_a_zero_one(tmp_path):
+    """A new-user trial: a NaN at step 10, the interval's last (the step that measures the update): metrics.jsonl said
+    update_norm 0.0, update_ratio 0.0 and every top_update_layers ratio 0.0, which reads as training that froze. A skipped
+    step made no update: not measured (NaN, written "nan" as every non-finite figure), the other intervals' as before."""
+    import json
+
+    from helpers import cfg
+    from remedy_tasks import sqrt_zero_task
+
+    from stabletrain import Trainer
+
+    run_dir = tmp_path / "run"
+    Trainer(cfg("train.batch_size=8", "train.max_steps=8", "log.every=2", "data.shuffle=false", "ckpt.every=0",
+                "eval.every=0"), task=sqrt_zero_task(), run_dir=run_dir).fit()  # sample 13: steps 2 and 6 are NaN
+    rows = {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    for step in (2, 6):
+        assert rows[step]["num_skipped"] == 1 and rows[step]["update_norm"] == rows[step]["update_ratio"] == "nan"
+        assert rows[step]["top_update_layers"] == [], rows[step]["top_update_layers"]
+    for step in (4, 8):
+        assert rows[step]["update_norm"] > 0 and rows[step]["top_update_layers"][0]["ratio"] > 0

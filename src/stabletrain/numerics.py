@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 __all__ = [
     "unique_params",
+    "applied_only",
     "grad_norms",
     "grad_total_norm",
     "all_params_finite",
@@ -191,6 +192,15 @@ def update_totals(per_update: Tensor, per_weight: Tensor) -> dict[str, Tensor]:
     delta, weight = torch.linalg.vector_norm(per_update), torch.linalg.vector_norm(per_weight)
     return {"update_norm": delta, "update_ratio": delta / weight.clamp_min(1e-12), "param_update_norms": per_update,
             "param_norms": per_weight}
+
+
+def applied_only(update: dict[str, Tensor], applied: Tensor | bool) -> dict[str, Tensor]:
+    """``update`` (:func:`update_totals`) with its update figures NaN where the step was not ``applied`` (a skipped step
+    made no update: its 0 read as a run that stopped moving; NaN is "not measured"). No sync."""
+    if applied is True:
+        return update
+    keep = torch.as_tensor(applied, device=update["update_norm"].device)
+    return {k: (torch.where(keep, v, torch.full_like(v, math.nan)) if k != "param_norms" else v) for k, v in update.items()}
 
 
 def update_norms(params: list[Tensor], before: list[Tensor]) -> dict[str, Tensor]:
