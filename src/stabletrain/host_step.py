@@ -40,7 +40,7 @@ from .internals import (
     set_scaler_state,
     skips_on_device,
 )
-from .numerics import all_params_finite, applied_only, grad_norms, snapshot_params, update_norms
+from .numerics import all_params_finite, grad_norms, snapshot_params, update_norms
 from .policies.accumulation import AccumulationWindow
 from .policies.clipping import GradClipper
 from .policies.guard import Guard
@@ -179,7 +179,7 @@ class HostStep:
         if self.check_params:
             out["params_finite"] = all_params_finite(self.params)
         if p["measure"]:  # also per parameter: the precursor's figures
-            out.update(applied_only(update_norms(self.params, self._before), applied))
+            out.update(update_norms(self.params, self._before))
         return out
 
 

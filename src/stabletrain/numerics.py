@@ -197,10 +197,12 @@ def update_totals(per_update: Tensor, per_weight: Tensor) -> dict[str, Tensor]:
 def applied_only(update: dict[str, Tensor], applied: Tensor | bool) -> dict[str, Tensor]:
     """``update`` (:func:`update_totals`) with its update figures NaN where the step was not ``applied`` (a skipped step
     made no update: its 0 read as a run that stopped moving; NaN is "not measured"). No sync."""
-    if applied is True:
+    tensors = [v for v in update.values() if isinstance(v, Tensor)]
+    if applied is True or not tensors:
         return update
-    keep = torch.as_tensor(applied, device=update["update_norm"].device)
-    return {k: (torch.where(keep, v, torch.full_like(v, math.nan)) if k != "param_norms" else v) for k, v in update.items()}
+    keep = torch.as_tensor(applied, device=tensors[0].device) != 0  # (a bool or a 0/1 float flag)
+    return {k: (torch.where(keep, v, torch.full_like(v, math.nan)) if k != "param_norms" and isinstance(v, Tensor) else v)
+            for k, v in update.items()}
 
 
 def update_norms(params: list[Tensor], before: list[Tensor]) -> dict[str, Tensor]:

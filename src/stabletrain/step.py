@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from .data import move_to
-from .numerics import all_params_finite, applied_only, both_finite, grad_norms, snapshot_params, unique_params, update_norms
+from .numerics import all_params_finite, both_finite, grad_norms, snapshot_params, unique_params, update_norms
 from .policies.accumulation import AccumulationWindow, as_sum_count, sums_safe
 from .policies.clipping import GradClipper
 from .policies.guard import Guard, inputs_finite
@@ -236,8 +236,7 @@ class TrainStep:
         if self.check_params and check_params:
             out["params_finite"] = self._params_finite(params)
         if before is not None:  # also per parameter (param_update_norms, param_norms): the precursor's figures
-            out.update(applied_only(update_norms(params, before) if self.numerics is None
-                                    else self.numerics.update_norms(params, before), applied))
+            out.update(update_norms(params, before) if self.numerics is None else self.numerics.update_norms(params, before))
         if self.carrier is not None:  # DDP: did THIS rank see it (its own loss or inputs)?
             local = self.window.loss_sum * 0 != 0  # x * 0 is NaN iff x is not finite
             out["local_nonfinite"] = local if self._inputs_ok is None else local | ~self._inputs_ok

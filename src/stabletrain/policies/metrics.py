@@ -60,7 +60,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..numerics import is_constant
+from ..numerics import applied_only, is_constant
 
 __all__ = ["StepMetrics", "peak_memory_mib", "interval_record", "update_ratios", "COLUMNS"]
 
@@ -79,6 +79,8 @@ DEFAULTS = {"spike": 0.0, "params_finite": float("nan"), "overflow": 0.0, "updat
             "update_ratio": float("nan")}
 _MISSING = object()  # a required column's "default": update() names it
 _SPEC = tuple((c, DEFAULTS.get(c, _MISSING)) for c in COLUMNS)
+#: A measured update's figures, not measured (NaN) where its step was skipped (:func:`~stabletrain.numerics.applied_only`).
+_UPDATE = ("update_norm", "update_ratio", "param_update_norms", "param_norms")
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -145,6 +147,8 @@ class StepMetrics:
         alone were is named by the incident capture).
         """
         assert len(self.steps) < self.capacity, "StepMetrics.reduce() must be called every `capacity` steps"
+        if "param_update_norms" in values and "applied" in values:  # a skipped step made no update: its 0 read as a
+            values = {**values, **applied_only({k: values[k] for k in _UPDATE if k in values}, values["applied"])}  # freeze
         get = values.get
         row = [get(c, d) for c, d in _SPEC]  # (per step, in Python: the fewer calls the better)
         assert id(_MISSING) not in map(id, row), \
