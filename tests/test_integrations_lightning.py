@@ -391,3 +391,13 @@ def console_incident_lines(capfd) -> list[str]:
     """The lines on the console (stdout and stderr, at the file descriptors) that announce an incident or a spike."""
     out, err = capfd.readouterr()
     return [x for x in (out + err).splitlines() if re.match(r"stabletrain: (incident|spike) at step \d+: ", x)]
+
+
+def test_a_warning_about_the_run_points_at_the_users_fit_call_not_at_lightnings_frames(tmp_path):
+    """A new-user trial: the non-fused optimizer's warning was attributed to lightning/pytorch/trainer/call.py:228, a
+    frame of Lightning's. It points at the user's line that called into the host (here: the trainer.fit in ``fit``)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(LitNet(fused=False), StableTrainCallback(run_dir=tmp_path / "run", log_every=5), 6)
+    said = [w for w in caught if "cannot skip a step on the device" in str(w.message)]
+    assert said and all(w.filename == __file__ for w in said), [(w.filename, w.lineno) for w in said]

@@ -38,15 +38,21 @@ class StableTrainWarning(UserWarning):
     """A warning from stabletrain meant for the person running it (the CLI shows it as one line)."""
 
 
+#: The libraries between a user's line and stabletrain's adapters (a host trainer, torch): not the user's frames.
+HOST_PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric", "transformers", "accelerate", "torch")
+
+
 def user_stacklevel() -> int:
-    """The ``stacklevel`` that makes a ``warnings.warn`` in the caller point at the first frame outside stabletrain: the
-    user's own line that called into it (``monitor.step()``), not stabletrain's file where the warning is made."""
+    """The ``stacklevel`` that makes a ``warnings.warn`` in the caller point at the first frame outside stabletrain and
+    the host libraries (:data:`HOST_PACKAGES`): the user's own line that called into it (``monitor.step()``,
+    ``trainer.fit(...)``), not stabletrain's file where the warning is made nor Lightning's that called the callback."""
     package = os.path.dirname(os.path.abspath(__file__)) + os.sep
     frame, level = inspect.currentframe(), 0
     frame = frame.f_back if frame is not None else None  # the caller: stacklevel 1
     while frame is not None:
         level += 1
-        if not os.path.abspath(frame.f_code.co_filename).startswith(package):
+        root = str(frame.f_globals.get("__name__", "")).partition(".")[0]
+        if not os.path.abspath(frame.f_code.co_filename).startswith(package) and root not in HOST_PACKAGES:
             return level
         frame = frame.f_back
     return 1

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from . import console
 from .console import StableTrainWarning
 from .internals import (
     clear_found_inf,
@@ -134,7 +135,7 @@ class HostStep:
         """
         if not self._warned_sync:
             warnings.warn(f"this optimizer cannot skip a step on the device ({self.skip_hint}); the verdict is read on "
-                          "the host once per step (a sync)", StableTrainWarning, stacklevel=5)
+                          "the host once per step (a sync)", StableTrainWarning, stacklevel=console.user_stacklevel())
             self._warned_sync = True
         if not bool(ok):  # the one documented per-step sync for a non-fused optimizer without a GradScaler
             for p in self.params:

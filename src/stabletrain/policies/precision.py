@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .. import console
 from ..console import StableTrainWarning
 from ..internals import clear_found_inf, scaler_found_inf, scaler_scale, set_found_inf, skips_on_device
 from ..numerics import constant
@@ -152,7 +153,7 @@ class PrecisionPolicy:
                     "on the host once per step (a sync). A fused optimizer avoids it (AdamW, Adam, SGD with fused=True; "
                     "under FSDP2 only AdamW and Adam: torch has no DTensor rule for fused SGD).",
                     StableTrainWarning,
-                    stacklevel=2,
+                    stacklevel=console.user_stacklevel(),
                 )
                 self._warned_sync = True
             self.applied_on_host = bool(applied)  # the one documented per-step sync for such optimizers
