@@ -186,3 +186,33 @@ def test_an_fp16_output_that_outgrows_float16_mid_run_stops_with_the_fp16_advice
     reason = trainer.stop_reason or ""
     assert "consecutive skipped steps" in reason and "GradScaler's scale is 6.6e+04" in reason, reason
     assert "the loss itself is non-finite in float16" in reason and "Try precision=bf16" in reason, reason
+
+
+def test_fp16_inputs_check_inputs_finds_non_finite_skip_the_step_without_backing_off_the_loss_scale(tmp_path):
+    """A new-user trial: a NaN input sample under guard.check_inputs=true, seen at steps 6 and 38, halved the scale each
+    time (32768 -> 16384 -> 8192), where the docs say a step the guard skips for bad inputs backs nothing off. Without
+    the check the NaN loss's gradients back it off as torch's GradScaler does (bitwise a hand-written loop's)."""
+    from stabletrain.records.jsonl import read_jsonl
+    from stabletrain.tasks import Task
+
+    def run(check: str) -> dict:
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g)
+        x[37, 0] = float("nan")  # in step 5 and step 13 (batch 8, no shuffle)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        task = Task(model=model, train_data=torch.utils.data.TensorDataset(x, y),
+                    loss=lambda m, b: torch.nn.functional.mse_loss(m(b[0]).float(), b[1]))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (fp16 on CPU is for testing: said once)
+            Trainer(cfg("precision=fp16", "train.batch_size=8", "data.shuffle=false", "train.max_steps=16", "log.every=1",
+                        "capture.incidents=false", f"guard.check_inputs={check}"), task=task, run_dir=tmp_path / check).fit()
+        return {r["step"]: r for r in read_jsonl(tmp_path / check / "metrics.jsonl")[0]}
+
+    rows = run("true")
+    assert [s for s, r in rows.items() if r["loss"] == "nan"] == [5, 13]
+    assert rows[5]["num_skipped"] == rows[13]["num_skipped"] == 1
+    assert rows[5]["loss_scale"] == rows[4]["loss_scale"] and rows[13]["loss_scale"] == rows[12]["loss_scale"], rows
+    assert rows[8]["loss_scale"] == rows[7]["loss_scale"] / 2 and rows[8]["loss"] != "nan"  # a routine overflow backs off
+    plain = run("false")  # torch's GradScaler's own way: the NaN gradients back it off
+    assert plain[5]["loss_scale"] == plain[4]["loss_scale"] / 2, plain

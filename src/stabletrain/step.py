@@ -227,7 +227,11 @@ class TrainStep:
             before = (snapshot_params(params, self._before) if self.numerics is None
                       else self.numerics.snapshot(params, self._before))
             self._before = before
-        applied = self.precision.step(optimizer, judged["ok"])
+        # fp16: inputs that guard.check_inputs found non-finite skip the step as the guard's own verdict, with no back-off
+        # (their NaN gradients are no overflow). A non-finite loss it did not trace to the inputs backs the scale off as
+        # torch's GradScaler does (bitwise a hand-written loop's: tests/test_parity.py).
+        hold = ~self.window.inputs_ok if self.precision.scaler is not None and self._inputs_ok is not None else None
+        applied = self.precision.step(optimizer, judged["ok"], hold)
         if self.schedule is not None:  # a host flag where the optimizer step already read it (no second read)
             on_host = self.precision.applied_on_host
             self.schedule.step(applied if on_host is None else on_host)

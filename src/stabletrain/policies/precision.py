@@ -19,7 +19,15 @@ from torch import Tensor
 
 from .. import console
 from ..console import StableTrainWarning
-from ..internals import clear_found_inf, scaler_found_inf, scaler_scale, set_found_inf, skips_on_device
+from ..internals import (
+    clear_found_inf,
+    scaler_found_inf,
+    scaler_scale,
+    scaler_state,
+    set_found_inf,
+    set_scaler_state,
+    skips_on_device,
+)
 from ..numerics import constant
 
 __all__ = ["PrecisionPolicy", "resolve_precision", "resolve_device"]
@@ -118,8 +126,11 @@ class PrecisionPolicy:
             return scale.detach().float().reshape(())
         return constant(1.0, self.device)
 
-    def step(self, optimizer: torch.optim.Optimizer, ok: Tensor) -> Tensor:
+    def step(self, optimizer: torch.optim.Optimizer, ok: Tensor, hold: Tensor | None = None) -> Tensor:
         """Step the optimizer unless ``ok`` (0-dim bool tensor) is False; return the applied flag (device bool).
+
+        ``hold`` (device bool): keep the loss scale where it is True (the guard traced the step's non-finite values to
+        its inputs, which no scale cures: their NaN gradients are no overflow to back off for).
 
         The caller's verdict (the guard's ``ok``: finite, no spike to skip, inputs finite) is a real skip
         in every precision. Under a GradScaler it joins the scaler's own ``found_inf``: the optimizer
@@ -160,7 +171,9 @@ class PrecisionPolicy:
             if self.applied_on_host:
                 optimizer.step()
         if self.scaler is not None:
+            held = scaler_state(self.scaler) if hold is not None else None
             self.scaler.update()  # backs off on the scaler's found_inf only; grows after growth_interval clean steps
+            set_scaler_state(self.scaler, held, where=hold)
             self._unscaled.discard(id(optimizer))
         return applied
 
