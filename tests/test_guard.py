@@ -538,11 +538,15 @@ def test_the_final_line_counts_the_steps_an_earlier_launch_skipped(tmp_path, cap
     assert main(["train", "--resume", str(run_dir), "train.max_steps=12"]) == 0
     out = capsys.readouterr().out
     assert "trained 12 steps; " in out and "; 1 of 12 steps skipped (8%: see events.jsonl)" in out, out
+    record = {name: (run_dir / name).read_text() for name in ("config.yaml", "events.jsonl", "metrics.jsonl")}
     for steps in (12, 10):  # at or past train.max_steps: nothing to train, said so (it said 'trained 12 steps; ; ...')
         assert main(["train", "--resume", str(run_dir), f"train.max_steps={steps}"]) == 0
         out = capsys.readouterr().out
         assert f"stabletrain: nothing to train: the run is at step 12 and train.max_steps={steps} (raise " in out, out
-        assert "trained" not in out
+        assert "trained" not in out and "schedule" not in out, out
+        # and the run's record as it was (it rewrote config.yaml to max_steps 10 and added resume and schedule_changed
+        # events: the report then said 'Reached step 12 of 10')
+        assert {name: (run_dir / name).read_text() for name in record} == record
 
 
 def test_a_huge_loss_after_a_fast_fall_is_a_spike_that_the_windows_deviation_hid_on_every_side():

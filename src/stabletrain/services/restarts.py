@@ -193,6 +193,14 @@ def begin_launch(cfg: Any, run_dir: Path | None, resume: bool, ctx: Any) -> Laun
         has_checkpoint = bool(CheckpointManager(run_dir / "checkpoints").checkpoints())
         if restart:
             return _restart(cfg, run_dir, everyone, has_checkpoint)
+        if resume:  # --resume at or past train.max_steps (a config it takes): nothing to train, and the run's record
+            manager = CheckpointManager(run_dir / "checkpoints")  # stays as it is (config.yaml, resume and schedule events)
+            name = manager.latest_good()
+            at = int(name.name.split(".")[0].removeprefix("step_")) if name is not None else None
+            if at is not None and at >= cfg.train.max_steps and _same_config(cfg, name) and not manager.verify(name):
+                console.say(f"nothing to train: the run is at step {at} and train.max_steps={cfg.train.max_steps} (raise "
+                            f"train.max_steps to train on); {run_dir} is left as it was")
+                return Launch(False, run_dir, finished=True)
         if cfg.run.resume == "auto" and not resume:
             manager = CheckpointManager(run_dir / "checkpoints")
             name = manager.latest_good()
