@@ -452,3 +452,28 @@ def test_a_replica_keeps_the_optimizer_kernel_it_built_whatever_the_saved_groups
         p.grad = torch.ones_like(p)
     optimizer.found_inf, optimizer.grad_scale = torch.zeros(()), None  # the skip flag PrecisionPolicy.step sets
     optimizer.step()
+
+
+def test_a_window_whose_loss_counts_no_item_is_said_so_not_blamed_on_an_op(tmp_path):
+    """A new-user trial: a (sum, count) token loss whose windows 1, 3, 5... mask every token (count 0): stabletrain's own
+    normalization is 0/0, and the incident read 'op: aten.div.Tensor in forward outside any module', pointing at the
+    stabletrain executable's line. The window holds nothing to learn from: said so, its samples named."""
+    from helpers import cfg
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 16, (32, 9), generator=g)
+    mask = torch.tensor([[i % 4 >= 2] * 8 for i in range(32)])  # samples 0, 1, 4, 5, ...: no token counted
+
+    def loss(model, batch):
+        x, y, m = batch
+        per = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="none")
+        return (per * m.flatten()).sum(), m.sum()
+
+    torch.manual_seed(0)
+    task = Task(model=nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16)),
+                train_data=torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:], mask), loss=loss)
+    Trainer(cfg("train.batch_size=1", "accum.steps=2", "data.shuffle=false", "train.max_steps=4", "log.every=2",
+                "ckpt.every=0", "eval.every=0"), task=task, run_dir=tmp_path / "run").fit()
+    d = json.loads((tmp_path / "run" / "incidents" / "step_000001" / "diagnosis.json").read_text())
+    assert d["failure_class"] == "data" and d["empty_window"] and d["op"] is None and d["bad_samples"] == [0, 1], d
+    assert d["summary"].startswith("empty window: the loss counts no item in any of its 2 micro-batches (count 0"), d

@@ -318,6 +318,45 @@ def _empty_batch(bundle: dict[str, Any], empty: list[int]) -> dict[str, Any]:
             "sample_unit": bundle.get("sample_unit", "dataset index")}
 
 
+def _no_items(model: nn.Module, loss_fn: Any, micro_batches: list[tuple[list[int], Any]]) -> list[float] | None:
+    """The loss sums of a window whose ``(sum, count)`` loss counts no item in any micro-batch (every token masked out):
+    its mean is 0/0 whatever the weights. None for any other window (a count above 0, a mean loss, a non-finite sum).
+    A forward per micro-batch, without gradients; the RNG and the model's modes and buffers are put back."""
+    sums: list[float] = []
+    state = rng_state()
+    try:
+        with torch.no_grad(), modes_kept(model):
+            buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+            for indices, batch in micro_batches:
+                out = loss_fn(model, batch)
+                if not isinstance(out, (tuple, list)):
+                    return None  # a per-item mean: its count is the samples', never 0 here
+                total, count = as_sum_count(out, len(indices))
+                if float(count) != 0 or not math.isfinite(float(total)):
+                    return None
+                sums.append(float(total))
+            for n, b in model.named_buffers():
+                if n in buffers:
+                    b.copy_(buffers[n])
+    finally:
+        set_rng_state(state)
+    return sums if micro_batches else None
+
+
+def _no_items_window(bundle: dict[str, Any], sums: list[float]) -> dict[str, Any]:
+    """The diagnosis of a step whose window holds no item its loss counts: no op search (the 0/0 is the mean's)."""
+    parts = len(bundle["window"]["indices"])
+    summary = (f"empty window: the loss counts no item in {'its batch' if parts == 1 else f'any of its {parts} micro-batches'}"
+               " (count 0: e.g. every token masked out), so its mean loss is 0/0, NaN whatever the weights; the step "
+               "was skipped, nothing to learn from (do some samples hold no item?)")
+    return {"step": bundle["step"], "rank": bundle.get("rank", 0), "epoch": bundle["window"]["epoch"], "summary": summary,
+            "failure_class": "data", "stage": "loss", "op": None, "direction": None, "module": None, "origin": "inputs",
+            "first_nonfinite_param": None, "bad_samples": sorted(i for idx in bundle["window"]["indices"] for i in idx),
+            "reproduces": True, "evidence": f"the window's loss sums {sums} over counts of 0: no item to average over",
+            "empty_window": True, "observed": bundle.get("observed", {}),
+            "sample_unit": bundle.get("sample_unit", "dataset index")}
+
+
 def _comparable_norm(norm: Any, world_size: int) -> float | None:
     """The run's grad norm a one-process replay can be held to: under DDP/FSDP the run's is the global one, the
     replay's one rank's, so only a non-finite one (the replayed rank is the one that saw it) is compared."""
@@ -391,6 +430,11 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
     micro_batches = [(idx, move_to(collate([task.train_data[i] for i in idx]), dev))
                      for idx in bundle["window"]["indices"] if idx]
 
+    if bundle.get("world_size", 1) == 1 and (counted := _no_items(model, task.loss, micro_batches)) is not None:
+        result = _no_items_window(bundle, counted)  # a (sum, count) loss that counts nothing: its mean is 0/0
+        result["timings"] = {"total_s": time.perf_counter() - start}
+        atomic_write(directory / out, json.dumps(result, indent=2, default=str) + "\n")
+        return result
     set_rng_state(bundle["rng"])
     observed = bundle.get("observed", {})
     if cfg.train.compile and observed.get("loss") is not None and math.isfinite(float(observed["loss"])):
