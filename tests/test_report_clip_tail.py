@@ -109,3 +109,25 @@ def test_a_run_records_its_optimizers_class_and_bases_in_its_snapshot(tmp_path):
         mon.step()
     snapshot = json.loads((tmp_path / "mon" / "snapshot.json").read_text())
     assert snapshot["optimizer"] == "LRBump" and snapshot["optimizer_bases"][:2] == ["LRBump", "AdamW"]
+
+
+def test_a_run_whose_last_intervals_were_all_skipped_says_so_in_the_loss_and_clip_lines(tmp_path):
+    """A new-user trial: fp16's forward overflowed from step 31 and every step to the stop at 50 was skipped. The report
+    read 'Train loss 1.082 → 0.7617 (first → last interval)' and 'Clipping fired on 100% of steps (28 of 28), 0% in the
+    second half: healthy ... rarely after': the last intervals had no finite loss and the second half no applied step."""
+    path = tmp_path / "run"
+    path.mkdir()
+    (path / "config.yaml").write_text("clip:\n  max_norm: 1.0\noptim:\n  name: adamw\n")
+    rows = [{"step": 10, "loss": 1.082, "clip_rate": 1.0, "grad_norm": 3.0, "grad_norm_post_clip": 1.0, "num_skipped": 2},
+            {"step": 20, "loss": 0.9, "clip_rate": 1.0, "grad_norm": 2.0, "grad_norm_post_clip": 1.0, "num_skipped": 0},
+            {"step": 30, "loss": 0.7616, "clip_rate": 1.0, "grad_norm": 2.0, "grad_norm_post_clip": 1.0, "num_skipped": 0},
+            {"step": 40, "loss": "nan", "clip_rate": 0.0, "grad_norm": "nan", "num_skipped": 10},
+            {"step": 50, "loss": "nan", "clip_rate": 0.0, "grad_norm": "nan", "num_skipped": 10}]
+    (path / "metrics.jsonl").write_text("".join(json.dumps({"interval_steps": 10, **r}) + "\n" for r in rows))
+    h = health_summary(load_run(path))
+    text = " ".join(t for _, t in h.sentences)
+    assert ("Train loss 1.082 → 0.7616 (first → last finite interval); from step 31 on no step's loss was finite "
+            "(2 intervals after step 30)") in text, text
+    assert ("Clipping fired on 100% of the applied steps (28 of 28; threshold 1); the second half of the run applied no "
+            "step (every one skipped, below): no verdict on it.") in text, text
+    assert "healthy" not in text and h.figures["clip_verdict"] == "none late"

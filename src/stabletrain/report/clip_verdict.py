@@ -88,6 +88,12 @@ def clip_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
         return
     half = max(int(r["step"]) for r in rows) / 2
     late = [r for r in rows if r["step"] - r["interval_steps"] >= half] or rows[-1:]  # intervals in the second half
+    if not sum(_applied(r) for r in late):  # every step of the second half skipped: nothing there to judge
+        f["clip_verdict"] = "none late"
+        h.say("ok", f"{'Your own clipping' if own is not None else 'Clipping'} fired on {fmt_pct(f['clip_rate'])} of the "
+                    f"applied steps ({f['clipped_steps']:,} of {f['clip_steps_seen']:,}; threshold {fmt_num(threshold)}); "
+                    "the second half of the run applied no step (every one skipped, below): no verdict on it.")
+        return
     f["clip_rate_late"] = sum(r["clip_rate"] * _applied(r) for r in late) / max(sum(_applied(r) for r in late), 1)
     f["clip_cut_late"] = _cut(late)
     rate, late_rate, cut = f["clip_rate"], f["clip_rate_late"], f["clip_cut_late"]

@@ -48,6 +48,13 @@ def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
             why = "; ".join(w for w in (start and _why(rows[0], early, "first"), end and _why(rows[-1], spikes, "last")) if w)
             text += f" ({start or 'first interval'} → {end or 'last interval'}: {why})"
     level = "ok"
+    after = [r for r in run.metrics if rows and isinstance(r.get("step"), (int, float)) and r["step"] > rows[-1][0]]
+    if after:  # its last intervals had no finite loss: the headline's end is the last finite one's, said so
+        level = "warn"
+        first = min(int(r["step"]) - int(r.get("interval_steps") or 1) + 1 for r in after)
+        text = text.replace("last interval", "last finite interval") + (
+            f"; from step {first:,} on no step's loss was finite ({len(after)} interval{'s' if len(after) > 1 else ''} "
+            f"after step {rows[-1][0]:,})")
     if len(rows) > 2:
         best_step, _, best, _ = min(rows, key=lambda r: r[2])
         # (an end read as a median of the last intervals reaches back to where the loss was still falling: whether the
