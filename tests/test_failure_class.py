@@ -170,7 +170,8 @@ def test_a_weight_driven_fp16_overflow_of_most_samples_leads_with_the_verdict(tm
     bad = d["bad_samples"]
     assert 13 <= len(bad) <= 15 and not {0, 1, 2, 4, 5, 6, 7, 8, 10, 11, 13, 14, 15} - set(bad)  # most, not all
     verdict = ("overflow: aten.addmm.default in module 'layers.1.fc' computes in float16 from finite inputs and overflows "
-               f"it (max 65504); {len(bad)} of 16 samples go bad through it: the module's weights, not the samples; ")
+               f"it (max 65504); {len(bad)} of 16 samples go bad through it: the module's weights or its own computation, "
+               "not the samples; ")
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("stabletrain: incident at")]
     assert printed == [f"stabletrain: incident at step {event['step']}: {d['summary']}"]
     assert d["summary"].startswith(verdict) and event["diagnosis"]["summary"] == d["summary"]

@@ -113,7 +113,7 @@ def classify_failure(d: dict[str, Any], history: list[dict[str, Any]] | None = N
     share = f"{len(samples)} of {num} samples go bad through it: " + (
         "the computation outside any module, not the samples" if module is None else
         "the module's own computation (it holds no weights), not the samples" if d.get("module_params") == 0 else
-        "the module's weights, not the samples")
+        "the module's weights or its own computation, not the samples")
     if first and first.get("origin") and first.get("kind") == "inf" and any(
             t in _LOW_PRECISION for t in first.get("output_dtypes") or []):
         out["blamed_module"] = module
