@@ -474,6 +474,11 @@ def test_a_stray_argument_to_a_subcommand_shows_that_subcommands_usage(capsys):
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.startswith("usage: stabletrain report [-h] RUN_DIR"), err
     assert "stabletrain report: error: unrecognized arguments: --compare b" in err
+    with pytest.raises(SystemExit):  # two runs to report: the command that compares them is named
+        main(["report", "a", "b"])
+    assert capsys.readouterr().err.rstrip().endswith("stabletrain report: error: unrecognized arguments: b; report takes "
+                                                     "one run directory (several runs side by side: stabletrain compare "
+                                                     "RUN_A RUN_B ...)")
 
 
 def test_a_config_error_every_rank_meets_is_said_by_rank_0_alone(monkeypatch, capsys):

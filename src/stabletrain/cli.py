@@ -81,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     stray = [e for e in extra if "=" not in e or e.startswith("-")]
     if stray or (extra and args.command not in ("train", "check")):
-        (args.subcommands.get(args.command) or parser).error(f"unrecognized arguments: {' '.join(stray or extra)}")
+        hint = ("; report takes one run directory (several runs side by side: stabletrain compare RUN_A RUN_B ...)"
+                if args.command == "report" else "")
+        (args.subcommands.get(args.command) or parser).error(f"unrecognized arguments: {' '.join(stray or extra)}{hint}")
     if extra:
         target = "overrides" if args.command == "train" else "names"
         setattr(args, target, [*getattr(args, target), *extra])
