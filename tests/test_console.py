@@ -286,3 +286,10 @@ def test_under_torchrun_a_rank_other_than_0_shows_only_the_warnings_that_name_it
             warnings.warn("rank 1: its own", StableTrainWarning, stacklevel=1)
         err = capsys.readouterr().err  # (rank 10 is not "rank 1")
         assert [line.split("warning: ")[1] for line in err.splitlines()] == shown, (rank, err)
+
+
+def test_the_progress_line_shows_a_tiny_loss_in_significant_digits():
+    """A new-user trial: a loss of 5.6e-13 read 'loss 0.0000' on the progress line; ordinary ones keep 4 decimals."""
+    from stabletrain.callbacks.sinks import _loss_text
+
+    assert [_loss_text(v) for v in (5.6e-13, -2e-5, 2.269, 0.0, 1e-3)] == ["5.6e-13", "-2e-05", "2.2690", "0.0000", "0.0010"]

@@ -111,10 +111,10 @@ class ProgressBar(Callback):
         if self._lines:
             console.write_line(self._line(state, record, unit), sys.stderr)
             return
-        shown = {"loss": f"{record['loss']:.4f}", "gnorm": f"{record['grad_norm']:.3g}", "lr": f"{record['lr']:.2e}",
+        shown = {"loss": _loss_text(record["loss"]), "gnorm": f"{record['grad_norm']:.3g}", "lr": f"{record['lr']:.2e}",
                  unit: f"{record['tokens_per_s']:.0f}"}
         if "val_loss" in record:
-            shown["val"] = f"{record['val_loss']:.4f}"
+            shown["val"] = _loss_text(record["val_loss"])
         self._bar.set_postfix(shown, refresh=True)
 
     def _line(self, state: RunState, record: dict[str, Any], unit: str) -> str:
@@ -124,12 +124,12 @@ class ProgressBar(Callback):
         done = state.step - step0
         eta = _clock((time.perf_counter() - t0) / done * (total - state.step)) if done > 0 else "?"
         parts = [f"{state.task.name} step {state.step}/{total} ({100 * state.step // total}%)",
-                 f"loss {record['loss']:.4f}", f"grad_norm {record['grad_norm']:.3g}", f"lr {record['lr']:.2e}",
+                 f"loss {_loss_text(record['loss'])}", f"grad_norm {record['grad_norm']:.3g}", f"lr {record['lr']:.2e}",
                  f"{record['tokens_per_s']:.0f} {unit}" + (" (compiling included)" if self._compiling is None else "")]
         if self._compiling is None:  # said on the first interval's line only
             self._compiling = False
         if "val_loss" in record:
-            parts.append(f"val_loss {record['val_loss']:.4f}")
+            parts.append(f"val_loss {_loss_text(record['val_loss'])}")
         return " | ".join([*parts, f"eta {eta}"])
 
     def on_rollback(self, state: RunState, info: dict[str, Any]) -> None:
@@ -234,6 +234,13 @@ class InitWatch(Callback):
 
             watched = state.module
             handle = watched.register_forward_hook(after_first_forward)
+
+
+def _loss_text(value: Any) -> str:
+    """A loss for the progress line: 4 decimals, or 4 significant digits below 0.001 (5.6e-13 read 'loss 0.0000')."""
+    if isinstance(value, (int, float)) and value != 0 and math.isfinite(value) and abs(value) < 1e-3:
+        return f"{value:.4g}"
+    return f"{value:.4f}" if isinstance(value, (int, float)) else str(value)
 
 
 def _say_overwritten(state: RunState, changes: list[Any], when: str) -> None:
