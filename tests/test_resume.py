@@ -241,3 +241,19 @@ def test_resume_refuses_a_task_optimizer_that_is_not_the_one_the_run_trained_wit
     same = Trainer(cfg("train.max_steps=6", "log.every=2", "train.batch_size=8"),
                    task=task(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)), run_dir=tmp_path / "run", resume=True)
     assert same.fit() and same.step == 6  # the same optimizer resumes
+
+
+def test_precision_auto_and_the_mode_it_resolves_to_are_one_precision_on_resume(tmp_path):
+    """A new-user trial: a CPU run with precision=auto (fp32 there) resumed with precision=fp32 was refused
+    ('precision: checkpoint "auto", now "fp32"'). Another precision still is."""
+    from helpers import cfg
+
+    from stabletrain import Trainer
+
+    run = ("train.max_steps=4", "ckpt.every=2", "log.every=2", "eval.every=0")
+    Trainer(cfg(*run, "precision=auto"), run_dir=tmp_path / "run").fit()
+    resumed = Trainer(cfg("train.max_steps=6", *run[1:], "precision=fp32"), run_dir=tmp_path / "run", resume=True)
+    resumed.fit()
+    assert resumed.step == 6
+    with pytest.raises(ValueError, match='precision: checkpoint "fp32", now "bf16"'):  # (the resumed run's own save)
+        Trainer(cfg("train.max_steps=8", *run[1:], "precision=bf16"), run_dir=tmp_path / "run", resume=True)
