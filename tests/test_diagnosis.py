@@ -477,3 +477,19 @@ def test_a_window_whose_loss_counts_no_item_is_said_so_not_blamed_on_an_op(tmp_p
     d = json.loads((tmp_path / "run" / "incidents" / "step_000001" / "diagnosis.json").read_text())
     assert d["failure_class"] == "data" and d["empty_window"] and d["op"] is None and d["bad_samples"] == [0, 1], d
     assert d["summary"].startswith("empty window: the loss counts no item in any of its 2 micro-batches (count 0"), d
+
+
+def test_the_empty_window_probe_leaves_the_models_buffers_and_the_rng_as_they_were():
+    """A review: the probe's early return skipped putting the buffers back: a BatchNorm's statistics moved before the
+    replay (the common case: a mean loss, whose count is never 0)."""
+    from stabletrain.incident_replay import _no_items
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 1)).train()
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    batch = (torch.randn(8, 4), torch.randn(8, 1))
+    rng = torch.get_rng_state()
+    assert _no_items(model, lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]), [(list(range(8)), batch)],
+                     PrecisionPolicy("fp32", torch.device("cpu"))) is None
+    assert all(torch.equal(b, before[n]) for n, b in model.named_buffers())
+    assert torch.equal(torch.get_rng_state(), rng)  # (its dropout drew: put back)

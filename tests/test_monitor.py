@@ -252,7 +252,7 @@ def test_bad_arguments_say_what_to_do():
     ({"model_factory": "nomod"}, "model_factory: expected 'module:function' or a function that builds the model, got 'nomod'"),
     ({"clip_max_norm": -1}, "clip_max_norm: expected a number > 0 or None, got -1 (config key clip.max_norm)"),
     ({"clip_max_norm": "1"}, "clip_max_norm: expected a number > 0 or None, got '1' (config key clip.max_norm)"),
-    ({"precision": "fp8"}, "precision: expected 'fp32', 'bf16', 'fp16' or None, got 'fp8' (config key precision)"),
+    ({"precision": "fp8"}, "precision: expected 'auto', 'fp32', 'bf16', 'fp16' or None, got 'fp8' (config key precision)"),
 ])
 def test_an_adapters_own_arguments_are_checked_when_it_is_built_naming_the_argument(kwargs, message):
     model, opt = make()
@@ -605,3 +605,9 @@ def test_the_spike_rules_keys_are_adapter_options_as_the_docs_say(tmp_path):
     with pytest.raises(ValueError, match=r"^spike_window: config key 'guard.spike_window': expected an integer >= 4, got 2$"):
         Monitor(model, opt, run_dir=None, spike_window=2)
 
+
+
+def test_an_adapters_arguments_take_what_they_meant_before():
+    """A review: model_factory 'pkg.mod:Class.builder' (a qualname) and precision='auto': accepted."""
+    model, opt = make()
+    Monitor(model, opt, model_factory="spike_tasks:OneStepAdamW.step", precision="auto", clip_max_norm=1, init_check=False)

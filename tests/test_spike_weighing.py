@@ -315,3 +315,14 @@ def test_a_data_spikes_samples_are_every_outlier_of_the_window_not_the_fewest_th
     d = _diagnosis(tmp_path / "run", 20)
     assert d["failure_class"] == "data" and d["bad_samples"] == bad, d["summary"]
     assert d["samples"]["without"]["ratio"] < 1.0, d["samples"]  # (without the 7 it was x1.52: under the bar, not normal)
+
+
+def test_the_outliers_as_a_group_never_reach_below_the_windows_own_level():
+    """A review: the widest gap among the largest losses may sit at their low end (a trained model's near-0 losses):
+    losses 5.0, 0.9, 0.8, 0.002 put 0.9 and 0.8 (ordinary) in the group. Each must be an outlier of the window too."""
+    from stabletrain.spike_samples import _alike
+
+    rows = [{"sample": i, "loss": v} for i, v in enumerate([5.0, 0.9, 0.8, 0.002, 0.7, 0.85, 0.75, 0.8])]
+    assert _alike(rows, [0], 3, 2.0) is None
+    planted = [{"sample": i, "loss": v} for i, v in enumerate([40.0, 30.0, 20.0, 0.9, 0.8, 0.85, 0.7, 0.75])]
+    assert _alike(planted, [0, 1], 3, 2.0) == [0, 1, 2]

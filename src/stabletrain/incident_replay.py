@@ -318,15 +318,16 @@ def _empty_batch(bundle: dict[str, Any], empty: list[int]) -> dict[str, Any]:
             "sample_unit": bundle.get("sample_unit", "dataset index")}
 
 
-def _no_items(model: nn.Module, loss_fn: Any, micro_batches: list[tuple[list[int], Any]]) -> list[float] | None:
+def _no_items(model: nn.Module, loss_fn: Any, micro_batches: list[tuple[list[int], Any]],
+              precision: PrecisionPolicy) -> list[float] | None:
     """The loss sums of a window whose ``(sum, count)`` loss counts no item in any micro-batch (every token masked out):
-    its mean is 0/0 whatever the weights. None for any other window (a count above 0, a mean loss, a non-finite sum).
-    A forward per micro-batch, without gradients; the RNG and the model's modes and buffers are put back."""
+    its mean is 0/0 whatever the weights. None for any other window (a count above 0, a mean loss, a non-finite sum, a
+    forward that fails here: the replay says). A forward per micro-batch under the run's autocast, without gradients;
+    the RNG, the model's modes and its buffers (BatchNorm's statistics, a spectral norm's vectors) are put back."""
     sums: list[float] = []
-    state = rng_state()
+    state, buffers = rng_state(), {n: b.detach().clone() for n, b in model.named_buffers()}
     try:
-        with torch.no_grad(), modes_kept(model):
-            buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+        with torch.no_grad(), modes_kept(model), precision.autocast():
             for indices, batch in micro_batches:
                 out = loss_fn(model, batch)
                 if not isinstance(out, (tuple, list)):
@@ -335,11 +336,14 @@ def _no_items(model: nn.Module, loss_fn: Any, micro_batches: list[tuple[list[int
                 if float(count) != 0 or not math.isfinite(float(total)):
                     return None
                 sums.append(float(total))
+    except Exception:  # noqa: BLE001  (the replay runs the same forward and says what fails)
+        return None
+    finally:
+        set_rng_state(state)
+        with torch.no_grad():
             for n, b in model.named_buffers():
                 if n in buffers:
                     b.copy_(buffers[n])
-    finally:
-        set_rng_state(state)
     return sums if micro_batches else None
 
 
@@ -430,7 +434,7 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
     micro_batches = [(idx, move_to(collate([task.train_data[i] for i in idx]), dev))
                      for idx in bundle["window"]["indices"] if idx]
 
-    if bundle.get("world_size", 1) == 1 and (counted := _no_items(model, task.loss, micro_batches)) is not None:
+    if bundle.get("world_size", 1) == 1 and (counted := _no_items(model, task.loss, micro_batches, precision)) is not None:
         result = _no_items_window(bundle, counted)  # a (sum, count) loss that counts nothing: its mean is 0/0
         result["timings"] = {"total_s": time.perf_counter() - start}
         atomic_write(directory / out, json.dumps(result, indent=2, default=str) + "\n")

@@ -128,11 +128,16 @@ def _alike(rows: list[dict[str, Any]], found: list[int], limit: int, bound: floa
     ``bound``, the spike ratio, among the ``limit`` largest and the one after), where those hold ``found`` and more: the
     outliers as a group, not the fewest whose removal passes the bar (5 of 8 planted x50 samples were named, the step
     without them 'normal' at x1.92 the median). None where no such gap sets them apart."""
+    finite = [r["loss"] for r in rows if math.isfinite(r["loss"])]
     top = sorted((r for r in rows if math.isfinite(r["loss"]) and r["loss"] > 0), key=lambda r: -r["loss"])[:limit + 1]
     gaps = [(a["loss"] / b["loss"], i) for i, (a, b) in enumerate(zip(top, top[1:]))]
-    if not gaps:
+    if not gaps or not finite:
         return None
     gap, at = max(gaps)
+    # each of them an outlier of the window itself too (the widest gap may sit at its low end: near-0 losses of a
+    # trained model's confident samples, below ordinary ones)
+    if top[at]["loss"] < bound * statistics.median(finite):
+        return None
     group = sorted(r["sample"] for r in top[:at + 1])
     return group if gap >= bound and set(found) < set(group) else None
 

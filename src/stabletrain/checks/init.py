@@ -226,12 +226,18 @@ def check_init(ctx: CheckContext) -> CheckResult:
 
     base = task.model.to(device)
     own = getattr(task, "optimizer", None)  # the run's optimizer, at its peak lr, for the update ratios
-    before = InitFingerprint.take(base)
+    try:
+        before = InitFingerprint.take(base)
+    except (ValueError, RuntimeError):  # a lazy module's parameters have no values before its first forward
+        before = None
     reports = [signal_report(base, batch, task.loss, label=AS_BUILT,
                              make_optimizer=optimizer_factory(base, ctx.cfg.optim, device, own))]
     # The measuring forward and backward change no parameter: one that did was re-drawn by the model's own forward (a
-    # lazy init on the first call). What was measured is that init, and no scheme applied before it survives it.
-    overwritten = before.compare(base)
+    # lazy init on the first call). What was measured is that init, and no scheme applied before it survives it. An
+    # embedding's max_norm renormalizes its rows in the forward by design: not counted.
+    renormed = {f"{m}.weight".lstrip(".") for m, mod in base.named_modules()
+                if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and mod.max_norm is not None}
+    overwritten = [c for c in before.compare(base) if c.name not in renormed] if before is not None else []
     zero = zero_init_layers(base, reports[0])
     deliberate = [z for z in zero if z.deliberate]
     if deliberate:  # judged without them: on a copy where their weight is small, not 0
@@ -298,9 +304,9 @@ def check_init(ctx: CheckContext) -> CheckResult:
         text = InitFingerprint.describe(overwritten)
         details = [d for d in details if not d.startswith("recommended init:")] + [
             f"init overwritten in the model's first forward: {text}; the layers above were measured with the weights it "
-            "drew, and no init applied before the forward survives it: remove the re-initialization from the forward "
-            "(a lazy init on the first call), then compare schemes"]
-        summary = f"the model's first forward re-initialized {len(overwritten)} parameter(s); " + summary
+            "left, and no init applied before the forward survives it: remove the re-initialization (a lazy init on the "
+            "first call) or the in-place change of the weights from the forward, then compare schemes"]
+        summary = f"the model's first forward changed {len(overwritten)} parameter(s); " + summary
         numbers["init_overwritten"] = [c.as_dict() for c in overwritten]
     if loss_fails:
         summary += (f"; and so {loss_line.split(' (the model')[0]}" if exploding is not None

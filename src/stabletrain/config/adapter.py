@@ -42,7 +42,7 @@ HOST_OPTIONS: dict[str, tuple[Any, str]] = {
 
 #: An adapter constructor's own arguments that are keys of the built-in run's config (a bad value names both).
 ARG_KEYS = {"clip_max_norm": "clip.max_norm", "precision": "precision"}
-_FACTORY = re.compile(r"([A-Za-z_][\w.]*):[A-Za-z_]\w*")
+_FACTORY = re.compile(r"([A-Za-z_][\w.]*):[A-Za-z_][\w.]*")
 
 
 class AdapterOptions:
@@ -90,11 +90,11 @@ class AdapterOptions:
         for name, value in args.items():
             if value is None:
                 continue
-            if name == "clip_max_norm":
+            if name == "clip_max_norm":  # (a Python number, as the config key holds: a numpy one fails its check there)
                 ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
                 want = "a number > 0 or None"
             elif name == "precision":
-                ok, want = value in ("fp32", "bf16", "fp16"), "'fp32', 'bf16', 'fp16' or None"
+                ok, want = value in ("auto", "fp32", "bf16", "fp16"), "'auto', 'fp32', 'bf16', 'fp16' or None"
             elif name == "model_factory":
                 found = _FACTORY.fullmatch(value) if isinstance(value, str) else None
                 ok, want = callable(value) or found is not None, "'module:function' or a function that builds the model"
@@ -155,6 +155,8 @@ def _no_module(name: str) -> bool:
         return importlib.util.find_spec(name) is None
     except (ImportError, ValueError):
         return True
+    except Exception:  # noqa: BLE001  (a parent package that fails to import: its own error comes when it is loaded)
+        return False
 
 
 def _get(cfg: Config, key: str) -> Any:

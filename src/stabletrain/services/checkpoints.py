@@ -40,7 +40,6 @@ from ..config import (
     resume_refusal_message,
 )
 from ..policies.optim import optimizer_change
-from ..policies.precision import resolve_precision
 from ..records.checkpoint.files import CheckpointError
 from ..records.checkpoint.manager import LoadedCheckpoint
 from ..records.checkpoint.saves import PendingSave, SaveCosts
@@ -135,8 +134,10 @@ class CheckpointKeeper:
         resharded = saved_world != state.dist.world
         diffs = diff_configs(saved_cfg, config_to_dict(state.cfg),
                              RESUME_SAFE_KEYS + (RESHARD_SAFE_KEYS if resharded else ()))
-        # precision=auto and the mode it resolves to on this device are one precision (auto -> fp32 on a CPU)
-        diffs = [d for d in diffs if d.key != "precision" or not _same_precision(d.saved, d.current, state.device)]
+        # precision=auto and the mode it resolved to are one precision (auto -> fp32 on a CPU): the mode the run trained
+        # in (its checkpoint's) against the one this launch resolved
+        trained = (loaded.state.get("precision") or {}).get("mode") if isinstance(loaded.state, dict) else None
+        diffs = [d for d in diffs if d.key != "precision" or "auto" not in (d.saved, d.current) or trained != state.precision]
         if diffs:
             raise ValueError(resume_refusal_message(run_dir, diffs))
         changed = optimizer_change(loaded.state.get("optimizer"), state.optimizer)  # a task's own: no config key says it
@@ -421,15 +422,6 @@ class CheckpointKeeper:
                                   f"{limit}), the run stops here; the last: {last['reason']}. {where}", ckpt.root)
 
         state.dist.on_main(verdict)
-
-
-def _same_precision(saved: Any, current: Any, device: Any) -> bool:
-    """Whether two ``precision`` values are one precision on ``device`` (``auto`` and what it resolves to there)."""
-    pair = {saved, current}
-    if "auto" not in pair or not all(isinstance(v, str) for v in pair):
-        return False
-    other = (pair - {"auto"}).pop() if len(pair) > 1 else "auto"
-    return resolve_precision("auto", device) == other
 
 
 def _reshard_info(saved_cfg: dict[str, Any], saved_world: int, state: RunState) -> tuple[dict[str, Any], str]:
