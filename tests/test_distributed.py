@@ -621,3 +621,43 @@ def test_a_lost_peer_is_news_not_an_error_when_the_launch_restarts(monkeypatch, 
         monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", str(most))
         assert cli.main(["train"]) == 1
         assert capsys.readouterr().err.startswith(head)
+
+
+def test_the_launcher_sweeps_the_processes_its_launch_left_behind(tmp_path):
+    """A new-user trial: rank 1 of an FSDP2 run, SIGKILLed before its first sharded save was durable, left its DCP
+    checkpoint process and multiprocessing's resource tracker running, reparented, holding the console's pipe (a
+    `| tail` never returned). What carries the launch's mark and is no longer under the launcher is killed; what is
+    still under it (a rank) and what carries another launch's mark are not."""
+    from stabletrain.distributed.launch import LAUNCH_MARK_ENV, sweep_orphans
+
+    me = os.getpid()
+    marked = {**os.environ, LAUNCH_MARK_ENV: str(me)}
+    # an orphan: started by a shell that exits at once (the sleep is reparented away from this process)
+    subprocess.run(["sh", "-c", "sleep 60 >/dev/null 2>&1 & echo $! > orphan.pid"], env=marked, cwd=tmp_path, check=True)
+    orphan = int((tmp_path / "orphan.pid").read_text())
+    other = subprocess.run(["sh", "-c", "sleep 60 >/dev/null 2>&1 & echo $!"], env={**os.environ, LAUNCH_MARK_ENV: "1"},
+                           capture_output=True, text=True, check=True)
+    stranger = int(other.stdout)
+    child = subprocess.Popen(["sleep", "60"], env=marked)  # still under the launcher: a rank
+    try:
+        time.sleep(0.2)
+        assert sweep_orphans(me) == [orphan]
+        time.sleep(0.2)
+        assert not Path(f"/proc/{orphan}").exists() or "Z" in Path(f"/proc/{orphan}/stat").read_text().split()[2]
+        assert child.poll() is None and Path(f"/proc/{stranger}").exists()
+    finally:
+        child.kill()
+        child.wait()
+        os.kill(stranger, signal.SIGKILL)
+
+
+def test_a_death_before_the_first_checkpoint_says_to_start_over_not_to_resume(tmp_path):
+    """A new-user trial: rank 1 died before any checkpoint was durable and the launcher's line said 'continue the run:
+    stabletrain train --resume RUN', which then failed ('no checkpoint in .../checkpoints')."""
+    from stabletrain.distributed.launch import _continue
+
+    (tmp_path / "checkpoints").mkdir()
+    assert _continue(tmp_path) == (f"; no checkpoint of it was written: start it over (the same command with "
+                                   f"run.overwrite=true, run.dir={tmp_path})")
+    (tmp_path / "checkpoints" / "LAST_GOOD").write_text("step_000010")
+    assert _continue(tmp_path) == f"; continue the run: stabletrain train --resume {tmp_path}"

@@ -39,15 +39,17 @@ from typing import Any
 
 from ..process import stat_fields
 
-__all__ = ["launch", "supervise", "die_with_parent", "LAUNCHER_ENV", "RESTART_ENV", "LAUNCH_START_ENV",
+__all__ = ["launch", "supervise", "die_with_parent", "LAUNCHER_ENV", "LAUNCH_MARK_ENV", "RESTART_ENV", "LAUNCH_START_ENV",
            "SUPERVISED_ENV", "EXIT_GAVE_UP", "FINAL_EXITS", "death_record", "describe_exit", "process_start_time",
            "restart_backoff_s", "quick_deaths", "QUICK_DEATH_S", "restarted_by_parent", "UNSHARED_STORE", "leave_word",
            "under_torchrun", "default_run_dir", "with_death", "RUN_DIR_NOTE_ENV", "note_run_dir", "run_dir_note",
-           "restarts_used_up"]
+           "restarts_used_up", "sweep_orphans"]
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 #: Set by :func:`launch` for torchrun and so its ranks: the launcher's pid (a rank checks its parent's parent).
 LAUNCHER_ENV = "STABLETRAIN_LAUNCHER_PID"
+#: The same pid, kept by every process of the launch (a rank pops :data:`LAUNCHER_ENV`): what :func:`sweep_orphans` reads.
+LAUNCH_MARK_ENV = "STABLETRAIN_LAUNCH"
 #: A restarted process's environment: what the launcher knows of the death it restarts after (JSON).
 RESTART_ENV = "STABLETRAIN_RESTART"
 #: The wall-clock time (seconds since the epoch) the first launch's outermost stabletrain process started:
@@ -242,7 +244,7 @@ def restarts_used_up(death: dict[str, Any], note: Path, *, who: str) -> int:
     line = (f"{died}, and its {limit} restart(s) are used up (run.max_restarts={limit}); not restarted again" if limit else
             f"{died}; not restarted (run.max_restarts=0)")
     if run_dir is not None and told:  # its crash is the record (a stop beside it would hide it in the report)
-        line += f"; its crash is recorded in {run_dir / 'events.jsonl'}; continue the run: stabletrain train --resume {run_dir}"
+        line += f"; its crash is recorded in {run_dir / 'events.jsonl'}{_continue(run_dir)}"
     elif run_dir is not None:  # (not "restart refused: ...", a launch that refused: the goodput counts those)
         try:
             run = RunDir(run_dir, resume=True)
@@ -255,9 +257,35 @@ def restarts_used_up(death: dict[str, Any], note: Path, *, who: str) -> int:
             line += f". Recorded in {run_dir / 'events.jsonl'} (its last record: step {step})"
         except (OSError, ValueError) as err:  # (a full disk): the line still says it
             line += f". Not recorded in {run_dir} ({type(err).__name__}: {err})"
-        line += f"; continue the run: stabletrain train --resume {run_dir}"
+        line += _continue(run_dir)
     console.error(line)
     return 1 if code >= 0 else 128 - code
+
+
+def _continue(run_dir: Path) -> str:
+    """How to go on from ``run_dir``: resume it from its LAST_GOOD, or, with no checkpoint written, start it over."""
+    if (run_dir / "checkpoints" / "LAST_GOOD").is_file():
+        return f"; continue the run: stabletrain train --resume {run_dir}"
+    return f"; no checkpoint of it was written: start it over (the same command with run.overwrite=true, run.dir={run_dir})"
+
+
+def sweep_orphans(launcher: int) -> list[int]:
+    """SIGKILL what a launch left behind: processes that carry its mark (:data:`LAUNCH_MARK_ENV` = ``launcher``) and are no
+    longer under it (a killed rank's DCP checkpoint process and its resource tracker, reparented, holding the console's
+    pipe). Returns their pids. ``/proc`` only (Linux); a process whose environment cannot be read is not ours."""
+    parents = {int(e.name): _ppid_of(int(e.name)) for e in (Path("/proc").glob("[0-9]*") if Path("/proc").is_dir() else [])}
+    tree = {launcher}
+    while more := {p for p, pp in parents.items() if pp in tree} - tree:  # the launcher's descendants
+        tree |= more
+    mark, killed = f"{LAUNCH_MARK_ENV}={launcher}".encode(), []
+    for pid in set(parents) - tree:
+        try:
+            if mark in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+        except OSError:  # gone, or not ours to read
+            continue
+    return killed
 
 
 def leave_word(err: BaseException) -> None:
@@ -292,7 +320,7 @@ def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
     cmd = [sys.executable, "-m", "stabletrain.distributed.elastic", "--standalone", f"--nproc_per_node={nproc}",
            f"--max-restarts={max_restarts}", "-m", "stabletrain", *argv]
     launcher = os.getpid()
-    env = {**os.environ, LAUNCHER_ENV: str(launcher)}
+    env = {**os.environ, LAUNCHER_ENV: str(launcher), LAUNCH_MARK_ENV: str(launcher)}
     env.setdefault(LAUNCH_START_ENV, str(process_start_time() or time.time()))
     if max_restarts:
         env.setdefault(*UNSHARED_STORE)
@@ -325,12 +353,16 @@ def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
             os.kill(proc.pid, signum)
 
     old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    polls = 0
     try:
         while True:
             try:
                 code = proc.wait(timeout=POLL_S)
                 break
             except subprocess.TimeoutExpired:
+                polls += 1
+                if polls % SWEEP_POLLS == 0:  # a rank killed mid-run may leave its checkpoint process behind
+                    sweep_orphans(launcher)
                 if pending and time.monotonic() - pending[0][1] > GRACE_S:  # not ending by itself: a restart's gap
                     with contextlib.suppress(ProcessLookupError):  # (once, the first asked for: its ranks in start-up
                         os.kill(proc.pid, pending[0][0])  # may not take a signal yet; the agent stops them)
@@ -340,6 +372,7 @@ def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
+        sweep_orphans(launcher)  # no process of the launch outlives it
     from .. import console
 
     if code < 0 and -code in sent:  # the stop asked for where no rank was running to take it
@@ -360,6 +393,8 @@ def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
 
 #: How often the launcher looks for its ranks (``/proc``) and for a stop it holds.
 POLL_S = 0.5
+#: Every this many polls it sweeps the processes its launch left behind (:func:`sweep_orphans`).
+SWEEP_POLLS = 10
 #: A stop asked for after the ranks ended is held this long for the agent to end by itself (a finished run), then sent.
 GRACE_S = 3.0
 
