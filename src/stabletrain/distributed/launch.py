@@ -353,16 +353,12 @@ def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
             os.kill(proc.pid, signum)
 
     old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
-    polls = 0
     try:
         while True:
             try:
                 code = proc.wait(timeout=POLL_S)
                 break
             except subprocess.TimeoutExpired:
-                polls += 1
-                if polls % SWEEP_POLLS == 0:  # a rank killed mid-run may leave its checkpoint process behind
-                    sweep_orphans(launcher)
                 if pending and time.monotonic() - pending[0][1] > GRACE_S:  # not ending by itself: a restart's gap
                     with contextlib.suppress(ProcessLookupError):  # (once, the first asked for: its ranks in start-up
                         os.kill(proc.pid, pending[0][0])  # may not take a signal yet; the agent stops them)
@@ -372,7 +368,9 @@ def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
-        sweep_orphans(launcher)  # no process of the launch outlives it
+        # No process of the launch outlives it (only at its end: a tracker's service a rank started detached, e.g.
+        # reparented by its own double fork, is the run's while it runs)
+        sweep_orphans(launcher)
     from .. import console
 
     if code < 0 and -code in sent:  # the stop asked for where no rank was running to take it
@@ -393,8 +391,6 @@ def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
 
 #: How often the launcher looks for its ranks (``/proc``) and for a stop it holds.
 POLL_S = 0.5
-#: Every this many polls it sweeps the processes its launch left behind (:func:`sweep_orphans`).
-SWEEP_POLLS = 10
 #: A stop asked for after the ranks ended is held this long for the agent to end by itself (a finished run), then sent.
 GRACE_S = 3.0
 
