@@ -37,6 +37,7 @@ from .diagnostics.cures import ModuleFP32
 from .diagnostics.diagnosis import matches_observed
 from .diagnostics.spike import LR_RISE, classify_spike, ordinary_stand_in, spike_summary
 from .diagnostics.spike_evidence import departures, jumps, lr_change, lr_groups, precision_departures
+from .numerics import param_update_norms, update_totals
 from .policies.guard import spike_test
 from .policies.precision import resolve_device
 from .records.bundles import with_sample_ranks
@@ -288,11 +289,8 @@ def _older(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, spike: list, co
             "window_not_above_now": bool(context and math.isfinite(ordinary_now) and loss <= ratio * ordinary_now),
             "ratio": ratio, **({} if context else {"no_context": True}),
             "ordinary_step": {"step": step + 1, "capture": after.get("step")}.get(source)}
-    moved = norm = 0.0
-    with torch.no_grad():  # how far the weights moved since then, against their norm there (a tensor at a time)
-        for p, q in zip(bench.replica.model.parameters(), older.parameters()):
-            norm += float(q.detach().float().square().sum())
-            moved += float((p.detach().float() - q.detach().float()).square().sum())
-    info["moved"] = math.sqrt(moved / norm) if norm > 0 else None
+    # how far the weights moved since then, against their norm there: the update/weight ratio of the run's own records
+    moved = update_totals(*param_update_norms(list(bench.replica.model.parameters()), list(older.parameters())))
+    info["moved"] = float(moved["update_ratio"]) if float(moved["param_norms"].norm()) > 0 else None
     now, order = bench.module_rms(spike, bench.replica.model)
     return info, departures(now, bench.module_rms(spike, older)[0], order)

@@ -28,7 +28,7 @@ from .config import config_from_dict
 from .data import move_to
 from .diagnostics.diagnosis import run_diagnosis
 from .fileio import atomic_write
-from .numerics import grad_norms, modes_kept, unique_params
+from .numerics import buffers_kept, grad_norms, modes_kept, unique_params
 from .policies.accumulation import as_sum_count
 from .policies.clipping import GradClipper
 from .policies.guard import UNRECOVERABLE_SCALE, inputs_finite
@@ -36,7 +36,7 @@ from .policies.precision import PrecisionPolicy, resolve_device
 from .records.bundles import DIAGNOSIS_FILE, load_bundle, with_sample_ranks
 from .records.provenance import other_task
 from .replica import Replica, copy_precision, local
-from .seeding import rng_state, set_rng_state
+from .seeding import kept_rng, rng_state, set_rng_state
 from .step import TrainStep
 from .tasks import Task, resolve_task
 
@@ -325,9 +325,8 @@ def _no_items(model: nn.Module, loss_fn: Any, micro_batches: list[tuple[list[int
     forward that fails here: the replay says). A forward per micro-batch under the run's autocast, without gradients;
     the RNG, the model's modes and its buffers (BatchNorm's statistics, a spectral norm's vectors) are put back."""
     sums: list[float] = []
-    state, buffers = rng_state(), {n: b.detach().clone() for n, b in model.named_buffers()}
     try:
-        with torch.no_grad(), modes_kept(model), precision.autocast():
+        with kept_rng(), torch.no_grad(), modes_kept(model), buffers_kept(model), precision.autocast():
             for indices, batch in micro_batches:
                 out = loss_fn(model, batch)
                 if not isinstance(out, (tuple, list)):
@@ -338,12 +337,6 @@ def _no_items(model: nn.Module, loss_fn: Any, micro_batches: list[tuple[list[int
                 sums.append(float(total))
     except Exception:  # noqa: BLE001  (the replay runs the same forward and says what fails)
         return None
-    finally:
-        set_rng_state(state)
-        with torch.no_grad():
-            for n, b in model.named_buffers():
-                if n in buffers:
-                    b.copy_(buffers[n])
     return sums if micro_batches else None
 
 

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 __all__ = [
     "unique_params",
     "applied_only",
+    "buffers_kept",
     "grad_norms",
     "grad_total_norm",
     "all_params_finite",
@@ -81,6 +82,20 @@ def modes_kept(model: nn.Module) -> Iterator[None]:
     finally:
         for m, training in modes:
             m.training = training
+
+
+@contextlib.contextmanager
+def buffers_kept(model: nn.Module) -> Iterator[None]:
+    """Give ``model``'s buffers back the values they had on entry when the block ends (also on an exception): a probe's
+    forward in training mode moves a BatchNorm's statistics and a spectral norm's vectors."""
+    saved = {name: b.detach().clone() for name, b in model.named_buffers()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name in saved:
+                    b.copy_(saved[name])
 
 
 def grad_norms(params: list[Tensor]) -> tuple[Tensor, Tensor]:
@@ -201,8 +216,7 @@ def applied_only(update: dict[str, Tensor], applied: Tensor | bool) -> dict[str,
     if applied is True or not tensors:
         return update
     keep = torch.as_tensor(applied, device=tensors[0].device) != 0  # (a bool or a 0/1 float flag)
-    return {k: (torch.where(keep, v, torch.full_like(v, math.nan)) if k != "param_norms" and isinstance(v, Tensor) else v)
-            for k, v in update.items()}
+    return {k: torch.where(keep, v, torch.full_like(v, math.nan)) if k != "param_norms" else v for k, v in update.items()}
 
 
 def update_norms(params: list[Tensor], before: list[Tensor]) -> dict[str, Tensor]:

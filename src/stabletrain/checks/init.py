@@ -41,6 +41,7 @@ from ..diagnostics.initialization import (
 )
 from ..diagnostics.signal_display import format_comparison, format_report, plot_signal
 from ..diagnostics.signal_propagation import EXPLODING, SignalReport, signal_report
+from ..numerics import buffers_kept
 from ..policies.accumulation import as_sum_count
 from ..policies.optim import optimizer_factory
 from ..seeding import seed_everything
@@ -122,18 +123,13 @@ def uninformed_loss(model: nn.Module, batch: Any, loss: Any) -> tuple[float, flo
         seen.append(None)
         return None
 
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     handle = model.register_forward_hook(zero)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), buffers_kept(model):
             total, count = as_sum_count(loss(model, batch), 1)
             value = float(total / count)
     finally:
         handle.remove()
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                if name in buffers:
-                    b.copy_(buffers[name])
     if len(seen) != 1 or seen[0] is None or not math.isfinite(value):
         return None
     return value, *seen[0]

@@ -145,6 +145,7 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     risen = ((older or {}).get("median") or 0) > 0 and levels[1] > older["ratio"] and (levels[0] > older["ratio"]
                                                                                          or older["ordinary_high"])
     high_before = older is not None and older["window_high"] and not drifted_now and not fresh and not risen
+    overrode = risen and older["window_high"]  # (what tells this state from a calm one that finds the window high too)
     # No older state to weigh the window against: ordinary windows that are spikes by the rule under this state say
     # the state drifted (then dropping a drifted window's largest losses "cures" it too: no sample is to blame).
     now = m.get("ordinary_now") if older is None else None
@@ -213,7 +214,7 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
                      f"({then:.4g}): the loss has been unsettled since")
         else:
             where = f"{'high at' if older['ordinary_high'] else 'at'} {now:.4g} under this one (vs {then:.4g})"
-        if risen and older["window_high"]:  # (what tells this state from a calm one that finds the window high too)
+        if overrode:
             where += (f", x{levels[1]:.3g} the run's level before the spike under this one ({older['median']:.4g}, the "
                       f"rule's median; x{levels[0]:.3g} under that state)")
         if older["window_high"]:  # (and ordinary windows rose since: high_before is off)
@@ -232,7 +233,7 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
         drift += (f"; samples {', '.join(map(str, samples['indices']))} carry {_pct(samples['share'])} of the loss, "
                   + ("but ordinary windows are high under this state too" if drifted_now else
                      "but ordinary windows are far above the run's level before under this state too: the state "
-                     "drifted" if risen and older["window_high"] else f"but the state of step "
+                     "drifted" if overrode else f"but the state of step "
                      f"{older['step']} already ran at x{lr['now'] / sizes['lr']:.3g} the LR of the run's intervals before "
                      "it: none from before the rise to weigh them under" if fresh else "but only under the current state"
                      if weighed else "but the window is weighed against no ordinary window under the older state"))

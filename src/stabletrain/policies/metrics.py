@@ -80,7 +80,7 @@ DEFAULTS = {"spike": 0.0, "params_finite": float("nan"), "overflow": 0.0, "updat
 _MISSING = object()  # a required column's "default": update() names it
 _SPEC = tuple((c, DEFAULTS.get(c, _MISSING)) for c in COLUMNS)
 #: A measured update's figures, not measured (NaN) where its step was skipped (:func:`~stabletrain.numerics.applied_only`).
-_UPDATE = ("update_norm", "update_ratio", "param_update_norms", "param_norms")
+_UPDATE = ("update_norm", "update_ratio", "param_update_norms")
 
 
 def peak_memory_mib(device: torch.device) -> float:

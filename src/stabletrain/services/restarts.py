@@ -193,22 +193,17 @@ def begin_launch(cfg: Any, run_dir: Path | None, resume: bool, ctx: Any) -> Laun
         has_checkpoint = bool(CheckpointManager(run_dir / "checkpoints").checkpoints())
         if restart:
             return _restart(cfg, run_dir, everyone, has_checkpoint)
-        if resume:  # --resume at or past train.max_steps (a config it takes): nothing to train, and the run's record
-            manager = CheckpointManager(run_dir / "checkpoints")  # stays as it is (config.yaml, resume and schedule events)
-            name = manager.latest_good()
-            at = int(name.name.split(".")[0].removeprefix("step_")) if name is not None else None
-            if at is not None and at >= cfg.train.max_steps and _same_config(cfg, name) and not manager.verify(name):
-                console.say(f"nothing to train: the run is at step {at} and train.max_steps={cfg.train.max_steps} (raise "
-                            f"train.max_steps to train on); {run_dir} is left as it was")
-                return Launch(False, run_dir, finished=True)
+        # A run at or past train.max_steps, resumed or resubmitted: nothing to train, and its record stays as it is
+        # (config.yaml, resume and schedule events; a changed config goes on to the resume, which refuses it; a damaged
+        # last checkpoint too, which falls back to the one before it and trains the rest)
+        name = CheckpointManager(run_dir / "checkpoints").latest_good() if resume or cfg.run.resume == "auto" else None
+        done = name is not None and _finished(cfg, run_dir, name)
+        if resume and done:
+            console.say(f"nothing to train: the run is at step {_step_of(name)} and train.max_steps={cfg.train.max_steps} "
+                        f"(raise train.max_steps to train on); {run_dir} is left as it was")
+            return Launch(False, run_dir, finished=True)
         if cfg.run.resume == "auto" and not resume:
-            manager = CheckpointManager(run_dir / "checkpoints")
-            name = manager.latest_good()
-            at = int(name.name.split(".")[0].removeprefix("step_")) if name is not None else None
-            # A resubmitted finished run: its record stays as it is (a changed config goes on to the resume, which
-            # refuses it; a damaged last checkpoint too, which falls back to the one before it and trains the rest)
-            if (at is not None and at >= cfg.train.max_steps and _same_config(cfg, name)
-                    and not manager.verify(name)):
+            if done:
                 console.say(f"run.resume=auto: {run_dir} has finished (LAST_GOOD {name.name}, train.max_steps="
                             f"{cfg.train.max_steps}): nothing to train (raise train.max_steps to train on)")
                 return Launch(False, run_dir, finished=True)
@@ -221,6 +216,17 @@ def begin_launch(cfg: Any, run_dir: Path | None, resume: bool, ctx: Any) -> Laun
         return Launch(resume, run_dir)
 
     return ctx.on_main(decide)
+
+
+def _step_of(checkpoint: Path) -> int:
+    return int(checkpoint.name.split(".")[0].removeprefix("step_"))
+
+
+def _finished(cfg: Any, run_dir: Path, checkpoint: Path) -> bool:
+    """Whether ``checkpoint`` (the run's LAST_GOOD) is at or past ``cfg``'s train.max_steps, under a config a resume takes,
+    and whole (it verifies)."""
+    return (_step_of(checkpoint) >= cfg.train.max_steps and _same_config(cfg, checkpoint)
+            and not CheckpointManager(run_dir / "checkpoints").verify(checkpoint))
 
 
 def _same_config(cfg: Any, checkpoint: Path) -> bool:
