@@ -505,6 +505,18 @@ def test_overfit_does_not_pass_a_loss_halved_far_above_a_uniform_guess():
     assert ok.passed and "(target < initial/2 within 150)" in ok.summary, ok.summary
 
 
+def test_overfit_probes_the_uniform_guess_under_the_runs_autocast():
+    """A bf16 model fed float inputs trains under precision=bf16's autocast; the uninformed-output probe ran without it
+    and raised 'mat1 and mat2 must have the same dtype', failing the check of a model that trains."""
+    def task():
+        x, y = torch.randn(16, 8), torch.arange(16) % 4
+        return Task(model=nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4)).to(torch.bfloat16),
+                    train_data=TensorDataset(x, y), loss=lambda m, b: F.cross_entropy(m(b[0]).float(), b[1]))
+
+    (res,) = run_checks(CheckContext(cfg("precision=bf16"), task_factory=task), ["overfit"])
+    assert res.passed and math.isclose(res.numbers["uniform_guess"], math.log(4), rel_tol=1e-3), (res.summary, res.numbers)
+
+
 class _LazyRedraw(nn.Module):
     """An MLP whose first forward re-draws its weights N(0, 1) (a lazy init): whatever init it was built with is gone."""
 

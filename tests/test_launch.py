@@ -30,7 +30,10 @@ def test_a_deaths_last_line_is_the_childs_own_not_its_restart_announcement(tmp_p
                           ["ValueError: bad"]),
                          # a message's continuation line is not its last word: the line it continues is
                          (b"stabletrain: stopped at step 9: stalled\n  (recorded in runs/x; see: stabletrain report)\n",
-                          ["stabletrain: stopped at step 9: stalled"])):
+                          ["stabletrain: stopped at step 9: stalled"]),
+                         # a long line is quoted from its start (where it names itself), cut at its end with a mark
+                         (b"stabletrain: loss spike at step 83: " + b"x" * 400 + b"\n",
+                          ["stabletrain: loss spike at step 83: " + "x" * 261 + "..."])):
         read, write = os.pipe()
         sink = open(os.devnull, "wb")
         lines: list[str] = []

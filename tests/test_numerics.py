@@ -68,3 +68,30 @@ def test_both_finite_is_false_for_nan_or_inf_in_either_and_true_for_huge_finite_
     assert bool(both_finite(t(1.0), t(big))) and bool(both_finite(t(big), t(big)))  # no sum that could overflow
     for bad in (math.nan, math.inf, -math.inf):
         assert not bool(both_finite(t(bad), t(1.0))) and not bool(both_finite(t(1.0), t(bad)))
+
+
+def test_buffers_kept_puts_back_a_buffer_the_forward_replaced_or_added_and_restores_values():
+    """A causal-mask cache grown from 2x2 to 8x8 in the forward (a new tensor of another shape) raised in copy_; one the
+    forward added stayed; a BatchNorm's statistics come back to their values."""
+    from torch import nn
+
+    from stabletrain.numerics import buffers_kept
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("mask", torch.ones(2, 2))
+            self.norm = nn.BatchNorm1d(8)
+
+        def forward(self, x):
+            self.mask = torch.tril(torch.ones(x.shape[0], x.shape[0]))  # grown: a new tensor
+            self.register_buffer("cache", x.detach().clone(), persistent=False)
+            return self.norm(self.mask @ x)
+
+    model = Masked()
+    mask, mean = model.mask, model.norm.running_mean.clone()
+    with buffers_kept(model):
+        model(torch.randn(8, 8))
+        assert model.mask.shape == (8, 8) and not torch.equal(model.norm.running_mean, mean)
+    assert model.mask is mask and torch.equal(mask, torch.ones(2, 2))
+    assert "cache" not in dict(model.named_buffers()) and torch.equal(model.norm.running_mean, mean)

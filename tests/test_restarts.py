@@ -547,9 +547,10 @@ def test_goodput_counts_the_launch_that_refused_once(tmp_path):
                    "cause": {"time": 129.0}})
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     g = read_goodput(tmp_path)
-    assert (g.launches, g.restarts) == (4, 2) and "over 4 launches" in g.line(), g.line()
-    # a user counted 3 launch lines and 2 restarts against "4 launches": the line says which one the 4th was
-    assert "over 4 launches (the last refused to restart, a crash loop; lost: " in g.line(), g.line()
+    assert (g.launches, g.restarts, g.refused) == (4, 2, 1)
+    # a user counted 3 launch lines and 2 restarts against "4 launches" (and again against "4 launches (the last refused
+    # to restart ...)"): the line counts the launches that trained, and the one that refused apart
+    assert "over 3 launches (and one more that refused to restart: a crash loop; lost: " in g.line(), g.line()
 
 
 def test_goodput_parts_that_overlap_in_an_interval_stay_within_its_wall_time(tmp_path):
@@ -640,6 +641,32 @@ def test_a_ranks_death_named_by_its_launcher_is_the_same_failure_only_at_the_sam
         tmp_path / "run12" / "events.jsonl").read_text()
     # A record without an exit code (a launcher that could not read it) is taken as exit 1, not a crash of the launch
     assert launch(6, None).refused is None
+
+
+def test_a_signal_death_at_the_same_step_is_the_same_failure_whatever_its_last_line(tmp_path):
+    """A process SIGKILLed at the same step on every launch printed a progress line before its first death and its
+    restart's announcement before the others: the same failure all the same (a signal's victim says nothing of it),
+    refused at run.max_repeats=2 after two restarts, and the line names the step it got to."""
+    from stabletrain.services.restarts import _restart_after
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (10, 20)))
+    events = [{"kind": "checkpoint", "step": 20, "time": 1.0}]
+    lines = ["mlp step 20/100 (20%) | loss 2.3", "stabletrain: restart 1 of 5 after rank 0 ...; resuming from step_000020",
+             "stabletrain: restart 2 of 5 after rank 0 ...; resuming from step_000020"]
+    outcomes = []
+    for number, line in enumerate(lines, 1):
+        (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+        cause = {"rank": 0, "exitcode": -9, "last_line": line, "restart": number, "max_restarts": 5, "time": 2.0 + number}
+        everyone = [{"causes": [cause], "count": number, "max": 5, "run_id": None}]
+        outcomes.append(_restart_after(cfg("run.max_repeats=2"), run_dir, everyone, True, cause, late=False))
+        events = read_jsonl(run_dir / "events.jsonl")[0]
+    assert [o.refused is None for o in outcomes] == [True, True, False], [o.refused for o in outcomes]
+    assert ("the same failure ended 3 launches in a row (ended as rank 0 was killed by SIGKILL (its last record: step 20; "
+            "its last line: 'stabletrain: restart 2 of 5") in outcomes[-1].refused
+    # (no checkpoint on disk here: the restarts resumed from none, and the line says so rather than 'from None')
+    assert "tried: 2 restart(s) so far, the last from step 0 (no checkpoint was written yet)" in outcomes[-1].refused
 
 
 def test_a_stop_asked_for_after_the_ranks_finished_leaves_the_finished_run_at_exit_0(tmp_path):

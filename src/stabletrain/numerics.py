@@ -88,14 +88,21 @@ def modes_kept(model: nn.Module) -> Iterator[None]:
 def buffers_kept(model: nn.Module) -> Iterator[None]:
     """Give ``model``'s buffers back the values they had on entry when the block ends (also on an exception): a probe's
     forward in training mode moves a BatchNorm's statistics and a spectral norm's vectors."""
-    saved = {name: b.detach().clone() for name, b in model.named_buffers()}
+    saved = {name: (b, b.detach().clone()) for name, b in model.named_buffers()}
     try:
         yield
     finally:
         with torch.no_grad():
-            for name, b in model.named_buffers():
-                if name in saved:
-                    b.copy_(saved[name])
+            for name, b in list(model.named_buffers()):
+                if name not in saved:  # one the forward added (a cache built on first use): gone again
+                    owner, _, attr = name.rpartition(".")
+                    delattr(model.get_submodule(owner), attr)
+            for name, (was, value) in saved.items():
+                owner, _, attr = name.rpartition(".")
+                module = model.get_submodule(owner)
+                if getattr(module, attr, None) is not was:  # the forward replaced it (a mask cache grown to a new shape)
+                    setattr(module, attr, was)
+                was.copy_(value)
 
 
 def grad_norms(params: list[Tensor]) -> tuple[Tensor, Tensor]:

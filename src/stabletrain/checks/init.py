@@ -20,6 +20,7 @@ around (the middle of a plain chain) is judged as built, and said so.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -48,7 +49,7 @@ from ..seeding import seed_everything
 from ..tasks.init_schemes import SCHEMES, init_
 from . import CheckContext, CheckResult, register
 
-__all__ = ["check_init", "compare_schemes", "uninformed_loss", "LOSS_AT_INIT_LIMIT"]
+__all__ = ["check_init", "compare_schemes", "uninformed_loss", "uniform_classes", "LOSS_AT_INIT_LIMIT"]
 
 AS_BUILT = "as built"
 #: A classifier's first loss this many times a uniform guess's (its logits set to 0: ln C) fails the check: the output
@@ -107,12 +108,14 @@ def _compare_advice(built: SignalReport, by_scheme: dict[str, SignalReport]) -> 
                        f"it{untried}")
 
 
-def uninformed_loss(model: nn.Module, batch: Any, loss: Any) -> tuple[float, float, int] | None:
+def uninformed_loss(model: nn.Module, batch: Any, loss: Any, autocast: Any = None) -> tuple[float, float, int] | None:
     """(the loss with the model's output set to 0, the output's std as built, its last dim), or None where the loss does
-    not call the model once for one floating-point tensor (an HF ``ModelOutput``, a tuple; a loss that calls submodules).
+    not call the model once for one floating-point tensor (an HF ``ModelOutput``, a tuple; a loss that calls submodules),
+    or the probe's forward fails (a probe, not the check: the check's own forward says what fails).
 
     A zero output is the uninformed guess: a uniform distribution for a classifier's logits (the loss is ln C), 0 for a
-    regression. One forward without grad; the model's buffers (BatchNorm's running statistics) are put back.
+    regression. One forward without grad (under ``autocast``, a context manager: the run's precision); the model's
+    buffers (BatchNorm's running statistics) are put back.
     """
     seen: list[tuple[float, int] | None] = []
 
@@ -125,14 +128,22 @@ def uninformed_loss(model: nn.Module, batch: Any, loss: Any) -> tuple[float, flo
 
     handle = model.register_forward_hook(zero)
     try:
-        with torch.no_grad(), buffers_kept(model):
+        with torch.no_grad(), buffers_kept(model), autocast if autocast is not None else contextlib.nullcontext():
             total, count = as_sum_count(loss(model, batch), 1)
             value = float(total / count)
+    except Exception:  # noqa: BLE001  (the probe is an aside: no bar rather than a check that crashed)
+        return None
     finally:
         handle.remove()
     if len(seen) != 1 or seen[0] is None or not math.isfinite(value):
         return None
     return value, *seen[0]
+
+
+def uniform_classes(zero: float, classes: int) -> int | None:
+    """C where an uninformed output's loss ``zero`` (:func:`uninformed_loss`, its output's last dim ``classes``) is a
+    uniform guess's over C classes, ln C (or ln 2: a binary or multi-label one on logits); else None (a regression)."""
+    return next((c for c in (classes, 2) if c > 1 and math.isclose(zero, math.log(c), rel_tol=1e-3)), None)
 
 
 def _loss_at_init(first: float, probe: tuple[float, float, int] | None, exploding: str | None = None
@@ -148,7 +159,7 @@ def _loss_at_init(first: float, probe: tuple[float, float, int] | None, explodin
                     "tensor (its output is a tuple or an HF ModelOutput, or the loss calls its submodules)"), False
     zero, std, classes = probe
     numbers = {"first_loss": first, "uninformed_loss": zero, "output_std": std}
-    uniform = next((c for c in (classes, 2) if c > 1 and math.isclose(zero, math.log(c), rel_tol=1e-3)), None)
+    uniform = uniform_classes(zero, classes)
     ratio = f"{first / zero:.3g}x" if zero > 0 else "vs"
     head = f"the first loss {first:.4g} is {ratio} an uninformed output's {zero:.4g} (the model's output set to 0"
     if uniform is None:

@@ -21,7 +21,7 @@ from ..policies.precision import PrecisionPolicy
 from ..step import TrainStep
 from . import CheckContext, CheckResult, register
 from .amp import first_nonfinite_forward
-from .init import uninformed_loss
+from .init import uniform_classes, uninformed_loss
 
 #: The loss must fall below initial / FACTOR within STEPS steps on one fixed batch.
 FACTOR = 2.0
@@ -37,7 +37,7 @@ def _uniform_guess(probe: tuple[float, float, int] | None) -> tuple[float, int] 
     if probe is None:
         return None
     zero, _, classes = probe
-    found = next((c for c in (classes, 2) if c > 1 and math.isclose(zero, math.log(c), rel_tol=1e-3)), None)
+    found = uniform_classes(zero, classes)
     return (zero, found) if found is not None else None
 
 
@@ -66,7 +66,8 @@ def check_overfit(ctx: CheckContext) -> CheckResult:
                            for _, p in pending]).tolist()
         first_grad.update({n: at for (n, _), g in zip(pending, got) if g})
 
-    chance = _uniform_guess(uninformed_loss(model, batch, task.loss))  # (before the first step: the loss at init's)
+    # (before the first step: the loss at init's; under the run's autocast, as the step's own forward)
+    chance = _uniform_guess(uninformed_loss(model, batch, task.loss, precision.autocast()))
     step.forward_backward(micro, task.loss)
     note_gradients(0)
     nonfinite_grad = [n for n, p in named if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
@@ -124,7 +125,7 @@ def check_overfit(ctx: CheckContext) -> CheckResult:
                        "a wrong loss/target pairing, or an lr far off")
     return CheckResult("overfit", passed, summary,
                        numbers={"initial_loss": initial, "final_loss": losses[-1], "steps": steps, "factor": FACTOR,
-                                "target": target,
+                                "target": target, "uniform_guess": chance[0] if chance is not None else None,
                                 "num_params_without_grad": len(no_grad), "num_params_with_late_grad": len(late),
                                 "num_nonfinite_losses": len(nonfinite),
                                 "num_skipped_steps": skipped},

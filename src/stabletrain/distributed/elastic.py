@@ -38,6 +38,7 @@ from .launch import (
     LAUNCH_START_ENV,
     RESTART_ENV,
     UNSHARED_STORE,
+    clipped_line,
     death_record,
     quick_deaths,
     restart_backoff_s,
@@ -104,7 +105,7 @@ def _message(failure: Any) -> str | None:
     if isinstance(message, dict):
         message = message.get("message")
     text = str(message).strip() if message else ""
-    return text.splitlines()[-1][:300] if text and text != "<NONE>" else None
+    return clipped_line(text.splitlines()[-1]) if text and text != "<NONE>" else None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -43,7 +43,7 @@ __all__ = ["launch", "supervise", "die_with_parent", "LAUNCHER_ENV", "LAUNCH_MAR
            "SUPERVISED_ENV", "EXIT_GAVE_UP", "FINAL_EXITS", "death_record", "describe_exit", "process_start_time",
            "restart_backoff_s", "quick_deaths", "QUICK_DEATH_S", "restarted_by_parent", "UNSHARED_STORE", "leave_word",
            "under_torchrun", "default_run_dir", "with_death", "RUN_DIR_NOTE_ENV", "note_run_dir", "run_dir_note",
-           "restarts_used_up", "sweep_orphans"]
+           "restarts_used_up", "sweep_orphans", "clipped_line", "LAST_LINE_CHARS"]
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 #: Set by :func:`launch` for torchrun and so its ranks: the launcher's pid (a rank checks its parent's parent).
@@ -59,6 +59,8 @@ LAUNCH_START_ENV = "STABLETRAIN_LAUNCH_START"
 SUPERVISED_ENV = "STABLETRAIN_SUPERVISED"
 #: The exit code of a run that refused to restart into the same failure again (the launchers then stop too).
 EXIT_GAVE_UP = 3
+#: The most of a dead process's last line a restart's record quotes (its start; a longer line is cut at its end).
+LAST_LINE_CHARS = 300
 #: Exit codes after which a run is never restarted (see the module docstring).
 FINAL_EXITS = (0, 2, EXIT_GAVE_UP, 130)
 #: For a torchrun that restarts its ranks: a rendezvous store of their own per attempt. The store torchrun's
@@ -404,6 +406,11 @@ def children(pid: int) -> list[int]:
 _ANNOUNCED = b"stabletrain: restart "
 
 
+def clipped_line(line: str, width: int = LAST_LINE_CHARS) -> str:
+    """``line`` kept from its start (where a message names itself), cut at ``width`` characters with a marked end."""
+    return line if len(line) <= width else line[:width - 3].rstrip() + "..."
+
+
 class _Tee(threading.Thread):
     """Copy a child's output stream to ours as it comes (bytes, unchanged), keeping its last line (not the line that
     announces its own restart: a child killed in its start-up printed nothing else, and quoting that line nested
@@ -429,7 +436,7 @@ class _Tee(threading.Thread):
                     if line.strip() and not line.startswith(_ANNOUNCED)]
             heads = [line for line in done if line[:1] not in (b" ", b"\t", b"(")]  # not a message's continuation
             if done:
-                self.lines.append((heads or done)[-1].decode("utf-8", "replace").strip()[-300:])
+                self.lines.append(clipped_line((heads or done)[-1].decode("utf-8", "replace").strip()))
                 del self.lines[:-1]
 
 

@@ -72,9 +72,11 @@ class Goodput:
         lost = sorted((p for p in PARTS if p != "productive" and self.share(p) >= 0.0005), key=self.share, reverse=True)
         words = [f"{self.share(p):.1%} {PARTS[p][0]}" + (f" after {self.restarts} restart{'s' * (self.restarts != 1)}"
                                                           if p == "redone" and self.restarts else "") for p in lost]
-        launches = f"{self.launches} launch{'es' * (self.launches != 1)}"
-        refused = ("the last refused to restart, a crash loop; " if self.refused == 1 else
-                   f"{self.refused} refused to restart, crash loops; " if self.refused else "")
+        # The launches that trained (or tried to); a launch that refused to restart trained nothing: said apart
+        trained = self.launches - self.refused
+        launches = f"{trained} launch{'es' * (trained != 1)}"
+        refused = ("and one more that refused to restart: a crash loop; " if self.refused == 1 else
+                   f"and {self.refused} more that refused to restart: crash loops; " if self.refused else "")
         return (f"goodput {self.goodput:.1%} over {launches} ({refused}"
                 f"{'lost: ' + ', '.join(words) if words else 'nothing lost'})")
 

@@ -285,12 +285,9 @@ def _restart_after(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_
     events, _ = read_jsonl(run_dir / "events.jsonl")
     metrics, _ = read_jsonl(run_dir / "metrics.jsonl")
     failure = last_failure(events, max((int(m.get("step", 0)) for m in metrics), default=0))
-    if failure.kind == "exit" and (cause or {}).get("last_line"):  # no record of why (another rank's crash, rank 0
-        # writes the events): the launcher's word names it, and the same death again is the same failure
-        code = _exitcode(cause)
-        failure = replace(failure, text=f"ended as rank {cause.get('rank')} {describe_exit(code)} (its last line: "
-                          f"{cause['last_line']!r})",  # (its last step too: the same words later on are another failure)
-                          key=["exit", cause.get("rank"), code, cause["last_line"], failure.last_step])
+    if failure.kind == "exit" and cause:  # no record of why (a signal, another rank's crash: rank 0 writes the
+        # events): the launcher's word names it, and the same death at the same step again is the same failure
+        failure = _death_failure(failure, cause)
     chain = _restart_chain(events)
     number = (cause or {}).get("restart") or max([r["count"] for r in everyone] + [len(chain) + 1])
     limit = (cause or {}).get("max_restarts") or max(r["max"] for r in everyone) or cfg.run.max_restarts
@@ -311,7 +308,8 @@ def _restart_after(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_
                 why = (f"checkpoint step_{failure.resumed_step:06d} led to a non-finite step (step {failure.nonfinite_step}) "
                        f"right after its load and is not trusted, and no older checkpoint is left (ckpt.keep={cfg.ckpt.keep})")
         if why is not None:
-            tried = f"{len(chain)} restart(s) so far" + (f", the last from {chain[-1].get('checkpoint')}" if chain else "")
+            tried = f"{len(chain)} restart(s) so far" + (
+                f", the last from {chain[-1].get('checkpoint') or 'step 0 (no checkpoint was written yet)'}" if chain else "")
             line = (f"not restarting the run after {who}: {why}; tried: {tried} (run.max_restarts={limit}, "
                     f"run.max_repeats={cfg.run.max_repeats}). See {run_dir / 'events.jsonl'}")
             run.event(failure.last_step, "stop", f"restart refused: {why}", cause=cause, failure=failure.record())
@@ -370,6 +368,24 @@ def _who(cause: dict[str, Any] | None, number: int) -> str:
     last = (f"; its last line: {cause['last_line']!r}" if cause.get("last_line") else
             f"; then {cause['peer_line']!r}" if cause.get("peer_line") else "")
     return f"{rank}{pid} {describe_exit(_exitcode(cause))}{last}"
+
+
+def _death_failure(failure: Failure, cause: dict[str, Any]) -> Failure:
+    """``failure`` (a launch that died without a record of why) told and keyed by its launcher's word ``cause``.
+
+    A process that exited by itself said why in its last line (a rank's error message): the words are part of what
+    identifies it. One killed by a signal said nothing of its death: its last line is whatever it printed before
+    (a progress line, a restart's own announcement), so only the signal, the rank and the step tell it apart.
+    """
+    code, last = _exitcode(cause), cause.get("last_line")
+    said = []  # a signal's: where it was (an exit's own words say what it met)
+    if code < 0:
+        said = ([f"its last record: step {failure.last_step}"] if failure.trained else
+                [f"in its start-up, resuming from step {failure.last_step}"])
+    said += [f"its last line: {last!r}"] if last else []
+    text = f"ended as rank {cause.get('rank')} {describe_exit(code)}" + (f" ({'; '.join(said)})" if said else "")
+    words = last if code >= 0 else None  # (its last step too: the same words later on are another failure)
+    return replace(failure, text=text, key=["exit", cause.get("rank"), code, words, failure.last_step])
 
 
 def _exitcode(cause: dict[str, Any]) -> int:
