@@ -402,6 +402,15 @@ def test_a_remedy_without_the_capture_it_is_searched_from_is_refused_naming_both
     assert getattr(getattr(config_from_dict(saved), section), name) == "remedy"
 
 
+def test_a_spike_remedy_with_no_spike_capture_allowed_is_refused_too():
+    """capture.max_spikes=0 captures no spike, as capture.spikes=false: guard.on_spike=remedy fell back on every spike."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["guard.on_spike=remedy", "capture.max_spikes=0"])
+    assert str(err.value) == ("config key 'guard.on_spike': remedy is searched from the incident's capture, but "
+                              "capture.max_spikes=0 (set capture.max_spikes=1 or more, or guard.on_spike=skip)")
+    load_config(None, ["guard.on_nonfinite=remedy", "capture.max_spikes=0"])  # a NaN's capture is not a spike's
+
+
 def test_inf_for_a_number_key_says_how_yaml_writes_infinity():
     with pytest.raises(ConfigError) as err:
         load_config(None, ["guard.spike_ratio=inf"])

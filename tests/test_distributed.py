@@ -659,5 +659,10 @@ def test_a_death_before_the_first_checkpoint_says_to_start_over_not_to_resume(tm
     (tmp_path / "checkpoints").mkdir()
     assert _continue(tmp_path) == (f"; no checkpoint of it was written: start it over (the same command with "
                                    f"run.overwrite=true, run.dir={tmp_path})")
+    (tmp_path / "checkpoints" / "step_000010.tmp-7").mkdir()  # a save that never completed: still nothing to resume
+    assert "start it over" in _continue(tmp_path)
+    (tmp_path / "checkpoints" / "step_000010").mkdir()  # written, LAST_GOOD not yet moved to it: the resume finds it
+    assert _continue(tmp_path) == f"; continue the run: stabletrain train --resume {tmp_path}"
+    (tmp_path / "checkpoints" / "step_000010").rmdir()
     (tmp_path / "checkpoints" / "LAST_GOOD").write_text("step_000010")
     assert _continue(tmp_path) == f"; continue the run: stabletrain train --resume {tmp_path}"

@@ -547,6 +547,11 @@ def test_the_final_line_counts_the_steps_an_earlier_launch_skipped(tmp_path, cap
         # and the run's record as it was (it rewrote config.yaml to max_steps 10 and added resume and schedule_changed
         # events: the report then said 'Reached step 12 of 10')
         assert {name: (run_dir / name).read_text() for name in record} == record
+    # precision=fp32 spelled out where the run said auto (fp32 on a CPU): the one precision the resume takes, so a
+    # finished run all the same (the finished check compared the configs without the resume's auto rule: rewritten)
+    assert main(["train", "--resume", str(run_dir), "train.max_steps=12", "precision=fp32"]) == 0
+    assert "stabletrain: nothing to train: the run is at step 12" in capsys.readouterr().out
+    assert {name: (run_dir / name).read_text() for name in record} == record
 
 
 def test_a_huge_loss_after_a_fast_fall_is_a_spike_that_the_windows_deviation_hid_on_every_side():

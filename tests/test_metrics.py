@@ -52,6 +52,25 @@ def test_the_update_norm_is_the_last_measured_one_and_an_overflow_is_not_nonfini
     assert summary["num_skipped"] == 1 and summary["num_nonfinite"] == 0, "an fp16 overflow is a skip, not an incident"
 
 
+def test_a_skipped_last_measured_update_is_not_stood_in_for_by_an_earlier_measured_one():
+    """Two steps of an interval measured their update (a host's checkpoint mid-interval, the interval's last step); the
+    last was skipped: its update NaN and its per-parameter norms too. The summary took the earlier step's update_norm,
+    beside per-parameter norms (top_update_layers) of the last: two steps' figures on one line."""
+    m = StepMetrics(4, num_params=1, device=torch.device("cpu"))
+    base = dict(loss=t(1.0), grad_norm=t(1.0), post_clip_norm=t(1.0), clipped=t(False), finite=t(True), lr=t(0.1),
+                loss_scale=t(1.0), count=t(1.0), per_param_norms=t([1.0]), num_samples=1)
+    measured = dict(update_norm=t(0.5), update_ratio=t(0.01), param_update_norms=t([0.5]), param_norms=t([50.0]))
+    m.update(1, **base, applied=t(True), **measured)
+    m.update(2, **base, applied=t(False), **measured)
+    summary, _, _ = m.reduce()
+    assert math.isnan(summary["update_norm"]) and math.isnan(summary["update_ratio"]), summary
+    assert all(math.isnan(x) for x in summary["interval_param_update_norms"])
+    m.update(3, **base, applied=t(False), **measured)  # the other way round: the last measured one applied
+    m.update(4, **base, applied=t(True), **{**measured, "update_norm": t(0.25), "param_update_norms": t([0.25])})
+    summary, _, _ = m.reduce()
+    assert summary["update_norm"] == 0.25 and summary["interval_param_update_norms"] == [0.25]
+
+
 def test_update_refuses_a_missing_column_and_ignores_extra_step_outputs():
     m = StepMetrics(2, num_params=1, device=torch.device("cpu"))
     with pytest.raises(AssertionError, match="missing"):

@@ -665,6 +665,14 @@ def test_the_default_runs_clipping_is_healthy_and_frequent_clipping_that_cuts_de
     assert "30% in the second half, a median cut of 33% to the gradient norm there (over its log intervals): often." in text
     # Nearly every step, by a little (norm 1.05 at a threshold of 1): trims; by a lot: too often.
     assert _clip_run(tmp_path / "edge", [0.9] * 10, [1.05] * 10, [1.2] * 10, post=[1.0] * 10).figures["clip_verdict"] == "trims"
+    # Above the threshold over the run (the first intervals' large norms), near it late: the sentence says where it sat late
+    # (it read "was above the threshold over the run, but in the second half and the clip trims its peaks")
+    settled = _clip_run(tmp_path / "settled", [1.0] * 6 + [0.9] * 4, [3.0] * 6 + [1.05] * 4, [4.0] * 6 + [1.2] * 4,
+                        post=[1.0] * 10)
+    level, text = _clip_sentence(settled)
+    assert (level, settled.figures["clip_verdict"]) == ("ok", "trims"), text
+    assert ("The grad norm (median 3) was above the threshold over the run, but sits near or below it in the second half "
+            "and the clip trims its peaks") in text, text
     most = _clip_run(tmp_path / "most", [1.0] * 10, [2.5] * 10, [3.0] * 10, post=[1.0] * 10)
     assert (_clip_sentence(most)[0], most.figures["clip_verdict"]) == ("warn", "most")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from helpers import cfg
 from spike_tasks import lr_jump_task, one_step_jump_task
@@ -326,3 +327,16 @@ def test_the_outliers_as_a_group_never_reach_below_the_windows_own_level():
     assert _alike(rows, [0], 3, 2.0) is None
     planted = [{"sample": i, "loss": v} for i, v in enumerate([40.0, 30.0, 20.0, 0.9, 0.8, 0.85, 0.7, 0.75])]
     assert _alike(planted, [0, 1], 3, 2.0) == [0, 1, 2]
+
+
+def test_the_update_jump_named_is_the_last_before_the_spike_not_the_first():
+    """Update/weight ratios 1e-3, 1e-3, 5e-3, 5e-3, 1e-1 at steps 10-50: the run's early x5 jump (step 30) was what the
+    evidence named, and step 50's x33, the one that made the spike's state, was not seen as a jump at all."""
+    from stabletrain.services.spike_reference import update_jump, update_jumped_at
+
+    history = [[10 * (i + 1), 1e-3, r] for i, r in enumerate((1e-3, 1e-3, 5e-3, 5e-3, 1e-1))]
+    jump = update_jump(history)
+    assert jump["step"] == 50 and jump["ratio"] / jump["typical"] == pytest.approx(1e-1 / 3e-3)
+    assert update_jumped_at(history, 50) and update_jumped_at(history, 30)
+    assert update_jump(history, at=30)["step"] == 30 and update_jump(history, at=20) is None
+    assert not update_jumped_at([r for r in history if r[0] != 50] + [[50, 1e-3, 4e-3]], 50)  # x1.3: no jump

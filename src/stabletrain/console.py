@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from typing import Any, TextIO
 
 __all__ = ["say", "warn", "error", "write_line", "show_bar", "is_interactive", "one_line_warnings", "each_once",
-           "StableTrainWarning", "PREFIX", "user_stacklevel"]
+           "StableTrainWarning", "PREFIX", "user_stacklevel", "clipped"]
 
 PREFIX = "stabletrain: "
 
@@ -148,3 +148,9 @@ def one_line_warnings() -> Iterator[None]:
         yield
     finally:
         warnings.showwarning = original
+
+
+def clipped(line: str, width: int = 300) -> str:
+    """``line`` kept from its start (where a message names itself), cut at ``width`` characters with a marked end (a dead
+    process's last line in a restart's record)."""
+    return line if len(line) <= width else line[:width - 3].rstrip() + "..."

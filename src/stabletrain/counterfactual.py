@@ -37,7 +37,7 @@ from .diagnostics.cures import ModuleFP32
 from .diagnostics.diagnosis import matches_observed
 from .diagnostics.spike import LR_RISE, classify_spike, ordinary_stand_in, spike_summary
 from .diagnostics.spike_evidence import departures, jumps, lr_change, lr_groups, precision_departures
-from .numerics import param_update_norms, update_totals
+from .numerics import param_update_norms, unique_params, update_totals
 from .policies.guard import spike_test
 from .policies.precision import resolve_device
 from .records.bundles import with_sample_ranks
@@ -290,7 +290,11 @@ def _older(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, spike: list, co
             "ratio": ratio, **({} if context else {"no_context": True}),
             "ordinary_step": {"step": step + 1, "capture": after.get("step")}.get(source)}
     # how far the weights moved since then, against their norm there: the update/weight ratio of the run's own records
-    moved = update_totals(*param_update_norms(list(bench.replica.model.parameters()), list(older.parameters())))
+    # (the trainable parameters, as the records' update/weight: a frozen backbone's norm would shrink the ratio)
+    trained, then = unique_params(bench.replica.model), dict(older.named_parameters())
+    pairs = ([(p, then[n].detach()) for n, p in trained] if all(n in then for n, _ in trained)
+             else list(zip(bench.replica.model.parameters(), older.parameters())))  # (names that differ: every one)
+    moved = update_totals(*param_update_norms([p for p, _ in pairs], [q for _, q in pairs]))
     info["moved"] = float(moved["update_ratio"]) if float(moved["param_norms"].norm()) > 0 else None
     now, order = bench.module_rms(spike, bench.replica.model)
     return info, departures(now, bench.module_rms(spike, older)[0], order)

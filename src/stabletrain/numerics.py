@@ -93,7 +93,7 @@ def buffers_kept(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         with torch.no_grad():
-            for name, b in list(model.named_buffers()):
+            for name in [n for n, _ in model.named_buffers()]:
                 if name not in saved:  # one the forward added (a cache built on first use): gone again
                     owner, _, attr = name.rpartition(".")
                     delattr(model.get_submodule(owner), attr)

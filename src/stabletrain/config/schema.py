@@ -255,12 +255,16 @@ def check_remedy_capture(cfg: Config) -> None:
     """A remedy is searched from the incident's capture: ``guard.on_spike``/``on_nonfinite=remedy`` without it is a
     ConfigError naming both keys (every incident would fall back, said one by one). For the configs a run is started
     or resumed with (:func:`~.loading.load_config`), not for one read back from a saved run or bundle."""
-    off = [k for k, on in (("capture.incidents", cfg.capture.incidents), ("capture.spikes", cfg.capture.spikes)) if not on]
+    off = [(k, "false", "true") for k, on in (("capture.incidents", cfg.capture.incidents),
+                                              ("capture.spikes", cfg.capture.spikes)) if not on]
+    if not cfg.capture.max_spikes:  # no spike is ever captured, as with capture.spikes=false
+        off.append(("capture.max_spikes", "0", "1 or more"))
     for key, value, needs in (("guard.on_nonfinite", cfg.guard.on_nonfinite, off[:1] if not cfg.capture.incidents else []),
                               ("guard.on_spike", cfg.guard.on_spike, off)):
         if value == "remedy" and needs:
-            raise ConfigError(f"config key '{key}': remedy is searched from the incident's capture, but {needs[0]}=false "
-                              f"(set {needs[0]}=true, or {key}=skip)", key=key)
+            (what, seen, fix), *_ = needs
+            raise ConfigError(f"config key '{key}': remedy is searched from the incident's capture, but {what}={seen} "
+                              f"(set {what}={fix}, or {key}=skip)", key=key)
 
 
 _CALLBACK_ENTRY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")

@@ -31,6 +31,7 @@ import sys
 import time
 from typing import Any
 
+from .. import console
 from ..internals import InternalMissing, end_restarts, restarting_agent, restarts_left, use_elastic_agent
 from .launch import (
     EXIT_GAVE_UP,
@@ -38,7 +39,6 @@ from .launch import (
     LAUNCH_START_ENV,
     RESTART_ENV,
     UNSHARED_STORE,
-    clipped_line,
     death_record,
     quick_deaths,
     restart_backoff_s,
@@ -105,7 +105,7 @@ def _message(failure: Any) -> str | None:
     if isinstance(message, dict):
         message = message.get("message")
     text = str(message).strip() if message else ""
-    return clipped_line(text.splitlines()[-1]) if text and text != "<NONE>" else None
+    return console.clipped(text.splitlines()[-1]) if text and text != "<NONE>" else None
 
 
 def main(argv: list[str] | None = None) -> None:

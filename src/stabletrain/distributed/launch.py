@@ -43,7 +43,7 @@ __all__ = ["launch", "supervise", "die_with_parent", "LAUNCHER_ENV", "LAUNCH_MAR
            "SUPERVISED_ENV", "EXIT_GAVE_UP", "FINAL_EXITS", "death_record", "describe_exit", "process_start_time",
            "restart_backoff_s", "quick_deaths", "QUICK_DEATH_S", "restarted_by_parent", "UNSHARED_STORE", "leave_word",
            "under_torchrun", "default_run_dir", "with_death", "RUN_DIR_NOTE_ENV", "note_run_dir", "run_dir_note",
-           "restarts_used_up", "sweep_orphans", "clipped_line", "LAST_LINE_CHARS"]
+           "restarts_used_up", "sweep_orphans"]
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 #: Set by :func:`launch` for torchrun and so its ranks: the launcher's pid (a rank checks its parent's parent).
@@ -59,8 +59,6 @@ LAUNCH_START_ENV = "STABLETRAIN_LAUNCH_START"
 SUPERVISED_ENV = "STABLETRAIN_SUPERVISED"
 #: The exit code of a run that refused to restart into the same failure again (the launchers then stop too).
 EXIT_GAVE_UP = 3
-#: The most of a dead process's last line a restart's record quotes (its start; a longer line is cut at its end).
-LAST_LINE_CHARS = 300
 #: Exit codes after which a run is never restarted (see the module docstring).
 FINAL_EXITS = (0, 2, EXIT_GAVE_UP, 130)
 #: For a torchrun that restarts its ranks: a rendezvous store of their own per attempt. The store torchrun's
@@ -265,8 +263,10 @@ def restarts_used_up(death: dict[str, Any], note: Path, *, who: str) -> int:
 
 
 def _continue(run_dir: Path) -> str:
-    """How to go on from ``run_dir``: resume it from its LAST_GOOD, or, with no checkpoint written, start it over."""
-    if (run_dir / "checkpoints" / "LAST_GOOD").is_file():
+    """How to go on from ``run_dir``: resume it (from LAST_GOOD, or the newest checkpoint that verifies: one written
+    without LAST_GOOD moved to it counts), or, with no checkpoint written, start it over."""
+    folder = run_dir / "checkpoints"
+    if (folder / "LAST_GOOD").is_file() or folder.is_dir() and any(d.name[5:].isdigit() for d in folder.glob("step_*")):
         return f"; continue the run: stabletrain train --resume {run_dir}"
     return f"; no checkpoint of it was written: start it over (the same command with run.overwrite=true, run.dir={run_dir})"
 
@@ -406,11 +406,6 @@ def children(pid: int) -> list[int]:
 _ANNOUNCED = b"stabletrain: restart "
 
 
-def clipped_line(line: str, width: int = LAST_LINE_CHARS) -> str:
-    """``line`` kept from its start (where a message names itself), cut at ``width`` characters with a marked end."""
-    return line if len(line) <= width else line[:width - 3].rstrip() + "..."
-
-
 class _Tee(threading.Thread):
     """Copy a child's output stream to ours as it comes (bytes, unchanged), keeping its last line (not the line that
     announces its own restart: a child killed in its start-up printed nothing else, and quoting that line nested
@@ -421,6 +416,8 @@ class _Tee(threading.Thread):
         self.source, self.fd, self.lines = source, fd, lines
 
     def run(self) -> None:
+        from .. import console
+
         tail = b""
         while True:
             try:
@@ -436,7 +433,7 @@ class _Tee(threading.Thread):
                     if line.strip() and not line.startswith(_ANNOUNCED)]
             heads = [line for line in done if line[:1] not in (b" ", b"\t", b"(")]  # not a message's continuation
             if done:
-                self.lines.append(clipped_line((heads or done)[-1].decode("utf-8", "replace").strip()))
+                self.lines.append(console.clipped((heads or done)[-1].decode("utf-8", "replace").strip()))
                 del self.lines[:-1]
 
 

@@ -294,7 +294,10 @@ class StepMetrics:
         # The interval's loss is over its finite steps: one NaN step must not turn the whole line into NaN
         # (num_nonfinite says how many there were).
         losses = [r.values["loss"] for r in rows if math.isfinite(r.values["loss"])]
-        updates = [r.values for r in rows if not math.isnan(r.values["update_norm"])]
+        # The last measured update's row: the last with one (a row that measured none holds NaN), unless the last step that
+        # measured it was skipped (NaN too, its per-parameter norms with it): then none, not an earlier step's in its place
+        last_skipped = bool(param_update) and all(math.isnan(x) for x in param_update)
+        updates = [] if last_skipped else [r.values for r in rows if not math.isnan(r.values["update_norm"])]
         summary: dict[str, Any] = {
             "step": self.steps[-1],
             "loss": sum(losses) / len(losses) if losses else float("nan"),

@@ -115,8 +115,8 @@ def clip_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
     elif late_rate > CLIP_RARE and cut is not None and cut < CLIP_CUT:
         f["clip_verdict"] = "trims"
         # (a whole-run median above the threshold whose late cut is small: the grad norm fell since, as training settled)
-        sits = {"above": "sits below the threshold", "below": "was above the threshold over the run, but in the second "
-                "half"}.get(where, "sits near the threshold")
+        sits = {"above": "sits below the threshold", "below": "was above the threshold over the run, but sits near or "
+                "below it in the second half"}.get(where, "sits near the threshold")
         h.say("ok", f"{head}, {fmt_pct(late_rate)} in the second half{cuts}: healthy. The grad norm{typical} {sits} "
                     f"and the clip trims its peaks, as is usual while training settles; it would need a "
                     f"look if its median cut of the late gradients reached {fmt_pct(CLIP_CUT)} (the clip, not the "

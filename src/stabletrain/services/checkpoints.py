@@ -49,7 +49,7 @@ from ..records.provenance import other_task
 from ..records.staging import state_bytes
 from ..runstate import RunState
 
-__all__ = ["CheckpointKeeper", "schedule_change_note", "INLINE_FIRST_BYTES"]
+__all__ = ["CheckpointKeeper", "schedule_change_note", "resume_diffs", "INLINE_FIRST_BYTES"]
 
 #: While no writer process runs, a run's first save of at most this many bytes of tensors is written in the loop's
 #: thread (a few ms to ~0.2 s), as is a save the loop waits for anyway (the run's last): a run that never saves in
@@ -81,6 +81,15 @@ def schedule_change_note(cfg: Any, old_max_steps: int, step: int, lr: float | No
            else f"the LR at step {step} is {after:.3g} on both horizons")  # (it read "5e-05 (it was 5e-05 ...)")
     return (f"train.max_steps changed from {old_max_steps} to {cfg.train.max_steps} on resume: the {s.decay} schedule "
             f"now decays over {cfg.train.max_steps} steps; {now}")
+
+
+def resume_diffs(saved_cfg: dict[str, Any], cfg: Any, trained: str | None, resolved: str, resharded: bool = False) -> list[Any]:
+    """The changes between a checkpoint's config ``saved_cfg`` and ``cfg`` that a resume refuses (``resharded``: into
+    another world size, which may change more). precision=auto and the mode it resolved to are one precision (auto ->
+    fp32 on a CPU): the mode the run trained in (``trained``: its checkpoint's) against the one this launch resolves
+    (``resolved``)."""
+    diffs = diff_configs(saved_cfg, config_to_dict(cfg), RESUME_SAFE_KEYS + (RESHARD_SAFE_KEYS if resharded else ()))
+    return [d for d in diffs if d.key != "precision" or "auto" not in (d.saved, d.current) or trained != resolved]
 
 
 class CheckpointKeeper:
@@ -132,12 +141,8 @@ class CheckpointKeeper:
         move_old_keys(saved_cfg, "the checkpoint's config")  # a run from before a key moved: compared at its new place
         saved_world = int(loaded.meta.get("world_size", 1))
         resharded = saved_world != state.dist.world
-        diffs = diff_configs(saved_cfg, config_to_dict(state.cfg),
-                             RESUME_SAFE_KEYS + (RESHARD_SAFE_KEYS if resharded else ()))
-        # precision=auto and the mode it resolved to are one precision (auto -> fp32 on a CPU): the mode the run trained
-        # in (its checkpoint's) against the one this launch resolved
         trained = (loaded.state.get("precision") or {}).get("mode") if isinstance(loaded.state, dict) else None
-        diffs = [d for d in diffs if d.key != "precision" or "auto" not in (d.saved, d.current) or trained != state.precision]
+        diffs = resume_diffs(saved_cfg, state.cfg, trained, state.precision, resharded)
         if diffs:
             raise ValueError(resume_refusal_message(run_dir, diffs))
         changed = optimizer_change(loaded.state.get("optimizer"), state.optimizer)  # a task's own: no config key says it

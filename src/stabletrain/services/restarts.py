@@ -42,7 +42,7 @@ from ..callbacks.goodput_clock import LEDGER_FILE
 from ..distributed.launch import EXIT_GAVE_UP, RESTART_ENV, default_run_dir, describe_exit
 from ..records.bundles import incident_order
 from ..records.checkpoint.files import CheckpointError
-from ..records.checkpoint.manager import CheckpointManager
+from ..records.checkpoint.manager import CheckpointManager, step_of
 from ..records.jsonl import read_jsonl
 from ..records.rundir import RunDir
 
@@ -199,7 +199,7 @@ def begin_launch(cfg: Any, run_dir: Path | None, resume: bool, ctx: Any) -> Laun
         name = CheckpointManager(run_dir / "checkpoints").latest_good() if resume or cfg.run.resume == "auto" else None
         done = name is not None and _finished(cfg, run_dir, name)
         if resume and done:
-            console.say(f"nothing to train: the run is at step {_step_of(name)} and train.max_steps={cfg.train.max_steps} "
+            console.say(f"nothing to train: the run is at step {step_of(name)} and train.max_steps={cfg.train.max_steps} "
                         f"(raise train.max_steps to train on); {run_dir} is left as it was")
             return Launch(False, run_dir, finished=True)
         if cfg.run.resume == "auto" and not resume:
@@ -218,29 +218,33 @@ def begin_launch(cfg: Any, run_dir: Path | None, resume: bool, ctx: Any) -> Laun
     return ctx.on_main(decide)
 
 
-def _step_of(checkpoint: Path) -> int:
-    return int(checkpoint.name.split(".")[0].removeprefix("step_"))
-
-
 def _finished(cfg: Any, run_dir: Path, checkpoint: Path) -> bool:
     """Whether ``checkpoint`` (the run's LAST_GOOD) is at or past ``cfg``'s train.max_steps, under a config a resume takes,
     and whole (it verifies)."""
-    return (_step_of(checkpoint) >= cfg.train.max_steps and _same_config(cfg, checkpoint)
+    return (step_of(checkpoint) >= cfg.train.max_steps and _same_config(cfg, checkpoint)
             and not CheckpointManager(run_dir / "checkpoints").verify(checkpoint))
 
 
 def _same_config(cfg: Any, checkpoint: Path) -> bool:
-    """Whether ``checkpoint``'s config (its meta.json) differs from ``cfg`` in no key a resume refuses a change of."""
-    from ..config import config_to_dict, move_old_keys
-    from ..config.diff import diff_configs
+    """Whether ``checkpoint``'s config (its meta.json) differs from ``cfg`` in no key a resume refuses a change of (the
+    resume's own rule, :func:`~.checkpoints.resume_diffs`; the mode a saved precision=auto trained in is taken as what it
+    resolves to on this machine, where the resume reads it from the checkpoint's state)."""
+    from ..config import move_old_keys
+    from ..policies.precision import resolve_device, resolve_precision
     from ..records.checkpoint.files import META_FILE
+    from .checkpoints import resume_diffs
 
     try:
         saved = json.loads((checkpoint / META_FILE).read_text(encoding="utf-8")).get("config") or {}
     except (OSError, ValueError):
         return False
     move_old_keys(saved, "the checkpoint's config")
-    return not diff_configs(saved, config_to_dict(cfg))
+    try:
+        trained = resolve_precision(str(saved.get("precision", "auto")), resolve_device(str(saved.get("device", "auto"))))
+        resolved = resolve_precision(cfg.precision, resolve_device(cfg.device))
+    except (ValueError, RuntimeError):  # a device this machine lacks: no mode to compare (the resume says what fails)
+        trained, resolved = None, ""
+    return not resume_diffs(saved, cfg, trained, resolved)
 
 
 def _causes(everyone: list[dict[str, Any]], since: float | None) -> list[dict[str, Any]]:
@@ -315,7 +319,7 @@ def _restart_after(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_
             run.event(failure.last_step, "stop", f"restart refused: {why}", cause=cause, failure=failure.record())
             console.error(line)
             return Launch(False, run_dir, refused=line)
-        resumed = int(good.name.split(".")[0].removeprefix("step_")) if good is not None else failure.last_step
+        resumed = step_of(good) if good is not None else failure.last_step
         redone = max(0, failure.last_step - resumed)
         kept = _keep_incidents(run_dir, resumed, number)
         note = (f"; step_{failure.resumed_step:06d} led to a non-finite step at step {failure.nonfinite_step}, "

@@ -98,13 +98,16 @@ def lr_jumped_at(history: list[list[Any]], at: int) -> bool:
     return at in lrs and bool(older) and lrs[at] >= LR_RISE * lrs[max(older)]
 
 
-def update_jump(history: list[list[Any]]) -> dict[str, Any] | None:
-    """The first interval record (``[step, lr, ratio]``) whose measured update (its interval's last step's, which made the
-    state of its step) had a whole-model update/weight ratio :data:`STEP_GROWTH` times or more the median of the finite
-    records before it (two at least): ``{"step", "ratio", "typical", "lr", "lr_before"}`` (``lr_before``: the median LR of
-    those records); None where none did. What sends a spike's older state back one snapshot and what its evidence names."""
-    rows = [(int(t), lr, float(r)) for t, lr, r, *_ in history if isinstance(r, (int, float)) and math.isfinite(r) and r > 0]
-    for i in range(2, len(rows)):
+def update_jump(history: list[list[Any]], at: int | None = None) -> dict[str, Any] | None:
+    """The last interval record (``[step, lr, ratio]``; at step ``at`` or before it, where given) whose measured update (its
+    interval's last step's, which made the state of its step) had a whole-model update/weight ratio :data:`STEP_GROWTH`
+    times or more the median of the finite records before it (two at least): ``{"step", "ratio", "typical", "lr",
+    "lr_before"}`` (``lr_before``: the median LR of those records); None where none did. The last, not the first: a run
+    may have jumped early on and again just before its spike, and the later jump is the one that made the spike's state.
+    What sends a spike's older state back one snapshot and what its evidence names."""
+    rows = [(int(t), lr, float(r)) for t, lr, r, *_ in history if isinstance(r, (int, float)) and math.isfinite(r) and r > 0
+            and (at is None or int(t) <= at)]
+    for i in range(len(rows) - 1, 1, -1):
         typical = statistics.median(r for _, _, r in rows[:i])
         if rows[i][2] >= STEP_GROWTH * typical:
             lrs = [lr for _, lr, _ in rows[:i] if isinstance(lr, (int, float)) and lr > 0]
@@ -115,7 +118,7 @@ def update_jump(history: list[list[Any]]) -> dict[str, Any] | None:
 
 def update_jumped_at(history: list[list[Any]], at: int) -> bool:
     """Whether the interval record of step ``at`` is where the measured update jumped (:func:`update_jump`)."""
-    jump = update_jump([r for r in history if int(r[0]) <= at])
+    jump = update_jump(history, at)
     return jump is not None and jump["step"] == at
 
 

@@ -33,7 +33,7 @@ from .files import CheckpointError, checked_meta, dir_name, first_nonfinite, loa
 from .saves import PendingSave, SaveResult
 from .shards import DCP_DIR, ShardedSave, to_full_state
 
-__all__ = ["CheckpointManager", "LoadedCheckpoint", "LAST_GOOD"]
+__all__ = ["CheckpointManager", "LoadedCheckpoint", "LAST_GOOD", "step_of"]
 
 LAST_GOOD = "LAST_GOOD"
 
@@ -296,8 +296,8 @@ class CheckpointManager:
         good = self.latest_good()
         if good is None:
             return []
-        limit = _step_of(good)
-        ranked = [d for d in self.checkpoints() if _step_of(d) <= limit]
+        limit = step_of(good)
+        ranked = [d for d in self.checkpoints() if step_of(d) <= limit]
         removed = []
         for d in ranked[self.keep:]:
             if d != good:
@@ -313,13 +313,13 @@ class CheckpointManager:
         Waits for a save in flight first.
         """
         self.wait()
-        keep = [d for d in self.checkpoints() if _step_of(d) <= step]
+        keep = [d for d in self.checkpoints() if step_of(d) <= step]
         target = next((d for d in keep if not self.verify(d)), None)
         if target is None:
             raise CheckpointError(f"no checkpoint at or before step {step} in {self.root} verifies; nothing discarded",
                                   self.root)
         self._point_last_good(target.name)
-        removed = [d for d in self.checkpoints() if _step_of(d) > step]
+        removed = [d for d in self.checkpoints() if step_of(d) > step]
         for d in removed:
             _remove_tree(d)
         fsync_dir(self.root)
@@ -333,7 +333,7 @@ class CheckpointManager:
         """
         self.wait()
         path = Path(path)
-        older = next((d for d in self.checkpoints() if _step_of(d) < _step_of(path) and not self.verify(d)), None)
+        older = next((d for d in self.checkpoints() if step_of(d) < step_of(path) and not self.verify(d)), None)
         if older is None:
             raise CheckpointError(f"no checkpoint older than {path.name} in {self.root} verifies", self.root)
         self._point_last_good(older.name)  # first: a crash before the move leaves path newer than LAST_GOOD, unused
@@ -352,7 +352,7 @@ class CheckpointManager:
         if not self.root.is_dir():
             return []
         found = [p for p in self.root.iterdir() if _FINAL.match(p.name) and p.is_dir()]
-        return sorted(found, key=_step_of, reverse=True)
+        return sorted(found, key=step_of, reverse=True)
 
     def good_before(self, step: int) -> list[Path]:
         """Return the checkpoint directories before ``step`` that LAST_GOOD covers (none newer than it), newest
@@ -360,8 +360,8 @@ class CheckpointManager:
         good = self.latest_good()
         if good is None:
             return []
-        limit = _step_of(good)
-        return [d for d in self.checkpoints() if _step_of(d) <= limit and _step_of(d) < step]
+        limit = step_of(good)
+        return [d for d in self.checkpoints() if step_of(d) <= limit and step_of(d) < step]
 
     def latest_good(self) -> Path | None:
         """Return the directory LAST_GOOD names, or None (no LAST_GOOD, or it names no directory).
@@ -443,12 +443,12 @@ class CheckpointManager:
             report(problem + "; trying the newest checkpoints")
         if name is not None:
             good = self.root / name
-            limit = _step_of(good)
+            limit = step_of(good)
             for d in all_dirs:
-                if _step_of(d) > limit:
+                if step_of(d) > limit:
                     report(f"{d.name}: newer than LAST_GOOD ({name}); not used (written by a save that crashed "
                            "before LAST_GOOD moved, or left from before a rollback)")
-            candidates = [good] + [d for d in all_dirs if _step_of(d) < limit]
+            candidates = [good] + [d for d in all_dirs if step_of(d) < limit]
         else:
             candidates = all_dirs
         for d in candidates:
@@ -465,6 +465,7 @@ class CheckpointManager:
                               + "\nresume from another run directory or start a new run", self.root, problems)
 
 
-def _step_of(path: Path) -> int:
+def step_of(path: Path) -> int:
+    """The step of a checkpoint directory ``step_000100`` (or one set aside, ``step_000100.replaced-7``): 100."""
     return int(path.name.split(".", 1)[0].removeprefix("step_"))
 
