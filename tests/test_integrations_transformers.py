@@ -99,6 +99,10 @@ def test_clean_run_metrics_mirror_and_report(tmp_path):
     assert logged[0]["loss"] == pytest.approx(records[0]["loss"], rel=1e-4)  # HF's mean over the same 4 steps
     config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert config["integration"] == "transformers" and config["host"]["max_grad_norm"] == 0.05
+    # what the optimizer's groups step with: the Trainer's weight decay (0 by default) and lr, not AdamW's own defaults
+    # (a new-user trial: 'weight_decay: 0.01' beside the host's 0.0), the lr before the schedule's first factor
+    assert config["optim"]["weight_decay"] == trainer.args.weight_decay == 0.0, config["optim"]
+    assert config["optim"]["lr"] == trainer.args.learning_rate, config["optim"]
     snapshot = json.loads((tmp_path / "run" / "snapshot.json").read_text())
     assert snapshot["host_versions"]["transformers"] and snapshot["init_signal"]["summary"]
     events, _ = read_jsonl(tmp_path / "run" / "events.jsonl")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import math
 import warnings
@@ -181,6 +182,27 @@ def test_fp16_with_the_users_grad_scaler(tmp_path):
     assert scaler.get_scale() == 2.0**10 and all(torch.isfinite(p).all() for p in model.parameters())
 
 
+@pytest.mark.filterwarnings("ignore:precision=fp16 on CPU")
+def test_a_grad_scaler_backing_off_from_a_huge_scale_is_no_run_that_is_not_recovering(tmp_path):
+    """A new-user trial: GradScaler(init_scale=2**60) backs off one skipped step at a time, and the Monitor stopped the run
+    at step 20 ('20 consecutive skipped steps (guard.max_consecutive_skips=20) ... the run is not recovering') with
+    on_nonfinite='skip', where the same loop alone trains on; nor could the limit be set from the adapter."""
+    model, opt = make()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**60)
+    monitor = Monitor(model, opt, run_dir=tmp_path / "run", scaler=scaler, log_every=4, init_check=False)
+    for batch in batches(60):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_fn(model, batch)
+        scaler.scale(loss).backward()
+        monitor.step(batch, loss=loss)
+    monitor.close()
+    run = load_run(tmp_path / "run")
+    skipped = sum(m["num_skipped"] for m in run.metrics)
+    assert 30 < skipped < 60 and not run.counted_events("incident") and not run.counted_events("stop"), skipped
+    assert scaler.get_scale() < 2.0**30 and all(torch.isfinite(p).all() for p in model.parameters())
+    assert Monitor(*make(), max_consecutive_skips=100).session.cfg.guard.max_consecutive_skips == 100  # an option, as the key
+
+
 def test_resume_from_the_users_checkpoint_keeps_metrics_and_guard_continuous(tmp_path):
     data = batches(25)
     model, opt = make()
@@ -253,6 +275,12 @@ def test_bad_arguments_say_what_to_do():
     ({"clip_max_norm": -1}, "clip_max_norm: expected a number > 0 or None, got -1 (config key clip.max_norm)"),
     ({"clip_max_norm": "1"}, "clip_max_norm: expected a number > 0 or None, got '1' (config key clip.max_norm)"),
     ({"precision": "fp8"}, "precision: expected 'auto', 'fp32', 'bf16', 'fp16' or None, got 'fp8' (config key precision)"),
+    # a new-user trial: scaler="yes" failed at the first step ('str' object has no attribute 'scale'), run_dir=123 with
+    # pathlib's own error naming no argument (the HF callback took it), a bf16 run with a GradScaler was accepted
+    ({"scaler": "yes"}, "scaler: expected a torch.amp.GradScaler or None, got 'yes'"),
+    ({"run_dir": 123}, "run_dir: expected a path (str or pathlib.Path) or None, got 123"),
+    ({"precision": "bf16", "scaler": torch.amp.GradScaler("cpu")}, "scaler: a GradScaler scales fp16's loss, but "
+     "precision='bf16' (give precision='fp16' or leave it out with a scaler, or drop the scaler)"),
 ])
 def test_an_adapters_own_arguments_are_checked_when_it_is_built_naming_the_argument(kwargs, message):
     model, opt = make()
@@ -261,9 +289,15 @@ def test_an_adapters_own_arguments_are_checked_when_it_is_built_naming_the_argum
     assert str(err.value) == message
     from stabletrain.integrations.lightning import StableTrainCallback
 
-    if set(kwargs) <= {"loss_fn", "init_check", "mirror", "clip_max_norm"}:  # the Lightning callback's, the same line
+    if set(kwargs) <= {"loss_fn", "init_check", "mirror", "clip_max_norm", "run_dir"}:  # the Lightning callback's, the same line
         with pytest.raises(ValueError) as err:
             StableTrainCallback(**kwargs)
+        assert str(err.value) == message
+    if set(kwargs) <= {"loss_fn", "init_check", "mirror", "run_dir"} and importlib.util.find_spec("transformers"):  # HF's
+        from stabletrain.integrations.transformers import StableTrainCallback as HFCallback
+
+        with pytest.raises(ValueError) as err:
+            HFCallback(**kwargs)
         assert str(err.value) == message
 
 

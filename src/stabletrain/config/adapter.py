@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -24,7 +25,8 @@ __all__ = ["AdapterOptions", "CONFIG_KEYS", "HOST_OPTIONS", "ARG_KEYS"]
 CONFIG_KEYS = {"log_every": "log.every", "on_spike": "guard.on_spike", "capture": "capture.incidents",
                "diagnose": "capture.diagnose", "check_params": "guard.check_params", "tensorboard": "log.tensorboard",
                "top_layers": "log.top_layers", "trackers": "log.trackers", "spike_window": "guard.spike_window",
-               "spike_ratio": "guard.spike_ratio", "spike_zscore": "guard.spike_zscore"}
+               "spike_ratio": "guard.spike_ratio", "spike_zscore": "guard.spike_zscore",
+               "max_consecutive_skips": "guard.max_consecutive_skips"}
 
 #: The options of a host's side that a built-in run has no key for: (default, meaning).
 HOST_OPTIONS: dict[str, tuple[Any, str]] = {
@@ -85,12 +87,18 @@ class AdapterOptions:
 
     def checked(self, **args: Any) -> AdapterOptions:
         """Check the adapter constructor's own arguments (``clip_max_norm``, ``precision``, ``loss_fn``, ``count_fn``,
-        ``model_factory``; None: not given) as the options are: a bad value is a ValueError naming the argument (and its
-        config key, :data:`ARG_KEYS`), when the adapter is built, not at the first incident. Returns ``self``."""
+        ``model_factory``, ``run_dir``, ``scaler``; None: not given) as the options are: a bad value is a ValueError naming
+        the argument (and its config key, :data:`ARG_KEYS`), when the adapter is built, not at the first step or
+        incident. Returns ``self``."""
         for name, value in args.items():
             if value is None:
                 continue
-            if name == "clip_max_norm":  # (a Python number, as the config key holds: a numpy one fails its check there)
+            if name == "run_dir":
+                ok, want = isinstance(value, (str, os.PathLike)) and str(value) != "", "a path (str or pathlib.Path) or None"
+            elif name == "scaler":  # (duck-typed: torch.amp's and torch.cuda.amp's GradScaler, a subclass, a sharded one)
+                ok = all(callable(getattr(value, m, None)) for m in ("scale", "unscale_", "step", "update", "get_scale"))
+                want = "a torch.amp.GradScaler or None"
+            elif name == "clip_max_norm":  # (a Python number, as the config key holds: a numpy one fails its check there)
                 ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
                 want = "a number > 0 or None"
             elif name == "precision":
@@ -105,6 +113,9 @@ class AdapterOptions:
             if not ok:
                 key = f" (config key {ARG_KEYS[name]})" if name in ARG_KEYS else ""
                 raise ValueError(f"{name}: expected {want}, got {brief(value)}{key}")
+        if args.get("scaler") is not None and args.get("precision") not in (None, "fp16"):
+            raise ValueError(f"scaler: a GradScaler scales fp16's loss, but precision={args['precision']!r} (give "
+                             "precision='fp16' or leave it out with a scaler, or drop the scaler)")
         return self
 
     @staticmethod

@@ -135,7 +135,7 @@ class GuardConfig:
     spike_window: int = _f(50, "recent finite, non-spike losses the spike rule compares against")
     spike_ratio: float = _f(2.0, "spike rule: loss > spike_ratio x median of the window ...")
     spike_zscore: float = _f(6.0, "... and (loss - mean) / std > spike_zscore; past 32x the median, or its robust z (MAD)")
-    max_consecutive_skips: int = _f(20, "stop the run after this many skipped steps in a row")
+    max_consecutive_skips: int = _f(20, "stop the run after this many skipped steps in a row (fp16 back-offs not counted)")
     stall_steps: int = _f(20, "stalled: no gradient of this many recent steps reached the parameters (see guard.on_stall)")
     on_stall: Literal["stop", "warn"] = _f("stop", "a stalled run: stop with one line saying what to do, or warn once")
     max_rollbacks: int = _f(3, "stop the run after this many rollbacks")

@@ -75,7 +75,8 @@ class StableTrainCallback(pl.Callback):
                  overwrite: bool = False, callbacks: Sequence[StableCallback] = (), **options: Any) -> None:
         self.run_dir, self.loss_fn, self.count_fn, self.overwrite = run_dir, loss_fn, count_fn, overwrite
         self.clip_max_norm = clip_max_norm
-        self.options = AdapterOptions(**options).checked(clip_max_norm=clip_max_norm, loss_fn=loss_fn, count_fn=count_fn)
+        self.options = AdapterOptions(**options).checked(clip_max_norm=clip_max_norm, loss_fn=loss_fn, count_fn=count_fn,
+                                                         run_dir=run_dir)
         self.stable_callbacks = list(callbacks)
         self.session: RunSession | None = None
         self._fingerprint: InitFingerprint | None = None

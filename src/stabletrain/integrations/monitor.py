@@ -97,7 +97,7 @@ class Monitor:
             raise TypeError(f"Monitor(optimizer=...): expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.model, self.optimizer, self.loss_fn = model, inner, loss_fn
         options = AdapterOptions(**options).checked(clip_max_norm=clip_max_norm, precision=precision, loss_fn=loss_fn,
-                                                    model_factory=model_factory)
+                                                    model_factory=model_factory, run_dir=run_dir, scaler=scaler)
         device = next(p.device for p in model.parameters())
         mode = precision or ("fp16" if scaler is not None else "fp32")
         self.precision = PrecisionPolicy(mode, device)

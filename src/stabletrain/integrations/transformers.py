@@ -92,7 +92,7 @@ class StableTrainCallback(TrainerCallback):
                  trainer: Trainer | None = None, overwrite: bool = False, callbacks: Sequence[StableCallback] = (),
                  **options: Any) -> None:
         self.run_dir, self.loss_fn, self.overwrite = run_dir, loss_fn, overwrite
-        self.options = AdapterOptions(**options).checked(loss_fn=loss_fn)
+        self.options = AdapterOptions(**options).checked(loss_fn=loss_fn, run_dir=run_dir)
         self.stable_callbacks = list(callbacks)
         self.trainer = trainer
         self.session: RunSession | None = None

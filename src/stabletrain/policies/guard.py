@@ -331,7 +331,12 @@ class Guard:
                 d.first_incident, d.after_update = row.step, not loss_bad
             if v.get("spike", 0.0) > 0.5:
                 d.spike_steps.append(row.step)
-            self.consecutive_skips = self.consecutive_skips + 1 if v["applied"] < 0.5 else 0
+            # A routine fp16 overflow (the GradScaler backing off, bounded: below UNRECOVERABLE_SCALE it is an incident)
+            # is no sign of a run that is not recovering: 44 of them in a row bring a scale of 2**60 down to 2**16
+            if v["applied"] >= 0.5:
+                self.consecutive_skips = 0
+            elif not overflow:
+                self.consecutive_skips += 1
             self.spike_skips = self.spike_skips + 1 if v["applied"] < 0.5 and v.get("spike", 0.0) > 0.5 else 0
             if self.consecutive_skips >= self.cfg.max_consecutive_skips and d.action == "continue":
                 d.action, d.reason = "stop", (f"{self.consecutive_skips} consecutive skipped steps (guard.max_consecutive_skips="

@@ -157,9 +157,18 @@ def optimizer_names(optimizer: Any) -> dict[str, Any]:
 
 
 def optimizer_config(optimizer: Any) -> dict[str, Any]:
-    """The optimizer's class and default hyperparameters, for ``config.yaml``."""
+    """The optimizer's class and hyperparameters, for ``config.yaml``: each as its param groups hold it (what steps), one
+    value where every group has the same, else the list of the groups' (the HF Trainer's decay and no-decay groups). The
+    lr is a group's ``initial_lr`` where a scheduler set one (a warm-up's first lr is 0); momentum and betas, which a
+    scheduler may cycle, and a key no group has, are the constructor's."""
     inner = getattr(optimizer, "optimizer", optimizer)  # an accelerate / Lightning wrapper holds the torch one
-    return {"name": type(inner).__name__, **{k: json_safe(v) for k, v in getattr(inner, "defaults", {}).items()}}
+    groups = getattr(inner, "param_groups", None) or []
+    out = {"name": type(inner).__name__}
+    for key, default in getattr(inner, "defaults", {}).items():
+        values = ([json_safe(g.get("initial_lr", g[key]) if key == "lr" else g[key]) for g in groups if key in g]
+                  if key not in ("momentum", "betas") else []) or [json_safe(default)]
+        out[key] = values[0] if all(v == values[0] for v in values) else values
+    return out
 
 
 def other_task(run_dir: str | Path, task: Any, spec: str) -> str | None:
