@@ -481,6 +481,23 @@ def test_a_stray_argument_to_a_subcommand_shows_that_subcommands_usage(capsys):
                                                      "RUN_A RUN_B ...)")
 
 
+def test_report_and_compare_given_a_file_of_a_run_name_its_directory(tmp_path, capsys):
+    """A new-user trial: `stabletrain report RUN/metrics.jsonl` said 'no metrics.jsonl or config.yaml there' of the
+    metrics.jsonl itself."""
+    from stabletrain.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("")
+    (tmp_path / "notes.txt").write_text("")
+    for argv, said in ((["report", str(run / "metrics.jsonl")], f" is a file of the run: give its directory, {str(run)!r}"),
+                       (["compare", str(run), str(run / "metrics.jsonl")], f"give its directory, {str(run)!r}"),
+                       (["report", str(tmp_path / "notes.txt")], " is a file, not a run directory")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("stabletrain: error: run directory ") and said in err and len(err.splitlines()) == 1, err
+
+
 def test_a_config_error_every_rank_meets_is_said_by_rank_0_alone(monkeypatch, capsys):
     """dist.nproc=2 device=cuda on a CPU machine: both ranks printed the error, into one line."""
     import torch

@@ -611,3 +611,25 @@ def test_fp16_overflows_are_not_hidden_behind_no_non_finite_steps_in_the_report(
     skipped = [e for e in _events(tmp_path / "run") if e["kind"] == "skip"]
     assert skipped and all("fp16 overflow" in e["reason"] for e in skipped)
     assert f"No non-finite losses or grad norms besides {len(skipped)} fp16 overflows (skipped, above)." in text, text
+
+
+def test_a_routine_overflow_counts_toward_the_skip_limit_only_where_it_held_the_scale():
+    """A GradScaler backing off from 2**60 (every overflow halves the scale) is no run that is not recovering: 40 skips
+    in a row go on. Overflows that leave the scale where it was (our skip where the scaler saw none: finite gradients of
+    ~1e20 whose norm overflows; a scale held) are: without counting them such a run skipped forever."""
+    def rows(scales):
+        return [SimpleNamespace(step=i + 1, ranks=[], values={"loss": 1.0, "finite": 0.0, "applied": 0.0, "overflow": 1.0,
+                                                              "grad_norm": math.inf, "loss_scale": s})
+                for i, s in enumerate(scales)]
+
+    backing_off = Guard(GuardConfig(), torch.device("cpu"))
+    d = backing_off.decide(rows([2.0 ** (59 - i) for i in range(40)]))
+    assert d.action == "continue" and backing_off.consecutive_skips == 0 and not d.bad_steps
+    held = Guard(GuardConfig(), torch.device("cpu"))
+    d = held.decide(rows([65536.0] * 25))
+    assert d.action == "stop" and d.reason.startswith("20 consecutive skipped steps (guard.max_consecutive_skips=20) at "
+                                                      "step 21"), d.reason
+    clone = Guard(GuardConfig(), torch.device("cpu"))  # the last scale travels in checkpoints
+    clone.load_state_dict(backing_off.state_dict())
+    assert clone.last_scale == 2.0 ** 20 and clone.decide(rows([2.0 ** 20] * 2)).action == "continue"
+    assert clone.consecutive_skips == 2

@@ -301,6 +301,18 @@ def test_an_adapters_own_arguments_are_checked_when_it_is_built_naming_the_argum
         assert str(err.value) == message
 
 
+def test_a_disabled_grad_scaler_is_no_scaler():
+    """GradScaler(enabled=use_fp16), the common idiom, with use_fp16 False: refused beside precision='bf16' ('a GradScaler
+    scales fp16's loss'), and taken as fp16's without one (its first step failed: no GradScaler._scale)."""
+    off = torch.amp.GradScaler("cpu", enabled=False)
+    model, opt = make()
+    assert Monitor(model, opt, precision="bf16", scaler=off, init_check=False).precision.mode == "bf16"
+    monitor = Monitor(model, opt, scaler=off, init_check=False)
+    assert monitor.precision.mode == "fp32" and monitor.precision.scaler is None
+    train(monitor, model, batches(3))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 def test_an_exception_in_the_loop_is_a_crash_event_and_the_run_is_closed(tmp_path):
     model, opt = make()
     with pytest.raises(ZeroDivisionError):

@@ -81,11 +81,13 @@ def test_buffers_kept_puts_back_a_buffer_the_forward_replaced_or_added_and_resto
         def __init__(self) -> None:
             super().__init__()
             self.register_buffer("mask", torch.ones(2, 2))
+            self.register_buffer("cache", None, persistent=False)
             self.norm = nn.BatchNorm1d(8)
 
         def forward(self, x):
             self.mask = torch.tril(torch.ones(x.shape[0], x.shape[0]))  # grown: a new tensor
-            self.register_buffer("cache", x.detach().clone(), persistent=False)
+            if self.cache is None:
+                self.cache = x.detach().clone()
             return self.norm(self.mask @ x)
 
     model = Masked()
@@ -95,3 +97,6 @@ def test_buffers_kept_puts_back_a_buffer_the_forward_replaced_or_added_and_resto
         assert model.mask.shape == (8, 8) and not torch.equal(model.norm.running_mean, mean)
     assert model.mask is mask and torch.equal(mask, torch.ones(2, 2))
     assert "cache" not in dict(model.named_buffers()) and torch.equal(model.norm.running_mean, mean)
+    assert model.cache is None  # (a cache registered as None and filled on first use: None again, still registered)
+    model(torch.randn(8, 8))  # and the forward that fills it runs as before
+    assert model.cache.shape == (8, 8)

@@ -201,3 +201,21 @@ def test_stat_fields_read_a_process_state_parent_and_start_and_none_for_a_gone_o
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()  # reaped: no such pid any more
     assert stat_fields(child.pid) is None
+
+
+def test_the_optimizer_config_records_what_its_groups_step_with():
+    """config.yaml's optim section: AdamW's constructor default weight_decay 0.01 where the HF Trainer's groups hold 0.0
+    (a new-user trial), a warm-up schedule's first lr of 0, OneCycleLR's start lr (max_lr / 25): each what the user set."""
+    import torch
+
+    from stabletrain.records.provenance import optimizer_config
+
+    m = torch.nn.Linear(2, 2)
+    hf = torch.optim.AdamW([{"params": [m.weight], "weight_decay": 0.0}, {"params": [m.bias], "weight_decay": 0.0}], lr=1e-3)
+    torch.optim.lr_scheduler.LambdaLR(hf, lambda step: step / 10)  # a warm-up: the groups' lr is 0 now
+    assert (optimizer_config(hf)["weight_decay"], optimizer_config(hf)["lr"]) == (0.0, 1e-3)
+    split = torch.optim.AdamW([{"params": [m.weight], "weight_decay": 0.1}, {"params": [m.bias], "weight_decay": 0.0}])
+    assert optimizer_config(split)["weight_decay"] == [0.1, 0.0]  # decay and no-decay groups: both said
+    cycle = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    torch.optim.lr_scheduler.OneCycleLR(cycle, max_lr=1.0, total_steps=10)
+    assert optimizer_config(cycle)["lr"] == 1.0 and optimizer_config(cycle)["momentum"] == 0.9  # (the cycle's own aside)

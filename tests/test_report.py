@@ -1192,3 +1192,24 @@ def test_stall_parts_reads_each_wording_of_the_stall_guard():
     assert (parts["step"], parts["since"], parts["advice"]) == (60, 41, "precision=bf16")
     assert parts["gist"].endswith("(they underflowed at the loss scale); the GradScaler's scale is 3.6e-12")
     assert stall_parts("20 consecutive skipped steps (guard.max_consecutive_skips=20) at step 57") is None
+
+
+def test_a_resume_that_changed_the_global_batch_is_said_in_the_summary(tmp_path):
+    """A new-user trial: an FSDP run resumed on 1 process of 2 halved its global batch at step 80; the summary said only
+    'Resumed once, at step 80.' (the reshard in the events table alone) beside curves whose level moved there."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("clip:\n  max_norm: 1.0\n")
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": 10 * (i + 1), "loss": 1.0}) + "\n" for i in range(10)))
+    (run / "events.jsonl").write_text(json.dumps(
+        {"step": 80, "kind": "resume", "reason": "resumed ...", "time": 1.0, "resharded": True, "old_world_size": 2,
+         "new_world_size": 1, "old_global_batch": 16, "new_global_batch": 8}) + "\n")
+    h = health_summary(load_run(run))
+    assert "Resumed once, at step 80." in h.text and h.figures["reshards"] == 1
+    assert ("At step 80 the run went on under 1 process (it had 2): the global batch 16 -> 8 samples per step from "
+            "there, which moves the loss and grad-norm curves' level there.") in h.text, h.text
+    # the snapshot's table lists each resume's launch in rows of its own (its command as one line, as the first's)
+    (run / "snapshot.json").write_text(json.dumps({"command": ["stabletrain", "train"], "world_size": 2, "resumes": [
+        {"step": 80, "command": ["stabletrain", "train", "--resume", "run"], "world_size": 1}]}))
+    page = write_report(run).read_text()
+    assert ">resumes.1.world_size<" in page and ">stabletrain train --resume run<" in page, page[page.find('id="snapshot"'):]

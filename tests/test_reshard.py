@@ -7,6 +7,7 @@ every step after the resume trains on exactly the samples the uninterrupted run 
 matches within RTOL: the same math, the reductions add in another order.
 """
 
+import json
 import shutil
 
 import numpy as np
@@ -127,6 +128,15 @@ def test_a_2_rank_run_resumed_on_1_process_trains_on_the_same_samples_and_contin
         "new_global_batch": gb, "epoch": 0, "sample_offset": CUT * gb, "bitwise_expected": False}
     assert "bitwise equality with the uninterrupted run is not expected" in resume["reason"]
     assert "resharded from 2 to 1 process(es)" in capsys.readouterr().out
+    # the report's summary says it too (a new-user trial: 'Resumed once, at step 80.', the reshard in the events alone)
+    from stabletrain.report import health_summary, load_run
+
+    assert (f"At step {CUT} the run went on under 1 process (it had 2): the same global batch, 8 samples per step."
+            in health_summary(load_run(run_dir)).text)
+    # snapshot.json keeps the first launch (world size 2) and adds each resume's own: its step, command, world size
+    snapshot = json.loads((run_dir / "snapshot.json").read_text())
+    assert snapshot["world_size"] == 2 and [(r["step"], r["world_size"]) for r in snapshot["resumes"]] == [(CUT, 1)]
+    assert snapshot["resumes"][0]["command"] and snapshot["resumes"][0]["device"]["type"] == "cpu"
 
 
 def test_a_1_process_run_resumed_on_2_fsdp_ranks_trains_on_the_same_samples_and_seeds_the_new_rank(world):

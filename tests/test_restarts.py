@@ -660,12 +660,12 @@ def test_a_signal_death_at_the_same_step_is_the_same_failure_whatever_its_last_l
         (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
         cause = {"rank": 0, "exitcode": -9, "last_line": line, "restart": number, "max_restarts": 5, "time": 2.0 + number}
         everyone = [{"causes": [cause], "count": number, "max": 5, "run_id": None}]
-        outcomes.append(_restart_after(cfg("run.max_repeats=2"), run_dir, everyone, True, cause, late=False))
+        outcomes.append(_restart_after(cfg("run.max_repeats=2"), run_dir, everyone, False, cause, late=False))
         events = read_jsonl(run_dir / "events.jsonl")[0]
     assert [o.refused is None for o in outcomes] == [True, True, False], [o.refused for o in outcomes]
     assert ("the same failure ended 3 launches in a row (ended as rank 0 was killed by SIGKILL (its last record: step 20; "
             "its last line: 'stabletrain: restart 2 of 5") in outcomes[-1].refused
-    # (no checkpoint on disk here: the restarts resumed from none, and the line says so rather than 'from None')
+    # (no checkpoint on disk here: each restart started the run over, and the line says so rather than 'from None')
     assert "tried: 2 restart(s) so far, the last from step 0 (no checkpoint was written yet)" in outcomes[-1].refused
 
 
@@ -709,3 +709,26 @@ def test_a_second_trainer_in_one_process_starts_its_launch_when_it_is_built_not_
     g = read_goodput(run_dir)
     last_end = [r for r in ledger if r["kind"] == "end"][-1]["t"]
     assert g.launches == 2 and g.total_s <= last_end - ledger[0]["start"] - 0.9, g.line()  # the pause is not counted
+
+
+def test_the_finished_check_takes_a_config_as_the_resume_would(tmp_path):
+    """The check that a run is finished (--resume or run.resume=auto at train.max_steps: nothing written) compares the
+    configs by the resume's rule: a resharded resume may change train.batch_size (it refused that, and the resume went on
+    to rewrite the run's record), and the mode a saved precision=auto trained in is the checkpoint's (meta.json), not
+    what auto resolves to on the machine that checks."""
+    from stabletrain.config import config_to_dict
+    from stabletrain.services.restarts import _same_config
+
+    ckpt = tmp_path / "step_000010"
+    ckpt.mkdir()
+
+    def meta(world, trained, **cfg_overrides):
+        saved = config_to_dict(cfg("train.batch_size=8", *[f"{k}={v}" for k, v in cfg_overrides.items()]))
+        (ckpt / "meta.json").write_text(json.dumps({"config": saved, "world_size": world, "precision": trained}))
+
+    meta(2, "fp32")
+    assert _same_config(cfg("train.batch_size=16"), ckpt, world=1)  # resharded: the batch may change
+    assert not _same_config(cfg("train.batch_size=16"), ckpt, world=2)
+    assert _same_config(cfg("train.batch_size=8", "precision=fp32"), ckpt, world=2)  # auto trained in fp32: the same
+    meta(2, "bf16")  # a GPU run's auto (bf16), checked on a CPU host: fp32 is another precision
+    assert not _same_config(cfg("train.batch_size=8", "precision=fp32"), ckpt, world=2)

@@ -340,3 +340,6 @@ def test_the_update_jump_named_is_the_last_before_the_spike_not_the_first():
     assert update_jumped_at(history, 50) and update_jumped_at(history, 30)
     assert update_jump(history, at=30)["step"] == 30 and update_jump(history, at=20) is None
     assert not update_jumped_at([r for r in history if r[0] != 50] + [[50, 1e-3, 4e-3]], 50)  # x1.3: no jump
+    # An update that jumped at step 30 and stayed there: step 40 is high against the lagging median, but it is step 30's
+    stays = [[10 * (i + 1), 1e-3, r] for i, r in enumerate((1e-3, 1e-3, 1e-2, 1e-2))]
+    assert update_jump(stays)["step"] == 30 and not update_jumped_at(stays, 40) and update_jumped_at(stays, 30)

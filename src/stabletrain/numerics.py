@@ -94,9 +94,9 @@ def buffers_kept(model: nn.Module) -> Iterator[None]:
     finally:
         with torch.no_grad():
             for name in [n for n, _ in model.named_buffers()]:
-                if name not in saved:  # one the forward added (a cache built on first use): gone again
+                if name not in saved:  # one the forward filled (a cache built on first use, registered as None): None again
                     owner, _, attr = name.rpartition(".")
-                    delattr(model.get_submodule(owner), attr)
+                    setattr(model.get_submodule(owner), attr, None)
             for name, (was, value) in saved.items():
                 owner, _, attr = name.rpartition(".")
                 module = model.get_submodule(owner)

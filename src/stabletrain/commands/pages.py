@@ -22,14 +22,24 @@ def add_report_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR")
 
 
-def cmd_report(args: argparse.Namespace) -> int:
-    run_dir = Path(args.run_dir)
+def _run_dir(given: str | Path, *, config_enough: bool = True) -> Path:
+    """``given`` as a run directory, or one line that says what it is instead (missing, a file of a run, not a run)."""
+    run_dir = Path(given)
     if not run_dir.exists():
-        raise FileNotFoundError(f"run directory {str(run_dir)!r} does not exist")
-    if not (run_dir / "metrics.jsonl").exists() and not (run_dir / "config.yaml").exists():
-        raise FileNotFoundError(f"run directory {str(run_dir)!r}: no metrics.jsonl or config.yaml there; "
-                                "is it a stabletrain run?")
-    write_report(run_dir)
+        raise FileNotFoundError(f"run directory {str(given)!r} does not exist")
+    if run_dir.is_file():  # metrics.jsonl, report.html: a file of the run
+        parent = run_dir.parent
+        of_run = (parent / "metrics.jsonl").exists() or (parent / "config.yaml").exists()
+        raise FileNotFoundError(f"run directory {str(given)!r} is a file" + (
+            f" of the run: give its directory, {str(parent)!r}" if of_run else ", not a run directory"))
+    if not (run_dir / "metrics.jsonl").exists() and not (config_enough and (run_dir / "config.yaml").exists()):
+        there = "metrics.jsonl or config.yaml" if config_enough else "metrics.jsonl"
+        raise FileNotFoundError(f"run directory {str(given)!r}: no {there} there; is it a stabletrain run?")
+    return run_dir
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    write_report(_run_dir(args.run_dir))
     return 0
 
 
@@ -51,10 +61,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from ..report import write_compare
 
     for d in args.run_dirs:
-        if not Path(d).exists():
-            raise FileNotFoundError(f"run directory {d!r} does not exist")
-        if not (Path(d) / "metrics.jsonl").exists():
-            raise FileNotFoundError(f"run directory {d!r}: no metrics.jsonl there; is it a stabletrain run?")
+        _run_dir(d, config_enough=False)
     page = write_compare(args.run_dirs, args.out)
     console.say(f"comparison written to {page} (plots in {page.with_name(page.stem + '_plots')})")
     return 0

@@ -96,7 +96,7 @@ class AdapterOptions:
             if name == "run_dir":
                 ok, want = isinstance(value, (str, os.PathLike)) and str(value) != "", "a path (str or pathlib.Path) or None"
             elif name == "scaler":  # (duck-typed: torch.amp's and torch.cuda.amp's GradScaler, a subclass, a sharded one)
-                ok = all(callable(getattr(value, m, None)) for m in ("scale", "unscale_", "step", "update", "get_scale"))
+                ok = all(callable(getattr(value, m, None)) for m in ("scale", "unscale_", "step", "update", "is_enabled"))
                 want = "a torch.amp.GradScaler or None"
             elif name == "clip_max_norm":  # (a Python number, as the config key holds: a numpy one fails its check there)
                 ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
@@ -113,7 +113,8 @@ class AdapterOptions:
             if not ok:
                 key = f" (config key {ARG_KEYS[name]})" if name in ARG_KEYS else ""
                 raise ValueError(f"{name}: expected {want}, got {brief(value)}{key}")
-        if args.get("scaler") is not None and args.get("precision") not in (None, "fp16"):
+        scaler = args.get("scaler")  # (a disabled one, GradScaler(enabled=use_fp16)'s when False, is none)
+        if scaler is not None and scaler.is_enabled() and args.get("precision") not in (None, "fp16"):
             raise ValueError(f"scaler: a GradScaler scales fp16's loss, but precision={args['precision']!r} (give "
                              "precision='fp16' or leave it out with a scaler, or drop the scaler)")
         return self

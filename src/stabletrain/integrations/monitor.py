@@ -99,6 +99,7 @@ class Monitor:
         options = AdapterOptions(**options).checked(clip_max_norm=clip_max_norm, precision=precision, loss_fn=loss_fn,
                                                     model_factory=model_factory, run_dir=run_dir, scaler=scaler)
         device = next(p.device for p in model.parameters())
+        scaler = scaler if scaler is None or scaler.is_enabled() else None  # GradScaler(enabled=False): an fp32/bf16 run's
         mode = precision or ("fp16" if scaler is not None else "fp32")
         self.precision = PrecisionPolicy(mode, device)
         if scaler is not None:
@@ -106,10 +107,9 @@ class Monitor:
         self.session = RunSession(
             run_dir, model, host="monitor", options=options, precision=self.precision.mode, clip_max_norm=clip_max_norm,
             optimizer=inner, scaler=self.precision.scaler, replay=_MonitorReplay(self) if loss_fn is not None else None,
-            overwrite=overwrite,
             recipes={"model": model_recipe(unwrap(model), "monitor", model_factory), "loss": loss_recipe(loss_fn)},
             host_config={"log_every": options.log_every, "clip_max_norm": clip_max_norm, "scaler": scaler is not None},
-            callbacks=callbacks)
+            callbacks=callbacks, overwrite=overwrite)
         self.step_fn = build_step(self.session.cfg, model, inner, self.precision, guard=self.session.guard,
                                   params=self.session.params)  # the built-in run's step, on your gradients
         self.clipper = self.step_fn.clipper

@@ -144,6 +144,7 @@ class Guard:
         self._host_seen = 0
         self.consecutive_skips = 0
         self.spike_skips = 0  # of them, how many in a row were spikes (a loss at a new level: every step a spike)
+        self.last_scale = math.inf  # the loss scale after the last step seen (a routine overflow brings it down)
         self.num_rollbacks = 0
         self.num_incidents = 0
         self.num_spikes = 0
@@ -331,12 +332,15 @@ class Guard:
                 d.first_incident, d.after_update = row.step, not loss_bad
             if v.get("spike", 0.0) > 0.5:
                 d.spike_steps.append(row.step)
-            # A routine fp16 overflow (the GradScaler backing off, bounded: below UNRECOVERABLE_SCALE it is an incident)
-            # is no sign of a run that is not recovering: 44 of them in a row bring a scale of 2**60 down to 2**16
+            # A routine fp16 overflow that brought the scale down (the GradScaler backing off, bounded: below
+            # UNRECOVERABLE_SCALE it is an incident) is no sign of a run that is not recovering: 44 of them in a row bring
+            # a scale of 2**60 down to 2**16. One that left it where it was (our skip alone, a scale held) counts.
+            scale = float(v.get("loss_scale", 1.0))
             if v["applied"] >= 0.5:
                 self.consecutive_skips = 0
-            elif not overflow:
+            elif not (overflow and scale < self.last_scale):
                 self.consecutive_skips += 1
+            self.last_scale = scale
             self.spike_skips = self.spike_skips + 1 if v["applied"] < 0.5 and v.get("spike", 0.0) > 0.5 else 0
             if self.consecutive_skips >= self.cfg.max_consecutive_skips and d.action == "continue":
                 d.action, d.reason = "stop", (f"{self.consecutive_skips} consecutive skipped steps (guard.max_consecutive_skips="
@@ -409,7 +413,7 @@ class Guard:
 
     def state_dict(self) -> dict[str, Any]:
         return {"window": self.window.clone(), "num_seen": self.num_seen.clone(), "consecutive_skips": self.consecutive_skips,
-                "spike_skips": self.spike_skips,
+                "spike_skips": self.spike_skips, "last_scale": self.last_scale,
                 "num_rollbacks": self.num_rollbacks, "num_incidents": self.num_incidents, "num_spikes": self.num_spikes,
                 "num_spike_captures": self.num_spike_captures, **self.stall.state_dict(),
                 "stall_warned": self.stall_warned, "unordinary": list(self.unordinary), "first_loss": self.first_loss}
@@ -421,6 +425,7 @@ class Guard:
             self._host_seen = int(self.num_seen)
         self.consecutive_skips = int(state["consecutive_skips"])
         self.spike_skips = int(state.get("spike_skips", 0))  # (older checkpoints: none)
+        self.last_scale = float(state.get("last_scale", math.inf))
         self.num_rollbacks = int(state["num_rollbacks"])
         self.num_incidents = int(state["num_incidents"])
         self.num_spikes = int(state["num_spikes"])

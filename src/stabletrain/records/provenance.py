@@ -24,7 +24,8 @@ from ..fileio import check_folder
 from .jsonl import json_safe
 
 __all__ = ["OUTPUT_MARKER", "build_snapshot", "git_info", "installed_versions", "is_stabletrain_output", "mark_output_dir",
-           "optimizer_names", "optimizer_config", "other_task"]
+           "optimizer_names", "optimizer_config", "other_task",
+           "launch_snapshot"]
 
 #: The file that marks a folder stabletrain writes outside a run directory (``check --out``, ``lab --out``),
 #: so that the snapshot's ``git.dirty`` does not count it as a change to the user's code.
@@ -107,15 +108,15 @@ def git_info(path: Path) -> dict[str, Any]:
             "diff_sha256": hashlib.sha256(diff.encode()).hexdigest()[:16] if changed else None}
 
 
-def build_snapshot(cfg: Config, device: torch.device, precision: str, data_fingerprint: str | None,
-                   extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Return what identifies a run: code, libraries, device, seed, data, config hash."""
+def launch_snapshot(device: torch.device, precision: str) -> dict[str, Any]:
+    """What identifies one launch of a run: when, the command, the code, the libraries, the device, the precision (a
+    resume's own, in ``snapshot.json``'s ``resumes``: it may run elsewhere, on another world size, other code)."""
     dev: dict[str, Any] = {"type": device.type, "cpu": platform.processor() or platform.machine(),
                            "num_threads": torch.get_num_threads()}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         dev.update(name=props.name, total_memory_mib=props.total_memory // 2**20, capability=f"{props.major}.{props.minor}")
-    snap = {
+    return {
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": sys.argv,
         "cwd": os.getcwd(),
@@ -125,6 +126,14 @@ def build_snapshot(cfg: Config, device: torch.device, precision: str, data_finge
         "platform": platform.platform(),
         "device": dev,
         "precision": precision,
+    }
+
+
+def build_snapshot(cfg: Config, device: torch.device, precision: str, data_fingerprint: str | None,
+                   extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Return what identifies a run: code, libraries, device, seed, data, config hash (its first launch's)."""
+    snap = {
+        **launch_snapshot(device, precision),
         "seed": cfg.seed,
         "deterministic": cfg.deterministic,
         "data_fingerprint": data_fingerprint,
@@ -159,13 +168,14 @@ def optimizer_names(optimizer: Any) -> dict[str, Any]:
 def optimizer_config(optimizer: Any) -> dict[str, Any]:
     """The optimizer's class and hyperparameters, for ``config.yaml``: each as its param groups hold it (what steps), one
     value where every group has the same, else the list of the groups' (the HF Trainer's decay and no-decay groups). The
-    lr is a group's ``initial_lr`` where a scheduler set one (a warm-up's first lr is 0); momentum and betas, which a
+    lr is a group's ``max_lr`` (OneCycleLR's peak) or ``initial_lr`` where a scheduler set one (a warm-up's first lr is
+    0); momentum and betas, which a
     scheduler may cycle, and a key no group has, are the constructor's."""
     inner = getattr(optimizer, "optimizer", optimizer)  # an accelerate / Lightning wrapper holds the torch one
     groups = getattr(inner, "param_groups", None) or []
     out = {"name": type(inner).__name__}
     for key, default in getattr(inner, "defaults", {}).items():
-        values = ([json_safe(g.get("initial_lr", g[key]) if key == "lr" else g[key]) for g in groups if key in g]
+        values = ([json_safe(g.get("max_lr", g.get("initial_lr", g[key])) if key == "lr" else g[key]) for g in groups if key in g]
                   if key not in ("momentum", "betas") else []) or [json_safe(default)]
         out[key] = values[0] if all(v == values[0] for v in values) else values
     return out

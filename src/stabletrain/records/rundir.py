@@ -153,6 +153,13 @@ class RunDir:
         if path.is_file():
             self.write_snapshot({**json.loads(path.read_text(encoding="utf-8")), **fields})
 
+    def append_to_snapshot(self, key: str, item: Any) -> None:
+        """Append ``item`` to ``snapshot.json``'s list ``key`` (made where there is none); nothing without a snapshot."""
+        path = self.path / "snapshot.json"
+        if path.is_file():
+            old = json.loads(path.read_text(encoding="utf-8"))
+            self.write_snapshot({**old, key: [*(old.get(key) or []), item]})
+
     def event(self, step: int, kind: str, reason: str, **fields: Any) -> dict[str, Any]:
         """Append one line to events.jsonl and return it; ``kind`` must be one of
         :data:`~stabletrain.records.events.EVENT_KINDS`."""

@@ -450,6 +450,15 @@ def _records(run: RunData, h: Health) -> None:
     if resumes:
         times = "once" if len(resumes) == 1 else f"{len(resumes)} times"
         h.say("ok", f"Resumed {times}, at step {', '.join(f'{s:,}' for s in f['resume_steps'])}.")
+    resharded = [e for e in run.events if e.kind == "resume" and e.extra.get("resharded")]
+    f["reshards"] = len(resharded)
+    for e in resharded:  # (a global batch that changed mid-run moves the loss, grad-norm and clip curves at that step)
+        x = e.extra
+        old, new = x.get("old_global_batch"), x.get("new_global_batch")
+        batch = (f"the same global batch, {new} samples per step" if old == new else f"the global batch {old} -> {new} "
+                 "samples per step from there, which moves the loss and grad-norm curves' level there")
+        h.say("ok", f"At step {e.step:,} the run went on under {plural(x.get('new_world_size', 0), 'process', 'processes')} "
+                    f"(it had {x.get('old_world_size', '?')}): {batch}.")
     overwrites = run.counted_events("init_overwritten")
     names = [p.get("name", "?") for e in overwrites for p in (e.extra.get("params") or []) if isinstance(p, dict)]
     f["init_overwritten_params"] = len(names)

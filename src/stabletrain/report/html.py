@@ -473,7 +473,10 @@ def _end_loss(value: Any) -> str:
 def _tree_table(tree: dict[str, Any], source: str) -> str:
     if not tree:
         return f'<p class="empty">{esc(source)} is missing or could not be read.</p>'
-    flat = flatten_config(tree, keep_empty=True)
-    if isinstance(tree.get("command"), list):
-        flat["command"] = " ".join(map(str, tree["command"]))
+    # (snapshot.json's resumes: one launch each, its keys as rows of their own, resumes.1.command ...)
+    launches = {f"{k}.{i + 1}": x for k in ("resumes",) if isinstance(tree.get(k), list) for i, x in enumerate(tree[k])}
+    flat = flatten_config({**{k: v for k, v in tree.items() if k != "resumes" or not launches}, **launches}, keep_empty=True)
+    for key, item in [("", tree), *launches.items()]:
+        if isinstance(item, dict) and isinstance(item.get("command"), list):
+            flat[f"{key}.command" if key else "command"] = " ".join(map(str, item["command"]))
     return table(["key", "value"], ([esc(k), value_cell(v)] for k, v in flat.items()), ["key", "val"])

@@ -264,7 +264,8 @@ class CheckpointKeeper:
                 state.strategy.wait_for_checkpoint()
             return []
         whole = save.whole
-        meta = {"config": config_to_dict(state.cfg), "config_hash": config_hash(state.cfg), **save.meta}
+        meta = {"config": config_to_dict(state.cfg), "config_hash": config_hash(state.cfg), "precision": state.precision,
+                **save.meta}  # (precision: the mode it trained in, which config's auto resolved to)
         first, self._saved = not self._saved, True
         running = running_writer()
         if save.inline_ok and not (running is not None and running.ready) and (

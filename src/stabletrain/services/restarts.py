@@ -197,7 +197,7 @@ def begin_launch(cfg: Any, run_dir: Path | None, resume: bool, ctx: Any) -> Laun
         # (config.yaml, resume and schedule events; a changed config goes on to the resume, which refuses it; a damaged
         # last checkpoint too, which falls back to the one before it and trains the rest)
         name = CheckpointManager(run_dir / "checkpoints").latest_good() if resume or cfg.run.resume == "auto" else None
-        done = name is not None and _finished(cfg, run_dir, name)
+        done = name is not None and _finished(cfg, run_dir, name, len(everyone))
         if resume and done:
             console.say(f"nothing to train: the run is at step {step_of(name)} and train.max_steps={cfg.train.max_steps} "
                         f"(raise train.max_steps to train on); {run_dir} is left as it was")
@@ -208,7 +208,7 @@ def begin_launch(cfg: Any, run_dir: Path | None, resume: bool, ctx: Any) -> Laun
                             f"{cfg.train.max_steps}): nothing to train (raise train.max_steps to train on)")
                 return Launch(False, run_dir, finished=True)
             if has_checkpoint:
-                if name is None or _same_config(cfg, name):  # (else the resume refuses the change in its own line)
+                if name is None or _same_config(cfg, name, len(everyone)):  # (else the resume refuses it in its own line)
                     console.say(f"run.resume=auto: {run_dir} holds {f'LAST_GOOD ({name.name})' if name else 'checkpoints'}"
                                 ": continuing it")
                 return Launch(True, run_dir)
@@ -218,33 +218,36 @@ def begin_launch(cfg: Any, run_dir: Path | None, resume: bool, ctx: Any) -> Laun
     return ctx.on_main(decide)
 
 
-def _finished(cfg: Any, run_dir: Path, checkpoint: Path) -> bool:
-    """Whether ``checkpoint`` (the run's LAST_GOOD) is at or past ``cfg``'s train.max_steps, under a config a resume takes,
-    and whole (it verifies)."""
-    return (step_of(checkpoint) >= cfg.train.max_steps and _same_config(cfg, checkpoint)
+def _finished(cfg: Any, run_dir: Path, checkpoint: Path, world: int) -> bool:
+    """Whether ``checkpoint`` (the run's LAST_GOOD) is at or past ``cfg``'s train.max_steps, under a config a resume by
+    ``world`` processes takes, and whole (it verifies)."""
+    return (step_of(checkpoint) >= cfg.train.max_steps and _same_config(cfg, checkpoint, world)
             and not CheckpointManager(run_dir / "checkpoints").verify(checkpoint))
 
 
-def _same_config(cfg: Any, checkpoint: Path) -> bool:
-    """Whether ``checkpoint``'s config (its meta.json) differs from ``cfg`` in no key a resume refuses a change of (the
-    resume's own rule, :func:`~.checkpoints.resume_diffs`; the mode a saved precision=auto trained in is taken as what it
-    resolves to on this machine, where the resume reads it from the checkpoint's state)."""
+def _same_config(cfg: Any, checkpoint: Path, world: int) -> bool:
+    """Whether ``checkpoint``'s config (its meta.json) differs from ``cfg`` in no key a resume by ``world`` processes refuses
+    a change of (the resume's own rule, :func:`~.checkpoints.resume_diffs`: a resharded one may change more; the mode a
+    saved precision=auto trained in is meta.json's, or, in a checkpoint written before it recorded it, what auto resolves to
+    on this machine)."""
     from ..config import move_old_keys
     from ..policies.precision import resolve_device, resolve_precision
     from ..records.checkpoint.files import META_FILE
     from .checkpoints import resume_diffs
 
     try:
-        saved = json.loads((checkpoint / META_FILE).read_text(encoding="utf-8")).get("config") or {}
+        meta = json.loads((checkpoint / META_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
+    saved = meta.get("config") or {}
     move_old_keys(saved, "the checkpoint's config")
     try:
-        trained = resolve_precision(str(saved.get("precision", "auto")), resolve_device(str(saved.get("device", "auto"))))
+        trained = meta.get("precision") or resolve_precision(str(saved.get("precision", "auto")),
+                                                             resolve_device(str(saved.get("device", "auto"))))
         resolved = resolve_precision(cfg.precision, resolve_device(cfg.device))
     except (ValueError, RuntimeError):  # a device this machine lacks: no mode to compare (the resume says what fails)
         trained, resolved = None, ""
-    return not resume_diffs(saved, cfg, trained, resolved)
+    return not resume_diffs(saved, cfg, trained, resolved, resharded=int(meta.get("world_size", 1)) != world)
 
 
 def _causes(everyone: list[dict[str, Any]], since: float | None) -> list[dict[str, Any]]:
@@ -312,8 +315,9 @@ def _restart_after(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_
                 why = (f"checkpoint step_{failure.resumed_step:06d} led to a non-finite step (step {failure.nonfinite_step}) "
                        f"right after its load and is not trusted, and no older checkpoint is left (ckpt.keep={cfg.ckpt.keep})")
         if why is not None:
-            tried = f"{len(chain)} restart(s) so far" + (
-                f", the last from {chain[-1].get('checkpoint') or 'step 0 (no checkpoint was written yet)'}" if chain else "")
+            last = (chain[-1].get("checkpoint") or ("step 0 (no checkpoint was written yet)" if chain[-1].get("started_over")
+                                                    else "the newest checkpoint that verified")) if chain else None
+            tried = f"{len(chain)} restart(s) so far" + (f", the last from {last}" if last else "")
             line = (f"not restarting the run after {who}: {why}; tried: {tried} (run.max_restarts={limit}, "
                     f"run.max_repeats={cfg.run.max_repeats}). See {run_dir / 'events.jsonl'}")
             run.event(failure.last_step, "stop", f"restart refused: {why}", cause=cause, failure=failure.record())
@@ -358,7 +362,7 @@ def _start_over(run: RunDir, run_dir: Path, failure: Failure, number: int, limit
     reason = (f"restart {number}{f' of {limit}' if limit else ''} after {who}{met}; no checkpoint was written yet: "
               f"starting the run again from step 0{LATE if late else ''}")
     run.event(0, "restart", reason, restart=number, max_restarts=limit, cause=cause, failure=failure.record(),
-              checkpoint=None, redone=failure.last_step, **({"late": True} if late else {}))
+              checkpoint=None, started_over=True, redone=failure.last_step, **({"late": True} if late else {}))
     console.say(reason)
     return Launch(False, run_dir)
 

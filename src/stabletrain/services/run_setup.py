@@ -9,7 +9,7 @@ from ..callbacks.goodput_clock import LEDGER_FILE, GoodputClock, launch_record
 from ..distributed.launch import default_run_dir, note_run_dir
 from ..records.checkpoint.manager import CheckpointManager
 from ..records.launches import refuse_if_running, this_process
-from ..records.provenance import build_snapshot, optimizer_names
+from ..records.provenance import build_snapshot, launch_snapshot, optimizer_names
 from ..records.rundir import RunDir
 
 __all__ = ["open_run", "default_run_dir", "DEFAULT_RUN_DIR"]
@@ -40,8 +40,10 @@ def open_run(state: Any, keeper: Any, recorder: Any, run_dir: Path, resume: bool
         run = state.run = RunDir(run_dir, resume=resume, overwrite=cfg.run.overwrite)
         note_run_dir(run_dir)  # for a launcher that restarts the run: where to record a death it does not restart
         run.write_config(cfg)
-        if resume:
+        if resume:  # snapshot.json keeps the run's first launch; each resume's own (it may differ) is added to its list
             keeper.announce_resume()
+            run.append_to_snapshot("resumes", {"step": state.step, **launch_snapshot(state.device, state.precision),
+                                               "world_size": dist.world})
             return
         task = state.task
         extra: dict[str, Any] = {"task_info": task.info, "task_name": task.name, "count_unit": task.count_unit,

@@ -107,13 +107,19 @@ def update_jump(history: list[list[Any]], at: int | None = None) -> dict[str, An
     What sends a spike's older state back one snapshot and what its evidence names."""
     rows = [(int(t), lr, float(r)) for t, lr, r, *_ in history if isinstance(r, (int, float)) and math.isfinite(r) and r > 0
             and (at is None or int(t) <= at)]
-    for i in range(len(rows) - 1, 1, -1):
-        typical = statistics.median(r for _, _, r in rows[:i])
-        if rows[i][2] >= STEP_GROWTH * typical:
-            lrs = [lr for _, lr, _ in rows[:i] if isinstance(lr, (int, float)) and lr > 0]
-            return {"step": rows[i][0], "ratio": rows[i][2], "typical": typical, "lr": rows[i][1],
-                    "lr_before": statistics.median(lrs) if lrs else None}
-    return None
+
+    def high(i: int) -> bool:
+        return i >= 2 and rows[i][2] >= STEP_GROWTH * statistics.median(r for _, _, r in rows[:i])
+
+    # The last jump: a high record whose record before it is not high, or is but far below it (a second jump); a high
+    # record that merely stays where the one before it went is that jump's, not one of its own
+    i = next((i for i in range(len(rows) - 1, 1, -1)
+              if high(i) and (not high(i - 1) or rows[i][2] >= STEP_GROWTH * rows[i - 1][2])), None)
+    if i is None:
+        return None
+    lrs = [lr for _, lr, _ in rows[:i] if isinstance(lr, (int, float)) and lr > 0]
+    return {"step": rows[i][0], "ratio": rows[i][2], "typical": statistics.median(r for _, _, r in rows[:i]), "lr": rows[i][1],
+            "lr_before": statistics.median(lrs) if lrs else None}
 
 
 def update_jumped_at(history: list[list[Any]], at: int) -> bool:
