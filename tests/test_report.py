@@ -1213,3 +1213,22 @@ def test_a_resume_that_changed_the_global_batch_is_said_in_the_summary(tmp_path)
         {"step": 80, "command": ["stabletrain", "train", "--resume", "run"], "world_size": 1}]}))
     page = write_report(run).read_text()
     assert ">resumes.1.world_size<" in page and ">stabletrain train --resume run<" in page, page[page.find('id="snapshot"'):]
+
+
+def test_compare_says_which_runs_were_resumed_and_where(tmp_path):
+    """A new-user trial: comparing a run with one resumed on 1 process of 2 showed 'train.batch_size 8 | 16' and
+    'dist.nproc 2 | 1' as if the whole run had trained so; nothing said the second ran 90 steps as the first did."""
+    runs = []
+    for name, events in (("ref", []), ("resumed", [{"step": 90, "kind": "resume", "reason": "resumed ...", "time": 1.0,
+                                                    "resharded": True, "old_world_size": 2, "new_world_size": 1,
+                                                    "old_global_batch": 16, "new_global_batch": 16}])):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "config.yaml").write_text(f"train:\n  batch_size: {8 if name == 'ref' else 16}\n")
+        (run / "metrics.jsonl").write_text("".join(json.dumps({"step": 10 * (i + 1), "loss": 1.0}) + "\n" for i in range(20)))
+        (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+        runs.append(run)
+    html = write_compare(runs, tmp_path / "cmp.html").read_text()
+    row = html[html.find(">resumed at step<"):]
+    assert row.find(">—<") < row.find(">90 (1 under another world size)<") < row.find("</tr>"), row[:400]
+    assert "resumed was resumed: the config shown is each run's last launch's" in html

@@ -105,6 +105,11 @@ def render_compare(runs: Sequence[RunData], labels: Sequence[str], plots=None, f
     head = [f"{swatch[i]}<b>{esc(label)}</b>" for i, label in enumerate(labels)]
 
     diff, hosts_note = _host_aware(config_diff([run.config for run in runs]), runs)
+    resumed = [label for run, label in zip(runs, labels) if any(e.kind == "resume" for e in run.events)]
+    if resumed:  # (config.yaml is the last launch's: a resume may have changed train.max_steps, log.*, a reshard's batch)
+        hosts_note += (f'<p class="detail">{esc(", ".join(resumed))} {"was" if len(resumed) == 1 else "were"} resumed: '
+                       "the config shown is each run's last launch's (the summary's resumes row; the run's events say "
+                       "what a resume changed).</p>")
     if diff:
         config_html = table(["config key", *head], ([esc(k), *(_cell(v) for v in vals)] for k, vals in diff),
                             ["key", *["val"] * len(runs)]) + hosts_note
@@ -204,6 +209,8 @@ def _summary(runs: Sequence[RunData], head: Sequence[str]) -> str:
     rows_spec = [
         ("last step", lambda f: fmt_num(f.get("last_step"))),
         ("ended by", _ending),
+        ("resumed at step", lambda f: (", ".join(f"{s:,}" for s in f.get("resume_steps", [])) or "—") + (
+            f" ({f['reshards']} under another world size)" if f.get("reshards") else "")),
         ("train loss, start → end", lambda f: f"{fmt_num(f.get('loss_start'))} → {fmt_num(f.get('loss_end'))}"
          if "loss_start" in f else "—"),  # the health summary's headline: robust to a few huge losses at either end
         ("last val loss", lambda f: fmt_num(f.get("val_last"))),
