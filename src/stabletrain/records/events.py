@@ -55,7 +55,8 @@ REPLAY_KINDS: tuple[str, ...] = ("resume", "rollback", "remedy")  # a remedy wit
 #: Metric key (a line of metrics.jsonl) -> what it means. Every figure is global under DDP.
 METRIC_KEYS: dict[str, str] = {
     "step": "optimizer steps taken at the end of the interval (a skipped step counts)",
-    "loss": "mean over the interval of each step's unscaled per-item loss",
+    "loss": ("mean over the interval's finite steps of each step's unscaled per-item loss (a skipped step's too: a spike "
+             "that guard.on_spike=skip skipped is in it, as num_spikes and loss_max say)"),
     "loss_min": "min over the interval of each step's unscaled per-item loss",
     "loss_max": "max over the interval of each step's unscaled per-item loss",
     "grad_norm": "mean pre-clip global L2 grad norm over the interval's finite steps",
