@@ -74,13 +74,15 @@ LABS: dict[str, LabInfo] = {info.key: info for info in (
     LabInfo("7", "lab7", "Why a lower LR cures a divergence and not a sqrt(0)",
             "Explain the path by which the learning rate affects stability: meet a divergence and a sqrt(0) fault, "
             "and let the remedy replays say which fix cures which.",
-            "解释学习率影响训练稳定性的路径：遇到一次发散和一次 sqrt(0) 故障，用补救重放说明哪种修复治好哪一个。",
+            # (beyond the chapter's exercises: the chapter's own words it tests, from its NaN/Inf section)
+            "大模型 NaN 可能来自脏 token、极端长度、低精度溢出或通信；先找“第一个坏点”，不要只调低学习率碰运气。",
             "each first incident replayed under the remedies: a lower LR from before the growth cures the divergence, "
             "no LR cures the sqrt(0); dropping its sample or guarding the op does"),
     LabInfo("8", "lab8", "A loss spike: the warning before it, its cause, its cure",
             "Meet a loss spike: let the diagnosis name its cause and a replay verify the cure, and watch whether a "
             "layer's update/weight ratio rises before the loss does.",
-            "遇到一次 loss 尖峰：让诊断说出它的原因、用重放验证补救，并观察某一层的更新/权重比是否先于 loss 抬升。",
+            # (beyond the exercises: the chapter's words on spikes, from its clipping section)
+            "按全局范数裁剪限制一次更新的最大梯度规模，能缓解偶发尖峰，但不能修复错误数据、过大学习率或 NaN 算子。",
             "a rare token under Adam and two mislabelled samples, both spiking at step 75: the class and the layer or "
             "samples named, the cure verified by replay; the embedding's update ratio rises a step before its spike, "
             "nothing rises before the data's"),
