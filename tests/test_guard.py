@@ -633,3 +633,26 @@ def test_a_routine_overflow_counts_toward_the_skip_limit_only_where_it_held_the_
     clone.load_state_dict(backing_off.state_dict())
     assert clone.last_scale == 2.0 ** 20 and clone.decide(rows([2.0 ** 20] * 2)).action == "continue"
     assert clone.consecutive_skips == 2
+
+
+def test_a_checkpoint_after_a_run_of_skipped_steps_is_withheld_and_last_good_stays_before_it(tmp_path):
+    """A student's trial: an SGD run diverged (every step from 17 on non-finite, skipped) and each save went on moving
+    LAST_GOOD (-> step_000020, -> step_000030): a resume continued from the diverged state, the good one pruned (the
+    chapter's 'overwriting a good checkpoint after an anomaly'). A save whose last steps were all skipped is withheld;
+    one skipped step alone (a bad sample's) is not: the state is the last applied step's."""
+    from helpers import nan_samples_task
+
+    from stabletrain import Trainer
+    from stabletrain.records.checkpoint.manager import CheckpointManager
+
+    run_dir = tmp_path / "run"  # samples 64..: steps 9-16 non-finite (batch 8); sample 5: step 1 alone
+    Trainer(cfg("train.batch_size=8", "train.max_steps=16", "log.every=4", "ckpt.every=4", "ckpt.keep=10",
+                "data.shuffle=false", "capture.incidents=false", "guard.max_consecutive_skips=100"),
+            task=nan_samples_task([5, *range(64, 128)], n=128), run_dir=run_dir).fit()
+    ckpt = CheckpointManager(run_dir / "checkpoints")
+    assert [d.name for d in sorted(ckpt.checkpoints())] == ["step_000000", "step_000004", "step_000008"]
+    assert ckpt.latest_good().name == "step_000008"
+    withheld = [e for e in _events(run_dir) if e["kind"] == "checkpoint_withheld"]
+    assert [(e["step"], e["skipped_in_a_row"]) for e in withheld] == [(12, 4), (16, 8)]
+    assert withheld[0]["reason"] == ("checkpoint at step 12 withheld: its last 4 steps were skipped, none applied since: "
+                                     "the run is not known to have recovered; LAST_GOOD stays at step_000008")

@@ -51,6 +51,8 @@ from ..runstate import RunState
 
 __all__ = ["CheckpointKeeper", "schedule_change_note", "resume_diffs", "INLINE_FIRST_BYTES"]
 
+#: A checkpoint whose last this many steps were all skipped is withheld (LAST_GOOD stays before the run of skips).
+SKIPS_WITHHOLD = 2
 #: While no writer process runs, a run's first save of at most this many bytes of tensors is written in the loop's
 #: thread (a few ms to ~0.2 s), as is a save the loop waits for anyway (the run's last): a run that never saves in
 #: the background (a short one, ckpt.every beyond its end) starts no process (~1.3 CPU-seconds: a fresh
@@ -252,8 +254,16 @@ class CheckpointKeeper:
             return []
         # The previous save first: LAST_GOOD may be about to move (say where it really is), its directory be reused.
         done = self.finished(wait=True)
-        save = state.strategy.save_checkpoint(state.state_dict, ckpt, state.step) if healthy else None  # may gather
-        why, fields = ("inside an incident", {}) if save is None else (save.withheld, save.fields)
+        # A run of skipped steps up to this one (a divergence's non-finite or spiking steps) is no state known to have
+        # recovered: LAST_GOOD stays before it, so that a resume or a rollback starts from a state that trained well (one
+        # skip alone, a bad sample's, leaves the state as the last applied step made it: saved)
+        skips = state.guard.consecutive_skips if state.guard is not None else 0
+        unproven = (f"its last {skips} steps were skipped, none applied since: the run is not known to have recovered"
+                    if healthy and skips >= SKIPS_WITHHOLD else None)
+        save = (state.strategy.save_checkpoint(state.state_dict, ckpt, state.step) if healthy and unproven is None
+                else None)  # may gather
+        why, fields = ((unproven or "inside an incident", {"skipped_in_a_row": skips} if unproven else {}) if save is None
+                       else (save.withheld, save.fields))
         if why is not None:  # the same verdict on every rank: none writes anything
             good = ckpt.latest_good()
             return done + [{"step": state.step, "kind": "checkpoint_withheld", "fields": fields,
