@@ -1,6 +1,7 @@
 """Config: YAML + dotted overrides, every default written out, errors naming the dotted key and value."""
 
 import re
+import warnings
 import subprocess
 import sys
 from pathlib import Path
@@ -126,6 +127,9 @@ def test_an_error_in_a_yaml_file_names_the_file_and_the_line_of_its_key(tmp_path
         load_config(path)
     with pytest.raises(ConfigError, match=r"^config file .*, line 5: config key 'task_args.depth': expected an integer"):
         load_config(path, ["callbacks=[]", "task=mlp"])  # a built-in task's task_args, checked with the config
+    path.write_text("task: mlp\ntask_args:\n  width: 16\n  widht: 8\n")  # a key the task does not take: its line too
+    with pytest.raises(ConfigError, match=r"^config file .*, line 4: unknown config key 'task_args.widht' for task 'mlp'"):
+        load_config(path)
     with pytest.raises(ConfigError, match=r"^config key 'callbacks\[0\]': expected a string, got 3$"):
         load_config(path, ["callbacks=[3]"])  # the bad value came from the command line: no file line
 
@@ -416,3 +420,16 @@ def test_inf_for_a_number_key_says_how_yaml_writes_infinity():
         load_config(None, ["guard.spike_ratio=inf"])
     assert str(err.value) == ("config key 'guard.spike_ratio': expected a number, got 'inf' (YAML writes infinity .inf, "
                               "not-a-number .nan)")
+
+
+def test_a_warmup_longer_than_the_run_is_said():
+    """A new-user trial: train.max_steps=3 sched.warmup_steps=500 ran without a word, its lr 4e-6 .. 8e-6 of 1e-3."""
+    from stabletrain.console import StableTrainWarning
+
+    with pytest.warns(StableTrainWarning, match=r"^config key 'sched.warmup_steps': 500 >= train.max_steps=3: the run ends "
+                                                r"inside its warm-up, its lr never reaches optim.lr=0.001"):
+        load_config(None, ["train.max_steps=3", "sched.warmup_steps=500"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config(None, ["train.max_steps=3"])  # the default warm-up (20) in a smoke run: not the user's choice, silent
+        load_config(None, ["train.max_steps=30", "sched.warmup_steps=20"])

@@ -40,3 +40,19 @@ def test_a_frozen_batchnorm_stays_frozen_across_validation_in_training():
     assert "val_loss" in trainer.history[0] and not bn.training and trainer.module.training
     assert torch.equal(bn.running_mean, mean) and torch.equal(bn.running_var, var)
     assert int(bn.num_batches_tracked) == batches == 0
+
+
+def test_a_validation_loss_that_counts_no_item_is_nan_and_said_not_a_perfect_zero():
+    """A new-user trial: a loss returning (sum * 0, 0) read 'val_loss=0' (loss_sum / max(count, 1)): a masking bug
+    in the validation set looked like a perfect model."""
+    import math
+
+    import pytest
+
+    from stabletrain.console import StableTrainWarning
+
+    task = frozen_bn_task()
+    task.loss = lambda m, b: (F.mse_loss(m(b[0]), b[1], reduction="sum") * 0, torch.tensor(0.0))
+    with pytest.warns(StableTrainWarning, match="the validation loss counted no item .*val_loss is NaN"):
+        out = validation_loss(task, task.model, PrecisionPolicy("fp32", "cpu"), 8, 0, DistContext.current())
+    assert math.isnan(out["val_loss"])

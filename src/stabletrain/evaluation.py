@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -40,7 +41,12 @@ def validation_loss(task: Any, module: nn.Module, precision: PrecisionPolicy, ba
         module.eval()
         total = _loss_sum_count(task, module, precision, batch_size, max_batches, dist)
     loss_sum, count = dist.all_reduce_(total).tolist()  # the one sync (and one all-reduce)
-    return {"val_loss": loss_sum / max(count, 1.0)}
+    if count <= 0:  # the loss counted no item (a mask that drops everything): no loss, not a perfect 0
+        warnings.warn(f"task {task.name!r}: the validation loss counted no item (its count is {count:g}): val_loss is "
+                      "NaN; check the loss's count (a mask or an ignore_index that drops every item)", StableTrainWarning,
+                      stacklevel=2)  # (the same line each evaluation: Python's filter shows it once)
+        return {"val_loss": math.nan}
+    return {"val_loss": loss_sum / count}
 
 
 def _loss_sum_count(task: Any, module: nn.Module, precision: PrecisionPolicy, batch_size: int, max_batches: int,
