@@ -114,6 +114,21 @@ def test_a_remedy_is_applied_by_hand_on_resume_once_and_refused_clearly(tmp_path
     assert "needs a code change (keep the input of sqrt away from 0 at " in capsys.readouterr().err
     assert main(["train", "--resume", str(run_dir), "train.max_steps=12", f"remedy.apply={incident}:nope"]) == 2
     assert "remedy.json has no candidate 'nope'; it has skip-samples, eps-guard" in capsys.readouterr().err
+    # A cure that changes the state's course (an LR cut), verified from the update of step 2, applied by hand at the
+    # resume's step 8: the updates since were made without it, its verdict does not hold (a student's trial: 'cures
+    # on the replay', then the run diverged on). Refused, naming the rollback that holds.
+    original = (incident / "remedy.json").read_text()
+    record = json.loads(original)
+    record["candidates"] += [{"name": "lr-x0.01", "remedy": {"kind": "lr", "factor": 0.01}, "verdict": "cures",
+                              "first_step": 2, "baseline": False},
+                             {"name": "rollback-lr-x0.01", "remedy": {"kind": "rollback-lr", "factor": 0.01, "step": 0},
+                              "verdict": "cures", "first_step": 1, "baseline": False}]
+    (incident / "remedy.json").write_text(json.dumps(record))
+    assert main(["train", "--resume", str(run_dir), "train.max_steps=12", f"remedy.apply={incident}:lr-x0.01"]) == 2
+    assert ("lr-x0.01 was verified from the update of step 2, but this run resumes at step 8: the updates since were made "
+            "without it, so its verdict does not hold here; apply a cure that rolls back first (rollback-lr-x0.01)"
+            ) in capsys.readouterr().err
+    (incident / "remedy.json").write_text(original)
     missing = run_dir / "incidents" / "step_000099"  # a folder that is not there: said so, not "run remedy on it first"
     assert main(["train", "--resume", str(run_dir), "train.max_steps=12", f"remedy.apply={missing}:skip-samples"]) == 2
     assert f"no incident folder {str(missing)!r} (it does not exist)" in capsys.readouterr().err

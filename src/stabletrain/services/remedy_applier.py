@@ -254,6 +254,17 @@ class RemedyApplier:
             raise ValueError(f"config key 'remedy.apply' ({spec!r}): {name} needs a code change "
                              f"({getattr(remedy, 'change', '')}) "
                              "or a restart with another config; it cannot be applied to a live run")
+        first = row.get("first_step", record.get("step"))
+        if (remedy.rollback_step is None and not isinstance(remedy, SkipSamples) and isinstance(first, int)
+                and first < self.state.step):  # (dropping samples holds from any step: the data, not the state)
+            rollbacks = [c["name"] for c in record.get("candidates", [])
+                         if c.get("verdict") == "cures" and c.get("remedy", {}).get("kind") == "rollback-lr"]
+            raise ValueError(f"config key 'remedy.apply' ({spec!r}): {row['name']} was verified from the update of step "
+                             f"{first}, but this run resumes at step {self.state.step}: the updates since were made "
+                             "without it, so its verdict does not hold here; "
+                             + (f"apply a cure that rolls back first ({', '.join(rollbacks)})" if rollbacks else
+                                "resume from a checkpoint at or before that step, or let guard.on_nonfinite=remedy "
+                                "apply a cure at the incident"))
         self.apply(remedy, str(Path(incident)), row, record, by_hand=True)
 
     def apply(self, remedy: Remedy, incident: str, row: dict[str, Any], record: dict[str, Any], *,
