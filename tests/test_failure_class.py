@@ -46,6 +46,12 @@ def test_growth_says_the_factor_per_step_and_since_when():
     assert g["factor_per_step"] == pytest.approx(2048 ** (1 / 15))
     assert growth(rows[:3], 15) is None  # x2 over two rows: not a divergence
     assert growth([{"step": s, "loss": 1.0 / s} for s in range(1, 9)], 8) is None  # falling
+    # A student's trial: the interval ending at step 20 held step 16's loss alone (steps 17-20 non-finite): dated to
+    # step 20 it read x34 per step where the loss grew x361 (a later incident's text beside the first one's)
+    diverged = [{"step": 10, "loss": 49.0}, {"step": 15, "loss": 49.0 * 361 ** 5},
+                {"step": 20, "loss": 49.0 * 361 ** 6, "num_nonfinite": 4}]
+    g = growth(diverged, 36)
+    assert (g["since_step"], g["until_step"]) == (10, 16) and g["factor_per_step"] == pytest.approx(361.0)
 
 
 @pytest.mark.parametrize("accum, stage, since, metric", [(1, "loss", 5, "loss"), (2, "none", 10, "loss")])

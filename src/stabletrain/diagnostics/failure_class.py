@@ -56,7 +56,9 @@ def growth(history: list[dict[str, Any]], before_step: int) -> dict[str, Any] | 
                   key=lambda r: r["step"])
     best = None
     for key in ("loss", "grad_norm", "update_norm"):
-        series = [(r["step"], r[key]) for r in rows if _finite(r.get(key)) and r[key] > 0]
+        # A row whose interval ends in non-finite steps (a divergence's) holds the mean of the finite steps before them:
+        # its value is dated to the last of those, not to the interval's end (it made a x361 growth read as x34)
+        series = [(r["step"] - int(r.get("num_nonfinite") or 0), r[key]) for r in rows if _finite(r.get(key)) and r[key] > 0]
         if len(series) < MIN_GROWTH_ROWS:
             continue
         end = len(series) - 1
