@@ -425,6 +425,11 @@ def test_an_fp16_overflow_outside_any_module_gets_the_run_wide_bf16_and_scaler_c
     names = [r.name for r in candidates_for({"failure_class": "overflow", "module": "layers.1"}, "fp16", [], [])]
     assert names == ["skip-step", "module-fp32", "bf16", "scaler", "lr-x0.5", "lr-x0.1"]
     assert [r.name for r in candidates_for({"failure_class": "overflow"}, "bf16", [], [])] == ["skip-step", "lr-x0.5", "lr-x0.1"]
+    # An overflow pinned to one sample (a student's trial: sample 50 scaled x400 overflowed every epoch): dropping it is
+    # offered too ('skip-samples does not fit this incident (failure class overflow)' was refused)
+    pinned = candidates_for({"failure_class": "overflow", "module": "0", "bad_samples": [50]}, "fp16", [], [])
+    assert [r.name for r in pinned] == ["skip-step", "skip-samples", "module-fp32", "bf16", "scaler", "lr-x0.5", "lr-x0.1"]
+    assert pinned[1].samples == (50,)
 
 
 def test_a_precision_spike_gets_the_run_wide_precisions_above_the_runs():

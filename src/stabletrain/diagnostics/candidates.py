@@ -59,6 +59,8 @@ def candidates_for(diagnosis: dict[str, Any], precision: str, history: list[dict
         op = guarded_op(diagnosis.get("op"), diagnosis.get("autograd_node"))
         if op is not None:
             out.append(EpsGuard(module, op, 1e-12 if op != "div" else 1e-6, _user_line(diagnosis)))
+    if cls == "overflow" and samples:  # pinned to its samples (one scaled x400): dropping them, as for data
+        out.append(SkipSamples(samples, positions=_positions(diagnosis)))
     if cls == "overflow" and module:
         out.append(ModuleFP32(module))
     if cls == "overflow" and precision == "fp16":  # run-wide: they need no module (one outside any module, a loss x1e6)
