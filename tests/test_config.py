@@ -1,9 +1,9 @@
 """Config: YAML + dotted overrides, every default written out, errors naming the dotted key and value."""
 
 import re
-import warnings
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest

@@ -57,7 +57,12 @@ def candidates_for(diagnosis: dict[str, Any], precision: str, history: list[dict
         out.append(SkipSamples(samples, positions=_positions(diagnosis)))
     if cls == "op" and module is not None:
         op = guarded_op(diagnosis.get("op"), diagnosis.get("autograd_node"))
-        if op is not None:
+        first = diagnosis.get("first_op") or {}
+        # log or sqrt whose forward made a NaN of finite inputs: an input below 0, out of the op's domain (log(0) is
+        # -inf, sqrt(0)'s fault is its backward's): clamping it to eps would hide a bad value as log(1e-12) = -27.6
+        negative = (op in ("log", "sqrt") and diagnosis.get("direction") == "forward" and diagnosis.get("kind") == "nan"
+                    and not first.get("nonfinite_inputs"))
+        if op is not None and not negative:
             out.append(EpsGuard(module, op, 1e-12 if op != "div" else 1e-6, _user_line(diagnosis)))
     if cls == "overflow" and samples:  # pinned to its samples (one scaled x400): dropping them, as for data
         out.append(SkipSamples(samples, positions=_positions(diagnosis)))
