@@ -426,10 +426,11 @@ def test_a_warmup_longer_than_the_run_is_said():
     """A new-user trial: train.max_steps=3 sched.warmup_steps=500 ran without a word, its lr 4e-6 .. 8e-6 of 1e-3."""
     from stabletrain.console import StableTrainWarning
 
-    with pytest.warns(StableTrainWarning, match=r"^config key 'sched.warmup_steps': 500 >= train.max_steps=3: the run ends "
-                                                r"inside its warm-up, its lr never reaches optim.lr=0.001"):
+    with pytest.warns(StableTrainWarning, match=r"^config key 'sched.warmup_steps': 500 > train.max_steps=3: the run ends "
+                                                r"inside its warm-up, its lr never reaches the schedule's peak"):
         load_config(None, ["train.max_steps=3", "sched.warmup_steps=500"])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_config(None, ["train.max_steps=3"])  # the default warm-up (20) in a smoke run: not the user's choice, silent
         load_config(None, ["train.max_steps=30", "sched.warmup_steps=20"])
+        load_config(None, ["train.max_steps=20", "sched.warmup_steps=20"])  # its last step at the peak

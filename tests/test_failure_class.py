@@ -50,8 +50,11 @@ def test_growth_says_the_factor_per_step_and_since_when():
     # step 20 it read x34 per step where the loss grew x361 (a later incident's text beside the first one's)
     diverged = [{"step": 10, "loss": 49.0}, {"step": 15, "loss": 49.0 * 361 ** 5},
                 {"step": 20, "loss": 49.0 * 361 ** 6, "num_nonfinite": 4}]
-    g = growth(diverged, 36)
+    g = growth(diverged + [{"step": 25, "loss": float("nan"), "num_nonfinite": 5}], 36)
     assert (g["since_step"], g["until_step"]) == (10, 16) and g["factor_per_step"] == pytest.approx(361.0)
+    # a non-finite step the run recovered from (the next interval finite): its interval's value keeps its own step
+    recovered = growth([*diverged[:2], {**diverged[2], "num_nonfinite": 1}, {"step": 25, "loss": 49.0 * 361 ** 7}], 36)
+    assert (recovered["since_step"], recovered["until_step"]) == (10, 25)
 
 
 @pytest.mark.parametrize("accum, stage, since, metric", [(1, "loss", 5, "loss"), (2, "none", 10, "loss")])

@@ -318,3 +318,4 @@ def test_each_labs_chinese_line_is_the_chapters_own_words():
         pytest.skip("the course chapter (../shared/seed/) is not beside this checkout")
     chapter = "".join(p.read_text(encoding="utf-8") for p in seed)
     assert [k for k, info in LABS.items() if info.question_zh not in chapter] == []
+    assert [k for k, info in LABS.items() if info.quoted] == ["7", "8"]  # said as the chapter's sentence, not a question

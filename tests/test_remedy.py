@@ -430,6 +430,9 @@ def test_an_fp16_overflow_outside_any_module_gets_the_run_wide_bf16_and_scaler_c
     pinned = candidates_for({"failure_class": "overflow", "module": "0", "bad_samples": [50]}, "fp16", [], [])
     assert [r.name for r in pinned] == ["skip-step", "skip-samples", "module-fp32", "bf16", "scaler", "lr-x0.5", "lr-x0.1"]
     assert pinned[1].samples == (50,)
+    through = candidates_for({"failure_class": "overflow", "module": "0", "bad_samples": [0, 1, 2, 3, 4, 5],
+                              "weight_driven": True}, "fp16", [], [])  # 6 of 8 samples overflow: the module's weights
+    assert "skip-samples" not in [r.name for r in through]
 
 
 def test_a_precision_spike_gets_the_run_wide_precisions_above_the_runs():
@@ -466,9 +469,14 @@ def test_the_eps_guard_is_not_offered_for_a_log_of_a_negative_input():
     read 'keep the input of log away from 0': clamping a bad value to 1e-12 hides it (log = -27.6). Dropping the
     sample is offered; log(0) (-inf) still gets the guard."""
     negative = {"failure_class": "op", "module": "feat", "op": "aten.log.default", "direction": "forward", "kind": "nan",
-                "first_op": {"nonfinite_inputs": []}, "bad_samples": [100]}
+                "first_op": {"nonfinite_inputs": [], "input_range": [-0.5, 3.0]}, "bad_samples": [100]}
     from stabletrain.diagnostics.candidates import candidates_for
 
     assert [r.name for r in candidates_for(negative, "fp32", [], [])] == ["skip-step", "skip-samples", "lr-x0.5", "lr-x0.1"]
     zero = {**negative, "kind": "inf"}
     assert "eps-guard" in [r.name for r in candidates_for(zero, "fp32", [], [])]
+    # a variance rounded to -1e-7 beside values of 1 (a review): the guard is its cure, not a bad sample's drop
+    rounded = {**negative, "op": "aten.rsqrt.default", "first_op": {"nonfinite_inputs": [], "input_range": [-1e-7, 1.0]}}
+    assert "eps-guard" in [r.name for r in candidates_for(rounded, "fp32", [], [])]
+    assert "eps-guard" not in [r.name for r in candidates_for({**rounded, "first_op": {"input_range": [-0.2, 1.0]}},
+                                                               "fp32", [], [])]

@@ -114,7 +114,10 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
     if trainer.stop_reason is not None and args.report:  # a stopped run's report too (a signal's, the guard's)
         write_report(run_dir)
     if trainer.stop_reason is not None and signalled:
-        console.say(f"{trainer.stop_reason}; checkpointed. Resume with: stabletrain train --resume {run_dir}")
+        good = trainer.ckpt.latest_good() if trainer.ckpt is not None else None
+        saved = ("checkpointed" if good is not None and good.name == f"step_{trainer.step:06d}" else
+                 f"its checkpoint was withheld (events.jsonl says why); LAST_GOOD is {good.name if good else 'none'}")
+        console.say(f"{trainer.stop_reason}; {saved}. Resume with: stabletrain train --resume {run_dir}")
         return 0
     if trainer.stop_reason is not None:
         when = ("at its last step" if trainer.step >= trainer.cfg.train.max_steps  # the stop came at the end's boundary

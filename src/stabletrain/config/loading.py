@@ -215,10 +215,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise
         raise ConfigError(f"{source}, line {line}: {err}", key=err.key) from None
     warmup_given = _set_in(overlay, "sched.warmup_steps") or "sched.warmup_steps" in lines  # (the default's: a smoke run's)
-    if warmup_given and cfg.sched.warmup_steps >= cfg.train.max_steps and cfg.sched.warmup_steps:
-        warnings.warn(f"config key 'sched.warmup_steps': {cfg.sched.warmup_steps} >= train.max_steps="
-                      f"{cfg.train.max_steps}: the run ends inside its warm-up, its lr never reaches optim.lr="
-                      f"{cfg.optim.lr:g} (lower sched.warmup_steps, or sched.warmup_steps=0)", StableTrainWarning, stacklevel=2)
+    if warmup_given and cfg.sched.warmup_steps > cfg.train.max_steps:  # (equal: the last step runs at the peak)
+        warnings.warn(f"config key 'sched.warmup_steps': {cfg.sched.warmup_steps} > train.max_steps="
+                      f"{cfg.train.max_steps}: the run ends inside its warm-up, its lr never reaches the schedule's peak "
+                      "(lower sched.warmup_steps, or sched.warmup_steps=0)", StableTrainWarning, stacklevel=2)
     given = [k for k in ("dist.checkpoint", "dist.reshard_after_forward") if _set_in(overlay, k) or k in lines]
     if given and cfg.dist.strategy != "fsdp":  # (a resumed run's config.yaml holds every key: only what was given now)
         warnings.warn(f"config key{'s' * (len(given) > 1)} {', '.join(given)}: fsdp only, no effect under dist.strategy="

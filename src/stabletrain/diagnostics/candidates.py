@@ -57,14 +57,10 @@ def candidates_for(diagnosis: dict[str, Any], precision: str, history: list[dict
         out.append(SkipSamples(samples, positions=_positions(diagnosis)))
     if cls == "op" and module is not None:
         op = guarded_op(diagnosis.get("op"), diagnosis.get("autograd_node"))
-        first = diagnosis.get("first_op") or {}
-        # log or sqrt whose forward made a NaN of finite inputs: an input below 0, out of the op's domain (log(0) is
-        # -inf, sqrt(0)'s fault is its backward's): clamping it to eps would hide a bad value as log(1e-12) = -27.6
-        negative = (op in ("log", "sqrt") and diagnosis.get("direction") == "forward" and diagnosis.get("kind") == "nan"
-                    and not first.get("nonfinite_inputs"))
-        if op is not None and not negative:
+        if op is not None and not _out_of_domain(op, diagnosis):
             out.append(EpsGuard(module, op, 1e-12 if op != "div" else 1e-6, _user_line(diagnosis)))
-    if cls == "overflow" and samples:  # pinned to its samples (one scaled x400): dropping them, as for data
+    if cls == "overflow" and samples and not diagnosis.get("weight_driven"):  # pinned to a few samples (one scaled
+        # x400): dropping them, as for data (not where most of the window overflows through the module: its weights')
         out.append(SkipSamples(samples, positions=_positions(diagnosis)))
     if cls == "overflow" and module:
         out.append(ModuleFP32(module))
@@ -83,6 +79,21 @@ def candidates_for(diagnosis: dict[str, Any], precision: str, history: list[dict
         if healthy:
             out.append(TighterClip(_tighter(float(healthy[-1]["grad_norm"]), clip)))
     return out
+
+
+#: An input below -this x its largest magnitude is out of a log's or a root's domain, not a rounding below 0.
+OUT_OF_DOMAIN = 1e-3
+
+
+def _out_of_domain(op: str, diagnosis: dict[str, Any]) -> bool:
+    """Whether the op (a log or a root) made a NaN in its forward of finite inputs clearly below 0: a bad value (a -0.5
+    in the data), which an eps guard would hide as log(1e-12) = -27.6; a variance rounded to -1e-7 is no such value (the
+    guard is its cure). Unknown input range (a record from before it was kept): not said to be out."""
+    first = diagnosis.get("first_op") or {}
+    low, big = (first.get("input_range") or (None, None))[:2]
+    return (op in ("sqrt", "rsqrt", "log", "log2", "log10") and diagnosis.get("direction") == "forward"
+            and "nan" in str(diagnosis.get("kind")) and not first.get("nonfinite_inputs")
+            and isinstance(low, (int, float)) and low < -OUT_OF_DOMAIN * max(float(big or 0.0), 1e-30))
 
 
 def _tighter(limit: float, clip: float | None) -> float:

@@ -56,9 +56,11 @@ def growth(history: list[dict[str, Any]], before_step: int) -> dict[str, Any] | 
                   key=lambda r: r["step"])
     best = None
     for key in ("loss", "grad_norm", "update_norm"):
-        # A row whose interval ends in non-finite steps (a divergence's) holds the mean of the finite steps before them:
-        # its value is dated to the last of those, not to the interval's end (it made a x361 growth read as x34)
-        series = [(r["step"] - int(r.get("num_nonfinite") or 0), r[key]) for r in rows if _finite(r.get(key)) and r[key] > 0]
+        # A row whose interval ends in non-finite steps (a divergence's: the rows after it are non-finite, or it is the
+        # last) holds the mean of the finite steps before them: its value is dated to the last of those, not to the
+        # interval's end (it made a x361 growth read as x34). Non-finite steps the run recovered from date nothing.
+        series = [(r["step"] - (int(r.get("num_nonfinite") or 0) if i + 1 == len(rows) or not _finite(rows[i + 1].get(key))
+                                else 0), r[key]) for i, r in enumerate(rows) if _finite(r.get(key)) and r[key] > 0]
         if len(series) < MIN_GROWTH_ROWS:
             continue
         end = len(series) - 1
@@ -122,7 +124,8 @@ def classify_failure(d: dict[str, Any], history: list[dict[str, Any]] | None = N
         dtype = next(t for t in first["output_dtypes"] if t in _LOW_PRECISION).removeprefix("torch.")
         text = (f"{first['op']} {_place(module, 'in')} computes in {dtype} from finite inputs and overflows it "
                 f"(max {65504 if dtype == 'float16' else 3.4e38:g})")
-        return {**out, "failure_class": "overflow", "evidence": text + (f"; {share}" if weight_driven else "")}
+        return {**out, "failure_class": "overflow", "evidence": text + (f"; {share}" if weight_driven else ""),
+                "weight_driven": weight_driven}
     if first and first.get("origin"):
         out["blamed_module"] = module if weight_driven else None
         node = f" ({first['autograd_node']})" if first.get("autograd_node") else ""

@@ -70,6 +70,8 @@ class NonFiniteOp:
             (None too where that output holds no tensor the locator can read: see :func:`_output_tensors`).
         backward_op: when ``masked_in_forward``: the first op of the backward pass whose output was
             non-finite (a masked branch still gets a gradient: ``0 / 0`` in ``Log2Backward0``), or None.
+        input_range: (min, largest magnitude) of the finite values of its first floating-point input, or None
+            (a log or sqrt of -0.5 is out of the op's domain; of -1e-7 beside 1.0, a rounding's).
     """
 
     op: str
@@ -89,6 +91,7 @@ class NonFiniteOp:
     stack: str | None = None
     masked_in_forward: bool | None = None
     backward_op: NonFiniteOp | None = None
+    input_range: list[float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -447,7 +450,17 @@ class NonFiniteLocator:
             numel=sum(t.numel() for t in outputs), input_shapes=[list(t.shape) for t in inputs],
             input_dtypes=[_dtype(t) for t in inputs], output_shapes=[list(t.shape) for t in outputs],
             output_dtypes=[_dtype(t) for t in outputs], nonfinite_inputs=bad_inputs,
-            autograd_node=node.name() if node is not None else None, op_index=self.num_ops - 1, stack=stack)
+            autograd_node=node.name() if node is not None else None, op_index=self.num_ops - 1, stack=stack,
+            input_range=_range(inputs))
+
+
+def _range(inputs: list[Tensor]) -> list[float] | None:
+    """(min, largest magnitude) of the finite values of the first floating-point input (one record, once: cheap)."""
+    x = next((t for t in inputs if t.is_floating_point() and t.numel()), None)
+    if x is None:
+        return None
+    finite = x.detach()[torch.isfinite(x.detach())].float()
+    return [float(finite.min()), float(finite.abs().max())] if finite.numel() else None
 
 
 def _has_nan(tensors: list[Tensor]) -> bool:

@@ -40,6 +40,8 @@ class LabInfo:
     question: str
     question_zh: str
     shows: str
+    #: ``question_zh`` is the chapter's sentence the lab puts to the test, not its exercise (labs beyond the exercises)
+    quoted: bool = False
 
 
 #: The labs in chapter order; ``accept`` is the chapter's acceptance point.
@@ -77,7 +79,7 @@ LABS: dict[str, LabInfo] = {info.key: info for info in (
             # (beyond the chapter's exercises: the chapter's own words it tests, from its NaN/Inf section)
             "大模型 NaN 可能来自脏 token、极端长度、低精度溢出或通信；先找“第一个坏点”，不要只调低学习率碰运气。",
             "each first incident replayed under the remedies: a lower LR from before the growth cures the divergence, "
-            "no LR cures the sqrt(0); dropping its sample or guarding the op does"),
+            "no LR cures the sqrt(0); dropping its sample or guarding the op does", quoted=True),
     LabInfo("8", "lab8", "A loss spike: the warning before it, its cause, its cure",
             "Meet a loss spike: let the diagnosis name its cause and a replay verify the cure, and watch whether a "
             "layer's update/weight ratio rises before the loss does.",
@@ -85,7 +87,7 @@ LABS: dict[str, LabInfo] = {info.key: info for info in (
             "按全局范数裁剪限制一次更新的最大梯度规模，能缓解偶发尖峰，但不能修复错误数据、过大学习率或 NaN 算子。",
             "a rare token under Adam and two mislabelled samples, both spiking at step 75: the class and the layer or "
             "samples named, the cure verified by replay; the embedding's update ratio rises a step before its spike, "
-            "nothing rises before the data's"),
+            "nothing rises before the data's", quoted=True),
     LabInfo("accept", "accept", "Acceptance: overfit, checkpoint, resume, compare the next step",
             "Overfit a tiny batch recording loss, grad norm and parameter updates; after resuming from a checkpoint, "
             "compare the next step's result, not just that the file exists.",
@@ -184,7 +186,9 @@ def format_table(columns: list[str], rows: list[list[Any]]) -> list[str]:
 def format_result(result: LabResult) -> str:
     """Return the lab's printout: question, setup, table, claims with PASS/FAIL, explanation, plots."""
     info = result.info
-    lines = [f"lab {info.key}: {info.title}", f"question: {info.question} ({info.question_zh})",
+    asked = (f"question: {info.question}\nthe chapter: {info.question_zh}" if info.quoted else
+             f"question: {info.question} ({info.question_zh})")
+    lines = [f"lab {info.key}: {info.title}", asked,
              f"setup: {result.setup}", ""]
     lines += format_table(result.columns, result.rows)
     for title, columns, rows in result.tables:

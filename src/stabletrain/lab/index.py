@@ -75,7 +75,7 @@ def _section(result: LabResult) -> str:
     parts = [f'<section class="lab" id="lab-{esc(info.key)}">',
              f"<h2>{badge} lab {esc(info.key)}: {esc(info.title)}</h2>",
              f'<p class="question"><b>Question.</b> {esc(info.question)}</p>',
-             f'<p class="zh" lang="zh">{esc(info.question_zh)}</p>',
+             f'<p class="zh" lang="zh">{"<b>The chapter.</b> " if info.quoted else ""}{esc(info.question_zh)}</p>',
              f'<p class="setup"><b>Setup.</b> {esc(result.setup)} ({result.seconds:.1f} s)</p>',
              "<h3>Numbers</h3>", _cells(result.columns, result.rows)]
     for title, columns, rows in result.tables:

@@ -105,11 +105,11 @@ def render_compare(runs: Sequence[RunData], labels: Sequence[str], plots=None, f
     head = [f"{swatch[i]}<b>{esc(label)}</b>" for i, label in enumerate(labels)]
 
     diff, hosts_note = _host_aware(config_diff([run.config for run in runs]), runs)
-    resumed = [label for run, label in zip(runs, labels) if any(e.kind == "resume" for e in run.events)]
+    resumed = [label for run, label in zip(runs, labels) if _resumes(run)]
     if resumed:  # (config.yaml is the last launch's: a resume may have changed train.max_steps, log.*, a reshard's batch)
         hosts_note += (f'<p class="detail">{esc(", ".join(resumed))} {"was" if len(resumed) == 1 else "were"} resumed: '
-                       "the config shown is each run's last launch's (the summary's resumes row; the run's events say "
-                       "what a resume changed).</p>")
+                       "the config shown is each run's last launch's (the summary's 'resumed at step' row; the run's events "
+                       "say what a resume changed).</p>")
     if diff:
         config_html = table(["config key", *head], ([esc(k), *(_cell(v) for v in vals)] for k, vals in diff),
                             ["key", *["val"] * len(runs)]) + hosts_note
@@ -203,14 +203,24 @@ def _ending(f: dict[str, Any]) -> str:
     return "—"
 
 
+def _resumes(run: RunData) -> list[Any]:
+    """The run's resumes (by hand, or a restart's own), those a later one went back past left out."""
+    return [e for e in run.events if e.kind == "resume" and not e.superseded]
+
+
+def _resumed_text(run: RunData) -> str:
+    """"80, 120 (1 under another world size)", or "—"."""
+    resumes = _resumes(run)
+    moved = sum(1 for e in resumes if e.extra.get("resharded"))
+    return (", ".join(f"{e.step:,}" for e in resumes) or "—") + (f" ({moved} under another world size)" if moved else "")
+
+
 def _summary(runs: Sequence[RunData], head: Sequence[str]) -> str:
     """One row per headline figure, one column per run."""
     figures = [health_summary(run).figures for run in runs]
     rows_spec = [
         ("last step", lambda f: fmt_num(f.get("last_step"))),
         ("ended by", _ending),
-        ("resumed at step", lambda f: (", ".join(f"{s:,}" for s in f.get("resume_steps", [])) or "—") + (
-            f" ({f['reshards']} under another world size)" if f.get("reshards") else "")),
         ("train loss, start → end", lambda f: f"{fmt_num(f.get('loss_start'))} → {fmt_num(f.get('loss_end'))}"
          if "loss_start" in f else "—"),  # the health summary's headline: robust to a few huge losses at either end
         ("last val loss", lambda f: fmt_num(f.get("val_last"))),
@@ -225,4 +235,5 @@ def _summary(runs: Sequence[RunData], head: Sequence[str]) -> str:
         ("peak memory MiB", lambda f: fmt_num(round(f["peak_memory_mib"])) if "peak_memory_mib" in f else "—"),
     ]
     rows = [[esc(name), *(esc(fn(f)) for f in figures)] for name, fn in rows_spec]
+    rows.insert(2, ["resumed at step", *(esc(_resumed_text(run)) for run in runs)])
     return table(["", *head], rows, ["", *["num"] * len(runs)])

@@ -254,12 +254,13 @@ class CheckpointKeeper:
             return []
         # The previous save first: LAST_GOOD may be about to move (say where it really is), its directory be reused.
         done = self.finished(wait=True)
-        # A run of skipped steps up to this one (a divergence's non-finite or spiking steps) is no state known to have
-        # recovered: LAST_GOOD stays before it, so that a resume or a rollback starts from a state that trained well (one
-        # skip alone, a bad sample's, leaves the state as the last applied step made it: saved)
+        # A run of skipped steps up to a periodic save (a divergence's non-finite or spiking steps) is no state known to
+        # have recovered: LAST_GOOD stays before it, so that a resume or a rollback starts from a state that trained well
+        # (one skip alone, a bad sample's, leaves the state as the last applied step made it: saved). The saves a run
+        # waits for are not withheld: its last (a finished run must read as finished) and a stop signal's (a preemption)
         skips = state.guard.consecutive_skips if state.guard is not None else 0
         unproven = (f"its last {skips} steps were skipped, none applied since: the run is not known to have recovered"
-                    if healthy and skips >= SKIPS_WITHHOLD else None)
+                    if healthy and skips >= SKIPS_WITHHOLD and not wait else None)
         save = (state.strategy.save_checkpoint(state.state_dict, ckpt, state.step) if healthy and unproven is None
                 else None)  # may gather
         why, fields = ((unproven or "inside an incident", {"skipped_in_a_row": skips} if unproven else {}) if save is None

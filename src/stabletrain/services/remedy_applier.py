@@ -263,8 +263,8 @@ class RemedyApplier:
                              f"{first}, but this run resumes at step {self.state.step}: the updates since were made "
                              "without it, so its verdict does not hold here; "
                              + (f"apply a cure that rolls back first ({', '.join(rollbacks)})" if rollbacks else
-                                "resume from a checkpoint at or before that step, or let guard.on_nonfinite=remedy "
-                                "apply a cure at the incident"))
+                                "none of its cures rolls back; a run with guard.on_nonfinite=remedy applies a cure at the "
+                                "incident itself, where its replay starts"))
         self.apply(remedy, str(Path(incident)), row, record, by_hand=True)
 
     def apply(self, remedy: Remedy, incident: str, row: dict[str, Any], record: dict[str, Any], *,
