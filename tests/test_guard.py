@@ -629,6 +629,9 @@ def test_a_routine_overflow_counts_toward_the_skip_limit_only_where_it_held_the_
     d = held.decide(rows([65536.0] * 25))
     assert d.action == "stop" and d.reason.startswith("20 consecutive skipped steps (guard.max_consecutive_skips=20) at "
                                                       "step 21"), d.reason
+    # the guard reads at the log boundary (step 25): the line says the run went on to it (a trial: 'at step 85' beside
+    # a stop event and 25 skip events at step 90)
+    assert d.reason.endswith(" (the run went on to its log boundary, step 25: 24 skipped in a row by then)"), d.reason
     clone = Guard(GuardConfig(), torch.device("cpu"))  # the last scale travels in checkpoints
     clone.load_state_dict(backing_off.state_dict())
     assert clone.last_scale == 2.0 ** 20 and clone.decide(rows([2.0 ** 20] * 2)).action == "continue"
@@ -646,14 +649,28 @@ def test_a_checkpoint_after_a_run_of_skipped_steps_is_withheld_and_last_good_sta
     from stabletrain.records.checkpoint.manager import CheckpointManager
 
     run_dir = tmp_path / "run"  # samples 64..: steps 9-16 non-finite (batch 8); sample 5: step 1 alone
-    Trainer(cfg("train.batch_size=8", "train.max_steps=16", "log.every=4", "ckpt.every=4", "ckpt.keep=10",
+    Trainer(cfg("train.batch_size=8", "train.max_steps=16", "log.every=4", "ckpt.every=4", "ckpt.keep=1",
                 "data.shuffle=false", "capture.incidents=false", "guard.max_consecutive_skips=100"),
             task=nan_samples_task([5, *range(64, 128)], n=128), run_dir=run_dir).fit()
     ckpt = CheckpointManager(run_dir / "checkpoints")
     # step 12's withheld; the run's last save (step 16) is not: a finished run must read as finished (run.resume=auto,
-    # --resume), and the one before the skips, step 8's, is still there
-    assert [d.name for d in sorted(ckpt.checkpoints())] == ["step_000000", "step_000004", "step_000008", "step_000016"]
+    # --resume); and the one before the skips, step 8's, is kept past ckpt.keep=1 (a review: pruning deleted it)
+    assert [d.name for d in sorted(ckpt.checkpoints())] == ["step_000008", "step_000016"]
+    assert ckpt.latest_good().name == "step_000016"
     withheld = [e for e in _events(run_dir) if e["kind"] == "checkpoint_withheld"]
     assert [(e["step"], e["skipped_in_a_row"]) for e in withheld] == [(12, 4)]
     assert withheld[0]["reason"] == ("checkpoint at step 12 withheld: its last 4 steps were skipped, none applied since: "
                                      "the run is not known to have recovered; LAST_GOOD stays at step_000008")
+
+
+def test_a_grad_scaler_calibrating_down_through_1_is_no_stall():
+    """A new user's trial: gradients that overflow fp16 until the scale is below 1 (a finite loss x1e6): 16 routine
+    back-offs from 2**16, then 4 below 1, and the stall rule stopped the run at step 20 ('all of the last 20 steps were
+    skipped; the GradScaler's scale is 0.062'), though at 0.0078 it trains on. All skipped counts as a stall only where
+    every one of them was at a collapsed scale."""
+    calibrating = [2.0 ** (15 - i) for i in range(20)]  # 32768 .. 0.0625, each step skipped
+    rows = [SimpleNamespace(step=i + 1, ranks=[], values={"loss": 1.0, "finite": 1.0, "applied": 0.0, "overflow": 1.0,
+                                                          "grad_norm": math.inf, "loss_scale": s})
+            for i, s in enumerate(calibrating)]
+    d = Guard(GuardConfig(on_stall="stop"), torch.device("cpu")).decide(rows)
+    assert d.action == "continue" and d.stall is None, (d.action, d.reason)

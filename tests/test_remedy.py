@@ -480,3 +480,5 @@ def test_the_eps_guard_is_not_offered_for_a_log_of_a_negative_input():
     assert "eps-guard" in [r.name for r in candidates_for(rounded, "fp32", [], [])]
     assert "eps-guard" not in [r.name for r in candidates_for({**rounded, "first_op": {"input_range": [-0.2, 1.0]}},
                                                                "fp32", [], [])]
+    noise = {**rounded, "first_op": {"input_range": [-1e-7, 1.2e-7], "input_dtypes": ["float32"]}}  # all noise
+    assert "eps-guard" in [r.name for r in candidates_for(noise, "fp32", [], [])]

@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import torch
+
 from .cures import (
     AdamEps,
     EpsGuard,
@@ -91,9 +93,14 @@ def _out_of_domain(op: str, diagnosis: dict[str, Any]) -> bool:
     guard is its cure). Unknown input range (a record from before it was kept): not said to be out."""
     first = diagnosis.get("first_op") or {}
     low, big = (first.get("input_range") or (None, None))[:2]
+    dtypes = first.get("input_dtypes") or ["float32"]
+    try:  # a rounding's size: its dtype's (an input of noise alone, +-1e-7 in float32, is no bad value either)
+        eps = torch.finfo(getattr(torch, str(dtypes[0]))).eps
+    except (AttributeError, TypeError):
+        eps = torch.finfo(torch.float32).eps
     return (op in ("sqrt", "rsqrt", "log", "log2", "log10") and diagnosis.get("direction") == "forward"
             and "nan" in str(diagnosis.get("kind")) and not first.get("nonfinite_inputs")
-            and isinstance(low, (int, float)) and low < -OUT_OF_DOMAIN * max(float(big or 0.0), 1e-30))
+            and isinstance(low, (int, float)) and low < -max(OUT_OF_DOMAIN * float(big or 0.0), 10 * eps))
 
 
 def _tighter(limit: float, clip: float | None) -> float:

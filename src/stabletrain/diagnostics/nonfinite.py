@@ -419,7 +419,9 @@ class NonFiniteLocator:
         origin = not (untolerated if self.tolerate_masks else bad_inputs)
         if self.first is not None and not origin:
             return
-        rec = self._op_record(func, inputs, outputs, bad_inputs, origin, self.capture_stack)
+        # its input's range, for the first origin only (what a diagnosis reads), and not where the op overwrote it
+        rec = self._op_record(func, inputs, outputs, bad_inputs, origin, self.capture_stack,
+                              in_range=origin and self.first_origin is None and before is None and not self.first_only)
         if self.first is None:
             self.first = rec
         if origin:
@@ -431,7 +433,7 @@ class NonFiniteLocator:
                     self._watch = self.model.get_submodule(rec.module)
 
     def _op_record(self, func: Any, inputs: list[Tensor], outputs: list[Tensor], bad_inputs: list[int], origin: bool,
-                   capture_stack: bool) -> NonFiniteOp:
+                   capture_stack: bool, in_range: bool = False) -> NonFiniteOp:
         num_bad = sum(int((~torch.isfinite(t)).sum()) for t in outputs)
         has_inf = bool(torch.stack([torch.isinf(t).any().to(outputs[0].device) for t in outputs]).any())
         backward = in_backward()
@@ -451,16 +453,18 @@ class NonFiniteLocator:
             input_dtypes=[_dtype(t) for t in inputs], output_shapes=[list(t.shape) for t in outputs],
             output_dtypes=[_dtype(t) for t in outputs], nonfinite_inputs=bad_inputs,
             autograd_node=node.name() if node is not None else None, op_index=self.num_ops - 1, stack=stack,
-            input_range=_range(inputs))
+            input_range=_range(inputs) if in_range else None)
 
 
 def _range(inputs: list[Tensor]) -> list[float] | None:
-    """(min, largest magnitude) of the finite values of the first floating-point input (one record, once: cheap)."""
-    x = next((t for t in inputs if t.is_floating_point() and t.numel()), None)
+    """(min, largest magnitude) of the finite values of the first floating-point input: two reductions and one host read
+    (no boolean index, whose copies cost a multiple of the input); None where it holds no finite value."""
+    x = next((t.detach() for t in inputs if t.is_floating_point() and t.numel()), None)
     if x is None:
         return None
-    finite = x.detach()[torch.isfinite(x.detach())].float()
-    return [float(finite.min()), float(finite.abs().max())] if finite.numel() else None
+    finite = torch.isfinite(x)
+    low, big = torch.stack([torch.where(finite, x, math.inf).amin(), torch.where(finite, x.abs(), 0.0).amax()]).tolist()
+    return [low, big] if math.isfinite(low) else None
 
 
 def _has_nan(tensors: list[Tensor]) -> bool:

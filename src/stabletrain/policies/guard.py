@@ -312,6 +312,7 @@ class Guard:
         steps since the last check that found them finite.
         """
         d = GuardDecision()
+        crossed = None  # the step at which the skips in a row reached guard.max_consecutive_skips
         checked_from = rows[0].step if rows else 0  # the first step whose update no check has cleared yet
         params_bad_at = None
         for row in rows:
@@ -343,12 +344,16 @@ class Guard:
             self.last_scale = scale
             self.spike_skips = self.spike_skips + 1 if v["applied"] < 0.5 and v.get("spike", 0.0) > 0.5 else 0
             if self.consecutive_skips >= self.cfg.max_consecutive_skips and d.action == "continue":
+                crossed = row.step
                 d.action, d.reason = "stop", (f"{self.consecutive_skips} consecutive skipped steps (guard.max_consecutive_skips="
                                               f"{self.cfg.max_consecutive_skips}) at step {row.step}: the run is not recovering"
                                               + self._level_note(row.step)
                                               + scale_note(float(v.get("loss_scale", 1.0)), float(v.get("loss", math.nan))))
             applied, norm, scale = v["applied"] >= 0.5, float(v.get("grad_norm", math.nan)), float(v.get("loss_scale", 1.0))
             self.stall.record(applied, norm, scale, float(v.get("loss", math.nan)))
+        if crossed is not None and rows[-1].step > crossed:  # the guard reads at the log boundary: the run trained on to it
+            d.reason += (f" (the run went on to its log boundary, step {rows[-1].step}: {self.consecutive_skips} skipped in a "
+                         "row by then)")
         if d.locate is not None and d.first_incident < d.locate[0]:
             d.locate = None  # an earlier loss incident comes first; the broken update is a later one
         losses = {r.step: r.values["loss"] for r in rows}

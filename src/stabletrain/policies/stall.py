@@ -84,7 +84,8 @@ class StallWatch:
         norms = [r[1] for r in applied]
         largest = max(norms) if norms and all(math.isfinite(x) for x in norms) else math.nan
         moved = "no gradient reached the parameters"
-        if not applied and scale < UNRECOVERABLE_SCALE:
+        if not applied and all(r[2] < UNRECOVERABLE_SCALE for r in recent):  # (each at a collapsed scale: a back-off
+            # from 2**16 down through 1 is the GradScaler calibrating, which the next steps may end)
             what = f"all of the last {n} steps were skipped"
         elif largest == 0.0 and not all(r[3] == 0.0 for r in applied):
             what = f"{skipped} of the last {n} steps were skipped and the {len(applied)} applied had a zero gradient"

@@ -276,7 +276,8 @@ class CheckpointKeeper:
             return []
         whole = save.whole
         meta = {"config": config_to_dict(state.cfg), "config_hash": config_hash(state.cfg), "precision": state.precision,
-                **save.meta}  # (precision: the mode it trained in, which config's auto resolved to)
+                "after_skips": skips, **save.meta}  # (precision: the mode it trained in, which config's auto resolved to;
+        # after_skips: the skipped steps in a row it was saved after: pruning keeps the newest saved after none)
         first, self._saved = not self._saved, True
         running = running_writer()
         if save.inline_ok and not (running is not None and running.ready) and (

@@ -17,6 +17,7 @@ whole (``save_async(shards=...)``).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -29,7 +30,7 @@ from typing import Any
 from ...fileio import atomic_write, fsync_dir
 from ...process import stat_fields
 from .background import BackgroundSaves
-from .files import CheckpointError, checked_meta, dir_name, first_nonfinite, load_checked, only_plain, write_files
+from .files import META_FILE, CheckpointError, checked_meta, dir_name, first_nonfinite, load_checked, only_plain, write_files
 from .saves import PendingSave, SaveResult
 from .shards import DCP_DIR, ShardedSave, to_full_state
 
@@ -289,18 +290,21 @@ class CheckpointManager:
     def prune(self) -> list[Path]:
         """Delete all but the ``keep`` newest checkpoints up to LAST_GOOD's step; return the deleted directories.
 
-        Never deletes the one LAST_GOOD names. Checkpoints newer than it (never marked good, e.g. from a
-        crash between rename and LAST_GOOD, or from before a rollback) are left alone and not counted;
-        :meth:`discard_after` removes them.
+        Never deletes the one LAST_GOOD names, nor the newest written before a run of skipped steps (its meta.json's
+        ``after_skips`` below 2) where the newer ones were written after one (a run that diverged to its end: its last
+        save is LAST_GOOD, the state before the divergence is kept). Checkpoints newer than LAST_GOOD (never marked
+        good, e.g. from a crash between rename and LAST_GOOD, or from before a rollback) are left alone and not
+        counted; :meth:`discard_after` removes them.
         """
         good = self.latest_good()
         if good is None:
             return []
         limit = step_of(good)
         ranked = [d for d in self.checkpoints() if step_of(d) <= limit]
+        before_skips = next((d for d in ranked if _after_skips(d) < 2), None)  # (ranked: newest first)
         removed = []
         for d in ranked[self.keep:]:
-            if d != good:
+            if d != good and d != before_skips:
                 _remove_tree(d)
                 removed.append(d)
         if removed:
@@ -463,6 +467,14 @@ class CheckpointManager:
                                   self.root, problems)
         raise CheckpointError(f"no checkpoint in {self.root} verifies:\n  " + "\n  ".join(problems)
                               + "\nresume from another run directory or start a new run", self.root, problems)
+
+
+def _after_skips(path: Path) -> int:
+    """How many skipped steps in a row a checkpoint was saved after (its meta.json's ``after_skips``; 0 when unrecorded)."""
+    try:
+        return int(json.loads((path / META_FILE).read_text(encoding="utf-8")).get("after_skips") or 0)
+    except (OSError, ValueError):
+        return 0
 
 
 def step_of(path: Path) -> int:
