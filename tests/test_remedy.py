@@ -433,6 +433,9 @@ def test_an_fp16_overflow_outside_any_module_gets_the_run_wide_bf16_and_scaler_c
     through = candidates_for({"failure_class": "overflow", "module": "0", "bad_samples": [0, 1, 2, 3, 4, 5],
                               "weight_driven": True}, "fp16", [], [])  # 6 of 8 samples overflow: the module's weights
     assert "skip-samples" not in [r.name for r in through]
+    older = {"failure_class": "overflow", "module": "0", "bad_samples": [0, 1, 2, 3, 4, 5],
+             "evidence": "aten.mul in forward of module '0' ... overflows it (max 65504); 6 of 8 samples go bad through it"}
+    assert "skip-samples" not in [r.name for r in candidates_for(older, "fp16", [], [])]  # a diagnosis.json before the key
 
 
 def test_a_precision_spike_gets_the_run_wide_precisions_above_the_runs():

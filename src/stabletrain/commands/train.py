@@ -116,7 +116,7 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
     if trainer.stop_reason is not None and signalled:
         good = trainer.ckpt.latest_good() if trainer.ckpt is not None else None
         saved = ("checkpointed" if good is not None and good.name == f"step_{trainer.step:06d}" else
-                 f"its checkpoint was withheld (events.jsonl says why); LAST_GOOD is {good.name if good else 'none'}")
+                 f"no checkpoint at step {trainer.step} (events.jsonl says why); LAST_GOOD is {good.name if good else 'none'}")
         console.say(f"{trainer.stop_reason}; {saved}. Resume with: stabletrain train --resume {run_dir}")
         return 0
     if trainer.stop_reason is not None:

@@ -61,7 +61,9 @@ def candidates_for(diagnosis: dict[str, Any], precision: str, history: list[dict
         op = guarded_op(diagnosis.get("op"), diagnosis.get("autograd_node"))
         if op is not None and not _out_of_domain(op, diagnosis):
             out.append(EpsGuard(module, op, 1e-12 if op != "div" else 1e-6, _user_line(diagnosis)))
-    if cls == "overflow" and samples and not diagnosis.get("weight_driven"):  # pinned to a few samples (one scaled
+    # (a diagnosis.json from before "weight_driven" was kept: its evidence says "N of M samples go bad through it")
+    weight_driven = diagnosis.get("weight_driven", "samples go bad through it" in str(diagnosis.get("evidence", "")))
+    if cls == "overflow" and samples and not weight_driven:  # pinned to a few samples (one scaled
         # x400): dropping them, as for data (not where most of the window overflows through the module: its weights')
         out.append(SkipSamples(samples, positions=_positions(diagnosis)))
     if cls == "overflow" and module:
