@@ -1232,3 +1232,24 @@ def test_compare_says_which_runs_were_resumed_and_where(tmp_path):
     row = html[html.find(">resumed at step<"):]
     assert row.find(">—<") < row.find(">90 (1 under another world size)<") < row.find("</tr>"), row[:400]
     assert "resumed was resumed: the config shown is each run's last launch's" in html
+
+
+def test_spikes_met_again_after_each_of_several_rollbacks_are_all_counted(tmp_path):
+    """A new user's trial: 20 spike events over 3 rollbacks read '5 loss spikes at step 66-70; before the rollback, at step
+    66-70': the spikes before the rollbacks were counted once per step, and 'the rollback' was one."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("clip:\n  max_norm: 1.0\n")
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": 10 * (i + 1), "loss": 1.0}) + "\n" for i in range(8)))
+    events, t = [], 0.0
+    for round_ in range(3):
+        for step in (66, 67):
+            t += 1
+            events.append({"step": step, "kind": "spike", "reason": "loss spike", "time": t, "loss": 5.0})
+        if round_ < 2:
+            t += 1
+            events.append({"step": 60, "kind": "rollback", "reason": "rolled back", "time": t, "from_step": 70})
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    h = health_summary(load_run(run))
+    assert ("2 loss spikes at step 66-67; before the 2 rollbacks, at step 66-67 (4 spikes: the run met them again after "
+            "each rollback).") in h.text, h.text

@@ -142,8 +142,11 @@ def health_summary(run: RunData) -> Health:
         if isinstance(cap, int) and run.cfg("capture.spikes", True) and len(captured) >= cap and later:
             text += (f"; capture.max_spikes={cap} was spent at step {max(captured)}: the {plural(len(later), 'spike')} "
                      "after it went uncaptured")
-        if undone_spikes:
-            text += f"; before {_went_back(undone_spikes)}, at step {fmt_ranges(f['spike_steps_undone'])}"
+        if undone_spikes:  # (each rollback trains the steps again: the same steps' spikes met once after each)
+            again = (f" ({len(undone_spikes)} spikes: the run met them again after each rollback)"
+                     if len(undone_spikes) > len(f["spike_steps_undone"]) else "")
+            text += (f"; before {_went_back(undone_spikes, len(run.counted_events('rollback')))}, at step "
+                     f"{fmt_ranges(f['spike_steps_undone'])}{again}")
         h.say("warn", text + ".")
     precursor_sentence(run, h)
     early_outlier_sentence(run, h)
@@ -188,11 +191,12 @@ def _init(run: RunData, h: Health) -> None:
         h.say("warn", f"At step 0 {found}; {line.get('advice', '')} (init_signal.json).")
 
 
-def _went_back(events: list[Event]) -> str:
-    """What went back past ``events`` (undone ones): "the rollback", "the remedy's rollback", or both."""
+def _went_back(events: list[Event], rollbacks: int = 1) -> str:
+    """What went back past ``events`` (undone ones): "the rollback" ("the 3 rollbacks": ``rollbacks``), "the remedy's
+    rollback", or both."""
     kinds = sorted({e.superseded_by for e in events if e.superseded_by})
-    names = {"rollback": "the rollback", "remedy": "the remedy's rollback"}
-    return " and ".join(names.get(k, k) for k in kinds) or "the rollback"
+    names = {"rollback": "the rollback" if rollbacks < 2 else f"the {rollbacks} rollbacks", "remedy": "the remedy's rollback"}
+    return " and ".join(names.get(k, k) for k in kinds) or names["rollback"]
 
 
 def _once(incidents: list[tuple[int, str]]) -> list[tuple[int, str]]:
