@@ -426,3 +426,23 @@ def test_masked_in_forward_reads_the_tensors_inside_the_root_modules_output_obje
     assert origin.masked_in_forward is (None if wrap == "slots" else masked)
     assert (origin.backward_op.autograd_node if origin.backward_op else None) == (
         "Log2Backward0" if masked and wrap != "slots" else None)
+
+
+def test_the_first_origin_records_its_inputs_range_also_for_an_in_place_op():
+    """A review: an in-place log_ overwrote its input before the range was read ([-0.5, 2, 3] recorded as [0.69, 1.10]),
+    so a negative data value read as in the log's domain and the eps guard was offered for it."""
+    from stabletrain.diagnostics.nonfinite import NonFiniteLocator
+
+    class Log(torch.nn.Module):
+        def __init__(self, in_place: bool) -> None:
+            super().__init__()
+            self.in_place = in_place
+
+        def forward(self, x):
+            return x.clone().log_() if self.in_place else torch.log(x)
+
+    for in_place in (False, True):
+        model = Log(in_place)
+        with NonFiniteLocator(model) as loc:
+            model(torch.tensor([-0.5, 2.0, 3.0]))
+        assert loc.first_origin is not None and loc.first_origin.input_range == [-0.5, 3.0], (in_place, loc.first_origin)

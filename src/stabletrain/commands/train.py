@@ -108,7 +108,8 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
                     console.warn(f"--report: the report of the crashed run failed ({type(failed).__name__}: {failed})")
             err.__notes__ = [*getattr(err, "__notes__", []), note]  # err.add_note(note), which Python 3.10 lacks
         raise
-    signalled = trainer.signals.received is not None
+    # (a guard stop decided while a signal came in, during its capture, is the guard's: not a preemption to resume)
+    signalled = trainer.signals.received is not None and str(trainer.stop_reason or "").startswith("stopped by")
     if not ctx.is_main:
         return 1 if trainer.stop_reason is not None and not signalled else 0
     if trainer.stop_reason is not None and args.report:  # a stopped run's report too (a signal's, the guard's)

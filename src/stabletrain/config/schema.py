@@ -122,7 +122,7 @@ class EvalConfig:
 @dataclass
 class CkptConfig:
     every: int = _f(100, "steps between checkpoints (0 = only at the end and on SIGTERM/SIGINT); healthy states only")
-    keep: int = _f(3, "how many newest checkpoints to keep (the one LAST_GOOD names is never deleted)")
+    keep: int = _f(3, "how many newest checkpoints to keep (LAST_GOOD's and the newest before a run of skips: never deleted)")
     max_failures: int = _f(3, "stop the run after this many failed checkpoint saves in a row (0 = never stop)")
 
 

@@ -23,6 +23,7 @@ The stacks recorded hold the user's frames only (:mod:`.stacks`).
 from __future__ import annotations
 
 import math
+import re
 import weakref
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any
@@ -233,6 +234,8 @@ class _Mode(dispatch_mode_base()):
         inputs = _floating(_leaves((args, kwargs)))
         known = [loc._known_bad(t) for t in inputs] if loc._nonfinite else None  # read before: not read again
         before = _all_finite(inputs, known) if _is_mutating(func) else None  # an in-place op overwrites its inputs
+        # (its input's range too, read before the op writes it, for an in-place log or root: a diagnosis reads it)
+        pre_range = _range(inputs) if before is not None and _DOMAIN_OPS.match(str(func)) else None
         out = func(*args, **kwargs)
         outputs = _floating(_leaves(out))
         if not outputs:
@@ -244,7 +247,7 @@ class _Mode(dispatch_mode_base()):
         for t, ok in zip(outputs, flags):
             if not ok:
                 loc._mark_bad(t)
-        loc._record(func, args, kwargs, inputs, before, outputs, known)
+        loc._record(func, args, kwargs, inputs, before, outputs, known, pre_range)
         return out
 
 
@@ -393,7 +396,7 @@ class NonFiniteLocator:
         return rest if rebased else name
 
     def _record(self, func: Any, args: Any, kwargs: Any, inputs: list[Tensor], before: list[bool] | None,
-                outputs: list[Tensor], known: list[bool] | None = None) -> None:
+                outputs: list[Tensor], known: list[bool] | None = None, pre_range: list[float] | None = None) -> None:
         if before is not None:
             finite_in = before
         else:
@@ -420,8 +423,11 @@ class NonFiniteLocator:
         if self.first is not None and not origin:
             return
         # its input's range, for the first origin only (what a diagnosis reads), and not where the op overwrote it
+        kept = origin and self.first_origin is None and not self.first_only  # the record a diagnosis reads
         rec = self._op_record(func, inputs, outputs, bad_inputs, origin, self.capture_stack,
-                              in_range=origin and self.first_origin is None and before is None and not self.first_only)
+                              in_range=kept and before is None)
+        if kept and pre_range is not None:  # an in-place op's, read before it wrote its input
+            rec.input_range = pre_range
         if self.first is None:
             self.first = rec
         if origin:
@@ -454,6 +460,10 @@ class NonFiniteLocator:
             output_dtypes=[_dtype(t) for t in outputs], nonfinite_inputs=bad_inputs,
             autograd_node=node.name() if node is not None else None, op_index=self.num_ops - 1, stack=stack,
             input_range=_range(inputs) if in_range else None)
+
+
+#: The aten ops whose input's range tells a value out of their domain (a log or a root of one below 0).
+_DOMAIN_OPS = re.compile(r"aten\.(r?sqrt|log(2|10)?)_?\.")
 
 
 def _range(inputs: list[Tensor]) -> list[float] | None:

@@ -352,8 +352,9 @@ class Guard:
             applied, norm, scale = v["applied"] >= 0.5, float(v.get("grad_norm", math.nan)), float(v.get("loss_scale", 1.0))
             self.stall.record(applied, norm, scale, float(v.get("loss", math.nan)))
         if crossed is not None and rows[-1].step > crossed:  # the guard reads at the log boundary: the run trained on to it
-            d.reason += (f" (the run went on to its log boundary, step {rows[-1].step}: {self.consecutive_skips} skipped in a "
-                         "row by then)")
+            d.reason += (f" (the run went on to its log boundary, step {rows[-1].step}: " + (
+                f"{self.consecutive_skips} skipped in a row by then)" if self.consecutive_skips else
+                "it applied a step again before it)"))
         if d.locate is not None and d.first_incident < d.locate[0]:
             d.locate = None  # an earlier loss incident comes first; the broken update is a later one
         losses = {r.step: r.values["loss"] for r in rows}

@@ -64,7 +64,7 @@ METRIC_KEYS: dict[str, str] = {
     "grad_norm_post_clip": "mean post-clip global L2 grad norm over the interval's finite steps",
     "clip_rate": "fraction of the interval's applied steps where clipping fired (a skipped step's gradients were discarded)",
     "update_norm": ("L2 norm of the update of the interval's last step, ||theta_t - theta_{t-1}|| ('nan' when that step was "
-                    "skipped: it made no update; null where it was not measured)"),
+                    "skipped: it made no update, or where it was not measured)"),
     "update_ratio": "update_norm / parameter norm at that step",
     "lr": "learning rate after the interval's last step",
     "loss_scale": "GradScaler scale after the interval's last step (1.0 without a scaler)",

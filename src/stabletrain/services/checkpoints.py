@@ -41,7 +41,7 @@ from ..config import (
 )
 from ..policies.optim import optimizer_change
 from ..records.checkpoint.files import CheckpointError
-from ..records.checkpoint.manager import LoadedCheckpoint
+from ..records.checkpoint.manager import SKIPS_RUN, LoadedCheckpoint
 from ..records.checkpoint.saves import PendingSave, SaveCosts
 from ..records.checkpoint.writer import WriterDied, running_writer, writer
 from ..records.jsonl import read_jsonl
@@ -51,8 +51,6 @@ from ..runstate import RunState
 
 __all__ = ["CheckpointKeeper", "schedule_change_note", "resume_diffs", "INLINE_FIRST_BYTES"]
 
-#: A checkpoint whose last this many steps were all skipped is withheld (LAST_GOOD stays before the run of skips).
-SKIPS_WITHHOLD = 2
 #: While no writer process runs, a run's first save of at most this many bytes of tensors is written in the loop's
 #: thread (a few ms to ~0.2 s), as is a save the loop waits for anyway (the run's last): a run that never saves in
 #: the background (a short one, ckpt.every beyond its end) starts no process (~1.3 CPU-seconds: a fresh
@@ -260,7 +258,7 @@ class CheckpointKeeper:
         # waits for are not withheld: its last (a finished run must read as finished) and a stop signal's (a preemption)
         skips = state.guard.consecutive_skips if state.guard is not None else 0
         unproven = (f"its last {skips} steps were skipped, none applied since: the run is not known to have recovered"
-                    if healthy and skips >= SKIPS_WITHHOLD and not wait else None)
+                    if healthy and skips >= SKIPS_RUN and not wait else None)
         save = (state.strategy.save_checkpoint(state.state_dict, ckpt, state.step) if healthy and unproven is None
                 else None)  # may gather
         why, fields = ((unproven or "inside an incident", {"skipped_in_a_row": skips} if unproven else {}) if save is None

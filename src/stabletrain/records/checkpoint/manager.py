@@ -34,9 +34,12 @@ from .files import META_FILE, CheckpointError, checked_meta, dir_name, first_non
 from .saves import PendingSave, SaveResult
 from .shards import DCP_DIR, ShardedSave, to_full_state
 
-__all__ = ["CheckpointManager", "LoadedCheckpoint", "LAST_GOOD", "step_of"]
+__all__ = ["CheckpointManager", "LoadedCheckpoint", "LAST_GOOD", "SKIPS_RUN", "step_of"]
 
 LAST_GOOD = "LAST_GOOD"
+#: Skipped steps in a row that make a run of them: a periodic save after one is withheld (the keeper), the newest
+#: checkpoint written before one is kept past ``keep`` (:meth:`CheckpointManager.prune`).
+SKIPS_RUN = 2
 
 _FINAL = re.compile(r"^step_(\d+)$")
 _DEBRIS = re.compile(r"^(step_\d+|LAST_GOOD)\.(tmp|replaced|trash)-(\d+)$")
@@ -76,7 +79,8 @@ class LoadedCheckpoint:
 class CheckpointManager:
     """Write, verify, prune and load the checkpoints in ``root`` (normally ``RUN_DIR/checkpoints``).
 
-    ``keep``: how many of the newest checkpoints to keep (the one ``LAST_GOOD`` names is always kept).
+    ``keep``: how many of the newest checkpoints to keep (the one ``LAST_GOOD`` names is always kept, and the newest
+    written before a run of skipped steps: :meth:`prune`).
     ``require_finite``: top-level state keys whose tensors must all be finite for a save (and a load)
     to go ahead; None means every floating tensor. The default leaves out the metrics buffers, which
     record a skipped step's NaN loss by design.
@@ -301,7 +305,7 @@ class CheckpointManager:
             return []
         limit = step_of(good)
         ranked = [d for d in self.checkpoints() if step_of(d) <= limit]
-        before_skips = next((d for d in ranked if _after_skips(d) < 2), None)  # (ranked: newest first)
+        before_skips = next((d for d in ranked if _after_skips(d) < SKIPS_RUN), None)  # (ranked: newest first)
         removed = []
         for d in ranked[self.keep:]:
             if d != good and d != before_skips:
@@ -473,7 +477,7 @@ def _after_skips(path: Path) -> int:
     """How many skipped steps in a row a checkpoint was saved after (its meta.json's ``after_skips``; 0 when unrecorded)."""
     try:
         return int(json.loads((path / META_FILE).read_text(encoding="utf-8")).get("after_skips") or 0)
-    except (OSError, ValueError):
+    except (OSError, ValueError, TypeError, AttributeError):  # (unreadable, or not the dict it should be: no run)
         return 0
 
 
