@@ -578,3 +578,11 @@ def test_check_init_takes_a_lazy_model_and_an_embeddings_max_norm_is_no_overwrit
 
     (res,) = run_checks(CheckContext(cfg(), task_factory=capped), ["init"])
     assert "init_overwritten" not in res.numbers and "changed" not in res.summary, res.summary
+
+
+def test_check_nan_counts_the_non_finite_gradients_rather_than_naming_a_first():
+    """A new user's trial: 'first non-finite grad: wte.weight' for a NaN planted in blocks.2.attn.qkv read as 'the NaN
+    reached the embedding first'; it was the first parameter in registration order (every gradient is NaN)."""
+    (res,) = run_checks(CheckContext(cfg()), ["nan"])
+    assert res.passed and res.summary.endswith("6 of 6 parameters' gradients are non-finite after its backward"), res.summary
+    assert "first_nonfinite_grad" not in res.numbers and res.numbers["nonfinite_grads"] == 6

@@ -95,10 +95,11 @@ def check_nan(ctx: CheckContext) -> CheckResult:
     finally:
         handle.remove()
     grad_name = first_nonfinite_grad(model)
+    bad_grads = sum(1 for p in model.parameters() if p.grad is not None and not bool(torch.isfinite(p.grad).all()))
     first = loc.first
     numbers = {"planted_module": planted, "found_module": first.module if first else None,
                "op": first.op if first else None, "direction": first.direction if first else None,
-               "origin": first.origin if first else None, "first_nonfinite_grad": grad_name,
+               "origin": first.origin if first else None,
                "candidates": len(called), "ops_checked": loc.num_ops}
     if first is None:
         return CheckResult("nan", False, f"a NaN planted in {planted!r} went unnoticed by the locator", numbers=numbers)
@@ -110,5 +111,9 @@ def check_nan(ctx: CheckContext) -> CheckResult:
     if grad_name is None:
         return CheckResult("nan", False, f"the NaN planted in {planted!r} was located, but no gradient became non-finite",
                            numbers=numbers)
+    # (which gradient is 'first' is the parameters' registration order, not the backward's: said as a count)
+    total = sum(1 for p in model.parameters() if p.grad is not None)
+    numbers["nonfinite_grads"] = bad_grads
     return CheckResult("nan", True, f"a NaN planted in {planted!r} is traced to {first.op} in that module "
-                                    f"(forward, origin); first non-finite grad: {grad_name}", numbers=numbers)
+                                    f"(forward, origin); {bad_grads} of {total} parameters' gradients are non-finite "
+                                    f"after its backward", numbers=numbers)

@@ -403,6 +403,11 @@ def compare_plots(runs: list[RunData], labels: list[str]) -> list[Plot]:
     for key, (title, ylabel) in COMPARE_METRICS.items():
         if not any(run.series(key)[0] for run in runs):
             continue
+        # as one run's report: no loss-scale panel where no run scales its loss, no skipped-steps one where none skipped
+        if key == "loss_scale" and not any(run.loss_scaled for run in runs):
+            continue
+        if key == "num_skipped" and not any(r.get("num_skipped", 0) > 0 for run in runs for r in run.metrics):
+            continue
         ykey = key
         if key == "tokens_per_s" and panels[0][0] == "samples_seen" and all(_logs(run, "samples_per_s") for run in runs):
             ykey = "samples_per_s"  # throughputs in one unit too
