@@ -383,6 +383,10 @@ def test_adamw_update_ratios_are_judged_against_lr_over_weight_rms_not_the_sgd_b
     big = signal_report(model, classification_batch(), classification_loss,
                         make_optimizer=lambda p: torch.optim.AdamW(p, lr=0.1))
     assert all(u.mark == "large" for u in big.updates if u.ratio is not None)
+    # the rows above the band are said under the table (a new user read 'PASS' beside 8 'large' rows of the default gpt)
+    large = sum(u.mark == "large" for u in big.updates if u.ratio is not None)
+    assert format_updates(big)[-1].startswith(f"  {large} above the band: the first steps move those weights by a larger")
+    assert "above the band" not in " ".join(lines)  # (none at lr 1e-3: no such line)
 
 
 def test_adam_marks_small_a_parameter_most_of_whose_elements_got_no_gradient():
