@@ -355,7 +355,7 @@ def test_nan_check_finds_the_planted_module(task, args, planted):
     assert result.passed, result.summary
     assert result.numbers["planted_module"] == result.numbers["found_module"] == planted
     assert (result.numbers["op"], result.numbers["direction"], result.numbers["origin"]) == ("aten.fill_.Scalar", "forward", True)
-    assert result.numbers["first_nonfinite_grad"] is not None
+    assert result.numbers["nonfinite_grads"] > 0  # (counted: which is 'first' was the parameters' registration order)
 
 
 def test_nan_check_fails_on_a_model_that_is_already_broken():

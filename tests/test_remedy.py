@@ -485,6 +485,8 @@ def test_the_eps_guard_is_not_offered_for_a_log_of_a_negative_input():
                                                                "fp32", [], [])]
     noise = {**rounded, "first_op": {"input_range": [-1e-7, 1.2e-7], "input_dtypes": ["float32"]}}  # all noise
     assert "eps-guard" in [r.name for r in candidates_for(noise, "fp32", [], [])]
+    rounded_bf16 = {**rounded, "first_op": {"input_range": [-0.004, 1.0], "input_dtypes": ["bfloat16"]}}  # bf16's step
+    assert "eps-guard" in [r.name for r in candidates_for(rounded_bf16, "fp32", [], [])]
     for dtype, low in (("bfloat16", -0.05), ("float16", -0.009)):  # really below 0 in a low precision: no guard either
         bad = {**rounded, "first_op": {"input_range": [low, 1.0], "input_dtypes": [dtype]}}
         assert "eps-guard" not in [r.name for r in candidates_for(bad, "fp32", [], [])], dtype

@@ -1251,6 +1251,8 @@ def test_spikes_met_again_after_each_of_several_rollbacks_are_all_counted(tmp_pa
         if round_ < 2:
             t += 1
             events.append({"step": 60, "kind": "rollback", "reason": "rolled back", "time": t, "from_step": 70})
+    # (and a later rollback that went back past none of them is not theirs: a review)
+    events.append({"step": 75, "kind": "rollback", "reason": "rolled back", "time": t + 1, "from_step": 78})
     (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     h = health_summary(load_run(run))
     assert ("2 loss spikes at step 66-67; before the 2 rollbacks, at step 66-67 (4 spikes: the run met them again after "

@@ -385,7 +385,8 @@ def test_adamw_update_ratios_are_judged_against_lr_over_weight_rms_not_the_sgd_b
     assert all(u.mark == "large" for u in big.updates if u.ratio is not None)
     # the rows above the band are said under the table (a new user read 'PASS' beside 8 'large' rows of the default gpt)
     large = sum(u.mark == "large" for u in big.updates if u.ratio is not None)
-    assert format_updates(big)[-1].startswith(f"  {large} above the band: the first steps move those weights by a larger")
+    assert format_updates(big)[-1].startswith(f"  {large} above the band: one step moves those weights by more than the "
+                                              "band's top (lr is large for their scale)")
     assert "above the band" not in " ".join(lines)  # (none at lr 1e-3: no such line)
 
 

@@ -102,7 +102,8 @@ def _out_of_domain(op: str, diagnosis: dict[str, Any]) -> bool:
         eps = torch.finfo(torch.float32).eps
     return (op in ("sqrt", "rsqrt", "log", "log2", "log10") and diagnosis.get("direction") == "forward"
             and "nan" in str(diagnosis.get("kind")) and not first.get("nonfinite_inputs")
-            and isinstance(low, (int, float)) and low < -OUT_OF_DOMAIN * float(big or 0.0) and float(big or 0.0) > 10 * eps)
+            and isinstance(low, (int, float)) and low < -max(OUT_OF_DOMAIN, eps) * float(big or 0.0)
+            and float(big or 0.0) > 10 * eps)
 
 
 def _tighter(limit: float, clip: float | None) -> float:

@@ -235,7 +235,8 @@ class _Mode(dispatch_mode_base()):
         known = [loc._known_bad(t) for t in inputs] if loc._nonfinite else None  # read before: not read again
         before = _all_finite(inputs, known) if _is_mutating(func) else None  # an in-place op overwrites its inputs
         # (its input's range too, read before the op writes it, for an in-place log or root: a diagnosis reads it)
-        pre_range = _range(inputs) if before is not None and _DOMAIN_OPS.match(str(func)) else None
+        pre_range = (_range(inputs) if before is not None and not loc.first_only and _DOMAIN_OPS.match(str(func))
+                     else None)
         out = func(*args, **kwargs)
         outputs = _floating(_leaves(out))
         if not outputs:

@@ -61,9 +61,10 @@ def format_updates(report: SignalReport) -> list[str]:
         lines.append(f"  zero at init (no ratio): {names}")
     large = [u for u in measured if u.mark == "large"]
     if large:  # (not a failed signal: the verdict above is the forward and backward's; this is the first step's size)
-        lines.append(f"  {len(large)} above the band: the first steps move those weights by a larger share than the "
-                     "others. Where they were scaled down on purpose (a GPT's residual projections, std / sqrt(2 x layers)),"
-                     " that is their init's choice and a warm-up eases it; else a lower lr or a larger init for them")
+        lines.append(f"  {len(large)} above the band: one step moves those weights by more than the band's top (lr is "
+                     "large for their scale). Where they were scaled down on purpose (a GPT's residual projections, std / "
+                     "sqrt(2 x layers)), that is their init's choice and a warm-up eases it; else a lower lr or a larger "
+                     "init for them")
     return lines
 
 

@@ -145,8 +145,9 @@ def health_summary(run: RunData) -> Health:
         if undone_spikes:  # (each rollback trains the steps again: the same steps' spikes met once after each)
             again = (f" ({len(undone_spikes)} spikes: the run met them again after each rollback)"
                      if len(undone_spikes) > len(f["spike_steps_undone"]) else "")
-            text += (f"; before {_went_back(undone_spikes, len(run.counted_events('rollback')))}, at step "
-                     f"{fmt_ranges(f['spike_steps_undone'])}{again}")
+            lo, hi = min(f["spike_steps_undone"]), max(f["spike_steps_undone"])  # the rollbacks that went back past them
+            past = sum(1 for e in run.events if e.kind == "rollback" and e.step < hi and int(e.extra.get("from_step", -1)) >= lo)
+            text += (f"; before {_went_back(undone_spikes, past)}, at step {fmt_ranges(f['spike_steps_undone'])}{again}")
         h.say("warn", text + ".")
     precursor_sentence(run, h)
     early_outlier_sentence(run, h)
