@@ -4,7 +4,7 @@ It first replays one clean forward/backward under the locator (a model that alre
 NaN/Inf, or a false alarm such as an ``-inf`` mask the locator does not recognise, fails here), then
 writes a NaN into the input of a middle leaf module (a forward pre-hook runs inside that module)
 and passes iff :class:`~stabletrain.diagnostics.nonfinite.NonFiniteLocator` names that module, in forward, as
-the origin, and :func:`~stabletrain.numerics.first_nonfinite_grad` names a parameter.
+the origin, and how many parameters' gradients it made non-finite.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from torch.utils.data import default_collate
 
 from ..data import move_to
 from ..diagnostics.nonfinite import NonFiniteLocator
-from ..numerics import first_nonfinite_grad
 from ..policies.accumulation import as_sum_count
 from ..policies.precision import PrecisionPolicy
 from . import CheckContext, CheckResult, register
@@ -94,8 +93,8 @@ def check_nan(ctx: CheckContext) -> CheckResult:
             forward_backward()
     finally:
         handle.remove()
-    grad_name = first_nonfinite_grad(model)
-    bad_grads = sum(1 for p in model.parameters() if p.grad is not None and not bool(torch.isfinite(p.grad).all()))
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    bad_grads = int(torch.stack([~torch.isfinite(g).all() for g in grads]).sum()) if grads else 0  # (one host read)
     first = loc.first
     numbers = {"planted_module": planted, "found_module": first.module if first else None,
                "op": first.op if first else None, "direction": first.direction if first else None,
@@ -108,12 +107,11 @@ def check_nan(ctx: CheckContext) -> CheckResult:
         return CheckResult("nan", False, f"a NaN planted in {planted!r} was traced to {first.describe()}", numbers=numbers,
                            details=[("module tracking disagrees with named_modules(): does the model call its "
                                      "submodules outside its own forward?")])
-    if grad_name is None:
+    if not bad_grads:
         return CheckResult("nan", False, f"the NaN planted in {planted!r} was located, but no gradient became non-finite",
                            numbers=numbers)
     # (which gradient is 'first' is the parameters' registration order, not the backward's: said as a count)
-    total = sum(1 for p in model.parameters() if p.grad is not None)
     numbers["nonfinite_grads"] = bad_grads
     return CheckResult("nan", True, f"a NaN planted in {planted!r} is traced to {first.op} in that module "
-                                    f"(forward, origin); {bad_grads} of {total} parameters' gradients are non-finite "
+                                    f"(forward, origin); {bad_grads} of {len(grads)} parameters' gradients are non-finite "
                                     f"after its backward", numbers=numbers)

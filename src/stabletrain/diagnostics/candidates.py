@@ -23,6 +23,7 @@ from .cures import (
     UpdateClip,
     guarded_op,
 )
+from .nonfinite import DOMAIN_OPS
 
 __all__ = ["candidates_for"]
 
@@ -100,7 +101,7 @@ def _out_of_domain(op: str, diagnosis: dict[str, Any]) -> bool:
         eps = torch.finfo(getattr(torch, str(dtypes[0]))).eps
     except (AttributeError, TypeError):
         eps = torch.finfo(torch.float32).eps
-    return (op in ("sqrt", "rsqrt", "log", "log2", "log10") and diagnosis.get("direction") == "forward"
+    return (op in DOMAIN_OPS and diagnosis.get("direction") == "forward"
             and "nan" in str(diagnosis.get("kind")) and not first.get("nonfinite_inputs")
             and isinstance(low, (int, float)) and low < -max(OUT_OF_DOMAIN, eps) * float(big or 0.0)
             and float(big or 0.0) > 10 * eps)

@@ -35,7 +35,7 @@ from torch.utils.module_tracker import ModuleTracker
 from ..internals import current_autograd_node, dispatch_mode_base, in_backward, op_writes_input, tensor_version
 from .stacks import keep_user_entries, user_stack
 
-__all__ = ["NonFiniteLocator", "NonFiniteOp"]
+__all__ = ["NonFiniteLocator", "NonFiniteOp", "DOMAIN_OPS"]
 
 # Ops that only move a value from Python into a tensor: an inf they produce is a constant someone wrote.
 _CONSTANT_OPS = {"aten.lift_fresh.default", "aten.lift_fresh_copy.default", "aten.scalar_tensor.default"}
@@ -463,8 +463,10 @@ class NonFiniteLocator:
             input_range=_range(inputs) if in_range else None)
 
 
-#: The aten ops whose input's range tells a value out of their domain (a log or a root of one below 0).
-_DOMAIN_OPS = re.compile(r"aten\.(r?sqrt|log(2|10)?)_?\.")
+#: The ops whose input's range tells a value out of their domain (a log or a root of one below 0), and their aten names
+#: (in place and ``out=`` too).
+DOMAIN_OPS = ("sqrt", "rsqrt", "log", "log2", "log10")
+_DOMAIN_OPS = re.compile(rf"aten\.({'|'.join(DOMAIN_OPS)})_?\.")
 
 
 def _range(inputs: list[Tensor]) -> list[float] | None:

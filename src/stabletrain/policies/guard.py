@@ -348,9 +348,8 @@ class Guard:
                 d.action, d.reason = "stop", (f"{self.consecutive_skips} consecutive skipped steps (guard.max_consecutive_skips="
                                               f"{self.cfg.max_consecutive_skips}) at step {row.step}: the run is not recovering"
                                               + self._level_note(row.step)
-                                              + scale_note(float(v.get("loss_scale", 1.0)), float(v.get("loss", math.nan))))
-            applied, norm, scale = v["applied"] >= 0.5, float(v.get("grad_norm", math.nan)), float(v.get("loss_scale", 1.0))
-            self.stall.record(applied, norm, scale, float(v.get("loss", math.nan)))
+                                              + scale_note(scale, float(v.get("loss", math.nan))))
+            self.stall.record(v["applied"] >= 0.5, float(v.get("grad_norm", math.nan)), scale, float(v.get("loss", math.nan)))
         if crossed is not None and rows[-1].step > crossed:  # the guard reads at the log boundary: the run trained on to it
             d.reason += (f" (the run went on to its log boundary, step {rows[-1].step}: " + (
                 f"{self.consecutive_skips} skipped in a row by then)" if self.consecutive_skips else
