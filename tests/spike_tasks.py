@@ -408,3 +408,17 @@ def one_step_jump_task(at: int = 60, factor: float = 200.0, n: int = 4096) -> Ta
     model = nn.Sequential(nn.Linear(16, 64), nn.SiLU(), nn.Linear(64, 64), nn.SiLU(), nn.Linear(64, 1))
     return Task(model=model, train_data=TensorDataset(x, y), loss=_mse, name="one-step-jump",
                 optimizer=lambda named: OneStepAdamW([p for _, p in named], at, factor, lr=1e-3, weight_decay=0.0))
+
+
+def too_high_lr_task(lr: float = 0.3, n: int = 1600) -> Task:
+    """state, then spikes in its course: an MLP classifier (labels: the sign of the sum of 4 features, no label noise)
+    under Adam at lr 0.3 diverges from step ~63 (batch 32) and spikes every few steps; its later windows' losses sit on
+    a few ordinary samples near the boundary that the drifted model gets confidently wrong (a new user's trial: step 85
+    named 'data', those samples blamed, weighed under step 80's state, itself inside the drift)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 16, generator=g)
+    y = (x[:, :4].sum(1) > 0).long()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2))
+    return Task(model=model, train_data=TensorDataset(x, y), loss=_ce, name="too-high-lr",
+                optimizer=lambda named: torch.optim.Adam([p for _, p in named], lr=lr))

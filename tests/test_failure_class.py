@@ -55,6 +55,11 @@ def test_growth_says_the_factor_per_step_and_since_when():
     # a non-finite step the run recovered from (the next interval finite): its interval's value keeps its own step
     recovered = growth([*diverged[:2], {**diverged[2], "num_nonfinite": 1}, {"step": 25, "loss": 49.0 * 361 ** 7}], 36)
     assert (recovered["since_step"], recovered["until_step"]) == (10, 25)
+    # the update norm is its row's last step's own (a review): dated to its row's step, non-finite steps before or not
+    updates = [{"step": 10, "update_norm": 1.0}, {"step": 15, "update_norm": 30.0},
+               {"step": 20, "update_norm": 900.0, "num_nonfinite": 4}, {"step": 25, "update_norm": float("nan")}]
+    g = growth(updates, 36)
+    assert (g["metric"], g["since_step"], g["until_step"]) == ("update_norm", 10, 20), g
 
 
 @pytest.mark.parametrize("accum, stage, since, metric", [(1, "loss", 5, "loss"), (2, "none", 10, "loss")])

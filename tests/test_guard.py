@@ -632,6 +632,13 @@ def test_a_routine_overflow_counts_toward_the_skip_limit_only_where_it_held_the_
     # the guard reads at the log boundary (step 25): the line says the run went on to it (a trial: 'at step 85' beside
     # a stop event and 25 skip events at step 90)
     assert d.reason.endswith(" (the run went on to its log boundary, step 25: 24 skipped in a row by then)"), d.reason
+    # one step applied after the limit, then 2 more skips (a review: read as if the first run of skips went on)
+    again = Guard(GuardConfig(), torch.device("cpu"))
+    steps = rows([65536.0] * 25)
+    steps[21].values.update(finite=1.0, applied=1.0, overflow=0.0, grad_norm=1.0)
+    d = again.decide(steps)
+    assert d.reason.endswith(" (the run went on to its log boundary, step 25: it applied a step again before it, then "
+                             "skipped 3 more)"), d.reason
     clone = Guard(GuardConfig(), torch.device("cpu"))  # the last scale travels in checkpoints
     clone.load_state_dict(backing_off.state_dict())
     assert clone.last_scale == 2.0 ** 20 and clone.decide(rows([2.0 ** 20] * 2)).action == "continue"

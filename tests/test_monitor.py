@@ -311,6 +311,12 @@ def test_a_disabled_grad_scaler_is_no_scaler():
     assert monitor.precision.mode == "fp32" and monitor.precision.scaler is None
     train(monitor, model, batches(3))
     assert all(torch.isfinite(p).all() for p in model.parameters())
+    # beside precision='fp16' it scales nothing the run's unscale could take off (a review: an AssertionError at the
+    # first step, 'Attempted unscale_ but _scale is None'): refused, naming both
+    with pytest.raises(ValueError) as err:
+        Monitor(model, opt, precision="fp16", scaler=off, init_check=False)
+    assert str(err.value) == ("scaler: a disabled GradScaler (enabled=False) scales nothing, but precision='fp16' needs one "
+                              "that does (enable it, or give precision='fp32'/'bf16')")
 
 
 def test_an_exception_in_the_loop_is_a_crash_event_and_the_run_is_closed(tmp_path):

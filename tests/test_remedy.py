@@ -487,6 +487,12 @@ def test_the_eps_guard_is_not_offered_for_a_log_of_a_negative_input():
     assert "eps-guard" in [r.name for r in candidates_for(noise, "fp32", [], [])]
     rounded_bf16 = {**rounded, "first_op": {"input_range": [-0.004, 1.0], "input_dtypes": ["bfloat16"]}}  # bf16's step
     assert "eps-guard" in [r.name for r in candidates_for(rounded_bf16, "fp32", [], [])]
+    # a log's input -0.5 beside values of 1000 (a review): 5e-4 of the largest, no float32 rounding; a log of 1 - p
+    # with p rounded above 1 is one
+    far = {**negative, "first_op": {"nonfinite_inputs": [], "input_range": [-0.5, 1000.0], "input_dtypes": ["float32"]}}
+    assert "eps-guard" not in [r.name for r in candidates_for(far, "fp32", [], [])]
+    one_minus_p = {**negative, "first_op": {"nonfinite_inputs": [], "input_range": [-1.2e-7, 1.0], "input_dtypes": ["float32"]}}
+    assert "eps-guard" in [r.name for r in candidates_for(one_minus_p, "fp32", [], [])]
     for dtype, low in (("bfloat16", -0.05), ("float16", -0.009)):  # really below 0 in a low precision: no guard either
         bad = {**rounded, "first_op": {"input_range": [low, 1.0], "input_dtypes": [dtype]}}
         assert "eps-guard" not in [r.name for r in candidates_for(bad, "fp32", [], [])], dtype

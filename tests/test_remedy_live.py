@@ -128,6 +128,12 @@ def test_a_remedy_is_applied_by_hand_on_resume_once_and_refused_clearly(tmp_path
     assert ("lr-x0.01 was verified from the update of step 2, but this run resumes at step 8: the updates since were made "
             "without it, so its verdict does not hold here; apply a cure that rolls back first (rollback-lr-x0.01)"
             ) in capsys.readouterr().err
+    # Resumed at the very step a cure's replay starts from, the update that led into the incident (its step - 1): that
+    # update was made without it too (the check read 'first < step' and applied it)
+    record["step"], record["candidates"][-2]["first_step"] = 9, 8
+    (incident / "remedy.json").write_text(json.dumps(record))
+    assert main(["train", "--resume", str(run_dir), "train.max_steps=12", f"remedy.apply={incident}:lr-x0.01"]) == 2
+    assert "lr-x0.01 was verified from the update of step 8, but this run resumes at step 8" in capsys.readouterr().err
     (incident / "remedy.json").write_text(original)
     missing = run_dir / "incidents" / "step_000099"  # a folder that is not there: said so, not "run remedy on it first"
     assert main(["train", "--resume", str(run_dir), "train.max_steps=12", f"remedy.apply={missing}:skip-samples"]) == 2

@@ -732,3 +732,23 @@ def test_the_finished_check_takes_a_config_as_the_resume_would(tmp_path):
     assert _same_config(cfg("train.batch_size=8", "precision=fp32"), ckpt, world=2)  # auto trained in fp32: the same
     meta(2, "bf16")  # a GPU run's auto (bf16), checked on a CPU host: fp32 is another precision
     assert not _same_config(cfg("train.batch_size=8", "precision=fp32"), ckpt, world=2)
+
+
+def test_where_a_restart_resumed_from_reads_older_run_directories_right(tmp_path):
+    """A review: restart events written before 'started_over' was recorded: a start-over (step 0, no checkpoint) read as
+    'the newest checkpoint that verified' in the refusal line, and the report said 'from step 0' for a restart that
+    resumed with no LAST_GOOD to name."""
+    from stabletrain.records.launches import started_over
+
+    old_start_over = {"step": 0, "kind": "restart", "time": 1.0, "cause": {"rank": 0, "exitcode": -9}, "checkpoint": None}
+    unnamed = {**old_start_over, "step": 37}
+    named = {**old_start_over, "step": 40, "checkpoint": "step_000030"}
+    assert started_over(old_start_over) and not started_over(unnamed) and not started_over(named)
+    assert started_over({**unnamed, "step": 0, "started_over": True})
+    assert not started_over({**old_start_over, "started_over": False})
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "events.jsonl").write_text("".join(json.dumps({**e, "reason": "restart"}) + "\n"
+                                                  for e in (old_start_over, unnamed, named)))
+    texts = [t for _, t in health_summary(load_run(run_dir)).sentences]
+    assert any("from step 0, step_000030, the newest checkpoint that verified (run.max_restarts" in t for t in texts), texts

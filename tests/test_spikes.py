@@ -29,6 +29,7 @@ from spike_tasks import (
     rare_token_task,
     sgd_regression_task,
     steady_regression_task,
+    too_high_lr_task,
     transient_spike_task,
 )
 
@@ -959,6 +960,24 @@ def test_a_spike_after_a_fast_fall_is_caught_named_and_its_aftershocks_linked_to
         later[0]["diagnosis"]["summary"])
     assert "aftershock" not in first["diagnosis"]["summary"]
     assert "the burst of loss spikes captured at step 61 (state) goes on (steps 71-" in capsys.readouterr().out
+
+
+def test_spikes_in_a_drifts_course_are_weighed_under_a_state_from_before_it_not_blamed_on_samples(tmp_path):
+    """A too-high LR drifts the state from step ~63 (captured at 65: state) and spikes go on every few steps under
+    guard.on_spike=warn. At step 85 four ordinary samples the drifted model gets confidently wrong carried 96% of the
+    window: 'data', weighed under step 80's state, itself inside the drift. A later spike in a drift's chain is weighed
+    under the snapshot held from before its first spike; no spike of the chain is blamed on samples."""
+    run_dir = tmp_path / "run"
+    Trainer(cfg("train.batch_size=32", "train.max_steps=100", "log.every=10", "sched.warmup_steps=80",
+                "sched.decay=constant", "clip.max_norm=null"), task=too_high_lr_task(), run_dir=run_dir).fit()
+    first, *later = [json.loads((Path(e["path"]) / "diagnosis.json").read_text())
+                     for e in _events(run_dir) if e["kind"] == "incident"]
+    assert first["step"] == 65 and first["failure_class"] == "state"
+    assert later and [d["step"] for d in later] == [75, 85]
+    for d in later:
+        assert d["failure_class"] != "data" and not d["bad_samples"], d["summary"]
+        assert d["older"]["step"] < 65 and d["older"]["before_spike"] == 65, d["older"]
+        assert "from before the spike at step 65 that began a drift" in d["summary"]
 
 
 def test_the_same_samples_spiking_again_next_epoch_are_said_to_come_back_not_called_an_aftershock(tmp_path):

@@ -148,6 +148,12 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
         verdict["evidence"] += (f"; precision is not ruled out: a replay of the step in fp32 runs in {precision} too (the "
                                 "loss function turns torch.autocast on itself; enter it through the adapter, e.g. "
                                 "Monitor.autocast(), and a replay can turn it off)")
+    back = observed.get("older_before_spike")
+    if back and back.get("found", True) and m["older"] is not None and m["reproduces"]:  # (a state from before a drift)
+        m["older"]["before_spike"] = back["spike"]
+        verdict["evidence"] += (f"; the older state is step {m['older']['step']}'s, from before the spike at step "
+                                f"{back['spike']} that began a drift: the interval's start, step {back['instead_of']}, "
+                                "carries its applied updates")
     after, by_index = observed.get("after_spike"), bundle.get("sample_unit", "dataset index") == "dataset index"
     # The samples earlier spikes named (one process: by dataset index), the last one's too where it was an applied spike
     # (an adapter numbers samples by their place in the step: the same number in another step is another sample).

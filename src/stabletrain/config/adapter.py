@@ -117,6 +117,9 @@ class AdapterOptions:
         if scaler is not None and scaler.is_enabled() and args.get("precision") not in (None, "fp16"):
             raise ValueError(f"scaler: a GradScaler scales fp16's loss, but precision={args['precision']!r} (give "
                              "precision='fp16' or leave it out with a scaler, or drop the scaler)")
+        if scaler is not None and not scaler.is_enabled() and args.get("precision") == "fp16":  # (its steps: never scaled)
+            raise ValueError("scaler: a disabled GradScaler (enabled=False) scales nothing, but precision='fp16' needs one "
+                             "that does (enable it, or give precision='fp32'/'bf16')")
         return self
 
     @staticmethod

@@ -86,8 +86,11 @@ def candidates_for(diagnosis: dict[str, Any], precision: str, history: list[dict
     return out
 
 
-#: An input below -this x its largest magnitude is out of a log's or a root's domain, not a rounding below 0.
+#: An input below -this x its largest magnitude is out of a root's domain, not a rounding below 0 (a variance as
+#: E[x^2] - E[x]^2 cancels to -1e-3 of itself in float32 where the mean is large); a log's input, rarely made by such a
+#: cancellation, is out below -2 eps of its dtype (at least :data:`LOG_OUT_OF_DOMAIN`) x its largest magnitude.
 OUT_OF_DOMAIN = 1e-3
+LOG_OUT_OF_DOMAIN = 1e-6
 
 
 def _out_of_domain(op: str, diagnosis: dict[str, Any]) -> bool:
@@ -103,7 +106,8 @@ def _out_of_domain(op: str, diagnosis: dict[str, Any]) -> bool:
         eps = torch.finfo(torch.float32).eps
     return (op in DOMAIN_OPS and diagnosis.get("direction") == "forward"
             and "nan" in str(diagnosis.get("kind")) and not first.get("nonfinite_inputs")
-            and isinstance(low, (int, float)) and low < -max(OUT_OF_DOMAIN, eps) * float(big or 0.0)
+            and isinstance(low, (int, float))
+            and low < -(max(OUT_OF_DOMAIN, eps) if "sqrt" in op else max(LOG_OUT_OF_DOMAIN, 2 * eps)) * float(big or 0.0)
             and float(big or 0.0) > 10 * eps)
 
 

@@ -58,9 +58,11 @@ def growth(history: list[dict[str, Any]], before_step: int) -> dict[str, Any] | 
     for key in ("loss", "grad_norm", "update_norm"):
         # A row whose interval ends in non-finite steps (a divergence's: the rows after it are non-finite, or it is the
         # last) holds the mean of the finite steps before them: its value is dated to the last of those, not to the
-        # interval's end (it made a x361 growth read as x34). Non-finite steps the run recovered from date nothing.
-        series = [(r["step"] - (int(r.get("num_nonfinite") or 0) if i + 1 == len(rows) or not _finite(rows[i + 1].get(key))
-                                else 0), r[key]) for i, r in enumerate(rows) if _finite(r.get(key)) and r[key] > 0]
+        # interval's end (it made a x361 growth read as x34). Non-finite steps the run recovered from date nothing. The
+        # update norm is the interval's last step's own (NaN where that step was not finite): dated to its row's step.
+        series = [(r["step"] - (int(r.get("num_nonfinite") or 0) if key != "update_norm" and (
+            i + 1 == len(rows) or not _finite(rows[i + 1].get(key))) else 0), r[key])
+            for i, r in enumerate(rows) if _finite(r.get(key)) and r[key] > 0]
         if len(series) < MIN_GROWTH_ROWS:
             continue
         end = len(series) - 1

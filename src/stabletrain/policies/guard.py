@@ -313,6 +313,7 @@ class Guard:
         """
         d = GuardDecision()
         crossed = None  # the step at which the skips in a row reached guard.max_consecutive_skips
+        applied_since = False  # a step applied after it
         checked_from = rows[0].step if rows else 0  # the first step whose update no check has cleared yet
         params_bad_at = None
         for row in rows:
@@ -339,6 +340,7 @@ class Guard:
             scale = float(v.get("loss_scale", 1.0))
             if v["applied"] >= 0.5:
                 self.consecutive_skips = 0
+                applied_since = crossed is not None
             elif not (overflow and scale < self.last_scale):
                 self.consecutive_skips += 1
             self.last_scale = scale
@@ -352,8 +354,9 @@ class Guard:
             self.stall.record(v["applied"] >= 0.5, float(v.get("grad_norm", math.nan)), scale, float(v.get("loss", math.nan)))
         if crossed is not None and rows[-1].step > crossed:  # the guard reads at the log boundary: the run trained on to it
             d.reason += (f" (the run went on to its log boundary, step {rows[-1].step}: " + (
-                f"{self.consecutive_skips} skipped in a row by then)" if self.consecutive_skips else
-                "it applied a step again before it)"))
+                f"{self.consecutive_skips} skipped in a row by then)" if self.consecutive_skips and not applied_since else
+                "it applied a step again before it)" if not self.consecutive_skips else
+                f"it applied a step again before it, then skipped {self.consecutive_skips} more)"))
         if d.locate is not None and d.first_incident < d.locate[0]:
             d.locate = None  # an earlier loss incident comes first; the broken update is a later one
         losses = {r.step: r.values["loss"] for r in rows}

@@ -11,7 +11,8 @@ from typing import Any
 
 from ..process import stat_fields
 
-__all__ = ["unfinished_note", "LAUNCH_FILE", "is_running", "refuse_if_running", "running_launch", "this_process"]
+__all__ = ["unfinished_note", "LAUNCH_FILE", "is_running", "refuse_if_running", "running_launch", "this_process",
+           "started_over"]
 
 #: when the run opens, removed when it closes. What a SIGKILL leaves behind names processes that are gone.
 LAUNCH_FILE = "launch.json"
@@ -76,3 +77,10 @@ def unfinished_note(run_dir: str | Path) -> str:
         return "still running"
     return ("its processes are gone with no stop or crash recorded: killed? stabletrain train --resume RUN_DIR "
             "continues it")
+
+
+def started_over(event: dict[str, Any]) -> bool:
+    """Whether a ``restart`` event (its fields, ``step`` with them) started the run again from step 0: its
+    ``started_over``, or, in a run directory written before that field, no checkpoint at step 0."""
+    return bool(event.get("started_over")) or ("started_over" not in event and event.get("checkpoint") is None
+                                                and event.get("step") == 0)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..records.launches import unfinished_note
+from ..records.launches import started_over, unfinished_note
 from .clip_verdict import clip_sentence
 from .early_signs import early_outlier_sentence, precursor_sentence
 from .loss_headline import loss_sentence
@@ -422,7 +422,8 @@ def _restarts(run: RunData, h: Health) -> None:
         what = who + (describe_exit(int(cause["exitcode"])) if isinstance(cause.get("exitcode"), int) else "ended")
         deaths[what] = deaths.get(what, 0) + 1
     said = "; ".join(what + (f", {n} times" if n > 1 else "") for what, n in deaths.items())
-    froms = sorted({str(e.extra.get("checkpoint") or "step 0") for e in restarts})
+    froms = sorted({str(e.extra.get("checkpoint") or ("step 0" if started_over({**e.extra, "step": e.step})
+                                                      else "the newest checkpoint that verified")) for e in restarts})
     times = "once" if len(restarts) == 1 else f"{len(restarts)} times"
     h.say("warn", f"Restarted itself {times} after its process died ({said}), from "
                   f"{', '.join(froms)} (run.max_restarts; what each cost: the goodput line).")

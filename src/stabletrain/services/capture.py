@@ -40,7 +40,7 @@ from ..records.snapshot import IntervalSnapshot
 from ..records.staging import StateStager, clone_state, equal_states, join_params, state_kept
 from ..runstate import RunState
 from ..seeding import kept_rng
-from .spike_reference import MAX_CONTEXT, spike_parts
+from .spike_reference import AFTERSHOCK_STEPS, DRIFT_CLASSES, MAX_CONTEXT, spike_parts
 
 __all__ = ["IncidentCapture", "StepSource", "incident_dir", "staged_now", "global_record",
            "IN_MEMORY"]
@@ -171,6 +171,9 @@ class IncidentCapture:
         self.replaying = False  # a capture is replaying: the source's own per-step hooks stand by
         self.warned = False  # a step that could not be captured was said once
         self.last_spike: dict[str, Any] | None = None  # the last captured spike whose update was applied
+        # A chain of applied spikes diagnosed as the state's or the optimizer's, each at most AFTERSHOCK_STEPS after the
+        # one before: {"onset", "last"} (steps). While it lasts a later spike is weighed under a state from before it.
+        self.drift: dict[str, int] | None = None
         #: The samples earlier spikes' diagnoses named (dataset index -> the spike's step): a spike they carry again is
         #: theirs coming back, however many spikes came in between.
         self.spiked_samples: dict[int, int] = {}
@@ -199,6 +202,17 @@ class IncidentCapture:
         if applied:
             self.last_spike = {"step": step, "class": d.get("failure_class"), "samples": list(d.get("bad_samples") or []),
                                "sample_unit": unit}
+            chain = self.drift_at(step)
+            if chain is not None:  # (a spike of any class in a drift's course carries it on)
+                chain["last"] = step
+            elif d.get("failure_class") in DRIFT_CLASSES:
+                self.drift = {"onset": step, "last": step}
+
+    def drift_at(self, step: int) -> dict[str, int] | None:
+        """The chain of drifting spikes (:attr:`drift`) step ``step`` is in the course of (at most AFTERSHOCK_STEPS after its
+        last spike), or None."""
+        chain = self.drift
+        return chain if chain is not None and chain["onset"] <= step and step - chain["last"] <= AFTERSHOCK_STEPS else None
 
     # -- per interval ------------------------------------------------------------------------------
 
@@ -221,6 +235,8 @@ class IncidentCapture:
         self.snapshot.clear()
         if self.last_spike is not None and step < self.last_spike["step"]:  # a rollback went back past it: undone
             self.last_spike = None
+        if self.drift is not None and step < self.drift["onset"]:
+            self.drift = None
         if enabled:
             src = self.source
             side, rest, share = src.strategy.snapshot_parts(src.live_state(), src.module)
@@ -237,13 +253,16 @@ class IncidentCapture:
         run lasts; a run without flagged steps holds nothing.
         """
         snap = self.snapshot
-        if step not in flagged:
+        chain = self.drift_at(step)  # (a drift's chain of spikes holds the snapshot from before its onset too)
+        if step not in flagged and chain is None:
             snap.release()
             return
         flagged = set(flagged)
         since = step  # the run's first step
-        while since - 1 in flagged:
+        while since in flagged and since - 1 in flagged:
             since -= 1
+        if chain is not None:
+            since = min(since, chain["onset"])
         if snap.may_hold and snap.taken and snap.step < since:  # the run began in the interval just ended
             snap.hold()
             self.held_lrs = self.start_lrs

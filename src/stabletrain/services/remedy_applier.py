@@ -255,8 +255,11 @@ class RemedyApplier:
                              f"({getattr(remedy, 'change', '')}) "
                              "or a restart with another config; it cannot be applied to a live run")
         first = row.get("first_step", record.get("step"))
+        # (dropping samples holds from any step: the data, not the state). The update of step ``first`` is the cure's
+        # own: made by the run already where it resumes past it, or at it for a cure of the update that led into the
+        # incident (step - 1: a spike's loss is the state's before its step)
         if (remedy.rollback_step is None and not isinstance(remedy, SkipSamples) and isinstance(first, int)
-                and first < self.state.step):  # (dropping samples holds from any step: the data, not the state)
+                and (first < self.state.step or first == self.state.step < int(record.get("step", first)))):
             rollbacks = [c["name"] for c in record.get("candidates", [])
                          if c.get("verdict") == "cures" and c.get("remedy", {}).get("kind") == "rollback-lr"]
             raise ValueError(f"config key 'remedy.apply' ({spec!r}): {row['name']} was verified from the update of step "

@@ -44,6 +44,7 @@ from ..records.bundles import incident_order
 from ..records.checkpoint.files import CheckpointError
 from ..records.checkpoint.manager import CheckpointManager, step_of
 from ..records.jsonl import read_jsonl
+from ..records.launches import started_over
 from ..records.rundir import RunDir
 
 __all__ = ["begin_launch", "Launch", "Failure", "last_failure", "refusal", "SOON_AFTER_LOAD", "EXIT_GAVE_UP"]
@@ -315,7 +316,7 @@ def _restart_after(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_
                 why = (f"checkpoint step_{failure.resumed_step:06d} led to a non-finite step (step {failure.nonfinite_step}) "
                        f"right after its load and is not trusted, and no older checkpoint is left (ckpt.keep={cfg.ckpt.keep})")
         if why is not None:
-            last = (chain[-1].get("checkpoint") or ("step 0 (no checkpoint was written yet)" if chain[-1].get("started_over")
+            last = (chain[-1].get("checkpoint") or ("step 0 (no checkpoint was written yet)" if started_over(chain[-1])
                                                     else "the newest checkpoint that verified")) if chain else None
             tried = f"{len(chain)} restart(s) so far" + (f", the last from {last}" if last else "")
             line = (f"not restarting the run after {who}: {why}; tried: {tried} (run.max_restarts={limit}, "

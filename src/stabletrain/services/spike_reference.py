@@ -13,6 +13,9 @@ older state with the LR its step ran at. The older state is the interval's start
   that (a jump x30 on step 130, a spike at 132: its window high under step 130's state, "data"; an optimizer that
   ran one step at x200 its LR on step 60, the interval's last, and a spike at 64: "data", two samples named); the
   snapshot before it (:meth:`IntervalSnapshot.get_previous`), where kept, ran before it (:func:`before_jump`);
+- it carries the applied updates of a chain of earlier spikes (each at most :data:`AFTERSHOCK_STEPS` after the one before)
+  whose first was diagnosed as the state's or the optimizer's (:data:`DRIFT_CLASSES`): a kept snapshot from before that
+  first one (held while the chain lasts, :meth:`IncidentCapture._hold_before_run`; ``observed.older_before_spike``);
 - there is none (a spike right after the interval's start): an older checkpoint (rank 0's bundle looks one up).
 """
 
@@ -29,12 +32,14 @@ from ..records.staging import equal_states, join_params
 from ..runstate import RunState
 
 __all__ = ["spike_parts", "before_run", "before_jump", "lr_jumped_at", "update_jump", "update_jumped_at", "HISTORY_INTERVALS",
-           "AFTERSHOCK_STEPS", "MAX_EARLIER_SAMPLES", "MAX_CONTEXT"]
+           "AFTERSHOCK_STEPS", "MAX_EARLIER_SAMPLES", "MAX_CONTEXT", "DRIFT_CLASSES"]
 
 #: Ordinary windows a spike's bundle holds to compare against (the interval's steps before the spike, else the next ones).
 MAX_CONTEXT = 3
 #: How many of the run's interval records before a spike its bundle holds (their step, LR and update/weight ratio).
 HISTORY_INTERVALS = 5
+#: An earlier applied spike of these classes left the state off: a later spike's older state is from before it.
+DRIFT_CLASSES = ("state", "optimizer-state")
 #: A spike this many steps or fewer after an applied one (guard.on_spike=warn) says it may be its aftershock.
 AFTERSHOCK_STEPS = 50
 MAX_EARLIER_SAMPLES = 256  # earlier spikes' named samples a spike's bundle carries (the newest)
@@ -70,6 +75,18 @@ def spike_parts(engine: Any, fit: RunState, bundle: dict[str, Any], step: int, s
     elif older is not None and (lr_jumped_at(bundle["observed"]["history"], at)
                                 or update_jumped_at(bundle["observed"]["history"], at)):
         older, at, ran = before_jump(engine, at, now) or (older, at, ran)
+    chain = engine.drift_at(step)
+    if older is not None and chain is not None and at >= chain["onset"]:
+        # The state already carries the applied update of an earlier spike that drifted it (and of the spikes after it):
+        # a window it finds high tells no outlier batch from a state left off (a too-high LR's model errs most, and
+        # confidently, on a few ordinary samples), so it is weighed under a kept snapshot from before that spike
+        found = (_kept_older(engine, engine.snapshot.get_previous(), chain["onset"], now)
+                 or _kept_older(engine, engine.snapshot.get_held(), chain["onset"], now))
+        if found is not None and engine.held_lrs is not None and found[1] == (engine.snapshot.get_held() or (0, 0, -1))[2]:
+            found = (*found[:2], {"param_groups": [{"lr": lr} for lr in engine.held_lrs]} if engine.held_lrs else None)
+        bundle["observed"]["older_before_spike"] = {"spike": chain["onset"], "instead_of": at, "found": found is not None}
+        if found is not None:
+            older, at, ran = found
     reference = {"step": at, "model": older, "optimizer": lr_groups(ran)} if older is not None else None
     if reference is None and first and fit.dist.is_main and now is not None and not is_dcp_entry(now):
         found = src.reference_state(fit, start[1] if start[1] < step - 1 else step - 1, now)
