@@ -463,6 +463,39 @@ def test_a_net_whose_relus_are_all_dead_vanishes_forward_at_the_first_relu():
     assert "is off on this batch" not in healthy.advice()
 
 
+class _LogFeature(nn.Module):
+    """log of the input's last feature: 0 where that feature is 1, by design (no parameter an init could scale)."""
+
+    def forward(self, x):
+        return torch.log(x[:, -1:])
+
+
+class _WithLogFeature(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 10))
+        self.logf = _LogFeature()
+
+    def forward(self, x):
+        return self.net(x) + 1e-3 * self.logf(x)
+
+
+def test_a_parameterless_module_whose_output_is_0_by_design_is_no_init_verdict():
+    """A new user's trial: net(x) + 1e-3 * log(s) with s = 1 everywhere: 'vanishes (0) at #3 logf (LogFeature) ...
+    recommended init: xavier', at fit start and in the report's health. No init scales a parameterless function of
+    its input; a dead ReLU (its input the layer before's) still vanishes (above)."""
+    torch.manual_seed(0)
+    model = _WithLogFeature()
+    init_(model, "xavier")
+    x, y = classification_batch()
+    x = x.clone()
+    x[:, -1] = 1.0
+    report = signal_report(model, (x, y), classification_loss)
+    logf = next(layer for layer in report.layers if layer.name == "logf")
+    assert logf.out_absmax == 0.0 and logf.forward == "ok", logf
+    assert report.passed and report.summary("forward") == "forward: ok"
+
+
 class _Fold(nn.Module):
     """Sums the 4 quarters of the features, / 2: keeps the std of independent features, and a layer's fan-out 4x its
     fan-in, so that xavier (fan average) draws a weight std 0.63x kaiming's (fan-in)."""

@@ -67,14 +67,20 @@ def assign_references(layers: list[Any], thresholds: Any) -> None:
             if layer.role == "recurrent" and layer.time_grad_first is not None:
                 layer.ref_backward = f"{layer.name} at its middle time step"
                 layer.backward_ratio = _ratio(layer.time_grad_first, layer.time_grad_mid)
-            if layer.forward_ratio is None and layer.ref_forward and layer.silent:  # 0 vs a reference of 0 (dead too)
-                layer.forward_ratio = 0.0
+            if layer.forward_ratio is None and layer.ref_forward and layer.silent and not _own_function(layer):
+                layer.forward_ratio = 0.0  # 0 vs a reference of 0 (dead too)
             gain = _ratio(layer.out_std, layer.in_std) if layer.in_std else None  # (an input of 0: no gain to speak of)
             if (len(members) == 1 and not layer.role and not layer.is_norm and layer.param_name is not None
                     and gain is not None and gain > GAIN_LIMIT):  # no counterpart: against its own input
                 layer.ref_forward, layer.forward_ratio = OWN_INPUT, gain
             layer.forward = thresholds.verdict(layer.forward_ratio)
             layer.backward = thresholds.verdict(layer.backward_ratio)
+
+
+def _own_function(layer: Any) -> bool:
+    """Whether a layer's output is a function of its input no init can scale: no parameter, not an activation (whose dead
+    units the layer before sets) nor a norm (a user's ``torch.log`` of a feature that is 1 everywhere is 0 by design)."""
+    return layer.param_name is None and not layer.activation and not layer.is_norm
 
 
 def _ratio(value: float | None, ref: float | None) -> float | None:
