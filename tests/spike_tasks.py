@@ -422,3 +422,29 @@ def too_high_lr_task(lr: float = 0.3, n: int = 1600) -> Task:
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2))
     return Task(model=model, train_data=TensorDataset(x, y), loss=_ce, name="too-high-lr",
                 optimizer=lambda named: torch.optim.Adam([p for _, p in named], lr=lr))
+
+
+class TokenClassifier(nn.Module):
+    """Mean-pooled token embeddings, then an MLP over 16 classes."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, classes: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.body = nn.Sequential(nn.Linear(dim, 64), nn.GELU(), nn.Linear(64, classes))
+
+    def forward(self, t: Tensor) -> Tensor:
+        return self.body(self.embed(t).mean(1))
+
+
+def mislabelled_token_task(step: int = 140, batch_size: int = 4, n: int = 4096) -> Task:
+    """data, in a window of 4: token sequences whose class is their first token mod 16; sample ``(step - 1) * batch_size +
+    3`` (559 at step 140) is all token 5 labelled 13, confidently wrong once learnt (a new user's trial: a clean sample of
+    its window, at x6 the median by its own spread, was named beside it)."""
+    g = torch.Generator().manual_seed(2)
+    t = torch.randint(0, 64, (n, 1), generator=g).repeat(1, 12)
+    t[:, 8:] = torch.randint(0, 64, (n, 4), generator=g)
+    labels = t[:, 0] % 16
+    bad = (step - 1) * batch_size + 3
+    t[bad], labels[bad] = 5, 13
+    torch.manual_seed(0)
+    return Task(model=TokenClassifier(), train_data=TensorDataset(t, labels), loss=_ce, name="mislabelled-token")

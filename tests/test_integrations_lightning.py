@@ -144,6 +144,34 @@ def test_planted_nan_is_skipped_captured_and_traced(tmp_path, capfd):
 
 
 
+class SkippingNet(LitNet):
+    """Returns None from training_step for the batches ``skip`` (Lightning's documented way to skip a batch)."""
+
+    def __init__(self, skip=(), **kw):
+        super().__init__(**kw)
+        self.skip = set(skip)
+
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx in self.skip else super().training_step(batch, batch_idx)
+
+
+def test_a_training_step_that_returns_none_is_lightnings_own_skip_not_a_bad_step(tmp_path, capfd):
+    """A review: a training_step returning None (no backward) read as a NaN loss, a skip and a 'not reproducible'
+    incident; under on_nonfinite='stop' the fit ended half way. A step whose every micro-batch returned None is
+    Lightning's own skip (not judged nor recorded); one of two (accumulation) is replayed as it ran, without it."""
+    cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=5, on_nonfinite="stop")
+    bad_batch = 18  # optimizer step 10 of Lightning's (accumulating 2); batches 2 and 3 (step 2) and 13 return None
+    module = SkippingNet(skip=(2, 3, 13))
+    trainer = fit(module, cb, 24, bad_index=bad_batch * BATCH + BAD_POSITION, max_steps=12, accumulate_grad_batches=2)
+    run = load_run(tmp_path / "run")
+    assert [e.kind for e in run.counted_events("stop")] == ["stop"] and trainer.global_step == 11  # at its boundary (10)
+    (incident,) = run.counted_events("incident")
+    d = incident.extra["diagnosis"]
+    assert incident.step == 9 and d["reproduces"] is True, d["summary"]  # step 2 was Lightning's skip: not counted
+    assert d["bad_positions"] == [{"micro_batch": 0, "position": BAD_POSITION}], d["bad_positions"]
+    assert sum(r["num_nonfinite"] for r in run.metrics) == 1
+
+
 class SelfCallNet(LitNet):
     """The usual pattern: ``training_step`` calls ``self(x)``, the module's own forward."""
 

@@ -372,3 +372,33 @@ def test_a_loss_the_trainer_takes_as_divided_by_its_items_but_is_a_mean_is_warne
     assert len(said) == (1 if warned else 0), said
     if warned:
         assert "does not divide it by gradient_accumulation_steps=2" in said[0] and "2 micro-batches' means" in said[0]
+
+
+class RaisingRegressor(Regressor):
+    """Raises in its forward at its ``at``-th training call (the user's own bug, mid-run)."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at, self.calls = at, 0
+
+    def forward(self, x, labels=None):
+        self.calls += self.training
+        if self.training and self.calls == self.at:
+            raise ZeroDivisionError("the user's bug")
+        return super().forward(x, labels)
+
+
+def test_an_exception_in_the_trainers_step_is_a_crash_event_and_the_run_is_closed(tmp_path):
+    """A review: the Trainer has no exception hook, and only on_train_end detached: a raising train() left no crash
+    event, the partial interval unlogged, the run's files open and training_step patched on the instance."""
+    n = 12
+    x, y = outlier_pairs(n, 0, (), BATCH)
+    cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=5)
+    trainer = trainer_for(RaisingRegressor(at=8), cb, tmp_path, max_steps=n,
+                          rows=[{"x": a, "labels": b} for a, b in zip(x, y)])
+    with pytest.raises(ZeroDivisionError):
+        trainer.train()
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")[0]
+    assert events[-1]["kind"] == "crash" and events[-1]["error"] == "ZeroDivisionError", events[-1]
+    assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]] == [5, 7]  # the partial interval too
+    assert "training_step" not in vars(trainer) and cb.session.closed

@@ -112,6 +112,31 @@ def test_no_host_sync_between_log_boundaries_and_a_non_fused_optimizer_costs_one
     assert any("cannot skip a step on the device" in str(w.message) for w in caught)
 
 
+@pytest.mark.parametrize("whole", ["mean", "sum"])
+def test_your_own_backward_over_micro_batches_is_replayed_as_you_ran_it(tmp_path, whole):
+    """A review: monitor.step(micro_batches=[b0, b1], loss=total) after your own backward kept [total] as the first
+    micro-batch's backpropagated loss and nothing for the second: the replay scaled micro-batch 0's loss to the whole
+    step's and backpropagated micro-batch 1's undivided, and the bundle's 'state before the bad step' was wrong. Each
+    micro-batch's share is found from the whole (their mean, or their sum): the bundle is the live state, bitwise."""
+    model, opt = make()
+    data = batches(12, bad_step=BAD_STEP)
+    with Monitor(model, opt, run_dir=tmp_path / "run", log_every=10, loss_fn=loss_fn) as monitor:
+        for step, batch in enumerate(data, 1):
+            before = [p.detach().clone() for p in model.parameters()] if step == BAD_STEP else None
+            micro, total = [(batch[0][:4], batch[1][:4]), (batch[0][4:], batch[1][4:])], 0.0
+            for b in micro:
+                loss = loss_fn(model, b) / (2 if whole == "mean" else 1)
+                total = total + loss.detach()
+                loss.backward()
+            monitor.step(micro_batches=micro, loss=total)
+            before_bad = before if before is not None else locals().get("before_bad")
+    incident = load_run(tmp_path / "run").counted_events("incident")[0]
+    assert incident.step == BAD_STEP and incident.extra["replayed_steps"] == BAD_STEP - 1
+    bundle = torch.load(tmp_path / "run" / "incidents" / f"step_{BAD_STEP:06d}" / "bundle.pt", weights_only=True)
+    assert all(torch.equal(bundle["model"][k], v) for k, v in zip(model.state_dict(), before_bad))
+    assert incident.extra["diagnosis"]["bad_positions"] == [{"micro_batch": 0, "position": BAD_POSITION}]
+
+
 def test_planted_nan_is_skipped_captured_and_traced_to_module_and_sample(tmp_path):
     model, opt = make()
     data = batches(12, bad_step=BAD_STEP)

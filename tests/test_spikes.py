@@ -24,6 +24,7 @@ from spike_tasks import (
     flipped_labels_task,
     level_shift_task,
     mislabelled_quadrants_task,
+    mislabelled_token_task,
     offset_inputs_task,
     outlier_samples_task,
     rare_token_task,
@@ -960,6 +961,20 @@ def test_a_spike_after_a_fast_fall_is_caught_named_and_its_aftershocks_linked_to
         later[0]["diagnosis"]["summary"])
     assert "aftershock" not in first["diagnosis"]["summary"]
     assert "the burst of loss spikes captured at step 61 (state) goes on (steps 71-" in capsys.readouterr().out
+
+
+def test_a_bad_sample_standing_apart_in_a_small_window_is_named_alone(tmp_path):
+    """A window of 4 (a new user's trial): sample 559 mislabelled, 94% of the loss; without it the window's mean is x2.47
+    the rule's median (a clean sample of it at x6 the median, the window's own spread; z 0.57): 'samples 557, 559'
+    were named, the clean one because the step without 559 alone was above spike_ratio x the median. Samples above a
+    gap of x10 or more are named alone where the step without them is no spike by the rule."""
+    run_dir = tmp_path / "run"
+    Trainer(cfg("train.batch_size=4", "train.max_steps=140", "optim.lr=0.01", "log.every=10", "data.shuffle=false",
+                "sched.warmup_steps=0", "sched.decay=constant"), task=mislabelled_token_task(), run_dir=run_dir).fit()
+    incident = next(e for e in _events(run_dir) if e["kind"] == "incident")
+    d = incident["diagnosis"]
+    assert incident["step"] == 140 and d["failure_class"] == "data" and d["bad_samples"] == [559], d["summary"]
+    assert "no spike by the rule; the window's other samples lie below a x" in d["summary"]
 
 
 def test_spikes_in_a_drifts_course_are_weighed_under_a_state_from_before_it_not_blamed_on_samples(tmp_path):

@@ -49,7 +49,7 @@ from .policies.precision import PrecisionPolicy
 from .seeding import kept_rng
 from .step import TrainStep
 
-__all__ = ["HostStep", "as_backpropagated", "redo_user_clip", "warn_if_items_ignored"]
+__all__ = ["HostStep", "as_backpropagated", "backpropagated_parts", "clip_as_judged", "redo_user_clip", "warn_if_items_ignored"]
 
 
 class HostStep:
@@ -121,10 +121,11 @@ class HostStep:
         if own_found is None and self.fused and self.scaler is None:
             set_found_inf(self.optimizer, ~ok)  # read by the fused step (inside the host's step, after this)
             ours = True
-        elif own_found is None and not self.fused and self.may_skip:
-            self._skip_on_host(ok)
         self.pending = {**judged, "own_found": own_found, "ours": ours, "scale_before": scale_before,
-                        "measure": measure_update}
+                        "measure": measure_update, "host_skip": own_found is None and not self.fused and self.may_skip}
+        if self.pending["host_skip"] and self.scaler is None:
+            self._skip_on_host(ok)
+            self.pending["host_skip"] = False
         if measure_update:
             self._before = snapshot_params(self.params, self._before)
 
@@ -142,8 +143,13 @@ class HostStep:
                 p.grad = None
 
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        """Under a GradScaler, ``scaler.step`` sets the fused optimizer's found_inf, then steps: ours joins it."""
+        """Under a GradScaler, ``scaler.step`` sets the fused optimizer's found_inf, then steps: ours joins it. A non-fused
+        one whose scaler had not unscaled by the verdict (no inf check to join yet): its grads are dropped here, after
+        ``scaler.step``'s own inf check (dropped before it, that step raised 'No inf checks were recorded')."""
         p = self.pending
+        if p is not None and p["host_skip"]:
+            p["host_skip"] = False
+            self._skip_on_host(p["ok"])
         if p is None or not self.fused or p["ours"] or found_inf_set(optimizer) is None:
             return
         join_found_inf(optimizer, ~p["ok"])
@@ -198,6 +204,36 @@ def as_backpropagated(loss: Tensor, backpropagated: Tensor | None, num_micro: in
     if bool(torch.equal((loss / num_micro).detach().float(), seen)):
         return loss / num_micro
     return loss * (seen / value).to(loss.dtype)
+
+
+def backpropagated_parts(model: nn.Module, losses_of: Any, whole: Tensor) -> list[Tensor]:
+    """Each micro-batch's loss as the user backpropagated it, where they handed the step's whole loss alone (their own
+    backward over ``micro_batches=``): ``losses_of()`` computes the micro-batches' losses (here without gradients; the RNG
+    and the model's buffers put back after, so the replay's own forwards draw the same). Divided by their number where
+    ``whole`` is their mean, as they are where it is their sum, else scaled by ``whole`` / their sum (each a replay of
+    one micro-batch's loss at a time took ``whole`` for the first and nothing for the rest)."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        with torch.no_grad(), kept_rng():
+            values = [loss.detach().float() for loss in losses_of()]
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+    total, k = sum(values), len(values)
+    seen = whole.detach().float().to(total.device)
+    if bool(torch.isclose(total / k, seen, rtol=1e-5, atol=0.0)):
+        return [v / k for v in values]
+    return values if bool(torch.isclose(total, seen, rtol=1e-5, atol=0.0)) else [v * (seen / total) for v in values]
+
+
+def clip_as_judged(params: Sequence[Tensor], max_norm: float, scaled: HostStep | None = None) -> None:
+    """A replay's clip of ``params``' gradients at ``max_norm`` as :meth:`HostStep.before_step` clipped them live
+    (``own_clip``): on their total norm, divided by the host's loss scale where they still hold it (``scaled``: the
+    step's :class:`HostStep`)."""
+    norm = grad_norms(params)[0]
+    norm = scaled.unscale(norm) if scaled is not None else norm
+    GradClipper(max_norm).clip_(list(params), norm, torch.isfinite(norm))
 
 
 def redo_user_clip(params: Sequence[nn.Parameter], clip: tuple[Tensor, Tensor] | None) -> None:

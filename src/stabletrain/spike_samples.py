@@ -106,6 +106,10 @@ def _weigh_samples(bench: ReplayBench, groups: list[tuple[list[int], Any]], rule
     if found is not None:  # with the samples as far out as its own (the fewest may leave some of the outliers in)
         alike = _alike(rows, found["indices"], max_outliers(len(rows)), bound)
         found = (_verified(bench, groups, rule, normal, [alike]) if alike else None) or found
+        apart = _apart(rows, found["indices"], max_outliers(len(rows)), bound)  # a small window's ordinary hard sample
+        relaxed = _verified(bench, groups, rule, lambda x: not rule(x)["spike"], [apart[0]]) if apart else None
+        if relaxed is not None:
+            found = {**relaxed, "without": {**relaxed["without"], "apart": apart[1]}}
         share = sum(r["share"] for r in rows if r["sample"] in found["indices"])
         return rows, {"indices": found["indices"], "share": share, "without": found["without"]}, None
     window_sum, _ = bench.sums(groups)
@@ -140,6 +144,27 @@ def _alike(rows: list[dict[str, Any]], found: list[int], limit: int, bound: floa
         return None
     group = sorted(r["sample"] for r in top[:at + 1])
     return group if gap >= bound and set(found) < set(group) else None
+
+
+#: Samples above a gap of this many times the next loss are the outliers alone: the step without them need only be no
+#: spike by the guard's rule (a window of 4 kept a clean sample at x6 the median, its mean without the bad one x2.5).
+APART_GAP = 10.0
+
+
+def _apart(rows: list[dict[str, Any]], found: list[int], limit: int, bound: float) -> tuple[list[int], float] | None:
+    """(the samples above the widest gap between the window's largest losses, that gap) where it is :data:`APART_GAP` or
+    more and ``found`` (the fewest whose removal leaves a step within ``bound`` x the median) holds them and more: the
+    more are the window's own spread, below the gap, not outliers. None otherwise."""
+    finite = [r["loss"] for r in rows if math.isfinite(r["loss"])]
+    top = sorted((r for r in rows if math.isfinite(r["loss"]) and r["loss"] > 0), key=lambda r: -r["loss"])[:limit + 1]
+    gaps = [(a["loss"] / b["loss"], i) for i, (a, b) in enumerate(zip(top, top[1:]))]
+    if not gaps or not finite:
+        return None
+    gap, at = max(gaps)
+    group = sorted(r["sample"] for r in top[:at + 1])
+    if gap < APART_GAP or top[at]["loss"] < bound * statistics.median(finite) or not set(group) < set(found):
+        return None
+    return group, gap
 
 
 def _verified(bench: ReplayBench, groups: list[tuple[list[int], Any]], rule: Any, normal: Any, sets: Any

@@ -19,7 +19,7 @@ from .mlflow_tracker import MLflowTracker
 from .tracker_sink import TrackerSink, failure_text, read_trackers_file
 from .wandb_tracker import WandbTracker
 
-__all__ = ["build_trackers", "attach_report"]
+__all__ = ["build_trackers", "attach_report", "logger_runs"]
 
 
 def build_trackers(specs: Sequence[Any], *, log: Any = None, hosts: dict[str, tuple[Callable[[], Any], Any]] | None = None
@@ -84,3 +84,16 @@ def attach_report(run_dir: str | Path, report: str | Path) -> list[str]:
             continue
         done.append(f"{_TITLES[name]} run {entry['run_id']}")
     return done
+
+
+def logger_runs(loggers: Sequence[Any]) -> dict[str, tuple[Callable[[], Any], Any]]:
+    """The runs of a host's own MLflow and W&B loggers (Lightning's ``trainer.loggers``: by class name, no import), for
+    ``trackers=`` to write into (read on rank 0 only): tracker name -> (a callable returning the run, the logger)."""
+    hosts: dict[str, tuple[Callable[[], Any], Any]] = {}
+    for logger in loggers:
+        kind = type(logger).__name__
+        if kind == "MLFlowLogger" and "mlflow" not in hosts:
+            hosts["mlflow"] = ((lambda lg=logger: (lg.experiment, lg.run_id)), logger)
+        elif kind == "WandbLogger" and "wandb" not in hosts:
+            hosts["wandb"] = ((lambda lg=logger: lg.experiment), logger)
+    return hosts

@@ -134,8 +134,13 @@ class AdapterOptions:
             named = next((n for n, k in CONFIG_KEYS.items() if f"'{k}'" in str(err)), None)
             raise ValueError(f"{named}: {err}" if named else str(err)) from None
 
-    def project(self, cfg: Config) -> Config:
-        """``cfg`` (the session's) with these options' config keys (the log and guard sections) set and validated."""
+    def project(self, cfg: Config, world: int = 1) -> Config:
+        """``cfg`` (the session's) with these options' config keys (the log and guard sections) set and validated; ``world``:
+        the processes the host runs (on_spike='skip' is one process's: the rule judges each rank's own loss)."""
+        if world > 1 and self.on_spike == "skip":
+            raise ValueError(f"on_spike='skip' under torch.distributed (world size {world}): the spike rule runs on each "
+                             "rank's own loss before the step, and the ranks would disagree on skipping it; use "
+                             "on_spike='warn' (the rule runs at the log boundary on the losses every rank shares)")
         return self.apply(cfg, {n: _get(self._cfg, k) for n, k in CONFIG_KEYS.items()})
 
     def sections(self, cfg: Config) -> dict[str, Any]:

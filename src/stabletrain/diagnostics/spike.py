@@ -50,6 +50,9 @@ CLIMB_STEPS, CLIMB_RATIO, CLIMB_LAST = 3, 1.25, 1.5
 #: A state spike's evidence names the LR's rise since the older state from LR_RISE on, and the growth of the whole
 #: model's update/weight ratio against the run's intervals before from STEP_GROWTH on.
 LR_RISE, STEP_GROWTH = 2.0, 4.0
+#: A window high under the older state too, whose loss the surging update before the spike raised less than this many
+#: times, is the batch's: the surge is not named (a never-seen token's window x11,000 ordinary ones there, x1.13 after).
+SURGE_LIFT = 1.5
 
 
 def _against(older: dict[str, Any], named: bool = True) -> str:
@@ -87,6 +90,12 @@ def ordinary_stand_in(step: int, since: int, kept: list[float], after: dict[str,
     if since <= after.get("step", 0) and after.get("class") == "data" and not after.get("samples") and as_high:
         return "capture", None
     return None, None
+
+
+def _apart_note(without: dict[str, Any]) -> str:
+    """What a step without samples standing apart (``apart``: the gap below them) is, where it is above the median's bar."""
+    return (f", z {without['zscore']:.3g}: no spike by the rule; the window's other samples lie below a x{without['apart']:.3g} "
+            "gap, its own spread" if without.get("apart") else "")
 
 
 def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
@@ -165,8 +174,9 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
                              f"the step is normal (verified{' with dropout off' if m.get('dropout') is not None else ''}: "
                              f"loss {samples['without']['loss']:.4g}, "
                              f"x{samples['without']['ratio']:.3g} "
-                             "the median)" + (f"; the window is high under the state of step {older['step']} too "
-                                              f"({_against(older, False)})" if older else ""))}
+                             "the median" + _apart_note(samples["without"]) + ")"
+                             + (f"; the window is high under the state of step {older['step']} too "
+                                f"({_against(older, False)})" if older else ""))}
     # Only an update before the spike's loss can have caused it: the step before's (the spike's own comes after it).
     blamed = _surging_layer([r for r in m.get("surges") or [] if r.get("step", -1) < m.get("step", 0)])
     rise = lr["now"] / lr["then"] if lr else 1.0
@@ -176,9 +186,10 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
         acquit = (f"; a few of {blamed['name']}'s coordinates surged in the update of step {blamed['step']} (x"
                   f"{blamed['coord_factor']:.3g} as far as its others), less than every coordinate's steps grew")
     elif (blamed is not None and older is not None and older["window_high"] and math.isfinite(older["window"])
-          and older["window"] >= m["loss"]):  # (high against ordinary windows there too: the batch's, not the update's)
-        acquit = (f"; {blamed['name']}'s surging update of step {blamed['step']} is not its cause: the window was as high "
-                  f"under the state of step {older['step']} ({older['window']:.4g}; {m['loss']:.4g} now)")
+          and older["window"] * SURGE_LIFT >= m["loss"]):  # (high against ordinary windows there too: the batch's)
+        acquit = (f"; {blamed['name']}'s surging update of step {blamed['step']} is not its cause: the window was "
+                  f"{'as' if older['window'] >= m['loss'] else 'nearly as'} high under the state of step {older['step']} "
+                  f"({older['window']:.4g}; {m['loss']:.4g} now)")
     acquit = acquit or (_whole_model_rise(m, blamed, older) if blamed is not None else "")
     if acquit:
         blamed = None

@@ -91,10 +91,6 @@ class RunSession:
                  tracker_hosts: dict[str, tuple[Callable[[], Any], Any]] | None = None, compiled: bool = False) -> None:
         self.options = options
         self.dist = DistContext.current()
-        if self.dist.world > 1 and options.on_spike == "skip":  # the rule would judge each rank's own loss
-            raise ValueError(f"on_spike='skip' under torch.distributed (world size {self.dist.world}): the spike rule runs "
-                             "on each rank's own loss before the step, and the ranks would disagree on skipping it; use "
-                             "on_spike='warn' (the rule runs at the log boundary on the losses every rank shares)")
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.model = unwrap(model)
         self.host, self.precision, self.optimizer, self.scaler = host, precision, optimizer, scaler
@@ -112,7 +108,7 @@ class RunSession:
                      train=TrainConfig(compile=compiled or is_compiled(model)))
         cfg.log.progress = False  # the host shows its own progress
         cfg.guard.on_nonfinite = "skip" if options.on_nonfinite == "warn" else options.on_nonfinite
-        self.cfg = options.project(cfg)  # the options as the built-in run's keys, validated as they are there
+        self.cfg = options.project(cfg, self.dist.world)  # the options as the built-in run's keys, validated as there
         self.guard = Guard(self.cfg.guard, self.device, enforce=options.on_nonfinite != "warn", scaled=scaler is not None)
         self.metrics = StepMetrics(options.log_every, len(self.params), self.device, self.dist, local=("loss", "count"))
         if fingerprint == "take":
@@ -248,12 +244,6 @@ class RunSession:
             return True
         return False
 
-    @staticmethod
-    def figures(record: dict[str, Any]) -> dict[str, Any]:
-        """An interval record's numbers for the host's own logger, as ``stabletrain/<key>``."""
-        return {f"stabletrain/{k}": v for k, v in record.items()
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
-
     # -- at a log boundary (one host sync) ---------------------------------------------------------
 
     def log(self) -> dict[str, Any]:
@@ -263,16 +253,13 @@ class RunSession:
         record, decision, rows, _ = self.boundary.log()
         self.boundary.incident(decision, rows)
         self.capture.mark_interval_start(self.step, self.capturing)
-        if decision.action == "stop":
-            if self.options.on_nonfinite == "warn":
-                warnings.warn(f"{decision.reason} (on_nonfinite='warn': training goes on)", console.StableTrainWarning,
-                              stacklevel=console.user_stacklevel())
-            else:
-                self.state.stop(decision.reason)
-        elif decision.bad_steps and self.options.on_nonfinite == "warn":
-            warnings.warn(f"non-finite loss or grad norm at step(s) {decision.bad_steps} "
-                          "(on_nonfinite='warn': not skipped by stabletrain)", console.StableTrainWarning,
-                          stacklevel=console.user_stacklevel())
+        warn = self.options.on_nonfinite == "warn"
+        if decision.action == "stop" and not warn:
+            self.state.stop(decision.reason)
+        elif warn and (decision.action == "stop" or decision.bad_steps):
+            warnings.warn(f"{decision.reason} (on_nonfinite='warn': training goes on)" if decision.action == "stop" else
+                          f"non-finite loss or grad norm at step(s) {decision.bad_steps} (on_nonfinite='warn': not "
+                          "skipped by stabletrain)", console.StableTrainWarning, stacklevel=console.user_stacklevel())
         return record
 
     # -- end and state -----------------------------------------------------------------------------
@@ -292,7 +279,7 @@ class RunSession:
             self.host_step.close()
         record: dict[str, Any] = {}
         try:
-            if len(self.metrics):
+            if len(self.metrics) and (err is None or self.dist.world == 1):  # (a crash on one rank: no collective)
                 record = self.log()
         finally:
             if self.loss_watch is not None:

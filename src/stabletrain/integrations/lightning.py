@@ -11,10 +11,12 @@ Where each hook does its part of the step (automatic optimization, one optimizer
     on_fit_start                run dir opened on rank 0 (or reopened when resuming from ckpt_path); our state restored
     on_train_start              on_fit_start of stabletrain's callbacks (an init overwritten since setup is an
                                 event); the interval snapshot
+    on_train_epoch_start        a step left pending (its module's on_train_batch_start returned -1) dropped
     on_train_batch_start        the micro-batch, its batch_idx and the RNG state kept; first batch: signal report
     on_before_backward          the loss (unscaled when a GradScaler scaled it) summed over the micro-batches
     on_before_optimizer_step    the step's pre-clip norms and sentinel (HostStep.before_step): the skip decided
-                                on the device; stabletrain's own clipping when asked (clip_max_norm)
+                                on the device; stabletrain's own clipping when asked (clip_max_norm); none, not
+                                recorded, where every training_step returned None (Lightning's own skip)
     [Lightning clips, then steps]
     on_train_batch_end          applied, params check, StepMetrics.update; every log_every steps the interval's
                                 one sync: metrics.jsonl, events, TensorBoard, the ``log_dict`` mirror (when the
@@ -34,18 +36,20 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from torch import Tensor
 
 from ..callbacks import Callback as StableCallback
+from ..callbacks.trackers import logger_runs
 from ..config import AdapterOptions
 from ..data import move_to
 from ..diagnostics.initialization import InitFingerprint
+from ..host_step import clip_as_judged
 from ..internals import skips_on_device
 from ..numerics import grad_norms
+from ..policies.metrics import host_figures
 from ..records.batches import batch_size
 from ..records.captured import lightning_loss, loss_recipe, model_recipe
-from ..services.kept_steps import HostReplay, KeptStep, current_lrs
+from ..services.kept_steps import HostReplay, KeptStep, PendingStep, current_lrs
 from .core import RunSession
 
 __all__ = ["StableTrainCallback"]
@@ -81,6 +85,7 @@ class StableTrainCallback(pl.Callback):
         self.session: RunSession | None = None
         self._fingerprint: InitFingerprint | None = None
         self._loaded: dict[str, Any] | None = None
+        self._host_skip = False  # this step's training_steps all returned None
 
     @property
     def state_key(self) -> str:
@@ -136,7 +141,7 @@ class StableTrainCallback(pl.Callback):
             clip_max_norm=self.clip_max_norm if self.clip_max_norm is not None else host_clip,
             optimizer=optimizer, scaler=scaler, replay=_LightningReplay(self), overwrite=self.overwrite,
             recipes={"model": model_recipe(pl_module, "lightning"), "loss": loss_recipe(self.loss_fn, {"kind": "lightning"})},
-            host_config=host, callbacks=self.stable_callbacks, tracker_hosts=_tracker_hosts(trainer))
+            host_config=host, callbacks=self.stable_callbacks, tracker_hosts=logger_runs(trainer.loggers))
         self.session.judge_host_steps(optimizer, scaler, host_clip=host_clip, own_clip=self.clip_max_norm,
                                       skip_hint="use fused=True, e.g. torch.optim.AdamW(..., fused=True)")
         self.session.open(resume=trainer.ckpt_path is not None)
@@ -148,6 +153,10 @@ class StableTrainCallback(pl.Callback):
         self.session.begin()
 
     # -- the step ----------------------------------------------------------------------------------
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.session is not None:  # (an epoch's last step always runs: what is pending is a batch never trained)
+            self.session.pending, self._host_skip = PendingStep(), False
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -166,7 +175,9 @@ class StableTrainCallback(pl.Callback):
         self.session.pending.add_loss(loss)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if self.session.capture.replaying:
+        replaying = self.session.capture.replaying
+        self._host_skip = not replaying and self.session.pending.loss is None  # every training_step returned None
+        if replaying or self._host_skip:
             return
         norm, per = grad_norms(self.session.params)
         self._lr = current_lrs(self.session.host_step.optimizer)[0]  # the step's: Lightning's scheduler steps before batch end
@@ -177,12 +188,14 @@ class StableTrainCallback(pl.Callback):
                            batch_idx: int) -> None:
         session = self.session
         out = session.host_step.after_step(session.pending.count, value_clipped=self.value_clip)
+        if self._host_skip:  # Lightning skipped the step itself: not one of ours
+            session.pending, self._host_skip = PendingStep(), False
         if out is None:  # an accumulation micro-batch: the optimizer has not stepped yet
             return
         record = session.record_host_step(out, epoch=trainer.current_epoch, lr=self._lr)
         if record is not None:
             if self.options.mirror and trainer.loggers:  # no logger: Lightning would warn at every call
-                figures = {k: float(v) for k, v in session.figures(record).items()}
+                figures = {k: float(v) for k, v in host_figures(record).items()}
                 # In callback_metrics (a checkpoint or early stop may monitor them), and in the loggers at this step only
                 # (log_dict(logger=True) from a batch-end hook: Lightning wrote it again at every step until the next).
                 pl_module.log_dict(figures, on_step=True, on_epoch=False, logger=False, sync_dist=False,
@@ -206,18 +219,6 @@ class StableTrainCallback(pl.Callback):
             self.session.close(exception)
 
 
-def _tracker_hosts(trainer: pl.Trainer) -> dict[str, tuple[Callable[[], Any], Any]]:
-    """The runs of the trainer's own MLflow and W&B loggers, for ``trackers=`` to write into (read on rank 0 only)."""
-    hosts: dict[str, tuple[Callable[[], Any], Any]] = {}
-    for logger in trainer.loggers:
-        kind = type(logger).__name__
-        if kind == "MLFlowLogger" and "mlflow" not in hosts:
-            hosts["mlflow"] = ((lambda lg=logger: (lg.experiment, lg.run_id)), logger)
-        elif kind == "WandbLogger" and "wandb" not in hosts:
-            hosts["wandb"] = ((lambda lg=logger: lg.experiment), logger)
-    return hosts
-
-
 class _LightningReplay(HostReplay):
     """Replays a kept step as Lightning's automatic optimization ran it (``trainer.strategy.training_step``, the loss
     divided by ``accumulate_grad_batches``, the module's ``backward``, the GradScaler, ``configure_gradient_clipping``,
@@ -239,12 +240,15 @@ class _LightningReplay(HostReplay):
             with block() if block is not None and not last else contextlib.nullcontext():
                 out = strategy.training_step(batch, batch_idx)
                 loss = out["loss"] if isinstance(out, Mapping) else out
+                if loss is None:  # (this micro-batch's training_step skipped it: no backward, as live)
+                    continue
                 loss = loss / trainer.accumulate_grad_batches
                 module.backward(scaler.scale(loss) if scaler is not None else loss)
         if scaler is not None and not skips_on_device(optimizer):
             scaler.unscale_(optimizer)
-        if cb.clip_max_norm is not None:
-            torch.nn.utils.clip_grad_norm_(cb.session.params, cb.clip_max_norm)
+        if cb.clip_max_norm is not None:  # as the live step clipped: a fused step's grads still hold the loss scale
+            clip_as_judged(cb.session.params, cb.clip_max_norm,
+                           cb.session.host_step if scaler is not None and skips_on_device(optimizer) else None)
         module.configure_gradient_clipping(optimizer, gradient_clip_val=trainer.gradient_clip_val,
                                            gradient_clip_algorithm=trainer.gradient_clip_algorithm)
         if scaler is not None:

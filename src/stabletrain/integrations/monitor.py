@@ -45,7 +45,7 @@ from ..callbacks import Callback
 from ..config import AdapterOptions
 from ..data import move_to
 from ..errors import StopTraining
-from ..host_step import as_backpropagated, redo_user_clip
+from ..host_step import as_backpropagated, backpropagated_parts, redo_user_clip
 from ..internals import unwrap
 from ..policies.precision import PrecisionPolicy
 from ..records.batches import batch_size
@@ -184,7 +184,8 @@ class Monitor:
         count = num_tokens if num_tokens is not None else n
         count = (count.detach().float().reshape(()) if isinstance(count, Tensor)
                  else torch.full((), float(count), device=loss.device))
-        host = {"backward": self._backward if not given else [loss], "autocast": self._autocast, "loss": loss, "count": count}
+        host = {"backward": self._backward if not given else [loss], "autocast": self._autocast, "loss": loss, "count": count,
+                "whole": given and len(micro) > 1}
         session.keep(micro, self._rng, host)
         last_of_interval = (session.step + 1) % session.options.log_every == 0
         norm = torch.as_tensor(grad_norm).detach().float().reshape(()) if grad_norm is not None else None
@@ -249,12 +250,15 @@ class _MonitorReplay(HostReplay):
         step = TrainStep(m.model, m.optimizer, m.precision, clipper=m.clipper, params=m.session.params,
                          check_params=False)
         m.optimizer.zero_grad(set_to_none=True)
-        backward = kept.host["backward"]
-        for i, batch in enumerate(kept.micro):
-            batch = move_to(batch, m.precision.device)
+        def forward(batch: Any) -> Tensor:
             with m.precision.autocast() if kept.host["autocast"] else contextlib.nullcontext():
-                loss = m.loss_fn(m.model, batch)
-            m.precision.backward(as_backpropagated(loss, backward[i] if i < len(backward) else None, len(kept.micro)))
+                return m.loss_fn(m.model, move_to(batch, m.precision.device))
+
+        backward = kept.host["backward"]
+        if kept.host.get("whole"):  # your own backward over micro_batches=: the step's loss alone was handed
+            backward = backpropagated_parts(m.model, lambda: [forward(b) for b in kept.micro], backward[0])
+        for i, batch in enumerate(kept.micro):
+            m.precision.backward(as_backpropagated(forward(batch), backward[i] if i < len(backward) else None, len(kept.micro)))
         clip = kept.host.get("user_clip")
         redo_user_clip(m.session.params, clip)  # your own clip, as it scaled the grads
         step.update(loss=kept.host["loss"], count=kept.host["count"], grad_norm=None if clip is None else clip[0])

@@ -57,6 +57,7 @@ from ..diagnostics.initialization import InitFingerprint
 from ..host_step import warn_if_items_ignored
 from ..internals import find_caller, is_compiled
 from ..numerics import grad_norms
+from ..policies.metrics import host_figures
 from ..records.batches import count_tokens, items_normalized, window_items
 from ..records.captured import divides_by_items, host_loss_factor, loss_recipe, model_recipe
 from ..services.kept_steps import HostReplay, KeptStep, current_lrs
@@ -198,7 +199,11 @@ class StableTrainCallback(TrainerCallback):
                 session.signal_check(dict(inputs), self.diagnosis_loss(num_items_in_batch))
                 warn_if_items_ignored(pending.host, model, dict(inputs), self.diagnosis_loss)
         pending.add(dict(inputs), count_tokens(inputs), rng=session.capturing)
-        loss = self._call_training_step(model, inputs, num_items_in_batch)
+        try:
+            loss = self._call_training_step(model, inputs, num_items_in_batch)
+        except BaseException as err:  # (the Trainer has no hook for it): the crash recorded, the run closed, unwrapped
+            self._detach(err)
+            raise
         pending.add_loss(loss.detach().float().reshape(()))
         if self.trainer.accelerator.sync_gradients:  # the window's last backward: its pre-clip gradients
             self._norms = grad_norms(session.params)
@@ -259,7 +264,7 @@ class StableTrainCallback(TrainerCallback):
         """At the Trainer's own logging steps (its cadence and loss left as they are): the latest interval's figures."""
         if self._record is None or logs is None or "loss" not in logs or not self.options.mirror:
             return  # (an evaluation's metrics, the run's summary: not ours)
-        ours, self._record = self.session.figures(self._record), None
+        ours, self._record = host_figures(self._record), None
         logs.update(ours)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(ours)
@@ -273,12 +278,12 @@ class StableTrainCallback(TrainerCallback):
         if os.path.isdir(folder) and self.session.dist.rank == 0:
             torch.save(self.session.state_dict(), os.path.join(folder, STATE_FILE))
 
-    def _detach(self) -> None:
+    def _detach(self, err: BaseException | None = None) -> None:
         self._unwrap()
         if self._bar:
             self._bar = show_bar(None)
         if self.session is not None:
-            self.session.close()
+            self.session.close(err)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._detach()

@@ -62,7 +62,7 @@ from torch import Tensor
 
 from ..numerics import applied_only, is_constant
 
-__all__ = ["StepMetrics", "peak_memory_mib", "interval_record", "update_ratios", "COLUMNS"]
+__all__ = ["StepMetrics", "peak_memory_mib", "interval_record", "update_ratios", "host_figures", "COLUMNS"]
 
 # Per-step buffer columns, in order.
 COLUMNS = ("loss", "grad_norm", "post_clip_norm", "clipped", "applied", "finite", "spike", "params_finite", "lr",
@@ -394,3 +394,9 @@ def update_ratios(summary: dict[str, Any]) -> list[float]:
     summary (host values); an empty list when the interval measured no update. A zero weight gives inf (or NaN)."""
     return [u / w if w > 0 else (math.inf if u > 0 else math.nan)
             for u, w in zip(summary.get("interval_param_update_norms", []), summary.get("interval_param_norms", []))]
+
+
+def host_figures(record: dict[str, Any]) -> dict[str, Any]:
+    """An interval record's numbers for a host trainer's own logger, as ``stabletrain/<key>``."""
+    return {f"stabletrain/{k}": v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+            and k != "step"}
