@@ -415,18 +415,6 @@ def test_a_spike_remedy_with_no_spike_capture_allowed_is_refused_too():
     load_config(None, ["guard.on_nonfinite=remedy", "capture.max_spikes=0"])  # a NaN's capture is not a spike's
 
 
-def test_resume_auto_with_overwrite_is_refused(tmp_path):
-    """run.resume=auto continues run.dir's run, run.overwrite=true starts it anew: a finished run with both said
-    'nothing to train' and dropped the overwrite without a word. Each alone is accepted."""
-    with pytest.raises(ConfigError) as err:
-        load_config(None, [f"run.dir={tmp_path}", "run.resume=auto", "run.overwrite=true"])
-    assert str(err.value) == ("config key 'run.overwrite': true starts run.dir anew, but run.resume=auto continues the run "
-                              "it holds (pass one: run.resume=never to start over, or drop run.overwrite)")
-    load_config(None, [f"run.dir={tmp_path}", "run.resume=auto"])
-    load_config(None, [f"run.dir={tmp_path}", "run.overwrite=true"])
-    config_from_dict({"run": {"dir": str(tmp_path), "resume": "auto", "overwrite": True}})  # a saved run's, read back
-
-
 def test_inf_for_a_number_key_says_how_yaml_writes_infinity():
     with pytest.raises(ConfigError) as err:
         load_config(None, ["guard.spike_ratio=inf"])

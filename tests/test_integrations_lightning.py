@@ -172,6 +172,18 @@ def test_a_training_step_that_returns_none_is_lightnings_own_skip_not_a_bad_step
     assert sum(r["num_nonfinite"] for r in run.metrics) == 1
 
 
+def test_the_step_0_signal_report_runs_once_while_the_first_steps_are_lightnings_own_skips(tmp_path, monkeypatch):
+    """A review: the report's 'once' was 'step 0 and no micro-batch pending'; a host skip keeps step 0 and clears what is
+    pending, so a run whose first batches return None ran it (a model copy, a forward and backward, syncs) on each."""
+    import stabletrain.integrations.core as core
+
+    calls = []
+    real = core.host_signal
+    monkeypatch.setattr(core, "host_signal", lambda *a, **k: calls.append(1) or real(*a, **k))
+    fit(SkippingNet(skip=(0, 1, 2)), StableTrainCallback(run_dir=tmp_path / "run", log_every=5), 8)
+    assert len(calls) == 1
+
+
 class SelfCallNet(LitNet):
     """The usual pattern: ``training_step`` calls ``self(x)``, the module's own forward."""
 

@@ -370,6 +370,11 @@ def test_run_resume_auto_starts_the_run_then_continues_it(tmp_path, capsys):
     assert f"run.resume=auto: {run_dir} has finished (LAST_GOOD step_000008, train.max_steps=8): nothing to train" in (
         capsys.readouterr().out)
     assert [(run_dir / f).read_text() for f in ("events.jsonl", "goodput.jsonl", "metrics.jsonl")] == before
+    # run.overwrite=true beside it (a new user's trial: dropped without a word): said, the run left as it is
+    assert main([*args, "train.max_steps=8", "run.overwrite=true"]) == 0
+    assert ("nothing to train (raise train.max_steps to train on); run.overwrite=true starts over only a run with no "
+            "checkpoint (run.resume=never to)") in capsys.readouterr().out
+    assert [(run_dir / f).read_text() for f in ("events.jsonl", "goodput.jsonl", "metrics.jsonl")] == before
     assert main([*args, "train.max_steps=8", "optim.lr=0.5"]) == 2  # a changed config is refused as --resume does
     out, err = capsys.readouterr()
     assert "optim.lr: checkpoint 0.001, now 0.5" in err and "continuing it" not in out  # (it said so, then refused)

@@ -198,6 +198,8 @@ def as_backpropagated(loss: Tensor, backpropagated: Tensor | None, num_micro: in
     """
     if backpropagated is None:
         return loss
+    if callable(backpropagated):  # (:func:`backpropagated_parts`: how the user's whole loss split)
+        return backpropagated(loss)
     value, seen = loss.detach().float(), backpropagated.to(loss.device)
     if bool(torch.equal(value, seen)):
         return loss
@@ -206,12 +208,12 @@ def as_backpropagated(loss: Tensor, backpropagated: Tensor | None, num_micro: in
     return loss * (seen / value).to(loss.dtype)
 
 
-def backpropagated_parts(model: nn.Module, losses_of: Any, whole: Tensor) -> list[Tensor]:
+def backpropagated_parts(model: nn.Module, losses_of: Any, whole: Tensor) -> list[Any]:
     """Each micro-batch's loss as the user backpropagated it, where they handed the step's whole loss alone (their own
     backward over ``micro_batches=``): ``losses_of()`` computes the micro-batches' losses (here without gradients; the RNG
-    and the model's buffers put back after, so the replay's own forwards draw the same). Divided by their number where
-    ``whole`` is their mean, as they are where it is their sum, else scaled by ``whole`` / their sum (each a replay of
-    one micro-batch's loss at a time took ``whole`` for the first and nothing for the rest)."""
+    and the model's buffers put back after, so the replay's own forwards draw the same). Per micro-batch, how its
+    grad-mode loss is shaped for :func:`as_backpropagated`: divided by their number where ``whole`` is their mean, as it is
+    where their sum, else scaled by ``whole`` / their sum."""
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     try:
         with torch.no_grad(), kept_rng():
@@ -223,8 +225,12 @@ def backpropagated_parts(model: nn.Module, losses_of: Any, whole: Tensor) -> lis
     total, k = sum(values), len(values)
     seen = whole.detach().float().to(total.device)
     if bool(torch.isclose(total / k, seen, rtol=1e-5, atol=0.0)):
-        return [v / k for v in values]
-    return values if bool(torch.isclose(total, seen, rtol=1e-5, atol=0.0)) else [v * (seen / total) for v in values]
+        shape = lambda loss: loss / k  # noqa: E731  (the grad-mode loss itself, as the user divided it: bitwise)
+    elif bool(torch.isclose(total, seen, rtol=1e-5, atol=0.0)):
+        shape = lambda loss: loss  # noqa: E731
+    else:
+        shape = lambda loss: loss * (seen / total).to(loss.dtype)  # noqa: E731
+    return [shape] * k
 
 
 def clip_as_judged(params: Sequence[Tensor], max_norm: float, scaled: HostStep | None = None) -> None:

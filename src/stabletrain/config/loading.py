@@ -23,7 +23,7 @@ from ..console import StableTrainWarning
 from ..errors import brief
 from ..tasks.arguments import TaskError, check_builtin_task_args
 from .moved import move_old_keys
-from .schema import Config, check_remedy_capture, check_run_keys
+from .schema import Config, check_remedy_capture
 from .values import ConfigError, coerce, section_at, type_hints
 
 __all__ = ["load_config", "load_yaml", "apply_override", "config_from_dict", "config_to_dict", "config_hash"]
@@ -201,7 +201,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     try:
         cfg = _build(Config, data).validate()
         check_remedy_capture(cfg)
-        check_run_keys(cfg)
         try:
             check_builtin_task_args(cfg.task, cfg.task_args)
         except TaskError as err:  # (its key, for the file's line below: 'task_args.NAME')

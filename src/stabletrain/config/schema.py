@@ -21,8 +21,7 @@ from .values import ConfigError, check_types, type_hints
 
 __all__ = ["Config", "TrainConfig", "AccumConfig", "ClipConfig", "OptimConfig", "SchedConfig", "DataConfig", "MlflowConfig",
            "WandbConfig", "LogConfig", "EvalConfig", "CkptConfig", "GuardConfig", "CaptureConfig", "RemedyConfig",
-           "DistConfig", "RunConfig", "TRACKERS", "RANGES", "check_range", "describe_keys", "check_remedy_capture",
-           "check_run_keys"]
+           "DistConfig", "RunConfig", "TRACKERS", "RANGES", "check_range", "describe_keys", "check_remedy_capture"]
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -266,15 +265,6 @@ def check_remedy_capture(cfg: Config) -> None:
             (what, seen, fix), *_ = needs
             raise ConfigError(f"config key '{key}': remedy is searched from the incident's capture, but {what}={seen} "
                               f"(set {what}={fix}, or {key}=skip)", key=key)
-
-
-def check_run_keys(cfg: Config) -> None:
-    """``run.resume=auto`` continues the run in run.dir, ``run.overwrite=true`` starts it anew: together, a ConfigError
-    (the one would be dropped without a word). For the configs a run is started or resumed with, as
-    :func:`check_remedy_capture`."""
-    if cfg.run.resume == "auto" and cfg.run.overwrite:
-        raise ConfigError("config key 'run.overwrite': true starts run.dir anew, but run.resume=auto continues the run it "
-                          "holds (pass one: run.resume=never to start over, or drop run.overwrite)", key="run.overwrite")
 
 
 _CALLBACK_ENTRY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")

@@ -116,7 +116,7 @@ class RunSession:
         self.fingerprint = fingerprint if options.init_check else None
         self.replay = replay
         self.epoch = 0
-        self.started = self.closed = False
+        self.started = self.closed = self.signal_checked = False
         self.trackers = build_trackers(options.trackers, hosts=tracker_hosts)
         self.callbacks = CallbackList([InitWatch(self.fingerprint), EventLog(), MetricsFile(), TensorBoardLog(),
                                        *self.trackers, *callbacks])
@@ -183,8 +183,9 @@ class RunSession:
     def signal_check(self, batch: Any, loss_fn: Callable[[nn.Module, Any], Any]) -> dict[str, Any] | None:
         """The signal-propagation report on ``batch`` (:mod:`~stabletrain.services.init_signal`), once: the RNG kept,
         ``RUN_DIR/init_signal.json`` and a line in the snapshot written. Forces a few host syncs."""
-        if not self.options.init_check or self.step > 0:
+        if not self.options.init_check or self.step > 0 or self.signal_checked:  # (once: a host's own skips keep step 0)
             return None
+        self.signal_checked = True
         found = host_signal(self.model, batch, loss_fn, label=f"{type(self.model).__name__} at step 0", replay=self.replay)
         if found is not None and self.run is not None:
             record_signal(self.run, *found)

@@ -155,8 +155,7 @@ class StableTrainCallback(pl.Callback):
     # -- the step ----------------------------------------------------------------------------------
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.session is not None:  # (an epoch's last step always runs: what is pending is a batch never trained)
-            self.session.pending, self._host_skip = PendingStep(), False
+        self.session.pending, self._host_skip = PendingStep(), False  # (an epoch's last step runs: a batch never trained)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -173,10 +172,12 @@ class StableTrainCallback(pl.Callback):
         loss = self.session.host_step.unscale(loss.detach().float())  # Lightning hands the scaled loss under a GradScaler
         self.session.watch_loss(loss)
         self.session.pending.add_loss(loss)
+        self.session.pending.host["backward_at"] = len(self.session.pending.micro)  # (the micro-batches backpropagated)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        replaying = self.session.capture.replaying
-        self._host_skip = not replaying and self.session.pending.loss is None  # every training_step returned None
+        replaying, p = self.session.capture.replaying, self.session.pending  # Lightning's own skip: every training_step
+        self._host_skip = not replaying and (p.loss is None or self.scaler is not None  # None; under a GradScaler, the last
+                                             and p.host.get("backward_at") != len(p.micro))
         if replaying or self._host_skip:
             return
         norm, per = grad_norms(self.session.params)

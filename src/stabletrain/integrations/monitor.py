@@ -15,20 +15,19 @@
 ``monitor.step`` is :meth:`stabletrain.step.TrainStep.update` (:mod:`stabletrain.step`) on the gradients your backward
 left; a bad step is skipped (on the device with a fused optimizer or a GradScaler, else by one host read per step,
 warned once). Every ``log_every`` steps one host sync writes the run directory, and a bad step is captured and
-diagnosed by replaying ``loss_fn`` on the step's batches (your own backward with accumulation: ``micro_batches=``).
+diagnosed by replaying ``loss_fn`` on the step's batches (your own backward with accumulation: ``micro_batches=``, and
+``loss=`` the sum of what you backpropagated, e.g. of each micro-batch's loss / k).
 
 Your own clipping (e.g. ``accelerator.clip_grad_norm_``) may stay: pass the pre-clip norm it returned,
 ``monitor.step(batch, loss=loss, grad_norm=norm)``; stabletrain then records it and does not clip again.
 A model wrapped in ``DistributedDataParallel`` (under ``torchrun``) works as it is: every rank builds its
 Monitor, rank 0 writes the run directory.
 
-Your LR scheduler is yours: call it after ``monitor.step`` as before (a skipped step still advances it,
-as under a GradScaler; ``monitor.last_applied`` is the step's device flag if you want to hold it).
-Resume: save ``monitor.state_dict()`` in your checkpoint, and after restoring your model and optimizer
-build ``Monitor(..., resume=True)`` and call ``load_state_dict``.
-
-Metric keys: those of :data:`stabletrain.records.events.METRIC_KEYS` (``tokens_per_s`` counts ``num_tokens`` when
-you pass it to :meth:`Monitor.step`, else samples).
+Your LR scheduler is yours: call it after ``monitor.step`` as before (a skipped step still advances it, as under a
+GradScaler; ``monitor.last_applied`` is the step's device flag if you want to hold it). Resume: save
+``monitor.state_dict()`` in your checkpoint, and after restoring your model and optimizer build
+``Monitor(..., resume=True)`` and call ``load_state_dict``. Metric keys: :data:`stabletrain.records.events.METRIC_KEYS`
+(``tokens_per_s`` counts ``num_tokens`` when you pass it to :meth:`Monitor.step`, else samples).
 """
 
 from __future__ import annotations
@@ -253,7 +252,6 @@ class _MonitorReplay(HostReplay):
         def forward(batch: Any) -> Tensor:
             with m.precision.autocast() if kept.host["autocast"] else contextlib.nullcontext():
                 return m.loss_fn(m.model, move_to(batch, m.precision.device))
-
         backward = kept.host["backward"]
         if kept.host.get("whole"):  # your own backward over micro_batches=: the step's loss alone was handed
             backward = backpropagated_parts(m.model, lambda: [forward(b) for b in kept.micro], backward[0])

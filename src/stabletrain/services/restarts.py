@@ -204,14 +204,17 @@ def begin_launch(cfg: Any, run_dir: Path | None, resume: bool, ctx: Any) -> Laun
                         f"(raise train.max_steps to train on); {run_dir} is left as it was")
             return Launch(False, run_dir, finished=True)
         if cfg.run.resume == "auto" and not resume:
+            # (run.overwrite=true starts over only a run with nothing to continue: said where it does not)
+            kept = ("; run.overwrite=true starts over only a run with no checkpoint (run.resume=never to)"
+                    if cfg.run.overwrite else "")
             if done:
                 console.say(f"run.resume=auto: {run_dir} has finished (LAST_GOOD {name.name}, train.max_steps="
-                            f"{cfg.train.max_steps}): nothing to train (raise train.max_steps to train on)")
+                            f"{cfg.train.max_steps}): nothing to train (raise train.max_steps to train on){kept}")
                 return Launch(False, run_dir, finished=True)
             if has_checkpoint:
                 if name is None or _same_config(cfg, name, len(everyone)):  # (else the resume refuses it in its own line)
                     console.say(f"run.resume=auto: {run_dir} holds {f'LAST_GOOD ({name.name})' if name else 'checkpoints'}"
-                                ": continuing it")
+                                f": continuing it{kept}")
                 return Launch(True, run_dir)
             console.say(f"run.resume=auto: {run_dir} holds no checkpoint: starting it")
         return Launch(resume, run_dir)
