@@ -429,6 +429,15 @@ def test_uninformed_loss_says_nothing_of_a_model_whose_output_is_not_one_tensor_
     for first in (float("inf"), float("nan")):  # a non-finite first loss fails, never "ok"
         _, line, fails = _loss_at_init(first, (math.log(10), 1.0, 10))
         assert fails and line.endswith("the first loss is non-finite (a NaN/Inf in the forward or the loss at init)"), line
+    # A student's trials: a cross-entropy summed over a batch of 16 read 'not a cross-entropy on logits'; an input of
+    # std 2.8e4 (every layer's verdict ok against the others) was told to scale the output layer's init down.
+    _, line, fails = _loss_at_init(16 * math.log(4), (16 * math.log(4), 1.0, 4))
+    assert not fails and line.endswith("not judged: 16 x ln 4, a cross-entropy summed over 16 items instead of averaged; "
+                                       "the check judges a mean)"), line
+    _, line, fails = _loss_at_init(2166.0, (math.log(4), 2390.0, 4), None, 2.82e4)
+    assert fails and line.endswith("and the model's input has std 2.82e+04 (the first layer's): standardize the inputs "
+                                   "(or scale them to std ~1) first; no layer's init corrects a scale the data brings"), line
+    assert "Scale the output layer's init down" in _loss_at_init(2166.0, (math.log(4), 2390.0, 4), None, 1.0)[1]
     bn = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 3))
     before = bn[1].running_mean.clone()
     zero, std, classes = uninformed_loss(bn, (x, y), lambda m, b: F.cross_entropy(m(b[0]), b[1]))

@@ -152,6 +152,11 @@ def test_resuming_under_another_world_size_still_refuses_a_changed_config_key(wo
                           "optim.lr=0.5", "train.max_steps=9"], env=_env(), capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stderr
     assert "optim.lr: checkpoint 0.01, now 0.5" in res.stderr and "Under another world size" in res.stderr
+    # under the same world size, two ranks read the same checkpoint: one refusal, not one per rank (a new user's trial)
+    res = subprocess.run([sys.executable, "-m", "stabletrain", "train", "--resume", str(run_dir), "optim.lr=0.5",
+                          "train.max_steps=9"], env=_env(), capture_output=True, text=True, timeout=180)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.count("optim.lr: checkpoint 0.01, now 0.5") == 1, res.stderr
 
 
 # -- a NaN that only rank 1 sees -----------------------------------------------------------------

@@ -104,6 +104,14 @@ def test_a_sharded_save_moves_last_good_only_once_its_shards_and_metadata_verify
         assert sorted(p.name for p in ckpt.root.iterdir()) == ["LAST_GOOD", "step_000001"]  # no debris
     monkeypatch.setattr(ShardedSave, "finish", finish)
     saver.wait()
+    # a shard's bit flipped after it verified (a new user's trial: one exp_avg_sq went 1.5e-05 -> 5.2e+33, resumed
+    # from without a word; sizes alone were checked): named, the checkpoint not loaded
+    assert meta["dcp"]["crc32"].keys() == {"__0_0.distcp"}
+    shard = good / "dcp" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    shard.write_bytes(bytes(data))
+    assert ckpt.verify(good) == ["step_000001: dcp/__0_0.distcp does not match its crc32 in meta.json (corrupted)"]
 
 
 def test_metadata_that_pickles_anything_but_dcp_metadata_is_refused_and_never_run(tmp_path):

@@ -146,10 +146,24 @@ def uniform_classes(zero: float, classes: int) -> int | None:
     return next((c for c in (classes, 2) if c > 1 and math.isclose(zero, math.log(c), rel_tol=1e-3)), None)
 
 
-def _loss_at_init(first: float, probe: tuple[float, float, int] | None, exploding: str | None = None
-                  ) -> tuple[dict[str, float], str | None, bool]:
+def _summed(zero: float, classes: int) -> tuple[int, int] | None:
+    """(n, C) where an uninformed output's loss ``zero`` is n x ln C, n > 1 items: a cross-entropy summed, not averaged."""
+    for c in (classes, 2):
+        n = zero / math.log(c) if c > 1 else 0.0
+        if n > 1.5 and math.isclose(n, round(n), rel_tol=1e-3):
+            return round(n), c
+    return None
+
+
+#: A model input whose std at step 0 is beyond this factor of 1 (either way) brings a scale no layer's init corrects.
+INPUT_SCALE = 100.0
+
+
+def _loss_at_init(first: float, probe: tuple[float, float, int] | None, exploding: str | None = None,
+                  input_std: float | None = None) -> tuple[dict[str, float], str | None, bool]:
     """(the numbers, the line, whether it fails) of the first loss against an uninformed output's (no probe: why not).
-    ``exploding``: where the forward explodes before the output (the output's scale is then its input's, not its own).
+    ``exploding``: where the forward explodes before the output (the output's scale is then its input's, not its own);
+    ``input_std``: the first layer's input's std (beyond :data:`INPUT_SCALE` of 1: the data's scale is the fix).
 
     Judged only where the uninformed loss is a uniform guess's, ln C over the output's last dim of C classes (a
     cross-entropy on logits) or ln 2 (a binary or multi-label one on logits): a regression's scale is its targets'.
@@ -162,6 +176,10 @@ def _loss_at_init(first: float, probe: tuple[float, float, int] | None, explodin
     uniform = uniform_classes(zero, classes)
     ratio = f"{first / zero:.3g}x" if zero > 0 else "vs"
     head = f"the first loss {first:.4g} is {ratio} an uninformed output's {zero:.4g} (the model's output set to 0"
+    if uniform is None and (summed := _summed(zero, classes)) is not None:
+        n, c = summed
+        return numbers, (f"{head}; not judged: {n} x ln {c}, a cross-entropy summed over {n} items instead of averaged; "
+                         "the check judges a mean)"), False
     if uniform is None:
         return numbers, f"{head}; not judged: not a uniform guess's ln C, the loss is not a cross-entropy on logits)", False
     head += f": a uniform guess over {uniform} classes, ln {uniform})"
@@ -169,6 +187,10 @@ def _loss_at_init(first: float, probe: tuple[float, float, int] | None, explodin
         return numbers, f"{head}: the first loss is non-finite (a NaN/Inf in the forward or the loss at init)", True
     if first < LOSS_AT_INIT_LIMIT * zero:
         return numbers, f"{head}: ok, the output (std {std:.3g}) starts near an uninformed guess", False
+    if input_std is not None and math.isfinite(input_std) and not 1 / INPUT_SCALE <= input_std <= INPUT_SCALE:
+        return numbers, (f"{head}: the output starts confidently wrong, its std {std:.3g} at step 0, and the model's input "
+                         f"has std {input_std:.3g} (the first layer's): standardize the inputs (or scale them to std ~1) "
+                         "first; no layer's init corrects a scale the data brings"), True
     if exploding is not None:  # (scaling the head down leaves the layers before it exploding)
         return numbers, (f"{head}: the output starts confidently wrong, its std {std:.3g} at step 0, because the forward "
                          f"explodes before it ({exploding}): fix the init of the layers before it (the verdicts above), not the "
@@ -255,11 +277,14 @@ def check_init(ctx: CheckContext) -> CheckResult:
         reports.append(excluding(measured, deliberate, label=f"{AS_BUILT}, zero-init layers excluded", as_built=reports[0]))
     judged = reports[-1]
 
+    gains: dict[str, dict[str, float]] = {}  # scheme -> the activations its layers read -> their gain
+
     def reinitialized(scheme: str) -> SignalReport:
         """The report of a copy of the model re-initialized with ``scheme``, traced on the same batch."""
         model = copy.deepcopy(base)  # keeps tied weights tied
         seed_everything(ctx.cfg.seed)
-        init_(model, scheme, trace=lambda m: task.loss(m, batch))  # reads activations called as functions too
+        decisions = init_(model, scheme, trace=lambda m: task.loss(m, batch))  # reads activations called as functions too
+        gains[scheme] = {d.activation or "linear": d.gain for d in decisions if d.gain is not None}
         return signal_report(model, batch, task.loss, label=f"init_({scheme!r})",
                              make_optimizer=optimizer_factory(model, ctx.cfg.optim, device, own))
 
@@ -275,7 +300,10 @@ def check_init(ctx: CheckContext) -> CheckResult:
         architecture = architectures(built, by_scheme.get(built.recommended) or reinitialized(built.recommended))
     first = built.first_forward
     exploding = _where(built, "forward") if first is not None and first.forward == EXPLODING else None
-    loss_numbers, loss_line, loss_fails = _loss_at_init(reports[0].loss, uninformed_loss(base, batch, task.loss), exploding)
+    head = built.layers[0] if built.layers else None  # (an embedding's input is token ids: no scale of the data's)
+    input_std = head.in_std if head is not None and head.role != "embedding" and not head.call else None
+    loss_numbers, loss_line, loss_fails = _loss_at_init(reports[0].loss, uninformed_loss(base, batch, task.loss), exploding,
+                                                        input_std)
     # With a comparison, the scheme it recommends (one that passed here) is what the JSON, numbers and text all name.
     recommended, advice = _compare_advice(built, by_scheme) if schemes else (built.recommended, "")
     plot = plot_signal(reports, ctx.output_path("init_signal.png"))
@@ -293,6 +321,11 @@ def check_init(ctx: CheckContext) -> CheckResult:
             numbers[f"{r.label}.flagged"] = len(r.flagged)
         details = [*notes, *format_comparison([built, *by_scheme.values()])]
         passing = [r.label for r in by_scheme.values() if r.passed]
+        gained = {a: g for a, g in gains.get("xavier", {}).items() if not math.isclose(g, 1.0)}
+        if gained:  # (lab 1's Xavier is gain 1: it shrinks a ReLU stack this one holds)
+            details.append("init_('xavier') takes each layer's gain from the activation after it ("
+                           + ", ".join(f"{a} {g:.3g}" for a, g in gained.items()) + "): Xavier with gain 1, the "
+                           "textbook's, shrinks the signal by that factor per layer (stabletrain lab 1)")
         details.append(advice)
         summary = (f"as built: {'ok' if built.passed else f'{len(built.flagged)} layer(s) flagged'}{excluded}; "
                    f"schemes without a flagged layer: {', '.join(passing) or 'none'}")

@@ -13,7 +13,8 @@ failure class, and under the "just skip the step" baseline, over the incident's 
 after it (the same batches the run would see next). Each candidate gets a verdict with evidence:
   cures   the incident's window and all K after it finite, no spike by the guard's rule, and the end loss
           (mean of the last 5 steps after the incident's) no worse than the baseline's by more than 10% (where the baseline
-          fails on a divergence: than the loss of the run's last interval before the growth began)
+          fails on a divergence: than the loss of the run's last interval before the growth began; for a loss spike,
+          within 10% of the baseline's or of the run's level before the spike, the median its rule judged it against)
   fails   its first bad step (non-finite loss, grad norm or parameters, or a spike); a candidate that drops
           more than half of the samples, or has most of its steps skipped, only hides the symptom and fails
   worse   finite, but its end loss is more than 10% worse than that

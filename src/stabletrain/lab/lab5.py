@@ -14,6 +14,7 @@ which sample (:func:`~stabletrain.diagnostics.bisection.bisect_samples`), and wh
 from __future__ import annotations
 
 import re
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -47,12 +48,20 @@ class L2Feature(nn.Module):
         return torch.cat([h, torch.sqrt(h.pow(2).sum(-1, keepdim=True) + self.eps)], dim=-1)
 
 
-def _timed(fn: Any, reps: int) -> float:
-    fn()  # warm-up
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - t0) / reps
+def _timed(fns: dict[str, Any], reps: int, rounds: int = 5) -> dict[str, float]:
+    """Each fn's time per call: the median over ``rounds`` interleaved rounds of ``reps / rounds`` calls (a burst of other
+    load hits every tool alike; one block per tool made detect_anomaly read cheaper than a plain step)."""
+    for fn in fns.values():
+        fn()  # warm-up
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    per = max(1, reps // rounds)
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(per):
+                fn()
+            times[k].append((time.perf_counter() - t0) / per)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def run(out_dir: Path | None = None, seed: int = 0, *, eps: float = 0.0, bad_sample: int | None = BAD_SAMPLE,
@@ -95,7 +104,6 @@ def run(out_dir: Path | None = None, seed: int = 0, *, eps: float = 0.0, bad_sam
     forward_line = next((f"{Path(f).name}:{line} in {fn}" for f, line, fn in reversed(frames) if fn == "forward"), None)
 
     clean = [i for i in indices if i != bad_sample]
-    t_plain = _timed(lambda: forward_backward(clean), reps)
 
     def under_anomaly() -> None:
         with torch.autograd.detect_anomaly(check_nan=True):
@@ -109,8 +117,8 @@ def run(out_dir: Path | None = None, seed: int = 0, *, eps: float = 0.0, bad_sam
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # detect_anomaly warns that it is slow: that is what we measure
-        t_anomaly = _timed(under_anomaly, reps)
-    t_locator = _timed(under_locator, reps)
+        t = _timed({"plain": lambda: forward_backward(clean), "anomaly": under_anomaly, "locator": under_locator}, reps)
+    t_plain, t_anomaly, t_locator = t["plain"], t["anomaly"], t["locator"]
 
     columns = ["tool", "answer", "cost per step (ms)", "x plain"]
     rows = [
@@ -185,7 +193,8 @@ def _explain(n: dict[str, Any], grad_finite: bool, bad_sample: int | None, forwa
                    f"and its recorded forward stack points at {forward_line or 'the forward call'}; it checks only for NaN "
                    "(an inf passes it) and records a stack for every autograd node.")
     ratio_a, ratio_l = t_anomaly / t_plain, t_locator / t_plain
-    out.append(f"Cost per step on a clean batch: plain {t_plain * 1e3:.2f} ms, detect_anomaly {t_anomaly * 1e3:.2f} ms "
+    out.append(f"Cost per step on a clean batch (the median of 5 interleaved rounds; on a busy machine the figures move): "
+               f"plain {t_plain * 1e3:.2f} ms, detect_anomaly {t_anomaly * 1e3:.2f} ms "
                f"({ratio_a:.1f}x), locator {t_locator * 1e3:.2f} ms ({ratio_l:.1f}x, a host sync per op): "
                + ("both are replay tools; a run keeps only the grad-norm sentinel, which costs nothing extra, and "
                   "replays the one bad step under them." if max(ratio_a, ratio_l) > 1.2 else

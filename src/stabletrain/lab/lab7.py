@@ -148,9 +148,9 @@ def _explain(div: dict[str, Any], sq: dict[str, Any], by: dict[str, dict[str, An
     else:
         roll = by["divergence"].get("rollback-lr-x0.1", {})
         low = by["divergence"].get("lr-x0.1", {})
-        out.append(f"The divergence: {grew}. SGD's update is lr x gradient, and on this quadratic loss an update "
-                   "larger than 2 / curvature overshoots the minimum by more than it started from: the error is "
-                   "multiplied every step, so the LR acts through every update since the growth began.")
+        out.append(f"The divergence: {grew}. SGD's update is lr x gradient, and on this quadratic loss a learning "
+                   "rate above 2 / curvature makes each update overshoot the minimum by more than it started from: the "
+                   "error is multiplied every step, so the LR acts through every update since the growth began.")
         if roll:
             out.append(f"Replayed from the checkpoint of step {roll['remedy']['step']} (before the growth) with the LR "
                        f"x0.1, it {roll['verdict']}: {roll['evidence']}. From the incident's own state the same x0.1 "

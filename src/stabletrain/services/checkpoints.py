@@ -33,6 +33,7 @@ from .. import console
 from ..config import (
     RESHARD_SAFE_KEYS,
     RESUME_SAFE_KEYS,
+    ConfigError,
     config_hash,
     config_to_dict,
     diff_configs,
@@ -143,8 +144,8 @@ class CheckpointKeeper:
         resharded = saved_world != state.dist.world
         trained = (loaded.state.get("precision") or {}).get("mode") if isinstance(loaded.state, dict) else None
         diffs = resume_diffs(saved_cfg, state.cfg, trained, state.precision, resharded)
-        if diffs:
-            raise ValueError(resume_refusal_message(run_dir, diffs))
+        if diffs:  # (a ConfigError: every rank reads the same checkpoint, rank 0 says it)
+            raise ConfigError(resume_refusal_message(run_dir, diffs))
         changed = optimizer_change(loaded.state.get("optimizer"), state.optimizer)  # a task's own: no config key says it
         if changed is not None:
             raise ValueError(f"resume {str(run_dir)!r}: the task's optimizer is not the one the run trained with: {changed}; "

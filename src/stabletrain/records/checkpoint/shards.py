@@ -8,7 +8,7 @@ default) each rank writes its own shards of the model and optimizer; nothing is 
                      rank's RNG and data position; the model and optimizer entries are markers (their
                      non-tensor leaves, and the keys of their tensors in the DCP folder)
         meta.json    as for any checkpoint, plus "dcp": the folder, every tensor key, each shard file's
-                     size, the sha256 of .metadata
+                     size and CRC32, the sha256 of .metadata
         dcp/.metadata, dcp/__0_0.distcp, dcp/__1_0.distcp     one shard file per rank
 
 One save (DESIGN.md, principle 4: nothing bad is persisted)::
@@ -42,6 +42,7 @@ import hashlib
 import pickle
 import time
 import warnings
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -161,7 +162,8 @@ class ShardedSave:
         for info in metadata.storage_data.values():
             files[info.relative_path] = (folder / info.relative_path).stat().st_size
         return {"dir": DCP_DIR, "keys": self.keys, "files": dict(sorted(files.items())),
-                "bytes": sum(files.values()), "metadata_sha256": _sha256(folder / METADATA)}
+                "bytes": sum(files.values()), "metadata_sha256": _sha256(folder / METADATA),
+                "crc32": {name: _crc32(folder / name) for name in sorted(files)}}  # (each shard's bytes, as state.pt's)
 
 
 def _done(result: Any) -> Any:
@@ -248,6 +250,14 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _crc32(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickle DCP's ``.metadata`` accepting only its metadata classes (no code runs from the file)."""
 
@@ -311,6 +321,8 @@ def verify_dcp(checkpoint: Path, info: dict[str, Any]) -> list[str]:
             problems.append(f"{where}/{name} is {size} bytes, shorter than the {extents[name]} {METADATA} references")
         elif name in recorded and size != recorded[name]:
             problems.append(f"{where}/{name} is {size} bytes, meta.json says {recorded[name]} (truncated or overwritten)")
+        elif name in info.get("crc32", {}) and _crc32(path) != info["crc32"][name]:  # (meta.json before it: sizes only)
+            problems.append(f"{where}/{name} does not match its crc32 in meta.json (corrupted)")
     return problems
 
 
