@@ -400,9 +400,9 @@ class CheckpointManager:
     def verify(self, path: str | Path) -> list[str]:
         """Return the problems of checkpoint directory ``path``; empty when it is good (see :func:`.files.load_checked`).
 
-        Reads the whole state.pt twice (its CRC32, then a memory-mapped load); of the DCP folder only
-        ``.metadata`` and the file sizes. The directory a save has just written (in the save's own thread)
-        is checked without the checksum and the finiteness pass (``load_checked(written=True)``), and without
+        Reads the whole state.pt twice (its CRC32, then a memory-mapped load); of the DCP folder ``.metadata``, the
+        file sizes and each shard's CRC32. The directory a save has just written (in the save's own thread)
+        is checked without the checksums and the finiteness pass (``load_checked(written=True)``), and without
         the pickle scan when its state was plain tensors, numbers and containers (``plain=True``).
         """
         try:

@@ -284,12 +284,12 @@ def read_metadata(path: Path) -> Any:
         return _MetadataUnpickler(fh).load()
 
 
-def verify_dcp(checkpoint: Path, info: dict[str, Any]) -> list[str]:
+def verify_dcp(checkpoint: Path, info: dict[str, Any], *, checksums: bool = True) -> list[str]:
     """Return the problems of the DCP folder of checkpoint directory ``checkpoint``; empty when it is complete.
 
     ``info`` is meta.json's "dcp". Complete means: ``.metadata`` present, matching its sha256, naming
     every model/optimizer tensor key; every shard file it references present, as large as the
-    extents it references and of the size meta.json recorded.
+    extents it references and of the size and (``checksums``) the CRC32 meta.json recorded.
     """
     folder = checkpoint / info.get("dir", DCP_DIR)
     where = folder.name
@@ -321,7 +321,7 @@ def verify_dcp(checkpoint: Path, info: dict[str, Any]) -> list[str]:
             problems.append(f"{where}/{name} is {size} bytes, shorter than the {extents[name]} {METADATA} references")
         elif name in recorded and size != recorded[name]:
             problems.append(f"{where}/{name} is {size} bytes, meta.json says {recorded[name]} (truncated or overwritten)")
-        elif name in info.get("crc32", {}) and _crc32(path) != info["crc32"][name]:  # (meta.json before it: sizes only)
+        elif checksums and name in info.get("crc32", {}) and _crc32(path) != info["crc32"][name]:  # (before: sizes only)
             problems.append(f"{where}/{name} does not match its crc32 in meta.json (corrupted)")
     return problems
 
