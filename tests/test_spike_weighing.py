@@ -343,3 +343,15 @@ def test_the_update_jump_named_is_the_last_before_the_spike_not_the_first():
     # An update that jumped at step 30 and stayed there: step 40 is high against the lagging median, but it is step 30's
     stays = [[10 * (i + 1), 1e-3, r] for i, r in enumerate((1e-3, 1e-3, 1e-2, 1e-2))]
     assert update_jump(stays)["step"] == 30 and not update_jumped_at(stays, 40) and update_jumped_at(stays, 30)
+
+
+def test_the_steps_growth_says_the_lr_rise_with_no_older_state_at_hand():
+    """A new user's trial (Lightning, on_spike=skip, the LR x30 from step 82, a spike at the interval's first step: no
+    older state): 'the optimizer's steps grew x44.5' with neither 'with the LR' nor 'at the same LR', though the bundle
+    held the LR it stepped at (0.3) and the intervals' (0.01)."""
+    from stabletrain.diagnostics.spike import _steps_grew
+
+    sizes = {"now": 0.19, "before": 0.0042, "upto": 80, "lr": 0.01, "lr_now": 0.3}
+    assert "grew x45.2 with the LR (x30: 0.01 -> 0.3): update/weight" in _steps_grew(sizes, None)
+    assert "grew x45.2 at the same LR: update/weight" in _steps_grew({**sizes, "lr_now": 0.01}, None)
+    assert "grew x45.2: update/weight" in _steps_grew({k: v for k, v in sizes.items() if k != "lr_now"}, None)

@@ -117,6 +117,9 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
     ordinary_steps = [bench.step(c) for c in context]
     ordinary = _typical(ordinary_steps) if context else None
     m["steps"] = _step_sizes(observed.get("history") or [], ordinary_steps or [here], not ordinary_steps) if why is None else None
+    lrs = {g["lr"] for g in (lr_groups(bundle.get("optimizer")) or {}).get("param_groups", [])}
+    if m["steps"] is not None and len(lrs) == 1 and min(lrs) > 0:  # the LR this state steps at (one group's, or all alike)
+        m["steps"]["lr_now"] = float(lrs.pop())
     m["update_jump"] = update_jump(observed.get("history") or [])
     m["older"], m["where"] = _older(bench, bundle, cfg, spike, context, rule, here["loss"]) if why is None else (None, {})
     if m["older"] is None and context and why is None:  # no older state: are the ordinary windows high under this one?

@@ -310,6 +310,8 @@ def _steps_grew(sizes: dict[str, Any] | None, older: dict[str, Any] | None) -> s
     if not sizes or sizes["now"] < STEP_GROWTH * sizes["before"]:
         return ""
     lr, was = (older or {}).get("lr"), sizes.get("lr")
+    if not lr and was and sizes.get("lr_now"):  # no older state: the LR this state steps at against the intervals'
+        lr = {"now": sizes["lr_now"], "then": was}
     f = lr["now"] / (was or lr["then"]) if lr else 1.0  # (an LR that jumped at the older state's step: theirs was lower)
     same = ("" if not lr else " at the same LR" if max(f, 1 / f) < 1.01 else " with it" if _lr_rise(older) else
             f" with the LR (x{f:.3g}: {was:.3g} -> {lr['now']:.3g})" if was and f >= LR_RISE else "")
