@@ -111,6 +111,27 @@ def test_a_resume_from_the_step_0_checkpoint_purges_the_steps_a_crash_left_in_te
     assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4, 5]
 
 
+def test_a_rollback_purges_the_steps_it_trains_again_from_tensorboard(tmp_path):
+    """A new user's trial: after 'rolled back from step 40 to step_000020' metrics.jsonl held 10, 20, 30, 40, 50 ...
+    while TensorBoard drew 10, 20, 30, 40 (the spike), 30, 40, 50 ...: a rollback purges as a resume does."""
+    from spike_tasks import outlier_samples_task
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from stabletrain import Trainer
+
+    c = cfg("train.batch_size=8", "optim.lr=0.01", "log.every=10", "data.shuffle=false", "ckpt.every=10",
+            "train.max_steps=40", "guard.on_spike=rollback", "log.tensorboard=true")
+    Trainer(c, task=outlier_samples_task(), run_dir=tmp_path / "r").fit()
+    events = read_jsonl(tmp_path / "r" / "events.jsonl")[0]
+    assert [(e["from_step"], e["to_step"]) for e in events if e["kind"] == "rollback"] == [(20, 10)]
+    acc = EventAccumulator(str(tmp_path / "r" / "tb"))
+    acc.Reload()
+    steps = [r["step"] for r in read_jsonl(tmp_path / "r" / "metrics.jsonl")[0]]
+    assert [e.step for e in acc.Scalars("train/loss")] == steps == [10, 20, 30, 40]
+    losses = [r["loss"] for r in read_jsonl(tmp_path / "r" / "metrics.jsonl")[0]]
+    assert [e.value for e in acc.Scalars("train/loss")] == pytest.approx(losses, rel=1e-6)
+
+
 def test_git_dirty_does_not_count_stabletrains_own_output(tmp_path, monkeypatch):
     """check's folder, lab output, runs/ and a run directory anywhere are not dirt; the user's changes are."""
     import subprocess

@@ -757,3 +757,22 @@ def test_where_a_restart_resumed_from_reads_older_run_directories_right(tmp_path
                                                   for e in (old_start_over, unnamed, named)))
     texts = [t for _, t in health_summary(load_run(run_dir)).sentences]
     assert any("from step 0, step_000030, the newest checkpoint that verified (run.max_restarts" in t for t in texts), texts
+
+
+def test_a_process_killed_after_the_run_finished_is_not_restarted_into_nothing(tmp_path, monkeypatch, capsys):
+    """A new user's trial: killed right after 'trained 400 steps', the supervisor restarted it: a 'restart' event, a
+    second launch that said 'nothing to train', goodput over 2 launches. A restart of a finished run says so and
+    records no restart."""
+    run_dir = tmp_path / "run"
+    args = ["train", "task=mlp", "task_args.num_samples=64", "train.batch_size=8", "train.max_steps=4", "ckpt.every=2",
+            "log.every=2", "eval.every=0", "run.max_restarts=1", f"run.dir={run_dir}", *FAST]
+    monkeypatch.setenv("STABLETRAIN_SUPERVISED", "1")  # this process as the supervisor's child: it trains itself
+    assert main(args) == 0
+    before = [(run_dir / f).read_text() for f in ("events.jsonl", "goodput.jsonl", "metrics.jsonl")]
+    capsys.readouterr()
+    monkeypatch.setenv("STABLETRAIN_RESTART", json.dumps([{"restart": 1, "max_restarts": 1, "signal": 9, "rank": 0,
+                                                           "pid": 12345, "time": time.time()}]))
+    assert main(args) == 0  # the restarted child
+    assert "the run had finished (LAST_GOOD step_000004, train.max_steps=4) when its process died: nothing to restart" in (
+        capsys.readouterr().out)
+    assert [(run_dir / f).read_text() for f in ("events.jsonl", "goodput.jsonl", "metrics.jsonl")] == before

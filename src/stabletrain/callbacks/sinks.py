@@ -49,6 +49,10 @@ class TensorBoardLog(Callback):
         if self._sink is not None:
             self._sink.write(record)
 
+    def on_rollback(self, state: RunState, info: dict[str, Any]) -> None:
+        if self._sink is not None:  # the steps after the checkpoint are trained again, as after a resume
+            self._sink.purge_from(int(info["to_step"]) + 1)
+
     def on_fit_end(self, state: RunState, record: dict[str, Any]) -> None:
         if self._sink is not None:
             self._sink.close()

@@ -35,7 +35,7 @@ class TensorBoardSink:
     def __init__(self, log_dir: Path, purge_step: int | None = None) -> None:
         """``purge_step``: on resume, TensorBoard drops the events at and after this step that an earlier
         process wrote (the steps after the checkpoint that a crash made the run train again)."""
-        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+        from tensorboard.compat.proto.event_pb2 import Event
 
         log_dir = Path(log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -46,7 +46,14 @@ class TensorBoardSink:
         self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
         if purge_step is not None:  # what SummaryWriter(purge_step=...) writes: TensorBoard purges from this step on
             self._write(Event(step=purge_step, file_version="brain.Event:2"))
-            self._write(Event(step=purge_step, session_log=SessionLog(status=SessionLog.START)))
+            self.purge_from(purge_step)
+
+    def purge_from(self, step: int) -> None:
+        """TensorBoard drops the events at and after ``step`` written before this call (a session restart at that step):
+        a resume's, and a rollback's (the steps after the checkpoint it went back to are trained again)."""
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+        self._write(Event(step=step, session_log=SessionLog(status=SessionLog.START)))
 
     def _tag(self, key: str) -> str:
         """The scalar's TensorBoard tag: ``train/KEY``, or ``val/KEY`` for validation figures (made once per key)."""

@@ -271,6 +271,11 @@ def _restart(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_checkp
     launcher's record of the death before it reaches the next restart with its own (:data:`RESTART_ENV` holds
     every death): each gets its event and line, and the crash-loop rule counts it.
     """
+    good = CheckpointManager(run_dir / "checkpoints").latest_good() if has_checkpoint else None
+    if good is not None and _finished(cfg, run_dir, good, len(everyone)):  # (killed after its last save: no restart)
+        console.say(f"the run had finished (LAST_GOOD {good.name}, train.max_steps={cfg.train.max_steps}) when its process "
+                    "died: nothing to restart")
+        return Launch(False, run_dir, finished=True)
     events, _ = read_jsonl(run_dir / "events.jsonl")
     launches = _ledger(run_dir)
     since = launches[-1].get("start") if launches else None
