@@ -431,9 +431,11 @@ def test_uninformed_loss_says_nothing_of_a_model_whose_output_is_not_one_tensor_
         assert fails and line.endswith("the first loss is non-finite (a NaN/Inf in the forward or the loss at init)"), line
     # A student's trials: a cross-entropy summed over a batch of 16 read 'not a cross-entropy on logits'; an input of
     # std 2.8e4 (every layer's verdict ok against the others) was told to scale the output layer's init down.
-    _, line, fails = _loss_at_init(16 * math.log(4), (16 * math.log(4), 1.0, 4))
+    _, line, fails = _loss_at_init(16 * math.log(4), (16 * math.log(4), 1.0, 4), items=(16,))
     assert not fails and line.endswith("not judged: 16 x ln 4, a cross-entropy summed over 16 items instead of averaged; "
                                        "the check judges a mean)"), line
+    for zero in (347.0, 1234.5, 16 * math.log(4) * 1.01):  # a regression's loss is no exact multiple of the batch's ln C
+        assert "not a cross-entropy on logits" in _loss_at_init(zero, (zero, 1.0, 2), items=(16,))[1]
     _, line, fails = _loss_at_init(2166.0, (math.log(4), 2390.0, 4), None, 2.82e4)
     assert fails and line.endswith("and the model's input has std 2.82e+04 (the first layer's): standardize the inputs "
                                    "(or scale them to std ~1) first; no layer's init corrects a scale the data brings"), line

@@ -118,7 +118,7 @@ def test_an_op_outside_any_module_is_said_so_not_module_none():
          "grad_norm": "inf"}
     out = classify_failure(d)
     assert out["failure_class"] == "op" and out["evidence"] == (
-        "aten.mse_loss.default in forward outside any module makes a inf from finite inputs, at sample 3")
+        "aten.mse_loss.default in forward outside any module makes an inf from finite inputs, at sample 3")
 
 
 def test_a_sqrt_of_zero_is_op_with_its_sample_not_data(tmp_path):
@@ -196,7 +196,7 @@ def test_a_log_of_zero_in_fp32_is_op_not_overflow():
     model, x = faults.log_of_zero()
     d = diagnose_step(model, faults.regression_loss, [(list(range(8)), x)], precision=PrecisionPolicy("fp32", "cpu"))
     assert (d["failure_class"], d["module"], d["blamed_module"]) == ("op", "layers.2", "layers.2")
-    assert d["evidence"].startswith("aten.log.default in forward of module 'layers.2' makes a inf from finite inputs; "
+    assert d["evidence"].startswith("aten.log.default in forward of module 'layers.2' makes an inf from finite inputs; "
                                     "8 of 8 samples go bad through it")
 
 

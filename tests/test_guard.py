@@ -163,7 +163,7 @@ def test_a_run_that_ends_on_a_skipped_step_checkpoints_it_and_a_resume_continues
     assert [e["step"] for e in _events(run_dir) if e["kind"] == "skip"] == [bad_step]  # not replayed
 
 
-def test_an_lr_that_breaks_the_parameters_in_the_update_is_caught_after_the_update(tmp_path):
+def test_an_lr_that_breaks_the_parameters_in_the_update_is_caught_after_the_update(tmp_path, capsys):
     run_dir = tmp_path / "run"
     torch.manual_seed(0)
     # 3.4e38 is just below float32's max: the lr is finite, the update overflows the parameters.
@@ -180,6 +180,9 @@ def test_an_lr_that_breaks_the_parameters_in_the_update_is_caught_after_the_upda
     assert "a skip cannot undo an applied update" in trainer.stop_reason and "at step 1" in trainer.stop_reason
     incident = next(e for e in events if e["kind"] == "incident")
     assert incident["step"] == 1 and incident["after_update"] is True
+    # the interval's other non-finite step, said with the capture the replay pinned (a trial: 'at step 1 ... step 2's')
+    assert ("1 more non-finite step in the interval to step 2, at step 2: not captured (one capture per interval: "
+            "step 1's; events.jsonl)") in capsys.readouterr().out
     assert incident["diagnosis"]["stage"] == "update"
     # The state after step 1 is never checkpointed: LAST_GOOD stays at step 0.
     assert [e["step"] for e in events if e["kind"] == "checkpoint"] == [0]

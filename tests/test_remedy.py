@@ -496,3 +496,18 @@ def test_the_eps_guard_is_not_offered_for_a_log_of_a_negative_input():
     for dtype, low in (("bfloat16", -0.05), ("float16", -0.009)):  # really below 0 in a low precision: no guard either
         bad = {**rounded, "first_op": {"input_range": [low, 1.0], "input_dtypes": [dtype]}}
         assert "eps-guard" not in [r.name for r in candidates_for(bad, "fp32", [], [])], dtype
+
+
+def test_the_eps_guard_change_said_for_a_division_is_the_one_its_replay_verified():
+    """A new user's trial: for x / x.norm() with an all-zero sample the change said 'x.abs().clamp_min(eps) * x.sign()',
+    which leaves 0 at 0 (sign(0) = 0): 0/0 is still NaN. The replay had verified torch.where(|x| < eps, +-eps, x)."""
+    import torch
+
+    from stabletrain.diagnostics.cures import EpsGuard
+
+    change = EpsGuard(module="norm", op="div", eps=1e-6, where="kt.py:56").change
+    assert change == ("keep the denominator away from 0 at kt.py:56: torch.where(x.abs() < eps, torch.where(x < 0, -eps, "
+                      "eps), x) with eps=1e-06")
+    eps, x = 1e-6, torch.tensor([0.0, -0.0, -1e-9, 2.0])
+    said = torch.where(x.abs() < eps, torch.where(x < 0, -eps, eps), x)  # the change as written
+    assert bool((said != 0).all()) and torch.isfinite(torch.ones(4) / said).all()

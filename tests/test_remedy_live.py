@@ -301,3 +301,25 @@ def test_a_cure_whose_replay_the_live_run_departs_from_is_not_applied_again(tmp_
     assert refused and first <= refused[0]["incident_step"] <= last, remedies
     assert f"steps {first}-{last} were finite with no spike" in refused[0]["reason"]
     assert "departs from the replay that verified rollback-lr" in capsys.readouterr().out
+
+
+def test_a_rollback_cure_applied_by_hand_purges_tensorboard_as_a_rollback_does(tmp_path, capsys):
+    """A review: remedy.apply=DIR:rollback-lr-x0.1 on a resume went back to step 10 but fired no on_rollback, so
+    TensorBoard kept the steps after it beside their retrained copies (metrics.jsonl superseded them)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    args = ["task=examples.diverging_task:make_task", "optim.name=sgd", "optim.lr=2.5", "optim.weight_decay=0",
+            "clip.max_norm=null", "sched.decay=constant", "train.batch_size=8", "log.every=5", "ckpt.every=10",
+            "ckpt.keep=10", "data.shuffle=false", "log.progress=false", "log.tensorboard=true", "guard.on_nonfinite=stop"]
+    run_dir = tmp_path / "run"
+    assert main(["train", *args, "train.max_steps=60", f"run.dir={run_dir}"]) == 1  # the divergence stops it
+    incident = sorted((run_dir / "incidents").glob("step_*"))[0]
+    assert main(["remedy", str(incident), "--only", "rollback-lr-x0.1", "--steps", "4"]) == 0
+    capsys.readouterr()
+    main(["train", "--resume", str(run_dir), "train.max_steps=45", f"remedy.apply={incident}:rollback-lr-x0.1"])
+    (event,) = [e for e in events(run_dir) if e["kind"] == "remedy"]
+    assert event["name"] == "rollback-lr-x0.1" and event["step"] < event["from_step"]
+    acc = EventAccumulator(str(run_dir / "tb"))
+    acc.Reload()
+    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [e.step for e in acc.Scalars("train/loss")] == steps, steps

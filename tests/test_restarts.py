@@ -773,6 +773,6 @@ def test_a_process_killed_after_the_run_finished_is_not_restarted_into_nothing(t
     monkeypatch.setenv("STABLETRAIN_RESTART", json.dumps([{"restart": 1, "max_restarts": 1, "signal": 9, "rank": 0,
                                                            "pid": 12345, "time": time.time()}]))
     assert main(args) == 0  # the restarted child
-    assert "the run had finished (LAST_GOOD step_000004, train.max_steps=4) when its process died: nothing to restart" in (
+    assert "the run had trained to train.max_steps=4 (LAST_GOOD step_000004) when its process died: nothing to restart" in (
         capsys.readouterr().out)
     assert [(run_dir / f).read_text() for f in ("events.jsonl", "goodput.jsonl", "metrics.jsonl")] == before

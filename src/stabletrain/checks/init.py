@@ -24,6 +24,7 @@ import contextlib
 import copy
 import json
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ from ..diagnostics.signal_propagation import EXPLODING, SignalReport, signal_rep
 from ..numerics import buffers_kept
 from ..policies.accumulation import as_sum_count
 from ..policies.optim import optimizer_factory
+from ..records.batches import batch_size
 from ..seeding import seed_everything
 from ..tasks.init_schemes import SCHEMES, init_
 from . import CheckContext, CheckResult, register
@@ -146,12 +148,13 @@ def uniform_classes(zero: float, classes: int) -> int | None:
     return next((c for c in (classes, 2) if c > 1 and math.isclose(zero, math.log(c), rel_tol=1e-3)), None)
 
 
-def _summed(zero: float, classes: int) -> tuple[int, int] | None:
-    """(n, C) where an uninformed output's loss ``zero`` is n x ln C, n > 1 items: a cross-entropy summed, not averaged."""
+def _summed(zero: float, classes: int, items: Sequence[int]) -> tuple[int, int] | None:
+    """(n, C) where an uninformed output's loss ``zero`` is n x ln C for n one of ``items`` (the batch's samples, its
+    targets' elements): a cross-entropy summed over them, not averaged (a regression's loss is no such exact multiple)."""
     for c in (classes, 2):
-        n = zero / math.log(c) if c > 1 else 0.0
-        if n > 1.5 and math.isclose(n, round(n), rel_tol=1e-3):
-            return round(n), c
+        for n in items:
+            if c > 1 and n > 1 and math.isclose(zero, n * math.log(c), rel_tol=1e-4):
+                return n, c
     return None
 
 
@@ -160,10 +163,11 @@ INPUT_SCALE = 100.0
 
 
 def _loss_at_init(first: float, probe: tuple[float, float, int] | None, exploding: str | None = None,
-                  input_std: float | None = None) -> tuple[dict[str, float], str | None, bool]:
+                  input_std: float | None = None, items: Sequence[int] = ()) -> tuple[dict[str, float], str | None, bool]:
     """(the numbers, the line, whether it fails) of the first loss against an uninformed output's (no probe: why not).
     ``exploding``: where the forward explodes before the output (the output's scale is then its input's, not its own);
-    ``input_std``: the first layer's input's std (beyond :data:`INPUT_SCALE` of 1: the data's scale is the fix).
+    ``input_std``: the first layer's input's std (beyond :data:`INPUT_SCALE` of 1: the data's scale is the fix);
+    ``items``: the counts a loss summed instead of averaged would be ln C times (:func:`_summed`).
 
     Judged only where the uninformed loss is a uniform guess's, ln C over the output's last dim of C classes (a
     cross-entropy on logits) or ln 2 (a binary or multi-label one on logits): a regression's scale is its targets'.
@@ -176,7 +180,7 @@ def _loss_at_init(first: float, probe: tuple[float, float, int] | None, explodin
     uniform = uniform_classes(zero, classes)
     ratio = f"{first / zero:.3g}x" if zero > 0 else "vs"
     head = f"the first loss {first:.4g} is {ratio} an uninformed output's {zero:.4g} (the model's output set to 0"
-    if uniform is None and (summed := _summed(zero, classes)) is not None:
+    if uniform is None and (summed := _summed(zero, classes, items)) is not None:
         n, c = summed
         return numbers, (f"{head}; not judged: {n} x ln {c}, a cross-entropy summed over {n} items instead of averaged; "
                          "the check judges a mean)"), False
@@ -301,9 +305,12 @@ def check_init(ctx: CheckContext) -> CheckResult:
     first = built.first_forward
     exploding = _where(built, "forward") if first is not None and first.forward == EXPLODING else None
     head = built.layers[0] if built.layers else None  # (an embedding's input is token ids: no scale of the data's)
-    input_std = head.in_std if head is not None and head.role != "embedding" and not head.call else None
+    input_std = (head.in_std if head is not None and head.role != "embedding" and not head.is_norm and not head.call
+                 else None)  # (a norm first: the data's scale is normalized already)
+    targets = batch[-1] if isinstance(batch, (tuple, list)) and batch and isinstance(batch[-1], torch.Tensor) else None
+    items = sorted({batch_size(batch), *([targets.numel()] if targets is not None else [])})
     loss_numbers, loss_line, loss_fails = _loss_at_init(reports[0].loss, uninformed_loss(base, batch, task.loss), exploding,
-                                                        input_std)
+                                                        input_std, items)
     # With a comparison, the scheme it recommends (one that passed here) is what the JSON, numbers and text all name.
     recommended, advice = _compare_advice(built, by_scheme) if schemes else (built.recommended, "")
     plot = plot_signal(reports, ctx.output_path("init_signal.png"))
@@ -323,9 +330,11 @@ def check_init(ctx: CheckContext) -> CheckResult:
         passing = [r.label for r in by_scheme.values() if r.passed]
         gained = {a: g for a, g in gains.get("xavier", {}).items() if not math.isclose(g, 1.0)}
         if gained:  # (lab 1's Xavier is gain 1: it shrinks a ReLU stack this one holds)
+            way = "shrinks" if all(g > 1 for g in gained.values()) else "grows" if all(g < 1 for g in gained.values()) \
+                else "changes"
             details.append("init_('xavier') takes each layer's gain from the activation after it ("
-                           + ", ".join(f"{a} {g:.3g}" for a, g in gained.items()) + "): Xavier with gain 1, the "
-                           "textbook's, shrinks the signal by that factor per layer (stabletrain lab 1)")
+                           + ", ".join(f"{a} {g:.3g}" for a, g in gained.items()) + f"): Xavier with gain 1, the "
+                           f"textbook's, {way} the signal by that factor per layer (stabletrain lab 1)")
         details.append(advice)
         summary = (f"as built: {'ok' if built.passed else f'{len(built.flagged)} layer(s) flagged'}{excluded}; "
                    f"schemes without a flagged layer: {', '.join(passing) or 'none'}")

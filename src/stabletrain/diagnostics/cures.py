@@ -324,7 +324,8 @@ class EpsGuard(Remedy):
         """The code change to make (at :attr:`where`)."""
         arg = "the denominator" if self.op == "div" else f"the input of {self.op}"
         at = f" at {self.where}" if self.where else ""
-        how = "x.clamp_min(eps)" if self.op not in ("div", "pow") else "x.abs().clamp_min(eps) * x.sign() (or + eps)"
+        how = ("x.clamp_min(eps)" if self.op not in ("div", "pow") else  # (what the replay did: 0 itself becomes +eps)
+               "torch.where(x.abs() < eps, torch.where(x < 0, -eps, eps), x)")
         return f"keep {arg} away from 0{at}: {how} with eps={self.eps:g}"
 
     @contextlib.contextmanager

@@ -131,7 +131,8 @@ def classify_failure(d: dict[str, Any], history: list[dict[str, Any]] | None = N
     if first and first.get("origin"):
         out["blamed_module"] = module if weight_driven else None
         node = f" ({first['autograd_node']})" if first.get("autograd_node") else ""
-        text = (f"{first['op']}{node} in {first['direction']} {_place(module, 'of')} makes a {first['kind']} "
+        article = "an" if str(first["kind"])[:1] in "aeiou" else "a"  # (an inf, a nan)
+        text = (f"{first['op']}{node} in {first['direction']} {_place(module, 'of')} makes {article} {first['kind']} "
                 "from finite inputs")
         if weight_driven:
             text += f"; {share}"

@@ -125,6 +125,7 @@ class IntervalBoundary:
             self.burst.update({"class": diagnosis.get("failure_class"), "level": bool(diagnosis.get("level_shift"))})
         if info.get("pinned") is not None:  # the capture's replay found the update that broke the parameters
             decision.pin(info["pinned"])
+            step = decision.first_incident  # (the capture is that step's: the lines below name it, not the one flagged)
         # The capture's bundle and whole diagnosis stay with the caller (a live remedy's search), not the callbacks'.
         self.callbacks.fire("on_incident", self.state, {k: v for k, v in info.items() if k not in IN_MEMORY})
         self.excluded += time.perf_counter() - t0  # the capture's time is not the next interval's throughput

@@ -269,6 +269,8 @@ class RemedyApplier:
                                 "none of its cures rolls back; a run with guard.on_nonfinite=remedy applies a cure at the "
                                 "incident itself, where its replay starts"))
         self.apply(remedy, str(Path(incident)), row, record, by_hand=True)
+        if remedy.rollback_step is not None:  # (the loop fires it for a live cure's: TensorBoard purges what it trains again)
+            self.state.callbacks.fire("on_rollback", self.state, self.last_rollback)
 
     def apply(self, remedy: Remedy, incident: str, row: dict[str, Any], record: dict[str, Any], *,
               by_hand: bool = False) -> None:

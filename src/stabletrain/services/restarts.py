@@ -273,7 +273,7 @@ def _restart(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_checkp
     """
     good = CheckpointManager(run_dir / "checkpoints").latest_good() if has_checkpoint else None
     if good is not None and _finished(cfg, run_dir, good, len(everyone)):  # (killed after its last save: no restart)
-        console.say(f"the run had finished (LAST_GOOD {good.name}, train.max_steps={cfg.train.max_steps}) when its process "
+        console.say(f"the run had trained to train.max_steps={cfg.train.max_steps} (LAST_GOOD {good.name}) when its process "
                     "died: nothing to restart")
         return Launch(False, run_dir, finished=True)
     events, _ = read_jsonl(run_dir / "events.jsonl")

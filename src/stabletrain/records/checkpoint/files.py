@@ -344,8 +344,8 @@ def load_checked(path: Path, require_finite: Sequence[str] | None, map_location:
         raise fail(str(err)) from None
     if bad is not None:
         raise fail(f"{bad} is not finite (NaN/Inf)")
-    if "dcp" in meta:  # the model's and optimizer's shards, in the DCP folder beside state.pt
-        problems = verify_dcp(path, meta["dcp"])
+    if "dcp" in meta:  # the model's and optimizer's shards, in the DCP folder beside state.pt (CRC32s: unless verified)
+        problems = verify_dcp(path, meta["dcp"], checksums=not verified)
         if problems:
             raise fail("; ".join(problems))
         attach_path(state, path, meta["dcp"])
