@@ -41,7 +41,7 @@ from .internals import (
     set_scaler_state,
     skips_on_device,
 )
-from .numerics import all_params_finite, grad_norms, snapshot_params, update_norms
+from .numerics import all_params_finite, buffers_kept, grad_norms, snapshot_params, update_norms
 from .policies.accumulation import AccumulationWindow
 from .policies.clipping import GradClipper
 from .policies.guard import Guard
@@ -214,14 +214,8 @@ def backpropagated_parts(model: nn.Module, losses_of: Any, whole: Tensor) -> lis
     and the model's buffers put back after, so the replay's own forwards draw the same). Per micro-batch, how its
     grad-mode loss is shaped for :func:`as_backpropagated`: divided by their number where ``whole`` is their mean, as it is
     where their sum, else scaled by ``whole`` / their sum."""
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    try:
-        with torch.no_grad(), kept_rng():
-            values = [loss.detach().float() for loss in losses_of()]
-    finally:
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
+    with torch.no_grad(), kept_rng(), buffers_kept(model):
+        values = [loss.detach().float() for loss in losses_of()]
     total, k = sum(values), len(values)
     seen = whole.detach().float().to(total.device)
     if bool(torch.isclose(total / k, seen, rtol=1e-5, atol=0.0)):
@@ -265,20 +259,15 @@ def warn_if_items_ignored(host: dict[str, Any], model: nn.Module, batch: Any, lo
     items, steps = host.get("num_items_in_batch"), host.get("accumulation_steps") or 1
     if not host.get("items_normalized") or items is None or steps <= 1:
         return False
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]  # a BatchNorm's running stats: the forwards' own
     losses = []
     try:
-        with torch.no_grad():
+        with torch.no_grad(), buffers_kept(model):  # (a BatchNorm's running stats: the forwards' own)
             for n in (items, items * 2):
                 with kept_rng():  # the same dropout masks for both
                     out = loss_for(n)(model, batch)
                 losses.append(float((out[0] if isinstance(out, (tuple, list)) else out).detach().float()))
     except Exception:  # a courtesy check: the step itself says what is wrong with the loss
         return False
-    finally:
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
     once, twice = losses if len(losses) == 2 else (float("nan"), float("nan"))
     if not (once == once and once != 0 and abs(once - twice) <= 1e-6 * abs(once)):  # (NaN fails ==)
         return False

@@ -127,23 +127,28 @@ def _weigh_samples(bench: ReplayBench, groups: list[tuple[list[int], Any]], rule
                   "why": why, "search": note}, None
 
 
-def _alike(rows: list[dict[str, Any]], found: list[int], limit: int, bound: float) -> list[int] | None:
-    """Every sample above the widest gap between the window's largest losses (``rows``, largest first; a gap of at least
-    ``bound``, the spike ratio, among the ``limit`` largest and the one after), where those hold ``found`` and more: the
-    outliers as a group, not the fewest whose removal passes the bar (5 of 8 planted x50 samples were named, the step
-    without them 'normal' at x1.92 the median). None where no such gap sets them apart."""
+def _outlier_group(rows: list[dict[str, Any]], limit: int, bound: float) -> tuple[list[int], float] | None:
+    """(the samples above the widest gap between the window's largest losses, that gap): among the ``limit`` largest and
+    the one after (``rows``: one per sample), where the lowest of them is ``bound`` x the window's median or more (each
+    an outlier of the window itself too: the widest gap may sit at its low end, near-0 losses of a trained model's
+    confident samples below ordinary ones). None where there is no such gap."""
     finite = [r["loss"] for r in rows if math.isfinite(r["loss"])]
     top = sorted((r for r in rows if math.isfinite(r["loss"]) and r["loss"] > 0), key=lambda r: -r["loss"])[:limit + 1]
     gaps = [(a["loss"] / b["loss"], i) for i, (a, b) in enumerate(zip(top, top[1:]))]
     if not gaps or not finite:
         return None
     gap, at = max(gaps)
-    # each of them an outlier of the window itself too (the widest gap may sit at its low end: near-0 losses of a
-    # trained model's confident samples, below ordinary ones)
     if top[at]["loss"] < bound * statistics.median(finite):
         return None
-    group = sorted(r["sample"] for r in top[:at + 1])
-    return group if gap >= bound and set(found) < set(group) else None
+    return sorted(r["sample"] for r in top[:at + 1]), gap
+
+
+def _alike(rows: list[dict[str, Any]], found: list[int], limit: int, bound: float) -> list[int] | None:
+    """The samples above the widest gap (:func:`_outlier_group`; a gap of at least ``bound``, the spike ratio), where those
+    hold ``found`` and more: the outliers as a group, not the fewest whose removal passes the bar (5 of 8 planted x50
+    samples were named, the step without them 'normal' at x1.92 the median). None where no such gap sets them apart."""
+    outliers = _outlier_group(rows, limit, bound)
+    return outliers[0] if outliers and outliers[1] >= bound and set(found) < set(outliers[0]) else None
 
 
 #: Samples above a gap of this many times the next loss are the outliers alone: the step without them need only be no
@@ -152,19 +157,11 @@ APART_GAP = 10.0
 
 
 def _apart(rows: list[dict[str, Any]], found: list[int], limit: int, bound: float) -> tuple[list[int], float] | None:
-    """(the samples above the widest gap between the window's largest losses, that gap) where it is :data:`APART_GAP` or
-    more and ``found`` (the fewest whose removal leaves a step within ``bound`` x the median) holds them and more: the
-    more are the window's own spread, below the gap, not outliers. None otherwise."""
-    finite = [r["loss"] for r in rows if math.isfinite(r["loss"])]
-    top = sorted((r for r in rows if math.isfinite(r["loss"]) and r["loss"] > 0), key=lambda r: -r["loss"])[:limit + 1]
-    gaps = [(a["loss"] / b["loss"], i) for i, (a, b) in enumerate(zip(top, top[1:]))]
-    if not gaps or not finite:
-        return None
-    gap, at = max(gaps)
-    group = sorted(r["sample"] for r in top[:at + 1])
-    if gap < APART_GAP or top[at]["loss"] < bound * statistics.median(finite) or not set(group) < set(found):
-        return None
-    return group, gap
+    """(the samples above the widest gap, that gap: :func:`_outlier_group`) where it is :data:`APART_GAP` or more and
+    ``found`` (the fewest whose removal leaves a step within ``bound`` x the median) holds them and more: the more are the
+    window's own spread, below the gap, not outliers. None otherwise."""
+    outliers = _outlier_group(rows, limit, bound)
+    return outliers if outliers and outliers[1] >= APART_GAP and set(outliers[0]) < set(found) else None
 
 
 def _verified(bench: ReplayBench, groups: list[tuple[list[int], Any]], rule: Any, normal: Any, sets: Any
