@@ -100,6 +100,35 @@ def rare_token_task(vocab: int = 32, length: int = 8, n: int = 640, first: int =
     return Task(model=model, train_data=TensorDataset(tokens, y), loss=loss, name="rare-token", optimizer=optimizer)
 
 
+class _SilentFeature(nn.Module):
+    def __init__(self, dim: int = 17, width: int = 64) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(dim, width), nn.Linear(width, 1)
+        with torch.no_grad():
+            self.a.weight[:, -1] = 0.0
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def silent_feature_task(at: int = 150, batch: int = 16, n: int = 4096, beta1: float = 0.5) -> Task:
+    """optimizer-state whose surge outlasts it: the last input feature is exactly 0 for the first ``at`` batches (its
+    column of ``a.weight`` gets no gradient: Adam's second moment there stays 0), then of normal scale. The first
+    gradient moves that column ~lr per coordinate, and every ordinary window after it too (the second moment stays
+    tiny for a while): under this state an ordinary window's update of ``a.weight`` is as inflated as the spike's."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 17, generator=g)
+    y = torch.tanh(x[:, :16] @ (torch.randn(16, 1, generator=g) / 4))
+    x[:, 16] = 0.0
+    x[at * batch:, 16] = 3.0 * torch.randn(n - at * batch, generator=g)
+    torch.manual_seed(0)
+
+    def optimizer(named: list) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for _, p in named], lr=0.01, betas=(beta1, 0.999), weight_decay=0.0, fused=True)
+
+    return Task(model=_SilentFeature(), train_data=TensorDataset(x, y), loss=_mse, name="silent-feature", optimizer=optimizer)
+
+
 class Standardize(nn.Module):
     """(x - mean) / std over the features, in whatever dtype x comes in."""
 

@@ -155,7 +155,7 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
     if back and back.get("found", True) and m["older"] is not None and m["reproduces"]:  # (a state from before a drift)
         m["older"]["before_spike"] = back["spike"]
         verdict["evidence"] += (f"; the older state is step {m['older']['step']}'s, from before the spike at step "
-                                f"{back['spike']} that began a drift: the interval's start, step {back['instead_of']}, "
+                                f"{back['spike']} that began a drift: a newer one, step {back['instead_of']}'s, "
                                 "carries its applied updates")
     after, by_index = observed.get("after_spike"), bundle.get("sample_unit", "dataset index") == "dataset index"
     # The samples earlier spikes named (one process: by dataset index), the last one's too where it was an applied spike
@@ -195,8 +195,11 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
     if bundle.get("world_size", 1) > 1 and m["reproduces"] and "ranks" not in bundle["window"]:  # (one rank's window)
         verdict["evidence"] += (f"; the losses above are rank {bundle.get('rank', 0)}'s own window's (the step's logged "
                                 "loss is the ranks' mean)")
-    for row in m["surges"]:  # what an update clip for that layer would hold it to
+    usual = observed.get("layer_ratios") or {}
+    for row in m["surges"]:  # the layer's update under this state on ordinary windows, and its usual one before the spike
         row["ordinary_ratio"] = (ordinary or {}).get("update_ratios", {}).get(row["name"])
+        if usual.get(row["name"]):
+            row["typical_ratio"] = usual[row["name"]]
     top = sorted(m["surges"], key=lambda r: -r["coord_factor"])[:5]
     out = {"step": bundle["step"], "rank": bundle.get("rank", 0), "epoch": bundle["window"]["epoch"], "anomaly": "spike",
            "loss": here["loss"], "grad_norm": here["grad_norm"], "spike_test": test, "reproduces": m["reproduces"],
@@ -206,7 +209,7 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
            "precision": precision, "dropout": m["dropout"],
            "spike_window": {"size": len(observed.get("spike_window") or []), "median": test.get("median"),
                             "mean": test.get("mean"), "std": test.get("std")},
-           "observed": observed and {k: v for k, v in observed.items() if k not in ("spike_window", "context")},
+           "observed": observed and {k: v for k, v in observed.items() if k not in ("spike_window", "context", "layer_ratios")},
            "stage": "none", "op": None, "direction": None, "module": verdict["blamed_module"], "origin": None,
            "first_nonfinite_param": None}
     out["summary"] = spike_summary(out)

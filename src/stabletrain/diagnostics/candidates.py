@@ -140,12 +140,16 @@ def _spike_candidates(diagnosis: dict[str, Any], precision: str, history: list[d
         out += [Precision(mode) for mode in {"fp16": ("bf16", "fp32"), "bf16": ("fp32",)}.get(precision, ())]
     layer = diagnosis.get("blamed_layer")
     if cls == "optimizer-state" and layer:
+        # The smaller of the layer's update on ordinary windows under this state (which the surging second moment may
+        # have inflated too: an update clip sized from it alone held nothing) and its usual one before the spike's interval.
+        rows = [r for r in diagnosis.get("surges") or [] if r.get("name") == layer]
         ordinary = {r[0]: r[3] for r in (diagnosis.get("jumps") or {}).get("update_ratio") or []}
-        typical = ordinary.get(layer) or next((r.get("ordinary_ratio") for r in diagnosis.get("surges") or []
-                                               if r.get("name") == layer and r.get("ordinary_ratio")), None)
+        now = ordinary.get(layer) or next((r["ordinary_ratio"] for r in rows if r.get("ordinary_ratio")), None)
+        typical = min(filter(None, [now, next((r["typical_ratio"] for r in rows if r.get("typical_ratio")), None)]),
+                      default=None)
         if typical:
             out.append(UpdateClip(layer, 2.0 * typical))
-        root = next((r.get("typical_sqrt_v") for r in diagnosis.get("surges") or [] if r.get("name") == layer), None)
+        root = next((r.get("typical_sqrt_v") for r in rows), None)
         out.append(AdamEps(layer, float(root) if root else 1e-4))
     out += [LowerLR(0.5), LowerLR(0.1)]
     if cls in ("state", "optimizer-state"):

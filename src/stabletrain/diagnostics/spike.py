@@ -186,7 +186,8 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
         acquit = (f"; a few of {blamed['name']}'s coordinates surged in the update of step {blamed['step']} (x"
                   f"{blamed['coord_factor']:.3g} as far as its others), less than every coordinate's steps grew")
     elif (blamed is not None and older is not None and older["window_high"] and math.isfinite(older["window"])
-          and older["window"] * SURGE_LIFT >= m["loss"]):  # (high against ordinary windows there too: the batch's)
+          and m["loss"] <= older["window"] + (SURGE_LIFT - 1) * abs(older["window"])):  # (high against ordinary windows
+        # there too: the batch's; raised by less than half its size, a loss below 0 too)
         acquit = (f"; {blamed['name']}'s surging update of step {blamed['step']} is not its cause: the window was "
                   f"{'as' if older['window'] >= m['loss'] else 'nearly as'} high under the state of step {older['step']} "
                   f"({older['window']:.4g}; {m['loss']:.4g} now)")

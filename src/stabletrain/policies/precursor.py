@@ -160,6 +160,7 @@ class Precursor:
         self.ratios, self.updates, self.grads = _History(num), _History(num), _History(num)
         self.departing = False  # some layer departed at the last interval: no new warning until none does
         self.num_warnings = 0
+        self._before: tuple[list[float], list[int]] = ([], [])  # the ratios' history before the last interval observed
 
     def observe(self, step: int, summary: dict[str, Any], param_sq: Sequence[float],
                 rows: Sequence[Any] = ()) -> PrecursorWarning | None:
@@ -171,6 +172,7 @@ class Precursor:
         """
         if not self.enabled or not summary:
             return None
+        self._before = (self.ratios.mean[:], self.ratios.count[:])
         updates, ratios, grads = layer_figures(summary, param_sq)
         if len(ratios) != len(self.names) or not any(u > 0 for u in updates):
             return None
@@ -206,6 +208,12 @@ class Precursor:
             gz, gd = self.grads.z(i, gx)
             out["grad_factor"], out["grad_z"] = math.exp(gd), gz
         return out
+
+    def typical_ratios(self) -> dict[str, float]:
+        """Each parameter's typical update/weight ratio before the last interval observed (its history's geometric mean
+        then): what it usually moves by, not what a surge in that interval made it. Only parameters with a history."""
+        mean, count = self._before
+        return {n: math.exp(m) for n, m, c in zip(self.names, mean, count) if c > 0}
 
     def state_dict(self) -> dict[str, Any]:
         """The histories, the departing flag and the warning count (plain values)."""

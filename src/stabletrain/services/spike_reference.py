@@ -54,6 +54,9 @@ def spike_parts(engine: Any, fit: RunState, bundle: dict[str, Any], step: int, s
     bundle["observed"].update(anomaly="spike", spike_window=list(info.get("spike_window") or []),
                               history=[[r["step"], r.get("lr"), r.get("update_ratio")] for r in [*engine.history, *fit.history]
                                        if r["step"] < step][-HISTORY_INTERVALS:])
+    typical = fit.precursor.typical_ratios() if fit.precursor is not None else {}
+    if typical:  # each layer's usual update before the interval (an update clip's size: not one a surge inflated)
+        bundle["observed"]["layer_ratios"] = typical
     if engine.last_spike is not None and 0 < step - engine.last_spike["step"] <= AFTERSHOCK_STEPS:
         bundle["observed"]["after_spike"] = dict(engine.last_spike)
     earlier = sorted((t, i) for i, t in engine.spiked_samples.items() if t < step)[-MAX_EARLIER_SAMPLES:]
@@ -76,7 +79,7 @@ def spike_parts(engine: Any, fit: RunState, bundle: dict[str, Any], step: int, s
                                 or update_jumped_at(bundle["observed"]["history"], at)):
         older, at, ran = before_jump(engine, at, now) or (older, at, ran)
     chain = engine.drift_at(step)
-    if older is not None and chain is not None and at >= chain["onset"]:
+    if chain is not None and (older is None or at >= chain["onset"]):  # (None: the spike opens its interval)
         # The state already carries the applied update of an earlier spike that drifted it (and of the spikes after it):
         # a window it finds high tells no outlier batch from a state left off (a too-high LR's model errs most, and
         # confidently, on a few ordinary samples), so it is weighed under a kept snapshot from before that spike
