@@ -388,6 +388,43 @@ class RaisingRegressor(Regressor):
         return super().forward(x, labels)
 
 
+class OutOfMemoryRegressor(Regressor):
+    """Runs out of (CPU) memory at its ``at``-th training call while its batch is larger than ``fits``."""
+
+    def __init__(self, at, fits):
+        super().__init__()
+        self.at, self.fits, self.calls = at, fits, 0
+
+    def forward(self, x, labels=None):
+        self.calls += self.training
+        if self.training and self.calls == self.at and x.shape[0] > self.fits:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 123 bytes")
+        return super().forward(x, labels)
+
+
+def test_an_out_of_memory_step_the_trainer_retries_at_a_smaller_batch_is_no_crash_and_the_retry_trains_on(tmp_path):
+    """A review and a trial: with auto_find_batch_size the Trainer catches an out-of-memory error and trains again from
+    its first step at a smaller batch, calling on_train_begin again: the run directory held a logged run, so the new
+    session refused it (FileExistsError) and the retry the user asked for died; the attempt's error read as a crash."""
+    x, y = outlier_pairs(48, 0, (), BATCH)
+    cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=5)
+    trainer = trainer_for(OutOfMemoryRegressor(at=8, fits=BATCH - 1), cb, tmp_path, max_steps=12,
+                          rows=[{"x": a, "labels": b} for a, b in zip(x, y)], auto_find_batch_size=True)
+    with pytest.warns(UserWarning, match="ran out of memory at step 8 and trains again from its first step at batch size 3"):
+        trainer.train()
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")[0]
+    assert [e["kind"] for e in events] == ["retry"] and events[0]["failed_step"] == 8, events
+    assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]] == [5, 10, 12]  # the new attempt's
+    assert cb.session.closed and trainer.state.global_step == 12 and trainer.state.train_batch_size == 3
+    # without auto_find_batch_size the same error is the run's end: a crash
+    cb = StableTrainCallback(run_dir=tmp_path / "run2", log_every=5)
+    trainer = trainer_for(OutOfMemoryRegressor(at=8, fits=BATCH - 1), cb, tmp_path, max_steps=12,
+                          rows=[{"x": a, "labels": b} for a, b in zip(x, y)])
+    with pytest.raises(RuntimeError, match="can't allocate memory"):
+        trainer.train()
+    assert read_jsonl(tmp_path / "run2" / "events.jsonl")[0][-1]["kind"] == "crash"
+
+
 def test_an_exception_in_the_trainers_step_is_a_crash_event_and_the_run_is_closed(tmp_path):
     """A review: the Trainer has no exception hook, and only on_train_end detached: a raising train() left no crash
     event, the partial interval unlogged, the run's files open and training_step patched on the instance."""

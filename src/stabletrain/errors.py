@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["user_frames", "user_location", "defined_at", "caller_loss_note", "format_user_traceback", "task_part",
+           "host_retry", "retry_line",
            "raised_by_stabletrain", "format_task_error", "batch_note", "TaskCodeError", "TASK_PARTS", "brief", "crash_event",
            "StopTraining"]
 
@@ -406,3 +407,21 @@ class StopTraining(RuntimeError):
     def __init__(self, step: int, reason: str) -> None:
         self.step, self.reason = step, reason
         super().__init__(f"stabletrain stopped the run at step {step}: {reason}")
+
+
+def host_retry(args: Any, err: BaseException, step: int) -> dict[str, Any] | None:
+    """A ``retry`` event's fields for an out-of-memory error that a host trainer retries at a smaller batch (transformers'
+    ``auto_find_batch_size``, by accelerate's own test), else None (the error ends the run: a crash)."""
+    if not getattr(args, "auto_find_batch_size", False) or not isinstance(err, Exception):
+        return None
+    try:
+        from accelerate.utils.memory import should_reduce_batch_size
+    except ImportError:
+        return None
+    return {"failed_step": step, "error": brief(str(err))} if should_reduce_batch_size(err) else None
+
+
+def retry_line(retry: dict[str, Any], batch_size: int) -> str:
+    """What a :func:`host_retry` says when the host trains again at ``batch_size``."""
+    return (f"the Trainer ran out of memory at step {retry['failed_step']} and trains again from its first step at batch "
+            f"size {batch_size} (auto_find_batch_size): this run directory holds the new attempt")

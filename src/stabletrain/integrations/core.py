@@ -89,19 +89,16 @@ class RunSession:
                  recipes: dict[str, Any] | None = None, callbacks: Sequence[Callback] = (), overwrite: bool = False,
                  fingerprint: InitFingerprint | None | str = "take",
                  tracker_hosts: dict[str, tuple[Callable[[], Any], Any]] | None = None, compiled: bool = False) -> None:
-        self.options = options
-        self.dist = DistContext.current()
+        self.options, self.dist = options, DistContext.current()
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.model = unwrap(model)
         self.host, self.precision, self.optimizer, self.scaler = host, precision, optimizer, scaler
-        self.recipes, self.overwrite = dict(recipes or {}), overwrite
-        self.host_config = host_config or {}
+        self.recipes, self.overwrite, self.host_config = dict(recipes or {}), overwrite, host_config or {}
         self.named_params = unique_params(self.model)
         if not self.named_params:
             raise ValueError(f"{type(self.model).__name__} has no trainable parameters")
-        self.params = [p for _, p in self.named_params]
+        self.params, self.clip_max_norm = [p for _, p in self.named_params], clip_max_norm
         self.device = self.params[0].device
-        self.clip_max_norm = clip_max_norm
         # train.compile records a host-compiled model (``compiled``: the host says so where the model it hands over is
         # not the compiled one): the bundle's config says so, and the diagnosis that it replayed eagerly.
         cfg = Config(precision=precision, device=str(self.device), clip=ClipConfig(max_norm=clip_max_norm),
@@ -114,8 +111,7 @@ class RunSession:
         if fingerprint == "take":
             fingerprint = InitFingerprint.take(self.model) if options.init_check else None
         self.fingerprint = fingerprint if options.init_check else None
-        self.replay = replay
-        self.epoch = 0
+        self.replay, self.epoch = replay, 0
         self.started = self.closed = self.signal_checked = False
         self.trackers = build_trackers(options.trackers, hosts=tracker_hosts)
         self.callbacks = CallbackList([InitWatch(self.fingerprint), EventLog(), MetricsFile(), TensorBoardLog(),

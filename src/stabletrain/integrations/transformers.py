@@ -54,6 +54,7 @@ from ..config import AdapterOptions
 from ..console import StableTrainWarning, show_bar
 from ..data import move_to
 from ..diagnostics.initialization import InitFingerprint
+from ..errors import host_retry, retry_line
 from ..host_step import warn_if_items_ignored
 from ..internals import find_caller, is_compiled
 from ..numerics import grad_norms
@@ -103,6 +104,7 @@ class StableTrainCallback(TrainerCallback):
         self._norms: tuple[Tensor, Tensor] | None = None
         self._wrapped: list[str] = []
         self._bar: Any = None  # the Trainer's own progress bar (False: it draws none), which our lines go above
+        self._retry: dict[str, Any] | None = None  # the out-of-memory step the Trainer is retrying at a smaller batch
 
     # -- set-up --------------------------------------------------------------------------------------
 
@@ -118,7 +120,8 @@ class StableTrainCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
                        optimizer: Any = None, **kwargs: Any) -> None:
-        if self.session is not None:  # a second train() on the same callback: a new session
+        retry, self._retry = self._retry, None
+        if self.session is not None:  # a second train() on the same callback (or its retry): a new session
             self._detach()
         trainer = self._find_trainer()
         if trainer is None:
@@ -144,14 +147,17 @@ class StableTrainCallback(TrainerCallback):
         host.update(trainer_class=f"{type(trainer).__module__}.{type(trainer).__qualname__}", world_size=args.world_size)
         self.session = RunSession(
             self.run_dir, model, host="transformers", options=self.options, precision=mode, clip_max_norm=clip,
-            optimizer=inner, scaler=scaler, replay=_TransformersReplay(self), overwrite=self.overwrite,
-            fingerprint=None if resumed else self._fingerprint, recipes={"model": model_recipe(model, "transformers"),
+            optimizer=inner, scaler=scaler, replay=_TransformersReplay(self), overwrite=self.overwrite or bool(retry),
+            fingerprint=None if resumed or retry else self._fingerprint, recipes={"model": model_recipe(model, "transformers"),
                      "loss": loss_recipe(self.loss_fn, {"kind": "transformers"} if _default_compute_loss(trainer) else None)},
             host_config=host, callbacks=self.stable_callbacks,
             compiled=bool(getattr(args, "torch_compile", False))  # the callbacks are handed the uncompiled model
             or is_compiled(getattr(trainer, "model_wrapped", model)))
         self.session.judge_host_steps(inner, scaler, host_clip=clip, own_clip=None, skip_hint="use optim='adamw_torch_fused'")
         self.session.open(resume=resumed)
+        if retry:  # the attempt before is replaced: the Trainer trains from its first step again (its weights kept)
+            self.session.state.event(0, "retry", retry_line(retry, n := state.train_batch_size), **retry, batch_size=n)
+            warnings.warn(retry_line(retry, n), StableTrainWarning, stacklevel=2)
         if resumed:
             path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}", STATE_FILE)
             if os.path.exists(path):
@@ -201,8 +207,9 @@ class StableTrainCallback(TrainerCallback):
         pending.add(dict(inputs), count_tokens(inputs), rng=session.capturing)
         try:
             loss = self._call_training_step(model, inputs, num_items_in_batch)
-        except BaseException as err:  # (the Trainer has no hook for it): the crash recorded, the run closed, unwrapped
-            self._detach(err)
+        except BaseException as err:  # (the Trainer has no hook for it): the crash recorded (an out-of-memory error it
+            self._retry = host_retry(self.args, err, session.step + 1)  # retries: none), the run closed, unwrapped
+            self._detach(None if self._retry else err)
             raise
         pending.add_loss(loss.detach().float().reshape(()))
         if self.trainer.accelerator.sync_gradients:  # the window's last backward: its pre-clip gradients
@@ -210,9 +217,8 @@ class StableTrainCallback(TrainerCallback):
         return loss
 
     def _call_training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any) -> Tensor:
-        if num_items_in_batch is None:  # transformers < 4.46 calls training_step(model, inputs)
-            return self._training_step(model, inputs)
-        return self._training_step(model, inputs, num_items_in_batch)
+        # (transformers < 4.46 calls training_step(model, inputs))
+        return self._training_step(model, inputs, *(() if num_items_in_batch is None else (num_items_in_batch,)))
 
     def _watched_compute_loss(self, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         out = self._compute_loss(model, inputs, *args, **kwargs)
@@ -272,10 +278,8 @@ class StableTrainCallback(TrainerCallback):
     # -- checkpoints and the end -------------------------------------------------------------------------
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.session is None:
-            return
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        if os.path.isdir(folder) and self.session.dist.rank == 0:
+        if self.session is not None and os.path.isdir(folder) and self.session.dist.rank == 0:
             torch.save(self.session.state_dict(), os.path.join(folder, STATE_FILE))
 
     def _detach(self, err: BaseException | None = None) -> None:

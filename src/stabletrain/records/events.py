@@ -46,6 +46,8 @@ EVENT_KINDS: dict[str, str] = {
     "stop": "the run stopped before train.max_steps: a guard limit, SIGINT or SIGTERM, or a restart refused "
             "(the same failure again, run.max_repeats)",
     "crash": "an exception ended the run: its type, message and where in the user's code it was raised",
+    "retry": "the host trainer trains again from its first step at a smaller batch after running out of memory "
+             "(transformers' auto_find_batch_size): the run directory holds the new attempt",
     "init_overwritten": "parameters changed between the task factory and the first step (an init was overwritten)",
 }
 
