@@ -114,6 +114,31 @@ def test_a_sharded_save_moves_last_good_only_once_its_shards_and_metadata_verify
     assert ckpt.verify(good) == ["step_000001: dcp/__0_0.distcp does not match its crc32 in meta.json (corrupted)"]
 
 
+def test_each_rank_checksums_its_own_shards_and_a_rank_whose_checksums_never_come_fails_the_save(tmp_path):
+    """A review: rank 0 read every rank's shards back for their CRC32s on each save (a whole model's bytes through one
+    process, LAST_GOOD waiting on it). Each rank checksums its own files; rank 0 gathers them, waiting dist.timeout_s."""
+    import zlib
+    from concurrent.futures import Future
+
+    folder = tmp_path / "dcp"
+    folder.mkdir()
+    for name in ("__0_0.distcp", "__1_0.distcp", "__1_1.distcp"):
+        (folder / name).write_bytes(name.encode() * 1000)
+    done = Future()
+    done.set_result(None)
+    mine = ShardedSave(1, tmp_path, [], done, {}, rank=1, world=2, timeout_s=0.2)
+    mine.checksums.join()
+    crc = {n: f"{zlib.crc32(n.encode() * 1000):08x}" for n in ("__0_0.distcp", "__1_0.distcp", "__1_1.distcp")}
+    assert json.loads((folder / ".crc32.1.json").read_text()) == {n: crc[n] for n in ("__1_0.distcp", "__1_1.distcp")}
+    lost = Future()
+    lost.set_exception(OSError("disk full"))
+    ShardedSave(1, tmp_path, [], lost, {}, rank=0, world=2).checksums.join()  # a failed write leaves none
+    with pytest.raises(RuntimeError, match="rank 0's shard checksums did not arrive within 0.2 s"):
+        mine._gathered(folder)
+    ShardedSave(1, tmp_path, [], done, {}, rank=0, world=2).checksums.join()
+    assert mine._gathered(folder) == crc and not list(folder.glob(".crc32*"))
+
+
 def test_metadata_that_pickles_anything_but_dcp_metadata_is_refused_and_never_run(tmp_path):
     path = tmp_path / ".metadata"
     path.write_bytes(pickle.dumps(os.getcwd))
@@ -134,6 +159,9 @@ def _final(run_dir, step):
     loaded = CheckpointManager(run_dir / "checkpoints").load()
     assert loaded.meta["step"] == step, loaded.path
     assert sorted(p.name for p in (loaded.path / "dcp").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    # each shard's CRC32, by the rank that wrote it (its side file gathered into meta.json, then removed: above), checked
+    assert loaded.meta["dcp"]["crc32"].keys() == {"__0_0.distcp", "__1_0.distcp"}
+    assert CheckpointManager(run_dir / "checkpoints").verify(loaded.path) == []
     return loaded.state, read_full_tensors(loaded.path / "dcp")
 
 

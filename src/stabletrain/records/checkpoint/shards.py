@@ -8,7 +8,7 @@ default) each rank writes its own shards of the model and optimizer; nothing is 
                      rank's RNG and data position; the model and optimizer entries are markers (their
                      non-tensor leaves, and the keys of their tensors in the DCP folder)
         meta.json    as for any checkpoint, plus "dcp": the folder, every tensor key, each shard file's
-                     size and CRC32, the sha256 of .metadata
+                     size and CRC32 (each rank checksums its own), the sha256 of .metadata
         dcp/.metadata, dcp/__0_0.distcp, dcp/__1_0.distcp     one shard file per rank
 
 One save (DESIGN.md, principle 4: nothing bad is persisted)::
@@ -39,7 +39,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import json
+import os
 import pickle
+import threading
 import time
 import warnings
 import zlib
@@ -141,10 +144,45 @@ def local_tensors(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
 # -- saving ---------------------------------------------------------------------------------------------
 
 class ShardedSave:
-    """One rank's DCP save in flight: ``tmp`` (the checkpoint's temporary directory), its future and timings."""
+    """One rank's DCP save in flight: ``tmp`` (the checkpoint's temporary directory), its future and timings.
 
-    def __init__(self, step: int, tmp: Path, keys: list[str], future: Any, timings: dict[str, float]) -> None:
+    Each rank checksums its own shard files once its write is done (a thread: :meth:`checksum`) and leaves their CRC32s
+    beside them; rank 0 gathers those into meta.json (:meth:`finish`): no process reads every rank's shards back.
+    """
+
+    def __init__(self, step: int, tmp: Path, keys: list[str], future: Any, timings: dict[str, float],
+                 rank: int = 0, world: int = 1, timeout_s: float = 120.0) -> None:
         self.step, self.tmp, self.keys, self.future, self.timings = step, tmp, keys, future, timings
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self.checksums = threading.Thread(target=self.checksum, name=f"stabletrain-shard-crc32-{rank}", daemon=True)
+        self.checksums.start()
+
+    def checksum(self) -> None:
+        """Wait for this rank's write; then write the CRC32 of each of its shard files (DCP's ``__RANK_N``) to
+        ``dcp/.crc32.RANK.json``. A failed write leaves none (its failure is rank 0's outcome)."""
+        try:
+            self.future.result()
+        except Exception:  # noqa: BLE001
+            return
+        folder = self.tmp / DCP_DIR
+        with contextlib.suppress(OSError):  # (the save failed on rank 0 and its directory is gone)
+            crcs = {p.name: _crc32(p) for p in sorted(folder.glob(f"__{self.rank}_*.distcp"))}
+            part = folder / f".crc32.{self.rank}.json.tmp"
+            part.write_text(json.dumps(crcs))
+            os.replace(part, folder / f".crc32.{self.rank}.json")
+
+    def _gathered(self, folder: Path) -> dict[str, str]:
+        """Every rank's shard CRC32s (:meth:`checksum`), waited for up to ``timeout_s``; their files removed."""
+        deadline, out = time.monotonic() + self.timeout_s, {}
+        for rank in range(self.world):
+            path = folder / f".crc32.{rank}.json"
+            while not path.is_file():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"rank {rank}'s shard checksums did not arrive within {self.timeout_s:g} s")
+                time.sleep(0.005)
+            out.update(json.loads(path.read_text()))
+            path.unlink()
+        return out
 
     def finish(self, timings: dict[str, float]) -> dict[str, Any]:
         """Wait for the save (rank 0: every rank's shards written and .metadata complete); return meta.json's "dcp".
@@ -161,9 +199,10 @@ class ShardedSave:
         files: dict[str, int] = {}
         for info in metadata.storage_data.values():
             files[info.relative_path] = (folder / info.relative_path).stat().st_size
+        crcs = self._gathered(folder)  # (each shard's bytes, as state.pt's; by the rank that wrote it)
         return {"dir": DCP_DIR, "keys": self.keys, "files": dict(sorted(files.items())),
                 "bytes": sum(files.values()), "metadata_sha256": _sha256(folder / METADATA),
-                "crc32": {name: _crc32(folder / name) for name in sorted(files)}}  # (each shard's bytes, as state.pt's)
+                "crc32": {name: crcs[name] for name in sorted(files) if name in crcs}}
 
 
 def _done(result: Any) -> Any:
@@ -194,6 +233,7 @@ class ShardedSaver:
         # async_save's first save broadcasts its checkpoint processes' address on it (their own gloo group does the
         # rest): a group of its own keeps that apart from training's collectives.
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self.timeout_s = timeout_s
         # Reused across saves: the staging buffers of the same tensors are copied into, not reallocated; in shared
         # memory, which DCP's checkpoint process (dcp_process) reads them from.
         self.stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=True,
@@ -231,7 +271,8 @@ class ShardedSaver:
                 future = _done(dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp / DCP_DIR)),
                                         process_group=self.group, planner=planner()))
         timings = {"shard_stage_s": time.perf_counter() - t0}
-        self.in_flight = ShardedSave(step, tmp, sorted(tensors), future, timings)
+        self.in_flight = ShardedSave(step, tmp, sorted(tensors), future, timings, rank=dist.get_rank(self.group),
+                                     world=dist.get_world_size(self.group), timeout_s=self.timeout_s)
         return self.in_flight
 
     def wait(self) -> None:
@@ -242,6 +283,7 @@ class ShardedSaver:
                 pending.future.result()
             except Exception:  # noqa: BLE001  (the same failure reaches rank 0, which records it)
                 pass
+            pending.checksums.join()  # (rank 0's outcome waits for this rank's checksums)
 
 
 # -- verifying and loading ------------------------------------------------------------------------------
