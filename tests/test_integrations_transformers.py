@@ -416,6 +416,11 @@ def test_an_out_of_memory_step_the_trainer_retries_at_a_smaller_batch_is_no_cras
     assert [e["kind"] for e in events] == ["retry"] and events[0]["failed_step"] == 8, events
     assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]] == [5, 10, 12]  # the new attempt's
     assert cb.session.closed and trainer.state.global_step == 12 and trainer.state.train_batch_size == 3
+    from stabletrain.report.health import health_summary
+
+    said = health_summary(load_run(tmp_path / "run")).sentences  # the report says why the records start over
+    assert ("warn", "The Trainer ran out of memory at step 8 and trains again from its first step at batch size 3 "
+            "(auto_find_batch_size): this run directory holds the new attempt.") in said, said
     # without auto_find_batch_size the same error is the run's end: a crash
     cb = StableTrainCallback(run_dir=tmp_path / "run2", log_every=5)
     trainer = trainer_for(OutOfMemoryRegressor(at=8, fits=BATCH - 1), cb, tmp_path, max_steps=12,

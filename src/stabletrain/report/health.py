@@ -408,11 +408,12 @@ def _progress(run: RunData, h: Health) -> None:
 
 
 def _restarts(run: RunData, h: Health) -> None:
-    """The restarts the run made by itself (``run.max_restarts``): how many, after which deaths, from where."""
+    """The restarts the run made by itself (``run.max_restarts``): how many, after which deaths, from where; a host's retry."""
     from ..distributed.launch import describe_exit
 
-    restarts = [e for e in run.events if e.kind == "restart"]
-    h.figures["restarts"] = len(restarts)
+    for e in (e for e in run.events if e.kind == "retry"):  # the host trainer trained again (auto_find_batch_size)
+        h.say("warn", f"{e.reason[:1].upper()}{e.reason[1:]}.")
+    h.figures["restarts"] = len(restarts := [e for e in run.events if e.kind == "restart"])
     if not restarts:
         return
     deaths: dict[str, int] = {}
@@ -424,9 +425,8 @@ def _restarts(run: RunData, h: Health) -> None:
     said = "; ".join(what + (f", {n} times" if n > 1 else "") for what, n in deaths.items())
     froms = sorted({str(e.extra.get("checkpoint") or ("step 0" if started_over({**e.extra, "step": e.step})
                                                       else "the newest checkpoint that verified")) for e in restarts})
-    times = "once" if len(restarts) == 1 else f"{len(restarts)} times"
-    h.say("warn", f"Restarted itself {times} after its process died ({said}), from "
-                  f"{', '.join(froms)} (run.max_restarts; what each cost: the goodput line).")
+    h.say("warn", f"Restarted itself {'once' if len(restarts) == 1 else f'{len(restarts)} times'} after its process "
+                  f"died ({said}), from {', '.join(froms)} (run.max_restarts; what each cost: the goodput line).")
 
 
 def _records(run: RunData, h: Health) -> None:
