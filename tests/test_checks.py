@@ -565,6 +565,7 @@ def test_check_init_says_an_init_the_first_forward_overwrites_and_recommends_no_
     assert any(d.startswith("init overwritten in the model's first forward: 3 parameter(s)") and "remove the "
                "re-initialization" in d for d in init.details), init.details
     assert not any(d.startswith("recommended init:") for d in init.details), init.details
+    assert init.numbers["recommended"] is None  # (a trial: the numbers still said recommended=kaiming)
     printed = capsys.readouterr()
     assert (printed.out + printed.err).count("init overwritten in the model's first forward") == 1  # two runs, one line
 

@@ -249,7 +249,7 @@ def test_auto_reports_a_users_task_too_unless_its_copy_would_crowd_the_memory(tm
     task.loss = lambda model, batch: calls.append(1) or loss(model, batch)
     Trainer(cfg("train.max_steps=1", "log.init_signal=auto"), task=task, run_dir=tmp_path / "auto").fit()
     assert json.loads((tmp_path / "auto" / "init_signal.json").read_text())["layers"]
-    assert len(calls) == 2  # the report's one forward (on a copy of the model), then the step's
+    assert len(calls) == 3  # the report's forward and its forward without dropout (on a copy of the model), the step's
     size = sum(p.numel() * p.element_size() for p in task.model.parameters())
     assert init_signal.copy_fits(task.model, torch.device("cpu"), free=16 * size)  # 4 x its bytes in a quarter
     assert not init_signal.copy_fits(task.model, torch.device("cpu"), free=16 * size - 1)
@@ -418,3 +418,5 @@ def test_an_init_a_lazy_first_forward_overwrites_is_reported_once(tmp_path, capf
     assert len(events) == 1 and [p["name"] for p in events[0]["params"]] == ["l2.weight", "l2.bias"], events
     assert events[0]["reason"].startswith("init overwritten in the model's first forward: "), events[0]["reason"]
     assert "stabletrain: init overwritten in the model's first forward: " in capfd.readouterr().out
+    # (a trial: the step-0 line before it recommended an init that this forward wipes, and nothing said so)
+    assert "no init applied before that forward survives it, the step-0 init line's advice included" in events[0]["reason"]

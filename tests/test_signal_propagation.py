@@ -624,3 +624,63 @@ def test_the_adam_update_band_is_never_empty_nor_inverted_for_a_weight_as_small_
         low, high = th.update_band(True, 1e-3, rms)
         assert low == pytest.approx(min(0.1 * 1e-3 / rms, 0.01)) and low <= high / 10 * (1 + 1e-9), (rms, low, high)
 
+
+def test_a_layer_whose_output_no_longer_varies_across_the_batch_vanishes_whatever_its_std():
+    """A new user's trial: a 10-layer ReLU net under PyTorch's default init (ReLU and dropout called as functions) read
+    'forward: ok', its std held at ~0.07 by the biases at every depth while its outputs were 2e-5 apart from one sample
+    to another. The std over every element counts a feature's constant offset as signal; the spread across the batch
+    (dropout off: its draw varies a constant) does not."""
+    import torch.nn.functional as F
+
+    class FuncMLP(nn.Module):
+        def __init__(self, depth=10, width=64):
+            super().__init__()
+            self.inp, self.head = nn.Linear(32, width), nn.Linear(width, 10)
+            self.hidden = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+        def forward(self, x):
+            x = F.relu(self.inp(x))
+            for layer in self.hidden:
+                x = F.dropout(F.relu(layer(x)), 0.1, self.training)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    batch = (torch.randn(32, 32), torch.randint(0, 10, (32,)))
+    loss = lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])  # noqa: E731
+    model = FuncMLP()
+    report = signal_report(model, batch, loss)
+    first = report.first_forward
+    assert first.kind == "Linear" and first.forward_ratio > 0.25 and first.out_spread < 0.01 * first.out_std, first
+    assert report.summary("forward").startswith(f"forward: vanishes at #{first.index} '{first.name}' (Linear): its output "
+                                                "barely varies across the batch (by ")
+    head = report.layers[-1]
+    assert head.out_std > 0.05 and head.out_spread < 1e-3  # the model's output: offsets alone
+    torch.manual_seed(0)
+    init_(model, "kaiming")  # the fix it recommends (biases zeroed): the forward holds
+    assert report.recommended == "kaiming" and signal_report(model, batch, loss).first_forward is None
+    # an input of zeros by design (a conditioning vector): its layer's bias alone is no collapse (above)
+
+
+def test_frozen_layers_are_never_redrawn_and_no_init_is_advised_for_them():
+    """A new user's trial: a frozen (pretrained) backbone whose signal vanishes was told 'recommended init:
+    init_(model, 'kaiming')', and init_ redrew the frozen weights: following the advice wiped them."""
+    from stabletrain.diagnostics.initialization import architectures
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(32, 64), nn.ReLU()] + [m for _ in range(9) for m in (nn.Linear(64, 64), nn.ReLU())]
+    backbone = nn.Sequential(*layers).requires_grad_(False)
+    model = nn.Sequential(backbone, nn.Linear(64, 10))
+    batch = (torch.randn(32, 32), torch.randint(0, 10, (32,)))
+    loss = lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])  # noqa: E731
+    report = signal_report(model, batch, loss)
+    assert not report.passed and report.first_forward.name.startswith("0.") and report.lost_in_frozen()
+    assert "the signal leaves the band in layers whose weights are frozen" in report.advice()
+    before = [p.clone() for p in backbone.parameters()]
+    decisions = init_(model, "kaiming")
+    assert all(torch.equal(a, b) for a, b in zip(before, backbone.parameters()))  # never redrawn
+    assert {d.scheme for d in decisions if d.name.startswith("0.")} == {"frozen"} and decisions[-1].scheme == "kaiming"
+    said = architectures(report, signal_report(model, batch, loss))  # (re-initialized: the same flag)
+    assert said.endswith("whatever the init: its weights are frozen (requires_grad=False), which no init redraws")
+    model[1].requires_grad_(False)  # the same model trainable: no such note
+    model.requires_grad_(True)
+    assert not signal_report(model, batch, loss).lost_in_frozen()

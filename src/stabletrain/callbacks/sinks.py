@@ -233,8 +233,10 @@ class InitWatch(Callback):
                 if state.step > 0:  # a host whose fit starts in its first step (Monitor): its first forward came before
                     return  # the comparison above, and this one is after an update (every parameter "changed")
                 changes = fingerprint.compare(module)
-                if changes:
-                    _say_overwritten(state, changes, " in the model's first forward")
+                if changes:  # (what the step-0 report measured and advised on: not what the run starts from)
+                    _say_overwritten(state, changes, " in the model's first forward", "; no init applied before that forward "
+                                     "survives it, the step-0 init line's advice included: remove the re-initialization (a "
+                                     "lazy init on the first call) or the in-place change of the weights from the forward")
 
             watched = state.module
             handle = watched.register_forward_hook(after_first_forward)
@@ -247,8 +249,8 @@ def _loss_text(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, (int, float)) else str(value)
 
 
-def _say_overwritten(state: RunState, changes: list[Any], when: str) -> None:
-    text = InitFingerprint.describe(changes)
+def _say_overwritten(state: RunState, changes: list[Any], when: str, then: str = "") -> None:
+    text = InitFingerprint.describe(changes) + then
     state.event(state.step, "init_overwritten", f"init overwritten{when}: {text}", params=[c.as_dict() for c in changes])
     if state.dist.is_main:  # (it was an event only: the run trained on another init without a word)
         console.say(f"init overwritten{when}: {text}")

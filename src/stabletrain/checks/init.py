@@ -345,7 +345,8 @@ def check_init(ctx: CheckContext) -> CheckResult:
                    f"backward {numbers['backward']}") + excluded
     if architecture is not None:  # no init advice: the architecture's (passes, with a warning)
         details = [d for d in details if not d.startswith("recommended init:")] + [architecture]
-        summary = f"no init's fault: {architecture.split(' whatever the init')[0]} whatever the init (the architecture's)"
+        whose = "the frozen weights'" if "are frozen" in architecture else "the architecture's"
+        summary = f"no init's fault: {architecture.split(' whatever the init')[0]} whatever the init ({whose})"
         numbers["architecture"] = architecture
     if loss_line is not None:  # (before a comparison's advice, which stays the last line)
         details.insert(len(details) - 1 if schemes else len(details), loss_line)
@@ -357,6 +358,7 @@ def check_init(ctx: CheckContext) -> CheckResult:
             "first call) or the in-place change of the weights from the forward, then compare schemes"]
         summary = f"the model's first forward changed {len(overwritten)} parameter(s); " + summary
         numbers["init_overwritten"] = [c.as_dict() for c in overwritten]
+        recommended = None  # (no scheme: the forward draws again)
     if loss_fails:
         summary += (f"; and so {loss_line.split(' (the model')[0]}" if exploding is not None
                     else f"; but {loss_line.split(' (the model')[0]}: the output starts confidently wrong")

@@ -302,6 +302,8 @@ def architectures(built: SignalReport, reinit: SignalReport) -> str | None:
         said.append(f"{direction} {verb} at #{a.index} {a.name!r} ({x:.3g}x; init_(model, {built.recommended!r}): {y:.3g}x)")
     if not said:
         return None
+    if built.lost_in_frozen():  # (pretrained weights, which init_ leaves as they are)
+        return f"{' and '.join(said)} whatever the init: its weights are frozen (requires_grad=False), which no init redraws"
     norms = any(layer.is_norm for layer in built.layers)
     return (f"{' and '.join(said)} whatever the init: the architecture's, not the init's" + (
         " (residual additions grow the gradient toward the input where norm layers undo the weights' scale; "

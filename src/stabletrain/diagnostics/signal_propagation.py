@@ -49,8 +49,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..numerics import unique_params
+from ..numerics import buffers_kept, unique_params
 from ..policies.accumulation import as_sum_count
+from ..policies.dropout import dropout_off
+from ..seeding import kept_rng
 from ..tasks.init_schemes import ActivationTrace, activation_name, is_norm, recommend_scheme
 from .signal_verdicts import OWN_INPUT, assign_references
 from .update_ratio import UpdateRatio, update_ratios
@@ -58,6 +60,9 @@ from .update_ratio import UpdateRatio, update_ratios
 __all__ = ["NothingToMeasure", "SignalThresholds", "LayerSignal", "SignalReport", "signal_report", "assign_references"]
 
 OK, VANISHING, EXPLODING = "ok", "vanishing", "exploding"
+#: A weighted layer whose output varies across the batch by less than this share of its std carries no signal of its input:
+#: offsets make its std (a deep ReLU net under PyTorch's default init: std 0.07 at every depth, outputs 2e-5 apart).
+COLLAPSE = 1e-2
 
 
 @dataclass(frozen=True)
@@ -134,6 +139,8 @@ class LayerSignal:
     in_shape: tuple[int, ...] | None = None  # without the leading (batch) dimension
     out_shape: tuple[int, ...] = ()
     lead: int | None = None  # the output's leading (batch) size: a broadcast one (GPT-2's wpe, 1) no full batch's peer
+    out_spread: float | None = None  # how much the output varies across the batch (:func:`_spread`)
+    frozen: bool = False  # its weight does not train (requires_grad=False)
     ref_forward: str = ""
     ref_backward: str = ""
     forward_ratio: float | None = None
@@ -151,6 +158,13 @@ class LayerSignal:
     @property
     def flagged(self) -> bool:
         return self.forward != OK or self.backward != OK
+
+    @property
+    def collapsed(self) -> bool:
+        """Its output barely varies across the batch against its std (:data:`COLLAPSE`): offsets, not its input, make it
+        (not where its input is 0 by design, a conditioning vector: its bias is what it gives)."""
+        return (self.param_name is not None and not self.is_norm and not self.role and self.out_spread is not None
+                and self.out_std > 0 and self.out_spread < COLLAPSE * self.out_std and self.in_std != 0)
 
     @property
     def silent(self) -> bool:
@@ -212,6 +226,10 @@ class SignalReport:
         if value is not None and not math.isfinite(value):  # a NaN/inf of the batch (a sample, an op): no init's scale
             return (f"{direction}: non-finite at #{first.index} {first.name!r} ({first.kind}) on this batch ({what} "
                     f"{value:.3g}): a sample or an op makes it, not the init's scale")
+        if direction == "forward" and first.collapsed and self.thresholds.verdict(first.forward_ratio) == OK:
+            return (f"forward: vanishes at #{first.index} {first.name!r} ({first.kind}): its output barely varies across "
+                    f"the batch (by {first.out_spread:.3g}, {_x(first.out_spread / first.out_std)} its std {first.out_std:.3g}"
+                    "): constant offsets (its biases) make its std, no signal of the input goes past it")
         if direction == "forward" and first.silent:  # 0, whatever its reference: no ratio says more
             what = (f"its output is all 0{' (dead units)' if first.activation else ''}" if first.out_absmax == 0
                     else "its output is constant (its input is)")
@@ -220,6 +238,12 @@ class SignalReport:
         return (f"{direction}: {verb} at #{first.index} {first.name!r} ({first.kind}): {what} {value:.3g} = "
                 f"{_x(getattr(first, attr))} that {'of ' if ref.startswith(chr(39)) else ''}{ref}; most extreme "
                 f"{_x(extreme[0])} at #{extreme[1].index} {extreme[1].name!r}")
+
+    def lost_in_frozen(self) -> bool:
+        """Whether each first flagged layer (forward, backward) is frozen, or follows a frozen weighted layer."""
+        firsts = [f for f in (self.first_forward, self.first_backward) if f is not None]
+        weighted = [[x for x in self.layers[:f.index + 1] if x.param_name] for f in firsts]
+        return bool(firsts) and all(w and w[-1].frozen for w in weighted)
 
     def advice(self) -> str:
         """Return one line recommending an init scheme from the activations seen."""
@@ -239,6 +263,9 @@ class SignalReport:
                      "the activation's threshold everywhere (look at the biases and the scale of the layer before it; "
                      "init_ zeroes biases)" if dead.activation and dead.out_absmax == 0 else
                      f"; #{dead.index} {dead.name!r} ({dead.kind}) outputs no signal: a weight of 0, or an input of 0")
+        if self.lost_in_frozen():
+            line += ("; the signal leaves the band in layers whose weights are frozen (requires_grad=False, pretrained?): "
+                     "no init applies to them, and init_ leaves them as they are")
         if any(layer.is_norm and layer.forward == EXPLODING for layer in self.layers):
             line += ("; the input of normalization layers grows with depth: mark the residual branches' output "
                      "projections (residual_branch_out = True) so init_ scales them by 1/sqrt(number of branches)")
@@ -264,8 +291,7 @@ class SignalReport:
     def to_dict(self) -> dict[str, Any]:
         first_f, first_b = self.first_forward, self.first_backward
         return {
-            "label": self.label, "passed": self.passed, "loss": self.loss,
-            "thresholds": asdict(self.thresholds),
+            "label": self.label, "passed": self.passed, "loss": self.loss, "thresholds": asdict(self.thresholds),
             "first_forward": None if first_f is None else {"index": first_f.index, "name": first_f.name,
                                                            "verdict": first_f.forward, "ratio": first_f.forward_ratio},
             "first_backward": None if first_b is None else {"index": first_b.index, "name": first_b.name,
@@ -300,6 +326,12 @@ def _first_tensor(x: Any) -> Tensor | None:
 def _std(x: Tensor) -> Tensor:
     x = x.detach().float()
     return x.std() if x.numel() > 1 else torch.zeros((), device=x.device)
+
+
+def _spread(x: Tensor) -> Tensor:
+    """How much each of ``x``'s features varies across the batch (its first axis), their RMS; one sample: its std."""
+    x = x.detach().float()
+    return x.var(dim=0, unbiased=False).mean().sqrt() if x.dim() >= 2 and x.shape[0] > 1 else _std(x)
 
 
 def _main_param(module: nn.Module) -> tuple[str, nn.Parameter] | None:
@@ -392,6 +424,10 @@ def _measure(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any]
         raise NothingToMeasure("signal_report: no leaf module produced a floating-point tensor; "
                                "is the model called in loss(model, batch)?")
 
+    spreads = _spreads(model, batch, loss, leaves)
+    if len(spreads) == len(stats):  # (the same calls: a forward whose path depends on a draw may differ)
+        for row, spread in zip(stats, spreads):
+            row["spread"] = spread
     mains = [_main_param(call[1]) for call in calls]
     for main, row in zip(mains, stats):
         if main is not None:
@@ -428,9 +464,30 @@ def _measure(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any]
             call=call if reused else None, own_reference=reused and not _repeated_unit(ids, ids[i], num_calls),
             segment=segment, time_out_mid=time_out[0], time_out_last=time_out[1], time_grad_first=time_grad[0],
             time_grad_mid=time_grad[1],
-            in_shape=in_shape, out_shape=out_shape, lead=lead))
+            in_shape=in_shape, out_shape=out_shape, lead=lead, out_spread=row.get("spread"),
+            frozen=main is not None and not main[1].requires_grad))
         segment += recurrent
     return layers, loss_value, trace.functional
+
+
+def _spreads(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any], leaves: list) -> list[Tensor]:
+    """Each leaf call's output spread (:func:`_spread`), in call order, from a forward without gradients nor dropout (its
+    draw varies a constant across the batch: no signal of the input); the RNG and the model's buffers put back."""
+    out: list[Tensor] = []
+
+    def hook(_module: nn.Module, _inputs: tuple, output: Any) -> None:
+        t = _first_tensor(output)
+        if t is not None and t.numel():
+            out.append(_spread(t))
+
+    handles = [m.register_forward_hook(hook) for _, m in leaves]
+    try:
+        with torch.no_grad(), kept_rng(), buffers_kept(model), dropout_off(model):
+            loss(model, batch)
+    finally:
+        for h in handles:
+            h.remove()
+    return out
 
 
 def _repeated_unit(ids: list[int], key: int, num_calls: dict[int, int]) -> bool:

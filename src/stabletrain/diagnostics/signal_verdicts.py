@@ -74,6 +74,8 @@ def assign_references(layers: list[Any], thresholds: Any) -> None:
                     and gain is not None and gain > GAIN_LIMIT):  # no counterpart: against its own input
                 layer.ref_forward, layer.forward_ratio = OWN_INPUT, gain
             layer.forward = thresholds.verdict(layer.forward_ratio)
+            if layer.forward == "ok" and layer.collapsed:  # its std is its offsets': the input's signal is gone
+                layer.forward = "vanishing"
             layer.backward = thresholds.verdict(layer.backward_ratio)
 
 

@@ -261,7 +261,7 @@ class InitDecision:
 
     name: str
     kind: str
-    scheme: str  # xavier | kaiming | normal | norm (weight 1, bias 0) | kept (not a layer init_ knows)
+    scheme: str  # xavier | kaiming | normal | norm (weight 1, bias 0) | kept (not a layer init_ knows) | frozen (left)
     activation: str | None = None  # the activation that follows ("linear" when none)
     gain: float | None = None
     fan_mode: str | None = None  # fan_in | fan_avg
@@ -319,7 +319,8 @@ def init_(model: nn.Module, scheme: str = "auto", *, std: float = 1.0, residual:
     or a name matching a glob in ``residual``) get their std times ``1/sqrt(num_residual_branches)``
     (default: the number of such modules). A weight shared by several modules (tied embeddings) is
     left as the last of them initializes it. Modules with parameters that are none of these are
-    left as they are (``scheme="kept"``). Draws from torch's global RNG.
+    left as they are (``scheme="kept"``), and so are modules whose parameters are all frozen (``requires_grad=False``:
+    pretrained weights; ``scheme="frozen"``). Draws from torch's global RNG.
     """
     if scheme not in SCHEMES:
         raise ValueError(f"init scheme: expected one of {', '.join(SCHEMES)}, got {scheme!r}")
@@ -350,6 +351,10 @@ def init_(model: nn.Module, scheme: str = "auto", *, std: float = 1.0, residual:
         kind = type(module).__name__
         weight = getattr(module, "weight", None)
         bias = getattr(module, "bias", None)
+        own = list(module.parameters(recurse=False))
+        if own and not any(p.requires_grad for p in own):  # frozen (pretrained): never redrawn
+            decisions.append(InitDecision(name, kind, "frozen"))
+            continue
         if isinstance(module, _LAYERS):
             follower = followers[name]
             assumed = unseen and scheme == "kaiming"
