@@ -434,3 +434,22 @@ def test_a_run_whose_writer_dies_says_so_in_one_line_trains_on_and_leaves_no_pro
     assert "(1 failed in a row; the run stops at 3 in a row (ckpt.max_failures))" in warnings[0]
     assert not writers_of(proc.pid)
     assert (run_dir / "checkpoints" / "LAST_GOOD").read_text() == "step_000008\n"
+
+
+def test_a_second_ctrl_c_while_the_writer_is_closed_at_exit_ends_it_without_a_traceback(monkeypatch):
+    """A trial: a second SIGINT reached a supervised run's process while its atexit hook waited for the writer to exit:
+    'Exception ignored in atexit callback: close_writer ... KeyboardInterrupt'. The writer is killed and reaped instead."""
+    from stabletrain.records.checkpoint.writer import Writer
+
+    w = Writer()
+    wait, calls = w.proc.wait, []
+
+    def interrupted(timeout=None):
+        calls.append(timeout)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return wait(timeout)
+
+    monkeypatch.setattr(w.proc, "wait", interrupted)
+    w.close()  # no KeyboardInterrupt out of it
+    assert len(calls) == 2 and w.proc.returncode is not None and w.dead.endswith("was closed")

@@ -542,15 +542,17 @@ def test_a_lost_peer_is_told_by_the_exceptions_type_and_where_it_arose_not_by_it
 def test_a_lost_peer_line_says_resume_by_hand_only_when_no_restart_is_left(monkeypatch):
     from stabletrain.distributed.peers import PeerLostError
 
-    def line(count, most):
+    def line(count, most, good="step_000006"):
         for key, value in (("TORCHELASTIC_RESTART_COUNT", count), ("TORCHELASTIC_MAX_RESTARTS", most)):
             monkeypatch.setenv(key, str(value))
-        return str(PeerLostError(0, "a training step", 7, "step_000006", "Connection closed by peer", "runs/a"))
+        return str(PeerLostError(0, "a training step", 7, good, "Connection closed by peer", "runs/a"))
 
     assert line(0, 0).endswith("; resume with: stabletrain train --resume runs/a (Connection closed by peer)")
     assert ("; the launch restarts from LAST_GOOD (restart 2 of 3, run.max_restarts), unless the same failure keeps "
             "coming back (run.max_repeats) (") in line(1, 3)
     assert "resume with" in line(3, 3) and "restarts from" not in line(3, 3)  # the last restart is spent
+    # before the first checkpoint: no LAST_GOOD to restart from (a trial: it named one)
+    assert "no checkpoint was written; the launch restarts from step 0 (restart 1 of 3" in line(0, 3, None)
 
 
 def test_out_of_a_ddp_backward_only_a_failed_gradient_all_reduce_is_a_lost_peer(one_rank_group):

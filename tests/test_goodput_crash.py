@@ -47,7 +47,7 @@ def test_steps_trained_after_the_last_checkpoint_by_a_launch_that_raised_are_red
     # steps 41-44 of each launch: 0.4 s each (the first's end line less its save); "other" held them (0.8 s)
     assert g.seconds == pytest.approx({"productive": 4.0, "redone": 0.4 + 0.4, "skipped": 0.0, "checkpoint": 0.1,
                                        "startup": 2.0 + 1.5 + 2.0, "eval": 0.0, "incident": 0.0, "other": 0.0})
-    assert g.line() == ("goodput 38.5% over 2 launches (and one more that refused to restart: a crash loop; lost: "
+    assert g.line() == ("goodput 38.5% over 2 launches (and one more that started only to refuse a restart: a crash loop; lost: "
                         "52.9% start-up, 7.7% redone after 1 restart, 1.0% checkpoint stalls)")
 
     # A launch that stopped with a checkpoint at its end step (a SIGTERM: no crash), resumed from there: nothing redone

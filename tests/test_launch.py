@@ -62,6 +62,9 @@ def test_a_refusal_exits_with_its_own_code_unless_another_rank_crashed_too():
     assert told_exit(err(3, 1)) is None  # another rank's crash
     assert told_exit(err(1, -signal.SIGTERM)) is None
     assert told_exit(err(-signal.SIGKILL)) is None
+    # a second Ctrl-C: the ranks said 'interrupted at step N' and exit 130 (a trial: torchrun's traceback, exit 1)
+    assert told_exit(err(130, 130)) == 130 and told_exit(err(130, -signal.SIGINT)) == 130
+    assert told_exit(err(130, 1)) is None
 
 
 def test_a_sigkilled_ranks_death_carries_what_its_peer_said():

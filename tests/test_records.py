@@ -175,7 +175,7 @@ def test_git_dirty_does_not_count_stabletrains_own_output(tmp_path, monkeypatch)
     assert changed["dirty"] is True and changed["diff_sha256"] is not None
 
 
-def test_a_resume_is_refused_while_processes_of_an_earlier_launch_run_on_the_directory(tmp_path):
+def test_a_resume_is_refused_while_processes_of_an_earlier_launch_run_on_the_directory(tmp_path, capsys):
     import subprocess
     import sys
 
@@ -201,6 +201,15 @@ def test_a_resume_is_refused_while_processes_of_an_earlier_launch_run_on_the_dir
         with pytest.raises(ValueError, match=rf"is in use: 1 process\(es\) of an earlier launch still run on it "
                                              rf"\(pid {rank.pid} on .*\); stop them \(kill {rank.pid}\)"):
             Trainer(cfg("train.max_steps=4"), run_dir=run_dir, resume=True)
+        # run.resume=auto refuses it before saying it continues the run (a trial: 'continuing it', then the refusal)
+        from stabletrain.distributed.group import DistContext
+        from stabletrain.services.restarts import begin_launch
+
+        capsys.readouterr()
+        with pytest.raises(ValueError, match="is in use"):
+            begin_launch(cfg("train.max_steps=4", "run.resume=auto", f"run.dir={run_dir}"), run_dir, False,
+                         DistContext.current())
+        assert "continuing it" not in "".join(capsys.readouterr())
         # The same pid holding another process (a start time that differs) is not that rank.
         (run_dir / LAUNCH_FILE).write_text(json.dumps({"processes": [{**recorded, "start": recorded["start"] - 1}]}))
         Trainer(cfg("train.max_steps=4"), run_dir=run_dir, resume=True)

@@ -555,7 +555,7 @@ def test_goodput_counts_the_launch_that_refused_once(tmp_path):
     assert (g.launches, g.restarts, g.refused) == (4, 2, 1)
     # a user counted 3 launch lines and 2 restarts against "4 launches" (and again against "4 launches (the last refused
     # to restart ...)"): the line counts the launches that trained, and the one that refused apart
-    assert "over 3 launches (and one more that refused to restart: a crash loop; lost: " in g.line(), g.line()
+    assert "over 3 launches (and one more that started only to refuse a restart: a crash loop; lost: " in g.line(), g.line()
 
 
 def test_goodput_parts_that_overlap_in_an_interval_stay_within_its_wall_time(tmp_path):

@@ -150,11 +150,12 @@ def _said_here(record: logging.LogRecord) -> bool:
 
 
 def told_exit(err: Any) -> int | None:
-    """The exit code of a launch whose ranks refused (their input: 2, or to restart into the same failure: 3) and said
-    why; None where another rank crashed as well (torchrun's table of failures is then what tells it)."""
+    """The exit code of a launch whose ranks refused (their input: 2, or to restart into the same failure: 3), or were
+    interrupted by a second Ctrl-C (130), and said so; None where another rank crashed as well (torchrun's table of
+    failures is then what tells it)."""
     codes = {getattr(f, "exitcode", None) for f in getattr(err, "failures", {}).values()}
-    final = next((code for code in (EXIT_GAVE_UP, 2) if code in codes), None)
-    return final if final is not None and codes <= {EXIT_GAVE_UP, 2, -signal.SIGTERM} else None
+    final = next((code for code in (EXIT_GAVE_UP, 2, 130) if code in codes), None)
+    return final if final is not None and codes <= {EXIT_GAVE_UP, 2, 130, -signal.SIGTERM, -signal.SIGINT} else None
 
 
 if __name__ == "__main__":

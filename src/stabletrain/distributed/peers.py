@@ -25,8 +25,8 @@ class PeerLostError(RuntimeError):
         done, most = (int(os.environ.get(k, "0") or 0) for k in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"))
         self.restarts = done < most
         if self.restarts:  # torchrun's agent restarts the ranks (run.max_restarts): no one needs to resume by hand
-            hint = (f"; the launch restarts from LAST_GOOD (restart {done + 1} of {most}, run.max_restarts), unless the "
-                    f"same failure keeps coming back (run.max_repeats)")
+            hint = (f"; the launch restarts from {'LAST_GOOD' if last_good else 'step 0'} (restart {done + 1} of {most}, "
+                    "run.max_restarts), unless the same failure keeps coming back (run.max_repeats)")
         else:
             hint = f"; resume with: stabletrain train --resume {run_dir}" if run_dir and last_good else ""
         super().__init__(f"rank {rank}: another rank exited or became unreachable during {where} after step {step}; "

@@ -75,8 +75,8 @@ class Goodput:
         # The launches that trained (or tried to); a launch that refused to restart trained nothing: said apart
         trained = self.launches - self.refused
         launches = f"{trained} launch{'es' * (trained != 1)}"
-        refused = ("and one more that refused to restart: a crash loop; " if self.refused == 1 else
-                   f"and {self.refused} more that refused to restart: crash loops; " if self.refused else "")
+        refused = ("and one more that started only to refuse a restart: a crash loop; " if self.refused == 1 else
+                   f"and {self.refused} more that started only to refuse a restart: crash loops; " if self.refused else "")
         return (f"goodput {self.goodput:.1%} over {launches} ({refused}"
                 f"{'lost: ' + ', '.join(words) if words else 'nothing lost'})")
 

@@ -44,7 +44,7 @@ from ..records.bundles import incident_order
 from ..records.checkpoint.files import CheckpointError
 from ..records.checkpoint.manager import CheckpointManager, step_of
 from ..records.jsonl import read_jsonl
-from ..records.launches import started_over
+from ..records.launches import refuse_if_running, started_over
 from ..records.rundir import RunDir
 
 __all__ = ["begin_launch", "Launch", "Failure", "last_failure", "refusal", "SOON_AFTER_LOAD", "EXIT_GAVE_UP"]
@@ -204,6 +204,7 @@ def begin_launch(cfg: Any, run_dir: Path | None, resume: bool, ctx: Any) -> Laun
                         f"(raise train.max_steps to train on); {run_dir} is left as it was")
             return Launch(False, run_dir, finished=True)
         if cfg.run.resume == "auto" and not resume:
+            refuse_if_running(run_dir)  # (before saying it continues a run another launch still trains)
             # (run.overwrite=true starts over only a run with nothing to continue: said where it does not)
             kept = ("; run.overwrite=true starts over only a run with no checkpoint (run.resume=never to)"
                     if cfg.run.overwrite else "")

@@ -230,7 +230,7 @@ class Writer:
                 with self._send_lock:
                     send(self.sock, {"op": "exit"})
                 self.proc.wait(timeout=timeout)
-            except (OSError, subprocess.TimeoutExpired):
+            except (OSError, subprocess.TimeoutExpired, KeyboardInterrupt):  # (a second Ctrl-C at exit: go now)
                 self.proc.kill()
                 self.proc.wait()
             self.dead = f"the checkpoint writer process (pid {self.proc.pid}) was closed"
