@@ -598,3 +598,40 @@ def test_check_nan_counts_the_non_finite_gradients_rather_than_naming_a_first():
     (res,) = run_checks(CheckContext(cfg()), ["nan"])
     assert res.passed and res.summary.endswith("6 of 6 parameters' gradients are non-finite after its backward"), res.summary
     assert "first_nonfinite_grad" not in res.numbers and res.numbers["nonfinite_grads"] == 6
+
+
+class _SumOfSquares(nn.Module):
+    """A hand-written variance: the sum of squares of 64 features of ~100 passes fp16's 65504, so the division by its
+    square root zeroes the features, and the loss stays finite."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = nn.Linear(32, 64), nn.Linear(64, 10)
+
+    def forward(self, x):
+        h = self.fc(x) * 100.0
+        var = (h * h).sum(-1, keepdim=True) / h.shape[-1]
+        return self.head(h / torch.sqrt(var + 1e-5))
+
+
+def _hidden_overflow() -> Task:
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    return Task(model=_SumOfSquares(), train_data=TensorDataset(torch.randn(64, 32, generator=g),
+                                                                 torch.randint(0, 10, (64,), generator=g)),
+                loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+
+
+def test_an_overflow_inside_the_forward_that_the_loss_hides_fails_amp_and_overfit_says_so():
+    """A new user's trial: the sum of squares is inf in fp16, the features it divides become 0 and the loss is finite:
+    'amp PASS' (it listed the sum as run in fp16), then 'overfit' blamed a detached graph for the missing gradients."""
+    (amp,) = run_checks(CheckContext(cfg("precision=fp16", "train.batch_size=8"), task_factory=_hidden_overflow), ["amp"])
+    assert not amp.passed and "a value inside the forward is not finite under fp16 autocast (the loss is)" in amp.summary
+    [why] = [d for d in amp.details if d.startswith("the loss is finite under fp16")]
+    assert "aten.sum.dim_IntList in forward of the root module (origin: inputs finite" in why, why
+    (fine,) = run_checks(CheckContext(cfg("precision=bf16", "train.batch_size=8"), task_factory=_hidden_overflow), ["amp"])
+    assert fine.passed, fine.details  # bf16 has fp32's range
+    (overfit,) = run_checks(CheckContext(cfg("precision=fp16"), task_factory=_hidden_overflow), ["overfit"])
+    assert not overfit.passed and not any("look for a detached graph" in d for d in overfit.details), overfit.details
+    assert any(d.startswith("under fp16 autocast a value inside the forward is not finite (in fp32 it is") for d in
+               overfit.details), overfit.details

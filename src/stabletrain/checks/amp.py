@@ -21,7 +21,7 @@ from ..policies.accumulation import as_sum_count
 from ..policies.precision import PrecisionPolicy
 from . import CheckContext, CheckResult, register
 
-__all__ = ["OpDtypeRecorder", "check_amp", "first_nonfinite_forward"]
+__all__ = ["OpDtypeRecorder", "check_amp", "first_nonfinite_forward", "overflow_inside"]
 
 _LOW = (torch.float16, torch.bfloat16)
 _MATMUL = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_dot_product", "convolution", "conv")
@@ -71,6 +71,24 @@ def first_nonfinite_forward(task, model, batch, policy: PrecisionPolicy) -> str:
     return "no op of the forward made one (the batch or a parameter holds it)" if first is None else first.describe()
 
 
+def _origin(task, model, batch, policy: PrecisionPolicy):
+    """The first op of a forward under ``policy``'s autocast that makes a non-finite value from finite inputs (an
+    intended ``-inf`` mask is none), or None. A sync per op until it is found."""
+    with torch.no_grad(), policy.autocast(), NonFiniteLocator(model, capture_stack=False, first_only=True) as loc:
+        task.loss(model, batch)
+    return loc.first_origin
+
+
+def overflow_inside(task, model, batch, policy: PrecisionPolicy) -> str | None:
+    """Where a forward under ``policy``'s autocast makes a non-finite value the fp32 forward does not, though its loss is
+    finite (the value was lost inside: a sum of squares past fp16's range, then a division by it); None: nowhere."""
+    low = _origin(task, model, batch, policy)
+    if low is None:
+        return None
+    same = _origin(task, model, batch, PrecisionPolicy("fp32", policy.device))
+    return None if same is not None and (same.op, same.module) == (low.op, low.module) else low.describe()
+
+
 def _loss_value(loss_sum: torch.Tensor, count: torch.Tensor) -> float:
     return float((loss_sum.detach().float() / count).cpu())
 
@@ -97,7 +115,8 @@ def check_amp(ctx: CheckContext) -> CheckResult:
     low_matmuls = sum(v for k, v in recorder.low.items() if any(m in k for m in _MATMUL))
     raw_dtype = _raw_dtype(task, model, batch, policy)
     loss_fp32 = raw_dtype == torch.float32
-    passed = not half_params and loss_fp32 and low_matmuls > 0 and finite
+    inside = overflow_inside(task, model, batch, policy) if finite else None  # (a loss that hides it)
+    passed = not half_params and loss_fp32 and low_matmuls > 0 and finite and inside is None
     details = [f"low precision ({audited}): " + ", ".join(f"{k} x{v}" for k, v in recorder.low.most_common(12)),
                "fp32: " + ", ".join(f"{k} x{v}" for k, v in recorder.fp32.most_common(12))]
     if half_params:
@@ -117,9 +136,17 @@ def check_amp(ctx: CheckContext) -> CheckResult:
         else:
             details.append(f"the loss is {low_loss} under {audited} autocast and {fp32_loss} in fp32 too: not the low "
                            f"precision; first non-finite value: {where}")
+    if inside is not None:
+        with torch.no_grad():
+            fp32_loss = _loss_value(*as_sum_count(task.loss(model, batch), ctx.cfg.train.batch_size))
+        details.append(f"the loss is finite under {audited} autocast ({low_loss:.4g}; {fp32_loss:.4g} in fp32), but a value "
+                       f"inside the forward is not, and is not in fp32: {inside}; it exceeds {audited}'s range (max "
+                       f"{torch.finfo(policy.dtype).max:.6g}) and what follows hides it (the features it scales lost): scale "
+                       "that op's inputs down, run it in fp32, or use bf16 (fp32's range)")
     if low_matmuls == 0:
         details.append("no matmul/conv ran in low precision: autocast is not reaching the model's compute")
     summary = (("" if finite else f"the loss is not finite under {audited} autocast ({low_loss}); ") +
+               (f"a value inside the forward is not finite under {audited} autocast (the loss is); " if inside else "") +
                f"autocast {audited} on {device.type}: {sum(recorder.low.values())} ops low precision "
                f"({low_matmuls} matmul/conv), {sum(recorder.fp32.values())} in fp32; loss {raw_dtype}; "
                f"{len(half_params)} half-precision parameters")

@@ -20,7 +20,7 @@ from ..numerics import unique_params
 from ..policies.precision import PrecisionPolicy
 from ..step import TrainStep
 from . import CheckContext, CheckResult, register
-from .amp import first_nonfinite_forward
+from .amp import first_nonfinite_forward, overflow_inside
 from .init import uniform_classes, uninformed_loss
 
 #: The loss must fall below initial / FACTOR within STEPS steps on one fixed batch.
@@ -98,6 +98,12 @@ def check_overfit(ctx: CheckContext) -> CheckResult:
                + ("" if not no_grad else f"; {len(no_grad)} parameter(s) got no gradient in any of the {len(losses)} steps")
                + ("" if not nonfinite else f"; the loss is not finite at {len(nonfinite)} of {len(losses)} steps"))
     details = [f"no gradient: {name}" for name in no_grad]
+    # (a value past the low precision's range lost inside the forward: its features, and their gradients, are 0)
+    inside = overflow_inside(task, model, batch, precision) if not passed and not nonfinite and precision.mode != "fp32" else None
+    if inside is not None:
+        details.append(f"under {precision.mode} autocast a value inside the forward is not finite (in fp32 it is; the loss "
+                       f"stays finite): {inside}; what follows it is lost (zero features, zero gradients), not a detached "
+                       f"graph: see `stabletrain check amp precision={precision.mode}`, or use bf16")
     if late:
         shown = ", ".join(f"{n} (step {first_grad[n]})" for n in late[:6]) + (f" and {len(late) - 6} more" if len(late) > 6
                                                                               else "")
@@ -120,7 +126,7 @@ def check_overfit(ctx: CheckContext) -> CheckResult:
         details.append(f"the loss fell x{initial / losses[-1]:.3g} but stays {losses[-1] / target:.3g}x a uniform guess's "
                        f"{target:.4g} (the model's output set to 0): the model starts far off, confidently wrong; see "
                        "`stabletrain check init`")
-    elif not fell:
+    elif not fell and inside is None:
         details.append("the loss did not fall enough on one fixed batch: look for a detached graph, a frozen model, "
                        "a wrong loss/target pairing, or an lr far off")
     return CheckResult("overfit", passed, summary,
