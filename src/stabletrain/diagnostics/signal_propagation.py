@@ -52,7 +52,6 @@ from torch import Tensor, nn
 from ..numerics import buffers_kept, unique_params
 from ..policies.accumulation import as_sum_count
 from ..policies.dropout import dropout_off
-from ..seeding import kept_rng
 from ..tasks.init_schemes import ActivationTrace, activation_name, is_norm, recommend_scheme
 from .signal_verdicts import OWN_INPUT, assign_references
 from .update_ratio import UpdateRatio, update_ratios
@@ -472,7 +471,7 @@ def _measure(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any]
 
 def _spreads(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any], leaves: list) -> list[Tensor]:
     """Each leaf call's output spread (:func:`_spread`), in call order, from a forward without gradients nor dropout (its
-    draw varies a constant across the batch: no signal of the input); the RNG and the model's buffers put back."""
+    draw varies a constant across the batch: no signal of the input); the model's buffers put back."""
     out: list[Tensor] = []
 
     def hook(_module: nn.Module, _inputs: tuple, output: Any) -> None:
@@ -482,7 +481,7 @@ def _spreads(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any]
 
     handles = [m.register_forward_hook(hook) for _, m in leaves]
     try:
-        with torch.no_grad(), kept_rng(), buffers_kept(model), dropout_off(model):
+        with torch.no_grad(), buffers_kept(model), dropout_off(model):
             loss(model, batch)
     finally:
         for h in handles:

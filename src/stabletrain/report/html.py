@@ -120,6 +120,7 @@ KIND_COLORS: dict[str, tuple[str, str]] = {
     "schedule_changed": ("#e3fafc", "#0b7285"),
     "stop": ("#343a40", "#fff"),
     "crash": ("#c92a2a", "#fff"),
+    "retry": ("#fff4e6", "#c92a2a"),
     "init_overwritten": ("#fff0f6", "#c2255c"),
 }
 assert KIND_COLORS.keys() <= EVENT_KINDS.keys(), set(KIND_COLORS) - set(EVENT_KINDS)
