@@ -6,6 +6,7 @@ import contextlib
 import json
 import re
 import sys
+import warnings
 
 import pytest
 import torch
@@ -372,6 +373,29 @@ def test_a_loss_the_trainer_takes_as_divided_by_its_items_but_is_a_mean_is_warne
     assert len(said) == (1 if warned else 0), said
     if warned:
         assert "does not divide it by gradient_accumulation_steps=2" in said[0] and "2 micro-batches' means" in said[0]
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_a_spike_under_a_loss_that_ignores_its_items_is_weighed_on_each_samples_own_mean(tmp_path, accum):
+    """A trial: a sequence classifier's loss (a plain mean) in a model taking loss kwargs: the replay multiplied every
+    sample's loss by the window's item count (1.44e6 for a true 9e4), the samples went unnamed ('no small set of its
+    samples carries it'), or named by the removal search with a false 'the loss couples them'."""
+    n, step = 30, 15
+    x, y = outlier_pairs(n * accum, (step - 1) * accum + 1, (1, 2), BATCH)
+    cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer_for(ItemsIgnoringRegressor(), cb, tmp_path, max_steps=n, rows=[{"x": a, "labels": b} for a, b in zip(x, y)],
+                    gradient_accumulation_steps=accum).train()
+    d = json.loads((tmp_path / "run" / "incidents" / f"step_{step:06d}" / "diagnosis.json").read_text())
+    assert (d["failure_class"], d["bad_samples"]) == ("data", [1, 2]) and "how" not in d["samples"], d["summary"]
+    model = ItemsIgnoringRegressor()  # each sample's loss: its own squared error under the state the step started from
+    model.load_state_dict(load_bundle(tmp_path / "run" / "incidents" / f"step_{step:06d}")["model"])
+    first = (step - 1) * accum * BATCH
+    with torch.no_grad():
+        own = {i: model(x[first + i:first + i + 1], y[first + i:first + i + 1])["loss"].item() for i in (1, 2)}
+    said = {r["sample"]: r["loss"] for r in d["sample_losses"]}
+    assert said[1] == pytest.approx(own[1], rel=1e-4) and said[2] == pytest.approx(own[2], rel=1e-4), (said, own)
 
 
 class RaisingRegressor(Regressor):

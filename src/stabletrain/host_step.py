@@ -49,7 +49,7 @@ from .policies.precision import PrecisionPolicy
 from .seeding import kept_rng
 from .step import TrainStep
 
-__all__ = ["HostStep", "as_backpropagated", "backpropagated_parts", "clip_as_judged", "redo_user_clip", "warn_if_items_ignored"]
+__all__ = ["HostStep", "as_backpropagated", "backpropagated_parts", "clip_as_judged", "redo_user_clip", "items_ignored"]
 
 
 class HostStep:
@@ -248,16 +248,17 @@ def redo_user_clip(params: Sequence[nn.Parameter], clip: tuple[Tensor, Tensor] |
         torch._foreach_mul_(grads, (after / before).to(grads[0].device))
 
 
-def warn_if_items_ignored(host: dict[str, Any], model: nn.Module, batch: Any, loss_for: Any) -> bool:
-    """Warn once where a Hugging Face Trainer takes a loss as divided by ``num_items_in_batch`` (``host["items_normalized"]``:
-    it then does not divide by the accumulation steps) but the loss ignores it: the same batch's loss is the same under
-    twice the count (no gradients, the RNG put back, the model's buffers too). Each window's loss and gradients are
-    then the sum of its micro-batches' means, ``gradient_accumulation_steps`` times too large. Returns whether it warned.
+def items_ignored(host: dict[str, Any], model: nn.Module, batch: Any, loss_for: Any) -> bool:
+    """Whether a loss that a Hugging Face Trainer takes as divided by ``num_items_in_batch`` (``host["items_normalized"]``)
+    ignores it: the same batch's loss is the same under twice the count (no gradients, the RNG put back, the model's
+    buffers too). Such a loss is a mean over its own batch (a sequence classifier's): a part of the window is weighed
+    as it is, not on the window's count. Where the Trainer accumulates, it then does not divide by the accumulation
+    steps: each window's loss and gradients are the sum of its micro-batches' means, warned once.
 
     ``loss_for(num_items)``: ``loss(model, batch)`` as the Trainer computes it with that ``num_items_in_batch``.
     """
     items, steps = host.get("num_items_in_batch"), host.get("accumulation_steps") or 1
-    if not host.get("items_normalized") or items is None or steps <= 1:
+    if not host.get("items_normalized") or items is None:
         return False
     losses = []
     try:
@@ -271,9 +272,11 @@ def warn_if_items_ignored(host: dict[str, Any], model: nn.Module, batch: Any, lo
     once, twice = losses if len(losses) == 2 else (float("nan"), float("nan"))
     if not (once == once and once != 0 and abs(once - twice) <= 1e-6 * abs(once)):  # (NaN fails ==)
         return False
-    warnings.warn(f"the loss ignores num_items_in_batch (the same batch's loss is {once:.4g} under {items} items and "
-                  f"under twice as many), yet the Trainer takes it as divided by the window's items and so does not divide "
-                  f"it by gradient_accumulation_steps={steps}: each window's loss and gradients are the sum of its {steps} "
-                  "micro-batches' means, that many times too large. Divide the loss's sum by num_items_in_batch in "
-                  "compute_loss, or do not accept the argument (the Trainer then averages)", StableTrainWarning, stacklevel=3)
+    if steps > 1:
+        warnings.warn(f"the loss ignores num_items_in_batch (the same batch's loss is {once:.4g} under {items} items and "
+                      f"under twice as many), yet the Trainer takes it as divided by the window's items and so does not "
+                      f"divide it by gradient_accumulation_steps={steps}: each window's loss and gradients are the sum of its "
+                      f"{steps} micro-batches' means, that many times too large. Divide the loss's sum by num_items_in_batch "
+                      "in compute_loss, or do not accept the argument (the Trainer then averages)", StableTrainWarning,
+                      stacklevel=3)
     return True

@@ -55,12 +55,12 @@ from ..console import StableTrainWarning, show_bar
 from ..data import move_to
 from ..diagnostics.initialization import InitFingerprint
 from ..errors import host_retry, retry_line
-from ..host_step import warn_if_items_ignored
+from ..host_step import items_ignored
 from ..internals import find_caller, is_compiled
 from ..numerics import grad_norms
 from ..policies.metrics import host_figures
 from ..records.batches import count_tokens, items_normalized, window_items
-from ..records.captured import divides_by_items, host_loss_factor, loss_recipe, model_recipe
+from ..records.captured import default_compute_loss, divides_by_items, host_loss_factor, loss_recipe, model_recipe
 from ..services.kept_steps import HostReplay, KeptStep, current_lrs
 from .core import RunSession
 
@@ -68,12 +68,6 @@ __all__ = ["StableTrainCallback", "STATE_FILE"]
 
 #: Our state's file in each of the Trainer's checkpoint folders.
 STATE_FILE = "stabletrain_state.pt"
-
-
-def _default_compute_loss(trainer: Trainer) -> bool:
-    """Whether the trainer computes its loss as the base Trainer does, with nothing a new process could not rebuild."""
-    return (type(trainer).compute_loss is Trainer.compute_loss and getattr(trainer, "label_smoother", None) is None
-            and getattr(trainer, "compute_loss_func", None) is None)
 
 
 class StableTrainCallback(TrainerCallback):
@@ -105,6 +99,7 @@ class StableTrainCallback(TrainerCallback):
         self._wrapped: list[str] = []
         self._bar: Any = None  # the Trainer's own progress bar (False: it draws none), which our lines go above
         self._retry: dict[str, Any] | None = None  # the out-of-memory step the Trainer is retrying at a smaller batch
+        self._items_ignored: bool | None = None  # the session's loss ignores num_items_in_batch (a mean: items_ignored)
 
     # -- set-up --------------------------------------------------------------------------------------
 
@@ -120,7 +115,7 @@ class StableTrainCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
                        optimizer: Any = None, **kwargs: Any) -> None:
-        retry, self._retry = self._retry, None
+        retry, self._retry, self._items_ignored = self._retry, None, None
         if self.session is not None:  # a second train() on the same callback (or its retry): a new session
             self._detach()
         trainer = self._find_trainer()
@@ -149,7 +144,7 @@ class StableTrainCallback(TrainerCallback):
             self.run_dir, model, host="transformers", options=self.options, precision=mode, clip_max_norm=clip,
             optimizer=inner, scaler=scaler, replay=_TransformersReplay(self), overwrite=self.overwrite or bool(retry),
             fingerprint=None if resumed or retry else self._fingerprint, recipes={"model": model_recipe(model, "transformers"),
-                     "loss": loss_recipe(self.loss_fn, {"kind": "transformers"} if _default_compute_loss(trainer) else None)},
+                     "loss": loss_recipe(self.loss_fn, {"kind": "transformers"} if default_compute_loss(trainer) else None)},
             host_config=host, callbacks=self.stable_callbacks,
             compiled=bool(getattr(args, "torch_compile", False))  # the callbacks are handed the uncompiled model
             or is_compiled(getattr(trainer, "model_wrapped", model)))
@@ -199,11 +194,14 @@ class StableTrainCallback(TrainerCallback):
         if not pending.micro:
             pending.host = {"model": model, "num_items_in_batch": num_items_in_batch,
                             "accumulation_steps": getattr(self.trainer, "current_gradient_accumulation_steps", None),
-                            "items_normalized": self.loss_fn is None and divides_by_items(self.trainer, num_items_in_batch),
+                            "items_normalized": self.loss_fn is None and divides_by_items(self.trainer, num_items_in_batch)
+                            and not self._items_ignored,
                             "loss_factor": host_loss_factor(self.trainer, num_items_in_batch) if self.loss_fn is None else 1}
-            if session.step == 0 and not session.history:  # once: the step-0 report; a loss that ignores its items
+            if session.step == 0 and not session.history:  # once: the step-0 report
                 session.signal_check(dict(inputs), self.diagnosis_loss(num_items_in_batch))
-                warn_if_items_ignored(pending.host, model, dict(inputs), self.diagnosis_loss)
+            if self._items_ignored is None:  # once a session: a loss that ignores its items is weighed as the mean it is
+                self._items_ignored = items_ignored(pending.host, model, dict(inputs), self.diagnosis_loss)
+                pending.host["items_normalized"] &= not self._items_ignored
         pending.add(dict(inputs), count_tokens(inputs), rng=session.capturing)
         try:
             loss = self._call_training_step(model, inputs, num_items_in_batch)

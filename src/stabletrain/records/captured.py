@@ -34,7 +34,8 @@ from torch import Tensor, nn
 from ..tasks import Task, TaskError
 from .batches import CapturedRows, import_path, items_normalized, load_object, plain_batch, unbundle_batch
 
-__all__ = ["divides_by_items", "host_loss_factor", "captured_task", "TASK_SPEC", "TASK_SPECS", "REBUILD_HINT", "loss_from_recipe",
+__all__ = ["default_compute_loss",
+           "divides_by_items", "host_loss_factor", "captured_task", "TASK_SPEC", "TASK_SPECS", "REBUILD_HINT", "loss_from_recipe",
            "model_from_recipe", "model_recipe", "loss_recipe", "optimizer_recipe", "build_optimizer_from_recipe",
            "lightning_loss", "noop_optimizer", "optimizer_factory"]
 
@@ -56,6 +57,15 @@ def _transformers_loss(model: nn.Module, batch: Any, num_items_in_batch: Any = N
     outputs = model(**inputs)
     loss = outputs["loss"] if isinstance(outputs, Mapping) else outputs[0]
     return loss * factor if passed and factor != 1 else loss
+
+
+def default_compute_loss(trainer: Any) -> bool:
+    """Whether a Hugging Face trainer computes its loss as the base Trainer does, with nothing a new process could not
+    rebuild."""
+    from transformers import Trainer
+
+    return (type(trainer).compute_loss is Trainer.compute_loss and getattr(trainer, "label_smoother", None) is None
+            and getattr(trainer, "compute_loss_func", None) is None)
 
 
 def divides_by_items(trainer: Any, num_items_in_batch: Any) -> bool:
