@@ -133,10 +133,10 @@ def test_each_rank_checksums_its_own_shards_and_a_rank_whose_checksums_never_com
     lost = Future()
     lost.set_exception(OSError("disk full"))
     ShardedSave(1, tmp_path, [], lost, {}, rank=0, world=2).checksums.join()  # a failed write leaves none
-    with pytest.raises(RuntimeError, match="rank 0's shard checksums did not arrive within 0.2 s"):
-        mine._gathered(folder)
+    with pytest.raises(RuntimeError, match="rank 0.s shard checksums did not arrive within 0.2 s"):
+        mine._gathered(folder, 0)
     ShardedSave(1, tmp_path, [], done, {}, rank=0, world=2).checksums.join()
-    assert mine._gathered(folder) == crc and not list(folder.glob(".crc32*"))
+    assert mine._gathered(folder, 0) == crc and not list(folder.glob(".crc32*"))
 
 
 def test_metadata_that_pickles_anything_but_dcp_metadata_is_refused_and_never_run(tmp_path):

@@ -434,7 +434,8 @@ def test_an_out_of_memory_step_the_trainer_retries_at_a_smaller_batch_is_no_cras
     cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=5)
     trainer = trainer_for(OutOfMemoryRegressor(at=8, fits=BATCH - 1), cb, tmp_path, max_steps=12,
                           rows=[{"x": a, "labels": b} for a, b in zip(x, y)], auto_find_batch_size=True)
-    with pytest.warns(UserWarning, match="ran out of memory at step 8 and trains again from its first step at batch size 3"):
+    with pytest.warns(UserWarning, match=r"ran out of memory at step 8 and trains again from its first step at batch size 3 "
+                                         r"\(from 4; auto_find_batch_size\)"):
         trainer.train()
     events = read_jsonl(tmp_path / "run" / "events.jsonl")[0]
     assert [e["kind"] for e in events] == ["retry"] and events[0]["failed_step"] == 8, events
@@ -444,7 +445,31 @@ def test_an_out_of_memory_step_the_trainer_retries_at_a_smaller_batch_is_no_cras
 
     said = health_summary(load_run(tmp_path / "run")).sentences  # the report says why the records start over
     assert ("warn", "The Trainer ran out of memory at step 8 and trains again from its first step at batch size 3 "
-            "(auto_find_batch_size): this run directory holds the new attempt.") in said, said
+            "(from 4; auto_find_batch_size): this run directory holds the new attempt.") in said, said
+    # at batch size 1 there is no smaller one: accelerate gives up, and the run's end is a crash (a review: no crash was
+    # recorded, and a retry flag left behind made the user's next train() wipe the directory)
+    cb = StableTrainCallback(run_dir=tmp_path / "run1", log_every=5)
+    one = trainer_for(OutOfMemoryRegressor(at=8, fits=0), cb, tmp_path, max_steps=12,
+                      rows=[{"x": a, "labels": b} for a, b in zip(x, y)], auto_find_batch_size=True)
+    one.args.per_device_train_batch_size = 1
+    one._train_batch_size = 1
+    with pytest.raises(RuntimeError, match="No executable batch size found"):
+        one.train()
+    assert read_jsonl(tmp_path / "run1" / "events.jsonl")[0][-1]["kind"] == "crash" and cb._retry is None
+
+    class OutOfMemoryLater(transformers.TrainerCallback):  # out of memory outside the training step (an eval, a hook)
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 7 and state.train_batch_size == BATCH:
+                raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 123 bytes")
+
+    cb = StableTrainCallback(run_dir=tmp_path / "run3", log_every=5)
+    later = trainer_for(Regressor(), cb, tmp_path, max_steps=12, rows=[{"x": a, "labels": b} for a, b in zip(x, y)],
+                        auto_find_batch_size=True)
+    later.add_callback(OutOfMemoryLater())
+    with pytest.warns(UserWarning, match="ran out of memory at step 8 and trains again from its first step at batch size 3"):
+        later.train()  # (the session left open: the retry's start finds it)
+    events = read_jsonl(tmp_path / "run3" / "events.jsonl")[0]
+    assert [e["kind"] for e in events] == ["retry"] and "outside its training step" in events[0]["error"], events
     # without auto_find_batch_size the same error is the run's end: a crash
     cb = StableTrainCallback(run_dir=tmp_path / "run2", log_every=5)
     trainer = trainer_for(OutOfMemoryRegressor(at=8, fits=BATCH - 1), cb, tmp_path, max_steps=12,

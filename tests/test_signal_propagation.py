@@ -681,6 +681,53 @@ def test_frozen_layers_are_never_redrawn_and_no_init_is_advised_for_them():
     assert {d.scheme for d in decisions if d.name.startswith("0.")} == {"frozen"} and decisions[-1].scheme == "kaiming"
     said = architectures(report, signal_report(model, batch, loss))  # (re-initialized: the same flag)
     assert said.endswith("whatever the init: its weights are frozen (requires_grad=False), which no init redraws")
-    model[1].requires_grad_(False)  # the same model trainable: no such note
-    model.requires_grad_(True)
+    model.requires_grad_(True)  # the same model trainable: no such note
     assert not signal_report(model, batch, loss).lost_in_frozen()
+
+
+def test_an_input_shared_by_the_batch_is_no_collapse_and_a_loss_that_takes_a_gradient_is_measured():
+    """A review: learned queries (Perceiver's latents through a Linear without bias, expanded over the batch) are the same
+    for every sample by design: their output does not vary across the batch because their input does not, and was called
+    'vanishing: constant offsets (its biases)'. And the spread's forward ran without gradients: a loss that takes one
+    (a gradient penalty, a PINN's du/dx) raised in it."""
+    class Latents(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.latents = nn.Parameter(torch.randn(4, 16))
+            self.q, self.k = nn.Linear(16, 16, bias=False), nn.Linear(8, 16)
+            self.head = nn.Linear(16, 1)
+
+        def forward(self, x):
+            q = self.q(self.latents.expand(x.shape[0], -1, -1))  # (B, 4, 16), the same for every sample
+            k = self.k(x)  # (B, T, 16)
+            att = torch.softmax(q @ k.transpose(1, 2) / 4, -1) @ k
+            return self.head(att.mean(1))
+
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 6, 8), torch.randn(16, 1)
+    report = signal_report(Latents(), (x, y), lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
+    q = next(layer for layer in report.layers if layer.name == "q")
+    assert q.out_spread == 0 and q.in_spread == 0 and not q.collapsed and q.forward == "ok", report.summary("forward")
+
+    def penalized(model, batch):  # a gradient penalty on the input: the forward needs autograd
+        inp = batch[0].requires_grad_(True)
+        out = model(inp)
+        (g,) = torch.autograd.grad(out.sum(), inp, create_graph=True)
+        return torch.nn.functional.mse_loss(out, batch[1]) + g.pow(2).mean()
+
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    measured = signal_report(mlp, (torch.randn(16, 8), torch.randn(16, 1)), penalized)
+    assert all(layer.out_spread is not None for layer in measured.layers if layer.param_name)
+
+
+def test_init_leaves_a_frozen_weight_beside_a_trainable_bias_as_it_is():
+    """A review: BitFit (a frozen pretrained weight, its bias trainable) was redrawn whole: the skip was per module."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    model[0].weight.requires_grad_(False)
+    model[2].bias.requires_grad_(False)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    decisions = init_(model, "kaiming")
+    assert all(torch.equal(model.get_parameter(n), v) for n, v in frozen.items())
+    assert bool(model[0].bias.eq(0).all()) and not bool(model[2].weight.eq(frozen["0.weight"][:2]).all())
+    assert [d.scheme for d in decisions] == ["kaiming", "kaiming"]

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["user_frames", "user_location", "defined_at", "caller_loss_note", "format_user_traceback", "task_part",
-           "host_retry", "retry_line",
+           "host_retry", "retried", "retry_line",
            "raised_by_stabletrain", "format_task_error", "batch_note", "TaskCodeError", "TASK_PARTS", "brief", "crash_event",
            "StopTraining"]
 
@@ -409,10 +409,11 @@ class StopTraining(RuntimeError):
         super().__init__(f"stabletrain stopped the run at step {step}: {reason}")
 
 
-def host_retry(args: Any, err: BaseException, step: int) -> dict[str, Any] | None:
+def host_retry(args: Any, err: BaseException, step: int, batch: int | None = None) -> dict[str, Any] | None:
     """A ``retry`` event's fields for an out-of-memory error that a host trainer retries at a smaller batch (transformers'
-    ``auto_find_batch_size``, by accelerate's own test), else None (the error ends the run: a crash)."""
-    if not getattr(args, "auto_find_batch_size", False) or not isinstance(err, Exception):
+    ``auto_find_batch_size``, by accelerate's own test), else None (the error ends the run: a crash; at ``batch`` 1 there
+    is no smaller one: accelerate gives up)."""
+    if not getattr(args, "auto_find_batch_size", False) or not isinstance(err, Exception) or (batch or 2) <= 1:
         return None
     try:
         from accelerate.utils.memory import should_reduce_batch_size
@@ -421,7 +422,18 @@ def host_retry(args: Any, err: BaseException, step: int) -> dict[str, Any] | Non
     return {"failed_step": step, "error": brief(str(err))} if should_reduce_batch_size(err) else None
 
 
+def retried(retry: dict[str, Any] | None, open_at: int | None, args: Any, now: int | None, was: int | None
+            ) -> dict[str, Any] | None:
+    """At a host trainer's train start: the retry it is, if its batch size shrank from ``was`` to ``now`` (a new train()
+    at the same size is none): the out-of-memory ``retry`` its training step recorded, or, where an error elsewhere left
+    the session open (at step ``open_at``) under ``auto_find_batch_size``, one outside the training step."""
+    if retry is None and open_at is not None and getattr(args, "auto_find_batch_size", False):
+        retry = {"failed_step": open_at + 1, "error": "out of memory outside its training step"}
+    return {**retry, "batch_size_was": was} if retry and now is not None and was is not None and now < was else None
+
+
 def retry_line(retry: dict[str, Any], batch_size: int) -> str:
-    """What a :func:`host_retry` says when the host trains again at ``batch_size``."""
+    """What a :func:`retried` says when the host trains again at ``batch_size``."""
     return (f"the Trainer ran out of memory at step {retry['failed_step']} and trains again from its first step at batch "
-            f"size {batch_size} (auto_find_batch_size): this run directory holds the new attempt")
+            f"size {batch_size} (from {retry['batch_size_was']}; auto_find_batch_size): this run directory holds the new "
+            "attempt")

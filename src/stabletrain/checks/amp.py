@@ -140,9 +140,10 @@ def check_amp(ctx: CheckContext) -> CheckResult:
         with torch.no_grad():
             fp32_loss = _loss_value(*as_sum_count(task.loss(model, batch), ctx.cfg.train.batch_size))
         details.append(f"the loss is finite under {audited} autocast ({low_loss:.4g}; {fp32_loss:.4g} in fp32), but a value "
-                       f"inside the forward is not, and is not in fp32: {inside}; it exceeds {audited}'s range (max "
-                       f"{torch.finfo(policy.dtype).max:.6g}) and what follows hides it (the features it scales lost): scale "
-                       "that op's inputs down, run it in fp32, or use bf16 (fp32's range)")
+                       f"inside the forward is not, and is not in fp32: {inside}; it leaves {audited}'s range (max "
+                       f"{torch.finfo(policy.dtype).max:.6g}, or a value below its smallest, {torch.finfo(policy.dtype).tiny:.3g}"
+                       ", flushed to 0 before a log or a division) and what follows hides it (the features it scales lost): "
+                       "scale that op's inputs, run it in fp32, or use bf16 (fp32's range)")
     if low_matmuls == 0:
         details.append("no matmul/conv ran in low precision: autocast is not reaching the model's compute")
     summary = (("" if finite else f"the loss is not finite under {audited} autocast ({low_loss}); ") +

@@ -49,19 +49,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..numerics import buffers_kept, unique_params
+from ..numerics import unique_params
 from ..policies.accumulation import as_sum_count
-from ..policies.dropout import dropout_off
 from ..tasks.init_schemes import ActivationTrace, activation_name, is_norm, recommend_scheme
+from .signal_spread import COLLAPSE, spreads_by_call
 from .signal_verdicts import OWN_INPUT, assign_references
 from .update_ratio import UpdateRatio, update_ratios
 
 __all__ = ["NothingToMeasure", "SignalThresholds", "LayerSignal", "SignalReport", "signal_report", "assign_references"]
 
 OK, VANISHING, EXPLODING = "ok", "vanishing", "exploding"
-#: A weighted layer whose output varies across the batch by less than this share of its std carries no signal of its input:
-#: offsets make its std (a deep ReLU net under PyTorch's default init: std 0.07 at every depth, outputs 2e-5 apart).
-COLLAPSE = 1e-2
 
 
 @dataclass(frozen=True)
@@ -138,7 +135,8 @@ class LayerSignal:
     in_shape: tuple[int, ...] | None = None  # without the leading (batch) dimension
     out_shape: tuple[int, ...] = ()
     lead: int | None = None  # the output's leading (batch) size: a broadcast one (GPT-2's wpe, 1) no full batch's peer
-    out_spread: float | None = None  # how much the output varies across the batch (:func:`_spread`)
+    out_spread: float | None = None  # how much the output varies across the batch (:func:`~.signal_spread.spread`)
+    in_spread: float | None = None  # ... and its input
     frozen: bool = False  # its weight does not train (requires_grad=False)
     ref_forward: str = ""
     ref_backward: str = ""
@@ -160,10 +158,12 @@ class LayerSignal:
 
     @property
     def collapsed(self) -> bool:
-        """Its output barely varies across the batch against its std (:data:`COLLAPSE`): offsets, not its input, make it
-        (not where its input is 0 by design, a conditioning vector: its bias is what it gives)."""
-        return (self.param_name is not None and not self.is_norm and not self.role and self.out_spread is not None
-                and self.out_std > 0 and self.out_spread < COLLAPSE * self.out_std and self.in_std != 0)
+        """Its output barely varies across the batch against its std (:data:`COLLAPSE`) where its input does: offsets,
+        not its input, make it (an input the same for every sample by design, learned queries or a conditioning vector,
+        is none)."""
+        return (self.param_name is not None and not self.is_norm and not self.role and None not in (self.out_spread,
+                self.in_spread, self.in_std) and self.out_std > 0 and self.out_spread < COLLAPSE * self.out_std
+                and self.in_spread >= COLLAPSE * self.in_std > 0)
 
     @property
     def silent(self) -> bool:
@@ -228,7 +228,7 @@ class SignalReport:
         if direction == "forward" and first.collapsed and self.thresholds.verdict(first.forward_ratio) == OK:
             return (f"forward: vanishes at #{first.index} {first.name!r} ({first.kind}): its output barely varies across "
                     f"the batch (by {first.out_spread:.3g}, {_x(first.out_spread / first.out_std)} its std {first.out_std:.3g}"
-                    "): constant offsets (its biases) make its std, no signal of the input goes past it")
+                    "): constant offsets (a bias, a mean carried through) make its std, no signal of its input goes past it")
         if direction == "forward" and first.silent:  # 0, whatever its reference: no ratio says more
             what = (f"its output is all 0{' (dead units)' if first.activation else ''}" if first.out_absmax == 0
                     else "its output is constant (its input is)")
@@ -327,12 +327,6 @@ def _std(x: Tensor) -> Tensor:
     return x.std() if x.numel() > 1 else torch.zeros((), device=x.device)
 
 
-def _spread(x: Tensor) -> Tensor:
-    """How much each of ``x``'s features varies across the batch (its first axis), their RMS; one sample: its std."""
-    x = x.detach().float()
-    return x.var(dim=0, unbiased=False).mean().sqrt() if x.dim() >= 2 and x.shape[0] > 1 else _std(x)
-
-
 def _main_param(module: nn.Module) -> tuple[str, nn.Parameter] | None:
     """Return the parameter that describes a layer: its ``weight``, else its largest own parameter."""
     own = list(module.named_parameters(recurse=False))
@@ -423,10 +417,11 @@ def _measure(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any]
         raise NothingToMeasure("signal_report: no leaf module produced a floating-point tensor; "
                                "is the model called in loss(model, batch)?")
 
-    spreads = _spreads(model, batch, loss, leaves)
-    if len(spreads) == len(stats):  # (the same calls: a forward whose path depends on a draw may differ)
-        for row, spread in zip(stats, spreads):
-            row["spread"] = spread
+    spreads, nth = spreads_by_call(model, batch, loss, leaves), Counter()
+    for (_, module, *_), row in zip(calls, stats):  # (by module and call: a path that depends on a draw may differ)
+        nth[id(module)] += 1
+        if (id(module), nth[id(module)]) in spreads:
+            row["spread"] = spreads[(id(module), nth[id(module)])]
     mains = [_main_param(call[1]) for call in calls]
     for main, row in zip(mains, stats):
         if main is not None:
@@ -463,30 +458,11 @@ def _measure(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any]
             call=call if reused else None, own_reference=reused and not _repeated_unit(ids, ids[i], num_calls),
             segment=segment, time_out_mid=time_out[0], time_out_last=time_out[1], time_grad_first=time_grad[0],
             time_grad_mid=time_grad[1],
-            in_shape=in_shape, out_shape=out_shape, lead=lead, out_spread=row.get("spread"),
+            in_shape=in_shape, out_shape=out_shape, lead=lead, out_spread=(row.get("spread") or [None])[0],
+            in_spread=next((v for v in (row.get("spread") or [None, None])[1:] if v == v), None),
             frozen=main is not None and not main[1].requires_grad))
         segment += recurrent
     return layers, loss_value, trace.functional
-
-
-def _spreads(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any], leaves: list) -> list[Tensor]:
-    """Each leaf call's output spread (:func:`_spread`), in call order, from a forward without gradients nor dropout (its
-    draw varies a constant across the batch: no signal of the input); the model's buffers put back."""
-    out: list[Tensor] = []
-
-    def hook(_module: nn.Module, _inputs: tuple, output: Any) -> None:
-        t = _first_tensor(output)
-        if t is not None and t.numel():
-            out.append(_spread(t))
-
-    handles = [m.register_forward_hook(hook) for _, m in leaves]
-    try:
-        with torch.no_grad(), buffers_kept(model), dropout_off(model):
-            loss(model, batch)
-    finally:
-        for h in handles:
-            h.remove()
-    return out
 
 
 def _repeated_unit(ids: list[int], key: int, num_calls: dict[int, int]) -> bool:

@@ -54,7 +54,7 @@ from ..config import AdapterOptions
 from ..console import StableTrainWarning, show_bar
 from ..data import move_to
 from ..diagnostics.initialization import InitFingerprint
-from ..errors import host_retry, retry_line
+from ..errors import host_retry, retried, retry_line
 from ..host_step import items_ignored
 from ..internals import find_caller, is_compiled
 from ..numerics import grad_norms
@@ -99,6 +99,7 @@ class StableTrainCallback(TrainerCallback):
         self._wrapped: list[str] = []
         self._bar: Any = None  # the Trainer's own progress bar (False: it draws none), which our lines go above
         self._retry: dict[str, Any] | None = None  # the out-of-memory step the Trainer is retrying at a smaller batch
+        self._batch: int | None = None  # the session's batch size (a retry's is smaller)
         self._items_ignored: bool | None = None  # the session's loss ignores num_items_in_batch (a mean: items_ignored)
 
     # -- set-up --------------------------------------------------------------------------------------
@@ -115,7 +116,9 @@ class StableTrainCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
                        optimizer: Any = None, **kwargs: Any) -> None:
-        retry, self._retry, self._items_ignored = self._retry, None, None
+        opened = self.session.step if self.session is not None and not self.session.closed else None
+        retry = retried(self._retry, opened, args, state.train_batch_size, self._batch)
+        self._retry, self._items_ignored, self._batch = None, None, state.train_batch_size
         if self.session is not None:  # a second train() on the same callback (or its retry): a new session
             self._detach()
         trainer = self._find_trainer()
@@ -206,7 +209,7 @@ class StableTrainCallback(TrainerCallback):
         try:
             loss = self._call_training_step(model, inputs, num_items_in_batch)
         except BaseException as err:  # (the Trainer has no hook for it): the crash recorded (an out-of-memory error it
-            self._retry = host_retry(self.args, err, session.step + 1)  # retries: none), the run closed, unwrapped
+            self._retry = host_retry(self.args, err, session.step + 1, self._batch)  # retries: none), the run closed
             self._detach(None if self._retry else err)
             raise
         pending.add_loss(loss.detach().float().reshape(()))
@@ -260,9 +263,7 @@ class StableTrainCallback(TrainerCallback):
         self._out = None
         record = session.record_host_step(out, epoch=int(state.epoch or 0), lr=self._lr)
         if record is not None:
-            self._record = record
-            if session.stop_reason is not None:
-                control.should_training_stop = True
+            self._record, control.should_training_stop = record, control.should_training_stop or session.stop_reason is not None
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         """At the Trainer's own logging steps (its cadence and loss left as they are): the latest interval's figures."""

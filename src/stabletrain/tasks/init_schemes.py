@@ -319,8 +319,8 @@ def init_(model: nn.Module, scheme: str = "auto", *, std: float = 1.0, residual:
     or a name matching a glob in ``residual``) get their std times ``1/sqrt(num_residual_branches)``
     (default: the number of such modules). A weight shared by several modules (tied embeddings) is
     left as the last of them initializes it. Modules with parameters that are none of these are
-    left as they are (``scheme="kept"``), and so are modules whose parameters are all frozen (``requires_grad=False``:
-    pretrained weights; ``scheme="frozen"``). Draws from torch's global RNG.
+    left as they are (``scheme="kept"``), and so is every frozen parameter (``requires_grad=False``: pretrained weights;
+    a module whose parameters all are: ``scheme="frozen"``). Draws from torch's global RNG.
     """
     if scheme not in SCHEMES:
         raise ValueError(f"init scheme: expected one of {', '.join(SCHEMES)}, got {scheme!r}")
@@ -349,8 +349,9 @@ def init_(model: nn.Module, scheme: str = "auto", *, std: float = 1.0, residual:
     decisions: list[InitDecision] = []
     for name, module in leaves:
         kind = type(module).__name__
-        weight = getattr(module, "weight", None)
-        bias = getattr(module, "bias", None)
+        # a frozen parameter (requires_grad=False: pretrained) is never redrawn, a module's or one beside a trainable one
+        weight, bias = (getattr(module, attr, None) for attr in ("weight", "bias"))
+        weight, bias = (t if isinstance(t, Tensor) and t.requires_grad else None for t in (weight, bias))
         own = list(module.parameters(recurse=False))
         if own and not any(p.requires_grad for p in own):  # frozen (pretrained): never redrawn
             decisions.append(InitDecision(name, kind, "frozen"))
@@ -367,23 +368,25 @@ def init_(model: nn.Module, scheme: str = "auto", *, std: float = 1.0, residual:
             else:
                 chosen = scheme if scheme != "auto" else ("xavier" if act in SATURATING else "kaiming")
                 gain = activation_gain(follower)
-                fan_in, fan_out = _fans(module, weight)
+                fan_in, fan_out = _fans(module, module.weight)
                 base = gain / math.sqrt(fan_in) if chosen == "kaiming" else gain * math.sqrt(2.0 / (fan_in + fan_out))
                 decision = InitDecision(name, kind, chosen, act, gain, "fan_in" if chosen == "kaiming" else "fan_avg",
                                         base * scale, scale, assumed)
-            nn.init.normal_(weight, 0.0, decision.std)
+            if weight is not None:
+                nn.init.normal_(weight, 0.0, decision.std)
             if bias is not None:
                 nn.init.zeros_(bias)
         elif isinstance(module, nn.Embedding):
             decision = InitDecision(name, kind, "normal", std=std if scheme == "normal" else 1.0)
-            nn.init.normal_(weight, 0.0, decision.std)
-            if module.padding_idx is not None:
-                weight[module.padding_idx].zero_()
+            if weight is not None:
+                nn.init.normal_(weight, 0.0, decision.std)
+                if module.padding_idx is not None:
+                    weight[module.padding_idx].zero_()
         elif is_norm(module) and list(module.parameters(recurse=False)):
             decision = InitDecision(name, kind, "norm")
-            if isinstance(weight, Tensor):
+            if weight is not None:
                 nn.init.ones_(weight)
-            if isinstance(bias, Tensor):
+            if bias is not None:
                 nn.init.zeros_(bias)
         elif list(module.parameters(recurse=False)):
             decision = InitDecision(name, kind, "kept")

@@ -143,6 +143,10 @@ def local_tensors(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
 
 # -- saving ---------------------------------------------------------------------------------------------
 
+#: The slowest read a rank's shard checksum is waited for at (bytes per second; beside ``dist.timeout_s``).
+CRC_READ_BYTES_S = 50e6
+
+
 class ShardedSave:
     """One rank's DCP save in flight: ``tmp`` (the checkpoint's temporary directory), its future and timings.
 
@@ -171,14 +175,16 @@ class ShardedSave:
             part.write_text(json.dumps(crcs))
             os.replace(part, folder / f".crc32.{self.rank}.json")
 
-    def _gathered(self, folder: Path) -> dict[str, str]:
-        """Every rank's shard CRC32s (:meth:`checksum`), waited for up to ``timeout_s``; their files removed."""
-        deadline, out = time.monotonic() + self.timeout_s, {}
+    def _gathered(self, folder: Path, nbytes: int) -> dict[str, str]:
+        """Every rank's shard CRC32s (:meth:`checksum`), waited for up to ``timeout_s`` and the time to read ``nbytes``
+        at :data:`CRC_READ_BYTES_S` (a large shard out of the page cache, on a network file system); their files removed."""
+        start = time.monotonic()
+        deadline, out = start + self.timeout_s + nbytes / CRC_READ_BYTES_S, {}
         for rank in range(self.world):
             path = folder / f".crc32.{rank}.json"
             while not path.is_file():
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"rank {rank}'s shard checksums did not arrive within {self.timeout_s:g} s")
+                    raise RuntimeError(f"rank {rank}'s shard checksums did not arrive within {deadline - start:.3g} s")
                 time.sleep(0.005)
             out.update(json.loads(path.read_text()))
             path.unlink()
@@ -199,7 +205,7 @@ class ShardedSave:
         files: dict[str, int] = {}
         for info in metadata.storage_data.values():
             files[info.relative_path] = (folder / info.relative_path).stat().st_size
-        crcs = self._gathered(folder)  # (each shard's bytes, as state.pt's; by the rank that wrote it)
+        crcs = self._gathered(folder, sum(files.values()))  # (each shard's bytes, as state.pt's; by the rank that wrote it)
         return {"dir": DCP_DIR, "keys": self.keys, "files": dict(sorted(files.items())),
                 "bytes": sum(files.values()), "metadata_sha256": _sha256(folder / METADATA),
                 "crc32": {name: crcs[name] for name in sorted(files) if name in crcs}}
