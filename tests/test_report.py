@@ -1257,3 +1257,18 @@ def test_spikes_met_again_after_each_of_several_rollbacks_are_all_counted(tmp_pa
     h = health_summary(load_run(run))
     assert ("2 loss spikes at step 66-67; before the 2 rollbacks, at step 66-67 (4 spikes: the run met them again after "
             "each rollback).") in h.text, h.text
+
+
+def test_an_end_interval_with_a_skipped_nonfinite_step_and_a_spike_is_taken_without_the_spike_over_its_finite_steps(tmp_path):
+    """A trial: one interval held a NaN step (skipped, not in its mean: 9 finite steps) and a spike; the end without the
+    spike was (mean x 10 - spike) / 9: 'Train loss 144.1 -> 1.702' for a loss of ~5."""
+    run = tmp_path / "both"
+    run.mkdir()
+    (run / "config.yaml").write_text("guard:\n  spike_ratio: 2.0\n")
+    losses = [5.0] * 8 + [1000.0]  # the interval's finite steps: its mean is theirs
+    rows = [(10, 6.0, 5.5, 0), (20, 5.6, 5.2, 0), (30, sum(losses) / 9, 5.0, 1)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "interval_steps": 10, "loss": m, "loss_min": lo,
+                                                           "num_nonfinite": n}) + "\n" for s, m, lo, n in rows))
+    (run / "events.jsonl").write_text(json.dumps({"step": 27, "kind": "spike", "reason": "loss spike", "loss": 1000.0}) + "\n")
+    h = health_summary(load_run(run))
+    assert h.figures["loss_end"] == pytest.approx(5.0)

@@ -24,7 +24,8 @@ def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
     validation loss, into ``h``."""
     f = h.figures
     rows = [(int(r["step"]), r["interval_steps"], r["loss"],
-             r["loss_min"] if isinstance(r.get("loss_min"), (int, float)) else r["loss"])  # (a null one: the mean)
+             r["loss_min"] if isinstance(r.get("loss_min"), (int, float)) else r["loss"],  # (a null one: the mean)
+             r["interval_steps"] - int(r.get("num_nonfinite") or 0))  # the steps its mean is over (its finite ones)
             for r in run.metrics if isinstance(r.get("loss"), float) and math.isfinite(r["loss"])]
     text = ""
     if rows:
@@ -56,7 +57,7 @@ def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
             f"; from step {first:,} on no step's loss was finite ({len(after)} interval{'s' if len(after) > 1 else ''} "
             f"after step {rows[-1][0]:,})")
     if len(rows) > 2:
-        best_step, _, best, _ = min(rows, key=lambda r: r[2])
+        best_step, _, best, *_ = min(rows, key=lambda r: r[2])
         # (an end read as a median of the last intervals reaches back to where the loss was still falling: whether the
         # loss rose since its best is the last interval's own smallest loss's to say; 'rose x3.71' for one that fell)
         now = rows[-1][3] if end is not None and len(rows) > 1 else f["loss_end"]
@@ -98,14 +99,15 @@ def _robust_end(rows: list[tuple], spikes: list[int], ratio: float, end: str,
     (the guard's spike ratio) while its smallest loss is not (most of its steps are typical). A run whose loss is
     still falling fast at the start, or that diverges at the end, has its smallest losses high too (or spike events on
     half its steps or more): its mean stands.
-    ``rows`` are (step, interval steps, mean loss, smallest loss) from that end inward. A run of fewer than 6
+    ``rows`` are (step, interval steps, mean loss, smallest loss, the finite steps it is a mean of) from that end
+    inward. A run of fewer than 6
     intervals has no end intervals of its own to take a median of (it reached back to the other end: "10.39 → 10.39,
     rose x2.51" for a loss that fell): the end interval's mean without its spike steps' own losses (``own``: the spike
     events'), where each is known. ``descent``: ``rows[0]`` is the run's first interval, whose first losses are its
     fast fall (34 -> 0.04 in 10 steps was "lifted by a few large losses"): its mean stands unless ``spikes`` (and early
     outliers) fall in it.
     """
-    step, width, mean, low = rows[0]
+    step, width, mean, low, finite = rows[0]
     ends = min(LOSS_ENDS, max(3, len(rows) // 2))  # a short run: the two ends share as few intervals as they can
     near = [r[2] for r in rows[:ends]]
     median = statistics.median(near)
@@ -118,8 +120,8 @@ def _robust_end(rows: list[tuple], spikes: list[int], ratio: float, end: str,
     if not spiky:
         return mean, None
     mine = [own.get(s) for s in spikes if step - width < s <= step] if own else []
-    if len(rows) < 6 and mine and None not in mine and width > len(mine):
-        return (mean * width - sum(mine)) / (width - len(mine)), f"{end} interval without its spike step{'s' * (len(mine) > 1)}"
+    if len(rows) < 6 and mine and None not in mine and finite > len(mine):  # (a skipped non-finite step: not in its mean)
+        return (mean * finite - sum(mine)) / (finite - len(mine)), f"{end} interval without its spike step{'s' * (len(mine) > 1)}"
     if len(near) < 3:  # too few intervals for a typical value: the mean stands, and the words say what lifted it
         return mean, f"{end} interval"
     quiet = [r[2] for r in rows[:ends] if not any(r[0] - r[1] < s <= r[0] for s in spikes)]
