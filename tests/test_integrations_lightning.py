@@ -88,8 +88,9 @@ def test_clean_run_metrics_mirror_and_report(tmp_path):
     assert records[0]["clip_rate"] == 1.0 and records[0]["grad_norm_post_clip"] <= 0.05 * (1 + 1e-5)
     assert records[0]["grad_norm"] > 0.05 and records[0]["lr"] == pytest.approx(1e-2)
     assert records[-1]["samples_seen"] == 12 * BATCH and records[0]["top_grad_layers"]
-    # ||update|| of each interval's last step, measured around the host's own optimizer step.
-    assert all(0 < r["update_norm"] and 0 < r["update_ratio"] < 1 for r in records[:2])
+    # ||update|| of each interval's last step, measured around the host's own optimizer step; the run's last too (12: a
+    # trial read "nan" there, the host's last step unknown to the session)
+    assert all(0 < r["update_norm"] and 0 < r["update_ratio"] < 1 for r in records)
     # Mirrored into Lightning's own logging at the boundaries, and only there (a logger writing every step must not
     # repeat an interval's figures at each: it did, from log_dict in the batch-end hook).
     assert trainer.callback_metrics["stabletrain/grad_norm"] == pytest.approx(records[1]["grad_norm"], rel=1e-6)

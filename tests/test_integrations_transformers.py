@@ -58,7 +58,9 @@ def test_the_mirror_leaves_the_trainers_own_logging_as_it_is(tmp_path):
     cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=4)
     trainer = trainer_for(gpt2(), cb, tmp_path, max_steps=10)
     trainer.train()
-    assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]] == [4, 8, 10]
+    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]
+    assert [r["step"] for r in records] == [4, 8, 10]
+    assert isinstance(records[-1]["update_norm"], float)  # the run's last step measured its update too (a trial: "nan")
     assert [h["step"] for h in trainer.state.log_history] == [10]  # the Trainer's own end-of-training summary only
     summary = trainer.state.log_history[0]
     assert "train_runtime" in summary and "loss" not in summary

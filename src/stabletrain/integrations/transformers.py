@@ -142,7 +142,8 @@ class StableTrainCallback(TrainerCallback):
             "output_dir", "max_steps", "num_train_epochs", "per_device_train_batch_size", "gradient_accumulation_steps",
             "learning_rate", "weight_decay", "max_grad_norm", "lr_scheduler_type", "warmup_steps", "optim", "fp16",
             "bf16", "label_smoothing_factor", "seed", "logging_steps", "save_steps", "torch_compile")}
-        host.update(trainer_class=f"{type(trainer).__module__}.{type(trainer).__qualname__}", world_size=args.world_size)
+        host.update(trainer_class=f"{type(trainer).__module__}.{type(trainer).__qualname__}", world_size=args.world_size,
+                    final_step=state.max_steps)
         self.session = RunSession(
             self.run_dir, model, host="transformers", options=self.options, precision=mode, clip_max_norm=clip,
             optimizer=inner, scaler=scaler, replay=_TransformersReplay(self), overwrite=self.overwrite or bool(retry),
