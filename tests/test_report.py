@@ -1265,10 +1265,13 @@ def test_an_end_interval_with_a_skipped_nonfinite_step_and_a_spike_is_taken_with
     run = tmp_path / "both"
     run.mkdir()
     (run / "config.yaml").write_text("guard:\n  spike_ratio: 2.0\n")
-    losses = [5.0] * 8 + [1000.0]  # the interval's finite steps: its mean is theirs
-    rows = [(10, 6.0, 5.5, 0), (20, 5.6, 5.2, 0), (30, sum(losses) / 9, 5.0, 1)]
-    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "interval_steps": 10, "loss": m, "loss_min": lo,
-                                                           "num_nonfinite": n}) + "\n" for s, m, lo, n in rows))
-    (run / "events.jsonl").write_text(json.dumps({"step": 27, "kind": "spike", "reason": "loss spike", "loss": 1000.0}) + "\n")
-    h = health_summary(load_run(run))
-    assert h.figures["loss_end"] == pytest.approx(5.0)
+    for finite, nonfinite in ((9, 1), (10, 1)):  # (10: a step whose grad norm alone was not finite: its loss is in the mean)
+        losses = [5.0] * (finite - 1) + [1000.0]  # the interval's finite losses: its mean is theirs
+        rows = [(10, 6.0, 5.5, 0, 10), (20, 5.6, 5.2, 0, 10), (30, sum(losses) / finite, 5.0, nonfinite, finite)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "interval_steps": 10, "loss": m, "loss_min": lo,
+                                                               "num_nonfinite": n, "loss_steps": k}) + "\n"
+                                                   for s, m, lo, n, k in rows))
+        (run / "events.jsonl").write_text(json.dumps({"step": 27, "kind": "spike", "reason": "loss spike", "loss": 1000.0})
+                                          + "\n")
+        h = health_summary(load_run(run))
+        assert h.figures["loss_end"] == pytest.approx(5.0), finite  # (a review: -7.438 from num_nonfinite's count)

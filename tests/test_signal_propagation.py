@@ -727,7 +727,27 @@ def test_init_leaves_a_frozen_weight_beside_a_trainable_bias_as_it_is():
     model[0].weight.requires_grad_(False)
     model[2].bias.requires_grad_(False)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    trained = model[2].weight.detach().clone()
     decisions = init_(model, "kaiming")
     assert all(torch.equal(model.get_parameter(n), v) for n, v in frozen.items())
-    assert bool(model[0].bias.eq(0).all()) and not bool(model[2].weight.eq(frozen["0.weight"][:2]).all())
-    assert [d.scheme for d in decisions] == ["kaiming", "kaiming"]
+    assert bool(model[0].bias.eq(0).all()) and not torch.equal(model[2].weight, trained)  # the trainable ones redrawn
+    assert [d.scheme for d in decisions] == ["kaiming", "kaiming"] and decisions[0].std is None  # (its weight not drawn)
+
+
+def test_the_spread_of_each_call_lands_on_that_call_after_an_empty_one():
+    """A review: the spread's forward numbered every call of a module, the report only those with a floating, non-empty
+    output: after an empty call (an expert routed no tokens) each later call got the call before's spread."""
+    class Routed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.head = nn.Linear(8, 8), nn.Linear(8, 1)
+
+        def forward(self, x):
+            self.lin(x[:0])  # no token routed to it
+            return self.head(self.lin(x) + self.lin(torch.zeros_like(x)))
+
+    torch.manual_seed(0)
+    report = signal_report(Routed(), (torch.randn(16, 8), torch.randn(16, 1)),
+                           lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
+    varying, constant = (layer for layer in report.layers if layer.name.startswith("lin#"))
+    assert varying.out_spread > 0.1 and constant.out_spread == 0 and constant.in_spread == 0, (varying, constant)

@@ -428,12 +428,14 @@ def retried(retry: dict[str, Any] | None, open_at: int | None, args: Any, now: i
     at the same size is none): the out-of-memory ``retry`` its training step recorded, or, where an error elsewhere left
     the session open (at step ``open_at``) under ``auto_find_batch_size``, one outside the training step."""
     if retry is None and open_at is not None and getattr(args, "auto_find_batch_size", False):
-        retry = {"failed_step": open_at + 1, "error": "out of memory outside its training step"}
+        retry = {"after_step": open_at, "error": "out of memory outside its training step"}
     return {**retry, "batch_size_was": was} if retry and now is not None and was is not None and now < was else None
 
 
 def retry_line(retry: dict[str, Any], batch_size: int) -> str:
     """What a :func:`retried` says when the host trains again at ``batch_size``."""
-    return (f"the Trainer ran out of memory at step {retry['failed_step']} and trains again from its first step at batch "
+    where = (f"at step {retry['failed_step']}" if "failed_step" in retry
+             else f"after step {retry['after_step']} (outside its training step)")
+    return (f"the Trainer ran out of memory {where} and trains again from its first step at batch "
             f"size {batch_size} (from {retry['batch_size_was']}; auto_find_batch_size): this run directory holds the new "
             "attempt")

@@ -51,8 +51,8 @@ def spreads_by_call(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any
 
     def hook(module: nn.Module, inputs: tuple, output: Any) -> None:
         t, x = _first_tensor(output), _first_tensor(inputs)
-        nth[id(module)] += 1
-        if t is not None and t.numel():
+        if t is not None and t.numel():  # (the calls the report numbers: a floating, non-empty output)
+            nth[id(module)] += 1
             out[(id(module), nth[id(module)])] = torch.stack(
                 [spread(t), spread(x).to(t.device) if x is not None and x.numel() else torch.tensor(math.nan, device=t.device)])
 

@@ -303,6 +303,7 @@ class StepMetrics:
             "loss": sum(losses) / len(losses) if losses else float("nan"),
             "loss_min": min(losses, default=float("nan")),
             "loss_max": max(losses, default=float("nan")),
+            "loss_steps": len(losses),
             "grad_norm": (sum(r["grad_norm"] for r in finite_rows) / len(finite_rows)) if finite_rows else float("nan"),
             "grad_norm_max": max((r["grad_norm"] for r in finite_rows), default=float("nan")),
             "grad_norm_post_clip": ((sum(r["post_clip_norm"] for r in finite_rows) / len(finite_rows)) if finite_rows

@@ -60,6 +60,7 @@ METRIC_KEYS: dict[str, str] = {
     "loss": ("mean over the interval's finite steps of each step's unscaled per-item loss (a skipped step's too: a spike "
              "that guard.on_spike=skip skipped is in it, as num_spikes and loss_max say)"),
     "loss_min": "min over the interval of each step's unscaled per-item loss",
+    "loss_steps": "the interval's steps with a finite loss: those loss, loss_min and loss_max are over",
     "loss_max": "max over the interval of each step's unscaled per-item loss",
     "grad_norm": "mean pre-clip global L2 grad norm over the interval's finite steps",
     "grad_norm_max": "max pre-clip global L2 grad norm over the interval's finite steps",

@@ -25,7 +25,7 @@ def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
     f = h.figures
     rows = [(int(r["step"]), r["interval_steps"], r["loss"],
              r["loss_min"] if isinstance(r.get("loss_min"), (int, float)) else r["loss"],  # (a null one: the mean)
-             r["interval_steps"] - int(r.get("num_nonfinite") or 0))  # the steps its mean is over (its finite ones)
+             int(r["loss_steps"]) if isinstance(r.get("loss_steps"), (int, float)) else r["interval_steps"])  # its mean is over
             for r in run.metrics if isinstance(r.get("loss"), float) and math.isfinite(r["loss"])]
     text = ""
     if rows:
@@ -121,7 +121,9 @@ def _robust_end(rows: list[tuple], spikes: list[int], ratio: float, end: str,
         return mean, None
     mine = [own.get(s) for s in spikes if step - width < s <= step] if own else []
     if len(rows) < 6 and mine and None not in mine and finite > len(mine):  # (a skipped non-finite step: not in its mean)
-        return (mean * finite - sum(mine)) / (finite - len(mine)), f"{end} interval without its spike step{'s' * (len(mine) > 1)}"
+        without = (mean * finite - sum(mine)) / (finite - len(mine))
+        if low - 1e-6 * abs(low) <= without <= mean:  # (a record from before loss_steps: over every step, a NaN one too)
+            return without, f"{end} interval without its spike step{'s' * (len(mine) > 1)}"
     if len(near) < 3:  # too few intervals for a typical value: the mean stands, and the words say what lifted it
         return mean, f"{end} interval"
     quiet = [r[2] for r in rows[:ends] if not any(r[0] - r[1] < s <= r[0] for s in spikes)]

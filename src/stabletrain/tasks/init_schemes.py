@@ -16,6 +16,7 @@ It lives beside the tasks (the bottom layer) because the built-in tasks build th
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import math
 import warnings
@@ -374,6 +375,8 @@ def init_(model: nn.Module, scheme: str = "auto", *, std: float = 1.0, residual:
                                         base * scale, scale, assumed)
             if weight is not None:
                 nn.init.normal_(weight, 0.0, decision.std)
+            else:  # (frozen: no std was drawn from)
+                decision = dataclasses.replace(decision, std=None)
             if bias is not None:
                 nn.init.zeros_(bias)
         elif isinstance(module, nn.Embedding):

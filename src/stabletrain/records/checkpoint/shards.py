@@ -184,7 +184,7 @@ class ShardedSave:
             path = folder / f".crc32.{rank}.json"
             while not path.is_file():
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"rank {rank}'s shard checksums did not arrive within {deadline - start:.3g} s")
+                    raise RuntimeError(f"rank {rank}'s shard checksums did not arrive within {deadline - start:,.1f} s")
                 time.sleep(0.005)
             out.update(json.loads(path.read_text()))
             path.unlink()
