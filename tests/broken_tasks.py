@@ -78,3 +78,19 @@ def iterable_data_task():
 
     task.train_data = Stream()
     return task
+
+
+def fp16_hopeless_task():
+    """Targets of 1e15: the loss (reduced in fp32) is finite, its fp16 gradients overflow at every loss scale."""
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    from stabletrain import Task
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(128, 16, generator=g)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    return Task(model=model, train_data=TensorDataset(x, torch.full((128, 1), 1e15)), name="fp16-hopeless",
+                loss=lambda m, b: nn.functional.mse_loss(m(b[0]).float(), b[1]))

@@ -153,6 +153,12 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
     if stall is not None and stall["recovered"] is None:
         skipped_note += (f"; stalled since step {stall['since']} (guard.on_stall=warn: trained on): at step {stall['step']}, "
                          f"{stall['gist']}")
+    if skipped >= trainer.step > 0:  # not one update applied (a short fp16 run whose scale never found a finite step)
+        console.say(f"ran {trainer.step} steps and applied no update: every step was skipped ({skipped_note}); {shown}; "
+                    f"run directory: {run_dir}", sys.stderr)
+        if args.report:
+            write_report(run_dir)
+        return 1
     console.say(f"trained {trainer.step} steps; {shown}; {skipped_note}; run directory: {run_dir}")
     if args.report:
         write_report(run_dir)

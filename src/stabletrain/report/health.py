@@ -86,11 +86,12 @@ def health_summary(run: RunData) -> Health:
     undone = run.undone_events("skip")  # skipped before a rollback: that stretch was trained again
     f["skip_steps_undone"] = sorted({e.step for e in undone})
     if f["skipped_steps"] or skip_events:
-        text = f"{plural(f['skipped_steps'], 'step')} skipped" + skip_places(skip_events)
-        if not skip_events:
-            text += " (events.jsonl does not say which)"
-        elif len(f["skip_steps"]) != f["skipped_steps"]:
-            text += f" (events.jsonl names {plural(len(f['skip_steps']), 'step')})"
+        every = bool(run.metrics) and f["skipped_steps"] >= run.metrics[-1]["step"]  # (no update was ever applied)
+        text = (("No update was applied: every step was skipped, " if every else "")
+                + f"{plural(f['skipped_steps'], 'step')} skipped" + skip_places(skip_events))
+        text += (" (events.jsonl does not say which)" if not skip_events else
+                 f" (events.jsonl names {plural(len(f['skip_steps']), 'step')})" if len(f["skip_steps"]) != f["skipped_steps"]
+                 else "")
         if undone:
             text += f"; before {_went_back(undone)}, {plural(len(f['skip_steps_undone']), 'more step')}" + skip_places(undone)
         h.say("warn", text + scale_note(run.metrics, skip_events) + ".")
@@ -439,8 +440,7 @@ def _records(run: RunData, h: Health) -> None:
         if withheld:
             text += f"; {len(withheld)} withheld ({withheld[-1].reason or 'no reason given'})"
         h.say("warn" if withheld else "ok", text + ".")
-    failed = run.counted_events("checkpoint_failed")
-    f["checkpoints_failed"] = len(failed)
+    f["checkpoints_failed"] = len(failed := run.counted_events("checkpoint_failed"))
     if failed:
         h.say("warn", f"{plural(len(failed), 'checkpoint')} failed to save ({failed[-1].reason or 'no reason given'}).")
     rollbacks = run.counted_events("rollback")
