@@ -255,3 +255,21 @@ def test_a_module_without_weights_that_makes_the_nan_is_blamed_for_its_computati
     assert (d["failure_class"], d["module"], d["module_params"]) == ("op", "layers.1", 0), d["summary"]
     assert "8 of 8 samples go bad through it: the module's own computation (it holds no weights), not the samples" \
         in d["evidence"], d["evidence"]
+
+
+def test_an_input_past_fp16s_range_at_autocasts_cast_is_the_inputs_scale_not_the_modules_weights():
+    """A trial: every input x1e6 under fp16: 'aten._to_copy in module fc1 computes in float16 ... 16 of 16 samples go bad
+    through it: the module's weights or its own computation, not the samples ... not the data'. The cast was of the
+    batch (its values 2.5e6 past 65504), not of the weight."""
+    def case(shape):
+        first = {"op": "aten._to_copy.default", "origin": True, "kind": "inf", "direction": "forward", "module": "fc1",
+                 "output_dtypes": ["torch.float16"], "input_range": [-2498139.0, 2498139.0], "input_shapes": [shape]}
+        return classify_failure({"reproduces": True, "stage": "activations", "first_op": first, "num_samples": 16,
+                                 "bad_samples": list(range(16)), "module_params": 2, "loss": float("inf"), "grad_norm": 1.0})
+
+    cast = case([16, 16])  # the batch's (its 16 samples)
+    assert cast["failure_class"] == "overflow" and cast["weight_driven"] is False
+    assert "casts its input to float16, whose values (up to 2.5e+06) are past its range (max 65504) in 16 of 16 " \
+           "samples: the input's scale" in cast["evidence"] and "not the samples" not in cast["evidence"], cast
+    weight = case([64, 16])  # a weight's shape: the module's own
+    assert weight["weight_driven"] is True and "the module's weights or its own computation" in weight["evidence"]

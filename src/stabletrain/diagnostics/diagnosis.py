@@ -383,7 +383,8 @@ def _where(d: dict[str, Any], bisection: Bisection | None, *, samples: bool = Tr
         if d["op"] is not None:
             text += f", first used by {d['op']} in {d['direction']} {module}"
     elif d["bad_samples"] and len(d["bad_samples"]) == d["num_samples"] > 1 and d["failure_class"] != "divergence":
-        text += f", at every sample of the step ({d['num_samples']}): not the data"
+        scale = "casts its input to" in str(d.get("evidence"))  # (every sample's values past the dtype's range: the data's)
+        text += f", at every sample of the step ({d['num_samples']})" + ("" if scale else ": not the data")
     elif not samples:
         pass
     elif d["bad_samples"]:

@@ -124,8 +124,16 @@ def classify_failure(d: dict[str, Any], history: list[dict[str, Any]] | None = N
             t in _LOW_PRECISION for t in first.get("output_dtypes") or []):
         out["blamed_module"] = module
         dtype = next(t for t in first["output_dtypes"] if t in _LOW_PRECISION).removeprefix("torch.")
+        limit = 65504 if dtype == "float16" else 3.4e38
         text = (f"{first['op']} {_place(module, 'in')} computes in {dtype} from finite inputs and overflows it "
-                f"(max {65504 if dtype == 'float16' else 3.4e38:g})")
+                f"(max {limit:g})")
+        span = max((abs(float(x)) for x in first.get("input_range") or [] if isinstance(x, (int, float))), default=0.0)
+        shapes = first.get("input_shapes") or [[]]
+        if "_to_copy" in str(first.get("op")) and span > limit and shapes[0][:1] == [num]:  # autocast's cast of the input
+            return {**out, "failure_class": "overflow", "weight_driven": False, "evidence": (
+                f"{first['op']} {_place(module, 'in')} casts its input to {dtype}, whose values (up to {span:.3g}) are past "
+                f"its range (max {limit:g}) in {len(samples) or 'some'} of {num} samples: the input's scale (the data, or "
+                "what the layers before it make), not the module's weights; scale the inputs down, or use bf16")}
         return {**out, "failure_class": "overflow", "evidence": text + (f"; {share}" if weight_driven else ""),
                 "weight_driven": weight_driven}
     if first and first.get("origin"):
