@@ -554,14 +554,15 @@ def test_train_report_writes_the_report_of_a_run_that_crashed(tmp_path, monkeypa
 
 
 def test_a_short_run_that_applied_no_update_ends_non_zero_and_its_report_says_so(tmp_path, capsys):
-    """A trial: fp16 gradients that overflow at every loss scale, 25 steps (fewer than the scale's back-offs and the
-    skip limit take): 'trained 25 steps ... 25 of 25 steps skipped', exit 0, the report opening with 'Reached step 25'."""
+    """A trial: fp16 gradients that overflow at every loss scale, in fewer steps than the scale's back-offs and the skip
+    limit take: 'trained 25 steps ... 25 of 25 steps skipped', exit 0, the report opening with 'Reached step 25'. Now its
+    own line and exit 4 (a final exit: a restart would skip them again)."""
     from stabletrain.cli import main
     from stabletrain.report import health_summary, load_run
 
     run_dir = tmp_path / "r"
     assert main(["train", "task=broken_tasks:fp16_hopeless_task", "precision=fp16", "train.max_steps=12", "log.every=4",
-                 "log.progress=false", f"run.dir={run_dir}"]) == 1
+                 "log.progress=false", f"run.dir={run_dir}"]) == 4
     err = capsys.readouterr().err
     assert "ran 12 steps and applied no update: every step was skipped (12 of 12 steps skipped" in err, err
     said = [t for _, t in health_summary(load_run(run_dir)).sentences]

@@ -261,9 +261,10 @@ def test_an_input_past_fp16s_range_at_autocasts_cast_is_the_inputs_scale_not_the
     """A trial: every input x1e6 under fp16: 'aten._to_copy in module fc1 computes in float16 ... 16 of 16 samples go bad
     through it: the module's weights or its own computation, not the samples ... not the data'. The cast was of the
     batch (its values 2.5e6 past 65504), not of the weight."""
-    def case(shape):
+    def case(shape, params=()):
         first = {"op": "aten._to_copy.default", "origin": True, "kind": "inf", "direction": "forward", "module": "fc1",
-                 "output_dtypes": ["torch.float16"], "input_range": [-2498139.0, 2498139.0], "input_shapes": [shape]}
+                 "output_dtypes": ["torch.float16"], "input_range": [-2498139.0, 2498139.0], "input_shapes": [shape],
+                 "param_inputs": list(params)}
         return classify_failure({"reproduces": True, "stage": "activations", "first_op": first, "num_samples": 16,
                                  "bad_samples": list(range(16)), "module_params": 2, "loss": float("inf"), "grad_norm": 1.0})
 
@@ -271,5 +272,5 @@ def test_an_input_past_fp16s_range_at_autocasts_cast_is_the_inputs_scale_not_the
     assert cast["failure_class"] == "overflow" and cast["weight_driven"] is False
     assert "casts its input to float16, whose values (up to 2.5e+06) are past its range (max 65504) in 16 of 16 " \
            "samples: the input's scale" in cast["evidence"] and "not the samples" not in cast["evidence"], cast
-    weight = case([64, 16])  # a weight's shape: the module's own
+    weight = case([16, 16], params=[0])  # a Linear(16, 16)'s weight, batch-shaped (a review): the module's own
     assert weight["weight_driven"] is True and "the module's weights or its own computation" in weight["evidence"]

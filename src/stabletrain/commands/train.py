@@ -154,11 +154,13 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
         skipped_note += (f"; stalled since step {stall['since']} (guard.on_stall=warn: trained on): at step {stall['step']}, "
                          f"{stall['gist']}")
     if skipped >= trainer.step > 0:  # not one update applied (a short fp16 run whose scale never found a finite step)
+        from ..distributed.launch import EXIT_NO_UPDATE
+
         console.say(f"ran {trainer.step} steps and applied no update: every step was skipped ({skipped_note}); {shown}; "
                     f"run directory: {run_dir}", sys.stderr)
         if args.report:
             write_report(run_dir)
-        return 1
+        return EXIT_NO_UPDATE  # (not restarted: it would skip them again)
     console.say(f"trained {trainer.step} steps; {shown}; {skipped_note}; run directory: {run_dir}")
     if args.report:
         write_report(run_dir)

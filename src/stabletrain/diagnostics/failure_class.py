@@ -128,8 +128,9 @@ def classify_failure(d: dict[str, Any], history: list[dict[str, Any]] | None = N
         text = (f"{first['op']} {_place(module, 'in')} computes in {dtype} from finite inputs and overflows it "
                 f"(max {limit:g})")
         span = max((abs(float(x)) for x in first.get("input_range") or [] if isinstance(x, (int, float))), default=0.0)
-        shapes = first.get("input_shapes") or [[]]
-        if "_to_copy" in str(first.get("op")) and span > limit and shapes[0][:1] == [num]:  # autocast's cast of the input
+        shapes = first.get("input_shapes") or [[]]  # (a record from before param_inputs: a batch-shaped input)
+        of_input = 0 not in first["param_inputs"] if "param_inputs" in first else shapes[0][:1] == [num]
+        if "_to_copy" in str(first.get("op")) and dtype == "float16" and span > limit and of_input:  # autocast's input cast
             return {**out, "failure_class": "overflow", "weight_driven": False, "evidence": (
                 f"{first['op']} {_place(module, 'in')} casts its input to {dtype}, whose values (up to {span:.3g}) are past "
                 f"its range (max {limit:g}) in {len(samples) or 'some'} of {num} samples: the input's scale (the data, or "

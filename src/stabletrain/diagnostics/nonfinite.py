@@ -73,6 +73,7 @@ class NonFiniteOp:
             non-finite (a masked branch still gets a gradient: ``0 / 0`` in ``Log2Backward0``), or None.
         input_range: (min, largest magnitude) of the finite values of its first floating-point input, or None
             (a log or sqrt of -0.5 is out of the op's domain; of -1e-7 beside 1.0, a rounding's).
+        param_inputs: which of its inputs are parameters (autocast's cast of a weight, not of the module's input).
     """
 
     op: str
@@ -93,6 +94,7 @@ class NonFiniteOp:
     masked_in_forward: bool | None = None
     backward_op: NonFiniteOp | None = None
     input_range: list[float] | None = None
+    param_inputs: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -460,7 +462,8 @@ class NonFiniteLocator:
             input_dtypes=[_dtype(t) for t in inputs], output_shapes=[list(t.shape) for t in outputs],
             output_dtypes=[_dtype(t) for t in outputs], nonfinite_inputs=bad_inputs,
             autograd_node=node.name() if node is not None else None, op_index=self.num_ops - 1, stack=stack,
-            input_range=_range(inputs) if in_range else None)
+            input_range=_range(inputs) if in_range else None,
+            param_inputs=[i for i, t in enumerate(inputs) if isinstance(t, nn.Parameter)])
 
 
 #: The ops whose input's range tells a value out of their domain (a log or a root of one below 0), and their aten names

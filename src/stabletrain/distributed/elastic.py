@@ -35,6 +35,7 @@ from .. import console
 from ..internals import InternalMissing, end_restarts, restarting_agent, restarts_left, use_elastic_agent
 from .launch import (
     EXIT_GAVE_UP,
+    EXIT_NO_UPDATE,
     FINAL_EXITS,
     LAUNCH_START_ENV,
     RESTART_ENV,
@@ -154,8 +155,9 @@ def told_exit(err: Any) -> int | None:
     interrupted by a second Ctrl-C (130), and said so; None where another rank crashed as well (torchrun's table of
     failures is then what tells it)."""
     codes = {getattr(f, "exitcode", None) for f in getattr(err, "failures", {}).values()}
-    final = next((code for code in (EXIT_GAVE_UP, 2, 130) if code in codes), None)
-    return final if final is not None and codes <= {EXIT_GAVE_UP, 2, 130, -signal.SIGTERM, -signal.SIGINT} else None
+    final = next((code for code in (EXIT_GAVE_UP, 2, EXIT_NO_UPDATE, 130) if code in codes), None)
+    return (final if final is not None and codes <= {EXIT_GAVE_UP, 2, EXIT_NO_UPDATE, 130, -signal.SIGTERM, -signal.SIGINT}
+            else None)
 
 
 if __name__ == "__main__":

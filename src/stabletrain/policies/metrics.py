@@ -9,7 +9,7 @@ Keys of the summary (one line of ``metrics.jsonl``):
 =====================  ==========================================================================
 step                   last optimizer step of the interval (1-based count of steps taken)
 loss, loss_min,        mean / min / max over the interval's finite steps of each step's unscaled per-item loss
-loss_max
+loss_max, loss_steps   (loss_steps: how many steps those are)
 grad_norm,             mean / max of the pre-clip global grad norm over finite steps
 grad_norm_max
 grad_norm_post_clip    mean post-clip norm over finite steps
