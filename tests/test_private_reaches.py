@@ -17,6 +17,7 @@ too. :data:`ALLOWED` is the short list of underscore names that are documented p
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,12 @@ ALLOWED: dict[str, str] = {
 ALLOWED_PREFIXES: dict[str, str] = {"torch._foreach_": "torch's multi-tensor ops (torch.foreach)"}
 
 
+@functools.lru_cache(maxsize=None)
+def _walk(node: ast.AST) -> tuple[ast.AST, ...]:
+    """``ast.walk(node)``, once per node (the scans walk each tree and its functions several times)."""
+    return tuple(ast.walk(node))
+
+
 def _private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
@@ -54,7 +61,7 @@ def own_names(trees: dict[Path, ast.Module]) -> tuple[set[str], dict[str, set[st
     members: dict[str, set[str]] = {}
     bases: dict[str, list[str]] = {}
     for tree in trees.values():
-        for node in ast.walk(tree):
+        for node in _walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 names.add(node.name)
             if isinstance(node, ast.ClassDef):
@@ -66,25 +73,25 @@ def own_names(trees: dict[Path, ast.Module]) -> tuple[set[str], dict[str, set[st
                     targets = item.targets if isinstance(item, ast.Assign) else (
                         [item.target] if isinstance(item, ast.AnnAssign) else [])
                     own.update(t.id for t in targets if isinstance(t, ast.Name))
-                for sub in ast.walk(node):
+                for sub in _walk(node):
                     if (isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store)
                             and isinstance(sub.value, ast.Name) and sub.value.id in ("self", "cls")):
                         own.add(sub.attr)
             elif isinstance(node, (ast.Assign, ast.AnnAssign)):
                 for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                    for sub in ast.walk(target):
+                    for sub in _walk(target):
                         if isinstance(sub, ast.Name):
                             names.add(sub.id)
             elif isinstance(node, (ast.Import, ast.ImportFrom)) and (isinstance(node, ast.Import) or node.level):
                 names.update((a.asname or a.name).split(".")[0] for a in node.names)
     for tree in trees.values():  # made = OwnClass(...); made._x = ...: an attribute of stabletrain's own object
-        for func in ast.walk(tree):
+        for func in _walk(tree):
             if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
-            made = {t.id: node.value.func.id for node in ast.walk(func) if isinstance(node, ast.Assign)
+            made = {t.id: node.value.func.id for node in _walk(func) if isinstance(node, ast.Assign)
                     and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name)
                     and node.value.func.id in members for t in node.targets if isinstance(t, ast.Name)}
-            for node in ast.walk(func):
+            for node in _walk(func):
                 if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
                         and isinstance(node.value, ast.Name) and node.value.id in made):
                     members[made[node.value.id]].add(node.attr)
@@ -100,14 +107,14 @@ def _annotations(tree: ast.Module) -> set[int]:
                for n in tree.body):
         return set()
     found: set[int] = set()
-    for node in ast.walk(tree):
+    for node in _walk(tree):
         hints = []
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             hints = [a.annotation for a in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs,
                                              node.args.vararg, node.args.kwarg] if a is not None] + [node.returns]
         elif isinstance(node, ast.AnnAssign):
             hints = [node.annotation]
-        found.update(id(sub) for hint in hints if hint is not None for sub in ast.walk(hint))
+        found.update(id(sub) for hint in hints if hint is not None for sub in _walk(hint))
     return found
 
 
@@ -119,7 +126,7 @@ def _allowed(dotted: str) -> bool:
 def _foreign_modules(tree: ast.Module) -> dict[str, str]:
     """Local name -> the other library's module it is bound to (``import torch.distributed as dist``: dist)."""
     bound = {}
-    for node in ast.walk(tree):
+    for node in _walk(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
                 if a.name.split(".")[0] != "stabletrain":
@@ -163,11 +170,11 @@ def reaches(path: Path, tree: ast.Module, own: set[str], members: dict[str, set[
         found.append(f"{where}:{node.lineno}: {what}")
 
     classes: dict[ast.AST, ast.ClassDef] = {}  # each node -> the class it sits in
-    for node in ast.walk(tree):
+    for node in _walk(tree):
         if isinstance(node, ast.ClassDef):
-            for sub in ast.walk(node):
+            for sub in _walk(node):
                 classes.setdefault(sub, node) if sub is not node else None
-    for node in ast.walk(tree):
+    for node in _walk(tree):
         if id(node) in hints:
             continue
         if isinstance(node, ast.Import):
@@ -210,6 +217,7 @@ def test_no_private_reach_outside_internals():
     own, members, bases = own_names(trees)
     found = [line for path, tree in trees.items() if path != EXEMPT
              for line in reaches(path, tree, own, members, bases)]
+    _walk.cache_clear()
     assert not found, ("private internals reached outside stabletrain/internals.py (move each there, with its "
                        "check, or use the public API):\n" + "\n".join(found))
 
