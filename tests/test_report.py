@@ -545,7 +545,9 @@ def test_loss_scale_panel_only_where_a_loss_scale_is_in_play(real_run, other_run
     skips = iter([(1, 32768.0), (2, 16384.0)])
     (run_copy / "events.jsonl").write_text("".join(json.dumps(
         {**e, **dict(zip(("step", "loss_scale"), next(skips)))} if e["kind"] == "skip" else e) + "\n" for e in events))
-    assert "; the fp16 loss scale went 32,768 -&gt; 64 (lowest 64)." in write_report(run_copy).read_text(encoding="utf-8")
+    # (each skip event's scale is the one after its back-off: a trial read "went 32,768" as the scale it started at)
+    assert "; the fp16 loss scale went after its first back-off 32,768 -&gt; 64 (lowest 64)." in write_report(
+        run_copy).read_text(encoding="utf-8")
 
 
 def test_update_panel_draws_the_norm_and_the_ratio_on_separate_axes(real_run, monkeypatch):

@@ -125,10 +125,13 @@ def scale_note(metrics: Iterable[dict[str, Any]], skips: Iterable[Any] = ()) -> 
     """ "; the fp16 loss scale went 32,768 -> 8 (lowest 8)": the GradScaler's scale over the records and the skip events
     (``skips``: each its step's; the records hold an interval's last, and a back-off within the first one said nothing),
     in step order, where it moved."""
-    seen = [(int(r["step"]), r.get("loss_scale")) for r in metrics if isinstance(r.get("step"), int)]
-    seen += [(e.step, e.extra.get("loss_scale")) for e in skips]
-    scales = [float(s) for _, s in sorted(seen, key=lambda x: x[0]) if isinstance(s, (int, float)) and math.isfinite(s)]
+    seen = [(int(r["step"]), 1, r.get("loss_scale")) for r in metrics if isinstance(r.get("step"), int)]
+    seen += [(e.step, 0, e.extra.get("loss_scale")) for e in skips]  # (each the scale after its step: a back-off's after it)
+    kept = [(kind, float(s)) for _, kind, s in sorted(seen, key=lambda x: x[:2]) if isinstance(s, (int, float))
+            and math.isfinite(s)]
+    scales = [s for _, s in kept]
     if len(set(scales)) <= 1:
         return ""
-    return f"; the fp16 loss scale went {scales[0]:,.6g} -> {scales[-1]:,.6g} (lowest {min(scales):,.6g})"
+    first = " after its first back-off" if kept[0][0] == 0 else ""
+    return f"; the fp16 loss scale went{first} {scales[0]:,.6g} -> {scales[-1]:,.6g} (lowest {min(scales):,.6g})"
 
