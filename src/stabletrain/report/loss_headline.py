@@ -46,7 +46,8 @@ def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
         elif start is None and end is None:
             text += " (first → last interval)"
         else:
-            why = "; ".join(w for w in (start and _why(rows[0], early, "first"), end and _why(rows[-1], spikes, "last")) if w)
+            why = "; ".join(w for w in (start and _why(rows[0], early, "first", set(early) - set(spikes)),
+                                        end and _why(rows[-1], spikes, "last")) if w)
             text += f" ({start or 'first interval'} → {end or 'last interval'}: {why})"
     level = "ok"
     after = [r for r in run.metrics if rows and isinstance(r.get("step"), (int, float)) and r["step"] > rows[-1][0]]
@@ -136,11 +137,14 @@ def _robust_end(rows: list[tuple], spikes: list[int], ratio: float, end: str,
     return median, f"median of the {end} {len(near)} intervals' means"
 
 
-def _why(row: tuple, spikes: list[int], end: str) -> str:
-    """Why the headline did not take the ``end`` interval's mean: its value and what lifted it."""
+def _why(row: tuple, spikes: list[int], end: str, outliers: set[int] = frozenset()) -> str:
+    """Why the headline did not take the ``end`` interval's mean: its value and what lifted it (``outliers``: those of
+    ``spikes`` that were early outliers, before the spike rule armed, not spikes by it)."""
     step, width, mean = row[:3]
     inside = [s for s in spikes if step - width < s <= step]
-    lifted = (f"a loss spike at step {fmt_ranges(inside)}" if len(inside) == 1
-              else f"loss spikes at steps {fmt_ranges(inside)}") \
-        if inside else "a few large losses"
+    early = [s for s in inside if s in outliers]
+    spiky = f"a loss spike at step {fmt_ranges(inside)}" if len(inside) == 1 else f"loss spikes at steps {fmt_ranges(inside)}"
+    lifted = ("a few large losses" if not inside else spiky if not early else
+              f"early outlier{'s' * (len(early) > 1)} at step{'s' * (len(early) > 1)} {fmt_ranges(early)} (before the "
+              "spike rule armed)" if early == inside else f"loss spikes and early outliers at steps {fmt_ranges(inside)}")
     return f"the {end} interval's mean, {fmt_num(mean)}, is lifted by {lifted}"
