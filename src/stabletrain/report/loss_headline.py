@@ -145,6 +145,6 @@ def _why(row: tuple, spikes: list[int], end: str, outliers: set[int] = frozenset
     early = [s for s in inside if s in outliers]
     spiky = f"a loss spike at step {fmt_ranges(inside)}" if len(inside) == 1 else f"loss spikes at steps {fmt_ranges(inside)}"
     lifted = ("a few large losses" if not inside else spiky if not early else
-              f"early outlier{'s' * (len(early) > 1)} at step{'s' * (len(early) > 1)} {fmt_ranges(early)} (before the "
-              "spike rule armed)" if early == inside else f"loss spikes and early outliers at steps {fmt_ranges(inside)}")
+              f"{'early outliers at steps' if len(early) > 1 else 'an early outlier at step'} {fmt_ranges(early)} (before "
+              "the spike rule armed)" if early == inside else f"loss spikes and early outliers at steps {fmt_ranges(inside)}")
     return f"the {end} interval's mean, {fmt_num(mean)}, is lifted by {lifted}"
