@@ -134,6 +134,12 @@ def test_a_remedy_is_applied_by_hand_on_resume_once_and_refused_clearly(tmp_path
     (incident / "remedy.json").write_text(json.dumps(record))
     assert main(["train", "--resume", str(run_dir), "train.max_steps=12", f"remedy.apply={incident}:lr-x0.01"]) == 2
     assert "lr-x0.01 was verified from the update of step 8, but this run resumes at step 8" in capsys.readouterr().err
+    # A candidate that failed on the replay: nothing to apply (a trial: applied, its own event saying "fails on the replay")
+    record["candidates"][-2].update(verdict="fails", evidence="loss is nan at step 9")
+    (incident / "remedy.json").write_text(json.dumps(record))
+    assert main(["train", "--resume", str(run_dir), "train.max_steps=12", f"remedy.apply={incident}:lr-x0.01"]) == 2
+    assert ("lr-x0.01 failed on the replay of the incident (loss is nan at step 9): there is no cure in it to apply; those "
+            "that cured: ") in capsys.readouterr().err
     (incident / "remedy.json").write_text(original)
     missing = run_dir / "incidents" / "step_000099"  # a folder that is not there: said so, not "run remedy on it first"
     assert main(["train", "--resume", str(run_dir), "train.max_steps=12", f"remedy.apply={missing}:skip-samples"]) == 2

@@ -249,6 +249,11 @@ class RemedyApplier:
                              f"({row.get('detail')}), but {earlier[-1].get('name')} ({earlier[-1].get('detail')}) was "
                              "applied by hand for that incident (the file was written again since?); name it by its "
                              "name, or leave remedy.apply out on this resume")
+        if row.get("verdict") == "fails":  # (a trial: applied, "fails on the replay" in its own event, the NaN back)
+            cures = [c["name"] for c in record.get("candidates", []) if c.get("verdict") == "cures"]
+            raise ValueError(f"config key 'remedy.apply' ({spec!r}): {row['name']} failed on the replay of the incident "
+                             f"({row.get('evidence') or 'see remedy.json'}): there is no cure in it to apply; "
+                             + (f"those that cured: {', '.join(cures)}" if cures else "no candidate cured it"))
         remedy = remedy_from_dict(row["remedy"])
         if not remedy.live:
             raise ValueError(f"config key 'remedy.apply' ({spec!r}): {name} needs a code change "
