@@ -128,3 +128,28 @@ def fp16_big_loss_task(factor: float = 1e6, n: int = 64, seed: int = 0) -> Task:
     torch.manual_seed(seed)
     return Task(model=Stack(nn.Linear(8, 16), nn.Linear(16, 1)), train_data=TensorDataset(x, y),
                 loss=lambda m, b: factor * _mse(m, b), name="fp16-big-loss")
+
+
+class _LearnedScale(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, 1)
+        self.s = nn.Parameter(torch.tensor(1.0))  # a learned variance, parametrized directly: it can cross 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x)
+
+
+def learned_scale_task(n: int = 256, seed: int = 0) -> Task:
+    """A heteroscedastic loss with log(s) of a learned variance s: under SGD at lr 1 an update moves s below 0 and
+    log(s) is NaN at every sample (a new user's trial)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    y = x.sum(-1, keepdim=True) * 0.3 + 0.1 * torch.randn(n, 1, generator=g)
+    torch.manual_seed(seed)
+
+    def loss(m: nn.Module, b) -> Tensor:
+        r = (m(b[0]) - b[1]) ** 2
+        return (r / (2 * m.s)).mean() + 0.5 * torch.log(m.s)
+
+    return Task(model=_LearnedScale(), train_data=TensorDataset(x, y), name="learned-scale", loss=loss)

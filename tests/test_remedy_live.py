@@ -329,3 +329,21 @@ def test_a_rollback_cure_applied_by_hand_purges_tensorboard_as_a_rollback_does(t
     acc.Reload()
     steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [e.step for e in acc.Scalars("train/loss")] == steps, steps
+
+
+def test_a_parameter_an_update_moved_out_of_logs_domain_is_named_and_a_rollback_with_a_lower_lr_cures_it(tmp_path):
+    """A trial: log(s) of a learned variance that an SGD update moved below 0: 'op ... at every sample (16): not the data',
+    no word of s, and only skips and LR cuts from the step before tried (all failed): the run stopped on its skips."""
+    run_dir = tmp_path / "run"
+    trainer = Trainer(cfg("train.batch_size=16", "train.max_steps=10", "log.every=5", "optim.name=sgd", "optim.lr=1.0",
+                          "optim.weight_decay=0", "sched.warmup_steps=0", "sched.decay=constant", "remedy.steps=6",
+                          "guard.on_nonfinite=remedy", task="remedy_tasks:learned_scale_task"), run_dir=run_dir)
+    trainer.fit()
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    incident = next(e for e in events if e["kind"] == "incident")
+    d = json.loads((run_dir / "incidents" / f"step_{incident['step']:06d}" / "diagnosis.json").read_text())
+    assert (d["failure_class"], d["param_input"]) == ("op", "s"), d["summary"]
+    assert "its input is the parameter s itself, which an update moved out of the op's domain" in d["summary"]
+    (remedy,) = [e for e in events if e["kind"] == "remedy"]
+    assert remedy["name"] == "rollback-lr-x0.1" and remedy["reason"].startswith("applied rollback-lr-x0.1"), remedy
+    assert trainer.step == 10 and float(trainer.module.s) > 0  # trained on from step 0 at a tenth of the LR

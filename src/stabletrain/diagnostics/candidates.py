@@ -56,7 +56,7 @@ def candidates_for(diagnosis: dict[str, Any], precision: str, history: list[dict
         return out
     if diagnosis.get("anomaly") == "spike":
         return out + _spike_candidates(diagnosis, precision, history, rollback_steps, clip)
-    if cls in ("op", "data") and samples and not diagnosis.get("blamed_module"):
+    if cls in ("op", "data") and samples and not diagnosis.get("blamed_module") and not diagnosis.get("param_input"):
         out.append(SkipSamples(samples, positions=_positions(diagnosis)))
     if cls == "op" and module is not None:
         op = guarded_op(diagnosis.get("op"), diagnosis.get("autograd_node"))
@@ -72,6 +72,9 @@ def candidates_for(diagnosis: dict[str, Any], precision: str, history: list[dict
     if cls == "overflow" and precision == "fp16":  # run-wide: they need no module (one outside any module, a loss x1e6)
         out += [Precision("bf16"), Scaler()]
     out += [LowerLR(0.5), LowerLR(0.1)]
+    before = [t for t in rollback_steps if t < int(diagnosis.get("step") or 0)]
+    if cls == "op" and diagnosis.get("param_input") and before:  # a parameter the updates moved out of the op's domain:
+        out += [RollbackLR(0.5, step=max(before)), RollbackLR(0.1, step=max(before))]  # back before them, slower
     if cls == "divergence":
         grew = diagnosis.get("growth") or {}
         since = grew.get("since_step")

@@ -402,7 +402,7 @@ def _where(d: dict[str, Any], bisection: Bisection | None, *, samples: bool = Tr
     elif bisection is not None and bisection.whole_bad:
         text += ", no single sample to blame"
     if evidence and (d["failure_class"] in ("divergence", "overflow")
-                     or (d["failure_class"] == "op" and d.get("blamed_module"))):
+                     or (d["failure_class"] == "op" and (d.get("blamed_module") or d.get("param_input")))):
         text += f" ({d['evidence']})"
     if d["reproduces"]:
         text += "; reproduces on replay"

@@ -143,6 +143,12 @@ def classify_failure(d: dict[str, Any], history: list[dict[str, Any]] | None = N
         article = "an" if str(first["kind"])[:1] in "aeiou" else "a"  # (an inf, a nan)
         text = (f"{first['op']}{node} in {first['direction']} {_place(module, 'of')} makes {article} {first['kind']} "
                 "from finite inputs")
+        if first.get("param_names") and first.get("direction") == "forward":  # (the op reads a weight itself)
+            out["param_input"] = first["param_names"][0]
+            return {**out, "failure_class": "op", "evidence": text + (
+                f": its input is the parameter {first['param_names'][0]} itself, which an update moved out of the op's "
+                "domain (a learned scale or variance below 0): a state the updates made, not the samples; keep it inside "
+                "by construction (softplus, exp of a log-parameter)")}
         if weight_driven:
             text += f"; {share}"
         elif samples:

@@ -73,7 +73,8 @@ class NonFiniteOp:
             non-finite (a masked branch still gets a gradient: ``0 / 0`` in ``Log2Backward0``), or None.
         input_range: (min, largest magnitude) of the finite values of its first floating-point input, or None
             (a log or sqrt of -0.5 is out of the op's domain; of -1e-7 beside 1.0, a rounding's).
-        param_inputs: which of its inputs are parameters (autocast's cast of a weight, not of the module's input).
+        param_inputs: which of its inputs are parameters (autocast's cast of a weight, not of the module's input), and
+            ``param_names`` their names (a log of a learned scale an update moved below 0).
     """
 
     op: str
@@ -95,6 +96,7 @@ class NonFiniteOp:
     backward_op: NonFiniteOp | None = None
     input_range: list[float] | None = None
     param_inputs: list[int] = field(default_factory=list)
+    param_names: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -291,6 +293,7 @@ class NonFiniteLocator:
     def __init__(self, model: nn.Module | None = None, *, capture_stack: bool = True, tolerate_masks: bool = True,
                  first_only: bool = False) -> None:
         self.model = model
+        self._param_names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         self.capture_stack = capture_stack
         self.first_only = first_only
         self.tolerate_masks = tolerate_masks
@@ -463,7 +466,8 @@ class NonFiniteLocator:
             output_dtypes=[_dtype(t) for t in outputs], nonfinite_inputs=bad_inputs,
             autograd_node=node.name() if node is not None else None, op_index=self.num_ops - 1, stack=stack,
             input_range=_range(inputs) if in_range else None,
-            param_inputs=[i for i, t in enumerate(inputs) if isinstance(t, nn.Parameter)])
+            param_inputs=[i for i, t in enumerate(inputs) if isinstance(t, nn.Parameter)],
+            param_names=[self._param_names.get(id(t), "?") for t in inputs if isinstance(t, nn.Parameter)])
 
 
 #: The ops whose input's range tells a value out of their domain (a log or a root of one below 0), and their aten names
