@@ -317,7 +317,8 @@ class EpsGuard(Remedy):
 
     @property
     def detail(self) -> str:
-        return f"{self.op} input >= {self.eps:g} in '{self.module}'"
+        where = f"in '{self.module}'" if self.module else "in the root module"
+        return f"{self.op} input {'|x| >= ' if self.op == 'div' else '>= '}{self.eps:g} {where}"
 
     @property
     def change(self) -> str:
