@@ -42,3 +42,26 @@ def test_tensorboard_event_file_crcs_pass_tensorboards_own_reader_and_a_flipped_
     path.write_bytes(bytes(raw))
     # The loader reads a record that fails its CRC as the end of the file so far (a writer's partial record).
     assert len(list(RawEventFileLoader(str(path)).Load())) == len(events) - 1
+
+
+def test_a_resumes_purge_holds_whatever_the_processs_file_count(tmp_path, monkeypatch):
+    """A flaky CI failure: a process's event files were named by a bare counter, so its 10th file sorted before its 9th
+    in the same second; TensorBoard reads files in name order, so a resume's purge came before the steps it drops."""
+    import itertools
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from stabletrain.records import tb_events
+
+    monkeypatch.setattr(tb_events, "_TB_FILES", itertools.count(9))
+    monkeypatch.setattr(tb_events.time, "time", lambda: 1796500000.5)  # both in the same second
+    first = TensorBoardSink(tmp_path / "tb")
+    for step in (5, 10, 15):
+        first.write({"step": step, "loss": 1.0})
+    first.close()
+    resumed = TensorBoardSink(tmp_path / "tb", purge_step=11)  # the 10th file: resumed from step 10
+    resumed.write({"step": 15, "loss": 2.0})
+    resumed.close()
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(5, 1.0), (10, 1.0), (15, 2.0)]

@@ -39,7 +39,9 @@ class TensorBoardSink:
 
         log_dir = Path(log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
-        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_TB_FILES)}"
+        # (TensorBoard reads a directory's files in name order, a purge applying to the files before it: the counter
+        # zero-padded, or a process's 10th file sorted before its 9th in the same second and a resume's purge was lost)
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_TB_FILES):06d}"
         self.path = log_dir / name
         self._fh = open(self.path, "wb")  # noqa: SIM115 (closed by close())
         self._tags: dict[str, str] = {}
