@@ -65,27 +65,26 @@ def first_nonfinite_forward(task, model, batch, policy: PrecisionPolicy) -> str:
     One line: the op, its module, whether it made the value from finite inputs (an overflow) or was given
     one, and the dtype. A sync per op: call it on a failure only.
     """
-    with torch.no_grad(), policy.autocast(), NonFiniteLocator(model, capture_stack=False, first_only=True) as loc:
-        task.loss(model, batch)
+    loc = _located(task, model, batch, policy)
     first = loc.first_origin or loc.first
     return "no op of the forward made one (the batch or a parameter holds it)" if first is None else first.describe()
 
 
-def _origin(task, model, batch, policy: PrecisionPolicy):
-    """The first op of a forward under ``policy``'s autocast that makes a non-finite value from finite inputs (an
-    intended ``-inf`` mask is none), or None. A sync per op until it is found."""
+def _located(task, model, batch, policy: PrecisionPolicy) -> NonFiniteLocator:
+    """The locator after one forward under ``policy``'s autocast: its ``first`` non-finite op and ``first_origin`` (the
+    first made from finite inputs; an intended ``-inf`` mask is none). A sync per op until it is found."""
     with torch.no_grad(), policy.autocast(), NonFiniteLocator(model, capture_stack=False, first_only=True) as loc:
         task.loss(model, batch)
-    return loc.first_origin
+    return loc
 
 
 def overflow_inside(task, model, batch, policy: PrecisionPolicy) -> str | None:
     """Where a forward under ``policy``'s autocast makes a non-finite value the fp32 forward does not, though its loss is
     finite (the value was lost inside: a sum of squares past fp16's range, then a division by it); None: nowhere."""
-    low = _origin(task, model, batch, policy)
+    low = _located(task, model, batch, policy).first_origin
     if low is None:
         return None
-    same = _origin(task, model, batch, PrecisionPolicy("fp32", policy.device))
+    same = _located(task, model, batch, PrecisionPolicy("fp32", policy.device)).first_origin
     return None if same is not None and (same.op, same.module) == (low.op, low.module) else low.describe()
 
 

@@ -52,7 +52,7 @@ from torch import Tensor, nn
 from ..numerics import unique_params
 from ..policies.accumulation import as_sum_count
 from ..tasks.init_schemes import ActivationTrace, activation_name, is_norm, recommend_scheme
-from .signal_spread import COLLAPSE, spreads_by_call
+from .signal_spread import COLLAPSE, first_tensor, spreads_by_call, std
 from .signal_verdicts import OWN_INPUT, assign_references
 from .update_ratio import UpdateRatio, update_ratios
 
@@ -314,19 +314,6 @@ def _x(r: float | None) -> str:
 # -- measuring ----------------------------------------------------------------------------------------
 
 
-def _first_tensor(x: Any) -> Tensor | None:
-    """Return the first floating-point tensor in ``x`` (tuples, lists and dicts walked in order), or None."""
-    if isinstance(x, Tensor):
-        return x if x.is_floating_point() else None
-    items = x.values() if isinstance(x, dict) else x if isinstance(x, (tuple, list)) else ()
-    return next((t for t in map(_first_tensor, items) if t is not None), None)
-
-
-def _std(x: Tensor) -> Tensor:
-    x = x.detach().float()
-    return x.std() if x.numel() > 1 else torch.zeros((), device=x.device)
-
-
 def _main_param(module: nn.Module) -> tuple[str, nn.Parameter] | None:
     """Return the parameter that describes a layer: its ``weight``, else its largest own parameter."""
     own = list(module.named_parameters(recurse=False))
@@ -378,26 +365,26 @@ def _measure(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any]
 
     def on_forward(name: str) -> Callable:
         def hook(module: nn.Module, inputs: tuple, output: Any) -> None:
-            out = _first_tensor(output)
+            out = first_tensor(output)
             if out is None or out.numel() == 0:
                 return
-            x = _first_tensor(inputs)
-            row = {"out": torch.stack([out.detach().float().mean(), _std(out), out.detach().float().abs().max()])}
+            x = first_tensor(inputs)
+            row = {"out": torch.stack([out.detach().float().mean(), std(out), out.detach().float().abs().max()])}
             if x is not None and x.numel() > 0:
-                row["in_std"] = _std(x)
+                row["in_std"] = std(x)
             if out.requires_grad:
                 def grad_hook(g: Tensor, row: dict = row) -> None:
-                    row["grad_std"] = _std(g)
+                    row["grad_std"] = std(g)
                 out.register_hook(grad_hook)
             seq = inputs[0] if inputs and isinstance(module, nn.RNNBase) else None  # not a PackedSequence
             if isinstance(seq, Tensor) and seq.dim() in (2, 3) and out.dim() == seq.dim():
                 t_axis = 1 if seq.dim() == 3 and module.batch_first else 0
                 mid = seq.shape[t_axis] // 2
                 if mid > 0:  # through time: the output's last step vs the middle one, the input grad's first vs middle
-                    row["time_out"] = torch.stack([_std(out.select(t_axis, mid)), _std(out.select(t_axis, -1))])
+                    row["time_out"] = torch.stack([std(out.select(t_axis, mid)), std(out.select(t_axis, -1))])
                     if seq.requires_grad:
                         def time_hook(g: Tensor, row: dict = row, t_axis: int = t_axis, mid: int = mid) -> None:
-                            row["time_grad"] = torch.stack([_std(g.select(t_axis, 0)), _std(g.select(t_axis, mid))])
+                            row["time_grad"] = torch.stack([std(g.select(t_axis, 0)), std(g.select(t_axis, mid))])
                         seq.register_hook(time_hook)
             calls.append((name, module, None if x is None else tuple(x.shape[1:]), tuple(out.shape[1:]),
                           out.shape[0] if out.dim() else None))
@@ -425,9 +412,9 @@ def _measure(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any]
     mains = [_main_param(call[1]) for call in calls]
     for main, row in zip(mains, stats):
         if main is not None:
-            row["param_std"] = _std(main[1])
+            row["param_std"] = std(main[1])
             if main[1].grad is not None:
-                row["param_grad_std"] = _std(main[1].grad)
+                row["param_grad_std"] = std(main[1].grad)
     # One host-device sync for every statistic of every layer.
     keys = [(i, k) for i, row in enumerate(stats) for k in row]
     device = stats[0]["out"].device

@@ -21,25 +21,29 @@ from torch import Tensor, nn
 from ..numerics import buffers_kept
 from ..policies.dropout import dropout_off
 
-__all__ = ["COLLAPSE", "spread", "spreads_by_call"]
+__all__ = ["COLLAPSE", "first_tensor", "spread", "spreads_by_call", "std"]
 
 #: A weighted layer whose output varies across the batch by less than this share of its std carries no signal of its input.
 COLLAPSE = 1e-2
 
 
-def spread(x: Tensor) -> Tensor:
-    """How much each of ``x``'s features varies across the batch (its first axis), their RMS; one sample: its std."""
+def std(x: Tensor) -> Tensor:
+    """``x``'s std over all its elements (detached, float32); 0 for a single element."""
     x = x.detach().float()
-    if x.dim() >= 2 and x.shape[0] > 1:
-        return x.var(dim=0, unbiased=False).mean().sqrt()
     return x.std() if x.numel() > 1 else torch.zeros((), device=x.device)
 
 
-def _first_tensor(x: Any) -> Tensor | None:
+def spread(x: Tensor) -> Tensor:
+    """How much each of ``x``'s features varies across the batch (its first axis), their RMS; one sample: its std."""
+    return x.detach().float().var(dim=0, unbiased=False).mean().sqrt() if x.dim() >= 2 and x.shape[0] > 1 else std(x)
+
+
+def first_tensor(x: Any) -> Tensor | None:
+    """The first floating-point tensor in ``x`` (tuples, lists and dicts walked in order), or None."""
     if isinstance(x, Tensor):
         return x if x.is_floating_point() else None
     items = x.values() if isinstance(x, dict) else x if isinstance(x, (tuple, list)) else ()
-    return next((t for t in map(_first_tensor, items) if t is not None), None)
+    return next((t for t in map(first_tensor, items) if t is not None), None)
 
 
 def spreads_by_call(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any], leaves: list) -> dict:
@@ -50,7 +54,7 @@ def spreads_by_call(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any
     nth: Counter[int] = Counter()
 
     def hook(module: nn.Module, inputs: tuple, output: Any) -> None:
-        t, x = _first_tensor(output), _first_tensor(inputs)
+        t, x = first_tensor(output), first_tensor(inputs)
         if t is not None and t.numel():  # (the calls the report numbers: a floating, non-empty output)
             nth[id(module)] += 1
             out[(id(module), nth[id(module)])] = torch.stack(
