@@ -10,7 +10,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from faults import L2Normalize, Stack
+from faults import L2Normalize, LogSoftmax, Stack
 from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
@@ -42,6 +42,23 @@ def sqrt_zero_task(bad_index: int = 13, n: int = 32, seed: int = 0, slow: bool =
     torch.manual_seed(seed)
     model = Stack(nn.Linear(8, 16, bias=False), L2Normalize(), nn.Linear(16, 1))
     return Task(model=model, train_data=TensorDataset(x, y), loss=_slow_mse if slow else _mse, name="sqrt-zero")
+
+
+def _nll(model: nn.Module, batch) -> Tensor:
+    x, y = batch
+    return F.nll_loss(model(x), y)
+
+
+def log_softmax_task(bad_index: int = 5, n: int = 32, seed: int = 0) -> Task:
+    """op: sample ``bad_index``'s features x1e4, so its logits spread by thousands: softmax rounds its target's
+    probability to 0 and ``layers.1``'s log of it is -inf (the NLL loss inf)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    x[bad_index] *= 1e4
+    y = torch.randint(0, 4, (n,), generator=g)
+    torch.manual_seed(seed)
+    model = Stack(nn.Linear(8, 4), LogSoftmax())
+    return Task(model=model, train_data=TensorDataset(x, y), loss=_nll, name="log-softmax")
 
 
 def diverging_task(n: int = 64, scale: float = 1.0, seed: int = 0) -> Task:

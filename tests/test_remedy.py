@@ -63,6 +63,20 @@ def test_a_sqrt_of_zero_is_cured_by_the_eps_guard_and_by_skipping_its_sample_not
     assert json.loads((incident / "remedy.json").read_text()) == record
 
 
+def test_a_log_of_a_softmax_that_rounded_to_0_is_told_to_compute_log_softmax_in_one_op(tmp_path):
+    """A new user's trial: for torch.log(torch.softmax(x)) whose softmax rounded a probability to 0, the only code change
+    offered was a clamp of the log's input; the stable form, log_softmax, never computes the 0. Sample 5 is in step 0."""
+    incident = incident_of(tmp_path, "remedy_tasks:log_softmax_task", "train.max_steps=3")
+    record = search_remedies(incident, steps=2, only=["eps-guard"])
+    guard = by_name(record)["eps-guard"]
+    assert (record["failure_class"], guard["remedy"]["op"], guard["remedy"]["module"]) == ("op", "log", "layers.1")
+    assert guard["change"].startswith("keep the input of log away from 0 at ") and "faults.py:" in guard["change"]
+    assert guard["change"].endswith("; better, compute the log in one op: log_softmax (torch.log_softmax / "
+                                    "F.log_softmax) never rounds to log(0)")
+    where = guard["change"].split(" at ")[1].split(": x.clamp_min")[0]  # file:line of torch.log(torch.softmax(...))
+    assert "better" not in EpsGuard("layers.1", "sqrt", 1e-12, where).change  # a root's guard on that line: no such form
+
+
 def test_an_eps_guard_on_a_negative_log_input_is_no_cure_by_the_rules_early_bar(tmp_path, monkeypatch):
     """examples/nan_task.py: sample 37 is -1, and log(-1) is NaN at step 7, before the spike rule arms. Clamped to
     1e-12 the input gives log(1e-12) = -27.6, a loss x22 the run's: 'cures' (the rule could not yet judge it), and

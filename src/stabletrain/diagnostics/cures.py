@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import linecache
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -303,6 +304,18 @@ class _Clamp(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+#: A log of what underflows to 0 in float (a softmax's or a sigmoid's far tail) has a form that never computes the 0.
+_LOG_OF = {"softmax": "log_softmax (torch.log_softmax / F.log_softmax)", "sigmoid": "F.logsigmoid"}
+
+
+def _stable_form(op: str, where: str) -> str:
+    """'; better, ...' where the user's line takes the log of a softmax or a sigmoid (read from ``where``, file:line)."""
+    path, _, line = where.rpartition(":")
+    text = linecache.getline(path, int(line)) if op.startswith("log") and line.isdigit() else ""
+    found = next((f for f in _LOG_OF if re.search(rf"\b{f}\(", text)), None)
+    return f"; better, compute the log in one op: {_LOG_OF[found]} never rounds to log(0)" if found else ""
+
+
 @dataclass(frozen=True)
 class EpsGuard(Remedy):
     """Clamp the input of ``op`` (the denominator of div) to ``eps`` inside ``module``: a replay-only stand-in for
@@ -327,7 +340,7 @@ class EpsGuard(Remedy):
         at = f" at {self.where}" if self.where else ""
         how = ("x.clamp_min(eps)" if self.op not in ("div", "pow") else  # (what the replay did: 0 itself becomes +eps)
                "torch.where(x.abs() < eps, torch.where(x < 0, -eps, eps), x)")
-        return f"keep {arg} away from 0{at}: {how} with eps={self.eps:g}"
+        return f"keep {arg} away from 0{at}: {how} with eps={self.eps:g}{_stable_form(self.op, self.where)}"
 
     @contextlib.contextmanager
     def installed(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
