@@ -12,6 +12,7 @@ from helpers import cfg
 
 from stabletrain import Trainer
 from stabletrain.cli import main
+from stabletrain.config import ConfigError
 from stabletrain.diagnostics.cures import (
     EpsGuard,
     LowerLR,
@@ -129,6 +130,11 @@ def test_an_fp16_overflow_in_one_module_is_cured_by_that_module_in_fp32(tmp_path
 def test_remedy_cli_errors_are_one_line_naming_the_value(tmp_path, capsys):
     assert main(["remedy", str(tmp_path), "--only", "bogus"]) == 2
     assert "--only: unknown candidate bogus; the candidates are skip-step" in capsys.readouterr().err
+    # K=0 replayed the incident's window alone: a clamp 'cured' it on one step, its end loss judged against nothing
+    assert main(["remedy", str(tmp_path), "--steps", "0"]) == 2
+    assert "--steps: expected an integer >= 1 (the windows replayed after the incident's), got 0" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"^config key 'remedy.steps': expected an integer >= 1, got 0$"):
+        cfg("remedy.steps=0")
     assert main(["remedy", str(tmp_path)]) == 2
     assert "no bundle.pt there" in capsys.readouterr().err
     with pytest.raises(SystemExit):

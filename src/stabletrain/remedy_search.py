@@ -340,8 +340,8 @@ def search_remedies(directory: str | Path, task: Task | None = None, *, steps: i
     read back from ``directory``, whose files stay their record (default: ``bundle.pt``, and ``diagnosis.json`` or a
     diagnosis made here when it has none). Returns the record written.
     """
-    if steps < 0:
-        raise ValueError(f"--steps: expected an integer >= 0, got {steps}")
+    if steps < 1:  # a cure is judged on the windows after the incident's too (0: one step, its end loss unchecked)
+        raise ValueError(f"--steps: expected an integer >= 1 (the windows replayed after the incident's), got {steps}")
     unknown = [n for n in only or [] if n not in CANDIDATE_NAMES]
     if unknown:
         raise ValueError(f"--only: unknown candidate {', '.join(unknown)}; the candidates are {', '.join(CANDIDATE_NAMES)}")

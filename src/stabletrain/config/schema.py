@@ -299,7 +299,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "guard.max_consecutive_skips": (lambda v: v >= 1, "an integer >= 1"),
     "guard.stall_steps": (lambda v: v >= 2, "an integer >= 2"),
     "guard.max_rollbacks": (lambda v: v >= 0, "an integer >= 0"),
-    "remedy.steps": (lambda v: v >= 0, "an integer >= 0"),
+    "remedy.steps": (lambda v: v >= 1, "an integer >= 1"),
     "remedy.max_applied": (lambda v: v >= 0, "an integer >= 0"),
     "capture.max_spikes": (lambda v: v >= 0, "an integer >= 0"),
     "capture.snapshot_memory_fraction": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
