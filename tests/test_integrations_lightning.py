@@ -111,6 +111,24 @@ def test_clean_run_metrics_mirror_and_report(tmp_path):
     assert "LitNet" in write_report(tmp_path / "run").read_text()
 
 
+def test_the_snapshot_holds_the_hosts_seed_and_determinism_not_stabletrains_defaults(tmp_path, monkeypatch):
+    """A new user's trial: seed_everything(7) and Trainer(deterministic=True), yet snapshot.json read seed 0 and
+    deterministic false (stabletrain's own config defaults, which this run never used)."""
+    monkeypatch.setenv("PL_GLOBAL_SEED", "0")  # (put back after: seed_everything writes it, and the process goes on)
+    L.seed_everything(7)
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        fit(LitNet(), StableTrainCallback(run_dir=tmp_path / "run", log_every=5), 2, deterministic=True)
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])  # (Lightning leaves its setting on)
+    snapshot = json.loads((tmp_path / "run" / "snapshot.json").read_text())
+    assert (snapshot["seed"], snapshot["deterministic"]) == (7, True)
+    monkeypatch.delenv("PL_GLOBAL_SEED")
+    fit(LitNet(), StableTrainCallback(run_dir=tmp_path / "unseeded", log_every=5), 2)
+    snapshot = json.loads((tmp_path / "unseeded" / "snapshot.json").read_text())
+    assert (snapshot["seed"], snapshot["deterministic"]) == (None, False)  # none given: none said
+
+
 def test_no_host_sync_between_log_boundaries(tmp_path):
     cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=5)
     with OurSyncs(lambda: cb.session.step if cb.session is not None else -1) as counter:

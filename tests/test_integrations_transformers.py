@@ -47,7 +47,7 @@ def trainer_for(model, callback, tmp_path, *, max_steps, rows=None, **kw):
         output_dir=str(tmp_path / "hf"), max_steps=max_steps, per_device_train_batch_size=BATCH, learning_rate=1e-3,
         use_cpu=True, report_to=kw.pop("report_to", []), logging_steps=kw.pop("logging_steps", 1000),
         save_strategy=kw.pop("save_strategy", "no"),
-        train_sampling_strategy="sequential", seed=0, dataloader_num_workers=0, disable_tqdm=True, **kw)
+        train_sampling_strategy="sequential", seed=kw.pop("seed", 0), dataloader_num_workers=0, disable_tqdm=True, **kw)
     return transformers.Trainer(model=model, args=args, train_dataset=rows or token_rows(max_steps * BATCH),
                                 callbacks=[callback])
 
@@ -295,11 +295,13 @@ def test_resume_from_the_trainers_checkpoint_keeps_metrics_and_guard(tmp_path):
 
 def test_the_record_says_the_precision_that_ran_fp16_asked_on_a_cpu_runs_fp32(tmp_path):
     cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=2, init_check=False)
-    trainer = trainer_for(gpt2(), cb, tmp_path, max_steps=2, fp16=True)
+    trainer = trainer_for(gpt2(), cb, tmp_path, max_steps=2, fp16=True, seed=5)
     with pytest.warns(UserWarning, match=r"asked for fp16 but runs fp32 on cpu"):
         trainer.train()
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["precision"] == "fp32"
-    assert json.loads((tmp_path / "run" / "snapshot.json").read_text())["precision"] == "fp32"
+    snapshot = json.loads((tmp_path / "run" / "snapshot.json").read_text())
+    # its seed, the Trainer's (a trial read 0, stabletrain's config default, beside args.seed)
+    assert (snapshot["precision"], snapshot["seed"], snapshot["deterministic"]) == ("fp32", 5, False)
 
 
 def console_incident_lines(capfd) -> list[str]:

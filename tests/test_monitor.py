@@ -59,6 +59,7 @@ def test_clean_run_writes_a_run_directory_that_report_and_compare_read(tmp_path)
     assert config["optim"]["name"] == "AdamW" and config["task"] == "Net"
     snapshot = json.loads((run / "snapshot.json").read_text())
     assert snapshot["integration"] == "monitor" and "init_signal" in snapshot
+    assert (snapshot["seed"], snapshot["deterministic"]) == (None, False)  # your loop's seed is not known: not stabletrain's 0
     assert (run / "init_signal.json").exists() and list((run / "tb").iterdir())
     events, _ = read_jsonl(run / "events.jsonl")
     assert all(e["kind"] in EVENT_KINDS for e in events) and not [e for e in events if e["kind"] == "incident"]

@@ -48,7 +48,7 @@ from ..policies.guard import Guard
 from ..policies.metrics import StepMetrics
 from ..records.batches import batch_size
 from ..records.jsonl import json_safe
-from ..records.provenance import build_snapshot, installed_versions, optimizer_config, optimizer_names
+from ..records.provenance import build_snapshot, host_reproducibility, installed_versions, optimizer_config, optimizer_names
 from ..records.rundir import RunDir
 from ..runstate import RunState
 from ..services.boundary import IntervalBoundary
@@ -161,8 +161,8 @@ class RunSession:
         self.state.run = RunDir(self.run_dir, resume=resume, overwrite=self.overwrite, host=self.host, model=config["task"])
         atomic_write(self.run.path / "config.yaml", yaml.safe_dump(config, sort_keys=False))
         if not resume:
-            extra = {"integration": self.host, "model": type(self.model).__name__,
-                     **optimizer_names(self.optimizer),
+            extra = {"integration": self.host, "model": type(self.model).__name__, **optimizer_names(self.optimizer),
+                     **host_reproducibility(self.host, self.host_config),
                      "host_versions": installed_versions(*HOST_LIBRARIES.get(self.host, ()))}
             self.run.write_snapshot(build_snapshot(self.cfg, self.device, self.precision, None, extra))
 

@@ -143,6 +143,15 @@ def build_snapshot(cfg: Config, device: torch.device, precision: str, data_finge
     return snap
 
 
+def host_reproducibility(host: str, host_config: dict[str, Any]) -> dict[str, Any]:
+    """snapshot.json's ``seed`` and ``deterministic`` for a host's run, not stabletrain's config defaults: the seed the
+    host was given (the HF Trainer's ``args.seed``; Lightning's ``seed_everything``, from ``PL_GLOBAL_SEED``; None where
+    none is known: a ``Monitor``'s own loop) and whether torch's deterministic algorithms are on as its fit starts."""
+    seed = host_config.get("seed", os.environ.get("PL_GLOBAL_SEED") if host == "lightning" else None)
+    return {"seed": int(seed) if str(seed).lstrip("-").isdigit() else seed,
+            "deterministic": torch.are_deterministic_algorithms_enabled()}
+
+
 def installed_versions(*names: str) -> dict[str, str]:
     """The installed version of each distribution in ``names`` (one not installed is left out)."""
     import importlib.metadata as md
