@@ -249,3 +249,19 @@ def test_the_optimizer_config_records_what_its_groups_step_with():
     cycle = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
     torch.optim.lr_scheduler.OneCycleLR(cycle, max_lr=1.0, total_steps=10)
     assert optimizer_config(cycle)["lr"] == 1.0 and optimizer_config(cycle)["momentum"] == 0.9  # (the cycle's own aside)
+
+
+def test_a_hugging_face_batch_counts_the_tokens_its_loss_covers():
+    """labels != -100, else the mask, else the ids, else inputs_embeds' (batch, sequence) (a trial's embedded batch of
+    4 x 16 counted 4 'tokens', its tokens/s a sixteenth of the truth), else the samples."""
+    import torch
+
+    from stabletrain.records.batches import count_tokens
+
+    labels, ids = torch.tensor([[1, 2, -100], [3, -100, -100]]), torch.ones(2, 3, dtype=torch.long)
+    assert int(count_tokens({"input_ids": ids, "labels": labels})) == 3
+    assert int(count_tokens({"input_ids": ids, "attention_mask": torch.tensor([[1, 1, 0]] * 2)})) == 4
+    assert count_tokens({"input_ids": ids}) == 6
+    assert count_tokens({"inputs_embeds": torch.randn(4, 16, 8)}) == 64
+    assert int(count_tokens({"inputs_embeds": torch.randn(4, 16, 8), "attention_mask": torch.ones(4, 10)})) == 40
+    assert count_tokens({"pixel_values": torch.randn(5, 3, 8, 8)}) == 5

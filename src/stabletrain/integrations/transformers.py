@@ -11,7 +11,7 @@ A ``TrainerCallback`` sees neither the loss nor the pre-clip norm of a step (the
 subclass's override included; an attribute of the instance, removed at the end of training):
 
 - before it: the micro-batch, the RNG state, ``num_items_in_batch`` and the accumulation steps are kept;
-  its tokens counted on the device (``labels != -100``, else the attention mask, else the inputs);
+  its tokens counted on the device (``labels != -100``, else the attention mask, else the ids or the embedded inputs);
 - after it: its returned loss (the Trainer's own, from its ``compute_loss``: a dict, tuple or ModelOutput,
   label smoothing, ``compute_loss_func`` and ``num_items_in_batch`` included) summed over the window; on the
   window's last micro-batch (``accelerator.sync_gradients``) the pre-clip global and per-parameter grad

@@ -147,13 +147,16 @@ def batch_size(batch: Any) -> int:
 
 def count_tokens(inputs: Mapping[str, Any]) -> Tensor | int:
     """The tokens a Hugging Face style batch's loss covers (on the device, no sync): ``labels != -100``, else the
-    attention mask's ones, else the input ids, else the samples."""
+    attention mask's ones, else the input ids, else the embedded inputs' (batch, sequence), else the samples."""
     labels, mask, ids = inputs.get("labels"), inputs.get("attention_mask"), inputs.get("input_ids")
+    embeds = inputs.get("inputs_embeds")
     if isinstance(labels, Tensor) and labels.dtype in (torch.long, torch.int):
         return (labels != -100).sum()
     if isinstance(mask, Tensor):
         return mask.sum()
-    return ids.numel() if isinstance(ids, Tensor) else batch_size(inputs)
+    if isinstance(ids, Tensor):
+        return ids.numel()
+    return embeds.shape[:2].numel() if isinstance(embeds, Tensor) and embeds.dim() >= 3 else batch_size(inputs)
 
 
 def window_items(batches: list[Any]) -> float:
