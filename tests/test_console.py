@@ -293,3 +293,16 @@ def test_the_progress_line_shows_a_tiny_loss_in_significant_digits():
     from stabletrain.callbacks.sinks import _loss_text
 
     assert [_loss_text(v) for v in (5.6e-13, -2e-5, 2.269, 0.0, 1e-3)] == ["5.6e-13", "-2e-05", "2.2690", "0.0000", "0.0010"]
+
+
+def test_an_incidents_long_line_keeps_its_first_clauses_and_its_verdict_and_says_where_the_rest_is():
+    """A trial's spike line ran to 550 characters: brief keeps the clauses from the first that fit, and the last."""
+    from stabletrain.console import brief
+
+    evidence = "; ".join(f"clause {i} (a; b)" + "x" * 40 for i in range(10)) + "; reproduces on replay"
+    short = brief(evidence, width=200, more="(all of it: stabletrain diagnose D)")  # (the path's length not counted)
+    assert short == ("clause 0 (a; b)" + "x" * 40 + "; clause 1 (a; b)" + "x" * 40 + "; clause 2 (a; b)" + "x" * 40
+                     + "; ... (all of it: stabletrain diagnose D); reproduces on replay")
+    assert len(short.replace(" (all of it: stabletrain diagnose D)", "")) <= 200
+    assert brief(evidence[:150], width=200) == evidence[:150]  # one that fits: as it is
+    assert brief("a" * 400 + "; b", width=100) == "a" * 400 + "; b"  # two clauses: nothing to leave out

@@ -19,6 +19,7 @@ from torch.utils.data import TensorDataset
 
 from stabletrain import Task, Trainer
 from stabletrain.cli import main
+from stabletrain.console import brief
 from stabletrain.diagnostics.failure_class import classify_failure, growth
 from stabletrain.incident_replay import diagnose_step
 from stabletrain.policies.precision import PrecisionPolicy
@@ -187,7 +188,10 @@ def test_a_weight_driven_fp16_overflow_of_most_samples_leads_with_the_verdict(tm
                f"it (max 65504); {len(bad)} of 16 samples go bad through it: the module's weights or its own computation, "
                "not the samples; ")
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("stabletrain: incident at")]
-    assert printed == [f"stabletrain: incident at step {event['step']}: {d['summary']}"]
+    folder = tmp_path / "run" / "incidents" / f"step_{event['step']:06d}"  # (the line is its first clauses: the rest there)
+    assert printed == [f"stabletrain: incident at step {event['step']}: "
+                       + brief(d["summary"], more=f"(all of it: stabletrain diagnose {folder})")]
+    assert printed[0].startswith(f"stabletrain: incident at step {event['step']}: {verdict}")
     assert d["summary"].startswith(verdict) and event["diagnosis"]["summary"] == d["summary"]
     assert "at sample" not in d["summary"]  # the samples are the evidence's count, not the headline
 
@@ -274,3 +278,23 @@ def test_an_input_past_fp16s_range_at_autocasts_cast_is_the_inputs_scale_not_the
            "samples: the input's scale" in cast["evidence"] and "not the samples" not in cast["evidence"], cast
     weight = case([16, 16], params=[0])  # a Linear(16, 16)'s weight, batch-shaped (a review): the module's own
     assert weight["weight_driven"] is True and "the module's weights or its own computation" in weight["evidence"]
+
+
+def test_only_a_log_root_or_divisor_that_reads_a_parameter_blames_the_parameter_not_an_overflow_through_a_linear():
+    """A review: an fp32 Linear's addmm takes its bias as an input, so a sample of 1e36 overflowing there read 'its input is
+    the parameter fc.bias itself, which an update moved out of the op's domain', its samples and their skip left out."""
+    def case(op, params, names):
+        first = {"op": op, "origin": True, "kind": "inf", "direction": "forward", "module": "fc",
+                 "output_dtypes": ["torch.float32"], "input_shapes": [[4], [16, 8], [8, 4]], "param_inputs": params,
+                 "param_names": names}
+        return classify_failure({"reproduces": True, "stage": "activations", "first_op": first, "num_samples": 16,
+                                 "bad_samples": [3], "module_params": 2, "loss": float("inf"), "grad_norm": 1.0})
+
+    linear = case("aten.addmm.default", [0], ["fc.bias"])
+    assert linear["failure_class"] == "op" and "param_input" not in linear, linear
+    assert linear["evidence"].endswith("makes an inf from finite inputs, at sample 3") and "fc.bias" not in linear["evidence"]
+    log = case("aten.log.default", [0], ["fc.s"])
+    assert log["param_input"] == "fc.s" and "its input is the parameter fc.s itself" in log["evidence"]
+    assert case("aten.div.Tensor", [1], ["fc.s"])["param_input"] == "fc.s"  # x / s: the divisor
+    assert "param_input" not in case("aten.div.Tensor", [0], ["fc.s"])  # s / x: the divisor is the data's
+    assert "param_input" not in case("aten.mul.Tensor", [1], ["fc.gamma"])  # x * gamma: no domain to leave

@@ -796,7 +796,8 @@ def test_the_readme_spike_example_prints_what_the_readme_shows(tmp_path, capsys)
                  "log.progress=false", "log.tensorboard=false"]) == 0
     printed = capsys.readouterr().out
     spike_line = next(x for x in block.splitlines() if x.startswith("stabletrain: spike at step 75"))
-    assert spike_line.split(" the window")[0] in printed
+    assert spike_line.split(" (all of it: ")[0] in printed  # (the rest of its evidence: stabletrain diagnose, the path's)
+    assert f"(all of it: stabletrain diagnose {run}/incidents/step_000075); reproduces on replay" in printed
     assert main(["remedy", str(run), "--steps", "6"]) == 0
     printed = capsys.readouterr().out.splitlines()[2:]
     shown = block.split("--steps 6\n", 1)[1].splitlines()[2:]
@@ -1334,6 +1335,24 @@ def test_an_lr_jump_inside_the_optimizer_is_a_state_spike_whose_steps_grew(tmp_p
     assert (incident["step"], d["failure_class"], d["blamed_layer"], d["bad_samples"]) == (153, "state", None, None), d
     assert "; the optimizer's steps grew x" in d["summary"] and " at the same LR: " in d["summary"], d["summary"]
     assert d["steps"]["now"] > 20 * d["steps"]["before"] and d["steps"]["upto"] == 150
+
+
+def test_a_burst_of_large_steps_that_ended_is_a_state_spike_not_a_few_coordinates_surge(tmp_path):
+    """A new user's trial: the optimizer steps 30x on updates 151-153 only, its LR back to normal after. The spike at step
+    155 (the interval's largest) read 'optimizer-state: ... 0.39% of fc1.weight's coordinates ... moved x3.33 as far as
+    its others': the surge weighed against the steps under the state now (x1.9, the LR normal again), not against how
+    far the weights had moved since step 150 (x18 what the run's typical steps could)."""
+    from spike_tasks import lr_burst_task
+
+    run = tmp_path / "run"
+    Trainer(cfg("train.batch_size=16", "log.every=10", "data.shuffle=false", "train.max_steps=156", "sched.decay=constant",
+                "log.tensorboard=false"), task=lr_burst_task(), run_dir=run).fit()
+    incident = next(e for e in _events(run) if e["kind"] == "incident")
+    d = json.loads((run / "incidents" / f"step_{incident['step']:06d}" / "diagnosis.json").read_text())
+    assert (incident["step"], d["failure_class"], d.get("blamed_layer")) == (155, "state", None), d["summary"]
+    assert re.search(r"coordinates surged in the update of step 154 \(x3\.\d+ as far as its others\), less than every "
+                     r"coordinate's steps grew since step 150 \(x1\d\)", d["summary"]), d["summary"]
+    assert "; the weights moved 0.44 of their norm in the 4 updates since step 150, x1" in d["summary"], d["summary"]
 
 
 def test_a_cure_that_cannot_be_applied_live_is_named_with_why_not_as_no_candidate_cures(tmp_path):

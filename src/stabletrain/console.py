@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from typing import Any, TextIO
 
 __all__ = ["say", "warn", "error", "write_line", "show_bar", "is_interactive", "one_line_warnings", "each_once",
-           "StableTrainWarning", "PREFIX", "user_stacklevel", "clipped"]
+           "StableTrainWarning", "PREFIX", "user_stacklevel", "clipped", "brief"]
 
 PREFIX = "stabletrain: "
 
@@ -154,3 +154,24 @@ def clipped(line: str, width: int = 300) -> str:
     """``line`` kept from its start (where a message names itself), cut at ``width`` characters with a marked end (a dead
     process's last line in a restart's record)."""
     return line if len(line) <= width else line[:width - 3].rstrip() + "..."
+
+
+def brief(text: str, width: int = 320, more: str = "") -> str:
+    """``text``'s '; '-separated clauses (outside parentheses) from the first while they fit in ``width`` characters, and
+    its last (a verdict: "reproduces on replay"), the ones left out marked ``; ... more`` (an incident's console line: its
+    whole evidence stays in diagnosis.json; a spike's ran to 550 characters). ``more`` (a path) is not counted."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += (ch == "(") - (ch == ")")
+        if depth == 0 and text.startswith("; ", i):
+            parts.append(text[start:i])
+            start = i + 2
+    parts.append(text[start:])
+    if len(text) <= width or len(parts) < 3:
+        return text
+    kept, tail = parts[:1], ["...", parts[-1]]
+    for part in parts[1:-1]:
+        if len("; ".join(kept + [part] + tail)) > width:
+            break
+        kept.append(part)
+    return "; ".join(kept + [f"... {more}".rstrip(), parts[-1]])

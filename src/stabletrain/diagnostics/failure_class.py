@@ -24,7 +24,10 @@ Pure: no replay, no state.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
+
+from .nonfinite import DOMAIN_OPS
 
 __all__ = ["FAILURE_CLASSES", "classify_failure", "growth", "WEIGHT_DRIVEN_SHARE"]
 
@@ -37,6 +40,8 @@ WEIGHT_DRIVEN_SHARE = 0.75
 MIN_GROWTH_FACTOR = 10.0
 MIN_GROWTH_ROWS = 3
 _LOW_PRECISION = ("torch.float16", "torch.bfloat16", "float16", "bfloat16")
+#: An op whose domain a parameter can leave (the input of a log or a root; a divisor), by its aten name and that input.
+_DOMAIN_INPUT = ((re.compile(rf"aten\.({'|'.join(DOMAIN_OPS)})_?\."), 0), (re.compile(r"aten\.div_?\."), 1))
 
 
 def _finite(x: Any) -> bool:
@@ -143,10 +148,11 @@ def classify_failure(d: dict[str, Any], history: list[dict[str, Any]] | None = N
         article = "an" if str(first["kind"])[:1] in "aeiou" else "a"  # (an inf, a nan)
         text = (f"{first['op']}{node} in {first['direction']} {_place(module, 'of')} makes {article} {first['kind']} "
                 "from finite inputs")
-        if first.get("param_names") and first.get("direction") == "forward":  # (the op reads a weight itself)
-            out["param_input"] = first["param_names"][0]
+        param = _domain_param(first)
+        if param is not None:  # (a log, a root or a divisor reads a weight itself)
+            out["param_input"] = param
             return {**out, "failure_class": "op", "evidence": text + (
-                f": its input is the parameter {first['param_names'][0]} itself, which an update moved out of the op's "
+                f": its input is the parameter {param} itself, which an update moved out of the op's "
                 "domain (a learned scale or variance below 0): a state the updates made, not the samples; keep it inside "
                 "by construction (softplus, exp of a log-parameter)")}
         if weight_driven:
@@ -159,6 +165,16 @@ def classify_failure(d: dict[str, Any], history: list[dict[str, Any]] | None = N
                                                             "non-finite, with no op creating the value from finite inputs"}
     return {**out, "failure_class": "op" if first else "divergence",
             "evidence": _symptom(d, first) or f"first non-finite value at stage {d.get('stage')}"}
+
+
+def _domain_param(first: dict[str, Any]) -> str | None:
+    """The parameter a forward log, root or division takes as the input whose domain it left (a learned variance an
+    update moved below 0), else None: a Linear's addmm takes its bias too, and an overflow there is no such thing."""
+    if first.get("direction") != "forward" or not first.get("param_names"):
+        return None
+    at = next((i for pattern, i in _DOMAIN_INPUT if pattern.match(str(first.get("op")))), None)
+    inputs = first.get("param_inputs") or []
+    return first["param_names"][inputs.index(at)] if at in inputs and len(first["param_names"]) == len(inputs) else None
 
 
 def _observed(d: dict[str, Any], key: str) -> Any:

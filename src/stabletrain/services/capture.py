@@ -482,7 +482,8 @@ class IncidentCapture:
                     on_rank = (" (every rank's batch: " + "; ".join(
                         f"rank {r}: {', '.join(str(i) for i, at in where.items() if at == r)}" for r in sorted(set(
                             where.values()))) + ")") if where else " (every rank's batch)"
-                console.say(f"{label} at step {step}{on_rank}: {diagnosis.get('summary')}")
+                console.say(f"{label} at step {step}{on_rank}: "
+                            + console.brief(str(diagnosis.get("summary")), more=f"(all of it: stabletrain diagnose {folder})"))
                 return {"diagnosis": {**{k: diagnosis.get(k) for k in DIAGNOSIS_FIELDS},
                                       **{k: diagnosis.get(k) for k in extra}}}, diagnosis
             except Exception as err:  # a diagnosis that fails must not take the run down with it
