@@ -430,6 +430,20 @@ class OutOfMemoryRegressor(Regressor):
         return super().forward(x, labels)
 
 
+def test_an_out_of_memory_error_is_a_retry_on_one_process_only():
+    """A review: under DDP a rank's retry closed its session as a retry, starting the interval's collective on that rank
+    alone while its peers went on into the step's gradient all-reduce. More than one process: a crash, as without it."""
+    from types import SimpleNamespace
+
+    from stabletrain.errors import host_retry
+
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    one, two = (SimpleNamespace(auto_find_batch_size=True, world_size=n) for n in (1, 2))
+    assert host_retry(one, oom, 8, batch=4)["failed_step"] == 8
+    assert host_retry(two, oom, 8, batch=4) is None
+    assert host_retry(one, oom, 8, batch=1) is None and host_retry(one, ValueError("x"), 8, batch=4) is None
+
+
 def test_an_out_of_memory_step_the_trainer_retries_at_a_smaller_batch_is_no_crash_and_the_retry_trains_on(tmp_path):
     """A review and a trial: with auto_find_batch_size the Trainer catches an out-of-memory error and trains again from
     its first step at a smaller batch, calling on_train_begin again: the run directory held a logged run, so the new

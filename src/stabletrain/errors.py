@@ -412,8 +412,10 @@ class StopTraining(RuntimeError):
 def host_retry(args: Any, err: BaseException, step: int, batch: int | None = None) -> dict[str, Any] | None:
     """A ``retry`` event's fields for an out-of-memory error that a host trainer retries at a smaller batch (transformers'
     ``auto_find_batch_size``, by accelerate's own test), else None (the error ends the run: a crash; at ``batch`` 1 there
-    is no smaller one: accelerate gives up)."""
-    if not getattr(args, "auto_find_batch_size", False) or not isinstance(err, Exception) or (batch or 2) <= 1:
+    is no smaller one: accelerate gives up). Under more than one process, none: a rank's retry is its own, its peers go
+    on into the step's collectives (closing the session as a retry would start the interval's on this rank alone)."""
+    if (not getattr(args, "auto_find_batch_size", False) or not isinstance(err, Exception) or (batch or 2) <= 1
+            or (getattr(args, "world_size", 1) or 1) > 1):
         return None
     try:
         from accelerate.utils.memory import should_reduce_batch_size

@@ -135,7 +135,7 @@ class StableTrainCallback(pl.Callback):
                 "gradient_clip_val": trainer.gradient_clip_val, "gradient_clip_algorithm": algorithm,
                 "strategy": type(trainer.strategy).__name__, "world_size": trainer.world_size,
                 "ckpt_path": str(trainer.ckpt_path) if trainer.ckpt_path else None,
-                "final_step": int(trainer.estimated_stepping_batches) if trainer.estimated_stepping_batches < 1e18 else None}
+                "final_step": int(trainer.estimated_stepping_batches) if 0 < trainer.estimated_stepping_batches < 1e18 else None}
         self.trainer, self.pl_module = trainer, pl_module
         self.session = RunSession(
             self.run_dir, pl_module, host="lightning", options=self.options, precision=mode, fingerprint=self._fingerprint,
