@@ -287,9 +287,9 @@ class StepCountedAdamW(torch.optim.AdamW):
     """AdamW whose own schedule multiplies the LR by ``factor`` from its ``jump_at``-th update on, inside ``step``
     (a schedule bug the param groups never show: their lr stays). It reads Adam's step count, so a replay sees it."""
 
-    def __init__(self, params, jump_at: int, factor: float, **kwargs) -> None:
+    def __init__(self, params, jump_at: int, factor: float, until: int | None = None, **kwargs) -> None:
         super().__init__(params, **kwargs)
-        self.jump_at, self.factor = jump_at, factor
+        self.jump_at, self.factor, self.until = jump_at, factor, until  # (until: its update of that count is normal again)
 
     def updates_so_far(self) -> int:
         """Adam's own step count: in the state_dict, so a replay from a checkpoint counts as the run did."""
@@ -297,7 +297,7 @@ class StepCountedAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        if self.updates_so_far() < self.jump_at:
+        if not self.jump_at <= self.updates_so_far() < (self.until or 2**62):
             return super().step(closure)
         kept = [g["lr"] for g in self.param_groups]
         for g in self.param_groups:
@@ -320,6 +320,20 @@ def hidden_lr_jump_task(jump_at: int = 150, factor: float = 30.0, lr: float = 3e
     return Task(model=model, train_data=TensorDataset(x, y), loss=_mse, name="hidden-lr-jump",
                 optimizer=lambda named: StepCountedAdamW([p for _, p in named], jump_at, factor, lr=lr, weight_decay=0.0,
                                                          fused=True))
+
+
+def lr_burst_task(jump_at: int = 150, until: int = 153, factor: float = 30.0, n: int = 2048) -> Task:
+    """state: a ReLU regression whose optimizer steps 30x on updates 151-153 only (a new user's trial): the loss spikes at
+    152, 153 and, larger, 155, ordinary windows too; at 155 a few of fc1.weight's coordinates surged x3.3 in the update of
+    step 154, while the weights moved x18 as far as typical steps since step 150."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 8, generator=g)
+    y = torch.tanh(x @ torch.randn(8, 1, generator=g)) + 0.05 * torch.randn(n, 1, generator=g)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    return Task(model=model, train_data=TensorDataset(x, y), loss=_mse, name="lr-burst",
+                optimizer=lambda named: StepCountedAdamW([p for _, p in named], jump_at, factor, until, lr=0.01,
+                                                         weight_decay=0.0, fused=True))
 
 
 def dropout_draw_task(n: int = 2048, width: int = 8, p: float = 0.003, seed: int = 0) -> Task:

@@ -181,10 +181,13 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     blamed = _surging_layer([r for r in m.get("surges") or [] if r.get("step", -1) < m.get("step", 0)])
     rise = lr["now"] / lr["then"] if lr else 1.0
     growth = sizes["now"] / sizes["before"] if sizes and not sizes.get("own") else 1.0  # (a window's own: its gradient too)
+    moved = _moved_factor(older, sizes, m.get("step", 0))  # (the steps since the older state: an LR raised, then lowered)
     acquit = ""  # why a surge is not the cause: every coordinate moved further, or its update lowered this window's loss
-    if blamed is not None and (rise >= LR_RISE or growth >= STEP_GROWTH) and max(rise, growth) >= blamed["coord_factor"]:
+    if (blamed is not None and (rise >= LR_RISE or growth >= STEP_GROWTH or moved >= STEP_GROWTH)
+            and max(rise, growth, moved) >= blamed["coord_factor"]):
         acquit = (f"; a few of {blamed['name']}'s coordinates surged in the update of step {blamed['step']} (x"
-                  f"{blamed['coord_factor']:.3g} as far as its others), less than every coordinate's steps grew")
+                  f"{blamed['coord_factor']:.3g} as far as its others), less than every coordinate's steps grew"
+                  + (f" since step {older['step']} (x{moved:.3g})" if moved >= max(rise, growth) else ""))
     elif (blamed is not None and older is not None and older["window_high"] and math.isfinite(older["window"])
           and m["loss"] <= older["window"] + (SURGE_LIFT - 1) * abs(older["window"])):  # (high against ordinary windows
         # there too: the batch's; raised by less than half its size, a loss below 0 too)
@@ -338,16 +341,23 @@ def _moved(older: dict[str, Any] | None, sizes: dict[str, Any] | None, jump: dic
     """How far the weights moved since the older state (``moved``: ||theta - theta_then|| / ||theta_then||) against as many of
     the run's typical steps (``sizes["before"]``, per step) could move them, where :data:`STEP_GROWTH` times or more: a
     large update since then that no interval record measured (one inside an interval); not where one did (``jump``)."""
+    moved, per = (older or {}).get("moved"), (sizes or {}).get("before")
+    if _moved_factor(older, sizes, step) < STEP_GROWTH or jump and jump["step"] > older["step"]:
+        return ""
+    n = step - 1 - older["step"]
+    return (f"; the weights moved {moved:.2g} of their norm in the {n} update{'s' if n > 1 else ''} since step {older['step']}, "
+            f"x{moved / (n * per):.3g} as far as {n} of the run's typical steps could ({per:.2g} each, its interval records): "
+            "a large update, or several, among them")
+
+
+def _moved_factor(older: dict[str, Any] | None, sizes: dict[str, Any] | None, step: int) -> float:
+    """How many times as far as the run's typical steps (``sizes["before"]``, per step) could move them the weights moved
+    in the updates since the older state (1.0 where not measured)."""
     # the updates between that state and the spike's (an interval snapshot's: an older checkpoint's stretch may hold a
     # run's first, larger steps, which its recent records do not measure)
     n = step - 1 - older["step"] if older is not None and older.get("from", "snapshot") == "snapshot" else 0
     moved, per = (older or {}).get("moved"), (sizes or {}).get("before")
-    if (n < 1 or not isinstance(moved, (int, float)) or not per or moved < STEP_GROWTH * n * per
-            or jump and jump["step"] > older["step"]):
-        return ""
-    return (f"; the weights moved {moved:.2g} of their norm in the {n} update{'s' if n > 1 else ''} since step {older['step']}, "
-            f"x{moved / (n * per):.3g} as far as {n} of the run's typical steps could ({per:.2g} each, its interval records): "
-            "a large update, or several, among them")
+    return moved / (n * per) if n >= 1 and isinstance(moved, (int, float)) and per else 1.0
 
 
 def _whole_model_rise(m: dict[str, Any], blamed: dict[str, Any], older: dict[str, Any] | None) -> str:
