@@ -3,6 +3,7 @@ init and determinism on a zero-initialized head and unseeded data randomness."""
 
 import json
 import math
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -566,6 +567,8 @@ def test_check_init_says_an_init_the_first_forward_overwrites_and_recommends_no_
                "re-initialization" in d for d in init.details), init.details
     assert not any(d.startswith("recommended init:") for d in init.details), init.details
     assert init.numbers["recommended"] is None  # (a trial: the numbers still said recommended=kaiming)
+    saved = json.loads(Path(init.numbers["json"]).read_text())  # (a review: init_signal.json still named it)
+    assert saved and all(r["recommended"] is None for r in saved)
     printed = capsys.readouterr()
     assert (printed.out + printed.err).count("init overwritten in the model's first forward") == 1  # two runs, one line
 

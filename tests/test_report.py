@@ -748,6 +748,12 @@ def test_a_few_huge_losses_do_not_make_the_loss_headline_read_as_a_run_that_got_
     h, text = _loss_run(tmp_path / "one", [2.5], [1.0], spikes=[4])
     assert (h.figures["loss_start"], h.figures["loss_end"]) == (2.5, 2.5), text
     assert text == "Train loss 2.5 (one interval) (the only interval's mean, 2.5, is lifted by a loss spike at step 4).", text
+    _loss_run(tmp_path / "early", [2.5], [1.0])  # the same with an early outlier, not a spike (a review: 'a few large losses')
+    (tmp_path / "early" / "events.jsonl").write_text(json.dumps({"step": 4, "kind": "early_outlier", "reason": "...",
+                                                                 "loss": 20.0, "factor": 20.0}) + "\n")
+    text = next(t for _, t in health_summary(load_run(tmp_path / "early")).sentences if t.startswith("Train loss"))
+    assert text == ("Train loss 2.5 (one interval) (the only interval's mean, 2.5, is lifted by an early outlier at step 4 "
+                    "(before the spike rule armed))."), text
     # Two intervals, a spike in the first: too few for a median; the mean stands and the words say what lifted it
     h, text = _loss_run(tmp_path / "two", [564.0, 0.14], [0.3, 0.1], spikes=[7])
     assert text.startswith("Train loss 564 → 0.14 (first interval → last interval: the first interval's mean, 564, is "

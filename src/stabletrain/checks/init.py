@@ -313,6 +313,7 @@ def check_init(ctx: CheckContext) -> CheckResult:
                                                         input_std, items)
     # With a comparison, the scheme it recommends (one that passed here) is what the JSON, numbers and text all name.
     recommended, advice = _compare_advice(built, by_scheme) if schemes else (built.recommended, "")
+    recommended = None if overwritten else recommended  # (no scheme: the forward draws again; the JSON says it too)
     plot = plot_signal(reports, ctx.output_path("init_signal.png"))
     data = ctx.output_path("init_signal.json")
     data.write_text(json.dumps([{**r.to_dict(), "recommended": recommended} for r in reports], indent=1, default=str))
@@ -358,7 +359,6 @@ def check_init(ctx: CheckContext) -> CheckResult:
             "first call) or the in-place change of the weights from the forward, then compare schemes"]
         summary = f"the model's first forward changed {len(overwritten)} parameter(s); " + summary
         numbers["init_overwritten"] = [c.as_dict() for c in overwritten]
-        recommended = None  # (no scheme: the forward draws again)
     if loss_fails:
         summary += (f"; and so {loss_line.split(' (the model')[0]}" if exploding is not None
                     else f"; but {loss_line.split(' (the model')[0]}: the output starts confidently wrong")

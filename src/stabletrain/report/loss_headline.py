@@ -42,7 +42,7 @@ def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
         text = f"Train loss {fmt_num(f['loss_start'])} → {fmt_num(f['loss_end'])}"
         if len(rows) == 1:  # one interval: no "X → X"
             text = f"Train loss {fmt_num(f['loss_start'])} (one interval)" + (
-                f" ({_why(rows[0], spikes, 'only')})" if start else "")
+                f" ({_why(rows[0], early, 'only', set(early) - set(spikes))})" if start else "")
         elif start is None and end is None:
             text += " (first → last interval)"
         else:
