@@ -415,11 +415,21 @@ def test_a_spike_remedy_with_no_spike_capture_allowed_is_refused_too():
     load_config(None, ["guard.on_nonfinite=remedy", "capture.max_spikes=0"])  # a NaN's capture is not a spike's
 
 
+def test_a_key_of_literal_values_lists_them_once():
+    """A trial: 'expected true or false or one of auto' for capture.memory_snapshot=sometimes."""
+    with pytest.raises(ConfigError, match=r"^config key 'capture.memory_snapshot': expected true, false or auto, got "
+                                          r"'sometimes'$"):
+        load_config(None, ["capture.memory_snapshot=sometimes"])
+
+
 def test_inf_for_a_number_key_says_how_yaml_writes_infinity():
     with pytest.raises(ConfigError) as err:
         load_config(None, ["guard.spike_ratio=inf"])
     assert str(err.value) == ("config key 'guard.spike_ratio': expected a number, got 'inf' (YAML writes infinity .inf, "
                               "not-a-number .nan)")
+    for key, want in (("guard.spike_ratio", "a finite number > 1"), ("guard.spike_zscore", "a finite number > 0")):
+        with pytest.raises(ConfigError, match=rf"^config key '{key}': expected {want}, got inf$"):  # (a trial: .inf turned
+            load_config(None, [f"{key}=.inf"])  # the spike rule off without a word)
 
 
 def test_a_warmup_longer_than_the_run_is_said():

@@ -294,8 +294,9 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "ckpt.keep": (lambda v: v >= 1, "an integer >= 1"),
     "ckpt.max_failures": (lambda v: v >= 0, "an integer >= 0"),
     "guard.spike_window": (lambda v: v >= 4, "an integer >= 4"),
-    "guard.spike_ratio": (lambda v: v > 1, "a number > 1"),
-    "guard.spike_zscore": (lambda v: v > 0, "a number > 0"),
+    # (infinity turns the spike rule off unsaid: refused, as nan is)
+    "guard.spike_ratio": (lambda v: 1 < v < float("inf"), "a finite number > 1"),
+    "guard.spike_zscore": (lambda v: 0 < v < float("inf"), "a finite number > 0"),
     "guard.max_consecutive_skips": (lambda v: v >= 1, "an integer >= 1"),
     "guard.stall_steps": (lambda v: v >= 2, "an integer >= 2"),
     "guard.max_rollbacks": (lambda v: v >= 0, "an integer >= 0"),

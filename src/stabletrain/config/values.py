@@ -78,7 +78,7 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
         wants = [str(e).split(": expected ", 1)[1].rsplit(", got ", 1)[0] for e in errors]  # "one of auto", "true or false"
         # A string where null is allowed may be an attempt at writing null (none, None): say how YAML writes it.
         how = " (null is written null or ~)" if nullable and isinstance(value, str) else ""
-        raise ConfigError(f"config key '{key}': expected {' or '.join([*wants, 'null'] if nullable else wants)}, "
+        raise ConfigError(f"config key '{key}': expected {_alternatives([*wants, 'null'] if nullable else wants)}, "
                           f"got {brief(value)}{how}")
     if tp is bool:
         if isinstance(value, bool):
@@ -110,6 +110,18 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
         (item,) = typing.get_args(tp) or (Any,)
         return [v if item is Any else coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
     raise AssertionError(f"unsupported config type {tp!r} for {key}")
+
+
+def _alternatives(wants: list[str]) -> str:
+    """What a union key takes: its literal values in one list ("true, false or auto", not "true or false or one of
+    auto"), else its parts joined by "or" ("a number or null")."""
+    items: list[str] = []
+    for want in wants:
+        if want.startswith("one of ") or want in ("true or false", "null"):
+            items += want.removeprefix("one of ").replace(" or ", ", ").split(", ")
+        else:
+            return " or ".join(wants)
+    return ", ".join(items[:-1]) + " or " + items[-1] if len(items) > 1 else items[0]
 
 
 def type_hints(cls: type) -> dict[str, Any]:
