@@ -600,6 +600,32 @@ def test_after_skipped_steps_no_update_is_blamed_and_an_older_checkpoint_is_the_
     assert "the window is normal under the state of step 42" in d["summary"]
 
 
+def test_a_spike_remedys_fallback_rollback_skips_the_spikes_window_and_counts_against_max_rollbacks(tmp_path):
+    """A review: remedy.fallback=rollback went back to LAST_GOOD without skipping the spike's window (only
+    on_spike=rollback did) and without counting the rollback (guard.max_rollbacks never reached): a spike its data
+    diagnosis does not name samples for met the same window and RNG again, forever. Samples 153 and 157 spike at
+    step 20; no remedy may be applied (remedy.max_applied=0)."""
+    factory, kwargs, overrides, step = CASES["data"]
+
+    def run(name, *more):
+        trainer = Trainer(cfg("train.batch_size=8", "log.every=10", "data.shuffle=false", "guard.on_spike=remedy",
+                              "remedy.max_applied=0", "remedy.fallback=rollback", "ckpt.every=10", "log.tensorboard=false",
+                              *overrides, *more), task=factory(**kwargs), run_dir=tmp_path / name)
+        trainer.fit()
+        return trainer, _events(tmp_path / name)
+
+    trainer, events = run("once", "guard.max_rollbacks=1")
+    (rollback,) = [e for e in events if e["kind"] == "rollback"]
+    assert (rollback["from_step"], rollback["to_step"], rollback["skipped_windows"]) == (20, 10, [[0, 19]]), rollback
+    assert trainer.guard.num_rollbacks == 1 and trainer.step == 30  # counted; the run went on past the window
+    trainer, events = run("capped", "guard.max_rollbacks=0")
+    (fallback,) = [e for e in events if e["kind"] == "remedy"]
+    assert fallback["fallback"] == "rollback (a stop: 0 rollbacks already, guard.max_rollbacks)", fallback
+    assert not [e for e in events if e["kind"] == "rollback"] and trainer.step == 20, trainer.step
+    assert trainer.stop_reason.endswith("remedy.fallback=rollback, after 0 rollbacks (guard.max_rollbacks)"), \
+        trainer.stop_reason
+
+
 def test_an_uncaptured_spike_under_on_spike_remedy_says_its_step_and_why(tmp_path, capsys):
     """capture.max_spikes spent: the remedy event names the spike's step and that reason (not 'step None', not
     capture.incidents=false), and the console says it too."""

@@ -368,7 +368,8 @@ class CheckpointKeeper:
         when there is no checkpoint to go back to.
         """
         state = self.state
-        spikes = decision.spike_steps if state.cfg.guard.on_spike == "rollback" else []
+        # (a spike's remedy that fell back on a rollback too: its window again would spike again, the same RNG and data)
+        spikes = decision.spike_steps if state.cfg.guard.on_spike in ("rollback", "remedy") else []
         bad_steps, reason = sorted(set(decision.bad_steps) | set(spikes)), decision.reason
         windows = {state.positions[s] for s in bad_steps if s in state.positions}
         loaded = self.load_last_good()

@@ -169,6 +169,13 @@ class RemedyApplier:
             fallback = cfg.fallback
             decision.action = "stop" if fallback == "skip" and params_bad else "continue" if fallback == "skip" else fallback
             decision.reason += f"; no remedy applied: {why}; remedy.fallback={fallback}"
+            guard = state.guard  # a fallback rollback counts as the guard's own: guard.max_rollbacks caps both
+            if decision.action == "rollback" and guard.num_rollbacks >= guard.cfg.max_rollbacks:
+                decision.action = "stop"
+                decision.reason += f", after {guard.num_rollbacks} rollbacks (guard.max_rollbacks)"
+                fallback += f" (a stop: {guard.num_rollbacks} rollbacks already, guard.max_rollbacks)"
+            elif decision.action == "rollback":
+                guard.num_rollbacks += 1
             at = found.get("step", decision.first_incident if decision.first_incident is not None else
                            next(iter(decision.spike_steps), state.step))
             line = f"no remedy applied for the incident at step {at}: {why}; falling back to remedy.fallback={fallback}"
