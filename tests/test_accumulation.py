@@ -218,3 +218,24 @@ def test_a_carrier_parameter_takes_the_windows_numbers_as_its_gradient_and_leave
     assert carrier.param.grad is None and carrier.received is None
     with pytest.raises(RuntimeError, match="carries only windows of raw sums"):
         carrier.carry(numbers, count, loss_sum)
+
+
+def test_a_window_whose_first_micro_batch_counts_no_items_gives_the_rest_of_the_windows_mean():
+    """A review: under a GradScaler (no raw sums) a first micro-batch whose every token was masked out (count 0)
+    backpropagated 0/0: NaN gradients, which the step then read as an fp16 overflow and skipped, no incident."""
+    torch.manual_seed(0)
+    task = regression_task()
+    x, y = _collate(task, list(range(8)))
+
+    def masked(keep):
+        out = (task.model(x) - y).pow(2).sum(-1)
+        return (out * keep).sum(), keep.sum()  # (a mask multiplied in, as padding is: its gradient is 1/count x 0)
+
+    g_big = _big(task, list(range(8)))
+    task.model.zero_grad(set_to_none=True)
+    window = AccumulationWindow(list(task.model.parameters()))  # (sums=False: the GradScaler's path)
+    for i, keep in enumerate((torch.zeros(8, dtype=torch.bool), torch.ones(8, dtype=torch.bool))):
+        window.normalize(*masked(keep), last=i == 1).backward()
+    g_acc = _grads(task.model)
+    assert torch.isfinite(g_acc).all() and torch.allclose(g_acc, g_big, rtol=0, atol=RTOL * g_big.abs().max())
+    assert torch.allclose(window.mean_loss, (task.model(x) - y).pow(2).sum(-1).mean(), rtol=1e-6)

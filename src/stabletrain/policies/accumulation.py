@@ -192,7 +192,9 @@ class AccumulationWindow:
         else:
             self.loss_sum = self.loss_sum + loss_sum.detach()
             self.count = self.count + count
-        denominator = self.count
+        # No items so far (a first micro-batch masked out): its zeros backpropagated by 1, not by 0/0 (NaN gradients)
+        denominator = (torch.where(self.count > 0, self.count, torch.ones_like(self.count)) if isinstance(self.count, Tensor)
+                       else max(self.count, 1))
         world = self._world_size
         carried = carrier is not None and carrier.travels and world > 1
         if self.sums and (carried or world == 1):  # the raw sum: no rescale, the all-reduce takes buckets as they are
@@ -206,9 +208,7 @@ class AccumulationWindow:
             self.num_micro_batches += 1
             return loss_sum
         if carried:
-            # By this rank's own count; one with no items so far backpropagates its zeros by 1, not 0/0.
-            denominator = torch.where(self.count > 0, self.count, torch.ones_like(self.count))
-            if last:
+            if last:  # (by this rank's own count)
                 loss_sum = carrier.carry(self._numbers(inputs_ok), denominator, loss_sum)  # the hook: with bucket 0
                 self._carrier, self._carried_inputs = carrier, inputs_ok is not None
         elif last and world > 1:
