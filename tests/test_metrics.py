@@ -180,3 +180,26 @@ def test_an_interval_whose_measured_step_was_skipped_records_no_update_not_a_zer
         assert rows[step]["top_update_layers"] == [], rows[step]["top_update_layers"]
     for step in (4, 8):
         assert rows[step]["update_norm"] > 0 and rows[step]["top_update_layers"][0]["ratio"] > 0
+
+
+def test_the_first_intervals_throughput_counts_from_its_first_step_not_from_the_set_up(tmp_path):
+    """A review: the first interval's clock started before on_fit_start, the step-0 init signal and the step-0
+    checkpoint: its step_time_s and tokens_per_s held the run's set-up. A callback's on_fit_start takes 0.5 s here; the
+    interval's 4 steps of a tiny model take milliseconds (a margin of 30x either way)."""
+    import json
+    import time
+
+    from helpers import cfg, regression_task
+
+    from stabletrain import Trainer
+    from stabletrain.callbacks import Callback
+
+    class SlowStart(Callback):
+        def on_fit_start(self, state):
+            time.sleep(0.5)
+
+    run_dir = tmp_path / "run"
+    Trainer(cfg("train.batch_size=8", "train.max_steps=8", "log.every=4"), task=regression_task(), run_dir=run_dir,
+            callbacks=[SlowStart()]).fit()
+    first, second = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    assert first["step_time_s"] < 0.5 / 4 / 30 and second["step_time_s"] < 0.5 / 4 / 30, (first, second)

@@ -163,7 +163,6 @@ class Trainer:
     def _fit(self) -> dict[str, Any]:
         cfg, state, fire = self.cfg, self.state, self.callbacks.fire
         self._record = state.begin_fit()  # {}: the last metrics record (a Trainer fits once)
-        self.boundary.restart()
         self.signals.install()
         try:
             self._where = "the step-0 checkpoint"
@@ -175,6 +174,7 @@ class Trainer:
                 fire("on_resume", state, {"step": state.step, "path": str(self.keeper.resumed_from)})
             if self.keeper.needs_first():
                 self._checkpoint(healthy=True)
+            self.boundary.restart()  # the first interval's throughput counts from its first step, not from the set-up's
             while state.step < cfg.train.max_steps:
                 self._where = "a training step (window or gradient all-reduce)"  # (the window's read is the step's)
                 window = self.stream.next_window()
