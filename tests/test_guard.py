@@ -684,3 +684,41 @@ def test_a_grad_scaler_calibrating_down_through_1_is_no_stall():
             for i, s in enumerate(calibrating)]
     d = Guard(GuardConfig(on_stall="stop"), torch.device("cpu")).decide(rows)
     assert d.action == "continue" and d.stall is None, (d.action, d.reason)
+
+
+def test_check_inputs_reads_a_mapping_batch_and_keeps_a_flag_across_micro_batches(tmp_path):
+    """A review: inputs_finite walked real dicts only (a UserDict batch, as a Hugging Face BatchEncoding, passed unseen;
+    move_to left its tensors where they were), and a later micro-batch with no float tensor overwrote an earlier one's
+    flag with None: an inf in micro-batch 1 of a window went unflagged."""
+    from collections import UserDict
+
+    from torch import nn
+    from torch.utils.data import Dataset
+
+    from stabletrain import Task
+    from stabletrain.data import move_to
+    from stabletrain.policies.guard import inputs_finite
+
+    class Encoding(UserDict):
+        pass
+
+    batch = Encoding(x=torch.tensor([1.0, float("inf")]), ids=torch.tensor([1, 2]))
+    assert not bool(inputs_finite(batch)) and bool(inputs_finite(Encoding(x=torch.ones(2))))
+    moved = move_to(batch, torch.device("meta"))
+    assert type(moved) is Encoding and moved["x"].is_meta and moved["ids"].is_meta
+
+    class Mixed(Dataset):  # items 0-3 float (item 1's unused feature inf), 4-7 integers only
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            x = torch.tensor([float(i), float("inf") if i == 1 else 0.0])
+            return (x, torch.tensor([float(i)])) if i < 4 else (x[:1].long().repeat(2), torch.tensor([i]))
+
+    torch.manual_seed(0)
+    lin = nn.Linear(1, 1)
+    task = Task(model=lin, train_data=Mixed(), name="mixed",  # (a (sum, count) pair: the window takes the flag at its end)
+                loss=lambda m, b: ((m(b[0][:, :1].float()) - b[1].float()).pow(2).sum(), len(b[1])))
+    Trainer(cfg("train.batch_size=4", "accum.steps=2", "train.max_steps=2", "log.every=2", "guard.check_inputs=true",
+                "data.shuffle=false", "capture.diagnose=false"), task=task, run_dir=tmp_path / "run").fit()
+    assert [e["step"] for e in _events(tmp_path / "run") if e["kind"] == "skip"] == [1, 2]  # the window of items 0-7

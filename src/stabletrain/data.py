@@ -29,7 +29,7 @@ read past); they need no mapping under another layout.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +61,11 @@ def move_to(batch: Any, device: torch.device) -> Any:
         return {k: move_to(v, device) for k, v in batch.items()}
     if t in _SCALARS:
         return batch
+    if isinstance(batch, Mapping) and not isinstance(batch, dict):  # (a UserDict: a Hugging Face BatchEncoding, a pytree leaf)
+        try:
+            return t({k: move_to(v, device) for k, v in batch.items()})
+        except TypeError:
+            pass
     return tree_map(lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x, batch)
 
 

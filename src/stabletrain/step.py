@@ -129,7 +129,7 @@ class TrainStep:
             batch = move_to(batch, self.device)
             if self.check_inputs:
                 flag = inputs_finite(batch)
-                inputs_ok = flag if inputs_ok is None or flag is None else inputs_ok & flag
+                inputs_ok = inputs_ok if flag is None else flag if inputs_ok is None else inputs_ok & flag
             with self._sync_context(last), self.precision.autocast():
                 out = loss_fn(model, batch)
                 # A mean that does not require grad takes the long way: as_sum_count says what is wrong with it.

@@ -41,7 +41,7 @@ import bisect
 import contextlib
 import math
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,7 +74,7 @@ def inputs_finite(batch: Any) -> Tensor | None:
         if isinstance(x, Tensor):
             if x.is_floating_point():
                 flags.append(torch.isfinite(x).all())
-        elif isinstance(x, dict):
+        elif isinstance(x, Mapping):  # (a UserDict too: a Hugging Face BatchEncoding)
             for v in x.values():
                 visit(v)
         elif isinstance(x, (list, tuple)):
