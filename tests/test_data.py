@@ -1,5 +1,6 @@
 """The data path: seeded epoch orders, rank shards that tile the global batch, windows within an epoch."""
 
+import pytest
 import torch
 from torch.utils.data import TensorDataset
 
@@ -153,3 +154,14 @@ def test_dropped_samples_under_ddp_keep_every_rank_in_step_and_count_the_global_
     assert first[0].indices == order.shares(0, 0)[0:1] + order.shares(0, 1)[0:1]  # rank 0 keeps its own
     assert first[1].indices[0] == [i for i in order.shares(0, 0)[1] if i not in two_of_rank_1]
     assert [w.start for w in second] == [4, 4] and [w.global_num_samples for w in second] == [16, 16]  # 2-3 read past
+
+
+def test_a_stream_with_every_sample_dropped_says_so_instead_of_reading_past_windows_forever():
+    """A review: next_window read past empty windows and rolled over epochs without end when drop held every sample."""
+    data = TensorDataset(torch.arange(12.0))
+    stream = WindowStream(data, EpochOrder(12, batch_size=4, seed=0), accum_steps=1)
+    stream.drop = set(range(11))  # one sample left: its window, epoch after epoch
+    assert [stream.next_window().indices for _ in range(2)] == [[[11]], [[11]]]
+    stream.drop = set(range(12))
+    with pytest.raises(ValueError, match=r"^data: every sample this process trains on is dropped \(12 samples, by "):
+        stream.next_window()

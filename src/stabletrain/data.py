@@ -190,8 +190,10 @@ class WindowStream:
     def next_window(self) -> Window:
         """Return the next window, moving to the next epoch when this one is used up.
 
-        Windows listed in :attr:`skip` are read past (a rollback's offending data is not seen again).
+        Windows listed in :attr:`skip` are read past (a rollback's offending data is not seen again). A whole epoch
+        read past with no sample left (every sample in :attr:`drop`): ValueError, not a loop without end.
         """
+        passed = 0
         while True:
             if self._iter is None:
                 self._open()
@@ -213,6 +215,10 @@ class WindowStream:
                 window = self._without_dropped(window)
             if window.indices:
                 return window
+            passed += 1
+            if self.drop and passed > len(self._batches) + 1:
+                raise ValueError(f"data: every sample this process trains on is dropped ({len(self.drop)} samples, by "
+                                 "skip-samples remedies or the data diagnoses of rollbacks): nothing left to train on")
 
     def _without_dropped(self, window: Window) -> Window:
         """``window`` without the samples in :attr:`drop` (their micro-batches re-collated; empty ones left out).
