@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from helpers import cfg
+from helpers import cfg, regression_task
 from test_resume import _env, _kill_at
 
 from stabletrain import Trainer
@@ -347,3 +347,24 @@ def test_a_parameter_an_update_moved_out_of_logs_domain_is_named_and_a_rollback_
     (remedy,) = [e for e in events if e["kind"] == "remedy"]
     assert remedy["name"] == "rollback-lr-x0.1" and remedy["reason"].startswith("applied rollback-lr-x0.1"), remedy
     assert trainer.step == 10 and float(trainer.module.s) > 0  # trained on from step 0 at a tenth of the LR
+
+
+def test_a_rollback_remedy_keeps_what_the_run_decided_never_to_train_on_again(tmp_path):
+    """A review: a rollback-lr remedy loaded an older checkpoint's data stream whole: the windows an earlier rollback
+    skipped and the samples a data diagnosis or a skip-samples remedy dropped after that checkpoint came back."""
+    from stabletrain.callbacks import Callback
+    from stabletrain.diagnostics.cures import RollbackLR
+
+    seen = {}
+
+    class AtStep10(Callback):  # decided after step 5's checkpoint, then a rollback remedy to it
+        def on_log(self, state, record, rows):
+            if state.step == 10 and not seen:
+                trainer.stream.skip, trainer.stream.drop = {(0, 7)}, {3, 11}
+                trainer.remedies.apply(RollbackLR(0.5, step=5), "incidents/step_000010", {"verdict": "cures"}, {"step": 10})
+                seen.update(step=state.step, skip=set(trainer.stream.skip), drop=set(trainer.stream.drop))
+
+    trainer = Trainer(cfg("train.batch_size=8", "train.max_steps=12", "log.every=5", "ckpt.every=5",
+                          "log.tensorboard=false"), task=regression_task(), run_dir=tmp_path / "run", callbacks=[AtStep10()])
+    trainer.fit()
+    assert seen["step"] == 5 and (0, 7) in seen["skip"] and {3, 11} <= seen["drop"], seen

@@ -298,8 +298,12 @@ class RemedyApplier:
                 raise ValueError(f"remedy {remedy.name}: it rolls back to the checkpoint of step {remedy.rollback_step}, "
                                  f"which is gone ({target} does not exist: pruned by ckpt.keep={state.cfg.ckpt.keep}?)")
             loaded = state.ckpt.load(target)
+            # What the run decided never to train on again (rollbacks' windows and named samples, later remedies' samples)
+            # stays decided: the older checkpoint's stream holds none of it (a review: they were trained on again).
+            skip, drop = set(state.stream.skip), set(state.stream.drop)
             with self.state.guard.counters_kept():
                 self.state.load_state_dict(loaded.state)  # also puts back the remedies that checkpoint had
+            state.stream.skip, state.stream.drop = state.stream.skip | skip, state.stream.drop | drop
             state.ckpt.discard_after(remedy.rollback_step)  # the checkpoints of the bad trajectory
             if state.run is not None:  # its metrics lines: to metrics.superseded.jsonl, as a rollback's
                 state.run.drop_metrics_after(state.step, by="remedy")
