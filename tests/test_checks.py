@@ -477,6 +477,7 @@ def test_a_bn_resnets_backward_growth_is_the_architectures_not_a_failed_init(tmp
     assert init.passed and init.warning and init.summary.startswith("no init's fault: backward explodes at #3 'blocks.0.c1'")
     assert "whatever the init: the architecture's, not the init's" in init.numbers["architecture"]
     assert not any(d.startswith("recommended init:") for d in init.details) and "zero_init_residual=True" in init.details[-2]
+    assert init.numbers["recommended"] is None  # (a trial: an LSTM's numbers said recommended=auto beside it)
     fixed = CheckContext(cfg("train.batch_size=16"), task_factory=lambda: bn_resnet_task(zero_init_residual=True),
                          options={"out_dir": str(tmp_path)})
     [init] = run_checks(fixed, ["init"])

@@ -331,8 +331,9 @@ def test_compare_never_recommends_a_scheme_that_failed(tmp_path):
     options = {"compare": ["kaiming", "xavier"], "out_dir": str(tmp_path)}
     [result] = run_checks(CheckContext(cfg, task_factory=make_task, options=options), ["init"])
     assert (result.numbers["init_('kaiming').flagged"] > 0, result.numbers["init_('xavier').flagged"] > 0) == (True, True)
-    assert result.numbers["recommended"] == "kaiming"  # what the activations call for ...
-    assert not any("recommended init" in d for d in result.details)  # ... but it failed: not recommended
+    assert result.numbers["recommended"] is None  # kaiming, what the activations call for, failed: not recommended
+    assert not any("recommended init" in d for d in result.details)  # (a trial: the numbers said kaiming beside it)
+    assert {r["recommended"] for r in json.loads((tmp_path / "init_signal.json").read_text())} == {None}
     assert result.details[-1] == ("no init scheme compared passes (init_(model, 'kaiming'), init_(model, 'xavier') fail "
                                   "too): none is recommended; look at the first flagged layer above, the init alone "
                                   "does not fix it")

@@ -86,8 +86,8 @@ def _compare_advice(built: SignalReport, by_scheme: dict[str, SignalReport]) -> 
     """Return (the scheme a comparison recommends, its advice line): never a scheme that failed this same test.
 
     The scheme is the one for the activations seen (``built.recommended``) when it passes here, else the first
-    compared scheme that passes; when none is to be switched to (the model passes as built, or no compared scheme
-    passes) it stays ``built.recommended`` and the line says whether that one failed here.
+    compared scheme that passes; None where no compared scheme passes (a trial: the numbers said kaiming beside 'fails
+    here too'), and, for a model that passes as built, ``built.recommended`` unless it failed here.
     """
     seen = ", ".join(f"{n} x{c}" for n, c in built.activations.items()) or "no activation module or function"
     passing = [s for s, r in by_scheme.items() if r.passed]
@@ -95,8 +95,8 @@ def _compare_advice(built: SignalReport, by_scheme: dict[str, SignalReport]) -> 
     suggested = built.recommended
     failed_note = f"; init_(model, {suggested!r}), the scheme for these activations, fails here too" \
         if suggested in failing else ""
-    if built.passed:
-        return suggested, f"init holds as built: keep it (saw {seen}){failed_note}"
+    if built.passed:  # (the scheme for these activations is named only where it did not fail here)
+        return None if failed_note else suggested, f"init holds as built: keep it (saw {seen}){failed_note}"
     if suggested in passing:
         return suggested, f"recommended init: init_(model, {suggested!r}) (it passes here; saw {seen})"
     if passing:
@@ -105,7 +105,7 @@ def _compare_advice(built: SignalReport, by_scheme: dict[str, SignalReport]) -> 
     untried = "" if suggested in by_scheme else f"; init_(model, {suggested!r}) was not compared (--compare {suggested})"
     if not built.activations and "kaiming" not in by_scheme:  # kaiming assumes ReLU where none is seen
         untried += "; init_(model, 'kaiming') (ReLU assumed) was not compared (--compare kaiming)"
-    return suggested, (f"no init scheme compared passes ({', '.join(f'init_(model, {s!r})' for s in failing)} fail "
+    return None, (f"no init scheme compared passes ({', '.join(f'init_(model, {s!r})' for s in failing)} fail "
                        f"too): none is recommended; look at the first flagged layer above, the init alone does not fix "
                        f"it{untried}")
 
@@ -313,7 +313,8 @@ def check_init(ctx: CheckContext) -> CheckResult:
                                                         input_std, items)
     # With a comparison, the scheme it recommends (one that passed here) is what the JSON, numbers and text all name.
     recommended, advice = _compare_advice(built, by_scheme) if schemes else (built.recommended, "")
-    recommended = None if overwritten else recommended  # (no scheme: the forward draws again; the JSON says it too)
+    # No scheme where the forward draws again, or where the flag is the architecture's (the JSON says it too)
+    recommended = None if overwritten or architecture is not None else recommended
     plot = plot_signal(reports, ctx.output_path("init_signal.png"))
     data = ctx.output_path("init_signal.json")
     data.write_text(json.dumps([{**r.to_dict(), "recommended": recommended} for r in reports], indent=1, default=str))
