@@ -413,7 +413,7 @@ def test_init_check_blames_a_huge_first_loss_on_the_exploding_forward_not_the_ou
 
 
 def test_uninformed_loss_says_nothing_of_a_model_whose_output_is_not_one_tensor_and_puts_back_batchnorm_stats():
-    from stabletrain.checks.init import uninformed_loss
+    from stabletrain.diagnostics.loss_at_init import uninformed_loss
 
     class Pair(nn.Module):
         def __init__(self):
@@ -425,7 +425,7 @@ def test_uninformed_loss_says_nothing_of_a_model_whose_output_is_not_one_tensor_
 
     x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
     assert uninformed_loss(Pair(), (x, y), lambda m, b: F.cross_entropy(m(b[0])[0], b[1])) is None
-    from stabletrain.checks.init import _loss_at_init
+    from stabletrain.diagnostics.loss_at_init import loss_at_init as _loss_at_init
     assert _loss_at_init(1.0, None)[1].startswith("the loss at init is not verified: the loss does not call the model once")
     for first in (float("inf"), float("nan")):  # a non-finite first loss fails, never "ok"
         _, line, fails = _loss_at_init(first, (math.log(10), 1.0, 10))

@@ -20,14 +20,10 @@ around (the middle of a plain chain) is judged as built, and said so.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import math
-from collections.abc import Sequence
-from typing import Any
 
-import torch
 from torch import nn
 
 from ..data import fixed_batch
@@ -41,24 +37,17 @@ from ..diagnostics.initialization import (
     zero_init_layers,
     zero_layers_small,
 )
+from ..diagnostics.loss_at_init import flagged_at, judge_loss_at_init, uninformed_loss
 from ..diagnostics.signal_display import format_comparison, format_report, plot_signal
 from ..diagnostics.signal_propagation import EXPLODING, SignalReport, signal_report
-from ..numerics import buffers_kept
-from ..policies.accumulation import as_sum_count
 from ..policies.optim import optimizer_factory
-from ..records.batches import batch_size
 from ..seeding import seed_everything
 from ..tasks.init_schemes import SCHEMES, init_
 from . import CheckContext, CheckResult, register
 
-__all__ = ["check_init", "compare_schemes", "uninformed_loss", "uniform_classes", "LOSS_AT_INIT_LIMIT"]
+__all__ = ["check_init", "compare_schemes"]
 
 AS_BUILT = "as built"
-#: A classifier's first loss this many times a uniform guess's (its logits set to 0: ln C) fails the check: the output
-#: starts confidently wrong (Karpathy's "verify the loss at init"). Healthy heads start within ~1.1x (the mlp 1.02x,
-#: the gpt 0.99x; init_(model, 'kaiming') on a ReLU MLP of ten classes 1.6x, its head at gain 1); a head tied to an
-#: embedding of std 1 reaches 2.2x (tanh features) to 16x.
-LOSS_AT_INIT_LIMIT = 2.0
 
 
 def compare_schemes(option: object) -> list[str]:
@@ -71,15 +60,6 @@ def compare_schemes(option: object) -> list[str]:
     if bad:
         raise ValueError(f"--compare: unknown init scheme {bad[0]!r} in {option!r}; known: {', '.join(SCHEMES)}")
     return names
-
-
-def _where(report: SignalReport, direction: str) -> str:
-    first = report.first_forward if direction == "forward" else report.first_backward
-    if first is None:
-        return "ok"
-    ratio = first.forward_ratio if direction == "forward" else first.backward_ratio
-    verdict = first.forward if direction == "forward" else first.backward
-    return f"{verdict} at #{first.index} {first.name} ({'-' if ratio is None else f'{ratio:.3g}x'})"
 
 
 def _compare_advice(built: SignalReport, by_scheme: dict[str, SignalReport]) -> tuple[str, str]:
@@ -108,100 +88,6 @@ def _compare_advice(built: SignalReport, by_scheme: dict[str, SignalReport]) -> 
     return None, (f"no init scheme compared passes ({', '.join(f'init_(model, {s!r})' for s in failing)} fail "
                        f"too): none is recommended; look at the first flagged layer above, the init alone does not fix "
                        f"it{untried}")
-
-
-def uninformed_loss(model: nn.Module, batch: Any, loss: Any, autocast: Any = None) -> tuple[float, float, int] | None:
-    """(the loss with the model's output set to 0, the output's std as built, its last dim), or None where the loss does
-    not call the model once for one floating-point tensor (an HF ``ModelOutput``, a tuple; a loss that calls submodules),
-    or the probe's forward fails (a probe, not the check: the check's own forward says what fails).
-
-    A zero output is the uninformed guess: a uniform distribution for a classifier's logits (the loss is ln C), 0 for a
-    regression. One forward without grad (under ``autocast``, a context manager: the run's precision); the model's
-    buffers (BatchNorm's running statistics) are put back.
-    """
-    seen: list[tuple[float, int] | None] = []
-
-    def zero(module: nn.Module, args: Any, out: Any) -> Any:
-        if isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel() > 1:
-            seen.append((float(out.detach().float().std()), out.shape[-1] if out.dim() else 1))
-            return torch.zeros_like(out)
-        seen.append(None)
-        return None
-
-    handle = model.register_forward_hook(zero)
-    try:
-        with torch.no_grad(), buffers_kept(model), autocast if autocast is not None else contextlib.nullcontext():
-            total, count = as_sum_count(loss(model, batch), 1)
-            value = float(total / count)
-    except Exception:  # noqa: BLE001  (the probe is an aside: no bar rather than a check that crashed)
-        return None
-    finally:
-        handle.remove()
-    if len(seen) != 1 or seen[0] is None or not math.isfinite(value):
-        return None
-    return value, *seen[0]
-
-
-def uniform_classes(zero: float, classes: int) -> int | None:
-    """C where an uninformed output's loss ``zero`` (:func:`uninformed_loss`, its output's last dim ``classes``) is a
-    uniform guess's over C classes, ln C (or ln 2: a binary or multi-label one on logits); else None (a regression)."""
-    return next((c for c in (classes, 2) if c > 1 and math.isclose(zero, math.log(c), rel_tol=1e-3)), None)
-
-
-def _summed(zero: float, classes: int, items: Sequence[int]) -> tuple[int, int] | None:
-    """(n, C) where an uninformed output's loss ``zero`` is n x ln C for n one of ``items`` (the batch's samples, its
-    targets' elements): a cross-entropy summed over them, not averaged (a regression's loss is no such exact multiple)."""
-    for c in (classes, 2):
-        for n in items:
-            if c > 1 and n > 1 and math.isclose(zero, n * math.log(c), rel_tol=1e-4):
-                return n, c
-    return None
-
-
-#: A model input whose std at step 0 is beyond this factor of 1 (either way) brings a scale no layer's init corrects.
-INPUT_SCALE = 100.0
-
-
-def _loss_at_init(first: float, probe: tuple[float, float, int] | None, exploding: str | None = None,
-                  input_std: float | None = None, items: Sequence[int] = ()) -> tuple[dict[str, float], str | None, bool]:
-    """(the numbers, the line, whether it fails) of the first loss against an uninformed output's (no probe: why not).
-    ``exploding``: where the forward explodes before the output (the output's scale is then its input's, not its own);
-    ``input_std``: the first layer's input's std (beyond :data:`INPUT_SCALE` of 1: the data's scale is the fix);
-    ``items``: the counts a loss summed instead of averaged would be ln C times (:func:`_summed`).
-
-    Judged only where the uninformed loss is a uniform guess's, ln C over the output's last dim of C classes (a
-    cross-entropy on logits) or ln 2 (a binary or multi-label one on logits): a regression's scale is its targets'.
-    """
-    if probe is None:
-        return {}, ("the loss at init is not verified: the loss does not call the model once for one floating-point "
-                    "tensor (its output is a tuple or an HF ModelOutput, or the loss calls its submodules)"), False
-    zero, std, classes = probe
-    numbers = {"first_loss": first, "uninformed_loss": zero, "output_std": std}
-    uniform = uniform_classes(zero, classes)
-    ratio = f"{first / zero:.3g}x" if zero > 0 else "vs"
-    head = f"the first loss {first:.4g} is {ratio} an uninformed output's {zero:.4g} (the model's output set to 0"
-    if uniform is None and (summed := _summed(zero, classes, items)) is not None:
-        n, c = summed
-        return numbers, (f"{head}; not judged: {n} x ln {c}, a cross-entropy summed over {n} items instead of averaged; "
-                         "the check judges a mean)"), False
-    if uniform is None:
-        return numbers, f"{head}; not judged: not a uniform guess's ln C, the loss is not a cross-entropy on logits)", False
-    head += f": a uniform guess over {uniform} classes, ln {uniform})"
-    if not math.isfinite(first):
-        return numbers, f"{head}: the first loss is non-finite (a NaN/Inf in the forward or the loss at init)", True
-    if first < LOSS_AT_INIT_LIMIT * zero:
-        return numbers, f"{head}: ok, the output (std {std:.3g}) starts near an uninformed guess", False
-    if input_std is not None and math.isfinite(input_std) and not 1 / INPUT_SCALE <= input_std <= INPUT_SCALE:
-        return numbers, (f"{head}: the output starts confidently wrong, its std {std:.3g} at step 0, and the model's input "
-                         f"has std {input_std:.3g} (the first layer's): standardize the inputs (or scale them to std ~1) "
-                         "first; no layer's init corrects a scale the data brings"), True
-    if exploding is not None:  # (scaling the head down leaves the layers before it exploding)
-        return numbers, (f"{head}: the output starts confidently wrong, its std {std:.3g} at step 0, because the forward "
-                         f"explodes before it ({exploding}): fix the init of the layers before it (the verdicts above), not the "
-                         "output layer alone"), True
-    return numbers, (f"{head}: the output starts confidently wrong, its std {std:.3g} at step 0. Scale the output layer's "
-                     "init down (std ~0.02, or zero-init it); a head tied to an embedding of std 1 gives logits of std "
-                     "~sqrt(width): init the embedding at std ~0.02"), True
 
 
 def _names(zero: list[ZeroInitLayer], limit: int = 3) -> str:
@@ -244,8 +130,8 @@ def _zero_notes(zero: list[ZeroInitLayer], built: SignalReport) -> list[str]:
         lines.append(f"judged without them: measured with the zero weights at {ZERO_INIT_SCALE:g} x a fan-in init (about "
                      "their first update: the forward is as built and the gradient reaches the layers before them); "
                      "their own rows are neither judged nor any layer's reference (no ratio). As built (weight 0): "
-                     f"{len(built.flagged)} of {len(built.layers)} layers flagged: forward {_where(built, 'forward')}, "
-                     f"backward {_where(built, 'backward')}")
+                     f"{len(built.flagged)} of {len(built.layers)} layers flagged: forward {flagged_at(built, 'forward')}, "
+                     f"backward {flagged_at(built, 'backward')}")
     return lines
 
 
@@ -303,14 +189,9 @@ def check_init(ctx: CheckContext) -> CheckResult:
         # (not compared: measured now, on a copy re-initialized as the advice would have it)
         architecture = architectures(built, by_scheme.get(built.recommended) or reinitialized(built.recommended))
     first = built.first_forward
-    exploding = _where(built, "forward") if first is not None and first.forward == EXPLODING else None
-    head = built.layers[0] if built.layers else None  # (an embedding's input is token ids: no scale of the data's)
-    input_std = (head.in_std if head is not None and head.role != "embedding" and not head.is_norm and not head.call
-                 else None)  # (a norm first: the data's scale is normalized already)
-    targets = batch[-1] if isinstance(batch, (tuple, list)) and batch and isinstance(batch[-1], torch.Tensor) else None
-    items = sorted({batch_size(batch), *([targets.numel()] if targets is not None else [])})
-    loss_numbers, loss_line, loss_fails = _loss_at_init(reports[0].loss, uninformed_loss(base, batch, task.loss), exploding,
-                                                        input_std, items)
+    exploding = flagged_at(built, "forward") if first is not None and first.forward == EXPLODING else None
+    loss_numbers, loss_line, loss_fails = judge_loss_at_init(built, reports[0].loss, uninformed_loss(base, batch, task.loss),
+                                                             batch)
     # With a comparison, the scheme it recommends (one that passed here) is what the JSON, numbers and text all name.
     recommended, advice = _compare_advice(built, by_scheme) if schemes else (built.recommended, "")
     # No scheme where the forward draws again, or where the flag is the architecture's (the JSON says it too)
@@ -319,8 +200,8 @@ def check_init(ctx: CheckContext) -> CheckResult:
     data = ctx.output_path("init_signal.json")
     data.write_text(json.dumps([{**r.to_dict(), "recommended": recommended} for r in reports], indent=1, default=str))
 
-    numbers: dict[str, object] = {"layers": len(built.layers), "flagged": len(built.flagged),
-                                  "forward": _where(built, "forward"), "backward": _where(built, "backward"), **loss_numbers}
+    numbers: dict[str, object] = {"layers": len(built.layers), "flagged": len(built.flagged), **loss_numbers,
+                                  "forward": flagged_at(built, "forward"), "backward": flagged_at(built, "backward")}
     if zero:
         numbers["zero_init"] = [f"{z.name} ({z.role or 'nothing gets around it'})" for z in zero]
     excluded = _excluded(deliberate)

@@ -16,12 +16,12 @@ import math
 import torch
 
 from ..data import fixed_batch
+from ..diagnostics.loss_at_init import uniform_classes, uninformed_loss
 from ..numerics import unique_params
 from ..policies.precision import PrecisionPolicy
 from ..step import TrainStep
 from . import CheckContext, CheckResult, register
 from .amp import first_nonfinite_forward, overflow_inside
-from .init import uniform_classes, uninformed_loss
 
 #: The loss must fall below initial / FACTOR within STEPS steps on one fixed batch.
 FACTOR = 2.0
