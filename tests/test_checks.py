@@ -639,3 +639,33 @@ def test_an_overflow_inside_the_forward_that_the_loss_hides_fails_amp_and_overfi
     assert not overfit.passed and not any("look for a detached graph" in d for d in overfit.details), overfit.details
     assert any(d.startswith("under fp16 autocast a value inside the forward is not finite (in fp32 it is") for d in
                overfit.details), overfit.details
+
+
+def test_a_run_says_an_output_that_starts_confidently_wrong_and_gives_no_init_advice_for_a_forward_that_redraws(tmp_path,
+                                                                                                            capsys):
+    """A new user's trials: a run of a head tied to an embedding of std 1 printed nothing at step 0 and its report said
+    'the signal held through every layer' (check init fails its loss at init, 8x ln C); a run of a model whose first
+    forward re-draws its weights recommended init_(model, 'xavier'), which that forward wipes (check init: none)."""
+    from stabletrain import Trainer
+    from stabletrain.report import load_run
+    from stabletrain.report.health import health_summary
+
+    def run(name, task):
+        capsys.readouterr()
+        Trainer(cfg("train.max_steps=2", "log.every=2", "train.batch_size=16", "log.tensorboard=false"), task=task,
+                run_dir=tmp_path / name).fit()
+        said = [x for x in capsys.readouterr().out.splitlines() if x.startswith("stabletrain: init at step 0")]
+        return said, json.loads((tmp_path / name / "snapshot.json").read_text())["init_signal"]
+
+    said, signal = run("tied", _tied_task(1.0))
+    loss = signal["loss_at_init"]
+    assert signal["passed"] and loss["fails"] and loss["first_loss"] > 2 * loss["uninformed_loss"], signal
+    assert said == [f"stabletrain: init at step 0: {loss['line']}"] and "confidently wrong" in loss["line"], said
+    sentences = [t for _, t in health_summary(load_run(tmp_path / "tied")).sentences if t.startswith("At step 0")]
+    assert sentences == [f"At step 0 the signal held through every layer, but {loss['line']}."], sentences
+    said, signal = run("small", _tied_task(0.02))
+    assert not said and not signal["loss_at_init"]["fails"], (said, signal)
+    said, signal = run("redraw", _lazy_redraw_task())
+    assert signal["advice"].startswith("no init advice: the model's first forward re-draws 3 parameter(s) (body.0.weight"), \
+        signal["advice"]
+    assert not any("recommended init" in x for x in said) and signal["init_overwritten"], said

@@ -249,7 +249,8 @@ def test_auto_reports_a_users_task_too_unless_its_copy_would_crowd_the_memory(tm
     task.loss = lambda model, batch: calls.append(1) or loss(model, batch)
     Trainer(cfg("train.max_steps=1", "log.init_signal=auto"), task=task, run_dir=tmp_path / "auto").fit()
     assert json.loads((tmp_path / "auto" / "init_signal.json").read_text())["layers"]
-    assert len(calls) == 3  # the report's forward and its forward without dropout (on a copy of the model), the step's
+    # the report's forward, its forward without dropout and the loss at init's (on a copy of the model), the step's
+    assert len(calls) == 4
     size = sum(p.numel() * p.element_size() for p in task.model.parameters())
     assert init_signal.copy_fits(task.model, torch.device("cpu"), free=16 * size)  # 4 x its bytes in a quarter
     assert not init_signal.copy_fits(task.model, torch.device("cpu"), free=16 * size - 1)

@@ -186,11 +186,15 @@ def _init(run: RunData, h: Health) -> None:
     if not isinstance(line, dict) or "passed" not in line:
         return
     h.figures["init_signal_passed"] = bool(line["passed"])
-    if line["passed"]:
+    loss = line.get("loss_at_init") or {}
+    if line["passed"] and not loss.get("fails"):
         h.say("ok", "At step 0 the signal held through every layer, forward and backward.")
+    elif line["passed"]:  # (a trial: a tied head of std 1 read "held through every layer", its loss 8x ln C unsaid)
+        h.say("warn", f"At step 0 the signal held through every layer, but {loss['line']}.")
     else:
         found = "; ".join(part for part in line.get("summary", []) if not part.endswith(": ok"))
-        h.say("warn", f"At step 0 {found}; {line.get('advice', '')} (init_signal.json).")
+        h.say("warn", f"At step 0 {found}; {line.get('advice', '')} (init_signal.json)"
+              + (f"; and {loss['line']}." if loss.get("fails") else "."))
 
 
 def _went_back(events: list[Event], rollbacks: int = 1) -> str:

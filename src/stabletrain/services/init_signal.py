@@ -26,7 +26,8 @@ from torch import nn
 
 from .. import console
 from ..data import fixed_batch
-from ..diagnostics.initialization import architectures, excluding, zero_init_layers, zero_layers_small
+from ..diagnostics.initialization import InitFingerprint, architectures, excluding, zero_init_layers, zero_layers_small
+from ..diagnostics.loss_at_init import judge_loss_at_init, uninformed_loss
 from ..diagnostics.signal_propagation import NothingToMeasure, signal_report
 from ..errors import user_location
 from ..fileio import atomic_write
@@ -61,11 +62,16 @@ def first_batch_signal(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Modul
     with the recommended scheme, and a flag that stays is the architecture's (``architecture`` in both dicts:
     :func:`~stabletrain.diagnostics.initialization.architectures`), said by no console line.
     """
-    architecture = None
+    architecture, uninformed, overwritten = None, None, []
     try:
         # The module's own eager forward (no recompile); the RNG streams put back after it.
         with kept_rng(), context or contextlib.nullcontext(), eager_methods(model):
+            before = _fingerprint(model) if disposable else None
             report = signal_report(model, batch, loss_fn, label=label, make_optimizer=make_optimizer)
+            first_loss = report.loss
+            if disposable:  # (a copy: another forward, for the loss at init, is the copy's own; and what its forward drew)
+                overwritten = _overwritten(before, model)
+                uninformed = uninformed_loss(model, batch, loss_fn)
             zero = [z for z in zero_init_layers(model, report) if z.deliberate]
             if zero:  # a zero-initialized output layer or branch end is deliberate: judged without it, as check init does
                 probe = zero_layers_small(model, zero)
@@ -73,7 +79,7 @@ def first_batch_signal(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Modul
                 measured = signal_report(probe, batch, loss_fn, label=label,
                                          make_optimizer=rebind(probe) if rebind is not None else make_optimizer)
                 report = excluding(measured, zero, label=label, as_built=report)
-            elif disposable and not report.passed:  # (kept_rng: the re-init draws; a re-init that fails: no word)
+            elif disposable and not report.passed and not overwritten:  # (kept_rng: the re-init draws; one that fails: no word)
                 with contextlib.suppress(Exception):
                     init_(model, report.recommended, trace=lambda m: loss_fn(m, batch))
                     architecture = architectures(report, signal_report(model, batch, loss_fn, label=label,
@@ -97,9 +103,33 @@ def first_batch_signal(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Modul
                       stacklevel=3)
         return None
     full = report.to_dict()
-    extra = {"architecture": architecture} if architecture else {}
-    return {**full, **extra}, {"passed": full["passed"], "summary": full["summary"], "advice": report.advice(),
+    extra: dict[str, Any] = {"architecture": architecture} if architecture else {}
+    if uninformed is not None:  # (a model whose output is not one tensor: not probed, as check init says)
+        numbers, said, fails = judge_loss_at_init(report, first_loss, uninformed, batch)
+        extra["loss_at_init"] = {**numbers, "line": said, "fails": fails}
+    advice = report.advice()
+    if overwritten:  # no scheme survives a forward that draws again (check init recommends none either)
+        extra["init_overwritten"] = [c.name for c in overwritten]
+        advice = (f"no init advice: the model's first forward re-draws {len(overwritten)} parameter(s) "
+                  f"({', '.join(c.name for c in overwritten[:3])}{', ...' if len(overwritten) > 3 else ''}): no init "
+                  "applied before it survives")
+    return {**full, **extra}, {"passed": full["passed"], "summary": full["summary"], "advice": advice,
                                "flagged": [layer.name for layer in report.flagged], **extra}
+
+
+def _fingerprint(model: nn.Module) -> InitFingerprint | None:
+    try:
+        return InitFingerprint.take(model)
+    except (ValueError, RuntimeError):  # a lazy module's parameters have no values before its first forward
+        return None
+
+
+def _overwritten(before: InitFingerprint | None, model: nn.Module) -> list[Any]:
+    """The parameters the report's forward drew again (a lazy init on the first call); an embedding's max_norm, which
+    renormalizes rows in the forward by design, not counted."""
+    renormed = {f"{m}.weight".lstrip(".") for m, mod in model.named_modules()
+                if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and mod.max_norm is not None}
+    return [c for c in before.compare(model) if c.name not in renormed] if before is not None else []
 
 
 def _raised_in(err: BaseException, fn: Any) -> bool:
@@ -174,8 +204,8 @@ def run_init_signal(state: RunState) -> dict[str, Any] | None:
     on a copy of the model it holds whole; not under FSDP).
 
     ``auto`` (the default): for any task, built-in or the user's, when the copy fits (:func:`copy_fits`); ``true``:
-    whatever it takes. The task's loss runs once more at step 0, on the copy (a loss that counts its calls sees one
-    more; ``log.init_signal=false`` for it).
+    whatever it takes. The task's loss runs three more times at step 0, on the copy (the report's forward, one
+    without dropout, the loss at init's: a loss that counts its calls sees them; ``log.init_signal=false`` for it).
 
     On a copy of the model (its own Python state is not touched) and the task's first ``train.batch_size``
     training samples, with the run's own optimizer (at its peak LR) for the update ratios; a flagged init is one
@@ -205,4 +235,6 @@ def run_init_signal(state: RunState) -> dict[str, Any] | None:
     record_signal(state.run, full, line)
     if not line["passed"] and not line.get("architecture"):  # (no init fixes it: a BN ResNet's backward, no word)
         console.say(f"init at step 0: {'; '.join(line['summary'])}; {line['advice']} ({SIGNAL_FILE})")
+    if (line.get("loss_at_init") or {}).get("fails"):  # the output starts confidently wrong, as check init says
+        console.say(f"init at step 0: {line['loss_at_init']['line']}")
     return line
