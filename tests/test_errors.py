@@ -469,6 +469,9 @@ class _Stream(torch.utils.data.IterableDataset):
     ({"train_data": []}, "Task.train_data is empty"),
     ({"loss": None}, "Task.loss must be callable as loss(model, batch), got NoneType"),
     ({"model": "not a model"}, "Task.model is str, expected a torch.nn.Module"),
+    ({"count_unit": "tokenz"}, "Task.count_unit must be 'tokens' or 'samples', got 'tokenz'"),  # (a trial: 'items/s')
+    ({"name": 5}, "Task.name must be a string, got int 5"),
+    ({"collate": "default"}, "Task.collate must be callable or None, got str"),
 ])
 def test_a_task_object_given_to_the_trainer_is_held_to_the_contract_a_factorys_is(change, said):
     """Trainer(cfg, task=obj) checks what resolve_task checks (it skipped them: a raw TypeError from the loop)."""

@@ -241,4 +241,11 @@ def check_task(task: Task, what: str = "Trainer(task=...)") -> Task:
         raise TaskError(f"{what}: Task.train_data is empty")
     if not callable(task.loss):
         raise TaskError(f"{what}: Task.loss must be callable as loss(model, batch), got {type(task.loss).__name__}")
+    if task.count_unit not in ("tokens", "samples"):  # (a trial's "tokenz" read 'items/s' in the report, unsaid)
+        raise TaskError(f"{what}: Task.count_unit must be 'tokens' or 'samples', got {task.count_unit!r}")
+    if not isinstance(task.name, str):
+        raise TaskError(f"{what}: Task.name must be a string, got {type(task.name).__name__} {task.name!r}")
+    for key in ("collate", "optimizer"):
+        if getattr(task, key) is not None and not callable(getattr(task, key)):
+            raise TaskError(f"{what}: Task.{key} must be callable or None, got {type(getattr(task, key)).__name__}")
     return task
