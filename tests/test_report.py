@@ -1284,3 +1284,20 @@ def test_an_end_interval_with_a_skipped_nonfinite_step_and_a_spike_is_taken_with
                                           + "\n")
         h = health_summary(load_run(run))
         assert h.figures["loss_end"] == pytest.approx(5.0), finite  # (a review: -7.438 from num_nonfinite's count)
+
+
+def test_an_fp16_run_with_no_step_skipped_says_the_loss_scale_it_held(tmp_path):
+    """A new user's trial: an fp16 run's report named the loss scale only where steps were skipped ('No steps skipped.',
+    the scale in the plot alone); a bf16 or fp32 run has none to name."""
+    import torch
+    from helpers import cfg, regression_task
+
+    for precision in ("fp16", "fp32"):
+        run = tmp_path / precision
+        torch.manual_seed(1)  # (the model's init: at 0 a step's fp16 gradients overflow at the scale of 65,536)
+        Trainer(cfg(f"precision={precision}", "train.max_steps=6", "log.every=3", "log.tensorboard=false"),
+                task=regression_task(), run_dir=run).fit()
+        said = [t for _, t in health_summary(load_run(run)).sentences if t.startswith("No steps skipped")]
+        scale = [r["loss_scale"] for r in read_jsonl(run / "metrics.jsonl")[0]]
+        assert said == ([f"No steps skipped; the fp16 loss scale held at {scale[-1]:,.6g}."] if precision == "fp16"
+                        else ["No steps skipped."]), (said, scale)

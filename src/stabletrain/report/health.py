@@ -99,8 +99,9 @@ def health_summary(run: RunData) -> Health:
         h.say("warn", f"No steps skipped since {_went_back(undone)}; before it {plural(len(f['skip_steps_undone']), 'step')} "
                       f"{'was' if len(f['skip_steps_undone']) == 1 else 'were'} skipped{skip_places(undone)}, and that "
                       "stretch was trained again.")
-    else:
-        h.say("ok", "No steps skipped.")
+    else:  # (under fp16 the scale said too: a trial's report named it only where steps were skipped)
+        h.say("ok", "No steps skipped" + (scale_note(run.metrics, held=True) if run.snapshot.get("precision") == "fp16"
+                                          else "") + ".")
 
     nonfinite_events = run.counted_events("nonfinite")
     f["nonfinite_steps"] = _total(run, "num_nonfinite") if run.metrics else len({e.step for e in nonfinite_events})

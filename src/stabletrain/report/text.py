@@ -121,7 +121,7 @@ def skip_places(events: Iterable[Any]) -> str:
     return " " + "; ".join(parts) if parts else ""
 
 
-def scale_note(metrics: Iterable[dict[str, Any]], skips: Iterable[Any] = ()) -> str:
+def scale_note(metrics: Iterable[dict[str, Any]], skips: Iterable[Any] = (), held: bool = False) -> str:
     """ "; the fp16 loss scale went 32,768 -> 8 (lowest 8)": the GradScaler's scale over the records and the skip events
     (``skips``: each its step's; the records hold an interval's last, and a back-off within the first one said nothing),
     in step order, where it moved."""
@@ -130,8 +130,7 @@ def scale_note(metrics: Iterable[dict[str, Any]], skips: Iterable[Any] = ()) -> 
     kept = [(kind, float(s)) for _, kind, s in sorted(seen, key=lambda x: x[:2]) if isinstance(s, (int, float))
             and math.isfinite(s)]
     scales = [s for _, s in kept]
-    if len(set(scales)) <= 1:
-        return ""
+    if len(set(scales)) <= 1:  # (``held``: the value it held, said: an fp16 run with no step skipped)
+        return f"; the fp16 loss scale held at {scales[0]:,.6g}" if held and scales else ""
     first = " after its first back-off" if kept[0][0] == 0 else ""
     return f"; the fp16 loss scale went{first} {scales[0]:,.6g} -> {scales[-1]:,.6g} (lowest {min(scales):,.6g})"
-
