@@ -203,3 +203,11 @@ def test_the_first_intervals_throughput_counts_from_its_first_step_not_from_the_
             callbacks=[SlowStart()]).fit()
     first, second = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
     assert first["step_time_s"] < 0.5 / 4 / 30 and second["step_time_s"] < 0.5 / 4 / 30, (first, second)
+    # The goodput ledger books the set-up to start-up (the step-0 report after the clock's own on_fit_start: startup_s;
+    # it was the steps' time, then, the residual, 'evaluation')
+    ledger = [json.loads(x) for x in (run_dir / "goodput.jsonl").read_text().splitlines()]
+    one, two = [r for r in ledger if r["kind"] == "interval"]
+    assert one["startup_s"] > 0 and one["eval_s"] < 0.1 and "startup_s" not in two and two["eval_s"] < 0.1, ledger
+    from stabletrain.report.goodput import read_goodput
+
+    assert read_goodput(run_dir).seconds["startup"] >= 0.5

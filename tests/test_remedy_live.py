@@ -361,6 +361,7 @@ def test_a_rollback_remedy_keeps_what_the_run_decided_never_to_train_on_again(tm
         def on_log(self, state, record, rows):
             if state.step == 10 and not seen:
                 trainer.stream.skip, trainer.stream.drop = {(0, 7)}, {3, 11}
+                state.ckpt.wait()  # (step 5's save may still be in flight: a search waits for it as well)
                 trainer.remedies.apply(RollbackLR(0.5, step=5), "incidents/step_000010", {"verdict": "cures"}, {"step": 10})
                 seen.update(step=state.step, skip=set(trainer.stream.skip), drop=set(trainer.stream.drop))
 

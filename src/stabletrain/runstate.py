@@ -62,6 +62,7 @@ class RunState:
         positions: step -> (epoch, start) of its data window, for the current interval's steps.
         stop_reason: set when the run stops early (guard, signal).
         fitted: whether ``fit()`` began (a Trainer fits once: :meth:`begin_fit`).
+        steps_from: when the fit's first interval began (``time.time()``; None before).
     """
 
     cfg: Any
@@ -94,6 +95,7 @@ class RunState:
     positions: dict[int, tuple[int, int]] = field(default_factory=dict)
     stop_reason: str | None = None
     fitted: bool = False
+    steps_from: float | None = None  # time.time() the fit's first interval began (its set-up before: start-up)
 
     def __post_init__(self) -> None:
         if self.model is None:

@@ -9,13 +9,14 @@ launch      the fit starts: ``start`` (the launch's first process started, secon
             ``step`` (resumed from), ``run_id`` (torchrun's), ``world_size``
 interval    a log interval ended: ``t``, ``step``, ``steps`` in it, ``wall_s`` since the last line,
             ``eval_s`` (validation), ``checkpoint_s`` (the loop blocked by saves, or waiting for one), ``incident_s`` (capture
-            and diagnosis), ``skipped`` (steps whose update was skipped)
+            and diagnosis), ``skipped`` (steps whose update was skipped); the first, ``startup_s`` (the fit's set-up
+            before its first step: the step-0 signal report; a step-0 save's blocked time is its ``checkpoint_s``)
 rollback    the guard went back: ``from``, ``to``
 end         the fit ended (normally, by a stop or a crash): ``t``, ``step``, ``wall_s`` since the last
             line and the ``checkpoint_s``, ``incident_s`` in it (a process killed outright writes none)
 ==========  ==========================================================================================
 
-The interval's steps took ``wall_s - eval_s - checkpoint_s - incident_s``. A live remedy's search (and the
+The interval's steps took ``wall_s - eval_s - checkpoint_s - incident_s - startup_s``. A live remedy's search (and the
 rollback it makes) counts as the incident's; the host work of a boundary as steps. One line per interval,
 flushed, not fsynced (as metrics.jsonl).
 """
@@ -85,7 +86,8 @@ class GoodputClock(Callback):
             return
         self._file = JsonlWriter(self.path)
         self._t, self._step = time.time(), state.step
-        self._checkpoint_s = self._incident_s = 0.0
+        self._checkpoint_s = self._incident_s = self._setup_checkpoint_s = 0.0
+        self._first = True
         self._remedy_mark = float(getattr(state.remedies, "seconds", 0.0) or 0.0)
         start = self.launch.get("start")
         self._write("launch", start=start if start is not None else self._t, ready=self._t, step=state.step,
@@ -101,8 +103,13 @@ class GoodputClock(Callback):
         stepping = float(record.get("step_time_s") or 0.0) * steps
         self._incident_s += self._remedy_seconds(state)  # a live remedy's search, unless a rollback booked it already
         checkpoint, incident = self._within(wall)
-        self._write("interval", t=now, step=state.step, steps=steps, wall_s=wall, eval_s=max(0.0, wall - stepping - incident),
-                    checkpoint_s=checkpoint, incident_s=incident, skipped=int(record.get("num_skipped") or 0))
+        setup = 0.0  # the first interval's: from fit start to its first step (the step-0 report, a save's wait aside)
+        if self._first and state.steps_from is not None:
+            setup = min(max(0.0, state.steps_from - self._t - self._setup_checkpoint_s), max(0.0, wall - stepping - incident))
+        self._first = False
+        self._write("interval", t=now, step=state.step, steps=steps, wall_s=wall,
+                    eval_s=max(0.0, wall - stepping - incident - setup), checkpoint_s=checkpoint, incident_s=incident,
+                    skipped=int(record.get("num_skipped") or 0), **({"startup_s": setup} if setup else {}))
         self._t, self._step = now, state.step
         self._checkpoint_s = self._incident_s = 0.0
         self._incident_at = None
@@ -126,7 +133,10 @@ class GoodputClock(Callback):
 
     def on_checkpoint(self, state: RunState, info: dict[str, Any]) -> None:
         fields = info.get("fields") or {}  # the save itself, and a wait for the one before it
-        self._checkpoint_s += float(fields.get("blocked_s") or 0.0) + float(fields.get("waited_s") or 0.0)
+        blocked = float(fields.get("blocked_s") or 0.0) + float(fields.get("waited_s") or 0.0)
+        self._checkpoint_s += blocked
+        if state.steps_from is None:  # (before the first step: the step-0 save, inside the set-up's time)
+            self._setup_checkpoint_s += blocked
 
     def on_rollback(self, state: RunState, info: dict[str, Any]) -> None:
         now = time.time()

@@ -201,7 +201,7 @@ def _end_redone(launch: dict[str, Any], later_resume: float) -> float:
 def _interval(row: dict[str, Any], later_resume: float, rollbacks: list[dict[str, Any]], sec: dict[str, float]) -> None:
     """Add one interval line's seconds to ``sec``: the steps' share kept, redone or skipped, and the rest."""
     steps, step = int(row.get("steps") or 0), int(row["step"])
-    parts = {k: float(row.get(f"{k}_s") or 0.0) for k in ("eval", "checkpoint", "incident")}
+    parts = {k: float(row.get(f"{k}_s") or 0.0) for k in ("eval", "checkpoint", "incident", "startup")}
     wall, told = float(row.get("wall_s") or 0.0), sum(parts.values())
     if told > wall > 0.0:  # overlapping parts (a save waited for within a rollback's incident time): within the wall
         parts = {k: v * wall / told for k, v in parts.items()}

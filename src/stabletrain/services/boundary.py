@@ -60,6 +60,7 @@ class IntervalBoundary:
     def restart(self) -> None:
         """The next interval starts now (its throughput counts from here)."""
         self.started, self.excluded = time.perf_counter(), 0.0
+        self.state.steps_from = time.time()
 
     def log(self, signal: int = 0, extra: dict[str, Any] | None = None) -> tuple[dict[str, Any], GuardDecision, list[Any],
                                                                                   dict[str, Any]]:
