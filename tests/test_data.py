@@ -165,3 +165,38 @@ def test_a_stream_with_every_sample_dropped_says_so_instead_of_reading_past_wind
     stream.drop = set(range(12))
     with pytest.raises(ValueError, match=r"^data: every sample this process trains on is dropped \(12 samples, by "):
         stream.next_window()
+
+
+class _Augmented(torch.utils.data.Dataset):
+    """Each item drawn at fetch time (an augmentation): torch's and numpy's streams."""
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        import numpy as np
+
+        return torch.full((2,), float(i)) + torch.rand(2) + float(np.random.rand())
+
+
+def test_with_workers_a_resumed_stream_fetches_the_same_augmented_samples_bitwise():
+    """A review: the workers' streams were seeded once per loader, built over the rest of the epoch: a resume (or a
+    rollback, a replay) from another position handed each batch to another worker, its draws other. Now each sample is
+    seeded by (seed, epoch, index): the same values from any position, under any number of workers, with drop too."""
+    def stream(workers, drop=()):
+        s = WindowStream(_Augmented(), EpochOrder(24, batch_size=4, seed=3), accum_steps=1, workers=workers)
+        s.drop = set(drop)
+        return s
+
+    whole = stream(2)
+    first = [whole.next_window() for _ in range(8)]  # into the second epoch
+    part = stream(2)
+    for _ in range(3):
+        part.next_window()
+    resumed = stream(1)
+    resumed.load_state_dict(part.state_dict())
+    for a, b in zip(first[3:], [resumed.next_window() for _ in range(5)]):
+        assert (a.epoch, a.start, a.indices) == (b.epoch, b.start, b.indices) and torch.equal(a.batches[0], b.batches[0])
+    dropped = stream(2, drop=[first[0].indices[0][1]])  # a sample of the first window left out: the rest re-collated
+    w = dropped.next_window()
+    assert torch.equal(w.batches[0], first[0].batches[0][[0, 2, 3]])

@@ -24,11 +24,17 @@ skipped window of the old one is skipped; skipped windows already behind the pos
 Samples a remedy said never to train on again (``drop``, dataset indices: ``stabletrain remedy``'s
 skip-samples) are taken out of every window they fall in (the rest re-collated; a window left empty is
 read past); they need no mapping under another layout.
+
+With DataLoader workers (``data.workers``) each sample is fetched with torch, numpy and python seeded from (seed,
+epoch, its index): what a ``__getitem__`` draws (an augmentation) does not depend on which worker fetched it, so a
+resume, a rollback or a replay from any position sees the same samples bitwise, under any number of workers or
+ranks. Without workers the fetch draws from the process's own streams, which checkpoints hold.
 """
 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +44,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 
 from .internals import tree_map
-from .seeding import seed_worker
+from .seeding import kept_rng, seed_worker
 
 __all__ = ["EpochOrder", "Window", "WindowStream", "move_to", "fixed_batch"]
 
@@ -141,6 +147,25 @@ class Window:
             self.global_num_samples = self.num_samples
 
 
+class _SeededSamples(Dataset):
+    """``dataset``, each item fetched by ``(epoch, index)`` with torch, numpy and python seeded from (seed, epoch, index)
+    (in a DataLoader worker: its own streams)."""
+
+    def __init__(self, dataset: Dataset, seed: int) -> None:
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        epoch, index = key
+        seed = ((self.seed * 1_000_003 + epoch) * 2_147_483_647 + index) % 2**63
+        torch.manual_seed(seed)
+        np.random.seed(seed % 2**32)
+        random.seed(seed)
+        return self.dataset[index]
+
+
 class WindowStream:
     """Yield optimizer-step windows of up to ``accum_steps`` micro-batches; windows never cross epochs.
 
@@ -180,9 +205,11 @@ class WindowStream:
             self._index = flat.split([len(b) for b in self._batches])
             return
         remaining = self._batches[self.pos:]
-        # Each rank's workers draw their own streams (rank 0's are those of a single process).
+        dataset, batches = self.dataset, remaining
+        if self.workers:  # each sample seeded by (seed, epoch, index), whichever worker fetches it (module docstring)
+            dataset, batches = _SeededSamples(self.dataset, self.order.seed), [[(self.epoch, i) for i in b] for b in remaining]
         g = torch.Generator().manual_seed(self.order.seed * 7919 + self.epoch + self.order.rank * 1_000_003)
-        loader = DataLoader(self.dataset, batch_sampler=remaining, collate_fn=self.collate,
+        loader = DataLoader(dataset, batch_sampler=batches, collate_fn=self.collate,
                             num_workers=self.workers, worker_init_fn=seed_worker if self.workers else None,
                             generator=g, persistent_workers=False, pin_memory=self.pin_memory)
         self._iter = iter(loader)
@@ -237,9 +264,18 @@ class WindowStream:
             total = sum(map(sum, left))
         if kept == window.indices and total in (-1, window.global_num_samples):
             return window
-        batches = [b if k == g else self.collate([self.dataset[i] for i in k])
+        batches = [b if k == g else self.collate(self._samples(window.epoch, k))
                    for k, g, b in zip(kept, window.indices, window.batches) if k]
         return Window(window.epoch, window.start, [k for k in kept if k], batches, total)
+
+    def _samples(self, epoch: int, indices: list[int]) -> list[Any]:
+        """The samples, fetched here as the workers fetch them (seeded by (seed, epoch, index) where there are workers:
+        the process's own streams put back after)."""
+        if not self.workers:
+            return [self.dataset[i] for i in indices]
+        seeded = _SeededSamples(self.dataset, self.order.seed)
+        with kept_rng():
+            return [seeded[(epoch, i)] for i in indices]
 
     def _layout(self) -> dict[str, int]:
         return {"global_batch": self.order.global_batch, "world_size": self.order.world_size,
