@@ -250,6 +250,14 @@ def test_a_loss_spike_is_captured_and_its_samples_named_and_verified(tmp_path, o
     assert [e.step for e in run.counted_events("spike")] == [step]
     lines = console_incident_lines(capfd)  # the host's console: exactly one line, as the built-in loop's
     assert len(lines) == 1 and lines[0].startswith(f"stabletrain: spike at step {step}: data: samples 1, 5 carry "), lines
+    # capture.spikes / capture.max_spikes are adapter options too (a trial found no way to spare a host the captures)
+    cb = StableTrainCallback(run_dir=tmp_path / "uncaptured", log_every=10, capture_spikes=False)
+    assert (cb.options.capture_spikes, StableTrainCallback(max_spikes=2).options.max_spikes) == (False, 2)
+    torch.manual_seed(0)
+    L.Trainer(max_steps=n, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+              callbacks=[cb], enable_checkpointing=False).fit(LitNet(), DataLoader(TensorDataset(x, y), batch_size=BATCH))
+    run = load_run(tmp_path / "uncaptured")
+    assert [e.step for e in run.counted_events("spike")] == [step] and not run.counted_events("incident")
 
 
 class NoLogNet(LitNet):

@@ -26,7 +26,8 @@ CONFIG_KEYS = {"log_every": "log.every", "on_spike": "guard.on_spike", "capture"
                "diagnose": "capture.diagnose", "check_params": "guard.check_params", "tensorboard": "log.tensorboard",
                "top_layers": "log.top_layers", "trackers": "log.trackers", "spike_window": "guard.spike_window",
                "spike_ratio": "guard.spike_ratio", "spike_zscore": "guard.spike_zscore",
-               "max_consecutive_skips": "guard.max_consecutive_skips"}
+               "max_consecutive_skips": "guard.max_consecutive_skips", "capture_spikes": "capture.spikes",
+               "max_spikes": "capture.max_spikes"}
 
 #: The options of a host's side that a built-in run has no key for: (default, meaning).
 HOST_OPTIONS: dict[str, tuple[Any, str]] = {
