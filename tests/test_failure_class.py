@@ -283,8 +283,8 @@ def test_an_input_past_fp16s_range_at_autocasts_cast_is_the_inputs_scale_not_the
 def test_only_a_log_root_or_divisor_that_reads_a_parameter_blames_the_parameter_not_an_overflow_through_a_linear():
     """A review: an fp32 Linear's addmm takes its bias as an input, so a sample of 1e36 overflowing there read 'its input is
     the parameter fc.bias itself, which an update moved out of the op's domain', its samples and their skip left out."""
-    def case(op, params, names):
-        first = {"op": op, "origin": True, "kind": "inf", "direction": "forward", "module": "fc",
+    def case(op, params, names, kind="inf"):
+        first = {"op": op, "origin": True, "kind": kind, "direction": "forward", "module": "fc",
                  "output_dtypes": ["torch.float32"], "input_shapes": [[4], [16, 8], [8, 4]], "param_inputs": params,
                  "param_names": names}
         return classify_failure({"reproduces": True, "stage": "activations", "first_op": first, "num_samples": 16,
@@ -298,3 +298,6 @@ def test_only_a_log_root_or_divisor_that_reads_a_parameter_blames_the_parameter_
     assert case("aten.div.Tensor", [1], ["fc.s"])["param_input"] == "fc.s"  # x / s: the divisor
     assert "param_input" not in case("aten.div.Tensor", [0], ["fc.s"])  # s / x: the divisor is the data's
     assert "param_input" not in case("aten.mul.Tensor", [1], ["fc.gamma"])  # x * gamma: no domain to leave
+    assert case("aten.reciprocal.default", [0], ["fc.s"])["param_input"] == "fc.s"  # 1 / s
+    assert "param_input" not in case("aten.pow.Tensor_Scalar", [0], ["fc.v"])  # an inf: v ** 2 overflowing, no domain
+    assert case("aten.pow.Tensor_Scalar", [0], ["fc.v"], kind="nan")["param_input"] == "fc.v"  # v ** 0.5 of v < 0

@@ -208,6 +208,7 @@ def test_the_first_intervals_throughput_counts_from_its_first_step_not_from_the_
     ledger = [json.loads(x) for x in (run_dir / "goodput.jsonl").read_text().splitlines()]
     one, two = [r for r in ledger if r["kind"] == "interval"]
     assert one["startup_s"] > 0 and one["eval_s"] < 0.1 and "startup_s" not in two and two["eval_s"] < 0.1, ledger
+    assert one["checkpoint_s"] == 0, ledger  # the step-0 save's blocked time is the set-up's, booked once (a review)
     from stabletrain.report.goodput import read_goodput
 
     assert read_goodput(run_dir).seconds["startup"] >= 0.5

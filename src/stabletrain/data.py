@@ -26,9 +26,11 @@ skip-samples) are taken out of every window they fall in (the rest re-collated; 
 read past); they need no mapping under another layout.
 
 With DataLoader workers (``data.workers``) each sample is fetched with torch, numpy and python seeded from (seed,
-epoch, its index): what a ``__getitem__`` draws (an augmentation) does not depend on which worker fetched it, so a
-resume, a rollback or a replay from any position sees the same samples bitwise, under any number of workers or
-ranks. Without workers the fetch draws from the process's own streams, which checkpoints hold.
+epoch, its index) (a dataset's batched ``__getitems__``: each micro-batch from its first sample's): what it draws (an
+augmentation) does not depend on which worker fetched it, so a resume or a rollback from any position sees the same
+samples bitwise, under any number of workers or ranks. Without workers the fetch draws from the process's own
+streams, which checkpoints hold. An incident's replays fetch their samples in their own process, without either:
+a sample drawn at random at each fetch is not replayed as the run drew it.
 """
 
 from __future__ import annotations
@@ -157,13 +159,24 @@ class _SeededSamples(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
-    def __getitem__(self, key: tuple[int, int]) -> Any:
-        epoch, index = key
+    def _seeded(self, epoch: int, index: int) -> None:
         seed = ((self.seed * 1_000_003 + epoch) * 2_147_483_647 + index) % 2**63
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)  # (the CPU's: torch.manual_seed queues CUDA's too, per sample)
         np.random.seed(seed % 2**32)
         random.seed(seed)
-        return self.dataset[index]
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        self._seeded(*key)
+        return self.dataset[key[1]]
+
+
+class _SeededBatches(_SeededSamples):
+    """:class:`_SeededSamples` of a dataset that fetches a micro-batch at once (``__getitems__``: a Hugging Face dataset's
+    one read per batch), seeded from the micro-batch's first key."""
+
+    def __getitems__(self, keys: list[tuple[int, int]]) -> Any:
+        self._seeded(*keys[0])
+        return self.dataset.__getitems__([i for _, i in keys])  # type: ignore[attr-defined]
 
 
 class WindowStream:
@@ -207,7 +220,8 @@ class WindowStream:
         remaining = self._batches[self.pos:]
         dataset, batches = self.dataset, remaining
         if self.workers:  # each sample seeded by (seed, epoch, index), whichever worker fetches it (module docstring)
-            dataset, batches = _SeededSamples(self.dataset, self.order.seed), [[(self.epoch, i) for i in b] for b in remaining]
+            seeded = _SeededBatches if hasattr(self.dataset, "__getitems__") else _SeededSamples
+            dataset, batches = seeded(self.dataset, self.order.seed), [[(self.epoch, i) for i in b] for b in remaining]
         g = torch.Generator().manual_seed(self.order.seed * 7919 + self.epoch + self.order.rank * 1_000_003)
         loader = DataLoader(dataset, batch_sampler=batches, collate_fn=self.collate,
                             num_workers=self.workers, worker_init_fn=seed_worker if self.workers else None,
@@ -243,9 +257,9 @@ class WindowStream:
             if window.indices:
                 return window
             passed += 1
-            if self.drop and passed > len(self._batches) + 1:
-                raise ValueError(f"data: every sample this process trains on is dropped ({len(self.drop)} samples, by "
-                                 "skip-samples remedies or the data diagnoses of rollbacks): nothing left to train on")
+            if self.drop and passed > math.ceil(len(self._batches) / self.accum_steps) + 1:  # (a whole epoch's windows)
+                raise ValueError(f"data: no window of an epoch is left to train on once the {len(self.drop)} dropped "
+                                 "samples (skip-samples remedies, the data diagnoses of rollbacks) are taken out")
 
     def _without_dropped(self, window: Window) -> Window:
         """``window`` without the samples in :attr:`drop` (their micro-batches re-collated; empty ones left out).

@@ -9,8 +9,8 @@ launch      the fit starts: ``start`` (the launch's first process started, secon
             ``step`` (resumed from), ``run_id`` (torchrun's), ``world_size``
 interval    a log interval ended: ``t``, ``step``, ``steps`` in it, ``wall_s`` since the last line,
             ``eval_s`` (validation), ``checkpoint_s`` (the loop blocked by saves, or waiting for one), ``incident_s`` (capture
-            and diagnosis), ``skipped`` (steps whose update was skipped); the first, ``startup_s`` (the fit's set-up
-            before its first step: the step-0 signal report; a step-0 save's blocked time is its ``checkpoint_s``)
+            and diagnosis), ``skipped`` (steps whose update was skipped); the built-in loop's first, ``startup_s`` (the
+            fit's set-up before its first step: the step-0 signal report and the step-0 save)
 rollback    the guard went back: ``from``, ``to``
 end         the fit ended (normally, by a stop or a crash): ``t``, ``step``, ``wall_s`` since the last
             line and the ``checkpoint_s``, ``incident_s`` in it (a process killed outright writes none)
@@ -76,6 +76,8 @@ class GoodputClock(Callback):
         self._checkpoint_s = self._incident_s = 0.0
         self._incident_at: float | None = None  # when the last on_incident came, until the next boundary
         self._remedy_mark = 0.0  # the remedy applier's seconds already booked
+        self._first = False  # the launch's first interval not logged yet (its set-up before the first step: startup_s)
+        self._launch_save: int | None = None  # the step of the launch's own save (step 0's), in that set-up
 
     def _write(self, kind: str, **fields: Any) -> None:
         if self._file is not None:
@@ -86,8 +88,8 @@ class GoodputClock(Callback):
             return
         self._file = JsonlWriter(self.path)
         self._t, self._step = time.time(), state.step
-        self._checkpoint_s = self._incident_s = self._setup_checkpoint_s = 0.0
-        self._first = True
+        self._checkpoint_s = self._incident_s = 0.0
+        self._first, self._launch_save = True, state.step
         self._remedy_mark = float(getattr(state.remedies, "seconds", 0.0) or 0.0)
         start = self.launch.get("start")
         self._write("launch", start=start if start is not None else self._t, ready=self._t, step=state.step,
@@ -103,9 +105,9 @@ class GoodputClock(Callback):
         stepping = float(record.get("step_time_s") or 0.0) * steps
         self._incident_s += self._remedy_seconds(state)  # a live remedy's search, unless a rollback booked it already
         checkpoint, incident = self._within(wall)
-        setup = 0.0  # the first interval's: from fit start to its first step (the step-0 report, a save's wait aside)
+        setup = 0.0  # the built-in loop's first interval: from fit start to its first step (the step-0 report and save)
         if self._first and state.steps_from is not None:
-            setup = min(max(0.0, state.steps_from - self._t - self._setup_checkpoint_s), max(0.0, wall - stepping - incident))
+            setup = min(max(0.0, state.steps_from - self._t), max(0.0, wall - stepping - incident))
         self._first = False
         self._write("interval", t=now, step=state.step, steps=steps, wall_s=wall,
                     eval_s=max(0.0, wall - stepping - incident - setup), checkpoint_s=checkpoint, incident_s=incident,
@@ -133,10 +135,10 @@ class GoodputClock(Callback):
 
     def on_checkpoint(self, state: RunState, info: dict[str, Any]) -> None:
         fields = info.get("fields") or {}  # the save itself, and a wait for the one before it
-        blocked = float(fields.get("blocked_s") or 0.0) + float(fields.get("waited_s") or 0.0)
-        self._checkpoint_s += blocked
-        if state.steps_from is None:  # (before the first step: the step-0 save, inside the set-up's time)
-            self._setup_checkpoint_s += blocked
+        if self._launch_save is not None and info.get("step") == self._launch_save:  # (its blocked time: startup_s's)
+            self._launch_save = None
+            return
+        self._checkpoint_s += float(fields.get("blocked_s") or 0.0) + float(fields.get("waited_s") or 0.0)
 
     def on_rollback(self, state: RunState, info: dict[str, Any]) -> None:
         now = time.time()

@@ -41,7 +41,7 @@ MIN_GROWTH_FACTOR = 10.0
 MIN_GROWTH_ROWS = 3
 _LOW_PRECISION = ("torch.float16", "torch.bfloat16", "float16", "bfloat16")
 #: An op whose domain a parameter can leave (the input of a log or a root; a divisor), by its aten name and that input.
-_DOMAIN_INPUT = ((re.compile(rf"aten\.({'|'.join(DOMAIN_OPS)})_?\."), 0), (re.compile(r"aten\.div_?\."), 1))
+_DOMAIN_INPUT = ((re.compile(rf"aten\.({'|'.join(DOMAIN_OPS)}|log1p|reciprocal)_?\."), 0), (re.compile(r"aten\.div_?\."), 1))
 
 
 def _finite(x: Any) -> bool:
@@ -173,6 +173,8 @@ def _domain_param(first: dict[str, Any]) -> str | None:
     if first.get("direction") != "forward" or not first.get("param_names"):
         return None
     at = next((i for pattern, i in _DOMAIN_INPUT if pattern.match(str(first.get("op")))), None)
+    if at is None and re.match(r"aten\.pow_?\.Tensor_Scalar", str(first.get("op"))) and "nan" in str(first.get("kind")):
+        at = 0  # (var ** 0.5 of a var below 0: a NaN; an inf from pow may be an overflow, no domain left)
     inputs = first.get("param_inputs") or []
     return first["param_names"][inputs.index(at)] if at in inputs and len(first["param_names"]) == len(inputs) else None
 
