@@ -420,6 +420,15 @@ def test_a_launch_is_told_by_its_record_and_the_same_failure_k_times_in_a_row_is
                                                               "checkpoint (the last ended without a record of why)")
     moving = {"kind": "restart", "failure": {**killed.record(), "progress": True}}
     assert refusal(killed, [stuck, moving, stuck], max_repeats=2) is None  # progress in between resets the count
+    # A trial: killed right after a save landed, before the boundary that writes its event: LAST_GOOD (step 8) past the
+    # launch's start (step 6) is its progress, not three launches 'stuck' (the crash-loop rule's refusal)
+    from pathlib import Path
+
+    from stabletrain.services.restarts import _landed
+
+    assert _landed(killed, Path("checkpoints/step_000008")).progress is True
+    assert _landed(killed, Path("checkpoints/step_000006")).progress is False and _landed(killed, None) is killed
+    assert refusal(_landed(killed, Path("checkpoints/step_000008")), [stuck, stuck], max_repeats=2) is None
     # A launch that recorded its restart (from step 6) and died before resuming trained nothing: the metrics lines up
     # to step 9 are the launch's before it; one that resumed reached them itself.
     recorded = {"kind": "restart", "step": 6, "checkpoint": "step_000006"}
@@ -776,3 +785,30 @@ def test_a_process_killed_after_the_run_finished_is_not_restarted_into_nothing(t
     assert "the run had trained to train.max_steps=4 (LAST_GOOD step_000004) when its process died: nothing to restart" in (
         capsys.readouterr().out)
     assert [(run_dir / f).read_text() for f in ("events.jsonl", "goodput.jsonl", "metrics.jsonl")] == before
+
+
+def test_a_checkpoint_whose_event_a_kill_cut_off_is_recorded_at_the_restart_and_counts_as_progress(tmp_path):
+    """A trial: a launch SIGKILLed after its save landed, before the boundary that writes its event: the report counted
+    7 checkpoints of 9 and the launch read as one that wrote none (the crash-loop rule's 'stuck'). Here the events of
+    steps 4 and 6 are cut as such a kill leaves them."""
+    import json
+
+    from helpers import cfg, regression_task
+
+    from stabletrain.services.restarts import _restart_after
+
+    run_dir = tmp_path / "run"
+    c = cfg("train.batch_size=8", "train.max_steps=6", "log.every=2", "ckpt.every=2", "log.tensorboard=false",
+            f"run.dir={run_dir}", "run.max_restarts=3")
+    Trainer(c, task=regression_task(), run_dir=run_dir).fit()
+    lines = (run_dir / "events.jsonl").read_text().splitlines()
+    kept = [x for x in lines if not (json.loads(x)["kind"] == "checkpoint" and json.loads(x)["step"] in (4, 6))]
+    (run_dir / "events.jsonl").write_text("\n".join(kept) + "\n")
+    launch = _restart_after(c, run_dir, [{"count": 1, "max": 3}], True, None, late=False)
+    assert launch.resume and launch.refused is None
+    events = read_jsonl(run_dir / "events.jsonl")[0]
+    late = [e for e in events if e.get("recorded_at_restart")]
+    assert [(e["kind"], e["step"]) for e in late] == [("checkpoint", 4), ("checkpoint", 6)], late
+    (restart,) = [e for e in events if e["kind"] == "restart"]
+    assert restart["failure"]["progress"] is True and restart["checkpoint"] == "step_000006", restart
+    assert health_summary(load_run(run_dir)).figures["checkpoints"] == 4  # steps 0, 2, 4, 6

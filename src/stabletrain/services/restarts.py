@@ -140,6 +140,15 @@ def refusal(failure: Failure, chain: list[dict[str, Any]], max_repeats: int) -> 
     return None
 
 
+def _landed(failure: Failure, good: Path | None) -> Failure:
+    """``failure`` with progress where LAST_GOOD (``good``) is past the checkpoint its launch resumed from: a save that
+    landed although its ``checkpoint`` event did not (the event is written at the boundary after the write; a trial's
+    SIGKILL in between left two of them out, and such launches read as stuck, the crash-loop rule's)."""
+    if failure.progress or good is None:
+        return failure
+    return replace(failure, progress=step_of(good) > (-1 if failure.resumed_step is None else failure.resumed_step))
+
+
 def _restart_chain(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The ``restart`` events since a launch last started or resumed the run by hand (a resume not after a restart)."""
     chain: list[dict[str, Any]] = []
@@ -305,6 +314,7 @@ def _restart_after(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_
     if failure.kind == "exit" and cause:  # no record of why (a signal, another rank's crash: rank 0 writes the
         # events): the launcher's word names it, and the same death at the same step again is the same failure
         failure = _death_failure(failure, cause)
+    failure = _landed(failure, CheckpointManager(run_dir / "checkpoints").latest_good() if has_checkpoint else None)
     chain = _restart_chain(events)
     number = (cause or {}).get("restart") or max([r["count"] for r in everyone] + [len(chain) + 1])
     limit = (cause or {}).get("max_restarts") or max(r["max"] for r in everyone) or cfg.run.max_restarts
@@ -348,6 +358,11 @@ def _restart_after(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_
                      f"any steps it trained after step {failure.last_step}, its last record, to train again")
         reason = (f"restart {number}{f' of {limit}' if limit else ''} after {who}{met}{note}; resuming from "
                   f"{good.name if good else '?'}: {again}{LATE if late else ''}")
+        recorded = {int(e["step"]) for e in events if e.get("kind") == "checkpoint" and isinstance(e.get("step"), int)}
+        for path in sorted(p for p in ckpt.checkpoints() if step_of(p) not in recorded and step_of(p) <= resumed
+                           and step_of(p) > (-1 if failure.resumed_step is None else failure.resumed_step)):
+            run.event(step_of(path), "checkpoint", f"{path.name}: written by the launch before, which died before its "
+                      "next boundary recorded it (recorded at the restart)", path=str(path), recorded_at_restart=True)
         run.event(resumed, "restart", reason, restart=number, max_restarts=limit, cause=cause,
                   failure=failure.record(), checkpoint=good.name if good else None, redone=redone,
                   **distrusted, **({"incidents_kept": kept} if kept else {}), **({"late": True} if late else {}))
