@@ -429,6 +429,12 @@ def test_a_launch_is_told_by_its_record_and_the_same_failure_k_times_in_a_row_is
     assert _landed(killed, Path("checkpoints/step_000008")).progress is True
     assert _landed(killed, Path("checkpoints/step_000006")).progress is False and _landed(killed, None) is killed
     assert refusal(_landed(killed, Path("checkpoints/step_000008")), [stuck, stuck], max_repeats=2) is None
+    # (a review) a launch whose resume fell back past a LAST_GOOD that did not verify made no progress by it; a launch
+    # after a restart that started the run over resumed nothing: its step-0 checkpoint is progress
+    fell = last_failure([ckpt, {"kind": "checkpoint_skipped", "step": 6}, {"kind": "resume", "step": 6}])
+    assert fell.fell_back and _landed(fell, Path("checkpoints/step_000008")).progress is False
+    over = {"kind": "restart", "step": 0, "checkpoint": None, "started_over": True}
+    assert last_failure([over, {"kind": "checkpoint", "step": 0}]).progress is True
     # A launch that recorded its restart (from step 6) and died before resuming trained nothing: the metrics lines up
     # to step 9 are the launch's before it; one that resumed reached them itself.
     recorded = {"kind": "restart", "step": 6, "checkpoint": "step_000006"}

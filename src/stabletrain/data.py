@@ -220,7 +220,8 @@ class WindowStream:
         remaining = self._batches[self.pos:]
         dataset, batches = self.dataset, remaining
         if self.workers:  # each sample seeded by (seed, epoch, index), whichever worker fetches it (module docstring)
-            seeded = _SeededBatches if hasattr(self.dataset, "__getitems__") else _SeededSamples
+            own = getattr(type(self.dataset), "__getitems__", None)  # (a dataset's own batched read; not torch's Subset's)
+            seeded = _SeededBatches if own is not None and not own.__module__.startswith("torch.") else _SeededSamples
             dataset, batches = seeded(self.dataset, self.order.seed), [[(self.epoch, i) for i in b] for b in remaining]
         g = torch.Generator().manual_seed(self.order.seed * 7919 + self.epoch + self.order.rank * 1_000_003)
         loader = DataLoader(dataset, batch_sampler=batches, collate_fn=self.collate,
@@ -234,12 +235,16 @@ class WindowStream:
         Windows listed in :attr:`skip` are read past (a rollback's offending data is not seen again). A whole epoch
         read past with no sample left (every sample in :attr:`drop`): ValueError, not a loop without end.
         """
-        passed = 0
+        whole = self.pos == 0  # read from an epoch's start: an epoch that gives no window at all
         while True:
             if self._iter is None:
                 self._open()
             if self.pos >= len(self._batches):
-                self.epoch, self.pos, self.origin = self.epoch + 1, 0, 0
+                if whole and self.drop:
+                    raise ValueError(f"data: no window of epoch {self.epoch} is left to train on once the "
+                                     f"{len(self.drop)} dropped samples (skip-samples remedies, the data diagnoses of "
+                                     "rollbacks) are taken out")
+                self.epoch, self.pos, self.origin, whole = self.epoch + 1, 0, 0, True
                 self._open()
             take = min(self.accum_steps, len(self._batches) - self.pos)
             indices = self._batches[self.pos:self.pos + take]
@@ -256,10 +261,6 @@ class WindowStream:
                 window = self._without_dropped(window)
             if window.indices:
                 return window
-            passed += 1
-            if self.drop and passed > math.ceil(len(self._batches) / self.accum_steps) + 1:  # (a whole epoch's windows)
-                raise ValueError(f"data: no window of an epoch is left to train on once the {len(self.drop)} dropped "
-                                 "samples (skip-samples remedies, the data diagnoses of rollbacks) are taken out")
 
     def _without_dropped(self, window: Window) -> Window:
         """``window`` without the samples in :attr:`drop` (their micro-batches re-collated; empty ones left out).

@@ -135,10 +135,10 @@ class GoodputClock(Callback):
 
     def on_checkpoint(self, state: RunState, info: dict[str, Any]) -> None:
         fields = info.get("fields") or {}  # the save itself, and a wait for the one before it
+        blocked = float(fields.get("blocked_s") or 0.0)
         if self._launch_save is not None and info.get("step") == self._launch_save:  # (its blocked time: startup_s's)
-            self._launch_save = None
-            return
-        self._checkpoint_s += float(fields.get("blocked_s") or 0.0) + float(fields.get("waited_s") or 0.0)
+            self._launch_save, blocked = None, 0.0
+        self._checkpoint_s += blocked + float(fields.get("waited_s") or 0.0)  # (a wait for it: a stall where it fell)
 
     def on_rollback(self, state: RunState, info: dict[str, Any]) -> None:
         now = time.time()

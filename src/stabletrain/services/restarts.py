@@ -78,6 +78,7 @@ class Failure:
     last_step: int  # the last step it is known to have reached
     nonfinite_step: int | None = None  # its first non-finite step
     trained: bool = True  # False: it recorded its restart and died before resuming (in its start-up)
+    fell_back: bool = False  # its resume skipped a checkpoint that did not verify (LAST_GOOD is not what it loaded)
 
     def record(self) -> dict[str, Any]:
         return {"kind": self.kind, "text": self.text, "key": self.key, "progress": self.progress}
@@ -87,9 +88,10 @@ def last_failure(events: list[dict[str, Any]], last_logged: int = 0) -> Failure:
     """The failure of the launch whose events are last in ``events`` (``last_logged``: metrics.jsonl's last step)."""
     marks = [i for i, e in enumerate(events) if e.get("kind") in ("restart", "resume")]
     own = events[marks[-1] + 1:] if marks else events
-    resumed = int(events[marks[-1]]["step"]) if marks else None  # a restart's and a resume's step: the one resumed
-    steps = [int(e["step"]) for e in own if isinstance(e.get("step"), int)]
+    # a restart's and a resume's step: the one resumed (a restart that started the run over: none, as the first launch)
     mark = events[marks[-1]] if marks else {}
+    resumed = None if not marks or mark.get("kind") == "restart" and started_over(mark) else int(mark["step"])
+    steps = [int(e["step"]) for e in own if isinstance(e.get("step"), int)]
     trained = not (mark.get("kind") == "restart" and mark.get("checkpoint") is not None)
     if not trained:  # it recorded its restart and died before resuming: the metrics lines are the launch's before
         last_logged = 0
@@ -99,7 +101,8 @@ def last_failure(events: list[dict[str, Any]], last_logged: int = 0) -> Failure:
     crash = next((e for e in reversed(own) if e.get("kind") == "crash"), None)
     stop = next((e for e in reversed(own) if e.get("kind") == "stop"), None)
     common = {"progress": progress, "resumed_step": resumed, "last_step": last, "nonfinite_step": nonfinite,
-              "trained": trained}
+              "trained": trained,  # (a resume's skipped checkpoints are written just before its own event)
+              "fell_back": bool(marks) and marks[-1] > 0 and events[marks[-1] - 1].get("kind") == "checkpoint_skipped"}
     if crash is not None:
         step = int(crash.get("failed_step", crash["step"]))
         return Failure("crash", f"crashed at step {step}: {crash['reason']}",
@@ -144,7 +147,7 @@ def _landed(failure: Failure, good: Path | None) -> Failure:
     """``failure`` with progress where LAST_GOOD (``good``) is past the checkpoint its launch resumed from: a save that
     landed although its ``checkpoint`` event did not (the event is written at the boundary after the write; a trial's
     SIGKILL in between left two of them out, and such launches read as stuck, the crash-loop rule's)."""
-    if failure.progress or good is None:
+    if failure.progress or good is None or failure.fell_back:  # (fell back: LAST_GOOD is past what it loaded)
         return failure
     return replace(failure, progress=step_of(good) > (-1 if failure.resumed_step is None else failure.resumed_step))
 
@@ -358,8 +361,10 @@ def _restart_after(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_
                      f"any steps it trained after step {failure.last_step}, its last record, to train again")
         reason = (f"restart {number}{f' of {limit}' if limit else ''} after {who}{met}{note}; resuming from "
                   f"{good.name if good else '?'}: {again}{LATE if late else ''}")
-        recorded = {int(e["step"]) for e in events if e.get("kind") == "checkpoint" and isinstance(e.get("step"), int)}
-        for path in sorted(p for p in ckpt.checkpoints() if step_of(p) not in recorded and step_of(p) <= resumed
+        recorded = {int(e["step"]) for e in events if isinstance(e.get("step"), int)  # (any outcome said: not again)
+                    and e.get("kind") in ("checkpoint", "checkpoint_failed", "checkpoint_withheld")}
+        for path in sorted(p for p in ckpt.checkpoints() if good is not None and step_of(p) not in recorded
+                           and step_of(p) <= resumed
                            and step_of(p) > (-1 if failure.resumed_step is None else failure.resumed_step)):
             run.event(step_of(path), "checkpoint", f"{path.name}: written by the launch before, which died before its "
                       "next boundary recorded it (recorded at the restart)", path=str(path), recorded_at_restart=True)
