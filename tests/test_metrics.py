@@ -212,3 +212,34 @@ def test_the_first_intervals_throughput_counts_from_its_first_step_not_from_the_
     from stabletrain.report.goodput import read_goodput
 
     assert read_goodput(run_dir).seconds["startup"] >= 0.5
+
+
+def test_a_fit_that_ends_before_its_first_interval_books_its_set_up_to_start_up_not_to_steps_redone(tmp_path):
+    """A review: a new run that crashed at step 3 (before its first log boundary) had its step-0 report and save in
+    its end line's steps, all of it booked as 'redone' (no checkpoint after step 0 to keep them)."""
+    import json
+
+    import pytest
+    from helpers import cfg, regression_task
+
+    from stabletrain import Trainer
+    from stabletrain.report.goodput import read_goodput
+
+    task, calls = regression_task(), []
+    plain = task.loss
+
+    def crashing(model, batch):
+        calls.append(1)
+        if len(calls) == 6:  # the step-0 report's three calls, then steps 1 and 2; step 3 raises
+            raise RuntimeError("planted crash in step 3")
+        return plain(model, batch)
+
+    task.loss = crashing
+    run_dir = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="planted crash"):
+        Trainer(cfg("train.batch_size=8", "train.max_steps=20", "log.every=10", "log.tensorboard=false"), task=task,
+                run_dir=run_dir).fit()
+    (end,) = [r for r in map(json.loads, (run_dir / "goodput.jsonl").read_text().splitlines()) if r["kind"] == "end"]
+    g = read_goodput(run_dir)
+    assert end["startup_s"] > 0 and g.seconds["startup"] >= end["startup_s"], (end, g.seconds)
+    assert g.seconds["redone"] <= end["wall_s"] - end["startup_s"] + 1e-3, (end, g.seconds)

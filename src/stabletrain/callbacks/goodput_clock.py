@@ -13,7 +13,8 @@ interval    a log interval ended: ``t``, ``step``, ``steps`` in it, ``wall_s`` s
             fit's set-up before its first step: the step-0 signal report and the step-0 save)
 rollback    the guard went back: ``from``, ``to``
 end         the fit ended (normally, by a stop or a crash): ``t``, ``step``, ``wall_s`` since the last
-            line and the ``checkpoint_s``, ``incident_s`` in it (a process killed outright writes none)
+            line and the ``checkpoint_s``, ``incident_s`` (and, before a first interval, ``startup_s``) in it (a
+            process killed outright writes none)
 ==========  ==========================================================================================
 
 The interval's steps took ``wall_s - eval_s - checkpoint_s - incident_s - startup_s``. A live remedy's search (and the
@@ -155,6 +156,10 @@ class GoodputClock(Callback):
         now = time.time()
         self._incident_s += self._remedy_seconds(state)
         checkpoint, incident = self._within(now - self._t)
-        self._write("end", t=now, step=state.step, wall_s=now - self._t, checkpoint_s=checkpoint, incident_s=incident)
+        setup = 0.0  # (a fit that ended before its first log interval: its set-up is start-up, not steps to redo)
+        if self._first and state.steps_from is not None:
+            setup = min(max(0.0, state.steps_from - self._t), max(0.0, now - self._t - checkpoint - incident))
+        self._write("end", t=now, step=state.step, wall_s=now - self._t, checkpoint_s=checkpoint, incident_s=incident,
+                    **({"startup_s": setup} if setup else {}))
         self._file.close()
         self._file = None

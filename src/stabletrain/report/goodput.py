@@ -125,6 +125,7 @@ def read_goodput(run_dir: str | Path) -> Goodput | None:
             finish = float(end["t"])
             sec["checkpoint"] += float(end.get("checkpoint_s") or 0.0)
             sec["incident"] += float(end.get("incident_s") or 0.0)
+            sec["startup"] += float(end.get("startup_s") or 0.0)
             later = min(later, _crashed_from(launch, events))
             sec["redone"] += _end_redone(launch, later)
         else:  # killed outright: it ended when its launcher saw it die, else at its last line
@@ -194,7 +195,7 @@ def _end_redone(launch: dict[str, Any], later_resume: float) -> float:
     if trained <= 0 or later_resume >= since + trained:
         return 0.0
     wall = float(end.get("wall_s") or 0.0)
-    stepping = max(0.0, wall - float(end.get("checkpoint_s") or 0.0) - float(end.get("incident_s") or 0.0))
+    stepping = max(0.0, wall - sum(float(end.get(f"{k}_s") or 0.0) for k in ("checkpoint", "incident", "startup")))
     return stepping * min(1.0, (since + trained - max(later_resume, since)) / trained)
 
 
