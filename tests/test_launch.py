@@ -85,3 +85,19 @@ def test_a_sigkilled_ranks_death_carries_what_its_peer_said():
     assert _who(cause, 1) == f"rank 0 (pid 42) was killed by SIGKILL; then {lost!r}"
     other = {0: failures[0], 1: SimpleNamespace(exitcode=1, error_file_data={"message": "RuntimeError: boom"})}
     assert _peer_line(other, 0) == "rank 1: RuntimeError: boom"
+
+
+def test_more_processes_than_cores_on_a_machine_without_a_gpu_is_warned_before_the_launch(monkeypatch, capsys, tmp_path):
+    """A trial: dist.nproc=999 on a 2-core CPU machine started 999 processes without a word (each imports torch)."""
+    import os
+
+    from stabletrain.cli import main
+    from stabletrain.distributed import launch as launcher
+
+    started = []
+    monkeypatch.setattr(launcher, "launch", lambda nproc, argv, **kw: started.append(nproc) or 0)  # (the warning's test)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert main(["train", "dist.nproc=3", f"run.dir={tmp_path / 'run'}"]) == 0 and started == [3]
+    err = capsys.readouterr().err
+    assert "stabletrain: warning: config key 'dist.nproc': 3 processes on a machine with 2 CPU core(s) and no GPU" in err
+    assert main(["train", "dist.nproc=2", f"run.dir={tmp_path / 'run2'}"]) == 0 and "dist.nproc" not in capsys.readouterr().err

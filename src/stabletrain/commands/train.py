@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -65,6 +66,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not resume and not cfg.run.dir:
         argv.append(f"run.dir={launcher.default_run_dir(cfg)}")
     if cfg.dist.nproc > 1 and not launcher.under_torchrun():
+        cores = os.cpu_count() or 1
+        if cfg.dist.nproc > cores and not Path("/proc/driver/nvidia").exists():  # (a trial's typo: 999 on 2 cores)
+            console.warn(f"config key 'dist.nproc': {cfg.dist.nproc} processes on a machine with {cores} CPU core(s) and "
+                         "no GPU: each imports torch (~300 MiB) and they share the cores; is that the number you meant?")
         console.say(f"starting {cfg.dist.nproc} processes on this machine (torchrun, {cfg.dist.strategy.upper()}): rank 0 "
                     "prints the progress and writes the run directory")
         return launcher.launch(cfg.dist.nproc, argv, max_restarts=cfg.run.max_restarts)
