@@ -361,7 +361,9 @@ def _restart_after(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_
                      f"any steps it trained after step {failure.last_step}, its last record, to train again")
         reason = (f"restart {number}{f' of {limit}' if limit else ''} after {who}{met}{note}; resuming from "
                   f"{good.name if good else '?'}: {again}{LATE if late else ''}")
-        recorded = {int(e["step"]) for e in events if isinstance(e.get("step"), int)  # (any outcome said: not again)
+        # Any outcome the dead launch said (its own events: a step an older timeline saved may be saved again)
+        marks = [i for i, e in enumerate(events) if e.get("kind") in ("restart", "resume")]
+        recorded = {int(e["step"]) for e in events[marks[-1] + 1 if marks else 0:] if isinstance(e.get("step"), int)
                     and e.get("kind") in ("checkpoint", "checkpoint_failed", "checkpoint_withheld")}
         for path in sorted(p for p in ckpt.checkpoints() if good is not None and step_of(p) not in recorded
                            and step_of(p) <= resumed
