@@ -26,6 +26,9 @@ def test_a_deaths_last_line_is_the_childs_own_not_its_restart_announcement(tmp_p
 
     for output, last in ((b"step 3/10\nstabletrain: restart 2 of 3 after rank 0 (pid 1) was killed\n", ["step 3/10"]),
                          (b"stabletrain: restart 2 of 3 after rank 0 (pid 1) was killed; its last line: 'x'\n", []),
+                         # nor its resume's (a trial: 'its last line: stabletrain: resumed from step 40 ...')
+                         (b"step 3/10\nstabletrain: resumed from step 40 (checkpoint step_000040, world size 1)\n",
+                          ["step 3/10"]),
                          (b"stabletrain: restart 1 of 3 ...\nTraceback (most recent call last)\nValueError: bad\n",
                           ["ValueError: bad"]),
                          # a message's continuation line is not its last word: the line it continues is

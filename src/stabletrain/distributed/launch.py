@@ -402,8 +402,8 @@ def children(pid: int) -> list[int]:
     return [int(e.name) for e in (Path("/proc").glob("[0-9]*") if Path("/proc").is_dir() else []) if _ppid_of(int(e.name)) == pid]
 
 
-#: How a restarted child starts its output (its restart's own line): not the last line of its own a death quotes.
-_ANNOUNCED = b"stabletrain: restart "
+#: How a restarted child starts its output (its restart's own line, its resume's): not the last line a death quotes.
+_ANNOUNCED = (b"stabletrain: restart ", b"stabletrain: resumed from ")
 
 
 class _Tee(threading.Thread):
