@@ -82,6 +82,11 @@ def test_help_lists_every_key_with_default():
     assert res.returncode == 0
     for key in ("accum.steps", "clip.max_norm", "sched.warmup_steps", "run.dir", "default: gpt"):
         assert key in res.stdout
+    # the values a key takes where its type lists them (a trial: on_spike's named only in prose)
+    for said in ("default: warn (one of: warn, skip, rollback, remedy)", "default: auto (one of: true, false, auto)",
+                 "default: never (one of: never, auto)"):
+        assert said in res.stdout, said
+    assert "default: null (one of" not in res.stdout and "default: 1.0 (one of" not in res.stdout
     assert run("--help").returncode == 0
 
 

@@ -302,7 +302,7 @@ def test_compare_two_real_runs(real_run, other_run, tmp_path, monkeypatch):
     # The config keys that differ, and only those.
     diff = dict(config_diff([load_run(real_run).config, load_run(other_run).config]))
     assert diff == {"train.batch_size": [16, 32], "clip.max_norm": [0.8, 1.0], "optim.lr": [0.001, 0.003]}
-    assert "Config keys that differ (3)" in page
+    assert "Config keys that differ (3)" in page and "reads only the run directories." in page
     for key in diff:
         assert f'<td class="key">{key}</td>' in page
     assert '<td class="key">optim.lr</td><td class="val">0.001</td><td class="val">0.003</td>' in page
@@ -352,6 +352,11 @@ def test_compare_draws_post_clip_norms_from_zero_and_one_setting_of_two_hosts_on
         runs.append(run)
     page = write_compare(runs, tmp_path / "hosts.html").read_text(encoding="utf-8")
     assert "host.clip_max_norm" not in page and "host.gradient_clip_val" not in page
+    for run, lr in zip(runs, (1e-3, 3e-3)):  # two CLI runs: run.dir differs as always, shown, not counted (a trial)
+        config = json.loads((run / "config.yaml").read_text())
+        (run / "config.yaml").write_text(json.dumps({**config, "run": {"dir": str(run)}, "optim": {"lr": lr}}))
+    dirs = write_compare(runs, tmp_path / "dirs.html").read_text(encoding="utf-8")
+    assert "Config keys that differ (2, besides run.dir)" in dirs and '<td class="key">run.dir</td>' in dirs
     assert "Config keys that differ (1)" in page  # the host itself; each host's own argument names: left out, said
     assert '<td class="key">integration</td>' in page and '<td class="key">clip.max_norm</td>' not in page
     assert "4 <code>host.*</code> keys are left out: each host (lightning, monitor) names its own arguments" in page

@@ -25,8 +25,29 @@ def keys_help() -> str:
         wrapped = textwrap.wrap(help_text, 100 - width - 4) or [""]
         lines.append(f"  {key:<{width}}  {wrapped[0]}")
         lines.extend(f"  {'':<{width}}  {w}" for w in wrapped[1:])
-        lines.append(f"  {'':<{width}}  default: {default}")
+        lines.append(f"  {'':<{width}}  default: {default}{_choices(key)}")
     return "\n".join(lines)
+
+
+def _choices(key: str) -> str:
+    """' (one of: a, b, c)' for a key whose type lists its values (guard.on_spike), else ''."""
+    import dataclasses
+    import typing
+
+    from ..config import Config
+    from ..config.values import type_hints
+
+    tp: typing.Any = Config
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(tp):
+            return ""
+        tp = type_hints(tp).get(part)
+    args = typing.get_args(tp) if typing.get_origin(tp) is not typing.Literal else (tp,)
+    literals = [str(v) for arg in args for v in (typing.get_args(arg) if typing.get_origin(arg) is typing.Literal else ())]
+    if not literals:
+        return ""
+    values = (["true", "false"] if bool in args else []) + literals + (["null"] if type(None) in args else [])
+    return f" (one of: {', '.join(values)})"
 
 
 def incident_dir(path: str | Path, *, newest: bool, command: str) -> Path:

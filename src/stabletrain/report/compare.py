@@ -127,7 +127,9 @@ def render_compare(runs: Sequence[RunData], labels: Sequence[str], plots=None, f
         f"<header><h1>Compare {len(runs)} runs</h1><ul class='sub'>{runs_list}</ul></header>",
         problems_box(problems),
         '<nav><a href="#config">Config differences</a><a href="#summary">Summary</a><a href="#curves">Curves</a></nav>',
-        f'<h2 id="config">Config keys that differ ({len(diff)})</h2>',
+        # (run.dir differs between any two runs of the CLI: not counted as a setting, said)
+        f'<h2 id="config">Config keys that differ ({sum(k != "run.dir" for k, _ in diff)}'
+        f'{", besides run.dir" if any(k == "run.dir" for k, _ in diff) else ""})</h2>',
         config_html,
         '<h2 id="snapshot">Code, libraries, device and data that differ</h2>',
         snap_html,
@@ -136,7 +138,7 @@ def render_compare(runs: Sequence[RunData], labels: Sequence[str], plots=None, f
         f'<h2 id="curves">Curves</h2><p class="detail">Left: by optimizer step. {esc(items_note(list(runs), list(labels)))}</p>',
         (f'<div class="plots wide">{"".join(figure(p, files.get(p.name)) for p in plots)}</div>' if plots
          else '<p class="empty">No metrics logged yet in any of the runs.</p>'),
-        footer(", ".join(f"<code>{esc(run.path.resolve())}</code>" for run in runs)),
+        footer(", ".join(f"<code>{esc(run.path.resolve())}</code>" for run in runs), runs=len(runs)),
     ]
     return page(f"compare {' vs '.join(labels)} — stabletrain", "\n".join(s for s in body if s))
 

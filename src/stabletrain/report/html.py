@@ -196,9 +196,9 @@ def write_plots(plots: Sequence[Plot], folder: Path, known: Iterable[str]) -> di
     return paths
 
 
-def footer(source: str) -> str:
+def footer(source: str, runs: int = 1) -> str:
     return (f"<footer>Written by stabletrain {esc(__version__)} on {esc(time.strftime('%Y-%m-%d %H:%M:%S'))} "
-            f"from {source}. The page reads only the run directory.</footer>")
+            f"from {source}. The page reads only the run director{'ies' if runs > 1 else 'y'}.</footer>")
 
 
 # -- the run report -------------------------------------------------------------------------------
