@@ -1306,3 +1306,14 @@ def test_an_fp16_run_with_no_step_skipped_says_the_loss_scale_it_held(tmp_path):
         scale = [r["loss_scale"] for r in read_jsonl(run / "metrics.jsonl")[0]]
         assert said == ([f"No steps skipped; the fp16 loss scale held at {scale[-1]:,.6g}."] if precision == "fp16"
                         else ["No steps skipped."]), (said, scale)
+
+
+def test_the_checkpoint_count_says_how_many_are_kept_on_disk(tmp_path):
+    """A trial: 'the report says 4 checkpoints' beside 3 on disk (ckpt.keep pruned step 0's), unsaid."""
+    from helpers import cfg, regression_task
+
+    run = tmp_path / "run"
+    Trainer(cfg("train.batch_size=8", "train.max_steps=8", "log.every=4", "ckpt.every=2", "ckpt.keep=2",
+                "log.tensorboard=false"), task=regression_task(), run_dir=run).fit()
+    said = [t for _, t in health_summary(load_run(run)).sentences if "checkpoints, the last" in t]
+    assert said == ["5 checkpoints, the last at step 8 (2 kept on disk: ckpt.keep=2)."], said

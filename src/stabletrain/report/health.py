@@ -441,7 +441,9 @@ def _records(run: RunData, h: Health) -> None:
     withheld = run.counted_events("checkpoint_withheld")
     f["checkpoints"], f["checkpoints_withheld"] = len(ckpts), len(withheld)
     if ckpts or withheld:
-        text = f"{plural(len(ckpts), 'checkpoint')}" + (f", the last at step {ckpts[-1].step:,}" if ckpts else "")
+        kept = len([d for d in (run.path / "checkpoints").glob("step_*") if d.is_dir() and d.name[5:].isdigit()])
+        text = f"{plural(len(ckpts), 'checkpoint')}" + (f", the last at step {ckpts[-1].step:,}" if ckpts else "") + (
+            f" ({kept} kept on disk: ckpt.keep={run.cfg('ckpt.keep', '?')})" if ckpts and 0 < kept < len(ckpts) else "")
         if withheld:
             text += f"; {len(withheld)} withheld ({withheld[-1].reason or 'no reason given'})"
         h.say("warn" if withheld else "ok", text + ".")
