@@ -106,9 +106,7 @@ class GoodputClock(Callback):
         stepping = float(record.get("step_time_s") or 0.0) * steps
         self._incident_s += self._remedy_seconds(state)  # a live remedy's search, unless a rollback booked it already
         checkpoint, incident = self._within(wall)
-        setup = 0.0  # the built-in loop's first interval: from fit start to its first step (the step-0 report and save)
-        if self._first and state.steps_from is not None:
-            setup = min(max(0.0, state.steps_from - self._t), max(0.0, wall - stepping - incident))
+        setup = self._setup(state, wall - stepping - incident)
         self._first = False
         self._write("interval", t=now, step=state.step, steps=steps, wall_s=wall,
                     eval_s=max(0.0, wall - stepping - incident - setup), checkpoint_s=checkpoint, incident_s=incident,
@@ -116,6 +114,14 @@ class GoodputClock(Callback):
         self._t, self._step = now, state.step
         self._checkpoint_s = self._incident_s = 0.0
         self._incident_at = None
+
+    def _setup(self, state: RunState, room: float) -> float:
+        """The built-in loop's set-up from fit start to its first step (the step-0 report and save), booked to start-up
+        on the launch's first line (0 after it, and for an adapter: its first interval starts before on_fit_start);
+        ``room``: the line's seconds not otherwise booked."""
+        if not self._first or state.steps_from is None:
+            return 0.0
+        return min(max(0.0, state.steps_from - self._t), max(0.0, room))
 
     def _within(self, wall: float) -> tuple[float, float]:
         """(checkpoint, incident) seconds of a line whose wall time is ``wall``, together within it: a save's blocked
@@ -156,9 +162,7 @@ class GoodputClock(Callback):
         now = time.time()
         self._incident_s += self._remedy_seconds(state)
         checkpoint, incident = self._within(now - self._t)
-        setup = 0.0  # (a fit that ended before its first log interval: its set-up is start-up, not steps to redo)
-        if self._first and state.steps_from is not None:
-            setup = min(max(0.0, state.steps_from - self._t), max(0.0, now - self._t - checkpoint - incident))
+        setup = self._setup(state, now - self._t - checkpoint - incident)  # (a fit that ended before its first interval)
         self._write("end", t=now, step=state.step, wall_s=now - self._t, checkpoint_s=checkpoint, incident_s=incident,
                     **({"startup_s": setup} if setup else {}))
         self._file.close()

@@ -24,8 +24,6 @@ import copy
 import json
 import math
 
-from torch import nn
-
 from ..data import fixed_batch
 from ..diagnostics.initialization import (
     OUTPUT_LAYER,
@@ -145,18 +143,11 @@ def check_init(ctx: CheckContext) -> CheckResult:
 
     base = task.model.to(device)
     own = getattr(task, "optimizer", None)  # the run's optimizer, at its peak lr, for the update ratios
-    try:
-        before = InitFingerprint.take(base)
-    except (ValueError, RuntimeError):  # a lazy module's parameters have no values before its first forward
-        before = None
+    before = InitFingerprint.before_forward(base)
     reports = [signal_report(base, batch, task.loss, label=AS_BUILT,
                              make_optimizer=optimizer_factory(base, ctx.cfg.optim, device, own))]
-    # The measuring forward and backward change no parameter: one that did was re-drawn by the model's own forward (a
-    # lazy init on the first call). What was measured is that init, and no scheme applied before it survives it. An
-    # embedding's max_norm renormalizes its rows in the forward by design: not counted.
-    renormed = {f"{m}.weight".lstrip(".") for m, mod in base.named_modules()
-                if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and mod.max_norm is not None}
-    overwritten = [c for c in before.compare(base) if c.name not in renormed] if before is not None else []
+    # What was measured is the init a forward that re-draws left, and no scheme applied before it survives it.
+    overwritten = before.redrawn(base) if before is not None else []
     zero = zero_init_layers(base, reports[0])
     deliberate = [z for z in zero if z.deliberate]
     if deliberate:  # judged without them: on a copy where their weight is small, not 0

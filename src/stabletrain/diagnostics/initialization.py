@@ -132,6 +132,21 @@ class InitFingerprint:
         changes += [InitChange(name, None, new.std, "new") for name, new in now.items() if name not in self.params]
         return changes
 
+    @classmethod
+    def before_forward(cls, model: nn.Module) -> InitFingerprint | None:
+        """:meth:`take`, or None for a lazy module (its parameters have no values before its first forward)."""
+        try:
+            return cls.take(model)
+        except (ValueError, RuntimeError):
+            return None
+
+    def redrawn(self, model: nn.Module) -> list[InitChange]:
+        """The parameters a measuring forward and backward changed (they change none): re-drawn by the model's own
+        forward (a lazy init on the first call). An embedding's max_norm renormalizes its rows by design: not counted."""
+        renormed = {f"{m}.weight".lstrip(".") for m, mod in model.named_modules()
+                    if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and mod.max_norm is not None}
+        return [c for c in self.compare(model) if c.name not in renormed]
+
     @staticmethod
     def describe(changes: list[InitChange], limit: int = 5) -> str:
         """Return a one-line reason for an ``init_overwritten`` event ('' when nothing changed)."""

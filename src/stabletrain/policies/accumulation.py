@@ -193,8 +193,7 @@ class AccumulationWindow:
             self.loss_sum = self.loss_sum + loss_sum.detach()
             self.count = self.count + count
         # No items so far (a first micro-batch masked out): its zeros backpropagated by 1, not by 0/0 (NaN gradients)
-        denominator = (torch.where(self.count > 0, self.count, torch.ones_like(self.count)) if isinstance(self.count, Tensor)
-                       else max(self.count, 1))
+        denominator = torch.where(self.count > 0, self.count, 1) if isinstance(self.count, Tensor) else max(self.count, 1)
         world = self._world_size
         carried = carrier is not None and carrier.travels and world > 1
         if self.sums and (carried or world == 1):  # the raw sum: no rescale, the all-reduce takes buckets as they are

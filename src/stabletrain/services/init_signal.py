@@ -66,11 +66,11 @@ def first_batch_signal(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Modul
     try:
         # The module's own eager forward (no recompile); the RNG streams put back after it.
         with kept_rng(), context or contextlib.nullcontext(), eager_methods(model):
-            before = _fingerprint(model) if disposable else None
+            before = InitFingerprint.before_forward(model) if disposable else None
             report = signal_report(model, batch, loss_fn, label=label, make_optimizer=make_optimizer)
             first_loss = report.loss
             if disposable:  # (a copy: another forward, for the loss at init, is the copy's own; and what its forward drew)
-                overwritten = _overwritten(before, model)
+                overwritten = before.redrawn(model) if before is not None else []
                 uninformed = uninformed_loss(model, batch, loss_fn)
             zero = [z for z in zero_init_layers(model, report) if z.deliberate]
             if zero:  # a zero-initialized output layer or branch end is deliberate: judged without it, as check init does
@@ -115,21 +115,6 @@ def first_batch_signal(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Modul
                   "applied before it survives")
     return {**full, **extra}, {"passed": full["passed"], "summary": full["summary"], "advice": advice,
                                "flagged": [layer.name for layer in report.flagged], **extra}
-
-
-def _fingerprint(model: nn.Module) -> InitFingerprint | None:
-    try:
-        return InitFingerprint.take(model)
-    except (ValueError, RuntimeError):  # a lazy module's parameters have no values before its first forward
-        return None
-
-
-def _overwritten(before: InitFingerprint | None, model: nn.Module) -> list[Any]:
-    """The parameters the report's forward drew again (a lazy init on the first call); an embedding's max_norm, which
-    renormalizes rows in the forward by design, not counted."""
-    renormed = {f"{m}.weight".lstrip(".") for m, mod in model.named_modules()
-                if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and mod.max_norm is not None}
-    return [c for c in before.compare(model) if c.name not in renormed] if before is not None else []
 
 
 def _raised_in(err: BaseException, fn: Any) -> bool:

@@ -84,9 +84,14 @@ class Failure:
         return {"kind": self.kind, "text": self.text, "key": self.key, "progress": self.progress}
 
 
+def _launch_marks(events: list[dict[str, Any]]) -> list[int]:
+    """The indices of ``events``' ``restart`` and ``resume`` events: the last launch's own events follow the last one."""
+    return [i for i, e in enumerate(events) if e.get("kind") in ("restart", "resume")]
+
+
 def last_failure(events: list[dict[str, Any]], last_logged: int = 0) -> Failure:
     """The failure of the launch whose events are last in ``events`` (``last_logged``: metrics.jsonl's last step)."""
-    marks = [i for i, e in enumerate(events) if e.get("kind") in ("restart", "resume")]
+    marks = _launch_marks(events)
     own = events[marks[-1] + 1:] if marks else events
     # a restart's and a resume's step: the one resumed (a restart that started the run over: none, as the first launch)
     mark = events[marks[-1]] if marks else {}
@@ -362,7 +367,7 @@ def _restart_after(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_
         reason = (f"restart {number}{f' of {limit}' if limit else ''} after {who}{met}{note}; resuming from "
                   f"{good.name if good else '?'}: {again}{LATE if late else ''}")
         # Any outcome the dead launch said (its own events: a step an older timeline saved may be saved again)
-        marks = [i for i, e in enumerate(events) if e.get("kind") in ("restart", "resume")]
+        marks = _launch_marks(events)
         recorded = {int(e["step"]) for e in events[marks[-1] + 1 if marks else 0:] if isinstance(e.get("step"), int)
                     and e.get("kind") in ("checkpoint", "checkpoint_failed", "checkpoint_withheld")}
         for path in sorted(p for p in ckpt.checkpoints() if good is not None and step_of(p) not in recorded
