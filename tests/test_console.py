@@ -306,3 +306,5 @@ def test_an_incidents_long_line_keeps_its_first_clauses_and_its_verdict_and_says
     assert len(short.replace(" (all of it: stabletrain diagnose D)", "")) <= 200
     assert brief(evidence[:150], width=200) == evidence[:150]  # one that fits: as it is
     assert brief("a" * 400 + "; b", width=100) == "a" * 400 + "; b"  # two clauses: nothing to leave out
+    listed = "1) " + evidence  # a stray ")" (a review: the depth went below 0 and no clause was split any more)
+    assert brief(listed, width=200) == "1) " + short.replace("... (all of it: stabletrain diagnose D)", "...")

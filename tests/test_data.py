@@ -163,7 +163,7 @@ def test_a_stream_with_every_sample_dropped_says_so_instead_of_reading_past_wind
     stream.drop = set(range(11))  # one sample left: its window, epoch after epoch
     assert [stream.next_window().indices for _ in range(2)] == [[[11]], [[11]]]
     stream.drop = set(range(12))
-    with pytest.raises(ValueError, match=r"^data: no window of epoch \d+ is left to train on once the 12 dropped "):
+    with pytest.raises(ValueError, match=r"^data: no window of epochs 2-4 is left to train on once the 12 dropped "):
         stream.next_window()
     # From the middle of an epoch, the one sample left is behind the position: the next epoch has it (a review: the
     # guard counted windows read past from mid-epoch and raised before reaching it)
@@ -174,6 +174,27 @@ def test_a_stream_with_every_sample_dropped_says_so_instead_of_reading_past_wind
         late.next_window()
     late.drop = set(range(12)) - {order[2]}
     assert late.next_window().indices == [[order[2]]]
+
+
+def test_an_epoch_that_gives_no_window_is_no_error_while_a_later_one_can():
+    """A review: the guard raised as soon as one whole epoch gave no window, though the rest of the epoch was a
+    rollback's skipped window, or a rank's share of one micro-batch was dropped (every rank reads past that window), and
+    the next epoch, reshuffled, trains on the samples left."""
+    data = TensorDataset(torch.arange(4.0).unsqueeze(1))
+    order = EpochOrder(4, batch_size=2, seed=0, shuffle=True)
+    first = order.micro_batches(0)
+    stream = WindowStream(data, order, accum_steps=1)
+    stream.skip, stream.drop = {(0, 0)}, set(first[1])  # one window a rollback skips, the other's samples dropped
+    left = sorted(set(range(4)) - set(first[1]))
+    window = stream.next_window()
+    assert window.epoch == 1 and sorted(i for b in window.indices for i in b) in ([left[0]], [left[1]], left)
+
+    ranked = EpochOrder(4, batch_size=1, seed=0, shuffle=True, rank=0, world_size=2)  # DDP: one sample per rank
+    shares = [ranked.shares(0, b) for b in range(2)]  # [[rank 0's], [rank 1's]] of each global micro-batch
+    ddp = WindowStream(data, ranked, accum_steps=1)
+    ddp.drop = {shares[0][0][0], shares[1][0][0]}  # rank 0's sample of each window: epoch 0 gives none
+    window = ddp.next_window()
+    assert window.epoch >= 1 and not set(window.indices[0]) & ddp.drop
 
 
 class _Augmented(torch.utils.data.Dataset):

@@ -706,6 +706,12 @@ def test_check_inputs_reads_a_mapping_batch_and_keeps_a_flag_across_micro_batche
     assert not bool(inputs_finite(batch)) and bool(inputs_finite(Encoding(x=torch.ones(2))))
     moved = move_to(batch, torch.device("meta"))
     assert type(moved) is Encoding and moved["x"].is_meta and moved["ids"].is_meta
+    from transformers import BatchEncoding  # its other attributes kept (a review: rebuilt from a dict, n_sequences lost)
+
+    encoding = BatchEncoding({"input_ids": torch.tensor([[1, 2]])}, n_sequences=2)
+    moved = move_to(encoding, torch.device("meta"))
+    assert type(moved) is BatchEncoding and moved.n_sequences == 2 and moved["input_ids"].is_meta
+    assert not encoding["input_ids"].is_meta  # the user's batch as it was
 
     class Mixed(Dataset):  # items 0-3 float (item 1's unused feature inf), 4-7 integers only
         def __len__(self):

@@ -162,7 +162,7 @@ def brief(text: str, width: int = 320, more: str = "") -> str:
     whole evidence stays in diagnosis.json; a spike's ran to 550 characters). ``more`` (a path) is not counted."""
     parts, depth, start = [], 0, 0
     for i, ch in enumerate(text):
-        depth += (ch == "(") - (ch == ")")
+        depth = max(0, depth + (ch == "(") - (ch == ")"))  # (a stray ")": an enumeration's "1)" turns no splitting off)
         if depth == 0 and text.startswith("; ", i):
             parts.append(text[start:i])
             start = i + 2

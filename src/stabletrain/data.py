@@ -35,8 +35,10 @@ a sample drawn at random at each fetch is not replayed as the run drew it.
 
 from __future__ import annotations
 
+import copy
 import math
 import random
+from collections import UserDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -69,7 +71,11 @@ def move_to(batch: Any, device: torch.device) -> Any:
         return {k: move_to(v, device) for k, v in batch.items()}
     if t in _SCALARS:
         return batch
-    if isinstance(batch, Mapping) and not isinstance(batch, dict):  # (a UserDict: a Hugging Face BatchEncoding, a pytree leaf)
+    if isinstance(batch, UserDict):  # (a Hugging Face BatchEncoding: a copy keeps its other attributes, its encodings)
+        out = copy.copy(batch)
+        out.data = {k: move_to(v, device) for k, v in batch.data.items()}
+        return out
+    if isinstance(batch, Mapping) and not isinstance(batch, dict):  # (another Mapping: a pytree leaf)
         try:
             return t({k: move_to(v, device) for k, v in batch.items()})
         except TypeError:
@@ -179,6 +185,10 @@ class _SeededBatches(_SeededSamples):
         return self.dataset.__getitems__([i for _, i in keys])  # type: ignore[attr-defined]
 
 
+#: Whole epochs in a row that give no window once the dropped samples are taken out, before the stream says so.
+EMPTY_EPOCHS = 3
+
+
 class WindowStream:
     """Yield optimizer-step windows of up to ``accum_steps`` micro-batches; windows never cross epochs.
 
@@ -232,19 +242,22 @@ class WindowStream:
     def next_window(self) -> Window:
         """Return the next window, moving to the next epoch when this one is used up.
 
-        Windows listed in :attr:`skip` are read past (a rollback's offending data is not seen again). A whole epoch
-        read past with no sample left (every sample in :attr:`drop`): ValueError, not a loop without end.
+        Windows listed in :attr:`skip` are read past (a rollback's offending data is not seen again). Whole epochs that
+        give no window because of :attr:`drop` alone, :data:`EMPTY_EPOCHS` in a row: ValueError, not a loop without end
+        (one such epoch is not enough: a reshuffled epoch may group the samples left into windows every rank can train
+        on, and an epoch read from a resharded resume's origin, or with a rollback's skipped windows, is not whole).
         """
-        whole = self.pos == 0  # read from an epoch's start: an epoch that gives no window at all
+        whole, skipped, empty = self.pos == 0 and self.origin == 0, False, 0
         while True:
             if self._iter is None:
                 self._open()
             if self.pos >= len(self._batches):
-                if whole and self.drop:
-                    raise ValueError(f"data: no window of epoch {self.epoch} is left to train on once the "
-                                     f"{len(self.drop)} dropped samples (skip-samples remedies, the data diagnoses of "
-                                     "rollbacks) are taken out")
-                self.epoch, self.pos, self.origin, whole = self.epoch + 1, 0, 0, True
+                empty = empty + 1 if whole and not skipped and self.drop else 0
+                if empty == EMPTY_EPOCHS:
+                    raise ValueError(f"data: no window of epochs {self.epoch - EMPTY_EPOCHS + 1}-{self.epoch} is left to "
+                                     f"train on once the {len(self.drop)} dropped samples (skip-samples remedies, the data "
+                                     "diagnoses of rollbacks) are taken out")
+                self.epoch, self.pos, self.origin, whole, skipped = self.epoch + 1, 0, 0, True, False
                 self._open()
             take = min(self.accum_steps, len(self._batches) - self.pos)
             indices = self._batches[self.pos:self.pos + take]
@@ -256,6 +269,7 @@ class WindowStream:
             window = Window(self.epoch, self.pos, indices, batches, total)
             self.pos += take
             if (window.epoch, window.start) in self.skip:
+                skipped = True
                 continue
             if self.drop:
                 window = self._without_dropped(window)
