@@ -281,8 +281,11 @@ def test_bad_arguments_say_what_to_do():
     with pytest.raises(ValueError, match="rollback needs the checkpoints"):
         Monitor(model, opt, on_nonfinite="rollback")
     for bad in ("sikp", "rollback", "remedy"):  # a typo was offered rollback and remedy, which are then refused
-        with pytest.raises(ValueError, match=f"^on_spike: expected 'warn' or 'skip', got '{bad}'"):
+        with pytest.raises(ValueError, match=f"^on_spike: expected 'warn' or 'skip', got '{bad}'") as err:
             Monitor(model, opt, on_spike=bad)
+        assert ("host trainer owns" in str(err.value)) is (bad != "sikp")  # why not: for those asked for (a trial)
+    with pytest.raises(ValueError, match=r"^on_nonfinite: expected 'skip', 'stop' or 'warn', got 'bogus'$"):
+        Monitor(model, opt, on_nonfinite="bogus")
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
         Monitor(model, object())
     monitor = Monitor(model, opt, init_check=False)

@@ -70,17 +70,19 @@ class AdapterOptions:
         _check_trackers(self.trackers)
         for name, (default, _) in HOST_OPTIONS.items():
             setattr(self, name, options.pop(name, default))
-        if self.on_nonfinite not in ("skip", "stop", "warn"):
-            raise ValueError(f"on_nonfinite: expected 'skip', 'stop' or 'warn', got {self.on_nonfinite!r} (a rollback "
-                             "needs the checkpoints the host trainer owns: resume it from its own checkpoint)")
+        if self.on_nonfinite not in ("skip", "stop", "warn"):  # (why not the others only where one of them was asked for)
+            raise ValueError(f"on_nonfinite: expected 'skip', 'stop' or 'warn', got {self.on_nonfinite!r}"
+                             + (" (a rollback needs the checkpoints the host trainer owns: resume it from its own "
+                                "checkpoint)" if self.on_nonfinite in ("rollback", "remedy") else ""))
         for name in ("init_check", "mirror"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected True or False, got {brief(getattr(self, name))}")
         if not isinstance(self.keep_max_mib, (int, float)) or isinstance(self.keep_max_mib, bool) or self.keep_max_mib < 0:
             raise ValueError(f"keep_max_mib: expected a number >= 0, got {self.keep_max_mib!r}")
         if options.get("on_spike", "warn") not in ("warn", "skip"):  # (before the config's own check, which offers more)
-            raise ValueError(f"on_spike: expected 'warn' or 'skip', got {options['on_spike']!r} (config key guard.on_spike; "
-                             "a rollback or a remedy needs the checkpoints the host trainer owns)")
+            raise ValueError(f"on_spike: expected 'warn' or 'skip', got {options['on_spike']!r} (config key guard.on_spike"
+                             + ("; a rollback or a remedy needs the checkpoints the host trainer owns"
+                                if options["on_spike"] in ("rollback", "remedy") else "") + ")")
         self._cfg = self.apply(Config(), {**options, "trackers": self.tracker_names()})
         for name, key in CONFIG_KEYS.items():
             if name != "trackers":
