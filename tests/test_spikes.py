@@ -1743,3 +1743,36 @@ def test_a_spike_in_a_window_of_one_sample_names_that_sample(tmp_path):
     assert incident["step"] == 154 and (d["failure_class"], d["bad_samples"]) == ("data", [153]), d
     assert d["evidence"].endswith("the window is one sample, 153: the batch is that sample"), d["evidence"]
 
+
+
+def test_a_hosts_one_step_lr_burst_is_named_with_its_step_and_lr(tmp_path, capsys):
+    """A trial: a hand-written loop set its LR x300 for one step; the spike two steps later was 'state' with "the weights
+    moved ... a large update, or several, among them", its LR never named (both states' LRs are the same). The kept
+    steps' LRs name the step and the LR."""
+    from torch import nn
+
+    from stabletrain import Monitor
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(960, 8, generator=g)
+    y = x @ torch.randn(8, 1, generator=g) + 0.1 * torch.randn(960, 1, generator=g)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+
+    def loss_fn(m, b):
+        return nn.functional.mse_loss(m(b[0]), b[1])
+
+    with Monitor(model, opt, run_dir=tmp_path / "run", clip_max_norm=1.0, loss_fn=loss_fn, log_every=10) as monitor:
+        for s in range(50):
+            batch = (x[s * 16:(s + 1) * 16], y[s * 16:(s + 1) * 16])
+            for group in opt.param_groups:
+                group["lr"] = 3e-3 * (300 if s == 43 else 1)  # step 44's update
+            loss = loss_fn(model, batch)
+            monitor.backward(loss)
+            monitor.step(batch)
+    (incident,) = [e for e in _events(tmp_path / "run") if e["kind"] == "incident"]
+    d = incident["diagnosis"]
+    assert (incident["step"], d["failure_class"]) == (45, "state")
+    said = "the update of step 44 ran at LR 0.9, x300 the other steps' since step 40 (0.003)"
+    assert said in d["evidence"] and said in capsys.readouterr().out

@@ -121,6 +121,7 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
     if m["steps"] is not None and len(lrs) == 1 and min(lrs) > 0:  # the LR this state steps at (one group's, or all alike)
         m["steps"]["lr_now"] = float(lrs.pop())
     m["update_jump"] = update_jump(observed.get("history") or [])
+    m["stretch_lrs"] = observed.get("stretch_lrs")  # (a host's steps' LRs since the interval's snapshot)
     m["older"], m["where"] = _older(bench, bundle, cfg, spike, context, rule, here["loss"]) if why is None else (None, {})
     if m["older"] is None and context and why is None:  # no older state: are the ordinary windows high under this one?
         now = sum(bench.loss(c) for c in context) / len(context)

@@ -27,6 +27,7 @@ Pure: no replay, no state. :mod:`.spike_evidence` turns tensors and per-module s
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
 
 from .spike_evidence import SURGE_FACTOR
@@ -279,7 +280,8 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     else:
         text = ("the model or optimizer state, or this window (not told apart)" if untold or older is not None and not weighed
                 else "the model or optimizer state drifted (a divergence onset, or an LR too high)")
-    text += (_lr_rise(older) + _steps_grew(sizes, older) + drift + acquit + _update_jump(m.get("update_jump"), older)
+    text += (_lr_burst(m.get("stretch_lrs"), older) + _lr_rise(older) + _steps_grew(sizes, older) + drift + acquit
+             + _update_jump(m.get("update_jump"), older)
              + _moved(older, sizes, m.get("update_jump"), m.get("step", 0)))
     if where.get("first"):
         out["blamed_module"] = where["first"]
@@ -297,6 +299,22 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
                                                                else " (none above an ordinary step's)")
                  + " against ordinary windows under this state and its LR")
     return {**out, "failure_class": "state", "evidence": text}
+
+
+def _lr_burst(lrs: list[list[float]] | None, older: dict[str, Any] | None) -> str:
+    """The step since the older state whose update ran at an LR :data:`LR_RISE` times or more the median of the others'
+    (``lrs``: ``[[t, lr], ...]``, a host's steps as it set them): a burst that ended before the spike, which the LRs of
+    the two states alone do not show."""
+    since = older["step"] if older is not None else -1
+    steps = [(int(t), lr) for t, lr in lrs or [] if t > since and lr > 0]
+    if len(steps) < 2:
+        return ""
+    t, lr = max(steps, key=lambda s: s[1])
+    typical = statistics.median(x for u, x in steps if u != t)
+    if lr < LR_RISE * typical:
+        return ""
+    return (f"; the update of step {t} ran at LR {lr:.3g}, x{lr / typical:.3g} the other steps' since step "
+            f"{since if since >= 0 else steps[0][0] - 1} ({typical:.3g})")
 
 
 def _lr_rise(older: dict[str, Any] | None) -> str:

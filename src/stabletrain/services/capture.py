@@ -123,6 +123,10 @@ class StepSource(Protocol):
         of them can go). Returns the param groups' lrs step ``step`` ran at, where the live optimizer's show the next
         step's (a host's scheduler steps before the boundary); ``[]``: not known; None: the optimizer's are it."""
 
+    def stretch_lrs(self, start: int, step: int) -> list[list[float]] | None:
+        """``[[t, lr], ...]``: the LR (the largest param group's) each step after ``start`` up to before ``step`` ran at,
+        where the host set it (its steps kept); None: the run's schedule (replayed as it ran)."""
+
     def reference_state(self, fit: RunState, before: int, unlike: dict[str, Any]
                         ) -> tuple[dict[str, Any], int, dict[str, Any] | None] | None:
         """(a one-process model state older than step ``before`` whose weights differ from ``unlike``, its step, the
@@ -418,6 +422,9 @@ class IncidentCapture:
                                             if row.step < step]
             if spike:  # what the spike's counterfactual replays need: the rule's window, the older state, the run's steps
                 spike_parts(self, fit, bundle, step, start, info, first=n == 0)
+                lrs = src.stretch_lrs(start[1], step)  # (a host's one-step LR burst: named, not only "the weights moved")
+                if lrs:
+                    bundle["observed"]["stretch_lrs"] = lrs
                 flagged = unordinary(fit, rows)  # the flagged steps right before it: a burst (a loss at a new level)
                 run = next((k for k in range(step) if step - 1 - k not in flagged), step)
                 if run:

@@ -86,6 +86,9 @@ class LoopSteps:
     def interval_started(self, retired: int | None, step: int) -> None:
         return None  # the stream replays any window; the schedule writes a step's lr before it
 
+    def stretch_lrs(self, start: int, step: int) -> None:
+        return None  # the schedule's, replayed as the run stepped
+
     def reference_state(self, fit: RunState, before: int, unlike: dict[str, Any]
                         ) -> tuple[dict[str, Any], int, dict[str, Any] | None] | None:
         """The newest verified checkpoint before step ``before`` (LAST_GOOD or older) whose model differs from

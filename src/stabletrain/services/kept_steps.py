@@ -256,6 +256,10 @@ class HostSteps:
             return "no replay of the host's steps (pass loss_fn= to replay them)"
         return None
 
+    def stretch_lrs(self, start: int, step: int) -> list[list[float]] | None:
+        kept = [(t, self.keeper.steps[t].lrs) for t in range(start + 1, step) if t in self.keeper.steps]
+        return [[t, max(float(lr) for lr in lrs)] for t, lrs in kept if lrs] or None
+
     def replay_to(self, fit: Any, step: int, start: int, locate: Any, rows: list[Any] = (),
                   keep_previous: bool = False) -> tuple[int, None]:
         applied = {r.step: r.values["applied"] >= 0.5 for r in rows}
