@@ -919,6 +919,15 @@ def test_the_health_summary_says_a_runs_early_outliers_which_no_incident_covers(
     assert said.startswith(f"1 early outlier before the spike rule armed: step {event.step} (loss ") and \
         "may be diverging from the start (an LR too high for it?)." in said, said
     assert h.figures["early_outlier_steps"] == [event.step]
+    # One on step 1, told against the losses after it (a trial: it read "every loss before it", of which it has none)
+    events = [json.loads(x) for x in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    (tmp_path / "run" / "events.jsonl").write_text("".join(json.dumps(
+        {**e, "step": 1, "against": "the median of the losses after it (to step 5)"} if e["kind"] == "early_outlier" else e)
+        + "\n" for e in events))
+    [said] = [text for level, text in health_summary(load_run(tmp_path / "run")).sentences
+              if level == "warn" and "early outlier" in text]
+    assert "step 1 (loss " in said and "the median of the losses after it (to step 5))" in said and \
+        "every loss before it" not in said.split(";")[0] and "its batch (a corrupted sample?)" in said, said
 
 
 def test_the_health_summary_says_what_the_init_report_found_at_step_0(tmp_path):

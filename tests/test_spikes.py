@@ -1712,19 +1712,24 @@ def test_a_rollback_for_a_state_spike_says_that_skipping_its_data_may_not_cure_i
 
 def test_a_huge_loss_before_the_rule_arms_is_said_once_and_an_ordinary_start_is_not(tmp_path, capsys):
     """A x1000 loss at step 3 or 4 passed in silence (the rule arms after 4 losses): one line and an event now,
-    nothing skipped; a healthy run's falling first losses (and the steps after arming) get no such line."""
-    for step in (3, 4):
-        run_dir = tmp_path / f"at{step}"
-        first = 8 * (step - 1)  # data.shuffle=false, batch 8: the step's window
-        trainer = Trainer(cfg("train.batch_size=8", "log.every=5", "data.shuffle=false", "train.max_steps=5"),
-                          task=outlier_samples_task(bad=tuple(range(first, first + 3)), scale=300.0), run_dir=run_dir)
+    nothing skipped; a healthy run's falling first losses (and the steps after arming) get no such line. Nor did one on
+    step 1, or on steps 1 and 2, which no loss precedes (a trial): against the losses after them, once step 5 is in,
+    whatever the log interval."""
+    for steps, every in (((3,), 5), ((4,), 5), ((1,), 5), ((1, 2), 1)):
+        run_dir = tmp_path / f"at{steps}"
+        bad = tuple(i for step in steps for i in range(8 * (step - 1), 8 * (step - 1) + 3))  # (unshuffled, batch 8)
+        trainer = Trainer(cfg("train.batch_size=8", f"log.every={every}", "data.shuffle=false", "train.max_steps=6"),
+                          task=outlier_samples_task(bad=bad, scale=300.0), run_dir=run_dir)
         trainer.fit()
         said = [e for e in _events(run_dir) if e["kind"] == "early_outlier"]
-        assert [e["step"] for e in said] == [step] and said[0]["factor"] > 32, said
-        assert said[0]["reason"].startswith(f"step {step}'s loss ") and "not judged (the spike rule arms after 4 losses)" \
-            in said[0]["reason"]
+        assert [e["step"] for e in said] == list(steps) and all(e["factor"] > 32 for e in said), said
+        for e, step in zip(said, steps):
+            assert e["reason"].startswith(f"step {step}'s loss ") and "not judged (the spike rule arms after 4 losses)" \
+                in e["reason"]
+            assert ("the median of the losses after it (to step 5)" in e["reason"]) is (1 in steps), e["reason"]
         assert not [e for e in _events(run_dir) if e["kind"] in ("skip", "incident")]
-        assert f"step {step}'s loss" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert all(f"step {step}'s loss" in err for step in steps)
     healthy = tmp_path / "healthy"
     Trainer(cfg("train.batch_size=2", "log.every=5", "train.max_steps=10"), task=outlier_samples_task(bad=()),
             run_dir=healthy).fit()

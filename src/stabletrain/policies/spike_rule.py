@@ -9,6 +9,7 @@ judge "normal by the guard's own rule" with.
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
 
 import numpy as np
@@ -71,20 +72,27 @@ def far_spike(x: Any, values: np.ndarray, median: Any, cfg: GuardConfig) -> bool
             and bool(robust_z(x, values, median) > np.float32(cfg.spike_zscore)))
 
 
-def unjudged_outliers(rows: list[Any], cfg: GuardConfig) -> list[tuple[int, float, float]]:
-    """The losses among a run's first :data:`EARLY_ARM` (before the rule arms) that exceed ``spike_ratio ** FAR`` (32x
-    with the defaults) times every finite loss before them: ``(step, loss, that factor)``, for a line that says so.
+def unjudged_outliers(first: list[tuple[int, float]], cfg: GuardConfig) -> list[tuple[int, float, float, str]]:
+    """The losses among a run's first :data:`EARLY_ARM` (before the rule arms) that stand out: ``(step, loss, factor,
+    against what)``, for a line that says so. ``first``: the run's first losses, ``(step, loss)`` in order.
 
-    A run's first losses fall; one that is 32 times all of them is not its start. Told, not acted on: the rule is not
-    armed on so few losses (a small batch's early losses spread widely), so nothing is skipped or captured.
+    A run's first losses fall; one that is ``spike_ratio ** FAR`` (32x with the defaults) times every finite loss before
+    it is not its start. Nor, once the losses up to step ``EARLY_ARM + 1`` are in, is one ``spike_ratio ** (2 * FAR)``
+    (1024x) times the median of the two or more after it: a spike on the run's first steps, which no loss precedes (a
+    start that falls 1024x in a few steps is one a look is worth). Told, not acted on: the rule is not armed on so few
+    losses (a small batch's early losses spread widely), so nothing is skipped or captured.
     """
     out, before = [], []
-    for row in rows:
-        loss = float(row.values["loss"])
-        if row.step > EARLY_ARM or not math.isfinite(loss):
+    losses = [(t, x) for t, x in first if t <= EARLY_ARM + 1 and math.isfinite(x)]
+    for step, loss in losses:
+        if step > EARLY_ARM:
             break
         top = max(before, default=0.0)
+        after = [x for t, x in losses if t > step]
+        typical = statistics.median(after) if len(after) >= 2 else 0.0
         if before and top > 0 and loss > cfg.spike_ratio ** FAR * top:
-            out.append((row.step, loss, loss / top))
+            out.append((step, loss, loss / top, "every loss before it"))
+        elif losses[-1][0] == EARLY_ARM + 1 and typical > 0 and loss > cfg.spike_ratio ** (2 * FAR) * typical:
+            out.append((step, loss, loss / typical, f"the median of the losses after it (to step {EARLY_ARM + 1})"))
         before.append(loss)
     return out

@@ -24,7 +24,8 @@ EVENT_KINDS: dict[str, str] = {
                  "history while the loss had not; 'layers' names each with its ratio, typical ratio, factor and z-score "
                  "(and its grad norm's)",
     "early_outlier": "one of a run's first losses, before the spike rule arms, was over spike_ratio**5 (32x) every loss "
-                     "before it: said, not judged, skipped or captured ('loss', 'factor')",
+                     "before it, or spike_ratio**10 (1024x) the median of those after it to step 5: said, not judged, "
+                     "skipped or captured ('loss', 'factor')",
     "incident": "a bad step was captured into incidents/step_N (and diagnosed unless capture.diagnose=false), or could not be",
     "checkpoint": "a checkpoint was written, verified, and LAST_GOOD moved to it",
     "checkpoint_withheld": "no checkpoint was written because the state was not finite or was inside an incident; "

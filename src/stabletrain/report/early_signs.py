@@ -46,8 +46,12 @@ def early_outlier_sentence(run: RunData, h: Any) -> None:
     h.figures["early_outlier_steps"] = [e.step for e in events]
     if not events:
         return
-    shown = [f"step {e.step:,} (loss {fmt_num(e.extra.get('loss'))}, x{fmt_num(e.extra.get('factor'))} every loss "
-             f"before it)" for e in events[:4]]
+    against = [e.extra.get("against") or "every loss before it" for e in events]
+    shown = [f"step {e.step:,} (loss {fmt_num(e.extra.get('loss'))}, x{fmt_num(e.extra.get('factor'))} {what})"
+             for e, what in zip(events[:4], against)]
+    why = ("a run that jumps this far in its first steps may be diverging from the start (an LR too high for it?)"
+           if all(a.startswith("every loss before") for a in against) else
+           "a first step far above the steps after it is its batch (a corrupted sample?) or a start far from where the "
+           "run went; one far above those before it, a divergence from the start (an LR too high for it?)")
     h.say("warn", f"{plural(len(events), 'early outlier')} before the spike rule armed: {'; '.join(shown)}"
-                  f"{' ...' if len(events) > 4 else ''}: not judged, skipped or captured; a run that jumps this far in its "
-                  "first steps may be diverging from the start (an LR too high for it?).")
+                  f"{' ...' if len(events) > 4 else ''}: not judged, skipped or captured; {why}.")

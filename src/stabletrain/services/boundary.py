@@ -50,6 +50,8 @@ class IntervalBoundary:
         self.names = [n for n, _ in state.named_params]
         self.precursor = state.precursor = Precursor(state.cfg.guard, self.names,  # a warning before the spike
                                                      [p.numel() for _, p in state.named_params])
+        self.first_losses: list[tuple[int, float]] = []  # the run's first losses (unjudged_outliers), and those said
+        self.first_said: set[int] = set()
         self.small_spikes_said = False  # the line for a spike too small to capture: once
         self.spent_said = False  # the line for a spike after the run's captures are spent: once
         # The last captured burst of spikes: its first step, its last so far, its class, and whether its going on was said
@@ -78,11 +80,15 @@ class IntervalBoundary:
         if self.count_samples:
             state.samples_seen += summary["interval_samples"]
         decision = self.guard.decide(rows)
-        if rows and rows[0].step <= EARLY_ARM:  # a run's first losses, which the spike rule does not judge
-            for step, loss, factor in unjudged_outliers(rows, self.guard.cfg):
-                text = (f"step {step}'s loss {loss:.4g} is x{factor:.3g} every loss before it: not judged (the spike rule "
+        if rows and rows[0].step <= EARLY_ARM + 1:  # a run's first losses, which the spike rule does not judge
+            self.first_losses += [(r.step, float(r.values["loss"])) for r in rows if r.step <= EARLY_ARM + 1]
+            for step, loss, factor, against in unjudged_outliers(self.first_losses, self.guard.cfg):
+                if step in self.first_said:
+                    continue
+                self.first_said.add(step)
+                text = (f"step {step}'s loss {loss:.4g} is x{factor:.3g} {against}: not judged (the spike rule "
                         f"arms after {EARLY_ARM} losses), not skipped or captured")
-                state.event(step, "early_outlier", text, loss=loss, factor=factor)
+                state.event(step, "early_outlier", text, loss=loss, factor=factor, against=against)
                 console.warn(text)
         if decision.stall is not None:  # guard.on_stall=warn: said once (stop: the caller stops with it)
             state.event(state.step, "stall", decision.stall)
