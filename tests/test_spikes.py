@@ -953,18 +953,28 @@ def test_without_an_older_state_a_window_reaching_rarely_trained_coordinates_is_
     assert classify_spike({**m, "surges": [surge], "spread": 0.125})["failure_class"] == "optimizer-state"  # a few
 
 
-def test_a_spike_rollback_also_drops_the_samples_its_diagnosis_named(tmp_path):
+@pytest.mark.parametrize("bad", [(153, 157), (147, 153, 157)])
+def test_a_spike_rollback_also_drops_the_samples_its_diagnosis_named(tmp_path, bad):
     """guard.on_spike=rollback on outlier samples that come back every epoch (in other windows): skipping the spike's
     window alone met them again each epoch until guard.max_rollbacks stopped the run; the samples the diagnosis named
-    (and verified) are dropped too, so one rollback suffices, and a resume keeps them dropped."""
+    (and verified) are dropped too, so one rollback suffices, and a resume keeps them dropped. A burst over two windows
+    (sample 147 is step 19's, the onset): the later window's samples were not named, came back the next epoch and made
+    a second rollback (a trial); the diagnosis weighs the burst's windows too."""
     run_dir = tmp_path / "run"
     c = cfg("train.batch_size=8", "log.every=10", "data.shuffle=false", "train.max_steps=70", "optim.lr=0.01",
             "ckpt.every=10", "guard.on_spike=rollback", "ckpt.keep=10")
-    trainer = Trainer(c, task=outlier_samples_task(), run_dir=run_dir)
+    trainer = Trainer(c, task=outlier_samples_task(bad=bad), run_dir=run_dir)
     trainer.fit()
     events = _events(run_dir)
     rollbacks = [e for e in events if e["kind"] == "rollback"]
-    assert len(rollbacks) == 1 and rollbacks[0]["dropped_samples"] and set(rollbacks[0]["dropped_samples"]) <= {153, 157}
+    assert len(rollbacks) == 1 and rollbacks[0]["dropped_samples"] and set(rollbacks[0]["dropped_samples"]) <= set(bad)
+    if len(bad) == 3:
+        (incident,) = [e for e in events if e["kind"] == "incident"]
+        assert incident["step"] == 19 and incident["diagnosis"]["bad_samples"] == [147]
+        assert incident["diagnosis"]["burst_samples"] == [{"step": 20, "samples": [153, 157],
+                                                           "share": pytest.approx(1, abs=0.1)}]
+        assert set(rollbacks[0]["dropped_samples"]) == set(bad) and "the burst's step 20: samples 153, 157 carry" in (
+            incident["diagnosis"]["evidence"])
     assert "which the diagnosis named" in rollbacks[0]["reason"]
     assert trainer.step == 70 and trainer.state.stop_reason is None
     assert not [e for e in events if e["kind"] == "spike" and e["step"] > 20]  # step 52 (epoch 2) met them no more

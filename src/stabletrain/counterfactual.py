@@ -170,6 +170,13 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
         verdict["evidence"] += (f"; sample{'s' if len(again) > 1 else ''} {', '.join(map(str, again))} carried the "
                                 f"spike{'s' if len(steps) > 1 else ''} at step{'s' if len(steps) > 1 else ''} "
                                 f"{', '.join(map(str, steps))} too: {'they come' if len(again) > 1 else 'it comes'} back")
+    if verdict["failure_class"] == "data" and verdict["blamed_samples"] and m["reproduces"] and observed.get("burst"):
+        verdict["burst_samples"] = _burst_samples(bench, observed["burst"], rule, cfg.guard.spike_ratio,
+                                                  m["dropout"] is not None)
+        verdict["evidence"] += "".join(
+            f"; the burst's step {b['step']}: sample{'s' if len(b['samples']) > 1 else ''} "
+            f"{', '.join(map(str, b['samples']))} carr{'y' if len(b['samples']) > 1 else 'ies'} {100 * b['share']:.0f}% of "
+            "its window's loss, without them normal (verified under this state)" for b in verdict["burst_samples"])
     burst = observed.get("flagged_before") or {}
     if (verdict["failure_class"] == "data" and not verdict["blamed_samples"] and m["reproduces"]
             and burst.get("steps", 0) >= LEVEL_RUN):  # every window since is as high: a new level, not one batch
@@ -217,6 +224,24 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
     out["timings"] = {"replays_s": replays_s, "samples_s": samples_s, "total_s": time.perf_counter() - start}
     out["passes"] = bench.passes
     return with_sample_ranks(out, bundle)
+
+
+def _burst_samples(bench: ReplayBench, burst: list[list[Any]], rule: Any, bound: float, dropout: bool
+                   ) -> list[dict[str, Any]]:
+    """The samples that carry each window of a data spike's burst (``[[step, indices], ...]``: the flagged steps right
+    after it, one process), weighed under the state before the spike and verified as the spike's are; the burst's first
+    window that is no spike under it, or whose spike no few samples carry, ends the list. A rollback drops them all: one
+    left out comes back the next epoch (a trial's second rollback)."""
+    out = []
+    for step, indices in burst:
+        groups = bench.groups(indices)
+        if not groups or not rule(bench.loss(groups))["spike"]:
+            break
+        _, found, _ = weigh_samples(bench, groups, rule, None, bound, dropout=dropout)
+        if not found:
+            break
+        out.append({"step": int(step), "samples": list(found["indices"]), "share": float(found["share"])})
+    return out
 
 
 def _fp32_cure(bench: ReplayBench, spike: list, rule: Any, where: dict[str, Any]) -> dict[str, Any]:

@@ -41,7 +41,7 @@ __all__ = ["STAGES", "DIAGNOSIS_FIELDS", "run_diagnosis", "matches_observed"]
 
 #: The diagnosis fields an ``incident`` event carries (the whole diagnosis is in ``diagnosis.json``).
 DIAGNOSIS_FIELDS = ("summary", "failure_class", "evidence", "stage", "op", "direction", "module", "origin",
-                    "first_nonfinite_param", "bad_samples", "reproduces", "rank")
+                    "first_nonfinite_param", "bad_samples", "burst_samples", "reproduces", "rank")
 
 STAGES = ("inputs", "activations", "loss", "gradients", "update", "none")
 

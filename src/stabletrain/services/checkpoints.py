@@ -379,8 +379,10 @@ class CheckpointKeeper:
         from_step = state.step
         skip = state.stream.skip | windows
         diagnosis = (found or {}).get("diagnosis") or {}  # (rank 0's: it diagnosed the capture)
-        samples = state.dist.on_main(lambda: sorted({int(i) for i in diagnosis.get("bad_samples") or []}
-                                                    if diagnosis.get("failure_class") == "data" else set()))
+        named = [*(diagnosis.get("bad_samples") or []),  # (and the burst's later windows')
+                 *(i for b in diagnosis.get("burst_samples") or [] for i in b["samples"])]
+        samples = state.dist.on_main(lambda: sorted({int(i) for i in named} if diagnosis.get("failure_class") == "data"
+                                                    else set()))
         self.dropped_by_rollbacks |= set(samples)
         with restore_counters():
             self.state.load_state_dict(loaded.state)

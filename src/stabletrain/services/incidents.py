@@ -38,6 +38,7 @@ __all__ = ["IncidentRecorder", "LoopSteps"]
 #: How many checkpoints a spike's capture reads at most looking for an older state (:meth:`LoopSteps.reference_state`).
 MAX_REFERENCE_LOADS = 3
 RECENT = 12  # windows a spike's capture looks through for ordinary ones (before it, then after it)
+MAX_BURST = 3  # the flagged steps right after a spike whose windows its diagnosis weighs too (one process)
 
 
 class LoopSteps:
@@ -149,12 +150,19 @@ class LoopSteps:
         self._window = window = fit.stream.next_window()
         ordinary = [w for s, w in self._recent if s not in avoid][-context:] if context else []
         after, last = step, min(step + RECENT, seen if seen is not None else step + RECENT)
-        while len(ordinary) < context and after < last:  # a spike early in its interval: the windows after it that
-            after += 1  # the interval saw as ordinary (the stream is put back); none it never trained (a run stopped)
-            later = fit.stream.next_window().indices
+        # A spike's burst (one process): the flagged steps right after it, whose windows its diagnosis weighs too.
+        burst: list[list[Any]] = []
+        bursting = bool(context) and not fit.dist.enabled
+        while after < last and (len(ordinary) < context or bursting and after + 1 in avoid and len(burst) < MAX_BURST):
+            after += 1  # a spike early in its interval: the windows after it that the interval saw as ordinary (the
+            later = fit.stream.next_window().indices  # stream is put back); none it never trained (a run stopped)
             if after not in avoid:
-                ordinary.append(later)
-        return {"rank": fit.dist.rank, "rng": rng, "context": ordinary,
+                bursting = False
+                if len(ordinary) < context:
+                    ordinary.append(later)
+            elif bursting:
+                burst.append([after, later])
+        return {"rank": fit.dist.rank, "rng": rng, "context": ordinary, **({"burst": burst} if burst else {}),
                 "window": {"epoch": window.epoch, "start": window.start, "indices": window.indices},
                 "previous_window": self._recent[-1][1] if self._recent else None}
 
@@ -179,6 +187,7 @@ class LoopSteps:
                 "rng": record["rng"], "schedule": before["schedule"], "precision": before["precision"],
                 "observed": {"after_update": info["after_update"], "interval_loss": interval_loss,
                              **({"context": record["context"]} if record.get("context") else {}),
+                             **({"burst": record["burst"]} if record.get("burst") else {}),
                              "ranks": info["ranks"], "grad_norm": info.get("grad_norm"),
                              # The step's loss as the run saw it; the replay compares it bitwise (one process:
                              # under DDP the run's loss is the global one, a replay sees one rank's batch).
