@@ -340,7 +340,13 @@ def test_compare_draws_post_clip_norms_from_zero_and_one_setting_of_two_hosts_on
         assert sorted(y[0] for y in dashed if len(y)) == [0.8, 1.0]  # each run's threshold (and a legend entry)
 
     # A Monitor run and a Lightning run with the same clip: host.clip_max_norm vs host.gradient_clip_val is one
-    # setting under two hosts' names, not two differences; clip.max_norm is what compares them.
+    # setting under two hosts' names, not two differences; clip.max_norm is what compares them. (The config table: one
+    # plot drawn.)
+    from stabletrain.report import compare, plots
+
+    only_loss = {"loss": plots.COMPARE_METRICS["loss"]}
+    monkeypatch.setattr(plots, "COMPARE_METRICS", only_loss)
+    monkeypatch.setattr(compare, "COMPARE_METRICS", only_loss)
     runs = []
     for name, host in (("loop", {"log_every": 10, "clip_max_norm": 1.0}), ("lightning", {"gradient_clip_val": 1.0,
                                                                                         "accumulate_grad_batches": 1})):
@@ -485,6 +491,11 @@ def test_throughput_and_items_seen_are_in_the_tasks_unit(real_run, other_run, tm
 
 def test_compare_writes_nothing_in_the_current_directory(real_run, other_run, tmp_path, monkeypatch, capsys):
     from stabletrain.cli import main
+    from stabletrain.report import compare, plots
+
+    only_loss = {"loss": plots.COMPARE_METRICS["loss"]}  # where the files go, not what they draw: one plot (2 s -> 0.3 s)
+    monkeypatch.setattr(plots, "COMPARE_METRICS", only_loss)
+    monkeypatch.setattr(compare, "COMPARE_METRICS", only_loss)
 
     a, b = tmp_path / "runs" / "a", tmp_path / "runs" / "b"
     for src, dst in ((real_run, a), (other_run, b)):
