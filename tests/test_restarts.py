@@ -818,3 +818,40 @@ def test_a_checkpoint_whose_event_a_kill_cut_off_is_recorded_at_the_restart_and_
     (restart,) = [e for e in events if e["kind"] == "restart"]
     assert restart["failure"]["progress"] is True and restart["checkpoint"] == "step_000006", restart
     assert health_summary(load_run(run_dir)).figures["checkpoints"] == 4  # steps 0, 2, 4, 6
+
+
+def test_while_its_launcher_waits_to_restart_it_the_run_directory_stays_in_use(tmp_path, monkeypatch):
+    """A trial: a run with run.max_restarts crashed; while its launcher waited to restart it launch.json was gone and a
+    second run.resume=auto took the run over (both wrote one run directory). A process that ends by an error keeps its
+    launcher (PARENT_ENV, alive) in launch.json: another launch is refused, the launcher's own restart is not; a run
+    that ends well removes the record."""
+    from stabletrain.callbacks import Callback
+    from stabletrain.records.launches import PARENT_ENV, as_parent, refuse_if_running
+
+    class Crash(Callback):
+        def on_step_end(self, state, out):
+            if state.step == 3:
+                raise RuntimeError("boom")
+
+    run_dir = tmp_path / "run"
+    parent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # the launcher, waiting
+    try:
+        monkeypatch.setenv(PARENT_ENV, json.dumps({**json.loads(as_parent()[PARENT_ENV]), "pid": parent.pid,
+                                                   "start": None}))
+        c = cfg("train.max_steps=6", "log.every=2", "ckpt.every=2")
+        with pytest.raises(RuntimeError, match="boom"):
+            Trainer(c, run_dir=run_dir, callbacks=[Crash()]).fit()
+        assert [p["pid"] for p in json.loads((run_dir / "launch.json").read_text())["processes"]] == [parent.pid]
+        refuse_if_running(run_dir)  # the launcher's own restart: its processes carry it
+        monkeypatch.delenv(PARENT_ENV)
+        with pytest.raises(ValueError, match=rf"is in use: 1 process\(es\) of an earlier launch still run on it \(pid "
+                                             rf"{parent.pid} "):
+            refuse_if_running(run_dir)  # another launch (a resubmitted run.resume=auto)
+        parent.kill()
+        parent.wait()
+        refuse_if_running(run_dir)  # the launcher gone: no longer in use
+        monkeypatch.setenv(PARENT_ENV, json.dumps({**json.loads(as_parent()[PARENT_ENV]), "start": None}))
+        Trainer(c, run_dir=run_dir, resume=True).fit()  # (this process as the launcher) a run that ends well
+        assert not (run_dir / "launch.json").exists()
+    finally:
+        parent.kill()

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ..process import stat_fields
+from ..records.launches import as_parent
 
 __all__ = ["launch", "supervise", "die_with_parent", "LAUNCHER_ENV", "LAUNCH_MARK_ENV", "RESTART_ENV", "LAUNCH_START_ENV",
            "SUPERVISED_ENV", "EXIT_GAVE_UP", "EXIT_NO_UPDATE", "FINAL_EXITS", "death_record", "describe_exit", "leave_word",
@@ -61,10 +62,9 @@ SUPERVISED_ENV = "STABLETRAIN_SUPERVISED"
 EXIT_GAVE_UP, EXIT_NO_UPDATE = 3, 4
 #: Exit codes after which a run is never restarted (see the module docstring).
 FINAL_EXITS = (0, 2, EXIT_GAVE_UP, EXIT_NO_UPDATE, 130)
-#: For a torchrun that restarts its ranks: a rendezvous store of their own per attempt. The store torchrun's
-#: agent shares with them by default outlives an attempt, and a restart's ranks can read the addresses of the
-#: attempt before and fail to connect (gloo: "connectFullMesh failed ... Connection refused";
-#: pytorch/pytorch#135712, seen with torch 2.13 on every restart here).
+#: For a torchrun that restarts its ranks: a rendezvous store of their own per attempt. The store torchrun's agent shares
+#: with them by default outlives an attempt, and a restart's ranks can read the addresses of the attempt before and fail
+#: to connect (gloo: "connectFullMesh failed ... Connection refused"; pytorch/pytorch#135712, seen with torch 2.13 here).
 UNSHARED_STORE = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 #: Set by a launcher that restarts the run (:func:`supervise`, :mod:`.elastic`) for its processes: a file where the one
 #: that opens the run directory writes its path (:func:`note_run_dir`), for the launcher to record there a death it
@@ -322,7 +322,7 @@ def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
     cmd = [sys.executable, "-m", "stabletrain.distributed.elastic", "--standalone", f"--nproc_per_node={nproc}",
            f"--max-restarts={max_restarts}", "-m", "stabletrain", *argv]
     launcher = os.getpid()
-    env = {**os.environ, LAUNCHER_ENV: str(launcher), LAUNCH_MARK_ENV: str(launcher)}
+    env = {**os.environ, LAUNCHER_ENV: str(launcher), LAUNCH_MARK_ENV: str(launcher), **as_parent()}
     env.setdefault(LAUNCH_START_ENV, str(process_start_time() or time.time()))
     if max_restarts:
         env.setdefault(*UNSHARED_STORE)
@@ -451,7 +451,7 @@ def supervise(argv: list[str], *, max_restarts: int) -> int:
     """
     me = os.getpid()
     stopping: list[int] = []
-    env = {**os.environ, SUPERVISED_ENV: "1", "PYTHONUNBUFFERED": "1",
+    env = {**os.environ, SUPERVISED_ENV: "1", "PYTHONUNBUFFERED": "1", **as_parent(),
            LAUNCH_START_ENV: os.environ.get(LAUNCH_START_ENV) or str(process_start_time() or time.time())}
     env.pop(RESTART_ENV, None)
     note = run_dir_note(env)

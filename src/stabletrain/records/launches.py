@@ -12,10 +12,28 @@ from typing import Any
 from ..process import stat_fields
 
 __all__ = ["unfinished_note", "LAUNCH_FILE", "is_running", "refuse_if_running", "running_launch", "this_process",
-           "started_over"]
+           "started_over", "PARENT_ENV", "as_parent", "launch_parent"]
 
 #: when the run opens, removed when it closes. What a SIGKILL leaves behind names processes that are gone.
 LAUNCH_FILE = "launch.json"
+#: The process that restarts the run's (stabletrain's supervisor, or the launcher of torchrun's agent), as
+#: :func:`this_process` records it, in its children's environment (:func:`as_parent`): recorded in :data:`LAUNCH_FILE`
+#: with them and kept there when they end by an error, so that while it waits to restart them the directory is in use.
+PARENT_ENV = "STABLETRAIN_RUN_PARENT"
+
+
+def as_parent() -> dict[str, str]:
+    """The environment that makes this process the run's parent (:data:`PARENT_ENV`) for the processes it starts."""
+    return {PARENT_ENV: json.dumps(this_process())}
+
+
+def launch_parent() -> list[dict[str, Any]]:
+    """This process's launcher that restarts it (:data:`PARENT_ENV`): ``[its record]``, or ``[]``."""
+    try:
+        proc = json.loads(os.environ.get(PARENT_ENV) or "null")
+    except ValueError:
+        return []
+    return [proc] if isinstance(proc, dict) and isinstance(proc.get("pid"), int) else []
 
 
 def this_process() -> dict[str, Any]:
@@ -54,7 +72,7 @@ def running_launch(run_dir: str | Path, exclude: Sequence[dict[str, Any]] = ()) 
         recorded = json.loads((Path(run_dir) / LAUNCH_FILE).read_text(encoding="utf-8"))["processes"]
     except (OSError, ValueError, KeyError, TypeError):
         return []
-    mine = {(p["host"], p["pid"]) for p in exclude}
+    mine = {(p["host"], p["pid"]) for p in [*exclude, *launch_parent()]}  # (this launch's own launcher too)
     return [p for p in recorded if isinstance(p, dict) and (p.get("host"), p.get("pid")) not in mine and is_running(p)]
 
 
@@ -75,7 +93,7 @@ def unfinished_note(run_dir: str | Path) -> str:
         return "still running, or stopped early"
     if running_launch(run_dir):
         return "still running"
-    return ("its processes are gone with no stop or crash recorded: killed? stabletrain train --resume RUN_DIR "
+    return (f"its processes are gone with no stop or crash recorded: killed? stabletrain train --resume {run_dir} "
             "continues it")
 
 

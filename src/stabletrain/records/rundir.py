@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from ..config import Config, ConfigError, config_to_dict
 from ..fileio import atomic_write
 from .events import EVENT_KINDS
 from .jsonl import JsonlWriter, json_safe
-from .launches import LAUNCH_FILE
+from .launches import LAUNCH_FILE, is_running, launch_parent
 
 __all__ = ["RunDir", "append_event"]
 
@@ -171,15 +172,22 @@ class RunDir:
         return record
 
     def record_launch(self, processes: list[dict[str, Any]]) -> None:
-        """Write :data:`LAUNCH_FILE`: the processes (every rank's :func:`this_process`) now running on this directory."""
-        atomic_write(self.path / LAUNCH_FILE, json.dumps({"processes": processes}, indent=1) + "\n")
+        """Write :data:`LAUNCH_FILE`: the processes (every rank's :func:`this_process`, and the launcher that restarts
+        them: :func:`launch_parent`) now running on this directory."""
+        atomic_write(self.path / LAUNCH_FILE, json.dumps({"processes": [*processes, *launch_parent()]}, indent=1) + "\n")
         self._launch_recorded = True
 
     def close(self) -> None:
         self.metrics.close()
         self.events.close()
-        if self._launch_recorded:  # the run is over: nothing of this launch runs on the directory any more
-            (self.path / LAUNCH_FILE).unlink(missing_ok=True)
+        if self._launch_recorded:  # the run is over: nothing of this launch runs on the directory any more, but a
+            # launcher that restarts it after an error (closed while one propagates): it holds the directory till then
+            # (a trial: a second run.resume=auto took the run over while the first one's launcher waited to restart)
+            parent = [p for p in launch_parent() if is_running(p)] if sys.exc_info()[1] is not None else []
+            if parent:
+                atomic_write(self.path / LAUNCH_FILE, json.dumps({"processes": parent}, indent=1) + "\n")
+            else:
+                (self.path / LAUNCH_FILE).unlink(missing_ok=True)
             self._launch_recorded = False
 
 
