@@ -351,7 +351,8 @@ def test_a_launcher_killed_outright_takes_torchrun_and_every_rank_with_it(tmp_pa
         # torchrun, the two ranks, and rank 0's checkpoint writer process
         assert set(ranks) == {0, 1} and len(below) == 4 and len(writers) == 1, (ranks, below)
         recorded = json.loads((run_dir / "launch.json").read_text())["processes"]
-        assert sorted(p["pid"] for p in recorded) == sorted(ranks.values())  # the run dir names who runs on it
+        # the run dir names who runs on it: the ranks and their launcher (which restarts them, and holds the run meanwhile)
+        assert sorted(p["pid"] for p in recorded) == sorted([*ranks.values(), proc.pid])
         os.kill(proc.pid, signal.SIGKILL)
         t0 = time.time()
         while any(_alive(pid) for pid in below) and time.time() - t0 < 10:

@@ -231,7 +231,7 @@ def test_report_of_a_run_in_progress(real_run, tmp_path):
     gone.wait()
     (run_dir / LAUNCH_FILE).write_text(json.dumps({"processes": [{**this_process(), "pid": gone.pid, "start": None}]}))
     assert ("Logged up to step 10 of 40 (its processes are gone with no stop or crash recorded: killed? stabletrain train "
-            f"--resume {run_dir} continues it).") in write_report(run_dir).read_text(encoding="utf-8")  # (a trial: no placeholder)
+            f"--resume {run_dir} continues it).") in write_report(run_dir).read_text(encoding="utf-8")  # (a trial: no RUN_DIR)
     assert "No events: events.jsonl is empty or missing" in page
 
     just_started = tmp_path / "just_started"

@@ -855,3 +855,32 @@ def test_while_its_launcher_waits_to_restart_it_the_run_directory_stays_in_use(t
         assert not (run_dir / "launch.json").exists()
     finally:
         parent.kill()
+
+
+def test_a_launchs_last_step_is_its_ledgers_where_its_metrics_stop_short(tmp_path):
+    """A trial: a DDP rank 0 whose peer was killed after step 76 logs no event (its metrics stopped at step 70); the
+    restart said 'any steps it trained after step 75' and redone 0. The goodput ledger's end line has the last step.
+    Here a launch's records are cut back to step 4 (checkpoints, events, metrics) and its ledger kept: it reached step 6."""
+    import shutil
+
+    from helpers import cfg, regression_task
+
+    from stabletrain.records.checkpoint.manager import LAST_GOOD
+    from stabletrain.services.restarts import _ledger_last_step, _restart_after
+
+    run_dir = tmp_path / "run"
+    c = cfg("train.batch_size=8", "train.max_steps=6", "log.every=2", "ckpt.every=2", "log.tensorboard=false",
+            f"run.dir={run_dir}", "run.max_restarts=3")
+    Trainer(c, task=regression_task(), run_dir=run_dir).fit()
+    shutil.rmtree(run_dir / "checkpoints" / "step_000006")
+    (run_dir / "checkpoints" / LAST_GOOD).write_text("step_000004\n")
+    for name in ("events.jsonl", "metrics.jsonl"):
+        rows = read_jsonl(run_dir / name)[0]
+        _jsonl(run_dir / name, [r for r in rows if r["step"] <= 4])
+    launch = _restart_after(c, run_dir, [{"count": 1, "max": 3}], True, None, late=False)
+    assert launch.resume and launch.refused is None
+    (restart,) = [e for e in read_jsonl(run_dir / "events.jsonl")[0] if e["kind"] == "restart"]
+    assert restart["redone"] == 2 and "resuming from step_000004: 2 steps, and any it trained after step 6, its last " \
+        "record, to train again" in restart["reason"], restart
+    marked = read_jsonl(run_dir / "events.jsonl")[0]  # a launch that died before its ledger began: not its ledger's
+    assert _ledger_last_step(run_dir, marked) == 0

@@ -188,6 +188,19 @@ def _ledger(run_dir: Path) -> list[dict[str, Any]]:
     return [r for r in read_jsonl(run_dir / LEDGER_FILE)[0] if r.get("kind") == "launch"]
 
 
+def _ledger_last_step(run_dir: Path, events: list[dict[str, Any]]) -> int:
+    """The last step the goodput ledger of the last launch records (its ``end`` line: a rank 0 that lost a peer logs no
+    event, and its last step may be past its last metrics line), where that launch began after the last launch mark
+    (0: it died before its ledger began)."""
+    rows = read_jsonl(run_dir / LEDGER_FILE)[0]
+    starts = [i for i, r in enumerate(rows) if r.get("kind") == "launch"]
+    marks = _launch_marks(events)
+    since = float(events[marks[-1]].get("time", 0)) if marks else 0.0
+    if not starts or float(rows[starts[-1]].get("ready") or 0) < since:
+        return 0
+    return max((int(r["step"]) for r in rows[starts[-1]:] if isinstance(r.get("step"), int)), default=0)
+
+
 def begin_launch(cfg: Any, run_dir: Path | None, resume: bool, ctx: Any) -> Launch:
     """Decide whether this launch resumes ``run_dir``; for a restart, check and record it (see the module docstring).
 
@@ -318,7 +331,7 @@ def _restart_after(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_
     started died in its start-up before recording it."""
     events, _ = read_jsonl(run_dir / "events.jsonl")
     metrics, _ = read_jsonl(run_dir / "metrics.jsonl")
-    failure = last_failure(events, max((int(m.get("step", 0)) for m in metrics), default=0))
+    failure = last_failure(events, max([*(int(m.get("step", 0)) for m in metrics), _ledger_last_step(run_dir, events)]))
     if failure.kind == "exit" and cause:  # no record of why (a signal, another rank's crash: rank 0 writes the
         # events): the launcher's word names it, and the same death at the same step again is the same failure
         failure = _death_failure(failure, cause)
