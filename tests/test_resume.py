@@ -257,3 +257,24 @@ def test_precision_auto_and_the_mode_it_resolves_to_are_one_precision_on_resume(
     assert resumed.step == 6
     with pytest.raises(ValueError, match='precision: checkpoint "fp32", now "bf16"'):  # (the resumed run's own save)
         Trainer(cfg("train.max_steps=8", *run[1:], "precision=bf16"), run_dir=tmp_path / "run", resume=True)
+
+
+def test_a_deleted_newest_checkpoint_is_said_with_the_steps_trained_again(tmp_path, capsys):
+    """A trial: with the newest checkpoint's directory deleted (LAST_GOOD naming it), the resume said only that LAST_GOOD
+    names a missing directory; a corrupted one's resume says how many steps will be trained again, and so does this."""
+    import shutil
+
+    from helpers import cfg, regression_task
+
+    from stabletrain import Trainer
+
+    run_dir = tmp_path / "run"
+    c = ("train.batch_size=8", "log.every=2", "ckpt.every=2", "log.tensorboard=false")
+    Trainer(cfg(*c, "train.max_steps=6"), task=regression_task(), run_dir=run_dir).fit()
+    shutil.rmtree(run_dir / "checkpoints" / "step_000006")
+    capsys.readouterr()
+    Trainer(cfg(*c, "train.max_steps=8"), task=regression_task(), run_dir=run_dir, resume=True).fit()
+    out = capsys.readouterr()
+    assert "LAST_GOOD: names step_000006, which does not exist" in out.err
+    assert (f"resumed from step 4 (checkpoint {run_dir / 'checkpoints' / 'step_000004'}, world size 1); the newest "
+            "checkpoint (step 6) was skipped: 2 step(s) will be trained again") in out.out

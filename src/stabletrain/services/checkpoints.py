@@ -200,7 +200,8 @@ class CheckpointKeeper:
             run.event(step, "checkpoint_skipped", problem)
             console.warn(f"resume skipped a checkpoint in {ckpt.root}: {problem}")
         line = f"resumed from step {step} (checkpoint {self.resumed_from}, world size {state.dist.world})"
-        newest = max((int(d.name.removeprefix("step_")) for d in ckpt.checkpoints()), default=step)
+        # (the one LAST_GOOD names too: a deleted newest checkpoint's steps are trained again as a corrupted one's)
+        newest = max([*(int(d.name.removeprefix("step_")) for d in ckpt.checkpoints()), ckpt.named_step() or 0, step])
         if self.problems and newest > step:
             line += f"; the newest checkpoint (step {newest}) was skipped: {newest - step} step(s) will be trained again"
         console.say(line)

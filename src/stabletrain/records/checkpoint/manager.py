@@ -379,6 +379,14 @@ class CheckpointManager:
         name, _ = self._read_last_good()
         return self.root / name if name is not None and (self.root / name).is_dir() else None
 
+    def named_step(self) -> int | None:
+        """The step of the checkpoint LAST_GOOD names, whether or not its directory is there (None: it names none)."""
+        try:
+            found = _FINAL.match((self.root / LAST_GOOD).read_text(encoding="utf-8").strip())
+        except (OSError, UnicodeDecodeError):
+            return None
+        return int(found.group(1)) if found else None
+
     def _read_last_good(self) -> tuple[str | None, str | None]:
         """Return (the name in LAST_GOOD, or None; a problem line, or None)."""
         path = self.root / LAST_GOOD
