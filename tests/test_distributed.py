@@ -403,7 +403,8 @@ def test_an_agent_killed_outright_is_said_with_how_to_continue(tmp_path):
             proc.kill()
     assert proc.returncode == 128 + 9, (proc.returncode, err[-2000:])
     assert (f"stabletrain: error: torchrun's agent (pid {agent}) was killed by SIGKILL; its ranks stopped with it and "
-            "nothing restarts them. Continue the run: the same command with run.resume=auto") in err, err[-2000:]
+            f"nothing restarts them. Continue the run: the same command with run.resume=auto (or stabletrain train "
+            f"--resume {run_dir.resolve()})") in err, err[-2000:]  # (a trial: it said RUN_DIR)
 
 
 def test_a_nan_only_in_rank_1s_own_gradients_is_traced_to_rank_1_by_the_capture(world):

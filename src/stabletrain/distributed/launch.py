@@ -10,17 +10,16 @@ Three ways a run is launched, and who restarts it when one of its processes dies
                                                starts it again when it dies
     torchrun --max-restarts=3 -m stabletrain   your torchrun restarts the ranks; they resume by themselves
 
-Either way the restarted process finds the run's LAST_GOOD and continues from it, and its rank 0 decides
-whether the restart may go ahead (:mod:`stabletrain.services.restarts`: the same failure again, a
-checkpoint that is not trusted). What the launcher knows of the death (the exit code or signal, the rank,
-its pid, the last line it printed, when) reaches the restarted processes in their environment
-(:data:`RESTART_ENV`, a JSON list of every death so far: :func:`death_record`). A death once the restarts are used
-up is said in one line and recorded in the run directory as a ``stop`` (:func:`restarts_used_up`).
+Either way the restarted process finds the run's LAST_GOOD and continues from it, and its rank 0 decides whether the
+restart may go ahead (:mod:`stabletrain.services.restarts`: the same failure again, a checkpoint that is not trusted).
+What the launcher knows of the death (the exit code or signal, the rank, its pid, the last line it printed, when)
+reaches the restarted processes in their environment (:data:`RESTART_ENV`, a JSON list of every death so far:
+:func:`death_record`). A death once the restarts are used up is said in one line and recorded in the run directory
+as a ``stop`` (:func:`restarts_used_up`).
 
-A run that ends with one of :data:`FINAL_EXITS` is never restarted: it finished or was stopped by a
-signal (0), stabletrain refused its input (2), it refused to restart into the same failure
-(:data:`EXIT_GAVE_UP`), it applied no update (:data:`EXIT_NO_UPDATE`), or it was interrupted (130).
-"""
+A run that ends with one of :data:`FINAL_EXITS` is never restarted: it finished or was stopped by a signal (0),
+stabletrain refused its input (2), it refused to restart into the same failure (:data:`EXIT_GAVE_UP`), it applied no
+update (:data:`EXIT_NO_UPDATE`), or it was interrupted (130)."""
 
 from __future__ import annotations
 
@@ -112,10 +111,8 @@ def restart_backoff_s(quick: int) -> float:
 
 
 def quick_deaths(quick: int, lived_s: float, *, restarted: bool) -> int:
-    """The count of quick deaths in a row (:func:`restart_backoff_s`) after an attempt that lived ``lived_s`` seconds.
-
-    ``restarted``: the attempt was itself a restart (a first attempt's death, however soon, counts none).
-    """
+    """The count of quick deaths in a row (:func:`restart_backoff_s`) after an attempt that lived ``lived_s`` seconds;
+    ``restarted``: the attempt was itself a restart (a first attempt's death, however soon, counts none)."""
     return quick + 1 if restarted and lived_s < QUICK_DEATH_S else 0
 
 
@@ -127,12 +124,11 @@ def _ppid_of(pid: int) -> int | None:
 def die_with_parent(parent: int | None = None, grandparent: int | None = None) -> bool:
     """Have the kernel SIGKILL this process when its parent exits (Linux ``PR_SET_PDEATHSIG``); return whether armed.
 
-    A launcher killed with SIGKILL cannot take its children along, and torchrun starts each rank in a
-    session of its own, out of reach of a process-group kill: armed in each, the launcher's death takes
-    torchrun, and torchrun's its ranks, at once (checkpoints are atomic: a resume continues from the last).
-    A parent that exited before the call would never signal: ``parent`` (the pid it had) or
-    ``grandparent`` (its parent's pid) no longer matching, or a parent of pid 1, then kills this process
-    right away. Elsewhere than Linux: nothing (False).
+    A launcher killed with SIGKILL cannot take its children along, and torchrun starts each rank in a session of its
+    own, out of reach of a process-group kill: armed in each, the launcher's death takes torchrun, and torchrun's its
+    ranks, at once (checkpoints are atomic: a resume continues from the last). A parent that exited before the call
+    would never signal: ``parent`` (the pid it had) or ``grandparent`` (its parent's pid) no longer matching, or a
+    parent of pid 1, then kills this process right away. Elsewhere than Linux: nothing (False).
     """
     if not sys.platform.startswith("linux"):
         return False
@@ -211,7 +207,9 @@ def note_run_dir(path: str | Path) -> None:
 
 def run_dir_note(env: Any) -> Path:
     """A new empty file for :func:`note_run_dir`, named in ``env`` (the run's processes' environment); the launcher
-    removes it when the run ends."""
+    removes it when the run ends. One ``env`` names already (:func:`launch`'s, for torchrun's agent) is kept."""
+    if env.get(RUN_DIR_NOTE_ENV) and Path(env[RUN_DIR_NOTE_ENV]).is_file():
+        return Path(env[RUN_DIR_NOTE_ENV])
     fd, name = tempfile.mkstemp(prefix="stabletrain-run-dir-")
     os.close(fd)
     env[RUN_DIR_NOTE_ENV] = name
@@ -308,22 +306,21 @@ def leave_word(err: BaseException) -> None:
 def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
     """Run torchrun (``--standalone --nproc_per_node NPROC``) on ``-m stabletrain ARGV``; return its exit code.
 
-    ``max_restarts`` > 0: torchrun's elastic agent restarts every rank when one dies, at most that many
-    times (``--max-restarts``), through :mod:`stabletrain.distributed.elastic`, which tells the restarted
-    ranks what died. torchrun runs in a session of its own, so a terminal's Ctrl-C reaches the launcher alone:
-    SIGTERM and SIGINT are passed on once, to the ranks themselves (each checkpoints at the boundary they agree on
-    and exits 0, so the agent ends as a finished launch: no restart, no traceback; torchrun's agent, which would
-    signal them again and call the stop a failure, only where no rank has started yet, or :data:`GRACE_S` after the
-    ranks ended without the agent ending: a finished run's agent exits 0 by itself). A launcher killed outright
-    (SIGKILL) takes torchrun and the ranks with it (:func:`die_with_parent`): none is left running, holding the
-    devices and the run directory. An agent that dies of a signal itself is said, with how to continue.
-    """
-    # (without restarts too: a rank's refusal or death then ends in its own line, not in torchrun's traceback)
+    ``max_restarts`` > 0: torchrun's elastic agent restarts every rank when one dies, at most that many times
+    (``--max-restarts``), through :mod:`stabletrain.distributed.elastic`, which tells the restarted ranks what died
+    (without restarts too: a rank's refusal or death ends in its own line, not in torchrun's traceback). torchrun runs
+    in a session of its own, so a terminal's Ctrl-C reaches the launcher alone: SIGTERM and SIGINT are passed on once,
+    to the ranks themselves (each checkpoints at the boundary they agree on and exits 0, so the agent ends as a
+    finished launch; torchrun's agent, which would signal them again and call the stop a failure, only where no rank
+    has started yet, or :data:`GRACE_S` after the ranks ended without the agent ending). A launcher killed outright
+    (SIGKILL) takes torchrun and the ranks with it (:func:`die_with_parent`). An agent that dies of a signal itself is
+    said, with how to continue (the run directory rank 0 named: :func:`note_run_dir`)."""
     cmd = [sys.executable, "-m", "stabletrain.distributed.elastic", "--standalone", f"--nproc_per_node={nproc}",
            f"--max-restarts={max_restarts}", "-m", "stabletrain", *argv]
     launcher = os.getpid()
     env = {**os.environ, LAUNCHER_ENV: str(launcher), LAUNCH_MARK_ENV: str(launcher), **as_parent()}
     env.setdefault(LAUNCH_START_ENV, str(process_start_time() or time.time()))
+    note = run_dir_note(env)  # (where rank 0 names its run directory: for the line of an agent killed outright)
     if max_restarts:
         env.setdefault(*UNSHARED_STORE)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -373,6 +370,8 @@ def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
         # No process of the launch outlives it (only at its end: a tracker's service a rank started detached, e.g.
         # reparented by its own double fork, is the run's while it runs)
         sweep_orphans(launcher)
+        run_dir = note.read_text(encoding="utf-8").strip() if note.is_file() else ""
+        note.unlink(missing_ok=True)
     from .. import console
 
     if code < 0 and -code in sent:  # the stop asked for where no rank was running to take it
@@ -385,8 +384,8 @@ def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
         except ValueError:
             name = f"signal {-code}"
         console.error(f"torchrun's agent (pid {proc.pid}) was killed by {name}; its ranks stopped with it and nothing "
-                      "restarts them. Continue the run: the same command with run.resume=auto (or stabletrain train "
-                      "--resume RUN_DIR)")
+                      f"restarts them. Continue the run: the same command with run.resume=auto (or stabletrain train "
+                      f"--resume {run_dir or 'RUN_DIR'})")
         return 128 + -code
     return code
 
