@@ -377,6 +377,7 @@ def test_init_check_fails_a_first_loss_far_above_an_uninformed_guess_and_passes_
     assert init.summary.endswith(f"; but the first loss {n['first_loss']:.4g} is {n['first_loss'] / math.log(32):.3g}x an "
                                  f"uninformed output's {math.log(32):.4g}: the output starts confidently wrong"), init.summary
     assert any("init the embedding at std ~0.02" in d for d in init.details)
+    assert not any(d.startswith("init holds") for d in init.details), init.details  # (a trial: a FAIL said it holds)
     good = CheckContext(cfg("train.batch_size=16"), task_factory=lambda: _tied_task(0.02), options={"out_dir": str(tmp_path)})
     [init] = run_checks(good, ["init"])
     assert init.passed and abs(init.numbers["first_loss"] - math.log(32)) < 0.01, init.numbers
@@ -566,7 +567,7 @@ def test_check_init_says_an_init_the_first_forward_overwrites_and_recommends_no_
     assert [c["name"] for c in init.numbers["init_overwritten"]] == ["body.0.weight", "body.2.weight", "body.4.weight"]
     assert any(d.startswith("init overwritten in the model's first forward: 3 parameter(s)") and "remove the "
                "re-initialization" in d for d in init.details), init.details
-    assert not any(d.startswith("recommended init:") for d in init.details), init.details
+    assert not any(d.startswith(("recommended init:", "init holds")) for d in init.details), init.details
     assert init.numbers["recommended"] is None  # (a trial: the numbers still said recommended=kaiming)
     saved = json.loads(Path(init.numbers["json"]).read_text())  # (a review: init_signal.json still named it)
     assert saved and all(r["recommended"] is None for r in saved)
@@ -669,3 +670,56 @@ def test_a_run_says_an_output_that_starts_confidently_wrong_and_gives_no_init_ad
     assert signal["advice"].startswith("no init advice: the model's first forward re-draws 3 parameter(s) (body.0.weight"), \
         signal["advice"]
     assert not any("recommended init" in x for x in said) and signal["init_overwritten"], said
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(x)))
+
+
+def _residual_task(kaiming: bool, marked: bool = False) -> Task:
+    """24 residual blocks of ReLU MLPs (no norm layers), Kaiming-initialized or as PyTorch builds them."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 32, generator=g)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), *[_Block(64) for _ in range(24)], nn.Linear(64, 10))
+    for block in model[1:-1]:
+        block.fc2.residual_branch_out = marked
+    if kaiming:
+        for m in model.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
+                nn.init.zeros_(m.bias)
+    return Task(model=model, train_data=TensorDataset(x, (x[:, :10]).argmax(1)), loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+
+
+def test_a_scheme_that_fails_too_is_not_recommended_and_a_passing_init_is_kept(tmp_path):
+    """A trial: a residual net at Kaiming exploded and was told init_(model, 'kaiming'), which fails alike; the same net
+    as PyTorch builds it passed and was told 'the scheme for these activations would be kaiming', which breaks it.
+    Marking the branches' output layers (what the advice names) makes init_('kaiming') pass."""
+    out = {"out_dir": str(tmp_path)}
+    [init] = run_checks(CheckContext(cfg("train.batch_size=64"), task_factory=lambda: _residual_task(True), options=out),
+                        ["init"])
+    assert not init.passed and init.numbers["recommended"] is None, (init.summary, init.numbers)
+    assert not any(d.startswith("recommended init:") for d in init.details), init.details
+    assert any(d.startswith("no init advice: init_(model, 'kaiming'), the scheme for these activations, fails here too (")
+               and "residual_branch_out = True" in d for d in init.details), init.details
+    [kept] = run_checks(CheckContext(cfg("train.batch_size=64"), task_factory=lambda: _residual_task(False), options=out),
+                        ["init"])
+    assert kept.passed and kept.numbers["recommended"] is None
+    assert any(d.startswith("init holds as built: keep it (saw ReLU x24)") for d in kept.details), kept.details
+    marked = {**out, "compare": "kaiming"}
+    [cured] = run_checks(CheckContext(cfg("train.batch_size=64"), task_factory=lambda: _residual_task(True, marked=True),
+                                      options=marked), ["init"])
+    assert cured.numbers["init_('kaiming').flagged"] == 0 and cured.numbers["recommended"] == "kaiming", cured.numbers
+    # The run's own step-0 line: the same advice
+    from stabletrain import Trainer
+
+    Trainer(cfg("train.max_steps=1", "train.batch_size=64"), task=_residual_task(True), run_dir=tmp_path / "run").fit()
+    signal = json.loads((tmp_path / "run" / "init_signal.json").read_text())
+    assert signal["recommended"] is None and signal["advice"].startswith("no init advice: init_(model, 'kaiming'), the "
+                                                                          "scheme for these activations, fails here too")

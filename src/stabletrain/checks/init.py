@@ -32,6 +32,7 @@ from ..diagnostics.initialization import (
     ZeroInitLayer,
     architectures,
     excluding,
+    fails_too,
     zero_init_layers,
     zero_layers_small,
 )
@@ -176,17 +177,20 @@ def check_init(ctx: CheckContext) -> CheckResult:
 
     built = judged  # the model as built: without its deliberate zero layers, if it has any
     architecture = None  # a flag that the recommended scheme leaves as it is: the architecture's (a BN ResNet's backward)
+    refused = None  # the scheme for the activations fails too: not recommended
     if not built.passed and not deliberate:
         # (not compared: measured now, on a copy re-initialized as the advice would have it)
-        architecture = architectures(built, by_scheme.get(built.recommended) or reinitialized(built.recommended))
+        reinit = by_scheme.get(built.recommended) or reinitialized(built.recommended)
+        architecture = architectures(built, reinit)
+        refused = fails_too(built, reinit) if architecture is None and not schemes else None
     first = built.first_forward
     exploding = flagged_at(built, "forward") if first is not None and first.forward == EXPLODING else None
     loss_numbers, loss_line, loss_fails = judge_loss_at_init(built, reports[0].loss, uninformed_loss(base, batch, task.loss),
                                                              batch)
     # With a comparison, the scheme it recommends (one that passed here) is what the JSON, numbers and text all name.
-    recommended, advice = _compare_advice(built, by_scheme) if schemes else (built.recommended, "")
-    # No scheme where the forward draws again, or where the flag is the architecture's (the JSON says it too)
-    recommended = None if overwritten or architecture is not None else recommended
+    recommended, advice = _compare_advice(built, by_scheme) if schemes else (None if built.passed else built.recommended, "")
+    # No scheme where the forward draws again, where the flag is the architecture's, or it fails too (the JSON says it too)
+    recommended = None if overwritten or architecture is not None or refused else recommended
     plot = plot_signal(reports, ctx.output_path("init_signal.png"))
     data = ctx.output_path("init_signal.json")
     data.write_text(json.dumps([{**r.to_dict(), "recommended": recommended} for r in reports], indent=1, default=str))
@@ -217,6 +221,8 @@ def check_init(ctx: CheckContext) -> CheckResult:
         summary = ("no layer flagged: the signal holds forward and backward" if built.passed else
                    f"{len(built.flagged)} of {len(built.layers)} layers flagged: forward {numbers['forward']}, "
                    f"backward {numbers['backward']}") + excluded
+    if refused is not None:
+        details = [refused if d.startswith("recommended init:") else d for d in details]
     if architecture is not None:  # no init advice: the architecture's (passes, with a warning)
         details = [d for d in details if not d.startswith("recommended init:")] + [architecture]
         whose = "the frozen weights'" if "are frozen" in architecture else "the architecture's"
@@ -235,6 +241,8 @@ def check_init(ctx: CheckContext) -> CheckResult:
     if loss_fails:
         summary += (f"; and so {loss_line.split(' (the model')[0]}" if exploding is not None
                     else f"; but {loss_line.split(' (the model')[0]}: the output starts confidently wrong")
+    if loss_fails or overwritten:  # (a FAIL says no "init holds": the loss at init or the re-drawing forward is why)
+        details = [d for d in details if not d.startswith("init holds")]
     numbers.update({"recommended": recommended, "plot": str(plot), "json": str(data)})
     return CheckResult("init", (built.passed or architecture is not None) and not loss_fails and not overwritten, summary,
                        numbers=numbers,

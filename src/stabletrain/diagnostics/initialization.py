@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from .signal_propagation import SignalReport
 
 __all__ = ["ParamFingerprint", "InitChange", "InitFingerprint", "ZeroInitLayer", "zero_init_layers", "zero_layers_small",
-           "excluding", "architectures", "ZERO_INIT_SCALE", "OUTPUT_LAYER", "RESIDUAL_END", "ARCHITECTURE_BAND"]
+           "excluding", "architectures", "fails_too", "ZERO_INIT_SCALE", "OUTPUT_LAYER", "RESIDUAL_END", "ARCHITECTURE_BAND"]
 
 
 # -- the fingerprint ---------------------------------------------------------------------------------
@@ -324,3 +324,18 @@ def architectures(built: SignalReport, reinit: SignalReport) -> str | None:
         " (residual additions grow the gradient toward the input where norm layers undo the weights' scale; "
         "zero-initializing the last norm layer's weight in each residual block, torchvision's zero_init_residual=True, "
         "starts each block as the identity)" if norms else ""))
+
+
+def fails_too(built: SignalReport, reinit: SignalReport) -> str | None:
+    """The advice where the scheme for ``built``'s activations fails too (``reinit``: the same model re-initialized with
+    it, flagged), so it is not recommended (None: it passes). A trial: a residual net at Kaiming was told to use Kaiming.
+    """
+    if reinit.passed:
+        return None
+    fwd, bwd = reinit.first_forward, reinit.first_backward
+    where = (f", forward {fwd.forward} at #{fwd.index} {fwd.name!r}" if fwd is not None else
+             f", backward {bwd.backward} at #{bwd.index} {bwd.name!r}" if bwd is not None else "")
+    return (f"no init advice: init_(model, {built.recommended!r}), the scheme for these activations, fails here too "
+            f"({len(reinit.flagged)} of {len(reinit.layers)} layers flagged{where}): the init alone does not fix it; in a "
+            "residual network, mark each branch's output layer residual_branch_out = True and init_ scales it by "
+            "1/sqrt(the number of branches) (stabletrain check init --compare tries schemes)")

@@ -251,7 +251,7 @@ class SignalReport:
             return ("no init advice: this batch makes non-finite values, which no init's scale explains (the step's own "
                     "incident names the sample or the op)")
         if self.passed:
-            line = f"init holds; the scheme for these activations would be init_(model, {self.recommended!r}) (saw {seen})"
+            line = f"init holds as built: keep it (saw {seen})"  # (the scheme for them may break it: a residual net's)
         else:
             line = f"recommended init: init_(model, {self.recommended!r}) (saw {seen})"
         if any("." in kind for kind in self.activations):  # torch.relu & co: no module for init_ to read

@@ -26,7 +26,14 @@ from torch import nn
 
 from .. import console
 from ..data import fixed_batch
-from ..diagnostics.initialization import InitFingerprint, architectures, excluding, zero_init_layers, zero_layers_small
+from ..diagnostics.initialization import (
+    InitFingerprint,
+    architectures,
+    excluding,
+    fails_too,
+    zero_init_layers,
+    zero_layers_small,
+)
 from ..diagnostics.loss_at_init import judge_loss_at_init, uninformed_loss
 from ..diagnostics.signal_propagation import NothingToMeasure, signal_report
 from ..errors import user_location
@@ -62,7 +69,7 @@ def first_batch_signal(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Modul
     with the recommended scheme, and a flag that stays is the architecture's (``architecture`` in both dicts:
     :func:`~stabletrain.diagnostics.initialization.architectures`), said by no console line.
     """
-    architecture, uninformed, overwritten = None, None, []
+    architecture, uninformed, overwritten, refused = None, None, [], None
     try:
         # The module's own eager forward (no recompile); the RNG streams put back after it.
         with kept_rng(), context or contextlib.nullcontext(), eager_methods(model):
@@ -82,8 +89,9 @@ def first_batch_signal(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Modul
             elif disposable and not report.passed and not overwritten:  # (kept_rng: the re-init draws; one that fails: no word)
                 with contextlib.suppress(Exception):
                     init_(model, report.recommended, trace=lambda m: loss_fn(m, batch))
-                    architecture = architectures(report, signal_report(model, batch, loss_fn, label=label,
-                                                                       make_optimizer=make_optimizer))
+                    reinit = signal_report(model, batch, loss_fn, label=label, make_optimizer=make_optimizer)
+                    architecture = architectures(report, reinit)
+                    refused = fails_too(report, reinit) if architecture is None else None  # (no scheme that fails too)
     except Exception as err:  # the report must never take the run down
         if raises:  # (the caller tries another way first)
             raise
@@ -104,10 +112,12 @@ def first_batch_signal(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Modul
         return None
     full = report.to_dict()
     extra: dict[str, Any] = {"architecture": architecture} if architecture else {}
+    if refused:  # (the scheme for the activations fails too: none recommended, as check init says)
+        extra.update(recommended=None, advice=refused)
     if uninformed is not None:  # (a model whose output is not one tensor: not probed, as check init says)
         numbers, said, fails = judge_loss_at_init(report, first_loss, uninformed, batch)
         extra["loss_at_init"] = {**numbers, "line": said, "fails": fails}
-    advice = report.advice()
+    advice = refused or report.advice()
     if overwritten:  # no scheme survives a forward that draws again (check init recommends none either)
         extra["init_overwritten"] = [c.name for c in overwritten]
         advice = (f"no init advice: the model's first forward re-draws {len(overwritten)} parameter(s) "
