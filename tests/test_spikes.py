@@ -1789,5 +1789,14 @@ def test_a_hosts_one_step_lr_burst_is_named_with_its_step_and_lr(tmp_path, capsy
     (incident,) = [e for e in _events(tmp_path / "run") if e["kind"] == "incident"]
     d = incident["diagnosis"]
     assert (incident["step"], d["failure_class"]) == (45, "state")
-    said = "the update of step 44 ran at LR 0.9, x300 the other steps' since step 40 (0.003)"
+    said = "the LR jumped x300 at step 44's update (0.003 -> 0.9)"
     assert said in d["evidence"] and said in capsys.readouterr().out
+    # A review: a linear warmup's stretch (its top LR x2 the others' median) and a schedule's step up were named as a
+    # one-step burst; a ramp is no jump, a step up is one (where it came), and a jump before the older state is not its
+    from stabletrain.diagnostics.spike import _lr_jump
+
+    warmup = [[t, 5e-5 * t / 500] for t in range(0, 10)]
+    assert _lr_jump(warmup, None) == "" and _lr_jump(warmup, {"step": 4}) == ""
+    stepped = [[t, 1e-4 if t < 7 else 1e-3] for t in range(1, 10)]
+    assert _lr_jump(stepped, {"step": 3}) == "; the LR jumped x10 at step 7's update (0.0001 -> 0.001)"
+    assert _lr_jump(stepped, {"step": 7}) == ""

@@ -27,7 +27,6 @@ Pure: no replay, no state. :mod:`.spike_evidence` turns tensors and per-module s
 from __future__ import annotations
 
 import math
-import statistics
 from typing import Any
 
 from .spike_evidence import SURGE_FACTOR
@@ -280,7 +279,7 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     else:
         text = ("the model or optimizer state, or this window (not told apart)" if untold or older is not None and not weighed
                 else "the model or optimizer state drifted (a divergence onset, or an LR too high)")
-    text += (_lr_burst(m.get("stretch_lrs"), older) + _lr_rise(older) + _steps_grew(sizes, older) + drift + acquit
+    text += (_lr_jump(m.get("stretch_lrs"), older) + _lr_rise(older) + _steps_grew(sizes, older) + drift + acquit
              + _update_jump(m.get("update_jump"), older)
              + _moved(older, sizes, m.get("update_jump"), m.get("step", 0)))
     if where.get("first"):
@@ -301,20 +300,17 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     return {**out, "failure_class": "state", "evidence": text}
 
 
-def _lr_burst(lrs: list[list[float]] | None, older: dict[str, Any] | None) -> str:
-    """The step since the older state whose update ran at an LR :data:`LR_RISE` times or more the median of the others'
-    (``lrs``: ``[[t, lr], ...]``, a host's steps as it set them): a burst that ended before the spike, which the LRs of
-    the two states alone do not show."""
+def _lr_jump(lrs: list[list[float]] | None, older: dict[str, Any] | None) -> str:
+    """The largest jump of the LR from one step to the next (``lrs``: ``[[t, lr], ...]``, a host's steps as it set them)
+    at an update since the older state, where :data:`STEP_GROWTH` times or more: a burst that ended before the spike
+    shows in neither state's LR. A warmup's ramp (x2 from its first step to its second at most) is none."""
     since = older["step"] if older is not None else -1
-    steps = [(int(t), lr) for t, lr in lrs or [] if t > since and lr > 0]
-    if len(steps) < 2:
+    steps = sorted((int(t), float(lr)) for t, lr in lrs or [] if lr > 0)
+    jumps = [(b / a, t, a, b) for (s, a), (t, b) in zip(steps, steps[1:]) if t == s + 1 and t > since]
+    ratio, t, a, b = max(jumps, default=(0.0, 0, 0.0, 0.0))
+    if ratio < STEP_GROWTH:
         return ""
-    t, lr = max(steps, key=lambda s: s[1])
-    typical = statistics.median(x for u, x in steps if u != t)
-    if lr < LR_RISE * typical:
-        return ""
-    return (f"; the update of step {t} ran at LR {lr:.3g}, x{lr / typical:.3g} the other steps' since step "
-            f"{since if since >= 0 else steps[0][0] - 1} ({typical:.3g})")
+    return f"; the LR jumped x{ratio:.3g} at step {t}'s update ({a:.3g} -> {b:.3g})"
 
 
 def _lr_rise(older: dict[str, Any] | None) -> str:

@@ -208,7 +208,7 @@ def note_run_dir(path: str | Path) -> None:
 def run_dir_note(env: Any) -> Path:
     """A new empty file for :func:`note_run_dir`, named in ``env`` (the run's processes' environment); the launcher
     removes it when the run ends. One ``env`` names already (:func:`launch`'s, for torchrun's agent) is kept."""
-    if env.get(RUN_DIR_NOTE_ENV) and Path(env[RUN_DIR_NOTE_ENV]).is_file():
+    if env.get(RUN_DIR_NOTE_ENV) and env.get(LAUNCHER_ENV) == str(os.getppid()) and Path(env[RUN_DIR_NOTE_ENV]).is_file():
         return Path(env[RUN_DIR_NOTE_ENV])
     fd, name = tempfile.mkstemp(prefix="stabletrain-run-dir-")
     os.close(fd)

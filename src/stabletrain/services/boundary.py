@@ -81,7 +81,10 @@ class IntervalBoundary:
             state.samples_seen += summary["interval_samples"]
         decision = self.guard.decide(rows)
         if rows and rows[0].step <= EARLY_ARM + 1:  # a run's first losses, which the spike rule does not judge
-            self.first_losses += [(r.step, float(r.values["loss"])) for r in rows if r.step <= EARLY_ARM + 1]
+            start = rows[0].step  # (a rollback to the run's start trains these steps again: the new timeline's losses)
+            self.first_losses = [x for x in self.first_losses if x[0] < start] + [
+                (r.step, float(r.values["loss"])) for r in rows if r.step <= EARLY_ARM + 1]
+            self.first_said = {t for t in self.first_said if t < start}
             for step, loss, factor, against in unjudged_outliers(self.first_losses, self.guard.cfg):
                 if step in self.first_said:
                     continue

@@ -124,8 +124,8 @@ class StepSource(Protocol):
         step's (a host's scheduler steps before the boundary); ``[]``: not known; None: the optimizer's are it."""
 
     def stretch_lrs(self, start: int, step: int) -> list[list[float]] | None:
-        """``[[t, lr], ...]``: the LR (the largest param group's) each step after ``start`` up to before ``step`` ran at,
-        where the host set it (its steps kept); None: the run's schedule (replayed as it ran)."""
+        """``[[t, lr], ...]``: the LR (the highest of the param groups') each step from ``start`` up to before ``step``
+        ran at, where the host set it (its steps kept); None: the run's schedule (replayed as it ran)."""
 
     def reference_state(self, fit: RunState, before: int, unlike: dict[str, Any]
                         ) -> tuple[dict[str, Any], int, dict[str, Any] | None] | None:

@@ -160,7 +160,7 @@ class LoopSteps:
                 bursting = False
                 if len(ordinary) < context:
                     ordinary.append(later)
-            elif bursting:
+            elif bursting and len(burst) < MAX_BURST:  # (the loop may go on for the context: the cap holds anyway)
                 burst.append([after, later])
         return {"rank": fit.dist.rank, "rng": rng, "context": ordinary, **({"burst": burst} if burst else {}),
                 "window": {"epoch": window.epoch, "start": window.start, "indices": window.indices},

@@ -257,7 +257,7 @@ class HostSteps:
         return None
 
     def stretch_lrs(self, start: int, step: int) -> list[list[float]] | None:
-        kept = [(t, self.keeper.steps[t].lrs) for t in range(start + 1, step) if t in self.keeper.steps]
+        kept = [(t, self.keeper.steps[t].lrs) for t in range(start, step) if t in self.keeper.steps]
         return [[t, max(float(lr) for lr in lrs)] for t, lrs in kept if lrs] or None
 
     def replay_to(self, fit: Any, step: int, start: int, locate: Any, rows: list[Any] = (),
