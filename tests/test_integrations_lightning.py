@@ -357,6 +357,22 @@ def test_resume_from_lightnings_checkpoint_keeps_metrics_and_guard(tmp_path):
     assert [e.kind for e in run.events].count("resume") == 1
 
 
+def test_a_resume_from_an_older_lightning_checkpoint_supersedes_the_metrics_lines_after_it(tmp_path):
+    """A trial: a fit to step 14 resumed from its step-7 checkpoint left steps 10 and 14 twice in metrics.jsonl (the
+    first trajectory's beside the resumed one's); as the built-in loop's resume, they go to metrics.superseded.jsonl."""
+    ckpts = tmp_path / "ckpts"
+    fit(LitNet(), StableTrainCallback(run_dir=tmp_path / "run", log_every=5, init_check=False), 7, max_steps=14,
+        enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=ckpts, save_top_k=-1, every_n_train_steps=7)])
+    (at7,) = [c for c in ckpts.glob("*.ckpt") if "step=7" in c.name]
+    fit(LitNet(seed=1), StableTrainCallback(run_dir=tmp_path / "run", log_every=5, init_check=False), 7, max_steps=14,
+        ckpt_path=str(at7))
+    run = load_run(tmp_path / "run")
+    assert [r["step"] for r in run.metrics] == [5, 10, 14]
+    superseded = read_jsonl(tmp_path / "run" / "metrics.superseded.jsonl")[0]
+    assert [r["step"] for r in superseded] == [10, 14]
+    assert [e.extra.get("superseded_metrics") for e in run.events if e.kind == "resume"] == [2]
+
+
 class RampNet(LitNet):
     """A training_step whose loss weight ramps with its own call count (a curriculum): one extra call changes training."""
 

@@ -293,6 +293,21 @@ def test_resume_from_the_trainers_checkpoint_keeps_metrics_and_guard(tmp_path):
     assert [e.kind for e in load_run(tmp_path / "run2").events].count("resume") == 1
 
 
+def test_a_resume_from_an_older_trainer_checkpoint_supersedes_the_metrics_lines_after_it(tmp_path):
+    """A trial: a run to step 12 resumed from its checkpoint-7 into the same run directory left steps 10 and 12 twice in
+    metrics.jsonl; as the built-in loop's resume, they go to metrics.superseded.jsonl."""
+    rows = token_rows(12 * BATCH)
+    first = StableTrainCallback(run_dir=tmp_path / "run", log_every=5, init_check=False)
+    trainer_for(gpt2(), first, tmp_path / "b", max_steps=12, rows=rows, save_strategy="steps", save_steps=7).train()
+    again = StableTrainCallback(run_dir=tmp_path / "run", log_every=5, init_check=False)
+    trainer_for(gpt2(seed=1), again, tmp_path / "b", max_steps=12, rows=rows).train(
+        resume_from_checkpoint=str(tmp_path / "b" / "hf" / "checkpoint-7"))
+    run = load_run(tmp_path / "run")
+    assert [r["step"] for r in run.metrics] == [5, 10, 12]
+    assert [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.superseded.jsonl").read_text().splitlines()] == [10, 12]
+    assert [e.extra.get("superseded_metrics") for e in run.events if e.kind == "resume"] == [2]
+
+
 def test_the_record_says_the_precision_that_ran_fp16_asked_on_a_cpu_runs_fp32(tmp_path):
     cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=2, init_check=False)
     trainer = trainer_for(gpt2(), cb, tmp_path, max_steps=2, fp16=True, seed=5)

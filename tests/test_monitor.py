@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 import json
 import math
@@ -482,6 +483,35 @@ def test_one_empty_micro_batch_among_others_is_left_out_of_the_replay_and_said(t
     assert incident.step == BAD_STEP and (d["module"], d["bad_samples"]) == ("root", [BAD_POSITION]), d
     assert "; micro-batch 1 of the step held no samples (left out of the replay; a mean loss over none is NaN)" in (
         d["summary"])
+
+
+def test_a_resume_from_an_older_checkpoint_supersedes_the_metrics_lines_after_it(tmp_path):
+    """A trial: a hand-written loop saved at step 4, died at step 9 and resumed from step 4: metrics.jsonl held steps
+    4, 8, 8, 12, 14 (the dead process's step 8 beside the new one's). As the built-in loop's resume: the lines after the
+    resumed step go to metrics.superseded.jsonl and the resume event counts them."""
+    import json
+
+    data = batches(14)
+    model, opt = make()
+    monitor = Monitor(model, opt, run_dir=tmp_path / "run", log_every=4, init_check=False)
+    train(monitor, model, data[:4])
+    ckpt = {"model": copy.deepcopy(model.state_dict()), "optimizer": copy.deepcopy(opt.state_dict()),
+            "stabletrain": copy.deepcopy(monitor.state_dict())}
+    train(monitor, model, data[4:9])
+    monitor.close()  # (the process dies after step 9: its close logged the partial interval)
+    model, opt = make(seed=1)
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["optimizer"])
+    monitor = Monitor(model, opt, run_dir=tmp_path / "run", log_every=4, init_check=False, resume=True)
+    monitor.load_state_dict(ckpt["stabletrain"], path="ckpt.pt")
+    with monitor:
+        train(monitor, model, data[4:])
+    run = load_run(tmp_path / "run")
+    assert [r["step"] for r in run.metrics] == [4, 8, 12, 14]
+    superseded = [json.loads(x) for x in (tmp_path / "run" / "metrics.superseded.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["superseded_by"]) for r in superseded] == [(8, "resume"), (9, "resume")]
+    (resume,) = [e for e in run.events if e.kind == "resume"]
+    assert resume.extra["superseded_metrics"] == 2 and resume.reason.endswith("; 2 metrics line(s) after it superseded")
 
 
 def test_resume_into_a_directory_holding_another_run_is_refused_and_an_empty_one_is_said(tmp_path, capsys):

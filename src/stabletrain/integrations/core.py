@@ -225,9 +225,7 @@ class RunSession:
 
     def record(self, out: dict[str, Tensor], *, num_samples: int, lr: Tensor | float, loss_scale: Tensor | float) -> bool:
         """Record one optimizer step's device tensors; at a log boundary run :meth:`log`. Return whether it logged.
-
-        ``num_samples``, ``out["loss"]`` and ``out["count"]``: this rank's own (gathered at the boundary under DDP).
-        """
+        ``num_samples``, ``out["loss"]`` and ``out["count"]``: this rank's own (gathered at the boundary under DDP)."""
         if self.loss_watch is not None:
             self.loss_watch.poison = None
         self.step += 1
@@ -261,10 +259,8 @@ class RunSession:
     # -- end and state -----------------------------------------------------------------------------
 
     def close(self, err: BaseException | None = None) -> None:
-        """Log the last partial interval, fire ``on_fit_end``, close the run directory's files. Idempotent.
-
-        ``err``: the exception that ended the host's run, recorded first as a ``crash`` event (with the user's file:line).
-        """
+        """Log the last partial interval, fire ``on_fit_end``, close the run directory's files. Idempotent. ``err``: the
+        exception that ended the host's run, recorded first as a ``crash`` event (with the user's file:line)."""
         if self.closed:
             return
         self.closed = True
@@ -294,9 +290,11 @@ class RunSession:
         self.state.load_progress_state(state)
         self.fingerprint = None  # the host loaded its weights: that is no overwritten init
         self.started = False
-        if event:
-            self.state.event(self.step, "resume", f"resumed from {path or 'the host trainer checkpoint'} at step "
-                             f"{self.step}", path=path)
+        if event:  # (the metrics lines past it superseded, as the loop's resume does: a trial found them twice)
+            dropped = self.run.drop_metrics_after(self.step) if self.run is not None else 0
+            self.state.event(self.step, "resume", f"resumed from {path or 'the host trainer checkpoint'} at step {self.step}"
+                             + (f"; {dropped} metrics line(s) after it superseded" if dropped else ""), path=path,
+                             superseded_metrics=dropped)
             if self.dist.rank == 0:
                 console.say(f"resumed from step {self.step} ({path or 'the host trainer checkpoint'})")
 
