@@ -270,3 +270,21 @@ def test_an_interval_a_checkpoint_ends_between_log_boundaries_has_its_update_mea
     assert [r["step"] for r in records] == [10, 15, 20, 30]
     assert all(isinstance(r["update_norm"], float) and math.isfinite(r["update_norm"]) for r in records), records
 
+
+
+def test_each_evaluation_is_logged_at_the_step_it_measured(tmp_path):
+    """A trial: eval.every=4 with log.every=7 stamped step 4's val_loss on step 7's line and lost steps 8 and 16's
+    evaluations (each overwrote the one before before a line took it). An evaluation ends its log interval."""
+    import json
+
+    c = cfg("train.max_steps=23", "log.every=7", "eval.every=4", "eval.batches=2", "ckpt.every=0")
+    trainer = Trainer(c, run_dir=tmp_path / "run")
+    trainer.fit()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [4, 7, 8, 12, 14, 16, 20, 21, 23]
+    measured = {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
+    assert sorted(measured) == [4, 8, 12, 16, 20, 23]
+    again = Trainer(cfg("train.max_steps=23", "log.every=1", "eval.every=4", "eval.batches=2", "ckpt.every=0"),
+                    run_dir=tmp_path / "every")
+    again.fit()  # the same run logged every step: the same evaluations at the same steps, bitwise
+    assert {r["step"]: r["val_loss"] for r in again.history if "val_loss" in r} == measured

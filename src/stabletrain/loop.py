@@ -144,11 +144,9 @@ class Trainer:
         return out
 
     def fit(self) -> dict[str, Any]:
-        """Train until ``train.max_steps`` (or a stop); return the last metrics record.
-
-        A lost peer raises :class:`PeerLostError`. Process-wide settings (``deterministic``, ``train.gc_freeze``:
-        :mod:`stabletrain.process`) hold while fit() runs and are put back after it.
-        """
+        """Train until ``train.max_steps`` (or a stop); return the last metrics record. A lost peer raises
+        :class:`PeerLostError`. Process-wide settings (``deterministic``, ``train.gc_freeze``: :mod:`stabletrain.process`)
+        hold while fit() runs and are put back after it."""
         try:
             with deterministic_mode(self.cfg.deterministic), gc_frozen(self.cfg.train.gc_freeze):
                 return self._fit()
@@ -180,9 +178,10 @@ class Trainer:
                 window = self.stream.next_window()
                 state.positions[state.step + 1] = (window.epoch, window.start)
                 nxt = state.step + 1
-                # On an interval's last step only (a checkpoint's too): ||update|| (one parameter copy) and the parameter
-                # check (one pass; a failed check is pinned to its step by the capture's replay). No sync.
-                last = nxt % cfg.log.every == 0 or nxt == cfg.train.max_steps or bool(cfg.ckpt.every and not nxt % cfg.ckpt.every)
+                # On an interval's last step only (a checkpoint's, an evaluation's too): ||update|| (one parameter copy) and
+                # the parameter check (one pass; a failed check is pinned to its step by the capture's replay). No sync.
+                last = nxt == cfg.train.max_steps or any(n and not nxt % n for n in (cfg.log.every, cfg.ckpt.every,
+                                                                                     cfg.eval.every))
                 out = self.train_step(window, measure_update=last, check_params=last)
                 state.step, state.samples_seen = nxt, state.samples_seen + window.global_num_samples
                 self.metrics.update(state.step, num_samples=window.global_num_samples, lr=self.schedule.lr(),
@@ -212,12 +211,13 @@ class Trainer:
         """After a step: validation, and at a log boundary the interval's work. Return whether to go on."""
         cfg, state = self.cfg, self.state
         done = state.step >= cfg.train.max_steps
-        if done or (cfg.eval.every and state.step % cfg.eval.every == 0):
+        evaluated = done or bool(cfg.eval.every and state.step % cfg.eval.every == 0)
+        if evaluated:  # (it ends its log interval, as a checkpoint does: each val_loss logged at the step it measured)
             self._where = "the validation reduce"
             self._pending_eval = self.evaluate()
         ckpt_due = bool(cfg.ckpt.every) and state.step % cfg.ckpt.every == 0
         signalled = self.signals.received is not None and not self.dist.enabled  # DDP: waits for the boundary
-        if not (done or ckpt_due or signalled or state.step % cfg.log.every == 0):
+        if not (evaluated or ckpt_due or signalled or state.step % cfg.log.every == 0):
             return True
         self._where = "the log-interval reduce (or an incident replay or rollback)"
         self._record, decision, rows = self._log()

@@ -115,7 +115,7 @@ class LogConfig:
 
 @dataclass
 class EvalConfig:
-    every: int = _f(100, "steps between validation passes (0 = only at the end); needs val_data")
+    every: int = _f(100, "steps between validation passes (0 = only at the end; each ends its log interval); needs val_data")
     batches: int = _f(8, "validation micro-batches per pass (0 = the whole validation set)")
 
 
