@@ -722,3 +722,19 @@ def test_an_adapters_arguments_take_what_they_meant_before():
     """A review: model_factory 'pkg.mod:Class.builder' (a qualname) and precision='auto': accepted."""
     model, opt = make()
     Monitor(model, opt, model_factory="spike_tasks:OneStepAdamW.step", precision="auto", clip_max_norm=1, init_check=False)
+
+
+def test_the_snapshots_config_hash_is_of_what_config_yaml_holds_and_an_unmeasured_epoch_is_nan(tmp_path):
+    """A trial: two Monitor runs whose config.yaml differed (lr 0.1 and 0.5) had one config_hash (of the internal
+    config, which holds no host's settings); and every row said epoch 0, which a hand-written loop never tells."""
+    import json
+
+    hashes = []
+    for name, lr in (("a", 0.1), ("b", 0.5), ("c", 0.1)):
+        model, opt = make(lr=lr)
+        with Monitor(model, opt, run_dir=tmp_path / name, log_every=2, init_check=False) as monitor:
+            train(monitor, model, batches(2))
+        hashes.append(json.loads((tmp_path / name / "snapshot.json").read_text())["config_hash"])
+    assert hashes[0] != hashes[1] and hashes[0] == hashes[2], hashes
+    rows = read_jsonl(tmp_path / "a" / "metrics.jsonl")[0]
+    assert [r["epoch"] for r in rows] == ["nan"]

@@ -53,9 +53,9 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def config_hash(cfg: Config) -> str:
-    """Return a short stable hash of the resolved config."""
-    blob = json.dumps(config_to_dict(cfg), sort_keys=True, default=str).encode()
+def config_hash(cfg: Config | dict[str, Any]) -> str:
+    """Return a short stable hash of the resolved config (or of what an adapter's ``config.yaml`` holds: a dict)."""
+    blob = json.dumps(cfg if isinstance(cfg, dict) else config_to_dict(cfg), sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 

@@ -21,6 +21,7 @@ all-gather, and rank 0 alone writes the run directory.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -34,7 +35,7 @@ from .._version import __version__
 from ..callbacks import Callback, CallbackList
 from ..callbacks.sinks import EventLog, InitWatch, MetricsFile, TensorBoardLog
 from ..callbacks.trackers import build_trackers
-from ..config import AdapterOptions, ClipConfig, Config, TrainConfig
+from ..config import AdapterOptions, ClipConfig, Config, TrainConfig, config_hash
 from ..diagnostics.initialization import InitFingerprint
 from ..distributed.carrier import LossWatch
 from ..distributed.group import DistContext
@@ -111,7 +112,7 @@ class RunSession:
         if fingerprint == "take":
             fingerprint = InitFingerprint.take(self.model) if options.init_check else None
         self.fingerprint = fingerprint if options.init_check else None
-        self.replay, self.epoch = replay, 0
+        self.replay, self.epoch = replay, math.nan  # (a host that tells none, a Monitor's loop: not measured)
         self.started = self.closed = self.signal_checked = False
         self.trackers = build_trackers(options.trackers, hosts=tracker_hosts)
         self.callbacks = CallbackList([InitWatch(self.fingerprint), EventLog(), MetricsFile(), TensorBoardLog(),
@@ -162,6 +163,7 @@ class RunSession:
         atomic_write(self.run.path / "config.yaml", yaml.safe_dump(config, sort_keys=False))
         if not resume:
             extra = {"integration": self.host, "model": type(self.model).__name__, **optimizer_names(self.optimizer),
+                     "config_hash": config_hash(config),  # (what config.yaml holds: the internal config hid the host's)
                      **host_reproducibility(self.host, self.host_config),
                      "host_versions": installed_versions(*HOST_LIBRARIES.get(self.host, ()))}
             self.run.write_snapshot(build_snapshot(self.cfg, self.device, self.precision, None, extra))
