@@ -484,3 +484,29 @@ def test_a_warning_about_the_run_points_at_the_users_fit_call_not_at_lightnings_
         fit(LitNet(fused=False), StableTrainCallback(run_dir=tmp_path / "run", log_every=5), 6)
     said = [w for w in caught if "cannot skip a step on the device" in str(w.message)]
     assert said and all(w.filename == __file__ for w in said), [(w.filename, w.lineno) for w in said]
+
+
+class ValNet(LitNet):
+    """LitNet with a validation_step that logs val_loss (what the callback records)."""
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self.net(x), y)
+        self.log("val_loss", loss)
+        return loss
+
+
+def test_the_modules_val_loss_is_recorded_at_the_step_it_was_measured(tmp_path):
+    """A trial: a LightningModule that logs val_loss every 3 steps got none in metrics.jsonl. The next interval record's
+    val_loss, with val_step the step the validation ran after (the sanity check's not recorded)."""
+    module = ValNet()
+    cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=4, init_check=False)
+    torch.manual_seed(0)
+    trainer = L.Trainer(max_steps=10, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[cb], enable_checkpointing=False, val_check_interval=3,
+                        limit_val_batches=2, num_sanity_val_steps=1)
+    trainer.fit(module, loader(10), loader(2, seed=1))
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]
+    assert [(r["step"], r.get("val_step")) for r in rows] == [(4, 3), (8, 6), (10, 9)], rows
+    assert all(isinstance(r["val_loss"], float) for r in rows)
+    assert load_run(tmp_path / "run").series("val_loss")[0] == [3.0, 6.0, 9.0]

@@ -527,3 +527,24 @@ def test_an_exception_in_the_trainers_step_is_a_crash_event_and_the_run_is_close
     assert events[-1]["kind"] == "crash" and events[-1]["error"] == "ZeroDivisionError", events[-1]
     assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]] == [5, 7]  # the partial interval too
     assert "training_step" not in vars(trainer) and cb.session.closed
+
+
+def test_the_trainers_evaluations_are_recorded_at_the_steps_they_measured(tmp_path):
+    """A trial: an HF run with eval_strategy='steps' recorded no val_loss (the compare page said '—'). Its eval_loss is
+    the next interval record's val_loss, with val_step the step it measured; the report draws it there."""
+    from stabletrain.report import load_run
+
+    cb = StableTrainCallback(run_dir=tmp_path / "run", log_every=4, init_check=False)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"), max_steps=10, per_device_train_batch_size=BATCH, learning_rate=1e-3, use_cpu=True,
+        report_to=[], logging_steps=1000, save_strategy="no", eval_strategy="steps", eval_steps=3,
+        train_sampling_strategy="sequential", seed=0, dataloader_num_workers=0, disable_tqdm=True)
+    trainer = transformers.Trainer(model=gpt2(), args=args, train_dataset=token_rows(10 * BATCH),
+                                   eval_dataset=token_rows(8), callbacks=[cb])
+    trainer.train()
+    evals = [(h["step"], h["eval_loss"]) for h in trainer.state.log_history if "eval_loss" in h]
+    assert [s for s, _ in evals] == [3, 6, 9, 10]
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]  # each record: the interval's last evaluation (9's: 10's)
+    assert [(r["step"], r.get("val_step"), r.get("val_loss")) for r in rows] == [
+        (4, 3, pytest.approx(evals[0][1])), (8, 6, pytest.approx(evals[1][1])), (10, 10, pytest.approx(evals[3][1]))]
+    assert load_run(tmp_path / "run").series("val_loss") == ([3.0, 6.0, 10.0], [pytest.approx(evals[i][1]) for i in (0, 1, 3)])

@@ -738,3 +738,14 @@ def test_the_snapshots_config_hash_is_of_what_config_yaml_holds_and_an_unmeasure
     assert hashes[0] != hashes[1] and hashes[0] == hashes[2], hashes
     rows = read_jsonl(tmp_path / "a" / "metrics.jsonl")[0]
     assert [r["epoch"] for r in rows] == ["nan"]
+    # The report's unit: samples where the run counted samples (it read "items/s"), tokens for the HF Trainer's adapter
+    assert load_run(tmp_path / "a").count_unit == "samples"
+    snapshot = json.loads((tmp_path / "c" / "snapshot.json").read_text())
+    (tmp_path / "c" / "snapshot.json").write_text(json.dumps({**snapshot, "integration": "transformers"}))
+    assert load_run(tmp_path / "c").count_unit == "tokens"
+    model, opt = make()
+    with Monitor(model, opt, run_dir=tmp_path / "d", log_every=2, init_check=False) as monitor:
+        for batch in batches(2):
+            monitor.backward(loss_fn(model, batch))
+            monitor.step(batch, num_tokens=5)  # a count of its own: what it counts is not known
+    assert load_run(tmp_path / "d").count_unit == "items"

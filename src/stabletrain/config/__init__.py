@@ -10,7 +10,7 @@ configs and the keys that may change when a run is resumed (:mod:`.diff`). ``sta
 its face: import these names from here.
 """
 
-from .adapter import AdapterOptions
+from .adapter import AdapterOptions, host_precision
 from .diff import (
                    ABSENT,
                    RESHARD_SAFE_KEYS,
@@ -92,4 +92,5 @@ __all__ = [
     "MOVED_KEYS",
     "move_old_keys",
     "AdapterOptions",
+    "host_precision",
 ]

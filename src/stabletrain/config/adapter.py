@@ -11,9 +11,11 @@ import importlib.util
 import math
 import os
 import re
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from ..console import StableTrainWarning
 from ..errors import brief
 from .schema import TRACKERS, Config
 from .values import ConfigError
@@ -185,3 +187,16 @@ def _no_module(name: str) -> bool:
 def _get(cfg: Config, key: str) -> Any:
     section, _, name = key.partition(".")
     return getattr(getattr(cfg, section), name)
+
+
+def host_precision(host: str, asked: str | None, scaler: Any, accelerator: Any, device: Any) -> str:
+    """The precision a host trainer really runs ("fp16" where a GradScaler scales its loss, "bf16" where its accelerator
+    runs bf16 autocast, else "fp32"), warned of where it is not the one ``asked`` for (fp16 asked on a CPU runs fp32)."""
+    mode = ("fp16" if scaler is not None else "bf16" if asked == "bf16" and getattr(accelerator, "mixed_precision", "no")
+            == "bf16" and getattr(accelerator, "native_amp", True) else "fp32")
+    if asked in ("fp16", "bf16") and mode != asked:
+        warnings.warn(f"the {host} was asked for {asked} but runs {mode} on {device} (its accelerator: mixed_precision="
+                      f"{getattr(accelerator, 'mixed_precision', 'no')!r}); the run directory says {mode}",
+                      StableTrainWarning, stacklevel=3)
+    return mode
+

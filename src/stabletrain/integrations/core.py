@@ -1,9 +1,9 @@
 """What every adapter adds to a host's run: the run directory, device-side metrics, the sentinel, incidents.
 
-An adapter (:class:`stabletrain.Monitor`, the Lightning and Hugging Face callbacks) hands a :class:`RunSession`
-the host's step; the session does the rest with a built-in run's pieces (the guard, the metrics, the run
-directory and the callbacks that write it, the loop's :class:`~stabletrain.services.boundary.IntervalBoundary`
-and :class:`~stabletrain.services.capture.IncidentCapture`, fed by :class:`~stabletrain.services.kept_steps.HostSteps`)::
+An adapter (:class:`stabletrain.Monitor`, the Lightning and Hugging Face callbacks) hands a :class:`RunSession` the
+host's step; the session does the rest with a built-in run's pieces (the guard, the metrics, the run directory and the
+callbacks that write it, the loop's :class:`~stabletrain.services.boundary.IntervalBoundary` and
+:class:`~stabletrain.services.capture.IncidentCapture`, fed by :class:`~stabletrain.services.kept_steps.HostSteps`)::
 
     session.open(resume); session.begin()        # run dir (rank 0): config.yaml, snapshot.json; on_fit_start
     each optimizer step (no host sync):
@@ -13,11 +13,10 @@ and :class:`~stabletrain.services.capture.IncidentCapture`, fed by :class:`~stab
         out = host_step.after_step(count)        # applied, the parameter check, ||update|| on an interval's last
         session.record_host_step(out, ...)       # StepMetrics.update, on_step_end; each log_every: the boundary (ONE sync)
 
-A bad step is skipped (on the device) and nothing else: every healthy update is applied as the host would
-apply it. Under DDP every rank runs a session: the verdict is the same on every rank without a collective of
-its own (:class:`~stabletrain.distributed.carrier.LossWatch`), each interval's figures are gathered in one
-all-gather, and rank 0 alone writes the run directory.
-"""
+A bad step is skipped (on the device) and nothing else: every healthy update is applied as the host would apply it.
+Under DDP every rank runs a session: the verdict is the same on every rank without a collective of its own
+(:class:`~stabletrain.distributed.carrier.LossWatch`), each interval's figures are gathered in one all-gather, and
+rank 0 alone writes the run directory."""
 
 from __future__ import annotations
 
@@ -76,8 +75,8 @@ class RunSession:
         host_config: the host trainer's own arguments, written under ``host`` in ``config.yaml``.
         optimizer: the torch optimizer (not a host's wrapper).
         scaler: the host's ``GradScaler`` (fp16), else None.
-        replay: how to replay the host's step (:class:`~stabletrain.services.kept_steps.HostReplay`); None:
-            only a bad step at an interval's start can be captured, none diagnosed.
+        replay: how to replay the host's step (:class:`~stabletrain.services.kept_steps.HostReplay`); None: only a bad
+            step at an interval's start can be captured, none diagnosed.
         recipes: how to rebuild the model and loss in a new process (:mod:`~stabletrain.records.captured`).
         callbacks: stabletrain :class:`~stabletrain.callbacks.Callback` instances, fired after the built-in ones.
         tracker_hosts: tracker name -> (a callable returning the host's own run of that tracker, the host object it
@@ -113,6 +112,7 @@ class RunSession:
             fingerprint = InitFingerprint.take(self.model) if options.init_check else None
         self.fingerprint = fingerprint if options.init_check else None
         self.replay, self.epoch = replay, math.nan  # (a host that tells none, a Monitor's loop: not measured)
+        self.evaluated: dict[str, Any] = {}  # the host's last evaluation: val_loss and val_step, in the next record
         self.started = self.closed = self.signal_checked = False
         self.trackers = build_trackers(options.trackers, hosts=tracker_hosts)
         self.callbacks = CallbackList([InitWatch(self.fingerprint), EventLog(), MetricsFile(), TensorBoardLog(),
@@ -246,7 +246,8 @@ class RunSession:
         """Reduce the interval (its one sync), write the record and events, capture an incident, stop or warn."""
         if len(self.metrics) == 0:
             return {}
-        record, decision, rows, _ = self.boundary.log()
+        record, decision, rows, _ = self.boundary.log(extra=self.evaluated or None)
+        self.evaluated = {}
         self.boundary.incident(decision, rows)
         self.capture.mark_interval_start(self.step, self.capturing)
         warn = self.options.on_nonfinite == "warn"

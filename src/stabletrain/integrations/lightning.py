@@ -21,12 +21,12 @@ Where each hook does its part of the step (automatic optimization, one optimizer
     on_train_batch_end          applied, params check, StepMetrics.update; every log_every steps the interval's
                                 one sync: metrics.jsonl, events, TensorBoard, the ``log_dict`` mirror (when the
                                 trainer has a logger), incident capture + diagnosis, ``trainer.should_stop``
+    on_validation_end           what the module logged as val_loss: in the next interval's record (at val_step)
     state_dict/load_state_dict  our state travels in Lightning's own checkpoint (callbacks[...])
 
-A capture replays the interval's steps as Lightning ran them (``_LightningReplay``), the diagnosis the module's
-own ``training_step``. With ``strategy="ddp"`` every rank runs the callback; rank 0 writes. Lightning's LR
-scheduler still advances on a skipped step (its loop has no hook to hold it without a host read).
-"""
+A capture replays the interval's steps as Lightning ran them (``_LightningReplay``), the diagnosis the module's own
+``training_step``. With ``strategy="ddp"`` every rank runs the callback; rank 0 writes. Lightning's LR scheduler
+still advances on a skipped step (its loop has no hook to hold it without a host read)."""
 
 from __future__ import annotations
 
@@ -107,8 +107,7 @@ class StableTrainCallback(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if len(trainer.optimizers) != 1:
             raise ValueError(f"StableTrainCallback supports one optimizer; this LightningModule configures "
-                             f"{len(trainer.optimizers)} (use stabletrain.Monitor in a manual-optimization "
-                             "training_step for several)")
+                             f"{len(trainer.optimizers)} (use stabletrain.Monitor in a manual-optimization training_step)")
         if not pl_module.automatic_optimization:
             raise ValueError("StableTrainCallback needs automatic optimization (self.automatic_optimization = True): "
                              "with manual optimization use stabletrain.Monitor in training_step")
@@ -122,8 +121,7 @@ class StableTrainCallback(pl.Callback):
         fused = skips_on_device(optimizer)
         if clip is not None and fused and mode != "fp32":
             raise ValueError(f"Lightning cannot clip the gradients of a fused optimizer under precision={precision!r} "
-                             f"(gradient_clip_val={clip}); drop gradient_clip_val and pass "
-                             f"StableTrainCallback(clip_max_norm={clip}) instead: stabletrain clips before the step")
+                             f"(gradient_clip_val={clip}); pass StableTrainCallback(clip_max_norm={clip}) instead")
         if clip is not None and self.clip_max_norm is not None:
             raise ValueError(f"gradient_clip_val={clip} and StableTrainCallback(clip_max_norm={self.clip_max_norm}) "
                              "would clip twice: keep one")
@@ -131,10 +129,9 @@ class StableTrainCallback(pl.Callback):
         host_clip = float(clip) if clip is not None and not self.value_clip else None
         self.scaler = scaler
         host = {"max_steps": trainer.max_steps, "max_epochs": trainer.max_epochs, "precision": precision,
-                "accumulate_grad_batches": trainer.accumulate_grad_batches,
-                "gradient_clip_val": trainer.gradient_clip_val, "gradient_clip_algorithm": algorithm,
-                "strategy": type(trainer.strategy).__name__, "world_size": trainer.world_size,
-                "ckpt_path": str(trainer.ckpt_path) if trainer.ckpt_path else None,
+                "accumulate_grad_batches": trainer.accumulate_grad_batches, "gradient_clip_val": trainer.gradient_clip_val,
+                "gradient_clip_algorithm": algorithm, "strategy": type(trainer.strategy).__name__,
+                "world_size": trainer.world_size, "ckpt_path": str(trainer.ckpt_path) if trainer.ckpt_path else None,
                 "final_step": int(trainer.estimated_stepping_batches) if 0 < trainer.estimated_stepping_batches < 1e18 else None}
         self.trainer, self.pl_module = trainer, pl_module
         self.session = RunSession(
@@ -209,6 +206,11 @@ class StableTrainCallback(pl.Callback):
                             logger.log_metrics(figures, step=trainer.global_step)
             if session.stop_reason is not None:
                 trainer.should_stop = True
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        value = trainer.callback_metrics.get("val_loss")  # (what the module logged as val_loss; not a sanity check's)
+        if self.session is not None and value is not None and not trainer.sanity_checking:  # the next record's
+            self.session.evaluated = {"val_loss": float(value), "val_step": self.session.step}
 
     # -- the end -----------------------------------------------------------------------------------
 

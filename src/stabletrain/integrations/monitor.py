@@ -19,9 +19,9 @@ diagnosed by replaying ``loss_fn`` on the step's batches (your own backward with
 ``loss=`` the sum of what you backpropagated, e.g. of each micro-batch's loss / k).
 
 Your own clipping (e.g. ``accelerator.clip_grad_norm_``) may stay: pass the pre-clip norm it returned,
-``monitor.step(batch, loss=loss, grad_norm=norm)``; stabletrain then records it and does not clip again.
-A model wrapped in ``DistributedDataParallel`` (under ``torchrun``) works as it is: every rank builds its
-Monitor, rank 0 writes the run directory.
+``monitor.step(batch, loss=loss, grad_norm=norm)``; stabletrain then records it and does not clip again. A model
+wrapped in ``DistributedDataParallel`` (under ``torchrun``) works as it is: every rank builds its Monitor, rank 0
+writes the run directory.
 
 Your LR scheduler is yours: call it after ``monitor.step`` as before (a skipped step still advances it, as under a
 GradScaler; ``monitor.last_applied`` is the step's device flag if you want to hold it). Resume: save

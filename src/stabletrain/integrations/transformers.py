@@ -6,16 +6,15 @@
     trainer = transformers.Trainer(..., callbacks=[StableTrainCallback(run_dir="runs/exp1")])
 
 A ``TrainerCallback`` sees neither the loss nor the pre-clip norm of a step (the Trainer clips before
-``on_pre_optimizer_step``), and is not handed the trainer. The callback finds the ``Trainer`` that runs it
-(``trainer=`` names it explicitly) and, while it trains, wraps that trainer's own ``training_step`` (a
-subclass's override included; an attribute of the instance, removed at the end of training):
+``on_pre_optimizer_step``), and is not handed the trainer. The callback finds the ``Trainer`` that runs it (``trainer=``
+names it explicitly) and, while it trains, wraps that trainer's own ``training_step`` (a subclass's override included;
+an attribute of the instance, removed at the end of training):
 
-- before it: the micro-batch, the RNG state, ``num_items_in_batch`` and the accumulation steps are kept;
-  its tokens counted on the device (``labels != -100``, else the attention mask, else the ids or the embedded inputs);
-- after it: its returned loss (the Trainer's own, from its ``compute_loss``: a dict, tuple or ModelOutput,
-  label smoothing, ``compute_loss_func`` and ``num_items_in_batch`` included) summed over the window; on the
-  window's last micro-batch (``accelerator.sync_gradients``) the pre-clip global and per-parameter grad
-  norms (one fused pass; divided by the GradScaler's scale under fp16).
+- before it: the micro-batch, the RNG state, ``num_items_in_batch`` and the accumulation steps are kept; its tokens
+  counted on the device (``labels != -100``, else the attention mask, else the ids or the embedded inputs);
+- after it: its returned loss (the Trainer's own, from its ``compute_loss``: a dict, tuple or ModelOutput, label
+  smoothing, ``compute_loss_func`` and ``num_items_in_batch`` included) summed over the window; on the window's last
+  micro-batch (``accelerator.sync_gradients``) the pre-clip global and per-parameter grad norms (one fused pass).
 
 Then, per optimizer step::
 
@@ -28,13 +27,13 @@ Then, per optimizer step::
                             incident capture and diagnosis, ``should_training_stop`` on "stop"
     on_log                  (the Trainer's own logging steps) the latest interval's figures added to its logs,
                             before its trackers (``report_to``) write them: our callback is moved before theirs
+    on_evaluate             its eval_loss: val_loss (at val_step) in the next interval's record
     on_save                 our state in the checkpoint folder (``stabletrain_state.pt``); a Trainer resumed from
                             that checkpoint continues our step count, metrics and guard
 
 A capture replays the interval's steps with the Trainer's own step (``_TransformersReplay``), the diagnosis its
-``compute_loss``. Under ``torchrun`` every rank runs the callback (DDP): a rank's non-finite loss reaches every
-rank's gradients (``compute_loss`` is watched too), rank 0 writes.
-"""
+``compute_loss``. Under ``torchrun`` every rank runs the callback (DDP): a rank's non-finite loss reaches every rank's
+gradients (``compute_loss`` is watched too), rank 0 writes."""
 
 from __future__ import annotations
 
@@ -50,7 +49,7 @@ from torch import Tensor, nn
 from transformers import Trainer, TrainerCallback
 
 from ..callbacks import Callback as StableCallback
-from ..config import AdapterOptions
+from ..config import AdapterOptions, host_precision
 from ..console import StableTrainWarning, show_bar
 from ..data import move_to
 from ..diagnostics.initialization import InitFingerprint
@@ -127,15 +126,9 @@ class StableTrainCallback(TrainerCallback):
                              "StableTrainCallback(..., trainer=trainer) after building the trainer")
         inner = getattr(optimizer, "optimizer", optimizer)
         scaler = getattr(optimizer, "scaler", None)  # the accelerator's GradScaler (fp16), else None
-        accelerator = trainer.accelerator  # what it really runs: e.g. fp16=True on a CPU runs fp32 (no autocast)
-        mode = ("fp16" if scaler is not None else
-                "bf16" if (args.bf16 and getattr(accelerator, "mixed_precision", "no") == "bf16"
-                           and getattr(accelerator, "native_amp", True)) else "fp32")
-        if (args.fp16 and mode != "fp16") or (args.bf16 and mode != "bf16"):
-            warnings.warn(f"the Trainer was asked for {'fp16' if args.fp16 else 'bf16'} but runs {mode} on "
-                          f"{args.device} (its accelerator: mixed_precision="
-                          f"{getattr(trainer.accelerator, 'mixed_precision', 'no')!r}); the run directory says {mode}",
-                          StableTrainWarning, stacklevel=2)
+        # what it really runs: e.g. fp16=True on a CPU runs fp32 (no autocast)
+        mode = host_precision("Trainer", "fp16" if args.fp16 else "bf16" if args.bf16 else None, scaler,
+                              trainer.accelerator, args.device)
         clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
         resumed = state.global_step > 0
         host = {k: getattr(args, k, None) for k in (
@@ -274,6 +267,10 @@ class StableTrainCallback(TrainerCallback):
         logs.update(ours)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(ours)
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, metrics: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        if self.session is not None and isinstance((metrics or {}).get("eval_loss"), (int, float)):  # the next record's
+            self.session.evaluated = {"val_loss": float(metrics["eval_loss"]), "val_step": self.session.step}
 
     # -- checkpoints and the end -------------------------------------------------------------------------
 

@@ -89,7 +89,8 @@ def _columns(run: RunData, *keys: str, x: str = "step") -> list[np.ndarray]:
     A value missing from a record, and +-inf, become nan (a gap in the line).
     """
     rows = [r for r in run.metrics if isinstance(r.get(keys[0]), float) and isinstance(r.get(x), (int, float))]
-    out = [np.asarray([float(r[x]) for r in rows], dtype=float)]
+    at = "val_step" if keys[0] == "val_loss" and x == "step" else x  # (an adapter's evaluation: the step it measured)
+    out = [np.asarray([float(r.get(at, r[x])) for r in rows], dtype=float)]
     for key in keys:
         col = np.asarray([r.get(key, math.nan) if isinstance(r.get(key), float) else math.nan for r in rows], dtype=float)
         col[~np.isfinite(col)] = np.nan

@@ -80,11 +80,18 @@ class RunData:
     def count_unit(self) -> str:
         """What the loss's count counts: "tokens" or "samples" (the snapshot's ``count_unit``).
 
-        A run written before the snapshot recorded it: the built-in task's unit, else "items".
+        A run written before the snapshot recorded it: the built-in task's unit; an adapter's: tokens for the HF Trainer's,
+        samples for one whose tokens seen are its samples seen; else "items".
         """
         unit = self.snapshot.get("count_unit")
         if unit in ("tokens", "samples"):
             return unit
+        host = self.snapshot.get("integration")
+        if host == "transformers":  # (its adapter counts the tokens the loss covers: labels != -100, else the mask or ids)
+            return "tokens"
+        seen = [(r.get("tokens_seen"), r.get("samples_seen")) for r in self.metrics]
+        if host and seen and all(isinstance(t, (int, float)) and t == n for t, n in seen):  # (a Monitor or Lightning run
+            return "samples"  # given no count of its own: it counts samples; a trial read "items/s")
         return {"gpt": "tokens", "mlp": "samples"}.get(str(self.cfg("task")), "items")
 
     @property
@@ -107,9 +114,10 @@ class RunData:
     def series(self, key: str, x: str = "step") -> tuple[list[float], list[float]]:
         """Return (x, y) over the records that have ``key`` (and ``x``); non-finite y values are kept."""
         xs, ys = [], []
+        at = "val_step" if key == "val_loss" and x == "step" else x  # (an adapter's evaluation: the step it measured)
         for rec in self.metrics:
-            if isinstance(rec.get(key), float) and isinstance(rec.get(x), (int, float)):
-                xs.append(float(rec[x]))
+            if isinstance(rec.get(key), float) and isinstance(rec.get(at, rec.get(x)), (int, float)):
+                xs.append(float(rec.get(at, rec.get(x))))
                 ys.append(rec[key])
         return xs, ys
 
