@@ -199,4 +199,3 @@ def host_precision(host: str, asked: str | None, scaler: Any, accelerator: Any, 
                       f"{getattr(accelerator, 'mixed_precision', 'no')!r}); the run directory says {mode}",
                       StableTrainWarning, stacklevel=3)
     return mode
-
