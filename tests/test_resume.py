@@ -61,13 +61,27 @@ def _assert_bitwise(a, b):
     assert a["stream"] == b["stream"] and a["counters"] == b["counters"]
 
 
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """The uninterrupted runs' final states, by precision, each trained once for this file's tests (on CPU the default
+    precision, auto, is fp32: the SIGTERM test's reference too)."""
+    made = {}
+
+    def get(precision):
+        if precision not in made:
+            reference = tmp_path_factory.mktemp(f"reference-{precision}")
+            proc = _start(reference, f"precision={precision}")
+            out, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0, err
+            made[precision] = _final_state(reference)
+        return made[precision]
+
+    return get
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_sigkill_at_random_steps_then_resume_is_bitwise_equal(tmp_path, precision):
-    reference = tmp_path / "reference"
-    proc = _start(reference, f"precision={precision}")
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err
-    expected = _final_state(reference)
+def test_sigkill_at_random_steps_then_resume_is_bitwise_equal(tmp_path, precision, references):
+    expected = references(precision)
 
     run_dir = tmp_path / "killed"
     rng = random.Random(f"kill-{precision}")
@@ -93,11 +107,8 @@ def test_sigkill_at_random_steps_then_resume_is_bitwise_equal(tmp_path, precisio
     assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 16))
 
 
-def test_sigterm_finishes_the_step_checkpoints_and_exits_0_then_resumes_exactly(tmp_path):
-    reference = tmp_path / "reference"
-    proc = _start(reference)
-    assert proc.wait(timeout=300) == 0
-    expected = _final_state(reference)
+def test_sigterm_finishes_the_step_checkpoints_and_exits_0_then_resumes_exactly(tmp_path, references):
+    expected = references("fp32")  # (the default precision, auto, on CPU)
 
     run_dir = tmp_path / "term"
     # SIGTERM sent by the run itself right after step 5 (a test callback): no race with a sleeping poller.
