@@ -752,3 +752,25 @@ def test_the_spread_of_each_call_lands_on_that_call_after_an_empty_one():
                            lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
     varying, constant = (layer for layer in report.layers if layer.name.startswith("lin#"))
     assert varying.out_spread > 0.1 and constant.out_spread == 0 and constant.in_spread == 0, (varying, constant)
+
+
+def test_a_saturated_tanh_stack_is_said_though_its_std_holds():
+    """A trial: 20 Linear + Tanh layers at N(0, 1) weights (width 64): every Tanh's output std 0.92-0.95, its units on
+    the flat ends, and the report said 'forward: ok'. A line names them; Xavier's gain for tanh leaves none."""
+    def stack() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(*[m for i in range(8) for m in (nn.Linear(32 if i == 0 else 64, 64), nn.Tanh())],
+                             nn.Linear(64, 10))
+
+    x, y = torch.randn(64, 32, generator=torch.Generator().manual_seed(0)), torch.randint(0, 10, (64,))
+    loss = lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1])  # noqa: E731
+    big = stack()
+    for layer in big:
+        if isinstance(layer, nn.Linear):
+            nn.init.normal_(layer.weight, 0.0, 1.0)
+    lines = format_report(signal_report(big, (x, y), loss))
+    (said,) = [line for line in lines if line.startswith("saturated: ")]
+    assert "#1 '1' (Tanh, output std 0.9" in said and "init_(model, 'xavier')" in said, said
+    xavier = stack()
+    init_(xavier, "xavier")
+    assert not [line for line in format_report(signal_report(xavier, (x, y), loss)) if line.startswith("saturated")]

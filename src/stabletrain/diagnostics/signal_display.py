@@ -33,10 +33,26 @@ def format_report(report: SignalReport, updates: bool = True) -> list[str]:
                      f"{_g(layer.out_mean)}  {_g(layer.out_std)}  {_g(layer.out_absmax)}  {_xr(layer.forward_ratio, 10)}  "
                      f"{_g(layer.grad_std)}  {_xr(layer.backward_ratio, 10)}  {_g(layer.param_std)}  "
                      f"{_g(layer.param_grad_std)}  {verdict}")
-    lines += [report.summary("forward"), report.summary("backward"), report.advice()]
+    lines += [report.summary("forward"), report.summary("backward"), *_saturated(report), report.advice()]
     if updates and report.updates:
         lines += format_updates(report)
     return lines
+
+
+#: A bounded activation whose output std is this close to its bound: most of its units sit on its flat ends.
+SATURATED = {"Tanh": 0.9, "Hardtanh": 0.9, "Sigmoid": 0.45}
+
+
+def _saturated(report: SignalReport) -> list[str]:
+    """A line naming the bounded activations (tanh, sigmoid) whose output is saturated: its std holds (no ratio flags it),
+    but their gradient vanishes on the flat ends (a trial: a N(0, 1) tanh stack read 'forward: ok')."""
+    found = [x for x in report.layers if x.kind in SATURATED and x.out_std is not None and x.out_std >= SATURATED[x.kind]]
+    if not found:
+        return []
+    shown = ", ".join(f"#{x.index} {x.name!r} ({x.kind}, output std {x.out_std:.2g})" for x in found[:3])
+    return [f"saturated: {shown}{f' and {len(found) - 3} more' if len(found) > 3 else ''}: the output std is near the "
+            "activation's bound, most units sit on its flat ends, where its gradient vanishes (the weights before it are "
+            "too large for it: a smaller init scale, init_(model, 'xavier'))"]
 
 
 def format_updates(report: SignalReport) -> list[str]:
