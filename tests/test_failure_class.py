@@ -301,3 +301,22 @@ def test_only_a_log_root_or_divisor_that_reads_a_parameter_blames_the_parameter_
     assert case("aten.reciprocal.default", [0], ["fc.s"])["param_input"] == "fc.s"  # 1 / s
     assert "param_input" not in case("aten.pow.Tensor_Scalar", [0], ["fc.v"])  # an inf: v ** 2 overflowing, no domain
     assert case("aten.pow.Tensor_Scalar", [0], ["fc.v"], kind="nan")["param_input"] == "fc.v"  # v ** 0.5 of v < 0
+
+
+def test_a_float16_overflow_after_growth_is_the_precisions_and_a_float32_one_is_a_divergence():
+    """A trial: activations that grew for 20 steps overflowed float16 in module 'head': class divergence (so no precision
+    cure was tried; the same op was 'overflow' 30 steps later), though fp32 trained on. A float16 op that overflows from
+    finite inputs is 'overflow' with the growth said; the same in float32 (or bfloat16) stays a divergence."""
+    rows = [{"step": 5, "loss": 3.0}, {"step": 10, "loss": 1.0}, {"step": 15, "loss": 2.0}, {"step": 20, "loss": 64.0},
+            {"step": 25, "loss": 2048.0}]
+    first = {"op": "aten.addmm.default", "module": "head", "direction": "forward", "kind": "inf", "origin": True,
+             "output_dtypes": ["torch.float16"], "param_inputs": [0], "input_shapes": [[16, 8]]}
+    d = {"reproduces": True, "stage": "activations", "first_op": first, "num_samples": 16, "bad_samples": [],
+         "grad_norm": float("inf"), "loss": float("inf")}
+    verdict = classify_failure(d, rows, 26)
+    assert verdict["failure_class"] == "overflow" and verdict["blamed_module"] == "head", verdict
+    assert "computes in float16 from finite inputs and overflows it (max 65504)" in verdict["evidence"]
+    assert "; before it the run's loss grew x" in verdict["evidence"], verdict["evidence"]
+    for dtype in ("torch.float32", "torch.bfloat16"):
+        again = classify_failure({**d, "first_op": {**first, "output_dtypes": [dtype]}}, rows, 26)
+        assert again["failure_class"] == "divergence", (dtype, again)

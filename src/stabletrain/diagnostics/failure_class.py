@@ -112,7 +112,10 @@ def classify_failure(d: dict[str, Any], history: list[dict[str, Any]] | None = N
     if d.get("stage") == "inputs":
         where = f"samples {', '.join(map(str, samples))}" if samples else "the batch"
         return {**out, "failure_class": "data", "evidence": f"non-finite inputs in {where}"}
-    if grew is not None and (not first or first.get("kind") == "inf" or d.get("stage") in ("update", "none")):
+    # A float16 op that overflows from finite inputs is the precision's, however the values grew before it (float32 holds
+    # them: a trial's growing activations were "divergence" at step 29, "overflow" at 59, and no precision cure tried)
+    fp16 = bool(first.get("origin")) and first.get("kind") == "inf" and "torch.float16" in (first.get("output_dtypes") or [])
+    if grew is not None and not fp16 and (not first or first.get("kind") == "inf" or d.get("stage") in ("update", "none")):
         return {**out, "failure_class": "divergence", "evidence": _growth_text(grew)
                 + (f"; then {_symptom(d, first)}" if _symptom(d, first) else "")}
     if d.get("stage") == "update" or (d.get("stage") == "none" and norm_bad):
@@ -140,8 +143,8 @@ def classify_failure(d: dict[str, Any], history: list[dict[str, Any]] | None = N
                 f"{first['op']} {_place(module, 'in')} casts its input to {dtype}, whose values (up to {span:.3g}) are past "
                 f"its range (max {limit:g}) in {len(samples) or 'some'} of {num} samples: the input's scale (the data, or "
                 "what the layers before it make), not the module's weights; scale the inputs down, or use bf16")}
-        return {**out, "failure_class": "overflow", "evidence": text + (f"; {share}" if weight_driven else ""),
-                "weight_driven": weight_driven}
+        return {**out, "failure_class": "overflow", "evidence": text + (f"; {share}" if weight_driven else "") + (
+            f"; before it the run's {_growth_text(grew)}" if grew is not None else ""), "weight_driven": weight_driven}
     if first and first.get("origin"):
         out["blamed_module"] = module if weight_driven else None
         node = f" ({first['autograd_node']})" if first.get("autograd_node") else ""
