@@ -572,3 +572,16 @@ def test_a_short_run_that_applied_no_update_ends_non_zero_and_its_report_says_so
     assert "ran 12 steps and applied no update: every step was skipped (12 of 12 steps skipped" in err, err
     said = [t for _, t in health_summary(load_run(run_dir)).sentences]
     assert any(t.startswith("No update was applied: every step was skipped, 12 steps skipped") for t in said), said
+
+
+def test_a_run_that_ends_with_a_non_finite_loss_says_so(tmp_path, capsys):
+    """A trial: SGD at lr 3e38 made the weights inf at step 1; the run skipped 9 of 10 steps, never reached
+    guard.max_consecutive_skips, and ended 'trained 10 steps; loss=nan' like any run. A warning says it ended broken."""
+    from stabletrain.cli import main
+
+    args = ["train", "task=mlp", "optim.name=sgd", "optim.lr=3e38", "optim.weight_decay=0", "clip.max_norm=null",
+            "sched.warmup_steps=0", "train.max_steps=10", "log.every=5", "log.progress=false", "log.tensorboard=false",
+            "capture.incidents=false", f"run.dir={tmp_path / 'run'}"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "warning: the run ended with a non-finite loss (nan) in its last interval" in err, err

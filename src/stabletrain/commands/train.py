@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -167,6 +168,10 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
             write_report(run_dir)
         return EXIT_NO_UPDATE  # (not restarted: it would skip them again)
     console.say(f"trained {trainer.step} steps; {shown}; {skipped_note}; run directory: {run_dir}")
+    loss = record.get("loss")
+    if isinstance(loss, float) and not math.isfinite(loss):  # (it reads as trained: a trial's run at lr 3e38 exited 0)
+        console.warn(f"the run ended with a non-finite loss ({loss}) in its last interval: its last steps were skipped or "
+                     "its weights are no longer finite (events.jsonl; guard.on_nonfinite=remedy tries verified cures)")
     if args.report:
         write_report(run_dir)
     return 0

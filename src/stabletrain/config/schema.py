@@ -277,7 +277,8 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.batch_size": (lambda v: v >= 1, "an integer >= 1"),
     "accum.steps": (lambda v: v >= 1, "an integer >= 1"),
     "clip.max_norm": (lambda v: v is None or v > 0, "a number > 0 or null"),
-    "optim.lr": (lambda v: v > 0, "a number > 0"),
+    # (the optimizer holds it in float32: 1e39 is inf there, and the first update makes every weight inf; a trial)
+    "optim.lr": (lambda v: 0 < v <= 3.4e38, "a number > 0 that float32 holds (at most 3.4e38)"),
     "optim.weight_decay": (lambda v: v >= 0, "a number >= 0"),
     "optim.beta1": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
     "optim.beta2": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
