@@ -131,8 +131,11 @@ def test_remedy_cli_errors_are_one_line_naming_the_value(tmp_path, capsys):
     assert main(["remedy", str(tmp_path), "--only", "bogus"]) == 2
     assert "--only: unknown candidate bogus; the candidates are skip-step" in capsys.readouterr().err
     # K=0 replayed the incident's window alone: a clamp 'cured' it on one step, its end loss judged against nothing
+    for name in ("step_000003", "step_000007"):  # (a run with two incidents: its "holds 2 incidents" line came first)
+        (tmp_path / "incidents" / name).mkdir(parents=True)
     assert main(["remedy", str(tmp_path), "--steps", "0"]) == 2
-    assert "--steps: expected an integer >= 1 (the windows replayed after the incident's), got 0" in capsys.readouterr().err
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "stabletrain: error: --steps: expected an integer >= 1 (the windows replayed after the incident's), got 0"]
     with pytest.raises(ConfigError, match=r"^config key 'remedy.steps': expected an integer >= 1, got 0$"):
         cfg("remedy.steps=0")
     assert main(["remedy", str(tmp_path)]) == 2

@@ -44,6 +44,8 @@ def cmd_remedy(args: argparse.Namespace) -> int:
     from ..remedy_search import format_table, search_remedies
     from . import incident_dir
 
+    if args.steps < 1:  # (before the incident is chosen and said: a trial saw that line above the error)
+        raise ValueError(f"--steps: expected an integer >= 1 (the windows replayed after the incident's), got {args.steps}")
     path = incident_dir(args.incident, newest=False, command="remedy")
     only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
     record = search_remedies(path, steps=args.steps, only=only, device=args.device)
