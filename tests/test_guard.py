@@ -193,14 +193,16 @@ def test_no_good_state_means_no_capture_and_says_why(tmp_path):
     run_dir = tmp_path / "run"
     torch.manual_seed(0)
     # Replaying from LAST_GOOD (capture.memory_snapshot=false): there is none. (The interval's in-memory snapshot
-    # would replay from the step-0 state, lr inf included: it is never persisted, only replayed.)
-    trainer = Trainer(cfg("optim.lr=1e39", "sched.warmup_steps=0", "train.max_steps=4", "log.every=2",
-                          "train.batch_size=8", "capture.memory_snapshot=false"), task=regression_task(),
-                      run_dir=run_dir)  # lr overflows to inf
+    # would replay from the step-0 state, its inf weight included: it is never persisted, only replayed.)
+    task = regression_task()
+    with torch.no_grad():
+        task.model[0].weight[0, 0] = float("inf")  # (a model loaded broken; optim.lr=1e39 did it before config refused it)
+    trainer = Trainer(cfg("sched.warmup_steps=0", "train.max_steps=4", "log.every=2", "train.batch_size=8",
+                          "capture.memory_snapshot=false", "log.init_signal=false"), task=task, run_dir=run_dir)
     trainer.fit()
     events = _events(run_dir)
     withheld = [e for e in events if e["kind"] == "checkpoint_withheld"]
-    assert withheld and "lr" in withheld[0]["reason"]  # not even the step-0 state is checkpointed
+    assert withheld and "0.weight" in withheld[0]["reason"], withheld  # not even the step-0 state is checkpointed
     incident = next(e for e in events if e["kind"] == "incident")
     assert "not captured: no good state to replay from" in incident["reason"]
     assert not (run_dir / "incidents").exists()
@@ -728,3 +730,21 @@ def test_check_inputs_reads_a_mapping_batch_and_keeps_a_flag_across_micro_batche
     Trainer(cfg("train.batch_size=4", "accum.steps=2", "train.max_steps=2", "log.every=2", "guard.check_inputs=true",
                 "data.shuffle=false", "capture.diagnose=false"), task=task, run_dir=tmp_path / "run").fit()
     assert [e["step"] for e in _events(tmp_path / "run") if e["kind"] == "skip"] == [1, 2]  # the window of items 0-7
+
+
+def test_a_rollback_drops_the_few_samples_an_op_incident_named(tmp_path):
+    """A trial: a log of one sample's 0 (class op, the sample named) met that sample again each epoch; every rollback
+    skipped its window only, until guard.max_rollbacks stopped the run. The few samples an op incident names are dropped
+    as a data incident's are; one that most of the window's samples reach is not theirs (not dropped)."""
+    from remedy_tasks import sqrt_zero_task
+
+    run_dir = tmp_path / "run"
+    trainer = Trainer(cfg("train.batch_size=8", "train.max_steps=12", "log.every=2", "ckpt.every=2", "data.shuffle=false",
+                          "guard.on_nonfinite=rollback"), task=sqrt_zero_task(), run_dir=run_dir)
+    trainer.fit()  # sample 13: steps 2, 6 and 10 (4 windows an epoch)
+    events = _events(run_dir)
+    (incident,) = [e for e in events if e["kind"] == "incident"]
+    rollbacks = [e for e in events if e["kind"] == "rollback"]
+    assert incident["diagnosis"]["failure_class"] == "op" and incident["diagnosis"]["bad_samples"] == [13]
+    assert len(rollbacks) == 1 and rollbacks[0]["dropped_samples"] == [13], rollbacks
+    assert trainer.step == 12 and trainer.state.stop_reason is None

@@ -382,8 +382,12 @@ class CheckpointKeeper:
         diagnosis = (found or {}).get("diagnosis") or {}  # (rank 0's: it diagnosed the capture)
         named = [*(diagnosis.get("bad_samples") or []),  # (and the burst's later windows')
                  *(i for b in diagnosis.get("burst_samples") or [] for i in b["samples"])]
+        # An op that a few of the window's samples reach (a log of one sample's 0) is theirs too: met again each epoch
+        # (a trial's rollbacks ran out on it); one that most samples reach is the op's or the weights', not theirs
+        of = ((found or {}).get("diagnosis_record") or {}).get("num_samples") or 0
+        few = diagnosis.get("failure_class") == "op" and 0 < 2 * len(named) <= of
         samples = state.dist.on_main(lambda: sorted({int(i) for i in named} if diagnosis.get("failure_class") == "data"
-                                                    else set()))
+                                                    or few else set()))
         self.dropped_by_rollbacks |= set(samples)
         with restore_counters():
             self.state.load_state_dict(loaded.state)
