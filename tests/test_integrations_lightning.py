@@ -490,9 +490,7 @@ class ValNet(LitNet):
     """LitNet with a validation_step that logs val_loss (what the callback records)."""
 
     def validation_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.mse_loss(self.net(x), y)
-        self.log("val_loss", loss)
+        self.log("val_loss", loss := F.mse_loss(self.net(batch[0]), batch[1]))
         return loss
 
 

@@ -330,11 +330,11 @@ def fails_too(built: SignalReport, reinit: SignalReport) -> str | None:
     """The advice where the scheme for ``built``'s activations fails too (``reinit``: the same model re-initialized with
     it, flagged), so it is not recommended (None: it passes). A trial: a residual net at Kaiming was told to use Kaiming.
     """
+    from .loss_at_init import flagged_at
+
     if reinit.passed:
         return None
-    fwd, bwd = reinit.first_forward, reinit.first_backward
-    where = (f", forward {fwd.forward} at #{fwd.index} {fwd.name!r}" if fwd is not None else
-             f", backward {bwd.backward} at #{bwd.index} {bwd.name!r}" if bwd is not None else "")
+    where = next((f", {d} {flagged_at(reinit, d)}" for d in ("forward", "backward") if flagged_at(reinit, d) != "ok"), "")
     return (f"no init advice: init_(model, {built.recommended!r}), the scheme for these activations, fails here too "
             f"({len(reinit.flagged)} of {len(reinit.layers)} layers flagged{where}): the init alone does not fix it; in a "
             "residual network, mark each branch's output layer residual_branch_out = True and init_ scales it by "

@@ -18,7 +18,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter, MaxNLocator, PercentFormatter
 
-from .rundata import RunData
+from .rundata import RunData, x_of
 
 __all__ = ["Plot", "run_plots", "compare_plots", "shared_unit", "item_panels", "items_note", "RUN_PLOT_NAMES", "COMPARE_METRICS"]
 
@@ -89,8 +89,7 @@ def _columns(run: RunData, *keys: str, x: str = "step") -> list[np.ndarray]:
     A value missing from a record, and +-inf, become nan (a gap in the line).
     """
     rows = [r for r in run.metrics if isinstance(r.get(keys[0]), float) and isinstance(r.get(x), (int, float))]
-    at = "val_step" if keys[0] == "val_loss" and x == "step" else x  # (an adapter's evaluation: the step it measured)
-    out = [np.asarray([float(r.get(at, r[x])) for r in rows], dtype=float)]
+    out = [np.asarray([float(x_of(r, keys[0], x)) for r in rows], dtype=float)]
     for key in keys:
         col = np.asarray([r.get(key, math.nan) if isinstance(r.get(key), float) else math.nan for r in rows], dtype=float)
         col[~np.isfinite(col)] = np.nan

@@ -25,7 +25,7 @@ import yaml
 from ..records.events import EVENT_KINDS, METRIC_KEYS, REPLAY_KINDS
 from ..records.jsonl import read_jsonl
 
-__all__ = ["RunData", "Event", "load_run", "not_stabletrain", "as_number", "KNOWN_METRIC_KEYS"]
+__all__ = ["RunData", "Event", "load_run", "not_stabletrain", "as_number", "KNOWN_METRIC_KEYS", "x_of"]
 
 # The documented keys (stabletrain.records.events.METRIC_KEYS) plus the interval length this reader derives;
 # any other numeric key (a later version's, a user's) is shown under "other metrics".
@@ -56,6 +56,12 @@ class Event:
     extra: dict[str, Any]
     superseded: bool = False
     superseded_by: str | None = None  # the kind of the event that went back past it: resume, rollback or remedy
+
+
+def x_of(rec: dict[str, Any], key: str, x: str = "step") -> Any:
+    """Where a record's ``key`` is drawn on the ``x`` axis: an adapter's val_loss at its ``val_step`` (the step its host's
+    evaluation measured, logged in a later interval's record), anything else at the record's own ``x``."""
+    return rec.get("val_step", rec.get(x)) if key == "val_loss" and x == "step" else rec.get(x)
 
 
 @dataclass
@@ -114,10 +120,9 @@ class RunData:
     def series(self, key: str, x: str = "step") -> tuple[list[float], list[float]]:
         """Return (x, y) over the records that have ``key`` (and ``x``); non-finite y values are kept."""
         xs, ys = [], []
-        at = "val_step" if key == "val_loss" and x == "step" else x  # (an adapter's evaluation: the step it measured)
         for rec in self.metrics:
-            if isinstance(rec.get(key), float) and isinstance(rec.get(at, rec.get(x)), (int, float)):
-                xs.append(float(rec.get(at, rec.get(x))))
+            if isinstance(rec.get(key), float) and isinstance(x_of(rec, key, x), (int, float)):
+                xs.append(float(x_of(rec, key, x)))
                 ys.append(rec[key])
         return xs, ys
 
