@@ -24,6 +24,7 @@ from stabletrain.numerics import unique_params
 from stabletrain.policies.optim import build_optimizer
 from stabletrain.policies.schedule import LRSchedule
 from stabletrain.records.bundles import load_bundle
+from stabletrain.records.checkpoint.manager import CheckpointManager
 from stabletrain.records.staging import StateStager
 
 # -- the local-shard snapshot, on a one-process group ---------------------------------------------
@@ -238,13 +239,20 @@ def test_a_nan_only_one_ranks_gradients_hold_is_found_on_that_rank_under_fsdp(tm
     from multiproc import stabletrain as stabletrain_cmd
 
     run_dir = tmp_path / "run"
-    run(stabletrain_cmd("task=fsdp_tasks:grads_only_nan_task", "dist.nproc=2", "dist.strategy=fsdp", "train.batch_size=8",
-                        "data.shuffle=false", "train.max_steps=8", "log.every=4", "ckpt.every=0", f"run.dir={run_dir}"),
-        timeout=300)
+    res = run(stabletrain_cmd("task=fsdp_tasks:grads_only_nan_task", "dist.nproc=2", "dist.strategy=fsdp",
+                              "train.batch_size=8", "data.shuffle=false", "train.max_steps=8", "log.every=4", "ckpt.every=0",
+                              f"run.dir={run_dir}"), timeout=300)
     [incident] = [e for e in events(run_dir) if e["kind"] == "incident"]
     d = incident["diagnosis"]
     assert incident["step"] == 6 and incident["ranks"] == [1] and d["rank"] == 1, incident
     assert (d["bad_samples"], d["module"], d["reproduces"]) == ([91], "stem", True), d
+    # No periodic save: the first and the last sharded checkpoints are written by the ranks themselves, whole and
+    # verified, and no DCP checkpoint process is started for them (2 processes, ~3 CPU-seconds each, per launch)
+    assert [e["step"] for e in events(run_dir) if e["kind"] == "checkpoint"] == [0, 8]
+    manager = CheckpointManager(run_dir / "checkpoints")
+    last = manager.load()
+    assert last.meta["step"] == 8 and last.meta["dcp"]["keys"] and manager.verify(last.path) == []
+    assert "Checkpoint background process" not in res.stdout + res.stderr, res.stderr[-2000:]
 
 
 @pytest.mark.slow

@@ -69,14 +69,14 @@ class CheckpointSave:
 
     whole: dict[str, Any]  # what rank 0 writes as the checkpoint's state (DCP: markers for the model and optimizer)
     meta: dict[str, Any] = field(default_factory=dict)  # meta.json's keys from the strategy (world_size)
-    shards: Any = None  # this rank's part written in the background (DCP's ShardedSave), passed to save_async
+    shards: Any = None  # this rank's part (DCP's ShardedSave), written in the background unless shards.written
     withheld: str | None = None  # why nothing is written (the same on every rank), else None
     fields: dict[str, Any] = field(default_factory=dict)  # the withheld event's fields
 
     @property
     def inline_ok(self) -> bool:
         """Whether the keeper may write it in the loop's thread (a part written in the background needs the writer)."""
-        return self.shards is None
+        return self.shards is None or self.shards.written
 
 
 class Strategy:
@@ -169,11 +169,12 @@ class Strategy:
 
     # -- checkpoints (stabletrain.services.checkpoints) ------------------------------------------------------------
 
-    def save_checkpoint(self, state_dict: Any, ckpt: Any, step: int) -> CheckpointSave:
+    def save_checkpoint(self, state_dict: Any, ckpt: Any, step: int, inline_bytes: int = -1) -> CheckpointSave:
         """The checkpoint of the run's state at ``step`` in this strategy's format; every rank calls it.
 
         One whole state in the one-process format (``state_dict()``: the run's), which rank 0 writes; under DDP
-        with every rank's RNG state and data position (one gather). ``ckpt``: the run's CheckpointManager.
+        with every rank's RNG state and data position (one gather). ``ckpt``: the run's CheckpointManager;
+        ``inline_bytes``: a part of at most this size may be written before this returns (the keeper's rule).
         """
         whole, meta = state_dict(), {}
         if self.dist.enabled:
@@ -327,7 +328,7 @@ class FSDPStrategy(Strategy):
     def snapshot_parts(self, local: dict[str, Any], module: nn.Module) -> tuple[Any, Any, tuple[int, int] | None]:
         return None, local, None  # this rank's own shards, all on the compute stream
 
-    def save_checkpoint(self, state_dict: Any, ckpt: Any, step: int) -> CheckpointSave:
+    def save_checkpoint(self, state_dict: Any, ckpt: Any, step: int, inline_bytes: int = -1) -> CheckpointSave:
         """``dist.checkpoint=sharded``: every rank writes its own shards of the model and optimizer through DCP
         (:mod:`stabletrain.records.checkpoint.shards`), in the background, and rank 0 the rest; else a full state.
 
@@ -336,7 +337,7 @@ class FSDPStrategy(Strategy):
         save makes DCP's saver (a process group: every rank reaches it together).
         """
         if self.cfg.dist.checkpoint != "sharded":
-            return super().save_checkpoint(state_dict, ckpt, step)
+            return super().save_checkpoint(state_dict, ckpt, step, inline_bytes)
         from ..records.checkpoint.files import first_nonfinite
         from ..records.checkpoint.shards import ShardedSaver, local_tensors, split_for_dcp
 
@@ -356,7 +357,7 @@ class FSDPStrategy(Strategy):
             return CheckpointSave(whole, meta, withheld=f"rank {rank}'s shard of {key} is not finite (NaN/Inf)",
                                   fields={"rank": rank, "key": key})
         tmp = Path(self.dist.on_main(lambda: str(ckpt.begin_sharded(step))))
-        shards = self._saver.start(tensors, tmp, step)  # blocks for the staging copy only
+        shards = self._saver.start(tensors, tmp, step, inline_bytes=inline_bytes)  # blocks for the staging copy (or writes)
         shards.timings["shard_check_s"] = check_s
         return CheckpointSave(whole, meta, shards=shards)
 

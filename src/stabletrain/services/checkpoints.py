@@ -114,6 +114,7 @@ class CheckpointKeeper:
         self._costs = SaveCosts()  # each save's wall cost to the steps while it is written (its event's fields)
         self._marking = False  # from the first save on, each boundary marks its step (the saves' costs)
         self._saved = False  # a save was made: the next is not the first
+        self._asked = False  # (every rank) a strategy was asked for a checkpoint: the next is not the first
         self.dropped_by_rollbacks: set[int] = set()  # samples a rollback's data diagnosis named: never trained on again
 
     # -- resume ---------------------------------------------------------------------------------
@@ -261,7 +262,12 @@ class CheckpointKeeper:
         skips = state.guard.consecutive_skips if state.guard is not None else 0
         unproven = (f"its last {skips} steps were skipped, none applied since: the run is not known to have recovered"
                     if healthy and skips >= SKIPS_RUN and not wait else None)
-        save = (state.strategy.save_checkpoint(state.state_dict, ckpt, state.step) if healthy and unproven is None
+        # A sharded save's part that may be written before save_checkpoint returns (every rank alike): the one it waits for,
+        # or a small first one with no periodic save ahead (with one, its processes start now, beside the steps)
+        cfg = state.cfg
+        periodic = bool(cfg.ckpt.every) and state.step + cfg.ckpt.every < cfg.train.max_steps
+        inline, self._asked = (1 << 62) if wait else -1 if self._asked or periodic else INLINE_FIRST_BYTES, True
+        save = (state.strategy.save_checkpoint(state.state_dict, ckpt, state.step, inline) if healthy and unproven is None
                 else None)  # may gather
         why, fields = ((unproven or "inside an incident", {"skipped_in_a_row": skips} if unproven else {}) if save is None
                        else (save.withheld, save.fields))
@@ -284,11 +290,10 @@ class CheckpointKeeper:
                 wait or ((first or running is not None) and state_bytes(whole) <= INLINE_FIRST_BYTES)):
             try:  # no writer serving yet: a save waited for anyway, or a small first one (or one before the writer's
                 # imports are done: it would wait for them), is written here
-                result = ckpt.save(whole, state.step, meta)
+                result = ckpt.save(whole, state.step, meta, shards=save.shards)
             except Exception as err:  # the previous checkpoint is intact
                 return done + [_failed(state.step, err)]
-            cfg = state.cfg
-            if not wait and running is None and cfg.ckpt.every and state.step + cfg.ckpt.every < cfg.train.max_steps:
+            if not wait and running is None and periodic:
                 with contextlib.suppress(WriterDied):  # a periodic save follows: its writer starts beside the steps
                     writer()  # (not blocking; a writer that cannot start is the next save's failure to report)
             return done + [{"step": result.step, "kind": result.kind, "reason": result.reason,

@@ -24,7 +24,7 @@ from .saves import PendingSave, SaveResult
 from .shards import ShardedSave
 from .writer import Writer, WriterDied, writer
 
-__all__ = ["BackgroundSaves"]
+__all__ = ["BackgroundSaves", "shards_written"]
 
 
 class BackgroundSaves:
@@ -69,16 +69,7 @@ class BackgroundSaves:
         def prepare() -> dict[str, Any]:  # in a helper thread: what the writer must not read before it is whole
             for event in staged.events:
                 event.synchronize()
-            if shards is None:
-                return {}
-            try:
-                dcp = shards.finish(timings)  # every rank's shards written, .metadata complete
-            except Exception as err:
-                shutil.rmtree(shards.tmp, ignore_errors=True)
-                raise CheckpointError(f"sharded checkpoint {final}: the DCP save failed ({type(err).__name__}: "
-                                      f"{str(err).splitlines()[0] if str(err) else ''}); the previous checkpoint and "
-                                      "LAST_GOOD are untouched", final) from err
-            return {"tmp": str(shards.tmp), "dcp": dcp}
+            return {} if shards is None else {"tmp": str(shards.tmp), "dcp": shards_written(shards, final, timings)}
 
         def died(err: BaseException) -> CheckpointError:
             good = manager.latest_good()
@@ -107,6 +98,18 @@ class BackgroundSaves:
             self._remote[0] = remote = (channel, channel.add_block(block.size, block.fd))
             return {"block": remote[1], "specs": self._stager.specs}  # a new block (or writer): the whole layout
         return {"block": remote[1], "specs": staged.specs}
+
+
+def shards_written(shards: ShardedSave, final: Path, timings: dict[str, float]) -> dict[str, Any]:
+    """Wait for every rank's DCP shards of ``final`` (:meth:`ShardedSave.finish`); return meta.json's "dcp". A failed
+    save is a CheckpointError, its temporary directory removed."""
+    try:
+        return shards.finish(timings)  # every rank's shards written, .metadata complete
+    except Exception as err:
+        shutil.rmtree(shards.tmp, ignore_errors=True)
+        raise CheckpointError(f"sharded checkpoint {final}: the DCP save failed ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0] if str(err) else ''}); the previous checkpoint and "
+                              "LAST_GOOD are untouched", final) from err
 
 
 def _result(reply: dict[str, Any], step: int, timings: dict[str, float]) -> SaveResult:

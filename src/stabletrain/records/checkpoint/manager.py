@@ -29,7 +29,7 @@ from typing import Any
 
 from ...fileio import atomic_write, fsync_dir
 from ...process import stat_fields
-from .background import BackgroundSaves
+from .background import BackgroundSaves, shards_written
 from .files import META_FILE, CheckpointError, checked_meta, dir_name, first_nonfinite, load_checked, only_plain, write_files
 from .saves import PendingSave, SaveResult
 from .shards import DCP_DIR, ShardedSave, to_full_state
@@ -101,7 +101,8 @@ class CheckpointManager:
 
     # -- saving -----------------------------------------------------------------------------
 
-    def save(self, state: dict[str, Any], step: int, meta: dict[str, Any] | None = None) -> SaveResult:
+    def save(self, state: dict[str, Any], step: int, meta: dict[str, Any] | None = None, *,
+             shards: ShardedSave | None = None) -> SaveResult:
         """Write ``state`` as the checkpoint of ``step`` unless it is non-finite; move LAST_GOOD; prune.
 
         ``meta`` (JSON-able; e.g. ``{"config": config_to_dict(cfg), "config_hash": ...}``) goes into
@@ -109,11 +110,15 @@ class CheckpointManager:
         tensor in ``require_finite`` is NaN/Inf; ``reason`` names its key path. Raises CheckpointError
         when writing or verifying fails (disk full, bytes read back differ); the previous checkpoint
         and LAST_GOOD are then untouched. Waits for a save in flight first. Forces one host-device sync
-        for the finiteness check, and torch.save copies device tensors to the host.
+        for the finiteness check, and torch.save copies device tensors to the host. ``shards``: a sharded save's DCP
+        part, written (``shards.written``): state.pt goes beside it, as :meth:`save_async` has the writer do.
         """
         self.wait()
         meta = checked_meta(step, meta)
-        timings: dict[str, float] = {}
+        timings: dict[str, float] = dict(shards.timings) if shards is not None else {}
+        if shards is not None:
+            dcp = shards_written(shards, self.root / dir_name(step), timings)
+            return self.write_staged(state, step, meta, timings, tmp=shards.tmp, dcp=dcp, check=True)
         withheld = self._check(state, step, timings)
         return withheld if withheld is not None else self.write_staged(state, step, meta, timings)
 

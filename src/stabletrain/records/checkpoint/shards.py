@@ -19,7 +19,8 @@ One save (DESIGN.md, principle 4: nothing bad is persisted)::
     every rank: dcp.async_save, process-based (dcp_process)                 # blocks for the staging copy only
     rank 0 (CheckpointManager): a helper thread waits for its DCP save; then the writer process writes
         state.pt and meta.json, verifies (.metadata names every key, every shard file it references is
-        there), renames, moves LAST_GOOD
+        there), renames, moves LAST_GOOD (before any save in the background, a run's last or a small first:
+        dcp.save, rank 0 writes the rest in the loop's thread: no process started for it, ~3 CPU-s each)
 
 DCP's save gathers every rank's write results to rank 0, which writes ``.metadata`` only when every
 rank's writes succeeded (a failure on any rank raises on all of them): rank 0's save completing means
@@ -105,8 +106,7 @@ def _flatten(tree: Any, prefix: str) -> list[tuple[str, Any]]:
 def _marker(tree: Any, prefix: str, tensors: dict[str, Tensor]) -> dict[str, Any]:
     """Move ``tree``'s tensor leaves into ``tensors`` (by dotted key); return the marker that stays in state.pt."""
     leaves, spec = tree_flatten_with_keys(tree)
-    keys = []
-    skeleton = []
+    keys, skeleton = [], []
     for path, leaf in leaves:
         if _is_tensor(leaf):
             key = dotted_key(path, prefix)
@@ -155,9 +155,10 @@ class ShardedSave:
     """
 
     def __init__(self, step: int, tmp: Path, keys: list[str], future: Any, timings: dict[str, float],
-                 rank: int = 0, world: int = 1, timeout_s: float = 120.0) -> None:
+                 rank: int = 0, world: int = 1, timeout_s: float = 120.0, written: bool = False) -> None:
         self.step, self.tmp, self.keys, self.future, self.timings = step, tmp, keys, future, timings
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self.written = written  # written before the save started (dcp.save): rank 0 may write the rest in its loop
         self.checksums = threading.Thread(target=self.checksum, name=f"stabletrain-shard-crc32-{rank}", daemon=True)
         self.checksums.start()
 
@@ -246,12 +247,13 @@ class ShardedSaver:
                                                    use_async_staging=False, use_non_blocking_copy=False))
         self.in_flight: ShardedSave | None = None
         self.synchronous = False  # DCP's background staging failed once: each save is written before start returns
+        self.background = False  # a save went to DCP's checkpoint processes (started by the first)
 
-    def start(self, tensors: dict[str, Tensor], tmp: Path, step: int) -> ShardedSave:
+    def start(self, tensors: dict[str, Tensor], tmp: Path, step: int, *, inline_bytes: int = -1) -> ShardedSave:
         """Stage ``tensors`` (blocking) and write them to ``tmp/dcp`` in the background; every rank calls it.
 
-        Waits for this rank's save in flight first.
-        """
+        Waits for this rank's save in flight first. Before any save in the background, tensors of at most ``inline_bytes``
+        (in all: the same on every rank) are written before this returns (``ShardedSave.written``), no process started."""
         import torch.distributed.checkpoint as dcp
 
         from .dcp_process import PROCESS, planner
@@ -259,10 +261,13 @@ class ShardedSaver:
         self.wait()
         t0 = time.perf_counter()
         writer = dcp.FileSystemWriter(str(tmp / DCP_DIR))
-        if self.synchronous:
+        written = self.synchronous or (not self.background and  # (a DTensor's size: the whole tensor's)
+                                       sum(t.numel() * t.element_size() for t in tensors.values()) <= inline_bytes)
+        if written:
             future = _done(dcp.save(tensors, storage_writer=writer, process_group=self.group, planner=planner()))
         else:
             try:
+                self.background = True
                 future = dcp.async_save(tensors, storage_writer=writer, process_group=self.group,
                                         async_stager=self.stager, planner=planner(), async_checkpointer_type=PROCESS)
             except (KeyError, TypeError) as err:  # DCP's staging copy failed (every rank alike) before any collective
@@ -278,17 +283,15 @@ class ShardedSaver:
                                         process_group=self.group, planner=planner()))
         timings = {"shard_stage_s": time.perf_counter() - t0}
         self.in_flight = ShardedSave(step, tmp, sorted(tensors), future, timings, rank=dist.get_rank(self.group),
-                                     world=dist.get_world_size(self.group), timeout_s=self.timeout_s)
+                                     world=dist.get_world_size(self.group), timeout_s=self.timeout_s, written=written)
         return self.in_flight
 
     def wait(self) -> None:
         """Wait for this rank's save in flight, if any. Raises nothing: rank 0's outcome reports a failure."""
         pending, self.in_flight = self.in_flight, None
         if pending is not None:
-            try:
+            with contextlib.suppress(Exception):  # (the same failure reaches rank 0, which records it)
                 pending.future.result()
-            except Exception:  # noqa: BLE001  (the same failure reaches rank 0, which records it)
-                pass
             pending.checksums.join()  # (rank 0's outcome waits for this rank's checksums)
 
 
