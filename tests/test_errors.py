@@ -172,8 +172,27 @@ def test_defined_at_names_the_users_def_through_partials_and_methods_and_never_a
 
 
 def run(*args, cwd=None, env=None):
+    """``stabletrain ARGS`` in a fresh process: its real exit code and output (torch imported anew: ~3 s)."""
     return subprocess.run([sys.executable, "-m", "stabletrain", *args], capture_output=True, text=True, cwd=cwd,
                           env={**child_env(), **(env or {})}, timeout=300)
+
+
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """``stabletrain ARGS`` in this process (``cli.main``, what ``python -m stabletrain`` exits with): the same exit code
+    and output as :func:`run` without a new interpreter, for the tests that read what a command says."""
+    from stabletrain.cli import main
+
+    def call(*args, cwd=None, env=None):
+        for key, value in (env or {}).items():
+            monkeypatch.setenv(key, value)
+        if cwd is not None:
+            monkeypatch.chdir(cwd)
+        capsys.readouterr()
+        code = main([str(a) for a in args])
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(["stabletrain", *args], code, out.out, out.err)
+    return call
 
 
 def test_train_names_the_loss_and_shows_the_users_line(tmp_path):
@@ -189,8 +208,8 @@ def test_train_names_the_loss_and_shows_the_users_line(tmp_path):
 
 @pytest.mark.parametrize("task, part", [("string_data_task", "model forward"), ("bad_item_task", "dataset item"),
                                         ("bad_collate_task", "collate")])
-def test_train_on_bad_data_names_the_part(task, part, tmp_path):
-    res = run("train", f"task=user_code_tasks:{task}", "log.progress=false", f"run.dir={tmp_path / 'r'}")
+def test_train_on_bad_data_names_the_part(task, part, tmp_path, cli):
+    res = cli("train", f"task=user_code_tasks:{task}", "log.progress=false", f"run.dir={tmp_path / 'r'}")
     assert res.returncode == 1, res.stderr
     assert res.stderr.startswith(f"stabletrain: error: the task's {part} raised ")
     assert "user_code_tasks.py" in res.stderr or "helpers.py" in res.stderr
@@ -212,9 +231,10 @@ def test_a_bad_config_key_is_still_one_line_exit_2():
                                                   "(count, sum); return (sum, count)"),
     ("loss_zero_count_task", "the user's bug: 0", "returned a pair whose count (the second element) is 0; "),
 ])
-def test_a_loss_that_cannot_be_backpropagated_is_one_line_naming_its_definition_exit_2(task, line, said, tmp_path):
+def test_a_loss_that_cannot_be_backpropagated_is_one_line_naming_its_definition_exit_2(task, line, said, tmp_path,
+                                                                                       cli):
     # Said before autograd's "element 0 of tensors does not require grad" (or, for the count, a later 'op' incident)
-    res = run("train", f"task=user_code_tasks:{task}", "train.max_steps=3", "log.progress=false", f"run.dir={tmp_path / 'r'}")
+    res = cli("train", f"task=user_code_tasks:{task}", "train.max_steps=3", "log.progress=false", f"run.dir={tmp_path / 'r'}")
     assert res.returncode == 2, res.stderr
     # One line, no traceback (the step-0 signal-propagation report, whose backward meets the loss first, leaves it to the
     # step: no warning of its own before it)
@@ -244,8 +264,8 @@ def test_a_loss_is_checked_for_a_backward_only_where_one_follows_and_grad_is_ena
     assert [float(x) for x in as_sum_count(counted, 4)] == [2.0, 0.0]  # a tensor count is not read (a sync)
 
 
-def test_check_shows_the_users_frames_once(tmp_path):
-    res = run("check", "overfit", "amp", "init", "task=user_code_tasks:unpack_loss_task", cwd=tmp_path)
+def test_check_shows_the_users_frames_once(tmp_path, cli):
+    res = cli("check", "overfit", "amp", "init", "task=user_code_tasks:unpack_loss_task", cwd=tmp_path)
     assert res.returncode == 1
     assert res.stdout.count("Traceback (your code") == 1 and res.stdout.count("x, y, w = batch") == 1
     assert res.stdout.count("the same error as in the overfit check") == 2
@@ -254,13 +274,13 @@ def test_check_shows_the_users_frames_once(tmp_path):
     assert set(frames_in(res.stdout)) == {str(TASKS)} and not list(tmp_path.iterdir())  # torch's frames trimmed
 
 
-def test_diagnose_names_the_part_when_the_replay_raises(tmp_path):
+def test_diagnose_names_the_part_when_the_replay_raises(tmp_path, cli):
     run_dir = tmp_path / "run"
     c = cfg("train.batch_size=16", "train.max_steps=6", "log.every=3", "capture.diagnose=false", "data.shuffle=false",
             f"run.dir={run_dir}", task="user_code_tasks:loss_raises_when_asked_task")
     Trainer(c, run_dir=run_dir).fit()
     assert (run_dir / "incidents" / "step_000003").is_dir()
-    res = run("diagnose", str(run_dir), env={"STABLETRAIN_TEST_RAISE": "1"})
+    res = cli("diagnose", str(run_dir), env={"STABLETRAIN_TEST_RAISE": "1"})
     assert res.returncode == 1, res.stderr
     assert res.stderr.startswith("stabletrain: error: the task's loss raised ValueError at ")
     assert f'line {line_of("asked to raise")}, in loss' in res.stderr
@@ -450,9 +470,9 @@ def test_library_frames_installed_outside_this_environment_are_not_the_users(mon
     assert {"/opt/py/lib/python3.11/site-packages/", "/usr/lib/python3/dist-packages/"} <= set(errors._library_dirs())
 
 
-def test_check_on_a_task_that_breaks_its_contract_is_one_line_exit_2_as_train(tmp_path):
+def test_check_on_a_task_that_breaks_its_contract_is_one_line_exit_2_as_train(tmp_path, cli):
     """It failed all 8 checks with the same stabletrain-internal traceback each (rc 1)."""
-    res = run("check", "task=broken_tasks:iterable_data_task", cwd=tmp_path)
+    res = cli("check", "task=broken_tasks:iterable_data_task", cwd=tmp_path)
     assert res.returncode == 2, res.stdout + res.stderr
     assert res.stderr.strip().splitlines() == [
         "stabletrain: error: task 'broken_tasks:iterable_data_task': Task.train_data must be a map-style Dataset "
