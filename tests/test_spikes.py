@@ -681,20 +681,11 @@ def test_spike_test_agrees_with_the_host_rule():
 
 
 @pytest.mark.slow
-def test_the_first_third_of_a_healthy_default_gpt_run_has_no_spike():
-    """The default gpt run's schedule (300 steps, warmup, cosine), stopped at step 100 by a callback: its first steps,
-    where the loss falls fastest and the rule arms, and the peak LR are where a false alarm would come (the whole run
-    took 52 s of the suite; the rule's record on 22,900 healthy steps is bench/precursor.py's)."""
-    from stabletrain.callbacks import Callback
-
-    class StopAt100(Callback):
-        def on_log(self, state, record, rows):
-            if state.step == 100:
-                state.stop("enough")
-
-    trainer = Trainer(cfg("eval.every=0", "log.every=50", task="gpt"), callbacks=[StopAt100()])
+def test_a_healthy_default_gpt_run_of_300_steps_has_no_spike():
+    """The issue's bar (#32): the default gpt run, whole (~50 s of the suite), ends with no spike flagged."""
+    trainer = Trainer(cfg("eval.every=0", "log.every=50", task="gpt"))
     trainer.fit()
-    assert trainer.cfg.train.max_steps == 300 and trainer.step == 100 and trainer.guard.num_spikes == 0
+    assert trainer.step == 300 and trainer.guard.num_spikes == 0
 
 
 def test_an_adapter_spike_gets_the_same_doctor(tmp_path):
