@@ -44,6 +44,26 @@ class WriterReady(Callback):
         assert channel.ready, "the checkpoint writer did not start serving within 120 s"
 
 
+class FailShardWrite(Callback):
+    """Rank 1's DCP writes of every sharded checkpoint after step 0 fail as a full disk would (OSError ENOSPC)."""
+
+    def on_fit_start(self, state):
+        import errno
+
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+        if int(os.environ.get("RANK", "0")) != 1:
+            return
+        real = FileSystemWriter.write_data
+
+        def write_data(writer, plan, planner):
+            if "step_000000" not in str(writer.path):
+                raise OSError(errno.ENOSPC, "No space left on device (planted)")
+            return real(writer, plan, planner)
+
+        FileSystemWriter.write_data = write_data
+
+
 class PlantNaN(Callback):
     """After step ``STABLETRAIN_TEST_NAN_STEP`` (default 2), write a NaN into rank 1's shard of ``layers.1.fc.weight``.
 

@@ -237,6 +237,22 @@ def test_an_fsdp_run_killed_with_sigkill_and_resumed_from_sharded_checkpoints_is
     assert saves and all(0 < e["blocked_s"] < e["seconds"] for e in saves)
 
 
+def test_a_sharded_save_written_at_once_that_fails_on_one_rank_is_a_failed_save_not_a_crash(tmp_path):
+    """ckpt.every=0: the last save is written by dcp.save in the loop; rank 1's write fails (a full disk, planted).
+    DCP raises its CheckpointException, a BaseException, on every rank: it escaped the loop as a traceback on both."""
+    run_dir = tmp_path / "run"
+    res = subprocess.run(stabletrain(*TASK, "train.max_steps=4", "log.every=2", "ckpt.every=0", "dist.nproc=2",
+                                     "dist.strategy=fsdp", "callbacks=[ckpt_worker:FailShardWrite]", f"run.dir={run_dir}"),
+                         env=env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    [failed] = [e for e in events(run_dir) if e["kind"] == "checkpoint_failed"]
+    assert failed["step"] == 4 and ("the DCP save failed (rank 1: OSError: [Errno 28] No space left on device "
+                                    "(planted)); the previous checkpoint and LAST_GOOD are untouched") in failed["reason"]
+    assert f"stabletrain: warning: {failed['reason']}" in res.stderr
+    ckpts = run_dir / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["LAST_GOOD", "step_000000"]  # nothing half-written left
+
+
 def test_a_nan_in_one_ranks_shard_withholds_the_sharded_checkpoint_on_every_rank(world):
     world.check("nan")
     run_dir = world.root / "nan"

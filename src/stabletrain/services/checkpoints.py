@@ -262,11 +262,11 @@ class CheckpointKeeper:
         skips = state.guard.consecutive_skips if state.guard is not None else 0
         unproven = (f"its last {skips} steps were skipped, none applied since: the run is not known to have recovered"
                     if healthy and skips >= SKIPS_RUN and not wait else None)
-        # A sharded save's part that may be written before save_checkpoint returns (every rank alike): the one it waits for,
-        # or a small first one with no periodic save ahead (with one, its processes start now, beside the steps)
+        # A sharded save's part that may be written before save_checkpoint returns (every rank alike), if small: one waited
+        # for, or a first one with no periodic save ahead (with one, its processes start now, beside the steps)
         cfg = state.cfg
         periodic = bool(cfg.ckpt.every) and state.step + cfg.ckpt.every < cfg.train.max_steps
-        inline, self._asked = (1 << 62) if wait else -1 if self._asked or periodic else INLINE_FIRST_BYTES, True
+        inline, self._asked = INLINE_FIRST_BYTES if wait or not (self._asked or periodic) else -1, True
         save = (state.strategy.save_checkpoint(state.state_dict, ckpt, state.step, inline) if healthy and unproven is None
                 else None)  # may gather
         why, fields = ((unproven or "inside an incident", {"skipped_in_a_row": skips} if unproven else {}) if save is None

@@ -20,7 +20,7 @@ from typing import Any
 
 from .arena import SharedStager, Staged
 from .files import CheckpointError, dir_name
-from .saves import PendingSave, SaveResult
+from .saves import PendingSave, SaveResult, is_save_failure
 from .shards import ShardedSave
 from .writer import Writer, WriterDied, writer
 
@@ -105,10 +105,15 @@ def shards_written(shards: ShardedSave, final: Path, timings: dict[str, float]) 
     save is a CheckpointError, its temporary directory removed."""
     try:
         return shards.finish(timings)  # every rank's shards written, .metadata complete
-    except Exception as err:
+    except BaseException as err:  # (DCP's CheckpointException is one)
+        if not is_save_failure(err):
+            raise
         shutil.rmtree(shards.tmp, ignore_errors=True)
-        raise CheckpointError(f"sharded checkpoint {final}: the DCP save failed ({type(err).__name__}: "
-                              f"{str(err).splitlines()[0] if str(err) else ''}); the previous checkpoint and "
+        failures = getattr(err, "failures", None)  # DCP's CheckpointException: {rank: (its error, its stack)}
+        said = ("; ".join(f"rank {rank}: {type(e[0]).__name__}: {e[0]}" for rank, e in sorted(failures.items()))
+                if isinstance(failures, dict) and failures and all(isinstance(e, tuple) for e in failures.values())
+                else f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+        raise CheckpointError(f"sharded checkpoint {final}: the DCP save failed ({said}); the previous checkpoint and "
                               "LAST_GOOD are untouched", final) from err
 
 

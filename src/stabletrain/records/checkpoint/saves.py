@@ -1,6 +1,7 @@
 """What a checkpoint save returns: :class:`SaveResult`, and :class:`PendingSave` for one the writer process runs.
 
-And :class:`SaveCosts`: what each save cost training in wall time, measured where the keeper runs.
+And :class:`SaveCosts`: what each save cost training in wall time, measured where the keeper runs; :func:`run_now`,
+a save made at once as a finished future (a sharded one's, read as ``dcp.async_save``'s).
 """
 
 from __future__ import annotations
@@ -12,7 +13,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SaveResult", "PendingSave", "SaveCosts"]
+__all__ = ["SaveResult", "PendingSave", "SaveCosts", "run_now", "is_save_failure"]
+
+
+def is_save_failure(err: BaseException) -> bool:
+    """Whether ``err`` is a save that failed, to report as one (DCP's ``CheckpointException``, which every rank raises
+    for one rank's failed write, is a BaseException), not an interrupt or an exit to pass on."""
+    return not isinstance(err, (KeyboardInterrupt, SystemExit, GeneratorExit))
+
+
+def run_now(save: Callable[[], Any]) -> Any:
+    """``save()`` made now: a finished future holding its result, or the failure it raised (:func:`is_save_failure`)."""
+    from concurrent.futures import Future
+
+    future: Future = Future()
+    try:
+        future.set_result(save())
+    except BaseException as err:
+        if not is_save_failure(err):
+            raise
+        future.set_exception(err)
+    return future
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ One save (DESIGN.md, principle 4: nothing bad is persisted)::
     every rank: dcp.async_save, process-based (dcp_process)                 # blocks for the staging copy only
     rank 0 (CheckpointManager): a helper thread waits for its DCP save; then the writer process writes
         state.pt and meta.json, verifies (.metadata names every key, every shard file it references is
-        there), renames, moves LAST_GOOD (before any save in the background, a run's last or a small first:
+        there), renames, moves LAST_GOOD (before any save in the background, a small last or first one:
         dcp.save, rank 0 writes the rest in the loop's thread: no process started for it, ~3 CPU-s each)
 
 DCP's save gathers every rank's write results to rank 0, which writes ``.metadata`` only when every
@@ -57,6 +57,7 @@ from torch import Tensor, nn
 
 from ...config import dotted_key
 from ...internals import tree_flatten_with_keys, tree_unflatten
+from .saves import is_save_failure, run_now
 
 __all__ = [
     "DCP_DIR",
@@ -167,7 +168,7 @@ class ShardedSave:
         ``dcp/.crc32.RANK.json``. A failed write leaves none (its failure is rank 0's outcome)."""
         try:
             self.future.result()
-        except Exception:  # noqa: BLE001
+        except BaseException:  # noqa: BLE001  (DCP's CheckpointException is one: saves.is_save_failure)
             return
         folder = self.tmp / DCP_DIR
         with contextlib.suppress(OSError):  # (the save failed on rank 0 and its directory is gone)
@@ -212,15 +213,6 @@ class ShardedSave:
                 "crc32": {name: crcs[name] for name in sorted(files) if name in crcs}}
 
 
-def _done(result: Any) -> Any:
-    """A finished future holding ``result`` (a synchronous save's, read by :meth:`ShardedSave.finish` as async_save's)."""
-    from concurrent.futures import Future
-
-    future: Future = Future()
-    future.set_result(result)
-    return future
-
-
 class ShardedSaver:
     """Every rank's side of DCP saves: a dedicated gloo group, a reused staging copy, at most one save in flight.
 
@@ -250,7 +242,7 @@ class ShardedSaver:
         self.background = False  # a save went to DCP's checkpoint processes (started by the first)
 
     def start(self, tensors: dict[str, Tensor], tmp: Path, step: int, *, inline_bytes: int = -1) -> ShardedSave:
-        """Stage ``tensors`` (blocking) and write them to ``tmp/dcp`` in the background; every rank calls it.
+        """Stage ``tensors`` (blocking) and write them to ``tmp/dcp``, in the background unless small; every rank calls it.
 
         Waits for this rank's save in flight first. Before any save in the background, tensors of at most ``inline_bytes``
         (in all: the same on every rank) are written before this returns (``ShardedSave.written``), no process started."""
@@ -264,7 +256,7 @@ class ShardedSaver:
         written = self.synchronous or (not self.background and  # (a DTensor's size: the whole tensor's)
                                        sum(t.numel() * t.element_size() for t in tensors.values()) <= inline_bytes)
         if written:
-            future = _done(dcp.save(tensors, storage_writer=writer, process_group=self.group, planner=planner()))
+            future = run_now(lambda: dcp.save(tensors, storage_writer=writer, process_group=self.group, planner=planner()))
         else:
             try:
                 self.background = True
@@ -279,8 +271,8 @@ class ShardedSaver:
                 warnings.warn(f"sharded checkpoints: DCP's background staging failed on torch {torch.__version__} "
                               f"({type(err).__name__}: {err}); they are written synchronously from now on (training "
                               "waits for each write)", StableTrainWarning, stacklevel=2)
-                future = _done(dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp / DCP_DIR)),
-                                        process_group=self.group, planner=planner()))
+                future = run_now(lambda: dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp / DCP_DIR)),
+                                                  process_group=self.group, planner=planner()))
         timings = {"shard_stage_s": time.perf_counter() - t0}
         self.in_flight = ShardedSave(step, tmp, sorted(tensors), future, timings, rank=dist.get_rank(self.group),
                                      world=dist.get_world_size(self.group), timeout_s=self.timeout_s, written=written)
@@ -290,8 +282,11 @@ class ShardedSaver:
         """Wait for this rank's save in flight, if any. Raises nothing: rank 0's outcome reports a failure."""
         pending, self.in_flight = self.in_flight, None
         if pending is not None:
-            with contextlib.suppress(Exception):  # (the same failure reaches rank 0, which records it)
+            try:
                 pending.future.result()
+            except BaseException as err:  # (the same failure reaches rank 0, which records it)
+                if not is_save_failure(err):
+                    raise
             pending.checksums.join()  # (rank 0's outcome waits for this rank's checksums)
 
 
