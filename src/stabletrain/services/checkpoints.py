@@ -114,7 +114,7 @@ class CheckpointKeeper:
         self._costs = SaveCosts()  # each save's wall cost to the steps while it is written (its event's fields)
         self._marking = False  # from the first save on, each boundary marks its step (the saves' costs)
         self._saved = False  # a save was made: the next is not the first
-        self._asked = False  # (every rank) a strategy was asked for a checkpoint: the next is not the first
+        self._asked = False  # (every rank alike) a save came (written or withheld): the next is not the first
         self.dropped_by_rollbacks: set[int] = set()  # samples a rollback's data diagnosis named: never trained on again
 
     # -- resume ---------------------------------------------------------------------------------
