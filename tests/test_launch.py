@@ -1,5 +1,5 @@
-"""Launchers: the wait before a restart (none after a healthy stretch, growing while attempts die in their start-up),
-and what a death record carries."""
+"""Launchers: the wait before a restart (none after a healthy stretch or a launch that trained, growing while
+attempts die in their start-up), and what a death record carries."""
 
 from __future__ import annotations
 
@@ -15,6 +15,29 @@ def test_the_wait_before_a_restart_is_none_at_first_and_after_a_healthy_attempt_
         quick = quick_deaths(quick, lived, restarted=attempt > 0)
         waits.append(restart_backoff_s(quick))
     assert waits == [0.0, 0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 0.0, 1.0]
+
+
+def test_a_restarted_attempt_that_reached_training_is_no_quick_death_however_short(tmp_path):
+    """The wait grows while restarts die in their start-up. A restart whose fit began (its launch line in the ledger,
+    ready after it was started) and that was killed 4 s later (a preemption; each kill of the 3-kill tests) counted as
+    one: the next restart waited 1 s, then 2, 4 ... while every launch trained."""
+    import json
+
+    from stabletrain.records.launches import LEDGER_FILE, noted_run_dir, reached_training
+
+    assert quick_deaths(2, 4.0, restarted=True, trained=True) == 0 and quick_deaths(2, 4.0, restarted=True) == 3
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / LEDGER_FILE).write_text(json.dumps({"kind": "launch", "start": 100.0, "ready": 103.0, "step": 0}) + "\n"
+                                   + json.dumps({"kind": "interval", "t": 104.0, "step": 1}) + "\n")
+    assert reached_training(run, 99.5)  # the attempt started at 99.5 got to its fit at 103
+    assert not reached_training(run, 103.5)  # one started later wrote no launch line: it died in its start-up
+    assert not reached_training(None, 0.0) and not reached_training(tmp_path / "gone", 0.0)
+    note = tmp_path / "note"
+    note.write_text(f"{run}\n")  # what rank 0 wrote for the launcher (distributed.launch.note_run_dir)
+    assert noted_run_dir(note) == run and noted_run_dir(tmp_path / "no-note") is None and noted_run_dir(None) is None
+    note.write_text("")  # the note made before any rank named the directory
+    assert noted_run_dir(note) is None
 
 
 def test_a_deaths_last_line_is_the_childs_own_not_its_restart_announcement(tmp_path):

@@ -139,8 +139,12 @@ def test_a_rank_sigkilled_at_3_random_points_restarts_by_itself_and_ends_bitwise
     goodput = read_goodput(run_dir)
     assert (goodput.launches, goodput.restarts) == (4, 3) and 0 < goodput.goodput < 1
     assert goodput.seconds["redone"] > 0 and sum(goodput.seconds.values()) == pytest.approx(goodput.total_s)
-    if kind == "one process":  # where the report says it: its page and its printed line
-        assert main(["report", str(run_dir)]) == 0
+    if kind == "one process":
+        # Every launch trained before it was killed: no restart waited (the 2nd and 3rd waited 1 s and 2 s, as if
+        # their launches had died in their start-up): the supervisor started each next one as it saw the death
+        starts = [r["start"] for r in read_jsonl(run_dir / "goodput.jsonl")[0] if r.get("kind") == "launch"]
+        assert all(start - e["cause"]["time"] < 0.9 for e, start in zip(restarts, starts[1:])), (restarts, starts)
+        assert main(["report", str(run_dir)]) == 0  # where the report says it: its page and its printed line
         printed = capsys.readouterr().out.splitlines()[-1]
         assert printed.startswith("goodput ") and " over 4 launches (lost: " in printed
         # a run of seconds: the line says it is too short to judge by (a 4 s run's "goodput 1.6%" alarmed a student)

@@ -31,12 +31,11 @@ from typing import Any
 
 from ..distributed.launch import LAUNCH_START_ENV, RESTART_ENV, process_start_time
 from ..records.jsonl import JsonlWriter, read_jsonl
+from ..records.launches import LEDGER_FILE  # (the ledger's file in the run directory; the launchers read it too)
 from . import Callback, RunState
 
 __all__ = ["GoodputClock", "LEDGER_FILE", "launch_record"]
 
-#: The ledger's file in the run directory.
-LEDGER_FILE = "goodput.jsonl"
 _launches_here = 0  # launches this process recorded: only its first started with the process
 
 

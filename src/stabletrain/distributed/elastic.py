@@ -29,16 +29,19 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from .. import console
 from ..internals import InternalMissing, end_restarts, restarting_agent, restarts_left, use_elastic_agent
+from ..records.launches import noted_run_dir, reached_training
 from .launch import (
     EXIT_GAVE_UP,
     EXIT_NO_UPDATE,
     FINAL_EXITS,
     LAUNCH_START_ENV,
     RESTART_ENV,
+    RUN_DIR_NOTE_ENV,
     UNSHARED_STORE,
     death_record,
     quick_deaths,
@@ -74,7 +77,9 @@ def agent_class() -> type:
             by="torchrun (stabletrain.distributed.elastic)", when=time.time(),
             last_line=_message(first), peer_line=_peer_line(failures, rank)))
         os.environ.pop(LAUNCH_START_ENV, None)  # the restarted ranks' launch starts with them
-        quick = quick_deaths(quick, time.time() - started, restarted=restarts_seen > 1)
+        note = os.environ.get(RUN_DIR_NOTE_ENV)  # (the launcher's: where rank 0 names the run directory)
+        quick = quick_deaths(quick, time.time() - started, restarted=restarts_seen > 1,
+                             trained=reached_training(noted_run_dir(Path(note) if note else None), started))
         time.sleep(restart_backoff_s(quick))
         started = time.time()
 

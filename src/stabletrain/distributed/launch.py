@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ..process import stat_fields
-from ..records.launches import as_parent
+from ..records.launches import as_parent, noted_run_dir, reached_training
 
 __all__ = ["launch", "supervise", "die_with_parent", "LAUNCHER_ENV", "LAUNCH_MARK_ENV", "RESTART_ENV", "LAUNCH_START_ENV",
            "SUPERVISED_ENV", "EXIT_GAVE_UP", "EXIT_NO_UPDATE", "FINAL_EXITS", "death_record", "describe_exit", "leave_word",
@@ -110,10 +110,11 @@ def restart_backoff_s(quick: int) -> float:
     return 0.0 if quick <= 0 else min(2.0 ** (quick - 1), 30.0)
 
 
-def quick_deaths(quick: int, lived_s: float, *, restarted: bool) -> int:
+def quick_deaths(quick: int, lived_s: float, *, restarted: bool, trained: bool = False) -> int:
     """The count of quick deaths in a row (:func:`restart_backoff_s`) after an attempt that lived ``lived_s`` seconds;
-    ``restarted``: the attempt was itself a restart (a first attempt's death, however soon, counts none)."""
-    return quick + 1 if restarted and lived_s < QUICK_DEATH_S else 0
+    ``restarted``: the attempt was itself a restart (a first attempt's death, however soon, counts none); ``trained``:
+    it got through its start-up (its fit began: ``records.launches.reached_training``): a death in training is none."""
+    return quick + 1 if restarted and lived_s < QUICK_DEATH_S and not trained else 0
 
 
 def _ppid_of(pid: int) -> int | None:
@@ -225,10 +226,7 @@ def restarts_used_up(death: dict[str, Any], note: Path, *, who: str) -> int:
     from ..records.rundir import RunDir
 
     code, limit, pid, last = death["exitcode"], death["max_restarts"], death.get("pid"), death.get("last_line")
-    noted = ""
-    with contextlib.suppress(OSError):
-        noted = note.read_text(encoding="utf-8").strip()
-    run_dir = Path(noted) if noted and Path(noted).is_dir() else None
+    run_dir = noted_run_dir(note)
     step, told = None, False
     if run_dir is not None:  # its last record: the metrics lines, and the events since the last launch began
         events = read_jsonl(run_dir / "events.jsonl")[0]
@@ -444,7 +442,7 @@ def supervise(argv: list[str], *, max_restarts: int) -> int:
     keeps the last line it printed for the restart's record. A child that ends with one of
     :data:`FINAL_EXITS` is not restarted; nor is one after this process got SIGTERM or SIGINT, which it
     passes on (the child checkpoints and stops). Before a restart it waits :func:`restart_backoff_s` (none
-    before the first, nor after a restarted child that ran :data:`QUICK_DEATH_S` or longer).
+    before the first, nor after a restarted child that ran :data:`QUICK_DEATH_S` or longer or reached its fit).
     The child dies with this process (:func:`die_with_parent`), in a session of its own, so a terminal's
     Ctrl-C reaches it once, through here. Returns the child's exit code (1 once the restarts are used up).
     """
@@ -489,7 +487,8 @@ def supervise(argv: list[str], *, max_restarts: int) -> int:
                 code, rank=0, pid=proc.pid, restart=restart, max_restarts=max_restarts,
                 last_line=lines[-1] if lines else None, by="stabletrain's supervisor", when=ended))
             env.pop(LAUNCH_START_ENV, None)  # a restarted child's own start is its launch's
-            quick = quick_deaths(quick, ended - started, restarted=restart > 1)
+            quick = quick_deaths(quick, ended - started, restarted=restart > 1,
+                                 trained=reached_training(noted_run_dir(note), started))
             time.sleep(restart_backoff_s(quick))
             if stopping:
                 return code

@@ -12,7 +12,11 @@ from typing import Any
 from ..process import stat_fields
 
 __all__ = ["unfinished_note", "LAUNCH_FILE", "is_running", "refuse_if_running", "running_launch", "this_process",
-           "started_over", "PARENT_ENV", "as_parent", "launch_parent"]
+           "started_over", "PARENT_ENV", "as_parent", "launch_parent", "LEDGER_FILE", "reached_training",
+           "noted_run_dir"]
+
+#: The run's goodput ledger (written by :mod:`stabletrain.callbacks.goodput_clock`): a ``launch`` line per launch.
+LEDGER_FILE = "goodput.jsonl"
 
 #: when the run opens, removed when it closes. What a SIGKILL leaves behind names processes that are gone.
 LAUNCH_FILE = "launch.json"
@@ -25,6 +29,25 @@ PARENT_ENV = "STABLETRAIN_RUN_PARENT"
 def as_parent() -> dict[str, str]:
     """The environment that makes this process the run's parent (:data:`PARENT_ENV`) for the processes it starts."""
     return {PARENT_ENV: json.dumps(this_process())}
+
+
+def reached_training(run_dir: Path | None, since: float) -> bool:
+    """Whether a launch that started at ``since`` or later got through its start-up: its ``launch`` line is in the
+    ledger (:data:`LEDGER_FILE`, written when its fit began), ready at or after ``since``."""
+    from .jsonl import read_jsonl
+
+    rows = read_jsonl(run_dir / LEDGER_FILE)[0] if run_dir is not None else []
+    return any(r.get("kind") == "launch" and float(r.get("ready") or 0) >= since for r in rows)
+
+
+def noted_run_dir(note: Path | None) -> Path | None:
+    """The run directory a rank wrote into the launcher's ``note`` file (``distributed.launch.note_run_dir``; None before
+    it did, or when it is gone)."""
+    try:
+        noted = note.read_text(encoding="utf-8").strip() if note is not None else ""
+    except OSError:
+        return None
+    return Path(noted) if noted and Path(noted).is_dir() else None
 
 
 def launch_parent() -> list[dict[str, Any]]:
