@@ -143,6 +143,10 @@ def _quiet_exit_on_closed_stdout() -> int:
     return 141
 
 
+#: How long a rank that leaves an error for rank 0 to say waits before it exits (see :func:`_report_error`).
+SILENT_RANK_WAIT_S = 3.0
+
+
 def _report_error(err: Exception) -> int | None:
     """Print ``err`` for a user; return the exit code, or None when it needs its full traceback.
 
@@ -156,6 +160,11 @@ def _report_error(err: Exception) -> int | None:
     # is said by each machine's local rank 0 (two ranks' lines ran into one; another node's cause would go unsaid).
     if _rank_prefix() not in ("", "rank 0: ") and (isinstance(err, ConfigError) or (
             str(err).startswith("config key ") and os.environ.get("LOCAL_RANK", "0") != "0")):
+        import time
+
+        # This rank's exit has torchrun stop the others at once: rank 0 was stopped before it said it (exit 2, no line,
+        # seen under load). A moment for rank 0 to say it and exit first (then torchrun stops this rank in its wait).
+        time.sleep(SILENT_RANK_WAIT_S)
         return 2
     if isinstance(err, ConfigError) or _loaded_instance(err, "stabletrain.tasks", "TaskError") \
             or _loaded_instance(err, "stabletrain.records.checkpoint.files", "CheckpointError"):
