@@ -129,6 +129,34 @@ def silent_feature_task(at: int = 150, batch: int = 16, n: int = 4096, beta1: fl
     return Task(model=_SilentFeature(), train_data=TensorDataset(x, y), loss=_mse, name="silent-feature", optimizer=optimizer)
 
 
+class _SilentLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense, self.rare = nn.Linear(16, 32), nn.Linear(4, 32, bias=False)  # rare: a layer of its own
+        self.head = nn.Sequential(nn.GELU(), nn.Linear(32, 1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.dense(x[:, :16]) + self.rare(x[:, 16:]))
+
+
+def silent_layer_task(at: int = 200, n: int = 4800) -> Task:
+    """optimizer-state in a whole layer (a new user's case: a rare feature's own weights, a rarely routed expert): 4 rare
+    features, the only inputs of ``rare``, are 0 except in the batches of steps ``at`` and ``at + 1`` (batch 16), so
+    every coordinate of ``rare.weight`` has a second moment of 0 until then (AdamW, beta1=0): the update of step ``at``
+    moves the whole layer ~x100 as far as the other layers' coordinates, and step ``at + 1`` spikes."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, 16, generator=g)
+    y = torch.sin(x @ torch.randn(16, 1, generator=g) / 2) + 0.05 * torch.randn(n, 1, generator=g)
+    x = torch.cat([x, torch.zeros(n, 4)], 1)
+    x[(at - 1) * 16:(at + 1) * 16, 16:] = 3.0
+    torch.manual_seed(2)
+
+    def optimizer(named: list) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for _, p in named], lr=0.01, betas=(0.0, 0.999), weight_decay=0.0, fused=True)
+
+    return Task(model=_SilentLayer(), train_data=TensorDataset(x, y), loss=_mse, name="silent-layer", optimizer=optimizer)
+
+
 class Standardize(nn.Module):
     """(x - mean) / std over the features, in whatever dtype x comes in."""
 

@@ -713,8 +713,11 @@ def test_the_spike_rules_keys_are_adapter_options_as_the_docs_say(tmp_path):
     with Monitor(model, opt, run_dir=tmp_path / "run", spike_window=20, spike_ratio=3.0, spike_zscore=5.0) as monitor:
         guard = monitor.session.cfg.guard
         assert (guard.spike_window, guard.spike_ratio, guard.spike_zscore) == (20, 3.0, 5.0)
-    with pytest.raises(ValueError, match=r"^spike_window: config key 'guard.spike_window': expected an integer >= 4, got 2$"):
+    want = r"^spike_window: config key 'guard.spike_window': expected an integer in \[4, 10000\], got "
+    with pytest.raises(ValueError, match=want + "2$"):
         Monitor(model, opt, run_dir=None, spike_window=2)
+    with pytest.raises(ValueError, match=want + "1000000000$"):  # (a trial: accepted, a 2-step run took 24 GB and 90 s)
+        Monitor(model, opt, run_dir=None, spike_window=10**9)
 
 
 

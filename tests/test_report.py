@@ -941,6 +941,27 @@ def test_the_health_summary_says_a_runs_early_outliers_which_no_incident_covers(
         "every loss before it" not in said.split(";")[0] and "its batch (a corrupted sample?)" in said, said
 
 
+def test_an_early_outlier_whose_loss_came_back_is_told_as_a_one_off_not_a_divergence(tmp_path):
+    """A new user's case: two samples of step 3 with targets x1000 (loss x1e5 at step 3, the level again from step 4):
+    the report said "may be diverging from the start (an LR too high for it?)", which its own next interval refutes."""
+    from helpers import cfg
+    from spike_tasks import outlier_samples_task
+
+    from stabletrain import Trainer
+    from stabletrain.report.health import health_summary
+    from stabletrain.report.rundata import load_run
+
+    Trainer(cfg("train.batch_size=8", "data.shuffle=false", "train.max_steps=20", "log.every=10", "optim.lr=0.01"),
+            task=outlier_samples_task(bad=(18, 21), scale=1000.0), run_dir=tmp_path / "run").fit()
+    run = load_run(tmp_path / "run")
+    [event] = run.counted_events("early_outlier")
+    [said] = [text for level, text in health_summary(run).sentences if level == "warn" and "early outlier" in text]
+    later = next(r for r in run.metrics if r["step"] == 20)
+    assert event.step == 3 and later["loss"] < 2 * event.extra["loss"] / event.extra["factor"], (event, later)
+    assert f"the loss was back by the next log interval ({fmt_num(later['loss'])} at step 20): a one-off step" in said, said
+    assert "diverging" not in said, said
+
+
 def test_the_health_summary_says_what_the_init_report_found_at_step_0(tmp_path):
     from helpers import cfg
 

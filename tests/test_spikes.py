@@ -12,6 +12,7 @@ import json
 import math
 import random
 import re
+import statistics
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,6 +31,7 @@ from spike_tasks import (
     rare_token_task,
     sgd_regression_task,
     silent_feature_task,
+    silent_layer_task,
     steady_regression_task,
     too_high_lr_task,
     transient_spike_task,
@@ -164,6 +166,45 @@ def test_an_update_clip_is_sized_from_the_layers_update_before_the_surge_not_one
     old = {**d, "surges": [{k: v for k, v in r.items() if k != "typical_ratio"} for r in d["surges"]]}
     ordinary = min(r[3] for r in d["jumps"]["update_ratio"] if r[0] == "a.weight")
     assert next(c for c in candidates_for(old, "fp32", [], []) if c.kind == "update-clip").ratio == pytest.approx(2 * ordinary)
+
+
+def test_a_whole_layer_silent_for_long_is_the_layer_blamed_not_a_layer_downstream_of_it(tmp_path):
+    """A new user's case: a layer of its own whose every coordinate had a second moment of 0 (its rare inputs never
+    seen) surges whole at step 200, and step 201 spikes. 'Most of a layer surging is the whole step's' dropped it, and
+    the verdict blamed the head downstream (22% of its coordinates), whose update clip and Adam eps then failed. The
+    whole layer is blamed, measured against the other layers' steady coordinates, its update clip sized from theirs."""
+    run_dir = tmp_path / "run"
+    Trainer(cfg("train.batch_size=16", "train.max_steps=210", "log.every=10", "data.shuffle=false", "sched.warmup_steps=0",
+                "sched.decay=constant", "clip.max_norm=null", "log.tensorboard=false", "log.init_signal=false"),
+            task=silent_layer_task(), run_dir=run_dir).fit()
+    step = next(e["step"] for e in _events(run_dir) if e["kind"] == "incident")
+    folder = run_dir / "incidents" / f"step_{step:06d}"
+    d = json.loads((folder / "diagnosis.json").read_text())
+    assert (step, d["failure_class"], d["blamed_layer"]) == (201, "optimizer-state", "rare.weight"), d["summary"]
+    assert "100% of rare.weight's coordinates" in d["summary"] and "the other layers' steady coordinates" in d["summary"]
+    row = next(r for r in d["surges"] if r["name"] == "rare.weight" and r["step"] == 200)
+    assert row["whole"] and row["coord_factor"] > 20, row
+    usual = load_bundle(folder)["observed"]["layer_ratios"]
+    assert "rare.weight" not in usual  # one surging update is no history: the other layers' usual stands for its own
+    assert row["typical_ratio"] == pytest.approx(statistics.median(usual.values()))
+    clip = next(c for c in candidates_for(d, "fp32", [], []) if c.kind == "update-clip")
+    assert (clip.param, clip.ratio) == ("rare.weight", pytest.approx(2 * row["typical_ratio"]))
+
+
+def test_most_of_the_model_surging_whole_is_the_steps_own_not_a_layer_named():
+    """surge_rows: layers surging whole are named only while they hold a minority of the model's coordinates (each
+    against the other layers' steady moves); holding most of it, the whole step rose and none is named."""
+    from stabletrain.diagnostics.spike_evidence import surge_rows
+
+    few, none = torch.tensor([True, False, False, False]), torch.zeros(4, dtype=torch.bool)
+    masks = {"rare": (torch.ones(4, dtype=torch.bool), 0.0), "a": (few, 1e-3), "b": (none, 2e-3)}
+    moved = {"rare": torch.full((4,), 0.5), "a": torch.tensor([0.3, 0.01, 0.01, 0.01]), "b": torch.full((4,), 0.01)}
+    rows = {r["name"]: r for r in surge_rows(masks, moved)}
+    assert rows["rare"]["whole"] and rows["rare"]["coord_factor"] == pytest.approx(50.0)  # 0.5 / the steady 0.01
+    assert rows["rare"]["typical_sqrt_v"] == pytest.approx(2e-3) and not rows["a"]["whole"]
+    assert rows["a"]["coord_factor"] == pytest.approx(30.0)
+    masks["b"] = (torch.ones(4, dtype=torch.bool), 0.0)  # 8 of 12 coordinates in whole-surging layers: the step's
+    assert [r["name"] for r in surge_rows(masks, moved)] == ["a"]
 
 
 def _spike_diagnosis(task, tmp_path, *overrides):

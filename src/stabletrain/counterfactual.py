@@ -208,6 +208,8 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
         row["ordinary_ratio"] = (ordinary or {}).get("update_ratios", {}).get(row["name"])
         if usual.get(row["name"]):
             row["typical_ratio"] = usual[row["name"]]
+        elif row.get("whole") and usual:  # (a layer silent for long has no usual update of its own: an ordinary layer's)
+            row["typical_ratio"] = statistics.median(usual.values())
     top = sorted(m["surges"], key=lambda r: -r["coord_factor"])[:5]
     out = {"step": bundle["step"], "rank": bundle.get("rank", 0), "epoch": bundle["window"]["epoch"], "anomaly": "spike",
            "loss": here["loss"], "grad_norm": here["grad_norm"], "spike_test": test, "reproduces": m["reproduces"],

@@ -294,7 +294,8 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "ckpt.every": (lambda v: v >= 0, "an integer >= 0"),
     "ckpt.keep": (lambda v: v >= 1, "an integer >= 1"),
     "ckpt.max_failures": (lambda v: v >= 0, "an integer >= 0"),
-    "guard.spike_window": (lambda v: v >= 4, "an integer >= 4"),
+    # (at most 10,000: the window is a device tensor the rule takes a median of each interval; 1e9 took 24 GB)
+    "guard.spike_window": (lambda v: 4 <= v <= 10_000, "an integer in [4, 10000]"),
     # (infinity turns the spike rule off unsaid: refused, as nan is)
     "guard.spike_ratio": (lambda v: 1 < v < float("inf"), "a finite number > 1"),
     "guard.spike_zscore": (lambda v: 0 < v < float("inf"), "a finite number > 0"),

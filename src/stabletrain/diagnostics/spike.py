@@ -185,8 +185,9 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     acquit = ""  # why a surge is not the cause: every coordinate moved further, or its update lowered this window's loss
     if (blamed is not None and (rise >= LR_RISE or growth >= STEP_GROWTH or moved >= STEP_GROWTH)
             and max(rise, growth, moved) >= blamed["coord_factor"]):
-        acquit = (f"; a few of {blamed['name']}'s coordinates surged in the update of step {blamed['step']} (x"
-                  f"{blamed['coord_factor']:.3g} as far as its others), less than every coordinate's steps grew"
+        acquit = (f"; {'' if blamed.get('whole') else 'a few of '}{blamed['name']}'s coordinates surged in the update of "
+                  f"step {blamed['step']} (x{blamed['coord_factor']:.3g} as far as {_others(blamed)}), less than every "
+                  "coordinate's steps grew"
                   + (f" since step {older['step']} (x{moved:.3g})" if moved >= max(rise, growth) else ""))
     elif (blamed is not None and older is not None and older["window_high"] and math.isfinite(older["window"])
           and m["loss"] <= older["window"] + (SURGE_LIFT - 1) * abs(older["window"])):  # (high against ordinary windows
@@ -257,7 +258,7 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
         return {**out, "failure_class": "optimizer-state",
                 "evidence": (f"Adam's second moment: in the update of step {blamed['step']}, {_pct(blamed['surge_share'])} of "
                              f"{blamed['name']}'s coordinates got a gradient past {SURGE_FACTOR:g}x sqrt(v) after tiny "
-                             f"gradients and moved x{blamed['coord_factor']:.3g} as far as its others" + drift)}
+                             f"gradients and moved x{blamed['coord_factor']:.3g} as far as {_others(blamed)}" + drift)}
     own = (_surging_layer([r for r in m.get("surges") or [] if r.get("step") == m.get("step")])
            if older is None and now is not None and not drifted and (m.get("spread") or 0.0) < 0.5 else None)
     if own is not None:  # no update before it was replayed: the window's own reach into rarely trained coordinates
@@ -265,7 +266,7 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
         return {**out, "failure_class": "optimizer-state",
                 "evidence": (f"Adam's second moment: this window's gradients reach {_pct(own['surge_share'])} of "
                              f"{own['name']}'s coordinates past {SURGE_FACTOR:g}x sqrt(v), rarely trained ones (its update "
-                             f"moves them x{own['coord_factor']:.3g} as far as its others), while ordinary windows are "
+                             f"moves them x{own['coord_factor']:.3g} as far as {_others(own)}), while ordinary windows are "
                              f"normal under this state ({now['loss']:.4g}); the update before the spike was not replayed "
                              "(it opens its log interval: no older state), so which step moved them is not measured")}
     where = m.get("where") or {}
@@ -398,6 +399,12 @@ def _whole_model_rise(m: dict[str, Any], blamed: dict[str, Any], older: dict[str
 
 def _passing(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if r["surge_share"] >= MIN_SHARE and r["coord_factor"] >= UPDATE_JUMP]
+
+
+def _others(row: dict[str, Any]) -> str:
+    """What a surge's coordinates moved against: the layer's other coordinates, or (the whole layer surging) the other
+    layers' steady ones."""
+    return "the other layers' steady coordinates" if row.get("whole") else "its others"
 
 
 def _surging_layer(rows: list[dict[str, Any]]) -> dict[str, Any] | None:

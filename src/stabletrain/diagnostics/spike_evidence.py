@@ -54,18 +54,35 @@ def surge_rows(masks: dict[str, tuple[torch.Tensor, float]], moved: dict[str, to
     """Per parameter with surging coordinates: their share, and how far they moved against the parameter's others.
 
     ``moved``: name -> |theta_after - theta_before| of the step. Returns ``[{"name", "numel", "surge_share", "coord_factor",
-    "typical_sqrt_v"}, ...]`` where coord_factor = mean move of the surging coordinates / mean move of the rest."""
+    "typical_sqrt_v", "whole"}, ...]`` where coord_factor = mean move of the surging coordinates / mean move of the rest.
+
+    Most of a layer surging is the whole step's (every layer's gradients rose) where such layers hold most of the
+    model; where they hold a minority, each is a layer silent for long as a whole (a rare feature's own weights, a
+    rarely routed expert): ``whole``, measured against the other layers' steady coordinates (their mean move, their
+    median sqrt(v)), its own having no steady ones to stand for them."""
+    counts = {name: (mask.numel(), int(mask.sum())) for name, (mask, _) in masks.items() if name in moved}
+    broad = {name for name, (n, k) in counts.items() if k * 2 > n}
+    dropped = broad if sum(counts[name][0] for name in broad) * 2 > sum(n for n, _ in counts.values()) else set()
+    steady_sum = steady_n = 0.0  # the other layers' steady coordinates: a whole layer's measure
+    roots = []
+    for name, (mask, typical) in masks.items():
+        if name in counts and name not in broad:
+            d = moved[name].detach().float().to(mask.device)[~mask]
+            steady_sum, steady_n = steady_sum + float(d.sum()), steady_n + d.numel()
+            roots.append(typical)
+    steady, root = (steady_sum / steady_n if steady_n else 0.0), (sorted(roots)[len(roots) // 2] if roots else 0.0)
     rows = []
     for name, (mask, typical) in masks.items():
-        n, k = mask.numel(), int(mask.sum())
-        if not k or k * 2 > n or name not in moved:  # a few coordinates of a layer: most surging is the whole step's
+        n, k = counts.get(name, (0, 0))
+        if not k or name in dropped:
             continue
         d = moved[name].detach().float().to(mask.device)
-        rest = d[~mask]
-        base, surging = (float(rest.mean()) if rest.numel() else 0.0), float(d[mask].mean())
+        whole = name in broad
+        base = steady if whole else (float(d[~mask].mean()) if k < n else 0.0)
+        surging = float(d[mask].mean())
         if math.isfinite(surging) and surging > 0:  # (nothing moved: a skipped step, an fp16 overflow: no surge)
-            rows.append({"name": name, "numel": n, "surge_share": k / n, "typical_sqrt_v": typical,
-                         "coord_factor": surging / base if base > 0 else float("inf")})
+            rows.append({"name": name, "numel": n, "surge_share": k / n, "typical_sqrt_v": root if whole else typical,
+                         "coord_factor": surging / base if base > 0 else float("inf"), "whole": whole})
     return rows
 
 

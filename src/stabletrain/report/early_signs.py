@@ -49,9 +49,27 @@ def early_outlier_sentence(run: RunData, h: Any) -> None:
     against = [e.extra.get("against") or "every loss before it" for e in events]
     shown = [f"step {e.step:,} (loss {fmt_num(e.extra.get('loss'))}, x{fmt_num(e.extra.get('factor'))} {what})"
              for e, what in zip(events[:4], against)]
-    why = ("a run that jumps this far in its first steps may be diverging from the start (an LR too high for it?)"
+    back = [_back_at(run, e) for e in events]
+    why = (("the loss was back by the next log interval (" + ", ".join(f"{fmt_num(x)} at step {t:,}" for t, x in
+                                                                      dict(filter(None, back)).items())
+            + "): a one-off step, its batch (a corrupted sample?), not a divergence")
+           if all(back) and all(a.startswith("every loss before") for a in against) else
+           "a run that jumps this far in its first steps may be diverging from the start (an LR too high for it?)"
            if all(a.startswith("every loss before") for a in against) else
            "a first step far above the steps after it is its batch (a corrupted sample?) or a start far from where the "
            "run went; one far above those before it, a divergence from the start (an LR too high for it?)")
     h.say("warn", f"{plural(len(events), 'early outlier')} before the spike rule armed: {'; '.join(shown)}"
                   f"{' ...' if len(events) > 4 else ''}: not judged, skipped or captured; {why}.")
+
+
+def _back_at(run: RunData, event: Any) -> tuple[int, float] | None:
+    """(the step, the mean loss) of the first log interval wholly after an early outlier whose loss is back within x2 of
+    the level it stood out from (its loss over its factor), or None: none logged after it, or the loss stayed up."""
+    loss, factor = event.extra.get("loss"), event.extra.get("factor")
+    if not (isinstance(loss, (int, float)) and isinstance(factor, (int, float)) and factor > 0):
+        return None
+    for r in run.metrics:
+        step, n, mean = r.get("step"), r.get("interval_steps"), r.get("loss")
+        if isinstance(step, int) and isinstance(n, (int, float)) and step - n >= event.step:  # (the next interval)
+            return (step, float(mean)) if isinstance(mean, (int, float)) and mean <= 2 * loss / factor else None
+    return None
