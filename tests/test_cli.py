@@ -464,7 +464,7 @@ def test_the_last_line_and_the_report_say_a_run_stalled_that_guard_on_stall_warn
     assert h.level == "bad" and h.figures["stall"]["since"] == 41
     said = "Stalled since step 41, and trained on stalled to step 80 (guard.on_stall=warn): at step 60, 18 of the last 20 steps"
     assert any(level == "bad" and text.startswith(said) for level, text in h.sentences), h.sentences
-    assert main([*args, "train.max_steps=60", f"run.dir={tmp_path / 'stop'}"]) == 1  # stopped at its last step
+    assert main([*args, "train.max_steps=60", f"run.dir={tmp_path / 'stop'}"]) == 5  # stopped at its last step, stalled
     h = health_summary(load_run(tmp_path / "stop"))
     loss = next((level, text) for level, text in h.sentences if text.startswith("Train loss"))
     assert h.level == "bad" and loss[0] == "warn" and loss[1].endswith("; no gradient reached the parameters from step 41 on "

@@ -504,12 +504,12 @@ def test_an_fp16_run_whose_scaler_collapsed_stops_instead_of_reporting_success(t
     with guard.on_stall=warn it trains on, and its last line says how many steps were skipped."""
     args = ["train", "task=remedy_tasks:fp16_stall_task", "precision=fp16", "train.batch_size=8", "train.max_steps=100",
             "log.every=10", "data.shuffle=false", "capture.incidents=false", "log.progress=false", "log.tensorboard=false"]
-    assert main([*args, f"run.dir={tmp_path / 'stop'}"]) == 1
+    assert main([*args, f"run.dir={tmp_path / 'stop'}"]) == 5  # (a final exit: not restarted)
     err = capsys.readouterr().err
     assert "the run stopped early: the run is stalled at step 60: 18 of the last 20 steps were skipped" in err
     assert "Try precision=bf16" in err
     assert f"See {tmp_path / 'stop' / 'events.jsonl'}\n" in err  # (no capture: it pointed at an incidents folder it had not made)
-    assert main([*args, f"run.dir={tmp_path / 'end'}", "train.max_steps=60"]) == 1  # the stop at the last boundary
+    assert main([*args, f"run.dir={tmp_path / 'end'}", "train.max_steps=60"]) == 5  # the stop at the last boundary
     assert "the run stopped at its last step: the run is stalled at step 60" in capsys.readouterr().err
     assert main([*args, f"run.dir={tmp_path / 'warn'}", "guard.on_stall=warn"]) == 0
     out = capsys.readouterr()

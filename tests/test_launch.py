@@ -92,6 +92,7 @@ def test_a_refusal_exits_with_its_own_code_unless_another_rank_crashed_too():
     assert told_exit(err(130, 130)) == 130 and told_exit(err(130, -signal.SIGINT)) == 130
     assert told_exit(err(130, 1)) is None
     assert told_exit(err(4)) == 4  # rank 0 applied no update (the others end 0): final, not restarted
+    assert told_exit(err(5, 5)) == 5 and told_exit(err(5, -signal.SIGTERM)) == 5  # stalled (guard.on_stall=stop): final
 
 
 def test_a_sigkilled_ranks_death_carries_what_its_peer_said():

@@ -268,6 +268,25 @@ def test_the_same_crash_after_a_restart_stops_the_run_with_one_line(tmp_path):
     assert "tried: 1 restart(s) so far, the last from step_000004 (run.max_restarts=5, run.max_repeats=1)" in refused[0]
 
 
+def test_a_run_the_guard_stopped_as_stalled_is_not_restarted(tmp_path):
+    """A new user's case: an fp16 run whose loss scale collapsed, stopped by guard.on_stall=stop, exited 1 like a crash;
+    run.max_restarts restarted it from a checkpoint written while it stalled, it stalled again at a later step (so no
+    repeat rule caught it), twice, and it ended 'exited with code 1 ... restarts used up ... continue the run'. The stall
+    is a final exit (5): one line, no restart."""
+    run_dir = tmp_path / "run"
+    res = subprocess.run([sys.executable, "-m", "stabletrain", "train", "task=remedy_tasks:fp16_stall_task", "precision=fp16",
+                          "train.batch_size=8", "data.shuffle=false", "train.max_steps=80", "log.every=10", "ckpt.every=10",
+                          "eval.every=0", "capture.incidents=false", "run.max_restarts=2", f"run.dir={run_dir}", *FAST],
+                         env=env(), capture_output=True, text=True, timeout=240)
+    assert res.returncode == 5, res.stderr[-3000:]
+    kinds = [(e["kind"], e["step"]) for e in events(run_dir) if e["kind"] in ("crash", "restart", "stop")]
+    assert kinds == [("stop", 60)], kinds
+    said = [line for line in res.stderr.splitlines() if line.startswith("stabletrain: the run stopped")]
+    assert len(said) == 1 and "the run is stalled at step 60" in said[0] and said[0].endswith(
+        "(not restarted: its checkpoints hold the stalled state, a restart would stall again)"), res.stderr[-3000:]
+    assert [x for x in res.stderr.splitlines() if "warning: precision=fp16 on CPU" not in x] == said, res.stderr[-3000:]
+
+
 def test_the_same_crash_of_rank_1_under_ddp_stops_with_exit_3_and_one_line(tmp_path):
     """Rank 1 crashes reading sample 45 on every launch; rank 0 writes the events and only saw a peer lost, so the crash
     was 'ended without a record of why' and only the no-checkpoint rule stopped the loop (5 launches), and torchrun

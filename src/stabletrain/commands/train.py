@@ -89,6 +89,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ctx) -> int:
+    from ..distributed.launch import EXIT_STALLED
     from ..loop import Trainer
     from ..services.run_setup import DEFAULT_RUN_DIR
 
@@ -116,8 +117,9 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
         raise
     # (a guard stop decided while a signal came in, during its capture, is the guard's: not a preemption to resume)
     signalled = trainer.signals.received is not None and str(trainer.stop_reason or "").startswith("stopped by")
+    stalled = trainer.stop_reason is not None and trainer.guard.stall_stopped  # (not restarted: it would stall again)
     if not ctx.is_main:
-        return 1 if trainer.stop_reason is not None and not signalled else 0
+        return EXIT_STALLED if stalled else 1 if trainer.stop_reason is not None and not signalled else 0
     if trainer.stop_reason is not None and args.report:  # a stopped run's report too (a signal's, the guard's)
         write_report(run_dir)
     if trainer.stop_reason is not None and signalled:
@@ -130,8 +132,10 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
         when = ("at its last step" if trainer.step >= trainer.cfg.train.max_steps  # the stop came at the end's boundary
                 else "early")
         captured = f" and {run_dir / 'incidents'}" if (run_dir / "incidents").is_dir() else ""
-        console.say(f"the run stopped {when}: {trainer.stop_reason}. See {run_dir / 'events.jsonl'}{captured}", sys.stderr)
-        return 1
+        console.say(f"the run stopped {when}: {trainer.stop_reason}. See {run_dir / 'events.jsonl'}{captured}"
+                    + (" (not restarted: its checkpoints hold the stalled state, a restart would stall again)"
+                       if stalled and cfg.run.max_restarts else ""), sys.stderr)
+        return EXIT_STALLED if stalled else 1
     if not trainer.history:  # resumed at or past train.max_steps: this launch trained nothing
         console.say(f"nothing to train: the run is at step {trainer.step} and train.max_steps={trainer.cfg.train.max_steps} "
                     f"(raise train.max_steps to train on); run directory: {run_dir}")

@@ -38,6 +38,7 @@ from ..records.launches import noted_run_dir, reached_training
 from .launch import (
     EXIT_GAVE_UP,
     EXIT_NO_UPDATE,
+    EXIT_STALLED,
     FINAL_EXITS,
     LAUNCH_START_ENV,
     RESTART_ENV,
@@ -160,9 +161,9 @@ def told_exit(err: Any) -> int | None:
     interrupted by a second Ctrl-C (130), and said so; None where another rank crashed as well (torchrun's table of
     failures is then what tells it)."""
     codes = {getattr(f, "exitcode", None) for f in getattr(err, "failures", {}).values()}
-    final = next((code for code in (EXIT_GAVE_UP, 2, EXIT_NO_UPDATE, 130) if code in codes), None)
-    return (final if final is not None and codes <= {EXIT_GAVE_UP, 2, EXIT_NO_UPDATE, 130, -signal.SIGTERM, -signal.SIGINT}
-            else None)
+    told = (EXIT_GAVE_UP, 2, EXIT_NO_UPDATE, EXIT_STALLED, 130)
+    final = next((code for code in told if code in codes), None)
+    return final if final is not None and codes <= {*told, -signal.SIGTERM, -signal.SIGINT} else None
 
 
 if __name__ == "__main__":

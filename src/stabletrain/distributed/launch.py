@@ -19,7 +19,7 @@ as a ``stop`` (:func:`restarts_used_up`).
 
 A run that ends with one of :data:`FINAL_EXITS` is never restarted: it finished or was stopped by a signal (0),
 stabletrain refused its input (2), it refused to restart into the same failure (:data:`EXIT_GAVE_UP`), it applied no
-update (:data:`EXIT_NO_UPDATE`), or it was interrupted (130)."""
+update (:data:`EXIT_NO_UPDATE`), the guard stopped it as stalled (:data:`EXIT_STALLED`), or it was interrupted (130)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ from ..process import stat_fields
 from ..records.launches import as_parent, noted_run_dir, reached_training
 
 __all__ = ["launch", "supervise", "die_with_parent", "LAUNCHER_ENV", "LAUNCH_MARK_ENV", "RESTART_ENV", "LAUNCH_START_ENV",
-           "SUPERVISED_ENV", "EXIT_GAVE_UP", "EXIT_NO_UPDATE", "FINAL_EXITS", "death_record", "describe_exit", "leave_word",
+           "SUPERVISED_ENV", "EXIT_GAVE_UP", "EXIT_NO_UPDATE", "EXIT_STALLED", "FINAL_EXITS", "death_record", "describe_exit",
+           "leave_word",
            "process_start_time", "restart_backoff_s", "quick_deaths", "QUICK_DEATH_S", "restarted_by_parent", "UNSHARED_STORE",
            "under_torchrun", "default_run_dir", "with_death", "RUN_DIR_NOTE_ENV", "note_run_dir", "run_dir_note",
            "restarts_used_up", "sweep_orphans"]
@@ -56,11 +57,12 @@ RESTART_ENV = "STABLETRAIN_RESTART"
 LAUNCH_START_ENV = "STABLETRAIN_LAUNCH_START"
 #: Set in the child of :func:`supervise`: it trains, and leaves the restarting to its parent.
 SUPERVISED_ENV = "STABLETRAIN_SUPERVISED"
-#: Exit codes of a run that refused to restart into the same failure again (the launchers then stop too), and of one
-#: that trained to train.max_steps and applied no update (every step skipped: again would too).
-EXIT_GAVE_UP, EXIT_NO_UPDATE = 3, 4
+#: Exit codes of a run that refused to restart into the same failure again (the launchers then stop too), of one that
+#: trained to train.max_steps and applied no update (every step skipped: again would too), and of one the guard stopped
+#: as stalled (guard.on_stall=stop: its checkpoints hold the collapsed loss scale, a restart would stall again).
+EXIT_GAVE_UP, EXIT_NO_UPDATE, EXIT_STALLED = 3, 4, 5
 #: Exit codes after which a run is never restarted (see the module docstring).
-FINAL_EXITS = (0, 2, EXIT_GAVE_UP, EXIT_NO_UPDATE, 130)
+FINAL_EXITS = (0, 2, EXIT_GAVE_UP, EXIT_NO_UPDATE, EXIT_STALLED, 130)
 #: For a torchrun that restarts its ranks: a rendezvous store of their own per attempt. The store torchrun's agent shares
 #: with them by default outlives an attempt, and a restart's ranks can read the addresses of the attempt before and fail
 #: to connect (gloo: "connectFullMesh failed ... Connection refused"; pytorch/pytorch#135712, seen with torch 2.13 here).

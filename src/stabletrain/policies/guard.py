@@ -158,6 +158,7 @@ class Guard:
         self._device_starts_from_here()
         self.stall = StallWatch(cfg.stall_steps)  # the last guard.stall_steps steps: a run that goes on without learning
         self.stall_warned = False
+        self.stall_stopped = False  # guard.on_stall=stop stopped the run: a restart would resume the stall (a final exit)
         self.unordinary: deque[int] = deque(maxlen=UNORDINARY_KEPT)  # the last steps flagged (spikes, bad steps)
 
     @property
@@ -372,7 +373,7 @@ class Guard:
             return d
         stalled = self.stall.stalled(rows[-1].step if rows else 0)
         if stalled is not None and self.cfg.on_stall == "stop":
-            d.action, d.reason = "stop", stalled
+            d.action, d.reason, self.stall_stopped = "stop", stalled, True
             return d
         if stalled is not None and not self.stall_warned:
             d.stall, self.stall_warned = stalled, True  # guard.on_stall=warn: said once
