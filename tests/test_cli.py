@@ -478,7 +478,7 @@ def test_a_stray_argument_to_a_subcommand_shows_that_subcommands_usage(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["report", "--compare", "a", "b"])
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and err.startswith("usage: stabletrain report [-h] RUN_DIR"), err
+    assert exit_.value.code == 2 and err.startswith("usage: stabletrain report [-h] [--out DIR|FILE.html] RUN_DIR"), err
     assert "stabletrain report: error: unrecognized arguments: --compare b" in err
     with pytest.raises(SystemExit):  # two runs to report: the command that compares them is named
         main(["report", "a", "b"])
@@ -502,6 +502,46 @@ def test_report_and_compare_given_a_file_of_a_run_name_its_directory(tmp_path, c
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith("stabletrain: error: run directory ") and said in err and len(err.splitlines()) == 1, err
+
+
+def test_a_run_directory_that_cannot_be_written_is_one_line_to_resume_and_to_report(tmp_path, capsys, monkeypatch):
+    """A new user's read-only run directory: resuming it (run.resume=auto, --resume, restarts) and `stabletrain report`
+    were tracebacks (OSError: [Errno 30] Read-only file system), the report without its summary. Now one line each
+    (exit 2: a restart would meet it again), the report's summary printed, and --out writes the page elsewhere. (A
+    file where the report writes, and the OS's error planted where the run opens its files, stand in for the read-only
+    mount: root writes past permission bits.)"""
+    import errno
+
+    from stabletrain.cli import main
+    from stabletrain.records import rundir
+
+    run = tmp_path / "run"
+    args = ["train", "task=mlp", "train.max_steps=4", "log.every=2", "log.progress=false", "log.tensorboard=false",
+            "eval.every=0", f"run.dir={run}"]
+    assert main(args) == 0
+    capsys.readouterr()
+
+    def read_only(path):
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    with monkeypatch.context() as m:
+        m.setattr(rundir, "JsonlWriter", read_only)
+        for resume in (["run.resume=auto"], ["--resume", str(run)]):
+            assert main([*args[:-2], "train.max_steps=6", f"run.dir={run}", *resume]) == 2
+            err = capsys.readouterr().err
+            assert err.endswith(f"error: config key 'run.dir': {str(run)!r} cannot be written: Read-only file system "
+                                f"({run / 'metrics.jsonl'})\n") and "Traceback" not in err, err
+    (run / "plots").rmdir() if (run / "plots").is_dir() else None
+    (run / "plots").write_text("")  # (the report's plots folder cannot be made)
+    assert main(["report", str(run)]) == 2
+    out, err = capsys.readouterr()
+    assert out.startswith("Reached step 4 of 4.") and not (run / "report.html").exists(), out
+    assert err.startswith(f"stabletrain: error: report: run directory {str(run)!r} cannot be written (") and err.endswith(
+        "; the health summary is above; give --out DIR for the page\n") and len(err.splitlines()) == 1, err
+    assert main(["report", str(run), "--out", str(tmp_path / "pages")]) == 0
+    page = (tmp_path / "pages" / "report.html").read_text(encoding="utf-8")
+    assert "Reached step 4 of 4." in page and (tmp_path / "pages" / "report_plots" / "loss.png").is_file()
+    assert 'src="report_plots/loss.png"' in page or "report_plots/loss.png" in page, "the page links its plots next to it"
 
 
 def test_a_config_error_every_rank_meets_is_said_by_rank_0_alone(monkeypatch, capsys):

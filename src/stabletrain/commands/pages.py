@@ -20,6 +20,9 @@ def add_report_parser(sub: argparse._SubParsersAction) -> None:
                                    "plot as RUN_DIR/plots/NAME.png. Reads only the run directory's files (it works "
                                    "on a run in progress too); prints the health summary.")
     p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--out", metavar="DIR|FILE.html",
+                   help="write the page elsewhere (a run directory that cannot be written): a directory (the page is "
+                        "DIR/report.html) or an .html file; its plots go in PAGE_STEM_plots/ next to it")
 
 
 def _run_dir(given: str | Path, *, config_enough: bool = True) -> Path:
@@ -39,7 +42,17 @@ def _run_dir(given: str | Path, *, config_enough: bool = True) -> Path:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    write_report(_run_dir(args.run_dir))
+    run_dir = _run_dir(args.run_dir)
+    try:
+        write_report(run_dir, args.out)
+    except OSError as err:  # (a read-only run directory: a traceback before, and no summary)
+        where = f"--out {str(args.out)!r}" if args.out is not None else f"run directory {str(run_dir)!r}"
+        if args.out is None:
+            from ..report import health_summary, load_run
+
+            print(health_summary(load_run(run_dir)).text)
+        raise ValueError(f"report: {where} cannot be written ({err.strerror or err}: {err.filename})"
+                         + ("; the health summary is above; give --out DIR for the page" if args.out is None else "")) from None
     return 0
 
 

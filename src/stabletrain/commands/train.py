@@ -188,11 +188,11 @@ def _skips(run: RunData) -> tuple[int, int]:
     return len(counted), len({e.step for e in run.undone_events("skip")} - counted)
 
 
-def write_report(run_dir: Path) -> None:
+def write_report(run_dir: Path, out: str | None = None) -> None:
     from ..report import health_summary, load_run, write_report
     from ..report.goodput import read_goodput
 
-    console.say(f"report written to {write_report(run_dir)}")
+    console.say(f"report written to {write_report(run_dir, out)}")
     run = load_run(run_dir)
     if run.problems:  # (listed on the page only: a console reader took the summary for whole)
         more = f" and {len(run.problems) - 1} more" if len(run.problems) > 1 else ""

@@ -101,8 +101,11 @@ class RunDir:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as err:  # (a folder without write permission, a read-only file system)
             raise _refused(self.path, host, f"cannot be created: {err.strerror or err}") from None
-        self.metrics = JsonlWriter(self.path / "metrics.jsonl")
-        self.events = JsonlWriter(self.path / "events.jsonl")
+        try:  # (one that exists, resumed there: a traceback before)
+            self.metrics = JsonlWriter(self.path / "metrics.jsonl")
+            self.events = JsonlWriter(self.path / "events.jsonl")
+        except OSError as err:
+            raise _refused(self.path, host, f"cannot be written: {err.strerror or err} ({err.filename})") from None
         self._launch_recorded = False
 
     @staticmethod

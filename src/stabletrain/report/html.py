@@ -204,9 +204,11 @@ def footer(source: str, runs: int = 1) -> str:
 # -- the run report -------------------------------------------------------------------------------
 
 
-def write_report(run_dir: str | Path) -> Path:
+def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write ``RUN_DIR/report.html`` and ``RUN_DIR/plots/*.png``; return the page's path.
 
+    ``out``: elsewhere (a run directory that cannot be written): an ``.html`` file, or a directory for its
+    ``report.html``; the plots then go in ``<page stem>_plots/`` next to the page, as a comparison's do.
     Works on a run in progress, a resumed run and a run with incidents; malformed lines are listed
     on the page under "Data problems". Raises FileNotFoundError / ValueError only when ``run_dir``
     is not a run directory. The page also goes to each tracker run the run wrote to
@@ -216,9 +218,15 @@ def write_report(run_dir: str | Path) -> Path:
 
     run = load_run(run_dir)
     plots = run_plots(run)
-    paths = write_plots(plots, run.path / "plots", RUN_PLOT_NAMES)
-    out = run.path / "report.html"
-    atomic_write(out, render_report(run, plots, {k: str(p.relative_to(run.path)) for k, p in paths.items()}), fsync=False)
+    if out is None:
+        out, folder = run.path / "report.html", run.path / "plots"
+    else:
+        out = Path(out) if Path(out).suffix.lower() in (".html", ".htm") and not Path(out).is_dir() else Path(out) / "report.html"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        folder = out.parent / f"{out.stem}_plots"
+    paths = write_plots(plots, folder, RUN_PLOT_NAMES)
+    files = {k: str(p.relative_to(out.parent)) for k, p in paths.items()}
+    atomic_write(out, render_report(run, plots, files), fsync=False)
     for where in attach_report(run.path, out):
         console.say(f"{out.name} attached to the {where}")
     return out
