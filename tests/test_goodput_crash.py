@@ -60,6 +60,30 @@ def test_steps_trained_after_the_last_checkpoint_by_a_launch_that_raised_are_red
     assert g.seconds["redone"] == 0.0 and g.seconds["other"] == pytest.approx(0.4 + 0.4)
 
 
+def test_the_steps_a_last_launch_trained_past_its_checkpoint_before_a_death_not_restarted_after_are_lost(tmp_path):
+    """A new user's DDP run: rank 1 killed a third time with run.max_restarts=2: rank 0 ended (PeerLost) with its end
+    line and the launcher recorded the death as a stop. The steps after LAST_GOOD (step 40) counted as productive and
+    the end line's as "other": the report said 52.6% where the run kept ~45%. No launch trains them again: lost."""
+    ledger = [{"kind": "launch", "start": 100.0, "ready": 102.0, "step": 0},
+              *[_interval(102.0 + n, 10 * n) for n in (1, 2, 3, 4, 5)],
+              {"kind": "end", "t": 107.5, "step": 55, "wall_s": 0.5, "checkpoint_s": 0.0, "incident_s": 0.0}]
+    died = {"kind": "stop", "step": 55, "time": 107.7, "cause": {"time": 107.6, "signal": "SIGKILL", "rank": 1},
+            "reason": "the run's 2 restart(s) were used up (run.max_restarts=2) when rank 1 (pid 9) was killed by SIGKILL"}
+    _jsonl(tmp_path / "goodput.jsonl", ledger)
+    saves = [{"kind": "checkpoint", "step": s, "time": 102.01 + s / 10} for s in (0, 20, 40)]
+    _jsonl(tmp_path / "events.jsonl", [*saves, died])
+    g = read_goodput(tmp_path)
+    assert g.seconds["productive"] == pytest.approx(4.0) and g.seconds["redone"] == pytest.approx(1.0 + 0.5)
+    assert g.seconds["other"] == pytest.approx(0.0, abs=1e-9) and g.total_s == pytest.approx(7.5)
+    # the same launch killed outright (no end line): to the launcher's word of the death
+    _jsonl(tmp_path / "goodput.jsonl", ledger[:-1])
+    g = read_goodput(tmp_path)
+    assert g.seconds["productive"] == pytest.approx(4.0) and g.seconds["redone"] == pytest.approx(1.0 + 0.6)
+    # no word of a death (a run still going, or one the report cannot tell): its steps are kept, as before
+    _jsonl(tmp_path / "events.jsonl", saves)
+    assert read_goodput(tmp_path).seconds["productive"] == pytest.approx(5.0)
+
+
 @pytest.mark.slow  # two launches and their supervisor: ~8 s
 def test_a_crash_loop_through_the_cli_books_the_steps_each_launch_trained_again_as_redone(tmp_path):
     """Sample 45 raises (batch 8, no shuffle: step 6) on every launch; checkpoints and log lines every 4 steps, so each

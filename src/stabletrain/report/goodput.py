@@ -126,12 +126,15 @@ def read_goodput(run_dir: str | Path) -> Goodput | None:
             sec["checkpoint"] += float(end.get("checkpoint_s") or 0.0)
             sec["incident"] += float(end.get("incident_s") or 0.0)
             sec["startup"] += float(end.get("startup_s") or 0.0)
-            later = min(later, _crashed_from(launch, events))
+            later = min(later, _crashed_from(launch, events, finish, nxt is None))
             sec["redone"] += _end_redone(launch, later)
         else:  # killed outright: it ended when its launcher saw it die, else at its last line
-            died = (restart.get("cause") or {}).get("time") if restart else None
+            told = restart or (_given_up(events, ready) if nxt is None else None)
+            died = (told.get("cause") or {}).get("time") if told else None
             finish = max(last, float(died)) if died else last
             sec["redone"] += finish - last
+            if nxt is None and told is not None:  # (the run's last launch, dead: no later launch trains its steps again)
+                later = min(later, _crashed_from(launch, events, finish, True))
         total += finish - start
         if restart is not None:  # the wait before an automatic restart is the run's; after the last launch recorded,
             # the launches that died in their start-up lived at least until their restart events
@@ -172,12 +175,22 @@ def _count_launches(launches: list[dict[str, Any]], restarts: list[dict[str, Any
     return count
 
 
-def _crashed_from(launch: dict[str, Any], events: list[dict[str, Any]]) -> float:
-    """For a launch that ended in an exception (its ``crash`` event, between its ledger's first and last lines): the
-    step of its last checkpoint (the one it resumed from, or saved), from which its steps are trained again; else inf."""
-    ready, finish = float(launch["line"].get("ready") or 0.0), float(launch["end"]["t"])
+def _given_up(events: list[dict[str, Any]], ready: float) -> dict[str, Any] | None:
+    """The launcher's ``stop`` for a death it did not restart after (its restarts used up: the event carries the death's
+    ``cause``) since ``ready``, or None."""
+    return next((e for e in events if e.get("kind") == "stop" and isinstance(e.get("cause"), dict)
+                 and not str(e.get("reason", "")).startswith("restart refused")  # (a launch of its own: its refusal)
+                 and float(e.get("time") or 0.0) >= ready - ROUNDING_S), None)
+
+
+def _crashed_from(launch: dict[str, Any], events: list[dict[str, Any]], finish: float, last: bool) -> float:
+    """For a launch that ended in an exception (its ``crash`` event, between its ledger's first and last lines), or, the
+    run's ``last`` launch, in a death its launcher did not restart after (a killed peer: the survivor's ``end`` line, then
+    the launcher's ``stop``): the step of its last checkpoint (the one it resumed from, or saved), from which its steps
+    would be trained again (lost); else inf."""
+    ready = float(launch["line"].get("ready") or 0.0)
     within = [e for e in events if ready - ROUNDING_S <= float(e.get("time") or 0.0) <= finish + ROUNDING_S]
-    if not any(e.get("kind") == "crash" for e in within):
+    if not any(e.get("kind") == "crash" for e in within) and not (last and _given_up(events, ready)):
         return math.inf
     saved = [int(e.get("step") or 0) for e in within if e.get("kind") == "checkpoint"]  # (in time order: the last one
     return saved[-1] if saved else int(launch["line"].get("step") or 0)  # written, not the largest a rollback left behind)
