@@ -412,6 +412,11 @@ def test_run_resume_auto_starts_the_run_then_continues_it(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert "has finished" not in out and "step_000008" in err, (out, err)
     assert [(e["kind"], e["step"]) for e in events(run_dir) if e["kind"] == "resume"][-1] == ("resume", 6)
+    # Its newest checkpoint's meta.json unreadable: the resume falls back, and the line that says it continues is there
+    (run_dir / "checkpoints" / "step_000008" / "meta.json").write_text("{not json")  # (a trial: no line at all)
+    assert main([*args, "train.max_steps=10"]) == 0
+    out, err = capsys.readouterr()
+    assert f"stabletrain: run.resume=auto: {run_dir} holds LAST_GOOD (step_000008): continuing it" in out, (out, err)
 
 
 # -- what ended a launch, and when not to restart (no processes) ------------------------------------------------

@@ -243,7 +243,8 @@ def begin_launch(cfg: Any, run_dir: Path | None, resume: bool, ctx: Any) -> Laun
                             f"{cfg.train.max_steps}): nothing to train (raise train.max_steps to train on){kept}")
                 return Launch(False, run_dir, finished=True)
             if has_checkpoint:
-                if name is None or _same_config(cfg, name, len(everyone)):  # (else the resume refuses it in its own line)
+                if name is None or _same_config(cfg, name, len(everyone)) is not False:  # (else the resume refuses it in
+                    # its own line; None: its meta.json unreadable, which the resume falls back from, saying so)
                     console.say(f"run.resume=auto: {run_dir} holds {f'LAST_GOOD ({name.name})' if name else 'checkpoints'}"
                                 f": continuing it{kept}")
                 return Launch(True, run_dir)
@@ -260,8 +261,9 @@ def _finished(cfg: Any, run_dir: Path, checkpoint: Path, world: int) -> bool:
             and not CheckpointManager(run_dir / "checkpoints").verify(checkpoint))
 
 
-def _same_config(cfg: Any, checkpoint: Path, world: int) -> bool:
-    """Whether ``checkpoint``'s config (its meta.json) differs from ``cfg`` in no key a resume by ``world`` processes refuses
+def _same_config(cfg: Any, checkpoint: Path, world: int) -> bool | None:
+    """Whether ``checkpoint``'s config (its meta.json; None where it cannot be read) differs from ``cfg`` in no key a resume
+    by ``world`` processes refuses
     a change of (the resume's own rule, :func:`~.checkpoints.resume_diffs`: a resharded one may change more; the mode a
     saved precision=auto trained in is meta.json's, or, in a checkpoint written before it recorded it, what auto resolves to
     on this machine)."""
@@ -273,7 +275,7 @@ def _same_config(cfg: Any, checkpoint: Path, world: int) -> bool:
     try:
         meta = json.loads((checkpoint / META_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return False
+        return None
     saved = meta.get("config") or {}
     move_old_keys(saved, "the checkpoint's config")
     try:
