@@ -240,6 +240,12 @@ class RunSession:
             return True
         return False
 
+    def evaluation(self, val_loss: float) -> None:
+        """The host evaluated after this step: into this step's record if it was just written (a run's last), else the next."""
+        self.evaluated = {"val_loss": val_loss, "val_step": self.step}
+        if self.run is not None and self.run.amend_last_metrics(self.history, self.step, self.evaluated):
+            self.evaluated = {}
+
     # -- at a log boundary (one host sync) ---------------------------------------------------------
 
     def log(self) -> dict[str, Any]:

@@ -127,13 +127,12 @@ class StableTrainCallback(pl.Callback):
                              "would clip twice: keep one")
         self.value_clip = clip is not None and algorithm != "norm"
         host_clip = float(clip) if clip is not None and not self.value_clip else None
-        self.scaler = scaler
         host = {"max_steps": trainer.max_steps, "max_epochs": trainer.max_epochs, "precision": precision,
                 "accumulate_grad_batches": trainer.accumulate_grad_batches, "gradient_clip_val": trainer.gradient_clip_val,
                 "gradient_clip_algorithm": algorithm, "strategy": type(trainer.strategy).__name__,
                 "world_size": trainer.world_size, "ckpt_path": str(trainer.ckpt_path) if trainer.ckpt_path else None,
                 "final_step": int(trainer.estimated_stepping_batches) if 0 < trainer.estimated_stepping_batches < 1e18 else None}
-        self.trainer, self.pl_module = trainer, pl_module
+        self.trainer, self.pl_module, self.scaler = trainer, pl_module, scaler
         self.session = RunSession(
             self.run_dir, pl_module, host="lightning", options=self.options, precision=mode, fingerprint=self._fingerprint,
             clip_max_norm=self.clip_max_norm if self.clip_max_norm is not None else host_clip,
@@ -208,9 +207,8 @@ class StableTrainCallback(pl.Callback):
                 trainer.should_stop = True
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        value = trainer.callback_metrics.get("val_loss")  # (what the module logged as val_loss; not a sanity check's)
-        if self.session is not None and value is not None and not trainer.sanity_checking:  # the next record's
-            self.session.evaluated = {"val_loss": float(value), "val_step": self.session.step}
+        if self.session and not trainer.sanity_checking and (value := trainer.callback_metrics.get("val_loss")) is not None:
+            self.session.evaluation(float(value))  # what the module logged as val_loss (not a sanity check's)
 
     # -- the end -----------------------------------------------------------------------------------
 

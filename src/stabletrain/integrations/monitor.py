@@ -121,8 +121,7 @@ class Monitor:
         self._backward: list[Tensor] = []
         self._micro: list[Any] = []
         self._rng: dict[str, Any] | None = rng_state() if self.session.capturing else None
-        self._rng_marked = False
-        self._autocast = False
+        self._rng_marked = self._autocast = False
 
     # -- the loop's few lines ----------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ Then, per optimizer step::
                             incident capture and diagnosis, ``should_training_stop`` on "stop"
     on_log                  (the Trainer's own logging steps) the latest interval's figures added to its logs,
                             before its trackers (``report_to``) write them: our callback is moved before theirs
-    on_evaluate             its eval_loss: val_loss (at val_step) in the next interval's record
+    on_evaluate             its eval_loss: val_loss (at val_step) in its step's record, or the next one
     on_save                 our state in the checkpoint folder (``stabletrain_state.pt``); a Trainer resumed from
                             that checkpoint continues our step count, metrics and guard
 
@@ -60,6 +60,7 @@ from ..numerics import grad_norms
 from ..policies.metrics import host_figures
 from ..records.batches import count_tokens, items_normalized, window_items
 from ..records.captured import default_compute_loss, divides_by_items, host_loss_factor, loss_recipe, model_recipe
+from ..records.provenance import HF_TRAINING_ARGS
 from ..services.kept_steps import HostReplay, KeptStep, current_lrs
 from .core import RunSession
 
@@ -88,8 +89,7 @@ class StableTrainCallback(TrainerCallback):
                  **options: Any) -> None:
         self.run_dir, self.loss_fn, self.overwrite = run_dir, loss_fn, overwrite
         self.options = AdapterOptions(**options).checked(loss_fn=loss_fn, run_dir=run_dir)
-        self.stable_callbacks = list(callbacks)
-        self.trainer = trainer
+        self.stable_callbacks, self.trainer = list(callbacks), trainer
         self.session: RunSession | None = None
         self._fingerprint: InitFingerprint | None = None
         self._record: dict[str, Any] | None = None
@@ -131,10 +131,7 @@ class StableTrainCallback(TrainerCallback):
                               trainer.accelerator, args.device)
         clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
         resumed = state.global_step > 0
-        host = {k: getattr(args, k, None) for k in (
-            "output_dir", "max_steps", "num_train_epochs", "per_device_train_batch_size", "gradient_accumulation_steps",
-            "learning_rate", "weight_decay", "max_grad_norm", "lr_scheduler_type", "warmup_steps", "optim", "fp16",
-            "bf16", "label_smoothing_factor", "seed", "logging_steps", "save_steps", "torch_compile")}
+        host = {k: getattr(args, k, None) for k in HF_TRAINING_ARGS}
         host.update(trainer_class=f"{type(trainer).__module__}.{type(trainer).__qualname__}", world_size=args.world_size,
                     final_step=state.max_steps)
         self.session = RunSession(
@@ -270,7 +267,7 @@ class StableTrainCallback(TrainerCallback):
 
     def on_evaluate(self, args: Any, state: Any, control: Any, metrics: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if self.session is not None and isinstance((metrics or {}).get("eval_loss"), (int, float)):  # the next record's
-            self.session.evaluated = {"val_loss": float(metrics["eval_loss"]), "val_step": self.session.step}
+            self.session.evaluation(float(metrics["eval_loss"]))
 
     # -- checkpoints and the end -------------------------------------------------------------------------
 

@@ -23,9 +23,8 @@ from ..config import Config, config_hash
 from ..fileio import check_folder
 from .jsonl import json_safe
 
-__all__ = ["OUTPUT_MARKER", "build_snapshot", "git_info", "installed_versions", "is_stabletrain_output", "mark_output_dir",
-           "optimizer_names", "optimizer_config", "other_task",
-           "launch_snapshot"]
+__all__ = ["HF_TRAINING_ARGS", "OUTPUT_MARKER", "build_snapshot", "git_info", "installed_versions", "is_stabletrain_output",
+           "mark_output_dir", "optimizer_names", "optimizer_config", "other_task", "launch_snapshot"]
 
 #: The file that marks a folder stabletrain writes outside a run directory (``check --out``, ``lab --out``),
 #: so that the snapshot's ``git.dirty`` does not count it as a change to the user's code.
@@ -141,6 +140,13 @@ def build_snapshot(cfg: Config, device: torch.device, precision: str, data_finge
     }
     snap.update(extra or {})
     return snap
+
+
+#: The ``transformers.TrainingArguments`` a Hugging Face run's ``config.yaml`` records under ``host``.
+HF_TRAINING_ARGS = ("output_dir", "max_steps", "num_train_epochs", "per_device_train_batch_size",
+                    "gradient_accumulation_steps", "learning_rate", "weight_decay", "max_grad_norm", "lr_scheduler_type",
+                    "warmup_steps", "optim", "fp16", "bf16", "label_smoothing_factor", "seed", "logging_steps", "save_steps",
+                    "torch_compile")
 
 
 def host_reproducibility(host: str, host_config: dict[str, Any]) -> dict[str, Any]:
