@@ -536,8 +536,13 @@ def test_a_run_directory_that_cannot_be_written_is_one_line_to_resume_and_to_rep
     assert main(["report", str(run)]) == 2
     out, err = capsys.readouterr()
     assert out.startswith("Reached step 4 of 4.") and not (run / "report.html").exists(), out
-    assert err.startswith(f"stabletrain: error: report: run directory {str(run)!r} cannot be written (") and err.endswith(
+    assert err.startswith(f"stabletrain: error: report: {str(run)!r} cannot be written (") and err.endswith(
         "; the health summary is above; give --out DIR for the page\n") and len(err.splitlines()) == 1, err
+    (tmp_path / "afile").write_text("")
+    assert main(["report", str(run), "--out", str(tmp_path / "afile" / "page.html")]) == 2  # --out not writable: one line
+    err = capsys.readouterr().err
+    assert err.startswith(f"stabletrain: error: report: {str(tmp_path / 'afile')!r} cannot be written (") and len(
+        err.splitlines()) == 1, err
     assert main(["report", str(run), "--out", str(tmp_path / "pages")]) == 0
     page = (tmp_path / "pages" / "report.html").read_text(encoding="utf-8")
     assert "Reached step 4 of 4." in page and (tmp_path / "pages" / "report_plots" / "loss.png").is_file()

@@ -192,18 +192,23 @@ def test_a_whole_layer_silent_for_long_is_the_layer_blamed_not_a_layer_downstrea
 
 
 def test_most_of_the_model_surging_whole_is_the_steps_own_not_a_layer_named():
-    """surge_rows: layers surging whole are named only while they hold a minority of the model's coordinates (each
-    against the other layers' steady moves); holding most of it, the whole step rose and none is named."""
+    """surge_rows: layers surging whole are named only where their second moment was silent and they hold a minority
+    of the model's coordinates (each against the other layers' steady moves); else the whole step rose: none named."""
     from stabletrain.diagnostics.spike_evidence import surge_rows
 
-    few, none = torch.tensor([True, False, False, False]), torch.zeros(4, dtype=torch.bool)
-    masks = {"rare": (torch.ones(4, dtype=torch.bool), 0.0), "a": (few, 1e-3), "b": (none, 2e-3)}
-    moved = {"rare": torch.full((4,), 0.5), "a": torch.tensor([0.3, 0.01, 0.01, 0.01]), "b": torch.full((4,), 0.01)}
+    few, none, every = torch.tensor([True] + [False] * 7), torch.zeros(8, dtype=torch.bool), torch.ones(8, dtype=torch.bool)
+    masks = {"rare": (every, 0.0, 0.0), "a": (few, 1e-3, 1e-3), "b": (none, 2e-3, 2e-3)}
+    moved = {"rare": torch.full((8,), 0.5), "a": torch.tensor([0.3] + [0.01] * 7), "b": torch.full((8,), 0.01)}
     rows = {r["name"]: r for r in surge_rows(masks, moved)}
     assert rows["rare"]["whole"] and rows["rare"]["coord_factor"] == pytest.approx(50.0)  # 0.5 / the steady 0.01
     assert rows["rare"]["typical_sqrt_v"] == pytest.approx(2e-3) and not rows["a"]["whole"]
     assert rows["a"]["coord_factor"] == pytest.approx(30.0)
-    masks["b"] = (torch.ones(4, dtype=torch.bool), 0.0)  # 8 of 12 coordinates in whole-surging layers: the step's
+    # a layer surging whole whose second moment was not silent (a LayerNorm gain in a data spike's step), or one of
+    # fewer than 8 coordinates (a bias, a scalar): the whole step's, not named (a review)
+    for name, value in (("ln", (every, 1e-3, 1e-3)), ("scale", (torch.ones(4, dtype=torch.bool), 0.0, 0.0))):
+        rows = surge_rows({**masks, name: value}, {**moved, name: torch.full(value[0].shape, 0.5)})
+        assert {r["name"] for r in rows} == {"rare", "a"}, name
+    masks["b"] = (every, 0.0, 0.0)  # 16 of 24 coordinates in silent layers surging whole: the step's after all
     assert [r["name"] for r in surge_rows(masks, moved)] == ["a"]
 
 

@@ -42,17 +42,18 @@ def _run_dir(given: str | Path, *, config_enough: bool = True) -> Path:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    from ..report.html import ReportNotWritten
+
     run_dir = _run_dir(args.run_dir)
     try:
         write_report(run_dir, args.out)
-    except OSError as err:  # (a read-only run directory: a traceback before, and no summary)
-        where = f"--out {str(args.out)!r}" if args.out is not None else f"run directory {str(run_dir)!r}"
-        if args.out is None:
-            from ..report import health_summary, load_run
+    except ReportNotWritten as err:  # (the run read, its page not written: the summary still printed)
+        if args.out is not None:
+            raise
+        from ..report import health_summary, load_run
 
-            print(health_summary(load_run(run_dir)).text)
-        raise ValueError(f"report: {where} cannot be written ({err.strerror or err}: {err.filename})"
-                         + ("; the health summary is above; give --out DIR for the page" if args.out is None else "")) from None
+        print(health_summary(load_run(run_dir)).text)
+        raise ReportNotWritten(f"{err}; the health summary is above; give --out DIR for the page") from err
     return 0
 
 

@@ -15,9 +15,10 @@ from typing import Any
 import torch
 
 __all__ = ["adam_surges", "surge_rows", "departures", "precision_departures", "jumps", "max_outliers", "outlier_sets",
-           "lr_change", "lr_groups", "SURGE_FACTOR", "PRECISION_ERROR"]
+           "lr_change", "lr_groups", "SURGE_FACTOR", "MIN_WHOLE", "PRECISION_ERROR"]
 
 SURGE_FACTOR = 10.0  #: A coordinate's gradient this many times sqrt(v) (Adam's second moment, bias-corrected) is a surge.
+MIN_WHOLE = 8  #: A layer of fewer coordinates (a bias of a few, a scalar) surging whole is not told from the whole step's.
 PRECISION_ERROR = 0.05  #: A module whose low-precision output differs from fp32's by this share (relative L2) departs.
 
 
@@ -26,7 +27,8 @@ def adam_surges(named_params: list[tuple[str, torch.nn.Parameter]], optimizer: t
     """Per parameter with Adam state: the coordinates whose gradient surges past sqrt(v) (:data:`SURGE_FACTOR`).
 
     ``optimizer``: an Adam/AdamW holding the state before the step; ``grads``: the step's true (unscaled) gradients by name.
-    Returns name -> (bool mask, the median sqrt(v) of the other coordinates) (empty for an optimizer without ``exp_avg_sq``). A
+    Returns name -> (bool mask, the median sqrt(v) of the other coordinates, the median sqrt(v) of all its coordinates)
+    (empty for an optimizer without ``exp_avg_sq``). A
     coordinate whose gradients were tiny (or zero) for long has a tiny sqrt(v): its first large gradient makes an update of
     about lr x sqrt(t) times (1 - beta1) / sqrt(1 - beta2)-ish where a steady coordinate's is about lr.
     """
@@ -46,38 +48,43 @@ def adam_surges(named_params: list[tuple[str, torch.nn.Parameter]], optimizer: t
             root = v_hat.sqrt()
             mask = (g.abs() > SURGE_FACTOR * (root + eps)) & (g.abs() > 10 * eps)
             rest = root[~mask]
-            out[name] = (mask, float(rest.median()) if rest.numel() else 0.0)
+            out[name] = (mask, float(rest.median()) if rest.numel() else 0.0, float(root.median()))
     return out
 
 
-def surge_rows(masks: dict[str, tuple[torch.Tensor, float]], moved: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
+def surge_rows(masks: dict[str, tuple[torch.Tensor, float, float]], moved: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
     """Per parameter with surging coordinates: their share, and how far they moved against the parameter's others.
 
     ``moved``: name -> |theta_after - theta_before| of the step. Returns ``[{"name", "numel", "surge_share", "coord_factor",
     "typical_sqrt_v", "whole"}, ...]`` where coord_factor = mean move of the surging coordinates / mean move of the rest.
 
-    Most of a layer surging is the whole step's (every layer's gradients rose) where such layers hold most of the
-    model; where they hold a minority, each is a layer silent for long as a whole (a rare feature's own weights, a
-    rarely routed expert): ``whole``, measured against the other layers' steady coordinates (their mean move, their
-    median sqrt(v)), its own having no steady ones to stand for them."""
-    counts = {name: (mask.numel(), int(mask.sum())) for name, (mask, _) in masks.items() if name in moved}
+    Most of a layer surging is the whole step's (every layer's gradients rose), unless the layer was silent for long
+    as a whole (a rare feature's own weights, a rarely routed expert): its second moment (median sqrt(v) over all its
+    coordinates, the mask's third figure) a :data:`SURGE_FACTOR`-th of the other layers' or less, in a layer of
+    :data:`MIN_WHOLE` coordinates or more, while such layers hold a minority of the model. That one is ``whole``,
+    measured against the other layers' steady coordinates (their mean move, their median sqrt(v)), its own having no
+    steady ones to stand for them."""
+    counts = {name: (v[0].numel(), int(v[0].sum())) for name, v in masks.items() if name in moved}
     broad = {name for name, (n, k) in counts.items() if k * 2 > n}
-    dropped = broad if sum(counts[name][0] for name in broad) * 2 > sum(n for n, _ in counts.values()) else set()
     steady_sum = steady_n = 0.0  # the other layers' steady coordinates: a whole layer's measure
     roots = []
-    for name, (mask, typical) in masks.items():
+    for name, (mask, typical, *_) in masks.items():
         if name in counts and name not in broad:
             d = moved[name].detach().float().to(mask.device)[~mask]
             steady_sum, steady_n = steady_sum + float(d.sum()), steady_n + d.numel()
             roots.append(typical)
     steady, root = (steady_sum / steady_n if steady_n else 0.0), (sorted(roots)[len(roots) // 2] if roots else 0.0)
+    silent = {name for name in broad if counts[name][0] >= MIN_WHOLE and root > 0
+              and (masks[name][2] if len(masks[name]) > 2 else masks[name][1]) <= root / SURGE_FACTOR}
+    if sum(counts[name][0] for name in silent) * 2 > sum(n for n, _ in counts.values()):
+        silent = set()  # (most of the model: the whole step's)
     rows = []
-    for name, (mask, typical) in masks.items():
+    for name, (mask, typical, *_) in masks.items():
         n, k = counts.get(name, (0, 0))
-        if not k or name in dropped:
+        if not k or (name in broad and name not in silent):
             continue
         d = moved[name].detach().float().to(mask.device)
-        whole = name in broad
+        whole = name in silent
         base = steady if whole else (float(d[~mask].mean()) if k < n else 0.0)
         surging = float(d[mask].mean())
         if math.isfinite(surging) and surging > 0:  # (nothing moved: a skipped step, an fp16 overflow: no surge)

@@ -212,10 +212,11 @@ class Precursor:
     def typical_ratios(self) -> dict[str, float]:
         """Each parameter's typical update/weight ratio before the last interval observed (its history's geometric mean
         then): what it usually moves by, not what a surge in that interval made it. Only parameters with a history of
-        ``guard.precursor_warmup`` intervals: a layer that moved in fewer (silent for long, then one surging update)
-        has no usual of its own."""
+        ``guard.precursor_warmup`` intervals, or as long as the longest (a run's first intervals): a layer that moved in
+        fewer (silent for long, then one surging update) has no usual of its own."""
         mean, count = self._before
-        return {n: math.exp(m) for n, m, c in zip(self.names, mean, count) if c >= max(self.warmup, 1)}
+        need = max(min(self.warmup, max(count, default=0)), 1)
+        return {n: math.exp(m) for n, m, c in zip(self.names, mean, count) if c >= need}
 
     def state_dict(self) -> dict[str, Any]:
         """The histories, the departing flag and the warning count (plain values)."""

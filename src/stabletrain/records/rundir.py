@@ -105,7 +105,9 @@ class RunDir:
             self.metrics = JsonlWriter(self.path / "metrics.jsonl")
             self.events = JsonlWriter(self.path / "events.jsonl")
         except OSError as err:
-            raise _refused(self.path, host, f"cannot be written: {err.strerror or err} ({err.filename})") from None
+            if hasattr(self, "metrics"):
+                self.metrics.close()
+            raise _refused(self.path, host, f"cannot be written: {err.strerror or err} ({err.filename})") from err
         self._launch_recorded = False
 
     @staticmethod

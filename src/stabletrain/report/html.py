@@ -28,7 +28,7 @@ from .plots import RUN_PLOT_NAMES, Plot, run_plots
 from .rundata import Event, RunData, as_number, load_run
 from .text import fmt_num, fmt_pct
 
-__all__ = ["write_report", "render_report"]
+__all__ = ["write_report", "render_report", "ReportNotWritten"]
 
 MAX_TIMELINE_ROWS = 400
 MAX_PROBLEMS = 200
@@ -204,6 +204,10 @@ def footer(source: str, runs: int = 1) -> str:
 # -- the run report -------------------------------------------------------------------------------
 
 
+class ReportNotWritten(ValueError):
+    """The report's page or plots could not be written where they go (a read-only run directory): one line."""
+
+
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write ``RUN_DIR/report.html`` and ``RUN_DIR/plots/*.png``; return the page's path.
 
@@ -222,11 +226,15 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         out, folder = run.path / "report.html", run.path / "plots"
     else:
         out = Path(out) if Path(out).suffix.lower() in (".html", ".htm") and not Path(out).is_dir() else Path(out) / "report.html"
-        out.parent.mkdir(parents=True, exist_ok=True)
         folder = out.parent / f"{out.stem}_plots"
-    paths = write_plots(plots, folder, RUN_PLOT_NAMES)
-    files = {k: str(p.relative_to(out.parent)) for k, p in paths.items()}
-    atomic_write(out, render_report(run, plots, files), fsync=False)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        paths = write_plots(plots, folder, RUN_PLOT_NAMES)
+        atomic_write(out, render_report(run, plots, {k: str(p.relative_to(out.parent)) for k, p in paths.items()}),
+                     fsync=False)
+    except OSError as err:  # (a read-only run directory: a traceback before)
+        raise ReportNotWritten(f"report: {str(out.parent)!r} cannot be written ({err.strerror or err}: "
+                               f"{err.filename or err.filename2 or out})") from err
     for where in attach_report(run.path, out):
         console.say(f"{out.name} attached to the {where}")
     return out
