@@ -1001,7 +1001,7 @@ def test_without_an_older_state_a_window_reaching_rarely_trained_coordinates_is_
 
 
 @pytest.mark.parametrize("bad", [(153, 157), (147, 153, 157)])
-def test_a_spike_rollback_also_drops_the_samples_its_diagnosis_named(tmp_path, bad):
+def test_a_spike_rollback_also_drops_the_samples_its_diagnosis_named(tmp_path, bad, capsys):
     """guard.on_spike=rollback on outlier samples that come back every epoch (in other windows): skipping the spike's
     window alone met them again each epoch until guard.max_rollbacks stopped the run; the samples the diagnosis named
     (and verified) are dropped too, so one rollback suffices, and a resume keeps them dropped. A burst over two windows
@@ -1022,6 +1022,10 @@ def test_a_spike_rollback_also_drops_the_samples_its_diagnosis_named(tmp_path, b
                                                            "share": pytest.approx(1, abs=0.1)}]
         assert set(rollbacks[0]["dropped_samples"]) == set(bad) and "the burst's step 20: samples 153, 157 carry" in (
             incident["diagnosis"]["evidence"])
+        # the console's line for step 20 said only 'not captured': the capture weighed it (a new user's trial)
+        assert ("1 more loss spike in the interval to step 20, at step 20 (" in (out := capsys.readouterr().out) and
+                "not captured (one capture per interval; events.jsonl); step 19's capture weighed its burst: step 20's "
+                "samples 153, 157 carry 100% of its loss (verified)" in out), out
     assert "which the diagnosis named" in rollbacks[0]["reason"]
     assert trainer.step == 70 and trainer.state.stop_reason is None
     assert not [e for e in events if e["kind"] == "spike" and e["step"] > 20]  # step 52 (epoch 2) met them no more

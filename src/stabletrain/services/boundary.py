@@ -149,9 +149,13 @@ class IntervalBoundary:
             more = "more " if anomaly == "spike" else ""
             why = held or ("one capture per interval" if anomaly == "spike"
                            else f"the interval's capture is step {step}'s, non-finite")
+            burst = {b["step"]: b for b in diagnosis.get("burst_samples") or [] if isinstance(b, dict)}  # (weighed by it)
+            told = ", ".join(f"step {t}'s samples {', '.join(map(str, burst[t]['samples'][:6]))} carry "
+                             f"{burst[t]['share']:.0%} of its loss" for t in others[:6] if t in burst)
             console.say(f"{len(others)} {more}loss spike{'s' if len(others) > 1 else ''} in the interval to step "
                         f"{rows[-1].step}, at step{'s' if len(others) > 1 else ''} {shown}"
-                        f"{' ...' if len(others) > 6 else ''}: not captured ({why}; events.jsonl)")
+                        f"{' ...' if len(others) > 6 else ''}: not captured ({why}; events.jsonl)"
+                        + (f"; step {step}'s capture weighed its burst: {told} (verified)" if told else ""))
         bad = [t for t in decision.bad_steps if t != step]
         if bad and self.state.dist.is_main and self.state.run is not None:  # (the skip events alone said nothing)
             shown = ", ".join(map(str, bad[:6])) + (" ..." if len(bad) > 6 else "")
