@@ -21,6 +21,21 @@ def test_rank_shards_tile_the_single_process_batches():
     assert EpochOrder(50, 8, seed=4).micro_batches(0) != one.micro_batches(0)
 
 
+def test_an_epoch_tail_shorter_than_the_ranks_is_dropped_and_said_once_by_rank_0(capsys):
+    """65 samples, 2 ranks of batch 4: the last sample cannot go to every rank and is not trained on (one process
+    would); a new user's DDP run lost it every epoch without a word. Rank 0 says it, once a run."""
+    ranks = [EpochOrder(65, batch_size=4, seed=0, rank=r, world_size=2) for r in range(2)]
+    for epoch in range(2):
+        parts = [r.micro_batches(epoch) for r in ranks]
+        assert sum(len(b) for p in parts for b in p) == 64 and len(parts[0]) == 8
+    err = capsys.readouterr().err
+    assert err == ("stabletrain: warning: data: the last 1 sample(s) of epoch 0 are not trained on: fewer than the 2 ranks, "
+                   "each of which needs one (so at the end of every epoch whose tail is that short; one process would "
+                   "train on them)\n"), err
+    EpochOrder(67, batch_size=4, seed=0, rank=0, world_size=2).micro_batches(0)  # 3 left: split 1 / 2, none dropped
+    assert capsys.readouterr().err == ""
+
+
 def test_windows_stay_in_the_epoch_and_resume_exactly():
     data = TensorDataset(torch.arange(30).float())
     order = EpochOrder(30, batch_size=4, seed=0)  # 8 micro-batches per epoch (last has 2 samples)

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 
+from . import console
 from .internals import tree_map
 from .seeding import kept_rng, seed_worker
 
@@ -95,6 +96,7 @@ class EpochOrder:
         self.global_batch = batch_size * world_size
         self.batches_per_epoch = math.ceil(num_samples / self.global_batch)
         self._kept: tuple[int, np.ndarray] | None = None  # the last epoch's order (a permutation is O(samples))
+        self._said_tail = False
 
     def order(self, epoch: int) -> np.ndarray:
         """Return the sample order of ``epoch``: a pure function of (seed, epoch), computed on the host (the last
@@ -111,8 +113,13 @@ class EpochOrder:
         out = []
         for b in range(math.ceil(len(order) / self.global_batch)):
             chunk = order[b * self.global_batch:(b + 1) * self.global_batch]
-            if len(chunk) < self.world_size:
-                break  # too few samples left for every rank to get one: dropped (at most W-1 per epoch)
+            if len(chunk) < self.world_size:  # too few samples left for every rank to get one: dropped (at most W-1 per epoch)
+                if self.rank == 0 and not self._said_tail:  # (said once: a new user's DDP run lost its tail without a word)
+                    self._said_tail = True
+                    console.warn(f"data: the last {len(chunk)} sample(s) of epoch {epoch} are not trained on: fewer than the "
+                                 f"{self.world_size} ranks, each of which needs one (so at the end of every epoch whose tail "
+                                 "is that short; one process would train on them)")
+                break
             out.append(self._share(chunk, self.rank).tolist())
         return out
 
