@@ -87,3 +87,27 @@ def test_a_death_once_the_restarts_are_used_up_is_said_in_one_line_and_recorded(
                             f"when {who} (pid {killed[1]}) was killed by SIGKILL") for t in texts), texts
     assert not any("killed?" in t for t in texts), texts
     assert not wait_gone(killed)
+
+
+@pytest.mark.parametrize("ddp", [False, True], ids=["one process", "ddp"])
+def test_a_stop_asked_for_in_the_start_up_is_a_stop_not_a_death_to_restart(tmp_path, ddp):
+    """A new user's SIGTERM 2 s into a dist.nproc=2 launch: its ranks, still importing (no handler of theirs yet), died
+    of it, and the agent said 'rank 0 (pid N) was killed by SIGTERM; not restarted' (with run.max_restarts, a death it
+    would restart after). The launcher passed the stop on: it is said as one, exit 128 + 15, and nothing restarts."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "stabletrain", "train", *ARGS, *(["dist.nproc=2"] if ddp else []),
+                             f"run.dir={run_dir}"], env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _trainer(proc.pid, ddp)  # the process(es) that will train, just started: importing, no handler of theirs yet
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    said = [x for x in err.splitlines() if x.startswith("stabletrain: stopped by")]
+    whose = "the ranks' start-up, before their" if ddp else "the run's start-up, before its"
+    assert said == [f"stabletrain: stopped by SIGTERM in {whose} first step"], err[-3000:]
+    assert "killed by" not in err and "restart 1 of" not in out + err, err[-3000:]
+    assert not [e for e in _events(run_dir) if e["kind"] == "restart"]
+    assert not wait_gone(children(proc.pid))

@@ -2,7 +2,7 @@
 
 Torch's deterministic algorithms are :func:`stabletrain.seeding.deterministic_mode` (``deterministic``);
 the garbage collector's frozen generation is :func:`gc_frozen` (``train.gc_freeze``). What Linux says of a
-process (its state, parent, start time) is :func:`stat_fields`.
+process (its state, parent, start time) is :func:`stat_fields`; its children, :func:`children`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import gc
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["gc_frozen", "stat_fields"]
+__all__ = ["gc_frozen", "stat_fields", "parent_pid", "children"]
 
 
 def stat_fields(pid: int) -> list[str] | None:
@@ -22,6 +22,18 @@ def stat_fields(pid: int) -> list[str] | None:
         return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of process ``pid`` (``/proc``), or None."""
+    fields = stat_fields(pid)
+    return int(fields[1]) if fields is not None else None
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (``/proc``; empty where there is none)."""
+    procs = Path("/proc").glob("[0-9]*") if Path("/proc").is_dir() else []
+    return [int(e.name) for e in procs if parent_pid(int(e.name)) == pid]
 
 
 @contextlib.contextmanager

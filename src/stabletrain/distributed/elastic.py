@@ -34,7 +34,7 @@ from typing import Any
 
 from .. import console
 from ..internals import InternalMissing, end_restarts, restarting_agent, restarts_left, use_elastic_agent
-from ..records.launches import noted_run_dir, reached_training
+from ..records.launches import asked_stop, noted_run_dir, reached_training
 from .launch import (
     EXIT_GAVE_UP,
     EXIT_NO_UPDATE,
@@ -66,8 +66,10 @@ def agent_class() -> type:
 
     def failed(agent: Any, max_restarts: int, failures: dict[int, Any]) -> None:
         nonlocal restarts_seen, quick, started
-        if any(f.exitcode in FINAL_EXITS for f in failures.values()):
-            end_restarts(agent)  # the run refused: restarting would meet the same refusal
+        note = os.environ.get(RUN_DIR_NOTE_ENV)  # (the launcher's: where rank 0 names the run directory)
+        if any(f.exitcode in FINAL_EXITS or f.exitcode == -(asked_stop(Path(note) if note else None) or 0)
+               for f in failures.values()):
+            end_restarts(agent)  # the run refused (restarting would meet the same refusal), or the stop asked for
             return
         if restarts_left(agent) <= 0:
             return
@@ -78,7 +80,6 @@ def agent_class() -> type:
             by="torchrun (stabletrain.distributed.elastic)", when=time.time(),
             last_line=_message(first), peer_line=_peer_line(failures, rank)))
         os.environ.pop(LAUNCH_START_ENV, None)  # the restarted ranks' launch starts with them
-        note = os.environ.get(RUN_DIR_NOTE_ENV)  # (the launcher's: where rank 0 names the run directory)
         quick = quick_deaths(quick, time.time() - started, restarted=restarts_seen > 1,
                              trained=reached_training(noted_run_dir(Path(note) if note else None), started))
         time.sleep(restart_backoff_s(quick))
@@ -136,6 +137,10 @@ def main(argv: list[str] | None = None) -> None:
     except ChildFailedError as err:
         final = told_exit(err)
         failures = getattr(err, "failures", None) or {}
+        asked = asked_stop(note)  # the launcher passed a stop on: ranks in their start-up died of it (no handler yet)
+        if final is None and asked is not None and any(f.exitcode == -asked for f in failures.values()):
+            console.say(f"stopped by {signal.Signals(asked).name} in the ranks' start-up, before their first step", sys.stderr)
+            sys.exit(128 + asked)
         if final is None and failures and not any(f.exitcode in FINAL_EXITS for f in failures.values()):
             rank, first = min(failures.items(), key=lambda item: _secondary(item[1]))  # the restarts are used up
             final = restarts_used_up(death_record(

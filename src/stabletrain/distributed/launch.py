@@ -36,8 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..process import stat_fields
-from ..records.launches import as_parent, noted_run_dir, reached_training
+from ..process import children, parent_pid, stat_fields
+from ..records.launches import as_parent, noted_run_dir, reached_training, stop_note
 
 __all__ = ["launch", "supervise", "die_with_parent", "LAUNCHER_ENV", "LAUNCH_MARK_ENV", "RESTART_ENV", "LAUNCH_START_ENV",
            "SUPERVISED_ENV", "EXIT_GAVE_UP", "EXIT_NO_UPDATE", "EXIT_STALLED", "FINAL_EXITS", "death_record", "describe_exit",
@@ -119,11 +119,6 @@ def quick_deaths(quick: int, lived_s: float, *, restarted: bool, trained: bool =
     return quick + 1 if restarted and lived_s < QUICK_DEATH_S and not trained else 0
 
 
-def _ppid_of(pid: int) -> int | None:
-    fields = stat_fields(pid)
-    return int(fields[1]) if fields is not None else None
-
-
 def die_with_parent(parent: int | None = None, grandparent: int | None = None) -> bool:
     """Have the kernel SIGKILL this process when its parent exits (Linux ``PR_SET_PDEATHSIG``); return whether armed.
 
@@ -139,7 +134,7 @@ def die_with_parent(parent: int | None = None, grandparent: int | None = None) -
     if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
         return False
     now = os.getppid()  # read after arming: a parent that exits from here on signals
-    if now == 1 or (parent is not None and now != parent) or (grandparent is not None and _ppid_of(now) != grandparent):
+    if now == 1 or (parent is not None and now != parent) or (grandparent is not None and parent_pid(now) != grandparent):
         os.kill(os.getpid(), signal.SIGKILL)  # orphaned already: go as the parent's death would have made us
     return True
 
@@ -273,7 +268,7 @@ def sweep_orphans(launcher: int) -> list[int]:
     """SIGKILL what a launch left behind: processes that carry its mark (:data:`LAUNCH_MARK_ENV` = ``launcher``) and are no
     longer under it (a killed rank's DCP checkpoint process and its resource tracker, reparented, holding the console's
     pipe). Returns their pids. ``/proc`` only (Linux); a process whose environment cannot be read is not ours."""
-    parents = {int(e.name): _ppid_of(int(e.name)) for e in (Path("/proc").glob("[0-9]*") if Path("/proc").is_dir() else [])}
+    parents = {int(e.name): parent_pid(int(e.name)) for e in (Path("/proc").glob("[0-9]*") if Path("/proc").is_dir() else [])}
     tree = {launcher}
     while more := {p for p, pp in parents.items() if pp in tree} - tree:  # the launcher's descendants
         tree |= more
@@ -343,6 +338,7 @@ def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
 
     def forward(signum: int, frame: Any) -> None:
         sent.append(signum)
+        stop_note(note).write_text(str(signum))  # (for the agent: ranks in their start-up die of it, asked for)
         if deliver(signum):  # the ranks
             return
         if seen[0]:
@@ -372,6 +368,7 @@ def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
         sweep_orphans(launcher)
         run_dir = note.read_text(encoding="utf-8").strip() if note.is_file() else ""
         note.unlink(missing_ok=True)
+        stop_note(note).unlink(missing_ok=True)
     from .. import console
 
     if code < 0 and -code in sent:  # the stop asked for where no rank was running to take it
@@ -394,11 +391,6 @@ def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
 POLL_S = 0.5
 #: A stop asked for after the ranks ended is held this long for the agent to end by itself (a finished run), then sent.
 GRACE_S = 3.0
-
-
-def children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (``/proc``; empty where there is none)."""
-    return [int(e.name) for e in (Path("/proc").glob("[0-9]*") if Path("/proc").is_dir() else []) if _ppid_of(int(e.name)) == pid]
 
 
 #: How a restarted child starts its output (its restart's own line, its resume's): not the last line a death quotes.
@@ -478,6 +470,11 @@ def supervise(argv: list[str], *, max_restarts: int) -> int:
             ended = time.time()
             for tee in tees:  # a grandchild (a DataLoader worker) may hold the pipes a moment longer
                 tee.join(timeout=5)
+            if code < 0 and -code in stopping:  # the stop asked for, taken by a child still in its start-up
+                from .. import console
+
+                console.say(f"stopped by {signal.Signals(-code).name} in the run's start-up, before its first step", sys.stderr)
+                return 128 - code
             if stopping or code in FINAL_EXITS:
                 return code
             if restart >= max_restarts:

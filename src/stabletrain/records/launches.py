@@ -13,7 +13,7 @@ from ..process import stat_fields
 
 __all__ = ["unfinished_note", "LAUNCH_FILE", "is_running", "refuse_if_running", "running_launch", "this_process",
            "started_over", "PARENT_ENV", "as_parent", "launch_parent", "LEDGER_FILE", "reached_training",
-           "noted_run_dir"]
+           "noted_run_dir", "stop_note", "asked_stop"]
 
 #: The run's goodput ledger (written by :mod:`stabletrain.callbacks.goodput_clock`): a ``launch`` line per launch.
 LEDGER_FILE = "goodput.jsonl"
@@ -125,3 +125,17 @@ def started_over(event: dict[str, Any]) -> bool:
     ``started_over``, or, in a run directory written before that field, no checkpoint at step 0."""
     return bool(event.get("started_over")) or ("started_over" not in event and event.get("checkpoint") is None
                                                 and event.get("step") == 0)
+
+
+def stop_note(note: Path) -> Path:
+    """Where a launcher writes the signal it passed on to its ranks (beside its run-dir note, ``note``): their agent
+    tells a rank that died of it in its start-up (before it takes signals) from a death, and restarts none."""
+    return note.with_name(note.name + ".stop")
+
+
+def asked_stop(note: Path | None) -> int | None:
+    """The signal :func:`stop_note` holds, or None (no stop asked for)."""
+    try:
+        return int(stop_note(note).read_text()) if note is not None else None
+    except (OSError, ValueError):
+        return None
