@@ -94,3 +94,17 @@ def fp16_hopeless_task():
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
     return Task(model=model, train_data=TensorDataset(x, torch.full((128, 1), 1e15)), name="fp16-hopeless",
                 loss=lambda m, b: nn.functional.mse_loss(m(b[0]).float(), b[1]))
+
+
+def meta_device_task():
+    """A model built on the meta device (no storage; a new user's case): train crashed in torch's copy to the device."""
+    task = regression_task()
+    task.model = torch.nn.Linear(8, 1, device="meta")
+    return task
+
+
+def frozen_model_task():
+    """Every parameter frozen: nothing to train (check's overfit showed torch's 'optimizer got an empty parameter list')."""
+    task = regression_task()
+    task.model.requires_grad_(False)
+    return task

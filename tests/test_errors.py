@@ -479,6 +479,31 @@ def test_check_on_a_task_that_breaks_its_contract_is_one_line_exit_2_as_train(tm
         "(__len__ and __getitem__), got Stream"], res.stderr
 
 
+@pytest.mark.parametrize("task, said", [
+    ("user_code_tasks:loss_not_scalar_task", "task loss (defined at "),
+    ("broken_tasks:meta_device_task", "task 'broken_tasks:meta_device_task': the model has 2 parameter(s) or buffer(s) on "
+                                      "the meta device ('weight', 'bias'), which hold no values to train: materialize"),
+    ("broken_tasks:frozen_model_task", "task 'broken_tasks:frozen_model_task': the model has no trainable parameters")])
+def test_check_and_train_refuse_a_broken_loss_or_a_model_with_nothing_to_train_in_one_line(tmp_path, cli, task, said):
+    """A new user's trial: `check` failed all 8 checks, each with the same LossContractError (or torch's 'optimizer got
+    an empty parameter list') and stabletrain's frames, exit 1, where train said one line, exit 2; a model on the meta
+    device crashed train with torch's 'Cannot copy out of meta tensor'. One line, exit 2, in both."""
+    for args in (["check"], ["train", "train.max_steps=2", f"run.dir={tmp_path / 'run'}", "log.progress=false"]):
+        res = cli(*args, f"task={task}", cwd=tmp_path)
+        assert res.returncode == 2 and "FAIL" not in res.stdout, res.stdout + res.stderr
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"stabletrain: error: {said}"), res.stderr
+
+
+def test_check_on_a_device_this_machine_lacks_is_one_line_not_every_checks_failure(tmp_path, cli):
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    res = cli("check", "overfit", "task=mlp", "device=cuda", cwd=tmp_path)
+    assert res.returncode == 2 and res.stderr.strip().splitlines() == [
+        "stabletrain: error: config key 'device': 'cuda' asked for, but CUDA is not available on this machine; use "
+        "device=cpu or auto"], res.stdout + res.stderr
+
+
 class _Stream(torch.utils.data.IterableDataset):
     def __iter__(self):
         yield from ((torch.randn(4), torch.randn(1)) for _ in range(8))

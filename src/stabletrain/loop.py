@@ -66,16 +66,14 @@ class Trainer:
                  resume: bool = False, callbacks: Sequence[Callback] = ()) -> None:
         cfg = cfg.validate()
         seed_everything(cfg.seed)
-        task = check_task(task) if task is not None else resolve_task(cfg.task, cfg.task_args)
+        given, task = task, check_task(task) if task is not None else resolve_task(cfg.task, cfg.task_args)
         check_val_data(task)
-        check_materialized(task.model, task.name)  # lazy parameters: the optimizer could not hold them
+        check_materialized(task.model, cfg.task if given is None else task.name)  # lazy, meta or frozen: nothing to train
         fingerprint = InitFingerprint.take(task.model) if not resume else None  # before anything can touch it
         dist, device = DistContext.current(), resolve_device(cfg.device)
         if dist.enabled and device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())  # cuda:LOCAL_RANK (process_group set it)
         module = task.model.to(device)
-        if not any(p.requires_grad for p in module.parameters()):
-            raise ValueError(f"task {cfg.task!r}: the model has no trainable parameters")
         strategy = strategy_for(cfg, dist, device)
         parts, fingerprint = strategy.wrap(module, task, fingerprint)
         self.params, self.window = [p for _, p in parts.named_params], parts.window

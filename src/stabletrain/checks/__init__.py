@@ -98,6 +98,15 @@ class CheckContext:
             self.written.append(path)
         return path
 
+    def preflight(self) -> None:
+        """Refuse what train refuses before its first step, once (one line, exit 2), not in every check: a device this
+        machine lacks, a model with nothing to train (lazy or meta parameters, none trainable)."""
+        from ..policies.optim import check_materialized
+
+        assert self.device is not None  # (resolved: a device this machine lacks raises)
+        task = self.make_task()
+        check_materialized(task.model, self.cfg.task if self.task_factory is None else task.name)
+
     def make_task(self, seed: int | None = None) -> Task:
         """Return a freshly built task (new model with its init) after seeding every RNG."""
         from ..seeding import seed_everything
@@ -133,6 +142,8 @@ def register(name: str, order: int = 100, default: bool = True) -> Callable:
 
 def run_checks(ctx: CheckContext, names: list[str] | None = None) -> list[CheckResult]:
     """Run the named checks (default: every default check) in order; an exception fails that check."""
+    from ..policies.accumulation import LossContractError
+
     _load_builtin_checks()
     names = names or list(DEFAULT_CHECKS)
     require_known(names, CHECKS)
@@ -143,8 +154,8 @@ def run_checks(ctx: CheckContext, names: list[str] | None = None) -> list[CheckR
             t0 = time.perf_counter()
             try:
                 result = CHECKS[name](ctx)
-            except TaskError:  # the task breaks its contract (a dataset without __len__): one line, exit 2, as train says it
-                raise
+            except (TaskError, LossContractError):  # the task breaks its contract (a dataset without __len__, a loss
+                raise  # of the wrong shape): one line, exit 2, as train says it, not the same failure in every check
             except Exception as err:  # a check that crashes is a failed check, with the reason
                 result = _crashed(name, err, seen)
             result.seconds = round(time.perf_counter() - t0, 3)

@@ -101,11 +101,20 @@ _BUILD_FIRST = ("create every layer in the model's __init__, or run one forward 
 
 
 def check_materialized(model: nn.Module, task_name: str) -> None:
-    """Raise ValueError naming the model's uninitialized (lazy) parameters: no optimizer can hold them yet."""
+    """Raise ValueError naming the model's uninitialized (lazy) parameters, which no optimizer can hold yet, or those
+    on the meta device (no storage: torch's copy to the device failed with 'Cannot copy out of meta tensor'); and
+    for a model with no trainable parameter."""
     lazy = [n for n, p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
     if lazy:
         raise ValueError(f"task {task_name!r}: the model has {len(lazy)} uninitialized (lazy) parameter(s) "
                          f"({_listed(lazy)}), which the optimizer cannot hold before they exist: {_BUILD_FIRST}")
+    meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if meta:
+        raise ValueError(f"task {task_name!r}: the model has {len(meta)} parameter(s) or buffer(s) on the meta device "
+                         f"({_listed(meta)}), which hold no values to train: materialize them in the task (e.g. "
+                         "model.to_empty(device='cpu') then initialize them, or load a state dict with assign=True)")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(f"task {task_name!r}: the model has no trainable parameters")
 
 
 def check_optimizer_holds(model: nn.Module, optimizer: torch.optim.Optimizer, built_with: int, task_name: str) -> None:
