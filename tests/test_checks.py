@@ -51,6 +51,17 @@ def test_accum_check_passes_in_training_mode_with_dropout_switched_off_for_it():
     assert result.numbers["max_param_diff"] <= result.numbers["tolerance"]
 
 
+def test_accum_check_on_too_few_samples_for_a_short_tail_warns_that_its_pass_proves_little():
+    """A new user's 5 samples: micro-batches [1, 1, 1, 1], where the naive mean of means is the same as the window's
+    normalization for a per-sample loss: it read PASS, proving nothing. A WARN that says so; 20 samples keep a tail."""
+    (tiny,) = run_checks(CheckContext(cfg("train.batch_size=8"), task_factory=lambda: regression_task(n=5)), ["accum"])
+    assert tiny.passed and tiny.warning and tiny.numbers["naive_max_param_diff"] <= tiny.numbers["tolerance"]
+    assert any(d.startswith("the naive mean of means passes too (") and "micro-batches of sizes [1, 1, 1, 1]" in d
+               and "a dataset of 28 samples or more" in d for d in tiny.details), tiny.details
+    (small,) = run_checks(CheckContext(cfg("train.batch_size=8"), task_factory=lambda: regression_task(n=20)), ["accum"])
+    assert small.passed and not small.warning and "sizes [5, 5, 5, 2]" in small.summary, small.summary
+
+
 def test_overfit_check_names_a_parameter_that_never_gets_a_gradient_not_one_behind_a_zero_weight():
     def zero_out():
         task = regression_task()
