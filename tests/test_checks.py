@@ -57,9 +57,11 @@ def test_accum_check_on_too_few_samples_for_a_short_tail_warns_that_its_pass_pro
     (tiny,) = run_checks(CheckContext(cfg("train.batch_size=8"), task_factory=lambda: regression_task(n=5)), ["accum"])
     assert tiny.passed and tiny.warning and tiny.numbers["naive_max_param_diff"] <= tiny.numbers["tolerance"]
     assert any(d.startswith("the naive mean of means passes too (") and "micro-batches of sizes [1, 1, 1, 1]" in d
-               and "a dataset of 28 samples or more" in d for d in tiny.details), tiny.details
+               and "a dataset of 8 samples or more" in d for d in tiny.details), tiny.details
     (small,) = run_checks(CheckContext(cfg("train.batch_size=8"), task_factory=lambda: regression_task(n=20)), ["accum"])
     assert small.passed and not small.warning and "sizes [5, 5, 5, 2]" in small.summary, small.summary
+    (one,) = run_checks(CheckContext(cfg("train.batch_size=1"), task_factory=regression_task), ["accum"])
+    assert one.warning and any("train.batch_size=2 or more gives the check a short tail" in d for d in one.details)
 
 
 def test_overfit_check_names_a_parameter_that_never_gets_a_gradient_not_one_behind_a_zero_weight():

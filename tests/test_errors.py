@@ -495,6 +495,13 @@ def test_check_and_train_refuse_a_broken_loss_or_a_model_with_nothing_to_train_i
         assert len(lines) == 1 and lines[0].startswith(f"stabletrain: error: {said}"), res.stderr
 
 
+def test_a_check_name_that_is_none_is_said_before_the_task_is_built(tmp_path, cli):
+    """The task's module is imported (it may register checks of its own), its factory not called: a typo is said
+    even where the factory raises (a review: the preflight built the task first)."""
+    res = cli("check", "overfitt", "task=user_code_tasks:bad_factory_task", cwd=tmp_path)
+    assert res.returncode == 2 and res.stderr.startswith("stabletrain: error: unknown check 'overfitt'"), res.stderr
+
+
 def test_check_on_a_device_this_machine_lacks_is_one_line_not_every_checks_failure(tmp_path, cli):
     if torch.cuda.is_available():
         pytest.skip("needs a machine without CUDA")

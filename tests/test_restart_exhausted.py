@@ -106,8 +106,9 @@ def test_a_stop_asked_for_in_the_start_up_is_a_stop_not_a_death_to_restart(tmp_p
             proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     said = [x for x in err.splitlines() if x.startswith("stabletrain: stopped by")]
-    whose = "the ranks' start-up, before their" if ddp else "the run's start-up, before its"
-    assert said == [f"stabletrain: stopped by SIGTERM in {whose} first step"], err[-3000:]
+    whose = "the ranks' training loop (their start-up or end), where they" if ddp else ("the run's training loop (its "
+                                                                                        "start-up or its end), where it")
+    assert said == [f"stabletrain: stopped by SIGTERM outside {whose} cannot take a stop: not restarted"], err[-3000:]
     assert "killed by" not in err and "restart 1 of" not in out + err, err[-3000:]
     assert not [e for e in _events(run_dir) if e["kind"] == "restart"]
     assert not wait_gone(children(proc.pid))

@@ -98,12 +98,19 @@ class CheckContext:
             self.written.append(path)
         return path
 
-    def preflight(self) -> None:
-        """Refuse what train refuses before its first step, once (one line, exit 2), not in every check: a device this
-        machine lacks, a model with nothing to train (lazy or meta parameters, none trainable)."""
+    def preflight(self, names: list[str] | None = None) -> None:
+        """Refuse what train refuses before its first step, once (one line, exit 2), not in every check: a check ``names``
+        has not (the task's module imported first: it may register its own), a device this machine lacks, a model with
+        nothing to train (lazy or meta parameters, none trainable)."""
         from ..policies.optim import check_materialized
+        from ..tasks import task_factory
 
-        assert self.device is not None  # (resolved: a device this machine lacks raises)
+        if names:
+            _load_builtin_checks()
+            if self.task_factory is None:
+                task_factory(self.cfg.task)  # (imported, not called)
+            require_known(names, CHECKS)
+        _ = self.device  # (resolved: a device this machine lacks raises)
         task = self.make_task()
         check_materialized(task.model, self.cfg.task if self.task_factory is None else task.name)
 

@@ -177,9 +177,11 @@ def check_accum(ctx: CheckContext) -> CheckResult:
             off.append(f"functional dropout calls in one forward: {functional_calls}")
         details.append(f"dropout switched off for the comparison: {'; '.join(off)}")
     if undecided:
+        fix = ("train.batch_size=2 or more gives the check a short tail micro-batch" if b == 1 else
+               f"a dataset of {2 * k} samples or more gives the check a short tail micro-batch" if len(set(sizes)) == 1
+               else "the micro-batches' losses are too alike here to tell them apart")
         details.append(f"the naive mean of means passes too ({naive:.3g} <= tol): micro-batches of sizes {sizes} with this "
-                       "loss cannot tell the window's normalization from it, so this pass proves little; a dataset of "
-                       f"{b * (k - 1) + max(1, b // 2)} samples or more gives the check its short tail micro-batch")
+                       f"loss cannot tell the window's normalization from it, so this pass proves little; {fix}")
     if items_random:
         details.append("the dataset returns different items for the same index on two fetches (randomness in "
                        "__getitem__, an augmentation; whether a run draws it again the same is the determinism check's "

@@ -67,7 +67,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         check_folder(args.out_dir)
     options = {"compare": compare, "out_dir": args.out_dir}
     ctx = CheckContext(cfg, options=options)
-    ctx.preflight()  # (a device this machine lacks, a model with nothing to train: one line, not every check's failure)
+    ctx.preflight(names)  # (a device this machine lacks, a model with nothing to train: one line, not every check's)
     results = run_checks(ctx, names or None)
     print(to_json(results) if args.json else format_table(results))
     if ctx.written:  # stdout stays pure JSON under --json

@@ -67,8 +67,8 @@ def agent_class() -> type:
     def failed(agent: Any, max_restarts: int, failures: dict[int, Any]) -> None:
         nonlocal restarts_seen, quick, started
         note = os.environ.get(RUN_DIR_NOTE_ENV)  # (the launcher's: where rank 0 names the run directory)
-        if any(f.exitcode in FINAL_EXITS or f.exitcode == -(asked_stop(Path(note) if note else None) or 0)
-               for f in failures.values()):
+        asked = {-sig for sig in asked_stop(Path(note) if note else None)}
+        if any(f.exitcode in FINAL_EXITS or f.exitcode in asked for f in failures.values()):
             end_restarts(agent)  # the run refused (restarting would meet the same refusal), or the stop asked for
             return
         if restarts_left(agent) <= 0:
@@ -137,10 +137,11 @@ def main(argv: list[str] | None = None) -> None:
     except ChildFailedError as err:
         final = told_exit(err)
         failures = getattr(err, "failures", None) or {}
-        asked = asked_stop(note)  # the launcher passed a stop on: ranks in their start-up died of it (no handler yet)
-        if final is None and asked is not None and any(f.exitcode == -asked for f in failures.values()):
-            console.say(f"stopped by {signal.Signals(asked).name} in the ranks' start-up, before their first step", sys.stderr)
-            sys.exit(128 + asked)
+        asked = [-f.exitcode for f in failures.values() if -f.exitcode in asked_stop(note)]  # the launcher passed a stop
+        if final is None and asked:  # on: ranks outside their training loop (start-up, end) died of it, no handler there
+            console.say(f"stopped by {signal.Signals(asked[0]).name} outside the ranks' training loop (their start-up or "
+                        "end), where they cannot take a stop: not restarted", sys.stderr)
+            sys.exit(128 + asked[0])
         if final is None and failures and not any(f.exitcode in FINAL_EXITS for f in failures.values()):
             rank, first = min(failures.items(), key=lambda item: _secondary(item[1]))  # the restarts are used up
             final = restarts_used_up(death_record(

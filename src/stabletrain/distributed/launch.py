@@ -338,7 +338,8 @@ def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
 
     def forward(signum: int, frame: Any) -> None:
         sent.append(signum)
-        stop_note(note).write_text(str(signum))  # (for the agent: ranks in their start-up die of it, asked for)
+        with contextlib.suppress(OSError), stop_note(note).open("a") as fh:  # for the agent: ranks outside their loop
+            fh.write(f"{signum}\n")  # die of it, asked for (a full /tmp: the stop still goes on)
         if deliver(signum):  # the ranks
             return
         if seen[0]:
@@ -473,7 +474,8 @@ def supervise(argv: list[str], *, max_restarts: int) -> int:
             if code < 0 and -code in stopping:  # the stop asked for, taken by a child still in its start-up
                 from .. import console
 
-                console.say(f"stopped by {signal.Signals(-code).name} in the run's start-up, before its first step", sys.stderr)
+                console.say(f"stopped by {signal.Signals(-code).name} outside the run's training loop (its start-up or its "
+                            "end), where it cannot take a stop: not restarted", sys.stderr)
                 return 128 - code
             if stopping or code in FINAL_EXITS:
                 return code

@@ -241,10 +241,8 @@ class RunSession:
         return False
 
     def evaluation(self, val_loss: float) -> None:
-        """The host evaluated after this step: into this step's record if it was just written (a run's last), else the next."""
-        self.evaluated = {"val_loss": val_loss, "val_step": self.step}
-        if self.run is not None and self.run.amend_last_metrics(self.history, self.step, self.evaluated):
-            self.evaluated = {}
+        """The host evaluated after this step: in the next record (the last one's where none follows: :meth:`close`)."""
+        self.evaluated = {} if self.closed else {"val_loss": val_loss, "val_step": self.step}  # (after its fit: not ours)
 
     # -- at a log boundary (one host sync) ---------------------------------------------------------
 
@@ -282,6 +280,8 @@ class RunSession:
         try:
             if len(self.metrics) and (err is None or self.dist.world == 1):  # (a crash on one rank: no collective)
                 record = self.log()
+            elif self.evaluated:  # the host evaluated after the last record, which no record follows: into it
+                self.boundary.amend(self.evaluated)
         finally:
             if self.loss_watch is not None:
                 self.loss_watch.remove()

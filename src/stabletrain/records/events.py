@@ -88,6 +88,7 @@ METRIC_KEYS: dict[str, str] = {
     "top_update_layers": "the parameters with the largest update/weight ratio ||update|| / ||theta|| "
                          "at the interval's last step: [{name, ratio}]",
     "val_loss": "validation loss per item, every eval.every steps and at the end",
-    "val_step": "an adapter's: the step its host's evaluation (val_loss) measured, in the next interval's record",
+    "val_step": "an adapter's: the step its host's evaluation (val_loss) measured, in the next interval's record (the "
+                "run's last, where none follows)",
     "world_size": "processes training together (DDP runs only)",
 }

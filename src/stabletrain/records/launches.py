@@ -133,9 +133,9 @@ def stop_note(note: Path) -> Path:
     return note.with_name(note.name + ".stop")
 
 
-def asked_stop(note: Path | None) -> int | None:
-    """The signal :func:`stop_note` holds, or None (no stop asked for)."""
+def asked_stop(note: Path | None) -> set[int]:
+    """The signals :func:`stop_note` holds (empty: no stop asked for)."""
     try:
-        return int(stop_note(note).read_text()) if note is not None else None
+        return {int(x) for x in stop_note(note).read_text().split()} if note is not None else set()
     except (OSError, ValueError):
-        return None
+        return set()

@@ -145,12 +145,11 @@ class RunDir:
         self.metrics = JsonlWriter(path)
         return len(lines) - len(kept)
 
-    def amend_last_metrics(self, history: list[dict[str, Any]], step: int, fields: dict[str, Any]) -> bool:
-        """Add ``fields`` to step ``step``'s record where it is the last written (``history[-1]`` and metrics.jsonl's last
-        line: a host's evaluation right after a logged step, the run's last one too); return whether it did."""
+    def amend_last_metrics(self, step: int, fields: dict[str, Any]) -> bool:
+        """Add ``fields`` to metrics.jsonl's last line where it is step ``step``'s (a host's evaluation after the run's last
+        record, which no record follows to carry it); return whether it did."""
         path = self.path / "metrics.jsonl"
-        lines = path.read_text(encoding="utf-8").splitlines(keepends=True) if path.exists() and history and history[-1].get(
-            "step") == step else []
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True) if path.exists() else []
         try:
             last = json.loads(lines[-1]) if lines else None
         except ValueError:
@@ -158,9 +157,12 @@ class RunDir:
         if not isinstance(last, dict) or last.get("step") != step:
             return False
         self.metrics.close()
-        atomic_write(path, "".join(lines[:-1]) + json.dumps(json_safe({**last, **fields})) + "\n")
-        self.metrics = JsonlWriter(path)
-        history[-1].update(fields)
+        try:
+            atomic_write(path, "".join(lines[:-1]) + json.dumps(json_safe({**last, **fields})) + "\n")
+        except OSError:
+            return False
+        finally:
+            self.metrics = JsonlWriter(path)
         return True
 
     def write_config(self, cfg: Config) -> None:

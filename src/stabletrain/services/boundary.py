@@ -107,6 +107,16 @@ class IntervalBoundary:
         announce_precursor(state, self.precursor.observe(state.step, summary, param_sq, rows))
         return record, decision, rows, summary
 
+    def amend(self, fields: dict[str, Any]) -> None:
+        """Add ``fields`` to the last record where it is this step's (an adapter's host evaluated after the run's last
+        record, which no record follows to carry it): every rank's history, rank 0's metrics.jsonl (the sinks have
+        written it: not TensorBoard's or a tracker's)."""
+        state = self.state
+        if state.history and state.history[-1].get("step") == state.step:
+            state.history[-1].update(fields)
+            if state.run is not None:
+                state.run.amend_last_metrics(state.step, fields)
+
     def incident(self, decision: GuardDecision, rows: list[Any]) -> dict[str, Any] | None:
         """Capture the decision's first bad step (every rank); pin the decision to the update the replay found.
 
