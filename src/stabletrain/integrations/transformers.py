@@ -27,7 +27,7 @@ Then, per optimizer step::
                             incident capture and diagnosis, ``should_training_stop`` on "stop"
     on_log                  (the Trainer's own logging steps) the latest interval's figures added to its logs,
                             before its trackers (``report_to``) write them: our callback is moved before theirs
-    on_evaluate             its eval_loss: val_loss (at val_step) in its step's record, or the next one
+    on_evaluate             its eval_loss: val_loss (at val_step) in the next interval's record (the last's at the end)
     on_save                 our state in the checkpoint folder (``stabletrain_state.pt``); a Trainer resumed from
                             that checkpoint continues our step count, metrics and guard
 
