@@ -748,3 +748,59 @@ def test_a_rollback_drops_the_few_samples_an_op_incident_named(tmp_path):
     assert incident["diagnosis"]["failure_class"] == "op" and incident["diagnosis"]["bad_samples"] == [13]
     assert len(rollbacks) == 1 and rollbacks[0]["dropped_samples"] == [13], rollbacks
     assert trainer.step == 12 and trainer.state.stop_reason is None
+
+
+def test_a_skipped_steps_nan_input_does_not_leave_batchnorm_statistics_non_finite(tmp_path, capsys):
+    """A new user's BatchNorm MLP with one NaN input (sample 37: step 5 at batch 8): the step was skipped, but its forward
+    had written NaN into the running statistics; the validation loss was NaN for good and every checkpoint after it was
+    withheld ('model.bn.running_mean is not finite'), while the run reported a success. They are reset (and said)."""
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    task = nan_sample_task()
+    task.model = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
+    task.val_data = TensorDataset(*[t[:16].clone() for t in regression_task().train_data.tensors])
+    run_dir = tmp_path / "run"
+    trainer = Trainer(cfg("train.batch_size=8", "data.shuffle=false", "train.max_steps=10", "log.every=5", "ckpt.every=5",
+                          "eval.every=10", "capture.incidents=false"), task=task, run_dir=run_dir)
+    trainer.fit()
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    (reset,) = [e for e in events if e["kind"] == "buffers_reset"]
+    assert (reset["step"], reset["buffers"], reset["kept"]) == (5, ["1"], []), reset
+    assert "the forward of skipped step 5 left non-finite running statistics in 1: reset" in capsys.readouterr().err
+    bn = trainer.module[1]
+    assert bool(bn.running_mean.isfinite().all()) and bool(bn.running_var.isfinite().all())
+    assert math.isfinite(trainer.history[-1]["val_loss"])
+    assert (run_dir / "checkpoints" / "LAST_GOOD").read_text().strip() == "step_000010"
+    assert not [e for e in events if e["kind"] == "checkpoint_withheld"], [e["reason"] for e in events]
+
+
+class _Tally(torch.nn.Module):
+    """Adds up its inputs into a buffer of its own (no running statistics to reset): a NaN input poisons it for good."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("total", torch.zeros(()))
+
+    def forward(self, x):
+        self.total += x.detach().sum()
+        return x
+
+
+def test_a_buffer_a_skipped_step_left_non_finite_is_said_and_so_is_each_withheld_checkpoint(tmp_path, capsys):
+    """A buffer stabletrain cannot reset (not running statistics) is left as it is, and said; the checkpoints then withheld
+    for it (every one after: 'model.0.total is not finite') were in events.jsonl only: the first is said on the console."""
+    from torch import nn
+
+    task = nan_sample_task()
+    task.model = nn.Sequential(_Tally(), nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+    run_dir = tmp_path / "run"
+    Trainer(cfg("train.batch_size=8", "data.shuffle=false", "train.max_steps=15", "log.every=5", "ckpt.every=5",
+                "capture.incidents=false"), task=task, run_dir=run_dir).fit()
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["kind"] == "skip"] == [5, 13]  # (sample 37 again in the second epoch)
+    (said,) = [e for e in events if e["kind"] == "buffers_reset"]  # (once: it stays non-finite)
+    assert (said["buffers"], said["kept"]) == ([], ["0"]) and "non-finite buffers in 0 after skipped step 5" in said["reason"]
+    assert [e["step"] for e in events if e["kind"] == "checkpoint_withheld"] == [5, 10, 15]
+    err = capsys.readouterr().err
+    assert err.count("withheld: model.0.total is not finite (NaN/Inf)") == 1 and err.count("non-finite buffers") == 1, err

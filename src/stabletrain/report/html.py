@@ -103,7 +103,7 @@ _SUPERSEDED = {"resume": "this stretch was trained again after a resume (the sam
 # stabletrain.records.events.EVENT_KINDS (a test checks); a kind unknown to this version is grey.
 KIND_COLORS: dict[str, tuple[str, str]] = {
     "skip": ("#fff3bf", "#8a5a00"),
-    "nonfinite": ("#ffe3e3", "#a61e4d"),
+    "nonfinite": ("#ffe3e3", "#a61e4d"), "buffers_reset": ("#ffe3e3", "#862e9c"),
     "spike": ("#f3d9fa", "#862e9c"),
     "precursor": ("#fff9db", "#862e9c"),
     "early_outlier": ("#f8f0fc", "#862e9c"),

@@ -53,6 +53,7 @@ class IntervalBoundary:
         self.first_losses: list[tuple[int, float]] = []  # the run's first losses (unjudged_outliers), and those said
         self.first_said: set[int] = set()
         self.small_spikes_said = False  # the line for a spike too small to capture: once
+        self.buffers_said: set[str] = set()  # the modules whose non-finite buffers were said (left as they are)
         self.spent_said = False  # the line for a spike after the run's captures are spent: once
         # The last captured burst of spikes: its first step, its last so far, its class, and whether its going on was said
         self.burst: dict[str, Any] | None = None
@@ -124,6 +125,8 @@ class IntervalBoundary:
         ``capture.max_spikes`` in a run): at most one capture per interval. Returns the incident's info for
         the caller (what ``on_incident`` got; ``anomaly``: "nonfinite" or "spike"), or None without one.
         """
+        if decision.bad_steps:
+            self._reset_statistics(decision.bad_steps[0])
         step, anomaly = decision.first_incident, "nonfinite"
         if step is None:
             step, anomaly = self._spike(decision, rows), "spike"
@@ -173,6 +176,32 @@ class IntervalBoundary:
             console.say(f"{len(bad)} more non-finite step{'s' if len(bad) > 1 else ''} in the interval to step "
                         f"{rows[-1].step}, at step{'s' if len(bad) > 1 else ''} {shown}: not captured ({said}; events.jsonl)")
         return info
+
+    def _reset_statistics(self, step: int) -> None:
+        """A skipped step's forward still ran: a NaN input wrote NaN into a BatchNorm's running statistics, which no skip
+        undoes (its validation loss NaN for good, and every checkpoint withheld: a new user's trial). Modules whose
+        running statistics are not finite get them reset (``reset_running_stats``: mean 0, var 1, re-estimated over the
+        next steps), the same on every rank; other non-finite buffers are said, not changed (their meaning is the model's)."""
+        named = [(n, m) for n, m in self.state.module.named_modules() if any(True for _ in m.buffers(recurse=False))]
+        bad = {n: m for n, m in named for b in m.buffers(recurse=False) if b.is_floating_point() and not bool(b.isfinite().all())}
+        if not bad:
+            return
+        resettable = {n or "(the model)": m for n, m in bad.items() if callable(getattr(m, "reset_running_stats", None))}
+        for module in resettable.values():
+            module.reset_running_stats()
+        reset, kept = list(resettable), [n or "(the model)" for n in bad if (n or "(the model)") not in resettable]
+        kept = [n for n in kept if n not in self.buffers_said]  # (one left non-finite stays so: said once)
+        self.buffers_said.update(kept)
+        if not (reset or kept):
+            return
+        text = (f"the forward of skipped step {step} left non-finite running statistics in {', '.join(reset[:6])}: reset "
+                "(mean 0, var 1; re-estimated over the next steps), else no checkpoint could be written again" if reset else "")
+        if kept:
+            text += ("; " if text else "") + (f"non-finite buffers in {', '.join(kept[:6])} after skipped step {step} (left as "
+                                              "they are: checkpoints are withheld while they are)")
+        self.state.event(step, "buffers_reset", text, buffers=reset, kept=kept)
+        if self.state.dist.is_main:
+            console.warn(text)
 
     def _spike(self, decision: GuardDecision, rows: list[Any]) -> int | None:
         """The interval's spike to capture (:func:`spike_to_capture`), or None (none, not asked for, the run's

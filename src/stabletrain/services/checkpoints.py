@@ -4,16 +4,15 @@ Storage (atomic write, verification, LAST_GOOD, pruning) is :class:`~stabletrain
 this callback decides when and from what state. Under DDP rank 0 picks the checkpoint to load and
 writes; every rank sends it its RNG state and data position.
 
-Saves run off the critical path (:meth:`CheckpointManager.save_async`): training waits only for the
-staging copy into shared memory; the writer process checks the copy's finiteness, writes, verifies,
-moves LAST_GOOD and prunes. At most one save is in flight. Until a writer runs, the first save (when
-small: :data:`INLINE_FIRST_BYTES`) and a save the loop waits for anyway are written in the loop's thread.
-What needs LAST_GOOD (a rollback, an incident
-replay from it, the run's last checkpoint, the end of the fit) waits for it first. A save's outcome
-(``checkpoint``, ``checkpoint_withheld`` from a non-finite copy, or ``checkpoint_failed`` when the write
-failed or the writer died) is handed to the loop by :meth:`CheckpointKeeper.finished` once it is known, so
-rank 0's main thread records the event, with what the save cost training (blocked, the writer's wall and
-CPU, the steps' time while it was written against before it).
+Saves run off the critical path (:meth:`CheckpointManager.save_async`): training waits only for the staging copy into
+shared memory; the writer process checks the copy's finiteness, writes, verifies, moves LAST_GOOD and prunes. At most
+one save is in flight. Until a writer runs, the first save (when small: :data:`INLINE_FIRST_BYTES`) and a save the
+loop waits for anyway are written in the loop's thread. What needs LAST_GOOD (a rollback, an incident replay from it,
+the run's last checkpoint, the end of the fit) waits for it first. A save's outcome (``checkpoint``,
+``checkpoint_withheld`` from a non-finite copy, or ``checkpoint_failed`` when the write failed or the writer died) is
+handed to the loop by :meth:`CheckpointKeeper.finished` once it is known, so rank 0's main thread records the event,
+with what the save cost training (blocked, the writer's wall and CPU, the steps' time while it was written against
+before it).
 
 The checkpoint's format is the strategy's (:meth:`~stabletrain.distributed.strategy.Strategy.save_checkpoint`):
 one whole state, or under FSDP with ``dist.checkpoint=sharded`` every rank's own shards through DCP beside
@@ -114,7 +113,8 @@ class CheckpointKeeper:
         self._costs = SaveCosts()  # each save's wall cost to the steps while it is written (its event's fields)
         self._marking = False  # from the first save on, each boundary marks its step (the saves' costs)
         self._saved = False  # a save was made: the next is not the first
-        self._asked = False  # (every rank alike) a save came (written or withheld): the next is not the first
+        # (every rank alike) a save came (written or withheld): the next is not the first; one withheld as non-finite, said
+        self._asked = self._said_withheld = False
         self.dropped_by_rollbacks: set[int] = set()  # samples a rollback's data diagnosis named: never trained on again
 
     # -- resume ---------------------------------------------------------------------------------
@@ -428,6 +428,9 @@ class CheckpointKeeper:
                     else "; training goes on (ckpt.max_failures=0)")
             where = "" if "LAST_GOOD" in info["reason"] else f"; LAST_GOOD stays at {good.name if good else 'none'}"
             console.warn(f"{info['reason']}{where} ({self.failures_in_a_row} failed in a row{stop})")
+        elif info["kind"] == "checkpoint_withheld" and "(NaN/Inf)" in info["reason"] and not self._said_withheld:
+            self._said_withheld = True  # (a state left non-finite: withheld was in events.jsonl only, a new user's trial)
+            console.warn(f"{info['reason']} (said once: each withheld save is in events.jsonl)")
 
     def check_failures(self) -> None:
         """Raise CheckpointError on every rank once ``ckpt.max_failures`` saves in a row have failed (0: never).
