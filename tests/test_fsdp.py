@@ -61,6 +61,17 @@ def test_fsdp_on_one_process_trains_as_plain_one_process():
         assert torch.equal(p, q), name
 
 
+def test_running_statistics_under_fsdp_are_said_to_be_each_ranks_own():
+    """A new user's BatchNorm model under FSDP resumed 5e-3 off (each rank's statistics its own, one rank's saved),
+    unsaid: the strategy says it at the start; a model without them hears nothing."""
+    from stabletrain.distributed.fsdp import running_stats_note
+
+    bn = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+    assert running_stats_note(bn).startswith("dist.strategy=fsdp: the running statistics of 1 are each rank's own")
+    assert running_stats_note(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8))) is None
+    assert running_stats_note(torch.nn.BatchNorm1d(8, track_running_stats=False)) is None
+
+
 def test_sharded_numerics_on_plain_tensors_equal_the_local_ones():
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(2))]

@@ -57,6 +57,7 @@ __all__ = [
     "load_full_state_dicts",
     "load_local_state_dicts",
     "local_state_dicts",
+    "running_stats_note",
     "shard_model",
 ]
 
@@ -416,3 +417,15 @@ def load_full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, na
     names = _param_order(optimizer, named_params)
     set_optimizer_state_dict(model, optimizer, _rekey(optim_state, names.__getitem__),
                              options=_options(broadcast_from_rank0=True))
+
+
+def running_stats_note(module: nn.Module) -> str | None:
+    """What a run under FSDP is told of ``module``'s running statistics (BatchNorm's), or None where it keeps none: each
+    rank's are its own (FSDP2 does not sync buffers), so a checkpoint holds one rank's."""
+    stats = [n for n, m in module.named_modules() if getattr(m, "track_running_stats", False)]
+    if not stats:
+        return None
+    return (f"dist.strategy=fsdp: the running statistics of {', '.join(stats[:3])}{' ...' * (len(stats) > 3)} are each "
+            "rank's own (FSDP does not sync buffers; DDP keeps rank 0's on every rank): a checkpoint holds one rank's, so "
+            "a resume is not exact for them and evaluation differs by rank; GroupNorm or LayerNorm keeps no running "
+            "statistics")

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .. import console
 from ..internals import eager_module
 from ..numerics import unique_params
 from ..policies.accumulation import AccumulationWindow, sums_safe
@@ -287,12 +288,15 @@ class FSDPStrategy(Strategy):
 
     def _wrap(self, module: nn.Module, task: Any, fingerprint: Any) -> tuple[Parts, Any]:
         from .carrier import WindowCarrier
-        from .fsdp import ShardedNumerics, ShardedPrecision, ShardedWindow, shard_model
+        from .fsdp import ShardedNumerics, ShardedPrecision, ShardedWindow, running_stats_note, shard_model
 
         precision = ShardedPrecision(self.cfg.precision, self.device)  # fp16: every rank agrees on an overflow
         if fingerprint is not None:  # the init watch compares plain tensors: compare now, before sharding
             changes = fingerprint.compare(module)
             fingerprint = SimpleNamespace(compare=lambda m: changes)
+        note = running_stats_note(module)  # (a new user's BatchNorm model: its resume was off by 5e-3, unsaid)
+        if note is not None and self.dist.is_main:
+            console.warn(note)
         shard_model(module, task.blocks, reshard_after_forward=self.cfg.dist.reshard_after_forward, precision=precision.mode)
         named = unique_params(module)  # the same names, now DTensor shards
         params = [p for _, p in named]
