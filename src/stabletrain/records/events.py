@@ -92,5 +92,5 @@ METRIC_KEYS: dict[str, str] = {
     "val_loss": "validation loss per item, every eval.every steps and at the end",
     "val_step": "an adapter's: the step its host's evaluation (val_loss) measured, in the next interval's record (the "
                 "run's last, where none follows)",
-    "world_size": "processes training together (DDP runs only)",
+    "world_size": "processes training together (DDP and FSDP runs only)",
 }
