@@ -128,8 +128,8 @@ def loss_at_init(first: float, probe: tuple[float, float, int] | None, exploding
                          "first; no layer's init corrects a scale the data brings"), True
     if exploding is not None:  # (scaling the head down leaves the layers before it exploding)
         return numbers, (f"{head}: the output starts confidently wrong, its std {std:.3g} at step 0, because the forward "
-                         f"explodes before it ({exploding}): fix the init of the layers before it (the verdicts above), not the "
-                         "output layer alone"), True
+                         f"explodes before it ({exploding}): fix what makes it explode there (each layer's std is in the "
+                         "step-0 report), not the output layer alone"), True
     return numbers, (f"{head}: the output starts confidently wrong, its std {std:.3g} at step 0. Scale the output layer's "
                      "init down (std ~0.02, or zero-init it); a head tied to an embedding of std 1 gives logits of std "
                      "~sqrt(width): init the embedding at std ~0.02"), True
