@@ -14,6 +14,7 @@ decision, an adapter stops its host or warns.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -53,7 +54,6 @@ class IntervalBoundary:
         self.first_losses: list[tuple[int, float]] = []  # the run's first losses (unjudged_outliers), and those said
         self.first_said: set[int] = set()
         self.small_spikes_said = False  # the line for a spike too small to capture: once
-        self.buffers_said: set[str] = set()  # the modules whose non-finite buffers were said (left as they are)
         self.spent_said = False  # the line for a spike after the run's captures are spent: once
         # The last captured burst of spikes: its first step, its last so far, its class, and whether its going on was said
         self.burst: dict[str, Any] | None = None
@@ -125,8 +125,10 @@ class IntervalBoundary:
         ``capture.max_spikes`` in a run): at most one capture per interval. Returns the incident's info for
         the caller (what ``on_incident`` got; ``anomaly``: "nonfinite" or "spike"), or None without one.
         """
-        if decision.bad_steps:
-            self._reset_statistics(decision.bad_steps[0])
+        skipped = decision.bad_steps or [r.step for r in rows if r.values["applied"] < 0.5  # (an fp16 forward overflow's
+                                         and not math.isfinite(r.values["loss"])]  # too: a routine overflow, not bad_steps)
+        if skipped and self.guard.enforce:  # (an adapter's on_nonfinite='warn': the host applied it, nothing is skipped)
+            self._reset_statistics(skipped[0])
         step, anomaly = decision.first_incident, "nonfinite"
         if step is None:
             step, anomaly = self._spike(decision, rows), "spike"
@@ -178,28 +180,22 @@ class IntervalBoundary:
         return info
 
     def _reset_statistics(self, step: int) -> None:
-        """A skipped step's forward still ran: a NaN input wrote NaN into a BatchNorm's running statistics, which no skip
-        undoes (its validation loss NaN for good, and every checkpoint withheld: a new user's trial). Modules whose
-        running statistics are not finite get them reset (``reset_running_stats``: mean 0, var 1, re-estimated over the
-        next steps), the same on every rank; other non-finite buffers are said, not changed (their meaning is the model's)."""
-        named = [(n, m) for n, m in self.state.module.named_modules() if any(True for _ in m.buffers(recurse=False))]
-        bad = {n: m for n, m in named for b in m.buffers(recurse=False) if b.is_floating_point() and not bool(b.isfinite().all())}
+        """A skipped step's forward still ran: a NaN input (or an fp16 forward overflow) wrote NaN into a BatchNorm's
+        running statistics, which no skip undoes (its validation loss NaN for good, and every checkpoint withheld: a new
+        user's trial). Modules with running statistics (``track_running_stats``) that are not finite get them reset
+        (``reset_running_stats``: mean 0, var 1, re-estimated over the next steps), the same on every rank. Other buffers
+        are the model's own (a causal mask of -inf): never judged here."""
+        bad = [n or "(the model)" for n, m in self.state.module.named_modules()
+               if getattr(m, "track_running_stats", False) and callable(getattr(m, "reset_running_stats", None))
+               and any(b.is_floating_point() and not bool(b.isfinite().all()) for b in m.buffers(recurse=False))]
         if not bad:
             return
-        resettable = {n or "(the model)": m for n, m in bad.items() if callable(getattr(m, "reset_running_stats", None))}
-        for module in resettable.values():
-            module.reset_running_stats()
-        reset, kept = list(resettable), [n or "(the model)" for n in bad if (n or "(the model)") not in resettable]
-        kept = [n for n in kept if n not in self.buffers_said]  # (one left non-finite stays so: said once)
-        self.buffers_said.update(kept)
-        if not (reset or kept):
-            return
-        text = (f"the forward of skipped step {step} left non-finite running statistics in {', '.join(reset[:6])}: reset "
-                "(mean 0, var 1; re-estimated over the next steps), else no checkpoint could be written again" if reset else "")
-        if kept:
-            text += ("; " if text else "") + (f"non-finite buffers in {', '.join(kept[:6])} after skipped step {step} (left as "
-                                              "they are: checkpoints are withheld while they are)")
-        self.state.event(step, "buffers_reset", text, buffers=reset, kept=kept)
+        modules = dict(self.state.module.named_modules())
+        for name in bad:
+            modules["" if name == "(the model)" else name].reset_running_stats()
+        text = (f"the forward of skipped step {step} left non-finite running statistics in {', '.join(bad[:6])}: reset "
+                "(mean 0, var 1; re-estimated over the next steps), else no checkpoint could be written again")
+        self.state.event(step, "buffers_reset", text, buffers=bad)
         if self.state.dist.is_main:
             console.warn(text)
 

@@ -114,7 +114,7 @@ class CheckpointKeeper:
         self._marking = False  # from the first save on, each boundary marks its step (the saves' costs)
         self._saved = False  # a save was made: the next is not the first
         # (every rank alike) a save came (written or withheld): the next is not the first; one withheld as non-finite, said
-        self._asked = self._said_withheld = False
+        self._asked, self._said_withheld = False, not state.dist.is_main  # (rank 0 says it)
         self.dropped_by_rollbacks: set[int] = set()  # samples a rollback's data diagnosis named: never trained on again
 
     # -- resume ---------------------------------------------------------------------------------
