@@ -56,6 +56,14 @@ def test_growth_says_the_factor_per_step_and_since_when():
     # a non-finite step the run recovered from (the next interval finite): its interval's value keeps its own step
     recovered = growth([*diverged[:2], {**diverged[2], "num_nonfinite": 1}, {"step": 25, "loss": 49.0 * 361 ** 7}], 36)
     assert (recovered["since_step"], recovered["until_step"]) == (10, 25)
+    # steps whose grad norm overflowed but whose loss is finite (a new user's SGD divergence: losses of 3e35 at steps
+    # 17-20, each a non-finite step) are in the loss's mean: with loss_steps saying so, it is dated to the row's step
+    # (it read '1.55 -> 3.12e+35 by step 16', x7.65e5 per step, where step 16's loss was 3.03e7)
+    finite_losses = [*diverged[:2], {**diverged[2], "interval_steps": 5, "loss_steps": 5},
+                     {"step": 25, "loss": float("nan"), "num_nonfinite": 5, "interval_steps": 5, "loss_steps": 0}]
+    assert growth(finite_losses, 36)["until_step"] == 20
+    short = [*diverged[:2], {**diverged[2], "interval_steps": 5, "loss_steps": 1}, finite_losses[3]]
+    assert growth(short, 36)["until_step"] == 16  # (one finite loss in it: step 16's, as before)
     # the update norm is its row's last step's own (a review): dated to its row's step, non-finite steps before or not
     updates = [{"step": 10, "update_norm": 1.0}, {"step": 15, "update_norm": 30.0},
                {"step": 20, "update_norm": 900.0, "num_nonfinite": 4}, {"step": 25, "update_norm": float("nan")}]
