@@ -534,3 +534,15 @@ def test_the_eps_guard_change_said_for_a_division_is_the_one_its_replay_verified
     eps, x = 1e-6, torch.tensor([0.0, -0.0, -1e-9, 2.0])
     said = torch.where(x.abs() < eps, torch.where(x < 0, -eps, eps), x)  # the change as written
     assert bool((said != 0).all()) and torch.isfinite(torch.ones(4) / said).all()
+
+
+def test_remedy_only_says_why_a_candidate_it_refuses_is_not_offered():
+    """A new user's `remedy --only eps-guard` on a log of -1 read 'does not fit this incident (failure class op)', while
+    --help lists eps-guard for that class: the reason is the input, out of log's domain (a guard would hide it)."""
+    from stabletrain.diagnostics.candidates import why_not_offered
+
+    d = {"failure_class": "op", "op": "aten.log.default", "direction": "forward", "kind": "nan",
+         "first_op": {"input_range": [-1.0, 3.0], "input_dtypes": ["float32"]}}
+    assert why_not_offered("eps-guard", d).startswith("eps-guard: the log's input is out of its domain (as low as -1)")
+    rounded = {**d, "first_op": {"input_range": [-1e-9, 3.0], "input_dtypes": ["float32"]}}  # offered there: no reason
+    assert why_not_offered("eps-guard", rounded) is None and why_not_offered("lr-x0.5", d) is None

@@ -42,7 +42,7 @@ import torch
 
 from .config import config_from_dict
 from .data import EpochOrder, Window, WindowStream, move_to
-from .diagnostics.candidates import candidates_for
+from .diagnostics.candidates import candidates_for, why_not_offered
 from .diagnostics.cures import CANDIDATE_NAMES, Remedy, SkipSamples, SkipStep
 from .diagnostics.remedy_verdicts import (
     END_STEPS,
@@ -358,8 +358,10 @@ def search_remedies(directory: str | Path, task: Task | None = None, *, steps: i
     if only:
         missing = [n for n in only if n not in {c.name for c in pool}]
         if missing:
+            why = "; ".join(filter(None, (why_not_offered(n, diagnosis) for n in missing)))
             raise ValueError(f"--only: {', '.join(missing)} does not fit this incident (failure class "
-                             f"{diagnosis.get('failure_class')}); its candidates are {', '.join(c.name for c in pool)}")
+                             f"{diagnosis.get('failure_class')}{': ' + why if why else ''}); its candidates are "
+                             f"{', '.join(c.name for c in pool)}")
         pool = [c for c in pool if isinstance(c, SkipStep) or c.name in only]
     if live_only:
         pool = [c for c in pool if c.live]

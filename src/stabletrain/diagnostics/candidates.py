@@ -25,7 +25,7 @@ from .cures import (
 )
 from .nonfinite import DOMAIN_OPS
 
-__all__ = ["candidates_for"]
+__all__ = ["candidates_for", "why_not_offered"]
 
 
 def _user_line(diagnosis: dict[str, Any]) -> str:
@@ -170,3 +170,16 @@ def _spike_candidates(diagnosis: dict[str, Any], precision: str, history: list[d
         if norms:
             out.append(TighterClip(_tighter(float(sorted(norms)[len(norms) // 2]), clip)))
     return out
+
+
+def why_not_offered(name: str, diagnosis: dict[str, Any]) -> str | None:
+    """Why candidate ``name`` is not among an incident's (a reason a person can act on), where one is known; else None."""
+    if name == "eps-guard" and diagnosis.get("failure_class") == "op":
+        op = guarded_op(diagnosis.get("op"), diagnosis.get("autograd_node"))
+        if op is not None and _out_of_domain(op, diagnosis):
+            low = ((diagnosis.get("first_op") or {}).get("input_range") or [None])[0]
+            return (f"eps-guard: the {op}'s input is out of its domain (as low as {low:.3g}), not a value rounded near 0: a "
+                    "guard would only turn the NaN into a huge loss; the value itself is the bug")
+        if op is None:
+            return f"eps-guard: {diagnosis.get('op')} is no op a guard can keep in its domain (a log, a root, a division)"
+    return None
