@@ -85,6 +85,23 @@ def test_lab7_plots_every_candidate_those_non_finite_from_their_first_step_too(t
     for labels, record in zip(legends, (result.numbers["divergence"], result.numbers["sqrt"])):
         assert len(labels) == len(record["candidates"]), labels
     assert any("non-finite at step" in label for label in legends[0]), legends[0]
+    # its runs are kept under the lab's folder: the incident lines it prints point there (they pointed into a temporary
+    # folder removed when the lab ended; a new user's 'stabletrain diagnose' of one found nothing)
+    assert sorted(p.name for p in (tmp_path / "lab7-runs").iterdir()) == ["div", "sqrt"]
+    assert list((tmp_path / "lab7-runs" / "div" / "incidents").glob("step_*"))
+
+
+def test_a_labs_runs_folder_is_replaced_each_time_and_temporary_without_an_out_dir(tmp_path):
+    from stabletrain.lab import runs_folder
+
+    with runs_folder(tmp_path, "lab9") as where:
+        (Path(where) / "run").mkdir()
+    with runs_folder(tmp_path, "lab9") as where:  # (a second run of the lab: its runs start afresh, not refused)
+        assert Path(where) == tmp_path / "lab9-runs" and not list(Path(where).iterdir())
+    with runs_folder(None, "lab9") as where:
+        kept = Path(where)
+        assert kept.is_dir()
+    assert not kept.exists()
 
 
 # -- each observation can fail: the lab run with the setting that breaks it ---------------------------

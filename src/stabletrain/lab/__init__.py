@@ -26,7 +26,7 @@ from typing import Any
 
 from ..records.provenance import mark_output_dir
 
-__all__ = ["Claim", "LabInfo", "LabResult", "LABS", "run_lab", "format_result", "format_list", "new_figure",
+__all__ = ["runs_folder", "Claim", "LabInfo", "LabResult", "LABS", "run_lab", "format_result", "format_list", "new_figure",
            "save_figure", "fmt", "MIN_LEGEND_PT"]
 
 
@@ -259,3 +259,19 @@ def save_figure(fig: Any, path: Path) -> Path:
     fig.savefig(buf, format="png", dpi=110, facecolor="white", metadata={"Software": None})
     path.write_bytes(buf.getvalue())
     return path
+
+
+def runs_folder(out_dir: Path | None, lab: str) -> Any:
+    """Where a lab's training runs go: ``OUT_DIR/<lab>-runs``, the lab's last runs replaced (kept: their incident lines
+    point there, for ``stabletrain diagnose``), or a temporary folder removed after the lab without an ``out_dir`` (a lab
+    run from Python)."""
+    import contextlib
+    import shutil
+    import tempfile
+
+    if out_dir is None:
+        return tempfile.TemporaryDirectory()
+    folder = Path(out_dir) / f"{lab}-runs"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    return contextlib.nullcontext(str(folder))

@@ -18,7 +18,6 @@ huge; the gradient is NaN whatever the LR), and skipping the sample or guarding 
 from __future__ import annotations
 
 import math
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ from ..config import load_config
 from ..loop import Trainer
 from ..remedy_search import search_remedies
 from ..tasks import Task
-from . import Claim, LabResult, new_figure, save_figure
+from . import Claim, LabResult, new_figure, runs_folder, save_figure
 
 # The divergence spikes before its first NaN (lab 8 meets those spikes): here the non-finite incidents alone are captured.
 COMMON = ["log.progress=false", "log.tensorboard=false", "train.batch_size=8", "log.every=5", "data.shuffle=false",
@@ -80,7 +79,7 @@ def _search(task: Task, overrides: list[str], run_dir: Path, steps: int) -> dict
 
 def run(out_dir: Path | None = None, seed: int = 0, *, lr: float = 2.5, steps: int = 6) -> LabResult:
     """Meet a divergence (SGD at peak ``lr``) and a sqrt(0) fault; replay both under the remedies for ``steps`` windows."""
-    with tempfile.TemporaryDirectory() as tmp:
+    with runs_folder(out_dir, "lab7") as tmp:  # (kept under --out: its lines point there)
         div = _search(_diverging_task(seed), [*DIVERGE, f"optim.lr={lr}", f"seed={seed}"], Path(tmp) / "div", steps)
         sq = _search(_sqrt_task(seed), ["train.max_steps=3", f"seed={seed}"], Path(tmp) / "sqrt", steps)
     by = {"divergence": {c["name"]: c for c in div["candidates"]}, "sqrt(0)": {c["name"]: c for c in sq["candidates"]}}

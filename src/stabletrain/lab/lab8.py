@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +41,7 @@ from ..config import load_config
 from ..loop import Trainer
 from ..remedy_search import LOSS_TOLERANCE, search_remedies
 from ..tasks import Task
-from . import Claim, LabResult, new_figure, save_figure
+from . import Claim, LabResult, new_figure, runs_folder, save_figure
 
 #: The step whose loss spikes in both runs (batch 8, no shuffle: step k trains on samples 8(k-1) .. 8k-1).
 SPIKE_STEP = 75
@@ -220,7 +219,7 @@ def run(out_dir: Path | None = None, seed: int = 0, *, lr: float = 0.03, beta1: 
     (1 - beta1) x its size at 0 (0.84 lr at step 74 instead of 8.4 lr; the factor grows toward 3.2 over thousands of
     steps): that run does not spike here, and the lab's observations on it fail.
     """
-    with tempfile.TemporaryDirectory() as tmp:
+    with runs_folder(out_dir, "lab8") as tmp:  # (kept under --out: its lines point there)
         met = {run: _meet(run, seed, lr, beta1, steps, Path(tmp) / run.replace(" ", "-")) for run in RUNS}
     rare, bad = met["rare token"], met["mislabelled"]
     by = {run: {c["name"]: c for c in met[run]["remedies"]["candidates"]} for run in RUNS}
