@@ -81,6 +81,13 @@ def test_bad_files(tmp_path):
     listy.write_text("- 1\n")
     with pytest.raises(ConfigError, match="expected a mapping at the top"):
         load_config(listy)
+    # a section given as a value in the file, and an override of a key under it: it was silently replaced (a trial)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("seed: 1\ntrain: 5\n")
+    for overrides in ([], ["train.max_steps=2"]):
+        with pytest.raises(ConfigError, match=r"^config file '.*scalar.yaml', line 2: config key 'train': expected a "
+                                              r"mapping, got 5$"):
+            load_config(scalar, overrides)
 
 
 def test_every_key_is_described():

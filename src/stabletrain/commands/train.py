@@ -171,7 +171,7 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
         if args.report:
             write_report(run_dir)
         return EXIT_NO_UPDATE  # (not restarted: it would skip them again)
-    console.say(f"trained {trainer.step} steps; {shown}; {skipped_note}; run directory: {run_dir}")
+    console.say(f"trained {trainer.step} step{'s' * (trainer.step != 1)}; {shown}; {skipped_note}; run directory: {run_dir}")
     loss = record.get("loss")
     if isinstance(loss, float) and not math.isfinite(loss):  # (it reads as trained: a trial's run at lr 3e38 exited 0)
         console.warn(f"the run ended with a non-finite loss ({loss}) in its last interval: its last steps were skipped or "

@@ -197,6 +197,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     overlay: dict[str, Any] = {}
     for override in overrides:
         apply_override(overlay, override)
+    clash = _clash(data, overlay)  # a section the file gave as a value, which an override's key under it would replace
+    if clash is not None:  # (silently: 'train: 5' in the file and train.max_steps=2 trained; a new user's trial)
+        value = _get(data, clash)
+        where = f"{source}, line {lines[clash]}: " if clash in lines else f"{source}: " if source else ""
+        raise ConfigError(f"{where}config key '{clash}': expected a mapping, got {brief(value)}", key=clash)
     data = _deep_merge(data, _moved(overlay, "the overrides"))
     try:
         cfg = _build(Config, data).validate()
@@ -224,6 +229,25 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         warnings.warn(f"config key{'s' * (len(given) > 1)} {', '.join(given)}: fsdp only, no effect under dist.strategy="
                       f"{cfg.dist.strategy}", StableTrainWarning, stacklevel=2)
     return cfg
+
+
+def _clash(data: dict[str, Any], overlay: dict[str, Any], prefix: str = "") -> str | None:
+    """The dotted key of the first section ``overlay`` sets keys under that ``data`` holds as a plain value, or None."""
+    for key, value in overlay.items():
+        if not isinstance(value, dict) or data.get(key) is None:
+            continue
+        if not isinstance(data[key], dict):
+            return prefix + key
+        found = _clash(data[key], value, f"{prefix}{key}.")
+        if found is not None:
+            return found
+    return None
+
+
+def _get(data: dict[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        data = data[part]
+    return data
 
 
 def _set_in(data: dict[str, Any], key: str) -> bool:
