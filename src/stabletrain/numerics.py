@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 __all__ = [
     "unique_params",
+    "running_stats_modules",
     "applied_only",
     "buffers_kept",
     "grad_norms",
@@ -55,6 +56,13 @@ def constant(value: float, device: torch.device, dtype: torch.dtype = torch.floa
 def is_constant(t: Tensor) -> bool:
     """Whether ``t`` is one of :func:`constant`'s tensors (never written: a reader need not copy it)."""
     return id(t) in _CONSTANT_IDS  # the ids of live tensors only: the table keeps every one it lists alive
+
+
+def running_stats_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The modules that keep running statistics (``track_running_stats``: BatchNorm's, InstanceNorm's when asked), by name
+    ("(the model)" for the root): buffers a forward writes, which no skipped step undoes and FSDP does not sync."""
+    return {n or "(the model)": m for n, m in model.named_modules()
+            if getattr(m, "track_running_stats", False) and callable(getattr(m, "reset_running_stats", None))}
 
 
 def unique_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

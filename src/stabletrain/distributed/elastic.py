@@ -34,7 +34,7 @@ from typing import Any
 
 from .. import console
 from ..internals import InternalMissing, end_restarts, restarting_agent, restarts_left, use_elastic_agent
-from ..records.launches import asked_stop, noted_run_dir, reached_training
+from ..records.launches import asked_stop, noted_run_dir, reached_training, stopped_outside_line
 from .launch import (
     EXIT_GAVE_UP,
     EXIT_NO_UPDATE,
@@ -139,8 +139,7 @@ def main(argv: list[str] | None = None) -> None:
         failures = getattr(err, "failures", None) or {}
         asked = [-f.exitcode for f in failures.values() if -f.exitcode in asked_stop(note)]  # the launcher passed a stop
         if final is None and asked:  # on: ranks outside their training loop (start-up, end) died of it, no handler there
-            console.say(f"stopped by {signal.Signals(asked[0]).name} outside the ranks' training loop (their start-up or "
-                        "end), where they cannot take a stop: not restarted", sys.stderr)
+            console.say(stopped_outside_line(asked[0], ranks=True), sys.stderr)
             sys.exit(128 + asked[0])
         if final is None and failures and not any(f.exitcode in FINAL_EXITS for f in failures.values()):
             rank, first = min(failures.items(), key=lambda item: _secondary(item[1]))  # the restarts are used up

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from ..internals import fsdp_param_records, fsdp_pending_grads, scaler_found_inf
-from ..numerics import update_totals
+from ..numerics import running_stats_modules, update_totals
 from ..policies.accumulation import AccumulationWindow
 from ..policies.precision import PrecisionPolicy
 
@@ -422,8 +422,7 @@ def load_full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, na
 def running_stats_note(module: nn.Module) -> str | None:
     """What a run under FSDP is told of ``module``'s running statistics (BatchNorm's), or None where it keeps none: each
     rank's are its own (FSDP2 does not sync buffers), so a checkpoint holds one rank's."""
-    stats = [n for n, m in module.named_modules() if getattr(m, "track_running_stats", False)
-             and not isinstance(m, nn.SyncBatchNorm)]  # (its statistics are synced)
+    stats = [n for n, m in running_stats_modules(module).items() if not isinstance(m, nn.SyncBatchNorm)]  # (synced)
     if not stats:
         return None
     return (f"dist.strategy=fsdp: the running statistics of {', '.join(stats[:3])}{' ...' * (len(stats) > 3)} are each "

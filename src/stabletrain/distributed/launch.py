@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ..process import children, parent_pid, stat_fields
-from ..records.launches import as_parent, noted_run_dir, reached_training, stop_note
+from ..records.launches import as_parent, noted_run_dir, reached_training, stop_note, stopped_outside_line
 
 __all__ = ["launch", "supervise", "die_with_parent", "LAUNCHER_ENV", "LAUNCH_MARK_ENV", "RESTART_ENV", "LAUNCH_START_ENV",
            "SUPERVISED_ENV", "EXIT_GAVE_UP", "EXIT_NO_UPDATE", "EXIT_STALLED", "FINAL_EXITS", "death_record", "describe_exit",
@@ -474,8 +474,7 @@ def supervise(argv: list[str], *, max_restarts: int) -> int:
             if code < 0 and -code in stopping:  # the stop asked for, taken by a child still in its start-up
                 from .. import console
 
-                console.say(f"stopped by {signal.Signals(-code).name} outside the run's training loop (its start-up or its "
-                            "end), where it cannot take a stop: not restarted", sys.stderr)
+                console.say(stopped_outside_line(-code, ranks=False), sys.stderr)
                 return 128 - code
             if stopping or code in FINAL_EXITS:
                 return code

@@ -13,7 +13,7 @@ from ..process import stat_fields
 
 __all__ = ["unfinished_note", "LAUNCH_FILE", "is_running", "refuse_if_running", "running_launch", "this_process",
            "started_over", "PARENT_ENV", "as_parent", "launch_parent", "LEDGER_FILE", "reached_training",
-           "noted_run_dir", "stop_note", "asked_stop"]
+           "noted_run_dir", "stop_note", "asked_stop", "stopped_outside_line"]
 
 #: The run's goodput ledger (written by :mod:`stabletrain.callbacks.goodput_clock`): a ``launch`` line per launch.
 LEDGER_FILE = "goodput.jsonl"
@@ -139,3 +139,13 @@ def asked_stop(note: Path | None) -> set[int]:
         return {int(x) for x in stop_note(note).read_text().split()} if note is not None else set()
     except (OSError, ValueError):
         return set()
+
+
+def stopped_outside_line(signum: int, ranks: bool) -> str:
+    """The line for a stop asked for that killed the run's processes outside their training loop (their start-up or
+    end, where no handler of theirs takes it): a stop, not a death, and not restarted (both launchers say it)."""
+    import signal
+
+    who = "the ranks' training loop (their start-up or end), where they" if ranks else ("the run's training loop (its "
+                                                                                       "start-up or its end), where it")
+    return f"stopped by {signal.Signals(signum).name} outside {who} cannot take a stop: not restarted"

@@ -21,6 +21,7 @@ from typing import Any
 
 from .. import console
 from ..callbacks.sinks import announce_precursor
+from ..numerics import running_stats_modules
 from ..policies.guard import NEGLIGIBLE_SPIKE, GuardDecision
 from ..policies.metrics import interval_record, peak_memory_mib
 from ..policies.precursor import Precursor
@@ -185,17 +186,15 @@ class IntervalBoundary:
         user's trial). Modules with running statistics (``track_running_stats``) that are not finite get them reset
         (``reset_running_stats``: mean 0, var 1, re-estimated over the next steps), the same on every rank. Other buffers
         are the model's own (a causal mask of -inf): never judged here."""
-        bad = [n or "(the model)" for n, m in self.state.module.named_modules()
-               if getattr(m, "track_running_stats", False) and callable(getattr(m, "reset_running_stats", None))
-               and any(b.is_floating_point() and not bool(b.isfinite().all()) for b in m.buffers(recurse=False))]
+        bad = {n: m for n, m in running_stats_modules(self.state.module).items()
+               if any(b.is_floating_point() and not bool(b.isfinite().all()) for b in m.buffers(recurse=False))}
         if not bad:
             return
-        modules = dict(self.state.module.named_modules())
-        for name in bad:
-            modules["" if name == "(the model)" else name].reset_running_stats()
-        text = (f"the forward of skipped step {step} left non-finite running statistics in {', '.join(bad[:6])}: reset "
+        for module in bad.values():
+            module.reset_running_stats()
+        text = (f"the forward of skipped step {step} left non-finite running statistics in {', '.join(list(bad)[:6])}: reset "
                 "(mean 0, var 1; re-estimated over the next steps), else no checkpoint could be written again")
-        self.state.event(step, "buffers_reset", text, buffers=bad)
+        self.state.event(step, "buffers_reset", text, buffers=list(bad))
         if self.state.dist.is_main:
             console.warn(text)
 
