@@ -68,6 +68,8 @@ def test_tensorboard_files_hold_the_scalars(trained):
     (["check", "nosuchcheck", "task=mlp"], "unknown check 'nosuchcheck'"),
     (["check", "init", "--compare", "normal,foo", "task=mlp"],  # (it was the init check's FAIL, a traceback, exit 1)
      "--compare: unknown init scheme 'foo' in 'normal,foo'; known: auto, xavier, kaiming, normal"),
+    (["check", "init", "--compare", ",", "task=mlp"],  # (it ran the init check with nothing to compare)
+     "--compare: no init scheme named in ','; give one or more of: auto, xavier, kaiming, normal"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(args, needle, tmp_path):
     res = run(*args, "log.progress=false", f"run.dir={tmp_path / 'r'}") if args[0] == "train" else run(*args)
@@ -420,6 +422,10 @@ def test_resume_with_another_run_dir_is_refused_naming_both(tmp_path, capsys):
     assert err.startswith(f"stabletrain: error: config key 'run.dir': {str(tmp_path / 'b')!r}, but --resume "
                           f"{str(tmp_path / 'a')!r} continues the run in ") and not (tmp_path / "b").exists(), err
     assert main(["train", "--resume", str(tmp_path / "a"), f"run.dir={tmp_path / 'a'}", "train.max_steps=4"]) == 0
+    capsys.readouterr()  # resume=B beside --resume A: B was silently dropped
+    assert main(["train", "--resume", str(tmp_path / "a"), f"resume={tmp_path / 'b'}", "train.max_steps=6"]) == 2
+    assert capsys.readouterr().err == (f"stabletrain: error: config key 'resume': {str(tmp_path / 'b')!r}, but --resume "
+                                       f"{str(tmp_path / 'a')!r} continues another run: give one of them\n")
 
 
 def test_the_last_line_says_a_spike_lifted_the_last_intervals_loss(tmp_path, capsys):

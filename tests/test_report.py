@@ -264,6 +264,7 @@ def test_malformed_lines_are_reported_with_file_and_line_never_raised(run_copy, 
     run = load_run(run_copy)
     assert run.metrics[-1]["step"] == 45 and "loss" not in run.metrics[-1]  # the good values of the line are kept
     assert all(f'id="plot-{n}"' in page for n in RUN_PLOT_NAMES if n not in ("other_metrics", "loss_scale"))
+    assert "Clipping is off" not in page and "The clip threshold is unknown" in page  # the config was not read: no verdict
     from stabletrain.cli import main  # the console's summary says so too (it was on the page only)
 
     capsys.readouterr()
@@ -326,6 +327,11 @@ def test_compare_two_real_runs(real_run, other_run, tmp_path, monkeypatch):
     assert custom.is_file() and (tmp_path / "sub" / "ab_plots" / "loss.png").is_file()
     with pytest.raises(ValueError, match="at least two"):
         write_compare([real_run])
+    with pytest.raises(ValueError, match=f"run directory '{re.escape(str(real_run))}' is given twice: compare needs"):
+        write_compare([real_run, other_run, real_run])
+    again = str(real_run) + "/"  # the same folder spelled another way
+    with pytest.raises(ValueError, match=r"is given twice \(as "):
+        write_compare([real_run, again])
 
 
 def test_compare_draws_post_clip_norms_from_zero_and_one_setting_of_two_hosts_once(real_run, other_run, tmp_path,

@@ -55,6 +55,8 @@ def compare_schemes(option: object) -> list[str]:
         return []
     names = [s.strip() for s in option.split(",")] if isinstance(option, str) else [str(s).strip() for s in option]
     names = [n for n in names if n]
+    if not names and option:  # ("--compare ,": a list that lost its names)
+        raise ValueError(f"--compare: no init scheme named in {option!r}; give one or more of: {', '.join(SCHEMES)}")
     bad = [n for n in names if n not in SCHEMES]
     if bad:
         raise ValueError(f"--compare: unknown init scheme {bad[0]!r} in {option!r}; known: {', '.join(SCHEMES)}")

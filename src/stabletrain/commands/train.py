@@ -32,12 +32,13 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _resume_target(args: argparse.Namespace) -> str | None:
+    given = [item.split("=", 1)[1] for item in args.overrides if item.startswith("resume=")]
     if args.resume:
+        if given and given[-1] and Path(given[-1]).resolve() != Path(args.resume).resolve():
+            raise ValueError(f"config key 'resume': {given[-1]!r}, but --resume {args.resume!r} continues another run: "
+                             "give one of them")
         return args.resume
-    for item in args.overrides:
-        if item.startswith("resume="):
-            return item.split("=", 1)[1] or None
-    return None
+    return (given[-1] or None) if given else None
 
 
 def cmd_train(args: argparse.Namespace) -> int:

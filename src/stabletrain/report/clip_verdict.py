@@ -78,6 +78,10 @@ def clip_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
     peaks = _finite(run.series("grad_norm_max")[1])  # each interval's largest pre-clip norm
     if peaks:
         f["grad_norm_max_median"] = statistics.median(peaks)
+    if not isinstance(run.cfg("clip"), dict):  # every run writes its clip section: its config.yaml was not read
+        median = f" (median grad norm {fmt_num(f['grad_norm_median'])})" if norms else ""
+        h.say("ok", f"The clip threshold is unknown: the run's config.yaml could not be read (see Data problems){median}.")
+        return
     own = None  # no threshold of stabletrain's, yet steps were clipped: the loop's own clip (Monitor's step(grad_norm=))
     if threshold is None and clipped > 0:
         posts = _finite(run.series("grad_norm_post_clip")[1])
