@@ -41,6 +41,18 @@ def outlier_samples_task(bad: tuple[int, ...] = (153, 157), scale: float = 40.0,
     return Task(model=model, train_data=TensorDataset(x, y), loss=_mse, name="outlier-samples")
 
 
+def graded_outliers_task(shifts: tuple[float, ...] = (60.0, 20.0, 8.0, 6.0, 5.0), first: int = 400, n: int = 2048) -> Task:
+    """data, more bad samples than a few: samples ``first``, ``first + 1``, ... (step 26 at batch 16) have their targets
+    shifted by ``shifts``; five of sixteen, where a set names at most four (a new user's case: the diagnosis said "no
+    small set carries it" beside "100% of it gone" without four of them)."""
+    x, y = _regression(n, 16, 0)
+    for i, shift in enumerate(shifts):
+        y[first + i] += shift
+    torch.manual_seed(0)
+    return Task(model=nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1)), train_data=TensorDataset(x, y),
+                loss=_mse, name="graded-outliers")
+
+
 def regression_mlp() -> nn.Module:
     """:func:`outlier_samples_task`'s model (no dropout), as an adapter's ``model_factory`` rebuilds it."""
     return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))

@@ -62,3 +62,18 @@ def test_resume_check_gives_the_per_step_losses_as_numbers():
     assert [row[0] for row in losses] == [5, 6, 7] and all(row[3] for row in losses)
     assert all(isinstance(row[1], float) and row[1] == row[2] for row in losses)
     assert len(result.details) == 1 + len(losses)  # the same rows, as printed
+
+
+def test_resume_check_on_steps_that_are_all_non_finite_says_the_checkpoint_was_withheld(capsys):
+    """A new user's fp16 task whose forward overflows on every step: the check's step-4 checkpoint was withheld (its
+    steps were skipped), and the fresh process failed to load it ('meta.json is missing (the write did not finish?)'),
+    after 7 lines of the inner run's incidents captured into a folder the check then deleted."""
+    from stabletrain import load_config
+    from stabletrain.checks import CheckContext, run_checks
+
+    cfg = load_config(None, ["task=remedy_tasks:fp16_overflow_task", "precision=fp16", "log.progress=false"])
+    (result,) = run_checks(CheckContext(cfg), ["resume"])
+    assert not result.passed and result.summary.startswith(
+        "no checkpoint at step 4 to resume from (checkpoint at step 4 withheld: its last 4 steps were skipped"), result.summary
+    assert result.summary.endswith("the steps before it are not healthy; the nan and amp checks say why")
+    assert "captured into" not in capsys.readouterr().out

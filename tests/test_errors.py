@@ -60,7 +60,9 @@ def test_the_part_of_the_task_that_raised_and_its_line(name, part, error, line):
     assert task_part(err) == part
     assert user_location(err).startswith(f"{TASKS}:{line_of(line)} in ")
     text = format_task_error(err, part)
-    assert text.splitlines()[0] == f"the task's {part} raised {error.__name__} at {user_location(err)}"
+    expected, head = f"the task's {part} raised {error.__name__} at {user_location(err)}", text.splitlines()[0]
+    # (and the step whose work raised it, where a step did: not the factory's, before the first)
+    assert head == expected if part == "factory" else re.fullmatch(re.escape(expected) + r", in step [12]", head), head
     assert f'File "{TASKS}", line {line_of(line)}' in text
     # stabletrain's and torch's frames are trimmed: what is left is the user's files (the tasks, the loss in helpers.py)
     assert set(frames_in(text)) <= {str(TASKS), str(TESTS / "helpers.py")}
@@ -200,6 +202,7 @@ def test_train_names_the_loss_and_shows_the_users_line(tmp_path):
     assert res.returncode == 1, res.stderr
     first = res.stderr.splitlines()[0]
     assert first.startswith("stabletrain: error: the task's loss raised ValueError at ")
+    assert first.endswith(" in loss, in step 1"), first  # (which step: it said only in the events)
     assert f'File "{TASKS}", line {line_of("x, y, w = batch")}, in loss' in res.stderr
     assert "ValueError: not enough values to unpack (expected 3, got 2)" in res.stderr
     assert "step.py" not in res.stderr and "loop.py" not in res.stderr  # stabletrain's frames trimmed

@@ -226,7 +226,8 @@ def test_a_replay_matching_a_finite_observation_with_no_bad_value_is_not_reprodu
     d = {"reproduces": False, "replays_agree": True, "loss": 1.0, "grad_norm": 2.0, "observed": {"loss": 1.0,
          "grad_norm": float("inf")}}
     c = classify_failure(d)
-    assert c["failure_class"] == "not reproducible" and "differ from the observed 1.0 and inf" in c["evidence"]
+    assert c["failure_class"] == "not reproducible" and "differ from the observed 1.0 and inf: suspect state the " \
+        "replay does not restore" in c["evidence"]
 
 
 def test_a_summary_leads_with_its_verdict_and_a_divergence_names_no_samples(tmp_path):

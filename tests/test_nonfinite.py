@@ -373,6 +373,25 @@ def test_nan_check_fails_on_a_model_that_is_already_broken():
     assert not result.passed and "not finite before planting" in result.summary
     assert result.numbers == {"op": "aten.log.default", "module": "layers.2"}
 
+    class LogAtRoot(torch.nn.Module):  # the op in the root module's own forward: its name is "", shown as 'module='
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 4)
+
+        def forward(self, x):
+            return torch.log(self.lin(x) * 0)
+
+    def at_root():
+        from torch.utils.data import TensorDataset
+
+        from stabletrain import Task
+
+        return Task(model=LogAtRoot(), train_data=TensorDataset(torch.randn(16, 8), torch.zeros(16, 4)),
+                    loss=lambda m, b: F.mse_loss(m(b[0]), b[1]))
+
+    result = check_nan(CheckContext(cfg, task_factory=at_root))
+    assert not result.passed and result.numbers == {"op": "aten.log.default", "module": "(the root module)"}
+
 
 class Pair(NamedTuple):
     logits: Tensor

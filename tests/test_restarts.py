@@ -287,6 +287,41 @@ def test_a_run_the_guard_stopped_as_stalled_is_not_restarted(tmp_path):
     assert [x for x in res.stderr.splitlines() if "warning: precision=fp16 on CPU" not in x] == said, res.stderr[-3000:]
 
 
+def test_a_run_of_skips_no_fp16_loss_scale_makes_finite_is_not_restarted(tmp_path):
+    """A new user's case: fp16 whose forward overflows whatever the loss scale; guard.max_consecutive_skips stopped it
+    (exit 1, like a crash), run.max_restarts restarted it twice into the same steps, and the last line called the stop a
+    crash and said 'continue the run: stabletrain train --resume'. The same steps overflow after any restart: a final
+    exit (5), one line, no restart."""
+    run_dir = tmp_path / "run"
+    res = subprocess.run([sys.executable, "-m", "stabletrain", "train", "task=remedy_tasks:fp16_overflow_task",
+                          "precision=fp16", "train.batch_size=8", "train.max_steps=40", "log.every=5", "ckpt.every=5",
+                          "eval.every=0", "capture.incidents=false", "guard.max_consecutive_skips=4", "run.max_restarts=2",
+                          f"run.dir={run_dir}", *FAST], env=env(), capture_output=True, text=True, timeout=240)
+    assert res.returncode == 5, res.stderr[-3000:]
+    assert [e["kind"] for e in events(run_dir) if e["kind"] in ("crash", "restart", "stop")] == ["stop"]
+    said = [line for line in res.stderr.splitlines() if line.startswith("stabletrain: the run stopped")]
+    assert len(said) == 1 and "consecutive skipped steps (guard.max_consecutive_skips=4)" in said[0] and said[0].endswith(
+        "(not restarted: no loss scale the GradScaler reaches makes these steps finite: a restart would skip them again)"
+    ), res.stderr[-3000:]
+    assert "restart 1 of" not in res.stderr and "used up" not in res.stderr, res.stderr[-3000:]
+
+
+def test_restarts_used_up_on_a_guard_stop_say_the_guard_stopped_it_not_a_crash(tmp_path):
+    """The restarts used up on the guard's stop (guard.on_nonfinite=stop) ended 'its crash is recorded in ...; continue
+    the run: stabletrain train --resume': the stop is the guard's, and resuming as it is may meet it again."""
+    run_dir = tmp_path / "run"
+    res = subprocess.run([sys.executable, "-m", "stabletrain", "train", "task=examples.nan_task:make_task",
+                          "train.max_steps=12", "train.batch_size=16", "log.every=2", "ckpt.every=2", "eval.every=0",
+                          "capture.incidents=false", "guard.on_nonfinite=stop", "run.max_restarts=1", "run.max_repeats=5",
+                          f"run.dir={run_dir}", *FAST], env=env(), capture_output=True, text=True, timeout=240)
+    assert res.returncode == 1, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("stabletrain: error: the run's process (pid ") and last.endswith(
+        f"and its 1 restart(s) are used up (run.max_restarts=1); not restarted again; the guard stopped it, recorded in "
+        f"{run_dir / 'events.jsonl'}: read why before resuming it as it is (it may stop there again)"), last
+    assert "crash" not in last and "--resume" not in last
+
+
 def test_the_same_crash_of_rank_1_under_ddp_stops_with_exit_3_and_one_line(tmp_path):
     """Rank 1 crashes reading sample 45 on every launch; rank 0 writes the events and only saw a peer lost, so the crash
     was 'ended without a record of why' and only the no-checkpoint rule stopped the loop (5 launches), and torchrun

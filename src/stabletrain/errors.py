@@ -9,6 +9,7 @@ from the traceback alone: the frames of stabletrain, torch and the stdlib are ne
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -298,7 +299,9 @@ def format_task_error(err: BaseException, part: str) -> str:
     """Return the lines a user reads for an exception from their task: which part, where, their frames, the error."""
     where = user_location(err)
     subject = f"the {part}" if part.endswith("module") else f"the task's {part}"
-    head = f"{subject} raised {type(err).__name__}" + (f" at {where}" if where else "")
+    step = getattr(err, "stabletrain_step", None)  # (the training loop's: the step whose work raised it)
+    head = f"{subject} raised {type(err).__name__}" + (f" at {where}" if where else "") + (
+        f", in step {step}" if isinstance(step, int) else "")
     if part.startswith("collate") and where is None:
         odd = _odd_items(err)
         head += (f" in torch's default_collate: {odd}; default_collate stacks items of one shape: fix the item, or pad "
@@ -393,8 +396,12 @@ class TaskCodeError(Exception):
         super().__init__(f"{type(err).__name__} in the task's {part}{f' at {where}' if where else ''}: {err}")
 
 
-def crash_event(err: BaseException, during: str) -> tuple[str, dict[str, Any]]:
-    """The ``crash`` event of ``err``: its reason (with the user's file:line) and its fields."""
+def crash_event(err: BaseException, during: str, step: int | None = None) -> tuple[str, dict[str, Any]]:
+    """The ``crash`` event of ``err``: its reason (with the user's file:line) and its fields. ``step``: the training step
+    whose work raised it, kept on ``err`` for the console's line (:func:`format_task_error`)."""
+    if step is not None:
+        with contextlib.suppress(AttributeError, TypeError):  # (an exception with __slots__ keeps none)
+            err.stabletrain_step = step  # type: ignore[attr-defined]
     where = user_location(err)
     reason = f"{type(err).__name__}: {err}" + (f" (at {where})" if where else "")
     return reason, {"error": type(err).__name__, "message": str(err), "location": where, "during": during,

@@ -191,8 +191,8 @@ class Trainer:
         except Exception as err:  # the record keeps what ended the run, with the user's file:line
             if not self._peer_lost(err):
                 self._record_checkpoints(self.keeper.finished(wait=True))  # the crash stays the last event
-                reason, fields = crash_event(err, self._where)
                 failed = state.step + 1 if self._where.startswith("a training step") else state.step
+                reason, fields = crash_event(err, self._where, failed)
                 state.event(state.step, "crash", reason, own=True, failed_step=failed, **fields)
             raise
         finally:

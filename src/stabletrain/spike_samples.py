@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .diagnostics.spike_evidence import max_outliers, outlier_sets
+from .diagnostics.spike_evidence import MOSTLY_CARRIED, max_outliers, outlier_sets
 from .policies.accumulation import as_sum_count
 from .policies.dropout import dropout_off
 from .services.replay_bench import ReplayBench
@@ -58,6 +58,12 @@ def dropout_draw(bench: ReplayBench, groups: list[tuple[list[int], Any]], rule: 
     made = normal or (quiet >= 0 and loss > 0 and quiet * DRAW_SHARE <= loss)
     return {"loss": quiet, "ratio": test["ratio"], "zscore": test.get("zscore"), "normal": normal, "made_by_draw": made,
             **({"ordinary": base} if base is not None else {})}
+
+
+def _gone(base: float, rest: float) -> str:
+    """The share of ``base`` that ``rest`` lost, as a percentage that never rounds a part up to all of it."""
+    pct = 100 * (1 - rest / base)
+    return f"{pct:.0f}%" if pct < 99.5 or pct >= 100 else f"{min(pct, 99.9):.1f}%"
 
 
 def weigh_samples(bench: ReplayBench, groups: list[tuple[list[int], Any]], rule: Any, grads: dict[str, torch.Tensor] | None,
@@ -239,9 +245,10 @@ def _bisect(bench: ReplayBench, groups: list[tuple[list[int], Any]], normal: Any
         found = next((order[:k] for k in whole if normal_without(set(order[:k]))), [])
         how = "each sample's removal from the whole window, the largest falls first"
         if not found and rest is not None and base and math.isfinite(base) and rest <= base / 2:  # most of it: say so
-            notes.append(f"without samples {', '.join(map(str, top))} (the largest falls) the window's loss falls from "
-                         f"{base:.4g} to {rest:.4g} ({100 * (1 - rest / base):.0f}% of it gone"
-                         f"{'; dropout off' if dropout else ''}), still no normal step by the rule: not verified, not named")
+            notes.append(f"{MOSTLY_CARRIED}{', '.join(map(str, top))} (the largest falls) the window's loss falls from "
+                         f"{base:.4g} to {rest:.4g} ({_gone(base, rest)} of it gone"
+                         f"{'; dropout off' if dropout else ''}), still no normal step by the rule: not verified, not named "
+                         f"(a set names at most {limit} of the window's {len(flat)} samples)")
     else:
         found = narrow(flat)
         how = "halves of the window weighed on their own, narrowed"

@@ -34,6 +34,7 @@ import torch
 
 from ..callbacks import Callback
 from ..config import Config, config_from_dict, config_to_dict
+from ..records.jsonl import read_jsonl
 from . import CheckContext, CheckResult, register
 
 __all__ = ["StepTrace", "first_divergence", "COMPONENTS", "DATA_COMPONENT", "batch_digest"]
@@ -178,7 +179,7 @@ def _run_cfg(cfg: Config, run_dir: Path, steps: int, ckpt_every: int) -> Config:
     data["ckpt"]["every"] = ckpt_every
     data["log"].update(every=1, progress=False, tensorboard=False)
     data["eval"]["every"] = 0
-    data["capture"]["diagnose"] = False
+    data["capture"].update(diagnose=False, incidents=False)  # (an incident's capture would print a folder deleted after)
     data["run"].update(dir=str(run_dir), overwrite=True)
     data["resume"] = None
     return config_from_dict(data)
@@ -208,6 +209,12 @@ def check_resume(ctx: CheckContext) -> CheckResult:
         trainer = Trainer(cfg, run_dir=run_dir)
         trainer.callbacks.append(StepTrace(trainer, continuous, from_step=N_STEPS))
         trainer.fit()
+        if not (run_dir / "checkpoints" / f"step_{N_STEPS:06d}").is_dir():  # withheld (non-finite steps), or failed
+            said = [e for e in read_jsonl(run_dir / "events.jsonl")[0] if e.get("step") == N_STEPS
+                    and e.get("kind") in ("checkpoint_withheld", "checkpoint_failed")]
+            why = said[-1]["reason"] if said else f"the run stopped at step {trainer.step}: {trainer.stop_reason}"
+            return CheckResult("resume", False, f"no checkpoint at step {N_STEPS} to resume from ({why}): the steps before "
+                               "it are not healthy; the nan and amp checks say why")
         final = _params(trainer)
         out_file = Path(tmp) / "probe.json"
         state_file = Path(tmp) / "probe_params.pt"

@@ -118,7 +118,8 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
         raise
     # (a guard stop decided while a signal came in, during its capture, is the guard's: not a preemption to resume)
     signalled = trainer.signals.received is not None and str(trainer.stop_reason or "").startswith("stopped by")
-    stalled = trainer.stop_reason is not None and trainer.guard.stall_stopped  # (not restarted: it would stall again)
+    final = trainer.guard.final_stop if trainer.stop_reason is not None and not signalled else None
+    stalled = final is not None  # (not restarted: it would meet the same stop again; the stall's exit code)
     if not ctx.is_main:
         return EXIT_STALLED if stalled else 1 if trainer.stop_reason is not None and not signalled else 0
     if trainer.stop_reason is not None and args.report:  # a stopped run's report too (a signal's, the guard's)
@@ -134,8 +135,7 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
                 else "early")
         captured = f" and {run_dir / 'incidents'}" if (run_dir / "incidents").is_dir() else ""
         console.say(f"the run stopped {when}: {trainer.stop_reason}. See {run_dir / 'events.jsonl'}{captured}"
-                    + (" (not restarted: its checkpoints hold the stalled state, a restart would stall again)"
-                       if stalled and cfg.run.max_restarts else ""), sys.stderr)
+                    + (f" (not restarted: {final})" if final and cfg.run.max_restarts else ""), sys.stderr)
         return EXIT_STALLED if stalled else 1
     if not trainer.history:  # resumed at or past train.max_steps: this launch trained nothing
         console.say(f"nothing to train: the run is at step {trainer.step} and train.max_steps={trainer.cfg.train.max_steps} "

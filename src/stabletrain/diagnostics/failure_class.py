@@ -29,9 +29,12 @@ from typing import Any
 
 from .nonfinite import DOMAIN_OPS
 
-__all__ = ["FAILURE_CLASSES", "classify_failure", "growth", "WEIGHT_DRIVEN_SHARE"]
+__all__ = ["FAILURE_CLASSES", "classify_failure", "growth", "WEIGHT_DRIVEN_SHARE", "NOT_REPRODUCED_HINT"]
 
 FAILURE_CLASSES = ("op", "data", "overflow", "divergence", "not reproducible")
+#: What a replay that differs from the run points at (it restores the model, the optimizer, the window and the RNG).
+NOT_REPRODUCED_HINT = ("suspect state the replay does not restore (a loss or a data pipeline with its own state), "
+                       "nondeterministic kernels or a hardware fault")
 
 #: A module through which at least this share of the window's samples go bad is blamed, not the samples.
 WEIGHT_DRIVEN_SHARE = 0.75
@@ -117,7 +120,7 @@ def classify_failure(d: dict[str, Any], history: list[dict[str, Any]] | None = N
             why = "the replays disagree with each other (nondeterministic kernels or a hardware fault)"
         else:
             why = (f"the replay's loss {loss} and grad norm {norm} differ from the observed "
-                   f"{_observed(d, 'loss')} and {_observed(d, 'grad_norm')}")
+                   f"{_observed(d, 'loss')} and {_observed(d, 'grad_norm')}: {NOT_REPRODUCED_HINT}")
         return {**out, "failure_class": "not reproducible", "evidence": why}
     if d.get("stage") == "inputs":
         where = f"samples {', '.join(map(str, samples))}" if samples else "the batch"

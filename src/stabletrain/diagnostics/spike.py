@@ -29,7 +29,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .spike_evidence import SURGE_FACTOR
+from .failure_class import NOT_REPRODUCED_HINT
+from .spike_evidence import MOSTLY_CARRIED, SURGE_FACTOR
 
 __all__ = ["SPIKE_CLASSES", "classify_spike", "spike_summary", "ordinary_stand_in", "UPDATE_JUMP", "LR_RISE"]
 
@@ -115,7 +116,8 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"blamed_samples": None, "blamed_layer": None, "blamed_module": None}
     older, samples = m.get("older"), m.get("samples")
     if not m.get("reproduces"):
-        return {**out, "failure_class": "not reproducible", "evidence": m.get("why_not_reproducible") or "the replay differs"}
+        return {**out, "failure_class": "not reproducible",
+                "evidence": f"{m.get('why_not_reproducible') or 'the replay differs'}: {NOT_REPRODUCED_HINT}"}
     fp32 = m.get("fp32")
     if fp32 is not None and not fp32["spike"]:
         where = m.get("where") or {}
@@ -199,10 +201,16 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     if acquit:
         blamed = None
     if high_before and blamed is None:  # (a surge in the update before is a cause; a high window, one by elimination)
+        note = m.get("samples_note") or ""
+        if note.startswith(MOSTLY_CARRIED):  # its largest losses carry most of it: more bad samples than a few, not none
+            return {**out, "failure_class": "data",
+                    "evidence": (f"the whole window is high under the state of step {older['step']} too ({_against(older)}); "
+                                 f"its largest losses carry most of it, but more of its samples are bad than a few: {note}"
+                                 + acquit)}
         return {**out, "failure_class": "data",
                 "evidence": (f"the whole window is high under the state of step {older['step']} too ({_against(older)}) "
                              "and no small set of its samples carries it: the batch itself is an outlier"
-                             + (f" (the search for a few: {m['samples_note']})" if m.get("samples_note") else "") + acquit)}
+                             + (f" (the search for a few: {note})" if note else "") + acquit)}
     drift = ""
     if high_before:  # (with a surge before it: the surge is the cause named)
         drift = f"; the window is high under the state of step {older['step']} too ({_against(older, False)})"

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 __all__ = ["adam_surges", "surge_rows", "departures", "precision_departures", "jumps", "max_outliers", "outlier_sets",
-           "lr_change", "lr_groups", "SURGE_FACTOR", "MIN_WHOLE", "PRECISION_ERROR"]
+           "lr_change", "lr_groups", "SURGE_FACTOR", "MIN_WHOLE", "PRECISION_ERROR", "MOSTLY_CARRIED"]
 
 SURGE_FACTOR = 10.0  #: A coordinate's gradient this many times sqrt(v) (Adam's second moment, bias-corrected) is a surge.
 MIN_WHOLE = 8  #: A layer of fewer coordinates (a bias of a few, a scalar) surging whole is not told from the whole step's.
@@ -148,6 +148,11 @@ def jumps(spike: dict[str, float], ordinary: dict[str, float], top: int = 3) -> 
         rows.append([name, value / base, value, base])
     rows.sort(key=lambda r: -r[1])
     return [r for r in rows[:top] if r[1] >= 1.0]
+
+
+#: How a sample search's note begins when the window's largest losses carry most of it yet dropping the most it may name
+#: (:func:`max_outliers`) leaves no normal step: more samples are bad than a "few" (the diagnosis says so, not "no set").
+MOSTLY_CARRIED = "without samples "
 
 
 def max_outliers(n: int) -> int:

@@ -59,7 +59,7 @@ LAUNCH_START_ENV = "STABLETRAIN_LAUNCH_START"
 SUPERVISED_ENV = "STABLETRAIN_SUPERVISED"
 #: Exit codes of a run that refused to restart into the same failure again (the launchers then stop too), of one that
 #: trained to train.max_steps and applied no update (every step skipped: again would too), and of one the guard stopped
-#: as stalled (guard.on_stall=stop: its checkpoints hold the collapsed loss scale, a restart would stall again).
+#: as stalled or on fp16 skips no loss scale fixes (its guard's ``final_stop``: a restart would meet the same stop).
 EXIT_GAVE_UP, EXIT_NO_UPDATE, EXIT_STALLED = 3, 4, 5
 #: Exit codes after which a run is never restarted (see the module docstring).
 FINAL_EXITS = (0, 2, EXIT_GAVE_UP, EXIT_NO_UPDATE, EXIT_STALLED, 130)
@@ -223,21 +223,23 @@ def restarts_used_up(death: dict[str, Any], note: Path, *, who: str) -> int:
     from ..records.rundir import RunDir
 
     code, limit, pid, last = death["exitcode"], death["max_restarts"], death.get("pid"), death.get("last_line")
-    run_dir = noted_run_dir(note)
-    step, told = None, False
+    run_dir, step, told = noted_run_dir(note), None, None
     if run_dir is not None:  # its last record: the metrics lines, and the events since the last launch began
         events = read_jsonl(run_dir / "events.jsonl")[0]
         marks = [i for i, e in enumerate(events) if e.get("kind") in ("restart", "resume")]
         records = [*read_jsonl(run_dir / "metrics.jsonl")[0], *events[marks[-1] if marks else 0:]]
         step = max((r["step"] for r in records if isinstance(r.get("step"), int)), default=0)
-        told = any(e.get("kind") in ("crash", "stop") for e in events[marks[-1] if marks else 0:])
+        told = next((e for e in reversed(events[marks[-1] if marks else 0:]) if e.get("kind") in ("crash", "stop")), None)
     if told and not limit:  # a rank recorded and said its own crash (or stop): nothing to add, no second record
         return 1 if code >= 0 else 128 - code
     died = f"{who}{f' (pid {pid})' if pid else ''} {describe_exit(code)}{f' (its last line: {last!r})' if last else ''}"
     line = (f"{died}, and its {limit} restart(s) are used up (run.max_restarts={limit}); not restarted again" if limit else
             f"{died}; not restarted (run.max_restarts=0)")
-    if run_dir is not None and told:  # its crash is the record (a stop beside it would hide it in the report)
-        line += f"; its crash is recorded in {run_dir / 'events.jsonl'}{_continue(run_dir)}"
+    why = str((told or {}).get("reason", "")).removeprefix("stopping: ")  # (the guard's stop: resumed as it is, it may stop
+    if run_dir is not None and told:  # there again; its crash, or that stop, is the record)
+        line += (f"; its crash is recorded in {run_dir / 'events.jsonl'}{_continue(run_dir)}" if told["kind"] == "crash" else
+                 f"; the guard stopped it{'' if last and why in last else f' ({why})'}, recorded in "
+                 f"{run_dir / 'events.jsonl'}: read why before resuming it as it is (it may stop there again)")
     elif run_dir is not None:  # (not "restart refused: ...", a launch that refused: the goodput counts those)
         try:
             run = RunDir(run_dir, resume=True)

@@ -158,7 +158,9 @@ class Guard:
         self._device_starts_from_here()
         self.stall = StallWatch(cfg.stall_steps)  # the last guard.stall_steps steps: a run that goes on without learning
         self.stall_warned = False
-        self.stall_stopped = False  # guard.on_stall=stop stopped the run: a restart would resume the stall (a final exit)
+        # Why a restart from LAST_GOOD would meet the guard's stop again (a final exit, never restarted), or None:
+        # guard.on_stall=stop's stall, or a run of skips no fp16 loss scale makes finite (the same steps skip again).
+        self.final_stop: str | None = None
         self.unordinary: deque[int] = deque(maxlen=UNORDINARY_KEPT)  # the last steps flagged (spikes, bad steps)
 
     @property
@@ -347,11 +349,13 @@ class Guard:
             self.last_scale = scale
             self.spike_skips = self.spike_skips + 1 if v["applied"] < 0.5 and v.get("spike", 0.0) > 0.5 else 0
             if self.consecutive_skips >= self.cfg.max_consecutive_skips and d.action == "continue":
-                crossed = row.step
+                crossed, fp16 = row.step, scale_note(scale, float(v.get("loss", math.nan)))
                 d.action, d.reason = "stop", (f"{self.consecutive_skips} consecutive skipped steps (guard.max_consecutive_skips="
                                               f"{self.cfg.max_consecutive_skips}) at step {row.step}: the run is not recovering"
-                                              + self._level_note(row.step)
-                                              + scale_note(scale, float(v.get("loss", math.nan))))
+                                              + self._level_note(row.step) + fp16)
+                if fp16:  # (deterministic: the same steps overflow again after a restart)
+                    self.final_stop = ("no loss scale the GradScaler reaches makes these steps finite: a restart would "
+                                       "skip them again")
             self.stall.record(v["applied"] >= 0.5, float(v.get("grad_norm", math.nan)), scale, float(v.get("loss", math.nan)))
         if crossed is not None and rows[-1].step > crossed:  # the guard reads at the log boundary: the run trained on to it
             d.reason += (f" (the run went on to its log boundary, step {rows[-1].step}: " + (
@@ -373,7 +377,8 @@ class Guard:
             return d
         stalled = self.stall.stalled(rows[-1].step if rows else 0)
         if stalled is not None and self.cfg.on_stall == "stop":
-            d.action, d.reason, self.stall_stopped = "stop", stalled, True
+            d.action, d.reason = "stop", stalled
+            self.final_stop = "its checkpoints hold the stalled state, a restart would stall again"
             return d
         if stalled is not None and not self.stall_warned:
             d.stall, self.stall_warned = stalled, True  # guard.on_stall=warn: said once
