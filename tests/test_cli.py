@@ -441,6 +441,21 @@ def test_the_last_line_says_a_spike_lifted_the_last_intervals_loss(tmp_path, cap
                     r"its smallest [\d.e+-]+\), grad_norm=", line), line
 
 
+def test_the_last_line_of_a_run_that_diverged_says_the_loss_rose(tmp_path, capsys):
+    """A new user's LR jump under guard.on_spike=warn: the loss ended far above its best and the last line read like any
+    run's ('trained 80 steps; loss=...; no step skipped'), exit 0. It says how far the loss rose, as the report does."""
+    from stabletrain.cli import main
+
+    assert main(["train", "task=spike_tasks:lr_jump_task", "train.batch_size=16", "train.max_steps=60", "log.every=5",
+                 "eval.every=0", "capture.incidents=false", f"run.dir={tmp_path / 'run'}"]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("stabletrain: trained 60 steps; ")]
+    assert re.search(r"; the loss rose x[\d.e+]+ from its best interval's mean \([\d.e+-]+ at step \d+\): stabletrain "
+                     rf"report {re.escape(str(tmp_path / 'run'))} says more; run directory: ", line), line
+    assert main(["train", "task=mlp", "train.max_steps=20", "log.every=5", "eval.every=0",
+                 f"run.dir={tmp_path / 'calm'}"]) == 0
+    assert "the loss rose" not in capsys.readouterr().out  # (a run that learned: not a word of it)
+
+
 def test_resume_of_a_folder_that_does_not_exist_says_so(tmp_path, capsys):
     from stabletrain.cli import main
 

@@ -585,7 +585,7 @@ def test_update_panel_draws_the_norm_and_the_ratio_on_separate_axes(real_run, mo
 
 
 def _clip_run(tmp_path, rates, norms, peaks, optimizer="adamw", threshold=1.0, every=10, post=None, integration=None,
-              stepped=None):
+              stepped=None, losses=None):
     """A run directory holding only what the clip verdict reads: config and metrics, one record per interval
     (``post``: the post-clip norms; without them the record is one written before that key existed; ``integration``:
     an adapter's run)."""
@@ -595,7 +595,8 @@ def _clip_run(tmp_path, rates, norms, peaks, optimizer="adamw", threshold=1.0, e
     if stepped is not None:  # the optimizer the run stepped (a task's own), as snapshot.json records it
         (tmp_path / "snapshot.json").write_text(json.dumps({"optimizer": stepped}))
     (tmp_path / "metrics.jsonl").write_text("".join(
-        json.dumps({"step": every * (i + 1), "loss": 1.0, "clip_rate": r, "grad_norm": n, "grad_norm_max": m,
+        json.dumps({"step": every * (i + 1), "loss": losses[i] if losses else 1.0, "clip_rate": r, "grad_norm": n,
+                    "grad_norm_max": m,
                     **({"grad_norm_post_clip": post[i]} if post is not None else {})}) + "\n"
         for i, (r, n, m) in enumerate(zip(rates, norms, peaks))))
     return health_summary(load_run(tmp_path))
@@ -603,6 +604,20 @@ def _clip_run(tmp_path, rates, norms, peaks, optimizer="adamw", threshold=1.0, e
 
 def _clip_sentence(h):
     return next((lvl, text) for lvl, text in h.sentences if text.startswith("Clipping fired on"))
+
+
+def test_a_clip_that_fires_on_a_diverging_run_is_called_its_symptom_not_retuned(tmp_path):
+    """A new user's LR jump: the loss climbed x1500 and the clip fired on every late step; the report advised 'set
+    clip.max_norm to about 17' (a looser clip for a run diverging). The rise is the cause it names first."""
+    h = _clip_run(tmp_path / "a", [0.1] * 4 + [1.0] * 6, [0.8] * 4 + [5.0, 9.0, 17.0, 30.0, 60.0, 90.0],
+                  [1.2] * 4 + [17.0] * 6, losses=[1.0, 0.5, 0.2, 0.1, 0.3, 2.0, 9.0, 40.0, 90.0, 150.0])
+    level, text = _clip_sentence(h)
+    assert (level, h.figures["clip_verdict"]) == ("warn", "diverging"), text
+    assert "the loss rose x1.5e+03 from its best interval (step 40, above), so the clip fires on gradients of a run " \
+           "that got worse: a symptom, not the setting to tune first. Lower the learning rate (optim.lr)" in text, text
+    assert "set clip.max_norm to about" not in text
+    calm = _clip_run(tmp_path / "b", [0.1] * 4 + [1.0] * 6, [0.8] * 4 + [5.0] * 6, [1.2] * 4 + [17.0] * 6)
+    assert calm.figures["clip_verdict"] == "most"  # (the same clip on a loss that did not rise: retune it)
 
 
 def test_the_clip_advice_of_a_run_whose_optimizer_is_unknown_names_none(tmp_path):

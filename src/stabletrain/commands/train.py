@@ -150,7 +150,7 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
         said = f"loss={record['loss']:.4g}"
         shown = shown.replace(said, f"{said} (the last interval's mean, with {plural(int(record['num_spikes']), 'loss spike')}"
                               f" in it; its smallest {record['loss_min']:.4g})", 1)
-    from ..report.health import stall_figures
+    from ..report.health import health_summary, stall_figures
     from ..report.rundata import load_run
 
     run = load_run(run_dir) if (run_dir / "events.jsonl").is_file() else None
@@ -164,6 +164,10 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
     if stall is not None and stall["recovered"] is None:
         skipped_note += (f"; stalled since step {stall['since']} (guard.on_stall=warn: trained on): at step {stall['step']}, "
                          f"{stall['gist']}")
+    rose = health_summary(run).figures.get("loss_rose") if run is not None else None  # (the report's own verdict)
+    if rose is not None:  # a run that got worse since its best (guard.on_spike=warn trains on through a divergence)
+        skipped_note += (f"; the loss rose x{rose['factor']:.3g} from its best interval's mean ({rose['best']:.4g} at step "
+                         f"{rose['best_step']}): stabletrain report {run_dir} says more")
     if skipped >= trainer.step > 0:  # not one update applied (a short fp16 run whose scale never found a finite step)
         from ..distributed.launch import EXIT_NO_UPDATE
 

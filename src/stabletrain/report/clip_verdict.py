@@ -113,6 +113,14 @@ def clip_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
     peak = f.get("grad_norm_max_median")
     retune = (f"set {clip_key} to about {fmt_num(peak, 2)} (the median of each interval's largest grad norm)"
               if peak is not None and peak >= 1.1 * threshold else None)  # (never "about 1" to a run clipping at 1)
+    rose = f.get("loss_rose")  # (the loss sentence's, above: the run got worse since its best interval)
+    if rose is not None and late_rate > CLIP_RARE and rate > 0:  # the clip fires on a diverging run: its symptom
+        f["clip_verdict"] = "diverging"
+        h.say("warn", f"{head}, {fmt_pct(late_rate)} in the second half{cuts}: the loss rose x{rose['factor']:.3g} from "
+                      f"its best interval (step {rose['best_step']:,}, above), so the clip fires on gradients of a run "
+                      f"that got worse: a symptom, not the setting to tune first. Lower the learning rate ({lr_key}), "
+                      f"or see what the incidents say, before retuning {clip_key}.")
+        return
     if rate == 0:
         f["clip_verdict"] = "never"
         h.say("ok", f"{head}: healthy, a guard that was never needed (every grad norm stayed below it).")

@@ -65,6 +65,7 @@ def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
         if best > 0 and now > ratio * best and best_step != rows[-1][0]:  # it got worse since: how far
             level = "warn"
             own = "" if now == f["loss_end"] else f" (its last interval's smallest loss, {fmt_num(now)})"
+            f["loss_rose"] = {"factor": now / best, "best": best, "best_step": int(best_step)}  # (the clip verdict's)
             text += (f"; it rose x{now / best:.3g}{own} from its best interval's mean, {fmt_num(best)} at step "
                      f"{best_step:,}")
     stall = f.get("stall")  # (health's, said above it): an end loss the parameters stopped moving at is not learning's
