@@ -426,6 +426,11 @@ def test_resume_with_another_run_dir_is_refused_naming_both(tmp_path, capsys):
     assert main(["train", "--resume", str(tmp_path / "a"), f"resume={tmp_path / 'b'}", "train.max_steps=6"]) == 2
     assert capsys.readouterr().err == (f"stabletrain: error: config key 'resume': {str(tmp_path / 'b')!r}, but --resume "
                                        f"{str(tmp_path / 'a')!r} continues another run: give one of them\n")
+    # a config file's 'resume:' resumes (it trained a fresh run in a new directory, without a word; a review)
+    (tmp_path / "resume.yaml").write_text(f"resume: {tmp_path / 'a'}\ntrain:\n  max_steps: 6\n")
+    assert main(["train", "--config", str(tmp_path / "resume.yaml")]) == 0
+    assert "resumed from step 4" in capsys.readouterr().out and not (tmp_path / "b").exists()
+    assert len([x for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines() if x.strip()]) == 6
 
 
 def test_the_last_line_says_a_spike_lifted_the_last_intervals_loss(tmp_path, capsys):

@@ -128,3 +128,30 @@ def test_more_processes_than_cores_on_a_machine_without_a_gpu_is_warned_before_t
     err = capsys.readouterr().err
     assert "stabletrain: warning: config key 'dist.nproc': 3 processes on a machine with 2 CPU core(s) and no GPU" in err
     assert main(["train", "dist.nproc=2", f"run.dir={tmp_path / 'run2'}"]) == 0 and "dist.nproc" not in capsys.readouterr().err
+
+
+def test_restarts_used_up_on_a_signals_stop_say_resume_it_not_that_the_guard_stopped_it(tmp_path, capsys):
+    """A preempted run (SIGTERM, then SIGKILL during its last checkpoint's wait) with its restarts used up: its last
+    record is the signal's stop, which the line called 'the guard stopped it' and dropped 'continue the run' (a review)."""
+    import json
+
+    from stabletrain.distributed.launch import restarts_used_up
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "LAST_GOOD").write_text("step_000004\n")
+    (run / "events.jsonl").write_text(json.dumps({"step": 5, "kind": "stop", "reason": "stopping: stopped by SIGTERM at "
+                                                                                     "step 5"}) + "\n")
+    note = tmp_path / "note"
+    note.write_text(f"{run}\n")
+    death = {"exitcode": -9, "max_restarts": 1, "pid": 42, "last_line": None}
+    assert restarts_used_up(death, note, who="the run's process") == 137
+    said = capsys.readouterr().err.strip()
+    assert said.endswith(f"its stop is recorded in {run / 'events.jsonl'}; continue the run: stabletrain train --resume {run}"
+                         ) and "the guard" not in said, said
+    (run / "events.jsonl").write_text(json.dumps({"step": 5, "kind": "stop", "reason": "stopping: non-finite value in the "
+                                                                                     "loss at step 5"}) + "\n")
+    restarts_used_up(death, note, who="the run's process")
+    said = capsys.readouterr().err.strip()
+    assert said.endswith(f"the guard stopped it (non-finite value in the loss at step 5), recorded in {run / 'events.jsonl'}: "
+                         "read why before resuming it as it is (it may stop there again)"), said

@@ -392,6 +392,14 @@ def test_nan_check_fails_on_a_model_that_is_already_broken():
     result = check_nan(CheckContext(cfg, task_factory=at_root))
     assert not result.passed and result.numbers == {"op": "aten.log.default", "module": "(the root module)"}
 
+    def in_the_loss():  # the op in the loss, outside any module: not the root module's (a review)
+        task = at_root()
+        task.model, task.loss = torch.nn.Linear(8, 4), lambda m, b: torch.log(F.mse_loss(m(b[0]), b[1]) * 0)
+        return task
+
+    result = check_nan(CheckContext(cfg, task_factory=in_the_loss))
+    assert not result.passed and result.numbers == {"op": "aten.log.default", "module": "(outside any module)"}
+
 
 class Pair(NamedTuple):
     logits: Tensor

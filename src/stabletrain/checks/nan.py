@@ -79,7 +79,8 @@ def check_nan(ctx: CheckContext) -> CheckResult:
             h.remove()
     if clean.first is not None:
         return CheckResult("nan", False, f"the model is not finite before planting anything: {clean.first.describe()}",
-                           numbers={"op": clean.first.op, "module": clean.first.module or "(the root module)"},
+                           numbers={"op": clean.first.op, "module": {"": "(the root module)", None: "(outside any module)"}.get(
+                               clean.first.module, clean.first.module)},
                            details=[("fix this first (stabletrain diagnose on a bad step names it), or the locator "
                                      "mistakes an intended inf for a fault")])
     if not called:

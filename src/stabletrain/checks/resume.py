@@ -212,9 +212,11 @@ def check_resume(ctx: CheckContext) -> CheckResult:
         if not (run_dir / "checkpoints" / f"step_{N_STEPS:06d}").is_dir():  # withheld (non-finite steps), or failed
             said = [e for e in read_jsonl(run_dir / "events.jsonl")[0] if e.get("step") == N_STEPS
                     and e.get("kind") in ("checkpoint_withheld", "checkpoint_failed")]
-            why = said[-1]["reason"] if said else f"the run stopped at step {trainer.step}: {trainer.stop_reason}"
-            return CheckResult("resume", False, f"no checkpoint at step {N_STEPS} to resume from ({why}): the steps before "
-                               "it are not healthy; the nan and amp checks say why")
+            why = (said[-1]["reason"] if said else f"the run ended at step {trainer.step}" + (
+                f": {trainer.stop_reason}" if trainer.stop_reason else ""))
+            tail = ("its write failed" if said and said[-1]["kind"] == "checkpoint_failed" else
+                    "the steps before it are not healthy; the nan and amp checks say why")
+            return CheckResult("resume", False, f"no checkpoint at step {N_STEPS} to resume from ({why}): {tail}")
         final = _params(trainer)
         out_file = Path(tmp) / "probe.json"
         state_file = Path(tmp) / "probe_params.pt"

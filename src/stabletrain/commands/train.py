@@ -33,6 +33,12 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
 
 def _resume_target(args: argparse.Namespace) -> str | None:
     given = [item.split("=", 1)[1] for item in args.overrides if item.startswith("resume=")]
+    if not given and args.config:  # the config file's own 'resume:' (it trained a fresh run without a word)
+        try:
+            data = load_yaml(Path(args.config).read_text(encoding="utf-8"), args.config)
+        except (OSError, ValueError):  # (load_config says what is wrong with the file)
+            data = None
+        given = [str(data["resume"])] if isinstance(data, dict) and data.get("resume") else []
     if args.resume:
         if given and given[-1] and Path(given[-1]).resolve() != Path(args.resume).resolve():
             raise ValueError(f"config key 'resume': {given[-1]!r}, but --resume {args.resume!r} continues another run: "
@@ -164,7 +170,10 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
     if stall is not None and stall["recovered"] is None:
         skipped_note += (f"; stalled since step {stall['since']} (guard.on_stall=warn: trained on): at step {stall['step']}, "
                          f"{stall['gist']}")
-    rose = health_summary(run).figures.get("loss_rose") if run is not None else None  # (the report's own verdict)
+    try:  # (the report's own verdict; odd run data costs the note, never the run's success)
+        rose = health_summary(run).figures.get("loss_rose") if run is not None else None
+    except Exception:  # noqa: BLE001
+        rose = None
     if rose is not None:  # a run that got worse since its best (guard.on_spike=warn trains on through a divergence)
         skipped_note += (f"; the loss rose x{rose['factor']:.3g} from its best interval's mean ({rose['best']:.4g} at step "
                          f"{rose['best_step']}): stabletrain report {run_dir} says more")

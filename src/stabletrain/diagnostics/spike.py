@@ -116,8 +116,9 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"blamed_samples": None, "blamed_layer": None, "blamed_module": None}
     older, samples = m.get("older"), m.get("samples")
     if not m.get("reproduces"):
+        why = m.get("why_not_reproducible") or "the replay differs"  # (the hint where its figures differ from the run's)
         return {**out, "failure_class": "not reproducible",
-                "evidence": f"{m.get('why_not_reproducible') or 'the replay differs'}: {NOT_REPRODUCED_HINT}"}
+                "evidence": f"{why}: {NOT_REPRODUCED_HINT}" if "differ" in why else why}
     fp32 = m.get("fp32")
     if fp32 is not None and not fp32["spike"]:
         where = m.get("where") or {}
@@ -202,7 +203,7 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
         blamed = None
     if high_before and blamed is None:  # (a surge in the update before is a cause; a high window, one by elimination)
         note = m.get("samples_note") or ""
-        if note.startswith(MOSTLY_CARRIED):  # its largest losses carry most of it: more bad samples than a few, not none
+        if MOSTLY_CARRIED in note:  # its largest losses carry most of it: more bad samples than a few, not none
             return {**out, "failure_class": "data",
                     "evidence": (f"the whole window is high under the state of step {older['step']} too ({_against(older)}); "
                                  f"its largest losses carry most of it, but more of its samples are bad than a few: {note}"

@@ -19,7 +19,7 @@ as a ``stop`` (:func:`restarts_used_up`).
 
 A run that ends with one of :data:`FINAL_EXITS` is never restarted: it finished or was stopped by a signal (0),
 stabletrain refused its input (2), it refused to restart into the same failure (:data:`EXIT_GAVE_UP`), it applied no
-update (:data:`EXIT_NO_UPDATE`), the guard stopped it as stalled (:data:`EXIT_STALLED`), or it was interrupted (130)."""
+update (:data:`EXIT_NO_UPDATE`), a restart would meet its guard's stop (:data:`EXIT_STALLED`), or it was interrupted (130)."""
 
 from __future__ import annotations
 
@@ -215,9 +215,8 @@ def run_dir_note(env: Any) -> Path:
 
 
 def restarts_used_up(death: dict[str, Any], note: Path, *, who: str) -> int:
-    """Say in one line that ``who`` died (``death``: its :func:`death_record`) and the run's restarts are used up, record
-    it as a ``stop`` event in the run directory :func:`note_run_dir` named in ``note`` (where one did), and return the
-    launcher's exit code: 1, or 128 + the signal that killed it."""
+    """Say in one line that ``who`` died (``death``: its :func:`death_record`) and the run's restarts are used up, record it
+    as a ``stop`` event in the run directory named in ``note`` (where one was); return 1, or 128 + the killing signal."""
     from .. import console
     from ..records.jsonl import read_jsonl
     from ..records.rundir import RunDir
@@ -235,9 +234,10 @@ def restarts_used_up(death: dict[str, Any], note: Path, *, who: str) -> int:
     died = f"{who}{f' (pid {pid})' if pid else ''} {describe_exit(code)}{f' (its last line: {last!r})' if last else ''}"
     line = (f"{died}, and its {limit} restart(s) are used up (run.max_restarts={limit}); not restarted again" if limit else
             f"{died}; not restarted (run.max_restarts=0)")
-    why = str((told or {}).get("reason", "")).removeprefix("stopping: ")  # (the guard's stop: resumed as it is, it may stop
-    if run_dir is not None and told:  # there again; its crash, or that stop, is the record)
-        line += (f"; its crash is recorded in {run_dir / 'events.jsonl'}{_continue(run_dir)}" if told["kind"] == "crash" else
+    why = str((told or {}).get("reason", "")).removeprefix("stopping: ")  # (a crash, a signal's stop: to resume; the
+    if run_dir is not None and told:  # guard's stop, resumed as it is, may stop there again: each is the record)
+        resumable = told["kind"] == "crash" or why.startswith("stopped by ")
+        line += (f"; its {told['kind']} is recorded in {run_dir / 'events.jsonl'}{_continue(run_dir)}" if resumable else
                  f"; the guard stopped it{'' if last and why in last else f' ({why})'}, recorded in "
                  f"{run_dir / 'events.jsonl'}: read why before resuming it as it is (it may stop there again)")
     elif run_dir is not None:  # (not "restart refused: ...", a launch that refused: the goodput counts those)

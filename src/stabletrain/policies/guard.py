@@ -354,8 +354,9 @@ class Guard:
                                               f"{self.cfg.max_consecutive_skips}) at step {row.step}: the run is not recovering"
                                               + self._level_note(row.step) + fp16)
                 if fp16:  # (deterministic: the same steps overflow again after a restart)
-                    self.final_stop = ("no loss scale the GradScaler reaches makes these steps finite: a restart would "
-                                       "skip them again")
+                    self.final_stop = (f"no loss scale the GradScaler reaches within guard.max_consecutive_skips="
+                                       f"{self.cfg.max_consecutive_skips} makes these steps finite: a restart would skip "
+                                       "them again")
             self.stall.record(v["applied"] >= 0.5, float(v.get("grad_norm", math.nan)), scale, float(v.get("loss", math.nan)))
         if crossed is not None and rows[-1].step > crossed:  # the guard reads at the log boundary: the run trained on to it
             d.reason += (f" (the run went on to its log boundary, step {rows[-1].step}: " + (
