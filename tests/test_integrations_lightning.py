@@ -518,3 +518,27 @@ def test_the_modules_val_loss_is_recorded_at_the_step_it_was_measured(tmp_path):
     rows = read_jsonl(tmp_path / "run4" / "metrics.jsonl")[0]
     assert [(r["step"], r.get("val_step")) for r in rows] == [(4, None), (8, 8)], rows
     assert [r.get("val_loss") for r in cb.session.history] == [r.get("val_loss") for r in rows]
+
+
+def test_a_replays_training_step_outside_the_trainer_does_not_warn_of_its_self_log():
+    """stabletrain diagnose / remedy on a Lightning run printed Lightning's 'You are trying to `self.log()` but the
+    `self.trainer` reference is not registered' once per replayed step (a new user's trial): the replay's, not theirs."""
+    from stabletrain.records.captured import lightning_loss
+
+    class Logs(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.lin(x)
+
+        def training_step(self, batch, batch_idx):
+            loss = F.mse_loss(self(batch[0]), batch[1])
+            self.log("train_loss", loss)
+            return loss
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        loss = lightning_loss(Logs(), (torch.randn(8, 4), torch.randn(8, 1)))
+    assert loss.ndim == 0 and not [w for w in seen if "self.log()" in str(w.message)], [str(w.message) for w in seen]

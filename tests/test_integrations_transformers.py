@@ -52,6 +52,13 @@ def trainer_for(model, callback, tmp_path, *, max_steps, rows=None, **kw):
                                 callbacks=[callback])
 
 
+def test_the_callbacks_it_does_not_take_from_the_others_name_the_trainers_own(tmp_path):
+    """clip_max_norm= (the Lightning callback's and the Monitor's) got only 'unexpected option' and the list."""
+    with pytest.raises(TypeError, match=r"^unexpected option 'clip_max_norm' \(the HF Trainer clips by "
+                                        r"TrainingArguments.max_grad_norm\); the options are "):
+        StableTrainCallback(run_dir=tmp_path / "run", clip_max_norm=1.0)
+
+
 def test_the_mirror_leaves_the_trainers_own_logging_as_it_is(tmp_path):
     """Our figures ride the Trainer's own logs at its logging_steps: it logs no more often for them (it logged at every
     one of our intervals, its loss then averaged over 4 steps instead of its 1000, its trackers written 250x as often)."""

@@ -752,3 +752,25 @@ def test_the_snapshots_config_hash_is_of_what_config_yaml_holds_and_an_unmeasure
             monitor.backward(loss_fn(model, batch))
             monitor.step(batch, num_tokens=5)  # a count of its own: what it counts is not known
     assert load_run(tmp_path / "d").count_unit == "items"
+
+
+def test_an_optimizer_of_another_model_is_refused_and_a_float_loss_is_taken(tmp_path):
+    """A new user's slips: an optimizer built on another model's parameters was accepted in silence (the model never
+    trained, its gradients piled up: grad_norm 9.8 and climbing); step(loss=loss.item()) raised "'float' object has no
+    attribute 'detach'" from stabletrain's own line."""
+    model, _ = make()
+    _, other = make()
+    with pytest.raises(ValueError, match=r"^the optimizer \(AdamW\) holds none of the model's parameters \(\d+ tensor\(s\) "
+                                         r"of another model\): build it on this model's parameters, model.parameters\(\)$"):
+        Monitor(model, other, run_dir=tmp_path / "other")
+    assert not (tmp_path / "other").exists()  # refused before anything was written
+    model, opt = make()
+    losses = []
+    with Monitor(model, opt, run_dir=tmp_path / "float", log_every=5) as monitor:
+        for batch in batches(5):
+            loss = loss_fn(model, batch)
+            loss.backward()
+            losses.append(loss.item())
+            monitor.step(batch, loss=loss.item())  # your own backward, its loss as a Python float
+    (record,) = read_jsonl(tmp_path / "float" / "metrics.jsonl")[0]
+    assert record["loss"] == pytest.approx(sum(losses) / 5, rel=1e-6)

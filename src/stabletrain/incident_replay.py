@@ -460,8 +460,8 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
     if checked and result.get("stage") == "inputs" and result.get("op") is None:
         result["summary"] += "; no op of the model reads it (its loss stays finite): guard.check_inputs flagged the step"
     if result.get("stage") == "none" and bundle.get("host") == "monitor":  # the step's own batch, or not all of it?
-        result["summary"] += ("; Monitor: the replay ran the batch the step was given: with accumulation and your own "
-                              "backward, give them all: monitor.step(micro_batches=[...], loss=...)")
+        result["summary"] += ("; Monitor: the replay ran the batches the step was given: if it accumulated more with "
+                              "your own backward, give them all: monitor.step(micro_batches=[...], loss=...)")
     _positions(result, task)
     result["timings"] = {"load_s": load_s, **result["timings"], "total_s": time.perf_counter() - start}
     # A compiled run (train.compile, or a host's torch.compile) is diagnosed on the module itself, eagerly, on the

@@ -284,7 +284,12 @@ def build_step(cfg: Any, model: nn.Module, optimizer: torch.optim.Optimizer | No
     """The run's step as its config says: clipping at ``clip.max_norm``, the guard's input and parameter checks.
 
     ``parts``: the rest of :class:`TrainStep`'s arguments (guard, schedule, params, window, carrier, numerics).
-    The built-in loop, the incident replay and the Monitor build their step here, so each runs the same one.
+    The built-in loop, the incident replay and the Monitor build their step here, so each runs the same one. An
+    optimizer that holds none of the model's parameters is refused (it would step another model's, silently).
     """
+    held = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else []
+    if held and not {id(p) for p in held} & {id(p) for p in model.parameters()}:
+        raise ValueError(f"the optimizer ({type(optimizer).__name__}) holds none of the model's parameters ({len(held)} "
+                         f"tensor(s) of another model): build it on this model's parameters, model.parameters()")
     return TrainStep(model, optimizer, precision, clipper=GradClipper(cfg.clip.max_norm),
                      check_inputs=cfg.guard.check_inputs, check_params=cfg.guard.check_params, **parts)

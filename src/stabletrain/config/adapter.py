@@ -62,8 +62,11 @@ class AdapterOptions:
 
     def __init__(self, **options: Any) -> None:
         unknown = sorted(set(options) - set(CONFIG_KEYS) - set(HOST_OPTIONS))
-        if unknown:
-            raise TypeError(f"unexpected option {', '.join(map(repr, unknown))}; the options are "
+        if unknown:  # (clip_max_norm= and precision= are the callback's in Lightning, the Monitor's: the HF Trainer's own)
+            host = {"clip_max_norm": "the HF Trainer clips by TrainingArguments.max_grad_norm",
+                    "precision": "the HF Trainer's precision is TrainingArguments.bf16 / fp16"}
+            raise TypeError(f"unexpected option {', '.join(map(repr, unknown))}"
+                            + "".join(f" ({host[k]})" for k in unknown if k in host) + "; the options are "
                             f"{', '.join(sorted([*CONFIG_KEYS, *HOST_OPTIONS]))}")
         trackers = options.pop("trackers", ("tensorboard",))
         if isinstance(trackers, str) or not isinstance(trackers, Sequence):

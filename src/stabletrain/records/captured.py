@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -118,7 +119,9 @@ def lightning_loss(model: nn.Module, batch: Any) -> Tensor:
 
     model.forward = forward  # an instance attribute, removed below
     try:
-        out = model(batch)
+        with warnings.catch_warnings():  # (a replay runs training_step outside a Trainer: its self.log() warns each step)
+            warnings.filterwarnings("ignore", message=r"You are trying to `self\.log\(\)` but the `self\.trainer` reference")
+            out = model(batch)
     finally:
         del model.forward
         if own is not None:
