@@ -77,3 +77,11 @@ def test_resume_check_on_steps_that_are_all_non_finite_says_the_checkpoint_was_w
         "no checkpoint at step 4 to resume from (checkpoint at step 4 withheld: its last 4 steps were skipped"), result.summary
     assert result.summary.endswith("the steps before it are not healthy; the nan and amp checks say why")
     assert "captured into" not in capsys.readouterr().out
+
+
+def test_check_resume_json_is_json_on_a_model_whose_init_the_run_would_flag():
+    """A new user's `stabletrain check resume task=mlp task_args.depth=12 --json`: the check's inner run printed its
+    step-0 init line ('init at step 0: forward: vanishes at #5 ...', naming init_signal.json in the check's deleted
+    folder) on stdout before the JSON, which then did not parse."""
+    rc, results = check("resume", "task=mlp", "task_args.depth=12")  # (check() parses stdout as JSON)
+    assert rc == 0 and results["resume"]["passed"]

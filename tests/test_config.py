@@ -255,6 +255,7 @@ def test_help_readme_and_refusal_print_the_same_resume_safe_keys():
     help_text = subprocess.run([sys.executable, "-m", "stabletrain", "train", "--help"], capture_output=True, text=True,
                                timeout=120, check=True).stdout
     assert f"only these keys may change on resume: {listed}" in words(help_text)
+    assert "(on another number of processes, dist.*, also train.batch_size, accum.steps)" in words(help_text)  # (reshard)
     readme = (Path(__file__).parents[1] / "docs" / "checkpoints.md").read_text(encoding="utf-8")
     assert f"only these keys may change on resume: {resume_safe_text(code=True)}" in words(readme)
     diffs = diff_configs(Config(), load_config(None, ["optim.lr=0.5", "accum.steps=2"]))

@@ -761,7 +761,8 @@ def test_an_optimizer_of_another_model_is_refused_and_a_float_loss_is_taken(tmp_
     model, _ = make()
     _, other = make()
     with pytest.raises(ValueError, match=r"^the optimizer \(AdamW\) holds none of the model's parameters \(\d+ tensor\(s\) "
-                                         r"of another model\): build it on this model's parameters, model.parameters\(\)$"):
+                                         r"of another model\): build it on this model's parameters \(a Task.optimizer "
+                                         r"factory: on the named_params it is given\)$"):
         Monitor(model, other, run_dir=tmp_path / "other")
     assert not (tmp_path / "other").exists()  # refused before anything was written
     model, opt = make()
@@ -771,6 +772,7 @@ def test_an_optimizer_of_another_model_is_refused_and_a_float_loss_is_taken(tmp_
             loss = loss_fn(model, batch)
             loss.backward()
             losses.append(loss.item())
-            monitor.step(batch, loss=loss.item())  # your own backward, its loss as a Python float
+            # your own backward, its loss as a Python float (or a 1-element tensor, DataParallel's shape)
+            monitor.step(batch, loss=loss.item() if len(losses) % 2 else loss.detach().reshape(1))
     (record,) = read_jsonl(tmp_path / "float" / "metrics.jsonl")[0]
     assert record["loss"] == pytest.approx(sum(losses) / 5, rel=1e-6)

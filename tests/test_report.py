@@ -618,6 +618,12 @@ def test_a_clip_that_fires_on_a_diverging_run_is_called_its_symptom_not_retuned(
     assert "set clip.max_norm to about" not in text
     calm = _clip_run(tmp_path / "b", [0.1] * 4 + [1.0] * 6, [0.8] * 4 + [5.0] * 6, [1.2] * 4 + [17.0] * 6)
     assert calm.figures["clip_verdict"] == "most"  # (the same clip on a loss that did not rise: retune it)
+    # A memorized dataset's loss at float32's floor: x40 of 1e-9 is no divergence against a descent from 2 (a review:
+    # 'the loss rose x7.14 from its best interval's mean (1.043e-09 ...)' on the mlp over 64 samples)
+    floor = _clip_run(tmp_path / "c", [0.1] * 4 + [1.0] * 6, [0.8] * 4 + [5.0] * 6, [1.2] * 4 + [17.0] * 6,
+                      losses=[2.0, 1.0, 0.3, 0.01, 1e-4, 1e-6, 1e-9, 2e-9, 1e-8, 4e-8])
+    assert "loss_rose" not in floor.figures and floor.figures["clip_verdict"] == "most"
+    assert not any("it rose" in text for _, text in floor.sentences)
 
 
 def test_the_clip_advice_of_a_run_whose_optimizer_is_unknown_names_none(tmp_path):

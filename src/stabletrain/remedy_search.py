@@ -48,7 +48,6 @@ from .diagnostics.remedy_verdicts import (
     END_STEPS,
     LOSS_TOLERANCE,
     VERDICTS,
-    against_best_cure,
     before_later_incident,
     end_loss,
     format_table,
@@ -397,8 +396,6 @@ def search_remedies(directory: str | Path, task: Task | None = None, *, steps: i
         if r.get("extension_error"):
             r["evidence"] += f"; {r['extension_error']}"
         r["baseline"] = r is baseline
-    if baseline.get("verdict") != "cures" and healthy is None and typical is None:  # no bar for the end loss but the cures'
-        against_best_cure(results)
     ranked = sorted(results, key=rank_key)
     total_steps = sum(r["steps_replayed"] for r in results)
     record = {

@@ -290,6 +290,7 @@ def build_step(cfg: Any, model: nn.Module, optimizer: torch.optim.Optimizer | No
     held = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else []
     if held and not {id(p) for p in held} & {id(p) for p in model.parameters()}:
         raise ValueError(f"the optimizer ({type(optimizer).__name__}) holds none of the model's parameters ({len(held)} "
-                         f"tensor(s) of another model): build it on this model's parameters, model.parameters()")
+                         f"tensor(s) of another model): build it on this model's parameters (a Task.optimizer factory: on the "
+                         "named_params it is given)")
     return TrainStep(model, optimizer, precision, clipper=GradClipper(cfg.clip.max_norm),
                      check_inputs=cfg.guard.check_inputs, check_params=cfg.guard.check_params, **parts)

@@ -177,7 +177,8 @@ def _run_cfg(cfg: Config, run_dir: Path, steps: int, ckpt_every: int) -> Config:
     data = config_to_dict(cfg)
     data["train"]["max_steps"] = steps
     data["ckpt"]["every"] = ckpt_every
-    data["log"].update(every=1, progress=False, tensorboard=False)
+    data["log"].update(every=1, progress=False, tensorboard=False, init_signal=False)  # (its step-0 line named a file of
+    # the check's deleted folder, on stdout before --json's output; the init check is the doctor's own)
     data["eval"]["every"] = 0
     data["capture"].update(diagnose=False, incidents=False)  # (an incident's capture would print a folder deleted after)
     data["run"].update(dir=str(run_dir), overwrite=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import console
-from ..config import load_config, load_yaml, resume_safe_text
+from ..config import RESHARD_SAFE_KEYS, load_config, load_yaml, resume_safe_text
 from . import keys_help
 
 if TYPE_CHECKING:
@@ -27,7 +27,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, e.g. optim.lr=3e-4 accum.steps=4")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its LAST_GOOD checkpoint "
                    "(same as resume=RUN_DIR); "
-                   f"its config.yaml is the base, and only these keys may change on resume: {resume_safe_text()}")
+                   f"its config.yaml is the base, and only these keys may change on resume: {resume_safe_text()} "
+                   f"(on another number of processes, dist.*, also {resume_safe_text(RESHARD_SAFE_KEYS)})")
     p.add_argument("--report", action="store_true", help="write RUN_DIR/report.html at the end of training")
 
 

@@ -13,7 +13,7 @@ import math
 from typing import Any
 
 __all__ = ["LOSS_TOLERANCE", "END_STEPS", "VERDICTS", "judge", "end_loss", "before_later_incident", "healthy_bar",
-           "rank_key", "format_table", "against_best_cure"]
+           "rank_key", "format_table"]
 
 #: A cure's end loss may exceed the baseline's by at most this fraction.
 LOSS_TOLERANCE = 0.10
@@ -113,19 +113,6 @@ def judge(result: dict[str, Any], baseline: dict[str, Any], healthy: tuple[int, 
     what = healthy[2] if len(healthy) > 2 else "the last healthy interval"
     text = f"{steps}; end loss {end:.4g} vs {healthy[1]:.4g} at step {healthy[0]}, {what} ({fails})"
     return ("cures" if end <= healthy[1] * bar + 1e-12 else "worse"), text
-
-
-def against_best_cure(results: list[dict[str, Any]]) -> None:
-    """Where no bar judges the end loss (the baseline cures nothing, no healthy interval nor spike median: an adapter's
-    NaN), a cure whose end loss is over the tolerance above the best cure's is ``worse``: a clamp that inflates the loss
-    (an eps-guard's x5.5 beside skip-samples') does not pass for a cure. In place."""
-    cures = [r for r in results if r.get("verdict") == "cures" and math.isfinite(r.get("end_loss", math.nan))]
-    best = min(cures, key=lambda r: r["end_loss"], default=None)
-    for r in cures:
-        if best is not None and r["end_loss"] > best["end_loss"] * (1 + LOSS_TOLERANCE) + 1e-12:
-            r["verdict"] = "worse"
-            r["evidence"] += (f"; x{r['end_loss'] / best['end_loss']:.3g} the best cure's end loss ({best['name']}'s "
-                              f"{best['end_loss']:.4g}, tolerance x{1 + LOSS_TOLERANCE:g})")
 
 
 def healthy_bar(history: list[dict[str, Any]], diagnosis: dict[str, Any]) -> tuple[int, float, str] | None:

@@ -169,7 +169,7 @@ class Monitor:
         if session.closed:
             raise RuntimeError("Monitor.step() after close(): build a new Monitor (resume=True) to continue the run")
         given = loss is not None
-        loss = torch.as_tensor(loss, device=session.device).detach().float() if given else self._loss  # (a float too)
+        loss = torch.as_tensor(loss, device=session.device).detach().float().reshape(()) if given else self._loss
         if loss is None:
             raise ValueError("Monitor.step(): no loss for this step; call monitor.backward(loss) first, or pass "
                              "monitor.step(batch, loss=loss) when you ran backward yourself")

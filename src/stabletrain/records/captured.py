@@ -23,6 +23,7 @@ Samples are numbered by their position in the step: micro-batch 0's rows first, 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import warnings
@@ -97,6 +98,18 @@ def _accepts_loss_kwargs(model: nn.Module) -> bool:
     return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values())
 
 
+@contextlib.contextmanager
+def _quiet_log(model: nn.Module) -> Any:
+    """A replay runs training_step outside a Trainer, where its ``self.log()`` warns on every step; the filter only there
+    (a module in its Trainer, a live capture's, warns of nothing: the user's warning filters stay as they are)."""
+    if getattr(model, "_trainer", None) is not None:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"You are trying to `self\.log\(\)` but the `self\.trainer` reference")
+        yield
+
+
 def lightning_loss(model: nn.Module, batch: Any) -> Tensor:
     """``model.training_step(batch, 0)``'s loss, run as the module's own call.
 
@@ -119,8 +132,7 @@ def lightning_loss(model: nn.Module, batch: Any) -> Tensor:
 
     model.forward = forward  # an instance attribute, removed below
     try:
-        with warnings.catch_warnings():  # (a replay runs training_step outside a Trainer: its self.log() warns each step)
-            warnings.filterwarnings("ignore", message=r"You are trying to `self\.log\(\)` but the `self\.trainer` reference")
+        with _quiet_log(model):
             out = model(batch)
     finally:
         del model.forward

@@ -17,6 +17,8 @@ from .text import fmt_num, fmt_ranges
 __all__ = ["loss_sentence", "LOSS_ENDS"]
 
 LOSS_ENDS = 5
+#: A loss that rose from its best interval is said to have risen only by more than this share of the run's descent to it.
+RISE_FLOOR = 0.005
 
 
 def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (which imports this module)
@@ -62,7 +64,9 @@ def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
         # (an end read as a median of the last intervals reaches back to where the loss was still falling: whether the
         # loss rose since its best is the last interval's own smallest loss's to say; 'rose x3.71' for one that fell)
         now = rows[-1][3] if end is not None and len(rows) > 1 else f["loss_end"]
-        if best > 0 and now > ratio * best and best_step != rows[-1][0]:  # it got worse since: how far
+        # it got worse since: how far; by more than RISE_FLOOR of the run's own descent (x7 on a memorized 1e-9 is
+        # float32 noise, not a divergence)
+        if best > 0 and now > ratio * best and best_step != rows[-1][0] and now - best > RISE_FLOOR * (f["loss_start"] - best):
             level = "warn"
             own = "" if now == f["loss_end"] else f" (its last interval's smallest loss, {fmt_num(now)})"
             f["loss_rose"] = {"factor": now / best, "best": best, "best_step": int(best_step)}  # (the clip verdict's)
