@@ -102,7 +102,11 @@ def _accepts_loss_kwargs(model: nn.Module) -> bool:
 def _quiet_log(model: nn.Module) -> Any:
     """A replay runs training_step outside a Trainer, where its ``self.log()`` warns on every step; the filter only there
     (a module in its Trainer, a live capture's, warns of nothing: the user's warning filters stay as they are)."""
-    if getattr(model, "_trainer", None) is not None:
+    try:
+        attached = getattr(model, "trainer", None) is not None  # (Lightning's public property: it raises when unattached)
+    except RuntimeError:
+        attached = False
+    if attached:
         yield
         return
     with warnings.catch_warnings():
