@@ -17,6 +17,12 @@ def env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(TESTS) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
 
 
+def train_cli(*args, timeout=240):
+    """``python -m stabletrain train ARGS`` (with :data:`FAST`) to its end, whatever its exit code: the finished process."""
+    return subprocess.run([sys.executable, "-m", "stabletrain", "train", *args, *FAST], env=env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
 def run(cmd, timeout=240):
     """Run ``cmd`` to completion; fail the test with the tail of its output when it exits non-zero."""
     res = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=timeout)

@@ -2,11 +2,9 @@
 redone (the next launch trains them again from that checkpoint), as a SIGKILLed launch's are, not "other"."""
 
 import json
-import subprocess
-import sys
 
 import pytest
-from multiproc import FAST, env, events
+from multiproc import events, train_cli
 
 from stabletrain.report.goodput import read_goodput
 
@@ -89,10 +87,10 @@ def test_a_crash_loop_through_the_cli_books_the_steps_each_launch_trained_again_
     """Sample 45 raises (batch 8, no shuffle: step 6) on every launch; checkpoints and log lines every 4 steps, so each
     launch trains step 5 after its last checkpoint and log line; the restart resumes from step_000004."""
     run_dir = tmp_path / "run"
-    res = subprocess.run([sys.executable, "-m", "stabletrain", "train", "task=restart_tasks:unreadable_sample_task",
-                          "train.batch_size=8", "data.shuffle=false", "train.max_steps=8", "ckpt.every=4", "log.every=4",
-                          "eval.every=0", "log.init_signal=false", "run.max_restarts=2", "run.max_repeats=1",
-                          f"run.dir={run_dir}", *FAST], env=env(), capture_output=True, text=True, timeout=120)
+    res = train_cli("task=restart_tasks:unreadable_sample_task",
+                    "train.batch_size=8", "data.shuffle=false", "train.max_steps=8", "ckpt.every=4", "log.every=4",
+                    "eval.every=0", "log.init_signal=false", "run.max_restarts=2", "run.max_repeats=1",
+                    f"run.dir={run_dir}", timeout=120)
     assert res.returncode == 3, res.stderr[-3000:]
     kinds = [(e["kind"], e["step"]) for e in events(run_dir) if e["kind"] in ("crash", "restart", "stop")]
     assert kinds == [("crash", 5), ("restart", 4), ("crash", 5), ("stop", 5)]

@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 from helpers import cfg
-from multiproc import FAST, World, cli, descendants, env, events, steps_logged
+from multiproc import FAST, World, cli, descendants, env, events, steps_logged, train_cli
 from restart_tasks import children, free_port, ranks_of, wait_gone
 
 from stabletrain import Trainer
@@ -253,10 +253,9 @@ def test_restarts_whose_launches_die_in_their_start_up_each_get_their_event_and_
 def test_the_same_crash_after_a_restart_stops_the_run_with_one_line(tmp_path):
     run_dir = tmp_path / "run"
     # Sample 45 raises when read: step 6 (batch 8, no shuffle) crashes on every launch; checkpoints at 0, 2, 4.
-    res = subprocess.run([sys.executable, "-m", "stabletrain", "train", "task=restart_tasks:unreadable_sample_task",
-                          "train.batch_size=8", "data.shuffle=false", "train.max_steps=12", "ckpt.every=2", "log.every=2",
-                          "eval.every=0", "run.max_restarts=5", "run.max_repeats=1", f"run.dir={run_dir}", *FAST],
-                         env=env(), capture_output=True, text=True, timeout=240)
+    res = train_cli("task=restart_tasks:unreadable_sample_task",
+                    "train.batch_size=8", "data.shuffle=false", "train.max_steps=12", "ckpt.every=2", "log.every=2",
+                    "eval.every=0", "run.max_restarts=5", "run.max_repeats=1", f"run.dir={run_dir}")
     assert res.returncode == 3, res.stderr[-3000:]
     kinds = [(e["kind"], e["step"]) for e in events(run_dir) if e["kind"] in ("crash", "restart", "stop")]
     assert kinds == [("crash", 5), ("restart", 4), ("crash", 5), ("stop", 5)]  # one restart (K=1), then no more
@@ -274,10 +273,9 @@ def test_a_run_the_guard_stopped_as_stalled_is_not_restarted(tmp_path):
     repeat rule caught it), twice, and it ended 'exited with code 1 ... restarts used up ... continue the run'. The stall
     is a final exit (5): one line, no restart."""
     run_dir = tmp_path / "run"
-    res = subprocess.run([sys.executable, "-m", "stabletrain", "train", "task=remedy_tasks:fp16_stall_task", "precision=fp16",
-                          "train.batch_size=8", "data.shuffle=false", "train.max_steps=80", "log.every=10", "ckpt.every=10",
-                          "eval.every=0", "capture.incidents=false", "run.max_restarts=2", f"run.dir={run_dir}", *FAST],
-                         env=env(), capture_output=True, text=True, timeout=240)
+    res = train_cli("task=remedy_tasks:fp16_stall_task", "precision=fp16",
+                    "train.batch_size=8", "data.shuffle=false", "train.max_steps=80", "log.every=10", "ckpt.every=10",
+                    "eval.every=0", "capture.incidents=false", "run.max_restarts=2", f"run.dir={run_dir}")
     assert res.returncode == 5, res.stderr[-3000:]
     kinds = [(e["kind"], e["step"]) for e in events(run_dir) if e["kind"] in ("crash", "restart", "stop")]
     assert kinds == [("stop", 60)], kinds
@@ -293,10 +291,10 @@ def test_a_run_of_skips_no_fp16_loss_scale_makes_finite_is_not_restarted(tmp_pat
     crash and said 'continue the run: stabletrain train --resume'. The same steps overflow after any restart: a final
     exit (5), one line, no restart."""
     run_dir = tmp_path / "run"
-    res = subprocess.run([sys.executable, "-m", "stabletrain", "train", "task=remedy_tasks:fp16_overflow_task",
-                          "precision=fp16", "train.batch_size=8", "train.max_steps=40", "log.every=5", "ckpt.every=5",
-                          "eval.every=0", "capture.incidents=false", "guard.max_consecutive_skips=4", "run.max_restarts=2",
-                          f"run.dir={run_dir}", *FAST], env=env(), capture_output=True, text=True, timeout=240)
+    res = train_cli("task=remedy_tasks:fp16_overflow_task",
+                    "precision=fp16", "train.batch_size=8", "train.max_steps=40", "log.every=5", "ckpt.every=5",
+                    "eval.every=0", "capture.incidents=false", "guard.max_consecutive_skips=4", "run.max_restarts=2",
+                    f"run.dir={run_dir}")
     assert res.returncode == 5, res.stderr[-3000:]
     assert [e["kind"] for e in events(run_dir) if e["kind"] in ("crash", "restart", "stop")] == ["stop"]
     said = [line for line in res.stderr.splitlines() if line.startswith("stabletrain: the run stopped")]
@@ -311,10 +309,10 @@ def test_restarts_used_up_on_a_guard_stop_say_the_guard_stopped_it_not_a_crash(t
     """The restarts used up on the guard's stop (guard.on_nonfinite=stop) ended 'its crash is recorded in ...; continue
     the run: stabletrain train --resume': the stop is the guard's, and resuming as it is may meet it again."""
     run_dir = tmp_path / "run"
-    res = subprocess.run([sys.executable, "-m", "stabletrain", "train", "task=examples.nan_task:make_task",
-                          "train.max_steps=12", "train.batch_size=16", "log.every=2", "ckpt.every=2", "eval.every=0",
-                          "capture.incidents=false", "guard.on_nonfinite=stop", "run.max_restarts=1", "run.max_repeats=5",
-                          f"run.dir={run_dir}", *FAST], env=env(), capture_output=True, text=True, timeout=240)
+    res = train_cli("task=examples.nan_task:make_task",
+                    "train.max_steps=12", "train.batch_size=16", "log.every=2", "ckpt.every=2", "eval.every=0",
+                    "capture.incidents=false", "guard.on_nonfinite=stop", "run.max_restarts=1", "run.max_repeats=5",
+                    f"run.dir={run_dir}")
     assert res.returncode == 1, res.stderr[-3000:]
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("stabletrain: error: the run's process (pid ") and last.endswith(
@@ -328,10 +326,10 @@ def test_the_same_crash_of_rank_1_under_ddp_stops_with_exit_3_and_one_line(tmp_p
     was 'ended without a record of why' and only the no-checkpoint rule stopped the loop (5 launches), and torchrun
     ended exit 1 with its ChildFailedError banner. The launcher's record of the death names it: the same failure."""
     run_dir = tmp_path / "run"
-    res = subprocess.run([sys.executable, "-m", "stabletrain", "train", "task=restart_tasks:unreadable_sample_task",
-                          "train.batch_size=8", "data.shuffle=false", "train.max_steps=12", "ckpt.every=1", "log.every=1",
-                          "eval.every=0", "run.max_restarts=5", "run.max_repeats=1", "dist.nproc=2",
-                          f"run.dir={run_dir}", *FAST], env=env(), capture_output=True, text=True, timeout=240)
+    res = train_cli("task=restart_tasks:unreadable_sample_task",
+                    "train.batch_size=8", "data.shuffle=false", "train.max_steps=12", "ckpt.every=1", "log.every=1",
+                    "eval.every=0", "run.max_restarts=5", "run.max_repeats=1", "dist.nproc=2",
+                    f"run.dir={run_dir}")
     assert res.returncode == 3 and "ChildFailedError" not in res.stderr, res.stderr[-3000:]
     assert [e["kind"] for e in events(run_dir) if e["kind"] in ("restart", "stop")] == ["restart", "stop"]
     refused = [line for line in res.stderr.splitlines() if "not restarting" in line]

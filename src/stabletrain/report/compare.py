@@ -84,12 +84,13 @@ def write_compare(run_dirs: Sequence[str | Path], out: str | Path | None = None)
     """
     if len(run_dirs) < 2:
         raise ValueError(f"compare needs at least two run directories, got {len(run_dirs)}")
-    seen: dict[Path, str] = {}
-    for d in run_dirs:  # the same run twice compares it with itself: a slip in the command, not a comparison
-        first = seen.setdefault(Path(d).resolve(), str(d))
-        if first != str(d) or list(map(str, run_dirs)).count(str(d)) > 1:
-            raise ValueError(f"run directory {str(d)!r} is given twice" + (f" (as {first!r} too)" if first != str(d) else "")
+    seen: dict[Path, str] = {}  # (the same run twice compares it with itself: a slip in the command, not a comparison)
+    for d in map(str, run_dirs):
+        first = seen.get(Path(d).resolve())
+        if first is not None:
+            raise ValueError(f"run directory {d!r} is given twice" + (f" (as {first!r} too)" if first != d else "")
                              + ": compare needs two or more different runs")
+        seen[Path(d).resolve()] = d
     runs = [load_run(d) for d in run_dirs]
     out = compare_path(run_dirs, out)
     labels = run_labels(runs)
