@@ -402,6 +402,53 @@ def test_stage_reuses_its_buffers_and_copies_what_could_change(tmp_path):
     assert stager.num_bytes == 3 * 4
 
 
+def test_stage_reuses_its_plan_for_the_same_parameters_and_walks_again_when_they_change():
+    """The parameters and optimizer state (a dict of dicts of tensors), staged again with the same tensors: the same
+    buffers and containers, the new values; a tensor replaced (another address or shape), a key added, another share,
+    a plain value among them, a tie undone or made another view: a fresh walk, and the staged values are the live ones."""
+    from stabletrain.records.staging import StateStager, Withheld, equal_states
+
+    live = {"w": torch.randn(6, 4), "b": torch.randn(6), "m": torch.randn(6, 4), "step": torch.tensor(1.0)}
+
+    def side(tied: bool = True) -> dict:  # new tensor objects each time, as a state_dict() makes them (detach)
+        t = {k: v.detach() for k, v in live.items()}
+        return {"model": {"emb": t["w"], "head": t["w"] if tied else t["m"], "b": t["b"]},
+                "optimizer": {0: {"exp_avg": t["m"], "step": t["step"]}}}
+
+    stager = StateStager()
+    first, _ = stager.stage(side())
+    assert first["model"]["emb"] is first["model"]["head"] and equal_states(first, side())  # the tie: one buffer
+    buffers = [id(t) for t in first["model"].values()]
+    for t in live.values():
+        t.mul_(2.0)  # a step in place
+    again, _ = stager.stage(side())
+    assert again is first and equal_states(again, side())  # the plan reused: the same containers, today's values
+    assert [id(t) for t in again["model"].values()] == buffers
+    live["b"] = torch.zeros(6)  # replaced: another tensor at another address
+    third, _ = stager.stage(side())
+    assert third is not first and equal_states(third, side()) and torch.equal(third["model"]["b"], torch.zeros(6))
+    live["m"] = torch.randn(4, 6)  # another shape
+    assert equal_states(stager.stage(side())[0], side())
+    fourth, _ = stager.stage(side(tied=False))  # the tie undone
+    assert fourth["model"]["emb"] is not fourth["model"]["head"] and equal_states(fourth, side(tied=False))
+    added = side()
+    added["optimizer"][0]["exp_avg_sq"] = torch.ones(3)  # a key added
+    assert equal_states(stager.stage(added)[0], added)
+    sixth, _ = stager.stage(side(), share=(1, 2))  # another share: another layout (this rank's tensors, the rest withheld)
+    assert sixth is not fourth and sum(isinstance(v, Withheld) for v in sixth["model"].values()) >= 1
+    square = {"w": torch.randn(4, 4)}
+    tied_as_is = {"model": {"a": square["w"], "b": square["w"]}, "optimizer": {}}
+    assert stager.stage(tied_as_is)[0]["model"]["b"] is stager.stage(tied_as_is)[0]["model"]["a"]  # one buffer
+    transposed = {"model": {"a": square["w"], "b": square["w"].t()}, "optimizer": {}}  # the same address and shape
+    staged_t, _ = stager.stage(transposed)
+    assert torch.equal(staged_t["model"]["b"], square["w"].t()) and torch.equal(staged_t["model"]["a"], square["w"])
+    with_plain = side()
+    with_plain["optimizer"][0]["step"] = 3  # a plain value among the tensors: walked, copied as it is
+    fifth, _ = stager.stage(with_plain)
+    assert fifth["optimizer"][0]["step"] == 3 and equal_states(fifth, with_plain)
+    assert stager.stage(with_plain)[0] is not fifth  # (no plan is kept for a state that holds plain values)
+
+
 class Opaque:
     """A class a weights_only load refuses (module-level, so torch.save can pickle it)."""
 

@@ -38,6 +38,12 @@ PARTS = (("schedule", "schedule"), ("precision", "precision_policy"), ("clipper"
          ("metrics", "metrics"), ("stream", "stream"), ("callbacks", "callbacks"), ("remedies", "remedies"),
          ("precursor", "precursor"))
 _NEWER = ("callbacks", "remedies", "precursor")
+#: The keys of :meth:`RunState.state_dict` whose values each call makes afresh, tensors cloned (our own parts, the RNG
+#: states, the counters; not the user's callbacks): nothing the run changes later, so on CPU an interval snapshot keeps
+#: them as they are instead of staging a copy (:attr:`~stabletrain.services.incidents.LoopSteps.fresh_parts`). A list
+#: to extend by hand: a new part is copied until its state_dict is known fresh (tests/test_snapshot_parts.py).
+FRESH_KEYS = frozenset({"schedule", "precision", "clipper", "guard", "metrics", "stream", "remedies", "precursor", "rng",
+                        "counters"})
 
 
 @dataclass(eq=False)

@@ -6,6 +6,7 @@ stages with :class:`~stabletrain.records.staging.StateStager`.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -26,9 +27,11 @@ class IntervalSnapshot:
     it) overlap, and the optimizer's next step waits for (an optimizer step pre-hook: a device-side wait,
     no host sync). Under DDP it is the same on every rank: ``share=(rank, world)`` copies this rank's share
     (:meth:`StateStager.stage`), and the capture completes it with one broadcast per tensor. ``rest``: what
-    a forward may change too (buffers, counters, RNG; small), on the compute stream. ``num_bytes``: the
-    host memory it holds. While a run of flagged steps goes on, the snapshot from before it may be :meth:`hold`-ed
-    (one more state in host memory, no copy: the next snapshots stage into new buffers) until :meth:`release`.
+    a forward may change too (buffers, counters, RNG; small), on the compute stream; its ``fresh`` parts (state
+    dicts made afresh, on the CPU) are kept as they are, not copied. ``num_bytes``: the host memory its buffers
+    hold (the fresh parts' few tensors left out). While a run of flagged steps goes on, the snapshot from before it
+    may be :meth:`hold`-ed (one more state in host memory, no copy: the next snapshots stage into new buffers) until
+    :meth:`release`.
     """
 
     def __init__(self, keep_previous: bool = False) -> None:
@@ -60,10 +63,11 @@ class IntervalSnapshot:
         return self.rest is not None
 
     def take(self, side: Any, rest: Any, step: int, *, share: tuple[int, int] | None = None,
-             optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Stage ``side`` (None: everything is in ``rest``) and ``rest`` (live tensors; copied) as the state after ``step``.
+             optimizer: torch.optim.Optimizer | None = None, fresh: Collection[str] = ()) -> None:
+        """Stage ``side`` (None: everything is in ``rest``) and ``rest`` (live tensors: copied) as the state after ``step``.
 
-        ``optimizer``: the one whose step changes ``side`` in place; on CUDA its step waits for the copies.
+        ``optimizer``: the one whose step changes ``side`` in place; on CUDA its step waits for the copies. ``fresh``: keys
+        of ``rest`` whose values are fresh host copies, kept as they are (:meth:`StateStager.stage`).
         """
         self.before_update()  # the last snapshot's copies are done before its buffers are written again
         stream = None
@@ -82,7 +86,7 @@ class IntervalSnapshot:
         else:
             self.side, self._events = None, []
         self._ordered = stream is None
-        self.rest, self._rest_events = self._rest.stage(rest)
+        self.rest, self._rest_events = self._rest.stage(rest, fresh=fresh)
         self.step, self.share = step, share
 
     def before_update(self) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,21 +53,25 @@ class StateStager:
     the device: :meth:`stage` returns one CUDA event per device, which a reader synchronizes first.
     Tensors that are views of the same memory with the same layout (tied weights) share one buffer, so
     the file holds them once, as ``torch.save`` of the live state would. Containers are rebuilt and other
-    leaves deep-copied, so the caller may go on changing its state. Staging again overwrites the buffers:
-    only after the previous copy is no longer read (:class:`~stabletrain.records.checkpoint.manager.CheckpointManager`
-    keeps one save in flight).
+    leaves deep-copied, so the caller may go on changing its state. Staging again overwrites the buffers (and
+    may return the same containers, :meth:`stage`): only after the previous copy is no longer read
+    (:class:`~stabletrain.records.checkpoint.manager.CheckpointManager` keeps one save in flight).
     """
 
     def __init__(self) -> None:
         self._buffers: list[Tensor] = []
         self._specs: list[tuple[torch.Size, torch.dtype, bool]] = []  # each buffer's (shape, dtype, pinned)
+        # The last stage of a dict of dicts of tensors (:func:`_params_layout`): (its keys and share, each leaf's
+        # (address, shape, strides, dtype), the result, {device: (buffers, the leaves' positions)}).
+        self._memo: tuple[list[Any], list[Any], Any, dict[torch.device, tuple[list[Tensor], list[int]]]] | None = None
 
     @property
     def num_bytes(self) -> int:
         """Host memory the buffers hold."""
         return sum(b.numel() * b.element_size() for b in self._buffers)
 
-    def stage(self, state: Any, *, share: tuple[int, int] | None = None, stream: Any = None) -> tuple[Any, list[Any]]:
+    def stage(self, state: Any, *, share: tuple[int, int] | None = None, stream: Any = None,
+              fresh: Collection[str] = ()) -> tuple[Any, list[Any]]:
         """Return (a copy of ``state`` whose tensors are the host buffers, the CUDA events to wait on).
 
         Dicts (and OrderedDicts), lists and tuples are walked directly (a pytree flatten and unflatten
@@ -80,7 +84,27 @@ class StateStager:
 
         ``stream``: a CUDA stream to queue the device-to-host copies on (it first waits for the current
         stream); the caller orders any in-place change of the state after the returned events.
+
+        ``fresh``: keys of ``state`` (a dict) whose values are host copies nothing changes later (made afresh by the
+        caller, tensors on the CPU): kept as they are, neither walked nor copied.
+
+        A dict of dicts whose values are tensors or dicts of tensors (the parameters and optimizer state,
+        :func:`split_params`) staged again with the same keys, share and tensors (address, shape, strides, dtype)
+        reuses the last call's plan: one copy per device into the same buffers, and the same result containers (as
+        with its buffers, the last result is this one: the caller changes and keeps neither), without the walk (the
+        mlp's parameters and optimizer state: 89 us staged by the walk, 58 us by the plan, the copy 25 us of it).
         """
+        layout = _params_layout(state) if not fresh else None
+        if layout is not None:
+            keys, leaves = layout
+            keys.append(share)
+            memo = self._memo
+            # (no device: under CUDA's unified addressing no device address is a host's)
+            sig = [(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in leaves]
+            if memo is not None and memo[0] == keys and memo[1] == sig:
+                return memo[2], self._copy({device: (dst, [leaves[i] for i in at]) for device, (dst, at) in
+                                            memo[3].items()}, stream)
+        self._memo = None
         rank, world = share if share is not None else (0, 1)
         load = [0] * world  # bytes assigned to each rank so far
         # Tensors staged so far by address: [(source, its buffer or Withheld), ...]. The same view of the same memory
@@ -146,8 +170,17 @@ class StateStager:
                 return x if _plain_sequence(x) else tuple([v if type(v) in plain else walk(v) for v in x])
             return copy.deepcopy(x)
 
-        out = walk(state)
+        out = {k: v if k in fresh else walk(v) for k, v in state.items()} if fresh else walk(state)
         del self._buffers[used:], self._specs[used:]
+        if layout is not None and all(x.layout == strided for x in leaves):
+            where = {id(x): i for i, x in enumerate(leaves)}  # each copied source's place among the leaves
+            self._memo = (keys, sig, out, {device: (dst, [where[id(x)] for x in src]) for device, (dst, src) in
+                                           copies.items()})
+        return out, self._copy(copies, stream)
+
+    @staticmethod
+    def _copy(copies: dict[torch.device, tuple[list[Tensor], list[Tensor]]], stream: Any) -> list[Any]:
+        """Copy each device's sources into their buffers (one fused copy per device); the CUDA events to wait on."""
         events = []
         with torch.no_grad():
             for device, (dst, src) in copies.items():
@@ -161,7 +194,7 @@ class StateStager:
                         event = torch.cuda.Event()
                         event.record(side if side is not None else torch.cuda.current_stream(device))
                         events.append(event)
-        return out, events
+        return events
 
     def _buffer(self, k: int, like: Tensor, shape: torch.Size, pin: bool) -> Tensor:
         if k < len(self._buffers):
@@ -175,6 +208,30 @@ class StateStager:
             self._buffers.append(buf)
             self._specs.append((shape, like.dtype, pin))
         return buf
+
+
+def _params_layout(state: Any) -> tuple[list[Any], list[Tensor]] | None:
+    """(the keys, the tensors in order) of a dict of dicts whose values are tensors or dicts of tensors (the parameters
+    and the optimizer's per-parameter state); None for any other state."""
+    if type(state) is not dict:
+        return None
+    keys: list[Any] = []
+    leaves: list[Tensor] = []
+    for key, part in state.items():
+        if type(part) is not dict and type(part) is not OrderedDict:
+            return None
+        keys.append(key)
+        for k, v in part.items():
+            if type(v) is Tensor:
+                keys.append(k)
+                leaves.append(v)
+            elif type(v) is dict:
+                keys.append((k, *v))
+                leaves.extend(v.values())
+            else:
+                return None
+        keys.append(None)  # (the part's end)
+    return (keys, leaves) if all(type(t) is Tensor for t in leaves) else None
 
 
 def fill_withheld(staged: Any, device: torch.device | str = "cpu") -> Any:

@@ -102,6 +102,8 @@ class StepSource(Protocol):
     #: (optional) its records of a step on every rank join into one global window: a DDP/FSDP spike is weighed on the
     #: step's whole batch (:func:`global_record`), not on the one rank whose own loss was the largest
     global_spikes: bool
+    #: (optional) keys of live_state() whose values are made afresh on each call, on the CPU: the snapshot keeps them
+    fresh_parts: Collection[str]
 
     def capturing(self, fit: RunState) -> bool:
         """Whether a capture is asked for and can be written."""
@@ -244,7 +246,7 @@ class IncidentCapture:
         if enabled:
             src = self.source
             side, rest, share = src.strategy.snapshot_parts(src.live_state(), src.module)
-            self.snapshot.take(side, rest, step, share=share, optimizer=src.optimizer)
+            self.snapshot.take(side, rest, step, share=share, optimizer=src.optimizer, fresh=getattr(src, "fresh_parts", ()))
 
     def _hold_before_run(self, step: int, flagged: Collection[int]) -> None:
         """Hold the last snapshot taken before the run of flagged steps that ``step`` ends, while it goes on; let go of it
