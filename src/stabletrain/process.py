@@ -2,17 +2,25 @@
 
 Torch's deterministic algorithms are :func:`stabletrain.seeding.deterministic_mode` (``deterministic``);
 the garbage collector's frozen generation is :func:`gc_frozen` (``train.gc_freeze``). What Linux says of a
-process (its state, parent, start time) is :func:`stat_fields`; its children, :func:`children`.
+process (its state, parent, start time) is :func:`stat_fields`; its children, :func:`children`; its start,
+:func:`process_start_time`; its death with its parent's, :func:`die_with_parent`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
+import os
+import signal
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["gc_frozen", "stat_fields", "parent_pid", "children"]
+__all__ = ["gc_frozen", "stat_fields", "parent_pid", "children", "die_with_parent", "process_start_time"]
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def stat_fields(pid: int) -> list[str] | None:
@@ -34,6 +42,35 @@ def children(pid: int) -> list[int]:
     """The processes whose parent is ``pid`` (``/proc``; empty where there is none)."""
     procs = Path("/proc").glob("[0-9]*") if Path("/proc").is_dir() else []
     return [int(e.name) for e in procs if parent_pid(int(e.name)) == pid]
+
+
+def die_with_parent(parent: int | None = None, grandparent: int | None = None) -> bool:
+    """Have the kernel SIGKILL this process when its parent exits (Linux ``PR_SET_PDEATHSIG``); return whether armed.
+
+    A launcher killed with SIGKILL cannot take its children along, and torchrun starts each rank in a session of its
+    own, out of reach of a process-group kill: armed in each, the launcher's death takes torchrun, and torchrun's its
+    ranks, at once (checkpoints are atomic: a resume continues from the last). A parent that exited before the call
+    would never signal: ``parent`` (the pid it had) or ``grandparent`` (its parent's pid) no longer matching, or a
+    parent of pid 1, then kills this process right away. Elsewhere than Linux: nothing (False).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        return False
+    now = os.getppid()  # read after arming: a parent that exits from here on signals
+    if now == 1 or (parent is not None and now != parent) or (grandparent is not None and parent_pid(now) != grandparent):
+        os.kill(os.getpid(), signal.SIGKILL)  # orphaned already: go as the parent's death would have made us
+    return True
+
+
+def process_start_time(pid: int | None = None) -> float | None:
+    """When process ``pid`` (default: this one) started, in seconds since the epoch (Linux ``/proc``); else None."""
+    fields = stat_fields(pid or os.getpid())
+    try:  # its start in clock ticks after boot, against the boot clock now (/proc/stat's btime is whole seconds)
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK"))
+    except (TypeError, ValueError, AttributeError, OSError):
+        return None
 
 
 @contextlib.contextmanager

@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..distributed.launch import LAUNCH_START_ENV, RESTART_ENV, process_start_time
+from ..distributed.launch import LAUNCH_START_ENV, RESTART_ENV
+from ..process import process_start_time
 from ..records.jsonl import JsonlWriter, read_jsonl
 from ..records.launches import LEDGER_FILE  # (the ledger's file in the run directory; the launchers read it too)
 from . import Callback, RunState

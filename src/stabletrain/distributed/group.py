@@ -42,7 +42,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..internals import InternalMissing, end_dcp_process
-from .launch import LAUNCHER_ENV, die_with_parent, leave_word, under_torchrun
+from ..process import die_with_parent
+from .launch import LAUNCHER_ENV, leave_word, under_torchrun
 
 __all__ = ["DistContext", "process_group"]
 

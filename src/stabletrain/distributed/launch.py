@@ -24,7 +24,6 @@ update (:data:`EXIT_NO_UPDATE`), a restart would meet its guard's stop (:data:`E
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import signal
@@ -36,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..process import children, parent_pid, stat_fields
+from ..process import children, die_with_parent, parent_pid, process_start_time
 from ..records.launches import as_parent, noted_run_dir, reached_training, stop_note, stopped_outside_line
 
 __all__ = ["launch", "supervise", "die_with_parent", "LAUNCHER_ENV", "LAUNCH_MARK_ENV", "RESTART_ENV", "LAUNCH_START_ENV",
@@ -46,7 +45,6 @@ __all__ = ["launch", "supervise", "die_with_parent", "LAUNCHER_ENV", "LAUNCH_MAR
            "under_torchrun", "default_run_dir", "with_death", "RUN_DIR_NOTE_ENV", "note_run_dir", "run_dir_note",
            "restarts_used_up", "sweep_orphans"]
 
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 #: Set by :func:`launch` for torchrun and so its ranks: the launcher's pid (a rank checks its parent's parent).
 LAUNCHER_ENV = "STABLETRAIN_LAUNCHER_PID"
 #: The same pid, kept by every process of the launch (a rank pops :data:`LAUNCHER_ENV`): what :func:`sweep_orphans` reads.
@@ -117,35 +115,6 @@ def quick_deaths(quick: int, lived_s: float, *, restarted: bool, trained: bool =
     ``restarted``: the attempt was itself a restart (a first attempt's death, however soon, counts none); ``trained``:
     it got through its start-up (its fit began: ``records.launches.reached_training``): a death in training is none."""
     return quick + 1 if restarted and lived_s < QUICK_DEATH_S and not trained else 0
-
-
-def die_with_parent(parent: int | None = None, grandparent: int | None = None) -> bool:
-    """Have the kernel SIGKILL this process when its parent exits (Linux ``PR_SET_PDEATHSIG``); return whether armed.
-
-    A launcher killed with SIGKILL cannot take its children along, and torchrun starts each rank in a session of its
-    own, out of reach of a process-group kill: armed in each, the launcher's death takes torchrun, and torchrun's its
-    ranks, at once (checkpoints are atomic: a resume continues from the last). A parent that exited before the call
-    would never signal: ``parent`` (the pid it had) or ``grandparent`` (its parent's pid) no longer matching, or a
-    parent of pid 1, then kills this process right away. Elsewhere than Linux: nothing (False).
-    """
-    if not sys.platform.startswith("linux"):
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
-        return False
-    now = os.getppid()  # read after arming: a parent that exits from here on signals
-    if now == 1 or (parent is not None and now != parent) or (grandparent is not None and parent_pid(now) != grandparent):
-        os.kill(os.getpid(), signal.SIGKILL)  # orphaned already: go as the parent's death would have made us
-    return True
-
-
-def process_start_time(pid: int | None = None) -> float | None:
-    """When process ``pid`` (default: this one) started, in seconds since the epoch (Linux ``/proc``); else None."""
-    fields = stat_fields(pid or os.getpid())
-    try:  # its start in clock ticks after boot, against the boot clock now (/proc/stat's btime is whole seconds)
-        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK"))
-    except (TypeError, ValueError, AttributeError, OSError):
-        return None
 
 
 def describe_exit(code: int) -> str:
@@ -444,7 +413,8 @@ def supervise(argv: list[str], *, max_restarts: int) -> int:
     Ctrl-C reaches it once, through here. Returns the child's exit code (1 once the restarts are used up).
     """
     me = os.getpid()
-    stopping: list[int] = []
+    stopping: list[int] = []  # the stops asked for, and those passed on to the child
+    sent: list[int] = []
     env = {**os.environ, SUPERVISED_ENV: "1", "PYTHONUNBUFFERED": "1", **as_parent(),
            LAUNCH_START_ENV: os.environ.get(LAUNCH_START_ENV) or str(process_start_time() or time.time())}
     env.pop(RESTART_ENV, None)
@@ -454,9 +424,13 @@ def supervise(argv: list[str], *, max_restarts: int) -> int:
 
     def forward(signum: int, frame: Any) -> None:
         stopping.append(signum)
-        if proc is not None:
+        pass_on()
+
+    def pass_on() -> None:  # each stop once (one that came while the child was being started: once it is known)
+        while proc is not None and len(sent) < len(stopping):
+            sent.append(stopping[len(sent)])  # (claimed before it is sent: a stop's handler running meanwhile sends the next)
             with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signum)
+                proc.send_signal(sent[-1])
 
     old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -466,6 +440,7 @@ def supervise(argv: list[str], *, max_restarts: int) -> int:
             proc = subprocess.Popen([sys.executable, "-m", "stabletrain", *argv], env=env, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, start_new_session=True,
                                     preexec_fn=lambda: die_with_parent(parent=me))
+            pass_on()
             tees = [_Tee(proc.stdout, sys.stdout.fileno(), lines), _Tee(proc.stderr, sys.stderr.fileno(), lines)]
             for tee in tees:
                 tee.start()
