@@ -355,3 +355,31 @@ def test_the_steps_growth_says_the_lr_rise_with_no_older_state_at_hand():
     assert "grew x45.2 with the LR (x30: 0.01 -> 0.3): update/weight" in _steps_grew(sizes, None)
     assert "grew x45.2 at the same LR: update/weight" in _steps_grew({**sizes, "lr_now": 0.01}, None)
     assert "grew x45.2: update/weight" in _steps_grew({k: v for k, v in sizes.items() if k != "lr_now"}, None)
+
+
+def test_a_surge_in_a_run_already_far_above_its_level_is_a_symptom_of_the_drift_not_adams_second_moment():
+    """A trial (LR 0.3 after a 40-step warm-up, clean data): the spike at step 28 was classed optimizer-state, Adam's
+    second moment of 4.weight, while ordinary windows ran at x4.77 the run's level under the interval's start (step 20)
+    and x2.35 under this state (the rule's z-score passed them: its window's spread had grown with the swings), and the
+    remedy search found only a lower LR to cure it (adam-eps and update-clip failed). The numbers are the trial's."""
+    older = {"step": 20, "from": "snapshot", "window": 9.403, "ordinary": 3.354, "current_ordinary": 1.656,
+             "ordinary_from": "windows", "lr": {"then": 0.1575, "now": 0.21}, "window_high": True,
+             "ordinary_spike_now": False, "ordinary_then_high": False, "levels": [4.766, 2.354], "median": 0.7037,
+             "ordinary_high": False, "window_not_above_now": False, "ratio": 2.0, "moved": 0.4463}
+    surge = {"name": "4.weight", "numel": 640, "surge_share": 0.0828, "typical_sqrt_v": 0.011, "coord_factor": 3.279,
+             "whole": False, "step": 27, "ordinary_ratio": 0.0451}
+    m = {"reproduces": True, "loss": 23.09, "precision": "fp32", "step": 28, "samples": None, "surges": [surge],
+         "where": {"first": "2", "first_factor": 1.451}, "jumps": {}, "older": older,
+         "steps": {"now": 0.0704, "before": 0.1045, "upto": 20, "lr": 0.12, "lr_now": 0.21}}
+    out = classify_spike(m)
+    assert out["failure_class"] == "state" and out["blamed_layer"] is None, out
+    assert "a divergence onset, or an LR too high" in out["evidence"], out["evidence"]
+    assert ("4.weight's coordinates surged in the update of step 27 (x3.28 as far as its others) in a run already off its "
+            "level: ordinary windows ran at x4.77 the run's level before the spike (0.7037, the rule's median) under the "
+            "state of step 20, before that update") in out["evidence"], out["evidence"]
+    # the same surge where ordinary windows are at the run's level under both states: Adam's second moment, as before
+    calm = {**older, "levels": [1.1, 1.05], "ordinary": 0.77, "current_ordinary": 0.74, "window": 9.403}
+    assert classify_spike({**m, "older": calm})["failure_class"] == "optimizer-state"
+    # nor does an older checkpoint's untrained level acquit it (only the interval's snapshot is the state just before)
+    old_ckpt = {**older, "from": "checkpoint", "step": 0}
+    assert classify_spike({**m, "older": old_ckpt})["failure_class"] == "optimizer-state"

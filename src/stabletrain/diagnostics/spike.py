@@ -388,7 +388,8 @@ def _whole_model_rise(m: dict[str, Any], blamed: dict[str, Any], older: dict[str
     """Why a surge in the update before the spike is not its cause though nothing grew by the LR's or the steps' bars
     (empty: it is): surges in :data:`MANY_LAYERS` layers at once (every layer's gradients rose, not one layer's rarely
     trained coordinates), the loss already climbing over the steps before that update, or ordinary windows already
-    a spike by the guard's rule under the older state: a divergence under way, of which the surge is a symptom."""
+    a spike by the guard's rule under the older state, or guard.spike_ratio times the run's level under it (the interval's
+    snapshot) and under this state: a divergence under way, of which the surge is a symptom."""
     at = blamed["step"]
     layers = sorted({r["name"] for r in _passing(m.get("surges") or []) if r.get("step") == at})
     if len(layers) >= MANY_LAYERS:
@@ -403,6 +404,14 @@ def _whole_model_rise(m: dict[str, Any], blamed: dict[str, Any], older: dict[str
     if older is not None and older.get("ordinary_then_high"):
         return (f"; ordinary windows were already a spike by the guard's rule under the state of step {older['step']} "
                 f"({older['ordinary']:.4g}), before that update")
+    # Far above the run's level under the interval's start and under this state (the rule's z-score may pass them: its
+    # window's spread grew with the unsettled loss): the state drifted before that update (an LR too high)
+    levels, bar = (older or {}).get("levels"), (older or {}).get("ratio")
+    if older is not None and older.get("from", "snapshot") == "snapshot" and levels and bar and min(levels) > bar:
+        return (f"; {blamed['name']}'s coordinates surged in the update of step {at} (x{blamed['coord_factor']:.3g} as far "
+                f"as {_others(blamed)}) in a run already off its level: ordinary windows ran at x{levels[0]:.3g} the run's "
+                f"level before the spike ({older['median']:.4g}, the rule's median) under the state of step {older['step']}, "
+                "before that update")
     return ""
 
 
