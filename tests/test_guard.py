@@ -528,7 +528,8 @@ def test_the_final_line_counts_skips_a_rollback_went_back_past_apart(tmp_path, c
             "capture.incidents=false", "log.progress=false", "log.tensorboard=false", "guard.on_nonfinite=rollback"]
     assert main(["train", *args, "train.max_steps=8", f"run.dir={run_dir}"]) == 0
     out = capsys.readouterr().out
-    assert "; no step skipped (1 before a rollback went back past it: trained again); run directory" in out, out
+    assert ("; no step skipped (1 before a rollback went back past it: trained again); rolled back once (events.jsonl); "
+            "run directory") in out, out
 
 
 def test_the_final_line_counts_the_steps_an_earlier_launch_skipped(tmp_path, capsys):

@@ -872,17 +872,20 @@ def test_a_real_run_with_a_huge_loss_heads_with_its_typical_loss(tmp_path):
     assert h.figures["loss_end"] < means[0]  # the run's typical loss fell; the interval means alone said it rose
 
 
-def test_a_remedy_that_rolled_back_is_in_the_health_summary_with_what_it_undid(tmp_path):
+def test_a_remedy_that_rolled_back_is_in_the_health_summary_with_what_it_undid(tmp_path, monkeypatch, capsys):
     # The README's diverging run under guard.on_nonfinite=remedy: incident at 38, steps 38-40 skipped, then the remedy
     # rolls back to step 0 with lr x0.1 and the run ends healthy. The summary says all of it, not "No incidents".
-    import sys
+    from stabletrain.cli import main
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    c = load_config(None, ["task=examples.diverging_task:make_task", "optim.name=sgd", "optim.lr=2.5",
-                           "optim.weight_decay=0", "clip.max_norm=null", "sched.decay=constant", "train.batch_size=8",
-                           "train.max_steps=60", "log.every=5", "ckpt.every=10", "ckpt.keep=10", "data.shuffle=false",
-                           "guard.on_nonfinite=remedy", "remedy.steps=4", "log.progress=false", "log.tensorboard=false"])
-    Trainer(c, run_dir=tmp_path / "run").fit()
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+    assert main(["train", "task=examples.diverging_task:make_task", "optim.name=sgd", "optim.lr=2.5",
+                 "optim.weight_decay=0", "clip.max_norm=null", "sched.decay=constant", "train.batch_size=8",
+                 "train.max_steps=60", "log.every=5", "ckpt.every=10", "ckpt.keep=10", "data.shuffle=false",
+                 "guard.on_nonfinite=remedy", "remedy.steps=4", "log.progress=false", "log.tensorboard=false",
+                 f"run.dir={tmp_path / 'run'}"]) == 0
+    # the final line says what the run went through: the remedy applied (its rollback is the remedy's, not the guard's)
+    (last,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("stabletrain: trained 60 steps")]
+    assert "; applied a remedy (events.jsonl); run directory: " in last and "rolled back" not in last, last
     run = load_run(tmp_path / "run")
     h = health_summary(run)
     text = h.text

@@ -171,10 +171,18 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
     if stall is not None and stall["recovered"] is None:
         skipped_note += (f"; stalled since step {stall['since']} (guard.on_stall=warn: trained on): at step {stall['step']}, "
                          f"{stall['gist']}")
-    try:  # (the report's own verdict; odd run data costs the note, never the run's success)
-        rose = health_summary(run).figures.get("loss_rose") if run is not None else None
+    try:  # (the report's own verdicts; odd run data costs the note, never the run's success)
+        figures = health_summary(run).figures if run is not None else {}
     except Exception:  # noqa: BLE001
-        rose = None
+        figures = {}
+    # what the run went through to get here, as the report counts it (a rollback, a restart, a remedy applied live)
+    remedies = sum(bool(e.extra.get("name")) for e in run.counted_events("remedy")) if run is not None else 0
+    went = [f"{what} {'once' if n == 1 else f'{n} times'}" for what, n in (
+        ("rolled back", len(figures.get("rollback_steps") or ())), ("restarted itself", figures.get("restarts") or 0)) if n]
+    went += [f"applied {'a remedy' if remedies == 1 else f'{remedies} remedies'}"] if remedies else []
+    if went:
+        skipped_note += "; " + ", ".join(went) + " (events.jsonl)"
+    rose = figures.get("loss_rose")
     if rose is not None:  # a run that got worse since its best (guard.on_spike=warn trains on through a divergence)
         skipped_note += (f"; the loss rose x{rose['factor']:.3g} from its best interval's mean ({rose['best']:.4g} at step "
                          f"{rose['best_step']}): stabletrain report {run_dir} says more")
