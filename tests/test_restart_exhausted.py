@@ -114,24 +114,30 @@ def test_a_stop_asked_for_in_the_start_up_is_a_stop_not_a_death_to_restart(tmp_p
     assert not wait_gone(children(proc.pid))
 
 
-def test_a_stop_that_comes_while_the_supervisor_starts_its_child_reaches_the_child(tmp_path, monkeypatch, capfd):
+@pytest.mark.parametrize("restarted", [False, True], ids=["first child", "restarted child"])
+def test_a_stop_that_comes_while_the_supervisor_starts_its_child_reaches_the_child(tmp_path, monkeypatch, capfd, restarted):
     """A SIGTERM in the moment the supervisor was starting its child (the child already in /proc, not yet known to the
     supervisor) was kept as asked for and never passed on: the child trained its 2,000 steps and the launch exited 0 (the
-    flaky start-up stop above, under load). Passed on once the child is known: it stops (dying of it in its start-up)."""
+    flaky start-up stop above, under load); after a restart it went to the child that had died. Passed on once the new
+    child is known: it stops (dying of it in its start-up)."""
     from stabletrain.distributed import launch
 
     real = subprocess.Popen
-
-    def popen(*args, **kwargs):  # the stop arrives just before the child is started: no child known yet
-        os.kill(os.getpid(), signal.SIGTERM)
-        return real(*args, **kwargs)
-
     for key, value in env().items():
         monkeypatch.setenv(key, value)
+    calls = []
+
+    def popen(cmd, *args, **kwargs):
+        calls.append(cmd)
+        if restarted and len(calls) == 1:  # the child before it: dies at once (exit 7: restarted)
+            return real([sys.executable, "-c", "import os; os._exit(7)"], *args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)  # the stop arrives just before this child is started
+        return real(cmd, *args, **kwargs)
+
     monkeypatch.setattr(launch.subprocess, "Popen", popen)
     t0 = time.time()
     code = launch.supervise(["train", *ARGS, f"run.dir={tmp_path / 'run'}"], max_restarts=1)
     took = time.time() - t0
     err = capfd.readouterr().err
-    assert code == 128 + signal.SIGTERM and took < 15, (code, took, err[-3000:])
+    assert len(calls) == 1 + restarted and code == 128 + signal.SIGTERM and took < 15, (code, took, err[-3000:])
     assert "stabletrain: stopped by SIGTERM outside the run's training loop" in err, err[-3000:]

@@ -10,6 +10,7 @@ windows there, and what the evidence says when nothing does.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -365,7 +366,7 @@ def test_a_surge_in_a_run_already_far_above_its_level_is_a_symptom_of_the_drift_
     older = {"step": 20, "from": "snapshot", "window": 9.403, "ordinary": 3.354, "current_ordinary": 1.656,
              "ordinary_from": "windows", "lr": {"then": 0.1575, "now": 0.21}, "window_high": True,
              "ordinary_spike_now": False, "ordinary_then_high": False, "levels": [4.766, 2.354], "median": 0.7037,
-             "ordinary_high": False, "window_not_above_now": False, "ratio": 2.0, "moved": 0.4463}
+             "span": 27, "ordinary_high": False, "window_not_above_now": False, "ratio": 2.0, "moved": 0.4463}
     surge = {"name": "4.weight", "numel": 640, "surge_share": 0.0828, "typical_sqrt_v": 0.011, "coord_factor": 3.279,
              "whole": False, "step": 27, "ordinary_ratio": 0.0451}
     m = {"reproduces": True, "loss": 23.09, "precision": "fp32", "step": 28, "samples": None, "surges": [surge],
@@ -380,6 +381,7 @@ def test_a_surge_in_a_run_already_far_above_its_level_is_a_symptom_of_the_drift_
     # the same surge where ordinary windows are at the run's level under both states: Adam's second moment, as before
     calm = {**older, "levels": [1.1, 1.05], "ordinary": 0.77, "current_ordinary": 0.74, "window": 9.403}
     assert classify_spike({**m, "older": calm})["failure_class"] == "optimizer-state"
-    # nor does an older checkpoint's untrained level acquit it (only the interval's snapshot is the state just before)
-    old_ckpt = {**older, "from": "checkpoint", "step": 0}
-    assert classify_spike({**m, "older": old_ckpt})["failure_class"] == "optimizer-state"
+    # nor does an untrained or older state's level acquit it (a checkpoint's, the run's first snapshot, a snapshot older
+    # than the rule window reaches back), nor a level against a median at or below 0 (the ratio is inf there)
+    for other in ({"from": "checkpoint", "step": 0}, {"step": 0}, {"span": 7}, {"median": -0.8, "levels": [math.inf] * 2}):
+        assert classify_spike({**m, "older": {**older, **other}})["failure_class"] == "optimizer-state", other

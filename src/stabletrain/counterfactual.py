@@ -323,7 +323,8 @@ def _older(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, spike: list, co
             "window_high": bool(math.isfinite(window_old) and high), "ordinary_spike_now": spike_now,
             "ordinary_then_high": bool(context and rule(ordinary_old)["spike"]),
             # ordinary windows against the run's level before the spike (the rule's median), under either state
-            **({"levels": [rule(ordinary_old).get("ratio"), rule(ordinary_now).get("ratio")], "median": rule(0.0).get("median")}
+            **({"levels": [rule(ordinary_old).get("ratio"), rule(ordinary_now).get("ratio")], "median": rule(0.0).get("median"),
+                "span": len(seen.get("spike_window") or [])}  # (the rule window's losses: the median's reach back)
                if context and math.isfinite(ordinary_old) and math.isfinite(ordinary_now) else {}),
             "ordinary_high": spike_now or bool(context and math.isfinite(ordinary_now) and ordinary_now > ratio * ordinary_old),
             "window_not_above_now": bool(context and math.isfinite(ordinary_now) and loss <= ratio * ordinary_now),

@@ -406,8 +406,11 @@ def _whole_model_rise(m: dict[str, Any], blamed: dict[str, Any], older: dict[str
                 f"({older['ordinary']:.4g}), before that update")
     # Far above the run's level under the interval's start and under this state (the rule's z-score may pass them: its
     # window's spread grew with the unsettled loss): the state drifted before that update (an LR too high)
-    levels, bar = (older or {}).get("levels"), (older or {}).get("ratio")
-    if older is not None and older.get("from", "snapshot") == "snapshot" and levels and bar and min(levels) > bar:
+    # (an interval snapshot after the run's start and within the rule window's reach: the rule's median is the run's
+    # level around it, not a level an untrained or older state was far above in a loss still falling fast)
+    levels, bar, span = (older or {}).get("levels"), (older or {}).get("ratio"), (older or {}).get("span") or 0
+    recent = older is not None and older.get("from", "snapshot") == "snapshot" and 0 < m.get("step", 0) - older["step"] <= span
+    if recent and older["step"] > 0 and (older.get("median") or 0) > 0 and levels and bar and min(levels) > bar:
         return (f"; {blamed['name']}'s coordinates surged in the update of step {at} (x{blamed['coord_factor']:.3g} as far "
                 f"as {_others(blamed)}) in a run already off its level: ordinary windows ran at x{levels[0]:.3g} the run's "
                 f"level before the spike ({older['median']:.4g}, the rule's median) under the state of step {older['step']}, "

@@ -413,8 +413,9 @@ def supervise(argv: list[str], *, max_restarts: int) -> int:
     Ctrl-C reaches it once, through here. Returns the child's exit code (1 once the restarts are used up).
     """
     me = os.getpid()
-    stopping: list[int] = []  # the stops asked for, and those passed on to the child
-    sent: list[int] = []
+    stopping: list[int] = []  # the stops asked for
+    sent: list[int] = []  # those passed on to a child
+    busy = [False]  # pass_on() running (a stop's handler may run inside it, between two of its bytecodes)
     env = {**os.environ, SUPERVISED_ENV: "1", "PYTHONUNBUFFERED": "1", **as_parent(),
            LAUNCH_START_ENV: os.environ.get(LAUNCH_START_ENV) or str(process_start_time() or time.time())}
     env.pop(RESTART_ENV, None)
@@ -426,11 +427,19 @@ def supervise(argv: list[str], *, max_restarts: int) -> int:
         stopping.append(signum)
         pass_on()
 
-    def pass_on() -> None:  # each stop once (one that came while the child was being started: once it is known)
-        while proc is not None and len(sent) < len(stopping):
-            sent.append(stopping[len(sent)])  # (claimed before it is sent: a stop's handler running meanwhile sends the next)
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(sent[-1])
+    def pass_on() -> None:  # each stop once to the child (one that came while it was being started: once it is known)
+        if busy[0]:  # a handler inside pass_on: the running one sends its stop (it reads stopping again before it ends)
+            return
+        busy[0] = True
+        try:
+            while proc is not None and proc.returncode is None and len(sent) < len(stopping):  # (not to one that died)
+                sent.append(stopping[len(sent)])
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(sent[-1])
+        finally:
+            busy[0] = False
+        if proc is not None and proc.returncode is None and len(sent) < len(stopping):  # (one after its last look)
+            pass_on()
 
     old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
