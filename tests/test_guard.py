@@ -390,11 +390,15 @@ def test_a_run_is_stalled_when_no_update_of_the_last_steps_moved_the_parameters(
         g = Guard(GuardConfig(on_stall="stop"), torch.device("cpu"))
         d = g.decide(_stall_rows(pattern, norm, scale=3.6e-12))
         assert (d.action == "stop" and "stalled" in d.reason) is stalled, (pattern, norm, d.reason)
-    d = Guard(GuardConfig(), torch.device("cpu")).decide(_stall_rows(nine_of_ten * 2, 0.0, scale=3.6e-12))
+    d = Guard(GuardConfig(), torch.device("cpu"), remedy=True).decide(_stall_rows(nine_of_ten * 2, 0.0, scale=3.6e-12))
     assert d.reason == ("the run is stalled at step 20: 18 of the last 20 steps were skipped and the 2 applied had a zero "
                         "gradient; the GradScaler's scale is 3.6e-12: no gradient reached the parameters (guard.stall_steps="
                         "20). Try precision=bf16 (no loss scale), the overflowing module in fp32 (where stabletrain "
                         "diagnose names one), or guard.on_nonfinite=remedy; guard.on_stall=warn trains on")
+    # an adapter's guard (remedy=False: Monitor refuses on_nonfinite="remedy") names the remedy search it can run instead
+    d = Guard(GuardConfig(), torch.device("cpu")).decide(_stall_rows(nine_of_ten * 2, 0.0, scale=3.6e-12))
+    assert d.reason.endswith("(where stabletrain diagnose names one), or stabletrain remedy on its captured incident (the "
+                             "cures, verified); guard.on_stall=warn trains on") and "on_nonfinite" not in d.reason, d.reason
     warn = Guard(GuardConfig(on_stall="warn"), torch.device("cpu"))
     first, again = warn.decide(_stall_rows(nine_of_ten * 2, 0.0)), warn.decide(_stall_rows(nine_of_ten, 0.0, start=21))
     assert first.action == "continue" and first.stall.startswith("the run is stalled at step 20") and again.stall is None
@@ -418,7 +422,7 @@ def test_a_loss_of_zero_is_convergence_and_every_step_skipped_at_a_dead_scale_is
                                                       "skipped; the GradScaler's scale is 0: no gradient reached"), d.reason
     assert Guard(GuardConfig(max_consecutive_skips=1000), torch.device("cpu")).decide(  # a healthy scale: the limit's
         _stall_rows([0] * 20, 0.0, scale=2.0**10)).action == "continue"
-    d = Guard(GuardConfig(), torch.device("cpu")).decide(_stall_rows([0] * 20, 0.0, scale=7e-18))
+    d = Guard(GuardConfig(), torch.device("cpu"), remedy=True).decide(_stall_rows([0] * 20, 0.0, scale=7e-18))
     # (it said 'it cannot recover': a loss x1e6 recovered at a scale of 2^-6, two halvings past the default limit)
     assert d.action == "stop" and d.reason.endswith(
         ": the run is not recovering; the GradScaler's scale is 7e-18: the gradients overflow float16 even unscaled (a "
@@ -427,9 +431,10 @@ def test_a_loss_of_zero_is_convergence_and_every_step_skipped_at_a_dead_scale_is
         "guard.on_nonfinite=remedy"), d.reason
     forward = [SimpleNamespace(**{**vars(r), "values": {**r.values, "loss": math.inf, "finite": 0.0}})
                for r in _stall_rows([0] * 20, 0.0, scale=7e-18)]
-    d = Guard(GuardConfig(), torch.device("cpu")).decide(forward)
+    d = Guard(GuardConfig(), torch.device("cpu")).decide(forward)  # (an adapter's: the advice it can follow)
     assert "; the loss itself is non-finite in float16 (an overflow in the forward, or an invalid op) and the " \
            "GradScaler's scale is 7e-18: no loss scale makes it finite. Try precision=bf16" in d.reason, d.reason
+    assert d.reason.endswith(", or stabletrain remedy on its captured incident (the cures, verified)"), d.reason
 
 
 def test_zero_gradients_at_a_healthy_fp16_scale_are_said_to_underflow_not_to_overflow():
@@ -448,7 +453,7 @@ def test_a_collapsed_scale_with_tiny_applied_gradients_is_a_stall_and_a_healthy_
     nine_of_ten, healthy = [0] * 9 + [1], _stall_rows([1] * 10, 2.6, scale=128.0)  # steps 1-10 at scale 128
 
     def decide(pattern, norm, scale, before=healthy):
-        g = Guard(GuardConfig(on_stall="stop"), torch.device("cpu"))
+        g = Guard(GuardConfig(on_stall="stop"), torch.device("cpu"), remedy=True)
         g.decide(before)
         return g, g.decide(_stall_rows(pattern, norm, start=len(before) + 1, scale=scale))
 

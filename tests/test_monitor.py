@@ -10,6 +10,7 @@ import math
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -386,6 +387,7 @@ def test_without_loss_fn_an_incident_it_cannot_capture_is_said_once_and_a_captur
     model, opt = make()
     data = batches(30, bad_step=BAD_STEP)
     data[16] = batches(30, bad_step=17)[16]  # a second bad step, in the next interval
+    data[20] = batches(30, bad_step=21)[20]  # and one on an interval's first step (captured, then 'diagnosis failed')
     with pytest.warns(StableTrainWarning) as caught:
         with Monitor(model, opt, run_dir=tmp_path / "run", log_every=10) as monitor:
             train(monitor, model, data)
@@ -396,10 +398,13 @@ def test_without_loss_fn_an_incident_it_cannot_capture_is_said_once_and_a_captur
     assert [(Path(w.filename).name, w.lineno) for w in caught if "not captured" in str(w.message)] == [
         ("test_monitor.py", train.__code__.co_firstlineno + 5)]
     events = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl")[0] if e["kind"] == "incident"]
-    assert [e["step"] for e in events] == [BAD_STEP, 17] and all("not captured" in e["reason"] for e in events)
-    later = [line for line in capsys.readouterr().out.splitlines() if "not captured" in line]  # each later one: a line
-    assert len(later) == 1 and later[0].startswith("stabletrain: incident at step 17 (loss ") and later[0].endswith(
-        "not captured: no replay of the host's steps (pass loss_fn= to replay them)"), later
+    assert [e["step"] for e in events] == [BAD_STEP, 17, 21] and all("not captured" in e["reason"] for e in events)
+    out = capsys.readouterr().out
+    later = [line for line in out.splitlines() if "not captured" in line]  # each later one: a line
+    assert [x[:len("stabletrain: incident at step 17 (loss ")] for x in later] == [
+        f"stabletrain: incident at step {s} (loss " for s in (17, 21)] and all(x.endswith(
+            "not captured: no replay of the host's steps (pass loss_fn= to replay them)") for x in later), later
+    assert "diagnosis failed" not in out and not (tmp_path / "run" / "incidents").exists()
     model, opt = make()
     with Monitor(model, opt, run_dir=tmp_path / "quiet", log_every=10, loss_fn=loss_fn, diagnose=False) as monitor:
         train(monitor, model, batches(10, bad_step=BAD_STEP))
@@ -776,3 +781,16 @@ def test_an_optimizer_of_another_model_is_refused_and_a_float_loss_is_taken(tmp_
             monitor.step(batch, loss=loss.item() if len(losses) % 2 else loss.detach().reshape(1))
     (record,) = read_jsonl(tmp_path / "float" / "metrics.jsonl")[0]
     assert record["loss"] == pytest.approx(sum(losses) / 5, rel=1e-6)
+    # what is not a step's loss gets one line that names loss= and what it got (a raw torch error named neither)
+    model, opt = make()
+    with Monitor(model, opt, run_dir=tmp_path / "wrong", log_every=5) as monitor:
+        batch = next(iter(batches(1)))
+        loss_fn(model, batch).backward()
+        for wrong, got in ((torch.ones(3), r"a tensor of shape \(3,\) \(reduce it first, e.g. loss.mean\(\)\)"),
+                           ("0.5", "str '0.5'"), (True, "bool True"), (None, None)):
+            if wrong is None:
+                monitor.step(batch, loss=np.float32(0.5))  # a numpy number is a number
+                continue
+            with pytest.raises(ValueError, match=r"^Monitor.step\(loss=...\): expected the step's loss as a number or a "
+                                                 rf"one-element tensor, got {got}$"):
+                monitor.step(batch, loss=wrong)

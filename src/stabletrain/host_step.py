@@ -21,6 +21,7 @@ No host sync on the way, except the one documented for an optimizer that cannot 
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -49,7 +50,8 @@ from .policies.precision import PrecisionPolicy
 from .seeding import kept_rng
 from .step import TrainStep
 
-__all__ = ["HostStep", "as_backpropagated", "backpropagated_parts", "clip_as_judged", "redo_user_clip", "items_ignored"]
+__all__ = ["HostStep", "as_backpropagated", "backpropagated_parts", "clip_as_judged", "redo_user_clip", "items_ignored",
+           "given_loss"]
 
 
 class HostStep:
@@ -188,6 +190,16 @@ class HostStep:
         if p["measure"]:  # also per parameter: the precursor's figures
             out.update(update_norms(self.params, self._before))
         return out
+
+
+def given_loss(loss: Any, device: torch.device | str) -> Tensor:
+    """The loss a host hands over (``Monitor.step(loss=...)``) as a 0-dim float tensor on ``device``: a number, or a tensor of
+    one element; anything else is a ValueError that names what it got (a per-sample loss: reduce it first)."""
+    if (isinstance(loss, Tensor) and loss.numel() == 1) or (isinstance(loss, numbers.Real) and not isinstance(loss, bool)):
+        return torch.as_tensor(loss, device=device).detach().float().reshape(())
+    got = (f"a tensor of shape {tuple(loss.shape)} (reduce it first, e.g. loss.mean())" if isinstance(loss, Tensor)
+           else f"{type(loss).__name__} {loss!r:.40}")
+    raise ValueError(f"Monitor.step(loss=...): expected the step's loss as a number or a one-element tensor, got {got}")
 
 
 def as_backpropagated(loss: Tensor, backpropagated: Tensor | None, num_micro: int) -> Tensor:

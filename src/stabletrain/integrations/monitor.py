@@ -44,7 +44,7 @@ from ..callbacks import Callback
 from ..config import AdapterOptions
 from ..data import move_to
 from ..errors import StopTraining
-from ..host_step import as_backpropagated, backpropagated_parts, redo_user_clip
+from ..host_step import as_backpropagated, backpropagated_parts, given_loss, redo_user_clip
 from ..internals import unwrap
 from ..policies.precision import PrecisionPolicy
 from ..records.batches import batch_size
@@ -169,7 +169,7 @@ class Monitor:
         if session.closed:
             raise RuntimeError("Monitor.step() after close(): build a new Monitor (resume=True) to continue the run")
         given = loss is not None
-        loss = torch.as_tensor(loss, device=session.device).detach().float().reshape(()) if given else self._loss
+        loss = given_loss(loss, session.device) if given else self._loss
         if loss is None:
             raise ValueError("Monitor.step(): no loss for this step; call monitor.backward(loss) first, or pass "
                              "monitor.step(batch, loss=loss) when you ran backward yourself")

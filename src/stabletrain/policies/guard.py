@@ -130,8 +130,10 @@ class Guard:
     :meth:`mark_spikes` runs it on the host once per interval and the per-step work is the finite check.
     """
 
-    def __init__(self, cfg: GuardConfig, device: torch.device, *, enforce: bool = True, scaled: bool = False) -> None:
+    def __init__(self, cfg: GuardConfig, device: torch.device, *, enforce: bool = True, scaled: bool = False,
+                 remedy: bool = False) -> None:
         self.cfg = cfg
+        self.remedy = remedy  # guard.on_nonfinite=remedy is a choice here (the built-in loop's): what a stop's advice names
         self.enforce = enforce  # False: an adapter's on_nonfinite="warn" (no skip of its own; the host's still happen)
         # fp16 with a GradScaler: a step whose gradients overflow (grad norm inf) has a finite loss the spike rule tests
         self.scaled = scaled
@@ -156,7 +158,7 @@ class Guard:
         # On the device: (window, count) at the last two boundaries: the current interval's start, the next's
         self._device_starts: tuple[Any, Any] = (None, None)
         self._device_starts_from_here()
-        self.stall = StallWatch(cfg.stall_steps)  # the last guard.stall_steps steps: a run that goes on without learning
+        self.stall = StallWatch(cfg.stall_steps, remedy)  # the last guard.stall_steps steps: a run that goes on without learning
         self.stall_warned = False
         # Why a restart from LAST_GOOD would meet the guard's stop again (a final exit, never restarted), or None:
         # guard.on_stall=stop's stall, or a run of skips no fp16 loss scale makes finite (the same steps skip again).
@@ -349,7 +351,7 @@ class Guard:
             self.last_scale = scale
             self.spike_skips = self.spike_skips + 1 if v["applied"] < 0.5 and v.get("spike", 0.0) > 0.5 else 0
             if self.consecutive_skips >= self.cfg.max_consecutive_skips and d.action == "continue":
-                crossed, fp16 = row.step, scale_note(scale, float(v.get("loss", math.nan)))
+                crossed, fp16 = row.step, scale_note(scale, float(v.get("loss", math.nan)), self.remedy)
                 d.action, d.reason = "stop", (f"{self.consecutive_skips} consecutive skipped steps (guard.max_consecutive_skips="
                                               f"{self.cfg.max_consecutive_skips}) at step {row.step}: the run is not recovering"
                                               + self._level_note(row.step) + fp16)

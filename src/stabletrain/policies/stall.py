@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["StallWatch", "UNRECOVERABLE_SCALE", "NEGLIGIBLE_GRAD", "FP16_ADVICE", "REFERENCE_KEPT", "scale_note",
+__all__ = ["StallWatch", "UNRECOVERABLE_SCALE", "NEGLIGIBLE_GRAD", "FP16_ADVICE", "REMEDY_ADVICE", "REFERENCE_KEPT", "scale_note",
            "routine_overflow"]
 
 #: fp16: an overflow after which the GradScaler's scale is below this is an incident, not the routine skip: the
@@ -26,29 +26,34 @@ UNRECOVERABLE_SCALE = 1.0
 #: scale of at least 1) underflowed: the updates are negligible, the run does not learn (:meth:`StallWatch.stalled`).
 NEGLIGIBLE_GRAD = 1e-3
 #: What to try when fp16's GradScaler cannot recover (a stall, or every step skipped).
-FP16_ADVICE = ("precision=bf16 (no loss scale), the overflowing module in fp32 (where stabletrain diagnose names one), or "
-               "guard.on_nonfinite=remedy")
+FP16_ADVICE = "precision=bf16 (no loss scale), the overflowing module in fp32 (where stabletrain diagnose names one), or "
+#: The verified cures, by whether the run may apply one itself (the built-in loop) or not (an adapter: the host owns the
+#: checkpoints a rollback needs; the incident's own remedy search still tells them).
+REMEDY_ADVICE = {True: "guard.on_nonfinite=remedy", False: "stabletrain remedy on its captured incident (the cures, verified)"}
 REFERENCE_KEPT = 64
 
 
-def scale_note(scale: float, loss: float) -> str:
+def scale_note(scale: float, loss: float, remedy: bool = True) -> str:
     """What a stop after consecutive skips says of fp16's GradScaler at ``scale`` (the last step's ``loss``; a scale other
     than 1: fp16's). A non-finite loss under fp16 is the forward's overflow whatever the scale (it stays where it was:
-    the scaler backs off on its gradients' overflow only), e.g. an output that outgrew float16 as it trained."""
+    the scaler backs off on its gradients' overflow only), e.g. an output that outgrew float16 as it trained. ``remedy``:
+    whether the run may apply a verified cure itself (:data:`REMEDY_ADVICE`)."""
     if not math.isfinite(loss) and scale != 1.0:  # the loss itself overflowed: it is not scaled yet, no scale makes it finite
         return (f"; the loss itself is non-finite in float16 (an overflow in the forward, or an invalid op) and the "
-                f"GradScaler's scale is {scale:.2g}: no loss scale makes it finite. Try {FP16_ADVICE}")
+                f"GradScaler's scale is {scale:.2g}: no loss scale makes it finite. Try {FP16_ADVICE}{REMEDY_ADVICE[remedy]}")
     if scale >= UNRECOVERABLE_SCALE:
         return ""
     return (f"; the GradScaler's scale is {scale:.2g}: the gradients overflow float16 even unscaled (a lower scale may fit "
-            f"them: guard.max_consecutive_skips higher lets it back off further, a skipped step each time). Try {FP16_ADVICE}")
+            f"them: guard.max_consecutive_skips higher lets it back off further, a skipped step each time). Try {FP16_ADVICE}"
+            f"{REMEDY_ADVICE[remedy]}")
 
 
 class StallWatch:
     """The last ``steps`` steps as (applied, grad norm, loss scale, loss), and the grad norms of the last applied steps at
     a healthy loss scale (what "negligible" is against): :meth:`stalled` says whether the run stopped learning."""
 
-    def __init__(self, steps: int) -> None:
+    def __init__(self, steps: int, remedy: bool = True) -> None:
+        self.remedy = remedy  # the run may apply a verified cure itself (the advice: REMEDY_ADVICE)
         self.recent: deque[tuple[bool, float, float, float]] = deque(maxlen=steps)
         self.norm_reference: deque[float] = deque(maxlen=REFERENCE_KEPT)
 
@@ -105,9 +110,9 @@ class StallWatch:
                       "a look at whether the loss depends on the parameters")
         elif scale != 1.0:
             what += f"; the GradScaler's scale is {scale:.2g}"
-            advice = FP16_ADVICE
+            advice = FP16_ADVICE + REMEDY_ADVICE[self.remedy]
         else:
-            advice = "a look at the skip events and the loss (is it constant?), or guard.on_nonfinite=remedy"
+            advice = "a look at the skip events and the loss (is it constant?), or " + REMEDY_ADVICE[self.remedy]
         return (f"the run is stalled at step {step}: {what}: {moved} (guard.stall_steps={n}). "
                 f"Try {advice}; guard.on_stall=warn trains on")
 

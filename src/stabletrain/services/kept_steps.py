@@ -252,7 +252,7 @@ class HostSteps:
         if not self.keeper.steps[step].micro:
             return ("the step's batch was not given (Monitor: monitor.step(batch, ...), or with accumulation "
                     "monitor.backward(loss, batch) per micro-batch or monitor.step(micro_batches=[...], ...))")
-        if step - 1 > start and self.replay is None:
+        if self.replay is None:  # (one on the interval's first step needs none to reach it, but its diagnosis does)
             return "no replay of the host's steps (pass loss_fn= to replay them)"
         return None
 
