@@ -63,6 +63,21 @@ def outliers_at_task(bad: str = "153,157", scale: float = 40.0, n: int = 256) ->
     return outlier_samples_task(tuple(int(i) for i in bad.split(",")), scale, n)
 
 
+def blobs_outliers_task(bad: str = "1603,1610", scale: float = 30.0, n: int = 4096) -> Task:
+    """data, a classifier's (a DDP trial's task): Gaussian blobs, 4 classes; samples ``bad`` are scaled x``scale`` and
+    mislabelled. Under the untrained weights their window is not twice the ordinary ones' (every window is high there)."""
+    g = torch.Generator().manual_seed(0)
+    centers = torch.randn(4, 16, generator=g) * 2
+    y = torch.randint(0, 4, (n,), generator=g)
+    x = centers[y] + torch.randn(n, 16, generator=g)
+    for i in (int(i) for i in bad.split(",")):
+        x[i], y[i] = x[i] * scale, (y[i] + 1) % 4
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    return Task(model=model, train_data=TensorDataset(x, y), loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+                name="blobs-outliers")
+
+
 def steady_regression_task(n: int = 512, seed: int = 0) -> Task:
     """state: an ordinary regression; with an LR that the warmup raises too high (AdamW at 0.5 over a 50-step warmup)
     the loss spikes as the state drifts (step 39 at batch 8), on every window alike (no sample to blame)."""

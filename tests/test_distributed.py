@@ -69,6 +69,8 @@ BAD_AT_3 = EpochOrder(64, 4, seed=0, shuffle=True, rank=1, world_size=2).micro_b
 BAD_AT_5 = EpochOrder(64, 4, seed=0, shuffle=True, rank=1, world_size=2).micro_batches(0)[4][1]
 #: Step 14 (batch 8 per rank, no shuffle): rank 1's micro-batch; two of its samples carry a finite spike.
 SPIKE_ON_1 = EpochOrder(256, 8, seed=0, shuffle=False, rank=1, world_size=2).micro_batches(0)[13][2:6:3]
+#: Step 101 of the blobs (global batch 16, no shuffle), the first of its log interval (log.every=10): one sample per rank.
+SPIKE_AT_101 = (1603, 1610)
 #: ... and one sample on each rank at step 14.
 SPIKE_ON_BOTH = [EpochOrder(256, 8, seed=0, shuffle=False, rank=0, world_size=2).micro_batches(0)[13][3], SPIKE_ON_1[0]]
 #: test_the_carried_numbers_are_exact_every_way_and_in_any_bucket_dtype: (way, dtype, tolerance, rides a param)
@@ -97,6 +99,9 @@ def _scenarios(root):
                                 "train.batch_size=8", "train.max_steps=16", "log.every=10", "data.shuffle=false",
                                 "optim.lr=0.01", "ckpt.every=0", "eval.every=0", "dist.nproc=2", "dist.strategy=fsdp",
                                 f"run.dir={root / 'spike-fsdp'}")),
+            ("spike-first", *cli("task=spike_tasks:blobs_outliers_task", "train.batch_size=8", "train.max_steps=103",
+                                 "log.every=10", "data.shuffle=false", "ckpt.every=100", "eval.every=0", "dist.nproc=2",
+                                 f"run.dir={root / 'spike-first'}")),
             ("spike-rollback", *cli("task=spike_tasks:outliers_at_task", f"task_args.bad={','.join(map(str, SPIKE_ON_BOTH))}",
                                     "train.batch_size=8", "train.max_steps=40", "log.every=10", "data.shuffle=false",
                                     "optim.lr=0.01", "ckpt.every=10", "ckpt.keep=10", "eval.every=0",
@@ -205,6 +210,19 @@ def test_a_finite_spike_only_rank_1s_samples_carry_is_diagnosed_on_rank_1s_batch
     bundle = load_bundle(world.root / name / "incidents" / "step_000014")
     assert bundle["window"]["ranks"] == [0, 1] and len(bundle["window"]["indices"]) == 2  # the step's whole batch
     assert "rank 1's own window" not in diagnosis["summary"]
+
+
+def test_a_ddp_spike_on_its_intervals_first_step_is_not_weighed_under_step_0s_weights(world):
+    """A trial: DDP keeps no snapshot from before the interval's (one process does), so a spike on an interval's first
+    step was weighed under the only checkpoint, step 0's untrained weights, and called state ('the updates since step 0
+    raised this window's loss'; its planted samples 'only under the current state'); one process and FSDP said data. A
+    checkpoint older than the losses the rule weighs is no older state: the samples are named, and verified."""
+    world.check("spike-first")
+    diagnosis = json.loads((world.root / "spike-first" / "incidents" / "step_000101" / "diagnosis.json").read_text())
+    assert diagnosis["failure_class"] == "data" and set(diagnosis["bad_samples"] or []) == set(SPIKE_AT_101), (
+        diagnosis["summary"])
+    assert diagnosis["older"] is None and diagnosis["observed"]["reference_out_of_reach"]["step"] == 0
+    assert "without them the step is normal (verified" in diagnosis["summary"], diagnosis["summary"]
 
 
 def test_a_spike_rollback_under_ddp_drops_the_samples_of_every_rank_the_diagnosis_named_on_every_rank(world):
