@@ -397,8 +397,8 @@ def test_a_run_is_stalled_when_no_update_of_the_last_steps_moved_the_parameters(
                         "diagnose names one), or guard.on_nonfinite=remedy; guard.on_stall=warn trains on")
     # an adapter's guard (remedy=False: Monitor refuses on_nonfinite="remedy") names the remedy search it can run instead
     d = Guard(GuardConfig(), torch.device("cpu")).decide(_stall_rows(nine_of_ten * 2, 0.0, scale=3.6e-12))
-    assert d.reason.endswith("(where stabletrain diagnose names one), or stabletrain remedy on its captured incident (the "
-                             "cures, verified); guard.on_stall=warn trains on") and "on_nonfinite" not in d.reason, d.reason
+    assert d.reason.endswith("(where stabletrain diagnose names one), or stabletrain remedy on the incident where one was "
+                             "captured (its cures, verified); guard.on_stall=warn trains on") and "on_nonfinite" not in d.reason
     warn = Guard(GuardConfig(on_stall="warn"), torch.device("cpu"))
     first, again = warn.decide(_stall_rows(nine_of_ten * 2, 0.0)), warn.decide(_stall_rows(nine_of_ten, 0.0, start=21))
     assert first.action == "continue" and first.stall.startswith("the run is stalled at step 20") and again.stall is None
@@ -434,7 +434,7 @@ def test_a_loss_of_zero_is_convergence_and_every_step_skipped_at_a_dead_scale_is
     d = Guard(GuardConfig(), torch.device("cpu")).decide(forward)  # (an adapter's: the advice it can follow)
     assert "; the loss itself is non-finite in float16 (an overflow in the forward, or an invalid op) and the " \
            "GradScaler's scale is 7e-18: no loss scale makes it finite. Try precision=bf16" in d.reason, d.reason
-    assert d.reason.endswith(", or stabletrain remedy on its captured incident (the cures, verified)"), d.reason
+    assert d.reason.endswith(", or stabletrain remedy on the incident where one was captured (its cures, verified)"), d.reason
 
 
 def test_zero_gradients_at_a_healthy_fp16_scale_are_said_to_underflow_not_to_overflow():

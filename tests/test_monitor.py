@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import fractions
 import importlib.util
 import json
 import math
@@ -787,9 +788,12 @@ def test_an_optimizer_of_another_model_is_refused_and_a_float_loss_is_taken(tmp_
         batch = next(iter(batches(1)))
         loss_fn(model, batch).backward()
         for wrong, got in ((torch.ones(3), r"a tensor of shape \(3,\) \(reduce it first, e.g. loss.mean\(\)\)"),
-                           ("0.5", "str '0.5'"), (True, "bool True"), (None, None)):
-            if wrong is None:
-                monitor.step(batch, loss=np.float32(0.5))  # a numpy number is a number
+                           ("0.5", "str '0.5'"), (True, "bool True"), (torch.tensor(1j), r"Tensor tensor\(0.\+1.j\)"),
+                           (None, None)):
+            if wrong is None:  # a numpy number, numpy's 0-d and 1-element arrays, a Fraction: numbers
+                for number in (np.float32(0.5), np.array(0.5), np.array([0.5]), fractions.Fraction(1, 2)):
+                    loss_fn(model, batch).backward()
+                    monitor.step(batch, loss=number)
                 continue
             with pytest.raises(ValueError, match=r"^Monitor.step\(loss=...\): expected the step's loss as a number or a "
                                                  rf"one-element tensor, got {got}$"):

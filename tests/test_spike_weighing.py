@@ -40,7 +40,8 @@ def test_a_divergence_weighed_only_under_step_0s_weights_is_no_data_spike(tmp_pa
     d = _diagnosis(run_dir, 61)
     assert d["reproduces"] and d["failure_class"] == "state", d["summary"]
     assert "level_shift" not in d and "new level" not in d["evidence"] and "outlier" not in d["evidence"], d["evidence"]
-    assert d["older"] is None and d["observed"]["reference_out_of_reach"] == {"step": 0, "reach": 50}
+    # (the reach: the rule window's 50 losses before the flagged steps 56-60, and the state before the oldest of them)
+    assert d["older"] is None and d["observed"]["reference_out_of_reach"] == {"step": 0, "reach": 56}
     assert d["evidence"].startswith("the model or optimizer state drifted (a divergence onset, or an LR too high); the "
                                     "update of step 60 (its interval's measured one) was x61 the run's before it at the "
                                     "same LR"), d["evidence"]

@@ -26,6 +26,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -195,10 +196,14 @@ class HostStep:
 def given_loss(loss: Any, device: torch.device | str) -> Tensor:
     """The loss a host hands over (``Monitor.step(loss=...)``) as a 0-dim float tensor on ``device``: a number, or a tensor of
     one element; anything else is a ValueError that names what it got (a per-sample loss: reduce it first)."""
-    if (isinstance(loss, Tensor) and loss.numel() == 1) or (isinstance(loss, numbers.Real) and not isinstance(loss, bool)):
+    if isinstance(loss, Tensor) and loss.numel() == 1 and not loss.is_complex():
         return torch.as_tensor(loss, device=device).detach().float().reshape(())
+    if (isinstance(loss, numbers.Real) and not isinstance(loss, bool)) or (isinstance(loss, np.ndarray) and loss.size == 1
+                                                                          and loss.dtype.kind in "fiu"):
+        value = float(loss.item() if isinstance(loss, np.ndarray) else loss)  # (a Fraction, numpy's 0-d array)
+        return torch.tensor(value, dtype=torch.float32, device=device)
     got = (f"a tensor of shape {tuple(loss.shape)} (reduce it first, e.g. loss.mean())" if isinstance(loss, Tensor)
-           else f"{type(loss).__name__} {loss!r:.40}")
+           and loss.numel() > 1 else f"{type(loss).__name__} {loss!r:.40}")
     raise ValueError(f"Monitor.step(loss=...): expected the step's loss as a number or a one-element tensor, got {got}")
 
 

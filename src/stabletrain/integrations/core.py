@@ -75,8 +75,8 @@ class RunSession:
         host_config: the host trainer's own arguments, written under ``host`` in ``config.yaml``.
         optimizer: the torch optimizer (not a host's wrapper).
         scaler: the host's ``GradScaler`` (fp16), else None.
-        replay: how to replay the host's step (:class:`~stabletrain.services.kept_steps.HostReplay`); None: only a bad
-            step at an interval's start can be captured, none diagnosed.
+        replay: how to replay the host's step (:class:`~stabletrain.services.kept_steps.HostReplay`); None: no bad step
+            is captured (nothing would replay or diagnose it).
         recipes: how to rebuild the model and loss in a new process (:mod:`~stabletrain.records.captured`).
         callbacks: stabletrain :class:`~stabletrain.callbacks.Callback` instances, fired after the built-in ones.
         tracker_hosts: tracker name -> (a callable returning the host's own run of that tracker, the host object it

@@ -29,11 +29,12 @@ NEGLIGIBLE_GRAD = 1e-3
 FP16_ADVICE = "precision=bf16 (no loss scale), the overflowing module in fp32 (where stabletrain diagnose names one), or "
 #: The verified cures, by whether the run may apply one itself (the built-in loop) or not (an adapter: the host owns the
 #: checkpoints a rollback needs; the incident's own remedy search still tells them).
-REMEDY_ADVICE = {True: "guard.on_nonfinite=remedy", False: "stabletrain remedy on its captured incident (the cures, verified)"}
+REMEDY_ADVICE = {True: "guard.on_nonfinite=remedy",
+                 False: "stabletrain remedy on the incident where one was captured (its cures, verified)"}
 REFERENCE_KEPT = 64
 
 
-def scale_note(scale: float, loss: float, remedy: bool = True) -> str:
+def scale_note(scale: float, loss: float, remedy: bool = False) -> str:
     """What a stop after consecutive skips says of fp16's GradScaler at ``scale`` (the last step's ``loss``; a scale other
     than 1: fp16's). A non-finite loss under fp16 is the forward's overflow whatever the scale (it stays where it was:
     the scaler backs off on its gradients' overflow only), e.g. an output that outgrew float16 as it trained. ``remedy``:
@@ -52,7 +53,7 @@ class StallWatch:
     """The last ``steps`` steps as (applied, grad norm, loss scale, loss), and the grad norms of the last applied steps at
     a healthy loss scale (what "negligible" is against): :meth:`stalled` says whether the run stopped learning."""
 
-    def __init__(self, steps: int, remedy: bool = True) -> None:
+    def __init__(self, steps: int, remedy: bool = False) -> None:
         self.remedy = remedy  # the run may apply a verified cure itself (the advice: REMEDY_ADVICE)
         self.recent: deque[tuple[bool, float, float, float]] = deque(maxlen=steps)
         self.norm_reference: deque[float] = deque(maxlen=REFERENCE_KEPT)

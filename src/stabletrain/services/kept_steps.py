@@ -171,7 +171,7 @@ class HostSteps:
 
     Args:
         session: the adapter's run (:class:`~stabletrain.integrations.core.RunSession`).
-        replay: the host's :class:`HostReplay` (None: only a bad step at an interval's start can be captured).
+        replay: the host's :class:`HostReplay` (None: no bad step is captured; nothing would replay or diagnose it).
         max_keep_mib: the budget for one interval's kept batches, in MiB.
     """
 
@@ -243,6 +243,8 @@ class HostSteps:
         return [float(lr) for lr in kept.lrs] if kept is not None and kept.lrs else []
 
     def why_not(self, step: int, start: int) -> str | None:
+        if self.replay is None:  # (one on the interval's first step needs none to reach it, but its diagnosis does)
+            return "no replay of the host's steps (pass loss_fn= to replay them)"
         missing = [t for t in range(start + 1, step + 1) if t not in self.keeper.steps]
         if self.keeper.overflow_at is not None:
             return (f"the interval's batches went past keep_max_mib={self.keeper.max_bytes / 2**20:g} at step "
@@ -252,8 +254,6 @@ class HostSteps:
         if not self.keeper.steps[step].micro:
             return ("the step's batch was not given (Monitor: monitor.step(batch, ...), or with accumulation "
                     "monitor.backward(loss, batch) per micro-batch or monitor.step(micro_batches=[...], ...))")
-        if self.replay is None:  # (one on the interval's first step needs none to reach it, but its diagnosis does)
-            return "no replay of the host's steps (pass loss_fn= to replay them)"
         return None
 
     def stretch_lrs(self, start: int, step: int) -> list[list[float]] | None:

@@ -95,8 +95,13 @@ def spike_parts(engine: Any, fit: RunState, bundle: dict[str, Any], step: int, s
         found = src.reference_state(fit, start[1] if start[1] < step - 1 else step - 1, now)
         # Within the rule window's reach only: a checkpoint from before the losses the rule weighs the spike against is
         # a less trained model that finds every window high (DDP keeps no snapshot before the interval's: a spike on its
-        # first step was weighed under step 0's and called state, its two planted samples named "only under this state")
-        reach = len(bundle["observed"]["spike_window"])
+        # first step was weighed under step 0's and called state, its two planted samples named "only under this state").
+        # The window's losses end where the run of flagged steps before the spike begins; its oldest ran on the state
+        # of the step before it (step 0's made step 1's loss).
+        flagged, since = set(fit.guard.unordinary) if fit.guard is not None else set(), step
+        while since - 1 in flagged:
+            since -= 1
+        reach = len(bundle["observed"]["spike_window"]) + (step - since) + 1
         reference = ({"step": found[1], "model": found[0], "optimizer": lr_groups(found[2]), "from": "checkpoint"}
                      if found and step - found[1] <= reach else None)
         if found and reference is None:
