@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["gc_frozen", "stat_fields", "parent_pid", "children", "die_with_parent", "process_start_time"]
+__all__ = ["gc_frozen", "stat_fields", "parent_pid", "children", "die_with_parent", "arm_death_signal", "process_start_time"]
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -44,6 +44,14 @@ def children(pid: int) -> list[int]:
     return [int(e.name) for e in procs if parent_pid(int(e.name)) == pid]
 
 
+def arm_death_signal() -> bool:
+    """Have the kernel SIGKILL this process when the thread that started it exits (Linux ``PR_SET_PDEATHSIG``); return
+    whether it is armed (elsewhere than Linux: False)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+
+
 def die_with_parent(parent: int | None = None, grandparent: int | None = None) -> bool:
     """Have the kernel SIGKILL this process when its parent exits (Linux ``PR_SET_PDEATHSIG``); return whether armed.
 
@@ -53,10 +61,7 @@ def die_with_parent(parent: int | None = None, grandparent: int | None = None) -
     would never signal: ``parent`` (the pid it had) or ``grandparent`` (its parent's pid) no longer matching, or a
     parent of pid 1, then kills this process right away. Elsewhere than Linux: nothing (False).
     """
-    if not sys.platform.startswith("linux"):
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+    if not arm_death_signal():
         return False
     now = os.getppid()  # read after arming: a parent that exits from here on signals
     if now == 1 or (parent is not None and now != parent) or (grandparent is not None and parent_pid(now) != grandparent):

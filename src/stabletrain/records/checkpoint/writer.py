@@ -28,7 +28,6 @@ A writer that hangs alive (a disk that never answers) is waited for, as a thread
 from __future__ import annotations
 
 import atexit
-import ctypes
 import os
 import pickle
 import select
@@ -41,6 +40,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from ...process import arm_death_signal
 
 __all__ = ["Writer", "WriterDied", "writer", "running_writer", "close_writer", "exit_with_parent", "WRITER_MODULE",
            "WRITER_NICENESS", "READY_ID"]
@@ -271,9 +272,6 @@ atexit.register(close_writer)
 
 # -- both ends -------------------------------------------------------------------------------------------
 
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
 def exit_with_parent(parent: int, *, kernel_signal: bool = False) -> None:
     """Make this process exit when ``parent`` is gone: a thread polls our parent pid every 0.2 s.
 
@@ -281,8 +279,8 @@ def exit_with_parent(parent: int, *, kernel_signal: bool = False) -> None:
     *thread* that started us exits: only for a process started from its parent's main thread.
     Exits at once when ``parent`` is already gone.
     """
-    if sys.platform.startswith("linux") and kernel_signal:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if kernel_signal:
+        arm_death_signal()
     if os.getppid() != parent:
         os._exit(1)
 
