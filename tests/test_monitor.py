@@ -413,6 +413,17 @@ def test_without_loss_fn_an_incident_it_cannot_capture_is_said_once_and_a_captur
     assert line in capsys.readouterr().out
 
 
+def test_without_loss_fn_no_batch_is_kept_and_no_snapshot_taken(tmp_path):
+    """Nothing can replay the steps without loss_fn, so nothing a replay needs is kept: a copy of the state per interval
+    and each step's batch were paid for an incident that could never be captured. With loss_fn both are there."""
+    for fn, kept in ((None, False), (loss_fn, True)):
+        model, opt = make()
+        with Monitor(model, opt, run_dir=tmp_path / f"run{kept}", log_every=4, loss_fn=fn) as monitor:
+            train(monitor, model, batches(10))
+            session = monitor.session
+            assert (session.capture.snapshot.taken, bool(session.steps.keeper.steps)) == (kept, kept)
+
+
 def test_a_capture_whose_replay_fails_never_ends_the_users_loop(tmp_path):
     """loss_fn takes (x, y) but the loop hands step() its inputs alone: the capture's replay raised inside monitor.step
     and ended the user's training (its crash event said 'the host's training step'). Now the loss function's failure

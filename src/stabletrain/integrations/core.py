@@ -138,8 +138,8 @@ class RunSession:
 
     @property
     def capturing(self) -> bool:
-        """Whether an incident can be captured (asked for, with a run directory on rank 0)."""
-        return self.steps.capturing()
+        """Whether an incident can be captured: asked for, a run directory on rank 0, the steps replayable (``loss_fn=``)."""
+        return self.steps.capturing() and self.steps.replay is not None
 
     # -- the run directory -------------------------------------------------------------------------
 

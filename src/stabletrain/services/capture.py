@@ -117,8 +117,8 @@ class StepSource(Protocol):
     def fallback_state(self, fit: RunState) -> tuple[dict[str, Any], int] | None:
         """(state, its step) to replay from when there is no snapshot; None: none."""
 
-    def why_not(self, step: int, start: int) -> str | None:
-        """Why step ``step`` cannot be replayed from step ``start`` (None: it can)."""
+    def why_not(self, step: int, start: int | None) -> str | None:
+        """Why step ``step`` cannot be replayed from step ``start`` (None: it can; ``start`` None: no state to start from)."""
 
     def interval_started(self, retired: int | None, step: int) -> list[float] | None:
         """A new interval starts after ``step``; no replay needs step ``retired`` or any before it (what the source kept
@@ -333,8 +333,8 @@ class IncidentCapture:
         step, after_update = info["step"], info["after_update"]
         ranks = sorted(info.get("ranks") or [])
         start = self._start(fit)
-        why = ("no good state to replay from (no verified checkpoint yet; was the state non-finite from the start?)"
-               if start is None else src.why_not(step, start[1]))
+        why = src.why_not(step, None if start is None else start[1]) or (None if start is not None else
+               "no good state to replay from (no verified checkpoint yet; was the state non-finite from the start?)")
         if why is not None:
             self._not_captured(fit, info, ranks, why)
             return found

@@ -87,7 +87,7 @@ class LoopSteps:
         loaded = self.recorder.keeper.load_last_good()
         return (loaded.state, int(loaded.state["counters"]["step"])) if loaded is not None else None
 
-    def why_not(self, step: int, start: int) -> str | None:
+    def why_not(self, step: int, start: int | None) -> str | None:
         return None
 
     def interval_started(self, retired: int | None, step: int) -> None:

@@ -221,7 +221,7 @@ class HostSteps:
 
     def keep(self, step: int, micro: list[Any], rng: dict[str, Any] | None, host: dict[str, Any] | None = None) -> None:
         """Keep what a replay of ``step`` needs (batches copied off the device without a sync)."""
-        if not self.capturing():
+        if self.replay is None or not self.capturing():
             return
         s = self.session
         lrs = current_lrs(s.optimizer) if s.optimizer is not None else []
@@ -242,9 +242,11 @@ class HostSteps:
         self.keeper.spare_through = step - MAX_CONTEXT  # what only a replay from the snapshot before needs
         return [float(lr) for lr in kept.lrs] if kept is not None and kept.lrs else []
 
-    def why_not(self, step: int, start: int) -> str | None:
+    def why_not(self, step: int, start: int | None) -> str | None:
         if self.replay is None:  # (one on the interval's first step needs none to reach it, but its diagnosis does)
             return "no replay of the host's steps (pass loss_fn= to replay them)"
+        if start is None:
+            return None
         missing = [t for t in range(start + 1, step + 1) if t not in self.keeper.steps]
         if self.keeper.overflow_at is not None:
             return (f"the interval's batches went past keep_max_mib={self.keeper.max_bytes / 2**20:g} at step "
