@@ -384,3 +384,18 @@ def test_a_surge_in_a_run_already_far_above_its_level_is_a_symptom_of_the_drift_
     # than the rule window reaches back), nor a level against a median at or below 0 (the ratio is inf there)
     for other in ({"from": "checkpoint", "step": 0}, {"step": 0}, {"span": 7}, {"median": -0.8, "levels": [math.inf] * 2}):
         assert classify_spike({**m, "older": {**older, **other}})["failure_class"] == "optimizer-state", other
+
+
+def test_a_checkpoint_out_of_the_rule_windows_reach_is_not_even_read(tmp_path):
+    """A spike's capture looked for an older state by loading up to 3 checkpoints and only then checked whether the
+    newest was within the rule window's reach (out of it, none is used): now one out of reach is not read at all. The
+    checkpoint of step 5 is damaged here: read, it would be passed over for step 0's; out of reach, it is named unread."""
+    run_dir = tmp_path / "run"
+    trainer = Trainer(cfg("train.max_steps=10", "ckpt.every=5"), run_dir=run_dir)
+    trainer.fit()
+    fit, source = trainer.state, trainer.recorder.source
+    (run_dir / "checkpoints" / "step_000005" / "state.pt").write_bytes(b"damaged")
+    now = trainer.state.module.state_dict()
+    assert source.reference_state(fit, 8, now, 6) == (None, 5, None)
+    found = source.reference_state(fit, 8, now, 0)  # within reach: the damaged one is read, refused, and step 0's taken
+    assert found is not None and found[0] is not None and found[1] == 0

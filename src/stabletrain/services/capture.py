@@ -129,11 +129,11 @@ class StepSource(Protocol):
         """``[[t, lr], ...]``: the LR (the highest of the param groups') each step from ``start`` up to before ``step``
         ran at, where the host set it (its steps kept); None: the run's schedule (replayed as it ran)."""
 
-    def reference_state(self, fit: RunState, before: int, unlike: dict[str, Any]
-                        ) -> tuple[dict[str, Any], int, dict[str, Any] | None] | None:
+    def reference_state(self, fit: RunState, before: int, unlike: dict[str, Any], oldest: int = 0
+                        ) -> tuple[dict[str, Any] | None, int, dict[str, Any] | None] | None:
         """(a one-process model state older than step ``before`` whose weights differ from ``unlike``, its step, the
         optimizer state saved with it): a spike's older state when its interval holds none (the run's newest such
-        checkpoint); None: none."""
+        checkpoint); None: none; (None, its step, None): the newest is older than step ``oldest`` (none loaded)."""
 
     def replay_to(self, fit: RunState, step: int, start: int, locate: tuple[int, int] | None,
                   rows: list[Any], keep_previous: bool = False) -> tuple[int, dict | None]:

@@ -24,6 +24,7 @@ from typing import Any
 from .. import console
 from ..config import config_to_dict
 from ..records.checkpoint.files import CheckpointError
+from ..records.checkpoint.manager import step_of
 from ..records.checkpoint.shards import is_dcp_entry
 from ..records.jsonl import read_jsonl
 from ..records.staging import StateStager, equal_states, snapshot_fits
@@ -96,15 +97,18 @@ class LoopSteps:
     def stretch_lrs(self, start: int, step: int) -> None:
         return None  # the schedule's, replayed as the run stepped
 
-    def reference_state(self, fit: RunState, before: int, unlike: dict[str, Any]
-                        ) -> tuple[dict[str, Any], int, dict[str, Any] | None] | None:
+    def reference_state(self, fit: RunState, before: int, unlike: dict[str, Any], oldest: int = 0
+                        ) -> tuple[dict[str, Any] | None, int, dict[str, Any] | None] | None:
         """The newest verified checkpoint before step ``before`` (LAST_GOOD or older) whose model differs from
         ``unlike``: a spike after skipped steps, or on the run's first steps, is weighed against it (the issue's
-        "an older checkpoint"). At most :data:`MAX_REFERENCE_LOADS` are read; a sharded one gives None."""
+        "an older checkpoint"). At most :data:`MAX_REFERENCE_LOADS` are read; a sharded one gives None; one older than
+        step ``oldest`` is not read: (None, its step, None)."""
         ckpt = fit.ckpt
         if ckpt is not None:
             ckpt.wait()  # a save still in flight (the first one starts its writer: a second or so) is the newest
         for path in ckpt.good_before(before)[:MAX_REFERENCE_LOADS] if ckpt is not None else []:
+            if step_of(path) < oldest:  # newest first: every later one is older still
+                return None, step_of(path), None
             try:
                 loaded = ckpt.load(path)
             except CheckpointError:

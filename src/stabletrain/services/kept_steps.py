@@ -231,7 +231,7 @@ class HostSteps:
     def fallback_state(self, fit: Any) -> None:
         return None  # the host owns its checkpoints
 
-    def reference_state(self, fit: Any, before: int, unlike: Any) -> None:
+    def reference_state(self, fit: Any, before: int, unlike: Any, oldest: int = 0) -> None:
         return None  # the host owns its checkpoints
 
     def interval_started(self, retired: int | None, step: int) -> list[float] | None:

@@ -92,7 +92,6 @@ def spike_parts(engine: Any, fit: RunState, bundle: dict[str, Any], step: int, s
             older, at, ran = found
     reference = {"step": at, "model": older, "optimizer": lr_groups(ran)} if older is not None else None
     if reference is None and first and fit.dist.is_main and now is not None and not is_dcp_entry(now):
-        found = src.reference_state(fit, start[1] if start[1] < step - 1 else step - 1, now)
         # Within the rule window's reach only: a checkpoint from before the losses the rule weighs the spike against is
         # a less trained model that finds every window high (DDP keeps no snapshot before the interval's: a spike on its
         # first step was weighed under step 0's and called state, its two planted samples named "only under this state").
@@ -102,8 +101,9 @@ def spike_parts(engine: Any, fit: RunState, bundle: dict[str, Any], step: int, s
         while since - 1 in flagged:
             since -= 1
         reach = len(bundle["observed"]["spike_window"]) + (step - since) + 1
+        found = src.reference_state(fit, start[1] if start[1] < step - 1 else step - 1, now, step - reach)
         reference = ({"step": found[1], "model": found[0], "optimizer": lr_groups(found[2]), "from": "checkpoint"}
-                     if found and step - found[1] <= reach else None)
+                     if found and found[0] is not None else None)
         if found and reference is None:
             bundle["observed"]["reference_out_of_reach"] = {"step": found[1], "reach": reach}
     bundle["reference"] = reference
