@@ -399,3 +399,59 @@ def test_a_checkpoint_out_of_the_rule_windows_reach_is_not_even_read(tmp_path):
     assert source.reference_state(fit, 8, now, 6) == (None, 5, None)
     found = source.reference_state(fit, 8, now, 0)  # within reach: the damaged one is read, refused, and step 0's taken
     assert found is not None and found[0] is not None and found[1] == 0
+
+
+def test_a_surge_after_ordinary_windows_were_already_high_is_the_aftershock_of_an_applied_spike_not_adams():
+    """A new user's own loop (Monitor, AdamW, labels of two rows x40 at step 120, guard.on_spike=warn): step 120 was
+    named data, then step 128 was classed optimizer-state, Adam's second moment of 0.weight (one coordinate of 256,
+    moved x3.59), while the same loop skipping step 120 has no spike after it. The state before that surging update,
+    replayed, already finds ordinary windows high: the surge is no cause. The numbers are the trial's."""
+    older = {"step": 110, "from": "snapshot", "window": 0.03951, "ordinary": 0.05337, "current_ordinary": 0.1709,
+             "ordinary_from": "windows", "lr": {"then": 0.01, "now": 0.01, "since": 120}, "window_high": False,
+             "ordinary_spike_now": False, "ordinary_then_high": False, "levels": [0.9547, 3.058], "median": 0.05591,
+             "span": 50, "ordinary_high": True, "window_not_above_now": True, "ratio": 2.0, "moved": 0.1778}
+    surge = {"name": "0.weight", "numel": 256, "surge_share": 0.0039, "typical_sqrt_v": 0.014, "coord_factor": 3.593,
+             "whole": False, "step": 127}
+    m = {"reproduces": True, "loss": 0.2283, "precision": "fp32", "step": 128, "samples": None, "surges": [surge],
+         "where": {}, "jumps": {}, "older": older,
+         "steps": {"now": 0.01593, "before": 0.005421, "upto": 120, "lr": 0.01, "lr_now": 0.01}}
+    assert classify_spike(m)["failure_class"] == "optimizer-state"  # (without the state before the surging update)
+    out = classify_spike({**m, "older": {**older, "ordinary_previous": 0.1655}})
+    assert out["failure_class"] == "state" and out["blamed_layer"] is None, out
+    assert ("0.weight's coordinates surged in the update of step 127 (x3.59 as far as its others), but ordinary windows "
+            "were already at 0.1655 under the state just before that update, x3.1 their 0.05337 under the state of step "
+            "110: the state was off before it") in out["evidence"], out["evidence"]
+    # where the surging update itself raised them (ordinary windows normal just before it): Adam's second moment
+    assert classify_spike({**m, "older": {**older, "ordinary_previous": 0.06}})["failure_class"] == "optimizer-state"
+
+
+def test_the_aftershock_of_an_applied_data_spike_in_a_users_own_loop_is_said_first_and_blames_no_layer(tmp_path):
+    """The trial's loop itself (Monitor): the spike at step 120 names the two rows; the spike its applied update left,
+    at step 128, is the state's, and the console line leads with the aftershock (it was cut before it)."""
+    from stabletrain import Monitor
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(8, 1, generator=g)
+    data = []
+    for i in range(130):
+        x = torch.randn(16, 8, generator=g)
+        y = torch.tanh(x @ w)
+        if i == 119:
+            y[[2, 9]] = 40.0
+        data.append((x, y))
+
+    def loss_fn(model, batch):
+        return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+
+    with Monitor(model, opt, run_dir=tmp_path / "run", loss_fn=loss_fn, log_every=10) as monitor:
+        for batch in data:
+            monitor.backward(loss_fn(model, batch))
+            monitor.step(batch)
+    first, after = (_diagnosis(tmp_path / "run", s) for s in (120, 128))
+    assert (first["failure_class"], first["blamed_samples"]) == ("data", [2, 9]), first["summary"]
+    assert after["failure_class"] == "state" and after["blamed_layer"] is None, after["summary"]
+    assert after["summary"].startswith("state: 8 steps after the spike at step 120 (data), whose update was applied: this "
+                                       "may be its aftershock; the model or optimizer state drifted"), after["summary"]

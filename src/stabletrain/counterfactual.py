@@ -136,6 +136,9 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
     if prev and why is None:  # the update that led into the spike, replayed from the state before it
         before = ReplayBench(Replica(cfg, bench.task, prev, replica.device), bench.task)
         m["surges"] += [{**r, "step": prev["step"]} for r in before.step(before.groups(prev["window"]), signature=True)["surges"]]
+        if m["older"] is not None and context and m["surges"] and m["surges"][-1]["step"] == prev["step"]:
+            # ordinary windows under the state before that surging update: was it off already? (an aftershock's is)
+            m["older"]["ordinary_previous"] = sum(before.loss(c) for c in context) / len(context)
         for k, v in before.passes.items():
             bench.passes[k] += v
     m["fp32"] = None
@@ -197,9 +200,12 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
                                                                              after["step"], named):
         # an earlier spike's update, applied, may have left the state off: say so
         gap = bundle["step"] - after["step"]
-        verdict["evidence"] += (f"; {gap} step{'s' if gap != 1 else ''} after the spike at step {after['step']}"
-                                + (f" ({after['class']})" if after.get("class") else "")
-                                + ", whose update was applied: this may be its aftershock")
+        note = (f"{gap} step{'s' if gap != 1 else ''} after the spike at step {after['step']}"
+                + (f" ({after['class']})" if after.get("class") else "")
+                + ", whose update was applied: this may be its aftershock")
+        lead = verdict["failure_class"] == "state" and m["older"] is not None and m["older"]["step"] < after["step"]
+        # (the state drifted since a state from before that spike: the aftershock leads, the console line is cut short)
+        verdict["evidence"] = f"{note}; {verdict['evidence']}" if lead else f"{verdict['evidence']}; {note}"
     if bundle.get("world_size", 1) > 1 and m["reproduces"] and "ranks" not in bundle["window"]:  # (one rank's window)
         verdict["evidence"] += (f"; the losses above are rank {bundle.get('rank', 0)}'s own window's (the step's logged "
                                 "loss is the ranks' mean)")

@@ -17,7 +17,7 @@ time, and hands the measurements to :func:`classify_spike`; the verdict and its 
   layer's coordinates whose gradients were tiny for long get a large one (``|g| >> sqrt(v)``) and move many times as
   far as the layer's others; the window is not an outlier under the older state, and no divergence was under way
   (surges in several layers at once, the loss climbing before that update, or ordinary windows already high under the
-  older state make the surge a symptom: ``state``).
+  older state or under the state just before that update make the surge a symptom: ``state``).
 - ``state``: the same window is normal under the older state and ordinary windows are high under this one: the model
   or the optimizer state drifted (a divergence onset, an LR too high). Also the verdict when nothing more specific holds.
 
@@ -111,7 +111,8 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     ``step``: of the step before the spike and of the spike's own; only the former can be a cause), ``step`` (the spike's),
     ``where`` (:func:`departures`), ``jumps`` (:func:`jumps` of ``grad_norm`` and ``update_ratio``) and ``climb``
     (``[step, loss, ratio to the rule's median]`` of the interval's steps before the spike; ``older`` may also hold
-    ``ordinary_then_high``: its ordinary windows a spike by the rule).
+    ``ordinary_then_high``: its ordinary windows a spike by the rule; ``ordinary_previous``: their loss under the state just
+    before a surging update before the spike).
     """
     out: dict[str, Any] = {"blamed_samples": None, "blamed_layer": None, "blamed_module": None}
     older, samples = m.get("older"), m.get("samples")
@@ -404,6 +405,13 @@ def _whole_model_rise(m: dict[str, Any], blamed: dict[str, Any], older: dict[str
     if older is not None and older.get("ordinary_then_high"):
         return (f"; ordinary windows were already a spike by the guard's rule under the state of step {older['step']} "
                 f"({older['ordinary']:.4g}), before that update")
+    before, then = (older or {}).get("ordinary_previous"), (older or {}).get("ordinary")
+    if before is not None and then and then > 0 and older["ordinary_high"] and before > older["ratio"] * then:
+        # (the state right before the surging update, replayed: ordinary windows already high there, not by it)
+        return (f"; {blamed['name']}'s coordinates surged in the update of step {at} (x{blamed['coord_factor']:.3g} as far "
+                f"as {_others(blamed)}), but ordinary windows were already at {before:.4g} under the state just before that "
+                f"update, x{before / then:.3g} their {then:.4g} under the state of step {older['step']}: the state was off "
+                "before it")
     # Far above the run's level under the interval's start and under this state (the rule's z-score may pass them: its
     # window's spread grew with the unsettled loss): the state drifted before that update (an LR too high)
     # (an interval snapshot after the run's start and within the rule window's reach: the rule's median is the run's
