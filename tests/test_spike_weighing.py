@@ -55,8 +55,11 @@ def test_a_divergence_under_skip_names_its_step_growth_and_labels_the_rules_medi
     x60 in the optimizer that steps 59 and 61 named was gone: now the median is labelled, the LR is the run's at step 50,
     and the spike's own step says how far the optimizer's steps grew (the older state is step 50's now: see below)."""
     run_dir = tmp_path / "run"
-    Trainer(cfg(*RUN, "train.max_steps=80", "guard.on_spike=skip"), task=lr_jump_task(in_state=True),
-            run_dir=run_dir).fit()
+    trainer = Trainer(cfg(*RUN, "train.max_steps=80", "guard.on_spike=skip"), task=lr_jump_task(in_state=True),
+                      run_dir=run_dir)
+    trainer.fit()
+    # the stop's advice names what sets the LR here: the task's own optimizer (optim.lr does nothing for it)
+    assert "a divergence, not a new level: lower the LR (the lr of the task's own optimizer)" in trainer.state.stop_reason
     d = _diagnosis(run_dir, 71)
     assert d["reproduces"] and d["failure_class"] == "state", d["summary"]
     assert "under this one (vs" not in d["evidence"] and "LR rose" not in d["evidence"], d["evidence"]
@@ -250,7 +253,7 @@ def test_a_stop_after_spike_skips_of_a_diverging_run_says_divergence_not_a_new_l
     spikes, stopped = _lr_jump_monitor(tmp_path / "skip", 150, "skip", 200)
     assert stopped is not None and {d["diagnosis"]["failure_class"] for d in spikes.values()} == {"state"}
     text = str(stopped)
-    assert "found the state drifted (state): a divergence, not a new level: lower the LR (optim.lr)" in text, text
+    assert "found the state drifted (state): a divergence, not a new level: lower the LR (the optimizer's lr)" in text, text
     assert "trains on at the new level" not in text, text
 
 

@@ -79,7 +79,8 @@ class Trainer:
         self.params, self.window = [p for _, p in parts.named_params], parts.window
         optimizer = strategy.optimizer(parts.named_params, task)
         schedule = LRSchedule(optimizer, cfg.sched.warmup_steps, cfg.train.max_steps, cfg.sched.decay, cfg.sched.min_lr_ratio)
-        guard = Guard(cfg.guard, device, scaled=parts.precision.scaler is not None, remedy=True)
+        guard = Guard(cfg.guard, device, scaled=parts.precision.scaler is not None, remedy=True,
+                      lr_key="the lr of the task's own optimizer" if task.optimizer is not None else "optim.lr")
         self.step_fn = build_step(cfg, parts.model, optimizer, parts.precision, guard=guard, schedule=schedule,
                                   params=self.params, window=parts.window, carrier=parts.carrier, numerics=parts.numerics)
         order = EpochOrder(len(task.train_data), cfg.train.batch_size, cfg.seed, cfg.data.shuffle, rank=dist.rank,

@@ -131,8 +131,9 @@ class Guard:
     """
 
     def __init__(self, cfg: GuardConfig, device: torch.device, *, enforce: bool = True, scaled: bool = False,
-                 remedy: bool = False) -> None:
+                 remedy: bool = False, lr_key: str = "the optimizer's lr") -> None:
         self.cfg = cfg
+        self.lr_key = lr_key  # what sets the LR, in the user's terms (the built-in loop's: optim.lr, or the task's optimizer)
         self.remedy = remedy  # guard.on_nonfinite=remedy is a choice here (the built-in loop's): what a stop's advice names
         self.enforce = enforce  # False: an adapter's on_nonfinite="warn" (no skip of its own; the host's still happen)
         # fp16 with a GradScaler: a step whose gradients overflow (grad norm inf) has a finite loss the spike rule tests
@@ -414,7 +415,7 @@ class Guard:
         if (self.spike_class is not None and self.spike_class[1] in ("state", "optimizer-state")
                 and self.spike_class[0] >= since):  # (a capture of this run of spikes, not an older one's)
             return (f"{note}, and the capture at step {self.spike_class[0]} found the state drifted ({self.spike_class[1]}): "
-                    f"a divergence, not a new level: lower the LR (optim.lr), from a checkpoint before step {since}")
+                    f"a divergence, not a new level: lower the LR ({self.lr_key}), from a checkpoint before step {since}")
         return (f"{note}: the loss moved to a new level and stayed (a change in the data, or a divergence: stabletrain "
                 "diagnose names which); guard.on_spike=warn trains on at the new level")
 
