@@ -46,6 +46,23 @@ def test_malformed_jsonl_lines_are_problems_with_file_and_line(tmp_path):
     assert problems[0].startswith(f"{path}:2: malformed JSON") and problems[1].startswith(f"{path}:3: expected a JSON object")
 
 
+def test_a_torn_last_line_is_ended_before_the_next_launch_appends(tmp_path):
+    """A launch killed mid-write (or a full disk) left events.jsonl ending inside a line: the next launch's first record
+    was glued onto it (a trial: '{"kind": "inter{"kind": "launch", ...'), lost with it, and goodput counted one launch
+    fewer. Now the torn line stays one malformed line, and every record after it is read."""
+    from stabletrain.records.jsonl import JsonlWriter
+
+    path = tmp_path / "events.jsonl"
+    path.write_text('{"step": 1, "kind": "skip"}\n{"step": 2, "kind": "inter')
+    writer = JsonlWriter(path)
+    writer.write({"step": 3, "kind": "resume"})
+    writer.close()
+    rows, problems = read_jsonl(path)
+    assert [r["step"] for r in rows] == [1, 3] and len(problems) == 1 and problems[0].startswith(f"{path}:2: malformed")
+    JsonlWriter(path).close()  # a whole file is left as it is
+    assert path.read_text().endswith('"resume"}\n') and not path.read_text().endswith("\n\n")
+
+
 def test_snapshot_names_versions_device_and_config_hash():
     import torch
 

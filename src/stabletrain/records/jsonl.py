@@ -38,11 +38,16 @@ def json_safe(value: Any) -> Any:
 
 
 class JsonlWriter:
-    """Append JSON lines to a file, flushed after each line so a reader sees a run in progress."""
+    """Append JSON lines to a file, flushed after each line so a reader sees a run in progress.
+
+    A file whose last line was torn (a process killed mid-write, a full disk) gets its line ended first: the torn
+    line stays one malformed line (:func:`read_jsonl` names it), and the next record is not glued onto it."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._fh = open(path, "a", encoding="utf-8")
+        if _torn(path):
+            self._fh.write("\n")
 
     def write(self, record: dict[str, Any]) -> None:
         try:  # the common record is all finite: the C encoder as it is; else NaN/Inf spelled as strings
@@ -54,6 +59,18 @@ class JsonlWriter:
 
     def close(self) -> None:
         self._fh.close()
+
+
+def _torn(path: Path) -> bool:
+    """Whether ``path`` ends inside a line (not empty, its last byte no newline)."""
+    try:
+        with open(path, "rb") as fh:
+            if fh.seek(0, 2) == 0:
+                return False
+            fh.seek(-1, 2)
+            return fh.read(1) != b"\n"
+    except OSError:
+        return False
 
 
 def read_jsonl(path: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
