@@ -19,6 +19,7 @@ from spike_tasks import lr_jump_task, one_step_jump_task
 
 from stabletrain import Trainer
 from stabletrain.diagnostics.spike import classify_spike
+from stabletrain.records.jsonl import read_jsonl
 from stabletrain.records.snapshot import IntervalSnapshot
 from stabletrain.services.capture import IncidentCapture
 
@@ -426,11 +427,42 @@ def test_a_surge_after_ordinary_windows_were_already_high_is_the_aftershock_of_a
             "110: the state was off before it") in out["evidence"], out["evidence"]
     # where the surging update itself raised them (ordinary windows normal just before it): Adam's second moment
     assert classify_spike({**m, "older": {**older, "ordinary_previous": 0.06}})["failure_class"] == "optimizer-state"
+    # nor is a window high under the older state too then an outlier batch: the state was off (a review's case)
+    high = {**older, "window": 0.2, "window_high": True, "window_not_above_now": False, "ordinary_previous": 0.1655}
+    out = classify_spike({**m, "older": high, "loss": 0.9})
+    assert out["failure_class"] == "state" and "the state was off before it" in out["evidence"], out
 
 
 def test_the_aftershock_of_an_applied_data_spike_in_a_users_own_loop_is_said_first_and_blames_no_layer(tmp_path):
     """The trial's loop itself (Monitor): the spike at step 120 names the two rows; the spike its applied update left,
     at step 128, is the state's, and the console line leads with the aftershock (it was cut before it)."""
+    _users_loop(tmp_path / "run", 130, [119])
+    first, after = (_diagnosis(tmp_path / "run", s) for s in (120, 128))
+    assert (first["failure_class"], first["blamed_samples"]) == ("data", [2, 9]), first["summary"]
+    assert after["failure_class"] == "state" and after["blamed_layer"] is None, after["summary"]
+    assert after["summary"].startswith("state: 8 steps after the spike at step 120 (data), whose update was applied: this "
+                                       "may be its aftershock; the model or optimizer state drifted"), after["summary"]
+
+
+def test_a_host_spikes_step_before_is_replayed_on_its_own_batch_where_that_step_was_flagged_too(tmp_path):
+    """A spike's bundle replays the step before it from its own state (the surges of that update): under an adapter its
+    window was the newest *ordinary* window, so where the step before was itself flagged (no ordinary window) another
+    step's batch ran from that state (a review). Rows 2 and 9 x40 at steps 121 and 122 (warn): the capture at step 131
+    (the interval's first) replays from the snapshot before, and step 130, flagged, gets its own batch."""
+    data = _users_loop(tmp_path / "run", 140, [120, 121])
+    bundle = torch.load(tmp_path / "run" / "incidents" / "step_000131" / "bundle.pt", weights_only=False)
+    previous, batches = bundle["previous"], bundle["config"]["task_args"]["batches"]
+    assert previous["step"] == 130 and any(e["kind"] == "spike" and e["step"] == 130 for e in
+                                           read_jsonl(tmp_path / "run" / "events.jsonl")[0])
+    rows = [i for group in previous["window"] for i in group]
+    sizes = [len(b[0]) for b in batches]
+    start = rows[0]
+    (m,) = [k for k in range(len(batches)) if sum(sizes[:k]) == start]  # the micro-batch those rows are
+    assert rows == list(range(start, start + 16)) and torch.equal(batches[m][0], data[129][0])
+
+
+def _users_loop(run_dir, steps, outliers):
+    """A new user's own loop (Monitor, AdamW, no clip): rows 2 and 9 of the batches at ``outliers`` (0-based) x40."""
     from stabletrain import Monitor
 
     torch.manual_seed(0)
@@ -439,22 +471,18 @@ def test_the_aftershock_of_an_applied_data_spike_in_a_users_own_loop_is_said_fir
     g = torch.Generator().manual_seed(5)
     w = torch.randn(8, 1, generator=g)
     data = []
-    for i in range(130):
+    for i in range(steps):
         x = torch.randn(16, 8, generator=g)
         y = torch.tanh(x @ w)
-        if i == 119:
+        if i in outliers:
             y[[2, 9]] = 40.0
         data.append((x, y))
 
     def loss_fn(model, batch):
         return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
 
-    with Monitor(model, opt, run_dir=tmp_path / "run", loss_fn=loss_fn, log_every=10) as monitor:
+    with Monitor(model, opt, run_dir=run_dir, loss_fn=loss_fn, log_every=10) as monitor:
         for batch in data:
             monitor.backward(loss_fn(model, batch))
             monitor.step(batch)
-    first, after = (_diagnosis(tmp_path / "run", s) for s in (120, 128))
-    assert (first["failure_class"], first["blamed_samples"]) == ("data", [2, 9]), first["summary"]
-    assert after["failure_class"] == "state" and after["blamed_layer"] is None, after["summary"]
-    assert after["summary"].startswith("state: 8 steps after the spike at step 120 (data), whose update was applied: this "
-                                       "may be its aftershock; the model or optimizer state drifted"), after["summary"]
+    return data

@@ -1130,7 +1130,7 @@ def test_a_spike_in_a_drift_opening_its_interval_is_weighed_under_the_state_from
     before, ckpt = ({"model": model(1), "optimizer": {"param_groups": [{"lr": 0.1}], "state": {}}}, 60), (model(3), 70)
     snapshot = SimpleNamespace(taken=True, step=start, get_previous=lambda: None, get_held=lambda: (None, before[0], 60))
     source = SimpleNamespace(strategy=SimpleNamespace(one_process_model=lambda m: m),
-                             reference_state=lambda fit, at, now: (*ckpt, None))
+                             reference_state=lambda fit, at, now, oldest=0: (*ckpt, None))
     engine = SimpleNamespace(source=source, history=[], last_spike=None, spiked_samples={}, start_lrs=None, held_lrs=None,
                              snapshot=snapshot, drift_at=lambda step: {"onset": 65, "last": 75})
     fit = SimpleNamespace(history=[], precursor=None, dist=SimpleNamespace(is_main=True))

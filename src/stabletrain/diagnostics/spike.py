@@ -157,7 +157,12 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     levels = (older or {}).get("levels") or [0.0, 0.0]
     risen = ((older or {}).get("median") or 0) > 0 and levels[1] > older["ratio"] and (levels[0] > older["ratio"]
                                                                                          or older["ordinary_high"])
-    high_before = older is not None and older["window_high"] and not drifted_now and not fresh and not risen
+    # Ordinary windows already high under the state just before a surging update before the spike (and now): the state
+    # was off before that update (an applied spike's aftershock), the window high under the older state no outlier batch.
+    off_before = (older is not None and older["ordinary_high"] and older.get("ordinary_previous") is not None
+                  and (older["ordinary"] or 0) > 0 and older["ordinary_previous"] > older["ratio"] * older["ordinary"])
+    high_before = (older is not None and older["window_high"] and not drifted_now and not fresh and not risen
+                   and not off_before)
     overrode = risen and older["window_high"]  # (what tells this state from a calm one that finds the window high too)
     # No older state to weigh the window against: ordinary windows that are spikes by the rule under this state say
     # the state drifted (then dropping a drifted window's largest losses "cures" it too: no sample is to blame).
@@ -406,7 +411,7 @@ def _whole_model_rise(m: dict[str, Any], blamed: dict[str, Any], older: dict[str
         return (f"; ordinary windows were already a spike by the guard's rule under the state of step {older['step']} "
                 f"({older['ordinary']:.4g}), before that update")
     before, then = (older or {}).get("ordinary_previous"), (older or {}).get("ordinary")
-    if before is not None and then and then > 0 and older["ordinary_high"] and before > older["ratio"] * then:
+    if before is not None and older["ordinary_high"] and (then or 0) > 0 and before > older["ratio"] * then:  # (off_before)
         # (the state right before the surging update, replayed: ordinary windows already high there, not by it)
         return (f"; {blamed['name']}'s coordinates surged in the update of step {at} (x{blamed['coord_factor']:.3g} as far "
                 f"as {_others(blamed)}), but ordinary windows were already at {before:.4g} under the state just before that "

@@ -181,6 +181,7 @@ class HostSteps:
         self.strategy, self.module, self.optimizer = session.strategy, session.model, session.optimizer
         self.run_dir, self.diagnose = session.run_dir, session.options.diagnose
         self._kept: KeptStep | None = None
+        self._newest_context: int | None = None  # the step of the newest ordinary window record() gathered
         self._previous: tuple[dict[str, Any], KeptStep] | None = None
 
     def capturing(self, fit: Any = None) -> bool:
@@ -291,7 +292,9 @@ class HostSteps:
     def record(self, fit: Any, step: int, context: int = 0, avoid: Collection[int] = (), seen: int | None = None
                ) -> dict[str, Any]:
         self._kept = kept = self.keeper.steps[step]
-        earlier = [self.keeper.steps[t] for t in sorted(self.keeper.steps, reverse=True) if t < step and t not in avoid][:context]
+        steps = [t for t in sorted(self.keeper.steps, reverse=True) if t < step and t not in avoid][:context]
+        self._newest_context = steps[0] if steps else None  # (a flagged step before the spike is no ordinary window)
+        earlier = [self.keeper.steps[t] for t in steps]
         return {"rank": fit.dist.rank, "micro": [plain_batch(b) for b in kept.batches()], "rng": kept.rng,
                 "context": [[plain_batch(b) for b in k.batches()] for k in reversed(earlier)],
                 "lrs": [float(lr) for lr in kept.lrs],
@@ -333,13 +336,17 @@ class HostSteps:
         s = self.session
         # A spike's ordinary windows (the interval's kept steps before it) ride as more micro-batches of the dataset.
         context = record.get("context") or []
-        batches = [*record["micro"], *(b for step_batches in context for b in step_batches)]
+        # The step before's own window rides too where it is not the newest ordinary one (a flagged step: not one)
+        own = ([plain_batch(b) for b in self._previous[1].batches()]
+               if self._previous is not None and self._newest_context != step - 1 else [])
+        batches = [*record["micro"], *(b for step_batches in context for b in step_batches), *own]
         rows = CapturedRows(batches)
         groups, n = rows.indices(), len(record["micro"])
         ordinary, at = [], n
         for step_batches in context:
             ordinary.append(groups[at:at + len(step_batches)])
             at += len(step_batches)
+        window = groups[at:] if own else ordinary[-1] if ordinary else None  # the step before's
         opt = s.optimizer
         opt_recipe = optimizer_recipe(opt, s.named_params) if opt is not None else None
         task_args = {"batches": [bundle_batch(b) for b in batches], "model": s.recipes.get("model"),
@@ -350,9 +357,9 @@ class HostSteps:
                                          train=TrainConfig(max_steps=1, compile=s.cfg.train.compile),
                                          sched=SchedConfig(warmup_steps=0, decay="constant"))
         previous = None
-        if self._previous is not None and ordinary:  # the step before: its state, lrs, scaler and RNG, its window
+        if self._previous is not None and window:  # the step before: its state, lrs, scaler and RNG, its window
             prev, kept = self._previous
-            previous = {"step": step - 1, "window": ordinary[-1], "model": prev["model"], "rng": kept.rng,
+            previous = {"step": step - 1, "window": window, "model": prev["model"], "rng": kept.rng,
                         "optimizer": prev.get("optimizer") if opt_recipe is not None else
                         noop_optimizer(s.named_params).state_dict(),
                         "schedule": {"applied_steps": torch.zeros(()), "base_lrs": [float(lr) for lr in kept.lrs]},
