@@ -269,6 +269,52 @@ def test_the_same_crash_after_a_restart_stops_the_run_with_one_line(tmp_path):
     assert "tried: 1 restart(s) so far, the last from step_000004 (run.max_restarts=5, run.max_repeats=1)" in refused[0]
 
 
+@pytest.mark.slow
+def test_the_same_crash_resubmission_after_resubmission_under_resume_auto_is_refused(tmp_path):
+    """A trial: the same crash at step 33 submitted again and again with run.resume=auto (a Slurm requeue) was never
+    refused: each submission started a new chain of restarts (4 submissions at max_restarts=0, each its exit 1). A
+    resubmission continues the chain: the same failure that ended max_repeats + 1 launches in a row refuses the next
+    one with one line and exit 3 (the launcher's give-up code, which ends a requeue script's loop too)."""
+    run_dir = tmp_path / "run"
+    args = ("task=restart_tasks:unreadable_sample_task", "train.batch_size=8", "data.shuffle=false", "train.max_steps=12",
+            "ckpt.every=2", "log.every=2", "eval.every=0", "run.resume=auto", "run.max_repeats=1", f"run.dir={run_dir}")
+    codes = [train_cli(*args) for _ in range(3)]
+    assert [r.returncode for r in codes] == [1, 1, 3], codes[-1].stderr[-3000:]
+    refused = [line for line in codes[-1].stderr.splitlines() if "not continuing" in line]
+    assert len(refused) == 1 and refused[0].startswith(
+        f"stabletrain: error: run.resume=auto: not continuing {run_dir}: the same failure ended 2 launches in a row "
+        "(crashed at step 6: OSError: sample 45: read error") and refused[0].endswith(
+        f"restart_tasks.py:25 in __getitem__)); it would meet it again: fix its cause, then continue with: stabletrain "
+        f"train --resume {run_dir}"), refused
+    assert [e["kind"] for e in events(run_dir) if e["kind"] in ("crash", "stop")] == ["crash", "crash", "stop"]
+    # a resume by hand (--resume, not run.resume=auto) starts a new chain: the user may have fixed the cause
+    by_hand = train_cli(*args[:-3], "run.max_repeats=1", "--resume", str(run_dir))
+    assert by_hand.returncode == 1 and "not continuing" not in by_hand.stderr, by_hand.stderr[-3000:]
+
+
+def test_a_pid_or_an_address_in_a_deaths_last_line_does_not_make_it_another_failure(tmp_path):
+    """A trial: a task that died with its pid in its last line was restarted until the no-checkpoint rule stopped it,
+    each death 'another failure' (torch's own: 'DataLoader worker (pid 25207) is killed by signal'). The words without
+    the pid (or an address) are the failure's; at the same step it is the same one, refused at run.max_repeats=1."""
+    from stabletrain.services.restarts import _restart_after
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (2, 4, 6)))
+    events_ = [{"kind": "checkpoint", "step": 4, "time": 1.0}]
+    outcomes = []
+    for number, (pid, at) in enumerate(((25207, "0x7f3a2c"), (25399, "0x7f11b0")), 1):
+        (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events_))
+        line = f"RuntimeError: DataLoader worker (pid {pid}) is killed by signal: Killed. (tensor at {at})"
+        cause = {"rank": 0, "exitcode": 1, "last_line": line, "restart": number, "max_restarts": 5, "time": 2.0 + number}
+        everyone = [{"causes": [cause], "count": number, "max": 5, "run_id": None}]
+        outcomes.append(_restart_after(cfg("run.max_repeats=1"), run_dir, everyone, True, cause, late=False))
+        events_ = read_jsonl(run_dir / "events.jsonl")[0]
+    assert [o.refused is None for o in outcomes] == [True, False], [o.refused for o in outcomes]
+    assert "the same failure ended 2 launches in a row" in outcomes[-1].refused
+    assert "(pid 25399)" in outcomes[-1].refused  # (its text keeps the words as they were)
+
+
 def test_a_run_the_guard_stopped_as_stalled_is_not_restarted(tmp_path):
     """A new user's case: an fp16 run whose loss scale collapsed, stopped by guard.on_stall=stop, exited 1 like a crash;
     run.max_restarts restarted it from a checkpoint written while it stalled, it stalled again at a later step (so no
@@ -487,7 +533,7 @@ def test_a_launch_is_told_by_its_record_and_the_same_failure_k_times_in_a_row_is
     # launch's start (step 6) is its progress, not three launches 'stuck' (the crash-loop rule's refusal)
     from pathlib import Path
 
-    from stabletrain.services.restarts import _landed
+    from stabletrain.services.launch_failures import landed as _landed
 
     assert _landed(killed, Path("checkpoints/step_000008")).progress is True
     assert _landed(killed, Path("checkpoints/step_000006")).progress is False and _landed(killed, None) is killed
@@ -947,3 +993,23 @@ def test_a_launchs_last_step_is_its_ledgers_where_its_metrics_stop_short(tmp_pat
         "record, to train again" in restart["reason"], restart
     marked = read_jsonl(run_dir / "events.jsonl")[0]  # a launch that died before its ledger began: not its ledger's
     assert _ledger_last_step(run_dir, marked) == 0
+
+
+def test_the_report_names_the_checkpoint_a_restart_really_resumed_from(tmp_path):
+    """A trial: LAST_GOOD (step 40) damaged, the process killed: the restart said 'resuming from step_000040', its
+    launch's resume passed over the damaged one and loaded step 20 (its line said so), and the report said the run
+    restarted itself 'from step_000040'. The report takes the resume's own word."""
+    from stabletrain.services.restarts import _restart_after
+
+    run_dir = tmp_path / "run"
+    Trainer(cfg("train.max_steps=40", "ckpt.every=20", "log.every=10"), run_dir=run_dir).fit()
+    (run_dir / "checkpoints" / "step_000040" / "state.pt").write_bytes(b"damaged")
+    cause = {"rank": 0, "exitcode": -9, "signal": "SIGKILL", "restart": 1, "max_restarts": 2, "time": time.time()}
+    everyone = [{"causes": [cause], "count": 1, "max": 2, "run_id": None}]
+    assert _restart_after(cfg("train.max_steps=40"), run_dir, everyone, True, cause, late=False).resume
+    Trainer(cfg("train.max_steps=40", "ckpt.every=20", "log.every=10"), run_dir=run_dir, resume=True).fit()
+    restart, resume = (next(e for e in events(run_dir) if e["kind"] == k) for k in ("restart", "resume"))
+    assert restart["checkpoint"] == "step_000040" and resume["step"] == 20  # (what the restart expected, what it loaded)
+    texts = [t for _, t in health_summary(load_run(run_dir)).sentences]
+    assert any(t.startswith("Restarted itself once after its process died (rank 0 was killed by SIGKILL), from "
+                            "step_000020 (") for t in texts), texts

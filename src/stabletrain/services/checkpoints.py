@@ -209,8 +209,8 @@ class CheckpointKeeper:
         dropped = run.drop_metrics_after(step)
         note = self.reshard_note
         run.event(step, "resume", f"resumed from {self.resumed_from} at step {step}" + (f"; {note}" if note else "")
-                  + (f"; {dropped} metrics line(s) after it superseded" if dropped else ""),
-                  path=str(self.resumed_from), superseded_metrics=dropped, **(self.reshard or {}))
+                  + (f"; {dropped} metrics line(s) after it superseded" if dropped else ""), path=str(self.resumed_from),
+                  superseded_metrics=dropped, auto=state.cfg.run.resume == "auto", **(self.reshard or {}))
         if note:
             console.say(note)
         if self.schedule_change is not None:

@@ -44,16 +44,26 @@ from ..records.bundles import incident_order
 from ..records.checkpoint.files import CheckpointError
 from ..records.checkpoint.manager import CheckpointManager, step_of
 from ..records.jsonl import read_jsonl
-from ..records.launches import refuse_if_running, started_over
+from ..records.launches import refuse_if_running
 from ..records.rundir import RunDir
+from .launch_failures import (
+    SOON_AFTER_LOAD,
+    Failure,
+    death_failure,
+    exitcode,
+    landed,
+    last_failure,
+    launch_marks,
+    loaded_then_nonfinite,
+    refusal,
+    restart_chain,
+    tried,
+)
 
 __all__ = ["begin_launch", "Launch", "Failure", "last_failure", "refusal", "SOON_AFTER_LOAD", "EXIT_GAVE_UP"]
 
 #: A restart recorded by the launch after it: the launch it started died in its start-up, before recording it.
 LATE = " (recorded by a later launch: the one this restart started died in its start-up)"
-
-#: A checkpoint whose load is followed this many steps or fewer by a non-finite step is not trusted again.
-SOON_AFTER_LOAD = 10
 
 
 @dataclass
@@ -64,112 +74,6 @@ class Launch:
     run_dir: Path | None
     refused: str | None = None
     finished: bool = False  # run.resume=auto on a run that reached train.max_steps: nothing to train, nothing written
-
-
-@dataclass
-class Failure:
-    """What ended a launch, as its records tell: the text for a person, and what identifies it."""
-
-    kind: str  # "crash" | "stop" | "exit" (a process died without a record of why: a signal, a lost peer)
-    text: str
-    key: list[Any] | None  # equal keys: the same failure (None: only its progress tells it apart)
-    progress: bool  # the launch wrote a checkpoint past the one it started from
-    resumed_step: int | None  # the step it resumed from (None: it started the run)
-    last_step: int  # the last step it is known to have reached
-    nonfinite_step: int | None = None  # its first non-finite step
-    trained: bool = True  # False: it recorded its restart and died before resuming (in its start-up)
-    fell_back: bool = False  # its resume skipped a checkpoint that did not verify (LAST_GOOD is not what it loaded)
-
-    def record(self) -> dict[str, Any]:
-        return {"kind": self.kind, "text": self.text, "key": self.key, "progress": self.progress}
-
-
-def _launch_marks(events: list[dict[str, Any]]) -> list[int]:
-    """The indices of ``events``' ``restart`` and ``resume`` events: the last launch's own events follow the last one."""
-    return [i for i, e in enumerate(events) if e.get("kind") in ("restart", "resume")]
-
-
-def last_failure(events: list[dict[str, Any]], last_logged: int = 0) -> Failure:
-    """The failure of the launch whose events are last in ``events`` (``last_logged``: metrics.jsonl's last step)."""
-    marks = _launch_marks(events)
-    own = events[marks[-1] + 1:] if marks else events
-    # a restart's and a resume's step: the one resumed (a restart that started the run over: none, as the first launch)
-    mark = events[marks[-1]] if marks else {}
-    resumed = None if not marks or mark.get("kind") == "restart" and started_over(mark) else int(mark["step"])
-    steps = [int(e["step"]) for e in own if isinstance(e.get("step"), int)]
-    trained = not (mark.get("kind") == "restart" and mark.get("checkpoint") is not None)
-    if not trained:  # it recorded its restart and died before resuming: the metrics lines are the launch's before
-        last_logged = 0
-    last = max([last_logged, *steps, resumed or 0])
-    progress = any(e.get("kind") == "checkpoint" and (resumed is None or int(e["step"]) > resumed) for e in own)
-    nonfinite = next((int(e["step"]) for e in own if e.get("kind") == "nonfinite"), None)
-    crash = next((e for e in reversed(own) if e.get("kind") == "crash"), None)
-    stop = next((e for e in reversed(own) if e.get("kind") == "stop"), None)
-    common = {"progress": progress, "resumed_step": resumed, "last_step": last, "nonfinite_step": nonfinite,
-              "trained": trained,  # (a resume's skipped checkpoints are written just before its own event)
-              "fell_back": bool(marks) and marks[-1] > 0 and events[marks[-1] - 1].get("kind") == "checkpoint_skipped"}
-    if crash is not None:
-        step = int(crash.get("failed_step", crash["step"]))
-        return Failure("crash", f"crashed at step {step}: {crash['reason']}",
-                       ["crash", crash.get("error"), crash.get("location"), step], **common)
-    if stop is not None:
-        incident = next((e for e in reversed(own) if e.get("kind") == "incident" and e["step"] <= stop["step"]), None)
-        kind = ((incident.get("diagnosis") or {}).get("failure_class") if incident else None)
-        met = f" (incident at step {incident['step']}{f': {kind}' if kind else ''})" if incident else ""
-        return Failure("stop", f"stopped at step {stop['step']}: {stop['reason'].removeprefix('stopping: ')}{met}",
-                       ["stop", incident["step"] if incident else stop["step"], kind, stop["reason"] if not incident else None],
-                       **common)
-    return Failure("exit", "ended without a record of why", None, **common)
-
-
-def refusal(failure: Failure, chain: list[dict[str, Any]], max_repeats: int) -> str | None:
-    """Why the run must not restart after ``failure`` (None: it may), given the restart events before it.
-
-    ``chain``: the ``restart`` events since the run was last started or resumed by hand, oldest first; each
-    holds the failure its restart followed. Refused once ``max_repeats`` restarts in a row met the same
-    failure, or ``max_repeats`` + 1 launches in a row ended without a new checkpoint.
-    """
-    same = 0
-    for event in reversed(chain):
-        if failure.key is None or (event.get("failure") or {}).get("key") != failure.key:
-            break
-        same += 1
-    if same >= max_repeats:
-        return f"the same failure ended {same + 1} launches in a row ({failure.text})"
-    stuck = 0
-    if not failure.progress:
-        stuck = 1
-        for event in reversed(chain):
-            if (event.get("failure") or {}).get("progress", True):
-                break
-            stuck += 1
-    if stuck >= max_repeats + 1:
-        return f"{stuck} launches in a row ended before writing a new checkpoint (the last {failure.text})"
-    return None
-
-
-def _landed(failure: Failure, good: Path | None) -> Failure:
-    """``failure`` with progress where LAST_GOOD (``good``) is past the checkpoint its launch resumed from: a save that
-    landed although its ``checkpoint`` event did not (the event is written at the boundary after the write; a trial's
-    SIGKILL in between left two of them out, and such launches read as stuck, the crash-loop rule's)."""
-    if failure.progress or good is None or failure.fell_back:  # (fell back: LAST_GOOD is past what it loaded)
-        return failure
-    return replace(failure, progress=step_of(good) > (-1 if failure.resumed_step is None else failure.resumed_step))
-
-
-def _restart_chain(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The ``restart`` events since a launch last started or resumed the run by hand (a resume not after a restart)."""
-    chain: list[dict[str, Any]] = []
-    previous = None
-    for e in events:
-        kind = e.get("kind")
-        if kind == "restart":
-            chain.append(e)
-        elif kind == "resume" and previous != "restart":
-            chain = []
-        if kind in ("restart", "resume"):
-            previous = kind
-    return chain
 
 
 def _env_record() -> dict[str, Any]:
@@ -194,7 +98,7 @@ def _ledger_last_step(run_dir: Path, events: list[dict[str, Any]]) -> int:
     (0: it died before its ledger began)."""
     rows = read_jsonl(run_dir / LEDGER_FILE)[0]
     starts = [i for i, r in enumerate(rows) if r.get("kind") == "launch"]
-    marks = _launch_marks(events)
+    marks = launch_marks(events)
     since = float(events[marks[-1]].get("time", 0)) if marks else 0.0
     if not starts or float(rows[starts[-1]].get("ready") or 0) < since:
         return 0
@@ -243,6 +147,17 @@ def begin_launch(cfg: Any, run_dir: Path | None, resume: bool, ctx: Any) -> Laun
                             f"{cfg.train.max_steps}): nothing to train (raise train.max_steps to train on){kept}")
                 return Launch(False, run_dir, finished=True)
             if has_checkpoint:
+                why = requeue_refusal(cfg, run_dir)
+                if why is not None:  # (the same failure, resubmission after resubmission: a requeue cannot help)
+                    line = (f"run.resume=auto: not continuing {run_dir}: {why}; it would meet it again: fix its cause, then "
+                            f"continue with: stabletrain train --resume {run_dir}")
+                    run = RunDir(run_dir, resume=True)
+                    try:
+                        run.event(step_of(name) if name else 0, "stop", f"resubmission refused: {why}")
+                    finally:
+                        run.close()
+                    console.error(line)
+                    return Launch(False, run_dir, refused=line)
                 if name is None or _same_config(cfg, name, len(everyone)) is not False:  # (else the resume refuses it in
                     # its own line; None: its meta.json unreadable, which the resume falls back from, saying so)
                     console.say(f"run.resume=auto: {run_dir} holds {f'LAST_GOOD ({name.name})' if name else 'checkpoints'}"
@@ -336,9 +251,9 @@ def _restart_after(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_
     failure = last_failure(events, max([*(int(m.get("step", 0)) for m in metrics), _ledger_last_step(run_dir, events)]))
     if failure.kind == "exit" and cause:  # no record of why (a signal, another rank's crash: rank 0 writes the
         # events): the launcher's word names it, and the same death at the same step again is the same failure
-        failure = _death_failure(failure, cause)
-    failure = _landed(failure, CheckpointManager(run_dir / "checkpoints").latest_good() if has_checkpoint else None)
-    chain = _restart_chain(events)
+        failure = death_failure(failure, cause)
+    failure = landed(failure, CheckpointManager(run_dir / "checkpoints").latest_good() if has_checkpoint else None)
+    chain = restart_chain(events)
     number = (cause or {}).get("restart") or max([r["count"] for r in everyone] + [len(chain) + 1])
     limit = (cause or {}).get("max_restarts") or max(r["max"] for r in everyone) or cfg.run.max_restarts
     who = _who(cause, number)
@@ -350,7 +265,7 @@ def _restart_after(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_
         distrusted: dict[str, Any] = {}
         ckpt = CheckpointManager(run_dir / "checkpoints", keep=cfg.ckpt.keep)
         good = ckpt.latest_good()
-        if why is None and good is not None and _loaded_then_nonfinite(failure, good):
+        if why is None and good is not None and loaded_then_nonfinite(failure, good):
             try:
                 moved, good = ckpt.set_aside(good)
                 distrusted = {"distrusted": str(moved.relative_to(run_dir)), "distrusted_step": failure.resumed_step}
@@ -358,10 +273,7 @@ def _restart_after(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_
                 why = (f"checkpoint step_{failure.resumed_step:06d} led to a non-finite step (step {failure.nonfinite_step}) "
                        f"right after its load and is not trusted, and no older checkpoint is left (ckpt.keep={cfg.ckpt.keep})")
         if why is not None:
-            last = (chain[-1].get("checkpoint") or ("step 0 (no checkpoint was written yet)" if started_over(chain[-1])
-                                                    else "the newest checkpoint that verified")) if chain else None
-            tried = f"{len(chain)} restart(s) so far" + (f", the last from {last}" if last else "")
-            line = (f"not restarting the run after {who}: {why}; tried: {tried} (run.max_restarts={limit}, "
+            line = (f"not restarting the run after {who}: {why}; tried: {tried(chain)} (run.max_restarts={limit}, "
                     f"run.max_repeats={cfg.run.max_repeats}). See {run_dir / 'events.jsonl'}")
             run.event(failure.last_step, "stop", f"restart refused: {why}", cause=cause, failure=failure.record())
             console.error(line)
@@ -382,7 +294,7 @@ def _restart_after(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_
         reason = (f"restart {number}{f' of {limit}' if limit else ''} after {who}{met}{note}; resuming from "
                   f"{good.name if good else '?'}: {again}{LATE if late else ''}")
         # Any outcome the dead launch said (its own events: a step an older timeline saved may be saved again)
-        marks = _launch_marks(events)
+        marks = launch_marks(events)
         recorded = {int(e["step"]) for e in events[marks[-1] + 1 if marks else 0:] if isinstance(e.get("step"), int)
                     and e.get("kind") in ("checkpoint", "checkpoint_failed", "checkpoint_withheld")}
         for path in sorted(p for p in ckpt.checkpoints() if good is not None and step_of(p) not in recorded
@@ -397,6 +309,15 @@ def _restart_after(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_
         return Launch(True, run_dir)
     finally:
         run.close()
+
+
+def requeue_refusal(cfg: Any, run_dir: Path) -> str | None:
+    """Why a resubmission under ``run.resume=auto`` must not continue the run (None: it may): the launch before it
+    ended with the failure the ``run.max_repeats`` launches before that did (:func:`refusal`'s same-failure rule)."""
+    events, _ = read_jsonl(run_dir / "events.jsonl")
+    metrics, _ = read_jsonl(run_dir / "metrics.jsonl")
+    failure = last_failure(events, max([*(int(m.get("step", 0)) for m in metrics), _ledger_last_step(run_dir, events)]))
+    return refusal(replace(failure, progress=True), restart_chain(events), cfg.run.max_repeats)
 
 
 def _start_over(run: RunDir, run_dir: Path, failure: Failure, number: int, limit: int, who: str,
@@ -427,38 +348,7 @@ def _who(cause: dict[str, Any] | None, number: int) -> str:
     pid = f" (pid {cause['pid']})" if cause.get("pid") else ""
     last = (f"; its last line: {cause['last_line']!r}" if cause.get("last_line") else
             f"; then {cause['peer_line']!r}" if cause.get("peer_line") else "")
-    return f"{rank}{pid} {describe_exit(_exitcode(cause))}{last}"
-
-
-def _death_failure(failure: Failure, cause: dict[str, Any]) -> Failure:
-    """``failure`` (a launch that died without a record of why) told and keyed by its launcher's word ``cause``.
-
-    A process that exited by itself said why in its last line (a rank's error message): the words are part of what
-    identifies it. One killed by a signal said nothing of its death: its last line is whatever it printed before
-    (a progress line, a restart's own announcement), so only the signal, the rank and the step tell it apart.
-    """
-    code, last = _exitcode(cause), cause.get("last_line")
-    said = []  # a signal's: where it was (an exit's own words say what it met)
-    if code < 0:
-        said = ([f"its last record: step {failure.last_step}"] if failure.trained else
-                [f"in its start-up, resuming from step {failure.last_step}"])
-    said += [f"its last line: {last!r}"] if last else []
-    text = f"ended as rank {cause.get('rank')} {describe_exit(code)}" + (f" ({'; '.join(said)})" if said else "")
-    words = last if code >= 0 else None  # (its last step too: the same words later on are another failure)
-    return replace(failure, text=text, key=["exit", cause.get("rank"), code, words, failure.last_step])
-
-
-def _exitcode(cause: dict[str, Any]) -> int:
-    """The death's exit code (a launcher that could not read it wrote None: taken as 1)."""
-    code = cause.get("exitcode")
-    return code if isinstance(code, int) else 1
-
-
-def _loaded_then_nonfinite(failure: Failure, good: Path) -> bool:
-    """Whether the launch met a non-finite step soon after loading LAST_GOOD, and wrote no checkpoint since."""
-    return (failure.resumed_step is not None and failure.nonfinite_step is not None and not failure.progress
-            and good.name == f"step_{failure.resumed_step:06d}"
-            and failure.nonfinite_step - failure.resumed_step <= SOON_AFTER_LOAD)
+    return f"{rank}{pid} {describe_exit(exitcode(cause))}{last}"
 
 
 def _keep_incidents(run_dir: Path, resumed: int, number: int) -> list[str]:
