@@ -810,3 +810,22 @@ def test_a_buffer_a_skipped_step_left_non_finite_is_not_reset_but_its_withheld_c
     assert [e["step"] for e in events if e["kind"] == "checkpoint_withheld"] == [5, 10, 15]
     err = capsys.readouterr().err
     assert err.count("withheld: model.0.total is not finite (NaN/Inf)") == 1 and "running statistics" not in err, err
+
+
+def test_a_stops_advice_names_the_keys_and_the_lr_in_the_users_own_terms():
+    """The stop after a diverging run of spike skips said 'lower the LR (optim.lr)' and 'guard.on_spike=warn' to users of
+    an adapter, who set neither (a review): each host's own terms, the built-in loop's config keys."""
+
+    def note(**kw):
+        guard = Guard(GuardConfig(), torch.device("cpu"), **kw)
+        guard.spike_skips = guard.consecutive_skips = 20
+        guard.spike_class = (61, "state")
+        drifted = guard._level_note(78)
+        guard.spike_class = None
+        return drifted, guard._level_note(78)
+
+    drifted, level = note(host="transformers")
+    assert "lower the LR (TrainingArguments.learning_rate)" in drifted and "on_spike=warn trains on" in level
+    assert "guard." not in drifted + level
+    assert "lower the LR (optim.lr)" in note(lr_key="optim.lr")[0] and "guard.on_spike=warn trains on" in note()[1]
+    assert "(the lr configure_optimizers gives the optimizer)" in note(host="lightning")[0]

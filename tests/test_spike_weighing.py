@@ -255,6 +255,7 @@ def test_a_stop_after_spike_skips_of_a_diverging_run_says_divergence_not_a_new_l
     assert stopped is not None and {d["diagnosis"]["failure_class"] for d in spikes.values()} == {"state"}
     text = str(stopped)
     assert "found the state drifted (state): a divergence, not a new level: lower the LR (the optimizer's lr)" in text, text
+    assert "consecutive skipped steps (max_consecutive_skips=" in text and "guard." not in text, text  # (Monitor's options)
     assert "trains on at the new level" not in text, text
 
 

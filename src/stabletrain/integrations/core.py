@@ -103,10 +103,10 @@ class RunSession:
         # not the compiled one): the bundle's config says so, and the diagnosis that it replayed eagerly.
         cfg = Config(precision=precision, device=str(self.device), clip=ClipConfig(max_norm=clip_max_norm),
                      train=TrainConfig(compile=compiled or is_compiled(model)))
-        cfg.log.progress = False  # the host shows its own progress
-        cfg.guard.on_nonfinite = "skip" if options.on_nonfinite == "warn" else options.on_nonfinite
+        cfg.log.progress, cfg.guard.on_nonfinite = False, "skip" if options.on_nonfinite == "warn" else options.on_nonfinite
         self.cfg = options.project(cfg, self.dist.world)  # the options as the built-in run's keys, validated as there
-        self.guard = Guard(self.cfg.guard, self.device, enforce=options.on_nonfinite != "warn", scaled=scaler is not None)
+        self.guard = Guard(self.cfg.guard, self.device, enforce=options.on_nonfinite != "warn", scaled=scaler is not None,
+                           host=host)  # (the host shows its own progress; its stops name the adapter's options)
         self.metrics = StepMetrics(options.log_every, len(self.params), self.device, self.dist, local=("loss", "count"))
         if fingerprint == "take":
             fingerprint = InitFingerprint.take(self.model) if options.init_check else None

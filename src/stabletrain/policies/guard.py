@@ -123,6 +123,11 @@ def _nonfinite_reason(d: GuardDecision) -> str:
     return f"non-finite value {where}{d._policy or ''}"
 
 
+#: What sets the LR under each adapter's host, in its own terms (a stop's advice; the built-in loop names optim.lr).
+HOST_LR = {"transformers": "TrainingArguments.learning_rate", "lightning": "the lr configure_optimizers gives the optimizer",
+           "monitor": "the optimizer's lr"}
+
+
 class Guard:
     """Sentinel + spike detection; consecutive-skip and rollback accounting on the host.
 
@@ -131,9 +136,12 @@ class Guard:
     """
 
     def __init__(self, cfg: GuardConfig, device: torch.device, *, enforce: bool = True, scaled: bool = False,
-                 remedy: bool = False, lr_key: str = "the optimizer's lr") -> None:
+                 remedy: bool = False, lr_key: str | None = None, host: str | None = None) -> None:
         self.cfg = cfg
-        self.lr_key = lr_key  # what sets the LR, in the user's terms (the built-in loop's: optim.lr, or the task's optimizer)
+        # Its keys and what sets the LR in the user's terms: the built-in loop's config keys (guard.on_spike, optim.lr or
+        # the task's optimizer), or an adapter's (``host``) options (on_spike=) and its host's LR.
+        self.key = (lambda name: f"guard.{name}") if host is None else (lambda name: name)
+        self.lr_key = lr_key or HOST_LR.get(host or "", "the optimizer's lr")
         self.remedy = remedy  # guard.on_nonfinite=remedy is a choice here (the built-in loop's): what a stop's advice names
         self.enforce = enforce  # False: an adapter's on_nonfinite="warn" (no skip of its own; the host's still happen)
         # fp16 with a GradScaler: a step whose gradients overflow (grad norm inf) has a finite loss the spike rule tests
@@ -353,11 +361,12 @@ class Guard:
             self.spike_skips = self.spike_skips + 1 if v["applied"] < 0.5 and v.get("spike", 0.0) > 0.5 else 0
             if self.consecutive_skips >= self.cfg.max_consecutive_skips and d.action == "continue":
                 crossed, fp16 = row.step, scale_note(scale, float(v.get("loss", math.nan)), self.remedy)
-                d.action, d.reason = "stop", (f"{self.consecutive_skips} consecutive skipped steps (guard.max_consecutive_skips="
-                                              f"{self.cfg.max_consecutive_skips}) at step {row.step}: the run is not recovering"
+                d.action, d.reason = "stop", (f"{self.consecutive_skips} consecutive skipped steps ("
+                                              f"{self.key('max_consecutive_skips')}={self.cfg.max_consecutive_skips}) at step "
+                                              f"{row.step}: the run is not recovering"
                                               + self._level_note(row.step) + fp16)
                 if fp16:  # (deterministic: the same steps overflow again after a restart)
-                    self.final_stop = (f"no loss scale the GradScaler reaches within guard.max_consecutive_skips="
+                    self.final_stop = (f"no loss scale the GradScaler reaches within {self.key('max_consecutive_skips')}="
                                        f"{self.cfg.max_consecutive_skips} makes these steps finite: a restart would skip "
                                        "them again")
             self.stall.record(v["applied"] >= 0.5, float(v.get("grad_norm", math.nan)), scale, float(v.get("loss", math.nan)))
@@ -417,7 +426,7 @@ class Guard:
             return (f"{note}, and the capture at step {self.spike_class[0]} found the state drifted ({self.spike_class[1]}): "
                     f"a divergence, not a new level: lower the LR ({self.lr_key}), from a checkpoint before step {since}")
         return (f"{note}: the loss moved to a new level and stayed (a change in the data, or a divergence: stabletrain "
-                "diagnose names which); guard.on_spike=warn trains on at the new level")
+                f"diagnose names which); {self.key('on_spike')}=warn trains on at the new level")
 
     @contextlib.contextmanager
     def counters_kept(self) -> Iterator[None]:
