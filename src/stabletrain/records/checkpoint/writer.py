@@ -21,7 +21,8 @@ kernel's ``PR_SET_PDEATHSIG`` where the parent's main thread started it, and a w
 pid every 0.2 s everywhere), at the parent's exit (:func:`close_writer`, at exit) and on the socket's
 EOF. It ignores SIGINT and SIGTERM, which a terminal or a scheduler sends to the whole process group:
 training answers them with a last checkpoint, which this process writes. A writer that dies (killed,
-out of memory) is a failed save, reported once (:class:`WriterDied`); the next save starts another.
+out of memory) during a save is a failed save, reported once (:class:`WriterDied`); the next save starts another.
+One that dies between saves is said once (:attr:`Writer.ready`, asked before a save) and costs no save.
 A writer that hangs alive (a disk that never answers) is waited for, as a thread would be.
 """
 
@@ -41,6 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ... import console
 from ...process import arm_death_signal
 
 __all__ = ["Writer", "WriterDied", "writer", "running_writer", "close_writer", "exit_with_parent", "WRITER_MODULE",
@@ -129,10 +131,11 @@ class Writer:
     @property
     def ready(self) -> bool:
         """Whether the writer serves already (a fresh interpreter imports torch first: ~1-2 s). Never blocks."""
-        if not self._ready:
+        if not self._ready or self.dead is None and self.proc.poll() is not None:  # (served, then died idle: say so)
             try:
-                self._ready = self.poll(READY_ID) is not None
+                self._ready = self.poll(READY_ID) is not None or self._ready
             except WriterDied:
+                console.warn(f"{self.dead} between saves, none in flight (nothing lost); the next save starts another")
                 return False
         return self._ready
 
