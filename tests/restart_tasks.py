@@ -35,6 +35,33 @@ def unreadable_sample_task(bad_index: int = 45, num_samples: int = 64) -> Task:
     return task
 
 
+class _KilledReader(Dataset):
+    """``inner`` whose sample ``index`` kills the process reading it (a DataLoader worker: the OOM killer's pick)."""
+
+    def __init__(self, inner: Dataset, index: int) -> None:
+        self.inner, self.index = inner, index
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int):
+        if i == self.index:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.inner[i]
+
+
+def killed_worker_task(index: int = 45, num_samples: int = 64) -> Task:
+    """The built-in mlp task whose training sample ``index`` SIGKILLs the process that reads it (run with data.workers)."""
+    from stabletrain.tasks.mlp import make_task
+
+    task = make_task(num_samples=num_samples, width=16, depth=2)
+    task.train_data = _KilledReader(task.train_data, index)
+    return task
+
+
 def _environ(pid: int) -> dict[str, str]:
     try:
         raw = (Path("/proc") / str(pid) / "environ").read_bytes().decode("utf-8", "replace")

@@ -315,6 +315,19 @@ def test_a_pid_or_an_address_in_a_deaths_last_line_does_not_make_it_another_fail
     assert "(pid 25399)" in outcomes[-1].refused  # (its text keeps the words as they were)
 
 
+def test_a_data_loader_worker_killed_is_one_line_that_names_the_data_loader_not_a_traceback(tmp_path):
+    """A trial: a DataLoader worker SIGKILLed printed ~40 lines of stabletrain's and torch's frames ending in the fused
+    Adam step (torch's SIGCHLD handler raises wherever the main process is): one line that says what died."""
+    run_dir = tmp_path / "run"
+    res = train_cli("task=restart_tasks:killed_worker_task", "data.workers=2", "train.batch_size=8", "data.shuffle=false",
+                    "train.max_steps=12", "log.every=2", "eval.every=0", f"run.dir={run_dir}")
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    said = [x for x in res.stderr.splitlines() if x.startswith("stabletrain: error:")]
+    assert len(said) == 1 and said[0].startswith("stabletrain: error: a data loader worker process (data.workers) died: "
+                                                 "DataLoader worker (pid ") and "is killed by signal: Killed." in said[0]
+    assert [e["error"] for e in events(run_dir) if e["kind"] == "crash"] == ["RuntimeError"]
+
+
 def test_a_run_the_guard_stopped_as_stalled_is_not_restarted(tmp_path):
     """A new user's case: an fp16 run whose loss scale collapsed, stopped by guard.on_stall=stop, exited 1 like a crash;
     run.max_restarts restarted it from a checkpoint written while it stalled, it stalled again at a later step (so no

@@ -174,6 +174,11 @@ def _report_error(err: Exception) -> int | None:
     if part is not None:
         console.error(f"{_rank_prefix()}{format_task_error(err, part)}")
         return 1
+    if isinstance(err, RuntimeError) and str(err).startswith("DataLoader worker"):  # (torch's, raised anywhere in the step)
+        console.error(f"{_rank_prefix()}a data loader worker process (data.workers) died: {str(err).strip()} It was killed "
+                      "from outside (the system's out-of-memory killer?) or crashed in native code: a Python error in "
+                      "the dataset would name its line" + "".join(f"\n{note}" for note in getattr(err, "__notes__", ())))
+        return 1
     if isinstance(err, (FileNotFoundError, FileExistsError)) or (isinstance(err, (ValueError, TypeError))
                                                                  and raised_by_stabletrain(err)):
         console.error(f"{_rank_prefix()}{err}")
