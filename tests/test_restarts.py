@@ -382,6 +382,22 @@ def test_restarts_used_up_on_a_guard_stop_say_the_guard_stopped_it_not_a_crash(t
     assert "crash" not in last and "--resume" not in last
 
 
+@pytest.mark.slow
+def test_a_nonfinite_step_the_first_launch_met_too_is_the_data_not_the_checkpoint_it_was_loaded_from(tmp_path):
+    """A trial: a NaN from one sample at step 7 (guard.on_nonfinite=stop) on every launch was refused after one restart
+    as 'checkpoint step_000000 led to a non-finite step (step 7) right after its load and is not trusted': the launch
+    before met it without that load, so the checkpoint is not to blame; the same failure's rule says what it is."""
+    run_dir = tmp_path / "run"
+    res = train_cli("task=examples.nan_task:make_task", "train.max_steps=12", "train.batch_size=16", "log.every=2",
+                    "ckpt.every=20", "eval.every=0", "capture.incidents=false", "guard.on_nonfinite=stop",
+                    "run.max_restarts=5", "run.max_repeats=2", f"run.dir={run_dir}")
+    assert res.returncode == 3 and "not trusted" not in res.stderr, res.stderr[-3000:]
+    refused = [x for x in res.stderr.splitlines() if "not restarting" in x]
+    assert len(refused) == 1 and ("the same failure ended 3 launches in a row (stopped at step 8: non-finite value in the "
+                                  "loss or grad norm at step 7)") in refused[0], refused
+    assert not (run_dir / "checkpoints" / "distrusted").exists()
+
+
 def test_the_same_crash_of_rank_1_under_ddp_stops_with_exit_3_and_one_line(tmp_path):
     """Rank 1 crashes reading sample 45 on every launch; rank 0 writes the events and only saw a peer lost, so the crash
     was 'ended without a record of why' and only the no-checkpoint rule stopped the loop (5 launches), and torchrun

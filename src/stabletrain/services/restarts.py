@@ -265,7 +265,9 @@ def _restart_after(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_
         distrusted: dict[str, Any] = {}
         ckpt = CheckpointManager(run_dir / "checkpoints", keep=cfg.ckpt.keep)
         good = ckpt.latest_good()
-        if why is None and good is not None and loaded_then_nonfinite(failure, good):
+        # (not where the launch before met the same stop without that load: the data or the code, not the checkpoint)
+        if why is None and good is not None and loaded_then_nonfinite(failure, good) and not (
+                chain and failure.key is not None and (chain[-1].get("failure") or {}).get("key") == failure.key):
             try:
                 moved, good = ckpt.set_aside(good)
                 distrusted = {"distrusted": str(moved.relative_to(run_dir)), "distrusted_step": failure.resumed_step}
