@@ -774,29 +774,3 @@ def test_a_saturated_tanh_stack_is_said_though_its_std_holds():
     xavier = stack()
     init_(xavier, "xavier")
     assert not [line for line in format_report(signal_report(xavier, (x, y), loss)) if line.startswith("saturated")]
-
-
-def test_a_one_block_gpts_residual_branch_is_not_weighed_against_the_embeddings_dropout():
-    """A trial: the built-in GPT at n_layer=1 was told 'forward: vanishes at blocks.0.attn.resid_dropout ... 0.123x that
-    of drop' and to use Kaiming: one block's layers have no counterpart, and were pooled with any layer of their class
-    and shapes (the embedding's dropout), though their names say they are the list's only member. Each is its own now."""
-    from torch.utils.data import DataLoader
-
-    from stabletrain.tasks.gpt import make_task
-
-    torch.manual_seed(0)
-    task = make_task(n_layer=1, n_head=2, n_embd=32, seq_len=32, max_bytes=200_000)
-    batch = next(iter(DataLoader(task.train_data, batch_size=8)))
-    report = signal_report(task.model, batch, task.loss)
-    assert report.passed, (report.summary("forward"), report.summary("backward"))
-    assert next(x for x in report.layers if x.name == "blocks.0.attn.resid_dropout").ref_forward != "drop"
-    # a hand-written net's differently named layers (fc1, fc2, ...) still meet their class: an MLP that vanishes is told
-    deep = nn.Sequential()
-    for i in range(8):
-        deep.add_module(f"fc{i}", nn.Linear(16, 16))
-        deep.add_module(f"act{i}", nn.Tanh())
-    for m in deep:
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, std=0.02)
-    tiny = signal_report(deep, (torch.randn(32, 16), torch.randn(32, 16)), lambda m, b: ((m(b[0]) - b[1]) ** 2).mean())
-    assert not tiny.passed and tiny.first_forward is not None

@@ -40,10 +40,8 @@ def assign_references(layers: list[Any], thresholds: Any) -> None:
     for layer in layers:
         groups.setdefault(_group_key(layer), []).append(layer)
     pooled: dict[tuple, list[Any]] = {}
-    for key, members in groups.items():  # a layer with no counterpart joins the others of its class and shapes, unless
-        # its name says it is one of a list that holds one (blocks.0.attn of a 1-layer GPT: its residual branch is small
-        # by design, no depth of the embedding's dropout)
-        alone = len(members) == 1 and not members[0].own_reference and "*" not in key[1]
+    for key, members in groups.items():  # a layer with no counterpart joins the others of its class and shapes
+        alone = len(members) == 1 and not members[0].own_reference
         pooled.setdefault((key[0], None, *key[2:]) if alone else key, []).extend(members)
     for members in pooled.values():
         members.sort(key=lambda layer: layer.index)
