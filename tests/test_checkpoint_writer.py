@@ -449,8 +449,9 @@ def test_a_writer_killed_between_saves_is_said_and_costs_no_checkpoint(tmp_path,
         def on_step_end(self, state, *args, **kwargs):
             current = running_writer()
             if state.step == 15 and current is not None:
-                deadline = time.time() + 60
-                while not current.ready and time.time() < deadline:
+                deadline = time.time() + 60  # serving, and idle: the save of step 10 landed (LAST_GOOD moves after)
+                good = tmp_path / "run" / "checkpoints" / "LAST_GOOD"
+                while not (current.ready and good.read_text().strip() == "step_000010") and time.time() < deadline:
                     time.sleep(0.05)
                 os.kill(current.pid, signal.SIGKILL)
                 current.proc.wait()
@@ -464,6 +465,27 @@ def test_a_writer_killed_between_saves_is_said_and_costs_no_checkpoint(tmp_path,
     said = [x for x in capsys.readouterr().err.splitlines() if "checkpoint writer" in x]
     assert said == [f"stabletrain: warning: the checkpoint writer process (pid {kill.killed}) killed by SIGKILL between "
                     "saves, none in flight (nothing lost); the next save starts another"], said
+
+
+def test_a_writer_found_dead_before_any_save_is_replaced_not_handed_the_save(capsys):
+    """A review: only a save that could be written in the loop's thread asked whether the writer served; a sharded
+    save took the dead writer from writer() and was lost. writer() itself now sees it gone, says so once, starts another."""
+    from stabletrain.records.checkpoint.writer import writer
+
+    first = writer()
+    deadline = time.time() + 60
+    while not first.ready and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(first.pid, signal.SIGKILL)
+    first.proc.wait()
+    try:
+        second = writer()
+        assert second is not first and second.dead is None and writer() is second
+        said = [x for x in capsys.readouterr().err.splitlines() if "checkpoint writer" in x]
+        assert said == [f"stabletrain: warning: the checkpoint writer process (pid {first.pid}) killed by SIGKILL between "
+                        "saves, none in flight (nothing lost); the next save starts another"], said
+    finally:
+        close_writer()
 
 
 def test_a_second_ctrl_c_while_the_writer_is_closed_at_exit_ends_it_without_a_traceback(monkeypatch):

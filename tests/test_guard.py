@@ -829,3 +829,26 @@ def test_a_stops_advice_names_the_keys_and_the_lr_in_the_users_own_terms():
     assert "guard." not in drifted + level
     assert "lower the LR (optim.lr)" in note(lr_key="optim.lr")[0] and "guard.on_spike=warn trains on" in note()[1]
     assert "(the lr configure_optimizers gives the optimizer)" in note(host="lightning")[0]
+
+
+def test_an_adapters_stall_and_fp16_advice_name_no_key_it_cannot_set():
+    """A review: under an adapter the stall said 'guard.stall_steps=20 ... guard.on_stall=warn trains on' and the fp16
+    stop 'guard.max_consecutive_skips higher': none of them an option of Monitor, Lightning's or the HF callback."""
+    from stabletrain.policies.stall import StallWatch, scale_note
+
+    def stall(remedy):
+        watch = StallWatch(20, remedy=remedy, keys=remedy)
+        for i in range(20):
+            watch.record(i % 10 == 0, 0.0, 1.0, 0.5)
+        return watch.stalled(20)
+
+    assert stall(True).endswith("(guard.stall_steps=20). Try a look at the skip events and the loss (is it constant?), or "
+                                "guard.on_nonfinite=remedy; guard.on_stall=warn trains on"), stall(True)
+    adapter = stall(False)
+    assert adapter.endswith("(the last 20 steps). Try a look at the skip events and the loss (is it constant?), or "
+                            "stabletrain remedy on the incident where one was captured (its cures, verified)"), adapter
+    assert "guard.max_consecutive_skips higher" in scale_note(0.5, 1.0, True)
+    assert "guard." not in scale_note(0.5, 1.0, False, keys=False)
+    assert "max_consecutive_skips higher" in scale_note(0.5, 1.0, False, keys=False)
+    monitor = Guard(GuardConfig(stall_steps=20), torch.device("cpu"), host="monitor")  # (what an adapter's guard says)
+    assert monitor.stall.keys is False and Guard(GuardConfig(), torch.device("cpu")).stall.keys is True

@@ -55,10 +55,12 @@ def test_a_torn_last_line_is_ended_before_the_next_launch_appends(tmp_path):
     path = tmp_path / "events.jsonl"
     path.write_text('{"step": 1, "kind": "skip"}\n{"step": 2, "kind": "inter')
     writer = JsonlWriter(path)
+    with open(path, "a", encoding="utf-8") as other:  # another process appends first (a peer's crash event)
+        other.write('{"step": 2, "kind": "crash"}\n')
     writer.write({"step": 3, "kind": "resume"})
     writer.close()
     rows, problems = read_jsonl(path)
-    assert [r["step"] for r in rows] == [1, 3] and len(problems) == 1 and problems[0].startswith(f"{path}:2: malformed")
+    assert [r["step"] for r in rows] == [1, 2, 3] and len(problems) == 1 and problems[0].startswith(f"{path}:2: malformed")
     JsonlWriter(path).close()  # a whole file is left as it is
     assert path.read_text().endswith('"resume"}\n') and not path.read_text().endswith("\n\n")
 

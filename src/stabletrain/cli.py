@@ -175,9 +175,11 @@ def _report_error(err: Exception) -> int | None:
         console.error(f"{_rank_prefix()}{format_task_error(err, part)}")
         return 1
     if isinstance(err, RuntimeError) and str(err).startswith("DataLoader worker"):  # (torch's, raised anywhere in the step)
-        console.error(f"{_rank_prefix()}a data loader worker process (data.workers) died: {str(err).strip()} It was killed "
-                      "from outside (the system's out-of-memory killer?) or crashed in native code: a Python error in "
-                      "the dataset would name its line" + "".join(f"\n{note}" for note in getattr(err, "__notes__", ())))
+        said = str(err).strip().rstrip(".")
+        console.error(f"{_rank_prefix()}a data loader worker process (data.workers) died: {said}. A Python error in the "
+                      "dataset would name its line: this is a death from outside Python (a signal: the out-of-memory "
+                      "killer?) or in native code; with data.workers=0 the data is read in the training process"
+                      + "".join(f"\n{note}" for note in getattr(err, "__notes__", ())))
         return 1
     if isinstance(err, (FileNotFoundError, FileExistsError)) or (isinstance(err, (ValueError, TypeError))
                                                                  and raised_by_stabletrain(err)):

@@ -93,6 +93,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             return launcher.EXIT_GAVE_UP
         if launch.finished:
             return 0
+        # Only a resubmission that run.resume=auto continued records its resume as one (`auto`: the crash-loop rule counts
+        # it with the launches before), not a resume by hand (--resume) nor a restart's, whatever the config says
+        cfg.run.resume = "auto" if launch.requeue else "never"
         return _train(args, cfg, launch.run_dir, launch.resume, ctx)
 
 

@@ -167,7 +167,7 @@ class Guard:
         # On the device: (window, count) at the last two boundaries: the current interval's start, the next's
         self._device_starts: tuple[Any, Any] = (None, None)
         self._device_starts_from_here()
-        self.stall = StallWatch(cfg.stall_steps, remedy)  # the last guard.stall_steps steps: a run that goes on without learning
+        self.stall = StallWatch(cfg.stall_steps, remedy, keys=host is None)  # the last stall_steps: a run not learning
         self.stall_warned = False
         # Why a restart from LAST_GOOD would meet the guard's stop again (a final exit, never restarted), or None:
         # guard.on_stall=stop's stall, or a run of skips no fp16 loss scale makes finite (the same steps skip again).
@@ -360,7 +360,7 @@ class Guard:
             self.last_scale = scale
             self.spike_skips = self.spike_skips + 1 if v["applied"] < 0.5 and v.get("spike", 0.0) > 0.5 else 0
             if self.consecutive_skips >= self.cfg.max_consecutive_skips and d.action == "continue":
-                crossed, fp16 = row.step, scale_note(scale, float(v.get("loss", math.nan)), self.remedy)
+                crossed, fp16 = row.step, scale_note(scale, float(v.get("loss", math.nan)), self.remedy, self.stall.keys)
                 d.action, d.reason = "stop", (f"{self.consecutive_skips} consecutive skipped steps ("
                                               f"{self.key('max_consecutive_skips')}={self.cfg.max_consecutive_skips}) at step "
                                               f"{row.step}: the run is not recovering"

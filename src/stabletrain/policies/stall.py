@@ -34,7 +34,7 @@ REMEDY_ADVICE = {True: "guard.on_nonfinite=remedy",
 REFERENCE_KEPT = 64
 
 
-def scale_note(scale: float, loss: float, remedy: bool = False) -> str:
+def scale_note(scale: float, loss: float, remedy: bool = False, keys: bool = True) -> str:
     """What a stop after consecutive skips says of fp16's GradScaler at ``scale`` (the last step's ``loss``; a scale other
     than 1: fp16's). A non-finite loss under fp16 is the forward's overflow whatever the scale (it stays where it was:
     the scaler backs off on its gradients' overflow only), e.g. an output that outgrew float16 as it trained. ``remedy``:
@@ -45,7 +45,8 @@ def scale_note(scale: float, loss: float, remedy: bool = False) -> str:
     if scale >= UNRECOVERABLE_SCALE:
         return ""
     return (f"; the GradScaler's scale is {scale:.2g}: the gradients overflow float16 even unscaled (a lower scale may fit "
-            f"them: guard.max_consecutive_skips higher lets it back off further, a skipped step each time). Try {FP16_ADVICE}"
+            f"them: {'guard.' if keys else ''}max_consecutive_skips higher lets it back off further, a skipped step each "
+            f"time). Try {FP16_ADVICE}"
             f"{REMEDY_ADVICE[remedy]}")
 
 
@@ -53,8 +54,9 @@ class StallWatch:
     """The last ``steps`` steps as (applied, grad norm, loss scale, loss), and the grad norms of the last applied steps at
     a healthy loss scale (what "negligible" is against): :meth:`stalled` says whether the run stopped learning."""
 
-    def __init__(self, steps: int, remedy: bool = False) -> None:
+    def __init__(self, steps: int, remedy: bool = False, keys: bool = True) -> None:
         self.remedy = remedy  # the run may apply a verified cure itself (the advice: REMEDY_ADVICE)
+        self.keys = keys  # its advice names the built-in run's config keys (False: an adapter's, which has none for these)
         self.recent: deque[tuple[bool, float, float, float]] = deque(maxlen=steps)
         self.norm_reference: deque[float] = deque(maxlen=REFERENCE_KEPT)
 
@@ -114,8 +116,9 @@ class StallWatch:
             advice = FP16_ADVICE + REMEDY_ADVICE[self.remedy]
         else:
             advice = "a look at the skip events and the loss (is it constant?), or " + REMEDY_ADVICE[self.remedy]
-        return (f"the run is stalled at step {step}: {what}: {moved} (guard.stall_steps={n}). "
-                f"Try {advice}; guard.on_stall=warn trains on")
+        return (f"the run is stalled at step {step}: {what}: {moved} "  # (an adapter's: no option of its own for these)
+                + (f"(guard.stall_steps={n}). Try {advice}; guard.on_stall=warn trains on" if self.keys else
+                   f"(the last {n} steps). Try {advice}"))
 
     def state_dict(self) -> dict[str, Any]:
         return {"recent": [list(r) for r in self.recent], "norm_reference": list(self.norm_reference)}

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["JsonlWriter", "json_safe", "read_jsonl"]
+__all__ = ["JsonlWriter", "json_safe", "read_jsonl", "line_start"]
 
 
 def json_safe(value: Any) -> Any:
@@ -48,6 +48,7 @@ class JsonlWriter:
         self._fh = open(path, "a", encoding="utf-8")
         if _torn(path):
             self._fh.write("\n")
+            self._fh.flush()  # (before another process appends to it: a peer's crash event)
 
     def write(self, record: dict[str, Any]) -> None:
         try:  # the common record is all finite: the C encoder as it is; else NaN/Inf spelled as strings
@@ -59,6 +60,11 @@ class JsonlWriter:
 
     def close(self) -> None:
         self._fh.close()
+
+
+def line_start(path: Path) -> str:
+    """What to write before appending to ``path``: a newline where its last line was torn, else nothing."""
+    return "\n" if _torn(path) else ""
 
 
 def _torn(path: Path) -> bool:

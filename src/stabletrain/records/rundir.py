@@ -28,7 +28,7 @@ from .. import console
 from ..config import Config, ConfigError, config_to_dict
 from ..fileio import atomic_write
 from .events import EVENT_KINDS
-from .jsonl import JsonlWriter, json_safe
+from .jsonl import JsonlWriter, json_safe, line_start
 from .launches import LAUNCH_FILE, is_running, launch_parent
 
 __all__ = ["RunDir", "append_event"]
@@ -138,9 +138,10 @@ class RunDir:
 
         kept = [line for line in lines if not after(line)]
         if len(kept) != len(lines):  # the dropped lines are kept as evidence: what the run lost to the crash
-            with open(self.path / "metrics.superseded.jsonl", "a", encoding="utf-8") as fh:
-                fh.write("".join(json.dumps({**json.loads(line), "superseded_by": by}) + "\n" for line in lines
-                                 if after(line)))
+            superseded = self.path / "metrics.superseded.jsonl"
+            with open(superseded, "a", encoding="utf-8") as fh:
+                fh.write(line_start(superseded) + "".join(json.dumps({**json.loads(line), "superseded_by": by}) + "\n"
+                                                          for line in lines if after(line)))
             atomic_write(path, "".join(kept))
         self.metrics = JsonlWriter(path)
         return len(lines) - len(kept)

@@ -79,6 +79,8 @@ class Goodput:
                    f"and {self.refused} more that started only to refuse a restart: crash loops; " if self.refused else "")
         return (f"goodput {self.goodput:.1%} over {launches} ({refused}"
                 f"{'lost: ' + ', '.join(words) if words else 'nothing lost'})")
+#: The reasons of a launch's own refusal to go on: a restart's (the crash-loop rule) or a resubmission's (run.resume=auto).
+REFUSED = ("restart refused", "resubmission refused")
 
 
 def _launches(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -108,7 +110,7 @@ def read_goodput(run_dir: str | Path) -> Goodput | None:
     events = read_jsonl(run_dir / "events.jsonl")[0]
     restarts = [e for e in events if e.get("kind") == "restart"]
     # A launch that refused to restart (a crash loop) ended the run's own time: after it, a person's resume
-    refusals = [e for e in events if e.get("kind") == "stop" and str(e.get("reason", "")).startswith("restart refused")]
+    refusals = [e for e in events if e.get("kind") == "stop" and str(e.get("reason", "")).startswith(REFUSED)]
     sec = dict.fromkeys(PARTS, 0.0)
     total = 0.0
     for i, launch in enumerate(launches):
@@ -179,7 +181,7 @@ def _given_up(events: list[dict[str, Any]], ready: float) -> dict[str, Any] | No
     """The launcher's ``stop`` for a death it did not restart after (its restarts used up: the event carries the death's
     ``cause``) since ``ready``, or None."""
     return next((e for e in events if e.get("kind") == "stop" and isinstance(e.get("cause"), dict)
-                 and not str(e.get("reason", "")).startswith("restart refused")  # (a launch of its own: its refusal)
+                 and not str(e.get("reason", "")).startswith(REFUSED)  # (a launch of its own: its refusal)
                  and float(e.get("time") or 0.0) >= ready - ROUNDING_S), None)
 
 

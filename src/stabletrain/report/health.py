@@ -429,8 +429,8 @@ def _restarts(run: RunData, h: Health) -> None:
         what = who + (describe_exit(int(cause["exitcode"])) if isinstance(cause.get("exitcode"), int) else "ended")
         deaths[what] = deaths.get(what, 0) + 1
     said = "; ".join(what + (f", {n} times" if n > 1 else "") for what, n in deaths.items())
-    after = {id(e): next((x for x in run.events[i + 1:] if x.kind in ("restart", "resume")), e) for i, e in
-             enumerate(run.events) if e.kind == "restart"}  # where each restart's launch resumed (a bad LAST_GOOD passed over)
+    after = {id(e): next((x for x in run.events[i + 1:] if x.kind == "restart" or x.kind == "resume" and not x.extra.get(
+        "auto")), e) for i, e in enumerate(run.events) if e.kind == "restart"}  # where its launch resumed (LAST_GOOD bad?)
     froms = sorted({Path(str(after[id(e)].extra["path"])).name if after[id(e)].extra.get("path") else str(e.extra.get(
         "checkpoint") or ("step 0" if started_over({**e.extra, "step": e.step}) else "the newest checkpoint that verified"))
         for e in restarts})

@@ -64,7 +64,8 @@ def last_failure(events: list[dict[str, Any]], last_logged: int = 0) -> Failure:
     progress = any(e.get("kind") == "checkpoint" and (resumed is None or int(e["step"]) > resumed) for e in own)
     nonfinite = next((int(e["step"]) for e in own if e.get("kind") == "nonfinite"), None)
     crash = next((e for e in reversed(own) if e.get("kind") == "crash"), None)
-    stop = next((e for e in reversed(own) if e.get("kind") == "stop"), None)
+    stop = next((e for e in reversed(own) if e.get("kind") == "stop"  # (a refusal's own stop: the failure it refused)
+                 and not str(e.get("reason", "")).startswith(("restart refused", "resubmission refused"))), None)
     common = {"progress": progress, "resumed_step": resumed, "last_step": last, "nonfinite_step": nonfinite,
               "trained": trained,  # (a resume's skipped checkpoints are written just before its own event)
               "fell_back": bool(marks) and marks[-1] > 0 and events[marks[-1] - 1].get("kind") == "checkpoint_skipped"}
@@ -76,9 +77,11 @@ def last_failure(events: list[dict[str, Any]], last_logged: int = 0) -> Failure:
         incident = next((e for e in reversed(own) if e.get("kind") == "incident" and e["step"] <= stop["step"]), None)
         kind = ((incident.get("diagnosis") or {}).get("failure_class") if incident else None)
         met = f" (incident at step {incident['step']}{f': {kind}' if kind else ''})" if incident else ""
+        # (SIGTERM, SIGINT: a preemption or a person, no failure to repeat)
+        signalled = str(stop["reason"]).removeprefix("stopping: ").startswith("stopped by")
         return Failure("stop", f"stopped at step {stop['step']}: {stop['reason'].removeprefix('stopping: ')}{met}",
-                       ["stop", incident["step"] if incident else stop["step"], kind, stop["reason"] if not incident else None],
-                       **common)
+                       None if signalled else ["stop", incident["step"] if incident else stop["step"], kind,
+                                               stop["reason"] if not incident else None], **common)
     return Failure("exit", "ended without a record of why", None, **common)
 
 
@@ -130,9 +133,10 @@ def restart_chain(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         kind = e.get("kind")
         if kind == "restart":
             chain.append(e)
+        elif kind == "resume" and e.get("auto"):  # (a resubmission: also right after a restart whose launch wrote none)
+            chain = [*chain, {"kind": "requeue", "failure": {**last_failure(events[:i]).record(), "progress": True}}]
         elif kind == "resume" and previous != "restart":
-            chain = ([*chain, {"kind": "requeue", "failure": {**last_failure(events[:i]).record(), "progress": True}}]
-                     if e.get("auto") else [])
+            chain = []
         if kind in ("restart", "resume"):
             previous = kind
     return chain
@@ -164,7 +168,8 @@ def death_failure(failure: Failure, cause: dict[str, Any]) -> Failure:
     said += [f"its last line: {last!r}"] if last else []
     text = f"ended as rank {cause.get('rank')} {describe_exit(code)}" + (f" ({'; '.join(said)})" if said else "")
     # (its last step too: the same words later on are another failure; a pid or an address in them is not its identity)
-    words = re.sub(r"0x[0-9a-fA-F]+", "0x_", re.sub(r"(?i)(pid\W{0,3})\d+", r"\1_", last)) if code >= 0 and last else None
+    pids = r"(?i)(pid(?:\(s\)|s)?\W{0,3})\d+(?:,\s*\d+)*"  # 'pid 42', 'pid=42', torch's 'pid(s) 42, 43'
+    words = re.sub(r"0x[0-9a-fA-F]+", "0x_", re.sub(pids, r"\1_", last)) if code >= 0 and last else None
     return replace(failure, text=text, key=["exit", cause.get("rank"), code, words, failure.last_step])
 
 

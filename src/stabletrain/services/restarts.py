@@ -74,6 +74,7 @@ class Launch:
     run_dir: Path | None
     refused: str | None = None
     finished: bool = False  # run.resume=auto on a run that reached train.max_steps: nothing to train, nothing written
+    requeue: bool = False  # run.resume=auto continues the run: a resubmission (its resume event says so: ``auto``)
 
 
 def _env_record() -> dict[str, Any]:
@@ -162,7 +163,7 @@ def begin_launch(cfg: Any, run_dir: Path | None, resume: bool, ctx: Any) -> Laun
                     # its own line; None: its meta.json unreadable, which the resume falls back from, saying so)
                     console.say(f"run.resume=auto: {run_dir} holds {f'LAST_GOOD ({name.name})' if name else 'checkpoints'}"
                                 f": continuing it{kept}")
-                return Launch(True, run_dir)
+                return Launch(True, run_dir, requeue=True)
             console.say(f"run.resume=auto: {run_dir} holds no checkpoint: starting it")
         return Launch(resume, run_dir)
 

@@ -131,13 +131,22 @@ class Writer:
     @property
     def ready(self) -> bool:
         """Whether the writer serves already (a fresh interpreter imports torch first: ~1-2 s). Never blocks."""
-        if not self._ready or self.dead is None and self.proc.poll() is not None:  # (served, then died idle: say so)
+        if self.gone():
+            return False
+        if not self._ready:
             try:
-                self._ready = self.poll(READY_ID) is not None or self._ready
+                self._ready = self.poll(READY_ID) is not None
             except WriterDied:
-                console.warn(f"{self.dead} between saves, none in flight (nothing lost); the next save starts another")
                 return False
         return self._ready
+
+    def gone(self) -> bool:
+        """Whether the process has ended. Asked before a save (none in flight: the manager waits for the last), so one that
+        ended unnoticed died idle (killed, out of memory): said once, and no save is sent to it."""
+        if self.dead is None and self.proc.poll() is not None:
+            self._died()
+            console.warn(f"{self.dead} between saves, none in flight (nothing lost); the next save starts another")
+        return self.dead is not None
 
     @property
     def pid(self) -> int:
@@ -250,7 +259,7 @@ def writer() -> Writer:
     global _writer
     with _lock:
         current = _writer
-        if current is None or current.dead is not None or current.owner != os.getpid():  # (a fork's child: its own)
+        if current is None or current.owner != os.getpid() or current.gone():  # (a fork's child: its own)
             current = _writer = Writer()
         return current
 
