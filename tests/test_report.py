@@ -1388,3 +1388,19 @@ def test_the_checkpoint_count_says_how_many_are_kept_on_disk(tmp_path):
                 "log.tensorboard=false"), task=regression_task(), run_dir=run).fit()
     said = [t for _, t in health_summary(load_run(run)).sentences if "checkpoints, the last" in t]
     assert said == ["5 checkpoints, the last at step 8 (2 kept on disk: ckpt.keep=2)."], said
+
+
+def test_a_spike_the_models_own_dropout_drew_is_noise_in_the_health_summary_not_a_problem(run_copy):
+    """A trial: a clean Hugging Face run (GPT-2's dropout 0.1, nothing planted) had one spike the diagnosis itself called
+    the step's dropout draw ('not the samples nor the state'), and its report said 'problems'. Worth a look, said why."""
+    (run_copy / "events.jsonl").write_text("")
+    spike = {"step": 25, "kind": "incident", "anomaly": "spike", "reason": "loss spike", "path": "incidents/step_000025",
+             "diagnosis": {"failure_class": "dropout", "summary": "dropout: with every dropout off the window's loss is "
+                           "normal by the guard's rule"}}
+    append_events(run_copy, {"step": 25, "kind": "spike", "reason": "loss spike", "loss": 0.06}, spike)
+    said = dict((t, level) for level, t in health_summary(load_run(run_copy)).sentences)
+    (text,) = [t for t in said if t.startswith("1 incident")]
+    assert said[text] == "warn" and "(the model's own dropout draw made it: noise, not a fault)" in text, text
+    append_events(run_copy, {**spike, "step": 35, "diagnosis": {"failure_class": "data", "summary": "data: samples 3"}})
+    said = dict((t, level) for level, t in health_summary(load_run(run_copy)).sentences)
+    assert [level for t, level in said.items() if t.startswith("2 incidents")] == ["bad"]  # (a data spike is one)

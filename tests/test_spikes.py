@@ -239,6 +239,18 @@ def test_a_spike_the_replay_does_not_reproduce_is_named_not_reproducible(tmp_pat
                                   "state), nondeterministic kernels or a hardware fault"), d["evidence"]  # (what to look at)
 
 
+def test_remedy_refuses_an_incident_that_does_not_reproduce_where_it_runs(tmp_path):
+    """A trial: a NaN made by a hook the rebuilt model lacks (a Hugging Face model's forward hook) did not reproduce in
+    `stabletrain remedy`'s new process, where every candidate 'cured' it and lr-x0.5 was named best. The search replays
+    the step as it ran first, and refuses a step that is no incident here (the transient glitch: its one live call)."""
+    steps, d = _spike_diagnosis(transient_spike_task(), tmp_path)
+    assert steps == [20]
+    with pytest.raises(ValueError, match=r"replayed here as it ran, step 20 is finite and no spike \(loss [0-9.]+\): the "
+                                         r"incident does not reproduce in this process, so no cure can be verified"):
+        search_remedies(tmp_path / "run" / "incidents" / "step_000020", task=transient_spike_task())
+    assert not (tmp_path / "run" / "incidents" / "step_000020" / "remedy.json").exists()
+
+
 def test_a_batch_high_as_a_whole_under_the_older_state_is_an_outlier_batch(tmp_path):
     """Every sample of step 20's window is off (no few of them carry it): class data, no sample named, the batch
     itself the outlier, by its loss under the interval's older state."""

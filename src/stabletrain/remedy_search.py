@@ -349,7 +349,15 @@ def search_remedies(directory: str | Path, task: Task | None = None, *, steps: i
     directory = Path(directory)
     inc = _Incident(directory, task, device, bundle)
     inc.drop = set(drop) if drop is not None else _dropped_before(inc.run_dir, inc.step)
-    if diagnosis is None:
+    if diagnosis is None:  # a search in a new process (a live one's diagnosis is this process's replay's)
+        as_ran = _replay(inc, Remedy(), 0)  # the incident's step replayed as it ran: what the candidates must cure
+        if as_ran["failed"] is None:
+            last = (as_ran["trajectory"] or [{}])[-1]
+            raise ValueError(f"incident {str(directory)!r}: replayed here as it ran, step {inc.step} is finite and no spike "
+                             f"(loss {last.get('loss', float('nan')):.4g}): the incident does not reproduce in this process, "
+                             "so no cure can be verified (every candidate would 'cure' it). The model or loss rebuilt here "
+                             "may not be the one that trained (a hook, or a change made after the model was built): "
+                             f"stabletrain diagnose {directory} says what differs")
         diagnosis_path = directory / DIAGNOSIS_FILE
         diagnosis = json.loads(diagnosis_path.read_text(encoding="utf-8")) if diagnosis_path.is_file() else {}
     if "failure_class" not in diagnosis:

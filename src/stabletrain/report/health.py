@@ -1,10 +1,8 @@
 """The health summary: a few plain sentences about a run, computed from its metrics and events.
 
-Each sentence carries a level (``ok``, ``warn``, ``bad``); the run's level is the worst of them. A
-crash that ended the run comes first. Throughput is in the task's unit (``count_unit`` in the
-snapshot: tokens or samples).
-The numbers behind the sentences are in :attr:`Health.figures`, so a test (or a script) can check
-them against ``metrics.jsonl`` directly.
+Each sentence carries a level (``ok``, ``warn``, ``bad``); the run's level is the worst of them. A crash that ended the
+run comes first. Throughput is in the task's unit (``count_unit`` in the snapshot: tokens or samples). The numbers
+behind the sentences are in :attr:`Health.figures`, so a test (or a script) can check them against ``metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -69,8 +67,7 @@ def incident_summary(event: Event) -> str:
 
 def health_summary(run: RunData) -> Health:
     """Return the health of ``run`` in plain words, with the figures each sentence states."""
-    h = Health()
-    f = h.figures
+    f = (h := Health()).figures
     f["count_unit"] = run.count_unit
     _crash(run, h)
     _progress(run, h)
@@ -163,9 +160,11 @@ def health_summary(run: RunData) -> Health:
     cured = {e.extra.get("incident_step") for e in run.counted_events("remedy")
              if isinstance(e.extra.get("name"), str) and e.extra.get("verdict") == "cures" and _own(run, e.extra.get("incident"))}
     if incidents:
-        remedied = all(e.step in cured for e in incidents)
-        h.say("warn" if remedied else "bad", f"{plural(len(incidents), 'incident')}: {_listed(f['incidents'])}"
-              + (" (cured: a remedy was applied for each, below)" if remedied else "") + "." + _scattered(incidents, run))
+        noise = {e.step for e in incidents if (e.extra.get("diagnosis") or {}).get("failure_class") == "dropout"}
+        remedied = all(e.step in cured or e.step in noise for e in incidents)  # (a spike the model's own dropout drew)
+        h.say("warn" if remedied else "bad", f"{plural(len(incidents), 'incident')}: {_listed(f['incidents'])}" + (
+            " (the model's own dropout draw made it: noise, not a fault)" if remedied and noise == {e.step for e in incidents}
+            else " (cured: a remedy was applied for each, below)" if remedied else "") + "." + _scattered(incidents, run))
     if undone:
         h.say("warn", f"{plural(len(f['incidents_undone']), 'incident')} before {_went_back(undone)} (the run went back and "
                       f"trained that stretch again): {_listed(f['incidents_undone'])}.")
