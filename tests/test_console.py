@@ -312,3 +312,29 @@ def test_an_incidents_long_line_keeps_its_first_clauses_and_its_verdict_and_says
     assert brief("a" * 400 + "; b", width=100) == "a" * 400 + "; b"  # two clauses: nothing to leave out
     listed = "1) " + evidence  # a stray ")" (a review: the depth went below 0 and no clause was split any more)
     assert brief(listed, width=200) == "1) " + short.replace("... (all of it: stabletrain diagnose D)", "...")
+
+
+def test_a_line_said_beside_a_hosts_bar_in_a_log_starts_after_it_and_a_closed_bar_is_none():
+    """A trial: the Hugging Face callback let go of the Trainer's bar before its last interval's incident line, which
+    then ran on after the bar's last redraw in the log ('... 15.61it/s]stabletrain: incident at step 123'). A bar drawn
+    into a log (no terminal) gets the line on a line of its own; one tqdm closed (disabled) is no bar."""
+    import io
+
+    from tqdm import tqdm
+
+    from stabletrain import console
+
+    log = io.StringIO()
+    bar = tqdm(total=4, file=log, leave=True)
+    bar.update(4)
+    try:
+        console.show_bar(bar)
+        out = io.StringIO()
+        console.write_line("stabletrain: incident at step 3", out)
+        assert out.getvalue() == "\nstabletrain: incident at step 3\n"
+        bar.close()
+        out = io.StringIO()
+        console.write_line("stabletrain: incident at step 3", out)
+        assert out.getvalue() == "stabletrain: incident at step 3\n"
+    finally:
+        console.show_bar(None)

@@ -189,6 +189,9 @@ def test_a_training_step_that_returns_none_is_lightnings_own_skip_not_a_bad_step
     assert incident.step == 9 and d["reproduces"] is True, d["summary"]  # step 2 was Lightning's skip: not counted
     assert d["bad_positions"] == [{"micro_batch": 0, "position": BAD_POSITION}], d["bad_positions"]
     assert sum(r["num_nonfinite"] for r in run.metrics) == 1
+    # (a trial: the stop ended the fit with no line at all; the events and the report had it)
+    said = [x for x in capfd.readouterr().out.splitlines() if " run stops at step" in x]
+    assert len(said) == 1 and said[0].startswith("stabletrain: the lightning run stops at step 10: non-finite"), said
 
 
 def test_the_step_0_signal_report_runs_once_while_the_first_steps_are_lightnings_own_skips(tmp_path, monkeypatch):

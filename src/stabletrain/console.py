@@ -61,7 +61,7 @@ def user_stacklevel() -> int:
 def write_line(text: str, file: TextIO | None = None) -> None:
     """Write ``text`` and a newline to ``file`` (default: stdout), flushed, above the progress bar if one is drawn."""
     stream = file if file is not None else sys.stdout
-    if _bar is None:
+    if _bar is None or getattr(_bar, "disable", False):  # (none, or closed: tqdm disables a bar it closes)
         print(text, file=stream, flush=True)
     elif is_interactive(getattr(_bar, "fp", None) or sys.stderr):
         with _bar.external_write_mode(file=stream):

@@ -250,12 +250,12 @@ class RunSession:
         """Reduce the interval (its one sync), write the record and events, capture an incident, stop or warn."""
         if len(self.metrics) == 0:
             return {}
-        record, decision, rows, _ = self.boundary.log(extra=self.evaluated or None)
-        self.evaluated = {}
+        (record, decision, rows, _), self.evaluated = self.boundary.log(extra=self.evaluated or None), {}
         self.boundary.incident(decision, rows)
         self.capture.mark_interval_start(self.step, self.capturing)
         warn = self.options.on_nonfinite == "warn"
-        if decision.action == "stop" and not warn:
+        if decision.action == "stop" and not warn:  # (the host stops at its next check: said here, as the loop says it)
+            console.say(f"the {self.host} run stops at step {self.step}: {decision.reason} (events.jsonl)")
             self.state.stop(decision.reason)
         elif warn and (decision.action == "stop" or decision.bad_steps):
             warnings.warn(f"{decision.reason} (on_nonfinite='warn': training goes on)" if decision.action == "stop" else

@@ -278,10 +278,10 @@ class StableTrainCallback(TrainerCallback):
 
     def _detach(self, err: BaseException | None = None) -> None:
         self._unwrap()
+        if self.session is not None:  # (its last interval's lines while the Trainer's bar stands: after it, not inside)
+            self.session.close(err)
         if self._bar:
             self._bar = show_bar(None)
-        if self.session is not None:
-            self.session.close(err)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._detach()
