@@ -228,6 +228,10 @@ def test_a_replay_matching_a_finite_observation_with_no_bad_value_is_not_reprodu
     c = classify_failure(d)
     assert c["failure_class"] == "not reproducible" and "differ from the observed 1.0 and inf: suspect state the " \
         "replay does not restore" in c["evidence"]
+    # a host that recorded the grad norm only (a trial's Hugging Face step): 'the observed (not recorded) and nan' read as
+    # two values; the one recorded is named
+    c = classify_failure({**d, "observed": {"grad_norm": float("nan")}})
+    assert "differ from the observed grad norm nan: suspect state" in c["evidence"], c["evidence"]
 
 
 def test_a_summary_leads_with_its_verdict_and_a_divergence_names_no_samples(tmp_path):

@@ -809,3 +809,20 @@ def test_an_optimizer_of_another_model_is_refused_and_a_float_loss_is_taken(tmp_
             with pytest.raises(ValueError, match=r"^Monitor.step\(loss=...\): expected the step's loss as a number or a "
                                                  rf"one-element tensor, got {got}$"):
                 monitor.step(batch, loss=wrong)
+
+
+def test_under_warn_a_later_incident_says_the_parameters_were_already_non_finite(tmp_path):
+    """A trial (HF, on_nonfinite='warn'): step 33's NaN update was applied as asked, and the incidents after it read 'first
+    non-finite value (loss) ... outside any module ... at every sample: not the data' while the weights were NaN since.
+    A step replayed from non-finite weights says so first, naming them."""
+    model, opt = make()
+    with pytest.warns(UserWarning, match="on_nonfinite='warn'"):
+        with Monitor(model, opt, run_dir=tmp_path / "run", log_every=5, on_nonfinite="warn", loss_fn=loss_fn,
+                     init_check=False) as monitor:
+            train(monitor, model, batches(12, bad_step=3))
+    incidents = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl")[0] if e["kind"] == "incident"]
+    assert [e["step"] for e in incidents][:1] == [3] and len(incidents) >= 2, [e["reason"] for e in incidents]
+    first, later = (e.get("diagnosis") or {} for e in incidents[:2])
+    assert "params_nonfinite_before" not in first and not first["summary"].startswith("the parameters were")
+    assert later["summary"].startswith("the parameters were non-finite before this step (fc1.weight"), later["summary"]
+    assert "an update applied before it broke them (on_nonfinite='warn'" in later["summary"]

@@ -477,5 +477,13 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
                                f"takes it to {after:g}: {why}")
     if observed.get("after_update") and result.get("stage") not in ("update",):
         result["note"] = "the run saw the bad value only in the parameters after the update"
+    broken = [k for k, v in (bundle.get("model") or {}).items() if torch.is_tensor(v) and v.is_floating_point()
+              and not bool(torch.isfinite(v).all())]
+    if broken:  # the weights the step started from: an earlier step's update, applied (on_nonfinite='warn'), broke them
+        result["params_nonfinite_before"] = broken
+        result["summary"] = (f"the parameters were non-finite before this step ({', '.join(broken[:3])}"
+                             + (f" and {len(broken) - 3} more" if len(broken) > 3 else "") + "): an update applied before "
+                             "it broke them (on_nonfinite='warn' applies a bad step's update: the run's first incident says "
+                             f"which); what follows is this step's replay on them: {result.get('summary')}")
     atomic_write(directory / out, json.dumps(result, indent=2, default=str) + "\n")
     return result

@@ -118,9 +118,15 @@ def classify_failure(d: dict[str, Any], history: list[dict[str, Any]] | None = N
     if not d.get("reproduces"):
         if not d.get("replays_agree", True):
             why = "the replays disagree with each other (nondeterministic kernels or a hardware fault)"
-        else:
+        elif all(k in (d.get("observed") or {}) for k in ("loss", "grad_norm")):
             why = (f"the replay's loss {loss} and grad norm {norm} differ from the observed "
                    f"{_observed(d, 'loss')} and {_observed(d, 'grad_norm')}: {NOT_REPRODUCED_HINT}")
+        else:  # (a host that records one of them: the other named as not recorded, not spliced in as a value)
+            seen = [f"{name} {d['observed'][k]}" for name, k in (("loss", "loss"), ("grad norm", "grad_norm"))
+                    if k in (d.get("observed") or {})]
+            why = (f"the replay's loss {loss} and grad norm {norm} differ from the observed {' and '.join(seen)}"
+                   if seen else f"the replay's loss {loss} and grad norm {norm} are finite; the run recorded neither")
+            why += f": {NOT_REPRODUCED_HINT}"
         return {**out, "failure_class": "not reproducible", "evidence": why}
     if d.get("stage") == "inputs":
         where = f"samples {', '.join(map(str, samples))}" if samples else "the batch"
