@@ -59,6 +59,20 @@ def test_the_callbacks_it_does_not_take_from_the_others_name_the_trainers_own(tm
         StableTrainCallback(run_dir=tmp_path / "run", clip_max_norm=1.0)
 
 
+def test_the_callback_added_twice_is_refused_when_the_trainer_is_built(tmp_path):
+    """A trial: the same callback added twice trained until 'training_step did not run through stabletrain's watch (was
+    training_step replaced after train() began?)'; two of them each wrote a run directory. Either is one clear line,
+    when the Trainer is built."""
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=2, use_cpu=True, report_to=[],
+                                          disable_tqdm=True)
+    cb = StableTrainCallback(run_dir=tmp_path / "run")
+    for callbacks in ([cb, cb], [cb, StableTrainCallback(run_dir=tmp_path / "other")]):
+        with pytest.raises(ValueError, match=r"^StableTrainCallback: the Trainer's callbacks hold more than one; one "
+                                             r"watches a run and writes its directory: remove the others$"):
+            transformers.Trainer(model=gpt2(), args=args, train_dataset=token_rows(2 * BATCH), callbacks=callbacks)
+    assert not (tmp_path / "run").exists()
+
+
 def test_the_mirror_leaves_the_trainers_own_logging_as_it_is(tmp_path):
     """Our figures ride the Trainer's own logs at its logging_steps: it logs no more often for them (it logged at every
     one of our intervals, its loss then averaged over 4 steps instead of its 1000, its trackers written 250x as often)."""

@@ -89,12 +89,9 @@ class StableTrainCallback(TrainerCallback):
                  **options: Any) -> None:
         self.run_dir, self.loss_fn, self.overwrite = run_dir, loss_fn, overwrite
         self.options = AdapterOptions(**options).checked(loss_fn=loss_fn, run_dir=run_dir)
-        self.stable_callbacks, self.trainer = list(callbacks), trainer
-        self.session: RunSession | None = None
+        self.stable_callbacks, self.trainer, self.session = list(callbacks), trainer, None
         self._fingerprint: InitFingerprint | None = None
-        self._record: dict[str, Any] | None = None
-        self._out: dict[str, Tensor] | None = None
-        self._norms: tuple[Tensor, Tensor] | None = None
+        self._record = self._out = self._norms = None  # (an interval's record; a step's outputs; its grad norms)
         self._wrapped: list[str] = []
         self._bar: Any = None  # the Trainer's own progress bar (False: it draws none), which our lines go above
         self._retry: dict[str, Any] | None = None  # the out-of-memory step the Trainer is retrying at a smaller batch
@@ -109,7 +106,10 @@ class StableTrainCallback(TrainerCallback):
         return self.trainer
 
     def on_init_end(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any) -> None:
-        self._find_trainer()
+        held = self._find_trainer().callback_handler.callbacks if self._find_trainer() is not None else []
+        if sum(isinstance(c, StableTrainCallback) for c in held) > 1:  # (the same one twice, or two)
+            raise ValueError("StableTrainCallback: the Trainer's callbacks hold more than one; one watches a run and writes "
+                             "its directory: remove the others")
         if self.options.init_check and model is not None:
             self._fingerprint = InitFingerprint.take(model)  # the model as handed to the Trainer
 
