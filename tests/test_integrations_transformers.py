@@ -66,11 +66,15 @@ def test_the_callback_added_twice_is_refused_when_the_trainer_is_built(tmp_path)
     args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=2, use_cpu=True, report_to=[],
                                           disable_tqdm=True)
     cb = StableTrainCallback(run_dir=tmp_path / "run")
-    for callbacks in ([cb, cb], [cb, StableTrainCallback(run_dir=tmp_path / "other")]):
+    for callbacks in ([cb, cb], [StableTrainCallback(run_dir=tmp_path / "a"), StableTrainCallback(run_dir=tmp_path / "b")]):
         with pytest.raises(ValueError, match=r"^StableTrainCallback: the Trainer's callbacks hold more than one; one "
                                              r"watches a run and writes its directory: remove the others$"):
             transformers.Trainer(model=gpt2(), args=args, train_dataset=token_rows(2 * BATCH), callbacks=callbacks)
     assert not (tmp_path / "run").exists()
+    # the list fixed (a notebook's cell run again), the same callback watches the Trainer built now (a review: it kept
+    # the refused Trainer and refused again)
+    trainer = transformers.Trainer(model=gpt2(), args=args, train_dataset=token_rows(2 * BATCH), callbacks=[cb])
+    assert cb.trainer is trainer
 
 
 def test_the_mirror_leaves_the_trainers_own_logging_as_it_is(tmp_path):

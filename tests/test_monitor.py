@@ -173,13 +173,14 @@ def test_planted_nan_is_skipped_captured_and_traced_to_module_and_sample(tmp_pat
     assert "root" in write_report(tmp_path / "run").read_text()
 
 
-def test_stop_raises_at_the_boundary_and_warn_only_records(tmp_path):
+def test_stop_raises_at_the_boundary_and_warn_only_records(tmp_path, capsys):
     model, opt = make()
     monitor = Monitor(model, opt, run_dir=tmp_path / "stop", log_every=5, on_nonfinite="stop", loss_fn=loss_fn,
                       diagnose=False)
     with pytest.raises(StopTraining) as err:
         train(monitor, model, batches(12, bad_step=3))
     assert err.value.step == 5 and "non-finite" in err.value.reason
+    assert " run stops at step" not in capsys.readouterr().out  # (StopTraining says it: not a line besides)
     kinds = [e["kind"] for e in read_jsonl(tmp_path / "stop" / "events.jsonl")[0]]
     assert "stop" in kinds and "incident" in kinds
 
@@ -809,6 +810,18 @@ def test_an_optimizer_of_another_model_is_refused_and_a_float_loss_is_taken(tmp_
             with pytest.raises(ValueError, match=r"^Monitor.step\(loss=...\): expected the step's loss as a number or a "
                                                  rf"one-element tensor, got {got}$"):
                 monitor.step(batch, loss=wrong)
+
+
+def test_a_buffer_of_minus_inf_is_no_broken_weight(tmp_path):
+    """A review: the check of the weights a step started from read the whole state dict, so a causal mask of -inf (a
+    buffer) opened every incident's summary with 'the parameters were non-finite before this step (mask)'."""
+    model, opt = make()
+    model.register_buffer("mask", torch.full((4,), float("-inf")))
+    with Monitor(model, opt, run_dir=tmp_path / "run", log_every=5, loss_fn=loss_fn, init_check=False) as monitor:
+        train(monitor, model, batches(6, bad_step=3))
+    (incident,) = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl")[0] if e["kind"] == "incident"]
+    assert "params_nonfinite_before" not in incident["diagnosis"], incident["diagnosis"]["summary"]
+    assert not incident["diagnosis"]["summary"].startswith("the parameters were"), incident["diagnosis"]["summary"]
 
 
 def test_under_warn_a_later_incident_says_the_parameters_were_already_non_finite(tmp_path):

@@ -422,6 +422,8 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
         return result
     replica = Replica(cfg, task, bundle, dev)
     model, precision = replica.model, replica.precision()
+    # its parameters as the step met them (not its buffers: a causal mask of -inf is no broken weight)
+    broken = [n for n, p in model.named_parameters() if not bool(torch.isfinite(p.detach()).all())]
     collate = task.collate or torch.utils.data.default_collate
     # An empty micro-batch adds nothing to a (sum, count) loss (a rank or a micro-batch with no samples): left out.
     micro_batches = [(idx, move_to(collate([task.train_data[i] for i in idx]), dev))
@@ -477,8 +479,6 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
                                f"takes it to {after:g}: {why}")
     if observed.get("after_update") and result.get("stage") not in ("update",):
         result["note"] = "the run saw the bad value only in the parameters after the update"
-    broken = [k for k, v in (bundle.get("model") or {}).items() if torch.is_tensor(v) and v.is_floating_point()
-              and not bool(torch.isfinite(v).all())]
     if broken:  # the weights the step started from: an earlier step's update, applied (on_nonfinite='warn'), broke them
         result["params_nonfinite_before"] = broken
         result["summary"] = (f"the parameters were non-finite before this step ({', '.join(broken[:3])}"

@@ -356,7 +356,8 @@ def search_remedies(directory: str | Path, task: Task | None = None, *, steps: i
             raise ValueError(f"incident {str(directory)!r}: replayed here as it ran, step {inc.step} is finite and no spike "
                              f"(loss {last.get('loss', float('nan')):.4g}): the incident does not reproduce in this process, "
                              "so no cure can be verified (every candidate would 'cure' it). The model or loss rebuilt here "
-                             "may not be the one that trained (a hook, or a change made after the model was built): "
+                             "may not be the one that trained (a hook, or a change made after the model was built), the "
+                             "replay may run on another device (--device) or the step was nondeterministic: "
                              f"stabletrain diagnose {directory} says what differs")
         diagnosis_path = directory / DIAGNOSIS_FILE
         diagnosis = json.loads(diagnosis_path.read_text(encoding="utf-8")) if diagnosis_path.is_file() else {}

@@ -254,8 +254,9 @@ class RunSession:
         self.boundary.incident(decision, rows)
         self.capture.mark_interval_start(self.step, self.capturing)
         warn = self.options.on_nonfinite == "warn"
-        if decision.action == "stop" and not warn:  # (the host stops at its next check: said here, as the loop says it)
-            console.say(f"the {self.host} run stops at step {self.step}: {decision.reason} (events.jsonl)")
+        if decision.action == "stop" and not warn:  # (said where the host stops quietly: Monitor raises StopTraining)
+            if self.host != "monitor" and self.dist.rank == 0 and not self.closed:
+                console.say(f"the {self.host} run stops at step {self.step}: {decision.reason} (events.jsonl)")
             self.state.stop(decision.reason)
         elif warn and (decision.action == "stop" or decision.bad_steps):
             warnings.warn(f"{decision.reason} (on_nonfinite='warn': training goes on)" if decision.action == "stop" else
@@ -284,8 +285,7 @@ class RunSession:
                 self.boundary.amend(self.evaluated)
         finally:
             if self.loss_watch is not None:
-                self.loss_watch.remove()
-                self.loss_watch = None
+                self.loss_watch = self.loss_watch.remove()  # (None)
             self.callbacks.fire("on_fit_end", self.state, record or (self.history[-1] if self.history else {}))
             if self.run is not None:
                 self.run.close()

@@ -106,8 +106,8 @@ class StableTrainCallback(TrainerCallback):
         return self.trainer
 
     def on_init_end(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any) -> None:
-        held = self._find_trainer().callback_handler.callbacks if self._find_trainer() is not None else []
-        if sum(isinstance(c, StableTrainCallback) for c in held) > 1:  # (the same one twice, or two)
+        self.trainer = find_caller(lambda t: isinstance(t, Trainer) and self in t.callback_handler.callbacks) or self.trainer
+        if sum(isinstance(c, StableTrainCallback) for c in (self.trainer.callback_handler.callbacks if self.trainer else ())) > 1:
             raise ValueError("StableTrainCallback: the Trainer's callbacks hold more than one; one watches a run and writes "
                              "its directory: remove the others")
         if self.options.init_check and model is not None:

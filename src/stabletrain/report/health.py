@@ -164,7 +164,8 @@ def health_summary(run: RunData) -> Health:
         remedied = all(e.step in cured or e.step in noise for e in incidents)  # (a spike the model's own dropout drew)
         h.say("warn" if remedied else "bad", f"{plural(len(incidents), 'incident')}: {_listed(f['incidents'])}" + (
             " (the model's own dropout draw made it: noise, not a fault)" if remedied and noise == {e.step for e in incidents}
-            else " (cured: a remedy was applied for each, below)" if remedied else "") + "." + _scattered(incidents, run))
+            else " (cured: a remedy was applied for each, below)" if remedied and not noise else " (each cured by a remedy, "
+            "below, or made by the model's own dropout draw: noise)" if remedied else "") + "." + _scattered(incidents, run))
     if undone:
         h.say("warn", f"{plural(len(f['incidents_undone']), 'incident')} before {_went_back(undone)} (the run went back and "
                       f"trained that stretch again): {_listed(f['incidents_undone'])}.")
