@@ -11,18 +11,23 @@ from torch.utils.data import Dataset
 from stabletrain.tasks import Task
 
 
-class _Unreadable(Dataset):
-    """``inner`` with one sample whose reading raises: the same crash at the same step on every launch."""
+class _BadSample(Dataset):
+    """``inner`` whose sample ``index`` fails when read: ``fault`` "raise" (OSError) or "kill" (SIGKILL to its reader)."""
 
-    def __init__(self, inner: Dataset, bad_index: int) -> None:
-        self.inner, self.bad_index = inner, bad_index
+    def __init__(self, inner: Dataset, index: int, fault: str) -> None:
+        self.inner, self.index, self.fault = inner, index, fault
 
     def __len__(self) -> int:
         return len(self.inner)
 
     def __getitem__(self, i: int):
-        if i == self.bad_index:
+        if i == self.index and self.fault == "raise":  # the same crash at the same step on every launch
             raise OSError(f"sample {i}: read error (the file is damaged)")
+        if i == self.index:  # a DataLoader worker killed (the OOM killer's pick)
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
         return self.inner[i]
 
 
@@ -31,26 +36,8 @@ def unreadable_sample_task(bad_index: int = 45, num_samples: int = 64) -> Task:
     from stabletrain.tasks.mlp import make_task
 
     task = make_task(num_samples=num_samples, width=16, depth=2)
-    task.train_data = _Unreadable(task.train_data, bad_index)
+    task.train_data = _BadSample(task.train_data, bad_index, "raise")
     return task
-
-
-class _KilledReader(Dataset):
-    """``inner`` whose sample ``index`` kills the process reading it (a DataLoader worker: the OOM killer's pick)."""
-
-    def __init__(self, inner: Dataset, index: int) -> None:
-        self.inner, self.index = inner, index
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def __getitem__(self, i: int):
-        if i == self.index:
-            import os
-            import signal
-
-            os.kill(os.getpid(), signal.SIGKILL)
-        return self.inner[i]
 
 
 def killed_worker_task(index: int = 45, num_samples: int = 64) -> Task:
@@ -58,7 +45,7 @@ def killed_worker_task(index: int = 45, num_samples: int = 64) -> Task:
     from stabletrain.tasks.mlp import make_task
 
     task = make_task(num_samples=num_samples, width=16, depth=2)
-    task.train_data = _KilledReader(task.train_data, index)
+    task.train_data = _BadSample(task.train_data, index, "kill")
     return task
 
 

@@ -436,14 +436,13 @@ def test_a_run_whose_writer_dies_says_so_in_one_line_trains_on_and_leaves_no_pro
     assert (run_dir / "checkpoints" / "LAST_GOOD").read_text() == "step_000008\n"
 
 
-def test_a_writer_killed_between_saves_is_said_and_costs_no_checkpoint(tmp_path, capsys):
-    """A trial: the writer, serving and idle, SIGKILLed between two saves (an OOM killer's pick): the next save was sent
-    to the dead process and failed (a lost checkpoint, counted toward ckpt.max_failures), or, before it served, nothing
-    was said at all. Its death is seen before the next save, said in one line, and that save is written all the same.
-    (The writer is the process's: one a run finds dead before its saves is one that died between a run's saves.)"""
-    from helpers import cfg
+#: The line a writer found dead with no save in flight gets.
+IDLE_DEATH = ("stabletrain: warning: the checkpoint writer process (pid {pid}) killed by SIGKILL between saves, none in "
+              "flight (nothing lost); the next save starts another")
 
-    from stabletrain import Trainer
+
+def _writer_killed_idle():
+    """This process's writer, started, serving, then SIGKILLed (and reaped): dead with no save in flight."""
     from stabletrain.records.checkpoint.writer import writer
 
     current = writer()
@@ -452,13 +451,24 @@ def test_a_writer_killed_between_saves_is_said_and_costs_no_checkpoint(tmp_path,
         time.sleep(0.05)
     os.kill(current.pid, signal.SIGKILL)
     current.proc.wait()
+    return current
+
+
+def test_a_writer_killed_between_saves_is_said_and_costs_no_checkpoint(tmp_path, capsys):
+    """A trial: the writer, serving and idle, SIGKILLed between two saves (an OOM killer's pick): the next save was sent
+    to the dead process and failed (a lost checkpoint, counted toward ckpt.max_failures), or, before it served, nothing
+    was said at all. Its death is seen before the next save, said in one line, and that save is written all the same.
+    (The writer is the process's: one a run finds dead before its saves is one that died between a run's saves.)"""
+    from helpers import cfg
+
+    from stabletrain import Trainer
+    current = _writer_killed_idle()
     Trainer(cfg("train.max_steps=30", "ckpt.every=10", "log.every=10"), run_dir=tmp_path / "run").fit()
     events = [json.loads(x) for x in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     assert [(e["step"], e["kind"]) for e in events if e["kind"].startswith("checkpoint")] == [
         (s, "checkpoint") for s in (0, 10, 20, 30)]
     said = [x for x in capsys.readouterr().err.splitlines() if "checkpoint writer" in x]
-    assert said == [f"stabletrain: warning: the checkpoint writer process (pid {current.pid}) killed by SIGKILL between "
-                    "saves, none in flight (nothing lost); the next save starts another"], said
+    assert said == [IDLE_DEATH.format(pid=current.pid)], said
 
 
 def test_a_writer_found_dead_before_any_save_is_replaced_not_handed_the_save(capsys):
@@ -466,18 +476,12 @@ def test_a_writer_found_dead_before_any_save_is_replaced_not_handed_the_save(cap
     save took the dead writer from writer() and was lost. writer() itself now sees it gone, says so once, starts another."""
     from stabletrain.records.checkpoint.writer import writer
 
-    first = writer()
-    deadline = time.time() + 60
-    while not first.ready and time.time() < deadline:
-        time.sleep(0.05)
-    os.kill(first.pid, signal.SIGKILL)
-    first.proc.wait()
+    first = _writer_killed_idle()
     try:
         second = writer()
         assert second is not first and second.dead is None and writer() is second
         said = [x for x in capsys.readouterr().err.splitlines() if "checkpoint writer" in x]
-        assert said == [f"stabletrain: warning: the checkpoint writer process (pid {first.pid}) killed by SIGKILL between "
-                        "saves, none in flight (nothing lost); the next save starts another"], said
+        assert said == [IDLE_DEATH.format(pid=first.pid)], said
     finally:
         close_writer()
 
