@@ -31,7 +31,6 @@ from .diagnostics.initialization import InitFingerprint
 from .distributed.group import DistContext
 from .distributed.peers import PeerLostError, is_peer_failure
 from .distributed.strategy import strategy_for
-from .errors import crash_event
 from .evaluation import check_val_data, validation_loss
 from .policies.guard import Guard, GuardDecision
 from .policies.metrics import StepMetrics
@@ -191,10 +190,10 @@ class Trainer:
                     break
         except Exception as err:  # the record keeps what ended the run, with the user's file:line
             if not self._peer_lost(err):
-                self._record_checkpoints(self.keeper.finished(wait=True))  # the crash stays the last event
-                failed = state.step + 1 if self._where.startswith("a training step") else state.step
-                reason, fields = crash_event(err, self._where, failed)
-                state.event(state.step, "crash", reason, own=True, failed_step=failed, **fields)
+                try:  # (torch's SIGCHLD handler may raise again in the wait, a DataLoader's second worker gone)
+                    self._record_checkpoints(self.keeper.finished(wait=True))  # the crash stays the last event
+                finally:
+                    state.crash(err, self._where, state.step + 1 if self._where.startswith("a training step") else state.step)
             raise
         finally:
             try:

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 from torch import nn
 
+from .errors import crash_event
 from .records.rundir import append_event
 from .seeding import rng_state, seed_everything, set_rng_state
 
@@ -114,6 +115,19 @@ class RunState:
             self.run.event(step, kind, reason, **fields)
         elif own and self.dist.enabled and self.run_dir is not None:
             append_event(self.run_dir, step, kind, f"rank {self.dist.rank}: {reason}", rank=self.dist.rank, **fields)
+
+    def crash(self, err: BaseException, during: str, failed: int) -> None:
+        """Record ``err``'s ``crash`` event (the user's file:line; ``failed``: the step whose work raised it). Recorded
+        again where another exception cuts it short: torch's SIGCHLD handler raises at any bytecode for each DataLoader
+        worker gone, and a second one's may land in here, leaving the run without the record of what ended it."""
+        for attempt in range(3):
+            try:
+                reason, fields = crash_event(err, during, failed)
+                self.event(self.step, "crash", reason, own=True, failed_step=failed, **fields)
+                return
+            except Exception:  # noqa: BLE001  (an exception raised into this frame, not by it: again)
+                if attempt == 2:
+                    raise
 
     def begin_fit(self) -> dict[str, Any]:
         """Mark the fit begun (an empty metrics record); a second ``fit()`` of the same Trainer is one clear error."""
