@@ -370,6 +370,8 @@ def test_diagnose_names_what_cannot_be_rebuilt_prints_no_tensor_and_shows_the_st
         "function): pass a loss_fn defined at the top of an importable module"]
     assert out.splitlines()[:2] == [f"incident: {incident} (step 3, rank 0)", f"  {'summary':<30} {stored['summary']}"]
     assert "written to" not in out  # nothing was replayed or written
+    # diagnosis.json's first_nonfinite_param names the parameter whose *gradient* went non-finite first: said so
+    assert stored["first_nonfinite_param"] == "0.weight" and f"  {'first non-finite gradient':<30} 0.weight\n" in out
     assert main(["diagnose", "--json", str(incident)]) == 0
     assert json.loads(capsys.readouterr().out) == stored
 

@@ -59,7 +59,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     for key in ("summary", "failure_class", "evidence", "stage", "op", "direction", "module", "origin", "first_nonfinite_param",
                 "nonfinite_params_after_update", "bad_samples", "reproduces"):
         if result.get(key) not in (None, [], ""):
-            print(f"  {key:<30} {result[key]}")
+            print(f"  {_LABELS.get(key, key):<30} {result[key]}")
     stack = (result.get("first_op") or {}).get("stack")
     if stack:
         print("  where the first non-finite op ran:")
@@ -75,6 +75,10 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
                          f"captured says {then!r} ({DIAGNOSIS_FILE}: {captured.get('summary')}): the model or loss rebuilt "
                          "here may not be the one that trained (a hook or a change made after the model was built)")
     return 0
+
+
+# diagnosis.json's key names the parameter whose gradient went non-finite first (the parameters themselves may be finite)
+_LABELS = {"first_nonfinite_param": "first non-finite gradient"}
 
 
 def _read_json(path: Path) -> dict | None:
