@@ -75,6 +75,11 @@ def test_the_callback_added_twice_is_refused_when_the_trainer_is_built(tmp_path)
     # the refused Trainer and refused again)
     trainer = transformers.Trainer(model=gpt2(), args=args, train_dataset=token_rows(2 * BATCH), callbacks=[cb])
     assert cb.trainer is trainer
+    # one more added after the Trainer was built (trainer.add_callback): refused when train() begins, before a step
+    trainer.add_callback(StableTrainCallback(run_dir=tmp_path / "late"))
+    with pytest.raises(ValueError, match=r"^StableTrainCallback: the Trainer's callbacks hold more than one; one watches"):
+        trainer.train()
+    assert trainer.state.global_step == 0 and not (tmp_path / "run").exists() and not (tmp_path / "late").exists()
 
 
 def test_the_mirror_leaves_the_trainers_own_logging_as_it_is(tmp_path):

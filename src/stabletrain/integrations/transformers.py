@@ -100,16 +100,16 @@ class StableTrainCallback(TrainerCallback):
 
     # -- set-up --------------------------------------------------------------------------------------
 
-    def _find_trainer(self) -> Trainer | None:
-        if self.trainer is None:
-            self.trainer = find_caller(lambda obj: isinstance(obj, Trainer) and self in obj.callback_handler.callbacks)
+    def _find_trainer(self, fresh: bool = False) -> Trainer | None:  # (fresh: the one being built, at on_init_end)
+        if self.trainer is None or fresh:
+            self.trainer = find_caller(lambda t: isinstance(t, Trainer) and self in t.callback_handler.callbacks) or self.trainer
+        if sum(isinstance(c, StableTrainCallback) for c in (self.trainer.callback_handler.callbacks if self.trainer else ())) > 1:
+            raise ValueError("StableTrainCallback: the Trainer's callbacks hold more than one; one watches a run and writes "
+                             "its directory: remove the others")  # (added when built, or by add_callback: at train())
         return self.trainer
 
     def on_init_end(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any) -> None:
-        self.trainer = find_caller(lambda t: isinstance(t, Trainer) and self in t.callback_handler.callbacks) or self.trainer
-        if sum(isinstance(c, StableTrainCallback) for c in (self.trainer.callback_handler.callbacks if self.trainer else ())) > 1:
-            raise ValueError("StableTrainCallback: the Trainer's callbacks hold more than one; one watches a run and writes "
-                             "its directory: remove the others")
+        self._find_trainer(fresh=True)
         if self.options.init_check and model is not None:
             self._fingerprint = InitFingerprint.take(model)  # the model as handed to the Trainer
 
