@@ -594,6 +594,11 @@ def test_the_onset_of_the_intervals_largest_burst_is_the_spike_captured(tmp_path
     assert spike_to_capture([12, 13, 17], {12: 5.0, 13: 2.0, 17: 5.0}) == 12  # a tie: the earlier
     # A divergence's spikes with a calm step between: the later one about as large is its course, not a new burst
     assert spike_to_capture([101, 102, 104], {101: 0.21, 102: 0.2373, 104: 0.2555}) == 101
+    # A burst between negligible losses (its peak below the floor) is never the one captured; one that rises past the
+    # floor is captured at its onset, even where that step's loss is still below it (a trial's Adam wander at ~1e-4)
+    assert spike_to_capture([61, 65], {61: 1e-5, 65: 1.2e-5}, floor=1.1e-5) == 65  # (without a floor: 61)
+    assert spike_to_capture([61, 65], {61: 1e-5, 65: 1.05e-5}, floor=1.1e-5) is None
+    assert spike_to_capture([230, 231, 232], {230: 1e-4, 231: 1.3e-4, 232: 6.9e-4}, floor=5.8e-4) == 230
     run_dir = tmp_path / "run"
     task = outlier_samples_task(bad=(105, 109, 145, 146, 147, 149))
     Trainer(cfg("train.batch_size=8", "log.every=10", "data.shuffle=false", "train.max_steps=20", "optim.lr=0.01"),

@@ -232,7 +232,9 @@ class IntervalBoundary:
             steps = steps[n:]
             if not steps:
                 return None
-        step = spike_to_capture(steps, losses)
+        step = spike_to_capture(steps, losses, NEGLIGIBLE_SPIKE * (self.guard.first_loss or 0.0))
+        if step is None:
+            return None
         end = step
         while end + 1 in steps:
             end += 1
@@ -254,8 +256,10 @@ COURSE_CLASSES = ("state", "optimizer-state", "precision")
 LARGER_BURST = 1.5
 
 
-def spike_to_capture(steps: list[int], losses: dict[int, float]) -> int:
-    """The onset of the interval's largest burst of spikes (a burst: spikes on consecutive steps).
+def spike_to_capture(steps: list[int], losses: dict[int, float], floor: float = 0.0) -> int | None:
+    """The onset of the interval's largest burst of spikes (a burst: spikes on consecutive steps) whose peak loss reaches
+    ``floor`` (:data:`NEGLIGIBLE_SPIKE` x the run's first loss: a burst between negligible losses is never captured); None
+    when no burst does.
 
     A divergence's burst is captured at its first step, where it began (its later, larger losses are its course);
     an aftershock of an earlier spike does not hide a new, clearly larger burst after it (:data:`LARGER_BURST`
@@ -268,6 +272,9 @@ def spike_to_capture(steps: list[int], losses: dict[int, float]) -> int:
             bursts[-1].append(s)
         else:
             bursts.append([s])
+    bursts = [b for b in bursts if not max(losses.get(s, float("-inf")) for s in b) < floor]  # (NaN: not below)
+    if not bursts:
+        return None
     peak = [max(losses.get(s, float("-inf")) for s in burst) for burst in bursts]
     best = 0
     for i in range(1, len(bursts)):
