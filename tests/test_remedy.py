@@ -232,6 +232,23 @@ def test_the_tables_last_line_says_when_skipping_the_step_is_all_it_needs():
     assert format_table(record).splitlines()[-1] == "best: lr-x0.5"
 
 
+def test_a_precision_spikes_verified_module_is_ranked_over_one_that_ends_a_hair_lower():
+    """A trial: the diagnosis verified 'norm' (its h*h overflowed fp16); 'inp', the Linear before it, ranked first on an
+    end loss 3e-5 lower (0.07538 vs 0.07541) and was applied live, and 'best: module-fp32' did not say which."""
+    from stabletrain.remedy_search import rank_key
+
+    def row(detail, end, verdict="cures"):
+        return {"name": "module-fp32", "verdict": verdict, "baseline": False, "end_loss": end, "detail": detail,
+                "evidence": "", "change": None, "live": True, "dropped_samples": 0, "rewound_steps": 0, "scope": 0}
+
+    rows = [row("module 'norm' in fp32", 0.07541), row("module 'inp' in fp32", 0.07538), row("module 'x' in fp32", 0.06)]
+    ranked = sorted(rows, key=rank_key)  # (the candidates' order: the verified module first)
+    assert [r["detail"] for r in ranked] == ["module 'x' in fp32", "module 'norm' in fp32", "module 'inp' in fp32"]
+    record = {"step": 80, "failure_class": "precision", "evidence": "e", "note": None, "steps": 4, "best": "module-fp32",
+              "timings": {"steps_replayed": 9, "total_s": 0.1}, "candidates": ranked[1:]}
+    assert format_table(record).splitlines()[-1] == "best: module-fp32 (#1: module 'norm' in fp32)"
+
+
 def test_the_readme_worked_example_prints_what_the_readme_shows(tmp_path, capsys):
     """docs/remedies.md's worked example, every line it shows (the train command's lines it does not elide with '...',
     the remedy command's whole output), against a run: what is the same on every CPU exactly (the words, the steps and

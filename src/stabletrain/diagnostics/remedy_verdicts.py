@@ -137,9 +137,11 @@ def healthy_bar(history: list[dict[str, Any]], diagnosis: dict[str, Any]) -> tup
 
 
 def rank_key(r: dict[str, Any]) -> tuple:
-    """Verdict first; then no code change before one, fewer samples dropped and steps rewound, local before run-wide."""
+    """Verdict first; then no code change before one, fewer samples dropped and steps rewound, local before run-wide;
+    then the end loss to 2 significant digits (closer is noise: the candidates' own order stands, the diagnosis's
+    verified module first: a trial's Linear before the norm that overflowed won on an end loss 3e-5 lower)."""
     cost = r["dropped_samples"] + r["rewound_steps"] * 1_000_000  # a rollback loses steps: costlier than samples
-    end = r["end_loss"] if math.isfinite(r["end_loss"]) else math.inf
+    end = float(f"{r['end_loss']:.2g}") if math.isfinite(r["end_loss"]) else math.inf
     return (VERDICTS.index(r["verdict"]), not r["live"], cost, r["scope"], end)
 
 
@@ -163,7 +165,8 @@ def format_table(record: dict[str, Any]) -> str:
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:5], widths)) + "  " + row[5] for row in rows]
     best = record["best"]
     base = next((r for r in record["candidates"] if r["baseline"]), None)
-    tail = [f"best: {best}" if best else
+    same = [(i, r) for i, r in enumerate(record["candidates"], 1) if r["name"] == best]  # (module-fp32: one per module)
+    tail = [(f"best: {best}" + (f" (#{same[0][0]}: {same[0][1]['detail']})" if len(same) > 1 else "")) if best else
             f"no candidate cures it beyond the baseline: {base['detail']} ({base['name']}) is all it needs"
             if base is not None and base["verdict"] == "cures" else "no candidate cures this incident"]
     tail += [f"code change ({r['name']}, {r['verdict']}): {r['change']}" for r in record["candidates"]
