@@ -69,6 +69,16 @@ def test_growth_says_the_factor_per_step_and_since_when():
                {"step": 20, "update_norm": 900.0, "num_nonfinite": 4}, {"step": 25, "update_norm": float("nan")}]
     g = growth(updates, 36)
     assert (g["metric"], g["since_step"], g["until_step"]) == ("update_norm", 10, 20), g
+    # A trial: the first incident's growth ended at step 62's own loss (the capture's steps past the last logged row),
+    # a later one's at the mean of the interval's steps 61-62, half of it; both read 'by step 62'. The mean says so.
+    from stabletrain.diagnostics.failure_class import _growth_text
+
+    logged = [{"step": 50, "loss": 11.7, "loss_min": 9.0}, {"step": 60, "loss": 300.0, "loss_min": 20.0}]
+    first = growth([*logged, {"step": 61, "loss": 1.48e6}, {"step": 62, "loss": 7.06e15}], 63)
+    later = growth([*logged, {"step": 70, "loss": 3.53e15, "loss_min": 1.48e6, "interval_steps": 10, "loss_steps": 2}], 71)
+    assert (first["to"], first["to_is_mean"], later["to"], later["to_is_mean"]) == (7.06e15, False, 3.53e15, True)
+    assert "(11.7 -> 7.06e+15 by step 62, x6.03e+14)" in _growth_text(first)
+    assert "(11.7 -> 3.53e+15, the mean of its interval's steps to step 62, x3.02e+14)" in _growth_text(later)
 
 
 @pytest.mark.parametrize("accum, stage, since, metric", [(1, "loss", 5, "loss"), (2, "none", 10, "loss")])

@@ -71,8 +71,8 @@ def growth(history: list[dict[str, Any]], before_step: int) -> dict[str, Any] | 
         # (the loss's own count of finite steps where the row has it: a step whose grad norm overflowed may still have a
         # finite loss, which its mean holds: a x7.65e5 growth read 'by step 16' of a mean up to step 20)
         series = [(r["step"] - (_unmeasured(r, key) if key != "update_norm" and (
-            i + 1 == len(rows) or not _finite(rows[i + 1].get(key))) else 0), r[key])
-            for i, r in enumerate(rows) if _finite(r.get(key)) and r[key] > 0]
+            i + 1 == len(rows) or not _finite(rows[i + 1].get(key))) else 0), r[key], key != "update_norm" and "loss_min" in r)
+            for i, r in enumerate(rows) if _finite(r.get(key)) and r[key] > 0]  # (a metrics row's value: its interval's mean)
         if len(series) < MIN_GROWTH_ROWS:
             continue
         end = len(series) - 1
@@ -81,12 +81,12 @@ def growth(history: list[dict[str, Any]], before_step: int) -> dict[str, Any] | 
             start -= 1
         if end - start + 1 < MIN_GROWTH_ROWS:
             continue
-        (s0, v0), (s1, v1) = series[start], series[end]
+        (s0, v0, _), (s1, v1, mean) = series[start], series[end]
         total = v1 / v0
         if total < MIN_GROWTH_FACTOR or s1 <= s0:
             continue
         found = {"metric": key, "factor_per_step": total ** (1.0 / (s1 - s0)), "since_step": s0, "until_step": s1,
-                 "from": v0, "to": v1, "total_factor": total}
+                 "from": v0, "to": v1, "total_factor": total, "to_is_mean": mean}
         if best is None or total > best["total_factor"]:
             best = found
     return best
@@ -226,5 +226,9 @@ def _place(module: str | None, preposition: str) -> str:
 
 
 def _growth_text(g: dict[str, Any]) -> str:
+    # (the end a logged interval's mean, where the capture had no step of its own past it: a trial read a later
+    # incident's '3.53e+15 by step 62', the mean of steps 61-62, beside the first one's step 62 loss of 7.06e+15)
+    until = g["until_step"]
+    mean = f", the mean of its interval's steps to step {until}" if g.get("to_is_mean") else f" by step {until}"
     return (f"{g['metric']} grew x{g['factor_per_step']:.3g} per step since step {g['since_step']} "
-            f"({g['from']:.3g} -> {g['to']:.3g} by step {g['until_step']}, x{g['total_factor']:.3g})")
+            f"({g['from']:.3g} -> {g['to']:.3g}{mean}, x{g['total_factor']:.3g})")
