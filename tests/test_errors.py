@@ -374,6 +374,13 @@ def test_diagnose_names_what_cannot_be_rebuilt_prints_no_tensor_and_shows_the_st
     assert stored["first_nonfinite_param"] == "0.weight" and f"  {'first non-finite gradient':<30} 0.weight\n" in out
     assert main(["diagnose", "--json", str(incident)]) == 0
     assert json.loads(capsys.readouterr().out) == stored
+    # remedy names both obstacles too (a trial: it named the model's alone; fixing that met the loss's next)
+    assert main(["remedy", str(incident)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(f"stabletrain: error: incident {str(incident)!r} cannot be replayed in a new process, so no "
+                             "remedy can be tried on it") and err[0].endswith("Why not, and what to do:"), err
+    assert [line[:40] for line in err[1:]] == ["  - the model is a torch.nn.Sequential, ",
+                                               "  - the loss function cannot be imported"]
 
 
 def test_a_model_factory_a_new_process_cannot_import_is_named_as_given_not_as_none_given(tmp_path):
