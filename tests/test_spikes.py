@@ -975,6 +975,13 @@ def test_on_spike_remedy_does_not_roll_back_when_skipping_the_step_cures(tmp_pat
     assert verdicts["skip-step"] == "cures" and verdicts["rollback-lr-x0.5"] == "cures", verdicts  # the choice was real
     remedies = [e for e in _events(run_dir) if e["kind"] == "remedy"]
     assert [e.get("applied") for e in remedies] == [None] and "no remedy needed" in remedies[0]["reason"], remedies
+    # the cures replayed from the step before (not applied live) are named: a trial read `stabletrain remedy`'s 'best:
+    # lr-x0.1' beside the run's 'no remedy needed' as a contradiction
+    before = [c["name"] for c in record["candidates"] if c["verdict"] == "cures" and c["first_step"] < 75
+              and not c["name"].startswith("rollback")]  # (a rollback is not worth it where the skip cures)
+    assert before and remedies[0]["reason"].endswith(
+        f"; {', '.join(before)} cure{'s' if len(before) == 1 else ''} it too from the update of step 74, which the run had "
+        "made already (`stabletrain remedy` lists them)"), (before, remedies[0]["reason"])
     assert not [e for e in _events(run_dir) if e["kind"] == "rollback"]
     skips = [e["reason"] for e in _events(run_dir) if e["kind"] == "skip"]  # the policy the run had, said as such
     assert skips == ["optimizer step skipped: loss spike (guard.on_spike=remedy)"], skips

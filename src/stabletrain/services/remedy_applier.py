@@ -154,6 +154,11 @@ class RemedyApplier:
                 line = (f"no remedy needed for the {record['failure_class']} incident at step {record['step']}: skipping "
                         + (f"its step cures it on the replay ({skip['evidence']})" if skip_cures else
                            "its step was all (its dropout masks made it; the next steps draw their own)"))
+                before = [c for c in record["candidates"] if c["verdict"] == "cures" and not c["baseline"]
+                          and c["remedy"]["kind"] != "rollback-lr" and c.get("first_step", record["step"]) < record["step"]]
+                line += (f"; {', '.join(dict.fromkeys(c['name'] for c in before))} cure{'s' if len(before) == 1 else ''} it "
+                         f"too from the update of step {before[0]['first_step']}, which the run had made already "
+                         "(`stabletrain remedy` lists them)" if before else "")
                 state.event(state.step, "remedy", line, incident=incident, applied=None)
                 if state.run is not None:  # said as an applied one is
                     console.say(line)
