@@ -287,12 +287,32 @@ def test_the_same_crash_resubmission_after_resubmission_under_resume_auto_is_ref
         f"restart_tasks.py:25 in __getitem__)); it would meet it again: fix its cause, then continue with: stabletrain "
         f"train --resume {run_dir}"), refused
     assert [e["kind"] for e in events(run_dir) if e["kind"] in ("crash", "stop")] == ["crash", "crash", "stop"]
+    continued = [line for line in codes[1].stdout.splitlines() if "continuing it" in line]  # (how the one before ended)
+    assert len(continued) == 1 and "continuing it; the launch before crashed at step 6: OSError: sample 45" in continued[0]
     # a resume by hand (--resume, though config.yaml says run.resume=auto) starts a new chain: the cause may be fixed
     by_hand = train_cli(*args[:-3], "run.max_repeats=1", "--resume", str(run_dir))
     assert by_hand.returncode == 1 and "not continuing" not in by_hand.stderr, by_hand.stderr[-3000:]
     assert [e.get("auto") for e in events(run_dir) if e["kind"] == "resume"] == [True, False]
     again = train_cli(*args)  # (and the resubmission after it is the second launch of that chain: it goes on)
     assert again.returncode == 1 and "not continuing" not in again.stderr, again.stderr[-3000:]
+
+
+def test_a_resubmission_says_that_the_launch_before_it_died_without_a_word(tmp_path):
+    """A trial: run.resume=auto after a launch killed at step 35 said only 'holds LAST_GOOD (step_000020): continuing
+    it'; nothing said the launch before had died. A launch whose ledger has no end (and no crash or stop event) did."""
+    from stabletrain.services.restarts import requeue_refusal
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "events.jsonl").write_text(json.dumps({"kind": "checkpoint", "step": 20, "time": 1.0}) + "\n")
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (10, 20, 30)))
+    ledger = [{"kind": "launch", "start": 0.5, "ready": 1.0, "step": 0}, {"kind": "interval", "step": 30, "t": 9.0}]
+    (run_dir / "goodput.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ledger))
+    assert requeue_refusal(cfg(), run_dir) == (
+        None, "; the launch before ended without finishing and without a record of why (killed?), its last record at step 30")
+    with (run_dir / "goodput.jsonl").open("a") as f:  # it ended at its fit's end (train.max_steps raised since): no word
+        f.write(json.dumps({"kind": "end", "step": 30, "t": 9.5}) + "\n")
+    assert requeue_refusal(cfg(), run_dir) == (None, "")
 
 
 def test_a_pid_or_an_address_in_a_deaths_last_line_does_not_make_it_another_failure(tmp_path):

@@ -148,7 +148,7 @@ def begin_launch(cfg: Any, run_dir: Path | None, resume: bool, ctx: Any) -> Laun
                             f"{cfg.train.max_steps}): nothing to train (raise train.max_steps to train on){kept}")
                 return Launch(False, run_dir, finished=True)
             if has_checkpoint:
-                why = requeue_refusal(cfg, run_dir)
+                why, before = requeue_refusal(cfg, run_dir)
                 if why is not None:  # (the same failure, resubmission after resubmission: a requeue cannot help)
                     line = (f"run.resume=auto: not continuing {run_dir}: {why}; it would meet it again: fix its cause, then "
                             f"continue with: stabletrain train --resume {run_dir}")
@@ -162,7 +162,7 @@ def begin_launch(cfg: Any, run_dir: Path | None, resume: bool, ctx: Any) -> Laun
                 if name is None or _same_config(cfg, name, len(everyone)) is not False:  # (else the resume refuses it in
                     # its own line; None: its meta.json unreadable, which the resume falls back from, saying so)
                     console.say(f"run.resume=auto: {run_dir} holds {f'LAST_GOOD ({name.name})' if name else 'checkpoints'}"
-                                f": continuing it{kept}")
+                                f": continuing it{before}{kept}")
                 return Launch(True, run_dir, requeue=True)
             console.say(f"run.resume=auto: {run_dir} holds no checkpoint: starting it")
         return Launch(resume, run_dir)
@@ -314,13 +314,19 @@ def _restart_after(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_
         run.close()
 
 
-def requeue_refusal(cfg: Any, run_dir: Path) -> str | None:
+def requeue_refusal(cfg: Any, run_dir: Path) -> tuple[str | None, str]:
     """Why a resubmission under ``run.resume=auto`` must not continue the run (None: it may): the launch before it
-    ended with the failure the ``run.max_repeats`` launches before that did (:func:`refusal`'s same-failure rule)."""
+    ended with the failure the ``run.max_repeats`` launches before that did (:func:`refusal`'s same-failure rule); and
+    how that launch ended, for the line that continues it ("": it ended at its fit's end, or it is not known)."""
     events, _ = read_jsonl(run_dir / "events.jsonl")
     metrics, _ = read_jsonl(run_dir / "metrics.jsonl")
     failure = last_failure(events, max([*(int(m.get("step", 0)) for m in metrics), _ledger_last_step(run_dir, events)]))
-    return refusal(replace(failure, progress=True), restart_chain(events), cfg.run.max_repeats)
+    rows = read_jsonl(run_dir / LEDGER_FILE)[0]
+    ended = next((r.get("kind") == "end" for r in reversed(rows) if r.get("kind") in ("launch", "end")), True)
+    said = (f"; the launch before {failure.text}" if failure.kind != "exit" else "" if ended else
+            f"; the launch before ended without finishing and without a record of why (killed?), its last record at "
+            f"step {failure.last_step}")
+    return refusal(replace(failure, progress=True), restart_chain(events), cfg.run.max_repeats), console.clipped(said)
 
 
 def _start_over(run: RunDir, run_dir: Path, failure: Failure, number: int, limit: int, who: str,
