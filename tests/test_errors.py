@@ -381,6 +381,8 @@ def test_diagnose_names_what_cannot_be_rebuilt_prints_no_tensor_and_shows_the_st
                              "remedy can be tried on it") and err[0].endswith("Why not, and what to do:"), err
     assert [line[:40] for line in err[1:]] == ["  - the model is a torch.nn.Sequential, ",
                                                "  - the loss function cannot be imported"]
+    assert main(["remedy", "--only", "typo", str(incident)]) == 2  # (a review: an option's error is its own, not that)
+    assert "--only: unknown candidate typo" in capsys.readouterr().err
 
 
 def test_a_model_factory_a_new_process_cannot_import_is_named_as_given_not_as_none_given(tmp_path):

@@ -79,6 +79,12 @@ def test_growth_says_the_factor_per_step_and_since_when():
     assert (first["to"], first["to_is_mean"], later["to"], later["to_is_mean"]) == (7.06e15, False, 3.53e15, True)
     assert "(11.7 -> 7.06e+15 by step 62, x6.03e+14)" in _growth_text(first)
     assert "(11.7 -> 3.53e+15, the mean of its interval's steps to step 62, x3.02e+14)" in _growth_text(later)
+    # (a review) a row of one step (log.every=1, or one finite loss in its interval) is that step's own value
+    each = [{"step": s, "loss": v, "loss_min": v, "loss_steps": 1} for s, v in ((60, 2.0), (61, 30.0), (62, 900.0))]
+    one = [*logged, {"step": 70, "loss": 3e5, "loss_min": 3e5, "interval_steps": 10, "loss_steps": 1, "num_nonfinite": 9}]
+    assert not growth(each, 63)["to_is_mean"] and not growth(one, 71)["to_is_mean"]
+    norms = [{"step": s, "grad_norm": v, "loss_min": 1.0} for s, v in ((1, 1.0), (2, 30.0), (3, 900.0))]  # log.every=1
+    assert not growth(norms, 4)["to_is_mean"] and growth([{**r, "step": 10 * r["step"]} for r in norms], 40)["to_is_mean"]
 
 
 @pytest.mark.parametrize("accum, stage, since, metric", [(1, "loss", 5, "loss"), (2, "none", 10, "loss")])

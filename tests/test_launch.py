@@ -112,6 +112,11 @@ def test_a_sigkilled_ranks_death_carries_what_its_peer_said():
     assert _who(cause, 1) == f"rank 0 (pid 42) was killed by SIGKILL; then {lost!r}"
     other = {0: failures[0], 1: SimpleNamespace(exitcode=1, error_file_data={"message": "RuntimeError: boom"})}
     assert _peer_line(other, 0) == "rank 1: RuntimeError: boom"
+    # PeerLostError's advice (resume by hand, or the restart to come) is left out: where and when the peer was lost stays
+    advice = (f"{lost}; no checkpoint was written after step_000050 (LAST_GOOD); the launch restarts from LAST_GOOD (restart "
+              "1 of 2, run.max_restarts), unless the same failure keeps coming back (run.max_repeats) (Connection closed)")
+    told = {0: failures[0], 1: SimpleNamespace(exitcode=1, error_file_data={"message": {"message": advice}})}
+    assert _peer_line(told, 0) == lost
 
 
 def test_more_processes_than_cores_on_a_machine_without_a_gpu_is_warned_before_the_launch(monkeypatch, capsys, tmp_path):

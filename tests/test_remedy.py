@@ -235,15 +235,21 @@ def test_the_tables_last_line_says_when_skipping_the_step_is_all_it_needs():
 def test_a_precision_spikes_verified_module_is_ranked_over_one_that_ends_a_hair_lower():
     """A trial: the diagnosis verified 'norm' (its h*h overflowed fp16); 'inp', the Linear before it, ranked first on an
     end loss 3e-5 lower (0.07538 vs 0.07541) and was applied live, and 'best: module-fp32' did not say which."""
-    from stabletrain.remedy_search import rank_key
+    from stabletrain.remedy_search import rank
 
     def row(detail, end, verdict="cures"):
         return {"name": "module-fp32", "verdict": verdict, "baseline": False, "end_loss": end, "detail": detail,
                 "evidence": "", "change": None, "live": True, "dropped_samples": 0, "rewound_steps": 0, "scope": 0}
 
     rows = [row("module 'norm' in fp32", 0.07541), row("module 'inp' in fp32", 0.07538), row("module 'x' in fp32", 0.06)]
-    ranked = sorted(rows, key=rank_key)  # (the candidates' order: the verified module first)
+    ranked = rank(rows)  # (the candidates' order, the verified module first, among end losses within 1% of the lowest)
     assert [r["detail"] for r in ranked] == ["module 'x' in fp32", "module 'norm' in fp32", "module 'inp' in fp32"]
+    rows[0]["end_loss"] = 0.0601  # within 1% of x's 0.06: the candidates' order
+    assert [r["detail"] for r in rank(rows)] == ["module 'norm' in fp32", "module 'x' in fp32", "module 'inp' in fp32"]
+    # (a review: 2-digit rounding split 0.07551 from 0.07548, and tied 1.049 with 1.0)
+    shifted = rank([row("norm", 0.07551), row("inp", 0.07548)])
+    apart = rank([row("a", 1.049), row("b", 1.0), row("c", float("nan")), row("d", 2.0, verdict="worse")])
+    assert [r["detail"] for r in shifted] == ["norm", "inp"] and [r["detail"] for r in apart] == ["b", "a", "c", "d"]
     record = {"step": 80, "failure_class": "precision", "evidence": "e", "note": None, "steps": 4, "best": "module-fp32",
               "timings": {"steps_replayed": 9, "total_s": 0.1}, "candidates": ranked[1:]}
     assert format_table(record).splitlines()[-1] == "best: module-fp32 (#1: module 'norm' in fp32)"

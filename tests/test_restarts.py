@@ -310,8 +310,13 @@ def test_a_resubmission_says_that_the_launch_before_it_died_without_a_word(tmp_p
     (run_dir / "goodput.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ledger))
     assert requeue_refusal(cfg(), run_dir) == (
         None, "; the launch before ended without finishing and without a record of why (killed?), its last record at step 30")
-    with (run_dir / "goodput.jsonl").open("a") as f:  # it ended at its fit's end (train.max_steps raised since): no word
-        f.write(json.dumps({"kind": "end", "step": 30, "t": 9.5}) + "\n")
+    with (run_dir / "goodput.jsonl").open("a") as f:  # its fit ended short of its max_steps, no error: a lost peer?
+        f.write(json.dumps({"kind": "end", "step": 30, "max_steps": 100, "t": 9.5}) + "\n")
+    assert requeue_refusal(cfg(), run_dir) == (None, "; the launch before ended at step 30, short of train.max_steps=100 "
+                                                     "without a record of why (a lost peer, a signal?)")
+    with (run_dir / "goodput.jsonl").open("a") as f:  # one that trained to its end (train.max_steps raised since): no word
+        f.write(json.dumps({"kind": "launch", "start": 10.0, "ready": 10.5, "step": 20}) + "\n")
+        f.write(json.dumps({"kind": "end", "step": 30, "max_steps": 30, "t": 12.0}) + "\n")
     assert requeue_refusal(cfg(), run_dir) == (None, "")
 
 

@@ -53,7 +53,7 @@ from .diagnostics.remedy_verdicts import (
     format_table,
     healthy_bar,
     judge,
-    rank_key,
+    rank,
 )
 from .diagnostics.spike_evidence import outlier_sets
 from .fileio import atomic_write
@@ -405,7 +405,7 @@ def search_remedies(directory: str | Path, task: Task | None = None, *, steps: i
         if r.get("extension_error"):
             r["evidence"] += f"; {r['extension_error']}"
         r["baseline"] = r is baseline
-    ranked = sorted(results, key=rank_key)
+    ranked = rank(results)
     total_steps = sum(r["steps_replayed"] for r in results)
     record = {
         "incident": str(directory), "step": inc.step, "failure_class": diagnosis.get("failure_class"),

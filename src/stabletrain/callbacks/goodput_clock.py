@@ -12,9 +12,9 @@ interval    a log interval ended: ``t``, ``step``, ``steps`` in it, ``wall_s`` s
             and diagnosis), ``skipped`` (steps whose update was skipped); the built-in loop's first, ``startup_s`` (the
             fit's set-up before its first step: the step-0 signal report and the step-0 save)
 rollback    the guard went back: ``from``, ``to``
-end         the fit ended (normally, by a stop or a crash): ``t``, ``step``, ``wall_s`` since the last
-            line and the ``checkpoint_s``, ``incident_s`` (and, before a first interval, ``startup_s``) in it (a
-            process killed outright writes none)
+end         the fit ended (normally, by a stop or a crash): ``t``, ``step``, ``max_steps`` (the train.max_steps it ran
+            to), ``wall_s`` since the last line and the ``checkpoint_s``, ``incident_s`` (and, before a first interval,
+            ``startup_s``) in it (a process killed outright writes none)
 ==========  ==========================================================================================
 
 The interval's steps took ``wall_s - eval_s - checkpoint_s - incident_s - startup_s``. A live remedy's search (and the
@@ -163,7 +163,7 @@ class GoodputClock(Callback):
         self._incident_s += self._remedy_seconds(state)
         checkpoint, incident = self._within(now - self._t)
         setup = self._setup(state, now - self._t - checkpoint - incident)  # (a fit that ended before its first interval)
-        self._write("end", t=now, step=state.step, wall_s=now - self._t, checkpoint_s=checkpoint, incident_s=incident,
-                    **({"startup_s": setup} if setup else {}))
+        self._write("end", t=now, step=state.step, max_steps=state.cfg.train.max_steps, wall_s=now - self._t,
+                    checkpoint_s=checkpoint, incident_s=incident, **({"startup_s": setup} if setup else {}))
         self._file.close()
         self._file = None

@@ -48,18 +48,21 @@ def cmd_remedy(args: argparse.Namespace) -> int:
         raise ValueError(f"--steps: expected an integer >= 1 (the windows replayed after the incident's), got {args.steps}")
     path = incident_dir(args.incident, newest=False, command="remedy")
     only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
+    from ..tasks import TaskError
+
     try:
         record = search_remedies(path, steps=args.steps, only=only, device=args.device)
-    except Exception as err:  # an adapter's step this process cannot rebuild: every reason named, as diagnose does
-        from ..tasks import TaskError
+    except TaskError as err:  # an adapter's step this process cannot rebuild: every reason named, as diagnose does
+        from ..records.bundles import DIAGNOSIS_FILE
         from .diagnose import replay_obstacles
 
         obstacles = replay_obstacles(path)
         if len(obstacles) < 2:
             raise
-        raise TaskError(f"incident {str(path)!r} cannot be replayed in a new process, so no remedy can be tried on it "
-                        "(its diagnosis.json, written when it was captured, stays: `stabletrain diagnose` shows it). Why "
-                        "not, and what to do:" + "".join(f"\n  - {o}" for o in obstacles)) from err
+        kept = (f" (its {DIAGNOSIS_FILE}, written when it was captured, stays: `stabletrain diagnose` shows it)"
+                if (path / DIAGNOSIS_FILE).is_file() else "")
+        raise TaskError(f"incident {str(path)!r} cannot be replayed in a new process, so no remedy can be tried on it"
+                        f"{kept}. Why not, and what to do:" + "".join(f"\n  - {o}" for o in obstacles)) from err
     if args.json:
         print(json.dumps(record, indent=2, default=str))
     else:

@@ -71,8 +71,9 @@ def growth(history: list[dict[str, Any]], before_step: int) -> dict[str, Any] | 
         # (the loss's own count of finite steps where the row has it: a step whose grad norm overflowed may still have a
         # finite loss, which its mean holds: a x7.65e5 growth read 'by step 16' of a mean up to step 20)
         series = [(r["step"] - (_unmeasured(r, key) if key != "update_norm" and (
-            i + 1 == len(rows) or not _finite(rows[i + 1].get(key))) else 0), r[key], key != "update_norm" and "loss_min" in r)
-            for i, r in enumerate(rows) if _finite(r.get(key)) and r[key] > 0]  # (a metrics row's value: its interval's mean)
+            i + 1 == len(rows) or not _finite(rows[i + 1].get(key))) else 0), r[key],
+            _mean_of_steps(r, key, r["step"] - (rows[i - 1]["step"] if i else 0)))
+            for i, r in enumerate(rows) if _finite(r.get(key)) and r[key] > 0]
         if len(series) < MIN_GROWTH_ROWS:
             continue
         end = len(series) - 1
@@ -90,6 +91,16 @@ def growth(history: list[dict[str, Any]], before_step: int) -> dict[str, Any] | 
         if best is None or total > best["total_factor"]:
             best = found
     return best
+
+
+def _mean_of_steps(row: dict[str, Any], key: str, span: int) -> bool:
+    """Whether a history row's ``key`` is the mean of more than one step: a logged interval's (``loss_min`` marks one;
+    ``span``: its steps, from the row before) with more than one finite step in it (the loss's ``loss_steps`` where the
+    row has it). The update norm is its interval's last step's own; a capture's step row (no ``loss_min``), its own."""
+    if key == "update_norm" or "loss_min" not in row:
+        return False
+    counted = row.get("loss_steps") if key == "loss" else None
+    return (counted if isinstance(counted, (int, float)) else span - int(row.get("num_nonfinite") or 0)) > 1
 
 
 def _unmeasured(row: dict[str, Any], key: str) -> int:

@@ -13,7 +13,7 @@ import math
 from typing import Any
 
 __all__ = ["LOSS_TOLERANCE", "END_STEPS", "VERDICTS", "judge", "end_loss", "before_later_incident", "healthy_bar",
-           "rank_key", "format_table"]
+           "rank_key", "rank", "END_TIE", "format_table"]
 
 #: A cure's end loss may exceed the baseline's by at most this fraction.
 LOSS_TOLERANCE = 0.10
@@ -136,13 +136,33 @@ def healthy_bar(history: list[dict[str, Any]], diagnosis: dict[str, Any]) -> tup
             "before the growth held a spike)") if first is not None else None
 
 
+#: End losses within this share of the lowest among candidates otherwise alike are a tie: the candidates' own order
+#: stands (a precision spike's verified module first: a trial's Linear before the norm that overflowed won on an end
+#: loss 3e-5 lower, 0.07538 vs 0.07541, and was applied live).
+END_TIE = 0.01
+
+
 def rank_key(r: dict[str, Any]) -> tuple:
-    """Verdict first; then no code change before one, fewer samples dropped and steps rewound, local before run-wide;
-    then the end loss to 2 significant digits (closer is noise: the candidates' own order stands, the diagnosis's
-    verified module first: a trial's Linear before the norm that overflowed won on an end loss 3e-5 lower)."""
+    """Verdict first; then no code change before one, fewer samples dropped and steps rewound, local before run-wide."""
     cost = r["dropped_samples"] + r["rewound_steps"] * 1_000_000  # a rollback loses steps: costlier than samples
-    end = float(f"{r['end_loss']:.2g}") if math.isfinite(r["end_loss"]) else math.inf
-    return (VERDICTS.index(r["verdict"]), not r["live"], cost, r["scope"], end)
+    return (VERDICTS.index(r["verdict"]), not r["live"], cost, r["scope"])
+
+
+def rank(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` (in the candidates' order) by :func:`rank_key`, then by end loss, where end losses within
+    :data:`END_TIE` of the lowest of their cluster keep the candidates' own order."""
+    def end(r: dict[str, Any]) -> float:
+        return r["end_loss"] if math.isfinite(r["end_loss"]) else math.inf
+
+    order = {id(r): i for i, r in enumerate(rows)}
+    clusters: list[tuple[tuple, float, list[dict[str, Any]]]] = []
+    for r in sorted(rows, key=lambda r: (rank_key(r), end(r))):
+        key, low = rank_key(r), end(r)
+        if clusters and clusters[-1][0] == key and (low == clusters[-1][1] or low <= clusters[-1][1] * (1 + END_TIE)):
+            clusters[-1][2].append(r)
+        else:
+            clusters.append((key, low, [r]))
+    return [r for _, _, members in clusters for r in sorted(members, key=lambda r: order[id(r)])]
 
 
 def format_table(record: dict[str, Any]) -> str:

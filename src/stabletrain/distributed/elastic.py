@@ -103,6 +103,8 @@ def _peer_line(failures: dict[int, Any], root: int) -> str | None:
     """What another failed rank said (its error file) when it lost rank ``root``: a SIGKILLed rank says nothing, and
     its peer's line tells where the run was ('... after step 57')."""
     said = [(rank, _message(f)) for rank, f in sorted(failures.items()) if rank != root]
+    # (a lost peer's where and when, without its advice to resume or restart: a trial's line ran on to '... comi...')
+    said = [(rank, text.split("; ")[0] if text and text.startswith("PeerLostError") else text) for rank, text in said]
     return next((text if f"rank {rank}:" in text else f"rank {rank}: {text}" for rank, text in said if text), None)
 
 

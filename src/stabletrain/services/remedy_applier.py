@@ -156,9 +156,9 @@ class RemedyApplier:
                            "its step was all (its dropout masks made it; the next steps draw their own)"))
                 before = [c for c in record["candidates"] if c["verdict"] == "cures" and not c["baseline"]
                           and c["remedy"]["kind"] != "rollback-lr" and c.get("first_step", record["step"]) < record["step"]]
-                line += (f"; {', '.join(dict.fromkeys(c['name'] for c in before))} cure{'s' if len(before) == 1 else ''} it "
-                         f"too from the update of step {before[0]['first_step']}, which the run had made already "
-                         "(`stabletrain remedy` lists them)" if before else "")
+                line += (f"; {', '.join(dict.fromkeys(c['name'] for c in before))} cure{'s' if len(before) == 1 else ''} it"
+                         f"{' too' if skip_cures else ''} from the update of step {before[0]['first_step']}, which the run "
+                         "had made already (`stabletrain remedy` lists them)" if before else "")
                 state.event(state.step, "remedy", line, incident=incident, applied=None)
                 if state.run is not None:  # said as an applied one is
                     console.say(line)

@@ -317,13 +317,16 @@ def _restart_after(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_
 def requeue_refusal(cfg: Any, run_dir: Path) -> tuple[str | None, str]:
     """Why a resubmission under ``run.resume=auto`` must not continue the run (None: it may): the launch before it
     ended with the failure the ``run.max_repeats`` launches before that did (:func:`refusal`'s same-failure rule); and
-    how that launch ended, for the line that continues it ("": it ended at its fit's end, or it is not known)."""
+    how that launch ended, for the line that continues it ("": it trained to its train.max_steps, or it is not known)."""
     events, _ = read_jsonl(run_dir / "events.jsonl")
     metrics, _ = read_jsonl(run_dir / "metrics.jsonl")
     failure = last_failure(events, max([*(int(m.get("step", 0)) for m in metrics), _ledger_last_step(run_dir, events)]))
     rows = read_jsonl(run_dir / LEDGER_FILE)[0]
-    ended = next((r.get("kind") == "end" for r in reversed(rows) if r.get("kind") in ("launch", "end")), True)
-    said = (f"; the launch before {failure.text}" if failure.kind != "exit" else "" if ended else
+    end = next((r for r in reversed(rows) if r.get("kind") in ("launch", "end")), {"kind": "end"})  # (no ledger: unknown)
+    short = f"at step {end.get('step')}, short of train.max_steps={end.get('max_steps')}"  # (its fit ended: no error)
+    said = (f"; the launch before {failure.text}" if failure.kind != "exit" else
+            "" if end["kind"] == "end" and int(end.get("step") or 0) >= int(end.get("max_steps") or 0) else
+            f"; the launch before ended {short} without a record of why (a lost peer, a signal?)" if end["kind"] == "end" else
             f"; the launch before ended without finishing and without a record of why (killed?), its last record at "
             f"step {failure.last_step}")
     return refusal(replace(failure, progress=True), restart_chain(events), cfg.run.max_repeats), console.clipped(said)
