@@ -18,7 +18,11 @@ from stabletrain.tasks import TaskError
 
 
 def test_hooks_fire_in_the_documented_order(tmp_path):
-    writer()  # running already (as after an earlier run in this process): the step-0 save goes to it, not inline
+    import time
+
+    running, deadline = writer(), time.monotonic() + 60  # running and serving already (as after an earlier run in this
+    while not running.ready and time.monotonic() < deadline:  # process): the step-0 save goes to it, not inline (a fresh
+        time.sleep(0.05)  # writer still importing torch took it inline: the test failed when run alone)
     log = HookLog()
     Trainer(cfg("train.max_steps=4", "log.every=2", "ckpt.every=4"), task=regression_task(), run_dir=tmp_path / "r",
             callbacks=[log]).fit()

@@ -314,6 +314,11 @@ def test_bad_arguments_say_what_to_do():
     ({"run_dir": 123}, "run_dir: expected a path (str or pathlib.Path) or None, got 123"),
     ({"precision": "bf16", "scaler": torch.amp.GradScaler("cpu")}, "scaler: a GradScaler scales fp16's loss, but "
      "precision='bf16' (give precision='fp16' or leave it out with a scaler, or drop the scaler)"),
+    # a trial: overwrite="false" replaced the run (a non-empty string is true); callbacks=[1] failed at the first step
+    # with a traceback, callbacks=5 with "'int' object is not iterable"
+    ({"overwrite": "false"}, "overwrite: expected True or False, got 'false'"),
+    ({"callbacks": [1]}, "callbacks: expected stabletrain.callbacks.Callback instances, got 1 (a int)"),
+    ({"callbacks": 5}, "callbacks: expected a list of stabletrain.callbacks.Callback instances, got 5"),
 ])
 def test_an_adapters_own_arguments_are_checked_when_it_is_built_naming_the_argument(kwargs, message):
     model, opt = make()
@@ -322,16 +327,21 @@ def test_an_adapters_own_arguments_are_checked_when_it_is_built_naming_the_argum
     assert str(err.value) == message
     from stabletrain.integrations.lightning import StableTrainCallback
 
-    if set(kwargs) <= {"loss_fn", "init_check", "mirror", "clip_max_norm", "run_dir"}:  # the Lightning callback's, the same line
+    if set(kwargs) <= {"loss_fn", "init_check", "mirror", "clip_max_norm", "run_dir", "overwrite", "callbacks"}:  # Lightning's
         with pytest.raises(ValueError) as err:
             StableTrainCallback(**kwargs)
         assert str(err.value) == message
-    if set(kwargs) <= {"loss_fn", "init_check", "mirror", "run_dir"} and importlib.util.find_spec("transformers"):  # HF's
+    if set(kwargs) <= {"loss_fn", "init_check", "mirror", "run_dir", "overwrite", "callbacks"} and importlib.util.find_spec(
+            "transformers"):  # HF's
         from stabletrain.integrations.transformers import StableTrainCallback as HFCallback
 
         with pytest.raises(ValueError) as err:
             HFCallback(**kwargs)
         assert str(err.value) == message
+        if kwargs == {"overwrite": "false"}:  # (and its own trainer=: a Trainer or None)
+            with pytest.raises(ValueError, match=r"^trainer: expected the transformers.Trainer the callback is added to, or "
+                                                 r"None, got 3$"):
+                HFCallback(trainer=3)
 
 
 def test_a_disabled_grad_scaler_is_no_scaler():

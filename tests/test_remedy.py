@@ -347,6 +347,7 @@ def test_an_adapters_incident_gets_verdicts_on_its_own_step_only(tmp_path):
     # Skipping the lone step leaves nothing to judge: no verdict ('fails: hides the symptom' read as a finding).
     assert (c["skip-step"]["verdict"], c["skip-step"]["baseline"]) == ("untestable", True)
     assert c["skip-step"]["evidence"].startswith("skipping the step leaves nothing of this adapter bundle to replay")
+    assert c["skip-step"]["evidence"].endswith("on_nonfinite='skip' (the default) does this live")  # (a NaN's, not on_spike)
     assert c["skip-samples"]["evidence"].endswith("(the baseline has no step to judge)"), c["skip-samples"]["evidence"]
     import html
 

@@ -808,6 +808,8 @@ def test_an_adapter_spike_opening_its_interval_gets_untestable_not_fails_for_rem
     assert verdicts["skip-samples"] == "cures", record["candidates"]
     changes_updates = {n for n in verdicts if n.startswith(("lr-", "clip", "update-clip", "adam-eps"))}
     assert changes_updates and {verdicts[n] for n in changes_updates} == {"untestable"}, verdicts
+    baseline = next(c for c in record["candidates"] if c["baseline"])
+    assert baseline["evidence"].endswith("on_spike='skip' does this live"), baseline  # (a spike's; a NaN's: on_nonfinite)
 
 
 def test_an_adapter_spikes_summary_says_where_in_the_step_each_blamed_sample_is(tmp_path):

@@ -390,7 +390,8 @@ def search_remedies(directory: str | Path, task: Task | None = None, *, steps: i
         if inc.adapter and r is baseline and r["dropped_samples"] == r["total_samples"]:  # the lone step skipped
             r["verdict"], r["evidence"], r["baseline"] = "untestable", (
                 "skipping the step leaves nothing of this adapter bundle to replay (it holds the incident's step alone); "
-                "on_spike='skip' does this live"), True
+                + ("on_spike='skip' does this live" if inc.bundle.get("observed", {}).get("anomaly") == "spike" else
+                   "on_nonfinite='skip' (the default) does this live")), True
             continue
         if untestable and c.earlier and c.rollback_step is None and r is not baseline:
             r["verdict"], r["evidence"], r["baseline"] = "untestable", (

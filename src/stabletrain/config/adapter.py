@@ -95,9 +95,9 @@ class AdapterOptions:
 
     def checked(self, **args: Any) -> AdapterOptions:
         """Check the adapter constructor's own arguments (``clip_max_norm``, ``precision``, ``loss_fn``, ``count_fn``,
-        ``model_factory``, ``run_dir``, ``scaler``; None: not given) as the options are: a bad value is a ValueError naming
-        the argument (and its config key, :data:`ARG_KEYS`), when the adapter is built, not at the first step or
-        incident. Returns ``self``."""
+        ``model_factory``, ``run_dir``, ``scaler``, ``overwrite``, ``trainer``, ``callbacks``; None: not given) as the
+        options are: a bad value is a ValueError naming the argument (and its config key, :data:`ARG_KEYS`), when the
+        adapter is built, not at the first step or incident. Returns ``self``."""
         for name, value in args.items():
             if value is None:
                 continue
@@ -111,6 +111,17 @@ class AdapterOptions:
                 want = "a number > 0 or None"
             elif name == "precision":
                 ok, want = value in ("auto", "fp32", "bf16", "fp16"), "'auto', 'fp32', 'bf16', 'fp16' or None"
+            elif name == "overwrite":
+                ok, want = isinstance(value, bool), "True or False"
+            elif name == "trainer":  # (the HF callback's: duck-typed, transformers is not imported here)
+                ok, want = hasattr(value, "callback_handler"), "the transformers.Trainer the callback is added to, or None"
+            elif name == "callbacks":  # (each checked by name: the callbacks package sits above this one)
+                ok, want = isinstance(value, (list, tuple)), "a list of stabletrain.callbacks.Callback instances"
+                bad = next((c for c in value if not any(f"{k.__module__}.{k.__name__}" == "stabletrain.callbacks.Callback"
+                                                        for k in type(c).__mro__)), None) if ok else None
+                if bad is not None:
+                    raise ValueError(f"callbacks: expected stabletrain.callbacks.Callback instances, got {brief(bad)} (a "
+                                     f"{type(bad).__name__})")
             elif name == "model_factory":
                 found = _FACTORY.fullmatch(value) if isinstance(value, str) else None
                 ok, want = callable(value) or found is not None, "'module:function' or a function that builds the model"

@@ -80,9 +80,8 @@ class StableTrainCallback(pl.Callback):
         self.run_dir, self.loss_fn, self.count_fn, self.overwrite = run_dir, loss_fn, count_fn, overwrite
         self.clip_max_norm = clip_max_norm
         self.options = AdapterOptions(**options).checked(clip_max_norm=clip_max_norm, loss_fn=loss_fn, count_fn=count_fn,
-                                                         run_dir=run_dir)
-        self.stable_callbacks = list(callbacks)
-        self.session: RunSession | None = None
+                                                         run_dir=run_dir, overwrite=overwrite, callbacks=callbacks)
+        self.stable_callbacks, self.session = list(callbacks), None  # (session: a RunSession, from on_fit_start)
         self._fingerprint: InitFingerprint | None = None
         self._loaded: dict[str, Any] | None = None
         self._host_skip = False  # this step's training_steps all returned None

@@ -96,7 +96,8 @@ class Monitor:
             raise TypeError(f"Monitor(optimizer=...): expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.model, self.optimizer, self.loss_fn = model, inner, loss_fn
         options = AdapterOptions(**options).checked(clip_max_norm=clip_max_norm, precision=precision, loss_fn=loss_fn,
-                                                    model_factory=model_factory, run_dir=run_dir, scaler=scaler)
+                                                    model_factory=model_factory, run_dir=run_dir, scaler=scaler,
+                                                    overwrite=overwrite, callbacks=callbacks)
         device = next(p.device for p in model.parameters())
         scaler = scaler if scaler is None or scaler.is_enabled() else None  # GradScaler(enabled=False): an fp32/bf16 run's
         mode = precision or ("fp16" if scaler is not None else "fp32")

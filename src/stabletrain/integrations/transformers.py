@@ -88,10 +88,10 @@ class StableTrainCallback(TrainerCallback):
                  trainer: Trainer | None = None, overwrite: bool = False, callbacks: Sequence[StableCallback] = (),
                  **options: Any) -> None:
         self.run_dir, self.loss_fn, self.overwrite = run_dir, loss_fn, overwrite
-        self.options = AdapterOptions(**options).checked(loss_fn=loss_fn, run_dir=run_dir)
+        self.options = AdapterOptions(**options).checked(loss_fn=loss_fn, run_dir=run_dir, trainer=trainer,
+                                                         overwrite=overwrite, callbacks=callbacks)
         self.stable_callbacks, self.trainer, self.session = list(callbacks), trainer, None
-        self._fingerprint: InitFingerprint | None = None
-        self._record = self._out = self._norms = None  # (an interval's record; a step's outputs; its grad norms)
+        self._record = self._out = self._norms = self._fingerprint = None  # (interval record; step outputs; norms; init)
         self._wrapped: list[str] = []
         self._bar: Any = None  # the Trainer's own progress bar (False: it draws none), which our lines go above
         self._retry: dict[str, Any] | None = None  # the out-of-memory step the Trainer is retrying at a smaller batch
