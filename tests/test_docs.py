@@ -44,6 +44,17 @@ def test_the_readme_is_short_and_keeps_the_two_commands():
         assert lines[at + 1] == "```bash" and words in lines[at + 2] and lines[at + 3] == "```", marker
 
 
+def test_the_readmes_python_snippets_run_as_written(tmp_path, monkeypatch):
+    """A trial: the README's one Python block (the Lightning callback) called `lightning.Trainer` without importing
+    lightning: a NameError as written. Each block runs (what it leaves to the reader is a comment)."""
+    pytest.importorskip("lightning")
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.S)
+    monkeypatch.chdir(tmp_path)
+    assert blocks
+    for i, block in enumerate(blocks, 1):
+        exec(compile(block, f"README.md python block {i}", "exec"), {"__name__": "__readme__"})
+
+
 def test_every_link_from_the_readme_into_the_docs_resolves():
     links = [target for target in _LINK.findall(README.read_text(encoding="utf-8")) if target.startswith("docs/")]
     assert len(links) >= 20  # the README sends its reader to the docs for the rest
