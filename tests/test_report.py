@@ -585,7 +585,7 @@ def test_update_panel_draws_the_norm_and_the_ratio_on_separate_axes(real_run, mo
 
 
 def _clip_run(tmp_path, rates, norms, peaks, optimizer="adamw", threshold=1.0, every=10, post=None, integration=None,
-              stepped=None, losses=None):
+              stepped=None, losses=None, spikes=None):
     """A run directory holding only what the clip verdict reads: config and metrics, one record per interval
     (``post``: the post-clip norms; without them the record is one written before that key existed; ``integration``:
     an adapter's run)."""
@@ -597,7 +597,8 @@ def _clip_run(tmp_path, rates, norms, peaks, optimizer="adamw", threshold=1.0, e
     (tmp_path / "metrics.jsonl").write_text("".join(
         json.dumps({"step": every * (i + 1), "loss": losses[i] if losses else 1.0, "clip_rate": r, "grad_norm": n,
                     "grad_norm_max": m,
-                    **({"grad_norm_post_clip": post[i]} if post is not None else {})}) + "\n"
+                    **({"grad_norm_post_clip": post[i]} if post is not None else {}),
+                    **({"num_spikes": spikes[i]} if spikes is not None else {})}) + "\n"
         for i, (r, n, m) in enumerate(zip(rates, norms, peaks))))
     return health_summary(load_run(tmp_path))
 
@@ -624,6 +625,18 @@ def test_a_clip_that_fires_on_a_diverging_run_is_called_its_symptom_not_retuned(
                       losses=[2.0, 1.0, 0.3, 0.01, 1e-4, 1e-6, 1e-9, 2e-9, 1e-8, 4e-8])
     assert "loss_rose" not in floor.figures and floor.figures["clip_verdict"] == "most"
     assert not any("it rose" in text for _, text in floor.sentences)
+
+
+def test_the_typical_grad_norm_leaves_out_the_intervals_with_a_spike(tmp_path):
+    """A trial: huge spikes in 3 of 6 intervals (norms ~5.5 otherwise) read 'the typical grad norm (median 187.3)' and
+    'set clip.max_norm to about 1,825': the calm intervals' norms are the typical ones."""
+    h = _clip_run(tmp_path / "a", [1.0] * 6, [448.8, 5.07, 5.49, 368.8, 5.84, 579.2], [3600, 8.0, 8.2, 3640, 9.88, 4000],
+                  spikes=[1, 0, 0, 1, 0, 1])
+    level, text = _clip_sentence(h)
+    assert "the typical grad norm (median 5.49, the intervals without a loss spike or non-finite step)" in text, text
+    assert "set clip.max_norm to about 8.2 (the median of each interval's largest grad norm)" in text, text
+    calm = _clip_run(tmp_path / "b", [1.0] * 6, [5.0] * 6, [8.0] * 6, spikes=[0] * 6)  # (none left out: no note)
+    assert "(median 5)" in _clip_sentence(calm)[1], _clip_sentence(calm)[1]
 
 
 def test_the_clip_advice_of_a_run_whose_optimizer_is_unknown_names_none(tmp_path):

@@ -72,10 +72,14 @@ def clip_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
     clipped = sum(r["clip_rate"] * _applied(r) for r in rows)  # clip_rate is over each interval's applied steps
     f["clip_rate"] = clipped / steps
     f["clipped_steps"], f["clip_steps_seen"] = int(round(clipped)), int(steps)
-    norms = _finite(run.series("grad_norm")[1])
+    # The typical norms are the calm intervals' (no loss spike, no non-finite step) where the run has any: a few huge
+    # spikes in half its intervals made a trial's median 187 of norms about 5.5, and its advice a threshold of 1,825.
+    calm = [r for r in run.metrics if not r.get("num_spikes") and not r.get("num_nonfinite")]
+    f["grad_norm_calm"] = bool(calm) and len(calm) < len(run.metrics)
+    norms = _finite([r["grad_norm"] for r in calm or run.metrics if isinstance(r.get("grad_norm"), float)])
     if norms:
         f["grad_norm_median"] = statistics.median(norms)
-    peaks = _finite(run.series("grad_norm_max")[1])  # each interval's largest pre-clip norm
+    peaks = _finite([r["grad_norm_max"] for r in calm or run.metrics if isinstance(r.get("grad_norm_max"), float)])
     if peaks:
         f["grad_norm_max_median"] = statistics.median(peaks)
     if not isinstance(run.cfg("clip"), dict):  # every run writes its clip section: its config.yaml was not read
@@ -105,7 +109,8 @@ def clip_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
     head = (f"{'Your own clipping' if own is not None else 'Clipping'} fired on {fmt_pct(rate)} of steps "
             f"({f['clipped_steps']:,} of {f['clip_steps_seen']:,}; threshold "
             + (f"about {fmt_num(own, 2)}, from the post-clip norms)" if own is not None else f"{fmt_num(threshold)})"))
-    typical = f" (median {fmt_num(f['grad_norm_median'])})" if norms else ""
+    calm_note = ", the intervals without a loss spike or non-finite step" if f["grad_norm_calm"] else ""
+    typical = f" (median {fmt_num(f['grad_norm_median'])}{calm_note})" if norms else ""
     cuts = f", a median cut of {cut_text} to the gradient norm there (over its log intervals)" if cut is not None else ""
     clip_key, lr_key = _host_keys(run)
     clip_key = "your clip's max_norm" if own is not None else clip_key
