@@ -570,8 +570,11 @@ def test_a_lost_peer_line_says_resume_by_hand_only_when_no_restart_is_left(monke
         return str(PeerLostError(0, "a training step", 7, good, "Connection closed by peer", "runs/a"))
 
     assert line(0, 0).endswith("; resume with: stabletrain train --resume runs/a (Connection closed by peer)")
+    monkeypatch.setenv("STABLETRAIN_RUN_DIR_NOTE", "/tmp/note")  # (stabletrain's launcher: dist.nproc + run.max_restarts)
     assert ("; the launch restarts from LAST_GOOD (restart 2 of 3, run.max_restarts), unless the same failure keeps "
             "coming back (run.max_repeats) (") in line(1, 3)
+    monkeypatch.delenv("STABLETRAIN_RUN_DIR_NOTE")  # a torchrun of the user's own: its --max-restarts (a trial)
+    assert "(restart 2 of 3, torchrun's --max-restarts), unless" in line(1, 3)
     assert "resume with" in line(3, 3) and "restarts from" not in line(3, 3)  # the last restart is spent
     # before the first checkpoint: no LAST_GOOD to restart from (a trial: it named one)
     assert "no checkpoint was written; the launch restarts from step 0 (restart 1 of 3" in line(0, 3, None)

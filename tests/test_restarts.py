@@ -487,8 +487,9 @@ def test_two_torchrun_nodes_on_one_machine_restart_together_after_a_worker_is_ki
     run_dir, port = tmp_path / "run", free_port()
     agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
              f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-nodes", "--max-restarts=2"]
-    # A torchrun that restarts its ranks needs a rendezvous store per attempt (pytorch/pytorch#135712).
-    node_env = {**env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    # torchrun's own default: the agents' rendezvous store shared with the ranks, which outlives a restart: the ranks'
+    # group takes keys of its own per attempt (pytorch/pytorch#135712: the restarted ranks failed to connect, or hung).
+    node_env = {k: v for k, v in env().items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
     nodes = [subprocess.Popen([*agent, f"--node-rank={n}", "-m", "stabletrain", "train", *ARGS, f"run.dir={run_dir}"],
                               env=node_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in (0, 1)]
     seen = set()
@@ -513,6 +514,37 @@ def test_two_torchrun_nodes_on_one_machine_restart_together_after_a_worker_is_ki
     restarts = [e for e in events(run_dir) if e["kind"] == "restart"]
     assert len(restarts) == 1 and restarts[0]["step"] <= kill_at
     _assert_bitwise(_final(run_dir), _final(world.root / "ddp"))  # the same run as dist.nproc=2
+
+
+@pytest.mark.slow
+def test_a_users_own_torchrun_restarts_its_ranks_after_one_is_killed(world, tmp_path):
+    """A trial, the issue's own command: `torchrun --nproc-per-node=2 --max-restarts=2 -m stabletrain train ...` with a
+    rank SIGKILLed: the restarted ranks read the attempt before's addresses from torchrun's shared store (gloo's
+    'connectFullMesh failed ... Connection refused', 6 times) or hung in the group's set-up. They resume by themselves."""
+    world.check("ddp")
+    run_dir = tmp_path / "run"
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=2",
+                              f"--master-port={free_port()}", "-m", "stabletrain", "train", *ARGS, f"run.dir={run_dir}"],
+                             env={k: v for k, v in env().items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = set()
+    try:
+        t0 = time.time()
+        while steps_logged(run_dir) < 7:
+            assert agent.poll() is None and time.time() - t0 < 180, agent.poll()
+            seen.update(descendants(agent.pid))
+            time.sleep(0.01)
+        os.kill(ranks_of(agent.pid)[1], signal.SIGKILL)
+        out, err = agent.communicate(timeout=240)
+    finally:
+        for pid in descendants(agent.pid):
+            os.kill(pid, signal.SIGKILL)
+        if agent.poll() is None:
+            agent.kill()
+    assert agent.returncode == 0, err[-3000:]
+    assert not wait_gone(seen)
+    assert len([e for e in events(run_dir) if e["kind"] == "restart"]) == 1
+    _assert_bitwise(_final(run_dir), _final(world.root / "ddp"))
 
 
 def test_run_resume_auto_starts_the_run_then_continues_it(tmp_path, capsys):

@@ -160,7 +160,16 @@ def process_group(backend: str = "auto", timeout_s: float = 120.0, nproc: int = 
         # A failed NCCL collective aborts the communicator (the watchdog then raises) instead of hanging.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     kwargs: dict[str, Any] = {"device_id": torch.device("cuda", local_rank)} if chosen == "nccl" else {}
-    dist.init_process_group(chosen, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # (a user's own torchrun, its store shared with the ranks)
+        # The agent's store outlives a restart, and with it the process group's keys of the attempt before: restarted
+        # ranks read those addresses and fail to connect, or hang in the group's set-up (pytorch/pytorch#135712; a trial
+        # with `torchrun --max-restarts=2` and a rank killed). Each attempt's group gets keys of its own.
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                              is_master=False, timeout=timeout)
+        kwargs.update(store=dist.PrefixStore(f"stabletrain/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
+                                             store), rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(chosen, timeout=timeout, **kwargs)
     try:
         yield DistContext.current()
     except BaseException as err:

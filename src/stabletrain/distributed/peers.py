@@ -24,9 +24,10 @@ class PeerLostError(RuntimeError):
         saved = (f"no checkpoint was written after {last_good} (LAST_GOOD)" if last_good else "no checkpoint was written")
         done, most = (int(os.environ.get(k, "0") or 0) for k in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"))
         self.restarts = done < most
-        if self.restarts:  # torchrun's agent restarts the ranks (run.max_restarts): no one needs to resume by hand
+        if self.restarts:  # torchrun's agent restarts the ranks: no one needs to resume by hand
+            key = "run.max_restarts" if os.environ.get("STABLETRAIN_RUN_DIR_NOTE") else "torchrun's --max-restarts"  # (ours?)
             hint = (f"; the launch restarts from {'LAST_GOOD' if last_good else 'step 0'} (restart {done + 1} of {most}, "
-                    "run.max_restarts), unless the same failure keeps coming back (run.max_repeats)")
+                    f"{key}), unless the same failure keeps coming back (run.max_repeats)")
         else:
             hint = f"; resume with: stabletrain train --resume {run_dir}" if run_dir and last_good else ""
         super().__init__(f"rank {rank}: another rank exited or became unreachable during {where} after step {step}; "
