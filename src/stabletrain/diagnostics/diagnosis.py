@@ -362,11 +362,14 @@ def _where(d: dict[str, Any], bisection: Bisection | None, *, samples: bool = Tr
         text = f"first non-finite value ({stage}): {d['op']} in {where}{node} {module} ({how})"
         if d.get("masked_in_forward"):
             value = {"inf": "inf", "nan": "NaN"}.get(d["kind"] or "", "non-finite value")
-            text += f"; this {value} was masked out in forward (it never reached the output {module})"
+            # (masked, or saturated: a trial's log(0) through a Linear into tanh, -1 there, read as 'masked' with
+            # torch.where advice for a model without a mask)
+            text += (f"; this {value} was masked out in forward (it never reached the output {module}: masked, clamped "
+                     "or saturated on the way)")
             if d.get("backward_node") or d.get("backward_op"):
-                text += (f" and became NaN only in backward, at {d['backward_op']} in {d['backward_node']} (a masked "
-                         "branch still gets a gradient, 0 x inf: keep the op's input finite where it is masked, "
-                         "e.g. log2(torch.where(mask, x, 1)))")
+                text += (f" and became NaN only in backward, at {d['backward_op']} in {d['backward_node']} (the gradient "
+                         "still flows back to the op through what made it finite, 0 x inf: keep the op's input finite, "
+                         "e.g. log2(torch.where(mask, x, 1)) where it is masked, log(x.clamp_min(eps)) where it saturates)")
     elif stage == "update":
         names = d["nonfinite_params_after_update"]
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
