@@ -211,6 +211,11 @@ def test_a_loss_spike_is_captured_and_its_samples_named_and_verified(tmp_path, o
     assert [e.step for e in run.counted_events("spike")] == [step]
     lines = console_incident_lines(capfd)  # the host's console: exactly one line, as the built-in loop's
     assert len(lines) == 1 and lines[0].startswith(f"stabletrain: spike at step {step}: data: samples 1, 2 carry "), lines
+    from stabletrain.incident_replay import diagnose_incident  # a plain torch module is rebuilt by its class, as a
+
+    # Monitor's is (a trial: 'use a model class ... built from its config (a PreTrainedModel)', no replay)
+    again = diagnose_incident(tmp_path / "run" / "incidents" / f"step_{step:06d}", out="diagnosis.replayed.json")
+    assert (again["failure_class"], again["bad_samples"]) == ("data", [1, 2]), again["summary"]
 
 
 def test_a_spike_under_gradient_accumulation_is_weighed_on_its_own_items(tmp_path, capfd):

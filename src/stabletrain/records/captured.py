@@ -170,7 +170,8 @@ REBUILD_HINT = {
     "monitor": "pass model_factory='module:function' to stabletrain.Monitor",
     "lightning": "define the LightningModule at module level and call self.save_hyperparameters() in its __init__ "
                  "(with plain-valued arguments)",
-    "transformers": "use a model class defined at module level, built from its config (a PreTrainedModel)",
+    "transformers": "use a model class defined at module level: a PreTrainedModel (rebuilt from its config) or one "
+                    "built with no arguments",
 }
 
 
@@ -230,10 +231,9 @@ def model_recipe(model: nn.Module, host: str, factory: str | Callable[[], nn.Mod
         except (TypeError, AttributeError):
             return None
         return {"kind": "lightning", "class": cls, "hparams": hparams}
-    if host == "transformers":
-        config = getattr(model, "config", None)
-        ok = config is not None and hasattr(type(model), "config_class")
-        return {"kind": "transformers", "class": cls, "config": config.to_dict()} if ok else None
+    config = getattr(model, "config", None)  # (the HF Trainer's model: a PreTrainedModel from its config, or a plain
+    if host == "transformers" and config is not None and hasattr(type(model), "config_class"):  # module, by its class)
+        return {"kind": "transformers", "class": cls, "config": config.to_dict()}
     return {"kind": "class", "class": cls} if not cls.startswith("torch.nn.") else None
 
 
