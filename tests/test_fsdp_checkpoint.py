@@ -237,6 +237,25 @@ def test_an_fsdp_run_killed_with_sigkill_and_resumed_from_sharded_checkpoints_is
     assert saves and all(0 < e["blocked_s"] < e["seconds"] for e in saves)
 
 
+def test_a_failed_sharded_save_says_the_gist_of_a_gloo_error_not_its_source_path(tmp_path):
+    """A trial: a peer's death during an FSDP save read 'the DCP save failed (RuntimeError: [.../gloo/transport/tcp/
+    pair.cc:553] Connection closed by peer ...'; the gist is said, as a lost peer's own line says it."""
+    from types import SimpleNamespace
+
+    from stabletrain.records.checkpoint.background import shards_written
+    from stabletrain.records.checkpoint.files import CheckpointError
+
+    def finish(timings):
+        raise RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                           "[127.0.0.1]:41234\nmore lines")
+
+    (tmp_path / "tmp").mkdir()
+    with pytest.raises(CheckpointError) as err:
+        shards_written(SimpleNamespace(finish=finish, tmp=tmp_path / "tmp"), tmp_path / "step_000080", {})
+    assert "the DCP save failed (RuntimeError: Connection closed by peer [127.0.0.1]:41234); the previous" in str(err.value)
+    assert not (tmp_path / "tmp").exists()
+
+
 def test_a_sharded_save_written_at_once_that_fails_on_one_rank_is_a_failed_save_not_a_crash(tmp_path):
     """ckpt.every=0: the last save is written by dcp.save in the loop; rank 1's write fails (a full disk, planted).
     DCP raises its CheckpointException, a BaseException, on every rank: it escaped the loop as a traceback on both."""

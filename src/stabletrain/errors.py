@@ -23,7 +23,7 @@ from typing import Any
 __all__ = ["user_frames", "user_location", "defined_at", "caller_loss_note", "format_user_traceback", "task_part",
            "host_retry", "retried", "retry_line",
            "raised_by_stabletrain", "format_task_error", "batch_note", "TaskCodeError", "TASK_PARTS", "brief", "crash_event",
-           "StopTraining"]
+           "StopTraining", "short_cause"]
 
 _PACKAGE = os.path.join(str(Path(__file__).resolve().parent), "")  # ".../stabletrain/", with its separator
 
@@ -448,3 +448,12 @@ def retry_line(retry: dict[str, Any], batch_size: int) -> str:
     return (f"the Trainer ran out of memory {where} and trains again from its first step at batch "
             f"size {batch_size} (from {retry['batch_size_was']}; auto_find_batch_size): this run directory holds the new "
             "attempt")
+
+
+def short_cause(message: str) -> str:
+    """Return the gist of a gloo/NCCL error: its first line without source paths and boilerplate."""
+    line = message.strip().splitlines()[0] if message.strip() else "no message"
+    line = re.sub(r"\[[^\]]*\.(cpp|cc|h|hpp):\d+\]\s*", "", line)
+    line = line.split(". This is typically caused by")[0]
+    line = re.sub(r"^Got the following error when running the callback:\s*", "", line)
+    return line[:200]

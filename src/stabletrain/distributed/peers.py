@@ -12,6 +12,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from ..errors import short_cause
+
 __all__ = ["PeerLostError", "is_peer_failure", "short_cause"]
 
 
@@ -32,17 +34,6 @@ class PeerLostError(RuntimeError):
             hint = f"; resume with: stabletrain train --resume {run_dir}" if run_dir and last_good else ""
         super().__init__(f"rank {rank}: another rank exited or became unreachable during {where} after step {step}; "
                          f"{saved}{hint} ({short_cause(cause)})")
-
-
-def short_cause(message: str) -> str:
-    """Return the gist of a gloo/NCCL error: its first line without source paths and boilerplate."""
-    import re
-
-    line = message.strip().splitlines()[0] if message.strip() else "no message"
-    line = re.sub(r"\[[^\]]*\.(cpp|cc|h|hpp):\d+\]\s*", "", line)
-    line = line.split(". This is typically caused by")[0]
-    line = re.sub(r"^Got the following error when running the callback:\s*", "", line)
-    return line[:200]
 
 
 _DIST_DIR = os.path.dirname(dist.__file__) + os.sep

@@ -18,6 +18,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from ...errors import short_cause
 from .arena import SharedStager, Staged
 from .files import CheckpointError, dir_name
 from .saves import PendingSave, SaveResult, is_save_failure
@@ -110,9 +111,9 @@ def shards_written(shards: ShardedSave, final: Path, timings: dict[str, float]) 
             raise
         shutil.rmtree(shards.tmp, ignore_errors=True)
         failures = getattr(err, "failures", None)  # DCP's CheckpointException: {rank: (its error, its stack)}
-        said = ("; ".join(f"rank {rank}: {type(e[0]).__name__}: {e[0]}" for rank, e in sorted(failures.items()))
+        said = ("; ".join(f"rank {rank}: {type(e[0]).__name__}: {short_cause(str(e[0]))}" for rank, e in sorted(failures.items()))
                 if isinstance(failures, dict) and failures and all(isinstance(e, tuple) for e in failures.values())
-                else f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+                else f"{type(err).__name__}: {short_cause(str(err))}")  # (a gloo error: its gist, no source path)
         raise CheckpointError(f"sharded checkpoint {final}: the DCP save failed ({said}); the previous checkpoint and "
                               "LAST_GOOD are untouched", final) from err
 
