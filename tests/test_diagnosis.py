@@ -83,10 +83,10 @@ def test_masked_inf_says_it_never_reached_the_output_and_where_backward_made_it_
         "activations", "aten.log2.default", "forward", "layers.1", "inf")
     assert (d["masked_in_forward"], d["backward_node"], d["backward_op"]) == (True, "Log2Backward0", "aten.div.Tensor")
     assert d["first_nonfinite_param"] == "layers.0.weight" and d["bad_samples"] == [45]
-    assert ("aten.log2.default in forward of module 'layers.1' (origin: inputs finite); this inf was masked out in "
-            "forward (it never reached the output of module 'layers.1': masked, clamped or saturated on the way) and became "
-            "NaN only in backward, at aten.div.Tensor in Log2Backward0 (the gradient still flows back to the op through "
-            "what made it finite, 0 x inf") in d["summary"], d["summary"]
+    assert ("aten.log2.default in forward of module 'layers.1' (origin: inputs finite); this inf was made finite again "
+            "in forward (masked, clamped or saturated) before the output of module 'layers.1' and became NaN only in "
+            "backward, at aten.div.Tensor in Log2Backward0 (the gradient still flows back to the op through what made it "
+            "finite, 0 x inf") in d["summary"], d["summary"]
     unmasked = diagnose(*faults.log_of_zero(), bisect=False, anomaly=False)
     assert (unmasked["masked_in_forward"], unmasked["backward_node"]) == (False, None)
     assert "masked" not in unmasked["summary"]

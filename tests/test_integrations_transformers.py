@@ -218,6 +218,22 @@ def test_a_loss_spike_is_captured_and_its_samples_named_and_verified(tmp_path, o
     assert (again["failure_class"], again["bad_samples"]) == ("data", [1, 2]), again["summary"]
 
 
+def test_a_plain_module_that_needs_arguments_gets_no_class_recipe_but_the_hint():
+    """A review: a class rebuilt as cls() that needs arguments (or was built with others) read a raw TypeError, or
+    replayed another model; the HF callback has no model_factory=: no recipe, and the hint says what rebuilds."""
+    from stabletrain.records.captured import REBUILD_HINT, model_recipe
+
+    assert model_recipe(Regressor(), "transformers") == {"kind": "class", "class": f"{__name__}:Regressor"}
+    assert model_recipe(Wide(8), "transformers") is None
+    assert "a PreTrainedModel (rebuilt from its config) or one built with no arguments" in REBUILD_HINT["transformers"]
+
+
+class Wide(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, width)
+
+
 def test_a_spike_under_gradient_accumulation_is_weighed_on_its_own_items(tmp_path, capfd):
     """gradient_accumulation_steps=2: the Trainer divides each micro-batch's token loss by the whole window's
     num_items_in_batch and sums the two. The replay averaged them (half the Trainer's loss: 'not reproducible: no spike

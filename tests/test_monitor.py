@@ -18,6 +18,7 @@ import yaml
 from integration_models import BAD_POSITION, BAD_STEP, Net, batches, loss_fn, outlier_pairs
 
 from stabletrain import Monitor, StopTraining
+from stabletrain.callbacks import Callback
 from stabletrain.incident_replay import diagnose_incident
 from stabletrain.records.events import EVENT_KINDS, METRIC_KEYS
 from stabletrain.records.jsonl import read_jsonl
@@ -317,7 +318,9 @@ def test_bad_arguments_say_what_to_do():
     # a trial: overwrite="false" replaced the run (a non-empty string is true); callbacks=[1] failed at the first step
     # with a traceback, callbacks=5 with "'int' object is not iterable"
     ({"overwrite": "false"}, "overwrite: expected True or False, got 'false'"),
-    ({"callbacks": [1]}, "callbacks: expected stabletrain.callbacks.Callback instances, got 1 (a int)"),
+    ({"callbacks": [1]}, "callbacks: expected stabletrain.callbacks.Callback instances, got 1 (an int)"),
+    ({"callbacks": (Callback,)}, "callbacks: expected stabletrain.callbacks.Callback instances, got <class "
+     "'stabletrain.callbacks.Callback'> (the class Callback: pass an instance, Callback())"),
     ({"callbacks": 5}, "callbacks: expected a list of stabletrain.callbacks.Callback instances, got 5"),
 ])
 def test_an_adapters_own_arguments_are_checked_when_it_is_built_naming_the_argument(kwargs, message):
@@ -342,6 +345,13 @@ def test_an_adapters_own_arguments_are_checked_when_it_is_built_naming_the_argum
             with pytest.raises(ValueError, match=r"^trainer: expected the transformers.Trainer the callback is added to, or "
                                                  r"None, got 3$"):
                 HFCallback(trainer=3)
+
+
+def test_callbacks_may_come_as_any_iterable():
+    """A review: callbacks given as a generator worked before the check when built, then were refused by it."""
+    model, opt = make()
+    monitor = Monitor(model, opt, init_check=False, callbacks=(c for c in [Callback()]))
+    assert [type(c) for c in monitor.session.callbacks.callbacks][-1] is Callback
 
 
 def test_a_disabled_grad_scaler_is_no_scaler():

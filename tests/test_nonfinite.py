@@ -57,8 +57,8 @@ def test_a_forward_inf_masked_by_where_is_followed_into_backward():
     back = first.backward_op
     assert (back.op, back.direction, back.autograd_node, back.origin, back.kind, back.num_nonfinite) == (
         "aten.div.Tensor", "backward", "Log2Backward0", True, "nan", 8)
-    assert first.describe().endswith("; masked out of the module's output in forward, non-finite again in backward "
-                                     "at aten.div.Tensor (Log2Backward0)")
+    assert first.describe().endswith("; made finite again before the module's output in forward (masked, clamped or "
+                                     "saturated), non-finite again in backward at aten.div.Tensor (Log2Backward0)")
     assert first.to_dict()["backward_op"]["autograd_node"] == "Log2Backward0"
     # An unmasked -inf (log of a ReLU's zeros) reaches the module's output: nothing is followed into backward.
     model, x = faults.log_of_zero()

@@ -487,9 +487,9 @@ def test_two_torchrun_nodes_on_one_machine_restart_together_after_a_worker_is_ki
     run_dir, port = tmp_path / "run", free_port()
     agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
              f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-nodes", "--max-restarts=2"]
-    # torchrun's own default: the agents' rendezvous store shared with the ranks, which outlives a restart: the ranks'
-    # group takes keys of its own per attempt (pytorch/pytorch#135712: the restarted ranks failed to connect, or hung).
-    node_env = {k: v for k, v in env().items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    # Several machines' torchrun that restarts its ranks needs a rendezvous store per attempt (pytorch/pytorch#135712;
+    # their agents count their restarts each on its own: one machine's ranks take keys of their own per attempt).
+    node_env = {**env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     nodes = [subprocess.Popen([*agent, f"--node-rank={n}", "-m", "stabletrain", "train", *ARGS, f"run.dir={run_dir}"],
                               env=node_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in (0, 1)]
     seen = set()

@@ -115,13 +115,17 @@ class AdapterOptions:
                 ok, want = isinstance(value, bool), "True or False"
             elif name == "trainer":  # (the HF callback's: duck-typed, transformers is not imported here)
                 ok, want = hasattr(value, "callback_handler"), "the transformers.Trainer the callback is added to, or None"
-            elif name == "callbacks":  # (each checked by name: the callbacks package sits above this one)
-                ok, want = isinstance(value, (list, tuple)), "a list of stabletrain.callbacks.Callback instances"
-                bad = next((c for c in value if not any(f"{k.__module__}.{k.__name__}" == "stabletrain.callbacks.Callback"
-                                                        for k in type(c).__mro__)), None) if ok else None
+            elif name == "callbacks":  # (a list or tuple's each checked by name: the callbacks package sits above this one;
+                # another iterable, a generator, is left to the session, which checks each as it takes them)
+                ok = hasattr(value, "__iter__") and not isinstance(value, (str, bytes, dict))
+                want = "a list of stabletrain.callbacks.Callback instances"
+                given = value if isinstance(value, (list, tuple)) else ()
+                bad = next((c for c in given if not any(f"{k.__module__}.{k.__name__}" == "stabletrain.callbacks.Callback"
+                                                        for k in type(c).__mro__)), None)
                 if bad is not None:
-                    raise ValueError(f"callbacks: expected stabletrain.callbacks.Callback instances, got {brief(bad)} (a "
-                                     f"{type(bad).__name__})")
+                    what = (f"the class {bad.__name__}: pass an instance, {bad.__name__}()" if isinstance(bad, type) else
+                            f"a{'n' if type(bad).__name__[:1] in 'aeiouAEIOU' else ''} {type(bad).__name__}")
+                    raise ValueError(f"callbacks: expected stabletrain.callbacks.Callback instances, got {brief(bad)} ({what})")
             elif name == "model_factory":
                 found = _FACTORY.fullmatch(value) if isinstance(value, str) else None
                 ok, want = callable(value) or found is not None, "'module:function' or a function that builds the model"

@@ -364,8 +364,8 @@ def _where(d: dict[str, Any], bisection: Bisection | None, *, samples: bool = Tr
             value = {"inf": "inf", "nan": "NaN"}.get(d["kind"] or "", "non-finite value")
             # (masked, or saturated: a trial's log(0) through a Linear into tanh, -1 there, read as 'masked' with
             # torch.where advice for a model without a mask)
-            text += (f"; this {value} was masked out in forward (it never reached the output {module}: masked, clamped "
-                     "or saturated on the way)")
+            text += (f"; this {value} was made finite again in forward (masked, clamped or saturated) before the output "
+                     f"{module}")
             if d.get("backward_node") or d.get("backward_op"):
                 text += (f" and became NaN only in backward, at {d['backward_op']} in {d['backward_node']} (the gradient "
                          "still flows back to the op through what made it finite, 0 x inf: keep the op's input finite, "

@@ -118,7 +118,7 @@ class NonFiniteOp:
         dtypes = ",".join(sorted(set(self.output_dtypes)))
         text = f"{self.op} in {self.where()} ({how}; {self.kind} in {self.num_nonfinite}/{self.numel} {dtypes} elements)"
         if self.masked_in_forward:
-            text += "; masked out of the module's output in forward"
+            text += "; made finite again before the module's output in forward (masked, clamped or saturated)"
             if self.backward_op is not None:
                 text += (f", non-finite again in backward at {self.backward_op.op} "
                          f"({self.backward_op.autograd_node or 'no autograd node'})")

@@ -161,10 +161,12 @@ def process_group(backend: str = "auto", timeout_s: float = 120.0, nproc: int = 
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     kwargs: dict[str, Any] = {"device_id": torch.device("cuda", local_rank)} if chosen == "nccl" else {}
     timeout = datetime.timedelta(seconds=timeout_s)
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # (a user's own torchrun, its store shared with the ranks)
-        # The agent's store outlives a restart, and with it the process group's keys of the attempt before: restarted
-        # ranks read those addresses and fail to connect, or hang in the group's set-up (pytorch/pytorch#135712; a trial
-        # with `torchrun --max-restarts=2` and a rank killed). Each attempt's group gets keys of its own.
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.environ.get("LOCAL_WORLD_SIZE") == str(world):
+        # A user's own torchrun on one machine shares its agent's store with the ranks, and it outlives a restart, with
+        # the process group's keys of the attempt before: restarted ranks read those addresses and fail to connect, or
+        # hang in the group's set-up (pytorch/pytorch#135712; a trial with `torchrun --max-restarts=2` and a rank
+        # killed). Each attempt's group gets keys of its own, by the one agent's restart count (several machines'
+        # agents count their own restarts, which may differ: there TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 is needed).
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
                               is_master=False, timeout=timeout)
         kwargs.update(store=dist.PrefixStore(f"stabletrain/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",

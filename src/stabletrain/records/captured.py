@@ -232,9 +232,20 @@ def model_recipe(model: nn.Module, host: str, factory: str | Callable[[], nn.Mod
             return None
         return {"kind": "lightning", "class": cls, "hparams": hparams}
     config = getattr(model, "config", None)  # (the HF Trainer's model: a PreTrainedModel from its config, or a plain
-    if host == "transformers" and config is not None and hasattr(type(model), "config_class"):  # module, by its class)
-        return {"kind": "transformers", "class": cls, "config": config.to_dict()}
+    if host == "transformers" and config is not None and hasattr(type(model), "config_class"):  # module, by its class,
+        return {"kind": "transformers", "class": cls, "config": config.to_dict()}  # when it takes no arguments: the
+    if host == "transformers" and not _takes_no_arguments(kind):  # callback has no model_factory= to say how)
+        return None
     return {"kind": "class", "class": cls} if not cls.startswith("torch.nn.") else None
+
+
+def _takes_no_arguments(cls: type) -> bool:
+    """Whether ``cls()`` needs no argument (every parameter of its constructor has a default)."""
+    try:
+        params = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params)
 
 
 def loss_recipe(loss_fn: Callable[..., Any] | None, default: dict[str, Any] | None = None) -> dict[str, Any] | None:

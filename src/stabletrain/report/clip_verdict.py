@@ -82,8 +82,9 @@ def clip_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
     peaks = _finite([r["grad_norm_max"] for r in calm or run.metrics if isinstance(r.get("grad_norm_max"), float)])
     if peaks:
         f["grad_norm_max_median"] = statistics.median(peaks)
+    calm_note = ", the intervals without a loss spike or non-finite step" if f["grad_norm_calm"] else ""
     if not isinstance(run.cfg("clip"), dict):  # every run writes its clip section: its config.yaml was not read
-        median = f" (median grad norm {fmt_num(f['grad_norm_median'])})" if norms else ""
+        median = f" (median grad norm {fmt_num(f['grad_norm_median'])}{calm_note})" if norms else ""
         h.say("ok", f"The clip threshold is unknown: the run's config.yaml could not be read (see Data problems){median}.")
         return
     own = None  # no threshold of stabletrain's, yet steps were clipped: the loop's own clip (Monitor's step(grad_norm=))
@@ -91,7 +92,7 @@ def clip_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
         posts = _finite(run.series("grad_norm_post_clip")[1])
         own = threshold = max(posts) if posts else None  # its ceiling, as near as the intervals' mean post-clip norms show
     if threshold is None:
-        median = f" (median grad norm {fmt_num(f['grad_norm_median'])})" if norms else ""
+        median = f" (median grad norm {fmt_num(f['grad_norm_median'])}{calm_note})" if norms else ""
         h.say("ok", f"Clipping is off (clip.max_norm is null){median}.")
         return
     half = max(int(r["step"]) for r in rows) / 2
@@ -109,7 +110,6 @@ def clip_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
     head = (f"{'Your own clipping' if own is not None else 'Clipping'} fired on {fmt_pct(rate)} of steps "
             f"({f['clipped_steps']:,} of {f['clip_steps_seen']:,}; threshold "
             + (f"about {fmt_num(own, 2)}, from the post-clip norms)" if own is not None else f"{fmt_num(threshold)})"))
-    calm_note = ", the intervals without a loss spike or non-finite step" if f["grad_norm_calm"] else ""
     typical = f" (median {fmt_num(f['grad_norm_median'])}{calm_note})" if norms else ""
     cuts = f", a median cut of {cut_text} to the gradient norm there (over its log intervals)" if cut is not None else ""
     clip_key, lr_key = _host_keys(run)
@@ -216,7 +216,8 @@ def _tail_text(rows: list[dict[str, Any]], f: dict[str, Any], head: str, thresho
         else:
             bursts.append([first, int(r["step"]), r["clip_rate"] * _applied(r), norm])
     f["clip_surges"] = [(a, b) for a, b, _, _ in bursts]
-    tail = (f"The threshold is above the typical grad norm (median {fmt_num(median)}), so the clip fired only on the tail, "
+    calm = ", the intervals without a loss spike or non-finite step" if f.get("grad_norm_calm") else ""
+    tail = (f"The threshold is above the typical grad norm (median {fmt_num(median)}{calm}), so the clip fired only on the tail, "
             f"the {fmt_pct(f['clip_rate'])} of steps whose grad norm exceeded {fmt_num(threshold)}")
     if not bursts:
         return (f"{head}: often, from the tail of the grad norm. {tail}, spread over the second half (none of its log "

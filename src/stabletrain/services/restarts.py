@@ -117,6 +117,11 @@ def begin_launch(cfg: Any, run_dir: Path | None, resume: bool, ctx: Any) -> Laun
         run_dir = default_run_dir(cfg)  # torchrun may restart the ranks: the same name each time (its run id)
 
     def decide() -> Launch:
+        if everyone[0]["max"] and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.environ.get(
+                "LOCAL_WORLD_SIZE") != os.environ.get("WORLD_SIZE"):  # (on one machine the ranks take care of it: group.py)
+            console.warn("torchrun may restart these ranks (--max-restarts) on several machines, but shares its "
+                         "rendezvous store with them: a restart's ranks can then read the addresses of the attempt before "
+                         "and fail to connect (pytorch/pytorch#135712); start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
         if run_dir is None:
             return Launch(resume, run_dir)
         ids = {r["run_id"] for r in everyone if r["run_id"]}
@@ -351,8 +356,9 @@ def _start_over(run: RunDir, run_dir: Path, failure: Failure, number: int, limit
 def _who(cause: dict[str, Any] | None, number: int) -> str:
     """"rank 1 (pid 4242) was killed by SIGKILL; its last line: '...'" or what is known without a launcher's word."""
     if not cause:
-        return (f"a process of the run ended (torchrun restarted the ranks: restart count {number}; a torchrun of your own "
-                "does not say which rank died nor how: its own log above does)")
+        own = "" if os.environ.get("STABLETRAIN_RUN_DIR_NOTE") else (
+            "; a torchrun of your own does not say which rank died nor how: its own log above does")
+        return f"a process of the run ended (torchrun restarted the ranks: restart count {number}{own})"
     rank = f"rank {cause['rank']}" if cause.get("rank") is not None else "a process"
     pid = f" (pid {cause['pid']})" if cause.get("pid") else ""
     last = (f"; its last line: {cause['last_line']!r}" if cause.get("last_line") else
