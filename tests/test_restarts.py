@@ -128,8 +128,12 @@ def test_a_rank_sigkilled_at_3_random_points_restarts_by_itself_and_ends_bitwise
     restarts = [e for e in events(run_dir) if e["kind"] == "restart"]
     assert [e["restart"] for e in restarts] == [1, 2, 3] and all(e["max_restarts"] == 5 for e in restarts)
     assert [(e["cause"]["pid"], e["cause"]["signal"]) for e in restarts] == [(pid, "SIGKILL") for _, pid in killed]
+    superseded_steps = {json.loads(x)["step"] for x in (run_dir / "metrics.superseded.jsonl").read_text().splitlines()}
     for event, (step, _) in zip(restarts, killed):  # resumed at or before the step killed, the steps redone counted
-        assert event["step"] <= step and event["redone"] == step - event["step"]
+        # (a step whose all-reduce both ranks finished just before the kill may be logged after this test read the
+        # metrics 0.3 s on, under load: CI saw redone 2 for a read of step 5 from step 4; it is then a line superseded)
+        late = event["redone"] == step + 1 - event["step"] and step + 1 in superseded_steps
+        assert event["step"] <= step and (event["redone"] == step - event["step"] or late), (event, step)
         assert event["checkpoint"] == f"step_{event['step']:06d}" and "was killed by SIGKILL" in event["reason"]
     assert [output.count(f"stabletrain: restart {n} of 5 after ") for n in (1, 2, 3)] == [1, 1, 1]  # one line each
     last = [x for x in output.splitlines() if x.startswith("stabletrain: trained 20 steps")]  # the final line says it too
