@@ -167,10 +167,10 @@ def process_group(backend: str = "auto", timeout_s: float = 120.0, nproc: int = 
         # hang in the group's set-up (pytorch/pytorch#135712; a trial with `torchrun --max-restarts=2` and a rank
         # killed). Each attempt's group gets keys of its own, by the one agent's restart count (several machines'
         # agents count their own restarts, which may differ: there TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 is needed).
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
-                              is_master=False, timeout=timeout)
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                              timeout=timeout)
         kwargs.update(store=dist.PrefixStore(f"stabletrain/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
-                                             store), rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+                                             store), rank=int(os.environ["RANK"]), world_size=world)
     dist.init_process_group(chosen, timeout=timeout, **kwargs)
     try:
         yield DistContext.current()

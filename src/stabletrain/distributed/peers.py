@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import short_cause
+from .launch import RUN_DIR_NOTE_ENV
 
 __all__ = ["PeerLostError", "is_peer_failure", "short_cause"]
 
@@ -27,7 +28,7 @@ class PeerLostError(RuntimeError):
         done, most = (int(os.environ.get(k, "0") or 0) for k in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"))
         self.restarts = done < most
         if self.restarts:  # torchrun's agent restarts the ranks: no one needs to resume by hand
-            key = "run.max_restarts" if os.environ.get("STABLETRAIN_RUN_DIR_NOTE") else "torchrun's --max-restarts"  # (ours?)
+            key = "run.max_restarts" if os.environ.get(RUN_DIR_NOTE_ENV) else "torchrun's --max-restarts"  # (our launcher's?)
             hint = (f"; the launch restarts from {'LAST_GOOD' if last_good else 'step 0'} (restart {done + 1} of {most}, "
                     f"{key}), unless the same failure keeps coming back (run.max_repeats)")
         else:

@@ -34,6 +34,8 @@ CLIP_CUT = 0.2
 #: The typical grad norm within this factor of the threshold (either way) is "close to" it; beyond, the threshold is
 #: below it (the clip sizes ordinary steps) or above it (the clip fires on the tail only).
 CLIP_NEAR = 1.25
+#: How a median of grad norms that left out the intervals with a spike or a non-finite step is labelled where it is shown.
+CALM_NOTE = ", the intervals without a loss spike or non-finite step"
 
 
 #: Optimizers that divide by a running RMS of the gradients (the clip barely changes their update size), by class name.
@@ -82,7 +84,7 @@ def clip_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
     peaks = _finite([r["grad_norm_max"] for r in calm or run.metrics if isinstance(r.get("grad_norm_max"), float)])
     if peaks:
         f["grad_norm_max_median"] = statistics.median(peaks)
-    calm_note = ", the intervals without a loss spike or non-finite step" if f["grad_norm_calm"] else ""
+    calm_note = CALM_NOTE if f["grad_norm_calm"] else ""
     if not isinstance(run.cfg("clip"), dict):  # every run writes its clip section: its config.yaml was not read
         median = f" (median grad norm {fmt_num(f['grad_norm_median'])}{calm_note})" if norms else ""
         h.say("ok", f"The clip threshold is unknown: the run's config.yaml could not be read (see Data problems){median}.")
@@ -216,7 +218,7 @@ def _tail_text(rows: list[dict[str, Any]], f: dict[str, Any], head: str, thresho
         else:
             bursts.append([first, int(r["step"]), r["clip_rate"] * _applied(r), norm])
     f["clip_surges"] = [(a, b) for a, b, _, _ in bursts]
-    calm = ", the intervals without a loss spike or non-finite step" if f.get("grad_norm_calm") else ""
+    calm = CALM_NOTE if f.get("grad_norm_calm") else ""
     tail = (f"The threshold is above the typical grad norm (median {fmt_num(median)}{calm}), so the clip fired only on the tail, "
             f"the {fmt_pct(f['clip_rate'])} of steps whose grad norm exceeded {fmt_num(threshold)}")
     if not bursts:

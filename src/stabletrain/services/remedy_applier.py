@@ -154,8 +154,8 @@ class RemedyApplier:
                 line = (f"no remedy needed for the {record['failure_class']} incident at step {record['step']}: skipping "
                         + (f"its step cures it on the replay ({skip['evidence']})" if skip_cures else
                            "its step was all (its dropout masks made it; the next steps draw their own)"))
-                before = [c for c in record["candidates"] if c["verdict"] == "cures" and not c["baseline"]
-                          and c["remedy"]["kind"] != "rollback-lr" and c.get("first_step", record["step"]) < record["step"]]
+                before = [c for c in record["candidates"] if c["verdict"] == "cures" and not c["baseline"]  # (the rule
+                          and (unusable(c) or "").startswith("from the update of step")]  # that kept them off, above)
                 line += (f"; {', '.join(dict.fromkeys(c['name'] for c in before))} cure{'s' if len(before) == 1 else ''} it"
                          f"{' too' if skip_cures else ''} from the update of step {before[0]['first_step']}, which the run "
                          "had made already (`stabletrain remedy` lists them)" if before else "")

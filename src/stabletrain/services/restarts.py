@@ -39,7 +39,7 @@ from typing import Any
 
 from .. import console
 from ..callbacks.goodput_clock import LEDGER_FILE
-from ..distributed.launch import EXIT_GAVE_UP, RESTART_ENV, default_run_dir, describe_exit
+from ..distributed.launch import EXIT_GAVE_UP, RESTART_ENV, RUN_DIR_NOTE_ENV, default_run_dir, describe_exit
 from ..records.bundles import incident_order
 from ..records.checkpoint.files import CheckpointError
 from ..records.checkpoint.manager import CheckpointManager, step_of
@@ -356,7 +356,7 @@ def _start_over(run: RunDir, run_dir: Path, failure: Failure, number: int, limit
 def _who(cause: dict[str, Any] | None, number: int) -> str:
     """"rank 1 (pid 4242) was killed by SIGKILL; its last line: '...'" or what is known without a launcher's word."""
     if not cause:
-        own = "" if os.environ.get("STABLETRAIN_RUN_DIR_NOTE") else (
+        own = "" if os.environ.get(RUN_DIR_NOTE_ENV) else (
             "; a torchrun of your own does not say which rank died nor how: its own log above does")
         return f"a process of the run ended (torchrun restarted the ranks: restart count {number}{own})"
     rank = f"rank {cause['rank']}" if cause.get("rank") is not None else "a process"
