@@ -347,6 +347,24 @@ def test_a_pid_or_an_address_in_a_deaths_last_line_does_not_make_it_another_fail
     assert "(pid 25399)" in outcomes[-1].refused  # (its text keeps the words as they were)
 
 
+def test_a_worker_gone_while_its_batch_was_handed_over_is_the_same_one_line(capsys):
+    """CI, once: the killed worker's batch was being received (torch's rebuild of its shared storage) when the connection
+    to it reset: a ConnectionResetError with ~40 lines of frames, not the data loader's one line."""
+    from stabletrain.cli import _report_error
+
+    scope = {}
+    exec(compile("def rebuild_storage_fd():\n    raise ConnectionResetError(104, 'Connection reset by peer')",
+                 "/x/site-packages/torch/multiprocessing/reductions.py", "exec"), scope)
+    try:
+        scope["rebuild_storage_fd"]()
+    except ConnectionResetError as err:
+        assert _report_error(err) == 1
+    line = capsys.readouterr().err
+    assert line.startswith("stabletrain: error: a data loader worker process (data.workers) died: its batch's shared "
+                           "memory could not be received (ConnectionResetError: [Errno 104] Connection reset by peer)"), line
+    assert _report_error(ConnectionResetError(104, "elsewhere")) is None  # (another: its traceback, as before)
+
+
 def test_a_data_loader_worker_killed_is_one_line_that_names_the_data_loader_not_a_traceback(tmp_path):
     """A trial: a DataLoader worker SIGKILLed printed ~40 lines of stabletrain's and torch's frames ending in the fused
     Adam step (torch's SIGCHLD handler raises wherever the main process is): one line that says what died."""

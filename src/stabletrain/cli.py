@@ -174,8 +174,12 @@ def _report_error(err: Exception) -> int | None:
     if part is not None:
         console.error(f"{_rank_prefix()}{format_task_error(err, part)}")
         return 1
-    if isinstance(err, RuntimeError) and str(err).startswith("DataLoader worker"):  # (torch's, raised anywhere in the step)
-        said = str(err).strip().rstrip(".")
+    # (torch's, raised anywhere in the step; or a worker gone while its batch's shared memory was handed over: the
+    # connection to it reset in torch's rebuild of the batch's storage, seen once in CI)
+    handoff = isinstance(err, (ConnectionError, EOFError)) and _raised_in(err, "torch/multiprocessing/reductions.py")
+    if isinstance(err, RuntimeError) and str(err).startswith("DataLoader worker") or handoff:
+        said = (f"its batch's shared memory could not be received ({type(err).__name__}: {err})" if handoff
+                else str(err).strip().rstrip("."))
         console.error(f"{_rank_prefix()}a data loader worker process (data.workers) died: {said}. A Python error in the "
                       "dataset would name its line: this is a death from outside Python (a signal: the out-of-memory "
                       "killer?) or in native code; with data.workers=0 the data is read in the training process"
@@ -186,6 +190,18 @@ def _report_error(err: Exception) -> int | None:
         console.error(f"{_rank_prefix()}{err}")
         return 2
     return None
+
+
+def _raised_in(err: BaseException, path: str) -> bool:
+    """Whether a frame of ``err``'s traceback runs in a file whose path ends with ``path`` ('/'-separated)."""
+    import os
+
+    tb, tail = err.__traceback__, path.replace("/", os.sep)
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith(tail):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 if __name__ == "__main__":
