@@ -268,3 +268,28 @@ def bn_resnet_task(zero_init_residual: bool = False):
     torch.manual_seed(0)
     return Task(model=BNResNet(zero_init_residual=zero_init_residual), train_data=torch.utils.data.TensorDataset(x, y),
                 loss=lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]), name="bn-resnet")
+
+
+def _masked_mse(model: nn.Module, batch: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+    x, y, mask = batch
+    return (((model(x) - y) ** 2).sum(-1) * mask).sum() / mask.sum()  # the user's own mean: 0/0 on a window of no item
+
+
+def _masked_sum_count(model: nn.Module, batch: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    x, y, mask = batch
+    return (((model(x) - y) ** 2).sum(-1) * mask).sum(), mask.sum()  # stabletrain's (sum, count): count 0 there
+
+
+def all_masked_first_task(sum_count: bool = False):
+    """A 4-layer ReLU MLP whose loss is a masked mean written by the user; the first 8 samples are all masked out, so
+    the first batch (``data.shuffle=false``, ``train.batch_size=8``) has a finite forward and a NaN backward (0/0).
+    ``sum_count``: the loss returns (sum, count) instead, stabletrain takes the mean."""
+    from stabletrain.tasks import Task
+
+    g = torch.Generator().manual_seed(0)
+    x, y, mask = torch.randn(64, 8, generator=g), torch.randn(64, 2, generator=g), torch.ones(64)
+    mask[:8] = 0
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2))
+    return Task(model=model, train_data=torch.utils.data.TensorDataset(x, y, mask),
+                loss=_masked_sum_count if sum_count else _masked_mse, name="masked")

@@ -237,6 +237,30 @@ def test_a_deep_relu_mlp_whose_signal_vanishes_is_told_at_step_0_with_the_init_t
     assert "recommended init: init_(model, 'kaiming')" in lines[0] and lines[0].endswith("(init_signal.json)")
 
 
+def test_a_first_batch_whose_backward_is_not_finite_gets_no_init_advice_at_step_0(tmp_path, capfd):
+    """A trial: a first window of no item (the user's masked mean 0/0: the backward NaN) got 'init_(model, 'kaiming'),
+    the scheme for these activations, fails here too (... backward exploding at #3 head (infx)) ... in a residual
+    network, mark each branch's output layer ...': the re-init was tried on a NaN no init explains. Said as check init
+    says it; its flagged layer is 'non-finite', not 'exploding (infx)'."""
+    from helpers import cfg
+    from models_init import all_masked_first_task
+
+    from stabletrain import Trainer
+    from stabletrain.checks import CheckContext, run_checks
+
+    Trainer(cfg("train.max_steps=1", "log.init_signal=true", "data.shuffle=false", "train.batch_size=8", "eval.every=0"),
+            task=all_masked_first_task(), run_dir=tmp_path / "run").fit()
+    (line,) = [x for x in capfd.readouterr().out.splitlines() if "init at step 0" in x]
+    assert line == ("stabletrain: init at step 0: forward: ok; backward: non-finite at #4 '4' (Linear) on this batch (grad "
+                    "std nan): a sample or an op makes it, not the init's scale; no init advice: this batch makes "
+                    "non-finite values, which no init's scale explains (the step's own incident names the sample or the "
+                    "op) (init_signal.json)"), line
+    ctx = CheckContext(cfg("data.shuffle=false", "train.batch_size=8"), task_factory=all_masked_first_task,
+                       options={"out_dir": str(tmp_path / "check")})
+    (init,) = run_checks(ctx, ["init"])
+    assert init.summary == "5 of 5 layers flagged: forward ok, backward non-finite at #4 4", init.summary
+
+
 def test_auto_reports_a_users_task_too_unless_its_copy_would_crowd_the_memory(tmp_path, monkeypatch):
     from helpers import cfg, regression_task
 

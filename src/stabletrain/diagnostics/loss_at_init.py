@@ -38,6 +38,9 @@ def flagged_at(report: SignalReport, direction: str) -> str:
         return "ok"
     ratio = first.forward_ratio if direction == "forward" else first.backward_ratio
     verdict = first.forward if direction == "forward" else first.backward
+    value = first.signal_std if direction == "forward" else first.grad_std
+    if value is not None and not math.isfinite(value):  # (a NaN's ratio is no explosion: a sample or an op made it)
+        return f"non-finite at #{first.index} {first.name}"
     return f"{verdict} at #{first.index} {first.name} ({'-' if ratio is None else f'{ratio:.3g}x'})"
 
 

@@ -244,10 +244,15 @@ class SignalReport:
         weighted = [[x for x in self.layers[:f.index + 1] if x.param_name] for f in firsts]
         return bool(firsts) and all(w and w[-1].frozen for w in weighted)
 
+    @property
+    def nonfinite(self) -> bool:
+        """Whether the batch made a non-finite value in the forward or the backward (a sample or an op: no init's scale)."""
+        return any(x is not None and not math.isfinite(x) for layer in self.layers for x in (layer.signal_std, layer.grad_std))
+
     def advice(self) -> str:
         """Return one line recommending an init scheme from the activations seen."""
         seen = ", ".join(f"{n} x{c}" for n, c in self.activations.items()) or "no activation module or function"
-        if any(x is not None and not math.isfinite(x) for layer in self.layers for x in (layer.signal_std, layer.grad_std)):
+        if self.nonfinite:
             return ("no init advice: this batch makes non-finite values, which no init's scale explains (the step's own "
                     "incident names the sample or the op)")
         if self.passed:

@@ -86,7 +86,7 @@ def first_batch_signal(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Modul
                 measured = signal_report(probe, batch, loss_fn, label=label,
                                          make_optimizer=rebind(probe) if rebind is not None else make_optimizer)
                 report = excluding(measured, zero, label=label, as_built=report)
-            elif disposable and not report.passed and not overwritten:  # (kept_rng: the re-init draws; one that fails: no word)
+            elif disposable and not report.passed and not overwritten and not report.nonfinite:  # (kept_rng: the re-init draws)
                 with contextlib.suppress(Exception):
                     init_(model, report.recommended, trace=lambda m: loss_fn(m, batch))
                     reinit = signal_report(model, batch, loss_fn, label=label, make_optimizer=make_optimizer)
