@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from broken_tasks import frozen_layer_task
 from helpers import cfg, regression_task
-from models_init import augmented_task, zero_head_task
+from models_init import all_masked_first_task, augmented_task, zero_head_task
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -736,3 +736,21 @@ def test_a_scheme_that_fails_too_is_not_recommended_and_a_passing_init_is_kept(t
     signal = json.loads((tmp_path / "run" / "init_signal.json").read_text())
     assert signal["recommended"] is None and signal["advice"].startswith("no init advice: init_(model, 'kaiming'), the "
                                                                           "scheme for these activations, fails here too")
+
+
+def test_overfit_on_a_batch_whose_loss_counts_no_item_says_so_not_an_op_or_late_gradients(tmp_path):
+    """A trial: every token masked out, the loss (sum, 0): the check said 'no op of the forward made one (the batch or a
+    parameter holds it)' and '7 parameter(s) got no gradient at the first step and got one later' (NaN gradients of
+    skipped steps). The 0/0 is the mean's: said as the run's own incident says it. The user's own masked mean (its 0/0
+    an op of theirs) is still traced to its op."""
+    ctx = CheckContext(cfg("data.shuffle=false", "train.batch_size=8"), task_factory=lambda: all_masked_first_task(True),
+                       options={"out_dir": str(tmp_path)})
+    (overfit,) = run_checks(ctx, ["overfit"])
+    assert not overfit.passed and overfit.details == [] and overfit.numbers["num_items"] == 0
+    assert overfit.summary.startswith("the fixed batch (dataset indices 0-7) holds no item its loss counts (count 0: "), overfit
+    ctx = CheckContext(cfg("data.shuffle=false", "train.batch_size=8"), task_factory=all_masked_first_task,
+                       options={"out_dir": str(tmp_path)})
+    (overfit,) = run_checks(ctx, ["overfit"])
+    assert not overfit.passed and overfit.details[0].endswith("first non-finite value in the forward: aten.div.Tensor in "
+                                                              "forward outside any module (origin: inputs finite; nan in "
+                                                              "1/1 float32 elements)"), overfit.details

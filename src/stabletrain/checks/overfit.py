@@ -70,6 +70,11 @@ def check_overfit(ctx: CheckContext) -> CheckResult:
     chance = _uniform_guess(uninformed_loss(model, batch, task.loss, precision.autocast()))
     step.forward_backward(micro, task.loss)
     note_gradients(0)
+    if float(step.window.global_count) == 0:  # (sum, 0): the mean is 0/0 whatever the weights: no op, no gradient to judge
+        return CheckResult("overfit", False, f"the fixed batch (dataset indices {indices[0]}-{indices[-1]}) holds no item "
+                           "its loss counts (count 0: e.g. every token masked out): its mean loss is 0/0, NaN whatever the "
+                           "weights, so there is nothing to overfit (do some samples hold no item? a run skips such a window)",
+                           numbers={"initial_loss": float("nan"), "num_items": 0, "steps": 0})
     nonfinite_grad = [n for n, p in named if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
     initial = float(step.window.mean_loss)
     # Halving a loss that starts far above a uniform guess's proves nothing memorized (2.3e5 -> 1.0e5 'passed' where ln 4
