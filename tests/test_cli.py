@@ -614,6 +614,13 @@ def test_an_out_that_is_a_file_is_one_line_and_exit_2_for_compare_check_and_lab(
     for argv in (["check", "--out", str(afile), "init", "task=mlp"], ["lab", "3", "--out", str(afile)]):
         assert main(argv) == 2, argv
     assert afile.read_text() == "mine\n"  # nothing lost
+    # a folder that cannot be made (a trial's /proc/forbidden: 'init FAIL the check raised FileNotFoundError' and
+    # pathlib's frames, exit 1): one line at once, as run.dir's; a folder that can be made is not made by the probe
+    with pytest.raises(ValueError, match=r"^--out '/proc/forbidden/x' cannot be created in '/proc': No such file or "):
+        check_folder("/proc/forbidden/x")
+    for argv in (["check", "--out", "/proc/forbidden", "init", "task=mlp"], ["lab", "3", "--out", "/proc/forbidden"]):
+        assert main(argv) == 2, argv
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
 def test_train_report_writes_the_report_of_a_run_that_crashed(tmp_path, monkeypatch, capsys):

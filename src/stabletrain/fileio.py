@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -77,5 +78,10 @@ def check_folder(path: str | Path, what: str = "--out") -> Path:
         at = at.parent
     if at.exists() and not at.is_dir():
         raise ValueError(f"{what} {str(path)!r}: {str(at)!r} is a file, not a folder; give a folder (or a new path)")
+    if at.is_dir() and at != path:  # a folder to be made there: tried (and taken back) now, not when a check first writes
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".stabletrain-probe-", dir=at))
+        except OSError as err:
+            raise ValueError(f"{what} {str(path)!r} cannot be created in {str(at)!r}: {err.strerror or err}") from None
     return path
 
