@@ -336,6 +336,30 @@ class StepLosses(StableCallback):
         self.losses[state.step] = float(out["loss"])
 
 
+class GivenLosses(L.Callback):
+    """Test-only: each micro-batch's loss as Lightning hands it to the backward (divided by accumulate_grad_batches)."""
+
+    def __init__(self):
+        self.given = []
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        self.given.append(float(loss))
+
+
+def test_an_epochs_short_last_window_logs_its_own_mean_loss_not_a_third_of_it(tmp_path):
+    """A trial: 5 batches at accumulate_grad_batches=3 (windows of 3 and 2): Lightning divides every micro-batch's loss
+    by 3, the short window's too; its step was recorded at the sum of what was backpropagated, 2/3 of its mean (1/3 for a
+    window of one: a false dip each epoch, into the spike rule's median too). The step's mean loss is what is logged."""
+    steps, given = StepLosses(), GivenLosses()
+    fit(LitNet(), StableTrainCallback(run_dir=tmp_path / "run", log_every=1, callbacks=[steps]), 5, max_steps=2,
+        accumulate_grad_batches=3, callbacks=[given])
+    assert len(given.given) == 5 and list(steps.losses) == [1, 2]
+    assert steps.losses[1] == pytest.approx(sum(given.given[:3]), rel=1e-6)  # a whole window: the sum of thirds, its mean
+    assert steps.losses[2] == pytest.approx(sum(given.given[3:]) * 3 / 2, rel=1e-6)  # the mean of its 2 micro-batches
+    records, _ = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["loss"] for r in records] == pytest.approx([steps.losses[1], steps.losses[2]], rel=1e-6)
+
+
 def test_resume_from_lightnings_checkpoint_keeps_metrics_and_guard(tmp_path):
     # Two epochs of 7 batches; the first fit stops after epoch 1, where Lightning checkpoints (our state in it).
     ckpts, first_losses, later_losses = tmp_path / "ckpts", StepLosses(), StepLosses()

@@ -213,10 +213,10 @@ class RunSession:
     def before_host_step(self, norm: Tensor, per_param: Tensor, *, grads_scaled: bool) -> None:
         """Just before the host's optimizer step: keep the pending step, judge it (the skip on the device; no sync);
         ||update|| on an interval's last step (the run's last too, where the host says which: ``final_step``)."""
-        p, nxt = self.pending, self.step + 1
+        p, nxt, every = self.pending, self.step + 1, self.options.log_every
         self.keep(p.micro, p.rng, p.host)
-        self.host_step.before_step(p.loss, norm, per_param, grads_scaled=grads_scaled, measure_update=nxt % self.options.log_every
-                                   == 0 or nxt == self.host_config.get("final_step"))
+        self.host_step.before_step(p.window_loss, norm, per_param, grads_scaled=grads_scaled, measure_update=nxt % every == 0
+                                   or nxt == self.host_config.get("final_step"))
 
     def record_host_step(self, out: dict[str, Tensor], *, epoch: int, lr: Tensor | float) -> dict[str, Any] | None:
         """Record the host's step (:meth:`record`); the next one starts. Returns the interval's record if it logged."""

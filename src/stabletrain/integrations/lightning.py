@@ -167,7 +167,7 @@ class StableTrainCallback(pl.Callback):
             return
         loss = self.session.host_step.unscale(loss.detach().float())  # Lightning hands the scaled loss under a GradScaler
         self.session.watch_loss(loss)
-        self.session.pending.add_loss(loss)
+        self.session.pending.add_loss(loss, trainer.accumulate_grad_batches)  # (Lightning divided it by that)
         self.session.pending.host["backward_at"] = len(self.session.pending.micro)  # (the micro-batches backpropagated)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:

@@ -60,6 +60,7 @@ class PendingStep:
         self.micro: list[Any] = []
         self.rng: dict[str, Any] | None = None
         self.loss: Tensor | None = None
+        self.losses, self.parts = 0, 1  # the losses added; what the host divided each by
         self.count: Tensor | float = 0.0
         self.host: dict[str, Any] = {}
 
@@ -70,8 +71,18 @@ class PendingStep:
         self.micro.append(batch)
         self.count = self.count + (count.detach().float() if isinstance(count, Tensor) else float(count))
 
-    def add_loss(self, loss: Tensor) -> None:
+    def add_loss(self, loss: Tensor, parts: int = 1) -> None:
+        """A micro-batch's loss as the host backpropagates it; ``parts``: the micro-batches the host divided each loss
+        by (Lightning's ``accumulate_grad_batches``, whatever the window holds)."""
         self.loss = loss if self.loss is None else self.loss + loss
+        self.losses, self.parts = self.losses + 1, parts
+
+    @property
+    def window_loss(self) -> Tensor | None:
+        """The window's mean loss: the sum of what was backpropagated, a short window's (an epoch's last, fewer
+        micro-batches than ``parts``) brought back from Lightning's division by ``parts`` to its own mean."""
+        short = self.loss is not None and self.losses < self.parts
+        return self.loss * (self.parts / self.losses) if short else self.loss
 
 
 @dataclass
