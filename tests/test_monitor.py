@@ -859,3 +859,53 @@ def test_under_warn_a_later_incident_says_the_parameters_were_already_non_finite
     assert "params_nonfinite_before" not in first and not first["summary"].startswith("the parameters were")
     assert later["summary"].startswith("the parameters were non-finite before this step (fc1.weight"), later["summary"]
     assert "an update applied before it broke them (on_nonfinite='warn'" in later["summary"]
+
+
+def test_a_loop_that_misuses_the_monitor_is_told_once_at_its_own_line(tmp_path):
+    """A trial: the loop's own optimizer.step() beside monitor.step() ran every step twice, with only an 'init
+    overwritten' warning; a Monitor never stepped, or a last backward never stepped, closed silently (an empty
+    metrics.jsonl); a function given as the model failed with AttributeError: 'function' object has no attribute
+    'parameters'."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    with pytest.raises(ValueError, match=r"^model: expected a torch.nn.Module, got "):
+        Monitor(lambda x: x, opt)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with Monitor(model, opt, run_dir=tmp_path / "twice", log_every=2, loss_fn=loss_fn) as monitor:
+            for batch in batches(4):
+                monitor.backward(loss_fn(model, batch), batch)
+                opt.step()  # the loop's own: monitor.step() steps it too
+                monitor.step()
+    said = [w for w in seen if "outside monitor.step()" in str(w.message)]
+    assert len(said) == 1 and Path(said[0].filename) == Path(__file__), [str(w.message) for w in seen]  # once, here
+    assert str(said[0].message).startswith("optimizer.step() was called outside monitor.step(), which steps the optimizer")
+    for case in ("never stepped", "a last backward"):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with Monitor(model, opt, run_dir=tmp_path / case.replace(" ", "_"), log_every=2) as monitor:
+                for batch in batches(3 if case == "a last backward" else 1):
+                    if case == "never stepped":  # the loop steps its optimizer itself
+                        loss_fn(model, batch).backward()
+                        opt.step()
+                        continue
+                    monitor.backward(loss_fn(model, batch), batch)
+                    if monitor.num_steps < 2:
+                        monitor.step()
+        said = [str(w.message) for w in seen if "monitor.step()" in str(w.message)]
+        want = ("optimizer.step() was called outside monitor.step()" if case == "never stepped" else
+                "1 monitor.backward() call(s) after the last monitor.step() were never stepped: their gradients are "
+                "dropped at close")
+        assert len(said) == 1 and said[0].startswith(want), said
+    with warnings.catch_warnings(record=True) as seen:  # built and closed with no step at all
+        warnings.simplefilter("always")
+        Monitor(model, opt, run_dir=tmp_path / "empty").close()
+    assert [str(w.message) for w in seen if "no step" in str(w.message)] == [
+        "the Monitor recorded no step: call monitor.step() once per optimizer step, after its backward (monitor.step() "
+        "steps the optimizer; the run directory holds no metrics)"]
+    with warnings.catch_warnings(record=True) as seen:  # an exception that ends the loop says it all: nothing more
+        warnings.simplefilter("always")
+        with pytest.raises(KeyError), Monitor(model, opt, run_dir=tmp_path / "raised"):
+            raise KeyError("the loop's own")
+    assert not [w for w in seen if "monitor.step()" in str(w.message)]

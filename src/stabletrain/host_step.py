@@ -21,6 +21,7 @@ No host sync on the way, except the one documented for an optimizer that cannot 
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import warnings
 from collections.abc import Sequence
@@ -51,8 +52,8 @@ from .policies.precision import PrecisionPolicy
 from .seeding import kept_rng
 from .step import TrainStep
 
-__all__ = ["HostStep", "as_backpropagated", "backpropagated_parts", "clip_as_judged", "redo_user_clip", "items_ignored",
-           "given_loss"]
+__all__ = ["HostStep", "MonitorUse", "as_backpropagated", "backpropagated_parts", "clip_as_judged", "redo_user_clip",
+           "items_ignored", "given_loss"]
 
 
 class HostStep:
@@ -297,3 +298,43 @@ def items_ignored(host: dict[str, Any], model: nn.Module, batch: Any, loss_for: 
                       "in compute_loss, or do not accept the argument (the Trainer then averages)", StableTrainWarning,
                       stacklevel=3)
     return True
+
+
+class MonitorUse:
+    """What a :class:`~stabletrain.Monitor` loop did that it should not, said once each as a warning at the user's line:
+    the optimizer stepped outside ``monitor.step()`` (which steps it itself: each step ran twice), and at the end a
+    backward never stepped or no step at all (an empty run directory, said nowhere)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, replaying: Any) -> None:
+        self.inside, self.said, self.replaying = False, False, replaying  # replaying(): a capture replays the live state
+        self.handle = optimizer.register_step_post_hook(self._stepped)  # (the optimizer's own hook: every step() call)
+
+    def _stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not (self.inside or self.said or self.replaying()):
+            self.said = True
+            warnings.warn("optimizer.step() was called outside monitor.step(), which steps the optimizer itself (after "
+                          "unscaling, guarding and clipping): each step ran twice; remove your optimizer.step() (and "
+                          "scaler.step/update) from the loop", StableTrainWarning, stacklevel=console.user_stacklevel())
+
+    @contextlib.contextmanager
+    def stepping(self) -> Any:
+        """Around ``monitor.step()``'s own optimizer step."""
+        self.inside = True
+        try:
+            yield
+        finally:
+            self.inside = False
+
+    def close(self, steps: int, unstepped: int, err: BaseException | None) -> None:
+        """At close (``err``: the exception that ended the loop, after which nothing more is said)."""
+        self.handle.remove()
+        if err is not None or self.said:
+            return
+        if unstepped:
+            warnings.warn(f"{unstepped} monitor.backward() call(s) after the last monitor.step() were never stepped: their "
+                          "gradients are dropped at close (call monitor.step() after the step's last backward)",
+                          StableTrainWarning, stacklevel=console.user_stacklevel())
+        elif steps == 0:
+            warnings.warn("the Monitor recorded no step: call monitor.step() once per optimizer step, after its "
+                          "backward (monitor.step() steps the optimizer; the run directory holds no metrics)",
+                          StableTrainWarning, stacklevel=console.user_stacklevel())

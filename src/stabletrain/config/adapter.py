@@ -94,14 +94,16 @@ class AdapterOptions:
                 setattr(self, name, _get(self._cfg, key))
 
     def checked(self, **args: Any) -> AdapterOptions:
-        """Check the adapter constructor's own arguments (``clip_max_norm``, ``precision``, ``loss_fn``, ``count_fn``,
+        """Check the adapter constructor's own arguments (``model``, ``clip_max_norm``, ``precision``, ``loss_fn``, ``count_fn``,
         ``model_factory``, ``run_dir``, ``scaler``, ``overwrite``, ``trainer``, ``callbacks``; None: not given) as the
         options are: a bad value is a ValueError naming the argument (and its config key, :data:`ARG_KEYS`), when the
         adapter is built, not at the first step or incident. Returns ``self``."""
         for name, value in args.items():
             if value is None:
                 continue
-            if name == "run_dir":
+            if name == "model":  # (duck-typed: torch is not imported here)
+                ok, want = all(callable(getattr(value, m, None)) for m in ("parameters", "named_modules")), "a torch.nn.Module"
+            elif name == "run_dir":
                 ok, want = isinstance(value, (str, os.PathLike)) and str(value) != "", "a path (str or pathlib.Path) or None"
             elif name == "scaler":  # (duck-typed: torch.amp's and torch.cuda.amp's GradScaler, a subclass, a sharded one)
                 ok = all(callable(getattr(value, m, None)) for m in ("scale", "unscale_", "step", "update", "is_enabled"))

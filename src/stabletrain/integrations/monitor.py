@@ -21,13 +21,8 @@ diagnosed by replaying ``loss_fn`` on the step's batches (your own backward with
 Your own clipping (e.g. ``accelerator.clip_grad_norm_``) may stay: pass the pre-clip norm it returned,
 ``monitor.step(batch, loss=loss, grad_norm=norm)``; stabletrain then records it and does not clip again. A model
 wrapped in ``DistributedDataParallel`` (under ``torchrun``) works as it is: every rank builds its Monitor, rank 0
-writes the run directory.
-
-Your LR scheduler is yours: call it after ``monitor.step`` as before (a skipped step still advances it, as under a
-GradScaler; ``monitor.last_applied`` is the step's device flag if you want to hold it). Resume: save
-``monitor.state_dict()`` in your checkpoint, and after restoring your model and optimizer build
-``Monitor(..., resume=True)`` and call ``load_state_dict``. Metric keys: :data:`stabletrain.records.events.METRIC_KEYS`
-(``tokens_per_s`` counts ``num_tokens`` when you pass it to :meth:`Monitor.step`, else samples).
+writes the run directory. Your LR scheduler stays yours (``monitor.last_applied``: the step's device flag); resume
+with ``state_dict`` and ``Monitor(..., resume=True)``; see docs/adapters.md.
 """
 
 from __future__ import annotations
@@ -44,7 +39,7 @@ from ..callbacks import Callback
 from ..config import AdapterOptions
 from ..data import move_to
 from ..errors import StopTraining
-from ..host_step import as_backpropagated, backpropagated_parts, given_loss, redo_user_clip
+from ..host_step import MonitorUse, as_backpropagated, backpropagated_parts, given_loss, redo_user_clip
 from ..internals import unwrap
 from ..policies.precision import PrecisionPolicy
 from ..records.batches import batch_size
@@ -95,9 +90,9 @@ class Monitor:
         if not isinstance(inner, torch.optim.Optimizer):
             raise TypeError(f"Monitor(optimizer=...): expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.model, self.optimizer, self.loss_fn = model, inner, loss_fn
-        options = AdapterOptions(**options).checked(clip_max_norm=clip_max_norm, precision=precision, loss_fn=loss_fn,
-                                                    model_factory=model_factory, run_dir=run_dir, scaler=scaler,
-                                                    overwrite=overwrite, callbacks=callbacks)
+        options = AdapterOptions(**options).checked(model=model, clip_max_norm=clip_max_norm, precision=precision,
+                                                    loss_fn=loss_fn, model_factory=model_factory, run_dir=run_dir,
+                                                    scaler=scaler, overwrite=overwrite, callbacks=callbacks)
         device = next(p.device for p in model.parameters())
         scaler = scaler if scaler is None or scaler.is_enabled() else None  # GradScaler(enabled=False): an fp32/bf16 run's
         mode = precision or ("fp16" if scaler is not None else "fp32")
@@ -115,6 +110,7 @@ class Monitor:
         self.clipper = self.step_fn.clipper
         self.last_applied: Tensor | None = None
         self.session.open(resume=resume)
+        self.use = MonitorUse(inner, lambda: self.session.capture.replaying)  # (optimizer.step() outside step(), ...)
         self._reset()
 
     def _reset(self) -> None:
@@ -188,7 +184,8 @@ class Monitor:
         session.keep(micro, self._rng, host)
         last_of_interval = (session.step + 1) % session.options.log_every == 0
         norm = torch.as_tensor(grad_norm).detach().float().reshape(()) if grad_norm is not None else None
-        out = self.step_fn.update(loss=loss, count=count, measure_update=last_of_interval, grad_norm=norm)
+        with self.use.stepping():
+            out = self.step_fn.update(loss=loss, count=count, measure_update=last_of_interval, grad_norm=norm)
         if norm is not None and session.capturing:  # your clip, for a replay: the norms before and after it (device)
             host["user_clip"] = (norm, torch.linalg.vector_norm(out["per_param_norms"]))
         self.optimizer.zero_grad(set_to_none=True)
@@ -219,12 +216,14 @@ class Monitor:
 
     def close(self) -> None:
         """Log the last partial interval and close the run directory's files (idempotent)."""
+        self.use.close(self.session.step, len(self._backward), None) if not self.session.closed else None
         self.session.close()
 
     def __enter__(self) -> Monitor:
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        self.use.close(self.session.step, len(self._backward), exc) if not self.session.closed else None
         self.session.close(exc if not isinstance(exc, StopTraining) else None)
 
     def state_dict(self) -> dict[str, Any]:
