@@ -10,6 +10,7 @@ metrics history, its torch RNG state right after the resume, its final full para
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -76,6 +77,14 @@ class PlantNaN(Callback):
         param = dict(state.module.named_parameters())["layers.1.fc.weight"]
         with torch.no_grad():
             param.to_local()[0, 0] = float("nan")
+
+
+class SigtermAtFitEnd(Callback):
+    """At the fit's end (after the loop let go of its signal handler), SIGTERM to this process: as torchrun's agent
+    sends one to every rank when another dies, while the rank is still on its way out."""
+
+    def on_fit_end(self, state, record):
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def record_windows(trainer) -> list[tuple[int, int, int, list[list[int]]]]:
