@@ -664,3 +664,22 @@ def test_a_run_that_ends_with_a_non_finite_loss_says_so(tmp_path, capsys):
     assert main(args) == 0
     err = capsys.readouterr().err
     assert "warning: the run ended with a non-finite loss (nan) in its last interval" in err, err
+
+
+def test_a_task_argument_from_a_config_file_is_named_with_its_file_and_line(tmp_path, capsys):
+    """A trial: 'config key 'task_args.n': expected an integer' and 'unknown config key 'task_args.nn'' from a YAML file
+    named neither (a user task's arguments are checked when it is built, not when the file is read), as every other key
+    of a file is. One given on the command line is the command line's."""
+    from stabletrain.cli import main
+
+    config = tmp_path / "c.yaml"
+    config.write_text("task: helpers:make_user_task\ntrain:\n  max_steps: 1\ntask_args:\n  width: '5x'\n")
+    assert main(["train", "--config", str(config), f"run.dir={tmp_path / 'a'}"]) == 2
+    assert capsys.readouterr().err.strip() == (f"stabletrain: error: config file {str(config)!r}, line 5: config key "
+                                               "'task_args.width': expected an integer, got '5x'")
+    config.write_text("task: helpers:make_user_task\ntask_args:\n  widht: 3\n")
+    assert main(["check", "--config", str(config), "overfit"]) == 2
+    assert capsys.readouterr().err.startswith(f"stabletrain: error: config file {str(config)!r}, line 3: unknown config "
+                                              "key 'task_args.widht' for task 'helpers:make_user_task' (it takes: ")
+    assert main(["train", "--config", str(config), "task_args.widht=4", f"run.dir={tmp_path / 'b'}"]) == 2
+    assert capsys.readouterr().err.startswith("stabletrain: error: unknown config key 'task_args.widht'")

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         if isinstance(err, BrokenPipeError) and _stdout_gone():
             return _quiet_exit_on_closed_stdout()
-        code = _report_error(err)
+        code = _report_error(err, _in_config_file(err, args))
         if code is None:
             raise  # neither the task's code nor input stabletrain rejects: a bug, with its whole traceback
         return code
@@ -147,7 +147,23 @@ def _quiet_exit_on_closed_stdout() -> int:
 SILENT_RANK_WAIT_S = 3.0
 
 
-def _report_error(err: Exception) -> int | None:
+def _in_config_file(err: Exception, args: argparse.Namespace) -> str:
+    """``config file 'F', line N: `` where a task's own argument (``task_args.X``, checked once the task is built, not
+    when the file is read) came from the --config file, not the command line, as every other key of a file is named."""
+    import re
+
+    found = re.search(r"'(task_args\.[\w.]+)'", str(err)) if _loaded_instance(err, "stabletrain.tasks", "TaskError") else None
+    path = getattr(args, "config", None)
+    if found is None or not path or any(o.partition("=")[0] == found.group(1) for o in [*getattr(args, "overrides", []),
+                                                                                  *getattr(args, "names", [])]):
+        return ""
+    from .config.loading import key_line
+
+    line = key_line(path, found.group(1))
+    return f"config file {str(path)!r}, line {line}: " if line else ""
+
+
+def _report_error(err: Exception, where: str = "") -> int | None:
     """Print ``err`` for a user; return the exit code, or None when it needs its full traceback.
 
     What stabletrain rejects (config, task contract, files, checkpoints: its own exceptions, and the
@@ -168,7 +184,7 @@ def _report_error(err: Exception) -> int | None:
         return 2
     if isinstance(err, ConfigError) or _loaded_instance(err, "stabletrain.tasks", "TaskError") \
             or _loaded_instance(err, "stabletrain.records.checkpoint.files", "CheckpointError"):
-        console.error(f"{_rank_prefix()}{err}")
+        console.error(f"{_rank_prefix()}{where}{err}")  # (where: a task argument's line in the config file)
         return 2
     part = task_part(err)
     if part is not None:

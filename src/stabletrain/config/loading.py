@@ -26,7 +26,7 @@ from .moved import move_old_keys
 from .schema import Config, check_remedy_capture
 from .values import ConfigError, coerce, section_at, type_hints
 
-__all__ = ["load_config", "load_yaml", "apply_override", "config_from_dict", "config_to_dict", "config_hash"]
+__all__ = ["load_config", "load_yaml", "key_line", "apply_override", "config_from_dict", "config_to_dict", "config_hash"]
 
 
 def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
@@ -97,6 +97,14 @@ def _parse_yaml(text: str, source: str) -> tuple[Any, dict[str, int]]:
         raise ConfigError(f"{source}: not valid YAML{where}: {problem}") from None
     finally:
         loader.dispose()
+
+
+def key_line(path: str | Path, key: str) -> int | None:
+    """The line of the dotted ``key`` in the YAML config file at ``path`` (None: not set there, or not readable)."""
+    try:
+        return _parse_yaml(Path(path).read_text(encoding="utf-8"), f"config file {str(path)!r}")[1].get(key)
+    except (OSError, ConfigError):
+        return None
 
 
 def _key_lines(node: Any, path: str, source: str, lines: dict[str, int], above: tuple[int, ...]) -> None:
