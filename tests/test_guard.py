@@ -177,7 +177,7 @@ def test_an_lr_that_breaks_the_parameters_in_the_update_is_caught_after_the_upda
     assert checked and "loss" in checked[0]["reason"]
     pinned = next(e for e in events if e["kind"] == "nonfinite" and e.get("after_update"))
     assert pinned["step"] == 1 and pinned["pinned_by_replay"] is True and math.isfinite(pinned["loss"])
-    assert "a skip cannot undo an applied update" in trainer.stop_reason and "at step 1" in trainer.stop_reason
+    assert "a skip cannot make non-finite parameters finite again" in trainer.stop_reason and "at step 1" in trainer.stop_reason
     incident = next(e for e in events if e["kind"] == "incident")
     assert incident["step"] == 1 and incident["after_update"] is True
     # the interval's other non-finite step, said with the capture the replay pinned (a trial: 'at step 1 ... step 2's')
@@ -314,7 +314,7 @@ def test_decide_pins_the_range_of_updates_a_failed_parameter_check_covers():
     assert d.first_incident == 13 and not d.after_update and d.locate == (11, 14) and d.action == "stop"
     d.pin(12)
     assert d.first_incident == 12 and d.after_update and d.bad_steps == [12, 13, 14]
-    assert "after the update at step 12" in d.reason and "cannot undo" in d.reason
+    assert "after the update at step 12" in d.reason and "cannot make non-finite parameters finite again" in d.reason
     d = g.decide([row(21), row(22, params=1.0), row(23), row(24, params=0.0)])
     assert d.first_incident == 24 and d.after_update and d.locate == (23, 24)
     assert "after an update of steps 23-24" in d.reason

@@ -909,3 +909,32 @@ def test_a_loop_that_misuses_the_monitor_is_told_once_at_its_own_line(tmp_path):
         with pytest.raises(KeyError), Monitor(model, opt, run_dir=tmp_path / "raised"):
             raise KeyError("the loop's own")
     assert not [w for w in seen if "monitor.step()" in str(w.message)]
+
+
+def test_a_weight_made_non_finite_outside_the_optimizer_is_said_so_not_blamed_on_the_hardware(tmp_path):
+    """A trial: the loop set one weight to inf before step 7 (weight surgery, an EMA swap, a load_state_dict do it): the
+    incident said 'no non-finite value on replay ... suspect a hardware fault or nondeterminism' (the replay's weights,
+    from the interval's start, are finite) and the stop 'a skip cannot undo an applied update', of a step that applied
+    none. The run's own weights before the skipped step were non-finite and no replayed update made them so."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    run_dir = tmp_path / "run"
+    with contextlib.suppress(StopTraining), Monitor(model, opt, run_dir=run_dir, log_every=4, loss_fn=loss_fn) as monitor:
+        for step, batch in enumerate(batches(8), start=1):
+            if step == 7:
+                with torch.no_grad():
+                    model.fc2.weight[0, 3] = float("inf")
+            monitor.backward(loss_fn(model, batch), batch)
+            monitor.step()
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    (incident,) = [e for e in events if e["kind"] == "incident"]
+    d = json.loads((Path(incident["path"]) / "diagnosis.json").read_text())
+    assert incident["step"] == 7 and d["failure_class"] == "not reproducible" and d["changed_outside"] == ["fc2.weight"]
+    assert incident["diagnosis"]["summary"] == d["summary"]
+    assert d["summary"].startswith("not reproducible: the run's parameters held non-finite values before this step "
+                                   "(fc2.weight; its update was skipped), the replay's do not: no update of the interval "
+                                   "made them so; they were changed outside the optimizer's steps"), d["summary"]
+    assert "hardware" not in d["summary"]
+    stops = [e["reason"] for e in events if e["kind"] == "stop"]
+    assert all("a skip cannot make non-finite parameters finite again" in r for r in stops) and len(stops) == 1, stops

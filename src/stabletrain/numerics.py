@@ -22,6 +22,7 @@ __all__ = [
     "all_params_finite",
     "both_finite",
     "first_nonfinite_grad",
+    "nonfinite_params",
     "snapshot_params",
     "update_norm",
     "update_norms",
@@ -175,6 +176,15 @@ def all_params_finite(params: Iterable[Tensor]) -> Tensor:
     else:
         extremes = torch._foreach_norm(params, ord=math.inf)
     return torch.isfinite(torch.stack(extremes)).all()
+
+def nonfinite_params(named: Iterable[tuple[str, Tensor]]) -> list[str]:
+    """The names of the parameters holding a NaN/Inf (this rank's shard of a sharded one). One host sync."""
+    named = [(n, p.to_local() if hasattr(p, "to_local") else p) for n, p in named]
+    if not named:
+        return []
+    flags = torch.stack([torch.isfinite(p.detach()).all() for _, p in named]).tolist()
+    return [n for (n, _), ok in zip(named, flags) if not ok]
+
 
 def first_nonfinite_grad(model: nn.Module) -> str | None:
     """Return the name of the first parameter (registration order) whose grad has a NaN/Inf, or None.

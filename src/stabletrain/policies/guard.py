@@ -402,7 +402,7 @@ class Guard:
                 policy = "stop"
                 d._policy = f", after {self.num_rollbacks} rollbacks (guard.max_rollbacks)"
             if params_bad_at is not None and self.cfg.on_nonfinite == "skip":
-                d._policy += " (a skip cannot undo an applied update)"
+                d._policy += " (a skip cannot make non-finite parameters finite again)"
             d.action, d.reason = policy, _nonfinite_reason(d)
         elif d.spike_steps and self.cfg.on_spike == "remedy":
             d.action, d.reason = "remedy", f"loss spike at step {d.spike_steps[0]}"

@@ -21,7 +21,7 @@ from typing import Any
 
 from .. import console
 from ..callbacks.sinks import announce_precursor
-from ..numerics import running_stats_modules
+from ..numerics import nonfinite_params, running_stats_modules
 from ..policies.guard import NEGLIGIBLE_SPIKE, GuardDecision
 from ..policies.metrics import interval_record, peak_memory_mib
 from ..policies.precursor import Precursor
@@ -140,6 +140,8 @@ class IntervalBoundary:
         info = {"step": row.step, "after_update": decision.after_update, "ranks": list(row.ranks or []),
                 "loss": row.values["loss"], "grad_norm": row.values["grad_norm"], "locate": decision.locate,
                 "anomaly": anomaly}
+        if row.values["applied"] < 0.5 and row.values.get("params_finite", 1.0) < 0.5:  # a skipped step made no update:
+            info["live_nonfinite"] = nonfinite_params(self.state.named_params)  # they were so before it (the replay says how)
         if anomaly == "spike":  # the losses the rule judged it against
             info["spike_window"] = self.guard.window_before(step, rows)
             self.guard.num_spike_captures += 1
