@@ -683,3 +683,23 @@ def test_a_task_argument_from_a_config_file_is_named_with_its_file_and_line(tmp_
                                               "key 'task_args.widht' for task 'helpers:make_user_task' (it takes: ")
     assert main(["train", "--config", str(config), "task_args.widht=4", f"run.dir={tmp_path / 'b'}"]) == 2
     assert capsys.readouterr().err.startswith("stabletrain: error: unknown config key 'task_args.widht'")
+
+
+def test_train_in_process_puts_back_the_sigterm_handler_and_runs_from_another_thread(tmp_path):
+    """The late SIGTERM holder (a SIGTERM after the fit is said before the process ends) is put back once the command
+    has said its last line: an in-process caller's SIGTERM works again after it (a review: it stayed ignored for the
+    process's life); from a thread other than the main one there is no signal to hold (signal.signal raised there)."""
+    import signal
+    import threading
+
+    from stabletrain.cli import main
+
+    before = signal.getsignal(signal.SIGTERM)
+    argv = ["train", "task=mlp", "train.max_steps=2", "log.progress=false", "log.tensorboard=false", "eval.every=0"]
+    assert main([*argv, f"run.dir={tmp_path / 'a'}"]) == 0
+    assert signal.getsignal(signal.SIGTERM) is before
+    codes = []
+    thread = threading.Thread(target=lambda: codes.append(main([*argv, f"run.dir={tmp_path / 'b'}"])))
+    thread.start()
+    thread.join(120)
+    assert codes == [0] and signal.getsignal(signal.SIGTERM) is before

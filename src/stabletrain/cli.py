@@ -111,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         if code is None:
             raise  # neither the task's code nor input stabletrain rejects: a bug, with its whole traceback
         return code
+    finally:
+        if getattr(args, "late_sigterm", None) is not None:  # train's: a SIGTERM after its fit, held until said
+            args.late_sigterm.restore()
 
 
 def _stdout_gone() -> bool:

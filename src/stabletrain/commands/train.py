@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -104,13 +103,11 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
     from ..distributed.launch import EXIT_STALLED
     from ..loop import Trainer
     from ..services.run_setup import DEFAULT_RUN_DIR
+    from ..services.signals import LateSigterm
 
     trainer = Trainer(cfg, run_dir=run_dir if run_dir is not None else DEFAULT_RUN_DIR, resume=resume)
     run_dir = trainer.run.path if trainer.run is not None else run_dir
-    # A SIGTERM once the loop has let go of its own handler (its teardown, then the line this command ends with) must
-    # not end the process before it says why it ends: torchrun's agent sends one to every rank when another dies, and
-    # rank 0 died by it before its "another rank exited" line (CI). The loop's handler stands while it trains.
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    args.late_sigterm = LateSigterm().install()  # (the loop's own handler stands while it trains; the CLI puts it back)
     try:
         record = trainer.fit()
     except KeyboardInterrupt:  # a second signal: out at once; say what is safe to resume from

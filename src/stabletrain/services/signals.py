@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from typing import Any
 
-__all__ = ["SignalHandler"]
+__all__ = ["SignalHandler", "LateSigterm"]
 
 
 class SignalHandler:
@@ -43,3 +44,34 @@ class SignalHandler:
     @staticmethod
     def name(signum: int) -> str:
         return signal.Signals(signum).name
+
+
+class LateSigterm:
+    """A SIGTERM once the loop has put back the handler it had (its teardown, the command's last line): the first is
+    held, so the process says why it ends before it ends (torchrun's agent SIGTERMs every rank when another dies: rank
+    0 died by it, -15, before its "another rank exited" line); a second one ends it at once, by the handler before.
+
+    :meth:`install` right before the fit (in the main thread only; a SIGTERM before it ends the set-up as it did),
+    :meth:`restore` once the command has said its last line (the handler before is back, for an in-process caller).
+    """
+
+    def __init__(self) -> None:
+        self.old: Any = None
+        self.seen = False
+
+    def install(self) -> LateSigterm:
+        if threading.current_thread() is threading.main_thread():
+            self.old = signal.signal(signal.SIGTERM, self._on)
+        return self
+
+    def _on(self, signum: int, frame: Any) -> None:
+        if self.seen:  # a second: the handler before decides (the default ends the process)
+            self.restore()
+            os.kill(os.getpid(), signal.SIGTERM)
+        self.seen = True
+
+    def restore(self) -> None:
+        if self.old is not None:
+            signal.signal(signal.SIGTERM, self.old)
+            self.old = None
+
