@@ -683,6 +683,8 @@ def test_a_task_argument_from_a_config_file_is_named_with_its_file_and_line(tmp_
                                               "key 'task_args.widht' for task 'helpers:make_user_task' (it takes: ")
     assert main(["train", "--config", str(config), "task_args.widht=4", f"run.dir={tmp_path / 'b'}"]) == 2
     assert capsys.readouterr().err.startswith("stabletrain: error: unknown config key 'task_args.widht'")
+    assert main(["train", "--config", str(config), "task_args={widht: 4}", f"run.dir={tmp_path / 'c'}"]) == 2  # (a review)
+    assert capsys.readouterr().err.startswith("stabletrain: error: unknown config key 'task_args.widht'")
 
 
 def test_train_in_process_puts_back_the_sigterm_handler_and_runs_from_another_thread(tmp_path):

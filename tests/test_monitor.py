@@ -938,3 +938,32 @@ def test_a_weight_made_non_finite_outside_the_optimizer_is_said_so_not_blamed_on
     assert "hardware" not in d["summary"]
     stops = [e["reason"] for e in events if e["kind"] == "stop"]
     assert all("a skip cannot make non-finite parameters finite again" in r for r in stops) and len(stops) == 1, stops
+
+
+def test_a_monitor_never_closed_lets_go_of_the_optimizer_and_a_new_one_on_it_is_not_warned(tmp_path):
+    """A review: a Monitor never closed (its loop raised, a notebook cell run again) stayed alive through its hook on
+    the optimizer, and a new Monitor on that optimizer was told 'optimizer.step() was called outside monitor.step()' of
+    its own steps."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    data = batches(6)
+    old = Monitor(model, opt)
+    for batch in data[:2]:
+        old.backward(loss_fn(model, batch), batch)
+        old.step()
+    kept = Monitor(model, opt)  # built again while the first is still held (not closed)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with Monitor(model, opt, run_dir=tmp_path / "new") as monitor:
+            for batch in data[2:]:
+                monitor.backward(loss_fn(model, batch), batch)
+                monitor.step()
+    assert not [w for w in seen if "outside monitor.step()" in str(w.message)], [str(w.message) for w in seen]
+    ref = weakref.ref(old)
+    del old, kept
+    gc.collect()
+    assert ref() is None  # the optimizer's hook does not hold it

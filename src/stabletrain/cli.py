@@ -157,8 +157,8 @@ def _in_config_file(err: Exception, args: argparse.Namespace) -> str:
 
     found = re.search(r"'(task_args\.[\w.]+)'", str(err)) if _loaded_instance(err, "stabletrain.tasks", "TaskError") else None
     path = getattr(args, "config", None)
-    if found is None or not path or any(o.partition("=")[0] == found.group(1) for o in [*getattr(args, "overrides", []),
-                                                                                  *getattr(args, "names", [])]):
+    given = [o.partition("=")[0] for o in [*getattr(args, "overrides", []), *getattr(args, "names", [])]]
+    if found is None or not path or any(found.group(1) == k or found.group(1).startswith(f"{k}.") for k in given):
         return ""
     from .config.loading import key_line
 

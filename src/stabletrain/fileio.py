@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import os
 import tempfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -80,8 +81,12 @@ def check_folder(path: str | Path, what: str = "--out") -> Path:
         raise ValueError(f"{what} {str(path)!r}: {str(at)!r} is a file, not a folder; give a folder (or a new path)")
     if at.is_dir() and at != path:  # a folder to be made there: tried (and taken back) now, not when a check first writes
         try:
-            os.rmdir(tempfile.mkdtemp(prefix=".stabletrain-probe-", dir=at))
+            probe = tempfile.mkdtemp(prefix=".stabletrain-probe-", dir=at)
         except OSError as err:
             raise ValueError(f"{what} {str(path)!r} cannot be created in {str(at)!r}: {err.strerror or err}") from None
+        try:
+            os.rmdir(probe)
+        except OSError:  # (a folder was made: the path can be; one that cannot go again stays, named)
+            warnings.warn(f"{what}: the probe folder {probe} could not be removed", stacklevel=2)
     return path
 

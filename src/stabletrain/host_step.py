@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import numbers
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -305,11 +306,24 @@ class MonitorUse:
     the optimizer stepped outside ``monitor.step()`` (which steps it itself: each step ran twice), and at the end a
     backward never stepped or no step at all (an empty run directory, said nowhere)."""
 
+    #: The hook of the newest MonitorUse on each optimizer: a Monitor built again on it (a notebook's cell run again)
+    #: takes the earlier one's off (it would take the new one's steps for the loop's own).
+    _hooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
     def __init__(self, optimizer: torch.optim.Optimizer, replaying: Any) -> None:
         self.inside, self.said, self.replaying = False, False, replaying  # replaying(): a capture replays the live state
-        self.handle = optimizer.register_step_post_hook(self._stepped)  # (the optimizer's own hook: every step() call)
+        if optimizer in MonitorUse._hooks:
+            MonitorUse._hooks[optimizer].remove()
+        ref = weakref.ref(self)  # the optimizer holds no Monitor: one never closed goes, and its hook with it
 
-    def _stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        def stepped(opt: Any, args: Any, kwargs: Any) -> None:
+            if (use := ref()) is not None:
+                use._stepped()
+
+        self.handle = MonitorUse._hooks[optimizer] = optimizer.register_step_post_hook(stepped)  # (every step() call)
+        weakref.finalize(self, self.handle.remove)
+
+    def _stepped(self) -> None:
         if not (self.inside or self.said or self.replaying()):
             self.said = True
             warnings.warn("optimizer.step() was called outside monitor.step(), which steps the optimizer itself (after "
