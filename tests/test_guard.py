@@ -621,6 +621,10 @@ def test_fp16_overflows_are_not_hidden_behind_no_non_finite_steps_in_the_report(
     text = health_summary(load_run(tmp_path / "run")).text
     skipped = [e for e in _events(tmp_path / "run") if e["kind"] == "skip"]
     assert skipped and all("fp16 overflow" in e["reason"] for e in skipped)
+    # each with its norm: NaN is an overflow's too (inf - inf), and a bad sample's at any scale (a trial): not "overflow" alone
+    assert all(e["reason"].endswith(("fp16 overflow (grad norm inf; GradScaler backs off the loss scale)",
+                                     "fp16 overflow or NaN (grad norm nan; GradScaler backs off the loss scale)"))
+               for e in skipped), {e["reason"] for e in skipped}
     assert f"No non-finite losses or grad norms besides {len(skipped)} fp16 overflows (skipped, above)." in text, text
 
 

@@ -188,8 +188,10 @@ class EventLog(Callback):
             if values["applied"] < 0.5:
                 if values["finite"] >= 0.5 and values["spike"] > 0.5:
                     reason = f"loss spike (guard.on_spike={guard.on_spike})"
-                elif values["overflow"] > 0.5:
-                    reason = "fp16 overflow (GradScaler backs off the loss scale)"
+                elif values["overflow"] > 0.5:  # (NaN: an overflow's inf makes NaN too, and so does a bad sample: said)
+                    norm = "nan" if math.isnan(values["grad_norm"]) else "inf"
+                    reason = (f"fp16 overflow{' or NaN' if norm == 'nan' else ''} (grad norm {norm}; GradScaler backs off "
+                              "the loss scale)")
                 else:
                     reason = "non-finite loss or grad norm"
                 state.event(step, "skip", f"optimizer step skipped: {reason}", loss_scale=values["loss_scale"])
