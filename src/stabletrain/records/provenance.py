@@ -24,7 +24,7 @@ from ..fileio import check_folder
 from .jsonl import json_safe
 
 __all__ = ["HF_TRAINING_ARGS", "OUTPUT_MARKER", "build_snapshot", "git_info", "installed_versions", "is_stabletrain_output",
-           "mark_output_dir", "optimizer_names", "optimizer_config", "other_task", "launch_snapshot"]
+           "mark_output_dir", "optimizer_names", "optimizer_config", "other_task", "launch_snapshot", "threads_changed"]
 
 #: The file that marks a folder stabletrain writes outside a run directory (``check --out``, ``lab --out``),
 #: so that the snapshot's ``git.dirty`` does not count it as a change to the user's code.
@@ -105,6 +105,23 @@ def git_info(path: Path) -> dict[str, Any]:
         return {"commit": None, "dirty": None}
     return {"commit": commit, "dirty": bool(changed),
             "diff_sha256": hashlib.sha256(diff.encode()).hexdigest()[:16] if changed else None}
+
+
+def threads_changed(run_dir: Path, device: torch.device) -> str | None:
+    """One line where this launch's CPU threads differ from the run's launch before (``snapshot.json``): CPU kernels
+    split their sums by thread, so a resume on another count is not bitwise the uninterrupted run (a trial lost it
+    without a word). None: the same, not recorded, or not on the CPU."""
+    try:
+        old = json.loads((run_dir / "snapshot.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    last = ((old.get("resumes") or [old])[-1].get("device") or {}).get("num_threads")
+    now = torch.get_num_threads()
+    if device.type != "cpu" or not isinstance(last, int) or last == now:
+        return None
+    return (f"torch's CPU threads: {now} in this launch, {last} in the one before (OMP_NUM_THREADS, torch.set_num_threads): "
+            "CPU kernels split their sums by thread, so the resumed steps are not bitwise the uninterrupted run's (launch "
+            f"with OMP_NUM_THREADS={last} to continue it bitwise)")
 
 
 def launch_snapshot(device: torch.device, precision: str) -> dict[str, Any]:

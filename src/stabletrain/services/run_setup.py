@@ -5,11 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .. import console
 from ..callbacks.goodput_clock import LEDGER_FILE, GoodputClock, launch_record
 from ..distributed.launch import default_run_dir, note_run_dir
 from ..records.checkpoint.manager import CheckpointManager
 from ..records.launches import refuse_if_running, this_process
-from ..records.provenance import build_snapshot, launch_snapshot, optimizer_names
+from ..records.provenance import build_snapshot, launch_snapshot, optimizer_names, threads_changed
 from ..records.rundir import RunDir
 
 __all__ = ["open_run", "default_run_dir", "DEFAULT_RUN_DIR"]
@@ -42,6 +43,8 @@ def open_run(state: Any, keeper: Any, recorder: Any, run_dir: Path, resume: bool
         run.write_config(cfg)
         if resume:  # snapshot.json keeps the run's first launch; each resume's own (it may differ) is added to its list
             keeper.announce_resume()
+            if (changed := threads_changed(run_dir, state.device)) is not None:
+                console.warn(changed)
             run.append_to_snapshot("resumes", {"step": state.step, **launch_snapshot(state.device, state.precision),
                                                "world_size": dist.world})
             return
