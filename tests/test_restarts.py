@@ -544,7 +544,7 @@ def test_two_torchrun_nodes_on_one_machine_restart_together_after_a_worker_is_ki
 
 
 @pytest.mark.slow
-def test_a_users_own_torchrun_restarts_its_ranks_after_one_is_killed(world, tmp_path):
+def test_a_users_own_torchrun_restarts_its_ranks_after_one_is_killed(world, tmp_path, capsys):
     """A trial, the issue's own command: `torchrun --nproc-per-node=2 --max-restarts=2 -m stabletrain train ...` with a
     rank SIGKILLed: the restarted ranks read the attempt before's addresses from torchrun's shared store (gloo's
     'connectFullMesh failed ... Connection refused', 6 times) or hung in the group's set-up. They resume by themselves."""
@@ -572,6 +572,14 @@ def test_a_users_own_torchrun_restarts_its_ranks_after_one_is_killed(world, tmp_
     assert not wait_gone(seen)
     assert len([e for e in events(run_dir) if e["kind"] == "restart"]) == 1
     _assert_bitwise(_final(run_dir), _final(world.root / "ddp"))
+    # A plain --resume of it on one process (what its SIGTERM line says to type): a trial's halved the global batch with
+    # an informational line; refused, saying how it was launched (dist.nproc=1 says a reshard is meant)
+    metrics = (run_dir / "metrics.jsonl").read_text()
+    assert main(["train", "--resume", str(run_dir), "train.max_steps=40"]) == 2
+    assert capsys.readouterr().err.strip().startswith(
+        f"stabletrain: error: resume {str(run_dir)!r}: its last launch trained on 2 processes (a torchrun of your own: its "
+        "config.yaml says dist.nproc=1), and this one would go on on 1, its global batch from ")
+    assert (run_dir / "metrics.jsonl").read_text() == metrics  # nothing written
 
 
 def test_run_resume_auto_starts_the_run_then_continues_it(tmp_path, capsys):

@@ -48,6 +48,27 @@ def _resume_target(args: argparse.Namespace) -> str | None:
     return (given[-1] or None) if given else None
 
 
+def _same_world(cfg, run: Path, overrides: list[str]) -> None:
+    """Refuse a plain --resume on one process of a run whose last launch was a torchrun of the user's own on several (its
+    config.yaml says dist.nproc=1: a trial's resume halved the global batch with an informational line)."""
+    import json
+
+    from ..distributed.launch import under_torchrun
+
+    try:
+        snapshot = json.loads((run / "snapshot.json").read_text(encoding="utf-8"))
+        world = int((snapshot.get("resumes") or [snapshot])[-1].get("world_size") or 1)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return
+    if world > 1 and cfg.dist.nproc == 1 and not under_torchrun() and not any(o.startswith("dist.nproc=") for o in overrides):
+        per_rank = cfg.train.batch_size * cfg.accum.steps
+        raise ValueError(f"resume {str(run)!r}: its last launch trained on {world} processes (a torchrun of your own: its "
+                         f"config.yaml says dist.nproc=1), and this one would go on on 1, its global batch from "
+                         f"{per_rank * world} to {per_rank} samples per step: resume it as it was launched (torchrun "
+                         f"--nproc-per-node={world} -m stabletrain train --resume {run}), or here with dist.nproc={world}, "
+                         "or with dist.nproc=1 to go on on one process (resharded)")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     resume = _resume_target(args)
     if resume:
@@ -65,6 +86,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, [*args.overrides, f"resume={resume}", f"run.dir={resume}"], base=base,
                           base_source=source)
         run_dir = Path(resume)
+        _same_world(cfg, run_dir, args.overrides)
     else:
         cfg = load_config(args.config, args.overrides)
         run_dir = Path(cfg.run.dir) if cfg.run.dir else None  # None: runs/<Task.name>-<timestamp>
