@@ -700,6 +700,13 @@ def test_train_in_process_puts_back_the_sigterm_handler_and_runs_from_another_th
     argv = ["train", "task=mlp", "train.max_steps=2", "log.progress=false", "log.tensorboard=false", "eval.every=0"]
     assert main([*argv, f"run.dir={tmp_path / 'a'}"]) == 0
     assert signal.getsignal(signal.SIGTERM) is before
+    got = []  # a caller's own handler gets the SIGTERM held after the fit, once the command has said its last line
+    signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    try:
+        assert main([*argv, "callbacks=[ckpt_worker:SigtermAtFitEnd]", f"run.dir={tmp_path / 'held'}"]) == 0
+        assert got == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, before)
     codes = []
     thread = threading.Thread(target=lambda: codes.append(main([*argv, f"run.dir={tmp_path / 'b'}"])))
     thread.start()

@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     args.argv = list(argv) if argv is not None else sys.argv[1:]  # passed on to torchrun by dist.nproc
+    args.cli_says_last = True  # (train's late SIGTERM is put back below, once its last line is said)
     try:
         with console.one_line_warnings():  # stabletrain's own warnings as one line (the CLI only, never the library)
             code = COMMANDS[args.command](args)

@@ -486,13 +486,13 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
                              "it broke them (on_nonfinite='warn' applies a bad step's update: the run's first incident says "
                              f"which); what follows is this step's replay on them: {result.get('summary')}")
     live = observed.get("live_nonfinite")  # the run's parameters were non-finite before this (skipped) step
-    if live and not broken and result.get("stage") == "none":  # ... the replay's, from the interval's start, are not
+    if live and not broken and result.get("stage") == "none" and not result.get("reproduces"):  # ... the replay's are not
         result["changed_outside"] = live
         result["evidence"] = (f"the run's parameters held non-finite values before this step ({', '.join(live[:3])}"
                               + (f" and {len(live) - 3} more" if len(live) > 3 else "") + "; its update was skipped), the "
-                              "replay's do not: no update of the interval made them so; they were changed outside the "
-                              "optimizer's steps (an in-place edit, a load_state_dict, an EMA or weight swap) or by an "
-                              "update that does not reproduce")
+                              "replay's do not: no replayed update of the interval made them so; they were changed outside "
+                              "the optimizer's steps (an in-place edit, a load_state_dict, an EMA or weight swap), or an "
+                              "update did not reproduce (nondeterminism, a hardware fault)")
         result["summary"] = f"not reproducible: {result['evidence']}"
     atomic_write(directory / out, json.dumps(result, indent=2, default=str) + "\n")
     return result

@@ -70,6 +70,16 @@ def _same_world(cfg, run: Path, overrides: list[str]) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    """``stabletrain train``: a SIGTERM after the fit is held until the command's last line is said (by ``cli.main``,
+    which then puts the handler before back; called on its own, here)."""
+    try:
+        return _cmd_train(args)
+    finally:
+        if not getattr(args, "cli_says_last", False) and getattr(args, "late_sigterm", None) is not None:
+            args.late_sigterm.restore()
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
     resume = _resume_target(args)
     if resume:
         other = [x.split("=", 1)[1] for x in args.overrides if x.startswith("run.dir=")]

@@ -56,22 +56,26 @@ class LateSigterm:
     """
 
     def __init__(self) -> None:
-        self.old: Any = None
-        self.seen = False
+        self.installed, self.old, self.seen = False, None, False
 
     def install(self) -> LateSigterm:
         if threading.current_thread() is threading.main_thread():
             self.old = signal.signal(signal.SIGTERM, self._on)
+            self.installed = True
         return self
 
     def _on(self, signum: int, frame: Any) -> None:
-        if self.seen:  # a second: the handler before decides (the default ends the process)
+        if self.seen:  # a second: the handler before decides now (the default ends the process)
             self.restore()
-            os.kill(os.getpid(), signal.SIGTERM)
         self.seen = True
 
     def restore(self) -> None:
-        if self.old is not None:
-            signal.signal(signal.SIGTERM, self.old)
-            self.old = None
+        """Put back the handler before (the default where it was not Python's) and give it the SIGTERM held, if one
+        was: the process ends by it, as it was asked to, after its last line (an in-process caller's handler runs)."""
+        if not self.installed:
+            return
+        self.installed = False
+        signal.signal(signal.SIGTERM, self.old if self.old is not None else signal.SIG_DFL)
+        if self.seen and self.old is not signal.SIG_IGN:
+            os.kill(os.getpid(), signal.SIGTERM)
 
