@@ -308,6 +308,7 @@ def test_compare_two_real_runs(real_run, other_run, tmp_path, monkeypatch):
         assert f'<td class="key">{key}</td>' in page
     assert '<td class="key">optim.lr</td><td class="val">0.001</td><td class="val">0.003</td>' in page
     assert '<td class="key">seed</td>' not in page
+    assert '<td class="key">config_hash</td>' not in page  # (a trial: it differs by run.dir alone, read as another config)
 
     # Every metric overlaid, by step and by tokens seen, embedded and as PNG files; no loss-scale panel, as one run's
     # report has none: neither run scales its loss (a new user's trial: a flat 1.00 drawn twice)

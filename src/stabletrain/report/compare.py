@@ -27,9 +27,10 @@ __all__ = ["write_compare", "render_compare", "compare_path", "config_diff", "ru
 #: The page's file name when ``out`` is a directory (or not given: the first run's directory).
 COMPARE_FILE = "compare.html"
 
-# Snapshot fields worth comparing (code, libraries, device, data); the rest differ by nature (time, cwd).
+# Snapshot fields worth comparing (code, libraries, device, data); the rest differ by nature (time, cwd). Not the config's
+# hash: the config table names every key that differs (a hash that differs by run.dir alone read as another config).
 _SNAPSHOT_KEYS = ("git.commit", "git.dirty", "git.diff_sha256", "versions.", "platform", "device.", "precision",
-                  "data_fingerprint", "config_hash")
+                  "data_fingerprint")
 
 
 def run_labels(runs: Sequence[RunData]) -> list[str]:
