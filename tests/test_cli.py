@@ -469,6 +469,9 @@ def test_resume_of_a_folder_that_does_not_exist_says_so(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["train", "--resume", str(tmp_path / "empty")]) == 2
     assert "no config.yaml there; is it a stabletrain run directory?" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("mine\n")  # (a trial: 'no config.yaml there' of a file)
+    assert main(["train", "--resume", str(tmp_path / "afile")]) == 2
+    assert f"resume '{tmp_path / 'afile'}': it is a file, not a run directory" in capsys.readouterr().err
 
 
 def test_the_last_line_and_the_report_say_a_run_stalled_that_guard_on_stall_warn_trained_on(tmp_path, capsys):

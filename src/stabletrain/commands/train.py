@@ -90,6 +90,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if not saved.exists():
             if not Path(resume).exists():
                 raise FileNotFoundError(f"resume {resume!r}: it does not exist (give a run directory: RUN_DIR)")
+            if not Path(resume).is_dir():
+                raise FileNotFoundError(f"resume {resume!r}: it is a file, not a run directory (give the run's folder)")
             raise FileNotFoundError(f"resume {resume!r}: no config.yaml there; is it a stabletrain run directory?")
         source = f"config file {str(saved)!r}"
         base = load_yaml(saved.read_text(encoding="utf-8"), source) or {}
