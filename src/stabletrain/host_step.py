@@ -340,10 +340,11 @@ class MonitorUse:
             self.inside = False
 
     def close(self, steps: int, unstepped: int, err: BaseException | None) -> None:
-        """At close (``err``: the exception that ended the loop, after which nothing more is said)."""
+        """At close (``err``: the exception that ended the loop, after which nothing more is said); once."""
         self.handle.remove()
         if err is not None or self.said:
             return
+        self.said = True
         if unstepped:
             warnings.warn(f"{unstepped} monitor.backward() call(s) after the last monitor.step() were never stepped: their "
                           "gradients are dropped at close (call monitor.step() after the step's last backward)",

@@ -177,12 +177,13 @@ def all_params_finite(params: Iterable[Tensor]) -> Tensor:
         extremes = torch._foreach_norm(params, ord=math.inf)
     return torch.isfinite(torch.stack(extremes)).all()
 
+@torch.no_grad()  # (to_local() under grad mode records an autograd node)
 def nonfinite_params(named: Iterable[tuple[str, Tensor]]) -> list[str]:
     """The names of the parameters holding a NaN/Inf (this rank's shard of a sharded one). One host sync."""
     named = [(n, p.to_local() if hasattr(p, "to_local") else p) for n, p in named]
     if not named:
         return []
-    flags = torch.stack([torch.isfinite(p.detach()).all() for _, p in named]).tolist()
+    flags = torch.stack([torch.isfinite(p).all() for _, p in named]).tolist()
     return [n for (n, _), ok in zip(named, flags) if not ok]
 
 

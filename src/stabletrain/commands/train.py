@@ -51,14 +51,12 @@ def _resume_target(args: argparse.Namespace) -> str | None:
 def _same_world(cfg, run: Path, overrides: list[str]) -> None:
     """Refuse a plain --resume on one process of a run whose last launch was a torchrun of the user's own on several (its
     config.yaml says dist.nproc=1: a trial's resume halved the global batch with an informational line)."""
-    import json
-
     from ..distributed.launch import under_torchrun
+    from ..records.launches import last_launch
 
     try:
-        snapshot = json.loads((run / "snapshot.json").read_text(encoding="utf-8"))
-        world = int((snapshot.get("resumes") or [snapshot])[-1].get("world_size") or 1)
-    except (OSError, ValueError, TypeError, AttributeError):
+        world = int(last_launch(run).get("world_size") or 1)
+    except (TypeError, ValueError):
         return
     if world > 1 and cfg.dist.nproc == 1 and not under_torchrun() and not any(o.startswith("dist.nproc=") for o in overrides):
         per_rank = cfg.train.batch_size * cfg.accum.steps

@@ -216,14 +216,14 @@ class Monitor:
 
     def close(self) -> None:
         """Log the last partial interval and close the run directory's files (idempotent)."""
-        self.use.close(self.session.step, len(self._backward), None) if not self.session.closed else None
+        self.use.close(self.session.step, len(self._backward), None)
         self.session.close()
 
     def __enter__(self) -> Monitor:
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        self.use.close(self.session.step, len(self._backward), exc) if not self.session.closed else None
+        self.use.close(self.session.step, len(self._backward), exc)
         self.session.close(exc if not isinstance(exc, StopTraining) else None)
 
     def state_dict(self) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..process import stat_fields
 
-__all__ = ["unfinished_note", "LAUNCH_FILE", "is_running", "refuse_if_running", "running_launch", "this_process",
+__all__ = ["last_launch", "unfinished_note", "LAUNCH_FILE", "is_running", "refuse_if_running", "running_launch", "this_process",
            "started_over", "PARENT_ENV", "as_parent", "launch_parent", "LEDGER_FILE", "reached_training",
            "noted_run_dir", "stop_note", "asked_stop", "stopped_outside_line"]
 
@@ -24,6 +24,17 @@ LAUNCH_FILE = "launch.json"
 #: :func:`this_process` records it, in its children's environment (:func:`as_parent`): recorded in :data:`LAUNCH_FILE`
 #: with them and kept there when they end by an error, so that while it waits to restart them the directory is in use.
 PARENT_ENV = "STABLETRAIN_RUN_PARENT"
+
+
+def last_launch(run_dir: Path) -> dict[str, Any]:
+    """The run's last launch as ``snapshot.json`` records it: its newest ``resumes`` entry, else the first launch's own
+    fields ({}: no snapshot, or not readable)."""
+    try:
+        snapshot = json.loads((Path(run_dir) / "snapshot.json").read_text(encoding="utf-8"))
+        last = (snapshot.get("resumes") or [snapshot])[-1]
+    except (OSError, ValueError, AttributeError, IndexError, TypeError):
+        return {}
+    return last if isinstance(last, dict) else {}
 
 
 def as_parent() -> dict[str, str]:

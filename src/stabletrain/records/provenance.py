@@ -22,6 +22,7 @@ from .._version import __version__
 from ..config import Config, config_hash
 from ..fileio import check_folder
 from .jsonl import json_safe
+from .launches import last_launch
 
 __all__ = ["HF_TRAINING_ARGS", "OUTPUT_MARKER", "build_snapshot", "git_info", "installed_versions", "is_stabletrain_output",
            "mark_output_dir", "optimizer_names", "optimizer_config", "other_task", "launch_snapshot", "threads_changed"]
@@ -111,11 +112,7 @@ def threads_changed(run_dir: Path, device: torch.device) -> str | None:
     """One line where this launch's CPU threads differ from the run's launch before (``snapshot.json``): CPU kernels
     split their sums by thread, so a resume on another count is not bitwise the uninterrupted run (a trial lost it
     without a word). None: the same, not recorded, or not on the CPU."""
-    try:
-        old = json.loads((run_dir / "snapshot.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    last = ((old.get("resumes") or [old])[-1].get("device") or {}).get("num_threads")
+    last = (last_launch(run_dir).get("device") or {}).get("num_threads")
     now = torch.get_num_threads()
     if device.type != "cpu" or not isinstance(last, int) or last == now:
         return None
