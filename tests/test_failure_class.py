@@ -23,6 +23,7 @@ from stabletrain.console import brief
 from stabletrain.diagnostics.failure_class import classify_failure, growth
 from stabletrain.incident_replay import diagnose_step
 from stabletrain.policies.precision import PrecisionPolicy
+from stabletrain.records.jsonl import revive
 from stabletrain.report import write_report
 
 DIVERGING = ("optim.name=sgd", "optim.lr=2.5", "optim.weight_decay=0", "clip.max_norm=null", "sched.warmup_steps=20",
@@ -36,7 +37,8 @@ def first_incident(tmp_path, task, *overrides):
     Trainer(c, task=None if isinstance(task, str) else task, run_dir=tmp_path / "run").fit()
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     event = next(e for e in events if e["kind"] == "incident" and e.get("anomaly") != "spike")  # the non-finite one
-    return event, json.loads((tmp_path / "run" / "incidents" / f"step_{event['step']:06d}" / "diagnosis.json").read_text())
+    folder = tmp_path / "run" / "incidents" / f"step_{event['step']:06d}"
+    return event, revive(json.loads((folder / "diagnosis.json").read_text()))
 
 
 def test_growth_says_the_factor_per_step_and_since_when():
@@ -99,7 +101,7 @@ def test_a_divergence_is_divergence_with_its_growth_never_not_reproducible(tmp_p
     assert (d["failure_class"], d["stage"], d["reproduces"], d["matches_observed"]) == ("divergence", stage, True, True)
     assert d["first_nonfinite_param"] is None
     if stage == "none":
-        assert d["grad_norm"] == "inf"
+        assert d["grad_norm"] == math.inf
     g = d["growth"]
     assert (g["metric"], g["since_step"]) == (metric, since) and g["factor_per_step"] > 4 and g["total_factor"] > 1e15
     assert f"{metric} grew x{g['factor_per_step']:.3g} per step since step {since}" in d["evidence"]
@@ -114,7 +116,7 @@ def test_a_divergence_is_divergence_with_its_growth_never_not_reproducible(tmp_p
     # (a model rebuilt without what was changed after it was built) says so: planted here by editing the record.
     folder = tmp_path / "run" / "incidents" / f"step_{d['step']:06d}"
     assert "diagnosis.replayed.json (the capture's diagnosis.json is kept)" in printed and "this replay" not in warned
-    assert json.loads((folder / "diagnosis.json").read_text()) == d
+    assert revive(json.loads((folder / "diagnosis.json").read_text())) == d
     (folder / "diagnosis.json").write_text(json.dumps({**d, "failure_class": "op", "summary": "op: planted"}))
     assert main(["diagnose", str(folder)]) == 0
     warned = capsys.readouterr().err

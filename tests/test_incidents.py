@@ -1,5 +1,8 @@
 """Incident bundles: written atomically, loaded safely, diagnosed in a fresh task from the bundle alone."""
 
+import json
+import math
+
 import pytest
 import torch
 from helpers import PreStepState, cfg, nan_sample_task
@@ -8,6 +11,7 @@ from test_checkpoint import assert_same
 from stabletrain import Trainer
 from stabletrain.incident_replay import diagnose_incident
 from stabletrain.records.bundles import BUNDLE_FILE, load_bundle, write_bundle
+from stabletrain.records.jsonl import revive
 
 
 def test_bundle_round_trips_and_leaves_no_temporary_file(tmp_path):
@@ -83,3 +87,21 @@ def test_the_interval_snapshot_reuses_host_buffers_and_stays_off_the_device(tmp_
                for k, v in recorder.snapshot["model"].items())
     for name, value in trainer.module.state_dict().items():  # refilled at the last boundary (step 6)
         assert torch.equal(recorder.snapshot["model"][name], value), name
+
+
+def test_the_diagnosis_file_is_strict_json_with_its_non_finite_numbers_spelled_and_read_back_as_floats(tmp_path):
+    """jq, a browser and every strict reader read diagnosis.json (a bare NaN is no JSON); the house's readers revive them."""
+    task = nan_sample_task(bad_index=37)
+    c = cfg("train.batch_size=16", "train.max_steps=6", "log.every=3", "capture.diagnose=false", "data.shuffle=false")
+    Trainer(c, task=task, run_dir=tmp_path / "run").fit()
+    incident = tmp_path / "run" / "incidents" / "step_000003"
+    d = diagnose_incident(incident, nan_sample_task(bad_index=37))
+    text = (incident / "diagnosis.json").read_text()
+
+    def refuse(constant):
+        raise AssertionError(f"{constant} in diagnosis.json")
+
+    stored = json.loads(text, parse_constant=refuse)
+    assert '"nan"' in text and not math.isfinite(d["observed"]["loss"]) and stored["observed"]["loss"] == "nan"
+    assert math.isnan(revive(stored)["observed"]["loss"]) and revive(stored)["bad_samples"] == d["bad_samples"] == [37]
+

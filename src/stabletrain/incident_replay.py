@@ -27,13 +27,13 @@ from torch import nn
 from .config import config_from_dict
 from .data import move_to
 from .diagnostics.diagnosis import run_diagnosis
-from .fileio import atomic_write
 from .numerics import buffers_kept, grad_norms, modes_kept, unique_params
 from .policies.accumulation import as_sum_count
 from .policies.clipping import GradClipper
 from .policies.guard import UNRECOVERABLE_SCALE, inputs_finite
 from .policies.precision import PrecisionPolicy, resolve_device
 from .records.bundles import DIAGNOSIS_FILE, load_bundle, with_sample_ranks
+from .records.jsonl import write_json
 from .records.provenance import other_task
 from .replica import Replica, copy_precision, local
 from .seeding import kept_rng, rng_state, set_rng_state
@@ -406,7 +406,7 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
     if empty and len(empty) == len(bundle["window"]["indices"]):  # nothing to replay: a mean over none is NaN
         result = _empty_batch(bundle, empty)
         result["timings"] = {"total_s": time.perf_counter() - start}
-        atomic_write(directory / out, json.dumps(result, indent=2, default=str) + "\n")
+        write_json(directory / out, result)
         return result
     if task is None:
         task = task_of_run(cfg, directory)
@@ -418,7 +418,7 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
         result["timings"] = {"load_s": load_s, **result["timings"], "total_s": time.perf_counter() - start}
         result["sample_unit"] = bundle.get("sample_unit", "dataset index")
         _positions(result, task)
-        atomic_write(directory / out, json.dumps(result, indent=2, default=str) + "\n")
+        write_json(directory / out, result)
         return result
     replica = Replica(cfg, task, bundle, dev)
     model, precision = replica.model, replica.precision()
@@ -432,7 +432,7 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
     if bundle.get("world_size", 1) == 1 and (counted := _no_items(model, task.loss, micro_batches, precision)) is not None:
         result = _no_items_window(bundle, counted)  # a (sum, count) loss that counts nothing: its mean is 0/0
         result["timings"] = {"total_s": time.perf_counter() - start}
-        atomic_write(directory / out, json.dumps(result, indent=2, default=str) + "\n")
+        write_json(directory / out, result)
         return result
     set_rng_state(bundle["rng"])
     observed = bundle.get("observed", {})
@@ -494,5 +494,5 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
                               "the optimizer's steps (an in-place edit, a load_state_dict, an EMA or weight swap), or an "
                               "update did not reproduce (nondeterminism, a hardware fault)")
         result["summary"] = f"not reproducible: {result['evidence']}"
-    atomic_write(directory / out, json.dumps(result, indent=2, default=str) + "\n")
+    write_json(directory / out, result)
     return result

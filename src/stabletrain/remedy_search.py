@@ -63,7 +63,7 @@ from .policies.guard import EARLY_ARM, Guard, routine_overflow, spike_test
 from .policies.precision import resolve_device
 from .records.bundles import DIAGNOSIS_FILE, REMEDY_FILE, load_bundle
 from .records.checkpoint.manager import CheckpointManager
-from .records.jsonl import json_safe, read_jsonl
+from .records.jsonl import json_safe, read_jsonl, revive
 from .replica import KEEP, Replica
 from .seeding import set_rng_state
 from .tasks import Task
@@ -360,7 +360,7 @@ def search_remedies(directory: str | Path, task: Task | None = None, *, steps: i
                              "replay may run on another device (--device) or the step was nondeterministic: "
                              f"stabletrain diagnose {directory} says what differs")
         diagnosis_path = directory / DIAGNOSIS_FILE
-        diagnosis = json.loads(diagnosis_path.read_text(encoding="utf-8")) if diagnosis_path.is_file() else {}
+        diagnosis = revive(json.loads(diagnosis_path.read_text(encoding="utf-8"))) if diagnosis_path.is_file() else {}
     if "failure_class" not in diagnosis:
         diagnosis = diagnose_incident(directory, inc.task, device=str(inc.device), bundle=inc.bundle)
     pool = candidates_for(diagnosis, inc.cfg.precision, inc.history, inc.rollback_steps, inc.cfg.clip.max_norm)

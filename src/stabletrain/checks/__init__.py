@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from .. import console
 from ..config import Config
 from ..errors import TaskCodeError, batch_note, format_user_traceback, task_part, user_location
+from ..records.jsonl import json_safe
 from ..tasks import Task, TaskError, resolve_task
 from .registry import require_known
 
@@ -214,7 +215,8 @@ def format_table(results: list[CheckResult]) -> str:
 
 
 def to_json(results: list[CheckResult]) -> str:
-    return json.dumps([r.to_dict() for r in results], indent=2, default=str)
+    """Strict JSON (a NaN measured is spelled "nan": jq and browsers read it)."""
+    return json.dumps(json_safe([r.to_dict() for r in results]), indent=2, allow_nan=False)
 
 
 _LOADED = False

@@ -34,6 +34,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
     from ..incident_replay import diagnose_incident
     from ..records.bundles import DIAGNOSIS_FILE, REPLAYED_FILE
+    from ..records.jsonl import json_safe
     from . import incident_dir
 
     path = incident_dir(args.incident, newest=True, command="diagnose")
@@ -50,7 +51,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     else:
         replayed = True
     if args.json:
-        print(json.dumps(result, indent=2, default=str))
+        print(json.dumps(json_safe(result), indent=2, allow_nan=False))  # strict JSON, as diagnosis.json (jq reads it)
         return 0
     on = result.get("sample_ranks") or {}  # (a bundle of every rank's window: its named samples' ranks)
     where = (f"rank {result['rank']}" if result.get("rank") is not None else "every rank's batch: " + "; ".join(
@@ -150,6 +151,7 @@ def stored_diagnosis(incident: Path, obstacles: list[str]) -> dict:
     import json
 
     from ..records.bundles import DIAGNOSIS_FILE
+    from ..records.jsonl import revive
     from ..tasks import TaskError  # torch: not at import, where the parser is built
 
     stored = incident / DIAGNOSIS_FILE
@@ -161,4 +163,4 @@ def stored_diagnosis(incident: Path, obstacles: list[str]) -> dict:
                  "when it was captured. Why not, and what to do:")
     for obstacle in obstacles:  # one line each (they were one 700-character line)
         console.write_line(f"  - {obstacle}", sys.stderr)
-    return json.loads(stored.read_text(encoding="utf-8"))
+    return revive(json.loads(stored.read_text(encoding="utf-8")))

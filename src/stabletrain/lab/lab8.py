@@ -39,6 +39,7 @@ from torch.utils.data import TensorDataset
 from ..callbacks import Callback, RunState
 from ..config import load_config
 from ..loop import Trainer
+from ..records.jsonl import revive
 from ..remedy_search import LOSS_TOLERANCE, search_remedies
 from ..tasks import Task
 from . import Claim, LabResult, new_figure, runs_folder, save_figure
@@ -202,7 +203,7 @@ def _meet(run: str, seed: int, lr: float, beta1: float, steps: int, run_dir: Pat
     incidents = sorted((run_dir / "incidents").glob("step_*"))
     out: dict[str, Any] = {"trace": trace, "step": None, "diagnosis": {}, "remedies": {"candidates": [], "best": None}}
     if incidents:
-        out["diagnosis"] = json.loads((incidents[0] / "diagnosis.json").read_text(encoding="utf-8"))
+        out["diagnosis"] = revive(json.loads((incidents[0] / "diagnosis.json").read_text(encoding="utf-8")))
         out["step"] = int(out["diagnosis"]["step"])
         out["remedies"] = search_remedies(incidents[0], task, steps=steps, device="cpu")
     out["warning"] = _warning(trace, out["step"])

@@ -6,11 +6,14 @@ import dataclasses
 import enum
 import json
 import math
+import numbers
 import sys
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
-__all__ = ["JsonlWriter", "json_safe", "read_jsonl", "line_start"]
+from ..fileio import atomic_write
+
+__all__ = ["JsonlWriter", "json_safe", "revive", "write_json", "read_jsonl", "line_start"]
 
 
 def json_safe(value: Any) -> Any:
@@ -23,7 +26,10 @@ def json_safe(value: Any) -> Any:
         return json_safe(value.value)
     if isinstance(value, (bool, int, str)) or value is None:
         return type(value)(value) if value is not None else None
-    if isinstance(value, float):
+    if isinstance(value, numbers.Integral):  # numpy's too
+        return int(value)
+    if isinstance(value, numbers.Real):
+        value = float(value)
         return value if math.isfinite(value) else str(value)  # "nan", "inf", "-inf"
     if isinstance(value, dict):
         return {str(k): json_safe(v) for k, v in value.items()}
@@ -31,10 +37,31 @@ def json_safe(value: Any) -> Any:
         return [json_safe(v) for v in value]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return json_safe(dataclasses.asdict(value))
+    if isinstance(value, PurePath):
+        return str(value)
     torch = sys.modules.get("torch")  # a tensor comes only once torch is imported (not imported here: no cost)
     if torch is not None and isinstance(value, torch.Tensor) and value.numel() == 1:
         return float(value)
     return repr(value)
+
+
+_SPELLED = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def revive(value: Any) -> Any:
+    """``value`` read back from what :func:`json_safe` wrote: "nan", "inf" and "-inf" (nested too) as floats again."""
+    if isinstance(value, str):
+        return _SPELLED.get(value, value)
+    if isinstance(value, dict):
+        return {k: revive(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [revive(v) for v in value]
+    return value
+
+
+def write_json(path: Path, value: Any) -> None:
+    """Write ``value`` to ``path`` atomically as strict JSON (NaN and Inf spelled as strings: jq and browsers read it)."""
+    atomic_write(path, json.dumps(json_safe(value), indent=2, allow_nan=False) + "\n")
 
 
 class JsonlWriter:
