@@ -3,11 +3,15 @@ with one line."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
-from helpers import cfg, nan_sample_task, regression_task
+from helpers import cfg, nan_sample_task
 
 from stabletrain import Trainer
+from stabletrain.records.snapshot import IntervalSnapshot, order_steps_after
 from stabletrain.records.staging import snapshot_fits, state_bytes
 
 MIB = 2 ** 20
@@ -47,16 +51,37 @@ def test_auto_turns_the_snapshot_off_with_one_line_when_the_state_exceeds_the_bu
 
 
 @pytest.mark.gpu
-def test_on_cuda_the_parameters_are_copied_on_a_side_stream_the_optimizer_step_waits_for(tmp_path):
-    c = cfg("device=cuda", "train.batch_size=8", "train.max_steps=8", "log.every=4", "eval.every=0")
-    trainer = Trainer(c, task=regression_task(n=128), run_dir=tmp_path / "run")
-    trainer.fit()
-    recorder = trainer.recorder
-    assert recorder._stream is not None and recorder._stream != torch.cuda.current_stream()
-    # The last boundary's copy (step 8), queued on the side stream; no step after it has waited for it yet.
-    assert len(recorder._params_ready) == 1 and recorder._ordered is False
-    for event in recorder._params_ready:
-        event.synchronize()
-    for name, value in trainer.module.state_dict().items():  # refilled at the last boundary (step 8), on the host
-        assert recorder.snapshot["model"][name].device.type == "cpu"
-        assert torch.equal(recorder.snapshot["model"][name], value.cpu()), name
+def test_on_cuda_the_parameters_are_copied_on_a_side_stream_the_optimizer_step_waits_for():
+    model = torch.nn.Linear(64, 64, device="cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(8, 64, device="cuda")).sum().backward()
+    opt.step()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    snapshot = IntervalSnapshot()
+    snapshot.take({"model": dict(model.named_parameters()), "optimizer": opt.state_dict()["state"]}, {"step": 1}, 1,
+                  optimizer=opt)
+    assert snapshot._stream is not None and snapshot._stream != torch.cuda.current_stream()
+    assert snapshot._events and snapshot._ordered is False  # queued on the side stream; nothing waited for it yet
+    opt.step()  # its pre-hook makes the compute stream wait for the copies before it writes the parameters
+    assert snapshot._ordered is True
+    side, rest = snapshot.get()
+    for name, value in before.items():
+        assert side["model"][name].device.type == "cpu" and torch.equal(side["model"][name], value.cpu()), name
+    assert rest == {"step": 1}
+
+
+def test_the_optimizers_pre_hook_orders_the_snapshot_only_while_the_snapshot_lives():
+    """A user's optimizer outlives a Monitor and its snapshot: the hook must not keep the snapshot's host copy alive."""
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    snapshot = IntervalSnapshot()
+    order_steps_after(opt, snapshot)
+    snapshot._ordered = False  # as after a take on CUDA: copies queued, the next step must wait for them
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    assert snapshot._ordered is True
+    alive = weakref.ref(snapshot)
+    del snapshot
+    gc.collect()
+    assert alive() is None  # the optimizer's hook held it weakly
+    opt.step()  # and the hook went with it (a step after is no error)

@@ -6,6 +6,7 @@ stages with :class:`~stabletrain.records.staging.StateStager`.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Collection
 from typing import Any
 
@@ -13,7 +14,7 @@ import torch
 
 from .staging import StateStager, tensors_in
 
-__all__ = ["IntervalSnapshot"]
+__all__ = ["IntervalSnapshot", "order_steps_after"]
 
 
 class IntervalSnapshot:
@@ -48,7 +49,7 @@ class IntervalSnapshot:
         self._events: list[Any] = []  # CUDA events the side part's copies complete at
         self._rest_events: list[Any] = []
         self._ordered = True  # the compute stream waits for the side copies already
-        self._hooked: set[int] = set()  # id() of the optimizers whose step pre-hook orders the copies
+        self._hooked: weakref.WeakSet[Any] = weakref.WeakSet()  # the optimizers whose step pre-hook orders the copies
         self.side: Any = None
         self.rest: Any = None
         self.share: tuple[int, int] | None = None
@@ -78,9 +79,9 @@ class IntervalSnapshot:
             if self._stream is None or self._stream.device != device:
                 self._stream = torch.cuda.Stream(device)
             stream = self._stream
-            if id(optimizer) not in self._hooked:
-                optimizer.register_step_pre_hook(lambda *_: self.before_update())
-                self._hooked.add(id(optimizer))
+            if optimizer not in self._hooked:
+                self._hooked.add(optimizer)
+                order_steps_after(optimizer, self)
         if side is not None:
             self.side, self._events = self._side.stage(side, share=share, stream=stream)
         else:
@@ -133,6 +134,19 @@ class IntervalSnapshot:
     def get_previous(self) -> tuple[Any, Any, int] | None:
         """(side, rest, step) of the snapshot before this one (``keep_previous``), its copies complete; or None."""
         return _completed(self.previous)
+
+
+def order_steps_after(optimizer: torch.optim.Optimizer, snapshot: IntervalSnapshot) -> None:
+    """Make each step of ``optimizer`` call ``snapshot.before_update()`` first, for as long as the snapshot lives: the hook
+    holds it weakly and goes once it is collected (a user's optimizer outlives a Monitor; it must not keep its host copy)."""
+    ref = weakref.ref(snapshot)
+
+    def hook(*_: Any) -> None:
+        kept = ref()
+        if kept is not None:
+            kept.before_update()
+
+    weakref.finalize(snapshot, optimizer.register_step_pre_hook(hook).remove)
 
 
 def _completed(kept: tuple[Any, Any, int, list[Any]] | None) -> tuple[Any, Any, int] | None:
