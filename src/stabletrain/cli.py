@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 import textwrap
+import traceback
 
 from . import console
 from ._version import __version__
@@ -110,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
             return _quiet_exit_on_closed_stdout()
         code = _report_error(err, _in_config_file(err, args))
         if code is None:
+            if getattr(getattr(args, "late_sigterm", None), "seen", False):  # a SIGTERM held ends the process in the
+                traceback.print_exc()  # finally below, before Python would print this: print it first
+                sys.stderr.flush()
+                return 1
             raise  # neither the task's code nor input stabletrain rejects: a bug, with its whole traceback
         return code
     finally:

@@ -62,9 +62,9 @@ def _same_world(cfg, run: Path, overrides: list[str]) -> None:
         per_rank = cfg.train.batch_size * cfg.accum.steps
         raise ValueError(f"resume {str(run)!r}: its last launch trained on {world} processes (a torchrun of your own: its "
                          f"config.yaml says dist.nproc=1), and this one would go on on 1, its global batch from "
-                         f"{per_rank * world} to {per_rank} samples per step: resume it as it was launched (torchrun "
-                         f"--nproc-per-node={world} -m stabletrain train --resume {run}), or here with dist.nproc={world}, "
-                         "or with dist.nproc=1 to go on on one process (resharded)")
+                         f"{per_rank * world} to {per_rank} samples per step: resume it as it was launched (the same "
+                         f"torchrun command, {world} processes in all, with -m stabletrain train --resume {run}), or on "
+                         f"this machine with dist.nproc={world}, or with dist.nproc=1 to go on on one process (resharded)")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -128,7 +128,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
         # Only a resubmission that run.resume=auto continued records its resume as one (`auto`: the crash-loop rule counts
         # it with the launches before), not a resume by hand (--resume) nor a restart's, whatever the config says
         cfg.run.resume = "auto" if launch.requeue else "never"
-        return _train(args, cfg, launch.run_dir, launch.resume, ctx)
+        code = _train(args, cfg, launch.run_dir, launch.resume, ctx)
+        if getattr(args, "late_sigterm", None) is not None:  # its lines said: a SIGTERM held ends it now, not after the
+            args.late_sigterm.restore()  # process group's barrier (which a dead peer blocks for dist.timeout_s)
+        return code
 
 
 def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ctx) -> int:

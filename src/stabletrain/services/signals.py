@@ -30,6 +30,9 @@ class SignalHandler:
     def install(self) -> None:
         if threading.current_thread() is threading.main_thread():
             self._old = {sig: signal.signal(sig, self._handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+            held = getattr(self._old[signal.SIGTERM], "__self__", None)
+            if isinstance(held, LateSigterm) and held.take():  # one came in the set-up: this fit stops at its first chance
+                self.received = signal.SIGTERM
 
     def restore(self) -> None:
         for sig, handler in self._old.items():
@@ -52,11 +55,16 @@ class LateSigterm:
     0 died by it, -15, before its "another rank exited" line); a second one ends it at once, by the handler before.
 
     :meth:`install` right before the fit (in the main thread only; a SIGTERM before it ends the set-up as it did),
-    :meth:`restore` once the command has said its last line (the handler before is back, for an in-process caller).
+    :meth:`restore` once the command has said its last line (the handler before is back, for an in-process caller). A
+    SIGTERM is held :data:`GRACE_S` at most (a teardown that blocks, a slow callback: a launcher SIGKILLs after ~30 s); one
+    held when the loop's own handler is installed is the loop's (:meth:`take`): it checkpoints and stops.
     """
+
+    GRACE_S = 5.0
 
     def __init__(self) -> None:
         self.installed, self.old, self.seen = False, None, False
+        self._timer: threading.Timer | None = None
 
     def install(self) -> LateSigterm:
         if threading.current_thread() is threading.main_thread():
@@ -65,13 +73,29 @@ class LateSigterm:
         return self
 
     def _on(self, signum: int, frame: Any) -> None:
-        if self.seen:  # a second: the handler before decides now (the default ends the process)
+        if self.seen:  # a second (or the grace's end): the handler before decides now (the default ends the process)
             self.restore()
+            return
         self.seen = True
+        self._timer = threading.Timer(self.GRACE_S, os.kill, (os.getpid(), signal.SIGTERM))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def take(self) -> bool:
+        """Whether a SIGTERM was held; it is no longer (its taker acts on it)."""
+        seen, self.seen = self.seen, False
+        self._cancel()
+        return seen
+
+    def _cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def restore(self) -> None:
         """Put back the handler before (the default where it was not Python's) and give it the SIGTERM held, if one
         was: the process ends by it, as it was asked to, after its last line (an in-process caller's handler runs)."""
+        self._cancel()
         if not self.installed:
             return
         self.installed = False
