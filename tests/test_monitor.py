@@ -894,10 +894,11 @@ def test_a_loop_that_misuses_the_monitor_is_told_once_at_its_own_line(tmp_path):
                     if monitor.num_steps < 2:
                         monitor.step()
         said = [str(w.message) for w in seen if "monitor.step()" in str(w.message)]
-        want = ("optimizer.step() was called outside monitor.step()" if case == "never stepped" else
-                "1 monitor.backward() call(s) after the last monitor.step() were never stepped: their gradients are "
-                "dropped at close")
-        assert len(said) == 1 and said[0].startswith(want), said
+        want = (["optimizer.step() was called outside monitor.step()", "the Monitor recorded no step"]
+                if case == "never stepped" else  # each of the two misuses, once
+                ["1 monitor.backward() call(s) after the last monitor.step() were never stepped: their gradients are "
+                 "dropped at close"])
+        assert len(said) == len(want) and all(x.startswith(w) for x, w in zip(said, want)), said
     with warnings.catch_warnings(record=True) as seen:  # built and closed with no step at all
         warnings.simplefilter("always")
         Monitor(model, opt, run_dir=tmp_path / "empty").close()
@@ -906,9 +907,22 @@ def test_a_loop_that_misuses_the_monitor_is_told_once_at_its_own_line(tmp_path):
         "steps the optimizer; the run directory holds no metrics)"]
     with warnings.catch_warnings(record=True) as seen:  # an exception that ends the loop says it all: nothing more
         warnings.simplefilter("always")
-        with pytest.raises(KeyError), Monitor(model, opt, run_dir=tmp_path / "raised"):
+        with pytest.raises(KeyError), Monitor(model, opt, run_dir=tmp_path / "raised") as monitor:
+            monitor.backward(loss_fn(model, batches(1)[0]), batches(1)[0])
             raise KeyError("the loop's own")
-    assert not [w for w in seen if "monitor.step()" in str(w.message)]
+        monitor.close()  # a finally: monitor.close() around the with block (close is idempotent): still nothing said
+    assert not [w for w in seen if "monitor.step()" in str(w.message)], [str(w.message) for w in seen]
+    with warnings.catch_warnings(record=True) as seen:  # two misuses in one loop: each said (one silenced the other)
+        warnings.simplefilter("always")
+        with Monitor(model, opt, run_dir=tmp_path / "both", log_every=2) as monitor:
+            for batch in batches(2):
+                monitor.backward(loss_fn(model, batch), batch)
+                opt.step()
+                if monitor.num_steps < 1:
+                    monitor.step()
+    said = [str(w.message)[:60] for w in seen if "monitor.step()" in str(w.message)]
+    assert said == ["optimizer.step() was called outside monitor.step(), which st",
+                    "1 monitor.backward() call(s) after the last monitor.step() w"], said
 
 
 def test_a_weight_made_non_finite_outside_the_optimizer_is_said_so_not_blamed_on_the_hardware(tmp_path):

@@ -286,3 +286,16 @@ def test_a_hugging_face_batch_counts_the_tokens_its_loss_covers():
     assert count_tokens({"inputs_embeds": torch.randn(4, 16, 8)}) == 64
     assert int(count_tokens({"inputs_embeds": torch.randn(4, 16, 8), "attention_mask": torch.ones(4, 10)})) == 40
     assert count_tokens({"pixel_values": torch.randn(5, 3, 8, 8)}) == 5
+
+
+@pytest.mark.parametrize("text, want", [
+    ('{"world_size": 2}', {"world_size": 2}),
+    ('{"world_size": 2, "resumes": [{"world_size": 1}, {"world_size": 4}]}', {"world_size": 4}),
+    ('{"resumes": {"world_size": 2}}', {}),  # a hand-edited or foreign snapshot: no launch read, no KeyError traceback
+    ('{"resumes": "x"}', {}), ("[1, 2]", {}), ("{not json", {}), (None, {})])
+def test_the_last_launch_is_read_from_the_snapshot_or_is_empty_for_one_it_cannot_read(tmp_path, text, want):
+    from stabletrain.records.launches import last_launch
+
+    if text is not None:
+        (tmp_path / "snapshot.json").write_text(text)
+    assert last_launch(tmp_path) == want

@@ -311,7 +311,8 @@ class MonitorUse:
     _hooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __init__(self, optimizer: torch.optim.Optimizer, replaying: Any) -> None:
-        self.inside, self.said, self.replaying = False, False, replaying  # replaying(): a capture replays the live state
+        self.inside, self.replaying = False, replaying  # replaying(): a capture replays the live state
+        self.said_outside = self.closed = False  # each said once: the step outside, and at close what it found
         if optimizer in MonitorUse._hooks:
             MonitorUse._hooks[optimizer].remove()
         ref = weakref.ref(self)  # the optimizer holds no Monitor: one never closed goes, and its hook with it
@@ -324,8 +325,8 @@ class MonitorUse:
         weakref.finalize(self, self.handle.remove)
 
     def _stepped(self) -> None:
-        if not (self.inside or self.said or self.replaying()):
-            self.said = True
+        if not (self.inside or self.said_outside or self.replaying()):
+            self.said_outside = True
             warnings.warn("optimizer.step() was called outside monitor.step(), which steps the optimizer itself (after "
                           "unscaling, guarding and clipping): each step ran twice; remove your optimizer.step() (and "
                           "scaler.step/update) from the loop", StableTrainWarning, stacklevel=console.user_stacklevel())
@@ -342,9 +343,11 @@ class MonitorUse:
     def close(self, steps: int, unstepped: int, err: BaseException | None) -> None:
         """At close (``err``: the exception that ended the loop, after which nothing more is said); once."""
         self.handle.remove()
-        if err is not None or self.said:
+        if self.closed:  # (a close() after the with block's exit: said, or not to be said, then)
             return
-        self.said = True
+        self.closed = True
+        if err is not None:
+            return
         if unstepped:
             warnings.warn(f"{unstepped} monitor.backward() call(s) after the last monitor.step() were never stepped: their "
                           "gradients are dropped at close (call monitor.step() after the step's last backward)",

@@ -32,7 +32,7 @@ def last_launch(run_dir: Path) -> dict[str, Any]:
     try:
         snapshot = json.loads((Path(run_dir) / "snapshot.json").read_text(encoding="utf-8"))
         last = (snapshot.get("resumes") or [snapshot])[-1]
-    except (OSError, ValueError, AttributeError, IndexError, TypeError):
+    except (OSError, ValueError, AttributeError, LookupError, TypeError):  # (resumes a dict: a KeyError)
         return {}
     return last if isinstance(last, dict) else {}
 
