@@ -153,6 +153,53 @@ def test_task_args_are_converted_to_the_factory_types():
     assert all(a.annotation is not None for a in args.values())
 
 
+def _containers(sizes: list[int] = [4, 8], pair: tuple = (1, 2), shape: tuple[int, str] = (1, "a"),  # noqa: B006
+                d: dict[str, float] = {}, widths=[16], opt: int | None = None, any_list: list = []):  # noqa: B006
+    """A factory whose arguments are containers (the trial's), and an int or null."""
+
+
+def test_list_tuple_and_dict_task_args_are_checked_item_by_item_and_none_is_null_for_an_int_or_null():
+    """A trial: list, tuple and dict annotations were passed through unchecked (task_args.sizes=abc reached the factory
+    as 'abc'), and task_args.opt=None for an int | None was refused where clip.max_norm=none is null."""
+    from stabletrain.tasks import TaskError, task_arguments
+    from stabletrain.tasks.arguments import check_task_args
+
+    args = task_arguments(_containers)
+
+    def check(**values):
+        return check_task_args("mine:_containers", values, args)
+
+    assert check(sizes=[1, 2.0], pair=[3, "x"], shape=[2, "b"], d={"a": 1}, widths=[8, 9], any_list=["x", 1]) == {
+        "sizes": [1, 2], "pair": (3, "x"), "shape": (2, "b"), "d": {"a": 1.0}, "widths": [8, 9], "any_list": ["x", 1]}
+    assert check(opt="None") == check(opt="none") == {"opt": None} and check(opt=3) == {"opt": 3}
+    for values, error in [
+            ({"sizes": "abc"}, "config key 'task_args.sizes': expected a list (list[int]), got 'abc'"),
+            ({"sizes": 5}, "config key 'task_args.sizes': expected a list (list[int]), got 5"),
+            ({"sizes": [1, "x"]}, "config key 'task_args.sizes[1]': expected an integer, got 'x'"),
+            ({"pair": "hello"}, "config key 'task_args.pair': expected a list (tuple), got 'hello'"),
+            ({"shape": [1]}, "config key 'task_args.shape': expected 2 items (tuple[int, str]), got [1]"),
+            ({"d": 3}, "config key 'task_args.d': expected a mapping (dict[str, float]), got 3"),
+            ({"d": {"a": "b"}}, "config key 'task_args.d[a]': expected a number, got 'b'"),
+            ({"widths": "16"}, "config key 'task_args.widths': expected a list (list), got '16'"),  # by its default's type
+            ({"opt": "many"}, "config key 'task_args.opt': expected an integer or null, got 'many'")]:
+        with pytest.raises(TaskError) as info:
+            check(**values)
+        assert str(info.value) == error
+
+
+def test_a_task_given_as_a_files_path_says_how_to_name_its_module(tmp_path, monkeypatch, capsys):
+    from stabletrain.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    for spec, dotted in [("./mytasks.py:healthy", "mytasks:healthy"), ("sub/dir/mytasks.py:healthy", "sub.dir.mytasks:healthy")]:
+        assert main(["train", f"task={spec}", f"run.dir={tmp_path / 'r'}"]) == 2
+        module = spec.split(":")[0]
+        assert capsys.readouterr().err.strip() == (
+            f"stabletrain: error: config key 'task': {module!r} (from {spec!r}) is a file's path, not a module's name: name "
+            f"it as Python imports it, task={dotted} (from the folder that holds it, or with that folder on PYTHONPATH)")
+    assert not (tmp_path / "r").exists()
+
+
 def test_the_builtin_tasks_arguments_are_described_without_torch_as_their_factories_declare_them():
     # The config checks a built-in task's task_args from this description, before torch: it must be the signature.
     from stabletrain.tasks import BUILTIN_TASKS, task_arguments

@@ -23,9 +23,9 @@ made with torch's ``default_collate`` unless the task gives ``collate``.
 
 ``task_args`` are checked against the factory's signature before it is called, like config keys: an
 unknown name is an error, and a value is converted to the parameter's annotated type (``int``,
-``float``, ``str``, ``bool``, a ``Literal`` of choices, or ``X | None``; without an annotation, the
-type of its default) or rejected naming the key (``config key 'task_args.depth': expected an integer,
-got 'abc'``). Other annotations are passed through unchecked. ``stabletrain tasks`` lists each
+``float``, ``str``, ``bool``, a ``Literal`` of choices, a ``list``, ``tuple`` or ``dict`` of those, or ``X |
+None``; without an annotation, the type of its default) or rejected naming the key (``config key 'task_args.depth':
+expected an integer, got 'abc'``). Other annotations are passed through unchecked. ``stabletrain tasks`` lists each
 argument with its type, default and the one-line meaning from the factory docstring's ``Args:``.
 A built-in task's ``task_args`` are checked with the rest of the config, before torch is imported
 (:mod:`.arguments` describes the built-in factories' arguments); importing this package does not import torch.
@@ -40,10 +40,20 @@ import sys
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import brief, user_frames, user_location
-from .arguments import BUILTIN_TASKS, SIMPLE_TYPES, TaskArg, TaskError, builtin_task_arguments, check_task_args, checkable
+from .arguments import (
+    BUILTIN_TASKS,
+    CHECKED_DEFAULTS,
+    SIMPLE_TYPES,
+    TaskArg,
+    TaskError,
+    builtin_task_arguments,
+    check_task_args,
+    checkable,
+)
 
 if TYPE_CHECKING:  # torch: imported by the factories and resolve_task, not here (the config checks task_args without it)
     from torch import nn
@@ -108,6 +118,11 @@ def import_object(spec: str, key: str, expected: str = "'module:function'", kind
     if ":" not in spec:
         raise TaskError(f"config key '{key}': expected {expected}, got {spec!r}")
     module_name, name = spec.split(":", 1)
+    if module_name.endswith(".py") or "/" in module_name or "\\" in module_name or module_name.startswith("."):
+        dotted = ".".join(part for part in Path(module_name).with_suffix("").parts if part not in (".", "..", "/"))
+        raise TaskError(f"config key '{key}': {module_name!r} (from {spec!r}) is a file's path, not a module's name: name "
+                        f"it as Python imports it, {key}={dotted}:{name} (from the folder that holds it, or with that "
+                        "folder on PYTHONPATH)")
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())  # like `python -m`: the user's project directory is importable
     try:
@@ -166,8 +181,9 @@ def _arg_help(doc: str | None) -> dict[str, str]:
 def task_arguments(spec_or_factory: str | Callable[..., Task]) -> list[TaskArg]:
     """Return the arguments of a task factory (a spec as in ``resolve_task``, or the factory), in order.
 
-    An argument is checked against its annotation when that is ``int``, ``float``, ``str``, ``bool``,
-    a ``Literal`` or ``X | None`` of those; without an annotation, against the type of its default.
+    An argument is checked against its annotation when that is ``int``, ``float``, ``str``, ``bool``, a ``Literal``, a
+    ``list``, ``tuple`` or ``dict`` (of those, or of anything) or ``X | None`` of those; without an annotation, against the
+    type of its default.
     """
     factory = task_factory(spec_or_factory) if isinstance(spec_or_factory, str) else spec_or_factory
     try:
@@ -180,7 +196,7 @@ def task_arguments(spec_or_factory: str | Callable[..., Task]) -> list[TaskArg]:
         if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
             continue
         tp = hints.get(p.name)
-        if tp is None and p.default is not p.empty and p.default is not None and type(p.default) in SIMPLE_TYPES:
+        if tp is None and p.default is not p.empty and p.default is not None and type(p.default) in CHECKED_DEFAULTS:
             tp = type(p.default)
         args.append(TaskArg(p.name, tp if tp is not None and checkable(tp) else None, p.default, docs.get(p.name, "")))
     return args

@@ -98,6 +98,10 @@ def check_builtin_task_args(spec: str, task_args: dict[str, Any]) -> None:
 
 
 SIMPLE_TYPES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+#: The containers a value is checked as (their items too, where the annotation gives their types).
+CONTAINERS = {list: "a list", tuple: "a list", dict: "a mapping"}
+#: The types of a default an argument without an annotation is checked against.
+CHECKED_DEFAULTS = (*SIMPLE_TYPES, *CONTAINERS)
 
 
 def _type_text(tp: Any) -> str:
@@ -107,11 +111,16 @@ def _type_text(tp: Any) -> str:
         return " | ".join(map(str, typing.get_args(tp)))
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         return " | ".join("None" if a is type(None) else _type_text(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in CONTAINERS:
+        items = ", ".join("..." if a is Ellipsis else _type_text(a) for a in typing.get_args(tp))
+        return f"{typing.get_origin(tp).__name__}[{items}]"
     return getattr(tp, "__name__", str(tp))
 
 
 def checkable(tp: Any) -> bool:
-    if tp in SIMPLE_TYPES or typing.get_origin(tp) is Literal:
+    if tp in SIMPLE_TYPES or tp in CONTAINERS or typing.get_origin(tp) is Literal:
+        return True
+    if typing.get_origin(tp) in CONTAINERS:  # its items: checked where their types are, else any
         return True
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         return all(a is type(None) or checkable(a) for a in typing.get_args(tp))
@@ -126,7 +135,11 @@ def _coerce_arg(name: str, value: Any, tp: Any) -> Any:
             raise TaskError(f"{key}: expected one of {', '.join(map(str, typing.get_args(tp)))}, got {brief(value)}")
         return value
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        if value is None and type(None) in typing.get_args(tp):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        if value in ("none", "None") and type(None) in options and not any(  # as config keys: null, unless a string
+                a is str or typing.get_origin(a) is Literal and value in typing.get_args(a) for a in options):
             return None
         errors = []
         for arg in (a for a in typing.get_args(tp) if a is not type(None)):
@@ -136,6 +149,8 @@ def _coerce_arg(name: str, value: Any, tp: Any) -> Any:
                 errors.append(str(err).split(": expected ", 1)[1].split(", got ")[0])
         raise TaskError(f"{key}: expected {' or '.join(errors)}{' or null' if type(None) in typing.get_args(tp) else ''}, "
                         f"got {brief(value)}")
+    if tp in CONTAINERS or typing.get_origin(tp) in CONTAINERS:
+        return _coerce_items(name, value, tp)
     ok = {
         bool: isinstance(value, bool),
         int: isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and value.is_integer(),
@@ -146,3 +161,24 @@ def _coerce_arg(name: str, value: Any, tp: Any) -> Any:
     if not ok:
         raise TaskError(f"{key}: expected {SIMPLE_TYPES[tp]}, got {brief(value)}")
     return tp(value) if tp in (int, float, str) else value
+
+
+def _coerce_items(name: str, value: Any, tp: Any) -> Any:
+    """``value`` as the container ``tp`` (``list``, ``tuple``, ``dict``, bare or with its items' types), each item checked
+    where its type is one :func:`checkable` knows (named ``task_args.name[i]``), else kept as it is."""
+    kind, items = typing.get_origin(tp) or tp, typing.get_args(tp)
+    if not isinstance(value, dict if kind is dict else (list, tuple)):
+        raise TaskError(f"config key 'task_args.{name}': expected {CONTAINERS[kind]} ({_type_text(tp)}), got {brief(value)}")
+
+    def item(key: Any, v: Any, item_tp: Any) -> Any:
+        return _coerce_arg(f"{name}[{key}]", v, item_tp) if checkable(item_tp) else v
+
+    if kind is dict:
+        return {k: item(k, v, items[1]) if len(items) == 2 else v for k, v in value.items()}
+    if kind is tuple and items and items[-1] is not Ellipsis:  # tuple[int, str]: so many items, each of its type
+        if len(value) != len(items):
+            raise TaskError(f"config key 'task_args.{name}': expected {len(items)} items ({_type_text(tp)}), got "
+                            f"{brief(value)}")
+        return tuple(item(i, v, t) for i, (v, t) in enumerate(zip(value, items)))
+    out = [item(i, v, items[0]) if items else v for i, v in enumerate(value)]
+    return tuple(out) if kind is tuple else out
