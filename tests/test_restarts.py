@@ -301,6 +301,27 @@ def test_the_same_crash_resubmission_after_resubmission_under_resume_auto_is_ref
     assert again.returncode == 1 and "not continuing" not in again.stderr, again.stderr[-3000:]
 
 
+def test_a_resubmission_of_a_run_its_supervisor_refused_to_restart_after_the_same_death_is_refused_too(tmp_path):
+    """A trial: a task that SIGKILLs itself at the same step, run.max_restarts=5: the supervisor refused the third launch
+    (the same death), yet each resubmission under run.resume=auto started a new chain of restarts, saying the launch
+    before had ended 'without a record of why (killed?)': the refusal's own record names the death."""
+    run_dir = tmp_path / "run"
+    args = ("task=restart_tasks:killed_worker_task", "train.batch_size=8", "data.shuffle=false", "train.max_steps=12",
+            "ckpt.every=2", "log.every=2", "eval.every=0", "run.resume=auto", "run.max_restarts=5", "run.max_repeats=1",
+            f"run.dir={run_dir}")
+    first = train_cli(*args)
+    assert first.returncode == 3 and "not restarting the run after" in first.stderr, first.stderr[-3000:]
+    again = train_cli(*args)
+    assert again.returncode == 3, again.stderr[-3000:]
+    refused = [line for line in again.stderr.splitlines() if "not continuing" in line]
+    assert len(refused) == 1 and refused[0].startswith(
+        f"stabletrain: error: run.resume=auto: not continuing {run_dir}: the same failure ended ") and (
+        "killed by SIGKILL" in refused[0]), refused
+    assert "restart 1 of 5" not in again.stdout + again.stderr  # refused at its start: no new chain of restarts
+    assert [e["reason"].split(":")[0] for e in events(run_dir) if e["kind"] == "stop"] == [
+        "restart refused", "resubmission refused"]
+
+
 def test_a_resubmission_says_that_the_launch_before_it_died_without_a_word(tmp_path):
     """A trial: run.resume=auto after a launch killed at step 35 said only 'holds LAST_GOOD (step_000020): continuing
     it'; nothing said the launch before had died. A launch whose ledger has no end (and no crash or stop event) did."""
@@ -576,9 +597,12 @@ def test_a_users_own_torchrun_restarts_its_ranks_after_one_is_killed(world, tmp_
     # an informational line; refused, saying how it was launched (dist.nproc=1 says a reshard is meant)
     metrics = (run_dir / "metrics.jsonl").read_text()
     assert main(["train", "--resume", str(run_dir), "train.max_steps=40"]) == 2
-    assert capsys.readouterr().err.strip().startswith(
+    err = capsys.readouterr().err
+    assert err.strip().startswith(
         f"stabletrain: error: resume {str(run_dir)!r}: its last launch trained on 2 processes (a torchrun of your own: its "
         "config.yaml says dist.nproc=1), and this one would go on on 1, its global batch from ")
+    assert ("resume it as it was launched (the same torchrun command, 2 processes in all, with -m stabletrain train "
+            f"--resume {run_dir}), or on this machine with dist.nproc=2") in err  # (nodes x processes per node: not one node's)
     assert (run_dir / "metrics.jsonl").read_text() == metrics  # nothing written
 
 

@@ -82,6 +82,11 @@ def last_failure(events: list[dict[str, Any]], last_logged: int = 0) -> Failure:
         return Failure("stop", f"stopped at step {stop['step']}: {stop['reason'].removeprefix('stopping: ')}{met}",
                        None if signalled else ["stop", incident["step"] if incident else stop["step"], kind,
                                                stop["reason"] if not incident else None], **common)
+    # (a launch its supervisor refused to restart: the death it refused over, told and keyed by the launcher's word)
+    told = next((e["failure"] for e in reversed(own) if e.get("kind") == "stop" and isinstance(e.get("failure"), dict)
+                 and e["failure"].get("key")), None)
+    if told is not None:
+        return Failure(str(told.get("kind", "exit")), str(told.get("text")), list(told["key"]), **common)
     return Failure("exit", "ended without a record of why", None, **common)
 
 

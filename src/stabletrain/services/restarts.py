@@ -325,7 +325,7 @@ def requeue_refusal(cfg: Any, run_dir: Path) -> tuple[str | None, str]:
     rows = read_jsonl(run_dir / LEDGER_FILE)[0]
     end = next((r for r in reversed(rows) if r.get("kind") in ("launch", "end")), {"kind": "end"})  # (no ledger: unknown)
     short = f"at step {end.get('step')}, short of train.max_steps={end.get('max_steps')}"  # (its fit ended: no error)
-    said = (f"; the launch before {failure.text}" if failure.kind != "exit" else
+    said = (f"; the launch before {failure.text}" if failure.kind != "exit" or failure.key is not None else
             "" if end["kind"] == "end" and int(end.get("step") or 0) >= int(end.get("max_steps") or 0) else
             f"; the launch before ended {short} without a record of why (a lost peer, a signal?)" if end["kind"] == "end" else
             f"; the launch before ended without finishing and without a record of why (killed?), its last record at "
