@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from multiproc import env
@@ -154,7 +155,8 @@ def test_task_args_are_converted_to_the_factory_types():
 
 
 def _containers(sizes: list[int] = [4, 8], pair: tuple = (1, 2), shape: tuple[int, str] = (1, "a"),  # noqa: B006
-                d: dict[str, float] = {}, widths=[16], opt: int | None = None, any_list: list = []):  # noqa: B006
+                d: dict[str, float] = {}, widths=[16], opt: int | None = None, any_list: list = [],  # noqa: B006
+                hidden: list = None, depth: int = None):
     """A factory whose arguments are containers (the trial's), and an int or null."""
 
 
@@ -172,6 +174,8 @@ def test_list_tuple_and_dict_task_args_are_checked_item_by_item_and_none_is_null
     assert check(sizes=[1, 2.0], pair=[3, "x"], shape=[2, "b"], d={"a": 1}, widths=[8, 9], any_list=["x", 1]) == {
         "sizes": [1, 2], "pair": (3, "x"), "shape": (2, "b"), "d": {"a": 1.0}, "widths": [8, 9], "any_list": ["x", 1]}
     assert check(opt="None") == check(opt="none") == {"opt": None} and check(opt=3) == {"opt": 3}
+    assert check(hidden=None, depth=None) == {"hidden": None, "depth": None}  # a default of None takes null
+    assert check(hidden=[1, "a"], depth="none") == {"hidden": [1, "a"], "depth": None}
     for values, error in [
             ({"sizes": "abc"}, "config key 'task_args.sizes': expected a list (list[int]), got 'abc'"),
             ({"sizes": 5}, "config key 'task_args.sizes': expected a list (list[int]), got 5"),
@@ -181,7 +185,9 @@ def test_list_tuple_and_dict_task_args_are_checked_item_by_item_and_none_is_null
             ({"d": 3}, "config key 'task_args.d': expected a mapping (dict[str, float]), got 3"),
             ({"d": {"a": "b"}}, "config key 'task_args.d[a]': expected a number, got 'b'"),
             ({"widths": "16"}, "config key 'task_args.widths': expected a list (list), got '16'"),  # by its default's type
-            ({"opt": "many"}, "config key 'task_args.opt': expected an integer or null, got 'many'")]:
+            ({"opt": "many"}, "config key 'task_args.opt': expected an integer or null, got 'many'"),
+            ({"hidden": "x"}, "config key 'task_args.hidden': expected a list (list) or null, got 'x'"),
+            ({"opt": np.array([1, 2])}, "config key 'task_args.opt': expected an integer or null, got ndarray(shape=[2], dtype=int64)")]:
         with pytest.raises(TaskError) as info:
             check(**values)
         assert str(info.value) == error
@@ -191,12 +197,15 @@ def test_a_task_given_as_a_files_path_says_how_to_name_its_module(tmp_path, monk
     from stabletrain.cli import main
 
     monkeypatch.chdir(tmp_path)
-    for spec, dotted in [("./mytasks.py:healthy", "mytasks:healthy"), ("sub/dir/mytasks.py:healthy", "sub.dir.mytasks:healthy")]:
+    (tmp_path / "mytasks.py").write_text("")
+    for spec, dotted in [("./mytasks.py:healthy", "mytasks:healthy"), ("sub/dir/mytasks.py:healthy", "sub.dir.mytasks:healthy"),
+                         ("mytasks.py:healthy", "mytasks:healthy"), (".:make", None), ("..:f", None)]:
         assert main(["train", f"task={spec}", f"run.dir={tmp_path / 'r'}"]) == 2
         module = spec.split(":")[0]
         assert capsys.readouterr().err.strip() == (
             f"stabletrain: error: config key 'task': {module!r} (from {spec!r}) is a file's path, not a module's name: name "
-            f"it as Python imports it, task={dotted} (from the folder that holds it, or with that folder on PYTHONPATH)")
+            f"it as Python imports it{f', task={dotted}' if dotted else ''} (from the folder that holds it, or with that "
+            "folder on PYTHONPATH)")
     assert not (tmp_path / "r").exists()
 
 

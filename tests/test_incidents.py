@@ -104,4 +104,7 @@ def test_the_diagnosis_file_is_strict_json_with_its_non_finite_numbers_spelled_a
     stored = json.loads(text, parse_constant=refuse)
     assert '"nan"' in text and not math.isfinite(d["observed"]["loss"]) and stored["observed"]["loss"] == "nan"
     assert math.isnan(revive(stored)["observed"]["loss"]) and revive(stored)["bad_samples"] == d["bad_samples"] == [37]
+    # what kind of value went bad is a string "nan" or "inf", not a number: it stays one
+    assert revive({"kind": "inf", "first_op": {"kind": "nan", "max": "inf"}, "x_kind": ["nan"]}) == {
+        "kind": "inf", "first_op": {"kind": "nan", "max": math.inf}, "x_kind": ["nan"]}
 

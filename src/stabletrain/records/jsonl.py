@@ -48,14 +48,15 @@ def json_safe(value: Any) -> Any:
 _SPELLED = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
-def revive(value: Any) -> Any:
-    """``value`` read back from what :func:`json_safe` wrote: "nan", "inf" and "-inf" (nested too) as floats again."""
+def revive(value: Any, key: str = "") -> Any:
+    """``value`` read back from what :func:`json_safe` wrote: "nan", "inf" and "-inf" (nested too) as floats again, but
+    under a key that names a kind (a diagnosis's ``kind``: the string "nan" or "inf", what kind of value went bad)."""
     if isinstance(value, str):
-        return _SPELLED.get(value, value)
+        return value if key == "kind" or key.endswith("_kind") else _SPELLED.get(value, value)
     if isinstance(value, dict):
-        return {k: revive(v) for k, v in value.items()}
+        return {k: revive(v, str(k)) for k, v in value.items()}
     if isinstance(value, list):
-        return [revive(v) for v in value]
+        return [revive(v, key) for v in value]
     return value
 
 

@@ -65,6 +65,7 @@ class LateSigterm:
     def __init__(self) -> None:
         self.installed, self.old, self.seen = False, None, False
         self._timer: threading.Timer | None = None
+        self._lock = threading.Lock()  # the grace's end against take() and restore(), which disarm it
 
     def install(self) -> LateSigterm:
         if threading.current_thread() is threading.main_thread():
@@ -77,9 +78,18 @@ class LateSigterm:
             self.restore()
             return
         self.seen = True
-        self._timer = threading.Timer(self.GRACE_S, os.kill, (os.getpid(), signal.SIGTERM))
-        self._timer.daemon = True
-        self._timer.start()
+        with self._lock:
+            self._timer = threading.Timer(self.GRACE_S, self._expire)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _expire(self) -> None:
+        """The grace is over (the timer's thread): a second SIGTERM, to this holder only (taken, restored: none)."""
+        with self._lock:
+            if self._timer is None or signal.getsignal(signal.SIGTERM) != self._on:
+                return
+            self._timer = None
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def take(self) -> bool:
         """Whether a SIGTERM was held; it is no longer (its taker acts on it)."""
@@ -88,9 +98,10 @@ class LateSigterm:
         return seen
 
     def _cancel(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
 
     def restore(self) -> None:
         """Put back the handler before (the default where it was not Python's) and give it the SIGTERM held, if one

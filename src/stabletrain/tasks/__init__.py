@@ -36,7 +36,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import re
 import sys
+import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -118,11 +120,13 @@ def import_object(spec: str, key: str, expected: str = "'module:function'", kind
     if ":" not in spec:
         raise TaskError(f"config key '{key}': expected {expected}, got {spec!r}")
     module_name, name = spec.split(":", 1)
-    if module_name.endswith(".py") or "/" in module_name or "\\" in module_name or module_name.startswith("."):
-        dotted = ".".join(part for part in Path(module_name).with_suffix("").parts if part not in (".", "..", "/"))
+    if "/" in module_name or "\\" in module_name or module_name.startswith(".") or (
+            module_name.endswith(".py") and Path(module_name).is_file()):  # (not a package's submodule named py)
+        parts = re.split(r"[\\/]", module_name.removesuffix(".py"))
+        dotted = ".".join(part for part in parts if part not in ("", ".", ".."))
         raise TaskError(f"config key '{key}': {module_name!r} (from {spec!r}) is a file's path, not a module's name: name "
-                        f"it as Python imports it, {key}={dotted}:{name} (from the folder that holds it, or with that "
-                        "folder on PYTHONPATH)")
+                        "it as Python imports it" + (f", {key}={dotted}:{name}" if dotted else "") + " (from the folder "
+                        "that holds it, or with that folder on PYTHONPATH)")
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())  # like `python -m`: the user's project directory is importable
     try:
@@ -198,8 +202,14 @@ def task_arguments(spec_or_factory: str | Callable[..., Task]) -> list[TaskArg]:
         tp = hints.get(p.name)
         if tp is None and p.default is not p.empty and p.default is not None and type(p.default) in CHECKED_DEFAULTS:
             tp = type(p.default)
+        if p.default is None and tp is not None and checkable(tp) and not _takes_none(tp):
+            tp = typing.Optional[tp]  # (`hidden: list = None`: Python 3.11 no longer adds the Optional itself)
         args.append(TaskArg(p.name, tp if tp is not None and checkable(tp) else None, p.default, docs.get(p.name, "")))
     return args
+
+
+def _takes_none(tp: Any) -> bool:
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
 
 
 def task_defaults(spec: str, *, imports: bool = True) -> dict[str, Any] | None:

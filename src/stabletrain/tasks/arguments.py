@@ -138,7 +138,8 @@ def _coerce_arg(name: str, value: Any, tp: Any) -> Any:
         options = typing.get_args(tp)
         if value is None and type(None) in options:
             return None
-        if value in ("none", "None") and type(None) in options and not any(  # as config keys: null, unless a string
+        # as config keys: none/None is null, unless a string is what it may be
+        if isinstance(value, str) and value in ("none", "None") and type(None) in options and not any(
                 a is str or typing.get_origin(a) is Literal and value in typing.get_args(a) for a in options):
             return None
         errors = []
