@@ -108,3 +108,9 @@ def frozen_model_task():
     task = regression_task()
     task.model.requires_grad_(False)
     return task
+
+
+def chatty_task():
+    """A factory that prints as it builds (a user's progress print; a check's own runs print lines too)."""
+    print("building the model")
+    return regression_task()

@@ -117,6 +117,16 @@ def test_amp_check_flags_a_half_model():
     assert any("cast wholesale" in d for d in result["details"])
 
 
+def test_check_json_keeps_stdout_for_the_json_alone(capsys):
+    """A trial: a precursor line of the overfit check's run came first on stdout, and the JSON did not parse."""
+    from stabletrain.cli import main
+
+    assert main(["check", "amp", "task=broken_tasks:chatty_task", "--json"]) == 0
+    out, err = capsys.readouterr()
+    results = json.loads(out, parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+    assert [r["name"] for r in results] == ["amp"] and "building the model" in err
+
+
 # -- task_args are checked and listed; every subcommand describes itself ------------------------------
 
 
@@ -187,7 +197,8 @@ def test_list_tuple_and_dict_task_args_are_checked_item_by_item_and_none_is_null
             ({"widths": "16"}, "config key 'task_args.widths': expected a list (list), got '16'"),  # by its default's type
             ({"opt": "many"}, "config key 'task_args.opt': expected an integer or null, got 'many'"),
             ({"hidden": "x"}, "config key 'task_args.hidden': expected a list (list) or null, got 'x'"),
-            ({"opt": np.array([1, 2])}, "config key 'task_args.opt': expected an integer or null, got ndarray(shape=[2], dtype=int64)")]:
+            ({"opt": np.array([1, 2])},
+             "config key 'task_args.opt': expected an integer or null, got ndarray(shape=[2], dtype=int64)")]:
         with pytest.raises(TaskError) as info:
             check(**values)
         assert str(info.value) == error

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 from .. import console
@@ -67,8 +68,10 @@ def cmd_check(args: argparse.Namespace) -> int:
         check_folder(args.out_dir)
     options = {"compare": compare, "out_dir": args.out_dir}
     ctx = CheckContext(cfg, options=options)
-    ctx.preflight(names)  # (a device this machine lacks, a model with nothing to train: one line, not every check's)
-    results = run_checks(ctx, names or None)
+    # --json: stdout holds the JSON alone; what the checks' runs and the task's own code print goes to stderr
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        ctx.preflight(names)  # (a device this machine lacks, a model with nothing to train: one line, not every check's)
+        results = run_checks(ctx, names or None)
     print(to_json(results) if args.json else format_table(results))
     if ctx.written:  # stdout stays pure JSON under --json
         console.say(f"check files written to {ctx.out_dir}: {', '.join(p.name for p in ctx.written)}",
