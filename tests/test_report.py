@@ -1418,3 +1418,25 @@ def test_a_spike_the_models_own_dropout_drew_is_noise_in_the_health_summary_not_
     append_events(run_copy, {**spike, "step": 35, "diagnosis": {"failure_class": "data", "summary": "data: samples 3"}})
     said = dict((t, level) for level, t in health_summary(load_run(run_copy)).sentences)
     assert [level for t, level in said.items() if t.startswith("2 incidents")] == ["bad"]  # (a data spike is one)
+
+
+@pytest.mark.parametrize("skipped, scale, level", [((3,), 32768.0, "ok"), ((3, 14, 25, 37), 32768.0, "warn"),
+                                                   ((3,), 0.5, "warn")])
+def test_the_gradscalers_routine_back_off_is_healthy_not_worth_a_look(tmp_path, skipped, scale, level):
+    """A trial: one fp16 overflow at step 20 of 60 (the GradScaler's routine skip and back-off, which the configuration
+    docs call a routine skip event, not an incident) marked the page 'worth a look' with no reason given. A few at a
+    scale that recovers are healthy; more, or a scale below the guard's unrecoverable one, are worth a look."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("train:\n  max_steps: 60\nprecision: fp16\n")
+    (run_dir / "snapshot.json").write_text(json.dumps({"precision": "fp16"}))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({
+        "step": 10 * (i + 1), "interval_steps": 10, "loss": 2.0 - 0.1 * i, "loss_min": 1.9 - 0.1 * i, "grad_norm": 0.5,
+        "loss_scale": scale, "num_skipped": sum(10 * i < s <= 10 * (i + 1) for s in skipped)}) + "\n" for i in range(6)))
+    append_events(run_dir, *({"step": s, "kind": "skip", "loss_scale": scale,
+                              "reason": "skipped: fp16 overflow (grad norm inf; GradScaler backs off its scale)"}
+                             for s in skipped))
+    h = health_summary(load_run(run_dir))
+    (said,) = [(lv, text) for lv, text in h.sentences if " skipped" in text]
+    assert said[0] == level and said[1].startswith(f"{len(skipped)} step"), said
+    assert h.level == level

@@ -19,7 +19,8 @@ from .clip_verdict import clip_sentence
 from .early_signs import early_outlier_sentence, precursor_sentence
 from .loss_headline import loss_sentence
 from .rundata import Event, RunData
-from .text import first_clause, fmt_num, fmt_ranges, one_line, plural, scale_note, skip_places, skip_reason, stall_parts
+from .skips import skip_sentence
+from .text import first_clause, fmt_num, fmt_ranges, one_line, plural, skip_reason, stall_parts, total_of, went_back
 
 __all__ = ["Health", "health_summary", "incident_summary", "crash_summary", "crash_step", "stall_figures", "LEVELS"]
 
@@ -51,10 +52,6 @@ def _finite(values: list[float]) -> list[float]:
     return [v for v in values if math.isfinite(v)]
 
 
-def _total(run: RunData, key: str) -> int:
-    return int(sum(r[key] for r in run.metrics if math.isfinite(r.get(key, math.nan))))
-
-
 def incident_summary(event: Event) -> str:
     """An incident's diagnosis summary, else why the diagnosis failed, else its reason; under DDP the ranks first."""
     diagnosis, ranks = event.extra.get("diagnosis"), [r for r in event.extra.get("ranks") or [] if isinstance(r, int)]
@@ -76,35 +73,13 @@ def health_summary(run: RunData) -> Health:
     _init(run, h)
     clip_sentence(run, h)
 
-    # Skipped steps: the count from the metrics, the steps and reasons from the events.
-    skip_events = run.counted_events("skip")
-    f["skipped_steps"] = _total(run, "num_skipped") if run.metrics else len({e.step for e in skip_events})
-    f["skip_steps"] = sorted({e.step for e in skip_events})
-    undone = run.undone_events("skip")  # skipped before a rollback: that stretch was trained again
-    f["skip_steps_undone"] = sorted({e.step for e in undone})
-    if f["skipped_steps"] or skip_events:
-        every = bool(run.metrics) and f["skipped_steps"] >= run.metrics[-1]["step"]  # (no update was ever applied)
-        text = (("No update was applied: every step was skipped, " if every else "")
-                + f"{plural(f['skipped_steps'], 'step')} skipped" + skip_places(skip_events))
-        text += (" (events.jsonl does not say which)" if not skip_events else
-                 f" (events.jsonl names {plural(len(f['skip_steps']), 'step')})" if len(f["skip_steps"]) != f["skipped_steps"]
-                 else "")
-        if undone:
-            text += f"; before {_went_back(undone)}, {plural(len(f['skip_steps_undone']), 'more step')}" + skip_places(undone)
-        h.say("warn", text + scale_note(run.metrics, skip_events) + ".")
-    elif undone:
-        h.say("warn", f"No steps skipped since {_went_back(undone)}; before it {plural(len(f['skip_steps_undone']), 'step')} "
-                      f"{'was' if len(f['skip_steps_undone']) == 1 else 'were'} skipped{skip_places(undone)}, and that "
-                      "stretch was trained again.")
-    else:  # (under fp16 the scale said too: a trial's report named it only where steps were skipped)
-        h.say("ok", "No steps skipped" + (scale_note(run.metrics, held=True) if run.snapshot.get("precision") == "fp16"
-                                          else "") + ".")
+    skip_events = skip_sentence(run, h)
 
     nonfinite_events = run.counted_events("nonfinite")
-    f["nonfinite_steps"] = _total(run, "num_nonfinite") if run.metrics else len({e.step for e in nonfinite_events})
+    f["nonfinite_steps"] = total_of(run, "num_nonfinite") if run.metrics else len({e.step for e in nonfinite_events})
     undone = run.undone_events("nonfinite")
     f["nonfinite_steps_undone"] = sorted({e.step for e in undone})
-    before = (f"before {_went_back(undone)}, {plural(len(f['nonfinite_steps_undone']), 'step')} had one (first at step "
+    before = (f"before {went_back(undone)}, {plural(len(f['nonfinite_steps_undone']), 'step')} had one (first at step "
               f"{f['nonfinite_steps_undone'][0]:,})" if undone else "")
     # fp16 overflows (the GradScaler's skipped steps) are not counted as non-finite steps: said as what they are
     overflows = len({e.step for e in skip_events if skip_reason(e.reason).startswith("fp16 overflow")})
@@ -122,7 +97,7 @@ def health_summary(run: RunData) -> Health:
                       + (f"; {before}" if before else "") + ("; an incident captures the first of its log interval "
                       f"({caught} below)" if 0 < caught < f["nonfinite_steps"] else "") + ".")
     elif undone:
-        h.say("warn", f"No non-finite losses or grad norms{besides} since {_went_back(undone)}; {before}.")
+        h.say("warn", f"No non-finite losses or grad norms{besides} since {went_back(undone)}; {before}.")
     else:
         h.say("ok", f"No non-finite losses or grad norms{besides}.")
 
@@ -131,7 +106,7 @@ def health_summary(run: RunData) -> Health:
     undone_spikes = run.undone_events("spike")
     f["spike_steps_undone"] = sorted({e.step for e in undone_spikes})
     if undone_spikes and not spikes:
-        h.say("warn", f"No loss spikes since {_went_back(undone_spikes)}; before it, "
+        h.say("warn", f"No loss spikes since {went_back(undone_spikes)}; before it, "
                       f"{plural(len(f['spike_steps_undone']), 'loss spike')} at step {fmt_ranges(f['spike_steps_undone'])}.")
     if spikes:
         text = f"{plural(len(f['spike_steps']), 'loss spike')} at step {fmt_ranges(f['spike_steps'])}"
@@ -146,7 +121,7 @@ def health_summary(run: RunData) -> Health:
                      if len(undone_spikes) > len(f["spike_steps_undone"]) else "")
             lo, hi = min(f["spike_steps_undone"]), max(f["spike_steps_undone"])  # the rollbacks that went back past them
             past = sum(1 for e in run.events if e.kind == "rollback" and e.step < hi and int(e.extra.get("from_step", -1)) >= lo)
-            text += (f"; before {_went_back(undone_spikes, past)}, at step {fmt_ranges(f['spike_steps_undone'])}{again}")
+            text += (f"; before {went_back(undone_spikes, past)}, at step {fmt_ranges(f['spike_steps_undone'])}{again}")
         h.say("warn", text + ".")
     precursor_sentence(run, h)
     early_outlier_sentence(run, h)
@@ -167,7 +142,7 @@ def health_summary(run: RunData) -> Health:
             else " (cured: a remedy was applied for each, below)" if remedied and not noise else " (each cured by a remedy, "
             "below, or made by the model's own dropout draw: noise)" if remedied else "") + "." + _scattered(incidents, run))
     if undone:
-        h.say("warn", f"{plural(len(f['incidents_undone']), 'incident')} before {_went_back(undone)} (the run went back and "
+        h.say("warn", f"{plural(len(f['incidents_undone']), 'incident')} before {went_back(undone)} (the run went back and "
                       f"trained that stretch again): {_listed(f['incidents_undone'])}.")
     if not incidents and not undone:
         h.say("ok", "No incidents.")
@@ -196,14 +171,6 @@ def _init(run: RunData, h: Health) -> None:
         found = "; ".join(part for part in line.get("summary", []) if not part.endswith(": ok"))
         h.say("warn", f"At step 0 {found}; {line.get('advice', '')} (init_signal.json)"
               + (f"; and {loss['line']}." if loss.get("fails") else "."))
-
-
-def _went_back(events: list[Event], rollbacks: int = 1) -> str:
-    """What went back past ``events`` (undone ones): "the rollback" ("the 3 rollbacks": ``rollbacks``), "the remedy's
-    rollback", or both."""
-    kinds = sorted({e.superseded_by for e in events if e.superseded_by})
-    names = {"rollback": "the rollback" if rollbacks < 2 else f"the {rollbacks} rollbacks", "remedy": "the remedy's rollback"}
-    return " and ".join(names.get(k, k) for k in kinds) or names["rollback"]
 
 
 def _once(incidents: list[tuple[int, str]]) -> list[tuple[int, str]]:

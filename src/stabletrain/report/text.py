@@ -110,6 +110,20 @@ def skip_reason(reason: str | None) -> str:
     return reason.split("skipped: ", 1)[1] if "skipped: " in reason else reason
 
 
+def routine_backoff(metrics: Iterable[dict[str, Any]], skips: Iterable[Any], skipped: int) -> bool:
+    """Whether the skipped steps are the fp16 GradScaler's routine back-off, healthy (not "worth a look"): each an fp16
+    overflow, the loss scale never below the guard's unrecoverable one, and few (3 steps, or 2% of the run's)."""
+    from ..policies.stall import UNRECOVERABLE_SCALE
+
+    metrics, skips = list(metrics), list(skips)
+    if not skips or not all(skip_reason(e.reason).startswith("fp16 overflow") for e in skips):
+        return False
+    scales = [s for s in (*(r.get("loss_scale") for r in metrics), *(e.extra.get("loss_scale") for e in skips))
+              if isinstance(s, (int, float)) and not isinstance(s, bool)]
+    steps = max((int(r["step"]) for r in metrics if isinstance(r.get("step"), int)), default=0)
+    return all(s >= UNRECOVERABLE_SCALE for s in scales) and skipped <= max(3, 0.02 * steps)
+
+
 def skip_places(events: Iterable[Any]) -> str:
     """ " at 812-813 (fp16 overflow); at 900 (loss spike ...)": skip events' steps, grouped by reason ("" for none)."""
     by_reason: dict[str, list[int]] = {}
@@ -134,3 +148,16 @@ def scale_note(metrics: Iterable[dict[str, Any]], skips: Iterable[Any] = (), hel
         return f"; the fp16 loss scale held at {scales[0]:,.6g}" if held and scales else ""
     first = " after its first back-off" if kept[0][0] == 0 else ""
     return f"; the fp16 loss scale went{first} {scales[0]:,.6g} -> {scales[-1]:,.6g} (lowest {min(scales):,.6g})"
+
+
+def total_of(run: Any, key: str) -> int:
+    """The sum of ``key`` over the run's metrics rows that hold a finite one."""
+    return int(sum(r[key] for r in run.metrics if math.isfinite(r.get(key, math.nan))))
+
+
+def went_back(events: list[Any], rollbacks: int = 1) -> str:
+    """What went back past ``events`` (undone ones): "the rollback" ("the 3 rollbacks": ``rollbacks``), "the remedy's
+    rollback", or both."""
+    kinds = sorted({e.superseded_by for e in events if e.superseded_by})
+    names = {"rollback": "the rollback" if rollbacks < 2 else f"the {rollbacks} rollbacks", "remedy": "the remedy's rollback"}
+    return " and ".join(names.get(k, k) for k in kinds) or names["rollback"]
