@@ -1440,3 +1440,19 @@ def test_the_gradscalers_routine_back_off_is_healthy_not_worth_a_look(tmp_path, 
     (said,) = [(lv, text) for lv, text in h.sentences if " skipped" in text]
     assert said[0] == level and said[1].startswith(f"{len(skipped)} step"), said
     assert h.level == level
+
+
+def test_a_short_last_interval_is_read_with_the_one_before_it_not_as_the_runs_end(tmp_path):
+    """A trial (Lightning, max_steps=30, log_every=4): the headline read 'Train loss 0.9883 → 1.239 (first → last
+    interval)' from a last interval of 2 steps, beside interval means falling 0.99 → 0.75 and a falling validation loss;
+    the compare page repeated 1.239. The tail is read with the interval before it, a mean over both's 6 steps."""
+    means = [0.9883, 0.95, 0.87, 0.83, 0.80, 0.88, 0.75, 1.239]
+    rows = [{"step": min(4 * (i + 1), 30), "interval_steps": 4 if i < 7 else 2, "loss_steps": 4 if i < 7 else 2, "loss": m,
+             "loss_min": 0.9 * m} for i, m in enumerate(means)]
+    (tmp_path / "config.yaml").write_text("train:\n  max_steps: 30\n")
+    (tmp_path / "snapshot.json").write_text("{}")
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    h = health_summary(load_run(tmp_path))
+    (level, text), = [(lv, t) for lv, t in h.sentences if t.startswith("Train loss")]
+    assert (level, text) == ("ok", "Train loss 0.9883 → 0.913 (first → last interval with the 2-step one after it).")
+    assert h.figures["loss_last"] == 1.239 and h.figures["loss_end"] == pytest.approx((0.75 * 4 + 1.239 * 2) / 6)

@@ -29,9 +29,10 @@ def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
              r["loss_min"] if isinstance(r.get("loss_min"), (int, float)) else r["loss"],  # (a null one: the mean)
              int(r["loss_steps"]) if isinstance(r.get("loss_steps"), (int, float)) else r["interval_steps"])  # its mean is over
             for r in run.metrics if isinstance(r.get("loss"), float) and math.isfinite(r["loss"])]
-    text = ""
+    text, tail = "", 0
     if rows:
         f["loss_first"], f["loss_last"] = rows[0][2], rows[-1][2]  # the interval means, as metrics.jsonl has them
+        rows, tail = _with_tail(rows)
         events = run.counted_events("spike")
         spikes = sorted({e.step for e in events})
         own = {e.step: float(e.extra["loss"]) for e in events if isinstance(e.extra.get("loss"), (int, float))}
@@ -46,7 +47,7 @@ def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
             text = f"Train loss {fmt_num(f['loss_start'])} (one interval)" + (
                 f" ({_why(rows[0], early, 'only', set(early) - set(spikes))})" if start else "")
         elif start is None and end is None:
-            text += " (first → last interval)"
+            text += f" (first → last interval{f' with the {tail}-step one after it' if tail else ''})"
         else:
             why = "; ".join(w for w in (start and _why(rows[0], early, "first", set(early) - set(spikes)),
                                         end and _why(rows[-1], spikes, "last")) if w)
@@ -93,6 +94,17 @@ def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
         text = f"{text}; {part}" if text else part[0].upper() + part[1:]
     if text:
         h.say(level, text + ".")
+
+
+def _with_tail(rows: list[tuple]) -> tuple[list[tuple], int]:
+    """``rows`` with a short last interval (half the width of the one before or less: ``train.max_steps`` not a multiple of
+    the log interval) merged into the one before, its mean over both's steps (a trial: a 2-step tail's 1.239 read as the
+    run's end beside intervals falling 0.99 -> 0.75); and the tail's width (0: none merged)."""
+    if len(rows) < 3 or 2 * rows[-1][1] > rows[-2][1]:
+        return rows, 0
+    (_, width, mean, low, finite), (step, tail, tail_mean, tail_low, tail_finite) = rows[-2], rows[-1]
+    merged = (mean * finite + tail_mean * tail_finite) / max(finite + tail_finite, 1)
+    return [*rows[:-2], (step, width + tail, merged, min(low, tail_low), finite + tail_finite)], int(tail)
 
 
 def _robust_end(rows: list[tuple], spikes: list[int], ratio: float, end: str,
