@@ -925,6 +925,30 @@ def test_a_loop_that_misuses_the_monitor_is_told_once_at_its_own_line(tmp_path):
                     "1 monitor.backward() call(s) after the last monitor.step() w"], said
 
 
+def test_a_weight_non_finite_before_the_first_step_is_said_to_have_come_so_not_blamed_on_the_learning_rate(tmp_path):
+    """A trial (a GPT-2 with one embedding row set to inf before train()): the incident at step 1 said 'an update applied
+    before it broke them (on_nonfinite='warn' ...)' under the default skip, and 'the optimizer step makes it non-finite
+    (learning rate too high?)': no update had been applied."""
+    torch.manual_seed(0)
+    model = Net()
+    with torch.no_grad():
+        model.fc2.weight[0, 3] = float("inf")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    run_dir = tmp_path / "run"
+    with contextlib.suppress(StopTraining), Monitor(model, opt, run_dir=run_dir, log_every=4, loss_fn=loss_fn) as monitor:
+        for batch in batches(4):
+            monitor.backward(loss_fn(model, batch), batch)
+            monitor.step()
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    incident = next(e for e in events if e["kind"] == "incident")
+    d = json.loads((Path(incident["path"]) / "diagnosis.json").read_text())
+    assert incident["step"] == 1 and d["params_nonfinite_before"] == ["fc2.weight"]
+    assert d["summary"] == ("the parameters were non-finite before the first step (fc2.weight): the model came so, no "
+                            "update had been applied (its init, weights it loaded, an edit before training); the replay's "
+                            "own reading, on those weights, is in the evidence"), d["summary"]
+    assert incident["diagnosis"]["summary"] == d["summary"]
+
+
 def test_a_weight_made_non_finite_outside_the_optimizer_is_said_so_not_blamed_on_the_hardware(tmp_path):
     """A trial: the loop set one weight to inf before step 7 (weight surgery, an EMA swap, a load_state_dict do it): the
     incident said 'no non-finite value on replay ... suspect a hardware fault or nondeterminism' (the replay's weights,

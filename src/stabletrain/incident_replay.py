@@ -27,6 +27,7 @@ from torch import nn
 from .config import config_from_dict
 from .data import move_to
 from .diagnostics.diagnosis import run_diagnosis
+from .diagnostics.failure_class import broken_before
 from .numerics import buffers_kept, grad_norms, modes_kept, unique_params
 from .policies.accumulation import as_sum_count
 from .policies.clipping import GradClipper
@@ -479,12 +480,9 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
                                f"takes it to {after:g}: {why}")
     if observed.get("after_update") and result.get("stage") not in ("update",):
         result["note"] = "the run saw the bad value only in the parameters after the update"
-    if broken:  # the weights the step started from: an earlier step's update, applied (on_nonfinite='warn'), broke them
+    if broken:  # the weights the step started from were: an earlier update broke them, or they came so
         result["params_nonfinite_before"] = broken
-        result["summary"] = (f"the parameters were non-finite before this step ({', '.join(broken[:3])}"
-                             + (f" and {len(broken) - 3} more" if len(broken) > 3 else "") + "): an update applied before "
-                             "it broke them (on_nonfinite='warn' applies a bad step's update: the run's first incident says "
-                             f"which); what follows is this step's replay on them: {result.get('summary')}")
+        result["summary"] = broken_before(broken, int(bundle["step"]), cfg.guard.on_nonfinite, result.get("summary"))
     live = observed.get("live_nonfinite")  # the run's parameters were non-finite before this (skipped) step
     if live and not broken and result.get("stage") == "none" and not result.get("reproduces"):  # ... the replay's are not
         result["changed_outside"] = live
