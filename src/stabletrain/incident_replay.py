@@ -482,7 +482,7 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
         result["note"] = "the run saw the bad value only in the parameters after the update"
     if broken:  # the weights the step started from were: an earlier update broke them, or they came so
         result["params_nonfinite_before"] = broken
-        result["summary"] = broken_before(broken, int(bundle["step"]), cfg.guard.on_nonfinite, result.get("summary"))
+        result["summary"] = broken_before(broken, int(bundle["step"]), result.get("summary"))
     live = observed.get("live_nonfinite")  # the run's parameters were non-finite before this (skipped) step
     if live and not broken and result.get("stage") == "none" and not result.get("reproduces"):  # ... the replay's are not
         result["changed_outside"] = live

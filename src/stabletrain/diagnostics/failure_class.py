@@ -245,17 +245,18 @@ def _growth_text(g: dict[str, Any]) -> str:
             f"({g['from']:.3g} -> {g['to']:.3g}{mean}, x{g['total_factor']:.3g})")
 
 
-def broken_before(broken: list[str], step: int, on_nonfinite: str, summary: str | None) -> str:
+def broken_before(broken: list[str], step: int, summary: str | None) -> str:
     """The summary of a step whose parameters were non-finite before it (``broken``, by name), its replay's ``summary``
     after: at the run's first step the model came so (no update had been applied: a trial's GPT-2 with an inf row was
     told 'the optimizer step makes it non-finite (learning rate too high?)'); later, an update applied before it broke
-    them (on_nonfinite='warn'), or something outside the optimizer's steps did."""
+    them (on_nonfinite='warn'), or something outside the optimizer's steps did (an adapter's config records 'warn' as
+    'skip': the words name both)."""
     names = ", ".join(broken[:3]) + (f" and {len(broken) - 3} more" if len(broken) > 3 else "")
     if step <= 1:
         return (f"the parameters were non-finite before the first step ({names}): the model came so, no update had been "
                 "applied (its init, weights it loaded, an edit before training); the replay's own reading, on those "
                 "weights, is in the evidence")
-    how = ("on_nonfinite='warn' applies a bad step's update: the run's first incident says which" if on_nonfinite == "warn"
-           else "or they were changed outside the optimizer's steps: an in-place edit, a load_state_dict, a weight swap")
-    return (f"the parameters were non-finite before this step ({names}): an update applied before it broke them ({how}); "
-            f"what follows is this step's replay on them: {summary}")
+    return (f"the parameters were non-finite before this step ({names}): an update applied before it broke them "
+            "(on_nonfinite='warn' applies a bad step's update: the run's first incident says which), or a change outside "
+            f"the optimizer's steps did (an in-place edit, a load_state_dict, a weight swap); what follows is this step's "
+            f"replay on them: {summary}")
