@@ -85,6 +85,20 @@ def test_overfit_check_names_a_parameter_that_never_gets_a_gradient_not_one_behi
     assert bad.summary.endswith(f"; 2 parameter(s) got no gradient in any of the {bad.numbers['steps'] + 1} steps")
 
 
+def test_init_names_a_trainable_layer_no_gradient_reaches(tmp_path):
+    """A trial: check init said 'backward: ok' for a model whose first layer's output is detached (its grad std shown
+    '-'); overfit caught it. No init fixes it: a warning naming the layer, its backward line saying why."""
+    ctx = CheckContext(cfg("train.batch_size=16"), task_factory=frozen_layer_task, options={"out_dir": str(tmp_path)})
+    (init,) = run_checks(ctx, ["init"])
+    assert init.passed and init.warning and init.numbers["no_gradient"] == ["0"], init.summary
+    assert init.summary.endswith("; no gradient reaches '0'"), init.summary
+    assert any(d.startswith("backward: ok where a gradient flows; none reaches #0 '0' (Linear): the loss does not depend "
+                            "on its output") for d in init.details), init.details
+    (healthy,) = run_checks(CheckContext(cfg("train.batch_size=16"), task_factory=regression_task,
+                                         options={"out_dir": str(tmp_path)}), ["init"])
+    assert not healthy.warning and "no_gradient" not in healthy.numbers
+
+
 def test_a_zero_initialized_output_layer_passes_overfit_and_init_with_a_note(tmp_path):
     """GPT/DiT-style zero head: as built, init read 'forward vanishing at head (0x), backward vanishing at body.0 (0x)'
     and overfit 'embed.weight, body.0.* got no gradient' (from the first backward alone)."""

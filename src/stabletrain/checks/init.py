@@ -223,6 +223,9 @@ def check_init(ctx: CheckContext) -> CheckResult:
         summary = ("no layer flagged: the signal holds forward and backward" if built.passed else
                    f"{len(built.flagged)} of {len(built.layers)} layers flagged: forward {numbers['forward']}, "
                    f"backward {numbers['backward']}") + excluded
+        if built.cut_off:  # (not the init's: a warning, the details' backward line says why)
+            summary += f"; no gradient reaches {', '.join(repr(layer.name) for layer in built.cut_off)}"
+            numbers["no_gradient"] = [layer.name for layer in built.cut_off]
     if refused is not None:
         details = [refused if d.startswith("recommended init:") else d for d in details]
     if architecture is not None:  # no init advice: the architecture's (passes, with a warning)
@@ -248,4 +251,4 @@ def check_init(ctx: CheckContext) -> CheckResult:
     numbers.update({"recommended": recommended, "plot": str(plot), "json": str(data)})
     return CheckResult("init", (built.passed or architecture is not None) and not loss_fails and not overwritten, summary,
                        numbers=numbers,
-                       details=details, warning=architecture is not None)
+                       details=details, warning=architecture is not None or bool(built.cut_off))

@@ -157,6 +157,12 @@ class LayerSignal:
         return self.forward != OK or self.backward != OK
 
     @property
+    def cut_off(self) -> bool:
+        """A trainable layer whose output got no gradient: the loss does not depend on it (a ``.detach()``, ``no_grad``,
+        an output left unused); its parameters never train, whatever the init."""
+        return self.grad_std is None and self.param_name is not None and not self.frozen
+
+    @property
     def collapsed(self) -> bool:
         """Its output barely varies across the batch against its std (:data:`COLLAPSE`) where its input does: offsets,
         not its input, make it (an input the same for every sample by design, learned queries or a conditioning vector,
@@ -203,8 +209,24 @@ class SignalReport:
         """The first layer from the loss whose gradient is flagged."""
         return next((layer for layer in reversed(self.layers) if layer.backward != OK), None)
 
+    @property
+    def cut_off(self) -> list[LayerSignal]:
+        """The trainable layers no gradient reached, where one reached others (:attr:`LayerSignal.cut_off`)."""
+        reached = any(layer.grad_std is not None for layer in self.layers)
+        return [layer for layer in self.layers if layer.cut_off] if reached else []
+
     def summary(self, direction: str) -> str:
         """Return one line: where the ``forward`` or ``backward`` signal first leaves the band, and by how much."""
+        line = self._summary(direction)
+        cut = self.cut_off if direction == "backward" else []
+        if cut:  # (a trial: 'backward: ok' for a model whose first layer's output was detached, its grad std shown '-')
+            line += (f"{' where a gradient flows' if line.endswith(': ok') else ''}; none reaches #{cut[0].index} "
+                     f"{cut[0].name!r} ({cut[0].kind}){f' and {len(cut) - 1} more' if len(cut) > 1 else ''}: the loss does "
+                     "not depend on its output (a .detach(), torch.no_grad, an output left unused), so its parameters "
+                     "never train, whatever the init")
+        return line
+
+    def _summary(self, direction: str) -> str:
         first = self.first_forward if direction == "forward" else self.first_backward
         if first is None:
             return f"{direction}: ok"
