@@ -40,9 +40,10 @@ def assign_references(layers: list[Any], thresholds: Any) -> None:
     for layer in layers:
         groups.setdefault(_group_key(layer), []).append(layer)
     pooled: dict[tuple, list[Any]] = {}
-    for key, members in groups.items():  # a layer with no counterpart joins the others of its class and shapes
-        alone = len(members) == 1 and not members[0].own_reference
-        pooled.setdefault((key[0], None, *key[2:]) if alone else key, []).extend(members)
+    for key, members in groups.items():  # a layer with no counterpart joins the others of its class and shapes under the
+        alone = len(members) == 1 and not members[0].own_reference  # same parent (fc1, fc2, fc3 of one model; not a
+        # 1-block GPT-2's final LayerNorm and its block's ln_1, nor the embeddings' dropout and an attention branch's)
+        pooled.setdefault((key[0], _parent(members[0]), *key[2:]) if alone else key, []).extend(members)
     for members in pooled.values():
         members.sort(key=lambda layer: layer.index)
         fwd_ref = members[0]
@@ -77,6 +78,17 @@ def assign_references(layers: list[Any], thresholds: Any) -> None:
             if layer.forward == "ok" and layer.collapsed:  # its std is its offsets': the input's signal is gone
                 layer.forward = "vanishing"
             layer.backward = thresholds.verdict(layer.backward_ratio)
+    reached = [layer for layer in layers if layer.grad_std]  # a gradient of exactly 0 where others have one: vanished
+    for layer in layers:  # (a zero-initialized head's: judged in any group, as a forward of 0 is)
+        if reached and layer.grad_std == 0 and layer.backward_ratio is None and layer.role != "recurrent":
+            layer.ref_backward, layer.backward_ratio = reached[-1].name, 0.0
+            layer.backward = thresholds.verdict(0.0)
+
+
+def _parent(layer: Any) -> str:
+    """The pattern of the module a layer sits in (list indices as '*'): where it plays the same role as its siblings."""
+    parts = layer.name.split("#")[0].split(".")[:-1]
+    return ".".join("*" if part.isdigit() else part for part in parts)
 
 
 def _own_function(layer: Any) -> bool:
