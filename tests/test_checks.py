@@ -85,6 +85,22 @@ def test_overfit_check_names_a_parameter_that_never_gets_a_gradient_not_one_behi
     assert bad.summary.endswith(f"; 2 parameter(s) got no gradient in any of the {bad.numbers['steps'] + 1} steps")
 
 
+def test_a_model_cast_wholesale_to_half_precision_is_named_by_the_checks_it_fails(tmp_path):
+    """A trial: on a .half()-cast model accum blamed 'in-batch negatives' (then 'another unit than samples'), clip failed
+    with no reason given, overfit said 'precision=fp32'; only amp named the cast."""
+    from broken_tasks import half_model_task
+
+    accum, clip = run_checks(CheckContext(cfg("train.batch_size=16"), task_factory=half_model_task), ["accum", "clip"])
+    assert not accum.passed and accum.summary.endswith("; the weights are stored in half precision (cast wholesale): their "
+                                                       "rounding, not the loss"), accum.summary
+    assert accum.details[-1].startswith("4 of 4 parameters are stored in bfloat16 (e.g. 0.weight): the model was cast "
+                                        "wholesale") and not any("unit than samples" in d for d in accum.details)
+    assert not clip.passed and clip.details[0].startswith("the norm after clipping, ") and clip.details[1].startswith(
+        "4 of 4 parameters are stored in bfloat16"), clip.details
+    (healthy,) = run_checks(CheckContext(cfg("train.batch_size=16"), task_factory=regression_task), ["clip"])
+    assert healthy.passed and healthy.details == []
+
+
 def test_init_names_a_trainable_layer_no_gradient_reaches(tmp_path):
     """A trial: check init said 'backward: ok' for a model whose first layer's output is detached (its grad std shown
     '-'); overfit caught it. No init fixes it: a warning naming the layer, its backward line saying why."""

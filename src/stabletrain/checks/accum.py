@@ -33,7 +33,7 @@ from ..policies.accumulation import as_sum_count
 from ..policies.dropout import dropout_off
 from ..policies.precision import PrecisionPolicy
 from ..step import TrainStep
-from . import CheckContext, CheckResult, register
+from . import CheckContext, CheckResult, cast_wholesale, register
 from .resume import batch_digest
 
 #: Equivalence tolerance in fp32: |g_accum - g_big| <= ATOL + RTOL * max|g_big| (summation order only).
@@ -137,7 +137,9 @@ def check_accum(ctx: CheckContext) -> CheckResult:
     # A scalar that is a mean over another unit than samples (tokens of varying length): the window weighs a scalar by
     # its micro-batch's samples, so the whole batch's loss is not its micro-batches' sample-weighted mean.
     weighted = sum(n * v for n, v in zip(sizes, losses[1])) / total if losses is not None else math.nan
-    per_unit = (not passed and not summed and not random and not collate_random and not batch_stats and losses is not None
+    cast = cast_wholesale(model)  # (half-precision weights: their rounding fails the tolerance, not the loss's unit)
+    per_unit = (not passed and not summed and not cast and not random and not collate_random and not batch_stats
+                and losses is not None
                 and abs(losses[0] - weighted) > UNIT_RTOL * max(abs(losses[0]), abs(weighted), 1e-12))
     warning = not passed and (bool(batch_stats) or random or collate_random)
     # Passed, but so would the naive mean of means: these micro-batches cannot tell the window's normalization from it
@@ -170,6 +172,8 @@ def check_accum(ctx: CheckContext) -> CheckResult:
             summary += "; the scalar loss sums over the batch instead of averaging"
         elif per_unit:
             summary += "; the scalar loss is a mean over another unit than samples (tokens?): return (sum, count)"
+        elif cast:
+            summary += "; the weights are stored in half precision (cast wholesale): their rounding, not the loss"
     details = [f"naive mean-of-means would differ by {naive:.3g} ({naive / max(tol, 1e-30):.3g}x the tolerance)"]
     if dropouts or functional_calls:
         off = [f"{', '.join(dropouts[:4])}{' ...' if len(dropouts) > 4 else ''}"] if dropouts else []
@@ -218,6 +222,8 @@ def check_accum(ctx: CheckContext) -> CheckResult:
                        f"by their samples give {weighted:.4g}: it averages over another unit than samples (tokens of "
                        "varying length, masked positions), and a scalar is weighed by its micro-batch's samples; return "
                        "(sum, count) with count in that unit (the tokens), so the window weighs each by what it holds")
+    elif not passed and cast:
+        details.append(cast)
     elif not passed and losses is not None:  # a scalar: no (sum, count) of the task's to be inconsistent
         details.append("the loss may depend on the batch beyond per-sample terms (e.g. in-batch negatives), or average "
                        "over another unit than samples (tokens) whose losses are still too alike to tell: then return "

@@ -11,7 +11,7 @@ from ..data import fixed_batch
 from ..numerics import grad_norms, unique_params
 from ..policies.accumulation import as_sum_count
 from ..policies.clipping import GradClipper
-from . import CheckContext, CheckResult, register
+from . import CheckContext, CheckResult, cast_wholesale, register
 
 REL_TOL = 1e-5
 
@@ -42,6 +42,12 @@ def check_clip(ctx: CheckContext) -> CheckResult:
     passed = clipped and post <= bound and untouched and abs(predicted - post) <= 1e-4 * max(post, 1e-12) + 1e-6
     summary = (f"pre-clip norm {pre:.4g} -> {post:.6g} after clipping at {max_norm:.4g} (bound {bound:.6g}); "
                f"non-finite norm {'left grads untouched' if untouched else 'CHANGED the grads'}")
-    return CheckResult("clip", passed, summary,
+    failed = [  # which test failed (a trial's FAIL gave none)
+        "the clip did not act" if not clipped else f"the norm after clipping, {post:.6g}, is above the bound {bound:.6g}"
+        if post > bound else f"the norm after clipping, {post:.6g}, is not the predicted {predicted:.6g}" if
+        abs(predicted - post) > 1e-4 * max(post, 1e-12) + 1e-6 else "",
+        "" if untouched else "clipping at a non-finite norm changed the gradients"]
+    details = [d for d in (*failed, cast_wholesale(model) if not passed else None) if d]
+    return CheckResult("clip", passed, summary, details=details,
                        numbers={"pre_clip_norm": pre, "max_norm": max_norm, "post_clip_norm": post,
                                 "predicted_post_clip_norm": predicted, "rel_tol": REL_TOL})

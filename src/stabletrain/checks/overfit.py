@@ -20,7 +20,7 @@ from ..diagnostics.loss_at_init import uniform_classes, uninformed_loss
 from ..numerics import unique_params
 from ..policies.precision import PrecisionPolicy
 from ..step import TrainStep
-from . import CheckContext, CheckResult, register
+from . import CheckContext, CheckResult, cast_wholesale, register
 from .amp import first_nonfinite_forward, overflow_inside
 
 #: The loss must fall below initial / FACTOR within STEPS steps on one fixed batch.
@@ -122,7 +122,8 @@ def check_overfit(ctx: CheckContext) -> CheckResult:
                        "non-finite values, not a missing gradient; those steps were skipped"
                        + (f"; first non-finite value in the forward: {where}" if where else "")
                        + ("; under fp16 see `stabletrain check amp precision=fp16`, or use bf16" if
-                          precision.mode == "fp16" else ""))
+                          precision.mode == "fp16" else "")
+                       + (f"; {cast_wholesale(model)}" if cast_wholesale(model) else ""))
     elif skipped and not fell:  # (fp16: the scaled gradients of the first step may overflow by design)
         first = f" ({len(nonfinite_grad)} parameter(s) at the first step, e.g. {nonfinite_grad[0]})" if nonfinite_grad else ""
         details.append(f"{skipped} of {len(losses)} steps were skipped: their gradients were not finite{first} while the "

@@ -7,7 +7,7 @@ the shallowest depth, found by dropping list indices from its name (``blocks.7.m
 with ``blocks.0.mlp.fc``; in an ``nn.Sequential`` every Linear with the first Linear, every ReLU
 with the first ReLU); a layer with no such counterpart is compared with the first layer of its class
 and shapes that has none either, in the same module (``fc1``, ``fc2``, ``fc3`` of one model; a
-one-block GPT-2's ``ln_1`` is not compared with its final ``ln_f``). A trainable layer whose
+one-block GPT-2's ``ln_1`` is not compared with its final ``ln_f``). A layer whose
 gradient is exactly 0 while others' are not (the layers before a zero-initialized head) vanishes
 (0x) in any group; one no gradient reaches at all is named on the backward line. Forward, the
 reference is the shallowest one; backward, the deepest (where the gradient arrives first). A
