@@ -129,9 +129,9 @@ def test_a_zero_initialized_output_layer_passes_overfit_and_init_with_a_note(tmp
                             "judged without the output layer head)")
     assert init.numbers["zero_init"] == ["head (the output layer)"] and init.numbers["flagged"] == 0
     assert init.details[0].startswith("head: zero-initialized output layer (head.weight all 0), taken as deliberate")
-    # (as built, no gradient reaches any layer before the zero head: each is flagged, the first from the loss named)
-    assert init.details[1].endswith("As built (weight 0): 4 of 4 layers flagged: forward vanishing at #3 head (0x), "
-                                    "backward vanishing at #2 body.1 (0x)"), init.details[1]
+    # (as built, no gradient reaches the trainable layers before the zero head: each is flagged, embed too)
+    assert init.details[1].endswith("As built (weight 0): 3 of 4 layers flagged: forward vanishing at #3 head (0x), "
+                                    "backward vanishing at #1 body.0 (0x)"), init.details[1]
     rows = {d.split()[1]: d.split() for d in init.details if d.split()[0].isdigit()}
     assert rows["head"][7] == rows["head"][9] == "-" and rows["body.0"][9] == "1x"  # head: no ratio; body.0: its own ref
     saved = json.loads((tmp_path / "init_signal.json").read_text())

@@ -799,5 +799,26 @@ def test_a_gradient_of_exactly_zero_where_others_have_one_is_flagged_in_any_grou
         model[2].weight.zero_()
     batch = (torch.randn(32, 8), torch.randn(32, 4))
     report = signal_report(model, batch, lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
-    assert [(layer.name, layer.backward) for layer in report.layers] == [("0", "vanishing"), ("1", "vanishing"), ("2", "ok")]
-    assert report.summary("backward").startswith("backward: vanishes at #1 '1' (Tanh): grad std 0 = 0x that of '2'")
+    assert [(layer.name, layer.backward) for layer in report.layers] == [("0", "vanishing"), ("1", "ok"), ("2", "ok")]
+    assert report.summary("backward").startswith("backward: vanishes at #0 '0' (Linear): grad std 0 = 0x that of '2'")
+
+
+def test_a_gradient_constant_across_its_elements_or_a_second_call_under_no_grad_is_no_vanishing_nor_cut():
+    """A review: a constant gradient (a critic's mean, a loss module's scalar output) has a std of 0 and is no vanished
+    gradient; a network called again under no_grad (a DQN target) trains through its first call."""
+
+    class Critic(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.head, self.crit = nn.Linear(8, 8), nn.Linear(8, 1), nn.MSELoss()
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.body(x)))
+
+    def loss(m, b):
+        with torch.no_grad():
+            target = m(b)  # a second call of every layer, no gradient
+        return -m(b).mean() + 0 * m.crit(target, target)
+
+    report = signal_report(Critic(), torch.randn(16, 8), loss)
+    assert report.passed and not report.cut_off, [report.summary("forward"), report.summary("backward")]

@@ -131,13 +131,15 @@ DEFAULT_CHECKS: list[str] = []
 
 
 def cast_wholesale(model: Any) -> str | None:
-    """A detail line where ``model``'s parameters are stored in float16/bfloat16 (the ``.half()`` mistake the amp check
+    """A detail line where ``model``'s trainable parameters are stored in float16/bfloat16 (the ``.half()`` mistake the amp check
     names): their rounding, not the loss or the code under check, fails a check made at float32's tolerance (a trial:
     accum blamed 'in-batch negatives', clip gave no reason, overfit said 'precision=fp32'). None: float32 weights."""
-    low = [(n, p.dtype) for n, p in model.named_parameters() if str(p.dtype) in ("torch.float16", "torch.bfloat16")]
+    # (trainable ones: a frozen bf16 base under LoRA adapters is no cast of what trains)
+    low = [(n, p.dtype) for n, p in model.named_parameters()
+           if p.requires_grad and str(p.dtype) in ("torch.float16", "torch.bfloat16")]
     if not low:
         return None
-    total = sum(1 for _ in model.parameters())
+    total = sum(1 for p in model.parameters() if p.requires_grad)
     return (f"{len(low)} of {total} parameters are stored in {str(low[0][1]).removeprefix('torch.')} (e.g. {low[0][0]}): "
             "the model was cast wholesale (.half()/.bfloat16(), as the amp check says), and its rounding, not the code "
             "under check, is what this check measures: keep float32 weights and let autocast choose (precision=bf16)")

@@ -7,7 +7,7 @@ the shallowest depth, found by dropping list indices from its name (``blocks.7.m
 with ``blocks.0.mlp.fc``; in an ``nn.Sequential`` every Linear with the first Linear, every ReLU
 with the first ReLU); a layer with no such counterpart is compared with the first layer of its class
 and shapes that has none either, in the same module (``fc1``, ``fc2``, ``fc3`` of one model; a
-one-block GPT-2's ``ln_1`` is not compared with its final ``ln_f``). A layer whose
+one-block GPT-2's ``ln_1`` is not compared with its final ``ln_f``). A trainable layer whose output's
 gradient is exactly 0 while others' are not (the layers before a zero-initialized head) vanishes
 (0x) in any group; one no gradient reaches at all is named on the backward line. Forward, the
 reference is the shallowest one; backward, the deepest (where the gradient arrives first). A
@@ -123,6 +123,7 @@ class LayerSignal:
     out_absmax: float
     in_std: float | None = None
     grad_std: float | None = None  # std of d loss / d output
+    grad_absmax: float | None = None  # its largest |element|: 0 where the gradient is exactly 0 (a std of 0 may be constant)
     param_name: str | None = None  # the parameter the next two describe (the weight)
     param_std: float | None = None
     param_grad_std: float | None = None
@@ -162,9 +163,10 @@ class LayerSignal:
 
     @property
     def cut_off(self) -> bool:
-        """A trainable layer whose output got no gradient: the loss does not depend on it (a ``.detach()``, ``no_grad``,
-        an output left unused); its parameters never train, whatever the init."""
-        return self.grad_std is None and self.param_name is not None and not self.frozen
+        """A trainable layer whose weight got no gradient from any call (a second call under ``no_grad``, a DQN target's,
+        is no cut): the loss does not depend on it (a ``.detach()``, ``no_grad``, an output left unused); its
+        parameters never train, whatever the init."""
+        return self.param_name is not None and not self.frozen and self.param_grad_std is None  # (no call of it got one)
 
     @property
     def collapsed(self) -> bool:
@@ -216,7 +218,7 @@ class SignalReport:
     @property
     def cut_off(self) -> list[LayerSignal]:
         """The trainable layers no gradient reached, where one reached others (:attr:`LayerSignal.cut_off`)."""
-        reached = any(layer.grad_std is not None for layer in self.layers)
+        reached = any(layer.param_grad_std is not None for layer in self.layers)
         return [layer for layer in self.layers if layer.cut_off] if reached else []
 
     def summary(self, direction: str) -> str:
@@ -405,7 +407,7 @@ def _measure(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any]
                 row["in_std"] = std(x)
             if out.requires_grad:
                 def grad_hook(g: Tensor, row: dict = row) -> None:
-                    row["grad_std"] = std(g)
+                    row["grad"] = torch.stack([std(g), g.detach().float().abs().max()])
                 out.register_hook(grad_hook)
             seq = inputs[0] if inputs and isinstance(module, nn.RNNBase) else None  # not a PackedSequence
             if isinstance(seq, Tensor) and seq.dim() in (2, 3) and out.dim() == seq.dim():
@@ -469,7 +471,8 @@ def _measure(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Any]
         time_out, time_grad = row.get("time_out") or (None, None), row.get("time_grad") or (None, None)
         layers.append(LayerSignal(
             index=i, name=f"{name}#{call}" if reused else name, kind=type(module).__name__, out_mean=row["out"][0],
-            out_std=row["out"][1], out_absmax=row["out"][2], in_std=row.get("in_std"), grad_std=row.get("grad_std"),
+            out_std=row["out"][1], out_absmax=row["out"][2], in_std=row.get("in_std"), grad_std=(row.get("grad") or [None])[0],
+            grad_absmax=(row.get("grad") or [None, None])[1],
             param_name=param_name, param_std=row.get("param_std"), param_grad_std=row.get("param_grad_std"),
             activation=activation_name(module), is_norm=is_norm(module),
             role="recurrent" if recurrent else "embedding" if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) else "",

@@ -78,9 +78,12 @@ def assign_references(layers: list[Any], thresholds: Any) -> None:
             if layer.forward == "ok" and layer.collapsed:  # its std is its offsets': the input's signal is gone
                 layer.forward = "vanishing"
             layer.backward = thresholds.verdict(layer.backward_ratio)
-    reached = [layer for layer in layers if layer.grad_std]  # a gradient of exactly 0 where others have one: vanished
-    for layer in layers:  # (a zero-initialized head's: judged in any group, as a forward of 0 is)
-        if reached and layer.grad_std == 0 and layer.backward_ratio is None and layer.role != "recurrent":
+    # A trainable layer whose output's gradient is exactly 0 (every element) where others' are not: vanished, in any
+    # group (the layers before a zero-initialized head; not a constant gradient's std of 0, a WGAN critic's mean)
+    reached = [layer for layer in layers if layer.grad_absmax and layer.grad_std]
+    for layer in layers:
+        if (reached and layer.grad_absmax == 0 and layer.param_name is not None and not layer.frozen
+                and layer.backward == "ok" and layer.role != "recurrent"):
             layer.ref_backward, layer.backward_ratio = reached[-1].name, 0.0
             layer.backward = thresholds.verdict(0.0)
 

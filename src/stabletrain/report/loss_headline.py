@@ -32,7 +32,10 @@ def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
     text, tail = "", 0
     if rows:
         f["loss_first"], f["loss_last"] = rows[0][2], rows[-1][2]  # the interval means, as metrics.jsonl has them
-        rows, tail = _with_tail(rows)
+        # (a run that ended where it was to end: a short last interval is read with the one before; not a stopped one's)
+        ended = "stop" not in f and "crash" not in f and not (isinstance(f.get("max_steps"), int)
+                                                              and f.get("last_step", 0) < f["max_steps"])
+        heads, tail = _with_tail(rows) if ended else (rows, 0)
         events = run.counted_events("spike")
         spikes = sorted({e.step for e in events})
         own = {e.step: float(e.extra["loss"]) for e in events if isinstance(e.extra.get("loss"), (int, float))}
@@ -40,17 +43,17 @@ def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
         ratio = float(ratio) if isinstance(ratio, (int, float)) and ratio > 1 else 2.0
         # The run's first interval holds its descent: only a spike or an early outlier (the rule not armed yet) lifts it
         early = sorted({*spikes, *(e.step for e in run.counted_events("early_outlier"))})
-        (f["loss_start"], start), (f["loss_end"], end) = (_robust_end(rows, early, ratio, "first", own, descent=True),
-                                                          _robust_end(rows[::-1], spikes, ratio, "last", own))
+        (f["loss_start"], start), (f["loss_end"], end) = (_robust_end(heads, early, ratio, "first", own, descent=True),
+                                                          _robust_end(heads[::-1], spikes, ratio, "last", own))
         text = f"Train loss {fmt_num(f['loss_start'])} → {fmt_num(f['loss_end'])}"
-        if len(rows) == 1:  # one interval: no "X → X"
+        if len(heads) == 1:  # one interval: no "X → X"
             text = f"Train loss {fmt_num(f['loss_start'])} (one interval)" + (
-                f" ({_why(rows[0], early, 'only', set(early) - set(spikes))})" if start else "")
+                f" ({_why(heads[0], early, 'only', set(early) - set(spikes))})" if start else "")
         elif start is None and end is None:
             text += f" (first → last interval{f' with the {tail}-step one after it' if tail else ''})"
         else:
-            why = "; ".join(w for w in (start and _why(rows[0], early, "first", set(early) - set(spikes)),
-                                        end and _why(rows[-1], spikes, "last")) if w)
+            why = "; ".join(w for w in (start and _why(heads[0], early, "first", set(early) - set(spikes)),
+                                        end and _why(heads[-1], spikes, "last")) if w)
             text += f" ({start or 'first interval'} → {end or 'last interval'}: {why})"
     level = "ok"
     after = [r for r in run.metrics if rows and isinstance(r.get("step"), (int, float)) and r["step"] > rows[-1][0]]
@@ -64,12 +67,14 @@ def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
         best_step, _, best, *_ = min(rows, key=lambda r: r[2])
         # (an end read as a median of the last intervals reaches back to where the loss was still falling: whether the
         # loss rose since its best is the last interval's own smallest loss's to say; 'rose x3.71' for one that fell)
-        now = rows[-1][3] if end is not None and len(rows) > 1 else f["loss_end"]
+        # (the rise is judged on the intervals as logged: a short tail's own mean, not its merge with the one before)
+        now = rows[-1][3] if end is not None and len(rows) > 1 else rows[-1][2] if tail else f["loss_end"]
         # it got worse since: how far; by more than RISE_FLOOR of the run's own descent (x7 on a memorized 1e-9 is
         # float32 noise, not a divergence)
         if best > 0 and now > ratio * best and best_step != rows[-1][0] and now - best > RISE_FLOOR * (f["loss_start"] - best):
             level = "warn"
-            own = "" if now == f["loss_end"] else f" (its last interval's smallest loss, {fmt_num(now)})"
+            own = ("" if now == f["loss_end"] else f" (its last {tail} steps' mean, {fmt_num(now)})" if tail and end is None
+                   else f" (its last interval's smallest loss, {fmt_num(now)})")
             f["loss_rose"] = {"factor": now / best, "best": best, "best_step": int(best_step)}  # (the clip verdict's)
             text += (f"; it rose x{now / best:.3g}{own} from its best interval's mean, {fmt_num(best)} at step "
                      f"{best_step:,}")
@@ -100,7 +105,8 @@ def _with_tail(rows: list[tuple]) -> tuple[list[tuple], int]:
     """``rows`` with a short last interval (half the width of the one before or less: ``train.max_steps`` not a multiple of
     the log interval) merged into the one before, its mean over both's steps (a trial: a 2-step tail's 1.239 read as the
     run's end beside intervals falling 0.99 -> 0.75); and the tail's width (0: none merged)."""
-    if len(rows) < 3 or 2 * rows[-1][1] > rows[-2][1]:
+    if len(rows) < 4 or 2 * rows[-1][1] > rows[-2][1] or rows[-1][0] - rows[-1][1] != rows[-2][0]:  # (3 kept at least;
+        # the two adjacent: no interval of no finite loss between them)
         return rows, 0
     (_, width, mean, low, finite), (step, tail, tail_mean, tail_low, tail_finite) = rows[-2], rows[-1]
     merged = (mean * finite + tail_mean * tail_finite) / max(finite + tail_finite, 1)

@@ -116,12 +116,15 @@ def routine_backoff(metrics: Iterable[dict[str, Any]], skips: Iterable[Any], ski
     from ..policies.stall import UNRECOVERABLE_SCALE
 
     metrics, skips = list(metrics), list(skips)
-    if not skips or not all(skip_reason(e.reason).startswith("fp16 overflow") for e in skips):
+    # each an overflow (not "fp16 overflow or NaN": a NaN a batch made), each named (as many events as skips counted)
+    if (not skips or len({e.step for e in skips}) != skipped
+            or not all(skip_reason(e.reason).startswith("fp16 overflow (") for e in skips)):
         return False
     scales = [s for s in (*(r.get("loss_scale") for r in metrics), *(e.extra.get("loss_scale") for e in skips))
               if isinstance(s, (int, float)) and not isinstance(s, bool)]
     steps = max((int(r["step"]) for r in metrics if isinstance(r.get("step"), int)), default=0)
-    return all(s >= UNRECOVERABLE_SCALE for s in scales) and skipped <= max(3, 0.02 * steps)
+    # the scale seen to recover (no record of it: no evidence), and some update applied between
+    return bool(scales) and all(s >= UNRECOVERABLE_SCALE for s in scales) and skipped <= max(3, 0.02 * steps) < steps
 
 
 def skip_places(events: Iterable[Any]) -> str:
