@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 from multiproc import env
 
@@ -539,6 +540,53 @@ def test_resume_of_a_folder_that_does_not_exist_says_so(tmp_path, capsys):
     (tmp_path / "afile").write_text("mine\n")  # (a trial: 'no config.yaml there' of a file)
     assert main(["train", "--resume", str(tmp_path / "afile")]) == 2
     assert f"resume '{tmp_path / 'afile'}': it is a file, not a run directory" in capsys.readouterr().err
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_000002"  # (a trial: 'no config.yaml there; is it a run?')
+    checkpoint.mkdir(parents=True)
+    (tmp_path / "run" / "config.yaml").write_text("task: mlp\n")
+    assert main(["train", "--resume", str(checkpoint)]) == 2
+    assert (f"resume '{checkpoint}': it is a checkpoint of the run '{tmp_path / 'run'}': resume the run (stabletrain train "
+            f"--resume {tmp_path / 'run'}), from its newest checkpoint that verifies") in capsys.readouterr().err
+
+
+def test_a_resume_that_names_another_task_says_so_not_the_saved_config(tmp_path, capsys):
+    """A trial: `--resume RUN task=mlp` of a gpt run said "config file 'RUN/config.yaml': unknown config key
+    'task_args.n_layer' for task 'mlp'", blaming the run's own record."""
+    from stabletrain.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("task: gpt\ntask_args:\n  n_layer: 1\n")
+    assert main(["train", "--resume", str(run), "task=mlp"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"stabletrain: error: config key 'task': 'mlp', but the run in '{run}' trained 'gpt': a resumed run keeps its task "
+        "(its checkpoints hold that model); start a new run for 'mlp'")
+    (tmp_path / "mine.yaml").write_text("task: mlp\n")
+    assert main(["train", "--config", str(tmp_path / "mine.yaml"), "--resume", str(run)]) == 2
+    assert "a resumed run keeps its task" in capsys.readouterr().err
+
+
+def test_a_run_directory_in_use_is_refused_once_before_several_processes_start(tmp_path, capsys):
+    """A trial: dist.nproc=2 into a run directory that holds a run started both ranks to refuse it twice."""
+    from stabletrain.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    assert main(["train", "task=mlp", "dist.nproc=2", f"run.dir={run}"]) == 2
+    out, err = capsys.readouterr()
+    assert "starting 2 processes" not in out + err and err.strip() == (
+        f"stabletrain: error: run directory '{run}' already holds a run; resume it with --resume {run}, pick another "
+        "run.dir, or pass run.overwrite=true")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="nccl without CUDA")
+def test_nccl_on_one_process_without_cuda_is_said_to_be_ignored(tmp_path, capfd):
+    from stabletrain.cli import main
+
+    assert main(["train", "task=mlp", "dist.backend=nccl", "train.max_steps=2", "eval.every=0", "task_args.num_samples=64",
+                 f"run.dir={tmp_path / 'run'}"]) == 0
+    assert ("stabletrain: warning: config key 'dist.backend': nccl, but CUDA is not available: one process makes no "
+            "process group, so it is ignored here") in capfd.readouterr().err
 
 
 def test_the_last_line_and_the_report_say_a_run_stalled_that_guard_on_stall_warn_trained_on(tmp_path, capsys):
@@ -782,3 +830,19 @@ def test_train_in_process_puts_back_the_sigterm_handler_and_runs_from_another_th
     thread.start()
     thread.join(120)
     assert codes == [0] and signal.getsignal(signal.SIGTERM) is before
+
+
+def test_the_resume_line_of_a_stop_under_a_users_own_torchrun_names_that_torchrun(monkeypatch):
+    """A trial: SIGTERM to `torchrun --nproc-per-node=2 -m stabletrain train ...` said 'Resume with: stabletrain train
+    --resume RUN', which is then refused (a plain resume on one process of a 2-process run)."""
+    from stabletrain.commands.train import resume_command
+    from stabletrain.config import load_config
+
+    cfg = load_config(None, [])
+    assert resume_command(cfg, 1, Path("runs/a")) == "stabletrain train --resume runs/a"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert resume_command(cfg, 2, Path("runs/a")) == "the same torchrun command (2 processes) with --resume runs/a"
+    launched = load_config(None, ["dist.nproc=2"])  # stabletrain's own launch: its command resumes it
+    assert resume_command(launched, 2, Path("runs/a")) == "stabletrain train --resume runs/a"
+

@@ -325,3 +325,13 @@ def test_a_resume_on_another_number_of_cpu_threads_says_it_is_not_bitwise(tmp_pa
                           "(OMP_NUM_THREADS, torch.set_num_threads): CPU kernels split their sums by thread, so the resumed "
                           f"steps are not bitwise the uninterrupted run's (launch with OMP_NUM_THREADS={threads} to continue "
                           "it bitwise)"] if said else []), lines
+    # A resume onto another world size is not bitwise already, and says so itself: no thread count to launch with (a
+    # trial's FSDP run of 2 ranks resumed on 1 was told both)
+    from stabletrain.records.provenance import threads_changed
+
+    snapshot = json.loads((tmp_path / "run" / "snapshot.json").read_text())
+    snapshot["resumes"][-1]["world_size"] = 2
+    (tmp_path / "run" / "snapshot.json").write_text(json.dumps(snapshot))
+    assert threads != snapshot["resumes"][-1]["device"]["num_threads"]  # (the last launch's: threads + 1)
+    assert threads_changed(tmp_path / "run", torch.device("cpu"), 1) is None
+    assert threads_changed(tmp_path / "run", torch.device("cpu"), 2) is not None

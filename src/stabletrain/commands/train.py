@@ -7,7 +7,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .. import console
 from ..config import RESHARD_SAFE_KEYS, load_config, load_yaml, resume_safe_text
@@ -67,6 +67,29 @@ def _same_world(cfg, run: Path, overrides: list[str]) -> None:
                          f"this machine with dist.nproc={world}, or with dist.nproc=1 to go on on one process (resharded)")
 
 
+def resume_command(cfg: Any, world: int, run_dir: Path) -> str:
+    """How to resume the run a stop left: as it was launched (a user's own torchrun of ``world`` processes: the same
+    command, which a plain ``--resume`` on one process is refused as; a trial was told the plain one)."""
+    from ..distributed.launch import under_torchrun
+
+    if under_torchrun() and cfg.dist.nproc == 1 and world > 1:
+        return f"the same torchrun command ({world} processes) with --resume {run_dir}"
+    return f"stabletrain train --resume {run_dir}"
+
+
+def _same_task(base: dict, args: argparse.Namespace, resume: str) -> None:
+    """Refuse a resume that names another task than the run trained (its task_args were checked against the new task's
+    factory and the saved config.yaml blamed for them)."""
+    given = [o.split("=", 1)[1] for o in args.overrides if o.startswith("task=")]
+    if args.config and not given and Path(args.config).is_file():  # (a missing one: load_config's own line)
+        loaded = load_yaml(Path(args.config).read_text(encoding="utf-8"), f"config file {args.config!r}")
+        given = [loaded.get("task")] if isinstance(loaded, dict) else []
+    trained = base.get("task") if isinstance(base, dict) else None
+    if given and given[-1] and trained and given[-1] != trained:
+        raise ValueError(f"config key 'task': {given[-1]!r}, but the run in {resume!r} trained {trained!r}: a resumed run "
+                         f"keeps its task (its checkpoints hold that model); start a new run for {given[-1]!r}")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """``stabletrain train``: a SIGTERM after the fit is held until the command's last line is said (by ``cli.main``,
     which then puts the handler before back; called on its own, here)."""
@@ -90,9 +113,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
                 raise FileNotFoundError(f"resume {resume!r}: it does not exist (give a run directory: RUN_DIR)")
             if not Path(resume).is_dir():
                 raise FileNotFoundError(f"resume {resume!r}: it is a file, not a run directory (give the run's folder)")
+            run = Path(resume).parent.parent
+            if Path(resume).parent.name == "checkpoints" and (run / "config.yaml").exists():
+                raise FileNotFoundError(f"resume {resume!r}: it is a checkpoint of the run {str(run)!r}: resume the run "
+                                        f"(stabletrain train --resume {run}), from its newest checkpoint that verifies")
             raise FileNotFoundError(f"resume {resume!r}: no config.yaml there; is it a stabletrain run directory?")
         source = f"config file {str(saved)!r}"
         base = load_yaml(saved.read_text(encoding="utf-8"), source) or {}
+        _same_task(base, args, resume)
         cfg = load_config(args.config, [*args.overrides, f"resume={resume}", f"run.dir={resume}"], base=base,
                           base_source=source)
         run_dir = Path(resume)
@@ -111,6 +139,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if cfg.dist.nproc > cores and not Path("/proc/driver/nvidia").exists():  # (a trial's typo: 999 on 2 cores)
             console.warn(f"config key 'dist.nproc': {cfg.dist.nproc} processes on a machine with {cores} CPU core(s) and "
                          "no GPU: each imports torch (~300 MiB) and they share the cores; is that the number you meant?")
+        if not resume and not cfg.run.overwrite and cfg.run.resume != "auto" and cfg.run.dir:  # once, not each rank's
+            from ..records.rundir import RunDir
+
+            if RunDir.holds_trained_run(Path(cfg.run.dir)):
+                raise FileExistsError(f"run directory {cfg.run.dir!r} already holds a run; resume it with --resume "
+                                      f"{cfg.run.dir}, pick another run.dir, or pass run.overwrite=true")
         console.say(f"starting {cfg.dist.nproc} processes on this machine (torchrun, {cfg.dist.strategy.upper()}): rank 0 "
                     "prints the progress and writes the run directory")
         return launcher.launch(cfg.dist.nproc, argv, max_restarts=cfg.run.max_restarts)
@@ -175,7 +209,7 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
         good = trainer.ckpt.latest_good() if trainer.ckpt is not None else None
         saved = ("checkpointed" if good is not None and good.name == f"step_{trainer.step:06d}" else
                  f"no checkpoint at step {trainer.step} (events.jsonl says why); LAST_GOOD is {good.name if good else 'none'}")
-        console.say(f"{trainer.stop_reason}; {saved}. Resume with: stabletrain train --resume {run_dir}")
+        console.say(f"{trainer.stop_reason}; {saved}. Resume with: {resume_command(cfg, ctx.world, run_dir)}")
         return 0
     if trainer.stop_reason is not None:
         when = ("at its last step" if trainer.step >= trainer.cfg.train.max_steps  # the stop came at the end's boundary

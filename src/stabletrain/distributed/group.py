@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .. import console
 from ..internals import InternalMissing, end_dcp_process
 from ..process import die_with_parent
 from .launch import LAUNCHER_ENV, leave_word, under_torchrun
@@ -144,6 +145,9 @@ def process_group(backend: str = "auto", timeout_s: float = 120.0, nproc: int = 
     must be 1 or the world size torchrun started.
     """
     if not under_torchrun() or (dist.is_initialized() and dist.get_world_size() > 1):
+        if backend == "nccl" and not torch.cuda.is_available() and not dist.is_initialized():  # (refused on several)
+            console.warn("config key 'dist.backend': nccl, but CUDA is not available: one process makes no process "
+                         "group, so it is ignored here (several processes refuse it; gloo or auto runs them)")
         yield DistContext.current()
         return
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank of torchrun's: it goes when torchrun does (and so with a launcher)

@@ -108,13 +108,15 @@ def git_info(path: Path) -> dict[str, Any]:
             "diff_sha256": hashlib.sha256(diff.encode()).hexdigest()[:16] if changed else None}
 
 
-def threads_changed(run_dir: Path, device: torch.device) -> str | None:
+def threads_changed(run_dir: Path, device: torch.device, world: int = 1) -> str | None:
     """One line where this launch's CPU threads differ from the run's launch before (``snapshot.json``): CPU kernels
     split their sums by thread, so a resume on another count is not bitwise the uninterrupted run (a trial lost it
-    without a word). None: the same, not recorded, or not on the CPU."""
-    last = (last_launch(run_dir).get("device") or {}).get("num_threads")
+    without a word). None: the same, not recorded, not on the CPU, or on another world size than the launch before
+    (``world``: this one's; its resume already says it is not bitwise)."""
+    before = last_launch(run_dir)
+    last = (before.get("device") or {}).get("num_threads")
     now = torch.get_num_threads()
-    if device.type != "cpu" or not isinstance(last, int) or last == now:
+    if device.type != "cpu" or not isinstance(last, int) or last == now or int(before.get("world_size") or 1) != world:
         return None
     return (f"torch's CPU threads: {now} in this launch, {last} in the one before (OMP_NUM_THREADS, torch.set_num_threads): "
             "CPU kernels split their sums by thread, so the resumed steps are not bitwise the uninterrupted run's (launch "

@@ -43,7 +43,7 @@ def open_run(state: Any, keeper: Any, recorder: Any, run_dir: Path, resume: bool
         run.write_config(cfg)
         if resume:  # snapshot.json keeps the run's first launch; each resume's own (it may differ) is added to its list
             keeper.announce_resume()
-            if (changed := threads_changed(run_dir, state.device)) is not None:
+            if (changed := threads_changed(run_dir, state.device, dist.world)) is not None:
                 console.warn(changed)
             run.append_to_snapshot("resumes", {"step": state.step, **launch_snapshot(state.device, state.precision),
                                                "world_size": dist.world})
