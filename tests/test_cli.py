@@ -834,15 +834,17 @@ def test_train_in_process_puts_back_the_sigterm_handler_and_runs_from_another_th
 
 def test_the_resume_line_of_a_stop_under_a_users_own_torchrun_names_that_torchrun(monkeypatch):
     """A trial: SIGTERM to `torchrun --nproc-per-node=2 -m stabletrain train ...` said 'Resume with: stabletrain train
-    --resume RUN', which is then refused (a plain resume on one process of a 2-process run)."""
-    from stabletrain.commands.train import resume_command
-    from stabletrain.config import load_config
+    --resume RUN', which is then refused (a plain resume on one process of a 2-process run); a review: so did a second
+    signal's line and a lost peer's."""
+    from stabletrain.distributed.launch import RUN_DIR_NOTE_ENV, resume_command
+    from stabletrain.distributed.peers import PeerLostError
 
-    cfg = load_config(None, [])
-    assert resume_command(cfg, 1, Path("runs/a")) == "stabletrain train --resume runs/a"
+    monkeypatch.delenv(RUN_DIR_NOTE_ENV, raising=False)
+    assert resume_command(Path("runs/a")) == "stabletrain train --resume runs/a"
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    assert resume_command(cfg, 2, Path("runs/a")) == "the same torchrun command (2 processes) with --resume runs/a"
-    launched = load_config(None, ["dist.nproc=2"])  # stabletrain's own launch: its command resumes it
-    assert resume_command(launched, 2, Path("runs/a")) == "stabletrain train --resume runs/a"
-
+    assert resume_command(Path("runs/a")) == "the same torchrun command (2 processes) with --resume runs/a"
+    assert "; resume with: the same torchrun command (2 processes) with --resume runs/a (" in str(
+        PeerLostError(0, "a collective", 5, "step_000004", "peer gone", run_dir="runs/a"))
+    monkeypatch.setenv(RUN_DIR_NOTE_ENV, "/tmp/note")  # stabletrain's own launch (dist.nproc=2): its command resumes it
+    assert resume_command(Path("runs/a")) == "stabletrain train --resume runs/a"

@@ -822,3 +822,8 @@ def test_a_gradient_constant_across_its_elements_or_a_second_call_under_no_grad_
 
     report = signal_report(Critic(), torch.randn(16, 8), loss)
     assert report.passed and not report.cut_off, [report.summary("forward"), report.summary("backward")]
+    # ... nor a reference for the layers of its group (its std of 0 made theirs 'exploding (infx)')
+    torch.manual_seed(0)
+    stack = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    report = signal_report(stack, torch.randn(16, 8), lambda m, b: -m(b).mean())
+    assert report.passed, report.summary("backward")

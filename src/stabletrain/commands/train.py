@@ -7,7 +7,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .. import console
 from ..config import RESHARD_SAFE_KEYS, load_config, load_yaml, resume_safe_text
@@ -65,16 +65,6 @@ def _same_world(cfg, run: Path, overrides: list[str]) -> None:
                          f"{per_rank * world} to {per_rank} samples per step: resume it as it was launched (the same "
                          f"torchrun command, {world} processes in all, with -m stabletrain train --resume {run}), or on "
                          f"this machine with dist.nproc={world}, or with dist.nproc=1 to go on on one process (resharded)")
-
-
-def resume_command(cfg: Any, world: int, run_dir: Path) -> str:
-    """How to resume the run a stop left: as it was launched (a user's own torchrun of ``world`` processes: the same
-    command, which a plain ``--resume`` on one process is refused as; a trial was told the plain one)."""
-    from ..distributed.launch import under_torchrun
-
-    if under_torchrun() and cfg.dist.nproc == 1 and world > 1:
-        return f"the same torchrun command ({world} processes) with --resume {run_dir}"
-    return f"stabletrain train --resume {run_dir}"
 
 
 def _same_task(base: dict, args: argparse.Namespace, resume: str) -> None:
@@ -169,7 +159,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ctx) -> int:
-    from ..distributed.launch import EXIT_STALLED
+    from ..distributed.launch import EXIT_STALLED, resume_command
     from ..loop import Trainer
     from ..services.run_setup import DEFAULT_RUN_DIR
     from ..services.signals import LateSigterm
@@ -182,7 +172,7 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
     except KeyboardInterrupt:  # a second signal: out at once; say what is safe to resume from
         good = trainer.ckpt.latest_good() if trainer.ckpt is not None else None
         if ctx.is_main:
-            where = (f"LAST_GOOD is {good.name}; resume with: stabletrain train --resume {run_dir}" if good
+            where = (f"LAST_GOOD is {good.name}; resume with: {resume_command(run_dir)}" if good
                      else "no checkpoint was written")
             console.say(f"interrupted at step {trainer.step}; {where}", sys.stderr)
         return 130
@@ -209,7 +199,7 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
         good = trainer.ckpt.latest_good() if trainer.ckpt is not None else None
         saved = ("checkpointed" if good is not None and good.name == f"step_{trainer.step:06d}" else
                  f"no checkpoint at step {trainer.step} (events.jsonl says why); LAST_GOOD is {good.name if good else 'none'}")
-        console.say(f"{trainer.stop_reason}; {saved}. Resume with: {resume_command(cfg, ctx.world, run_dir)}")
+        console.say(f"{trainer.stop_reason}; {saved}. Resume with: {resume_command(run_dir)}")
         return 0
     if trainer.stop_reason is not None:
         when = ("at its last step" if trainer.step >= trainer.cfg.train.max_steps  # the stop came at the end's boundary

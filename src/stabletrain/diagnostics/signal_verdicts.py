@@ -47,7 +47,7 @@ def assign_references(layers: list[Any], thresholds: Any) -> None:
     for members in pooled.values():
         members.sort(key=lambda layer: layer.index)
         fwd_ref = members[0]
-        with_grad = [m for m in members if m.grad_std is not None]
+        with_grad = [m for m in members if m.grad_std]  # (a std of 0, a constant gradient's (a mean loss), is no reference)
         bwd_ref = with_grad[-1] if with_grad else None
         for layer in members:
             if layer.role != "embedding":  # a lookup: its output scale is its init, there is no input to preserve
@@ -56,8 +56,8 @@ def assign_references(layers: list[Any], thresholds: Any) -> None:
             layer.param_std_ratio = _ratio(layer.param_std, fwd_ref.param_std)
             if bwd_ref is not None and layer.grad_std is not None:
                 layer.param_grad_ratio = _ratio(layer.param_grad_std, bwd_ref.param_grad_std)
-                if layer.role != "recurrent":
-                    layer.ref_backward = bwd_ref.name
+                if layer.role != "recurrent" and (layer.grad_std or not layer.grad_absmax):  # (a constant gradient: its
+                    layer.ref_backward = bwd_ref.name  # std of 0 is no vanishing; an all-0 one is, said below too)
                     layer.backward_ratio = _ratio(layer.grad_std, bwd_ref.grad_std)
             # Through time, not through depth: the output at the last time step vs the middle one, and the
             # gradient reaching the input's first time step vs the middle one. The middle (not the other end)

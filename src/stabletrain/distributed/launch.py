@@ -42,7 +42,8 @@ __all__ = ["launch", "supervise", "die_with_parent", "LAUNCHER_ENV", "LAUNCH_MAR
            "SUPERVISED_ENV", "EXIT_GAVE_UP", "EXIT_NO_UPDATE", "EXIT_STALLED", "FINAL_EXITS", "death_record", "describe_exit",
            "leave_word",
            "process_start_time", "restart_backoff_s", "quick_deaths", "QUICK_DEATH_S", "restarted_by_parent", "UNSHARED_STORE",
-           "under_torchrun", "default_run_dir", "with_death", "RUN_DIR_NOTE_ENV", "note_run_dir", "run_dir_note",
+           "under_torchrun", "resume_command", "default_run_dir", "with_death", "RUN_DIR_NOTE_ENV", "note_run_dir",
+           "run_dir_note",
            "restarts_used_up", "sweep_orphans"]
 
 #: Set by :func:`launch` for torchrun and so its ranks: the launcher's pid (a rank checks its parent's parent).
@@ -161,6 +162,15 @@ def with_death(held: str | None, record: dict[str, Any]) -> str:
         deaths = []
     deaths = deaths if isinstance(deaths, list) else [deaths]
     return json.dumps([*deaths, record][-DEATHS_KEPT:])
+
+
+def resume_command(run_dir: str | Path | None) -> str:
+    """How to resume ``run_dir`` once this launch stops: as it was launched. Under a torchrun of the user's own (no
+    stabletrain launcher named in the environment) the same torchrun command, which a plain ``--resume`` on one process
+    is refused as (a trial was told the plain one); else stabletrain's."""
+    if under_torchrun() and not os.environ.get(RUN_DIR_NOTE_ENV):
+        return f"the same torchrun command ({os.environ['WORLD_SIZE']} processes) with --resume {run_dir}"
+    return f"stabletrain train --resume {run_dir}"
 
 
 def note_run_dir(path: str | Path) -> None:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import short_cause
-from .launch import RUN_DIR_NOTE_ENV
+from .launch import RUN_DIR_NOTE_ENV, resume_command
 
 __all__ = ["PeerLostError", "is_peer_failure", "short_cause"]
 
@@ -32,7 +32,7 @@ class PeerLostError(RuntimeError):
             hint = (f"; the launch restarts from {'LAST_GOOD' if last_good else 'step 0'} (restart {done + 1} of {most}, "
                     f"{key}), unless the same failure keeps coming back (run.max_repeats)")
         else:
-            hint = f"; resume with: stabletrain train --resume {run_dir}" if run_dir and last_good else ""
+            hint = f"; resume with: {resume_command(run_dir)}" if run_dir and last_good else ""
         super().__init__(f"rank {rank}: another rank exited or became unreachable during {where} after step {step}; "
                          f"{saved}{hint} ({short_cause(cause)})")
 

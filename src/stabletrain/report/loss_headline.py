@@ -67,14 +67,12 @@ def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
         best_step, _, best, *_ = min(rows, key=lambda r: r[2])
         # (an end read as a median of the last intervals reaches back to where the loss was still falling: whether the
         # loss rose since its best is the last interval's own smallest loss's to say; 'rose x3.71' for one that fell)
-        # (the rise is judged on the intervals as logged: a short tail's own mean, not its merge with the one before)
-        now = rows[-1][3] if end is not None and len(rows) > 1 else rows[-1][2] if tail else f["loss_end"]
+        now = rows[-1][3] if end is not None and len(rows) > 1 else f["loss_end"]  # (a short tail: with the one before)
         # it got worse since: how far; by more than RISE_FLOOR of the run's own descent (x7 on a memorized 1e-9 is
         # float32 noise, not a divergence)
         if best > 0 and now > ratio * best and best_step != rows[-1][0] and now - best > RISE_FLOOR * (f["loss_start"] - best):
             level = "warn"
-            own = ("" if now == f["loss_end"] else f" (its last {tail} steps' mean, {fmt_num(now)})" if tail and end is None
-                   else f" (its last interval's smallest loss, {fmt_num(now)})")
+            own = "" if now == f["loss_end"] else f" (its last interval's smallest loss, {fmt_num(now)})"
             f["loss_rose"] = {"factor": now / best, "best": best, "best_step": int(best_step)}  # (the clip verdict's)
             text += (f"; it rose x{now / best:.3g}{own} from its best interval's mean, {fmt_num(best)} at step "
                      f"{best_step:,}")

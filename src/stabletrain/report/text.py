@@ -124,7 +124,8 @@ def routine_backoff(metrics: Iterable[dict[str, Any]], skips: Iterable[Any], ski
               if isinstance(s, (int, float)) and not isinstance(s, bool)]
     steps = max((int(r["step"]) for r in metrics if isinstance(r.get("step"), int)), default=0)
     # the scale seen to recover (no record of it: no evidence), and some update applied between
-    return bool(scales) and all(s >= UNRECOVERABLE_SCALE for s in scales) and skipped <= max(3, 0.02 * steps) < steps
+    return bool(scales) and all(s >= UNRECOVERABLE_SCALE for s in scales) and skipped <= max(3, 0.02 * steps) and (
+        skipped < steps)
 
 
 def skip_places(events: Iterable[Any]) -> str:
