@@ -853,7 +853,7 @@ def test_the_rank_with_the_largest_loss_is_found_and_a_ranks_failure_reaches_eve
         largest_loss_rank(group((1.0, None)), float("nan"), ValueError("mine"))
 
 
-def test_an_adapters_spike_window_under_on_spike_skip_is_the_one_the_rule_judged(tmp_path):
+def test_an_adapters_spike_window_under_on_spike_skip_is_the_one_the_rule_judged(tmp_path, capfd):
     """Under guard.on_spike=skip the rule runs on the device; an adapter's replay does not run it, so the window at
     the capture was the boundary's (the interval's later losses in it): the spike's diagnosis read another median
     than under warn for the same history. Rebuilt from the interval's start, it is the same window."""
@@ -874,6 +874,11 @@ def test_an_adapters_spike_window_under_on_spike_skip_is_the_one_the_rule_judged
                 monitor.backward(loss, batch)
                 monitor.step()
         windows[on_spike] = load_bundle(run_dir / "incidents" / "step_000015")["observed"]["spike_window"]
+        # (a trial: an adapter prints no last line counting skipped steps, so its console never said the spike's was)
+        spike_lines = [x for x in capfd.readouterr().out.splitlines() if "at step 15" in x]
+        assert len(spike_lines) == 1 and spike_lines[0].startswith(
+            "stabletrain: spike (skipped: on_spike=skip) at step 15: " if on_spike == "skip" else
+            "stabletrain: spike at step 15: "), spike_lines
     assert len(windows["warn"]) == 14 and sorted(windows["skip"]) == sorted(windows["warn"])
 
 

@@ -386,7 +386,7 @@ class IncidentCapture:
         bundles = self._write_bundles(fit, folder, info, [records[r] for r in seen], before, rows, start, spike)
         if spike:
             fields["anomaly"] = "spike"
-        label = "spike" if spike else "incident"
+        label = info.get("label") or ("spike" if spike else "incident")
         in_memory = None if is_dcp_entry(bundles[0].get("model")) else bundles[0]  # FSDP: read whole from its shards
         diagnosis = None
         if src.diagnose:
