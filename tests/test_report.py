@@ -1484,3 +1484,11 @@ def test_a_short_last_interval_is_read_with_the_one_before_it_not_as_the_runs_en
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[4:]))
     (level, text), = [(lv, t) for lv, t in health_summary(load_run(tmp_path)).sentences if t.startswith("Train loss")]
     assert level == "warn" and "; it rose x" in text and "from its best interval's mean, 0.75 at step 28." in text, text
+    # A review: a 1-step tail that is the spike itself, excluded from the end, was then the rise (x26.7)
+    spiky = rows[4:-1] + [{"step": 29, "interval_steps": 1, "loss_steps": 1, "loss": 20.0, "loss_min": 20.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in spiky))
+    (tmp_path / "config.yaml").write_text("train:\n  max_steps: 29\n")
+    (tmp_path / "events.jsonl").write_text(json.dumps({"step": 29, "kind": "spike", "time": 1.7e9, "loss": 20.0,
+                                                       "reason": "loss spike"}) + "\n")
+    (level, text), = [(lv, t) for lv, t in health_summary(load_run(tmp_path)).sentences if t.startswith("Train loss")]
+    assert "rose" not in text, text

@@ -882,6 +882,29 @@ def test_an_adapters_spike_window_under_on_spike_skip_is_the_one_the_rule_judged
     assert len(windows["warn"]) == 14 and sorted(windows["skip"]) == sorted(windows["warn"])
 
 
+def test_a_spike_the_gradscaler_skipped_is_said_skipped_by_the_overflow_not_by_on_spike(tmp_path, capfd):
+    """A review: a spike whose gradients overflowed under on_spike=warn (the GradScaler skipped it) was said 'spike
+    (skipped: on_spike=warn)'."""
+    from spike_tasks import _mse
+
+    from stabletrain import Monitor
+
+    task = outlier_samples_task(bad=(113, 117))  # step 15
+    torch.manual_seed(0)
+    opt = torch.optim.AdamW(task.model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=10 ** 6)
+    with Monitor(task.model, opt, run_dir=tmp_path / "run", log_every=10, loss_fn=_mse, on_spike="warn",
+                 scaler=scaler) as monitor:
+        for step in range(30):
+            batch = task.train_data[step * 8:(step + 1) * 8]
+            monitor.backward(_mse(task.model, batch), batch)
+            if step == 14:  # the spike step's gradient overflows, as float16's would
+                next(task.model.parameters()).grad[0, 0] = float("inf")
+            monitor.step()
+    lines = [x for x in capfd.readouterr().out.splitlines() if "at step 15" in x]
+    assert len(lines) == 1 and lines[0].startswith("stabletrain: spike (skipped: fp16 overflow) at step 15: data: "), lines
+
+
 def test_the_readme_spike_example_prints_what_the_readme_shows(tmp_path, capsys):
     """The docs' worked example (docs/loss-spikes.md, examples/spike_task.py): the spike line and the remedy table's candidates,
     ranking, verdicts and what each does, as on this page (its numbers within 5%: another CPU rounds the last digits)."""

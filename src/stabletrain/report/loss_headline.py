@@ -67,7 +67,10 @@ def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
         best_step, _, best, *_ = min(rows, key=lambda r: r[2])
         # (an end read as a median of the last intervals reaches back to where the loss was still falling: whether the
         # loss rose since its best is the last interval's own smallest loss's to say; 'rose x3.71' for one that fell)
-        now = rows[-1][3] if end is not None and len(rows) > 1 else f["loss_end"]  # (a short tail: with the one before)
+        # (a short tail that holds a spike step, which the end excludes: its smallest loss is the spike's, read with
+        # the interval before it; a tail of no spike whose smallest loss rose did rise)
+        lifted = tail and any(rows[-1][0] - rows[-1][1] < s <= rows[-1][0] for s in spikes)
+        now = (heads[-1] if lifted else rows[-1])[3] if end is not None and len(rows) > 1 else f["loss_end"]
         # it got worse since: how far; by more than RISE_FLOOR of the run's own descent (x7 on a memorized 1e-9 is
         # float32 noise, not a divergence)
         if best > 0 and now > ratio * best and best_step != rows[-1][0] and now - best > RISE_FLOOR * (f["loss_start"] - best):

@@ -145,7 +145,9 @@ class IntervalBoundary:
         if anomaly == "spike":  # the losses the rule judged it against
             info["spike_window"] = self.guard.window_before(step, rows)
             if row.values["applied"] < 0.5:  # (an adapter prints no last line counting it: said on the spike's own)
-                info["label"] = f"spike (skipped: {self.guard.key('on_spike')}={self.guard.cfg.on_spike})"
+                info["label"] = ("spike (skipped: fp16 overflow)" if row.values.get("overflow", 0.0) > 0.5 else
+                                 f"spike (skipped: {self.guard.key('on_spike')}={self.guard.cfg.on_spike})"
+                                 if self.guard.on_device else None)
             self.guard.num_spike_captures += 1
         info.update(self._capture(self.state, info, rows))
         diagnosis = info.get("diagnosis_record") or info.get("diagnosis") or {}  # (the whole one, in memory)
