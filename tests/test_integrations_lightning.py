@@ -500,7 +500,8 @@ def test_unsupported_setups_get_one_line_saying_what_works(tmp_path, setup):
 def console_incident_lines(capfd) -> list[str]:
     """The lines on the console (stdout and stderr, at the file descriptors) that announce an incident or a spike."""
     out, err = capfd.readouterr()
-    return [x for x in (out + err).splitlines() if re.match(r"stabletrain: (incident|spike) at step \d+: ", x)]
+    said = r"stabletrain: (incident|spike)( \(skipped: [^)]*\))? at step \d+: "  # (a skipped spike's says so)
+    return [x for x in (out + err).splitlines() if re.match(said, x)]
 
 
 def test_a_warning_about_the_run_points_at_the_users_fit_call_not_at_lightnings_frames(tmp_path):

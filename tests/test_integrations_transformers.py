@@ -210,7 +210,8 @@ def test_a_loss_spike_is_captured_and_its_samples_named_and_verified(tmp_path, o
     assert run.metrics[1]["num_skipped"] == (1 if on_spike == "skip" else 0)
     assert [e.step for e in run.counted_events("spike")] == [step]
     lines = console_incident_lines(capfd)  # the host's console: exactly one line, as the built-in loop's
-    assert len(lines) == 1 and lines[0].startswith(f"stabletrain: spike at step {step}: data: samples 1, 2 carry "), lines
+    said = "spike (skipped: on_spike=skip)" if on_spike == "skip" else "spike"  # (the host's console counts no skips)
+    assert len(lines) == 1 and lines[0].startswith(f"stabletrain: {said} at step {step}: data: samples 1, 2 carry "), lines
     from stabletrain.incident_replay import diagnose_incident  # a plain torch module is rebuilt by its class, as a
 
     # Monitor's is (a trial: 'use a model class ... built from its config (a PreTrainedModel)', no replay)
@@ -373,7 +374,8 @@ def test_the_record_says_the_precision_that_ran_fp16_asked_on_a_cpu_runs_fp32(tm
 def console_incident_lines(capfd) -> list[str]:
     """The lines on the console (stdout and stderr, at the file descriptors) that announce an incident or a spike."""
     out, err = capfd.readouterr()
-    return [x for x in (out + err).splitlines() if re.match(r"stabletrain: (incident|spike) at step \d+: ", x)]
+    said = r"stabletrain: (incident|spike)( \(skipped: [^)]*\))? at step \d+: "  # (a skipped spike's says so)
+    return [x for x in (out + err).splitlines() if re.match(said, x)]
 
 
 def test_a_gpt2_spike_rediagnosed_from_its_bundle_gives_the_live_numbers(tmp_path):
