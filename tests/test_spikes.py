@@ -905,6 +905,26 @@ def test_a_spike_the_gradscaler_skipped_is_said_skipped_by_the_overflow_not_by_o
     assert len(lines) == 1 and lines[0].startswith("stabletrain: spike (skipped: fp16 overflow) at step 15: data: "), lines
 
 
+def test_a_skipped_spike_that_is_not_captured_says_it_was_skipped_too(tmp_path):
+    """A review: the skipped spike's label was on the diagnosis line only; a Monitor without loss_fn (no capture) said
+    'the spike at step 15 was not captured', not that its step was skipped."""
+    from spike_tasks import _mse
+
+    from stabletrain import Monitor
+
+    task = outlier_samples_task(bad=(113, 117))  # step 15
+    torch.manual_seed(0)
+    opt = torch.optim.AdamW(task.model.parameters(), lr=0.01, fused=True)
+    with pytest.warns(UserWarning) as seen, Monitor(task.model, opt, run_dir=tmp_path / "run", log_every=10,
+                                                     on_spike="skip") as monitor:
+        for step in range(30):
+            batch = task.train_data[step * 8:(step + 1) * 8]
+            monitor.backward(_mse(task.model, batch), batch)
+            monitor.step()
+    said = [str(w.message) for w in seen if "not captured" in str(w.message)]
+    assert said and said[0].startswith("the spike (skipped: on_spike=skip) at step 15 was not captured: "), said
+
+
 def test_the_readme_spike_example_prints_what_the_readme_shows(tmp_path, capsys):
     """The docs' worked example (docs/loss-spikes.md, examples/spike_task.py): the spike line and the remedy table's candidates,
     ranking, verdicts and what each does, as on this page (its numbers within 5%: another CPU rounds the last digits)."""

@@ -443,7 +443,7 @@ class IncidentCapture:
         step = info["step"]
         fit.event(step, "incident", f"step {step} not captured: {why}", after_update=info["after_update"],
                   **({"ranks": ranks} if fit.dist.enabled else {}))
-        what = "spike" if info.get("anomaly") == "spike" else "incident"
+        what = info.get("label") or ("spike" if info.get("anomaly") == "spike" else "incident")  # (a skipped spike's too)
         if not self.warned and fit.dist.is_main:
             self.warned = True
             warnings.warn(f"the {what} at step {step} was not captured: {why}", StableTrainWarning,

@@ -160,7 +160,9 @@ def _coerce_arg(name: str, value: Any, tp: Any) -> Any:
         str: isinstance(value, str) or isinstance(value, int) and not isinstance(value, bool),
     }[tp]
     if not ok:
-        raise TaskError(f"{key}: expected {SIMPLE_TYPES[tp]}, got {brief(value)}")
+        word = value.strip().lower().lstrip("+-") if isinstance(value, str) and tp is float else ""
+        how = " (YAML writes infinity .inf, not-a-number .nan)" if word in ("inf", "infinity", "nan") else ""
+        raise TaskError(f"{key}: expected {SIMPLE_TYPES[tp]}, got {brief(value)}{how}")
     return tp(value) if tp in (int, float, str) else value
 
 
