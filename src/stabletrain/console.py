@@ -22,10 +22,10 @@ import os
 import re
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
-__all__ = ["say", "warn", "error", "write_line", "show_bar", "is_interactive", "one_line_warnings", "each_once",
+__all__ = ["say", "some_of", "warn", "error", "write_line", "show_bar", "is_interactive", "one_line_warnings", "each_once",
            "StableTrainWarning", "PREFIX", "user_stacklevel", "clipped", "brief"]
 
 PREFIX = "stabletrain: "
@@ -148,6 +148,11 @@ def one_line_warnings() -> Iterator[None]:
         yield
     finally:
         warnings.showwarning = original
+
+
+def some_of(names: Sequence[str], shown: int = 3) -> str:
+    """``a, b, c and 4 more``: the first ``shown`` of ``names`` and how many are left out."""
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def clipped(line: str, width: int = 300) -> str:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .config import config_from_dict
+from .console import some_of
 from .data import move_to
 from .diagnostics.diagnosis import run_diagnosis
 from .diagnostics.failure_class import broken_before
@@ -486,11 +487,10 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
     live = observed.get("live_nonfinite")  # the run's parameters were non-finite before this (skipped) step
     if live and not broken and result.get("stage") == "none" and not result.get("reproduces"):  # ... the replay's are not
         result["changed_outside"] = live
-        result["evidence"] = (f"the run's parameters held non-finite values before this step ({', '.join(live[:3])}"
-                              + (f" and {len(live) - 3} more" if len(live) > 3 else "") + "; its update was skipped), the "
-                              "replay's do not: no replayed update of the interval made them so; they were changed outside "
-                              "the optimizer's steps (an in-place edit, a load_state_dict, an EMA or weight swap), or an "
-                              "update did not reproduce (nondeterminism, a hardware fault)")
+        result["evidence"] = (f"the run's parameters held non-finite values before this step ({some_of(live)}; its update "
+                              "was skipped), the replay's do not: no replayed update of the interval made them so; they "
+                              "were changed outside the optimizer's steps (an in-place edit, a load_state_dict, an EMA "
+                              "or weight swap), or an update did not reproduce (nondeterminism, a hardware fault)")
         result["summary"] = f"not reproducible: {result['evidence']}"
     write_json(directory / out, result)
     return result

@@ -123,7 +123,7 @@ def check_overfit(ctx: CheckContext) -> CheckResult:
                        + (f"; first non-finite value in the forward: {where}" if where else "")
                        + ("; under fp16 see `stabletrain check amp precision=fp16`, or use bf16" if
                           precision.mode == "fp16" else "")
-                       + (f"; {cast_wholesale(model)}" if cast_wholesale(model) else ""))
+                       + "".join(f"; {cast}" for cast in filter(None, [cast_wholesale(model)])))
     elif skipped and not fell:  # (fp16: the scaled gradients of the first step may overflow by design)
         first = f" ({len(nonfinite_grad)} parameter(s) at the first step, e.g. {nonfinite_grad[0]})" if nonfinite_grad else ""
         details.append(f"{skipped} of {len(losses)} steps were skipped: their gradients were not finite{first} while the "

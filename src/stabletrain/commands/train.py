@@ -132,9 +132,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if not resume and not cfg.run.overwrite and cfg.run.resume != "auto" and cfg.run.dir:  # once, not each rank's
             from ..records.rundir import RunDir
 
-            if RunDir.holds_trained_run(Path(cfg.run.dir)):
-                raise FileExistsError(f"run directory {cfg.run.dir!r} already holds a run; resume it with --resume "
-                                      f"{cfg.run.dir}, pick another run.dir, or pass run.overwrite=true")
+            RunDir.refuse_taken(Path(cfg.run.dir))
         console.say(f"starting {cfg.dist.nproc} processes on this machine (torchrun, {cfg.dist.strategy.upper()}): rank 0 "
                     "prints the progress and writes the run directory")
         return launcher.launch(cfg.dist.nproc, argv, max_restarts=cfg.run.max_restarts)

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..console import some_of
 from ..numerics import first_nonfinite_grad
 from .anomaly import anomaly_trace
 from .bisection import Bisection, SubsetJudge, bisect_samples
@@ -371,10 +372,8 @@ def _where(d: dict[str, Any], bisection: Bisection | None, *, samples: bool = Tr
                          "still flows back to the op through what made it finite, 0 x inf: keep the op's input finite, "
                          "e.g. log2(torch.where(mask, x, 1)) where it is masked, log(x.clamp_min(eps)) where it saturates)")
     elif stage == "update":
-        names = d["nonfinite_params_after_update"]
-        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        text = (f"first non-finite value (update): forward and backward stay finite, the optimizer step makes {shown} "
-                "non-finite (learning rate too high?)")
+        text = (f"first non-finite value (update): forward and backward stay finite, the optimizer step makes "
+                f"{some_of(d['nonfinite_params_after_update'])} non-finite (learning rate too high?)")
     else:
         text = f"first non-finite value ({stage})"
         if d["first_nonfinite_param"]:

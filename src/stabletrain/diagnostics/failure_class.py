@@ -27,6 +27,7 @@ import math
 import re
 from typing import Any
 
+from ..console import some_of
 from .nonfinite import DOMAIN_OPS
 
 __all__ = ["FAILURE_CLASSES", "broken_before", "classify_failure", "growth", "WEIGHT_DRIVEN_SHARE", "NOT_REPRODUCED_HINT"]
@@ -251,7 +252,7 @@ def broken_before(broken: list[str], step: int, summary: str | None) -> str:
     told 'the optimizer step makes it non-finite (learning rate too high?)'); later, an update applied before it broke
     them (on_nonfinite='warn'), or something outside the optimizer's steps did (an adapter's config records 'warn' as
     'skip': the words name both)."""
-    names = ", ".join(broken[:3]) + (f" and {len(broken) - 3} more" if len(broken) > 3 else "")
+    names = some_of(broken)
     if step <= 1:
         return (f"the parameters were non-finite before the first step ({names}): the model came so, no update had been "
                 "applied (its init, weights it loaded, an edit before training); the replay's own reading, on those "

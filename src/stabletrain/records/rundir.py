@@ -86,13 +86,8 @@ class RunDir:
         _check_folder(self.path, host)
         if resume and host:
             _check_resumable(self.path, host, model)
-        if not resume and not overwrite and self.holds_trained_run(self.path):
-            cont = ("Monitor(..., resume=True), then load_state_dict(the state you saved)" if host == "monitor" else
-                    "resume the host from its checkpoint: stabletrain's state is in it")
-            raise FileExistsError(
-                f"run directory {str(self.path)!r} already holds a run; " + (
-                    f"pass another run_dir= or overwrite=True (to continue that run: {cont})" if host else
-                    f"resume it with --resume {self.path}, pick another run.dir, or pass run.overwrite=true"))
+        if not resume and not overwrite:
+            self.refuse_taken(self.path, host)
         # A directory that holds a run (it has config.yaml) is replaced when asked to, and so is one from an
         # attempt that never logged a trained step (it failed at start): it is not a run, the retry reuses it.
         if not resume and (self.path / "config.yaml").exists():
@@ -109,6 +104,19 @@ class RunDir:
                 self.metrics.close()
             raise _refused(self.path, host, f"cannot be written: {err.strerror or err} ({err.filename})") from err
         self._launch_recorded = False
+
+    @staticmethod
+    def refuse_taken(path: Path, host: str | None = None) -> None:
+        """Raise FileExistsError where ``path`` holds a run that trained (:meth:`holds_trained_run`), saying how to go on
+        (``host``: in its adapter's terms); ``stabletrain train`` asks it once before starting several processes."""
+        if not RunDir.holds_trained_run(path):
+            return
+        cont = ("Monitor(..., resume=True), then load_state_dict(the state you saved)" if host == "monitor" else
+                "resume the host from its checkpoint: stabletrain's state is in it")
+        raise FileExistsError(
+            f"run directory {str(path)!r} already holds a run; " + (
+                f"pass another run_dir= or overwrite=True (to continue that run: {cont})" if host else
+                f"resume it with --resume {path}, pick another run.dir, or pass run.overwrite=true"))
 
     @staticmethod
     def holds_trained_run(path: Path) -> bool:
