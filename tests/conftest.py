@@ -16,15 +16,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 #: The files that take longest (a whole run's test durations, summed per file: SIGKILL + resume, torchrun
 #: worlds, the CLI in fresh processes, the trackers), handed out first. The test command runs two pytest-xdist
 #: workers, a whole file at a time (``--dist loadfile``: a module's fixtures run once); the longest first keeps
-#: one worker from starting a long file when the other is nearly done. From a clean clone's whole run on the
-#: 2-core machine (2026-12-02, others' load ~3-4): test_resume 110 s, test_distributed 94, test_cli 68,
-#: test_trackers 49, test_fsdp_checkpoint 45, test_compile 45, test_adapters_distributed 44, test_report 40, ...
-#: test_restarts (issue 34; alone, others' load ~6): ~110 CPU-s, ~260 s of wall time at that load. 2026-12-04, quiet:
-#: test_restarts ~215 s, test_spikes ~140 s (its healthy 300-step gpt alone 63 s), test_resume ~100 s.
-LONGEST_FIRST = ["test_restarts.py", "test_spikes.py", "test_resume.py", "test_distributed.py", "test_cli.py", "test_trackers.py",
-                 "test_fsdp_checkpoint.py", "test_compile.py", "test_adapters_distributed.py", "test_report.py", "test_fsdp.py",
-                 "test_check_resume.py", "test_console.py", "test_errors.py", "test_bench_fsdp.py", "test_internals.py",
-                 "test_lab.py", "test_integrations_readme.py", "test_loop.py", "test_incident_once.py"]
+#: one worker from starting a long file when the other is nearly done. From a whole run on the 2-core machine
+#: (2026-12-07, three workers, CPU-s summed per file): test_restarts 343, test_distributed 131, test_resume 119,
+#: test_checkpoint_writer 113, test_trackers 76, test_cli 73, test_fsdp_checkpoint 73, test_lab 60, test_compile 49,
+#: test_console 45, test_adapters_distributed 45, test_report 44, test_integrations_transformers 39, ...
+LONGEST_FIRST = ["test_restarts.py", "test_distributed.py", "test_resume.py", "test_checkpoint_writer.py", "test_trackers.py",
+                 "test_cli.py", "test_fsdp_checkpoint.py", "test_spikes.py", "test_lab.py", "test_compile.py", "test_console.py",
+                 "test_adapters_distributed.py", "test_report.py", "test_integrations_transformers.py", "test_fsdp.py",
+                 "test_fsdp_incidents.py", "test_restart_exhausted.py", "test_remedy_live.py", "test_reshard.py",
+                 "test_check_resume.py", "test_integrations_readme.py", "test_errors.py", "test_monitor.py",
+                 "test_bench_fsdp.py", "test_guard.py", "test_goodput_crash.py", "test_late_sigterm.py", "test_internals.py",
+                 "test_loop.py", "test_incident_once.py"]
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the order

@@ -1,24 +1,32 @@
 """The doctor's resume and determinism checks pass on a sound task and name what breaks on a broken one."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 from multiproc import env
 
 from stabletrain.checks.resume import DATA_COMPONENT
 
-pytestmark = pytest.mark.slow  # the doctor in a subprocess, with a fresh-process resume
+pytestmark = pytest.mark.slow  # the doctor, with its fresh-process resume
 
 
-def check(*args):
-    res = subprocess.run([sys.executable, "-m", "stabletrain", "check", *args, "--json"], capture_output=True, text=True,
-                         env=env(), timeout=600)
-    return res.returncode, {r["name"]: r for r in json.loads(res.stdout)}
+@pytest.fixture
+def check(capfd, monkeypatch):
+    """``stabletrain check ARGS --json`` in this process (``cli.main``): its exit code and its results by name. stdout is
+    read at the file descriptor, so whatever else reached it (the inner run's lines, the probe's) breaks the JSON as it
+    would for a user; the resume check's fresh process gets tests/ on its PYTHONPATH, as a child of the CLI would."""
+    from stabletrain.cli import main
+
+    monkeypatch.setenv("PYTHONPATH", env()["PYTHONPATH"])
+
+    def call(*args):
+        capfd.readouterr()
+        code = main(["check", *args, "--json"])
+        return code, {r["name"]: r for r in json.loads(capfd.readouterr().out)}
+    return call
 
 
-def test_resume_and_determinism_pass_bitwise_on_the_mlp_task_with_dropout():
+def test_resume_and_determinism_pass_bitwise_on_the_mlp_task_with_dropout(check):
     rc, results = check("resume", "determinism", "task=mlp", "task_args.dropout=0.3", "accum.steps=3")
     assert rc == 0
     assert results["resume"]["numbers"]["max_param_diff"] == 0.0 and results["resume"]["numbers"]["steps_compared"] == 3
@@ -26,7 +34,7 @@ def test_resume_and_determinism_pass_bitwise_on_the_mlp_task_with_dropout():
     assert results["determinism"]["passed"]
 
 
-def test_resume_names_state_outside_the_checkpoint():
+def test_resume_names_state_outside_the_checkpoint(check):
     rc, results = check("resume", "task=broken_tasks:hidden_counter_task")
     assert rc == 1
     r = results["resume"]
@@ -35,13 +43,13 @@ def test_resume_names_state_outside_the_checkpoint():
     assert any(line.endswith("NO") for line in r["details"])
 
 
-def test_determinism_catches_unseeded_randomness():
+def test_determinism_catches_unseeded_randomness(check):
     rc, results = check("determinism", "task=broken_tasks:unseeded_noise_task")  # SystemRandom noise in __getitem__
     assert rc == 1
     assert results["determinism"]["numbers"]["diverged_component"] == DATA_COMPONENT
 
 
-def test_resume_names_unseeded_augmentation_in_the_dataset_as_the_data_not_the_optimizer():
+def test_resume_names_unseeded_augmentation_in_the_dataset_as_the_data_not_the_optimizer(check):
     """A zero-init head makes the step-5 loss independent of the input: the first difference past the batch was the
     optimizer's state ('optimizer differs'), although the augmentation's inputs were the cause."""
     # (log.init_signal=false: the run's own step-0 report of the zero head prints a line on stdout, before the JSON)
@@ -79,7 +87,7 @@ def test_resume_check_on_steps_that_are_all_non_finite_says_the_checkpoint_was_w
     assert "captured into" not in capsys.readouterr().out
 
 
-def test_check_resume_json_is_json_on_a_model_whose_init_the_run_would_flag():
+def test_check_resume_json_is_json_on_a_model_whose_init_the_run_would_flag(check):
     """A new user's `stabletrain check resume task=mlp task_args.depth=12 --json`: the check's inner run printed its
     step-0 init line ('init at step 0: forward: vanishes at #5 ...', naming init_signal.json in the check's deleted
     folder) on stdout before the JSON, which then did not parse."""

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import cfg, regression_task
-from multiproc import env as child_env
 
 from stabletrain import Trainer
 from stabletrain.errors import batch_note, defined_at, format_task_error, raised_by_stabletrain, task_part, user_location
@@ -173,16 +172,10 @@ def test_defined_at_names_the_users_def_through_partials_and_methods_and_never_a
 # -- the command line ---------------------------------------------------------------------------
 
 
-def run(*args, cwd=None, env=None):
-    """``stabletrain ARGS`` in a fresh process: its real exit code and output (torch imported anew: ~3 s)."""
-    return subprocess.run([sys.executable, "-m", "stabletrain", *args], capture_output=True, text=True, cwd=cwd,
-                          env={**child_env(), **(env or {})}, timeout=300)
-
-
 @pytest.fixture
 def cli(capsys, monkeypatch):
     """``stabletrain ARGS`` in this process (``cli.main``, what ``python -m stabletrain`` exits with): the same exit code
-    and output as :func:`run` without a new interpreter, for the tests that read what a command says."""
+    and output as ``python -m stabletrain ARGS`` without a new interpreter (torch imported anew: ~3 s)."""
     from stabletrain.cli import main
 
     def call(*args, cwd=None, env=None):
@@ -197,8 +190,8 @@ def cli(capsys, monkeypatch):
     return call
 
 
-def test_train_names_the_loss_and_shows_the_users_line(tmp_path):
-    res = run("train", "task=user_code_tasks:unpack_loss_task", "log.progress=false", f"run.dir={tmp_path / 'r'}")
+def test_train_names_the_loss_and_shows_the_users_line(tmp_path, cli):
+    res = cli("train", "task=user_code_tasks:unpack_loss_task", "log.progress=false", f"run.dir={tmp_path / 'r'}")
     assert res.returncode == 1, res.stderr
     first = res.stderr.splitlines()[0]
     assert first.startswith("stabletrain: error: the task's loss raised ValueError at ")
@@ -219,8 +212,8 @@ def test_train_on_bad_data_names_the_part(task, part, tmp_path, cli):
     assert "dataloader.py" not in res.stderr and "module.py" not in res.stderr
 
 
-def test_a_bad_config_key_is_still_one_line_exit_2():
-    res = run("train", "task=user_code_tasks:unpack_loss_task", "optim.lrr=1")
+def test_a_bad_config_key_is_still_one_line_exit_2(cli):
+    res = cli("train", "task=user_code_tasks:unpack_loss_task", "optim.lrr=1")
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == [res.stderr.strip()] and "unknown config key 'optim.lrr'" in res.stderr
 

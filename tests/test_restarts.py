@@ -274,7 +274,7 @@ def test_the_same_crash_after_a_restart_stops_the_run_with_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_same_crash_resubmission_after_resubmission_under_resume_auto_is_refused(tmp_path):
+def test_the_same_crash_resubmission_after_resubmission_under_resume_auto_is_refused(tmp_path, capsys):
     """A trial: the same crash at step 33 submitted again and again with run.resume=auto (a Slurm requeue) was never
     refused: each submission started a new chain of restarts (4 submissions at max_restarts=0, each its exit 1). A
     resubmission continues the chain: the same failure that ended max_repeats + 1 launches in a row refuses the next
@@ -282,6 +282,14 @@ def test_the_same_crash_resubmission_after_resubmission_under_resume_auto_is_ref
     run_dir = tmp_path / "run"
     args = ("task=restart_tasks:unreadable_sample_task", "train.batch_size=8", "data.shuffle=false", "train.max_steps=12",
             "ckpt.every=2", "log.every=2", "eval.every=0", "run.resume=auto", "run.max_repeats=1", f"run.dir={run_dir}")
+    # (each submission in this process, as `stabletrain train` runs it: no supervisor here, a new process adds nothing)
+
+    def train_cli(*args):
+        capsys.readouterr()
+        code = main(["train", *args, *FAST])
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(["stabletrain", "train", *args], code, out.out, out.err)
+
     codes = [train_cli(*args) for _ in range(3)]
     assert [r.returncode for r in codes] == [1, 1, 3], codes[-1].stderr[-3000:]
     refused = [line for line in codes[-1].stderr.splitlines() if "not continuing" in line]

@@ -64,15 +64,16 @@ def _assert_bitwise(a, b):
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     """The uninterrupted runs' final states, by precision, each trained once for this file's tests (on CPU the default
-    precision, auto, is fp32: the SIGTERM test's reference too)."""
+    precision, auto, is fp32: the SIGTERM test's reference too), in this process: the killed runs' fresh processes
+    must end bitwise equal to it."""
+    from stabletrain import Trainer, load_config
+
     made = {}
 
     def get(precision):
         if precision not in made:
             reference = tmp_path_factory.mktemp(f"reference-{precision}")
-            proc = _start(reference, f"precision={precision}")
-            out, err = proc.communicate(timeout=300)
-            assert proc.returncode == 0, err
+            Trainer(load_config(None, [*ARGS, f"precision={precision}"]), run_dir=reference).fit()
             made[precision] = _final_state(reference)
         return made[precision]
 
