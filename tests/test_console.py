@@ -270,12 +270,29 @@ def test_the_non_finite_steps_an_interval_does_not_capture_get_one_line_and_the_
     assert "2 steps had a non-finite loss or grad norm (first at step 2); an incident captures the first of its log " \
            "interval (1 below)." in page
     assert 'alt="Train loss"' in page and "validation loss" not in page  # no validation data
-    # with capture.incidents=false there is no "interval's capture" to point to (it claimed step 2's)
+    # with capture.incidents=false there is no "interval's capture" to point to (it claimed step 2's), and step 2 was
+    # said by nothing (a skip and an event only): the line names both
     Trainer(cfg("train.batch_size=8", "data.shuffle=false", "log.every=10", "train.max_steps=10", "capture.incidents=false"),
             task=task, run_dir=tmp_path / "off").fit()
     out = capsys.readouterr().out
-    assert "1 more non-finite step in the interval to step 10, at step 5: not captured (capture.incidents=false; " \
+    assert "2 non-finite steps in the interval to step 10, at steps 2, 5: not captured (capture.incidents=false; " \
            "events.jsonl)" in out, out
+
+
+@pytest.mark.parametrize("capture, on_spike, said", [
+    ("capture.incidents=false", "warn", "at step 20 (810.1): not captured (capture.incidents=false; events.jsonl)"),
+    ("capture.incidents=false", "skip", "at step 20 (810.1, skipped): not captured (capture.incidents=false; events.jsonl)"),
+    ("capture.spikes=false", "skip", "at step 20 (810.1, skipped): not captured (capture.spikes=false; events.jsonl)"),
+])
+def test_a_spike_the_run_does_not_capture_is_said_in_one_line_skipped_or_not(tmp_path, capsys, capture, on_spike, said):
+    """A trial: with capture off, a spike (guard.on_spike=warn, the default) warned of nothing, and a skipped one was
+    only counted in the last line ('1 of 30 steps skipped'): events.jsonl alone named it."""
+    from spike_tasks import outlier_samples_task
+
+    Trainer(cfg("train.batch_size=8", "data.shuffle=false", "log.every=10", "train.max_steps=20", "eval.every=0", capture,
+                f"guard.on_spike={on_spike}"), task=outlier_samples_task(), run_dir=tmp_path / "run").fit()
+    lines = [x for x in capsys.readouterr().out.splitlines() if "spike" in x]
+    assert lines == [f"stabletrain: 1 loss spike in the interval to step 20, {said}"], lines
 
 
 def test_under_torchrun_a_rank_other_than_0_shows_only_the_warnings_that_name_it(monkeypatch, capsys):

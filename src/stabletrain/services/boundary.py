@@ -161,14 +161,14 @@ class IntervalBoundary:
         # The capture's bundle and whole diagnosis stay with the caller (a live remedy's search), not the callbacks'.
         self.callbacks.fire("on_incident", self.state, {k: v for k, v in info.items() if k not in IN_MEMORY})
         self.excluded += time.perf_counter() - t0  # the capture's time is not the next interval's throughput
-        others = [t for t in decision.spike_steps if t != step]
-        # (with capture.incidents=false, or a capture that failed, there is no "interval's capture" to point to)
-        held = (None if info.get("path") else "capture.incidents=false" if not self.state.cfg.capture.incidents
-                else f"nor was step {step}")
+        # (with capture.incidents=false, or a capture that failed, there is no "interval's capture" to point to; with
+        # capture off, nothing said the captured step either: the lines below name it too)
+        off = not self.state.cfg.capture.incidents
+        held = None if info.get("path") else "capture.incidents=false" if off else f"nor was step {step}"
+        others = [t for t in decision.spike_steps if t != step or (off and anomaly == "spike")]
         if others and self.state.dist.is_main and self.state.run is not None:  # (each was an event only, no word)
-            losses = {r.step: r.values["loss"] for r in rows}
-            shown = ", ".join(f"{t} ({losses.get(t, float('nan')):.4g})" for t in others[:6])
-            more = "more " if anomaly == "spike" else ""
+            shown = _losses_of(others, rows)
+            more = "more " if anomaly == "spike" and not off else ""
             why = held or ("one capture per interval" if anomaly == "spike"
                            else f"the interval's capture is step {step}'s, non-finite")
             burst = {b["step"]: b for b in diagnosis.get("burst_samples") or [] if isinstance(b, dict)}  # (weighed by it)
@@ -178,12 +178,13 @@ class IntervalBoundary:
                         f"{rows[-1].step}, at step{'s' if len(others) > 1 else ''} {shown}"
                         f"{' ...' if len(others) > 6 else ''}: not captured ({why}; events.jsonl)"
                         + (f"; step {step}'s capture weighed its burst: {told} (verified)" if told else ""))
-        bad = [t for t in decision.bad_steps if t != step]
+        bad = [t for t in decision.bad_steps if t != step or off]
         if bad and self.state.dist.is_main and self.state.run is not None:  # (the skip events alone said nothing)
             shown = ", ".join(map(str, bad[:6])) + (" ..." if len(bad) > 6 else "")
             said = held or f"one capture per interval: step {step}'s"
-            console.say(f"{len(bad)} more non-finite step{'s' if len(bad) > 1 else ''} in the interval to step "
-                        f"{rows[-1].step}, at step{'s' if len(bad) > 1 else ''} {shown}: not captured ({said}; events.jsonl)")
+            console.say(f"{len(bad)} {'' if off else 'more '}non-finite step{'s' if len(bad) > 1 else ''} in the interval to "
+                        f"step {rows[-1].step}, at step{'s' if len(bad) > 1 else ''} {shown}: not captured ({said}; "
+                        "events.jsonl)")
         return info
 
     def _reset_statistics(self, step: int) -> None:
@@ -208,7 +209,14 @@ class IntervalBoundary:
         """The interval's spike to capture (:func:`spike_to_capture`), or None (none, not asked for, the run's
         captures spent, or every spike of the interval below :data:`NEGLIGIBLE_SPIKE` of the run's first logged loss)."""
         cfg = self.state.cfg.capture
-        if not decision.spike_steps or not cfg.spikes:
+        if not decision.spike_steps:
+            return None
+        if not cfg.spikes:  # (guard.on_spike=warn warns: the line the capture would have said, without its findings)
+            if cfg.incidents and self.state.dist.is_main and self.state.run is not None:
+                steps = decision.spike_steps
+                console.say(f"{len(steps)} loss spike{'s' if len(steps) > 1 else ''} in the interval to step {rows[-1].step}, "
+                            f"at step{'s' if len(steps) > 1 else ''} {_losses_of(steps, rows)}"
+                            f"{' ...' if len(steps) > 6 else ''}: not captured (capture.spikes=false; events.jsonl)")
             return None
         if self.guard.num_spike_captures >= cfg.max_spikes:
             if not self.spent_said and self.state.dist.is_main and self.state.run is not None:
@@ -260,6 +268,14 @@ COURSE_CLASSES = ("state", "optimizer-state", "precision")
 #: A later burst of spikes in an interval is captured instead of an earlier one only when its peak loss is at least
 #: this many times the earlier's: a burst about as large is the earlier one's aftershock (its course), not a new one.
 LARGER_BURST = 1.5
+
+
+def _losses_of(steps: list[int], rows: list[Any]) -> str:
+    """``"20 (810.1, skipped), 24 (95.2)"``: the first six of ``steps`` with their losses, and which were skipped."""
+    by_step = {r.step: r.values for r in rows}
+    nan = {"loss": float("nan"), "applied": 1.0}
+    return ", ".join(f"{t} ({by_step.get(t, nan)['loss']:.4g}{', skipped' if by_step.get(t, nan)['applied'] < 0.5 else ''})"
+                     for t in steps[:6])
 
 
 def spike_to_capture(steps: list[int], losses: dict[int, float], floor: float = 0.0) -> int | None:
