@@ -335,6 +335,24 @@ def test_compare_two_real_runs(real_run, other_run, tmp_path, monkeypatch):
         write_compare([real_run, again])
 
 
+def test_stabletrain_compare_prints_the_keys_that_differ_and_each_runs_headline(real_run, other_run, tmp_path, capsys):
+    """A trial: `stabletrain compare` printed only where its page went; the console now has the page's gist."""
+    from stabletrain.cli import main
+
+    assert main(["compare", str(real_run), str(other_run), "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    a, b = run_labels([load_run(real_run), load_run(other_run)])
+    assert out[0] == (f"config: 3 keys differ ({a} | {b}): train.batch_size 16 | 32; clip.max_norm 0.8 | 1; "
+                      "optim.lr 0.001 | 0.003"), out
+    figures = [health_summary(load_run(d)).figures for d in (real_run, other_run)]
+    for line, label, f in zip(out[1:3], (a, b), figures):
+        assert line.startswith(f"{label}: loss {fmt_num(f['loss_start'])} -> {fmt_num(f['loss_end'])}"), line
+        assert line.endswith(f"0 loss spikes, {f['nonfinite_steps']} non-finite step{'s' if f['nonfinite_steps'] != 1 else ''}"
+                             f", {f['skipped_steps']} skipped step{'s' if f['skipped_steps'] != 1 else ''}, "
+                             f"{len(f['incidents'])} incident{'s' if len(f['incidents']) != 1 else ''} captured; finished"), line
+    assert out[3] == f"stabletrain: comparison written to {tmp_path / 'compare.html'} (plots in {tmp_path / 'compare_plots'})"
+
+
 def test_compare_draws_post_clip_norms_from_zero_and_one_setting_of_two_hosts_once(real_run, other_run, tmp_path,
                                                                                   monkeypatch):
     figs = _figures_of(monkeypatch)

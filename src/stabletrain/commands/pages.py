@@ -76,6 +76,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     for d in args.run_dirs:
         _run_dir(d, config_enough=False)
-    page = write_compare(args.run_dirs, args.out)
+    said: list[str] = []
+    page = write_compare(args.run_dirs, args.out, said=said)
+    for line in said:
+        print(line)
     console.say(f"comparison written to {page} (plots in {page.with_name(page.stem + '_plots')})")
     return 0

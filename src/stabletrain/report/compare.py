@@ -76,12 +76,13 @@ def compare_path(run_dirs: Sequence[str | Path], out: str | Path | None = None) 
     return page
 
 
-def write_compare(run_dirs: Sequence[str | Path], out: str | Path | None = None) -> Path:
+def write_compare(run_dirs: Sequence[str | Path], out: str | Path | None = None, *, said: list[str] | None = None) -> Path:
     """Write the comparison page of ``run_dirs``; return its path (see :func:`compare_path` for where).
 
     The plots go in ``<page stem>_plots/`` next to the page. Raises ValueError for fewer than two
     runs, and FileNotFoundError / ValueError for a folder that is not a run directory. Malformed
-    lines are listed on the page, never raised.
+    lines are listed on the page, never raised. ``said``: a list the page's gist is appended to, as lines for a
+    console (:func:`compare_lines`).
     """
     if len(run_dirs) < 2:
         raise ValueError(f"compare needs at least two run directories, got {len(run_dirs)}")
@@ -101,7 +102,35 @@ def write_compare(run_dirs: Sequence[str | Path], out: str | Path | None = None)
     files = {k: str(Path(folder.name) / p.name) for k, p in paths.items()}
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, render_compare(runs, labels, plots, files), fsync=False)
+    if said is not None:
+        said.extend(compare_lines(runs, labels))
     return out
+
+
+def compare_lines(runs: Sequence[RunData], labels: Sequence[str]) -> list[str]:
+    """The page's gist in lines: the config keys that differ (with each run's value), then each run's headline figures."""
+    diff = [(k, v) for k, v in _host_aware(config_diff([run.config for run in runs]), runs)[0] if k != "run.dir"]
+
+    def plain(value: Any) -> str:
+        if isinstance(value, bool) or value is None:  # (as config.yaml writes them)
+            return {True: "true", False: "false", None: "null"}[value]
+        return "absent" if value is ABSENT else fmt_num(value) if isinstance(value, float) else str(value)
+
+    shown = "; ".join(f"{k} {' | '.join(plain(x) for x in values)}" for k, values in diff[:6])
+    lines = [f"config: {len(diff)} key{'s' if len(diff) != 1 else ''} differ{'s' if len(diff) == 1 else ''} "
+             f"({' | '.join(labels)}): {shown}{f'; and {len(diff) - 6} more' if len(diff) > 6 else ''}" if diff
+             else "config: the same (besides run.dir)"]
+    for run, label in zip(runs, labels):
+        f = health_summary(run).figures
+        loss = f"loss {fmt_num(f['loss_start'])} -> {fmt_num(f['loss_end'])}" if "loss_start" in f else "no loss logged"
+        val = f", val loss {fmt_num(f['val_last'])}" if f.get("val_last") is not None else ""
+        counts = [(len(f.get("spike_steps") or []), "loss spike", "loss spikes"),
+                  (f.get("nonfinite_steps") or 0, "non-finite step", "non-finite steps"),
+                  (f.get("skipped_steps") or 0, "skipped step", "skipped steps"),
+                  (len(f.get("incidents", [])), "incident captured", "incidents captured")]
+        told = ", ".join(f"{n:,} {one if n == 1 else many}" for n, one, many in counts)
+        lines.append(f"{label}: {loss}{val}; {told}; {_ending(f)}")
+    return lines
 
 
 def render_compare(runs: Sequence[RunData], labels: Sequence[str], plots=None, files: dict[str, str] | None = None) -> str:
