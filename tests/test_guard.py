@@ -2,6 +2,7 @@
 
 import json
 import math
+import random
 import subprocess
 import sys
 import warnings
@@ -283,6 +284,30 @@ def test_the_host_spike_rule_flags_exactly_the_steps_the_device_rule_does(window
     more = _rows([2.0, 9.0], [True, True])
     clone.mark_spikes(more)
     assert [r.values["spike"] for r in more] == [0.0, 1.0]
+
+
+@pytest.mark.parametrize("first", [[6.0, 6e4], [6e4, 6.0]])
+def test_an_outlier_before_the_rule_arms_does_not_blind_it_to_the_same_loss_later(first):
+    """A trial: a corrupted sample at step 2 (x6e3, before the rule arms) was kept in the window; its largest loss lifted
+    the early bound (spike_ratio^2 x the largest) and the deviation, so the same corruption at step 19 passed unflagged
+    (under on_spike=skip, applied). Step 2's is now left out of the window; on step 1, where no loss precedes it, it stays
+    but bounds nothing (early_largest). Device and host agree, step for step and window for window."""
+    gen = random.Random(len(str(first)))
+    losses = [*first, *[6.0 - 0.05 * i + 0.1 * gen.random() for i in range(2, 40)]]
+    losses[18] = 6.25e4  # step 19
+    device = Guard(GuardConfig(on_spike="skip"), torch.device("cpu"))
+    on_device = [bool(device.observe(torch.tensor(v), torch.tensor(1.0))[2]) for v in losses]
+    host = Guard(GuardConfig(on_spike="warn"), torch.device("cpu"))
+    rows = _rows(losses, [True] * len(losses))
+    for i in range(0, len(rows), 10):
+        host.mark_spikes(rows[i:i + 10])
+    assert [i + 1 for i, s in enumerate(on_device) if s] == [19]
+    assert [r.values["spike"] > 0.5 for r in rows] == on_device
+    assert torch.equal(host.window.nan_to_num(-1), device.window.nan_to_num(-1)) and int(host.num_seen) == int(device.num_seen)
+    kept = host.window[~host.window.isnan()]
+    assert (float(kept.max()) > 1e4) is (first[0] > 1e4) and int(host.num_seen) == len(losses) - 2 + (first[0] > 1e4)
+    window = [x for i, x in enumerate(losses[:18]) if x < 1e4 or i == 0]  # the window step 19 was judged against
+    assert spike_test(losses[18], window, host.cfg)["spike"]
 
 
 @pytest.mark.parametrize("scale,spikes", [(1e3, [29, 59]), (1e22, [])])

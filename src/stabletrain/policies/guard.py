@@ -20,11 +20,13 @@ median absolute deviation times 1.4826) does: a window that still holds a run's 
 deviation that hides a x4e4 loss (z 4 at step 51 of a loss that fell from 2 to 6e-5), never its median and MAD.
 The rule is armed from
 :data:`EARLY_ARM` losses on; until half the window is filled it also asks that the loss exceed
-``spike_ratio`` squared times the largest loss seen so far: a run's first losses fall fast and a few of them
+``spike_ratio`` squared times the largest loss seen so far (but one over ``spike_ratio ** (2 * FAR)`` times the
+window's median: :func:`~.spike_rule.early_largest`): a run's first losses fall fast and a few of them
 make a shaky median and deviation (a small batch's loss 2.5x its window's median and 6.0 deviations above
 its mean is noise at step 6), but a loss four times as high as any before it is a spike from the fifth step
 on (a x1e4 loss at step 6 was missed when the rule armed only at half the window). Spikes are not added
-to the window, so a run of spikes does not raise the baseline. With ``guard.on_spike=skip`` the rule
+to the window, so a run of spikes does not raise the baseline; nor is a loss ``spike_ratio ** FAR`` times every one
+before it while the rule is not armed (:func:`~.spike_rule.early_outlier`). With ``guard.on_spike=skip`` the rule
 runs on the device every step (the skip must be
 decided before the update); otherwise the host runs the same rule on the interval's losses at the
 log boundary (:meth:`Guard.mark_spikes`), so the step pays nothing for it.
@@ -51,7 +53,7 @@ from torch import Tensor
 
 from ..config import GuardConfig
 from ..numerics import both_finite
-from .spike_rule import EARLY_ARM, FAR, MAD_TO_STD, far_spike, spike_test
+from .spike_rule import EARLY_ARM, FAR, MAD_TO_STD, early_largest, early_outlier, far_spike, spike_test
 from .stall import NEGLIGIBLE_GRAD, UNRECOVERABLE_SCALE, StallWatch, routine_overflow, scale_note
 
 __all__ = ["Guard", "GuardDecision", "inputs_finite", "UNRECOVERABLE_SCALE", "EARLY_ARM", "spike_test", "NEGLIGIBLE_GRAD",
@@ -214,10 +216,15 @@ class Guard:
         testable = finite | (torch.isfinite(loss) & ~torch.isfinite(grad_norm)) if self.scaled else finite
         spike = armed & testable & (loss > self.cfg.spike_ratio * median) & ((z > self.cfg.spike_zscore) | far)
         early = self.num_seen < self._full_at
-        largest = torch.where(torch.isnan(w), torch.full_like(w, float("-inf")), w).max()
+        none = torch.full_like(w, float("-inf"))
+        top = torch.where(torch.isnan(w), none, w).max()
+        # (early_largest: the largest within spike_ratio ** (2 * FAR) x a positive median; early_outlier: not kept)
+        largest = torch.where(torch.isnan(w) | ((median > 0) & (w > self.cfg.spike_ratio ** (2 * FAR) * median)), none, w).max()
         spike = spike & (~early | (loss > self.cfg.spike_ratio ** 2 * largest))
         ok = finite & ~spike
-        keep = finite & ~spike
+        outlier = ((self.num_seen > 0) & (self.num_seen < self._armed_at) & (top > 0)
+                   & (loss.detach().float() > self.cfg.spike_ratio ** FAR * top))
+        keep = finite & ~spike & ~outlier
         # 1-element index tensors, never a 0-dim one: indexing with a 0-dim CUDA tensor reads it on the host.
         slot = (self.num_seen % self.cfg.spike_window).reshape(1)
         w.index_put_((slot,), torch.where(keep, loss.detach().float(), w.gather(0, slot)))
@@ -250,7 +257,9 @@ class Guard:
             spike = False
             # The ratio test first, on the kept order (a bisect per step, not a sort): most steps stop there. In
             # float64 it decides every loss clear of the float32 product; one within a float32 step is tested exactly.
-            if testable and seen >= self._armed_at:
+            if finite and kept and early_outlier(loss, kept[-1], seen, self.cfg):
+                finite = False  # (not kept in the window: see early_outlier; not judged either)
+            elif testable and seen >= self._armed_at:
                 median = kept[(len(kept) - 1) // 2]
                 bound = float(ratio) * median
                 if loss > bound * (1 - 1e-6) and np.float32(loss) > ratio * np.float32(median):
@@ -262,7 +271,8 @@ class Guard:
                         z = (np.float32(loss) - mean) / (std + np.float32(1e-12))
                         spike = bool(z > zscore) or far_spike(loss, window, median, self.cfg)
                     if spike and seen < self._full_at:  # early: also above spike_ratio^2 x the largest loss so far
-                        spike = bool(np.float32(loss) > np.float32(self.cfg.spike_ratio ** 2) * np.float32(kept[-1]))
+                        spike = bool(np.float32(loss) > np.float32(self.cfg.spike_ratio ** 2)
+                                     * np.float32(early_largest(kept, self.cfg)))
             v["spike"] = 1.0 if spike else 0.0
             if finite and not spike:
                 slot = seen % n
@@ -303,17 +313,17 @@ class Guard:
             return [float(v) for v in self.window.detach().cpu().tolist() if not math.isnan(v)]
         return [float(x) for x in self._kept(*self._start, rows, step).tolist() if not math.isnan(x)]
 
-    @staticmethod
-    def _kept(window: Any, seen: int, rows: list[Any], step: int | None) -> Any:
+    def _kept(self, window: Any, seen: int, rows: list[Any], step: int | None) -> Any:
         """``window`` (with ``seen`` losses kept so far) after the rows before ``step`` (None: all), as the rule keeps
-        them: the finite non-spike losses, in float32."""
+        them: the finite non-spike losses but an early outlier (:func:`early_outlier`), in float32."""
         w = window.copy()
         for row in rows:
             if step is not None and row.step >= step:
                 break
             v = row.values
             loss = float(np.float32(v["loss"]))
-            if v["finite"] > 0.5 and math.isfinite(loss) and v.get("spike", 0.0) < 0.5:
+            if v["finite"] > 0.5 and math.isfinite(loss) and v.get("spike", 0.0) < 0.5 and not early_outlier(
+                    loss, float(np.nanmax(w)) if seen else 0.0, seen, self.cfg):
                 w[seen % len(w)] = loss
                 seen += 1
         return w

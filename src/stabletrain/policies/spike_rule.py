@@ -8,6 +8,7 @@ judge "normal by the guard's own rule" with.
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from typing import Any
@@ -16,7 +17,8 @@ import numpy as np
 
 from ..config import GuardConfig
 
-__all__ = ["spike_test", "robust_z", "far_spike", "unjudged_outliers", "EARLY_ARM", "MAD_TO_STD", "FAR"]
+__all__ = ["spike_test", "robust_z", "far_spike", "unjudged_outliers", "early_outlier", "early_largest", "EARLY_ARM",
+           "MAD_TO_STD", "FAR"]
 
 #: The spike rule is armed once the window holds this many losses (with a stricter test until it is half full).
 EARLY_ARM = 4
@@ -41,7 +43,7 @@ def spike_test(loss: float, window: list[float], cfg: GuardConfig) -> dict[str, 
         z = (x - mean) / (std + np.float32(1e-12))
         robust = robust_z(x, values, median)
     early = len(values) < max(cfg.spike_window // 2, 2)
-    early_bound = np.float32(cfg.spike_ratio ** 2) * values.max()
+    early_bound = np.float32(cfg.spike_ratio ** 2) * np.float32(early_largest(sorted(values.tolist()), cfg))
     far = far_spike(x, values, median, cfg)
     spike = (out["armed"] and bool(x > ratio * median) and (bool(z > zscore) or far)
              and (not early or bool(x > early_bound)))
@@ -72,6 +74,26 @@ def far_spike(x: Any, values: np.ndarray, median: Any, cfg: GuardConfig) -> bool
             and bool(robust_z(x, values, median) > np.float32(cfg.spike_zscore)))
 
 
+def early_outlier(loss: float, largest: float, seen: int, cfg: GuardConfig) -> bool:
+    """Whether ``loss`` is left out of the rule's window: before the rule arms (``0 < seen`` losses kept, fewer than
+    :data:`EARLY_ARM`), a loss ``spike_ratio ** FAR`` (32x) times ``largest``, the largest of them (> 0), is not the run's
+    start (:func:`unjudged_outliers` says it) and never its baseline: kept, a corrupted sample at step 2 (x6e3) lifted
+    the early bound and the deviation until the same corruption at step 19 passed unflagged. In float32, as the device."""
+    return (0 < seen < min(EARLY_ARM, max(cfg.spike_window // 2, 2)) and largest > 0
+            and bool(np.float32(loss) > np.float32(cfg.spike_ratio ** FAR) * np.float32(largest)))
+
+
+def early_largest(kept: list[float], cfg: GuardConfig) -> float:
+    """The largest of ``kept`` (the window's losses, sorted) that the early bound is a multiple of: the largest within
+    ``spike_ratio ** (2 * FAR)`` (1024x) times their lower median when it is positive (a loss the first steps kept that
+    far above the rest, a spike on step 1, is no bound for what follows), else the largest."""
+    median = kept[(len(kept) - 1) // 2]
+    if not median > 0:
+        return kept[-1]
+    cap = float(np.float32(cfg.spike_ratio ** (2 * FAR)) * np.float32(median))
+    return kept[bisect.bisect_right(kept, cap) - 1]  # (the median itself is below the cap)
+
+
 def unjudged_outliers(first: list[tuple[int, float]], cfg: GuardConfig) -> list[tuple[int, float, float, str]]:
     """The losses among a run's first :data:`EARLY_ARM` (before the rule arms) that stand out: ``(step, loss, factor,
     against what)``, for a line that says so. ``first``: the run's first losses, ``(step, loss)`` in order.
@@ -91,7 +113,7 @@ def unjudged_outliers(first: list[tuple[int, float]], cfg: GuardConfig) -> list[
         after = [x for t, x in losses if t > step]
         typical = statistics.median(after) if len(after) >= 2 else 0.0
         if before and top > 0 and loss > cfg.spike_ratio ** FAR * top:
-            out.append((step, loss, loss / top, "every loss before it"))
+            out.append((step, loss, loss / top, "the largest loss before it"))
         elif losses[-1][0] == EARLY_ARM + 1 and typical > 0 and loss > cfg.spike_ratio ** (2 * FAR) * typical:
             out.append((step, loss, loss / typical, f"the median of the losses after it (to step {EARLY_ARM + 1})"))
         before.append(loss)

@@ -46,16 +46,16 @@ def early_outlier_sentence(run: RunData, h: Any) -> None:
     h.figures["early_outlier_steps"] = [e.step for e in events]
     if not events:
         return
-    against = [e.extra.get("against") or "every loss before it" for e in events]
+    against = [e.extra.get("against") or "the largest loss before it" for e in events]
     shown = [f"step {e.step:,} (loss {fmt_num(e.extra.get('loss'))}, x{fmt_num(e.extra.get('factor'))} {what})"
              for e, what in zip(events[:4], against)]
     back = [_back_at(run, e) for e in events]
     why = (("the loss was back by the next log interval (" + ", ".join(f"{fmt_num(x)} at step {t:,}" for t, x in
                                                                       dict(filter(None, back)).items())
             + "): a one-off step, its batch (a corrupted sample?), not a divergence")
-           if all(back) and all(a.startswith("every loss before") for a in against) else
+           if all(back) and all(a.endswith("before it") for a in against) else
            "a run that jumps this far in its first steps may be diverging from the start (an LR too high for it?)"
-           if all(a.startswith("every loss before") for a in against) else
+           if all(a.endswith("before it") for a in against) else
            "a first step far above the steps after it is its batch (a corrupted sample?) or a start far from where the "
            "run went; one far above those before it, a divergence from the start (an LR too high for it?)")
     h.say("warn", f"{plural(len(events), 'early outlier')} before the spike rule armed: {'; '.join(shown)}"

@@ -92,7 +92,8 @@ class IntervalBoundary:
                     continue
                 self.first_said.add(step)
                 text = (f"step {step}'s loss {loss:.4g} is x{factor:.3g} {against}: not judged (the spike rule "
-                        f"arms after {EARLY_ARM} losses), not skipped or captured")
+                        f"arms after {EARLY_ARM} losses), not skipped or captured"
+                        + (", nor kept among the losses the rule judges the next ones by" if "before it" in against else ""))
                 state.event(step, "early_outlier", text, loss=loss, factor=factor, against=against)
                 console.warn(text)
         if decision.stall is not None:  # guard.on_stall=warn: said once (stop: the caller stops with it)
