@@ -833,6 +833,11 @@ def test_a_few_huge_losses_do_not_make_the_loss_headline_read_as_a_run_that_got_
     h, text = _loss_run(tmp_path / "two", [564.0, 0.14], [0.3, 0.1], spikes=[7])
     assert text.startswith("Train loss 564 → 0.14 (first interval → last interval: the first interval's mean, 564, is "
                            "lifted by a loss spike at step 7)"), text
+    # A spike in the last interval of a loss still falling: the intervals before it are higher than its mean, which
+    # stands ("the last interval's mean, 0.008788, is lifted by loss spikes" gave way to 0.009096, a trial's)
+    means = [1.573, 0.5, 0.1, 0.03, 0.0102, 0.0091, 0.0082, 0.008788]
+    h, text = _loss_run(tmp_path / "still-falling", means, [0.9 * m for m in means], spikes=[75, 76])
+    assert h.figures["loss_end"] == 0.008788 and "lifted" not in text, text
     # A loss that falls fast at the start keeps its first interval's mean too.
     falling = [5.1, 1.3, 0.22, 0.03, 0.0005, 1e-4, 3e-5, 1e-5]
     h, text = _loss_run(tmp_path / "falling", falling, [0.5 * m for m in falling])

@@ -155,10 +155,13 @@ def _robust_end(rows: list[tuple], spikes: list[int], ratio: float, end: str,
     lifted = [r for r in rows[:ends] if any(r[0] - r[1] < s <= r[0] for s in spikes)]
     if quiet and 2 * len(lifted) >= len(near):  # spikes on most of the end intervals
         if all(r[3] <= ratio * statistics.median(quiet) for r in lifted):  # they recur (every epoch), their lows typical
-            return statistics.median(quiet), (f"median of the means of the {len(quiet)} of the {end} {len(near)} "
-                                              "intervals without a loss spike")
+            typical = statistics.median(quiet)
+            return (typical, (f"median of the means of the {len(quiet)} of the {end} {len(near)} intervals without a "
+                              "loss spike")) if typical < mean else (mean, None)
         return mean, None  # their smallest losses high too: the loss rose past the quiet ones and stayed (a divergence)
-    return median, f"median of the {end} {len(near)} intervals' means"
+    # (a figure no lower than the mean it replaces was not lifted: a loss still falling puts the intervals before the
+    # last above it, and "0.008788 is lifted by loss spikes" then gave way to 0.009096, a trial's)
+    return (median, f"median of the {end} {len(near)} intervals' means") if median < mean else (mean, None)
 
 
 def _why(row: tuple, spikes: list[int], end: str, outliers: set[int] = frozenset()) -> str:
