@@ -201,9 +201,9 @@ def test_list_tuple_and_dict_task_args_are_checked_item_by_item_and_none_is_null
             ({"shape": [1]}, "config key 'task_args.shape': expected 2 items (tuple[int, str]), got [1]"),
             ({"d": 3}, "config key 'task_args.d': expected a mapping (dict[str, float]), got 3"),
             ({"d": {"a": "b"}}, "config key 'task_args.d[a]': expected a number, got 'b'"),
-            ({"widths": "16"}, "config key 'task_args.widths': expected a list (list), got '16'"),  # by its default's type
+            ({"widths": "16"}, "config key 'task_args.widths': expected a list, got '16'"),  # by its default's type
             ({"opt": "many"}, "config key 'task_args.opt': expected an integer or null, got 'many'"),
-            ({"hidden": "x"}, "config key 'task_args.hidden': expected a list (list) or null, got 'x'"),
+            ({"hidden": "x"}, "config key 'task_args.hidden': expected a list or null, got 'x'"),
             ({"opt": np.array([1, 2])},
              "config key 'task_args.opt': expected an integer or null, got ndarray(shape=[2], dtype=int64)")]:
         with pytest.raises(TaskError) as info:

@@ -171,7 +171,8 @@ def _coerce_items(name: str, value: Any, tp: Any) -> Any:
     where its type is one :func:`checkable` knows (named ``task_args.name[i]``), else kept as it is."""
     kind, items = typing.get_origin(tp) or tp, typing.get_args(tp)
     if not isinstance(value, dict if kind is dict else (list, tuple)):
-        raise TaskError(f"config key 'task_args.{name}': expected {CONTAINERS[kind]} ({_type_text(tp)}), got {brief(value)}")
+        typed = f" ({_type_text(tp)})" if items or kind is not list else ""  # (a bare list: "a list (list)" said it twice)
+        raise TaskError(f"config key 'task_args.{name}': expected {CONTAINERS[kind]}{typed}, got {brief(value)}")
 
     def item(key: Any, v: Any, item_tp: Any) -> Any:
         return _coerce_arg(f"{name}[{key}]", v, item_tp) if checkable(item_tp) else v
