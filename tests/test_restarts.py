@@ -897,15 +897,20 @@ def test_goodput_leaves_out_the_wait_after_a_refused_restart_and_counts_the_refu
 def test_a_restart_sets_aside_every_capture_of_the_steps_it_trains_again(tmp_path):
     """A step captured twice (step_N, then step_N.2 after a rollback) is set aside whole when a restart goes back
     past it; an earlier step's capture and a folder set aside before stay as they are."""
-    from stabletrain.services.restarts import _keep_incidents
+    from stabletrain.records.bundles import set_aside_incidents
 
     for name in ("step_000005", "step_000020", "step_000020.2", "step_000020.superseded-1", "step_000021.2.superseded-1"):
         (tmp_path / "incidents" / name).mkdir(parents=True)
-    kept = _keep_incidents(tmp_path, 10, 2)
+    kept = set_aside_incidents(tmp_path, 10, "2")
     assert kept == ["step_000020.superseded-2", "step_000020.2.superseded-2"]
     assert sorted(p.name for p in (tmp_path / "incidents").iterdir()) == [
         "step_000005", "step_000020.2.superseded-2", "step_000020.superseded-1", "step_000020.superseded-2",
         "step_000021.2.superseded-1"]
+    # two resumes by hand from the same step, each past a new capture of step 20: the second keeps the first's
+    (tmp_path / "incidents" / "step_000020").mkdir()
+    assert set_aside_incidents(tmp_path, 10, "resume") == ["step_000020.superseded-resume"]
+    (tmp_path / "incidents" / "step_000020").mkdir()
+    assert set_aside_incidents(tmp_path, 10, "resume") == ["step_000020.superseded-resume.2"]
 
 
 def test_diagnose_and_remedy_on_a_run_directory_pick_its_captures_by_step_and_number(tmp_path, capsys):

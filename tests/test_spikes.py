@@ -1268,6 +1268,36 @@ def test_samples_spiking_again_after_a_resume_are_said_to_come_back(tmp_path):
     assert "samples 153, 157 carried the spike at step 20 too: they come back" in again["diagnosis"]["summary"]
 
 
+def test_a_resume_by_hand_sets_aside_a_capture_the_killed_launch_left_of_a_step_it_trains_again(tmp_path, capsys):
+    """A trial: a run SIGKILLed while it captured step 108 left incidents/step_000108 with its bundle and no diagnosis;
+    `--resume` captured the step again into step_000108.2, and `stabletrain remedy RUN` took the half-written one first
+    ('holds 2 incidents'). A resume sets the captures of the steps it trains again aside, as a restart does."""
+    import shutil
+
+    from stabletrain.cli import main
+
+    run_dir = tmp_path / "run"
+    args = ("train.batch_size=8", "optim.lr=0.01", "log.every=10", "data.shuffle=false", "ckpt.every=10", "train.max_steps=30")
+    task = "spike_tasks:outlier_samples_task"  # (by name: `stabletrain remedy` rebuilds it)
+    Trainer(cfg(*args, task=task), run_dir=run_dir).fit()
+    # as if killed in step 20's capture: its diagnosis never written, nor the checkpoints after step 10
+    (run_dir / "incidents" / "step_000020" / "diagnosis.json").unlink()
+    for name in ("step_000020", "step_000030"):
+        shutil.rmtree(run_dir / "checkpoints" / name)
+    (run_dir / "checkpoints" / "LAST_GOOD").write_text("step_000010\n")
+    Trainer(cfg(*args, task=task), run_dir=run_dir, resume=True).fit()
+    assert sorted(p.name for p in (run_dir / "incidents").iterdir()) == ["step_000020", "step_000020.superseded-resume"]
+    assert (run_dir / "incidents" / "step_000020" / "diagnosis.json").is_file()
+    (resume,) = [e for e in _events(run_dir) if e["kind"] == "resume"]
+    assert resume["superseded_incidents"] == ["step_000020.superseded-resume"] and resume["reason"].endswith(
+        "; the incidents after it set aside: step_000020.superseded-resume"), resume["reason"]
+    capsys.readouterr()
+    assert main(["remedy", str(run_dir), "--only", "skip-samples"]) == 0
+    out = "".join(capsys.readouterr())
+    assert "incidents" not in out.split("skip-samples")[0] and "superseded" not in out, out  # (the one, not "1 of 2")
+    assert json.loads((run_dir / "incidents" / "step_000020" / "remedy.json").read_text())["candidates"], out
+
+
 def test_a_sample_coming_back_after_other_spikes_is_said_to_come_back(tmp_path):
     """Samples 153, 157 spike at steps 20 and 52, sample 200 at steps 26 and 58: at step 58 the last spike was 52's
     (other samples), and the line said 'this may be its aftershock'; sample 200 carried the spike at step 26 too."""

@@ -26,6 +26,7 @@ The batches are re-collated from the dataset indices, so a user's collate output
 
 from __future__ import annotations
 
+import os
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -35,8 +36,8 @@ import torch
 from ..fileio import atomic_write
 from .checkpoint.shards import is_dcp_entry, to_full_state
 
-__all__ = ["write_bundle", "load_bundle", "incident_order", "sample_ranks", "with_sample_ranks", "BUNDLE_FILE",
-           "BUNDLE_DCP_DIR", "DIAGNOSIS_FILE", "REMEDY_FILE", "STATE_IN", "REPLAYED_FILE"]
+__all__ = ["write_bundle", "load_bundle", "incident_order", "set_aside_incidents", "sample_ranks", "with_sample_ranks",
+           "BUNDLE_FILE", "BUNDLE_DCP_DIR", "DIAGNOSIS_FILE", "REMEDY_FILE", "STATE_IN", "REPLAYED_FILE"]
 
 BUNDLE_FILE = "bundle.pt"
 BUNDLE_DCP_DIR = "dcp"
@@ -57,6 +58,23 @@ def incident_order(folder: Path) -> tuple[int, int, bool, str]:
     step = int(parts[0]) if parts[0].isdigit() else -1
     k = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 1
     return (step, k, ".superseded-" in folder.name, folder.name)
+
+
+def set_aside_incidents(run_dir: Path, after: int, label: str) -> list[str]:
+    """Rename the incidents of the steps after ``after`` (a restart or a resume trains them again, and may capture them
+    again) to ``step_N[.k].superseded-LABEL`` (``-LABEL.2`` ... where that name is taken): kept, never overwritten nor
+    read as the run's own. One set aside before stays as it is. Returns the new names."""
+    kept = []
+    for folder in sorted((Path(run_dir) / "incidents").glob("step_*")):
+        step, _, aside, _ = incident_order(folder)  # step_N, or step_N.k (its k-th capture in the run)
+        if folder.is_dir() and not aside and step > after:
+            target, n = folder.with_name(f"{folder.name}.superseded-{label}"), 1
+            while target.exists():
+                n += 1
+                target = folder.with_name(f"{folder.name}.superseded-{label}.{n}")
+            os.replace(folder, target)
+            kept.append(target.name)
+    return kept
 
 
 def write_bundle(directory: Path, bundle: dict[str, Any]) -> Path:

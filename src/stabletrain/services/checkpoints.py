@@ -1,24 +1,22 @@
 """The checkpoint keeper: periodic saves from healthy states, LAST_GOOD, resume and rollback.
 
 Storage (atomic write, verification, LAST_GOOD, pruning) is :class:`~stabletrain.records.checkpoint.CheckpointManager`;
-this callback decides when and from what state. Under DDP rank 0 picks the checkpoint to load and
-writes; every rank sends it its RNG state and data position.
+this callback decides when and from what state. Under DDP rank 0 picks the checkpoint to load and writes; every rank
+sends it its RNG state and data position.
 
 Saves run off the critical path (:meth:`CheckpointManager.save_async`): training waits only for the staging copy into
 shared memory; the writer process checks the copy's finiteness, writes, verifies, moves LAST_GOOD and prunes. At most
-one save is in flight. Until a writer runs, the first save (when small: :data:`INLINE_FIRST_BYTES`) and a save the
-loop waits for anyway are written in the loop's thread. What needs LAST_GOOD (a rollback, an incident replay from it,
-the run's last checkpoint, the end of the fit) waits for it first. A save's outcome (``checkpoint``,
-``checkpoint_withheld`` from a non-finite copy, or ``checkpoint_failed`` when the write failed or the writer died) is
-handed to the loop by :meth:`CheckpointKeeper.finished` once it is known, so rank 0's main thread records the event,
-with what the save cost training (blocked, the writer's wall and CPU, the steps' time while it was written against
-before it).
+one save is in flight. Until a writer runs, the first save (when small: :data:`INLINE_FIRST_BYTES`) and a save the loop
+waits for anyway are written in the loop's thread. What needs LAST_GOOD (a rollback, an incident replay from it, the
+run's last checkpoint, the end of the fit) waits for it first. A save's outcome (``checkpoint``, ``checkpoint_withheld``
+from a non-finite copy, or ``checkpoint_failed`` when the write failed or the writer died) is handed to the loop by
+:meth:`CheckpointKeeper.finished` once it is known, so rank 0's main thread records the event, with what the save cost
+training (blocked, the writer's wall and CPU, the steps' time while it was written against before it).
 
-The checkpoint's format is the strategy's (:meth:`~stabletrain.distributed.strategy.Strategy.save_checkpoint`):
-one whole state, or under FSDP with ``dist.checkpoint=sharded`` every rank's own shards through DCP beside
-rank 0's rest (a non-finite shard on any rank withholds the checkpoint on every rank); the keeper writes what
-it makes. A resume under another world size is resharded (the event says so, with both world sizes and
-global batches).
+The checkpoint's format is the strategy's (:meth:`~stabletrain.distributed.strategy.Strategy.save_checkpoint`): one
+whole state, or under FSDP with ``dist.checkpoint=sharded`` every rank's own shards through DCP beside rank 0's rest (a
+non-finite shard on any rank withholds the checkpoint on every rank); the keeper writes what it makes. A resume under
+another world size is resharded (the event says so, with both world sizes and global batches).
 """
 
 from __future__ import annotations
@@ -40,6 +38,7 @@ from ..config import (
     resume_refusal_message,
 )
 from ..policies.optim import optimizer_change
+from ..records.bundles import set_aside_incidents
 from ..records.checkpoint.files import CheckpointError
 from ..records.checkpoint.manager import SKIPS_RUN, LoadedCheckpoint
 from ..records.checkpoint.saves import PendingSave, SaveCosts
@@ -65,9 +64,9 @@ INLINE_FIRST_BYTES = 64 << 20
 def schedule_change_note(cfg: Any, old_max_steps: int, step: int, lr: float | None = None) -> str:
     """Say how a new ``train.max_steps`` on resume reshapes the cosine schedule, with the LR at ``step`` both ways.
 
-    The schedule follows the new horizon (the decay stretches or shrinks from here on); the note gives
-    the numbers so the change is never silent. ``lr``: the peak LR the run's schedule holds (its first group's:
-    a task's own optimizer sets it, not ``optim.lr``); ``optim.lr`` when not given.
+    The schedule follows the new horizon (the decay stretches or shrinks from here on); the note gives the numbers so the
+    change is never silent. ``lr``: the peak LR the run's schedule holds (its first group's: a task's own optimizer sets
+    it, not ``optim.lr``); ``optim.lr`` when not given.
     """
     import torch
 
@@ -84,10 +83,9 @@ def schedule_change_note(cfg: Any, old_max_steps: int, step: int, lr: float | No
 
 
 def resume_diffs(saved_cfg: dict[str, Any], cfg: Any, trained: str | None, resolved: str, resharded: bool = False) -> list[Any]:
-    """The changes between a checkpoint's config ``saved_cfg`` and ``cfg`` that a resume refuses (``resharded``: into
-    another world size, which may change more). precision=auto and the mode it resolved to are one precision (auto ->
-    fp32 on a CPU): the mode the run trained in (``trained``: its checkpoint's) against the one this launch resolves
-    (``resolved``)."""
+    """The changes between a checkpoint's config ``saved_cfg`` and ``cfg`` that a resume refuses (``resharded``: into another
+    world size, which may change more). precision=auto and the mode it resolved to are one precision (auto -> fp32 on a
+    CPU): the mode the run trained in (``trained``: its checkpoint's) against the one this launch resolves (``resolved``)."""
     diffs = diff_configs(saved_cfg, config_to_dict(cfg), RESUME_SAFE_KEYS + (RESHARD_SAFE_KEYS if resharded else ()))
     return [d for d in diffs if d.key != "precision" or "auto" not in (d.saved, d.current) or trained != resolved]
 
@@ -206,11 +204,13 @@ class CheckpointKeeper:
         if self.problems and newest > step:
             line += f"; the newest checkpoint (step {newest}) was skipped: {newest - step} step(s) will be trained again"
         console.say(line)
-        dropped = run.drop_metrics_after(step)
-        note = self.reshard_note
+        dropped, note = run.drop_metrics_after(step), self.reshard_note
+        aside = set_aside_incidents(run.path, step, "resume")  # (a restart's are aside already; a kill mid-capture's too)
         run.event(step, "resume", f"resumed from {self.resumed_from} at step {step}" + (f"; {note}" if note else "")
-                  + (f"; {dropped} metrics line(s) after it superseded" if dropped else ""), path=str(self.resumed_from),
-                  superseded_metrics=dropped, auto=state.cfg.run.resume == "auto", **(self.reshard or {}))
+                  + (f"; {dropped} metrics line(s) after it superseded" if dropped else "")
+                  + (f"; the incidents after it set aside: {', '.join(aside)}" if aside else ""), path=str(self.resumed_from),
+                  superseded_metrics=dropped, auto=state.cfg.run.resume == "auto", superseded_incidents=aside,
+                  **(self.reshard or {}))
         if note:
             console.say(note)
         if self.schedule_change is not None:

@@ -40,7 +40,7 @@ from typing import Any
 from .. import console
 from ..callbacks.goodput_clock import LEDGER_FILE
 from ..distributed.launch import EXIT_GAVE_UP, RESTART_ENV, RUN_DIR_NOTE_ENV, default_run_dir, describe_exit
-from ..records.bundles import incident_order
+from ..records.bundles import set_aside_incidents
 from ..records.checkpoint.files import CheckpointError
 from ..records.checkpoint.manager import CheckpointManager, step_of
 from ..records.jsonl import read_jsonl
@@ -284,7 +284,7 @@ def _restart_after(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_
             return Launch(False, run_dir, refused=line)
         resumed = step_of(good) if good is not None else failure.last_step
         redone = max(0, failure.last_step - resumed)
-        kept = _keep_incidents(run_dir, resumed, number)
+        kept = set_aside_incidents(run_dir, resumed, str(number))
         note = (f"; step_{failure.resumed_step:06d} led to a non-finite step at step {failure.nonfinite_step}, "
                 f"{failure.nonfinite_step - failure.resumed_step} after its load: not trusted again (moved to "
                 f"{distrusted['distrusted']}), resuming from the checkpoint before it" if distrusted else "")
@@ -366,13 +366,3 @@ def _who(cause: dict[str, Any] | None, number: int) -> str:
     return f"{rank}{pid} {describe_exit(exitcode(cause))}{last}"
 
 
-def _keep_incidents(run_dir: Path, resumed: int, number: int) -> list[str]:
-    """Rename the incidents after step ``resumed`` (the redone steps may capture them again) to ``step_N.superseded-R``."""
-    kept = []
-    for folder in sorted((run_dir / "incidents").glob("step_*")):
-        step, _, aside, _ = incident_order(folder)  # step_N, or step_N.k (its k-th capture in the run)
-        if folder.is_dir() and not aside and step > resumed:  # (one set aside before, step_N[.k].superseded-R, stays)
-            target = folder.with_name(f"{folder.name}.superseded-{number}")
-            os.replace(folder, target)
-            kept.append(target.name)
-    return kept
