@@ -699,5 +699,5 @@ def test_a_death_before_the_first_checkpoint_says_to_start_over_not_to_resume(tm
     (tmp_path / "checkpoints" / "step_000010").mkdir()  # written, LAST_GOOD not yet moved to it: the resume finds it
     assert _continue(tmp_path) == f"; continue the run: stabletrain train --resume {tmp_path}"
     (tmp_path / "checkpoints" / "step_000010").rmdir()
-    (tmp_path / "checkpoints" / "LAST_GOOD").write_text("step_000010")
-    assert _continue(tmp_path) == f"; continue the run: stabletrain train --resume {tmp_path}"
+    (tmp_path / "checkpoints" / "LAST_GOOD").write_text("step_000010")  # (it says where: the run's last record is later)
+    assert _continue(tmp_path) == f"; continue the run from step 10 (LAST_GOOD): stabletrain train --resume {tmp_path}"

@@ -152,8 +152,8 @@ def test_restarts_used_up_on_a_signals_stop_say_resume_it_not_that_the_guard_sto
     death = {"exitcode": -9, "max_restarts": 1, "pid": 42, "last_line": None}
     assert restarts_used_up(death, note, who="the run's process") == 137
     said = capsys.readouterr().err.strip()
-    assert said.endswith(f"its stop is recorded in {run / 'events.jsonl'}; continue the run: stabletrain train --resume {run}"
-                         ) and "the guard" not in said, said
+    assert said.endswith(f"its stop is recorded in {run / 'events.jsonl'}; continue the run from step 4 (LAST_GOOD): "
+                         f"stabletrain train --resume {run}") and "the guard" not in said, said
     (run / "events.jsonl").write_text(json.dumps({"step": 5, "kind": "stop", "reason": "stopping: non-finite value in the "
                                                                                      "loss at step 5"}) + "\n")
     restarts_used_up(death, note, who="the run's process")

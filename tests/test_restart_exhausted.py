@@ -85,6 +85,10 @@ def test_a_death_once_the_restarts_are_used_up_is_said_in_one_line_and_recorded(
     texts = [t for _, t in health_summary(load_run(run_dir)).sentences]
     assert any(t.startswith(f"Stopped at step {stop['step']:,}: the run's 1 restart(s) were used up (run.max_restarts=1) "
                             f"when {who} (pid {killed[1]}) was killed by SIGKILL") for t in texts), texts
+    # (a trial: "Stopped at step 550" of a run whose state was step 400's: where a resume goes on is said too)
+    good = int((run_dir / "checkpoints" / "LAST_GOOD").read_text().strip()[5:])
+    assert good <= stop["step"] and stop["reason"].endswith(f"; a resume continues from step {good} (LAST_GOOD)"), stop
+    assert f"continue the run from step {good} (LAST_GOOD): stabletrain train --resume {run_dir}" in said[0], said
     assert not any("killed?" in t for t in texts), texts
     assert not wait_gone(killed)
 

@@ -223,9 +223,9 @@ def restarts_used_up(death: dict[str, Any], note: Path, *, who: str) -> int:
         try:
             run = RunDir(run_dir, resume=True)
             try:
-                run.event(step or 0, "stop", f"the run's {limit} restart(s) were used up (run.max_restarts={limit}) when "
-                          f"{died}; not restarted again" if limit else f"{died}; not restarted (run.max_restarts=0)",
-                          cause=death)
+                run.event(step or 0, "stop", (f"the run's {limit} restart(s) were used up (run.max_restarts={limit}) when "
+                          f"{died}; not restarted again" if limit else f"{died}; not restarted (run.max_restarts=0)")
+                          + (f"; a resume continues{kept}" if (kept := _from_last_good(run_dir)) else ""), cause=death)
             finally:
                 run.close()
             line += f". Recorded in {run_dir / 'events.jsonl'} (its last record: step {step})"
@@ -241,8 +241,17 @@ def _continue(run_dir: Path) -> str:
     without LAST_GOOD moved to it counts), or, with no checkpoint written, start it over."""
     folder = run_dir / "checkpoints"
     if (folder / "LAST_GOOD").is_file() or folder.is_dir() and any(d.name[5:].isdigit() for d in folder.glob("step_*")):
-        return f"; continue the run: stabletrain train --resume {run_dir}"
+        return f"; continue the run{_from_last_good(run_dir)}: stabletrain train --resume {run_dir}"
     return f"; no checkpoint of it was written: start it over (the same command with run.overwrite=true, run.dir={run_dir})"
+
+
+def _from_last_good(run_dir: Path) -> str:
+    """" from step 400 (LAST_GOOD)": where a resume of ``run_dir`` starts, as LAST_GOOD names it ("" where it names none)."""
+    try:
+        name = (run_dir / "checkpoints" / "LAST_GOOD").read_text(encoding="utf-8").strip()
+    except OSError:
+        return ""
+    return f" from step {int(name[5:])} (LAST_GOOD)" if name.startswith("step_") and name[5:].isdigit() else ""
 
 
 def sweep_orphans(launcher: int) -> list[int]:
