@@ -191,6 +191,9 @@ def test_a_transient_fault_needs_no_remedy_and_a_run_past_max_remedies_falls_bac
     assert event["applied"] is None and event["reason"].startswith(
         "no remedy needed for the not reproducible incident at step 3: skipping its step cures it on the replay")
     assert event["reason"] in capsys.readouterr().out  # on the console too, in one line
+    # its replay goes no further than the run (remedy.steps=3 past step 3 of 5: an 80-step run's was verified to step 95)
+    record = json.loads((tmp_path / "transient" / "incidents" / "step_000003" / "remedy.json").read_text())
+    assert record["steps"] == 2 and [t["step"] for t in record["candidates"][0]["trajectory"]] == [3, 4, 5], record
     stopped = train(tmp_path / "capped", "remedy_tasks:diverging_task", "train.max_steps=60", *DIVERGING,
                     "guard.on_nonfinite=remedy", "remedy.max_applied=0", "remedy.fallback=stop")
     assert stopped.step == 40 and "no remedy applied: 0 remedies applied already (remedy.max_applied=0); " \

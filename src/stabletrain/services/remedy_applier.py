@@ -117,7 +117,9 @@ class RemedyApplier:
                 with kept_rng():  # the replays seed and draw: the run's own streams must not notice
                     # The capture's bundle and diagnosis as it holds them: its files are their record, not read back.
                     bundle, diagnosis = (found.get(key) for key in IN_MEMORY)  # the capture's, in memory
-                    record = search_remedies(incident, state.task, steps=cfg.steps, device=str(state.device),
+                    # (no further than the run goes: an 80-step run's cure at step 75 was verified over steps 75-95)
+                    left = state.cfg.train.max_steps - int(found.get("step") or state.step)
+                    record = search_remedies(incident, state.task, steps=max(1, min(cfg.steps, left)), device=str(state.device),
                                              live_only=True, drop=self.state.stream.drop, bundle=bundle,
                                              diagnosis=diagnosis)
             except Exception as err:  # a search that fails must not take the run down with it
