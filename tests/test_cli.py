@@ -842,15 +842,27 @@ def test_the_resume_line_of_a_stop_under_a_users_own_torchrun_names_that_torchru
     """A trial: SIGTERM to `torchrun --nproc-per-node=2 -m stabletrain train ...` said 'Resume with: stabletrain train
     --resume RUN', which is then refused (a plain resume on one process of a 2-process run); a review: so did a second
     signal's line and a lost peer's."""
-    from stabletrain.distributed.launch import RUN_DIR_NOTE_ENV, resume_command
+    from stabletrain.distributed.launch import BY_THE_CLI, RUN_DIR_NOTE_ENV, resume_command
     from stabletrain.distributed.peers import PeerLostError
 
     monkeypatch.delenv(RUN_DIR_NOTE_ENV, raising=False)
-    assert resume_command(Path("runs/a")) == "stabletrain train --resume runs/a"
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", "0")
-    assert resume_command(Path("runs/a")) == "the same torchrun command (2 processes) with --resume runs/a"
-    assert "; resume with: the same torchrun command (2 processes) with --resume runs/a (" in str(
-        PeerLostError(0, "a collective", 5, "step_000004", "peer gone", run_dir="runs/a"))
-    monkeypatch.setenv(RUN_DIR_NOTE_ENV, "/tmp/note")  # stabletrain's own launch (dist.nproc=2): its command resumes it
-    assert resume_command(Path("runs/a")) == "stabletrain train --resume runs/a"
+    lost = PeerLostError(0, "a collective", 5, "step_000004", "peer gone", run_dir="runs/a")
+    # a script's own Trainer (not `stabletrain train`) is resumed by the script, under its torchrun (a review: it was
+    # told the command line's --resume)
+    assert resume_command(Path("runs/a")) == "the script again, its Trainer(cfg, run_dir='runs/a', resume=True)"
+    token = BY_THE_CLI.set(True)
+    try:
+        assert resume_command(Path("runs/a")) == "stabletrain train --resume runs/a"
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", "0")
+        assert resume_command(Path("runs/a")) == "the same torchrun command (2 processes) with --resume runs/a"
+        assert "; resume with: the same torchrun command (2 processes) with --resume runs/a (" in str(
+            PeerLostError(0, "a collective", 5, "step_000004", "peer gone", run_dir="runs/a"))
+        monkeypatch.setenv(RUN_DIR_NOTE_ENV, "/tmp/note")  # stabletrain's own launch (dist.nproc=2): its command resumes it
+        assert resume_command(Path("runs/a")) == "stabletrain train --resume runs/a"
+    finally:
+        BY_THE_CLI.reset(token)
+    monkeypatch.delenv(RUN_DIR_NOTE_ENV)
+    assert "; resume with: the script again under the same torchrun command, its Trainer(cfg, run_dir='runs/a', " \
+           "resume=True) (" in str(PeerLostError(0, "a collective", 5, "step_000004", "peer gone", run_dir="runs/a"))
+    assert "stabletrain train" not in str(lost)

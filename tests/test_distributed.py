@@ -572,7 +572,8 @@ def test_a_lost_peer_line_says_resume_by_hand_only_when_no_restart_is_left(monke
             monkeypatch.setenv(key, str(value))
         return str(PeerLostError(0, "a training step", 7, good, "Connection closed by peer", "runs/a"))
 
-    assert line(0, 0).endswith("; resume with: stabletrain train --resume runs/a (Connection closed by peer)")
+    assert line(0, 0).endswith("; resume with: the script again, its Trainer(cfg, run_dir='runs/a', resume=True) "
+                               "(Connection closed by peer)")  # (a script's own Trainer: not the command line's --resume)
     monkeypatch.setenv("STABLETRAIN_RUN_DIR_NOTE", "/tmp/note")  # (stabletrain's launcher: dist.nproc + run.max_restarts)
     assert ("; the launch restarts from LAST_GOOD (restart 2 of 3, run.max_restarts), unless the same failure keeps "
             "coming back (run.max_repeats) (") in line(1, 3)

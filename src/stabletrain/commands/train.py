@@ -150,7 +150,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
         # Only a resubmission that run.resume=auto continued records its resume as one (`auto`: the crash-loop rule counts
         # it with the launches before), not a resume by hand (--resume) nor a restart's, whatever the config says
         cfg.run.resume = "auto" if launch.requeue else "never"
-        code = _train(args, cfg, launch.run_dir, launch.resume, ctx)
+        token = launcher.BY_THE_CLI.set(True)  # (the lines that say how to resume give this command, not a script's)
+        try:
+            code = _train(args, cfg, launch.run_dir, launch.resume, ctx)
+        finally:
+            launcher.BY_THE_CLI.reset(token)
         if getattr(args, "late_sigterm", None) is not None:  # its lines said: a SIGTERM held ends it now, not after the
             args.late_sigterm.restore()  # process group's barrier (which a dead peer blocks for dist.timeout_s)
         return code

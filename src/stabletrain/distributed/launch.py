@@ -32,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -164,10 +165,18 @@ def with_death(held: str | None, record: dict[str, Any]) -> str:
     return json.dumps([*deaths, record][-DEATHS_KEPT:])
 
 
+#: Whether this thread trains for ``stabletrain train`` (the command line) rather than a script's own ``Trainer``.
+BY_THE_CLI: ContextVar[bool] = ContextVar("stabletrain_by_the_cli", default=False)
+
+
 def resume_command(run_dir: str | Path | None) -> str:
     """How to resume ``run_dir`` once this launch stops: as it was launched. Under a torchrun of the user's own (no
     stabletrain launcher named in the environment) the same torchrun command, which a plain ``--resume`` on one process
-    is refused as (a trial was told the plain one); else stabletrain's."""
+    is refused as (a trial was told the plain one); else stabletrain's. A script's own Trainer (not the command line:
+    :data:`BY_THE_CLI`) is resumed by the script, its Trainer made with ``resume=True``."""
+    if not BY_THE_CLI.get():
+        return (f"the script again{' under the same torchrun command' if under_torchrun() else ''}, its "
+                f"Trainer(cfg, run_dir={str(run_dir)!r}, resume=True)")
     if under_torchrun() and not os.environ.get(RUN_DIR_NOTE_ENV):
         return f"the same torchrun command ({os.environ['WORLD_SIZE']} processes) with --resume {run_dir}"
     return f"stabletrain train --resume {run_dir}"
