@@ -30,6 +30,13 @@ def half_model_task():
     return task
 
 
+def half_model_float_inputs_task():
+    """The same cast model fed its float32 batches as they come (the commoner form of the mistake): its forward fails."""
+    task = regression_task()
+    task.model = task.model.half()
+    return task
+
+
 class CountingModel(nn.Module):
     """A model whose output depends on a Python attribute that is not in its state_dict."""
 

@@ -101,6 +101,25 @@ def test_a_model_cast_wholesale_to_half_precision_is_named_by_the_checks_it_fail
     assert healthy.passed and healthy.details == []
 
 
+def test_a_cast_model_whose_forward_fails_on_float32_inputs_is_named_by_the_checks_and_by_train(tmp_path, capsys):
+    """A trial: the commoner form of the mistake, `.half()` on the model and float32 batches: every check failed with
+    'mat1 and mat2 must have the same dtype, but got Float and Half' and no word of the cast; nor did train."""
+    from broken_tasks import half_model_float_inputs_task
+
+    from stabletrain.cli import main
+
+    said = "4 of 4 parameters are stored in float16 (e.g. 0.weight): the model was cast wholesale (.half()/.bfloat16()) " \
+           "and meets float32 inputs: keep float32 weights and let autocast choose (precision=bf16)"
+    overfit, accum = run_checks(CheckContext(cfg("train.batch_size=16"), task_factory=half_model_float_inputs_task),
+                                ["overfit", "accum"])
+    assert not overfit.passed and overfit.summary.startswith("RuntimeError in the task's model forward at "), overfit.summary
+    assert overfit.details[0] == said, overfit.details
+    assert not accum.passed and accum.summary.endswith("(the same error as in the overfit check: traceback there)")
+    assert main(["train", "task=broken_tasks:half_model_float_inputs_task", "log.progress=false",
+                 f"run.dir={tmp_path / 'run'}"]) == 1
+    assert capsys.readouterr().err.splitlines()[1] == said
+
+
 def test_init_names_a_trainable_layer_no_gradient_reaches(tmp_path):
     """A trial: check init said 'backward: ok' for a model whose first layer's output is detached (its grad std shown
     '-'); overfit caught it. No init fixes it: a warning naming the layer, its backward line saying why."""

@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["user_frames", "user_location", "defined_at", "caller_loss_note", "format_user_traceback", "task_part",
-           "host_retry", "retried", "retry_line",
-           "raised_by_stabletrain", "format_task_error", "batch_note", "TaskCodeError", "TASK_PARTS", "brief", "crash_event",
-           "StopTraining", "short_cause"]
+           "host_retry", "retried", "retry_line", "raised_by_stabletrain", "format_task_error", "batch_note", "half_params",
+           "TaskCodeError", "TASK_PARTS", "brief", "crash_event", "StopTraining", "short_cause"]
 
 _PACKAGE = os.path.join(str(Path(__file__).resolve().parent), "")  # ".../stabletrain/", with its separator
 
@@ -348,7 +347,8 @@ def batch_note(err: BaseException, part: str) -> str | None:
     live as long as the traceback). None for another error or part, when that frame is not there, or when every
     leaf of the batch is a tensor or a number.
     """
-    if not isinstance(err, TypeError) or part.split(" (")[0] not in ("loss", "model forward"):
+    clash = isinstance(err, RuntimeError) and any(s in str(err) for s in _DTYPE_CLASH)  # (a .half() model's forward)
+    if not (isinstance(err, TypeError) or clash) or part.split(" (")[0] not in ("loss", "model forward"):
         return None
     torch = sys.modules.get("torch")
     tb, caller_ours = err.__traceback__, False
@@ -360,6 +360,8 @@ def batch_note(err: BaseException, part: str) -> str | None:
             after_model = [b for a, b in zip(args, args[1:]) if isinstance(a, torch.nn.Module)]
             if not after_model:
                 return None
+            if clash:
+                return _cast_note(next(a for a in args if isinstance(a, torch.nn.Module)))
             odd = _non_tensors(after_model[0], "batch", torch)
             if not odd:
                 return None
@@ -369,6 +371,30 @@ def batch_note(err: BaseException, part: str) -> str | None:
         caller_ours = _is_ours(filename)
         tb = tb.tb_next
     return None
+
+
+#: What torch says when a float16/bfloat16 weight meets a float32 input (or the other way round).
+_DTYPE_CLASH = ("must have the same dtype", "expected scalar type", "should be the same", "expected m1 and m2 to have the same")
+
+
+def half_params(model: Any) -> tuple[str, int] | None:
+    """``("16 of 16 parameters are stored in float16 (e.g. net.0.weight)", 16)`` where ``model``'s trainable parameters
+    are float16/bfloat16 (a model cast wholesale, ``.half()``; a frozen bf16 base under LoRA adapters is no such cast),
+    else None."""
+    low = [(n, p.dtype) for n, p in model.named_parameters() if p.requires_grad and str(p.dtype) in ("torch.float16",
+                                                                                                      "torch.bfloat16")]
+    if not low:
+        return None
+    total = sum(1 for p in model.parameters() if p.requires_grad)
+    return f"{len(low)} of {total} parameters are stored in {str(low[0][1]).removeprefix('torch.')} (e.g. {low[0][0]})", len(low)
+
+
+def _cast_note(model: Any) -> str | None:
+    """The mismatch's cause where the model was cast wholesale (a trial's `.half()` model failed each check with 'mat1 and
+    mat2 must have the same dtype' and no word of it)."""
+    half = half_params(model)
+    return None if half is None else (f"{half[0]}: the model was cast wholesale (.half()/.bfloat16()) and meets float32 "
+                                      "inputs: keep float32 weights and let autocast choose (precision=bf16)")
 
 
 def _non_tensors(value: Any, path: str, torch: Any, depth: int = 0) -> list[tuple[str, str]]:

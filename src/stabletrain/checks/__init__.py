@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import console
 from ..config import Config
-from ..errors import TaskCodeError, batch_note, format_user_traceback, task_part, user_location
+from ..errors import TaskCodeError, batch_note, format_user_traceback, half_params, task_part, user_location
 from ..records.jsonl import json_safe
 from ..tasks import Task, TaskError, resolve_task
 from .registry import require_known
@@ -134,15 +134,10 @@ def cast_wholesale(model: Any) -> str | None:
     """A detail line where ``model``'s trainable parameters are stored in float16/bfloat16 (the ``.half()`` mistake the amp check
     names): their rounding, not the loss or the code under check, fails a check made at float32's tolerance (a trial:
     accum blamed 'in-batch negatives', clip gave no reason, overfit said 'precision=fp32'). None: float32 weights."""
-    # (trainable ones: a frozen bf16 base under LoRA adapters is no cast of what trains)
-    low = [(n, p.dtype) for n, p in model.named_parameters()
-           if p.requires_grad and str(p.dtype) in ("torch.float16", "torch.bfloat16")]
-    if not low:
-        return None
-    total = sum(1 for p in model.parameters() if p.requires_grad)
-    return (f"{len(low)} of {total} parameters are stored in {str(low[0][1]).removeprefix('torch.')} (e.g. {low[0][0]}): "
-            "the model was cast wholesale (.half()/.bfloat16(), as the amp check says), and its rounding, not the code "
-            "under check, is what this check measures: keep float32 weights and let autocast choose (precision=bf16)")
+    half = half_params(model)
+    return None if half is None else (
+        f"{half[0]}: the model was cast wholesale (.half()/.bfloat16(), as the amp check says), and its rounding, not the "
+        "code under check, is what this check measures: keep float32 weights and let autocast choose (precision=bf16)")
 
 
 def register(name: str, order: int = 100, default: bool = True) -> Callable:
