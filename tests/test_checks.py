@@ -120,6 +120,25 @@ def test_a_cast_model_whose_forward_fails_on_float32_inputs_is_named_by_the_chec
     assert capsys.readouterr().err.splitlines()[1] == said
 
 
+def test_init_says_which_layers_are_frozen(tmp_path):
+    """A trial: a frozen middle layer showed a '-' for its weight's gradient, as an activation does, and no line of the
+    check's text said it was frozen (init_signal.json did)."""
+    def frozen_head():
+        task = regression_task()
+        task.model[2].requires_grad_(False)
+        return task
+
+    (init,) = run_checks(CheckContext(cfg("train.batch_size=16"), task_factory=frozen_head,
+                                      options={"out_dir": str(tmp_path)}), ["init"])
+    row = next(d for d in init.details if d.split()[:2] == ["2", "2"])
+    assert "frozen" in row.split(), row  # (the weight's gradient column: not '-', an activation's)
+    assert "frozen (requires_grad=False): #2 '2': its weights do not train; gradients still pass through to the layers " \
+           "before" in init.details, init.details
+    (healthy,) = run_checks(CheckContext(cfg("train.batch_size=16"), task_factory=regression_task,
+                                         options={"out_dir": str(tmp_path)}), ["init"])
+    assert not any("frozen" in d for d in healthy.details)
+
+
 def test_init_names_a_trainable_layer_no_gradient_reaches(tmp_path):
     """A trial: check init said 'backward: ok' for a model whose first layer's output is detached (its grad std shown
     '-'); overfit caught it. No init fixes it: a warning naming the layer, its backward line saying why."""

@@ -29,14 +29,25 @@ def format_report(report: SignalReport, updates: bool = True) -> list[str]:
     for layer in report.layers:
         verdict = OK if not layer.flagged else "/".join(
             f"{d} {v}" for d, v in (("fwd", layer.forward), ("bwd", layer.backward)) if v != OK)
+        w_grad = f"{'frozen':>9}" if layer.frozen else _g(layer.param_grad_std)  # (its '-' read as an activation's)
         lines.append(f"{layer.index:>3}  {layer.name:<{width}}  {layer.kind:<{kind_w}}  {_g(layer.in_std)}  "
                      f"{_g(layer.out_mean)}  {_g(layer.out_std)}  {_g(layer.out_absmax)}  {_xr(layer.forward_ratio, 10)}  "
-                     f"{_g(layer.grad_std)}  {_xr(layer.backward_ratio, 10)}  {_g(layer.param_std)}  "
-                     f"{_g(layer.param_grad_std)}  {verdict}")
-    lines += [report.summary("forward"), report.summary("backward"), *_saturated(report), report.advice()]
+                     f"{_g(layer.grad_std)}  {_xr(layer.backward_ratio, 10)}  {_g(layer.param_std)}  {w_grad}  {verdict}")
+    lines += [report.summary("forward"), report.summary("backward"), *_saturated(report), *_frozen(report), report.advice()]
     if updates and report.updates:
         lines += format_updates(report)
     return lines
+
+
+def _frozen(report: SignalReport) -> list[str]:
+    """A line naming the weighted layers that do not train (requires_grad=False): a trial's frozen middle layer showed
+    only a '-' for its weight's gradient, as an activation's does, and no line said it."""
+    found = [x for x in report.layers if x.frozen]
+    if not found:
+        return []
+    shown = ", ".join(f"#{x.index} {x.name!r}" for x in found[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")
+    return [f"frozen (requires_grad=False): {shown}: {'its weights do' if len(found) == 1 else 'their weights do'} not "
+            "train; gradients still pass through to the layers before"]
 
 
 #: A bounded activation whose output std is this close to its bound: most of its units sit on its flat ends.
