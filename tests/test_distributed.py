@@ -690,7 +690,7 @@ def test_the_launcher_sweeps_the_processes_its_launch_left_behind(tmp_path):
 def test_a_death_before_the_first_checkpoint_says_to_start_over_not_to_resume(tmp_path):
     """A new-user trial: rank 1 died before any checkpoint was durable and the launcher's line said 'continue the run:
     stabletrain train --resume RUN', which then failed ('no checkpoint in .../checkpoints')."""
-    from stabletrain.distributed.launch import _continue
+    from stabletrain.distributed.continuing import continue_line as _continue
 
     (tmp_path / "checkpoints").mkdir()
     assert _continue(tmp_path) == (f"; no checkpoint of it was written: start it over (the same command with "

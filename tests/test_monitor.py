@@ -1005,3 +1005,34 @@ def test_a_monitor_never_closed_lets_go_of_the_optimizer_and_a_new_one_on_it_is_
     del old, kept
     gc.collect()
     assert ref() is None  # the optimizer's hook does not hold it
+
+
+def test_fewer_batches_than_backward_calls_are_said_once_at_the_users_line(tmp_path):
+    """A trial: two monitor.backward(loss / 2) calls without their micro-batches, then monitor.step(last_micro_batch): the
+    capture replayed one micro-batch of two and its diagnosis led with 'suspect a hardware fault or nondeterminism'. The
+    Monitor counts what it was given: said once, where the loop called step()."""
+    model, opt = make()
+    data = batches(6)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with Monitor(model, opt, run_dir=tmp_path / "fewer", log_every=3, loss_fn=loss_fn) as monitor:
+            for batch in data:
+                halves = [batch[0][:4], batch[1][:4]], [batch[0][4:], batch[1][4:]]
+                for half in halves:
+                    monitor.backward(loss_fn(model, half) / 2)
+                monitor.step(halves[-1])
+    said = [w for w in seen if "monitor.backward() calls since the last step" in str(w.message)]
+    assert len(said) == 1 and Path(said[0].filename) == Path(__file__), [str(w.message) for w in seen]
+    assert str(said[0].message) == (
+        "monitor.step(): 2 monitor.backward() calls since the last step but 1 batch(es) given: a capture replays only "
+        "those (and finds the step's loss not reproducible); pass each micro-batch to monitor.backward(loss, batch), or "
+        "all to monitor.step(micro_batches=[...])")
+    model, opt = make()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with Monitor(model, opt, run_dir=tmp_path / "each", log_every=3, loss_fn=loss_fn) as monitor:
+            for batch in data:
+                for half in ([batch[0][:4], batch[1][:4]], [batch[0][4:], batch[1][4:]]):
+                    monitor.backward(loss_fn(model, half) / 2, half)
+                monitor.step()
+    assert not [w for w in seen if "calls since the last step" in str(w.message)]

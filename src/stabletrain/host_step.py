@@ -312,7 +312,8 @@ class MonitorUse:
 
     def __init__(self, optimizer: torch.optim.Optimizer, replaying: Any) -> None:
         self.inside, self.replaying = False, replaying  # replaying(): a capture replays the live state
-        self.said_outside = self.closed = False  # each said once: the step outside, and at close what it found
+        self.said_outside = self.closed = self.said_fewer = False  # each said once (the step outside, fewer batches than
+        # backward calls, at close what it found)
         if optimizer in MonitorUse._hooks:
             MonitorUse._hooks[optimizer].remove()
         ref = weakref.ref(self)  # the optimizer holds no Monitor: one never closed goes, and its hook with it
@@ -330,6 +331,15 @@ class MonitorUse:
             warnings.warn("optimizer.step() was called outside monitor.step(), which steps the optimizer itself (after "
                           "unscaling, guarding and clipping): each step ran twice; remove your optimizer.step() (and "
                           "scaler.step/update) from the loop", StableTrainWarning, stacklevel=console.user_stacklevel())
+
+    def batches(self, backward: int, given: int) -> None:
+        """At ``monitor.step()``: ``backward`` calls since the last step, ``given`` batches (a capture replays those)."""
+        if 0 < given < backward and not self.said_fewer:
+            self.said_fewer = True
+            warnings.warn(f"monitor.step(): {backward} monitor.backward() calls since the last step but {given} batch(es) "
+                          "given: a capture replays only those (and finds the step's loss not reproducible); pass each "
+                          "micro-batch to monitor.backward(loss, batch), or all to monitor.step(micro_batches=[...])",
+                          StableTrainWarning, stacklevel=console.user_stacklevel())
 
     @contextlib.contextmanager
     def stepping(self) -> Any:

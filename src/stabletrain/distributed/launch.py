@@ -38,6 +38,7 @@ from typing import Any
 
 from ..process import children, die_with_parent, parent_pid, process_start_time
 from ..records.launches import as_parent, noted_run_dir, reached_training, stop_note, stopped_outside_line
+from .continuing import continue_line, from_last_good
 
 __all__ = ["launch", "supervise", "die_with_parent", "LAUNCHER_ENV", "LAUNCH_MARK_ENV", "RESTART_ENV", "LAUNCH_START_ENV",
            "SUPERVISED_ENV", "EXIT_GAVE_UP", "EXIT_NO_UPDATE", "EXIT_STALLED", "FINAL_EXITS", "death_record", "describe_exit",
@@ -225,7 +226,7 @@ def restarts_used_up(death: dict[str, Any], note: Path, *, who: str) -> int:
     why = str((told or {}).get("reason", "")).removeprefix("stopping: ")  # (a crash, a signal's stop: to resume; the
     if run_dir is not None and told:  # guard's stop, resumed as it is, may stop there again: each is the record)
         resumable = told["kind"] == "crash" or why.startswith("stopped by ")
-        line += (f"; its {told['kind']} is recorded in {run_dir / 'events.jsonl'}{_continue(run_dir)}" if resumable else
+        line += (f"; its {told['kind']} is recorded in {run_dir / 'events.jsonl'}{continue_line(run_dir)}" if resumable else
                  f"; the guard stopped it{'' if last and why in last else f' ({why})'}, recorded in "
                  f"{run_dir / 'events.jsonl'}: read why before resuming it as it is (it may stop there again)")
     elif run_dir is not None:  # (not "restart refused: ...", a launch that refused: the goodput counts those)
@@ -234,33 +235,15 @@ def restarts_used_up(death: dict[str, Any], note: Path, *, who: str) -> int:
             try:
                 run.event(step or 0, "stop", (f"the run's {limit} restart(s) were used up (run.max_restarts={limit}) when "
                           f"{died}; not restarted again" if limit else f"{died}; not restarted (run.max_restarts=0)")
-                          + (f"; a resume continues{kept}" if (kept := _from_last_good(run_dir)) else ""), cause=death)
+                          + (f"; a resume continues{kept}" if (kept := from_last_good(run_dir)) else ""), cause=death)
             finally:
                 run.close()
             line += f". Recorded in {run_dir / 'events.jsonl'} (its last record: step {step})"
         except (OSError, ValueError) as err:  # (a full disk): the line still says it
             line += f". Not recorded in {run_dir} ({type(err).__name__}: {err})"
-        line += _continue(run_dir)
+        line += continue_line(run_dir)
     console.error(line)
     return 1 if code >= 0 else 128 - code
-
-
-def _continue(run_dir: Path) -> str:
-    """How to go on from ``run_dir``: resume it (from LAST_GOOD, or the newest checkpoint that verifies: one written
-    without LAST_GOOD moved to it counts), or, with no checkpoint written, start it over."""
-    folder = run_dir / "checkpoints"
-    if (folder / "LAST_GOOD").is_file() or folder.is_dir() and any(d.name[5:].isdigit() for d in folder.glob("step_*")):
-        return f"; continue the run{_from_last_good(run_dir)}: stabletrain train --resume {run_dir}"
-    return f"; no checkpoint of it was written: start it over (the same command with run.overwrite=true, run.dir={run_dir})"
-
-
-def _from_last_good(run_dir: Path) -> str:
-    """" from step 400 (LAST_GOOD)": where a resume of ``run_dir`` starts, as LAST_GOOD names it ("" where it names none)."""
-    try:
-        name = (run_dir / "checkpoints" / "LAST_GOOD").read_text(encoding="utf-8").strip()
-    except OSError:
-        return ""
-    return f" from step {int(name[5:])} (LAST_GOOD)" if name.startswith("step_") and name[5:].isdigit() else ""
 
 
 def sweep_orphans(launcher: int) -> list[int]:

@@ -124,10 +124,8 @@ class Monitor:
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
-        """Your precision's autocast (a no-op in fp32); entering it marks where the step's forward starts.
-
-        A capture replays the step from the RNG state taken here (dropout draws the same numbers);
-        without it, from the end of the previous step.
+        """Your precision's autocast (a no-op in fp32); entering it marks where the step's forward starts: a capture
+        replays the step from the RNG state taken here (dropout draws the same numbers), else from the previous step's end.
         """
         if not self._rng_marked and self.session.capturing:
             self._rng, self._rng_marked = rng_state(), True
@@ -171,6 +169,7 @@ class Monitor:
             raise ValueError("Monitor.step(): no loss for this step; call monitor.backward(loss) first, or pass "
                              "monitor.step(batch, loss=loss) when you ran backward yourself")
         micro = self._micro or list(micro_batches or []) or ([batch] if batch is not None else [])
+        self.use.batches(len(self._backward) if session.capturing else 0, len(micro))
         if not session.started:
             session.begin()
             if self.loss_fn is not None and micro:
