@@ -310,6 +310,25 @@ def test_an_outlier_before_the_rule_arms_does_not_blind_it_to_the_same_loss_late
     assert spike_test(losses[18], window, host.cfg)["spike"]
 
 
+@pytest.mark.parametrize("window", [6, 50])
+def test_a_run_that_settles_far_above_its_first_loss_still_arms_the_rule(window):
+    """A review: with the early outlier left out of the window for good, a run whose first loss was small (0.01) and the
+    rest at ~0.5 (50x) was all 'outliers' (the window held one loss): the rule never armed and a x100 spike at step 151
+    passed, on the device and on the host. The outlier holds the next slot uncounted: the next loss, no outlier against
+    it, takes the slot and counts."""
+    losses = [0.01, *[0.5 + 0.001 * i for i in range(1, 200)]]
+    losses[150] *= 100
+    device = Guard(GuardConfig(spike_window=window, on_spike="skip"), torch.device("cpu"))
+    on_device = [bool(device.observe(torch.tensor(v), torch.tensor(1.0))[2]) for v in losses]
+    host = Guard(GuardConfig(spike_window=window, on_spike="warn"), torch.device("cpu"))
+    rows = _rows(losses, [True] * len(losses))
+    for i in range(0, len(rows), 7):
+        host.mark_spikes(rows[i:i + 7])
+    assert [i + 1 for i, s in enumerate(on_device) if s] == [151] and [r.values["spike"] > 0.5 for r in rows] == on_device
+    assert int(device.num_seen) == int(host.num_seen) == len(losses) - 2  # (step 2, the outlier; step 151, the spike)
+    assert torch.equal(host.window.nan_to_num(-1), device.window.nan_to_num(-1))
+
+
 @pytest.mark.parametrize("scale,spikes", [(1e3, [29, 59]), (1e22, [])])
 def test_the_host_spike_rule_agrees_with_the_device_past_float32_silently(scale, spikes):
     """Losses near 1e22 with 1% noise: the window's squared deviations (~1e40) overflow float32 on both sides,

@@ -12,24 +12,22 @@ pins the update that broke them (:attr:`GuardDecision.locate`). The host learns 
 log interval (the rows of :class:`~stabletrain.policies.metrics.StepMetrics`) and then acts: events, incident
 capture, stop or rollback (:meth:`Guard.decide`).
 
-Spike rule, stated: a step's loss is a spike when it exceeds ``spike_ratio`` times the median (the
-lower middle value, as ``torch.median``) of the last ``spike_window`` finite non-spike losses AND its
-z-score against their mean and standard deviation exceeds ``spike_zscore`` -- or, for a loss above
-``spike_ratio ** FAR`` times the median (32x with the defaults), its robust z-score (against the median and the
-median absolute deviation times 1.4826) does: a window that still holds a run's first, much larger losses has a
-deviation that hides a x4e4 loss (z 4 at step 51 of a loss that fell from 2 to 6e-5), never its median and MAD.
-The rule is armed from
-:data:`EARLY_ARM` losses on; until half the window is filled it also asks that the loss exceed
-``spike_ratio`` squared times the largest loss seen so far (but one over ``spike_ratio ** (2 * FAR)`` times the
-window's median: :func:`~.spike_rule.early_largest`): a run's first losses fall fast and a few of them
-make a shaky median and deviation (a small batch's loss 2.5x its window's median and 6.0 deviations above
-its mean is noise at step 6), but a loss four times as high as any before it is a spike from the fifth step
-on (a x1e4 loss at step 6 was missed when the rule armed only at half the window). Spikes are not added
+Spike rule, stated: a step's loss is a spike when it exceeds ``spike_ratio`` times the median (the lower middle value,
+as ``torch.median``) of the last ``spike_window`` finite non-spike losses AND its z-score against their mean and
+standard deviation exceeds ``spike_zscore`` -- or, for a loss above ``spike_ratio ** FAR`` times the median (32x with
+the defaults), its robust z-score (against the median and the median absolute deviation times 1.4826) does: a window
+that still holds a run's first, much larger losses has a deviation that hides a x4e4 loss (z 4 at step 51 of a loss
+that fell from 2 to 6e-5), never its median and MAD. The rule is armed from :data:`EARLY_ARM` losses on; until half
+the window is filled it also asks that the loss exceed ``spike_ratio`` squared times the largest loss seen so far (but
+one over ``spike_ratio ** (2 * FAR)`` times the window's median: :func:`~.spike_rule.early_largest`): a run's first
+losses fall fast and a few of them make a shaky median and deviation (a small batch's loss 2.5x its window's median
+and 6.0 deviations above its mean is noise at step 6), but a loss four times as high as any before it is a spike from
+the fifth step on (a x1e4 loss at step 6 was missed when the rule armed only at half the window). Spikes are not added
 to the window, so a run of spikes does not raise the baseline; nor is a loss ``spike_ratio ** FAR`` times every one
-before it while the rule is not armed (:func:`~.spike_rule.early_outlier`). With ``guard.on_spike=skip`` the rule
-runs on the device every step (the skip must be
-decided before the update); otherwise the host runs the same rule on the interval's losses at the
-log boundary (:meth:`Guard.mark_spikes`), so the step pays nothing for it.
+the window holds while the rule is not armed counted among them (:func:`~.spike_rule.early_outlier`). With
+``guard.on_spike=skip`` the rule runs on the device every step (the skip must be decided before the update); otherwise
+the host runs the same rule on the interval's losses at the log boundary (:meth:`Guard.mark_spikes`), so the step pays
+nothing for it.
 
 Under DDP every input to these decisions is the same on every rank (the window's all-reduced loss,
 the norm of the all-reduced gradients, parameters kept in lockstep), so every rank skips, stops and
@@ -53,7 +51,7 @@ from torch import Tensor
 
 from ..config import GuardConfig
 from ..numerics import both_finite
-from .spike_rule import EARLY_ARM, FAR, MAD_TO_STD, early_largest, early_outlier, far_spike, spike_test
+from .spike_rule import EARLY_ARM, FAR, MAD_TO_STD, armed_at, early_largest, early_outlier, far_spike, spike_test
 from .stall import NEGLIGIBLE_GRAD, UNRECOVERABLE_SCALE, StallWatch, routine_overflow, scale_note
 
 __all__ = ["Guard", "GuardDecision", "inputs_finite", "UNRECOVERABLE_SCALE", "EARLY_ARM", "spike_test", "NEGLIGIBLE_GRAD",
@@ -178,7 +176,7 @@ class Guard:
 
     @property
     def _armed_at(self) -> int:
-        return min(EARLY_ARM, self._full_at)
+        return armed_at(self.cfg)
 
     @property
     def _full_at(self) -> int:  # below it the rule also asks for a loss above spike_ratio x the window's largest
@@ -222,13 +220,13 @@ class Guard:
         largest = torch.where(torch.isnan(w) | ((median > 0) & (w > self.cfg.spike_ratio ** (2 * FAR) * median)), none, w).max()
         spike = spike & (~early | (loss > self.cfg.spike_ratio ** 2 * largest))
         ok = finite & ~spike
-        outlier = ((self.num_seen > 0) & (self.num_seen < self._armed_at) & (top > 0)
-                   & (loss.detach().float() > self.cfg.spike_ratio ** FAR * top))
-        keep = finite & ~spike & ~outlier
+        outlier = finite & ((self.num_seen > 0) & (self.num_seen < self._armed_at) & (top > 0)
+                            & (loss.detach().float() > self.cfg.spike_ratio ** FAR * top))
+        keep = finite & ~spike
         # 1-element index tensors, never a 0-dim one: indexing with a 0-dim CUDA tensor reads it on the host.
         slot = (self.num_seen % self.cfg.spike_window).reshape(1)
         w.index_put_((slot,), torch.where(keep, loss.detach().float(), w.gather(0, slot)))
-        self.num_seen += keep.long()
+        self.num_seen += (keep & ~outlier).long()  # (an early outlier holds the next slot, uncounted: early_outlier)
         return ok, finite, spike
 
     def mark_spikes(self, rows: list[Any]) -> None:
@@ -257,9 +255,8 @@ class Guard:
             spike = False
             # The ratio test first, on the kept order (a bisect per step, not a sort): most steps stop there. In
             # float64 it decides every loss clear of the float32 product; one within a float32 step is tested exactly.
-            if finite and kept and early_outlier(loss, kept[-1], seen, self.cfg):
-                finite = False  # (not kept in the window: see early_outlier; not judged either)
-            elif testable and seen >= self._armed_at:
+            outlier = finite and bool(kept) and early_outlier(loss, kept[-1], seen, self.cfg)  # (not judged: unarmed)
+            if testable and seen >= self._armed_at:
                 median = kept[(len(kept) - 1) // 2]
                 bound = float(ratio) * median
                 if loss > bound * (1 - 1e-6) and np.float32(loss) > ratio * np.float32(median):
@@ -281,7 +278,7 @@ class Guard:
                     del kept[bisect.bisect_left(kept, old)]
                 updates[slot] = loss
                 bisect.insort(kept, loss)
-                seen += 1
+                seen += 0 if outlier else 1  # (an early outlier holds the next slot, uncounted: early_outlier)
         if updates:
             w[list(updates)] = list(updates.values())
         self._host_seen = seen
@@ -322,10 +319,10 @@ class Guard:
                 break
             v = row.values
             loss = float(np.float32(v["loss"]))
-            if v["finite"] > 0.5 and math.isfinite(loss) and v.get("spike", 0.0) < 0.5 and not early_outlier(
-                    loss, float(np.nanmax(w)) if seen else 0.0, seen, self.cfg):
+            if v["finite"] > 0.5 and math.isfinite(loss) and v.get("spike", 0.0) < 0.5:
+                outlier = seen < self._armed_at and early_outlier(loss, float(np.nanmax(w)) if seen else 0.0, seen, self.cfg)
                 w[seen % len(w)] = loss
-                seen += 1
+                seen += 0 if outlier else 1
         return w
 
     def decide(self, rows: list[Any]) -> GuardDecision:

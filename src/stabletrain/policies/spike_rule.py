@@ -17,8 +17,8 @@ import numpy as np
 
 from ..config import GuardConfig
 
-__all__ = ["spike_test", "robust_z", "far_spike", "unjudged_outliers", "early_outlier", "early_largest", "EARLY_ARM",
-           "MAD_TO_STD", "FAR"]
+__all__ = ["spike_test", "robust_z", "far_spike", "unjudged_outliers", "early_outlier", "early_largest", "armed_at",
+           "EARLY_ARM", "MAD_TO_STD", "FAR"]
 
 #: The spike rule is armed once the window holds this many losses (with a stricter test until it is half full).
 EARLY_ARM = 4
@@ -32,7 +32,7 @@ def spike_test(loss: float, window: list[float], cfg: GuardConfig) -> dict[str, 
     replay judge "normal by the guard's own rule" with.
     """
     values = np.asarray([v for v in window if math.isfinite(v)][-cfg.spike_window:], dtype=np.float32)
-    out: dict[str, Any] = {"spike": False, "armed": len(values) >= min(EARLY_ARM, max(cfg.spike_window // 2, 2))}
+    out: dict[str, Any] = {"spike": False, "armed": len(values) >= armed_at(cfg)}
     if not len(values) or not math.isfinite(loss):
         return out
     ratio, zscore, x = np.float32(cfg.spike_ratio), np.float32(cfg.spike_zscore), np.float32(loss)
@@ -74,12 +74,19 @@ def far_spike(x: Any, values: np.ndarray, median: Any, cfg: GuardConfig) -> bool
             and bool(robust_z(x, values, median) > np.float32(cfg.spike_zscore)))
 
 
+def armed_at(cfg: GuardConfig) -> int:
+    """How many losses the rule's window holds before it judges one: :data:`EARLY_ARM`, or half a smaller window."""
+    return min(EARLY_ARM, max(cfg.spike_window // 2, 2))
+
+
 def early_outlier(loss: float, largest: float, seen: int, cfg: GuardConfig) -> bool:
-    """Whether ``loss`` is left out of the rule's window: before the rule arms (``0 < seen`` losses kept, fewer than
-    :data:`EARLY_ARM`), a loss ``spike_ratio ** FAR`` (32x) times ``largest``, the largest of them (> 0), is not the run's
-    start (:func:`unjudged_outliers` says it) and never its baseline: kept, a corrupted sample at step 2 (x6e3) lifted
-    the early bound and the deviation until the same corruption at step 19 passed unflagged. In float32, as the device."""
-    return (0 < seen < min(EARLY_ARM, max(cfg.spike_window // 2, 2)) and largest > 0
+    """Whether ``loss`` is not counted among the rule's losses: before the rule arms (``0 < seen`` losses kept, fewer than
+    :func:`armed_at`), a loss ``spike_ratio ** FAR`` (32x) times ``largest`` (> 0), the largest the window holds, is not
+    the run's start (:func:`unjudged_outliers` says it) and no baseline (kept, a corrupted sample at step 2, x6e3, lifted
+    the early bound and the deviation until the same corruption at step 19 passed unflagged). It takes the window's next
+    slot uncounted: the next loss is tested against it too and, kept, overwrites it (a run that settles at a level 32x
+    its first loss arms on it, as it did). In float32, as the device."""
+    return (0 < seen < armed_at(cfg) and largest > 0
             and bool(np.float32(loss) > np.float32(cfg.spike_ratio ** FAR) * np.float32(largest)))
 
 
@@ -104,17 +111,17 @@ def unjudged_outliers(first: list[tuple[int, float]], cfg: GuardConfig) -> list[
     start that falls 1024x in a few steps is one a look is worth). Told, not acted on: the rule is not armed on so few
     losses (a small batch's early losses spread widely), so nothing is skipped or captured.
     """
-    out, before = [], []
-    losses = [(t, x) for t, x in first if t <= EARLY_ARM + 1 and math.isfinite(x)]
+    out, before, arms = [], [], armed_at(cfg)
+    losses = [(t, x) for t, x in first if t <= arms + 1 and math.isfinite(x)]
     for step, loss in losses:
-        if step > EARLY_ARM:
+        if step > arms:
             break
         top = max(before, default=0.0)
         after = [x for t, x in losses if t > step]
         typical = statistics.median(after) if len(after) >= 2 else 0.0
         if before and top > 0 and loss > cfg.spike_ratio ** FAR * top:
             out.append((step, loss, loss / top, "the largest loss before it"))
-        elif losses[-1][0] == EARLY_ARM + 1 and typical > 0 and loss > cfg.spike_ratio ** (2 * FAR) * typical:
-            out.append((step, loss, loss / typical, f"the median of the losses after it (to step {EARLY_ARM + 1})"))
+        elif losses[-1][0] == arms + 1 and typical > 0 and loss > cfg.spike_ratio ** (2 * FAR) * typical:
+            out.append((step, loss, loss / typical, f"the median of the losses after it (to step {arms + 1})"))
         before.append(loss)
     return out

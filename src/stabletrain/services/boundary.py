@@ -25,7 +25,7 @@ from ..numerics import nonfinite_params, running_stats_modules
 from ..policies.guard import NEGLIGIBLE_SPIKE, GuardDecision
 from ..policies.metrics import interval_record, peak_memory_mib
 from ..policies.precursor import Precursor
-from ..policies.spike_rule import EARLY_ARM, unjudged_outliers
+from ..policies.spike_rule import armed_at, unjudged_outliers
 from ..runstate import RunState
 from .capture import IN_MEMORY
 
@@ -82,18 +82,18 @@ class IntervalBoundary:
         if self.count_samples:
             state.samples_seen += summary["interval_samples"]
         decision = self.guard.decide(rows)
-        if rows and rows[0].step <= EARLY_ARM + 1:  # a run's first losses, which the spike rule does not judge
+        arms = armed_at(self.guard.cfg)
+        if rows and rows[0].step <= arms + 1:  # a run's first losses, which the spike rule does not judge
             start = rows[0].step  # (a rollback to the run's start trains these steps again: the new timeline's losses)
             self.first_losses = [x for x in self.first_losses if x[0] < start] + [
-                (r.step, float(r.values["loss"])) for r in rows if r.step <= EARLY_ARM + 1]
+                (r.step, float(r.values["loss"])) for r in rows if r.step <= arms + 1]
             self.first_said = {t for t in self.first_said if t < start}
             for step, loss, factor, against in unjudged_outliers(self.first_losses, self.guard.cfg):
                 if step in self.first_said:
                     continue
                 self.first_said.add(step)
                 text = (f"step {step}'s loss {loss:.4g} is x{factor:.3g} {against}: not judged (the spike rule "
-                        f"arms after {EARLY_ARM} losses), not skipped or captured"
-                        + (", nor kept among the losses the rule judges the next ones by" if "before it" in against else ""))
+                        f"arms after {arms} losses), not skipped or captured")
                 state.event(step, "early_outlier", text, loss=loss, factor=factor, against=against)
                 console.warn(text)
         if decision.stall is not None:  # guard.on_stall=warn: said once (stop: the caller stops with it)
