@@ -1,10 +1,10 @@
 """The default ``gpt`` run's per-step training losses, stored once (``data/default_gpt_losses.json``) for the spike rule.
 
-The whole default run (300 steps, ~1 minute of the suite alone, ~2 beside the other worker) is what the spike rule must
-not flag (issue #32); training it in every suite run cost more than any other test. The tests replay the guard's own
-host rule over the stored curve of all 300 steps and train its first steps live, which must give the stored losses
-(so the stored curve is still the default run's). After a change that moves the default run (its config, the task, a
-new torch), write the curve again:
+The whole default run (300 steps, ~1 minute of the suite alone, ~2 beside the other worker) is what the spike rule
+must not flag (issue #32); training it in every suite run cost more than any other test. The tests replay the guard's
+own host rule over the stored curve of all 300 steps and train its first steps live, which must give the stored losses
+(so the stored curve is still the default run's), and the config's schedule must give its 300 LRs. After a change that
+moves the default run (its config, the task, a new torch), write the curve again:
 
     OMP_NUM_THREADS=1 python tests/default_gpt_curve.py
 """
@@ -32,12 +32,14 @@ class StepLosses(Callback):
 
     def __init__(self, stop_after: int | None = None) -> None:
         self.losses: list[float] = []
+        self.lrs: list[float] = []
         self.spikes: list[int] = []
         self.stop_after = stop_after
 
     def on_log(self, state, record, rows) -> None:
         for row in rows:
             self.losses.append(float(row.values["loss"]))
+            self.lrs.append(float(row.values["lr"]))
             if row.values.get("spike", 0.0) > 0.5:
                 self.spikes.append(row.step)
         if self.stop_after is not None and len(self.losses) >= self.stop_after and state.stop_reason is None:
@@ -67,5 +69,5 @@ if __name__ == "__main__":
         sys.exit(f"the default run trained {len(seen.losses)} steps, not 300")
     PATH.parent.mkdir(exist_ok=True)
     PATH.write_text(json.dumps({"torch": torch.__version__, "overrides": OVERRIDES, "spikes": seen.spikes,
-                                "losses": seen.losses}, indent=0) + "\n")
+                                "losses": seen.losses, "lrs": seen.lrs}, indent=0) + "\n")
     print(f"wrote {PATH}: {len(seen.losses)} losses, {len(seen.spikes)} flagged as spikes")

@@ -295,6 +295,23 @@ def test_a_spike_the_run_does_not_capture_is_said_in_one_line_skipped_or_not(tmp
     assert lines == [f"stabletrain: 1 loss spike in the interval to step 20, {said}"], lines
 
 
+@pytest.mark.parametrize("off", [["capture.incidents=false", "capture.max_spikes=1"],
+                                 ["capture.incidents=false", "capture.spikes=false"]])
+def test_with_capture_off_every_interval_with_a_spike_gets_its_line(tmp_path, capsys, off):
+    """A review: with capture.incidents=false each spike still spent one of capture.max_spikes, so the sixth (here the
+    second) interval said 'the run's captures are spent' of captures never made; with capture.spikes=false too, no
+    line at all."""
+    from spike_tasks import outlier_samples_task
+
+    Trainer(cfg("train.batch_size=8", "data.shuffle=false", "log.every=10", "train.max_steps=30", "eval.every=0", *off),
+            task=outlier_samples_task(bad=(153, 157, 233, 235)), run_dir=tmp_path / "run").fit()
+    lines = [x for x in capsys.readouterr().out.splitlines() if "spike" in x]
+    key = "capture.spikes=false" if "capture.spikes=false" in off else "capture.incidents=false"
+    assert [x.split(", at step")[0] for x in lines] == [f"stabletrain: 1 loss spike in the interval to step {t}"
+                                                       for t in (20, 30)], lines
+    assert all(x.endswith(f"not captured ({key}; events.jsonl)") for x in lines), lines
+
+
 def test_under_torchrun_a_rank_other_than_0_shows_only_the_warnings_that_name_it(monkeypatch, capsys):
     """FSDP's SGD warning was printed once per rank (the docs say once): rank 0 says a config's warnings for all."""
     from stabletrain.console import one_line_warnings

@@ -537,6 +537,7 @@ def test_a_resume_from_an_older_checkpoint_supersedes_the_metrics_lines_after_it
             "stabletrain": copy.deepcopy(monitor.state_dict())}
     train(monitor, model, data[4:9])
     monitor.close()  # (the process dies after step 9: its close logged the partial interval)
+    (tmp_path / "run" / "incidents" / "step_000007").mkdir(parents=True)  # (as if it had captured step 7: trained again)
     model, opt = make(seed=1)
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["optimizer"])
@@ -550,6 +551,9 @@ def test_a_resume_from_an_older_checkpoint_supersedes_the_metrics_lines_after_it
     assert [(r["step"], r["superseded_by"]) for r in superseded] == [(8, "resume"), (9, "resume")]
     (resume,) = [e for e in run.events if e.kind == "resume"]
     assert resume.extra["superseded_metrics"] == 2 and resume.reason.endswith("; 2 metrics line(s) after it superseded")
+    # its captures of the steps trained again are set aside, as the built-in loop's resume does (a review)
+    assert resume.extra["superseded_incidents"] == ["step_000007.superseded-resume"]
+    assert [p.name for p in (tmp_path / "run" / "incidents").iterdir()] == ["step_000007.superseded-resume"]
 
 
 def test_resume_into_a_directory_holding_another_run_is_refused_and_an_empty_one_is_said(tmp_path, capsys):
@@ -1024,7 +1028,7 @@ def test_fewer_batches_than_backward_calls_are_said_once_at_the_users_line(tmp_p
     said = [w for w in seen if "monitor.backward() calls since the last step" in str(w.message)]
     assert len(said) == 1 and Path(said[0].filename) == Path(__file__), [str(w.message) for w in seen]
     assert str(said[0].message) == (
-        "monitor.step(): 2 monitor.backward() calls since the last step but 1 batch(es) given: a capture replays only "
+        "monitor.step(): 2 monitor.backward() calls since the last step but 1 batch given: a capture replays only "
         "those (and finds the step's loss not reproducible); pass each micro-batch to monitor.backward(loss, batch), or "
         "all to monitor.step(micro_batches=[...])")
     model, opt = make()

@@ -312,6 +312,25 @@ def test_a_cure_whose_replay_the_live_run_departs_from_is_not_applied_again(tmp_
     assert "departs from the replay that verified rollback-lr" in capsys.readouterr().out
 
 
+def test_a_remedy_applied_by_hand_to_an_incident_after_last_good_keeps_its_folder(tmp_path, capsys):
+    """A review: a resume sets aside the captures of the steps it trains again, and so it renamed step_000038 (after
+    LAST_GOOD, step 30) before remedy.apply=.../step_000038:NAME read it: 'no incident folder', exit 2, every retry."""
+    args = ["task=examples.diverging_task:make_task", "optim.name=sgd", "optim.lr=2.5", "optim.weight_decay=0",
+            "clip.max_norm=null", "sched.decay=constant", "train.batch_size=8", "log.every=5", "ckpt.every=10",
+            "ckpt.keep=10", "data.shuffle=false", "log.progress=false", "log.tensorboard=false", "guard.on_nonfinite=stop"]
+    run_dir = tmp_path / "run"
+    assert main(["train", *args, "train.max_steps=60", f"run.dir={run_dir}"]) == 1  # the divergence stops it
+    incident = run_dir / "incidents" / "step_000038"
+    good = int((run_dir / "checkpoints" / "LAST_GOOD").read_text().strip()[5:])
+    assert incident.is_dir() and good < 38
+    assert main(["remedy", str(incident), "--only", "rollback-lr-x0.1", "--steps", "4"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run_dir), "train.max_steps=45", f"remedy.apply={incident}:rollback-lr-x0.1"]) == 0
+    (event,) = [e for e in events(run_dir) if e["kind"] == "remedy"]
+    assert event["name"] == "rollback-lr-x0.1" and incident.is_dir()
+    assert not [p for p in (run_dir / "incidents").iterdir() if p.name.startswith("step_000038.superseded")]
+
+
 def test_a_rollback_cure_applied_by_hand_purges_tensorboard_as_a_rollback_does(tmp_path, capsys):
     """A review: remedy.apply=DIR:rollback-lr-x0.1 on a resume went back to step 10 but fired no on_rollback, so
     TensorBoard kept the steps after it beside their retrained copies (metrics.jsonl superseded them)."""

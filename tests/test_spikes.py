@@ -44,6 +44,7 @@ from stabletrain.config import GuardConfig, load_config
 from stabletrain.diagnostics.candidates import candidates_for
 from stabletrain.diagnostics.spike import classify_spike
 from stabletrain.policies.guard import Guard, spike_test
+from stabletrain.policies.schedule import lr_factor
 from stabletrain.records.bundles import load_bundle
 from stabletrain.remedy_search import search_remedies
 from stabletrain.report.goodput import read_goodput
@@ -750,7 +751,6 @@ def test_spike_test_agrees_with_the_host_rule():
     assert sum(r.values["spike"] for r in rows) >= 5
 
 
-@pytest.mark.slow
 def _flagged(losses: list[float]) -> list[int]:
     """The steps the guard's host rule flags in ``losses`` (steps 1..n), fed as the loop feeds it: 10 rows an interval."""
     curve = default_gpt_curve.load()
@@ -769,12 +769,19 @@ def test_the_default_gpt_runs_300_losses_hold_no_spike_by_the_guards_own_rule():
     curve = default_gpt_curve.load()
     assert len(curve["losses"]) == 300 and curve["spikes"] == [] and curve["losses"][0] > 2 * curve["losses"][-1]
     assert _flagged(curve["losses"]) == []
+    # the stored run's schedule is still the config's, all 300 steps (the live test below trains only the first 30)
+    c = load_config(None, curve["overrides"])
+    lrs = [float(lr_factor(torch.tensor(float(n)), c.sched.warmup_steps, c.train.max_steps, c.sched.decay,
+                           c.sched.min_lr_ratio)) * c.optim.lr for n in range(1, 301)]
+    assert lrs == pytest.approx(curve["lrs"], rel=1e-5), "the default schedule changed: OMP_NUM_THREADS=1 python " \
+                                                          "tests/default_gpt_curve.py writes the curve again"
     planted = list(curve["losses"])
     planted[5] *= 1e4
     planted[199] *= 10
     assert _flagged(planted) == [6, 200]
 
 
+@pytest.mark.slow  # (30 steps of the default gpt: ~10 s)
 def test_the_default_gpt_run_still_trains_the_stored_curve_and_its_first_steps_raise_no_spike(tmp_path):
     """The stored curve is the default run's: its first 30 steps, trained live on the run's own schedule (the run stopped
     there), give the stored losses, and the live rule flags none of them (where the losses fall fastest)."""

@@ -386,7 +386,9 @@ def half_params(model: Any) -> tuple[str, int] | None:
     if not low:
         return None
     total = sum(1 for p in model.parameters() if p.requires_grad)
-    return f"{len(low)} of {total} parameters are stored in {str(low[0][1]).removeprefix('torch.')} (e.g. {low[0][0]})", len(low)
+    one = len(low) == 1
+    return (f"{len(low)} of {total} parameter{'' if total == 1 else 's'} {'is' if one else 'are'} stored in "
+            f"{str(low[0][1]).removeprefix('torch.')} (e.g. {low[0][0]})", len(low))
 
 
 def _cast_note(model: Any) -> str | None:

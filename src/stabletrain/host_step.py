@@ -336,9 +336,10 @@ class MonitorUse:
         """At ``monitor.step()``: ``backward`` calls since the last step, ``given`` batches (a capture replays those)."""
         if 0 < given < backward and not self.said_fewer:
             self.said_fewer = True
-            warnings.warn(f"monitor.step(): {backward} monitor.backward() calls since the last step but {given} batch(es) "
-                          "given: a capture replays only those (and finds the step's loss not reproducible); pass each "
-                          "micro-batch to monitor.backward(loss, batch), or all to monitor.step(micro_batches=[...])",
+            warnings.warn(f"monitor.step(): {backward} monitor.backward() calls since the last step but {given} "
+                          f"batch{'' if given == 1 else 'es'} given: a capture replays only those (and finds the step's "
+                          "loss not reproducible); pass each micro-batch to monitor.backward(loss, batch), or all to "
+                          "monitor.step(micro_batches=[...])",
                           StableTrainWarning, stacklevel=console.user_stacklevel())
 
     @contextlib.contextmanager

@@ -163,7 +163,7 @@ class CaptureConfig:
 @dataclass
 class RemedyConfig:
     apply: str | None = _f(None, "apply one verified remedy by hand: INCIDENT_DIR:NAME (or :N, its row) of its remedy.json")
-    steps: int = _f(20, "guard.on_*=remedy: windows each candidate is replayed over after the incident's (to max_steps)")
+    steps: int = _f(20, "guard.on_*=remedy: windows each candidate is replayed over after the incident's (to max_steps; 1+)")
     fallback: Literal["skip", "stop", "rollback"] = _f("skip", "guard.on_*=remedy: what to do when no candidate cures")
     max_applied: int = _f(3, "guard.on_*=remedy: apply at most this many remedies in a run; then remedy.fallback")
 

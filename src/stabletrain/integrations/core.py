@@ -300,10 +300,10 @@ class RunSession:
         self.fingerprint = None  # the host loaded its weights: that is no overwritten init
         self.started = False
         if event:  # (the metrics lines past it superseded, as the loop's resume does: a trial found them twice)
-            dropped = self.run.drop_metrics_after(self.step) if self.run is not None else 0
+            dropped, aside = self.run.supersede_after(self.step) if self.run is not None else (0, [])  # (as the loop's)
             self.state.event(self.step, "resume", f"resumed from {path or 'the host trainer checkpoint'} at step {self.step}"
                              + (f"; {dropped} metrics line(s) after it superseded" if dropped else ""), path=path,
-                             superseded_metrics=dropped)
+                             superseded_metrics=dropped, superseded_incidents=aside)
             if self.dist.rank == 0:
                 console.say(f"resumed from step {self.step} ({path or 'the host trainer checkpoint'})")
 

@@ -60,14 +60,15 @@ def incident_order(folder: Path) -> tuple[int, int, bool, str]:
     return (step, k, ".superseded-" in folder.name, folder.name)
 
 
-def set_aside_incidents(run_dir: Path, after: int, label: str) -> list[str]:
+def set_aside_incidents(run_dir: Path, after: int, label: str, keep: str | None = None) -> list[str]:
     """Rename the incidents of the steps after ``after`` (a restart or a resume trains them again, and may capture them
     again) to ``step_N[.k].superseded-LABEL`` (``-LABEL.2`` ... where that name is taken): kept, never overwritten nor
-    read as the run's own. One set aside before stays as it is. Returns the new names."""
-    kept = []
+    read as the run's own. One set aside before stays as it is, and so does ``keep`` (``remedy.apply``'s
+    ``INCIDENT_DIR:NAME``: the resume applies its remedy). Returns the new names."""
+    kept, held = [], Path(keep.rpartition(":")[0]).resolve() if keep else None
     for folder in sorted((Path(run_dir) / "incidents").glob("step_*")):
         step, _, aside, _ = incident_order(folder)  # step_N, or step_N.k (its k-th capture in the run)
-        if folder.is_dir() and not aside and step > after:
+        if folder.is_dir() and not aside and step > after and folder.resolve() != held:
             target, n = folder.with_name(f"{folder.name}.superseded-{label}"), 1
             while target.exists():
                 n += 1

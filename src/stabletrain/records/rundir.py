@@ -126,6 +126,14 @@ class RunDir:
             return True
         return any(p.name.startswith("step_") and p.name != "step_000000" for p in (path / "checkpoints").glob("step_*"))
 
+    def supersede_after(self, step: int, keep: str | None = None) -> tuple[int, list[str]]:
+        """A resume from ``step``: the metrics lines after it superseded (:meth:`drop_metrics_after`; how many) and the
+        incidents of those steps set aside but ``keep`` (:func:`~stabletrain.records.bundles.set_aside_incidents`;
+        their new names): a launch killed mid-capture left a bundle without its diagnosis, read as the run's own."""
+        from .bundles import set_aside_incidents  # (torch: not for a launcher's RunDir)
+
+        return self.drop_metrics_after(step), set_aside_incidents(self.path, step, "resume", keep)
+
     def drop_metrics_after(self, step: int, by: str = "resume") -> int:
         """Remove the metrics lines of steps after ``step`` (a resume supersedes them); return how many.
 

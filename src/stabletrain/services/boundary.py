@@ -149,7 +149,7 @@ class IntervalBoundary:
                 info["label"] = ("spike (skipped: fp16 overflow)" if row.values.get("overflow", 0.0) > 0.5 else
                                  f"spike (skipped: {self.guard.key('on_spike')}={self.guard.cfg.on_spike})"
                                  if self.guard.on_device else None)
-            self.guard.num_spike_captures += 1
+            self.guard.num_spike_captures += 1 if self.state.cfg.capture.incidents else 0  # (off: none is, nor spent)
         info.update(self._capture(self.state, info, rows))
         diagnosis = info.get("diagnosis_record") or info.get("diagnosis") or {}  # (the whole one, in memory)
         if anomaly == "spike" and diagnosis.get("failure_class"):  # (what a stop after spike skips then says)
@@ -213,7 +213,7 @@ class IntervalBoundary:
         if not decision.spike_steps:
             return None
         if not cfg.spikes:  # (guard.on_spike=warn warns: the line the capture would have said, without its findings)
-            if cfg.incidents and self.state.dist.is_main and self.state.run is not None:
+            if self.state.dist.is_main and self.state.run is not None:
                 steps = decision.spike_steps
                 console.say(f"{len(steps)} loss spike{'s' if len(steps) > 1 else ''} in the interval to step {rows[-1].step}, "
                             f"at step{'s' if len(steps) > 1 else ''} {_losses_of(steps, rows)}"
@@ -222,8 +222,10 @@ class IntervalBoundary:
         if self.guard.num_spike_captures >= cfg.max_spikes:
             if not self.spent_said and self.state.dist.is_main and self.state.run is not None:
                 self.spent_said = True
-                console.say(f"spike at step {decision.spike_steps[0]} not captured: the run's {cfg.max_spikes} spike captures "
-                            "are spent (capture.max_spikes); later spikes are logged in events.jsonl (said once)")
+                one = cfg.max_spikes == 1
+                console.say(f"spike at step {decision.spike_steps[0]} not captured: the run's {cfg.max_spikes} spike "
+                            f"capture{'' if one else 's'} {'is' if one else 'are'} spent (capture.max_spikes); later spikes "
+                            "are logged in events.jsonl (said once)")
             return None
         losses = {r.step: r.values["loss"] for r in rows}
         if decision.negligible:  # (the guard's verdict: every spike below NEGLIGIBLE_SPIKE x the run's first loss)

@@ -37,8 +37,8 @@ from ..config import (
     move_old_keys,
     resume_refusal_message,
 )
+from ..distributed.launch import resume_command
 from ..policies.optim import optimizer_change
-from ..records.bundles import set_aside_incidents
 from ..records.checkpoint.files import CheckpointError
 from ..records.checkpoint.manager import SKIPS_RUN, LoadedCheckpoint
 from ..records.checkpoint.saves import PendingSave, SaveCosts
@@ -204,8 +204,7 @@ class CheckpointKeeper:
         if self.problems and newest > step:
             line += f"; the newest checkpoint (step {newest}) was skipped: {newest - step} step(s) will be trained again"
         console.say(line)
-        dropped, note = run.drop_metrics_after(step), self.reshard_note
-        aside = set_aside_incidents(run.path, step, "resume")  # (a restart's are aside already; a kill mid-capture's too)
+        (dropped, aside), note = run.supersede_after(step, state.cfg.remedy.apply), self.reshard_note
         run.event(step, "resume", f"resumed from {self.resumed_from} at step {step}" + (f"; {note}" if note else "")
                   + (f"; {dropped} metrics line(s) after it superseded" if dropped else "")
                   + (f"; the incidents after it set aside: {', '.join(aside)}" if aside else ""), path=str(self.resumed_from),
@@ -450,7 +449,7 @@ class CheckpointKeeper:
             good = ckpt.latest_good()
             last = self._last_failure or {"step": "?", "reason": "?"}
             where = (f"LAST_GOOD is {good.name}, intact: free space on the disk of {ckpt.root} (or fix it), then resume "
-                     f"with: stabletrain train --resume {ckpt.root.parent}" if good else "no checkpoint was ever written")
+                     f"with: {resume_command(ckpt.root.parent)}" if good else "no checkpoint was ever written")
             raise CheckpointError(f"{self.failures_in_a_row} checkpoint saves in a row failed (ckpt.max_failures="
                                   f"{limit}), the run stops here; the last: {last['reason']}. {where}", ckpt.root)
 
