@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import multiproc
 import pytest
 import torch
 from helpers import cfg
@@ -282,7 +283,9 @@ def test_the_same_crash_resubmission_after_resubmission_under_resume_auto_is_ref
     run_dir = tmp_path / "run"
     args = ("task=restart_tasks:unreadable_sample_task", "train.batch_size=8", "data.shuffle=false", "train.max_steps=12",
             "ckpt.every=2", "log.every=2", "eval.every=0", "run.resume=auto", "run.max_repeats=1", f"run.dir={run_dir}")
-    # (each submission in this process, as `stabletrain train` runs it: no supervisor here, a new process adds nothing)
+    # (the first submission in a process of its own, which ends: the next reads a dead launch's record, as a requeue
+    # does; the later ones in this process, as `stabletrain train` runs them: no supervisor here)
+    first = multiproc.train_cli(*args)
 
     def train_cli(*args):
         capsys.readouterr()
@@ -290,7 +293,7 @@ def test_the_same_crash_resubmission_after_resubmission_under_resume_auto_is_ref
         out = capsys.readouterr()
         return subprocess.CompletedProcess(["stabletrain", "train", *args], code, out.out, out.err)
 
-    codes = [train_cli(*args) for _ in range(3)]
+    codes = [first, *(train_cli(*args) for _ in range(2))]
     assert [r.returncode for r in codes] == [1, 1, 3], codes[-1].stderr[-3000:]
     refused = [line for line in codes[-1].stderr.splitlines() if "not continuing" in line]
     assert len(refused) == 1 and refused[0].startswith(
