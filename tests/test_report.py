@@ -1027,6 +1027,14 @@ def test_an_early_outlier_whose_loss_came_back_is_told_as_a_one_off_not_a_diverg
     assert event.step == 3 and later["loss"] < 2 * event.extra["loss"] / event.extra["factor"], (event, later)
     assert f"the loss was back by the next log interval ({fmt_num(later['loss'])} at step 20): a one-off step" in said, said
     assert "diverging" not in said, said
+    # ... and where the same corruption comes back as a spike in the next interval (a trial: its mean, lifted by the
+    # spike, read as the loss staying up: 'may be diverging'), by the next interval without one
+    Trainer(cfg("train.batch_size=8", "data.shuffle=false", "train.max_steps=30", "log.every=10", "optim.lr=0.01"),
+            task=outlier_samples_task(bad=(18, 21, 150, 151), scale=1000.0), run_dir=tmp_path / "again").fit()
+    run = load_run(tmp_path / "again")
+    assert [e.step for e in run.counted_events("spike")] == [19]
+    [said] = [text for level, text in health_summary(run).sentences if level == "warn" and "early outlier" in text]
+    assert "at step 30): a one-off step" in said and "diverging" not in said, said
 
 
 def test_the_health_summary_says_what_the_init_report_found_at_step_0(tmp_path):

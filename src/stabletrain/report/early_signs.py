@@ -63,13 +63,17 @@ def early_outlier_sentence(run: RunData, h: Any) -> None:
 
 
 def _back_at(run: RunData, event: Any) -> tuple[int, float] | None:
-    """(the step, the mean loss) of the first log interval wholly after an early outlier whose loss is back within x2 of
-    the level it stood out from (its loss over its factor), or None: none logged after it, or the loss stayed up."""
+    """(the step, the mean loss) of the first log interval wholly after an early outlier, and without a loss spike of its
+    own, whose loss is back within x2 of the level it stood out from (its loss over its factor), or None: none logged
+    after it, or the loss stayed up. (An interval lifted by a later spike, the same corrupted data met again, said the
+    start 'may be diverging'.)"""
     loss, factor = event.extra.get("loss"), event.extra.get("factor")
     if not (isinstance(loss, (int, float)) and isinstance(factor, (int, float)) and factor > 0):
         return None
+    spikes = [e.step for e in run.counted_events("spike")]
     for r in run.metrics:
         step, n, mean = r.get("step"), r.get("interval_steps"), r.get("loss")
-        if isinstance(step, int) and isinstance(n, (int, float)) and step - n >= event.step:  # (the next interval)
+        if (isinstance(step, int) and isinstance(n, (int, float)) and step - n >= event.step  # (a later interval)
+                and not any(step - n < t <= step for t in spikes)):
             return (step, float(mean)) if isinstance(mean, (int, float)) and mean <= 2 * loss / factor else None
     return None
