@@ -550,9 +550,10 @@ def test_a_resume_from_an_older_checkpoint_supersedes_the_metrics_lines_after_it
     superseded = [json.loads(x) for x in (tmp_path / "run" / "metrics.superseded.jsonl").read_text().splitlines()]
     assert [(r["step"], r["superseded_by"]) for r in superseded] == [(8, "resume"), (9, "resume")]
     (resume,) = [e for e in run.events if e.kind == "resume"]
-    assert resume.extra["superseded_metrics"] == 2 and resume.reason.endswith("; 2 metrics line(s) after it superseded")
+    assert resume.extra["superseded_metrics"] == 2 and "; 2 metrics line(s) after it superseded" in resume.reason
     # its captures of the steps trained again are set aside, as the built-in loop's resume does (a review)
-    assert resume.extra["superseded_incidents"] == ["step_000007.superseded-resume"]
+    assert resume.extra["superseded_incidents"] == ["step_000007.superseded-resume"] and resume.reason.endswith(
+        "; the incidents after it set aside: step_000007.superseded-resume")  # (said, as the loop's resume says it)
     assert [p.name for p in (tmp_path / "run" / "incidents").iterdir()] == ["step_000007.superseded-resume"]
 
 

@@ -914,6 +914,10 @@ def test_a_restart_sets_aside_every_capture_of_the_steps_it_trains_again(tmp_pat
     assert set_aside_incidents(tmp_path, 10, "resume") == ["step_000020.superseded-resume"]
     (tmp_path / "incidents" / "step_000020").mkdir()
     assert set_aside_incidents(tmp_path, 10, "resume") == ["step_000020.superseded-resume.2"]
+    # the incident remedy.apply names stays where it reads it, a restart's or a resume's (a review: exit 2 each retry)
+    (tmp_path / "incidents" / "step_000030").mkdir()
+    spec = f"{tmp_path / 'incidents' / 'step_000030'}:rollback-lr-x0.1"
+    assert set_aside_incidents(tmp_path, 10, "3", spec) == [] and (tmp_path / "incidents" / "step_000030").is_dir()
 
 
 def test_diagnose_and_remedy_on_a_run_directory_pick_its_captures_by_step_and_number(tmp_path, capsys):

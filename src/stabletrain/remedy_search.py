@@ -59,8 +59,9 @@ from .diagnostics.spike_evidence import outlier_sets
 from .fileio import atomic_write
 from .incident_replay import diagnose_incident, run_history, task_of_run
 from .policies.accumulation import loss_sums
-from .policies.guard import EARLY_ARM, Guard, routine_overflow, spike_test
+from .policies.guard import Guard, routine_overflow, spike_test
 from .policies.precision import resolve_device
+from .policies.spike_rule import armed_at
 from .records.bundles import DIAGNOSIS_FILE, REMEDY_FILE, load_bundle
 from .records.checkpoint.manager import CheckpointManager
 from .records.jsonl import json_safe, read_jsonl, revive
@@ -233,7 +234,7 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int, probe: int | None = 
             # too, at least 2 (an eps-guard's log(1e-12) at step 7, x22 the run's loss, 'cured' a NaN the rule could not
             # yet judge; one loss before is too few: a batch of 8's second loss was x5 its first).
             before = window_now + recent
-            early = (marked.values["spike"] <= 0.5 and len(window_now) < EARLY_ARM and len(before) >= 2
+            early = (marked.values["spike"] <= 0.5 and len(window_now) < armed_at(cfg.guard) and len(before) >= 2
                      and math.isfinite(loss) and loss > cfg.guard.spike_ratio ** 3 * max(before))
             rows.append(row)
             if not math.isfinite(loss) or not params_ok or (not math.isfinite(norm) and not overflow):

@@ -302,7 +302,8 @@ class RunSession:
         if event:  # (the metrics lines past it superseded, as the loop's resume does: a trial found them twice)
             dropped, aside = self.run.supersede_after(self.step) if self.run is not None else (0, [])  # (as the loop's)
             self.state.event(self.step, "resume", f"resumed from {path or 'the host trainer checkpoint'} at step {self.step}"
-                             + (f"; {dropped} metrics line(s) after it superseded" if dropped else ""), path=path,
+                             + (f"; {dropped} metrics line(s) after it superseded" if dropped else "")
+                             + (f"; the incidents after it set aside: {', '.join(aside)}" if aside else ""), path=path,
                              superseded_metrics=dropped, superseded_incidents=aside)
             if self.dist.rank == 0:
                 console.say(f"resumed from step {self.step} ({path or 'the host trainer checkpoint'})")

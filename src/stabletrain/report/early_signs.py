@@ -50,9 +50,11 @@ def early_outlier_sentence(run: RunData, h: Any) -> None:
     shown = [f"step {e.step:,} (loss {fmt_num(e.extra.get('loss'))}, x{fmt_num(e.extra.get('factor'))} {what})"
              for e, what in zip(events[:4], against)]
     back = [_back_at(run, e) for e in events]
-    why = (("the loss was back by the next log interval (" + ", ".join(f"{fmt_num(x)} at step {t:,}" for t, x in
-                                                                      dict(filter(None, back)).items())
-            + "): a one-off step, its batch (a corrupted sample?), not a divergence")
+    spiked = any(b[2] for b in back if b)  # (an interval between with a spike: the same data again?)
+    why = ((f"the loss was back by the next log interval{' without a loss spike' if spiked else ''} ("
+            + ", ".join(f"{fmt_num(x)} at step {t:,}" for t, x, _ in dict.fromkeys(filter(None, back)))
+            + ("): its batch (a corrupted sample?), not a divergence; the loss spikes between may be that data again"
+               if spiked else "): a one-off step, its batch (a corrupted sample?), not a divergence"))
            if all(back) and all(a.endswith("before it") for a in against) else
            "a run that jumps this far in its first steps may be diverging from the start (an LR too high for it?)"
            if all(a.endswith("before it") for a in against) else
@@ -62,18 +64,20 @@ def early_outlier_sentence(run: RunData, h: Any) -> None:
                   f"{' ...' if len(events) > 4 else ''}: not judged, skipped or captured; {why}.")
 
 
-def _back_at(run: RunData, event: Any) -> tuple[int, float] | None:
-    """(the step, the mean loss) of the first log interval wholly after an early outlier, and without a loss spike of its
-    own, whose loss is back within x2 of the level it stood out from (its loss over its factor), or None: none logged
-    after it, or the loss stayed up. (An interval lifted by a later spike, the same corrupted data met again, said the
-    start 'may be diverging'.)"""
+def _back_at(run: RunData, event: Any) -> tuple[int, float, bool] | None:
+    """(the step, the mean loss, whether an interval with a spike came first) of the first log interval wholly after an
+    early outlier, and without a loss spike of its own, whose loss is back within x2 of the level it stood out from (its
+    loss over its factor), or None: none logged after it, or the loss stayed up. (An interval lifted by a later spike,
+    the same corrupted data met again, said the start 'may be diverging'.)"""
     loss, factor = event.extra.get("loss"), event.extra.get("factor")
     if not (isinstance(loss, (int, float)) and isinstance(factor, (int, float)) and factor > 0):
         return None
-    spikes = [e.step for e in run.counted_events("spike")]
+    spikes, passed = [e.step for e in run.counted_events("spike")], False
     for r in run.metrics:
         step, n, mean = r.get("step"), r.get("interval_steps"), r.get("loss")
-        if (isinstance(step, int) and isinstance(n, (int, float)) and step - n >= event.step  # (a later interval)
-                and not any(step - n < t <= step for t in spikes)):
-            return (step, float(mean)) if isinstance(mean, (int, float)) and mean <= 2 * loss / factor else None
+        if isinstance(step, int) and isinstance(n, (int, float)) and step - n >= event.step:  # (a later interval)
+            if any(step - n < t <= step for t in spikes):
+                passed = True
+                continue
+            return (step, float(mean), passed) if isinstance(mean, (int, float)) and mean <= 2 * loss / factor else None
     return None

@@ -284,7 +284,7 @@ def _restart_after(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_
             return Launch(False, run_dir, refused=line)
         resumed = step_of(good) if good is not None else failure.last_step
         redone = max(0, failure.last_step - resumed)
-        kept = set_aside_incidents(run_dir, resumed, str(number))
+        kept = set_aside_incidents(run_dir, resumed, str(number), cfg.remedy.apply)  # (not the one remedy.apply reads)
         note = (f"; step_{failure.resumed_step:06d} led to a non-finite step at step {failure.nonfinite_step}, "
                 f"{failure.nonfinite_step - failure.resumed_step} after its load: not trusted again (moved to "
                 f"{distrusted['distrusted']}), resuming from the checkpoint before it" if distrusted else "")
