@@ -314,8 +314,9 @@ def test_an_outlier_before_the_rule_arms_does_not_blind_it_to_the_same_loss_late
 def test_a_run_that_settles_far_above_its_first_loss_still_arms_the_rule(window):
     """A review: with the early outlier left out of the window for good, a run whose first loss was small (0.01) and the
     rest at ~0.5 (50x) was all 'outliers' (the window held one loss): the rule never armed and a x100 spike at step 151
-    passed, on the device and on the host. The outlier holds the next slot uncounted: the next loss, no outlier against
-    it, takes the slot and counts."""
+    passed, on the device and on the host. Outliers are held uncounted; armed_at of them in a row are a new level and
+    all count (a review after that: two corrupted steps in a row, each counted against the one held before it, lifted
+    the early bound again; they are held and cleared by the next ordinary loss)."""
     losses = [0.01, *[0.5 + 0.001 * i for i in range(1, 200)]]
     losses[150] *= 100
     device = Guard(GuardConfig(spike_window=window, on_spike="skip"), torch.device("cpu"))
@@ -325,7 +326,19 @@ def test_a_run_that_settles_far_above_its_first_loss_still_arms_the_rule(window)
     for i in range(0, len(rows), 7):
         host.mark_spikes(rows[i:i + 7])
     assert [i + 1 for i, s in enumerate(on_device) if s] == [151] and [r.values["spike"] > 0.5 for r in rows] == on_device
-    assert int(device.num_seen) == int(host.num_seen) == len(losses) - 2  # (step 2, the outlier; step 151, the spike)
+    assert int(device.num_seen) == int(host.num_seen) == len(losses) - 1  # (the spike at step 151 alone)
+    assert torch.equal(host.window.nan_to_num(-1), device.window.nan_to_num(-1))
+    # a corrupted pair (steps 2 and 3) is no level: held, then cleared by step 4; the same corruption at 19 is a spike
+    pair = [6.0, 6e3, 5e3, *[6.0 - 0.05 * i for i in range(3, 40)]]
+    pair[18] = 6.25e3
+    device = Guard(GuardConfig(spike_window=window, on_spike="skip"), torch.device("cpu"))
+    on_device = [bool(device.observe(torch.tensor(v), torch.tensor(1.0))[2]) for v in pair]
+    host = Guard(GuardConfig(spike_window=window, on_spike="warn"), torch.device("cpu"))
+    rows = _rows(pair, [True] * len(pair))
+    for i in range(0, len(rows), 7):
+        host.mark_spikes(rows[i:i + 7])
+    assert [i + 1 for i, s in enumerate(on_device) if s] == [19] and [r.values["spike"] > 0.5 for r in rows] == on_device
+    assert float(device.window.nan_to_num(0).max()) < 10 and int(device.num_seen) == int(host.num_seen) == len(pair) - 3
     assert torch.equal(host.window.nan_to_num(-1), device.window.nan_to_num(-1))
 
 

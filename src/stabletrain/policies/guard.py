@@ -41,7 +41,7 @@ import bisect
 import contextlib
 import math
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,7 +149,7 @@ class Guard:
         self.on_device = cfg.on_spike in ("skip", "remedy")  # the spike must be skipped before its update
         where = device if self.on_device else torch.device("cpu")
         self.window = torch.full((cfg.spike_window,), float("nan"), device=where)
-        self.num_seen = torch.zeros((), dtype=torch.long, device=where)
+        self.num_seen, self._slots = torch.zeros((), dtype=torch.long, device=where), torch.arange(cfg.spike_window, device=where)
         # Off the device: the host rule's window is a numpy view of the CPU tensor; its count a plain int.
         self._host_window = None if self.on_device else self.window.numpy()
         self._host_seen = 0
@@ -215,18 +215,22 @@ class Guard:
         spike = armed & testable & (loss > self.cfg.spike_ratio * median) & ((z > self.cfg.spike_zscore) | far)
         early = self.num_seen < self._full_at
         none = torch.full_like(w, float("-inf"))
-        top = torch.where(torch.isnan(w), none, w).max()
-        # (early_largest: the largest within spike_ratio ** (2 * FAR) x a positive median; early_outlier: not kept)
+        # (early_largest: the largest within spike_ratio ** (2 * FAR) x a positive median)
         largest = torch.where(torch.isnan(w) | ((median > 0) & (w > self.cfg.spike_ratio ** (2 * FAR) * median)), none, w).max()
         spike = spike & (~early | (loss > self.cfg.spike_ratio ** 2 * largest))
         ok = finite & ~spike
-        outlier = finite & ((self.num_seen > 0) & (self.num_seen < self._armed_at) & (top > 0)
-                            & (loss.detach().float() > self.cfg.spike_ratio ** FAR * top))
         keep = finite & ~spike
+        idx = self._slots  # (before the rule arms, early outliers are held after the counted losses, uncounted: _early)
+        pre = self.num_seen < self._armed_at
+        top = torch.where((idx < self.num_seen) & ~torch.isnan(w), w, none).max()
+        held = pre & (idx >= self.num_seen) & ~torch.isnan(w)
+        h = held.sum()
+        outlier = keep & pre & (self.num_seen > 0) & (top > 0) & (loss.detach().float() > self.cfg.spike_ratio ** FAR * top)
         # 1-element index tensors, never a 0-dim one: indexing with a 0-dim CUDA tensor reads it on the host.
-        slot = (self.num_seen % self.cfg.spike_window).reshape(1)
+        slot = ((self.num_seen + torch.where(outlier, h, 0)) % self.cfg.spike_window).reshape(1)
         w.index_put_((slot,), torch.where(keep, loss.detach().float(), w.gather(0, slot)))
-        self.num_seen += (keep & ~outlier).long()  # (an early outlier holds the next slot, uncounted: early_outlier)
+        w.masked_fill_(keep & ~outlier & held & (idx > self.num_seen), float("nan"))
+        self.num_seen += torch.where(outlier, torch.where(h + 1 >= self._armed_at, h + 1, 0), keep.long())
         return ok, finite, spike
 
     def mark_spikes(self, rows: list[Any]) -> None:
@@ -255,7 +259,6 @@ class Guard:
             spike = False
             # The ratio test first, on the kept order (a bisect per step, not a sort): most steps stop there. In
             # float64 it decides every loss clear of the float32 product; one within a float32 step is tested exactly.
-            outlier = finite and bool(kept) and early_outlier(loss, kept[-1], seen, self.cfg)  # (not judged: unarmed)
             if testable and seen >= self._armed_at:
                 median = kept[(len(kept) - 1) // 2]
                 bound = float(ratio) * median
@@ -271,14 +274,20 @@ class Guard:
                         spike = bool(np.float32(loss) > np.float32(self.cfg.spike_ratio ** 2)
                                      * np.float32(early_largest(kept, self.cfg)))
             v["spike"] = 1.0 if spike else 0.0
-            if finite and not spike:
-                slot = seen % n
+
+            def put(slot: int, value: float) -> None:
                 old = updates.get(slot, float(w[slot]))
                 if not math.isnan(old):
                     del kept[bisect.bisect_left(kept, old)]
-                updates[slot] = loss
-                bisect.insort(kept, loss)
-                seen += 0 if outlier else 1  # (an early outlier holds the next slot, uncounted: early_outlier)
+                updates[slot] = value
+                if not math.isnan(value):
+                    bisect.insort(kept, value)
+
+            if finite and not spike and seen < self._armed_at:  # (early outliers held uncounted: as _judge)
+                seen = self._early(loss, seen, lambda i: updates.get(i, float(w[i])), put)
+            elif finite and not spike:
+                put(seen % n, loss)
+                seen += 1
         if updates:
             w[list(updates)] = list(updates.values())
         self._host_seen = seen
@@ -310,6 +319,22 @@ class Guard:
             return [float(v) for v in self.window.detach().cpu().tolist() if not math.isnan(v)]
         return [float(x) for x in self._kept(*self._start, rows, step).tolist() if not math.isnan(x)]
 
+    def _early(self, loss: float, seen: int, value: Callable[[int], float], put: Callable[[int, float], None]) -> int:
+        """Keep ``loss`` before the rule arms (``seen`` < armed_at), as :meth:`_judge` does on the device; return the new
+        count. An early outlier (:func:`~.spike_rule.early_outlier` against the counted losses) is held in the slot after
+        the ones held before it, uncounted; a loss that is none takes the first held slot and clears the others; the one
+        that makes armed_at outliers in a row counts them all (a run that settled at a new level)."""
+        n = self.cfg.spike_window
+        held = [i for i in range(seen, n) if not math.isnan(value(i))]
+        top = max((value(i) for i in range(seen)), default=0.0)
+        if seen and early_outlier(loss, top, seen, self.cfg):
+            put(seen + len(held), loss)
+            return seen + len(held) + 1 if len(held) + 1 >= self._armed_at else seen
+        put(seen, loss)
+        for i in held[1:] if held and held[0] == seen else held:
+            put(i, float("nan"))
+        return seen + 1
+
     def _kept(self, window: Any, seen: int, rows: list[Any], step: int | None) -> Any:
         """``window`` (with ``seen`` losses kept so far) after the rows before ``step`` (None: all), as the rule keeps
         them: the finite non-spike losses but an early outlier (:func:`early_outlier`), in float32."""
@@ -320,9 +345,11 @@ class Guard:
             v = row.values
             loss = float(np.float32(v["loss"]))
             if v["finite"] > 0.5 and math.isfinite(loss) and v.get("spike", 0.0) < 0.5:
-                outlier = seen < self._armed_at and early_outlier(loss, float(np.nanmax(w)) if seen else 0.0, seen, self.cfg)
-                w[seen % len(w)] = loss
-                seen += 0 if outlier else 1
+                if seen < self._armed_at:
+                    seen = self._early(loss, seen, lambda i: float(w[i]), w.__setitem__)
+                else:
+                    w[seen % len(w)] = loss
+                    seen += 1
         return w
 
     def decide(self, rows: list[Any]) -> GuardDecision:

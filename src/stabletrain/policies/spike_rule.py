@@ -83,9 +83,9 @@ def early_outlier(loss: float, largest: float, seen: int, cfg: GuardConfig) -> b
     """Whether ``loss`` is not counted among the rule's losses: before the rule arms (``0 < seen`` losses kept, fewer than
     :func:`armed_at`), a loss ``spike_ratio ** FAR`` (32x) times ``largest`` (> 0), the largest the window holds, is not
     the run's start (:func:`unjudged_outliers` says it) and no baseline (kept, a corrupted sample at step 2, x6e3, lifted
-    the early bound and the deviation until the same corruption at step 19 passed unflagged). It takes the window's next
-    slot uncounted: the next loss is tested against it too and, kept, overwrites it (a run that settles at a level 32x
-    its first loss arms on it, as it did). In float32, as the device."""
+    the early bound and the deviation until the same corruption at step 19 passed unflagged). It is held in the window
+    uncounted (:meth:`~stabletrain.policies.guard.Guard._early`): the next ordinary loss clears it, and armed_at of them in
+    a row are a new level, counted (a run that settles 32x above its first loss arms on it). In float32, as the device."""
     return (0 < seen < armed_at(cfg) and largest > 0
             and bool(np.float32(loss) > np.float32(cfg.spike_ratio ** FAR) * np.float32(largest)))
 
