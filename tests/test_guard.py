@@ -286,6 +286,20 @@ def test_the_host_spike_rule_flags_exactly_the_steps_the_device_rule_does(window
     assert [r.values["spike"] for r in more] == [0.0, 1.0]
 
 
+def _device_and_host(losses, window=50, every=10):
+    """The same losses through the device rule (on_spike=skip, step by step) and the host rule (warn, ``every`` rows an
+    interval): the steps flagged, after asserting both flag the same steps and end with the same window and count."""
+    device = Guard(GuardConfig(spike_window=window, on_spike="skip"), torch.device("cpu"))
+    on_device = [bool(device.observe(torch.tensor(v), torch.tensor(1.0))[2]) for v in losses]
+    host = Guard(GuardConfig(spike_window=window, on_spike="warn"), torch.device("cpu"))
+    rows = _rows(losses, [True] * len(losses))
+    for i in range(0, len(rows), every):
+        host.mark_spikes(rows[i:i + every])
+    assert [r.values["spike"] > 0.5 for r in rows] == on_device
+    assert torch.equal(host.window.nan_to_num(-1), device.window.nan_to_num(-1)) and int(host.num_seen) == int(device.num_seen)
+    return [i + 1 for i, s in enumerate(on_device) if s], host
+
+
 @pytest.mark.parametrize("first", [[6.0, 6e4], [6e4, 6.0]])
 def test_an_outlier_before_the_rule_arms_does_not_blind_it_to_the_same_loss_later(first):
     """A trial: a corrupted sample at step 2 (x6e3, before the rule arms) was kept in the window; its largest loss lifted
@@ -295,15 +309,8 @@ def test_an_outlier_before_the_rule_arms_does_not_blind_it_to_the_same_loss_late
     gen = random.Random(len(str(first)))
     losses = [*first, *[6.0 - 0.05 * i + 0.1 * gen.random() for i in range(2, 40)]]
     losses[18] = 6.25e4  # step 19
-    device = Guard(GuardConfig(on_spike="skip"), torch.device("cpu"))
-    on_device = [bool(device.observe(torch.tensor(v), torch.tensor(1.0))[2]) for v in losses]
-    host = Guard(GuardConfig(on_spike="warn"), torch.device("cpu"))
-    rows = _rows(losses, [True] * len(losses))
-    for i in range(0, len(rows), 10):
-        host.mark_spikes(rows[i:i + 10])
-    assert [i + 1 for i, s in enumerate(on_device) if s] == [19]
-    assert [r.values["spike"] > 0.5 for r in rows] == on_device
-    assert torch.equal(host.window.nan_to_num(-1), device.window.nan_to_num(-1)) and int(host.num_seen) == int(device.num_seen)
+    flagged, host = _device_and_host(losses)
+    assert flagged == [19]
     kept = host.window[~host.window.isnan()]
     assert (float(kept.max()) > 1e4) is (first[0] > 1e4) and int(host.num_seen) == len(losses) - 2 + (first[0] > 1e4)
     window = [x for i, x in enumerate(losses[:18]) if x < 1e4 or i == 0]  # the window step 19 was judged against
@@ -319,27 +326,13 @@ def test_a_run_that_settles_far_above_its_first_loss_still_arms_the_rule(window)
     the early bound again; they are held and cleared by the next ordinary loss)."""
     losses = [0.01, *[0.5 + 0.001 * i for i in range(1, 200)]]
     losses[150] *= 100
-    device = Guard(GuardConfig(spike_window=window, on_spike="skip"), torch.device("cpu"))
-    on_device = [bool(device.observe(torch.tensor(v), torch.tensor(1.0))[2]) for v in losses]
-    host = Guard(GuardConfig(spike_window=window, on_spike="warn"), torch.device("cpu"))
-    rows = _rows(losses, [True] * len(losses))
-    for i in range(0, len(rows), 7):
-        host.mark_spikes(rows[i:i + 7])
-    assert [i + 1 for i, s in enumerate(on_device) if s] == [151] and [r.values["spike"] > 0.5 for r in rows] == on_device
-    assert int(device.num_seen) == int(host.num_seen) == len(losses) - 1  # (the spike at step 151 alone)
-    assert torch.equal(host.window.nan_to_num(-1), device.window.nan_to_num(-1))
+    flagged, host = _device_and_host(losses, window, every=7)
+    assert flagged == [151] and int(host.num_seen) == len(losses) - 1  # (the spike at step 151 alone)
     # a corrupted pair (steps 2 and 3) is no level: held, then cleared by step 4; the same corruption at 19 is a spike
     pair = [6.0, 6e3, 5e3, *[6.0 - 0.05 * i for i in range(3, 40)]]
     pair[18] = 6.25e3
-    device = Guard(GuardConfig(spike_window=window, on_spike="skip"), torch.device("cpu"))
-    on_device = [bool(device.observe(torch.tensor(v), torch.tensor(1.0))[2]) for v in pair]
-    host = Guard(GuardConfig(spike_window=window, on_spike="warn"), torch.device("cpu"))
-    rows = _rows(pair, [True] * len(pair))
-    for i in range(0, len(rows), 7):
-        host.mark_spikes(rows[i:i + 7])
-    assert [i + 1 for i, s in enumerate(on_device) if s] == [19] and [r.values["spike"] > 0.5 for r in rows] == on_device
-    assert float(device.window.nan_to_num(0).max()) < 10 and int(device.num_seen) == int(host.num_seen) == len(pair) - 3
-    assert torch.equal(host.window.nan_to_num(-1), device.window.nan_to_num(-1))
+    flagged, host = _device_and_host(pair, window, every=7)
+    assert flagged == [19] and float(host.window.nan_to_num(0).max()) < 10 and int(host.num_seen) == len(pair) - 3
 
 
 @pytest.mark.parametrize("scale,spikes", [(1e3, [29, 59]), (1e22, [])])

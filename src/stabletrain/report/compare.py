@@ -101,14 +101,17 @@ def write_compare(run_dirs: Sequence[str | Path], out: str | Path | None = None,
     paths = write_plots(plots, folder, COMPARE_METRICS)
     files = {k: str(Path(folder.name) / p.name) for k, p in paths.items()}
     out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(out, render_compare(runs, labels, plots, files), fsync=False)
+    figures = [health_summary(run).figures for run in runs]  # (once, for the page's summary and the lines)
+    atomic_write(out, render_compare(runs, labels, plots, files, figures=figures), fsync=False)
     if said is not None:
-        said.extend(compare_lines(runs, labels))
+        said.extend(compare_lines(runs, labels, figures))
     return out
 
 
-def compare_lines(runs: Sequence[RunData], labels: Sequence[str]) -> list[str]:
-    """The page's gist in lines: the config keys that differ (with each run's value), then each run's headline figures."""
+def compare_lines(runs: Sequence[RunData], labels: Sequence[str], figures: Sequence[dict[str, Any]] | None = None
+                  ) -> list[str]:
+    """The page's gist in lines: the config keys that differ (with each run's value), then each run's headline figures
+    (``figures``: each run's health figures, where the caller has them)."""
     diff = [(k, v) for k, v in _host_aware(config_diff([run.config for run in runs]), runs)[0] if k != "run.dir"]
 
     def plain(value: Any) -> str:
@@ -120,8 +123,7 @@ def compare_lines(runs: Sequence[RunData], labels: Sequence[str]) -> list[str]:
     lines = [f"config: {len(diff)} key{'s' if len(diff) != 1 else ''} differ{'s' if len(diff) == 1 else ''} "
              f"({' | '.join(labels)}): {shown}{f'; and {len(diff) - 6} more' if len(diff) > 6 else ''}" if diff
              else "config: the same (besides run.dir)"]
-    for run, label in zip(runs, labels):
-        f = health_summary(run).figures
+    for label, f in zip(labels, figures or [health_summary(run).figures for run in runs]):
         loss = f"loss {fmt_num(f['loss_start'])} -> {fmt_num(f['loss_end'])}" if "loss_start" in f else "no loss logged"
         val = f", val loss {fmt_num(f['val_last'])}" if f.get("val_last") is not None else ""
         counts = [(len(f.get("spike_steps") or []), "loss spike", "loss spikes"),
@@ -133,7 +135,8 @@ def compare_lines(runs: Sequence[RunData], labels: Sequence[str]) -> list[str]:
     return lines
 
 
-def render_compare(runs: Sequence[RunData], labels: Sequence[str], plots=None, files: dict[str, str] | None = None) -> str:
+def render_compare(runs: Sequence[RunData], labels: Sequence[str], plots=None, files: dict[str, str] | None = None, *,
+                   figures: Sequence[dict[str, Any]] | None = None) -> str:
     """Return the comparison page as HTML."""
     plots = compare_plots(list(runs), list(labels)) if plots is None else plots
     files = files or {}
@@ -171,7 +174,7 @@ def render_compare(runs: Sequence[RunData], labels: Sequence[str], plots=None, f
         '<h2 id="snapshot">Code, libraries, device and data that differ</h2>',
         snap_html,
         '<h2 id="summary">Summary</h2>',
-        _summary(runs, head),
+        _summary(runs, head, figures),
         f'<h2 id="curves">Curves</h2><p class="detail">Left: by optimizer step. {esc(items_note(list(runs), list(labels)))}</p>',
         (f'<div class="plots wide">{"".join(figure(p, files.get(p.name)) for p in plots)}</div>' if plots
          else '<p class="empty">No metrics logged yet in any of the runs.</p>'),
@@ -254,9 +257,9 @@ def _resumed_text(run: RunData) -> str:
     return (", ".join(f"{e.step:,}" for e in resumes) or "—") + (f" ({moved} under another world size)" if moved else "")
 
 
-def _summary(runs: Sequence[RunData], head: Sequence[str]) -> str:
-    """One row per headline figure, one column per run."""
-    figures = [health_summary(run).figures for run in runs]
+def _summary(runs: Sequence[RunData], head: Sequence[str], figures: Sequence[dict[str, Any]] | None = None) -> str:
+    """One row per headline figure, one column per run (``figures``: their health figures, where the caller has them)."""
+    figures = figures or [health_summary(run).figures for run in runs]
     rows_spec = [
         ("last step", lambda f: fmt_num(f.get("last_step"))),
         ("ended by", _ending),
