@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -41,6 +42,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _temporary_files_under_pytests_folder(tmp_path_factory):
+    """Every temporary file of the suite's processes (a launcher's run-directory note that a test's SIGKILL leaves behind,
+    torchrun's agent folders, a tracker's media) goes under pytest's own folder, which pytest prunes to its last three
+    runs: a machine that runs the suite many times a day must not fill its disk with them (one did: the CI run that
+    followed failed, "could not create numbered dir")."""
+    folder, before = tmp_path_factory.mktemp("tmp"), os.environ.get("TMPDIR")
+    os.environ["TMPDIR"], tempfile.tempdir = str(folder), None
+    yield
+    if before is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before
+    tempfile.tempdir = None
 
 
 @pytest.fixture
