@@ -41,6 +41,19 @@ def outlier_samples_task(bad: tuple[int, ...] = (153, 157), scale: float = 40.0,
     return Task(model=model, train_data=TensorDataset(x, y), loss=_mse, name="outlier-samples")
 
 
+def first_steps_outliers_task(bad: tuple[int, ...] = (67, 68), scale: float = 100.0, n: int = 1024) -> Task:
+    """data, at the first step the spike rule judges (step 5 at batch 16; a new user's case): a noisy linear regression
+    whose first losses swing x3 from batch to batch (the rule's median of 4 is its lower middle), samples ``bad`` with
+    targets ``scale`` times too large. Ordinary windows are as high under step 0's state as under step 5's."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 16, generator=g)
+    y = x @ torch.randn(16, 1, generator=g) + 0.1 * torch.randn(n, 1, generator=g)
+    y[list(bad)] *= scale
+    torch.manual_seed(0)
+    return Task(model=nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1)), train_data=TensorDataset(x, y),
+                loss=_mse, name="first-steps-outliers")
+
+
 def graded_outliers_task(shifts: tuple[float, ...] = (60.0, 20.0, 8.0, 6.0, 5.0), first: int = 400, n: int = 2048) -> Task:
     """data, more bad samples than a few: samples ``first``, ``first + 1``, ... (step 26 at batch 16) have their targets
     shifted by ``shifts``; five of sixteen, where a set names at most four (a new user's case: the diagnosis said "no

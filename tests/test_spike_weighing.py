@@ -275,6 +275,11 @@ def test_one_huge_update_inside_the_optimizer_is_state_and_named_at_an_intervals
     assert d["older"]["step"] == 50, d["older"]
     assert "the update of step 60 (its interval's measured one) was x" in d["evidence"], d["evidence"]
     assert "the run's before it at the same LR" in d["evidence"], d["evidence"]
+    # the cause before the weighing: the console's line (its first clauses that fit) names the update (it said only
+    # "the updates since step 0 raised this window's loss ...; the window is normal under ...; ...", a new user's trial)
+    from stabletrain.console import brief
+
+    assert "the update of step 60 (its interval's measured one) was x" in brief(d["summary"]), brief(d["summary"])
     Trainer(cfg(*run), task=one_step_jump_task(55), run_dir=tmp_path / "j55").fit()
     d = json.loads(sorted((tmp_path / "j55" / "incidents").glob("step_*/diagnosis.json"))[0].read_text())
     assert d["failure_class"] == "state" and d["bad_samples"] is None and d["older"]["step"] == 50, d["summary"]
@@ -289,7 +294,7 @@ def test_a_window_high_under_an_older_state_names_no_batch_where_ordinary_window
     samples = {"indices": [1018, 1020], "share": 0.9, "without": {"loss": 0.5356, "ratio": 1.58}}
     older = {"step": 60, "window": 4.768, "ordinary": 1.349, "current_ordinary": 1.288, "ordinary_from": "windows",
              "window_high": True, "ordinary_high": False, "ordinary_spike_now": False, "window_not_above_now": False,
-             "ratio": 2.0, "levels": [3.98, 3.8], "median": 0.339}
+             "ratio": 2.0, "levels": [3.98, 3.8], "median": 0.339, "span": 50}  # (the rule's window: 50 losses)
     base = {"reproduces": True, "loss": 4.591, "precision": "fp32", "step": 64, "samples": samples, "surges": [],
             "where": {}, "jumps": {}}
     out = classify_spike({**base, "older": older})
@@ -304,6 +309,11 @@ def test_a_window_high_under_an_older_state_names_no_batch_where_ordinary_window
     # ratio test is off there): the window high under the older state names the batch, as before
     nll = classify_spike({**base, "older": {**older, "levels": [float("inf"), float("inf")], "median": -3.2}})
     assert nll["failure_class"] == "data" and nll["blamed_samples"] == [1018, 1020], nll
+    # under step 0's state, or one the rule's median does not reach back to, ordinary windows above the median are a
+    # loss that fell since (or a just-armed rule's noisy few): no drift, the window high there too names the batch
+    for other in ({"step": 0, "from": "checkpoint"}, {"span": 3}):
+        fell = classify_spike({**base, "older": {**older, **other}})
+        assert fell["failure_class"] == "data" and fell["blamed_samples"] == [1018, 1020], (other, fell)
 
 
 def test_a_data_spikes_samples_are_every_outlier_of_the_window_not_the_fewest_that_pass_the_bar(tmp_path):

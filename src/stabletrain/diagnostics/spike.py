@@ -154,8 +154,10 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     # Ordinary windows under this state guard.spike_ratio times the run's level before the spike (the rule's median; the
     # full rule's z-score may pass them, its window's spread grown), and as high under the older state or risen that much
     # since: the state drifted, whatever the window shows under the older state (a damaged model errs most on some samples).
+    # (as high under the older state: only one the rule's median reaches back past, :func:`_off_level`; under step 0's,
+    # or before the median's losses, ordinary windows above it are a loss that fell since, or a few noisy first losses)
     levels = (older or {}).get("levels") or [0.0, 0.0]
-    risen = ((older or {}).get("median") or 0) > 0 and levels[1] > older["ratio"] and (levels[0] > older["ratio"]
+    risen = ((older or {}).get("median") or 0) > 0 and levels[1] > older["ratio"] and (_off_level(older, m)
                                                                                          or older["ordinary_high"])
     # Ordinary windows already high under the state just before a surging update before the spike (and now): the state
     # was off before that update (an applied spike's aftershock), the window high under the older state no outlier batch.
@@ -295,8 +297,9 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     else:
         text = ("the model or optimizer state, or this window (not told apart)" if untold or older is not None and not weighed
                 else "the model or optimizer state drifted (a divergence onset, or an LR too high)")
-    text += (_lr_jump(m.get("stretch_lrs"), older) + _lr_rise(older) + _steps_grew(sizes, older) + drift + acquit
-             + _update_jump(m.get("update_jump"), older)
+    # (what moved the state first, the weighing after: the console's line keeps the first clauses that fit)
+    text += (_lr_jump(m.get("stretch_lrs"), older) + _lr_rise(older) + _steps_grew(sizes, older)
+             + _update_jump(m.get("update_jump"), older) + drift + acquit
              + _moved(older, sizes, m.get("update_jump"), m.get("step", 0)))
     if where.get("first"):
         out["blamed_module"] = where["first"]
@@ -421,14 +424,23 @@ def _whole_model_rise(m: dict[str, Any], blamed: dict[str, Any], older: dict[str
     # window's spread grew with the unsettled loss): the state drifted before that update (an LR too high)
     # (an interval snapshot after the run's start and within the rule window's reach: the rule's median is the run's
     # level around it, not a level an untrained or older state was far above in a loss still falling fast)
-    levels, bar, span = (older or {}).get("levels"), (older or {}).get("ratio"), (older or {}).get("span") or 0
-    recent = older is not None and older.get("from", "snapshot") == "snapshot" and 0 < m.get("step", 0) - older["step"] <= span
-    if recent and older["step"] > 0 and (older.get("median") or 0) > 0 and levels and bar and min(levels) > bar:
+    levels = (older or {}).get("levels")
+    if _off_level(older, m) and min(levels) > older["ratio"]:
         return (f"; {blamed['name']}'s coordinates surged in the update of step {at} (x{blamed['coord_factor']:.3g} as far "
                 f"as {_others(blamed)}) in a run already off its level: ordinary windows ran at x{levels[0]:.3g} the run's "
                 f"level before the spike ({older['median']:.4g}, the rule's median) under the state of step {older['step']}, "
                 "before that update")
     return ""
+
+
+def _off_level(older: dict[str, Any] | None, m: dict[str, Any]) -> bool:
+    """Ordinary windows guard.spike_ratio times the run's level before the spike (the rule's median) under the older
+    state, where that says the run was off its level there: an interval snapshot after the run's start, within the reach
+    of the rule's window (its median is the run's level around it, not a level an untrained or older state was far
+    above in a loss still falling fast, nor the lower middle of a just-armed rule's few noisy first losses)."""
+    levels, bar, span = (older or {}).get("levels"), (older or {}).get("ratio"), (older or {}).get("span") or 0
+    return bool(older is not None and older.get("from", "snapshot") == "snapshot" and 0 < m.get("step", 0) - older["step"]
+                <= span and older["step"] > 0 and (older.get("median") or 0) > 0 and levels and bar and levels[0] > bar)
 
 
 def _passing(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
