@@ -59,6 +59,11 @@ def _environ(pid: int) -> dict[str, str]:
 
 def children(pid: int) -> list[int]:
     """The pids whose parent is ``pid``."""
+    from multiproc import child_pids
+
+    kids = child_pids(pid)
+    if kids is not None:
+        return kids
     out = []
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
