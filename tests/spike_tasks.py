@@ -54,6 +54,18 @@ def first_steps_outliers_task(bad: tuple[int, ...] = (67, 68), scale: float = 10
                 loss=_mse, name="first-steps-outliers")
 
 
+def sgd_too_fast_task(n: int = 1024) -> Task:
+    """state, its spikes skipped (a new user's trial): a clean 4-class problem trained by SGD at an LR of 30 (a warmup
+    to it): the state drifts from step ~5, and under guard.on_spike=remedy (its fallback: skip) or skip every spike is
+    skipped, the drift goes on under the updates between them."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 16, generator=g)
+    y = (x @ torch.randn(16, 4, generator=g)).argmax(1)
+    torch.manual_seed(0)
+    return Task(model=nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), train_data=TensorDataset(x, y),
+                loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]), name="sgd-too-fast")
+
+
 def graded_outliers_task(shifts: tuple[float, ...] = (60.0, 20.0, 8.0, 6.0, 5.0), first: int = 400, n: int = 2048) -> Task:
     """data, more bad samples than a few: samples ``first``, ``first + 1``, ... (step 26 at batch 16) have their targets
     shifted by ``shifts``; five of sixteen, where a set names at most four (a new user's case: the diagnosis said "no

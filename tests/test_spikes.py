@@ -33,6 +33,7 @@ from spike_tasks import (
     outlier_samples_task,
     rare_token_task,
     sgd_regression_task,
+    sgd_too_fast_task,
     silent_feature_task,
     silent_layer_task,
     steady_regression_task,
@@ -1242,6 +1243,39 @@ def test_a_data_spike_at_the_first_step_judged_is_the_samples_not_a_drift_under_
     assert d["older"]["step"] == 0 and min(d["older"]["levels"]) > d["older"]["ratio"], d["older"]  # the case it was
     assert d["failure_class"] == "data" and d["bad_samples"] == [67, 68], d["summary"]
     assert "without them the step is normal (verified" in d["summary"] and "drifted" not in d["summary"]
+
+
+def test_a_drifts_later_spikes_skipped_are_weighed_under_a_state_from_before_it_not_called_data(tmp_path):
+    """A new user's trial: SGD at an LR of 30 drifts the state from step ~5; every spike is skipped (guard.on_spike=skip,
+    or remedy's fallback). The captures at 6, 14 and 16 were 'state', those at 21 and 26 'data: the whole window is high
+    under the state of step 10 too ... the data moved to a new level', step 10's state being inside the drift (its loss
+    27 against 1.7 before), and the stop line then advised guard.on_spike=warn. A state spike starts a drift's course
+    whether its own update was applied or skipped: the updates before it drifted the state."""
+    run_dir = tmp_path / "run"
+    Trainer(cfg("optim.name=sgd", "optim.lr=30", "optim.weight_decay=0", "clip.max_norm=null", "sched.decay=constant",
+                "sched.warmup_steps=20", "train.batch_size=16", "train.max_steps=30", "log.every=5", "ckpt.every=10",
+                "data.shuffle=false", "guard.on_spike=skip"), task=sgd_too_fast_task(), run_dir=run_dir).fit()
+    found = {d["step"]: d for d in (json.loads(f.read_text()) for f in (run_dir / "incidents").glob("step_*/diagnosis.json"))}
+    said = {t: d["summary"] for t, d in found.items()}
+    assert sorted(found) == [6, 14, 16, 21, 26] and found[6]["failure_class"] == "state", said
+    for step in (21, 26):
+        d = found[step]
+        assert d["failure_class"] == "state" and not d["bad_samples"] and "new level" not in d["summary"], d["summary"]
+        assert d["older"]["step"] < 6, d["older"]  # (the snapshot from before the drift's first spike, held while it lasts)
+
+
+def test_a_window_high_under_a_state_inside_a_drift_names_no_batch():
+    """Where no state from before a drift's first spike is kept (the chain's snapshot gone), the older state is in the
+    drift's course: a window high under it is no outlier batch (it read 'data' with every window of a drifted state)."""
+    older = {"step": 10, "window": 53.9, "ordinary": 1.677, "current_ordinary": 1.677, "ordinary_from": "median",
+             "window_high": True, "ordinary_high": False, "ordinary_spike_now": False, "window_not_above_now": False,
+             "ratio": 2.0, "no_context": True}
+    base = {"reproduces": True, "loss": 782.4, "precision": "fp32", "step": 21, "samples": None, "surges": [], "where": {},
+            "jumps": {}, "samples_note": ""}
+    assert classify_spike({**base, "older": older})["failure_class"] == "data"  # (a calm older state: the batch)
+    out = classify_spike({**base, "older": {**older, "in_drift": 6}})
+    assert out["failure_class"] == "state" and out["blamed_samples"] is None, out
+    assert "the state of step 10 is in the course of the drift the spike at step 6 began" in out["evidence"], out["evidence"]
 
 
 @pytest.mark.parametrize("start", [80, 84])

@@ -163,8 +163,10 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     # was off before that update (an applied spike's aftershock), the window high under the older state no outlier batch.
     off_before = (older is not None and older["ordinary_high"] and older.get("ordinary_previous") is not None
                   and (older["ordinary"] or 0) > 0 and older["ordinary_previous"] > older["ratio"] * older["ordinary"])
+    # (an older state in the course of a drift an earlier spike began, none from before it kept: no calm state either)
+    in_drift = (older or {}).get("in_drift")
     high_before = (older is not None and older["window_high"] and not drifted_now and not fresh and not risen
-                   and not off_before)
+                   and not off_before and in_drift is None)
     overrode = risen and older["window_high"]  # (what tells this state from a calm one that finds the window high too)
     # No older state to weigh the window against: ordinary windows that are spikes by the rule under this state say
     # the state drifted (then dropping a drifted window's largest losses "cures" it too: no sample is to blame).
@@ -262,14 +264,18 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
         else:
             window = f"the window is normal under the state of step {older['step']} ({older['window']:.4g})"
         drift = f"; {window} and ordinary windows are {where}"
+    if in_drift is not None:
+        drift += (f"; the state of step {older['step']} is in the course of the drift the spike at step {in_drift} began "
+                  "(no state from before it is kept): a window high under it names no batch")
     if samples is not None and not weak:
         drift += (f"; samples {', '.join(map(str, samples['indices']))} carry {_pct(samples['share'])} of the loss, "
                   + ("but ordinary windows are high under this state too" if drifted_now else
                      "but ordinary windows are far above the run's level before under this state too: the state "
                      "drifted" if overrode else f"but the state of step "
                      f"{older['step']} already ran at x{lr['now'] / sizes['lr']:.3g} the LR of the run's intervals before "
-                     "it: none from before the rise to weigh them under" if fresh else "but only under the current state"
-                     if weighed else "but the window is weighed against no ordinary window under the older state"))
+                     "it: none from before the rise to weigh them under" if fresh else "but in a drift's course"
+                     if in_drift is not None else "but only under the current state" if weighed else
+                     "but the window is weighed against no ordinary window under the older state"))
     if blamed is not None:
         out["blamed_layer"] = blamed["name"]
         return {**out, "failure_class": "optimizer-state",

@@ -208,11 +208,13 @@ class IncidentCapture:
         if applied:
             self.last_spike = {"step": step, "class": d.get("failure_class"), "samples": list(d.get("bad_samples") or []),
                                "sample_unit": unit}
-            chain = self.drift_at(step)
-            if chain is not None:  # (a spike of any class in a drift's course carries it on)
-                chain["last"] = step
-            elif d.get("failure_class") in DRIFT_CLASSES:
-                self.drift = {"onset": step, "last": step}
+        # A drift's course, applied or skipped: the updates before a state spike drifted the state (skipping the spike's
+        # own undoes none of them: a too-high LR's later spikes, weighed under a snapshot inside the drift, read as data)
+        chain = self.drift_at(step)
+        if chain is not None:  # (a spike of any class in a drift's course carries it on)
+            chain["last"] = step
+        elif d.get("failure_class") in DRIFT_CLASSES:
+            self.drift = {"onset": step, "last": step}
 
     def drift_at(self, step: int) -> dict[str, int] | None:
         """The chain of drifting spikes (:attr:`drift`) step ``step`` is in the course of (at most AFTERSHOCK_STEPS after its

@@ -13,9 +13,9 @@ older state with the LR its step ran at. The older state is the interval's start
   that (a jump x30 on step 130, a spike at 132: its window high under step 130's state, "data"; an optimizer that
   ran one step at x200 its LR on step 60, the interval's last, and a spike at 64: "data", two samples named); the
   snapshot before it (:meth:`IntervalSnapshot.get_previous`), where kept, ran before it (:func:`before_jump`);
-- it carries the applied updates of a chain of earlier spikes (each at most :data:`AFTERSHOCK_STEPS` after the one before)
-  whose first was diagnosed as the state's or the optimizer's (:data:`DRIFT_CLASSES`): a kept snapshot from before that
-  first one (held while the chain lasts, :meth:`IncidentCapture._hold_before_run`; ``observed.older_before_spike``);
+- it is in the course of a chain of earlier spikes (each at most :data:`AFTERSHOCK_STEPS` after the one before) whose
+  first was diagnosed as the state's or the optimizer's (:data:`DRIFT_CLASSES`), applied or skipped: a kept snapshot from
+  before that first one (held while the chain lasts, :meth:`IncidentCapture._hold_before_run`; ``observed.older_before_spike``);
 - there is none (a spike right after the interval's start): an older checkpoint (rank 0's bundle looks one up).
 """
 
@@ -38,7 +38,7 @@ __all__ = ["spike_parts", "before_run", "before_jump", "lr_jumped_at", "update_j
 MAX_CONTEXT = 3
 #: How many of the run's interval records before a spike its bundle holds (their step, LR and update/weight ratio).
 HISTORY_INTERVALS = 5
-#: An earlier applied spike of these classes left the state off: a later spike's older state is from before it.
+#: An earlier spike of these classes (applied or skipped) found the state off: a later spike's older state is from before it.
 DRIFT_CLASSES = ("state", "optimizer-state")
 #: A spike this many steps or fewer after an applied one (guard.on_spike=warn) says it may be its aftershock.
 AFTERSHOCK_STEPS = 50
