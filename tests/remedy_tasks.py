@@ -170,3 +170,21 @@ def learned_scale_task(n: int = 256, seed: int = 0) -> Task:
         return (r / (2 * m.s)).mean() + 0.5 * torch.log(m.s)
 
     return Task(model=_LearnedScale(), train_data=TensorDataset(x, y), name="learned-scale", loss=loss)
+
+
+def log_of_output_task(n: int = 512, seed: int = 2) -> Task:
+    """A Poisson-like loss with log of the model's raw output (a new user's trial): under SGD at lr 3 the first update sends
+    every output below 0 and log(out) is NaN at every sample of step 2: no sample's doing and no parameter's own log."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(n, 8, generator=g)
+    y = torch.rand(n, generator=g) + 0.5
+    model = nn.Linear(8, 1)
+    with torch.no_grad():
+        model.weight.fill_(0.1)
+        model.bias.fill_(1.0)
+
+    def loss(m: nn.Module, b) -> Tensor:
+        out = m(b[0]).squeeze(-1)
+        return -(torch.log(out) * b[1]).mean() + out.mean()
+
+    return Task(model=model, train_data=TensorDataset(x, y), name="log-of-output", loss=loss)

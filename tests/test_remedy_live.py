@@ -4,6 +4,7 @@ in its checkpoints and put back on resume (also after SIGKILL)."""
 from __future__ import annotations
 
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -369,6 +370,32 @@ def test_a_parameter_an_update_moved_out_of_logs_domain_is_named_and_a_rollback_
     (remedy,) = [e for e in events if e["kind"] == "remedy"]
     assert remedy["name"] == "rollback-lr-x0.1" and remedy["reason"].startswith("applied rollback-lr-x0.1"), remedy
     assert trainer.step == 10 and float(trainer.module.s) > 0  # trained on from step 0 at a tenth of the LR
+
+
+def test_an_activation_an_update_sent_out_of_logs_domain_at_every_sample_is_cured_by_a_rollback_not_by_dropping_samples(
+        tmp_path):
+    """A new user's trial: log of a linear model's raw output, one SGD step at lr 3 sends every output below 0: 'op ...
+    at every sample of the step (16): not the data' (outside any module: no module to blame), and the candidates were
+    skip-step, skip-samples (all 16) and LR cuts from the step before: all failed, the run stopped on its skips, and
+    `stabletrain remedy --only rollback-lr-x0.1` was refused as not fitting. Most samples going bad through one
+    computation is a state the updates made: a rollback with a lower LR is a candidate, dropping the samples is not."""
+    from stabletrain.diagnostics.candidates import candidates_for
+
+    run_dir = tmp_path / "run"
+    trainer = Trainer(cfg("train.batch_size=16", "train.max_steps=10", "log.every=5", "ckpt.every=10", "optim.name=sgd",
+                          "optim.lr=3", "clip.max_norm=null", "sched.warmup_steps=0", "sched.decay=constant",
+                          "data.shuffle=false", "remedy.steps=6", "guard.on_nonfinite=remedy",
+                          task="remedy_tasks:log_of_output_task"), run_dir=run_dir)
+    trainer.fit()
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    incident = next(e for e in events if e["kind"] == "incident")
+    d = json.loads((run_dir / "incidents" / f"step_{incident['step']:06d}" / "diagnosis.json").read_text())
+    assert incident["step"] == 2 and d["failure_class"] == "op" and d["weight_driven"], d["summary"]
+    names = [c.name for c in candidates_for(d, "fp32", [], [0])]
+    assert "skip-samples" not in names and {"rollback-lr-x0.5", "rollback-lr-x0.1"} <= set(names), names
+    (remedy,) = [e for e in events if e["kind"] == "remedy"]
+    assert remedy["name"].startswith("rollback-lr-") and remedy["reason"].startswith("applied rollback-lr-"), remedy
+    assert trainer.step == 10 and math.isfinite(json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["loss"])
 
 
 def test_a_rollback_remedy_keeps_what_the_run_decided_never_to_train_on_again(tmp_path):

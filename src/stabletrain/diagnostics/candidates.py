@@ -56,14 +56,17 @@ def candidates_for(diagnosis: dict[str, Any], precision: str, history: list[dict
         return out
     if diagnosis.get("anomaly") == "spike":
         return out + _spike_candidates(diagnosis, precision, history, rollback_steps, clip)
-    if cls in ("op", "data") and samples and not diagnosis.get("blamed_module") and not diagnosis.get("param_input"):
+    # (a diagnosis.json from before "weight_driven" was kept: its evidence says "N of M samples go bad through it")
+    weight_driven = diagnosis.get("weight_driven", "samples go bad through it" in str(diagnosis.get("evidence", "")))
+    # Most of the window going bad through one computation (outside any module too: no module to blame) is not the
+    # samples': dropping them all is no cure to offer
+    if (cls == "data" or cls == "op" and not weight_driven) and samples and not diagnosis.get("blamed_module") and not (
+            diagnosis.get("param_input")):
         out.append(SkipSamples(samples, positions=_positions(diagnosis)))
     if cls == "op" and module is not None:
         op = guarded_op(diagnosis.get("op"), diagnosis.get("autograd_node"))
         if op is not None and not _out_of_domain(op, diagnosis):
             out.append(EpsGuard(module, op, 1e-12 if op != "div" else 1e-6, _user_line(diagnosis)))
-    # (a diagnosis.json from before "weight_driven" was kept: its evidence says "N of M samples go bad through it")
-    weight_driven = diagnosis.get("weight_driven", "samples go bad through it" in str(diagnosis.get("evidence", "")))
     if cls == "overflow" and samples and not weight_driven:  # pinned to a few samples (one scaled
         # x400): dropping them, as for data (not where most of the window overflows through the module: its weights')
         out.append(SkipSamples(samples, positions=_positions(diagnosis)))
@@ -73,8 +76,10 @@ def candidates_for(diagnosis: dict[str, Any], precision: str, history: list[dict
         out += [Precision("bf16"), Scaler()]
     out += [LowerLR(0.5), LowerLR(0.1)]
     before = [t for t in rollback_steps if t < int(diagnosis.get("step") or 0)]
-    if cls == "op" and diagnosis.get("param_input") and before:  # a parameter the updates moved out of the op's domain:
-        out += [RollbackLR(0.5, step=max(before)), RollbackLR(0.1, step=max(before))]  # back before them, slower
+    # A parameter the updates moved out of the op's domain, or most samples going bad through the op (a state the updates
+    # made: one SGD step at too high an LR sent every output below a log's 0): back before them, slower
+    if cls == "op" and (diagnosis.get("param_input") or weight_driven) and before:
+        out += [RollbackLR(0.5, step=max(before)), RollbackLR(0.1, step=max(before))]
     if cls == "divergence":
         grew = diagnosis.get("growth") or {}
         since = grew.get("since_step")

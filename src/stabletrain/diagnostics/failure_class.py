@@ -177,7 +177,7 @@ def classify_failure(d: dict[str, Any], history: list[dict[str, Any]] | None = N
         return {**out, "failure_class": "overflow", "evidence": text + (f"; {share}" if weight_driven else "") + (
             f"; before it the run's {_growth_text(grew)}" if grew is not None else ""), "weight_driven": weight_driven}
     if first and first.get("origin"):
-        out["blamed_module"] = module if weight_driven else None
+        out["blamed_module"], out["weight_driven"] = (module if weight_driven else None), weight_driven
         node = f" ({first['autograd_node']})" if first.get("autograd_node") else ""
         article = "an" if str(first["kind"])[:1] in "aeiou" else "a"  # (an inf, a nan)
         text = (f"{first['op']}{node} in {first['direction']} {_place(module, 'of')} makes {article} {first['kind']} "
