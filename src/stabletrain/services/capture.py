@@ -199,19 +199,17 @@ class IncidentCapture:
             self._note_spike(int(e["step"]), e.get("diagnosis"), applied=applied and i == len(spikes) - 1)
 
     def _note_spike(self, step: int, diagnosis: dict[str, Any] | None, applied: bool) -> None:
-        """A captured spike's diagnosis: the samples it named (by dataset index), and, where its update was
-        ``applied``, itself as the spike a later one may be the aftershock of."""
-        d = diagnosis or {}
-        unit = d.get("sample_unit", "dataset index")
+        """A captured spike's diagnosis: the samples it named (by dataset index), where its update was ``applied`` itself
+        as the spike a later one may be the aftershock of, and a drift's course, applied or skipped (the updates before a
+        state spike drifted the state: skipping its own undoes none of them; a too-high LR's later spikes, weighed under
+        a snapshot inside the drift, read as data)."""
+        d, unit = diagnosis or {}, (diagnosis or {}).get("sample_unit", "dataset index")
         if unit == "dataset index":
             self.spiked_samples.update((int(i), step) for i in d.get("bad_samples") or [])
         if applied:
             self.last_spike = {"step": step, "class": d.get("failure_class"), "samples": list(d.get("bad_samples") or []),
                                "sample_unit": unit}
-        # A drift's course, applied or skipped: the updates before a state spike drifted the state (skipping the spike's
-        # own undoes none of them: a too-high LR's later spikes, weighed under a snapshot inside the drift, read as data)
-        chain = self.drift_at(step)
-        if chain is not None:  # (a spike of any class in a drift's course carries it on)
+        if (chain := self.drift_at(step)) is not None:  # (a spike of any class in a drift's course carries it on)
             chain["last"] = step
         elif d.get("failure_class") in DRIFT_CLASSES:
             self.drift = {"onset": step, "last": step}
