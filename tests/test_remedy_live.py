@@ -396,6 +396,17 @@ def test_an_activation_an_update_sent_out_of_logs_domain_at_every_sample_is_cure
     (remedy,) = [e for e in events if e["kind"] == "remedy"]
     assert remedy["name"].startswith("rollback-lr-") and remedy["reason"].startswith("applied rollback-lr-"), remedy
     assert trainer.step == 10 and math.isfinite(json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["loss"])
+    # `stabletrain remedy` on it again (other --steps) keeps the run's own search, the one it applied from (it replaced
+    # it: the report's Remedies section lost it)
+    folder = run_dir / "incidents" / "step_000002"
+    ran = json.loads((folder / "remedy.json").read_text())
+    assert ran["by_the_run"] and main(["remedy", str(folder), "--steps", "2", "--only", "lr-x0.5"]) == 0
+    assert json.loads((folder / "remedy.run.json").read_text()) == ran and "by_the_run" not in json.loads(
+        (folder / "remedy.json").read_text())
+    assert main(["remedy", str(folder), "--steps", "3", "--only", "lr-x0.1"]) == 0  # (kept once: not the CLI's over it)
+    assert json.loads((folder / "remedy.run.json").read_text()) == ran
+    assert main(["report", str(run_dir)]) == 0
+    assert "the run's own search, which it applied from" in (run_dir / "report.html").read_text()
 
 
 def test_a_rollback_remedy_keeps_what_the_run_decided_never_to_train_on_again(tmp_path):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,7 +63,7 @@ from .policies.accumulation import loss_sums
 from .policies.guard import Guard, routine_overflow, spike_test
 from .policies.precision import resolve_device
 from .policies.spike_rule import armed_at
-from .records.bundles import DIAGNOSIS_FILE, REMEDY_FILE, load_bundle
+from .records.bundles import DIAGNOSIS_FILE, REMEDY_FILE, RUN_REMEDY_FILE, load_bundle
 from .records.checkpoint.manager import CheckpointManager
 from .records.jsonl import json_safe, read_jsonl, revive
 from .replica import KEEP, Replica
@@ -421,6 +422,19 @@ def search_remedies(directory: str | Path, task: Task | None = None, *, steps: i
         "timings": {"load_s": load_s, "replay_s": time.perf_counter() - start - load_s, "total_s": time.perf_counter() - start,
                     "steps_replayed": total_steps},
     }
-    record = json_safe(record)  # what remedy.json holds: strict JSON ("nan", "inf" as strings)
+    record = json_safe({**record, **({"by_the_run": True} if live_only else {})})  # strict JSON ("nan", "inf" as strings)
+    _keep_the_runs_own(directory)
     atomic_write(directory / REMEDY_FILE, json.dumps(record, indent=2, default=str, allow_nan=False) + "\n")
     return record
+
+
+def _keep_the_runs_own(directory: Path) -> None:
+    """Before a search replaces ``directory``'s remedy.json: the run's own search (``by_the_run``, what it applied from)
+    moves to :data:`~stabletrain.records.bundles.RUN_REMEDY_FILE`, once (a rerun of ``stabletrain remedy`` with other
+    ``--steps`` replaced it, and the report's Remedies section lost the search the run had applied)."""
+    path, kept = directory / REMEDY_FILE, directory / RUN_REMEDY_FILE
+    try:
+        if not kept.exists() and json.loads(path.read_text(encoding="utf-8")).get("by_the_run"):
+            os.replace(path, kept)
+    except (OSError, ValueError, AttributeError):  # none there, or not a record: replaced as it is
+        pass

@@ -25,7 +25,8 @@ bf16 and scaler (overflow under fp16), lr-x0.5 and lr-x0.1 (every class), rollba
 clip (divergence); for a loss spike: skip-samples (data), module-fp32 and the whole run in bf16 or fp32
 (precision), update-clip and adam-eps for the named layer
 (optimizer-state), lr-x0.5, lr-x0.1, and rollback-lr and clip (state, optimizer-state).
-Writes remedy.json in the incident directory (replacing an earlier one). Time: about (K+1) x candidates
+Writes remedy.json in the incident directory (replacing an earlier one; the run's own search, where it made one, is
+kept in remedy.run.json). Time: about (K+1) x candidates
 steps plus one load."""
 
 
@@ -41,6 +42,7 @@ def add_remedy_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_remedy(args: argparse.Namespace) -> int:
+    from ..records.bundles import RUN_REMEDY_FILE
     from ..remedy_search import format_table, search_remedies
     from . import incident_dir
 
@@ -67,5 +69,7 @@ def cmd_remedy(args: argparse.Namespace) -> int:
         print(json.dumps(record, indent=2, default=str))
     else:
         print(format_table(record))
-        print(f"written to {path / 'remedy.json'}")
+        kept = path / RUN_REMEDY_FILE
+        print(f"written to {path / 'remedy.json'}" + (f" (the run's own search, which it applied from, is kept in {kept})"
+                                                       if kept.is_file() else ""))
     return 0

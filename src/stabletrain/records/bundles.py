@@ -37,7 +37,7 @@ from ..fileio import atomic_write
 from .checkpoint.shards import is_dcp_entry, to_full_state
 
 __all__ = ["write_bundle", "load_bundle", "incident_order", "set_aside_incidents", "sample_ranks", "with_sample_ranks",
-           "BUNDLE_FILE", "BUNDLE_DCP_DIR", "DIAGNOSIS_FILE", "REMEDY_FILE", "STATE_IN", "REPLAYED_FILE"]
+           "BUNDLE_FILE", "BUNDLE_DCP_DIR", "DIAGNOSIS_FILE", "REMEDY_FILE", "RUN_REMEDY_FILE", "STATE_IN", "REPLAYED_FILE"]
 
 BUNDLE_FILE = "bundle.pt"
 BUNDLE_DCP_DIR = "dcp"
@@ -46,6 +46,9 @@ DIAGNOSIS_FILE = "diagnosis.json"
 #: capture's stays the record (an adapter's model rebuilt in a new process may not be the one that trained).
 REPLAYED_FILE = "diagnosis.replayed.json"
 REMEDY_FILE = "remedy.json"
+#: The search a run made itself (``guard.on_nonfinite/on_spike=remedy``), kept here when ``stabletrain remedy`` searches
+#: the incident again (its remedy.json is then the new search's): what the run applied stays on the record.
+RUN_REMEDY_FILE = "remedy.run.json"
 #: A bundle whose model and optimizer are another bundle's (a DDP incident's later ranks, ``rank_R/``: every rank
 #: holds the same ones) names that bundle's directory, relative to its own, under this key instead of holding them.
 STATE_IN = "model_and_optimizer_in"

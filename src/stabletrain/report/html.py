@@ -448,8 +448,8 @@ def _top_layers(run: RunData) -> str:
 
 def _remedies(run: RunData) -> str:
     """The "Remedies" section: each incident's ``remedy.json`` (``stabletrain remedy``), its candidates ranked."""
-    parts = []
-    for path in sorted((run.path / "incidents").glob(f"step_*/{REMEDY_FILE}"), key=lambda p: incident_order(p.parent)):
+    parts, found = [], (run.path / "incidents").glob("step_*/remedy*.json")  # (remedy.run.json: the run's own, kept)
+    for path in sorted(found, key=lambda p: (incident_order(p.parent), p.name == REMEDY_FILE)):
         try:
             record = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as err:
@@ -467,7 +467,8 @@ def _remedies(run: RunData) -> str:
         parts.append(
             f"<h3>Step {esc(record.get('step'))}: {esc(record.get('failure_class'))}"
             + (f" <small>(superseded: restart {esc(path.parent.name.rsplit('-', 1)[-1])} went back past it; "
-               f"{esc(path.parent.name)})</small>" if superseded else "") + "</h3>"
+               f"{esc(path.parent.name)})</small>" if superseded else "") + (" <small>(the run's own search, which it applied "
+               f"from; {REMEDY_FILE} holds a later one)</small>" if path.name != REMEDY_FILE else "") + "</h3>"
             f'<p class="detail">{esc(record.get("evidence"))}. '
             + (f"Replayed the incident's window only ({esc(record['note'])}; " if record.get("note") else
                f"Replayed the incident's window and the {esc(record.get('steps'))} after it (")
