@@ -407,6 +407,16 @@ def test_an_activation_an_update_sent_out_of_logs_domain_at_every_sample_is_cure
     assert json.loads((folder / "remedy.run.json").read_text()) == ran
     assert main(["report", str(run_dir)]) == 0
     assert "the run's own search, which it applied from" in (run_dir / "report.html").read_text()
+    # compare says it too (a trial: each run's line said only 'finished', the page had no remedy, restart or goodput row)
+    from stabletrain.report import load_run
+    from stabletrain.report.compare import compare_lines, render_compare
+
+    runs = [load_run(run_dir)] * 2
+    line = compare_lines(runs, ["a", "b"])[1]
+    assert line.startswith("a: ") and line.endswith(f"; finished; {remedy['name']} (incident at step 2)"), line
+    page = render_compare(runs, ["a", "b"], plots=[])
+    assert f'<td class="">remedies applied</td><td class="num">{remedy["name"]} (incident at step 2)</td>' in page
+    assert '<td class="">restarts</td><td class="num">0</td>' in page and '<td class="">goodput</td><td class="num">' in page
 
 
 def test_a_rollback_remedy_keeps_what_the_run_decided_never_to_train_on_again(tmp_path):

@@ -387,7 +387,7 @@ def test_compare_draws_post_clip_norms_from_zero_and_one_setting_of_two_hosts_on
         config = json.loads((run / "config.yaml").read_text())
         (run / "config.yaml").write_text(json.dumps({**config, "run": {"dir": str(run)}, "optim": {"lr": lr}}))
     dirs = write_compare(runs, tmp_path / "dirs.html").read_text(encoding="utf-8")
-    assert "Config keys that differ (2, besides run.dir)" in dirs and '<td class="key">run.dir</td>' in dirs
+    assert "Config keys that differ (2, and run.dir)" in dirs and '<td class="key">run.dir</td>' in dirs
     assert "Config keys that differ (1)" in page  # the host itself; each host's own argument names: left out, said
     assert '<td class="key">integration</td>' in page and '<td class="key">clip.max_norm</td>' not in page
     assert "4 <code>host.*</code> keys are left out: each host (lightning, monitor) names its own arguments" in page

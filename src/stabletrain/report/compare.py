@@ -16,6 +16,7 @@ from typing import Any
 from ..config import ABSENT, flatten_config
 from ..config.diff import with_task_defaults
 from ..fileio import atomic_write, check_folder
+from .goodput import read_goodput
 from .health import health_summary
 from .html import esc, figure, footer, page, problems_box, table, value_cell, write_plots
 from .plots import COLORS, COMPARE_METRICS, compare_plots, items_note
@@ -131,8 +132,21 @@ def compare_lines(runs: Sequence[RunData], labels: Sequence[str], figures: Seque
                   (f.get("skipped_steps") or 0, "skipped step", "skipped steps"),
                   (len(f.get("incidents", [])), "incident captured", "incidents captured")]
         told = ", ".join(f"{n:,} {one if n == 1 else many}" for n, one, many in counts)
-        lines.append(f"{label}: {loss}{val}; {told}; {_ending(f)}")
+        lines.append(f"{label}: {loss}{val}; {told}; {_ending(f)}"
+                     + "".join(f"; {x}" for x in (_remedies_text(f), _restarts_text(f)) if x != "—"))
     return lines
+
+
+def _remedies_text(f: dict[str, Any]) -> str:
+    """The remedies a run applied (a config changed mid-run): "rollback-lr-x0.1 (incident at step 38)", or "—"."""
+    done = [r for r in f.get("remedies") or [] if r.get("name")]
+    return ", ".join(f"{r['name']}" + (f" (incident at step {r['incident_step']:,})" if isinstance(r.get("incident_step"), int)
+                                       else "") for r in done) or "—"
+
+
+def _restarts_text(f: dict[str, Any]) -> str:
+    n = f.get("restarts") or 0
+    return f"restarted itself {n} time{'s' if n != 1 else ''}" if n else "—"
 
 
 def render_compare(runs: Sequence[RunData], labels: Sequence[str], plots=None, files: dict[str, str] | None = None, *,
@@ -169,7 +183,7 @@ def render_compare(runs: Sequence[RunData], labels: Sequence[str], plots=None, f
         '<nav><a href="#config">Config differences</a><a href="#summary">Summary</a><a href="#curves">Curves</a></nav>',
         # (run.dir differs between any two runs of the CLI: not counted as a setting, said)
         f'<h2 id="config">Config keys that differ ({sum(k != "run.dir" for k, _ in diff)}'
-        f'{", besides run.dir" if any(k == "run.dir" for k, _ in diff) else ""})</h2>',
+        f'{", and run.dir" if any(k == "run.dir" for k, _ in diff) else ""})</h2>',
         config_html,
         '<h2 id="snapshot">Code, libraries, device and data that differ</h2>',
         snap_html,
@@ -275,7 +289,11 @@ def _summary(runs: Sequence[RunData], head: Sequence[str], figures: Sequence[dic
         ("median throughput", lambda f: f"{fmt_num(round(f['tokens_per_s_median']))} {f['count_unit']}/s"
          if "tokens_per_s_median" in f else "—"),
         ("peak memory MiB", lambda f: fmt_num(round(f["peak_memory_mib"])) if "peak_memory_mib" in f else "—"),
+        ("remedies applied", _remedies_text),
+        ("restarts", lambda f: fmt_num(f.get("restarts") or 0)),
     ]
     rows = [[esc(name), *(esc(fn(f)) for f in figures)] for name, fn in rows_spec]
     rows.insert(2, ["resumed at step", *(esc(_resumed_text(run)) for run in runs)])
+    put = [(g.line().removeprefix("goodput ") if (g := read_goodput(run.path)) is not None else "—") for run in runs]
+    rows.append(["goodput", *map(esc, put)])
     return table(["", *head], rows, ["", *["num"] * len(runs)])
