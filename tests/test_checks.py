@@ -117,7 +117,9 @@ def test_a_cast_model_whose_forward_fails_on_float32_inputs_is_named_by_the_chec
     assert not accum.passed and accum.summary.endswith("(the same error as in the overfit check: traceback there)")
     assert main(["train", "task=broken_tasks:half_model_float_inputs_task", "log.progress=false",
                  f"run.dir={tmp_path / 'run'}"]) == 1
-    assert capsys.readouterr().err.splitlines()[1] == said
+    err = capsys.readouterr().err.splitlines()  # (after the warning that the model is cast wholesale, said at its wrap)
+    at = next(i for i, x in enumerate(err) if x.startswith("stabletrain: error: "))
+    assert err[at + 1] == said and "a model cast wholesale (.half())" in err[0], err
 
 
 def test_init_says_which_layers_are_frozen(tmp_path):

@@ -216,3 +216,23 @@ def test_fp16_inputs_check_inputs_finds_non_finite_skip_the_step_without_backing
     assert rows[8]["loss_scale"] == rows[7]["loss_scale"] / 2 and rows[8]["loss"] != "nan"  # a routine overflow backs off
     plain = run("false")  # torch's GradScaler's own way: the NaN gradients back it off
     assert plain[5]["loss_scale"] == plain[4]["loss_scale"] / 2, plain
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_model_cast_wholesale_is_warned_of_once_with_what_to_do_instead(tmp_path, precision):
+    """A new user's trial: a .half() model trained silently under `stabletrain train`, its report saying "precision fp32":
+    its weights trained in half precision with no float32 master copy and no loss scaling. A model kept in float32 is not
+    warned of."""
+    from broken_tasks import half_model_task
+
+    from stabletrain.console import StableTrainWarning
+
+    with pytest.warns(StableTrainWarning, match="cast wholesale") as seen:
+        Trainer(cfg("train.max_steps=2", f"precision={precision}"), task=half_model_task(), run_dir=tmp_path / "half").fit()
+    said = [str(w.message) for w in seen if "cast wholesale" in str(w.message)]
+    assert len(said) == 1 and f"4 of 4 parameters are stored in bfloat16 (e.g. 0.weight), a model cast wholesale (.half()): " \
+        f"precision={precision} trains those weights in their own dtype" in said[0], said
+    with warnings.catch_warnings(record=True) as plain:
+        warnings.simplefilter("always")
+        Trainer(cfg("train.max_steps=2", f"precision={precision}"), task=regression_task(), run_dir=tmp_path / "fp32").fit()
+    assert not [w for w in plain if "cast wholesale" in str(w.message)]

@@ -31,6 +31,7 @@ rest (:meth:`Strategy.save_checkpoint`). A sharded (DCP) checkpoint loads under 
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -41,6 +42,8 @@ import torch
 from torch import nn
 
 from .. import console
+from ..console import StableTrainWarning
+from ..errors import half_params
 from ..internals import eager_module
 from ..numerics import unique_params
 from ..policies.accumulation import AccumulationWindow, sums_safe
@@ -101,6 +104,13 @@ class Strategy:
                              "the module itself and set config key 'train.compile' to true (checkpoints, diagnoses and "
                              "resume then use its own parameter names, without '_orig_mod.')")
         parts, fingerprint = self._wrap(module, task, fingerprint)
+        half = half_params(module)
+        if half is not None:  # (a trial's .half() model trained silently, its report saying "precision fp32")
+            warnings.warn(f"task {self.cfg.task!r}: {half[0]}, a model cast wholesale (.half()): precision="
+                          f"{parts.precision.mode} trains those weights in their own dtype, with no float32 master copy and "
+                          "no loss scaling: small updates round away and small gradients underflow to 0. Keep the model in "
+                          "float32 and set precision=bf16 or fp16 (autocast, and a GradScaler for fp16)",
+                          StableTrainWarning, stacklevel=console.user_stacklevel())
         if self.cfg.train.compile:
             parts.model = torch.compile(parts.model)
         return parts, fingerprint
