@@ -51,12 +51,20 @@ def _temporary_files_under_pytests_folder(tmp_path_factory):
     runs: a machine that runs the suite many times a day must not fill its disk with them (one did: the CI run that
     followed failed, "could not create numbered dir")."""
     folder, before = tmp_path_factory.mktemp("tmp"), os.environ.get("TMPDIR")
+    # torch.compile's cache stays where it was (under the temporary folder by default): compiled tests keep a warm cache
+    import getpass
+
+    cache = "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    if cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
     os.environ["TMPDIR"], tempfile.tempdir = str(folder), None
     yield
     if before is None:
         os.environ.pop("TMPDIR", None)
     else:
         os.environ["TMPDIR"] = before
+    if cache:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
     tempfile.tempdir = None
 
 

@@ -379,7 +379,7 @@ def test_an_activation_an_update_sent_out_of_logs_domain_at_every_sample_is_cure
     skip-step, skip-samples (all 16) and LR cuts from the step before: all failed, the run stopped on its skips, and
     `stabletrain remedy --only rollback-lr-x0.1` was refused as not fitting. Most samples going bad through one
     computation is a state the updates made: a rollback with a lower LR is a candidate, dropping the samples is not."""
-    from stabletrain.diagnostics.candidates import candidates_for
+    from stabletrain.diagnostics.candidates import candidates_for, why_not_offered
 
     run_dir = tmp_path / "run"
     trainer = Trainer(cfg("train.batch_size=16", "train.max_steps=10", "log.every=5", "ckpt.every=10", "optim.name=sgd",
@@ -393,6 +393,7 @@ def test_an_activation_an_update_sent_out_of_logs_domain_at_every_sample_is_cure
     assert incident["step"] == 2 and d["failure_class"] == "op" and d["weight_driven"], d["summary"]
     names = [c.name for c in candidates_for(d, "fp32", [], [0])]
     assert "skip-samples" not in names and {"rollback-lr-x0.5", "rollback-lr-x0.1"} <= set(names), names
+    assert why_not_offered("skip-samples", d).startswith("skip-samples: most of the window's samples go bad through the op")
     (remedy,) = [e for e in events if e["kind"] == "remedy"]
     assert remedy["name"].startswith("rollback-lr-") and remedy["reason"].startswith("applied rollback-lr-"), remedy
     assert trainer.step == 10 and math.isfinite(json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["loss"])
@@ -406,7 +407,7 @@ def test_an_activation_an_update_sent_out_of_logs_domain_at_every_sample_is_cure
     assert main(["remedy", str(folder), "--steps", "3", "--only", "lr-x0.1"]) == 0  # (kept once: not the CLI's over it)
     assert json.loads((folder / "remedy.run.json").read_text()) == ran
     assert main(["report", str(run_dir)]) == 0
-    assert "the run's own search, which it applied from" in (run_dir / "report.html").read_text()
+    assert "the run's own search, made while it ran" in (run_dir / "report.html").read_text()
     # compare says it too (a trial: each run's line said only 'finished', the page had no remedy, restart or goodput row)
     from stabletrain.report import load_run
     from stabletrain.report.compare import compare_lines, render_compare

@@ -314,6 +314,8 @@ def test_a_window_high_under_an_older_state_names_no_batch_where_ordinary_window
     for other in ({"step": 0, "from": "checkpoint"}, {"span": 3}):
         fell = classify_spike({**base, "older": {**older, **other}})
         assert fell["failure_class"] == "data" and fell["blamed_samples"] == [1018, 1020], (other, fell)
+    # (a checkpoint within the rule window's reach, as a DDP spike opening its interval gets, reads as the snapshot)
+    assert classify_spike({**base, "older": {**older, "from": "checkpoint"}})["failure_class"] == "state"
 
 
 def test_a_data_spikes_samples_are_every_outlier_of_the_window_not_the_fewest_that_pass_the_bar(tmp_path):

@@ -1264,20 +1264,6 @@ def test_a_drifts_later_spikes_skipped_are_weighed_under_a_state_from_before_it_
         assert d["older"]["step"] < 6, d["older"]  # (the snapshot from before the drift's first spike, held while it lasts)
 
 
-def test_a_window_high_under_a_state_inside_a_drift_names_no_batch():
-    """Where no state from before a drift's first spike is kept (the chain's snapshot gone), the older state is in the
-    drift's course: a window high under it is no outlier batch (it read 'data' with every window of a drifted state)."""
-    older = {"step": 10, "window": 53.9, "ordinary": 1.677, "current_ordinary": 1.677, "ordinary_from": "median",
-             "window_high": True, "ordinary_high": False, "ordinary_spike_now": False, "window_not_above_now": False,
-             "ratio": 2.0, "no_context": True}
-    base = {"reproduces": True, "loss": 782.4, "precision": "fp32", "step": 21, "samples": None, "surges": [], "where": {},
-            "jumps": {}, "samples_note": ""}
-    assert classify_spike({**base, "older": older})["failure_class"] == "data"  # (a calm older state: the batch)
-    out = classify_spike({**base, "older": {**older, "in_drift": 6}})
-    assert out["failure_class"] == "state" and out["blamed_samples"] is None, out
-    assert "the state of step 10 is in the course of the drift the spike at step 6 began" in out["evidence"], out["evidence"]
-
-
 @pytest.mark.parametrize("start", [80, 84])
 def test_a_spike_in_a_drift_opening_its_interval_is_weighed_under_the_state_from_before_the_drift(start):
     """A drift began with a spike at step 65; a later spike at step 85. Its interval started at step 84 (a review): the

@@ -150,14 +150,12 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
         if not m["fp32"]["spike"]:  # where the low-precision outputs first part from fp32's, and where it is lost
             m["where"] = _fp32_cure(bench, spike, rule, precision_departures(
                 *bench.module_errors(spike, replica.model, bench.precision, fp32)))
-    back = observed.get("older_before_spike")
-    if back and not back.get("found", True) and m["older"] is not None:  # no kept state from before the drift's onset:
-        m["older"]["in_drift"] = back["spike"]  # the older state is in its course (a window high there names no batch)
     verdict = classify_spike(m)
     if blocked:
         verdict["evidence"] += (f"; precision is not ruled out: a replay of the step in fp32 runs in {precision} too (the "
                                 "loss function turns torch.autocast on itself; enter it through the adapter, e.g. "
                                 "Monitor.autocast(), and a replay can turn it off)")
+    back = observed.get("older_before_spike")
     if back and back.get("found", True) and m["older"] is not None and m["reproduces"]:  # (a state from before a drift)
         m["older"]["before_spike"] = back["spike"]
         verdict["evidence"] += (f"; the older state is step {m['older']['step']}'s, from before the spike at step "

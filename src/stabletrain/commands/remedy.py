@@ -70,6 +70,6 @@ def cmd_remedy(args: argparse.Namespace) -> int:
     else:
         print(format_table(record))
         kept = path / RUN_REMEDY_FILE
-        print(f"written to {path / 'remedy.json'}" + (f" (the run's own search, which it applied from, is kept in {kept})"
+        print(f"written to {path / 'remedy.json'}" + (f" (the run's own search, made while it ran, is kept in {kept})"
                                                        if kept.is_file() else ""))
     return 0

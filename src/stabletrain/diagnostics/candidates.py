@@ -187,4 +187,7 @@ def why_not_offered(name: str, diagnosis: dict[str, Any]) -> str | None:
                     "guard would only turn the NaN into a huge loss; the value itself is the bug")
         if op is None:
             return f"eps-guard: {diagnosis.get('op')} is no op a guard can keep in its domain (a log, a root, a division)"
+    if name == "skip-samples" and diagnosis.get("failure_class") == "op" and diagnosis.get("weight_driven"):
+        return ("skip-samples: most of the window's samples go bad through the op (the model's computation at this state, "
+                "not a few samples): dropping them all is no cure; a rollback with a lower LR is offered instead")
     return None

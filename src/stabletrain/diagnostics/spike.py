@@ -157,16 +157,14 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     # (as high under the older state: only one the rule's median reaches back past, :func:`_off_level`; under step 0's,
     # or before the median's losses, ordinary windows above it are a loss that fell since, or a few noisy first losses)
     levels = (older or {}).get("levels") or [0.0, 0.0]
-    risen = ((older or {}).get("median") or 0) > 0 and levels[1] > older["ratio"] and (_off_level(older, m)
+    risen = ((older or {}).get("median") or 0) > 0 and levels[1] > older["ratio"] and (_off_level(older, m, True)
                                                                                          or older["ordinary_high"])
     # Ordinary windows already high under the state just before a surging update before the spike (and now): the state
     # was off before that update (an applied spike's aftershock), the window high under the older state no outlier batch.
     off_before = (older is not None and older["ordinary_high"] and older.get("ordinary_previous") is not None
                   and (older["ordinary"] or 0) > 0 and older["ordinary_previous"] > older["ratio"] * older["ordinary"])
-    # (an older state in the course of a drift an earlier spike began, none from before it kept: no calm state either)
-    in_drift = (older or {}).get("in_drift")
     high_before = (older is not None and older["window_high"] and not drifted_now and not fresh and not risen
-                   and not off_before and in_drift is None)
+                   and not off_before)
     overrode = risen and older["window_high"]  # (what tells this state from a calm one that finds the window high too)
     # No older state to weigh the window against: ordinary windows that are spikes by the rule under this state say
     # the state drifted (then dropping a drifted window's largest losses "cures" it too: no sample is to blame).
@@ -264,18 +262,14 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
         else:
             window = f"the window is normal under the state of step {older['step']} ({older['window']:.4g})"
         drift = f"; {window} and ordinary windows are {where}"
-    if in_drift is not None:
-        drift += (f"; the state of step {older['step']} is in the course of the drift the spike at step {in_drift} began "
-                  "(no state from before it is kept): a window high under it names no batch")
     if samples is not None and not weak:
         drift += (f"; samples {', '.join(map(str, samples['indices']))} carry {_pct(samples['share'])} of the loss, "
                   + ("but ordinary windows are high under this state too" if drifted_now else
                      "but ordinary windows are far above the run's level before under this state too: the state "
                      "drifted" if overrode else f"but the state of step "
                      f"{older['step']} already ran at x{lr['now'] / sizes['lr']:.3g} the LR of the run's intervals before "
-                     "it: none from before the rise to weigh them under" if fresh else "but in a drift's course"
-                     if in_drift is not None else "but only under the current state" if weighed else
-                     "but the window is weighed against no ordinary window under the older state"))
+                     "it: none from before the rise to weigh them under" if fresh else "but only under the current state"
+                     if weighed else "but the window is weighed against no ordinary window under the older state"))
     if blamed is not None:
         out["blamed_layer"] = blamed["name"]
         return {**out, "failure_class": "optimizer-state",
@@ -439,14 +433,16 @@ def _whole_model_rise(m: dict[str, Any], blamed: dict[str, Any], older: dict[str
     return ""
 
 
-def _off_level(older: dict[str, Any] | None, m: dict[str, Any]) -> bool:
+def _off_level(older: dict[str, Any] | None, m: dict[str, Any], checkpoint: bool = False) -> bool:
     """Ordinary windows guard.spike_ratio times the run's level before the spike (the rule's median) under the older
-    state, where that says the run was off its level there: an interval snapshot after the run's start, within the reach
-    of the rule's window (its median is the run's level around it, not a level an untrained or older state was far
-    above in a loss still falling fast, nor the lower middle of a just-armed rule's few noisy first losses)."""
+    state, where that says the run was off its level there: a state after the run's start within the reach of the rule's
+    window (its median is the run's level around it, not a level an untrained or older state was far above in a loss
+    still falling fast, nor the lower middle of a just-armed rule's few noisy first losses): an interval snapshot, or
+    with ``checkpoint`` an older checkpoint too (one is loaded only within that reach)."""
     levels, bar, span = (older or {}).get("levels"), (older or {}).get("ratio"), (older or {}).get("span") or 0
-    return bool(older is not None and older.get("from", "snapshot") == "snapshot" and 0 < m.get("step", 0) - older["step"]
-                <= span and older["step"] > 0 and (older.get("median") or 0) > 0 and levels and bar and levels[0] > bar)
+    return bool(older is not None and (checkpoint or older.get("from", "snapshot") == "snapshot")
+                and 0 < m.get("step", 0) - older["step"] <= span and older["step"] > 0 and (older.get("median") or 0) > 0
+                and levels and bar and levels[0] > bar)
 
 
 def _passing(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

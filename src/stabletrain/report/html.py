@@ -467,8 +467,8 @@ def _remedies(run: RunData) -> str:
         parts.append(
             f"<h3>Step {esc(record.get('step'))}: {esc(record.get('failure_class'))}"
             + (f" <small>(superseded: restart {esc(path.parent.name.rsplit('-', 1)[-1])} went back past it; "
-               f"{esc(path.parent.name)})</small>" if superseded else "") + (" <small>(the run's own search, which it applied "
-               f"from; {REMEDY_FILE} holds a later one)</small>" if path.name != REMEDY_FILE else "") + "</h3>"
+               f"{esc(path.parent.name)})</small>" if superseded else "") + (" <small>(the run's own search, made while it "
+               f"ran; {REMEDY_FILE} holds a later one)</small>" if path.name != REMEDY_FILE else "") + "</h3>"
             f'<p class="detail">{esc(record.get("evidence"))}. '
             + (f"Replayed the incident's window only ({esc(record['note'])}; " if record.get("note") else
                f"Replayed the incident's window and the {esc(record.get('steps'))} after it (")

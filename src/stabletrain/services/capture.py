@@ -177,8 +177,8 @@ class IncidentCapture:
         self.replaying = False  # a capture is replaying: the source's own per-step hooks stand by
         self.warned = False  # a step that could not be captured was said once
         self.last_spike: dict[str, Any] | None = None  # the last captured spike whose update was applied
-        # A chain of applied spikes diagnosed as the state's or the optimizer's, each at most AFTERSHOCK_STEPS after the
-        # one before: {"onset", "last"} (steps). While it lasts a later spike is weighed under a state from before it.
+        # A chain of spikes (applied or skipped) from one diagnosed as the state's or the optimizer's, each at most
+        # AFTERSHOCK_STEPS after the one before: {"onset", "last"}. While it lasts a later one is weighed under a state before it.
         self.drift: dict[str, int] | None = None
         #: The samples earlier spikes' diagnoses named (dataset index -> the spike's step): a spike they carry again is
         #: theirs coming back, however many spikes came in between.

@@ -40,7 +40,8 @@ MAX_CONTEXT = 3
 HISTORY_INTERVALS = 5
 #: An earlier spike of these classes (applied or skipped) found the state off: a later spike's older state is from before it.
 DRIFT_CLASSES = ("state", "optimizer-state")
-#: A spike this many steps or fewer after an applied one (guard.on_spike=warn) says it may be its aftershock.
+#: A spike this many steps or fewer after an applied one (guard.on_spike=warn) says it may be its aftershock; a drift's
+#: chain of spikes (applied or skipped) lasts while each comes this many steps or fewer after the one before.
 AFTERSHOCK_STEPS = 50
 MAX_EARLIER_SAMPLES = 256  # earlier spikes' named samples a spike's bundle carries (the newest)
 
@@ -80,7 +81,7 @@ def spike_parts(engine: Any, fit: RunState, bundle: dict[str, Any], step: int, s
         older, at, ran = before_jump(engine, at, now) or (older, at, ran)
     chain = engine.drift_at(step)
     if chain is not None and (older is None or at >= chain["onset"]):  # (None: the spike opens its interval)
-        # The state already carries the applied update of an earlier spike that drifted it (and of the spikes after it):
+        # The state is in the course of a drift an earlier spike met (its update applied or not; and the spikes after it):
         # a window it finds high tells no outlier batch from a state left off (a too-high LR's model errs most, and
         # confidently, on a few ordinary samples), so it is weighed under a kept snapshot from before that spike
         found = (_kept_older(engine, engine.snapshot.get_previous(), chain["onset"], now)
