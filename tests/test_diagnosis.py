@@ -494,3 +494,27 @@ def test_the_empty_window_probe_leaves_the_models_buffers_and_the_rng_as_they_we
                      PrecisionPolicy("fp32", torch.device("cpu"))) is None
     assert all(torch.equal(b, before[n]) for n, b in model.named_buffers())
     assert torch.equal(torch.get_rng_state(), rng)  # (its dropout drew: put back)
+
+
+def test_a_diagnosis_replaying_an_optimizer_that_cannot_skip_on_the_device_warns_of_it_no_more(tmp_path):
+    """A new user's trial: `stabletrain diagnose` of a spike on a run with a non-fused AdamW printed 'AdamW cannot skip a
+    step on the device; stabletrain reads the skip flag on the host ...' once per step it replayed (7 times): the run
+    said it once; a replay's copy of the run is quiet about it."""
+    from helpers import cfg
+    from spike_tasks import outlier_samples_task
+
+    from stabletrain.incident_replay import diagnose_incident
+
+    task = outlier_samples_task()
+    task.optimizer = lambda named: torch.optim.AdamW([p for _, p in named], lr=1e-2, foreach=True)
+    with warnings.catch_warnings(record=True) as during:
+        warnings.simplefilter("always")
+        Trainer(cfg("train.batch_size=8", "train.max_steps=21", "log.every=10", "data.shuffle=false"), task=task,
+                run_dir=tmp_path / "run").fit()
+    assert sum("cannot skip a step on the device" in str(w.message) for w in during) == 1  # the run's own, once
+    folder = next((tmp_path / "run").glob("incidents/step_*"))
+    with warnings.catch_warnings(record=True) as replayed:
+        warnings.simplefilter("always")
+        d = diagnose_incident(folder, task)
+    assert d["reproduces"] and d["failure_class"] == "data", d.get("summary")
+    assert not [w for w in replayed if "cannot skip a step on the device" in str(w.message)]

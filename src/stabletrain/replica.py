@@ -79,10 +79,13 @@ class Replica:
         self.params = [p for _, p in self.named_params]
 
     def precision(self, mode: str | None = None, state: dict[str, Any] | None = None) -> PrecisionPolicy:
-        """The run's precision policy as saved; ``mode``: a fresh one in another mode; ``state``: that state instead."""
-        if mode is not None:
-            return PrecisionPolicy(mode, self.device)
-        return copy_precision(state if state is not None else self.state["precision"], self.device)
+        """The run's precision policy as saved; ``mode``: a fresh one in another mode; ``state``: that state instead. Its
+        one warning (an optimizer that cannot skip on the device reads its skip flag on the host) is the run's, not each
+        replay's: a diagnosis said it once per step it replayed."""
+        policy = (PrecisionPolicy(mode, self.device) if mode is not None else
+                  copy_precision(state if state is not None else self.state["precision"], self.device))
+        policy._warned_sync = True
+        return policy
 
     def optimizer(self) -> torch.optim.Optimizer:
         """The run's optimizer class over the replica's parameters, with the saved state."""
