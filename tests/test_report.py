@@ -589,6 +589,11 @@ def test_loss_scale_panel_only_where_a_loss_scale_is_in_play(real_run, other_run
     # (each skip event's scale is the one after its back-off: a trial read "went 32,768" as the scale it started at)
     assert "; the fp16 loss scale went after its first back-off 32,768 -&gt; 64 (lowest 64)." in write_report(
         run_copy).read_text(encoding="utf-8")
+    # a scale past a million with every digit, as the smaller beside it (a trial read "8.38861e+06 -> 65,536")
+    from stabletrain.report.text import scale_note
+
+    rows = [{"step": 10, "loss_scale": 8388608.0}, {"step": 20, "loss_scale": 65536.0}, {"step": 30, "loss_scale": 2.0**-20}]
+    assert scale_note(rows) == "; the fp16 loss scale went 8,388,608 -> 9.53674e-07 (lowest 9.53674e-07)"
 
 
 def test_update_panel_draws_the_norm_and_the_ratio_on_separate_axes(real_run, monkeypatch):

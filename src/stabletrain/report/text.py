@@ -149,9 +149,14 @@ def scale_note(metrics: Iterable[dict[str, Any]], skips: Iterable[Any] = (), hel
             and math.isfinite(s)]
     scales = [s for _, s in kept]
     if len(set(scales)) <= 1:  # (``held``: the value it held, said: an fp16 run with no step skipped)
-        return f"; the fp16 loss scale held at {scales[0]:,.6g}" if held and scales else ""
+        return f"; the fp16 loss scale held at {_scale(scales[0])}" if held and scales else ""
     first = " after its first back-off" if kept[0][0] == 0 else ""
-    return f"; the fp16 loss scale went{first} {scales[0]:,.6g} -> {scales[-1]:,.6g} (lowest {min(scales):,.6g})"
+    return f"; the fp16 loss scale went{first} {_scale(scales[0])} -> {_scale(scales[-1])} (lowest {_scale(min(scales))})"
+
+
+def _scale(x: float) -> str:
+    """A loss scale (a power of two, mostly): whole ones with every digit (8,388,608, not 8.38861e+06 beside 65,536)."""
+    return f"{int(x):,}" if x.is_integer() and x < 1e15 else f"{x:.6g}"
 
 
 def total_of(run: Any, key: str) -> int:
