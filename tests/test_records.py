@@ -299,3 +299,30 @@ def test_the_last_launch_is_read_from_the_snapshot_or_is_empty_for_one_it_cannot
     if text is not None:
         (tmp_path / "snapshot.json").write_text(text)
     assert last_launch(tmp_path) == want
+
+
+def test_a_module_tasks_code_is_its_modules_repository_not_the_working_directorys(tmp_path, monkeypatch):
+    """A new user's trial: the same task run from another folder was recorded with that folder's repository (or none):
+    compare listed 'git.commit e25eea52b7 | null' as a difference. A `module:function` task's code is its module's."""
+    from stabletrain.cli import main
+
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "mytask_for_git.py").write_text("from helpers import regression_task\n\ndef make():\n    return regression_task()\n")
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=code, check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    git("add", "mytask_for_git.py")
+    git("commit", "-q", "-m", "task")
+    elsewhere = tmp_path / "elsewhere"  # no repository here (tmp_path is none either)
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.syspath_prepend(str(code))
+    run_dir = elsewhere / "run"
+    assert main(["train", "task=mytask_for_git:make", "train.max_steps=2", "log.progress=false", f"run.dir={run_dir}"]) == 0
+    snap = json.loads((run_dir / "snapshot.json").read_text())
+    assert snap["git"] == {"commit": git("rev-parse", "HEAD"), "dirty": False, "diff_sha256": None}, snap["git"]
+    assert snap["cwd"] == str(elsewhere)

@@ -123,9 +123,19 @@ def threads_changed(run_dir: Path, device: torch.device, world: int = 1) -> str 
             f"with OMP_NUM_THREADS={last} to continue it bitwise)")
 
 
-def launch_snapshot(device: torch.device, precision: str) -> dict[str, Any]:
+def code_dir(task: str | None) -> Path:
+    """Where the run's code is, for its git state: the folder of a ``module:function`` task's module (imported by now),
+    else the working directory (a built-in task; an adapter's script). A task run from another folder was recorded
+    with that folder's repository, or none (a trial compared two runs of one task: 'git.commit e25eea52b7 | null')."""
+    module = sys.modules.get(str(task).split(":", 1)[0]) if task and ":" in str(task) else None
+    where = getattr(module, "__file__", None)
+    return Path(where).resolve().parent if where else Path.cwd()
+
+
+def launch_snapshot(device: torch.device, precision: str, task: str | None = None) -> dict[str, Any]:
     """What identifies one launch of a run: when, the command, the code, the libraries, the device, the precision (a
-    resume's own, in ``snapshot.json``'s ``resumes``: it may run elsewhere, on another world size, other code)."""
+    resume's own, in ``snapshot.json``'s ``resumes``: it may run elsewhere, on another world size, other code).
+    ``task``: the config's, whose module's repository is the code's (:func:`code_dir`)."""
     dev: dict[str, Any] = {"type": device.type, "cpu": platform.processor() or platform.machine(),
                            "num_threads": torch.get_num_threads()}
     if device.type == "cuda":
@@ -135,7 +145,7 @@ def launch_snapshot(device: torch.device, precision: str) -> dict[str, Any]:
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": sys.argv,
         "cwd": os.getcwd(),
-        "git": git_info(Path.cwd()),
+        "git": git_info(code_dir(task)),
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "stabletrain": __version__,
                      "numpy": __import__("numpy").__version__},
         "platform": platform.platform(),
@@ -148,7 +158,7 @@ def build_snapshot(cfg: Config, device: torch.device, precision: str, data_finge
                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Return what identifies a run: code, libraries, device, seed, data, config hash (its first launch's)."""
     snap = {
-        **launch_snapshot(device, precision),
+        **launch_snapshot(device, precision, cfg.task),
         "seed": cfg.seed,
         "deterministic": cfg.deterministic,
         "data_fingerprint": data_fingerprint,

@@ -45,7 +45,7 @@ def open_run(state: Any, keeper: Any, recorder: Any, run_dir: Path, resume: bool
             keeper.announce_resume()
             if (changed := threads_changed(run_dir, state.device, dist.world)) is not None:
                 console.warn(changed)
-            run.append_to_snapshot("resumes", {"step": state.step, **launch_snapshot(state.device, state.precision),
+            run.append_to_snapshot("resumes", {"step": state.step, **launch_snapshot(state.device, state.precision, cfg.task),
                                                "world_size": dist.world})
             return
         task = state.task
