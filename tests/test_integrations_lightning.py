@@ -513,13 +513,15 @@ def test_a_warning_about_the_run_points_at_the_users_fit_call_not_at_lightnings_
     said = [w for w in caught if "cannot skip a step on the device" in str(w.message)]
     assert said and all(w.filename == __file__ for w in said), [(w.filename, w.lineno) for w in said]
     assert "clip_max_norm" not in str(said[0].message)
-    # with gradient_clip_val the hint says where the clip goes then (a trial: 'use fused=True', and Lightning then
-    # refused its gradient_clip_val)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        fit(LitNet(fused=False), StableTrainCallback(run_dir=tmp_path / "clip", log_every=5), 6, gradient_clip_val=1.0)
-    said = [str(w.message) for w in caught if "cannot skip a step on the device" in str(w.message)]
-    assert said and ", and clip_max_norm= here for gradient_clip_val (Lightning refuses it then)" in said[0], said
+    # with gradient_clip_val under mixed precision the hint says where the clip goes then (a trial: 'use fused=True',
+    # and Lightning then refused its gradient_clip_val); in fp32 Lightning clips a fused optimizer's gradients itself
+    for precision, told in (("bf16-mixed", True), ("32-true", False)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fit(LitNet(fused=False), StableTrainCallback(run_dir=tmp_path / precision, log_every=5), 6,
+                gradient_clip_val=1.0, precision=precision)
+        said = [str(w.message) for w in caught if "cannot skip a step on the device" in str(w.message)]
+        assert said and (", and clip_max_norm= here for gradient_clip_val (Lightning refuses it then)" in said[0]) == told
 
 
 class ValNet(LitNet):

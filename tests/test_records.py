@@ -326,3 +326,9 @@ def test_a_module_tasks_code_is_its_modules_repository_not_the_working_directory
     snap = json.loads((run_dir / "snapshot.json").read_text())
     assert snap["git"] == {"commit": git("rev-parse", "HEAD"), "dirty": False, "diff_sha256": None}, snap["git"]
     assert snap["cwd"] == str(elsewhere)
+    # an installed package's module (the interpreter's tree: a pyenv checkout's repository is not the run's code), and
+    # stabletrain's own (an adapter incident's captured task), are the working directory's
+    from stabletrain.records.provenance import code_dir
+
+    assert code_dir("json:loads") == code_dir("stabletrain.records.captured:captured_task") == code_dir("gpt") == elsewhere
+    assert code_dir("mytask_for_git:make") == code.resolve()

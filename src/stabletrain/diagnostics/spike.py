@@ -438,7 +438,8 @@ def _off_level(older: dict[str, Any] | None, m: dict[str, Any], checkpoint: bool
     state, where that says the run was off its level there: a state after the run's start within the reach of the rule's
     window (its median is the run's level around it, not a level an untrained or older state was far above in a loss
     still falling fast, nor the lower middle of a just-armed rule's few noisy first losses): an interval snapshot, or
-    with ``checkpoint`` an older checkpoint too (one is loaded only within that reach)."""
+    with ``checkpoint`` an older checkpoint too (one is loaded only within about that reach: the rule window's losses and
+    the flagged steps before the spike)."""
     levels, bar, span = (older or {}).get("levels"), (older or {}).get("ratio"), (older or {}).get("span") or 0
     return bool(older is not None and (checkpoint or older.get("from", "snapshot") == "snapshot")
                 and 0 < m.get("step", 0) - older["step"] <= span and older["step"] > 0 and (older.get("median") or 0) > 0

@@ -139,8 +139,8 @@ class StableTrainCallback(pl.Callback):
             recipes={"model": model_recipe(pl_module, "lightning"), "loss": loss_recipe(self.loss_fn, {"kind": "lightning"})},
             host_config=host, callbacks=self.stable_callbacks, tracker_hosts=logger_runs(trainer.loggers))
         self.session.judge_host_steps(optimizer, scaler, host_clip=host_clip, own_clip=self.clip_max_norm,
-                                      skip_hint="use fused=True, e.g. torch.optim.AdamW(..., fused=True)" + (", and clip_max_"
-                                      "norm= here for gradient_clip_val (Lightning refuses it then)" if host_clip else ""))
+                                      skip_hint="use torch.optim.AdamW(..., fused=True)" + (", and clip_max_norm= here for "
+                                      "gradient_clip_val (Lightning refuses it then)" if host_clip and mode != "fp32" else ""))
         self.session.open(resume=trainer.ckpt_path is not None)
         if self._loaded:
             self.session.load_state_dict(self._loaded, path=str(trainer.ckpt_path))

@@ -127,9 +127,17 @@ def code_dir(task: str | None) -> Path:
     """Where the run's code is, for its git state: the folder of a ``module:function`` task's module (imported by now),
     else the working directory (a built-in task; an adapter's script). A task run from another folder was recorded
     with that folder's repository, or none (a trial compared two runs of one task: 'git.commit e25eea52b7 | null')."""
-    module = sys.modules.get(str(task).split(":", 1)[0]) if task and ":" in str(task) else None
-    where = getattr(module, "__file__", None)
-    return Path(where).resolve().parent if where else Path.cwd()
+    name = str(task).split(":", 1)[0] if task and ":" in str(task) else ""
+    where = getattr(sys.modules.get(name), "__file__", None) if name and name.split(".")[0] != "stabletrain" else None
+    if not where:
+        return Path.cwd()
+    folder = Path(where).resolve().parent
+    # An installed package's (site-packages, the interpreter's own tree) is no project's: its enclosing repository, a
+    # pyenv checkout, is not the run's code
+    installed = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    if "site-packages" in folder.parts or "dist-packages" in folder.parts or any(p in folder.parents for p in installed):
+        return Path.cwd()
+    return folder
 
 
 def launch_snapshot(device: torch.device, precision: str, task: str | None = None) -> dict[str, Any]:
