@@ -736,6 +736,19 @@ def test_a_spike_in_the_first_steps_is_flagged_and_falling_losses_are_not():
         assert on_device == [r.step - 1 for r in rows if r.values["spike"]] == spikes
 
 
+def test_the_first_steps_outlier_line_names_what_the_rule_holds_out():
+    """[1, 100, 2, 80]: the rule holds step 2 out (x100 its largest counted loss), step 3 clears it, and holds step 4 out
+    too (x40 the largest it counts, 2); the line named step 2 only, weighing step 4 against the 100 it does not count."""
+    from stabletrain.policies.spike_rule import unjudged_outliers
+
+    said = unjudged_outliers([(1, 1.0), (2, 100.0), (3, 2.0), (4, 80.0)], GuardConfig())
+    assert [(step, factor) for step, _, factor, _ in said] == [(2, 100.0), (4, 40.0)], said
+    assert said[1][3] == "the largest loss before it (but step 2's, itself an outlier)"
+    host = Guard(GuardConfig(), torch.device("cpu"))  # the rule holds out the same two: 2 losses counted, not 4
+    host.mark_spikes([SimpleNamespace(step=i + 1, values={"loss": v, "finite": 1.0}) for i, v in enumerate([1, 100, 2, 80])])
+    assert int(host.num_seen) == 2
+
+
 def test_spike_test_agrees_with_the_host_rule():
     gen = random.Random(3)
     losses = [2.0 + 0.1 * gen.random() for _ in range(200)]

@@ -111,7 +111,7 @@ def unjudged_outliers(first: list[tuple[int, float]], cfg: GuardConfig) -> list[
     start that falls 1024x in a few steps is one a look is worth). Told, not acted on: the rule is not armed on so few
     losses (a small batch's early losses spread widely), so nothing is skipped or captured.
     """
-    out, before, arms = [], [], armed_at(cfg)
+    out, before, held, arms = [], [], [], armed_at(cfg)
     losses = [(t, x) for t, x in first if t <= arms + 1 and math.isfinite(x)]
     for step, loss in losses:
         if step > arms:
@@ -119,9 +119,14 @@ def unjudged_outliers(first: list[tuple[int, float]], cfg: GuardConfig) -> list[
         top = max(before, default=0.0)
         after = [x for t, x in losses if t > step]
         typical = statistics.median(after) if len(after) >= 2 else 0.0
-        if before and top > 0 and loss > cfg.spike_ratio ** FAR * top:
-            out.append((step, loss, loss / top, "the largest loss before it"))
-        elif losses[-1][0] == arms + 1 and typical > 0 and loss > cfg.spike_ratio ** (2 * FAR) * typical:
+        if before and top > 0 and loss > cfg.spike_ratio ** FAR * top:  # (as the rule: against the losses it counts,
+            # not an earlier outlier it holds out: [1, 100, 2, 80] holds out 80 too, and the line said nothing of it)
+            out.append((step, loss, loss / top, "the largest loss before it" + (
+                f" (but step {held[0]}'s, itself an outlier)" if len(held) == 1 else
+                f" (but steps {', '.join(map(str, held))}', themselves outliers)" if held else "")))
+            held.append(step)
+            continue
+        if losses[-1][0] == arms + 1 and typical > 0 and loss > cfg.spike_ratio ** (2 * FAR) * typical:
             out.append((step, loss, loss / typical, f"the median of the losses after it (to step {arms + 1})"))
         before.append(loss)
     return out
