@@ -702,3 +702,24 @@ def test_a_death_before_the_first_checkpoint_says_to_start_over_not_to_resume(tm
     (tmp_path / "checkpoints" / "step_000010").rmdir()
     (tmp_path / "checkpoints" / "LAST_GOOD").write_text("step_000010")  # (it says where: the run's last record is later)
     assert _continue(tmp_path) == f"; continue the run from step 10 (LAST_GOOD): stabletrain train --resume {tmp_path}"
+
+
+@pytest.mark.slow
+def test_a_spike_bursts_course_is_let_go_by_every_rank_alike(tmp_path):
+    """A new user's trial: the docs' diverging task on 2 ranks. Its spike at step 9 was diagnosed 'state' on rank 0
+    alone (rank 0 diagnoses), so under guard.on_spike=warn rank 0 let the burst's course go (steps 11-15: 'not captured
+    again while it lasts') while rank 1, knowing no class, began a capture: the ranks met different collectives and the
+    run died after 120 s. Every rank takes the capture's verdict from rank 0's diagnosis."""
+    run_dir = tmp_path / "run"
+    root = Path(__file__).resolve().parents[1]  # (examples/ is importable from the repository's root)
+    child = {**env(), "PYTHONPATH": os.pathsep.join([str(root), env()["PYTHONPATH"]])}
+    res = subprocess.run([sys.executable, "-m", "stabletrain", "train", "task=examples.diverging_task:make_task",
+                          "optim.name=sgd", "optim.lr=2.5", "optim.weight_decay=0", "clip.max_norm=null",
+                          "sched.decay=constant", "train.batch_size=4", "train.max_steps=20", "log.every=5",
+                          "ckpt.every=10", "data.shuffle=false", "dist.nproc=2", f"run.dir={run_dir}", *FAST],
+                         env=child, capture_output=True, text=True, timeout=200)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "spike at step 9 (every rank's batch): state: " in res.stderr + res.stdout
+    assert ("the burst of loss spikes captured at step 9 (state) goes on (steps 11-15 so far): not captured again while "
+            "it lasts") in res.stderr + res.stdout
+    assert [e["step"] for e in events(run_dir) if e["kind"] == "incident"] == [9]

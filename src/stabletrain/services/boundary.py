@@ -152,6 +152,10 @@ class IntervalBoundary:
             self.guard.num_spike_captures += 1 if self.state.cfg.capture.incidents else 0  # (off: none is, nor spent)
         info.update(self._capture(self.state, info, rows))
         diagnosis = info.get("diagnosis_record") or info.get("diagnosis") or {}  # (the whole one, in memory)
+        if anomaly == "spike" and self.state.dist.enabled:  # rank 0 alone diagnoses: every rank decides its next captures
+            # alike from its verdict (rank 1 knew no class, captured a burst's course rank 0 let go: the ranks hung)
+            diagnosis = {**diagnosis, **self.state.dist.on_main(
+                lambda: {k: diagnosis.get(k) for k in ("failure_class", "level_shift")})}
         if anomaly == "spike" and diagnosis.get("failure_class"):  # (what a stop after spike skips then says)
             self.guard.spike_class = (step, diagnosis["failure_class"])
         if anomaly == "spike" and self.burst is not None and self.burst["first"] == step:
