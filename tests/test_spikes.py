@@ -747,6 +747,8 @@ def test_the_first_steps_outlier_line_names_what_the_rule_holds_out():
     host = Guard(GuardConfig(), torch.device("cpu"))  # the rule holds out the same two: 2 losses counted, not 4
     host.mark_spikes([SimpleNamespace(step=i + 1, values={"loss": v, "finite": 1.0}) for i, v in enumerate([1, 100, 2, 80])])
     assert int(host.num_seen) == 2
+    # a run of them in a row (a divergence from its first steps) is said once, at its first
+    assert [t for t, *_ in unjudged_outliers([(1, 2.3), (2, 1e4), (3, 1e5), (4, 1e6)], GuardConfig())] == [2]
 
 
 def test_spike_test_agrees_with_the_host_rule():

@@ -121,9 +121,9 @@ def unjudged_outliers(first: list[tuple[int, float]], cfg: GuardConfig) -> list[
         typical = statistics.median(after) if len(after) >= 2 else 0.0
         if before and top > 0 and loss > cfg.spike_ratio ** FAR * top:  # (as the rule: against the losses it counts,
             # not an earlier outlier it holds out: [1, 100, 2, 80] holds out 80 too, and the line said nothing of it)
-            out.append((step, loss, loss / top, "the largest loss before it" + (
-                f" (but step {held[0]}'s, itself an outlier)" if len(held) == 1 else
-                f" (but steps {', '.join(map(str, held))}', themselves outliers)" if held else "")))
+            if not held or held[-1] != step - 1:  # (a run of them in a row, a divergence from the start: its first said)
+                out.append((step, loss, loss / top, "the largest loss before it" + (
+                    f" (but step {held[-1]}'s, itself an outlier)" if held else "")))
             held.append(step)
             continue
         if losses[-1][0] == arms + 1 and typical > 0 and loss > cfg.spike_ratio ** (2 * FAR) * typical:
