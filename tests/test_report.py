@@ -1011,6 +1011,13 @@ def test_the_health_summary_says_a_runs_early_outliers_which_no_incident_covers(
               if level == "warn" and "early outlier" in text]
     assert "step 1 (loss " in said and "the median of the losses after it (to step 5))" in said and \
         "every loss before it" not in said.split(";")[0] and "its batch (a corrupted sample?)" in said, said
+    # one weighed against the counted losses past an outlier held out before it is still one above those before it
+    (tmp_path / "run" / "events.jsonl").write_text("".join(json.dumps(
+        {**e, "against": "the largest loss before it (but step 1's, itself an outlier)"} if e["kind"] == "early_outlier"
+        else e) + "\n" for e in events))
+    [said] = [text for level, text in health_summary(load_run(tmp_path / "run")).sentences
+              if level == "warn" and "early outlier" in text]
+    assert "may be diverging from the start (an LR too high for it?)" in said, said
 
 
 def test_an_early_outlier_whose_loss_came_back_is_told_as_a_one_off_not_a_divergence(tmp_path):

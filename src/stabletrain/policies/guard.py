@@ -251,6 +251,15 @@ class Guard:
         kept = sorted(w[~np.isnan(w)].tolist())  # the window's values in order (float32 values, exact as floats)
         losses = np.asarray([r.values["loss"] for r in rows], dtype=np.float32)  # each loss in float32, at once
         updates: dict[int, float] = {}  # slot -> loss, written into the window once at the end
+
+        def put(slot: int, value: float) -> None:  # a slot's new value, in the kept order too
+            old = updates.get(slot, float(w[slot]))
+            if not math.isnan(old):
+                del kept[bisect.bisect_left(kept, old)]
+            updates[slot] = value
+            if not math.isnan(value):
+                bisect.insort(kept, value)
+
         for row, loss in zip(rows, losses.tolist()):
             v = row.values
             finite = v["finite"] > 0.5 and math.isfinite(loss)
@@ -274,15 +283,6 @@ class Guard:
                         spike = bool(np.float32(loss) > np.float32(self.cfg.spike_ratio ** 2)
                                      * np.float32(early_largest(kept, self.cfg)))
             v["spike"] = 1.0 if spike else 0.0
-
-            def put(slot: int, value: float) -> None:
-                old = updates.get(slot, float(w[slot]))
-                if not math.isnan(old):
-                    del kept[bisect.bisect_left(kept, old)]
-                updates[slot] = value
-                if not math.isnan(value):
-                    bisect.insort(kept, value)
-
             if finite and not spike and seen < self._armed_at:  # (early outliers held uncounted: as _judge)
                 seen = self._early(loss, seen, lambda i: updates.get(i, float(w[i])), put)
             elif finite and not spike:

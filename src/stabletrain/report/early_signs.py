@@ -47,6 +47,7 @@ def early_outlier_sentence(run: RunData, h: Any) -> None:
     if not events:
         return
     against = [e.extra.get("against") or "the largest loss before it" for e in events]
+    above = all(a.startswith("the largest loss before it") for a in against)  # (its note on a held-out outlier follows)
     shown = [f"step {e.step:,} (loss {fmt_num(e.extra.get('loss'))}, x{fmt_num(e.extra.get('factor'))} {what})"
              for e, what in zip(events[:4], against)]
     back = [_back_at(run, e) for e in events]
@@ -55,9 +56,9 @@ def early_outlier_sentence(run: RunData, h: Any) -> None:
             + ", ".join(f"{fmt_num(x)} at step {t:,}" for t, x, _ in dict.fromkeys(filter(None, back)))
             + ("): its batch (a corrupted sample?), not a divergence; the loss spikes between may be that data again"
                if spiked else "): a one-off step, its batch (a corrupted sample?), not a divergence"))
-           if all(back) and all(a.endswith("before it") for a in against) else
+           if all(back) and above else
            "a run that jumps this far in its first steps may be diverging from the start (an LR too high for it?)"
-           if all(a.endswith("before it") for a in against) else
+           if above else
            "a first step far above the steps after it is its batch (a corrupted sample?) or a start far from where the "
            "run went; one far above those before it, a divergence from the start (an LR too high for it?)")
     h.say("warn", f"{plural(len(events), 'early outlier')} before the spike rule armed: {'; '.join(shown)}"
