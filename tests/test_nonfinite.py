@@ -128,6 +128,40 @@ def test_loss_outside_the_model_has_no_module():
     assert (loc.first.op, loc.first.module, loc.first.direction) == ("aten.log.default", None, "forward")
 
 
+class SqrtAtZero(nn.Module):
+    def forward(self, h: Tensor) -> Tensor:
+        return torch.sqrt(h * 0)  # finite forward, an inf gradient
+
+
+class ProbeThenBody(nn.Module):
+    """A sqrt at 0 beside a trunk whose first layer reads the data: that layer's inputs need no gradient, so torch's
+    ModuleTracker never sees its backward end (it named 'trunk.0' for the sqrt's backward at the root or in a
+    child)."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where
+        self.probe = nn.Sequential(nn.Linear(4, 4), *([SqrtAtZero()] if where == "module" else []))
+        self.trunk = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.probe(x)
+        h = torch.sqrt(h * 0) if self.where == "root" else h  # before the trunk: its backward runs after the trunk's
+        return self.trunk(x) + h.sum() * (0 if self.where == "loss" else 1)
+
+
+@pytest.mark.parametrize("where", ["root", "module", "loss"])
+def test_a_backward_op_is_named_by_the_module_whose_forward_made_it(where):
+    torch.manual_seed(0)
+    model, x = ProbeThenBody(where), torch.randn(3, 4)
+    with torch.autograd.detect_anomaly(check_nan=False), NonFiniteLocator(model) as loc:
+        out = model(x)
+        (out.sum() + (torch.sqrt(model.probe(x) * 0).sum() if where == "loss" else 0)).backward()
+    origin = loc.first_origin
+    assert (origin.op, origin.direction, origin.autograd_node) == ("aten.div.Tensor", "backward", "SqrtBackward0")
+    assert origin.module == {"root": "", "module": "probe.1", "loss": None}[where]
+
+
 class MaskedAttention(nn.Module):
     """Attention with the usual -inf masks: a buffer, masked_fill, where and full."""
 

@@ -22,6 +22,7 @@ The stacks recorded hold the user's frames only (:mod:`.stacks`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import weakref
@@ -33,6 +34,7 @@ from torch import Tensor, nn
 from torch.utils.module_tracker import ModuleTracker
 
 from ..internals import current_autograd_node, dispatch_mode_base, in_backward, op_writes_input, tensor_version
+from .node_modules import NodeModules, is_labelled, node_module
 from .stacks import keep_user_entries, user_stack
 
 __all__ = ["NonFiniteLocator", "NonFiniteOp", "DOMAIN_OPS"]
@@ -286,8 +288,8 @@ class NonFiniteLocator:
     masked branch's gradient, ``0 / 0`` in ``Log2Backward0``). Otherwise nothing more is checked.
 
     Works with autocast, on CPU and CUDA. Every op costs a host-device sync while it searches:
-    replay only. The ``module`` of an op in backward comes from ModuleTracker's backward hooks,
-    so it is the module whose backward was running.
+    replay only. The ``module`` of an op in backward is the one whose forward made its autograd node
+    (:mod:`.node_modules`; ModuleTracker's backward hooks where the node has no label).
     """
 
     def __init__(self, model: nn.Module | None = None, *, capture_stack: bool = True, tolerate_masks: bool = True,
@@ -308,9 +310,9 @@ class NonFiniteLocator:
         self._names = {name for name, _ in model.named_modules()} if model is not None else None
         self._root = type(model).__name__ if model is not None else None
         self._tracker = ModuleTracker()
-        self._mode = _Mode(self)
+        self._mode, self._nodes = _Mode(self), NodeModules(self._module)
         self._watch: nn.Module | None = None  # the module call that ran the forward origin: is its output finite?
-        self._output_hook: Any = None
+        self._entered = contextlib.ExitStack()
 
     @property
     def found(self) -> bool:
@@ -322,22 +324,18 @@ class NonFiniteLocator:
             for buf, finite in zip(buffers, _all_finite(buffers)):
                 if not finite and not bool((torch.isnan(buf) | torch.isposinf(buf)).any()):
                     self._tolerate(buf)
-        self._tracker.__enter__()
-        self._output_hook = nn.modules.module.register_module_forward_hook(self._on_module_output)
-        try:
-            self._mode.__enter__()
-        except BaseException:
-            self._output_hook.remove()
-            self._tracker.__exit__(None, None, None)
-            raise
+        with contextlib.ExitStack() as stack:  # left in reverse: the modes, the hook, the tracker
+            stack.enter_context(self._tracker)
+            stack.callback(nn.modules.module.register_module_forward_hook(self._on_module_output).remove)
+            stack.enter_context(self._nodes)
+            stack.enter_context(self._mode)
+            self._entered = stack.pop_all()
         return self
 
     def __exit__(self, *exc: object) -> None:
         try:
-            self._mode.__exit__(*exc)
+            self._entered.__exit__(*exc)
         finally:
-            self._output_hook.remove()
-            self._tracker.__exit__(*exc)
             self._tolerated.clear()
             self._uninitialized.clear()
             self._nonfinite.clear()
@@ -457,9 +455,10 @@ class NonFiniteLocator:
                 stack = keep_user_entries(list(tb)) if tb else None
             else:
                 stack = user_stack()
-        has_nan = _has_nan(outputs)
+        has_nan, made_by = _has_nan(outputs), node_module(node)  # made_by: the module whose forward made the node
         return NonFiniteOp(
-            op=str(func), direction="backward" if backward else "forward", module=self._module(), origin=origin,
+            op=str(func), direction="backward" if backward else "forward", origin=origin,
+            module=made_by if backward and is_labelled(made_by) else self._module(),
             kind="nan+inf" if has_nan and has_inf else ("nan" if has_nan else "inf"), num_nonfinite=num_bad,
             numel=sum(t.numel() for t in outputs), input_shapes=[list(t.shape) for t in inputs],
             input_dtypes=[_dtype(t) for t in inputs], output_shapes=[list(t.shape) for t in outputs],
