@@ -11,6 +11,7 @@ processes below.
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -209,6 +210,25 @@ def test_a_launch_killed_before_its_first_checkpoint_starts_over_and_keeps_its_r
     assert main(["train", *args, f"run.dir={ref}"]) == 0  # (uninterrupted, in this process)
     a, b = (CheckpointManager(d / "checkpoints").load().state for d in (run_dir, ref))
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in b["model"]) and a["counters"] == b["counters"]
+
+
+@pytest.mark.slow
+def test_a_launch_that_logged_steps_but_whose_first_save_failed_starts_over_with_its_steps_set_aside(tmp_path):
+    """No checkpoint landed (the step-0 save failed, as a sharded one does when its peer dies during it) but the launch
+    logged steps before it was killed: the run starts again from step 0 (the new launch refused the directory, 'already
+    holds a run'), the dead launch's lines kept in metrics.superseded.jsonl, and each step is logged once."""
+    run_dir = tmp_path / "run"
+    res = subprocess.run([sys.executable, "-m", "stabletrain", "train", *ARGS[:-2], "train.max_steps=8", *FAST,
+                          "callbacks=[restart_tasks:FirstSaveFailsThenKilled]", "run.max_restarts=2", f"run.dir={run_dir}"],
+                         env=env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert re.search(r"stabletrain: warning: checkpoint at step 0 failed: .*File too large; no checkpoint was written "
+                     r"before it \(1 failed in a row", res.stderr), res.stderr
+    (restart,) = [e for e in events(run_dir) if e["kind"] == "restart"]
+    assert restart["started_over"] and restart["reason"].endswith("starting the run again from step 0"), restart
+    superseded = [json.loads(x)["step"] for x in (run_dir / "metrics.superseded.jsonl").read_text().splitlines()]
+    assert superseded == [1, 2, 3] and restart["superseded_metrics"] == 3  # (killed after step 4, before its line)
+    assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == list(range(1, 9))
 
 
 @pytest.mark.slow

@@ -425,7 +425,8 @@ class CheckpointKeeper:
             limit = state.cfg.ckpt.max_failures
             stop = (f"; the run stops at {limit} in a row (ckpt.max_failures)" if limit
                     else "; training goes on (ckpt.max_failures=0)")
-            where = "" if "LAST_GOOD" in info["reason"] else f"; LAST_GOOD stays at {good.name if good else 'none'}"
+            said = "LAST_GOOD" in info["reason"] or "no checkpoint was written" in info["reason"]
+            where = "" if said else f"; LAST_GOOD stays at {good.name if good else 'none'}"
             console.warn(f"{info['reason']}{where} ({self.failures_in_a_row} failed in a row{stop})")
         elif info["kind"] == "checkpoint_withheld" and "(NaN/Inf)" in info["reason"] and not self._said_withheld:
             self._said_withheld = True  # (a state left non-finite: withheld was in events.jsonl only, a new user's trial)

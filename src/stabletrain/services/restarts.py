@@ -344,11 +344,16 @@ def _start_over(run: RunDir, run_dir: Path, failure: Failure, number: int, limit
     old = run_dir / "config.yaml"
     if old.exists():
         old.rename(run_dir / f"config.failed-start-{number}.yaml")
+    # A launch that logged steps before it died with no checkpoint landed (its first save failed or was in flight, as
+    # a sharded one whose peer died): those steps are trained again, set aside as a resume sets aside its (the new
+    # launch refused a directory whose metrics.jsonl holds a trained step: 'already holds a run')
+    superseded, kept = run.drop_metrics_after(-1), set_aside_incidents(run_dir, -1, str(number))
     met = "" if failure.kind == "exit" else f"; the launch {failure.text}"
     reason = (f"restart {number}{f' of {limit}' if limit else ''} after {who}{met}; no checkpoint was written yet: "
               f"starting the run again from step 0{LATE if late else ''}")
     run.event(0, "restart", reason, restart=number, max_restarts=limit, cause=cause, failure=failure.record(),
-              checkpoint=None, started_over=True, redone=failure.last_step, **({"late": True} if late else {}))
+              checkpoint=None, started_over=True, redone=failure.last_step, **({"late": True} if late else {}),
+              **({"superseded_metrics": superseded} if superseded else {}), **({"incidents_kept": kept} if kept else {}))
     console.say(reason)
     return Launch(False, run_dir)
 

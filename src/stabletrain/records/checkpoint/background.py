@@ -58,9 +58,9 @@ class BackgroundSaves:
             staged = self._stager.stage(state)
         except OSError as err:  # the shared block could not be made (no memory, a file-size limit)
             good = manager.latest_good()
-            raise CheckpointError(f"staging checkpoint {final} failed: {err}; the previous checkpoint "
-                                  f"({good.name if good else 'no checkpoint'}) and LAST_GOOD are untouched",
-                                  manager.root) from err
+            raise CheckpointError(f"staging checkpoint {final} failed: {err}; " + (
+                f"the previous checkpoint ({good.name}) and LAST_GOOD are untouched" if good else
+                "no checkpoint was written before it"), manager.root) from err
         skeleton = pickle.dumps(staged.skeleton, protocol=pickle.HIGHEST_PROTOCOL)  # a snapshot: state may change now
         timings["stage_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()

@@ -250,12 +250,12 @@ class CheckpointManager:
                 os.replace(aside, final)  # put the previous checkpoint back under its name
             if isinstance(err, OSError):
                 good = self.latest_good()
-                good_name = good.name if good else "no checkpoint"
                 if installed:
-                    raise CheckpointError(f"checkpoint {final} was written and verified, but LAST_GOOD could not be "
-                                          f"moved to it ({err}); LAST_GOOD still names {good_name}", final) from err
-                raise CheckpointError(f"writing checkpoint {final} failed: {err}; the previous checkpoint "
-                                      f"({good_name}) and LAST_GOOD are untouched", final) from err
+                    raise CheckpointError(f"checkpoint {final} was written and verified, but LAST_GOOD could not be moved to "
+                                          f"it ({err}); LAST_GOOD still names {good.name if good else 'nothing'}", final) from err
+                raise CheckpointError(f"writing checkpoint {final} failed: {err}; " + (
+                    f"the previous checkpoint ({good.name}) and LAST_GOOD are untouched" if good else
+                    "no checkpoint was written before it"), final) from err
             raise
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)
