@@ -89,7 +89,7 @@ class Replica:
 
     def optimizer(self) -> torch.optim.Optimizer:
         """The run's optimizer class over the replica's parameters, with the saved state."""
-        optimizer = build_optimizer(self.named_params, self.cfg.optim, self.device, self.task.optimizer)
+        optimizer = build_optimizer(self.named_params, self.cfg.optim, self.device, self.task.optimizer, say=False)
         # torch's load_state_dict keeps the given tensors where device and dtype match: the saved state would be
         # updated in place by this replay and seen by the next one. Each optimizer gets its own copy.
         built = [{k: g[k] for k in _KERNEL if k in g} for g in optimizer.param_groups]

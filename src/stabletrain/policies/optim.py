@@ -35,20 +35,23 @@ def _groups(named_params: list[tuple[str, nn.Parameter]], weight_decay: float) -
 
 
 def build_optimizer(named_params: list[tuple[str, nn.Parameter]], optim: Any, device: torch.device,
-                    factory: OptimizerFactory | None = None, *, sharded: bool = False) -> torch.optim.Optimizer:
+                    factory: OptimizerFactory | None = None, *, sharded: bool = False, say: bool = True
+                    ) -> torch.optim.Optimizer:
     """Return the run's optimizer over ``named_params``: the task's ``factory`` if given, else ``optim.name``.
 
     ``optim`` is the config's ``optim`` section (:class:`~stabletrain.config.OptimConfig`). ``sharded``
     (FSDP2: DTensor parameters): torch has no DTensor rule for fused SGD (``aten._fused_sgd_``, with a
     float or a tensor lr), so SGD is built ``foreach=True`` there: its skip flag and lr are then read on
     the host once per step (:meth:`~stabletrain.policies.precision.PrecisionPolicy.step`); AdamW and Adam stay fused.
+    ``say``: warn of ``optim.*`` keys a factory leaves unused (the run's optimizer; not a replica's nor a probe's copy).
     """
     if factory is not None:
         optimizer = factory(named_params)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"Task.optimizer returned {type(optimizer).__name__}, expected a torch.optim.Optimizer "
                             "built over the named parameters it was given")
-        _unused_keys(optim, optimizer)
+        if say:
+            _unused_keys(optim, optimizer)
         return optimizer
     fused = device.type in ("cuda", "cpu")
     groups = _groups(named_params, optim.weight_decay)
@@ -85,7 +88,7 @@ def optimizer_factory(model: nn.Module, optim: Any, device: torch.device,
     names = {id(p): n for n, p in model.named_parameters()}
 
     def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-        return build_optimizer([(names.get(id(p), "?"), p) for p in params], optim, device, factory)
+        return build_optimizer([(names.get(id(p), "?"), p) for p in params], optim, device, factory, say=False)
 
     make.rebind = lambda other: optimizer_factory(other, optim, device, factory)  # type: ignore[attr-defined]  # a copy's
     return make
