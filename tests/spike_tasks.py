@@ -571,3 +571,25 @@ def mislabelled_token_task(step: int = 140, batch_size: int = 4, n: int = 4096) 
     t[bad], labels[bad] = 5, 13
     torch.manual_seed(0)
     return Task(model=TokenClassifier(), train_data=TensorDataset(t, labels), loss=_ce, name="mislabelled-token")
+
+
+def noisy_labels_task(n: int = 4000, noise: float = 0.2) -> Task:
+    """A new user's healthy run that the rule flagged on a third of its steps: four Gaussian blobs, a fifth of the labels
+    drawn at random, trained at batch 2: a batch with a mislabelled sample has x30 the loss of one without, and a third
+    of the batches have one. The loss's own spread, not spikes (the run's curve is flat); only a batch of two
+    mislabelled samples is rare."""
+    g = torch.Generator().manual_seed(3)
+    centers = torch.randn(4, 16, generator=g) * 2
+    y = torch.randint(0, 4, (n,), generator=g)
+    x = centers[y] + torch.randn(n, 16, generator=g)
+    g = torch.Generator().manual_seed(5)
+    flip = torch.rand(n, generator=g) < noise
+    y[flip] = torch.randint(0, 4, (int(flip.sum()),), generator=g)
+    torch.manual_seed(0)
+    return Task(model=nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)), train_data=TensorDataset(x, y),
+                loss=_ce, name="noisy-labels")
+
+
+def noisy_labels_centers() -> Tensor:
+    """:func:`noisy_labels_task`'s four blob centres (the first draw of its generator)."""
+    return torch.randn(4, 16, generator=torch.Generator().manual_seed(3)) * 2

@@ -29,6 +29,8 @@ from spike_tasks import (
     level_shift_task,
     mislabelled_quadrants_task,
     mislabelled_token_task,
+    noisy_labels_centers,
+    noisy_labels_task,
     offset_inputs_task,
     outlier_samples_task,
     rare_token_task,
@@ -1238,7 +1240,7 @@ def test_spikes_in_a_drifts_course_are_weighed_under_a_state_from_before_it_not_
     first, *later = [json.loads((Path(e["path"]) / "diagnosis.json").read_text())
                      for e in _events(run_dir) if e["kind"] == "incident"]
     assert first["step"] == 65 and first["failure_class"] == "state"
-    assert later and [d["step"] for d in later] == [75, 85]
+    assert later and [d["step"] for d in later] == [76, 85]  # (75: x2 the median as a tenth of recent steps were: rarity)
     for d in later:
         assert d["failure_class"] != "data" and not d["bad_samples"], d["summary"]
         assert d["older"]["step"] < 65 and d["older"]["before_spike"] == 65, d["older"]
@@ -2086,3 +2088,24 @@ def test_a_hosts_one_step_lr_burst_is_named_with_its_step_and_lr(tmp_path, capsy
     stepped = [[t, 1e-4 if t < 7 else 1e-3] for t in range(1, 10)]
     assert _lr_jump(stepped, {"step": 3}) == "; the LR jumped x10 at step 7's update (0.0001 -> 0.001)"
     assert _lr_jump(stepped, {"step": 7}) == ""
+
+
+def test_a_small_batch_with_label_noise_is_the_losss_spread_not_a_third_of_its_steps_spiking(tmp_path):
+    """A new user's healthy run (batch 2, a fifth of the labels at random): a third of its steps hold a mislabelled
+    sample, x30 the median; each flagged and left out of the rule's window narrowed it, until 266 of 1,000 steps were
+    spikes and captures were called 'state: the model or optimizer state drifted' on a flat curve. A spike is also rare
+    now: the ratio a tenth of recent steps reach is the loss's spread. What is left are the batches of two mislabelled
+    samples (a few per thousand), each captured as data, naming them."""
+    run_dir = tmp_path / "run"
+    task = noisy_labels_task()
+    Trainer(cfg("train.batch_size=2", "train.max_steps=1000", "sched.warmup_steps=50", "sched.decay=cosine", "optim.lr=0.003",
+                "log.every=50"), task=task, run_dir=run_dir).fit()
+    events = _events(run_dir)
+    spikes = [e["step"] for e in events if e["kind"] == "spike"]
+    assert 0 < len(spikes) <= 20, spikes  # (266 before; 13 with the bar, 9 of them while the model first learns)
+    diagnoses = [json.loads((Path(e["path"]) / "diagnosis.json").read_text()) for e in events if e["kind"] == "incident"]
+    assert len(diagnoses) == 5 and {d["failure_class"] for d in diagnoses} == {"data"}, [d["summary"] for d in diagnoses]
+    x, y = task.train_data.tensors
+    truth = torch.cdist(x, noisy_labels_centers()).argmin(1)  # the blob each sample came from
+    named = [i for d in diagnoses for i in d["bad_samples"] or []]
+    assert named and all(int(y[i]) != int(truth[i]) for i in named), named  # each one mislabelled

@@ -125,7 +125,7 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
     m["older"], m["where"] = _older(bench, bundle, cfg, spike, context, rule, here["loss"]) if why is None else (None, {})
     if m["older"] is None and context and why is None:  # no older state: are the ordinary windows high under this one?
         now = sum(bench.loss(c) for c in context) / len(context)
-        m["ordinary_now"] = {"loss": now, "spike": bool(rule(now)["spike"])}
+        m["ordinary_now"] = {"loss": now, "spike": bool(rule(now)["spike"]) and past_spread(observed, now, cfg.guard.spike_ratio)}
     m["jumps"] = ({"grad_norm": jumps(here["grad_norms"], ordinary["grad_norms"]),
                    "update_ratio": jumps(here["update_ratios"], ordinary["update_ratios"])} if ordinary else {})
     m["surges"] = [{**r, "step": bundle["step"]} for r in here.get("surges", [])]
@@ -296,6 +296,17 @@ def _typical(steps: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return out
 
 
+def past_spread(observed: dict[str, Any], loss: float, ratio: float) -> bool:
+    """Whether ``loss`` (ordinary windows') is past the loss's own spread: where the loss curve's level before the spike
+    (its intervals' means, spikes included: ``observed["level"]``) is ``ratio`` x the rule's median or more (a heavy-
+    tailed loss: a small batch with label noise, x30 the median on a third of its steps), above ``ratio`` x that level
+    (ordinary windows' mean under this state against the rule's median alone called a flat run drifted); else True."""
+    window, level = sorted(observed.get("spike_window") or []), observed.get("level")
+    median = window[(len(window) - 1) // 2] if window else None
+    heavy = level is not None and median is not None and median > 0 and level > ratio * median
+    return not heavy or not math.isfinite(loss) or loss > ratio * level
+
+
 def _older(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, spike: list, context: list, rule: Any, loss: float
            ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """The window and ordinary windows under the older state (``from``: the snapshot, else an older checkpoint), and where
@@ -323,7 +334,8 @@ def _older(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, spike: list, co
     low = [r for r in kept if r[1] * LR_RISE <= now_lr] if ran and now_lr else []  # the last record before a jump
     lr = ({"then": (low or ran)[-1][1], "now": now_lr, "since": (low or ran)[-1][0]} if ran and now_lr
           else lr_change(ref.get("optimizer"), bundle.get("optimizer")))
-    spike_now = bool(context and math.isfinite(ordinary_now) and rule(ordinary_now)["spike"])
+    spread = not past_spread(seen, ordinary_now, ratio)  # (ordinary windows within the loss's own spread: no drift)
+    spike_now = bool(context and math.isfinite(ordinary_now) and rule(ordinary_now)["spike"] and not spread)
     info = {"step": step, "from": ref.get("from", "snapshot"), "window": window_old, "ordinary": ordinary_old,
             "current_ordinary": ordinary_now, "ordinary_from": source, "lr": lr,
             "window_high": bool(math.isfinite(window_old) and high), "ordinary_spike_now": spike_now,
@@ -335,6 +347,7 @@ def _older(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, spike: list, co
             "ordinary_high": spike_now or bool(context and math.isfinite(ordinary_now) and ordinary_now > ratio * ordinary_old),
             "window_not_above_now": bool(context and math.isfinite(ordinary_now) and loss <= ratio * ordinary_now),
             "ratio": ratio, **({} if context else {"no_context": True}),
+            **({"within_spread": seen["level"]} if context and spread else {}),
             "ordinary_step": {"step": step + 1, "capture": after.get("step")}.get(source)}
     # how far the weights moved since then, against their norm there: the update/weight ratio of the run's own records
     # (the trainable parameters, as the records' update/weight: a frozen backbone's norm would shrink the ratio)

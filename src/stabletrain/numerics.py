@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -21,6 +22,7 @@ __all__ = [
     "grad_total_norm",
     "all_params_finite",
     "both_finite",
+    "inputs_finite",
     "first_nonfinite_grad",
     "nonfinite_params",
     "snapshot_params",
@@ -185,6 +187,25 @@ def nonfinite_params(named: Iterable[tuple[str, Tensor]]) -> list[str]:
         return []
     flags = torch.stack([torch.isfinite(p).all() for _, p in named]).tolist()
     return [n for (n, _), ok in zip(named, flags) if not ok]
+
+
+def inputs_finite(batch: Any) -> Tensor | None:
+    """Return a device bool: every floating-point tensor in ``batch`` is finite (None if there is none)."""
+    flags: list[Tensor] = []
+
+    def visit(x: Any) -> None:
+        if isinstance(x, Tensor):
+            if x.is_floating_point():
+                flags.append(torch.isfinite(x).all())
+        elif isinstance(x, Mapping):  # (a UserDict too: a Hugging Face BatchEncoding)
+            for v in x.values():
+                visit(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                visit(v)
+
+    visit(batch)
+    return torch.stack(flags).all() if flags else None
 
 
 def first_nonfinite_grad(model: nn.Module) -> str | None:

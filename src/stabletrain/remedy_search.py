@@ -185,8 +185,10 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int, probe: int | None = 
     window = inc.bundle.get("observed", {}).get("spike_window")
     if remedy.rollback_step is not None and "guard" in state:
         guard.load_state_dict(state["guard"])
-    elif window:  # a spike's: the losses the rule judged it against
+    elif window:  # a spike's: the losses the rule judged it against, and its rarity bar's ratios (not a seed's made up)
         guard.mark_spikes([SimpleNamespace(values={"loss": float(v), "finite": 1.0}) for v in window])
+        guard.rarity.load_snapshot(inc.bundle["observed"].get("rarity") or {"ring": [math.nan] * len(guard.rarity.ring),
+                                                                             "seen": 0, "ref": -math.inf})
     else:  # seeded with the run's interval losses before the incident
         guard.mark_spikes([SimpleNamespace(values={"loss": float(r["loss"]), "finite": 1.0})
                            for r in inc.history if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"])])

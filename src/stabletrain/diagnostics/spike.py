@@ -159,6 +159,7 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     levels = (older or {}).get("levels") or [0.0, 0.0]
     risen = ((older or {}).get("median") or 0) > 0 and levels[1] > older["ratio"] and (_off_level(older, m, True)
                                                                                          or older["ordinary_high"])
+    risen = risen and "within_spread" not in older  # (ordinary windows within the loss's own spread: no drifted level)
     # Ordinary windows already high under the state just before a surging update before the spike (and now): the state
     # was off before that update (an applied spike's aftershock), the window high under the older state no outlier batch.
     off_before = (older is not None and older["ordinary_high"] and older.get("ordinary_previous") is not None

@@ -24,7 +24,8 @@ losses fall fast and a few of them make a shaky median and deviation (a small ba
 and 6.0 deviations above its mean is noise at step 6), but a loss four times as high as any before it is a spike from
 the fifth step on (a x1e4 loss at step 6 was missed when the rule armed only at half the window). Spikes are not added
 to the window, so a run of spikes does not raise the baseline; nor is a loss ``spike_ratio ** FAR`` times every one
-the window holds while the rule is not armed counted among them (:func:`~.spike_rule.early_outlier`). With
+the window holds while the rule is not armed counted among them (:func:`~.spike_rule.early_outlier`). A spike is also
+rare: above ``spike_ratio`` times a high quantile of the last losses, spikes included (:mod:`.spike_rarity`). With
 ``guard.on_spike=skip`` the rule runs on the device every step (the skip must be decided before the update); otherwise
 the host runs the same rule on the interval's losses at the log boundary (:meth:`Guard.mark_spikes`), so the step pays
 nothing for it.
@@ -41,7 +42,7 @@ import bisect
 import contextlib
 import math
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +51,8 @@ import torch
 from torch import Tensor
 
 from ..config import GuardConfig
-from ..numerics import both_finite
+from ..numerics import both_finite, inputs_finite
+from .spike_rarity import RarityBar
 from .spike_rule import EARLY_ARM, FAR, MAD_TO_STD, armed_at, early_largest, early_outlier, far_spike, spike_test
 from .stall import NEGLIGIBLE_GRAD, UNRECOVERABLE_SCALE, StallWatch, routine_overflow, scale_note
 
@@ -64,25 +66,6 @@ NEGLIGIBLE_SPIKE = 1e-4
 
 #: The flagged steps (spikes, non-finite steps) the guard remembers: a spike's capture takes no ordinary window among them.
 UNORDINARY_KEPT = 64
-
-
-def inputs_finite(batch: Any) -> Tensor | None:
-    """Return a device bool: every floating-point tensor in ``batch`` is finite (None if there is none)."""
-    flags: list[Tensor] = []
-
-    def visit(x: Any) -> None:
-        if isinstance(x, Tensor):
-            if x.is_floating_point():
-                flags.append(torch.isfinite(x).all())
-        elif isinstance(x, Mapping):  # (a UserDict too: a Hugging Face BatchEncoding)
-            for v in x.values():
-                visit(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                visit(v)
-
-    visit(batch)
-    return torch.stack(flags).all() if flags else None
 
 
 @dataclass
@@ -152,6 +135,7 @@ class Guard:
         self.num_seen, self._slots = torch.zeros((), dtype=torch.long, device=where), torch.arange(cfg.spike_window, device=where)
         # Off the device: the host rule's window is a numpy view of the CPU tensor; its count a plain int.
         self._host_window = None if self.on_device else self.window.numpy()
+        self.rarity = RarityBar(cfg, where, self.on_device)  # ... and the last losses, spikes too: the bar of a rare one
         self._host_seen = 0
         self.consecutive_skips = 0
         self.spike_skips = 0  # of them, how many in a row were spikes (a loss at a new level: every step a spike)
@@ -217,7 +201,8 @@ class Guard:
         none = torch.full_like(w, float("-inf"))
         # (early_largest: the largest within spike_ratio ** (2 * FAR) x a positive median)
         largest = torch.where(torch.isnan(w) | ((median > 0) & (w > self.cfg.spike_ratio ** (2 * FAR) * median)), none, w).max()
-        spike = spike & (~early | (loss > self.cfg.spike_ratio ** 2 * largest))
+        spike = spike & (~early | (loss > self.cfg.spike_ratio ** 2 * largest)) & self.rarity.passes(loss, median)
+        self.rarity.update(loss, median, armed, spike)
         ok = finite & ~spike
         keep = finite & ~spike
         idx = self._slots  # (before the rule arms, early outliers are held after the counted losses, uncounted: _early)
@@ -242,10 +227,12 @@ class Guard:
         """
         if self.on_device:  # the window as this interval ends starts the next: window_before rebuilds from it
             self._device_starts = (self._device_starts[1], (self.window.clone(), self.num_seen.clone()))
+            self.rarity.mark_start()
             return
         w = self._host_window  # a view: the tensor (and so state_dict) follows
         seen = self._host_seen
         self._start = (w.copy(), seen)  # the interval's starting window (window_before), 50 floats
+        self.rarity.mark_start()
         n = self.cfg.spike_window
         ratio, zscore = np.float32(self.cfg.spike_ratio), np.float32(self.cfg.spike_zscore)
         kept = sorted(w[~np.isnan(w)].tolist())  # the window's values in order (float32 values, exact as floats)
@@ -265,11 +252,10 @@ class Guard:
             finite = v["finite"] > 0.5 and math.isfinite(loss)
             # fp16: a step the GradScaler skipped for overflow has a finite loss, and a large spike overflows: tested too
             testable = finite or (v.get("overflow", 0.0) > 0.5 and math.isfinite(loss))
-            spike = False
+            spike, median = False, kept[(len(kept) - 1) // 2] if seen >= self._armed_at and kept else None
             # The ratio test first, on the kept order (a bisect per step, not a sort): most steps stop there. In
             # float64 it decides every loss clear of the float32 product; one within a float32 step is tested exactly.
-            if testable and seen >= self._armed_at:
-                median = kept[(len(kept) - 1) // 2]
+            if testable and median is not None:
                 bound = float(ratio) * median
                 if loss > bound * (1 - 1e-6) and np.float32(loss) > ratio * np.float32(median):
                     window = np.asarray(kept, dtype=np.float32)
@@ -282,6 +268,8 @@ class Guard:
                     if spike and seen < self._full_at:  # early: also above spike_ratio^2 x the largest loss so far
                         spike = bool(np.float32(loss) > np.float32(self.cfg.spike_ratio ** 2)
                                      * np.float32(early_largest(kept, self.cfg)))
+            spike = spike and self.rarity.host_passes(loss, median)
+            self.rarity.host_update(loss, median, spike)
             v["spike"] = 1.0 if spike else 0.0
             if finite and not spike and seen < self._armed_at:  # (early outliers held uncounted: as _judge)
                 seen = self._early(loss, seen, lambda i: updates.get(i, float(w[i])), put)
@@ -292,11 +280,13 @@ class Guard:
             w[list(updates)] = list(updates.values())
         self._host_seen = seen
         self.num_seen.fill_(seen)
+        self.rarity.host_done()
 
     def _device_starts_from_here(self) -> None:
         """The next interval starts from the window as it is now (at the start, after a load)."""
         if self.on_device:
             self._device_starts = (None, (self.window.clone(), self.num_seen.clone()))
+            self.rarity.starts = (None, self.rarity.snapshot())
 
     def window_before(self, step: int, rows: list[Any]) -> list[float]:
         """The finite non-spike losses the rule held when it judged step ``step``: the window at the interval's
@@ -306,6 +296,7 @@ class Guard:
         rule: it would hold the interval's later losses too), the one rebuilt from the interval's start as the host
         rule does. One small read, made only for a spike's capture.
         """
+        self.rarity.live = self.on_device  # (and the rarity bar's ratios, as this window: RarityBar.before)
         if self.on_device:
             now = self.window.detach().cpu().numpy()
             start = self._device_starts[0]
@@ -313,6 +304,7 @@ class Guard:
                 w, seen = start[0].cpu().numpy(), int(start[1])
                 before, end = self._kept(w, seen, rows, step), self._kept(w, seen, rows, None)
                 if np.array_equal(end, now, equal_nan=True):
+                    self.rarity.live = False
                     return [float(x) for x in before.tolist() if not math.isnan(x)]
             return [float(v) for v in now.tolist() if not math.isnan(v)]
         if self._start is None:
@@ -477,11 +469,13 @@ class Guard:
                 "spike_skips": self.spike_skips, "last_scale": self.last_scale,
                 "num_rollbacks": self.num_rollbacks, "num_incidents": self.num_incidents, "num_spikes": self.num_spikes,
                 "num_spike_captures": self.num_spike_captures, **self.stall.state_dict(),
-                "stall_warned": self.stall_warned, "unordinary": list(self.unordinary), "first_loss": self.first_loss}
+                "stall_warned": self.stall_warned, "unordinary": list(self.unordinary), "first_loss": self.first_loss,
+                **self.rarity.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.window.copy_(state["window"])
         self.num_seen.copy_(state["num_seen"])
+        self.rarity.load_state_dict(state)
         if not self.on_device:
             self._host_seen = int(self.num_seen)
         self.consecutive_skips = int(state["consecutive_skips"])

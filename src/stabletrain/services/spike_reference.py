@@ -52,7 +52,14 @@ def spike_parts(engine: Any, fit: RunState, bundle: dict[str, Any], step: int, s
     :class:`~stabletrain.services.capture.IncidentCapture`, ``start``: the state the capture replayed from and its step,
     ``first``: rank 0's bundle (it may look an older checkpoint up)."""
     src = engine.source
+    guard = getattr(fit, "guard", None)
+    rare = guard.rarity.before() if guard is not None else None  # (the rarity bar's ratios before the spike: a remedy's)
+    # The loss curve's level before the spike's interval (the intervals' means, spikes included): ordinary windows within
+    # spike_ratio x it are no drifted level where it is far above the rule's median (a heavy-tailed loss: counterfactual)
+    means = [r["loss"] for r in [*engine.history, *fit.history] if r["step"] < step and isinstance(r.get("loss"), float)
+             and math.isfinite(r["loss"])][-HISTORY_INTERVALS:]
     bundle["observed"].update(anomaly="spike", spike_window=list(info.get("spike_window") or []),
+                              level=statistics.median(means) if means else None, **({"rarity": rare} if rare else {}),
                               history=[[r["step"], r.get("lr"), r.get("update_ratio")] for r in [*engine.history, *fit.history]
                                        if r["step"] < step][-HISTORY_INTERVALS:])
     typical = fit.precursor.typical_ratios() if fit.precursor is not None else {}

@@ -1,0 +1,136 @@
+"""The spike rule's rarity bar: a loss as far above the median as recent steps often are is the loss's spread, not a spike.
+
+The rule's window holds the non-spike losses only, so that a run of spikes does not raise its baseline. Under a loss
+whose per-step spread is wide and frequent, that left the rule judging a narrower and narrower window: a small batch
+with label noise (a third of batch-2 steps hold a mislabelled sample, x30 the median) had each such step flagged and
+left out, until 266 of 1,000 steps of a healthy run were spikes, some called a drifted state. So each judged step's
+loss over the rule's median then (its ratio) is kept, spikes too, for the last ``spike_window`` steps, and a spike's
+ratio must also be above ``spike_ratio`` times the :data:`RARE` quantile (the lower, 9/10) of those ratios as it stood at
+the last step not flagged: a ratio a tenth of recent steps reach is no spike, while each step of a burst or a
+divergence (flagged steps in a row) is judged against the ratios from before it began. Ratios, not losses: a loss
+that falls fast has its older, larger losses in any window of them, and no spread (a spike after a fast fall was
+missed against them). It applies once half a window of ratios is in (before, the bar is 1: the rule alone).
+
+The same bar on the device (``guard.on_spike=skip``: a few ops a step, no sync) and on the host (the interval's rows at
+the boundary), in float32 and with the same index, so that the two rules agree bit for bit. A median of 0 or below
+(an NLL loss can have one) keeps no ratio and sets no bar.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["RarityBar", "RARE"]
+
+#: The quantile, as a fraction (numerator, denominator): the lower value at index (9 (m - 1)) // 10 of m sorted losses.
+RARE = (9, 10)
+
+
+class RarityBar:
+    """The last ``cfg.spike_window`` judged steps' loss-over-median ratios (``ring``, spikes included; ``seen`` counted)
+    and the quantile (``ref``) as of the last step not flagged. :meth:`passes` and :meth:`update` run on the device
+    every step; :meth:`host_passes` and :meth:`host_update` are the same on the host (the ring a numpy view)."""
+
+    def __init__(self, cfg: Any, where: torch.device, on_device: bool) -> None:
+        self.ratio, self.n, self.full_at = cfg.spike_ratio, cfg.spike_window, max(cfg.spike_window // 2, 2)
+        self.ring = torch.full((self.n,), float("nan"), device=where)
+        self.seen = torch.zeros((), dtype=torch.long, device=where)
+        self.ref = torch.full((), float("-inf"), device=where)
+        self.on_device = on_device
+        self.starts: tuple[Any, Any] = (None, None)  # the snapshots at the last two log boundaries (:meth:`mark_start`)
+        self.live = False  # a spike's capture: the ring as it is now stands just before it (a replay ran the rule)
+        self._host_load()
+
+    # -- on the device: no sync -------------------------------------------------------------------------------------
+    def passes(self, loss: Tensor, median: Tensor) -> Tensor:
+        """Whether ``loss`` over ``median`` clears the bar (True while fewer than half a window of ratios are in)."""
+        return (self.seen < self.full_at) | ~(median > 0) | (loss.detach().float() / median > self.ratio * self.ref)
+
+    def update(self, loss: Tensor, median: Tensor, judged: Tensor, spike: Tensor) -> None:
+        """Keep ``loss / median`` where ``judged`` (the rule armed) and both finite, the median above 0."""
+        r = loss.detach().float() / median
+        keep = judged & torch.isfinite(r) & (median > 0)
+        slot = (self.seen % self.n).reshape(1)  # (a 1-element index: a 0-dim CUDA one is read on the host)
+        self.ring.index_put_((slot,), torch.where(keep, r, self.ring.gather(0, slot)))
+        self.seen += keep.long()
+        m = torch.clamp(torch.clamp(self.seen, max=self.n), min=1)
+        ordered = torch.sort(torch.where(torch.isnan(self.ring), float("inf"), self.ring)).values
+        quantile = ordered.gather(0, ((RARE[0] * (m - 1)) // RARE[1]).reshape(1)).reshape(())
+        self.ref = torch.where(spike | (self.seen == 0), self.ref, quantile)
+
+    # -- on the host --------------------------------------------------------------------------------------------------
+    def host_passes(self, loss: float, median: float) -> bool:
+        return (self._seen < self.full_at or not median > 0
+                or bool(np.float32(loss) / np.float32(median) > np.float32(self.ratio) * np.float32(self._ref)))
+
+    def host_update(self, loss: float, median: float | None, spike: bool) -> None:
+        """``loss``, ``median``: float32 values (as the rows and the window hold them); ``median`` None: not judged."""
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            r = float(np.float32(loss) / np.float32(median)) if median is not None and median > 0 else math.nan
+        if math.isfinite(r):
+            slot = self._seen % self.n
+            old = float(self._ring[slot])
+            if not math.isnan(old):
+                del self._sorted[bisect.bisect_left(self._sorted, old)]
+            self._ring[slot] = r
+            bisect.insort(self._sorted, r)
+            self._seen += 1
+        if not spike and self._sorted:
+            self._ref = self._sorted[(RARE[0] * (len(self._sorted) - 1)) // RARE[1]]
+
+    def host_done(self) -> None:
+        """The host's count and bar into the tensors (their state_dict)."""
+        self.seen.fill_(self._seen)
+        self.ref.fill_(self._ref)
+
+    def _host_load(self) -> None:
+        self._ring = None if self.on_device else self.ring.numpy()
+        self._sorted = [] if self.on_device else sorted(v for v in self._ring.tolist() if not math.isnan(v))
+        self._seen, self._ref = int(self.seen), float(self.ref)
+
+    def mark_start(self) -> None:
+        """At a log boundary (:meth:`~stabletrain.policies.guard.Guard.mark_spikes`: on the device, at the interval's
+        end, a copy and no read; on the host, before it judges the interval's rows)."""
+        self.starts = (self.starts[1], self.snapshot())
+
+    def before(self) -> dict[str, Any] | None:
+        """The ring before a spike of the interval just judged, for its capture: as it is now where the capture's
+        replay ran the rule up to the spike (:attr:`live`), else as the interval began (its steps before the spike
+        left out: a few ratios; never the spike's own nor those after it, which a remedy's replay would meet early)."""
+        start = self.snapshot() if self.live else self.starts[0 if self.on_device else 1]
+        if start is not None and "rare_ring" in start:  # (a device copy: read now, once)
+            values = torch.cat([start["rare_ring"], start["rare_seen"].reshape(1).float(), start["rare_ref"].reshape(1)])
+            *ring, seen, ref = values.tolist()
+            start = {"ring": ring, "seen": int(seen), "ref": ref}
+        return start
+
+    def snapshot(self) -> dict[str, Any]:
+        """The ring, count and bar as plain values (an incident bundle's: a replay's rule starts from the run's)."""
+        if not self.on_device:  # (the host's own: no tensor read)
+            return {"ring": self._ring.tolist(), "seen": self._seen, "ref": self._ref}
+        return {"rare_ring": self.ring.clone(), "rare_seen": self.seen.clone(), "rare_ref": self.ref.clone()}
+
+    def load_snapshot(self, snap: dict[str, Any]) -> None:
+        self.load_state_dict({"rare_ring": torch.tensor(snap["ring"], dtype=torch.float32),
+                              "rare_seen": torch.tensor(snap["seen"]), "rare_ref": torch.tensor(snap["ref"])})
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {"rare_ring": self.ring.clone(), "rare_seen": self.seen.clone(), "rare_ref": self.ref.clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """(a checkpoint from before the bar: an empty ring, no bar until half a window of ratios is in again)"""
+        if "rare_ring" in state:
+            self.ring.copy_(state["rare_ring"])
+            self.seen.copy_(state["rare_seen"])
+            self.ref.copy_(state["rare_ref"])
+        else:
+            self.ring.fill_(float("nan"))
+            self.seen.zero_()
+            self.ref.fill_(float("-inf"))
+        self._host_load()
