@@ -18,7 +18,6 @@ the boundary), in float32 and with the same index, so that the two rules agree b
 
 from __future__ import annotations
 
-import bisect
 import math
 from typing import Any
 
@@ -64,35 +63,40 @@ class RarityBar:
         quantile = ordered.gather(0, ((RARE[0] * (m - 1)) // RARE[1]).reshape(1)).reshape(())
         self.ref = torch.where(spike | (self.seen == 0), self.ref, quantile)
 
-    # -- on the host --------------------------------------------------------------------------------------------------
+    # -- on the host: the quantile read only where a spike is judged, and once an interval ----------------------------
     def host_passes(self, loss: float, median: float) -> bool:
-        return (self._seen < self.full_at or not median > 0
-                or bool(np.float32(loss) / np.float32(median) > np.float32(self.ratio) * np.float32(self._ref)))
+        if self._seen < self.full_at or not median > 0:
+            return True
+        self._fresh()
+        return bool(np.float32(loss) / np.float32(median) > np.float32(self.ratio) * np.float32(self._ref))
 
     def host_update(self, loss: float, median: float | None, spike: bool) -> None:
         """``loss``, ``median``: float32 values (as the rows and the window hold them); ``median`` None: not judged."""
+        if spike:  # (its bar, as it stood before it, stays for a run of them: read before this step's ratio is in)
+            self._fresh()
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             r = float(np.float32(loss) / np.float32(median)) if median is not None and median > 0 else math.nan
         if math.isfinite(r):
-            slot = self._seen % self.n
-            old = float(self._ring[slot])
-            if not math.isnan(old):
-                del self._sorted[bisect.bisect_left(self._sorted, old)]
-            self._ring[slot] = r
-            bisect.insort(self._sorted, r)
+            self._ring[self._seen % self.n] = r
             self._seen += 1
-        if not spike and self._sorted:
-            self._ref = self._sorted[(RARE[0] * (len(self._sorted) - 1)) // RARE[1]]
+        self._stale = not spike
+
+    def _fresh(self) -> None:
+        """The bar from the ring as it is now, where the last step was not flagged (as the device updates it)."""
+        if self._stale and self._seen:
+            values = sorted(v for v in self._ring.tolist() if not math.isnan(v))
+            self._ref = values[(RARE[0] * (len(values) - 1)) // RARE[1]]
+        self._stale = False
 
     def host_done(self) -> None:
         """The host's count and bar into the tensors (their state_dict)."""
+        self._fresh()
         self.seen.fill_(self._seen)
         self.ref.fill_(self._ref)
 
     def _host_load(self) -> None:
         self._ring = None if self.on_device else self.ring.numpy()
-        self._sorted = [] if self.on_device else sorted(v for v in self._ring.tolist() if not math.isnan(v))
-        self._seen, self._ref = int(self.seen), float(self.ref)
+        self._seen, self._ref, self._stale = int(self.seen), float(self.ref), False
 
     def mark_start(self) -> None:
         """At a log boundary (:meth:`~stabletrain.policies.guard.Guard.mark_spikes`: on the device, at the interval's
@@ -113,6 +117,7 @@ class RarityBar:
     def snapshot(self) -> dict[str, Any]:
         """The ring, count and bar as plain values (an incident bundle's: a replay's rule starts from the run's)."""
         if not self.on_device:  # (the host's own: no tensor read)
+            self._fresh()
             return {"ring": self._ring.tolist(), "seen": self._seen, "ref": self._ref}
         return {"rare_ring": self.ring.clone(), "rare_seen": self.seen.clone(), "rare_ref": self.ref.clone()}
 
