@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
 import time
 from pathlib import Path
 
 from torch.utils.data import Dataset
 
-from stabletrain.callbacks import Callback
-from stabletrain.distributed.launch import RESTART_ENV
 from stabletrain.tasks import Task
 
 
@@ -115,28 +111,3 @@ def slow_start_task(sleep: float = 3.0, **kwargs) -> Task:
 
     time.sleep(sleep)
     return make_task(**kwargs)
-
-
-class FirstSaveFailsThenKilled(Callback):
-    """The first launch's step-0 checkpoint fails (no file of the process may grow past 64 KiB: ``RLIMIT_FSIZE``, as a
-    sharded save fails whose peer died), it logs steps, and it is SIGKILLed after step ``at``; a restarted launch
-    (:data:`~stabletrain.distributed.launch.RESTART_ENV` set) trains as any."""
-
-    def __init__(self, at: int = 4) -> None:
-        self.at = at
-        self.first = not os.environ.get(RESTART_ENV)
-
-    def on_fit_start(self, state) -> None:
-        import resource
-
-        from stabletrain.records.checkpoint.writer import running_writer
-
-        if self.first:
-            resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-            writer = running_writer()
-            if writer is not None:
-                resource.prlimit(writer.pid, resource.RLIMIT_FSIZE, resource.getrlimit(resource.RLIMIT_FSIZE))
-
-    def on_step_end(self, state, out) -> None:
-        if self.first and state.step >= self.at:
-            os.kill(os.getpid(), signal.SIGKILL)

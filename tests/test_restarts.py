@@ -219,7 +219,7 @@ def test_a_launch_that_logged_steps_but_whose_first_save_failed_starts_over_with
     holds a run'), the dead launch's lines kept in metrics.superseded.jsonl, and each step is logged once."""
     run_dir = tmp_path / "run"
     res = subprocess.run([sys.executable, "-m", "stabletrain", "train", *ARGS[:-2], "train.max_steps=8", *FAST,
-                          "callbacks=[restart_tasks:FirstSaveFailsThenKilled]", "run.max_restarts=2", f"run.dir={run_dir}"],
+                          "callbacks=[helpers:FirstSaveFailsThenKilled]", "run.max_restarts=2", f"run.dir={run_dir}"],
                          env=env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert re.search(r"stabletrain: warning: checkpoint at step 0 failed: .*File too large; no checkpoint was written "
@@ -996,13 +996,14 @@ def test_a_signal_death_at_the_same_step_is_the_same_failure_whatever_its_last_l
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (10, 20)))
     events = [{"kind": "checkpoint", "step": 20, "time": 1.0}]
     lines = ["mlp step 20/100 (20%) | loss 2.3", "stabletrain: restart 1 of 5 after rank 0 ...; resuming from step_000020",
              "stabletrain: restart 2 of 5 after rank 0 ...; resuming from step_000020"]
     outcomes = []
     for number, line in enumerate(lines, 1):
         (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+        # each launch logged steps 10 and 20 (a start-over sets the launch before's lines aside)
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (10, 20)))
         cause = {"rank": 0, "exitcode": -9, "last_line": line, "restart": number, "max_restarts": 5, "time": 2.0 + number}
         everyone = [{"causes": [cause], "count": number, "max": 5, "run_id": None}]
         outcomes.append(_restart_after(cfg("run.max_repeats=2"), run_dir, everyone, False, cause, late=False))

@@ -2109,3 +2109,24 @@ def test_a_small_batch_with_label_noise_is_the_losss_spread_not_a_third_of_its_s
     truth = torch.cdist(x, noisy_labels_centers()).argmin(1)  # the blob each sample came from
     named = [i for d in diagnoses for i in d["bad_samples"] or []]
     assert named and all(int(y[i]) != int(truth[i]) for i in named), named  # each one mislabelled
+
+
+@pytest.mark.parametrize("on_spike", ["warn", "skip"])
+def test_a_spikes_bundle_holds_the_rarity_ring_from_before_it_not_its_own_ratio(tmp_path, on_spike):
+    """A review: under guard.on_spike=skip the capture's replay stood just before the spike, but the ring was read after
+    the replay had put the boundary's state back: the bundle held the spike's own ratio (x1.5e3) and the steps after
+    it, and a remedy's replay seeded from it let a burst's next spikes pass as cured."""
+    factory, kwargs, overrides, step = CASES["data"]
+    run_dir = tmp_path / "run"
+    Trainer(cfg("train.batch_size=8", "log.every=7", "data.shuffle=false", f"guard.on_spike={on_spike}", *overrides),
+            task=factory(**kwargs), run_dir=run_dir).fit()
+    observed = load_bundle(run_dir / "incidents" / f"step_{step:06d}")["observed"]
+    spike = next(e for e in _events(run_dir) if e["kind"] == "spike" and e["step"] == step)
+    window = sorted(observed["spike_window"])
+    ratio = spike["loss"] / window[(len(window) - 1) // 2]
+    ring = [r for r in observed["rarity"]["ring"] if not math.isnan(r)]
+    assert ratio > 100 and ring and max(ring) < ratio / 10, (ratio, ring)
+    # the ratios of the steps the rule judged before the spike: the replay's (skip) or the interval start's (warn: up to
+    # log.every - 1 fewer)
+    judged = step - 1 - 4  # (the rule arms on 4 losses; every step before the spike judged after that)
+    assert observed["rarity"]["seen"] == (judged if on_spike == "skip" else 14 - 4), observed["rarity"]["seen"]

@@ -132,7 +132,7 @@ class GuardConfig:
         "skip", "a non-finite loss, grad norm or parameter: skip the step, stop, roll back, or apply a verified remedy")
     on_spike: Literal["warn", "skip", "rollback", "remedy"] = _f(
         "warn", "a loss spike: record it, skip the step, roll back, or skip it and apply a verified remedy")
-    spike_window: int = _f(50, "recent finite, non-spike losses the spike rule compares against")
+    spike_window: int = _f(50, "recent finite, non-spike losses the spike rule compares against (and its rarity bar's steps)")
     spike_ratio: float = _f(2.0, "spike rule: loss > spike_ratio x median of the window ...")
     spike_zscore: float = _f(6.0, "... and (loss - mean) / std > spike_zscore; past 32x the median, or its robust z (MAD)")
     max_consecutive_skips: int = _f(20, "stop the run after this many skipped steps in a row (fp16 back-offs not counted)")

@@ -68,7 +68,8 @@ class RarityBar:
         if self._seen < self.full_at or not median > 0:
             return True
         self._fresh()
-        return bool(np.float32(loss) / np.float32(median) > np.float32(self.ratio) * np.float32(self._ref))
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # (a tiny median: inf, as on the device)
+            return bool(np.float32(loss) / np.float32(median) > np.float32(self.ratio) * np.float32(self._ref))
 
     def host_update(self, loss: float, median: float | None, spike: bool) -> None:
         """``loss``, ``median``: float32 values (as the rows and the window hold them); ``median`` None: not judged."""
@@ -95,8 +96,8 @@ class RarityBar:
         self.ref.fill_(self._ref)
 
     def _host_load(self) -> None:
-        self._ring = None if self.on_device else self.ring.numpy()
-        self._seen, self._ref, self._stale = int(self.seen), float(self.ref), False
+        self._ring = None if self.on_device else self.ring.numpy()  # (on the device: no read of its tensors)
+        self._seen, self._ref, self._stale = (0, -math.inf, False) if self.on_device else (int(self.seen), float(self.ref), False)
 
     def mark_start(self) -> None:
         """At a log boundary (:meth:`~stabletrain.policies.guard.Guard.mark_spikes`: on the device, at the interval's
@@ -108,10 +109,8 @@ class RarityBar:
         replay ran the rule up to the spike (:attr:`live`), else as the interval began (its steps before the spike
         left out: a few ratios; never the spike's own nor those after it, which a remedy's replay would meet early)."""
         start = self.snapshot() if self.live else self.starts[0 if self.on_device else 1]
-        if start is not None and "rare_ring" in start:  # (a device copy: read now, once)
-            values = torch.cat([start["rare_ring"], start["rare_seen"].reshape(1).float(), start["rare_ref"].reshape(1)])
-            *ring, seen, ref = values.tolist()
-            start = {"ring": ring, "seen": int(seen), "ref": ref}
+        if start is not None and "rare_ring" in start:  # (a device copy: read now, at a capture)
+            start = {"ring": start["rare_ring"].tolist(), "seen": int(start["rare_seen"]), "ref": float(start["rare_ref"])}
         return start
 
     def snapshot(self) -> dict[str, Any]:

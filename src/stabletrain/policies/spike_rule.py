@@ -28,8 +28,9 @@ def spike_test(loss: float, window: list[float], cfg: GuardConfig) -> dict[str, 
     """The spike rule on the host for one loss against ``window`` (the finite non-spike losses before it).
 
     Returns ``{"spike", "armed", "median", "mean", "std", "zscore", "robust_zscore", "ratio"}`` (ratio: loss /
-    median), in float32 as the rule runs (:meth:`Guard.mark_spikes` agrees with it). What a diagnosis and a remedy's
-    replay judge "normal by the guard's own rule" with.
+    median), in float32 as the rule runs. Without the rarity bar (:mod:`.spike_rarity`), which only lets losses pass,
+    :meth:`Guard.mark_spikes` flags no step it does not. What a diagnosis and a remedy's replay judge "normal by the
+    guard's own rule" with (a step it calls normal the guard does too).
     """
     values = np.asarray([v for v in window if math.isfinite(v)][-cfg.spike_window:], dtype=np.float32)
     out: dict[str, Any] = {"spike": False, "armed": len(values) >= armed_at(cfg)}

@@ -345,7 +345,7 @@ class IncidentCapture:
             start, pinned = self._replay(fit, step, start, info, rows, spike)
             if spike and fit.guard is not None and fit.guard.on_device:  # the rule's window just before the spike, as
                 # the replay left it (the boundary's holds the interval's later losses, and has let go of older ones)
-                info = {**info, "spike_window": fit.guard.window_before(step, rows)}
+                info = {**info, "spike_window": fit.guard.window_before(step, rows), "rarity": fit.guard.rarity.before()}
             if pinned is None and info.get("locate") is not None and after_update:
                 pinned = {"step": step}  # no earlier update broke them: the checked step's own did
             if pinned is not None:

@@ -53,7 +53,7 @@ def spike_parts(engine: Any, fit: RunState, bundle: dict[str, Any], step: int, s
     ``first``: rank 0's bundle (it may look an older checkpoint up)."""
     src = engine.source
     guard = getattr(fit, "guard", None)
-    rare = guard.rarity.before() if guard is not None else None  # (the rarity bar's ratios before the spike: a remedy's)
+    rare = info.get("rarity") or (guard.rarity.before() if guard is not None else None)  # (the bar's ratios before it)
     # The loss curve's level before the spike's interval (the intervals' means, spikes included): ordinary windows within
     # spike_ratio x it are no drifted level where it is far above the rule's median (a heavy-tailed loss: counterfactual)
     means = [r["loss"] for r in [*engine.history, *fit.history] if r["step"] < step and isinstance(r.get("loss"), float)
