@@ -657,6 +657,13 @@ def test_a_lost_peer_is_news_not_an_error_when_the_launch_restarts(monkeypatch, 
         monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", str(most))
         assert cli.main(["train"]) == 1
         assert capsys.readouterr().err.startswith(head)
+    # under stabletrain's own launcher, whose restart line quotes it: nothing (a new user saw two lines for one restart)
+    monkeypatch.setenv("STABLETRAIN_RUN_DIR_NOTE", "/tmp/note")
+    for count, said in ((0, ""), (2, "stabletrain: error: rank 0: ")):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(count))
+        assert cli.main(["train"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(said) and bool(err) == bool(said), err
 
 
 def test_the_launcher_sweeps_the_processes_its_launch_left_behind(tmp_path):

@@ -138,6 +138,7 @@ def test_a_rank_sigkilled_at_3_random_points_restarts_by_itself_and_ends_bitwise
         assert event["step"] <= step and (event["redone"] == step - event["step"] or late), (event, step)
         assert event["checkpoint"] == f"step_{event['step']:06d}" and "was killed by SIGKILL" in event["reason"]
     assert [output.count(f"stabletrain: restart {n} of 5 after ") for n in (1, 2, 3)] == [1, 1, 1]  # one line each
+    assert not [x for x in output.splitlines() if x.startswith("stabletrain: rank ")]  # (a rank's lost peer: quoted there)
     last = [x for x in output.splitlines() if x.startswith("stabletrain: trained 20 steps")]  # the final line says it too
     assert len(last) == 1 and "; restarted itself 3 times (events.jsonl); run directory: " in last[0], last
     lines = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -104,8 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:
         if _loaded_instance(err, "stabletrain.distributed.peers", "PeerLostError"):  # (torch's module: loaded if raised)
             # A rank died or hung: one clear line per surviving rank, exit 1 (an error, unless the launch restarts: then
-            # the news that it does, not a failure of the run)
-            console.say(str(err), sys.stderr) if getattr(err, "restarts", False) else console.error(str(err))
+            # the news that it does, not a failure of the run; none under stabletrain's launcher, whose one restart line
+            # quotes it: a new user saw two lines for one restart)
+            if not getattr(err, "quiet", False):
+                console.say(str(err), sys.stderr) if getattr(err, "restarts", False) else console.error(str(err))
             return 1
         if isinstance(err, BrokenPipeError) and _stdout_gone():
             return _quiet_exit_on_closed_stdout()
