@@ -631,6 +631,13 @@ def test_on_spike_remedy_applies_live_only_what_starts_where_its_replay_did_and_
     assert trainer.step == 100 and trainer.state.stop_reason is None
     assert applied and applied[0]["incident_step"] == 64 and applied[0]["remedy"]["kind"] == "rollback-lr", applied
     assert applied[0]["at_step"] < 63  # back to a checkpoint before the update that led into the spike
+    # the cures ranked above it that cannot apply live are said, and why (a trial read remedy.json's best beside a
+    # rollback applied, with no word of it)
+    record = json.loads((run_dir / "incidents" / "step_000064" / "remedy.json").read_text())
+    above = [c["name"] for c in record["candidates"][:[c["name"] for c in record["candidates"]].index(applied[0]["name"])]
+             if c["verdict"] == "cures" and not c["baseline"]]
+    assert above and applied[0]["passed_over"] == "; ".join(
+        f"{n} cures it too but from the update of step 63, which the run has made already" for n in above[:3]), applied[0]
     pairs = [(e["incident_step"], e["name"]) for e in applied]
     assert len(pairs) == len(set(pairs))
     # Goodput: the remedy's rollback is in the ledger (the steps trained again are redone, none counted twice), and

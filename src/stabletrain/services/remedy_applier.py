@@ -192,7 +192,12 @@ class RemedyApplier:
                 console.say(line)
             return False
         remedy = remedy_from_dict(best["remedy"])
-        self.apply(remedy, incident, best, record)
+        # The cures ranked above it that cannot apply now, said (a new user read remedy.json's best, update-clip, live,
+        # beside a rollback applied, with no word of why)
+        above = [c for c in record["candidates"][:record["candidates"].index(best)]
+                 if c["verdict"] == "cures" and not c["baseline"] and unusable(c)]
+        passed = "; ".join(f"{c['name']} cures it too but {unusable(c)}" for c in above[:3])
+        self.apply(remedy, incident, best, record, passed=passed)
         decision.action = "rollback" if remedy.rollback_step is not None else "continue"
         return True
 
@@ -292,7 +297,7 @@ class RemedyApplier:
             self.state.callbacks.fire("on_rollback", self.state, self.last_rollback)
 
     def apply(self, remedy: Remedy, incident: str, row: dict[str, Any], record: dict[str, Any], *,
-              by_hand: bool = False) -> None:
+              by_hand: bool = False, passed: str = "") -> None:
         """Put ``remedy`` on the run now (a rollback first loads its checkpoint); record the ``remedy`` event."""
         state = self.state
         from_step = state.step
@@ -350,10 +355,11 @@ class RemedyApplier:
             live = (f"; step {at} itself was skipped as it ran, the samples are left out of every window from now on"
                     if isinstance(remedy, SkipSamples) and not by_hand and isinstance(at, int) and at <= from_step else "")
             console.say(f"remedy at step {from_step}: {remedy.name} ({remedy.detail}), {row.get('verdict')} on the "
-                        f"replay{spent}{live}")
+                        f"replay{spent}{live}" + (f" ({passed})" if passed else ""))
         state.event(state.step, "remedy", f"applied {remedy.name} ({remedy.detail}) for the {record.get('failure_class')} "
                     f"incident at step {record.get('step')}, {how}: {row.get('verdict')}, {row.get('evidence')}",
-                    **{k: v for k, v in entry.items() if k != "evidence"}, candidate_evidence=row.get("evidence"))
+                    **{k: v for k, v in entry.items() if k != "evidence"}, candidate_evidence=row.get("evidence"),
+                    **({"passed_over": passed} if passed else {}))
 
 
 def _candidate(candidates: list[dict[str, Any]], name: str, spec: str, incident: str) -> dict[str, Any]:
