@@ -267,7 +267,7 @@ def test_restarts_whose_launches_die_in_their_start_up_each_get_their_event_and_
     assert restarts[0]["checkpoint"] is not None and len({e["checkpoint"] for e in restarts}) == 1
     assert [e["redone"] for e in restarts][1:] == [0, 0]  # the launches that died in their start-up trained nothing
     assert all(f"resuming from {e['checkpoint']}: no step to train again" in e["reason"] for e in restarts[1:]), \
-        [e["reason"] for e in restarts]  # (not '0 step(s) to train again, and any it trained after ...')
+        [e["reason"] for e in restarts]  # (not '0 step(s) to train again (more if it trained past ...)')
     assert _final(run_dir)["counters"]["step"] == 20
     goodput = read_goodput(run_dir)
     assert (goodput.launches, goodput.restarts) == (4, 3), goodput.line()
@@ -1207,8 +1207,8 @@ def test_a_launchs_last_step_is_its_ledgers_where_its_metrics_stop_short(tmp_pat
     launch = _restart_after(c, run_dir, [{"count": 1, "max": 3}], True, None, late=False)
     assert launch.resume and launch.refused is None
     (restart,) = [e for e in read_jsonl(run_dir / "events.jsonl")[0] if e["kind"] == "restart"]
-    assert restart["redone"] == 2 and "resuming from step_000004: 2 steps, and any it trained after step 6, its last " \
-        "record, to train again" in restart["reason"], restart
+    assert restart["redone"] == 2 and "resuming from step_000004: 2 steps to train again (more if it trained past step " \
+        "6, its last record)" in restart["reason"], restart
     marked = read_jsonl(run_dir / "events.jsonl")[0]  # a launch that died before its ledger began: not its ledger's
     assert _ledger_last_step(run_dir, marked) == 0
 

@@ -292,9 +292,10 @@ def _restart_after(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_
         # A killed launch's last steps are known only up to its last record (a log line, an event): it may have got further.
         again = f"{redone} step{'s' if redone != 1 else ''} to train again" if redone else "no step to train again"
         if failure.kind == "exit" and failure.trained:
-            again = (f"{redone} step{'s' if redone != 1 else ''}, and any it trained after step {failure.last_step}, its "
-                     "last record, to train again" if redone else
-                     f"any steps it trained after step {failure.last_step}, its last record, to train again")
+            again = (f"{redone} step{'s' if redone != 1 else ''} to train again (more if it trained past step "
+                     f"{failure.last_step}, its last record)" if redone else
+                     f"nothing recorded to train again (any steps it trained past step {failure.last_step}, its last "
+                     "record, are trained again)")
         reason = (f"restart {number}{f' of {limit}' if limit else ''} after {who}{met}{note}; resuming from "
                   f"{good.name if good else '?'}: {again}{LATE if late else ''}")
         # Any outcome the dead launch said (its own events: a step an older timeline saved may be saved again)
