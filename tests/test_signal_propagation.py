@@ -827,3 +827,27 @@ def test_a_gradient_constant_across_its_elements_or_a_second_call_under_no_grad_
     stack = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
     report = signal_report(stack, torch.randn(16, 8), lambda m, b: -m(b).mean())
     assert report.passed, report.summary("backward")
+
+
+class ShiftedTwice(nn.Module):
+    """A trial's model: one Linear called twice, the second time on the shift alone (zeros on the first batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.head = nn.Linear(16, 32), nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = torch.zeros_like(x)
+        return self.head(torch.tanh(self.lin(x + s) - self.lin(s)))
+
+
+def test_a_call_on_a_constant_input_is_no_vanishing_layer():
+    """'forward: vanishes at #1 lin#1 (Linear): std 0.126 = 0.229x that of lin#0': the second call's input was all 0, its
+    output the bias alone; no init makes a signal of a constant input."""
+    torch.manual_seed(0)
+    model = ShiftedTwice()
+    report = signal_report(model, (torch.randn(16, 16), torch.randn(16, 1)),
+                           lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
+    layers = {layer.name: layer for layer in report.layers}
+    assert layers["lin#1"].in_std == 0 and layers["lin#1"].forward == "ok" and layers["lin#1"].forward_ratio is None
+    assert "lin#1" not in report.summary("forward"), report.summary("forward")

@@ -74,6 +74,9 @@ def assign_references(layers: list[Any], thresholds: Any) -> None:
             if (len(members) == 1 and not layer.role and not layer.is_norm and layer.param_name is not None
                     and gain is not None and gain > GAIN_LIMIT):  # no counterpart: against its own input
                 layer.ref_forward, layer.forward_ratio = OWN_INPUT, gain
+            if layer.in_std == 0 and not layer.silent and layer.forward_ratio is not None and layer.ref_forward != OWN_INPUT:
+                layer.forward_ratio = None  # a constant input (a call on zeros): its output is its offsets, no signal of
+                # any input's, and no init's doing (a trial's lin(x + s) - lin(s) at s = 0 'vanished' at lin#1)
             layer.forward = thresholds.verdict(layer.forward_ratio)
             if layer.forward == "ok" and layer.collapsed:  # its std is its offsets': the input's signal is gone
                 layer.forward = "vanishing"
