@@ -22,6 +22,19 @@ def run(*args, cwd=None):
                           timeout=300)
 
 
+def here(capfd, *args) -> subprocess.CompletedProcess:
+    """The CLI's main in this process, as ``python -m stabletrain ARGS`` calls it (a fresh process costs ~3 s of imports),
+    its exit code and output as :func:`run` gives them."""
+    from stabletrain.cli import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as exit_:  # (argparse's --help)
+        code = exit_.code or 0
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(["stabletrain", *args], code, out, err)
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """One ``stabletrain train`` of the mlp task, 30 steps (logged every 10, evaluated every 15): (its result, its run dir)."""
@@ -74,16 +87,20 @@ def test_tensorboard_files_hold_the_scalars(trained):
     (["check", "init", "--compare", ",", "task=mlp"],  # (it ran the init check with nothing to compare)
      "--compare: no init scheme named in ','; give one or more of: auto, xavier, kaiming, normal"),
 ])
-def test_bad_input_is_one_line_and_exit_code_2(args, needle, tmp_path):
-    res = run(*args, "log.progress=false", f"run.dir={tmp_path / 'r'}") if args[0] == "train" else run(*args)
-    assert res.returncode == 2, res.stderr
-    assert needle in res.stderr
-    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
-    assert "Traceback" not in res.stderr
+def test_bad_input_is_one_line_and_exit_code_2(args, needle, tmp_path, capfd):
+    # (in this process: the CLI's main, as `python -m stabletrain` calls it; a fresh process per case cost ~3 s each)
+    from stabletrain.cli import main
+
+    code = main([*args, "log.progress=false", f"run.dir={tmp_path / 'r'}"] if args[0] == "train" else list(args))
+    err = capfd.readouterr().err
+    assert code == 2, err
+    assert needle in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err
 
 
-def test_help_lists_every_key_with_default():
-    res = run("train", "--help")
+def test_help_lists_every_key_with_default(capfd):
+    res = here(capfd, "train", "--help")
     assert res.returncode == 0
     for key in ("accum.steps", "clip.max_norm", "sched.warmup_steps", "run.dir", "default: gpt"):
         assert key in res.stdout
@@ -92,11 +109,11 @@ def test_help_lists_every_key_with_default():
                  "default: never (one of: never, auto)"):
         assert said in res.stdout, said
     assert "default: null (one of" not in res.stdout and "default: 1.0 (one of" not in res.stdout
-    assert run("--help").returncode == 0
+    assert here(capfd, "--help").returncode == 0
 
 
-def test_user_task_and_check_json():
-    res = run("check", "overfit", "accum", "clip", "amp", "task=helpers:make_user_task", "task_args.width=12", "--json")
+def test_user_task_and_check_json(capfd):
+    res = here(capfd, "check", "overfit", "accum", "clip", "amp", "task=helpers:make_user_task", "task_args.width=12", "--json")
     assert res.returncode == 0, res.stdout + res.stderr
     results = json.loads(res.stdout)
     assert [r["name"] for r in results] == ["overfit", "accum", "clip", "amp"]
@@ -105,14 +122,14 @@ def test_user_task_and_check_json():
     assert accum["max_param_diff"] <= accum["tolerance"] < accum["naive_max_param_diff"]
 
 
-def test_check_fails_with_exit_1_and_names_the_frozen_parameter():
-    res = run("check", "overfit", "task=broken_tasks:frozen_layer_task")
+def test_check_fails_with_exit_1_and_names_the_frozen_parameter(capfd):
+    res = here(capfd, "check", "overfit", "task=broken_tasks:frozen_layer_task")
     assert res.returncode == 1, res.stdout + res.stderr
     assert "no gradient: 0.weight" in res.stdout and "FAIL" in res.stdout
 
 
-def test_amp_check_flags_a_half_model():
-    res = run("check", "amp", "task=broken_tasks:half_model_task", "--json")
+def test_amp_check_flags_a_half_model(capfd):
+    res = here(capfd, "check", "amp", "task=broken_tasks:half_model_task", "--json")
     assert res.returncode == 1
     result = json.loads(res.stdout)[0]
     assert result["numbers"]["half_params"] > 0
@@ -137,11 +154,14 @@ def test_check_json_keeps_stdout_for_the_json_alone(capsys):
     ("task_args.dropout=high", "config key 'task_args.dropout': expected a number, got 'high'"),
     ("task_args.activation=swish", "config key 'task_args.activation': expected one of relu, tanh, gelu, got 'swish'"),
 ])
-def test_builtin_task_args_are_type_checked_like_config_keys(override, needle, tmp_path):
+def test_builtin_task_args_are_type_checked_like_config_keys(override, needle, tmp_path, capfd):
     # Before: "'<' not supported between instances of 'str' and 'int'" from inside make_mlp.
-    res = run("train", "task=mlp", override, "log.progress=false", f"run.dir={tmp_path / 'r'}")
-    assert res.returncode == 2, res.stderr
-    assert res.stderr.strip() == f"stabletrain: error: {needle}"
+    from stabletrain.cli import main
+
+    code = main(["train", "task=mlp", override, "log.progress=false", f"run.dir={tmp_path / 'r'}"])
+    err = capfd.readouterr().err
+    assert code == 2, err
+    assert err.strip() == f"stabletrain: error: {needle}"
 
 
 def test_task_args_are_converted_to_the_factory_types():
