@@ -29,6 +29,7 @@ __all__ = ["RarityBar", "RARE"]
 
 #: The quantile, as a fraction (numerator, denominator): the lower value at index (9 (m - 1)) // 10 of m sorted losses.
 RARE = (9, 10)
+F32_MAX = 2.0 ** 128 - 2.0 ** 103  # (a quotient from here on rounds to inf in float32)
 
 
 class RarityBar:
@@ -75,8 +76,9 @@ class RarityBar:
         """``loss``, ``median``: float32 values (as the rows and the window hold them); ``median`` None: not judged."""
         if spike:  # (its bar, as it stood before it, stays for a run of them: read before this step's ratio is in)
             self._fresh()
-        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-            r = float(np.float32(loss) / np.float32(median)) if median is not None and median > 0 else math.nan
+        # (in float64, rounded once to float32: the float32 quotient exactly, as 53 >= 2 x 24 + 2 bits; no errstate per row)
+        q = loss / median if median is not None and median > 0 and math.isfinite(loss) else math.nan
+        r = float(np.float32(q)) if q < F32_MAX else math.nan
         if math.isfinite(r):
             self._ring[self._seen % self.n] = r
             self._seen += 1
@@ -85,18 +87,19 @@ class RarityBar:
     def _fresh(self) -> None:
         """The bar from the ring as it is now, where the last step was not flagged (as the device updates it)."""
         if self._stale and self._seen:
-            values = sorted(v for v in self._ring.tolist() if not math.isnan(v))
-            self._ref = values[(RARE[0] * (len(values) - 1)) // RARE[1]]
+            values = np.sort(self._ring if self._seen >= self.n else self._ring[~np.isnan(self._ring)])
+            self._ref = float(values[(RARE[0] * (len(values) - 1)) // RARE[1]])
         self._stale = False
 
     def host_done(self) -> None:
         """The host's count and bar into the tensors (their state_dict)."""
         self._fresh()
-        self.seen.fill_(self._seen)
-        self.ref.fill_(self._ref)
+        self._counts[...] = self._seen  # (numpy views of the CPU tensors: no tensor op per interval)
+        self._bar[...] = self._ref
 
     def _host_load(self) -> None:
         self._ring = None if self.on_device else self.ring.numpy()  # (on the device: no read of its tensors)
+        self._counts, self._bar = (None, None) if self.on_device else (self.seen.numpy(), self.ref.numpy())
         self._seen, self._ref, self._stale = (0, -math.inf, False) if self.on_device else (int(self.seen), float(self.ref), False)
 
     def mark_start(self) -> None:
