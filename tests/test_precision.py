@@ -232,6 +232,8 @@ def test_a_model_cast_wholesale_is_warned_of_once_with_what_to_do_instead(tmp_pa
     said = [str(w.message) for w in seen if "cast wholesale" in str(w.message)]
     assert len(said) == 1 and f"4 of 4 parameters are stored in bfloat16 (e.g. 0.weight), a model cast wholesale (.half()): " \
         f"precision={precision} trains those weights in their own dtype" in said[0], said
+    # bfloat16 has float32's range: its trouble is rounding, never underflow (a trial read 'underflow' for a pure-bf16 run)
+    assert "an update under ~1/256 of its weight rounds away" in said[0] and "underflow" not in said[0], said
     with warnings.catch_warnings(record=True) as plain:
         warnings.simplefilter("always")
         Trainer(cfg("train.max_steps=2", f"precision={precision}"), task=regression_task(), run_dir=tmp_path / "fp32").fit()

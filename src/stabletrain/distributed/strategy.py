@@ -106,10 +106,14 @@ class Strategy:
         parts, fingerprint = self._wrap(module, task, fingerprint)
         half = half_params(module)
         if half is not None:  # (a trial's .half() model trained silently, its report saying "precision fp32")
+            bf16 = "bfloat16" in half[0]  # (its range is float32's: nothing underflows, but 8 bits of mantissa round)
             warnings.warn(f"task {self.cfg.task!r}: {half[0]}, a model cast wholesale (.half()): precision="
-                          f"{parts.precision.mode} trains those weights in their own dtype, with no float32 master copy and "
-                          "no loss scaling: small updates round away and small gradients underflow to 0. Keep the model in "
-                          "float32 and set precision=bf16 or fp16 (autocast, and a GradScaler for fp16)",
+                          f"{parts.precision.mode} trains those weights in their own dtype, with no float32 master copy" + (
+                              ": an update under ~1/256 of its weight rounds away (pure-bf16 training needs stochastic "
+                              "rounding or Kahan summation in the optimizer). Keep the model in float32 and set "
+                              "precision=bf16 (autocast)" if bf16 else
+                              " and no loss scaling: small updates round away and small gradients underflow to 0. Keep the "
+                              "model in float32 and set precision=bf16 or fp16 (autocast, and a GradScaler for fp16)"),
                           StableTrainWarning, stacklevel=console.user_stacklevel())
         if self.cfg.train.compile:
             parts.model = torch.compile(parts.model)
