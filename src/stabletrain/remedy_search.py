@@ -187,8 +187,8 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int, probe: int | None = 
         guard.load_state_dict(state["guard"])
     elif window:  # a spike's: the losses the rule judged it against, and its rarity bar's ratios (not a seed's made up)
         guard.mark_spikes([SimpleNamespace(values={"loss": float(v), "finite": 1.0}) for v in window])
-        guard.rarity.load_snapshot(inc.bundle["observed"].get("rarity") or {"ring": [math.nan] * len(guard.rarity.ring),
-                                                                             "seen": 0, "ref": -math.inf})
+        rarity = inc.bundle["observed"].get("rarity")  # (a bundle from before the bar: none, as a resume from then)
+        guard.rarity.load_snapshot(rarity) if rarity else guard.rarity.load_state_dict({})
     else:  # seeded with the run's interval losses before the incident
         guard.mark_spikes([SimpleNamespace(values={"loss": float(r["loss"]), "finite": 1.0})
                            for r in inc.history if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"])])

@@ -26,11 +26,11 @@ class PeerLostError(RuntimeError):
         self.rank, self.where, self.step, self.last_good, self.cause = rank, where, step, last_good, cause
         saved = (f"no checkpoint was written after {last_good} (LAST_GOOD)" if last_good else "no checkpoint was written")
         done, most = (int(os.environ.get(k, "0") or 0) for k in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"))
-        self.restarts = done < most
+        self.restarts, ours = done < most, bool(os.environ.get(RUN_DIR_NOTE_ENV))  # (ours: stabletrain's launcher)
         # under stabletrain's own launcher its restart line quotes this one (its cause): the rank says nothing itself
-        self.quiet = self.restarts and bool(os.environ.get(RUN_DIR_NOTE_ENV))
+        self.quiet = self.restarts and ours
         if self.restarts:  # torchrun's agent restarts the ranks: no one needs to resume by hand
-            key = "run.max_restarts" if os.environ.get(RUN_DIR_NOTE_ENV) else "torchrun's --max-restarts"  # (our launcher's?)
+            key = "run.max_restarts" if ours else "torchrun's --max-restarts"
             hint = (f"; the launch restarts from {'LAST_GOOD' if last_good else 'step 0'} (restart {done + 1} of {most}, "
                     f"{key}), unless the same failure keeps coming back (run.max_repeats)")
         else:

@@ -25,7 +25,8 @@ and 6.0 deviations above its mean is noise at step 6), but a loss four times as 
 the fifth step on (a x1e4 loss at step 6 was missed when the rule armed only at half the window). Spikes are not added
 to the window, so a run of spikes does not raise the baseline; nor is a loss ``spike_ratio ** FAR`` times every one
 the window holds while the rule is not armed counted among them (:func:`~.spike_rule.early_outlier`). A spike is also
-rare: above ``spike_ratio`` times a high quantile of the last losses, spikes included (:mod:`.spike_rarity`). With
+rare: its ratio to the median above ``spike_ratio`` times a high quantile of the last steps' ratios, spikes included
+(:mod:`.spike_rarity`). With
 ``guard.on_spike=skip`` the rule runs on the device every step (the skip must be decided before the update); otherwise
 the host runs the same rule on the interval's losses at the log boundary (:meth:`Guard.mark_spikes`), so the step pays
 nothing for it.
@@ -201,8 +202,7 @@ class Guard:
         none = torch.full_like(w, float("-inf"))
         # (early_largest: the largest within spike_ratio ** (2 * FAR) x a positive median)
         largest = torch.where(torch.isnan(w) | ((median > 0) & (w > self.cfg.spike_ratio ** (2 * FAR) * median)), none, w).max()
-        spike = spike & (~early | (loss > self.cfg.spike_ratio ** 2 * largest)) & self.rarity.passes(loss, median)
-        self.rarity.update(loss, median, armed, spike)
+        spike = self.rarity.judge(loss, median, armed, spike & (~early | (loss > self.cfg.spike_ratio ** 2 * largest)))
         ok = finite & ~spike
         keep = finite & ~spike
         idx = self._slots  # (before the rule arms, early outliers are held after the counted losses, uncounted: _early)

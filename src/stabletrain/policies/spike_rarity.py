@@ -35,7 +35,8 @@ F32_MAX = 2.0 ** 128 - 2.0 ** 103  # (a quotient from here on rounds to inf in f
 class RarityBar:
     """The last ``cfg.spike_window`` judged steps' loss-over-median ratios (``ring``, spikes included; ``seen`` counted)
     and the quantile (``ref``) as of the last step not flagged. :meth:`passes` and :meth:`update` run on the device
-    every step; :meth:`host_passes` and :meth:`host_update` are the same on the host (the ring a numpy view)."""
+    every step (:meth:`judge`); :meth:`host_passes` and :meth:`host_update` are the same on the host (the ring a numpy
+    view)."""
 
     def __init__(self, cfg: Any, where: torch.device, on_device: bool) -> None:
         self.ratio, self.n, self.full_at = cfg.spike_ratio, cfg.spike_window, max(cfg.spike_window // 2, 2)
@@ -48,21 +49,22 @@ class RarityBar:
         self._host_load()
 
     # -- on the device: no sync -------------------------------------------------------------------------------------
-    def passes(self, loss: Tensor, median: Tensor) -> Tensor:
-        """Whether ``loss`` over ``median`` clears the bar (True while fewer than half a window of ratios are in)."""
-        return (self.seen < self.full_at) | ~(median > 0) | (loss.detach().float() / median > self.ratio * self.ref)
-
-    def update(self, loss: Tensor, median: Tensor, judged: Tensor, spike: Tensor) -> None:
-        """Keep ``loss / median`` where ``judged`` (the rule armed) and both finite, the median above 0."""
+    def judge(self, loss: Tensor, median: Tensor, judged: Tensor, spike: Tensor) -> Tensor:
+        """``spike`` (the rule's) where ``loss`` over ``median`` also clears the bar (always while fewer than half a
+        window of ratios are in, or where the median is 0 or below); then keep that ratio where ``judged`` (the rule
+        armed) and finite, and move the bar unless the step is flagged."""
         r = loss.detach().float() / median
-        keep = judged & torch.isfinite(r) & (median > 0)
+        positive = median > 0
+        spike = spike & ((self.seen < self.full_at) | ~positive | (r > self.ratio * self.ref))
+        keep = judged & torch.isfinite(r) & positive
         slot = (self.seen % self.n).reshape(1)  # (a 1-element index: a 0-dim CUDA one is read on the host)
         self.ring.index_put_((slot,), torch.where(keep, r, self.ring.gather(0, slot)))
         self.seen += keep.long()
-        m = torch.clamp(torch.clamp(self.seen, max=self.n), min=1)
+        m = torch.clamp(self.seen, min=1, max=self.n)
         ordered = torch.sort(torch.where(torch.isnan(self.ring), float("inf"), self.ring)).values
         quantile = ordered.gather(0, ((RARE[0] * (m - 1)) // RARE[1]).reshape(1)).reshape(())
         self.ref = torch.where(spike | (self.seen == 0), self.ref, quantile)
+        return spike
 
     # -- on the host: the quantile read only where a spike is judged, and once an interval ----------------------------
     def host_passes(self, loss: float, median: float) -> bool:
@@ -121,7 +123,7 @@ class RarityBar:
         if not self.on_device:  # (the host's own: no tensor read)
             self._fresh()
             return {"ring": self._ring.tolist(), "seen": self._seen, "ref": self._ref}
-        return {"rare_ring": self.ring.clone(), "rare_seen": self.seen.clone(), "rare_ref": self.ref.clone()}
+        return self.state_dict()  # (on the device: copies, read at a capture only: before)
 
     def load_snapshot(self, snap: dict[str, Any]) -> None:
         self.load_state_dict({"rare_ring": torch.tensor(snap["ring"], dtype=torch.float32),
