@@ -307,6 +307,8 @@ def test_an_input_past_fp16s_range_at_autocasts_cast_is_the_inputs_scale_not_the
     assert cast["failure_class"] == "overflow" and cast["weight_driven"] is False
     assert "casts its input to float16, whose values (up to 2.5e+06) are past its range (max 65504) in 16 of 16 " \
            "samples: the input's scale" in cast["evidence"] and "not the samples" not in cast["evidence"], cast
+    # (a trial: inputs x1e-4 whose square underflowed, an rsqrt of 0 cast back to float16, read "scale the inputs down")
+    assert "a division or rsqrt of a value near 0" in cast["evidence"] and "scale the inputs down" not in cast["evidence"]
     weight = case([16, 16], params=[0])  # a Linear(16, 16)'s weight, batch-shaped (a review): the module's own
     assert weight["weight_driven"] is True and "the module's weights or its own computation" in weight["evidence"]
 

@@ -109,6 +109,10 @@ def _weigh_samples(bench: ReplayBench, groups: list[tuple[list[int], Any]], rule
         _gradient_shares(bench, rows, grads, total_count)
     rows.sort(key=lambda r: -r["loss_sum"])
     found = _verified(bench, groups, rule, normal, outlier_sets(rows, normal))  # fewest first, by the samples' own losses
+    if found is None and rows:  # more than a quarter, yet far apart from the rest: 5 relabelled of 16, x345 the next
+        wide = _outlier_group(rows, len(rows) // 2, bound)
+        if wide and wide[1] >= APART_GAP and len(wide[0]) > max_outliers(len(rows)):
+            found = _verified(bench, groups, rule, normal, [wide[0]])
     if found is not None:  # with the samples as far out as its own (the fewest may leave some of the outliers in)
         alike = _alike(rows, found["indices"], max_outliers(len(rows)), bound)
         found = (_verified(bench, groups, rule, normal, [alike]) if alike else None) or found

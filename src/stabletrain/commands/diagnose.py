@@ -59,8 +59,8 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     print(f"incident: {path} (step {result['step']}, {where})")
     for key in ("summary", "failure_class", "evidence", "stage", "op", "direction", "module", "origin", "first_nonfinite_param",
                 "nonfinite_params_after_update", "bad_samples", "reproduces"):
-        if result.get(key) not in (None, [], ""):
-            print(f"  {_LABELS.get(key, key):<30} {result[key]}")
+        if result.get(key) not in (None, [], "") and not (key == "stage" and result.get("anomaly") == "spike"):
+            print(f"  {_LABELS.get(key, key):<30} {result[key]}")  # (a finite spike has no non-finite stage: no "none")
     stack = (result.get("first_op") or {}).get("stack")
     if stack:
         print("  where the first non-finite op ran:")

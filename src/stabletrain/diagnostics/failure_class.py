@@ -172,8 +172,10 @@ def classify_failure(d: dict[str, Any], history: list[dict[str, Any]] | None = N
         if "_to_copy" in str(first.get("op")) and dtype == "float16" and span > limit and of_input:  # autocast's input cast
             return {**out, "failure_class": "overflow", "weight_driven": False, "evidence": (
                 f"{first['op']} {_place(module, 'in')} casts its input to {dtype}, whose values (up to {span:.3g}) are past "
-                f"its range (max {limit:g}) in {len(samples) or 'some'} of {num} samples: the input's scale (the data, or "
-                "what the layers before it make), not the module's weights; scale the inputs down, or use bf16")}
+                f"its range (max {limit:g}) in {len(samples) or 'some'} of {num} samples: the input's scale (the data, what "
+                "the layers before it make, or what this module computes before the cast: a division or rsqrt of a value "
+                "near 0, tiny inputs whose square underflowed), not the module's weights; keep it in range (the data's "
+                "scale, a larger epsilon, that computation in fp32 past the cast), or use bf16")}
         return {**out, "failure_class": "overflow", "evidence": text + (f"; {share}" if weight_driven else "") + (
             f"; before it the run's {_growth_text(grew)}" if grew is not None else ""), "weight_driven": weight_driven}
     if first and first.get("origin"):

@@ -157,7 +157,8 @@ MOSTLY_CARRIED = "without samples "
 
 def max_outliers(n: int) -> int:
     """How many of a window's ``n`` samples a data spike's set may hold: a quarter of them, at least 3 (3 of 8 bad
-    labels were never named under a bar of 2) but never more than half (more is no "few"), 16 at most."""
+    labels were never named under a bar of 2) but never more than half (more is no "few"), 16 at most. The samples
+    above a gap of x10 or more may be more, up to half the window (``spike_samples``: 5 relabelled of 16, x345 apart)."""
     return max(1, min(max(3, min(16, n // 4)), n // 2))
 
 
