@@ -608,3 +608,39 @@ def relabelled_five_task(n: int = 4000, bad_start: int = 2000, n_bad: int = 5) -
     model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
     return Task(model=model, train_data=TensorDataset(x, y), name="relabelled-five",
                 loss=lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]))
+
+
+class _JumpAdamW(torch.optim.AdamW):
+    """AdamW whose update is x``factor`` from its ``at``-th step on (an LR multiplied inside the user's optimizer)."""
+
+    def __init__(self, params, at: int, factor: float, **kw):
+        super().__init__(params, **kw)
+        self._n, self._at, self._factor = 0, at, factor
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self._n += 1
+        if self._n < self._at:
+            return super().step(closure)
+        params = [p for g in self.param_groups for p in g["params"]]
+        before = [p.detach().clone() for p in params]
+        out = super().step(closure)
+        for p, b in zip(params, before):
+            p.copy_(b + self._factor * (p - b))
+        return out
+
+
+def update_jump_task(n: int = 8000, at: int = 120, factor: float = 30.0) -> Task:
+    """state, long before its spikes (a new user's trial): clean, separable clusters; the user's optimizer multiplies
+    every update x30 from its step 120 on (the measured update/weight ratio x21 at the same LR); the loss spikes from
+    step ~164 on, each window's loss on a hard, clean sample or two that the over-stepped model gets wrong: 'data',
+    those samples named, with no word of the jump 40 steps before (the older state, the interval's start, is in it)."""
+    g = torch.Generator().manual_seed(3)
+    centers = 2 * torch.randn(10, 20, generator=g)
+    y = torch.randint(0, 10, (n,), generator=g)
+    x = centers[y] + torch.randn(n, 20, generator=g)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
+    return Task(model=model, train_data=TensorDataset(x, y), name="update-jump",
+                loss=lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]),
+                optimizer=lambda named: _JumpAdamW([p for _, p in named], at=at, factor=factor, lr=1e-3))

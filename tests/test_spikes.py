@@ -42,6 +42,7 @@ from spike_tasks import (
     steady_regression_task,
     too_high_lr_task,
     transient_spike_task,
+    update_jump_task,
 )
 
 from stabletrain import Trainer
@@ -1249,6 +1250,21 @@ def test_more_bad_samples_than_a_quarter_of_the_window_are_named_where_a_wide_ga
     assert d["bad_samples"] == [2000, 2001, 2002, 2003, 2004], d["summary"]
     assert "without them the step is normal (verified" in d["summary"]
     assert "spike at step 126: data: samples 2000, 2001, 2002, 2003, 2004 carry 9" in capsys.readouterr().out
+
+
+def test_samples_named_in_a_state_whose_steps_rose_x10_inside_the_optimizer_come_with_that_caution(tmp_path):
+    """A user's AdamW multiplies every update x30 from its step 120 (a new user's trial); the loss spikes from step 164
+    on, each window's loss on a hard, clean sample the over-stepped model gets wrong, and the older state (step 160) is
+    inside the drift: the samples were named as 'data' with no word of it. The verdict says the steps' level rose at
+    step 120 at no higher LR and that the named samples may be ordinary; a data spike in a calm run says nothing of it."""
+    run_dir = tmp_path / "run"
+    Trainer(cfg("train.max_steps=200", "data.shuffle=false"), task=update_jump_task(), run_dir=run_dir).fit()
+    incident = next(e for e in _events(run_dir) if e["kind"] == "incident")
+    d = json.loads((Path(incident["path"]) / "diagnosis.json").read_text())
+    assert incident["step"] == 164 and d["failure_class"] == "data", d["summary"]
+    rose = re.search(r"but the optimizer's steps have run x([\d.]+) their size since step 120 ", d["evidence"])
+    assert rose and float(rose.group(1)) > 10, d["evidence"]
+    assert "these may be ordinary" in d["evidence"], d["evidence"]
 
 
 def test_spikes_in_a_drifts_course_are_weighed_under_a_state_from_before_it_not_blamed_on_samples(tmp_path):

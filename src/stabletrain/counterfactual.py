@@ -44,7 +44,7 @@ from .records.bundles import with_sample_ranks
 from .replica import Replica
 from .seeding import kept_rng
 from .services.replay_bench import ReplayBench
-from .services.spike_reference import MAX_CONTEXT, update_jump
+from .services.spike_reference import HISTORY_INTERVALS, MAX_CONTEXT, update_jump, update_level_jump
 from .spike_samples import dropout_draw, weigh_samples
 
 __all__ = ["diagnose_spike"]
@@ -116,11 +116,13 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
     m["spread"] = sum(rule(r["loss_sum"] / (r["count"] or 1))["spike"] for r in samples_rows) / max(len(samples_rows), 1)
     ordinary_steps = [bench.step(c) for c in context]
     ordinary = _typical(ordinary_steps) if context else None
-    m["steps"] = _step_sizes(observed.get("history") or [], ordinary_steps or [here], not ordinary_steps) if why is None else None
+    history = (observed.get("history") or [])[-HISTORY_INTERVALS:]  # (the last intervals; all it holds: a level's rise)
+    m["steps"] = _step_sizes(history, ordinary_steps or [here], not ordinary_steps) if why is None else None
     lrs = {g["lr"] for g in (lr_groups(bundle.get("optimizer")) or {}).get("param_groups", [])}
     if m["steps"] is not None and len(lrs) == 1 and min(lrs) > 0:  # the LR this state steps at (one group's, or all alike)
         m["steps"]["lr_now"] = float(lrs.pop())
-    m["update_jump"] = update_jump(observed.get("history") or [])
+    m["update_jump"] = update_jump(history)
+    m["update_level"] = update_level_jump(observed.get("history") or [])
     m["stretch_lrs"] = observed.get("stretch_lrs")  # (a host's steps' LRs since the interval's snapshot)
     m["older"], m["where"] = _older(bench, bundle, cfg, spike, context, rule, here["loss"]) if why is None else (None, {})
     if m["older"] is None and context and why is None:  # no older state: are the ordinary windows high under this one?
@@ -329,7 +331,8 @@ def _older(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, spike: list, co
                                                  loss <= ratio * window_old)
     high = window_old > ratio * ordinary_old if ordinary_old is not None and math.isfinite(ordinary_old) else source == "capture"
     lrs = {g["lr"] for g in (lr_groups(bundle.get("optimizer")) or {}).get("param_groups", [])}  # (one LR: the records')
-    kept = [(int(t), float(x)) for t, x, *_ in seen.get("history") or [] if step <= t < since and isinstance(x, float) and x > 0]
+    kept = [(int(t), float(x)) for t, x, *_ in (seen.get("history") or [])[-HISTORY_INTERVALS:]
+            if step <= t < since and isinstance(x, float) and x > 0]
     ran, now_lr = [r for r in kept if r[0] > step], lrs.pop() if len(lrs) == 1 and min(lrs) > 0 else None
     low = [r for r in kept if r[1] * LR_RISE <= now_lr] if ran and now_lr else []  # the last record before a jump
     lr = ({"then": (low or ran)[-1][1], "now": now_lr, "since": (low or ran)[-1][0]} if ran and now_lr

@@ -188,7 +188,7 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
                              f"x{samples['without']['ratio']:.3g} "
                              "the median" + _apart_note(samples["without"]) + ")"
                              + (f"; the window is high under the state of step {older['step']} too "
-                                f"({_against(older, False)})" if older else ""))}
+                                f"({_against(older, False)})" if older else "") + _level_caution(m.get("update_level"), older))}
     # Only an update before the spike's loss can have caused it: the step before's (the spike's own comes after it).
     blamed = _surging_layer([r for r in m.get("surges") or [] if r.get("step", -1) < m.get("step", 0)])
     rise = lr["now"] / lr["then"] if lr else 1.0
@@ -356,6 +356,18 @@ def _steps_grew(sizes: dict[str, Any] | None, older: dict[str, Any] | None) -> s
     on = "the spike's own window (no ordinary one at hand: its gradient counts too)" if sizes.get("own") else "ordinary windows"
     return (f"; the optimizer's steps grew x{sizes['now'] / sizes['before']:.3g}{same}: update/weight {sizes['now']:.2g} on "
             f"{on} under this state against {sizes['before']:.2g} in the run's intervals up to step {sizes['upto']}")
+
+
+def _level_caution(level: dict[str, Any] | None, older: dict[str, Any] | None) -> str:
+    """A data verdict's caution where the optimizer's steps rose to a new level and stayed, at no higher LR, by the older
+    state it was weighed under (``update_level`` of :func:`~stabletrain.counterfactual.diagnose_spike`): that state is
+    inside the drift, and a drifted model's loss sits on a few hard samples (a new user's x30 update inside AdamW)."""
+    if not level or (older is not None and older["step"] < level["step"]):
+        return ""
+    return (f"; but the optimizer's steps have run x{level['level'] / level['before']:.3g} their size since step "
+            f"{level['step']} (whole-model update/weight {level['level']:.2g} vs {level['before']:.2g} before it) while the "
+            "LR did not rise: the state it is weighed under drifted too, and a drifted model's loss sits on a few hard "
+            "samples: these may be ordinary (a lower LR, or a rollback to before that step, tells)")
 
 
 def _update_jump(jump: dict[str, Any] | None, older: dict[str, Any] | None) -> str:

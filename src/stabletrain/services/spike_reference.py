@@ -31,13 +31,16 @@ from ..records.checkpoint.shards import is_dcp_entry
 from ..records.staging import equal_states, join_params
 from ..runstate import RunState
 
-__all__ = ["spike_parts", "before_run", "before_jump", "lr_jumped_at", "update_jump", "update_jumped_at", "HISTORY_INTERVALS",
+__all__ = ["spike_parts", "before_run", "before_jump", "lr_jumped_at", "update_jump", "update_jumped_at", "update_level_jump",
+           "HISTORY_INTERVALS", "LEVEL_INTERVALS",
            "AFTERSHOCK_STEPS", "MAX_EARLIER_SAMPLES", "MAX_CONTEXT", "DRIFT_CLASSES"]
 
 #: Ordinary windows a spike's bundle holds to compare against (the interval's steps before the spike, else the next ones).
 MAX_CONTEXT = 3
 #: How many of the run's interval records before a spike its bundle holds (their step, LR and update/weight ratio).
 HISTORY_INTERVALS = 5
+#: How many its bundle holds to find where the optimizer's steps rose to a new level and stayed (:func:`update_level_jump`).
+LEVEL_INTERVALS = 12
 #: An earlier spike of these classes (applied or skipped) found the state off: a later spike's older state is from before it.
 DRIFT_CLASSES = ("state", "optimizer-state")
 #: A spike this many steps or fewer after an applied one (guard.on_spike=warn) says it may be its aftershock; a drift's
@@ -61,7 +64,7 @@ def spike_parts(engine: Any, fit: RunState, bundle: dict[str, Any], step: int, s
     bundle["observed"].update(anomaly="spike", spike_window=list(info.get("spike_window") or []),
                               level=statistics.median(means) if means else None, **({"rarity": rare} if rare else {}),
                               history=[[r["step"], r.get("lr"), r.get("update_ratio")] for r in [*engine.history, *fit.history]
-                                       if r["step"] < step][-HISTORY_INTERVALS:])
+                                       if r["step"] < step][-LEVEL_INTERVALS:])
     typical = fit.precursor.typical_ratios() if fit.precursor is not None else {}
     if typical:  # each layer's usual update before the interval (an update clip's size: not one a surge inflated)
         bundle["observed"]["layer_ratios"] = typical
@@ -83,8 +86,8 @@ def spike_parts(engine: Any, fit: RunState, bundle: dict[str, Any], step: int, s
     at = start[1]
     if older is not None and equal_states(older, now):  # the run skipped every update since: its steps were flagged
         older, at, ran = before_run(engine, start[1], now)
-    elif older is not None and (lr_jumped_at(bundle["observed"]["history"], at)
-                                or update_jumped_at(bundle["observed"]["history"], at)):
+    elif older is not None and (lr_jumped_at(bundle["observed"]["history"][-HISTORY_INTERVALS:], at)
+                                or update_jumped_at(bundle["observed"]["history"][-HISTORY_INTERVALS:], at)):
         older, at, ran = before_jump(engine, at, now) or (older, at, ran)
     chain = engine.drift_at(step)
     if chain is not None and (older is None or at >= chain["onset"]):  # (None: the spike opens its interval)
@@ -159,6 +162,26 @@ def update_jump(history: list[list[Any]], at: int | None = None) -> dict[str, An
     lrs = [lr for _, lr, _ in rows[:i] if isinstance(lr, (int, float)) and lr > 0]
     return {"step": rows[i][0], "ratio": rows[i][2], "typical": statistics.median(r for _, _, r in rows[:i]), "lr": rows[i][1],
             "lr_before": statistics.median(lrs) if lrs else None}
+
+
+def update_level_jump(history: list[list[Any]], factor: float = 4.0) -> dict[str, Any] | None:
+    """Where the optimizer's measured steps rose to a new level and stayed there while the LR did not rise: the interval
+    record (``[step, lr, ratio]``, 3 records before it and 2 from it on at least) whose records from it on have a median
+    whole-model update/weight ratio ``factor`` times or more the median of the 3 before it, at an LR at most x1.5 theirs
+    (the largest such rise): ``{"step", "level", "before", "lr", "lr_before"}``; None where there is none. An update
+    multiplied inside the optimizer (a new user's x30 from step 120 on: x13.7) leaves no single large step to find."""
+    rows = [(int(t), lr, float(r)) for t, lr, r, *_ in history if isinstance(r, (int, float)) and math.isfinite(r) and r > 0]
+    best = None
+    for i in range(3, len(rows) - 1):
+        before, level = statistics.median(r for *_, r in rows[i - 3:i]), statistics.median(r for *_, r in rows[i:])
+        lrs_before = [lr for _, lr, _ in rows[i - 3:i] if isinstance(lr, (int, float)) and lr > 0]
+        lrs_after = [lr for _, lr, _ in rows[i:] if isinstance(lr, (int, float)) and lr > 0]
+        lr_before, lr = (statistics.median(lrs_before) if lrs_before else None), (max(lrs_after) if lrs_after else None)
+        if lr_before is None or lr is None or lr > 1.5 * lr_before or level < factor * before:
+            continue
+        if best is None or level / before > best["level"] / best["before"]:
+            best = {"step": rows[i][0], "level": level, "before": before, "lr": lr, "lr_before": lr_before}
+    return best
 
 
 def update_jumped_at(history: list[list[Any]], at: int) -> bool:
