@@ -644,3 +644,31 @@ def update_jump_task(n: int = 8000, at: int = 120, factor: float = 30.0) -> Task
     return Task(model=model, train_data=TensorDataset(x, y), name="update-jump",
                 loss=lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]),
                 optimizer=lambda named: _JumpAdamW([p for _, p in named], at=at, factor=factor, lr=1e-3))
+
+
+class _RareFeatureNet(nn.Module):
+    def __init__(self, din: int = 32, hidden: int = 64):
+        super().__init__()
+        self.inp, self.out = nn.Linear(din, hidden), nn.Linear(hidden, 1)
+        with torch.no_grad():
+            self.inp.weight[:, din - 1] = 0.0  # the rare feature's column starts at zero
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(torch.tanh(self.inp(x)))
+
+
+def rare_feature_task(n: int = 4000, rare_steps: str = "125,126", batch: int = 16, rare_value: float = 30.0) -> Task:
+    """optimizer-state (a new user's trial): feature 31 is 0 but on half the samples of steps 125 and 126 (data in order,
+    ``batch`` a step), where it is ``rare_value``; the target ignores it. Under Adam (beta1 0.5, lr 0.02, no clip) the
+    column's tiny second moment lets the update of step 125 surge; a per-layer update clip of 'inp.weight' as a whole
+    never engages there (one column's surge barely moves the tensor's update/weight ratio)."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(n, 32, generator=g)
+    x[:, 31] = 0.0
+    w = torch.randn(32, 1, generator=g) / 4
+    w[31] = 0.0
+    y = torch.tanh(x @ w)
+    for s in [int(v) for v in rare_steps.split(",") if v]:
+        x[(s - 1) * batch:(s - 1) * batch + batch // 2, 31] = rare_value
+    torch.manual_seed(0)
+    return Task(model=_RareFeatureNet(), train_data=TensorDataset(x, y), name="rare-feature", loss=_mse)

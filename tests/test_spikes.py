@@ -328,6 +328,24 @@ def test_diagnose_and_remedy_on_a_spike_from_the_command_line(tmp_path, capsys):
     assert "best: skip-samples" in printed
 
 
+def test_a_remedy_candidate_that_never_acted_on_the_spikes_step_says_so(tmp_path, capsys):
+    """A rare feature's column under Adam (a new user's trial): the spike at step 126 is optimizer-state; the update clip
+    of 'inp.weight' and clip.max_norm replayed to the run's own loss there (0.7798), listed as failing like any other.
+    Their evidence says that the change never acted on that step; a candidate that changed the loss says nothing of it."""
+    from stabletrain.cli import main
+
+    run = tmp_path / "run"
+    assert main(["train", "task=spike_tasks:rare_feature_task", "optim.lr=0.02", "optim.beta1=0.5", "clip.max_norm=null",
+                 "optim.weight_decay=0", "sched.warmup_steps=0", "sched.decay=constant", "train.max_steps=130",
+                 "data.shuffle=false", f"run.dir={run}", "log.progress=false", "log.tensorboard=false"]) == 0
+    assert "spike at step 126: optimizer-state: " in capsys.readouterr().out
+    assert main(["remedy", str(run)]) == 0
+    rows = {line.split()[1]: line for line in capsys.readouterr().out.splitlines() if line[:1].isdigit()}
+    never = "the run's own loss there: the change never acted on this step"
+    assert " fails " in rows["update-clip"] and never in rows["update-clip"], rows
+    assert never not in rows["lr-x0.5"] and never not in rows["lr-x0.1"], rows
+
+
 @pytest.mark.parametrize("cls", ["state", "optimizer-state"])
 def test_a_spike_on_its_intervals_first_step_replays_from_the_snapshot_before(cls, tmp_path):
     """log.every=2 puts the spike right after a boundary: no step of its interval before it, and the interval's start
