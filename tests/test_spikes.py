@@ -1270,7 +1270,7 @@ def test_more_bad_samples_than_a_quarter_of_the_window_are_named_where_a_wide_ga
     assert "spike at step 126: data: samples 2000, 2001, 2002, 2003, 2004 carry 9" in capsys.readouterr().out
 
 
-def test_samples_named_in_a_state_whose_steps_rose_x10_inside_the_optimizer_come_with_that_caution(tmp_path):
+def test_samples_named_in_a_state_whose_steps_rose_x10_inside_the_optimizer_come_with_that_caution(tmp_path, capsys):
     """A user's AdamW multiplies every update x30 from its step 120 (a new user's trial); the loss spikes from step 164
     on, each window's loss on a hard, clean sample the over-stepped model gets wrong, and the older state (step 160) is
     inside the drift: the samples were named as 'data' with no word of it. The verdict says the steps' level rose at
@@ -1283,6 +1283,8 @@ def test_samples_named_in_a_state_whose_steps_rose_x10_inside_the_optimizer_come
     rose = re.search(r"but the optimizer's steps have run x([\d.]+) their size since step 120 ", d["evidence"])
     assert rose and float(rose.group(1)) > 10, d["evidence"]
     assert "these may be ordinary" in d["evidence"], d["evidence"]
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("stabletrain: spike at step 164: "))
+    assert "; but the optimizer's steps have run x" in line and line.endswith("; reproduces on replay"), line  # (kept)
 
 
 def test_spikes_in_a_drifts_course_are_weighed_under_a_state_from_before_it_not_blamed_on_samples(tmp_path):

@@ -174,9 +174,21 @@ def brief(text: str, width: int = 320, more: str = "") -> str:
     parts.append(text[start:])
     if len(text) <= width or len(parts) < 3:
         return text
-    kept, tail = parts[:1], ["...", parts[-1]]
-    for part in parts[1:-1]:
-        if len("; ".join(kept + [part] + tail)) > width:
+    middle = range(1, len(parts) - 1)
+
+    def join(keep: list[int], marker: str = "...") -> str:  # the clauses kept, in order, the marker where the first left out was
+        out = [parts[i] for i in sorted(keep)]
+        gone = next((i for i in middle if i not in keep), None)
+        if gone is not None:
+            out.insert(sum(1 for i in keep if i < gone), marker)
+        return "; ".join(out + [parts[-1]])
+
+    # A caveat ("but ...": what the verdict may be wrong about) is kept before the clauses that lead up to it
+    kept = [0] + [i for i in middle if parts[i].startswith("but ") and len(join([0, i])) <= width][:1]
+    for i in middle:
+        if i in kept:
+            continue
+        if len(join(kept + [i])) > width:
             break
-        kept.append(part)
-    return "; ".join(kept + [f"... {more}".rstrip(), parts[-1]])
+        kept.append(i)
+    return join(kept, f"... {more}".rstrip())

@@ -365,9 +365,8 @@ def _level_caution(level: dict[str, Any] | None, older: dict[str, Any] | None) -
     if not level or (older is not None and older["step"] < level["step"]):
         return ""
     return (f"; but the optimizer's steps have run x{level['level'] / level['before']:.3g} their size since step "
-            f"{level['step']} (whole-model update/weight {level['level']:.2g} vs {level['before']:.2g} before it) while the "
-            "LR did not rise: the state it is weighed under drifted too, and a drifted model's loss sits on a few hard "
-            "samples: these may be ordinary (a lower LR, or a rollback to before that step, tells)")
+            f"{level['step']} at no higher LR (update/weight {level['level']:.2g} vs {level['before']:.2g}): the state "
+            "drifted, and these may be ordinary hard samples (a lower LR tells)")
 
 
 def _update_jump(jump: dict[str, Any] | None, older: dict[str, Any] | None) -> str:
