@@ -348,7 +348,7 @@ def test_an_incidents_long_line_keeps_its_first_clauses_and_its_verdict_and_says
     assert brief(listed, width=200) == "1) " + short.replace("... (all of it: stabletrain diagnose D)", "...")
     # A caveat ("but ...") is kept before the clauses leading up to it (a trial: the drift a data verdict may have missed)
     caveat = "; ".join(["first", "x" * 60, "y" * 60, "but it may be wrong", "z" * 60, "last"])
-    assert brief(caveat, width=120, more="M") == "first; " + "x" * 60 + "; ... M; but it may be wrong; last"
+    assert brief(caveat, width=120, more="M") == "first; " + "x" * 60 + "; ... M; but it may be wrong; ...; last"  # each gap
 
 
 def test_a_line_said_beside_a_hosts_bar_in_a_log_starts_after_it_and_a_closed_bar_is_none():

@@ -504,3 +504,28 @@ def _users_loop(run_dir, steps, outliers):
             monitor.backward(loss_fn(model, batch))
             monitor.step(batch)
     return data
+
+
+def test_a_rise_of_the_optimizers_steps_to_a_level_that_stays_is_placed_at_its_own_record():
+    """update_level_jump (a review): a flat x8 rise at step 70 was placed at step 40 (the median of every record from a
+    candidate on ties across the records before the rise); two high records at the end are no level that stayed; an LR
+    that rose past x1.5 explains the rise; noisy records find the rise's own record."""
+    import random
+
+    from stabletrain.services.spike_reference import update_level_jump
+
+    def hist(ratios, lrs=None):
+        return [[10 * (i + 1), (lrs or [1e-3] * len(ratios))[i], r] for i, r in enumerate(ratios)]
+
+    flat = [1e-3] * 6 + [8e-3] * 6  # the rise at the 7th record: step 70
+    found = update_level_jump(hist(flat))
+    assert found["step"] == 70 and found["level"] / found["before"] == pytest.approx(8.0)
+    assert update_level_jump(hist([1e-3] * 10 + [5e-3, 6e-3])) is None  # two records: a burst, not a level
+    assert update_level_jump(hist(flat, [1e-3] * 6 + [2e-3] * 6)) is None  # the LR doubled with it
+    assert update_level_jump(hist(flat, [1e-3] * 6 + [5e-4] * 6))["step"] == 70  # a falling LR: still the steps' own rise
+    rng = random.Random(0)
+    for at in (4, 7, 9):  # the rise at record `at` (0-based), each record x(1 +- 20%)
+        for _ in range(50):
+            noisy = [(1e-3 if i < at else 8e-3) * (1 + rng.uniform(-0.2, 0.2)) for i in range(12)]
+            assert update_level_jump(hist(noisy))["step"] == 10 * (at + 1), noisy
+    assert update_level_jump(hist([1e-3, float("nan"), None, 0.0] * 3)) is None  # nothing finite and positive enough

@@ -1268,6 +1268,7 @@ def test_more_bad_samples_than_a_quarter_of_the_window_are_named_where_a_wide_ga
     assert d["bad_samples"] == [2000, 2001, 2002, 2003, 2004], d["summary"]
     assert "without them the step is normal (verified" in d["summary"]
     assert "spike at step 126: data: samples 2000, 2001, 2002, 2003, 2004 carry 9" in capsys.readouterr().out
+    assert "optimizer's steps have run" not in d["summary"]  # (a calm run's data spike: no drift caveat)
 
 
 def test_samples_named_in_a_state_whose_steps_rose_x10_inside_the_optimizer_come_with_that_caution(tmp_path, capsys):

@@ -176,11 +176,14 @@ def brief(text: str, width: int = 320, more: str = "") -> str:
         return text
     middle = range(1, len(parts) - 1)
 
-    def join(keep: list[int], marker: str = "...") -> str:  # the clauses kept, in order, the marker where the first left out was
-        out = [parts[i] for i in sorted(keep)]
-        gone = next((i for i in middle if i not in keep), None)
-        if gone is not None:
-            out.insert(sum(1 for i in keep if i < gone), marker)
+    def join(keep: list[int], marker: str = "...") -> str:  # the clauses kept, in order; a mark at each gap, the first
+        out, marked = [parts[0]], False
+        for i in middle:
+            if i in keep:
+                out.append(parts[i])
+            elif i - 1 in keep:  # (a gap's first clause)
+                out.append("..." if marked else marker)
+                marked = True
         return "; ".join(out + [parts[-1]])
 
     # A caveat ("but ...": what the verdict may be wrong about) is kept before the clauses that lead up to it

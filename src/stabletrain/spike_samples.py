@@ -110,8 +110,10 @@ def _weigh_samples(bench: ReplayBench, groups: list[tuple[list[int], Any]], rule
     rows.sort(key=lambda r: -r["loss_sum"])
     found = _verified(bench, groups, rule, normal, outlier_sets(rows, normal))  # fewest first, by the samples' own losses
     if found is None and rows:  # more than a quarter, yet far apart from the rest: 5 relabelled of 16, x345 the next
-        wide = _outlier_group(rows, len(rows) // 2, bound)
-        if wide and wide[1] >= APART_GAP and len(wide[0]) > max_outliers(len(rows)):
+        wide, level = _outlier_group(rows, len(rows) // 2, bound), rule(0.0).get("median") or 0.0
+        # each of them far above the run's level too, not a trained model's ordinary hard samples above its confident rest
+        if (wide and wide[1] >= APART_GAP and len(wide[0]) > max_outliers(len(rows)) and level > 0
+                and min(r["loss"] for r in rows if r["sample"] in wide[0]) >= APART_GAP * level):
             found = _verified(bench, groups, rule, normal, [wide[0]])
     if found is not None:  # with the samples as far out as its own (the fewest may leave some of the outliers in)
         alike = _alike(rows, found["indices"], max_outliers(len(rows)), bound)

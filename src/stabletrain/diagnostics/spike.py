@@ -364,8 +364,10 @@ def _level_caution(level: dict[str, Any] | None, older: dict[str, Any] | None) -
     inside the drift, and a drifted model's loss sits on a few hard samples (a new user's x30 update inside AdamW)."""
     if not level or (older is not None and older["step"] < level["step"]):
         return ""
+    rise = level["lr"] / level["lr_before"]
+    lr = "at no higher LR" if rise <= 1.01 else f"with the LR x{rise:.2g}"
     return (f"; but the optimizer's steps have run x{level['level'] / level['before']:.3g} their size since step "
-            f"{level['step']} at no higher LR (update/weight {level['level']:.2g} vs {level['before']:.2g}): the state "
+            f"{level['step']} {lr} (update/weight {level['level']:.2g} vs {level['before']:.2g}): the state may have "
             "drifted, and these may be ordinary hard samples (a lower LR tells)")
 
 

@@ -32,7 +32,7 @@ from ..runstate import FRESH_KEYS, RunState
 from ..seeding import rng_state
 from .capture import IncidentCapture, staged_now
 from .checkpoints import CheckpointKeeper
-from .spike_reference import HISTORY_INTERVALS
+from .spike_reference import LEVEL_INTERVALS
 
 __all__ = ["IncidentRecorder", "LoopSteps"]
 
@@ -250,7 +250,7 @@ class IncidentRecorder:
 
             spikes = [e for e in upto(read_jsonl(run_dir / "events.jsonl")[0])
                       if e.get("kind") == "incident" and e.get("anomaly") == "spike"]
-            return upto(read_jsonl(run_dir / "metrics.jsonl")[0])[-HISTORY_INTERVALS:], spikes
+            return upto(read_jsonl(run_dir / "metrics.jsonl")[0])[-LEVEL_INTERVALS:], spikes
 
         history, spikes = self.state.dist.on_main(read)
         self.engine.remember(history, spikes, applied=self.state.cfg.guard.on_spike == "warn")

@@ -165,19 +165,21 @@ def update_jump(history: list[list[Any]], at: int | None = None) -> dict[str, An
 
 
 def update_level_jump(history: list[list[Any]], factor: float = 4.0) -> dict[str, Any] | None:
-    """Where the optimizer's measured steps rose to a new level and stayed there while the LR did not rise: the interval
-    record (``[step, lr, ratio]``, 3 records before it and 2 from it on at least) whose records from it on have a median
-    whole-model update/weight ratio ``factor`` times or more the median of the 3 before it, at an LR at most x1.5 theirs
-    (the largest such rise): ``{"step", "level", "before", "lr", "lr_before"}``; None where there is none. An update
-    multiplied inside the optimizer (a new user's x30 from step 120 on: x13.7) leaves no single large step to find."""
+    """Where the optimizer's measured steps rose to a new level and stayed there while the LR rose x1.5 at most: the
+    interval record (``[step, lr, ratio]``) that is ``factor`` times or more the median whole-model update/weight ratio of
+    the 3 records before it, the one before it not, and the median of it and the 2 or more after it too (the rise's own
+    record; the largest such rise): ``{"step", "level", "before", "lr", "lr_before"}``; None where there is none. An update
+    multiplied inside the optimizer (a new user's x30 from step 120 on: x13.8) leaves no single large step to find."""
     rows = [(int(t), lr, float(r)) for t, lr, r, *_ in history if isinstance(r, (int, float)) and math.isfinite(r) and r > 0]
     best = None
-    for i in range(3, len(rows) - 1):
+    for i in range(3, len(rows) - 2):
         before, level = statistics.median(r for *_, r in rows[i - 3:i]), statistics.median(r for *_, r in rows[i:])
-        lrs_before = [lr for _, lr, _ in rows[i - 3:i] if isinstance(lr, (int, float)) and lr > 0]
-        lrs_after = [lr for _, lr, _ in rows[i:] if isinstance(lr, (int, float)) and lr > 0]
+        if rows[i][2] < factor * before or rows[i - 1][2] >= factor * before or level < factor * before:
+            continue
+        lrs_before = [lr for _, lr, _ in rows[i - 3:i] if isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0]
+        lrs_after = [lr for _, lr, _ in rows[i:] if isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0]
         lr_before, lr = (statistics.median(lrs_before) if lrs_before else None), (max(lrs_after) if lrs_after else None)
-        if lr_before is None or lr is None or lr > 1.5 * lr_before or level < factor * before:
+        if lr_before is None or lr is None or lr > 1.5 * lr_before:
             continue
         if best is None or level / before > best["level"] / best["before"]:
             best = {"step": rows[i][0], "level": level, "before": before, "lr": lr, "lr_before": lr_before}
