@@ -2197,3 +2197,18 @@ def test_a_spikes_bundle_holds_the_rarity_ring_from_before_it_not_its_own_ratio(
     # log.every - 1 fewer)
     judged = step - 1 - 4  # (the rule arms on 4 losses; every step before the spike judged after that)
     assert observed["rarity"]["seen"] == (judged if on_spike == "skip" else 14 - 4), observed["rarity"]["seen"]
+
+
+def test_an_lr_jump_that_is_the_rise_since_the_older_state_is_said_once():
+    """A trial (Lightning, an LR x30 by the user's scheduler): "the LR jumped x30 at step 151's update (0.003 -> 0.09);
+    the LR rose x30 since step 150 (0.003 -> 0.09)". Said once, as the rise; a jump that the LR came back from (no rise
+    since the older state) and a rise with no one-step jump keep their own clause."""
+    from stabletrain.diagnostics.spike import _lr_told
+
+    older = {"step": 150, "lr": {"then": 0.003, "now": 0.09}}
+    lrs = [[150, 0.003], [151, 0.09], [152, 0.09]]
+    assert _lr_told(lrs, older) == "; the LR rose x30 since step 150 (0.003 -> 0.09)"
+    back = [[150, 0.003], [151, 0.9], [152, 0.003]]
+    assert _lr_told(back, {"step": 150, "lr": None}) == "; the LR jumped x300 at step 151's update (0.003 -> 0.9)"
+    ramp = [[150, 0.003], [151, 0.006], [152, 0.012], [153, 0.024], [154, 0.09]]
+    assert _lr_told(ramp, older) == "; the LR rose x30 since step 150 (0.003 -> 0.09)"

@@ -299,7 +299,7 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
         text = ("the model or optimizer state, or this window (not told apart)" if untold or older is not None and not weighed
                 else "the model or optimizer state drifted (a divergence onset, or an LR too high)")
     # (what moved the state first, the weighing after: the console's line keeps the first clauses that fit)
-    text += (_lr_jump(m.get("stretch_lrs"), older) + _lr_rise(older) + _steps_grew(sizes, older)
+    text += (_lr_told(m.get("stretch_lrs"), older) + _steps_grew(sizes, older)
              + _update_jump(m.get("update_jump"), older) + drift + acquit
              + _moved(older, sizes, m.get("update_jump"), m.get("step", 0)))
     if where.get("first"):
@@ -318,6 +318,16 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
                                                                else " (none above an ordinary step's)")
                  + " against ordinary windows under this state and its LR")
     return {**out, "failure_class": "state", "evidence": text}
+
+
+def _lr_told(lrs: list[list[float]] | None, older: dict[str, Any] | None) -> str:
+    """The LR's jump at one update (:func:`_lr_jump`) and its rise since the older state (:func:`_lr_rise`), said once where
+    the rise is that jump, from the same LR to the same LR (a trial: "the LR jumped x30 at step 151's update (0.003 ->
+    0.09); the LR rose x30 since step 150 (0.003 -> 0.09)"): the rise."""
+    jump, rise, lr = _lr_jump(lrs, older), _lr_rise(older), (older or {}).get("lr")
+    if jump and rise and lr and f"({lr['then']:.3g} -> {lr['now']:.3g})" in jump:
+        return rise
+    return jump + rise
 
 
 def _lr_jump(lrs: list[list[float]] | None, older: dict[str, Any] | None) -> str:
