@@ -256,9 +256,9 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int, probe: int | None = 
             recovered = recovered or not spike
             start_loss = loss if start_loss is None else start_loss
             if spike and (recovered or loss > cfg.guard.spike_ratio * start_loss):
-                seen = inc.bundle.get("observed", {})  # the run's own loss there (an adapter's: its host's)
-                seen = seen.get("loss", seen.get("host_loss")) if n == inc.step else None
-                same = isinstance(seen, (int, float)) and math.isclose(loss, float(seen), rel_tol=1e-6)
+                observed = inc.bundle.get("observed", {})  # the run's own loss there (an adapter's: its host's)
+                own = observed.get("loss", observed.get("host_loss")) if n == inc.step else None
+                same = isinstance(own, (int, float)) and math.isclose(loss, float(own), rel_tol=1e-6)
                 failed = {"step": n, "why": f"loss spike at step {n} by the guard's rule (loss {loss:.4g}" + (
                     f", x{loss / max(before):.3g} every loss before it: the rule's early bar" if early else "") + ")" + (
                     "; the run's own loss there: the change never acted on this step"

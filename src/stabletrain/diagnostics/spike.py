@@ -324,23 +324,27 @@ def _lr_told(lrs: list[list[float]] | None, older: dict[str, Any] | None) -> str
     """The LR's jump at one update (:func:`_lr_jump`) and its rise since the older state (:func:`_lr_rise`), said once where
     the rise is that jump, from the same LR to the same LR (a trial: "the LR jumped x30 at step 151's update (0.003 ->
     0.09); the LR rose x30 since step 150 (0.003 -> 0.09)"): the rise."""
-    jump, rise, lr = _lr_jump(lrs, older), _lr_rise(older), (older or {}).get("lr")
-    if jump and rise and lr and f"({lr['then']:.3g} -> {lr['now']:.3g})" in jump:
+    jump, rise, lr = _largest_lr_jump(lrs, older), _lr_rise(older), (older or {}).get("lr")
+    if jump and rise and math.isclose(jump[2], lr["then"], rel_tol=1e-6) and math.isclose(jump[3], lr["now"], rel_tol=1e-6):
         return rise
-    return jump + rise
+    return _lr_jump(lrs, older) + rise
 
 
 def _lr_jump(lrs: list[list[float]] | None, older: dict[str, Any] | None) -> str:
     """The largest jump of the LR from one step to the next (``lrs``: ``[[t, lr], ...]``, a host's steps as it set them)
     at an update since the older state, where :data:`STEP_GROWTH` times or more: a burst that ended before the spike
     shows in neither state's LR. A warmup's ramp (x2 from its first step to its second at most) is none."""
+    jump = _largest_lr_jump(lrs, older)
+    return "" if jump is None else "; the LR jumped x{:.3g} at step {}'s update ({:.3g} -> {:.3g})".format(*jump)
+
+
+def _largest_lr_jump(lrs: list[list[float]] | None, older: dict[str, Any] | None) -> tuple[float, int, float, float] | None:
+    """(ratio, step, LR before, LR after) of :func:`_lr_jump`'s jump; None where there is none."""
     since = older["step"] if older is not None else -1
     steps = sorted((int(t), float(lr)) for t, lr in lrs or [] if lr > 0)
     jumps = [(b / a, t, a, b) for (s, a), (t, b) in zip(steps, steps[1:]) if t == s + 1 and t > since]
-    ratio, t, a, b = max(jumps, default=(0.0, 0, 0.0, 0.0))
-    if ratio < STEP_GROWTH:
-        return ""
-    return f"; the LR jumped x{ratio:.3g} at step {t}'s update ({a:.3g} -> {b:.3g})"
+    best = max(jumps, default=None)
+    return best if best is not None and best[0] >= STEP_GROWTH else None
 
 
 def _lr_rise(older: dict[str, Any] | None) -> str:

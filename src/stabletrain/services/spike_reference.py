@@ -86,8 +86,8 @@ def spike_parts(engine: Any, fit: RunState, bundle: dict[str, Any], step: int, s
     at = start[1]
     if older is not None and equal_states(older, now):  # the run skipped every update since: its steps were flagged
         older, at, ran = before_run(engine, start[1], now)
-    elif older is not None and (lr_jumped_at(bundle["observed"]["history"][-HISTORY_INTERVALS:], at)
-                                or update_jumped_at(bundle["observed"]["history"][-HISTORY_INTERVALS:], at)):
+    elif older is not None and (lr_jumped_at(recent := bundle["observed"]["history"][-HISTORY_INTERVALS:], at)
+                                or update_jumped_at(recent, at)):
         older, at, ran = before_jump(engine, at, now) or (older, at, ran)
     chain = engine.drift_at(step)
     if chain is not None and (older is None or at >= chain["onset"]):  # (None: the spike opens its interval)
