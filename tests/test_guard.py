@@ -338,9 +338,9 @@ def test_a_run_that_settles_far_above_its_first_loss_still_arms_the_rule(window)
 @pytest.mark.parametrize("scale,spikes", [(1e3, [29, 59]), (1e22, [])])
 def test_the_host_spike_rule_agrees_with_the_device_past_float32_silently(scale, spikes):
     """Losses near 1e22 with 1% noise: the window's squared deviations (~1e40) overflow float32 on both sides,
-    so the std is inf and a x10 step is no spike there, as at 1e3 it is one. The host rule says nothing about
-    the overflow (numpy's RuntimeWarning came from stabletrain in diverging runs)."""
-    losses = [scale * (1.0 + 0.01 * math.sin(i)) * (10.0 if i % 30 == 29 else 1.0) for i in range(60)]
+    so the std is inf and a x3 step is no spike there (under the robust arm's x4), as at 1e3 it is one. The host rule
+    says nothing about the overflow (numpy's RuntimeWarning came from stabletrain in diverging runs)."""
+    losses = [scale * (1.0 + 0.01 * math.sin(i)) * (3.0 if i % 30 == 29 else 1.0) for i in range(60)]
     device = Guard(GuardConfig(spike_window=8, on_spike="skip"), torch.device("cpu"))
     on_device = [bool(device.observe(torch.tensor(v), torch.tensor(1.0))[2]) for v in losses]
     host = Guard(GuardConfig(spike_window=8, on_spike="warn"), torch.device("cpu"))
@@ -351,6 +351,25 @@ def test_the_host_spike_rule_agrees_with_the_device_past_float32_silently(scale,
             host.mark_spikes(rows[i:i + 10])
     assert [r.values["spike"] > 0.5 for r in rows] == on_device
     assert [i for i, s in enumerate(on_device) if s] == spikes
+
+
+@pytest.mark.parametrize("loss,spike", [(0.3, True), (0.1, False)])
+def test_a_spike_hidden_by_the_bad_steps_before_it_is_flagged_by_its_robust_z(loss, spike):
+    """A new user's HF Trainer run under gradient accumulation: bad rows the rule had let pass (x8 the median each) sat in
+    its window, their deviation hid the next ones (z 3.6 for a loss x10 the median) and none of 15 was flagged. Past 4x
+    the median a robust z-score three times spike_zscore flags it (61 here), on the host and on the device alike; under
+    4x (x3.3) the plain z alone judges, as before."""
+    gen = torch.Generator().manual_seed(0)
+    window = (0.03 + 0.004 * torch.randn(50, generator=gen)).tolist()
+    for i in (5, 13, 21, 29, 37, 45):
+        window[i] = 0.25  # the passed ones
+    host = spike_test(loss, window, GuardConfig())
+    assert host["zscore"] < 6 and host["spike"] is spike, host
+    assert (host["robust_zscore"] > 18) is spike and (host["ratio"] > 4) is spike, host
+    device = Guard(GuardConfig(on_spike="skip"), torch.device("cpu"))
+    device.window.copy_(torch.tensor(window))
+    device.num_seen.fill_(len(window))
+    assert bool(device.observe(torch.tensor(loss), torch.tensor(1.0))[2]) is spike
 
 
 def test_decide_pins_the_range_of_updates_a_failed_parameter_check_covers():

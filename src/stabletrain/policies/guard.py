@@ -17,8 +17,10 @@ as ``torch.median``) of the last ``spike_window`` finite non-spike losses AND it
 standard deviation exceeds ``spike_zscore`` -- or, for a loss above ``spike_ratio ** FAR`` times the median (32x with
 the defaults), its robust z-score (against the median and the median absolute deviation times 1.4826) does: a window
 that still holds a run's first, much larger losses has a deviation that hides a x4e4 loss (z 4 at step 51 of a loss
-that fell from 2 to 6e-5), never its median and MAD. The rule is armed from :data:`EARLY_ARM` losses on; until half
-the window is filled it also asks that the loss exceed ``spike_ratio`` squared times the largest loss seen so far (but
+that fell from 2 to 6e-5), never its median and MAD; above ``spike_ratio ** ROBUST`` times the median (4x), a robust
+z-score ``ROBUST_Z`` times as high does (:func:`~.spike_rule.robust_arms`). The rule is armed from :data:`EARLY_ARM`
+losses on; until half the window is filled it also asks that the loss exceed ``spike_ratio`` squared times the largest
+loss seen so far (but
 one over ``spike_ratio ** (2 * FAR)`` times the window's median: :func:`~.spike_rule.early_largest`): a run's first
 losses fall fast and a few of them make a shaky median and deviation (a small batch's loss 2.5x its window's median
 and 6.0 deviations above its mean is noise at step 6), but a loss four times as high as any before it is a spike from
@@ -54,7 +56,7 @@ from torch import Tensor
 from ..config import GuardConfig
 from ..numerics import both_finite, inputs_finite
 from .spike_rarity import RarityBar
-from .spike_rule import EARLY_ARM, FAR, MAD_TO_STD, armed_at, early_largest, early_outlier, far_spike, spike_test
+from .spike_rule import EARLY_ARM, FAR, MAD_TO_STD, armed_at, early_largest, early_outlier, far_spike, robust_arms, spike_test
 from .stall import NEGLIGIBLE_GRAD, UNRECOVERABLE_SCALE, StallWatch, routine_overflow, scale_note
 
 __all__ = ["Guard", "GuardDecision", "inputs_finite", "UNRECOVERABLE_SCALE", "EARLY_ARM", "spike_test", "NEGLIGIBLE_GRAD",
@@ -194,7 +196,7 @@ class Guard:
         std = torch.sqrt(torch.nanmean((w - mean) ** 2))
         z = (loss - mean) / (std + 1e-12)
         robust = (loss - median) / (MAD_TO_STD * torch.nanmedian((w - median).abs()) + 1e-12)
-        far = (median > 0) & (loss > self.cfg.spike_ratio ** FAR * median) & (robust > self.cfg.spike_zscore)
+        far = robust_arms(loss, median, robust, self.cfg)
         # fp16: a large spike's gradients overflow: its loss is tested still (the host rule tests the overflow rows too)
         testable = finite | (torch.isfinite(loss) & ~torch.isfinite(grad_norm)) if self.scaled else finite
         spike = armed & testable & (loss > self.cfg.spike_ratio * median) & ((z > self.cfg.spike_zscore) | far)
