@@ -672,3 +672,23 @@ def rare_feature_task(n: int = 4000, rare_steps: str = "125,126", batch: int = 1
         x[(s - 1) * batch:(s - 1) * batch + batch // 2, 31] = rare_value
     torch.manual_seed(0)
     return Task(model=_RareFeatureNet(), train_data=TensorDataset(x, y), name="rare-feature", loss=_mse)
+
+
+def batchnorm_scaled_task(n: int = 1024, first_bad: int = 720, scale: float = 100.0) -> Task:
+    """data, coupled by a batch norm (a new user's trial): a small CNN with BatchNorm2d learns which quadrant of an 8x8
+    image is brighter; images ``first_bad`` to ``first_bad + 2`` are scaled x``scale`` (data in order, batch 8: all three
+    in step 91's window). Weighed alone, each is normalized by its own statistics and looks ordinary; dropped one at a
+    time, the window is worse without a bad one (the other two own the statistics) than without a clean one."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 1, 8, 8, generator=g) * 0.3
+    y = torch.randint(0, 4, (n,), generator=g)
+    for i in range(n):
+        r, c = divmod(int(y[i]), 2)
+        x[i, 0, r * 4:(r + 1) * 4, c * 4:(c + 1) * 4] += 1.0
+    x[first_bad:first_bad + 3] *= scale
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3, padding=1, stride=2), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Flatten(), nn.Linear(8 * 4 * 4, 4))
+    return Task(model=model, train_data=TensorDataset(x, y), name="bn-scaled",
+                loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]))

@@ -22,6 +22,7 @@ import torch
 from helpers import cfg
 from spike_tasks import (
     batchnorm_outlier_task,
+    batchnorm_scaled_task,
     dropout_draw_task,
     first_steps_outliers_task,
     flipped_labels_task,
@@ -1269,6 +1270,22 @@ def test_more_bad_samples_than_a_quarter_of_the_window_are_named_where_a_wide_ga
     assert "without them the step is normal (verified" in d["summary"]
     assert "spike at step 126: data: samples 2000, 2001, 2002, 2003, 2004 carry 9" in capsys.readouterr().out
     assert "optimizer's steps have run" not in d["summary"]  # (a calm run's data spike: no drift caveat)
+
+
+def test_samples_a_batch_norm_couples_are_found_by_dropping_every_few_of_a_small_window(tmp_path, capsys):
+    """Three images scaled x100 in a window of 8 through a batch norm (a new user's trial): each weighed alone looks
+    ordinary, and dropped one at a time the window is worse without a bad one than without a clean one, so the
+    search ranked them last and the line read "the batch itself is an outlier". A window whose sets of up to a
+    quarter fit the budget has each of them dropped in turn, fewest first: the three are named and verified."""
+    run_dir = tmp_path / "run"
+    Trainer(cfg("train.batch_size=8", "train.max_steps=94", "optim.lr=0.003", "log.every=10", "data.shuffle=false",
+                "sched.warmup_steps=0", "sched.decay=constant"), task=batchnorm_scaled_task(), run_dir=run_dir).fit()
+    incident = next(e for e in _events(run_dir) if e["kind"] == "incident")
+    d = json.loads((Path(incident["path"]) / "diagnosis.json").read_text())
+    assert incident["step"] == 91 and d["failure_class"] == "data" and d["bad_samples"] == [720, 721, 722], d["summary"]
+    assert d["samples"]["how"] == "removal" and d["samples"]["search"].startswith("every set of up to 3 of the window's 8")
+    assert d["samples"]["without"]["ratio"] < 1
+    assert "spike at step 91: data: samples 720, 721, 722 carry" in capsys.readouterr().out
 
 
 def test_samples_named_in_a_state_whose_steps_rose_x10_inside_the_optimizer_come_with_that_caution(tmp_path, capsys):

@@ -11,6 +11,7 @@ whether the step's own dropout masks made the spike. Each replay runs on a
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import statistics
 from typing import Any
@@ -31,6 +32,9 @@ MAX_BISECT_REPLAYS = 96  #: At most this many forward replays of the window in o
 DRAW_SHARE = 10.0
 #: Windows of at most this many samples are searched by each sample's removal (one forward pass each); larger, by halves.
 MAX_LEAVE_ONE_OUT = 64
+#: Where no sample's own removal points at the set (a batch norm: a window without one of three scaled images is worse
+#: than without a clean one), every set of up to ``max_outliers`` samples is tried, fewest first, within this many passes.
+MAX_SUBSETS = 128
 
 
 def dropout_draw(bench: ReplayBench, groups: list[tuple[list[int], Any]], rule: Any, bound: float,
@@ -204,10 +208,10 @@ def _bisect(bench: ReplayBench, groups: list[tuple[list[int], Any]], normal: Any
     window (16 at most) would go, or the rest is not normal. The note says how it searched (and why it stopped).
     """
     flat = [i for idx, _ in groups for i in idx]
-    limit, calls, notes = max_outliers(len(flat)), [0], []
+    limit, calls, notes, budget = max_outliers(len(flat)), [0], [], [MAX_BISECT_REPLAYS]
 
     def loss_of(samples: list[int]) -> float | None:
-        if calls[0] >= MAX_BISECT_REPLAYS:
+        if calls[0] >= budget[0]:
             if not notes:
                 notes.append(f"stopped at its budget of {MAX_BISECT_REPLAYS} forward passes")
             return None
@@ -250,6 +254,13 @@ def _bisect(bench: ReplayBench, groups: list[tuple[list[int], Any]], normal: Any
         order = [i for _, i in ranked]
         found = next((order[:k] for k in whole if normal_without(set(order[:k]))), [])
         how = "each sample's removal from the whole window, the largest falls first"
+        sets = sum(math.comb(len(flat), k) for k in range(1, min(limit, len(flat) - 1) + 1))
+        if not found and sets <= MAX_SUBSETS:  # the falls misled (coupled samples): every few, fewest first
+            budget[0] = calls[0] + sets + limit + 1  # (and the checks below)
+            found = _fewest_normal(flat, min(limit, len(flat) - 1), loss_of, normal)
+            notes[:] = notes if not found else []
+            how = (f"every set of up to {min(limit, len(flat) - 1)} of the window's {len(flat)} samples dropped in turn, "
+                   "fewest first (no sample's own removal pointed at them: the loss couples them)")
         if not found and rest is not None and base and math.isfinite(base) and rest <= base / 2:  # most of it: say so
             notes.append(f"{MOSTLY_CARRIED}{', '.join(map(str, top))} (the largest falls) the window's loss falls from "
                          f"{base:.4g} to {rest:.4g} ({_gone(base, rest)} of it gone"
@@ -266,6 +277,17 @@ def _bisect(bench: ReplayBench, groups: list[tuple[list[int], Any]], normal: Any
     if len(found) > limit:
         return None, f"{len(found)} samples would have to go (more than {limit})"
     return sorted(found), "; ".join([how, *notes])
+
+
+def _fewest_normal(flat: list[int], limit: int, loss_of: Any, normal: Any) -> list[int]:
+    """The fewest of ``flat`` whose removal leaves a normal window (of those, the lowest loss), [] where no set of up to
+    ``limit`` does."""
+    for k in range(1, limit + 1):
+        passed = [(x, list(drop)) for drop in itertools.combinations(flat, k)
+                  if (x := loss_of([i for i in flat if i not in drop])) is not None and normal(x)]
+        if passed:
+            return min(passed)[1]
+    return []
 
 
 def _gradient_shares(bench: ReplayBench, rows: list[dict[str, Any]], grads: dict[str, torch.Tensor], count: float) -> None:
