@@ -588,6 +588,7 @@ def test_an_fp16_run_whose_scaler_collapsed_stops_instead_of_reporting_success(t
     assert main([*args, f"run.dir={tmp_path / 'warn'}", "guard.on_stall=warn"]) == 0
     out = capsys.readouterr()
     assert out.err.count("stabletrain: warning: the run is stalled at step 60") == 1
+    assert "; training on (guard.on_stall=warn)" in out.err and "guard.on_stall=warn trains on" not in out.err  # (a trial)
     assert "trained 100 steps; loss=" in out.out and "; 90 of 100 steps skipped (90%: see events.jsonl)" in out.out
 
 

@@ -154,7 +154,8 @@ class Guard:
         # On the device: (window, count) at the last two boundaries: the current interval's start, the next's
         self._device_starts: tuple[Any, Any] = (None, None)
         self._device_starts_from_here()
-        self.stall = StallWatch(cfg.stall_steps, remedy, keys=host is None)  # the last stall_steps: a run not learning
+        # the last stall_steps: a run not learning
+        self.stall = StallWatch(cfg.stall_steps, remedy, keys=host is None, warns=cfg.on_stall == "warn")
         self.stall_warned = False
         # Why a restart from LAST_GOOD would meet the guard's stop again (a final exit, never restarted), or None:
         # guard.on_stall=stop's stall, or a run of skips no fp16 loss scale makes finite (the same steps skip again).

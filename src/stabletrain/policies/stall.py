@@ -54,8 +54,9 @@ class StallWatch:
     """The last ``steps`` steps as (applied, grad norm, loss scale, loss), and the grad norms of the last applied steps at
     a healthy loss scale (what "negligible" is against): :meth:`stalled` says whether the run stopped learning."""
 
-    def __init__(self, steps: int, remedy: bool = False, keys: bool = True) -> None:
+    def __init__(self, steps: int, remedy: bool = False, keys: bool = True, warns: bool = False) -> None:
         self.remedy = remedy  # the run may apply a verified cure itself (the advice: REMEDY_ADVICE)
+        self.warns = warns  # guard.on_stall=warn: the run trains on (said so, not offered)
         self.keys = keys  # its advice names the built-in run's config keys (False: an adapter's, which has none for these)
         self.recent: deque[tuple[bool, float, float, float]] = deque(maxlen=steps)
         self.norm_reference: deque[float] = deque(maxlen=REFERENCE_KEPT)
@@ -117,7 +118,8 @@ class StallWatch:
         else:
             advice = "a look at the skip events and the loss (is it constant?), or " + REMEDY_ADVICE[self.remedy]
         return (f"the run is stalled at step {step}: {what}: {moved} "  # (an adapter's: no option of its own for these)
-                + (f"(guard.stall_steps={n}). Try {advice}; guard.on_stall=warn trains on" if self.keys else
+                + (f"(guard.stall_steps={n}). Try {advice}; "
+                   + ("training on (guard.on_stall=warn)" if self.warns else "guard.on_stall=warn trains on") if self.keys else
                    f"(the last {n} steps). Try {advice}"))
 
     def state_dict(self) -> dict[str, Any]:

@@ -89,7 +89,8 @@ def one_line(text: str, limit: int = 300) -> str:
 
 #: A stall as :meth:`~stabletrain.policies.stall.StallWatch.stalled` words it: its step, what the guard saw, what to try.
 STALL = re.compile(r"the run is stalled at step (\d+): (.*): (no gradient reached the parameters(?: measurably)?) "
-                   r"\(guard\.stall_steps=(\d+)\)\. Try (.*?); guard\.on_stall=warn trains on")
+                   r"\(guard\.stall_steps=(\d+)\)\. Try (.*?); "
+                   r"(?:guard\.on_stall=warn trains on|training on \(guard\.on_stall=warn\))")
 
 
 def stall_parts(reason: str | None) -> dict[str, Any] | None:
