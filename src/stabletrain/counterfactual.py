@@ -19,7 +19,8 @@ windows) and replays, each time from the same saved state and RNG streams, on a 
 
 :func:`~stabletrain.diagnostics.spike.classify_spike` reads them; the model, RNG streams and task are left as they were.
 Cost: about 2N + 8 forward and N + 4 backward passes for a window of N samples, and up to
-:data:`~.spike_samples.MAX_BISECT_REPLAYS` forward passes more where the samples are found by their removal (N + a few, N <= 64).
+:data:`~.spike_samples.MAX_BISECT_REPLAYS` forward passes more where the samples are found by their removal (N + a few, N <= 64;
+a window of 8 or fewer whose falls misled, up to :data:`~.spike_samples.MAX_SUBSETS` more).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ __all__ = ["weigh_samples", "dropout_draw", "MAX_GRAD_SAMPLES"]
 
 #: Per-sample gradient shares are measured for windows of at most this many samples (one backward each).
 MAX_GRAD_SAMPLES = 64
-MAX_BISECT_REPLAYS = 96  #: At most this many forward replays of the window in one bisection.
+MAX_BISECT_REPLAYS = 96  #: At most this many forward replays of the window in one bisection (and MAX_SUBSETS's).
 #: A spike whose window keeps at most 1/DRAW_SHARE of its loss with every dropout off was made by the step's masks.
 DRAW_SHARE = 10.0
 #: Windows of at most this many samples are searched by each sample's removal (one forward pass each); larger, by halves.
@@ -255,9 +255,22 @@ def _bisect(bench: ReplayBench, groups: list[tuple[list[int], Any]], normal: Any
         found = next((order[:k] for k in whole if normal_without(set(order[:k]))), [])
         how = "each sample's removal from the whole window, the largest falls first"
         sets = sum(math.comb(len(flat), k) for k in range(1, min(limit, len(flat) - 1) + 1))
-        if not found and sets <= MAX_SUBSETS:  # the falls misled (coupled samples): every few, fewest first
+        tied = any(math.isclose(a[0], b[0], rel_tol=1e-6) for a, b in zip(ranked, ranked[1:]))  # (a set splits no tie)
+        if not found and not tied and sets <= MAX_SUBSETS:  # the falls misled (coupled samples): every few, fewest first
             budget[0] = calls[0] + sets + limit + 1  # (and the checks below)
-            found = _fewest_normal(flat, min(limit, len(flat) - 1), loss_of, normal)
+
+            def loss_without(drop: tuple[int, ...]) -> float | None:  # (the window's own micro-batches: a batch norm's)
+                if calls[0] >= budget[0]:
+                    return None
+                calls[0] += 1
+                try:
+                    return bench.loss(bench.groups([[i for i in idx if i not in drop] for idx, _ in groups]))
+                except torch.cuda.OutOfMemoryError:
+                    raise
+                except Exception:  # a micro-batch the model refuses (one sample left for a batch norm): not this set
+                    return None
+
+            found = _fewest_normal(flat, min(limit, len(flat) - 1), loss_without, normal)
             notes[:] = notes if not found else []
             how = (f"every set of up to {min(limit, len(flat) - 1)} of the window's {len(flat)} samples dropped in turn, "
                    "fewest first (no sample's own removal pointed at them: the loss couples them)")
@@ -279,12 +292,12 @@ def _bisect(bench: ReplayBench, groups: list[tuple[list[int], Any]], normal: Any
     return sorted(found), "; ".join([how, *notes])
 
 
-def _fewest_normal(flat: list[int], limit: int, loss_of: Any, normal: Any) -> list[int]:
+def _fewest_normal(flat: list[int], limit: int, loss_without: Any, normal: Any) -> list[int]:
     """The fewest of ``flat`` whose removal leaves a normal window (of those, the lowest loss), [] where no set of up to
-    ``limit`` does."""
+    ``limit`` does (``loss_without(drop)``: the window's loss without them, None past the search's budget)."""
     for k in range(1, limit + 1):
         passed = [(x, list(drop)) for drop in itertools.combinations(flat, k)
-                  if (x := loss_of([i for i in flat if i not in drop])) is not None and normal(x)]
+                  if (x := loss_without(drop)) is not None and normal(x)]
         if passed:
             return min(passed)[1]
     return []

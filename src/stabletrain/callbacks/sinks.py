@@ -183,7 +183,8 @@ class EventLog(Callback):
                             grad_norm=values["grad_norm"], after_update=True)
             if values["spike"] > 0.5:
                 state.event(step, "spike", f"loss spike: {values['loss']:.4g} (rule: > {guard.spike_ratio:g}x the "
-                            f"median and z > {guard.spike_zscore:g} over the last {guard.spike_window} steps)",
+                            f"median and z > {guard.spike_zscore:g}, or robust z past {guard.spike_ratio ** 2:g}x, over the "
+                            f"last {guard.spike_window} steps)",
                             loss=values["loss"], action=guard.on_spike)
             if values["applied"] < 0.5:
                 if values["finite"] >= 0.5 and values["spike"] > 0.5:

@@ -77,15 +77,20 @@ def far_spike(x: Any, values: np.ndarray, median: Any, cfg: GuardConfig) -> bool
     """The rule's robust arms (:func:`robust_arms`) for ``x`` against ``values`` and their ``median``, in float32
     (:func:`spike_test` and :meth:`Guard.mark_spikes` alike)."""
     median, x = np.float32(median), np.float32(x)
-    return bool(median > 0) and bool(robust_arms(x, median, robust_z(x, values, median), cfg))
+    if not median > 0:
+        return False
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # (a huge loss over a MAD of 0: inf, silently)
+        return bool(robust_arms(x, median, robust_z(x, values, median), cfg))
 
 
 def robust_arms(x: Any, median: Any, robust: Any, cfg: GuardConfig) -> Any:
     """``x`` above ``spike_ratio ** FAR`` times a positive ``median`` with its ``robust`` z-score above
     ``spike_zscore``, or above ``spike_ratio ** ROBUST`` times it with one above ``ROBUST_Z x spike_zscore``: float32
     scalars on the host, tensors on the device (the same ops)."""
-    return (median > 0) & (((x > cfg.spike_ratio ** FAR * median) & (robust > cfg.spike_zscore))
-                           | ((x > cfg.spike_ratio ** ROBUST * median) & (robust > ROBUST_Z * cfg.spike_zscore)))
+    c = np.float32 if isinstance(x, np.generic) else float  # (float32 constants on the host, as numpy 1.x keeps them)
+    far, near = c(cfg.spike_ratio ** FAR), c(cfg.spike_ratio ** ROBUST)
+    z, z_near = c(cfg.spike_zscore), c(ROBUST_Z * cfg.spike_zscore)
+    return (median > 0) & (((x > far * median) & (robust > z)) | ((x > near * median) & (robust > z_near)))
 
 
 def armed_at(cfg: GuardConfig) -> int:

@@ -21,7 +21,8 @@ EVENT_KINDS: dict[str, str] = {
     "nonfinite": "a step had a non-finite loss, grad norm, input or (after the update) parameter; 'ranks' says where under DDP",
     "buffers_reset": "a skipped step's forward left the model's running statistics non-finite (a BatchNorm's, from a NaN "
                      "input): reset (mean 0, var 1), as no checkpoint could be written again; 'buffers' names them",
-    "spike": "the loss rose above guard.spike_ratio x the recent median and guard.spike_zscore deviations above the mean",
+    "spike": "the loss rose above guard.spike_ratio x the recent median and guard.spike_zscore deviations above the mean "
+             "(or robust deviations above the median, past guard.spike_ratio^2 x it: docs/loss-spikes.md)",
     "precursor": "a warning before a spike (guard.precursor): some layer's update/weight ratio departed from its own recent "
                  "history while the loss had not; 'layers' names each with its ratio, typical ratio, factor and z-score "
                  "(and its grad norm's)",
