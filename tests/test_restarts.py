@@ -918,6 +918,27 @@ def test_goodput_leaves_out_the_wait_after_a_refused_restart_and_counts_the_refu
     assert g.seconds["startup"] == pytest.approx(1.0 + 9.0 + 1.0)
 
 
+def test_goodput_counts_a_resubmissions_refusal_right_after_its_supervisors_as_one_launch(tmp_path):
+    """A trial: 3 launches trained (2 restarted), a 4th refused to restart, and a resubmission under run.resume=auto
+    refused at its start: 'over 4 launches (and 2 more that started only to refuse ...)', where 3 trained. A refusal
+    right after a refusal followed the death of a launch that never got ready; a resubmission's refuses at its own start,
+    after nothing: 5 launches, 3 that trained."""
+    ledger = [{"kind": "launch", "start": 100.0 + 10 * i, "ready": 101.0 + 10 * i, "step": 0} for i in range(3)]
+    _jsonl(tmp_path / "goodput.jsonl", ledger)
+    events = [{"kind": "restart", "step": 0, "time": 100.5 + 10 * i, "cause": {"time": 99.0 + 10 * i}} for i in (1, 2)]
+    events += [{"kind": "stop", "step": 0, "time": 130.5, "reason": "restart refused: the same failure ...",
+                "cause": {"time": 129.0}},
+               {"kind": "stop", "step": 0, "time": 140.0, "reason": "resubmission refused: the same failure ..."}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    g = read_goodput(tmp_path)
+    assert (g.launches, g.restarts, g.refused) == (5, 2, 2), g.line()
+    assert "over 3 launches (and 2 more that started only to refuse" in g.line(), g.line()
+    # a restart refused right after the resubmission's refusal: the launch a person started in between died unready
+    events.append({"kind": "stop", "step": 0, "time": 150.0, "reason": "restart refused: ...", "cause": {"time": 149.0}})
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert (read_goodput(tmp_path).launches, read_goodput(tmp_path).refused) == (7, 3)
+
+
 def test_a_restart_sets_aside_every_capture_of_the_steps_it_trains_again(tmp_path):
     """A step captured twice (step_N, then step_N.2 after a rollback) is set aside whole when a restart goes back
     past it; an earlier step's capture and a folder set aside before stay as they are."""

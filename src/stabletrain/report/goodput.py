@@ -161,18 +161,20 @@ def read_goodput(run_dir: str | Path) -> Goodput | None:
 def _count_launches(launches: list[dict[str, Any]], restarts: list[dict[str, Any]], refusals: list[dict[str, Any]]) -> int:
     """Every launch of the run, those that died in their start-up (before the ledger's first line) too, from the
     launches that got ready (R), the ``restart`` events (S: each written by the launch it started, as it starts) and
-    the refusals (F: each by the launch that refused to loop), in time order: each S and each F is a launch; an R is
-    one unless an S just before it was its own start; and an S or F with nothing before it, or right after an F, follows
-    the death of a launch a person started that never got ready. (A refusing launch may write the restarts' events
-    late, all at once: they still count one each.)"""
-    rank = {"S": 0, "F": 1, "R": 2}
-    items = sorted([(float(e.get("time") or 0.0), "S") for e in restarts] + [(float(e.get("time") or 0.0), "F")
-                   for e in refusals] + [(float(n["line"].get("ready") or 0.0), "R") for n in launches],
-                   key=lambda x: (x[0], rank[x[1]]))
+    the refusals (F: a restart's, by the launch that refused to loop; Q: a resubmission's, by the launch submitted), in
+    time order: each S, F and Q is a launch; an R is one unless an S just before it was its own start; and an S or F
+    with nothing before it, or right after an F or a Q, follows the death of a launch a person started that never got
+    ready. A Q is no restart: the launch a person submitted refused at its start, after nothing of its own (a trial's
+    Q right after its supervisor's F was counted twice). (A refusing launch may write the restarts' events late, all at
+    once: they still count one each.)"""
+    rank = {"S": 0, "F": 1, "Q": 1, "R": 2}
+    items = sorted([(float(e.get("time") or 0.0), "S") for e in restarts] + [
+        (float(e.get("time") or 0.0), "Q" if str(e.get("reason", "")).startswith(REFUSED[1]) else "F") for e in refusals]
+        + [(float(n["line"].get("ready") or 0.0), "R") for n in launches], key=lambda x: (x[0], rank[x[1]]))
     count, prev = 0, None
     for _, kind in items:
         count += 1 if kind != "R" or prev != "S" else 0
-        count += kind != "R" and prev in (None, "F")
+        count += kind in ("S", "F") and prev in (None, "F", "Q")
         prev = kind
     return count
 
