@@ -111,3 +111,14 @@ def slow_start_task(sleep: float = 3.0, **kwargs) -> Task:
 
     time.sleep(sleep)
     return make_task(**kwargs)
+
+
+def factory_death_task(counter: str = "") -> Task:
+    """A task whose factory ends its process (``os._exit(9)``) on every launch, before any checkpoint; each call adds a line
+    to the file ``counter``."""
+    import os
+
+    with open(counter, "a", encoding="utf-8") as fh:
+        fh.write("called\n")
+    print("TASK: dying in the factory", flush=True)
+    os._exit(9)

@@ -26,7 +26,8 @@ failure stays: incidents the redone steps could capture again are renamed ``step
 metrics lines the resume supersedes go to ``metrics.superseded.jsonl``, events are only appended.
 
 ``run.resume=auto`` (not a restart): continue ``run.dir`` when it holds a checkpoint, else start it; one
-line says which.
+line says which. A resubmission after the same failure ended the launches before it (:func:`requeue_refusal`) is refused
+at its start, with or without a checkpoint.
 """
 
 from __future__ import annotations
@@ -148,18 +149,20 @@ def begin_launch(cfg: Any, run_dir: Path | None, resume: bool, ctx: Any) -> Laun
                 console.say(f"run.resume=auto: {run_dir} has finished (LAST_GOOD {name.name}, train.max_steps="
                             f"{cfg.train.max_steps}): nothing to train (raise train.max_steps to train on){kept}")
                 return Launch(False, run_dir, finished=True)
+            # (with a checkpoint or without: a crash loop that wrote none is met again too, from step 0)
+            why, before = requeue_refusal(cfg, run_dir) if (run_dir / "events.jsonl").is_file() else (None, "")
+            if why is not None:  # (the same failure, resubmission after resubmission: a requeue cannot help)
+                then = (f"continue with: stabletrain train --resume {run_dir}" if has_checkpoint else
+                        "start it again without run.resume=auto (it holds no checkpoint to continue)")
+                line = f"run.resume=auto: not continuing {run_dir}: {why}; it would meet it again: fix its cause, then {then}"
+                run = RunDir(run_dir, resume=True)
+                try:
+                    run.event(step_of(name) if name else 0, "stop", f"resubmission refused: {why}")
+                finally:
+                    run.close()
+                console.error(line)
+                return Launch(False, run_dir, refused=line)
             if has_checkpoint:
-                why, before = requeue_refusal(cfg, run_dir)
-                if why is not None:  # (the same failure, resubmission after resubmission: a requeue cannot help)
-                    line = (f"run.resume=auto: not continuing {run_dir}: {why}; it would meet it again: fix its cause, then "
-                            f"continue with: stabletrain train --resume {run_dir}")
-                    run = RunDir(run_dir, resume=True)
-                    try:
-                        run.event(step_of(name) if name else 0, "stop", f"resubmission refused: {why}")
-                    finally:
-                        run.close()
-                    console.error(line)
-                    return Launch(False, run_dir, refused=line)
                 if name is None or _same_config(cfg, name, len(everyone)) is not False:  # (else the resume refuses it in
                     # its own line; None: its meta.json unreadable, which the resume falls back from, saying so)
                     console.say(f"run.resume=auto: {run_dir} holds {f'LAST_GOOD ({name.name})' if name else 'checkpoints'}"
