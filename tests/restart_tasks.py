@@ -113,6 +113,39 @@ def slow_start_task(sleep: float = 3.0, **kwargs) -> Task:
     return make_task(**kwargs)
 
 
+class _ExitAt(Dataset):
+    """``inner`` whose sample ``index``, read by rank ``rank``, ends the process with exit code ``code`` once (``marker``,
+    a file, remembers it): ``sys.exit`` (a library's own exit) or, ``hard``, ``os._exit``; it prints a line first."""
+
+    def __init__(self, inner: Dataset, index: int, code: int, marker: str, rank: int, hard: bool) -> None:
+        self.inner, self.index, self.code, self.marker, self.rank, self.hard = inner, index, code, marker, rank, hard
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int):
+        import os
+        import sys
+
+        if i == self.index and int(os.environ.get("RANK", "0")) == self.rank and not Path(self.marker).exists():
+            Path(self.marker).write_text("exited\n")
+            print(f"TASK: exiting with code {self.code}", flush=True)
+            if self.hard:
+                os._exit(self.code)
+            sys.exit(self.code)
+        return self.inner[i]
+
+
+def exit_code_task(code: int = 3, index: int = 45, marker: str = "", rank: int = 0, hard: bool = False,
+                   num_samples: int = 64) -> Task:
+    """The built-in mlp task whose training sample ``index`` ends the process reading it with exit code ``code``, once."""
+    from stabletrain.tasks.mlp import make_task
+
+    task = make_task(num_samples=num_samples, width=16, depth=2)
+    task.train_data = _ExitAt(task.train_data, index, code, marker, rank, hard)
+    return task
+
+
 def factory_death_task(counter: str = "") -> Task:
     """A task whose factory ends its process (``os._exit(9)``) on every launch, before any checkpoint; each call adds a line
     to the file ``counter``."""

@@ -1,12 +1,76 @@
 """Exit codes stabletrain reserves (2, 3, 4, 5: it refused its input, refused to restart, applied no update, met its
-guard's stop) end a run's restarts only where stabletrain itself decided them; and a resubmission after a crash loop that
-wrote no checkpoint is refused up front."""
+guard's stop) end a run's restarts only where stabletrain itself decided them: the same code from the task's own
+``sys.exit`` or ``os._exit`` is a crash, restarted; and a resubmission after a crash loop that wrote no checkpoint is
+refused up front."""
 
 from __future__ import annotations
 
+import signal
+from types import SimpleNamespace
+
+import pytest
 from multiproc import events, train_cli
 
+from stabletrain.distributed.elastic import told_exit
+from stabletrain.records.launches import final_exit, final_note, note_final
+
 ARGS = ("train.batch_size=8", "data.shuffle=false", "train.max_steps=12", "ckpt.every=2", "log.every=2", "eval.every=0")
+
+
+def test_only_an_exit_the_process_wrote_down_as_its_own_decision_is_final(tmp_path):
+    """A reserved code counts as stabletrain's decision only where the process that exited with it noted its pid and
+    code beside its launcher's note; torchrun's failures read it the same way (``told_exit``'s ``decided``)."""
+    note = tmp_path / "note"
+    note.write_text("")
+    assert final_exit(note, 42, 0)  # a finished run: always final
+    assert not final_exit(note, 42, 3) and not final_exit(None, 42, 3)  # nothing noted: the task's own exit
+    note_final(str(note), 3)
+    import os
+
+    assert final_exit(note, os.getpid(), 3) and not final_exit(note, os.getpid(), 2) and not final_exit(note, 42, 3)
+    assert final_note(note).read_text() == f"{os.getpid()} 3\n"
+    note_final(None, 3)  # no launcher: nothing written, no error
+
+    def err(*codes):
+        return SimpleNamespace(failures={rank: SimpleNamespace(exitcode=code, pid=rank) for rank, code in enumerate(codes)})
+
+    assert told_exit(err(3, -signal.SIGTERM), lambda f: True) == 3
+    assert told_exit(err(3, -signal.SIGTERM), lambda f: False) is None  # a task's exit(3): a crash, torchrun's to tell
+    assert told_exit(err(2, 2), lambda f: f.pid == 0) is None  # one rank's 2 was its task's own
+
+
+@pytest.mark.parametrize("code,hard", [(3, False), (2, True)])
+def test_a_tasks_own_exit_with_a_reserved_code_is_restarted_like_any_crash(tmp_path, code, hard):
+    """A new user's trial: a task that exited with code 3 (or 2, 4, 5) at run.max_restarts=2 was never restarted and
+    nothing was said: the supervisor took it for stabletrain's own refusal. It is a crash: restarted, with one line that
+    names the exit and quotes the task's last line, and a restart event."""
+    run_dir = tmp_path / "run"
+    res = train_cli("task=restart_tasks:exit_code_task", f"task_args.code={code}", f"task_args.hard={hard}",
+                    f"task_args.marker={tmp_path / 'exited'}", *ARGS, "run.max_restarts=2", f"run.dir={run_dir}")
+    assert res.returncode == 0, res.stderr[-3000:]
+    restarts = [e for e in events(run_dir) if e["kind"] == "restart"]
+    assert len(restarts) == 1 and restarts[0]["cause"]["exitcode"] == code, restarts
+    assert restarts[0]["cause"]["last_line"] == f"TASK: exiting with code {code}"
+    said = [line for line in res.stdout.splitlines() if line.startswith("stabletrain: restart 1 of 2")]
+    assert len(said) == 1 and f"exited with code {code}; its last line: 'TASK: exiting with code {code}'" in said[0], said
+    if hard:  # (os._exit: its last record is its checkpoint's step; it said 'nothing recorded to train again (any steps
+        # it trained past step 4 ... are trained again)', where it had trained one)
+        assert said[0].endswith("resuming from step_000004: its last record is at step 4: any steps it trained past it are "
+                                "trained again (how many is not recorded)"), said
+
+
+def test_a_ranks_own_exit_with_a_reserved_code_under_ddp_is_restarted_with_no_torchrun_traceback(tmp_path):
+    """The trial under DDP: rank 1's os._exit(3) ended the run with torchrun's ChildFailedError traceback, exit 1, and
+    rank 0's line claimed a restart that never came. torchrun's agent restarts it, as it restarts any crash."""
+    run_dir = tmp_path / "run"
+    res = train_cli("task=restart_tasks:exit_code_task", "task_args.code=3", "task_args.hard=true", "task_args.rank=1",
+                    f"task_args.marker={tmp_path / 'exited'}", *ARGS, "run.max_restarts=2", "dist.nproc=2",
+                    f"run.dir={run_dir}")
+    assert res.returncode == 0 and "ChildFailedError" not in res.stderr, res.stderr[-3000:]
+    restarts = [e for e in events(run_dir) if e["kind"] == "restart"]
+    assert len(restarts) == 1 and (restarts[0]["cause"]["rank"], restarts[0]["cause"]["exitcode"]) == (1, 3), restarts
+    said = [line for line in res.stdout.splitlines() if line.startswith("stabletrain: restart 1 of 2 after rank 1")]
+    assert len(said) == 1 and "exited with code 3" in said[0], res.stdout[-3000:]
 
 
 def test_a_resubmission_after_a_crash_loop_that_wrote_no_checkpoint_is_refused_up_front(tmp_path):

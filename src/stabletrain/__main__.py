@@ -3,8 +3,12 @@ import os
 import sys
 
 from .cli import main
+from .distributed.launch import FINAL_EXITS, RUN_DIR_NOTE_ENV
+from .records.launches import note_final
 
 code = main()
+if code in FINAL_EXITS:  # stabletrain's own decision to end (a launcher restarts none): not a task's exit with that code
+    note_final(os.environ.get(RUN_DIR_NOTE_ENV), code)
 if int(os.environ.get("WORLD_SIZE", "1")) > 1:
     # A torchrun rank whose command is over (its process group torn down, its files closed and its last checkpoint
     # waited for): the interpreter's teardown is skipped, where gloo's threads can abort the process after a

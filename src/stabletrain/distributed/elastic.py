@@ -11,8 +11,9 @@ subclass implements; :func:`stabletrain.internals.restarting_agent`):
   restart, nor after restarted workers that ran :data:`~.launch.QUICK_DEATH_S` or longer: the survivors,
   whose collectives fail at once on a dead peer, have left or are stopped by the agent's SIGTERM, and an
   in-flight checkpoint of theirs is waited for as they exit);
-- a worker that exits with one of :data:`FINAL_EXITS` (stabletrain refused its input, or refused to restart
-  into the same failure again) ends the restarts: the agent stops as when ``--max-restarts`` is used up;
+- a worker that exits with one of :data:`FINAL_EXITS` that stabletrain decided (it refused its input, or refused to
+  restart into the same failure again: written down as it exited, ``records.launches.note_final``) ends the restarts:
+  the agent stops as when ``--max-restarts`` is used up (the same code from the task's own ``sys.exit`` is a crash);
 - each attempt's ranks get a rendezvous store of their own (:data:`~.launch.UNSHARED_STORE`);
 - a failure once the restarts are used up ends in one line that names the rank that died first, recorded in the run
   directory as a ``stop`` (:func:`~.launch.restarts_used_up`), not in torchrun's traceback.
@@ -34,7 +35,7 @@ from typing import Any
 
 from .. import console
 from ..internals import InternalMissing, end_restarts, restarting_agent, restarts_left, use_elastic_agent
-from ..records.launches import asked_stop, noted_run_dir, reached_training, stopped_outside_line
+from ..records.launches import asked_stop, drop_notes, final_exit, noted_run_dir, reached_training, stopped_outside_line
 from .launch import (
     EXIT_GAVE_UP,
     EXIT_NO_UPDATE,
@@ -68,7 +69,7 @@ def agent_class() -> type:
         nonlocal restarts_seen, quick, started
         note = os.environ.get(RUN_DIR_NOTE_ENV)  # (the launcher's: where rank 0 names the run directory)
         asked = {-sig for sig in asked_stop(Path(note) if note else None)}
-        if any(f.exitcode in FINAL_EXITS or f.exitcode in asked for f in failures.values()):
+        if any(_final(f, note) or f.exitcode in asked for f in failures.values()):
             end_restarts(agent)  # the run refused (restarting would meet the same refusal), or the stop asked for
             return
         if restarts_left(agent) <= 0:
@@ -86,6 +87,11 @@ def agent_class() -> type:
         started = time.time()
 
     return restarting_agent(failed)
+
+
+def _final(failure: Any, note: Path | str | None) -> bool:
+    """Whether a worker's exit ends the run: one of :data:`FINAL_EXITS` that stabletrain decided (not its task's own)."""
+    return failure.exitcode in FINAL_EXITS and final_exit(note, getattr(failure, "pid", None), failure.exitcode)
 
 
 def _secondary(failure: Any) -> int:
@@ -137,13 +143,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         torchrun.main(argv)
     except ChildFailedError as err:
-        final = told_exit(err)
+        final = told_exit(err, lambda failure: _final(failure, note))
         failures = getattr(err, "failures", None) or {}
         asked = [-f.exitcode for f in failures.values() if -f.exitcode in asked_stop(note)]  # the launcher passed a stop
         if final is None and asked:  # on: ranks outside their training loop (start-up, end) died of it, no handler there
             console.say(stopped_outside_line(asked[0], ranks=True), sys.stderr)
             sys.exit(128 + asked[0])
-        if final is None and failures and not any(f.exitcode in FINAL_EXITS for f in failures.values()):
+        if final is None and failures and not any(_final(f, note) for f in failures.values()):
             rank, first = min(failures.items(), key=lambda item: _secondary(item[1]))  # the restarts are used up
             final = restarts_used_up(death_record(
                 first.exitcode, rank=rank, pid=first.pid, restart=None, max_restarts=torchrun.parse_args(argv).max_restarts,
@@ -153,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
             raise
         sys.exit(final)  # its exit code, without torchrun's banner of a failure the rank has told already
     finally:
-        note.unlink(missing_ok=True)
+        drop_notes(note)
 
 
 def _said_here(record: logging.LogRecord) -> bool:
@@ -163,14 +169,17 @@ def _said_here(record: logging.LogRecord) -> bool:
     return not (record.name.endswith("error_handler") or text.startswith("failed (exitcode") or "closing signal" in text)
 
 
-def told_exit(err: Any) -> int | None:
+def told_exit(err: Any, decided: Any = lambda failure: True) -> int | None:
     """The exit code of a launch whose ranks refused (their input: 2, or to restart into the same failure: 3), or were
     interrupted by a second Ctrl-C (130), and said so; None where another rank crashed as well (torchrun's table of
-    failures is then what tells it)."""
-    codes = {getattr(f, "exitcode", None) for f in getattr(err, "failures", {}).values()}
+    failures is then what tells it). ``decided(failure)``: whether stabletrain decided a failure's code (:func:`_final`):
+    one it did not is the task's own exit, a crash."""
+    failures = getattr(err, "failures", {}).values()
+    stopped = {-signal.SIGTERM, -signal.SIGINT}
+    codes = {getattr(f, "exitcode", None) if f.exitcode in stopped or decided(f) else 1 for f in failures}
     told = (EXIT_GAVE_UP, 2, EXIT_NO_UPDATE, EXIT_STALLED, 130)
     final = next((code for code in told if code in codes), None)
-    return final if final is not None and codes <= {*told, -signal.SIGTERM, -signal.SIGINT} else None
+    return final if final is not None and codes <= {*told, *stopped} else None
 
 
 if __name__ == "__main__":

@@ -17,9 +17,11 @@ reaches the restarted processes in their environment (:data:`RESTART_ENV`, a JSO
 :func:`death_record`). A death once the restarts are used up is said in one line and recorded in the run directory
 as a ``stop`` (:func:`restarts_used_up`).
 
-A run that ends with one of :data:`FINAL_EXITS` is never restarted: it finished or was stopped by a signal (0),
-stabletrain refused its input (2), it refused to restart into the same failure (:data:`EXIT_GAVE_UP`), it applied no
-update (:data:`EXIT_NO_UPDATE`), a restart would meet its guard's stop (:data:`EXIT_STALLED`), or it was interrupted (130)."""
+A run that ends with one of :data:`FINAL_EXITS` that stabletrain decided is never restarted: it finished or was stopped
+by a signal (0), stabletrain refused its input (2), it refused to restart into the same failure (:data:`EXIT_GAVE_UP`), it
+applied no update (:data:`EXIT_NO_UPDATE`), a restart would meet its guard's stop (:data:`EXIT_STALLED`), or it was
+interrupted (130). Each but 0 counts only where the process wrote it down as it exited (``records.launches.note_final``):
+the same code from the task's own ``sys.exit`` or ``os._exit`` is a crash like any other, restarted."""
 
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from ..process import children, die_with_parent, parent_pid, process_start_time
-from ..records.launches import as_parent, noted_run_dir, reached_training, stop_note, stopped_outside_line
+from ..records.launches import as_parent, drop_notes, final_exit, note_stop, noted_run_dir, reached_training, stopped_outside_line
 from .continuing import continue_line, from_last_good
 
 __all__ = ["launch", "supervise", "die_with_parent", "LAUNCHER_ENV", "LAUNCH_MARK_ENV", "RESTART_ENV", "LAUNCH_START_ENV",
@@ -320,8 +322,7 @@ def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
 
     def forward(signum: int, frame: Any) -> None:
         sent.append(signum)
-        with contextlib.suppress(OSError), stop_note(note).open("a") as fh:  # for the agent: ranks outside their loop
-            fh.write(f"{signum}\n")  # die of it, asked for (a full /tmp: the stop still goes on)
+        note_stop(note, signum)  # for the agent: ranks outside their loop die of it, asked for
         if deliver(signum):  # the ranks
             return
         if seen[0]:
@@ -350,8 +351,7 @@ def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
         # reparented by its own double fork, is the run's while it runs)
         sweep_orphans(launcher)
         run_dir = note.read_text(encoding="utf-8").strip() if note.is_file() else ""
-        note.unlink(missing_ok=True)
-        stop_note(note).unlink(missing_ok=True)
+        drop_notes(note)
     from .. import console
 
     if code < 0 and -code in sent:  # the stop asked for where no rank was running to take it
@@ -416,9 +416,9 @@ def supervise(argv: list[str], *, max_restarts: int) -> int:
 
     The one-process counterpart of torchrun's elastic agent. The child's stdout and stderr pass through
     this process unchanged (so the child draws no progress bar: it prints a line per log interval), which
-    keeps the last line it printed for the restart's record. A child that ends with one of
-    :data:`FINAL_EXITS` is not restarted; nor is one after this process got SIGTERM or SIGINT, which it
-    passes on (the child checkpoints and stops). Before a restart it waits :func:`restart_backoff_s` (none
+    keeps the last line it printed for the restart's record. A child that ends with one of :data:`FINAL_EXITS`
+    it decided is not restarted (the module docstring); nor is one after this process got SIGTERM or SIGINT,
+    which it passes on (the child checkpoints and stops). Before a restart it waits :func:`restart_backoff_s` (none
     before the first, nor after a restarted child that ran :data:`QUICK_DEATH_S` or longer or reached its fit).
     The child dies with this process (:func:`die_with_parent`), in a session of its own, so a terminal's
     Ctrl-C reaches it once, through here. Returns the child's exit code (1 once the restarts are used up).
@@ -473,7 +473,7 @@ def supervise(argv: list[str], *, max_restarts: int) -> int:
 
                 console.say(stopped_outside_line(-code, ranks=False), sys.stderr)
                 return 128 - code
-            if stopping or code in FINAL_EXITS:
+            if stopping or code in FINAL_EXITS and final_exit(note, proc.pid, code):
                 return code
             if restart >= max_restarts:
                 return restarts_used_up(death_record(
@@ -490,6 +490,6 @@ def supervise(argv: list[str], *, max_restarts: int) -> int:
             if stopping:
                 return code
     finally:
-        note.unlink(missing_ok=True)
+        drop_notes(note)
         for sig, handler in old.items():
             signal.signal(sig, handler)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -13,7 +14,8 @@ from ..process import stat_fields
 
 __all__ = ["last_launch", "unfinished_note", "LAUNCH_FILE", "is_running", "refuse_if_running", "running_launch", "this_process",
            "started_over", "PARENT_ENV", "as_parent", "launch_parent", "LEDGER_FILE", "reached_training",
-           "noted_run_dir", "stop_note", "asked_stop", "stopped_outside_line"]
+           "noted_run_dir", "stop_note", "note_stop", "asked_stop", "stopped_outside_line", "final_note", "note_final",
+           "final_exit", "drop_notes"]
 
 #: The run's goodput ledger (written by :mod:`stabletrain.callbacks.goodput_clock`): a ``launch`` line per launch.
 LEDGER_FILE = "goodput.jsonl"
@@ -142,6 +144,44 @@ def stop_note(note: Path) -> Path:
     """Where a launcher writes the signal it passed on to its ranks (beside its run-dir note, ``note``): their agent
     tells a rank that died of it in its start-up (before it takes signals) from a death, and restarts none."""
     return note.with_name(note.name + ".stop")
+
+
+def note_stop(note: Path, signum: int) -> None:
+    """Add ``signum`` to :func:`stop_note` (a full /tmp: the stop still goes on, unwritten)."""
+    with contextlib.suppress(OSError), stop_note(note).open("a") as fh:
+        fh.write(f"{signum}\n")
+
+
+def final_note(note: Path) -> Path:
+    """Where a process of the run writes, as it exits, the exit code stabletrain decided (beside its launcher's run-dir
+    note, ``note``): its pid and the code (:func:`note_final`). A reserved code (2: input refused, 3: a restart refused,
+    4, 5) not written there is the task's own (a library's ``sys.exit(3)``): a crash the launchers restart."""
+    return note.with_name(note.name + ".final")
+
+
+def note_final(note: str | None, code: int) -> None:
+    """Record in :func:`final_note` that this process exits with ``code``, returned by stabletrain's command (``python -m
+    stabletrain``: not a ``sys.exit`` or ``os._exit`` of the task's). Nothing without a launcher's note; never raises."""
+    if note:
+        with contextlib.suppress(OSError), final_note(Path(note)).open("a", encoding="utf-8") as fh:
+            fh.write(f"{os.getpid()} {code}\n")
+
+
+def final_exit(note: Path | str | None, pid: int | None, code: int) -> bool:
+    """Whether the process ``pid``, which exited with ``code``, recorded that exit as stabletrain's own
+    decision (:func:`note_final`); 0 always is (it finished, or checkpointed and stopped on a signal)."""
+    if code == 0:
+        return True
+    try:
+        return note is not None and f"{pid} {code}" in final_note(Path(note)).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return False
+
+
+def drop_notes(note: Path) -> None:
+    """Remove a launcher's run-dir note and the notes beside it (:func:`stop_note`, :func:`final_note`) as its run ends."""
+    for path in (note, stop_note(note), final_note(note)):
+        path.unlink(missing_ok=True)
 
 
 def asked_stop(note: Path | None) -> set[int]:

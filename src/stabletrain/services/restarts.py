@@ -297,8 +297,8 @@ def _restart_after(cfg: Any, run_dir: Path, everyone: list[dict[str, Any]], has_
         if failure.kind == "exit" and failure.trained:
             again = (f"{redone} step{'s' if redone != 1 else ''} to train again (more if it trained past step "
                      f"{failure.last_step}, its last record)" if redone else
-                     f"nothing recorded to train again (any steps it trained past step {failure.last_step}, its last "
-                     "record, are trained again)")
+                     f"its last record is at step {failure.last_step}: any steps it trained past it are trained again "
+                     "(how many is not recorded)")
         reason = (f"restart {number}{f' of {limit}' if limit else ''} after {who}{met}{note}; resuming from "
                   f"{good.name if good else '?'}: {again}{LATE if late else ''}")
         # Any outcome the dead launch said (its own events: a step an older timeline saved may be saved again)
