@@ -69,8 +69,57 @@ def test_a_ranks_own_exit_with_a_reserved_code_under_ddp_is_restarted_with_no_to
     assert res.returncode == 0 and "ChildFailedError" not in res.stderr, res.stderr[-3000:]
     restarts = [e for e in events(run_dir) if e["kind"] == "restart"]
     assert len(restarts) == 1 and (restarts[0]["cause"]["rank"], restarts[0]["cause"]["exitcode"]) == (1, 3), restarts
+    # its last line, as one process's is quoted (it was null: torchrun's agent reads no rank's output)
+    assert restarts[0]["cause"]["last_line"] == "TASK: exiting with code 3", restarts[0]["cause"]
     said = [line for line in res.stdout.splitlines() if line.startswith("stabletrain: restart 1 of 2 after rank 1")]
-    assert len(said) == 1 and "exited with code 3" in said[0], res.stdout[-3000:]
+    assert len(said) == 1 and "exited with code 3; its last line: 'TASK: exiting with code 3'" in said[0], res.stdout[-3000:]
+
+
+def test_a_rank_keeps_its_last_line_beside_its_launchers_note_for_its_agent(tmp_path, monkeypatch):
+    """What a rank prints passes through unchanged; its last finished line (not a continuation, not its restart's
+    announcement, what a progress bar's last \\r drew) is kept beside its launcher's note, by its pid; only in a rank of
+    stabletrain's torchrun launcher."""
+    import io
+    import os
+    import sys
+
+    from stabletrain.distributed.elastic import _last_line
+    from stabletrain.distributed.last_line import keep_last_line, last_line_file, printed_last
+    from stabletrain.distributed.launch import RUN_DIR_NOTE_ENV
+    from stabletrain.records.launches import drop_notes
+
+    note = tmp_path / "note"
+    note.write_text("")
+    out, err = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.delenv(RUN_DIR_NOTE_ENV, raising=False)
+    keep_last_line()
+    assert sys.stdout is out  # a torchrun of the user's own: nothing kept, nothing wrapped
+    monkeypatch.setenv(RUN_DIR_NOTE_ENV, str(note))
+    keep_last_line()
+    me = os.getpid()
+    print("step 10/20", end="")
+    assert printed_last(note, me) is None  # (not finished yet)
+    print("\rstep 20/20")
+    assert printed_last(note, me) == "step 20/20"
+    print("stabletrain: error: bad\n  (recorded in runs/x)", file=sys.stderr)
+    print("stabletrain: restart 1 of 2 after rank 1 ...")
+    assert printed_last(note, me) == "stabletrain: error: bad"
+    print("TASK: exiting", flush=True)
+    assert last_line_file(note, me).read_text() == "TASK: exiting"
+    assert out.getvalue() == "step 10/20\rstep 20/20\nstabletrain: restart 1 of 2 after rank 1 ...\nTASK: exiting\n"
+    assert err.getvalue() == "stabletrain: error: bad\n  (recorded in runs/x)\n"
+
+    # the agent: an exit with a code quotes it, an error file's message first; a signal's death none
+    def failure(code, data=None):
+        return SimpleNamespace(exitcode=code, pid=me, error_file_data=data or {})
+
+    assert _last_line(failure(3)) == "TASK: exiting" and _last_line(failure(-9)) is None
+    assert _last_line(failure(1, {"message": "RuntimeError: boom"})) == "RuntimeError: boom"
+    drop_notes(note)  # the launch's end removes it with the note
+    assert not list(tmp_path.iterdir())
 
 
 def test_a_resubmission_after_a_crash_loop_that_wrote_no_checkpoint_is_refused_up_front(tmp_path):

@@ -3,9 +3,11 @@ import os
 import sys
 
 from .cli import main
+from .distributed.last_line import keep_last_line
 from .distributed.launch import FINAL_EXITS, RUN_DIR_NOTE_ENV
 from .records.launches import note_final
 
+keep_last_line()  # a rank of stabletrain's torchrun launcher: for its agent, which reads no rank's output
 code = main()
 if code in FINAL_EXITS:  # stabletrain's own decision to end (a launcher restarts none): not a task's exit with that code
     note_final(os.environ.get(RUN_DIR_NOTE_ENV), code)

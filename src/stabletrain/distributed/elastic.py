@@ -36,6 +36,7 @@ from typing import Any
 from .. import console
 from ..internals import InternalMissing, end_restarts, restarting_agent, restarts_left, use_elastic_agent
 from ..records.launches import asked_stop, drop_notes, final_exit, noted_run_dir, reached_training, stopped_outside_line
+from .last_line import printed_last
 from .launch import (
     EXIT_GAVE_UP,
     EXIT_NO_UPDATE,
@@ -79,7 +80,7 @@ def agent_class() -> type:
         os.environ[RESTART_ENV] = with_death(os.environ.get(RESTART_ENV), death_record(
             first.exitcode, rank=rank, pid=first.pid, restart=restarts_seen, max_restarts=max_restarts,
             by="torchrun (stabletrain.distributed.elastic)", when=time.time(),
-            last_line=_message(first), peer_line=_peer_line(failures, rank)))
+            last_line=_last_line(first), peer_line=_peer_line(failures, rank)))
         os.environ.pop(LAUNCH_START_ENV, None)  # the restarted ranks' launch starts with them
         quick = quick_deaths(quick, time.time() - started, restarted=restarts_seen > 1,
                              trained=reached_training(noted_run_dir(Path(note) if note else None), started))
@@ -112,6 +113,13 @@ def _peer_line(failures: dict[int, Any], root: int) -> str | None:
     # (a lost peer's where and when, without its advice to resume or restart: a trial's line ran on to '... comi...')
     said = [(rank, text.split("; ")[0] if text and text.startswith("PeerLostError") else text) for rank, text in said]
     return next((text if f"rank {rank}:" in text else f"rank {rank}: {text}" for rank, text in said if text), None)
+
+
+def _last_line(failure: Any) -> str | None:
+    """The failed worker's last line: its error message, or, where it exited with a code and left none (a task's own
+    ``sys.exit``), the last line it printed (:mod:`.last_line`). A worker killed by a signal said nothing of its death."""
+    printed = printed_last(os.environ.get(RUN_DIR_NOTE_ENV), failure.pid) if failure.exitcode >= 0 else None
+    return _message(failure) or printed
 
 
 def _message(failure: Any) -> str | None:
@@ -153,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
             rank, first = min(failures.items(), key=lambda item: _secondary(item[1]))  # the restarts are used up
             final = restarts_used_up(death_record(
                 first.exitcode, rank=rank, pid=first.pid, restart=None, max_restarts=torchrun.parse_args(argv).max_restarts,
-                by="torchrun (stabletrain.distributed.elastic)", last_line=_message(first),
+                by="torchrun (stabletrain.distributed.elastic)", last_line=_last_line(first),
                 peer_line=_peer_line(failures, rank)), note, who=f"rank {rank}")
         if final is None:
             raise

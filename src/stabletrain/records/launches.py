@@ -179,8 +179,9 @@ def final_exit(note: Path | str | None, pid: int | None, code: int) -> bool:
 
 
 def drop_notes(note: Path) -> None:
-    """Remove a launcher's run-dir note and the notes beside it (:func:`stop_note`, :func:`final_note`) as its run ends."""
-    for path in (note, stop_note(note), final_note(note)):
+    """Remove a launcher's run-dir note and the notes beside it (:func:`stop_note`, :func:`final_note`, the ranks' last
+    lines: ``distributed.last_line``) as its run ends."""
+    for path in (note, stop_note(note), final_note(note), *note.parent.glob(f"{note.name}.line-*")):
         path.unlink(missing_ok=True)
 
 
