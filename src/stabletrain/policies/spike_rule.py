@@ -77,7 +77,7 @@ def far_spike(x: Any, values: np.ndarray, median: Any, cfg: GuardConfig) -> bool
     """The rule's robust arms (:func:`robust_arms`) for ``x`` against ``values`` and their ``median``, in float32
     (:func:`spike_test` and :meth:`Guard.mark_spikes` alike)."""
     median, x = np.float32(median), np.float32(x)
-    if not median > 0:
+    if not (median > 0 and x > np.float32(cfg.spike_ratio ** ROBUST) * median):  # (both arms start past it: no sort)
         return False
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # (a huge loss over a MAD of 0: inf, silently)
         return bool(robust_arms(x, median, robust_z(x, values, median), cfg))
