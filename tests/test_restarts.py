@@ -12,6 +12,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -688,6 +689,15 @@ def test_run_resume_auto_starts_the_run_then_continues_it(tmp_path, capsys):
     assert main([*args, "train.max_steps=10"]) == 0
     out, err = capsys.readouterr()
     assert f"stabletrain: run.resume=auto: {run_dir} holds LAST_GOOD (step_000008): continuing it" in out, (out, err)
+    # A run that trained, its checkpoints gone (a trial: 'holds no checkpoint: starting it', then 'already holds a run')
+    shutil.rmtree(run_dir / "checkpoints")
+    record = [(run_dir / f).read_text() for f in ("events.jsonl", "metrics.jsonl")]
+    assert main([*args, "train.max_steps=10"]) == 2
+    out, err = capsys.readouterr()
+    assert "starting it" not in out and err.strip() == (
+        f"stabletrain: error: run.resume=auto: run directory '{run_dir}' holds a run that trained but no checkpoint to "
+        "continue it from; pick another run.dir, or pass run.overwrite=true to start it over"), err
+    assert [(run_dir / f).read_text() for f in ("events.jsonl", "metrics.jsonl")] == record  # nothing written
 
 
 # -- what ended a launch, and when not to restart (no processes) ------------------------------------------------

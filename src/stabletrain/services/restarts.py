@@ -168,6 +168,10 @@ def begin_launch(cfg: Any, run_dir: Path | None, resume: bool, ctx: Any) -> Laun
                     console.say(f"run.resume=auto: {run_dir} holds {f'LAST_GOOD ({name.name})' if name else 'checkpoints'}"
                                 f": continuing it{before}{kept}")
                 return Launch(True, run_dir, requeue=True)
+            if not cfg.run.overwrite and RunDir.holds_trained_run(run_dir):  # (said, not 'starting it' then refused)
+                raise FileExistsError(f"run.resume=auto: run directory {str(run_dir)!r} holds a run that trained but no "
+                                      "checkpoint to continue it from; pick another run.dir, or pass run.overwrite=true to "
+                                      "start it over")
             console.say(f"run.resume=auto: {run_dir} holds no checkpoint: starting it")
         return Launch(resume, run_dir)
 
