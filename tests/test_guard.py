@@ -357,7 +357,7 @@ def test_the_host_spike_rule_agrees_with_the_device_past_float32_silently(scale,
 def test_a_spike_hidden_by_the_bad_steps_before_it_is_flagged_by_its_robust_z(loss, spike):
     """A new user's HF Trainer run under gradient accumulation: bad rows the rule had let pass (x8 the median each) sat in
     its window, their deviation hid the next ones (z 3.6 for a loss x10 the median) and none of 15 was flagged. Past 4x
-    the median a robust z-score three times spike_zscore flags it (61 here), on the host and on the device alike; under
+    the median a robust z-score five times spike_zscore flags it (61 here), on the host and on the device alike; under
     4x (x3.3) the plain z alone judges, as before."""
     gen = torch.Generator().manual_seed(0)
     window = (0.03 + 0.004 * torch.randn(50, generator=gen)).tolist()
@@ -365,7 +365,7 @@ def test_a_spike_hidden_by_the_bad_steps_before_it_is_flagged_by_its_robust_z(lo
         window[i] = 0.25  # the passed ones
     host = spike_test(loss, window, GuardConfig())
     assert host["zscore"] < 6 and host["spike"] is spike, host
-    assert (host["robust_zscore"] > 18) is spike and (host["ratio"] > 4) is spike, host
+    assert (host["robust_zscore"] > 30) is spike and (host["ratio"] > 4) is spike, host
     device = Guard(GuardConfig(on_spike="skip"), torch.device("cpu"))
     device.window.copy_(torch.tensor(window))
     device.num_seen.fill_(len(window))

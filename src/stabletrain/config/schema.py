@@ -134,7 +134,7 @@ class GuardConfig:
         "warn", "a loss spike: record it, skip the step, roll back, or skip it and apply a verified remedy")
     spike_window: int = _f(50, "recent finite, non-spike losses the spike rule compares against (and its rarity bar's steps)")
     spike_ratio: float = _f(2.0, "spike rule: loss > spike_ratio x median of the window ...")
-    spike_zscore: float = _f(6.0, "... and (loss - mean) / std > spike_zscore; or robust z past ratio^5 x median (3x past ^2)")
+    spike_zscore: float = _f(6.0, "... and (loss - mean) / std > spike_zscore; or robust z past ratio^5 x median (5x past ^2)")
     max_consecutive_skips: int = _f(20, "stop the run after this many skipped steps in a row (fp16 back-offs not counted)")
     stall_steps: int = _f(20, "stalled: no gradient of this many recent steps reached the parameters (see guard.on_stall)")
     on_stall: Literal["stop", "warn"] = _f("stop", "a stalled run: stop with one line saying what to do, or warn once")
