@@ -210,18 +210,21 @@ def _bisect(bench: ReplayBench, groups: list[tuple[list[int], Any]], normal: Any
     flat = [i for idx, _ in groups for i in idx]
     limit, calls, notes, budget = max_outliers(len(flat)), [0], [], [MAX_BISECT_REPLAYS]
 
-    def loss_of(samples: list[int]) -> float | None:
+    def replay(parts: list[list[int]]) -> float | None:  # (the loss of these micro-batches, within the budget)
         if calls[0] >= budget[0]:
             if not notes:
                 notes.append(f"stopped at its budget of {MAX_BISECT_REPLAYS} forward passes")
             return None
         calls[0] += 1
         try:
-            return bench.loss(bench.groups([samples]))
+            return bench.loss(bench.groups(parts))
         except torch.cuda.OutOfMemoryError:
             raise
         except Exception:  # a group the model refuses (one sample for a batch norm in training): not split further
             return None
+
+    def loss_of(samples: list[int]) -> float | None:
+        return replay([samples])
 
     def normal_without(drop: set[int]) -> bool:
         kept = [i for i in flat if i not in drop]
@@ -258,19 +261,8 @@ def _bisect(bench: ReplayBench, groups: list[tuple[list[int], Any]], normal: Any
         tied = any(math.isclose(a[0], b[0], rel_tol=1e-6) for a, b in zip(ranked, ranked[1:]))  # (a set splits no tie)
         if not found and not tied and sets <= MAX_SUBSETS:  # the falls misled (coupled samples): every few, fewest first
             budget[0] = calls[0] + sets + limit + 1  # (and the checks below)
-
-            def loss_without(drop: tuple[int, ...]) -> float | None:  # (the window's own micro-batches: a batch norm's)
-                if calls[0] >= budget[0]:
-                    return None
-                calls[0] += 1
-                try:
-                    return bench.loss(bench.groups([[i for i in idx if i not in drop] for idx, _ in groups]))
-                except torch.cuda.OutOfMemoryError:
-                    raise
-                except Exception:  # a micro-batch the model refuses (one sample left for a batch norm): not this set
-                    return None
-
-            found = _fewest_normal(flat, min(limit, len(flat) - 1), loss_without, normal)
+            found = _fewest_normal(flat, min(limit, len(flat) - 1),  # (the window's own micro-batches: a batch norm's)
+                                   lambda drop: replay([[i for i in idx if i not in drop] for idx, _ in groups]), normal)
             notes[:] = notes if not found else []
             how = (f"every set of up to {min(limit, len(flat) - 1)} of the window's {len(flat)} samples dropped in turn, "
                    "fewest first (no sample's own removal pointed at them: the loss couples them)")
