@@ -5,6 +5,7 @@ refused up front."""
 
 from __future__ import annotations
 
+import re
 import signal
 from types import SimpleNamespace
 
@@ -50,9 +51,12 @@ def test_a_tasks_own_exit_with_a_reserved_code_is_restarted_like_any_crash(tmp_p
     assert res.returncode == 0, res.stderr[-3000:]
     restarts = [e for e in events(run_dir) if e["kind"] == "restart"]
     assert len(restarts) == 1 and restarts[0]["cause"]["exitcode"] == code, restarts
-    assert restarts[0]["cause"]["last_line"] == f"TASK: exiting with code {code}"
+    last = f"TASK: exiting with code {code}" if hard else f"SystemExit: {code}"  # (sys.exit: its line names where)
+    assert restarts[0]["cause"]["last_line"] == last
     said = [line for line in res.stdout.splitlines() if line.startswith("stabletrain: restart 1 of 2")]
-    assert len(said) == 1 and f"exited with code {code}; its last line: 'TASK: exiting with code {code}'" in said[0], said
+    assert len(said) == 1 and f"exited with code {code}; its last line: '{last}'" in said[0], said
+    if not hard:
+        assert "the task's dataset item raised SystemExit at " in res.stdout + res.stderr
     if hard:  # (os._exit: its last record is its checkpoint's step; it said 'nothing recorded to train again (any steps
         # it trained past step 4 ... are trained again)', where it had trained one)
         assert said[0].endswith("resuming from step_000004: its last record is at step 4: any steps it trained past it are "
@@ -141,3 +145,17 @@ def test_a_resubmission_after_a_crash_loop_that_wrote_no_checkpoint_is_refused_u
         refused[0].endswith("start it again without run.resume=auto (it holds no checkpoint to continue)")), again.stderr
     assert [e["reason"].split(":")[0] for e in events(run_dir) if e["kind"] == "stop"] == [
         "restart refused", "resubmission refused"]
+
+
+def test_a_tasks_own_sys_exit_without_restarts_says_where_and_keeps_its_code(tmp_path):
+    """A library's ``sys.exit(3)`` in the task's dataset at run.max_restarts=0 ended the run with exit code 3 and not a word
+    of stabletrain's (code 3 reads as a refused restart in docs/restarts.md): one line names the task's part, its file:line
+    and the step, a ``crash`` event records it, and the process keeps the task's own exit code."""
+    run_dir = tmp_path / "run"
+    res = train_cli("task=restart_tasks:exit_code_task", "task_args.code=3", f"task_args.marker={tmp_path / 'exited'}",
+                    *ARGS, f"run.dir={run_dir}")
+    assert res.returncode == 3, res.stderr[-3000:]
+    assert re.search(r"error: the task's dataset item raised SystemExit at \S*restart_tasks\.py:\d+ in __getitem__, in step "
+                     r"\d+", res.stderr), res.stderr[-3000:]
+    crash = [e for e in events(run_dir) if e["kind"] == "crash"]
+    assert len(crash) == 1 and crash[0]["error"] == "SystemExit" and crash[0]["part"] == "dataset item", crash

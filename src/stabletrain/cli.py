@@ -101,6 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         console.say("interrupted", sys.stderr)
         return 130
+    except SystemExit as err:  # the task's own code (a library's sys.exit): said where; its exit, not stabletrain's
+        part = task_part(err)  # decision (raised on: no launcher takes its code for a refusal, it restarts it)
+        if part is not None:
+            console.error(f"{_rank_prefix()}{format_task_error(err, part)}")
+        raise
     except Exception as err:
         if _loaded_instance(err, "stabletrain.distributed.peers", "PeerLostError"):  # (torch's module: loaded if raised)
             # A rank died or hung: one clear line per surviving rank, exit 1 (an error, unless the launch restarts: then

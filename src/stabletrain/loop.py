@@ -188,8 +188,8 @@ class Trainer:
                 fire("on_step_end", state, out)
                 if not self._boundary():
                     break
-        except Exception as err:  # the record keeps what ended the run, with the user's file:line
-            if not self._peer_lost(err):
+        except (Exception, SystemExit) as err:  # the record keeps what ended the run, with the user's file:line (a
+            if not self._peer_lost(err):  # library's sys.exit in the task's code too: a crash, not a silent exit)
                 try:  # (torch's SIGCHLD handler may raise again in the wait, a DataLoader's second worker gone)
                     self._record_checkpoints(self.keeper.finished(wait=True))  # the crash stays the last event
                 finally:

@@ -178,7 +178,7 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
                      else "no checkpoint was written")
             console.say(f"interrupted at step {trainer.step}; {where}", sys.stderr)
         return 130
-    except Exception as err:
+    except (Exception, SystemExit) as err:
         if ctx.is_main and trainer.run is not None:  # the loop recorded a 'crash' event: say where to read it
             note = f"(recorded in {run_dir}; see: stabletrain report {run_dir})"
             if args.report:  # (the crashed run's report is where it helps most; one that fails says so, the crash stands)
