@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import multiproc
 import pytest
@@ -698,6 +699,13 @@ def test_run_resume_auto_starts_the_run_then_continues_it(tmp_path, capsys):
         f"stabletrain: error: run.resume=auto: run directory '{run_dir}' holds a run that trained but no checkpoint to "
         "continue it from; pick another run.dir, or pass run.overwrite=true to start it over"), err
     assert [(run_dir / f).read_text() for f in ("events.jsonl", "metrics.jsonl")] == record  # nothing written
+    # A run.dir that cannot be one (under a file; not creatable): its refusal alone, not 'starting it' first (a trial)
+    (tmp_path / "afile").write_text("x")
+    for where, why in ((tmp_path / "afile" / "run", "lies under"), (Path("/proc/none/run"), "cannot be created")):
+        assert main([*args[:-len(FAST) - 1], f"run.dir={where}", *FAST, "train.max_steps=2"]) == 2
+        out, err = capsys.readouterr()
+        assert "starting it" not in out and err.startswith(f"stabletrain: error: config key 'run.dir': '{where}' {why}"), (
+            out, err)
 
 
 # -- what ended a launch, and when not to restart (no processes) ------------------------------------------------

@@ -92,10 +92,7 @@ class RunDir:
         # attempt that never logged a trained step (it failed at start): it is not a run, the retry reuses it.
         if not resume and (self.path / "config.yaml").exists():
             shutil.rmtree(self.path)
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-        except OSError as err:  # (a folder without write permission, a read-only file system)
-            raise _refused(self.path, host, f"cannot be created: {err.strerror or err}") from None
+        self.make_folder(self.path, host)
         try:  # (one that exists, resumed there: a traceback before)
             self.metrics = JsonlWriter(self.path / "metrics.jsonl")
             self.events = JsonlWriter(self.path / "events.jsonl")
@@ -104,6 +101,16 @@ class RunDir:
                 self.metrics.close()
             raise _refused(self.path, host, f"cannot be written: {err.strerror or err} ({err.filename})") from err
         self._launch_recorded = False
+
+    @staticmethod
+    def make_folder(path: Path, host: str | None = None) -> None:
+        """Create the run directory ``path`` (and its parents) or refuse it in one line naming it: one that is a file or
+        lies under one, or cannot be created (a folder without write permission, a read-only file system)."""
+        _check_folder(path, host)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise _refused(path, host, f"cannot be created: {err.strerror or err}") from None
 
     @staticmethod
     def refuse_taken(path: Path, host: str | None = None) -> None:

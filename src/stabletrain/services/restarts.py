@@ -172,6 +172,7 @@ def begin_launch(cfg: Any, run_dir: Path | None, resume: bool, ctx: Any) -> Laun
                 raise FileExistsError(f"run.resume=auto: run directory {str(run_dir)!r} holds a run that trained but no "
                                       "checkpoint to continue it from; pick another run.dir, or pass run.overwrite=true to "
                                       "start it over")
+            RunDir.make_folder(run_dir)  # (one that cannot be a run directory: its refusal alone, not 'starting it' first)
             console.say(f"run.resume=auto: {run_dir} holds no checkpoint: starting it")
         return Launch(resume, run_dir)
 
