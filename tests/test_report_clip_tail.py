@@ -130,4 +130,10 @@ def test_a_run_whose_last_intervals_were_all_skipped_says_so_in_the_loss_and_cli
             "(2 intervals after step 30)") in text, text
     assert ("Clipping fired on 100% of the applied steps (28 of 28; threshold 1); the second half of the run applied no "
             "step (every one skipped, below): no verdict on it.") in text, text
+    # Its last finite interval's last two steps non-finite too (their events say so): the stretch began at step 29, not
+    # 31 (a trial: 'from step 151 on' where step 150 was non-finite as well)
+    (path / "events.jsonl").write_text("".join(json.dumps({"step": s, "kind": "nonfinite", "reason": "non-finite loss",
+                                                           "loss": float("nan")}) + "\n" for s in (25, 29, 30, 31)))
+    text = " ".join(t for _, t in health_summary(load_run(path)).sentences)
+    assert "from step 29 on no step's loss was finite (2 intervals after step 30)" in text, text
     assert "healthy" not in text and h.figures["clip_verdict"] == "none late"

@@ -60,6 +60,11 @@ def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
     if after:  # its last intervals had no finite loss: the headline's end is the last finite one's, said so
         level = "warn"
         first = min(int(r["step"]) - int(r.get("interval_steps") or 1) + 1 for r in after)
+        # (the last finite interval's own last steps may have had none either: its nonfinite events say which)
+        bad = {e.step for e in run.counted_events("nonfinite") if not (isinstance(e.extra.get("loss"), (int, float))
+                                                                       and math.isfinite(e.extra["loss"]))}
+        while first - 1 in bad and first - 1 > rows[-1][0] - rows[-1][1]:
+            first -= 1
         text = text.replace("last interval", "last finite interval") + (
             f"; from step {first:,} on no step's loss was finite ({len(after)} interval{'s' if len(after) > 1 else ''} "
             f"after step {rows[-1][0]:,})")
