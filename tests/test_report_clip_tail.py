@@ -3,6 +3,7 @@ advises the value it already has, names the optimizer's family by its class and 
 and never tells of a clip that enlarges a step."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -137,3 +138,30 @@ def test_a_run_whose_last_intervals_were_all_skipped_says_so_in_the_loss_and_cli
     text = " ".join(t for _, t in health_summary(load_run(path)).sentences)
     assert "from step 29 on no step's loss was finite (2 intervals after step 30)" in text, text
     assert "healthy" not in text and h.figures["clip_verdict"] == "none late"
+
+
+def test_at_log_every_1_whether_the_loss_rose_is_read_over_ten_step_stretches(tmp_path):
+    """log.every=1: the loss sentence compared one step's loss with another's, and a run whose batches' losses scatter
+    (0.3-0.7 about a flat 0.5, one lucky 0.1) 'rose x4.5 from its best interval's mean', in the report and the last line.
+    Read over 10-step stretches: no rise there; a real rise (a divergence at log.every=1) is still said, in those terms."""
+    import random
+
+    rng = random.Random(0)
+    path = tmp_path / "run"
+    path.mkdir()
+    (path / "config.yaml").write_text("log:\n  every: 1\n")
+    losses = [2.0 - 0.015 * s for s in range(1, 101)] + [0.5 + rng.uniform(-0.2, 0.2) for _ in range(100)]
+    losses[150], losses[-1] = 0.1, 0.45
+    rows = [{"step": s, "interval_steps": 1, "loss": x, "loss_min": x, "loss_steps": 1} for s, x in enumerate(losses, 1)]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    h = health_summary(load_run(path))
+    text = " ".join(t for _, t in h.sentences)
+    assert "rose" not in text and "loss_rose" not in h.figures, text
+    losses[-20:] = [0.5 * 1.3 ** k for k in range(1, 21)]  # diverging: every step of the last 10 far above the best
+    rows = [{"step": s, "interval_steps": 1, "loss": x, "loss_min": x, "loss_steps": 1} for s, x in enumerate(losses, 1)]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    h = health_summary(load_run(path))
+    text = " ".join(t for _, t in h.sentences)
+    assert re.search(r"; it rose x[\d.]+ \(the mean of its last 10 steps, [\d.]+\) from its best 10 steps' mean, "
+                     r"[\d.]+ at step \d+", text), text
+    assert h.figures["loss_rose"]["best_of"] == "its best 10 steps"

@@ -250,7 +250,7 @@ def _train(args: argparse.Namespace, cfg, run_dir: Path | None, resume: bool, ct
         skipped_note += "; " + ", ".join(went) + " (events.jsonl)"
     rose = figures.get("loss_rose")
     if rose is not None:  # a run that got worse since its best (guard.on_spike=warn trains on through a divergence)
-        skipped_note += (f"; the loss rose x{rose['factor']:.3g} from its best interval's mean ({rose['best']:.4g} at step "
+        skipped_note += (f"; the loss rose x{rose['factor']:.3g} from {rose['from']} ({rose['best']:.4g} at step "
                          f"{rose['best_step']}): stabletrain report {run_dir} says more")
     if skipped >= trainer.step > 0:  # not one update applied (a short fp16 run whose scale never found a finite step)
         from ..distributed.launch import EXIT_NO_UPDATE

@@ -124,7 +124,7 @@ def clip_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
     if rose is not None and late_rate > CLIP_RARE and rate > 0:  # the clip fires on a diverging run: its symptom
         f["clip_verdict"] = "diverging"
         h.say("warn", f"{head}, {fmt_pct(late_rate)} in the second half{cuts}: the loss rose x{rose['factor']:.3g} from "
-                      f"its best interval (step {rose['best_step']:,}, above), so the clip fires on gradients of a run "
+                      f"{rose['best_of']} (step {rose['best_step']:,}, above), so the clip fires on gradients of a run "
                       f"that got worse: a symptom, not the setting to tune first. Lower the learning rate ({lr_key}), "
                       f"or see what the incidents say, before retuning {clip_key}.")
         return

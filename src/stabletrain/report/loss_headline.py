@@ -19,6 +19,8 @@ __all__ = ["loss_sentence", "LOSS_ENDS"]
 LOSS_ENDS = 5
 #: A loss that rose from its best interval is said to have risen only by more than this share of the run's descent to it.
 RISE_FLOOR = 0.005
+#: Whether the loss rose since its best is read over stretches of at least this many steps (log intervals shorter: merged).
+ROSE_STEPS = 10
 
 
 def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (which imports this module)
@@ -69,7 +71,12 @@ def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
             f"; from step {first:,} on no step's loss was finite ({len(after)} interval{'s' if len(after) > 1 else ''} "
             f"after step {rows[-1][0]:,})")
     if len(rows) > 2:
-        best_step, _, best, *_ = min(rows, key=lambda r: r[2])
+        # (intervals of a few steps, log.every=1: a single step's loss against another's is the batches' noise, not a rise;
+        # read over stretches of ROSE_STEPS steps at least, the end's own too)
+        stretches = _stretches(rows) if statistics.median(r[1] for r in rows) < ROSE_STEPS else rows
+        short = len(stretches) > 2 and stretches is not rows  # (three at least, as the intervals: else as logged)
+        rows = stretches if short else rows
+        best_step, best_width, best, *_ = min(rows, key=lambda r: r[2])
         # (an end read as a median of the last intervals reaches back to where the loss was still falling: whether the
         # loss rose since its best is the last interval's own smallest loss's to say; 'rose x3.71' for one that fell)
         # (a short tail that holds a spike step, which the end excludes: its smallest loss is the spike's, read with
@@ -78,12 +85,18 @@ def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
         now = (heads[-1] if lifted else rows[-1])[3] if end is not None and len(rows) > 1 else f["loss_end"]
         # it got worse since: how far; by more than RISE_FLOOR of the run's own descent (x7 on a memorized 1e-9 is
         # float32 noise, not a divergence)
+        if short:  # (the last stretch's mean, or its smallest loss where spikes lifted the end)
+            now = rows[-1][3] if end is not None else rows[-1][2]
         if best > 0 and now > ratio * best and best_step != rows[-1][0] and now - best > RISE_FLOOR * (f["loss_start"] - best):
             level = "warn"
-            own = "" if now == f["loss_end"] else f" (its last interval's smallest loss, {fmt_num(now)})"
-            f["loss_rose"] = {"factor": now / best, "best": best, "best_step": int(best_step)}  # (the clip verdict's)
-            text += (f"; it rose x{now / best:.3g}{own} from its best interval's mean, {fmt_num(best)} at step "
-                     f"{best_step:,}")
+            last, mean = ((f"the {'smallest loss' if end is not None else 'mean'} of its last {int(rows[-1][1])} steps",
+                           f"its best {int(best_width)} steps' mean") if short
+                          else ("its last interval's smallest loss", "its best interval's mean"))
+            own = "" if now == f["loss_end"] and not short else f" ({last}, {fmt_num(now)})"
+            f["loss_rose"] = {"factor": now / best, "best": best, "best_step": int(best_step), "from": mean,  # (the clip
+                              "best_of": mean.removesuffix(" mean").removesuffix("'s").removesuffix("'")}  # verdict's, the
+            # last line's: 'its best interval', 'its best 10 steps')
+            text += f"; it rose x{now / best:.3g}{own} from {mean}, {fmt_num(best)} at step {best_step:,}"
     stall = f.get("stall")  # (health's, said above it): an end loss the parameters stopped moving at is not learning's
     if rows and stall and stall["recovered"] is None:
         level = "warn"
@@ -105,6 +118,20 @@ def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
         text = f"{text}; {part}" if text else part[0].upper() + part[1:]
     if text:
         h.say(level, text + ".")
+
+
+def _stretches(rows: list[tuple]) -> list[tuple]:
+    """``rows`` (short intervals) merged into adjacent stretches of :data:`ROSE_STEPS` steps at least, counted from the
+    end (the last stretch whole); rows with a gap between them (intervals of no finite loss) are not merged."""
+    out: list[tuple] = []
+    for row in reversed(rows):
+        if out and out[-1][1] < ROSE_STEPS and out[-1][0] - out[-1][1] == row[0]:
+            step, width, mean, low, finite = out[-1]
+            total = finite + row[4]
+            out[-1] = (step, width + row[1], (mean * finite + row[2] * row[4]) / max(total, 1), min(low, row[3]), total)
+        else:
+            out.append(row)
+    return out[::-1]
 
 
 def _with_tail(rows: list[tuple]) -> tuple[list[tuple], int]:
