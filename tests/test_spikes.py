@@ -108,6 +108,11 @@ def test_each_class_carries_its_evidence(spiked):
         assert d["older"]["window_high"] and "without them the step is normal (verified" in d["summary"]
         shares = {r["sample"]: r["grad_share"] for r in d["sample_losses"]}  # each sample's share of the window's gradient
         assert shares[153] + shares[157] > 0.9 and max(v for k, v in shares.items() if k not in (153, 157)) < 0.05, shares
+        # against the run's other samples (the ordinary windows', a draw of the dataset), each weighed alone: none reaches
+        # theirs, which are beyond the data's spread (not a batch that drew hard samples of the loss's own tail)
+        assert [(r["sample"], r["reach"]) for r in d["tail"]["samples"]] == [(153, 0), (157, 0)] and d["tail"]["of"] == 248
+        assert f"each is beyond all 248 other samples weighed under this state (they reach {d['tail']['largest']:.4g} " in (
+            d["summary"])
     elif cls == "state":
         assert d["bad_samples"] is None and d["blamed_layer"] is None
         assert not d["older"]["window_high"] and d["older"]["ordinary_high"]
@@ -613,7 +618,7 @@ def test_a_state_spikes_evidence_does_not_call_lower_losses_high_against_a_highe
     assert "ordinary windows are high at 0.9 under this one (vs 0.1)" in text, text
 
 
-def test_the_onset_of_the_intervals_largest_burst_is_the_spike_captured(tmp_path):
+def test_the_onset_of_the_intervals_largest_burst_is_the_spike_captured(tmp_path, capsys):
     """Two spikes apart in one interval: two outlier samples at step 14, four at step 19 (a larger loss): one capture
     per interval, of the larger (the first may be an aftershock of an earlier one and must not hide a new one). A burst
     on consecutive steps (a divergence) is captured at its first step."""
@@ -637,6 +642,9 @@ def test_the_onset_of_the_intervals_largest_burst_is_the_spike_captured(tmp_path
     assert [e["step"] for e in events if e["kind"] == "incident"] == [19]
     d = json.loads((run_dir / "incidents" / "step_000019" / "diagnosis.json").read_text())
     assert d["failure_class"] == "data" and d["step"] == 19, d["summary"]
+    # its line says the spike before it that it was chosen over (a trial: 'spike at step 124' where spikes began at 121)
+    assert ("stabletrain: spike at step 19 (after the interval's spike at step 14, not captured: a larger burst is): data: "
+            in capsys.readouterr().out)
 
 
 def test_on_spike_remedy_applies_live_only_what_starts_where_its_replay_did_and_never_twice(tmp_path):
@@ -1050,6 +1058,22 @@ def test_the_readme_spike_example_prints_what_the_readme_shows(tmp_path, capsys)
     header = page.index(next(x for x in page if x.startswith("#  candidate")))
     assert short[short.index(page[header]):-2] == page[header:header + 4]  # the header and the first three rows,
     assert len(table_rows(printed)[0]) > 3 and short[-2] == "... (the other candidates and their verdicts)", short[-2]
+
+
+def test_a_data_spikes_samples_that_other_samples_match_are_said_to_be_the_losss_own_tail(tmp_path):
+    """A new user's healthy CNN: two confidently wrong samples in one batch of 16 made a spike (x2.8 the median), and the
+    diagnosis named them as a data spike, 'verified', as if they were bad rows. Their losses are weighed against the
+    run's other samples: here the dataset holds more like them (scaled targets the run has not reached yet), so the
+    evidence says they are of the loss's own tail, drawn into one window; a sample beyond them all is said apart."""
+    run_dir = tmp_path / "run"
+    Trainer(cfg("train.batch_size=8", "log.every=10", "data.shuffle=false", "train.max_steps=30", "optim.lr=0.01"),
+            task=outlier_samples_task(bad=(153, 157, 241, 243, 245, 247, 249, 251)), run_dir=run_dir).fit()
+    d = json.loads((run_dir / "incidents" / "step_000020" / "diagnosis.json").read_text())
+    assert d["failure_class"] == "data" and d["bad_samples"] == [153, 157], d["summary"]
+    assert sorted(r["sample"] for r in d["tail"]["samples"]) == [153, 157] and min(r["reach"] for r in d["tail"]["samples"]) >= 1
+    assert re.search(r"; yet they are no outliers of the data: of 248 other samples weighed under this state, some reach "
+                     r"their losses too \(15[37] \([\d.]+: [1-6] reach it\), 15[37] \([\d.]+: [1-6] reach it\)\): hard samples "
+                     r"of the loss's own tail, drawn into one window; the window is high under the state of step", d["summary"])
 
 
 @pytest.mark.parametrize("steps", [(22, 23, 24), (18, 20, 21)])

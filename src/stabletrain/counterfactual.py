@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import math
+import random
 import statistics
 import time
 from typing import Any
@@ -46,12 +47,14 @@ from .replica import Replica
 from .seeding import kept_rng
 from .services.replay_bench import ReplayBench
 from .services.spike_reference import HISTORY_INTERVALS, MAX_CONTEXT, update_jump, update_level_jump
-from .spike_samples import dropout_draw, weigh_samples
+from .spike_samples import dropout_draw, loss_tail, tail_note, weigh_samples
 
 __all__ = ["diagnose_spike"]
 
 #: A data spike with no sample to blame, right after this many flagged steps in a row, is a level shift (the data moved).
 LEVEL_RUN = 5
+#: A data spike's named samples are weighed against at most this many others (each alone: one forward pass each).
+TAIL_SAMPLES = 256
 
 
 def diagnose_spike(bundle: dict[str, Any], task: Any, *, device: str | None = None) -> dict[str, Any]:
@@ -176,6 +179,15 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
         verdict["evidence"] += (f"; sample{'s' if len(again) > 1 else ''} {', '.join(map(str, again))} carried the "
                                 f"spike{'s' if len(steps) > 1 else ''} at step{'s' if len(steps) > 1 else ''} "
                                 f"{', '.join(map(str, steps))} too: {'they come' if len(again) > 1 else 'it comes'} back")
+    tail_from = time.perf_counter()
+    tail = (loss_tail(bench, _tail_pool(bench, spike, context, bundle["step"], by_index), samples_rows,
+                      verdict["blamed_samples"], dropout=m["dropout"] is not None)
+            if verdict["failure_class"] == "data" and verdict["blamed_samples"] and m["reproduces"] else None)
+    tail_s = time.perf_counter() - tail_from
+    if tail is not None:  # beyond the data's spread, or other samples as lossy (a batch that drew its hard ones together)
+        verdict["tail"] = tail  # (said after the verified removal: what the samples are comes before what else holds)
+        text, cut = verdict["evidence"], verdict["evidence"].find("; the window is high under the state of step")
+        verdict["evidence"] = f"{text}; {tail_note(tail)}" if cut < 0 else f"{text[:cut]}; {tail_note(tail)}{text[cut:]}"
     if verdict["failure_class"] == "data" and verdict["blamed_samples"] and m["reproduces"] and observed.get("burst"):
         verdict["burst_samples"] = _burst_samples(bench, observed["burst"], rule, cfg.guard.spike_ratio,
                                                   m["dropout"] is not None)
@@ -232,9 +244,22 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
            "stage": "none", "op": None, "direction": None, "module": verdict["blamed_module"], "origin": None,
            "first_nonfinite_param": None}
     out["summary"] = spike_summary(out)
-    out["timings"] = {"replays_s": replays_s, "samples_s": samples_s, "total_s": time.perf_counter() - start}
+    out["timings"] = {"replays_s": replays_s, "samples_s": samples_s, "tail_s": tail_s, "total_s": time.perf_counter() - start}
     out["passes"] = bench.passes
     return with_sample_ranks(out, bundle)
+
+
+def _tail_pool(bench: ReplayBench, spike: list, context: list, step: int, by_index: bool) -> list[int]:
+    """The samples a data spike's named ones are weighed against (:func:`loss_tail`): the ordinary windows', and where
+    samples are dataset indices, a draw of the dataset (seeded by the step, no global RNG touched) up to TAIL_SAMPLES."""
+    own = {i for idx, _ in spike for i in idx}
+    pool = [i for groups in context for idx, _ in groups for i in idx if i not in own]
+    size = len(bench.task.train_data) if by_index and hasattr(bench.task.train_data, "__len__") else 0
+    if size > len(own) + len(pool):
+        draw = random.Random(step).sample(range(size), min(size, TAIL_SAMPLES + len(own) + len(pool)))
+        seen = own | set(pool)
+        pool += [i for i in draw if i not in seen][:max(TAIL_SAMPLES - len(pool), 0)]
+    return pool[:TAIL_SAMPLES]
 
 
 def _burst_samples(bench: ReplayBench, burst: list[list[Any]], rule: Any, bound: float, dropout: bool

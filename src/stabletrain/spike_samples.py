@@ -23,7 +23,7 @@ from .policies.accumulation import as_sum_count
 from .policies.dropout import dropout_off
 from .services.replay_bench import ReplayBench
 
-__all__ = ["weigh_samples", "dropout_draw", "MAX_GRAD_SAMPLES"]
+__all__ = ["weigh_samples", "dropout_draw", "loss_tail", "tail_note", "MAX_GRAD_SAMPLES"]
 
 #: Per-sample gradient shares are measured for windows of at most this many samples (one backward each).
 MAX_GRAD_SAMPLES = 64
@@ -317,3 +317,47 @@ def _gradient_shares(bench: ReplayBench, rows: list[dict[str, Any]], grads: dict
     for p in rep.params:
         p.grad = None
     rep.reset()
+
+
+
+
+def loss_tail(bench: ReplayBench, pool: list[int], rows: list[dict[str, Any]], named: list[int], *,
+              dropout: bool = False) -> dict[str, Any] | None:
+    """How the ``named`` samples (a data spike's; ``rows``: the window's samples weighed alone) stand among the samples
+    ``pool`` (others of the run's: the ordinary windows', a draw of the dataset), weighed alone under the same state (one
+    reset: a forward each): ``{"of", "largest", "samples": [{"sample", "loss", "reach"}]}``, ``reach`` how many of them
+    reach the sample's loss. A named sample none reaches is beyond the data's spread; one that some do is of the loss's
+    own tail (a batch that drew several hard samples at once: a confidently wrong one of a classifier is x10 its window's
+    mean). None where a sample cannot be weighed alone (a model that refuses a batch of one) or no other is there."""
+    losses = {r["sample"]: r["loss"] for r in rows}
+    mine = {i: losses[i] for i in named if i in losses and math.isfinite(losses[i])}
+    if not mine or not pool:
+        return None
+    others = []
+    try:
+        with dropout_off(bench.replica.model) if dropout else contextlib.nullcontext():
+            others = [s / c if c else float("nan") for s, c in bench.each(bench.groups([[i] for i in pool]))]
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception:  # noqa: BLE001  (no tail to weigh against)
+        return None
+    finite = [x for x in others if math.isfinite(x)]
+    return {"of": len(others), "largest": max(finite, default=float("nan")),
+            "samples": [{"sample": i, "loss": loss, "reach": sum(1 for x in finite if x >= loss)} for i, loss in mine.items()]}
+
+
+def tail_note(tail: dict[str, Any]) -> str:
+    """The evidence's words for :func:`loss_tail`'s finding."""
+    beyond = [r["sample"] for r in tail["samples"] if not r["reach"]]
+    within = [r for r in tail["samples"] if r["reach"]]
+    top = f"{tail['largest']:.4g}"
+    if not within:
+        return (f"{'each is' if len(beyond) > 1 else 'it is'} beyond all {tail['of']} other samples weighed under this "
+                f"state (they reach {top} at most): rare in the data")
+    said = ", ".join(f"{r['sample']} ({r['loss']:.4g}: {r['reach']} reach it)" for r in within)
+    if not beyond:
+        return (f"yet they are no outliers of the data: of {tail['of']} other samples weighed under this state, some reach "
+                f"their losses too ({said}): hard samples of the loss's own tail, drawn into one window")
+    who = f"samples {', '.join(map(str, beyond))} are" if len(beyond) > 1 else f"sample {beyond[0]} is"
+    return (f"{who} beyond all {tail['of']} other samples "
+            f"weighed under this state (they reach {top} at most); of the loss's own tail: {said}")

@@ -58,6 +58,7 @@ class IntervalBoundary:
         self.spent_said = False  # the line for a spike after the run's captures are spent: once
         # The last captured burst of spikes: its first step, its last so far, its class, and whether its going on was said
         self.burst: dict[str, Any] | None = None
+        self.passed_over: list[int] = []  # the interval's spikes before the burst captured (a larger one after them)
         self.started = time.perf_counter()
         self.excluded = 0.0  # seconds of this interval not spent training (validation): not in its throughput
 
@@ -151,6 +152,11 @@ class IntervalBoundary:
                                  f"spike (skipped: {self.guard.key('on_spike')}={self.guard.cfg.on_spike})"
                                  if self.guard.on_device else None)
             self.guard.num_spike_captures += 1 if self.state.cfg.capture.incidents else 0  # (off: none is, nor spent)
+            earlier = self.passed_over  # (a larger burst after them is the one captured)
+            if earlier:
+                many, listed = len(earlier) > 1, ", ".join(map(str, earlier[:6])) + ", ..." * (len(earlier) > 6)
+                info["step_note"] = (f" (after the interval's spike{'s' * many} at step{'s' * many} {listed}, not captured: "
+                                     "a larger burst is)")
         info.update(self._capture(self.state, info, rows))
         diagnosis = info.get("diagnosis_record") or info.get("diagnosis") or {}  # (the whole one, in memory)
         if anomaly == "spike" and self.state.dist.enabled:  # rank 0 alone diagnoses: every rank decides its next captures
@@ -257,6 +263,7 @@ class IntervalBoundary:
         step = spike_to_capture(steps, losses, NEGLIGIBLE_SPIKE * (self.guard.first_loss or 0.0))
         if step is None:
             return None
+        self.passed_over = [t for t in steps if t < step]  # (not a captured burst's course: said with the capture)
         end = step
         while end + 1 in steps:
             end += 1

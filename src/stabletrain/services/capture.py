@@ -386,7 +386,7 @@ class IncidentCapture:
         bundles = self._write_bundles(fit, folder, info, [records[r] for r in seen], before, rows, start, spike)
         if spike:
             fields["anomaly"] = "spike"
-        label = info.get("label") or ("spike" if spike else "incident")
+        label = f"{info.get('label') or ('spike' if spike else 'incident')} at step {step}{info.get('step_note', '')}"
         in_memory = None if is_dcp_entry(bundles[0].get("model")) else bundles[0]  # FSDP: read whole from its shards
         diagnosis = None
         if src.diagnose:
@@ -400,7 +400,7 @@ class IncidentCapture:
         if "diagnosis" not in fields:  # every incident reaches the console in one line
             why_not = (f"its diagnosis failed: {fields['diagnosis_error']}" if fields.get("diagnosis_error")
                        else "not diagnosed: the diagnosis is off; stabletrain diagnose replays it")
-            console.say(f"{label} at step {step} captured into {folder} ({why_not})")
+            console.say(f"{label} captured into {folder} ({why_not})")
         found.update(fields)
         seen_note = f" (seen on rank(s) {ranks})" if fit.dist.enabled and ranks else ""
         what = f"the loss spike at step {step}" if spike else f"step {step}"
@@ -491,7 +491,7 @@ class IncidentCapture:
                     on_rank = (" (every rank's batch: " + "; ".join(
                         f"rank {r}: {', '.join(str(i) for i, at in where.items() if at == r)}" for r in sorted(set(
                             where.values()))) + ")") if where else " (every rank's batch)"
-                console.say(f"{label} at step {step}{on_rank}: "
+                console.say(f"{label}{on_rank}: "
                             + console.brief(str(diagnosis.get("summary")), more=f"(all of it: stabletrain diagnose {folder})"))
                 return {"diagnosis": {**{k: diagnosis.get(k) for k in DIAGNOSIS_FIELDS},
                                       **{k: diagnosis.get(k) for k in extra}}}, diagnosis

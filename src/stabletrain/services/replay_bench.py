@@ -48,6 +48,13 @@ class ReplayBench:
         self.passes["forward"] += len(sums)
         return sum(s for s, _ in sums), sum(c for _, c in sums)
 
+    def each(self, groups: list[tuple[list[int], Any]]) -> list[tuple[float, float]]:
+        """(loss sum, item count) of each of ``groups`` under the replica's model, forward only, from one reset."""
+        self.replica.reset()
+        sums = loss_sums(self.task.loss, self.replica.model, groups, self.precision.autocast())
+        self.passes["forward"] += len(sums)
+        return [(float(s), float(c)) for s, c in sums]
+
     def loss(self, groups: list[tuple[list[int], Any]], model: nn.Module | None = None, precision: Any = None) -> float:
         total, count = self.sums(groups, model, precision)
         return total / count if count else float("nan")
