@@ -353,7 +353,7 @@ def tail_note(tail: dict[str, Any]) -> str:
     top = f"{tail['largest']:.4g}"
     if not within:
         return (f"{'each is' if len(beyond) > 1 else 'it is'} beyond all {tail['of']} other samples weighed under this "
-                f"state (they reach {top} at most): rare in the data")
+                f"state (they reach {top} at most): rare in the data (a corrupt row, or one the model has not learned yet)")
     said = ", ".join(f"{r['sample']} ({r['loss']:.4g}: {r['reach']} reach it)" for r in within)
     if not beyond:
         return (f"yet they are no outliers of the data: of {tail['of']} other samples weighed under this state, some reach "
