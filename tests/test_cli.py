@@ -548,7 +548,7 @@ def test_the_last_line_of_a_run_that_diverged_says_the_loss_rose(tmp_path, capsy
     assert main(["train", "task=spike_tasks:lr_jump_task", "train.batch_size=16", "train.max_steps=60", "log.every=5",
                  "eval.every=0", "capture.incidents=false", f"run.dir={tmp_path / 'run'}"]) == 0
     (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("stabletrain: trained 60 steps; ")]
-    assert re.search(r"; the loss rose x[\d.e+]+ from its best 10 steps' mean \([\d.e+-]+ at step \d+\): stabletrain "
+    assert re.search(r"; the loss rose x[\d.e+]+ from its best interval's mean \([\d.e+-]+ at step \d+\): stabletrain "
                      rf"report {re.escape(str(tmp_path / 'run'))} says more; run directory: ", line), line
     assert main(["train", "task=mlp", "train.max_steps=20", "log.every=5", "eval.every=0",
                  f"run.dir={tmp_path / 'calm'}"]) == 0

@@ -165,3 +165,17 @@ def test_at_log_every_1_whether_the_loss_rose_is_read_over_ten_step_stretches(tm
     assert re.search(r"; it rose x[\d.]+ \(the mean of its last 10 steps, [\d.]+\) from its best 10 steps' mean, "
                      r"[\d.]+ at step \d+", text), text
     assert h.figures["loss_rose"]["best_of"] == "its best 10 steps"
+    # A review: a run of 20 such steps (two stretches) compares them, not steps; a finite step between non-finite ones (a
+    # stretch of 1) is no 'best 1 steps' mean'
+    for n, lucky in ((20, 10), (200, 150)):
+        flat = [0.5 + rng.uniform(-0.2, 0.2) for _ in range(n)]
+        flat[lucky] = 0.1
+        rows = [{"step": s, "interval_steps": 1, "loss": x, "loss_min": x, "loss_steps": 1} for s, x in enumerate(flat, 1)]
+        if n == 200:  # steps 150 and 152 non-finite: step 151's lucky loss stands alone
+            rows = [r for r in rows if r["step"] not in (150, 152)]
+            rows += [{"step": s, "interval_steps": 1, "loss": "nan", "loss_steps": 0} for s in (150, 152)]
+            rows.sort(key=lambda r: r["step"])
+        (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        h = health_summary(load_run(path))
+        text = " ".join(t for _, t in h.sentences)
+        assert "rose" not in text and "loss_rose" not in h.figures, (n, text)

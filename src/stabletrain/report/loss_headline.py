@@ -19,8 +19,9 @@ __all__ = ["loss_sentence", "LOSS_ENDS"]
 LOSS_ENDS = 5
 #: A loss that rose from its best interval is said to have risen only by more than this share of the run's descent to it.
 RISE_FLOOR = 0.005
-#: Whether the loss rose since its best is read over stretches of at least this many steps (log intervals shorter: merged).
-ROSE_STEPS = 10
+#: Whether the loss rose since its best is read over stretches of at least this many steps where the log intervals are
+#: SHORT_INTERVAL steps or fewer (log.every=1: one step's loss against another's is the batches' noise): merged.
+ROSE_STEPS, SHORT_INTERVAL = 10, 2
 
 
 def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (which imports this module)
@@ -63,20 +64,18 @@ def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
         level = "warn"
         first = min(int(r["step"]) - int(r.get("interval_steps") or 1) + 1 for r in after)
         # (the last finite interval's own last steps may have had none either: its nonfinite events say which)
-        bad = {e.step for e in run.counted_events("nonfinite") if not (isinstance(e.extra.get("loss"), (int, float))
-                                                                       and math.isfinite(e.extra["loss"]))}
+        bad = {e.step for e in run.counted_events("nonfinite") if _nonfinite(e.extra.get("loss"))}  # (an update's: none)
         while first - 1 in bad and first - 1 > rows[-1][0] - rows[-1][1]:
             first -= 1
         text = text.replace("last interval", "last finite interval") + (
             f"; from step {first:,} on no step's loss was finite ({len(after)} interval{'s' if len(after) > 1 else ''} "
             f"after step {rows[-1][0]:,})")
-    if len(rows) > 2:
-        # (intervals of a few steps, log.every=1: a single step's loss against another's is the batches' noise, not a rise;
-        # read over stretches of ROSE_STEPS steps at least, the end's own too)
-        stretches = _stretches(rows) if statistics.median(r[1] for r in rows) < ROSE_STEPS else rows
-        short = len(stretches) > 2 and stretches is not rows  # (three at least, as the intervals: else as logged)
-        rows = stretches if short else rows
-        best_step, best_width, best, *_ = min(rows, key=lambda r: r[2])
+    # (intervals of a step or two, log.every=1: a single step's loss against another's is the batches' noise, not a rise;
+    # read over stretches of ROSE_STEPS steps at least where they merge, half that at least where a gap cuts one short)
+    short = bool(rows) and statistics.median(r[1] for r in rows) <= SHORT_INTERVAL
+    judged = [r for r in _stretches(rows) if r[1] >= ROSE_STEPS // 2] if short else rows
+    if len(judged) > (1 if short else 2) and judged[-1][0] == rows[-1][0]:
+        best_step, best_width, best, *_ = min(judged, key=lambda r: r[2])
         # (an end read as a median of the last intervals reaches back to where the loss was still falling: whether the
         # loss rose since its best is the last interval's own smallest loss's to say; 'rose x3.71' for one that fell)
         # (a short tail that holds a spike step, which the end excludes: its smallest loss is the spike's, read with
@@ -86,10 +85,11 @@ def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
         # it got worse since: how far; by more than RISE_FLOOR of the run's own descent (x7 on a memorized 1e-9 is
         # float32 noise, not a divergence)
         if short:  # (the last stretch's mean, or its smallest loss where spikes lifted the end)
-            now = rows[-1][3] if end is not None else rows[-1][2]
+            now = judged[-1][3] if end is not None else judged[-1][2]
         if best > 0 and now > ratio * best and best_step != rows[-1][0] and now - best > RISE_FLOOR * (f["loss_start"] - best):
             level = "warn"
-            last, mean = ((f"the {'smallest loss' if end is not None else 'mean'} of its last {int(rows[-1][1])} steps",
+            width = int(judged[-1][1])
+            last, mean = ((f"the {'smallest loss' if end is not None else 'mean'} of its last {width} steps",
                            f"its best {int(best_width)} steps' mean") if short
                           else ("its last interval's smallest loss", "its best interval's mean"))
             own = "" if now == f["loss_end"] and not short else f" ({last}, {fmt_num(now)})"
@@ -118,6 +118,14 @@ def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
         text = f"{text}; {part}" if text else part[0].upper() + part[1:]
     if text:
         h.say(level, text + ".")
+
+
+def _nonfinite(value: Any) -> bool:
+    """Whether ``value`` (an event's loss: a float, or "nan", "inf" as metrics write them) is a non-finite number."""
+    try:
+        return value is not None and not math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
 
 
 def _stretches(rows: list[tuple]) -> list[tuple]:
