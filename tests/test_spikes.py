@@ -56,6 +56,7 @@ from stabletrain.records.bundles import load_bundle
 from stabletrain.remedy_search import search_remedies
 from stabletrain.report.goodput import read_goodput
 from stabletrain.services.boundary import spike_to_capture
+from stabletrain.spike_samples import tail_note
 
 #: task factory, its config, the spike's step, its class
 CASES = {
@@ -1060,20 +1061,29 @@ def test_the_readme_spike_example_prints_what_the_readme_shows(tmp_path, capsys)
     assert len(table_rows(printed)[0]) > 3 and short[-2] == "... (the other candidates and their verdicts)", short[-2]
 
 
-def test_a_data_spikes_samples_that_other_samples_match_are_said_to_be_the_losss_own_tail(tmp_path):
+def test_a_data_spikes_samples_that_other_samples_match_are_said_to_be_of_a_kind_the_data_holds(tmp_path):
     """A new user's healthy CNN: two confidently wrong samples in one batch of 16 made a spike (x2.8 the median), and the
     diagnosis named them as a data spike, 'verified', as if they were bad rows. Their losses are weighed against the
-    run's other samples: here the dataset holds more like them (scaled targets the run has not reached yet), so the
-    evidence says they are of the loss's own tail, drawn into one window; a sample beyond them all is said apart."""
+    run's other samples: here the dataset holds more like them (scaled targets the run has not reached yet), and the
+    evidence says the data holds such samples (its tail, or a recurring defect), this window several at once."""
     run_dir = tmp_path / "run"
     Trainer(cfg("train.batch_size=8", "log.every=10", "data.shuffle=false", "train.max_steps=30", "optim.lr=0.01"),
             task=outlier_samples_task(bad=(153, 157, 241, 243, 245, 247, 249, 251)), run_dir=run_dir).fit()
     d = json.loads((run_dir / "incidents" / "step_000020" / "diagnosis.json").read_text())
     assert d["failure_class"] == "data" and d["bad_samples"] == [153, 157], d["summary"]
     assert sorted(r["sample"] for r in d["tail"]["samples"]) == [153, 157] and min(r["reach"] for r in d["tail"]["samples"]) >= 1
-    assert re.search(r"; yet they are no outliers of the data: of 248 other samples weighed under this state, some reach "
-                     r"their losses too \(15[37] \([\d.]+: [1-6] reach it\), 15[37] \([\d.]+: [1-6] reach it\)\): hard samples "
-                     r"of the loss's own tail, drawn into one window; the window is high under the state of step", d["summary"])
+    assert re.search(r"; of 248 other samples weighed under this state, some are as lossy \(15[37] \([\d.]+: [1-6] reach(es)? "
+                     r"it\), 15[37] \([\d.]+: [1-6] reach(es)? it\)\): the data holds such samples \(hard ones of the loss's "
+                     r"own tail, or a recurring defect: label noise, a bad shard\), and this window drew several at once; "
+                     r"the window is high under the state of step", d["summary"]), d["summary"]
+    # (a review: one sample of the kind is no 'they', nor 'drawn together'; 1 other 'reaches' it)
+    one = {"of": 5, "largest": 2.0, "samples": [{"sample": 7, "loss": 1.5, "reach": 1}]}
+    assert tail_note(one) == ("of 5 other samples weighed under this state, some are as lossy (7 (1.5: 1 reaches it)): the data "
+                              "holds such samples (hard ones of the loss's own tail, or a recurring defect: label noise, a bad "
+                              "shard)")
+    assert tail_note({**one, "samples": [{"sample": 7, "loss": 3.0, "reach": 0}]}) == (
+        "it is beyond all 5 other samples weighed under this state (they reach 2 at most): rare in the data (a corrupt row, "
+        "or one the model has not learned yet)")
 
 
 @pytest.mark.parametrize("steps", [(22, 23, 24), (18, 20, 21)])
@@ -2152,7 +2162,9 @@ def test_a_spike_in_a_window_of_one_sample_names_that_sample(tmp_path):
     [incident] = [e for e in _events(tmp_path / "run") if e["kind"] == "incident"]
     d = incident["diagnosis"]
     assert incident["step"] == 154 and (d["failure_class"], d["bad_samples"]) == ("data", [153]), d
-    assert d["evidence"].endswith("the window is one sample, 153: the batch is that sample"), d["evidence"]
+    # (and, weighed against the run's other samples as a window of more would be: beyond them all)
+    assert re.search(r"the window is one sample, 153: the batch is that sample; it is beyond all 255 other samples weighed "
+                     r"under this state \(they reach [\d.]+ at most\): rare in the data", d["evidence"]), d["evidence"]
 
 
 

@@ -25,6 +25,7 @@ a window of 8 or fewer whose falls misled, up to :data:`~.spike_samples.MAX_SUBS
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import random
@@ -179,15 +180,6 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
         verdict["evidence"] += (f"; sample{'s' if len(again) > 1 else ''} {', '.join(map(str, again))} carried the "
                                 f"spike{'s' if len(steps) > 1 else ''} at step{'s' if len(steps) > 1 else ''} "
                                 f"{', '.join(map(str, steps))} too: {'they come' if len(again) > 1 else 'it comes'} back")
-    tail_from = time.perf_counter()
-    tail = (loss_tail(bench, _tail_pool(bench, spike, context, bundle["step"], by_index), samples_rows,
-                      verdict["blamed_samples"], dropout=m["dropout"] is not None)
-            if verdict["failure_class"] == "data" and verdict["blamed_samples"] and m["reproduces"] else None)
-    tail_s = time.perf_counter() - tail_from
-    if tail is not None:  # beyond the data's spread, or other samples as lossy (a batch that drew its hard ones together)
-        verdict["tail"] = tail  # (said after the verified removal: what the samples are comes before what else holds)
-        text, cut = verdict["evidence"], verdict["evidence"].find("; the window is high under the state of step")
-        verdict["evidence"] = f"{text}; {tail_note(tail)}" if cut < 0 else f"{text[:cut]}; {tail_note(tail)}{text[cut:]}"
     if verdict["failure_class"] == "data" and verdict["blamed_samples"] and m["reproduces"] and observed.get("burst"):
         verdict["burst_samples"] = _burst_samples(bench, observed["burst"], rule, cfg.guard.spike_ratio,
                                                   m["dropout"] is not None)
@@ -208,6 +200,15 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
             and "level_shift" not in verdict):
         verdict["blamed_samples"] = alone  # a window of one sample: the outlier batch is that sample (batch size 1)
         verdict["evidence"] += f"; the window is one sample, {alone[0]}: the batch is that sample"
+    tail_from = time.perf_counter()  # (after a window of one sample is named: it is that sample)
+    tail = (loss_tail(bench, _tail_pool(bench, spike, context, bundle["step"], by_index), samples_rows,
+                      verdict["blamed_samples"], dropout=m["dropout"] is not None)
+            if verdict["failure_class"] == "data" and verdict["blamed_samples"] and m["reproduces"] else None)
+    tail_s = time.perf_counter() - tail_from
+    if tail is not None:  # beyond the data's spread, or other samples as lossy (a batch that drew its hard ones together)
+        verdict["tail"] = tail  # (said after the verified removal: what the samples are comes before what else holds)
+        text, cut = verdict["evidence"], verdict["evidence"].find("; the window is high under the state of step")
+        verdict["evidence"] = f"{text}; {tail_note(tail)}" if cut < 0 else f"{text[:cut]}; {tail_note(tail)}{text[cut:]}"
     # (a few named samples rule it out only where ordinary windows were measured normal under this state)
     named = bool(verdict["blamed_samples"]) and (m["older"] is not None and "no_context" not in m["older"]
                                                  or (m.get("ordinary_now") or {}).get("spike") is False)
@@ -254,7 +255,9 @@ def _tail_pool(bench: ReplayBench, spike: list, context: list, step: int, by_ind
     samples are dataset indices, a draw of the dataset (seeded by the step, no global RNG touched) up to TAIL_SAMPLES."""
     own = {i for idx, _ in spike for i in idx}
     pool = [i for groups in context for idx, _ in groups for i in idx if i not in own]
-    size = len(bench.task.train_data) if by_index and hasattr(bench.task.train_data, "__len__") else 0
+    size = 0
+    with contextlib.suppress(TypeError):  # (a dataset of no length, or one whose __len__ says it has none)
+        size = len(bench.task.train_data) if by_index else 0
     if size > len(own) + len(pool):
         draw = random.Random(step).sample(range(size), min(size, TAIL_SAMPLES + len(own) + len(pool)))
         seen = own | set(pool)

@@ -35,6 +35,8 @@ MAX_LEAVE_ONE_OUT = 64
 #: Where no sample's own removal points at the set (a batch norm: a window without one of three scaled images is worse
 #: than without a clean one), every set of up to ``max_outliers`` samples is tried, fewest first, within this many passes.
 MAX_SUBSETS = 128
+#: A data spike's named samples are weighed against others this many at a time (their batches on the device at once).
+TAIL_CHUNK = 32
 
 
 def dropout_draw(bench: ReplayBench, groups: list[tuple[list[int], Any]], rule: Any, bound: float,
@@ -324,25 +326,31 @@ def _gradient_shares(bench: ReplayBench, rows: list[dict[str, Any]], grads: dict
 def loss_tail(bench: ReplayBench, pool: list[int], rows: list[dict[str, Any]], named: list[int], *,
               dropout: bool = False) -> dict[str, Any] | None:
     """How the ``named`` samples (a data spike's; ``rows``: the window's samples weighed alone) stand among the samples
-    ``pool`` (others of the run's: the ordinary windows', a draw of the dataset), weighed alone under the same state (one
-    reset: a forward each): ``{"of", "largest", "samples": [{"sample", "loss", "reach"}]}``, ``reach`` how many of them
-    reach the sample's loss. A named sample none reaches is beyond the data's spread; one that some do is of the loss's
-    own tail (a batch that drew several hard samples at once: a confidently wrong one of a classifier is x10 its window's
-    mean). None where a sample cannot be weighed alone (a model that refuses a batch of one) or no other is there."""
+    ``pool`` (others of the run's: the ordinary windows', a draw of the dataset), weighed alone under the same state (a
+    forward each, TAIL_CHUNK at a time on the device): ``{"of", "largest", "samples": [{"sample", "loss", "reach"}]}``,
+    ``of`` the others with a finite loss, ``reach`` how many of them reach the sample's loss. A named sample none reaches
+    is beyond the data's spread; one that some do is of a kind the data holds (the loss's own tail, or a recurring
+    defect). None where a sample cannot be weighed alone (a model that refuses a batch of one), the device runs out of
+    memory (an extra: the diagnosis goes on without it), or no other has a finite loss."""
     losses = {r["sample"]: r["loss"] for r in rows}
     mine = {i: losses[i] for i in named if i in losses and math.isfinite(losses[i])}
     if not mine or not pool:
         return None
-    others = []
+    others: list[float] = []
     try:
         with dropout_off(bench.replica.model) if dropout else contextlib.nullcontext():
-            others = [s / c if c else float("nan") for s, c in bench.each(bench.groups([[i] for i in pool]))]
+            for at in range(0, len(pool), TAIL_CHUNK):
+                chunk = bench.groups([[i] for i in pool[at:at + TAIL_CHUNK]])
+                others += [s / c if c else float("nan") for s, c in bench.each(chunk)]
     except torch.cuda.OutOfMemoryError:
-        raise
+        torch.cuda.empty_cache()
+        return None
     except Exception:  # noqa: BLE001  (no tail to weigh against)
         return None
     finite = [x for x in others if math.isfinite(x)]
-    return {"of": len(others), "largest": max(finite, default=float("nan")),
+    if not finite:
+        return None
+    return {"of": len(finite), "largest": max(finite),
             "samples": [{"sample": i, "loss": loss, "reach": sum(1 for x in finite if x >= loss)} for i, loss in mine.items()]}
 
 
@@ -350,14 +358,14 @@ def tail_note(tail: dict[str, Any]) -> str:
     """The evidence's words for :func:`loss_tail`'s finding."""
     beyond = [r["sample"] for r in tail["samples"] if not r["reach"]]
     within = [r for r in tail["samples"] if r["reach"]]
-    top = f"{tail['largest']:.4g}"
+    others = f"{tail['of']} other samples weighed under this state"
     if not within:
-        return (f"{'each is' if len(beyond) > 1 else 'it is'} beyond all {tail['of']} other samples weighed under this "
-                f"state (they reach {top} at most): rare in the data (a corrupt row, or one the model has not learned yet)")
-    said = ", ".join(f"{r['sample']} ({r['loss']:.4g}: {r['reach']} reach it)" for r in within)
+        return (f"{'each is' if len(beyond) > 1 else 'it is'} beyond all {others} (they reach {tail['largest']:.4g} at "
+                "most): rare in the data (a corrupt row, or one the model has not learned yet)")
+    said = ", ".join(f"{r['sample']} ({r['loss']:.4g}: {r['reach']} reach{'es' * (r['reach'] == 1)} it)" for r in within)
+    held = (f"of {others}, some are as lossy ({said}): the data holds such samples (hard ones of the loss's own tail, or "
+            "a recurring defect: label noise, a bad shard)")
     if not beyond:
-        return (f"yet they are no outliers of the data: of {tail['of']} other samples weighed under this state, some reach "
-                f"their losses too ({said}): hard samples of the loss's own tail, drawn into one window")
+        return held + (", and this window drew several at once" if len(within) > 1 else "")
     who = f"samples {', '.join(map(str, beyond))} are" if len(beyond) > 1 else f"sample {beyond[0]} is"
-    return (f"{who} beyond all {tail['of']} other samples "
-            f"weighed under this state (they reach {top} at most); of the loss's own tail: {said}")
+    return f"{who} beyond all {others} (they reach {tail['largest']:.4g} at most); {held}"
