@@ -6,6 +6,7 @@ capture, diagnose and replay under remedies in seconds on a CPU.
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -188,3 +189,30 @@ def log_of_output_task(n: int = 512, seed: int = 2) -> Task:
         return -(torch.log(out) * b[1]).mean() + out.mean()
 
     return Task(model=model, train_data=TensorDataset(x, y), name="log-of-output", loss=loss)
+
+
+class _SignalNet(nn.Module):
+    def __init__(self, ch: int = 16, classes: int = 4) -> None:
+        super().__init__()
+        self.conv1, self.norm1 = nn.Conv1d(1, ch, 5), nn.InstanceNorm1d(ch)
+        self.conv2, self.head = nn.Conv1d(ch, ch, 5), nn.Linear(ch, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.norm1(self.conv1(x.unsqueeze(1))))
+        return self.head(torch.relu(self.conv2(h)).mean(-1))
+
+
+def dc_offset_task(offset: float = 7e4, n: int = 1280, first_bad: int = 960, nbad: int = 5, seed: int = 0) -> Task:
+    """A new user's mis-calibrated sensors: 1-D signals whose samples ``first_bad``.. carry a DC offset (step 121 at
+    batch 8, data in order) that the instance norm after the first conv removes in fp32; past fp16's range (7e4) the
+    conv's fp16 input overflows (a non-finite step); in bf16 the offset's rounding loses the signal (a x140 loss)."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, 4, (n,), generator=g)
+    t = torch.arange(32).float()
+    phase = torch.rand(n, generator=g) * 2 * math.pi
+    x = torch.sin(((y.float() + 1.0) * 2 * math.pi / 16)[:, None] * t[None] + phase[:, None])
+    x += 0.1 * torch.randn(n, 32, generator=g) + torch.rand(n, 1, generator=g) * 2 - 1
+    x[first_bad:first_bad + nbad] += offset
+    torch.manual_seed(seed)
+    return Task(model=_SignalNet(), train_data=TensorDataset(x, y), name="dc-offset",
+                loss=lambda m, b: F.cross_entropy(m(b[0]).float(), b[1]))

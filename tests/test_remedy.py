@@ -26,6 +26,7 @@ from stabletrain.diagnostics.cures import (
     remedy_from_dict,
 )
 from stabletrain.diagnostics.remedy_verdicts import before_later_incident
+from stabletrain.records.bundles import load_bundle
 from stabletrain.remedy_search import LOSS_TOLERANCE, format_table, judge, search_remedies
 from stabletrain.report import write_report
 
@@ -125,6 +126,22 @@ def test_an_fp16_overflow_in_one_module_is_cured_by_that_module_in_fp32(tmp_path
                                                                                       "module": "layers.1.fc"}
     assert (c["lr-x0.1"]["verdict"], c["lr-x0.1"]["failed"]["step"]) == ("fails", 1)
     assert (c["skip-step"]["verdict"], c["skip-step"]["failed"]["step"]) == ("fails", 2)
+
+
+def test_a_candidate_that_turns_a_late_overflow_into_a_x140_loss_fails_by_the_runs_own_rule(tmp_path):
+    """A new user's fp16 overflow at step 121 (sensors with a DC offset past fp16's range): 'bf16 cures' while its replay
+    had a x140 loss at the step. A non-finite step's bundle had no window of the rule's: the replays were judged against
+    the run's interval means, its first falling losses among them, which kept the rule in its early bound. The bundle
+    holds the rule's window now, as a spike's does: bf16 fails by a spike at 121; module-fp32 and the samples' drop cure."""
+    incident = incident_of(tmp_path, "remedy_tasks:dc_offset_task", "train.max_steps=122", "train.batch_size=8",
+                           "precision=fp16", "optim.lr=0.01", "sched.warmup_steps=0", "sched.decay=constant")
+    assert incident.name == "step_000121"
+    assert len(json.loads(json.dumps(load_bundle(incident)["observed"]["spike_window"]))) == 50
+    record = search_remedies(incident, steps=4, only=["bf16", "module-fp32", "skip-samples"])
+    c = by_name(record)
+    assert record["failure_class"] == "overflow" and c["bf16"]["verdict"] == "fails", c["bf16"]
+    assert c["bf16"]["failed"]["step"] == 121 and "loss spike at step 121 by the guard's rule" in c["bf16"]["evidence"]
+    assert c["module-fp32"]["verdict"] == "cures" and c["skip-samples"]["verdict"] == "cures"
 
 
 def test_remedy_cli_errors_are_one_line_naming_the_value(tmp_path, capsys):

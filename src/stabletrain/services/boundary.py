@@ -144,9 +144,10 @@ class IntervalBoundary:
                 "anomaly": anomaly}
         if row.values["applied"] < 0.5 and row.values.get("params_finite", 1.0) < 0.5:  # a skipped step made no update:
             info["live_nonfinite"] = nonfinite_params(self.state.named_params)  # they were so before it (the replay says how)
-        if anomaly == "spike":  # the losses the rule judged it against
-            info["spike_window"] = self.guard.window_before(step, rows)
-            info["rarity"] = self.guard.rarity.before()  # (its bar's ratios, as that window: on the device, the replay's)
+        # The losses the rule judged it against (a non-finite step's too: a remedy's replay judges its steps by them)
+        info["spike_window"] = self.guard.window_before(step, rows)
+        info["rarity"] = self.guard.rarity.before()  # (its bar's ratios, as that window: on the device, the replay's)
+        if anomaly == "spike":
             if row.values["applied"] < 0.5:  # (an adapter prints no last line counting it: said on the spike's own)
                 info["label"] = ("spike (skipped: fp16 overflow)" if row.values.get("overflow", 0.0) > 0.5 else
                                  f"spike (skipped: {self.guard.key('on_spike')}={self.guard.cfg.on_spike})"

@@ -418,10 +418,10 @@ class IncidentCapture:
         bundles = []
         for n, (r, record) in enumerate(zip(seen, records)):
             bundle = src.bundle(fit, step, record, before, info)
-            # The interval's steps before it, as the run saw them: a divergence's growth within the interval (the
-            # metrics records hold only the intervals' means).
+            # The interval's steps before it, as the run saw them (a divergence's growth within it; the records hold means)
+            keep = ("live_nonfinite", "spike_window", "rarity")  # (and the rule's window: what a remedy's replay judges by)
             bundle["observed"].update(recent=[[row.step, row.values["loss"], row.values["grad_norm"]] for row in rows
-                                              if row.step < step], **{k: info[k] for k in ("live_nonfinite",) if k in info})
+                                              if row.step < step], **{k: info[k] for k in keep if info.get(k)})
             if spike:  # what the spike's counterfactual replays need: the rule's window, the older state, the run's steps
                 spike_parts(self, fit, bundle, step, start, info, first=n == 0)
                 lrs = src.stretch_lrs(start[1], step)  # (a host's one-step LR burst: named, not only "the weights moved")
