@@ -133,6 +133,8 @@ def test_each_class_carries_its_evidence(spiked):
         # alone in fp32 makes the step no spike (verified; it named '1', whose fp32 does not cure)
         assert d["where"]["first"] == "1" and d["where"]["upstream"] == ["0"] and d["blamed_module"] == "0"
         assert d["where"]["cured_by"] == "0" and "'0' alone in fp32 makes the step no spike (loss " in d["summary"]
+        # the verified module before where it showed (a trial's console line, cut short, kept only the module that fails)
+        assert d["summary"].index("'0' alone in fp32") < d["summary"].index("the first module whose output departs")
 
 
 #: the candidates of which one must cure each class (cures that fit it)

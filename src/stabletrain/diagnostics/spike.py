@@ -127,11 +127,12 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
         out["blamed_module"] = cured or first
         text = (f"the same step in fp32 has loss {fp32['loss']:.4g}, no spike by the guard's rule (x{fp32['ratio']:.3g} the "
                 f"window's median, z {fp32['zscore']:.3g}); in {m['precision']} it is {m['loss']:.4g}")
-        if first:
-            text += f"; the first module whose output departs from fp32's: '{first}' (relative error {where['first_error']:.3g})"
-        if cured:
+        departs = (f"the first module whose output departs from fp32's: '{first}' (relative error "
+                   f"{where['first_error']:.3g})") if first else ""
+        if cured:  # (the verified module first: a console line cut short keeps it, not only where it showed)
             text += (f"; '{cured}' alone in fp32 makes the step no spike (loss {where['cured_loss']:.4g}, verified)"
-                     + (f": its output loses what '{first}' shows" if cured != first else ""))
+                     + (f": its output loses what '{first}' shows" if cured != first and first else ""))
+        text += f"; {departs}" if departs else ""
         return {**out, "failure_class": "precision", "evidence": text}
     draw = m.get("dropout")
     if draw is not None and draw.get("made_by_draw", draw["normal"]):
