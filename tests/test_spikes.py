@@ -142,7 +142,7 @@ CURES = {"data": {"skip-samples"}, "state": {"lr-x0.1", "lr-x0.5", "rollback-lr-
          "optimizer-state": {"adam-eps", "update-clip"}, "precision": {"module-fp32"}}
 
 
-def test_the_remedy_search_finds_a_cure_that_fits_the_class(spiked):
+def test_the_remedy_search_finds_a_cure_that_fits_the_class(spiked, tmp_path):
     cls, trainer, run_dir, incident, _ = spiked
     factory, kwargs, _, _ = CASES[cls]
     record = search_remedies(run_dir / "incidents" / f"step_{incident['step']:06d}", factory(**kwargs), steps=6)
@@ -155,6 +155,19 @@ def test_the_remedy_search_finds_a_cure_that_fits_the_class(spiked):
     if cls in ("state", "optimizer-state"):  # the update that led into the spike is replayed under the remedy
         lr = next(c for c in record["candidates"] if c["name"] == "lr-x0.1")
         assert lr["first_step"] == incident["step"] - 1
+    assert record["anomaly"] == "spike"
+    if cls == "precision":  # applied by hand on a resume past its step: refused, naming the key that applies it live (a
+        # trial: 'a run with guard.on_nonfinite=remedy applies a cure at the incident', for a spike that key ignores)
+        import shutil
+
+        copy = tmp_path / "run"
+        shutil.copytree(run_dir, copy)  # (the module's run stays as it is)
+        row = 1 + [c["name"] for c in record["candidates"]].index("module-fp32")
+        folder = copy / "incidents" / f"step_{incident['step']:06d}"
+        with pytest.raises(ValueError, match=r"none of its cures rolls back; a run with guard.on_spike=remedy applies a cure "
+                                             r"at the incident itself"):
+            Trainer(cfg("train.batch_size=8", "log.every=10", "data.shuffle=false", *CASES[cls][2], "train.max_steps=80",
+                        f"remedy.apply={folder}:{row}"), task=factory(**kwargs), run_dir=copy, resume=True).fit()
 
 
 

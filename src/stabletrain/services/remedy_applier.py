@@ -290,8 +290,9 @@ class RemedyApplier:
                              f"{first}, but this run resumes at step {self.state.step}: the updates since were made "
                              "without it, so its verdict does not hold here; "
                              + (f"apply a cure that rolls back first ({', '.join(rollbacks)})" if rollbacks else
-                                "none of its cures rolls back; a run with guard.on_nonfinite=remedy applies a cure at the "
-                                "incident itself, where its replay starts"))
+                                "none of its cures rolls back; a run with guard.on_"
+                                f"{'spike' if record.get('anomaly') == 'spike' else 'nonfinite'}=remedy applies a cure at "
+                                "the incident itself, where its replay starts"))
         self.apply(remedy, str(Path(incident)), row, record, by_hand=True)
         if remedy.rollback_step is not None:  # (the loop fires it for a live cure's: TensorBoard purges what it trains again)
             self.state.callbacks.fire("on_rollback", self.state, self.last_rollback)
