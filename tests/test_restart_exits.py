@@ -159,3 +159,23 @@ def test_a_tasks_own_sys_exit_without_restarts_says_where_and_keeps_its_code(tmp
                      r"\d+", res.stderr), res.stderr[-3000:]
     crash = [e for e in events(run_dir) if e["kind"] == "crash"]
     assert len(crash) == 1 and crash[0]["error"] == "SystemExit" and crash[0]["part"] == "dataset item", crash
+
+
+def test_a_tasks_own_sys_exit_0_is_a_stop_and_one_in_a_data_worker_says_the_workers_code(tmp_path):
+    """A review: sys.exit(0) in the task's dataset read 'error: ... raised SystemExit' beside exit 0 and a crash event; it
+    is a stop the task asked for (a stop event, a plain line, exit 0). With data.workers=2 a sys.exit(3) in the dataset
+    was blamed on a signal (or, raced, a FileNotFoundError of the worker's shared memory read as refused input, exit 2)."""
+    run_dir = tmp_path / "run"
+    res = train_cli("task=restart_tasks:exit_code_task", "task_args.code=0", f"task_args.marker={tmp_path / 'exited'}",
+                    *ARGS, f"run.dir={run_dir}")
+    assert res.returncode == 0 and "error:" not in res.stderr, res.stderr[-3000:]
+    assert re.search(r"stabletrain: the task's dataset item ended the process \(SystemExit: 0\) at \S*restart_tasks\.py:\d+ "
+                     r"in __getitem__, in step \d+: the run stopped there, unfinished", res.stderr), res.stderr[-3000:]
+    assert [e["kind"] for e in events(run_dir) if e["kind"] in ("crash", "stop")] == ["stop"]
+    res = train_cli("task=restart_tasks:exit_code_task", "task_args.code=3", f"task_args.marker={tmp_path / 'exited3'}",
+                    "data.workers=2", *ARGS, f"run.dir={tmp_path / 'workers'}")
+    said = [x for x in res.stderr.splitlines() if x.startswith("stabletrain: error: ")]
+    assert res.returncode == 1 and len(said) == 1, res.stderr[-3000:]
+    assert said[0].startswith("stabletrain: error: a data loader worker process (data.workers) died: ") and (
+        "exited unexpectedly with exit code 3. An exit with code 3 is the worker's own (a sys.exit" in said[0]
+        or "an exit of its own (a sys.exit or os._exit in the dataset's code)" in said[0]), said

@@ -16,6 +16,7 @@ torch: what needs it is imported inside the command that uses it (a test runs th
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import textwrap
 import traceback
@@ -103,8 +104,13 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except SystemExit as err:  # the task's own code (a library's sys.exit): said where; its exit, not stabletrain's
         part = task_part(err)  # decision (raised on: no launcher takes its code for a refusal, it restarts it)
-        if part is not None:
+        if part is not None and err.code:
             console.error(f"{_rank_prefix()}{format_task_error(err, part)}")
+        elif part is not None:  # sys.exit(0): an end the task asked for, said as the stop it is, not as an error
+            head, *_ = format_task_error(err, part).splitlines()
+            console.say(f"{_rank_prefix()}{head.replace(' raised SystemExit', ' ended the process (SystemExit: 0)', 1)}: "
+                        "the run stopped there, unfinished (a stop event; --resume continues it)"
+                        + "".join(f" {note}" for note in getattr(err, "__notes__", ())), sys.stderr)
         raise
     except Exception as err:
         if _loaded_instance(err, "stabletrain.distributed.peers", "PeerLostError"):  # (torch's module: loaded if raised)
@@ -208,13 +214,19 @@ def _report_error(err: Exception, where: str = "") -> int | None:
         return 1
     # (torch's, raised anywhere in the step; or a worker gone while its batch's shared memory was handed over: the
     # connection to it reset in torch's rebuild of the batch's storage, seen once in CI)
-    handoff = isinstance(err, (ConnectionError, EOFError)) and _raised_in(err, "torch/multiprocessing/reductions.py")
-    if isinstance(err, RuntimeError) and str(err).startswith("DataLoader worker") or handoff:
-        said = (f"its batch's shared memory could not be received ({type(err).__name__}: {err})" if handoff
-                else str(err).strip().rstrip("."))
-        console.error(f"{_rank_prefix()}a data loader worker process (data.workers) died: {said}. A Python error in the "
-                      "dataset would name its line: this is a death from outside Python (a signal: the out-of-memory "
-                      "killer?) or in native code; with data.workers=0 the data is read in the training process"
+    handoff = (isinstance(err, (ConnectionError, EOFError, FileNotFoundError))  # (the fd's socket of a worker gone)
+               and _raised_in(err, "torch/multiprocessing/reductions.py"))
+    death = _worker_death(err)  # (torch's SIGCHLD handler's, raised into whatever ran: another error may carry it)
+    if death is not None or handoff:
+        said = (f"its batch's shared memory could not be received ({type(err).__name__}: {err})" if death is None
+                else str(death).strip().split(". Details are lost")[0].rstrip("."))
+        code = re.search(r"exited unexpectedly with exit code (\d+)", said)
+        why = (f"an exit with code {code[1]} is the worker's own (a sys.exit or os._exit in the dataset's code, or a "
+               "library's it calls)" if code else "a Python error in the dataset would name its line: this is a death "
+               "from outside Python (a signal: the out-of-memory killer?), in native code, or an exit of its own (a sys.exit "
+               "or os._exit in the dataset's code)")
+        console.error(f"{_rank_prefix()}a data loader worker process (data.workers) died: {said}. {why[0].upper()}{why[1:]}; "
+                      "with data.workers=0 the data is read in the training process, where its line is named"
                       + "".join(f"\n{note}" for note in getattr(err, "__notes__", ())))
         return 1
     if isinstance(err, (FileNotFoundError, FileExistsError)) or (isinstance(err, (ValueError, TypeError))
@@ -222,6 +234,19 @@ def _report_error(err: Exception, where: str = "") -> int | None:
         console.error(f"{_rank_prefix()}{err}")
         return 2
     return None
+
+
+def _worker_death(err: BaseException) -> BaseException | None:
+    """torch's error for a DataLoader worker gone ('DataLoader worker (pid ...) exited unexpectedly ...'), ``err`` itself
+    or one it was raised in the handling of (the SIGCHLD handler raises into any bytecode: a FileNotFoundError of a
+    batch's shared memory was the run's error, exit 2 as if input were refused); the one that names an exit code first."""
+    found, seen = [], set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, RuntimeError) and str(err).startswith("DataLoader worker"):
+            found.append(err)
+        err = err.__cause__ or err.__context__
+    return next((e for e in found if "exit code" in str(e)), found[0] if found else None)
 
 
 def _raised_in(err: BaseException, path: str) -> bool:

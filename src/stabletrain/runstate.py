@@ -123,6 +123,10 @@ class RunState:
         for attempt in range(3):
             try:
                 reason, fields = crash_event(err, during, failed)
+                if isinstance(err, SystemExit) and not err.code:  # the task's own sys.exit(0): an end it asked for, a stop
+                    self.event(self.step, "stop", f"stopping: the task's code ended the process with {reason}", own=True,
+                               failed_step=failed, **fields)
+                    return
                 self.event(self.step, "crash", reason, own=True, failed_step=failed, **fields)
                 return
             except Exception:  # noqa: BLE001  (an exception raised into this frame, not by it: again)
