@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         part = task_part(err)  # decision (raised on: no launcher takes its code for a refusal, it restarts it)
         if part is not None and err.code:
             console.error(f"{_rank_prefix()}{format_task_error(err, part)}")
+            if isinstance(err.code, str):  # (said above: Python would print the message again on its way out)
+                raise SystemExit(1) from None
         elif part is not None:  # sys.exit(0): an end the task asked for, said as the stop it is, not as an error
             head, *_ = format_task_error(err, part).splitlines()
             console.say(f"{_rank_prefix()}{head.replace(' raised SystemExit', ' ended the process (SystemExit: 0)', 1)}: "

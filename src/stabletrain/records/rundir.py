@@ -111,6 +111,8 @@ class RunDir:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise _refused(path, host, f"cannot be created: {err.strerror or err}") from None
+        if not os.access(path, os.W_OK | os.X_OK):  # (one that exists, read-only: said before any line that starts it)
+            raise _refused(path, host, "cannot be written: Permission denied (the folder is not writable)")
 
     @staticmethod
     def refuse_taken(path: Path, host: str | None = None) -> None:
