@@ -179,3 +179,12 @@ def test_at_log_every_1_whether_the_loss_rose_is_read_over_ten_step_stretches(tm
         h = health_summary(load_run(path))
         text = " ".join(t for _, t in h.sentences)
         assert "rose" not in text and "loss_rose" not in h.figures, (n, text)
+    # (a review) a rise whose last steps alternate with non-finite ones: judged up to the last whole stretch, said so
+    rose = [0.5 + rng.uniform(-0.1, 0.1) for _ in range(170)] + [3.0] * 20
+    rows = [{"step": s, "interval_steps": 1, "loss": x, "loss_min": x, "loss_steps": 1} for s, x in enumerate(rose, 1)]
+    rows += [{"step": s, "interval_steps": 1, "loss": 3.0 if s % 2 else "nan", "loss_min": 3.0, "loss_steps": s % 2}
+             for s in range(191, 201)]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = " ".join(t for _, t in health_summary(load_run(path)).sentences)
+    assert re.search(r"; it rose x[\d.]+ \(the mean of its last 10 steps to step 191, 3\) from its best 10 steps' mean",
+                     text), text

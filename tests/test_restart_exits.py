@@ -13,7 +13,9 @@ import pytest
 from multiproc import events, train_cli
 
 from stabletrain.distributed.elastic import told_exit
+from stabletrain.errors import clean_exit
 from stabletrain.records.launches import final_exit, final_note, note_final
+from stabletrain.services.launch_failures import last_failure
 
 ARGS = ("train.batch_size=8", "data.shuffle=false", "train.max_steps=12", "ckpt.every=2", "log.every=2", "eval.every=0")
 
@@ -169,9 +171,17 @@ def test_a_tasks_own_sys_exit_0_is_a_stop_and_one_in_a_data_worker_says_the_work
     res = train_cli("task=restart_tasks:exit_code_task", "task_args.code=0", f"task_args.marker={tmp_path / 'exited'}",
                     *ARGS, f"run.dir={run_dir}")
     assert res.returncode == 0 and "error:" not in res.stderr, res.stderr[-3000:]
-    assert re.search(r"stabletrain: the task's dataset item ended the process \(SystemExit: 0\) at \S*restart_tasks\.py:\d+ "
+    assert re.search(r"stabletrain: the task's dataset item ended the process \(sys.exit\(0\)\) at \S*restart_tasks\.py:\d+ "
                      r"in __getitem__, in step \d+: the run stopped there, unfinished", res.stderr), res.stderr[-3000:]
-    assert [e["kind"] for e in events(run_dir) if e["kind"] in ("crash", "stop")] == ["stop"]
+    (stop,) = [e for e in events(run_dir) if e["kind"] in ("crash", "stop")]
+    assert stop["kind"] == "stop" and stop["task_exit"] and re.match(
+        r"stopping: the task's code called sys.exit\(0\) at \S*restart_tasks\.py:\d+ in __getitem__$", stop["reason"]), stop
+    # (a review) what a restart or a requeue reads of it: a stop the task asked for, no failure to meet again, no incident
+    failure = last_failure(events(run_dir))
+    assert (failure.kind, failure.key) == ("stop", None) and "incident" not in failure.text, failure
+    # Python's own rule for what exits 0: None, 0, False; not "" nor 0.0 (they exit 1, as errors)
+    assert [clean_exit(SystemExit(*c)) for c in ((), (0,), (False,), ("",), (0.0,), (3,), ("bye",))] == [
+        True, True, True, False, False, False, False]
     res = train_cli("task=restart_tasks:exit_code_task", "task_args.code=3", f"task_args.marker={tmp_path / 'exited3'}",
                     "data.workers=2", *ARGS, f"run.dir={tmp_path / 'workers'}")
     said = [x for x in res.stderr.splitlines() if x.startswith("stabletrain: error: ")]

@@ -30,7 +30,7 @@ from .commands.pages import add_compare_parser, add_report_parser, cmd_compare, 
 from .commands.remedy import add_remedy_parser, cmd_remedy
 from .commands.train import add_train_parser, cmd_train
 from .config import ConfigError
-from .errors import format_task_error, raised_by_stabletrain, task_part
+from .errors import clean_exit, format_task_error, raised_by_stabletrain, task_part
 
 __all__ = ["main"]
 
@@ -104,14 +104,16 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except SystemExit as err:  # the task's own code (a library's sys.exit): said where; its exit, not stabletrain's
         part = task_part(err)  # decision (raised on: no launcher takes its code for a refusal, it restarts it)
-        if part is not None and err.code:
+        if part is not None and not clean_exit(err):
             console.error(f"{_rank_prefix()}{format_task_error(err, part)}")
-            if isinstance(err.code, str):  # (said above: Python would print the message again on its way out)
+            if not isinstance(err.code, int):  # (said above: Python would print the message again on its way out)
                 raise SystemExit(1) from None
         elif part is not None:  # sys.exit(0): an end the task asked for, said as the stop it is, not as an error
             head, *_ = format_task_error(err, part).splitlines()
-            console.say(f"{_rank_prefix()}{head.replace(' raised SystemExit', ' ended the process (SystemExit: 0)', 1)}: "
-                        "the run stopped there, unfinished (a stop event; --resume continues it)"
+            trained = getattr(err, "stabletrain_step", None) is not None  # (raised in the loop: its stop is recorded)
+            console.say(f"{_rank_prefix()}{head.replace(' raised SystemExit', ' ended the process (sys.exit(0))', 1)}: "
+                        + ("the run stopped there, unfinished (a stop event; --resume continues it)" if trained else
+                           "before training began: nothing was trained or recorded")
                         + "".join(f" {note}" for note in getattr(err, "__notes__", ())), sys.stderr)
         raise
     except Exception as err:
@@ -210,10 +212,6 @@ def _report_error(err: Exception, where: str = "") -> int | None:
             or _loaded_instance(err, "stabletrain.records.checkpoint.files", "CheckpointError"):
         console.error(f"{_rank_prefix()}{where}{err}")  # (where: a task argument's line in the config file)
         return 2
-    part = task_part(err)
-    if part is not None:
-        console.error(f"{_rank_prefix()}{format_task_error(err, part)}")
-        return 1
     # (torch's, raised anywhere in the step; or a worker gone while its batch's shared memory was handed over: the
     # connection to it reset in torch's rebuild of the batch's storage, seen once in CI)
     handoff = (isinstance(err, (ConnectionError, EOFError, FileNotFoundError))  # (the fd's socket of a worker gone)
@@ -230,6 +228,10 @@ def _report_error(err: Exception, where: str = "") -> int | None:
         console.error(f"{_rank_prefix()}a data loader worker process (data.workers) died: {said}. {why[0].upper()}{why[1:]}; "
                       "with data.workers=0 the data is read in the training process, where its line is named"
                       + "".join(f"\n{note}" for note in getattr(err, "__notes__", ())))
+        return 1
+    part = task_part(err)
+    if part is not None:
+        console.error(f"{_rank_prefix()}{format_task_error(err, part)}")
         return 1
     if isinstance(err, (FileNotFoundError, FileExistsError)) or (isinstance(err, (ValueError, TypeError))
                                                                  and raised_by_stabletrain(err)):

@@ -207,8 +207,11 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
     tail_s = time.perf_counter() - tail_from
     if tail is not None:  # beyond the data's spread, or other samples as lossy (a batch that drew its hard ones together)
         verdict["tail"] = tail  # (said after the verified removal: what the samples are comes before what else holds)
-        text, cut = verdict["evidence"], verdict["evidence"].find("; the window is high under the state of step")
-        verdict["evidence"] = f"{text}; {tail_note(tail)}" if cut < 0 else f"{text[:cut]}; {tail_note(tail)}{text[cut:]}"
+        text = verdict["evidence"]  # (before the notes on what else holds: the older state's, samples back, a burst's)
+        back = text.find(" carried the spike")  # ('; samples 3, 9 carried the spikes at steps ...: they come back')
+        cut = min([i for i in (text.find("; the window is high under the state of step"), text.find("; the burst's step"),
+                               text.rfind("; ", 0, back) if back > 0 else -1) if i > 0] or [len(text)])
+        verdict["evidence"] = f"{text[:cut]}; {tail_note(tail)}{text[cut:]}"
     # (a few named samples rule it out only where ordinary windows were measured normal under this state)
     named = bool(verdict["blamed_samples"]) and (m["older"] is not None and "no_context" not in m["older"]
                                                  or (m.get("ordinary_now") or {}).get("spike") is False)

@@ -436,6 +436,12 @@ def crash_event(err: BaseException, during: str, step: int | None = None) -> tup
                     "part": task_part(err)}
 
 
+def clean_exit(err: BaseException) -> bool:
+    """Whether ``err`` is a SystemExit that Python ends the process with exit code 0 (``sys.exit()``, ``sys.exit(0)``,
+    ``sys.exit(False)``; not ``sys.exit("")`` nor ``sys.exit(0.0)``, which exit 1)."""
+    return isinstance(err, SystemExit) and (err.code is None or (isinstance(err.code, int) and err.code == 0))
+
+
 class StopTraining(RuntimeError):
     """The sentinel stopped the run (``on_nonfinite="stop"`` or too many consecutive skips); ``step`` and ``reason`` say why."""
 

@@ -316,7 +316,7 @@ def _empty_batch(bundle: dict[str, Any], empty: list[int]) -> dict[str, Any]:
             "summary": summary, "failure_class": "data", "stage": "inputs", "op": None, "direction": None,
             "module": None, "origin": "inputs", "first_nonfinite_param": None, "bad_samples": None,
             "reproduces": None, "evidence": f"the step's window: {bundle['window']['indices']} (no replay: nothing to run)",
-            "empty_micro_batches": empty, "observed": bundle.get("observed", {}),
+            "empty_micro_batches": empty, "observed": _told(bundle),
             "sample_unit": bundle.get("sample_unit", "dataset index")}
 
 
@@ -352,7 +352,7 @@ def _no_items_window(bundle: dict[str, Any], sums: list[float]) -> dict[str, Any
             "failure_class": "data", "stage": "loss", "op": None, "direction": None, "module": None, "origin": "inputs",
             "first_nonfinite_param": None, "bad_samples": sorted(i for idx in bundle["window"]["indices"] for i in idx),
             "reproduces": True, "evidence": f"the window's loss sums {sums} over counts of 0: no item to average over",
-            "empty_window": True, "observed": bundle.get("observed", {}),
+            "empty_window": True, "observed": _told(bundle),
             "sample_unit": bundle.get("sample_unit", "dataset index")}
 
 
@@ -363,6 +363,11 @@ def _comparable_norm(norm: Any, world_size: int) -> float | None:
         return None
     norm = float(norm)
     return norm if int(world_size) <= 1 or not math.isfinite(norm) else None
+
+
+def _told(bundle: dict[str, Any]) -> dict[str, Any]:
+    """What the run saw of a non-finite step, for its diagnosis: not the spike rule's window and bar (a remedy's)."""
+    return {k: v for k, v in bundle.get("observed", {}).items() if k not in ("spike_window", "rarity")}
 
 
 def run_history(incident_dir: str | Path) -> list[dict[str, Any]]:
@@ -430,14 +435,13 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
     # An empty micro-batch adds nothing to a (sum, count) loss (a rank or a micro-batch with no samples): left out.
     micro_batches = [(idx, move_to(collate([task.train_data[i] for i in idx]), dev))
                      for idx in bundle["window"]["indices"] if idx]
-
     if bundle.get("world_size", 1) == 1 and (counted := _no_items(model, task.loss, micro_batches, precision)) is not None:
         result = _no_items_window(bundle, counted)  # a (sum, count) loss that counts nothing: its mean is 0/0
         result["timings"] = {"total_s": time.perf_counter() - start}
         write_json(directory / out, result)
         return result
     set_rng_state(bundle["rng"])
-    observed = bundle.get("observed", {})
+    observed = _told(bundle)
     if cfg.train.compile and observed.get("loss") is not None and math.isfinite(float(observed["loss"])):
         # Compiled kernels round differently: an eager replay's finite loss is not bitwise the run's (not compared).
         observed = {k: v for k, v in observed.items() if k != "loss"}
@@ -471,7 +475,7 @@ def diagnose_incident(directory: str | Path, task: Task | None = None, *, device
     # A compiled run (train.compile, or a host's torch.compile) is diagnosed on the module itself, eagerly, on the
     # bundle's weights: module names carry no '_orig_mod.', and a finite loss may differ from the run's in its last bits.
     result["replay_mode"], result["run_compiled"] = "eager", bool(cfg.train.compile)
-    result["observed"] = bundle.get("observed", {})
+    result["observed"] = _told(bundle)
     scaler = (bundle.get("precision") or {}).get("scaler") or {}
     after = float(scaler.get("scale", 1.0)) * float(scaler.get("backoff_factor", 1.0))  # the scale this step backs off to
     if scaler and after < UNRECOVERABLE_SCALE and result.get("failure_class") in ("overflow", "op"):

@@ -417,7 +417,8 @@ def search_remedies(directory: str | Path, task: Task | None = None, *, steps: i
     ranked = rank(results)
     total_steps = sum(r["steps_replayed"] for r in results)
     record = {
-        "incident": str(directory), "step": inc.step, "anomaly": diagnosis.get("anomaly") or "nonfinite",
+        "incident": str(directory), "step": inc.step,
+        "anomaly": inc.bundle.get("observed", {}).get("anomaly") or diagnosis.get("anomaly") or "nonfinite",
         "failure_class": diagnosis.get("failure_class"),
         "evidence": diagnosis.get("evidence"), "summary": diagnosis.get("summary"), "steps": steps,
         "tolerance": LOSS_TOLERANCE, "end_steps": END_STEPS, "baseline": baseline["name"],

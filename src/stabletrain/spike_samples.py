@@ -337,15 +337,18 @@ def loss_tail(bench: ReplayBench, pool: list[int], rows: list[dict[str, Any]], n
     if not mine or not pool:
         return None
     others: list[float] = []
+    short = False
     try:
         with dropout_off(bench.replica.model) if dropout else contextlib.nullcontext():
             for at in range(0, len(pool), TAIL_CHUNK):
                 chunk = bench.groups([[i] for i in pool[at:at + TAIL_CHUNK]])
                 others += [s / c if c else float("nan") for s, c in bench.each(chunk)]
-    except torch.cuda.OutOfMemoryError:
-        torch.cuda.empty_cache()
-        return None
+    except torch.cuda.OutOfMemoryError:  # (an extra: the diagnosis goes on without it, its memory freed below)
+        short = True
     except Exception:  # noqa: BLE001  (no tail to weigh against)
+        return None
+    if short:
+        torch.cuda.empty_cache()  # (out of the handler: its traceback, which held the chunk, is gone)
         return None
     finite = [x for x in others if math.isfinite(x)]
     if not finite:

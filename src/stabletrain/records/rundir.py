@@ -112,7 +112,8 @@ class RunDir:
         except OSError as err:
             raise _refused(path, host, f"cannot be created: {err.strerror or err}") from None
         if not os.access(path, os.W_OK | os.X_OK):  # (one that exists, read-only: said before any line that starts it)
-            raise _refused(path, host, "cannot be written: Permission denied (the folder is not writable)")
+            raise _refused(path, host, "cannot be written: the folder is not writable (its permissions, or a read-only file "
+                                       "system)")
 
     @staticmethod
     def refuse_taken(path: Path, host: str | None = None) -> None:

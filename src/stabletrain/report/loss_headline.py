@@ -74,7 +74,7 @@ def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
     # read over stretches of ROSE_STEPS steps at least where they merge, half that at least where a gap cuts one short)
     short = bool(rows) and statistics.median(r[1] for r in rows) <= SHORT_INTERVAL
     judged = [r for r in _stretches(rows) if r[1] >= ROSE_STEPS // 2] if short else rows
-    if len(judged) > (1 if short else 2) and judged[-1][0] == rows[-1][0]:
+    if len(judged) > (1 if short else 2):  # (short: up to the last stretch a gap left whole, its end step said)
         best_step, best_width, best, *_ = min(judged, key=lambda r: r[2])
         # (an end read as a median of the last intervals reaches back to where the loss was still falling: whether the
         # loss rose since its best is the last interval's own smallest loss's to say; 'rose x3.71' for one that fell)
@@ -86,10 +86,11 @@ def loss_sentence(run: RunData, h: Any) -> None:  # h: report.health.Health (whi
         # float32 noise, not a divergence)
         if short:  # (the last stretch's mean, or its smallest loss where spikes lifted the end)
             now = judged[-1][3] if end is not None else judged[-1][2]
-        if best > 0 and now > ratio * best and best_step != rows[-1][0] and now - best > RISE_FLOOR * (f["loss_start"] - best):
+        if best > 0 and now > ratio * best and best_step != judged[-1][0] and now - best > RISE_FLOOR * (f["loss_start"] - best):
             level = "warn"
             width = int(judged[-1][1])
-            last, mean = ((f"the {'smallest loss' if end is not None else 'mean'} of its last {width} steps",
+            upto = f" to step {judged[-1][0]:,}" if judged[-1][0] != rows[-1][0] else ""
+            last, mean = ((f"the {'smallest loss' if end is not None else 'mean'} of its last {width} steps{upto}",
                            f"its best {int(best_width)} steps' mean") if short
                           else ("its last interval's smallest loss", "its best interval's mean"))
             own = "" if now == f["loss_end"] and not short else f" ({last}, {fmt_num(now)})"

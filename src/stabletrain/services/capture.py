@@ -343,7 +343,7 @@ class IncidentCapture:
         with state_kept(src.live_state, src.load_live_state), self._replaying():
             spike = info.get("anomaly") == "spike"  # its diagnosis also replays the step before it: keep that state
             start, pinned = self._replay(fit, step, start, info, rows, spike)
-            if spike and fit.guard is not None and fit.guard.on_device:  # the rule's window just before the spike, as
+            if fit.guard is not None and fit.guard.on_device:  # the rule's window just before the step (a spike's too), as
                 # the replay left it (the boundary's holds the interval's later losses, and has let go of older ones)
                 info = {**info, "spike_window": fit.guard.window_before(step, rows), "rarity": fit.guard.rarity.before()}
             if pinned is None and info.get("locate") is not None and after_update:

@@ -73,6 +73,9 @@ def last_failure(events: list[dict[str, Any]], last_logged: int = 0) -> Failure:
         step = int(crash.get("failed_step", crash["step"]))
         return Failure("crash", f"crashed at step {step}: {crash['reason']}",
                        ["crash", crash.get("error"), crash.get("location"), step], **common)
+    if stop is not None and stop.get("task_exit"):  # the task's own sys.exit(0): an end it asked for, nothing to repeat
+        return Failure("stop", f"stopped at step {stop['step']}: {str(stop['reason']).split('stopping: ', 1)[-1]}", None,
+                       **common)
     if stop is not None:
         incident = next((e for e in reversed(own) if e.get("kind") == "incident" and e["step"] <= stop["step"]), None)
         kind = ((incident.get("diagnosis") or {}).get("failure_class") if incident else None)

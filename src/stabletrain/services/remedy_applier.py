@@ -291,8 +291,8 @@ class RemedyApplier:
                              "without it, so its verdict does not hold here; "
                              + (f"apply a cure that rolls back first ({', '.join(rollbacks)})" if rollbacks else
                                 "none of its cures rolls back; a run with guard.on_"
-                                f"{'spike' if record.get('anomaly') == 'spike' else 'nonfinite'}=remedy applies a cure at "
-                                "the incident itself, where its replay starts"))
+                                f"{'spike' if record.get('anomaly', _anomaly(incident)) == 'spike' else 'nonfinite'}=remedy "
+                                "applies a cure at the incident itself, where its replay starts"))
         self.apply(remedy, str(Path(incident)), row, record, by_hand=True)
         if remedy.rollback_step is not None:  # (the loop fires it for a live cure's: TensorBoard purges what it trains again)
             self.state.callbacks.fire("on_rollback", self.state, self.last_rollback)
@@ -380,3 +380,10 @@ def _candidate(candidates: list[dict[str, Any]], name: str, spec: str, incident:
                          + "; ".join(f"row {n}: {c.get('detail')}, {c.get('verdict')}" for n, c in rows)
                          + f"); name one by its row: remedy.apply={incident}:{rows[0][0]}")
     return rows[0][1]
+
+
+def _anomaly(incident: str | Path) -> str | None:
+    """The incident's anomaly ("spike" or "nonfinite") from its diagnosis.json (a remedy.json from before it said it)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        return json.loads((Path(incident) / "diagnosis.json").read_text(encoding="utf-8")).get("anomaly")
+    return None
