@@ -227,7 +227,7 @@ def restarts_used_up(death: dict[str, Any], note: Path, *, who: str) -> int:
             f"{died}; not restarted (run.max_restarts=0)")
     why = str((told or {}).get("reason", "")).removeprefix("stopping: ")  # (a crash, a signal's stop: to resume; the
     if run_dir is not None and told:  # guard's stop, resumed as it is, may stop there again: each is the record)
-        resumable = told["kind"] == "crash" or why.startswith("stopped by ")
+        resumable = told["kind"] == "crash" or why.startswith("stopped by ") or bool(told.get("task_exit"))
         line += (f"; its {told['kind']} is recorded in {run_dir / 'events.jsonl'}{continue_line(run_dir)}" if resumable else
                  f"; the guard stopped it{'' if last and why in last else f' ({why})'}, recorded in "
                  f"{run_dir / 'events.jsonl'}: read why before resuming it as it is (it may stop there again)")
