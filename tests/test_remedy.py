@@ -144,6 +144,23 @@ def test_a_candidate_that_turns_a_late_overflow_into_a_x140_loss_fails_by_the_ru
     assert c["module-fp32"]["verdict"] == "cures" and c["skip-samples"]["verdict"] == "cures"
 
 
+def test_a_nan_sample_after_a_level_shift_is_cured_by_its_drop_at_the_new_level(tmp_path):
+    """A review of the rule's window in a non-finite bundle: after a level shift that guard.on_spike=warn trained through
+    (the rule flags every step at the new level, its window stays at the old one), a NaN sample's drop was judged a spike
+    at the new level and failed, the baseline too. Where most of the interval's steps before the incident were above
+    spike_ratio x the window's median, the replays are judged against the run's interval means, as before."""
+    from spike_tasks import level_shift_task
+
+    task = level_shift_task()
+    task.train_data.tensors[0][352] = float("nan")  # step 45 at batch 8, data in order; the level moves at step 30
+    Trainer(cfg("train.batch_size=8", "log.every=5", "data.shuffle=false", "train.max_steps=46", "sched.warmup_steps=0",
+                "sched.decay=constant", "optim.lr=0.001", "capture.spikes=false"), task=task, run_dir=tmp_path / "run").fit()
+    incident = tmp_path / "run" / "incidents" / "step_000045"
+    c = by_name(search_remedies(incident, task, steps=4, only=["skip-samples"]))
+    assert c["skip-samples"]["verdict"] == "cures" and c["skip-samples"]["remedy"]["samples"] == [352], c["skip-samples"]
+    assert c["skip-step"]["verdict"] == "cures", c["skip-step"]
+
+
 def test_remedy_cli_errors_are_one_line_naming_the_value(tmp_path, capsys):
     assert main(["remedy", str(tmp_path), "--only", "bogus"]) == 2
     assert "--only: unknown candidate bogus; the candidates are skip-step" in capsys.readouterr().err

@@ -32,6 +32,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -169,6 +170,19 @@ def _flagged_after(run_dir: Path, step: int) -> set[int]:
             if e.get("kind") == "spike" and isinstance(e.get("step"), int) and e["step"] > step}
 
 
+def _rule_window(observed: dict[str, Any], ratio: float) -> list[float] | None:
+    """The losses the replays' rule judges by: the bundle's rule window (a spike's; a non-finite step's since it has one),
+    or None (the run's interval means then). Not a non-finite step's where most of its interval's steps before it were
+    above ``ratio`` x that window's median: the loss moved to a level the rule kept flagging under guard.on_spike=warn (a
+    level shift), which would call every replayed step at it a spike, the samples' drop too."""
+    window = observed.get("spike_window")
+    if not window or observed.get("anomaly") == "spike":
+        return window
+    median = statistics.median(float(v) for v in window)
+    recent = [float(r[1]) for r in observed.get("recent") or [] if math.isfinite(float(r[1]))]
+    return None if median > 0 and recent and 2 * sum(x > ratio * median for x in recent) > len(recent) else window
+
+
 def _replay(inc: _Incident, remedy: Remedy, num_after: int, probe: int | None = None) -> dict[str, Any]:
     """Replay from ``remedy``'s start through the incident's window and ``num_after`` more; the per-step record.
 
@@ -182,7 +196,7 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int, probe: int | None = 
     precision = (replica.precision(mode=remedy.precision) if remedy.precision is not None
                  else replica.precision(state=remedy.precision_state(state["precision"])))
     guard = Guard(dataclasses.replace(cfg.guard, on_spike="warn"), torch.device("cpu"))  # the host spike rule
-    window = inc.bundle.get("observed", {}).get("spike_window")
+    window = _rule_window(inc.bundle.get("observed", {}), cfg.guard.spike_ratio)
     if remedy.rollback_step is not None and "guard" in state:
         guard.load_state_dict(state["guard"])
     elif window:  # a spike's: the losses the rule judged it against, and its rarity bar's ratios (not a seed's made up)
