@@ -188,3 +188,22 @@ def test_at_log_every_1_whether_the_loss_rose_is_read_over_ten_step_stretches(tm
     text = " ".join(t for _, t in health_summary(load_run(path)).sentences)
     assert re.search(r"; it rose x[\d.]+ \(the mean of its last 10 steps to step 191, 3\) from its best 10 steps' mean",
                      text), text
+
+
+def test_an_end_interval_lifted_by_a_spike_of_known_loss_reads_without_it_where_the_median_is_no_lower(tmp_path):
+    """A new user's Lightning run (135 steps, a spike at 121, log every 10): its 5-step tail merged into the interval of
+    the spike read 'Train loss 1.288 -> 0.01125 (first -> last interval with the 5-step one after it)', the spike's
+    0.068 in it: the median of the last intervals was no lower (the loss still falling). Its own steps without the
+    spike's (known from its event) are the end: 0.00722."""
+    logged = [(10, 1.28833, 1.13576, 10), (20, 0.98156, 0.82994, 10), (30, 0.63941, 0.45397, 10), (40, 0.33884, 0.19089, 10),
+              (50, 0.15901, 0.10415, 10), (60, 0.06508, 0.03779, 10), (70, 0.03525, 0.02214, 10), (80, 0.02063, 0.01469, 10),
+              (90, 0.01274, 0.00854, 10), (100, 0.01185, 0.0089, 10), (110, 0.0091, 0.00756, 10), (120, 0.00712, 0.00607, 10),
+              (130, 0.01281, 0.00505, 10), (135, 0.00812, 0.00515, 5)]
+    (tmp_path / "config.yaml").write_text("train:\n  max_steps: 135\nlog:\n  every: 10\n")
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(
+        {"step": s, "loss": m, "loss_min": low, "loss_steps": n, "interval_steps": n}) + "\n" for s, m, low, n in logged))
+    (tmp_path / "events.jsonl").write_text(json.dumps({"step": 121, "kind": "spike", "time": 1.7e9, "loss": 0.06765,
+                                                       "reason": "loss spike"}) + "\n")
+    text = next(t for _, t in health_summary(load_run(tmp_path)).sentences if t.startswith("Train loss"))
+    assert text.startswith("Train loss 1.288 → 0.007218 (first interval → last interval without its spike step: the last "
+                           "interval's mean, 0.01125, is lifted by a loss spike at step 121"), text

@@ -186,10 +186,13 @@ def _robust_end(rows: list[tuple], spikes: list[int], ratio: float, end: str,
     if not spiky:
         return mean, None
     mine = [own.get(s) for s in spikes if step - width < s <= step] if own else []
-    if len(rows) < 6 and mine and None not in mine and finite > len(mine):  # (a skipped non-finite step: not in its mean)
+    without = None
+    if mine and None not in mine and finite > len(mine):  # (a skipped non-finite step: not in its mean)
         without = (mean * finite - sum(mine)) / (finite - len(mine))
-        if low - 1e-6 * abs(low) <= without <= mean:  # (a record from before loss_steps: over every step, a NaN one too)
-            return without, f"{end} interval without its spike step{'s' * (len(mine) > 1)}"
+        without = without if low - 1e-6 * abs(low) <= without <= mean else None  # (a record from before loss_steps: over
+    bare = (without, f"{end} interval without its spike step{'s' * (len(mine) > 1)}")  # every step, a NaN one too)
+    if len(rows) < 6 and without is not None:
+        return bare
     if len(near) < 3:  # too few intervals for a typical value: the mean stands, and the words say what lifted it
         return mean, f"{end} interval"
     quiet = [r[2] for r in rows[:ends] if not any(r[0] - r[1] < s <= r[0] for s in spikes)]
@@ -202,7 +205,10 @@ def _robust_end(rows: list[tuple], spikes: list[int], ratio: float, end: str,
         return mean, None  # their smallest losses high too: the loss rose past the quiet ones and stayed (a divergence)
     # (a figure no lower than the mean it replaces was not lifted: a loss still falling puts the intervals before the
     # last above it, and "0.008788 is lifted by loss spikes" then gave way to 0.009096, a trial's)
-    return (median, f"median of the {end} {len(near)} intervals' means") if median < mean else (mean, None)
+    # (the median no lower, a loss still falling: the interval's own steps without its spike's, where each is known; an
+    # adapter's end, its short tail merged into the interval of the spike, read as the plain mean with the spike in it)
+    return ((median, f"median of the {end} {len(near)} intervals' means") if median < mean else
+            bare if without is not None and without < mean else (mean, None))
 
 
 def _why(row: tuple, spikes: list[int], end: str, outliers: set[int] = frozenset()) -> str:
