@@ -3,6 +3,7 @@ init and determinism on a zero-initialized head and unseeded data randomness."""
 
 import json
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ from torch.utils.data import TensorDataset
 
 from stabletrain import Task
 from stabletrain.checks import CheckContext, format_table, run_checks
+from stabletrain.checks.accum import apart
 from stabletrain.checks.resume import DATA_COMPONENT
 
 
@@ -391,6 +393,11 @@ def test_accum_check_names_a_scalar_mean_over_tokens_and_says_to_return_sum_and_
         "; the scalar loss is a mean over another unit than samples (tokens?): return (sum, count)"), result.summary
     [cause] = [d for d in result.details if d.startswith("the scalar loss is ")]
     assert "averages over another unit than samples" in cause and cause.endswith("weighs each by what it holds")
+    # the two figures in as many digits as tell them apart (a trial's read '3.486 ... while ... give 3.486')
+    assert apart(3.48601, 3.48612) == ("3.486", "3.4861") and apart(2.0, 3.0) == ("2", "3")
+    shown = re.match(r"the scalar loss is (\S+) on the batch of \d+, while its micro-batches' losses weighed by their samples "
+                     r"give (\S+):", cause)
+    assert shown and shown[1] != shown[2], cause
 
 
 def _alike_token_mean_task() -> Task:

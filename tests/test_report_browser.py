@@ -314,3 +314,26 @@ def test_remedy_table_and_compare_panels_read_as_the_cli_does(browser, tmp_path)
         "c.getClientRects().length)"), "returnByValue": True}, session=session)["result"]["value"]
     browser.call("Target.closeTarget", {"targetId": target})
     assert lines == [1, 1]  # "rollback-lr-x0.1" wrapped at its hyphens beside a long evidence cell: [3, 1]
+
+
+def test_the_compare_summary_fits_the_page_and_the_resolved_precision_is_named_so(browser, tmp_path):
+    """A new user's comparison (lr, bf16, accumulation): the Summary table ran past the right edge at 1300 px (every cell
+    a number's, kept on one line, the goodput sentence too), the second run's column cut off; and 'precision' was listed
+    twice (auto | bf16 among the config keys, fp32 | bf16 in the snapshot) with nothing saying fp32 was auto's."""
+    runs = [train(tmp_path / "a", []), train(tmp_path / "b", ["optim.lr=3e-3", "precision=bf16", "accum.steps=2"])]
+    page = write_compare(runs, tmp_path / "compare.html")
+    text = page.read_text(encoding="utf-8")
+    assert ">precision (resolved)<" in text and text.count(">precision<") == 1  # the config key's row, and the snapshot's
+    target = browser.call("Target.createTarget", {"url": "about:blank"})["targetId"]
+    session = browser.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+    browser.call("Page.enable", session=session)
+    browser.call("Emulation.setDeviceMetricsOverride", {"width": 1280, "height": 900, "deviceScaleFactor": 1,
+                                                        "mobile": False}, session=session)
+    browser.pending.clear()
+    browser.call("Page.navigate", {"url": page.resolve().as_uri()}, session=session)
+    browser.wait_for("Page.loadEventFired")
+    widths = browser.call("Runtime.evaluate", {"expression": (
+        "[document.querySelector('#summary ~ table').getBoundingClientRect().right, document.documentElement.clientWidth]"),
+        "returnByValue": True}, session=session)["result"]["value"]
+    browser.call("Target.closeTarget", {"targetId": target})
+    assert widths[0] <= widths[1], widths

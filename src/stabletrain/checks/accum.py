@@ -218,10 +218,11 @@ def check_accum(ctx: CheckContext) -> CheckResult:
                        f"({sum(n * v for n, v in zip(sizes, micro_losses)) / total:.4g}): it sums instead of averaging; "
                        "use reduction='mean', or return (sum, count)")
     elif per_unit:
-        details.append(f"the scalar loss is {losses[0]:.4g} on the batch of {total}, while its micro-batches' losses weighed "
-                       f"by their samples give {weighted:.4g}: it averages over another unit than samples (tokens of "
-                       "varying length, masked positions), and a scalar is weighed by its micro-batch's samples; return "
-                       "(sum, count) with count in that unit (the tokens), so the window weighs each by what it holds")
+        whole, parts = apart(losses[0], weighted)
+        details.append(f"the scalar loss is {whole} on the batch of {total}, while its micro-batches' losses "
+                       f"weighed by their samples give {parts}: it averages over another unit than samples "
+                       "(tokens of varying length, masked positions), and a scalar is weighed by its micro-batch's samples; "
+                       "return (sum, count) with count in that unit (the tokens), so the window weighs each by what it holds")
     elif not passed and cast:
         details.append(cast)
     elif not passed and losses is not None:  # a scalar: no (sum, count) of the task's to be inconsistent
@@ -237,3 +238,10 @@ def check_accum(ctx: CheckContext) -> CheckResult:
                                 "residual_randomness": noise, "repeat_diff": repeat, "items_random": items_random,
                                 "collate_random": collate_random},
                        details=details)
+
+
+def apart(a: float, b: float) -> tuple[str, str]:
+    """``a`` and ``b`` in as many significant digits (4 at least, 9 at most) as tell them apart (a trial's '3.486 ...
+    while ... give 3.486' said two losses differ)."""
+    digits = next((d for d in range(4, 10) if f"{a:.{d}g}" != f"{b:.{d}g}"), 9)
+    return f"{a:.{digits}g}", f"{b:.{digits}g}"

@@ -170,7 +170,9 @@ def render_compare(runs: Sequence[RunData], labels: Sequence[str], plots=None, f
     else:
         config_html = '<p class="empty">The configs are identical.</p>' + hosts_note
     snap_diff = config_diff([run.snapshot for run in runs], only=_SNAPSHOT_KEYS)
-    snap_html = (table(["snapshot key", *head], ([esc(k), *(_snap_cell(k, v) for v in vals)] for k, vals in snap_diff),
+    # (the snapshot's precision is the one the config's resolved to: 'auto' above, 'fp32' here, told apart by name)
+    snap_html = (table(["snapshot key", *head], ([esc("precision (resolved)" if k == "precision" else k),
+                                                  *(_snap_cell(k, v) for v in vals)] for k, vals in snap_diff),
                        ["key", *["val"] * len(runs)]) + _unfingerprinted(snap_diff, runs, labels) if snap_diff
                  else '<p class="empty">Same code version, libraries, device and data.</p>')
 
@@ -271,6 +273,12 @@ def _resumed_text(run: RunData) -> str:
     return (", ".join(f"{e.step:,}" for e in resumes) or "—") + (f" ({moved} under another world size)" if moved else "")
 
 
+def _summary_cell(text: str) -> str:
+    """A summary cell's html: a figure kept on one line; a sentence (a goodput's parts, how a run ended) wraps, as a
+    number's cell would not: the table ran past the page's edge, the second run's column cut off (a new user's)."""
+    return esc(text) if len(text) <= 40 else f'<span style="white-space:normal">{esc(text)}</span>'
+
+
 def _summary(runs: Sequence[RunData], head: Sequence[str], figures: Sequence[dict[str, Any]] | None = None) -> str:
     """One row per headline figure, one column per run (``figures``: their health figures, where the caller has them)."""
     figures = figures or [health_summary(run).figures for run in runs]
@@ -292,8 +300,8 @@ def _summary(runs: Sequence[RunData], head: Sequence[str], figures: Sequence[dic
         ("remedies applied", _remedies_text),
         ("restarts", lambda f: fmt_num(f.get("restarts") or 0)),
     ]
-    rows = [[esc(name), *(esc(fn(f)) for f in figures)] for name, fn in rows_spec]
-    rows.insert(2, ["resumed at step", *(esc(_resumed_text(run)) for run in runs)])
+    rows = [[esc(name), *(_summary_cell(fn(f)) for f in figures)] for name, fn in rows_spec]
+    rows.insert(2, ["resumed at step", *(_summary_cell(_resumed_text(run)) for run in runs)])
     put = [(g.line().removeprefix("goodput ") if (g := read_goodput(run.path)) is not None else "—") for run in runs]
-    rows.append(["goodput", *map(esc, put)])
+    rows.append(["goodput", *map(_summary_cell, put)])
     return table(["", *head], rows, ["", *["num"] * len(runs)])
