@@ -336,3 +336,15 @@ def test_each_labs_chinese_line_is_the_chapters_own_words():
     chapter = "".join(p.read_text(encoding="utf-8") for p in seed)
     assert [k for k, info in LABS.items() if info.question_zh not in chapter] == []
     assert [k for k, info in LABS.items() if info.quoted] == ["7", "8"]  # said as the chapter's sentence, not a question
+
+
+@pytest.mark.slow
+def test_lab8_watch_runs_console_lines_are_not_shown(capfd, tmp_path):
+    """A trial: lab 8's extra log.every=1 runs printed 'loss spike ... at step 75 ...: not captured (capture.incidents=
+    false)' between the main runs' lines, which then said the spike was captured. Their lines are not shown."""
+    from stabletrain.lab.lab8 import _watch
+
+    capfd.readouterr()
+    found = _watch("rare token", 0, 0.03, 0.0, tmp_path / "watch")
+    out, err = capfd.readouterr()
+    assert found and "stabletrain:" not in out + err, (out, err)

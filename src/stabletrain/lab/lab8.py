@@ -25,6 +25,8 @@ the two main runs (``log.every=10``) show what the default reads.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import statistics
@@ -188,8 +190,12 @@ def _precursors(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def _watch(run: str, seed: int, lr: float, beta1: float, run_dir: Path) -> list[dict[str, Any]]:
-    """Train ``run`` with a log boundary on every step (WATCH): the run's own precursor events before the spike."""
-    Trainer(load_config(None, [*COMMON, f"seed={seed}", *WATCH]), task=_task(run, seed, lr, beta1), run_dir=run_dir).fit()
+    """Train ``run`` with a log boundary on every step (WATCH): the run's own precursor events before the spike. Its
+    console lines are not shown: 'spike at step 75 ... not captured' (this run's, capture.incidents=false) beside the
+    main runs' captured spike told a student the lab's spike went uncaptured (a trial's); its events hold them."""
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        Trainer(load_config(None, [*COMMON, f"seed={seed}", *WATCH]), task=_task(run, seed, lr, beta1),
+                run_dir=run_dir).fit()
     return _precursors(run_dir)
 
 
