@@ -160,3 +160,9 @@ def test_restarts_used_up_on_a_signals_stop_say_resume_it_not_that_the_guard_sto
     said = capsys.readouterr().err.strip()
     assert said.endswith(f"the guard stopped it (non-finite value in the loss at step 5), recorded in {run / 'events.jsonl'}: "
                          "read why before resuming it as it is (it may stop there again)"), said
+    # The task's own sys.exit(0) (a stop event marked task_exit) is no guard's stop either: resume it
+    (run / "events.jsonl").write_text(json.dumps({"step": 5, "kind": "stop", "task_exit": True, "reason": "stopping: the "
+                                                 "task's code called sys.exit(0) at f.py:3"}) + "\n")
+    restarts_used_up(death, note, who="the run's process")
+    said = capsys.readouterr().err.strip()
+    assert "the guard" not in said and f"stabletrain train --resume {run}" in said, said

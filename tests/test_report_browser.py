@@ -239,8 +239,8 @@ IMAGE_SCALES = ("Array.from(document.images).map(i => ({alt: i.alt, shown: i.get
                 "natural: i.naturalWidth}))")
 
 
-def shown_scales(browser: DevToolsPipe, page: Path, width: int = 1280) -> list[dict]:
-    """Each image's drawn width over its pixel width, on ``page`` in a ``width`` px wide window."""
+def evaluated(browser: DevToolsPipe, page: Path, expression: str, width: int = 1280):
+    """The value of JavaScript ``expression`` on ``page``, loaded in a fresh tab of a ``width`` px wide window."""
     target = browser.call("Target.createTarget", {"url": "about:blank"})["targetId"]
     session = browser.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
     browser.call("Page.enable", session=session)
@@ -249,9 +249,14 @@ def shown_scales(browser: DevToolsPipe, page: Path, width: int = 1280) -> list[d
     browser.pending.clear()
     browser.call("Page.navigate", {"url": page.resolve().as_uri()}, session=session)
     browser.wait_for("Page.loadEventFired")
-    reply = browser.call("Runtime.evaluate", {"expression": IMAGE_SCALES, "returnByValue": True}, session=session)
+    reply = browser.call("Runtime.evaluate", {"expression": expression, "returnByValue": True}, session=session)
     browser.call("Target.closeTarget", {"targetId": target})
     return reply["result"]["value"]
+
+
+def shown_scales(browser: DevToolsPipe, page: Path, width: int = 1280) -> list[dict]:
+    """Each image's drawn width over its pixel width, on ``page`` in a ``width`` px wide window."""
+    return evaluated(browser, page, IMAGE_SCALES, width)
 
 
 def test_lab_plot_legends_are_readable_at_1280_px(browser, tmp_path, monkeypatch):
@@ -301,18 +306,9 @@ def test_remedy_table_and_compare_panels_read_as_the_cli_does(browser, tmp_path)
     page = write_report(run)
     text = page.read_text(encoding="utf-8")
     assert ">7.717e-08<" in text and ">-<" in text and ">nan<" not in text
-    target = browser.call("Target.createTarget", {"url": "about:blank"})["targetId"]
-    session = browser.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
-    browser.call("Page.enable", session=session)
-    browser.call("Emulation.setDeviceMetricsOverride", {"width": 1280, "height": 900, "deviceScaleFactor": 1,
-                                                        "mobile": False}, session=session)
-    browser.pending.clear()
-    browser.call("Page.navigate", {"url": page.resolve().as_uri()}, session=session)
-    browser.wait_for("Page.loadEventFired")
-    lines = browser.call("Runtime.evaluate", {"expression": (  # lines of text in each candidate's name cell
+    lines = evaluated(browser, page, (  # lines of text in each candidate's name cell
         "Array.from(document.querySelectorAll('#remedies ~ table tbody tr td:nth-child(2) code')).map(c => "
-        "c.getClientRects().length)"), "returnByValue": True}, session=session)["result"]["value"]
-    browser.call("Target.closeTarget", {"targetId": target})
+        "c.getClientRects().length)"))
     assert lines == [1, 1]  # "rollback-lr-x0.1" wrapped at its hyphens beside a long evidence cell: [3, 1]
 
 
@@ -324,16 +320,6 @@ def test_the_compare_summary_fits_the_page_and_the_resolved_precision_is_named_s
     page = write_compare(runs, tmp_path / "compare.html")
     text = page.read_text(encoding="utf-8")
     assert ">precision (resolved)<" in text and text.count(">precision<") == 1  # the config key's row, and the snapshot's
-    target = browser.call("Target.createTarget", {"url": "about:blank"})["targetId"]
-    session = browser.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
-    browser.call("Page.enable", session=session)
-    browser.call("Emulation.setDeviceMetricsOverride", {"width": 1280, "height": 900, "deviceScaleFactor": 1,
-                                                        "mobile": False}, session=session)
-    browser.pending.clear()
-    browser.call("Page.navigate", {"url": page.resolve().as_uri()}, session=session)
-    browser.wait_for("Page.loadEventFired")
-    widths = browser.call("Runtime.evaluate", {"expression": (
-        "[document.querySelector('#summary ~ table').getBoundingClientRect().right, document.documentElement.clientWidth]"),
-        "returnByValue": True}, session=session)["result"]["value"]
-    browser.call("Target.closeTarget", {"targetId": target})
+    widths = evaluated(browser, page, (
+        "[document.querySelector('#summary ~ table').getBoundingClientRect().right, document.documentElement.clientWidth]"))
     assert widths[0] <= widths[1], widths

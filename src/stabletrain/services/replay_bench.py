@@ -42,18 +42,18 @@ class ReplayBench:
     def sums(self, groups: list[tuple[list[int], Any]], model: nn.Module | None = None,
              precision: Any = None) -> tuple[float, float]:
         """(loss sum, item count) of ``groups`` under ``model`` (default: the replica's), forward only."""
-        model = model if model is not None else self.replica.model
-        self.replica.reset()
-        sums = loss_sums(self.task.loss, model, groups, (precision or self.precision).autocast())
-        self.passes["forward"] += len(sums)
+        sums = self.each(groups, model, precision)
         return sum(s for s, _ in sums), sum(c for _, c in sums)
 
-    def each(self, groups: list[tuple[list[int], Any]]) -> list[tuple[float, float]]:
-        """(loss sum, item count) of each of ``groups`` under the replica's model, forward only, from one reset."""
+    def each(self, groups: list[tuple[list[int], Any]], model: nn.Module | None = None,
+             precision: Any = None) -> list[tuple[float, float]]:
+        """(loss sum, item count) of each of ``groups`` under ``model`` (default: the replica's), forward only, from one
+        reset."""
         self.replica.reset()
-        sums = loss_sums(self.task.loss, self.replica.model, groups, self.precision.autocast())
+        sums = loss_sums(self.task.loss, model if model is not None else self.replica.model, groups,
+                         (precision or self.precision).autocast())
         self.passes["forward"] += len(sums)
-        return [(float(s), float(c)) for s, c in sums]
+        return sums
 
     def loss(self, groups: list[tuple[list[int], Any]], model: nn.Module | None = None, precision: Any = None) -> float:
         total, count = self.sums(groups, model, precision)
