@@ -548,6 +548,44 @@ def test_a_tighter_clip_candidate_is_below_the_runs_own_clip():
 
 
 
+def test_an_adapters_run_wide_cures_are_named_in_its_hosts_own_terms(tmp_path):
+    """A Lightning run's precision spike: its remedy table offered 'precision=fp32', a key Lightning has no use for (a
+    trial); an adapter's run-wide cures say the host's knob: Trainer(precision="32-true"), TrainingArguments'
+    max_grad_norm, the callback's clip where the Trainer set none. The built-in loop's keep its own keys."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from stabletrain import Monitor
+    from stabletrain.config.adapter import in_host_terms
+    from stabletrain.remedy_search import _in_host_terms
+
+    assert in_host_terms("lightning", "precision", "fp32") == 'Trainer(precision="32-true")'
+    assert in_host_terms("lightning", "precision", "bf16") == 'Trainer(precision="bf16-mixed")'
+    assert in_host_terms("transformers", "precision", "bf16") == "TrainingArguments(bf16=True, fp16=False)"
+    assert in_host_terms("lightning", "clip", 0.5, 1.0) == "Trainer(gradient_clip_val=0.5)"
+    assert in_host_terms("lightning", "clip", 0.5, None) == "StableTrainCallback(clip_max_norm=0.5)"
+    assert in_host_terms("transformers", "clip", 0.25) == "TrainingArguments.max_grad_norm=0.25"
+    assert in_host_terms(None, "precision", "fp32") is None and in_host_terms("monitor", "lr", 0.5) is None
+
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    with Monitor(model, opt, run_dir=tmp_path / "run", clip_max_norm=1.0, init_check=False) as monitor:  # its config.yaml
+        for _ in range(2):
+            monitor.backward(model(torch.randn(8, 4)).square().mean())
+            monitor.step()
+
+    def rows():
+        return [{"remedy": r.to_dict(), "detail": r.detail} for r in (Precision("fp32"), TighterClip(0.5), LowerLR(0.5))]
+
+    adapter, built_in = rows(), rows()
+    _in_host_terms(SimpleNamespace(adapter=True, run_dir=tmp_path / "run"), adapter)
+    assert [r["detail"] for r in adapter] == ['Monitor(precision="fp32"), no autocast or GradScaler of your own',
+                                               "Monitor(clip_max_norm=0.5)", "lr x0.5"]
+    _in_host_terms(SimpleNamespace(adapter=False, run_dir=tmp_path / "run"), built_in)
+    assert [r["detail"] for r in built_in] == ["precision=fp32", "clip.max_norm=0.5", "lr x0.5"]
+
+
 def test_the_eps_guard_is_not_offered_for_a_log_of_a_negative_input():
     """A student's trial: log of a -0.5 in the data (a NaN, not log(0)'s -inf) was 'cured' by eps-guard, whose code change
     read 'keep the input of log away from 0': clamping a bad value to 1e-12 hides it (log = -27.6). Dropping the

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from .config import config_from_dict
+from .config.adapter import in_host_terms
 from .data import EpochOrder, Window, WindowStream, move_to
 from .diagnostics.candidates import candidates_for, why_not_offered
 from .diagnostics.cures import CANDIDATE_NAMES, Remedy, SkipSamples, SkipStep
@@ -428,6 +429,7 @@ def search_remedies(directory: str | Path, task: Task | None = None, *, steps: i
         if r.get("extension_error"):
             r["evidence"] += f"; {r['extension_error']}"
         r["baseline"] = r is baseline
+    _in_host_terms(inc, results)
     ranked = rank(results)
     total_steps = sum(r["steps_replayed"] for r in results)
     record = {
@@ -448,6 +450,28 @@ def search_remedies(directory: str | Path, task: Task | None = None, *, steps: i
     _keep_the_runs_own(directory)
     atomic_write(directory / REMEDY_FILE, json.dumps(record, indent=2, default=str, allow_nan=False) + "\n")
     return record
+
+
+def _in_host_terms(inc: _Incident, results: list[dict[str, Any]]) -> None:
+    """An adapter's run: a candidate that sets the whole run's precision or clip says it in the host's own terms
+    (``Trainer(precision="32-true")``, not the built-in loop's ``precision=fp32`` the host has no key for)."""
+    if not inc.adapter:
+        return
+    import yaml
+
+    try:
+        config = yaml.safe_load((inc.run_dir / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return
+    config = config if isinstance(config, dict) else {}
+    host = config.get("integration")
+    trainer_clip = (config.get("host") or {}).get("gradient_clip_val") if isinstance(config.get("host"), dict) else None
+    for r in results:
+        kind, remedy = r["remedy"].get("kind"), r["remedy"]
+        words = (in_host_terms(host, "precision", remedy.get("mode")) if kind == "bf16" and "mode" in remedy else
+                 in_host_terms(host, "clip", remedy.get("limit"), trainer_clip) if kind == "clip" else None)
+        if words:
+            r["detail"] = words
 
 
 def _keep_the_runs_own(directory: Path) -> None:

@@ -20,7 +20,7 @@ from ..errors import brief
 from .schema import TRACKERS, Config
 from .values import ConfigError
 
-__all__ = ["AdapterOptions", "CONFIG_KEYS", "HOST_OPTIONS", "ARG_KEYS"]
+__all__ = ["AdapterOptions", "CONFIG_KEYS", "HOST_OPTIONS", "ARG_KEYS", "HOST_KNOBS", "in_host_terms"]
 
 #: An adapter's options that are keys of the built-in run's config: the same meaning, default, type, range and help
 #: (``stabletrain train --help`` lists them; a bad value is refused naming the option and its key).
@@ -43,6 +43,39 @@ HOST_OPTIONS: dict[str, tuple[Any, str]] = {
                              "interval before's where its snapshot is kept too, those going first): past it, that "
                              "interval's incidents are recorded but not captured"),
 }
+
+
+#: How each host names the settings a fix changes: its clip (the Trainer's, or where Lightning refuses that one the
+#: callback's, ``clip_own``), its learning rate, and the whole run's precision by mode.
+HOST_KNOBS: dict[str, dict[str, Any]] = {
+    "lightning": {"clip": "Trainer(gradient_clip_val=)", "clip_own": "StableTrainCallback(clip_max_norm=)",
+                  "lr": "the optimizer's lr",
+                  "precision": {"fp32": 'Trainer(precision="32-true")', "bf16": 'Trainer(precision="bf16-mixed")',
+                                "fp16": 'Trainer(precision="16-mixed")'}},
+    "transformers": {"clip": "TrainingArguments.max_grad_norm", "lr": "TrainingArguments.learning_rate",
+                     "precision": {"fp32": "TrainingArguments(fp16=False, bf16=False)",
+                                   "bf16": "TrainingArguments(bf16=True, fp16=False)",
+                                   "fp16": "TrainingArguments(fp16=True, bf16=False)"}},
+    "monitor": {"clip": "Monitor(clip_max_norm=)", "lr": "the optimizer's lr",
+                "precision": {"fp32": 'Monitor(precision="fp32"), no autocast or GradScaler of your own',
+                              "bf16": 'Monitor(precision="bf16") and its autocast(), no GradScaler',
+                              "fp16": 'Monitor(precision="fp16", scaler=GradScaler())'}},
+}
+
+
+def in_host_terms(host: str | None, kind: str, value: Any, trainer_clip: Any = None) -> str | None:
+    """A fix's run-wide setting as ``host`` spells it (None: the built-in loop's key is the host's own, or not one of
+    these): ``kind`` "precision" (``value`` a mode), "clip" (a norm; Lightning's Trainer clip where the run set
+    ``trainer_clip``, else the callback's, the one Lightning allows a fused optimizer under mixed precision)."""
+    knobs = HOST_KNOBS.get(host or "")
+    if knobs is None:
+        return None
+    if kind == "precision":
+        return knobs["precision"].get(value)
+    if kind == "clip":
+        knob = knobs["clip_own"] if host == "lightning" and not trainer_clip else knobs["clip"]
+        return knob.replace("=)", f"={value:.3g})") if knob.endswith("=)") else f"{knob}={value:.3g}"
+    return None
 
 
 #: An adapter constructor's own arguments that are keys of the built-in run's config (a bad value names both).

@@ -21,6 +21,7 @@ import math
 import statistics
 from typing import Any
 
+from ..config.adapter import HOST_KNOBS
 from .rundata import RunData
 from .text import fmt_num, fmt_pct
 
@@ -41,12 +42,10 @@ CALM_NOTE = ", the intervals without a loss spike or non-finite step"
 #: Optimizers that divide by a running RMS of the gradients (the clip barely changes their update size), by class name.
 ADAPTIVE = ("adam", "nadam", "radam", "adagrad", "adadelta", "adafactor", "rmsprop", "lamb")
 #: (the clip's key, the learning rate's) in each adapter's own terms (the built-in loop's: clip.max_norm, optim.lr).
-HOST_KEYS = {"lightning": ("Trainer(gradient_clip_val=)", "the optimizer's lr"),
-             "transformers": ("TrainingArguments.max_grad_norm", "TrainingArguments.learning_rate"),
-             "monitor": ("Monitor(clip_max_norm=)", "the optimizer's lr")}
+HOST_KEYS = {host: (knobs["clip"], knobs["lr"]) for host, knobs in HOST_KNOBS.items()}
 #: A Lightning run clipped by the callback (``StableTrainCallback(clip_max_norm=)``, the only clip Lightning allows a fused
 #: optimizer under mixed precision), not by the Trainer: its config's ``host.gradient_clip_val`` is null.
-LIGHTNING_OWN_CLIP = "StableTrainCallback(clip_max_norm=)"
+LIGHTNING_OWN_CLIP = HOST_KNOBS["lightning"]["clip_own"]
 
 def _finite(values: list[float]) -> list[float]:
     return [v for v in values if math.isfinite(v)]
