@@ -144,20 +144,25 @@ def test_a_candidate_that_turns_a_late_overflow_into_a_x140_loss_fails_by_the_ru
     assert c["module-fp32"]["verdict"] == "cures" and c["skip-samples"]["verdict"] == "cures"
 
 
-def test_a_nan_sample_after_a_level_shift_is_cured_by_its_drop_at_the_new_level(tmp_path):
+@pytest.mark.parametrize("step,every", [(45, 5), (41, 5), (42, 5), (45, 1)])
+def test_a_nan_sample_after_a_level_shift_is_cured_by_its_drop_at_the_new_level(tmp_path, step, every):
     """A review of the rule's window in a non-finite bundle: after a level shift that guard.on_spike=warn trained through
     (the rule flags every step at the new level, its window stays at the old one), a NaN sample's drop was judged a spike
     at the new level and failed, the baseline too. Where most of the interval's steps before the incident were above
-    spike_ratio x the window's median, the replays are judged against the run's interval means, as before."""
+    spike_ratio x the window's median, the replays are judged against the run's interval means, as before; on an
+    interval's first steps (every step at log.every=1), where the steps flagged in a row right before it were (a review:
+    the interval's few steps before it decided alone, none on its first step)."""
     from spike_tasks import level_shift_task
 
     task = level_shift_task()
-    task.train_data.tensors[0][352] = float("nan")  # step 45 at batch 8, data in order; the level moves at step 30
-    Trainer(cfg("train.batch_size=8", "log.every=5", "data.shuffle=false", "train.max_steps=46", "sched.warmup_steps=0",
-                "sched.decay=constant", "optim.lr=0.001", "capture.spikes=false"), task=task, run_dir=tmp_path / "run").fit()
-    incident = tmp_path / "run" / "incidents" / "step_000045"
+    sample = (step - 1) * 8
+    task.train_data.tensors[0][sample] = float("nan")  # batch 8, data in order; the level moves at step 30
+    Trainer(cfg("train.batch_size=8", f"log.every={every}", "data.shuffle=false", f"train.max_steps={step + 1}",
+                "sched.warmup_steps=0", "sched.decay=constant", "optim.lr=0.001", "capture.spikes=false", "ckpt.every=0"),
+            task=task, run_dir=tmp_path / "run").fit()
+    incident = tmp_path / "run" / "incidents" / f"step_{step:06d}"
     c = by_name(search_remedies(incident, task, steps=4, only=["skip-samples"]))
-    assert c["skip-samples"]["verdict"] == "cures" and c["skip-samples"]["remedy"]["samples"] == [352], c["skip-samples"]
+    assert c["skip-samples"]["verdict"] == "cures" and c["skip-samples"]["remedy"]["samples"] == [sample], c["skip-samples"]
     assert c["skip-step"]["verdict"] == "cures", c["skip-step"]
 
 

@@ -32,7 +32,6 @@ import dataclasses
 import json
 import math
 import os
-import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -70,6 +69,7 @@ from .records.checkpoint.manager import CheckpointManager
 from .records.jsonl import json_safe, read_jsonl, revive
 from .replica import KEEP, Replica
 from .seeding import set_rng_state
+from .services.replay_rule import replay_guard
 from .tasks import Task
 
 __all__ = ["search_remedies", "format_table", "judge", "REMEDY_FILE", "LOSS_TOLERANCE", "END_STEPS", "VERDICTS"]
@@ -171,19 +171,6 @@ def _flagged_after(run_dir: Path, step: int) -> set[int]:
             if e.get("kind") == "spike" and isinstance(e.get("step"), int) and e["step"] > step}
 
 
-def _rule_window(observed: dict[str, Any], ratio: float) -> list[float] | None:
-    """The losses the replays' rule judges by: the bundle's rule window (a spike's; a non-finite step's since it has one),
-    or None (the run's interval means then). Not a non-finite step's where most of its interval's steps before it were
-    above ``ratio`` x that window's median: the loss moved to a level the rule kept flagging under guard.on_spike=warn (a
-    level shift), which would call every replayed step at it a spike, the samples' drop too."""
-    window = observed.get("spike_window")
-    if not window or observed.get("anomaly") == "spike":
-        return window
-    median = statistics.median(float(v) for v in window)
-    recent = [float(r[1]) for r in observed.get("recent") or [] if math.isfinite(float(r[1]))]
-    return None if median > 0 and recent and 2 * sum(x > ratio * median for x in recent) > len(recent) else window
-
-
 def _replay(inc: _Incident, remedy: Remedy, num_after: int, probe: int | None = None) -> dict[str, Any]:
     """Replay from ``remedy``'s start through the incident's window and ``num_after`` more; the per-step record.
 
@@ -196,17 +183,8 @@ def _replay(inc: _Incident, remedy: Remedy, num_after: int, probe: int | None = 
     model = replica.model
     precision = (replica.precision(mode=remedy.precision) if remedy.precision is not None
                  else replica.precision(state=remedy.precision_state(state["precision"])))
-    guard = Guard(dataclasses.replace(cfg.guard, on_spike="warn"), torch.device("cpu"))  # the host spike rule
-    window = _rule_window(inc.bundle.get("observed", {}), cfg.guard.spike_ratio)
-    if remedy.rollback_step is not None and "guard" in state:
-        guard.load_state_dict(state["guard"])
-    elif window:  # a spike's: the losses the rule judged it against, and its rarity bar's ratios (not a seed's made up)
-        guard.mark_spikes([SimpleNamespace(values={"loss": float(v), "finite": 1.0}) for v in window])
-        rarity = inc.bundle["observed"].get("rarity")  # (a bundle from before the bar: none, as a resume from then)
-        guard.rarity.load_snapshot(rarity) if rarity else guard.rarity.load_state_dict({})
-    else:  # seeded with the run's interval losses before the incident
-        guard.mark_spikes([SimpleNamespace(values={"loss": float(r["loss"]), "finite": 1.0})
-                           for r in inc.history if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"])])
+    guard = replay_guard(cfg, inc.bundle.get("observed", {}), inc.history,  # the host spike rule
+                         state.get("guard") if remedy.rollback_step is not None else None)
     live = None  # guard.on_spike=skip or remedy: the run skips a flagged step's update, so the replay does too (the
     if cfg.guard.on_spike in ("skip", "remedy") and not inc.adapter:  # same rule on the device, from the same window)
         live = Guard(cfg.guard, dev, scaled=precision.scaler is not None)  # fp16: an overflowing spike is one too

@@ -427,10 +427,10 @@ class IncidentCapture:
                 lrs = src.stretch_lrs(start[1], step)  # (a host's one-step LR burst: named, not only "the weights moved")
                 if lrs:
                     bundle["observed"]["stretch_lrs"] = lrs
-                flagged = unordinary(fit, rows)  # the flagged steps right before it: a burst (a loss at a new level)
-                run = next((k for k in range(step) if step - 1 - k not in flagged), step)
-                if run:
-                    bundle["observed"]["flagged_before"] = {"since": step - run, "steps": run}
+            flagged = unordinary(fit, rows)  # the flagged steps right before it: a burst, a level shift (replay_rule)
+            run = next((k for k in range(step) if step - 1 - k not in flagged), step)
+            if run:
+                bundle["observed"]["flagged_before"] = {"since": step - run, "steps": run}
             if n > 0:  # the model and optimizer (the same on every rank) once, in the first bundle; a later one names it
                 bundle = {**{k: v for k, v in bundle.items() if k not in ("model", "optimizer")}, STATE_IN: ".."}
             write_bundle(folder if n == 0 else folder / f"rank_{r}", bundle)
