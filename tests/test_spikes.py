@@ -1087,18 +1087,41 @@ def test_a_data_spikes_samples_that_other_samples_match_are_said_to_be_of_a_kind
     d = json.loads((run_dir / "incidents" / "step_000020" / "diagnosis.json").read_text())
     assert d["failure_class"] == "data" and d["bad_samples"] == [153, 157], d["summary"]
     assert sorted(r["sample"] for r in d["tail"]["samples"]) == [153, 157] and min(r["reach"] for r in d["tail"]["samples"]) >= 1
-    assert re.search(r"; of 248 other samples weighed under this state, some are as lossy \(15[37] \([\d.]+: [1-6] reach(es)? "
+    assert re.search(r"; of 248 other samples weighed under this state, (some are|one is) as lossy \(15[37] \([\d.]+: [1-6] reach(es)? "
                      r"it\), 15[37] \([\d.]+: [1-6] reach(es)? it\)\): the data holds such samples \(hard ones of the loss's "
                      r"own tail, or a recurring defect: label noise, a bad shard\), and this window drew several at once; "
                      r"the window is high under the state of step", d["summary"]), d["summary"]
     # (a review: one sample of the kind is no 'they', nor 'drawn together'; 1 other 'reaches' it)
-    one = {"of": 5, "largest": 2.0, "samples": [{"sample": 7, "loss": 1.5, "reach": 1}]}
-    assert tail_note(one) == ("of 5 other samples weighed under this state, some are as lossy (7 (1.5: 1 reaches it)): the data "
+    one = {"of": 40, "largest": 2.0, "samples": [{"sample": 7, "loss": 1.5, "reach": 1}]}
+    assert tail_note(one) == ("of 40 other samples weighed under this state, one is as lossy (7 (1.5: 1 reaches it)): the data "
                               "holds such samples (hard ones of the loss's own tail, or a recurring defect: label noise, a bad "
-                              "shard)")
+                              "shard)")  # (a review: 'some are as lossy' where one was)
+    assert "some are as lossy" in tail_note({**one, "samples": [{"sample": 7, "loss": 1.5, "reach": 2}]})
     assert tail_note({**one, "samples": [{"sample": 7, "loss": 3.0, "reach": 0}]}) == (
-        "it is beyond all 5 other samples weighed under this state (they reach 2 at most): rare in the data (a corrupt row, "
+        "it is beyond all 40 other samples weighed under this state (they reach 2 at most): rare in the data (a corrupt row, "
         "or one the model has not learned yet)")
+    # beyond a few others (an adapter's kept windows, a batch of one) is not called rare in the data (a review: 'beyond all
+    # 3 other samples: rare in the data')
+    assert tail_note({**one, "of": 3, "samples": [{"sample": 7, "loss": 3.0, "reach": 0}]}) == (
+        "it is beyond all 3 other samples weighed under this state (they reach 2 at most): too few to tell whether that is "
+        "rare in the data (a draw of 32 or more does)")
+    # some beyond every other, some reached: each said (untested before)
+    mixed = {**one, "samples": [{"sample": 7, "loss": 3.0, "reach": 0}, {"sample": 9, "loss": 1.5, "reach": 4}]}
+    assert tail_note(mixed) == ("sample 7 is beyond all 40 other samples weighed under this state (they reach 2 at most); of "
+                                "40 other samples weighed under this state, some are as lossy (9 (1.5: 4 reach it)): the data "
+                                "holds such samples (hard ones of the loss's own tail, or a recurring defect: label noise, a "
+                                "bad shard)")
+
+
+def test_the_samples_a_data_spikes_are_weighed_against_are_counted_once():
+    """Ordinary windows across an epoch's end hold a sample twice: 'of 20 other samples' were 8 (a review)."""
+    from stabletrain.counterfactual import _tail_pool
+
+    bench = SimpleNamespace(task=SimpleNamespace(train_data=list(range(16))))
+    spike = [(list(range(8)), None)]
+    context = [[(list(range(8, 16)), None)], [([0, 1, 2, 3, 8, 9, 10, 11], None)], [(list(range(8, 16)), None)]]
+    for by_index in (False, True):  # (16 samples, 8 of them the spike's: no draw beyond the windows')
+        assert _tail_pool(bench, spike, context, 20, by_index) == list(range(8, 16))
 
 
 @pytest.mark.parametrize("steps", [(22, 23, 24), (18, 20, 21)])

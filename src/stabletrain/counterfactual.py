@@ -257,7 +257,8 @@ def _tail_pool(bench: ReplayBench, spike: list, context: list, step: int, by_ind
     """The samples a data spike's named ones are weighed against (:func:`loss_tail`): the ordinary windows', and where
     samples are dataset indices, a draw of the dataset (seeded by the step, no global RNG touched) up to TAIL_SAMPLES."""
     own = {i for idx, _ in spike for i in idx}
-    pool = [i for groups in context for idx, _ in groups for i in idx if i not in own]
+    pool = list(dict.fromkeys(i for groups in context for idx, _ in groups for i in idx if i not in own))  # (windows
+    # across an epoch's end hold a sample twice: counted once)
     size = 0
     with contextlib.suppress(TypeError):  # (a dataset of no length, or one whose __len__ says it has none)
         size = len(bench.task.train_data) if by_index else 0

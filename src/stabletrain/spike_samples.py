@@ -23,7 +23,7 @@ from .policies.accumulation import as_sum_count
 from .policies.dropout import dropout_off
 from .services.replay_bench import ReplayBench
 
-__all__ = ["weigh_samples", "dropout_draw", "loss_tail", "tail_note", "MAX_GRAD_SAMPLES"]
+__all__ = ["weigh_samples", "dropout_draw", "loss_tail", "tail_note", "MAX_GRAD_SAMPLES", "TAIL_MIN"]
 
 #: Per-sample gradient shares are measured for windows of at most this many samples (one backward each).
 MAX_GRAD_SAMPLES = 64
@@ -37,6 +37,9 @@ MAX_LEAVE_ONE_OUT = 64
 MAX_SUBSETS = 128
 #: A data spike's named samples are weighed against others this many at a time (their batches on the device at once).
 TAIL_CHUNK = 32
+#: Fewer other samples weighed than this (an adapter's kept windows, a batch of one): a named sample beyond them all is
+#: not called rare in the data.
+TAIL_MIN = 32
 
 
 def dropout_draw(bench: ReplayBench, groups: list[tuple[list[int], Any]], rule: Any, bound: float,
@@ -362,12 +365,15 @@ def tail_note(tail: dict[str, Any]) -> str:
     beyond = [r["sample"] for r in tail["samples"] if not r["reach"]]
     within = [r for r in tail["samples"] if r["reach"]]
     others = f"{tail['of']} other samples weighed under this state"
+    # (beyond a few others is no finding about the data: an adapter's kept windows, a batch of one)
+    rare = ("rare in the data (a corrupt row, or one the model has not learned yet)" if tail["of"] >= TAIL_MIN else
+            f"too few to tell whether that is rare in the data (a draw of {TAIL_MIN} or more does)")
     if not within:
-        return (f"{'each is' if len(beyond) > 1 else 'it is'} beyond all {others} (they reach {tail['largest']:.4g} at "
-                "most): rare in the data (a corrupt row, or one the model has not learned yet)")
+        who = "each is" if len(beyond) > 1 else "it is"
+        return f"{who} beyond all {others} (they reach {tail['largest']:.4g} at most): {rare}"
     said = ", ".join(f"{r['sample']} ({r['loss']:.4g}: {r['reach']} reach{'es' * (r['reach'] == 1)} it)" for r in within)
-    held = (f"of {others}, some are as lossy ({said}): the data holds such samples (hard ones of the loss's own tail, or "
-            "a recurring defect: label noise, a bad shard)")
+    held = (f"of {others}, {'one is' if max(r['reach'] for r in within) == 1 else 'some are'} as lossy ({said}): the data "
+            "holds such samples (hard ones of the loss's own tail, or a recurring defect: label noise, a bad shard)")
     if not beyond:
         return held + (", and this window drew several at once" if len(within) > 1 else "")
     who = f"samples {', '.join(map(str, beyond))} are" if len(beyond) > 1 else f"sample {beyond[0]} is"
