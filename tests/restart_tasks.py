@@ -155,3 +155,12 @@ def factory_death_task(counter: str = "") -> Task:
         fh.write("called\n")
     print("TASK: dying in the factory", flush=True)
     os._exit(9)
+
+
+def exit_call_task(message: str = "", bare: bool = False, index: int = 45, marker: str = "") -> Task:
+    """:func:`exit_code_task` whose sample ``index`` calls ``sys.exit(message)``, or ``sys.exit()`` where ``bare``, once."""
+    from stabletrain.tasks.mlp import make_task
+
+    task = make_task(num_samples=64, width=16, depth=2)
+    task.train_data = _ExitAt(task.train_data, index, None if bare else message, marker, 0, False)
+    return task

@@ -701,6 +701,15 @@ def test_a_run_directory_that_cannot_be_written_is_one_line_to_resume_and_to_rep
             err = capsys.readouterr().err
             assert err.endswith(f"error: config key 'run.dir': {str(run)!r} cannot be written: Read-only file system "
                                 f"({run / 'metrics.jsonl'})\n") and "Traceback" not in err, err
+    # A folder without write permission (the OS's answer planted: root passes permission bits): refused before a line
+    # that starts or continues it (a review: no test reached this check)
+    with monkeypatch.context() as m:
+        m.setattr(rundir.os, "access", lambda path, mode: False)
+        assert main([*args[:-2], "train.max_steps=6", f"run.dir={tmp_path / 'new'}", "run.resume=auto"]) == 2
+        err = capsys.readouterr().err
+        assert err.strip().splitlines() == [f"stabletrain: error: config key 'run.dir': {str(tmp_path / 'new')!r} cannot be "
+                                            "written: the folder is not writable (its permissions, or a read-only file "
+                                            "system)"], err
     (run / "plots").rmdir() if (run / "plots").is_dir() else None
     (run / "plots").write_text("")  # (the report's plots folder cannot be made)
     assert main(["report", str(run)]) == 2

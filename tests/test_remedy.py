@@ -161,6 +161,9 @@ def test_a_nan_sample_after_a_level_shift_is_cured_by_its_drop_at_the_new_level(
                 "sched.warmup_steps=0", "sched.decay=constant", "optim.lr=0.001", "capture.spikes=false", "ckpt.every=0"),
             task=task, run_dir=tmp_path / "run").fit()
     incident = tmp_path / "run" / "incidents" / f"step_{step:06d}"
+    # the bundle holds the rule's window (a remedy's replays are judged by it), its diagnosis.json does not (a NaN's)
+    told = json.loads((incident / "diagnosis.json").read_text())["observed"]
+    assert "spike_window" in load_bundle(incident)["observed"] and not {"spike_window", "rarity"} & set(told), told
     c = by_name(search_remedies(incident, task, steps=4, only=["skip-samples"]))
     assert c["skip-samples"]["verdict"] == "cures" and c["skip-samples"]["remedy"]["samples"] == [sample], c["skip-samples"]
     assert c["skip-step"]["verdict"] == "cures", c["skip-step"]

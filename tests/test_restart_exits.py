@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import re
 import signal
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
-from multiproc import events, train_cli
+from multiproc import env, events, train_cli
 
 from stabletrain.distributed.elastic import told_exit
 from stabletrain.errors import clean_exit
@@ -182,6 +184,22 @@ def test_a_tasks_own_sys_exit_0_is_a_stop_and_one_in_a_data_worker_says_the_work
     # Python's own rule for what exits 0: None, 0, False; not "" nor 0.0 (they exit 1, as errors)
     assert [clean_exit(SystemExit(*c)) for c in ((), (0,), (False,), ("",), (0.0,), (3,), ("bye",))] == [
         True, True, True, False, False, False, False]
+    # sys.exit() is said as the code wrote it, on the console and in the stop event (a review: 'sys.exit(None)' in the
+    # event, 'sys.exit(0)' on the console); sys.exit("bye") once, exit 1
+    res = train_cli("task=restart_tasks:exit_call_task", "task_args.bare=true", f"task_args.marker={tmp_path / 'bare'}",
+                    *ARGS, f"run.dir={tmp_path / 'bare_run'}")
+    assert res.returncode == 0 and "ended the process (sys.exit()) at " in res.stderr, res.stderr[-3000:]
+    (stop,) = [e for e in events(tmp_path / "bare_run") if e["kind"] in ("crash", "stop")]
+    assert stop["reason"].startswith("stopping: the task's code called sys.exit() at "), stop
+    res = train_cli("task=restart_tasks:exit_call_task", "task_args.message=bye", f"task_args.marker={tmp_path / 'said'}",
+                    *ARGS, f"run.dir={tmp_path / 'said_run'}")
+    assert res.returncode == 1 and res.stderr.count("bye") == 1 and "SystemExit: bye" in res.stderr, res.stderr[-3000:]
+    # Another command the task's exit cuts short has no result: not a pass (exit 1), and no word of training
+    res = subprocess.run([sys.executable, "-m", "stabletrain", "check", "overfit", "task=restart_tasks:exit_call_task",
+                          "task_args.bare=true", "task_args.index=0", f"task_args.marker={tmp_path / 'check'}",
+                          f"--out={tmp_path / 'check_out'}"], env=env(), capture_output=True, text=True, timeout=240)
+    assert res.returncode == 1 and "stabletrain check did not finish (no result)" in res.stderr, res.stderr[-3000:]
+    assert "training" not in res.stderr.splitlines()[-1], res.stderr[-3000:]
     res = train_cli("task=restart_tasks:exit_code_task", "task_args.code=3", f"task_args.marker={tmp_path / 'exited3'}",
                     "data.workers=2", *ARGS, f"run.dir={tmp_path / 'workers'}")
     said = [x for x in res.stderr.splitlines() if x.startswith("stabletrain: error: ")]

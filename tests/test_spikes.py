@@ -164,10 +164,14 @@ def test_the_remedy_search_finds_a_cure_that_fits_the_class(spiked, tmp_path):
         shutil.copytree(run_dir, copy)  # (the module's run stays as it is)
         row = 1 + [c["name"] for c in record["candidates"]].index("module-fp32")
         folder = copy / "incidents" / f"step_{incident['step']:06d}"
-        with pytest.raises(ValueError, match=r"none of its cures rolls back; a run with guard.on_spike=remedy applies a cure "
-                                             r"at the incident itself"):
-            Trainer(cfg("train.batch_size=8", "log.every=10", "data.shuffle=false", *CASES[cls][2], "train.max_steps=80",
-                        f"remedy.apply={folder}:{row}"), task=factory(**kwargs), run_dir=copy, resume=True).fit()
+        for older in (False, True):  # a remedy.json from before it recorded the anomaly: read from diagnosis.json
+            if older:
+                path = folder / "remedy.json"
+                path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "anomaly"}))
+            with pytest.raises(ValueError, match=r"none of its cures rolls back; a run with guard.on_spike=remedy applies a "
+                                                 r"cure at the incident itself"):
+                Trainer(cfg("train.batch_size=8", "log.every=10", "data.shuffle=false", *CASES[cls][2], "train.max_steps=80",
+                            f"remedy.apply={folder}:{row}"), task=factory(**kwargs), run_dir=copy, resume=True).fit()
 
 
 
@@ -1087,7 +1091,8 @@ def test_a_data_spikes_samples_that_other_samples_match_are_said_to_be_of_a_kind
     d = json.loads((run_dir / "incidents" / "step_000020" / "diagnosis.json").read_text())
     assert d["failure_class"] == "data" and d["bad_samples"] == [153, 157], d["summary"]
     assert sorted(r["sample"] for r in d["tail"]["samples"]) == [153, 157] and min(r["reach"] for r in d["tail"]["samples"]) >= 1
-    assert re.search(r"; of 248 other samples weighed under this state, (some are|one is) as lossy \(15[37] \([\d.]+: [1-6] reach(es)? "
+    assert re.search(r"; of 248 other samples weighed under this state, (some are|one is) as lossy "
+                     r"\(15[37] \([\d.]+: [1-6] reach(es)? "
                      r"it\), 15[37] \([\d.]+: [1-6] reach(es)? it\)\): the data holds such samples \(hard ones of the loss's "
                      r"own tail, or a recurring defect: label noise, a bad shard\), and this window drew several at once; "
                      r"the window is high under the state of step", d["summary"]), d["summary"]

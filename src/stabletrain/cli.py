@@ -30,7 +30,7 @@ from .commands.pages import add_compare_parser, add_report_parser, cmd_compare, 
 from .commands.remedy import add_remedy_parser, cmd_remedy
 from .commands.train import add_train_parser, cmd_train
 from .config import ConfigError
-from .errors import clean_exit, format_task_error, raised_by_stabletrain, task_part
+from .errors import clean_exit, exit_call, format_task_error, raised_by_stabletrain, task_part
 
 __all__ = ["main"]
 
@@ -110,11 +110,14 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(1) from None
         elif part is not None:  # sys.exit(0): an end the task asked for, said as the stop it is, not as an error
             head, *_ = format_task_error(err, part).splitlines()
+            head = head.replace(" raised SystemExit", f" ended the process ({exit_call(err)})", 1)
+            notes = "".join(f" {note}" for note in getattr(err, "__notes__", ()))
+            if args.command != "train":  # (check, diagnose, remedy: cut short, no verdict; not a pass, exit 1)
+                console.error(f"{head}: stabletrain {args.command} did not finish (no result){notes}")
+                return 1
             trained = getattr(err, "stabletrain_step", None) is not None  # (raised in the loop: its stop is recorded)
-            console.say(f"{_rank_prefix()}{head.replace(' raised SystemExit', ' ended the process (sys.exit(0))', 1)}: "
-                        + ("the run stopped there, unfinished (a stop event; --resume continues it)" if trained else
-                           "before training began: nothing was trained or recorded")
-                        + "".join(f" {note}" for note in getattr(err, "__notes__", ())), sys.stderr)
+            console.say(f"{_rank_prefix()}{head}: " + ("the run stopped there, unfinished (a stop event; --resume continues "
+                        "it)" if trained else "before training began: nothing was trained or recorded") + notes, sys.stderr)
         raise
     except Exception as err:
         if _loaded_instance(err, "stabletrain.distributed.peers", "PeerLostError"):  # (torch's module: loaded if raised)

@@ -20,7 +20,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-__all__ = ["user_frames", "user_location", "defined_at", "caller_loss_note", "format_user_traceback", "task_part",
+__all__ = ["exit_call", "user_frames", "user_location", "defined_at", "caller_loss_note", "format_user_traceback", "task_part",
            "host_retry", "retried", "retry_line", "raised_by_stabletrain", "format_task_error", "batch_note", "half_params",
            "TaskCodeError", "TASK_PARTS", "brief", "crash_event", "StopTraining", "short_cause"]
 
@@ -440,6 +440,11 @@ def clean_exit(err: BaseException) -> bool:
     """Whether ``err`` is a SystemExit that Python ends the process with exit code 0 (``sys.exit()``, ``sys.exit(0)``,
     ``sys.exit(False)``; not ``sys.exit("")`` nor ``sys.exit(0.0)``, which exit 1)."""
     return isinstance(err, SystemExit) and (err.code is None or (isinstance(err.code, int) and err.code == 0))
+
+
+def exit_call(err: SystemExit) -> str:
+    """``err``'s ``sys.exit`` call as the code wrote it: ``sys.exit()``, ``sys.exit(0)``, ``sys.exit('bye')``."""
+    return "sys.exit()" if err.code is None else f"sys.exit({err.code!r})"
 
 
 class StopTraining(RuntimeError):

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from .errors import clean_exit, crash_event
+from .errors import clean_exit, crash_event, exit_call
 from .records.rundir import append_event
 from .seeding import rng_state, seed_everything, set_rng_state
 
@@ -126,7 +126,7 @@ class RunState:
                 if clean_exit(err):  # a sys.exit(0) in the code the loop ran (the task's): an end it asked for, a stop
                     where = f" at {fields['location']}" if fields.get("location") else ""
                     self.event(self.step, "stop", f"stopping: the {'task' if fields.get('part') else 'training'}'s code "
-                               f"called sys.exit({err.code!r}){where}", own=True, failed_step=failed, task_exit=True, **fields)
+                               f"called {exit_call(err)}{where}", own=True, failed_step=failed, task_exit=True, **fields)
                     return
                 self.event(self.step, "crash", reason, own=True, failed_step=failed, **fields)
                 return
