@@ -692,3 +692,19 @@ def batchnorm_scaled_task(n: int = 1024, first_bad: int = 720, scale: float = 10
                           nn.Flatten(), nn.Linear(8 * 4 * 4, 4))
     return Task(model=model, train_data=TensorDataset(x, y), name="bn-scaled",
                 loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+
+
+def scaled_rows_classifier_task(n: int = 4800, step: int = 150, rows: tuple[int, ...] = (2, 7, 11), scale: float = 50.0
+                                ) -> Task:
+    """data, the window high under the older state but below guard.spike_ratio times ordinary windows there (a new user's
+    trial): a 10-class MLP classifier (batch 16, data in order) whose step ``step`` holds rows ``rows`` of its batch with
+    inputs ``scale`` times too large. Under the interval's start the window is x1.8 ordinary windows' loss, x2.1 at the
+    spike: most of its excess was there before the updates since (it was called the state's)."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(20, 10, generator=g)
+    x = torch.randn(n, 20, generator=g)
+    y = (x @ w + 0.5 * torch.randn(n, 10, generator=g)).argmax(1)
+    x[[(step - 1) * 16 + k for k in rows]] *= scale
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    return Task(model=model, train_data=TensorDataset(x, y), loss=_ce, name="scaled-rows-classifier")

@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 from helpers import cfg
-from spike_tasks import lr_jump_task, one_step_jump_task
+from spike_tasks import lr_jump_task, one_step_jump_task, scaled_rows_classifier_task
 
 from stabletrain import Trainer
 from stabletrain.diagnostics.spike import classify_spike
@@ -529,3 +529,20 @@ def test_a_rise_of_the_optimizers_steps_to_a_level_that_stays_is_placed_at_its_o
             noisy = [(1e-3 if i < at else 8e-3) * (1 + rng.uniform(-0.2, 0.2)) for i in range(12)]
             assert update_level_jump(hist(noisy))["step"] == 10 * (at + 1), noisy
     assert update_level_jump(hist([1e-3, float("nan"), None, 0.0] * 3)) is None  # nothing finite and positive enough
+
+
+def test_a_window_high_under_the_older_state_below_the_rules_bar_is_still_the_batchs(tmp_path):
+    """A new user's trial: three rows of a classifier's batch at x50 inputs. Under the interval's start the window was x1.81
+    ordinary windows' loss (3.10 vs 1.71), below guard.spike_ratio=2, and x2.14 at the spike (3.41 vs 1.59): it was called
+    'state: the updates since step 140 raised this window's loss', 'samples 2395 carry 43% of the loss, but only under
+    the current state', no sample offered to drop. Most of the window's excess over ordinary windows was there before the
+    updates: the batch's, its verified sample named."""
+    run_dir = tmp_path / "run"
+    Trainer(cfg("train.batch_size=16", "train.max_steps=152", "log.every=10", "data.shuffle=false", "sched.warmup_steps=0",
+                "sched.decay=constant", "optim.weight_decay=0.01", "optim.beta2=0.999", "ckpt.every=0"),
+            task=scaled_rows_classifier_task(), run_dir=run_dir).fit()
+    d = _diagnosis(run_dir, 150)
+    older = d["older"]
+    assert older["step"] == 140 and older["window"] < older["ratio"] * older["ordinary"], older  # (below the bar there)
+    assert d["failure_class"] == "data" and d["bad_samples"] and set(d["bad_samples"]) <= {2386, 2391, 2395}, d["summary"]
+    assert "the window is high under the state of step 140 too" in d["evidence"], d["evidence"]

@@ -54,6 +54,9 @@ __all__ = ["diagnose_spike"]
 
 #: A data spike with no sample to blame, right after this many flagged steps in a row, is a level shift (the data moved).
 LEVEL_RUN = 5
+#: The spike window's excess over ordinary windows' loss under the older state, as a share of its excess now, from which
+#: the window counts as high there too (below guard.spike_ratio times theirs): the batch's, not the updates since.
+HELD_SHARE = 0.5
 #: A data spike's named samples are weighed against at most this many others (each alone: one forward pass each).
 TAIL_SAMPLES = 256
 
@@ -363,6 +366,10 @@ def _older(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, spike: list, co
         source, ordinary_old = ordinary_stand_in(step, since, seen.get("spike_window") or [], after, ordinary_now,
                                                  loss <= ratio * window_old)
     high = window_old > ratio * ordinary_old if ordinary_old is not None and math.isfinite(ordinary_old) else source == "capture"
+    if context and not high and all(map(math.isfinite, (window_old, ordinary_old, ordinary_now))) and loss > ordinary_now:
+        # (or most of its excess over ordinary windows was there already: the updates since lifted it past the bar, not to
+        # it; a trial's three rows x50, x1.81 the ordinary windows' loss then, x2.14 now, were called the state's)
+        high = window_old - ordinary_old >= HELD_SHARE * (loss - ordinary_now)
     lrs = {g["lr"] for g in (lr_groups(bundle.get("optimizer")) or {}).get("param_groups", [])}  # (one LR: the records')
     kept = [(int(t), float(x)) for t, x, *_ in (seen.get("history") or [])[-HISTORY_INTERVALS:]
             if step <= t < since and isinstance(x, float) and x > 0]
