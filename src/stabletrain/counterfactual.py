@@ -55,8 +55,9 @@ __all__ = ["diagnose_spike"]
 #: A data spike with no sample to blame, right after this many flagged steps in a row, is a level shift (the data moved).
 LEVEL_RUN = 5
 #: The spike window's excess over ordinary windows' loss under the older state, as a share of its excess now, from which
-#: the window counts as high there too (below guard.spike_ratio times theirs): the batch's, not the updates since.
-HELD_SHARE = 0.5
+#: the window counts as high there too (below guard.spike_ratio times theirs): the batch's, not the updates since (while
+#: ordinary windows did not rise: else the state drifted, :func:`~.diagnostics.spike.classify_spike`).
+HELD_SHARE = 1 / 3
 #: A data spike's named samples are weighed against at most this many others (each alone: one forward pass each).
 TAIL_SAMPLES = 256
 
