@@ -464,6 +464,15 @@ def test_a_run_is_stalled_when_no_update_of_the_last_steps_moved_the_parameters(
                         "gradient; the GradScaler's scale is 3.6e-12: no gradient reached the parameters (guard.stall_steps="
                         "20). Try precision=bf16 (no loss scale), the overflowing module in fp32 (where stabletrain "
                         "diagnose names one), or guard.on_nonfinite=remedy; guard.on_stall=warn trains on")
+    # the skips' loss itself non-finite (a trial's regression whose output outgrew float16): the scale fell for nothing
+    rows = _stall_rows(nine_of_ten * 2, 0.0, scale=1.9e-6)
+    for r in rows:
+        if not r.values["applied"]:
+            r.values.update(loss=float("inf"), finite=0.0, overflow=1.0)
+    d = Guard(GuardConfig(), torch.device("cpu"), remedy=True).decide(rows)
+    assert ("had a zero gradient; the GradScaler's scale is 1.9e-06, fallen for nothing: 18 of the 18 skipped steps' loss "
+            "itself is non-finite in float16 (an overflow in the forward, or an invalid op), which no loss scale makes "
+            "finite: no gradient reached the parameters") in d.reason, d.reason
     # an adapter's guard (remedy=False: Monitor refuses on_nonfinite="remedy") names the remedy search it can run instead
     d = Guard(GuardConfig(), torch.device("cpu")).decide(_stall_rows(nine_of_ten * 2, 0.0, scale=3.6e-12))
     assert d.reason.endswith("(where stabletrain diagnose names one), or stabletrain remedy on the incident where one was "

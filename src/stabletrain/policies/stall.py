@@ -114,6 +114,10 @@ class StallWatch:
                       "a look at whether the loss depends on the parameters")
         elif scale != 1.0:
             what += f"; the GradScaler's scale is {scale:.2g}"
+            lost = [r for r in recent if not r[0] and not math.isfinite(r[3])]
+            if 2 * len(lost) >= skipped > 0:  # the skips' loss itself: the forward overflowed, the scale fell for nothing
+                what += (f", fallen for nothing: {len(lost)} of the {skipped} skipped steps' loss itself is non-finite in "
+                         "float16 (an overflow in the forward, or an invalid op), which no loss scale makes finite")
             advice = FP16_ADVICE + REMEDY_ADVICE[self.remedy]
         else:
             advice = "a look at the skip events and the loss (is it constant?), or " + REMEDY_ADVICE[self.remedy]
