@@ -83,7 +83,8 @@ def test_a_death_once_the_restarts_are_used_up_is_said_in_one_line_and_recorded(
     assert stop["kind"] == "stop" and stop["cause"]["pid"] == killed[1] and stop["cause"]["signal"] == "SIGKILL"
     assert stop["cause"]["rank"] == 0 and stop["cause"]["restart"] is None and stop["step"] > resumed() >= 2
     texts = [t for _, t in health_summary(load_run(run_dir)).sentences]
-    assert any(t.startswith(f"Stopped at step {stop['step']:,}: the run's 1 restart(s) were used up (run.max_restarts=1) "
+    assert any(t.startswith(f"Stopped after step {stop['step']:,} (the last step recorded before its process died): the "
+                            "run's 1 restart(s) were used up (run.max_restarts=1) "
                             f"when {who} (pid {killed[1]}) was killed by SIGKILL") for t in texts), texts
     # (a trial: "Stopped at step 550" of a run whose state was step 400's: where a resume goes on is said too)
     good = int((run_dir / "checkpoints" / "LAST_GOOD").read_text().strip()[5:])

@@ -320,8 +320,10 @@ def _crash(run: RunData, h: Health) -> None:
 def _stop_text(event: Event) -> str:
     reason = (event.reason or "no reason given").removeprefix("stopping: ")
     reason = reason.removesuffix(f" at step {event.step}").removeprefix("stopped ")
-    return f"Stopped at step {event.step:,} {reason}" if reason.startswith("by ") else \
-        f"Stopped at step {event.step:,}: {reason}"
+    # (a launcher's stop after its process died: the step is its last record, which it may have trained past)
+    at = (f"after step {event.step:,} (the last step recorded before its process died)"
+          if isinstance(event.extra.get("cause"), dict) else f"at step {event.step:,}")
+    return f"Stopped {at} {reason}" if reason.startswith("by ") else f"Stopped {at}: {reason}"
 
 
 def stall_figures(run: RunData) -> dict[str, Any] | None:
