@@ -108,3 +108,18 @@ def test_the_diagnosis_file_is_strict_json_with_its_non_finite_numbers_spelled_a
     assert revive({"kind": "inf", "first_op": {"kind": "nan", "max": "inf"}, "x_kind": ["nan"]}) == {
         "kind": "inf", "first_op": {"kind": "nan", "max": math.inf}, "x_kind": ["nan"]}
 
+
+
+def test_a_failure_met_again_is_said_short_naming_the_step_that_first_met_it(tmp_path, capfd):
+    """A trial's fp16 regression whose output outgrew float16: the same overflow in module '1' captured each interval
+    printed its whole 400-character line 8 times. A later incident that finds what an earlier one did (class, stage, op,
+    module) says so in one short line: the step that first met it and this step's samples (diagnosis.json keeps it all)."""
+    Trainer(cfg("train.batch_size=8", "data.shuffle=false", "log.every=4", "train.max_steps=12", "log.progress=false"),
+            task=nan_sample_task(5, n=32), run_dir=tmp_path / "run").fit()  # sample 5: steps 1, 5 and 9
+    lines = [x for x in capfd.readouterr().out.splitlines() if x.startswith("stabletrain: incident at step")]
+    assert len(lines) == 3 and "as at step" not in lines[0] and "sample 5" in lines[0], lines
+    for line, step in zip(lines[1:], (5, 9)):
+        assert line.startswith(f"stabletrain: incident at step {step}: data: as at step 1 (aten.addmm.default in forward of "
+                               "module '0'), at sample 5; reproduces on replay"), line
+    later = json.loads((tmp_path / "run" / "incidents" / "step_000005" / "diagnosis.json").read_text())
+    assert "as at step" not in later["summary"] and later["bad_samples"] == [5], later["summary"]  # (the record: whole)

@@ -38,7 +38,7 @@ from .bisection import Bisection, SubsetJudge, bisect_samples
 from .failure_class import WEIGHT_DRIVEN_SHARE, classify_failure
 from .nonfinite import NonFiniteLocator, NonFiniteOp
 
-__all__ = ["STAGES", "DIAGNOSIS_FIELDS", "run_diagnosis", "matches_observed"]
+__all__ = ["STAGES", "DIAGNOSIS_FIELDS", "run_diagnosis", "matches_observed", "repeat_key", "repeat_summary"]
 
 #: The diagnosis fields an ``incident`` event carries (the whole diagnosis is in ``diagnosis.json``).
 DIAGNOSIS_FIELDS = ("summary", "failure_class", "evidence", "stage", "op", "direction", "module", "origin",
@@ -328,6 +328,26 @@ def _alone_reason(error: str) -> str:
     if "more than 1 value per channel" in error:
         return "BatchNorm in training mode needs more than one value per channel"
     return error
+
+
+def repeat_key(d: dict[str, Any]) -> tuple[Any, ...] | None:
+    """What two non-finite diagnoses that found the same failure share (its class, stage, op, direction, module), or None
+    where there is nothing to compare (a spike's, one that did not reproduce, one with no op located)."""
+    if d.get("anomaly") == "spike" or not d.get("reproduces") or not d.get("op"):
+        return None
+    return tuple(d.get(k) for k in ("failure_class", "stage", "op", "direction", "module"))
+
+
+def repeat_summary(d: dict[str, Any], first: int) -> str:
+    """The console's words for a diagnosis that found what the one of step ``first`` did (:func:`repeat_key`): that
+    step named, where, and this step's samples (a run's fp16 overflow captured each interval said all of it each time)."""
+    where = d["op"] + (f" in {d['direction']} of module '{d['module']}'" if d.get("module") is not None else "")
+    samples = d.get("bad_samples") or []
+    num = d.get("num_samples") or 0
+    weights = d.get("blamed_module") and num > 1 and len(samples) >= WEIGHT_DRIVEN_SHARE * num
+    named = (f", at sample{'s' * (len(samples) > 1)} {', '.join(map(str, samples[:4]))}{', ...' if len(samples) > 4 else ''}"
+             if samples and d["failure_class"] != "divergence" and not weights else "")  # (the weights' fault: not theirs)
+    return f"{d['failure_class']}: as at step {first} ({where}){named}; reproduces on replay"
 
 
 def _summary(d: dict[str, Any], bisection: Bisection | None) -> str:

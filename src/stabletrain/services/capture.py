@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 from .. import console
 from ..console import StableTrainWarning
-from ..diagnostics.diagnosis import DIAGNOSIS_FIELDS
+from ..diagnostics.diagnosis import DIAGNOSIS_FIELDS, repeat_key, repeat_summary
 from ..errors import user_location
 from ..incident_replay import diagnose_incident, launch_history
 from ..records.bundles import BUNDLE_DCP_DIR, STATE_IN, sample_ranks, write_bundle
@@ -186,6 +186,7 @@ class IncidentCapture:
         self.start_lrs: list[float] | None = None  # the lrs the snapshot's step ran at, where the optimizer's are the next's
         self.held_lrs: list[float] | None = None  # the same for the snapshot held before a run of flagged steps
         self.history: list[dict[str, Any]] = []  # interval records of the launches before a resume (:meth:`remember`)
+        self.told: dict[tuple[Any, ...], int] = {}  # a non-finite failure said on the console -> its first step
         # A source's wish to keep the snapshot before the interval's too (HostSteps.wants_previous), asked at the first
         # interval start it snapshots (its optimizer's state is there, or estimated); the built-in loop's sets it itself.
         self._wants_previous = getattr(source, "wants_previous", None)
@@ -249,15 +250,10 @@ class IncidentCapture:
             self.snapshot.take(side, rest, step, share=share, optimizer=src.optimizer, fresh=getattr(src, "fresh_parts", ()))
 
     def _hold_before_run(self, step: int, flagged: Collection[int]) -> None:
-        """Hold the last snapshot taken before the run of flagged steps that ``step`` ends, while it goes on; let go of it
-        once a boundary's step is not flagged (the run ended, or a rollback went back before it).
-
-        Under guard.on_spike=skip every step of a divergence may be flagged and skipped: the interval's start (and the one
-        before it) is then the spike's own state, and the snapshot from before the run is the trained state a spike's
-        window is weighed under (:func:`~.spike_reference.spike_parts`), not the untrained step 0's checkpoint. One
-        process, where thrice the snapshot fits the memory budget (``may_hold``): one more state in host memory while the
-        run lasts; a run without flagged steps holds nothing.
-        """
+        """Hold the last snapshot taken before the run of flagged steps that ``step`` ends, while it goes on (let go once a
+        boundary's step is not flagged): under guard.on_spike=skip a divergence's every step may be skipped, and the state
+        a spike's window is weighed under (:func:`~.spike_reference.spike_parts`) is the trained one from before the run,
+        not step 0's checkpoint. One process, where thrice the snapshot fits the memory budget (``may_hold``)."""
         snap = self.snapshot
         chain = self.drift_at(step)  # (a drift's chain of spikes holds the snapshot from before its onset too)
         if step not in flagged and chain is None:
@@ -491,8 +487,10 @@ class IncidentCapture:
                     on_rank = (" (every rank's batch: " + "; ".join(
                         f"rank {r}: {', '.join(str(i) for i, at in where.items() if at == r)}" for r in sorted(set(
                             where.values()))) + ")") if where else " (every rank's batch)"
-                console.say(f"{label}{on_rank}: "
-                            + console.brief(str(diagnosis.get("summary")), more=f"(all of it: stabletrain diagnose {folder})"))
+                key, said = repeat_key(diagnosis), str(diagnosis.get("summary"))  # (a failure met again: said short)
+                said = repeat_summary(diagnosis, self.told[key]) if key in self.told else said
+                self.told.setdefault(key, step) if key is not None else None
+                console.say(f"{label}{on_rank}: " + console.brief(said, more=f"(all of it: stabletrain diagnose {folder})"))
                 return {"diagnosis": {**{k: diagnosis.get(k) for k in DIAGNOSIS_FIELDS},
                                       **{k: diagnosis.get(k) for k in extra}}}, diagnosis
             except Exception as err:  # a diagnosis that fails must not take the run down with it
