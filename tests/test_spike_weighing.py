@@ -546,3 +546,52 @@ def test_a_window_high_under_the_older_state_below_the_rules_bar_is_still_the_ba
     assert older["step"] == 140 and older["window"] < older["ratio"] * older["ordinary"], older  # (below the bar there)
     assert d["failure_class"] == "data" and d["bad_samples"] and set(d["bad_samples"]) <= {2386, 2391, 2395}, d["summary"]
     assert "the window is high under the state of step 140 too" in d["evidence"], d["evidence"]
+
+
+def _older_of(window_old, ordinary_old, loss, ordinary_now, median):
+    """counterfactual._older on a bench that reports these losses: the window's and ordinary windows' under the older state
+    (step 140) and under the spike's (its window's: ``loss``), the rule (ratio 2) at ``median``."""
+    from types import SimpleNamespace
+
+    from stabletrain.counterfactual import _older
+
+    model, spike, context = torch.nn.Linear(3, 3), [("window",)], [[("a",)], [("b",)]]
+
+    def loss_of(groups, older=None):
+        return (window_old if older is not None else loss) if groups is spike else (
+            ordinary_old if older is not None else ordinary_now)
+
+    bench = SimpleNamespace(replica=SimpleNamespace(model=model), loss=loss_of, module_rms=lambda s, m: ({"": 1.0}, [""]))
+    bundle = {"reference": {"model": model.state_dict(), "step": 140}, "observed": {"spike_window": [median] * 20},
+              "step": 150}
+    rule = lambda x: {"median": median, "spike": x > 2.0 * median, "ratio": x / median}  # noqa: E731
+    return _older(bench, bundle, SimpleNamespace(guard=SimpleNamespace(spike_ratio=2.0)), spike, context, rule, loss)[0]
+
+
+def test_a_window_below_the_bar_under_the_older_state_is_the_batchs_only_where_ordinary_windows_held_and_nothing_surged():
+    """A review of HELD_SHARE: a window x1.1 ordinary windows' loss under the older state, ordinary windows risen x1.9 since
+    (under the rule's bar), was called high there, data; an Adam surge before the spike on a window x1.8 there, too. The
+    share counts where ordinary windows did not rise, the window stood at sqrt(spike_ratio) x theirs or more there and is
+    a spike against them now, and no surge in the update before it lifted it x1.5 or more."""
+    samples = {"indices": [7], "share": 0.6, "without": {"loss": 1.2, "ratio": 1.1, "zscore": 0.5}}
+    for args, held in (((3.101, 1.713, 3.408, 1.59, 1.65), 0.763),  # the trial's three rows
+                       ((3.109, 1.713, 4.631, 1.589, 1.65), 0.459),  # its five rows under Lightning (46%: a third suffices)
+                       ((1.5, 1.0, 3.0, 1.0, 1.0), None),  # a quarter of its excess then: the updates made the rest
+                       ((1.1, 1.0, 2.1, 1.9, 1.0), None),  # ordinary windows rose x1.9: a drift, not the batch
+                       ((2.5, 2.0, 2.2, 1.0, 1.0), None)):  # x1.25 there: no outlier under that state
+        older = _older_of(*args)
+        assert (older.get("held") is None if held is None else math.isclose(older["held"], held, abs_tol=1e-3)), (args, older)
+        assert older["window_high"] is (held is not None), (args, older)
+        out = classify_spike({"reproduces": True, "loss": args[2], "older": older, "step": 150, "samples": samples})
+        assert (out["failure_class"] == "data") is (held is not None), (args, out)
+    trial = classify_spike({"reproduces": True, "loss": 3.408, "older": _older_of(3.101, 1.713, 3.408, 1.59, 1.65),
+                            "step": 150, "samples": samples})
+    assert "the window is high under the state of step 140 too (3.101 vs 1.713: x1.81, 76% of its excess now)" in (
+        trial["evidence"]), trial["evidence"]
+    # Adam's surge before the spike lifted a window x1.8 ordinary ones there to x3.2: the surge's, not the batch's
+    surge = [{"step": 149, "name": "emb.weight", "surge_share": 0.01, "coord_factor": 12.0}]
+    older = _older_of(1.8, 1.0, 3.2, 1.0, 1.0)
+    assert older.get("held") and older["window_high"], older
+    m = {"reproduces": True, "loss": 3.2, "older": older, "step": 150, "samples": samples}
+    assert classify_spike({**m, "surges": surge})["failure_class"] == "optimizer-state"
+    assert classify_spike(m)["failure_class"] == "data"

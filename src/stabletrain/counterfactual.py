@@ -55,8 +55,8 @@ __all__ = ["diagnose_spike"]
 #: A data spike with no sample to blame, right after this many flagged steps in a row, is a level shift (the data moved).
 LEVEL_RUN = 5
 #: The spike window's excess over ordinary windows' loss under the older state, as a share of its excess now, from which
-#: the window counts as high there too (below guard.spike_ratio times theirs): the batch's, not the updates since (while
-#: ordinary windows did not rise: else the state drifted, :func:`~.diagnostics.spike.classify_spike`).
+#: the window counts as high there too below guard.spike_ratio times theirs (at sqrt of it at least, ordinary windows not
+#: risen since, the window a spike against them now): the batch's, not the updates since (``older["held"]``).
 HELD_SHARE = 1 / 3
 #: A data spike's named samples are weighed against at most this many others (each alone: one forward pass each).
 TAIL_SAMPLES = 256
@@ -367,10 +367,13 @@ def _older(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, spike: list, co
         source, ordinary_old = ordinary_stand_in(step, since, seen.get("spike_window") or [], after, ordinary_now,
                                                  loss <= ratio * window_old)
     high = window_old > ratio * ordinary_old if ordinary_old is not None and math.isfinite(ordinary_old) else source == "capture"
-    if context and not high and all(map(math.isfinite, (window_old, ordinary_old, ordinary_now))) and loss > ordinary_now:
-        # (or most of its excess over ordinary windows was there already: the updates since lifted it past the bar, not to
-        # it; a trial's three rows x50, x1.81 the ordinary windows' loss then, x2.14 now, were called the state's)
-        high = window_old - ordinary_old >= HELD_SHARE * (loss - ordinary_now)
+    held = (context and not high and all(map(math.isfinite, (window_old, ordinary_old, ordinary_now)))
+            and loss > ratio * ordinary_now and ordinary_now <= ordinary_old and window_old >= math.sqrt(ratio) * ordinary_old
+            and window_old - ordinary_old >= HELD_SHARE * (loss - ordinary_now))
+    # (or, while ordinary windows did not rise, a third or more of its excess over them was there already, the window
+    # sqrt(ratio) x theirs there: the updates since lifted it past the bar, not to it; a trial's three rows at x50 inputs,
+    # x1.81 ordinary windows' loss then and x2.14 now, were called the state's. A surge before it may still be the cause.)
+    high = high or held
     lrs = {g["lr"] for g in (lr_groups(bundle.get("optimizer")) or {}).get("param_groups", [])}  # (one LR: the records')
     kept = [(int(t), float(x)) for t, x, *_ in (seen.get("history") or [])[-HISTORY_INTERVALS:]
             if step <= t < since and isinstance(x, float) and x > 0]
@@ -382,7 +385,9 @@ def _older(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, spike: list, co
     spike_now = bool(context and math.isfinite(ordinary_now) and rule(ordinary_now)["spike"] and not spread)
     info = {"step": step, "from": ref.get("from", "snapshot"), "window": window_old, "ordinary": ordinary_old,
             "current_ordinary": ordinary_now, "ordinary_from": source, "lr": lr,
-            "window_high": bool(math.isfinite(window_old) and high), "ordinary_spike_now": spike_now,
+            "window_high": bool(math.isfinite(window_old) and high),
+            **({"held": (window_old - ordinary_old) / (loss - ordinary_now)} if held else {}),  # (its share of the excess)
+            "ordinary_spike_now": spike_now,
             "ordinary_then_high": bool(context and rule(ordinary_old)["spike"]),
             # ordinary windows against the run's level before the spike (the rule's median), under either state
             **({"levels": [rule(ordinary_old).get("ratio"), rule(ordinary_now).get("ratio")], "median": rule(0.0).get("median"),

@@ -41,9 +41,7 @@ SPIKE_CLASSES = ("data", "state", "optimizer-state", "precision", "dropout", "no
 MIN_SHARE, UPDATE_JUMP = 1e-3, 3.0
 #: Without an older state, a data spike's few samples must carry at least this share of the window's loss.
 DATA_SHARE = 0.5
-#: A layer's gradient norm on the spike's window at least this many times its norm on an ordinary one is named as a
-#: jump in the evidence (x1 is no jump).
-GRAD_JUMP = 1.5
+GRAD_JUMP = 1.5  #: A layer's gradient norm on the spike's window this many times an ordinary one's: a jump (evidence).
 MANY_LAYERS = 3  #: Surges in this many layers in one update are the whole model's rise, not one layer's rarely trained.
 #: The loss "already climbing" before a surging update: its last CLIMB_STEPS steps' losses each higher than the one
 #: before, each at least CLIMB_RATIO times the rule's median and the last CLIMB_LAST times it.
@@ -57,15 +55,16 @@ SURGE_LIFT = 1.5
 
 
 def _against(older: dict[str, Any], named: bool = True) -> str:
-    """The window's loss under the older state against what stands for ordinary windows there (``ordinary_from``:
-    :func:`ordinary_stand_in`), for a parenthesis; ``named``: say that ordinary windows were measured."""
+    """The window's loss under the older state against what stands for ordinary windows there (:func:`ordinary_stand_in`),
+    for a parenthesis; ``named``: say that ordinary windows were measured; below the rule's bar, its ``held`` share."""
     what, at = older.get("ordinary_from", "median" if older.get("no_context") else "windows"), older.get("ordinary_step")
     if what == "capture":
         return (f"{older['window']:.4g}, no ordinary window at hand: the capture at step {at}, in this run of flagged steps, "
                 "found its whole batch high under an older state")
+    held = f": x{older['window'] / older['ordinary']:.3g}, {_pct(older['held'])} of its excess now" if older.get("held") else ""
     return f"{older['window']:.4g} vs {older['ordinary']:.4g}" + {
         "windows": " on ordinary windows" if named else "", "median": ", the rule's median: the run's level before it",
-        "step": f", the run's own loss at step {at}, under that state"}[what]
+        "step": f", the run's own loss at step {at}, under that state"}[what] + held
 
 
 def _pct(x: float) -> str:
@@ -165,8 +164,11 @@ def classify_spike(m: dict[str, Any]) -> dict[str, Any]:
     # was off before that update (an applied spike's aftershock), the window high under the older state no outlier batch.
     off_before = (older is not None and older["ordinary_high"] and older.get("ordinary_previous") is not None
                   and (older["ordinary"] or 0) > 0 and older["ordinary_previous"] > older["ratio"] * older["ordinary"])
+    # (high there by the share it held alone, below the bar: not where the update before it surged and lifted it x1.5)
+    surged = (older is not None and older.get("held") and m["loss"] > SURGE_LIFT * older["window"]
+              and _surging_layer([r for r in m.get("surges") or [] if r.get("step", -1) < m.get("step", 0)]) is not None)
     high_before = (older is not None and older["window_high"] and not drifted_now and not fresh and not risen
-                   and not off_before)
+                   and not off_before and not surged)
     overrode = risen and older["window_high"]  # (what tells this state from a calm one that finds the window high too)
     # No older state to weigh the window against: ordinary windows that are spikes by the rule under this state say
     # the state drifted (then dropping a drifted window's largest losses "cures" it too: no sample is to blame).
@@ -450,9 +452,7 @@ def _whole_model_rise(m: dict[str, Any], blamed: dict[str, Any], older: dict[str
                 f"update, x{before / then:.3g} their {then:.4g} under the state of step {older['step']}: the state was off "
                 "before it")
     # Far above the run's level under the interval's start and under this state (the rule's z-score may pass them: its
-    # window's spread grew with the unsettled loss): the state drifted before that update (an LR too high)
-    # (an interval snapshot after the run's start and within the rule window's reach: the rule's median is the run's
-    # level around it, not a level an untrained or older state was far above in a loss still falling fast)
+    # window's spread grew with the unsettled loss): the state drifted before that update (an LR too high; _off_level)
     levels = (older or {}).get("levels")
     if _off_level(older, m) and min(levels) > older["ratio"]:
         return (f"; {blamed['name']}'s coordinates surged in the update of step {at} (x{blamed['coord_factor']:.3g} as far "
