@@ -650,3 +650,24 @@ def test_remedy_only_says_why_a_candidate_it_refuses_is_not_offered():
     assert why_not_offered("eps-guard", d).startswith("eps-guard: the log's input is out of its domain (as low as -1)")
     rounded = {**d, "first_op": {"input_range": [-1e-9, 3.0], "input_dtypes": ["float32"]}}  # offered there: no reason
     assert why_not_offered("eps-guard", rounded) is None and why_not_offered("lr-x0.5", d) is None
+
+
+def test_the_replays_rule_after_a_level_shift_is_armed_at_the_new_level_and_a_burst_of_skipped_nans_is_no_shift():
+    """A review of the level shift's rule (services/replay_rule.py): a shift x3 at step 31 and a NaN at step 36, its
+    interval's first step (log.every=5): seeded with the one interval mean at the new level, the rule judged nothing (a
+    x10 replayed loss passed); seeded to arm, it flags it. Five NaN steps skipped in a row (flagged, but no new level:
+    their intervals' finite losses stay at the old one) are no shift: the bundle's rule window stays."""
+    from types import SimpleNamespace
+
+    from stabletrain.services.replay_rule import replay_guard, rule_window
+
+    run = cfg("log.every=5")
+    observed = {"anomaly": "nonfinite", "spike_window": [1.0 + 0.01 * (i % 7) for i in range(50)], "recent": [],
+                "flagged_before": {"since": 31, "steps": 5}}
+    shifted = [{"step": s, "loss": 1.0 if s <= 30 else 3.0} for s in range(5, 36, 5)]
+    assert rule_window(observed, 2.0, shifted, 5) is None
+    rows = [SimpleNamespace(step=36 + i, values={"loss": x, "finite": 1.0}) for i, x in enumerate([3.0, 30.0, 3.0, 3.3])]
+    replay_guard(run, observed, shifted, None).mark_spikes(rows)
+    assert [r.values["spike"] for r in rows] == [0.0, 1.0, 0.0, 0.0]
+    skipped_nans = [{"step": s, "loss": 1.0} for s in range(5, 36, 5)]
+    assert rule_window(observed, 2.0, skipped_nans, 5) == observed["spike_window"]

@@ -19,8 +19,9 @@ import torch
 
 from ..counterfactual import LEVEL_RUN
 from ..policies.guard import Guard
+from ..policies.spike_rule import armed_at
 
-__all__ = ["replay_guard", "rule_window", "seed_losses", "LEVEL_STEPS"]
+__all__ = ["replay_guard", "rule_window", "level_losses", "LEVEL_STEPS"]
 
 #: A non-finite step's interval steps before it that tell a level shift by their majority; with fewer, the run of
 #: flagged steps right before it does (a spike's burst is a new level from :data:`~stabletrain.counterfactual.LEVEL_RUN`).
@@ -31,9 +32,10 @@ def replay_guard(cfg: Any, observed: dict[str, Any], history: list[dict[str, Any
                  ) -> Guard:
     """The host spike rule (``on_spike=warn``: it flags, the replay judges) for a replay of the incident ``observed``
     describes: from ``saved`` (a rollback's checkpointed guard), the bundle's rule window (:func:`rule_window`) and its
-    rarity bar, or the run's interval means ``history`` (:func:`seed_losses`)."""
+    rarity bar, or the run's interval means ``history`` before the incident; after a level shift, the losses at the new
+    level (:func:`level_losses`), repeated to arm the rule where they are fewer (one loss left it judging nothing)."""
     guard = Guard(dataclasses.replace(cfg.guard, on_spike="warn"), torch.device("cpu"))
-    window = rule_window(observed, cfg.guard.spike_ratio)
+    window = rule_window(observed, cfg.guard.spike_ratio, history, cfg.log.every)
     if saved is not None:
         guard.load_state_dict(saved)
     elif window:  # the losses the rule judged it against, and its rarity bar's ratios (not a seed's made up)
@@ -41,17 +43,22 @@ def replay_guard(cfg: Any, observed: dict[str, Any], history: list[dict[str, Any
         rarity = observed.get("rarity")  # (a bundle from before the bar: none, as a resume from then)
         guard.rarity.load_snapshot(rarity) if rarity else guard.rarity.load_state_dict({})
     else:
-        guard.mark_spikes([SimpleNamespace(values={"loss": v, "finite": 1.0})
-                           for v in seed_losses(observed, history, cfg.log.every)])
+        level = level_losses(observed, history, cfg.log.every) if observed.get("spike_window") else []
+        seeds = ([level[i % len(level)] for i in range(max(len(level), armed_at(cfg.guard)))] if level else
+                 [float(r["loss"]) for r in history if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"])])
+        guard.mark_spikes([SimpleNamespace(values={"loss": v, "finite": 1.0}) for v in seeds])
     return guard
 
 
-def rule_window(observed: dict[str, Any], ratio: float) -> list[float] | None:
+def rule_window(observed: dict[str, Any], ratio: float, history: list[dict[str, Any]] = (), every: int = 1
+                ) -> list[float] | None:
     """The losses the replays' rule judges by: the bundle's rule window (a spike's; a non-finite step's since it has one),
-    or None (the run's interval means then). Not a non-finite step's where most of its interval's steps before it were
-    above ``ratio`` x that window's median (or, with fewer than :data:`LEVEL_STEPS` before it in its interval, where the
-    LEVEL_RUN steps right before it were flagged): the loss moved to a level the rule kept flagging under
-    guard.on_spike=warn (a level shift), which would call every replayed step at it a spike, the samples' drop too."""
+    or None (the run's losses at the new level then, :func:`level_losses`). Not a non-finite step's where most of its
+    interval's steps before it were above ``ratio`` x that window's median, or, with fewer than :data:`LEVEL_STEPS`
+    before it in its interval, where LEVEL_RUN steps right before it were flagged and every loss since (the interval
+    means wholly after, ``history`` of ``every`` steps, and its interval's own) is above that: the loss moved to a level
+    the rule kept flagging under guard.on_spike=warn (a level shift), which would call every replayed step at it a spike,
+    the samples' drop too. (Flagged non-finite or skipped steps are no new level: their intervals' finite losses are not.)"""
     window = observed.get("spike_window")
     if not window or observed.get("anomaly") == "spike":
         return window
@@ -61,21 +68,20 @@ def rule_window(observed: dict[str, Any], ratio: float) -> list[float] | None:
     if len(recent) >= LEVEL_STEPS:
         shifted = 2 * above > len(recent)
     else:  # an interval's first steps (every step's at log.every=1): the run of flagged steps right before it, across
-        # intervals, and none of the interval's own below the level
-        shifted = int((observed.get("flagged_before") or {}).get("steps", 0)) >= LEVEL_RUN and above == len(recent)
+        # intervals, and every loss since at the new level
+        level = level_losses(observed, history, every)
+        shifted = (int((observed.get("flagged_before") or {}).get("steps", 0)) >= LEVEL_RUN and bool(level)
+                   and all(x > ratio * median for x in level))
     return None if median > 0 and shifted else window
 
 
-def seed_losses(observed: dict[str, Any], history: list[dict[str, Any]], every: int) -> list[float]:
-    """The losses the rule starts from where the bundle's window is not used: the run's interval means before the
-    incident (``history``, intervals of ``every`` steps); after a level shift the rule kept flagging (a non-finite step's
-    ``flagged_before``), only the intervals wholly at the new level and the incident's interval's own steps at it
-    (seeded with the old level's too, the rule kept the new one's out as spikes and called every replayed step one)."""
-    means = [(int(r["step"]), float(r["loss"])) for r in history
-             if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"])]
+def level_losses(observed: dict[str, Any], history: list[dict[str, Any]], every: int) -> list[float]:
+    """The run's losses since the run of flagged steps right before a non-finite incident began (``flagged_before``): the
+    interval means wholly after its start (``history``, intervals of ``every`` steps) and the incident's interval's own
+    steps after it; [] where the bundle names no such run."""
     since = (observed.get("flagged_before") or {}).get("since")
-    if since is None or not observed.get("spike_window") or observed.get("anomaly") == "spike":
-        return [v for _, v in means]
-    level = [v for s, v in means if s - every + 1 >= since] + [
-        float(r[1]) for r in observed.get("recent") or [] if int(r[0]) >= since and math.isfinite(float(r[1]))]
-    return level or [v for _, v in means]
+    if since is None or observed.get("anomaly") == "spike":
+        return []
+    means = [float(r["loss"]) for r in history if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"])
+             and isinstance(r.get("step"), int) and r["step"] - every + 1 >= since]
+    return means + [float(r[1]) for r in observed.get("recent") or [] if int(r[0]) >= since and math.isfinite(float(r[1]))]
