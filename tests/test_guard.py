@@ -471,8 +471,21 @@ def test_a_run_is_stalled_when_no_update_of_the_last_steps_moved_the_parameters(
             r.values.update(loss=float("inf"), finite=0.0, overflow=1.0)
     d = Guard(GuardConfig(), torch.device("cpu"), remedy=True).decide(rows)
     assert ("had a zero gradient; the GradScaler's scale is 1.9e-06, fallen for nothing: 18 of the 18 skipped steps' loss "
-            "itself is non-finite in float16 (an overflow in the forward, or an invalid op), which no loss scale makes "
-            "finite: no gradient reached the parameters") in d.reason, d.reason
+            "itself is non-finite in float16 (an overflow in the forward, an invalid op, or bad inputs), which no loss scale "
+            "makes finite: no gradient reached the parameters") in d.reason, d.reason
+    # (a review) most of them: said, not 'for nothing' (the others' back-off was the scaler's job); half: not said; a
+    # checkpoint from before the loss was kept: nothing recorded, nothing said
+    for lost, said in ((12, "; the GradScaler's scale is 1.9e-06: 12 of the 18 skipped steps' loss itself is non-finite"),
+                       (9, None)):
+        rows = _stall_rows(nine_of_ten * 2, 0.0, scale=1.9e-6)
+        for r in [r for r in rows if not r.values["applied"]][:lost]:
+            r.values.update(loss=float("inf"), finite=0.0, overflow=1.0)
+        d = Guard(GuardConfig(), torch.device("cpu"), remedy=True).decide(rows)
+        assert (said in d.reason) if said else "loss itself" not in d.reason, d.reason
+    old = Guard(GuardConfig(on_stall="stop"), torch.device("cpu"))
+    old.load_state_dict({**old.state_dict(), "recent": [[False, float("inf"), 1.9e-6]] * 19})
+    d = old.decide(_stall_rows([1], 0.0, start=20, scale=1.9e-6))
+    assert d.action == "stop" and "loss itself" not in d.reason, d.reason
     # an adapter's guard (remedy=False: Monitor refuses on_nonfinite="remedy") names the remedy search it can run instead
     d = Guard(GuardConfig(), torch.device("cpu")).decide(_stall_rows(nine_of_ten * 2, 0.0, scale=3.6e-12))
     assert d.reason.endswith("(where stabletrain diagnose names one), or stabletrain remedy on the incident where one was "

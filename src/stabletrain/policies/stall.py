@@ -58,7 +58,7 @@ class StallWatch:
         self.remedy = remedy  # the run may apply a verified cure itself (the advice: REMEDY_ADVICE)
         self.warns = warns  # guard.on_stall=warn: the run trains on (said so, not offered)
         self.keys = keys  # its advice names the built-in run's config keys (False: an adapter's, which has none for these)
-        self.recent: deque[tuple[bool, float, float, float]] = deque(maxlen=steps)
+        self.recent: deque[tuple[bool, float, float, float | None]] = deque(maxlen=steps)
         self.norm_reference: deque[float] = deque(maxlen=REFERENCE_KEPT)
 
     def record(self, applied: bool, norm: float, scale: float, loss: float) -> None:
@@ -114,10 +114,11 @@ class StallWatch:
                       "a look at whether the loss depends on the parameters")
         elif scale != 1.0:
             what += f"; the GradScaler's scale is {scale:.2g}"
-            lost = [r for r in recent if not r[0] and not math.isfinite(r[3])]
-            if 2 * len(lost) >= skipped > 0:  # the skips' loss itself: the forward overflowed, the scale fell for nothing
-                what += (f", fallen for nothing: {len(lost)} of the {skipped} skipped steps' loss itself is non-finite in "
-                         "float16 (an overflow in the forward, or an invalid op), which no loss scale makes finite")
+            lost = [r for r in recent if not r[0] and r[3] is not None and not math.isfinite(r[3])]  # (None: unrecorded)
+            if 2 * len(lost) > skipped:  # most skips' loss itself: the forward's, no scale helps (all: it fell for nothing)
+                what += (f"{', fallen for nothing' if len(lost) == skipped else ''}: {len(lost)} of the {skipped} skipped "
+                         "steps' loss itself is non-finite in float16 (an overflow in the forward, an invalid op, or bad "
+                         "inputs), which no loss scale makes finite")
             advice = FP16_ADVICE + REMEDY_ADVICE[self.remedy]
         else:
             advice = "a look at the skip events and the loss (is it constant?), or " + REMEDY_ADVICE[self.remedy]
@@ -131,8 +132,8 @@ class StallWatch:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.recent.clear()
-        self.recent.extend((bool(a), float(g), float(sc), float(rest[0]) if rest else math.nan)
-                           for a, g, sc, *rest in state.get("recent", []))  # (a checkpoint before the loss was kept)
+        self.recent.extend((bool(a), float(g), float(sc), float(rest[0]) if rest and rest[0] is not None else None)
+                           for a, g, sc, *rest in state.get("recent", []))  # (a checkpoint before the loss was kept: None)
         self.norm_reference.clear()
         self.norm_reference.extend(float(x) for x in state.get("norm_reference", []))  # (older checkpoints: none)
 
