@@ -571,8 +571,15 @@ def test_an_adapters_run_wide_cures_are_named_in_its_hosts_own_terms(tmp_path):
     assert in_host_terms("lightning", "precision", "fp32") == 'Trainer(precision="32-true")'
     assert in_host_terms("lightning", "precision", "bf16") == 'Trainer(precision="bf16-mixed")'
     assert in_host_terms("transformers", "precision", "bf16") == "TrainingArguments(bf16=True, fp16=False)"
-    assert in_host_terms("lightning", "clip", 0.5, 1.0) == "Trainer(gradient_clip_val=0.5)"
-    assert in_host_terms("lightning", "clip", 0.5, None) == "StableTrainCallback(clip_max_norm=0.5)"
+    trainer, callback = {"host.gradient_clip_val": 1.0}, {"host.gradient_clip_val": None, "clip.max_norm": 1.0}
+    assert in_host_terms("lightning", "clip", 0.5, trainer) == "Trainer(gradient_clip_val=0.5)"
+    assert in_host_terms("lightning", "clip", 0.5, callback) == "StableTrainCallback(clip_max_norm=0.5)"
+    # (a review) a Trainer clipping by value: the norm the replay verified is its other algorithm; no clip at all, or a
+    # config that does not record the Trainer's: the Trainer's, as the report's clip verdict says it
+    assert in_host_terms("lightning", "clip", 0.5, {**trainer, "host.gradient_clip_algorithm": "value"}) == (
+        'Trainer(gradient_clip_val=0.5, gradient_clip_algorithm="norm")')
+    assert in_host_terms("lightning", "clip", 0.5, {"host.gradient_clip_val": None}) == "Trainer(gradient_clip_val=0.5)"
+    assert in_host_terms("lightning", "clip", 0.5, {}) == "Trainer(gradient_clip_val=0.5)"
     assert in_host_terms("transformers", "clip", 0.25) == "TrainingArguments.max_grad_norm=0.25"
     assert in_host_terms(None, "precision", "fp32") is None and in_host_terms("monitor", "lr", 0.5) is None
 

@@ -244,3 +244,20 @@ def test_compare_drops_empty_keys_says_why_a_fingerprint_is_missing_and_plots_a_
     assert (by_tokens.get_xlabel(), by_samples.get_xlabel()) == ("tokens seen", "samples seen")
     assert len(by_tokens.get_lines()) == len(by_samples.get_lines()) == 1
     assert "Right: one panel per item the runs&#x27; losses count (tokens for gpt, samples for mine)" in page
+
+
+def test_a_stop_after_a_death_with_no_record_is_after_its_last_record_and_one_after_a_recorded_crash_is_at_its_step():
+    """A trial's restart loop killed while fetching step 76 read 'Stopped at step 70' (its last record): a launcher's stop
+    after a process died with no record of why says 'after'; a review: one after a crash the rank recorded at its step
+    (a refused restart's failure of kind 'crash') is at that step."""
+    from stabletrain.report.health import _stop_text
+    from stabletrain.report.rundata import Event
+
+    cause = {"exitcode": -9, "signal": "SIGKILL", "rank": 0}
+    died = Event(70, "stop", "restart refused: the same failure ended 3 launches in a row", None,
+                 {"cause": cause, "failure": {"kind": "exit"}})
+    assert _stop_text(died).startswith("Stopped after step 70 (the last step recorded before its process died): restart ")
+    crashed = Event(70, "stop", "restart refused: the same failure ended 3 launches in a row", None,
+                    {"cause": {**cause, "exitcode": 1, "signal": None}, "failure": {"kind": "crash"}})
+    assert _stop_text(crashed).startswith("Stopped at step 70: restart refused"), _stop_text(crashed)
+    assert _stop_text(Event(40, "stop", "stopping: max_steps reached", None, {})) == "Stopped at step 40: max_steps reached"

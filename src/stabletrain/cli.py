@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             head = head.replace(" raised SystemExit", f" ended the process ({exit_call(err)})", 1)
             notes = "".join(f" {note}" for note in getattr(err, "__notes__", ()))
             if args.command != "train":  # (check, diagnose, remedy: cut short, no verdict; not a pass, exit 1)
-                console.error(f"{head}: stabletrain {args.command} did not finish (no result){notes}")
+                console.error(f"{_rank_prefix()}{head}: stabletrain {args.command} did not finish (no result){notes}")
                 return 1
             trained = getattr(err, "stabletrain_step", None) is not None  # (raised in the loop: its stop is recorded)
             console.say(f"{_rank_prefix()}{head}: " + ("the run stopped there, unfinished (a stop event; --resume continues "

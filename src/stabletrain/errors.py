@@ -443,7 +443,8 @@ def clean_exit(err: BaseException) -> bool:
 
 
 def exit_call(err: SystemExit) -> str:
-    """``err``'s ``sys.exit`` call as the code wrote it: ``sys.exit()``, ``sys.exit(0)``, ``sys.exit('bye')``."""
+    """``err``'s exit as a ``sys.exit`` call with its code: ``sys.exit()``, ``sys.exit(0)``, ``sys.exit('bye')`` (a ``raise
+    SystemExit``, ``exit()`` or a library's own exit reads the same: the exception carries its code, not its spelling)."""
     return "sys.exit()" if err.code is None else f"sys.exit({err.code!r})"
 
 

@@ -43,6 +43,7 @@ import torch
 
 from .config import config_from_dict
 from .config.adapter import in_host_terms
+from .config.diff import flatten_config
 from .data import EpochOrder, Window, WindowStream, move_to
 from .diagnostics.candidates import candidates_for, why_not_offered
 from .diagnostics.cures import CANDIDATE_NAMES, Remedy, SkipSamples, SkipStep
@@ -441,13 +442,12 @@ def _in_host_terms(inc: _Incident, results: list[dict[str, Any]]) -> None:
         config = yaml.safe_load((inc.run_dir / "config.yaml").read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError):
         return
-    config = config if isinstance(config, dict) else {}
+    config = flatten_config(config) if isinstance(config, dict) else {}
     host = config.get("integration")
-    trainer_clip = (config.get("host") or {}).get("gradient_clip_val") if isinstance(config.get("host"), dict) else None
     for r in results:
         kind, remedy = r["remedy"].get("kind"), r["remedy"]
         words = (in_host_terms(host, "precision", remedy.get("mode")) if kind == "bf16" and "mode" in remedy else
-                 in_host_terms(host, "clip", remedy.get("limit"), trainer_clip) if kind == "clip" else None)
+                 in_host_terms(host, "clip", remedy.get("limit"), config) if kind == "clip" else None)
         if words:
             r["detail"] = words
 

@@ -20,7 +20,7 @@ from ..errors import brief
 from .schema import TRACKERS, Config
 from .values import ConfigError
 
-__all__ = ["AdapterOptions", "CONFIG_KEYS", "HOST_OPTIONS", "ARG_KEYS", "HOST_KNOBS", "in_host_terms"]
+__all__ = ["AdapterOptions", "CONFIG_KEYS", "HOST_OPTIONS", "ARG_KEYS", "HOST_KNOBS", "in_host_terms", "clip_knob"]
 
 #: An adapter's options that are keys of the built-in run's config: the same meaning, default, type, range and help
 #: (``stabletrain train --help`` lists them; a bad value is refused naming the option and its key).
@@ -63,18 +63,33 @@ HOST_KNOBS: dict[str, dict[str, Any]] = {
 }
 
 
-def in_host_terms(host: str | None, kind: str, value: Any, trainer_clip: Any = None) -> str | None:
+def clip_knob(host: str | None, config: dict[str, Any]) -> str | None:
+    """The clip's knob in ``host``'s terms for a run of its ``config`` (config.yaml's, flattened keys), e.g.
+    ``Trainer(gradient_clip_val=)``; None for the built-in loop's. Lightning: the callback's where the Trainer set no clip
+    and the callback clipped (the clip Lightning allows a fused optimizer under mixed precision; a config that does not
+    record the Trainer's is taken as the Trainer's); the Trainer's by value asks for ``gradient_clip_algorithm="norm"``."""
+    knobs = HOST_KNOBS.get(host or "")
+    if knobs is None:
+        return None
+    trainer_clip = config.get("host.gradient_clip_val", "unrecorded")
+    if host == "lightning" and not trainer_clip and config.get("clip.max_norm") is not None:
+        return knobs["clip_own"]
+    if host == "lightning" and config.get("host.gradient_clip_algorithm") == "value":
+        return 'Trainer(gradient_clip_val=, gradient_clip_algorithm="norm")'
+    return knobs["clip"]
+
+
+def in_host_terms(host: str | None, kind: str, value: Any, config: dict[str, Any] | None = None) -> str | None:
     """A fix's run-wide setting as ``host`` spells it (None: the built-in loop's key is the host's own, or not one of
-    these): ``kind`` "precision" (``value`` a mode), "clip" (a norm; Lightning's Trainer clip where the run set
-    ``trainer_clip``, else the callback's, the one Lightning allows a fused optimizer under mixed precision)."""
+    these): ``kind`` "precision" (``value`` a mode), "clip" (a norm, on :func:`clip_knob` for the run's ``config``)."""
     knobs = HOST_KNOBS.get(host or "")
     if knobs is None:
         return None
     if kind == "precision":
         return knobs["precision"].get(value)
     if kind == "clip":
-        knob = knobs["clip_own"] if host == "lightning" and not trainer_clip else knobs["clip"]
-        return knob.replace("=)", f"={value:.3g})") if knob.endswith("=)") else f"{knob}={value:.3g}"
+        knob = clip_knob(host, config or {}) or ""
+        return knob.replace("=,", f"={value:.3g},").replace("=)", f"={value:.3g})") if "=" in knob else f"{knob}={value:.3g}"
     return None
 
 

@@ -21,7 +21,7 @@ import math
 import statistics
 from typing import Any
 
-from ..config.adapter import HOST_KNOBS
+from ..config.adapter import HOST_KNOBS, clip_knob
 from .rundata import RunData
 from .text import fmt_num, fmt_pct
 
@@ -43,9 +43,6 @@ CALM_NOTE = ", the intervals without a loss spike or non-finite step"
 ADAPTIVE = ("adam", "nadam", "radam", "adagrad", "adadelta", "adafactor", "rmsprop", "lamb")
 #: (the clip's key, the learning rate's) in each adapter's own terms (the built-in loop's: clip.max_norm, optim.lr).
 HOST_KEYS = {host: (knobs["clip"], knobs["lr"]) for host, knobs in HOST_KNOBS.items()}
-#: A Lightning run clipped by the callback (``StableTrainCallback(clip_max_norm=)``, the only clip Lightning allows a fused
-#: optimizer under mixed precision), not by the Trainer: its config's ``host.gradient_clip_val`` is null.
-LIGHTNING_OWN_CLIP = HOST_KNOBS["lightning"]["clip_own"]
 
 def _finite(values: list[float]) -> list[float]:
     return [v for v in values if math.isfinite(v)]
@@ -244,11 +241,10 @@ def _host_keys(run: RunData) -> tuple[str, str]:
     the callback would refuse).
     """
     integration = str(run.cfg("integration", ""))
-    clip_key, lr_key = HOST_KEYS.get(integration, ("clip.max_norm", "optim.lr"))
-    trainer_clip = run.cfg("host.gradient_clip_val", "unrecorded")  # (a config without it: the Trainer's, as before)
-    if integration == "lightning" and not trainer_clip and run.cfg("clip.max_norm") is not None:
-        clip_key = LIGHTNING_OWN_CLIP
-    return clip_key, lr_key
+    _, lr_key = HOST_KEYS.get(integration, ("clip.max_norm", "optim.lr"))
+    keys = ("host.gradient_clip_val", "host.gradient_clip_algorithm", "clip.max_norm")
+    config = {k: run.cfg(k, "unrecorded") for k in keys}
+    return clip_knob(integration, {k: v for k, v in config.items() if v != "unrecorded"}) or "clip.max_norm", lr_key
 
 
 def _judged_pct(value: float, line: float) -> tuple[str, float]:

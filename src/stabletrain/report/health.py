@@ -320,9 +320,11 @@ def _crash(run: RunData, h: Health) -> None:
 def _stop_text(event: Event) -> str:
     reason = (event.reason or "no reason given").removeprefix("stopping: ")
     reason = reason.removesuffix(f" at step {event.step}").removeprefix("stopped ")
-    # (a launcher's stop after its process died: the step is its last record, which it may have trained past)
-    at = (f"after step {event.step:,} (the last step recorded before its process died)"
-          if isinstance(event.extra.get("cause"), dict) else f"at step {event.step:,}")
+    # (a launcher's stop after its process died with no record of why: the step is its last record, which it may have
+    # trained past; one after a crash or stop the process recorded is at its step)
+    failure = event.extra.get("failure") if isinstance(event.extra.get("failure"), dict) else {}
+    died = isinstance(event.extra.get("cause"), dict) and failure.get("kind", "exit") == "exit"
+    at = f"after step {event.step:,} (the last step recorded before its process died)" if died else f"at step {event.step:,}"
     return f"Stopped {at} {reason}" if reason.startswith("by ") else f"Stopped {at}: {reason}"
 
 
