@@ -598,6 +598,28 @@ def test_a_layer_with_no_counterpart_is_judged_against_its_own_input():
     assert "x that of its own input;" in bad.summary("forward")
 
 
+def test_layers_with_no_counterpart_whose_signal_falls_are_judged_vanishing_against_their_own_input():
+    """A trial's MLP of three differently shaped Linear layers, every weight N(0, 1e-3): the signal fell 1e7-fold (std 0.94
+    in, 7.8e-8 out) and `check init` passed it, 'init holds as built: keep it' (no layer had a counterpart). Each lone
+    layer is judged against its own input both ways now; PyTorch's default init (~0.6x its input) passes."""
+    def report(std: float | None):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 4))
+        if std is not None:
+            for m in model:
+                if isinstance(m, nn.Linear):
+                    nn.init.normal_(m.weight, 0.0, std)
+                    nn.init.normal_(m.bias, 0.0, std)
+        x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+        return signal_report(model, (x, y), lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]))
+
+    assert report(None).passed
+    bad = report(1e-3)
+    assert not bad.passed and bad.first_forward.name == "0" and bad.first_forward.forward_ratio < 0.01, bad.summary("forward")
+    assert bad.summary("forward").startswith("forward: vanishes at #0 '0' (Linear): std ") and (
+        "x that of its own input;" in bad.summary("forward"))
+
+
 def test_a_layer_with_no_counterpart_and_an_input_of_zero_is_not_judged_against_it():
     """A lone weighted layer fed zeros (a zero conditioning vector) has an output std from its bias alone: no gain."""
     class Cond(nn.Module):
