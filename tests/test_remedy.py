@@ -539,6 +539,9 @@ def test_a_precision_spike_gets_the_run_wide_precisions_above_the_runs():
     # the run's mode, not the config's (auto resolved to bf16); and with no module named
     assert [r.name for r in candidates_for({**spike, "blamed_module": None, "precision": "bf16"}, "auto", [], [])][:2] == [
         "skip-step", "fp32"]
+    # no lower LR: the step is normal in fp32, and a lower LR from the step before only moves the weights off the
+    # rounding's edge (a trial's bf16 spike 'cured' by lr-x0.1, ranked over fp32, and made x5.7 worse by lr-x0.5)
+    assert not [r for r in candidates_for({**spike, "precision": "bf16"}, "bf16", [], []) if r.kind == "lr"]
     assert remedy_from_dict(Precision("fp32").to_dict()) == Precision("fp32")
 
 

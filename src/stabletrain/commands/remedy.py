@@ -24,7 +24,7 @@ Candidates: skip-step (the baseline), skip-samples, eps-guard (op), module-fp32 
 bf16 and scaler (overflow under fp16), lr-x0.5 and lr-x0.1 (every class), rollback-lr-x0.5, rollback-lr-x0.1 and
 clip (divergence); for a loss spike: skip-samples (data), module-fp32 and the whole run in bf16 or fp32
 (precision), update-clip and adam-eps for the named layer
-(optimizer-state), lr-x0.5, lr-x0.1, and rollback-lr and clip (state, optimizer-state).
+(optimizer-state), lr-x0.5, lr-x0.1 (not for precision), and rollback-lr and clip (state, optimizer-state).
 Writes remedy.json in the incident directory (replacing an earlier one; the run's own search, where it made one, is
 kept in remedy.run.json). Time: about (K+1) x candidates
 steps plus one load."""

@@ -159,7 +159,8 @@ def _spike_candidates(diagnosis: dict[str, Any], precision: str, history: list[d
             out.append(UpdateClip(layer, 2.0 * typical))
         root = next((r.get("typical_sqrt_v") for r in rows), None)
         out.append(AdamEps(layer, float(root) if root else 1e-4))
-    out += [LowerLR(0.5), LowerLR(0.1)]
+    if cls != "precision":  # (its fp32 step is normal: a lower LR only moves the weights off the rounding's edge, by chance;
+        out += [LowerLR(0.5), LowerLR(0.1)]  # a trial's bf16 spike 'cured' by lr-x0.1, made x5.7 worse by lr-x0.5)
     if cls in ("state", "optimizer-state"):
         # Back to a checkpoint before what a lower LR from the step before cannot undo: the surging update (its state
         # before it), or the step before the spike (a lower LR from there is a candidate of its own).
