@@ -681,3 +681,19 @@ def test_the_replays_rule_after_a_level_shift_is_armed_at_the_new_level_and_a_bu
     assert [r.values["spike"] for r in rows] == [0.0, 1.0, 0.0, 0.0]
     skipped_nans = [{"step": s, "loss": 1.0} for s in range(5, 36, 5)]
     assert rule_window(observed, 2.0, skipped_nans, 5) == observed["spike_window"]
+
+
+def test_remedy_refuses_a_ddp_incident_saying_what_its_bundle_holds_and_what_it_lacks(tmp_path):
+    """A trial: the refusal said 'the global window is not in the bundle' of a bundle whose window holds every rank's
+    batch. What it lacks is the windows after the step, drawn from a data order split across the processes."""
+    from stabletrain.records.bundles import write_bundle
+
+    folder = tmp_path / "run" / "incidents" / "step_000010"
+    write_bundle(folder, {"step": 10, "world_size": 2, "window": {"indices": [[1, 2], [3, 4]], "ranks": [0, 1]}})
+    with pytest.raises(ValueError) as err:
+        search_remedies(folder, steps=2)
+    assert str(err.value) == (f"incident {str(folder)!r} comes from a run of 2 processes; stabletrain remedy replays a "
+                              "one-process run only: the bundle holds the incident's step (every rank's batch: stabletrain "
+                              "diagnose replays it), not the windows after it that each cure is judged on, drawn from a data "
+                              "order split across the processes")
+    assert not (folder / "remedy.json").exists()

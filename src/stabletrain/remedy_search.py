@@ -91,7 +91,9 @@ class _Incident:
         self.bundle = bundle if bundle is not None else load_bundle(directory)
         if int(self.bundle.get("world_size", 1)) > 1:
             raise ValueError(f"incident {str(directory)!r} comes from a run of {self.bundle['world_size']} processes; "
-                             "stabletrain remedy replays one process's run only (the global window is not in the bundle)")
+                             "stabletrain remedy replays a one-process run only: the bundle holds the incident's step "
+                             "(every rank's batch: stabletrain diagnose replays it), not the windows after it that each "
+                             "cure is judged on, drawn from a data order split across the processes")
         empty = [m for m, idx in enumerate(self.bundle["window"]["indices"]) if not idx]
         if empty:
             raise ValueError(f"incident {str(directory)!r}: step {self.bundle['step']}'s batch holds no samples (micro-batch "
