@@ -708,3 +708,32 @@ def scaled_rows_classifier_task(n: int = 4800, step: int = 150, rows: tuple[int,
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
     return Task(model=model, train_data=TensorDataset(x, y), loss=_ce, name="scaled-rows-classifier")
+
+
+class _Centered(nn.Module):
+    """``lin(x) - lin(mean(x)) + bias``: exact in fp32 whatever constant offset ``x`` carries, rounded in bf16."""
+
+    def __init__(self, d: int, h: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, h)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin(x) - self.lin(x.mean(-1, keepdim=True).expand_as(x)) + self.lin.bias
+
+
+def offset_row_task(bad: int = 100, offset: float = 24000.0, n: int = 512, scale: float = 0.1) -> Task:
+    """precision, one row (a new user's trial): sample ``bad`` (step 7 at batch 16) carries a constant offset on its
+    input; the model centers its input through a Linear, exact in fp32, rounded in bf16 (bf16's step is 128 at 24000):
+    that row alone carries the bf16 spike, which fp32 and ``center`` in fp32 cure."""
+    g = torch.Generator().manual_seed(0)
+    z = scale * torch.randn(n, 16, generator=g)
+    v = torch.randn(16, generator=g) / (4 * scale)
+    y = torch.tanh((z - z.mean(-1, keepdim=True)) @ v).unsqueeze(-1) + 0.05 * torch.randn(n, 1, generator=g)
+    x = z.clone()
+    x[bad] += offset
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("center", _Centered(16, 32))
+    model.add_module("act", nn.ReLU())
+    model.add_module("head", nn.Linear(32, 1))
+    return Task(model=model, train_data=TensorDataset(x, y), loss=_mse, name="offset-row")

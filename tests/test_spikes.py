@@ -2308,3 +2308,18 @@ def test_an_lr_jump_that_is_the_rise_since_the_older_state_is_said_once():
     assert _lr_told(back, {"step": 150, "lr": None}) == "; the LR jumped x300 at step 151's update (0.003 -> 0.9)"
     ramp = [[150, 0.003], [151, 0.006], [152, 0.012], [153, 0.024], [154, 0.09]]
     assert _lr_told(ramp, older) == "; the LR rose x30 since step 150 (0.003 -> 0.09)"
+
+
+def test_a_precision_spike_names_the_sample_where_the_rounding_bites(tmp_path):
+    """A trial's bf16 run: one row with a constant offset on its input carried 92% of the spike's window, and the
+    precision diagnosis (right: 'center' alone in fp32 cures it) never named it. Where a few samples carry the window
+    and the step without them is normal, the evidence names them; the remedy search has no lower LR to offer (chance)."""
+    from spike_tasks import offset_row_task
+
+    run_dir = tmp_path / "run"
+    Trainer(cfg("train.batch_size=16", "log.every=8", "train.max_steps=24", "precision=bf16"), task=offset_row_task(),
+            run_dir=run_dir).fit()
+    d = json.loads((run_dir / "incidents" / "step_000022" / "diagnosis.json").read_text())
+    assert d["failure_class"] == "precision" and d["blamed_module"] == "center" and d["bad_samples"] is None, d["summary"]
+    assert re.search(r"; in bf16 sample 100 carries \d+% of the window's loss \(without it the step is normal: where the "
+                     r"rounding bites\)$", d["evidence"]) and d["samples"]["share"] > 0.8, d["evidence"]

@@ -162,6 +162,12 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
             m["where"] = _fp32_cure(bench, spike, rule, precision_departures(
                 *bench.module_errors(spike, replica.model, bench.precision, fp32)))
     verdict = classify_spike(m)
+    found = m["samples"]  # (a precision spike's samples: where the rounding lands, said; the cure is the module's or dtype's)
+    if verdict["failure_class"] == "precision" and found and m["reproduces"]:
+        n = len(found["indices"])
+        verdict["evidence"] += (f"; in {precision} sample{'s' * (n > 1)} {', '.join(map(str, found['indices']))} carr"
+                                f"{'y' if n > 1 else 'ies'} {100 * found['share']:.0f}% of the window's loss (without "
+                                f"{'them' if n > 1 else 'it'} the step is normal: where the rounding bites)")
     if blocked:
         verdict["evidence"] += (f"; precision is not ruled out: a replay of the step in fp32 runs in {precision} too (the "
                                 "loss function turns torch.autocast on itself; enter it through the adapter, e.g. "
