@@ -629,7 +629,9 @@ def test_the_last_line_and_the_report_say_a_run_stalled_that_guard_on_stall_warn
     (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("stabletrain: trained 80 steps; ")]
     assert re.search(r"; 72 of 80 steps skipped \(90%: see events\.jsonl\); stalled since step 41 \(guard\.on_stall=warn: "
                      r"trained on\): at step 60, 18 of the last 20 steps were skipped and the 2 applied had a zero gradient; "
-                     r"the GradScaler's scale is [\d.e+-]+; run directory: ", line), line
+                     r"the GradScaler's scale is [\d.e+-]+, fallen for nothing \(18 of the 18 skipped steps' loss itself "
+                     r"is non-finite in float16, an overflow in the forward, an invalid op or bad inputs, which no loss "
+                     r"scale makes finite\); run directory: ", line), line
     h = health_summary(load_run(tmp_path / "warn"))
     assert h.level == "bad" and h.figures["stall"]["since"] == 41
     said = "Stalled since step 41, and trained on stalled to step 80 (guard.on_stall=warn): at step 60, 18 of the last 20 steps"

@@ -470,12 +470,12 @@ def test_a_run_is_stalled_when_no_update_of_the_last_steps_moved_the_parameters(
         if not r.values["applied"]:
             r.values.update(loss=float("inf"), finite=0.0, overflow=1.0)
     d = Guard(GuardConfig(), torch.device("cpu"), remedy=True).decide(rows)
-    assert ("had a zero gradient; the GradScaler's scale is 1.9e-06, fallen for nothing: 18 of the 18 skipped steps' loss "
-            "itself is non-finite in float16 (an overflow in the forward, an invalid op, or bad inputs), which no loss scale "
-            "makes finite: no gradient reached the parameters") in d.reason, d.reason
+    assert ("had a zero gradient; the GradScaler's scale is 1.9e-06, fallen for nothing (18 of the 18 skipped steps' loss "
+            "itself is non-finite in float16, an overflow in the forward, an invalid op or bad inputs, which no loss scale "
+            "makes finite): no gradient reached the parameters") in d.reason, d.reason
     # (a review) most of them: said, not 'for nothing' (the others' back-off was the scaler's job); half: not said; a
     # checkpoint from before the loss was kept: nothing recorded, nothing said
-    for lost, said in ((12, "; the GradScaler's scale is 1.9e-06: 12 of the 18 skipped steps' loss itself is non-finite"),
+    for lost, said in ((12, "; the GradScaler's scale is 1.9e-06 (12 of the 18 skipped steps' loss itself is non-finite"),
                        (9, None)):
         rows = _stall_rows(nine_of_ten * 2, 0.0, scale=1.9e-6)
         for r in [r for r in rows if not r.values["applied"]][:lost]:

@@ -116,9 +116,9 @@ class StallWatch:
             what += f"; the GradScaler's scale is {scale:.2g}"
             lost = [r for r in recent if not r[0] and r[3] is not None and not math.isfinite(r[3])]  # (None: unrecorded)
             if 2 * len(lost) > skipped:  # most skips' loss itself: the forward's, no scale helps (all: it fell for nothing)
-                what += (f"{', fallen for nothing' if len(lost) == skipped else ''}: {len(lost)} of the {skipped} skipped "
-                         "steps' loss itself is non-finite in float16 (an overflow in the forward, an invalid op, or bad "
-                         "inputs), which no loss scale makes finite")
+                what += (f"{', fallen for nothing' if len(lost) == skipped else ''} ({len(lost)} of the {skipped} skipped "
+                         "steps' loss itself is non-finite in float16, an overflow in the forward, an invalid op or bad "
+                         "inputs, which no loss scale makes finite)")  # (no ': ' in it: the last line keeps it whole)
             advice = FP16_ADVICE + REMEDY_ADVICE[self.remedy]
         else:
             advice = "a look at the skip events and the loss (is it constant?), or " + REMEDY_ADVICE[self.remedy]
