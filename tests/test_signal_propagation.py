@@ -618,6 +618,35 @@ def test_layers_with_no_counterpart_whose_signal_falls_are_judged_vanishing_agai
     assert not bad.passed and bad.first_forward.name == "0" and bad.first_forward.forward_ratio < 0.01, bad.summary("forward")
     assert bad.summary("forward").startswith("forward: vanishes at #0 '0' (Linear): std ") and (
         "x that of its own input;" in bad.summary("forward"))
+    # Not the output layer nor attention, which may shrink their input by design (a review): a PPO actor's policy head
+    # at gain 0.01, a one-output regression's small default weight (any seed), attention averaging 256 tokens at init
+    torch.manual_seed(0)
+    actor = nn.Sequential(nn.Linear(4, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 2))
+    for m, gain in zip(actor[::2], (2 ** 0.5, 2 ** 0.5, 0.01)):
+        nn.init.orthogonal_(m.weight, gain)
+        nn.init.zeros_(m.bias)
+    x = torch.randn(64, 4)
+    assert signal_report(actor, (x, torch.randint(0, 2, (64,))),
+                         lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])).passed
+    for seed in range(40):
+        torch.manual_seed(seed)
+        x = torch.randn(32, 1)
+        assert signal_report(nn.Linear(1, 1), (x, 3 * x + 1), lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1])).passed
+
+    class Mixer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.attn = nn.Embedding(50, 32), nn.MultiheadAttention(32, 4, batch_first=True)
+            self.head = nn.Linear(32, 5)
+
+        def forward(self, t):
+            e = self.emb(t)
+            return self.head(self.attn(e, e, e, need_weights=False)[0].mean(1))
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 50, (4, 256))
+    assert signal_report(Mixer(), (tokens, torch.randint(0, 5, (4,))),
+                         lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])).passed
 
 
 def test_a_layer_with_no_counterpart_and_an_input_of_zero_is_not_judged_against_it():

@@ -6,7 +6,8 @@ layer through time. A layer with no counterpart at all (one attention block, one
 no depth comparison can flag: it is judged against its own input instead, exploding where a weighted layer's output
 std is more than :data:`GAIN_LIMIT` times its input's (a 30x ``in_proj_weight`` made one attention block 386x), vanishing
 where it is less than 1/GAIN_LIMIT of it (a trial's MLP of three differently shaped layers, every weight N(0, 1e-3):
-its signal fell 1e7-fold and each layer, with no counterpart, passed).
+its signal fell 1e7-fold and each layer, with no counterpart, passed), but for the output layer and attention, which
+may shrink it by design (a policy head at gain 0.01, attention averaging the tokens at init).
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def assign_references(layers: list[Any], thresholds: Any) -> None:
         alone = len(members) == 1 and not members[0].own_reference  # same parent (fc1, fc2, fc3 of one model; not a
         # 1-block GPT-2's final LayerNorm and its block's ln_1, nor the embeddings' dropout and an attention branch's)
         pooled.setdefault((key[0], _parent(members[0]), *key[2:]) if alone else key, []).extend(members)
+    # (the output layer and sequence-mixing attention may shrink their input's std by design: a policy head at gain 0.01,
+    # a one-output regression's small weight, attention averaging tokens at init: not judged vanishing against it)
+    output = max((layer.index for layer in layers if layer.param_name is not None), default=None)
     for members in pooled.values():
         members.sort(key=lambda layer: layer.index)
         fwd_ref = members[0]
@@ -73,8 +77,9 @@ def assign_references(layers: list[Any], thresholds: Any) -> None:
             if layer.forward_ratio is None and layer.ref_forward and layer.silent and not _own_function(layer):
                 layer.forward_ratio = 0.0  # 0 vs a reference of 0 (dead too)
             gain = _ratio(layer.out_std, layer.in_std) if layer.in_std else None  # (an input of 0: no gain to speak of)
+            shrinks = gain is not None and gain < 1 / GAIN_LIMIT and layer.index != output and "Attention" not in layer.kind
             if (len(members) == 1 and not layer.role and not layer.is_norm and layer.param_name is not None
-                    and gain is not None and not 1 / GAIN_LIMIT <= gain <= GAIN_LIMIT):  # no counterpart: its own input
+                    and gain is not None and (gain > GAIN_LIMIT or shrinks)):  # no counterpart: against its own input
                 layer.ref_forward, layer.forward_ratio = OWN_INPUT, gain
             if layer.in_std == 0 and not layer.silent and layer.forward_ratio is not None and layer.ref_forward != OWN_INPUT:
                 layer.forward_ratio = None  # a constant input (a call on zeros): its output is its offsets, no signal of
