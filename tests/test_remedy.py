@@ -542,6 +542,9 @@ def test_a_precision_spike_gets_the_run_wide_precisions_above_the_runs():
     # no lower LR: the step is normal in fp32, and a lower LR from the step before only moves the weights off the
     # rounding's edge (a trial's bf16 spike 'cured' by lr-x0.1, ranked over fp32, and made x5.7 worse by lr-x0.5)
     assert not [r for r in candidates_for({**spike, "precision": "bf16"}, "bf16", [], []) if r.kind == "lr"]
+    from stabletrain.diagnostics.candidates import why_not_offered
+
+    assert why_not_offered("lr-x0.1", spike).startswith("lr-x0.1: the same step is normal in fp32, so the rounding")
     assert remedy_from_dict(Precision("fp32").to_dict()) == Precision("fp32")
 
 
@@ -697,3 +700,7 @@ def test_remedy_refuses_a_ddp_incident_saying_what_its_bundle_holds_and_what_it_
                               "diagnose replays it), not the windows after it that each cure is judged on, drawn from a data "
                               "order split across the processes")
     assert not (folder / "remedy.json").exists()
+    # a rank's own window (a non-finite step on one rank, an adapter's: no every-rank record): said as its part (a review)
+    write_bundle(folder, {"step": 10, "world_size": 2, "window": {"indices": [[1, 2]]}})
+    with pytest.raises(ValueError, match=r"the bundle holds its rank's part of the incident's step, not the windows after"):
+        search_remedies(folder, steps=2)

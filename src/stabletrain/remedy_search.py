@@ -90,10 +90,11 @@ class _Incident:
         self.dir = directory
         self.bundle = bundle if bundle is not None else load_bundle(directory)
         if int(self.bundle.get("world_size", 1)) > 1:
+            held = ("the incident's step (every rank's batch: stabletrain diagnose replays it)"
+                    if "ranks" in self.bundle.get("window", {}) else "its rank's part of the incident's step")
             raise ValueError(f"incident {str(directory)!r} comes from a run of {self.bundle['world_size']} processes; "
-                             "stabletrain remedy replays a one-process run only: the bundle holds the incident's step "
-                             "(every rank's batch: stabletrain diagnose replays it), not the windows after it that each "
-                             "cure is judged on, drawn from a data order split across the processes")
+                             f"stabletrain remedy replays a one-process run only: the bundle holds {held}, not the windows "
+                             "after it that each cure is judged on, drawn from a data order split across the processes")
         empty = [m for m, idx in enumerate(self.bundle["window"]["indices"]) if not idx]
         if empty:
             raise ValueError(f"incident {str(directory)!r}: step {self.bundle['step']}'s batch holds no samples (micro-batch "

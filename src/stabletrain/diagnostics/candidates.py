@@ -191,4 +191,7 @@ def why_not_offered(name: str, diagnosis: dict[str, Any]) -> str | None:
     if name == "skip-samples" and diagnosis.get("failure_class") == "op" and diagnosis.get("weight_driven"):
         return ("skip-samples: most of the window's samples go bad through the op (the model's computation at this state, "
                 "not a few samples): dropping them all is no cure; a rollback with a lower LR is offered instead")
+    if name in ("lr-x0.5", "lr-x0.1") and diagnosis.get("failure_class") == "precision":
+        return (f"{name}: the same step is normal in fp32, so the rounding, not the updates, makes the spike: a lower LR "
+                "could only move the weights off the rounding's edge, by chance (a module or the run in fp32 is offered)")
     return None
