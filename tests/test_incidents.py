@@ -123,3 +123,23 @@ def test_a_failure_met_again_is_said_short_naming_the_step_that_first_met_it(tmp
                                "module '0'), at sample 5; reproduces on replay"), line
     later = json.loads((tmp_path / "run" / "incidents" / "step_000005" / "diagnosis.json").read_text())
     assert "as at step" not in later["summary"] and later["bad_samples"] == [5], later["summary"]  # (the record: whole)
+
+
+def test_a_failure_said_short_is_the_same_failure_not_only_the_same_op():
+    """A review of 'as at step N': an overflow through a few samples and a later one through the module's weights (most
+    samples) share class, op and module, not a cause: the later one is said whole. Outside any module or in the root
+    module is said so; a step whose inputs hold the NaN names them."""
+    from stabletrain.diagnostics.diagnosis import repeat_key, repeat_summary
+
+    first = {"failure_class": "overflow", "stage": "activations", "op": "aten.addmm.default", "direction": "forward",
+             "module": "1", "origin": True, "kind": "inf", "reproduces": True, "bad_samples": [3750], "num_samples": 16}
+    again = {**first, "bad_samples": [472]}
+    weights = {**first, "bad_samples": list(range(14)), "blamed_module": "1"}
+    assert repeat_key(again) == repeat_key(first) != repeat_key(weights)
+    assert repeat_key({**first, "param_input": True}) != repeat_key(first) and repeat_key({**first, "anomaly": "spike"}) is None
+    assert repeat_summary(again, 163) == ("overflow: as at step 163 (aten.addmm.default in forward of module '1'), at "
+                                          "sample 472; reproduces on replay")
+    assert "outside any module)" in repeat_summary({**again, "module": None}, 163)
+    assert "of the root module)" in repeat_summary({**again, "module": ""}, 163)
+    inputs = {**first, "stage": "inputs", "bad_samples": None, "bad_input_samples": [5, 9]}
+    assert repeat_summary(inputs, 1).endswith(", at samples 5, 9; reproduces on replay")

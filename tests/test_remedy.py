@@ -605,6 +605,16 @@ def test_an_adapters_run_wide_cures_are_named_in_its_hosts_own_terms(tmp_path):
                                                "Monitor(clip_max_norm=0.5)", "lr x0.5"]
     _in_host_terms(SimpleNamespace(adapter=False, run_dir=tmp_path / "run"), built_in)
     assert [r["detail"] for r in built_in] == ["precision=fp32", "clip.max_norm=0.5", "lr x0.5"]
+    # a Lightning run's config.yaml (nested, as the adapter writes it): the callback clipped, the Trainer did not
+    import yaml
+
+    (tmp_path / "pl").mkdir()
+    (tmp_path / "pl" / "config.yaml").write_text(yaml.safe_dump({"integration": "lightning", "clip": {"max_norm": 1.0},
+                                                                 "host": {"gradient_clip_val": None}}))
+    lightning = rows()
+    _in_host_terms(SimpleNamespace(adapter=True, run_dir=tmp_path / "pl"), lightning)
+    assert [r["detail"] for r in lightning] == ['Trainer(precision="32-true")', "StableTrainCallback(clip_max_norm=0.5)",
+                                                "lr x0.5"]
 
 
 def test_the_eps_guard_is_not_offered_for_a_log_of_a_negative_input():

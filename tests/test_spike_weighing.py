@@ -577,6 +577,7 @@ def test_a_window_below_the_bar_under_the_older_state_is_the_batchs_only_where_o
     for args, held in (((3.101, 1.713, 3.408, 1.59, 1.65), 0.763),  # the trial's three rows
                        ((3.109, 1.713, 4.631, 1.589, 1.65), 0.459),  # its five rows under Lightning (46%: a third suffices)
                        ((1.5, 1.0, 3.0, 1.0, 1.0), None),  # a quarter of its excess then: the updates made the rest
+                       ((3.101, 1.713, 3.7, 1.75, 1.65), 0.712),  # ordinary windows up 2% (a review: no cliff at 0%)
                        ((1.1, 1.0, 2.1, 1.9, 1.0), None),  # ordinary windows rose x1.9: a drift, not the batch
                        ((2.5, 2.0, 2.2, 1.0, 1.0), None)):  # x1.25 there: no outlier under that state
         older = _older_of(*args)

@@ -38,7 +38,7 @@ import torch
 from .config import config_from_dict
 from .diagnostics.cures import ModuleFP32
 from .diagnostics.diagnosis import matches_observed
-from .diagnostics.spike import LR_RISE, classify_spike, ordinary_stand_in, spike_summary
+from .diagnostics.spike import DATA_SHARE, LR_RISE, classify_spike, ordinary_stand_in, spike_summary
 from .diagnostics.spike_evidence import departures, jumps, lr_change, lr_groups, precision_departures
 from .numerics import param_update_norms, unique_params, update_totals
 from .policies.guard import spike_test
@@ -56,7 +56,7 @@ __all__ = ["diagnose_spike"]
 LEVEL_RUN = 5
 #: The spike window's excess over ordinary windows' loss under the older state, as a share of its excess now, from which
 #: the window counts as high there too below guard.spike_ratio times theirs (at sqrt of it at least, ordinary windows not
-#: risen since, the window a spike against them now): the batch's, not the updates since (``older["held"]``).
+#: risen past sqrt of it since, the window a spike against them now): the batch's, not the updates since (``older["held"]``).
 HELD_SHARE = 1 / 3
 #: A data spike's named samples are weighed against at most this many others (each alone: one forward pass each).
 TAIL_SAMPLES = 256
@@ -163,7 +163,7 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
                 *bench.module_errors(spike, replica.model, bench.precision, fp32)))
     verdict = classify_spike(m)
     found = m["samples"]  # (a precision spike's samples: where the rounding lands, said; the cure is the module's or dtype's)
-    if verdict["failure_class"] == "precision" and found and m["reproduces"]:
+    if verdict["failure_class"] == "precision" and found and found["share"] >= DATA_SHARE and m["reproduces"]:
         n = len(found["indices"])
         verdict["evidence"] += (f"; in {precision} sample{'s' * (n > 1)} {', '.join(map(str, found['indices']))} carr"
                                 f"{'y' if n > 1 else 'ies'} {100 * found['share']:.0f}% of the window's loss (without "
@@ -374,9 +374,10 @@ def _older(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, spike: list, co
                                                  loss <= ratio * window_old)
     high = window_old > ratio * ordinary_old if ordinary_old is not None and math.isfinite(ordinary_old) else source == "capture"
     held = (context and not high and all(map(math.isfinite, (window_old, ordinary_old, ordinary_now)))
-            and loss > ratio * ordinary_now and ordinary_now <= ordinary_old and window_old >= math.sqrt(ratio) * ordinary_old
+            and loss > ratio * ordinary_now and 0 < ordinary_old and ordinary_now <= math.sqrt(ratio) * ordinary_old
+            and window_old >= math.sqrt(ratio) * ordinary_old
             and window_old - ordinary_old >= HELD_SHARE * (loss - ordinary_now))
-    # (or, while ordinary windows did not rise, a third or more of its excess over them was there already, the window
+    # (or, while ordinary windows did not rise past sqrt(ratio), a third or more of its excess over them was there, the window
     # sqrt(ratio) x theirs there: the updates since lifted it past the bar, not to it; a trial's three rows at x50 inputs,
     # x1.81 ordinary windows' loss then and x2.14 now, were called the state's. A surge before it may still be the cause.)
     high = high or held

@@ -335,18 +335,21 @@ def repeat_key(d: dict[str, Any]) -> tuple[Any, ...] | None:
     where there is nothing to compare (a spike's, one that did not reproduce, one with no op located)."""
     if d.get("anomaly") == "spike" or not d.get("reproduces") or not d.get("op"):
         return None
-    return tuple(d.get(k) for k in ("failure_class", "stage", "op", "direction", "module"))
+    samples, num = d.get("bad_samples") or [], d.get("num_samples") or 0  # (the weights' or a few samples': two causes)
+    weights = bool(d.get("blamed_module") and num > 1 and len(samples) >= WEIGHT_DRIVEN_SHARE * num)
+    return (*(d.get(k) for k in ("failure_class", "stage", "op", "direction", "module", "origin", "kind",
+                                 "masked_in_forward", "weight_driven")), bool(d.get("param_input")), weights)
 
 
 def repeat_summary(d: dict[str, Any], first: int) -> str:
     """The console's words for a diagnosis that found what the one of step ``first`` did (:func:`repeat_key`): that
     step named, where, and this step's samples (a run's fp16 overflow captured each interval said all of it each time)."""
-    where = d["op"] + (f" in {d['direction']} of module '{d['module']}'" if d.get("module") is not None else "")
-    samples = d.get("bad_samples") or []
-    num = d.get("num_samples") or 0
-    weights = d.get("blamed_module") and num > 1 and len(samples) >= WEIGHT_DRIVEN_SHARE * num
+    module = d.get("module")
+    where = f"{d['op']} in {d['direction']} " + ("outside any module" if module is None else "of the root module"
+                                                 if module == "" else f"of module '{module}'")
+    samples = d.get("bad_samples") or (d.get("bad_input_samples") if d.get("stage") == "inputs" else None) or []
     named = (f", at sample{'s' * (len(samples) > 1)} {', '.join(map(str, samples[:4]))}{', ...' if len(samples) > 4 else ''}"
-             if samples and d["failure_class"] != "divergence" and not weights else "")  # (the weights' fault: not theirs)
+             if samples and d["failure_class"] != "divergence" and not repeat_key(d)[-1] else "")  # (the weights': not theirs)
     return f"{d['failure_class']}: as at step {first} ({where}){named}; reproduces on replay"
 
 
