@@ -1041,3 +1041,24 @@ def test_fewer_batches_than_backward_calls_are_said_once_at_the_users_line(tmp_p
                     monitor.backward(loss_fn(model, half) / 2, half)
                 monitor.step()
     assert not [w for w in seen if "calls since the last step" in str(w.message)]
+
+
+def test_a_step_the_monitor_skips_leaves_no_trace_in_a_batchnorms_running_statistics(tmp_path):
+    """Your loop's forward moved the BatchNorm's running statistics before the monitor judged the step: a NaN batch it
+    skips left NaN in them (a trial's CNN: a skipped spike left them x70). A skipped step's are put back as they were."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    x, y = torch.randn(40, 4), torch.randn(40, 1)
+    x[21] = float("nan")  # in step 3's batch of 8 (steps 1..5)
+    seen = []
+    with Monitor(model, opt, run_dir=tmp_path / "run", log_every=5, init_check=False, capture=False) as monitor:
+        for s in range(5):
+            loss = torch.nn.functional.mse_loss(model(x[8 * s:8 * (s + 1)]), y[8 * s:8 * (s + 1)])
+            monitor.backward(loss)
+            monitor.step()
+            seen.append(model[1].running_mean.clone())
+    skips = [json.loads(line)["step"] for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()
+             if json.loads(line)["kind"] == "skip"]
+    assert skips == [3] and torch.equal(seen[2], seen[1]) and not torch.equal(seen[3], seen[2]), skips
+    assert all(bool(m.isfinite().all()) for m in seen)

@@ -116,6 +116,21 @@ def buffers_kept(model: nn.Module) -> Iterator[None]:
                 was.copy_(value)
 
 
+def running_stats(model: nn.Module) -> list[Tensor]:
+    """The running statistics a training-mode forward of ``model`` moves: a BatchNorm's mean, variance and count (any
+    module that tracks them). A step whose update is skipped puts them back (:class:`~stabletrain.step.TrainStep`)."""
+    return [b for m in model.modules() if getattr(m, "track_running_stats", False)
+            for b in (getattr(m, name, None) for name in ("running_mean", "running_var", "num_batches_tracked"))
+            if isinstance(b, Tensor)]
+
+
+def restore_where_skipped(stats: list[Tensor], saved: list[Tensor], applied: Tensor) -> None:
+    """Put ``stats`` back to ``saved`` where the step was not ``applied`` (a device bool: no sync), then keep them."""
+    with torch.no_grad():
+        for now, was in zip(stats, saved):
+            now.copy_(torch.where(applied, now, was))
+
+
 def grad_norms(params: list[Tensor]) -> tuple[Tensor, Tensor]:
     """Return (total L2 grad norm, per-parameter L2 grad norms) as fp32 device tensors (no sync).
 

@@ -33,7 +33,16 @@ import torch
 from torch import Tensor, nn
 
 from .data import move_to
-from .numerics import all_params_finite, both_finite, grad_norms, snapshot_params, unique_params, update_norms
+from .numerics import (
+    all_params_finite,
+    both_finite,
+    grad_norms,
+    restore_where_skipped,
+    running_stats,
+    snapshot_params,
+    unique_params,
+    update_norms,
+)
 from .policies.accumulation import AccumulationWindow, as_sum_count, sums_safe
 from .policies.clipping import GradClipper
 from .policies.guard import Guard, inputs_finite
@@ -103,6 +112,10 @@ class TrainStep:
         self._flags: dict[tuple[bool, torch.device], Tensor] = {}
         self._counts: dict[tuple[int, torch.device], Tensor] = {}
         self._sync_methods: tuple[Any, Any] | None = None
+        self._stats: list[Tensor] | None = None  # the running statistics a training forward moves (keep_running_stats)
+        self._stats_saved: list[Tensor] = []
+        if optimizer is not None:  # (as they are before any forward: a host's loop runs its first before any apply)
+            self.keep_running_stats()
 
     def __call__(self, micro_batches: Sequence[tuple[int, Any]], loss_fn: LossFn, *,
                  measure_update: bool = False, check_params: bool = True) -> dict[str, Tensor]:
@@ -120,6 +133,8 @@ class TrainStep:
         else:
             for p in self.params:
                 p.grad = None
+        if self.optimizer is not None:
+            self.keep_running_stats()
         self.window.begin(num_samples=sum(n for n, _ in micro_batches))  # a mean's share, known before its forward
         if self.carrier is not None:
             self.carrier.reset()
@@ -232,6 +247,9 @@ class TrainStep:
         # torch's GradScaler does (bitwise a hand-written loop's: tests/test_parity.py).
         hold = ~self.window.inputs_ok if self.precision.scaler is not None and self._inputs_ok is not None else None
         applied = self.precision.step(optimizer, judged["ok"], hold)
+        if self._stats and len(self._stats_saved) == len(self._stats):  # a skipped step's forwards moved them: put back
+            restore_where_skipped(self._stats, self._stats_saved, applied)  # (a BatchNorm fed a skipped spike's batch)
+            self.keep_running_stats()  # (for a host's next forwards: a Monitor's loop runs them, not forward_backward)
         if self.schedule is not None:  # a host flag where the optimizer step already read it (no second read)
             on_host = self.precision.applied_on_host
             self.schedule.step(applied if on_host is None else on_host)
@@ -245,6 +263,19 @@ class TrainStep:
             local = self.window.loss_sum * 0 != 0  # x * 0 is NaN iff x is not finite
             out["local_nonfinite"] = local if self._inputs_ok is None else local | ~self._inputs_ok
         return out
+
+    def keep_running_stats(self) -> None:
+        """Keep the model's :func:`~stabletrain.numerics.running_stats` (found once) as they are now, before a window's
+        forwards: :meth:`apply` puts them back where its update is skipped (then keeps them again). A host that runs
+        the forwards itself calls it once before its first (and after loading a state)."""
+        if self._stats is None:
+            self._stats = running_stats(self.model)
+        if not self._stats:
+            return
+        if [s.shape for s in self._stats_saved] != [b.shape for b in self._stats]:
+            self._stats_saved = [b.detach().clone() for b in self._stats]
+        else:
+            torch._foreach_copy_(self._stats_saved, self._stats)
 
     def _count(self, num_samples: int, device: torch.device) -> Tensor:
         """The item count of a batch whose loss is a mean, as a 0-dim float32 made once per value (never written)."""
