@@ -737,3 +737,23 @@ def offset_row_task(bad: int = 100, offset: float = 24000.0, n: int = 512, scale
     model.add_module("act", nn.ReLU())
     model.add_module("head", nn.Linear(32, 1))
     return Task(model=model, train_data=TensorDataset(x, y), loss=_mse, name="offset-row")
+
+
+def bright_images_cnn_task(n: int = 4096, bad_step: int = 120, n_bad: int = 3, batch: int = 32, scale: float = 100.0
+                           ) -> Task:
+    """data, coupled by batch norms in a window too large to try every set (a new user's trial): a CNN learns where a
+    bright blob sits in 16x16 images; ``n_bad`` images of step ``bad_step``'s batch (data in order) are x``scale``.
+    They own the batch statistics: their own losses are 0, the others' high, and dropping one leaves the other two in
+    charge; the three whose inputs stand out are the set (the window's 32 have too many sets of up to 8 to try)."""
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 4, (n,), generator=g)
+    x = torch.randn(n, 3, 16, 16, generator=g) * 0.5
+    for c in range(4):
+        r, cc = (c // 2) * 8, (c % 2) * 8
+        x[y == c, :, r + 2:r + 6, cc + 2:cc + 6] += 1.5
+    x[[(bad_step - 1) * batch + 5 + 9 * k for k in range(n_bad)]] *= scale
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+                          nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.AdaptiveAvgPool2d(2),
+                          nn.Flatten(), nn.Linear(128, 4))
+    return Task(model=model, train_data=TensorDataset(x, y), name="bright-images", loss=_ce)

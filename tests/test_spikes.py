@@ -2323,3 +2323,21 @@ def test_a_precision_spike_names_the_sample_where_the_rounding_bites(tmp_path):
     assert d["failure_class"] == "precision" and d["blamed_module"] == "center" and d["bad_samples"] is None, d["summary"]
     assert re.search(r"; in bf16 sample 100 carries \d+% of the window's loss \(without it the step is normal: where the "
                      r"rounding bites\)$", d["evidence"]) and d["samples"]["share"] > 0.8, d["evidence"]
+
+
+def test_samples_a_batch_norm_couples_in_a_large_window_are_found_by_their_inputs(tmp_path):
+    """A trial's CNN, three images at x100 in a window of 32: the evidence read 'no set of up to 8 of the window's 32
+    samples makes the step normal' (too many sets to try every one, and a set of 3 did) and 'the batch itself is an
+    outlier'. Their own losses are 0 and dropping one leaves the other two in charge of the statistics; the samples
+    whose inputs stand out are tried too: the three are named and verified."""
+    from spike_tasks import bright_images_cnn_task
+
+    run_dir = tmp_path / "run"
+    Trainer(cfg("train.batch_size=32", "train.max_steps=121", "optim.lr=0.003", "log.every=10", "data.shuffle=false",
+                "ckpt.every=0"), task=bright_images_cnn_task(), run_dir=run_dir).fit()
+    d = json.loads((run_dir / "incidents" / "step_000120" / "diagnosis.json").read_text())
+    assert d["failure_class"] == "data" and d["bad_samples"] == [3813, 3822, 3831], d["summary"]
+    assert d["samples"]["search"].startswith("the samples whose inputs stand out most"), d["samples"]
+    from stabletrain.spike_samples import _every_set
+
+    assert _every_set(8) and not _every_set(32)  # (where not, a search that finds none says it did not try every set)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .diagnostics.spike_evidence import MOSTLY_CARRIED, max_outliers, outlier_sets
+from .internals import tree_flatten
 from .policies.accumulation import as_sum_count
 from .policies.dropout import dropout_off
 from .services.replay_bench import ReplayBench
@@ -139,7 +140,9 @@ def _weigh_samples(bench: ReplayBench, groups: list[tuple[list[int], Any]], rule
     found = _verified(bench, groups, rule, normal, [drop] if drop else [])
     if found is None:
         n = sum(len(idx) for idx, _ in groups)
-        note = note or f"no set of up to {max_outliers(n)} of the window's {n} samples makes the step normal"
+        note = note or (f"no set of up to {max_outliers(n)} of the window's {n} samples makes the step normal"
+                        if _every_set(n) else f"no set it tried of up to {max_outliers(n)} of the window's {n} samples "
+                        "makes the step normal (not every one: too many to try)")
         return rows, None, "; ".join(x for x in (failed, note) if x)
     kept = [[i for i in idx if i not in found["indices"]] for idx, _ in groups]
     share = 1.0 - bench.sums(bench.groups(kept))[0] / window_sum if window_sum else 0.0
@@ -271,6 +274,11 @@ def _bisect(bench: ReplayBench, groups: list[tuple[list[int], Any]], normal: Any
             notes[:] = notes if not found else []
             how = (f"every set of up to {min(limit, len(flat) - 1)} of the window's {len(flat)} samples dropped in turn, "
                    "fewest first (no sample's own removal pointed at them: the loss couples them)")
+        if not found and not (not tied and sets <= MAX_SUBSETS):  # too many sets to try each: the inputs that stand out
+            by_size = _input_outliers(bench, flat, limit)  # (a batch norm's statistics owned by a few huge images: their
+            found = next((by_size[:k] for k in range(1, len(by_size) + 1) if normal_without(set(by_size[:k]))), [])
+            if found:  # own losses and their removals' falls point elsewhere; a trial's three of 32, x100 brightness)
+                how = "the samples whose inputs stand out most (their norm), the largest first (the loss couples them)"
         if not found and rest is not None and base and math.isfinite(base) and rest <= base / 2:  # most of it: say so
             notes.append(f"{MOSTLY_CARRIED}{', '.join(map(str, top))} (the largest falls) the window's loss falls from "
                          f"{base:.4g} to {rest:.4g} ({_gone(base, rest)} of it gone"
@@ -287,6 +295,26 @@ def _bisect(bench: ReplayBench, groups: list[tuple[list[int], Any]], normal: Any
     if len(found) > limit:
         return None, f"{len(found)} samples would have to go (more than {limit})"
     return sorted(found), "; ".join([how, *notes])
+
+
+def _every_set(n: int) -> bool:
+    """Whether the search tries every set of up to :func:`max_outliers` of a window of ``n`` samples (within MAX_SUBSETS)."""
+    return sum(math.comb(n, k) for k in range(1, min(max_outliers(n), n - 1) + 1)) <= MAX_SUBSETS
+
+
+def _input_outliers(bench: ReplayBench, flat: list[int], limit: int) -> list[int]:
+    """Up to ``limit`` of ``flat`` whose inputs' norm (the floating tensors of the sample) stands out of the window's:
+    more than twice its median, the largest first ([] where none does, or a sample cannot be read)."""
+    norms = []
+    try:
+        for i in flat:
+            leaves = [t for t in tree_flatten(bench.task.train_data[i])[0] if isinstance(t, torch.Tensor)
+                      and t.is_floating_point()]
+            norms.append((float(sum(t.double().pow(2).sum() for t in leaves)) ** 0.5 if leaves else 0.0, i))
+    except Exception:  # noqa: BLE001  (a dataset item of another kind: no ordering by size)
+        return []
+    middle = sorted(n for n, _ in norms)[len(norms) // 2]
+    return [i for n, i in sorted(norms, reverse=True) if middle > 0 and n > 2 * middle][:limit]
 
 
 def _fewest_normal(flat: list[int], limit: int, loss_without: Any, normal: Any) -> list[int]:
