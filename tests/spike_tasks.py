@@ -757,3 +757,42 @@ def bright_images_cnn_task(n: int = 4096, bad_step: int = 120, n_bad: int = 3, b
                           nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.AdaptiveAvgPool2d(2),
                           nn.Flatten(), nn.Linear(128, 4))
     return Task(model=model, train_data=TensorDataset(x, y), name="bright-images", loss=_ce)
+
+
+class _TinyLM(nn.Module):
+    """A 2-layer pre-LN causal transformer over a 32-token vocabulary, sequences of 24."""
+
+    def __init__(self, vocab: int = 32, length: int = 24, d: int = 64) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Parameter(torch.randn(length, d) * 0.02)
+        layer = nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+    def forward(self, x: Tensor) -> Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        return self.head(self.ln(self.enc(self.tok(x) + self.pos[:x.shape[1]], mask=mask, is_causal=True)))
+
+
+def _lm_loss(model: nn.Module, batch) -> Tensor:
+    (s,) = batch
+    return F.cross_entropy(model(s[:, :-1]).reshape(-1, 32).float(), s[:, 1:].reshape(-1))
+
+
+def repeated_sequence_task(n: int = 4096, bad_step: int = 150, copies: int = 8, batch: int = 16) -> Task:
+    """data, one sequence repeated (a new user's trial; OLMo's repeated n-grams): sequences follow one of 4 rules
+    (next = m * t + c mod 32, 10% noise); ``copies`` of step ``bad_step``'s batch (data in order) are all token 7. Half
+    the window, more than the quarter a set may name, each x2.5 the next loss, not far apart: one input, repeated."""
+    g = torch.Generator().manual_seed(0)
+    rule = torch.randint(0, 4, (n,), generator=g)
+    mult, add = torch.tensor([5, 7, 3, 9])[rule], torch.tensor([3, 1, 11, 17])[rule]
+    seq = torch.empty(n, 25, dtype=torch.long)
+    seq[:, 0] = torch.randint(0, 32, (n,), generator=g)
+    for i in range(24):
+        seq[:, i + 1] = (mult * seq[:, i] + add) % 32
+    noise = torch.rand(n, 25, generator=g) < 0.1
+    seq[noise] = torch.randint(0, 32, (int(noise.sum()),), generator=g)
+    start = (bad_step - 1) * batch
+    seq[start:start + copies] = 7
+    torch.manual_seed(0)
+    return Task(model=_TinyLM(), train_data=TensorDataset(seq), loss=_lm_loss, name="repeated-sequence")

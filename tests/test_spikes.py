@@ -2341,3 +2341,19 @@ def test_samples_a_batch_norm_couples_in_a_large_window_are_found_by_their_input
     from stabletrain.spike_samples import _every_set
 
     assert _every_set(8) and not _every_set(32)  # (where not, a search that finds none says it did not try every set)
+
+
+def test_a_sequence_repeated_across_half_the_window_is_named_as_copies_of_one(tmp_path):
+    """A trial's tiny LM: 8 of a window's 16 sequences all one token (a duplicated shard) carried 78% of its loss, and
+    the evidence read 'no small set of its samples carries it: the batch itself is an outlier' (a set names a quarter
+    at most). One input repeated is one defect: the copies are named, their removal verified, and said so."""
+    from spike_tasks import repeated_sequence_task
+
+    run_dir = tmp_path / "run"
+    Trainer(cfg("train.batch_size=16", "train.max_steps=151", "optim.lr=0.003", "log.every=10", "data.shuffle=false",
+                "ckpt.every=0"), task=repeated_sequence_task(), run_dir=run_dir).fit()
+    d = json.loads((run_dir / "incidents" / "step_000150" / "diagnosis.json").read_text())
+    assert d["failure_class"] == "data" and d["bad_samples"] == list(range(2384, 2392)), d["summary"]
+    assert d["samples"]["copies"] == 8 and d["evidence"].endswith(
+        "; they are 8 copies of one sample, alike in every value (a duplicated row or shard: the data's, not many bad "
+        "samples)"), d["evidence"]

@@ -162,6 +162,9 @@ def _diagnose(bench: ReplayBench, bundle: dict[str, Any], cfg: Any, observed: di
             m["where"] = _fp32_cure(bench, spike, rule, precision_departures(
                 *bench.module_errors(spike, replica.model, bench.precision, fp32)))
     verdict = classify_spike(m)
+    if verdict["failure_class"] == "data" and (m["samples"] or {}).get("copies"):  # (one input repeated: one defect)
+        verdict["evidence"] += (f"; they are {m['samples']['copies']} copies of one sample, alike in every value (a "
+                                "duplicated row or shard: the data's, not many bad samples)")
     found = m["samples"]  # (a precision spike's samples: where the rounding lands, said; the cure is the module's or dtype's)
     if verdict["failure_class"] == "precision" and found and found["share"] >= DATA_SHARE and m["reproduces"]:
         n = len(found["indices"])

@@ -125,6 +125,10 @@ def _weigh_samples(bench: ReplayBench, groups: list[tuple[list[int], Any]], rule
         if (wide and wide[1] >= APART_GAP and len(wide[0]) > max_outliers(len(rows)) and level > 0
                 and min(r["loss"] for r in rows if r["sample"] in wide[0]) >= APART_GAP * level):
             found = _verified(bench, groups, rule, normal, [wide[0]])
+    copies = _copies(bench, rows) if found is None and rows else []
+    if copies:  # more than a quarter, yet one input repeated: one defect (a duplicated row or shard), not many samples
+        found = _verified(bench, groups, rule, normal, [copies])
+        found = {**found, "copies": len(copies)} if found is not None else None
     if found is not None:  # with the samples as far out as its own (the fewest may leave some of the outliers in)
         alike = _alike(rows, found["indices"], max_outliers(len(rows)), bound)
         found = (_verified(bench, groups, rule, normal, [alike]) if alike else None) or found
@@ -133,7 +137,8 @@ def _weigh_samples(bench: ReplayBench, groups: list[tuple[list[int], Any]], rule
         if relaxed is not None:
             found = {**relaxed, "without": {**relaxed["without"], "apart": apart[1]}}
         share = sum(r["share"] for r in rows if r["sample"] in found["indices"])
-        return rows, {"indices": found["indices"], "share": share, "without": found["without"]}, None
+        return rows, {"indices": found["indices"], "share": share, "without": found["without"],
+                      **({"copies": found["copies"]} if "copies" in found else {})}, None
     window_sum, _ = bench.sums(groups)
     median = rule(0.0).get("median") or float("nan")
     drop, note = _bisect(bench, groups, normal, bound, bound * median, dropout)
@@ -295,6 +300,23 @@ def _bisect(bench: ReplayBench, groups: list[tuple[list[int], Any]], normal: Any
     if len(found) > limit:
         return None, f"{len(found)} samples would have to go (more than {limit})"
     return sorted(found), "; ".join([how, *notes])
+
+
+def _copies(bench: ReplayBench, rows: list[dict[str, Any]]) -> list[int]:
+    """The window's largest set of identical samples (every tensor and value of the dataset item alike), where it holds
+    two or more and most of the window's loss (``rows``: one per sample, with its ``share``); else []."""
+    groups: dict[Any, list[int]] = {}
+    try:
+        for r in rows:
+            leaves = tree_flatten(bench.task.train_data[r["sample"]])[0]
+            key = tuple((tuple(t.shape), str(t.dtype), t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+                         .tobytes()) if isinstance(t, torch.Tensor) else repr(t) for t in leaves)
+            groups.setdefault(key, []).append(r["sample"])
+    except Exception:  # noqa: BLE001  (an item of another kind: no copies told)
+        return []
+    largest = max(groups.values(), key=len, default=[])
+    share = sum(r["share"] for r in rows if r["sample"] in largest)
+    return sorted(largest) if 2 <= len(largest) < len(rows) and share > 0.5 else []
 
 
 def _every_set(n: int) -> bool:
