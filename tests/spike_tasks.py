@@ -779,10 +779,11 @@ def _lm_loss(model: nn.Module, batch) -> Tensor:
     return F.cross_entropy(model(s[:, :-1]).reshape(-1, 32).float(), s[:, 1:].reshape(-1))
 
 
-def repeated_sequence_task(n: int = 4096, bad_step: int = 150, copies: int = 8, batch: int = 16) -> Task:
+def repeated_sequence_task(n: int = 4096, bad_step: int = 150, copies: int = 8, batch: int = 16, steps: int = 1) -> Task:
     """data, one sequence repeated (a new user's trial; OLMo's repeated n-grams): sequences follow one of 4 rules
     (next = m * t + c mod 32, 10% noise); ``copies`` of step ``bad_step``'s batch (data in order) are all token 7. Half
-    the window, more than the quarter a set may name, each x2.5 the next loss, not far apart: one input, repeated."""
+    the window, more than the quarter a set may name, each x2.5 the next loss, not far apart: one input, repeated.
+    ``steps``: as many batches in a row hold them (a bad shard: a burst)."""
     g = torch.Generator().manual_seed(0)
     rule = torch.randint(0, 4, (n,), generator=g)
     mult, add = torch.tensor([5, 7, 3, 9])[rule], torch.tensor([3, 1, 11, 17])[rule]
@@ -792,7 +793,8 @@ def repeated_sequence_task(n: int = 4096, bad_step: int = 150, copies: int = 8, 
         seq[:, i + 1] = (mult * seq[:, i] + add) % 32
     noise = torch.rand(n, 25, generator=g) < 0.1
     seq[noise] = torch.randint(0, 32, (int(noise.sum()),), generator=g)
-    start = (bad_step - 1) * batch
-    seq[start:start + copies] = 7
+    for k in range(steps):
+        start = (bad_step - 1 + k) * batch
+        seq[start:start + copies] = 7
     torch.manual_seed(0)
     return Task(model=_TinyLM(), train_data=TensorDataset(seq), loss=_lm_loss, name="repeated-sequence")

@@ -2357,3 +2357,18 @@ def test_a_sequence_repeated_across_half_the_window_is_named_as_copies_of_one(tm
     assert d["samples"]["copies"] == 8 and d["evidence"].endswith(
         "; they are 8 copies of one sample, alike in every value (a duplicated row or shard: the data's, not many bad "
         "samples)"), d["evidence"]
+
+
+def test_no_remedy_needed_for_a_bursts_spike_says_the_windows_its_skip_drops(tmp_path):
+    """A trial's bad shard (four batches in a row holding copies of one sequence), guard.on_spike=remedy: the line read
+    'skipping its step cures it' where the baseline dropped the incident's window and the 3 after it (a burst), each
+    skipped as it spiked."""
+    from spike_tasks import repeated_sequence_task
+
+    run_dir = tmp_path / "run"
+    Trainer(cfg("train.batch_size=16", "train.max_steps=160", "optim.lr=0.003", "log.every=10", "data.shuffle=false",
+                "guard.on_spike=remedy", "remedy.steps=10"), task=repeated_sequence_task(steps=4),
+            run_dir=run_dir).fit()
+    (said,) = [e["reason"] for e in _events(run_dir) if e["kind"] == "remedy" and e["step"] == 150]
+    assert said.startswith("no remedy needed for the data incident at step 150: skipping its window and the 3 after it "
+                           "(a burst) cures it on the replay"), said

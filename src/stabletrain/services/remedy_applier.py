@@ -153,8 +153,10 @@ class RemedyApplier:
             draw = record["failure_class"] == "dropout" and not params_bad  # another step draws other masks
             if best is None and (skip_cures or draw):  # the step's skip was all it needed
                 decision.action = "continue"
+                detail = str(skip.get("detail"))  # (a burst's: its windows after it too, each skipped as it spikes)
+                what = "its window and " + detail.split(" and ", 1)[1] if " after it" in detail else "its step"
                 line = (f"no remedy needed for the {record['failure_class']} incident at step {record['step']}: skipping "
-                        + (f"its step cures it on the replay ({skip['evidence']})" if skip_cures else
+                        + (f"{what} cures it on the replay ({skip['evidence']})" if skip_cures else
                            "its step was all (its dropout masks made it; the next steps draw their own)"))
                 before = [c for c in record["candidates"] if c["verdict"] == "cures" and not c["baseline"]  # (the rule
                           and (unusable(c) or "").startswith("from the update of step")]  # that kept them off, above)
