@@ -973,3 +973,29 @@ def test_a_skipped_step_leaves_no_trace_in_a_batchnorms_running_statistics(tmp_p
     skips = [e for e in _events(tmp_path / f"{anomaly}91") if e["kind"] == "skip"]
     assert [e["step"] for e in skips] == [91], skips
     assert all(torch.equal(after[k], before[k]) for k in before), {k: (before[k], after[k]) for k in before}
+
+
+def test_the_running_statistics_a_skip_puts_back_are_read_from_the_modules_each_step():
+    """A review: the statistics were found once, so a load with assign=True (new tensors on the modules) left the skip
+    writing into the old ones (NaN stayed), and a LazyBatchNorm failed the step's construction. They are read from the
+    modules before each window's forwards; a lazy one before its first forward is left out."""
+    from stabletrain.policies.precision import PrecisionPolicy
+    from stabletrain.step import TrainStep
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    step = TrainStep(model, opt, PrecisionPolicy("fp32", torch.device("cpu")), guard=Guard(GuardConfig(), torch.device("cpu")))
+    loss = lambda m, b: F.mse_loss(m(b[0]), b[1])  # noqa: E731
+    step([(8, (torch.randn(8, 4), torch.randn(8, 1)))], loss)  # a healthy step: applied, the statistics move
+    state = {k: v.clone() + 1 for k, v in model.state_dict().items()}
+    model.load_state_dict(state, assign=True)  # new tensors on the modules
+    bad = torch.randn(8, 4)
+    bad[3] = float("nan")
+    out = step([(8, (bad, torch.randn(8, 1)))], loss)
+    assert not bool(out["applied"]) and torch.equal(model[1].running_mean, state["1.running_mean"])
+    assert torch.equal(model[1].running_var, state["1.running_var"]), model[1].running_var
+    lazy = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LazyBatchNorm1d(affine=False), torch.nn.Linear(8, 1))
+    lazy_step = TrainStep(lazy, torch.optim.AdamW(lazy.parameters(), lr=1e-2, fused=True),
+                          PrecisionPolicy("fp32", torch.device("cpu")))
+    assert bool(lazy_step([(8, (torch.randn(8, 4), torch.randn(8, 1)))], loss)["applied"])

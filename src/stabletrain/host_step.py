@@ -45,15 +45,7 @@ from .internals import (
     set_scaler_state,
     skips_on_device,
 )
-from .numerics import (
-    all_params_finite,
-    buffers_kept,
-    grad_norms,
-    restore_where_skipped,
-    running_stats,
-    snapshot_params,
-    update_norms,
-)
+from .numerics import all_params_finite, buffers_kept, grad_norms, snapshot_params, update_norms
 from .policies.accumulation import AccumulationWindow
 from .policies.clipping import GradClipper
 from .policies.guard import Guard
@@ -95,9 +87,6 @@ class HostStep:
         self.pending: dict[str, Any] | None = None
         self._before: list[Tensor] | None = None  # the parameters before the step, for ||update|| (reused)
         self._warned_sync = False
-        # The running statistics as the last step left them: the host's forwards since moved them; a skip puts them back
-        self.stats = running_stats(model)
-        self._stats_saved = [b.detach().clone() for b in self.stats]
         self._hooks = [optimizer.register_step_pre_hook(self._pre_step),
                        optimizer.register_step_post_hook(self._post_step)]
 
@@ -188,9 +177,6 @@ class HostStep:
             clear_found_inf(self.optimizer)
         device = p["grad_norm"].device
         applied = p["ok"] if p["own_found"] is None else p["ok"] & ~p["own_found"]
-        if self.stats:  # (a BatchNorm fed a skipped step's batch keeps the statistics it had before it)
-            restore_where_skipped(self.stats, self._stats_saved, applied)
-            torch._foreach_copy_(self._stats_saved, self.stats)
         if self.scaler is not None and p["own_found"] is not None:
             # Only we skipped (the scaler found no inf): its update() backed off the scale; put it back.
             set_scaler_state(self.scaler, p["scale_before"], where=~p["ok"] & ~p["own_found"])

@@ -116,19 +116,20 @@ def buffers_kept(model: nn.Module) -> Iterator[None]:
                 was.copy_(value)
 
 
-def running_stats(model: nn.Module) -> list[Tensor]:
-    """The running statistics a training-mode forward of ``model`` moves: a BatchNorm's mean, variance and count (any
-    module that tracks them). A step whose update is skipped puts them back (:class:`~stabletrain.step.TrainStep`)."""
-    return [b for m in model.modules() if getattr(m, "track_running_stats", False)
-            for b in (getattr(m, name, None) for name in ("running_mean", "running_var", "num_batches_tracked"))
-            if isinstance(b, Tensor)]
+def running_stats(modules: list[nn.Module]) -> list[Tensor]:
+    """The running statistics a training-mode forward of ``modules`` (:func:`running_stats_modules`'s) moves, read from
+    them now (a load with ``assign=True`` or a ``.to()`` puts new tensors there): a BatchNorm's mean, variance and count,
+    not yet materialized ones (a LazyBatchNorm's before its first forward) left out."""
+    return [b for m in modules for b in (getattr(m, name, None) for name in ("running_mean", "running_var",
+                                                                           "num_batches_tracked"))
+            if isinstance(b, Tensor) and not isinstance(b, nn.parameter.UninitializedBuffer)]
 
 
 def restore_where_skipped(stats: list[Tensor], saved: list[Tensor], applied: Tensor) -> None:
-    """Put ``stats`` back to ``saved`` where the step was not ``applied`` (a device bool: no sync), then keep them."""
+    """Put ``stats`` back to ``saved`` where the step was not ``applied`` (a device bool: no sync)."""
     with torch.no_grad():
         for now, was in zip(stats, saved):
-            now.copy_(torch.where(applied, now, was))
+            now.copy_(torch.where(applied if applied.device == now.device else applied.to(now.device), now, was))
 
 
 def grad_norms(params: list[Tensor]) -> tuple[Tensor, Tensor]:

@@ -39,6 +39,7 @@ from .numerics import (
     grad_norms,
     restore_where_skipped,
     running_stats,
+    running_stats_modules,
     snapshot_params,
     unique_params,
     update_norms,
@@ -112,10 +113,9 @@ class TrainStep:
         self._flags: dict[tuple[bool, torch.device], Tensor] = {}
         self._counts: dict[tuple[int, torch.device], Tensor] = {}
         self._sync_methods: tuple[Any, Any] | None = None
-        self._stats: list[Tensor] | None = None  # the running statistics a training forward moves (keep_running_stats)
+        self._stat_modules: list[nn.Module] | None = None  # the modules whose running statistics a forward moves
+        self._stats: list[Tensor] = []  # ... read before this window's forwards (keep_running_stats), and their copy
         self._stats_saved: list[Tensor] = []
-        if optimizer is not None:  # (as they are before any forward: a host's loop runs its first before any apply)
-            self.keep_running_stats()
 
     def __call__(self, micro_batches: Sequence[tuple[int, Any]], loss_fn: LossFn, *,
                  measure_update: bool = False, check_params: bool = True) -> dict[str, Tensor]:
@@ -247,9 +247,9 @@ class TrainStep:
         # torch's GradScaler does (bitwise a hand-written loop's: tests/test_parity.py).
         hold = ~self.window.inputs_ok if self.precision.scaler is not None and self._inputs_ok is not None else None
         applied = self.precision.step(optimizer, judged["ok"], hold)
-        if self._stats and len(self._stats_saved) == len(self._stats):  # a skipped step's forwards moved them: put back
-            restore_where_skipped(self._stats, self._stats_saved, applied)  # (a BatchNorm fed a skipped spike's batch)
-            self.keep_running_stats()  # (for a host's next forwards: a Monitor's loop runs them, not forward_backward)
+        if self._stats:  # a skipped step's forwards moved them: put back (a BatchNorm fed a skipped spike's batch)
+            restore_where_skipped(self._stats, self._stats_saved, applied)
+            self._stats = []  # (once: a host's own forwards, a Monitor's, are not kept)
         if self.schedule is not None:  # a host flag where the optimizer step already read it (no second read)
             on_host = self.precision.applied_on_host
             self.schedule.step(applied if on_host is None else on_host)
@@ -265,14 +265,15 @@ class TrainStep:
         return out
 
     def keep_running_stats(self) -> None:
-        """Keep the model's :func:`~stabletrain.numerics.running_stats` (found once) as they are now, before a window's
-        forwards: :meth:`apply` puts them back where its update is skipped (then keeps them again). A host that runs
-        the forwards itself calls it once before its first (and after loading a state)."""
-        if self._stats is None:
-            self._stats = running_stats(self.model)
+        """Keep the model's running statistics (:func:`~stabletrain.numerics.running_stats`, read from its modules now)
+        before a window's forwards: :meth:`apply` puts them back where its update is skipped. The built-in loop's
+        :meth:`forward_backward` does; a host's forwards are its own (their statistics are not kept)."""
+        if self._stat_modules is None:
+            self._stat_modules = list(running_stats_modules(self.model).values())
+        self._stats = running_stats(self._stat_modules) if self._stat_modules else []
         if not self._stats:
             return
-        if [s.shape for s in self._stats_saved] != [b.shape for b in self._stats]:
+        if [(s.shape, s.dtype, s.device) for s in self._stats_saved] != [(b.shape, b.dtype, b.device) for b in self._stats]:
             self._stats_saved = [b.detach().clone() for b in self._stats]
         else:
             torch._foreach_copy_(self._stats_saved, self._stats)

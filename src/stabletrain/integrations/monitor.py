@@ -76,7 +76,8 @@ class Monitor:
         callbacks: stabletrain :class:`~stabletrain.callbacks.Callback` instances (``on_step_end``, ``on_log``, ...).
         options: :class:`~stabletrain.config.adapter.AdapterOptions` (``log_every``, ``on_nonfinite``: "stop"
             raises :class:`StopTraining` at the log boundary, ``on_spike``, ``capture``, ``diagnose``, ...;
-            ``trackers=["mlflow"]``: an MLflow or W&B run active in the process is written into)."""
+            ``trackers=["mlflow"]``: an MLflow or W&B run active in the process is written into).
+    """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, run_dir: str | Path | None = None, *,
                  clip_max_norm: float | None = None, scaler: torch.amp.GradScaler | None = None,
@@ -232,7 +233,6 @@ class Monitor:
         """Restore :meth:`state_dict`; the run continues at its step (a ``resume`` event in the run directory)."""
         self.session.load_state_dict(state, path=path)
         self.precision.load_state_dict(state["precision"])
-        self.step_fn.keep_running_stats()  # (your model's, loaded before this: what a skipped step puts back)
 
 
 class _MonitorReplay(HostReplay):
