@@ -11,6 +11,7 @@ whether the step's own dropout masks made the spike. Each replay runs on a
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import math
 import statistics
@@ -145,9 +146,8 @@ def _weigh_samples(bench: ReplayBench, groups: list[tuple[list[int], Any]], rule
     found = _verified(bench, groups, rule, normal, [drop] if drop else [])
     if found is None:
         n = sum(len(idx) for idx, _ in groups)
-        note = note or (f"no set of up to {max_outliers(n)} of the window's {n} samples makes the step normal"
-                        if _every_set(n) else f"no set it tried of up to {max_outliers(n)} of the window's {n} samples "
-                        "makes the step normal (not every one: too many to try)")
+        note = note or (f"no set it tried of up to {max_outliers(n)} of the window's {n} samples makes the step normal "
+                        "(not every one)")  # (where it tried every one, the search's note says so)
         return rows, None, "; ".join(x for x in (failed, note) if x)
     kept = [[i for i in idx if i not in found["indices"]] for idx, _ in groups]
     share = 1.0 - bench.sums(bench.groups(kept))[0] / window_sum if window_sum else 0.0
@@ -279,6 +279,9 @@ def _bisect(bench: ReplayBench, groups: list[tuple[list[int], Any]], normal: Any
             notes[:] = notes if not found else []
             how = (f"every set of up to {min(limit, len(flat) - 1)} of the window's {len(flat)} samples dropped in turn, "
                    "fewest first (no sample's own removal pointed at them: the loss couples them)")
+            if not found and not notes:  # (within its budget: every one tried)
+                notes.append(f"no set of up to {min(limit, len(flat) - 1)} of the window's {len(flat)} samples makes the "
+                             "step normal (every one tried)")
         if not found and not (not tied and sets <= MAX_SUBSETS):  # too many sets to try each: the inputs that stand out
             by_size = _input_outliers(bench, flat, limit)  # (a batch norm's statistics owned by a few huge images: their
             found = next((by_size[:k] for k in range(1, len(by_size) + 1) if normal_without(set(by_size[:k]))), [])
@@ -303,25 +306,30 @@ def _bisect(bench: ReplayBench, groups: list[tuple[list[int], Any]], normal: Any
 
 
 def _copies(bench: ReplayBench, rows: list[dict[str, Any]]) -> list[int]:
-    """The window's largest set of identical samples (every tensor and value of the dataset item alike), where it holds
-    two or more and most of the window's loss (``rows``: one per sample, with its ``share``); else []."""
-    groups: dict[Any, list[int]] = {}
+    """The window's set of identical samples (every tensor, array and plain value of the dataset item alike, by a digest
+    of their bytes) that carries the largest share of its loss, where it holds two or more and most of the loss
+    (``rows``: one per sample, with its ``share``); else [] (also for an item holding anything else)."""
+    groups: dict[bytes, list[int]] = {}
     try:
         for r in rows:
-            leaves = tree_flatten(bench.task.train_data[r["sample"]])[0]
-            key = tuple((tuple(t.shape), str(t.dtype), t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
-                         .tobytes()) if isinstance(t, torch.Tensor) else repr(t) for t in leaves)
-            groups.setdefault(key, []).append(r["sample"])
+            digest = hashlib.blake2b(digest_size=16)
+            for leaf in tree_flatten(bench.task.train_data[r["sample"]])[0]:
+                if isinstance(leaf, torch.Tensor):
+                    leaf = leaf.detach().cpu().contiguous()
+                    digest.update(repr((tuple(leaf.shape), str(leaf.dtype))).encode())
+                    digest.update(leaf.view(-1).view(torch.uint8).numpy().tobytes())
+                elif type(leaf).__module__ == "numpy" and hasattr(leaf, "tobytes"):  # (an array, a numpy scalar)
+                    digest.update(repr((getattr(leaf, "shape", ()), str(leaf.dtype))).encode() + leaf.tobytes())
+                elif isinstance(leaf, (str, int, float, bool, bytes)) or leaf is None:
+                    digest.update(repr(leaf).encode())
+                else:  # (an object whose repr need not tell two apart)
+                    return []
+            groups.setdefault(digest.digest(), []).append(r["sample"])
     except Exception:  # noqa: BLE001  (an item of another kind: no copies told)
         return []
-    largest = max(groups.values(), key=len, default=[])
-    share = sum(r["share"] for r in rows if r["sample"] in largest)
-    return sorted(largest) if 2 <= len(largest) < len(rows) and share > 0.5 else []
-
-
-def _every_set(n: int) -> bool:
-    """Whether the search tries every set of up to :func:`max_outliers` of a window of ``n`` samples (within MAX_SUBSETS)."""
-    return sum(math.comb(n, k) for k in range(1, min(max_outliers(n), n - 1) + 1)) <= MAX_SUBSETS
+    share = {r["sample"]: r["share"] for r in rows}
+    best = max((g for g in groups.values() if len(g) >= 2), key=lambda g: sum(share[i] for i in g), default=[])
+    return sorted(best) if len(best) < len(rows) and sum(share[i] for i in best) > 0.5 else []
 
 
 def _input_outliers(bench: ReplayBench, flat: list[int], limit: int) -> list[int]:
