@@ -267,7 +267,7 @@ def _bisect(bench: ReplayBench, groups: list[tuple[list[int], Any]], normal: Any
                      if not (k < len(ranked) and math.isclose(ranked[k - 1][0], ranked[k][0], rel_tol=1e-6))]
             top = sorted(i for _, i in ranked[:whole[-1]]) if whole else []
             rest = loss_of([i for i in flat if i not in top]) if top else None
-        order = [i for _, i in ranked]
+        order, every = [i for _, i in ranked], False
         found = next((order[:k] for k in whole if normal_without(set(order[:k]))), [])
         how = "each sample's removal from the whole window, the largest falls first"
         sets = sum(math.comb(len(flat), k) for k in range(1, min(limit, len(flat) - 1) + 1))
@@ -279,9 +279,7 @@ def _bisect(bench: ReplayBench, groups: list[tuple[list[int], Any]], normal: Any
             notes[:] = notes if not found else []
             how = (f"every set of up to {min(limit, len(flat) - 1)} of the window's {len(flat)} samples dropped in turn, "
                    "fewest first (no sample's own removal pointed at them: the loss couples them)")
-            if not found and not notes:  # (within its budget: every one tried)
-                notes.append(f"no set of up to {min(limit, len(flat) - 1)} of the window's {len(flat)} samples makes the "
-                             "step normal (every one tried)")
+            every = not found and not notes  # (within its budget: every one tried, said below unless more is)
         if not found and not (not tied and sets <= MAX_SUBSETS):  # too many sets to try each: the inputs that stand out
             by_size = _input_outliers(bench, flat, limit)  # (a batch norm's statistics owned by a few huge images: their
             found = next((by_size[:k] for k in range(1, len(by_size) + 1) if normal_without(set(by_size[:k]))), [])
@@ -292,6 +290,9 @@ def _bisect(bench: ReplayBench, groups: list[tuple[list[int], Any]], normal: Any
                          f"{base:.4g} to {rest:.4g} ({_gone(base, rest)} of it gone"
                          f"{'; dropout off' if dropout else ''}), still no normal step by the rule: not verified, not named "
                          f"(a set names at most {limit} of the window's {len(flat)} samples)")
+        if not found and not notes and every:
+            notes.append(f"no set of up to {min(limit, len(flat) - 1)} of the window's {len(flat)} samples makes the step "
+                         "normal (every one tried)")
     else:
         found = narrow(flat)
         how = "halves of the window weighed on their own, narrowed"
