@@ -2393,3 +2393,18 @@ def test_copies_are_told_by_every_byte_of_a_sample_and_the_group_that_carries_th
     items = [(pad,)] * 6 + [(bad,)] * 4 + [(torch.randn(4),) for _ in range(6)]
     shares = [0.001] * 6 + [0.2] * 4 + [0.194 / 6] * 6
     assert _copies(bench(items), [{"sample": i, "share": s} for i, s in enumerate(shares)]) == [6, 7, 8, 9]
+
+
+def test_a_window_of_64_finds_its_coupled_samples_by_their_inputs_within_its_budget(tmp_path):
+    """A review: a window of 64 spends 65 forward passes on each sample's removal, and the tries by the inputs that
+    stand out then ran past the search's budget of 96 ('stopped at its budget' beside the set it found; with more
+    samples the set was thrown away). Their tries have room of their own."""
+    from spike_tasks import bright_images_cnn_task
+
+    run_dir = tmp_path / "run"
+    Trainer(cfg("train.batch_size=64", "train.max_steps=61", "optim.lr=0.003", "log.every=10", "data.shuffle=false",
+                "ckpt.every=0"), task=bright_images_cnn_task(bad_step=60, batch=64, n_bad=7), run_dir=run_dir).fit()
+    d = json.loads((run_dir / "incidents" / "step_000060" / "diagnosis.json").read_text())
+    assert d["bad_samples"] == [3781 + 9 * k for k in range(7)], d["summary"]
+    assert d["samples"]["search"] == ("the samples whose inputs stand out most (their norm), the largest first (the loss "
+                                      "couples them)"), d["samples"]["search"]

@@ -282,6 +282,8 @@ def _bisect(bench: ReplayBench, groups: list[tuple[list[int], Any]], normal: Any
             every = not found and not notes  # (within its budget: every one tried, said below unless more is)
         if not found and not (not tied and sets <= MAX_SUBSETS):  # too many sets to try each: the inputs that stand out
             by_size = _input_outliers(bench, flat, limit)  # (a batch norm's statistics owned by a few huge images: their
+            budget[0] = max(budget[0], calls[0] + 2 * len(by_size) + 2)  # (its tries and the checks below: a window of
+            # 64 has spent 65 passes on the falls)
             found = next((by_size[:k] for k in range(1, len(by_size) + 1) if normal_without(set(by_size[:k]))), [])
             if found:  # own losses and their removals' falls point elsewhere; a trial's three of 32, x100 brightness)
                 how = "the samples whose inputs stand out most (their norm), the largest first (the loss couples them)"
