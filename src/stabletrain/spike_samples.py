@@ -272,7 +272,8 @@ def _bisect(bench: ReplayBench, groups: list[tuple[list[int], Any]], normal: Any
         how = "each sample's removal from the whole window, the largest falls first"
         sets = sum(math.comb(len(flat), k) for k in range(1, min(limit, len(flat) - 1) + 1))
         tied = any(math.isclose(a[0], b[0], rel_tol=1e-6) for a, b in zip(ranked, ranked[1:]))  # (a set splits no tie)
-        if not found and not tied and sets <= MAX_SUBSETS:  # the falls misled (coupled samples): every few, fewest first
+        exhaustive = not tied and sets <= MAX_SUBSETS
+        if not found and exhaustive:  # the falls misled (coupled samples): every few, fewest first
             budget[0] = calls[0] + sets + limit + 1  # (and the checks below)
             found = _fewest_normal(flat, min(limit, len(flat) - 1),  # (the window's own micro-batches: a batch norm's)
                                    lambda drop: replay([[i for i in idx if i not in drop] for idx, _ in groups]), normal)
@@ -280,7 +281,7 @@ def _bisect(bench: ReplayBench, groups: list[tuple[list[int], Any]], normal: Any
             how = (f"every set of up to {min(limit, len(flat) - 1)} of the window's {len(flat)} samples dropped in turn, "
                    "fewest first (no sample's own removal pointed at them: the loss couples them)")
             every = not found and not notes  # (within its budget: every one tried, said below unless more is)
-        if not found and not (not tied and sets <= MAX_SUBSETS):  # too many sets to try each: the inputs that stand out
+        if not found and not exhaustive:  # too many sets to try each (or tied falls): the inputs that stand out
             by_size = _input_outliers(bench, flat, limit)  # (a batch norm's statistics owned by a few huge images: their
             budget[0] = max(budget[0], calls[0] + 2 * len(by_size) + 2)  # (its tries and the checks below: a window of
             # 64 has spent 65 passes on the falls)
@@ -308,6 +309,11 @@ def _bisect(bench: ReplayBench, groups: list[tuple[list[int], Any]], normal: Any
     return sorted(found), "; ".join([how, *notes])
 
 
+def _item_leaves(bench: ReplayBench, i: int) -> list[Any]:
+    """The leaves (tensors, arrays, values) of the dataset's item ``i``, as it stands before collation."""
+    return tree_flatten(bench.task.train_data[i])[0]
+
+
 def _copies(bench: ReplayBench, rows: list[dict[str, Any]]) -> list[int]:
     """The window's set of identical samples (every tensor, array and plain value of the dataset item alike, by a digest
     of their bytes) that carries the largest share of its loss, where it holds two or more and most of the loss
@@ -316,7 +322,7 @@ def _copies(bench: ReplayBench, rows: list[dict[str, Any]]) -> list[int]:
     try:
         for r in rows:
             digest = hashlib.blake2b(digest_size=16)
-            for leaf in tree_flatten(bench.task.train_data[r["sample"]])[0]:
+            for leaf in _item_leaves(bench, r["sample"]):
                 if isinstance(leaf, torch.Tensor):
                     leaf = leaf.detach().cpu().contiguous()
                     digest.update(repr((tuple(leaf.shape), str(leaf.dtype))).encode())
@@ -341,8 +347,7 @@ def _input_outliers(bench: ReplayBench, flat: list[int], limit: int) -> list[int
     norms = []
     try:
         for i in flat:
-            leaves = [t for t in tree_flatten(bench.task.train_data[i])[0] if isinstance(t, torch.Tensor)
-                      and t.is_floating_point()]
+            leaves = [t for t in _item_leaves(bench, i) if isinstance(t, torch.Tensor) and t.is_floating_point()]
             norms.append((float(sum(t.double().pow(2).sum() for t in leaves)) ** 0.5 if leaves else 0.0, i))
     except Exception:  # noqa: BLE001  (a dataset item of another kind: no ordering by size)
         return []

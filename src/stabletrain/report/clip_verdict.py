@@ -232,6 +232,9 @@ def _tail_text(rows: list[dict[str, Any]], f: dict[str, Any], head: str, thresho
             f"norm rose (the spikes and incidents of those steps, a learning rate too high, bad data), not {clip_key}.")
 
 
+_UNRECORDED = object()  # (a key the run's config.yaml does not hold)
+
+
 def _host_keys(run: RunData) -> tuple[str, str]:
     """(the clip's key, the learning rate's) as this run set them: the built-in loop's, or its adapter's own.
 
@@ -243,8 +246,8 @@ def _host_keys(run: RunData) -> tuple[str, str]:
     integration = str(run.cfg("integration", ""))
     _, lr_key = HOST_KEYS.get(integration, ("clip.max_norm", "optim.lr"))
     keys = ("host.gradient_clip_val", "host.gradient_clip_algorithm", "clip.max_norm")
-    config = {k: run.cfg(k, "unrecorded") for k in keys}
-    return clip_knob(integration, {k: v for k, v in config.items() if v != "unrecorded"}) or "clip.max_norm", lr_key
+    config = {k: v for k in keys if (v := run.cfg(k, _UNRECORDED)) is not _UNRECORDED}
+    return clip_knob(integration, config) or "clip.max_norm", lr_key
 
 
 def _judged_pct(value: float, line: float) -> tuple[str, float]:
